@@ -1,0 +1,18 @@
+"""shardkit: wrappers that make ordinary nn.Modules train across many processes.
+
+OSS (ZeRO-1), ShardedDataParallel (ZeRO-2), FullyShardedDataParallel (ZeRO-3), Pipe and
+pipeline schedules, Megatron-style tensor-parallel layers, and a DeepSpeed-style
+``shardkit.initialize`` that composes them from a JSON config. See DESIGN.md.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["initialize", "__version__"]
+
+
+def __getattr__(name):
+    # initialize pulls in every wrapper; import it only when asked for.
+    if name == "initialize":
+        from shardkit.engine import initialize
+        return initialize
+    raise AttributeError(f"module 'shardkit' has no attribute {name!r}")

@@ -1,0 +1,31 @@
+"""``python -m shardkit COMMAND``: the command-line entry points.
+
+Commands:
+    demo         multi-process CPU training that shows what each wrapper saves and costs
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"demo": "shardkit.demo"}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        parser = argparse.ArgumentParser(prog="python -m shardkit")
+        parser.add_argument("command", choices=sorted(commands))
+        if not argv or argv[0] in ("-h", "--help"):
+            parser.print_help()
+            return 0
+        parser.print_usage(sys.stderr)
+        print(f"python -m shardkit: unknown command {argv[0]!r}; valid commands are "
+              f"{sorted(commands)}", file=sys.stderr)
+        return 2
+    import importlib
+    return importlib.import_module(commands[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

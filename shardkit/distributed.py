@@ -1,0 +1,416 @@
+"""The one road by which shardkit talks to other ranks.
+
+Every collective shardkit issues goes through a function of this module, so that
+:class:`CommCounter` can count the bytes each rank puts on the wire and tests can assert
+communication volume as a number. Nothing else in shardkit calls ``torch.distributed``
+collectives directly.
+
+Byte convention (see DESIGN.md), for a tensor whose full logical size is ``S`` bytes
+(all-reduce input, all-gather output, reduce-scatter input) in a group of ``n`` ranks:
+all_reduce ``2(n-1)/n*S``; all_gather, reduce_scatter, broadcast, reduce ``(n-1)/n*S``;
+send ``S``; recv ``0``. These are the bytes a rank sends under ring algorithms, rooted ops
+averaged over the ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "init_distributed", "is_initialized", "require_initialized", "get_rank", "get_world_size",
+    "get_global_rank", "new_group", "all_reduce", "reduce_scatter_tensor",
+    "all_gather_into_tensor", "all_gather", "broadcast", "reduce", "send", "recv", "isend",
+    "irecv", "batch_isend_irecv", "P2POp", "barrier", "broadcast_object", "all_gather_object",
+    "CommCounter", "CommRecord", "ReduceOp", "destroy",
+]
+
+ReduceOp = dist.ReduceOp
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_VALID_BACKENDS = ("gloo", "nccl", "mpi")
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) -> None:
+    """Initialise the default process group from torchrun's environment variables.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (``LOCAL_RANK`` picks the
+    CUDA device). ``backend=None`` picks ``nccl`` when CUDA is available, else ``gloo``.
+    Idempotent: a second call with the group already up returns at once (and checks that the
+    backend agrees). Costs one TCP rendezvous; no tensor traffic.
+
+    Raises:
+        RuntimeError: a torchrun variable is missing or malformed, naming which.
+        ValueError: an unknown backend or a world size below 1.
+    """
+    if backend is not None and backend not in _VALID_BACKENDS:
+        raise ValueError(f"init_distributed(backend={backend!r}): unknown backend; "
+                         f"valid backends are {list(_VALID_BACKENDS)} or None (auto)")
+    if dist.is_available() and dist.is_initialized():
+        current = dist.get_backend()
+        if backend is not None and current != backend:
+            raise RuntimeError(f"init_distributed(backend={backend!r}): the default process group "
+                               f"already runs backend {current!r}")
+        return
+    missing = [name for name in _TORCHRUN_VARS if not os.environ.get(name)]
+    if missing:
+        raise RuntimeError(
+            f"init_distributed: environment variable(s) {', '.join(missing)} not set. Launch with "
+            f"`torchrun --nproc_per_node N script.py`, or set RANK, WORLD_SIZE, MASTER_ADDR and "
+            f"MASTER_PORT yourself")
+    rank = _int_env("RANK")
+    world_size = _int_env("WORLD_SIZE")
+    if world_size < 1:
+        raise ValueError(f"init_distributed: WORLD_SIZE={world_size}; it must be at least 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"init_distributed: RANK={rank} is outside [0, WORLD_SIZE={world_size})")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("init_distributed(backend='nccl'): CUDA is not available; use 'gloo'")
+        torch.cuda.set_device(_int_env("LOCAL_RANK", default=rank) % torch.cuda.device_count())
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _int_env(name: str, default: Optional[int] = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise RuntimeError(f"init_distributed: environment variable {name} is not set")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(f"init_distributed: {name}={value!r} is not an integer") from None
+
+
+def is_initialized() -> bool:
+    """True when the default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def require_initialized(what: str) -> None:
+    """Raise a clear error naming ``what`` when no process group exists yet."""
+    if not is_initialized():
+        raise RuntimeError(
+            f"{what} needs torch.distributed to be initialised first: call "
+            f"shardkit.distributed.init_distributed() (under torchrun) or "
+            f"torch.distributed.init_process_group(...) before creating it")
+
+
+def destroy() -> None:
+    """Destroy the default process group if it exists."""
+    if is_initialized():
+        dist.destroy_process_group()
+
+
+def get_rank(group=None) -> int:
+    """This process's rank inside ``group`` (``None``: the default group); 0 without a group."""
+    if not is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def get_world_size(group=None) -> int:
+    """Number of ranks in ``group`` (``None``: the default group); 1 without a group."""
+    if not is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def get_global_rank(group, group_rank: int) -> int:
+    """Global rank of ``group_rank`` within ``group`` (identity for the default group)."""
+    if group is None or group is dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def group_ranks(group) -> list[int]:
+    """The global ranks that make up ``group``, in group-rank order."""
+    return [get_global_rank(group, r) for r in range(get_world_size(group))]
+
+
+def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None):
+    """Create a process group over ``ranks`` (global ranks). Must be called on every rank."""
+    kwargs = {}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    return dist.new_group(ranks=list(ranks), **kwargs)
+
+
+# ----------------------------------------------------------------------------- counting
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective as seen by :class:`CommCounter`."""
+
+    op: str
+    numel: int
+    dtype: torch.dtype
+    bytes: float
+    group_size: int
+
+
+class CallList(list):
+    """The records of a :class:`CommCounter`; compares with an ``int`` as its length."""
+
+    def _n(self, other):
+        return len(self) if isinstance(other, int) else self
+
+    def __eq__(self, other):
+        return len(self) == other if isinstance(other, int) else list.__eq__(self, other)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __lt__(self, other):
+        return len(self) < other if isinstance(other, int) else list.__lt__(self, other)
+
+    def __le__(self, other):
+        return len(self) <= other if isinstance(other, int) else list.__le__(self, other)
+
+    def __gt__(self, other):
+        return len(self) > other if isinstance(other, int) else list.__gt__(self, other)
+
+    def __ge__(self, other):
+        return len(self) >= other if isinstance(other, int) else list.__ge__(self, other)
+
+    def __int__(self):
+        return len(self)
+
+    __hash__ = None
+
+
+_active_counters: list["CommCounter"] = []
+_counter_lock = threading.Lock()
+
+
+class CommCounter:
+    """Count the bytes this rank puts on the wire for collectives issued inside the block.
+
+    Usage::
+
+        with CommCounter() as comm:
+            loss = model(x).sum(); loss.backward(); optimizer.step()
+        print(comm.bytes, comm.by_op, len(comm.calls))
+
+    Attributes:
+        bytes: total bytes under the ring convention of this module's docstring.
+        by_op: ``{op name: bytes}``.
+        calls: list of :class:`CommRecord`, one per collective (an ``int`` compares with its
+            length); ``calls_by_op`` gives ``{op name: count}``.
+
+    Counters nest: an op issued inside two counters is recorded once in each. Asynchronous
+    ops are recorded once, when issued. Costs nothing on the wire.
+    """
+
+    def __init__(self):
+        self.calls: CallList = CallList()
+
+    @property
+    def bytes(self) -> float:
+        return sum(r.bytes for r in self.calls)
+
+    @property
+    def by_op(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for r in self.calls:
+            out[r.op] = out.get(r.op, 0.0) + r.bytes
+        return out
+
+    @property
+    def calls_by_op(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.calls:
+            out[r.op] = out.get(r.op, 0) + 1
+        return out
+
+    @property
+    def elements(self) -> float:
+        """Elements on the wire: bytes of each record divided by its element size."""
+        return sum(r.bytes / _elem_size(r.dtype) for r in self.calls if r.numel)
+
+    def reset(self) -> None:
+        self.calls = CallList()
+
+    def __enter__(self) -> "CommCounter":
+        with _counter_lock:
+            _active_counters.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _counter_lock:
+            _active_counters.remove(self)
+
+    def __repr__(self) -> str:
+        return f"CommCounter(bytes={self.bytes:.0f}, calls={len(self.calls)}, by_op={self.by_op})"
+
+
+def _elem_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+_WIRE_FACTOR = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+    "reduce": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 0.0,
+    "barrier": lambda n: 0.0,
+}
+
+
+def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtype] = None,
+            kind: Optional[str] = None) -> None:
+    if not _active_counters:
+        return
+    n = get_world_size(group)
+    if isinstance(full, torch.Tensor):
+        numel, dtype, nbytes = full.numel(), full.dtype, full.numel() * full.element_size()
+    else:  # a byte count (object collectives)
+        numel, dtype, nbytes = full, torch.uint8, full
+    record = CommRecord(op=op, numel=numel, dtype=dtype,
+                        bytes=_WIRE_FACTOR[kind or op](n) * nbytes, group_size=n)
+    with _counter_lock:
+        for counter in _active_counters:
+            counter.calls.append(record)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    """In-place all-reduce of ``tensor``. Wire: ``2(n-1)/n`` of its bytes."""
+    _record("all_reduce", tensor, group)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
+                          group=None, async_op: bool = False):
+    """Reduce ``input`` (``n`` equal rank-major chunks) and leave chunk ``rank`` in ``output``.
+
+    Wire: ``(n-1)/n`` of the input's bytes. Raises ``ValueError`` when the sizes disagree.
+    """
+    n = get_world_size(group)
+    if input.numel() != output.numel() * n:
+        raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements; it must be "
+                         f"world size {n} x output's {output.numel()} = {output.numel() * n}")
+    _record("reduce_scatter", input, group)
+    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
+                           async_op: bool = False):
+    """Gather every rank's ``input`` into ``output`` (rank-major). Wire: ``(n-1)/n`` of output."""
+    n = get_world_size(group)
+    if output.numel() != input.numel() * n:
+        raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements; it must "
+                         f"be world size {n} x input's {input.numel()} = {input.numel() * n}")
+    _record("all_gather", output, group)
+    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+def all_gather(tensors: list[torch.Tensor], tensor: torch.Tensor, group=None,
+               async_op: bool = False):
+    """List form of all-gather (tensors may differ in size across calls, not across ranks)."""
+    _record("all_gather", tensor.numel() * tensor.element_size() * get_world_size(group), group)
+    return dist.all_gather(tensors, tensor, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
+    """Broadcast ``tensor`` from global rank ``src``. Wire: ``(n-1)/n`` of its bytes."""
+    _record("broadcast", tensor, group)
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
+    """Reduce ``tensor`` onto global rank ``dst``. Wire: ``(n-1)/n`` of its bytes."""
+    _record("reduce", tensor, group)
+    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+
+
+def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+    """Blocking send to global rank ``dst``. Wire: the tensor's bytes."""
+    _record("send", tensor, group)
+    dist.send(tensor, dst=dst, group=group, tag=tag)
+
+
+def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
+    """Blocking receive from global rank ``src``. Wire: 0 (the sender counts it)."""
+    _record("recv", tensor, group)
+    dist.recv(tensor, src=src, group=group, tag=tag)
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
+    """Asynchronous send to global rank ``dst``; returns a work handle. Wire: its bytes."""
+    _record("send", tensor, group)
+    return dist.isend(tensor, dst=dst, group=group, tag=tag)
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0):
+    """Asynchronous receive from global rank ``src``; returns a work handle. Wire: 0."""
+    _record("recv", tensor, group)
+    return dist.irecv(tensor, src=src, group=group, tag=tag)
+
+
+@dataclass
+class P2POp:
+    """One point-to-point op for :func:`batch_isend_irecv`: ``op`` is ``"send"`` or ``"recv"``."""
+
+    op: str
+    tensor: torch.Tensor
+    peer: int
+    group: object = None
+    tag: int = 0
+
+
+def batch_isend_irecv(ops: Sequence[P2POp]) -> list:
+    """Issue several sends/receives together (avoids ordering deadlocks); returns work handles."""
+    torch_ops = []
+    for p in ops:
+        if p.op not in ("send", "recv"):
+            raise ValueError(f"P2POp.op={p.op!r}; valid values are 'send' and 'recv'")
+        _record(p.op, p.tensor, p.group)
+        fn = dist.isend if p.op == "send" else dist.irecv
+        torch_ops.append(dist.P2POp(fn, p.tensor, p.peer, p.group, p.tag))
+    if not torch_ops:
+        return []
+    return dist.batch_isend_irecv(torch_ops)
+
+
+def barrier(group=None) -> None:
+    """Block until every rank of ``group`` reaches this point. Wire: 0 counted bytes."""
+    _record("barrier", 0, group)
+    dist.barrier(group=group)
+
+
+def broadcast_object(obj, src: int = 0, group=None):
+    """Broadcast a picklable object from global rank ``src``; returns it on every rank."""
+    box = [obj]
+    if _active_counters and get_rank() == src:
+        _record("broadcast", len(pickle.dumps(obj)), group)
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def all_gather_object(obj, group=None) -> list:
+    """Gather one picklable object from every rank of ``group``; returns the list."""
+    out = [None] * get_world_size(group)
+    if _active_counters:
+        _record("all_gather", len(pickle.dumps(obj)) * len(out), group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,133 @@
+"""Packing of many gradients into one flat, rank-major buffer for reduce-scatter.
+
+Layout: tensor ``i`` (``numel_i`` elements) is cut into ``world_size`` chunks of
+``chunk_i = chunk_numels[i]`` elements (default ``ceil(numel_i / world_size)``; zero padding at
+the end). The packed buffer holds ``world_size`` segments of ``S = sum(chunk_i)`` elements;
+segment ``r`` is ``chunk r of tensor 0, chunk r of tensor 1, ...``. After a reduce-scatter,
+rank ``r`` holds segment ``r``: its shard of every tensor, contiguous.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from shardkit.kernels.dispatch import backend_for
+
+__all__ = ["chunk_numels_for", "pack_rank_major", "unpack_rank_major", "unpack_shard",
+           "shard_views"]
+
+
+def chunk_numels_for(numels: Sequence[int], world_size: int) -> list[int]:
+    """Default per-rank chunk sizes: ``ceil(numel / world_size)`` for each tensor."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}; it must be at least 1")
+    return [-(-n // world_size) for n in numels]
+
+
+def _check_chunks(numels, chunk_numels, world_size):
+    if chunk_numels is None:
+        return chunk_numels_for(numels, world_size)
+    chunk_numels = list(chunk_numels)
+    if len(chunk_numels) != len(numels):
+        raise ValueError(f"chunk_numels has {len(chunk_numels)} entries for {len(numels)} tensors")
+    for i, (n, c) in enumerate(zip(numels, chunk_numels)):
+        if c * world_size < n:
+            raise ValueError(f"chunk_numels[{i}]={c} x world_size {world_size} < numel {n}: "
+                             f"the chunks would not cover tensor {i}")
+    return chunk_numels
+
+
+def pack_rank_major(tensors: Sequence[torch.Tensor], world_size: int, *, scale: float = 1.0,
+                    dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None,
+                    chunk_numels: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Copy ``tensors`` into one flat rank-major buffer, multiplied by ``scale`` and cast to
+    ``dtype`` (default: the first tensor's) in the same pass. Padding is zeros.
+
+    Memory: one buffer of ``world_size * sum(chunk_numels)`` elements (or ``out``).
+    """
+    if not tensors:
+        raise ValueError("pack_rank_major: tensors is empty")
+    device = tensors[0].device
+    for i, t in enumerate(tensors):
+        if t.device != device:
+            raise ValueError(f"pack_rank_major: tensors[{i}] is on {t.device}, tensors[0] on "
+                             f"{device}; all must share a device")
+    numels = [t.numel() for t in tensors]
+    chunks = _check_chunks(numels, chunk_numels, world_size)
+    seg = sum(chunks)
+    dtype = dtype or tensors[0].dtype
+    if out is None:
+        out = torch.empty(world_size * seg, dtype=dtype, device=device)
+    else:
+        _check_out(out, world_size * seg, dtype, device)
+    if backend_for(out, *tensors) == "triton":
+        from shardkit.kernels import triton_packing
+        triton_packing.pack(tensors, out, chunks, world_size, scale)
+        return out
+    view = out.view(world_size, seg)
+    offset = 0
+    for t, n, c in zip(tensors, numels, chunks):
+        _copy_into_columns(view[:, offset:offset + c], t.reshape(-1), n, c)
+        offset += c
+    if scale != 1.0:
+        out.mul_(scale)
+    return out
+
+
+def _copy_into_columns(cols: torch.Tensor, src: torch.Tensor, n: int, c: int) -> None:
+    """Write ``src`` (n elements) row by row into the (world_size, c) view ``cols``; zero the rest."""
+    if c == 0:
+        return
+    rows = n // c
+    cols[:rows].copy_(src[:rows * c].view(rows, c))
+    if rows < cols.shape[0]:
+        rest = n - rows * c
+        cols[rows, :rest].copy_(src[rows * c:])
+        cols[rows, rest:].zero_()
+        cols[rows + 1:].zero_()
+
+
+def _check_out(out, numel, dtype, device):
+    if out.numel() != numel or out.dtype != dtype or out.device != device:
+        raise ValueError(f"out has {out.numel()} {out.dtype} elements on {out.device}; expected "
+                         f"{numel} {dtype} on {device}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+
+
+def unpack_rank_major(buffer: torch.Tensor, world_size: int, outs: Sequence[torch.Tensor],
+                      chunk_numels: Optional[Sequence[int]] = None) -> None:
+    """Inverse of :func:`pack_rank_major`: copy a full rank-major buffer (e.g. an all-gather
+    output) back into the tensors ``outs`` (casting to their dtype), dropping the padding."""
+    numels = [t.numel() for t in outs]
+    chunks = _check_chunks(numels, chunk_numels, world_size)
+    seg = sum(chunks)
+    if buffer.numel() != world_size * seg:
+        raise ValueError(f"unpack_rank_major: buffer has {buffer.numel()} elements; the layout "
+                         f"needs world_size {world_size} x {seg} = {world_size * seg}")
+    view = buffer.view(world_size, seg)
+    offset = 0
+    for t, n, c in zip(outs, numels, chunks):
+        cols = view[:, offset:offset + c].reshape(-1)[:n]
+        t.view(-1).copy_(cols) if t.is_contiguous() else t.copy_(cols.view(t.shape))
+        offset += c
+
+
+def shard_views(shard: torch.Tensor, chunk_numels: Sequence[int]) -> list[torch.Tensor]:
+    """Views of one rank's segment, one per packed tensor, of ``chunk_numels[i]`` elements."""
+    if shard.numel() != sum(chunk_numels):
+        raise ValueError(f"shard_views: shard has {shard.numel()} elements; chunks sum to "
+                         f"{sum(chunk_numels)}")
+    return list(shard.split(list(chunk_numels)))
+
+
+def unpack_shard(shard: torch.Tensor, outs: Sequence[torch.Tensor],
+                 chunk_numels: Optional[Sequence[int]] = None, accumulate: bool = False) -> None:
+    """Copy (or add, with ``accumulate``) one rank's segment into per-parameter tensors
+    ``outs``; ``chunk_numels`` default to the outs' sizes."""
+    chunks = list(chunk_numels) if chunk_numels is not None else [t.numel() for t in outs]
+    for src, t in zip(shard_views(shard, chunks), outs):
+        src = src[:t.numel()].view(t.shape)
+        t.add_(src) if accumulate else t.copy_(src)

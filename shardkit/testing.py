@@ -1,0 +1,209 @@
+"""Multi-process test helpers: a reusable world of N gloo processes, and reference models.
+
+Starting processes dominates test time on a small machine, so a :class:`World` starts its ranks
+once and runs many test bodies inside them::
+
+    @pytest.fixture(scope="module")
+    def world2():
+        with World(2) as w:
+            yield w
+
+    def _check_sum(scale):            # module-level, so the ranks can import it
+        t = torch.ones(3) * scale
+        shardkit.distributed.all_reduce(t)
+        return t.tolist()
+
+    def test_sum(world2):
+        assert world2.run(_check_sum, 2.0) == [[4.0] * 3] * 2
+
+``World.run(fn, *args)`` calls ``fn`` on every rank and returns the per-rank results. If a rank
+raises, or the ranks do not finish within ``timeout``, it raises :class:`WorldError` carrying
+every rank's traceback (hung ranks dump their stacks), tears the world down, and the next
+``run`` starts a fresh one. No test ever hangs.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+from shardkit.models import GPT, GPTConfig, MLP, Block, reference_gpt_config  # re-exported
+
+__all__ = ["World", "WorldError", "free_port", "GPT", "GPTConfig", "MLP", "Block",
+           "reference_gpt_config", "run_in_world"]
+
+_DEFAULT_TIMEOUT = float(os.environ.get("SHARDKIT_TEST_TIMEOUT", "240"))
+
+
+class WorldError(AssertionError):
+    """A test body failed or timed out on one or more ranks; the message holds every traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on localhost that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results, stack_file: str,
+            threads: int, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    dump = open(stack_file, "w")
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    import torch
+
+    torch.set_num_threads(threads)
+    from shardkit import distributed
+
+    try:
+        distributed.init_distributed(backend="gloo", timeout_s=_DEFAULT_TIMEOUT)
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            out = fn(*args, **kwargs)
+            results.put((rank, True, out))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    distributed.destroy()
+
+
+class World:
+    """``world_size`` gloo processes started once and reused for many test bodies.
+
+    Args:
+        world_size: number of ranks (>= 1).
+        timeout: seconds a single :meth:`run` may take before it fails with every rank's stack.
+        threads: torch intra-op threads per rank (1 keeps a 2-core machine responsive).
+        env: extra environment variables for the ranks (e.g. ``{"TRITON_INTERPRET": "1"}``).
+    """
+
+    def __init__(self, world_size: int, timeout: float = _DEFAULT_TIMEOUT, threads: int = 1,
+                 env: Optional[dict] = None):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"World(world_size={world_size!r}): must be an int >= 1")
+        self.world_size = world_size
+        self.timeout = timeout
+        self.threads = threads
+        self.env = dict(env or {})
+        self._procs: list = []
+
+    # -- life cycle
+    def start(self) -> "World":
+        ctx = mp.get_context("spawn")
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._stack_dir = tempfile.mkdtemp(prefix="shardkit-world-")
+        port = free_port()
+        self._procs = [
+            ctx.Process(target=_worker, daemon=True,
+                        args=(r, self.world_size, port, self._tasks[r], self._results,
+                              self._stack_file(r), self.threads, self.env))
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        return self
+
+    def _stack_file(self, rank: int) -> str:
+        return os.path.join(self._stack_dir, f"rank{rank}.txt")
+
+    def close(self) -> None:
+        """Stop the ranks (politely, then by force)."""
+        for q, p in zip(getattr(self, "_tasks", []), self._procs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except Exception:
+                    pass
+        deadline = time.time() + 10
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.time()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        self._procs = []
+
+    def __enter__(self) -> "World":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- running
+    def run(self, fn: Callable, *args, **kwargs) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
+
+        ``fn`` must be importable by the ranks (a module-level function). Raises
+        :class:`WorldError` with every failing or hung rank's traceback.
+        """
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self.start()
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline = time.time() + self.timeout
+        while len(results) + len(failures) < self.world_size and time.time() < deadline:
+            try:
+                rank, ok, value = self._results.get(timeout=0.5)
+            except queue.Empty:
+                rank = None
+                for r, p in enumerate(self._procs):
+                    if not p.is_alive() and r not in results and r not in failures:
+                        failures[r] = f"rank {r} exited with code {p.exitcode}"
+            else:
+                (results if ok else failures)[rank] = value
+            if failures:  # the others may be waiting on the failed rank: a short grace period
+                deadline = min(deadline, time.time() + 5.0)
+        if len(results) == self.world_size:
+            return [results[r] for r in range(self.world_size)]
+        self._fail(fn, results, failures)
+
+    def _fail(self, fn, results, failures) -> None:
+        hung = [r for r in range(self.world_size) if r not in results and r not in failures]
+        for r in hung:
+            try:
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+            except (ProcessLookupError, OSError):
+                pass
+        time.sleep(0.5 if hung else 0)
+        parts = []
+        for r in sorted(failures):
+            parts.append(f"--- rank {r} raised:\n{failures[r]}")
+        for r in hung:
+            try:
+                with open(self._stack_file(r)) as f:
+                    stack = f.read().strip()
+            except OSError:
+                stack = "(no stack dump)"
+            parts.append(f"--- rank {r} did not finish (hung or waiting on a failed rank); "
+                         f"its stack:\n{stack}")
+        self.close()
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise WorldError(f"{name} failed in a world of {self.world_size}:\n" + "\n".join(parts))
+
+
+def run_in_world(world_size: int, fn: Callable, *args, timeout: float = _DEFAULT_TIMEOUT,
+                 **kwargs) -> list[Any]:
+    """Start a world, run ``fn`` on every rank once, stop the world; returns per-rank results."""
+    with World(world_size, timeout=timeout) as w:
+        return w.run(fn, *args, **kwargs)
