@@ -1,0 +1,1 @@
+"""Benchmarks: timings as ratios against torch baselines measured in the same run."""
