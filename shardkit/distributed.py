@@ -166,9 +166,6 @@ class CommRecord:
 class CallList(list):
     """The records of a :class:`CommCounter`; compares with an ``int`` as its length."""
 
-    def _n(self, other):
-        return len(self) if isinstance(other, int) else self
-
     def __eq__(self, other):
         return len(self) == other if isinstance(other, int) else list.__eq__(self, other)
 

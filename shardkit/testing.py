@@ -166,7 +166,6 @@ class World:
             try:
                 rank, ok, value = self._results.get(timeout=0.5)
             except queue.Empty:
-                rank = None
                 for r, p in enumerate(self._procs):
                     if not p.is_alive() and r not in results and r not in failures:
                         failures[r] = f"rank {r} exited with code {p.exitcode}"

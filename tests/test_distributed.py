@@ -1,0 +1,270 @@
+"""shardkit.distributed: collective wrappers give torch's results, CommCounter follows the byte
+convention of DESIGN.md, init_distributed reads torchrun's environment and fails clearly."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shardkit import distributed as skd
+from shardkit.distributed import CommCounter
+from shardkit.testing import World
+
+WORLD_SIZES = (1, 2, 4)
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"world{n}")
+def world(request):
+    with World(request.param) as w:
+        yield w
+
+
+def _collectives_match_torch():
+    """Every wrapper's result against a value computed locally from what each rank holds."""
+    rank, n = skd.get_rank(), skd.get_world_size()
+    out = {}
+    # all_reduce: sum of (rank + 1) * ones
+    t = torch.full((5,), float(rank + 1))
+    skd.all_reduce(t)
+    out["all_reduce"] = torch.equal(t, torch.full((5,), n * (n + 1) / 2))
+    t = torch.full((3,), float(rank))
+    skd.all_reduce(t, op=skd.ReduceOp.MAX)
+    out["all_reduce_max"] = torch.equal(t, torch.full((3,), float(n - 1)))
+    # reduce_scatter_tensor: input[i] = rank * 100 + i, output = sum over ranks of chunk `rank`
+    chunk = 4
+    inp = torch.arange(n * chunk, dtype=torch.float32) + rank * 100
+    res = torch.empty(chunk)
+    skd.reduce_scatter_tensor(res, inp)
+    expect = sum(torch.arange(n * chunk, dtype=torch.float32) + r * 100 for r in range(n))
+    out["reduce_scatter"] = torch.equal(res, expect[rank * chunk:(rank + 1) * chunk])
+    # all_gather_into_tensor
+    gathered = torch.empty(n * 2)
+    skd.all_gather_into_tensor(gathered, torch.tensor([rank, -rank], dtype=torch.float32))
+    out["all_gather"] = gathered.tolist() == [v for r in range(n) for v in (r, -r)]
+    # list all_gather
+    parts = [torch.empty(2) for _ in range(n)]
+    skd.all_gather(parts, torch.full((2,), float(rank)))
+    out["all_gather_list"] = [p.tolist() for p in parts] == [[float(r)] * 2 for r in range(n)]
+    # broadcast from the last rank
+    b = torch.full((4,), float(rank))
+    skd.broadcast(b, src=n - 1)
+    out["broadcast"] = torch.equal(b, torch.full((4,), float(n - 1)))
+    # reduce to rank 0
+    r0 = torch.ones(3)
+    skd.reduce(r0, dst=0)
+    out["reduce"] = (not rank == 0) or torch.equal(r0, torch.full((3,), float(n)))
+    # async op returns a waitable handle
+    a = torch.ones(2)
+    work = skd.all_reduce(a, async_op=True)
+    work.wait()
+    out["async"] = torch.equal(a, torch.full((2,), float(n)))
+    # point to point: a ring with isend/irecv, then blocking send/recv, then batched
+    if n > 1:
+        nxt, prv = (rank + 1) % n, (rank - 1) % n
+        got = torch.empty(2)
+        reqs = [skd.isend(torch.full((2,), float(rank)), nxt), skd.irecv(got, prv)]
+        for w in reqs:
+            w.wait()
+        out["isend_irecv"] = torch.equal(got, torch.full((2,), float(prv)))
+        got2 = torch.empty(1)
+        if rank % 2 == 0:
+            skd.send(torch.tensor([rank + 0.5]), nxt)
+            skd.recv(got2, prv)
+        else:
+            skd.recv(got2, prv)
+            skd.send(torch.tensor([rank + 0.5]), nxt)
+        out["send_recv"] = got2.item() == prv + 0.5
+        got3 = torch.empty(3)
+        works = skd.batch_isend_irecv([skd.P2POp("send", torch.full((3,), rank * 2.0), nxt),
+                                       skd.P2POp("recv", got3, prv)])
+        for w in works:
+            w.wait()
+        out["batch_p2p"] = torch.equal(got3, torch.full((3,), prv * 2.0))
+    skd.barrier()
+    out["broadcast_object"] = skd.broadcast_object({"k": rank}, src=0) == {"k": 0}
+    out["all_gather_object"] = skd.all_gather_object(rank * 3) == [r * 3 for r in range(n)]
+    # sub-groups: every rank takes part in creating each group
+    evens = skd.new_group([r for r in range(n) if r % 2 == 0])
+    if rank % 2 == 0:
+        g = torch.ones(1)
+        skd.all_reduce(g, group=evens)
+        out["subgroup"] = g.item() == len(range(0, n, 2)) and \
+            skd.group_ranks(evens) == list(range(0, n, 2))
+    return out
+
+
+def test_collectives_match_torch(world):
+    for rank, checks in enumerate(world.run(_collectives_match_torch)):
+        assert all(checks.values()), f"rank {rank}: {checks}"
+
+
+def _comm_counter_convention():
+    n = skd.get_world_size()
+    rank = skd.get_rank()
+    S = 64 * 4  # bytes of a 64-element fp32 tensor
+    got = {}
+    with CommCounter() as outer:
+        with CommCounter() as c:
+            skd.all_reduce(torch.ones(64))
+        got["all_reduce"] = c.bytes
+        with CommCounter() as c:
+            skd.all_gather_into_tensor(torch.empty(64), torch.ones(64 // n))
+        got["all_gather"] = c.bytes
+        with CommCounter() as c:
+            skd.reduce_scatter_tensor(torch.empty(64 // n), torch.ones(64))
+        got["reduce_scatter"] = c.bytes
+        with CommCounter() as c:
+            skd.broadcast(torch.ones(64), src=0)
+        got["broadcast"] = c.bytes
+        with CommCounter() as c:
+            skd.reduce(torch.ones(64), dst=0)
+        got["reduce"] = c.bytes
+        with CommCounter() as c:
+            w = skd.all_reduce(torch.ones(64), async_op=True)
+            w.wait()
+        got["async_all_reduce"] = c.bytes
+        got["async_calls"] = len(c.calls)
+        if n > 1:
+            with CommCounter() as c:
+                works = [skd.isend(torch.ones(64), (rank + 1) % n),
+                         skd.irecv(torch.empty(64), (rank - 1) % n)]
+                for w in works:
+                    w.wait()
+            got["send_recv"] = c.by_op
+        with CommCounter() as c:
+            skd.all_reduce(torch.ones(32, dtype=torch.bfloat16))
+        got["bf16"] = (c.bytes, c.calls[0].dtype, c.calls[0].numel)
+    got["outer"] = (outer.bytes, len(outer.calls), outer.calls_by_op)
+    return got, S, n
+
+
+def test_comm_counter_convention(world):
+    for got, S, n in world.run(_comm_counter_convention):
+        ring = (n - 1) / n
+        assert got["all_reduce"] == pytest.approx(2 * ring * S)
+        for op in ("all_gather", "reduce_scatter", "broadcast", "reduce"):
+            assert got[op] == pytest.approx(ring * S), op
+        assert got["async_all_reduce"] == pytest.approx(2 * ring * S)
+        assert got["async_calls"] == 1
+        if n > 1:
+            assert got["send_recv"] == {"send": S, "recv": 0.0}
+        assert got["bf16"] == (pytest.approx(2 * ring * 64), torch.bfloat16, 32)
+        # the outer counter saw each inner op exactly once
+        outer_bytes, outer_calls, by_op = got["outer"]
+        inner = sum(v for k, v in got.items()
+                    if k in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce",
+                             "async_all_reduce")) + 2 * ring * 64
+        inner += S if n > 1 else 0
+        assert outer_bytes == pytest.approx(inner)
+        assert outer_calls == 7 + (2 if n > 1 else 0)
+        assert by_op["all_reduce"] == 3
+
+
+def _raise_on_rank_one():
+    if skd.get_rank() == 1:
+        raise ValueError("deliberate failure on rank one")
+    t = torch.ones(1)
+    skd.all_reduce(t)  # rank 0 blocks here: the harness must not hang
+    return t.item()
+
+
+def _world_is_usable():
+    t = torch.ones(1)
+    skd.all_reduce(t)
+    return t.item()
+
+
+def test_failing_rank_reports_traceback_and_world_recovers():
+    with World(2, timeout=60) as w:
+        with pytest.raises(AssertionError) as info:
+            w.run(_raise_on_rank_one)
+        message = str(info.value)
+        assert "deliberate failure on rank one" in message
+        assert "rank 1 raised" in message
+        assert "rank 0" in message  # the hung rank's stack is reported too
+        assert w.run(_world_is_usable) == [2.0, 2.0]
+
+
+def _sleep_forever():
+    import time
+    time.sleep(3600)
+
+
+def test_timeout_fails_with_stacks():
+    with World(1, timeout=3) as w:
+        w.run(_world_is_usable)  # started
+        with pytest.raises(AssertionError) as info:
+            w.run(_sleep_forever)
+        assert "did not finish" in str(info.value)
+        assert "_sleep_forever" in str(info.value)
+
+
+# ----------------------------------------------------------------------------- init errors
+
+_INIT_SNIPPET = """
+import os, sys
+from shardkit.distributed import init_distributed
+try:
+    init_distributed({arg})
+except Exception as e:
+    print(type(e).__name__ + ": " + str(e)); sys.exit(3)
+print("ok")
+"""
+
+
+def _run_init(env_overrides, arg=""):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    env.update(env_overrides)
+    proc = subprocess.run([sys.executable, "-c", _INIT_SNIPPET.format(arg=arg)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_init_without_torchrun_env_names_the_missing_variables():
+    rc, out = _run_init({})
+    assert rc == 3
+    assert "RANK" in out and "WORLD_SIZE" in out and "MASTER_ADDR" in out and "torchrun" in out
+
+
+def test_init_unknown_backend():
+    rc, out = _run_init({}, arg="backend='tcpfoo'")
+    assert rc == 3 and "tcpfoo" in out and "gloo" in out
+
+
+def test_init_world_size_zero():
+    rc, out = _run_init({"RANK": "0", "WORLD_SIZE": "0", "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": "29999"})
+    assert rc == 3 and "WORLD_SIZE=0" in out
+
+
+def test_init_bad_rank_value():
+    rc, out = _run_init({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": "29999"})
+    assert rc == 3 and "RANK='x'" in out
+
+
+def test_init_single_process_and_idempotent():
+    from shardkit.testing import free_port
+    snippet = ("from shardkit import distributed as d\n"
+               "d.init_distributed(); d.init_distributed(); d.init_distributed(backend='gloo')\n"
+               "print(d.get_rank(), d.get_world_size(), d.is_initialized())\n"
+               "d.destroy()\n")
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    proc = subprocess.run([sys.executable, "-c", snippet], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0", "1", "True"]
+
+
+def test_require_initialized_message():
+    with pytest.raises(RuntimeError, match="OSS needs torch.distributed to be initialised"):
+        skd.require_initialized("OSS")
+
+
+def test_world_rejects_bad_size():
+    with pytest.raises(ValueError, match="world_size"):
+        World(0)
