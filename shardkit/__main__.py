@@ -2,6 +2,7 @@
 
 Commands:
     demo         multi-process CPU training that shows what each wrapper saves and costs
+    plan         per-rank memory of ZeRO stages 0-3 for a parameter count or a model
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "shardkit.demo"}
+    commands = {"demo": "shardkit.demo", "plan": "shardkit.plan"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         parser = argparse.ArgumentParser(prog="python -m shardkit")
         parser.add_argument("command", choices=sorted(commands))

@@ -1,0 +1,470 @@
+"""``python -m shardkit plan``: per-rank memory of each ZeRO stage, before you launch anything.
+
+By the formulas of DESIGN.md (Ψ parameters, N data-parallel ranks, per parameter W bytes of
+weights, G bytes of gradients and K bytes of optimizer state)::
+
+    stage 0  DDP               (W + G + K)Ψ
+    stage 1  OSS               (W + G)Ψ + KΨ/N
+    stage 2  ShardedDDP + OSS  WΨ + (G + K)Ψ/N          (+ one reduce bucket while reducing)
+    stage 3  FSDP              (W + G + K)Ψ/N           (+ the unit being computed, unsharded)
+
+fp32 training: W = G = 4 and K = 8 for Adam/AdamW (two moments), 4 for SGD with momentum.
+Mixed precision: W = G = 2 and K = 12 for Adam/AdamW (fp32 master weights + two moments),
+8 for SGD (master weights + momentum). ``--params 7.5e9 --world-size 64 --mixed-precision``
+reproduces the ZeRO paper's example: 120.0 GB, 31.4 GB, 16.6 GB, 1.9 GB (GB = 1e9 bytes).
+
+``--model pkg.module:factory`` calls ``factory()`` for an ``nn.Module``, counts its real
+parameters (tied weights once) and finds the largest FSDP unit under a wrap policy
+(``--wrap-block ClassName``: every instance of that class is a unit, like
+``transformer_auto_wrap_policy``; or ``--min-num-params``: like ``default_auto_wrap_policy``);
+with ``--gpu-memory`` it recommends the lowest stage whose model states, transient buffer and
+activations fit. The activation estimate is documented in :func:`estimate_activation_bytes`.
+
+Costs: no communication, no process group; ``--model`` builds the model once on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+__all__ = ["Precision", "StageMemory", "ModelSummary", "precision_for", "zero_model_state_bytes",
+           "zero_comm_elements_per_step", "stage_table", "summarize_model",
+           "estimate_activation_bytes", "recommend_stage", "parse_size", "format_bytes", "main"]
+
+STAGES = (0, 1, 2, 3)
+STAGE_WRAPPERS = {0: "DDP", 1: "OSS", 2: "ShardedDDP + OSS", 3: "FSDP"}
+OPTIMIZERS = ("adam", "adamw", "sgd")
+# Elements of one ShardedDataParallel reduce bucket (its reduce_buffer_size default).
+DEFAULT_REDUCE_BUCKET_ELEMENTS = 2 ** 23
+
+
+class PlanError(ValueError):
+    """Bad input to the planner; the message names the argument, the value and what is valid."""
+
+
+# ----------------------------------------------------------------------------- formulas
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter: ``weights`` W, ``grads`` G, ``optimizer`` K (see module docstring)."""
+
+    weights: int
+    grads: int
+    optimizer: int
+    label: str
+
+
+def precision_for(optimizer: str = "adam", mixed_precision: bool = False) -> Precision:
+    """W, G and K for ``optimizer`` in fp32 or mixed precision (DESIGN.md's K)."""
+    if optimizer not in OPTIMIZERS:
+        raise PlanError(f"--optimizer {optimizer!r} is unknown; valid optimizers are "
+                        f"{', '.join(OPTIMIZERS)}")
+    moments = 8 if optimizer in ("adam", "adamw") else 4
+    if mixed_precision:
+        return Precision(2, 2, 4 + moments, f"{optimizer}, mixed precision")
+    return Precision(4, 4, moments, f"{optimizer}, fp32")
+
+
+def zero_model_state_bytes(params: float, world_size: int, stage: int,
+                           precision: Precision) -> float:
+    """Per-rank bytes of weights + grads + optimizer state for ZeRO ``stage`` (DESIGN.md)."""
+    if stage not in STAGES:
+        raise PlanError(f"stage {stage!r} is unknown; valid stages are {list(STAGES)}")
+    w, g, k, n = precision.weights, precision.grads, precision.optimizer, world_size
+    if stage == 0:
+        return (w + g + k) * params
+    if stage == 1:
+        return (w + g) * params + k * params / n
+    if stage == 2:
+        return w * params + (g + k) * params / n
+    return (w + g + k) * params / n
+
+
+def zero_formula_text(stage: int) -> str:
+    """The stage's formula in W, G, K, Ψ, N (as printed by ``plan``)."""
+    return {0: "(W+G+K)Ψ", 1: "(W+G)Ψ + KΨ/N", 2: "WΨ + (G+K)Ψ/N", 3: "(W+G+K)Ψ/N"}[stage]
+
+
+def zero_comm_elements_per_step(params: float, world_size: int, stage: int) -> float:
+    """Elements one rank puts on the wire per step (DESIGN.md): 2Ψ(N-1)/N for stages 0-2
+    (gradient reduction + parameter sync), 3Ψ(N-1)/N for stage 3 (all-gather in forward and in
+    backward, reduce-scatter)."""
+    if stage not in STAGES:
+        raise PlanError(f"stage {stage!r} is unknown; valid stages are {list(STAGES)}")
+    factor = 3.0 if stage == 3 else 2.0
+    return factor * params * (world_size - 1) / world_size
+
+
+# ----------------------------------------------------------------------------- a real model
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """What the planner learns from a real module: parameter count, largest FSDP unit, and the
+    transformer shape the activation estimate needs (zeros where it could not be found)."""
+
+    params: int
+    largest_unit_params: int
+    num_units: int
+    num_blocks: int
+    hidden: int
+    heads: int
+    vocab: int
+
+
+def load_factory_module(spec: str):
+    """Import ``pkg.module:factory`` and call ``factory()``; returns the ``nn.Module``."""
+    import torch.nn as nn
+
+    if ":" not in spec:
+        raise PlanError(f"--model {spec!r} is not of the form 'pkg.module:factory' (a module "
+                        f"import path, a colon, then a callable returning an nn.Module)")
+    module_path, attr = spec.split(":", 1)
+    try:
+        module = importlib.import_module(module_path)
+    except Exception as e:  # any failure to import is the user's input, reported in one line
+        raise PlanError(f"--model {spec!r}: module {module_path!r} does not import "
+                        f"({type(e).__name__}: {e})") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise PlanError(f"--model {spec!r}: {module_path!r} has no callable {attr!r}")
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"--model {spec!r}: {attr}() returned {type(model).__name__}, "
+                        f"not an nn.Module")
+    return model
+
+
+def _unique_numel(params) -> int:
+    seen, total = set(), 0
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+def fsdp_unit_sizes(model, wrap_block: Optional[str] = None,
+                    min_num_params: Optional[int] = None) -> list[int]:
+    """Parameters held by each FSDP unit when ``model`` is auto-wrapped, root unit last.
+
+    ``wrap_block``: every module whose class name is ``wrap_block`` becomes a unit.
+    ``min_num_params``: a module becomes a unit when the parameters not already in a unit below
+    it number at least ``min_num_params`` (children are wrapped first). The root unit holds
+    whatever remains. A parameter shared between units counts in the first one that owns it.
+    """
+    claimed: set[int] = set()
+    units: list[int] = []
+
+    def unclaimed_numel(module) -> int:
+        return sum(p.numel() for p in _distinct(module.parameters()) if id(p) not in claimed)
+
+    def claim(module) -> None:
+        size = unclaimed_numel(module)
+        claimed.update(id(p) for p in module.parameters())
+        units.append(size)
+
+    def visit(module) -> None:
+        for child in module.children():
+            visit(child)
+            if wrap_block is not None and type(child).__name__ == wrap_block:
+                claim(child)
+            elif min_num_params is not None and unclaimed_numel(child) >= min_num_params:
+                claim(child)
+
+    visit(model)
+    units.append(unclaimed_numel(model))
+    return units
+
+
+def _distinct(params):
+    seen = set()
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield p
+
+
+def summarize_model(model, wrap_block: Optional[str] = None,
+                    min_num_params: Optional[int] = None) -> ModelSummary:
+    """Count ``model``'s parameters and find its largest FSDP unit and transformer shape."""
+    import torch.nn as nn
+
+    if wrap_block is not None and not any(type(m).__name__ == wrap_block
+                                          for m in model.modules()):
+        found = sorted({type(m).__name__ for m in model.modules()})
+        raise PlanError(f"--wrap-block {wrap_block!r} matches no submodule; the model's module "
+                        f"classes are {', '.join(found)}")
+    units = fsdp_unit_sizes(model, wrap_block, min_num_params)
+    blocks = [m for m in model.modules() if wrap_block and type(m).__name__ == wrap_block]
+    hidden = heads = 0
+    if blocks:
+        norms = [m for m in blocks[0].modules() if isinstance(m, nn.LayerNorm)]
+        linears = [m for m in blocks[0].modules() if isinstance(m, nn.Linear)]
+        hidden = norms[0].normalized_shape[-1] if norms else (
+            linears[0].in_features if linears else 0)
+        found_heads = [getattr(m, a) for m in blocks[0].modules()
+                       for a in ("n_head", "num_heads") if isinstance(getattr(m, a, None), int)]
+        heads = found_heads[0] if found_heads else max(1, hidden // 64)
+    embeddings = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    return ModelSummary(params=_unique_numel(model.parameters()),
+                        largest_unit_params=max(units), num_units=len(units),
+                        num_blocks=len(blocks), hidden=hidden, heads=heads,
+                        vocab=max(embeddings) if embeddings else 0)
+
+
+def estimate_activation_bytes(summary: ModelSummary, batch: int, seq_len: int,
+                              mixed_precision: bool) -> float:
+    """Activation memory one rank keeps for backward, for ``batch`` sequences of ``seq_len``.
+
+    Per transformer block, without recomputation, the estimate of Korthikanti et al. (2022,
+    "Reducing Activation Recomputation in Large Transformer Models") in 16-bit activations:
+    ``s·b·h·(34 + 5·a·s/h)`` bytes (s sequence, b batch, h hidden, a heads), doubled for fp32;
+    plus the logits and their softmax for the loss, ``2·b·s·V·4`` bytes (kept in fp32). The
+    block count, h and a come from the ``--wrap-block`` modules, V from the largest embedding.
+    Returns 0 when the model's shape could not be read (no ``--wrap-block``).
+    """
+    if not summary.num_blocks or not summary.hidden:
+        return 0.0
+    s, b, h, a = seq_len, batch, summary.hidden, summary.heads
+    per_block = s * b * h * (34 + 5 * a * s / h) * (1 if mixed_precision else 2)
+    logits = 2 * b * s * summary.vocab * 4
+    return summary.num_blocks * per_block + logits
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One row of the plan: per-rank bytes of model states, of the transient buffer the stage
+    needs on top (a reduce bucket, an unsharded FSDP unit) and of activations."""
+
+    stage: int
+    wrapper: str
+    formula: str
+    model_states: float
+    transient: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.transient + self.activations
+
+
+def transient_bytes(stage: int, precision: Precision, params: float,
+                    summary: Optional[ModelSummary]) -> float:
+    """Memory a stage needs beyond its model states while it runs (needs ``--model``)."""
+    if summary is None:
+        return 0.0
+    if stage == 2:
+        return min(DEFAULT_REDUCE_BUCKET_ELEMENTS, params) * precision.grads
+    if stage == 3:  # the gathered unit's weights and its full gradient before reduce-scatter
+        return summary.largest_unit_params * (precision.weights + precision.grads)
+    return 0.0
+
+
+def stage_table(params: float, world_size: int, precision: Precision,
+                stages=STAGES, summary: Optional[ModelSummary] = None,
+                activations: float = 0.0) -> list[StageMemory]:
+    """The plan's rows: per-rank memory of each stage in ``stages``."""
+    return [StageMemory(stage=s, wrapper=STAGE_WRAPPERS[s], formula=zero_formula_text(s),
+                        model_states=zero_model_state_bytes(params, world_size, s, precision),
+                        transient=transient_bytes(s, precision, params, summary),
+                        activations=activations)
+            for s in stages]
+
+
+def recommend_stage(rows: list[StageMemory], budget: float) -> Optional[StageMemory]:
+    """The lowest stage whose total fits ``budget`` bytes (lower stages communicate less and
+    recompute nothing), or None."""
+    for row in sorted(rows, key=lambda r: r.stage):
+        if row.total <= budget:
+            return row
+    return None
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+_SIZE_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "b": 1e9, "t": 1e12,
+                "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+                "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_size(text: str, what: str) -> float:
+    """``"7.5e9"``, ``"7.5B"``, ``"350M"``, ``"80GB"``, ``"40GiB"`` -> a positive number."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    suffix = m.group(2).lower() if m else None
+    if not m or suffix not in _SIZE_SUFFIX or float(m.group(1)) <= 0:
+        raise PlanError(f"{what} {text!r} is not a positive number; write e.g. 7.5e9, 350M, "
+                        f"7.5B, 80GB or 40GiB")
+    return float(m.group(1)) * _SIZE_SUFFIX[suffix]
+
+
+def parse_stages(text: str) -> tuple[int, ...]:
+    """``"0,1,2,3"`` -> (0, 1, 2, 3); an unknown stage is a :class:`PlanError`."""
+    out = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if part not in {str(s) for s in STAGES}:
+            raise PlanError(f"--stages: stage {part!r} is unknown; valid stages are "
+                            f"{', '.join(map(str, STAGES))}")
+        out.append(int(part))
+    return tuple(sorted(set(out)))
+
+
+def format_bytes(n: float) -> str:
+    """Bytes with one decimal in decimal units (GB = 1e9), as the ZeRO paper prints them."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m shardkit plan",
+        description="Per-rank model-state memory of ZeRO stages 0-3 (DESIGN.md formulas), "
+                    "and the lowest stage that fits a memory budget.")
+    src = p.add_argument_group("what to plan for (one of)")
+    src.add_argument("--params", help="parameter count Ψ, e.g. 7.5e9 or 350M")
+    src.add_argument("--model", metavar="PKG.MODULE:FACTORY",
+                     help="count the parameters of FACTORY() (an nn.Module)")
+    p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks N")
+    p.add_argument("--optimizer", default="adam", help=f"one of {', '.join(OPTIMIZERS)}")
+    p.add_argument("--mixed-precision", action="store_true",
+                   help="16-bit weights and grads with fp32 master state (K=12 for Adam)")
+    p.add_argument("--stages", default="0,1,2,3", help="stages to show (default 0,1,2,3)")
+    p.add_argument("--wrap-block", metavar="CLASS",
+                   help="with --model: every CLASS instance is one FSDP unit")
+    p.add_argument("--min-num-params", type=int,
+                   help="with --model: wrap modules holding at least this many parameters")
+    p.add_argument("--gpu-memory", help="per-rank memory budget, e.g. 80GB, to recommend a stage")
+    p.add_argument("--batch", type=int, default=1, help="per-rank micro-batch (activations)")
+    p.add_argument("--seq-len", type=int, default=0, help="sequence length (activations)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Validated command-line input of ``plan``."""
+
+    params: Optional[float]
+    model: Optional[str]
+    world_size: int
+    precision: Precision
+    stages: tuple
+    wrap_block: Optional[str]
+    min_num_params: Optional[int]
+    gpu_memory: Optional[float]
+    batch: int
+    seq_len: int
+
+
+def validate(args) -> PlanRequest:
+    """Check every argument before any work; a :class:`PlanError` names what is wrong."""
+    if (args.params is None) == (args.model is None):
+        raise PlanError("give exactly one of --params (a count such as 7.5e9) or --model "
+                        "pkg.module:factory")
+    if args.world_size < 1:
+        raise PlanError(f"--world-size {args.world_size} must be a positive integer")
+    if args.wrap_block is not None and args.min_num_params is not None:
+        raise PlanError("give at most one wrap policy: --wrap-block or --min-num-params")
+    if args.min_num_params is not None and args.min_num_params < 1:
+        raise PlanError(f"--min-num-params {args.min_num_params} must be at least 1")
+    if args.batch < 1 or args.seq_len < 0:
+        raise PlanError(f"--batch {args.batch} must be >= 1 and --seq-len {args.seq_len} >= 0")
+    return PlanRequest(
+        params=parse_size(args.params, "--params") if args.params is not None else None,
+        model=args.model, world_size=args.world_size,
+        precision=precision_for(args.optimizer, args.mixed_precision),
+        stages=parse_stages(args.stages), wrap_block=args.wrap_block,
+        min_num_params=args.min_num_params,
+        gpu_memory=parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None,
+        batch=args.batch, seq_len=args.seq_len)
+
+
+def make_plan(req: PlanRequest) -> dict:
+    """The plan as plain data: inputs, model summary, rows and recommendation."""
+    summary = None
+    params = req.params
+    if req.model is not None:
+        summary = summarize_model(load_factory_module(req.model), req.wrap_block,
+                                  req.min_num_params)
+        params = summary.params
+    activations = 0.0
+    if summary is not None and req.seq_len:
+        activations = estimate_activation_bytes(summary, req.batch, req.seq_len,
+                                                req.precision.weights == 2)
+    rows = stage_table(params, req.world_size, req.precision, req.stages, summary, activations)
+    best = recommend_stage(rows, req.gpu_memory) if req.gpu_memory else None
+    return {
+        "params": params, "world_size": req.world_size, "precision": asdict(req.precision),
+        "model": req.model, "summary": asdict(summary) if summary else None,
+        "activations_bytes": activations, "gpu_memory_bytes": req.gpu_memory,
+        "rows": [dict(asdict(r), total=r.total) for r in rows],
+        "recommended_stage": best.stage if best else None,
+    }
+
+
+def render_plan(plan: dict) -> str:
+    """The plan as the text table ``plan`` prints."""
+    pr = plan["precision"]
+    lines = [f"Per-rank model states by the ZeRO formulas: Ψ = {plan['params']:.4g} parameters, "
+             f"N = {plan['world_size']} ranks, {pr['label']} "
+             f"(W={pr['weights']}, G={pr['grads']}, K={pr['optimizer']} bytes per parameter)"]
+    summary = plan["summary"]
+    if summary:
+        lines.append(f"model {plan['model']}: {summary['params']:,} parameters, "
+                     f"{summary['num_units']} FSDP units, the largest "
+                     f"{summary['largest_unit_params']:,} parameters")
+    show_extra = summary is not None
+    header = f"{'stage':<6}{'wrapper':<18}{'formula':<16}{'model states':>14}"
+    if show_extra:
+        header += f"{'+ transient':>14}{'+ activations':>15}{'total':>12}"
+    lines += [header, "-" * len(header)]
+    for r in plan["rows"]:
+        line = (f"{r['stage']:<6}{r['wrapper']:<18}{r['formula']:<16}"
+                f"{format_bytes(r['model_states']):>14}")
+        if show_extra:
+            line += (f"{format_bytes(r['transient']):>14}{format_bytes(r['activations']):>15}"
+                     f"{format_bytes(r['total']):>12}")
+        lines.append(line)
+    if show_extra and not plan["activations_bytes"]:
+        lines.append("activations not estimated: give --seq-len (and --batch) and --wrap-block "
+                     "naming the transformer block class")
+    if plan["gpu_memory_bytes"]:
+        budget = format_bytes(plan["gpu_memory_bytes"])
+        if plan["recommended_stage"] is None:
+            lines.append(f"no stage fits {budget} per rank: add ranks, use --mixed-precision, "
+                         f"activation checkpointing or a smaller batch")
+        else:
+            stage = plan["recommended_stage"]
+            lines.append(f"recommended: stage {stage} ({STAGE_WRAPPERS[stage]}), the lowest "
+                         f"stage that fits {budget} per rank")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of ``python -m shardkit plan``; returns the exit code (2 on bad input)."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        plan = make_plan(validate(args))
+    except PlanError as e:
+        print(f"python -m shardkit plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=2) if args.json else render_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
