@@ -1,0 +1,180 @@
+"""Activation checkpointing: keep a region's inputs, drop its activations, recompute in backward.
+
+:func:`checkpoint_wrapper` makes any module checkpointed, FairScale style: the module object,
+its class, its parameters and its ``state_dict`` keys stay the same; only its ``forward`` now
+runs under non-reentrant ``torch.utils.checkpoint``. What that buys and costs:
+
+- memory: of the activations inside the module only its inputs stay alive between forward and
+  backward (on CPU with ``offload_to_cpu=True``); everything else is recomputed.
+- compute: one extra forward of the module per backward. No communication of its own (an FSDP
+  unit inside the region all-gathers its parameters again for the recomputation, as it would
+  for its backward anyway).
+
+Layers can ask :func:`is_checkpointing` (inside the first forward of a checkpointed region) and
+:func:`is_recomputing` (inside its recomputation) to behave consistently. Dropout needs no help:
+the RNG state is saved before the first forward and restored for the recomputation, so both
+draw the same mask. BatchNorm running statistics are updated once, by the first forward: the
+recomputation normalises with the same batch statistics but leaves the running ones alone.
+
+:class:`shardkit.nn.Pipe` checkpoints its micro-batches with :func:`checkpointed_call`, so its
+``is_checkpointing``/``is_recomputing`` are these same functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+__all__ = ["checkpoint_wrapper", "disable_checkpointing", "is_checkpointing", "is_recomputing",
+           "checkpointed_call"]
+
+
+class _CheckpointState(threading.local):
+    def __init__(self):
+        self.enabled = True
+        self.checkpointing = 0  # depth of first forwards of checkpointed regions
+        self.recomputing = 0  # depth of recomputations
+
+
+_state = _CheckpointState()
+
+
+def is_checkpointing() -> bool:
+    """True while the first forward of a checkpointed region runs (this thread)."""
+    return _state.checkpointing > 0
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed region is being recomputed during backward (this thread)."""
+    return _state.recomputing > 0
+
+
+@contextlib.contextmanager
+def disable_checkpointing() -> Iterator[None]:
+    """Context manager: checkpointed modules run a plain forward (activations kept) inside it.
+
+    Useful to compare memory with and without checkpointing, or for a forward whose backward
+    will never run twice anyway. Costs nothing.
+    """
+    previous = _state.enabled
+    _state.enabled = False
+    try:
+        yield
+    finally:
+        _state.enabled = previous
+
+
+@contextlib.contextmanager
+def _counting(field: str) -> Iterator[None]:
+    setattr(_state, field, getattr(_state, field) + 1)
+    try:
+        yield
+    finally:
+        setattr(_state, field, getattr(_state, field) - 1)
+
+
+@contextlib.contextmanager
+def _recomputing(modules: tuple[nn.Module, ...]) -> Iterator[None]:
+    # Note: the recomputation must save the same tensors as the first forward, so BatchNorm
+    # runs unchanged and its running statistics are put back afterwards. Writing through
+    # ``.data`` keeps the version counters of tensors the recomputed graph saved unchanged.
+    stats = [(buf, buf.clone()) for m in modules for bn in m.modules()
+             if isinstance(bn, _BatchNorm) and bn.training and bn.track_running_stats
+             for buf in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+             if buf is not None]
+    try:
+        with _counting("recomputing"):
+            yield
+    finally:
+        for buf, saved in stats:
+            buf.data.copy_(saved)
+
+
+def _contexts(modules: tuple[nn.Module, ...]):
+    return lambda: (_counting("checkpointing"), _recomputing(modules))
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        return value.to("cpu")
+    return value
+
+
+def _restore_devices(values: Iterable[Any], devices: list) -> list:
+    return [v.to(d) if d is not None else v for v, d in zip(values, devices)]
+
+
+def checkpointed_call(fn: Callable, *args, modules: tuple[nn.Module, ...] = (),
+                      offload_to_cpu: bool = False, **kwargs):
+    """Run ``fn(*args, **kwargs)`` as a non-reentrant checkpointed region and return its output.
+
+    ``modules`` are the modules ``fn`` runs (their BatchNorm running statistics are frozen
+    during the recomputation). With ``offload_to_cpu`` the tensor inputs kept for the
+    recomputation are held on CPU and copied back to their device inside the region (the copy
+    back is part of what is recomputed). Without grad mode, or inside
+    :func:`disable_checkpointing`, ``fn`` simply runs.
+    """
+    if not (_state.enabled and torch.is_grad_enabled()):
+        return fn(*args, **kwargs)
+    if offload_to_cpu:
+        arg_devices = [a.device if isinstance(a, torch.Tensor) and a.device.type != "cpu"
+                       else None for a in args]
+        kw_names = list(kwargs)
+        kw_devices = [kwargs[k].device if isinstance(kwargs[k], torch.Tensor)
+                      and kwargs[k].device.type != "cpu" else None for k in kw_names]
+        inner = fn
+
+        def fn(*cpu_args, **cpu_kwargs):  # noqa: F811 - the region with copies back
+            moved_kw = _restore_devices([cpu_kwargs[k] for k in kw_names], kw_devices)
+            return inner(*_restore_devices(cpu_args, arg_devices), **dict(zip(kw_names, moved_kw)))
+
+        args = tuple(_to_cpu(a) for a in args)
+        kwargs = {k: _to_cpu(v) for k, v in kwargs.items()}
+    return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
+                            context_fn=_contexts(modules), **kwargs)
+
+
+def _checkpointed_forward(module: nn.Module, *args, **kwargs):
+    return checkpointed_call(module._shardkit_unwrapped_forward, *args, modules=(module,),
+                             offload_to_cpu=module._shardkit_offload_to_cpu, **kwargs)
+
+
+def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Module:
+    """Make ``module`` activation-checkpointed in place and return it.
+
+    The module keeps its class, parameters and ``state_dict`` keys; its forward runs as a
+    non-reentrant checkpointed region: keyword arguments, several inputs and outputs, inputs
+    that do not require grad, and FSDP inside or outside all work. Dropout draws the same mask
+    in the recomputation; BatchNorm running statistics are updated once per forward.
+
+    Args:
+        module: any ``nn.Module``.
+        offload_to_cpu: keep the region's saved inputs on CPU between forward and backward
+            (a device-to-host copy in forward, host-to-device in backward; no-op on CPU).
+
+    Memory: the module's activations are freed after forward, only its inputs are kept.
+    Compute: one more forward per backward. Communication: none of its own.
+
+    Usage::
+
+        model.blocks = nn.Sequential(*[checkpoint_wrapper(b) for b in model.blocks])
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"checkpoint_wrapper(module={type(module).__name__}): "
+                        f"expected a torch.nn.Module")
+    if not isinstance(offload_to_cpu, bool):
+        raise TypeError(f"checkpoint_wrapper(offload_to_cpu={offload_to_cpu!r}): expected a bool")
+    if hasattr(module, "_shardkit_unwrapped_forward"):
+        module._shardkit_offload_to_cpu = offload_to_cpu
+        return module
+    module._shardkit_unwrapped_forward = module.forward
+    module._shardkit_offload_to_cpu = offload_to_cpu
+    module.forward = types.MethodType(_checkpointed_forward, module)
+    return module
