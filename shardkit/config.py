@@ -1,0 +1,437 @@
+"""The validated DeepSpeed-style configuration behind :func:`shardkit.initialize`.
+
+:func:`load_config` reads a dict or a JSON file, checks every key against :data:`SCHEMA`
+(unknown keys at any depth, wrong types and out-of-range values are errors naming the dotted
+path and, for unknown keys, the closest valid key), fills DeepSpeed's defaults, resolves the
+batch-size triple with the data-parallel world size, and returns a frozen :class:`EngineConfig`.
+It is a pure function of its inputs: it issues no collectives, so every rank raises the same
+error at the same point and none is left waiting.
+
+Keys that change behaviour:
+    train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
+    optimizer.{type, params}, scheduler.{type, params}, gradient_clipping, steps_per_print,
+    zero_optimization.{stage, reduce_bucket_size, offload_param.device (stage 3),
+    offload_optimizer.device}, fp16.{enabled, loss_scale, initial_scale_power,
+    loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale,
+    raise_error_at_min_scale}, bf16.enabled.
+Keys accepted for compatibility with DeepSpeed configs, validated, without effect here:
+    the other zero_optimization tuning knobs (allgather_bucket_size, overlap_comm,
+    contiguous_gradients, reduce_scatter, stage3_* ...), offload *.pin_memory / buffer_*,
+    fp16.auto_cast, wall_clock_breakdown, memory_breakdown, prescale_gradients,
+    gradient_predivide_factor, zero_allow_untested_optimizer, dump_state.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
+
+__all__ = ["ConfigError", "EngineConfig", "OptimizerSpec", "SchedulerSpec", "ZeroConfig",
+           "PrecisionConfig", "load_config", "resolve_batch_sizes", "SCHEMA"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the dotted key path."""
+
+
+# ----------------------------------------------------------------------------- schema as data
+
+
+@dataclass(frozen=True)
+class Field:
+    """One leaf of the schema: accepted Python types, default, and an optional range check
+    returning a description of what is valid when the value is not."""
+
+    types: tuple
+    default: Any = None
+    check: Optional[Callable[[Any], bool]] = None
+    valid: str = ""
+    choices: tuple = ()
+
+
+def _int(default=None, minimum=None, maximum=None) -> Field:
+    lo = "" if minimum is None else f">= {minimum}"
+    hi = "" if maximum is None else f"<= {maximum}"
+    return Field((int,), default,
+                 lambda v: (minimum is None or v >= minimum) and (maximum is None or v <= maximum),
+                 "an integer " + " and ".join(x for x in (lo, hi) if x))
+
+
+def _num(default=None, minimum=None, strict=False) -> Field:
+    def ok(v):
+        if not math.isfinite(v):
+            return False
+        return minimum is None or (v > minimum if strict else v >= minimum)
+    bound = "" if minimum is None else f" {'>' if strict else '>='} {minimum}"
+    return Field((int, float), default, ok, f"a finite number{bound}")
+
+
+def _bool(default=False) -> Field:
+    return Field((bool,), default)
+
+
+def _choice(default, *choices, case_insensitive=False) -> Field:
+    folded = {c.lower() for c in choices}
+    return Field((str,), default,
+                 (lambda v: v.lower() in folded) if case_insensitive else (lambda v: v in choices),
+                 f"one of {list(choices)}", tuple(choices))
+
+
+def _betas() -> Field:
+    return Field((list, tuple), (0.9, 0.999),
+                 lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1
+                                               for b in v),
+                 "a pair of numbers in [0, 1)")
+
+
+def _num_or_list(default) -> Field:
+    return Field((int, float, list), default,
+                 lambda v: all(isinstance(x, (int, float)) and x >= 0
+                               for x in (v if isinstance(v, list) else [v])),
+                 "a number >= 0 or a list of them (one per param group)")
+
+
+_ADAM_PARAMS = {
+    "lr": _num(1e-3, 0), "betas": _betas(), "eps": _num(1e-8, 0, strict=True),
+    "weight_decay": _num(0.0, 0), "amsgrad": _bool(), "bias_correction": _bool(True),
+    "adam_w_mode": _bool(True), "torch_adam": _bool(), "fused": _bool(),
+}
+_SGD_PARAMS = {
+    "lr": _num(1e-3, 0), "momentum": _num(0.0, 0), "dampening": _num(0.0, 0),
+    "weight_decay": _num(0.0, 0), "nesterov": _bool(),
+}
+OPTIMIZER_PARAMS = {"adam": _ADAM_PARAMS, "adamw": _ADAM_PARAMS, "sgd": _SGD_PARAMS}
+OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD")
+
+_WARMUP = {
+    "warmup_min_lr": _num_or_list(0.0), "warmup_max_lr": _num_or_list(0.001),
+    "warmup_num_steps": _int(1000, 0), "warmup_type": _choice("log", "log", "linear"),
+    "last_batch_iteration": _int(-1, -1),
+}
+SCHEDULER_PARAMS = {
+    "WarmupLR": _WARMUP,
+    "WarmupDecayLR": {**_WARMUP, "total_num_steps": _int(None, 1)},
+    "WarmupCosineLR": {
+        "total_num_steps": _int(None, 1), "warmup_min_ratio": _num(0.0, 0),
+        "warmup_num_steps": _int(1000, 0), "cos_min_ratio": _num(0.0001, 0),
+        "warmup_type": _choice("log", "log", "linear"), "last_batch_iteration": _int(-1, -1),
+    },
+}
+REQUIRED_SCHEDULER_PARAMS = {"WarmupDecayLR": ("total_num_steps",),
+                             "WarmupCosineLR": ("total_num_steps",)}
+
+_OFFLOAD_COMMON = {"device": _choice("none", "none", "cpu"), "pin_memory": _bool(),
+                   "buffer_count": _int(4, 1), "fast_init": _bool(), "ratio": _num(1.0, 0)}
+
+SCHEMA: dict = {
+    "train_batch_size": _int(None, 1),
+    "train_micro_batch_size_per_gpu": _int(None, 1),
+    "gradient_accumulation_steps": _int(None, 1),
+    "optimizer": {"type": _choice(None, *OPTIMIZER_TYPES, case_insensitive=True),
+                  "params": "per optimizer type"},
+    "scheduler": {"type": _choice(None, *SCHEDULER_PARAMS), "params": "per scheduler type"},
+    "zero_optimization": {
+        "stage": _int(0, 0, 3),
+        "offload_optimizer": dict(_OFFLOAD_COMMON),
+        "offload_param": {**_OFFLOAD_COMMON, "buffer_size": _num(1e8, 0),
+                          "max_in_cpu": _num(1e9, 0)},
+        "reduce_bucket_size": _num(5e8, 0, strict=True),
+        "allgather_bucket_size": _num(5e8, 0, strict=True),
+        "allgather_partitions": _bool(True), "reduce_scatter": _bool(True),
+        "overlap_comm": _bool(), "contiguous_gradients": _bool(True),
+        "round_robin_gradients": _bool(), "sub_group_size": _num(1e9, 0, strict=True),
+        "stage3_max_live_parameters": _num(1e9, 0), "stage3_max_reuse_distance": _num(1e9, 0),
+        "stage3_prefetch_bucket_size": _num(5e7, 0),
+        "stage3_param_persistence_threshold": _num(1e5, 0),
+        "stage3_gather_16bit_weights_on_model_save": _bool(),
+        "stage3_gather_fp16_weights_on_model_save": _bool(),
+        "elastic_checkpoint": _bool(), "ignore_unused_parameters": _bool(True),
+        "load_from_fp32_weights": _bool(True), "cpu_offload": _bool(),
+    },
+    "fp16": {
+        "enabled": _bool(), "auto_cast": _bool(), "loss_scale": _num(0.0, 0),
+        "initial_scale_power": _int(16, 0, 127), "loss_scale_window": _int(1000, 1),
+        "hysteresis": _int(2, 1), "consecutive_hysteresis": _bool(),
+        "min_loss_scale": _num(1.0, 0, strict=True), "raise_error_at_min_scale": _bool(),
+    },
+    "bf16": {"enabled": _bool()},
+    "gradient_clipping": _num(0.0, 0),
+    "steps_per_print": _int(10, 1),
+    "wall_clock_breakdown": _bool(), "memory_breakdown": _bool(), "dump_state": _bool(),
+    "prescale_gradients": _bool(), "gradient_predivide_factor": _num(1.0, 0, strict=True),
+    "zero_allow_untested_optimizer": _bool(),
+}
+
+
+# ----------------------------------------------------------------------------- result types
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Which torch optimizer to build (``torch_class`` names ``torch.optim.<cls>``) and its
+    keyword arguments, translated from DeepSpeed's names."""
+
+    type: str
+    torch_class: str
+    kwargs: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    """A :mod:`shardkit.optim.lr_scheduler` class name and its keyword arguments."""
+
+    type: str
+    kwargs: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """The ZeRO stage and the knobs that change what is built."""
+
+    stage: int = 0
+    reduce_bucket_size: int = int(5e8)
+    offload_optimizer_device: str = "none"
+    offload_param_device: str = "none"
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Compute precision: ``dtype`` is ``"fp32"``, ``"fp16"`` or ``"bf16"``. Loss scaling
+    applies to fp16 only: ``static_loss_scale > 0`` fixes the scale, 0 makes it dynamic."""
+
+    dtype: str = "fp32"
+    static_loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+    raise_error_at_min_scale: bool = False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything :func:`shardkit.initialize` needs, validated and with defaults filled in."""
+
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    data_parallel_size: int
+    optimizer: Optional[OptimizerSpec] = None
+    scheduler: Optional[SchedulerSpec] = None
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    gradient_clipping: float = 0.0
+    steps_per_print: int = 10
+    raw: Mapping[str, Any] = field(default_factory=dict)
+    warnings: tuple = ()
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def load_config(config: Union[str, os.PathLike, Mapping, None],
+                data_parallel_size: int) -> EngineConfig:
+    """Validate ``config`` (a dict or a JSON file path) and resolve it for ``data_parallel_size``.
+
+    Raises :class:`ConfigError` naming the dotted key path, the value and what would be valid.
+    Pure: no collectives, no global state.
+    """
+    raw = _read(config)
+    checked = _check_section(raw, SCHEMA, "")
+    train, micro, gas = resolve_batch_sizes(checked["train_batch_size"],
+                                            checked["train_micro_batch_size_per_gpu"],
+                                            checked["gradient_accumulation_steps"],
+                                            data_parallel_size)
+    zero, notes = _zero_config(checked["zero_optimization"])
+    precision = _precision_config(checked["fp16"], checked["bf16"])
+    return EngineConfig(
+        train_batch_size=train, train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=gas, data_parallel_size=data_parallel_size,
+        optimizer=_optimizer_spec(raw.get("optimizer")),
+        scheduler=_scheduler_spec(raw.get("scheduler")),
+        zero=zero, precision=precision,
+        gradient_clipping=float(checked["gradient_clipping"]),
+        steps_per_print=checked["steps_per_print"], raw=raw, warnings=tuple(notes))
+
+
+def _read(config) -> dict:
+    if config is None:
+        raise ConfigError("initialize: no config given; pass config=<dict or path to a JSON "
+                          "file> (config_params= is accepted as an alias)")
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config={path!r}: no such file; pass a dict or the path of a "
+                              f"JSON file")
+        try:
+            with open(path) as f:
+                config = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config={path!r} is not valid JSON: {e}") from None
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"config must be a dict or a JSON file path, not "
+                          f"{type(config).__name__}")
+    return dict(config)
+
+
+def _check_section(section, schema: dict, path: str) -> dict:
+    """Check one nested section; return its values with defaults filled in."""
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{path or 'config'}: expected a JSON object (dict), got "
+                          f"{type(section).__name__} {section!r}")
+    for key in section:
+        if key not in schema:
+            raise ConfigError(_unknown_key_message(key, schema, path))
+    out = {}
+    for key, spec in schema.items():
+        where = f"{path}.{key}" if path else key
+        if isinstance(spec, dict):
+            out[key] = _check_section(section.get(key, {}), spec, where)
+        elif isinstance(spec, Field):
+            out[key] = _check_value(section[key], spec, where) if key in section else spec.default
+        else:  # sub-schema chosen by a sibling ("params" by "type"): checked by its owner
+            out[key] = section.get(key)
+    return out
+
+
+def _check_value(value, spec: Field, path: str):
+    is_bool = isinstance(value, bool)
+    type_ok = isinstance(value, spec.types) and (bool in spec.types or not is_bool)
+    valid = spec.valid or " or ".join(t.__name__ for t in spec.types)
+    if not type_ok:
+        raise ConfigError(f"{path}={value!r}: wrong type {type(value).__name__}; expected "
+                          f"{valid}")
+    if spec.check is not None and not spec.check(value):
+        close = difflib.get_close_matches(str(value), spec.choices, n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        what = "is not a valid choice" if spec.choices else "is out of range"
+        raise ConfigError(f"{path}={value!r} {what}{hint}; valid values: {valid}")
+    return value
+
+
+def _unknown_key_message(key, schema: dict, path: str) -> str:
+    where = f"{path}.{key}" if path else key
+    close = difflib.get_close_matches(str(key), list(schema), n=1, cutoff=0.5)
+    hint = f"; did you mean {(path + '.' if path else '') + close[0]!r}?" if close else ""
+    return (f"unknown config key {where!r}{hint} Valid keys"
+            f"{' under ' + repr(path) if path else ''}: {sorted(schema)}")
+
+
+def resolve_batch_sizes(train: Optional[int], micro: Optional[int], gas: Optional[int],
+                        world: int) -> tuple[int, int, int]:
+    """DeepSpeed's rule ``train_batch_size = micro × gradient_accumulation_steps × world``:
+    any two determine the third; one alone sets ``gradient_accumulation_steps=1``."""
+    if train is None and micro is None:
+        raise ConfigError("train_batch_size and train_micro_batch_size_per_gpu are both missing; "
+                          "give at least one of them")
+    if train is not None and micro is not None and gas is not None:
+        if train != micro * gas * world:
+            raise ConfigError(
+                f"inconsistent batch sizes: train_batch_size={train} != "
+                f"train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps={gas} x "
+                f"data-parallel world size={world} = {micro * gas * world}")
+        return train, micro, gas
+    if train is not None and micro is not None:
+        return train, micro, _exact_quotient(train, micro * world, "gradient_accumulation_steps",
+                                             f"train_micro_batch_size_per_gpu={micro} x world "
+                                             f"size={world}", train)
+    if train is not None:
+        gas = gas or 1
+        return train, _exact_quotient(train, gas * world, "train_micro_batch_size_per_gpu",
+                                      f"gradient_accumulation_steps={gas} x world size={world}",
+                                      train), gas
+    gas = gas or 1
+    return micro * gas * world, micro, gas
+
+
+def _exact_quotient(train: int, divisor: int, derived: str, divisor_desc: str,
+                    value: int) -> int:
+    if value % divisor:
+        raise ConfigError(f"inconsistent batch sizes: train_batch_size={train} is not divisible "
+                          f"by {divisor_desc} = {divisor}, so {derived} would not be an integer")
+    return value // divisor
+
+
+def _optimizer_spec(section) -> Optional[OptimizerSpec]:
+    if section is None:
+        return None
+    if section.get("type") is None:
+        raise ConfigError(f"optimizer.type is missing; valid types: {list(OPTIMIZER_TYPES)}")
+    kind = section["type"].lower()
+    params = _check_section(section.get("params", {}), OPTIMIZER_PARAMS[kind], "optimizer.params")
+    given = set(section.get("params", {}))
+    if kind == "sgd":
+        kwargs = {k: params[k] for k in ("lr", "momentum", "dampening", "weight_decay",
+                                         "nesterov")}
+        if kwargs["nesterov"] and (kwargs["momentum"] <= 0 or kwargs["dampening"] != 0):
+            raise ConfigError("optimizer.params.nesterov=true needs momentum > 0 and "
+                              "dampening = 0")
+        return OptimizerSpec("SGD", "SGD", kwargs)
+    # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
+    decoupled = kind == "adamw" or params["adam_w_mode"]
+    if not params["bias_correction"]:
+        raise ConfigError("optimizer.params.bias_correction=false is not supported; torch's "
+                          "Adam/AdamW always correct the bias (remove the key or set it true)")
+    kwargs = {"lr": params["lr"], "betas": tuple(params["betas"]), "eps": params["eps"],
+              "weight_decay": params["weight_decay"], "amsgrad": params["amsgrad"]}
+    if kind == "adamw" and "weight_decay" not in given:
+        kwargs["weight_decay"] = 0.01  # torch.optim.AdamW's default
+    return OptimizerSpec(section["type"], "AdamW" if decoupled else "Adam", kwargs)
+
+
+def _scheduler_spec(section) -> Optional[SchedulerSpec]:
+    if section is None:
+        return None
+    kind = section.get("type")
+    if kind is None:
+        raise ConfigError(f"scheduler.type is missing; valid types: {list(SCHEDULER_PARAMS)}")
+    given = section.get("params", {})
+    params = _check_section(given, SCHEDULER_PARAMS[kind], "scheduler.params")
+    for key in REQUIRED_SCHEDULER_PARAMS.get(kind, ()):
+        if key not in given:
+            raise ConfigError(f"scheduler.params.{key} is required for scheduler.type={kind!r}")
+    if kind == "WarmupCosineLR":
+        for key in ("warmup_min_ratio", "cos_min_ratio"):
+            if params[key] > 1:
+                raise ConfigError(f"scheduler.params.{key}={params[key]!r} is out of range; "
+                                  f"valid values: a number in [0, 1]")
+        if params["total_num_steps"] <= max(2, params["warmup_num_steps"]):
+            raise ConfigError(f"scheduler.params.total_num_steps={params['total_num_steps']} "
+                              f"must exceed warmup_num_steps={params['warmup_num_steps']}")
+    return SchedulerSpec(kind, params)
+
+
+def _zero_config(section: dict) -> tuple[ZeroConfig, list[str]]:
+    notes = []
+    stage = section["stage"]
+    param_device = section["offload_param"]["device"]
+    if section["cpu_offload"]:
+        notes.append("zero_optimization.cpu_offload is deprecated in DeepSpeed; treated as "
+                     "offload_optimizer.device='cpu'")
+    if param_device != "none" and stage < 3:
+        notes.append(f"zero_optimization.offload_param only applies at stage 3; ignored at "
+                     f"stage {stage}")
+        param_device = "none"
+    optim_device = "cpu" if section["cpu_offload"] else section["offload_optimizer"]["device"]
+    return ZeroConfig(stage=stage, reduce_bucket_size=int(section["reduce_bucket_size"]),
+                      offload_optimizer_device=optim_device,
+                      offload_param_device=param_device), notes
+
+
+def _precision_config(fp16: dict, bf16: dict) -> PrecisionConfig:
+    if fp16["enabled"] and bf16["enabled"]:
+        raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
+    if not fp16["enabled"]:
+        return PrecisionConfig(dtype="bf16" if bf16["enabled"] else "fp32")
+    return PrecisionConfig(
+        dtype="fp16", static_loss_scale=float(fp16["loss_scale"]),
+        initial_scale_power=fp16["initial_scale_power"],
+        loss_scale_window=fp16["loss_scale_window"], hysteresis=fp16["hysteresis"],
+        consecutive_hysteresis=fp16["consecutive_hysteresis"],
+        min_loss_scale=float(fp16["min_loss_scale"]),
+        raise_error_at_min_scale=fp16["raise_error_at_min_scale"])

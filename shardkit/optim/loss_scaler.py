@@ -1,0 +1,187 @@
+"""DeepSpeed's dynamic loss scaler for fp16 training: skip on overflow, hysteresis, growth.
+
+The scaler is pure bookkeeping on the host: it holds one float and a few counters, allocates
+no tensors and issues no collectives. Whoever detects the overflow (the engine) must make the
+decision identical on every rank (an all-reduce of one flag) before calling :meth:`update_scale`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+__all__ = ["DynamicLossScaler", "LossScaleAtMinimumError"]
+
+logger = logging.getLogger("shardkit")
+
+
+class LossScaleAtMinimumError(RuntimeError):
+    """The gradients overflowed with the loss scale already at ``min_scale``."""
+
+
+class DynamicLossScaler:
+    """Multiply the loss by ``loss_scale``; shrink the scale on overflow, grow it when stable.
+
+    The rules are DeepSpeed's (``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler``), one
+    :meth:`update_scale` call per optimizer step:
+
+    - **Overflow** (inf/nan in the gradients): the step is skipped. If the hysteresis budget is
+      down to 1, the scale is divided by ``scale_factor`` (never below ``min_scale``); otherwise
+      the budget is decremented and the scale kept. An overflow with the scale already at
+      ``min_scale`` logs a warning and keeps skipping, or raises
+      :class:`LossScaleAtMinimumError` when ``raise_error_at_min_scale``.
+    - **No overflow**: with ``consecutive_hysteresis`` the budget is restored to ``hysteresis``
+      at once. The scale is multiplied by ``scale_factor`` each time the number of clean steps
+      since the last overflow, minus one, is a positive multiple of ``scale_window``; growing
+      also restores the hysteresis budget.
+
+    Args:
+        init_scale: starting scale (DeepSpeed: ``2 ** initial_scale_power``).
+        scale_window: clean steps between two growths (DeepSpeed: ``loss_scale_window``).
+        hysteresis: overflows tolerated before the scale is halved (DeepSpeed's delayed shift).
+        min_scale: floor of the scale (DeepSpeed: ``min_loss_scale``).
+        raise_error_at_min_scale: raise instead of warning when overflowing at the floor.
+        scale_factor: growth / back-off factor (2).
+        consecutive_hysteresis: restore the hysteresis budget after every clean step.
+
+    Memory: a few Python numbers. Communication: none (the caller all-reduces the overflow flag).
+
+    Usage::
+
+        scaler = DynamicLossScaler(init_scale=2**16)
+        (loss * scaler.loss_scale).backward()
+        overflow = any_rank_has_inf_or_nan(grads)   # identical on every rank
+        if not overflow:
+            unscale(grads, 1 / scaler.loss_scale); optimizer.step()
+        scaler.update_scale(overflow)
+    """
+
+    def __init__(self, init_scale: float = 2 ** 32, scale_window: int = 1000,
+                 hysteresis: int = 2, min_scale: float = 1, raise_error_at_min_scale: bool = False,
+                 scale_factor: float = 2.0, consecutive_hysteresis: bool = False):
+        _require_positive_number("init_scale", init_scale)
+        _require_positive_number("min_scale", min_scale)
+        _require_positive_number("scale_factor", scale_factor)
+        if scale_factor <= 1:
+            raise ValueError(f"DynamicLossScaler(scale_factor={scale_factor!r}): must be > 1")
+        _require_positive_int("scale_window", scale_window)
+        _require_positive_int("hysteresis", hysteresis)
+        self.cur_scale = float(init_scale)
+        self.scale_window = int(scale_window)
+        self.hysteresis = int(hysteresis)
+        self.min_scale = float(min_scale)
+        self.raise_error_at_min_scale = bool(raise_error_at_min_scale)
+        self.scale_factor = float(scale_factor)
+        self.consecutive_hysteresis = bool(consecutive_hysteresis)
+        self.cur_hysteresis = self.hysteresis
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor the loss is multiplied by before backward."""
+        return self.cur_scale
+
+    @property
+    def dynamic(self) -> bool:
+        return True
+
+    def update_scale(self, overflow: bool) -> None:
+        """Account for one optimizer step; ``overflow`` must be the same on every rank."""
+        if overflow:
+            self._on_overflow()
+            self.last_overflow_iter = self.cur_iter
+        else:
+            self._on_clean_step()
+        self.cur_iter += 1
+
+    def _on_overflow(self) -> None:
+        if self.cur_hysteresis > 1:
+            self.cur_hysteresis -= 1
+            logger.info("loss scaler: overflow, skipping step; scale stays %g, hysteresis now %d",
+                        self.cur_scale, self.cur_hysteresis)
+            return
+        if self.cur_scale <= self.min_scale:
+            if self.raise_error_at_min_scale:
+                raise LossScaleAtMinimumError(
+                    f"DynamicLossScaler: gradients overflowed with the loss scale already at "
+                    f"min_scale={self.min_scale:g}; the model diverges in fp16 (try bf16, a lower "
+                    f"learning rate, or gradient clipping)")
+            logger.warning("loss scaler: overflow at the minimum loss scale %g; skipping step",
+                           self.min_scale)
+            return
+        new_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+        logger.info("loss scaler: overflow, skipping step; scale %g -> %g",
+                    self.cur_scale, new_scale)
+        self.cur_scale = new_scale
+
+    def _on_clean_step(self) -> None:
+        if self.consecutive_hysteresis:
+            self.cur_hysteresis = self.hysteresis
+        stable_steps = self.cur_iter - self.last_overflow_iter - 1
+        if stable_steps > 0 and stable_steps % self.scale_window == 0:
+            if not self.consecutive_hysteresis:
+                self.cur_hysteresis = self.hysteresis
+            self.cur_scale *= self.scale_factor
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume the scale schedule exactly."""
+        return {"cur_scale": self.cur_scale, "cur_iter": self.cur_iter,
+                "last_overflow_iter": self.last_overflow_iter,
+                "cur_hysteresis": self.cur_hysteresis, "scale_window": self.scale_window,
+                "hysteresis": self.hysteresis, "min_scale": self.min_scale,
+                "scale_factor": self.scale_factor,
+                "consecutive_hysteresis": self.consecutive_hysteresis,
+                "raise_error_at_min_scale": self.raise_error_at_min_scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            if not hasattr(self, key):
+                raise KeyError(f"DynamicLossScaler.load_state_dict: unknown key {key!r}")
+            setattr(self, key, value)
+
+    def __repr__(self) -> str:
+        return (f"DynamicLossScaler(scale={self.cur_scale:g}, hysteresis={self.cur_hysteresis}/"
+                f"{self.hysteresis}, window={self.scale_window}, iter={self.cur_iter})")
+
+
+class StaticLossScaler:
+    """A fixed loss scale (DeepSpeed's ``fp16.loss_scale > 0``): overflowing steps are skipped
+    but the scale never changes. Same interface as :class:`DynamicLossScaler`; no memory, no
+    communication."""
+
+    def __init__(self, scale: float = 1.0):
+        _require_positive_number("scale", scale)
+        self.cur_scale = float(scale)
+        self.cur_iter = 0
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    @property
+    def dynamic(self) -> bool:
+        return False
+
+    def update_scale(self, overflow: bool) -> None:
+        if overflow:
+            logger.info("static loss scale %g: overflow, skipping step", self.cur_scale)
+        self.cur_iter += 1
+
+    def state_dict(self) -> dict:
+        return {"cur_scale": self.cur_scale, "cur_iter": self.cur_iter}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cur_scale = float(state["cur_scale"])
+        self.cur_iter = int(state["cur_iter"])
+
+
+def _require_positive_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        raise ValueError(f"loss scaler: {name}={value!r}; it must be a finite number > 0")
+
+
+def _require_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"loss scaler: {name}={value!r}; it must be an integer >= 1")

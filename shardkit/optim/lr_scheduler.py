@@ -1,0 +1,220 @@
+"""DeepSpeed's warm-up learning-rate schedules as torch ``LRScheduler`` subclasses.
+
+Same parameter names and the same numbers as ``deepspeed.runtime.lr_schedules``:
+
+- :class:`WarmupLR`: from ``warmup_min_lr`` up to ``warmup_max_lr`` over ``warmup_num_steps``
+  (``log`` or ``linear`` ramp), then constant.
+- :class:`WarmupDecayLR`: the same warm-up, then a linear decay back to ``warmup_min_lr`` at
+  ``total_num_steps``.
+- :class:`WarmupCosineLR`: a ratio of each group's initial lr: warm-up from
+  ``warmup_min_ratio`` to 1, then a cosine down to ``cos_min_ratio`` at ``total_num_steps``.
+
+As in DeepSpeed, ``last_batch_iteration`` counts scheduler steps: it is -1 after construction
+(the optimizer then holds the schedule's starting lr) and ``k`` after ``k + 1`` calls to
+:meth:`step`. torch's ``last_epoch`` is ``last_batch_iteration + 1``. The schedules hold a few
+floats per param group and issue no communication; ``state_dict()`` / ``load_state_dict()`` are
+torch's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+from torch.optim.lr_scheduler import LRScheduler
+
+__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "WARMUP_TYPES"]
+
+WARMUP_TYPES = ("log", "linear")
+Number = Union[int, float]
+
+
+class _DeepSpeedSchedule(LRScheduler):
+    """Shared mechanics: DeepSpeed's iteration counter on top of torch's ``last_epoch``."""
+
+    def __init__(self, optimizer, warmup_num_steps: int, warmup_type: str,
+                 last_batch_iteration: int):
+        name = type(self).__name__
+        if warmup_type not in WARMUP_TYPES:
+            raise ValueError(f"{name}(warmup_type={warmup_type!r}): valid types are "
+                             f"{list(WARMUP_TYPES)}")
+        if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) \
+                or warmup_num_steps < 0:
+            raise ValueError(f"{name}(warmup_num_steps={warmup_num_steps!r}): must be an "
+                             f"integer >= 0")
+        if not isinstance(last_batch_iteration, int) or last_batch_iteration < -1:
+            raise ValueError(f"{name}(last_batch_iteration={last_batch_iteration!r}): must be "
+                             f"an integer >= -1")
+        # DeepSpeed's floor: log(1) would divide by zero below two steps.
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_type = warmup_type
+        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
+        super().__init__(optimizer)
+        if last_batch_iteration != -1:
+            self.step(last_batch_iteration)
+
+    @property
+    def last_batch_iteration(self) -> int:
+        """DeepSpeed's step counter: -1 before the first :meth:`step`."""
+        return self.last_epoch - 1
+
+    def step(self, last_batch_iteration: Optional[int] = None) -> None:
+        """Advance one step (or jump to ``last_batch_iteration``) and set each group's lr."""
+        if last_batch_iteration is None:
+            self.last_epoch += 1
+        else:
+            self.last_epoch = int(last_batch_iteration) + 1
+        self._step_count = getattr(self, "_step_count", 0) + 1
+        lrs = self.get_lr()
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = list(lrs)
+
+    def get_lr(self) -> list[float]:
+        return self.lrs_at(self.last_batch_iteration)
+
+    def lrs_at(self, iteration: int) -> list[float]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _warmup_fraction(self, iteration: int) -> float:
+        """0 at the start of warm-up, rising to 1 at ``warmup_num_steps``."""
+        if self.warmup_type == "log":
+            return self.inverse_log_warm_up * math.log(iteration + 1)
+        return iteration / self.warmup_num_steps
+
+    def _per_group(self, value, what: str) -> list[float]:
+        groups = self.optimizer.param_groups
+        if isinstance(value, (list, tuple)):
+            if len(value) != len(groups):
+                raise ValueError(f"{type(self).__name__}({what}={list(value)!r}): one value per "
+                                 f"param group is needed, and the optimizer has {len(groups)}")
+            return [float(v) for v in value]
+        return [float(value)] * len(groups)
+
+
+class WarmupLR(_DeepSpeedSchedule):
+    """Warm the lr up from ``warmup_min_lr`` to ``warmup_max_lr``, then hold it.
+
+    At iteration ``i < warmup_num_steps`` the lr is ``min + (max - min) * g(i)`` with
+    ``g = log(i + 1) / log(warmup_num_steps)`` (``log``) or ``i / warmup_num_steps``
+    (``linear``); afterwards ``warmup_max_lr``. ``warmup_max_lr=None`` takes the optimizer's lr.
+
+    Args:
+        optimizer: any torch optimizer (OSS included).
+        warmup_min_lr, warmup_max_lr: a float, or one per param group.
+        warmup_num_steps: warm-up length in scheduler steps (at least 2 is used).
+        warmup_type: ``"log"`` (DeepSpeed's default) or ``"linear"``.
+        last_batch_iteration: resume position (-1: start).
+
+    Memory: two floats per param group. Communication: none.
+    """
+
+    def __init__(self, optimizer, warmup_min_lr: Union[Number, Sequence[Number]] = 0.0,
+                 warmup_max_lr: Union[Number, Sequence[Number], None] = 0.001,
+                 warmup_num_steps: int = 1000, warmup_type: str = "log",
+                 last_batch_iteration: int = -1):
+        self.optimizer = optimizer
+        if warmup_max_lr is None:
+            warmup_max_lr = optimizer.param_groups[0]["lr"]
+        self.min_lrs = self._per_group(warmup_min_lr, "warmup_min_lr")
+        self.max_lrs = self._per_group(warmup_max_lr, "warmup_max_lr")
+        self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]
+        super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
+
+    def _gamma(self, iteration: int) -> float:
+        if iteration < self.warmup_num_steps:
+            return self._warmup_fraction(iteration)
+        return 1.0
+
+    def lrs_at(self, iteration: int) -> list[float]:
+        if iteration < 0:
+            return list(self.min_lrs)
+        gamma = self._gamma(iteration)
+        return [lo + delta * gamma for lo, delta in zip(self.min_lrs, self.delta_lrs)]
+
+
+class WarmupDecayLR(WarmupLR):
+    """:class:`WarmupLR`'s warm-up, then a linear decay back to ``warmup_min_lr``.
+
+    After warm-up the lr is ``min + (max - min) * g`` with
+    ``g = (total_num_steps - i) / (total_num_steps - warmup_num_steps)`` floored at 0, so it
+    reaches ``warmup_min_lr`` at ``total_num_steps`` and stays there. Args as :class:`WarmupLR` plus ``total_num_steps`` (>= 1). Memory: two floats
+    per param group. Communication: none.
+    """
+
+    def __init__(self, optimizer, total_num_steps: int,
+                 warmup_min_lr: Union[Number, Sequence[Number]] = 0.0,
+                 warmup_max_lr: Union[Number, Sequence[Number], None] = 0.001,
+                 warmup_num_steps: int = 1000, warmup_type: str = "log",
+                 last_batch_iteration: int = -1):
+        _require_total_steps(type(self).__name__, total_num_steps)
+        self.total_num_steps = total_num_steps
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
+                         last_batch_iteration)
+
+    def _gamma(self, iteration: int) -> float:
+        if iteration < self.warmup_num_steps:
+            return self._warmup_fraction(iteration)
+        decay_span = max(1.0, float(self.total_num_steps - self.warmup_num_steps))
+        return max(0.0, float(self.total_num_steps - iteration) / decay_span)
+
+
+class WarmupCosineLR(_DeepSpeedSchedule):
+    """Scale each group's initial lr by a ratio: warm-up, then cosine decay.
+
+    During warm-up the ratio rises from ``warmup_min_ratio`` to 1 (``log`` or ``linear``);
+    afterwards it is ``cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * t / T)) / 2`` with
+    ``t = i - warmup_num_steps + 1`` and ``T = total_num_steps - warmup_num_steps``. As in
+    DeepSpeed the lr is 0 before the first :meth:`step`.
+
+    Args:
+        optimizer: any torch optimizer; its current lrs are the peak lrs.
+        total_num_steps: length of the whole schedule (> ``warmup_num_steps``).
+        warmup_min_ratio: starting ratio of the warm-up.
+        warmup_num_steps: warm-up length (at least 2 is used).
+        cos_min_ratio: final ratio at ``total_num_steps``.
+        warmup_type: ``"log"`` or ``"linear"``.
+        last_batch_iteration: resume position (-1: start).
+
+    Memory: one float per param group. Communication: none.
+    """
+
+    def __init__(self, optimizer, total_num_steps: int, warmup_min_ratio: float = 0.0,
+                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001,
+                 warmup_type: str = "log", last_batch_iteration: int = -1):
+        name = type(self).__name__
+        _require_total_steps(name, total_num_steps)
+        for label, ratio in (("warmup_min_ratio", warmup_min_ratio),
+                             ("cos_min_ratio", cos_min_ratio)):
+            if not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
+                raise ValueError(f"{name}({label}={ratio!r}): must be a number in [0, 1]")
+        if total_num_steps <= max(2, warmup_num_steps):
+            raise ValueError(f"{name}(total_num_steps={total_num_steps}): must exceed "
+                             f"warmup_num_steps={max(2, warmup_num_steps)}")
+        self.total_num_steps = total_num_steps
+        self.warmup_min_ratio = float(warmup_min_ratio)
+        self.cos_min_ratio = float(cos_min_ratio)
+        self.org_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+        super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
+
+    def ratio_at(self, iteration: int) -> float:
+        """The factor applied to every group's initial lr at ``iteration``."""
+        if iteration < 0:
+            return 0.0
+        if iteration < self.warmup_num_steps:
+            rise = self._warmup_fraction(iteration)
+            return self.warmup_min_ratio + rise * (1.0 - self.warmup_min_ratio)
+        step_into_decay = iteration - self.warmup_num_steps + 1
+        decay_span = self.total_num_steps - self.warmup_num_steps
+        cosine = (1 + math.cos(math.pi * step_into_decay / decay_span)) / 2
+        return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
+
+    def lrs_at(self, iteration: int) -> list[float]:
+        ratio = self.ratio_at(iteration)
+        return [lr * ratio for lr in self.org_lrs]
+
+
+def _require_total_steps(name: str, total_num_steps) -> None:
+    if isinstance(total_num_steps, bool) or not isinstance(total_num_steps, int) \
+            or total_num_steps < 1:
+        raise ValueError(f"{name}(total_num_steps={total_num_steps!r}): must be an integer >= 1")
