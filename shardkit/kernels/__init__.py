@@ -8,12 +8,13 @@ when ``SHARDKIT_KERNELS=triton`` (with ``TRITON_INTERPRET=1``: how the tests che
 Public functions:
     pack_rank_major / unpack_rank_major / shard_views: the reduce-scatter packing.
     adamw_step / sgd_step: fused optimizer steps over flat buffers.
+    adamw_step_many: the AdamW step over a list of tensors (one param group) in one launch.
 """
 
 from shardkit.kernels.dispatch import backend_for, triton_available
 from shardkit.kernels.packing import (chunk_numels_for, pack_rank_major, shard_views,
                                       unpack_rank_major, unpack_shard)
-from shardkit.kernels.optim_step import adamw_step, sgd_step
+from shardkit.kernels.optim_step import adamw_step, adamw_step_many, sgd_step
 
 __all__ = ["backend_for", "triton_available", "pack_rank_major", "unpack_rank_major",
-           "unpack_shard", "shard_views", "chunk_numels_for", "adamw_step", "sgd_step"]
+           "unpack_shard", "shard_views", "chunk_numels_for", "adamw_step", "adamw_step_many", "sgd_step"]

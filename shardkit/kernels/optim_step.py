@@ -1,33 +1,79 @@
 """Fused optimizer steps over flat buffers (AdamW/Adam and SGD with momentum).
 
 Each function updates ``param`` in place from ``grad`` and its state buffers, in one pass over
-memory where the backend allows it. Semantics are torch.optim.AdamW's / torch.optim.SGD's.
+memory where the backend allows it. Semantics are torch.optim.AdamW's / torch.optim.SGD's,
+including those of torch's fused kernels: with ``grad_scale`` the gradient buffer is left holding
+the unscaled gradient; with ``found_inf`` nonzero nothing is updated.
+
+Backends (see :func:`shardkit.kernels.backend_for`): Triton kernels on CUDA (one launch, the
+``found_inf`` test on the device, no host synchronisation); on CPU torch's fused kernels
+(``torch._fused_adamw_``, ``torch._fused_sgd_``), which stream memory once.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from shardkit.kernels.dispatch import backend_for
 
-__all__ = ["adamw_step", "sgd_step"]
+__all__ = ["adamw_step", "adamw_step_many", "sgd_step"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _check_buffers(name: str, param: torch.Tensor, **buffers: Optional[torch.Tensor]) -> None:
-    for key, t in buffers.items():
-        if t is None:
-            continue
-        if t.shape != param.shape:
-            raise ValueError(f"{name}: {key} has shape {tuple(t.shape)}, param has "
-                             f"{tuple(param.shape)}; they must match")
-        if t.device != param.device:
-            raise ValueError(f"{name}: {key} is on {t.device}, param on {param.device}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: {key} is not contiguous; flat buffers must be")
-    if not param.is_contiguous():
-        raise ValueError(f"{name}: param is not contiguous; flat buffers must be")
+def _check_flat(name: str, key: str, t: torch.Tensor, like: torch.Tensor,
+                same_dtype: bool) -> None:
+    if t.shape != like.shape:
+        raise ValueError(f"{name}: {key} has shape {tuple(t.shape)}, param has "
+                         f"{tuple(like.shape)}; they must match")
+    if t.device != like.device:
+        raise ValueError(f"{name}: {key} is on {t.device}, param on {like.device}; "
+                         f"all buffers must share a device")
+    if same_dtype and t.dtype != like.dtype:
+        raise ValueError(f"{name}: {key} is {t.dtype}, param is {like.dtype}; optimizer state "
+                         f"must have the parameter's dtype")
+    if t.dtype not in _FLOATS:
+        raise ValueError(f"{name}: {key} is {t.dtype}; valid dtypes are {list(_FLOATS)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: {key} (shape {tuple(t.shape)}, stride {t.stride()}) is not "
+                         f"contiguous; flat buffers must be (call .contiguous())")
+
+
+def _check_scalar_tensor(name: str, key: str, t: Optional[torch.Tensor],
+                         device: torch.device) -> None:
+    if t is None:
+        return
+    if t.numel() != 1 or t.device != device:
+        raise ValueError(f"{name}: {key} must be a one-element tensor on {device}; got "
+                         f"{t.numel()} elements on {t.device}")
+
+
+def _check_hyper(name: str, lr: float, **coefficients: float) -> None:
+    if not lr >= 0.0:
+        raise ValueError(f"{name}: lr={lr}; it must be >= 0")
+    for key, value in coefficients.items():
+        if not 0.0 <= value < 1.0 and key.startswith("beta"):
+            raise ValueError(f"{name}: {key}={value}; valid range is [0, 1)")
+        if not value >= 0.0:
+            raise ValueError(f"{name}: {key}={value}; it must be >= 0")
+
+
+def _check_adamw(name, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, amsgrad,
+                 low_precision_out, grad_scale, found_inf):
+    _check_flat(name, "param", param, param, same_dtype=True)
+    _check_flat(name, "grad", grad, param, same_dtype=False)
+    _check_flat(name, "exp_avg", exp_avg, param, same_dtype=True)
+    _check_flat(name, "exp_avg_sq", exp_avg_sq, param, same_dtype=True)
+    if amsgrad:
+        if max_exp_avg_sq is None:
+            raise ValueError(f"{name}: amsgrad=True needs max_exp_avg_sq")
+        _check_flat(name, "max_exp_avg_sq", max_exp_avg_sq, param, same_dtype=True)
+    if low_precision_out is not None:
+        _check_flat(name, "low_precision_out", low_precision_out, param, same_dtype=False)
+    _check_scalar_tensor(name, "grad_scale", grad_scale, param.device)
+    _check_scalar_tensor(name, "found_inf", found_inf, param.device)
 
 
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -39,34 +85,109 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                low_precision_out: Optional[torch.Tensor] = None) -> None:
     """One AdamW (``decoupled=True``) or Adam (L2, ``decoupled=False``) step, in place.
 
+    ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``) are contiguous buffers of one
+    shape and dtype; ``grad`` has their shape, any float dtype (fp32/bf16/fp16).
     ``step`` is the step number after this update (1 on the first step). ``grad_scale``: the
-    gradient is divided by it first; ``found_inf`` (nonzero): nothing is updated.
-    ``low_precision_out``: a bf16/fp16 buffer that receives the updated parameters.
-    Memory traffic: 28 bytes per fp32 parameter (read p, g, m, v; write p, m, v).
+    gradient is divided by it first (and left unscaled in ``grad``); ``found_inf`` (nonzero):
+    nothing is updated. ``low_precision_out``: a bf16/fp16 buffer that receives the updated
+    parameters in the same pass (on CPU a second pass; on a CPU skip it is left untouched).
+
+    Memory traffic: 28 bytes per fp32 parameter (read p, g, m, v; write p, m, v); +4 with
+    ``grad_scale`` (grad written back), +2 per element of ``low_precision_out``. No extra memory
+    except, on CPU, an fp32 copy of a low-precision ``grad``. No communication.
     """
-    _check_buffers("adamw_step", param, grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
-                   max_exp_avg_sq=max_exp_avg_sq, low_precision_out=low_precision_out)
-    if amsgrad and max_exp_avg_sq is None:
-        raise ValueError("adamw_step: amsgrad=True needs max_exp_avg_sq")
+    _check_adamw("adamw_step", param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, amsgrad,
+                 low_precision_out, grad_scale, found_inf)
+    _check_hyper("adamw_step", lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     if step < 1:
         raise ValueError(f"adamw_step: step={step}; it counts from 1")
+    hyper = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+                 weight_decay=float(weight_decay), maximize=bool(maximize),
+                 amsgrad=bool(amsgrad))
     if backend_for(param, grad) == "triton":
         from shardkit.kernels import triton_optim
-        triton_optim.adamw(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step=step, lr=lr,
-                           beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                           maximize=maximize, amsgrad=amsgrad, decoupled=decoupled,
-                           grad_scale=grad_scale, found_inf=found_inf,
-                           low_precision_out=low_precision_out)
+        triton_optim.adamw(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step=step,
+                           decoupled=decoupled, grad_scale=grad_scale, found_inf=found_inf,
+                           low_precision_out=low_precision_out, **hyper)
         return
-    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    step_t = torch.tensor(float(step), device=param.device)
-    g = grad if grad.dtype == param.dtype else grad.to(param.dtype)
-    fused([param], [g], [exp_avg], [exp_avg_sq],
-          [max_exp_avg_sq] if amsgrad else [], [step_t], lr=lr, beta1=beta1, beta2=beta2,
-          weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize,
-          grad_scale=grad_scale, found_inf=found_inf)
-    if low_precision_out is not None and not (found_inf is not None and found_inf.item()):
+    _torch_adamw([param], [grad], [exp_avg], [exp_avg_sq],
+                 [max_exp_avg_sq] if amsgrad else [], [step], decoupled=decoupled,
+                 grad_scale=grad_scale, found_inf=found_inf, **hyper)
+    if low_precision_out is not None and not _skipped_on_cpu(found_inf):
         low_precision_out.copy_(param)
+
+
+def _skipped_on_cpu(found_inf: Optional[torch.Tensor]) -> bool:
+    # Reading a CPU scalar is a memory load, not a device synchronisation. On a CUDA tensor
+    # (torch fallback) we do not sync: the low-precision copy is refreshed from the (unchanged)
+    # parameters instead.
+    return found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf.item())
+
+
+def _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, decoupled,
+                 grad_scale, found_inf, **hyper) -> None:
+    """torch's fused Adam(W) over lists: one C++ call, one pass over memory per tensor."""
+    fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    device = params[0].device
+    step_tensors = torch.tensor([float(s) for s in steps], device=device).unbind(0)
+    casts = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
+    fused(list(params), casts, list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
+          list(step_tensors), grad_scale=grad_scale, found_inf=found_inf, **hyper)
+    if grad_scale is not None:
+        for g, cast in zip(grads, casts):
+            if cast is not g:  # keep the contract: grad holds the unscaled gradient
+                g.copy_(cast)
+
+
+def adamw_step_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                    exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor], *,
+                    steps: Sequence[int], lr: float, beta1: float = 0.9, beta2: float = 0.999,
+                    eps: float = 1e-8, weight_decay: float = 0.01, maximize: bool = False,
+                    amsgrad: bool = False,
+                    max_exp_avg_sqs: Optional[Sequence[torch.Tensor]] = None,
+                    decoupled: bool = True, grad_scale: Optional[torch.Tensor] = None,
+                    found_inf: Optional[torch.Tensor] = None) -> None:
+    """:func:`adamw_step` over lists of tensors (e.g. one param group) in one kernel launch.
+
+    ``steps[i]`` is tensor ``i``'s step number after this update. Each tensor ``i`` follows the
+    rules of :func:`adamw_step`; all share one device. Memory traffic: 28 B per fp32 parameter,
+    as the flat step; the Triton launch also copies a small address table to the device.
+    """
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
+    if amsgrad:
+        if max_exp_avg_sqs is None:
+            raise ValueError("adamw_step_many: amsgrad=True needs max_exp_avg_sqs")
+        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+    for key, values in lists.items():
+        if len(values) != len(params):
+            raise ValueError(f"adamw_step_many: {key} has {len(values)} entries for "
+                             f"{len(params)} params")
+    if not params:
+        return
+    device = params[0].device
+    for i, p in enumerate(params):
+        if p.device != device:
+            raise ValueError(f"adamw_step_many: params[{i}] is on {p.device}, params[0] on "
+                             f"{device}; all must share a device")
+        _check_adamw(f"adamw_step_many (tensor {i})", p, grads[i], exp_avgs[i], exp_avg_sqs[i],
+                     max_exp_avg_sqs[i] if amsgrad else None, amsgrad, None, grad_scale,
+                     found_inf)
+        if steps[i] < 1:
+            raise ValueError(f"adamw_step_many: steps[{i}]={steps[i]}; steps count from 1")
+    _check_hyper("adamw_step_many", lr, beta1=beta1, beta2=beta2, eps=eps,
+                 weight_decay=weight_decay)
+    hyper = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+                 weight_decay=float(weight_decay), maximize=bool(maximize),
+                 amsgrad=bool(amsgrad))
+    maxes = list(max_exp_avg_sqs) if amsgrad else []
+    if backend_for(*params) == "triton":
+        from shardkit.kernels import triton_optim
+        triton_optim.adamw_many(params, grads, exp_avgs, exp_avg_sqs, maxes, steps=steps,
+                                decoupled=decoupled, grad_scale=grad_scale,
+                                found_inf=found_inf, **hyper)
+        return
+    _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, maxes, steps, decoupled=decoupled,
+                 grad_scale=grad_scale, found_inf=found_inf, **hyper)
 
 
 def sgd_step(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[torch.Tensor],
@@ -75,30 +196,34 @@ def sgd_step(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[
              first_step: bool = False, grad_scale: Optional[torch.Tensor] = None,
              found_inf: Optional[torch.Tensor] = None) -> None:
     """One SGD step (torch.optim.SGD semantics), in place. ``first_step``: the momentum buffer
-    is initialised to the gradient, as torch does on a parameter's first step."""
-    _check_buffers("sgd_step", param, grad=grad, momentum_buffer=momentum_buffer)
-    if momentum and momentum_buffer is None:
-        raise ValueError("sgd_step: momentum > 0 needs momentum_buffer")
+    is initialised to the gradient, as torch does on a parameter's first step.
+
+    Memory traffic: 12 B per fp32 parameter without momentum, 20 with. No communication.
+    """
+    _check_flat("sgd_step", "param", param, param, same_dtype=True)
+    _check_flat("sgd_step", "grad", grad, param, same_dtype=False)
+    if momentum:
+        if momentum_buffer is None:
+            raise ValueError(f"sgd_step: momentum={momentum} needs momentum_buffer")
+        _check_flat("sgd_step", "momentum_buffer", momentum_buffer, param, same_dtype=True)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(f"sgd_step: nesterov=True needs momentum > 0 and dampening == 0; got "
+                         f"momentum={momentum}, dampening={dampening}")
+    _check_hyper("sgd_step", lr, momentum=momentum, weight_decay=weight_decay)
+    _check_scalar_tensor("sgd_step", "grad_scale", grad_scale, param.device)
+    _check_scalar_tensor("sgd_step", "found_inf", found_inf, param.device)
+    hyper = dict(lr=float(lr), momentum=float(momentum), dampening=float(dampening),
+                 weight_decay=float(weight_decay), nesterov=bool(nesterov),
+                 maximize=bool(maximize))
     if backend_for(param, grad) == "triton":
         from shardkit.kernels import triton_optim
-        triton_optim.sgd(param, grad, momentum_buffer, lr=lr, momentum=momentum,
-                         dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-                         maximize=maximize, first_step=first_step, grad_scale=grad_scale,
-                         found_inf=found_inf)
+        triton_optim.sgd(param, grad, momentum_buffer if momentum else None,
+                         first_step=first_step, grad_scale=grad_scale, found_inf=found_inf,
+                         **hyper)
         return
-    if found_inf is not None and found_inf.item():
-        return
-    g = grad.to(param.dtype)
-    if grad_scale is not None:
-        g = g / grad_scale
-    if maximize:
-        g = -g
-    if weight_decay:
-        g = g.add(param, alpha=weight_decay)
-    if momentum:
-        if first_step:
-            momentum_buffer.copy_(g)
-        else:
-            momentum_buffer.mul_(momentum).add_(g, alpha=1 - dampening)
-        g = g.add(momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
-    param.add_(g, alpha=-lr)
+    g = grad if grad.dtype == param.dtype else grad.to(param.dtype)
+    torch._fused_sgd_([param], [g], [momentum_buffer] if momentum else [],
+                      is_first_step=bool(first_step), grad_scale=grad_scale,
+                      found_inf=found_inf, **hyper)
+    if grad_scale is not None and g is not grad:
+        grad.copy_(g)

@@ -27,16 +27,26 @@ def chunk_numels_for(numels: Sequence[int], world_size: int) -> list[int]:
 
 
 def _check_chunks(numels, chunk_numels, world_size):
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}; it must be an int >= 1")
     if chunk_numels is None:
         return chunk_numels_for(numels, world_size)
-    chunk_numels = list(chunk_numels)
+    chunk_numels = [int(c) for c in chunk_numels]
     if len(chunk_numels) != len(numels):
         raise ValueError(f"chunk_numels has {len(chunk_numels)} entries for {len(numels)} tensors")
     for i, (n, c) in enumerate(zip(numels, chunk_numels)):
-        if c * world_size < n:
+        if c < 0 or c * world_size < n:
             raise ValueError(f"chunk_numels[{i}]={c} x world_size {world_size} < numel {n}: "
-                             f"the chunks would not cover tensor {i}")
+                             f"the chunks would not cover tensor {i}; use at least "
+                             f"ceil({n} / {world_size}) = {-(-n // world_size)}")
     return chunk_numels
+
+
+def _check_same_device(name, tensors, device):
+    for i, t in enumerate(tensors):
+        if t.device != device:
+            raise ValueError(f"{name}: tensors[{i}] is on {t.device}, the first on {device}; "
+                             f"all must share a device")
 
 
 def pack_rank_major(tensors: Sequence[torch.Tensor], world_size: int, *, scale: float = 1.0,
@@ -45,15 +55,14 @@ def pack_rank_major(tensors: Sequence[torch.Tensor], world_size: int, *, scale: 
     """Copy ``tensors`` into one flat rank-major buffer, multiplied by ``scale`` and cast to
     ``dtype`` (default: the first tensor's) in the same pass. Padding is zeros.
 
-    Memory: one buffer of ``world_size * sum(chunk_numels)`` elements (or ``out``).
+    Memory: one buffer of ``world_size * sum(chunk_numels)`` elements (or ``out``). Traffic:
+    each element read once and written once (Triton: one launch per source dtype; CPU: one
+    strided copy per tensor, scale and cast fused into it). No communication.
     """
     if not tensors:
         raise ValueError("pack_rank_major: tensors is empty")
     device = tensors[0].device
-    for i, t in enumerate(tensors):
-        if t.device != device:
-            raise ValueError(f"pack_rank_major: tensors[{i}] is on {t.device}, tensors[0] on "
-                             f"{device}; all must share a device")
+    _check_same_device("pack_rank_major", tensors, device)
     numels = [t.numel() for t in tensors]
     chunks = _check_chunks(numels, chunk_numels, world_size)
     seg = sum(chunks)
@@ -69,24 +78,44 @@ def pack_rank_major(tensors: Sequence[torch.Tensor], world_size: int, *, scale: 
     view = out.view(world_size, seg)
     offset = 0
     for t, n, c in zip(tensors, numels, chunks):
-        _copy_into_columns(view[:, offset:offset + c], t.reshape(-1), n, c)
+        _write_columns(view[:, offset:offset + c], t.reshape(-1), n, c, scale)
         offset += c
-    if scale != 1.0:
-        out.mul_(scale)
     return out
 
 
-def _copy_into_columns(cols: torch.Tensor, src: torch.Tensor, n: int, c: int) -> None:
-    """Write ``src`` (n elements) row by row into the (world_size, c) view ``cols``; zero the rest."""
+def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
+    """``dst = src * scale`` in one pass, computed in the wider of the two dtypes."""
+    if scale == 1.0:
+        dst.copy_(src)
+    elif src.dtype.itemsize >= dst.dtype.itemsize:
+        torch.mul(src, scale, out=dst)
+    else:  # multiplying in src's narrower dtype would round before the cast widens it
+        dst.copy_(src).mul_(scale)
+
+
+def _write_columns(cols: torch.Tensor, src: torch.Tensor, n: int, c: int, scale: float) -> None:
+    """Write ``src * scale`` (n elements) row by row into the (world_size, c) view ``cols``;
+    zero the rest."""
     if c == 0:
         return
     rows = n // c
-    cols[:rows].copy_(src[:rows * c].view(rows, c))
+    _scaled_copy(cols[:rows], src[:rows * c].view(rows, c), scale)
     if rows < cols.shape[0]:
         rest = n - rows * c
-        cols[rows, :rest].copy_(src[rows * c:])
+        _scaled_copy(cols[rows, :rest], src[rows * c:], scale)
         cols[rows, rest:].zero_()
         cols[rows + 1:].zero_()
+
+
+def _read_columns(dst: torch.Tensor, cols: torch.Tensor, n: int, c: int) -> None:
+    """Inverse of :func:`_write_columns` without scale: the first ``n`` elements of the
+    (world_size, c) view ``cols``, row by row, into the flat ``dst``."""
+    if c == 0:
+        return
+    rows = n // c
+    dst[:rows * c].view(rows, c).copy_(cols[:rows])
+    if rows * c < n:
+        dst[rows * c:].copy_(cols[rows, :n - rows * c])
 
 
 def _check_out(out, numel, dtype, device):
@@ -94,29 +123,44 @@ def _check_out(out, numel, dtype, device):
         raise ValueError(f"out has {out.numel()} {out.dtype} elements on {out.device}; expected "
                          f"{numel} {dtype} on {device}")
     if not out.is_contiguous():
-        raise ValueError("out must be contiguous")
+        raise ValueError(f"out (stride {out.stride()}) must be contiguous")
 
 
 def unpack_rank_major(buffer: torch.Tensor, world_size: int, outs: Sequence[torch.Tensor],
                       chunk_numels: Optional[Sequence[int]] = None) -> None:
     """Inverse of :func:`pack_rank_major`: copy a full rank-major buffer (e.g. an all-gather
-    output) back into the tensors ``outs`` (casting to their dtype), dropping the padding."""
+    output) back into the tensors ``outs`` (casting to their dtype), dropping the padding.
+
+    Traffic: each kept element read once and written once; no extra memory, no communication.
+    """
     numels = [t.numel() for t in outs]
     chunks = _check_chunks(numels, chunk_numels, world_size)
     seg = sum(chunks)
     if buffer.numel() != world_size * seg:
         raise ValueError(f"unpack_rank_major: buffer has {buffer.numel()} elements; the layout "
                          f"needs world_size {world_size} x {seg} = {world_size * seg}")
+    if not buffer.is_contiguous():
+        raise ValueError(f"unpack_rank_major: buffer (stride {buffer.stride()}) must be "
+                         f"contiguous")
+    _check_same_device("unpack_rank_major", outs, buffer.device)
+    if backend_for(buffer, *outs) == "triton" and all(t.is_contiguous() for t in outs):
+        from shardkit.kernels import triton_packing
+        triton_packing.unpack(buffer, outs, chunks, world_size)
+        return
     view = buffer.view(world_size, seg)
     offset = 0
     for t, n, c in zip(outs, numels, chunks):
-        cols = view[:, offset:offset + c].reshape(-1)[:n]
-        t.view(-1).copy_(cols) if t.is_contiguous() else t.copy_(cols.view(t.shape))
+        cols = view[:, offset:offset + c]
+        if t.is_contiguous():
+            _read_columns(t.view(-1), cols, n, c)
+        else:
+            t.copy_(cols.reshape(-1)[:n].view(t.shape))
         offset += c
 
 
 def shard_views(shard: torch.Tensor, chunk_numels: Sequence[int]) -> list[torch.Tensor]:
-    """Views of one rank's segment, one per packed tensor, of ``chunk_numels[i]`` elements."""
+    """Views of one rank's segment, one per packed tensor, of ``chunk_numels[i]`` elements
+    (no copy, no extra memory)."""
     if shard.numel() != sum(chunk_numels):
         raise ValueError(f"shard_views: shard has {shard.numel()} elements; chunks sum to "
                          f"{sum(chunk_numels)}")
@@ -128,6 +172,13 @@ def unpack_shard(shard: torch.Tensor, outs: Sequence[torch.Tensor],
     """Copy (or add, with ``accumulate``) one rank's segment into per-parameter tensors
     ``outs``; ``chunk_numels`` default to the outs' sizes."""
     chunks = list(chunk_numels) if chunk_numels is not None else [t.numel() for t in outs]
+    if len(chunks) != len(outs):
+        raise ValueError(f"unpack_shard: chunk_numels has {len(chunks)} entries for "
+                         f"{len(outs)} outs")
+    for i, (c, t) in enumerate(zip(chunks, outs)):
+        if c < t.numel():
+            raise ValueError(f"unpack_shard: chunk_numels[{i}]={c} is smaller than outs[{i}] "
+                             f"({t.numel()} elements); the shard cannot fill it")
     for src, t in zip(shard_views(shard, chunks), outs):
         src = src[:t.numel()].view(t.shape)
         t.add_(src) if accumulate else t.copy_(src)

@@ -1,0 +1,32 @@
+"""Pieces shared by the Triton kernels: the torch → Triton dtype table and a rounding cast.
+
+Imported only by the ``triton_*`` kernel modules (lazily, after ``TRITON_INTERPRET`` is set).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["TL_DTYPES", "cast_to"]
+
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
+             torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}
+
+
+@triton.jit
+def cast_to(x, DTYPE: tl.constexpr):
+    """``x`` cast to ``DTYPE``, rounding to nearest even like torch.
+
+    Note: the bf16 case is spelled out on the bits because Triton's interpreter truncates
+    fp32 → bf16 while GPUs (and torch) round to nearest even; doing the rounding ourselves
+    gives the same bits on both, so the interpreter tests check what the GPU computes.
+    """
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        rounded = tl.where(x != x, bits >> 16, rounded)  # keep NaNs NaN
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
