@@ -1,0 +1,134 @@
+"""ShardedGradScaler: torch.amp.GradScaler semantics, with the skip decision shared by all ranks."""
+
+import pytest
+import torch
+
+from shardkit import distributed as skdist
+from shardkit.optim.grad_scaler import ShardedGradScaler
+from shardkit.testing import World
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+def _model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _scaled_step(model, optimizer, scaler, poison: bool):
+    optimizer.zero_grad()
+    loss = model(torch.ones(2, 4)).sum()
+    scaler.scale(loss).backward()
+    if poison:
+        model.weight.grad[0, 0] = float("inf")
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def _check_inf_on_one_rank_skips_everywhere():
+    rank = skdist.get_rank()
+    model, optimizer = _model_and_optimizer()
+    scaler = ShardedGradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    before = model.weight.detach().clone()
+    with skdist.CommCounter() as comm:
+        _scaled_step(model, optimizer, scaler, poison=(rank == 1))
+    skipped = torch.equal(model.weight, before)
+    scale_after_inf = scaler.get_scale()
+    _scaled_step(model, optimizer, scaler, poison=False)
+    stepped = not torch.equal(model.weight, before)
+    return dict(skipped=skipped, scale_after_inf=scale_after_inf, stepped=stepped,
+                scale_after_ok=scaler.get_scale(), all_reduces=comm.calls_by_op)
+
+
+def test_inf_on_one_rank_makes_all_ranks_skip(world2):
+    results = world2.run(_check_inf_on_one_rank_skips_everywhere)
+    for r in results:
+        assert r["skipped"], "a rank stepped although another rank found an inf"
+        assert r["scale_after_inf"] == 512.0  # backed off on every rank
+        assert r["stepped"]
+        assert r["scale_after_ok"] == 1024.0  # growth_interval=1: grows back after a good step
+        assert r["all_reduces"] == {"all_reduce": 1}
+
+
+def _check_rank_without_grads_takes_part():
+    """A rank holding no gradient of the optimizer (a non-owner under sharding) must still
+    join the decision and skip with the others instead of asserting."""
+    rank = skdist.get_rank()
+    model, optimizer = _model_and_optimizer()
+    scaler = ShardedGradScaler("cpu", init_scale=8.0)
+    before = model.weight.detach().clone()
+    loss = model(torch.ones(2, 4)).sum()
+    scaler.scale(loss).backward()
+    if rank == 0:
+        for p in model.parameters():
+            p.grad = None
+    else:
+        model.bias.grad[0] = float("nan")
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    return torch.equal(model.weight, before), scaler.get_scale()
+
+
+def test_rank_without_grads_skips_with_the_others(world2):
+    assert world2.run(_check_rank_without_grads_takes_part) == [(True, 4.0)] * 2
+
+
+def _check_bf16_autocast_matches_torch_scaler():
+    """Without infs, the sharded scaler trains exactly as torch's GradScaler (bf16 autocast)."""
+    results = []
+    for scaler_cls in (ShardedGradScaler, torch.amp.GradScaler):
+        model, optimizer = _model_and_optimizer()
+        scaler = scaler_cls("cpu", init_scale=256.0, growth_interval=2)
+        for step in range(4):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.full((2, 4), 0.1 * (step + 1))).float().sum()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        results.append((model.weight.detach().clone(), scaler.get_scale()))
+    (w_ours, s_ours), (w_torch, s_torch) = results
+    return torch.equal(w_ours, w_torch), s_ours, s_torch
+
+
+def test_bf16_autocast_matches_torch_grad_scaler(world2):
+    for same, ours, theirs in world2.run(_check_bf16_autocast_matches_torch_scaler):
+        assert same and ours == theirs == 1024.0
+
+
+def test_state_dict_round_trip_single_process():
+    scaler = ShardedGradScaler("cpu", init_scale=32.0, growth_factor=4.0, backoff_factor=0.25,
+                               growth_interval=7)
+    model, optimizer = _model_and_optimizer()
+    _scaled_step(model, optimizer, scaler, poison=True)   # no process group: local decision
+    state = scaler.state_dict()
+    assert state["scale"] == 8.0 and state["growth_factor"] == 4.0
+    other = ShardedGradScaler("cpu")
+    other.load_state_dict(state)
+    assert other.get_scale() == 8.0 and other.get_growth_interval() == 7
+    assert other.get_backoff_factor() == 0.25
+
+
+def test_disabled_scaler_is_a_pass_through():
+    scaler = ShardedGradScaler("cpu", enabled=False)
+    model, optimizer = _model_and_optimizer()
+    loss = model(torch.ones(1, 4)).sum()
+    assert scaler.scale(loss) is loss
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(device=65536.0), "device=65536.0"),
+    (dict(device="cpu", init_scale=0.0), "init_scale=0.0"),
+    (dict(device="cpu", growth_factor=1.0), "growth_factor=1.0"),
+    (dict(device="cpu", backoff_factor=1.5), "backoff_factor=1.5"),
+    (dict(device="cpu", growth_interval=0), "growth_interval=0"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        ShardedGradScaler(**kwargs)
