@@ -1,0 +1,221 @@
+"""A small GPT written with tensor-parallel layers: shardkit's reference GPT, Megatron-split.
+
+Same architecture and parameter shapes (unsplit) as :class:`shardkit.models.GPT`, laid out as an
+``nn.Sequential`` of ``[GPTEmbedding, TensorParallelBlock x n_layer, GPTHead]`` so that pipeline
+stages can cut it anywhere. Per block: the fused q/k/v projection and the first MLP linear are
+column-parallel, the attention output and the second MLP linear row-parallel, so a block costs
+exactly two all-reduces of the activation (``[batch, seq, d_model]``) forward and two backward
+(with ``sequence_parallel``: two all-gathers + two reduce-scatters each way, the same bytes).
+The embedding is vocabulary-parallel and the head column-parallel without gathering: the loss is
+:func:`vocab_parallel_cross_entropy`, so the ``[tokens, vocab]`` logits never exist whole.
+
+Memory per rank: the linear and embedding weights ``1/n``; LayerNorms, biases of row-parallel
+layers and the position embedding replicated.
+
+Usage::
+
+    initialize_model_parallel(2)
+    model = TensorParallelGPT(GPTConfig(...))
+    load_full_model_state_dict(model, from_reference_state_dict(GPT(cfg).state_dict(), cfg))
+    loss = model.loss(idx, target)
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardkit.models import GPTConfig
+from shardkit.nn.model_parallel.cross_entropy import vocab_parallel_cross_entropy
+from shardkit.nn.model_parallel.initialize import (
+    get_model_parallel_rank, get_model_parallel_world_size)
+from shardkit.nn.model_parallel.layers import (
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+from shardkit.nn.model_parallel.random import get_model_parallel_rng_tracker
+from shardkit.nn.model_parallel.sequence_parallel import (
+    mark_sequence_parallel, reduce_sequence_parallel_grads)
+from shardkit.nn.model_parallel.utils import divide
+
+__all__ = ["TensorParallelGPT", "TensorParallelBlock", "TensorParallelAttention", "GPTEmbedding",
+           "GPTHead", "from_reference_state_dict", "to_reference_state_dict", "gpt_loss"]
+
+SEQ = 1  # activations are [batch, seq, d_model]
+
+
+def _sharded_dropout_rng(enabled: bool):
+    """Dropout on activations that differ across tensor-parallel ranks draws its own stream."""
+    if enabled and get_model_parallel_rng_tracker().names():
+        return get_model_parallel_rng_tracker().fork()
+    return contextlib.nullcontext()
+
+
+class TensorParallelAttention(nn.Module):
+    """Causal self-attention with ``n_head / n`` heads per tensor-parallel rank."""
+
+    def __init__(self, cfg: GPTConfig, sequence_parallel: bool = False):
+        super().__init__()
+        tp = get_model_parallel_world_size()
+        self.local_heads = divide(cfg.n_head, tp, f"GPTConfig.n_head over tensor-parallel size "
+                                                  f"{tp}: n_head")
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.dropout = cfg.dropout
+        self.qkv = ColumnParallelLinear(cfg.d_model, 3 * cfg.d_model, stride=3,
+                                        gather_output=False, sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, input_is_parallel=True,
+                                      sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)
+        b, t, _ = qkv.shape
+        q, k, v = (z.view(b, t, self.local_heads, self.head_dim).transpose(1, 2)
+                   for z in qkv.chunk(3, dim=-1))
+        p = self.dropout if self.training else 0.0
+        with _sharded_dropout_rng(p > 0):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        return self.proj(y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim))
+
+
+class TensorParallelBlock(nn.Module):
+    """Pre-norm transformer block (``x + attn(ln(x)); x + mlp(ln(x))``), tensor-parallel.
+
+    With ``sequence_parallel`` the input and output are this rank's ``seq / n`` slice and the
+    LayerNorm parameters are marked for :func:`reduce_sequence_parallel_grads`.
+    """
+
+    def __init__(self, cfg: GPTConfig, sequence_parallel: bool = False):
+        super().__init__()
+        self.sequence_parallel = sequence_parallel
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = TensorParallelAttention(cfg, sequence_parallel)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = ColumnParallelLinear(cfg.d_model, 4 * cfg.d_model, gather_output=False,
+                                       sequence_parallel=sequence_parallel)
+        self.out = RowParallelLinear(4 * cfg.d_model, cfg.d_model, input_is_parallel=True,
+                                     sequence_parallel=sequence_parallel)
+        self.drop = nn.Dropout(cfg.dropout)
+        if sequence_parallel:
+            mark_sequence_parallel(self.ln1)
+            mark_sequence_parallel(self.ln2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        h = self.out(F.gelu(self.fc(self.ln2(x))))
+        with _sharded_dropout_rng(self.sequence_parallel and self.training):
+            return x + self.drop(h)
+
+
+class GPTEmbedding(nn.Module):
+    """Vocabulary-parallel token embedding plus a replicated position embedding."""
+
+    def __init__(self, cfg: GPTConfig, sequence_parallel: bool = False):
+        super().__init__()
+        self.seq_len = cfg.seq_len
+        self.sequence_parallel = sequence_parallel
+        self.tok_emb = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model,
+                                              sequence_parallel=sequence_parallel)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        if sequence_parallel:
+            mark_sequence_parallel(self.pos_emb)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.seq_len:
+            raise ValueError(f"TensorParallelGPT: sequence length {t} exceeds "
+                             f"seq_len={self.seq_len}")
+        pos = torch.arange(t, device=idx.device)
+        if self.sequence_parallel:
+            local = divide(t, get_model_parallel_world_size(),
+                           "sequence length with sequence_parallel over the tensor-parallel size")
+            pos = pos[get_model_parallel_rank() * local:(get_model_parallel_rank() + 1) * local]
+        return self.tok_emb(idx) + self.pos_emb(pos)
+
+
+class GPTHead(nn.Module):
+    """Final LayerNorm and a column-parallel LM head; returns this rank's vocabulary slice of
+    the logits (``[batch, seq, vocab / n]``, full sequence)."""
+
+    def __init__(self, cfg: GPTConfig, sequence_parallel: bool = False):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, bias=False,
+                                         gather_output=False, sequence_parallel=sequence_parallel)
+        if sequence_parallel:
+            mark_sequence_parallel(self.ln_f)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def gpt_loss(vocab_parallel_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of vocabulary-split logits (a pipeline ``loss_fn``)."""
+    return vocab_parallel_cross_entropy(vocab_parallel_logits, target).mean()
+
+
+class TensorParallelGPT(nn.Sequential):
+    """:class:`shardkit.models.GPT` with Megatron-split layers (untied weights only).
+
+    Args:
+        cfg: the model's shape; ``n_head``, ``vocab_size`` and ``4 * d_model`` must divide by the
+            tensor-parallel size (and ``seq_len`` too with ``sequence_parallel``).
+        sequence_parallel: keep LayerNorm/dropout/residual activations split along the sequence.
+            Call :meth:`reduce_sequence_parallel_grads` after backward.
+
+    ``forward(idx)`` returns vocabulary-split logits; ``loss(idx, target)`` the mean
+    cross-entropy. Initialisation follows each layer's master-weight rule; load
+    :func:`from_reference_state_dict` of a :class:`shardkit.models.GPT` for its exact weights.
+    """
+
+    def __init__(self, cfg: GPTConfig, sequence_parallel: bool = False):
+        if cfg.tie_weights:
+            raise ValueError("TensorParallelGPT: GPTConfig.tie_weights=True is not supported; "
+                             "use tie_weights=False")
+        super().__init__(GPTEmbedding(cfg, sequence_parallel),
+                         *[TensorParallelBlock(cfg, sequence_parallel) for _ in range(cfg.n_layer)],
+                         GPTHead(cfg, sequence_parallel))
+        self.cfg = cfg
+        self.sequence_parallel = sequence_parallel
+
+    def loss(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over all tokens (same value on every tensor-parallel rank)."""
+        return gpt_loss(self(idx), target)
+
+    def reduce_sequence_parallel_grads(self) -> None:
+        """Sum the sequence-parallel parameters' gradients over the tensor-parallel group
+        (one all-reduce; nothing without sequence parallelism)."""
+        if self.sequence_parallel:
+            reduce_sequence_parallel_grads(self)
+
+
+def _reference_key_map(n_layer: int) -> list[tuple[str, str]]:
+    """(reference prefix, tensor-parallel prefix) pairs."""
+    pairs = [("tok_emb.", "0.tok_emb."), ("pos_emb.", "0.pos_emb."),
+             ("ln_f.", f"{n_layer + 1}.ln_f."), ("head.", f"{n_layer + 1}.head.")]
+    pairs += [(f"blocks.{i}.", f"{i + 1}.") for i in range(n_layer)]
+    return pairs
+
+
+def from_reference_state_dict(state_dict: dict, cfg: GPTConfig) -> dict:
+    """Rename a :class:`shardkit.models.GPT` state dict to :class:`TensorParallelGPT`'s (unsplit)
+    keys, for :func:`load_full_model_state_dict`."""
+    return _rename(state_dict, _reference_key_map(cfg.n_layer))
+
+
+def to_reference_state_dict(state_dict: dict, cfg: GPTConfig) -> dict:
+    """Inverse of :func:`from_reference_state_dict` (e.g. on :func:`full_model_state_dict`)."""
+    return _rename(state_dict, [(b, a) for a, b in _reference_key_map(cfg.n_layer)])
+
+
+def _rename(state_dict: dict, pairs: list[tuple[str, str]]) -> dict:
+    out = {}
+    for key, value in state_dict.items():
+        for old, new in pairs:
+            if key.startswith(old):
+                out[new + key[len(old):]] = value
+                break
+        else:
+            raise KeyError(f"GPT state dict key {key!r} matches none of "
+                           f"{[old for old, _ in pairs]}")
+    return out

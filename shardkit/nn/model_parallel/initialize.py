@@ -1,0 +1,225 @@
+"""Tensor-, pipeline- and data-parallel process groups over the world (FairScale/Megatron order).
+
+The world of ``W`` ranks is viewed as a ``[data, pipeline, tensor]`` grid, tensor-parallel ranks
+adjacent (they talk most, so they should share a node), then pipeline, then data::
+
+    rank = data_index * (pipeline_length * tp) + pipeline_index * tp + tensor_index
+
+With ``W = 8``, tensor 2, pipeline 2 (data 2): tensor groups ``[0,1] [2,3] [4,5] [6,7]``,
+pipeline groups ``[0,2] [1,3] [4,6] [5,7]``, data groups ``[0,4] [1,5] [2,6] [3,7]``.
+
+The layout itself is a pure value (:class:`ParallelLayout`); :func:`initialize_model_parallel`
+creates the groups once, on every rank, and the getters read them back.
+
+.. warning:: :func:`initialize_model_parallel` and :func:`destroy_model_parallel` must be called
+   on every rank, in the same order (group creation is collective).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from shardkit import distributed
+
+__all__ = [
+    "ParallelLayout", "initialize_model_parallel", "model_parallel_is_initialized",
+    "destroy_model_parallel", "get_parallel_layout",
+    "get_model_parallel_group", "get_model_parallel_rank", "get_model_parallel_world_size",
+    "get_model_parallel_src_rank", "get_model_parallel_ranks",
+    "get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size",
+    "get_data_parallel_ranks",
+    "get_pipeline_parallel_group", "get_pipeline_parallel_rank",
+    "get_pipeline_parallel_world_size", "get_pipeline_parallel_ranks",
+]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How ``world_size`` ranks split into tensor (``model_parallel_size``), pipeline and data
+    parallelism. Pure arithmetic, identical on every rank; no communication, no memory."""
+
+    world_size: int
+    model_parallel_size: int
+    pipeline_length: int = 1
+
+    def __post_init__(self):
+        for name in ("world_size", "model_parallel_size", "pipeline_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelLayout: {name}={value!r}; it must be an int >= 1")
+        tp, pp, world = self.model_parallel_size, self.pipeline_length, self.world_size
+        if world % (tp * pp):
+            raise ValueError(
+                f"world size {world} is not divisible by tensor-parallel size "
+                f"(model_parallel_size) {tp} × pipeline size (pipeline_length) {pp} = {tp * pp}; "
+                f"choose sizes whose product divides {world}")
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.model_parallel_size * self.pipeline_length)
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """``(data_index, pipeline_index, tensor_index)`` of global ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is outside [0, world_size={self.world_size})")
+        tp, pp = self.model_parallel_size, self.pipeline_length
+        return rank // (tp * pp), (rank // tp) % pp, rank % tp
+
+    def rank_at(self, data: int, pipeline: int, tensor: int) -> int:
+        """Global rank at grid position ``(data, pipeline, tensor)``."""
+        tp, pp = self.model_parallel_size, self.pipeline_length
+        return data * tp * pp + pipeline * tp + tensor
+
+    def tensor_groups(self) -> list[list[int]]:
+        """Every tensor-parallel group (adjacent ranks), in creation order."""
+        return [[self.rank_at(d, p, t) for t in range(self.model_parallel_size)]
+                for d in range(self.data_parallel_size) for p in range(self.pipeline_length)]
+
+    def pipeline_groups(self) -> list[list[int]]:
+        """Every pipeline group (one rank per stage, same tensor and data index)."""
+        return [[self.rank_at(d, p, t) for p in range(self.pipeline_length)]
+                for d in range(self.data_parallel_size) for t in range(self.model_parallel_size)]
+
+    def data_groups(self) -> list[list[int]]:
+        """Every data-parallel group (same pipeline stage and tensor index)."""
+        return [[self.rank_at(d, p, t) for d in range(self.data_parallel_size)]
+                for p in range(self.pipeline_length) for t in range(self.model_parallel_size)]
+
+
+@dataclass(frozen=True)
+class _Groups:
+    layout: ParallelLayout
+    tensor: object
+    tensor_ranks: tuple
+    pipeline: object
+    pipeline_ranks: tuple
+    data: object
+    data_ranks: tuple
+
+
+_GROUPS: Optional[_Groups] = None
+
+
+def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1) -> None:
+    """Create the tensor-, pipeline- and data-parallel groups for this rank.
+
+    Args:
+        model_parallel_size: ranks that split each layer (tensor parallelism); adjacent ranks.
+        pipeline_length: pipeline stages; the data-parallel size is what remains,
+            ``world_size / (model_parallel_size * pipeline_length)``.
+
+    Costs ``world/tp + world/pp + world/dp`` group creations (store rendezvous, no tensor
+    traffic) and no model memory. Must be called on every rank.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised, or the groups already exist.
+        ValueError: a size below 1, or a world size not divisible by
+            ``model_parallel_size * pipeline_length`` (the message has the numbers).
+    """
+    global _GROUPS
+    distributed.require_initialized("initialize_model_parallel")
+    if _GROUPS is not None:
+        raise RuntimeError(
+            f"initialize_model_parallel: groups already exist ({_GROUPS.layout}); call "
+            f"destroy_model_parallel() first")
+    layout = ParallelLayout(distributed.get_world_size(), model_parallel_size, pipeline_length)
+    rank = distributed.get_rank()
+    found = {}
+    # Every rank creates every group, in the same order: new_group is collective.
+    for kind, groups in (("data", layout.data_groups()), ("tensor", layout.tensor_groups()),
+                         ("pipeline", layout.pipeline_groups())):
+        for ranks in groups:
+            group = distributed.new_group(ranks)
+            if rank in ranks:
+                found[kind] = (group, tuple(ranks))
+    _GROUPS = _Groups(layout, *found["tensor"], *found["pipeline"], *found["data"])
+
+
+def model_parallel_is_initialized() -> bool:
+    """True between :func:`initialize_model_parallel` and :func:`destroy_model_parallel`."""
+    return _GROUPS is not None
+
+
+def destroy_model_parallel() -> None:
+    """Forget the groups so that :func:`initialize_model_parallel` may run again (all ranks)."""
+    global _GROUPS
+    _GROUPS = None
+
+
+def _groups(what: str) -> _Groups:
+    if _GROUPS is None:
+        raise RuntimeError(
+            f"{what} needs the model-parallel groups: call shardkit.nn.model_parallel."
+            f"initialize_model_parallel(model_parallel_size, pipeline_length) on every rank first")
+    return _GROUPS
+
+
+def get_parallel_layout() -> ParallelLayout:
+    """The :class:`ParallelLayout` the groups were built from."""
+    return _groups("get_parallel_layout()").layout
+
+
+def get_model_parallel_group():
+    """The tensor-parallel process group of this rank."""
+    return _groups("get_model_parallel_group()").tensor
+
+
+def get_model_parallel_ranks() -> list[int]:
+    """Global ranks of this rank's tensor-parallel group, in group order."""
+    return list(_groups("get_model_parallel_ranks()").tensor_ranks)
+
+
+def get_model_parallel_world_size() -> int:
+    """Number of ranks in the tensor-parallel group."""
+    return len(_groups("get_model_parallel_world_size()").tensor_ranks)
+
+
+def get_model_parallel_rank() -> int:
+    """This rank's index inside its tensor-parallel group."""
+    return _groups("get_model_parallel_rank()").tensor_ranks.index(distributed.get_rank())
+
+
+def get_model_parallel_src_rank() -> int:
+    """Global rank of tensor-parallel index 0 in this rank's group (the broadcast source)."""
+    return _groups("get_model_parallel_src_rank()").tensor_ranks[0]
+
+
+def get_data_parallel_group():
+    """The data-parallel process group of this rank (same stage and tensor index)."""
+    return _groups("get_data_parallel_group()").data
+
+
+def get_data_parallel_ranks() -> list[int]:
+    """Global ranks of this rank's data-parallel group, in group order."""
+    return list(_groups("get_data_parallel_ranks()").data_ranks)
+
+
+def get_data_parallel_world_size() -> int:
+    """Number of data-parallel replicas."""
+    return len(_groups("get_data_parallel_world_size()").data_ranks)
+
+
+def get_data_parallel_rank() -> int:
+    """This rank's index inside its data-parallel group."""
+    return _groups("get_data_parallel_rank()").data_ranks.index(distributed.get_rank())
+
+
+def get_pipeline_parallel_group():
+    """The pipeline process group of this rank (one rank per stage)."""
+    return _groups("get_pipeline_parallel_group()").pipeline
+
+
+def get_pipeline_parallel_ranks() -> list[int]:
+    """Global ranks of this rank's pipeline, stage order."""
+    return list(_groups("get_pipeline_parallel_ranks()").pipeline_ranks)
+
+
+def get_pipeline_parallel_world_size() -> int:
+    """Number of pipeline stages."""
+    return len(_groups("get_pipeline_parallel_world_size()").pipeline_ranks)
+
+
+def get_pipeline_parallel_rank() -> int:
+    """This rank's stage index."""
+    return _groups("get_pipeline_parallel_rank()").pipeline_ranks.index(distributed.get_rank())

@@ -1,0 +1,397 @@
+"""Megatron-style tensor-parallel layers: each rank holds ``1/n`` of a weight.
+
+``n`` is the tensor-parallel size (:func:`initialize_model_parallel`), ``S`` the bytes of the
+layer's full output activation (input for a row-parallel layer's reduce).
+
+================================  ======================  ==========================================
+layer                             weight held per rank    communication per forward / backward
+================================  ======================  ==========================================
+``ColumnParallelLinear``          ``out/n`` rows          none / all-reduce of the input grad;
+                                                          + all-gather of the output if gathered
+``RowParallelLinear``             ``in/n`` columns        all-reduce of the output (2(n-1)/n·S) /
+                                                          none (+ all-gather if input is scattered)
+``VocabParallelEmbedding``        ``vocab/n`` rows        all-reduce of the output / none
+``ParallelEmbedding``             ``dim/n`` columns       all-gather of the output / none
+================================  ======================  ==========================================
+
+With ``sequence_parallel=True`` the activations outside the layers are split along the sequence:
+a column-parallel layer all-gathers its input (backward: reduce-scatter) and a row-parallel layer
+(or the vocab-parallel embedding) reduce-scatters its output (backward: all-gather), the same
+bytes as the all-reduces they replace.
+
+Initialisation: each layer builds the **full** (master) weight on every rank, applies
+``init_method`` to it from the default generator (seed it identically on every rank, e.g. with
+:func:`~shardkit.nn.model_parallel.random.model_parallel_manual_seed`), and keeps its slice; so
+the concatenation of the shards is exactly what ``init_method`` gives the unsplit weight after
+the same seed. The master weight is transient (its full size, during construction only) unless
+``keep_master_weight_for_test=True``. Biases start at zero.
+
+Every layer can export and load the unsplit weights: ``full_state_dict()`` (an all-gather over the
+tensor-parallel group; the keys and shapes of the equivalent ``nn.Linear`` / ``nn.Embedding``)
+and ``load_full_state_dict(sd)`` (keeps this rank's slice; no communication).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardkit import distributed
+from shardkit.nn.model_parallel.initialize import (
+    get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size,
+    model_parallel_is_initialized)
+from shardkit.nn.model_parallel.mappings import (
+    SEQUENCE_DIM, copy_to_model_parallel_region, gather_from_model_parallel_region,
+    gather_from_sequence_parallel_region, reduce_from_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region, scatter_to_model_parallel_region)
+from shardkit.nn.model_parallel.sequence_parallel import mark_sequence_parallel
+from shardkit.nn.model_parallel.utils import join_shards, shard_of
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+           "ParallelEmbedding", "TensorParallelModule"]
+
+InitMethod = Callable[[torch.Tensor], torch.Tensor]
+
+
+class TensorParallelModule(nn.Module):
+    """Base of the tensor-parallel layers: the group it was built for and the unsplit export.
+
+    Subclasses list, in ``_shard_dims``, each parameter's split as ``(dim, stride)``, or
+    ``None`` for a parameter replicated on every tensor-parallel rank.
+    """
+
+    _shard_dims: dict[str, Optional[tuple[int, int]]] = {}
+
+    def __init__(self, what: str):
+        super().__init__()
+        if not model_parallel_is_initialized():
+            raise RuntimeError(
+                f"{what} was created before shardkit.nn.model_parallel.initialize_model_parallel"
+                f"(model_parallel_size, ...): create the groups on every rank first")
+        self.tp_group = get_model_parallel_group()
+        self.tp_rank = get_model_parallel_rank()
+        self.tp_size = get_model_parallel_world_size()
+
+    def _split(self, full: torch.Tensor, name: str) -> torch.Tensor:
+        spec = self._shard_dims[name]
+        if spec is None:
+            return full.clone()
+        dim, stride = spec
+        return shard_of(full, self.tp_rank, self.tp_size, dim, stride)
+
+    def _param_from_master(self, name: str, master: torch.Tensor) -> nn.Parameter:
+        return nn.Parameter(self._split(master, name))
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unsplit parameters (keys and shapes of the plain torch layer). Collective over the
+        tensor-parallel group: one all-gather per sharded parameter (``(n-1)/n`` of its full
+        bytes); the result costs the full size on every rank."""
+        out = {}
+        for name, param in self.named_parameters(recurse=False):
+            spec = self._shard_dims[name]
+            if spec is None or self.tp_size == 1:
+                out[name] = param.detach().clone()
+                continue
+            flat = torch.empty(self.tp_size * param.numel(), dtype=param.dtype,
+                               device=param.device)
+            distributed.all_gather_into_tensor(flat, param.detach().reshape(-1),
+                                               group=self.tp_group)
+            shards = flat.view((self.tp_size,) + tuple(param.shape)).unbind(0)
+            out[name] = join_shards(list(shards), dim=spec[0], stride=spec[1])
+        return out
+
+    def full_weight(self) -> torch.Tensor:
+        """The unsplit weight (collective; see :meth:`full_state_dict`)."""
+        return self.full_state_dict()["weight"]
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load unsplit parameters (e.g. an ``nn.Linear``'s state dict) by keeping this rank's
+        slice. No communication. Raises ``KeyError``/``ValueError`` on missing keys or shapes."""
+        own = [name for name, _ in self.named_parameters(recurse=False)]
+        missing = sorted(set(own) - set(state_dict))
+        if missing:
+            raise KeyError(f"{type(self).__name__}.load_full_state_dict: missing key(s) {missing}; "
+                           f"expected {sorted(own)}")
+        for name in own:
+            self._load_full_param(name, state_dict[name])
+
+    def load_full_weight(self, weight: torch.Tensor) -> None:
+        """Load an unsplit weight by keeping this rank's slice (no communication)."""
+        self._load_full_param("weight", weight)
+
+    @torch.no_grad()
+    def _load_full_param(self, name: str, full: torch.Tensor) -> None:
+        param = getattr(self, name)
+        expected = self._full_shape(name)
+        if tuple(full.shape) != expected:
+            raise ValueError(f"{type(self).__name__}: unsplit {name!r} has shape "
+                             f"{tuple(full.shape)}; the unsplit layer's is {expected}")
+        param.copy_(self._split(full.detach().to(param.device, param.dtype), name))
+
+    def _full_shape(self, name: str) -> tuple[int, ...]:
+        param = getattr(self, name)
+        shape = list(param.shape)
+        spec = self._shard_dims[name]
+        if spec is not None:
+            shape[spec[0]] *= self.tp_size
+        return tuple(shape)
+
+
+def _check_divisible(what: str, value: int, tp_size: int, stride: int = 1) -> None:
+    parts = tp_size * stride
+    if value % parts:
+        detail = (f"tensor-parallel size {tp_size}" if stride == 1
+                  else f"tensor-parallel size {tp_size} × stride {stride} = {parts}")
+        raise ValueError(f"{what}={value} is not divisible by {detail}; use a multiple of {parts}")
+
+
+def _master(shape: tuple[int, ...], init_method: InitMethod) -> torch.Tensor:
+    weight = torch.empty(shape, dtype=torch.get_default_dtype())
+    init_method(weight)
+    return weight
+
+
+class ColumnParallelLinear(TensorParallelModule):
+    """``y = x A^T + b`` with ``A`` split by rows (output features) over the tensor-parallel group.
+
+    Args:
+        in_features, out_features: the unsplit layer's sizes (``out_features`` must divide by
+            ``n * stride``).
+        bias: add a bias (split like the output; starts at zero).
+        gather_output: all-gather the output so every rank has all ``out_features``; ``False``
+            leaves ``out_features / n`` per rank for a following :class:`RowParallelLinear`.
+        init_method: in-place initialiser applied to the full ``[out, in]`` master weight.
+        stride: interleave the split (``3`` for a fused q/k/v projection: each rank keeps its
+            heads of q, of k and of v).
+        keep_master_weight_for_test: keep the full initial weight as ``self.master_weight``.
+        sequence_parallel: the input is split along ``sequence_dim``; all-gather it first
+            (backward: reduce-scatter of the input gradient) instead of the identity/all-reduce.
+        sequence_dim: the sequence dimension of the input (1 for ``[batch, seq, hidden]``).
+
+    Memory: ``(in * out / n + out / n)`` parameters per rank. Communication: backward all-reduce
+    of the input gradient (``2(n-1)/n`` of its bytes), or with ``sequence_parallel`` an
+    all-gather forward and a reduce-scatter backward of the input; plus an all-gather of the
+    output forward when ``gather_output``.
+    """
+
+    _shard_dims = {"weight": (0, 1), "bias": (0, 1)}
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 gather_output: bool = True, init_method: InitMethod = nn.init.xavier_normal_,
+                 stride: int = 1, keep_master_weight_for_test: bool = False,
+                 sequence_parallel: bool = False, sequence_dim: int = SEQUENCE_DIM):
+        super().__init__("ColumnParallelLinear")
+        if not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"ColumnParallelLinear: stride={stride!r}; it must be an int >= 1")
+        _check_divisible("ColumnParallelLinear: out_features", out_features, self.tp_size, stride)
+        self._shard_dims = {"weight": (0, stride), "bias": (0, stride)}
+        self.in_features, self.out_features = in_features, out_features
+        self.output_size_per_partition = out_features // self.tp_size
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+        self.sequence_dim = sequence_dim
+        master = _master((out_features, in_features), init_method)
+        self.weight = self._param_from_master("weight", master)
+        self.bias = (self._param_from_master("bias", torch.zeros(out_features)) if bias
+                     else None)
+        self.master_weight = master if keep_master_weight_for_test else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.sequence_dim)
+        else:
+            x = copy_to_model_parallel_region(x)
+        y = F.linear(x, self.weight, self.bias)
+        if not self.gather_output:
+            return y
+        gathered = gather_from_model_parallel_region(y)
+        stride = self._shard_dims["weight"][1]
+        if stride == 1 or self.tp_size == 1:
+            return gathered
+        # rank-major [rank 0's blocks | rank 1's blocks | ...] back to the unsplit order
+        return join_shards(list(gathered.chunk(self.tp_size, dim=-1)), dim=-1, stride=stride)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"({self.output_size_per_partition} on this rank), bias={self.bias is not None}, "
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(TensorParallelModule):
+    """``y = x A^T + b`` with ``A`` split by columns (input features) over the tensor-parallel
+    group; the partial products are summed across ranks.
+
+    Args:
+        in_features, out_features: the unsplit layer's sizes (``in_features`` must divide by n).
+        bias: add a bias (replicated, added once after the sum; starts at zero).
+        input_is_parallel: the input already holds this rank's ``in_features / n`` slice (the
+            output of a ``ColumnParallelLinear(gather_output=False)``); otherwise it is sliced
+            here (backward: all-gather of the input gradient).
+        init_method: in-place initialiser applied to the full ``[out, in]`` master weight.
+        stride, keep_master_weight_for_test: as in :class:`ColumnParallelLinear`.
+        sequence_parallel: reduce-scatter the output along ``sequence_dim`` instead of
+            all-reducing it (requires ``input_is_parallel``); the bias is then marked
+            ``sequence_parallel`` (see :func:`reduce_sequence_parallel_grads`).
+
+    Memory: ``in * out / n + out`` parameters per rank. Communication: forward all-reduce of the
+    output (``2(n-1)/n`` of its bytes), or with ``sequence_parallel`` a reduce-scatter forward and
+    an all-gather backward (``(n-1)/n`` each).
+    """
+
+    _shard_dims = {"weight": (1, 1), "bias": None}
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 input_is_parallel: bool = False, init_method: InitMethod = nn.init.xavier_normal_,
+                 stride: int = 1, keep_master_weight_for_test: bool = False,
+                 sequence_parallel: bool = False, sequence_dim: int = SEQUENCE_DIM):
+        super().__init__("RowParallelLinear")
+        if not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"RowParallelLinear: stride={stride!r}; it must be an int >= 1")
+        _check_divisible("RowParallelLinear: in_features", in_features, self.tp_size, stride)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True needs "
+                             "input_is_parallel=True (the input must be the column-parallel "
+                             "output, split on the hidden dimension)")
+        self._shard_dims = {"weight": (1, stride), "bias": None}
+        self.in_features, self.out_features = in_features, out_features
+        self.input_size_per_partition = in_features // self.tp_size
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        self.sequence_dim = sequence_dim
+        master = _master((out_features, in_features), init_method)
+        self.weight = self._param_from_master("weight", master)
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        if self.bias is not None and sequence_parallel:
+            mark_sequence_parallel(self.bias)
+        self.master_weight = master if keep_master_weight_for_test else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_model_parallel_region(x)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim)
+        else:
+            y = reduce_from_model_parallel_region(partial)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} ({self.input_size_per_partition} on this rank), "
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(TensorParallelModule):
+    """An embedding table split by rows (vocabulary) over the tensor-parallel group.
+
+    Rank ``r`` holds rows ``[r*V/n, (r+1)*V/n)``; tokens outside its range look up zeros, and the
+    partial results are summed across ranks.
+
+    Args:
+        num_embeddings: vocabulary size ``V`` (must divide by n).
+        embedding_dim: width of each row.
+        padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse: as ``nn.Embedding``
+            (``padding_idx`` row starts at zero and gets no gradient).
+        init_method: in-place initialiser applied to the full ``[V, dim]`` master weight.
+        keep_master_weight_for_test: keep the full initial weight as ``self.master_weight``.
+        sequence_parallel: reduce-scatter the output along ``sequence_dim`` (each rank keeps
+            ``1/n`` of the sequence) instead of all-reducing it.
+
+    Memory: ``V * dim / n`` per rank. Communication: forward all-reduce of the output
+    (``2(n-1)/n`` of its bytes), or a reduce-scatter with ``sequence_parallel``; backward none.
+    """
+
+    _shard_dims = {"weight": (0, 1)}
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 max_norm: Optional[float] = None, norm_type: float = 2.0,
+                 scale_grad_by_freq: bool = False, sparse: bool = False,
+                 init_method: InitMethod = nn.init.xavier_normal_,
+                 keep_master_weight_for_test: bool = False, sequence_parallel: bool = False,
+                 sequence_dim: int = SEQUENCE_DIM):
+        super().__init__("VocabParallelEmbedding")
+        _check_divisible("VocabParallelEmbedding: num_embeddings (vocabulary)", num_embeddings,
+                         self.tp_size)
+        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+            raise ValueError(f"VocabParallelEmbedding: padding_idx={padding_idx} is outside "
+                             f"[-{num_embeddings}, {num_embeddings})")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = padding_idx % num_embeddings if padding_idx is not None else None
+        self.max_norm, self.norm_type = max_norm, norm_type
+        self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        per_rank = num_embeddings // self.tp_size
+        self.vocab_start_index = self.tp_rank * per_rank
+        self.vocab_end_index = self.vocab_start_index + per_rank
+        master = _master((num_embeddings, embedding_dim), init_method)
+        if self.padding_idx is not None:
+            master[self.padding_idx].zero_()
+        self.weight = self._param_from_master("weight", master)
+        self.master_weight = master if keep_master_weight_for_test else None
+
+    def _local_padding_idx(self) -> Optional[int]:
+        if self.padding_idx is None:
+            return None
+        if self.vocab_start_index <= self.padding_idx < self.vocab_end_index:
+            return self.padding_idx - self.vocab_start_index
+        return None
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        outside = (idx < self.vocab_start_index) | (idx >= self.vocab_end_index)
+        local = (idx - self.vocab_start_index).masked_fill(outside, 0)
+        partial = F.embedding(local, self.weight, self._local_padding_idx(), self.max_norm,
+                              self.norm_type, self.scale_grad_by_freq, self.sparse)
+        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim)
+        return reduce_from_model_parallel_region(partial)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start_index}, "
+                f"{self.vocab_end_index}) on this rank, sequence_parallel={self.sequence_parallel}")
+
+
+class ParallelEmbedding(TensorParallelModule):
+    """An embedding table split by columns (embedding dimension) over the tensor-parallel group;
+    the output is all-gathered so every rank has full rows.
+
+    Args: as :class:`VocabParallelEmbedding` (``embedding_dim`` must divide by n), without
+    sequence parallelism.
+
+    Memory: ``V * dim / n`` per rank. Communication: forward all-gather of the output
+    (``(n-1)/n`` of its bytes); backward none.
+    """
+
+    _shard_dims = {"weight": (1, 1)}
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None,
+                 max_norm: Optional[float] = None, norm_type: float = 2.0,
+                 scale_grad_by_freq: bool = False, sparse: bool = False,
+                 init_method: InitMethod = nn.init.xavier_normal_,
+                 keep_master_weight_for_test: bool = False):
+        super().__init__("ParallelEmbedding")
+        _check_divisible("ParallelEmbedding: embedding_dim", embedding_dim, self.tp_size)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = padding_idx
+        self.max_norm, self.norm_type = max_norm, norm_type
+        self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
+        master = _master((num_embeddings, embedding_dim), init_method)
+        if padding_idx is not None:
+            master[padding_idx].zero_()
+        self.weight = self._param_from_master("weight", master)
+        self.master_weight = master if keep_master_weight_for_test else None
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        local = F.embedding(idx, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+                            self.scale_grad_by_freq, self.sparse)
+        return gather_from_model_parallel_region(local)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim} "
+                f"({self.embedding_dim // self.tp_size} columns on this rank)")

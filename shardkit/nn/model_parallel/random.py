@@ -1,0 +1,127 @@
+"""Random-number streams for tensor-parallel training.
+
+Two streams per rank:
+
+- the **default** torch generators (CPU, and CUDA when present), seeded identically on every
+  tensor-parallel rank, so dropout on replicated activations (outside parallel regions) draws
+  the same mask everywhere and the replicas stay equal;
+- a **model-parallel** stream, seeded differently per tensor-parallel rank, entered with
+  ``get_model_parallel_rng_tracker().fork()``, so dropout on sharded activations (attention
+  heads, MLP columns) draws independent masks on each shard, as one unsplit layer would.
+
+Usage::
+
+    model_parallel_manual_seed(1234)            # every rank, after initialize_model_parallel
+    x = dropout(x)                              # same mask on every tensor-parallel rank
+    with get_model_parallel_rng_tracker().fork():
+        h = dropout(h_shard)                    # a different mask on each tensor-parallel rank
+
+Memory: one generator state per stream (a few KB); no communication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from shardkit.nn.model_parallel.initialize import get_model_parallel_rank
+
+__all__ = ["RNGStatesTracker", "get_model_parallel_rng_tracker", "model_parallel_manual_seed",
+           "MODEL_PARALLEL_RNG", "MODEL_PARALLEL_SEED_OFFSET"]
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+# Keeps the tensor-parallel streams away from the default stream's seed.
+MODEL_PARALLEL_SEED_OFFSET = 2718
+
+
+class _GeneratorState:
+    """The CPU state and, when CUDA is present, the current device's CUDA state."""
+
+    def __init__(self, cpu: torch.Tensor, cuda: torch.Tensor | None):
+        self.cpu, self.cuda = cpu, cuda
+
+    @classmethod
+    def capture(cls) -> "_GeneratorState":
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        return cls(torch.get_rng_state(), cuda)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda)
+
+
+class RNGStatesTracker:
+    """Named generator states that can be swapped in for a block with :meth:`fork`.
+
+    Each state covers the CPU generator and the current CUDA device's generator (when CUDA is
+    available). A fork draws from the named stream and leaves the default stream exactly where
+    it was, so code outside forks is unaffected by how much randomness forks consumed.
+    """
+
+    def __init__(self):
+        self._states: dict[str, _GeneratorState] = {}
+        self._seeds: set[int] = set()
+
+    def reset(self) -> None:
+        """Forget every stream."""
+        self._states.clear()
+        self._seeds.clear()
+
+    def names(self) -> list[str]:
+        """Names of the streams tracked."""
+        return list(self._states)
+
+    def add(self, name: str, seed: int) -> None:
+        """Start stream ``name`` from ``seed`` (both must be new to this tracker)."""
+        if name in self._states:
+            raise ValueError(f"RNGStatesTracker.add: stream name={name!r} already exists; "
+                             f"existing streams are {self.names()}")
+        if seed in self._seeds:
+            raise ValueError(f"RNGStatesTracker.add: seed={seed} is already used by another "
+                             f"stream; each stream needs its own seed")
+        outside = _GeneratorState.capture()
+        torch.manual_seed(seed)
+        self._states[name] = _GeneratorState.capture()
+        outside.restore()
+        self._seeds.add(seed)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Draw from stream ``name`` inside the block; the default stream is left untouched."""
+        if name not in self._states:
+            raise KeyError(f"RNGStatesTracker.fork: no stream named {name!r} (streams: "
+                           f"{self.names()}); call model_parallel_manual_seed(seed) first")
+        outside = _GeneratorState.capture()
+        self._states[name].restore()
+        try:
+            yield
+        finally:
+            self._states[name] = _GeneratorState.capture()
+            outside.restore()
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_model_parallel_rng_tracker() -> RNGStatesTracker:
+    """The process-wide tracker holding the model-parallel stream."""
+    return _TRACKER
+
+
+def model_parallel_manual_seed(seed: int) -> None:
+    """Seed the default generators with ``seed`` and the model-parallel stream with
+    ``seed + 2718 + tensor_parallel_rank``. Call on every rank after
+    :func:`~shardkit.nn.model_parallel.initialize.initialize_model_parallel`.
+
+    Data-parallel replicas get the same streams (they hold the same shards); give pipeline
+    stages or replicas different seeds yourself if you want them to differ.
+    """
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"model_parallel_manual_seed(seed={seed!r}): seed must be an int")
+    tensor_rank = get_model_parallel_rank()
+    torch.manual_seed(seed)
+    _TRACKER.reset()
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tensor_rank)

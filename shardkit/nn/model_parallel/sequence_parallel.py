@@ -1,0 +1,61 @@
+"""Gradients of parameters that live in sequence-parallel regions.
+
+With sequence parallelism, LayerNorms, dropout and the bias of a :class:`RowParallelLinear` run
+on ``1/n`` of the sequence on each tensor-parallel rank. Their parameters are replicated, but
+each rank's gradient only covers its part of the sequence: the true gradient is the sum over the
+tensor-parallel group. Such parameters carry ``param.sequence_parallel = True``
+(:func:`mark_sequence_parallel` sets it; the layers set it on their own bias), and
+:func:`reduce_sequence_parallel_grads` sums all their gradients in one all-reduce after backward
+and before the optimizer step.
+
+Costs one all-reduce over the tensor-parallel group of the marked parameters' gradients
+(``2(n-1)/n`` of their bytes), packed into one flat buffer (its size, transiently).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from shardkit import distributed
+from shardkit.nn.model_parallel.initialize import get_model_parallel_group
+
+__all__ = ["mark_sequence_parallel", "is_sequence_parallel", "sequence_parallel_parameters",
+           "reduce_sequence_parallel_grads"]
+
+
+def mark_sequence_parallel(module_or_param) -> None:
+    """Mark a parameter, or every parameter of a module, as used in a sequence-parallel region."""
+    params = ([module_or_param] if isinstance(module_or_param, torch.Tensor)
+              else list(module_or_param.parameters()))
+    for p in params:
+        p.sequence_parallel = True
+
+
+def is_sequence_parallel(param: torch.Tensor) -> bool:
+    """True when ``param`` was marked by :func:`mark_sequence_parallel`."""
+    return bool(getattr(param, "sequence_parallel", False))
+
+
+def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The marked parameters of ``module`` (each once), in registration order."""
+    return [p for p in module.parameters() if is_sequence_parallel(p)]
+
+
+def reduce_sequence_parallel_grads(module: nn.Module) -> int:
+    """Sum the gradients of ``module``'s sequence-parallel parameters over the tensor-parallel
+    group, in one all-reduce. Call on every tensor-parallel rank after backward.
+
+    Returns the number of gradient elements reduced (0: nothing marked, no collective).
+    """
+    grads = [p.grad for p in sequence_parallel_parameters(module) if p.grad is not None]
+    group = get_model_parallel_group()
+    if not grads or distributed.get_world_size(group) == 1:
+        return sum(g.numel() for g in grads)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    distributed.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return flat.numel()

@@ -1,0 +1,460 @@
+"""Tensor-parallel layers, mappings, cross-entropy, RNG streams and groups, in one world of 4.
+
+Every layer is checked against the unsplit torch layer built from the same master weight: forward
+output and all gradients at tensor-parallel size 2 and 4 (max abs diff <= 1e-5).
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardkit import distributed
+from shardkit.distributed import CommCounter
+from shardkit.models import GPTConfig
+from shardkit.nn import model_parallel as mp
+from shardkit.nn.model_parallel.gpt import TensorParallelBlock
+from shardkit.nn.model_parallel.utils import shard_of
+from shardkit.testing import World
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with World(4) as w:
+        yield w
+
+
+def _maxdiff(a, b):
+    return (a.detach() - b.detach()).abs().max().item()
+
+
+def _with_groups(tp, pp, body, *args):
+    mp.initialize_model_parallel(tp, pipeline_length=pp)
+    try:
+        return body(*args)
+    finally:
+        mp.destroy_model_parallel()
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+def test_layout_is_fairscale_order():
+    layout = mp.ParallelLayout(8, 2, 2)
+    assert layout.tensor_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.pipeline_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.data_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.data_parallel_size == 2
+    assert layout.coordinates(5) == (1, 0, 1)
+    assert all(layout.rank_at(*layout.coordinates(r)) == r for r in range(8))
+
+
+def test_layout_rejects_indivisible_world():
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tensor-parallel "
+                                         r"size \(model_parallel_size\) 4 × pipeline size"):
+        mp.ParallelLayout(6, 4, 1)
+    with pytest.raises(ValueError, match=r"12"):
+        mp.ParallelLayout(8, 3, 4)
+    with pytest.raises(ValueError, match="model_parallel_size=0"):
+        mp.ParallelLayout(8, 0)
+
+
+def _groups_and_getters():
+    out = {}
+    mp.initialize_model_parallel(2, pipeline_length=2)
+    out["tp"] = (mp.get_model_parallel_rank(), mp.get_model_parallel_world_size(),
+                 mp.get_model_parallel_src_rank(), mp.get_model_parallel_ranks())
+    out["pp"] = (mp.get_pipeline_parallel_rank(), mp.get_pipeline_parallel_world_size(),
+                 mp.get_pipeline_parallel_ranks())
+    out["dp"] = (mp.get_data_parallel_rank(), mp.get_data_parallel_world_size(),
+                 mp.get_data_parallel_ranks())
+    t = torch.tensor([float(distributed.get_rank())])
+    distributed.all_reduce(t, group=mp.get_model_parallel_group())
+    out["tp_sum"] = t.item()
+    try:
+        mp.initialize_model_parallel(2)
+    except RuntimeError as e:
+        out["twice"] = str(e)
+    mp.destroy_model_parallel()
+    out["after_destroy"] = mp.model_parallel_is_initialized()
+    try:
+        mp.get_data_parallel_group()
+    except RuntimeError as e:
+        out["getter_error"] = str(e)
+    try:
+        mp.initialize_model_parallel(3)
+    except ValueError as e:
+        out["indivisible"] = str(e)
+    return out
+
+
+def test_groups_and_getters(world4):
+    res = world4.run(_groups_and_getters)
+    # world 4 = data 1 x pipeline 2 x tensor 2: tensor [0,1] [2,3]; pipeline [0,2] [1,3]
+    assert [r["tp"] for r in res] == [(0, 2, 0, [0, 1]), (1, 2, 0, [0, 1]),
+                                      (0, 2, 2, [2, 3]), (1, 2, 2, [2, 3])]
+    assert [r["pp"] for r in res] == [(0, 2, [0, 2]), (0, 2, [1, 3]),
+                                      (1, 2, [0, 2]), (1, 2, [1, 3])]
+    assert [r["dp"] for r in res] == [(0, 1, [r]) for r in range(4)]
+    assert [r["tp_sum"] for r in res] == [1.0, 1.0, 5.0, 5.0]
+    assert all("destroy_model_parallel() first" in r["twice"] for r in res)
+    assert not any(r["after_destroy"] for r in res)
+    assert all("initialize_model_parallel" in r["getter_error"] for r in res)
+    assert all("world size 4 is not divisible by tensor-parallel size (model_parallel_size) 3"
+               in r["indivisible"] for r in res)
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def _column_parity(tp_rank, tp, diffs):
+    torch.manual_seed(11)
+    layer = mp.ColumnParallelLinear(12, 16, keep_master_weight_for_test=True)
+    torch.manual_seed(11)
+    expected_master = nn.init.xavier_normal_(torch.empty(16, 12))
+    diffs["column_master_vs_seeded_init"] = _maxdiff(layer.master_weight, expected_master)
+    for gather in (True, False):
+        layer = mp.ColumnParallelLinear(12, 16, gather_output=gather,
+                                        keep_master_weight_for_test=True)
+        with torch.no_grad():
+            layer.bias.copy_(shard_of(torch.arange(16.0) / 10, tp_rank, tp, 0))
+        ref = nn.Linear(12, 16)
+        with torch.no_grad():
+            ref.weight.copy_(layer.master_weight)
+            ref.bias.copy_(torch.arange(16.0) / 10)
+        x = torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(1))
+        g = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(2))
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y, yr = layer(xa), ref(xb)
+        g_local = g if gather else shard_of(g, tp_rank, tp, -1)
+        (y * g_local).sum().backward()
+        (yr * g).sum().backward()
+        key = f"column_gather={gather}"
+        diffs[key + "_out"] = _maxdiff(y, yr if gather else shard_of(yr, tp_rank, tp, -1))
+        diffs[key + "_dx"] = _maxdiff(xa.grad, xb.grad)
+        diffs[key + "_dw"] = _maxdiff(layer.weight.grad, shard_of(ref.weight.grad, tp_rank, tp, 0))
+        diffs[key + "_db"] = _maxdiff(layer.bias.grad, shard_of(ref.bias.grad, tp_rank, tp, 0))
+
+
+def _column_stride_parity(tp_rank, tp, diffs):
+    torch.manual_seed(5)
+    layer = mp.ColumnParallelLinear(8, 3 * 8, stride=3, gather_output=True,
+                                    keep_master_weight_for_test=True)
+    ref = nn.Linear(8, 24)
+    with torch.no_grad():
+        ref.weight.copy_(layer.master_weight)
+        ref.bias.zero_()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    # q, k, v blocks of the local output are this rank's slices of the unsplit q, k and v
+    local = F.linear(x, layer.weight)
+    q, k, v = ref(x).split(8, dim=-1)
+    lq, lk, lv = local.chunk(3, dim=-1)
+    diffs["column_stride3_qkv"] = max(_maxdiff(lq, shard_of(q, tp_rank, tp, -1)),
+                                      _maxdiff(lk, shard_of(k, tp_rank, tp, -1)),
+                                      _maxdiff(lv, shard_of(v, tp_rank, tp, -1)))
+    full = layer.full_weight()
+    diffs["column_stride3_full_weight"] = _maxdiff(full, layer.master_weight)
+    diffs["column_stride3_gathered_out"] = _maxdiff(layer(x), ref(x))
+
+
+def _row_parity(tp_rank, tp, diffs):
+    for parallel_input in (False, True):
+        torch.manual_seed(12)
+        layer = mp.RowParallelLinear(16, 12, input_is_parallel=parallel_input,
+                                     keep_master_weight_for_test=True)
+        ref = nn.Linear(16, 12)
+        with torch.no_grad():
+            ref.weight.copy_(layer.master_weight)
+            ref.bias.copy_(torch.arange(12.0) / 10)
+            layer.bias.copy_(torch.arange(12.0) / 10)
+        x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1))
+        g = torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(2))
+        xa = (shard_of(x, tp_rank, tp, -1) if parallel_input else x.clone()).requires_grad_()
+        xb = x.clone().requires_grad_()
+        y, yr = layer(xa), ref(xb)
+        (y * g).sum().backward()
+        (yr * g).sum().backward()
+        key = f"row_input_is_parallel={parallel_input}"
+        diffs[key + "_out"] = _maxdiff(y, yr)
+        diffs[key + "_dx"] = _maxdiff(xa.grad, shard_of(xb.grad, tp_rank, tp, -1)
+                                      if parallel_input else xb.grad)
+        diffs[key + "_dw"] = _maxdiff(layer.weight.grad, shard_of(ref.weight.grad, tp_rank, tp, 1))
+        diffs[key + "_db"] = _maxdiff(layer.bias.grad, ref.bias.grad)
+
+
+def _embedding_parity(tp_rank, tp, diffs):
+    idx = torch.randint(0, 32, (3, 7), generator=torch.Generator().manual_seed(4))
+    g = torch.randn(3, 7, 8, generator=torch.Generator().manual_seed(5))
+    for cls, dim in ((mp.VocabParallelEmbedding, 0), (mp.ParallelEmbedding, 1)):
+        for padding_idx in (None, 3):
+            torch.manual_seed(13)
+            layer = cls(32, 8, padding_idx=padding_idx, keep_master_weight_for_test=True)
+            torch.manual_seed(13)
+            master = nn.init.xavier_normal_(torch.empty(32, 8))
+            if padding_idx is not None:
+                master[padding_idx] = 0
+            ref = nn.Embedding(32, 8, padding_idx=padding_idx)
+            with torch.no_grad():
+                ref.weight.copy_(master)
+            y, yr = layer(idx), ref(idx)
+            (y * g).sum().backward()
+            (yr * g).sum().backward()
+            key = f"{cls.__name__}_pad={padding_idx}"
+            diffs[key + "_init"] = _maxdiff(layer.master_weight, master)
+            diffs[key + "_out"] = _maxdiff(y, yr)
+            diffs[key + "_dw"] = _maxdiff(layer.weight.grad,
+                                          shard_of(ref.weight.grad, tp_rank, tp, dim))
+
+
+def _sequence_parallel_parity(tp_rank, tp, diffs):
+    """Column(SP) -> gelu -> Row(SP) equals the unsplit MLP on the full sequence."""
+    torch.manual_seed(14)
+    fc = mp.ColumnParallelLinear(8, 16, gather_output=False, sequence_parallel=True,
+                                 keep_master_weight_for_test=True)
+    out = mp.RowParallelLinear(16, 8, input_is_parallel=True, sequence_parallel=True,
+                               keep_master_weight_for_test=True)
+    ref_fc, ref_out = nn.Linear(8, 16), nn.Linear(16, 8)
+    with torch.no_grad():
+        ref_fc.weight.copy_(fc.master_weight)
+        ref_out.weight.copy_(out.master_weight)
+        for b in (ref_fc.bias, ref_out.bias):
+            b.zero_()
+    x = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(6))
+    g = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(7))
+    xa = shard_of(x, tp_rank, tp, 1).requires_grad_()
+    xb = x.clone().requires_grad_()
+    y = out(F.gelu(fc(xa)))
+    yr = ref_out(F.gelu(ref_fc(xb)))
+    (y * shard_of(g, tp_rank, tp, 1)).sum().backward()
+    (yr * g).sum().backward()
+    mp.reduce_sequence_parallel_grads(out)
+    diffs["sp_mlp_out"] = _maxdiff(y, shard_of(yr, tp_rank, tp, 1))
+    diffs["sp_mlp_dx"] = _maxdiff(xa.grad, shard_of(xb.grad, tp_rank, tp, 1))
+    diffs["sp_mlp_dw_fc"] = _maxdiff(fc.weight.grad, shard_of(ref_fc.weight.grad, tp_rank, tp, 0))
+    diffs["sp_mlp_dw_out"] = _maxdiff(out.weight.grad,
+                                      shard_of(ref_out.weight.grad, tp_rank, tp, 1))
+    diffs["sp_mlp_db_out"] = _maxdiff(out.bias.grad, ref_out.bias.grad)
+
+
+def _full_state_round_trip(tp_rank, tp, diffs):
+    torch.manual_seed(15)
+    layers = [mp.ColumnParallelLinear(8, 12), mp.RowParallelLinear(12, 8),
+              mp.VocabParallelEmbedding(16, 4), mp.ParallelEmbedding(16, 4)]
+    plain = [nn.Linear(8, 12), nn.Linear(12, 8), nn.Embedding(16, 4), nn.Embedding(16, 4)]
+    worst = 0.0
+    for layer, ref in zip(layers, plain):
+        layer.load_full_state_dict(ref.state_dict())
+        back = layer.full_state_dict()
+        assert set(back) == set(ref.state_dict())
+        worst = max(worst, *(_maxdiff(back[k], v) for k, v in ref.state_dict().items()))
+    diffs["full_state_round_trip"] = worst
+
+
+def _layer_parity(tp):
+    mp.initialize_model_parallel(tp)
+    try:
+        rank, diffs = mp.get_model_parallel_rank(), {}
+        _column_parity(rank, tp, diffs)
+        _column_stride_parity(rank, tp, diffs)
+        _row_parity(rank, tp, diffs)
+        _embedding_parity(rank, tp, diffs)
+        _sequence_parallel_parity(rank, tp, diffs)
+        _full_state_round_trip(rank, tp, diffs)
+        return diffs
+    finally:
+        mp.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_layers_match_unsplit_layers(world4, tp):
+    results = world4.run(_layer_parity, tp)
+    worst = {k: max(r[k] for r in results) for k in results[0]}
+    print(f"tp={tp} max abs diffs: {worst}")
+    assert len(worst) > 30
+    assert all(v <= TOL for v in worst.values()), {k: v for k, v in worst.items() if v > TOL}
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+
+
+def _cross_entropy_parity(tp):
+    mp.initialize_model_parallel(tp)
+    try:
+        rank = mp.get_model_parallel_rank()
+        gen = torch.Generator().manual_seed(21)
+        logits = torch.randn(3, 5, 32, generator=gen) * 4
+        target = torch.randint(0, 32, (3, 5), generator=gen)
+        target[0, 0] = -100  # ignored
+        g = torch.rand(3, 5, generator=gen)
+        full = logits.clone().requires_grad_()
+        ref = F.cross_entropy(full.view(-1, 32), target.view(-1), reduction="none").view(3, 5)
+        (ref * g).sum().backward()
+        shard = shard_of(logits, rank, tp, -1).requires_grad_()
+        with CommCounter() as comm:
+            loss = mp.vocab_parallel_cross_entropy(shard, target)
+            (loss * g).sum().backward()
+        return {"loss": _maxdiff(loss, ref),
+                "grad": _maxdiff(shard.grad, shard_of(full.grad, rank, tp, -1)),
+                "calls": comm.calls_by_op, "elements": [c.numel for c in comm.calls]}
+    finally:
+        mp.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_vocab_parallel_cross_entropy_matches_torch(world4, tp):
+    for r in world4.run(_cross_entropy_parity, tp):
+        assert r["loss"] <= TOL and r["grad"] <= TOL, r
+        # max, then (sum-exp, target logit) together; nothing in backward; logits never gathered
+        assert r["calls"] == {"all_reduce": 2} and r["elements"] == [15, 30]
+
+
+# ----------------------------------------------------------------------------- communication
+
+
+def _block_communication(tp, sequence_parallel):
+    mp.initialize_model_parallel(tp)
+    try:
+        cfg = GPTConfig(vocab_size=64, n_layer=1, n_head=4, d_model=16, seq_len=8)
+        torch.manual_seed(0)
+        block = TensorParallelBlock(cfg, sequence_parallel=sequence_parallel)
+        seq = cfg.seq_len // tp if sequence_parallel else cfg.seq_len
+        x = torch.randn(2, seq, cfg.d_model, requires_grad=True)
+        with CommCounter() as fwd:
+            y = block(x)
+        with CommCounter() as bwd:
+            y.sum().backward()
+        with CommCounter() as grads:
+            mp.reduce_sequence_parallel_grads(block)
+        activation_bytes = 2 * cfg.seq_len * cfg.d_model * 4  # full [batch, seq, d] fp32
+        return {"fwd": fwd.calls_by_op, "bwd": bwd.calls_by_op, "fwd_bytes": fwd.bytes,
+                "bwd_bytes": bwd.bytes, "sizes": {c.numel * 4 for c in fwd.calls + bwd.calls},
+                "activation_bytes": activation_bytes, "grads": grads.calls_by_op,
+                "grad_numel": [c.numel for c in grads.calls]}
+    finally:
+        mp.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_block_communication_two_all_reduces_each_way(world4, tp):
+    for r in world4.run(_block_communication, tp, False):
+        assert r["fwd"] == {"all_reduce": 2} and r["bwd"] == {"all_reduce": 2}
+        assert r["sizes"] == {r["activation_bytes"]}
+        expected = 2 * 2 * (tp - 1) / tp * r["activation_bytes"]
+        assert r["fwd_bytes"] == pytest.approx(expected)
+        assert r["bwd_bytes"] == pytest.approx(expected)
+        assert r["grads"] == {}  # nothing marked without sequence parallelism
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sequence_parallel_block_same_volume_as_reduce_scatter_plus_all_gather(world4, tp):
+    for r in world4.run(_block_communication, tp, True):
+        assert r["fwd"] == {"all_gather": 2, "reduce_scatter": 2}
+        assert r["bwd"] == {"all_gather": 2, "reduce_scatter": 2}
+        assert r["sizes"] == {r["activation_bytes"]}  # every op moves the full activation
+        expected = 2 * 2 * (tp - 1) / tp * r["activation_bytes"]  # = two all-reduces
+        assert r["fwd_bytes"] == pytest.approx(expected)
+        assert r["bwd_bytes"] == pytest.approx(expected)
+        # LayerNorm weights+biases (4 x 16) and the row-parallel biases (2 x 16): one all-reduce
+        assert r["grads"] == {"all_reduce": 1} and r["grad_numel"] == [96]
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def _rng_behaviour():
+    mp.initialize_model_parallel(2)
+    try:
+        mp.model_parallel_manual_seed(123)
+        tracker = mp.get_model_parallel_rng_tracker()
+        outside1 = F.dropout(torch.ones(64), 0.5)
+        with tracker.fork():
+            inside1 = F.dropout(torch.ones(64), 0.5)
+        with tracker.fork():
+            inside2 = F.dropout(torch.ones(64), 0.5)
+        outside2 = F.dropout(torch.ones(64), 0.5)
+        # the default stream is unaffected by forks: same draws as with no fork at all
+        torch.manual_seed(123)
+        plain1, plain2 = F.dropout(torch.ones(64), 0.5), F.dropout(torch.ones(64), 0.5)
+        errors = {}
+        try:
+            tracker.add("model-parallel-rng", 7)
+        except ValueError as e:
+            errors["dup"] = str(e)
+        try:
+            with tracker.fork("nope"):
+                pass
+        except KeyError as e:
+            errors["missing"] = str(e)
+        return {"outside": torch.stack([outside1, outside2]), "inside1": inside1,
+                "inside2": inside2, "plain": torch.stack([plain1, plain2]), "errors": errors}
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_rng_tracker_differs_inside_parallel_regions_and_agrees_outside(world4):
+    res = world4.run(_rng_behaviour)
+    # tensor groups [0,1] and [2,3] (data replicas of each other)
+    for r in res:
+        assert torch.equal(r["outside"], res[0]["outside"])
+        assert torch.equal(r["outside"], r["plain"])
+        assert not torch.equal(r["inside1"], r["inside2"])  # the fork stream advances
+    assert not torch.equal(res[0]["inside1"], res[1]["inside1"])  # tp ranks differ
+    assert torch.equal(res[0]["inside1"], res[2]["inside1"])  # same tp rank, other replica
+    assert torch.equal(res[1]["inside2"], res[3]["inside2"])
+    assert "already exists" in res[0]["errors"]["dup"]
+    assert "no stream named 'nope'" in res[0]["errors"]["missing"]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _bad_input():
+    errors = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+        except (ValueError, RuntimeError, TypeError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+
+    catch("before_init", lambda: mp.ColumnParallelLinear(4, 4))
+    catch("vocab_before_init", lambda: mp.VocabParallelEmbedding(8, 4))
+    catch("ce_before_init", lambda: mp.vocab_parallel_cross_entropy(torch.zeros(2, 4),
+                                                                     torch.zeros(2).long()))
+    mp.initialize_model_parallel(4)
+    try:
+        with CommCounter() as comm:
+            catch("out_features", lambda: mp.ColumnParallelLinear(8, 10))
+            catch("stride", lambda: mp.ColumnParallelLinear(8, 12, stride=3))
+            catch("in_features", lambda: mp.RowParallelLinear(6, 8))
+            catch("vocab", lambda: mp.VocabParallelEmbedding(30, 8))
+            catch("embedding_dim", lambda: mp.ParallelEmbedding(30, 6))
+            catch("row_sp", lambda: mp.RowParallelLinear(8, 8, sequence_parallel=True))
+            catch("ce_target", lambda: mp.vocab_parallel_cross_entropy(
+                torch.zeros(2, 3, 4), torch.zeros(2, 4).long()))
+            catch("load_shape", lambda: mp.ColumnParallelLinear(8, 8).load_full_weight(
+                torch.zeros(8, 4)))
+        errors["collectives"] = len(comm.calls)
+    finally:
+        mp.destroy_model_parallel()
+    return errors
+
+
+def test_bad_input_clear_errors_before_any_collective(world4):
+    e = world4.run(_bad_input)[0]
+    assert e["collectives"] == 0
+    for key in ("before_init", "vocab_before_init", "ce_before_init"):
+        assert "initialize_model_parallel" in e[key], e[key]
+    assert "ColumnParallelLinear" in e["before_init"]
+    assert "out_features=10 is not divisible by tensor-parallel size 4" in e["out_features"]
+    assert "out_features=12 is not divisible by tensor-parallel size 4 × stride 3 = 12" not in \
+        e.get("stride", "")  # 12 divides 12: no error
+    assert "stride" not in e
+    assert "in_features=6 is not divisible by tensor-parallel size 4" in e["in_features"]
+    assert "num_embeddings (vocabulary)=30 is not divisible by tensor-parallel size 4" in e["vocab"]
+    assert "embedding_dim=6 is not divisible by tensor-parallel size 4" in e["embedding_dim"]
+    assert "input_is_parallel=True" in e["row_sp"]
+    assert "target shape (2, 4)" in e["ce_target"]
+    assert "unsplit 'weight' has shape (8, 4); the unsplit layer's is (8, 8)" in e["load_shape"]
