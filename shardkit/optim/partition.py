@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["ParameterPartition"]
+__all__ = ["ParameterPartition", "balanced_bins"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,33 @@ class ParameterPartition:
                  for i, p in enumerate(params)}
         return cls(world_size, groups, tuple(owners), index)
 
+    @classmethod
+    def from_owners(cls, param_groups: Sequence[Sequence[torch.Tensor]],
+                    owners: Sequence[Sequence[int]], world_size: int) -> "ParameterPartition":
+        """A partition with explicit owners (e.g. chosen bucket by bucket, see :func:`balanced_bins`).
+
+        ``owners`` has the shape of ``param_groups``; every owner must be in ``[0, world_size)``
+        and every parameter may appear once.
+        """
+        if world_size < 1:
+            raise ValueError(f"ParameterPartition: world_size={world_size}; must be >= 1")
+        groups = tuple(tuple(params) for params in param_groups)
+        owners = tuple(tuple(int(r) for r in row) for row in owners)
+        if [len(g) for g in groups] != [len(o) for o in owners]:
+            raise ValueError(f"ParameterPartition.from_owners: owners has group lengths "
+                             f"{[len(o) for o in owners]}, param_groups {[len(g) for g in groups]}")
+        index = {}
+        for g, (params, row) in enumerate(zip(groups, owners)):
+            for i, (p, r) in enumerate(zip(params, row)):
+                if not 0 <= r < world_size:
+                    raise ValueError(f"ParameterPartition.from_owners: owner {r} of group {g} "
+                                     f"index {i} is outside [0, {world_size})")
+                if id(p) in index:
+                    raise ValueError(f"ParameterPartition: a parameter appears twice (group {g}, "
+                                     f"index {i}); each parameter may be in one param group only")
+                index[id(p)] = r
+        return cls(world_size, groups, owners, index)
+
     def owner(self, param: torch.Tensor) -> int:
         """Rank that owns ``param``; ``KeyError`` when it is not partitioned here."""
         return self._index[id(param)]
@@ -95,3 +122,20 @@ class ParameterPartition:
     def all_params(self) -> list[torch.Tensor]:
         """Every partitioned parameter, in group order."""
         return [p for params in self.param_groups for p in params]
+
+
+def balanced_bins(numels: Sequence[int], n_bins: int) -> list[int]:
+    """Assign items of the given sizes to ``n_bins`` bins, largest first onto the lightest bin.
+
+    Deterministic (ties broken by index). The loads end up within about one small item of each
+    other whenever the bins are large compared with the largest item. Returns the bin of each item.
+    """
+    if n_bins < 1:
+        raise ValueError(f"balanced_bins: n_bins={n_bins}; must be >= 1")
+    load = [0] * n_bins
+    out = [0] * len(numels)
+    for k in sorted(range(len(numels)), key=lambda k: (-numels[k], k)):
+        b = min(range(n_bins), key=lambda r: (load[r], r))
+        out[k] = b
+        load[b] += numels[k]
+    return out

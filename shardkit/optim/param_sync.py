@@ -1,0 +1,181 @@
+"""Ownership plan and bucketed parameter re-synchronisation for OSS (ZeRO-1).
+
+After each rank has stepped the parameters it owns, every rank needs every updated parameter.
+Instead of one broadcast per parameter, the owned parameters are laid out in *flat buckets*:
+bucket ``k`` is one buffer of ``world_size`` equal segments, segment ``r`` holding (contiguous,
+zero padded at the end) the parameters rank ``r`` owns in that bucket. The parameters are views
+into these buffers, so one in-place ``all_gather_into_tensor`` per bucket re-synchronises them,
+with no packing or unpacking copy.
+
+Whole-parameter ownership makes per-rank segments uneven, and padding is sent on the wire. The
+plan therefore chooses ownership and buckets together: :func:`plan_ownership` balances the
+parameters over ``buckets x world_size`` bins (largest first onto the lightest bin), bin ``b``
+being bucket ``b // world_size`` of rank ``b % world_size``. Every bin is kept at least as large
+as the largest parameter, so the small parameters fill the gaps and padding stays a few per cent
+or less.
+
+Memory: the buffers replace the parameters' own storage (``Ψ`` plus the padding); with
+``broadcast_fp16`` a transient half-precision copy of each bucket in flight (``2Ψ`` bytes at
+most) lives during the sync. Communication per step per rank:
+``(N-1)/N · (Ψ + padding)`` elements in the parameters' dtype (fp16 with ``broadcast_fp16``),
+one all-gather per bucket.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from shardkit import distributed
+from shardkit.optim.partition import ParameterPartition, balanced_bins
+
+__all__ = ["OwnershipPlan", "plan_ownership", "FlatParamBucket", "build_buckets"]
+
+DEFAULT_BUCKET_NUMEL = 2 ** 22  # elements per rank segment: 16 MiB of fp32
+
+
+@dataclass(frozen=True)
+class OwnershipPlan:
+    """The partition of the trainable parameters and, per parameter, its bucket index."""
+
+    partition: ParameterPartition
+    bucket_of: dict  # id(param) -> bucket index
+    num_buckets: int
+
+
+def plan_ownership(trainable_groups: Sequence[Sequence[torch.Tensor]], world_size: int,
+                   bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> OwnershipPlan:
+    """Choose the owner and the bucket of every trainable parameter, deterministically.
+
+    ``trainable_groups``: per param group, its trainable parameters (the order every rank sees).
+    Buckets hold about ``bucket_numel`` elements per rank, but never fewer than the largest
+    parameter (more, smaller buckets would leave big holes to pad). Costs no communication.
+    """
+    flat = [p for params in trainable_groups for p in params]
+    numels = [p.numel() for p in flat]
+    total = sum(numels)
+    largest = max(numels, default=1)
+    if world_size == 1 or total == 0:
+        num_buckets = 1
+    else:
+        wanted = math.ceil(total / (world_size * max(1, bucket_numel)))
+        fitting = max(1, total // (world_size * max(1, largest)))
+        num_buckets = max(1, min(wanted, fitting))
+    bins = balanced_bins(numels, num_buckets * world_size)
+    owners, bucket_of, k = [], {}, 0
+    for params in trainable_groups:
+        row = []
+        for p in params:
+            row.append(bins[k] % world_size)
+            bucket_of[id(p)] = bins[k] // world_size
+            k += 1
+        owners.append(row)
+    partition = ParameterPartition.from_owners(trainable_groups, owners, world_size)
+    return OwnershipPlan(partition, bucket_of, num_buckets)
+
+
+class FlatParamBucket:
+    """One flat buffer of ``world_size`` equal segments; the parameters are views into it.
+
+    Args:
+        params_per_rank: for each rank, the parameters it owns in this bucket (one device and
+            dtype for the whole bucket).
+        rank, world_size, group: this rank's place in the process group.
+        broadcast_fp16: send fp32 parameters as fp16 (the owner keeps its exact fp32 values).
+
+    Memory: ``world_size x segment_numel`` elements (the parameters' storage). Communication
+    per :meth:`start_gather`: one all-gather of the whole buffer, ``(N-1)/N`` of its bytes
+    (half of them with ``broadcast_fp16``).
+    """
+
+    def __init__(self, params_per_rank: Sequence[Sequence[torch.Tensor]], rank: int,
+                 world_size: int, group=None, broadcast_fp16: bool = False):
+        every = [p for params in params_per_rank for p in params]
+        self.dtype = every[0].dtype
+        self.device = every[0].device
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.params_per_rank = tuple(tuple(params) for params in params_per_rank)
+        self.segment_numel = max(sum(p.numel() for p in params) for params in params_per_rank)
+        self.send_fp16 = broadcast_fp16 and self.dtype == torch.float32
+        self.buffer = torch.zeros(world_size * self.segment_numel, dtype=self.dtype,
+                                  device=self.device)
+        self._slots = []  # (param, offset in buffer)
+        for r, params in enumerate(self.params_per_rank):
+            offset = r * self.segment_numel
+            for p in params:
+                self._slots.append((p, offset))
+                offset += p.numel()
+        self.bind()
+        self._work = None
+        self._half: Optional[torch.Tensor] = None
+
+    @property
+    def owned_params(self) -> tuple:
+        """The parameters this rank owns (and steps) in this bucket."""
+        return self.params_per_rank[self.rank]
+
+    @property
+    def padding_numel(self) -> int:
+        return self.buffer.numel() - sum(p.numel() for p, _ in self._slots)
+
+    def bind(self) -> None:
+        """Copy the parameters' current values into the buffer and make them views of it."""
+        with torch.no_grad():
+            for p, offset in self._slots:
+                view = self.buffer[offset:offset + p.numel()].view(p.shape)
+                view.copy_(p.detach())
+                p.data = view
+
+    def is_bound(self) -> bool:
+        """False once something replaced a parameter's storage (``model.to(...)``, ``p.data = ...``)."""
+        base, size = self.buffer.data_ptr(), self.buffer.element_size()
+        return all(p.data_ptr() == base + offset * size and p.dtype == self.dtype
+                   for p, offset in self._slots)
+
+    def _segment(self, buffer: torch.Tensor, r: int) -> torch.Tensor:
+        return buffer[r * self.segment_numel:(r + 1) * self.segment_numel]
+
+    def start_gather(self) -> None:
+        """Launch the all-gather that brings every rank's segment here (asynchronous)."""
+        if self.send_fp16:
+            self._half = torch.empty(self.buffer.numel(), dtype=torch.float16, device=self.device)
+            own = self._segment(self._half, self.rank)
+            own.copy_(self._segment(self.buffer, self.rank))
+            self._work = distributed.all_gather_into_tensor(self._half, own, group=self.group,
+                                                            async_op=True)
+        else:
+            own = self._segment(self.buffer, self.rank)
+            self._work = distributed.all_gather_into_tensor(self.buffer, own, group=self.group,
+                                                            async_op=True)
+
+    def finish_gather(self) -> None:
+        """Wait for :meth:`start_gather`; with fp16, widen the other ranks' segments into place."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._half is not None:
+            for r in range(self.world_size):
+                if r != self.rank:
+                    self._segment(self.buffer, r).copy_(self._segment(self._half, r))
+            self._half = None
+
+
+def build_buckets(plan: OwnershipPlan, rank: int, group=None,
+                  broadcast_fp16: bool = False) -> list[list[FlatParamBucket]]:
+    """The flat buckets of ``plan``: per bucket index, one :class:`FlatParamBucket` per
+    (device, dtype) found in it. Empty for a world of one (nothing to synchronise)."""
+    partition = plan.partition
+    world_size = partition.world_size
+    if world_size == 1:
+        return []
+    grouped: list[dict] = [dict() for _ in range(plan.num_buckets)]
+    for p in partition.all_params():
+        per_kind = grouped[plan.bucket_of[id(p)]]
+        rows = per_kind.setdefault((p.device, p.dtype), [[] for _ in range(world_size)])
+        rows[partition.owner(p)].append(p)
+    return [[FlatParamBucket(rows, rank, world_size, group, broadcast_fp16)
+             for rows in per_kind.values()]
+            for per_kind in grouped if per_kind]
