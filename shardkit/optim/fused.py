@@ -1,0 +1,192 @@
+"""FusedAdamW: torch.optim.AdamW semantics, one fused kernel launch per param group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from shardkit.kernels import adamw_step_many
+
+__all__ = ["FusedAdamW"]
+
+
+@dataclass
+class _FlatState:
+    """The optimizer state of one param group's tensors sharing a device and dtype, held in
+    flat buffers; ``state[p]`` holds views into them."""
+
+    params: list
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    max_exp_avg_sq: Optional[torch.Tensor]
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        sizes = [p.numel() for p in self.params]
+        return [v.view_as(p) for v, p in zip(buffer.split(sizes), self.params)]
+
+
+class FusedAdamW(torch.optim.Optimizer):
+    """AdamW whose step is one fused kernel launch per param group.
+
+    Same constructor, update rule and state-dict format as ``torch.optim.AdamW`` (per-parameter
+    ``step``, ``exp_avg``, ``exp_avg_sq`` and, with ``amsgrad``, ``max_exp_avg_sq``): a state dict
+    of either loads into the other. Parameters without a gradient are skipped, as torch does.
+
+    The state of each param group (per device and dtype) lives in flat buffers; ``state[p]``
+    holds views into them, so the step reads and writes each buffer once: on CUDA the Triton
+    multi-tensor AdamW kernel (one launch per group), on CPU torch's fused AdamW kernel (one
+    call per group). See :mod:`shardkit.kernels` for the dispatch.
+
+    Memory: ``K = 8`` bytes of fp32 optimizer state per parameter (12 with ``amsgrad``), allocated
+    for every parameter of a group on the group's first step (torch allocates per parameter on
+    its first gradient). Traffic: 28 B per fp32 parameter per step. No communication: wrap it in
+    :class:`shardkit.optim.OSS` to shard it.
+
+    Args:
+        params: parameters or param-group dicts, as for any torch optimizer. Parameters must be
+            contiguous (the kernels step flat memory).
+        lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
+
+    Example::
+
+        opt = FusedAdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+        loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False,
+                 maximize: bool = False):
+        _check_hyper_parameters(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=amsgrad, maximize=maximize)
+        self._flat: dict[int, list[_FlatState]] = {}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group (as torch); its parameters must be contiguous."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for i, p in enumerate(params):
+            if isinstance(p, torch.Tensor) and not p.is_contiguous():
+                raise ValueError(f"FusedAdamW: parameter {i} of the new group (shape "
+                                 f"{tuple(p.shape)}, stride {p.stride()}) is not contiguous; "
+                                 f"the fused step works on flat memory")
+        super().add_param_group(param_group)
+        added = self.param_groups[-1]
+        try:
+            _check_hyper_parameters(added["lr"], added["betas"], added["eps"],
+                                    added["weight_decay"])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a ``torch.optim.AdamW`` or ``FusedAdamW`` state dict; the state is copied into
+        fresh flat buffers on the next step."""
+        super().load_state_dict(state_dict)
+        self._flat.clear()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step over every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for index, group in enumerate(self.param_groups):
+            for flat in self._flat_states(index, group):
+                self._step_flat(group, flat)
+        return loss
+
+    def _flat_states(self, index: int, group: dict) -> list[_FlatState]:
+        flats = self._flat.get(index)
+        if flats is None or [id(p) for f in flats for p in f.params] != [
+                id(p) for p in _by_device_dtype(group)]:
+            flats = self._flat[index] = self._build_flat_states(group)
+        return flats
+
+    def _build_flat_states(self, group: dict) -> list[_FlatState]:
+        """Allocate the group's flat buffers; move any existing (loaded) state into them."""
+        buckets: dict[tuple, list] = {}
+        for p in _by_device_dtype(group):
+            buckets.setdefault((p.device, p.dtype), []).append(p)
+        flats = []
+        for (device, dtype), params in buckets.items():
+            total = sum(p.numel() for p in params)
+            zeros = lambda: torch.zeros(total, dtype=dtype, device=device)
+            flat = _FlatState(params, zeros(), zeros(), zeros() if group["amsgrad"] else None)
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                buffer = getattr(flat, key)
+                if buffer is None:
+                    continue
+                for p, view in zip(params, flat.views(buffer)):
+                    state = self.state.get(p)
+                    if state:  # loaded or earlier state: move it into the flat buffer
+                        if key in state:
+                            view.copy_(state[key])
+                        state[key] = view
+            for p in params:
+                state = self.state.get(p)
+                if state:
+                    state["step"] = _host_step(state["step"])
+            flats.append(flat)
+        return flats
+
+    def _step_flat(self, group: dict, flat: _FlatState) -> None:
+        live = [i for i, p in enumerate(flat.params) if p.grad is not None]
+        if not live:
+            return
+        exp_avgs, exp_avg_sqs = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq)
+        max_sqs = flat.views(flat.max_exp_avg_sq) if group["amsgrad"] else None
+        params, grads, steps = [], [], []
+        for i in live:
+            p = flat.params[i]
+            if p.grad.is_sparse:
+                raise RuntimeError("FusedAdamW does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                state.update(step=torch.tensor(0.0), exp_avg=exp_avgs[i],
+                             exp_avg_sq=exp_avg_sqs[i])
+                if max_sqs is not None:
+                    state["max_exp_avg_sq"] = max_sqs[i]
+            state["step"] += 1
+            params.append(p)
+            grads.append(p.grad if p.grad.is_contiguous() else p.grad.contiguous())
+            steps.append(int(state["step"].item()))
+        beta1, beta2 = group["betas"]
+        adamw_step_many(params, grads, [exp_avgs[i] for i in live],
+                        [exp_avg_sqs[i] for i in live], steps=steps, lr=group["lr"],
+                        beta1=beta1, beta2=beta2, eps=group["eps"],
+                        weight_decay=group["weight_decay"], maximize=group["maximize"],
+                        amsgrad=group["amsgrad"],
+                        max_exp_avg_sqs=[max_sqs[i] for i in live] if max_sqs else None)
+
+
+def _by_device_dtype(group: dict) -> list:
+    """The group's parameters in the order of their flat buffers."""
+    params = group["params"]
+    order = {}
+    for p in params:
+        order.setdefault((str(p.device), p.dtype), []).append(p)
+    return [p for key in order for p in order[key]]
+
+
+def _host_step(step) -> torch.Tensor:
+    """A step count as torch's non-fused AdamW keeps it: a float32 scalar on the CPU."""
+    value = float(step.item()) if torch.is_tensor(step) else float(step)
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def _check_hyper_parameters(lr, betas, eps, weight_decay) -> None:
+    if isinstance(lr, torch.Tensor) or not lr >= 0.0:
+        raise ValueError(f"FusedAdamW: lr={lr!r}; valid values are floats >= 0")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"FusedAdamW: betas={tuple(betas)!r}; valid values are two floats in "
+                         f"[0, 1)")
+    if not eps >= 0.0:
+        raise ValueError(f"FusedAdamW: eps={eps!r}; valid values are floats >= 0")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"FusedAdamW: weight_decay={weight_decay!r}; valid values are floats "
+                         f">= 0")
