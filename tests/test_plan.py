@@ -1,0 +1,155 @@
+"""``python -m shardkit plan``: the ZeRO paper's figures, real models through --model, the
+recommendation, agreement with measured model states, and exit code 2 on bad input."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardkit import plan
+from shardkit.demo import small_gpt
+from shardkit.models import GPT, reference_gpt_config, synthetic_batch
+from shardkit.utils.memory import model_state_bytes
+
+
+def _plan(capsys, *argv):
+    code = plan.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _stage_figures(text):
+    """{stage: printed per-rank model states} from plan's table."""
+    found = {}
+    for line in text.splitlines():
+        m = re.match(r"^([0-3])\s+.*?([0-9.]+ [kMGT]?B)\s*$", line)
+        if m:
+            found[int(m.group(1))] = m.group(2)
+    return found
+
+
+def test_zero_paper_example_to_printed_precision(capsys):
+    code, out, _ = _plan(capsys, "--params", "7.5e9", "--world-size", "64", "--optimizer",
+                         "adam", "--mixed-precision")
+    assert code == 0
+    assert _stage_figures(out) == {0: "120.0 GB", 1: "31.4 GB", 2: "16.6 GB", 3: "1.9 GB"}
+    assert "K=12" in out
+
+
+def test_json_figures_are_the_formulas(capsys):
+    code, out, _ = _plan(capsys, "--params", "7.5B", "--world-size", "64", "--mixed-precision",
+                         "--json")
+    assert code == 0
+    rows = {r["stage"]: r["model_states"] for r in json.loads(out)["rows"]}
+    psi, n = 7.5e9, 64
+    assert rows == pytest.approx({0: 16 * psi, 1: 4 * psi + 12 * psi / n,
+                                  2: 2 * psi + 14 * psi / n, 3: 16 * psi / n})
+
+
+def test_fp32_and_sgd_bytes_per_parameter():
+    fp32 = plan.precision_for("adamw")
+    assert (fp32.weights, fp32.grads, fp32.optimizer) == (4, 4, 8)
+    sgd_mixed = plan.precision_for("sgd", mixed_precision=True)
+    assert (sgd_mixed.weights, sgd_mixed.grads, sgd_mixed.optimizer) == (2, 2, 8)
+    assert plan.zero_model_state_bytes(1000, 4, 2, fp32) == 4 * 1000 + 12 * 1000 / 4
+    assert plan.zero_comm_elements_per_step(1000, 4, 3) == 3 * 1000 * 3 / 4
+
+
+def tiny_model():
+    """A factory for --model: two blocks of 10x10 linears plus a 10x3 head."""
+    return nn.Sequential(TinyBlock(), TinyBlock(), nn.Linear(10, 3))
+
+
+class TinyBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(10, 10), nn.Linear(10, 10)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_model_factory_counts_parameters_and_units(capsys):
+    code, out, _ = _plan(capsys, "--model", "tests.test_plan:tiny_model", "--world-size", "2",
+                         "--wrap-block", "TinyBlock", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert result["params"] == 2 * 220 + 33
+    assert result["summary"]["largest_unit_params"] == 220
+    assert result["summary"]["num_units"] == 3  # two blocks and the root
+    by_size = json.loads(_plan(capsys, "--model", "tests.test_plan:tiny_model",
+                               "--world-size", "2", "--min-num-params", "150", "--json")[1])
+    assert by_size["summary"]["largest_unit_params"] == 220
+
+
+def test_gpt_summary_and_recommendation(capsys):
+    code, out, _ = _plan(capsys, "--model", "shardkit.demo:small_gpt", "--world-size", "2",
+                         "--wrap-block", "Block", "--batch", "4", "--seq-len", "32",
+                         "--gpu-memory", "10MB", "--json")
+    assert code == 0
+    result = json.loads(out)
+    model = small_gpt()
+    assert result["params"] == sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    assert result["summary"]["largest_unit_params"] == block
+    assert (result["summary"]["num_blocks"], result["summary"]["hidden"],
+            result["summary"]["heads"], result["summary"]["vocab"]) == (2, 128, 4, 512)
+    assert result["activations_bytes"] > 0
+    totals = {r["stage"]: r["total"] for r in result["rows"]}
+    fitting = [s for s in sorted(totals) if totals[s] <= 10e6]
+    assert result["recommended_stage"] == fitting[0]
+    text = _plan(capsys, "--model", "shardkit.demo:small_gpt", "--world-size", "2",
+                 "--wrap-block", "Block", "--seq-len", "32", "--gpu-memory", "1kB")[1]
+    assert "no stage fits" in text
+
+
+def test_plan_matches_measured_stage0_for_reference_gpt(capsys):
+    """plan's figure for the reference GPT agrees with a measured AdamW step within 5%."""
+    result = json.loads(_plan(capsys, "--model", "shardkit.demo:reference_gpt",
+                              "--world-size", "2", "--optimizer", "adamw", "--wrap-block", "Block",
+                              "--json")[1])
+    torch.manual_seed(0)
+    cfg = reference_gpt_config()
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx, target = synthetic_batch(cfg, 1, 0)
+    model.loss(idx[:, :8], target[:, :8]).backward()
+    opt.step()
+    measured = model_state_bytes(model, opt).total
+    planned = {r["stage"]: r["model_states"] for r in result["rows"]}
+    assert measured == pytest.approx(planned[0], rel=0.05)
+    assert result["summary"]["largest_unit_params"] == max(
+        sum(p.numel() for p in model.blocks[0].parameters()),
+        sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks.")))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--params", "7.5e9", "--world-size", "64", "--stages", "0,4"], "stage '4' is unknown"),
+    (["--params", "lots", "--world-size", "64"], "--params 'lots' is not a positive number"),
+    (["--params", "1e9", "--world-size", "0"], "--world-size 0"),
+    (["--params", "1e9", "--world-size", "8", "--optimizer", "lamb"], "'lamb' is unknown"),
+    (["--world-size", "8"], "exactly one of --params"),
+    (["--model", "no_such_pkg.models:build", "--world-size", "2"],
+     "module 'no_such_pkg.models' does not import"),
+    (["--model", "shardkit.demo", "--world-size", "2"], "not of the form"),
+    (["--model", "shardkit.demo:nothing_here", "--world-size", "2"], "no callable"),
+    (["--model", "tests.test_plan:tiny_model", "--world-size", "2", "--wrap-block", "Nope"],
+     "matches no submodule"),
+])
+def test_bad_input_exits_2_with_a_message(capsys, argv, message):
+    code, out, err = _plan(capsys, *argv)
+    assert code == 2
+    assert message in err and out == ""
+
+
+def test_command_line_errors_have_no_traceback():
+    for argv in (["--params", "7.5e9", "--world-size", "64", "--stages", "9"],
+                 ["--model", "no_such_pkg:f", "--world-size", "2"]):
+        proc = subprocess.run([sys.executable, "-m", "shardkit", "plan", *argv],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr and "python -m shardkit plan:" in proc.stderr
