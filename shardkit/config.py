@@ -139,7 +139,7 @@ SCHEMA: dict = {
         "offload_optimizer": dict(_OFFLOAD_COMMON),
         "offload_param": {**_OFFLOAD_COMMON, "buffer_size": _num(1e8, 0),
                           "max_in_cpu": _num(1e9, 0)},
-        "reduce_bucket_size": _num(5e8, 0, strict=True),
+        "reduce_bucket_size": _num(None, 0, strict=True),
         "allgather_bucket_size": _num(5e8, 0, strict=True),
         "allgather_partitions": _bool(True), "reduce_scatter": _bool(True),
         "overlap_comm": _bool(), "contiguous_gradients": _bool(True),
@@ -193,7 +193,7 @@ class ZeroConfig:
     """The ZeRO stage and the knobs that change what is built."""
 
     stage: int = 0
-    reduce_bucket_size: int = int(5e8)
+    reduce_bucket_size: Optional[int] = None  # None: the wrapper's own default
     offload_optimizer_device: str = "none"
     offload_param_device: str = "none"
 
@@ -418,7 +418,8 @@ def _zero_config(section: dict) -> tuple[ZeroConfig, list[str]]:
                      f"stage {stage}")
         param_device = "none"
     optim_device = "cpu" if section["cpu_offload"] else section["offload_optimizer"]["device"]
-    return ZeroConfig(stage=stage, reduce_bucket_size=int(section["reduce_bucket_size"]),
+    bucket = section["reduce_bucket_size"]
+    return ZeroConfig(stage=stage, reduce_bucket_size=None if bucket is None else int(bucket),
                       offload_optimizer_device=optim_device,
                       offload_param_device=param_device), notes
 

@@ -1,0 +1,235 @@
+"""Turn a :class:`~shardkit.engine.ShardedEngine` into the stage-independent checkpoint form
+and back.
+
+Every stage reduces to the same picture: whole fp32 tensors and per-parameter optimizer state
+keyed by the parameter's name in the unwrapped model. How a rank finds its part differs:
+
+- stages 0-2: parameters are whole on every rank. The owner of a parameter (OSS's partition at
+  stages 1-2, a balanced partition at stage 0) writes it and its optimizer state, which it holds
+  locally; nothing crosses the wire.
+- stage 3: FSDP holds flat shards, so its public full-state calls (``state_dict()``,
+  ``gather_full_optim_state_dict``) gather to rank 0, which writes everything.
+
+Loading builds a full torch-format optimizer state dict in the engine's own parameter order and
+gives it to the optimizer's public ``load_state_dict`` (OSS reshards it; FSDP slices it with
+``get_shard_from_optim_state_dict``), so any saved stage/world size loads into any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Optional
+
+import torch
+
+from shardkit import distributed
+from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard, commit_checkpoint,
+                                         read_checkpoint, resolve_checkpoint_dir)
+from shardkit.optim.partition import ParameterPartition
+
+__all__ = ["save_engine_checkpoint", "load_engine_checkpoint", "rng_state", "set_rng_state"]
+
+logger = logging.getLogger("shardkit")
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def save_engine_checkpoint(engine, save_dir: str, tag: Optional[str],
+                           client_state: Optional[dict], save_latest: bool = True) -> str:
+    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    if engine.zero_stage == 3:
+        shard, groups = _stage3_shard(engine)
+    else:
+        shard, groups = _replicated_param_shard(engine)
+    shard.rng = rng_state()
+    metadata = payload = None
+    if distributed.get_rank() == 0:
+        metadata = {
+            "format": FORMAT, "tag": tag, "world_size": distributed.get_world_size(),
+            "zero_stage": engine.zero_stage, "global_steps": engine.global_steps,
+            "skipped_steps": engine.skipped_steps,
+            "param_names": sorted(engine.module_state_names()),
+            "optimizer_class": type(_inner_optimizer_class(engine)).__name__,
+            "precision": engine.config.precision.dtype,
+        }
+        payload = {
+            "param_groups": groups,
+            "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
+            "client_state": client_state or {},
+        }
+    return commit_checkpoint(save_dir, tag, shard, metadata, payload, save_latest)
+
+
+def _inner_optimizer_class(engine):
+    inner = getattr(engine.optimizer, "optim", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else engine.optimizer
+
+
+def _owner_of(engine):
+    """Which rank writes each parameter: OSS's owner when there is one, else a balanced
+    split of the model's parameters (identical on every rank)."""
+    param_to_rank = getattr(engine.optimizer, "param_to_rank", None)
+    params = [p for _, p in engine.module.named_parameters()]
+    fallback = ParameterPartition.balanced([params], distributed.get_world_size())
+    if param_to_rank is None:
+        return fallback.owner
+    return lambda p: param_to_rank[p] if p in param_to_rank else fallback.owner(p)
+
+
+def _local_optimizer_state(engine, param) -> Optional[dict]:
+    """The optimizer state of ``param`` held on this rank (OSS: its local optimizer)."""
+    inner = getattr(engine.optimizer, "optim", None)
+    source = inner if isinstance(inner, torch.optim.Optimizer) else engine.optimizer
+    return source.state.get(param)
+
+
+def _replicated_param_shard(engine):
+    rank = distributed.get_rank()
+    owner = _owner_of(engine)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    shard = RankShard()
+    for name, p in engine.module.named_parameters():
+        if owner(p) != rank:
+            continue
+        shard.params[name] = p.detach().to("cpu", torch.float32, copy=True)
+        state = _local_optimizer_state(engine, p)
+        if state:
+            shard.optim[name] = {k: _cpu(v) for k, v in state.items()}
+    if rank == 0:  # buffers and tied aliases: everything in state_dict that is not a parameter
+        param_names = set(names.values())
+        for key, value in engine.module.state_dict().items():
+            if key not in param_names:
+                shard.params[key] = _cpu(value)
+    groups = [_group_by_name(g, lambda p: names[id(p)]) for g in engine.optimizer.param_groups]
+    return shard, groups
+
+
+def _stage3_shard(engine):
+    """Stage 3: FSDP's full state gathered to rank 0, keyed by the original names."""
+    full_model = engine.wrapped.state_dict()
+    full_optim = engine.wrapped.gather_full_optim_state_dict(engine.optimizer, recipient_rank=0)
+    shard = RankShard()
+    groups = None
+    if distributed.get_rank() == 0:
+        shard.params = {k: _cpu(v).float() if v.is_floating_point() else _cpu(v)
+                        for k, v in full_model.items()}
+        order = engine.trainable_param_names
+        shard.optim = {order[int(i)]: {k: _cpu(v) for k, v in s.items()}
+                       for i, s in full_optim["state"].items()}
+        groups = [_group_by_name(g, lambda i: order[int(i)]) for g in full_optim["param_groups"]]
+    return shard, groups
+
+
+def _group_by_name(group: dict, name_of) -> dict:
+    out = {k: v for k, v in group.items() if k != "params"}
+    out["params"] = [name_of(p) for p in group["params"]]
+    return out
+
+
+def _cpu(value):
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
+                           load_optimizer_states: bool = True,
+                           load_lr_scheduler_states: bool = True):
+    path = resolve_checkpoint_dir(load_dir, tag)
+    if path is None:
+        logger.warning("load_checkpoint: no 'latest' file in %s; nothing loaded", load_dir)
+        return None, None
+    ckpt = read_checkpoint(path, with_optimizer=load_optimizer_states)
+    _check_names(engine, ckpt)
+    _load_model(engine, ckpt.params)
+    if load_optimizer_states:
+        _load_optimizer(engine, ckpt.optim, ckpt.engine["param_groups"])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None \
+            and ckpt.engine["scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(ckpt.engine["scheduler"])
+    if engine.loss_scaler is not None and ckpt.engine["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(ckpt.engine["loss_scaler"])
+    engine.global_steps = int(ckpt.metadata["global_steps"])
+    engine.skipped_steps = int(ckpt.metadata.get("skipped_steps", 0))
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps
+    saved_world = ckpt.metadata["world_size"]
+    set_rng_state(ckpt.rng_by_rank[distributed.get_rank() % saved_world])
+    return path, ckpt.engine["client_state"]
+
+
+def _check_names(engine, ckpt) -> None:
+    expected = set(engine.module_state_names())
+    saved = set(ckpt.metadata["param_names"])
+    if expected != saved:
+        raise CheckpointError(
+            f"load_checkpoint({ckpt.path}): the model does not match the checkpoint; missing "
+            f"in the checkpoint: {sorted(expected - saved)[:5]}, unexpected: "
+            f"{sorted(saved - expected)[:5]}")
+
+
+def _load_model(engine, params: dict) -> None:
+    if engine.zero_stage == 3:
+        engine.wrapped.load_state_dict(params)
+    else:
+        engine.module.load_state_dict(params, strict=True)
+
+
+def _load_optimizer(engine, optim_by_name: dict, saved_groups: list) -> None:
+    if engine.zero_stage == 3:
+        names = engine.trainable_param_names
+        full = _torch_format(optim_by_name, names, [list(range(len(names)))], saved_groups)
+        shard = engine.wrapped.get_shard_from_optim_state_dict(full)
+        engine.optimizer.load_state_dict(shard)
+        return
+    name_of = {id(p): n for n, p in engine.module.named_parameters()}
+    order = [name_of[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
+    groups, start = [], 0
+    for g in engine.optimizer.param_groups:
+        groups.append(list(range(start, start + len(g["params"]))))
+        start += len(g["params"])
+    engine.optimizer.load_state_dict(_torch_format(optim_by_name, order, groups, saved_groups))
+
+
+def _torch_format(optim_by_name: dict, order: list, groups: list, saved_groups: list) -> dict:
+    """A torch ``Optimizer.state_dict()`` over ``order`` (index i = parameter ``order[i]``).
+
+    Hyper-parameters come from the saved groups when the grouping matches; otherwise from the
+    saved group that held the group's first parameter."""
+    state = {i: optim_by_name[name] for i, name in enumerate(order) if name in optim_by_name}
+    group_of_name = {n: g for g in saved_groups for n in g["params"]}
+    param_groups = []
+    for indices in groups:
+        saved = group_of_name.get(order[indices[0]]) if indices else None
+        hyper = {k: v for k, v in (saved or saved_groups[0]).items() if k != "params"}
+        param_groups.append({**hyper, "params": list(indices)})
+    return {"state": state, "param_groups": param_groups}
+
+
+# ----------------------------------------------------------------------------- RNG
+
+
+def rng_state() -> dict:
+    """This process's RNG states (torch CPU, CUDA when present, Python, NumPy)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])

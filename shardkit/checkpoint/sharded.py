@@ -1,0 +1,236 @@
+"""On-disk layout of a resharding checkpoint, its atomic commit, and reading it back.
+
+Layout (``DIR`` is the save directory, ``TAG`` one checkpoint)::
+
+    DIR/latest                 text: the tag of the newest complete checkpoint
+    DIR/TAG/metadata.json      rank 0: format, world size, stage, counters, who holds which name
+    DIR/TAG/engine.pt          rank 0: optimizer param groups, scheduler, loss scaler, client state
+    DIR/TAG/rank_00003.pt      rank 3: {"params": {name: fp32}, "optim": {name: state}, "rng": ...}
+
+The stored form does not depend on the world size or the ZeRO stage that wrote it: every
+parameter is stored whole, in fp32, under its name in the unwrapped model, with its optimizer
+state beside it, in exactly one rank file. Loading at another world size or stage only needs a
+different split of the same names.
+
+Atomicity: ranks write into ``DIR/.tmp-TAG``; the ranks then agree (one all-reduce) that every
+file is complete; rank 0 writes the metadata, renames the directory to ``DIR/TAG`` and finally
+replaces ``DIR/latest`` with ``os.replace``. A save that fails or is killed at any point leaves
+``latest`` naming the previous complete checkpoint. A shared filesystem is assumed across nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from shardkit import distributed
+
+__all__ = ["FORMAT", "CheckpointError", "RankShard", "LoadedCheckpoint", "commit_checkpoint",
+           "read_latest_tag", "read_checkpoint", "rank_file_name", "resolve_checkpoint_dir"]
+
+FORMAT = "shardkit-resharding-v1"
+LATEST = "latest"
+METADATA = "metadata.json"
+ENGINE_FILE = "engine.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message says which file and why."""
+
+
+@dataclass
+class RankShard:
+    """What one rank writes: whole fp32 tensors by name, optimizer state by name, RNG."""
+
+    params: dict = field(default_factory=dict)
+    optim: dict = field(default_factory=dict)
+    rng: dict = field(default_factory=dict)
+
+
+@dataclass
+class LoadedCheckpoint:
+    """Every rank file merged: the world-size-independent state of a checkpoint."""
+
+    path: str
+    metadata: dict
+    params: dict
+    optim: dict
+    rng_by_rank: dict
+    engine: dict
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def _write_rank_file(path: str, shard: RankShard) -> None:
+    """Write one rank's shard (a separate function so tests can inject a crash here)."""
+    torch.save({"params": shard.params, "optim": shard.optim, "rng": shard.rng}, path)
+    _fsync(path)
+
+
+def _fsync(path: str) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
+                      metadata: Optional[dict], engine_payload: Optional[dict],
+                      save_latest: bool = True) -> str:
+    """Write this rank's shard and, on rank 0, the metadata; then publish atomically.
+
+    Must be called on every rank (``metadata``/``engine_payload`` are used on rank 0 only).
+    Communication: two barriers and two one-element all-reduces. Raises
+    :class:`CheckpointError` on every rank if any rank failed; ``latest`` is then untouched.
+    """
+    _check_tag(tag)
+    rank = distributed.get_rank()
+    final = os.path.join(save_dir, tag)
+    staging = os.path.join(save_dir, f".tmp-{tag}")
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    distributed.barrier()
+    error = _attempt(lambda: _write_rank_file(os.path.join(staging, rank_file_name(rank)), shard))
+    _agree_or_raise(error, f"writing {rank_file_name(rank)} into {staging}", staging)
+    error = None
+    if rank == 0:
+        error = _attempt(lambda: _publish(save_dir, tag, staging, final, metadata,
+                                          engine_payload, save_latest))
+    _agree_or_raise(error, f"publishing {final}", staging)
+    distributed.barrier()
+    return final
+
+
+def _attempt(action) -> Optional[BaseException]:
+    try:
+        action()
+    except Exception as e:  # reported on every rank by _agree_or_raise
+        return e
+    return None
+
+
+def _agree_or_raise(error: Optional[BaseException], what: str, staging: str) -> None:
+    failed = torch.tensor([1.0 if error is not None else 0.0])
+    distributed.all_reduce(failed, op=distributed.ReduceOp.MAX)
+    if failed.item() == 0:
+        return
+    if distributed.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    detail = f": {type(error).__name__}: {error}" if error is not None else \
+        " on another rank (see its error)"
+    raise CheckpointError(f"save_checkpoint failed {what}{detail}; 'latest' still names the "
+                          f"previous checkpoint") from error
+
+
+def _publish(save_dir, tag, staging, final, metadata, engine_payload, save_latest) -> None:
+    meta_path = os.path.join(staging, METADATA)
+    with open(meta_path, "w") as f:
+        json.dump(metadata, f, indent=1, sort_keys=True)
+    _fsync(meta_path)
+    engine_path = os.path.join(staging, ENGINE_FILE)
+    torch.save(engine_payload, engine_path)
+    _fsync(engine_path)
+    if os.path.exists(final):  # re-saving a tag: keep the old one until the new one is in
+        retired = os.path.join(save_dir, f".old-{tag}")
+        shutil.rmtree(retired, ignore_errors=True)
+        os.replace(final, retired)
+        os.replace(staging, final)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+    if save_latest:
+        pending = os.path.join(save_dir, f".{LATEST}.tmp")
+        with open(pending, "w") as f:
+            f.write(tag)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pending, os.path.join(save_dir, LATEST))
+
+
+def _check_tag(tag: str) -> None:
+    if not isinstance(tag, str) or not tag or tag.startswith(".") or os.sep in tag \
+            or tag == LATEST:
+        raise CheckpointError(f"checkpoint tag={tag!r}: must be a non-empty name without "
+                              f"'{os.sep}', not starting with '.', and not {LATEST!r}")
+
+
+def read_latest_tag(load_dir: str) -> Optional[str]:
+    """The tag ``latest`` names, or ``None`` when there is no ``latest`` file."""
+    path = os.path.join(load_dir, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
+def resolve_checkpoint_dir(load_dir: str, tag: Optional[str]) -> Optional[str]:
+    """The directory of ``tag`` (default: ``latest``), ``None`` when there is no checkpoint."""
+    if tag is None:
+        tag = read_latest_tag(load_dir)
+        if tag is None:
+            return None
+    path = os.path.join(load_dir, tag)
+    if not os.path.isdir(path):
+        retired = os.path.join(load_dir, f".old-{tag}")  # a re-save of tag was interrupted
+        if os.path.isdir(retired):
+            return retired
+        raise CheckpointError(f"load_checkpoint: {path} does not exist; tags present: "
+                              f"{_tags(load_dir)}")
+    if not os.path.isfile(os.path.join(path, METADATA)):
+        raise CheckpointError(f"load_checkpoint: {path} has no {METADATA}; it is not a complete "
+                              f"shardkit checkpoint")
+    return path
+
+
+def _tags(load_dir: str) -> list:
+    if not os.path.isdir(load_dir):
+        return []
+    return sorted(d for d in os.listdir(load_dir)
+                  if os.path.isfile(os.path.join(load_dir, d, METADATA)))
+
+
+def read_metadata(path: str) -> dict:
+    with open(os.path.join(path, METADATA)) as f:
+        metadata = json.load(f)
+    if metadata.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {metadata.get('format')!r}; this shardkit reads "
+                              f"{FORMAT!r}")
+    return metadata
+
+
+def read_checkpoint(path: str, with_optimizer: bool = True) -> LoadedCheckpoint:
+    """Merge every rank file of the checkpoint at ``path`` (memory: the full fp32 state).
+
+    Reads files only; no communication."""
+    metadata = read_metadata(path)
+    params: dict = {}
+    optim: dict = {}
+    rng: dict = {}
+    for rank in range(metadata["world_size"]):
+        file = os.path.join(path, rank_file_name(rank))
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{path}: {rank_file_name(rank)} is missing; the checkpoint "
+                                  f"was written by {metadata['world_size']} ranks")
+        shard = torch.load(file, map_location="cpu", weights_only=False)
+        params.update(shard["params"])
+        if with_optimizer:
+            optim.update(shard["optim"])
+        rng[rank] = shard["rng"]
+    missing = [name for name in metadata["param_names"] if name not in params]
+    if missing:
+        raise CheckpointError(f"{path}: no rank file holds {missing[:5]}")
+    engine = torch.load(os.path.join(path, ENGINE_FILE), map_location="cpu",
+                        weights_only=False)
+    return LoadedCheckpoint(path, metadata, params, optim, rng, engine)
+
+
+def describe(metadata: dict) -> dict[str, Any]:
+    """The few facts a person wants about a checkpoint (for logs and the CLI)."""
+    return {k: metadata.get(k) for k in ("tag", "world_size", "zero_stage", "global_steps")}

@@ -1,0 +1,515 @@
+"""``shardkit.initialize``: a DeepSpeed-style front end that composes shardkit's wrappers.
+
+The config (validated by :mod:`shardkit.config`) picks a ZeRO stage, and the stage picks the
+wrappers (a plan, :data:`STAGE_PLANS`):
+
+====== ======================================= ===== ===== ========= ==========================
+stage  wrappers                                 params grads optimizer communication per step
+====== ======================================= ===== ===== ========= ==========================
+0      torch DistributedDataParallel           full  full  full      all-reduce 2Ψ(N-1)/N
+1      OSS + torch DDP                          full  full  1/N       2Ψ(N-1)/N
+2      OSS + ShardedDataParallel                full  1/N   1/N       2Ψ(N-1)/N
+3      FullyShardedDataParallel per block       1/N   1/N   1/N       3Ψ(N-1)/N
+====== ======================================= ===== ===== ========= ==========================
+
+Master weights and optimizer state are always fp32; ``fp16``/``bf16`` run the forward and
+backward under ``torch.autocast`` (CPU or CUDA), fp16 with a :class:`DynamicLossScaler` whose
+skip decision is all-reduced (one element) so every rank skips together.
+
+Usage::
+
+    engine, optimizer, _, scheduler = shardkit.initialize(model=model, config="ds_config.json")
+    for x, y in batches:
+        loss = loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.nn as nn
+
+from shardkit import distributed
+from shardkit.config import ConfigError, EngineConfig, load_config
+from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
+
+__all__ = ["initialize", "ShardedEngine"]
+
+logger = logging.getLogger("shardkit")
+
+
+# ----------------------------------------------------------------------------- optimizer recipe
+
+
+@dataclass(frozen=True)
+class OptimizerRecipe:
+    """How to (re)build the optimizer: a torch optimizer class, its default hyper-parameters
+    and the param groups (user's groups, or ``None`` for "every trainable parameter").
+
+    Stage 3 needs a recipe rather than an instance because FSDP replaces the parameters."""
+
+    cls: type
+    defaults: dict
+    param_groups: Optional[list] = None
+    instance: Optional[torch.optim.Optimizer] = None
+
+    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return self.cls(list(params), **self.defaults)
+
+
+def _optimizer_recipe(cfg: EngineConfig, optimizer, model_parameters, model) -> OptimizerRecipe:
+    if cfg.optimizer is not None:
+        groups = None if model_parameters is None else list(model_parameters)
+        return OptimizerRecipe(getattr(torch.optim, cfg.optimizer.torch_class),
+                               dict(cfg.optimizer.kwargs), groups)
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        params = model_parameters if model_parameters is not None else \
+            [p for p in model.parameters() if p.requires_grad]
+        optimizer = optimizer(params)
+    hyper = {k: v for k, v in optimizer.defaults.items()}
+    return OptimizerRecipe(type(optimizer), hyper, None, optimizer)
+
+
+def _check_arguments(model, optimizer, lr_scheduler, cfg: EngineConfig) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"initialize(model=...): expected a torch.nn.Module, got "
+                        f"{type(model).__name__}")
+    if cfg.optimizer is not None and optimizer is not None:
+        raise ConfigError("initialize: both an optimizer object (optimizer=...) and a config "
+                          "'optimizer' section were given; pass exactly one of them")
+    if cfg.optimizer is None and optimizer is None:
+        raise ConfigError("initialize: no optimizer; pass optimizer=<torch optimizer> or add an "
+                          "'optimizer': {'type': 'AdamW', 'params': {'lr': ...}} section to the "
+                          "config")
+    if optimizer is not None and not (isinstance(optimizer, torch.optim.Optimizer)
+                                      or callable(optimizer)):
+        raise TypeError(f"initialize(optimizer=...): expected a torch.optim.Optimizer or a "
+                        f"callable(params) -> Optimizer, got {type(optimizer).__name__}")
+    if cfg.scheduler is not None and lr_scheduler is not None:
+        raise ConfigError("initialize: both lr_scheduler=... and a config 'scheduler' section "
+                          "were given; pass exactly one of them")
+    if cfg.zero.stage == 3 and isinstance(optimizer, torch.optim.Optimizer) \
+            and len(optimizer.param_groups) > 1:
+        raise ConfigError(f"zero_optimization.stage=3 rebuilds the optimizer over FSDP's "
+                          f"parameters, so it supports one param group; this optimizer has "
+                          f"{len(optimizer.param_groups)}")
+
+
+# ----------------------------------------------------------------------------- composition
+
+
+@dataclass
+class Composition:
+    """What a stage plan builds: the module to call, the optimizer to step, and how to skip a
+    reduction or clip gradients with that combination of wrappers."""
+
+    stage: int
+    wrapped: nn.Module
+    optimizer: torch.optim.Optimizer
+    no_sync: Callable[[], Any]
+    clip_grad_norm: Callable[[float], Any]
+
+
+def _torch_ddp(model: nn.Module) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+    device = next(model.parameters()).device
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def _trainable(model: nn.Module) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _oss(model: nn.Module, recipe: OptimizerRecipe):
+    from shardkit.optim import OSS
+    if recipe.instance is not None:
+        return OSS(recipe.instance)
+    params = recipe.param_groups if recipe.param_groups is not None else _trainable(model)
+    return OSS(params, optim=recipe.cls, **recipe.defaults)
+
+
+def compose_stage0(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineConfig) -> Composition:
+    """torch DDP and a replicated optimizer."""
+    ddp = _torch_ddp(model)
+    optimizer = recipe.instance or recipe.build(recipe.param_groups or _trainable(model))
+    params = _trainable(model)
+    return Composition(0, ddp, optimizer, ddp.no_sync,
+                       lambda max_norm: torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+def compose_stage1(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineConfig) -> Composition:
+    """OSS (optimizer state sharded) over torch DDP (full gradients all-reduced)."""
+    oss = _oss(model, recipe)
+    ddp = _torch_ddp(model)
+    return Composition(1, ddp, oss, ddp.no_sync, oss.clip_grad_norm)
+
+
+def compose_stage2(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineConfig) -> Composition:
+    """OSS plus ShardedDataParallel: each gradient is reduced to its owner only."""
+    from shardkit.nn.data_parallel import ShardedDataParallel
+    oss = _oss(model, recipe)
+    kwargs = {}
+    if cfg.zero.reduce_bucket_size is not None:
+        kwargs["reduce_buffer_size"] = cfg.zero.reduce_bucket_size
+    sdp = ShardedDataParallel(model, oss, **kwargs)
+    return Composition(2, sdp, oss, sdp.no_sync, oss.clip_grad_norm)
+
+
+def compose_stage3(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineConfig) -> Composition:
+    """FSDP around every transformer block (or large submodule) and around the root; the
+    optimizer is rebuilt over FSDP's sharded parameters."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.wrap import auto_wrap
+
+    fsdp_kwargs = {}
+    if cfg.zero.offload_param_device == "cpu" and next(model.parameters()).is_cuda:
+        fsdp_kwargs["move_params_to_cpu"] = True
+    wrapped = FSDP(auto_wrap(model, auto_wrap_policy=_stage3_wrap_policy(model), **fsdp_kwargs),
+                   **fsdp_kwargs)
+    optimizer = recipe.build(p for p in wrapped.parameters() if p.requires_grad)
+    return Composition(3, wrapped, optimizer, wrapped.no_sync, wrapped.clip_grad_norm_)
+
+
+def _stage3_wrap_policy(model: nn.Module):
+    """Policy, not mechanism: transformer blocks of shardkit's models are the FSDP units;
+    other models are wrapped by parameter count."""
+    from shardkit.models import Block
+    from shardkit.nn.wrap import default_auto_wrap_policy, transformer_auto_wrap_policy
+    if any(isinstance(m, Block) for m in model.modules()):
+        return transformer_auto_wrap_policy({Block})
+    return default_auto_wrap_policy
+
+
+STAGE_PLANS = {0: compose_stage0, 1: compose_stage1, 2: compose_stage2, 3: compose_stage3}
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+class ShardedEngine(nn.Module):
+    """The object ``initialize`` returns: call it, ``backward`` the loss, ``step``.
+
+    Gradient accumulation: ``backward`` divides the loss by ``gradient_accumulation_steps``
+    (and multiplies it by the fp16 loss scale) and suppresses the gradient reduction except on
+    the last micro-batch; ``step`` runs the optimizer, scheduler and loss scaler only at that
+    boundary, then zeroes the gradients. Memory and communication are those of the stage's
+    wrappers (module docstring); the engine adds one all-reduced flag per step under fp16.
+
+    Attributes:
+        module: the user's model (at stage 3 its blocks are FSDP units).
+        wrapped: the outermost wrapper (DDP, ShardedDataParallel or FSDP).
+        optimizer, lr_scheduler, loss_scaler: the composed parts (``None`` when unused).
+        global_steps: optimizer steps taken (skipped fp16 steps included, as in DeepSpeed).
+        micro_steps, skipped_steps: micro-batches seen; steps skipped on overflow.
+    """
+
+    def __init__(self, model: nn.Module, composition: Composition, cfg: EngineConfig,
+                 lr_scheduler=None, state_names: Optional[list] = None,
+                 trainable_param_names: Optional[list] = None):
+        super().__init__()
+        self.module = model
+        # Names of the unwrapped model, recorded before wrapping (FSDP renames and flattens).
+        self._state_names = list(state_names or model.state_dict().keys())
+        self.trainable_param_names = list(trainable_param_names or
+                                          [n for n, p in model.named_parameters()
+                                           if p.requires_grad])
+        self.wrapped = composition.wrapped
+        self.config = cfg
+        self.composition = composition
+        self.optimizer = composition.optimizer
+        self.lr_scheduler = lr_scheduler
+        self.loss_scaler = _loss_scaler(cfg)
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
+            cfg.precision.dtype)
+        self._device_type = next(model.parameters()).device.type
+        self._losses_since_print: list[float] = []
+        self._clock = time.perf_counter()
+        self._steps_at_clock = 0
+        self._sync_ctx: Optional[contextlib.ExitStack] = None
+
+    # -- properties DeepSpeed users reach for
+    @property
+    def zero_stage(self) -> int:
+        return self.composition.stage
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    @property
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    def module_state_names(self) -> list[str]:
+        """The ``state_dict`` keys of the unwrapped model (what a checkpoint stores)."""
+        return list(self._state_names)
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True on the micro-batch whose ``step`` will run the optimizer."""
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    # -- training
+    def forward(self, *args, **kwargs):
+        with self._precision_context(), self._reduction_context():
+            return self.wrapped(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale);
+        the gradient reduction runs only on the boundary micro-batch."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward(loss): expected a scalar tensor, got "
+                             f"{loss if not isinstance(loss, torch.Tensor) else loss.shape}")
+        self._losses_since_print.append(float(loss.detach()))
+        factor = self.loss_scale / self.config.gradient_accumulation_steps
+        scaled = loss.float() * factor if factor != 1.0 else loss
+        with self._reduction_context():
+            scaled.backward(retain_graph=retain_graph)
+        return loss
+
+    def step(self) -> None:
+        """At the accumulation boundary: (fp16) agree on overflow, unscale, clip, step the
+        optimizer and scheduler, update the loss scale, zero gradients. Elsewhere: count."""
+        if self.is_gradient_accumulation_boundary():
+            self._optimizer_step()
+            self.global_steps += 1
+            self._maybe_print()
+        self.micro_steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self.composition.stage >= 2 and hasattr(self.wrapped, "zero_grad"):
+            self.wrapped.zero_grad()
+
+    def _optimizer_step(self) -> None:
+        overflow = self._agreed_overflow() if self.loss_scaler is not None else False
+        if overflow:
+            self.skipped_steps += 1
+            if distributed.get_rank() == 0:
+                logger.info("step %d: fp16 gradients overflowed at loss scale %g; step skipped",
+                            self.global_steps + 1, self.loss_scale)
+        else:
+            if self.loss_scaler is not None and self.loss_scale != 1.0:
+                self._unscale_gradients(1.0 / self.loss_scale)
+            if self.config.gradient_clipping > 0:
+                self.composition.clip_grad_norm(self.config.gradient_clipping)
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update_scale(overflow)
+        self.zero_grad()
+
+    def _local_gradients(self) -> list[torch.Tensor]:
+        return [p.grad for group in self.optimizer.param_groups for p in group["params"]
+                if p.grad is not None]
+
+    def _agreed_overflow(self) -> bool:
+        """Inf/nan in any rank's gradients, all-reduced so every rank decides the same."""
+        grads = self._local_gradients()
+        flag = torch.zeros(1)
+        if grads:
+            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+            flag.fill_(0.0 if bool(finite) else 1.0)
+        device = grads[0].device if grads else torch.device("cpu")
+        flag = flag.to(device)
+        distributed.all_reduce(flag, op=distributed.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+    def _unscale_gradients(self, inv_scale: float) -> None:
+        grads = self._local_gradients()
+        if grads:
+            torch._foreach_mul_(grads, inv_scale)
+
+    # -- contexts
+    def _precision_context(self):
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self._device_type, dtype=self._autocast_dtype)
+
+    def _reduction_context(self):
+        if self.is_gradient_accumulation_boundary():
+            return contextlib.nullcontext()
+        return self.composition.no_sync()
+
+    # -- logging
+    def _maybe_print(self) -> None:
+        if self.global_steps % self.config.steps_per_print:
+            return
+        if distributed.get_rank() == 0:
+            elapsed = max(time.perf_counter() - self._clock, 1e-9)
+            samples = (self.global_steps - self._steps_at_clock) * self.config.train_batch_size
+            losses = self._losses_since_print
+            loss = sum(losses) / len(losses) if losses else float("nan")
+            lrs = ", ".join(f"{lr:.3e}" for lr in self.get_lr())
+            logger.info("step=%d loss=%.6f lr=[%s] loss_scale=%g samples/s=%.1f skipped=%d",
+                        self.global_steps, loss, lrs, self.loss_scale, samples / elapsed,
+                        self.skipped_steps)
+        self._reset_print_window()
+
+    def _reset_print_window(self) -> None:
+        self._losses_since_print = []
+        self._clock = time.perf_counter()
+        self._steps_at_clock = self.global_steps
+
+    # -- checkpoints
+    def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
+                        client_state: Optional[dict] = None, save_latest: bool = True) -> str:
+        """Write a resharding checkpoint under ``save_dir/tag`` (default ``global_step<N>``) and
+        point ``save_dir/latest`` at it, atomically. Must be called on every rank.
+
+        Each rank writes the fp32 parameters and optimizer state it owns, keyed by parameter
+        name; rank 0 adds metadata, scheduler, loss scaler and ``client_state``. Memory: one
+        rank's share on CPU (stage 3: the full state on rank 0, gathered by FSDP).
+        Communication: one small all-reduce and two barriers (stage 3: FSDP's gathers).
+        Returns the checkpoint directory.
+        """
+        from shardkit.checkpoint.engine_state import save_engine_checkpoint
+        return save_engine_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
+                        load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False):
+        """Restore model, optimizer, scheduler, loss scaler, counters and RNG from a checkpoint
+        written at any world size and ZeRO stage. Returns ``(path, client_state)``, or
+        ``(None, None)`` when ``load_dir`` holds no checkpoint. Must be called on every rank.
+        Memory: the full fp32 state on each rank's CPU while loading."""
+        from shardkit.checkpoint.engine_state import load_engine_checkpoint
+        return load_engine_checkpoint(self, load_dir, tag,
+                                      load_optimizer_states=load_optimizer_states
+                                      and not load_module_only,
+                                      load_lr_scheduler_states=load_lr_scheduler_states
+                                      and not load_module_only)
+
+
+def _loss_scaler(cfg: EngineConfig):
+    p = cfg.precision
+    if p.dtype != "fp16":
+        return None
+    if p.static_loss_scale > 0:
+        return StaticLossScaler(p.static_loss_scale)
+    return DynamicLossScaler(init_scale=2.0 ** p.initial_scale_power,
+                             scale_window=p.loss_scale_window, hysteresis=p.hysteresis,
+                             min_scale=p.min_loss_scale,
+                             raise_error_at_min_scale=p.raise_error_at_min_scale,
+                             consecutive_hysteresis=p.consecutive_hysteresis)
+
+
+# ----------------------------------------------------------------------------- initialize
+
+
+def initialize(model: nn.Module, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, config=None, config_params=None, args=None, mpu=None,
+               dist_init_required=None, collate_fn=None):
+    """Compose shardkit's wrappers from a DeepSpeed config.
+
+    Args:
+        model: the ``nn.Module`` to train (on its target device).
+        optimizer: a torch optimizer or ``callable(params) -> optimizer``; exclusive with a
+            config ``optimizer`` section.
+        model_parameters: parameters or param groups for a config-built optimizer (default:
+            every trainable parameter).
+        training_data: a ``torch.utils.data.Dataset``; a ``DataLoader`` with a
+            ``DistributedSampler`` and the micro-batch size is returned for it.
+        lr_scheduler: a scheduler or ``callable(optimizer) -> scheduler``; exclusive with a
+            config ``scheduler`` section.
+        config: a dict or the path of a JSON file (``config_params`` is an alias).
+
+    Returns:
+        ``(engine, optimizer, dataloader, lr_scheduler)``; ``dataloader`` is ``None`` without
+        ``training_data``.
+
+    Everything about the config and the arguments is checked before any process-group
+    traffic, so a bad config raises the same :class:`~shardkit.config.ConfigError` on every
+    rank. Costs: those of the stage's wrappers (module docstring).
+
+    .. warning:: collective: call it on every rank, with the same config.
+    """
+    if config is not None and config_params is not None:
+        raise ConfigError("initialize: config and config_params are aliases; pass only one")
+    if mpu is not None:
+        raise ConfigError("initialize(mpu=...): model-parallel units are not supported by the "
+                          "front end; compose shardkit.nn.model_parallel yourself")
+    world = _data_parallel_world_size()
+    cfg = load_config(config if config is not None else config_params, world)
+    _check_arguments(model, optimizer, lr_scheduler, cfg)
+    _ensure_process_group()
+    if distributed.get_rank() == 0:
+        _ensure_log_handler()
+        for note in cfg.warnings:
+            logger.warning(note)
+    recipe = _optimizer_recipe(cfg, optimizer, model_parameters, model)
+    state_names = list(model.state_dict().keys())
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    composition = STAGE_PLANS[cfg.zero.stage](model, recipe, cfg)
+    scheduler = _build_scheduler(cfg, lr_scheduler, composition.optimizer)
+    engine = ShardedEngine(model, composition, cfg, scheduler, state_names, trainable)
+    loader = _data_loader(training_data, cfg, collate_fn) if training_data is not None else None
+    return engine, composition.optimizer, loader, scheduler
+
+
+def _ensure_log_handler() -> None:
+    """Rank 0 prints the progress lines (as DeepSpeed does) unless logging is configured."""
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[shardkit] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+def _data_parallel_world_size() -> int:
+    if distributed.is_initialized():
+        return distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _ensure_process_group() -> None:
+    """Join torchrun's group; outside torchrun start a one-rank gloo group."""
+    if distributed.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        from shardkit.testing import free_port
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    distributed.init_distributed()
+
+
+def _build_scheduler(cfg: EngineConfig, lr_scheduler, optimizer):
+    if cfg.scheduler is not None:
+        from shardkit.optim import lr_scheduler as schedules
+        return getattr(schedules, cfg.scheduler.type)(optimizer, **cfg.scheduler.kwargs)
+    if lr_scheduler is not None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        return lr_scheduler(optimizer)
+    return lr_scheduler
+
+
+def _data_loader(dataset, cfg: EngineConfig, collate_fn):
+    from torch.utils.data import DataLoader, DistributedSampler
+    sampler = DistributedSampler(dataset, num_replicas=distributed.get_world_size(),
+                                 rank=distributed.get_rank())
+    return DataLoader(dataset, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
+                      collate_fn=collate_fn, drop_last=True)
