@@ -1,0 +1,98 @@
+"""Deferred batch norm: running statistics updated once per mini-batch, as if it were unsplit.
+
+Inside a :class:`~shardkit.nn.Pipe` each micro-batch is normalised with its own statistics (as
+GPipe does), but the running mean and variance must not move once per micro-batch. A
+:class:`DeferredBatchNorm` adds up the sums and squared sums of every micro-batch's first forward
+(recomputations are skipped) and :meth:`DeferredBatchNorm.commit` folds them into the running
+statistics once, with the batch's mean and unbiased variance, so they equal what an unsplit
+``BatchNorm`` would hold. Memory: two fp64 vectors of ``num_features``. Communication: none.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from shardkit.nn.checkpoint import is_recomputing
+
+__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "commit_deferred_batch_norms"]
+
+
+class DeferredBatchNorm(_BatchNorm):
+    """A BatchNorm (any dimensionality) whose running statistics move once per :meth:`commit`."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum=0.1, affine: bool = True):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
+        self.register_buffer("sum", torch.zeros(num_features, dtype=torch.float64),
+                             persistent=False)
+        self.register_buffer("sum_squares", torch.zeros(num_features, dtype=torch.float64),
+                             persistent=False)
+        self.count = 0
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"DeferredBatchNorm: expected an input with at least 2 dims "
+                             f"(batch, channels, ...), got shape {tuple(input.shape)}")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        if not self.training:
+            return super().forward(input)
+        if not is_recomputing():
+            self._track(input)
+        return F.batch_norm(input, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+    @torch.no_grad()
+    def _track(self, input: torch.Tensor) -> None:
+        dims = [d for d in range(input.dim()) if d != 1]
+        x = input.detach().to(torch.float64)
+        self.sum += x.sum(dims)
+        self.sum_squares += x.square().sum(dims)
+        self.count += input.numel() // input.shape[1]
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Fold the tracked micro-batches into the running statistics and start afresh."""
+        if self.count == 0:
+            return
+        mean = self.sum / self.count
+        var = (self.sum_squares / self.count - mean.square()).clamp_min(0)
+        unbiased = var * (self.count / max(self.count - 1, 1))
+        self.num_batches_tracked += 1
+        factor = (1.0 / float(self.num_batches_tracked) if self.momentum is None
+                  else self.momentum)
+        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+        self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+        self.sum.zero_()
+        self.sum_squares.zero_()
+        self.count = 0
+
+    @classmethod
+    def from_batch_norm(cls, bn: _BatchNorm) -> "DeferredBatchNorm":
+        """A deferred copy of ``bn`` with its parameters and running statistics."""
+        deferred = cls(bn.num_features, bn.eps, bn.momentum, bn.affine)
+        deferred.load_state_dict(bn.state_dict())
+        device = bn.running_mean.device
+        return deferred.to(device).train(bn.training)
+
+
+def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
+    """Replace, in place, every BatchNorm with running statistics under ``module`` by a
+    :class:`DeferredBatchNorm`; returns ``module`` (or the replacement if it is one itself)."""
+    if isinstance(module, _BatchNorm) and not isinstance(module, DeferredBatchNorm) \
+            and module.track_running_stats:
+        return DeferredBatchNorm.from_batch_norm(module)
+    for name, child in list(module.named_children()):
+        converted = convert_deferred_batch_norm(child)
+        if converted is not child:
+            setattr(module, name, converted)
+    return module
+
+
+def commit_deferred_batch_norms(module: nn.Module) -> None:
+    """Call :meth:`DeferredBatchNorm.commit` on every deferred batch norm under ``module``."""
+    for m in module.modules():
+        if isinstance(m, DeferredBatchNorm):
+            m.commit()

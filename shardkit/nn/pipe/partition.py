@@ -1,0 +1,49 @@
+"""Cutting an ``nn.Sequential`` into consecutive stages by a ``balance`` list."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import torch.nn as nn
+
+__all__ = ["split_sequential", "check_balance"]
+
+
+def check_balance(module: nn.Sequential, balance: Sequence[int], what: str) -> list[int]:
+    """Return ``balance`` as a list after checking it cuts ``module`` into non-empty stages.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``.
+        ValueError: a part is not a positive int, or the parts do not sum to ``len(module)``.
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"{what}(module={type(module).__name__}): expected a torch.nn.Sequential "
+                        f"(its layers are cut into stages by `balance`)")
+    try:
+        parts = list(balance)
+    except TypeError:
+        raise TypeError(f"{what}(balance={balance!r}): expected a list of positive ints, one per "
+                        f"stage") from None
+    if not parts or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in parts):
+        raise ValueError(f"{what}(balance={parts!r}): expected a non-empty list of positive "
+                         f"ints, one per stage")
+    if sum(parts) != len(module):
+        raise ValueError(f"{what}(balance={parts!r}): the parts sum to {sum(parts)} but the "
+                         f"Sequential has {len(module)} layers; they must be equal")
+    return parts
+
+
+def split_sequential(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+    """Cut ``module`` into ``len(balance)`` consecutive ``nn.Sequential`` stages.
+
+    Stage ``j`` holds the next ``balance[j]`` layers, the same layer objects under their
+    original names (no copy: memory and parameters are shared with ``module``).
+    """
+    parts = check_balance(module, balance, "split_sequential")
+    layers = list(module.named_children())
+    stages, start = [], 0
+    for size in parts:
+        stages.append(nn.Sequential(OrderedDict(layers[start:start + size])))
+        start += size
+    return stages

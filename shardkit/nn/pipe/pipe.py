@@ -1,0 +1,170 @@
+"""Pipe: GPipe pipeline parallelism in one process, over several devices (FairScale's ``Pipe``)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from shardkit.nn.checkpoint import checkpointed_call
+from shardkit.nn.pipe.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
+from shardkit.nn.pipe.microbatch import as_tuple, join_microbatches, split_microbatches
+from shardkit.nn.pipe.partition import check_balance, split_sequential
+from shardkit.nn.pipe.skip import SkipTracker, use_skip_tracker, verify_skippables
+
+__all__ = ["Pipe", "CHECKPOINT_MODES", "clock_cycles"]
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+def clock_cycles(num_microbatches: int, num_partitions: int) -> list[list[tuple[int, int]]]:
+    """GPipe's forward order: at tick ``k`` micro-batch ``i`` runs on partition ``k - i``.
+
+    Returns one list of ``(microbatch, partition)`` pairs per tick (``m + n - 1`` ticks).
+    """
+    return [[(k - j, j) for j in range(num_partitions) if 0 <= k - j < num_microbatches]
+            for k in range(num_microbatches + num_partitions - 1)]
+
+
+class _MicrobatchSkips(SkipTracker):
+    """The skip table of one micro-batch, as one partition run sees it.
+
+    The first forward takes stashed tensors from the micro-batch's shared table and remembers
+    what it popped; a recomputation (after the first forward finished) ignores its stashes and
+    gets the remembered pops, so it saves the same tensors as the first forward did.
+    """
+
+    def __init__(self, shared: SkipTracker, device: torch.device):
+        super().__init__()
+        self.shared = shared
+        self.device = device
+        self.replaying = False
+
+    def save(self, key, tensor):
+        if not self.replaying:
+            self.shared.save(key, tensor)
+
+    def load(self, key):
+        if not self.replaying:
+            tensor = self.shared.load(key)
+            self.tensors[key] = tensor.to(self.device) if tensor is not None else None
+        return self.tensors[key]
+
+
+def _default_devices(count: int) -> list[torch.device]:
+    if torch.cuda.is_available() and torch.cuda.device_count() >= count:
+        return [torch.device("cuda", i) for i in range(count)]
+    return [torch.device("cpu")] * count
+
+
+class Pipe(nn.Module):
+    """Run an ``nn.Sequential`` as a GPipe pipeline over ``devices`` in one process.
+
+    The Sequential is cut by ``balance`` into partitions (partition ``j`` on ``devices[j]``; all
+    ``"cpu"`` is valid). Each forward splits the batch into ``chunks`` micro-batches along dim 0
+    and runs them in GPipe's clock order (micro-batch ``i`` on partition ``j`` at tick ``i+j``);
+    the outputs are concatenated on the last device. Backward follows the autograd graph of the
+    same micro-batches, so gradients equal those of the unsplit Sequential.
+
+    Args:
+        module: the ``nn.Sequential`` to pipeline (its layers are moved onto ``devices``).
+        balance: number of layers of each partition; must sum to ``len(module)``.
+        devices: one device per partition; default: ``cuda:0..`` when there are enough GPUs,
+            else ``"cpu"`` for every partition.
+        chunks: number of micro-batches (at most the batch size).
+        checkpoint: ``"always"`` (recompute every micro-batch in backward), ``"except_last"``
+            (all but the last, whose backward comes first) or ``"never"``. Only in training
+            mode with grad enabled.
+        deferred_batch_norm: replace BatchNorms by :class:`DeferredBatchNorm`, whose running
+            statistics are updated once per mini-batch, as if it were unsplit.
+
+    Memory: each device holds its partition's parameters; activations of the micro-batches
+    in flight, and for checkpointed micro-batches only each partition's inputs. Communication:
+    one device-to-device copy of each micro-batch's activations per partition boundary (none
+    between partitions on the same device).
+
+    Usage::
+
+        model = Pipe(nn.Sequential(a, b, c, d), balance=[2, 2], devices=["cpu", "cpu"], chunks=4)
+        model(x).sum().backward()
+    """
+
+    def __init__(self, module: nn.Sequential, balance: Sequence[int],
+                 devices: Optional[Sequence[Union[str, torch.device]]] = None, chunks: int = 1,
+                 checkpoint: str = "except_last", deferred_batch_norm: bool = False):
+        super().__init__()
+        parts = check_balance(module, balance, "Pipe")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"Pipe(chunks={chunks!r}): expected a positive int (micro-batches "
+                             f"per mini-batch)")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"Pipe(checkpoint={checkpoint!r}): valid modes are "
+                             f"{list(CHECKPOINT_MODES)}")
+        devices = _default_devices(len(parts)) if devices is None else \
+            [torch.device(d) for d in devices]
+        if len(devices) < len(parts):
+            raise ValueError(f"Pipe(devices={[str(d) for d in devices]}): {len(parts)} partitions "
+                             f"(balance={parts}) need at least {len(parts)} devices")
+        verify_skippables(module)
+        if deferred_batch_norm:
+            convert_deferred_batch_norm(module)
+        for name, layer in module.named_children():  # same state_dict keys as the Sequential
+            self.add_module(name, layer)
+        self.balance = parts
+        self.devices = devices[:len(parts)]
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.deferred_batch_norm = deferred_batch_norm
+        self.partitions = [p.to(d) for p, d in zip(split_sequential(module, parts), self.devices)]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return list(self._modules.values())[index]
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def _checkpoint_stop(self) -> int:
+        if not (self.training and torch.is_grad_enabled()):
+            return 0
+        return {"always": self.chunks, "except_last": self.chunks - 1, "never": 0}[self.checkpoint]
+
+    def forward(self, *inputs):
+        """Run the pipeline on a batch: a tensor, or a tuple of tensors with one batch size
+        (several positional tensors are taken as that tuple). As in ``nn.Sequential``, each
+        layer gets its predecessor's output (a tensor or a tuple) as its one argument."""
+        packed = len(inputs) > 1 or isinstance(inputs[0], (tuple, list))
+        inputs = as_tuple(inputs[0]) if len(inputs) == 1 else inputs
+        batches = split_microbatches(inputs, self.chunks, "Pipe.forward")
+        activations = [tuple(t.to(self.devices[0]) for t in mb) for mb in batches]
+        skips = [SkipTracker() for _ in batches]
+        packed = [packed] * len(batches)  # whether micro-batch i's activation is a tuple
+        stop = self._checkpoint_stop()
+        for tick in clock_cycles(len(batches), len(self.partitions)):
+            for i, j in tick:
+                out = self._run_partition(j, activations[i], packed[i], skips[i],
+                                          checkpointed=i < stop)
+                packed[i] = not isinstance(out, torch.Tensor)
+                activations[i] = as_tuple(out)
+        if self.deferred_batch_norm and self.training:
+            commit_deferred_batch_norms(self)
+        return join_microbatches(activations, single=not packed[-1])
+
+    def _run_partition(self, j: int, inputs: tuple, packed: bool, shared_skips: SkipTracker,
+                       checkpointed: bool):
+        partition, device = self.partitions[j], self.devices[j]
+        inputs = tuple(t.to(device) for t in inputs)
+        skips = _MicrobatchSkips(shared_skips, device)
+
+        def run(*args):
+            with use_skip_tracker(skips):
+                out = partition(args if packed else args[0])
+            skips.replaying = True
+            return out
+
+        if checkpointed:
+            return checkpointed_call(run, *inputs, modules=(partition,))
+        return run(*inputs)

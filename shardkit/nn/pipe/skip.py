@@ -1,0 +1,232 @@
+"""Skip connections between non-adjacent layers of a Sequential, FairScale's API.
+
+A layer declares what it stashes and pops; its ``forward`` is a generator that yields
+``stash(name, tensor)`` to leave a tensor for a later layer and ``x = yield pop(name)`` to take
+one::
+
+    @skippable(stash=["1to3"])
+    class Layer1(nn.Module):
+        def forward(self, x):
+            yield stash("1to3", x)
+            return f1(x)
+
+    @skippable(pop=["1to3"])
+    class Layer3(nn.Module):
+        def forward(self, x):
+            skip = yield pop("1to3")
+            return f3(x) + skip
+
+The decorated class is a subclass of the original (same parameters and ``state_dict`` keys)
+whose ``forward`` drives the generator. Outside a :class:`~shardkit.nn.Pipe` the stashed tensors
+go through a per-thread table, so the Sequential runs as an ordinary module; inside a Pipe each
+micro-batch has its own table and a popped tensor is moved to the popping partition's device.
+Two copies of a layer that use the same names are told apart with a :class:`Namespace`
+(``layer.isolate(ns)``). :func:`verify_skippables` checks a Sequential's stashes and pops pair up.
+
+Memory: a stashed tensor stays alive until popped (and, for backward, as long as autograd needs
+it). Communication: none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import threading
+from typing import Iterable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+__all__ = ["skippable", "stash", "pop", "Namespace", "verify_skippables", "Skippable",
+           "SkipTracker", "use_skip_tracker"]
+
+_namespace_ids = itertools.count()
+
+
+class Namespace:
+    """A name scope for skip names: equal names in different namespaces do not collide."""
+
+    def __init__(self):
+        self._id = next(_namespace_ids)
+
+    def __repr__(self) -> str:
+        return f"Namespace({self._id})"
+
+
+_DEFAULT_NAMESPACE = Namespace()
+
+
+class stash:  # noqa: N801 - FairScale's name
+    """``yield stash(name, tensor)`` inside a skippable forward: leave ``tensor`` under ``name``."""
+
+    __slots__ = ("name", "tensor")
+
+    def __init__(self, name: str, tensor: Optional[torch.Tensor]):
+        self.name = name
+        self.tensor = tensor
+
+
+class pop:  # noqa: N801 - FairScale's name
+    """``tensor = yield pop(name)`` inside a skippable forward: take the tensor stashed as ``name``."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+class SkipTracker:
+    """Where stashed tensors wait for their pop: a table keyed by ``(namespace, name)``."""
+
+    def __init__(self):
+        self.tensors: dict = {}
+
+    def save(self, key, tensor: Optional[torch.Tensor]) -> None:
+        self.tensors[key] = tensor
+
+    def load(self, key) -> Optional[torch.Tensor]:
+        if key not in self.tensors:
+            raise RuntimeError(f"skip connection {key[1]!r} ({key[0]}) is popped before it was "
+                               f"stashed; stash it in an earlier layer of the same Sequential")
+        return self.tensors.pop(key)
+
+
+class _ThreadTracker(threading.local):
+    def __init__(self):
+        self.current: SkipTracker = SkipTracker()
+
+
+_tracker = _ThreadTracker()
+
+
+@contextlib.contextmanager
+def use_skip_tracker(tracker: SkipTracker) -> Iterator[None]:
+    """Route the stashes and pops of this thread to ``tracker`` inside the block."""
+    previous = _tracker.current
+    _tracker.current = tracker
+    try:
+        yield
+    finally:
+        _tracker.current = previous
+
+
+class Skippable(nn.Module):
+    """Base of the classes :func:`skippable` makes. Class attributes: ``stashable_names``,
+    ``poppable_names``; instances map names to namespaces with :meth:`isolate`."""
+
+    stashable_names: frozenset = frozenset()
+    poppable_names: frozenset = frozenset()
+
+    def isolate(self, ns: Namespace, *, only: Optional[Iterable[str]] = None) -> "Skippable":
+        """Put this layer's skip names (or only those in ``only``) into namespace ``ns``."""
+        names = self.stashable_names | self.poppable_names
+        chosen = set(names if only is None else only)
+        unknown = chosen - names
+        if unknown:
+            raise ValueError(f"isolate(only={sorted(unknown)}): {type(self).__name__} declares "
+                             f"only the skip names {sorted(names)}")
+        table = dict(self.__dict__.get("_skip_namespaces", {}))
+        table.update({name: ns for name in chosen})
+        self.__dict__["_skip_namespaces"] = table
+        return self
+
+    def namespaced(self, name: str) -> tuple:
+        """The ``(namespace, name)`` key this layer uses for ``name``."""
+        return (self.__dict__.get("_skip_namespaces", {}).get(name, _DEFAULT_NAMESPACE), name)
+
+    def stashable(self) -> Iterator[tuple]:
+        """The keys this layer stashes."""
+        return (self.namespaced(n) for n in sorted(self.stashable_names))
+
+    def poppable(self) -> Iterator[tuple]:
+        """The keys this layer pops."""
+        return (self.namespaced(n) for n in sorted(self.poppable_names))
+
+    def _drive(self, generator_forward, *args, **kwargs):
+        result = generator_forward(self, *args, **kwargs)
+        if not inspect.isgenerator(result):
+            return result
+        tracker = _tracker.current
+        reply = None
+        while True:
+            try:
+                op = result.send(reply)
+            except StopIteration as stop:
+                return stop.value
+            reply = None
+            if isinstance(op, stash):
+                self._check_declared(op.name, self.stashable_names, "stash")
+                tracker.save(self.namespaced(op.name), op.tensor)
+            elif isinstance(op, pop):
+                self._check_declared(op.name, self.poppable_names, "pop")
+                reply = tracker.load(self.namespaced(op.name))
+            else:
+                raise TypeError(f"{type(self).__name__}.forward yielded {op!r}; a skippable "
+                                f"forward may only yield stash(name, tensor) or pop(name)")
+
+    def _check_declared(self, name: str, declared: frozenset, verb: str) -> None:
+        if name not in declared:
+            raise RuntimeError(f"{type(self).__name__}.forward yielded {verb}({name!r}) but the "
+                               f"class declares @skippable({verb}={sorted(declared)})")
+
+
+def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()):  # noqa: F811 - FairScale
+    """Class decorator declaring the skip names a layer stashes and pops.
+
+    Returns a subclass of the decorated class (same name, parameters and ``state_dict`` keys)
+    whose ``forward`` runs the original generator forward and serves its stashes and pops.
+    """
+    stash_names, pop_names = frozenset(stash), frozenset(pop)
+    for arg, names in (("stash", stash_names), ("pop", pop_names)):
+        bad = [n for n in names if not isinstance(n, str)]
+        if bad:
+            raise TypeError(f"skippable({arg}={bad!r}): skip names must be strings")
+
+    def decorate(cls):
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"@skippable decorates nn.Module classes, not {cls!r}")
+        generator_forward = cls.forward
+
+        def forward(self, *args, **kwargs):
+            return Skippable._drive(self, generator_forward, *args, **kwargs)
+
+        body = {"forward": forward, "stashable_names": stash_names, "poppable_names": pop_names,
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                "__doc__": cls.__doc__}
+        return type(cls.__name__, (cls, Skippable), body)
+
+    return decorate
+
+
+def verify_skippables(module: nn.Sequential) -> None:
+    """Check that every skip name stashed by a layer of ``module`` is popped once by a later
+    layer and that nothing is popped before it is stashed.
+
+    Raises:
+        TypeError: listing every problem, with the layer indices involved.
+    """
+    stashed: dict = {}
+    popped: dict = {}
+    problems: list[str] = []
+    for index, layer in enumerate(module.children()):
+        if not isinstance(layer, Skippable):
+            continue
+        for key in layer.stashable():
+            if key in stashed:
+                problems.append(f"'{key[1]}' is stashed by layer {stashed[key]} and again by "
+                                f"layer {index} (isolate one of them with a Namespace)")
+            stashed.setdefault(key, index)
+        for key in layer.poppable():
+            if key in popped:
+                problems.append(f"'{key[1]}' is popped by layer {popped[key]} and again by "
+                                f"layer {index} (isolate one of them with a Namespace)")
+            elif key not in stashed:
+                problems.append(f"'{key[1]}' is popped by layer {index} but not stashed by an "
+                                f"earlier layer")
+            popped.setdefault(key, index)
+    for key, index in stashed.items():
+        if key not in popped:
+            problems.append(f"'{key[1]}' is stashed by layer {index} but never popped")
+    if problems:
+        raise TypeError("skip connections do not pair up:\n  " + "\n  ".join(problems))
