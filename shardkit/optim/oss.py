@@ -273,13 +273,19 @@ class OSS(torch.optim.Optimizer):
             group.update(_hyper(saved))
             id_to_param.update(zip(saved["params"], group["params"]))
         owned = {id(p) for p in self._owned_params()}
+        self._load_local_state({p: value for key, value in state_dict["state"].items()
+                                if (p := id_to_param.get(key)) is not None and id(p) in owned})
+
+    def _load_local_state(self, state: dict) -> None:
+        """Give the local optimizer ``{owned param: state}`` through its own load_state_dict
+        (which casts to each parameter's device and dtype, and lets flat-state optimizers
+        rebuild their buffers)."""
         local_index = {id(p): i for i, p in
                        enumerate(p for g in self.optim.param_groups for p in g["params"])}
-        local_state = {local_index[id(p)]: value for key, value in state_dict["state"].items()
-                       if (p := id_to_param.get(key)) is not None and id(p) in owned}
         local_groups = [{**_hyper(g), "params": [local_index[id(p)] for p in lg["params"]]}
                         for g, lg in zip(self.param_groups, self.optim.param_groups)]
-        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        self.optim.load_state_dict({"state": {local_index[id(p)]: s for p, s in state.items()},
+                                    "param_groups": local_groups})
 
     # ------------------------------------------------------------------ mechanism
 
@@ -371,8 +377,7 @@ class OSS(torch.optim.Optimizer):
                 if p in plan.partition and plan.partition.owner(p) == self.rank}
         self._plan = plan
         self.optim = self._make_local_optimizer(self.param_groups, plan.partition)
-        for p, s in {**kept, **arriving}.items():
-            self.optim.state[p] = s
+        self._load_local_state({**kept, **arriving})
         self._buckets = build_buckets(plan, self.rank, self.group, self.broadcast_fp16)
         self._consolidated = None
 

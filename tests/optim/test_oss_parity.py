@@ -1,0 +1,213 @@
+"""OSS parity: DDP + OSS trains exactly like one process on the same global batch.
+
+One grid of configurations runs inside each world (2 and 4 gloo ranks); every configuration
+trains 10 steps and reports the largest parameter difference against a single-process oracle
+that every rank computes itself (same seed, the concatenated global batch).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from shardkit import distributed
+from shardkit.optim import OSS
+from shardkit.testing import MLP, World
+
+STEPS = 10
+LOCAL_BATCH = 4
+WIDTH = 24
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with World(4) as w:
+        yield w
+
+
+# ---------------------------------------------------------------------- rank-side helpers
+
+
+def _model(frozen: bool):
+    model = MLP(WIDTH, depth=4, out=6, seed=3)
+    if frozen:
+        for p in model[2].parameters():  # the second Linear is frozen
+            p.requires_grad_(False)
+    return model
+
+
+def _groups(model, two_groups: bool, lr: float):
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not two_groups:
+        return [{"params": [p for _, p in trainable]}]
+    weights = [p for n, p in trainable if n.endswith("weight")]
+    biases = [p for n, p in trainable if n.endswith("bias")]
+    return [{"params": weights, "weight_decay": 0.05},
+            {"params": biases, "lr": lr * 0.5, "weight_decay": 0.0}]
+
+
+def _global_batch(step: int, world: int):
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(LOCAL_BATCH * world, WIDTH, generator=gen)
+    y = torch.randn(LOCAL_BATCH * world, 6, generator=gen)
+    return x, y
+
+
+def _max_diff(a, b) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, schedule=False,
+                takeover=False, scaler=False, owners_only_grads=False, closure=False,
+                broadcast_fp16=False):
+    """Train DDP+OSS and the single-process oracle side by side; return the max difference
+    over all steps (parameters compared after every step)."""
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    oracle, model = _model(frozen), _model(frozen)
+    ref_opt = optim_cls(_groups(oracle, two_groups, hyper["lr"]), **hyper)
+    if takeover:
+        opt = OSS(optim_cls(_groups(model, two_groups, hyper["lr"]), **hyper))
+    else:
+        opt = OSS(_groups(model, two_groups, hyper["lr"]), optim=optim_cls,
+                  broadcast_fp16=broadcast_fp16, **hyper)
+    ddp = model if owners_only_grads else DDP(model)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 3, 0.5) if schedule else None
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5) if schedule else None
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaler else None
+    worst = 0.0
+    for step in range(STEPS):
+        x, y = _global_batch(step, world)
+        local = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+
+        ref_opt.zero_grad()
+        F.mse_loss(oracle(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(oracle.parameters(), clip[0], clip[1])
+        ref_opt.step()
+
+        def forward_backward():
+            opt.zero_grad()
+            loss = F.mse_loss(ddp(x[local]), y[local])
+            (grad_scaler.scale(loss) if scaler else loss).backward()
+            if owners_only_grads:
+                _reduce_to_owners_like_sharded_ddp(opt)
+            return loss
+
+        if closure:
+            opt.step(forward_backward)
+        else:
+            forward_backward()
+            if scaler:
+                grad_scaler.unscale_(opt)
+            if clip:
+                opt.clip_grad_norm(clip[0], clip[1])
+            if scaler:
+                grad_scaler.step(opt)
+                grad_scaler.update()
+            else:
+                opt.step()
+        if schedule:
+            ref_sched.step()
+            sched.step()
+        worst = max(worst, _max_diff(model, oracle))
+    return worst
+
+
+def _reduce_to_owners_like_sharded_ddp(opt):
+    """Average every gradient, then drop the ones this rank does not own (as ShardedDDP does)."""
+    world = distributed.get_world_size()
+    for p in opt.partition.all_params():
+        if p.grad is None:
+            continue
+        distributed.all_reduce(p.grad)
+        p.grad.div_(world)
+        if opt.partition.owner(p) != opt.rank:
+            p.grad = None
+
+
+ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.01})
+SGD_MOMENTUM = (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9})
+
+CONFIGS = {
+    "adamw": dict(opt=ADAMW),
+    "adamw_clip_l2": dict(opt=ADAMW, clip=(0.05, 2.0)),
+    "adamw_clip_inf": dict(opt=ADAMW, clip=(0.01, float("inf"))),
+    "adamw_lr_schedule": dict(opt=ADAMW, schedule=True),
+    "adamw_one_group_no_frozen": dict(opt=ADAMW, two_groups=False, frozen=False),
+    "adamw_takeover": dict(opt=ADAMW, takeover=True),
+    "adamw_grad_scaler": dict(opt=ADAMW, scaler=True, clip=(0.05, 2.0)),
+    "adamw_owner_grads_only": dict(opt=ADAMW, owners_only_grads=True, clip=(0.05, 2.0)),
+    "sgd_momentum": dict(opt=SGD_MOMENTUM),
+    "sgd_momentum_clip": dict(opt=SGD_MOMENTUM, clip=(0.05, 2.0)),
+    "sgd_closure": dict(opt=SGD_MOMENTUM, closure=True),
+}
+
+
+def _run_grid(names):
+    out = {}
+    for name in names:
+        cfg = dict(CONFIGS[name])
+        optim_cls, hyper = cfg.pop("opt")
+        out[name] = _train_pair(optim_cls, hyper, **cfg)
+    out["fused_adamw"] = _fused_adamw_parity()
+    out["broadcast_fp16"] = _train_pair(*ADAMW, broadcast_fp16=True)
+    return out
+
+
+def _fused_adamw_parity():
+    try:
+        from shardkit.optim import FusedAdamW
+    except (ImportError, AttributeError):
+        return None
+    return _train_pair(FusedAdamW, {"lr": 1e-2, "weight_decay": 0.01}, clip=(0.05, 2.0))
+
+
+# ---------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def grid2(world2):
+    results = world2.run(_run_grid, list(CONFIGS))
+    return results[0], results
+
+
+@pytest.fixture(scope="module")
+def grid4(world4):
+    names = ["adamw", "adamw_clip_l2", "sgd_momentum_clip", "adamw_owner_grads_only"]
+    results = world4.run(_run_grid, names)
+    return results[0], results
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parity_world2(grid2, name):
+    first, every = grid2
+    assert all(r[name] == first[name] for r in every), "ranks disagree"
+    assert first[name] <= TOL, f"{name}: max |OSS - single process| = {first[name]:.3g}"
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw_clip_l2", "sgd_momentum_clip",
+                                  "adamw_owner_grads_only"])
+def test_parity_world4(grid4, name):
+    first, every = grid4
+    assert all(r[name] == first[name] for r in every), "ranks disagree"
+    assert first[name] <= TOL, f"{name}: max |OSS - single process| = {first[name]:.3g}"
+
+
+def test_parity_fused_adamw(grid2, grid4):
+    for first, _ in (grid2, grid4):
+        if first["fused_adamw"] is None:
+            pytest.skip("shardkit.optim.FusedAdamW is not available")
+        assert first["fused_adamw"] <= TOL
+
+
+def test_broadcast_fp16_stays_close(grid2, grid4):
+    # fp16 copies of the non-owned parameters: close to, not equal to, the fp32 oracle
+    for first, _ in (grid2, grid4):
+        assert first["broadcast_fp16"] <= 5e-3
