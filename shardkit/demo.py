@@ -328,6 +328,7 @@ def train_and_measure(spec: RunSpec, cfg: GPTConfig, steps: int, global_batch: i
     rank, world = distributed.get_rank(), distributed.get_world_size()
     gc.collect()
     rss_reset = reset_peak_rss()
+    rss_at_start = peak_rss_bytes()
     setup = build_setup(spec.name, cfg, seed, global_batch)
     local = global_batch if spec.stage is None else global_batch // world
     lo = 0 if spec.stage is None else rank * local
@@ -349,8 +350,8 @@ def train_and_measure(spec: RunSpec, cfg: GPTConfig, steps: int, global_batch: i
         print(flush=True)
     timed = step_times[1:] or step_times  # the first step pays one-off set-up costs
     figures = {"rank": rank, "model_state_bytes": memory, "params": setup.params,
-               "peak_rss_bytes": peak_rss_bytes(), "peak_rss_scope": "run" if rss_reset
-               else "process", "step_time_s": sum(timed) / len(timed),
+               "peak_rss_bytes": peak_rss_bytes(), "rss_at_start_bytes": rss_at_start,
+               "peak_rss_scope": "run" if rss_reset else "process", "step_time_s": sum(timed) / len(timed),
                "comm_bytes_per_step": comm_bytes[-1], "losses": losses}
     del setup
     gc.collect()
@@ -559,6 +560,7 @@ def summarize(req: DemoRequest, results: dict, skipped: dict) -> dict:
             model_state_bytes=[r["model_state_bytes"] for r in per_rank],
             model_state_formula_bytes=[f[0] for f in formulas],
             peak_rss_bytes=[r["peak_rss_bytes"] for r in per_rank],
+            rss_at_start_bytes=[r["rss_at_start_bytes"] for r in per_rank],
             peak_rss_scope=per_rank[0]["peak_rss_scope"],
             step_time_s=max(r["step_time_s"] for r in per_rank),
             comm_bytes_per_step=[r["comm_bytes_per_step"] for r in per_rank],

@@ -1,0 +1,123 @@
+"""``python -m shardkit demo`` end to end: a tiny run of every live configuration through
+torchrun, checked from its JSON (model states against the ZeRO formulas for the measured Ψ and
+N, one final loss across the data-parallel stages, DDP's traffic counted exactly), and its
+refusals of bad input (exit code 2, one line, no traceback)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardkit import demo
+from shardkit.models import GPT
+
+
+@pytest.fixture(scope="module")
+def tiny_demo(tmp_path_factory):
+    """One demo launch for the whole module: world 2, small model, 3 steps."""
+    out = tmp_path_factory.mktemp("demo")
+    proc = subprocess.run([sys.executable, "-m", "shardkit", "demo", "--world-size", "2",
+                           "--steps", "3", "--model", "small", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    with open(out / "demo.json") as f:
+        report = json.load(f)
+    return proc, report, out
+
+
+def _rows(report, status="ok"):
+    return [r for r in report["runs"] if r["status"] == status]
+
+
+def test_demo_runs_end_to_end_and_writes_its_figures(tiny_demo):
+    proc, report, out = tiny_demo
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not _rows(report, "failed")
+    assert [r["name"] for r in report["runs"]] == [r.name for r in demo.RUNS]
+    assert report["world_size"] == 2 and report["steps"] == 3
+    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "torch DDP" in proc.stdout and "final loss" in proc.stdout
+    ddp = _rows(report)[0]
+    assert ddp["name"] == "ddp" and ddp["step_time_ratio_to_ddp"] == 1.0
+
+
+def test_data_parallel_model_states_follow_the_zero_formulas(tiny_demo):
+    _, report, _ = tiny_demo
+    psi = sum(p.numel() for p in GPT(demo.MODELS["small"]).parameters())
+    n = report["world_size"]
+    formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}
+    checked = set()
+    for row in _rows(report):
+        if row["stage"] is None:
+            continue
+        assert row["params_per_rank"] == [psi] * n
+        for measured in row["model_state_bytes"]:
+            assert measured["total"] == pytest.approx(formula[row["stage"]], rel=0.05), row["name"]
+        checked.add(row["stage"])
+    assert 0 in checked
+
+
+def test_final_loss_is_identical_across_data_parallel_stages(tiny_demo):
+    _, report, _ = tiny_demo
+    dp = [r for r in _rows(report) if r["stage"] is not None]
+    ddp_losses = dp[0]["losses"]
+    for row in dp[1:]:
+        assert row["losses"] == pytest.approx(ddp_losses, rel=1e-5, abs=0), row["name"]
+    assert report["final_loss_spread_data_parallel"] <= 1e-5 * ddp_losses[-1]
+    for row in _rows(report):
+        if row["stage"] is None:  # the pipeline averages micro-batch losses: close, not equal
+            assert row["final_loss"] == pytest.approx(ddp_losses[-1], rel=1e-4)
+
+
+def test_ddp_traffic_is_counted_exactly(tiny_demo):
+    _, report, _ = tiny_demo
+    ddp = _rows(report)[0]
+    assert ddp["comm_bytes_per_step"] == pytest.approx(ddp["comm_formula_bytes_per_step"])
+    for row in _rows(report):
+        assert all(b > 0 for b in row["comm_bytes_per_step"]), row["name"]
+
+
+def _demo(capsys, *argv):
+    code = demo.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", str(4 * (os.cpu_count() or 1) + 1)], "larger than this machine allows"),
+    (["--world-size", "0"], "--world-size 0"),
+    (["--model", "huge"], "--model 'huge' is unknown"),
+    (["--runs", "ddp,7"], "'7' is not a known run or stage"),
+    (["--world-size", "2", "--batch", "3"], "--batch 3"),
+    (["--steps", "0"], "--steps 0"),
+])
+def test_bad_input_exits_2_before_launching(capsys, argv, message):
+    code, out, err = _demo(capsys, *argv)
+    assert code == 2
+    assert message in err and "Traceback" not in err and out == ""
+
+
+def test_command_line_refusal_has_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "shardkit", "demo", "--world-size", "64"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "larger than this machine allows" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_pipeline_balance_and_chunks():
+    assert demo.balance_by_params([_Sized(1), _Sized(1), _Sized(1), _Sized(1)], 2) == [2, 2]
+    assert demo.balance_by_params([_Sized(10), _Sized(1), _Sized(1), _Sized(10)], 2) == [2, 2]
+    assert sum(demo.balance_by_params([_Sized(5)] * 5, 4)) == 5
+    assert demo.pipeline_chunks(8, 2) == 4 and demo.pipeline_chunks(6, 4) == 6
+    with pytest.raises(demo.DemoError, match="needs at least 3 layers"):
+        demo.balance_by_params([_Sized(1), _Sized(1)], 3)
+
+
+class _Sized:
+    def __init__(self, n):
+        import torch
+        self._p = [torch.nn.Parameter(torch.zeros(n))]
+
+    def parameters(self):
+        return iter(self._p)
