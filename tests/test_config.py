@@ -1,0 +1,121 @@
+"""Config validation: every bad key or value is named with its dotted path; batch triple."""
+
+import json
+
+import pytest
+
+from shardkit.config import ConfigError, load_config, resolve_batch_sizes
+
+SEED_CONFIG = {
+    "train_batch_size": 16,
+    "train_micro_batch_size_per_gpu": 4,
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+    "scheduler": {"type": "WarmupDecayLR",
+                  "params": {"warmup_max_lr": 0.001, "warmup_num_steps": 1000,
+                             "total_num_steps": 5000}},
+    "zero_optimization": {"stage": 2,
+                          "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "offload_param": {"device": "cpu", "pin_memory": True}},
+    "fp16": {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 32, "hysteresis": 2, "min_loss_scale": 1},
+    "gradient_clipping": 1.0,
+    "steps_per_print": 10,
+}
+
+
+def test_seed_config_resolves():
+    cfg = load_config(SEED_CONFIG, data_parallel_size=2)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+            cfg.gradient_accumulation_steps) == (16, 4, 2)
+    assert cfg.zero.stage == 2 and cfg.zero.offload_optimizer_device == "cpu"
+    assert cfg.zero.offload_param_device == "none"  # below stage 3: ignored, with a note
+    assert any("only applies at stage 3" in w for w in cfg.warnings)
+    assert cfg.precision.dtype == "fp16" and cfg.precision.initial_scale_power == 32
+    assert cfg.optimizer.torch_class == "AdamW" and cfg.optimizer.kwargs["lr"] == 0.001
+    assert cfg.scheduler.kwargs["total_num_steps"] == 5000
+    assert cfg.gradient_clipping == 1.0
+
+
+def test_json_file_and_defaults(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3}))
+    cfg = load_config(str(path), data_parallel_size=4)
+    assert (cfg.train_batch_size, cfg.gradient_accumulation_steps) == (12, 1)
+    assert cfg.zero.stage == 0 and cfg.precision.dtype == "fp32" and cfg.steps_per_print == 10
+
+
+def test_deepspeed_adam_is_adamw_unless_adam_w_mode_false():
+    base = {"train_batch_size": 2}
+    adam = load_config({**base, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}, 1)
+    plain = load_config({**base, "optimizer": {"type": "adam",
+                                               "params": {"adam_w_mode": False}}}, 1)
+    sgd = load_config({**base, "optimizer": {"type": "SGD", "params": {"momentum": 0.9}}}, 1)
+    assert adam.optimizer.torch_class == "AdamW" and plain.optimizer.torch_class == "Adam"
+    assert sgd.optimizer.kwargs["momentum"] == 0.9
+
+
+@pytest.mark.parametrize("train, micro, gas, world, expected", [
+    (32, 4, None, 2, (32, 4, 4)),
+    (32, None, 2, 4, (32, 4, 2)),
+    (None, 4, 2, 2, (16, 4, 2)),
+    (8, None, None, 2, (8, 4, 1)),
+    (None, 5, None, 3, (15, 5, 1)),
+    (24, 3, 2, 4, (24, 3, 2)),
+])
+def test_batch_triple(train, micro, gas, world, expected):
+    assert resolve_batch_sizes(train, micro, gas, world) == expected
+
+
+@pytest.mark.parametrize("config, needles", [
+    ({"train_batch_size": 8, "zero_optimisation": {"stage": 1}},
+     ["'zero_optimisation'", "did you mean 'zero_optimization'"]),
+    ({"train_batch_size": 8, "zero_optimization": {"stgae": 1}},
+     ["'zero_optimization.stgae'", "did you mean 'zero_optimization.stage'"]),
+    ({"train_batch_size": 8, "zero_optimization": {"offload_param": {"devise": "cpu"}}},
+     ["zero_optimization.offload_param.devise", "'zero_optimization.offload_param.device'"]),
+    ({"train_batch_size": 8, "fp16": {"enabled": True, "initial_scale_powr": 8}},
+     ["fp16.initial_scale_powr", "fp16.initial_scale_power"]),
+    ({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1, "beta": 1}}},
+     ["optimizer.params.beta", "did you mean 'optimizer.params.betas'"]),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": 4}},
+     ["zero_optimization.stage=4", "<= 3"]),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": "2"}},
+     ["zero_optimization.stage='2'", "wrong type str"]),
+    ({"train_batch_size": 8, "zero_optimization": {"stage": True}},
+     ["zero_optimization.stage=True"]),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4,
+      "gradient_accumulation_steps": 1}, ["inconsistent batch sizes", "= 8"]),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
+     ["train_batch_size=10 is not divisible", "= 8"]),
+    ({"gradient_accumulation_steps": 2}, ["train_micro_batch_size_per_gpu are both missing"]),
+    ({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": -0.1}}},
+     ["optimizer.params.lr=-0.1", ">= 0"]),
+    ({"train_batch_size": 8, "optimizer": {"type": "Adamm"}},
+     ["optimizer.type='Adamm'", "did you mean 'Adam'"]),
+    ({"train_batch_size": 8, "optimizer": {"params": {"lr": 1}}}, ["optimizer.type is missing"]),
+    ({"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR", "params": {}}},
+     ["scheduler.params.total_num_steps is required"]),
+    ({"train_batch_size": 8, "scheduler": {"type": "WarmupLR",
+                                           "params": {"warmup_type": "cosine"}}},
+     ["scheduler.params.warmup_type='cosine'"]),
+    ({"train_batch_size": 8, "fp16": {"enabled": True}, "bf16": {"enabled": True}},
+     ["fp16.enabled and bf16.enabled"]),
+    ({"train_batch_size": 8, "gradient_clipping": float("nan")}, ["gradient_clipping=nan"]),
+    ({"train_batch_size": 8, "fp16": "on"}, ["fp16: expected a JSON object"]),
+])
+def test_bad_config_is_named(config, needles):
+    with pytest.raises(ConfigError) as info:
+        load_config(config, data_parallel_size=2)
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+
+
+def test_missing_file_and_bad_json(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(str(tmp_path / "nope.json"), 1)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_config(str(bad), 1)
+    with pytest.raises(ConfigError, match="no config given"):
+        load_config(None, 1)
