@@ -116,7 +116,7 @@ def _stage3_shard(engine):
     if distributed.get_rank() == 0:
         shard.params = {k: _cpu(v).float() if v.is_floating_point() else _cpu(v)
                         for k, v in full_model.items()}
-        order = engine.trainable_param_names
+        order = full_optim["param_names"]
         shard.optim = {order[int(i)]: {k: _cpu(v) for k, v in s.items()}
                        for i, s in full_optim["state"].items()}
         groups = [_group_by_name(g, lambda i: order[int(i)]) for g in full_optim["param_groups"]]
@@ -179,19 +179,20 @@ def _load_model(engine, params: dict) -> None:
 
 
 def _load_optimizer(engine, optim_by_name: dict, saved_groups: list) -> None:
-    if engine.zero_stage == 3:
-        names = engine.trainable_param_names
-        full = _torch_format(optim_by_name, names, [list(range(len(names)))], saved_groups)
-        shard = engine.wrapped.get_shard_from_optim_state_dict(full)
-        engine.optimizer.load_state_dict(shard)
-        return
-    name_of = {id(p): n for n, p in engine.module.named_parameters()}
+    """Give the optimizer a full torch-format state dict in its own parameter order: OSS keeps
+    its owned part, FSDP cuts each tensor to this rank's rows."""
+    source = engine.wrapped if engine.zero_stage == 3 else engine.module
+    name_of = {id(p): n for n, p in source.named_parameters()}
     order = [name_of[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
     groups, start = [], 0
     for g in engine.optimizer.param_groups:
         groups.append(list(range(start, start + len(g["params"]))))
         start += len(g["params"])
-    engine.optimizer.load_state_dict(_torch_format(optim_by_name, order, groups, saved_groups))
+    full = _torch_format(optim_by_name, order, groups, saved_groups)
+    if engine.zero_stage == 3:
+        full["param_names"] = order
+        full = engine.wrapped.get_shard_from_optim_state_dict(full)
+    engine.optimizer.load_state_dict(full)
 
 
 def _torch_format(optim_by_name: dict, order: list, groups: list, saved_groups: list) -> dict:
