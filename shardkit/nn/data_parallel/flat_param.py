@@ -1,0 +1,336 @@
+"""The sharding mechanism of one FullyShardedDataParallel unit.
+
+A :class:`FlatParamShard` owns the parameters of one unit. Each parameter is cut on dim 0 into
+``N`` equal row blocks (the last padded with zero rows); this rank's block stays the *same*
+``nn.Parameter`` object, whose ``.data`` becomes a view into one flat shard buffer, so an
+optimizer built before or after wrapping steps exactly the values that are trained.
+
+For compute, the unit's shards are all-gathered in one packed collective (rank-major layout of
+:mod:`shardkit.kernels.packing`, ``chunk_numels`` = rows per shard x row size) into a scratch
+buffer, unpacked into one flat leaf tensor ``full`` (compute dtype), and the module sees views of
+``full`` in place of its parameters. Backward accumulates the full gradient into ``full.grad``;
+it is packed rank-major (pre-divided by ``N``) and reduce-scattered in one collective into the
+shards' ``.grad``.
+
+Memory per unit: the flat shard (``Ψ_u/N`` + padding, master dtype) always; ``full`` (``Ψ_u``,
+compute dtype) only between gather and free; the scratch all-gather buffer only until unpacked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from shardkit import distributed as skdist
+from shardkit.kernels import pack_rank_major, unpack_rank_major
+
+__all__ = ["ParamLayout", "FlatParamShard", "GatheredParamBytes", "gathered_param_bytes",
+           "shard_rows", "unshard_rows"]
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How one parameter of shape ``shape`` is cut into ``world_size`` dim-0 row blocks."""
+
+    shape: torch.Size
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if len(self.shape) else 1
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:]) if len(self.shape) else 1
+
+    @property
+    def rows_per_shard(self) -> int:
+        return -(-self.rows // self.world_size)
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.rows_per_shard * self.row_numel
+
+    @property
+    def shard_shape(self) -> tuple:
+        return (self.rows_per_shard, *self.shape[1:])
+
+
+def shard_rows(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s row block of ``full`` (a new tensor of ``layout.shard_shape``, zero padded)."""
+    rows = full.reshape(layout.rows, *layout.shape[1:])
+    out = torch.zeros(layout.shard_shape, dtype=full.dtype, device=full.device)
+    start = rank * layout.rows_per_shard
+    stop = min(start + layout.rows_per_shard, layout.rows)
+    if stop > start:
+        out[:stop - start].copy_(rows[start:stop])
+    return out
+
+
+def unshard_rows(shards: Sequence[torch.Tensor], layout: ParamLayout) -> torch.Tensor:
+    """Inverse of :func:`shard_rows`: concatenate every rank's block, drop padding, reshape."""
+    rows = torch.cat([s.reshape(-1, *layout.shape[1:]) for s in shards])[:layout.rows]
+    return rows.reshape(layout.shape)
+
+
+class GatheredParamBytes:
+    """Process-wide count of bytes held by gathered (unsharded) parameters.
+
+    ``live`` is what is gathered now (full buffers plus all-gather scratch in flight), ``peak``
+    the high-water mark since :meth:`reset_peak`. Tests use it to check that only one or two
+    units are ever gathered at once.
+    """
+
+    def __init__(self):
+        self.live = 0
+        self.peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def sub(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+
+_GATHERED = GatheredParamBytes()
+
+
+def gathered_param_bytes() -> GatheredParamBytes:
+    """The process-wide :class:`GatheredParamBytes` counter."""
+    return _GATHERED
+
+
+class FlatParamShard:
+    """The parameters of one unit: their flat shard, the gather into compute views, and the
+    reduce-scatter of their gradients.
+
+    Args:
+        params: the unit's distinct parameters (each appears once, even if tied).
+        locations: for each parameter, the ``(module, attribute)`` pairs that hold it.
+        group: process group to shard over; ``world_size``/``rank`` are read from it.
+        compute_dtype / reduce_dtype: dtypes of the gathered parameters and of the
+            reduce-scatter (from the unit's :class:`MixedPrecisionPolicy`).
+        compute_device / storage_device: where compute happens and where the shard lives
+            (they differ only under CPU offload with a GPU).
+        on_grad_ready: called with this object once backward has filled ``full.grad``.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], locations: Sequence[list],
+                 group, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                 compute_device: torch.device, storage_device: torch.device,
+                 on_grad_ready: Callable[["FlatParamShard"], None]):
+        self.params = list(params)
+        self.locations = [list(locs) for locs in locations]
+        self.group = group
+        self.world_size = skdist.get_world_size(group)
+        self.rank = skdist.get_rank(group)
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"FullyShardedDataParallel: one unit's parameters must share a "
+                             f"dtype; found {sorted(str(d) for d in dtypes)}. Wrap the "
+                             f"differently-typed submodules as their own units")
+        self.master_dtype = dtypes.pop() if dtypes else torch.float32
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.compute_device = compute_device
+        self.storage_device = storage_device
+        self.layouts = [ParamLayout(p.shape, self.world_size) for p in self.params]
+        self.chunk_numels = [lay.chunk_numel for lay in self.layouts]
+        self.numels = [lay.numel for lay in self.layouts]
+        self.shard_numel = sum(self.chunk_numels)
+        self.flat_shard = self._shard_into_flat_buffer()
+        self.full = self._make_full_leaf(on_grad_ready)
+        self.gathered = False
+        self._pending_gather = None
+        self._pending_reduce = None
+        self._exposed = False
+
+    # ------------------------------------------------------------------ construction
+
+    def _shard_into_flat_buffer(self) -> torch.Tensor:
+        """Copy this rank's rows of every parameter into one flat buffer and re-point each
+        parameter's ``.data`` at its slice (the full tensors are released)."""
+        pin = self.storage_device.type == "cpu" and torch.cuda.is_available()
+        flat = torch.zeros(self.shard_numel, dtype=self.master_dtype, device=self.storage_device,
+                           pin_memory=pin)
+        for p, lay, view in zip(self.params, self.layouts, self.shard_views(flat)):
+            with torch.no_grad():
+                view.copy_(shard_rows(p.detach(), lay, self.rank))
+            p.data = view
+        return flat
+
+    def shard_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a flat shard-sized buffer, one per parameter, in shard shape."""
+        pieces = flat.split(self.chunk_numels)
+        return [piece.view(lay.shard_shape) for piece, lay in zip(pieces, self.layouts)]
+
+    def _make_full_leaf(self, on_grad_ready) -> torch.Tensor:
+        full = torch.empty(sum(self.numels), dtype=self.compute_dtype, device=self.compute_device)
+        full.untyped_storage().resize_(0)
+        full.requires_grad_(True)
+        full.register_post_accumulate_grad_hook(lambda t: on_grad_ready(self))
+        return full
+
+    @property
+    def full_bytes(self) -> int:
+        return sum(self.numels) * self.full.element_size()
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements all-gathered or reduce-scattered per collective: ``N x shard``."""
+        return self.shard_numel * self.world_size
+
+    # ------------------------------------------------------------------ all-gather
+
+    def _readopt_shards(self) -> None:
+        """Keep the invariant 'each parameter views the flat shard' even if a user replaced a
+        parameter's ``.data`` (e.g. ``load_state_dict(assign=True)``): copy it back in."""
+        for p, view in zip(self.params, self.shard_views(self.flat_shard)):
+            if p.data.data_ptr() != view.data_ptr() or p.data.shape != view.shape:
+                with torch.no_grad():
+                    view.copy_(p.data.reshape(view.shape))
+                p.data = view
+
+    def start_gather(self) -> None:
+        """Issue the unit's all-gather asynchronously (no-op when gathered or in flight).
+
+        Wire: ``(N-1)/N x N x shard`` elements of the compute dtype, one collective.
+        """
+        if self.gathered or self._pending_gather is not None:
+            return
+        self._readopt_shards()
+        send = self.flat_shard.to(self.compute_device, self.compute_dtype, non_blocking=True)
+        scratch = torch.empty(self.padded_numel, dtype=self.compute_dtype,
+                              device=self.compute_device)
+        _GATHERED.add(scratch.numel() * scratch.element_size())
+        work = skdist.all_gather_into_tensor(scratch, send, group=self.group, async_op=True)
+        self._pending_gather = (work, scratch, send)
+
+    def finish_gather(self) -> None:
+        """Wait for (or issue and wait for) the all-gather and unpack it into ``full``."""
+        if self.gathered:
+            return
+        if self._pending_gather is None:
+            self.start_gather()
+        work, scratch, _send = self._pending_gather
+        self._pending_gather = None
+        work.wait()
+        self.full.untyped_storage().resize_(self.full_bytes)
+        _GATHERED.add(self.full_bytes)
+        unpack_rank_major(scratch, self.world_size, self.full.data.split(self.numels),
+                          chunk_numels=self.chunk_numels)
+        _GATHERED.sub(scratch.numel() * scratch.element_size())
+        del scratch
+        self.gathered = True
+
+    def expose(self) -> None:
+        """Make every location of every parameter read as a view of ``full`` (the module's
+        ``self.weight`` inside forward). Frozen parameters get detached views, so autograd
+        computes no gradient for them."""
+        trainable = [p.requires_grad for p in self.params]
+        self.full.requires_grad_(any(trainable))
+        pieces = self.full.split(self.numels) if any(trainable) else self.full.detach().split(
+            self.numels)
+        for p_trains, piece, lay, locs in zip(trainable, pieces, self.layouts, self.locations):
+            view = piece.view(lay.shape) if p_trains else piece.detach().view(lay.shape)
+            for module, name in locs:
+                module.__dict__[name] = view
+        self._exposed = True
+
+    def hide(self) -> None:
+        """Undo :meth:`expose`: the attributes read as the (sharded) parameters again."""
+        if not self._exposed:
+            return
+        for locs in self.locations:
+            for module, name in locs:
+                module.__dict__.pop(name, None)
+        self._exposed = False
+
+    def free_full(self) -> None:
+        """Release the gathered parameters (storage resized to 0: memory really goes down)."""
+        self.hide()
+        if self._pending_gather is not None:  # a prefetch nobody consumed
+            work, scratch, _ = self._pending_gather
+            work.wait()
+            _GATHERED.sub(scratch.numel() * scratch.element_size())
+            self._pending_gather = None
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            _GATHERED.sub(self.full_bytes)
+            self.gathered = False
+
+    # ------------------------------------------------------------------ reduce-scatter
+
+    def has_full_grad(self) -> bool:
+        return self.full.grad is not None
+
+    def start_reduce(self) -> None:
+        """Pack ``full.grad`` rank-major (divided by ``N``) and reduce-scatter it, async.
+
+        Wire: ``(N-1)/N x N x shard`` elements of the reduce dtype, one collective.
+        """
+        grad = self.full.grad
+        self.full.grad = None
+        packed = pack_rank_major(list(grad.split(self.numels)), self.world_size,
+                                 scale=1.0 / self.world_size, dtype=self.reduce_dtype,
+                                 chunk_numels=self.chunk_numels)
+        del grad
+        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.compute_device)
+        work = skdist.reduce_scatter_tensor(out, packed, group=self.group, async_op=True)
+        self._pending_reduce = (work, out, packed)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter and add the result to the trainable shards' ``.grad``."""
+        if self._pending_reduce is None:
+            return
+        work, out, _packed = self._pending_reduce
+        self._pending_reduce = None
+        work.wait()
+        grad_shard = out.to(self.storage_device, self.master_dtype)
+        for p, view in zip(self.params, self.shard_views(grad_shard)):
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = view
+            else:
+                p.grad.add_(view)
+
+    # ------------------------------------------------------------------ full master copies
+
+    def gather_master(self) -> list[torch.Tensor]:
+        """Every parameter unsharded in the master dtype on the storage device (new tensors).
+
+        Wire: one all-gather of ``N x shard`` master-dtype elements.
+        """
+        self._readopt_shards()
+        out = torch.empty(self.padded_numel, dtype=self.master_dtype,
+                          device=self.flat_shard.device)
+        skdist.all_gather_into_tensor(out, self.flat_shard, group=self.group)
+        fulls = [torch.empty(lay.shape, dtype=self.master_dtype, device=out.device)
+                 for lay in self.layouts]
+        unpack_rank_major(out, self.world_size, fulls, chunk_numels=self.chunk_numels)
+        return fulls
+
+    def write_back(self, fulls: Sequence[torch.Tensor]) -> None:
+        """Copy this rank's rows of full-size tensors into the shards (no communication)."""
+        with torch.no_grad():
+            for lay, full, view in zip(self.layouts, fulls, self.shard_views(self.flat_shard)):
+                view.copy_(shard_rows(full.detach().to(view.dtype), lay, self.rank))
+
+    def model_state_tensors(self):
+        """``(category, tensor)`` pairs held outside ``module.parameters()``."""
+        yield "params", self.full
+        if self.full.grad is not None:
+            yield "grads", self.full.grad

@@ -1,0 +1,636 @@
+"""FullyShardedDataParallel (ZeRO-3): parameters, gradients and optimizer state sharded.
+
+Usage::
+
+    from shardkit.nn import FullyShardedDataParallel as FSDP, auto_wrap, enable_wrap
+    from shardkit.nn.wrap import transformer_auto_wrap_policy
+
+    with enable_wrap(wrapper_cls=FSDP):
+        model = FSDP(auto_wrap(GPT(cfg), transformer_auto_wrap_policy({Block})))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)   # sees this rank's shards
+    for idx, target in batches:
+        loss = model.loss(idx, target); loss.backward()
+        model.clip_grad_norm_(1.0); optim.step(); optim.zero_grad()
+
+Each wrapped unit owns the parameters of its module that no inner unit owns. A parameter keeps
+its identity and name; its ``.data`` becomes this rank's dim-0 row block (padded to a multiple
+of ``N``), so any elementwise torch optimizer, ``FusedAdamW`` and schedulers work unchanged, and
+an optimizer built before wrapping trains correctly. The mechanism is in :mod:`.flat_param`.
+
+Per-rank model state (fp32 Adam, Ψ parameters, N ranks): ``16Ψ/N`` + padding, plus the unit
+being computed (its gathered parameters) and, with prefetch, the next one. Communication per
+step per rank: ``3Ψ(N-1)/N`` elements with ``reshard_after_forward=True`` (all-gather in forward,
+again in backward, reduce-scatter; the root unit is not re-gathered for backward), ``2Ψ(N-1)/N``
+with ``False``.
+
+.. warning:: every method that communicates (forward/backward, ``state_dict``,
+   ``load_state_dict``, ``summon_full_params``, ``clip_grad_norm_``,
+   ``gather_full_optim_state_dict``) must be called on all ranks of the group, in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import weakref
+from collections import OrderedDict
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from shardkit import distributed as skdist
+from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes,
+                                                  ParamLayout, gathered_param_bytes, shard_rows,
+                                                  unshard_rows)
+from shardkit.nn.data_parallel.mixed_precision import (MixedPrecisionPolicy,
+                                                       resolve_mixed_precision)
+
+__all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "gathered_param_bytes",
+           "GatheredParamBytes"]
+
+_WRAPPED_PREFIX = "_fsdp_wrapped_module."
+_LOCAL_META_KEY = "_shardkit_fsdp_meta"
+_MANAGED_PARAMS: "weakref.WeakSet[nn.Parameter]" = weakref.WeakSet()
+_WRAPPED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _clean_name(name: str) -> str:
+    return name.replace(_WRAPPED_PREFIX, "")
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard ``module``'s parameters over ``process_group`` (ZeRO-3); gather them per unit only
+    while the unit computes.
+
+    Args:
+        module: the module to wrap. Inner FSDP units (built first, e.g. with
+            :func:`shardkit.nn.wrap.auto_wrap`) keep their own parameters; this unit owns the rest.
+        process_group: group to shard over (default: the world).
+        reshard_after_forward: free this unit's gathered parameters after its forward and gather
+            again for backward (3Ψ communication, lowest memory); ``False`` keeps them until the
+            end of backward (2Ψ communication, one more unit of memory per unit).
+        mixed_precision: compute in ``compute_dtype`` (default fp16) with fp32 master shards;
+            or a :class:`MixedPrecisionPolicy`.
+        fp32_reduce_scatter: reduce-scatter gradients in fp32 under mixed precision.
+        flatten_parameters: accepted for FairScale compatibility; communication is always packed
+            into one collective per unit.
+        move_params_to_cpu: keep the shards (and so the optimizer state) in CPU memory, pinned
+            when CUDA exists, copying them to the GPU for compute. On a CPU-only machine it
+            changes nothing.
+        compute_dtype: dtype of gathered parameters and compute; bf16/fp16 enable mixed precision.
+        buffer_dtype: dtype floating-point buffers are kept in (default: ``compute_dtype``).
+
+    Memory: ``Ψ_u/N`` + padding of master weights per unit, grads and optimizer state likewise;
+    the gathered unit (``Ψ_u`` in compute dtype) only around its forward/backward.
+    Communication: see the module docstring.
+    """
+
+    def __init__(self, module: nn.Module, process_group=None, reshard_after_forward: bool = True,
+                 mixed_precision: Union[bool, MixedPrecisionPolicy] = False,
+                 fp32_reduce_scatter: bool = False, flatten_parameters: bool = True,
+                 move_params_to_cpu: bool = False, compute_dtype: Optional[torch.dtype] = None,
+                 buffer_dtype: Optional[torch.dtype] = None):
+        _check_wrappable(module)
+        for name, value in (("reshard_after_forward", reshard_after_forward),
+                            ("flatten_parameters", flatten_parameters),
+                            ("move_params_to_cpu", move_params_to_cpu),
+                            ("fp32_reduce_scatter", fp32_reduce_scatter)):
+            if not isinstance(value, bool):
+                raise ValueError(f"FullyShardedDataParallel({name}={value!r}): must be True or "
+                                 f"False")
+        skdist.require_initialized("FullyShardedDataParallel")
+        policy = resolve_mixed_precision(mixed_precision, compute_dtype, buffer_dtype,
+                                         fp32_reduce_scatter)
+        super().__init__()
+        self._fsdp_wrapped_module = module
+        self.process_group = process_group
+        self.world_size = skdist.get_world_size(process_group)
+        self.rank = skdist.get_rank(process_group)
+        self.reshard_after_forward = reshard_after_forward
+        self.mixed_precision = policy
+        self.move_params_to_cpu = move_params_to_cpu
+        self.flatten_parameters = flatten_parameters
+        params, locations = _collect_unit_params(module)
+        self._buffer_dtypes = _cast_unit_buffers(module, policy.buffer_cast_dtype())
+        self._shard: Optional[FlatParamShard] = None
+        if params:
+            self._shard = _build_shard(params, locations, process_group, policy,
+                                       move_params_to_cpu, self._on_grad_ready)
+            _MANAGED_PARAMS.update(params)
+        _WRAPPED_MODULES.add(module)
+        for inner in _inner_units(module):
+            inner._is_root = False
+        self._is_root: Optional[bool] = None
+        self._root: Optional[FullyShardedDataParallel] = None
+        self._require_backward_grad_sync = True
+        self._pre_backward_done = False
+        # root-only iteration state (see "Note: prefetch order")
+        self._forward_order: list = []
+        self._backward_order: list = []
+        self._orders_final = False
+        self._final_callback_queued = False
+        module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
+
+    # ------------------------------------------------------------------ module plumbing
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            wrapped = self._modules.get("_fsdp_wrapped_module")
+            if wrapped is None:
+                raise
+            return getattr(wrapped, name)
+
+    def forward(self, *args, **kwargs):
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The original parameter names (no wrapper prefixes); values are this rank's shards."""
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield _clean_name(name), p
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, b in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield _clean_name(name), b
+
+    def sharded_units(self) -> list["FullyShardedDataParallel"]:
+        """This unit and every FSDP unit nested in it, outermost first."""
+        return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements this unit all-gathers (and reduce-scatters) per collective: ``N x shard``."""
+        return self._shard.padded_numel if self._shard is not None else 0
+
+    @property
+    def unit_numel(self) -> int:
+        """Parameters owned by this unit (unpadded)."""
+        return sum(self._shard.numels) if self._shard is not None else 0
+
+    @staticmethod
+    def gathered_param_bytes() -> GatheredParamBytes:
+        """Process-wide counter of gathered parameter bytes (``.live``, ``.peak``)."""
+        return gathered_param_bytes()
+
+    def model_state_tensors(self):
+        """Gathered parameters and unsharded gradients held outside ``parameters()``."""
+        if self._shard is not None:
+            yield from self._shard.model_state_tensors()
+
+    def extra_repr(self) -> str:
+        return (f"world_size={self.world_size}, reshard_after_forward="
+                f"{self.reshard_after_forward}, unit_numel={self.unit_numel}, "
+                f"mixed_precision={self.mixed_precision}")
+
+    # ------------------------------------------------------------------ forward
+
+    def _lazy_init_root(self) -> None:
+        if self._is_root is not None:
+            return
+        self._is_root = True
+        for unit in self.sharded_units():
+            object.__setattr__(unit, "_root", self)  # not a submodule: no cycle in the tree
+            if unit is not self:
+                unit._is_root = False
+
+    def _pre_forward(self, module, args, kwargs):
+        self._lazy_init_root()
+        root = self._root
+        if root is None:
+            raise RuntimeError("FullyShardedDataParallel: an inner unit ran forward without its "
+                               "root; call the outermost FSDP instance, not the inner one")
+        if not root._orders_final and self not in root._forward_order:
+            root._forward_order.append(self)
+        self._pre_backward_done = False
+        if self._shard is not None:
+            self._shard.finish_gather()
+            self._shard.expose()
+        root._prefetch_after(self, root._forward_order)
+        if self.mixed_precision.enabled and self.mixed_precision.cast_inputs:
+            dtype = self.mixed_precision.param_dtype
+            args, kwargs = tree_map(lambda t: _cast_floating(t, dtype), (args, kwargs))
+        return args, kwargs
+
+    def _post_forward(self, module, args, output):
+        grad_enabled = torch.is_grad_enabled()
+        keep_for_backward = grad_enabled and (self._is_root or not self.reshard_after_forward)
+        if self._shard is not None and not keep_for_backward:
+            self._shard.free_full()
+        if grad_enabled:
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward_hook)
+        return output
+
+    def _prefetch_after(self, unit, order: list) -> None:
+        """Note: prefetch order. The first iteration records the order in which units run
+        forward and backward; later iterations issue the next unit's all-gather asynchronously
+        as soon as the current unit's parameters are ready, so it overlaps the current unit's
+        compute. Every rank records the same order, so collectives stay matched."""
+        if not self._orders_final:
+            return
+        try:
+            position = order.index(unit)
+        except ValueError:
+            return
+        if position + 1 < len(order):
+            following = order[position + 1]
+            if following._shard is not None:
+                following._shard.start_gather()
+
+    # ------------------------------------------------------------------ backward
+
+    def _pre_backward_hook(self, grad):
+        root = self._root
+        root._queue_final_callback()
+        if self._pre_backward_done:
+            return grad
+        self._pre_backward_done = True
+        if not root._orders_final and self not in root._backward_order:
+            root._backward_order.append(self)
+        if self._shard is not None:
+            self._shard.finish_gather()
+        root._prefetch_after(self, root._backward_order)
+        return grad
+
+    def _queue_final_callback(self) -> None:
+        if not self._final_callback_queued:
+            self._final_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _on_grad_ready(self, shard: FlatParamShard) -> None:
+        """All of this unit's gradient is in ``full.grad``: reduce-scatter it (async) unless
+        inside ``no_sync``, and free the gathered parameters."""
+        if self._require_backward_grad_sync:
+            shard.start_reduce()
+        shard.free_full()
+
+    def _finish_backward(self) -> None:
+        """Root only, at the end of backward: wait for every reduce-scatter, hand the shards
+        their gradients, free whatever is still gathered, close the first iteration's order."""
+        for unit in self.sharded_units():
+            if unit._shard is not None:
+                unit._shard.finish_reduce()
+                unit._shard.free_full()
+            unit._pre_backward_done = False
+        self._final_callback_queued = False
+        self._orders_final = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (unsharded, ``Ψ`` per unit in compute dtype) and skip
+        the reduce-scatter; the first backward outside the block reduces everything once."""
+        if self._is_root is False:
+            raise RuntimeError("no_sync() was called on an inner FullyShardedDataParallel unit; "
+                               "call it on the root (outermost) instance, which applies it to "
+                               "every unit")
+        units = self.sharded_units()
+        previous = [u._require_backward_grad_sync for u in units]
+        for u in units:
+            u._require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            for u, flag in zip(units, previous):
+                u._require_backward_grad_sync = flag
+
+    # ------------------------------------------------------------------ full parameters
+
+    def _check_idle(self, what: str) -> None:
+        for unit in self.sharded_units():
+            if unit._shard is not None and unit._shard.gathered and unit._root is not None \
+                    and unit._root._final_callback_queued:
+                raise RuntimeError(f"FullyShardedDataParallel.{what}() was called during "
+                                   f"backward; call it between steps")
+
+    @contextlib.contextmanager
+    def summon_full_params(self, recurse: bool = True, writeback: bool = True):
+        """Inside the block every parameter holds its full fp32 value (``module.weight`` has the
+        original shape); with ``writeback`` edits are copied back into the shards on exit.
+
+        Memory: the full model (``recurse``) or this unit in master dtype. Communication: one
+        all-gather per unit. All ranks must enter it.
+        """
+        self._check_idle("summon_full_params")
+        units = self.sharded_units() if recurse else [self]
+        shards = [u._shard for u in units if u._shard is not None]
+        fulls = [s.gather_master() for s in shards]
+        for shard, full in zip(shards, fulls):
+            for p, f in zip(shard.params, full):
+                p.data = f
+        try:
+            yield
+        finally:
+            for shard in shards:
+                if writeback:
+                    shard.write_back([p.data for p in shard.params])
+                for p, view in zip(shard.params, shard.shard_views(shard.flat_shard)):
+                    p.data = view
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The full state dict: original keys, unpadded fp32 parameters (buffers in their
+        original dtype), loadable into the unwrapped module. All ranks must call it.
+
+        Memory: the full model on every rank while it is built. Communication: one
+        all-gather per unit.
+        """
+        if args or destination is not None:  # nn.Module's recursion into an inner unit
+            return super().state_dict(*args, destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
+        with self.summon_full_params(writeback=False), self._buffers_in_original_dtype():
+            raw = super().state_dict(keep_vars=False)
+            return OrderedDict((prefix + _clean_name(k), v) for k, v in raw.items())
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a full state dict (e.g. from the unwrapped model or :meth:`state_dict`): each
+        rank keeps its rows. All ranks must call it. Communication: one all-gather per unit."""
+        if assign:
+            raise ValueError("FullyShardedDataParallel.load_state_dict(assign=True) is not "
+                             "supported: parameters must stay views of their shards")
+        with self.summon_full_params(writeback=True):
+            return super().load_state_dict(self._to_wrapped_keys(state_dict), strict=strict)
+
+    def _to_wrapped_keys(self, state_dict) -> OrderedDict:
+        wrapped = {_clean_name(k): k for k in nn.Module.state_dict(self, keep_vars=True)}
+        return OrderedDict((wrapped.get(k, k), v) for k, v in state_dict.items())
+
+    @contextlib.contextmanager
+    def _buffers_in_original_dtype(self):
+        changed = []
+        for unit in self.sharded_units():
+            for module, name, dtype in unit._buffer_dtypes:
+                buf = module._buffers[name]
+                changed.append((module, name, buf))
+                module._buffers[name] = buf.to(dtype)
+        try:
+            yield
+        finally:
+            for module, name, buf in changed:
+                module._buffers[name] = buf
+
+    # ------------------------------------------------------------------ local state dicts
+
+    def _param_layouts(self) -> dict[int, ParamLayout]:
+        return {id(p): lay for u in self.sharded_units() if u._shard is not None
+                for p, lay in zip(u._shard.params, u._shard.layouts)}
+
+    def local_state_dict(self) -> OrderedDict:
+        """This rank's shards (padded rows, cloned) and the buffers, under the original keys,
+        plus ``"_shardkit_fsdp_meta"``: world size, rank and each parameter's full shape.
+        No communication; memory: one shard copy."""
+        layouts = self._param_layouts()
+        out = OrderedDict((_clean_name(k), v.clone())
+                          for k, v in nn.Module.state_dict(self).items())
+        shapes = {name: tuple(layouts[id(p)].shape)
+                  for name, p in self.named_parameters(remove_duplicate=False)
+                  if id(p) in layouts}
+        out[_LOCAL_META_KEY] = {"world_size": self.world_size, "rank": self.rank,
+                                "shapes": shapes}
+        return out
+
+    def load_local_state_dict(self, state_dict) -> None:
+        """Load :meth:`local_state_dict` output. Pass this rank's own dict when the world size
+        is unchanged, or the list of every rank's dicts (any world size) to reshard: each rank
+        re-slices its rows. No communication."""
+        local = _reshard_local_state_dicts(state_dict, self.world_size, self.rank)
+        nn.Module.load_state_dict(self, self._to_wrapped_keys(local), strict=True)
+
+    # ------------------------------------------------------------------ gradients
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every shard's gradient so the global norm (over all ranks) is at most
+        ``max_norm``; returns that global norm (``torch.nn.utils.clip_grad_norm_`` semantics).
+        Communication: one all-reduce of one element. Call it on the root, on all ranks."""
+        if self._is_root is False:
+            raise RuntimeError("clip_grad_norm_() was called on an inner FullyShardedDataParallel "
+                               "unit; call it on the root (outermost) instance")
+        max_norm, norm_type = float(max_norm), float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): must be > 0 or inf")
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
+        if math.isinf(norm_type):
+            local = max((g.detach().abs().max().float() for g in grads),
+                        default=torch.zeros((), device=device))
+            total = local.clone().reshape(1)
+            skdist.all_reduce(total, op=skdist.ReduceOp.MAX, group=self.process_group)
+            total = total[0]
+        else:
+            local = sum((torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
+                         for g in grads), torch.zeros((), device=device))
+            total = local.reshape(1).clone()
+            skdist.all_reduce(total, group=self.process_group)
+            total = total[0] ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.detach().mul_(coef.to(g.dtype))
+        return total
+
+    # ------------------------------------------------------------------ optimizer state
+
+    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer,
+                                     recipient_rank: int = 0) -> Optional[dict]:
+        """The optimizer's state with every shard-shaped tensor unsharded to the full parameter
+        shape, in torch's format (loadable into a single-process optimizer over the unwrapped
+        model), plus ``"param_names"``. Returned on ``recipient_rank``, ``None`` elsewhere.
+
+        Communication: one all-gather per state tensor (``Ψ·K/4`` elements in all). Memory: the
+        full optimizer state on every rank while gathering. All ranks must call it.
+        """
+        if not isinstance(recipient_rank, int) or not 0 <= recipient_rank < self.world_size:
+            raise ValueError(f"gather_full_optim_state_dict(recipient_rank={recipient_rank!r}): "
+                             f"valid ranks are 0..{self.world_size - 1}")
+        layouts = self._param_layouts()
+        names = {id(p): n for n, p in self.named_parameters()}
+        osd = optim.state_dict()
+        ordered = [p for g in optim.param_groups for p in g["params"]]
+        state = {}
+        for index, p in enumerate(ordered):
+            layout = layouts.get(id(p))
+            state[index] = {key: self._unshard_state(value, p, layout)
+                            for key, value in osd["state"].get(index, {}).items()}
+            if not state[index]:
+                del state[index]
+        full = {"state": state, "param_groups": copy.deepcopy(osd["param_groups"]),
+                "param_names": [names.get(id(p)) for p in ordered]}
+        return full if self.rank == recipient_rank else None
+
+    def _unshard_state(self, value, p, layout: Optional[ParamLayout]):
+        if layout is None or not isinstance(value, torch.Tensor) or value.shape != p.shape:
+            return value
+        gathered = torch.empty(value.numel() * self.world_size, dtype=value.dtype,
+                               device=value.device)
+        skdist.all_gather_into_tensor(gathered, value.detach().contiguous().view(-1),
+                                      group=self.process_group)
+        return unshard_rows(list(gathered.chunk(self.world_size)), layout)
+
+    def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict) -> dict:
+        """This rank's part of a full optimizer state dict (from
+        :meth:`gather_full_optim_state_dict`, any world size, or a single-process optimizer over
+        the unwrapped model): every full-shape tensor is cut to this rank's rows. Load the result
+        with ``optim.load_state_dict``. No communication."""
+        for key in ("state", "param_groups"):
+            if key not in full_optim_state_dict:
+                raise ValueError(f"get_shard_from_optim_state_dict: the dict has no {key!r}; "
+                                 f"expected torch optimizer format")
+        by_name = dict(self.named_parameters())
+        names = full_optim_state_dict.get("param_names")
+        if names is None:
+            ordered = list(self.parameters())
+        else:
+            ordered = [by_name.get(n) for n in names]
+        layouts = self._param_layouts()
+        state = {}
+        for index, entry in full_optim_state_dict["state"].items():
+            p = ordered[int(index)] if int(index) < len(ordered) else None
+            layout = layouts.get(id(p)) if p is not None else None
+            state[index] = {k: (shard_rows(v, layout, self.rank)
+                                if layout is not None and isinstance(v, torch.Tensor)
+                                and tuple(v.shape) == tuple(layout.shape) else v)
+                            for k, v in entry.items()}
+        return {"state": state,
+                "param_groups": copy.deepcopy(full_optim_state_dict["param_groups"])}
+
+
+FSDP = FullyShardedDataParallel
+
+
+# ---------------------------------------------------------------------- construction helpers
+
+
+def _check_wrappable(module) -> None:
+    if isinstance(module, FullyShardedDataParallel):
+        raise ValueError("FullyShardedDataParallel(module): module is already a "
+                         "FullyShardedDataParallel; wrap each module once (use the existing "
+                         "instance)")
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"FullyShardedDataParallel(module={type(module).__name__}): expected "
+                         f"a torch.nn.Module")
+    if module in _WRAPPED_MODULES:
+        raise ValueError(f"FullyShardedDataParallel: this {type(module).__name__} is already "
+                         f"wrapped by another FullyShardedDataParallel; wrap each module once "
+                         f"(use that instance, or build a fresh module)")
+
+
+def _unit_modules(module: nn.Module) -> Iterator[nn.Module]:
+    """``module`` and its submodules, not descending into inner FSDP units."""
+    stack = [module]
+    seen = set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        yield m
+        stack.extend(reversed([c for c in m.children()
+                               if not isinstance(c, FullyShardedDataParallel)]))
+
+
+def _inner_units(module: nn.Module) -> list[FullyShardedDataParallel]:
+    return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+
+
+def _collect_unit_params(module: nn.Module):
+    """The unit's distinct parameters and, for each, every (module, name) that holds it."""
+    params: list[nn.Parameter] = []
+    locations: dict[int, list] = {}
+    for m in _unit_modules(module):
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            if p in _MANAGED_PARAMS:
+                raise ValueError(
+                    f"FullyShardedDataParallel: parameter {name!r} of a {type(m).__name__} is "
+                    f"already sharded by another FullyShardedDataParallel unit (a parameter "
+                    f"shared across units, or a module wrapped twice). Wrap the lowest module "
+                    f"that contains every use of the parameter as one unit")
+            if id(p) not in locations:
+                params.append(p)
+                locations[id(p)] = []
+            locations[id(p)].append((m, name))
+    return params, [locations[id(p)] for p in params]
+
+
+def _cast_unit_buffers(module: nn.Module, dtype: Optional[torch.dtype]) -> list:
+    """Cast the unit's floating buffers to ``dtype``; return (module, name, original dtype)."""
+    changed = []
+    if dtype is None:
+        return changed
+    for m in _unit_modules(module):
+        for name, buf in m._buffers.items():
+            if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                changed.append((m, name, buf.dtype))
+                m._buffers[name] = buf.to(dtype)
+    return changed
+
+
+def _build_shard(params, locations, group, policy: MixedPrecisionPolicy,
+                 move_params_to_cpu: bool, on_grad_ready) -> FlatParamShard:
+    device = params[0].device
+    master = params[0].dtype
+    if move_params_to_cpu:
+        compute = device if device.type == "cuda" else (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
+        storage = torch.device("cpu")
+    else:
+        compute = storage = device
+    return FlatParamShard(params, locations, group, compute_dtype=policy.compute_dtype(master),
+                          reduce_dtype=policy.gradient_reduce_dtype(master),
+                          compute_device=compute, storage_device=storage,
+                          on_grad_ready=on_grad_ready)
+
+
+def _cast_floating(t, dtype):
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+        return t.to(dtype)
+    return t
+
+
+# ---------------------------------------------------------------------- local checkpoints
+
+
+def _reshard_local_state_dicts(state_dict, world_size: int, rank: int) -> OrderedDict:
+    """This rank's local state dict, from its own dict or from every old rank's dicts."""
+    dicts = [state_dict] if isinstance(state_dict, dict) else list(state_dict)
+    if not dicts or any(_LOCAL_META_KEY not in d for d in dicts):
+        raise ValueError("load_local_state_dict: expected the output of local_state_dict() "
+                         "(a dict with '_shardkit_fsdp_meta'), or a list of every rank's")
+    metas = [d[_LOCAL_META_KEY] for d in dicts]
+    old_world = metas[0]["world_size"]
+    if len(dicts) == 1:
+        if (old_world, metas[0]["rank"]) != (world_size, rank):
+            raise ValueError(
+                f"load_local_state_dict: this dict was saved by rank {metas[0]['rank']} of a "
+                f"world of {old_world}; this is rank {rank} of {world_size}. To reshard, pass "
+                f"the list of all {old_world} ranks' local state dicts")
+        return OrderedDict((k, v) for k, v in dicts[0].items() if k != _LOCAL_META_KEY)
+    ranks = sorted(m["rank"] for m in metas)
+    if ranks != list(range(old_world)) or any(m["world_size"] != old_world for m in metas):
+        raise ValueError(f"load_local_state_dict: got dicts of ranks {ranks} (world sizes "
+                         f"{sorted({m['world_size'] for m in metas})}); resharding needs exactly "
+                         f"one dict per rank of the old world")
+    dicts = sorted(dicts, key=lambda d: d[_LOCAL_META_KEY]["rank"])
+    shapes = metas[0]["shapes"]
+    out = OrderedDict()
+    for key, value in dicts[0].items():
+        if key == _LOCAL_META_KEY:
+            continue
+        if key in shapes:
+            full = unshard_rows([d[key] for d in dicts], ParamLayout(torch.Size(shapes[key]),
+                                                                     old_world))
+            value = shard_rows(full, ParamLayout(torch.Size(shapes[key]), world_size), rank)
+        out[key] = value
+    return out

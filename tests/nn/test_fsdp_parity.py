@@ -1,0 +1,79 @@
+"""FSDP(auto_wrap per block) + AdamW against single-process training on the same global batch:
+10 steps, nested units, a tied embedding, a frozen layer, reshard_after_forward True/False,
+no_sync accumulation and gradient clipping; world 2 and 4."""
+
+import pytest
+import torch
+
+from shardkit.testing import World
+from tests.nn.fsdp_common import (build_gpt, make_optimizer, max_diff, train_step, wrap_gpt)
+
+STEPS = 10
+GRID = [  # (reshard_after_forward, micro_batches with no_sync, clip)
+    (True, 1, None),
+    (False, 1, 0.05),
+    (True, 2, 0.05),
+    (False, 2, None),
+]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with World(4) as w:
+        yield w
+
+
+def _parity_grid():
+    """Every configuration of GRID: largest abs difference of parameters, losses, norms."""
+    results = []
+    for reshard, micro, clip in GRID:
+        reference = build_gpt()
+        ref_optim = make_optimizer(reference)
+        model = wrap_gpt(build_gpt(), reshard_after_forward=reshard)
+        optim = make_optimizer(model)
+        worst_loss = worst_norm = 0.0
+        for step in range(STEPS):
+            ref_loss, ref_norm = train_step(reference, ref_optim, step, micro_batches=micro,
+                                            clip=clip, local=False)
+            loss, norm = train_step(model, optim, step, micro_batches=micro, clip=clip,
+                                    sync=model.no_sync)
+            local_mean = torch.tensor([loss.item()])
+            from shardkit import distributed as skdist
+            skdist.all_reduce(local_mean)
+            worst_loss = max(worst_loss, abs(local_mean.item() / skdist.get_world_size()
+                                             - ref_loss.item()))
+            if clip is not None:
+                worst_norm = max(worst_norm, abs(norm.item() - ref_norm.item()))
+        diff = max_diff(model.state_dict(), reference.state_dict())
+        frozen = dict(model.named_parameters())["blocks.0.ln1.weight"]
+        results.append({"config": (reshard, micro, clip), "param_diff": diff,
+                        "loss_diff": worst_loss, "norm_diff": worst_norm,
+                        "frozen_grad_is_none": frozen.grad is None,
+                        "tied": model.module.head.weight is model.module.tok_emb.weight})
+    return results
+
+
+def _check(results):
+    for r in results:
+        assert r["param_diff"] <= 1e-5, r
+        assert r["loss_diff"] <= 1e-5, r
+        assert r["norm_diff"] <= 1e-5, r
+        assert r["frozen_grad_is_none"] and r["tied"], r
+
+
+def test_parity_world2(world2):
+    results = world2.run(_parity_grid)
+    print(results[0])
+    _check(results[0])
+
+
+def test_parity_world4(world4):
+    results = world4.run(_parity_grid)
+    print(results[0])
+    _check(results[0])
