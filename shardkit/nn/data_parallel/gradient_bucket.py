@@ -1,0 +1,227 @@
+"""Gradient buckets of ShardedDataParallel: which gradients travel together, and how a bucket
+is reduced onto the ranks that own its parameters.
+
+A :class:`BucketLayout` is data, fixed until the trainable set changes: the parameters of one
+bucket in backward order, their owning ranks, and per owner the segment of the packed buffer
+that holds its parameters' gradients followed by one presence flag per parameter. Every rank
+computes the same layouts, so every rank packs the same shapes and issues the same collectives
+in the same order.
+
+A :class:`BucketReduction` (reduce-scatter or one reduce per owner) packs the gradients of one
+bucket with :func:`shardkit.kernels.pack_rank_major`, launches the asynchronous reduction and,
+once waited, hands each owned parameter its reduced gradient.
+
+Note: presence flags. A parameter that took no part in a forward has no gradient on that rank.
+Its slot is packed as zeros and its flag as 0; after the reduction the owner sees the flags of
+all ranks summed, so it knows whether *any* rank produced a gradient. When none did, the owner
+leaves ``p.grad = None`` exactly as single-process training would, and optimizers that skip
+grad-less parameters (AdamW's weight decay, momentum) stay in step with the oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from shardkit import distributed as skdist
+from shardkit.kernels import pack_rank_major
+
+__all__ = ["BucketLayout", "plan_buckets", "BucketReduction", "ReduceScatterToOwners",
+           "ReduceToEachOwner", "REDUCTIONS"]
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """One bucket: parameters in backward order, their owners, and per-owner packing.
+
+    Attributes:
+        index: position in launch order (collectives are issued in this order on every rank).
+        params: the bucket's parameters, in backward order.
+        owners: group rank owning each parameter.
+        by_owner: per group rank, the indices into ``params`` it owns (ascending).
+        comm_dtype: dtype the gradients travel in.
+
+    A segment (one per owner) is the owned gradients back to back, then one flag per owned
+    parameter: ``segment_numels[r] = sum(numel of r's params) + len(by_owner[r])``.
+    """
+
+    index: int
+    params: tuple
+    owners: tuple
+    by_owner: tuple
+    comm_dtype: torch.dtype
+
+    @property
+    def world_size(self) -> int:
+        return len(self.by_owner)
+
+    @property
+    def segment_numels(self) -> tuple:
+        return tuple(sum(self.params[i].numel() for i in idx) + len(idx) for idx in self.by_owner)
+
+    @property
+    def numel(self) -> int:
+        """Elements of all segments together (gradients plus flags), no padding."""
+        return sum(self.segment_numels)
+
+    def balance(self) -> float:
+        """``world_size * largest segment / all segments``: 1.0 is perfectly balanced."""
+        total = self.numel
+        return self.world_size * max(self.segment_numels) / total if total else 1.0
+
+
+def plan_buckets(params: Sequence[torch.Tensor], owner_of: Callable[[torch.Tensor], int],
+                 world_size: int, bucket_bytes: int,
+                 comm_dtype_of: Callable[[torch.Tensor], torch.dtype]) -> list[BucketLayout]:
+    """Cut ``params`` (given in backward order) into buckets of at most ``bucket_bytes`` bytes
+    in their communication dtype; a parameter larger than that gets a bucket of its own, and
+    a change of device or communication dtype starts a new bucket. ``bucket_bytes=0``: one
+    parameter per bucket. Pure function of its inputs: every rank plans the same buckets."""
+    groups: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    current_bytes = 0
+    key = None
+    for p in params:
+        dtype = comm_dtype_of(p)
+        nbytes = p.numel() * torch.empty((), dtype=dtype).element_size()
+        new_key = (p.device, dtype)
+        if current and (new_key != key or current_bytes + nbytes > bucket_bytes):
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(p)
+        current_bytes += nbytes
+        key = new_key
+    if current:
+        groups.append(current)
+    layouts = []
+    for index, group in enumerate(groups):
+        owners = tuple(owner_of(p) for p in group)
+        by_owner = tuple(tuple(i for i, o in enumerate(owners) if o == r) for r in range(world_size))
+        layouts.append(BucketLayout(index, tuple(group), owners, by_owner, comm_dtype_of(group[0])))
+    return layouts
+
+
+class BucketReduction:
+    """Reduce one bucket's gradients onto their owners, asynchronously.
+
+    ``launch`` packs (gradients pre-divided by the world size, cast to the communication
+    dtype), issues the collective(s) and returns at once; ``finish`` waits and returns, for
+    the parameters this rank owns, ``(param, reduced gradient or None)``. Memory while in
+    flight: the packed buffer (about the bucket's size); after ``finish`` only this rank's
+    segment stays alive, as the storage of its reduced gradients.
+    """
+
+    name = "abstract"
+
+    def __init__(self, layout: BucketLayout, group, rank: int):
+        self.layout = layout
+        self.group = group
+        self.rank = rank
+        self._handles: list = []
+        self._own_segment: Optional[torch.Tensor] = None
+        self._in_flight: list[torch.Tensor] = []
+
+    # -- packing
+    def _pack_segment(self, owner: int, grads: Sequence[Optional[torch.Tensor]],
+                      out: torch.Tensor) -> None:
+        """Pack owner ``owner``'s gradients and presence flags into ``out`` (its segment)."""
+        layout = self.layout
+        idx = layout.by_owner[owner]
+        if not idx:
+            return
+        device = out.device
+        sources, present = [], []
+        for i in idx:
+            g = grads[i]
+            present.append(g is not None)
+            sources.append(g if g is not None
+                           else torch.zeros(layout.params[i].numel(), dtype=out.dtype, device=device))
+        sources.append(torch.tensor(present, dtype=out.dtype, device=device))
+        pack_rank_major(sources, 1, scale=1.0 / layout.world_size, dtype=out.dtype, out=out)
+
+    def launch(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        raise NotImplementedError
+
+    def tensors_in_flight(self) -> list[torch.Tensor]:
+        """Buffers alive until :meth:`finish` (reported as gradient memory)."""
+        return list(self._in_flight)
+
+    def finish(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        for handle in self._handles:
+            handle.wait()
+        self._handles = []
+        self._in_flight = []
+        segment, self._own_segment = self._own_segment, None
+        return self._split_own_segment(segment)
+
+    def _split_own_segment(self, segment: Optional[torch.Tensor]):
+        layout = self.layout
+        idx = layout.by_owner[self.rank]
+        if not idx:
+            return []
+        numels = [layout.params[i].numel() for i in idx]
+        grads_numel = sum(numels)
+        flags = segment[grads_numel:grads_numel + len(idx)]
+        present = (flags != 0).tolist()
+        out, offset = [], 0
+        for i, n, has_grad in zip(idx, numels, present):
+            p = layout.params[i]
+            view = segment[offset:offset + n].view(p.shape)
+            offset += n
+            if not has_grad:
+                out.append((p, None))
+            else:
+                out.append((p, view if view.dtype == p.dtype else view.to(p.dtype)))
+        return out
+
+
+class ReduceScatterToOwners(BucketReduction):
+    """One ``reduce_scatter_tensor`` over a rank-major buffer of ``world_size`` equal segments
+    (each owner's segment zero-padded to the largest). Wire (DESIGN convention):
+    ``(N-1)/N * N * largest segment`` elements, i.e. the bucket plus its padding. Best when the
+    bucket's ownership is balanced."""
+
+    name = "reduce_scatter"
+
+    def launch(self, grads):
+        layout = self.layout
+        n = layout.world_size
+        seg = max(layout.segment_numels)
+        device = layout.params[0].device
+        packed = torch.empty(n * seg, dtype=layout.comm_dtype, device=device)
+        rows = packed.view(n, seg)
+        for r, numel in enumerate(layout.segment_numels):
+            self._pack_segment(r, grads, rows[r, :numel])
+            rows[r, numel:].zero_()
+        self._own_segment = torch.empty(seg, dtype=layout.comm_dtype, device=device)
+        self._in_flight = [packed]
+        self._handles = [skdist.reduce_scatter_tensor(self._own_segment, packed,
+                                                      group=self.group, async_op=True)]
+
+
+class ReduceToEachOwner(BucketReduction):
+    """One ``reduce`` per owner that has parameters in the bucket, each of exactly its segment.
+    Wire (DESIGN convention): ``(N-1)/N`` of the bucket, no padding; several smaller calls."""
+
+    name = "reduce"
+
+    def launch(self, grads):
+        layout = self.layout
+        device = layout.params[0].device
+        handles = []
+        for r, numel in enumerate(layout.segment_numels):
+            if numel == 0:
+                continue
+            buf = torch.empty(numel, dtype=layout.comm_dtype, device=device)
+            self._pack_segment(r, grads, buf)
+            if r == self.rank:
+                self._own_segment = buf
+            self._in_flight.append(buf)
+            dst = skdist.get_global_rank(self.group, r)
+            handles.append(skdist.reduce(buf, dst=dst, group=self.group, async_op=True))
+        self._handles = handles
+
+
+REDUCTIONS = {"reduce_scatter": ReduceScatterToOwners, "reduce": ReduceToEachOwner}

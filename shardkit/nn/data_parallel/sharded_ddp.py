@@ -1,0 +1,433 @@
+"""ShardedDataParallel: gradient sharding (ZeRO stage 2) for modules trained with OSS.
+
+During backward, each gradient is packed into a bucket as soon as autograd has accumulated it;
+a full bucket is reduced straight onto the ranks that own its parameters (the ownership of the
+OSS optimizers' public :class:`~shardkit.optim.partition.ParameterPartition`), and every rank
+drops the gradients it does not own right away. Each rank therefore holds only its share of the
+gradients, OSS steps that share, and OSS re-synchronises the parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from shardkit import distributed as skdist
+from shardkit.nn.data_parallel.gradient_bucket import (REDUCTIONS, BucketLayout,
+                                                        BucketReduction, plan_buckets)
+
+__all__ = ["ShardedDataParallel", "ReductionPolicy"]
+
+# Buckets whose reduction may be in flight at once during backward; beyond that the oldest is
+# waited for, which bounds the transient memory to a few buckets while keeping the overlap.
+_MAX_BUCKETS_IN_FLIGHT = 4
+
+
+@dataclass(frozen=True)
+class ReductionPolicy:
+    """How a bucket travels to its owners.
+
+    Attributes:
+        mode: ``"auto"`` (reduce-scatter for balanced buckets, one reduce per owner otherwise),
+            ``"reduce_scatter"`` or ``"reduce"``.
+        balance_tolerance: in ``"auto"``, a bucket whose ``N * largest segment / bucket`` is at
+            most this is reduce-scattered (its padding costs at most this factor on the wire).
+    """
+
+    mode: str = "auto"
+    balance_tolerance: float = 1.1
+
+    def __post_init__(self):
+        valid = ("auto",) + tuple(REDUCTIONS)
+        if self.mode not in valid:
+            raise ValueError(f"ShardedDataParallel(reduction={self.mode!r}): valid values are "
+                             f"{list(valid)}")
+
+    def reduction_for(self, layout: BucketLayout) -> type[BucketReduction]:
+        if self.mode != "auto":
+            return REDUCTIONS[self.mode]
+        if layout.balance() <= self.balance_tolerance:
+            return REDUCTIONS["reduce_scatter"]
+        return REDUCTIONS["reduce"]
+
+
+class ShardedDataParallel(nn.Module):
+    """Data parallelism with sharded gradients (ZeRO-2), to be used with one or more ``OSS``.
+
+    Args:
+        module: the model; every rank wraps the same architecture.
+        sharded_optimizer: an :class:`~shardkit.optim.OSS`, or a list of them, over parameters of
+            ``module``; together they must cover every trainable parameter.
+        process_group: the data-parallel group (default: the optimizers' group; if given, it must
+            contain the same ranks as theirs).
+        broadcast_buffers: broadcast rank 0's module buffers at every forward.
+        sync_models_at_startup: broadcast rank 0's parameters and buffers at wrap time.
+        reduce_buffer_size: bucket size in bytes (in the communication dtype); ``0`` reduces
+            each parameter on its own.
+        auto_refresh_trainable: notice at forward when ``requires_grad`` changed (or an OSS
+            re-partitioned) and re-plan the buckets; otherwise call :meth:`refresh_trainable`.
+        reduce_fp16: gradients travel in fp16 (``True``) or in the dtype given
+            (``torch.bfloat16``); owners receive them back in the parameters' dtype.
+        reduction: ``"auto"``, ``"reduce_scatter"`` or ``"reduce"`` (see :class:`ReductionPolicy`).
+
+    Cost per rank (Ψ parameters, N ranks; DESIGN.md stage 2): gradients after backward Ψ/N
+    (its owned share) plus nothing else; during backward at most a few buckets in flight.
+    Communication per step: the gradient reduction, (N-1)/N·Ψ elements in the DESIGN
+    convention (plus the padding of reduce-scattered buckets, at most ``balance_tolerance``),
+    plus OSS's parameter sync, (N-1)/N·Ψ: 2Ψ(N-1)/N together. ``broadcast_buffers`` adds the
+    module's buffers once per forward.
+
+    Usage::
+
+        model = MyModel()
+        optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)
+        model = ShardedDataParallel(model, optimizer)
+        for x, y in loader:
+            loss = loss_fn(model(x), y)
+            loss.backward()                 # owners now hold reduced grads, others None
+            optimizer.step()
+            optimizer.zero_grad()
+
+    ``no_sync()`` is decided when backward starts: backward passes that start inside it
+    accumulate locally and the first one outside reduces the sum. Gradients accumulated across
+    backward passes without zeroing stay correct (the owner's reduced gradient is carried).
+
+    .. warning:: Construction, :meth:`refresh_trainable`, forward (with ``broadcast_buffers``)
+        and backward issue collectives: call them on every rank of the group.
+    """
+
+    def __init__(self, module: nn.Module, sharded_optimizer, process_group=None,
+                 broadcast_buffers: bool = True, sync_models_at_startup: bool = True,
+                 reduce_buffer_size: int = 2 ** 23, auto_refresh_trainable: bool = True,
+                 reduce_fp16: Union[bool, torch.dtype] = False, reduction: str = "auto"):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"ShardedDataParallel(module=...): expected an nn.Module, got "
+                            f"{type(module).__name__}")
+        optimizers = _as_oss_list(sharded_optimizer)
+        _check_reduce_buffer_size(reduce_buffer_size)
+        self._comm_dtype = _comm_dtype_from(reduce_fp16)
+        self._policy = ReductionPolicy(mode=reduction)
+        self.process_group = _common_group(process_group, optimizers)
+        _check_optimizer_params_in_module(module, optimizers)
+        skdist.require_initialized("ShardedDataParallel")
+
+        self.module = module
+        self._optimizers = optimizers
+        self.rank = skdist.get_rank(self.process_group)
+        self.world_size = skdist.get_world_size(self.process_group)
+        self.broadcast_buffers = broadcast_buffers
+        self.auto_refresh_trainable = auto_refresh_trainable
+        self.reduce_buffer_size = reduce_buffer_size
+
+        self._hooked: dict = {}               # param -> its two hook handles
+        self._buckets: list[BucketLayout] = []
+        self._bucket_of: dict = {}            # param -> bucket index
+        self._planned_with: tuple = ()        # (requires_grad flags, partitions) of the plan
+        self._sync_enabled = True
+        self._backward_active = False
+        self._syncing = False
+        self._ready_count: list[int] = []
+        self._next_launch = 0
+        self._in_flight: deque[BucketReduction] = deque()
+        self._carried: dict = {}              # param -> weakref to the reduced grad we gave it
+
+        self._build_plan(refresh_optimizers=False)
+        if sync_models_at_startup and self.world_size > 1:
+            self._broadcast_from_rank0(list(module.parameters()) + list(module.buffers()))
+
+    # ------------------------------------------------------------------ public surface
+
+    def forward(self, *inputs, **kwargs):
+        """Run the module; first re-plan if the trainable set changed (``auto_refresh_trainable``)
+        and broadcast rank 0's buffers (``broadcast_buffers``)."""
+        if self.auto_refresh_trainable and torch.is_grad_enabled() and self._plan_is_stale():
+            self.refresh_trainable()
+        if self.broadcast_buffers and self.world_size > 1:
+            buffers = list(self.module.buffers())
+            if buffers:
+                self._broadcast_from_rank0(buffers)
+        return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes started inside accumulate gradients locally (full gradients on every
+        rank, no communication); the first backward outside reduces the accumulated sum."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def refresh_trainable(self) -> None:
+        """Re-partition the OSS optimizers and re-plan the buckets after ``requires_grad``
+        changed. Local computation (no communication); call it on every rank alike."""
+        if self._backward_active:
+            raise RuntimeError("ShardedDataParallel.refresh_trainable() was called during "
+                               "backward; call it between steps")
+        self._build_plan(refresh_optimizers=True)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop (or zero) every gradient of the module, as ``nn.Module.zero_grad``."""
+        self._carried.clear()
+        self.module.zero_grad(set_to_none=set_to_none)
+
+    def model_state_tensors(self):
+        """Buckets in flight, reported as gradient memory to ``model_state_bytes``."""
+        for reduction in self._in_flight:
+            for t in reduction.tensors_in_flight():
+                yield "grads", t
+
+    @property
+    def buckets(self) -> tuple[BucketLayout, ...]:
+        """The current bucket layouts, in launch (backward) order."""
+        return tuple(self._buckets)
+
+    # ------------------------------------------------------------------ planning
+
+    def _trainable_params(self) -> list[torch.Tensor]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def _plan_signature(self) -> tuple:
+        flags = tuple(p.requires_grad for p in self.module.parameters())
+        return flags, tuple(id(o.partition) for o in self._optimizers)
+
+    def _plan_is_stale(self) -> bool:
+        return self._plan_signature() != self._planned_with
+
+    def _build_plan(self, refresh_optimizers: bool) -> None:
+        if refresh_optimizers:
+            for optimizer in self._optimizers:
+                optimizer.refresh_trainable()
+        trainable = self._trainable_params()
+        owner_of = self._owners_of(trainable)
+        if self.world_size > 1:
+            for p in trainable:
+                self._hook(p)
+        backward_order = list(reversed(trainable))
+        self._buckets = plan_buckets(
+            backward_order, owner_of.__getitem__, self.world_size, self.reduce_buffer_size,
+            lambda p: self._comm_dtype or p.dtype)
+        self._bucket_of = {p: b.index for b in self._buckets for p in b.params}
+        self._planned_with = self._plan_signature()
+
+    def _owners_of(self, trainable: Sequence[torch.Tensor]) -> dict:
+        """``{param: owning group rank}`` from the optimizers' partitions (re-partitioning an
+        optimizer whose partition predates a ``requires_grad`` change)."""
+        owner_of = {}
+        missing = []
+        for p in trainable:
+            for optimizer in self._optimizers:
+                if p in optimizer.partition:
+                    owner_of[p] = optimizer.partition.owner(p)
+                    break
+            else:
+                missing.append(p)
+        stale = [o for o in self._optimizers
+                 if any(_in_param_groups(p, o) for p in missing)]
+        if stale:
+            for optimizer in stale:
+                optimizer.refresh_trainable()
+            return self._owners_of(trainable)
+        if missing:
+            names = _param_names(self.module, missing)
+            raise ValueError(f"ShardedDataParallel: trainable parameter(s) {names} are in no "
+                             f"optimizer's param groups; pass an OSS covering them, or set "
+                             f"requires_grad=False on them")
+        return owner_of
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if p in self._hooked:
+            return
+        self._hooked[p] = (p.register_hook(self._on_grad_incoming),
+                           p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+
+    # ------------------------------------------------------------------ backward
+
+    # Note: ordering. Collectives must be issued in the same order on every rank, whatever
+    # the timing of autograd. Buckets are therefore launched strictly in plan order: a bucket
+    # that is complete waits for the ones before it; buckets still incomplete when backward
+    # ends (unused parameters) are launched then, by the callback queued on the engine, which
+    # also waits for every reduction, so gradients are in place when backward() returns.
+
+    def _on_grad_incoming(self, grad):
+        if not self._backward_active:
+            self._begin_backward()
+        return None
+
+    def _begin_backward(self) -> None:
+        self._backward_active = True
+        self._scale_carried_grads()
+        self._syncing = self._sync_enabled
+        self._ready_count = [0] * len(self._buckets)
+        self._next_launch = 0
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _scale_carried_grads(self) -> None:
+        """Multiply by N each reduced gradient still sitting untouched (same tensor) in an
+        owner's ``p.grad``: autograd adds this backward's local gradient to it, the bucket
+        divides everything by N, and the reduction then yields carried + mean(new)."""
+        carried = [(p, ref()) for p, ref in self._carried.items()]
+        self._carried.clear()
+        for p, g in carried:
+            if g is not None and p.grad is g:
+                g.mul_(self.world_size)
+
+    def _on_grad_accumulated(self, p: torch.Tensor) -> None:
+        if not self._syncing:
+            return
+        index = self._bucket_of.get(p)
+        if index is None:
+            return
+        self._ready_count[index] += 1
+        while (self._next_launch < len(self._buckets)
+               and self._ready_count[self._next_launch] >= len(self._buckets[self._next_launch].params)):
+            self._launch(self._next_launch)
+
+    def _launch(self, index: int) -> None:
+        layout = self._buckets[index]
+        reduction = self._policy.reduction_for(layout)(layout, self.process_group, self.rank)
+        reduction.launch([p.grad for p in layout.params])
+        for p in layout.params:
+            p.grad = None
+        self._in_flight.append(reduction)
+        self._next_launch = index + 1
+        if len(self._in_flight) > _MAX_BUCKETS_IN_FLIGHT:
+            self._finish(self._in_flight.popleft())
+
+    def _finish(self, reduction: BucketReduction) -> None:
+        for p, grad in reduction.finish():
+            p.grad = grad
+            if grad is not None:
+                self._carried[p] = weakref.ref(grad)
+
+    def _end_backward(self) -> None:
+        try:
+            if self._syncing:
+                while self._next_launch < len(self._buckets):
+                    self._launch(self._next_launch)
+                while self._in_flight:
+                    self._finish(self._in_flight.popleft())
+        finally:
+            self._backward_active = False
+            self._syncing = False
+
+    # ------------------------------------------------------------------ broadcasts
+
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        """Broadcast ``tensors`` from group rank 0, packed into flat chunks per dtype/device of
+        about ``reduce_buffer_size`` bytes. Wire: (N-1)/N of their bytes."""
+        src = skdist.get_global_rank(self.process_group, 0)
+        chunk_bytes = max(self.reduce_buffer_size, 1 << 20)
+        for chunk in _chunks_by_dtype(tensors, chunk_bytes):
+            flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+            skdist.broadcast(flat, src=src, group=self.process_group)
+            if self.rank != 0:
+                offset = 0
+                with torch.no_grad():
+                    for t in chunk:
+                        t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+                        offset += t.numel()
+
+
+# ---------------------------------------------------------------------- validation helpers
+
+
+def _as_oss_list(sharded_optimizer) -> list:
+    from shardkit.optim.oss import OSS
+
+    optimizers = (list(sharded_optimizer) if isinstance(sharded_optimizer, (list, tuple))
+                  else [sharded_optimizer])
+    if not optimizers:
+        raise ValueError("ShardedDataParallel(sharded_optimizer=[]): give at least one OSS")
+    for i, o in enumerate(optimizers):
+        if not isinstance(o, OSS):
+            where = "sharded_optimizer" if len(optimizers) == 1 else f"sharded_optimizer[{i}]"
+            raise TypeError(f"ShardedDataParallel({where}=<{type(o).__module__}."
+                            f"{type(o).__name__}>): expected shardkit.optim.OSS (wrap it: "
+                            f"OSS(optimizer)); gradient sharding needs the OSS partition")
+    return optimizers
+
+
+def _check_reduce_buffer_size(size) -> None:
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"ShardedDataParallel(reduce_buffer_size={size!r}): expected an int of "
+                         f"bytes >= 0 (0: one parameter per bucket)")
+
+
+def _comm_dtype_from(reduce_fp16) -> Optional[torch.dtype]:
+    if reduce_fp16 is False or reduce_fp16 is None:
+        return None
+    if reduce_fp16 is True:
+        return torch.float16
+    if reduce_fp16 in (torch.float16, torch.bfloat16, torch.float32):
+        return reduce_fp16
+    raise ValueError(f"ShardedDataParallel(reduce_fp16={reduce_fp16!r}): expected a bool, "
+                     f"torch.float16, torch.bfloat16 or torch.float32")
+
+
+def _common_group(process_group, optimizers):
+    ranks = [skdist.group_ranks(o.group) for o in optimizers]
+    for i, r in enumerate(ranks[1:], start=1):
+        if r != ranks[0]:
+            raise ValueError(f"ShardedDataParallel: sharded_optimizer[{i}] works over ranks {r}, "
+                             f"sharded_optimizer[0] over {ranks[0]}; all must share one group")
+    if process_group is None:
+        return optimizers[0].group
+    given = skdist.group_ranks(process_group)
+    if given != ranks[0]:
+        raise ValueError(f"ShardedDataParallel(process_group=<ranks {given}>): the optimizer's "
+                         f"group has ranks {ranks[0]}; pass the optimizer's group (or None)")
+    return process_group
+
+
+def _check_optimizer_params_in_module(module: nn.Module, optimizers) -> None:
+    in_module = {id(p) for p in module.parameters()}
+    seen: dict = {}
+    for i, optimizer in enumerate(optimizers):
+        for g, group in enumerate(optimizer.param_groups):
+            for k, p in enumerate(group["params"]):
+                if id(p) not in in_module:
+                    raise ValueError(
+                        f"ShardedDataParallel: sharded_optimizer[{i}].param_groups[{g}]['params']"
+                        f"[{k}] (shape {tuple(p.shape)}) is not a parameter of the wrapped module; "
+                        f"build the optimizer over module.parameters()")
+                if id(p) in seen and seen[id(p)] != i:
+                    raise ValueError(
+                        f"ShardedDataParallel: a parameter of shape {tuple(p.shape)} is in "
+                        f"sharded_optimizer[{seen[id(p)]}] and sharded_optimizer[{i}]; each "
+                        f"parameter may belong to one optimizer only")
+                seen[id(p)] = i
+
+
+def _in_param_groups(p: torch.Tensor, optimizer) -> bool:
+    return any(q is p for group in optimizer.param_groups for q in group["params"])
+
+
+def _param_names(module: nn.Module, params: Sequence[torch.Tensor]) -> list[str]:
+    wanted = {id(p) for p in params}
+    return [name for name, p in module.named_parameters() if id(p) in wanted]
+
+
+def _chunks_by_dtype(tensors: Sequence[torch.Tensor], chunk_bytes: int):
+    by_key: dict = {}
+    for t in tensors:
+        by_key.setdefault((t.device, t.dtype), []).append(t)
+    for group in by_key.values():
+        chunk, size = [], 0
+        for t in group:
+            nbytes = t.numel() * t.element_size()
+            if chunk and size + nbytes > chunk_bytes:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(t)
+            size += nbytes
+        if chunk:
+            yield chunk

@@ -1,0 +1,217 @@
+"""ShardedDataParallel + OSS parity with single-process training on the same global batch.
+
+Every rank also trains the single-process oracle itself (same seed, the global batch made of
+all ranks' local batches, plain torch.optim.AdamW), and compares every parameter after each
+step. One grid of configurations runs inside one world per size.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardkit import distributed as skdist
+from shardkit.nn.data_parallel import ShardedDataParallel
+from shardkit.optim import OSS
+from shardkit.testing import World
+
+STEPS = 10
+LOCAL_BATCH = 8
+TOLERANCE = 1e-5
+
+
+class Net(nn.Module):
+    """Small MLP with a branch that a forward may skip (an unused parameter set)."""
+
+    def __init__(self, width: int = 24, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(8, width)
+        self.hidden = nn.Linear(width, width)
+        self.branch = nn.Linear(width, width)
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x, use_branch: bool = True):
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.hidden(h))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.out(h)
+
+
+def _batch(step: int, rank: int, micro: int = 0):
+    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randn(LOCAL_BATCH, 8, generator=gen), torch.randn(LOCAL_BATCH, 4, generator=gen)
+
+
+def _param_groups(model: nn.Module, two_groups: bool):
+    if not two_groups:
+        return [{"params": list(model.parameters())}]
+    return [{"params": [*model.inp.parameters(), *model.hidden.parameters()]},
+            {"params": [*model.branch.parameters(), *model.out.parameters()], "lr": 5e-3,
+             "weight_decay": 0.0}]
+
+
+def _uses_branch(cfg: dict, step: int, rank: int) -> bool:
+    mode = cfg.get("unused_branch")
+    if mode == "everywhere":
+        return False
+    if mode == "on_rank0":  # data-dependent: rank 0 skips it, the others use it
+        return rank != 0
+    return True
+
+
+def _frozen_now(cfg: dict, step: int) -> bool:
+    return cfg.get("freeze") == "always" or (cfg.get("freeze") == "at_step_5" and step >= 5)
+
+
+def _reference_step(model, optimizer, cfg, step, world_size):
+    """Single process, global batch = every rank's local batch(es)."""
+    optimizer.zero_grad()
+    micro_batches = cfg.get("accumulate", 1)
+    for rank in range(world_size):
+        for micro in range(micro_batches):
+            x, y = _batch(step, rank, micro)
+            out = model(x, use_branch=_uses_branch(cfg, step, rank))
+            loss = F.mse_loss(out, y) / (world_size * micro_batches)
+            loss.backward()
+    optimizer.step()
+
+
+def _sharded_step(model, optimizer, cfg, step, rank):
+    micro_batches = cfg.get("accumulate", 1)
+    if cfg.get("zero_grad") == "model":
+        model.zero_grad()
+    elif cfg.get("zero_grad") == "zeros":
+        optimizer.zero_grad(set_to_none=False)
+    elif cfg.get("zero_grad") != "never":
+        optimizer.zero_grad()  # torch's default: set_to_none=True
+    for micro in range(micro_batches):
+        x, y = _batch(step, rank, micro)
+        last = micro == micro_batches - 1
+        context = model.no_sync() if (not last and not cfg.get("no_no_sync")) else _nullcontext()
+        with context:
+            out = model(x, use_branch=_uses_branch(cfg, step, rank))
+            (F.mse_loss(out, y) / micro_batches).backward()
+    owned = {id(p) for p in optimizer.owned_params()}
+    for p in model.parameters():
+        if p.grad is not None and id(p) not in owned:
+            raise AssertionError("a non-owner still holds a gradient after backward")
+    optimizer.step()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _build(cfg, rank):
+    lr, wd = 1e-2, 0.05
+    ref = Net(seed=0)
+    model = Net(seed=0 if not cfg.get("rank_seeds") else rank)  # startup sync fixes rank seeds
+    if cfg.get("freeze") == "always":
+        for m in (ref, model):
+            m.hidden.requires_grad_(False)
+    ref_opt = torch.optim.AdamW(_param_groups(ref, cfg.get("two_groups", False)), lr=lr,
+                                weight_decay=wd)
+    if cfg.get("two_optimizers"):
+        first = OSS([*model.inp.parameters(), *model.hidden.parameters()],
+                    optim=torch.optim.AdamW, lr=lr, weight_decay=wd)
+        second = OSS([*model.branch.parameters(), *model.out.parameters()],
+                     optim=torch.optim.AdamW, lr=lr, weight_decay=wd)
+        optimizers = [first, second]
+    else:
+        optimizers = [OSS(_param_groups(model, cfg.get("two_groups", False)),
+                          optim=torch.optim.AdamW, lr=lr, weight_decay=wd)]
+    wrapped = ShardedDataParallel(model, optimizers if len(optimizers) > 1 else optimizers[0],
+                                  reduce_buffer_size=cfg.get("bucket", 2 ** 23),
+                                  reduction=cfg.get("reduction", "auto"))
+    return ref, ref_opt, wrapped, _Optimizers(optimizers)
+
+
+class _Optimizers(list):
+    """One or more OSS driven as one optimizer by the training loop."""
+
+    def zero_grad(self, set_to_none=True):
+        for o in self:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        for o in self:
+            o.step()
+
+    def owned_params(self):
+        rank = skdist.get_rank()
+        return [p for o in self for p, r in o.param_to_rank.items() if r == rank]
+
+
+def _max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
+
+
+def _run_parity(cfg: dict) -> float:
+    rank, world_size = skdist.get_rank(), skdist.get_world_size()
+    ref, ref_opt, model, optimizer = _build(cfg, rank)
+    worst = 0.0
+    for step in range(STEPS):
+        if cfg.get("freeze") == "at_step_5" and step == 5:
+            for m in (ref, model.module):
+                m.hidden.requires_grad_(False)
+        _reference_step(ref, ref_opt, cfg, step, world_size)
+        _sharded_step(model, optimizer, cfg, step, rank)
+        worst = max(worst, _max_diff(ref, model.module))
+    return worst
+
+
+CONFIGS = {
+    "plain": {},
+    "model_zero_grad": {"zero_grad": "model"},
+    "zero_grad_to_zeros": {"zero_grad": "zeros"},
+    "no_sync_4_micro_batches": {"accumulate": 4},
+    "accumulate_without_no_sync": {"accumulate": 2, "no_no_sync": True},
+    "frozen_layer": {"freeze": "always"},
+    "freeze_at_step_5": {"freeze": "at_step_5"},
+    "unused_branch_everywhere": {"unused_branch": "everywhere"},
+    "unused_branch_on_rank0": {"unused_branch": "on_rank0"},
+    "two_param_groups": {"two_groups": True},
+    "two_optimizers": {"two_optimizers": True},
+    "startup_sync_of_rank_seeds": {"rank_seeds": True},
+    "small_buckets_reduce": {"bucket": 1024, "reduction": "reduce"},
+    "small_buckets_reduce_scatter": {"bucket": 1024, "reduction": "reduce_scatter"},
+    "one_param_per_bucket": {"bucket": 0},
+}
+
+
+def _run_grid(names):
+    return {name: _run_parity(CONFIGS[name]) for name in names}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with World(4) as w:
+        yield w
+
+
+def _assert_parity(per_rank: list[dict]):
+    failures = {name: diff for result in per_rank for name, diff in result.items()
+                if not diff <= TOLERANCE}
+    assert not failures, f"max |param - oracle| above {TOLERANCE}: {failures}"
+
+
+def test_parity_grid_world2(world2):
+    _assert_parity(world2.run(_run_grid, list(CONFIGS)))
+
+
+def test_parity_grid_world4(world4):
+    names = ["plain", "no_sync_4_micro_batches", "frozen_layer", "unused_branch_on_rank0",
+             "two_param_groups", "model_zero_grad", "small_buckets_reduce_scatter"]
+    _assert_parity(world4.run(_run_grid, names))

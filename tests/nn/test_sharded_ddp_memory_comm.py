@@ -1,0 +1,114 @@
+"""ShardedDataParallel + OSS: per-rank model-state bytes (stage-2 row of DESIGN.md) and the
+communication volume per step, measured with model_state_bytes and CommCounter."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardkit import distributed as skdist
+from shardkit.models import GPT, GPTConfig, MLP, reference_gpt_config, synthetic_batch
+from shardkit.nn.data_parallel import ShardedDataParallel
+from shardkit.optim import OSS
+from shardkit.testing import World
+from shardkit.utils.memory import model_state_bytes
+
+BUCKET_BYTES = 16 * 1024
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with World(4) as w:
+        yield w
+
+
+def _measure_memory(reduction: str):
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    model = MLP(width=64, depth=8, seed=0)
+    psi = sum(p.numel() for p in model.parameters())
+    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)
+    wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=BUCKET_BYTES,
+                                  reduction=reduction)
+    owned = {p for p, r in optimizer.param_to_rank.items() if r == rank}
+    out = {"psi": psi, "n": n, "owned_numel": sum(p.numel() for p in owned)}
+    for step in range(2):
+        optimizer.zero_grad()
+        wrapped(torch.randn(16, 64, generator=torch.Generator().manual_seed(rank + step))).pow(2).mean().backward()
+        after_backward = model_state_bytes(wrapped, optimizer)
+        out["grads_only_on_owners"] = all((p.grad is not None) == (p in owned)
+                                          for p in model.parameters())
+        out["in_flight_after_backward"] = len(list(wrapped.model_state_tensors()))
+        optimizer.step()
+    after_step = model_state_bytes(wrapped, optimizer)
+    out.update(grads=after_backward.grads, params=after_step.params,
+               optimizer=after_step.optimizer, total=after_step.total)
+    return out
+
+
+@pytest.mark.parametrize("reduction", ["auto", "reduce_scatter", "reduce"])
+def test_gradient_and_model_state_bytes_follow_stage_2(world2, reduction):
+    for r in world2.run(_measure_memory, reduction):
+        psi, n = r["psi"], r["n"]
+        assert r["grads_only_on_owners"]
+        assert r["in_flight_after_backward"] == 0
+        # grads: this rank's share (Ψ/N·4) plus at most one bucket
+        assert r["grads"] <= psi / n * 4 + BUCKET_BYTES, r
+        # stage 2, fp32 Adam (K=8): 4Ψ weights + (4+8)Ψ/N, slack for ownership imbalance
+        # (whole parameters) and OSS's few-per-cent sync padding
+        assert r["params"] <= psi * 4 * 1.05, r
+        assert r["optimizer"] <= 8 * r["owned_numel"] + 1024, r
+        assert r["total"] <= (4 * psi + 12 * psi / n) * 1.06 + BUCKET_BYTES, r
+        ddp_total = 16 * psi
+        assert r["total"] / ddp_total <= 0.64 if n == 2 else True, r
+
+
+def test_memory_world4(world4):
+    for r in world4.run(_measure_memory, "auto"):
+        assert r["grads"] <= r["psi"] / 4 * 4 + BUCKET_BYTES, r
+        assert r["grads_only_on_owners"]
+
+
+def _count_gpt_step(cfg: GPTConfig, reduce_fp16: bool):
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    model = GPT(cfg, seed=0)
+    psi = sum(p.numel() for p in model.parameters())
+    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-4)
+    wrapped = ShardedDataParallel(model, optimizer, reduce_fp16=reduce_fp16)
+    idx, target = synthetic_batch(cfg, 2, step=rank)
+    with skdist.CommCounter() as comm:
+        logits = wrapped(idx)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    grad_ops = [c for c in comm.calls if c.op in ("reduce", "reduce_scatter")]
+    sync_ops = [c for c in comm.calls if c.op == "all_gather"]
+    return dict(psi=psi, n=n, elements=comm.elements,
+                grad_elements=sum(c.bytes / c.dtype.itemsize for c in grad_ops),
+                grad_dtypes=sorted({str(c.dtype) for c in grad_ops}),
+                sync_elements=sum(c.bytes / c.dtype.itemsize for c in sync_ops),
+                other_ops=sorted({c.op for c in comm.calls} - {"reduce", "reduce_scatter",
+                                                               "all_gather"}))
+
+
+def test_reference_gpt_step_communicates_2psi_world2(world2):
+    for r in world2.run(_count_gpt_step, reference_gpt_config(), False):
+        psi, n = r["psi"], r["n"]
+        budget = 2 * psi * (n - 1) / n
+        assert r["elements"] <= 1.1 * budget, r
+        assert r["grad_elements"] <= 1.05 * psi * (n - 1) / n, r
+        assert r["grad_dtypes"] == ["torch.float32"]
+        assert r["other_ops"] == [], r
+
+
+def test_small_gpt_step_communicates_2psi_world4_and_fp16_halves_the_reduction(world4):
+    cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=4, d_model=64, seq_len=32)
+    for r in world4.run(_count_gpt_step, cfg, False):
+        assert r["elements"] <= 1.1 * 2 * r["psi"] * 3 / 4, r
+    for r in world4.run(_count_gpt_step, cfg, True):
+        assert r["grad_dtypes"] == ["torch.float16"]
+        assert r["grad_elements"] <= 1.1 * r["psi"] * 3 / 4, r
