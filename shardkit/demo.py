@@ -51,8 +51,13 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from shardkit.models import GPT, GPTConfig, reference_gpt_config
+from shardkit import distributed
+from shardkit.models import GPT, Block, GPTConfig, reference_gpt_config, synthetic_batch
 from shardkit.plan import precision_for, zero_model_state_bytes
+from shardkit.recipes import (TrainingSetup, gpt_as_sequential, pipeline_chunks, setup_ddp,
+                              setup_fsdp, setup_oss, setup_pipeline, setup_sharded,
+                              token_cross_entropy)
+from shardkit.utils.memory import model_state_bytes
 
 __all__ = ["MODELS", "RUNS", "RunSpec", "small_gpt", "reference_gpt", "main"]
 
@@ -112,187 +117,22 @@ class DemoError(ValueError):
 # Everything below up to the launcher runs inside the torchrun workers.
 
 
-@dataclass
-class TrainingSetup:
-    """A wrapped model ready to train: ``train_step(idx, target)`` runs forward, backward and
-    the optimizer step and returns this rank's loss (None on pipeline stages without one);
-    ``module``/``optimizer`` are what :func:`model_state_bytes` walks; ``params`` is the Ψ this
-    rank's formula uses."""
-
-    module: object
-    optimizer: object
-    train_step: Callable
-    params: int
-
-
-def _cross_entropy(logits, target):
-    import torch.nn.functional as F
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-
-
-def _data_parallel_step(model, optimizer, zero_grad: Callable):
-    def step(idx, target):
-        zero_grad()
-        loss = _cross_entropy(model(idx), target)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-    return step
-
-
-def _counted_allreduce_hook(process_group, bucket):
-    """DDP comm hook: average the bucket with shardkit's all_reduce, so CommCounter sees it."""
-    from shardkit import distributed
-    buffer = bucket.buffer()
-    buffer.div_(distributed.get_world_size(process_group))
-    work = distributed.all_reduce(buffer, group=process_group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def _torch_ddp(model):
-    from torch.nn.parallel import DistributedDataParallel
-    # Gradients as views of DDP's buckets: the bucket storage is the gradient storage, so
-    # model_state_bytes counts what DDP really holds.
-    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
-    ddp.register_comm_hook(None, _counted_allreduce_hook)
-    return ddp
-
-
-def setup_ddp(cfg: GPTConfig, seed: int) -> TrainingSetup:
-    """Stage 0: torch DDP + AdamW. Memory 16Ψ; wire 2Ψ(N-1)/N elements per step."""
-    model = _torch_ddp(GPT(cfg, seed))
-    opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    return TrainingSetup(model, opt, _data_parallel_step(model, opt, opt.zero_grad),
-                         _numel(model.parameters()))
-
-
-def setup_oss(cfg: GPTConfig, seed: int) -> TrainingSetup:
-    """Stage 1: OSS(AdamW) under torch DDP. Memory 8Ψ + 8Ψ/N; wire 2Ψ(N-1)/N (DDP's
-    all-reduce) + Ψ(N-1)/N (OSS's parameter broadcast) elements per step."""
-    from shardkit.optim import OSS
-    model = _torch_ddp(GPT(cfg, seed))
-    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LEARNING_RATE)
-    return TrainingSetup(model, opt, _data_parallel_step(model, opt, opt.zero_grad),
-                         _numel(model.parameters()))
-
-
-def setup_sharded_ddp(cfg: GPTConfig, seed: int) -> TrainingSetup:
-    """Stage 2: ShardedDataParallel + OSS(AdamW). Memory 4Ψ + 12Ψ/N (+ a bucket); wire
-    2Ψ(N-1)/N elements per step."""
-    from shardkit.nn.data_parallel import ShardedDataParallel
-    from shardkit.optim import OSS
-    model = GPT(cfg, seed)
-    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LEARNING_RATE)
-    sdp = ShardedDataParallel(model, opt)
-
-    def zero_grad():
-        sdp.zero_grad()
-        opt.zero_grad()
-    return TrainingSetup(sdp, opt, _data_parallel_step(sdp, opt, zero_grad),
-                         _numel(model.parameters()))
-
-
-def setup_fsdp(cfg: GPTConfig, seed: int, offload: bool = False) -> TrainingSetup:
-    """Stage 3: FSDP with one unit per transformer Block. Memory 16Ψ/N (+ the unit being
-    computed); wire 3Ψ(N-1)/N elements per step."""
-    from shardkit.models import Block
-    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
-    from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
-    model = GPT(cfg, seed)
-    psi = _numel(model.parameters())
-    with enable_wrap(wrapper_cls=FSDP, move_params_to_cpu=offload):
-        model = auto_wrap(model, auto_wrap_policy=transformer_auto_wrap_policy({Block}))
-    fsdp = FSDP(model, move_params_to_cpu=offload)
-    opt = torch.optim.AdamW(fsdp.parameters(), lr=LEARNING_RATE)
-
-    def zero_grad():
-        fsdp.zero_grad()
-        opt.zero_grad()
-    return TrainingSetup(fsdp, opt, _data_parallel_step(fsdp, opt, zero_grad), psi)
-
-
-class Embeddings(nn.Module):
-    """The GPT's token + position embedding as one module (the first pipeline layer)."""
-
-    def __init__(self, tok: nn.Embedding, pos: nn.Embedding):
-        super().__init__()
-        self.tok, self.pos = tok, pos
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-
-
-def gpt_as_sequential(gpt: GPT) -> nn.Sequential:
-    """The GPT as an ``nn.Sequential`` (embeddings, blocks, final norm, head) sharing its
-    parameters, so a pipeline can split it."""
-    return nn.Sequential(Embeddings(gpt.tok_emb, gpt.pos_emb), *gpt.blocks, gpt.ln_f, gpt.head)
-
-
-def balance_by_params(pieces, stages: int) -> list[int]:
-    """Split ``pieces`` into ``stages`` contiguous non-empty runs of about equal parameters."""
-    if stages > len(pieces):
-        raise DemoError(f"a {stages}-stage pipeline needs at least {stages} layers; the model "
-                        f"has {len(pieces)} (use a smaller --world-size or a bigger --model)")
-    sizes = [_numel(p.parameters()) for p in pieces]
-    balance, start, total = [], 0, sum(sizes)
-    for stage in range(stages):
-        left_stages = stages - stage - 1
-        end, acc = start + 1, sizes[start]
-        target = total * (stage + 1) / stages
-        done_before = sum(sizes[:start])
-        while end < len(pieces) - left_stages and done_before + acc + sizes[end] / 2 <= target:
-            acc += sizes[end]
-            end += 1
-        if left_stages == 0:
-            end = len(pieces)
-        balance.append(end - start)
-        start = end
-    return balance
-
-
-def pipeline_chunks(global_batch: int, stages: int) -> int:
-    """Micro-batches per step: the largest divisor of the batch up to twice the stages."""
-    return max(c for c in range(1, min(global_batch, 2 * stages) + 1) if global_batch % c == 0)
-
-
-def setup_pipeline(cfg: GPTConfig, seed: int, global_batch: int) -> TrainingSetup:
-    """A world-size-stage 1F1B pipeline over the GPT's layers. Memory 16 bytes per parameter of
-    this rank's stage; wire: the boundary activations forward and their gradients backward."""
-    from shardkit import distributed
-    from shardkit.nn.pipe import PipelineStage, Schedule1F1B, split_sequential
-    rank, stages = distributed.get_rank(), distributed.get_world_size()
-    seq = gpt_as_sequential(GPT(cfg, seed))
-    part = split_sequential(seq, balance_by_params(list(seq), stages))[rank]
-    stage = PipelineStage(part, rank, stages)
-    schedule = Schedule1F1B(stage, pipeline_chunks(global_batch, stages), _cross_entropy)
-    opt = torch.optim.AdamW(part.parameters(), lr=LEARNING_RATE)
-
-    def step(idx, target):
-        opt.zero_grad()
-        inputs = (idx,) if rank == 0 else ()
-        loss = schedule.step(*inputs, target=target if rank == stages - 1 else None)
-        opt.step()
-        return None if loss is None else loss.detach()
-    return TrainingSetup(part, opt, step, _numel(part.parameters()))
-
-
-def _numel(params) -> int:
-    seen, total = set(), 0
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
-    return total
-
-
 def build_setup(name: str, cfg: GPTConfig, seed: int, global_batch: int) -> TrainingSetup:
-    """The :class:`TrainingSetup` of run ``name``."""
-    if name == "fsdp_offload":
-        return setup_fsdp(cfg, seed, offload=True)
+    """Model, wrap, optimizer: the :class:`TrainingSetup` of run ``name``."""
+    model = GPT(cfg, seed)
+    loss = token_cross_entropy
+    if name == "ddp":
+        return setup_ddp(model, loss, LEARNING_RATE)
+    if name == "oss":
+        return setup_oss(model, loss, LEARNING_RATE)
+    if name == "sharded_ddp":
+        return setup_sharded(model, loss, LEARNING_RATE)
+    if name in ("fsdp", "fsdp_offload"):
+        return setup_fsdp(model, loss, LEARNING_RATE, {Block}, offload=name == "fsdp_offload")
     if name == "pipeline":
-        return setup_pipeline(cfg, seed, global_batch)
-    return {"ddp": setup_ddp, "oss": setup_oss, "sharded_ddp": setup_sharded_ddp,
-            "fsdp": setup_fsdp}[name](cfg, seed)
+        chunks = pipeline_chunks(global_batch, distributed.get_world_size())
+        return setup_pipeline(gpt_as_sequential(model), loss, LEARNING_RATE, chunks)
+    raise DemoError(f"unknown run {name!r}; valid runs are {', '.join(RUN_BY_NAME)}")
 
 
 def reset_peak_rss() -> bool:
@@ -321,17 +161,13 @@ def train_and_measure(spec: RunSpec, cfg: GPTConfig, steps: int, global_batch: i
                       seed: int) -> dict:
     """Train run ``spec`` for ``steps`` steps on this rank and measure it; returns this rank's
     figures (the loss is the global-batch loss, the same on every rank)."""
-    from shardkit import distributed
-    from shardkit.models import synthetic_batch
-    from shardkit.utils.memory import model_state_bytes
-
     rank, world = distributed.get_rank(), distributed.get_world_size()
     gc.collect()
     rss_reset = reset_peak_rss()
     rss_at_start = peak_rss_bytes()
     setup = build_setup(spec.name, cfg, seed, global_batch)
-    local = global_batch if spec.stage is None else global_batch // world
-    lo = 0 if spec.stage is None else rank * local
+    local = global_batch // world if setup.data_parallel else global_batch
+    lo = rank * local if setup.data_parallel else 0
     losses, step_times, comm_bytes = [], [], []
     for step in range(steps):
         idx, target = synthetic_batch(cfg, global_batch, step)
@@ -351,7 +187,8 @@ def train_and_measure(spec: RunSpec, cfg: GPTConfig, steps: int, global_batch: i
     timed = step_times[1:] or step_times  # the first step pays one-off set-up costs
     figures = {"rank": rank, "model_state_bytes": memory, "params": setup.params,
                "peak_rss_bytes": peak_rss_bytes(), "rss_at_start_bytes": rss_at_start,
-               "peak_rss_scope": "run" if rss_reset else "process", "step_time_s": sum(timed) / len(timed),
+               "peak_rss_scope": "run" if rss_reset else "process",
+               "step_time_s": sum(timed) / len(timed),
                "comm_bytes_per_step": comm_bytes[-1], "losses": losses}
     del setup
     gc.collect()
@@ -360,7 +197,6 @@ def train_and_measure(spec: RunSpec, cfg: GPTConfig, steps: int, global_batch: i
 
 def _global_loss(loss, spec: RunSpec, world: int) -> float:
     """The global-batch loss on every rank (communication outside the counted step)."""
-    from shardkit import distributed
     if spec.stage is None:  # pipeline: the last stage has it
         box = torch.zeros(1) if loss is None else loss.reshape(1).float()
         distributed.broadcast(box, src=world - 1)
@@ -372,8 +208,6 @@ def _global_loss(loss, spec: RunSpec, world: int) -> float:
 
 def run_worker(args) -> int:
     """Body of each torchrun worker: every requested run in turn, results to ``--out``."""
-    from shardkit import distributed
-
     torch.set_num_threads(1)
     distributed.init_distributed(timeout_s=args.timeout)
     rank = distributed.get_rank()
@@ -617,8 +451,8 @@ def render_table(report: dict) -> str:
             f"{_mb(max(r['comm_bytes_per_step'])):>12}"
             f"{_mb(max(r['comm_formula_bytes_per_step'])):>12}{r['final_loss']:>12.6f}")
     lines.append("formulas (DESIGN.md, fp32 AdamW: W=G=4, K=8): stage 0 16Ψ, 1 8Ψ+8Ψ/N, "
-                 "2 4Ψ+12Ψ/N, 3 16Ψ/N; pipeline 16Ψ_stage. comm: 2Ψ(N-1)/N elements (stages 0, 2), "
-                 "3Ψ(N-1)/N (stage 1 under DDP: all-reduce + OSS broadcast; stage 3); pipeline: "
+                 "2 4Ψ+12Ψ/N, 3 16Ψ/N; pipeline 16Ψ_stage. comm: 2Ψ(N-1)/N elements "
+                 "(stages 0, 2), 3Ψ(N-1)/N (stage 1 under DDP: all-reduce + OSS broadcast; stage 3); pipeline: "
                  "boundary activations and their gradients")
     spread = report["final_loss_spread_data_parallel"]
     if spread is not None:

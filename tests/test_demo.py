@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shardkit import demo
+from shardkit import demo, recipes
 from shardkit.models import GPT
 
 
@@ -106,12 +106,12 @@ def test_command_line_refusal_has_no_traceback():
 
 
 def test_pipeline_balance_and_chunks():
-    assert demo.balance_by_params([_Sized(1), _Sized(1), _Sized(1), _Sized(1)], 2) == [2, 2]
-    assert demo.balance_by_params([_Sized(10), _Sized(1), _Sized(1), _Sized(10)], 2) == [2, 2]
-    assert sum(demo.balance_by_params([_Sized(5)] * 5, 4)) == 5
-    assert demo.pipeline_chunks(8, 2) == 4 and demo.pipeline_chunks(6, 4) == 6
-    with pytest.raises(demo.DemoError, match="needs at least 3 layers"):
-        demo.balance_by_params([_Sized(1), _Sized(1)], 3)
+    assert recipes.balance_by_params([_Sized(1), _Sized(1), _Sized(1), _Sized(1)], 2) == [2, 2]
+    assert recipes.balance_by_params([_Sized(10), _Sized(1), _Sized(1), _Sized(10)], 2) == [2, 2]
+    assert sum(recipes.balance_by_params([_Sized(5)] * 5, 4)) == 5
+    assert recipes.pipeline_chunks(8, 2) == 4 and recipes.pipeline_chunks(6, 4) == 6
+    with pytest.raises(ValueError, match="needs at least 3 layers"):
+        recipes.balance_by_params([_Sized(1), _Sized(1)], 3)
 
 
 class _Sized:
