@@ -1,0 +1,141 @@
+"""ShardedDataParallel: bad input rejected at wrap time before any collective, start-up and
+buffer broadcasts, and loss scaling with ShardedGradScaler across ranks."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardkit import distributed as skdist
+from shardkit.nn.data_parallel import ShardedDataParallel
+from shardkit.optim import OSS
+from shardkit.optim.grad_scaler import ShardedGradScaler
+from shardkit.testing import World
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+def _error_of(build) -> tuple:
+    """(exception type name, message, collectives issued while wrapping)."""
+    with skdist.CommCounter() as comm:
+        try:
+            build()
+        except (TypeError, ValueError) as e:
+            return type(e).__name__, str(e), len(comm.calls)
+    return None, "", len(comm.calls)
+
+
+def _check_bad_inputs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    stranger = nn.Linear(4, 4)
+    oss = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    oss_elsewhere = OSS(stranger.parameters(), optim=torch.optim.SGD, lr=0.1)
+    oss_partial = OSS(model[0].parameters(), optim=torch.optim.SGD, lr=0.1)
+    only_rank0 = skdist.new_group([0])
+    cases = {
+        "plain_optimizer": lambda: ShardedDataParallel(
+            model, torch.optim.SGD(model.parameters(), lr=0.1)),
+        "foreign_params": lambda: ShardedDataParallel(model, oss_elsewhere),
+        "other_group": lambda: ShardedDataParallel(model, oss, process_group=only_rank0),
+        "uncovered_trainable": lambda: ShardedDataParallel(model, oss_partial),
+        "bucket_size": lambda: ShardedDataParallel(model, oss, reduce_buffer_size=-1),
+        "reduce_fp16": lambda: ShardedDataParallel(model, oss, reduce_fp16="yes"),
+        "reduction": lambda: ShardedDataParallel(model, oss, reduction="all_reduce"),
+        "empty_list": lambda: ShardedDataParallel(model, []),
+        "not_a_module": lambda: ShardedDataParallel(lambda x: x, oss),
+    }
+    return {name: _error_of(build) for name, build in cases.items()}
+
+
+EXPECTED = {
+    "plain_optimizer": ("TypeError", "sharded_optimizer=<torch.optim.sgd.SGD>"),
+    "foreign_params": ("ValueError", "is not a parameter of the wrapped module"),
+    "other_group": ("ValueError", "optimizer's group has ranks [0, 1]"),
+    "uncovered_trainable": ("ValueError", "['1.weight', '1.bias']"),
+    "bucket_size": ("ValueError", "reduce_buffer_size=-1"),
+    "reduce_fp16": ("ValueError", "reduce_fp16='yes'"),
+    "reduction": ("ValueError", "reduction='all_reduce'"),
+    "empty_list": ("ValueError", "sharded_optimizer=[]"),
+    "not_a_module": ("TypeError", "expected an nn.Module"),
+}
+
+
+def test_bad_input_is_rejected_before_any_collective(world2):
+    for per_rank in world2.run(_check_bad_inputs):
+        for name, (kind, fragment) in EXPECTED.items():
+            got_kind, message, collectives = per_rank[name]
+            assert got_kind == kind, (name, got_kind, message)
+            assert fragment in message, (name, message)
+            assert collectives == 0, (name, collectives)
+
+
+class WithBuffer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("running", torch.zeros(3))
+
+    def forward(self, x):
+        return self.lin(x) + self.running
+
+
+def _check_broadcasts():
+    rank = skdist.get_rank()
+    out = {}
+    for sync, broadcast in ((True, True), (False, False)):
+        torch.manual_seed(rank)  # different weights on every rank
+        model = WithBuffer()
+        model.running.fill_(float(rank + 1))
+        oss = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+        wrapped = ShardedDataParallel(model, oss, broadcast_buffers=broadcast,
+                                      sync_models_at_startup=sync)
+        weights_at_wrap = skdist.all_gather_object(model.lin.weight.detach().clone())
+        model.running.fill_(float(10 + rank))
+        wrapped(torch.ones(1, 3))
+        out[sync] = dict(same_weights=torch.equal(*weights_at_wrap),
+                         buffer=model.running.tolist())
+    return out
+
+
+def test_startup_sync_and_buffer_broadcast(world2):
+    for rank, r in enumerate(world2.run(_check_broadcasts)):
+        assert r[True]["same_weights"] and r[True]["buffer"] == [10.0] * 3
+        assert not r[False]["same_weights"] and r[False]["buffer"] == [10.0 + rank] * 3
+
+
+def _check_scaler_with_sharded_grads():
+    """Only the owner sees a parameter's (reduced) gradient; an inf produced on one rank must
+    still make every rank skip, and a clean step must then update every rank alike."""
+    rank = skdist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    oss = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    wrapped = ShardedDataParallel(model, oss)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0 ** 10)
+    before = [p.detach().clone() for p in model.parameters()]
+    results = []
+    for poison in (True, False):
+        oss.zero_grad()
+        x = torch.ones(2, 4)
+        if poison and rank == 1:
+            x[0, 0] = float("inf")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = wrapped(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(oss)
+        scaler.update()
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        results.append((unchanged, scaler.get_scale()))
+    weights = skdist.all_gather_object([p.detach().clone() for p in model.parameters()])
+    same = all(torch.equal(a, b) for a, b in zip(*weights))
+    return results, same
+
+
+def test_grad_scaler_skips_on_every_rank_with_sharded_grads(world2):
+    for results, same_everywhere in world2.run(_check_scaler_with_sharded_grads):
+        assert results == [(True, 512.0), (False, 512.0)]
+        assert same_everywhere
