@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 
 import torch
 import torch.nn as nn
@@ -177,6 +178,13 @@ class TensorParallelGPT(nn.Sequential):
                          GPTHead(cfg, sequence_parallel))
         self.cfg = cfg
         self.sequence_parallel = sequence_parallel
+
+    def __getitem__(self, index):
+        """A layer, or for a slice a plain ``nn.Sequential`` of those layers under their
+        original names (a pipeline stage; shares the layers)."""
+        if isinstance(index, slice):
+            return nn.Sequential(OrderedDict(list(self.named_children())[index]))
+        return super().__getitem__(index)
 
     def loss(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over all tokens (same value on every tensor-parallel rank)."""
