@@ -117,6 +117,11 @@ class OSS(torch.optim.Optimizer):
         return self.partition.param_to_rank
 
     @property
+    def num_buckets(self) -> int:
+        """How many all-gathers one :meth:`step` issues to re-sync the parameters."""
+        return sum(len(buckets) for buckets in self._buckets)
+
+    @property
     def state(self):
         """The local shard's optimizer state (what this rank really holds)."""
         local = self.__dict__.get("optim")

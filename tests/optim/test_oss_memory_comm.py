@@ -1,0 +1,123 @@
+"""OSS memory and communication on the reference GPT, measured rather than assumed.
+
+- optimizer-state bytes per rank (``model_state_bytes``) <= total / N + the largest parameter's
+  state, and the shards add up to the unsharded total;
+- parameter storage is not duplicated by the flat sync buffers (padding only);
+- the re-sync of one step puts <= 1.05 x Ψ(N-1)/N x 4 bytes on the wire (``CommCounter``), half
+  of that with ``broadcast_fp16``, with one all-gather per bucket and nothing else.
+"""
+
+import pytest
+import torch
+
+from shardkit import distributed
+from shardkit.optim import OSS
+from shardkit.testing import GPT, World, reference_gpt_config
+from shardkit.utils.memory import model_state_bytes
+
+ADAM_STEP_BYTES = 4  # torch keeps AdamW's per-parameter step count as a 0-dim fp32 tensor
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with World(4) as w:
+        yield w
+
+
+def _seeded_grads(model, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+
+
+def _checksum(model) -> float:
+    return float(sum(p.double().sum().item() * (i + 1) for i, p in enumerate(model.parameters())))
+
+
+def _wire(model, opt, seed):
+    with distributed.CommCounter() as comm:
+        _seeded_grads(model, seed)
+        opt.step()
+    return {"wire_bytes": comm.bytes, "calls": comm.calls_by_op,
+            "dtypes": sorted({str(r.dtype) for r in comm.calls}), "num_buckets": opt.num_buckets}
+
+
+def _measure_both():
+    """One reference GPT: memory after an AdamW step, then the wire bytes of a step in fp32 and
+    (a second OSS over the same model) with broadcast_fp16."""
+    model = GPT(reference_gpt_config(), seed=0)
+    numels = [p.numel() for p in model.parameters()]
+    psi = sum(numels)
+    common = {"psi": psi, "num_params": len(numels)}
+    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-3)
+    _seeded_grads(model, 0)
+    opt.step()
+    mem = model_state_bytes(model, opt)
+    fp32 = {**common, **_wire(model, opt, 1),
+            "optimizer_bytes": mem.optimizer, "param_bytes": mem.params,
+            "plain_param_bytes": 4 * psi,
+            "total_state_bytes": sum(8 * n + ADAM_STEP_BYTES for n in numels),
+            "largest_state_bytes": 8 * max(numels) + ADAM_STEP_BYTES}
+    # A parameter whose storage was replaced behind OSS's back is re-bound, not lost.
+    first = next(model.parameters())
+    first.data = first.data.clone()
+    _seeded_grads(model, 2)
+    opt.step()
+    fp32["checksum"] = _checksum(model)
+    del opt
+    half = OSS(model.parameters(), optim=torch.optim.SGD, lr=1e-3, broadcast_fp16=True)
+    return {"fp32": fp32, "fp16": {**common, **_wire(model, half, 3)}}
+
+
+@pytest.fixture(scope="module")
+def measured(world2, world4):
+    return {2: world2.run(_measure_both), 4: world4.run(_measure_both)}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_optimizer_state_is_sharded(measured, n):
+    per_rank = [r["fp32"] for r in measured[n]]
+    total = per_rank[0]["total_state_bytes"]
+    bound = total / n + per_rank[0]["largest_state_bytes"]
+    for rank, r in enumerate(per_rank):
+        assert r["optimizer_bytes"] <= bound, (
+            f"rank {rank}: {r['optimizer_bytes']} B of optimizer state > {bound:.0f} B "
+            f"(total {total} / {n} + the largest parameter's state)")
+    assert sum(r["optimizer_bytes"] for r in per_rank) == total  # every state held exactly once
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_parameters_are_not_duplicated(measured, n):
+    for r in (x["fp32"] for x in measured[n]):
+        assert r["param_bytes"] <= 1.01 * r["plain_param_bytes"]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_sync_volume_fp32(measured, n):
+    for r in (x["fp32"] for x in measured[n]):
+        ideal = r["psi"] * (n - 1) / n * 4
+        assert r["wire_bytes"] <= 1.05 * ideal, f"{r['wire_bytes']:.0f} B > 1.05 x {ideal:.0f} B"
+        assert r["wire_bytes"] >= ideal  # everything really is sent
+        assert r["calls"] == {"all_gather": r["num_buckets"]}  # one collective per bucket
+        assert r["num_buckets"] < r["num_params"] / 10
+        assert r["dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_sync_volume_halves_with_broadcast_fp16(measured, n):
+    for r in (x["fp16"] for x in measured[n]):
+        ideal = r["psi"] * (n - 1) / n * 2
+        assert ideal <= r["wire_bytes"] <= 1.05 * ideal
+        assert r["calls"] == {"all_gather": r["num_buckets"]}
+        assert r["dtypes"] == ["torch.float16"]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_rank_ends_with_the_same_parameters(measured, n):
+    assert len({r["fp32"]["checksum"] for r in measured[n]}) == 1
