@@ -1,0 +1,221 @@
+"""Multi-process pipeline: GPipe and 1F1B match single-process training; memory; bytes; errors."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardkit import distributed as dist
+from shardkit.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe, split_sequential
+from shardkit.testing import World
+
+WIDTH, BATCH, STEPS = 16, 16, 10
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with World(4) as w:
+        yield w
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(WIDTH, 4))
+
+
+def _batch(step, batch=BATCH):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(batch, WIDTH, generator=g), torch.randn(batch, 4, generator=g)
+
+
+def _reference(steps, batch=BATCH):
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(step, batch)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def _balance(num_stages):
+    return {2: [5, 4], 4: [2, 2, 2, 3]}[num_stages]
+
+
+def _train_pipeline(schedule_cls, stage, chunks, steps, rows=slice(None)):
+    schedule = schedule_cls(stage, chunks, nn.functional.mse_loss)
+    opt = torch.optim.Adam(stage.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(step)
+        opt.zero_grad()
+        loss = schedule.step(x[rows], target=y[rows])
+        opt.step()
+        losses.append(None if loss is None else loss.item())
+    return losses, schedule
+
+
+def _max_param_diff(stage_module, ref_stage_module):
+    return max((a - b).abs().max().item()
+               for a, b in zip(stage_module.parameters(), ref_stage_module.parameters()))
+
+
+def _check_parity(chunks):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref_model, ref_losses = _reference(STEPS)
+    ref_stage = split_sequential(ref_model, _balance(world))[rank]
+    out = {}
+    for schedule_cls in (ScheduleGPipe, Schedule1F1B):
+        module = split_sequential(_model(), _balance(world))[rank]
+        stage = PipelineStage(module, rank, world)
+        losses, _ = _train_pipeline(schedule_cls, stage, chunks, STEPS)
+        loss_diff = (max(abs(a - b) for a, b in zip(losses, ref_losses))
+                     if stage.is_last else None)
+        out[schedule_cls.__name__] = (loss_diff, _max_param_diff(module, ref_stage),
+                                      all(v is None for v in losses) != stage.is_last)
+    return out
+
+
+@pytest.mark.parametrize("world_name", ["world2", "world4"])
+def test_schedules_match_single_process_training(world_name, request):
+    world = request.getfixturevalue(world_name)
+    results = world.run(_check_parity, 4)
+    for rank, per_schedule in enumerate(results):
+        for name, (loss_diff, param_diff, returns_only_on_last) in per_schedule.items():
+            assert returns_only_on_last, (rank, name)
+            assert param_diff <= 1e-5, (rank, name, param_diff)
+            if rank == len(results) - 1:
+                assert loss_diff <= 1e-5, (name, loss_diff)
+
+
+def _check_two_stages_two_data_parallel():
+    rank = dist.get_rank()
+    pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pipeline, stage_index = rank // 2, rank % 2
+    ref_model, ref_losses = _reference(STEPS)
+    ref_stage = split_sequential(ref_model, [5, 4])[stage_index]
+    module = split_sequential(_model(), [5, 4])[stage_index]
+    stage = PipelineStage(module, stage_index, 2, group=pipelines[pipeline],
+                          data_parallel_group=replicas[stage_index])
+    half = slice(pipeline * BATCH // 2, (pipeline + 1) * BATCH // 2)  # each pipeline: half batch
+    with dist.CommCounter() as comm:
+        losses, _ = _train_pipeline(Schedule1F1B, stage, 2, STEPS, rows=half)
+    grad_bytes = sum(p.numel() * 4 for p in module.parameters())
+    reduce_bytes = comm.by_op.get("all_reduce", 0) / STEPS
+    return _max_param_diff(module, ref_stage), losses, ref_losses, reduce_bytes, grad_bytes
+
+
+def test_two_stages_times_two_data_parallel(world4):
+    results = world4.run(_check_two_stages_two_data_parallel)
+    for rank, (param_diff, losses, ref_losses, reduce_bytes, grad_bytes) in enumerate(results):
+        assert param_diff <= 1e-5, (rank, param_diff)
+        assert reduce_bytes == pytest.approx(2 * (2 - 1) / 2 * grad_bytes)  # one flat all-reduce
+    # the two pipelines' half-batch losses average to the full-batch loss
+    last0, last1 = results[1][1], results[3][1]
+    for a, b, ref in zip(last0, last1, results[1][2]):
+        assert (a + b) / 2 == pytest.approx(ref, abs=1e-5)
+
+
+def _check_memory_and_bytes():
+    rank = dist.get_rank()
+    chunks, rows = 8, 64
+    out = {}
+    for schedule_cls in (ScheduleGPipe, Schedule1F1B):
+        module = split_sequential(_model(), _balance(2))[rank]
+        stage = PipelineStage(module, rank, 2)
+        schedule = schedule_cls(stage, chunks, nn.functional.mse_loss,
+                                track_activation_memory=True)
+        x, y = _batch(0, rows)
+        schedule.step(x, target=y)  # first step also sends the shape headers
+        with dist.CommCounter() as comm:
+            schedule.step(x, target=y)
+        out[schedule_cls.__name__] = (schedule.peak_live_microbatches,
+                                      schedule.activation_memory.peak_bytes,
+                                      schedule.activation_memory.current_bytes,
+                                      comm.by_op.get("send", 0), comm.calls_by_op.get("send", 0))
+    return out
+
+
+def test_1f1b_keeps_at_most_num_stages_microbatches_alive(world2):
+    results = world2.run(_check_memory_and_bytes)
+    for rank, r in enumerate(results):
+        gpipe_live, gpipe_bytes, gpipe_left, _, _ = r["ScheduleGPipe"]
+        ofob_live, ofob_bytes, ofob_left, _, _ = r["Schedule1F1B"]
+        assert gpipe_live == 8  # GPipe holds all 8 micro-batches
+        assert ofob_live == 2 - rank  # 1F1B: num_stages - stage_index
+        per_microbatch = gpipe_bytes / 8
+        assert per_microbatch > 0
+        assert ofob_bytes <= (2 - rank) * per_microbatch * 1.01  # at most the 2-micro-batch level
+        assert gpipe_left == 0 and ofob_left == 0  # everything released by backward
+    # bytes on the wire per step: each stage sends one activation (or its gradient) per
+    # micro-batch: 64 rows x 16 features x 4 bytes in all, no shape headers after the first step
+    for name in ("ScheduleGPipe", "Schedule1F1B"):
+        for rank in range(2):
+            _, _, _, send_bytes, send_calls = results[rank][name]
+            assert send_bytes == 64 * WIDTH * 4 and send_calls == 8
+
+
+def _mismatched_stage_counts():
+    rank = dist.get_rank()
+    try:
+        PipelineStage(nn.Linear(2, 2), rank, 2 + rank)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def _bad_steps():
+    rank = dist.get_rank()
+    messages = []
+    module = split_sequential(_model(), _balance(2))[rank]
+    stage = PipelineStage(module, rank, 2)
+    x, y = _batch(0, 4)
+    for schedule, kwargs in ((ScheduleGPipe(stage, 8, nn.functional.mse_loss), {"target": y}),
+                             (ScheduleGPipe(stage, 2, nn.functional.mse_loss), {}),
+                             ((ScheduleGPipe if rank == 0 else Schedule1F1B)(
+                                 stage, 2, nn.functional.mse_loss), {"target": y})):
+        try:
+            schedule.step(x, **kwargs)
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    # the pipeline still works afterwards: nothing was half-sent
+    loss = ScheduleGPipe(stage, 2, nn.functional.mse_loss).step(x, target=y)
+    messages.append(loss is not None)
+    return messages
+
+
+def test_bad_input_raises_the_same_clear_error_on_every_rank(world2):
+    errors = world2.run(_mismatched_stage_counts)
+    for message in errors:
+        assert "group rank 1: num_stages=3 but the pipeline group has 2 ranks" in message
+    chunk_error, target_error, schedule_error, works = zip(*world2.run(_bad_steps))
+    assert all("chunks=8 is larger than the batch size 4" in m for m in chunk_error)
+    assert all("the last stage needs the target" in m for m in target_error)
+    assert all("stage 0 runs ScheduleGPipe(chunks=2), stage 1 runs Schedule1F1B(chunks=2)" in m
+               for m in schedule_error)
+    assert works == (False, True)  # the loss comes back on the last stage only
+
+
+def test_split_sequential_bad_balance():
+    with pytest.raises(ValueError, match=r"balance=\[4, 4\].*sum to 8.*9 layers"):
+        split_sequential(_model(), [4, 4])
+    with pytest.raises(TypeError, match=r"module=Linear"):
+        split_sequential(nn.Linear(2, 2), [1])
+    stages = split_sequential(_model(), [5, 4])
+    assert [len(s) for s in stages] == [5, 4] and list(stages[1].state_dict())[0] == "6.weight"
