@@ -5,14 +5,22 @@ Imported only by the ``triton_*`` kernel modules (lazily, after ``TRITON_INTERPR
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["TL_DTYPES", "cast_to"]
+__all__ = ["TL_DTYPES", "cast_to", "interpreter_block"]
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
              torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}
+
+
+def interpreter_block(block: int) -> int:
+    """``block`` on a GPU; 16x larger under ``TRITON_INTERPRET=1``, where each program costs
+    milliseconds of Python whatever its size (the kernels are written for any block size)."""
+    return block * 16 if os.environ.get("TRITON_INTERPRET") == "1" else block
 
 
 @triton.jit

@@ -26,11 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from shardkit.kernels.triton_common import TL_DTYPES, cast_to
+from shardkit.kernels.triton_common import TL_DTYPES, cast_to, interpreter_block
 
 __all__ = ["adamw", "adamw_many", "sgd", "BLOCK"]
 
-BLOCK = 1024
+BLOCK = interpreter_block(1024)
 
 
 
@@ -58,10 +58,9 @@ def _adamw_math(p, g, m, v, vmax, step_size, bc2_sqrt, lr, beta1, beta2, eps, we
 @triton.jit
 def _live_mask(offs, n, found_inf_ptr, HAS_INF: tl.constexpr):
     """Elements to touch: in range, and none at all when ``found_inf`` is set."""
-    mask = offs < n
     if HAS_INF:
-        mask = mask & (tl.load(found_inf_ptr) == 0)
-    return mask
+        n = tl.where(tl.load(found_inf_ptr) == 0, n, 0)
+    return offs < n
 
 
 @triton.jit

@@ -19,11 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from shardkit.kernels.triton_common import TL_DTYPES, cast_to
+from shardkit.kernels.triton_common import TL_DTYPES, cast_to, interpreter_block
 
 __all__ = ["pack", "unpack", "BLOCK"]
 
-BLOCK = 1024
+BLOCK = interpreter_block(1024)
 
 
 # table columns

@@ -1,0 +1,20 @@
+"""Kernel tests run the Triton code on CPU through Triton's interpreter.
+
+Triton reads ``TRITON_INTERPRET`` when a ``@triton.jit`` function is created, so it is set here,
+before any test module imports ``shardkit.kernels.triton_*`` (the dispatch imports them lazily).
+"""
+
+import os
+
+import pytest
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+BACKENDS = ("triton", "torch")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, monkeypatch):
+    """Run the test once with the Triton kernels (interpreted) and once with the CPU path."""
+    monkeypatch.setenv("SHARDKIT_KERNELS", request.param)
+    return request.param

@@ -1,0 +1,168 @@
+"""The fused optimizer steps (Triton kernels under the interpreter, and the CPU path) against a
+plain-torch reference written from the update rules of torch.optim.AdamW / torch.optim.SGD."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shardkit.kernels import adamw_step, adamw_step_many, sgd_step
+from shardkit.kernels.triton_optim import BLOCK
+
+SETTINGS = settings(max_examples=12, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+# sizes: mostly small, plus block boundaries and the top of the range
+SIZES = st.one_of(st.integers(1, 3000),
+                  st.sampled_from([1023, 1025, BLOCK - 1, BLOCK, BLOCK + 1, 100_000]))
+GRAD_DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
+
+
+def reference_adamw(p, m, v, vmax, *, g, step, lr, beta1, beta2, eps, weight_decay, maximize,
+                    amsgrad, decoupled):
+    """One Adam(W) step in float64, in plain torch ops; returns new (p, m, v, vmax)."""
+    p, g, m, v = p.double(), g.double(), m.double(), v.double()
+    if maximize:
+        g = -g
+    if decoupled:
+        p = p * (1 - lr * weight_decay)
+    else:
+        g = g + weight_decay * p
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    if amsgrad:
+        vmax = torch.maximum(vmax.double(), v)
+    second = vmax if amsgrad else v
+    denom = second.sqrt() / math.sqrt(1 - beta2 ** step) + eps
+    p = p - lr / (1 - beta1 ** step) * m / denom
+    return p, m, v, vmax
+
+
+def assert_close(actual, expected, what):
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=1e-6, atol=1e-6,
+                               msg=lambda m: f"{what}: {m}")
+
+
+ADAM_HYPER = st.fixed_dictionaries(dict(
+    lr=st.floats(0.0, 0.1), beta1=st.floats(0.0, 0.99), beta2=st.floats(0.9, 0.9999),
+    eps=st.floats(1e-8, 1e-3), weight_decay=st.floats(0.0, 0.2), maximize=st.booleans(),
+    amsgrad=st.booleans(), decoupled=st.booleans()))
+
+
+@SETTINGS
+@given(n=SIZES, grad_dtype=GRAD_DTYPES, hyper=ADAM_HYPER, first_step=st.integers(1, 50),
+       scaled=st.booleans(), low_precision=st.sampled_from([None, torch.bfloat16,
+                                                            torch.float16]),
+       seed=st.integers(0, 2**16))
+def test_adamw_step_matches_reference(backend, n, grad_dtype, hyper, first_step, scaled,
+                                      low_precision, seed):
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    m = torch.randn(n, generator=gen) * 0.1
+    v = torch.rand(n, generator=gen) * 0.01
+    vmax = v + torch.rand(n, generator=gen) * 0.01 if hyper["amsgrad"] else None
+    lp = torch.empty(n, dtype=low_precision) if low_precision else None
+    scale = torch.tensor(1024.0) if scaled else None
+    ref = (p.clone(), m.clone(), v.clone(), vmax.clone() if vmax is not None else None)
+    for step in range(first_step, first_step + 3):
+        true_grad = torch.randn(n, generator=gen).to(grad_dtype)
+        grad = true_grad * 1024 if scaled else true_grad.clone()
+        adamw_step(p, grad, m, v, step=step, max_exp_avg_sq=vmax, grad_scale=scale,
+                   found_inf=torch.tensor(0.0) if scaled else None, low_precision_out=lp,
+                   **hyper)
+        ref = reference_adamw(*ref, g=true_grad, step=step, **hyper)
+        if scaled:
+            assert torch.equal(grad, true_grad), "grad must hold the unscaled gradient"
+    for actual, expected, what in zip((p, m, v, vmax), ref, ("param", "exp_avg", "exp_avg_sq",
+                                                             "max_exp_avg_sq")):
+        if actual is not None:
+            assert_close(actual, expected, what)
+    if lp is not None:
+        assert torch.equal(lp, p.to(low_precision)), "low_precision_out must be the cast param"
+
+
+@SETTINGS
+@given(n=SIZES, amsgrad=st.booleans(), seed=st.integers(0, 2**16))
+def test_found_inf_skips_everything(backend, n, amsgrad, seed):
+    gen = torch.Generator().manual_seed(seed)
+    bufs = [torch.randn(n, generator=gen).abs() for _ in range(5)]
+    lp = torch.zeros(n, dtype=torch.bfloat16)
+    before = [b.clone() for b in bufs] + [lp.clone()]
+    p, g, m, v, vmax = bufs
+    adamw_step(p, g, m, v, step=3, lr=0.1, amsgrad=amsgrad, max_exp_avg_sq=vmax,
+               grad_scale=torch.tensor(8.0), found_inf=torch.tensor(1.0), low_precision_out=lp)
+    for b, old in zip(bufs + [lp], before):
+        assert torch.equal(b, old)
+
+
+@SETTINGS
+@given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=5), grad_dtype=GRAD_DTYPES,
+       hyper=ADAM_HYPER, seed=st.integers(0, 2**16))
+def test_adamw_step_many_matches_flat_reference(backend, sizes, grad_dtype, hyper, seed):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=gen) for s in sizes]
+    exp_avgs = [torch.zeros(s) for s in sizes]
+    exp_avg_sqs = [torch.zeros(s) for s in sizes]
+    maxes = [torch.zeros(s) for s in sizes] if hyper["amsgrad"] else None
+    refs = [(p.clone(), torch.zeros(s), torch.zeros(s), torch.zeros(s)) for p, s in
+            zip(params, sizes)]
+    for round_ in range(3):
+        grads = [torch.randn(s, generator=gen).to(grad_dtype) for s in sizes]
+        steps = [round_ + 1 + i for i in range(len(sizes))]  # tensors may be at different steps
+        adamw_step_many(params, grads, exp_avgs, exp_avg_sqs, steps=steps,
+                        max_exp_avg_sqs=maxes, **hyper)
+        refs = [reference_adamw(*r, g=g, step=s, **hyper) for r, g, s in zip(refs, grads, steps)]
+    for i, (p, m, ref) in enumerate(zip(params, exp_avgs, refs)):
+        assert_close(p, ref[0], f"param {i}")
+        assert_close(m, ref[1], f"exp_avg {i}")
+
+
+def reference_sgd(p, g, buf, *, lr, momentum, dampening, weight_decay, nesterov, maximize,
+                  first_step):
+    p, g = p.double(), g.double()
+    g = -g if maximize else g
+    g = g + weight_decay * p
+    if momentum:
+        buf = g.clone() if first_step else momentum * buf.double() + (1 - dampening) * g
+        g = g + momentum * buf if nesterov else buf
+    return p - lr * g, buf
+
+
+@SETTINGS
+@given(n=SIZES, grad_dtype=GRAD_DTYPES, lr=st.floats(0.0, 0.5), momentum=st.floats(0.0, 0.99),
+       dampening=st.floats(0.0, 0.5), weight_decay=st.floats(0.0, 0.1), nesterov=st.booleans(),
+       maximize=st.booleans(), scaled=st.booleans(), seed=st.integers(0, 2**16))
+def test_sgd_step_matches_reference(backend, n, grad_dtype, lr, momentum, dampening,
+                                    weight_decay, nesterov, maximize, scaled, seed):
+    if nesterov:
+        momentum, dampening = max(momentum, 0.1), 0.0
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    buf = torch.empty(n) if momentum else None
+    hyper = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                 nesterov=nesterov, maximize=maximize)
+    ref_p, ref_buf = p.clone(), None
+    for i in range(3):
+        true_grad = torch.randn(n, generator=gen).to(grad_dtype)
+        grad = true_grad * 64 if scaled else true_grad.clone()
+        sgd_step(p, grad, buf, first_step=i == 0, grad_scale=torch.tensor(64.0) if scaled
+                 else None, **hyper)
+        ref_p, ref_buf = reference_sgd(ref_p, true_grad, ref_buf, first_step=i == 0, **hyper)
+    assert_close(p, ref_p, "param")
+    if momentum:
+        assert_close(buf, ref_buf, "momentum_buffer")
+
+
+def test_sgd_found_inf_skips(backend):
+    p, g, buf = torch.randn(2000), torch.randn(2000), torch.randn(2000)
+    before = [p.clone(), g.clone(), buf.clone()]
+    sgd_step(p, g, buf, lr=0.1, momentum=0.9, grad_scale=torch.tensor(4.0),
+             found_inf=torch.tensor(1.0))
+    assert all(torch.equal(a, b) for a, b in zip((p, g, buf), before))
+
+
+def test_empty_buffers_are_a_no_op(backend):
+    e = torch.empty(0)
+    adamw_step(e, e.clone(), e.clone(), e.clone(), step=1, lr=0.1)
+    sgd_step(e, e.clone(), e.clone(), lr=0.1, momentum=0.9)
