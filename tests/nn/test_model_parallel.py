@@ -4,6 +4,8 @@ Every layer is checked against the unsplit torch layer built from the same maste
 output and all gradients at tensor-parallel size 2 and 4 (max abs diff <= 1e-5).
 """
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -482,7 +484,9 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=LR, momentum=0.9)
 
 
+@functools.lru_cache(maxsize=None)  # ranks live across tests: train the reference once
 def _reference_run(steps=STEPS):
+    """The single-process oracle (read-only for callers)."""
     ref = GPT(GPT_CFG, seed=0)
     opt = _sgd(ref.parameters())
     losses = []
