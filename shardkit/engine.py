@@ -305,11 +305,9 @@ class ShardedEngine(nn.Module):
 
     def _optimizer_step(self) -> None:
         overflow = self._agreed_overflow() if self.loss_scaler is not None else False
+        scale_before = self.loss_scale
         if overflow:
             self.skipped_steps += 1
-            if distributed.get_rank() == 0:
-                logger.info("step %d: fp16 gradients overflowed at loss scale %g; step skipped",
-                            self.global_steps + 1, self.loss_scale)
         else:
             if self.loss_scaler is not None and self.loss_scale != 1.0:
                 self._unscale_gradients(1.0 / self.loss_scale)
@@ -320,6 +318,9 @@ class ShardedEngine(nn.Module):
                 self.lr_scheduler.step()
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)
+        if overflow and distributed.get_rank() == 0:
+            logger.info("step %d: fp16 gradients overflowed; step skipped, loss scale %g -> %g",
+                        self.global_steps + 1, scale_before, self.loss_scale)
         self.zero_grad()
 
     def _local_gradients(self) -> list[torch.Tensor]:

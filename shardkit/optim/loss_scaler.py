@@ -98,7 +98,7 @@ class DynamicLossScaler:
     def _on_overflow(self) -> None:
         if self.cur_hysteresis > 1:
             self.cur_hysteresis -= 1
-            logger.info("loss scaler: overflow, skipping step; scale stays %g, hysteresis now %d",
+            logger.debug("loss scaler: overflow; scale stays %g, hysteresis now %d",
                         self.cur_scale, self.cur_hysteresis)
             return
         if self.cur_scale <= self.min_scale:
@@ -111,7 +111,7 @@ class DynamicLossScaler:
                            self.min_scale)
             return
         new_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
-        logger.info("loss scaler: overflow, skipping step; scale %g -> %g",
+        logger.debug("loss scaler: overflow; scale %g -> %g",
                     self.cur_scale, new_scale)
         self.cur_scale = new_scale
 

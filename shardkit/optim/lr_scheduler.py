@@ -138,8 +138,9 @@ class WarmupDecayLR(WarmupLR):
 
     After warm-up the lr is ``min + (max - min) * g`` with
     ``g = (total_num_steps - i) / (total_num_steps - warmup_num_steps)`` floored at 0, so it
-    reaches ``warmup_min_lr`` at ``total_num_steps`` and stays there. Args as :class:`WarmupLR` plus ``total_num_steps`` (>= 1). Memory: two floats
-    per param group. Communication: none.
+    reaches ``warmup_min_lr`` at ``total_num_steps`` and stays there. Args as
+    :class:`WarmupLR` plus ``total_num_steps`` (>= 1). Memory: two floats per param group.
+    Communication: none.
     """
 
     def __init__(self, optimizer, total_num_steps: int,

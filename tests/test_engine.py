@@ -1,0 +1,295 @@
+"""shardkit.initialize: every ZeRO stage against single-process training and the same wrappers
+composed by hand; fp16 dynamic loss scaling; bad configs fail on every rank, before any traffic.
+
+All bodies run in one world of 2 gloo ranks.
+"""
+
+import contextlib
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardkit
+from shardkit import distributed
+from shardkit.config import ConfigError
+from shardkit.models import GPT, Block, GPTConfig, synthetic_batch
+from shardkit.testing import World
+
+TINY = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=8)
+# Note: eps 1e-6, not AdamW's 1e-8. The key bias of attention has an exactly-zero true gradient
+# (softmax ignores a shift of every score), so its gradient is pure fp32 rounding noise, which
+# AdamW with eps 1e-8 turns into +-lr steps: even one process summing the batch in 8 chunks
+# instead of 1 drifts by 1e-4 in 10 steps. eps 1e-6 keeps that noise below 2e-6.
+LR, WD, EPS, CLIP = 3e-3, 0.01, 1e-6, 0.05
+MICRO, GAS = 2, 4
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+def _config(stage, **extra):
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
+            "gradient_clipping": CLIP, "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD, "eps": EPS}},
+            "zero_optimization": {"stage": stage}, **extra}
+
+
+def _lm_loss(logits, target):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _micro_batches(step, rank, world):
+    """This rank's GAS micro-batches of the global batch of ``step``."""
+    idx, tgt = synthetic_batch(TINY, MICRO * GAS * world, step)
+    per_rank = MICRO * GAS
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    return list(zip(idx[mine].split(MICRO), tgt[mine].split(MICRO)))
+
+
+# ----------------------------------------------------------------------------- hand-composed
+
+
+def _hand_composed(stage, model):
+    """The same wrappers as the stage plan, composed by hand (what a FairScale user writes)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    if stage == 0:
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+        return ddp, opt, ddp.no_sync, lambda: torch.nn.utils.clip_grad_norm_(
+            model.parameters(), CLIP)
+    from shardkit.optim import OSS
+    if stage in (1, 2):
+        oss = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
+        if stage == 1:
+            wrapped = DDP(model)
+        else:
+            from shardkit.nn.data_parallel import ShardedDataParallel
+            wrapped = ShardedDataParallel(model, oss)
+        return wrapped, oss, wrapped.no_sync, lambda: oss.clip_grad_norm(CLIP)
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
+    fsdp = FSDP(auto_wrap(model, auto_wrap_policy=transformer_auto_wrap_policy({Block})))
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+    return fsdp, opt, fsdp.no_sync, lambda: fsdp.clip_grad_norm_(CLIP)
+
+
+def _full_params(stage, wrapped, module):
+    if stage == 3:
+        return {k: v.clone() for k, v in wrapped.state_dict().items()}
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def _parity(stage):
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    engine, optimizer, _, _ = shardkit.initialize(model=GPT(TINY, seed=0), config=_config(stage))
+    assert engine.zero_stage == stage and engine.gradient_accumulation_steps == GAS
+    assert engine.train_batch_size == MICRO * GAS * world
+
+    hand_model = GPT(TINY, seed=0)
+    hand, hand_opt, hand_no_sync, hand_clip = _hand_composed(stage, hand_model)
+
+    oracle = GPT(TINY, seed=0)
+    oracle_opt = torch.optim.AdamW(oracle.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+
+    vs_oracle, vs_hand, boundaries = [], [], []
+    for step in range(STEPS):
+        idx, tgt = synthetic_batch(TINY, MICRO * GAS * world, step)
+        oracle.loss(idx, tgt).backward()
+        torch.nn.utils.clip_grad_norm_(oracle.parameters(), CLIP)
+        oracle_opt.step()
+        oracle_opt.zero_grad()
+
+        for m, (x, y) in enumerate(_micro_batches(step, rank, world)):
+            boundaries.append(engine.is_gradient_accumulation_boundary())
+            engine.backward(_lm_loss(engine(x), y))
+            engine.step()
+
+            sync = contextlib.nullcontext() if m == GAS - 1 else hand_no_sync()
+            with sync:
+                (_lm_loss(hand(x), y) / GAS).backward()
+        hand_clip()
+        hand_opt.step()
+        hand_opt.zero_grad()
+
+        got = _full_params(stage, engine.wrapped, engine.module)
+        vs_oracle.append(_max_diff(got, oracle.state_dict()))
+        vs_hand.append(_max_diff(got, _full_params(stage, hand, hand_model)))
+    return {"vs_oracle": vs_oracle, "vs_hand": vs_hand, "global_steps": engine.global_steps,
+            "boundaries": boundaries[:GAS], "optimizer": type(optimizer).__name__}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_stage_matches_single_process_and_hand_composed(world2, stage):
+    results = world2.run(_parity, stage)
+    for r in results:
+        assert r["global_steps"] == STEPS
+        assert r["boundaries"] == [False] * (GAS - 1) + [True]
+        assert max(r["vs_oracle"]) <= 1e-5, r["vs_oracle"]
+        assert max(r["vs_hand"]) <= 1e-6, r["vs_hand"]
+    assert results[0]["optimizer"] == ("OSS" if stage in (1, 2) else "AdamW")
+
+
+# ----------------------------------------------------------------------------- fp16
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _fp16_dynamic(stage):
+    rank = distributed.get_rank()
+    records = _Records()
+    log = logging.getLogger("shardkit")
+    log.addHandler(records)
+    log.setLevel(logging.INFO)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(10, 10)
+        config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8,
+                  "steps_per_print": 10,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+                  "zero_optimization": {"stage": stage},
+                  "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 32,
+                           "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}}
+        engine, _, _, _ = shardkit.initialize(model=model, config=config)
+        gen = torch.Generator().manual_seed(7)
+        target_map = torch.randn(10, 10, generator=gen)
+        losses, scales = [], []
+        for step in range(40):
+            x = torch.randn(16, 10, generator=gen)[rank * 8:(rank + 1) * 8]
+            loss = F.mse_loss(engine(x).float(), x @ target_map)
+            engine.backward(loss)
+            scales.append(engine.loss_scale)
+            engine.step()
+            losses.append(loss.item())
+        master_dtype = next(engine.module.parameters()).dtype
+    finally:
+        log.removeHandler(records)
+    return {"losses": losses, "scales": scales, "skipped": engine.skipped_steps,
+            "final_scale": engine.loss_scale, "log": records.messages,
+            "master_dtype": str(master_dtype)}
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_fp16_dynamic_scaling_skips_then_trains(world2, stage):
+    results = world2.run(_fp16_dynamic, stage)
+    r0 = results[0]
+    assert r0["master_dtype"] == "torch.float32"
+    assert len({r["skipped"] for r in results}) == 1  # the skip decision is collective
+    # Hysteresis 2: the first overflow keeps 2**32, the second halves it.
+    assert r0["scales"][:3] == [2.0 ** 32, 2.0 ** 32, 2.0 ** 31]
+    assert r0["skipped"] >= 3 and r0["final_scale"] < 2.0 ** 32
+    overflow_lines = [m for m in r0["log"] if "overflowed" in m]
+    assert len(overflow_lines) == r0["skipped"]
+    assert not any("overflowed" in m for m in results[1]["log"])  # rank 0 logs
+    progress = [m for m in r0["log"] if m.startswith("step=")]
+    assert progress and all(k in progress[0] for k in ("loss=", "lr=", "loss_scale=",
+                                                       "samples/s="))
+    trained = r0["losses"][r0["skipped"]:]
+    assert sum(trained[-5:]) / 5 < 0.5 * trained[0], r0["losses"]
+
+
+def _bf16_trains():
+    torch.manual_seed(0)
+    config = {"train_batch_size": 8, "bf16": {"enabled": True},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, _, _, _ = shardkit.initialize(model=torch.nn.Linear(4, 1), config=config)
+    x = torch.randn(4, 4)
+    losses = []
+    for _ in range(10):
+        loss = F.mse_loss(engine(x).float(), x.sum(1, keepdim=True))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, engine.loss_scaler is None
+
+
+def test_bf16_trains_without_loss_scaler(world2):
+    for losses, no_scaler in world2.run(_bf16_trains):
+        assert no_scaler and losses[-1] < losses[0]
+
+
+# ----------------------------------------------------------------------------- user objects
+
+
+def _user_optimizer_and_scheduler():
+    from shardkit.optim import WarmupLR
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dataset = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 2))
+    engine, optimizer, loader, scheduler = shardkit.initialize(
+        model=model, optimizer=opt, training_data=dataset,
+        lr_scheduler=lambda o: WarmupLR(o, warmup_max_lr=0.1, warmup_num_steps=4),
+        config={"train_batch_size": 8, "zero_optimization": {"stage": 1}})
+    for x, y in loader:
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+    return {"optimizer": type(optimizer).__name__, "scheduler_on": scheduler.optimizer is optimizer,
+            "batches": len(loader), "batch": loader.batch_size, "steps": engine.global_steps,
+            "lr_iteration": scheduler.last_batch_iteration}
+
+
+def test_user_optimizer_scheduler_and_dataloader(world2):
+    for r in world2.run(_user_optimizer_and_scheduler):
+        assert r == {"optimizer": "OSS", "scheduler_on": True, "batches": 4, "batch": 4,
+                     "steps": 4, "lr_iteration": 3}
+
+
+# ----------------------------------------------------------------------------- bad input
+
+BAD_CONFIGS = {
+    "unknown key": ({"train_batch_size": 8, "zero_optimization": {"stgae": 2},
+                     "optimizer": {"type": "SGD"}}, "did you mean 'zero_optimization.stage'"),
+    "stage 4": ({"train_batch_size": 8, "zero_optimization": {"stage": 4},
+                 "optimizer": {"type": "SGD"}}, "zero_optimization.stage=4"),
+    "inconsistent batch": ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 3,
+                            "gradient_accumulation_steps": 1, "optimizer": {"type": "SGD"}},
+                           "inconsistent batch sizes"),
+    "negative lr": ({"train_batch_size": 8, "optimizer": {"type": "AdamW",
+                                                          "params": {"lr": -1e-3}}},
+                    "optimizer.params.lr=-0.001"),
+    "missing optimizer": ({"train_batch_size": 8}, "no optimizer"),
+}
+
+
+def _bad_configs():
+    out = {}
+    with distributed.CommCounter() as comm:
+        for name, (config, _) in BAD_CONFIGS.items():
+            try:
+                shardkit.initialize(model=torch.nn.Linear(2, 2), config=config)
+            except ConfigError as e:
+                out[name] = str(e)
+        try:
+            model = torch.nn.Linear(2, 2)
+            shardkit.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), 0.1),
+                                config={"train_batch_size": 8, "optimizer": {"type": "SGD"}})
+        except ConfigError as e:
+            out["two optimizers"] = str(e)
+    out["collectives"] = len(comm.calls)
+    return out
+
+
+def test_bad_configs_raise_on_every_rank_without_traffic(world2):
+    results = world2.run(_bad_configs)
+    assert results[0] == results[1]
+    for name, (_, needle) in BAD_CONFIGS.items():
+        assert needle in results[0].get(name, ""), (name, results[0].get(name))
+    assert "exactly one" in results[0]["two optimizers"]
+    assert results[0]["collectives"] == 0
