@@ -87,9 +87,9 @@ def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
     """``dst = src * scale`` in one pass, computed in the wider of the two dtypes."""
     if scale == 1.0:
         dst.copy_(src)
-    elif src.dtype.itemsize >= dst.dtype.itemsize:
+    elif src.dtype == dst.dtype or src.dtype in (torch.float32, torch.float64):
         torch.mul(src, scale, out=dst)
-    else:  # multiplying in src's narrower dtype would round before the cast widens it
+    else:  # torch would round the product to src's 16-bit dtype before casting it to dst's
         dst.copy_(src).mul_(scale)
 
 
