@@ -92,6 +92,7 @@ class OSS(torch.optim.Optimizer):
         self._optim_class, self._optim_kwargs = optim, ctor_kwargs
         self._ready = False
         self._consolidated: Optional[dict] = None
+        self._parked_state: dict = {}  # state of frozen parameters last owned here
         self._consolidated_on = None
         _check_same_model_on_every_rank(groups, group)
 
@@ -243,7 +244,7 @@ class OSS(torch.optim.Optimizer):
                              f"(every rank)")
         self._consolidated = None
         index_of = self._global_index()
-        local = {index_of[id(p)]: s for p, s in self.optim.state.items()}
+        local = {index_of[id(p)]: s for p, s in {**self._parked_state, **self.optim.state}.items()}
         state: dict = {}
         for r in range(self.world_size):
             shard = self._shard_from(r, local, recipient_rank)
@@ -280,6 +281,10 @@ class OSS(torch.optim.Optimizer):
         owned = {id(p) for p in self._owned_params()}
         self._load_local_state({p: value for key, value in state_dict["state"].items()
                                 if (p := id_to_param.get(key)) is not None and id(p) in owned})
+        # state of parameters frozen here: parked on one rank, picked by index
+        self._parked_state = {p: value for key, value in state_dict["state"].items()
+                              if (p := id_to_param.get(key)) is not None
+                              and p not in self.partition and key % self.world_size == self.rank}
 
     def _load_local_state(self, state: dict) -> None:
         """Give the local optimizer ``{owned param: state}`` through its own load_state_dict
@@ -373,38 +378,40 @@ class OSS(torch.optim.Optimizer):
         for buckets in self._buckets:  # nothing may still be writing into the old buffers
             for b in buckets:
                 b.finish_gather()
-        old = self.partition
         plan = plan_ownership(_trainable(self.param_groups), self.world_size, self.bucket_numel)
         if _same_plan(plan, self._plan):
             return
-        arriving = self._move_state(old, plan.partition)
-        kept = {p: s for p, s in self.optim.state.items()
-                if p in plan.partition and plan.partition.owner(p) == self.rank}
+        held = {**self._parked_state, **self.optim.state}
+        arriving = self._send_state_to_new_owners(plan.partition, held)
+        new = plan.partition
+        kept = {p: s for p, s in held.items() if p in new and new.owner(p) == self.rank}
+        # Note: the state of a parameter that left the partition (frozen) stays parked on its
+        # last owner, so that it resumes where it stopped once trainable again, as in torch.
+        self._parked_state = {p: s for p, s in held.items() if p not in new}
+        for buckets in self._buckets:
+            for b in buckets:
+                b.unbind()
         self._plan = plan
-        self.optim = self._make_local_optimizer(self.param_groups, plan.partition)
+        self.optim = self._make_local_optimizer(self.param_groups, new)
         self._load_local_state({**kept, **arriving})
         self._buckets = build_buckets(plan, self.rank, self.group, self.broadcast_fp16)
         self._consolidated = None
 
-    def _move_state(self, old: ParameterPartition, new: ParameterPartition) -> dict:
-        """Send the state of parameters whose owner changed to their new owner (one broadcast
-        per old owner; only when ownership changed)."""
-        moved = [p for p in new.all_params() if p in old and old.owner(p) != new.owner(p)]
-        if not moved:
-            return {}
+    def _send_state_to_new_owners(self, new: ParameterPartition, held: dict) -> dict:
+        """Each rank in turn broadcasts the state it holds for parameters that ``new`` gives to
+        another rank; returns ``{param: state}`` arriving here. ``N`` small broadcasts, only
+        when the partition changed."""
+        params = new.all_params()
         arriving = {}
         for r in range(self.world_size):
             mine = None
             if r == self.rank:
-                mine = {i: self.optim.state[p] for i, p in enumerate(moved)
-                        if old.owner(p) == r and p in self.optim.state}
+                mine = {i: held[p] for i, p in enumerate(params)
+                        if new.owner(p) != r and p in held}
             got = distributed.broadcast_object(
                 mine, src=distributed.get_global_rank(self.group, r), group=self.group)
-            for i, s in got.items():
-                p = moved[i]
-                if new.owner(p) == self.rank:
-                    arriving[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v
-                                   for k, v in s.items()}
+            arriving.update({params[i]: st for i, st in got.items()
+                             if new.owner(params[i]) == self.rank})
         return arriving
 
     def _shard_from(self, r: int, local: dict, recipient: int) -> Optional[dict]:

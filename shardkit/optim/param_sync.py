@@ -129,6 +129,12 @@ class FlatParamBucket:
                 view.copy_(p.detach())
                 p.data = view
 
+    def unbind(self) -> None:
+        """Give every parameter its own storage again (a copy), releasing the buffer."""
+        with torch.no_grad():
+            for p, _ in self._slots:
+                p.data = p.detach().clone()
+
     def is_bound(self) -> bool:
         """False once something replaced a parameter's storage (``model.to(...)``, ``p.data = ...``)."""
         base, size = self.buffer.data_ptr(), self.buffer.element_size()

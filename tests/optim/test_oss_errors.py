@@ -1,0 +1,57 @@
+"""OSS bad input: clear errors naming the argument and the value, raised before any collective
+(these run in the test process itself, where no process group exists)."""
+
+import pytest
+import torch
+
+from shardkit import distributed
+from shardkit.optim import OSS
+
+
+def _params():
+    return list(torch.nn.Linear(4, 3).parameters())
+
+
+def test_no_process_group_yet():
+    assert not distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="OSS needs torch.distributed to be initialised"):
+        OSS(_params(), optim=torch.optim.AdamW, lr=1e-3)
+
+
+def test_parameter_in_two_groups():
+    w, b = _params()
+    with pytest.raises(ValueError, match=r"param group 0 \(item 0\) and again in group 1"):
+        OSS([{"params": [w, b]}, {"params": [w]}], optim=torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize("bad", [torch.nn.Linear, "AdamW", torch.optim.lr_scheduler.StepLR])
+def test_optim_that_is_not_an_optimizer_class(bad):
+    with pytest.raises(TypeError, match=r"OSS\(optim=.*must be a torch.optim.Optimizer subclass"):
+        OSS(_params(), optim=bad, lr=0.1)
+
+
+def test_optimizer_instance_passed_as_optim():
+    params = _params()
+    with pytest.raises(TypeError, match="the class, not an instance"):
+        OSS(params, optim=torch.optim.SGD(params, lr=0.1))
+
+
+def test_takeover_with_extra_hyper_parameters():
+    with pytest.raises(TypeError, match=r"taken from the AdamW given; do not pass .*\['lr'\]"):
+        OSS(torch.optim.AdamW(_params()), lr=0.1)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"broadcast_fp16": "yes"}, r"broadcast_fp16='yes'\): must be True or False"),
+    ({"bucket_numel": 0}, r"bucket_numel=0\): must be a positive int"),
+])
+def test_bad_flags(kwargs, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        OSS(_params(), optim=torch.optim.SGD, lr=0.1, **kwargs)
+
+
+def test_empty_and_non_tensor_params():
+    with pytest.raises(ValueError, match="empty parameter list"):
+        OSS([], optim=torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match="item 1 is a str; expected a torch.Tensor"):
+        OSS([torch.zeros(2, requires_grad=True), "w"], optim=torch.optim.SGD, lr=0.1)

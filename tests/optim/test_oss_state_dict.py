@@ -1,0 +1,230 @@
+"""OSS state dicts and re-partitioning.
+
+- world 2 -> consolidate -> torch.save -> load at world 1, 2 and 4 -> training continues as if
+  nothing happened (bit-exact at world 2, within float rounding of the gradient average else);
+- plain torch.optim.AdamW state dict -> OSS -> consolidated back: identical, and both continue
+  identically;
+- state_dict() without consolidating, or on a rank that is not the recipient, or after a step:
+  clear error; a state dict with the wrong number of parameters: clear error;
+- add_param_group and refresh_trainable move optimizer state to the new owner (parity with a
+  plain optimizer going through the same changes).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from shardkit import distributed
+from shardkit.optim import OSS
+from shardkit.testing import MLP, World
+
+WIDTH, BATCH, SAVE_AT, MORE = 16, 8, 3, 3
+HYPER = {"lr": 1e-2, "weight_decay": 0.01}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+def _groups(model):
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": weights}, {"params": biases, "lr": 5e-3, "weight_decay": 0.0}]
+
+
+def _batch(step):
+    gen = torch.Generator().manual_seed(7 + step)
+    return torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, 4, generator=gen)
+
+
+def _ddp_step(ddp, opt, step):
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    x, y = _batch(step)
+    per = BATCH // world
+    opt.zero_grad()
+    F.mse_loss(ddp(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+    opt.step()
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _train_and_save(path):
+    """World 2: train, consolidate on rank 0, save, keep training; return the final params."""
+    model = MLP(WIDTH, 3, out=4, seed=1)
+    opt = OSS(_groups(model), optim=torch.optim.AdamW, **HYPER)
+    ddp = DDP(model)
+    for step in range(SAVE_AT):
+        _ddp_step(ddp, opt, step)
+    opt.consolidate_state_dict(recipient_rank=0)
+    if opt.rank == 0:
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, path)
+    distributed.barrier()
+    for step in range(SAVE_AT, SAVE_AT + MORE):
+        _ddp_step(ddp, opt, step)
+    return _params(model)
+
+
+def _resume(path):
+    """Any world: load the world-2 checkpoint and continue training."""
+    checkpoint = torch.load(path, weights_only=False)
+    model = MLP(WIDTH, 3, out=4, seed=99)
+    model.load_state_dict(checkpoint["model"])
+    opt = OSS(_groups(model), optim=torch.optim.AdamW, **HYPER)
+    opt.load_state_dict(checkpoint["optim"])
+    ddp = DDP(model)
+    for step in range(SAVE_AT, SAVE_AT + MORE):
+        _ddp_step(ddp, opt, step)
+    return _params(model)
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def test_world2_checkpoint_resumes_at_world_1_2_4(world2, tmp_path):
+    path = str(tmp_path / "oss.pt")
+    expected = world2.run(_train_and_save, path)[0]
+    assert _max_diff(world2.run(_resume, path)[0], expected) == 0.0
+    for n in (1, 4):
+        with World(n) as w:
+            got = w.run(_resume, path)
+        for rank_params in got:
+            assert _max_diff(rank_params, expected) <= 1e-6, f"world {n}"
+
+
+def _plain_adamw_round_trip():
+    """A plain single-process AdamW state dict goes into OSS and comes back unchanged."""
+    plain_model = MLP(WIDTH, 3, out=4, seed=2)
+    plain = torch.optim.AdamW(_groups(plain_model), **HYPER)
+    for step in range(2):
+        plain.zero_grad()
+        F.mse_loss(plain_model(_batch(step)[0]), _batch(step)[1]).backward()
+        plain.step()
+    saved = copy.deepcopy(plain.state_dict())
+    model = copy.deepcopy(plain_model)
+    opt = OSS(_groups(model), optim=torch.optim.AdamW, **HYPER)
+    opt.load_state_dict(copy.deepcopy(saved))
+    held = sum(len(s) > 0 for s in opt.state.values())
+    opt.consolidate_state_dict(recipient_rank=-1)
+    back = opt.state_dict()
+    same = _same_state_dict(back, saved)
+    reloaded = torch.optim.AdamW(_groups(copy.deepcopy(plain_model)), **HYPER)
+    reloaded.load_state_dict(back)  # the consolidated dict loads into plain torch
+    for step in range(2, 4):  # both continue alike (every rank computes the full batch)
+        for m, o in ((plain_model, plain), (model, opt)):
+            o.zero_grad()
+            F.mse_loss(m(_batch(step)[0]), _batch(step)[1]).backward()
+            o.step()
+    return {"same": same, "held": held, "total": len(saved["state"]),
+            "diff": _max_diff(_params(model), _params(plain_model))}
+
+
+def _same_state_dict(a, b) -> bool:
+    if a["param_groups"] != b["param_groups"] or sorted(a["state"]) != sorted(b["state"]):
+        return False
+    return all(torch.equal(a["state"][i][k], b["state"][i][k])
+               for i in b["state"] for k in b["state"][i])
+
+
+def test_plain_adamw_state_dict_into_oss_and_back(world2):
+    results = world2.run(_plain_adamw_round_trip)
+    for r in results:
+        assert r["same"] and r["diff"] == 0.0
+    assert sum(r["held"] for r in results) == results[0]["total"]  # each state on one rank only
+    assert all(0 < r["held"] < r["total"] for r in results)
+
+
+def _state_dict_errors():
+    model = MLP(WIDTH, 2, out=4, seed=3)
+    opt = OSS(_groups(model), optim=torch.optim.AdamW, **HYPER)
+    errors = {}
+
+    def catch(name, fn):
+        try:
+            fn()
+        except (RuntimeError, ValueError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+
+    catch("never_consolidated", opt.state_dict)
+    opt.consolidate_state_dict(recipient_rank=1)
+    catch("not_recipient", opt.state_dict)  # only rank 0 raises here
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    catch("stale_after_step", opt.state_dict)
+    catch("bad_recipient", lambda: opt.consolidate_state_dict(recipient_rank=5))
+    plain = torch.optim.AdamW(MLP(WIDTH, 3, out=4, seed=3).parameters())
+    catch("wrong_param_count", lambda: opt.load_state_dict(_with_groups(plain.state_dict(), 2)))
+    catch("wrong_group_count", lambda: opt.load_state_dict(plain.state_dict()))
+    return errors
+
+
+def _with_groups(state_dict, n):
+    ids = state_dict["param_groups"][0]["params"]
+    return {"state": {}, "param_groups": [{**state_dict["param_groups"][0], "params": ids[:2]},
+                                          {**state_dict["param_groups"][0], "params": ids[2:]}]}
+
+
+def test_state_dict_errors_are_clear(world2):
+    rank0, rank1 = world2.run(_state_dict_errors)
+    assert "consolidate_state_dict" in rank0["never_consolidated"]
+    assert "consolidate_state_dict" in rank0["not_recipient"]
+    assert "not_recipient" not in rank1
+    assert "consolidate_state_dict" in rank1["stale_after_step"]
+    assert "recipient_rank=5" in rank0["bad_recipient"]
+    assert "param group 0" in rank0["wrong_param_count"] and "parameters" in rank0[
+        "wrong_param_count"]
+    assert "1 param groups" in rank0["wrong_group_count"]
+
+
+def _repartition_parity():
+    """add_param_group and refresh_trainable against a plain AdamW doing the same."""
+    def run(make_opt, model):
+        head = list(model[-1].parameters())
+        body = [p for p in model.parameters() if all(p is not h for h in head)]
+        opt = make_opt([{"params": body}])
+        for step in range(6):
+            if step == 2:
+                opt.add_param_group({"params": head, "lr": 2e-2})
+            if step == 3:
+                for p in model[0].parameters():
+                    p.requires_grad_(False)
+                if isinstance(opt, OSS):
+                    opt.refresh_trainable()
+            if step == 5:
+                for p in model[0].parameters():
+                    p.requires_grad_(True)
+                if isinstance(opt, OSS):
+                    opt.refresh_trainable()
+            opt.zero_grad()
+            F.mse_loss(model(_batch(step)[0]), _batch(step)[1]).backward()
+            opt.step()
+        return _params(model), opt
+
+    plain_params, _ = run(lambda g: torch.optim.AdamW(g, **HYPER), MLP(WIDTH, 3, out=4, seed=4))
+    model = MLP(WIDTH, 3, out=4, seed=4)
+    oss_params, opt = run(lambda g: OSS(g, optim=torch.optim.AdamW, **HYPER), model)
+    missing_refresh = None
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    opt.refresh_trainable()
+    for p in model[0].parameters():
+        p.requires_grad_(True)
+    try:
+        opt.step()
+    except RuntimeError as e:
+        missing_refresh = str(e)
+    return {"diff": _max_diff(oss_params, plain_params), "missing_refresh": missing_refresh}
+
+
+def test_add_param_group_and_refresh_trainable_keep_parity(world2):
+    for r in world2.run(_repartition_parity):
+        assert r["diff"] <= 1e-6
+        assert "refresh_trainable" in r["missing_refresh"]
