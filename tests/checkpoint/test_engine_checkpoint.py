@@ -1,0 +1,244 @@
+"""Engine checkpoints reshard across world sizes and ZeRO stages, commit atomically, and
+consolidate into a plain state_dict.
+
+The reference is one uninterrupted run at world 2, stage 3: it saves after 3 steps and goes on
+for 5 more. The checkpoint is then loaded at world 1 stage 0 and at world 4 stage 1, and the
+next 5 steps must give the same parameters (same global batches; gradient accumulation makes up
+the difference in world size).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardkit
+from shardkit import distributed
+from shardkit.checkpoint import CheckpointError, consolidate_checkpoint, read_latest_tag
+from shardkit.models import GPT, GPTConfig, synthetic_batch
+from shardkit.testing import World
+
+TINY = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=8)
+GLOBAL_BATCH, MICRO = 8, 2
+STEPS_BEFORE, STEPS_AFTER = 3, 5
+
+
+@pytest.fixture(scope="module")
+def world1():
+    with World(1) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with World(4) as w:
+        yield w
+
+
+def _config(stage):
+    # eps 1e-6: see tests/test_engine.py (AdamW amplifies rounding noise of zero gradients).
+    return {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": 0.05, "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "eps": 1e-6}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 3e-3,
+                                                         "warmup_num_steps": 6,
+                                                         "warmup_type": "linear"}},
+            "zero_optimization": {"stage": stage}}
+
+
+def _train_steps(engine, first_step, steps):
+    """Run ``steps`` optimizer steps on the global batches ``first_step, ...``; return the full
+    fp32 parameters after each step (collective at stage 3)."""
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    per_rank = GLOBAL_BATCH // world
+    history = []
+    for step in range(first_step, first_step + steps):
+        idx, tgt = synthetic_batch(TINY, GLOBAL_BATCH, step)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        for x, y in zip(idx[mine].split(MICRO), tgt[mine].split(MICRO)):
+            logits = engine(x)
+            engine.backward(F.cross_entropy(logits.reshape(-1, TINY.vocab_size), y.reshape(-1)))
+            engine.step()
+        history.append(_full_state(engine))
+    return history
+
+
+def _full_state(engine):
+    if engine.zero_stage == 3:
+        return {k: v.clone() for k, v in engine.wrapped.state_dict().items()}
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def _reference_run(save_dir):
+    engine, _, _, _ = shardkit.initialize(model=GPT(TINY, seed=0), config=_config(3))
+    _train_steps(engine, 0, STEPS_BEFORE)
+    at_save = _full_state(engine)
+    path = engine.save_checkpoint(save_dir, client_state={"epoch": 7})
+    after = _train_steps(engine, STEPS_BEFORE, STEPS_AFTER)
+    return {"path": path, "at_save": at_save, "after": after,
+            "lr": engine.get_lr()} if distributed.get_rank() == 0 else None
+
+
+def _resumed_run(save_dir, stage):
+    torch.manual_seed(123)  # a different init: everything must come from the checkpoint
+    engine, _, _, scheduler = shardkit.initialize(model=GPT(TINY, seed=99), config=_config(stage))
+    path, client_state = engine.load_checkpoint(save_dir)
+    resumed_at = (engine.global_steps, scheduler.last_batch_iteration)
+    after = _train_steps(engine, STEPS_BEFORE, STEPS_AFTER)
+    return {"path": path, "client_state": client_state, "resumed_at": resumed_at,
+            "after": after, "lr": engine.get_lr(), "gas": engine.gradient_accumulation_steps}
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def test_stage3_world2_checkpoint_resumes_at_world1_stage0_and_world4_stage1(
+        world1, world2, world4, tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    reference = world2.run(_reference_run, save_dir)[0]
+    assert reference["path"] == os.path.join(save_dir, f"global_step{STEPS_BEFORE}")
+    assert read_latest_tag(save_dir) == f"global_step{STEPS_BEFORE}"
+
+    for world, stage, gas in ((world1, 0, 4), (world4, 1, 1)):
+        results = world.run(_resumed_run, save_dir, stage)
+        for r in results:
+            assert r["path"] == reference["path"] and r["client_state"] == {"epoch": 7}
+            assert r["resumed_at"] == (STEPS_BEFORE, STEPS_BEFORE - 1) and r["gas"] == gas
+            assert r["lr"] == pytest.approx(reference["lr"])
+        diffs = [_max_diff(got, want)
+                 for got, want in zip(results[0]["after"], reference["after"])]
+        assert max(diffs) <= 1e-5, (world.world_size, stage, diffs)
+
+    # python -m shardkit consolidate DIR OUT.pt: a plain state_dict of the unwrapped model
+    out = str(tmp_path / "model.pt")
+    from shardkit.__main__ import main
+    assert main(["consolidate", save_dir, out]) == 0
+    plain = GPT(TINY, seed=5)
+    plain.load_state_dict(torch.load(out))
+    assert _max_diff(plain.state_dict(), reference["at_save"]) == 0.0
+
+
+# ----------------------------------------------------------------------------- atomicity
+
+
+def _failed_save(save_dir):
+    from shardkit.checkpoint import sharded
+    engine, _, _, _ = shardkit.initialize(model=torch.nn.Linear(4, 4), config={
+        "train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 1}})
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    engine.save_checkpoint(save_dir, tag="good")
+    good = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+
+    original = sharded._write_rank_file
+
+    def crash_on_rank1(path, shard):
+        if distributed.get_rank() == 1:
+            with open(path, "wb") as f:
+                f.write(b"half a file")
+            raise OSError("No space left on device")
+        original(path, shard)
+
+    sharded._write_rank_file = crash_on_rank1
+    try:
+        engine.save_checkpoint(save_dir, tag="bad")
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    finally:
+        sharded._write_rank_file = original
+    path, _ = engine.load_checkpoint(save_dir)
+    restored = max(float((v - good[k]).abs().max()) for k, v in engine.module.state_dict().items())
+    return {"error": error, "latest": read_latest_tag(save_dir), "loaded": path,
+            "restored_diff": restored, "listing": sorted(os.listdir(save_dir))}
+
+
+def test_failed_save_on_one_rank_raises_everywhere_and_keeps_latest(world2, tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    for r in world2.run(_failed_save, save_dir):
+        assert r["error"] is not None and "'latest' still names the previous" in r["error"]
+        assert r["latest"] == "good" and r["loaded"] == os.path.join(save_dir, "good")
+        assert r["restored_diff"] == 0.0
+        assert r["listing"] == ["good", "latest"]
+    assert "No space left on device" in world2.run(_failed_save, str(tmp_path / "b"))[1]["error"]
+
+
+KILLED_MID_SAVE = textwrap.dedent("""
+    import os, signal, sys, torch, shardkit
+    from shardkit.checkpoint import sharded
+    save_dir = sys.argv[1]
+    engine, _, _, _ = shardkit.initialize(model=torch.nn.Linear(4, 4), config={
+        "train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.backward(engine(torch.ones(2, 4)).sum()); engine.step()
+    engine.save_checkpoint(save_dir, tag="first")
+    def killed_while_writing(path, shard):
+        with open(path, "wb") as f:
+            f.write(b"partial")
+            f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    sharded._write_rank_file = killed_while_writing
+    engine.backward(engine(torch.ones(2, 4)).sum()); engine.step()
+    engine.save_checkpoint(save_dir, tag="second")
+""")
+
+
+def test_process_killed_mid_save_leaves_latest_at_previous(tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, save_dir], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+    assert read_latest_tag(save_dir) == "first"
+    state = consolidate_checkpoint(save_dir)
+    assert set(state) == {"weight", "bias"}
+    # The interrupted save is only a staging directory; the next save replaces it.
+    assert "second" not in os.listdir(save_dir)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _bad_loads(save_dir):
+    engine, _, _, _ = shardkit.initialize(model=torch.nn.Linear(3, 3), config={
+        "train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    out = {"empty": engine.load_checkpoint(save_dir + "/nothing-here")}
+    engine.save_checkpoint(save_dir, tag="lin")
+    for name, call in {
+        "bad tag": lambda: engine.save_checkpoint(save_dir, tag="../escape"),
+        "missing tag": lambda: engine.load_checkpoint(save_dir, tag="nope"),
+    }.items():
+        try:
+            call()
+        except CheckpointError as e:
+            out[name] = str(e)
+    other, _, _, _ = shardkit.initialize(model=torch.nn.Linear(3, 5), config={
+        "train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    try:
+        other.load_checkpoint(save_dir)
+    except Exception as e:  # shape mismatch from load_state_dict
+        out["other model"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_bad_checkpoint_requests_are_clear(world1, tmp_path):
+    out = world1.run(_bad_loads, str(tmp_path / "ckpt"))[0]
+    assert out["empty"] == (None, None)
+    assert "tag='../escape'" in out["bad tag"]
+    assert "nope does not exist" in out["missing tag"] and "['lin']" in out["missing tag"]
+    assert "size mismatch" in out["other model"]
