@@ -57,6 +57,7 @@ class ParallelLayout:
 
     @property
     def data_parallel_size(self) -> int:
+        """Replicas: ``world_size / (model_parallel_size * pipeline_length)``."""
         return self.world_size // (self.model_parallel_size * self.pipeline_length)
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
@@ -142,7 +143,11 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
-    """Forget the groups so that :func:`initialize_model_parallel` may run again (all ranks)."""
+    """Forget the groups so that :func:`initialize_model_parallel` may run again (all ranks).
+
+    The process groups themselves are not torn down (torch frees them with the default group);
+    layers built earlier keep the group they were built with.
+    """
     global _GROUPS
     _GROUPS = None
 
