@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from shardkit import plan
+from shardkit import demo, plan
 from shardkit.demo import small_gpt
-from shardkit.models import GPT, reference_gpt_config, synthetic_batch
+from shardkit.testing import World
 from shardkit.utils.memory import model_state_bytes
 
 
@@ -107,21 +107,35 @@ def test_gpt_summary_and_recommendation(capsys):
     assert "no stage fits" in text
 
 
-def test_plan_matches_measured_stage0_for_reference_gpt(capsys):
-    """plan's figure for the reference GPT agrees with a measured AdamW step within 5%."""
+def _demo_model_states(run_names):
+    """What the demo measures for the reference GPT: one step of each run, per-rank totals."""
+    return {name: demo.train_and_measure(demo.RUN_BY_NAME[name], demo.MODELS["reference"],
+                                         steps=1, global_batch=2, seed=0)
+            ["model_state_bytes"]["total"] for name in run_names}
+
+
+def test_plan_matches_what_the_demo_measures_for_reference_gpt(capsys):
+    """plan's per-rank figure for the reference GPT at world 2 is within 5% of the model
+    states the demo measures, stage by stage."""
     result = json.loads(_plan(capsys, "--model", "shardkit.demo:reference_gpt",
-                              "--world-size", "2", "--optimizer", "adamw", "--wrap-block", "Block",
-                              "--json")[1])
-    torch.manual_seed(0)
-    cfg = reference_gpt_config()
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    idx, target = synthetic_batch(cfg, 1, 0)
-    model.loss(idx[:, :8], target[:, :8]).backward()
-    opt.step()
-    measured = model_state_bytes(model, opt).total
+                              "--world-size", "2", "--optimizer", "adamw", "--wrap-block",
+                              "Block", "--json")[1])
     planned = {r["stage"]: r["model_states"] for r in result["rows"]}
-    assert measured == pytest.approx(planned[0], rel=0.05)
+    stage_of = {"oss": 1, "sharded_ddp": 2, "fsdp": 3}
+    live = [n for n in stage_of if demo.unavailable_reason(demo.RUN_BY_NAME[n], 2,
+                                                           demo.MODELS["reference"]) is None]
+    with World(2) as world:
+        measured = world.run(_demo_model_states, live)
+    for name in live:
+        for per_rank in measured:
+            assert per_rank[name] == pytest.approx(planned[stage_of[name]], rel=0.05), name
+    model = demo.reference_gpt()  # stage 0 needs no world: a plain AdamW step
+    optimizer = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    assert model_state_bytes(model, optimizer).total == pytest.approx(planned[0], rel=0.05)
+    assert result["params"] == sum(p.numel() for p in model.parameters())
     assert result["summary"]["largest_unit_params"] == max(
         sum(p.numel() for p in model.blocks[0].parameters()),
         sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks.")))
