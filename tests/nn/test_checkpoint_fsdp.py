@@ -1,0 +1,80 @@
+"""checkpoint_wrapper composes with FullyShardedDataParallel, inside and outside a unit."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardkit import distributed as dist
+from shardkit.nn.checkpoint import checkpoint_wrapper
+from shardkit.testing import World
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+def _blocks(seed=0):
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.2), nn.Linear(16, 16))
+            for _ in range(3)]
+
+
+def _build(variant):
+    from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+
+    units = []
+    for block in _blocks():
+        if variant == "checkpoint inside FSDP":
+            units.append(FSDP(checkpoint_wrapper(block)))
+        elif variant == "checkpoint outside FSDP":
+            units.append(checkpoint_wrapper(FSDP(block)))
+        else:
+            units.append(FSDP(block))
+    return FSDP(nn.Sequential(*units, nn.Linear(16, 2)))
+
+
+def _train(variant):
+    model = _build(variant)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 2, generator=g)
+        torch.manual_seed(step)  # the same dropout masks in every variant
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def _compare_variant(variant):
+    ref_losses, ref_params = _train("no checkpoint")
+    try:
+        losses, params = _train(variant)
+    except Exception as error:  # reported to the test, which decides
+        return f"{type(error).__name__}: {str(error).splitlines()[0]}"
+    return (max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            max((a - b).abs().max().item() for a, b in zip(params, ref_params)))
+
+
+# Note: with the checkpointed module inside an FSDP unit, FullyShardedDataParallel's
+# pre-backward hook re-gathers the unit's parameters but does not expose them to the module
+# again, so the recomputation (which runs the module's own forward, no hooks) reads the shards.
+# The fix belongs to fully_sharded.py (expose in the pre-backward hook, as FairScale's FSDP
+# does); until then that variant is expected to fail.
+_INSIDE_XFAIL = pytest.mark.xfail(reason="FSDP's pre-backward hook does not re-expose the "
+                                  "gathered parameters for a recomputation", strict=False)
+
+
+@pytest.mark.parametrize("variant", [pytest.param("checkpoint inside FSDP", marks=_INSIDE_XFAIL),
+                                     "checkpoint outside FSDP"])
+def test_fsdp_with_checkpoint_matches_fsdp_without(world2, variant):
+    pytest.importorskip("shardkit.nn.data_parallel.fully_sharded")
+    for result in world2.run(_compare_variant, variant):
+        assert not isinstance(result, str), result
+        loss_diff, param_diff = result
+        assert loss_diff <= 1e-6 and param_diff <= 1e-6, (variant, loss_diff, param_diff)
