@@ -85,13 +85,15 @@ class GatheredParamBytes:
     """Process-wide count of bytes held by gathered (unsharded) parameters.
 
     ``live`` is what is gathered now (full buffers plus all-gather scratch in flight), ``peak``
-    the high-water mark since :meth:`reset_peak`. Tests use it to check that only one or two
-    units are ever gathered at once.
+    the high-water mark since :meth:`reset_peak`, ``prefetched`` how many gathers were already
+    in flight when their unit needed them. Tests use it to check that only one or two units are
+    ever gathered at once and that prefetching happens.
     """
 
     def __init__(self):
         self.live = 0
         self.peak = 0
+        self.prefetched = 0
 
     def add(self, nbytes: int) -> None:
         self.live += nbytes
@@ -224,6 +226,8 @@ class FlatParamShard:
             return
         if self._pending_gather is None:
             self.start_gather()
+        else:
+            _GATHERED.prefetched += 1
         work, scratch, _send = self._pending_gather
         self._pending_gather = None
         work.wait()
