@@ -156,18 +156,22 @@ def setup_torch_pipeline(w: Workload, model: nn.Module) -> TrainingSetup:
 
 
 def setup_shardkit_oss(w: Workload, model: nn.Module) -> TrainingSetup:
+    """shardkit OSS(AdamW) under torch DDP (:func:`shardkit.recipes.setup_oss`)."""
     return recipes.setup_oss(model, w.loss_fn, LEARNING_RATE)
 
 
 def setup_shardkit_sharded(w: Workload, model: nn.Module) -> TrainingSetup:
+    """shardkit ShardedDDP + OSS (:func:`shardkit.recipes.setup_sharded`)."""
     return recipes.setup_sharded(model, w.loss_fn, LEARNING_RATE)
 
 
 def setup_shardkit_fsdp(w: Workload, model: nn.Module) -> TrainingSetup:
+    """shardkit FSDP, one unit per workload unit class (:func:`shardkit.recipes.setup_fsdp`)."""
     return recipes.setup_fsdp(model, w.loss_fn, LEARNING_RATE, set(w.unit_classes))
 
 
 def setup_shardkit_pipeline(w: Workload, model: nn.Module) -> TrainingSetup:
+    """shardkit 1F1B over world-size stages (:func:`shardkit.recipes.setup_pipeline`)."""
     chunks = recipes.pipeline_chunks(w.global_batch, distributed.get_world_size())
     return recipes.setup_pipeline(w.as_layers(model), w.loss_fn, LEARNING_RATE, chunks)
 

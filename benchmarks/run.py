@@ -153,6 +153,7 @@ def render_markdown(meta: dict, rows: list) -> str:
 
 
 def git_commit() -> str:
+    """The short commit hash of the checkout measured."""
     try:
         return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or "unknown"
@@ -161,6 +162,7 @@ def git_commit() -> str:
 
 
 def parse_args(argv):
+    """The runner's options; bad names or counts exit 2 with argparse's message."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split(
         "\n")[0])
     p.add_argument("--quick", action="store_true", help="small models, one round")
@@ -183,6 +185,7 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
+    """Measure every live configuration, write bench.md/.json/.png, print the table."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
     loads = workloads(args.quick)
     workload_names = args.workloads.split(",")

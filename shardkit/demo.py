@@ -151,6 +151,7 @@ def peak_rss_bytes() -> int:
 
 
 def draw_progress(label: str, step: int, total: int, loss: float, ms: float) -> None:
+    """Redraw rank 0's progress bar for the current run on one terminal line."""
     width = 30
     done = int(width * step / total)
     print(f"\r  {label:<20}[{'#' * done}{'-' * (width - done)}] {step:>4}/{total} "
@@ -381,7 +382,7 @@ def summarize(req: DemoRequest, results: dict, skipped: dict) -> dict:
             continue
         row = {"name": spec.name, "label": spec.label, "stage": spec.stage}
         if spec.name in skipped:
-            rows.append(dict(row, status="unavailable", reason=skipped[spec.name]))
+            rows.append(dict(row, status="skipped", reason=skipped[spec.name]))
             continue
         per_rank = results.get(spec.name, {"error": "not run"})
         if "error" in per_rank:
@@ -450,10 +451,11 @@ def render_table(report: dict) -> str:
             f"{1e3 * r['step_time_s']:>9.1f}{'' if ratio is None else f'{ratio:.2f}':>7}"
             f"{_mb(max(r['comm_bytes_per_step'])):>12}"
             f"{_mb(max(r['comm_formula_bytes_per_step'])):>12}{r['final_loss']:>12.6f}")
-    lines.append("formulas (DESIGN.md, fp32 AdamW: W=G=4, K=8): stage 0 16Ψ, 1 8Ψ+8Ψ/N, "
-                 "2 4Ψ+12Ψ/N, 3 16Ψ/N; pipeline 16Ψ_stage. comm: 2Ψ(N-1)/N elements "
-                 "(stages 0, 2), 3Ψ(N-1)/N (stage 1 under DDP: all-reduce + OSS broadcast; stage 3); pipeline: "
-                 "boundary activations and their gradients")
+    lines += ["model-state formulas (DESIGN.md; fp32 AdamW: W=G=4, K=8 bytes): stage 0 16Ψ, "
+              "1 8Ψ+8Ψ/N, 2 4Ψ+12Ψ/N, 3 16Ψ/N; pipeline 16Ψ of its stage",
+              "traffic formulas (elements per step): stages 0 and 2 2Ψ(N-1)/N; stage 1 under "
+              "DDP 3Ψ(N-1)/N (all-reduce + OSS broadcast); stage 3 3Ψ(N-1)/N; pipeline: "
+              "boundary activations and their gradients"]
     spread = report["final_loss_spread_data_parallel"]
     if spread is not None:
         lines.append(f"final loss across data-parallel runs: largest difference {spread:.3g}")
@@ -461,6 +463,7 @@ def render_table(report: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The demo's command-line options (validated afterwards by :func:`validate`)."""
     p = argparse.ArgumentParser(prog="python -m shardkit demo",
                                 description="Train a GPT with each shardkit wrapper and torch "
                                             "DDP on CPU; compare memory, time and traffic.")

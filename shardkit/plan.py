@@ -330,6 +330,7 @@ def format_bytes(n: float) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The planner's command-line options (validated afterwards by :func:`validate`)."""
     p = argparse.ArgumentParser(
         prog="python -m shardkit plan",
         description="Per-rank model-state memory of ZeRO stages 0-3 (DESIGN.md formulas), "
