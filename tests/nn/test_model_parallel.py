@@ -113,6 +113,57 @@ def test_groups_and_getters(world4):
                in r["indivisible"] for r in res)
 
 
+# ----------------------------------------------------------------------------- mappings
+
+
+def _per_rank(seed, rank, shape):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed * 100 + rank))
+
+
+def _mappings_conjugate(tp):
+    """Each mapping's forward and its conjugate backward against explicit expectations; every
+    rank can compute every other rank's tensors, so the expectations are local."""
+    mp.initialize_model_parallel(tp)
+    try:
+        r, ranks, shape, d = mp.get_model_parallel_rank(), range(tp), (2, 4 * tp, 4 * tp), {}
+
+        def run(name, fn, x, g, expected_y, expected_dx):
+            x = x.clone().requires_grad_()
+            y = fn(x)
+            (y * g).sum().backward()
+            d[name] = max(_maxdiff(y, expected_y), _maxdiff(x.grad, expected_dx))
+
+        same = _per_rank(1, 0, shape)
+        own = [_per_rank(2, k, shape) for k in ranks]
+        grads = [_per_rank(3, k, shape) for k in ranks]
+        last = [same.chunk(tp, -1)[k] for k in ranks]
+        seq = [same.chunk(tp, 1)[k] for k in ranks]
+        seq_grads = [_per_rank(4, k, seq[0].shape) for k in ranks]
+        last_grads = [_per_rank(5, k, last[0].shape) for k in ranks]
+        total = sum(own)
+        run("copy", mp.copy_to_model_parallel_region, same, grads[r], same, sum(grads))
+        run("reduce", mp.reduce_from_model_parallel_region, own[r], grads[0], total, grads[0])
+        run("scatter", mp.scatter_to_model_parallel_region, same, last_grads[r], last[r],
+            torch.cat(last_grads, -1))
+        run("gather", mp.gather_from_model_parallel_region, last[r], grads[0], same,
+            grads[0].chunk(tp, -1)[r])
+        run("scatter_seq", mp.scatter_to_sequence_parallel_region, same, seq_grads[r], seq[r],
+            torch.cat(seq_grads, 1))
+        run("gather_seq", mp.gather_from_sequence_parallel_region, seq[r], grads[r], same,
+            sum(grads).chunk(tp, 1)[r])
+        run("reduce_scatter_seq", mp.reduce_scatter_to_sequence_parallel_region, own[r],
+            seq_grads[r], total.chunk(tp, 1)[r], torch.cat(seq_grads, 1))
+        return d
+    finally:
+        mp.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_mappings_have_conjugate_backward(world4, tp):
+    for d in world4.run(_mappings_conjugate, tp):
+        assert len(d) == 7 and max(d.values()) <= TOL, d
+
+
 # ----------------------------------------------------------------------------- layers
 
 
@@ -456,7 +507,8 @@ def test_bad_input_clear_errors_before_any_collective(world4):
         assert "initialize_model_parallel" in e[key], e[key]
     assert "ColumnParallelLinear" in e["before_init"]
     assert "out_features=10 is not divisible by tensor-parallel size 4" in e["out_features"]
-    assert "out_features=12 is not divisible by tensor-parallel size 4 × stride 2 = 8" in e["stride"]
+    assert ("out_features=12 is not divisible by tensor-parallel size 4 × stride 2 = 8"
+            in e["stride"])
     assert "in_features=6 is not divisible by tensor-parallel size 4" in e["in_features"]
     assert "num_embeddings (vocabulary)=30 is not divisible by tensor-parallel size 4" in e["vocab"]
     assert "embedding_dim=6 is not divisible by tensor-parallel size 4" in e["embedding_dim"]
@@ -527,7 +579,8 @@ def _gpt_tensor_parallel_training(tp, sequence_parallel):
             model.reduce_sequence_parallel_grads()
             opt.step()
             loss_diff = max(loss_diff, abs(loss.item() - ref_losses[step]))
-        return {"loss_diff": loss_diff, "param_diff": _param_diff(full_model_state_dict(model), ref),
+        return {"loss_diff": loss_diff,
+                "param_diff": _param_diff(full_model_state_dict(model), ref),
                 "loss_drop": ref_losses[0] - ref_losses[-1]}
     finally:
         mp.destroy_model_parallel()
@@ -641,7 +694,7 @@ def test_gpt_2_tensor_x_2_stages_over_send_recv_matches(world4):
         assert r["param_diff"] <= TOL, r
 
 
-def _gpt_tensor_and_pipeline_training():
+def _gpt_tensor_and_pipeline_training(schedule_name, sequence_parallel):
     """2 tensor x 2 pipeline stages: stage 0 = embedding + block 0, stage 1 = block 1 + head."""
     from shardkit.nn import pipe
 
@@ -649,25 +702,29 @@ def _gpt_tensor_and_pipeline_training():
     try:
         ref, _ = _reference_run()
         stage_index = mp.get_pipeline_parallel_rank()
-        full = _tensor_parallel_gpt()
+        full = _tensor_parallel_gpt(sequence_parallel)
         part = pipe.split_sequential(full, [2, 2])[stage_index]
         stage = pipe.PipelineStage(part, stage_index, 2, group=mp.get_pipeline_parallel_group())
-        schedule = pipe.ScheduleGPipe(stage, chunks=2, loss_fn=gpt_loss)
+        schedule = getattr(pipe, schedule_name)(stage, chunks=2, loss_fn=gpt_loss)
         opt = _sgd(part.parameters())
         for step in range(STEPS):
             idx, target = synthetic_batch(GPT_CFG, GLOBAL_BATCH, step)
             opt.zero_grad()
             schedule.step(idx, target=target)
+            mp.reduce_sequence_parallel_grads(part)
             opt.step()
         return {"param_diff": _param_diff(full_model_state_dict(part), ref)}
     finally:
         mp.destroy_model_parallel()
 
 
-def test_gpt_2_tensor_x_2_pipeline_matches(world4):
+@pytest.mark.parametrize("schedule,sequence_parallel", [("ScheduleGPipe", False),
+                                                        ("Schedule1F1B", True)])
+def test_gpt_2_tensor_x_2_pipeline_matches(world4, schedule, sequence_parallel):
     pytest.importorskip("shardkit.nn.pipe.schedules")
-    res = world4.run(_gpt_tensor_and_pipeline_training)
-    print(f"TP2 x PP2: {max(r['param_diff'] for r in res):.2e} param")
+    res = world4.run(_gpt_tensor_and_pipeline_training, schedule, sequence_parallel)
+    print(f"TP2 x PP2 {schedule} sequence_parallel={sequence_parallel}: "
+          f"{max(r['param_diff'] for r in res):.2e} param")
     for r in res:
         assert r["param_diff"] <= TOL, r
 
