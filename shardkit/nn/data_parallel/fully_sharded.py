@@ -53,7 +53,7 @@ __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "gathered
 
 _WRAPPED_PREFIX = "_fsdp_wrapped_module."
 _LOCAL_META_KEY = "_shardkit_fsdp_meta"
-_MANAGED_PARAMS: "weakref.WeakSet[nn.Parameter]" = weakref.WeakSet()
+_MANAGED_PARAMS: dict[int, weakref.ref] = {}  # id -> parameter, for "already sharded" checks
 _WRAPPED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
@@ -119,7 +119,7 @@ class FullyShardedDataParallel(nn.Module):
         if params:
             self._shard = _build_shard(params, locations, process_group, policy,
                                        move_params_to_cpu, self._on_grad_ready)
-            _MANAGED_PARAMS.update(params)
+            _MANAGED_PARAMS.update((id(p), weakref.ref(p)) for p in params)
         _WRAPPED_MODULES.add(module)
         for inner in _inner_units(module):
             inner._is_root = False
@@ -542,6 +542,11 @@ def _inner_units(module: nn.Module) -> list[FullyShardedDataParallel]:
     return [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
 
 
+def _is_managed(p: nn.Parameter) -> bool:
+    ref = _MANAGED_PARAMS.get(id(p))
+    return ref is not None and ref() is p
+
+
 def _collect_unit_params(module: nn.Module):
     """The unit's distinct parameters and, for each, every (module, name) that holds it."""
     params: list[nn.Parameter] = []
@@ -550,7 +555,7 @@ def _collect_unit_params(module: nn.Module):
         for name, p in m._parameters.items():
             if p is None:
                 continue
-            if p in _MANAGED_PARAMS:
+            if _is_managed(p):
                 raise ValueError(
                     f"FullyShardedDataParallel: parameter {name!r} of a {type(m).__name__} is "
                     f"already sharded by another FullyShardedDataParallel unit (a parameter "

@@ -1,0 +1,88 @@
+"""FSDP bad input: clear errors naming the argument, the value and the fix, raised before any
+collective starts (so every rank raises the same error and none hangs)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardkit.models import MLP
+from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+from shardkit.testing import World
+from tests.nn.fsdp_common import build_gpt, make_optimizer, train_step, wrap_gpt
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+def _raises(fn, exc, *fragments):
+    try:
+        fn()
+    except exc as e:
+        text = str(e)
+        missing = [f for f in fragments if f not in text]
+        return f"message lacks {missing}: {text}" if missing else "ok"
+    return f"no {exc.__name__} raised"
+
+
+def _error_cases():
+    results = {}
+    mlp = MLP(8, 2)
+    wrapped = FSDP(mlp)
+    results["wrap_wrapper"] = _raises(lambda: FSDP(wrapped), ValueError,
+                                      "already a FullyShardedDataParallel", "wrap each module once")
+    results["wrap_module_twice"] = _raises(lambda: FSDP(mlp), ValueError,
+                                           "already wrapped", "wrap each module once")
+    results["bad_flag"] = _raises(lambda: FSDP(MLP(8, 2), reshard_after_forward="yes"),
+                                  ValueError, "reshard_after_forward='yes'", "True or False")
+    results["bad_mixed_precision"] = _raises(lambda: FSDP(MLP(8, 2), mixed_precision="bf16"),
+                                             ValueError, "mixed_precision='bf16'",
+                                             "MixedPrecisionPolicy")
+    results["fp32_rs_without_mp"] = _raises(lambda: FSDP(MLP(8, 2), fp32_reduce_scatter=True),
+                                            ValueError, "fp32_reduce_scatter", "mixed_precision")
+    results["not_a_module"] = _raises(lambda: FSDP("model"), ValueError, "nn.Module")
+
+    shared = nn.Linear(4, 4)
+    outer = nn.Sequential(nn.Sequential(shared), nn.Linear(4, 4))
+    outer[1].weight = shared.weight  # shared across what will become two units
+    outer[0] = FSDP(outer[0])
+    results["shared_across_units"] = _raises(lambda: FSDP(outer), ValueError,
+                                             "already sharded", "lowest module")
+
+    model = wrap_gpt(build_gpt())
+    optim = make_optimizer(model)
+    train_step(model, optim, 0)
+    inner = model.sharded_units()[1]
+
+    def inner_no_sync():
+        with inner.no_sync():
+            pass
+
+    results["no_sync_inner"] = _raises(inner_no_sync, RuntimeError, "inner", "root")
+    results["clip_inner"] = _raises(lambda: inner.clip_grad_norm_(1.0), RuntimeError, "root")
+    results["recipient"] = _raises(lambda: model.gather_full_optim_state_dict(optim, 5),
+                                   ValueError, "recipient_rank=5", "0..1")
+    own = model.local_state_dict()
+    own["_shardkit_fsdp_meta"] = dict(own["_shardkit_fsdp_meta"], world_size=3)
+    results["local_from_other_world"] = _raises(lambda: model.load_local_state_dict(own),
+                                                ValueError, "world of 3", "list of all 3")
+    results["assign"] = _raises(lambda: model.load_state_dict({}, assign=True), ValueError,
+                                "assign=True")
+    results["norm_type"] = _raises(lambda: model.clip_grad_norm_(1.0, norm_type=-1),
+                                   ValueError, "norm_type=-1")
+    # the world is still usable: every rank raised before any collective
+    train_step(model, optim, 1)
+    return results
+
+
+def test_bad_input_errors(world2):
+    for results in world2.run(_error_cases):
+        bad = {k: v for k, v in results.items() if v != "ok"}
+        assert not bad, bad
+
+
+def test_no_process_group():
+    with pytest.raises(RuntimeError, match="init_distributed"):
+        FSDP(MLP(8, 2))
