@@ -85,7 +85,7 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     """Write this rank's shard and, on rank 0, the metadata; then publish atomically.
 
     Must be called on every rank (``metadata``/``engine_payload`` are used on rank 0 only).
-    Communication: two barriers and two one-element all-reduces. Raises
+    Communication: two barriers and two one-element all-reduces (one more barrier on failure). Raises
     :class:`CheckpointError` on every rank if any rank failed; ``latest`` is then untouched.
     """
     _check_tag(tag)
@@ -123,6 +123,7 @@ def _agree_or_raise(error: Optional[BaseException], what: str, staging: str) -> 
         return
     if distributed.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)
+    distributed.barrier()  # every rank raises only once the staging directory is gone
     detail = f": {type(error).__name__}: {error}" if error is not None else \
         " on another rank (see its error)"
     raise CheckpointError(f"save_checkpoint failed {what}{detail}; 'latest' still names the "
