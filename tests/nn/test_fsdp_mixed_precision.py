@@ -1,0 +1,130 @@
+"""FSDP mixed precision: bf16 compute with fp32 master shards tracks the fp32 run's loss within
+2% over 20 steps; collectives run in the policy's dtypes; buffers follow buffer_dtype and come
+back in their own dtype in the state dict; ShardedGradScaler works on the shards."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardkit import distributed as skdist
+from shardkit.distributed import CommCounter
+from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+from shardkit.nn.data_parallel.mixed_precision import MixedPrecisionPolicy
+from shardkit.testing import World
+from tests.nn.fsdp_common import build_gpt, make_optimizer, train_step, wrap_gpt
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+def _global_loss(loss: torch.Tensor) -> float:
+    t = torch.tensor([float(loss)])
+    skdist.all_reduce(t)
+    return t.item() / skdist.get_world_size()
+
+
+def _loss_curve(**fsdp_kwargs):
+    model = wrap_gpt(build_gpt(), **fsdp_kwargs)
+    optim = make_optimizer(model)
+    losses = [_global_loss(train_step(model, optim, step)[0]) for step in range(STEPS)]
+    return model, losses
+
+
+def _bf16_tracks_fp32():
+    _, fp32 = _loss_curve()
+    model, bf16 = _loss_curve(compute_dtype=torch.bfloat16)
+    _, bf16_fp32_rs = _loss_curve(mixed_precision=True, compute_dtype=torch.bfloat16,
+                                  fp32_reduce_scatter=True)
+    with CommCounter() as comm:
+        train_step(model, make_optimizer(model), STEPS)
+    dtypes = {(r.op, r.dtype) for r in comm.calls}
+    master = {p.dtype for p in model.parameters()}
+    rs_model = wrap_gpt(build_gpt(), mixed_precision=True, compute_dtype=torch.bfloat16,
+                        fp32_reduce_scatter=True)
+    with CommCounter() as rs_comm:
+        train_step(rs_model, make_optimizer(rs_model), 0)
+    rs_dtypes = {(r.op, r.dtype) for r in rs_comm.calls}
+    return {"fp32": fp32, "bf16": bf16, "bf16_fp32_rs": bf16_fp32_rs, "dtypes": dtypes,
+            "rs_dtypes": rs_dtypes, "master": master}
+
+
+def test_bf16_tracks_fp32(world2):
+    for r in world2.run(_bf16_tracks_fp32):
+        for curve in (r["bf16"], r["bf16_fp32_rs"]):
+            worst = max(abs(a - b) / b for a, b in zip(curve, r["fp32"]))
+            assert worst <= 0.02, (worst, curve, r["fp32"])
+        assert r["fp32"][-1] < r["fp32"][0]  # it trains
+        assert r["master"] == {torch.float32}
+        assert r["dtypes"] == {("all_gather", torch.bfloat16), ("reduce_scatter", torch.bfloat16)}
+        assert r["rs_dtypes"] == {("all_gather", torch.bfloat16),
+                                  ("reduce_scatter", torch.float32)}
+
+
+class ScaledLinear(nn.Module):
+    """A Linear times a registered floating buffer (to check buffer_dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.register_buffer("scale", torch.full((6,), 0.5))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def _buffers_and_scaler():
+    from shardkit.optim.grad_scaler import ShardedGradScaler
+
+    torch.manual_seed(0)
+    model = FSDP(ScaledLinear(), compute_dtype=torch.bfloat16, buffer_dtype=torch.float32)
+    default_buffers = FSDP(ScaledLinear(), compute_dtype=torch.bfloat16)
+    out = {"buffer_dtype": model.module.scale.dtype,
+           "default_buffer_dtype": default_buffers.module.scale.dtype,
+           "state_dict_buffer_dtype": default_buffers.state_dict()["scale"].dtype}
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0 ** 8)
+    x = torch.randn(4, 6)
+    before = [p.detach().clone() for p in model.parameters()]
+    poisoned = x.clone()
+    if skdist.get_rank() == 1:
+        poisoned[0, 0] = float("inf")
+    scaler.scale(model(poisoned).float().pow(2).mean()).backward()
+    scaler.step(optim)
+    scaler.update()
+    out["skipped_everywhere"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    out["scale_after_inf"] = scaler.get_scale()
+    optim.zero_grad()
+    scaler.scale(model(x).float().pow(2).mean()).backward()
+    scaler.step(optim)
+    scaler.update()
+    out["stepped"] = not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return out
+
+
+def test_buffers_and_sharded_grad_scaler(world2):
+    pytest.importorskip("shardkit.optim.grad_scaler")
+    for r in world2.run(_buffers_and_scaler):
+        assert r["buffer_dtype"] == torch.float32
+        assert r["default_buffer_dtype"] == torch.bfloat16
+        assert r["state_dict_buffer_dtype"] == torch.float32
+        assert r["skipped_everywhere"] and r["scale_after_inf"] == 2.0 ** 7, r
+        assert r["stepped"], r
+
+
+def test_policy_resolution():
+    from shardkit.nn.data_parallel.mixed_precision import resolve_mixed_precision
+
+    assert resolve_mixed_precision(False, None, None, False) == MixedPrecisionPolicy()
+    assert resolve_mixed_precision(True, None, None, False).param_dtype == torch.float16
+    policy = resolve_mixed_precision(True, torch.bfloat16, None, True)
+    assert policy == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert policy.buffer_cast_dtype() == torch.bfloat16
+    with pytest.raises(ValueError, match="compute_dtype=torch.int8"):
+        resolve_mixed_precision(True, torch.int8, None, False)
+    with pytest.raises(ValueError, match="not both"):
+        resolve_mixed_precision(MixedPrecisionPolicy(torch.bfloat16), torch.float16, None, False)
