@@ -3,9 +3,11 @@
     torchrun --nproc_per_node 8 examples/gpt_3d.py                 # 2 tensor x 2 pipeline x 2 data
     torchrun --nproc_per_node 4 examples/gpt_3d.py --pp 1          # 2 tensor x 2 data
     torchrun --nproc_per_node 8 examples/gpt_3d.py --check         # compare with one process
+    torchrun --nproc_per_node 8 examples/gpt_3d.py --zero 3        # FSDP over the replicas
 
 Each rank holds 1/tp of the linear and embedding weights (Megatron-split layers), the layers of
-one pipeline stage, and 1/dp of the optimizer state (OSS over the data-parallel group); each
+one pipeline stage, and 1/dp of the optimizer state (--zero 1: OSS over the data-parallel group;
+2: ShardedDDP + OSS, gradients sharded too; 3: FSDP, parameters sharded too); each
 data-parallel replica trains on 1/dp of the global batch, in micro-batches through the stages.
 With --check every rank also trains the unsplit GPT on the whole batch and compares the losses.
 """
@@ -19,6 +21,7 @@ from shardkit.models import GPT, GPTConfig, synthetic_batch
 from shardkit.nn import model_parallel as mp
 from shardkit.nn import pipe
 from shardkit.nn.model_parallel.full_state import load_full_model_state_dict
+from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
 from shardkit.nn.model_parallel.gpt import TensorParallelGPT, from_reference_state_dict, gpt_loss
 from shardkit.optim import OSS
 
@@ -32,6 +35,8 @@ def parse_args():
     p.add_argument("--chunks", type=int, default=2, help="micro-batches per replica and step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--zero", type=int, default=1, choices=(1, 2, 3),
+                   help="data-parallel sharding: 1 OSS, 2 ShardedDDP + OSS, 3 FSDP")
     p.add_argument("--check", action="store_true", help="compare with single-process training")
     return p.parse_args()
 
@@ -40,8 +45,22 @@ def even_balance(layers: int, stages: int) -> list[int]:
     return [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
 
 
+def wrap_data_parallel(part, zero: int, dp_group, lr: float):
+    """(module for the stage, optimizer, group the stage itself averages gradients over)."""
+    if zero == 3:  # FSDP shards parameters, gradients and AdamW state over the replicas
+        module = FullyShardedDataParallel(part, process_group=dp_group)
+        return module, torch.optim.AdamW(module.parameters(), lr=lr), None
+    optimizer = OSS(part.parameters(), optim=torch.optim.AdamW, group=dp_group, lr=lr)
+    if zero == 2:  # ShardedDDP reduces each gradient to the rank whose OSS shard owns it
+        return ShardedDataParallel(part, optimizer, process_group=dp_group), optimizer, None
+    return part, optimizer, dp_group  # ZeRO-1: the stage all-reduces gradients, OSS shards state
+
+
 def main():
     args = parse_args()
+    if args.zero == 3 and args.sequence_parallel:
+        raise SystemExit("--zero 3 with --sequence-parallel: FSDP flattens the LayerNorm "
+                         "parameters whose gradients sequence parallelism must sum; use --zero 1/2")
     distributed.init_distributed()
     mp.initialize_model_parallel(args.tp, pipeline_length=args.pp)
     mp.model_parallel_manual_seed(0)
@@ -54,14 +73,13 @@ def main():
     part = pipe.split_sequential(model, even_balance(len(model), args.pp))[stage_index]
     is_last = stage_index == args.pp - 1
 
-    # wrap: a pipeline stage whose gradients are averaged over the data-parallel group
-    stage = pipe.PipelineStage(part, stage_index, args.pp, group=mp.get_pipeline_parallel_group(),
-                               data_parallel_group=mp.get_data_parallel_group())
+    # wrap: data parallelism over the replicas of this stage, then the pipeline stage
+    dp_group = mp.get_data_parallel_group()
+    stage_module, optimizer, stage_dp_group = wrap_data_parallel(part, args.zero, dp_group, args.lr)
+    stage = pipe.PipelineStage(stage_module, stage_index, args.pp,
+                               group=mp.get_pipeline_parallel_group(),
+                               data_parallel_group=stage_dp_group)
     schedule = pipe.Schedule1F1B(stage, chunks=args.chunks, loss_fn=gpt_loss)
-
-    # optimizer: AdamW state sharded over the data-parallel replicas (ZeRO-1)
-    optimizer = OSS(part.parameters(), optim=torch.optim.AdamW,
-                    group=mp.get_data_parallel_group(), lr=args.lr)
 
     if args.check:
         reference = GPT(cfg, seed=0)
