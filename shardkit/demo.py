@@ -328,6 +328,9 @@ def run_all(req: DemoRequest, names: list) -> dict:
     ``{name: per-rank figures}`` or ``{name: {"error": ...}}``."""
     runs_dir = os.path.join(req.out, "runs")
     os.makedirs(runs_dir, exist_ok=True)
+    for fname in os.listdir(runs_dir):  # an --out folder used before: start clean
+        if fname.split(".")[0] in names:
+            os.remove(os.path.join(runs_dir, fname))
     results: dict = {}
     pending = list(names)
     with open(os.path.join(req.out, "launch.log"), "ab") as log:
@@ -350,13 +353,23 @@ def run_all(req: DemoRequest, names: list) -> dict:
     return results
 
 
+_SECONDARY_ERRORS = ("Connection closed by peer", "remote worker", "Connection reset",
+                     "Timed out", "timed out")
+
+
 def _error_summary(runs_dir: str, name: str, code: int) -> str:
+    """The last line of the rank error that caused the failure: a rank whose peer crashed
+    reports a broken connection, so errors that are only that come last."""
+    found = []
     for fname in sorted(os.listdir(runs_dir)):
         if fname.startswith(f"{name}.rank") and fname.endswith(".error"):
             with open(os.path.join(runs_dir, fname)) as f:
-                lines = [ln for ln in f.read().strip().splitlines() if ln.strip()]
+                lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
             if lines:
-                return f"{fname.split('.')[1]}: {lines[-1].strip()}"
+                secondary = any(marker in lines[-1] for marker in _SECONDARY_ERRORS)
+                found.append((secondary, f"{fname.split('.')[1]}: {lines[-1][:300]}"))
+    if found:
+        return min(found)[1]
     return "timed out" if code == -9 else f"workers exited with code {code}"
 
 
