@@ -25,7 +25,7 @@ N, peak RSS per rank, step time and its ratio to DDP, bytes communicated per ste
 (:class:`shardkit.distributed.CommCounter`) beside the formula, and the final loss -- and writes
 the same figures to ``DIR/demo.json`` and a bar chart to ``DIR/demo.png``.
 
-A run whose wrapper does not import yet is listed as unavailable; a run that fails is reported
+A run whose wrapper does not import yet is listed as skipped; a run that fails is reported
 with the last line of its error (full log in ``DIR/launch.log``) and the others still run.
 
 Costs: ``world-size`` processes of one thread each; the small model (0.5M parameters) trains
@@ -46,10 +46,9 @@ import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
-import torch.nn as nn
 
 from shardkit import distributed
 from shardkit.models import GPT, Block, GPTConfig, reference_gpt_config, synthetic_batch
