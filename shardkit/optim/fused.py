@@ -83,10 +83,12 @@ class FusedAdamW(torch.optim.Optimizer):
             raise
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a ``torch.optim.AdamW`` or ``FusedAdamW`` state dict; the state is copied into
-        fresh flat buffers on the next step."""
+        """Load a ``torch.optim.AdamW`` or ``FusedAdamW`` state dict, copying the state into
+        fresh flat buffers (so, unlike torch, it shares no tensor with ``state_dict``)."""
         super().load_state_dict(state_dict)
         self._flat.clear()
+        for index, group in enumerate(self.param_groups):
+            self._flat_states(index, group)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -7,8 +7,10 @@ before any test module imports ``shardkit.kernels.triton_*`` (the dispatch impor
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+torch.set_num_threads(1)  # one core each: the test machine is shared
 
 BACKENDS = ("triton", "torch")
 
