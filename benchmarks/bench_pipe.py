@@ -41,18 +41,20 @@ def _batch():
             torch.randn(MICRO * CHUNKS, WIDTH, generator=g))
 
 
-def _time_steps(step, steps: int, warmup: int = 1) -> float:
-    """Seconds per step, from a barrier before the first timed step to one after the last."""
+def _time_steps(step, steps: int, warmup: int = 1) -> tuple[float, float]:
+    """Wall-clock seconds per step (from a barrier before the first timed step to one after
+    the last) and this process's CPU seconds per step (all its threads)."""
     from shardkit import distributed as dist
 
     for _ in range(warmup):
         step()
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
+    cpu = time.process_time() - cpu_start
     dist.barrier()
-    return (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / steps, cpu / steps
 
 
 def _single_process(steps: int):
@@ -60,7 +62,8 @@ def _single_process(steps: int):
     from shardkit import distributed as dist
 
     if dist.get_rank() != 0:
-        return _time_steps(lambda: None, steps, warmup=0) and None
+        _time_steps(lambda: None, steps, warmup=0)
+        return None
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x, y = _batch()
@@ -134,15 +137,17 @@ def measure(steps: int, rounds: int) -> dict:
     from shardkit.testing import World
 
     seconds = {name: [] for name in CONFIGS}
+    cpu = {name: [] for name in CONFIGS}
     with World(STAGES, threads=1, timeout=1800) as world:
         for _ in range(rounds):
             for name in CONFIGS:
-                per_rank = world.run(_run_config, name, steps)
-                seconds[name].append(max(s for s in per_rank if s is not None))
-    return seconds
+                per_rank = [r for r in world.run(_run_config, name, steps) if r is not None]
+                seconds[name].append(max(wall for wall, _ in per_rank))
+                cpu[name].append(max(c for _, c in per_rank))
+    return seconds, cpu
 
 
-def report(seconds: dict, steps: int, rounds: int) -> str:
+def report(seconds: dict, cpu: dict, steps: int, rounds: int) -> str:
     batch = MICRO * CHUNKS
     best = {name: min(values) for name, values in seconds.items()}
     single = best["single process, grad accumulation"]
@@ -158,8 +163,8 @@ def report(seconds: dict, steps: int, rounds: int) -> str:
         f"Ideal speed-up p*m/(m+p-1) = {ideal:.2f}.",
         "",
         "| configuration | s/step (best) | s/step (median) | samples/s | speed-up vs single "
-        "| fraction of ideal | vs torch, same schedule |",
-        "|---|---|---|---|---|---|---|",
+        "| fraction of ideal | vs torch, same schedule | CPU s/step, busiest rank (best) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, value in best.items():
         speedup = single / value
@@ -167,7 +172,7 @@ def report(seconds: dict, steps: int, rounds: int) -> str:
         vs_torch = (f"{best[torch_name] / value:.2f}x" if name.startswith("shardkit") else "")
         lines.append(f"| {name} | {value:.3f} | {statistics.median(seconds[name]):.3f} | "
                      f"{batch / value:.0f} | {speedup:.2f} | "
-                     f"{speedup / ideal:.2f} | {vs_torch} |")
+                     f"{speedup / ideal:.2f} | {vs_torch} | {min(cpu[name]):.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -176,7 +181,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    text = report(measure(args.steps, args.rounds), args.steps, args.rounds)
+    seconds, cpu = measure(args.steps, args.rounds)
+    text = report(seconds, cpu, args.steps, args.rounds)
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
         f.write(text)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import types
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -101,42 +101,43 @@ def _contexts(modules: tuple[nn.Module, ...]):
     return lambda: (_counting("checkpointing"), _recomputing(modules))
 
 
-def _to_cpu(value: Any) -> Any:
+def _device_to_restore(value: Any):
     if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        return value.to("cpu")
-    return value
+        return value.device
+    return None
 
 
-def _restore_devices(values: Iterable[Any], devices: list) -> list:
-    return [v.to(d) if d is not None else v for v, d in zip(values, devices)]
+def _offloaded(fn: Callable, args: tuple, kwargs: dict):
+    """``fn`` and its arguments rewritten so the tensors the region keeps live on CPU: they are
+    copied to CPU before the region and back to their device as the region's first step (which
+    the recomputation repeats). The copies are differentiable, so gradients reach the inputs."""
+    arg_devices = [_device_to_restore(a) for a in args]
+    kw_devices = {k: _device_to_restore(v) for k, v in kwargs.items()}
+
+    def on_device(*cpu_args, **cpu_kwargs):
+        moved = [a.to(d) if d is not None else a for a, d in zip(cpu_args, arg_devices)]
+        moved_kw = {k: v.to(kw_devices[k]) if kw_devices[k] is not None else v
+                    for k, v in cpu_kwargs.items()}
+        return fn(*moved, **moved_kw)
+
+    cpu_args = tuple(a.to("cpu") if d is not None else a for a, d in zip(args, arg_devices))
+    cpu_kwargs = {k: v.to("cpu") if kw_devices[k] is not None else v for k, v in kwargs.items()}
+    return on_device, cpu_args, cpu_kwargs
 
 
 def checkpointed_call(fn: Callable, *args, modules: tuple[nn.Module, ...] = (),
                       offload_to_cpu: bool = False, **kwargs):
     """Run ``fn(*args, **kwargs)`` as a non-reentrant checkpointed region and return its output.
 
-    ``modules`` are the modules ``fn`` runs (their BatchNorm running statistics are frozen
-    during the recomputation). With ``offload_to_cpu`` the tensor inputs kept for the
-    recomputation are held on CPU and copied back to their device inside the region (the copy
-    back is part of what is recomputed). Without grad mode, or inside
-    :func:`disable_checkpointing`, ``fn`` simply runs.
+    ``modules`` are the modules ``fn`` runs (their BatchNorm running statistics are restored
+    after the recomputation). With ``offload_to_cpu`` the tensor inputs kept for the
+    recomputation are held on CPU and copied back to their device inside the region. Without
+    grad mode, or inside :func:`disable_checkpointing`, ``fn`` simply runs.
     """
     if not (_state.enabled and torch.is_grad_enabled()):
         return fn(*args, **kwargs)
     if offload_to_cpu:
-        arg_devices = [a.device if isinstance(a, torch.Tensor) and a.device.type != "cpu"
-                       else None for a in args]
-        kw_names = list(kwargs)
-        kw_devices = [kwargs[k].device if isinstance(kwargs[k], torch.Tensor)
-                      and kwargs[k].device.type != "cpu" else None for k in kw_names]
-        inner = fn
-
-        def fn(*cpu_args, **cpu_kwargs):  # noqa: F811 - the region with copies back
-            moved_kw = _restore_devices([cpu_kwargs[k] for k in kw_names], kw_devices)
-            return inner(*_restore_devices(cpu_args, arg_devices), **dict(zip(kw_names, moved_kw)))
-
-        args = tuple(_to_cpu(a) for a in args)
-        kwargs = {k: _to_cpu(v) for k, v in kwargs.items()}
+        fn, args, kwargs = _offloaded(fn, args, kwargs)
     return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
                             context_fn=_contexts(modules), **kwargs)
 
