@@ -1,0 +1,140 @@
+"""FSDP features users rely on: summon_full_params (write-back), unfreezing mid-run, an
+optimizer built before wrapping, evaluation under no_grad, CPU offload, no_sync memory and the
+original parameter names."""
+
+import pytest
+import torch
+
+from shardkit import distributed as skdist
+from shardkit.testing import World
+from shardkit.utils.memory import model_state_bytes
+from tests.nn.fsdp_common import (GLOBAL_BATCH, LR, TINY, build_gpt, local_slice, make_optimizer,
+                                  max_diff, train_step, wrap_gpt)
+from shardkit.models import synthetic_batch
+
+
+@pytest.fixture(scope="module")
+def world2():
+    with World(2) as w:
+        yield w
+
+
+def _summon_and_names():
+    reference = build_gpt()
+    model = wrap_gpt(build_gpt())
+    out = {"names": [n for n, _ in model.named_parameters()] ==
+           [n for n, _ in reference.named_parameters()]}
+    with model.summon_full_params(), torch.no_grad():
+        out["full_shape"] = tuple(model.module.blocks[0].fc.weight.shape)
+        model.module.blocks[0].fc.weight.fill_(0.25)
+    with model.summon_full_params(writeback=False), torch.no_grad():
+        out["written_back"] = bool((model.module.blocks[0].fc.weight == 0.25).all())
+        model.module.blocks[0].fc.bias.fill_(7.0)
+    out["shard_shape"] = tuple(model.module.blocks[0].fc.weight.shape)
+    sd = model.state_dict()
+    out["discarded"] = not bool((sd["blocks.0.fc.bias"] == 7.0).any())
+    out["edit_trains"] = bool(torch.isfinite(train_step(model, make_optimizer(model), 0)[0]))
+    return out
+
+
+def test_summon_full_params_and_names(world2):
+    for r in world2.run(_summon_and_names):
+        n = 2
+        assert r["names"] and r["written_back"] and r["discarded"] and r["edit_trains"], r
+        assert r["full_shape"] == (4 * TINY.d_model, TINY.d_model)
+        assert r["shard_shape"] == (4 * TINY.d_model // n, TINY.d_model)
+
+
+FROZEN_AT_START = ("blocks.1.fc.weight", "blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias",
+                   "blocks.0.attn.proj.weight", "blocks.0.attn.proj.bias")
+
+
+def _unfreeze_midrun():
+    """A parameter mixed into a trainable unit and a whole unit start frozen and are unfrozen
+    after step 2 (added to the optimizer); the oracle does the same."""
+    def run(model, local):
+        optim = make_optimizer(model)
+        for step in range(5):
+            if step == 2:
+                params = dict(model.named_parameters())
+                new = [params[n].requires_grad_(True) for n in FROZEN_AT_START]
+                optim.add_param_group({"params": new})
+            train_step(model, optim, step, local=local)
+        return model
+
+    reference = run(build_gpt(freeze=FROZEN_AT_START), local=False)
+    model = run(wrap_gpt(build_gpt(freeze=FROZEN_AT_START)), local=True)
+    frozen_grads = []
+    check = wrap_gpt(build_gpt(freeze=FROZEN_AT_START))
+    optim = make_optimizer(check)
+    train_step(check, optim, 0)
+    params = dict(check.named_parameters())
+    frozen_state = [params[n] in optim.state for n in FROZEN_AT_START]
+    loss = check.loss(*synthetic_batch(TINY, 2, 0))
+    loss.backward()
+    frozen_grads = [params[n].grad is not None for n in FROZEN_AT_START]
+    return {"diff": max_diff(model.state_dict(), reference.state_dict()),
+            "frozen_grads": frozen_grads, "frozen_state": frozen_state}
+
+
+def test_unfreeze_midrun(world2):
+    for r in world2.run(_unfreeze_midrun):
+        assert r["diff"] <= 1e-5, r
+        assert not any(r["frozen_grads"]) and not any(r["frozen_state"]), r
+
+
+def _optimizer_before_wrapping_and_offload():
+    reference = build_gpt()
+    ref_optim = make_optimizer(reference)
+    early = build_gpt()
+    early_optim = make_optimizer(early)  # holds the original parameter objects
+    early = wrap_gpt(early)
+    offload = wrap_gpt(build_gpt(), move_params_to_cpu=True)
+    offload_optim = make_optimizer(offload)
+    for step in range(4):
+        train_step(reference, ref_optim, step, local=False)
+        train_step(early, early_optim, step)
+        train_step(offload, offload_optim, step)
+    return {"early": max_diff(early.state_dict(), reference.state_dict()),
+            "offload": max_diff(offload.state_dict(), reference.state_dict()),
+            "offload_device": {p.device.type for p in offload.parameters()}}
+
+
+def test_optimizer_built_before_wrapping_and_cpu_offload(world2):
+    for r in world2.run(_optimizer_before_wrapping_and_offload):
+        assert r["early"] <= 1e-5 and r["offload"] <= 1e-5, r
+        assert r["offload_device"] == {"cpu"}
+
+
+def _eval_and_no_sync_memory():
+    reference = build_gpt()
+    model = wrap_gpt(build_gpt())
+    idx, _ = synthetic_batch(TINY, GLOBAL_BATCH, 0)
+    with torch.no_grad():
+        expected = reference(local_slice(idx))
+        got = model(local_slice(idx))
+    live_after_eval = model.gathered_param_bytes().live
+    optim = make_optimizer(model)
+    x, y = synthetic_batch(TINY, GLOBAL_BATCH, 1)
+    x, y = local_slice(x), local_slice(y)
+    synced = model_state_bytes(model).grads
+    with model.no_sync():
+        model.loss(x, y).backward()
+    accumulating = model_state_bytes(model).grads
+    model.loss(x, y).backward()
+    after_sync = model_state_bytes(model).grads
+    optim.step()
+    return {"eval_diff": (expected - got).abs().max().item(), "live_after_eval": live_after_eval,
+            "synced": synced, "accumulating": accumulating, "after_sync": after_sync,
+            "shard_bytes": sum(p.numel() * 4 for p in model.parameters()),
+            "full_bytes": sum(p.numel() * 4 for p in reference.parameters())}
+
+
+def test_eval_and_no_sync_memory(world2):
+    for r in world2.run(_eval_and_no_sync_memory):
+        assert r["eval_diff"] <= 1e-5 and r["live_after_eval"] == 0, r
+        assert r["synced"] == 0
+        # inside no_sync every unit keeps its unsharded gradient (the full model's worth)
+        assert r["accumulating"] >= r["full_bytes"] - 4 * TINY.vocab_size * TINY.d_model, r
+        # after the synchronising backward only the 1/N gradient shards remain
+        assert r["after_sync"] <= r["shard_bytes"], r
