@@ -1,0 +1,92 @@
+"""shardkit.nn.wrap: enable_wrap / wrap / auto_wrap with FairScale- and torch-style policies."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardkit.models import GPT, Block, GPTConfig
+from shardkit.nn.wrap import (auto_wrap, default_auto_wrap_policy, enable_wrap,
+                              size_based_auto_wrap_policy, transformer_auto_wrap_policy, wrap)
+from shardkit.testing import World
+
+
+class Tag(nn.Module):
+    """A stand-in wrapper recording its kwargs (no process group needed)."""
+
+    def __init__(self, module, **kwargs):
+        super().__init__()
+        self.module = module
+        self.kwargs = kwargs
+
+    def forward(self, *args):
+        return self.module(*args)
+
+
+CFG = GPTConfig(vocab_size=32, n_layer=3, n_head=2, d_model=16, seq_len=8)
+
+
+def _tags(model):
+    return [m for m in model.modules() if isinstance(m, Tag)]
+
+
+def test_transformer_policy_both_spellings():
+    for policy in (transformer_auto_wrap_policy({Block}),
+                   functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})):
+        with enable_wrap(wrapper_cls=Tag, flag=1):
+            model = auto_wrap(GPT(CFG), policy)
+        tags = _tags(model)
+        assert len(tags) == CFG.n_layer and all(isinstance(t.module, Block) for t in tags)
+        assert all(t.kwargs == {"flag": 1} for t in tags)
+        assert not isinstance(model, Tag)  # the root is the caller's to wrap
+
+
+def test_default_policy_min_num_params_and_torch_keyword():
+    block_numel = sum(p.numel() for p in Block(CFG).parameters())
+    policy = functools.partial(default_auto_wrap_policy, min_num_params=block_numel)
+    with enable_wrap(wrapper_cls=Tag):
+        model = auto_wrap(GPT(CFG), policy)
+    assert all(isinstance(t.module, Block) for t in _tags(model)) and len(_tags(model)) == 3
+    # ModuleList is never wrapped; nothing is large enough with a huge threshold
+    with enable_wrap(wrapper_cls=Tag):
+        assert _tags(auto_wrap(GPT(CFG))) == []
+
+    def torch_style(module, recurse, nonwrapped_numel):
+        return recurse or isinstance(module, nn.Linear) and nonwrapped_numel > 100
+
+    with enable_wrap(wrapper_cls=Tag):
+        model = auto_wrap(GPT(CFG), torch_style)
+    assert {type(t.module) for t in _tags(model)} == {nn.Linear}
+    assert size_based_auto_wrap_policy(module=nn.Linear(4, 4), recurse=False,
+                                       nonwrapped_numel=20, min_num_params=10)
+
+
+def test_wrap_outside_and_inside_context():
+    lin = nn.Linear(2, 2)
+    assert wrap(lin) is lin
+    with enable_wrap(wrapper_cls=Tag, a=1, b=2):
+        tagged = wrap(lin, b=3)
+    assert isinstance(tagged, Tag) and tagged.kwargs == {"a": 1, "b": 3}
+
+
+def test_bad_policy_arguments():
+    with pytest.raises(ValueError, match="transformer_layer_cls"):
+        transformer_auto_wrap_policy({"Block"})
+    with pytest.raises(ValueError, match="auto_wrap_policy"):
+        auto_wrap(nn.Linear(2, 2), auto_wrap_policy=3)
+    with pytest.raises(ValueError, match="min_num_params"):
+        default_auto_wrap_policy(nn.Linear(2, 2))
+
+
+def _default_wrapper_is_fsdp():
+    from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+
+    model = auto_wrap(GPT(CFG), transformer_auto_wrap_policy({Block}), reshard_after_forward=False)
+    units = [m for m in model.modules() if isinstance(m, FSDP)]
+    return len(units), all(u.reshard_after_forward is False for u in units)
+
+
+def test_auto_wrap_defaults_to_fsdp():
+    with World(1) as world:
+        assert world.run(_default_wrapper_is_fsdp) == [(CFG.n_layer, True)]
