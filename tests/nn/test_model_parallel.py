@@ -4,6 +4,7 @@ Every layer is checked against the unsplit torch layer built from the same maste
 output and all gradients at tensor-parallel size 2 and 4 (max abs diff <= 1e-5).
 """
 
+import contextlib
 import functools
 
 import pytest
@@ -610,41 +611,62 @@ def _average_over_data_parallel(model):
         offset += g.numel()
 
 
-def _gpt_tensor_and_data_parallel_training():
-    """2 tensor x 2 data: each replica trains on half of the global batch; OSS shards the
-    momentum buffers over the data-parallel group."""
+def _wrap_data_parallel(model, zero, group):
+    """(callable model, optimizer, gradient averaging to do by hand) for ZeRO stage ``zero``
+    over the data-parallel ``group``; SGD with momentum in every case."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
     from shardkit.optim import OSS
 
+    if zero == 3:
+        wrapped = FullyShardedDataParallel(model, process_group=group)
+        return wrapped, _sgd(wrapped.parameters()), False
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, group=group, lr=LR, momentum=0.9)
+    if zero == 2:
+        return ShardedDataParallel(model, opt, process_group=group), opt, False
+    return model, opt, True
+
+
+def _gpt_tensor_and_data_parallel_training(zero):
+    """2 tensor x 2 data: each replica trains on half of the global batch, with OSS (ZeRO-1),
+    ShardedDDP + OSS (ZeRO-2) or FSDP (ZeRO-3) over the data-parallel group."""
     mp.initialize_model_parallel(2)
     try:
         ref, ref_losses = _reference_run()
         model = _tensor_parallel_gpt()
-        opt = OSS(model.parameters(), optim=torch.optim.SGD, group=mp.get_data_parallel_group(),
-                  lr=LR, momentum=0.9)
+        model_bytes = 4 * sum(p.numel() for p in model.parameters())  # this rank's TP shard
+        wrapped, opt, average_by_hand = _wrap_data_parallel(model, zero,
+                                                            mp.get_data_parallel_group())
         half = GLOBAL_BATCH // mp.get_data_parallel_world_size()
         lo = mp.get_data_parallel_rank() * half
         for step in range(STEPS):
             idx, target = synthetic_batch(GPT_CFG, GLOBAL_BATCH, step)
-            loss = model.loss(idx[lo:lo + half], target[lo:lo + half])
+            loss = gpt_loss(wrapped(idx[lo:lo + half]), target[lo:lo + half])
             opt.zero_grad()
             loss.backward()
-            _average_over_data_parallel(model)
+            if average_by_hand:
+                _average_over_data_parallel(model)
             opt.step()
-        state_bytes = model_state_bytes(model, opt)
-        return {"param_diff": _param_diff(full_model_state_dict(model), ref),
-                "optimizer_bytes": state_bytes.optimizer, "param_bytes": state_bytes.params}
+        state_bytes = model_state_bytes(wrapped, opt)
+        full_params = wrapped.summon_full_params() if zero == 3 else contextlib.nullcontext()
+        with full_params:
+            param_diff = _param_diff(full_model_state_dict(model), ref)
+        return {"param_diff": param_diff, "optimizer_bytes": state_bytes.optimizer,
+                "model_bytes": model_bytes, "param_bytes": state_bytes.params}
     finally:
         mp.destroy_model_parallel()
 
 
-def test_gpt_2_tensor_x_2_data_parallel_oss_matches(world4):
-    pytest.importorskip("shardkit.optim.oss")
-    res = world4.run(_gpt_tensor_and_data_parallel_training)
-    print(f"TP2 x DP2 (OSS): {max(r['param_diff'] for r in res):.2e} param")
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_gpt_2_tensor_x_2_data_parallel_matches(world4, zero):
+    res = world4.run(_gpt_tensor_and_data_parallel_training, zero)
+    print(f"TP2 x DP2 (ZeRO-{zero}): {max(r['param_diff'] for r in res):.2e} param")
     for r in res:
         assert r["param_diff"] <= TOL, r
-        # one momentum float per parameter: OSS holds it for about half this rank's shard
-        assert r["optimizer_bytes"] < 0.75 * r["param_bytes"]
+        # one momentum float per parameter of this rank's tensor-parallel shard, split over
+        # the 2 data-parallel replicas (whole parameters for OSS: about half)
+        assert r["optimizer_bytes"] < 0.75 * r["model_bytes"], r
+        if zero == 3:  # FSDP shards the parameters too
+            assert r["param_bytes"] < 0.75 * r["model_bytes"], r
 
 
 def _hand_written_pipeline_step(part, stage_index, idx, target):
