@@ -150,7 +150,10 @@ def peak_rss_bytes() -> int:
 
 
 def draw_progress(label: str, step: int, total: int, loss: float, ms: float) -> None:
-    """Redraw rank 0's progress bar for the current run on one terminal line."""
+    """Redraw rank 0's progress bar for the current run on one terminal line (away from a
+    terminal, as in logs, only the finished bar is printed)."""
+    if step < total and not sys.stdout.isatty():
+        return
     width = 30
     done = int(width * step / total)
     print(f"\r  {label:<20}[{'#' * done}{'-' * (width - done)}] {step:>4}/{total} "
