@@ -89,8 +89,12 @@ def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
         dst.copy_(src)
     elif src.dtype == dst.dtype or src.dtype in (torch.float32, torch.float64):
         torch.mul(src, scale, out=dst)
-    else:  # torch would round the product to src's 16-bit dtype before casting it to dst's
-        dst.copy_(src).mul_(scale)
+    # Below, torch.mul would round the product to src's 16-bit dtype before the cast to dst's
+    # dtype rounds again; round once, like the Triton kernel.
+    elif dst.dtype.itemsize > src.dtype.itemsize:
+        dst.copy_(src).mul_(scale)  # the widening copy is exact
+    else:  # fp16 <-> bf16: through an fp32 temporary
+        torch.mul(src.float(), scale, out=dst)
 
 
 def _write_columns(cols: torch.Tensor, src: torch.Tensor, n: int, c: int, scale: float) -> None:
