@@ -243,6 +243,19 @@ def _row_parity(tp_rank, tp, diffs):
         diffs[key + "_db"] = _maxdiff(layer.bias.grad, ref.bias.grad)
 
 
+def _vocab_embedding_max_norm_parity(tp_rank, tp, diffs):
+    idx = torch.randint(0, 32, (3, 7), generator=torch.Generator().manual_seed(8))
+    torch.manual_seed(16)
+    layer = mp.VocabParallelEmbedding(32, 8, max_norm=0.5, init_method=nn.init.normal_,
+                                      keep_master_weight_for_test=True)
+    ref = nn.Embedding(32, 8, max_norm=0.5)
+    with torch.no_grad():
+        ref.weight.copy_(layer.master_weight)
+    y, yr = layer(idx), ref(idx)
+    diffs["VocabParallelEmbedding_max_norm_out"] = _maxdiff(y, yr)
+    diffs["VocabParallelEmbedding_max_norm_weight"] = _maxdiff(layer.full_weight(), ref.weight)
+
+
 def _embedding_parity(tp_rank, tp, diffs):
     idx = torch.randint(0, 32, (3, 7), generator=torch.Generator().manual_seed(4))
     g = torch.randn(3, 7, 8, generator=torch.Generator().manual_seed(5))
@@ -319,6 +332,7 @@ def _layer_parity(tp):
         _column_stride_parity(rank, tp, diffs)
         _row_parity(rank, tp, diffs)
         _embedding_parity(rank, tp, diffs)
+        _vocab_embedding_max_norm_parity(rank, tp, diffs)
         _sequence_parallel_parity(rank, tp, diffs)
         _full_state_round_trip(rank, tp, diffs)
         return diffs
@@ -490,6 +504,7 @@ def _bad_input():
             catch("in_features", lambda: mp.RowParallelLinear(6, 8))
             catch("vocab", lambda: mp.VocabParallelEmbedding(30, 8))
             catch("embedding_dim", lambda: mp.ParallelEmbedding(30, 6))
+            catch("freq", lambda: mp.VocabParallelEmbedding(32, 8, scale_grad_by_freq=True))
             catch("row_sp", lambda: mp.RowParallelLinear(8, 8, sequence_parallel=True))
             catch("ce_target", lambda: mp.vocab_parallel_cross_entropy(
                 torch.zeros(2, 3, 4), torch.zeros(2, 4).long()))
@@ -514,6 +529,7 @@ def test_bad_input_clear_errors_before_any_collective(world4):
     assert "num_embeddings (vocabulary)=30 is not divisible by tensor-parallel size 4" in e["vocab"]
     assert "embedding_dim=6 is not divisible by tensor-parallel size 4" in e["embedding_dim"]
     assert "input_is_parallel=True" in e["row_sp"]
+    assert "scale_grad_by_freq=True is not supported" in e["freq"]
     assert "target shape (2, 4)" in e["ce_target"]
     assert "unsplit 'weight' has shape (8, 4); the unsplit layer's is (8, 8)" in e["load_shape"]
 

@@ -296,8 +296,9 @@ class VocabParallelEmbedding(TensorParallelModule):
     Args:
         num_embeddings: vocabulary size ``V`` (must divide by n).
         embedding_dim: width of each row.
-        padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse: as ``nn.Embedding``
-            (``padding_idx`` row starts at zero and gets no gradient).
+        padding_idx, max_norm, norm_type, sparse: as ``nn.Embedding`` (``padding_idx`` row
+            starts at zero and gets no gradient; ``max_norm`` renormalises only looked-up rows).
+        scale_grad_by_freq: must be ``False`` (kept for ``nn.Embedding``'s signature).
         init_method: in-place initialiser applied to the full ``[V, dim]`` master weight.
         keep_master_weight_for_test: keep the full initial weight as ``self.master_weight``.
         sequence_parallel: reduce-scatter the output along ``sequence_dim`` (each rank keeps
@@ -316,6 +317,11 @@ class VocabParallelEmbedding(TensorParallelModule):
                  keep_master_weight_for_test: bool = False, sequence_parallel: bool = False,
                  sequence_dim: int = SEQUENCE_DIM):
         super().__init__("VocabParallelEmbedding")
+        if scale_grad_by_freq:
+            # tokens of other ranks' rows look up local row 0 (then masked), which would
+            # distort that row's frequency count
+            raise ValueError("VocabParallelEmbedding: scale_grad_by_freq=True is not supported; "
+                             "use scale_grad_by_freq=False")
         _check_divisible("VocabParallelEmbedding: num_embeddings (vocabulary)", num_embeddings,
                          self.tp_size)
         if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
@@ -345,8 +351,12 @@ class VocabParallelEmbedding(TensorParallelModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.vocab_start_index) | (idx >= self.vocab_end_index)
         local = (idx - self.vocab_start_index).masked_fill(outside, 0)
-        partial = F.embedding(local, self.weight, self._local_padding_idx(), self.max_norm,
-                              self.norm_type, self.scale_grad_by_freq, self.sparse)
+        if self.max_norm is not None:  # renormalise only the rows really looked up here
+            with torch.no_grad():
+                torch.embedding_renorm_(self.weight, local[~outside], self.max_norm,
+                                        self.norm_type)
+        partial = F.embedding(local, self.weight, self._local_padding_idx(), None,
+                              self.norm_type, False, self.sparse)
         partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim)

@@ -83,7 +83,9 @@ class RNGStatesTracker:
             raise ValueError(f"RNGStatesTracker.add: seed={seed} is already used by another "
                              f"stream; each stream needs its own seed")
         outside = _GeneratorState.capture()
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed(seed)  # the current device only, like the captured state
         self._states[name] = _GeneratorState.capture()
         outside.restore()
         self._seeds.add(seed)
