@@ -1,6 +1,6 @@
 """The main job: what each wrapper saves and costs, side by side, in one command.
 
-``python -m shardkit demo [--world-size 2] [--steps 40] [--model small|reference] [--out DIR]``
+``python -m shardkit demo [--world-size 2] [--steps 100] [--model small|reference] [--out DIR]``
 launches ``world-size`` CPU processes with ``torchrun`` (one launch that runs every
 configuration in turn) and trains a GPT on the synthetic next-token task
 (:func:`shardkit.models.synthetic_batch`) with, in order:
@@ -483,7 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Train a GPT with each shardkit wrapper and torch "
                                             "DDP on CPU; compare memory, time and traffic.")
     p.add_argument("--world-size", type=int, default=2, help="processes (1, 2 or 4; default 2)")
-    p.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
+    p.add_argument("--steps", type=int, default=100, help="training steps per run (default 100)")
     p.add_argument("--model", default="small", help=f"one of {', '.join(MODELS)}")
     p.add_argument("--batch", type=int, default=8, help="global batch (default 8)")
     p.add_argument("--runs", default=",".join(r.name for r in RUNS),
