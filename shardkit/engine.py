@@ -96,11 +96,23 @@ def _check_arguments(model, optimizer, lr_scheduler, cfg: EngineConfig) -> None:
     if cfg.scheduler is not None and lr_scheduler is not None:
         raise ConfigError("initialize: both lr_scheduler=... and a config 'scheduler' section "
                           "were given; pass exactly one of them")
+    if _is_scheduler_instance(lr_scheduler):
+        if cfg.zero.stage >= 1 or getattr(lr_scheduler, "optimizer", None) is not optimizer:
+            raise ConfigError(
+                f"initialize(lr_scheduler=<{type(lr_scheduler).__name__}>): at "
+                f"zero_optimization.stage={cfg.zero.stage} the engine steps an optimizer it "
+                f"builds itself, which this scheduler is not attached to; pass a callable "
+                f"instead, e.g. lr_scheduler=lambda opt: {type(lr_scheduler).__name__}(opt, ...)")
     if cfg.zero.stage == 3 and isinstance(optimizer, torch.optim.Optimizer) \
             and len(optimizer.param_groups) > 1:
         raise ConfigError(f"zero_optimization.stage=3 rebuilds the optimizer over FSDP's "
                           f"parameters, so it supports one param group; this optimizer has "
                           f"{len(optimizer.param_groups)}")
+
+
+def _is_scheduler_instance(lr_scheduler) -> bool:
+    return lr_scheduler is not None and hasattr(lr_scheduler, "step") \
+        and hasattr(lr_scheduler, "state_dict")
 
 
 # ----------------------------------------------------------------------------- composition
@@ -171,8 +183,8 @@ def compose_stage3(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineConfig)
     from shardkit.nn.wrap import auto_wrap
 
     fsdp_kwargs = {}
-    if cfg.zero.offload_param_device == "cpu" and next(model.parameters()).is_cuda:
-        fsdp_kwargs["move_params_to_cpu"] = True
+    if "cpu" in (cfg.zero.offload_param_device, cfg.zero.offload_optimizer_device):
+        fsdp_kwargs["move_params_to_cpu"] = True  # shards and optimizer state in CPU memory
     wrapped = FSDP(auto_wrap(model, auto_wrap_policy=_stage3_wrap_policy(model), **fsdp_kwargs),
                    **fsdp_kwargs)
     optimizer = recipe.build(p for p in wrapped.parameters() if p.requires_grad)
@@ -259,6 +271,13 @@ class ShardedEngine(nn.Module):
     @property
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    def module_state_dict(self) -> dict:
+        """The unwrapped model's full fp32 ``state_dict`` (stage 3: gathered by FSDP, a
+        collective on every rank; memory: the full model on each rank)."""
+        if self.zero_stage == 3:
+            return self.wrapped.state_dict()
+        return self.module.state_dict()
 
     def module_state_names(self) -> list[str]:
         """The ``state_dict`` keys of the unwrapped model (what a checkpoint stores)."""
@@ -462,6 +481,11 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         _ensure_log_handler()
         for note in cfg.warnings:
             logger.warning(note)
+    if cfg.zero.stage < 3 and cfg.zero.offload_optimizer_device == "cpu" \
+            and next(model.parameters()).is_cuda and distributed.get_rank() == 0:
+        logger.warning("zero_optimization.offload_optimizer: CPU offload is implemented at "
+                       "stage 3 only (FSDP move_params_to_cpu); at stage %d the optimizer "
+                       "state stays on the GPU", cfg.zero.stage)
     recipe = _optimizer_recipe(cfg, optimizer, model_parameters, model)
     state_names = list(model.state_dict().keys())
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -503,7 +527,7 @@ def _build_scheduler(cfg: EngineConfig, lr_scheduler, optimizer):
     if cfg.scheduler is not None:
         from shardkit.optim import lr_scheduler as schedules
         return getattr(schedules, cfg.scheduler.type)(optimizer, **cfg.scheduler.kwargs)
-    if lr_scheduler is not None and callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+    if lr_scheduler is not None and not _is_scheduler_instance(lr_scheduler):
         return lr_scheduler(optimizer)
     return lr_scheduler
 

@@ -16,6 +16,7 @@ from shardkit import distributed
 from shardkit.config import ConfigError
 from shardkit.models import GPT, Block, GPTConfig, synthetic_batch
 from shardkit.testing import World
+from shardkit.utils.memory import model_state_bytes
 
 TINY = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=8)
 # Note: eps 1e-6, not AdamW's 1e-8. The key bias of attention has an exactly-zero true gradient
@@ -102,6 +103,7 @@ def _parity(stage):
     oracle = GPT(TINY, seed=0)
     oracle_opt = torch.optim.AdamW(oracle.parameters(), lr=LR, weight_decay=WD, eps=EPS)
 
+    engine_comm, hand_comm = distributed.CommCounter(), distributed.CommCounter()
     vs_oracle, vs_hand, boundaries = [], [], []
     for step in range(STEPS):
         idx, tgt = synthetic_batch(TINY, MICRO * GAS * world, step)
@@ -112,21 +114,27 @@ def _parity(stage):
 
         for m, (x, y) in enumerate(_micro_batches(step, rank, world)):
             boundaries.append(engine.is_gradient_accumulation_boundary())
-            engine.backward(_lm_loss(engine(x), y))
-            engine.step()
+            with engine_comm:
+                engine.backward(_lm_loss(engine(x), y))
+                engine.step()
 
             sync = contextlib.nullcontext() if m == GAS - 1 else hand_no_sync()
-            with sync:
+            with hand_comm, sync:
                 (_lm_loss(hand(x), y) / GAS).backward()
-        hand_clip()
-        hand_opt.step()
-        hand_opt.zero_grad()
+        with hand_comm:
+            hand_clip()
+            hand_opt.step()
+            hand_opt.zero_grad()
 
         got = _full_params(stage, engine.wrapped, engine.module)
         vs_oracle.append(_max_diff(got, oracle.state_dict()))
         vs_hand.append(_max_diff(got, _full_params(stage, hand, hand_model)))
+    memory = model_state_bytes(module=engine.wrapped, optimizer=engine.optimizer)
     return {"vs_oracle": vs_oracle, "vs_hand": vs_hand, "global_steps": engine.global_steps,
-            "boundaries": boundaries[:GAS], "optimizer": type(optimizer).__name__}
+            "boundaries": boundaries[:GAS], "optimizer": type(optimizer).__name__,
+            "comm": (engine_comm.bytes, len(engine_comm.calls)),
+            "hand_comm": (hand_comm.bytes, len(hand_comm.calls)),
+            "memory": memory.as_dict(), "numel": sum(p.numel() for p in oracle.parameters())}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -137,7 +145,23 @@ def test_stage_matches_single_process_and_hand_composed(world2, stage):
         assert r["boundaries"] == [False] * (GAS - 1) + [True]
         assert max(r["vs_oracle"]) <= 1e-5, r["vs_oracle"]
         assert max(r["vs_hand"]) <= 1e-6, r["vs_hand"]
+        # The engine adds no traffic to what its wrappers need (fp32: no overflow flag).
+        assert r["comm"] == r["hand_comm"]
     assert results[0]["optimizer"] == ("OSS" if stage in (1, 2) else "AdamW")
+
+    # Per-rank memory after a step (grads freed): AdamW keeps 8 bytes per parameter.
+    numel, world = results[0]["numel"], len(results)
+    optim = [r["memory"]["optimizer"] for r in results]
+    params = [r["memory"]["params"] for r in results]
+    if stage == 0:
+        assert min(optim) >= 8 * numel and min(params) == 4 * numel
+    else:  # optimizer state split over the ranks (whole parameters at 1-2: a little uneven)
+        assert 8 * numel <= sum(optim) <= 8 * numel + 64 * numel / 100
+        assert max(optim) <= 0.65 * 8 * numel
+    if stage == 3:  # parameters sharded too (rows padded to a multiple of the world size)
+        assert max(params) <= 4 * numel / world * 1.1
+    elif stage in (1, 2):
+        assert min(params) == 4 * numel
 
 
 # ----------------------------------------------------------------------------- fp16
@@ -186,7 +210,7 @@ def _fp16_dynamic(stage):
             "master_dtype": str(master_dtype)}
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 2, 3])
 def test_fp16_dynamic_scaling_skips_then_trains(world2, stage):
     results = world2.run(_fp16_dynamic, stage)
     r0 = results[0]
@@ -282,6 +306,14 @@ def _bad_configs():
                                 config={"train_batch_size": 8, "optimizer": {"type": "SGD"}})
         except ConfigError as e:
             out["two optimizers"] = str(e)
+        try:
+            model = torch.nn.Linear(2, 2)
+            opt = torch.optim.SGD(model.parameters(), 0.1)
+            shardkit.initialize(model=model, optimizer=opt,
+                                lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1),
+                                config={"train_batch_size": 8, "zero_optimization": {"stage": 1}})
+        except ConfigError as e:
+            out["scheduler instance"] = str(e)
     out["collectives"] = len(comm.calls)
     return out
 
@@ -292,4 +324,5 @@ def test_bad_configs_raise_on_every_rank_without_traffic(world2):
     for name, (_, needle) in BAD_CONFIGS.items():
         assert needle in results[0].get(name, ""), (name, results[0].get(name))
     assert "exactly one" in results[0]["two optimizers"]
+    assert "pass a callable instead" in results[0]["scheduler instance"]
     assert results[0]["collectives"] == 0

@@ -24,8 +24,9 @@ from typing import Optional
 import torch
 
 from shardkit import distributed
-from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard, commit_checkpoint,
-                                         read_checkpoint, resolve_checkpoint_dir)
+from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard, check_tag,
+                                         commit_checkpoint, read_checkpoint,
+                                         resolve_checkpoint_dir)
 from shardkit.optim.partition import ParameterPartition
 
 __all__ = ["save_engine_checkpoint", "load_engine_checkpoint", "rng_state", "set_rng_state"]
@@ -38,7 +39,8 @@ logger = logging.getLogger("shardkit")
 
 def save_engine_checkpoint(engine, save_dir: str, tag: Optional[str],
                            client_state: Optional[dict], save_latest: bool = True) -> str:
-    tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    tag = f"global_step{engine.global_steps}" if tag is None else tag
+    check_tag(tag)  # before the stage-3 gathers: a bad tag fails on every rank, no traffic
     if engine.zero_stage == 3:
         shard, groups = _stage3_shard(engine)
     else:

@@ -31,7 +31,8 @@ import torch
 from shardkit import distributed
 
 __all__ = ["FORMAT", "CheckpointError", "RankShard", "LoadedCheckpoint", "commit_checkpoint",
-           "read_latest_tag", "read_checkpoint", "rank_file_name", "resolve_checkpoint_dir"]
+           "read_latest_tag", "read_checkpoint", "rank_file_name", "resolve_checkpoint_dir",
+           "check_tag"]
 
 FORMAT = "shardkit-resharding-v1"
 LATEST = "latest"
@@ -88,7 +89,7 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     Communication: two barriers and two one-element all-reduces (one more barrier on failure). Raises
     :class:`CheckpointError` on every rank if any rank failed; ``latest`` is then untouched.
     """
-    _check_tag(tag)
+    check_tag(tag)
     rank = distributed.get_rank()
     final = os.path.join(save_dir, tag)
     staging = os.path.join(save_dir, f".tmp-{tag}")
@@ -155,7 +156,8 @@ def _publish(save_dir, tag, staging, final, metadata, engine_payload, save_lates
         os.replace(pending, os.path.join(save_dir, LATEST))
 
 
-def _check_tag(tag: str) -> None:
+def check_tag(tag: str) -> None:
+    """Raise :class:`CheckpointError` unless ``tag`` is a plain directory name."""
     if not isinstance(tag, str) or not tag or tag.startswith(".") or os.sep in tag \
             or tag == LATEST:
         raise CheckpointError(f"checkpoint tag={tag!r}: must be a non-empty name without "
