@@ -17,7 +17,7 @@ import torch
 from shardkit import distributed as dist
 
 __all__ = ["TensorMeta", "ActivationMeta", "ActivationSender", "ActivationReceiver",
-           "GradientSender", "GradientReceiver", "send_tensors"]
+           "GradientSender", "GradientReceiver", "PendingSends", "send_tensors"]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
@@ -65,6 +65,24 @@ def send_tensors(tensors, peer: int, group) -> list:
     return [dist.isend(t, peer, group=group) for t in tensors]
 
 
+class PendingSends:
+    """Sends in flight, each with the tensor it reads (kept alive until the send completes)."""
+
+    def __init__(self):
+        self.items: list = []
+
+    def add(self, works: list, tensors: list) -> None:
+        # drop finished sends first, so a long step does not keep every buffer it ever sent
+        self.items = [(w, t) for w, t in self.items if not w.is_completed()]
+        self.items.extend(zip(works, tensors))
+
+    def wait(self) -> None:
+        """Wait until every send started so far has completed."""
+        for work, _ in self.items:
+            work.wait()
+        self.items = []
+
+
 def _check_sendable(tensors: tuple) -> None:
     for t in tensors:
         if t.dtype not in _DTYPES:
@@ -79,7 +97,7 @@ class ActivationSender:
         self.peer = peer
         self.group = group
         self.metas: dict[int, ActivationMeta] = {}
-        self.pending: list = []  # (work, tensor) kept alive until the send completes
+        self.pending = PendingSends()
 
     def send(self, index: int, tensors: tuple, packed: bool) -> None:
         meta = ActivationMeta(tuple(TensorMeta.of(t) for t in tensors), packed)
@@ -88,23 +106,19 @@ class ActivationSender:
             _check_sendable(tensors)
             header = meta.encode()
             length = torch.tensor([header.numel()], dtype=torch.int64)
-            self._keep(send_tensors([length, header], self.peer, self.group), [length, header])
+            self.pending.add(send_tensors([length, header], self.peer, self.group),
+                             [length, header])
             self.metas[index] = meta
         elif cached != meta:
             raise ValueError(f"micro-batch {index}: the activation changed from {cached} to "
                              f"{meta}; shapes are exchanged once, so keep the batch size and "
                              f"shapes fixed (or build a new schedule and stage)")
         data = [t.detach().contiguous() for t in tensors]
-        self._keep(send_tensors(data, self.peer, self.group), data)
-
-    def _keep(self, works: list, tensors: list) -> None:
-        self.pending.extend(zip(works, tensors))
+        self.pending.add(send_tensors(data, self.peer, self.group), data)
 
     def wait(self) -> None:
         """Wait until every send started so far has completed."""
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
+        self.pending.wait()
 
 
 class ActivationReceiver:
@@ -152,17 +166,15 @@ class GradientSender:
     def __init__(self, peer: int, group):
         self.peer = peer
         self.group = group
-        self.pending: list = []
+        self.pending = PendingSends()
 
     def send(self, grads: list) -> None:
         data = [g.contiguous() for g in grads]
-        self.pending.extend(zip(send_tensors(data, self.peer, self.group), data))
+        self.pending.add(send_tensors(data, self.peer, self.group), data)
 
     def wait(self) -> None:
         """Wait until every send started so far has completed."""
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
+        self.pending.wait()
 
 
 class GradientReceiver:
