@@ -329,6 +329,14 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def format_count(n: float) -> str:
+    """A parameter count the way people say it: 7.5B, 27.37M, 530k."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.4g}{unit}"
+    return f"{n:.0f}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The planner's command-line options (validated afterwards by :func:`validate`)."""
     p = argparse.ArgumentParser(
@@ -420,7 +428,8 @@ def make_plan(req: PlanRequest) -> dict:
 def render_plan(plan: dict) -> str:
     """The plan as the text table ``plan`` prints."""
     pr = plan["precision"]
-    lines = [f"Per-rank model states by the ZeRO formulas: Ψ = {plan['params']:.4g} parameters, "
+    lines = [f"Per-rank model states by the ZeRO formulas: Ψ = {format_count(plan['params'])} "
+             f"parameters, "
              f"N = {plan['world_size']} ranks, {pr['label']} "
              f"(W={pr['weights']}, G={pr['grads']}, K={pr['optimizer']} bytes per parameter)"]
     summary = plan["summary"]
