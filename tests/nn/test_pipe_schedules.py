@@ -219,3 +219,48 @@ def test_split_sequential_bad_balance():
         split_sequential(nn.Linear(2, 2), [1])
     stages = split_sequential(_model(), [5, 4])
     assert [len(s) for s in stages] == [5, 4] and list(stages[1].state_dict())[0] == "6.weight"
+
+
+class _Fork(nn.Module):
+    """Sends a tuple across the boundary: two float tensors and an int tensor without grad."""
+
+    def forward(self, x):
+        return x, torch.sin(x), (x > 0).long().sum(dim=1)
+
+
+class _Join(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, 4)
+
+    def forward(self, parts):
+        a, b, count = parts
+        return self.lin(a * b) + count.unsqueeze(1).float()
+
+
+def _tuple_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), _Fork(), _Join())
+
+
+def _check_tuple_activations():
+    rank = dist.get_rank()
+    x, y = _batch(0)
+    ref = _tuple_model()
+    nn.functional.mse_loss(ref(x), y).backward()
+    out = []
+    for schedule_cls in (ScheduleGPipe, Schedule1F1B):
+        module = split_sequential(_tuple_model(), [2, 1])[rank]
+        schedule = schedule_cls(PipelineStage(module, rank, 2), 4, nn.functional.mse_loss)
+        for _ in range(2):  # the second step runs on the cached shapes
+            module.zero_grad()
+            schedule.step(x, target=y)
+        ref_part = split_sequential(ref, [2, 1])[rank]
+        out.append(max((a.grad - b.grad).abs().max().item()
+                       for a, b in zip(module.parameters(), ref_part.parameters())))
+    return out
+
+
+def test_tuple_activations_with_an_integer_tensor(world2):
+    for per_schedule in world2.run(_check_tuple_activations):
+        assert max(per_schedule) <= 1e-6
