@@ -245,7 +245,8 @@ def estimate_activation_bytes(summary: ModelSummary, batch: int, seq_len: int,
 @dataclass(frozen=True)
 class StageMemory:
     """One row of the plan: per-rank bytes of model states, of the transient buffer the stage
-    needs on top (a reduce bucket, an unsharded FSDP unit) and of activations."""
+    needs on top (a reduce bucket, an unsharded FSDP unit) and of activations, and the bytes
+    each rank puts on the wire per step (gradients' dtype, DESIGN.md's element counts)."""
 
     stage: int
     wrapper: str
@@ -253,6 +254,7 @@ class StageMemory:
     model_states: float
     transient: float
     activations: float
+    comm_per_step: float = 0.0
 
     @property
     def total(self) -> float:
@@ -278,7 +280,9 @@ def stage_table(params: float, world_size: int, precision: Precision,
     return [StageMemory(stage=s, wrapper=STAGE_WRAPPERS[s], formula=zero_formula_text(s),
                         model_states=zero_model_state_bytes(params, world_size, s, precision),
                         transient=transient_bytes(s, precision, params, summary),
-                        activations=activations)
+                        activations=activations,
+                        comm_per_step=precision.grads * zero_comm_elements_per_step(
+                            params, world_size, s))
             for s in stages]
 
 
@@ -438,12 +442,13 @@ def render_plan(plan: dict) -> str:
                      f"{summary['num_units']} FSDP units, the largest "
                      f"{summary['largest_unit_params']:,} parameters")
     show_extra = summary is not None
-    header = f"{'stage':<6}{'wrapper':<18}{'formula':<16}{'model states':>14}"
+    header = f"{'stage':<6}{'wrapper':<18}{'formula':<16}{'wire/step':>12}{'model states':>14}"
     if show_extra:
         header += f"{'+ transient':>14}{'+ activations':>15}{'total':>12}"
     lines += [header, "-" * len(header)]
     for r in plan["rows"]:
         line = (f"{r['stage']:<6}{r['wrapper']:<18}{r['formula']:<16}"
+                f"{format_bytes(r['comm_per_step']):>12}"
                 f"{format_bytes(r['model_states']):>14}")
         if show_extra:
             line += (f"{format_bytes(r['transient']):>14}{format_bytes(r['activations']):>15}"
