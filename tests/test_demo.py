@@ -121,3 +121,29 @@ class _Sized:
 
     def parameters(self):
         return iter(self._p)
+
+
+def test_a_failed_run_is_reported_and_the_rest_still_run(tmp_path, monkeypatch):
+    """run_all relaunches for the runs after a failure and names the root-cause rank error."""
+    launches = []
+
+    def fake_launch(req, names, log):
+        launches.append(list(names))
+        runs = tmp_path / "runs"
+        for name in names:
+            if name == "sharded_ddp":
+                (runs / "sharded_ddp.rank0.error").write_text(
+                    "Traceback\nRuntimeError: Connection closed by peer")
+                (runs / "sharded_ddp.rank1.error").write_text("Traceback\nValueError: boom")
+                return 1
+            (runs / f"{name}.json").write_text(json.dumps([{"rank": 0}]))
+        return 0
+
+    monkeypatch.setattr(demo, "launch_workers", fake_launch)
+    req = demo.DemoRequest(world_size=2, steps=1, model="small", batch=8,
+                           runs=("ddp", "sharded_ddp", "fsdp"), out=str(tmp_path), seed=0,
+                           timeout=10.0)
+    results = demo.run_all(req, ["ddp", "sharded_ddp", "fsdp"])
+    assert launches == [["ddp", "sharded_ddp", "fsdp"], ["fsdp"]]
+    assert results["ddp"] == [{"rank": 0}] and results["fsdp"] == [{"rank": 0}]
+    assert results["sharded_ddp"] == {"error": "rank1: ValueError: boom"}
