@@ -482,7 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m shardkit demo",
                                 description="Train a GPT with each shardkit wrapper and torch "
                                             "DDP on CPU; compare memory, time and traffic.")
-    p.add_argument("--world-size", type=int, default=2, help="processes (1, 2 or 4; default 2)")
+    p.add_argument("--world-size", type=int, default=2,
+                   help="processes, e.g. 1, 2 or 4 (default 2; at most 2 per CPU core)")
     p.add_argument("--steps", type=int, default=100, help="training steps per run (default 100)")
     p.add_argument("--model", default="small", help=f"one of {', '.join(MODELS)}")
     p.add_argument("--batch", type=int, default=8, help="global batch (default 8)")
