@@ -17,4 +17,5 @@ from shardkit.kernels.packing import (chunk_numels_for, pack_rank_major, shard_v
 from shardkit.kernels.optim_step import adamw_step, adamw_step_many, sgd_step
 
 __all__ = ["backend_for", "triton_available", "pack_rank_major", "unpack_rank_major",
-           "unpack_shard", "shard_views", "chunk_numels_for", "adamw_step", "adamw_step_many", "sgd_step"]
+           "unpack_shard", "shard_views", "chunk_numels_for", "adamw_step", "adamw_step_many",
+           "sgd_step"]

@@ -28,6 +28,11 @@ def backend_for(*tensors: torch.Tensor) -> str:
     (force the Triton code, e.g. with ``TRITON_INTERPRET=1`` on CPU) or ``torch``.
     """
     choice = os.environ.get("SHARDKIT_KERNELS", "auto").lower()
+    if choice == "auto":  # the hot path: called once per optimizer step or packing
+        for t in tensors:
+            if not t.is_cuda:
+                return "torch"
+        return "triton" if tensors and triton_available() else "torch"
     if choice not in _VALID:
         raise ValueError(f"SHARDKIT_KERNELS={choice!r}; valid values are {list(_VALID)}")
     if choice == "torch":
@@ -39,7 +44,5 @@ def backend_for(*tensors: torch.Tensor) -> str:
         on_cpu = any(t.device.type == "cpu" for t in tensors)
         if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("SHARDKIT_KERNELS=triton on CPU tensors needs TRITON_INTERPRET=1")
-        return "triton"
-    if tensors and all(t.is_cuda for t in tensors) and triton_available():
         return "triton"
     return "torch"

@@ -129,7 +129,7 @@ def _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *
     """torch's fused Adam(W) over lists: one C++ call, one pass over memory per tensor."""
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
     device = params[0].device
-    step_tensors = torch.tensor([float(s) for s in steps], device=device).unbind(0)
+    step_tensors = [_step_tensor(s, device) for s in steps]
     casts = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
     fused(list(params), casts, list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
           list(step_tensors), grad_scale=grad_scale, found_inf=found_inf, **hyper)
@@ -137,6 +137,21 @@ def _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *
         for g, cast in zip(grads, casts):
             if cast is not g:  # keep the contract: grad holds the unscaled gradient
                 g.copy_(cast)
+
+
+_STEP_TENSORS: dict = {}
+
+
+def _step_tensor(step: int, device: torch.device) -> torch.Tensor:
+    """A read-only scalar tensor holding ``step`` for torch's fused kernels, cached: building
+    one per call costs more than the whole update of a small buffer."""
+    key = (step, device)
+    t = _STEP_TENSORS.get(key)
+    if t is None:
+        if len(_STEP_TENSORS) > 256:
+            _STEP_TENSORS.clear()
+        t = _STEP_TENSORS[key] = torch.tensor(float(step), device=device)
+    return t
 
 
 def adamw_step_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],

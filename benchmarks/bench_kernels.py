@@ -1,0 +1,240 @@
+"""Benchmark the kernels of :mod:`shardkit.kernels` against torch baselines measured in the same
+run: the AdamW step (shardkit's CPU path vs torch.optim.AdamW for-loop / foreach / fused) and
+the rank-major packing (vs ``torch.cat`` + scale + cast). On CUDA, the Triton kernels vs torch's
+fused AdamW.
+
+Every candidate runs once per round, rounds interleave the candidates (so drifts in machine load
+hit all of them alike), and the table reports medians over rounds. Achieved bandwidth counts
+28 bytes per parameter per AdamW step (read p, g, m, v; write p, m, v), as a fraction of the
+bandwidth of a ``dst.copy_(src)`` moving the same bytes, interleaved in the same rounds.
+
+    python -m benchmarks.bench_kernels            # 4M, 16M, 64M params, 1 thread
+    python -m benchmarks.bench_kernels --quick    # 4M, 16M, fewer rounds, no 16M for-loop
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from shardkit.kernels import adamw_step, pack_rank_major
+from shardkit.optim import FusedAdamW
+
+ADAMW_BYTES_PER_PARAM = 28
+COPY = "copy_ of 28 B/param (bandwidth reference)"
+RESULTS = Path(__file__).resolve().parent / "results" / "kernels.md"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interleaved_medians(candidates: dict[str, Callable[[], None]], rounds: int,
+                        device: torch.device) -> dict[str, float]:
+    """Median seconds per call of each candidate; one warm-up call each first."""
+    for fn in candidates.values():
+        fn()
+    sync(device)
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def copy_candidate(numel_bytes: int, device: torch.device) -> Callable[[], None]:
+    """``dst.copy_(src)`` moving ``numel_bytes`` in total (half read, half written)."""
+    src = torch.randn(numel_bytes // 8, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def adamw_candidates(numel: int, device: torch.device) -> dict[str, Callable[[], None]]:
+    """One flat fp32 parameter of ``numel`` elements with a gradient, stepped by each contender.
+
+    The parameter and gradient are shared; each optimizer keeps its own state (8 B/param)."""
+    param = torch.nn.Parameter(torch.randn(numel, device=device) * 0.02)
+    param.grad = torch.randn(numel, device=device) * 1e-3
+    kw = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    torch_opts = {"torch for-loop": torch.optim.AdamW([param], foreach=False, **kw),
+                  "torch foreach": torch.optim.AdamW([param], foreach=True, **kw),
+                  "torch fused": torch.optim.AdamW([param], fused=True, **kw)}
+    exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+    step = [0]
+
+    def shardkit_flat():
+        step[0] += 1
+        adamw_step(param.data, param.grad, exp_avg, exp_avg_sq, step=step[0], lr=kw["lr"],
+                   beta1=0.9, beta2=0.999, eps=kw["eps"], weight_decay=kw["weight_decay"])
+
+    fused_adamw = FusedAdamW([param], **kw)
+    candidates = {name: opt.step for name, opt in torch_opts.items()}
+    candidates["shardkit adamw_step"] = shardkit_flat
+    candidates["shardkit FusedAdamW"] = fused_adamw.step
+    return candidates
+
+
+def bench_adamw(sizes, rounds, device, skip_slow) -> list[dict]:
+    """Each size: the contenders and a copy moving the same 28 B/param, interleaved; the
+    bandwidth fraction of a contender is copy time / its time."""
+    rows = []
+    for numel in sizes:
+        candidates = adamw_candidates(numel, device)
+        if skip_slow and numel > 4 * 2**20:
+            candidates.pop("torch for-loop")
+        candidates[COPY] = copy_candidate(ADAMW_BYTES_PER_PARAM * numel, device)
+        medians = interleaved_medians(candidates, rounds, device)
+        copy_seconds = medians.pop(COPY)
+        base = medians["torch fused"]
+        rows.append(dict(params=numel, candidate=COPY, ms=copy_seconds * 1e3,
+                         ratio=copy_seconds / base, bw_fraction=1.0,
+                         gbps=ADAMW_BYTES_PER_PARAM * numel / copy_seconds / 1e9))
+        for name, seconds in medians.items():
+            rows.append(dict(params=numel, candidate=name, ms=seconds * 1e3,
+                             ratio=seconds / base, bw_fraction=copy_seconds / seconds,
+                             gbps=ADAMW_BYTES_PER_PARAM * numel / seconds / 1e9))
+        del candidates
+    return rows
+
+
+def gradient_like_tensors(numel: int, count: int, device) -> list[torch.Tensor]:
+    """``count`` tensors of uneven sizes summing to about ``numel`` (like a model's gradients)."""
+    weights = [1 + (i * 7919) % 13 for i in range(count)]
+    total = sum(weights)
+    return [torch.randn(max(1, numel * w // total), device=device) for w in weights]
+
+
+def bench_packing(numel, world_size, rounds, device) -> list[dict]:
+    tensors = gradient_like_tensors(numel, 48, device)
+    scale = 1.0 / world_size
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        def baseline():
+            torch.cat([t.reshape(-1) for t in tensors]).mul_(scale).to(dtype)
+
+        def shardkit_pack():
+            pack_rank_major(tensors, world_size, scale=scale, dtype=dtype)
+
+        medians = interleaved_medians({"torch.cat + scale + cast": baseline,
+                                       "shardkit pack_rank_major": shardkit_pack}, rounds, device)
+        base = medians["torch.cat + scale + cast"]
+        for name, seconds in medians.items():
+            rows.append(dict(params=sum(t.numel() for t in tensors), candidate=name,
+                             dtype=str(dtype).replace("torch.", ""), ms=seconds * 1e3,
+                             ratio=seconds / base))
+    return rows
+
+
+def small_call_overhead(rounds: int) -> list[dict]:
+    """Per-call cost on a 1K-element buffer, where the update itself is negligible."""
+    p, g, m, v = (torch.randn(1024) for _ in range(4))
+    v.abs_()
+    step = torch.tensor(1.0)
+    param = torch.nn.Parameter(p.clone())
+    param.grad = g.clone()
+    opt = torch.optim.AdamW([param], fused=True)
+
+    def raw():
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=1e-3, beta1=0.9, beta2=0.999,
+                            weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+
+    def many(fn):
+        return lambda: [fn() for _ in range(200)]
+
+    medians = interleaved_medians({
+        "torch._fused_adamw_ (raw)": many(raw),
+        "shardkit adamw_step": many(lambda: adamw_step(p, g, m, v, step=1, lr=1e-3)),
+        "torch AdamW(fused).step": many(opt.step)}, rounds, torch.device("cpu"))
+    return [dict(candidate=k, us=s / 200 * 1e6) for k, s in medians.items()]
+
+
+def format_tables(env, adamw_rows, pack_rows, overhead_rows, cuda_rows) -> str:
+    lines = ["# Kernel benchmarks", "", env, "",
+             "## AdamW step (one flat fp32 parameter, CPU)", "",
+             "Bandwidth fraction: time of a `dst.copy_(src)` moving the same 28 B/param (read +",
+             "write), run in the same rounds, divided by the candidate's time.", "",
+             "| params | candidate | ms (median) | time / torch fused | GB/s at 28 B/param "
+             "| fraction of copy bandwidth |",
+             "|---|---|---|---|---|---|"]
+    for r in adamw_rows:
+        lines.append(f"| {r['params'] / 2**20:.0f}M | {r['candidate']} | {r['ms']:.2f} | "
+                     f"{r['ratio']:.3f} | {r['gbps']:.1f} | {r['bw_fraction']:.2f} |")
+    lines += ["", "## Per-call overhead (1K params, CPU)", "", "| candidate | µs per call |",
+              "|---|---|"]
+    lines += [f"| {r['candidate']} | {r['us']:.1f} |" for r in overhead_rows]
+    lines += ["", "## Rank-major packing (48 gradient-like tensors, world size 4, scale 1/4)",
+              "", "| params | out dtype | candidate | ms (median) | time / torch.cat baseline |",
+              "|---|---|---|---|---|"]
+    for r in pack_rows:
+        lines.append(f"| {r['params'] / 2**20:.1f}M | {r['dtype']} | {r['candidate']} | "
+                     f"{r['ms']:.2f} | {r['ratio']:.3f} |")
+    if cuda_rows:
+        lines += ["", "## CUDA: Triton kernels vs torch fused", "",
+                  "| params | candidate | ms (median) | time / torch fused |", "|---|---|---|---|"]
+        lines += [f"| {r['params'] / 2**20:.0f}M | {r['candidate']} | {r['ms']:.3f} | "
+                  f"{r['ratio']:.3f} |" for r in cuda_rows]
+    return "\n".join(lines) + "\n"
+
+
+def bench_cuda(sizes, rounds) -> list[dict]:
+    """Triton AdamW (flat) and packing vs torch's fused AdamW / torch.cat on the GPU."""
+    device = torch.device("cuda")
+    rows = []
+    for numel in sizes:
+        candidates = adamw_candidates(numel, device)
+        candidates.pop("torch for-loop")
+        medians = interleaved_medians(candidates, rounds, device)
+        for name, seconds in medians.items():
+            rows.append(dict(params=numel, candidate=name, ms=seconds * 1e3,
+                             ratio=seconds / medians["torch fused"]))
+        for r in bench_packing(numel, 8, rounds, device):
+            rows.append(dict(params=r["params"], candidate=f"{r['candidate']} ({r['dtype']})",
+                             ms=r["ms"], ratio=r["ratio"]))
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4M and 16M params, 7 rounds")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (11)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1)")
+    parser.add_argument("--no-write", action="store_true", help=f"do not write {RESULTS}")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("SHARDKIT_KERNELS", "auto")
+    sizes = [4 * 2**20, 16 * 2**20] + ([] if args.quick else [64 * 2**20])
+    rounds = args.rounds or (7 if args.quick else 11)
+    cpu = torch.device("cpu")
+
+    adamw_rows = bench_adamw(sizes, rounds, cpu, skip_slow=args.quick)
+    overhead_rows = small_call_overhead(rounds)
+    pack_rows = bench_packing(16 * 2**20, 4, rounds, cpu)
+    cuda_rows = []
+    if torch.cuda.is_available():
+        cuda_rows = bench_cuda(sizes, rounds)
+    env = (f"torch {torch.__version__}, {args.threads} CPU thread(s), "
+           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores visible, "
+           f"{rounds} interleaved rounds, medians"
+           + (f", GPU {torch.cuda.get_device_name()}" if cuda_rows else ", no GPU"))
+    report = format_tables(env, adamw_rows, pack_rows, overhead_rows, cuda_rows)
+    print(report)
+    if not args.no_write:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(report)
+        print(f"written to {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
