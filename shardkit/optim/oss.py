@@ -13,8 +13,8 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from shardkit import distributed
-from shardkit.optim.param_sync import (DEFAULT_BUCKET_NUMEL, FlatParamBucket, OwnershipPlan,
-                                       build_buckets, plan_ownership)
+from shardkit.optim.param_sync import (FlatParamBucket, OwnershipPlan, build_buckets,
+                                       plan_ownership)
 from shardkit.optim.partition import ParameterPartition
 
 __all__ = ["OSS"]
@@ -49,8 +49,8 @@ class OSS(torch.optim.Optimizer):
         group: the data-parallel process group (default: the whole world).
         broadcast_fp16: send the updated parameters in fp16 (halves the sync; the other ranks'
             copies of a parameter are then rounded, the owner's stays exact).
-        bucket_numel: target elements per rank in one sync bucket (never below the largest
-            parameter).
+        bucket_numel: target elements per rank in one sync bucket (default: a 16 MiB fp32
+            bucket in all, see :func:`~shardkit.optim.param_sync.default_bucket_numel`).
         **defaults: the optimizer's hyper-parameters (``lr=...``).
 
     Costs (Ψ trainable parameters, N ranks, K optimizer bytes per parameter): optimizer state
@@ -65,7 +65,7 @@ class OSS(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optim: type = torch.optim.SGD, group=None,
-                 broadcast_fp16: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+                 broadcast_fp16: bool = False, bucket_numel: Optional[int] = None,
                  **defaults):
         existing = params if isinstance(params, torch.optim.Optimizer) else None
         if existing is not None:
@@ -77,8 +77,8 @@ class OSS(torch.optim.Optimizer):
             groups = _normalize_param_groups(params)
             ctor_kwargs = dict(defaults)
         _check_flag("broadcast_fp16", broadcast_fp16)
-        if not isinstance(bucket_numel, int) or bucket_numel < 1:
-            raise ValueError(f"OSS(bucket_numel={bucket_numel!r}): must be a positive int")
+        if bucket_numel is not None and (not isinstance(bucket_numel, int) or bucket_numel < 1):
+            raise ValueError(f"OSS(bucket_numel={bucket_numel!r}): must be a positive int or None")
         distributed.require_initialized("OSS")
         self.group = group
         self.rank = distributed.get_rank(group)

@@ -8,11 +8,9 @@ into these buffers, so one in-place ``all_gather_into_tensor`` per bucket re-syn
 with no packing or unpacking copy.
 
 Whole-parameter ownership makes per-rank segments uneven, and padding is sent on the wire. The
-plan therefore chooses ownership and buckets together: :func:`plan_ownership` balances the
-parameters over ``buckets x world_size`` bins (largest first onto the lightest bin), bin ``b``
-being bucket ``b // world_size`` of rank ``b % world_size``. Every bin is kept at least as large
-as the largest parameter, so the small parameters fill the gaps and padding stays a few per cent
-or less.
+plan therefore chooses ownership and buckets together (:func:`plan_ownership`): buckets are
+filled largest parameters first, each rank's segment of a bucket about equally full, so padding
+stays around one per cent on real models.
 
 Memory: the buffers replace the parameters' own storage (``Ψ`` plus the padding); with
 ``broadcast_fp16`` a transient half-precision copy of each bucket in flight (``2Ψ`` bytes at
@@ -30,11 +28,10 @@ from typing import Optional, Sequence
 import torch
 
 from shardkit import distributed
-from shardkit.optim.partition import ParameterPartition, balanced_bins
+from shardkit.optim.partition import ParameterPartition
 
-__all__ = ["OwnershipPlan", "plan_ownership", "FlatParamBucket", "build_buckets"]
-
-DEFAULT_BUCKET_NUMEL = 2 ** 22  # elements per rank segment: 16 MiB of fp32
+__all__ = ["OwnershipPlan", "plan_ownership", "default_bucket_numel", "FlatParamBucket",
+           "build_buckets"]
 
 
 @dataclass(frozen=True)
@@ -47,34 +44,66 @@ class OwnershipPlan:
 
 
 def plan_ownership(trainable_groups: Sequence[Sequence[torch.Tensor]], world_size: int,
-                   bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> OwnershipPlan:
+                   bucket_numel: Optional[int] = None) -> OwnershipPlan:
     """Choose the owner and the bucket of every trainable parameter, deterministically.
 
     ``trainable_groups``: per param group, its trainable parameters (the order every rank sees).
-    Buckets hold about ``bucket_numel`` elements per rank, but never fewer than the largest
-    parameter (more, smaller buckets would leave big holes to pad). Costs no communication.
+    ``bucket_numel``: target elements per rank in one bucket (default
+    :func:`default_bucket_numel`). Buckets are filled one after the other, largest parameters
+    first: a bucket's per-rank segment is the target or the largest parameter left, whichever
+    is larger, and each parameter goes to the least-filled rank segment it still fits in, so
+    the segments of a bucket end up about equally full (little padding) and the ranks about
+    equally loaded. Costs no communication.
     """
+    if bucket_numel is None:
+        bucket_numel = default_bucket_numel(world_size)
     flat = [p for params in trainable_groups for p in params]
     numels = [p.numel() for p in flat]
-    total = sum(numels)
-    largest = max(numels, default=1)
-    if world_size == 1 or total == 0:
-        num_buckets = 1
-    else:
-        wanted = math.ceil(total / (world_size * max(1, bucket_numel)))
-        fitting = max(1, total // (world_size * max(1, largest)))
-        num_buckets = max(1, min(wanted, fitting))
-    bins = balanced_bins(numels, num_buckets * world_size)
+    remaining = sorted(range(len(flat)), key=lambda k: (-numels[k], k))
+    rank_load = [0] * world_size
+    placed: dict = {}  # item -> (bucket, rank)
+    bucket = 0
+    while remaining:
+        level = max(bucket_numel, numels[remaining[0]])
+        segment = [0] * world_size
+        left = []
+        for k in remaining:
+            r = min(range(world_size), key=lambda r: (segment[r], r))
+            if segment[r] + numels[k] <= level:
+                segment[r] += numels[k]
+                placed[k] = (bucket, r)
+            else:
+                left.append(k)
+        # the fullest segment of this bucket goes to the least loaded rank
+        by_fill = sorted(range(world_size), key=lambda r: (-segment[r], r))
+        by_load = sorted(range(world_size), key=lambda r: (rank_load[r], r))
+        to_rank = dict(zip(by_fill, by_load))
+        for k in remaining:
+            if k in placed and placed[k][0] == bucket:
+                placed[k] = (bucket, to_rank[placed[k][1]])
+        for r in range(world_size):
+            rank_load[to_rank[r]] += segment[r]
+        remaining, bucket = left, bucket + 1
     owners, bucket_of, k = [], {}, 0
     for params in trainable_groups:
         row = []
         for p in params:
-            row.append(bins[k] % world_size)
-            bucket_of[id(p)] = bins[k] // world_size
+            row.append(placed[k][1])
+            bucket_of[id(p)] = placed[k][0]
             k += 1
         owners.append(row)
     partition = ParameterPartition.from_owners(trainable_groups, owners, world_size)
-    return OwnershipPlan(partition, bucket_of, num_buckets)
+    return OwnershipPlan(partition, bucket_of, max(1, bucket))
+
+
+def default_bucket_numel(world_size: int) -> int:
+    """Elements per rank such that a whole bucket holds 2**22 elements (16 MiB of fp32).
+
+    Gloo's all-gather allocates its whole output on every call; kept under glibc's largest
+    mmap threshold (32 MiB) the allocation is reused instead of faulted in afresh, which
+    measured 5-8x faster on CPU. Large enough for NCCL to run at full bandwidth.
+    """
+    return max(1, 2 ** 22 // max(1, world_size))
 
 
 class FlatParamBucket:

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["ParameterPartition", "balanced_bins"]
+__all__ = ["ParameterPartition"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class ParameterPartition:
     @classmethod
     def from_owners(cls, param_groups: Sequence[Sequence[torch.Tensor]],
                     owners: Sequence[Sequence[int]], world_size: int) -> "ParameterPartition":
-        """A partition with explicit owners (e.g. chosen bucket by bucket, see :func:`balanced_bins`).
+        """A partition with explicit owners (e.g. chosen bucket by bucket together with a sync layout).
 
         ``owners`` has the shape of ``param_groups``; every owner must be in ``[0, world_size)``
         and every parameter may appear once.
@@ -123,19 +123,3 @@ class ParameterPartition:
         """Every partitioned parameter, in group order."""
         return [p for params in self.param_groups for p in params]
 
-
-def balanced_bins(numels: Sequence[int], n_bins: int) -> list[int]:
-    """Assign items of the given sizes to ``n_bins`` bins, largest first onto the lightest bin.
-
-    Deterministic (ties broken by index). The loads end up within about one small item of each
-    other whenever the bins are large compared with the largest item. Returns the bin of each item.
-    """
-    if n_bins < 1:
-        raise ValueError(f"balanced_bins: n_bins={n_bins}; must be >= 1")
-    load = [0] * n_bins
-    out = [0] * len(numels)
-    for k in sorted(range(len(numels)), key=lambda k: (-numels[k], k)):
-        b = min(range(n_bins), key=lambda r: (load[r], r))
-        out[k] = b
-        load[b] += numels[k]
-    return out

@@ -2,7 +2,7 @@
 
 - optimizer-state bytes per rank (``model_state_bytes``) <= total / N + the largest parameter's
   state, and the shards add up to the unsharded total;
-- parameter storage is not duplicated by the flat sync buffers (padding only);
+- parameter storage is not duplicated by the flat sync buffers (padding only, <= 5%);
 - the re-sync of one step puts <= 1.05 x Ψ(N-1)/N x 4 bytes on the wire (``CommCounter``), half
   of that with ``broadcast_fp16``, with one all-gather per bucket and nothing else.
 """
@@ -95,7 +95,8 @@ def test_optimizer_state_is_sharded(measured, n):
 @pytest.mark.parametrize("n", [2, 4])
 def test_parameters_are_not_duplicated(measured, n):
     for r in (x["fp32"] for x in measured[n]):
-        assert r["param_bytes"] <= 1.01 * r["plain_param_bytes"]
+        # the flat buffers replace the parameters' storage; only their padding is extra
+        assert r["param_bytes"] <= 1.05 * r["plain_param_bytes"]
 
 
 @pytest.mark.parametrize("n", [2, 4])
