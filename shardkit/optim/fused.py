@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,16 +14,16 @@ __all__ = ["FusedAdamW"]
 @dataclass
 class _FlatState:
     """The optimizer state of one param group's tensors sharing a device and dtype, held in
-    flat buffers; ``state[p]`` holds views into them."""
+    flat buffers; ``state[p]`` holds views into them (``views[key][i]`` for ``params[i]``)."""
 
     params: list
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    max_exp_avg_sq: Optional[torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    views: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
-    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+    def __post_init__(self):
         sizes = [p.numel() for p in self.params]
-        return [v.view_as(p) for v, p in zip(buffer.split(sizes), self.params)]
+        for key, buffer in self.buffers.items():
+            self.views[key] = [v.view_as(p) for v, p in zip(buffer.split(sizes), self.params)]
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -104,8 +103,10 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def _flat_states(self, index: int, group: dict) -> list[_FlatState]:
         flats = self._flat.get(index)
-        if flats is None or [id(p) for f in flats for p in f.params] != [
-                id(p) for p in _by_device_dtype(group)]:
+        if (flats is None
+                or [id(p) for f in flats for p in f.params] != [
+                    id(p) for p in _by_device_dtype(group)]
+                or any(("max_exp_avg_sq" in f.buffers) != group["amsgrad"] for f in flats)):
             flats = self._flat[index] = self._build_flat_states(group)
         return flats
 
@@ -117,53 +118,50 @@ class FusedAdamW(torch.optim.Optimizer):
         flats = []
         for (device, dtype), params in buckets.items():
             total = sum(p.numel() for p in params)
-            zeros = lambda: torch.zeros(total, dtype=dtype, device=device)
-            flat = _FlatState(params, zeros(), zeros(), zeros() if group["amsgrad"] else None)
-            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                buffer = getattr(flat, key)
-                if buffer is None:
-                    continue
-                for p, view in zip(params, flat.views(buffer)):
-                    state = self.state.get(p)
-                    if state:  # loaded or earlier state: move it into the flat buffer
-                        if key in state:
-                            view.copy_(state[key])
-                        state[key] = view
-            for p in params:
+            keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+            flat = _FlatState(params, {key: torch.zeros(total, dtype=dtype, device=device)
+                                       for key in keys})
+            for i, p in enumerate(params):
                 state = self.state.get(p)
-                if state:
-                    state["step"] = _host_step(state["step"])
+                if not state:
+                    continue
+                # loaded or earlier state: move it into the flat buffers
+                for key in keys:
+                    if key in state:
+                        flat.views[key][i].copy_(state[key])
+                    state[key] = flat.views[key][i]
+                state["step"] = _host_step(state["step"])
             flats.append(flat)
         return flats
 
     def _step_flat(self, group: dict, flat: _FlatState) -> None:
-        live = [i for i, p in enumerate(flat.params) if p.grad is not None]
-        if not live:
+        if not any(p.grad is not None for p in flat.params):
             return
-        exp_avgs, exp_avg_sqs = flat.views(flat.exp_avg), flat.views(flat.exp_avg_sq)
-        max_sqs = flat.views(flat.max_exp_avg_sq) if group["amsgrad"] else None
+        live = [i for i, p in enumerate(flat.params) if p.grad is not None]
+        for i in live:
+            if flat.params[i].grad.is_sparse:
+                raise RuntimeError(f"FusedAdamW: parameter of shape {tuple(flat.params[i].shape)}"
+                                   f" has a sparse gradient; use torch.optim.SparseAdam")
+        views = flat.views
         params, grads, steps = [], [], []
         for i in live:
             p = flat.params[i]
-            if p.grad.is_sparse:
-                raise RuntimeError("FusedAdamW does not support sparse gradients")
             state = self.state[p]
             if not state:
-                state.update(step=torch.tensor(0.0), exp_avg=exp_avgs[i],
-                             exp_avg_sq=exp_avg_sqs[i])
-                if max_sqs is not None:
-                    state["max_exp_avg_sq"] = max_sqs[i]
+                state["step"] = torch.tensor(0.0)
+                state.update((key, views[key][i]) for key in views)
             state["step"] += 1
             params.append(p)
             grads.append(p.grad if p.grad.is_contiguous() else p.grad.contiguous())
             steps.append(int(state["step"].item()))
         beta1, beta2 = group["betas"]
-        adamw_step_many(params, grads, [exp_avgs[i] for i in live],
-                        [exp_avg_sqs[i] for i in live], steps=steps, lr=group["lr"],
+        adamw_step_many(params, grads, [views["exp_avg"][i] for i in live],
+                        [views["exp_avg_sq"][i] for i in live], steps=steps, lr=group["lr"],
                         beta1=beta1, beta2=beta2, eps=group["eps"],
                         weight_decay=group["weight_decay"], maximize=group["maximize"],
                         amsgrad=group["amsgrad"],
-                        max_exp_avg_sqs=[max_sqs[i] for i in live] if max_sqs else None)
+                        max_exp_avg_sqs=[views["max_exp_avg_sq"][i] for i in live]
+                        if group["amsgrad"] else None)
 
 
 def _by_device_dtype(group: dict) -> list:
