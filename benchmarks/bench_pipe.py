@@ -119,8 +119,9 @@ def _torch(schedule_name: str, steps: int):
     return _time_steps(step, steps)
 
 
+SINGLE = "single process, grad accumulation"
 CONFIGS = {
-    "single process, grad accumulation": (_single_process, ()),
+    SINGLE: (_single_process, ()),
     "shardkit ScheduleGPipe": (_shardkit, ("ScheduleGPipe",)),
     "shardkit Schedule1F1B": (_shardkit, ("Schedule1F1B",)),
     "torch.distributed.pipelining ScheduleGPipe": (_torch, ("ScheduleGPipe",)),
@@ -150,7 +151,7 @@ def measure(steps: int, rounds: int) -> dict:
 def report(seconds: dict, cpu: dict, steps: int, rounds: int) -> str:
     batch = MICRO * CHUNKS
     best = {name: min(values) for name, values in seconds.items()}
-    single = best["single process, grad accumulation"]
+    single = best[SINGLE]
     ideal = STAGES * CHUNKS / (CHUNKS + STAGES - 1)
     lines = [
         "# Pipeline throughput (benchmarks/bench_pipe.py)",
@@ -170,9 +171,17 @@ def report(seconds: dict, cpu: dict, steps: int, rounds: int) -> str:
         speedup = single / value
         torch_name = name.replace("shardkit", "torch.distributed.pipelining")
         vs_torch = (f"{best[torch_name] / value:.2f}x" if name.startswith("shardkit") else "")
+        of_ideal = f"{speedup / ideal:.2f}" if name != SINGLE else ""
         lines.append(f"| {name} | {value:.3f} | {statistics.median(seconds[name]):.3f} | "
                      f"{batch / value:.0f} | {speedup:.2f} | "
-                     f"{speedup / ideal:.2f} | {vs_torch} | {min(cpu[name]):.3f} |")
+                     f"{of_ideal} | {vs_torch} | {min(cpu[name]):.3f} |")
+    lines += [
+        "",
+        "Wall-clock figures depend on what else the machine runs: when the load average exceeds "
+        "the CPU count, each process gets only a share of a core (compare wall-clock with CPU "
+        "seconds) and the speed-ups say little about the schedules. CPU seconds per step of the "
+        "busiest rank measure each implementation's own work, communication threads included.",
+    ]
     return "\n".join(lines) + "\n"
 
 
