@@ -58,9 +58,9 @@ def main():
         config=args.config if args.config else CONFIG)
 
     rank, world = distributed.get_rank(), distributed.get_world_size()
-    per_rank = engine.train_batch_size // world
+    per_rank = engine.train_batch_size() // world
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
-    micro = engine.train_micro_batch_size_per_gpu
+    micro = engine.train_micro_batch_size_per_gpu()
     for i in range(args.steps):
         for x, y in zip(data[mine].split(micro), labels[mine].split(micro)):
             loss = F.mse_loss(engine(x).float(), y)

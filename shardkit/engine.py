@@ -256,15 +256,16 @@ class ShardedEngine(nn.Module):
     def zero_stage(self) -> int:
         return self.composition.stage
 
-    @property
+    # Methods, not properties: DeepSpeed's engine spells them as calls.
+    def zero_optimization_stage(self) -> int:
+        return self.composition.stage
+
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
 
-    @property
     def train_batch_size(self) -> int:
         return self.config.train_batch_size
 
-    @property
     def train_micro_batch_size_per_gpu(self) -> int:
         return self.config.train_micro_batch_size_per_gpu
 

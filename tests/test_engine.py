@@ -94,8 +94,8 @@ def _max_diff(a, b):
 def _parity(stage):
     rank, world = distributed.get_rank(), distributed.get_world_size()
     engine, optimizer, _, _ = shardkit.initialize(model=GPT(TINY, seed=0), config=_config(stage))
-    assert engine.zero_stage == stage and engine.gradient_accumulation_steps == GAS
-    assert engine.train_batch_size == MICRO * GAS * world
+    assert engine.zero_stage == stage and engine.gradient_accumulation_steps() == GAS
+    assert engine.train_batch_size() == MICRO * GAS * world
 
     hand_model = GPT(TINY, seed=0)
     hand, hand_opt, hand_no_sync, hand_clip = _hand_composed(stage, hand_model)

@@ -157,7 +157,7 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
         engine.loss_scaler.load_state_dict(ckpt.engine["loss_scaler"])
     engine.global_steps = int(ckpt.metadata["global_steps"])
     engine.skipped_steps = int(ckpt.metadata.get("skipped_steps", 0))
-    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     saved_world = ckpt.metadata["world_size"]
     set_rng_state(ckpt.rng_by_rank[distributed.get_rank() % saved_world])
     return path, ckpt.engine["client_state"]

@@ -93,7 +93,7 @@ def _resumed_run(save_dir, stage):
     resumed_at = (engine.global_steps, scheduler.last_batch_iteration)
     after = _train_steps(engine, STEPS_BEFORE, STEPS_AFTER)
     return {"path": path, "client_state": client_state, "resumed_at": resumed_at,
-            "after": after, "lr": engine.get_lr(), "gas": engine.gradient_accumulation_steps}
+            "after": after, "lr": engine.get_lr(), "gas": engine.gradient_accumulation_steps()}
 
 
 def _max_diff(a, b):
