@@ -12,6 +12,7 @@ Backends (see :func:`shardkit.kernels.backend_for`): Triton kernels on CUDA (one
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Optional, Sequence
 
 import torch
@@ -154,6 +155,20 @@ def _step_tensor(step: int, device: torch.device) -> torch.Tensor:
     return t
 
 
+def _plainly_valid(device, params, *others) -> bool:
+    """The common case, checked with list-level comparisons (a model has many tensors);
+    anything else goes through the per-tensor checks, which name the problem."""
+    shapes = [p.shape for p in params]
+    dtypes = [p.dtype for p in params]
+    tensors = list(chain(params, *others))
+    return (all(d in _FLOATS for d in set(dtypes))
+            and all(others[0][i].dtype in _FLOATS for i in range(len(params)))
+            and all([t.shape for t in ts] == shapes for ts in others)
+            and all([t.dtype for t in ts] == dtypes for ts in others[1:])
+            and {t.device for t in tensors} == {device}
+            and all(map(torch.Tensor.is_contiguous, tensors)))
+
+
 def adamw_step_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                     exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor], *,
                     steps: Sequence[int], lr: float, beta1: float = 0.9, beta2: float = 0.999,
@@ -161,12 +176,14 @@ def adamw_step_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
                     amsgrad: bool = False,
                     max_exp_avg_sqs: Optional[Sequence[torch.Tensor]] = None,
                     decoupled: bool = True, grad_scale: Optional[torch.Tensor] = None,
-                    found_inf: Optional[torch.Tensor] = None) -> None:
+                    found_inf: Optional[torch.Tensor] = None, validate: bool = True) -> None:
     """:func:`adamw_step` over lists of tensors (e.g. one param group) in one kernel launch.
 
     ``steps[i]`` is tensor ``i``'s step number after this update. Each tensor ``i`` follows the
-    rules of :func:`adamw_step`; all share one device. Memory traffic: 28 B per fp32 parameter,
-    as the flat step; the Triton launch also copies a small address table to the device.
+    rules of :func:`adamw_step`; all share one device. ``validate=False`` skips the per-tensor
+    checks (about 1 µs per tensor) for callers that built the state buffers themselves and take
+    params and grads from autograd. Memory traffic: 28 B per fp32 parameter, as the flat step;
+    the Triton launch also copies a small address table to the device.
     """
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
     if amsgrad:
@@ -180,21 +197,25 @@ def adamw_step_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     if not params:
         return
     device = params[0].device
-    for i, p in enumerate(params):
+    maxes = list(max_exp_avg_sqs) if amsgrad else []
+    plainly_valid = not validate or (
+        _plainly_valid(device, params, grads, exp_avgs, exp_avg_sqs,
+                       *([maxes] if amsgrad else [])) and min(steps) >= 1)
+    for i, p in enumerate(params if not plainly_valid else ()):
         if p.device != device:
             raise ValueError(f"adamw_step_many: params[{i}] is on {p.device}, params[0] on "
                              f"{device}; all must share a device")
         _check_adamw(f"adamw_step_many (tensor {i})", p, grads[i], exp_avgs[i], exp_avg_sqs[i],
-                     max_exp_avg_sqs[i] if amsgrad else None, amsgrad, None, grad_scale,
-                     found_inf)
+                     max_exp_avg_sqs[i] if amsgrad else None, amsgrad, None, None, None)
         if steps[i] < 1:
             raise ValueError(f"adamw_step_many: steps[{i}]={steps[i]}; steps count from 1")
+    _check_scalar_tensor("adamw_step_many", "grad_scale", grad_scale, device)
+    _check_scalar_tensor("adamw_step_many", "found_inf", found_inf, device)
     _check_hyper("adamw_step_many", lr, beta1=beta1, beta2=beta2, eps=eps,
                  weight_decay=weight_decay)
     hyper = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
                  weight_decay=float(weight_decay), maximize=bool(maximize),
                  amsgrad=bool(amsgrad))
-    maxes = list(max_exp_avg_sqs) if amsgrad else []
     if backend_for(*params) == "triton":
         from shardkit.kernels import triton_optim
         triton_optim.adamw_many(params, grads, exp_avgs, exp_avg_sqs, maxes, steps=steps,

@@ -26,8 +26,6 @@ __all__ = ["pack", "unpack", "BLOCK"]
 BLOCK = interpreter_block(1024)
 
 
-# table columns
-_ADDR, _NUMEL, _CHUNK, _OFFSET = 0, 1, 2, 3
 
 
 @triton.jit

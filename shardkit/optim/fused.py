@@ -19,11 +19,16 @@ class _FlatState:
     params: list
     buffers: dict[str, torch.Tensor]
     views: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # Every parameter's step count, as torch keeps it (a float32 CPU scalar): ``state[p]["step"]``
+    # is ``steps[i]``, a view, so one add and one read serve the whole bucket.
+    steps: torch.Tensor = None
 
     def __post_init__(self):
         sizes = [p.numel() for p in self.params]
         for key, buffer in self.buffers.items():
             self.views[key] = [v.view_as(p) for v, p in zip(buffer.split(sizes), self.params)]
+        self.steps = torch.zeros(len(self.params), dtype=torch.float32)
+        self.views["step"] = list(self.steps.unbind(0))
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -60,7 +65,7 @@ class FusedAdamW(torch.optim.Optimizer):
         _check_hyper_parameters(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize)
-        self._flat: dict[int, list[_FlatState]] = {}
+        self._flat: dict[int, tuple[tuple, list[_FlatState]]] = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -102,13 +107,12 @@ class FusedAdamW(torch.optim.Optimizer):
         return loss
 
     def _flat_states(self, index: int, group: dict) -> list[_FlatState]:
-        flats = self._flat.get(index)
-        if (flats is None
-                or [id(p) for f in flats for p in f.params] != [
-                    id(p) for p in _by_device_dtype(group)]
-                or any(("max_exp_avg_sq" in f.buffers) != group["amsgrad"] for f in flats)):
-            flats = self._flat[index] = self._build_flat_states(group)
-        return flats
+        """The group's flat state, rebuilt if its parameters or ``amsgrad`` changed."""
+        key = (tuple(map(id, group["params"])), bool(group["amsgrad"]))
+        cached = self._flat.get(index)
+        if cached is None or cached[0] != key:
+            cached = self._flat[index] = (key, self._build_flat_states(group))
+        return cached[1]
 
     def _build_flat_states(self, group: dict) -> list[_FlatState]:
         """Allocate the group's flat buffers; move any existing (loaded) state into them."""
@@ -126,11 +130,10 @@ class FusedAdamW(torch.optim.Optimizer):
                 if not state:
                     continue
                 # loaded or earlier state: move it into the flat buffers
-                for key in keys:
+                for key in keys + ["step"]:
                     if key in state:
                         flat.views[key][i].copy_(state[key])
                     state[key] = flat.views[key][i]
-                state["step"] = _host_step(state["step"])
             flats.append(flat)
         return flats
 
@@ -143,17 +146,20 @@ class FusedAdamW(torch.optim.Optimizer):
                 raise RuntimeError(f"FusedAdamW: parameter of shape {tuple(flat.params[i].shape)}"
                                    f" has a sparse gradient; use torch.optim.SparseAdam")
         views = flat.views
-        params, grads, steps = [], [], []
+        params, grads = [], []
         for i in live:
             p = flat.params[i]
             state = self.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0)
                 state.update((key, views[key][i]) for key in views)
-            state["step"] += 1
             params.append(p)
             grads.append(p.grad if p.grad.is_contiguous() else p.grad.contiguous())
-            steps.append(int(state["step"].item()))
+        if len(live) == len(flat.params):
+            flat.steps.add_(1.0)
+        else:
+            flat.steps[live] += 1.0
+        counts = flat.steps.tolist()
+        steps = [int(counts[i]) for i in live]
         beta1, beta2 = group["betas"]
         adamw_step_many(params, grads, [views["exp_avg"][i] for i in live],
                         [views["exp_avg_sq"][i] for i in live], steps=steps, lr=group["lr"],
@@ -161,22 +167,16 @@ class FusedAdamW(torch.optim.Optimizer):
                         weight_decay=group["weight_decay"], maximize=group["maximize"],
                         amsgrad=group["amsgrad"],
                         max_exp_avg_sqs=[views["max_exp_avg_sq"][i] for i in live]
-                        if group["amsgrad"] else None)
+                        if group["amsgrad"] else None, validate=False)
 
 
 def _by_device_dtype(group: dict) -> list:
     """The group's parameters in the order of their flat buffers."""
     params = group["params"]
-    order = {}
+    order: dict[tuple, list] = {}
     for p in params:
-        order.setdefault((str(p.device), p.dtype), []).append(p)
+        order.setdefault((p.device, p.dtype), []).append(p)
     return [p for key in order for p in order[key]]
-
-
-def _host_step(step) -> torch.Tensor:
-    """A step count as torch's non-fused AdamW keeps it: a float32 scalar on the CPU."""
-    value = float(step.item()) if torch.is_tensor(step) else float(step)
-    return torch.tensor(value, dtype=torch.float32)
 
 
 def _check_hyper_parameters(lr, betas, eps, weight_decay) -> None:
