@@ -27,7 +27,8 @@ import torch.distributed as dist
 __all__ = [
     "init_distributed", "is_initialized", "require_initialized", "get_rank", "get_world_size",
     "get_global_rank", "new_group", "all_reduce", "reduce_scatter_tensor",
-    "all_gather_into_tensor", "all_gather", "broadcast", "reduce", "send", "recv", "isend",
+    "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
+    "recv", "isend",
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "broadcast_object", "all_gather_object",
     "CommCounter", "CommRecord", "ReduceOp", "destroy",
 ]
@@ -263,6 +264,7 @@ _WIRE_FACTOR = {
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
     "broadcast": lambda n: (n - 1) / n,
     "reduce": lambda n: (n - 1) / n,
     "send": lambda n: 1.0,
@@ -326,6 +328,20 @@ def all_gather(tensors: list[torch.Tensor], tensor: torch.Tensor, group=None,
     """List form of all-gather (tensors may differ in size across calls, not across ranks)."""
     _record("all_gather", tensor.numel() * tensor.element_size() * get_world_size(group), group)
     return dist.all_gather(tensors, tensor, group=group, async_op=async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
+                      async_op: bool = False):
+    """Split ``input`` into ``n`` equal rank-major chunks, send chunk ``j`` to rank ``j`` and
+    receive every rank's chunk for this rank into ``output`` (rank-major). Wire: ``(n-1)/n`` of
+    the input's bytes. (On gloo, a reduce-scatter done as this plus a local sum is several times
+    faster than gloo's own reduce-scatter, which runs synchronously.)"""
+    n = get_world_size(group)
+    if input.numel() != output.numel() or input.numel() % n:
+        raise ValueError(f"all_to_all_single: input has {input.numel()} elements and output "
+                         f"{output.numel()}; they must be equal and divisible by world size {n}")
+    _record("all_to_all", input, group)
+    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
