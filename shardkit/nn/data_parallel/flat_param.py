@@ -114,6 +114,15 @@ def gathered_param_bytes() -> GatheredParamBytes:
     return _GATHERED
 
 
+def _reduces_by_exchange(device: torch.device) -> bool:
+    """Note: how gradients are reduce-scattered. On CPU (gloo), ``reduce_scatter_tensor`` runs
+    mostly synchronously in the calling thread and costs as much as an all-reduce, so CPU
+    tensors are exchanged with one asynchronous ``all_to_all_single`` (the same ``(N-1)/N``
+    bytes on the wire) and each rank sums the ``N`` parts of its own segment locally. Other
+    devices (NCCL) use ``reduce_scatter_tensor``."""
+    return device.type == "cpu"
+
+
 class FlatParamShard:
     """The parameters of one unit: their flat shard, the gather into compute views, and the
     reduce-scatter of their gradients.
@@ -291,9 +300,14 @@ class FlatParamShard:
                                  scale=1.0 / self.world_size, dtype=self.reduce_dtype,
                                  chunk_numels=self.chunk_numels)
         del grad
-        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.compute_device)
-        work = skdist.reduce_scatter_tensor(out, packed, group=self.group, async_op=True)
-        self._pending_reduce = (work, out, packed)
+        if _reduces_by_exchange(packed.device):
+            received = torch.empty_like(packed)
+            work = skdist.all_to_all_single(received, packed, group=self.group, async_op=True)
+            self._pending_reduce = (work, received, packed)
+        else:
+            out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=packed.device)
+            work = skdist.reduce_scatter_tensor(out, packed, group=self.group, async_op=True)
+            self._pending_reduce = (work, out, packed)
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter and add the result to the trainable shards' ``.grad``."""
@@ -302,6 +316,8 @@ class FlatParamShard:
         work, out, _packed = self._pending_reduce
         self._pending_reduce = None
         work.wait()
+        if out.numel() != self.shard_numel:  # exchanged: every rank's part of my segment
+            out = out.view(self.world_size, self.shard_numel).sum(0)
         grad_shard = out.to(self.storage_device, self.master_dtype)
         for p, view in zip(self.params, self.shard_views(grad_shard)):
             if not p.requires_grad:
