@@ -34,10 +34,15 @@ class ReductionPolicy:
     """How a bucket travels to its owners.
 
     Attributes:
-        mode: ``"auto"`` (reduce-scatter for balanced buckets, one reduce per owner otherwise),
-            ``"reduce_scatter"`` or ``"reduce"``.
+        mode: ``"auto"``, ``"reduce_scatter"`` or ``"reduce"``. ``"auto"``: buckets of CPU
+            tensors (gloo) use one reduce per owner; on accelerators a balanced bucket is
+            reduce-scattered and an unbalanced one reduced per owner.
         balance_tolerance: in ``"auto"``, a bucket whose ``N * largest segment / bucket`` is at
             most this is reduce-scattered (its padding costs at most this factor on the wire).
+
+    Note: gloo. Its reduce-scatter moves as many bytes as an all-reduce, and measured on a
+    2-core machine at world 2 it takes about 1.4x the time of the per-owner reduces of the same
+    bucket (benchmarks/results/sharded_ddp.md), so CPU buckets are always reduced per owner.
     """
 
     mode: str = "auto"
@@ -52,6 +57,8 @@ class ReductionPolicy:
     def reduction_for(self, layout: BucketLayout) -> type[BucketReduction]:
         if self.mode != "auto":
             return REDUCTIONS[self.mode]
+        if layout.params[0].device.type == "cpu":
+            return REDUCTIONS["reduce"]
         if layout.balance() <= self.balance_tolerance:
             return REDUCTIONS["reduce_scatter"]
         return REDUCTIONS["reduce"]
@@ -74,7 +81,8 @@ class ShardedDataParallel(nn.Module):
             re-partitioned) and re-plan the buckets; otherwise call :meth:`refresh_trainable`.
         reduce_fp16: gradients travel in fp16 (``True``) or in the dtype given
             (``torch.bfloat16``); owners receive them back in the parameters' dtype.
-        reduction: ``"auto"``, ``"reduce_scatter"`` or ``"reduce"`` (see :class:`ReductionPolicy`).
+        reduction: ``"auto"``, ``"reduce_scatter"`` or ``"reduce"`` (see :class:`ReductionPolicy`;
+            not in FairScale's signature).
 
     Cost per rank (Ψ parameters, N ranks; DESIGN.md stage 2): gradients after backward Ψ/N
     (its owned share) plus nothing else; during backward at most a few buckets in flight.
@@ -107,6 +115,7 @@ class ShardedDataParallel(nn.Module):
                  reduce_buffer_size: int = 2 ** 23, auto_refresh_trainable: bool = True,
                  reduce_fp16: Union[bool, torch.dtype] = False, reduction: str = "auto"):
         super().__init__()
+        skdist.require_initialized("ShardedDataParallel")
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedDataParallel(module=...): expected an nn.Module, got "
                             f"{type(module).__name__}")
@@ -116,7 +125,6 @@ class ShardedDataParallel(nn.Module):
         self._policy = ReductionPolicy(mode=reduction)
         self.process_group = _common_group(process_group, optimizers)
         _check_optimizer_params_in_module(module, optimizers)
-        skdist.require_initialized("ShardedDataParallel")
 
         self.module = module
         self._optimizers = optimizers
