@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["TL_DTYPES", "cast_to", "interpreter_block"]
+__all__ = ["TL_DTYPES", "cast_to", "interpreter_block", "host_table"]
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
              torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}
@@ -21,6 +21,17 @@ def interpreter_block(block: int) -> int:
     """``block`` on a GPU; 16x larger under ``TRITON_INTERPRET=1``, where each program costs
     milliseconds of Python whatever its size (the kernels are written for any block size)."""
     return block * 16 if os.environ.get("TRITON_INTERPRET") == "1" else block
+
+
+def host_table(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small table of launch metadata on ``device``.
+
+    Note: on CUDA it is staged in pinned memory and copied with ``non_blocking=True``; a copy
+    from pageable memory would make the host wait for the stream on every launch.
+    """
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 @triton.jit

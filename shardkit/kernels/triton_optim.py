@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardkit.kernels.triton_common import TL_DTYPES, cast_to, interpreter_block
+from shardkit.kernels.triton_common import TL_DTYPES, cast_to, host_table, interpreter_block
 
 __all__ = ["adamw", "adamw_many", "sgd", "BLOCK"]
 
@@ -194,8 +194,7 @@ def _block_table(numels: Sequence[int], device: torch.device) -> tuple[torch.Ten
         count = triton.cdiv(n, BLOCK)
         tensor_ids.extend([i] * count)
         starts.extend(range(0, count * BLOCK, BLOCK))
-    return (torch.tensor(tensor_ids, dtype=torch.int32, device=device),
-            torch.tensor(starts, dtype=torch.int64, device=device))
+    return host_table(tensor_ids, torch.int32, device), host_table(starts, torch.int64, device)
 
 
 def adamw_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -224,11 +223,10 @@ def adamw_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         numels = [params[i].numel() for i in idx]
         corrections = [_bias_corrections(steps[i], lr, beta1, beta2) for i in idx]
         block_tensor, block_start = _block_table(numels, device)
-        as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=device)
         _adamw_many_kernel[(block_tensor.numel(),)](
-            as_tensor(addresses, torch.int64), as_tensor(numels, torch.int64),
-            as_tensor([c[0] for c in corrections], torch.float32),
-            as_tensor([c[1] for c in corrections], torch.float32),
+            host_table(addresses, torch.int64, device), host_table(numels, torch.int64, device),
+            host_table([c[0] for c in corrections], torch.float32, device),
+            host_table([c[1] for c in corrections], torch.float32, device),
             block_tensor, block_start, len(idx), lr, beta1, beta2, eps, weight_decay,
             grad_scale if grad_scale is not None else params[idx[0]],
             found_inf if found_inf is not None else params[idx[0]],

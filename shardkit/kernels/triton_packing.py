@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardkit.kernels.triton_common import TL_DTYPES, cast_to, interpreter_block
+from shardkit.kernels.triton_common import TL_DTYPES, cast_to, host_table, interpreter_block
 
 __all__ = ["pack", "unpack", "BLOCK"]
 
@@ -73,9 +73,8 @@ def _tables(tensors: Sequence[torch.Tensor], chunks: Sequence[int], offsets: Seq
         block_tensor.extend([len(rows) // 4] * count)
         block_start.extend(range(0, count * BLOCK, BLOCK))
         rows.extend([t.data_ptr(), t.numel(), c, o])
-    return (torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(block_tensor, dtype=torch.int32, device=device),
-            torch.tensor(block_start, dtype=torch.int64, device=device))
+    return (host_table(rows, torch.int64, device), host_table(block_tensor, torch.int32, device),
+            host_table(block_start, torch.int64, device))
 
 
 def _groups_by_dtype(tensors, chunks):
