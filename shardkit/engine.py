@@ -74,7 +74,9 @@ def _optimizer_recipe(cfg: EngineConfig, optimizer, model_parameters, model) -> 
         params = model_parameters if model_parameters is not None else \
             [p for p in model.parameters() if p.requires_grad]
         optimizer = optimizer(params)
-    hyper = {k: v for k, v in optimizer.defaults.items()}
+    # The first group's values (a scheduler or the user may have changed them since
+    # construction), limited to constructor arguments.
+    hyper = {k: optimizer.param_groups[0].get(k, v) for k, v in optimizer.defaults.items()}
     return OptimizerRecipe(type(optimizer), hyper, None, optimizer)
 
 
@@ -249,7 +251,6 @@ class ShardedEngine(nn.Module):
         self._losses_since_print: list[float] = []
         self._clock = time.perf_counter()
         self._steps_at_clock = 0
-        self._sync_ctx: Optional[contextlib.ExitStack] = None
 
     # -- properties DeepSpeed users reach for
     @property
@@ -452,7 +453,8 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         optimizer: a torch optimizer or ``callable(params) -> optimizer``; exclusive with a
             config ``optimizer`` section.
         model_parameters: parameters or param groups for a config-built optimizer (default:
-            every trainable parameter).
+            every trainable parameter; ignored at stage 3, where the optimizer is built over
+            FSDP's shards of every trainable parameter).
         training_data: a ``torch.utils.data.Dataset``; a ``DataLoader`` with a
             ``DistributedSampler`` and the micro-batch size is returned for it.
         lr_scheduler: a scheduler or ``callable(optimizer) -> scheduler``; exclusive with a

@@ -252,7 +252,7 @@ def test_bf16_trains_without_loss_scaler(world2):
 # ----------------------------------------------------------------------------- user objects
 
 
-def _user_optimizer_and_scheduler():
+def _user_optimizer_and_scheduler(stage):
     from shardkit.optim import WarmupLR
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -260,7 +260,7 @@ def _user_optimizer_and_scheduler():
     engine, optimizer, loader, scheduler = shardkit.initialize(
         model=model, optimizer=opt, training_data=dataset,
         lr_scheduler=lambda o: WarmupLR(o, warmup_max_lr=0.1, warmup_num_steps=4),
-        config={"train_batch_size": 8, "zero_optimization": {"stage": 1}})
+        config={"train_batch_size": 8, "zero_optimization": {"stage": stage}})
     for x, y in loader:
         engine.backward(F.mse_loss(engine(x), y))
         engine.step()
@@ -269,9 +269,11 @@ def _user_optimizer_and_scheduler():
             "lr_iteration": scheduler.last_batch_iteration}
 
 
-def test_user_optimizer_scheduler_and_dataloader(world2):
-    for r in world2.run(_user_optimizer_and_scheduler):
-        assert r == {"optimizer": "OSS", "scheduler_on": True, "batches": 4, "batch": 4,
+@pytest.mark.parametrize("stage, optimizer", [(1, "OSS"), (3, "SGD")])
+def test_user_optimizer_scheduler_and_dataloader(world2, stage, optimizer):
+    # Stage 1 wraps the user's SGD in OSS; stage 3 rebuilds an SGD over FSDP's shards.
+    for r in world2.run(_user_optimizer_and_scheduler, stage):
+        assert r == {"optimizer": optimizer, "scheduler_on": True, "batches": 4, "batch": 4,
                      "steps": 4, "lr_iteration": 3}
 
 
@@ -311,7 +313,7 @@ def _bad_configs():
             opt = torch.optim.SGD(model.parameters(), 0.1)
             shardkit.initialize(model=model, optimizer=opt,
                                 lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1),
-                                config={"train_batch_size": 8, "zero_optimization": {"stage": 1}})
+                                config={"train_batch_size": 8, "zero_optimization": {"stage": stage}})
         except ConfigError as e:
             out["scheduler instance"] = str(e)
     out["collectives"] = len(comm.calls)
