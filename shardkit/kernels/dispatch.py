@@ -1,4 +1,9 @@
-"""Choose between the Triton kernels and the torch CPU paths."""
+"""Choose between the Triton kernels and the torch CPU paths.
+
+Policy: ``SHARDKIT_KERNELS`` (``auto`` | ``triton`` | ``torch``), read at every call so tests can
+switch it. Mechanism: each kernel entry point asks :func:`backend_for` and imports the
+``triton_*`` module only when it gets ``"triton"``, so Triton stays optional at install time.
+"""
 
 from __future__ import annotations
 

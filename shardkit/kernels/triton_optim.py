@@ -33,7 +33,6 @@ __all__ = ["adamw", "adamw_many", "sgd", "BLOCK"]
 BLOCK = interpreter_block(1024)
 
 
-
 @triton.jit
 def _adamw_math(p, g, m, v, vmax, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
                 DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr):

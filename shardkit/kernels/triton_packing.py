@@ -26,8 +26,6 @@ __all__ = ["pack", "unpack", "BLOCK"]
 BLOCK = interpreter_block(1024)
 
 
-
-
 @triton.jit
 def _locate(table, block_tensor, block_start, seg_numel, world_size, BLOCK: tl.constexpr):
     """This program's tensor row, its padded element indices, their packed positions."""
