@@ -109,6 +109,20 @@ def bench_adamw(sizes, rounds, device, skip_slow) -> list[dict]:
     return rows
 
 
+def bench_model_params(rounds, device) -> list[dict]:
+    """FusedAdamW vs torch's fused AdamW over the reference GPT's parameters (many tensors)."""
+    from shardkit.models import GPT, reference_gpt_config
+    params = list(GPT(reference_gpt_config(), seed=0).to(device).parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    numel = sum(p.numel() for p in params)
+    medians = interleaved_medians({"torch fused": torch.optim.AdamW(params, fused=True).step,
+                                   "shardkit FusedAdamW": FusedAdamW(params).step},
+                                  rounds, device)
+    return [dict(params=numel, tensors=len(params), candidate=name, ms=seconds * 1e3,
+                 ratio=seconds / medians["torch fused"]) for name, seconds in medians.items()]
+
+
 def gradient_like_tensors(numel: int, count: int, device) -> list[torch.Tensor]:
     """``count`` tensors of uneven sizes summing to about ``numel`` (like a model's gradients)."""
     weights = [1 + (i * 7919) % 13 for i in range(count)]
@@ -160,7 +174,7 @@ def small_call_overhead(rounds: int) -> list[dict]:
     return [dict(candidate=k, us=s / 200 * 1e6) for k, s in medians.items()]
 
 
-def format_tables(env, adamw_rows, pack_rows, overhead_rows, cuda_rows) -> str:
+def format_tables(env, adamw_rows, model_rows, pack_rows, overhead_rows, cuda_rows) -> str:
     lines = ["# Kernel benchmarks", "", env, "",
              "## AdamW step (one flat fp32 parameter, CPU)", "",
              "Bandwidth fraction: time of a `dst.copy_(src)` moving the same 28 B/param (read +",
@@ -171,6 +185,11 @@ def format_tables(env, adamw_rows, pack_rows, overhead_rows, cuda_rows) -> str:
     for r in adamw_rows:
         lines.append(f"| {r['params'] / 2**20:.0f}M | {r['candidate']} | {r['ms']:.2f} | "
                      f"{r['ratio']:.3f} | {r['gbps']:.1f} | {r['bw_fraction']:.2f} |")
+    lines += ["", "## AdamW over the reference GPT's parameters (CPU)", "",
+              "| params | tensors | candidate | ms (median) | time / torch fused |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {r['params'] / 1e6:.1f}M | {r['tensors']} | {r['candidate']} | {r['ms']:.2f} | "
+              f"{r['ratio']:.3f} |" for r in model_rows]
     lines += ["", "## Per-call overhead (1K params, CPU)", "", "| candidate | µs per call |",
               "|---|---|"]
     lines += [f"| {r['candidate']} | {r['us']:.1f} |" for r in overhead_rows]
@@ -219,6 +238,7 @@ def main(argv=None) -> None:
     cpu = torch.device("cpu")
 
     adamw_rows = bench_adamw(sizes, rounds, cpu, skip_slow=args.quick)
+    model_rows = bench_model_params(rounds, cpu)
     overhead_rows = small_call_overhead(rounds)
     pack_rows = bench_packing(16 * 2**20, 4, rounds, cpu)
     cuda_rows = []
@@ -228,7 +248,7 @@ def main(argv=None) -> None:
            f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores visible, "
            f"{rounds} interleaved rounds, medians"
            + (f", GPU {torch.cuda.get_device_name()}" if cuda_rows else ", no GPU"))
-    report = format_tables(env, adamw_rows, pack_rows, overhead_rows, cuda_rows)
+    report = format_tables(env, adamw_rows, model_rows, pack_rows, overhead_rows, cuda_rows)
     print(report)
     if not args.no_write:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
