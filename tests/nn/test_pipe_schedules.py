@@ -1,7 +1,5 @@
 """Multi-process pipeline: GPipe and 1F1B match single-process training; memory; bytes; errors."""
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
