@@ -402,10 +402,10 @@ class ShardedEngine(nn.Module):
         """Write a resharding checkpoint under ``save_dir/tag`` (default ``global_step<N>``) and
         point ``save_dir/latest`` at it, atomically. Must be called on every rank.
 
-        Each rank writes the fp32 parameters and optimizer state it owns, keyed by parameter
-        name; rank 0 adds metadata, scheduler, loss scaler and ``client_state``. Memory: one
-        rank's share on CPU (stage 3: the full state on rank 0, gathered by FSDP).
-        Communication: one small all-reduce and two barriers (stage 3: FSDP's gathers).
+        Each rank writes the fp32 parameters and optimizer state it owns (stage 3: its dim-0
+        row block of each), keyed by parameter name; rank 0 adds metadata, scheduler, loss
+        scaler and ``client_state``. Memory: a CPU copy of this rank's share. Communication:
+        two one-element all-reduces and two barriers.
         Returns the checkpoint directory.
         """
         from shardkit.checkpoint.engine_state import save_engine_checkpoint

@@ -7,8 +7,9 @@ keyed by the parameter's name in the unwrapped model. How a rank finds its part 
 - stages 0-2: parameters are whole on every rank. The owner of a parameter (OSS's partition at
   stages 1-2, a balanced partition at stage 0) writes it and its optimizer state, which it holds
   locally; nothing crosses the wire.
-- stage 3: FSDP holds flat shards, so its public full-state calls (``state_dict()``,
-  ``gather_full_optim_state_dict``) gather to rank 0, which writes everything.
+- stage 3: FSDP holds every parameter as a dim-0 row block per rank. Each rank writes its
+  blocks (``local_state_dict()``) and the matching blocks of its optimizer state; reading the
+  checkpoint joins them. Nothing crosses the wire either.
 
 Loading builds a full torch-format optimizer state dict in the engine's own parameter order and
 gives it to the optimizer's public ``load_state_dict`` (OSS reshards it; FSDP slices it with
@@ -42,9 +43,9 @@ def save_engine_checkpoint(engine, save_dir: str, tag: Optional[str],
     tag = f"global_step{engine.global_steps}" if tag is None else tag
     check_tag(tag)  # before the stage-3 gathers: a bad tag fails on every rank, no traffic
     if engine.zero_stage == 3:
-        shard, groups = _stage3_shard(engine)
+        shard, groups, row_sharded = _row_sharded_shard(engine)
     else:
-        shard, groups = _replicated_param_shard(engine)
+        (shard, groups), row_sharded = _replicated_param_shard(engine), {}
     shard.rng = rng_state()
     metadata = payload = None
     if distributed.get_rank() == 0:
@@ -53,6 +54,7 @@ def save_engine_checkpoint(engine, save_dir: str, tag: Optional[str],
             "zero_stage": engine.zero_stage, "global_steps": engine.global_steps,
             "skipped_steps": engine.skipped_steps,
             "param_names": sorted(engine.module_state_names()),
+            "row_sharded": row_sharded,
             "optimizer_class": type(_inner_optimizer_class(engine)).__name__,
             "precision": engine.config.precision.dtype,
         }
@@ -109,20 +111,29 @@ def _replicated_param_shard(engine):
     return shard, groups
 
 
-def _stage3_shard(engine):
-    """Stage 3: FSDP's full state gathered to rank 0, keyed by the original names."""
-    full_model = engine.wrapped.state_dict()
-    full_optim = engine.wrapped.gather_full_optim_state_dict(engine.optimizer, recipient_rank=0)
+# The documented key of FullyShardedDataParallel.local_state_dict()'s metadata entry.
+_FSDP_LOCAL_META = "_shardkit_fsdp_meta"
+
+
+def _row_sharded_shard(engine):
+    """Stage 3: this rank's row block of every parameter and of its optimizer state, from
+    FSDP's ``local_state_dict()`` (no communication; memory: one shard copy)."""
+    local = engine.wrapped.local_state_dict()
+    shapes = {name: list(shape) for name, shape in local.pop(_FSDP_LOCAL_META)["shapes"].items()}
+    rank = distributed.get_rank()
     shard = RankShard()
-    groups = None
-    if distributed.get_rank() == 0:
-        shard.params = {k: _cpu(v).float() if v.is_floating_point() else _cpu(v)
-                        for k, v in full_model.items()}
-        order = full_optim["param_names"]
-        shard.optim = {order[int(i)]: {k: _cpu(v) for k, v in s.items()}
-                       for i, s in full_optim["state"].items()}
-        groups = [_group_by_name(g, lambda i: order[int(i)]) for g in full_optim["param_groups"]]
-    return shard, groups
+    for name, value in local.items():
+        if name in shapes:
+            shard.row_blocks[name] = value.detach().to("cpu", torch.float32, copy=True)
+        elif rank == 0:  # buffers: the same on every rank
+            shard.params[name] = _cpu(value)
+    names = {id(p): n for n, p in engine.wrapped.named_parameters()}
+    for name, p in engine.wrapped.named_parameters():
+        state = engine.optimizer.state.get(p)
+        if state and name in shapes:
+            shard.optim[name] = {k: _cpu(v) for k, v in state.items()}
+    groups = [_group_by_name(g, lambda p: names[id(p)]) for g in engine.optimizer.param_groups]
+    return shard, groups, shapes
 
 
 def _group_by_name(group: dict, name_of) -> dict:

@@ -5,12 +5,16 @@ Layout (``DIR`` is the save directory, ``TAG`` one checkpoint)::
     DIR/latest                 text: the tag of the newest complete checkpoint
     DIR/TAG/metadata.json      rank 0: format, world size, stage, counters, who holds which name
     DIR/TAG/engine.pt          rank 0: optimizer param groups, scheduler, loss scaler, client state
-    DIR/TAG/rank_00003.pt      rank 3: {"params": {name: fp32}, "optim": {name: state}, "rng": ...}
+    DIR/TAG/rank_00003.pt      rank 3: {"params": {name: fp32}, "optim": {name: state},
+                                        "row_blocks": {name: block}, "rng": ...}
 
-The stored form does not depend on the world size or the ZeRO stage that wrote it: every
-parameter is stored whole, in fp32, under its name in the unwrapped model, with its optimizer
-state beside it, in exactly one rank file. Loading at another world size or stage only needs a
-different split of the same names.
+The stored form does not depend on the world size or the ZeRO stage that wrote it. A parameter
+is stored under its name in the unwrapped model, in fp32, with its optimizer state beside it,
+either whole in exactly one rank file (``params``), or, when it was sharded on dim 0 across the
+ranks that wrote it (FSDP), as every rank's block of rows (``row_blocks``, and row blocks of
+its optimizer state), which :func:`read_checkpoint` concatenates and trims to the full shape
+listed in the metadata (``row_sharded``). Loading at another world size or stage only needs a
+different split of the same full tensors.
 
 Atomicity: ranks write into ``DIR/.tmp-TAG``; the ranks then agree (one all-reduce) that every
 file is complete; rank 0 writes the metadata, renames the directory to ``DIR/TAG`` and finally
@@ -50,6 +54,7 @@ class RankShard:
 
     params: dict = field(default_factory=dict)
     optim: dict = field(default_factory=dict)
+    row_blocks: dict = field(default_factory=dict)
     rng: dict = field(default_factory=dict)
 
 
@@ -71,7 +76,8 @@ def rank_file_name(rank: int) -> str:
 
 def _write_rank_file(path: str, shard: RankShard) -> None:
     """Write one rank's shard (a separate function so tests can inject a crash here)."""
-    torch.save({"params": shard.params, "optim": shard.optim, "rng": shard.rng}, path)
+    torch.save({"params": shard.params, "optim": shard.optim, "row_blocks": shard.row_blocks,
+                "rng": shard.rng}, path)
     _fsync(path)
 
 
@@ -216,6 +222,7 @@ def read_checkpoint(path: str, with_optimizer: bool = True) -> LoadedCheckpoint:
     params: dict = {}
     optim: dict = {}
     rng: dict = {}
+    blocks: dict = {}  # name -> [(param block, optimizer-state block)] in rank order
     for rank in range(metadata["world_size"]):
         file = os.path.join(path, rank_file_name(rank))
         if not os.path.isfile(file):
@@ -225,13 +232,43 @@ def read_checkpoint(path: str, with_optimizer: bool = True) -> LoadedCheckpoint:
         params.update(shard["params"])
         if with_optimizer:
             optim.update(shard["optim"])
+        for name, block in shard.get("row_blocks", {}).items():
+            blocks.setdefault(name, []).append((block, shard["optim"].get(name, {})))
         rng[rank] = shard["rng"]
+    for name, shape in metadata.get("row_sharded", {}).items():
+        parts = blocks.get(name, [])
+        if len(parts) != metadata["world_size"]:
+            raise CheckpointError(f"{path}: {name} has {len(parts)} row blocks; expected one "
+                                  f"per rank ({metadata['world_size']})")
+        params[name] = _join_rows([b for b, _ in parts], shape)
+        if with_optimizer and parts[0][1]:
+            optim[name] = _join_state(parts, shape)
     missing = [name for name in metadata["param_names"] if name not in params]
     if missing:
         raise CheckpointError(f"{path}: no rank file holds {missing[:5]}")
     engine = torch.load(os.path.join(path, ENGINE_FILE), map_location="cpu",
                         weights_only=False)
     return LoadedCheckpoint(path, metadata, params, optim, rng, engine)
+
+
+def _join_rows(blocks: list, shape: list) -> torch.Tensor:
+    """Rank-ordered dim-0 row blocks (the last ones zero padded) -> the full tensor."""
+    rest = tuple(shape[1:])
+    rows = torch.cat([b.reshape(-1, *rest) for b in blocks])
+    return rows[:shape[0] if shape else 1].reshape(shape)
+
+
+def _join_state(parts: list, shape: list) -> dict:
+    """Optimizer state of a row-sharded parameter: tensors shaped like the row block are
+    joined like the parameter; the rest (``step``) is the same on every rank."""
+    block0, state0 = parts[0]
+    joined = {}
+    for key, value in state0.items():
+        if isinstance(value, torch.Tensor) and value.shape == block0.shape:
+            joined[key] = _join_rows([state[key] for _, state in parts], shape)
+        else:
+            joined[key] = value
+    return joined
 
 
 def describe(metadata: dict) -> dict[str, Any]:

@@ -107,8 +107,14 @@ def test_stage3_world2_checkpoint_resumes_at_world1_stage0_and_world4_stage1(
     reference = world2.run(_reference_run, save_dir)[0]
     assert reference["path"] == os.path.join(save_dir, f"global_step{STEPS_BEFORE}")
     assert read_latest_tag(save_dir) == f"global_step{STEPS_BEFORE}"
+    # Stage 3 writes each rank's own row blocks (parameters and Adam state): two similar files.
+    files = [torch.load(os.path.join(reference["path"], f"rank_0000{r}.pt"), weights_only=False)
+             for r in range(2)]
+    numels = [sum(t.numel() for t in f["row_blocks"].values()) for f in files]
+    assert min(numels) == max(numels) > 0
+    assert all(set(f["optim"]) == set(f["row_blocks"]) for f in files)
 
-    for world, stage, gas in ((world1, 0, 4), (world4, 1, 1)):
+    for world, stage, gas in ((world1, 0, 4), (world4, 1, 1), (world1, 3, 4)):
         results = world.run(_resumed_run, save_dir, stage)
         for r in results:
             assert r["path"] == reference["path"] and r["client_state"] == {"epoch": 7}
