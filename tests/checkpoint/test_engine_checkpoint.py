@@ -80,10 +80,11 @@ def _reference_run(save_dir):
     engine, _, _, _ = shardkit.initialize(model=GPT(TINY, seed=0), config=_config(3))
     _train_steps(engine, 0, STEPS_BEFORE)
     at_save = _full_state(engine)
-    path = engine.save_checkpoint(save_dir, client_state={"epoch": 7})
+    with distributed.CommCounter() as comm:
+        path = engine.save_checkpoint(save_dir, client_state={"epoch": 7})
     after = _train_steps(engine, STEPS_BEFORE, STEPS_AFTER)
-    return {"path": path, "at_save": at_save, "after": after,
-            "lr": engine.get_lr()} if distributed.get_rank() == 0 else None
+    return {"path": path, "at_save": at_save, "after": after, "lr": engine.get_lr(),
+            "save_comm": comm.calls_by_op} if distributed.get_rank() == 0 else None
 
 
 def _resumed_run(save_dir, stage):
@@ -107,6 +108,8 @@ def test_stage3_world2_checkpoint_resumes_at_world1_stage0_and_world4_stage1(
     reference = world2.run(_reference_run, save_dir)[0]
     assert reference["path"] == os.path.join(save_dir, f"global_step{STEPS_BEFORE}")
     assert read_latest_tag(save_dir) == f"global_step{STEPS_BEFORE}"
+    # Saving gathers nothing: two barriers and two one-element agreement all-reduces.
+    assert reference["save_comm"] == {"barrier": 2, "all_reduce": 2}
     # Stage 3 writes each rank's own row blocks (parameters and Adam state): two similar files.
     files = [torch.load(os.path.join(reference["path"], f"rank_0000{r}.pt"), weights_only=False)
              for r in range(2)]
