@@ -459,7 +459,9 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
             ``DistributedSampler`` and the micro-batch size is returned for it.
         lr_scheduler: a scheduler or ``callable(optimizer) -> scheduler``; exclusive with a
             config ``scheduler`` section.
-        config: a dict or the path of a JSON file (``config_params`` is an alias).
+        config: a dict or the path of a JSON file (``config_params`` is an alias; without
+            either, ``args.deepspeed_config`` is used as DeepSpeed does).
+        args, dist_init_required, collate_fn: DeepSpeed's; ``mpu`` is refused.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``; ``dataloader`` is ``None`` without
@@ -473,6 +475,8 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     """
     if config is not None and config_params is not None:
         raise ConfigError("initialize: config and config_params are aliases; pass only one")
+    if config is None and config_params is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)  # DeepSpeed's --deepspeed_config
     if mpu is not None:
         raise ConfigError("initialize(mpu=...): model-parallel units are not supported by the "
                           "front end; compose shardkit.nn.model_parallel yourself")
