@@ -20,7 +20,8 @@ __all__ = ["chunk_numels_for", "pack_rank_major", "unpack_rank_major", "unpack_s
 
 
 def chunk_numels_for(numels: Sequence[int], world_size: int) -> list[int]:
-    """Default per-rank chunk sizes: ``ceil(numel / world_size)`` for each tensor."""
+    """Default per-rank chunk sizes: ``ceil(numel / world_size)`` for each tensor (so padding is
+    below ``world_size`` elements per tensor)."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size}; it must be at least 1")
     return [-(-n // world_size) for n in numels]
@@ -174,7 +175,8 @@ def shard_views(shard: torch.Tensor, chunk_numels: Sequence[int]) -> list[torch.
 def unpack_shard(shard: torch.Tensor, outs: Sequence[torch.Tensor],
                  chunk_numels: Optional[Sequence[int]] = None, accumulate: bool = False) -> None:
     """Copy (or add, with ``accumulate``) one rank's segment into per-parameter tensors
-    ``outs``; ``chunk_numels`` default to the outs' sizes."""
+    ``outs``; ``chunk_numels`` default to the outs' sizes. One read and one write (two reads with
+    ``accumulate``) per element of ``outs``; no extra memory, no communication."""
     chunks = list(chunk_numels) if chunk_numels is not None else [t.numel() for t in outs]
     if len(chunks) != len(outs):
         raise ValueError(f"unpack_shard: chunk_numels has {len(chunks)} entries for "
