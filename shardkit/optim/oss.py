@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from shardkit import distributed
-from shardkit.optim.param_sync import (FlatParamBucket, OwnershipPlan, build_buckets,
+from shardkit.optim.param_sync import (SYNC_OPS, FlatParamBucket, OwnershipPlan, build_buckets,
                                        plan_ownership)
 from shardkit.optim.partition import ParameterPartition
 
@@ -51,13 +51,16 @@ class OSS(torch.optim.Optimizer):
             copies of a parameter are then rounded, the owner's stays exact).
         bucket_numel: target elements per rank in one sync bucket (default: a 16 MiB fp32
             bucket in all, see :func:`~shardkit.optim.param_sync.default_bucket_numel`).
+        sync_op: ``"all_gather"`` (one ``all_gather_into_tensor`` per bucket) or
+            ``"broadcast"`` (each rank broadcasts its segment); default: all-gather on
+            accelerators, broadcast on CPU where gloo's all-gather is slower. Same bytes.
         **defaults: the optimizer's hyper-parameters (``lr=...``).
 
     Costs (Ψ trainable parameters, N ranks, K optimizer bytes per parameter): optimizer state
     ``KΨ/N`` per rank (plus at most one parameter's worth of imbalance); parameters stay full
     (they live in the flat sync buffers, ``Ψ`` plus a few per cent of padding at most).
     Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16 with
-    ``broadcast_fp16``), one all-gather per bucket. :meth:`clip_grad_norm`: one all-reduce of
+    ``broadcast_fp16``), one all-gather per bucket (``N`` in-place broadcasts per bucket on CPU). :meth:`clip_grad_norm`: one all-reduce of
     one element.
 
     .. warning:: ``step``, ``clip_grad_norm``, ``consolidate_state_dict``, ``add_param_group``
@@ -66,7 +69,7 @@ class OSS(torch.optim.Optimizer):
 
     def __init__(self, params, optim: type = torch.optim.SGD, group=None,
                  broadcast_fp16: bool = False, bucket_numel: Optional[int] = None,
-                 **defaults):
+                 sync_op: Optional[str] = None, **defaults):
         existing = params if isinstance(params, torch.optim.Optimizer) else None
         if existing is not None:
             _check_takeover_arguments(existing, optim, defaults)
@@ -79,6 +82,9 @@ class OSS(torch.optim.Optimizer):
         _check_flag("broadcast_fp16", broadcast_fp16)
         if bucket_numel is not None and (not isinstance(bucket_numel, int) or bucket_numel < 1):
             raise ValueError(f"OSS(bucket_numel={bucket_numel!r}): must be a positive int or None")
+        if sync_op is not None and sync_op not in SYNC_OPS:
+            raise ValueError(f"OSS(sync_op={sync_op!r}): valid values are {list(SYNC_OPS)} or "
+                             f"None (all_gather on accelerators, broadcast on CPU)")
         distributed.require_initialized("OSS")
         self.group = group
         self.rank = distributed.get_rank(group)
@@ -89,6 +95,7 @@ class OSS(torch.optim.Optimizer):
         self.global_rank = distributed.get_global_rank(group, self.rank)
         self.broadcast_fp16 = broadcast_fp16
         self.bucket_numel = bucket_numel
+        self.sync_op = sync_op
         self._optim_class, self._optim_kwargs = optim, ctor_kwargs
         self._ready = False
         self._consolidated: Optional[dict] = None
@@ -99,7 +106,7 @@ class OSS(torch.optim.Optimizer):
         self._plan = plan_ownership(_trainable(groups), self.world_size, bucket_numel)
         self.optim = self._make_local_optimizer(groups, self._plan.partition)
         super().__init__(groups, dict(self.optim.defaults))
-        self._buckets = build_buckets(self._plan, self.rank, group, broadcast_fp16)
+        self._buckets = build_buckets(self._plan, self.rank, group, broadcast_fp16, sync_op)
         self._ready = True
         if existing is not None:
             self.load_state_dict(existing.state_dict())
@@ -119,8 +126,14 @@ class OSS(torch.optim.Optimizer):
 
     @property
     def num_buckets(self) -> int:
-        """How many all-gathers one :meth:`step` issues to re-sync the parameters."""
+        """How many flat buckets one :meth:`step` re-syncs."""
         return sum(len(buckets) for buckets in self._buckets)
+
+    @property
+    def collectives_per_step(self) -> int:
+        """Collectives one :meth:`step` issues: one per bucket (all-gather), or one per bucket
+        and rank (broadcasts, the CPU default)."""
+        return sum(b.collectives_per_sync for buckets in self._buckets for b in buckets)
 
     @property
     def state(self):
@@ -155,7 +168,8 @@ class OSS(torch.optim.Optimizer):
         """Step the owned parameters that have a gradient, then re-sync every parameter from
         its owner. ``closure`` (re-evaluates the loss) runs exactly once on every rank.
 
-        Communication: one all-gather per bucket, ``Ψ(N-1)/N`` elements in all.
+        Communication: ``Ψ(N-1)/N`` elements in all, in one all-gather per bucket (or ``N``
+        broadcasts per bucket, see ``sync_op``).
         """
         self._check_trainable_covered()
         loss = None
@@ -340,7 +354,8 @@ class OSS(torch.optim.Optimizer):
         # Something replaced a parameter's storage (model.to(...), p.data = ...): rebuild the
         # flat buffers from the current values. Purely local, the layout is deterministic.
         if any(not b.is_bound() for buckets in self._buckets for b in buckets):
-            self._buckets = build_buckets(self._plan, self.rank, self.group, self.broadcast_fp16)
+            self._buckets = build_buckets(self._plan, self.rank, self.group, self.broadcast_fp16,
+                                          self.sync_op)
 
     def _sync_all_buckets(self) -> None:
         every = [b for buckets in self._buckets for b in buckets]
@@ -394,7 +409,8 @@ class OSS(torch.optim.Optimizer):
         self._plan = plan
         self.optim = self._make_local_optimizer(self.param_groups, new)
         self._load_local_state({**kept, **arriving})
-        self._buckets = build_buckets(plan, self.rank, self.group, self.broadcast_fp16)
+        self._buckets = build_buckets(plan, self.rank, self.group, self.broadcast_fp16,
+                                      self.sync_op)
         self._consolidated = None
 
     def _send_state_to_new_owners(self, new: ParameterPartition, held: dict) -> dict:

@@ -5,7 +5,8 @@ Instead of one broadcast per parameter, the owned parameters are laid out in *fl
 bucket ``k`` is one buffer of ``world_size`` equal segments, segment ``r`` holding (contiguous,
 zero padded at the end) the parameters rank ``r`` owns in that bucket. The parameters are views
 into these buffers, so one in-place ``all_gather_into_tensor`` per bucket re-synchronises them,
-with no packing or unpacking copy.
+with no packing or unpacking copy (on CPU, where gloo's all-gather is slow, each rank instead
+broadcasts its segment in place: see :func:`default_sync_op`).
 
 Whole-parameter ownership makes per-rank segments uneven, and padding is sent on the wire. The
 plan therefore chooses ownership and buckets together (:func:`plan_ownership`): buckets are
@@ -16,7 +17,7 @@ Memory: the buffers replace the parameters' own storage (``Ψ`` plus the padding
 ``broadcast_fp16`` a transient half-precision copy of each bucket in flight (``2Ψ`` bytes at
 most) lives during the sync. Communication per step per rank:
 ``(N-1)/N · (Ψ + padding)`` elements in the parameters' dtype (fp16 with ``broadcast_fp16``),
-one all-gather per bucket.
+one all-gather per bucket (``N`` broadcasts per bucket on CPU).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import torch
 from shardkit import distributed
 from shardkit.optim.partition import ParameterPartition
 
-__all__ = ["OwnershipPlan", "plan_ownership", "default_bucket_numel", "FlatParamBucket",
-           "build_buckets"]
+__all__ = ["OwnershipPlan", "plan_ownership", "default_bucket_numel", "default_sync_op",
+           "SYNC_OPS", "FlatParamBucket", "build_buckets"]
 
 
 @dataclass(frozen=True)
@@ -97,13 +98,23 @@ def plan_ownership(trainable_groups: Sequence[Sequence[torch.Tensor]], world_siz
 
 
 def default_bucket_numel(world_size: int) -> int:
-    """Elements per rank such that a whole bucket holds 2**22 elements (16 MiB of fp32).
-
-    Gloo's all-gather allocates its whole output on every call; kept under glibc's largest
-    mmap threshold (32 MiB) the allocation is reused instead of faulted in afresh, which
-    measured 5-8x faster on CPU. Large enough for NCCL to run at full bandwidth.
-    """
+    """Elements per rank such that a whole bucket holds 2**22 elements (16 MiB of fp32): large
+    enough for full bandwidth, small enough that several buckets overlap with the step (and,
+    on gloo, that an all-gather's output stays under glibc's 32 MiB mmap threshold, so it is
+    not faulted in afresh on every call: 5-8x slower when it is, measured on CPU)."""
     return max(1, 2 ** 22 // max(1, world_size))
+
+
+SYNC_OPS = ("all_gather", "broadcast")
+
+
+def default_sync_op(device: torch.device) -> str:
+    """How a bucket is re-synchronised on ``device``: ``"all_gather"`` (one
+    ``all_gather_into_tensor`` per bucket, NCCL's native path) on accelerators; on CPU
+    ``"broadcast"`` (each rank broadcasts its segment in place: gloo's all-gather copies its
+    whole output through a fresh buffer and measured 1.2-4x slower on 16-32 MiB buckets).
+    The bytes on the wire are the same either way: ``(N-1)/N`` of the bucket."""
+    return "broadcast" if device.type == "cpu" else "all_gather"
 
 
 class FlatParamBucket:
@@ -114,14 +125,17 @@ class FlatParamBucket:
             dtype for the whole bucket).
         rank, world_size, group: this rank's place in the process group.
         broadcast_fp16: send fp32 parameters as fp16 (the owner keeps its exact fp32 values).
+        sync_op: ``"all_gather"`` or ``"broadcast"`` (one per rank segment); ``None``:
+            :func:`default_sync_op` for the bucket's device.
 
     Memory: ``world_size x segment_numel`` elements (the parameters' storage). Communication
-    per :meth:`start_gather`: one all-gather of the whole buffer, ``(N-1)/N`` of its bytes
-    (half of them with ``broadcast_fp16``).
+    per :meth:`start_gather`: ``(N-1)/N`` of the buffer's bytes (half of them with
+    ``broadcast_fp16``), in one all-gather or ``N`` broadcasts.
     """
 
     def __init__(self, params_per_rank: Sequence[Sequence[torch.Tensor]], rank: int,
-                 world_size: int, group=None, broadcast_fp16: bool = False):
+                 world_size: int, group=None, broadcast_fp16: bool = False,
+                 sync_op: Optional[str] = None):
         every = [p for params in params_per_rank for p in params]
         self.dtype = every[0].dtype
         self.device = every[0].device
@@ -129,6 +143,7 @@ class FlatParamBucket:
         self.params_per_rank = tuple(tuple(params) for params in params_per_rank)
         self.segment_numel = max(sum(p.numel() for p in params) for params in params_per_rank)
         self.send_fp16 = broadcast_fp16 and self.dtype == torch.float32
+        self.sync_op = sync_op or default_sync_op(self.device)
         self.buffer = torch.zeros(world_size * self.segment_numel, dtype=self.dtype,
                                   device=self.device)
         self._slots = []  # (param, offset in buffer)
@@ -138,13 +153,17 @@ class FlatParamBucket:
                 self._slots.append((p, offset))
                 offset += p.numel()
         self.bind()
-        self._work = None
+        self._works: list = []
         self._half: Optional[torch.Tensor] = None
 
     @property
     def owned_params(self) -> tuple:
         """The parameters this rank owns (and steps) in this bucket."""
         return self.params_per_rank[self.rank]
+
+    @property
+    def collectives_per_sync(self) -> int:
+        return 1 if self.sync_op == "all_gather" else self.world_size
 
     @property
     def padding_numel(self) -> int:
@@ -174,23 +193,25 @@ class FlatParamBucket:
         return buffer[r * self.segment_numel:(r + 1) * self.segment_numel]
 
     def start_gather(self) -> None:
-        """Launch the all-gather that brings every rank's segment here (asynchronous)."""
+        """Launch the collectives that bring every rank's segment here (asynchronous)."""
+        wire = self.buffer
         if self.send_fp16:
-            self._half = torch.empty(self.buffer.numel(), dtype=torch.float16, device=self.device)
-            own = self._segment(self._half, self.rank)
-            own.copy_(self._segment(self.buffer, self.rank))
-            self._work = distributed.all_gather_into_tensor(self._half, own, group=self.group,
-                                                            async_op=True)
+            wire = self._half = torch.empty(self.buffer.numel(), dtype=torch.float16,
+                                            device=self.device)
+            self._segment(wire, self.rank).copy_(self._segment(self.buffer, self.rank))
+        if self.sync_op == "all_gather":
+            self._works = [distributed.all_gather_into_tensor(
+                wire, self._segment(wire, self.rank), group=self.group, async_op=True)]
         else:
-            own = self._segment(self.buffer, self.rank)
-            self._work = distributed.all_gather_into_tensor(self.buffer, own, group=self.group,
-                                                            async_op=True)
+            self._works = [distributed.broadcast(
+                self._segment(wire, r), src=distributed.get_global_rank(self.group, r),
+                group=self.group, async_op=True) for r in range(self.world_size)]
 
     def finish_gather(self) -> None:
         """Wait for :meth:`start_gather`; with fp16, widen the other ranks' segments into place."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        for work in self._works:
+            work.wait()
+        self._works = []
         if self._half is not None:
             for r in range(self.world_size):
                 if r != self.rank:
@@ -198,8 +219,8 @@ class FlatParamBucket:
             self._half = None
 
 
-def build_buckets(plan: OwnershipPlan, rank: int, group=None,
-                  broadcast_fp16: bool = False) -> list[list[FlatParamBucket]]:
+def build_buckets(plan: OwnershipPlan, rank: int, group=None, broadcast_fp16: bool = False,
+                  sync_op: Optional[str] = None) -> list[list[FlatParamBucket]]:
     """The flat buckets of ``plan``: per bucket index, one :class:`FlatParamBucket` per
     (device, dtype) found in it. Empty for a world of one (nothing to synchronise)."""
     partition = plan.partition
@@ -211,6 +232,6 @@ def build_buckets(plan: OwnershipPlan, rank: int, group=None,
         per_kind = grouped[plan.bucket_of[id(p)]]
         rows = per_kind.setdefault((p.device, p.dtype), [[] for _ in range(world_size)])
         rows[partition.owner(p)].append(p)
-    return [[FlatParamBucket(rows, rank, world_size, group, broadcast_fp16)
+    return [[FlatParamBucket(rows, rank, world_size, group, broadcast_fp16, sync_op)
              for rows in per_kind.values()]
             for per_kind in grouped if per_kind]

@@ -4,7 +4,8 @@
   state, and the shards add up to the unsharded total;
 - parameter storage is not duplicated by the flat sync buffers (padding only, <= 5%);
 - the re-sync of one step puts <= 1.05 x Ψ(N-1)/N x 4 bytes on the wire (``CommCounter``), half
-  of that with ``broadcast_fp16``, with one all-gather per bucket and nothing else.
+  of that with ``broadcast_fp16``, with one all-gather per bucket (or, the CPU default, one
+  broadcast per bucket and rank) and nothing else.
 """
 
 import pytest
@@ -45,7 +46,8 @@ def _wire(model, opt, seed):
         _seeded_grads(model, seed)
         opt.step()
     return {"wire_bytes": comm.bytes, "calls": comm.calls_by_op,
-            "dtypes": sorted({str(r.dtype) for r in comm.calls}), "num_buckets": opt.num_buckets}
+            "dtypes": sorted({str(r.dtype) for r in comm.calls}), "num_buckets": opt.num_buckets,
+            "collectives": opt.collectives_per_step}
 
 
 def _measure_both():
@@ -71,8 +73,14 @@ def _measure_both():
     opt.step()
     fp32["checksum"] = _checksum(model)
     del opt
-    half = OSS(model.parameters(), optim=torch.optim.SGD, lr=1e-3, broadcast_fp16=True)
-    return {"fp32": fp32, "fp16": {**common, **_wire(model, half, 3)}}
+    out = {"fp32": fp32}
+    for name, kwargs in (("fp32_all_gather", {"sync_op": "all_gather"}),
+                         ("fp16", {"broadcast_fp16": True}),
+                         ("fp16_all_gather", {"broadcast_fp16": True, "sync_op": "all_gather"})):
+        other = OSS(model.parameters(), optim=torch.optim.SGD, lr=1e-3, **kwargs)
+        out[name] = {**common, **_wire(model, other, 3)}
+        del other
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -99,24 +107,28 @@ def test_parameters_are_not_duplicated(measured, n):
         assert r["param_bytes"] <= 1.05 * r["plain_param_bytes"]
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_sync_volume_fp32(measured, n):
-    for r in (x["fp32"] for x in measured[n]):
-        ideal = r["psi"] * (n - 1) / n * 4
-        assert r["wire_bytes"] <= 1.05 * ideal, f"{r['wire_bytes']:.0f} B > 1.05 x {ideal:.0f} B"
-        assert r["wire_bytes"] >= ideal  # everything really is sent
-        assert r["calls"] == {"all_gather": r["num_buckets"]}  # one collective per bucket
-        assert r["num_buckets"] < r["num_params"] / 10
-        assert r["dtypes"] == ["torch.float32"]
+def _check_volume(r, n, bytes_per_element, dtype, op):
+    ideal = r["psi"] * (n - 1) / n * bytes_per_element
+    assert r["wire_bytes"] <= 1.05 * ideal, f"{r['wire_bytes']:.0f} B > 1.05 x {ideal:.0f} B"
+    assert r["wire_bytes"] >= ideal  # everything really is sent
+    assert r["dtypes"] == [dtype]
+    per_bucket = 1 if op == "all_gather" else n  # never one per parameter
+    assert r["calls"] == {op: per_bucket * r["num_buckets"]} == {op: r["collectives"]}
+    assert r["num_buckets"] < r["num_params"] / 10
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_sync_volume_halves_with_broadcast_fp16(measured, n):
-    for r in (x["fp16"] for x in measured[n]):
-        ideal = r["psi"] * (n - 1) / n * 2
-        assert ideal <= r["wire_bytes"] <= 1.05 * ideal
-        assert r["calls"] == {"all_gather": r["num_buckets"]}
-        assert r["dtypes"] == ["torch.float16"]
+@pytest.mark.parametrize("config, op", [("fp32", "broadcast"), ("fp32_all_gather", "all_gather")])
+def test_sync_volume_fp32(measured, n, config, op):
+    for x in measured[n]:
+        _check_volume(x[config], n, 4, "torch.float32", op)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("config, op", [("fp16", "broadcast"), ("fp16_all_gather", "all_gather")])
+def test_sync_volume_halves_with_broadcast_fp16(measured, n, config, op):
+    for x in measured[n]:
+        _check_volume(x[config], n, 2, "torch.float16", op)
 
 
 @pytest.mark.parametrize("n", [2, 4])
