@@ -313,7 +313,7 @@ def _bad_configs():
             opt = torch.optim.SGD(model.parameters(), 0.1)
             shardkit.initialize(model=model, optimizer=opt,
                                 lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1),
-                                config={"train_batch_size": 8, "zero_optimization": {"stage": stage}})
+                                config={"train_batch_size": 8, "zero_optimization": {"stage": 1}})
         except ConfigError as e:
             out["scheduler instance"] = str(e)
     out["collectives"] = len(comm.calls)
