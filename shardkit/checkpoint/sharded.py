@@ -92,8 +92,9 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     """Write this rank's shard and, on rank 0, the metadata; then publish atomically.
 
     Must be called on every rank (``metadata``/``engine_payload`` are used on rank 0 only).
-    Communication: two barriers and two one-element all-reduces (one more barrier on failure). Raises
-    :class:`CheckpointError` on every rank if any rank failed; ``latest`` is then untouched.
+    Communication: two barriers and two one-element all-reduces (one more barrier on
+    failure). Raises :class:`CheckpointError` on every rank if any rank failed; ``latest`` is
+    then untouched.
     """
     check_tag(tag)
     rank = distributed.get_rank()
