@@ -101,24 +101,39 @@ def adamw_candidates(numel: int, device: torch.device) -> dict[str, Callable[[],
     return candidates
 
 
+SLOW = ("torch for-loop", "torch foreach")
+
+
 def bench_adamw(sizes, rounds, device, skip_slow) -> list[dict]:
-    """Each size: the contenders and a copy moving the same 28 B/param, interleaved; the
-    bandwidth fraction of a contender is copy time / its time."""
+    """Each size, two interleaved sets, each with torch fused as its own baseline:
+
+    * the fused contenders with the copy_ and in-place references, ``rounds`` rounds;
+    * torch's for-loop and foreach paths, ``rounds // 3`` rounds (they take 5-10x longer, and
+      their big temporaries churn page mappings, which would disturb the close comparison).
+    """
     rows = []
     for numel in sizes:
         candidates = adamw_candidates(numel, device)
+        slow = {name: candidates.pop(name) for name in SLOW}
         if skip_slow and numel > 4 * 2**20:
-            candidates.pop("torch for-loop")
+            del slow["torch for-loop"]
+        slow["torch fused"] = candidates["torch fused"]
         candidates[COPY] = copy_candidate(ADAMW_BYTES_PER_PARAM * numel, device)
         candidates[IN_PLACE] = in_place_candidate(ADAMW_BYTES_PER_PARAM * numel, device)
         medians = interleaved_medians(candidates, rounds, device)
-        base, copy_seconds = medians["torch fused"], medians[COPY]
-        for name, seconds in medians.items():
-            rows.append(dict(params=numel, candidate=name, ms=seconds * 1e3,
-                             ratio=seconds / base, bw_fraction=copy_seconds / seconds,
-                             in_place_fraction=medians[IN_PLACE] / seconds,
+        slow_medians = interleaved_medians(slow, max(3, rounds // 3), device)
+        base, copy_seconds, in_place_seconds = medians["torch fused"], medians[COPY], medians[
+            IN_PLACE]
+        ratios = {name: seconds / base for name, seconds in medians.items()}
+        ratios.update({name: seconds / slow_medians["torch fused"]
+                       for name, seconds in slow_medians.items() if name in SLOW})
+        for name, ratio in sorted(ratios.items(), key=lambda item: item[1], reverse=True):
+            seconds = ratio * base  # in the units of the main set
+            rows.append(dict(params=numel, candidate=name, ms=seconds * 1e3, ratio=ratio,
+                             bw_fraction=copy_seconds / seconds,
+                             in_place_fraction=in_place_seconds / seconds,
                              gbps=ADAMW_BYTES_PER_PARAM * numel / seconds / 1e9))
-        del candidates
+        del candidates, slow
     return rows
 
 
@@ -193,7 +208,8 @@ def format_tables(env, adamw_rows, model_rows, pack_rows, overhead_rows, cuda_ro
              "Bandwidth fractions: time of a `dst.copy_(src)` (resp. an in-place `x.mul_(1.0)`)",
              "moving the same 28 B/param (read + write), run in the same rounds, divided by the",
              "candidate's time. A copy also fetches each destination line before writing it, so",
-             "an in-place update can beat it.", "",
+             "an in-place update can beat it. For-loop and foreach run in their own interleaved",
+             "rounds with torch fused; their times are scaled to the main rounds' torch fused.", "",
              "| params | candidate | ms (median) | time / torch fused | GB/s at 28 B/param "
              "| fraction of copy_ bandwidth | fraction of in-place bandwidth |",
              "|---|---|---|---|---|---|---|"]
