@@ -169,8 +169,15 @@ def bench_packing(numel, world_size, rounds, device) -> list[dict]:
         def shardkit_pack():
             pack_rank_major(tensors, world_size, scale=scale, dtype=dtype)
 
+        out = pack_rank_major(tensors, world_size, dtype=dtype)
+
+        def shardkit_pack_into_out():
+            pack_rank_major(tensors, world_size, scale=scale, dtype=dtype, out=out)
+
         medians = interleaved_medians({"torch.cat + scale + cast": baseline,
-                                       "shardkit pack_rank_major": shardkit_pack}, rounds, device)
+                                       "shardkit pack_rank_major": shardkit_pack,
+                                       "shardkit pack_rank_major(out=reused buffer)":
+                                           shardkit_pack_into_out}, rounds, device)
         base = medians["torch.cat + scale + cast"]
         for name, seconds in medians.items():
             rows.append(dict(params=sum(t.numel() for t in tensors), candidate=name,
