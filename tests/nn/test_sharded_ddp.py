@@ -115,6 +115,10 @@ def _build(cfg, rank):
     if cfg.get("freeze") == "always":
         for m in (ref, model):
             m.hidden.requires_grad_(False)
+    if cfg.get("checkpoint"):  # recomputation inside backward must not disturb the buckets
+        from shardkit.nn.checkpoint import checkpoint_wrapper
+        checkpoint_wrapper(model.hidden)
+        checkpoint_wrapper(model.branch)
     ref_opt = torch.optim.AdamW(_param_groups(ref, cfg.get("two_groups", False)), lr=lr,
                                 weight_decay=wd)
     if cfg.get("two_optimizers"):
@@ -182,6 +186,7 @@ CONFIGS = {
     "small_buckets_reduce": {"bucket": 1024, "reduction": "reduce"},
     "small_buckets_reduce_scatter": {"bucket": 1024, "reduction": "reduce_scatter"},
     "one_param_per_bucket": {"bucket": 0},
+    "activation_checkpointing": {"checkpoint": True, "bucket": 1024},
 }
 
 

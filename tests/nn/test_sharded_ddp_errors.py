@@ -139,3 +139,46 @@ def test_grad_scaler_skips_on_every_rank_with_sharded_grads(world2):
     for results, same_everywhere in world2.run(_check_scaler_with_sharded_grads):
         assert results == [(True, 512.0), (False, 512.0)]
         assert same_everywhere
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("planned failure in backward")
+
+
+def _check_recovery_after_failed_backward():
+    """A backward that raises half-way (same on every rank) leaves no stale state: the next
+    step reduces normally and matches the single-process oracle."""
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    oss = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    wrapped = ShardedDataParallel(model, oss, reduce_buffer_size=0)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    failed = False
+    try:  # the last layer's gradients are launched, then backward raises
+        model[2](_FailInBackward.apply(model[1](model[0](x)))).sum().backward()
+    except RuntimeError as e:
+        failed = "planned failure" in str(e)
+    oss.zero_grad()
+    wrapped(x).sum().backward()
+    oss.step()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for r in range(n):
+        xr = torch.randn(2, 4, generator=torch.Generator().manual_seed(r))
+        (ref(xr).sum() / n).backward()
+    ref_opt.step()
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), model.parameters()))
+    return failed, diff
+
+
+def test_recovers_after_a_failed_backward(world2):
+    for failed, diff in world2.run(_check_recovery_after_failed_backward):
+        assert failed and diff <= 1e-6

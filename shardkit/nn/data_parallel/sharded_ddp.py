@@ -155,6 +155,8 @@ class ShardedDataParallel(nn.Module):
     def forward(self, *inputs, **kwargs):
         """Run the module; first re-plan if the trainable set changed (``auto_refresh_trainable``)
         and broadcast rank 0's buffers (``broadcast_buffers``)."""
+        if self._backward_active:
+            self._forget_aborted_backward()
         if self.auto_refresh_trainable and torch.is_grad_enabled() and self._plan_is_stale():
             self.refresh_trainable()
         if self.broadcast_buffers and self.world_size > 1:
@@ -324,6 +326,17 @@ class ShardedDataParallel(nn.Module):
                 while self._in_flight:
                     self._finish(self._in_flight.popleft())
         finally:
+            self._backward_active = False
+            self._syncing = False
+
+    def _forget_aborted_backward(self) -> None:
+        """A backward that raised (on every rank alike) never ran its end callback: wait for
+        the buckets it launched and start the next backward from a clean state."""
+        try:
+            while self._in_flight:
+                self._in_flight.popleft().finish()
+        finally:
+            self._in_flight.clear()
             self._backward_active = False
             self._syncing = False
 
