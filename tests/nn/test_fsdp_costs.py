@@ -16,7 +16,6 @@ from shardkit.utils.memory import model_state_bytes
 from tests.nn.fsdp_common import build_gpt, make_optimizer, train_step, wrap_gpt
 
 WIDTH, DEPTH = 48, 16
-REDUCE_OP = "all_to_all"  # CPU tensors; "reduce_scatter" on CUDA
 
 
 @pytest.fixture(scope="module")
@@ -116,15 +115,17 @@ def test_communication_per_step(world2, reshard, passes):
     for r in world2.run(_comm_per_step, reshard):
         n, frac = r["n"], (r["n"] - 1) / r["n"]
         gathers = passes - 1
-        # gradients are reduce-scattered as one collective per unit: on gloo an all_to_all
-        # (same (N-1)/N bytes) plus a local sum, see flat_param._reduces_by_exchange
-        reduce_op = REDUCE_OP
-        assert r["calls"] == {"all_gather": gathers * r["units"], reduce_op: r["units"]}, r
-        assert r["by_op"]["all_gather"] == pytest.approx(gathers * r["padded"] * frac * 4)
-        assert r["by_op"][reduce_op] == pytest.approx(r["padded"] * frac * 4)
+        # one collective per unit and pass; on CPU the gather is a batch of point-to-point
+        # sends (N-1 per unit, the ring all-gather's bytes) and the reduce-scatter one
+        # all_to_all (see shardkit.nn.data_parallel.unit_collectives)
+        assert r["calls"] == {"send": gathers * r["units"] * (n - 1),
+                              "recv": gathers * r["units"] * (n - 1),
+                              "all_to_all": r["units"]}, r
+        assert r["by_op"]["send"] == pytest.approx(gathers * r["padded"] * frac * 4)
+        assert r["by_op"]["all_to_all"] == pytest.approx(r["padded"] * frac * 4)
         assert r["elements"] == pytest.approx(passes * r["psi"] * frac, rel=0.02), r
         # GPT: the root (embeddings, head) stays gathered from forward into backward
         gpt_gathered = (r["gpt_root"] + gathers * r["gpt_inner"]) * frac * 4
-        assert r["gpt_bytes"]["all_gather"] == pytest.approx(gpt_gathered), r
-        assert r["gpt_bytes"][reduce_op] == pytest.approx(
+        assert r["gpt_bytes"]["send"] == pytest.approx(gpt_gathered), r
+        assert r["gpt_bytes"]["all_to_all"] == pytest.approx(
             (r["gpt_root"] + r["gpt_inner"]) * frac * 4), r

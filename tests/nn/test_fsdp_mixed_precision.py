@@ -60,9 +60,10 @@ def test_bf16_tracks_fp32(world2):
             assert worst <= 0.02, (worst, curve, r["fp32"])
         assert r["fp32"][-1] < r["fp32"][0]  # it trains
         assert r["master"] == {torch.float32}
-        reduce_op = "all_to_all"  # the CPU reduce-scatter (flat_param._reduces_by_exchange)
-        assert r["dtypes"] == {("all_gather", torch.bfloat16), (reduce_op, torch.bfloat16)}
-        assert r["rs_dtypes"] == {("all_gather", torch.bfloat16), (reduce_op, torch.float32)}
+        # CPU algorithms (unit_collectives): gather = send/recv, reduce-scatter = all_to_all
+        gather = {("send", torch.bfloat16), ("recv", torch.bfloat16)}
+        assert r["dtypes"] == gather | {("all_to_all", torch.bfloat16)}
+        assert r["rs_dtypes"] == gather | {("all_to_all", torch.float32)}
 
 
 class ScaledLinear(nn.Module):

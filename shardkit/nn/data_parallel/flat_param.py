@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from shardkit import distributed as skdist
 from shardkit.kernels import pack_rank_major, unpack_rank_major
+from shardkit.nn.data_parallel.unit_collectives import all_gather_shards, reduce_scatter_packed
 
 __all__ = ["ParamLayout", "FlatParamShard", "GatheredParamBytes", "gathered_param_bytes",
            "shard_rows", "unshard_rows"]
@@ -112,15 +113,6 @@ _GATHERED = GatheredParamBytes()
 def gathered_param_bytes() -> GatheredParamBytes:
     """The process-wide :class:`GatheredParamBytes` counter."""
     return _GATHERED
-
-
-def _reduces_by_exchange(device: torch.device) -> bool:
-    """Note: how gradients are reduce-scattered. On CPU (gloo), ``reduce_scatter_tensor`` runs
-    mostly synchronously in the calling thread and costs as much as an all-reduce, so CPU
-    tensors are exchanged with one asynchronous ``all_to_all_single`` (the same ``(N-1)/N``
-    bytes on the wire) and each rank sums the ``N`` parts of its own segment locally. Other
-    devices (NCCL) use ``reduce_scatter_tensor``."""
-    return device.type == "cpu"
 
 
 class FlatParamShard:
@@ -217,7 +209,8 @@ class FlatParamShard:
     def start_gather(self) -> None:
         """Issue the unit's all-gather asynchronously (no-op when gathered or in flight).
 
-        Wire: ``(N-1)/N x N x shard`` elements of the compute dtype, one collective.
+        Wire: ``(N-1) x shard`` elements of the compute dtype, one collective
+        (:func:`.unit_collectives.all_gather_shards`).
         """
         if self.gathered or self._pending_gather is not None:
             return
@@ -226,8 +219,8 @@ class FlatParamShard:
         scratch = torch.empty(self.padded_numel, dtype=self.compute_dtype,
                               device=self.compute_device)
         _GATHERED.add(scratch.numel() * scratch.element_size())
-        work = skdist.all_gather_into_tensor(scratch, send, group=self.group, async_op=True)
-        self._pending_gather = (work, scratch, send)
+        pending = all_gather_shards(scratch, send, self.group)
+        self._pending_gather = (pending, scratch, send)
 
     def finish_gather(self) -> None:
         """Wait for (or issue and wait for) the all-gather and unpack it into ``full``."""
@@ -237,9 +230,9 @@ class FlatParamShard:
             self.start_gather()
         else:
             _GATHERED.prefetched += 1
-        work, scratch, _send = self._pending_gather
+        pending, scratch, _send = self._pending_gather
         self._pending_gather = None
-        work.wait()
+        pending.wait()
         self.full.untyped_storage().resize_(self.full_bytes)
         _GATHERED.add(self.full_bytes)
         unpack_rank_major(scratch, self.world_size, self.full.data.split(self.numels),
@@ -275,8 +268,8 @@ class FlatParamShard:
         """Release the gathered parameters (storage resized to 0: memory really goes down)."""
         self.hide()
         if self._pending_gather is not None:  # a prefetch nobody consumed
-            work, scratch, _ = self._pending_gather
-            work.wait()
+            pending, scratch, _ = self._pending_gather
+            pending.wait()
             _GATHERED.sub(scratch.numel() * scratch.element_size())
             self._pending_gather = None
         if self.gathered:
@@ -292,7 +285,8 @@ class FlatParamShard:
     def start_reduce(self) -> None:
         """Pack ``full.grad`` rank-major (divided by ``N``) and reduce-scatter it, async.
 
-        Wire: ``(N-1)/N x N x shard`` elements of the reduce dtype, one collective.
+        Wire: ``(N-1)/N x N x shard`` elements of the reduce dtype, one collective
+        (:func:`.unit_collectives.reduce_scatter_packed`).
         """
         grad = self.full.grad
         self.full.grad = None
@@ -300,24 +294,14 @@ class FlatParamShard:
                                  scale=1.0 / self.world_size, dtype=self.reduce_dtype,
                                  chunk_numels=self.chunk_numels)
         del grad
-        if _reduces_by_exchange(packed.device):
-            received = torch.empty_like(packed)
-            work = skdist.all_to_all_single(received, packed, group=self.group, async_op=True)
-            self._pending_reduce = (work, received, packed)
-        else:
-            out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=packed.device)
-            work = skdist.reduce_scatter_tensor(out, packed, group=self.group, async_op=True)
-            self._pending_reduce = (work, out, packed)
+        self._pending_reduce = reduce_scatter_packed(packed, self.group)
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter and add the result to the trainable shards' ``.grad``."""
         if self._pending_reduce is None:
             return
-        work, out, _packed = self._pending_reduce
+        out = self._pending_reduce.wait()
         self._pending_reduce = None
-        work.wait()
-        if out.numel() != self.shard_numel:  # exchanged: every rank's part of my segment
-            out = out.view(self.world_size, self.shard_numel).sum(0)
         grad_shard = out.to(self.storage_device, self.master_dtype)
         for p, view in zip(self.params, self.shard_views(grad_shard)):
             if not p.requires_grad:
