@@ -142,6 +142,8 @@ class BucketReduction:
         pack_rank_major(sources, 1, scale=1.0 / layout.world_size, dtype=out.dtype, out=out)
 
     def launch(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Pack ``grads`` (one per ``layout.params``, ``None``: no gradient on this rank) and
+        issue the asynchronous reduction; the caller may drop the gradients afterwards."""
         raise NotImplementedError
 
     def tensors_in_flight(self) -> list[torch.Tensor]:
@@ -149,6 +151,9 @@ class BucketReduction:
         return list(self._in_flight)
 
     def finish(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """Wait; return ``(param, reduced gradient)`` for each owned parameter, ``None`` when no
+        rank had a gradient for it. Gradients are views into this rank's segment (or casts
+        of them to the parameter's dtype)."""
         for handle in self._handles:
             handle.wait()
         self._handles = []

@@ -84,8 +84,9 @@ class ShardedDataParallel(nn.Module):
         reduction: ``"auto"``, ``"reduce_scatter"`` or ``"reduce"`` (see :class:`ReductionPolicy`;
             not in FairScale's signature).
 
-    Cost per rank (Ψ parameters, N ranks; DESIGN.md stage 2): gradients after backward Ψ/N
-    (its owned share) plus nothing else; during backward at most a few buckets in flight.
+    Cost per rank (Ψ parameters, N ranks; DESIGN.md stage 2): gradient bytes after backward
+    4Ψ/N in fp32, the rank's owned share (whole parameters, so up to one parameter more) plus
+    one flag per owned parameter; during backward, at most four buckets in flight.
     Communication per step: the gradient reduction, (N-1)/N·Ψ elements in the DESIGN
     convention (plus the padding of reduce-scattered buckets, at most ``balance_tolerance``),
     plus OSS's parameter sync, (N-1)/N·Ψ: 2Ψ(N-1)/N together. ``broadcast_buffers`` adds the
@@ -105,6 +106,9 @@ class ShardedDataParallel(nn.Module):
     ``no_sync()`` is decided when backward starts: backward passes that start inside it
     accumulate locally and the first one outside reduces the sum. Gradients accumulated across
     backward passes without zeroing stay correct (the owner's reduced gradient is carried).
+    Buckets are planned in reverse registration order (``module.parameters()`` reversed),
+    which is backward order for most models; a bucket that completes early waits for the ones
+    planned before it.
 
     .. warning:: Construction, :meth:`refresh_trainable`, forward (with ``broadcast_buffers``)
         and backward issue collectives: call them on every rank of the group.
@@ -177,8 +181,9 @@ class ShardedDataParallel(nn.Module):
             self._sync_enabled = previous
 
     def refresh_trainable(self) -> None:
-        """Re-partition the OSS optimizers and re-plan the buckets after ``requires_grad``
-        changed. Local computation (no communication); call it on every rank alike."""
+        """Re-partition the OSS optimizers (``OSS.refresh_trainable``: collective when ownership
+        moves) and re-plan the buckets after ``requires_grad`` changed. Call it on every rank
+        alike, between steps."""
         if self._backward_active:
             raise RuntimeError("ShardedDataParallel.refresh_trainable() was called during "
                                "backward; call it between steps")
