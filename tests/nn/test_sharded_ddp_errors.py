@@ -182,3 +182,47 @@ def _check_recovery_after_failed_backward():
 def test_recovers_after_a_failed_backward(world2):
     for failed, diff in world2.run(_check_recovery_after_failed_backward):
         assert failed and diff <= 1e-6
+
+
+class Reversed(nn.Module):
+    """Registered c, b, a but used a -> b -> c: registration order is not backward order."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.c = nn.Linear(6, 2)
+        self.b = nn.Linear(6, 6)
+        self.a = nn.Linear(3, 6)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _check_bucket_order_is_learned():
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    model, ref = Reversed(), Reversed()
+    oss = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    wrapped = ShardedDataParallel(model, oss, reduce_buffer_size=0)
+    names = {p: name for name, p in model.named_parameters()}
+    planned = [names[b.params[0]].split(".")[0] for b in wrapped.buckets]
+    for step in range(3):
+        x = [torch.randn(4, 3, generator=torch.Generator().manual_seed(10 * step + r))
+             for r in range(n)]
+        oss.zero_grad()
+        wrapped(x[rank]).sum().backward()
+        oss.step()
+        ref_opt.zero_grad()
+        for xr in x:
+            (ref(xr).sum() / n).backward()
+        ref_opt.step()
+    learned = [names[b.params[0]].split(".")[0] for b in wrapped.buckets]
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), model.parameters()))
+    return planned, learned, diff
+
+
+def test_buckets_follow_the_observed_backward_order(world2):
+    for planned, learned, diff in world2.run(_check_bucket_order_is_learned):
+        assert planned == ["a", "a", "b", "b", "c", "c"]  # reverse registration, before
+        assert learned == ["c", "c", "b", "b", "a", "a"]  # the order gradients arrived
+        assert diff <= 1e-6

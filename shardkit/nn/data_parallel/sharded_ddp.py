@@ -106,9 +106,9 @@ class ShardedDataParallel(nn.Module):
     ``no_sync()`` is decided when backward starts: backward passes that start inside it
     accumulate locally and the first one outside reduces the sum. Gradients accumulated across
     backward passes without zeroing stay correct (the owner's reduced gradient is carried).
-    Buckets are planned in reverse registration order (``module.parameters()`` reversed),
-    which is backward order for most models; a bucket that completes early waits for the ones
-    planned before it.
+    Buckets are first planned in reverse registration order, then, after the first reduced
+    backward, re-planned once in the order rank 0's gradients really arrived (as torch DDP
+    does); a bucket that completes early waits for the ones planned before it.
 
     .. warning:: Construction, :meth:`refresh_trainable`, forward (with ``broadcast_buffers``)
         and backward issue collectives: call them on every rank of the group.
@@ -149,6 +149,9 @@ class ShardedDataParallel(nn.Module):
         self._next_launch = 0
         self._in_flight: deque[BucketReduction] = deque()
         self._carried: dict = {}              # param -> weakref to the reduced grad we gave it
+        self._trainable: list = []            # trainable params, registration order
+        self._owner_of: dict = {}
+        self._observed: Optional[list] = None  # grads' arrival order, until the order is settled
 
         self._build_plan(refresh_optimizers=False)
         if sync_models_at_startup and self.world_size > 1:
@@ -226,12 +229,32 @@ class ShardedDataParallel(nn.Module):
         if self.world_size > 1:
             for p in trainable:
                 self._hook(p)
-        backward_order = list(reversed(trainable))
-        self._buckets = plan_buckets(
-            backward_order, owner_of.__getitem__, self.world_size, self.reduce_buffer_size,
-            lambda p: self._comm_dtype or p.dtype)
-        self._bucket_of = {p: b.index for b in self._buckets for p in b.params}
+        self._trainable, self._owner_of = trainable, owner_of
+        self._plan_in_order(list(reversed(trainable)))
+        self._observed = [] if self.world_size > 1 else None
         self._planned_with = self._plan_signature()
+
+    def _plan_in_order(self, backward_order: list) -> None:
+        self._buckets = plan_buckets(
+            backward_order, self._owner_of.__getitem__, self.world_size,
+            self.reduce_buffer_size, lambda p: self._comm_dtype or p.dtype)
+        self._bucket_of = {p: b.index for b in self._buckets for p in b.params}
+
+    def _settle_bucket_order(self) -> None:
+        """After the first reduced backward of a plan: re-plan the buckets in the order rank 0's
+        gradients really arrived (as torch DDP rebuilds its buckets), parameters that got none
+        last. Every rank adopts rank 0's order: one small object broadcast, once per plan."""
+        index = {p: i for i, p in enumerate(self._trainable)}
+        seen = list(dict.fromkeys(index[p] for p in self._observed if p in index))
+        planned = [index[p] for b in self._buckets for p in b.params]
+        unseen = set(planned) - set(seen)
+        mine = seen + [i for i in planned if i in unseen]
+        order = skdist.broadcast_object(mine if self.rank == 0 else None,
+                                        src=skdist.get_global_rank(self.process_group, 0),
+                                        group=self.process_group)
+        self._observed = None
+        if order != planned:
+            self._plan_in_order([self._trainable[i] for i in order])
 
     def _owners_of(self, trainable: Sequence[torch.Tensor]) -> dict:
         """``{param: owning group rank}`` from the optimizers' partitions (re-partitioning an
@@ -281,6 +304,8 @@ class ShardedDataParallel(nn.Module):
         self._backward_active = True
         self._scale_carried_grads()
         self._syncing = self._sync_enabled
+        if self._observed is not None:
+            self._observed = []
         self._ready_count = [0] * len(self._buckets)
         self._next_launch = 0
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -298,6 +323,8 @@ class ShardedDataParallel(nn.Module):
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
         if not self._syncing:
             return
+        if self._observed is not None:
+            self._observed.append(p)
         index = self._bucket_of.get(p)
         if index is None:
             return
@@ -330,6 +357,8 @@ class ShardedDataParallel(nn.Module):
                     self._launch(self._next_launch)
                 while self._in_flight:
                     self._finish(self._in_flight.popleft())
+                if self._observed is not None:
+                    self._settle_bucket_order()
         finally:
             self._backward_active = False
             self._syncing = False
