@@ -320,8 +320,9 @@ class FlatParamShard:
         """
         self._readopt_shards()
         out = torch.empty(self.padded_numel, dtype=self.master_dtype,
-                          device=self.flat_shard.device)
-        skdist.all_gather_into_tensor(out, self.flat_shard, group=self.group)
+                          device=self.compute_device)
+        all_gather_shards(out, self.flat_shard.to(self.compute_device), self.group).wait()
+        out = out.to(self.storage_device)
         fulls = [torch.empty(lay.shape, dtype=self.master_dtype, device=out.device)
                  for lay in self.layouts]
         unpack_rank_major(out, self.world_size, fulls, chunk_numels=self.chunk_numels)

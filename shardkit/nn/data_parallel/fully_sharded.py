@@ -179,6 +179,13 @@ class FullyShardedDataParallel(nn.Module):
         """Parameters owned by this unit (unpadded)."""
         return sum(self._shard.numels) if self._shard is not None else 0
 
+    def _comm_device(self) -> torch.device:
+        """Where this tree's small collectives run (the compute device: NCCL needs CUDA)."""
+        for unit in self.sharded_units():
+            if unit._shard is not None:
+                return unit._shard.compute_device
+        return torch.device("cpu")
+
     @staticmethod
     def gathered_param_bytes() -> GatheredParamBytes:
         """Process-wide counter of gathered parameter bytes (``.live``, ``.peak``)."""
@@ -424,15 +431,15 @@ class FullyShardedDataParallel(nn.Module):
         if math.isinf(norm_type):
             local = max((g.detach().abs().max().float() for g in grads),
                         default=torch.zeros((), device=device))
-            total = local.clone().reshape(1)
+            total = local.reshape(1).to(self._comm_device(), copy=True)
             skdist.all_reduce(total, op=skdist.ReduceOp.MAX, group=self.process_group)
-            total = total[0]
+            total = total[0].to(device)
         else:
             local = sum((torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
                          for g in grads), torch.zeros((), device=device))
-            total = local.reshape(1).clone()
+            total = local.reshape(1).to(self._comm_device(), copy=True)
             skdist.all_reduce(total, group=self.process_group)
-            total = total[0] ** (1.0 / norm_type)
+            total = total[0].to(device) ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.detach().mul_(coef.to(g.dtype))
@@ -470,11 +477,12 @@ class FullyShardedDataParallel(nn.Module):
     def _unshard_state(self, value, p, layout: Optional[ParamLayout]):
         if layout is None or not isinstance(value, torch.Tensor) or value.shape != p.shape:
             return value
+        device = self._comm_device()
         gathered = torch.empty(value.numel() * self.world_size, dtype=value.dtype,
-                               device=value.device)
-        skdist.all_gather_into_tensor(gathered, value.detach().contiguous().view(-1),
+                               device=device)
+        skdist.all_gather_into_tensor(gathered, value.detach().reshape(-1).to(device),
                                       group=self.process_group)
-        return unshard_rows(list(gathered.chunk(self.world_size)), layout)
+        return unshard_rows(list(gathered.to(value.device).chunk(self.world_size)), layout)
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict) -> dict:
         """This rank's part of a full optimizer state dict (from
