@@ -2,7 +2,9 @@
 
 Each data-parallel rank owns whole parameters (a :class:`ParameterPartition` balanced by size),
 keeps the optimizer state of those only, steps those only, and then every rank receives the
-updated parameters through one all-gather per flat bucket (see :mod:`shardkit.optim.param_sync`).
+updated parameters bucket by bucket: the parameters live in flat buffers of equal per-rank
+segments, re-synchronised by one in-place all-gather per bucket (per-segment broadcasts on CPU),
+overlapped with the stepping of the next bucket (see :mod:`shardkit.optim.param_sync`).
 """
 
 from __future__ import annotations
@@ -56,12 +58,19 @@ class OSS(torch.optim.Optimizer):
             accelerators, broadcast on CPU where gloo's all-gather is slower. Same bytes.
         **defaults: the optimizer's hyper-parameters (``lr=...``).
 
+    Attributes:
+        optim: the local optimizer, over the parameters this rank owns only.
+        partition: the :class:`ParameterPartition` of the trainable parameters (public and
+            immutable: ``ShardedDataParallel`` reads it). ``param_to_rank`` is its dict view.
+        group, rank, world_size, global_rank: the data-parallel group and this rank's place.
+
     Costs (Ψ trainable parameters, N ranks, K optimizer bytes per parameter): optimizer state
-    ``KΨ/N`` per rank (plus at most one parameter's worth of imbalance); parameters stay full
-    (they live in the flat sync buffers, ``Ψ`` plus a few per cent of padding at most).
-    Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16 with
-    ``broadcast_fp16``), one all-gather per bucket (``N`` in-place broadcasts per bucket on CPU). :meth:`clip_grad_norm`: one all-reduce of
-    one element.
+    ``KΨ/N`` per rank (plus at most one parameter's worth of imbalance); parameters and
+    gradients stay full, the parameters living in the flat sync buffers (``Ψ`` plus ~1% of
+    padding on real models; the caller's parameters become views of them). Communication per
+    :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16 with ``broadcast_fp16``), one all-gather
+    per bucket (``N`` in-place broadcasts per bucket on CPU). :meth:`clip_grad_norm`: one
+    all-reduce of one element. Construction: one small all-gather of the parameter shapes.
 
     .. warning:: ``step``, ``clip_grad_norm``, ``consolidate_state_dict``, ``add_param_group``
        and ``refresh_trainable`` are collective: call them on every rank of ``group``.
@@ -100,7 +109,6 @@ class OSS(torch.optim.Optimizer):
         self._ready = False
         self._consolidated: Optional[dict] = None
         self._parked_state: dict = {}  # state of frozen parameters last owned here
-        self._consolidated_on = None
         _check_same_model_on_every_rank(groups, group)
 
         self._plan = plan_ownership(_trainable(groups), self.world_size, bucket_numel)

@@ -22,7 +22,6 @@ one all-gather per bucket (``N`` broadcasts per bucket on CPU).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -184,7 +183,8 @@ class FlatParamBucket:
                 p.data = p.detach().clone()
 
     def is_bound(self) -> bool:
-        """False once something replaced a parameter's storage (``model.to(...)``, ``p.data = ...``)."""
+        """False once something replaced a parameter's storage (``model.to(...)``,
+        ``p.data = ...``)."""
         base, size = self.buffer.data_ptr(), self.buffer.element_size()
         return all(p.data_ptr() == base + offset * size and p.dtype == self.dtype
                    for p, offset in self._slots)

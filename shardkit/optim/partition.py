@@ -69,7 +69,7 @@ class ParameterPartition:
     @classmethod
     def from_owners(cls, param_groups: Sequence[Sequence[torch.Tensor]],
                     owners: Sequence[Sequence[int]], world_size: int) -> "ParameterPartition":
-        """A partition with explicit owners (e.g. chosen bucket by bucket together with a sync layout).
+        """A partition with explicit owners (e.g. chosen together with a sync-bucket layout).
 
         ``owners`` has the shape of ``param_groups``; every owner must be in ``[0, world_size)``
         and every parameter may appear once.

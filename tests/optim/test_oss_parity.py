@@ -80,7 +80,7 @@ def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, sc
     ddp = model if owners_only_grads else DDP(model)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 3, 0.5) if schedule else None
     sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5) if schedule else None
-    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if scaler else None
+    grad_scaler = _make_scaler(scaler)
     worst = 0.0
     for step in range(STEPS):
         x, y = _global_batch(step, world)
@@ -120,6 +120,13 @@ def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, sc
     return worst
 
 
+def _make_scaler(kind):
+    if kind == "sharded":
+        from shardkit.optim import ShardedGradScaler
+        return ShardedGradScaler("cpu", init_scale=2.0 ** 10)
+    return torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if kind else None
+
+
 def _reduce_to_owners_like_sharded_ddp(opt):
     """Average every gradient, then drop the ones this rank does not own (as ShardedDDP does)."""
     world = distributed.get_world_size()
@@ -143,8 +150,10 @@ CONFIGS = {
     "adamw_lr_schedule": dict(opt=ADAMW, schedule=True),
     "adamw_one_group_no_frozen": dict(opt=ADAMW, two_groups=False, frozen=False),
     "adamw_takeover": dict(opt=ADAMW, takeover=True),
-    "adamw_grad_scaler": dict(opt=ADAMW, scaler=True, clip=(0.05, 2.0)),
+    "adamw_grad_scaler": dict(opt=ADAMW, scaler="torch", clip=(0.05, 2.0)),
     "adamw_owner_grads_only": dict(opt=ADAMW, owners_only_grads=True, clip=(0.05, 2.0)),
+    "adamw_owner_grads_sharded_scaler": dict(opt=ADAMW, owners_only_grads=True,
+                                             scaler="sharded", clip=(0.05, 2.0)),
     "sgd_momentum": dict(opt=SGD_MOMENTUM),
     "sgd_momentum_clip": dict(opt=SGD_MOMENTUM, clip=(0.05, 2.0)),
     "sgd_closure": dict(opt=SGD_MOMENTUM, closure=True),
@@ -159,7 +168,28 @@ def _run_grid(names):
         out[name] = _train_pair(optim_cls, hyper, **cfg)
     out["fused_adamw"] = _fused_adamw_parity()
     out["broadcast_fp16"] = _train_pair(*ADAMW, broadcast_fp16=True)
+    out["inf_skips_everywhere"] = _overflow_on_one_rank_skips_on_all()
     return out
+
+
+def _overflow_on_one_rank_skips_on_all():
+    """Owners-only gradients, an inf in one gradient that only rank 0 holds: every rank skips
+    the step together (no hang in the sync, no parameter changes) and backs the scale off."""
+    from shardkit.optim import ShardedGradScaler
+    model = _model(frozen=False)
+    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0 ** 10)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = _global_batch(0, distributed.get_world_size())
+    scaler.scale(F.mse_loss(model(x), y)).backward()
+    _reduce_to_owners_like_sharded_ddp(opt)
+    rank0_param = next(p for p in model.parameters() if opt.partition.owner(p) == 0)
+    if opt.rank == 0:
+        rank0_param.grad.view(-1)[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    return unchanged and scaler.get_scale() == 2.0 ** 9
 
 
 def _fused_adamw_parity():
@@ -207,6 +237,11 @@ def test_parity_fused_adamw(grid2, grid4):
         if first["fused_adamw"] is None:
             pytest.skip("shardkit.optim.FusedAdamW is not available")
         assert first["fused_adamw"] <= TOL
+
+
+def test_overflow_on_one_rank_skips_the_step_on_every_rank(grid2, grid4):
+    for _, every in (grid2, grid4):
+        assert all(r["inf_skips_everywhere"] for r in every)
 
 
 def test_broadcast_fp16_stays_close(grid2, grid4):

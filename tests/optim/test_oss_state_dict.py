@@ -228,3 +228,38 @@ def test_add_param_group_and_refresh_trainable_keep_parity(world2):
     for r in world2.run(_repartition_parity):
         assert r["diff"] <= 1e-6
         assert "refresh_trainable" in r["missing_refresh"]
+
+
+def _public_views():
+    """partition_parameters, per_device_params, param_to_rank and optim agree with the
+    partition, and every trainable parameter has exactly one owner."""
+    model = MLP(WIDTH, 3, out=4, seed=5)
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    opt = OSS(_groups(model), optim=torch.optim.AdamW, **HYPER)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    per_rank = opt.partition_parameters()
+    owned = [[p for g in groups for p in g["params"]] for groups in per_rank]
+    hyper_ok = all(g["lr"] == mine["lr"] and g["weight_decay"] == mine["weight_decay"]
+                   for groups in per_rank for g, mine in zip(groups, opt.param_groups))
+    devices = opt.per_device_params
+    return {
+        "ranks": (opt.rank, opt.world_size, len(per_rank)),
+        "each_once": sorted(id(p) for ps in owned for p in ps) == sorted(map(id, trainable)),
+        "owners_agree": all(opt.param_to_rank[p] == r == opt.partition.owner(p)
+                            for r, ps in enumerate(owned) for p in ps),
+        "local_optim_is_own_share": [id(p) for g in opt.optim.param_groups for p in g["params"]]
+        == [id(p) for p in owned[opt.rank]],
+        "hyper_ok": hyper_ok,
+        "per_device": list(devices) == [torch.device("cpu")]
+        and [[id(p) for p in ps] for ps in devices[torch.device("cpu")]]
+        == [sorted(map(id, ps), key=[id(q) for q in opt.partition.all_params()].index)
+            for ps in owned],
+        "frozen_not_partitioned": all(p not in opt.partition for p in model[0].parameters()),
+    }
+
+
+def test_partition_views_are_consistent(world2):
+    for rank, r in enumerate(world2.run(_public_views)):
+        assert r.pop("ranks") == (rank, 2, 2)
+        assert all(r.values()), r
