@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from shardkit.kernels import adamw_step, adamw_step_many, sgd_step
 from shardkit.kernels.triton_optim import BLOCK
 
-SETTINGS = settings(max_examples=12, deadline=None,
+SETTINGS = settings(max_examples=20, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 # sizes: mostly small, plus block boundaries and the top of the range
 SIZES = st.one_of(st.integers(1, 3000),
@@ -166,3 +166,26 @@ def test_empty_buffers_are_a_no_op(backend):
     e = torch.empty(0)
     adamw_step(e, e.clone(), e.clone(), e.clone(), step=1, lr=0.1)
     sgd_step(e, e.clone(), e.clone(), lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_adamw_step_many_unscales_and_skips(backend, skip):
+    gen = torch.Generator().manual_seed(7)
+    sizes = [3, 2000, 1]
+    params = [torch.randn(s, generator=gen) for s in sizes]
+    true_grads = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in sizes]
+    grads = [g * 256 for g in true_grads]
+    states = [[torch.zeros(s) for s in sizes] for _ in range(2)]
+    before = [p.clone() for p in params]
+    adamw_step_many(params, grads, *states, steps=[1, 1, 1], lr=0.1,
+                    grad_scale=torch.tensor(256.0), found_inf=torch.tensor(float(skip)))
+    for p, old, g, true in zip(params, before, grads, true_grads):
+        assert torch.equal(p, old) == skip
+        assert torch.equal(g, true * 256 if skip else true)
+    if not skip:
+        ref = [reference_adamw(old, torch.zeros_like(old), torch.zeros_like(old), None, g=true,
+                               step=1, lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
+                               weight_decay=0.01, maximize=False, amsgrad=False,
+                               decoupled=True)[0] for old, true in zip(before, true_grads)]
+        for p, expected in zip(params, ref):
+            assert_close(p, expected, "param")
