@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -66,7 +66,7 @@ class ParamLayout:
 
 
 def shard_rows(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s row block of ``full`` (a new tensor of ``layout.shard_shape``, zero padded)."""
+    """Rank ``rank``'s row block of ``full`` (a new ``layout.shard_shape`` tensor, zero padded)."""
     rows = full.reshape(layout.rows, *layout.shape[1:])
     out = torch.zeros(layout.shard_shape, dtype=full.dtype, device=full.device)
     start = rank * layout.rows_per_shard

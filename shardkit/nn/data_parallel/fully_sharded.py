@@ -31,11 +31,10 @@ with ``False``.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import weakref
 from collections import OrderedDict
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -43,16 +42,19 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes,
-                                                  ParamLayout, gathered_param_bytes, shard_rows,
+                                                  ParamLayout, gathered_param_bytes,
                                                   unshard_rows)
 from shardkit.nn.data_parallel.mixed_precision import (MixedPrecisionPolicy,
                                                        resolve_mixed_precision)
+from shardkit.nn.data_parallel.sharded_checkpoint import (LOCAL_META_KEY,
+                                                          reshard_local_state_dicts,
+                                                          shard_optimizer_state,
+                                                          unshard_optimizer_state)
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "gathered_param_bytes",
            "GatheredParamBytes"]
 
 _WRAPPED_PREFIX = "_fsdp_wrapped_module."
-_LOCAL_META_KEY = "_shardkit_fsdp_meta"
 _MANAGED_PARAMS: dict[int, weakref.ref] = {}  # id -> parameter, for "already sharded" checks
 _WRAPPED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -403,7 +405,7 @@ class FullyShardedDataParallel(nn.Module):
         shapes = {name: tuple(layouts[id(p)].shape)
                   for name, p in self.named_parameters(remove_duplicate=False)
                   if id(p) in layouts}
-        out[_LOCAL_META_KEY] = {"world_size": self.world_size, "rank": self.rank,
+        out[LOCAL_META_KEY] = {"world_size": self.world_size, "rank": self.rank,
                                 "shapes": shapes}
         return out
 
@@ -411,7 +413,7 @@ class FullyShardedDataParallel(nn.Module):
         """Load :meth:`local_state_dict` output. Pass this rank's own dict when the world size
         is unchanged, or the list of every rank's dicts (any world size) to reshard: each rank
         re-slices its rows. No communication."""
-        local = _reshard_local_state_dicts(state_dict, self.world_size, self.rank)
+        local = reshard_local_state_dicts(state_dict, self.world_size, self.rank)
         nn.Module.load_state_dict(self, self._to_wrapped_keys(local), strict=True)
 
     # ------------------------------------------------------------------ gradients
@@ -459,57 +461,34 @@ class FullyShardedDataParallel(nn.Module):
         if not isinstance(recipient_rank, int) or not 0 <= recipient_rank < self.world_size:
             raise ValueError(f"gather_full_optim_state_dict(recipient_rank={recipient_rank!r}): "
                              f"valid ranks are 0..{self.world_size - 1}")
-        layouts = self._param_layouts()
-        names = {id(p): n for n, p in self.named_parameters()}
-        osd = optim.state_dict()
         ordered = [p for g in optim.param_groups for p in g["params"]]
-        state = {}
-        for index, p in enumerate(ordered):
-            layout = layouts.get(id(p))
-            state[index] = {key: self._unshard_state(value, p, layout)
-                            for key, value in osd["state"].get(index, {}).items()}
-            if not state[index]:
-                del state[index]
-        full = {"state": state, "param_groups": copy.deepcopy(osd["param_groups"]),
-                "param_names": [names.get(id(p)) for p in ordered]}
+        names = {id(p): n for n, p in self.named_parameters()}
+        full = unshard_optimizer_state(optim.state_dict(), ordered, self._param_layouts(),
+                                       [names.get(id(p)) for p in ordered], self._gather_rows)
         return full if self.rank == recipient_rank else None
 
-    def _unshard_state(self, value, p, layout: Optional[ParamLayout]):
-        if layout is None or not isinstance(value, torch.Tensor) or value.shape != p.shape:
-            return value
+    def _gather_rows(self, shard: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
+        """Every rank's ``shard`` of a parameter-shaped tensor, unsharded (one all-gather)."""
         device = self._comm_device()
-        gathered = torch.empty(value.numel() * self.world_size, dtype=value.dtype,
-                               device=device)
-        skdist.all_gather_into_tensor(gathered, value.detach().reshape(-1).to(device),
+        gathered = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=device)
+        skdist.all_gather_into_tensor(gathered, shard.detach().reshape(-1).to(device),
                                       group=self.process_group)
-        return unshard_rows(list(gathered.to(value.device).chunk(self.world_size)), layout)
+        return unshard_rows(list(gathered.to(shard.device).chunk(self.world_size)), layout)
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict) -> dict:
         """This rank's part of a full optimizer state dict (from
         :meth:`gather_full_optim_state_dict`, any world size, or a single-process optimizer over
         the unwrapped model): every full-shape tensor is cut to this rank's rows. Load the result
         with ``optim.load_state_dict``. No communication."""
-        for key in ("state", "param_groups"):
-            if key not in full_optim_state_dict:
-                raise ValueError(f"get_shard_from_optim_state_dict: the dict has no {key!r}; "
-                                 f"expected torch optimizer format")
-        by_name = dict(self.named_parameters())
-        names = full_optim_state_dict.get("param_names")
+        names = full_optim_state_dict.get("param_names") if isinstance(
+            full_optim_state_dict, dict) else None
         if names is None:
             ordered = list(self.parameters())
         else:
+            by_name = dict(self.named_parameters())
             ordered = [by_name.get(n) for n in names]
-        layouts = self._param_layouts()
-        state = {}
-        for index, entry in full_optim_state_dict["state"].items():
-            p = ordered[int(index)] if int(index) < len(ordered) else None
-            layout = layouts.get(id(p)) if p is not None else None
-            state[index] = {k: (shard_rows(v, layout, self.rank)
-                                if layout is not None and isinstance(v, torch.Tensor)
-                                and tuple(v.shape) == tuple(layout.shape) else v)
-                            for k, v in entry.items()}
-        return {"state": state,
-                "param_groups": copy.deepcopy(full_optim_state_dict["param_groups"])}
+        return shard_optimizer_state(full_optim_state_dict, ordered, self._param_layouts(),
+                                     self.rank)
 
 
 FSDP = FullyShardedDataParallel
@@ -610,40 +589,3 @@ def _cast_floating(t, dtype):
     if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
         return t.to(dtype)
     return t
-
-
-# ---------------------------------------------------------------------- local checkpoints
-
-
-def _reshard_local_state_dicts(state_dict, world_size: int, rank: int) -> OrderedDict:
-    """This rank's local state dict, from its own dict or from every old rank's dicts."""
-    dicts = [state_dict] if isinstance(state_dict, dict) else list(state_dict)
-    if not dicts or any(_LOCAL_META_KEY not in d for d in dicts):
-        raise ValueError("load_local_state_dict: expected the output of local_state_dict() "
-                         "(a dict with '_shardkit_fsdp_meta'), or a list of every rank's")
-    metas = [d[_LOCAL_META_KEY] for d in dicts]
-    old_world = metas[0]["world_size"]
-    if len(dicts) == 1:
-        if (old_world, metas[0]["rank"]) != (world_size, rank):
-            raise ValueError(
-                f"load_local_state_dict: this dict was saved by rank {metas[0]['rank']} of a "
-                f"world of {old_world}; this is rank {rank} of {world_size}. To reshard, pass "
-                f"the list of all {old_world} ranks' local state dicts")
-        return OrderedDict((k, v) for k, v in dicts[0].items() if k != _LOCAL_META_KEY)
-    ranks = sorted(m["rank"] for m in metas)
-    if ranks != list(range(old_world)) or any(m["world_size"] != old_world for m in metas):
-        raise ValueError(f"load_local_state_dict: got dicts of ranks {ranks} (world sizes "
-                         f"{sorted({m['world_size'] for m in metas})}); resharding needs exactly "
-                         f"one dict per rank of the old world")
-    dicts = sorted(dicts, key=lambda d: d[_LOCAL_META_KEY]["rank"])
-    shapes = metas[0]["shapes"]
-    out = OrderedDict()
-    for key, value in dicts[0].items():
-        if key == _LOCAL_META_KEY:
-            continue
-        if key in shapes:
-            full = unshard_rows([d[key] for d in dicts], ParamLayout(torch.Size(shapes[key]),
-                                                                     old_world))
-            value = shard_rows(full, ParamLayout(torch.Size(shapes[key]), world_size), rank)
-        out[key] = value
-    return out
