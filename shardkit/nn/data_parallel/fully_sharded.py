@@ -271,6 +271,9 @@ class FullyShardedDataParallel(nn.Module):
             root._backward_order.append(self)
         if self._shard is not None:
             self._shard.finish_gather()
+            # an activation-checkpointed forward is recomputed during backward and reads
+            # module.weight again: it must see the gathered parameters, not the shards
+            self._shard.expose()
         root._prefetch_after(self, root._backward_order)
         return grad
 
