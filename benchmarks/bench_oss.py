@@ -1,14 +1,14 @@
 """OSS + DDP against torch DDP + AdamW and torch DDP + ZeroRedundancyOptimizer(AdamW).
 
-    python -m benchmarks.bench_oss [--rounds 3] [--steps 3] [--warmup 1] [--quick] [--out PATH]
+    python -m benchmarks.bench_oss [--steps 12] [--warmup 1] [--quick] [--out PATH]
 
 World of 2 gloo ranks (one thread each), the reference GPT (~27M parameters, global batch 8)
 and the MLP 16x1024 (global batch 64) of :mod:`benchmarks.common`; every configuration runs
-under torch DDP with its native all-reduce and gradients as bucket views. Every round runs the three
-configurations on both workloads, in an order that rotates each round, so the noise of a shared
-machine spreads over all of them. A row's step time is the median over rounds of the slowest
-rank's mean step time (the best round is shown too: on a shared machine it is the least
-disturbed); ratios are against torch DDP + AdamW measured in the same run. Model-state
+under torch DDP with its native all-reduce and gradients as bucket views. Per workload the
+three configurations are built side by side and stepped in alternation, one step each in an
+order that rotates every round, so that bursts of load from other jobs on a shared machine hit
+all of them alike. A step lasts until the slowest rank is done; a row gives the median and the
+best step, and their ratios against torch DDP + AdamW measured in the same run. Model-state
 bytes are per rank (parameters + gradients + optimizer state, each storage once). Writes a
 Markdown table to ``--out`` (default ``benchmarks/results/oss.md``). Timings are never asserted.
 """
@@ -50,56 +50,64 @@ def _optimizer(config: str, ddp):
     return OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=LR)
 
 
-def measure(config: str, workload_name: str, quick: bool, warmup: int, steps: int) -> dict:
-    """On this rank: build the workload's model under ``config``, train ``warmup`` untimed and
-    ``steps`` timed steps (ranks start each step together); step times and model-state bytes."""
+def measure_interleaved(workload_name: str, quick: bool, warmup: int, steps: int) -> dict:
+    """On this rank: build every configuration of ``CONFIGS`` side by side on the workload,
+    then train them in alternation, one step each in an order that rotates every round, so that
+    a burst of load from other jobs hits all of them alike. Ranks start each step together.
+    Returns ``{config: {"step_times_s": [...], "model_state_bytes": int}}``."""
     workload = workloads(quick)[workload_name]
     rank, world = distributed.get_rank(), distributed.get_world_size()
     gc.collect()
-    ddp = recipes.torch_ddp(workload.build(0), count_comm=False)
-    opt = _optimizer(config, ddp)
-    train_step = recipes.data_parallel_step(ddp, opt, workload.loss_fn)
+    setups = {}
+    for config in CONFIGS:
+        ddp = recipes.torch_ddp(workload.build(0), count_comm=False)
+        opt = _optimizer(config, ddp)
+        setups[config] = (ddp, opt, recipes.data_parallel_step(ddp, opt, workload.loss_fn))
     per_rank = workload.global_batch // world
-    times = []
+    local = slice(rank * per_rank, (rank + 1) * per_rank)
+    names = list(CONFIGS)
+    times: dict = {config: [] for config in names}
     for step in range(warmup + steps):
         inputs, target = workload.batch(step)
-        local = slice(rank * per_rank, (rank + 1) * per_rank)
-        distributed.barrier()
-        start = time.perf_counter()
-        train_step(inputs[local], target[local])
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-    state = local_model_state_bytes(ddp, opt)
-    del ddp, opt, train_step
+        for config in names[step % len(names):] + names[:step % len(names)]:
+            distributed.barrier()
+            start = time.perf_counter()
+            setups[config][2](inputs[local], target[local])
+            if step >= warmup:
+                times[config].append(time.perf_counter() - start)
+    out = {config: {"step_times_s": times[config],
+                    "model_state_bytes": local_model_state_bytes(ddp, opt)}
+           for config, (ddp, opt, _) in setups.items()}
+    del setups
     gc.collect()
-    return {"step_times_s": times, "model_state_bytes": state}
+    return out
 
 
-def run_rounds(world: World, rounds: int, steps: int, warmup: int, quick: bool) -> dict:
-    """``{(workload, config): [per-round result per rank]}``, interleaved and rotated."""
-    names = list(CONFIGS)
+def run_workloads(world: World, steps: int, warmup: int, quick: bool) -> dict:
+    """``{(workload, config): per-rank results}``."""
     results: dict = {}
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for workload in WORKLOADS:
-            for config in order:
-                per_rank = world.run(measure, config, workload, quick, warmup, steps)
-                results.setdefault((workload, config), []).append(per_rank)
-                step_ms = 1e3 * max(statistics.mean(x["step_times_s"]) for x in per_rank)
-                print(f"round {r + 1}/{rounds} {workload:4s} {config:13s} {step_ms:8.1f} ms/step",
-                      flush=True)
+    for workload in WORKLOADS:
+        per_rank = world.run(measure_interleaved, workload, quick, warmup, steps)
+        for config in CONFIGS:
+            results[(workload, config)] = [r[config] for r in per_rank]
+            step_ms = 1e3 * statistics.median(_slowest_rank(results[(workload, config)]))
+            print(f"{workload:4s} {config:13s} {step_ms:8.1f} ms/step (median)", flush=True)
     return results
 
 
+def _slowest_rank(per_rank: list) -> list:
+    """Per step, the time of the slowest rank (the step is over when every rank is done)."""
+    return [max(ts) for ts in zip(*(r["step_times_s"] for r in per_rank))]
+
+
 def summarize(results: dict) -> dict:
-    """Per (workload, config): median step time (s) and the largest per-rank model-state bytes."""
+    """Per (workload, config): median and best step time (s), largest per-rank state bytes."""
     out = {}
-    for key, rounds in results.items():
-        slowest = [max(statistics.mean(x["step_times_s"]) for x in per_rank)
-                   for per_rank in rounds]
+    for key, per_rank in results.items():
+        slowest = _slowest_rank(per_rank)
         out[key] = {"step_s": statistics.median(slowest), "best_s": min(slowest),
-                    "rounds_s": slowest,
-                    "state_bytes": max(x["model_state_bytes"] for x in rounds[-1])}
+                    "steps": len(slowest),
+                    "state_bytes": max(r["model_state_bytes"] for r in per_rank)}
     return out
 
 
@@ -108,18 +116,19 @@ def markdown(summary: dict, args) -> str:
     lines = [
         "# OSS (ZeRO-1) benchmark",
         "",
-        f"`python -m benchmarks.bench_oss --rounds {args.rounds} --steps {args.steps} "
+        f"`python -m benchmarks.bench_oss --steps {args.steps} "
         f"--warmup {args.warmup}{' --quick' if args.quick else ''}` at commit `{commit}`, "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()} "
         f"({os.cpu_count()} cores, shared with other jobs), world {WORLD_SIZE} gloo ranks x "
-        f"1 thread. Step time: median over rounds of the slowest rank's mean step (and the "
-        f"best round, the least disturbed by other jobs); ratios against torch DDP + AdamW in "
-        f"the same run. Model state: per rank, parameters + "
+        f"1 thread. The three configurations are built side by side and stepped in "
+        f"alternation (rotating order), {args.steps} timed steps each; a step lasts until the "
+        f"slowest rank is done. Median and best step (the least disturbed by other jobs); "
+        f"ratios against torch DDP + AdamW in the same run. Model state: per rank, parameters + "
         f"gradients + optimizer state.",
         "",
-        "| workload | configuration | ms/step (median) | per round (ms) | step vs DDP (median) | "
-        "step vs DDP (best round) | model state / rank (MB) | state vs DDP |",
-        "|---|---|---:|---|---:|---:|---:|---:|",
+        "| workload | configuration | ms/step (median) | ms/step (best) | step vs DDP (median) | "
+        "step vs DDP (best) | model state / rank (MB) | state vs DDP |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for workload in WORKLOADS:
         label = workloads(args.quick)[workload].description
@@ -128,8 +137,8 @@ def markdown(summary: dict, args) -> str:
             row = summary.get((workload, config))
             if row is None or base is None:
                 continue
-            rounds = ", ".join(f"{1e3 * t:.0f}" for t in row["rounds_s"])
-            lines.append(f"| {label} | {name} | {1e3 * row['step_s']:.0f} | {rounds} | "
+            lines.append(f"| {label} | {name} | {1e3 * row['step_s']:.0f} | "
+                         f"{1e3 * row['best_s']:.0f} | "
                          f"{row['step_s'] / base['step_s']:.3f} | "
                          f"{row['best_s'] / base['best_s']:.3f} | "
                          f"{row['state_bytes'] / 2 ** 20:.1f} | "
@@ -150,14 +159,13 @@ def _git_commit() -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="small stand-in workloads")
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     with World(WORLD_SIZE, timeout=1800, threads=1) as world:
-        results = run_rounds(world, args.rounds, args.steps, args.warmup, args.quick)
+        results = run_workloads(world, args.steps, args.warmup, args.quick)
     text = markdown(summarize(results), args)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
