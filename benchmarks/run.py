@@ -153,12 +153,17 @@ def render_markdown(meta: dict, rows: list) -> str:
 
 
 def git_commit() -> str:
-    """The short commit hash of the checkout measured."""
+    """The short commit hash of the checkout measured, marked when shardkit/ has uncommitted
+    edits (the working tree is what ran)."""
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
     try:
-        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
+        commit = git("rev-parse", "--short=12", "HEAD") or "unknown"
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "shardkit")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return f"{commit} + uncommitted edits in shardkit/" if dirty else commit
 
 
 def parse_args(argv):
