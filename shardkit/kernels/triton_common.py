@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["TL_DTYPES", "cast_to", "interpreter_block", "host_table"]
+__all__ = ["TL_DTYPES", "cast_to", "interpreter_block", "host_table", "cached_table"]
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
              torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}
@@ -23,15 +23,55 @@ def interpreter_block(block: int) -> int:
     return block * 16 if os.environ.get("TRITON_INTERPRET") == "1" else block
 
 
-def host_table(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small table of launch metadata on ``device``.
+class _PinnedSlot:
+    """A pinned staging buffer and the event that marks its last copy to the device done."""
 
-    Note: on CUDA it is staged in pinned memory and copied with ``non_blocking=True``; a copy
-    from pageable memory would make the host wait for the stream on every launch.
+    def __init__(self, numel: int, dtype: torch.dtype):
+        self.buffer = torch.empty(numel, dtype=dtype, pin_memory=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+
+
+_PINNED_SLOTS: dict[tuple, list[_PinnedSlot]] = {}
+_DEVICE_TABLES: dict[tuple, torch.Tensor] = {}
+_MAX_SLOTS, _MAX_TABLES = 8, 256
+
+
+def host_table(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small table of launch metadata (addresses, sizes) on ``device``.
+
+    Note: on CUDA the values go through a reused pinned staging buffer and a
+    ``non_blocking`` copy: a copy from pageable memory would make the host wait for the stream,
+    and allocating pinned memory on every launch costs far more than the kernel. A slot is
+    reused only once the event recorded after its previous copy has completed.
     """
-    if device.type == "cuda":
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, device=device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    ring = _PINNED_SLOTS.setdefault((len(values), dtype), [])
+    slot = next((s for s in ring if s.done.query()), None)
+    if slot is None:
+        if len(ring) < _MAX_SLOTS:
+            slot = _PinnedSlot(len(values), dtype)
+            ring.append(slot)
+        else:
+            slot = ring[0]
+            slot.done.synchronize()
+    slot.buffer.copy_(torch.tensor(values, dtype=dtype))
+    out = slot.buffer.to(device, non_blocking=True)
+    slot.done.record()
+    return out
+
+
+def cached_table(key: tuple, build, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A launch table that depends only on ``key`` (sizes, not addresses), built once per
+    device with ``build() -> list`` and kept (at most a few hundred tables)."""
+    full_key = (key, dtype, str(device))
+    table = _DEVICE_TABLES.get(full_key)
+    if table is None:
+        if len(_DEVICE_TABLES) >= _MAX_TABLES:
+            _DEVICE_TABLES.pop(next(iter(_DEVICE_TABLES)))
+        table = _DEVICE_TABLES[full_key] = host_table(build(), dtype, device)
+    return table
 
 
 @triton.jit

@@ -26,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shardkit.kernels.triton_common import TL_DTYPES, cast_to, host_table, interpreter_block
+from shardkit.kernels.triton_common import (TL_DTYPES, cached_table, cast_to, host_table,
+                                             interpreter_block)
 
 __all__ = ["adamw", "adamw_many", "sgd", "BLOCK"]
 
@@ -187,13 +188,18 @@ def adamw(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
 
 def _block_table(numels: Sequence[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each program: which tensor it works on and the first element of its block."""
-    tensor_ids, starts = [], []
-    for i, n in enumerate(numels):
-        count = triton.cdiv(n, BLOCK)
-        tensor_ids.extend([i] * count)
-        starts.extend(range(0, count * BLOCK, BLOCK))
-    return host_table(tensor_ids, torch.int32, device), host_table(starts, torch.int64, device)
+    """For each program: which tensor it works on and the first element of its block.
+    Depends on the sizes only, so it is built once per set of sizes and cached."""
+    key = ("adamw_blocks", tuple(numels), BLOCK)
+
+    def tensor_ids():
+        return [i for i, n in enumerate(numels) for _ in range(triton.cdiv(n, BLOCK))]
+
+    def starts():
+        return [s for n in numels for s in range(0, triton.cdiv(n, BLOCK) * BLOCK, BLOCK)]
+
+    return (cached_table(key, tensor_ids, torch.int32, device),
+            cached_table(key, starts, torch.int64, device))
 
 
 def adamw_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -204,9 +210,8 @@ def adamw_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                found_inf: Optional[torch.Tensor]) -> None:
     """AdamW/Adam over lists of tensors in one launch per grad dtype.
 
-    Costs beside the 28 B/param of the update: two small host-built tables per launch
-    (5 addresses and 4 numbers per tensor, one entry per 1024-element block), copied to the
-    device once.
+    Costs beside the 28 B/param of the update: small host-built tables per launch (5 addresses
+    and 3 numbers per tensor) and a cached block map (one entry per 1024-element block).
     """
     by_dtype: dict[tuple, list[int]] = {}
     for i, (p, g) in enumerate(zip(params, grads)):

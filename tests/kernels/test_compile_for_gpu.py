@@ -71,13 +71,13 @@ def _compile_all() -> None:
     signature.update({k: "constexpr" for k in constexprs})
     _compile(triton_optim._sgd_flat_kernel, signature, constexprs)
 
-    tables = dict(table="*i64", block_tensor="*i32", block_start="*i64")
+    tables = dict(table="*i64", block_tensor="*i32", block_rank="*i32", block_start="*i64")
     for out, src in (("*bf16", tl.float32), ("*fp32", tl.float16)):
-        signature = dict(tables, out_ptr=out, seg_numel="i64", world_size="i32", scale="fp32",
+        signature = dict(tables, out_ptr=out, seg_numel="i64", scale="fp32",
                          SRC_DTYPE="constexpr", HAS_SCALE="constexpr", BLOCK="constexpr")
         _compile(triton_packing._pack_kernel, signature,
                  dict(SRC_DTYPE=src, HAS_SCALE=True, BLOCK=triton_packing.BLOCK))
-    signature = dict(tables, buf_ptr=f32, seg_numel="i64", world_size="i32",
+    signature = dict(tables, buf_ptr=f32, seg_numel="i64",
                      DST_DTYPE="constexpr", BLOCK="constexpr")
     _compile(triton_packing._unpack_kernel, signature,
              dict(DST_DTYPE=tl.bfloat16, BLOCK=triton_packing.BLOCK))
