@@ -14,7 +14,8 @@ from shardkit.models import CausalSelfAttention
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
 
-TINY = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=16, seq_len=8, tie_weights=True)
+# seq_len 9: the position embedding has 9 rows, so its shards are padded at world 2 and 4
+TINY = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=16, seq_len=9, tie_weights=True)
 GLOBAL_BATCH = 8
 LR = 1e-2
 # The attention key bias gets a mathematically zero gradient; its rounding noise (~1e-9) would
