@@ -141,7 +141,7 @@ class ShardedDataParallel(nn.Module):
         self._hooked: dict = {}               # param -> its two hook handles
         self._buckets: list[BucketLayout] = []
         self._bucket_of: dict = {}            # param -> bucket index
-        self._planned_with: tuple = ()        # (requires_grad flags, partitions) of the plan
+        self._planned_with: tuple = ((), ())  # (requires_grad flags, partitions) of the plan
         self._sync_enabled = True
         self._backward_active = False
         self._syncing = False
@@ -215,10 +215,15 @@ class ShardedDataParallel(nn.Module):
 
     def _plan_signature(self) -> tuple:
         flags = tuple(p.requires_grad for p in self.module.parameters())
-        return flags, tuple(id(o.partition) for o in self._optimizers)
+        return flags, tuple(o.partition for o in self._optimizers)
 
     def _plan_is_stale(self) -> bool:
-        return self._plan_signature() != self._planned_with
+        # Partitions compare by identity: OSS replaces the object whenever ownership changes
+        # (holding them here also keeps their ids from being reused).
+        flags, partitions = self._plan_signature()
+        planned_flags, planned_partitions = self._planned_with
+        return flags != planned_flags or any(
+            now is not then for now, then in zip(partitions, planned_partitions))
 
     def _build_plan(self, refresh_optimizers: bool) -> None:
         if refresh_optimizers:
