@@ -1,7 +1,7 @@
 """ShardedDataParallel + OSS against torch DDP and FSDP2 (``fully_shard`` with
 ``reshard_after_forward=False``, the SHARD_GRAD_OP analogue), world 2, gloo on CPU.
 
-    python -m benchmarks.bench_sharded_ddp [--rounds 5] [--steps 2] [--workloads gpt,mlp] [--out PATH]
+    python -m benchmarks.bench_sharded_ddp [--rounds 5] [--steps 2] [--workloads gpt,mlp]
 
 Every configuration is built once per rank, warmed up, then timed in interleaved rounds (the
 order rotates every round) so that the machine's noise spreads over all of them; the table

@@ -5,6 +5,8 @@ all ranks' local batches, plain torch.optim.AdamW), and compares every parameter
 step. One grid of configurations runs inside one world per size.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -61,10 +63,6 @@ def _uses_branch(cfg: dict, step: int, rank: int) -> bool:
     return True
 
 
-def _frozen_now(cfg: dict, step: int) -> bool:
-    return cfg.get("freeze") == "always" or (cfg.get("freeze") == "at_step_5" and step >= 5)
-
-
 def _reference_step(model, optimizer, cfg, step, world_size):
     """Single process, global batch = every rank's local batch(es)."""
     optimizer.zero_grad()
@@ -84,13 +82,13 @@ def _sharded_step(model, optimizer, cfg, step, rank):
         model.zero_grad()
     elif cfg.get("zero_grad") == "zeros":
         optimizer.zero_grad(set_to_none=False)
-    elif cfg.get("zero_grad") != "never":
+    else:
         optimizer.zero_grad()  # torch's default: set_to_none=True
     for micro in range(micro_batches):
         x, y = _batch(step, rank, micro)
         last = micro == micro_batches - 1
-        context = model.no_sync() if (not last and not cfg.get("no_no_sync")) else _nullcontext()
-        with context:
+        accumulate_locally = not last and not cfg.get("no_no_sync")
+        with model.no_sync() if accumulate_locally else contextlib.nullcontext():
             out = model(x, use_branch=_uses_branch(cfg, step, rank))
             (F.mse_loss(out, y) / micro_batches).backward()
     owned = {id(p) for p in optimizer.owned_params()}
@@ -98,14 +96,6 @@ def _sharded_step(model, optimizer, cfg, step, rank):
         if p.grad is not None and id(p) not in owned:
             raise AssertionError("a non-owner still holds a gradient after backward")
     optimizer.step()
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _build(cfg, rank):

@@ -38,7 +38,8 @@ def _measure_memory(reduction: str):
     out = {"psi": psi, "n": n, "owned_numel": sum(p.numel() for p in owned)}
     for step in range(2):
         optimizer.zero_grad()
-        wrapped(torch.randn(16, 64, generator=torch.Generator().manual_seed(rank + step))).pow(2).mean().backward()
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(rank + step))
+        wrapped(x).pow(2).mean().backward()
         after_backward = model_state_bytes(wrapped, optimizer)
         out["grads_only_on_owners"] = all((p.grad is not None) == (p in owned)
                                           for p in model.parameters())

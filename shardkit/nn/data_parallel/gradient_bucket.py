@@ -98,7 +98,8 @@ def plan_buckets(params: Sequence[torch.Tensor], owner_of: Callable[[torch.Tenso
     layouts = []
     for index, group in enumerate(groups):
         owners = tuple(owner_of(p) for p in group)
-        by_owner = tuple(tuple(i for i, o in enumerate(owners) if o == r) for r in range(world_size))
+        by_owner = tuple(tuple(i for i, o in enumerate(owners) if o == r)
+                         for r in range(world_size))
         layouts.append(BucketLayout(index, tuple(group), owners, by_owner, comm_dtype_of(group[0])))
     return layouts
 
@@ -136,8 +137,9 @@ class BucketReduction:
         for i in idx:
             g = grads[i]
             present.append(g is not None)
-            sources.append(g if g is not None
-                           else torch.zeros(layout.params[i].numel(), dtype=out.dtype, device=device))
+            if g is None:  # no gradient on this rank: it contributes zeros
+                g = torch.zeros(layout.params[i].numel(), dtype=out.dtype, device=device)
+            sources.append(g)
         sources.append(torch.tensor(present, dtype=out.dtype, device=device))
         pack_rank_major(sources, 1, scale=1.0 / layout.world_size, dtype=out.dtype, out=out)
 

@@ -334,9 +334,11 @@ class ShardedDataParallel(nn.Module):
         if index is None:
             return
         self._ready_count[index] += 1
-        while (self._next_launch < len(self._buckets)
-               and self._ready_count[self._next_launch] >= len(self._buckets[self._next_launch].params)):
+        while self._next_launch < len(self._buckets) and self._bucket_complete(self._next_launch):
             self._launch(self._next_launch)
+
+    def _bucket_complete(self, index: int) -> bool:
+        return self._ready_count[index] >= len(self._buckets[index].params)
 
     def _launch(self, index: int) -> None:
         layout = self._buckets[index]
