@@ -107,7 +107,9 @@ def _comm_per_step(reshard: bool):
     return {"n": n, "psi": psi, "padded": padded, "elements": comm.elements,
             "by_op": comm.by_op, "calls": comm.calls_by_op, "units": len(units) - 1,
             "gpt_bytes": gpt_comm.by_op, "gpt_root": gpt_units[0].padded_numel,
-            "gpt_inner": sum(u.padded_numel for u in gpt_units[1:])}
+            "gpt_inner": sum(u.padded_numel for u in gpt_units[1:]),
+            "gpt_root_local": gpt_units[0].local_numel,
+            "gpt_inner_local": sum(u.local_numel for u in gpt_units[1:])}
 
 
 @pytest.mark.parametrize("reshard,passes", [(True, 3), (False, 2)])
@@ -115,17 +117,18 @@ def test_communication_per_step(world2, reshard, passes):
     for r in world2.run(_comm_per_step, reshard):
         n, frac = r["n"], (r["n"] - 1) / r["n"]
         gathers = passes - 1
-        # one collective per unit and pass; on CPU the gather is a batch of point-to-point
-        # sends (N-1 per unit, the ring all-gather's bytes) and the reduce-scatter one
-        # all_to_all (see shardkit.nn.data_parallel.unit_collectives)
-        assert r["calls"] == {"send": gathers * r["units"] * (n - 1),
-                              "recv": gathers * r["units"] * (n - 1),
+        # one batch per unit and pass; on CPU the gather is one batch of point-to-point sends
+        # straight into the peers' parameters (N-1 per parameter: weight and bias), the ring
+        # all-gather's bytes, and the reduce-scatter one all_to_all (see unit_collectives)
+        assert r["calls"] == {"send": gathers * r["units"] * 2 * (n - 1),
+                              "recv": gathers * r["units"] * 2 * (n - 1),
                               "all_to_all": r["units"]}, r
         assert r["by_op"]["send"] == pytest.approx(gathers * r["padded"] * frac * 4)
         assert r["by_op"]["all_to_all"] == pytest.approx(r["padded"] * frac * 4)
         assert r["elements"] == pytest.approx(passes * r["psi"] * frac, rel=0.02), r
-        # GPT: the root (embeddings, head) stays gathered from forward into backward
-        gpt_gathered = (r["gpt_root"] + gathers * r["gpt_inner"]) * frac * 4
+        # GPT: the root (embeddings, head) stays gathered from forward into backward; each rank
+        # sends its unpadded rows (the position embedding's shards are padded)
+        gpt_gathered = (r["gpt_root_local"] + gathers * r["gpt_inner_local"]) * (n - 1) * 4
         assert r["gpt_bytes"]["send"] == pytest.approx(gpt_gathered), r
         assert r["gpt_bytes"]["all_to_all"] == pytest.approx(
             (r["gpt_root"] + r["gpt_inner"]) * frac * 4), r

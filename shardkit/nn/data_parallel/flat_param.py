@@ -27,7 +27,9 @@ import torch.nn as nn
 
 from shardkit import distributed as skdist
 from shardkit.kernels import pack_rank_major, unpack_rank_major
-from shardkit.nn.data_parallel.unit_collectives import all_gather_shards, reduce_scatter_packed
+from shardkit.nn.data_parallel.unit_collectives import (all_gather_into_params,
+                                                        all_gather_shards, gathers_into_params,
+                                                        reduce_scatter_packed)
 
 __all__ = ["ParamLayout", "FlatParamShard", "GatheredParamBytes", "gathered_param_bytes",
            "shard_rows", "unshard_rows"]
@@ -191,6 +193,12 @@ class FlatParamShard:
         return sum(self.numels) * self.full.element_size()
 
     @property
+    def local_numel(self) -> int:
+        """Elements of real (unpadded) parameter data in this rank's shard."""
+        return sum(max(0, min(lay.chunk_numel, lay.numel - self.rank * lay.chunk_numel))
+                   for lay in self.layouts)
+
+    @property
     def padded_numel(self) -> int:
         """Elements all-gathered or reduce-scattered per collective: ``N x shard``."""
         return self.shard_numel * self.world_size
@@ -210,20 +218,30 @@ class FlatParamShard:
         """Issue the unit's all-gather asynchronously (no-op when gathered or in flight).
 
         Wire: ``(N-1) x shard`` elements of the compute dtype, one collective
-        (:func:`.unit_collectives.all_gather_shards`).
+        (:mod:`.unit_collectives`: straight into ``full`` on CPU, rank-major scratch plus
+        :func:`unpack_rank_major` elsewhere).
         """
         if self.gathered or self._pending_gather is not None:
             return
         self._readopt_shards()
         send = self.flat_shard.to(self.compute_device, self.compute_dtype, non_blocking=True)
+        if gathers_into_params(self.compute_device):
+            self._allocate_full()
+            pending = all_gather_into_params(self.full.data.split(self.numels),
+                                             send.split(self.chunk_numels), self.group)
+            self._pending_gather = (pending, None, send)
+            return
         scratch = torch.empty(self.padded_numel, dtype=self.compute_dtype,
                               device=self.compute_device)
         _GATHERED.add(scratch.numel() * scratch.element_size())
-        pending = all_gather_shards(scratch, send, self.group)
-        self._pending_gather = (pending, scratch, send)
+        self._pending_gather = (all_gather_shards(scratch, send, self.group), scratch, send)
+
+    def _allocate_full(self) -> None:
+        self.full.untyped_storage().resize_(self.full_bytes)
+        _GATHERED.add(self.full_bytes)
 
     def finish_gather(self) -> None:
-        """Wait for (or issue and wait for) the all-gather and unpack it into ``full``."""
+        """Wait for (or issue and wait for) the all-gather; ``full`` then holds the unit."""
         if self.gathered:
             return
         if self._pending_gather is None:
@@ -233,12 +251,12 @@ class FlatParamShard:
         pending, scratch, _send = self._pending_gather
         self._pending_gather = None
         pending.wait()
-        self.full.untyped_storage().resize_(self.full_bytes)
-        _GATHERED.add(self.full_bytes)
-        unpack_rank_major(scratch, self.world_size, self.full.data.split(self.numels),
-                          chunk_numels=self.chunk_numels)
-        _GATHERED.sub(scratch.numel() * scratch.element_size())
-        del scratch
+        if scratch is not None:
+            self._allocate_full()
+            unpack_rank_major(scratch, self.world_size, self.full.data.split(self.numels),
+                              chunk_numels=self.chunk_numels)
+            _GATHERED.sub(scratch.numel() * scratch.element_size())
+            del scratch
         self.gathered = True
 
     def expose(self) -> None:
@@ -270,8 +288,11 @@ class FlatParamShard:
         if self._pending_gather is not None:  # a prefetch nobody consumed
             pending, scratch, _ = self._pending_gather
             pending.wait()
-            _GATHERED.sub(scratch.numel() * scratch.element_size())
             self._pending_gather = None
+            if scratch is not None:
+                _GATHERED.sub(scratch.numel() * scratch.element_size())
+            else:  # it landed in full: released below
+                self.gathered = True
         if self.gathered:
             self.full.untyped_storage().resize_(0)
             _GATHERED.sub(self.full_bytes)

@@ -177,6 +177,12 @@ class FullyShardedDataParallel(nn.Module):
         return self._shard.padded_numel if self._shard is not None else 0
 
     @property
+    def local_numel(self) -> int:
+        """Unpadded parameter elements of this unit held by this rank (what it sends per
+        gather to each peer on CPU)."""
+        return self._shard.local_numel if self._shard is not None else 0
+
+    @property
     def unit_numel(self) -> int:
         """Parameters owned by this unit (unpadded)."""
         return sum(self._shard.numels) if self._shard is not None else 0
