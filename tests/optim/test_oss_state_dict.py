@@ -3,7 +3,7 @@
 - world 2 -> consolidate -> torch.save -> load at world 1, 2 and 4 -> training continues as if
   nothing happened (bit-exact at world 2, within float rounding of the gradient average else);
 - plain torch.optim.AdamW state dict -> OSS -> consolidated back: identical, and both continue
-  identically;
+  identically (as does OSS(existing AdamW with state));
 - state_dict() without consolidating, or on a rank that is not the recipient, or after a step:
   clear error; a state dict with the wrong number of parameters: clear error;
 - add_param_group and refresh_trainable move optimizer state to the new owner (parity with a
@@ -117,13 +117,19 @@ def _plain_adamw_round_trip():
     same = _same_state_dict(back, saved)
     reloaded = torch.optim.AdamW(_groups(copy.deepcopy(plain_model)), **HYPER)
     reloaded.load_state_dict(back)  # the consolidated dict loads into plain torch
-    for step in range(2, 4):  # both continue alike (every rank computes the full batch)
-        for m, o in ((plain_model, plain), (model, opt)):
+    # OSS(existing_optimizer) takes over a plain optimizer that already has state
+    taken_model = copy.deepcopy(plain_model)
+    resumed = torch.optim.AdamW(_groups(taken_model), **HYPER)
+    resumed.load_state_dict(copy.deepcopy(saved))
+    taken = OSS(resumed)
+    for step in range(2, 4):  # all continue alike (every rank computes the full batch)
+        for m, o in ((plain_model, plain), (model, opt), (taken_model, taken)):
             o.zero_grad()
             F.mse_loss(m(_batch(step)[0]), _batch(step)[1]).backward()
             o.step()
     return {"same": same, "held": held, "total": len(saved["state"]),
-            "diff": _max_diff(_params(model), _params(plain_model))}
+            "diff": _max_diff(_params(model), _params(plain_model)),
+            "takeover_diff": _max_diff(_params(taken_model), _params(plain_model))}
 
 
 def _same_state_dict(a, b) -> bool:
@@ -136,7 +142,7 @@ def _same_state_dict(a, b) -> bool:
 def test_plain_adamw_state_dict_into_oss_and_back(world2):
     results = world2.run(_plain_adamw_round_trip)
     for r in results:
-        assert r["same"] and r["diff"] == 0.0
+        assert r["same"] and r["diff"] == 0.0 and r["takeover_diff"] == 0.0
     assert sum(r["held"] for r in results) == results[0]["total"]  # each state on one rank only
     assert all(0 < r["held"] < r["total"] for r in results)
 
