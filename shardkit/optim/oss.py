@@ -172,9 +172,10 @@ class OSS(torch.optim.Optimizer):
     # ------------------------------------------------------------------ training
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable] = None):
+    def step(self, closure: Optional[Callable] = None, **kwargs):
         """Step the owned parameters that have a gradient, then re-sync every parameter from
-        its owner. ``closure`` (re-evaluates the loss) runs exactly once on every rank.
+        its owner. ``closure`` (re-evaluates the loss) runs exactly once on every rank; other
+        keyword arguments go to the local optimizer's ``step``, as in FairScale.
 
         Communication: ``Ψ(N-1)/N`` elements in all, in one all-gather per bucket (or ``N``
         broadcasts per bucket, see ``sync_op``).
@@ -188,9 +189,9 @@ class OSS(torch.optim.Optimizer):
         self._push_hyperparameters()
         self._rebind_moved_parameters()
         if self._buckets and type(self.optim) in _PER_PARAMETER_OPTIMIZERS:
-            self._step_and_sync_bucket_by_bucket()
+            self._step_and_sync_bucket_by_bucket(kwargs)
         else:
-            self.optim.step()
+            self.optim.step(**kwargs)
             self._sync_all_buckets()
         self._pull_hyperparameters()
         return loss
@@ -372,27 +373,27 @@ class OSS(torch.optim.Optimizer):
         for b in every:
             b.finish_gather()
 
-    def _step_and_sync_bucket_by_bucket(self) -> None:
+    def _step_and_sync_bucket_by_bucket(self, step_kwargs: dict) -> None:
         # Note: stepping bucket k hides the other owned gradients (grad=None makes torch's
         # per-parameter optimizers skip a parameter), so the all-gather of bucket k runs while
         # bucket k+1 is being stepped. The result is exactly one step over all owned params.
         in_flight: list[FlatParamBucket] = []
         for buckets in self._buckets:
-            self._step_only([p for b in buckets for p in b.owned_params])
+            self._step_only([p for b in buckets for p in b.owned_params], step_kwargs)
             for b in buckets:
                 b.start_gather()
                 in_flight.append(b)
         for b in in_flight:
             b.finish_gather()
 
-    def _step_only(self, params: list[torch.Tensor]) -> None:
+    def _step_only(self, params: list[torch.Tensor], step_kwargs: dict) -> None:
         keep = {id(p) for p in params}
         hidden = [(p, p.grad) for g in self.optim.param_groups for p in g["params"]
                   if id(p) not in keep and p.grad is not None]
         for p, _ in hidden:
             p.grad = None
         try:
-            self.optim.step()
+            self.optim.step(**step_kwargs)
         finally:
             for p, grad in hidden:
                 p.grad = grad
