@@ -122,4 +122,3 @@ class ParameterPartition:
     def all_params(self) -> list[torch.Tensor]:
         """Every partitioned parameter, in group order."""
         return [p for params in self.param_groups for p in params]
-
