@@ -34,6 +34,9 @@ __all__ = [
 ]
 
 ReduceOp = dist.ReduceOp
+# torch 2.13 renamed the tensor forms (the old names warn); use the new ones where they exist.
+_all_gather_tensor = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _VALID_BACKENDS = ("gloo", "nccl", "mpi")
 
@@ -309,7 +312,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
         raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements; it must be "
                          f"world size {n} x output's {output.numel()} = {output.numel() * n}")
     _record("reduce_scatter", input, group)
-    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    return _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
@@ -320,7 +323,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
         raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements; it must "
                          f"be world size {n} x input's {input.numel()} = {input.numel() * n}")
     _record("all_gather", output, group)
-    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return _all_gather_tensor(output, input, group=group, async_op=async_op)
 
 
 def all_gather(tensors: list[torch.Tensor], tensor: torch.Tensor, group=None,
