@@ -152,6 +152,16 @@ def render_markdown(meta: dict, rows: list) -> str:
     return "\n".join(lines) + "\n"
 
 
+def draw_chart(meta: dict, measured: list, path: str) -> str:
+    """ms/step and per-rank model states of every measured row, as a PNG at ``path``."""
+    groups = [BarGroup(f"{r['workload']} {r['label']}",
+                       {"ms per step": r["ms_per_step"],
+                        "model states per rank (MB)": r["model_state_bytes"] / 1e6})
+              for r in measured]
+    return write_bar_chart(path, f"shardkit vs torch, world {WORLD_SIZE}, commit "
+                                 f"{meta['git_commit']}", groups)
+
+
 def git_commit() -> str:
     """The short commit hash of the checkout measured, marked when shardkit/ has uncommitted
     edits (the working tree is what ran)."""
@@ -227,13 +237,7 @@ def main(argv=None) -> int:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
     measured = [r for r in rows if "ms_per_step" in r]
     if measured:
-        groups = [BarGroup(f"{r['workload']} {r['label']}",
-                           {"ms per step": r["ms_per_step"],
-                            "model states per rank (MB)": r["model_state_bytes"] / 1e6})
-                  for r in measured]
-        print(write_bar_chart(os.path.join(args.out, "bench.png"),
-                              f"shardkit vs torch, world {WORLD_SIZE}, commit "
-                              f"{meta['git_commit']}", groups))
+        print(draw_chart(meta, measured, os.path.join(args.out, "bench.png")))
     print(table)
     return 0
 

@@ -111,6 +111,11 @@ class _Canvas:
                 + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
+def _short_number(v: float) -> str:
+    """3179.3 -> '3179', 6.39 -> '6.39', 0.131 -> '0.131' (no exponents on a chart)."""
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
 def _write_plain_png(path: str, title: str, groups: list) -> None:
     """One panel per series, a bar per group, labels and values in the 5x7 font."""
     series = list(groups[0].values)
@@ -132,7 +137,7 @@ def _write_plain_png(path: str, title: str, groups: list) -> None:
                 canvas.text(10, y + 2, g.label)
             length = int((panel_w - 90) * g.values[name] / peak)
             canvas.rect(x0, y, x0 + length, y + bar_h, color)
-            canvas.text(x0 + length + 6, y + 2, f"{g.values[name]:.3g}")
+            canvas.text(x0 + length + 6, y + 2, _short_number(g.values[name]))
         canvas.rect(x0 - 1, top - 4, x0, height - 26, (0, 0, 0))
     with open(path, "wb") as f:
         f.write(canvas.png())
