@@ -32,7 +32,8 @@ from shardkit.utils.memory import model_state_bytes, tensor_storage_bytes
 
 WORLD_SIZE = 2
 LR = 1e-4
-CONFIGS = ("torch_ddp", "torch_fsdp1", "torch_fsdp2", "shardkit_fsdp")
+CONFIGS = ("torch_ddp", "torch_fsdp1", "torch_fsdp2", "shardkit_fsdp",
+           "shardkit_fsdp_no_reshard")
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results", "fsdp.md")
 
 
@@ -92,7 +93,9 @@ def _wrap(kind: str, model: nn.Module, unit_cls: type) -> nn.Module:
             fully_shard(module, mesh=mesh)
         return fully_shard(model, mesh=mesh)
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={unit_cls})
-    return FullyShardedDataParallel(auto_wrap(model, policy))
+    reshard = kind != "shardkit_fsdp_no_reshard"
+    return FullyShardedDataParallel(auto_wrap(model, policy, reshard_after_forward=reshard),
+                                    reshard_after_forward=reshard)
 
 
 @dataclass
@@ -114,7 +117,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
     def state_bytes(self) -> int:
-        if self.kind == "shardkit_fsdp":
+        if self.kind.startswith("shardkit"):
             return model_state_bytes(self.module, self.optimizer).total
         return _local_state_bytes(self.module, self.optimizer)
 
@@ -194,7 +197,8 @@ def _report(results: list[dict], args) -> str:
              f"`python -m benchmarks.bench_fsdp --rounds {args.rounds} --steps {args.steps}`, "
              f"torch {torch.__version__}, {os.cpu_count()} CPU cores, one thread per rank, "
              f"AdamW lr {LR}. One unit per Block / Linear plus the root, "
-             f"reshard_after_forward=True everywhere. Each configuration is built once per rank, "
+             f"reshard_after_forward=True everywhere except shardkit_fsdp_no_reshard (2Ψ "
+             f"communication instead of 3Ψ). Each configuration is built once per rank, "
              f"warmed up 2 steps, then timed in {args.rounds} interleaved rounds of "
              f"{args.steps} steps (forward + backward + step + zero_grad); medians over rounds, "
              f"rank 0's clock. Model-state bytes after a backward (gradients alive); DDP's "

@@ -214,7 +214,7 @@ class FlatParamShard:
                     view.copy_(p.data.reshape(view.shape))
                 p.data = view
 
-    def start_gather(self) -> None:
+    def start_gather(self, prefetch: bool = False) -> None:
         """Issue the unit's all-gather asynchronously (no-op when gathered or in flight).
 
         Wire: ``(N-1) x shard`` elements of the compute dtype, one collective
@@ -229,12 +229,13 @@ class FlatParamShard:
             self._allocate_full()
             pending = all_gather_into_params(self.full.data.split(self.numels),
                                              send.split(self.chunk_numels), self.group)
-            self._pending_gather = (pending, None, send)
+            self._pending_gather = (pending, None, send, prefetch)
             return
         scratch = torch.empty(self.padded_numel, dtype=self.compute_dtype,
                               device=self.compute_device)
         _GATHERED.add(scratch.numel() * scratch.element_size())
-        self._pending_gather = (all_gather_shards(scratch, send, self.group), scratch, send)
+        self._pending_gather = (all_gather_shards(scratch, send, self.group), scratch, send,
+                                prefetch)
 
     def _allocate_full(self) -> None:
         self.full.untyped_storage().resize_(self.full_bytes)
@@ -246,9 +247,8 @@ class FlatParamShard:
             return
         if self._pending_gather is None:
             self.start_gather()
-        else:
-            _GATHERED.prefetched += 1
-        pending, scratch, _send = self._pending_gather
+        pending, scratch, _send, prefetched = self._pending_gather
+        _GATHERED.prefetched += int(prefetched)
         self._pending_gather = None
         pending.wait()
         if scratch is not None:
@@ -286,7 +286,7 @@ class FlatParamShard:
         """Release the gathered parameters (storage resized to 0: memory really goes down)."""
         self.hide()
         if self._pending_gather is not None:  # a prefetch nobody consumed
-            pending, scratch, _ = self._pending_gather
+            pending, scratch, _send, _prefetched = self._pending_gather
             pending.wait()
             self._pending_gather = None
             if scratch is not None:

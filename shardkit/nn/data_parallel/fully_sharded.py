@@ -112,7 +112,8 @@ class FullyShardedDataParallel(nn.Module):
         self.world_size = skdist.get_world_size(process_group)
         self.rank = skdist.get_rank(process_group)
         self.reshard_after_forward = reshard_after_forward
-        self.mixed_precision = policy
+        self.mixed_precision = policy.enabled  # a bool, as in FairScale
+        self.mixed_precision_policy = policy
         self.move_params_to_cpu = move_params_to_cpu
         self.flatten_parameters = flatten_parameters
         params, locations = _collect_unit_params(module)
@@ -207,7 +208,7 @@ class FullyShardedDataParallel(nn.Module):
     def extra_repr(self) -> str:
         return (f"world_size={self.world_size}, reshard_after_forward="
                 f"{self.reshard_after_forward}, unit_numel={self.unit_numel}, "
-                f"mixed_precision={self.mixed_precision}")
+                f"mixed_precision={self.mixed_precision_policy}")
 
     # ------------------------------------------------------------------ forward
 
@@ -229,12 +230,10 @@ class FullyShardedDataParallel(nn.Module):
         if not root._orders_final and self not in root._forward_order:
             root._forward_order.append(self)
         self._pre_backward_done = False
-        if self._shard is not None:
-            self._shard.finish_gather()
-            self._shard.expose()
-        root._prefetch_after(self, root._forward_order)
-        if self.mixed_precision.enabled and self.mixed_precision.cast_inputs:
-            dtype = self.mixed_precision.param_dtype
+        self._gather_with_next(root._forward_order)
+        policy = self.mixed_precision_policy
+        if policy.enabled and policy.cast_inputs:
+            dtype = policy.param_dtype
             args, kwargs = tree_map(lambda t: _cast_floating(t, dtype), (args, kwargs))
         return args, kwargs
 
@@ -248,6 +247,16 @@ class FullyShardedDataParallel(nn.Module):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward_hook)
         return output
+
+    def _gather_with_next(self, order: list) -> None:
+        """Gather this unit (unless prefetched), issue the next unit's gather in ``order``
+        before waiting, so it overlaps this one's wait and compute, then expose this unit."""
+        if self._shard is not None:
+            self._shard.start_gather()
+        self._root._prefetch_after(self, order)
+        if self._shard is not None:
+            self._shard.finish_gather()
+            self._shard.expose()
 
     def _prefetch_after(self, unit, order: list) -> None:
         """Note: prefetch order. The first iteration records the order in which units run
@@ -263,7 +272,7 @@ class FullyShardedDataParallel(nn.Module):
         if position + 1 < len(order):
             following = order[position + 1]
             if following._shard is not None:
-                following._shard.start_gather()
+                following._shard.start_gather(prefetch=True)
 
     # ------------------------------------------------------------------ backward
 
@@ -275,12 +284,9 @@ class FullyShardedDataParallel(nn.Module):
         self._pre_backward_done = True
         if not root._orders_final and self not in root._backward_order:
             root._backward_order.append(self)
-        if self._shard is not None:
-            self._shard.finish_gather()
-            # an activation-checkpointed forward is recomputed during backward and reads
-            # module.weight again: it must see the gathered parameters, not the shards
-            self._shard.expose()
-        root._prefetch_after(self, root._backward_order)
+        # an activation-checkpointed forward is recomputed during backward and reads
+        # module.weight again: _gather_with_next exposes the gathered parameters for it
+        self._gather_with_next(root._backward_order)
         return grad
 
     def _queue_final_callback(self) -> None:
