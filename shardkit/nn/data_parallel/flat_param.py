@@ -5,15 +5,17 @@ A :class:`FlatParamShard` owns the parameters of one unit. Each parameter is cut
 ``nn.Parameter`` object, whose ``.data`` becomes a view into one flat shard buffer, so an
 optimizer built before or after wrapping steps exactly the values that are trained.
 
-For compute, the unit's shards are all-gathered in one packed collective (rank-major layout of
-:mod:`shardkit.kernels.packing`, ``chunk_numels`` = rows per shard x row size) into a scratch
-buffer, unpacked into one flat leaf tensor ``full`` (compute dtype), and the module sees views of
-``full`` in place of its parameters. Backward accumulates the full gradient into ``full.grad``;
-it is packed rank-major (pre-divided by ``N``) and reduce-scattered in one collective into the
+For compute, the unit's shards are all-gathered by one collective into one flat leaf tensor
+``full`` (compute dtype): on CUDA one ``all_gather_into_tensor`` into a rank-major scratch
+buffer (layout of :mod:`shardkit.kernels.packing`, ``chunk_numels`` = rows per shard x row
+size) unpacked with ``unpack_rank_major``; on CPU one batch of sends/receives straight into
+``full`` (see :mod:`.unit_collectives`). The module sees views of ``full`` in place of its
+parameters. Backward accumulates the full gradient into ``full.grad``; it is packed rank-major
+with ``pack_rank_major`` (pre-divided by ``N``) and reduce-scattered in one collective into the
 shards' ``.grad``.
 
 Memory per unit: the flat shard (``Ψ_u/N`` + padding, master dtype) always; ``full`` (``Ψ_u``,
-compute dtype) only between gather and free; the scratch all-gather buffer only until unpacked.
+compute dtype) only between gather and free; on CUDA the scratch buffer only until unpacked.
 """
 
 from __future__ import annotations

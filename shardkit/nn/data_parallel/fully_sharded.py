@@ -77,8 +77,9 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision: compute in ``compute_dtype`` (default fp16) with fp32 master shards;
             or a :class:`MixedPrecisionPolicy`.
         fp32_reduce_scatter: reduce-scatter gradients in fp32 under mixed precision.
-        flatten_parameters: accepted for FairScale compatibility; communication is always packed
-            into one collective per unit.
+        flatten_parameters: accepted for FairScale compatibility; communication is always one
+            collective per unit and direction (on CPU, one batch of sends/receives for the
+            gather; see :mod:`.unit_collectives`).
         move_params_to_cpu: keep the shards (and so the optimizer state) in CPU memory, pinned
             when CUDA exists, copying them to the GPU for compute. On a CPU-only machine it
             changes nothing.
