@@ -8,8 +8,8 @@ import torch
 from shardkit import distributed as skdist
 from shardkit.testing import World
 from shardkit.utils.memory import model_state_bytes
-from tests.nn.fsdp_common import (GLOBAL_BATCH, LR, TINY, build_gpt, local_slice, make_optimizer,
-                                  max_diff, train_step, wrap_gpt)
+from tests.nn.fsdp_common import (EPS, GLOBAL_BATCH, LR, TINY, build_gpt, local_slice,
+                                  make_optimizer, max_diff, train_step, wrap_gpt)
 from shardkit.models import synthetic_batch
 
 
@@ -90,7 +90,10 @@ def _optimizer_before_wrapping_and_offload():
     early_optim = make_optimizer(early)  # holds the original parameter objects
     early = wrap_gpt(early)
     offload = wrap_gpt(build_gpt(), move_params_to_cpu=True)
-    offload_optim = make_optimizer(offload)
+    # offloaded shards step with the fused CPU AdamW (torch.optim.AdamW semantics)
+    from shardkit.optim.fused import FusedAdamW
+    offload_optim = FusedAdamW([p for p in offload.parameters() if p.requires_grad], lr=LR,
+                               eps=EPS, weight_decay=0.01)
     for step in range(4):
         train_step(reference, ref_optim, step, local=False)
         train_step(early, early_optim, step)
