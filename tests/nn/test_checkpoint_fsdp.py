@@ -61,19 +61,8 @@ def _compare_variant(variant):
             max((a - b).abs().max().item() for a, b in zip(params, ref_params)))
 
 
-# Note: with the checkpointed module inside an FSDP unit, FullyShardedDataParallel's
-# pre-backward hook re-gathers the unit's parameters but does not expose them to the module
-# again, so the recomputation (which runs the module's own forward, no hooks) reads the shards.
-# The fix belongs to fully_sharded.py (expose in the pre-backward hook, as FairScale's FSDP
-# does); until then that variant is expected to fail.
-_INSIDE_XFAIL = pytest.mark.xfail(reason="FSDP's pre-backward hook does not re-expose the "
-                                  "gathered parameters for a recomputation", strict=False)
-
-
-@pytest.mark.parametrize("variant", [pytest.param("checkpoint inside FSDP", marks=_INSIDE_XFAIL),
-                                     "checkpoint outside FSDP"])
+@pytest.mark.parametrize("variant", ["checkpoint inside FSDP", "checkpoint outside FSDP"])
 def test_fsdp_with_checkpoint_matches_fsdp_without(world2, variant):
-    pytest.importorskip("shardkit.nn.data_parallel.fully_sharded")
     for result in world2.run(_compare_variant, variant):
         assert not isinstance(result, str), result
         loss_diff, param_diff = result

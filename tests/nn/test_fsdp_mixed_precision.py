@@ -108,7 +108,6 @@ def _buffers_and_scaler():
 
 
 def test_buffers_and_sharded_grad_scaler(world2):
-    pytest.importorskip("shardkit.optim.grad_scaler")
     for r in world2.run(_buffers_and_scaler):
         assert r["buffer_dtype"] == torch.float32
         assert r["default_buffer_dtype"] == torch.bfloat16

@@ -759,7 +759,6 @@ def _gpt_tensor_and_pipeline_training(schedule_name, sequence_parallel):
 @pytest.mark.parametrize("schedule,sequence_parallel", [("ScheduleGPipe", False),
                                                         ("Schedule1F1B", True)])
 def test_gpt_2_tensor_x_2_pipeline_matches(world4, schedule, sequence_parallel):
-    pytest.importorskip("shardkit.nn.pipe.schedules")
     res = world4.run(_gpt_tensor_and_pipeline_training, schedule, sequence_parallel)
     print(f"TP2 x PP2 {schedule} sequence_parallel={sequence_parallel}: "
           f"{max(r['param_diff'] for r in res):.2e} param")

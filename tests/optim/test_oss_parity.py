@@ -193,10 +193,7 @@ def _overflow_on_one_rank_skips_on_all():
 
 
 def _fused_adamw_parity():
-    try:
-        from shardkit.optim import FusedAdamW
-    except (ImportError, AttributeError):
-        return None
+    from shardkit.optim import FusedAdamW
     return _train_pair(FusedAdamW, {"lr": 1e-2, "weight_decay": 0.01}, clip=(0.05, 2.0))
 
 
@@ -234,8 +231,6 @@ def test_parity_world4(grid4, name):
 
 def test_parity_fused_adamw(grid2, grid4):
     for first, _ in (grid2, grid4):
-        if first["fused_adamw"] is None:
-            pytest.skip("shardkit.optim.FusedAdamW is not available")
         assert first["fused_adamw"] <= TOL
 
 
