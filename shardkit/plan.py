@@ -142,15 +142,6 @@ def load_factory_module(spec: str):
     return model
 
 
-def _unique_numel(params) -> int:
-    seen, total = set(), 0
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
-    return total
-
-
 def fsdp_unit_sizes(model, wrap_block: Optional[str] = None,
                     min_num_params: Optional[int] = None) -> list[int]:
     """Parameters held by each FSDP unit when ``model`` is auto-wrapped, root unit last.
@@ -197,6 +188,8 @@ def summarize_model(model, wrap_block: Optional[str] = None,
     """Count ``model``'s parameters and find its largest FSDP unit and transformer shape."""
     import torch.nn as nn
 
+    from shardkit.recipes import count_params
+
     if wrap_block is not None and not any(type(m).__name__ == wrap_block
                                           for m in model.modules()):
         found = sorted({type(m).__name__ for m in model.modules()})
@@ -214,7 +207,7 @@ def summarize_model(model, wrap_block: Optional[str] = None,
                        for a in ("n_head", "num_heads") if isinstance(getattr(m, a, None), int)]
         heads = found_heads[0] if found_heads else max(1, hidden // 64)
     embeddings = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    return ModelSummary(params=_unique_numel(model.parameters()),
+    return ModelSummary(params=count_params(model.parameters()),
                         largest_unit_params=max(units), num_units=len(units),
                         num_blocks=len(blocks), hidden=hidden, heads=heads,
                         vocab=max(embeddings) if embeddings else 0)

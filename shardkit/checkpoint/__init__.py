@@ -2,7 +2,7 @@
 name, committed atomically behind a ``latest`` file; they load at any world size and ZeRO stage
 and consolidate into a plain ``state_dict`` (``python -m shardkit consolidate DIR OUT.pt``)."""
 
-import importlib
+from shardkit._lazy import lazy_exports
 
 _EXPORTS = {
     "CheckpointError": "shardkit.checkpoint.sharded",
@@ -17,7 +17,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'shardkit.checkpoint' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

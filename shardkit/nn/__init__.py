@@ -1,7 +1,7 @@
 """Module wrappers: data parallel (ShardedDataParallel, FullyShardedDataParallel), Pipe,
 model (tensor) parallel layers, activation checkpointing and auto-wrapping."""
 
-import importlib
+from shardkit._lazy import lazy_exports
 
 _EXPORTS = {
     "Pipe": "shardkit.nn.pipe",
@@ -19,7 +19,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'shardkit.nn' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,7 +1,7 @@
 """Optimizers and loss scaling: OSS (ZeRO-1), FusedAdamW, ShardedGradScaler, DynamicLossScaler,
 warm-up learning-rate schedules, and the ParameterPartition that OSS and ShardedDDP share."""
 
-import importlib
+from shardkit._lazy import lazy_exports
 
 _EXPORTS = {
     "OSS": "shardkit.optim.oss",
@@ -17,7 +17,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'shardkit.optim' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

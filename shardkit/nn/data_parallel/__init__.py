@@ -1,6 +1,6 @@
 """Data-parallel wrappers: ShardedDataParallel (ZeRO-2) and FullyShardedDataParallel (ZeRO-3)."""
 
-import importlib
+from shardkit._lazy import lazy_exports
 
 _EXPORTS = {
     "ShardedDataParallel": "shardkit.nn.data_parallel.sharded_ddp",
@@ -12,7 +12,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'shardkit.nn.data_parallel' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)
