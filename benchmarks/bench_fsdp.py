@@ -15,7 +15,6 @@ import argparse
 import functools
 import os
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,6 +27,8 @@ from shardkit.models import GPT, MLP, Block, reference_gpt_config, synthetic_bat
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
 from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
 from shardkit.testing import World
+
+from benchmarks.common import time_interleaved
 from shardkit.utils.memory import model_state_bytes, tensor_storage_bytes
 
 WORLD_SIZE = 2
@@ -147,22 +148,7 @@ def _time_workload(workload_key: str, rounds: int, steps: int) -> dict:
     rank = skdist.get_rank()
     workload = WORKLOADS[workload_key]()
     trainers = {kind: _build(kind, workload) for kind in CONFIGS}
-    step = 0
-    for trainer in trainers.values():  # warm-up: allocator, optimizer state, recorded orders
-        for _ in range(2):
-            trainer.step(step, rank)
-            step += 1
-    times = {kind: [] for kind in CONFIGS}
-    for r in range(rounds):
-        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
-        for kind in order:
-            skdist.barrier()
-            start = time.perf_counter()
-            for s in range(steps):
-                trainers[kind].step(step + s, rank)
-            skdist.barrier()
-            times[kind].append((time.perf_counter() - start) / steps)
-        step += steps
+    times, step = time_interleaved(trainers, rounds, steps)
     states = {}
     for kind, trainer in trainers.items():
         trainer.forward_backward(step, rank)

@@ -280,3 +280,27 @@ def measure(config_name: str, workload_name: str, quick: bool, warmup: int, step
     del setup
     gc.collect()
     return result
+
+
+def time_interleaved(trainers: dict, rounds: int, steps: int, warmup: int = 2) -> tuple[dict, int]:
+    """Time each trainer's ``step(step_index, rank)`` in interleaved rounds (the order rotates
+    every round, a barrier around each measurement). Returns ``({name: [seconds per step, one
+    per round]}, next step index)``; every trainer first runs ``warmup`` untimed steps."""
+    rank = distributed.get_rank()
+    names = list(trainers)
+    step = 0
+    for trainer in trainers.values():  # allocator, optimizer state, recorded orders, gloo buffers
+        for _ in range(warmup):
+            trainer.step(step, rank)
+            step += 1
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            distributed.barrier()
+            start = time.perf_counter()
+            for s in range(steps):
+                trainers[name].step(step + s, rank)
+            distributed.barrier()
+            times[name].append((time.perf_counter() - start) / steps)
+        step += steps
+    return times, step

@@ -21,8 +21,12 @@ GRAD_DTYPES = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 
 def reference_adamw(p, m, v, vmax, *, g, step, lr, beta1, beta2, eps, weight_decay, maximize,
                     amsgrad, decoupled):
-    """One Adam(W) step in float64, in plain torch ops; returns new (p, m, v, vmax)."""
-    p, g, m, v = p.double(), g.double(), m.double(), v.double()
+    """One Adam(W) step in fp32, in plain torch ops; returns new (p, m, v, vmax).
+
+    Note: fp32, like the kernels, not float64: with L2 decay (``decoupled=False``) the sum
+    ``g + weight_decay * p`` can cancel, and a tiny ``eps`` then amplifies its fp32 rounding by
+    up to ``lr / eps``; a float64 reference would flag that inherent fp32 error as a bug."""
+    p, g, m, v = p.float(), g.float(), m.float(), v.float()
     if maximize:
         g = -g
     if decoupled:
@@ -32,7 +36,7 @@ def reference_adamw(p, m, v, vmax, *, g, step, lr, beta1, beta2, eps, weight_dec
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g * g
     if amsgrad:
-        vmax = torch.maximum(vmax.double(), v)
+        vmax = torch.maximum(vmax.float(), v)
     second = vmax if amsgrad else v
     denom = second.sqrt() / math.sqrt(1 - beta2 ** step) + eps
     p = p - lr / (1 - beta1 ** step) * m / denom
