@@ -13,6 +13,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``python -m shardkit COMMAND ...`` to the command's module; returns its exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"demo": "shardkit.demo", "plan": "shardkit.plan",
                 "consolidate": "shardkit.checkpoint.consolidate"}

@@ -114,8 +114,13 @@ def require_initialized(what: str) -> None:
 
 
 def destroy() -> None:
-    """Destroy the default process group if it exists."""
+    """Wait for every rank (a barrier), then destroy the default process group if it exists.
+
+    Note: without the barrier, a rank that finishes first can tear down gloo's connections while
+    a peer is still completing the last collective, and gloo then aborts the process
+    ("terminate called without an active exception")."""
     if is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

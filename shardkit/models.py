@@ -53,6 +53,8 @@ def reference_gpt_config() -> GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused q/k/v projection."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         if cfg.d_model % cfg.n_head:
