@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 
 from shardkit.models import GPT, GPTConfig, MLP, Block, reference_gpt_config  # re-exported
 
-__all__ = ["World", "WorldError", "free_port", "GPT", "GPTConfig", "MLP", "Block",
+__all__ = ["World", "WorldError", "free_port", "world_fixture", "GPT", "GPTConfig", "MLP", "Block",
            "reference_gpt_config", "run_in_world"]
 
 _DEFAULT_TIMEOUT = float(os.environ.get("SHARDKIT_TEST_TIMEOUT", "240"))
@@ -206,3 +206,17 @@ def run_in_world(world_size: int, fn: Callable, *args, timeout: float = _DEFAULT
     """Start a world, run ``fn`` on every rank once, stop the world; returns per-rank results."""
     with World(world_size, timeout=timeout) as w:
         return w.run(fn, *args, **kwargs)
+
+
+def world_fixture(world_size: int, name: Optional[str] = None, **world_kwargs):
+    """A module-scoped pytest fixture named ``name`` (default ``world<N>``) yielding a started
+    :class:`World`: ``world2 = world_fixture(2)`` in a test module gives its tests one shared
+    world of 2 ranks."""
+    import pytest
+
+    @pytest.fixture(scope="module", name=name or f"world{world_size}")
+    def world():
+        with World(world_size, **world_kwargs) as w:
+            yield w
+
+    return world

@@ -15,7 +15,7 @@ import shardkit
 from shardkit import distributed
 from shardkit.config import ConfigError
 from shardkit.models import GPT, Block, GPTConfig, synthetic_batch
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 from shardkit.utils.memory import model_state_bytes
 
 TINY = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=8)
@@ -28,10 +28,7 @@ MICRO, GAS = 2, 4
 STEPS = 10
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
 def _config(stage, **extra):

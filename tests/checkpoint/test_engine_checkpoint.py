@@ -17,29 +17,20 @@ import shardkit
 from shardkit import distributed
 from shardkit.checkpoint import read_latest_tag
 from shardkit.models import GPT, GPTConfig, synthetic_batch
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 
 TINY = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=8)
 GLOBAL_BATCH, MICRO = 8, 2
 STEPS_BEFORE, STEPS_AFTER = 3, 5
 
 
-@pytest.fixture(scope="module")
-def world1():
-    with World(1) as w:
-        yield w
+world1 = world_fixture(1)
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
-@pytest.fixture(scope="module")
-def world4():
-    with World(4) as w:
-        yield w
+world4 = world_fixture(4)
 
 
 def _config(stage):

@@ -13,19 +13,13 @@ import torch
 import shardkit
 from shardkit import distributed
 from shardkit.checkpoint import CheckpointError, consolidate_checkpoint, read_latest_tag
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 
 
-@pytest.fixture(scope="module")
-def world1():
-    with World(1) as w:
-        yield w
+world1 = world_fixture(1)
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
 # ----------------------------------------------------------------------------- atomicity

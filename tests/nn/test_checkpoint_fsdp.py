@@ -6,13 +6,10 @@ import torch.nn as nn
 
 from shardkit import distributed as dist
 from shardkit.nn.checkpoint import checkpoint_wrapper
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
 def _blocks(seed=0):

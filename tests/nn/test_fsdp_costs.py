@@ -11,17 +11,14 @@ from shardkit.distributed import CommCounter
 from shardkit.models import MLP
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 from shardkit.utils.memory import model_state_bytes
 from tests.nn.fsdp_common import build_gpt, make_optimizer, train_step, wrap_gpt
 
 WIDTH, DEPTH = 48, 16
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
 def _mlp_16_units(**kwargs) -> FSDP:

@@ -7,14 +7,11 @@ import torch.nn as nn
 
 from shardkit.models import MLP
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 from tests.nn.fsdp_common import build_gpt, make_optimizer, train_step, wrap_gpt
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
 def _raises(fn, exc, *fragments):

@@ -6,17 +6,14 @@ import pytest
 import torch
 
 from shardkit import distributed as skdist
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 from shardkit.utils.memory import model_state_bytes
 from tests.nn.fsdp_common import (EPS, GLOBAL_BATCH, LR, TINY, build_gpt, local_slice,
                                   make_optimizer, max_diff, train_step, wrap_gpt)
 from shardkit.models import synthetic_batch
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
 def _summon_and_names():

@@ -10,16 +10,13 @@ from shardkit import distributed as skdist
 from shardkit.distributed import CommCounter
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.nn.data_parallel.mixed_precision import MixedPrecisionPolicy
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 from tests.nn.fsdp_common import build_gpt, make_optimizer, train_step, wrap_gpt
 
 STEPS = 20
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
 def _global_loss(loss: torch.Tensor) -> float:

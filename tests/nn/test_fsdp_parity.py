@@ -5,7 +5,7 @@ no_sync accumulation and gradient clipping; world 2 and 4."""
 import pytest
 import torch
 
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 from tests.nn.fsdp_common import (build_gpt, make_optimizer, max_diff, train_step, wrap_gpt)
 
 STEPS = 10
@@ -17,16 +17,10 @@ GRID = [  # (reshard_after_forward, micro_batches with no_sync, clip)
 ]
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
-@pytest.fixture(scope="module")
-def world4():
-    with World(4) as w:
-        yield w
+world4 = world_fixture(4)
 
 
 def _parity_grid():

@@ -22,16 +22,13 @@ from shardkit.nn.model_parallel.gpt import (
     TensorParallelBlock, TensorParallelGPT, from_reference_state_dict, gpt_loss,
     to_reference_state_dict)
 from shardkit.nn.model_parallel.utils import shard_of
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 from shardkit.utils.memory import model_state_bytes
 
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def world4():
-    with World(4) as w:
-        yield w
+world4 = world_fixture(4)
 
 
 def _maxdiff(a, b):

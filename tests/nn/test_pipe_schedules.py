@@ -6,21 +6,15 @@ import torch.nn as nn
 
 from shardkit import distributed as dist
 from shardkit.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe, split_sequential
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 
 WIDTH, BATCH, STEPS = 16, 16, 10
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
-@pytest.fixture(scope="module")
-def world4():
-    with World(4) as w:
-        yield w
+world4 = world_fixture(4)
 
 
 def _model(seed=0):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.optim import OSS
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 
 STEPS = 10
 LOCAL_BATCH = 8
@@ -184,16 +184,10 @@ def _run_grid(names):
     return {name: _run_parity(CONFIGS[name]) for name in names}
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
-@pytest.fixture(scope="module")
-def world4():
-    with World(4) as w:
-        yield w
+world4 = world_fixture(4)
 
 
 def _assert_parity(per_rank: list[dict]):

@@ -14,15 +14,12 @@ from shardkit import distributed as skdist
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.optim import OSS
 from shardkit.optim.grad_scaler import ShardedGradScaler
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
 def _net():

@@ -9,22 +9,16 @@ from shardkit import distributed as skdist
 from shardkit.models import GPT, GPTConfig, MLP, reference_gpt_config, synthetic_batch
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.optim import OSS
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 from shardkit.utils.memory import model_state_bytes
 
 BUCKET_BYTES = 16 * 1024
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
-@pytest.fixture(scope="module")
-def world4():
-    with World(4) as w:
-        yield w
+world4 = world_fixture(4)
 
 
 def _measure_memory(reduction: str):

@@ -11,13 +11,10 @@ import torch.nn.functional as F
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.optim import OSS
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
 def _make(seed: int):

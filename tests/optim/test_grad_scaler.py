@@ -5,13 +5,10 @@ import torch
 
 from shardkit import distributed as skdist
 from shardkit.optim.grad_scaler import ShardedGradScaler
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
 def _model_and_optimizer():

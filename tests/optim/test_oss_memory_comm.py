@@ -13,22 +13,16 @@ import torch
 
 from shardkit import distributed
 from shardkit.optim import OSS
-from shardkit.testing import GPT, World, reference_gpt_config
+from shardkit.testing import GPT, reference_gpt_config, world_fixture
 from shardkit.utils.memory import model_state_bytes
 
 ADAM_STEP_BYTES = 4  # torch keeps AdamW's per-parameter step count as a 0-dim fp32 tensor
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
-@pytest.fixture(scope="module")
-def world4():
-    with World(4) as w:
-        yield w
+world4 = world_fixture(4)
 
 
 def _seeded_grads(model, seed):

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardkit import distributed
 from shardkit.optim import OSS
-from shardkit.testing import MLP, World
+from shardkit.testing import MLP, world_fixture
 
 STEPS = 10
 LOCAL_BATCH = 4
@@ -20,16 +20,10 @@ WIDTH = 24
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
-@pytest.fixture(scope="module")
-def world4():
-    with World(4) as w:
-        yield w
+world4 = world_fixture(4)
 
 
 # ---------------------------------------------------------------------- rank-side helpers

@@ -19,16 +19,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardkit import distributed
 from shardkit.optim import OSS
-from shardkit.testing import MLP, World
+from shardkit.testing import MLP, World, world_fixture
 
 WIDTH, BATCH, SAVE_AT, MORE = 16, 8, 3, 3
 HYPER = {"lr": 1e-2, "weight_decay": 0.01}
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
 def _groups(model):
