@@ -14,8 +14,10 @@ averaged over the ranks.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import sys
 import pickle
 import threading
 from dataclasses import dataclass
@@ -85,6 +87,29 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
         torch.cuda.set_device(_int_env("LOCAL_RANK", default=rank) % torch.cuda.device_count())
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    atexit.register(_destroy_at_exit)
+
+
+_EXIT_BARRIER_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def _destroy_at_exit() -> None:
+    """Tear down the group shardkit created when the script ends without calling :func:`destroy`.
+
+    Without it, a rank that leaves first closes gloo's connections while a peer is still inside
+    its last collective, and gloo aborts that peer (SIGABRT, "terminate called without an active
+    exception"). After an uncaught exception (``sys.last_value`` is set) it does nothing: the
+    peers may never reach a barrier, and waiting for them would turn the crash into a hang."""
+    if getattr(sys, "last_value", None) is not None or not is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=_EXIT_BARRIER_TIMEOUT)
+        else:
+            dist.barrier()
+        dist.destroy_process_group()
+    except Exception as err:  # a peer died: say so, but do not mask the exit status
+        print(f"[shardkit] process-group teardown at exit failed: {err}", file=sys.stderr)
 
 
 def _int_env(name: str, default: Optional[int] = None) -> int:

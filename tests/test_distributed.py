@@ -268,3 +268,42 @@ def test_require_initialized_message():
 def test_world_rejects_bad_size():
     with pytest.raises(ValueError, match="world_size"):
         World(0)
+
+
+_EXIT_SCRIPT = """
+import sys, torch
+from shardkit import distributed as d
+d.init_distributed()
+t = torch.ones(1 << 16)
+for _ in range(20):
+    d.all_reduce(t)
+if sys.argv[1] == "raise" and d.get_rank() == 1:
+    raise SystemError("rank 1 fails on purpose")
+print("done", d.get_rank(), flush=True)
+"""
+
+
+def _torchrun_script(tmp_path, mode):
+    from shardkit.testing import free_port
+    script = tmp_path / "exit_script.py"
+    script.write_text(_EXIT_SCRIPT)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), str(script), mode]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_script_that_never_calls_destroy_exits_cleanly(tmp_path):
+    # Without the teardown at exit, gloo aborted the slower rank in about one run in three.
+    for _ in range(3):
+        proc = _torchrun_script(tmp_path, "plain")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "terminate called" not in proc.stderr
+
+
+def test_rank_that_raises_fails_the_run_without_hanging(tmp_path):
+    proc = _torchrun_script(tmp_path, "raise")
+    assert proc.returncode != 0
+    assert "rank 1 fails on purpose" in proc.stderr
