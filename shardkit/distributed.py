@@ -31,7 +31,8 @@ __all__ = [
     "get_global_rank", "new_group", "all_reduce", "reduce_scatter_tensor",
     "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
     "recv", "isend",
-    "irecv", "batch_isend_irecv", "P2POp", "barrier", "broadcast_object", "all_gather_object",
+    "irecv", "batch_isend_irecv", "P2POp", "barrier", "shared_memory_exchange",
+    "broadcast_object", "all_gather_object",
     "CommCounter", "CommRecord", "ReduceOp", "destroy",
 ]
 
@@ -436,6 +437,15 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list:
     if not torch_ops:
         return []
     return dist.batch_isend_irecv(torch_ops)
+
+
+def shared_memory_exchange(full: torch.Tensor, group=None) -> None:
+    """Record the all-gather of ``full`` (``N`` rank segments) that the ranks of ``group`` do
+    through host shared memory (:mod:`shardkit.shared_memory`): nothing is copied, each rank
+    reads the others' segments in place after a barrier (the caller's). Counted as the
+    all-gather it replaces (op ``"all_gather"``, ``(n-1)/n`` of the bytes), so that traffic
+    figures mean the same whatever the transport."""
+    _record("all_gather", full, group)
 
 
 def barrier(group=None) -> None:

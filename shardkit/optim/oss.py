@@ -15,8 +15,9 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from shardkit import distributed
-from shardkit.optim.param_sync import (SYNC_OPS, FlatParamBucket, OwnershipPlan, build_buckets,
-                                       plan_ownership)
+from shardkit.optim.param_sync import (SYNC_OPS, FlatParamBucket, OwnershipPlan,
+                                       allocate_shared, build_buckets, in_shared_memory,
+                                       move_to_shared, plan_ownership)
 from shardkit.optim.partition import ParameterPartition
 
 __all__ = ["OSS"]
@@ -29,6 +30,12 @@ _PER_PARAMETER_OPTIMIZERS = frozenset({
     torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
     torch.optim.Adadelta,
 })
+# torch optimizers with a fused multi-tensor kernel on CPU and CUDA (same update as the default
+# implementation, up to rounding in the last bit); OSS uses it when the caller left the choice
+# of implementation (``fused`` and ``foreach``) to torch.
+_FUSED_OPTIMIZERS = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
+                               torch.optim.Adagrad})
+_IMPLEMENTATION_KEYS = ("fused", "foreach")
 
 
 class OSS(torch.optim.Optimizer):
@@ -53,9 +60,14 @@ class OSS(torch.optim.Optimizer):
             copies of a parameter are then rounded, the owner's stays exact).
         bucket_numel: target elements per rank in one sync bucket (default: a 16 MiB fp32
             bucket in all, see :func:`~shardkit.optim.param_sync.default_bucket_numel`).
-        sync_op: ``"all_gather"`` (one ``all_gather_into_tensor`` per bucket) or
-            ``"broadcast"`` (each rank broadcasts its segment); default: all-gather on
-            accelerators, broadcast on CPU where gloo's all-gather is slower. Same bytes.
+        sync_op: ``"all_gather"`` (one ``all_gather_into_tensor`` per bucket),
+            ``"broadcast"`` (each rank broadcasts its segment) or ``"shared_memory"`` (CPU
+            only: at the first step the flat buffers move into ``/dev/shm``, mapped by every
+            rank of this machine; from then on an owner's step writes its segment in place
+            and the others read it after a barrier, with no copy). Default: all-gather on
+            accelerators; on CPU shared memory when every rank of ``group`` can map this
+            machine's ``/dev/shm``, else broadcast (gloo's all-gather is slower). The counted
+            bytes are the same in every case.
         **defaults: the optimizer's hyper-parameters (``lr=...``).
 
     Attributes:
@@ -69,8 +81,19 @@ class OSS(torch.optim.Optimizer):
     gradients stay full, the parameters living in the flat sync buffers (``Ψ`` plus ~1% of
     padding on real models; the caller's parameters become views of them). Communication per
     :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16 with ``broadcast_fp16``), one all-gather
-    per bucket (``N`` in-place broadcasts per bucket on CPU). :meth:`clip_grad_norm`: one
-    all-reduce of one element. Construction: one small all-gather of the parameter shapes.
+    per bucket (``N`` in-place broadcasts per bucket with ``"broadcast"``; with shared memory
+    nothing is copied, the step costs two barriers, and CommCounter records the same
+    ``Ψ(N-1)/N`` as one all-gather per bucket). :meth:`clip_grad_norm`: one
+    all-reduce of one element. Construction: one small all-gather of the parameter shapes (and
+    three small object collectives to set up shared memory, one barrier at the first step).
+
+    Implementation: for ``SGD``, ``Adam``, ``AdamW`` and ``Adagrad`` given with ``fused`` and
+    ``foreach`` unset, the local optimizer is built with ``fused=True`` (torch's own fused kernel,
+    the same update up to the last bit; pass ``fused=False`` to keep the default loop).
+    With shared memory (from the end of the first step on) the parameters' storage is shared by
+    the ranks of one machine: writing into a parameter in place on one rank only
+    (``p.data.fill_(...)``) changes it for all; ``model.to(...)``/``p.data = ...`` is fine, OSS
+    takes the values back in at the next step.
 
     .. warning:: ``step``, ``clip_grad_norm``, ``consolidate_state_dict``, ``add_param_group``
        and ``refresh_trainable`` are collective: call them on every rank of ``group``.
@@ -93,7 +116,11 @@ class OSS(torch.optim.Optimizer):
             raise ValueError(f"OSS(bucket_numel={bucket_numel!r}): must be a positive int or None")
         if sync_op is not None and sync_op not in SYNC_OPS:
             raise ValueError(f"OSS(sync_op={sync_op!r}): valid values are {list(SYNC_OPS)} or "
-                             f"None (all_gather on accelerators, broadcast on CPU)")
+                             f"None (all_gather on accelerators; on CPU shared memory, or "
+                             f"broadcast where a rank cannot map this machine's /dev/shm)")
+        if sync_op == "shared_memory" and broadcast_fp16:
+            raise ValueError("OSS(sync_op='shared_memory', broadcast_fp16=True): shared memory "
+                             "sends nothing, so there is nothing to halve; use one or the other")
         distributed.require_initialized("OSS")
         self.group = group
         self.rank = distributed.get_rank(group)
@@ -105,7 +132,11 @@ class OSS(torch.optim.Optimizer):
         self.broadcast_fp16 = broadcast_fp16
         self.bucket_numel = bucket_numel
         self.sync_op = sync_op
+        self._shared_ahead: Optional[list] = None  # shared buffers the next step moves into
         self._optim_class, self._optim_kwargs = optim, ctor_kwargs
+        self._implementation_asked = {k: ctor_kwargs.get(k) for k in _IMPLEMENTATION_KEYS
+                                      if k in inspect.signature(optim.__init__).parameters}
+        self._fused_here = False  # whether OSS chose torch's fused kernel for the local step
         self._ready = False
         self._consolidated: Optional[dict] = None
         self._parked_state: dict = {}  # state of frozen parameters last owned here
@@ -113,8 +144,9 @@ class OSS(torch.optim.Optimizer):
 
         self._plan = plan_ownership(_trainable(groups), self.world_size, bucket_numel)
         self.optim = self._make_local_optimizer(groups, self._plan.partition)
-        super().__init__(groups, dict(self.optim.defaults))
-        self._buckets = build_buckets(self._plan, self.rank, group, broadcast_fp16, sync_op)
+        # the public defaults say what the caller asked for, not the fused kernel OSS chose
+        super().__init__(groups, {**self.optim.defaults, **self._implementation_asked})
+        self._buckets = self._build_buckets(self._plan)
         self._ready = True
         if existing is not None:
             self.load_state_dict(existing.state_dict())
@@ -139,9 +171,20 @@ class OSS(torch.optim.Optimizer):
 
     @property
     def collectives_per_step(self) -> int:
-        """Collectives one :meth:`step` issues: one per bucket (all-gather), or one per bucket
-        and rank (broadcasts, the CPU default)."""
+        """Collectives one :meth:`step` issues: one per bucket (all-gather), one per bucket and
+        rank (broadcasts), or two one-element all-reduces in all (shared memory, the barriers)."""
+        if in_shared_memory(self._buckets) or self._shared_ahead is not None:
+            return 2
         return sum(b.collectives_per_sync for buckets in self._buckets for b in buckets)
+
+    @property
+    def sync_transport(self) -> Optional[str]:
+        """How :meth:`step` re-synchronises parameters: ``"shared_memory"`` (from the first
+        step on), ``"broadcast"`` or ``"all_gather"`` (``None`` in a world of one)."""
+        if in_shared_memory(self._buckets) or self._shared_ahead is not None:
+            return "shared_memory"
+        ops = {b.sync_op for buckets in self._buckets for b in buckets}
+        return ops.pop() if ops else None
 
     @property
     def state(self):
@@ -188,7 +231,11 @@ class OSS(torch.optim.Optimizer):
         self._consolidated = None
         self._push_hyperparameters()
         self._rebind_moved_parameters()
-        if self._buckets and type(self.optim) in _PER_PARAMETER_OPTIMIZERS:
+        if in_shared_memory(self._buckets):
+            self._step_in_shared_memory(kwargs)
+        elif self._shared_ahead is not None:
+            self._step_into_shared_memory(kwargs)
+        elif self._buckets and type(self.optim) in _PER_PARAMETER_OPTIMIZERS:
             self._step_and_sync_bucket_by_bucket(kwargs)
         else:
             self.optim.step(**kwargs)
@@ -315,7 +362,8 @@ class OSS(torch.optim.Optimizer):
         rebuild their buffers)."""
         local_index = {id(p): i for i, p in
                        enumerate(p for g in self.optim.param_groups for p in g["params"])}
-        local_groups = [{**_hyper(g), "params": [local_index[id(p)] for p in lg["params"]]}
+        local_groups = [{**self._local_hyper(g), "params": [local_index[id(p)]
+                                                            for p in lg["params"]]}
                         for g, lg in zip(self.param_groups, self.optim.param_groups)]
         self.optim.load_state_dict({"state": {local_index[id(p)]: s for p, s in state.items()},
                                     "param_groups": local_groups})
@@ -326,7 +374,20 @@ class OSS(torch.optim.Optimizer):
         owned_ids = {id(p) for params in partition.params_of(self.rank) for p in params}
         local_groups = [{**_hyper(g), "params": [p for p in g["params"] if id(p) in owned_ids]}
                         for g in groups]
-        return self._optim_class(local_groups, **self._optim_kwargs)
+        kwargs = dict(self._optim_kwargs)
+        self._fused_here = _can_fuse(self._optim_class, kwargs, local_groups)
+        if self._fused_here:
+            kwargs["fused"] = True
+            local_groups = [{**self._local_hyper(g), "params": g["params"]} for g in local_groups]
+        return self._optim_class(local_groups, **kwargs)
+
+    def _local_hyper(self, group: dict) -> dict:
+        """A public group's hyper-parameters as the local optimizer gets them (with the fused
+        kernel OSS chose, where it chose one)."""
+        hyper = _hyper(group)
+        if self._fused_here:
+            hyper.update(fused=True, foreach=None)
+        return hyper
 
     def _owned_per_group(self, rank: int) -> list[list[torch.Tensor]]:
         return [[p for p in g["params"] if p in self.partition and self.partition.owner(p) == rank]
@@ -353,18 +414,28 @@ class OSS(torch.optim.Optimizer):
 
     def _push_hyperparameters(self) -> None:
         for group, local in zip(self.param_groups, self.optim.param_groups):
-            local.update(_hyper(group))
+            local.update(self._local_hyper(group))
 
     def _pull_hyperparameters(self) -> None:
         for group, local in zip(self.param_groups, self.optim.param_groups):
-            group.update(_hyper(local))
+            group.update({k: v for k, v in _hyper(local).items()
+                          if not (self._fused_here and k in _IMPLEMENTATION_KEYS)})
 
     def _rebind_moved_parameters(self) -> None:
         # Something replaced a parameter's storage (model.to(...), p.data = ...): rebuild the
-        # flat buffers from the current values. Purely local, the layout is deterministic.
-        if any(not b.is_bound() for buckets in self._buckets for b in buckets):
-            self._buckets = build_buckets(self._plan, self.rank, self.group, self.broadcast_fp16,
-                                          self.sync_op)
+        # flat buffers from the current values. Purely local, the layout is deterministic (the
+        # shared buffers allocated ahead still fit); shared buckets take the values back in.
+        stale = [b for buckets in self._buckets for b in buckets if not b.is_bound()]
+        if not stale:
+            return
+        if in_shared_memory(self._buckets):
+            for b in stale:
+                b.readopt()
+            return
+        kept = self._shared_ahead
+        self._buckets = build_buckets(self._plan, self.rank, self.group, self.broadcast_fp16,
+                                      None if self.sync_op == "shared_memory" else self.sync_op)
+        self._shared_ahead = kept
 
     def _sync_all_buckets(self) -> None:
         every = [b for buckets in self._buckets for b in buckets]
@@ -372,6 +443,37 @@ class OSS(torch.optim.Optimizer):
             b.start_gather()
         for b in every:
             b.finish_gather()
+
+    def _step_in_shared_memory(self, step_kwargs: dict) -> None:
+        # Note: the first barrier guarantees that no rank still reads parameters an owner is
+        # about to overwrite (a peer may be logging between backward and step); the second
+        # orders every owner's writes before any rank's next read.
+        distributed.barrier(self.group)
+        self.optim.step(**step_kwargs)
+        self._sync_all_buckets()  # counted, as one all-gather per bucket; nothing is copied
+        distributed.barrier(self.group)
+
+    def _step_into_shared_memory(self, step_kwargs: dict) -> None:
+        # The first step after the buffers were (re)built: step the private buffers, then every
+        # rank publishes its segment into the shared ones and switches to them.
+        self.optim.step(**step_kwargs)
+        move_to_shared(self._buckets, self._shared_ahead, self.group)
+        self._shared_ahead = None
+        self._sync_all_buckets()
+
+    def _build_buckets(self, plan: OwnershipPlan) -> list:
+        """The flat buckets of ``plan`` and, where shared memory is wanted and possible, the
+        shared buffers the next step moves them into (collective when it is wanted)."""
+        wants_shared = self.sync_op in (None, "shared_memory") and not self.broadcast_fp16
+        buckets = build_buckets(plan, self.rank, self.group, self.broadcast_fp16,
+                                None if self.sync_op == "shared_memory" else self.sync_op)
+        self._shared_ahead = allocate_shared(buckets, self.group) if wants_shared else None
+        if self.sync_op == "shared_memory" and buckets and self._shared_ahead is None:
+            raise RuntimeError(
+                "OSS(sync_op='shared_memory'): the parameters are not on CPU, or some rank of the "
+                "group cannot map this machine's /dev/shm (another machine, or too little room "
+                "in it); use sync_op='broadcast' or None")
+        return buckets
 
     def _step_and_sync_bucket_by_bucket(self, step_kwargs: dict) -> None:
         # Note: stepping bucket k hides the other owned gradients (grad=None makes torch's
@@ -418,8 +520,7 @@ class OSS(torch.optim.Optimizer):
         self._plan = plan
         self.optim = self._make_local_optimizer(self.param_groups, new)
         self._load_local_state({**kept, **arriving})
-        self._buckets = build_buckets(plan, self.rank, self.group, self.broadcast_fp16,
-                                      self.sync_op)
+        self._buckets = self._build_buckets(plan)
         self._consolidated = None
 
     def _send_state_to_new_owners(self, new: ParameterPartition, held: dict) -> dict:
@@ -481,6 +582,20 @@ def _check_optimizer_class(optim) -> None:
     if not (isinstance(optim, type) and issubclass(optim, torch.optim.Optimizer)):
         raise TypeError(f"OSS(optim={optim!r}): must be a torch.optim.Optimizer subclass such as "
                         f"torch.optim.AdamW or torch.optim.SGD (the class, not an instance)")
+
+
+def _can_fuse(optim_class: type, kwargs: dict, groups: list[dict]) -> bool:
+    """Whether the local optimizer may use torch's fused kernel: a torch optimizer that has one,
+    ``fused`` and ``foreach`` left unset (``None``), not differentiable, and floating-point
+    parameters on CPU or CUDA."""
+    if optim_class not in _FUSED_OPTIMIZERS or kwargs.get("differentiable"):
+        return False
+    if kwargs.get("fused") is not None or kwargs.get("foreach") is not None:
+        return False
+    if any(g.get("fused") is not None or g.get("foreach") is not None for g in groups):
+        return False
+    params = [p for g in groups for p in g["params"]]
+    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
 def _check_takeover_arguments(existing, optim, defaults) -> None:

@@ -39,9 +39,10 @@ def _wire(model, opt, seed):
     with distributed.CommCounter() as comm:
         _seeded_grads(model, seed)
         opt.step()
-    return {"wire_bytes": comm.bytes, "calls": comm.calls_by_op,
-            "dtypes": sorted({str(r.dtype) for r in comm.calls}), "num_buckets": opt.num_buckets,
-            "collectives": opt.collectives_per_step}
+    moving = {op: n for op, n in comm.calls_by_op.items() if op != "barrier"}
+    return {"wire_bytes": comm.bytes, "calls": moving, "barriers": comm.calls_by_op.get("barrier"),
+            "dtypes": sorted({str(r.dtype) for r in comm.calls if r.op != "barrier"}), "num_buckets": opt.num_buckets,
+            "collectives": opt.collectives_per_step, "transport": opt.sync_transport}
 
 
 def _measure_both():
@@ -69,6 +70,7 @@ def _measure_both():
     del opt
     out = {"fp32": fp32}
     for name, kwargs in (("fp32_all_gather", {"sync_op": "all_gather"}),
+                         ("fp32_broadcast", {"sync_op": "broadcast"}),
                          ("fp16", {"broadcast_fp16": True}),
                          ("fp16_all_gather", {"broadcast_fp16": True, "sync_op": "all_gather"})):
         other = OSS(model.parameters(), optim=torch.optim.SGD, lr=1e-3, **kwargs)
@@ -106,13 +108,20 @@ def _check_volume(r, n, bytes_per_element, dtype, op):
     assert r["wire_bytes"] <= 1.05 * ideal, f"{r['wire_bytes']:.0f} B > 1.05 x {ideal:.0f} B"
     assert r["wire_bytes"] >= ideal  # everything really is sent
     assert r["dtypes"] == [dtype]
-    per_bucket = 1 if op == "all_gather" else n  # never one per parameter
-    assert r["calls"] == {op: per_bucket * r["num_buckets"]} == {op: r["collectives"]}
+    assert r["transport"] == op
+    if op == "shared_memory":  # nothing copied: counted as one all-gather per bucket
+        assert r["calls"] == {"all_gather": r["num_buckets"]}
+        assert r["collectives"] == 2 == r["barriers"]
+    else:
+        per_bucket = 1 if op == "all_gather" else n  # never one per parameter
+        assert r["calls"] == {op: per_bucket * r["num_buckets"]} == {op: r["collectives"]}
     assert r["num_buckets"] < r["num_params"] / 10
 
 
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("config, op", [("fp32", "broadcast"), ("fp32_all_gather", "all_gather")])
+@pytest.mark.parametrize("config, op", [("fp32", "shared_memory"),
+                                        ("fp32_broadcast", "broadcast"),
+                                        ("fp32_all_gather", "all_gather")])
 def test_sync_volume_fp32(measured, n, config, op):
     for x in measured[n]:
         _check_volume(x[config], n, 4, "torch.float32", op)
