@@ -439,13 +439,16 @@ def batch_isend_irecv(ops: Sequence[P2POp]) -> list:
     return dist.batch_isend_irecv(torch_ops)
 
 
-def shared_memory_exchange(full: torch.Tensor, group=None) -> None:
-    """Record the all-gather of ``full`` (``N`` rank segments) that the ranks of ``group`` do
-    through host shared memory (:mod:`shardkit.shared_memory`): nothing is copied, each rank
-    reads the others' segments in place after a barrier (the caller's). Counted as the
-    all-gather it replaces (op ``"all_gather"``, ``(n-1)/n`` of the bytes), so that traffic
-    figures mean the same whatever the transport."""
-    _record("all_gather", full, group)
+def shared_memory_exchange(full: torch.Tensor, group=None, op: str = "all_gather") -> None:
+    """Record a collective that the ranks of ``group`` do through host shared memory
+    (:mod:`shardkit.shared_memory`, :mod:`shardkit.shm_ring`) instead of the wire: ``op`` is the
+    collective it replaces (``"all_gather"``: ``full`` is the gathered buffer; ``"reduce_scatter"``:
+    ``full`` is the input) and is counted as that collective, so that traffic figures mean the
+    same whatever the transport. Nothing is sent here."""
+    if op not in ("all_gather", "reduce_scatter"):
+        raise ValueError(f"shared_memory_exchange(op={op!r}): valid ops are 'all_gather' and "
+                         f"'reduce_scatter'")
+    _record(op, full, group)
 
 
 def barrier(group=None) -> None:

@@ -2,11 +2,14 @@
 peak of gathered parameters during forward/backward (one or two units, never the model), and
 communication per step (3Ψ(N-1)/N with reshard_after_forward, 2Ψ(N-1)/N without)."""
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
 
 from shardkit import distributed as skdist
+from shardkit import shm_ring
 from shardkit.distributed import CommCounter
 from shardkit.models import MLP
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
@@ -84,7 +87,9 @@ def test_memory_follows_zero3(world2):
             assert fwd_prefetched == bwd_prefetched == expected, (step, r)
 
 
-def _comm_per_step(reshard: bool):
+def _comm_per_step(reshard: bool, shm: bool):
+    os.environ["SHARDKIT_SHM_COLLECTIVES"] = "1" if shm else "0"
+    shm_ring.forget_rings()
     n = skdist.get_world_size()
     model = _mlp_16_units(reshard_after_forward=reshard)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -110,8 +115,8 @@ def _comm_per_step(reshard: bool):
 
 
 @pytest.mark.parametrize("reshard,passes", [(True, 3), (False, 2)])
-def test_communication_per_step(world2, reshard, passes):
-    for r in world2.run(_comm_per_step, reshard):
+def test_communication_per_step_over_gloo(world2, reshard, passes):
+    for r in world2.run(_comm_per_step, reshard, False):
         n, frac = r["n"], (r["n"] - 1) / r["n"]
         gathers = passes - 1
         # one batch per unit and pass; on CPU the gather is one batch of point-to-point sends
@@ -129,3 +134,42 @@ def test_communication_per_step(world2, reshard, passes):
         assert r["gpt_bytes"]["send"] == pytest.approx(gpt_gathered), r
         assert r["gpt_bytes"]["all_to_all"] == pytest.approx(
             (r["gpt_root"] + r["gpt_inner"]) * frac * 4), r
+
+
+@pytest.mark.parametrize("reshard,passes", [(True, 3), (False, 2)])
+def test_communication_per_step_through_shared_memory(world2, reshard, passes):
+    # the CPU default on one machine: one all-gather per unit and pass, one reduce-scatter per
+    # unit, counted like the collectives they replace (padding included)
+    for r in world2.run(_comm_per_step, reshard, True):
+        frac = (r["n"] - 1) / r["n"]
+        gathers = passes - 1
+        assert r["calls"] == {"all_gather": gathers * r["units"],
+                              "reduce_scatter": r["units"]}, r
+        assert r["by_op"]["all_gather"] == pytest.approx(gathers * r["padded"] * frac * 4)
+        assert r["by_op"]["reduce_scatter"] == pytest.approx(r["padded"] * frac * 4)
+        assert r["elements"] == pytest.approx(passes * r["psi"] * frac, rel=0.02), r
+        assert r["gpt_bytes"]["all_gather"] == pytest.approx(
+            (r["gpt_root"] + gathers * r["gpt_inner"]) * frac * 4), r
+        assert r["gpt_bytes"]["reduce_scatter"] == pytest.approx(
+            (r["gpt_root"] + r["gpt_inner"]) * frac * 4), r
+
+
+def _peer_dies_during_a_gather():
+    os.environ["SHARDKIT_SHM_COLLECTIVES"] = "1"
+    shm_ring.forget_rings()
+    ring = shm_ring.ring_for(None, 1 << 16)
+    assert ring is not None
+    shard = torch.ones(16)
+    ring.all_gather(shard, [torch.empty(32)], [16]).wait()  # both ranks alive: fine
+    if skdist.get_rank() == 1:
+        os._exit(0)  # dies before its next collective
+    ring.all_gather(shard, [torch.empty(32)], [16]).wait()
+
+
+def test_a_dead_peer_is_an_error_not_a_hang():
+    from shardkit.testing import World
+    with World(2) as world:
+        with pytest.raises(Exception) as info:
+            world.run(_peer_dies_during_a_gather)
+    text = str(info.value)  # rank 0 raised at once (a hang would be reported as "did not finish")
+    assert "rank(s) [1] exited before they could arrive" in text

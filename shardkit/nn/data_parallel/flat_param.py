@@ -29,9 +29,11 @@ import torch.nn as nn
 
 from shardkit import distributed as skdist
 from shardkit.kernels import pack_rank_major, unpack_rank_major
-from shardkit.nn.data_parallel.unit_collectives import (all_gather_into_params,
+from shardkit.nn.data_parallel.unit_collectives import (PendingCollective,
+                                                        all_gather_into_params,
                                                         all_gather_shards, gathers_into_params,
-                                                        reduce_scatter_packed)
+                                                        reduce_scatter_packed,
+                                                        shared_memory_ring)
 
 __all__ = ["ParamLayout", "FlatParamShard", "GatheredParamBytes", "gathered_param_bytes",
            "shard_rows", "unshard_rows"]
@@ -163,6 +165,9 @@ class FlatParamShard:
         self._pending_gather = None
         self._pending_reduce = None
         self._exposed = False
+        # Note: set up (or grow) the shared-memory ring now, a collective at construction, so
+        # that no handshake lands inside a training step (every rank builds the same units).
+        shared_memory_ring(compute_device, self.largest_collective_bytes, group)
 
     # ------------------------------------------------------------------ construction
 
@@ -189,6 +194,14 @@ class FlatParamShard:
         full.requires_grad_(True)
         full.register_post_accumulate_grad_hook(lambda t: on_grad_ready(self))
         return full
+
+    @property
+    def largest_collective_bytes(self) -> int:
+        """Bytes of this unit's largest collective buffer: the gathered parameters, or the
+        ``N`` rank-major gradient buffers a shared-memory reduce-scatter holds."""
+        elem = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
+        return max(self.padded_numel * elem(self.compute_dtype),
+                   self.world_size * self.padded_numel * elem(self.reduce_dtype))
 
     @property
     def full_bytes(self) -> int:
@@ -227,6 +240,13 @@ class FlatParamShard:
             return
         self._readopt_shards()
         send = self.flat_shard.to(self.compute_device, self.compute_dtype, non_blocking=True)
+        ring = shared_memory_ring(self.compute_device, self.padded_numel * send.element_size(),
+                                  self.group)
+        if ring is not None:
+            self._allocate_full()
+            op = ring.all_gather(send, self.full.data.split(self.numels), self.chunk_numels)
+            self._pending_gather = (PendingCollective([], op.wait), None, send, prefetch)
+            return
         if gathers_into_params(self.compute_device):
             self._allocate_full()
             pending = all_gather_into_params(self.full.data.split(self.numels),

@@ -23,6 +23,13 @@ step per rank: ``3Ψ(N-1)/N`` elements with ``reshard_after_forward=True`` (all-
 again in backward, reduce-scatter; the root unit is not re-gathered for backward), ``2Ψ(N-1)/N``
 with ``False``.
 
+On CPU, when every rank of the group runs on one machine, the units' all-gathers and
+reduce-scatters go through a ring of host shared-memory slots (:mod:`shardkit.shm_ring`; the
+largest collective x 3, once per machine) instead of gloo's sockets, counted by CommCounter as
+the same collectives; ``SHARDKIT_SHM_COLLECTIVES=0`` keeps gloo. FSDP on CPU also keeps freed
+allocations mapped for reuse (:mod:`shardkit.utils.cpu_allocator`), since it frees and
+re-allocates its gathered parameters and gradients every step.
+
 .. warning:: every method that communicates (forward/backward, ``state_dict``,
    ``load_state_dict``, ``summon_full_params``, ``clip_grad_norm_``,
    ``gather_full_optim_state_dict``) must be called on all ranks of the group, in the same order.
@@ -50,6 +57,7 @@ from shardkit.nn.data_parallel.sharded_checkpoint import (LOCAL_META_KEY,
                                                           reshard_local_state_dicts,
                                                           shard_optimizer_state,
                                                           unshard_optimizer_state)
+from shardkit.utils.cpu_allocator import keep_freed_memory_for_reuse
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "gathered_param_bytes",
            "GatheredParamBytes"]
@@ -595,6 +603,10 @@ def _build_shard(params, locations, group, policy: MixedPrecisionPolicy,
         storage = torch.device("cpu")
     else:
         compute = storage = device
+    if compute.type == "cpu":
+        # FSDP frees and re-allocates its gathered parameters and gradients every step: keep
+        # that memory mapped for reuse rather than page-faulting it in afresh each time.
+        keep_freed_memory_for_reuse()
     return FlatParamShard(params, locations, group, compute_dtype=policy.compute_dtype(master),
                           reduce_dtype=policy.gradient_reduce_dtype(master),
                           compute_device=compute, storage_device=storage,

@@ -14,6 +14,9 @@ shard to every peer: ``(N-1)`` shards, the ring all-gather's bytes), received st
 unit's full parameters (:func:`all_gather_into_params`: no scratch buffer, no unpacking copy),
 and the reduce-scatter is one ``all_to_all_single`` (``(N-1)/N`` of the buffer, the ring
 reduce-scatter's bytes) followed by a local sum of the ``N`` parts of this rank's segment.
+When every rank of the group is on this machine, both go through a ring of host shared-memory
+slots instead (:mod:`shardkit.shm_ring`: no socket copies or protocol work; counted as the same
+collectives), see :func:`shared_memory_ring`.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from shardkit import distributed as skdist
+from shardkit import shm_ring
 
 __all__ = ["PendingCollective", "all_gather_shards", "all_gather_into_params",
-           "gathers_into_params", "reduce_scatter_packed"]
+           "gathers_into_params", "reduce_scatter_packed", "shared_memory_ring"]
 
 
 class PendingCollective:
@@ -99,6 +103,15 @@ def all_gather_into_params(fulls: Sequence[torch.Tensor], chunks: Sequence[torch
     return PendingCollective(skdist.batch_isend_irecv(ops), lambda: None)
 
 
+def shared_memory_ring(device: torch.device, nbytes: int, group):
+    """The shared-memory ring (:class:`shardkit.shm_ring.ShmRing`) that carries a CPU
+    collective of ``nbytes`` (gathered output, or ``N`` x the reduce-scatter input) for
+    ``group``, or ``None`` (not CPU, or a rank that cannot share). Collective on first use."""
+    if device.type != "cpu":
+        return None
+    return shm_ring.ring_for(group, nbytes)
+
+
 def reduce_scatter_packed(packed: torch.Tensor, group) -> PendingCollective:
     """Sum the rank-major ``packed`` buffer over ranks; :meth:`PendingCollective.wait` returns
     this rank's segment (``packed.numel() / N`` elements), async.
@@ -112,6 +125,10 @@ def reduce_scatter_packed(packed: torch.Tensor, group) -> PendingCollective:
         out = torch.empty(segment, dtype=packed.dtype, device=packed.device)
         work = skdist.reduce_scatter_tensor(out, packed, group=group, async_op=True)
         return PendingCollective([work], lambda: out)
+    ring = shared_memory_ring(packed.device, n * packed.numel() * packed.element_size(), group)
+    if ring is not None:
+        op = ring.reduce_scatter(packed)
+        return PendingCollective([], op.wait)
     received = torch.empty_like(packed)
     work = skdist.all_to_all_single(received, packed, group=group, async_op=True)
     return PendingCollective([work], lambda: received.view(n, segment).sum(0))
