@@ -1,7 +1,8 @@
 """shardkit FullyShardedDataParallel against torch DDP, FSDP1 and FSDP2 (``fully_shard``),
 world 2, gloo on CPU, on the reference GPT and MLP 16x1024.
 
-    python -m benchmarks.bench_fsdp [--rounds 3] [--steps 2] [--workloads gpt,mlp] [--out PATH]
+    python -m benchmarks.bench_fsdp [--rounds 3] [--steps 2] [--workloads gpt,mlp] [--gloo]
+                                    [--out PATH]
 
 Every configuration is built once per rank (one FSDP unit per transformer Block / per Linear,
 plus the root), warmed up, then timed in interleaved rounds whose order rotates, so machine
@@ -188,7 +189,9 @@ def _report(results: list[dict], args) -> str:
              f"warmed up 2 steps, then timed in {args.rounds} interleaved rounds of "
              f"{args.steps} steps (forward + backward + step + zero_grad); medians over rounds, "
              f"rank 0's clock. Model-state bytes after a backward (gradients alive); DDP's "
-             f"reducer buckets are not counted.", "",
+             f"reducer buckets are not counted. shardkit FSDP's unit collectives: "
+             f"{'gloo sockets (SHARDKIT_SHM_COLLECTIVES=0)' if args.gloo else 'host shared memory (the CPU default on one machine)'}; "
+             f"torch's wrappers and DDP use gloo.", "",
              "Targets (issue 6): faster than torch FSDP2; <= 1.05 x DDP on the GPT and <= 1.3 x "
              "on the MLP; model-state bytes 0.50 x DDP + padding.", ""]
     for result in results:
@@ -202,7 +205,11 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--workloads", default="gpt,mlp")
     parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--gloo", action="store_true",
+                        help="shardkit FSDP over gloo's sockets instead of shared memory")
     args = parser.parse_args(argv)
+    if args.gloo:
+        os.environ["SHARDKIT_SHM_COLLECTIVES"] = "0"  # inherited by the ranks
     results = []
     with World(WORLD_SIZE, timeout=3600) as world:
         for key in args.workloads.split(","):
