@@ -469,7 +469,7 @@ def render_table(report: dict) -> str:
     lines += ["model-state formulas (DESIGN.md; fp32 AdamW: W=G=4, K=8 bytes): stage 0 16Ψ, "
               "1 8Ψ+8Ψ/N, 2 4Ψ+12Ψ/N, 3 16Ψ/N; pipeline 16Ψ of its stage",
               "traffic formulas (elements per step): stages 0 and 2 2Ψ(N-1)/N; stage 1 under "
-              "DDP 3Ψ(N-1)/N (all-reduce + OSS broadcast); stage 3 3Ψ(N-1)/N; pipeline: "
+              "DDP 3Ψ(N-1)/N (all-reduce + OSS re-sync); stage 3 3Ψ(N-1)/N; pipeline: "
               "boundary activations and their gradients"]
     spread = report["final_loss_spread_data_parallel"]
     if spread is not None:

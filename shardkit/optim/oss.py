@@ -171,11 +171,12 @@ class OSS(torch.optim.Optimizer):
 
     @property
     def collectives_per_step(self) -> int:
-        """Collectives one :meth:`step` issues: one per bucket (all-gather), one per bucket and
-        rank (broadcasts), or two one-element all-reduces in all (shared memory, the barriers)."""
-        if in_shared_memory(self._buckets) or self._shared_ahead is not None:
-            return 2
-        return sum(b.collectives_per_sync for buckets in self._buckets for b in buckets)
+        """Collectives one :meth:`step` issues (once in shared memory): one per bucket
+        (all-gather), one per bucket and rank (broadcasts), none per bucket in shared memory but
+        two barriers per step."""
+        per_bucket = sum(b.collectives_per_sync for buckets in self._buckets for b in buckets)
+        shared = in_shared_memory(self._buckets) or self._shared_ahead is not None
+        return per_bucket + (2 if shared else 0)
 
     @property
     def sync_transport(self) -> Optional[str]:

@@ -208,8 +208,8 @@ class FlatParamBucket:
         (``model.to(...)``, ``p.data = ...``), copying its current value in place.
 
         Raises:
-            RuntimeError: the replacement changed a parameter's dtype, device or size (a shared
-                buffer cannot follow; build OSS after moving the model, or use broadcasts).
+            RuntimeError: the replacement changed a parameter's dtype or device (a shared buffer
+                cannot follow; build OSS after moving the model, or use broadcasts).
         """
         base, size = self.buffer.data_ptr(), self.buffer.element_size()
         with torch.no_grad():
