@@ -122,3 +122,32 @@ def _explicit_shared_with_fp16():
 
 def test_shared_memory_with_broadcast_fp16_is_rejected(world2):
     assert all(world2.run(_explicit_shared_with_fp16))
+
+
+def _without_dev_shm():
+    """A machine whose /dev/shm is missing: OSS and FSDP fall back to gloo on every rank."""
+    from shardkit import shared_memory, shm_ring
+    shared_memory.SHM_DIR = "/nonexistent-shm-dir"
+    shm_ring.forget_rings()
+    try:
+        model = MLP(16, 2, out=4, seed=0)
+        opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+        ring = shm_ring.ring_for(None, 1024)
+        try:
+            OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, sync_op="shared_memory")
+            explicit = None
+        except RuntimeError as err:
+            explicit = str(err)
+        return opt.sync_transport, ring, explicit
+    finally:
+        shared_memory.SHM_DIR = "/dev/shm"
+        shm_ring.forget_rings()
+
+
+def test_without_dev_shm_everything_falls_back_to_gloo(world2):
+    for transport, ring, explicit in world2.run(_without_dev_shm):
+        assert transport == "broadcast" and ring is None
+        assert explicit is not None and "sync_op='broadcast'" in explicit
