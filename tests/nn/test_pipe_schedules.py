@@ -256,3 +256,76 @@ def _check_tuple_activations():
 def test_tuple_activations_with_an_integer_tensor(world2):
     for per_schedule in world2.run(_check_tuple_activations):
         assert max(per_schedule) <= 1e-6
+
+
+def _batched_weight_grads_match():
+    """GPipe with each Linear's weight gradient computed once per step over all micro-batches
+    gives the gradients of the per-micro-batch backward, on every stage."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    grads = {}
+    for batched in (False, True):
+        module = split_sequential(_model(), _balance(world))[rank]
+        stage = PipelineStage(module, rank, world)
+        schedule = ScheduleGPipe(stage, 4, nn.functional.mse_loss, batch_weight_grads=batched)
+        x, y = _batch(0)
+        schedule.step(x, target=y)
+        grads[batched] = [p.grad.clone() for p in module.parameters()]
+        used = schedule._batched is not None
+    diff = max((a - b).abs().max().item() for a, b in zip(grads[False], grads[True]))
+    scale = max(g.abs().max().item() for g in grads[False])
+    return diff, scale, used
+
+
+def test_gpipe_batched_weight_grads_match_per_microbatch(world2, world4):
+    for world in (world2, world4):
+        for diff, scale, used in world.run(_batched_weight_grads_match):
+            assert used
+            assert diff <= 1e-6 * max(1.0, scale), (diff, scale)
+
+
+def test_batched_weight_grads_apply_only_to_sequential_linear_stacks():
+    from shardkit.nn.pipe.batched_weight_grads import BatchedLinearWeightGrads as B
+    assert B.applies_to(nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2)))
+    assert not B.applies_to(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))  # other params
+    assert not B.applies_to(nn.Sequential(nn.GELU()))  # nothing to batch
+    assert not B.applies_to(nn.Linear(4, 4))  # not a Sequential
+    shared = nn.Linear(4, 4)
+    assert not B.applies_to(nn.Sequential(shared, nn.ReLU(), shared))  # a weight used twice
+
+
+def _batched_required_on_a_stage_that_does_not_qualify():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) if rank == 0 else \
+        nn.Sequential(nn.Linear(WIDTH, 4))
+    stage = PipelineStage(module, rank, world)
+    try:
+        ScheduleGPipe(stage, 2, nn.functional.mse_loss, batch_weight_grads=True)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_batched_weight_grads_required_but_impossible_is_a_clear_error(world2):
+    messages = world2.run(_batched_required_on_a_stage_that_does_not_qualify)
+    assert "nn.Sequential of nn.Linear" in messages[0]
+    assert messages[1] is None
+
+
+def _gradient_hooks_are_honoured():
+    """A hook on a stage parameter (as a data-parallel wrapper installs) must still fire: GPipe
+    then backpropagates per micro-batch for that step instead of batching weight gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = split_sequential(_model(), _balance(world))[rank]
+    stage = PipelineStage(module, rank, world)
+    schedule = ScheduleGPipe(stage, 4, nn.functional.mse_loss)
+    fired = []
+    first = next(module.parameters())
+    first.register_post_accumulate_grad_hook(lambda p: fired.append(1))
+    x, y = _batch(0)
+    schedule.step(x, target=y)
+    return len(fired), schedule._batching
+
+
+def test_gpipe_keeps_gradient_hooks_working(world2):
+    for fired, batching in world2.run(_gradient_hooks_are_honoured):
+        assert fired == 4 and batching is False  # once per micro-batch

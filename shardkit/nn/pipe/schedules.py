@@ -20,6 +20,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from shardkit import distributed as dist
+from shardkit.nn.pipe.batched_weight_grads import BatchedLinearWeightGrads
 from shardkit.nn.pipe.microbatch import batch_size, split_microbatches
 from shardkit.nn.pipe.p2p import (ActivationReceiver, ActivationSender, GradientReceiver,
                                   GradientSender)
@@ -136,6 +137,8 @@ class PipelineSchedule:
         self.activation_memory = ActivationMemoryMeter() if track_activation_memory else None
         self.peak_live_microbatches = 0
         self._checked = False
+        self._batched: Optional[BatchedLinearWeightGrads] = None  # see ScheduleGPipe
+        self._records: dict = {}
 
     # ------------------------------------------------------------------ the order
     def actions(self) -> list[tuple[str, int]]:
@@ -159,6 +162,7 @@ class PipelineSchedule:
         self._targets = self._split_target(target) if stage.is_last else None
         self._live: dict[int, tuple] = {}
         self._losses: list[torch.Tensor] = []
+        self._batching = self._batched is not None and self._batched.usable()
         self._next_backward = 0
         self.peak_live_microbatches = 0
         if self.activation_memory is not None:
@@ -170,6 +174,8 @@ class PipelineSchedule:
                 self._forward(index)
             else:
                 self._backward(index)
+        if self._batching:
+            self._batched.flush()
         stage.reduce_gradients()
         for channel in (self.sender, self.grad_sender):
             if channel is not None:
@@ -191,10 +197,13 @@ class PipelineSchedule:
             if i + 1 < self.chunks:
                 self.receiver.post(i + 1)
         meter = self.activation_memory
-        with meter.recording(stage.module.parameters()) if meter else contextlib.nullcontext():
+        metering = meter.recording(stage.module.parameters()) if meter else contextlib.nullcontext()
+        batching = self._batched.recording() if self._batching else contextlib.nullcontext([])
+        with metering, batching as record:
             output = stage.module(activation if packed else activation[0])
             if stage.is_last:
                 loss = self.loss_fn(output, self._targets[i])
+        self._records[i] = record
         if stage.is_last:
             self._losses.append(loss.detach())
             roots = [loss / self.chunks]
@@ -215,7 +224,10 @@ class PipelineSchedule:
                 self.grad_receiver.post(i + 1, self._live[i + 1][1])
         else:
             grads = None
-        if roots:
+        record = self._records.pop(i, [])
+        if roots and self._batching:
+            self._batched.backward(roots, grads, record, [a for a in activation if a.requires_grad])
+        elif roots:
             torch.autograd.backward(roots, grads)
         self._next_backward = i + 1
         if self.grad_sender is not None:
@@ -269,7 +281,32 @@ class ScheduleGPipe(PipelineSchedule):
     Memory: the activations of all ``chunks`` micro-batches are alive on every stage at the end
     of the forwards. Bubble: ``(p-1)/(m+p-1)`` of the step for ``p`` stages and ``m`` chunks.
     Communication: see :class:`PipelineStage`.
+
+    Args (beyond :class:`PipelineSchedule`'s):
+        batch_weight_grads: compute each ``nn.Linear``'s weight gradient once per step over all
+            micro-batches instead of once per micro-batch
+            (:class:`~shardkit.nn.pipe.batched_weight_grads.BatchedLinearWeightGrads`: the same
+            gradients up to rounding, much faster with small micro-batches, and each
+            ``Linear``'s input and output gradient kept until the end of the step). ``None``
+            (default): where the stage is an ``nn.Sequential`` of ``nn.Linear`` layers and
+            parameter-free modules; ``False``: never; ``True``: required (``ValueError`` if the
+            stage does not qualify).
     """
+
+    def __init__(self, stage: PipelineStage, chunks: int, loss_fn: Optional[Callable] = None,
+                 track_activation_memory: bool = False,
+                 batch_weight_grads: Optional[bool] = None):
+        super().__init__(stage, chunks, loss_fn, track_activation_memory)
+        if batch_weight_grads not in (None, True, False):
+            raise ValueError(f"ScheduleGPipe(batch_weight_grads={batch_weight_grads!r}): "
+                             f"expected None (automatic), True or False")
+        qualifies = BatchedLinearWeightGrads.applies_to(stage.module)
+        if batch_weight_grads and not qualifies:
+            raise ValueError("ScheduleGPipe(batch_weight_grads=True): the stage module must be "
+                             "an nn.Sequential of nn.Linear layers and modules without "
+                             "parameters; pass None to use it only where it applies")
+        if qualifies and batch_weight_grads is not False:
+            self._batched = BatchedLinearWeightGrads(stage.module)
 
     def actions(self) -> list[tuple[str, int]]:
         m = self.chunks
