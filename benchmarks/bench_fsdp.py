@@ -34,6 +34,8 @@ from shardkit.utils.memory import model_state_bytes, tensor_storage_bytes
 
 WORLD_SIZE = 2
 LR = 1e-4
+_TRANSPORTS = {True: "gloo sockets (SHARDKIT_SHM_COLLECTIVES=0)",
+               False: "host shared memory (the CPU default on one machine)"}
 CONFIGS = ("torch_ddp", "torch_fsdp1", "torch_fsdp2", "shardkit_fsdp",
            "shardkit_fsdp_no_reshard")
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results", "fsdp.md")
@@ -190,8 +192,7 @@ def _report(results: list[dict], args) -> str:
              f"{args.steps} steps (forward + backward + step + zero_grad); medians over rounds, "
              f"rank 0's clock. Model-state bytes after a backward (gradients alive); DDP's "
              f"reducer buckets are not counted. shardkit FSDP's unit collectives: "
-             f"{'gloo sockets (SHARDKIT_SHM_COLLECTIVES=0)' if args.gloo else 'host shared memory (the CPU default on one machine)'}; "
-             f"torch's wrappers and DDP use gloo.", "",
+             f"{_TRANSPORTS[args.gloo]}; torch's wrappers and DDP use gloo.", "",
              "Targets (issue 6): faster than torch FSDP2; <= 1.05 x DDP on the GPT and <= 1.3 x "
              "on the MLP; model-state bytes 0.50 x DDP + padding.", ""]
     for result in results:

@@ -1,7 +1,8 @@
 """Pipeline throughput: shardkit's GPipe/1F1B against torch.distributed.pipelining, same run.
 
 Workload: 16 x (Linear(1024, 1024) + GELU), micro-batches of 8 rows, 8 micro-batches per step,
-2 stages on 2 processes with one thread each (gloo). Every configuration runs the same steps
+2 stages on 2 processes with one thread each (gloo); shardkit's GPipe with and without its
+batched weight gradients. Every configuration runs the same steps
 (forward, backward, SGD step); rounds are interleaved so machine load hits all of them alike,
 and each configuration's best round counts. Reported: samples/s, speed-up over one process
 running the same 8 micro-batches with gradient accumulation, fraction of the ideal speed-up
@@ -77,14 +78,14 @@ def _single_process(steps: int):
     return _time_steps(step, steps)
 
 
-def _shardkit(schedule_name: str, steps: int):
+def _shardkit(schedule_name: str, steps: int, **schedule_kwargs):
     from shardkit import distributed as dist
     from shardkit.nn import pipe
 
     rank = dist.get_rank()
     module = pipe.split_sequential(_model(), [DEPTH, DEPTH])[rank]
     stage = pipe.PipelineStage(module, rank, STAGES)
-    schedule = getattr(pipe, schedule_name)(stage, CHUNKS, F.mse_loss)
+    schedule = getattr(pipe, schedule_name)(stage, CHUNKS, F.mse_loss, **schedule_kwargs)
     opt = torch.optim.SGD(module.parameters(), lr=1e-3)
     x, y = _batch()
 
@@ -120,18 +121,23 @@ def _torch(schedule_name: str, steps: int):
 
 
 SINGLE = "single process, grad accumulation"
+TORCH_GPIPE = "torch.distributed.pipelining ScheduleGPipe"
+TORCH_1F1B = "torch.distributed.pipelining Schedule1F1B"
+# name -> (function, positional args, keyword args, the torch configuration it compares with)
 CONFIGS = {
-    SINGLE: (_single_process, ()),
-    "shardkit ScheduleGPipe": (_shardkit, ("ScheduleGPipe",)),
-    "shardkit Schedule1F1B": (_shardkit, ("Schedule1F1B",)),
-    "torch.distributed.pipelining ScheduleGPipe": (_torch, ("ScheduleGPipe",)),
-    "torch.distributed.pipelining Schedule1F1B": (_torch, ("Schedule1F1B",)),
+    SINGLE: (_single_process, (), {}, None),
+    "shardkit ScheduleGPipe": (_shardkit, ("ScheduleGPipe",), {}, TORCH_GPIPE),
+    "shardkit ScheduleGPipe, per-micro-batch weight grads": (
+        _shardkit, ("ScheduleGPipe",), {"batch_weight_grads": False}, TORCH_GPIPE),
+    "shardkit Schedule1F1B": (_shardkit, ("Schedule1F1B",), {}, TORCH_1F1B),
+    TORCH_GPIPE: (_torch, ("ScheduleGPipe",), {}, None),
+    TORCH_1F1B: (_torch, ("Schedule1F1B",), {}, None),
 }
 
 
 def _run_config(name: str, steps: int):
-    fn, args = CONFIGS[name]
-    return fn(*args, steps)
+    fn, args, kwargs, _ = CONFIGS[name]
+    return fn(*args, steps, **kwargs)
 
 
 def measure(steps: int, rounds: int) -> dict:
@@ -169,8 +175,8 @@ def report(seconds: dict, cpu: dict, steps: int, rounds: int) -> str:
     ]
     for name, value in best.items():
         speedup = single / value
-        torch_name = name.replace("shardkit", "torch.distributed.pipelining")
-        vs_torch = (f"{best[torch_name] / value:.2f}x" if name.startswith("shardkit") else "")
+        torch_name = CONFIGS[name][3]
+        vs_torch = f"{best[torch_name] / value:.2f}x" if torch_name else ""
         of_ideal = f"{speedup / ideal:.2f}" if name != SINGLE else ""
         lines.append(f"| {name} | {value:.3f} | {statistics.median(seconds[name]):.3f} | "
                      f"{batch / value:.0f} | {speedup:.2f} | "
@@ -181,6 +187,14 @@ def report(seconds: dict, cpu: dict, steps: int, rounds: int) -> str:
         "the CPU count, each process gets only a share of a core (compare wall-clock with CPU "
         "seconds) and the speed-ups say little about the schedules. CPU seconds per step of the "
         "busiest rank measure each implementation's own work, communication threads included.",
+        "",
+        "shardkit's GPipe computes each Linear's weight gradient once per step over all "
+        "micro-batches (`batch_weight_grads`, automatic for a stage that is an nn.Sequential of "
+        "Linear layers and parameter-free modules): one product over the step's 64 rows instead "
+        "of eight thin ones. That is less work than the single process's gradient accumulation, "
+        "so its speed-up can exceed the bubble-limited ideal; the per-micro-batch row shows the "
+        "schedule alone. 1F1B keeps per-micro-batch weight gradients (deferring them would "
+        "break its activation-memory bound).",
     ]
     return "\n".join(lines) + "\n"
 

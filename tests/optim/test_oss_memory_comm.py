@@ -41,7 +41,8 @@ def _wire(model, opt, seed):
         opt.step()
     moving = {op: n for op, n in comm.calls_by_op.items() if op != "barrier"}
     return {"wire_bytes": comm.bytes, "calls": moving, "barriers": comm.calls_by_op.get("barrier"),
-            "dtypes": sorted({str(r.dtype) for r in comm.calls if r.op != "barrier"}), "num_buckets": opt.num_buckets,
+            "dtypes": sorted({str(r.dtype) for r in comm.calls if r.op != "barrier"}),
+            "num_buckets": opt.num_buckets,
             "collectives": opt.collectives_per_step, "transport": opt.sync_transport}
 
 
