@@ -99,6 +99,12 @@ class BatchedLinearWeightGrads:
         for a, g in zip(stage_inputs, got[len(record):]):
             a.grad = g if a.grad is None or g is None else a.grad + g
 
+    def discard(self) -> None:
+        """Forget what was recorded (a step that stopped half-way must not leak into the next)."""
+        for linear in self.linears:
+            self._inputs[linear].clear()
+            self._grads[linear].clear()
+
     def flush(self) -> None:
         """Add every ``Linear``'s weight and bias gradient over the recorded micro-batches to
         ``.grad`` (one matrix product per layer), and forget the records."""

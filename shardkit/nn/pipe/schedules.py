@@ -163,6 +163,9 @@ class PipelineSchedule:
         self._live: dict[int, tuple] = {}
         self._losses: list[torch.Tensor] = []
         self._batching = self._batched is not None and self._batched.usable()
+        self._records = {}
+        if self._batched is not None:
+            self._batched.discard()
         self._next_backward = 0
         self.peak_live_microbatches = 0
         if self.activation_memory is not None:
