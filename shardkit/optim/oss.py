@@ -433,10 +433,7 @@ class OSS(torch.optim.Optimizer):
             for b in stale:
                 b.readopt()
             return
-        kept = self._shared_ahead
-        self._buckets = build_buckets(self._plan, self.rank, self.group, self.broadcast_fp16,
-                                      None if self.sync_op == "shared_memory" else self.sync_op)
-        self._shared_ahead = kept
+        self._buckets = self._private_buckets(self._plan)
 
     def _sync_all_buckets(self) -> None:
         every = [b for buckets in self._buckets for b in buckets]
@@ -462,12 +459,17 @@ class OSS(torch.optim.Optimizer):
         self._shared_ahead = None
         self._sync_all_buckets()
 
+    def _private_buckets(self, plan: OwnershipPlan) -> list:
+        """The flat buckets of ``plan`` in this rank's own memory, synchronised by a collective
+        until a step moves them into shared memory. Purely local."""
+        collective = None if self.sync_op == "shared_memory" else self.sync_op
+        return build_buckets(plan, self.rank, self.group, self.broadcast_fp16, collective)
+
     def _build_buckets(self, plan: OwnershipPlan) -> list:
         """The flat buckets of ``plan`` and, where shared memory is wanted and possible, the
         shared buffers the next step moves them into (collective when it is wanted)."""
         wants_shared = self.sync_op in (None, "shared_memory") and not self.broadcast_fp16
-        buckets = build_buckets(plan, self.rank, self.group, self.broadcast_fp16,
-                                None if self.sync_op == "shared_memory" else self.sync_op)
+        buckets = self._private_buckets(plan)
         self._shared_ahead = allocate_shared(buckets, self.group) if wants_shared else None
         if self.sync_op == "shared_memory" and buckets and self._shared_ahead is None:
             raise RuntimeError(
