@@ -29,7 +29,7 @@ from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
 from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
 from shardkit.testing import World
 
-from benchmarks.common import time_interleaved
+from benchmarks.common import time_interleaved, write_report
 from shardkit.utils.memory import model_state_bytes, tensor_storage_bytes
 
 WORLD_SIZE = 2
@@ -217,10 +217,7 @@ def main(argv=None) -> None:
             results.append(world.run(_time_workload, key, args.rounds, args.steps)[0])
             print("\n".join(_table(results[-1])), flush=True)
     report = _report(results, args)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(report)
-    print(report)
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

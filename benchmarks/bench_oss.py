@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from benchmarks.common import local_model_state_bytes, workloads
+from benchmarks.common import local_model_state_bytes, workloads, write_report
 from shardkit import distributed, recipes
 from shardkit.optim import OSS
 from shardkit.testing import World
@@ -182,10 +182,7 @@ def main(argv=None) -> None:
     with World(WORLD_SIZE, timeout=1800, threads=1) as world:
         results = run_workloads(world, args.steps, args.warmup, args.quick)
     text = markdown(summarize(results), args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
-    print(text)
+    write_report(text, args.out)
 
 
 if __name__ == "__main__":

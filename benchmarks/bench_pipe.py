@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from benchmarks.common import write_report
+
 WIDTH, DEPTH, MICRO, CHUNKS, STAGES = 1024, 16, 8, 8, 2
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "pipe.md")
 
@@ -206,10 +208,7 @@ def main() -> None:
     args = parser.parse_args()
     seconds, cpu = measure(args.steps, args.rounds)
     text = report(seconds, cpu, args.steps, args.rounds)
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        f.write(text)
-    print(text)
+    write_report(text, RESULTS)
 
 
 if __name__ == "__main__":

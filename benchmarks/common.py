@@ -16,6 +16,7 @@ traffic and shardkit rows the counted one.
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -304,3 +305,11 @@ def time_interleaved(trainers: dict, rounds: int, steps: int, warmup: int = 2) -
             times[name].append((time.perf_counter() - start) / steps)
         step += steps
     return times, step
+
+
+def write_report(text: str, path: str) -> None:
+    """Write a benchmark's Markdown report to ``path`` (creating its folder) and print it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    print(text)
