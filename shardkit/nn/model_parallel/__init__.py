@@ -14,6 +14,7 @@ Usage::
     y = out(torch.nn.functional.gelu(fc(x)))              # one all-reduce forward, one backward
 """
 
+from shardkit.nn.model_parallel import initialize
 from shardkit.nn.model_parallel.cross_entropy import vocab_parallel_cross_entropy
 from shardkit.nn.model_parallel.initialize import (
     ParallelLayout, destroy_model_parallel, get_data_parallel_group, get_data_parallel_rank,
@@ -36,14 +37,7 @@ from shardkit.nn.model_parallel.sequence_parallel import (
     mark_sequence_parallel, reduce_sequence_parallel_grads)
 
 __all__ = [
-    "ParallelLayout", "initialize_model_parallel", "model_parallel_is_initialized",
-    "destroy_model_parallel", "get_parallel_layout",
-    "get_model_parallel_group", "get_model_parallel_rank", "get_model_parallel_world_size",
-    "get_model_parallel_src_rank", "get_model_parallel_ranks",
-    "get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size",
-    "get_data_parallel_ranks",
-    "get_pipeline_parallel_group", "get_pipeline_parallel_rank",
-    "get_pipeline_parallel_world_size", "get_pipeline_parallel_ranks",
+    *initialize.__all__,
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelEmbedding",
     "TensorParallelModule",
     "copy_to_model_parallel_region", "reduce_from_model_parallel_region",
