@@ -31,7 +31,7 @@ __all__ = [
     "get_global_rank", "new_group", "all_reduce", "reduce_scatter_tensor",
     "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
     "recv", "isend",
-    "irecv", "batch_isend_irecv", "P2POp", "barrier", "shared_memory_exchange",
+    "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
     "broadcast_object", "all_gather_object",
     "CommCounter", "CommRecord", "ReduceOp", "destroy",
 ]
@@ -314,6 +314,8 @@ def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtyp
     n = get_world_size(group)
     if isinstance(full, torch.Tensor):
         numel, dtype, nbytes = full.numel(), full.dtype, full.numel() * full.element_size()
+    elif dtype is not None:  # a byte count of tensors of ``dtype``
+        numel, nbytes = full // _elem_size(dtype), full
     else:  # a byte count (object collectives)
         numel, dtype, nbytes = full, torch.uint8, full
     record = CommRecord(op=op, numel=numel, dtype=dtype,
@@ -365,16 +367,16 @@ def all_gather(tensors: list[torch.Tensor], tensor: torch.Tensor, group=None,
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
-                      async_op: bool = False):
+                      async_op: bool = False, counted_as: str = "all_to_all"):
     """Split ``input`` into ``n`` equal rank-major chunks, send chunk ``j`` to rank ``j`` and
     receive every rank's chunk for this rank into ``output`` (rank-major). Wire: ``(n-1)/n`` of
-    the input's bytes. (On gloo, a reduce-scatter done as this plus a local sum is several times
-    faster than gloo's own reduce-scatter, which runs synchronously.)"""
+    the input's bytes, recorded under ``counted_as`` (a transport that builds a reduce-scatter
+    from it records ``"reduce_scatter"``: the same bytes, the op the caller asked for)."""
     n = get_world_size(group)
     if input.numel() != output.numel() or input.numel() % n:
         raise ValueError(f"all_to_all_single: input has {input.numel()} elements and output "
                          f"{output.numel()}; they must be equal and divisible by world size {n}")
-    _record("all_to_all", input, group)
+    _record(counted_as, input, group, kind="all_to_all")
     return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
 
@@ -425,30 +427,44 @@ class P2POp:
     tag: int = 0
 
 
-def batch_isend_irecv(ops: Sequence[P2POp]) -> list:
-    """Issue several sends/receives together (avoids ordering deadlocks); returns work handles."""
+def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None) -> list:
+    """Issue several sends/receives together (avoids ordering deadlocks); returns work handles.
+
+    ``counted_as``: record the batch as one collective of that name (e.g. ``"all_gather"`` for
+    a gather built from sends), with the bytes its sends really move, instead of one record per
+    send and receive."""
     torch_ops = []
+    sent = 0
     for p in ops:
         if p.op not in ("send", "recv"):
             raise ValueError(f"P2POp.op={p.op!r}; valid values are 'send' and 'recv'")
-        _record(p.op, p.tensor, p.group)
+        if counted_as is None:
+            _record(p.op, p.tensor, p.group)
+        elif p.op == "send":
+            sent += p.tensor.numel() * p.tensor.element_size()
         fn = dist.isend if p.op == "send" else dist.irecv
         torch_ops.append(dist.P2POp(fn, p.tensor, p.peer, p.group, p.tag))
+    if counted_as is not None and ops:
+        _record(counted_as, sent, ops[0].group, kind="send",
+                dtype=next((p.tensor.dtype for p in ops), None))
     if not torch_ops:
         return []
     return dist.batch_isend_irecv(torch_ops)
 
 
-def shared_memory_exchange(full: torch.Tensor, group=None, op: str = "all_gather") -> None:
-    """Record a collective that the ranks of ``group`` do through host shared memory
-    (:mod:`shardkit.shared_memory`, :mod:`shardkit.shm_ring`) instead of the wire: ``op`` is the
-    collective it replaces (``"all_gather"``: ``full`` is the gathered buffer; ``"reduce_scatter"``:
-    ``full`` is the input) and is counted as that collective, so that traffic figures mean the
-    same whatever the transport. Nothing is sent here."""
-    if op not in ("all_gather", "reduce_scatter"):
-        raise ValueError(f"shared_memory_exchange(op={op!r}): valid ops are 'all_gather' and "
-                         f"'reduce_scatter'")
-    _record(op, full, group)
+def record_transfer(op: str, nbytes: int, dtype: torch.dtype, group=None) -> None:
+    """Record ``nbytes`` of ``dtype`` that a transport moved for this rank outside the process
+    group (e.g. written into shared memory for its peers), under the collective ``op`` it
+    implements. Nothing is sent here."""
+    _record(op, int(nbytes), group, dtype=dtype, kind="send")
+
+
+def backend_of(group=None) -> str:
+    """The backend name of ``group`` (``"gloo"``, ``"nccl"``, ...); ``"none"`` without a group.
+    Transports read it to choose an algorithm; wrappers never do."""
+    if not is_initialized():
+        return "none"
+    return str(dist.get_backend(group))
 
 
 def barrier(group=None) -> None:

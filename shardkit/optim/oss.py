@@ -3,22 +3,24 @@
 Each data-parallel rank owns whole parameters (a :class:`ParameterPartition` balanced by size),
 keeps the optimizer state of those only, steps those only, and then every rank receives the
 updated parameters bucket by bucket: the parameters live in flat buffers of equal per-rank
-segments, re-synchronised by one in-place all-gather per bucket (per-segment broadcasts on CPU),
+segments, re-synchronised by one in-place all-gather per bucket through the optimizer's
+transport (:mod:`shardkit.transport`; the process group's own collectives by default),
 overlapped with the stepping of the next bucket (see :mod:`shardkit.optim.param_sync`).
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Callable, Iterable, Optional
 
 import torch
 
 from shardkit import distributed
-from shardkit.optim.param_sync import (SYNC_OPS, FlatParamBucket, OwnershipPlan,
-                                       allocate_shared, build_buckets, in_shared_memory,
-                                       move_to_shared, plan_ownership)
+from shardkit.optim.param_sync import (FlatParamBucket, OwnershipPlan, build_buckets,
+                                       plan_ownership)
 from shardkit.optim.partition import ParameterPartition
+from shardkit.transport import resolve_transport
 
 __all__ = ["OSS"]
 
@@ -36,6 +38,8 @@ _PER_PARAMETER_OPTIMIZERS = frozenset({
 _FUSED_OPTIMIZERS = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
                                torch.optim.Adagrad})
 _IMPLEMENTATION_KEYS = ("fused", "foreach")
+# FairScale OSS arguments that no longer do anything there either; accepted and ignored.
+_DEPRECATED_FAIRSCALE_KWARGS = ("broadcast_buffer_size", "force_broadcast_object")
 
 
 class OSS(torch.optim.Optimizer):
@@ -60,14 +64,8 @@ class OSS(torch.optim.Optimizer):
             copies of a parameter are then rounded, the owner's stays exact).
         bucket_numel: target elements per rank in one sync bucket (default: a 16 MiB fp32
             bucket in all, see :func:`~shardkit.optim.param_sync.default_bucket_numel`).
-        sync_op: ``"all_gather"`` (one ``all_gather_into_tensor`` per bucket),
-            ``"broadcast"`` (each rank broadcasts its segment) or ``"shared_memory"`` (CPU
-            only: at the first step the flat buffers move into ``/dev/shm``, mapped by every
-            rank of this machine; from then on an owner's step writes its segment in place
-            and the others read it after a barrier, with no copy). Default: all-gather on
-            accelerators; on CPU shared memory when every rank of ``group`` can map this
-            machine's ``/dev/shm``, else broadcast (gloo's all-gather is slower). The counted
-            bytes are the same in every case.
+        comm: the :class:`~shardkit.transport.Transport` that carries the parameter sync
+            (default: the process group's own collectives; not in FairScale's signature).
         **defaults: the optimizer's hyper-parameters (``lr=...``).
 
     Attributes:
@@ -79,21 +77,17 @@ class OSS(torch.optim.Optimizer):
     Costs (Ψ trainable parameters, N ranks, K optimizer bytes per parameter): optimizer state
     ``KΨ/N`` per rank (plus at most one parameter's worth of imbalance); parameters and
     gradients stay full, the parameters living in the flat sync buffers (``Ψ`` plus ~1% of
-    padding on real models; the caller's parameters become views of them). Communication per
-    :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16 with ``broadcast_fp16``), one all-gather
-    per bucket (``N`` in-place broadcasts per bucket with ``"broadcast"``; with shared memory
-    nothing is copied, the step costs two barriers, and CommCounter records the same
-    ``Ψ(N-1)/N`` as one all-gather per bucket). :meth:`clip_grad_norm`: one
-    all-reduce of one element. Construction: one small all-gather of the parameter shapes (and
-    three small object collectives to set up shared memory, one barrier at the first step).
+    padding on real models; the caller's parameters become views of them, in this process's own
+    memory). Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16 with
+    ``broadcast_fp16``), one all-gather per bucket. :meth:`clip_grad_norm`: one all-reduce of
+    one element. Construction: one small all-gather of the parameter shapes.
 
     Implementation: for ``SGD``, ``Adam``, ``AdamW`` and ``Adagrad`` given with ``fused`` and
     ``foreach`` unset, the local optimizer is built with ``fused=True`` (torch's own fused kernel,
     the same update up to the last bit; pass ``fused=False`` to keep the default loop).
-    With shared memory (from the end of the first step on) the parameters' storage is shared by
-    the ranks of one machine: writing into a parameter in place on one rank only
-    (``p.data.fill_(...)``) changes it for all; ``model.to(...)``/``p.data = ...`` is fine, OSS
-    takes the values back in at the next step.
+    Each rank's parameters are its own: in-place writes, ``model.to(dtype)`` and
+    ``p.data = ...`` behave as in plain PyTorch (OSS re-lays its buckets out from the current
+    values at the next step).
 
     .. warning:: ``step``, ``clip_grad_norm``, ``consolidate_state_dict``, ``add_param_group``
        and ``refresh_trainable`` are collective: call them on every rank of ``group``.
@@ -101,7 +95,8 @@ class OSS(torch.optim.Optimizer):
 
     def __init__(self, params, optim: type = torch.optim.SGD, group=None,
                  broadcast_fp16: bool = False, bucket_numel: Optional[int] = None,
-                 sync_op: Optional[str] = None, **defaults):
+                 comm=None, **defaults):
+        _drop_deprecated_fairscale_kwargs(defaults)
         existing = params if isinstance(params, torch.optim.Optimizer) else None
         if existing is not None:
             _check_takeover_arguments(existing, optim, defaults)
@@ -114,13 +109,7 @@ class OSS(torch.optim.Optimizer):
         _check_flag("broadcast_fp16", broadcast_fp16)
         if bucket_numel is not None and (not isinstance(bucket_numel, int) or bucket_numel < 1):
             raise ValueError(f"OSS(bucket_numel={bucket_numel!r}): must be a positive int or None")
-        if sync_op is not None and sync_op not in SYNC_OPS:
-            raise ValueError(f"OSS(sync_op={sync_op!r}): valid values are {list(SYNC_OPS)} or "
-                             f"None (all_gather on accelerators; on CPU shared memory, or "
-                             f"broadcast where a rank cannot map this machine's /dev/shm)")
-        if sync_op == "shared_memory" and broadcast_fp16:
-            raise ValueError("OSS(sync_op='shared_memory', broadcast_fp16=True): shared memory "
-                             "sends nothing, so there is nothing to halve; use one or the other")
+        self.comm = resolve_transport(comm, "OSS")
         distributed.require_initialized("OSS")
         self.group = group
         self.rank = distributed.get_rank(group)
@@ -131,8 +120,6 @@ class OSS(torch.optim.Optimizer):
         self.global_rank = distributed.get_global_rank(group, self.rank)
         self.broadcast_fp16 = broadcast_fp16
         self.bucket_numel = bucket_numel
-        self.sync_op = sync_op
-        self._shared_ahead: Optional[list] = None  # shared buffers the next step moves into
         self._optim_class, self._optim_kwargs = optim, ctor_kwargs
         self._implementation_asked = {k: ctor_kwargs.get(k) for k in _IMPLEMENTATION_KEYS
                                       if k in inspect.signature(optim.__init__).parameters}
@@ -141,6 +128,7 @@ class OSS(torch.optim.Optimizer):
         self._consolidated: Optional[dict] = None
         self._parked_state: dict = {}  # state of frozen parameters last owned here
         _check_same_model_on_every_rank(groups, group)
+        self.comm.prepare(group)
 
         self._plan = plan_ownership(_trainable(groups), self.world_size, bucket_numel)
         self.optim = self._make_local_optimizer(groups, self._plan.partition)
@@ -171,21 +159,14 @@ class OSS(torch.optim.Optimizer):
 
     @property
     def collectives_per_step(self) -> int:
-        """Collectives one :meth:`step` issues (once in shared memory): one per bucket
-        (all-gather), one per bucket and rank (broadcasts), none per bucket in shared memory but
-        two barriers per step."""
-        per_bucket = sum(b.collectives_per_sync for buckets in self._buckets for b in buckets)
-        shared = in_shared_memory(self._buckets) or self._shared_ahead is not None
-        return per_bucket + (2 if shared else 0)
+        """Collectives one :meth:`step` issues to re-sync the parameters: one all-gather per
+        bucket."""
+        return self.num_buckets
 
     @property
-    def sync_transport(self) -> Optional[str]:
-        """How :meth:`step` re-synchronises parameters: ``"shared_memory"`` (from the first
-        step on), ``"broadcast"`` or ``"all_gather"`` (``None`` in a world of one)."""
-        if in_shared_memory(self._buckets) or self._shared_ahead is not None:
-            return "shared_memory"
-        ops = {b.sync_op for buckets in self._buckets for b in buckets}
-        return ops.pop() if ops else None
+    def sync_transport(self) -> str:
+        """What carries the parameter sync, in words (e.g. ``"process group (gloo)"``)."""
+        return self.comm.describe(self.group)
 
     @property
     def state(self):
@@ -218,28 +199,24 @@ class OSS(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None, **kwargs):
         """Step the owned parameters that have a gradient, then re-sync every parameter from
-        its owner. ``closure`` (re-evaluates the loss) runs exactly once on every rank; other
-        keyword arguments go to the local optimizer's ``step``, as in FairScale.
+        its owner. ``closure`` and the keyword arguments go to the local optimizer's ``step``,
+        as in FairScale (so LBFGS works; an optimizer that calls the closure several times
+        does so on every rank, which must then run the same number of forward passes).
 
-        Communication: ``Ψ(N-1)/N`` elements in all, in one all-gather per bucket (or ``N``
-        broadcasts per bucket, see ``sync_op``).
+        Communication: ``Ψ(N-1)/N`` elements in all, one all-gather per bucket.
         """
         self._check_trainable_covered()
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
         self._consolidated = None
         self._push_hyperparameters()
         self._rebind_moved_parameters()
-        if in_shared_memory(self._buckets):
-            self._step_in_shared_memory(kwargs)
-        elif self._shared_ahead is not None:
-            self._step_into_shared_memory(kwargs)
+        if closure is not None:
+            loss = self.optim.step(closure=closure, **kwargs)
+            self._sync_all_buckets()
         elif self._buckets and type(self.optim) in _PER_PARAMETER_OPTIMIZERS:
             self._step_and_sync_bucket_by_bucket(kwargs)
         else:
-            self.optim.step(**kwargs)
+            loss = self.optim.step(**kwargs)
             self._sync_all_buckets()
         self._pull_hyperparameters()
         return loss
@@ -424,16 +401,10 @@ class OSS(torch.optim.Optimizer):
 
     def _rebind_moved_parameters(self) -> None:
         # Something replaced a parameter's storage (model.to(...), p.data = ...): rebuild the
-        # flat buffers from the current values. Purely local, the layout is deterministic (the
-        # shared buffers allocated ahead still fit); shared buckets take the values back in.
-        stale = [b for buckets in self._buckets for b in buckets if not b.is_bound()]
-        if not stale:
-            return
-        if in_shared_memory(self._buckets):
-            for b in stale:
-                b.readopt()
-            return
-        self._buckets = self._private_buckets(self._plan)
+        # flat buffers from the current values, in their current dtype and device. Purely
+        # local: every rank sees the same layout.
+        if any(not b.is_bound() for buckets in self._buckets for b in buckets):
+            self._buckets = self._build_buckets(self._plan)
 
     def _sync_all_buckets(self) -> None:
         every = [b for buckets in self._buckets for b in buckets]
@@ -442,41 +413,9 @@ class OSS(torch.optim.Optimizer):
         for b in every:
             b.finish_gather()
 
-    def _step_in_shared_memory(self, step_kwargs: dict) -> None:
-        # Note: the first barrier guarantees that no rank still reads parameters an owner is
-        # about to overwrite (a peer may be logging between backward and step); the second
-        # orders every owner's writes before any rank's next read.
-        distributed.barrier(self.group)
-        self.optim.step(**step_kwargs)
-        self._sync_all_buckets()  # counted, as one all-gather per bucket; nothing is copied
-        distributed.barrier(self.group)
-
-    def _step_into_shared_memory(self, step_kwargs: dict) -> None:
-        # The first step after the buffers were (re)built: step the private buffers, then every
-        # rank publishes its segment into the shared ones and switches to them.
-        self.optim.step(**step_kwargs)
-        move_to_shared(self._buckets, self._shared_ahead, self.group)
-        self._shared_ahead = None
-        self._sync_all_buckets()
-
-    def _private_buckets(self, plan: OwnershipPlan) -> list:
-        """The flat buckets of ``plan`` in this rank's own memory, synchronised by a collective
-        until a step moves them into shared memory. Purely local."""
-        collective = None if self.sync_op == "shared_memory" else self.sync_op
-        return build_buckets(plan, self.rank, self.group, self.broadcast_fp16, collective)
-
     def _build_buckets(self, plan: OwnershipPlan) -> list:
-        """The flat buckets of ``plan`` and, where shared memory is wanted and possible, the
-        shared buffers the next step moves them into (collective when it is wanted)."""
-        wants_shared = self.sync_op in (None, "shared_memory") and not self.broadcast_fp16
-        buckets = self._private_buckets(plan)
-        self._shared_ahead = allocate_shared(buckets, self.group) if wants_shared else None
-        if self.sync_op == "shared_memory" and buckets and self._shared_ahead is None:
-            raise RuntimeError(
-                "OSS(sync_op='shared_memory'): the parameters are not on CPU, or some rank of the "
-                "group cannot map this machine's /dev/shm (another machine, or too little room "
-                "in it); use sync_op='broadcast' or None")
-        return buckets
+        """The flat buckets of ``plan`` in this rank's own memory. Purely local."""
+        return build_buckets(plan, self.rank, self.group, self.broadcast_fp16, self.comm)
 
     def _step_and_sync_bucket_by_bucket(self, step_kwargs: dict) -> None:
         # Note: stepping bucket k hides the other owned gradients (grad=None makes torch's
@@ -599,6 +538,19 @@ def _can_fuse(optim_class: type, kwargs: dict, groups: list[dict]) -> bool:
         return False
     params = [p for g in groups for p in g["params"]]
     return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+
+
+def _drop_deprecated_fairscale_kwargs(defaults: dict) -> None:
+    for name in _DEPRECATED_FAIRSCALE_KWARGS:
+        if name in defaults:
+            defaults.pop(name)
+            warnings.warn(f"OSS({name}=...) is accepted for FairScale compatibility and ignored: "
+                          f"shardkit syncs parameters in flat buckets", DeprecationWarning,
+                          stacklevel=3)
+    if "sync_op" in defaults:
+        raise TypeError("OSS(sync_op=...) was removed: the parameter sync goes through the "
+                        "transport given as comm= (default: the process group's collectives; "
+                        "shardkit.shm_transport.SharedMemoryTransport() for ranks on one host)")
 
 
 def _check_takeover_arguments(existing, optim, defaults) -> None:

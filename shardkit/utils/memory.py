@@ -6,7 +6,10 @@ the distinct storages behind those tensors. A storage shared by several tensors 
 views into one flat buffer) is counted once, in the first category that reaches it. Wrappers
 that hold model state outside ``module.parameters()`` (gradient buckets, flat parameter
 buffers) report it through a ``model_state_tensors()`` method yielding ``(category, tensor)``
-pairs, which this function picks up on the module and every submodule.
+pairs, which this function picks up on the module and every submodule. Buffers a wrapper's
+transport holds for the life of the process (e.g. the slots of
+:class:`~shardkit.shm_transport.SharedMemoryTransport`) are reported apart, as ``transport``:
+they are not model state, but they are memory the wrapper costs.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ class ModelStateBytes:
     params: int
     grads: int
     optimizer: int
+    transport: int = 0
 
     @property
     def total(self) -> int:
+        """Model states: parameters, gradients and optimizer state (not ``transport``)."""
         return self.params + self.grads + self.optimizer
 
     def __getitem__(self, key: str) -> int:
@@ -38,6 +43,7 @@ class ModelStateBytes:
 
     def as_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "transport": self.transport,
                 "total": self.total}
 
 
@@ -80,6 +86,20 @@ def _module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
             yield "grads", p.grad
 
 
+def _transport_tensors(module, optimizer) -> Iterator[torch.Tensor]:
+    """The buffers held by the transports (``comm``) of the wrappers in ``module`` and of
+    ``optimizer``, each transport once."""
+    holders = list(module.modules()) if module is not None else []
+    holders.append(optimizer)
+    seen = set()
+    for holder in holders:
+        comm = getattr(holder, "__dict__", {}).get("comm")
+        if comm is None or id(comm) in seen or not hasattr(comm, "footprint_tensors"):
+            continue
+        seen.add(id(comm))
+        yield from comm.footprint_tensors()
+
+
 def model_state_bytes(module: Optional[torch.nn.Module] = None,
                       optimizer: Optional[torch.optim.Optimizer] = None) -> ModelStateBytes:
     """Bytes of parameters, gradients and optimizer state this rank holds, per storage.
@@ -102,7 +122,8 @@ def model_state_bytes(module: Optional[torch.nn.Module] = None,
                 if p.grad is not None:
                     pairs.append(("grads", p.grad))
         pairs.extend(("optimizer", t) for t in _optimizer_tensors(optimizer))
-    totals = dict.fromkeys(CATEGORIES, 0)
+    pairs.extend(("transport", t) for t in _transport_tensors(module, optimizer))
+    totals = dict.fromkeys(CATEGORIES + ("transport",), 0)
     seen = set()
     for category, t in pairs:
         key = _storage_key(t)

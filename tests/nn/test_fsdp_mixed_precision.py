@@ -57,8 +57,8 @@ def test_bf16_tracks_fp32(world2):
             assert worst <= 0.02, (worst, curve, r["fp32"])
         assert r["fp32"][-1] < r["fp32"][0]  # it trains
         assert r["master"] == {torch.float32}
-        # CPU on one machine (unit_collectives): both through shared memory, counted as the
-        # all-gather / reduce-scatter they replace, in the dtypes the policy asks for
+        # the default transport over gloo: counted as the all-gather / reduce-scatter asked
+        # for, in the dtypes the policy asks for
         gather = {("all_gather", torch.bfloat16)}
         assert r["dtypes"] == gather | {("reduce_scatter", torch.bfloat16)}
         assert r["rs_dtypes"] == gather | {("reduce_scatter", torch.float32)}

@@ -98,6 +98,13 @@ def _sharded_step(model, optimizer, cfg, step, rank):
     optimizer.step()
 
 
+def _transport(kind):
+    if kind == "shared_memory":  # small parts: buckets take several rounds
+        from shardkit.shm_transport import SharedMemoryTransport
+        return SharedMemoryTransport(part_bytes=4096)
+    return None
+
+
 def _build(cfg, rank):
     lr, wd = 1e-2, 0.05
     ref = Net(seed=0)
@@ -111,18 +118,18 @@ def _build(cfg, rank):
         checkpoint_wrapper(model.branch)
     ref_opt = torch.optim.AdamW(_param_groups(ref, cfg.get("two_groups", False)), lr=lr,
                                 weight_decay=wd)
+    comm = _transport(cfg.get("comm"))
     if cfg.get("two_optimizers"):
         first = OSS([*model.inp.parameters(), *model.hidden.parameters()],
-                    optim=torch.optim.AdamW, lr=lr, weight_decay=wd)
+                    optim=torch.optim.AdamW, lr=lr, weight_decay=wd, comm=comm)
         second = OSS([*model.branch.parameters(), *model.out.parameters()],
-                     optim=torch.optim.AdamW, lr=lr, weight_decay=wd)
+                     optim=torch.optim.AdamW, lr=lr, weight_decay=wd, comm=comm)
         optimizers = [first, second]
     else:
         optimizers = [OSS(_param_groups(model, cfg.get("two_groups", False)),
-                          optim=torch.optim.AdamW, lr=lr, weight_decay=wd)]
+                          optim=torch.optim.AdamW, lr=lr, weight_decay=wd, comm=comm)]
     wrapped = ShardedDataParallel(model, optimizers if len(optimizers) > 1 else optimizers[0],
-                                  reduce_buffer_size=cfg.get("bucket", 2 ** 23),
-                                  reduction=cfg.get("reduction", "auto"))
+                                  reduce_buffer_size=cfg.get("bucket", 2 ** 23), comm=comm)
     return ref, ref_opt, wrapped, _Optimizers(optimizers)
 
 
@@ -173,8 +180,8 @@ CONFIGS = {
     "two_param_groups": {"two_groups": True},
     "two_optimizers": {"two_optimizers": True},
     "startup_sync_of_rank_seeds": {"rank_seeds": True},
-    "small_buckets_reduce": {"bucket": 1024, "reduction": "reduce"},
-    "small_buckets_reduce_scatter": {"bucket": 1024, "reduction": "reduce_scatter"},
+    "small_buckets": {"bucket": 1024},
+    "small_buckets_shared_memory": {"bucket": 1024, "comm": "shared_memory"},
     "one_param_per_bucket": {"bucket": 0},
     "activation_checkpointing": {"checkpoint": True, "bucket": 1024},
 }

@@ -41,7 +41,7 @@ def _check_bad_inputs():
         "uncovered_trainable": lambda: ShardedDataParallel(model, oss_partial),
         "bucket_size": lambda: ShardedDataParallel(model, oss, reduce_buffer_size=-1),
         "reduce_fp16": lambda: ShardedDataParallel(model, oss, reduce_fp16="yes"),
-        "reduction": lambda: ShardedDataParallel(model, oss, reduction="all_reduce"),
+        "comm": lambda: ShardedDataParallel(model, oss, comm="gloo"),
         "empty_list": lambda: ShardedDataParallel(model, []),
         "not_a_module": lambda: ShardedDataParallel(lambda x: x, oss),
     }
@@ -55,7 +55,7 @@ EXPECTED = {
     "uncovered_trainable": ("ValueError", "['1.weight', '1.bias']"),
     "bucket_size": ("ValueError", "reduce_buffer_size=-1"),
     "reduce_fp16": ("ValueError", "reduce_fp16='yes'"),
-    "reduction": ("ValueError", "reduction='all_reduce'"),
+    "comm": ("TypeError", "comm='gloo'"),
     "empty_list": ("ValueError", "sharded_optimizer=[]"),
     "not_a_module": ("TypeError", "expected an nn.Module"),
 }

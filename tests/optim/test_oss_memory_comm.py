@@ -13,6 +13,7 @@ import torch
 
 from shardkit import distributed
 from shardkit.optim import OSS
+from shardkit.shm_transport import SharedMemoryTransport
 from shardkit.testing import GPT, reference_gpt_config, world_fixture
 from shardkit.utils.memory import model_state_bytes
 
@@ -70,12 +71,11 @@ def _measure_both():
     fp32["checksum"] = _checksum(model)
     del opt
     out = {"fp32": fp32}
-    for name, kwargs in (("fp32_all_gather", {"sync_op": "all_gather"}),
-                         ("fp32_broadcast", {"sync_op": "broadcast"}),
-                         ("fp16", {"broadcast_fp16": True}),
-                         ("fp16_all_gather", {"broadcast_fp16": True, "sync_op": "all_gather"})):
+    for name, kwargs in (("fp16", {"broadcast_fp16": True}),
+                         ("fp32_shm", {"comm": SharedMemoryTransport(part_bytes=1 << 20)})):
         other = OSS(model.parameters(), optim=torch.optim.SGD, lr=1e-3, **kwargs)
         out[name] = {**common, **_wire(model, other, 3)}
+        out[name]["transport_bytes"] = model_state_bytes(model, other).transport
         del other
     return out
 
@@ -104,35 +104,41 @@ def test_parameters_are_not_duplicated(measured, n):
         assert r["param_bytes"] <= 1.05 * r["plain_param_bytes"]
 
 
-def _check_volume(r, n, bytes_per_element, dtype, op):
-    ideal = r["psi"] * (n - 1) / n * bytes_per_element
+def _check_volume(r, n, bytes_per_element, dtype, moved_fraction):
+    ideal = r["psi"] * moved_fraction * bytes_per_element
     assert r["wire_bytes"] <= 1.05 * ideal, f"{r['wire_bytes']:.0f} B > 1.05 x {ideal:.0f} B"
     assert r["wire_bytes"] >= ideal  # everything really is sent
     assert r["dtypes"] == [dtype]
-    assert r["transport"] == op
-    if op == "shared_memory":  # nothing copied: counted as one all-gather per bucket
-        assert r["calls"] == {"all_gather": r["num_buckets"]}
-        assert r["collectives"] == 2 == r["barriers"]
-    else:
-        per_bucket = 1 if op == "all_gather" else n  # never one per parameter
-        assert r["calls"] == {op: per_bucket * r["num_buckets"]} == {op: r["collectives"]}
+    # one all-gather per bucket, never one per parameter, and nothing else
+    assert r["calls"] == {"all_gather": r["num_buckets"]} == {"all_gather": r["collectives"]}
+    assert r["barriers"] is None
     assert r["num_buckets"] < r["num_params"] / 10
 
 
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("config, op", [("fp32", "shared_memory"),
-                                        ("fp32_broadcast", "broadcast"),
-                                        ("fp32_all_gather", "all_gather")])
-def test_sync_volume_fp32(measured, n, config, op):
+def test_sync_volume_fp32(measured, n):
     for x in measured[n]:
-        _check_volume(x[config], n, 4, "torch.float32", op)
+        _check_volume(x["fp32"], n, 4, "torch.float32", (n - 1) / n)
+        assert x["fp32"]["transport"] == "process group (gloo)"
 
 
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("config, op", [("fp16", "broadcast"), ("fp16_all_gather", "all_gather")])
-def test_sync_volume_halves_with_broadcast_fp16(measured, n, config, op):
+def test_sync_volume_halves_with_broadcast_fp16(measured, n):
     for x in measured[n]:
-        _check_volume(x[config], n, 2, "torch.float16", op)
+        _check_volume(x["fp16"], n, 2, "torch.float16", (n - 1) / n)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_shared_memory_transport_counts_what_it_writes(measured, n):
+    """Opted in, the sync writes each rank's segment once into the shared slots (its peers read
+    that one copy): 1/N of the buffer per rank, recorded as one all-gather per bucket; its
+    fixed-size slots are reported as transport memory, not as model state."""
+    for x in measured[n]:
+        r = x["fp32_shm"]
+        _check_volume(r, n, 4, "torch.float32", 1 / n)
+        assert r["transport"] == "shared memory"
+        assert r["transport_bytes"] >= 3 * n * (1 << 20)
+        assert r["transport_bytes"] <= 3 * n * (1 << 20) + (1 << 16)
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -60,7 +60,7 @@ def _max_diff(a, b) -> float:
 
 def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, schedule=False,
                 takeover=False, scaler=False, owners_only_grads=False, closure=False,
-                broadcast_fp16=False, sync_op=None):
+                broadcast_fp16=False, comm=None):
     """Train DDP+OSS and the single-process oracle side by side; return the max difference
     over all steps (parameters compared after every step)."""
     rank, world = distributed.get_rank(), distributed.get_world_size()
@@ -70,7 +70,7 @@ def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, sc
         opt = OSS(optim_cls(_groups(model, two_groups, hyper["lr"]), **hyper))
     else:
         opt = OSS(_groups(model, two_groups, hyper["lr"]), optim=optim_cls,
-                  broadcast_fp16=broadcast_fp16, sync_op=sync_op, **hyper)
+                  broadcast_fp16=broadcast_fp16, comm=_transport(comm), **hyper)
     ddp = model if owners_only_grads else DDP(model)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 3, 0.5) if schedule else None
     sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5) if schedule else None
@@ -114,6 +114,13 @@ def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, sc
     return worst
 
 
+def _transport(kind):
+    if kind == "shared_memory":  # small parts: every bucket takes many rounds
+        from shardkit.shm_transport import SharedMemoryTransport
+        return SharedMemoryTransport(part_bytes=4096)
+    return None
+
+
 def _make_scaler(kind):
     if kind == "sharded":
         from shardkit.optim import ShardedGradScaler
@@ -139,7 +146,7 @@ SGD_MOMENTUM = (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9})
 CONFIGS = {
     "adamw": dict(opt=ADAMW),
     "adamw_clip_l2": dict(opt=ADAMW, clip=(0.05, 2.0)),
-    "adamw_all_gather_sync": dict(opt=ADAMW, sync_op="all_gather"),
+    "adamw_shared_memory": dict(opt=ADAMW, comm="shared_memory"),
     "adamw_clip_inf": dict(opt=ADAMW, clip=(0.01, float("inf"))),
     "adamw_lr_schedule": dict(opt=ADAMW, schedule=True),
     "adamw_one_group_no_frozen": dict(opt=ADAMW, two_groups=False, frozen=False),
@@ -202,7 +209,7 @@ def grid2(world2):
 
 @pytest.fixture(scope="module")
 def grid4(world4):
-    names = ["adamw", "adamw_clip_l2", "adamw_all_gather_sync", "sgd_momentum_clip",
+    names = ["adamw", "adamw_clip_l2", "adamw_shared_memory", "sgd_momentum_clip",
              "adamw_owner_grads_only"]
     results = world4.run(_run_grid, names)
     return results[0], results
@@ -215,7 +222,7 @@ def test_parity_world2(grid2, name):
     assert first[name] <= TOL, f"{name}: max |OSS - single process| = {first[name]:.3g}"
 
 
-@pytest.mark.parametrize("name", ["adamw", "adamw_clip_l2", "adamw_all_gather_sync",
+@pytest.mark.parametrize("name", ["adamw", "adamw_clip_l2", "adamw_shared_memory",
                                   "sgd_momentum_clip", "adamw_owner_grads_only"])
 def test_parity_world4(grid4, name):
     first, every = grid4

@@ -5,17 +5,17 @@ A :class:`FlatParamShard` owns the parameters of one unit. Each parameter is cut
 ``nn.Parameter`` object, whose ``.data`` becomes a view into one flat shard buffer, so an
 optimizer built before or after wrapping steps exactly the values that are trained.
 
-For compute, the unit's shards are all-gathered by one collective into one flat leaf tensor
-``full`` (compute dtype): on CUDA one ``all_gather_into_tensor`` into a rank-major scratch
-buffer (layout of :mod:`shardkit.kernels.packing`, ``chunk_numels`` = rows per shard x row
-size) unpacked with ``unpack_rank_major``; on CPU one batch of sends/receives straight into
-``full`` (see :mod:`.unit_collectives`). The module sees views of ``full`` in place of its
-parameters. Backward accumulates the full gradient into ``full.grad``; it is packed rank-major
-with ``pack_rank_major`` (pre-divided by ``N``) and reduce-scattered in one collective into the
-shards' ``.grad``.
+For compute, the unit's shards are all-gathered by one operation of the wrapper's transport
+(:meth:`shardkit.transport.Transport.all_gather_chunks`) into one flat leaf tensor ``full``
+(compute dtype): each rank's row block of every parameter lands in place (the process-group
+transport sends straight into ``full`` on gloo, and gathers rank-major and unpacks on NCCL). The
+module sees views of ``full`` in place of its parameters. Backward accumulates the full gradient
+into ``full.grad``; it is packed rank-major with ``pack_rank_major`` (pre-divided by ``N``) and
+reduce-scattered by one transport operation into the shards' ``.grad``.
 
 Memory per unit: the flat shard (``Ψ_u/N`` + padding, master dtype) always; ``full`` (``Ψ_u``,
-compute dtype) only between gather and free; on CUDA the scratch buffer only until unpacked.
+compute dtype) only between gather and free; a transport may hold a rank-major scratch buffer
+until the gather completes.
 """
 
 from __future__ import annotations
@@ -29,11 +29,7 @@ import torch.nn as nn
 
 from shardkit import distributed as skdist
 from shardkit.kernels import pack_rank_major, unpack_rank_major
-from shardkit.nn.data_parallel.unit_collectives import (PendingCollective,
-                                                        all_gather_into_params,
-                                                        all_gather_shards, gathers_into_params,
-                                                        reduce_scatter_packed,
-                                                        shared_memory_ring)
+from shardkit.transport import Transport
 
 __all__ = ["ParamLayout", "FlatParamShard", "GatheredParamBytes", "gathered_param_bytes",
            "shard_rows", "unshard_rows"]
@@ -134,15 +130,17 @@ class FlatParamShard:
         compute_device / storage_device: where compute happens and where the shard lives
             (they differ only under CPU offload with a GPU).
         on_grad_ready: called with this object once backward has filled ``full.grad``.
+        transport: what carries the all-gathers and reduce-scatters.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], locations: Sequence[list],
                  group, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
                  compute_device: torch.device, storage_device: torch.device,
-                 on_grad_ready: Callable[["FlatParamShard"], None]):
+                 on_grad_ready: Callable[["FlatParamShard"], None], transport: Transport):
         self.params = list(params)
         self.locations = [list(locs) for locs in locations]
         self.group = group
+        self.transport = transport
         self.world_size = skdist.get_world_size(group)
         self.rank = skdist.get_rank(group)
         dtypes = {p.dtype for p in self.params}
@@ -165,9 +163,6 @@ class FlatParamShard:
         self._pending_gather = None
         self._pending_reduce = None
         self._exposed = False
-        # Note: set up (or grow) the shared-memory ring now, a collective at construction, so
-        # that no handshake lands inside a training step (every rank builds the same units).
-        shared_memory_ring(compute_device, self.largest_collective_bytes, group)
 
     # ------------------------------------------------------------------ construction
 
@@ -194,14 +189,6 @@ class FlatParamShard:
         full.requires_grad_(True)
         full.register_post_accumulate_grad_hook(lambda t: on_grad_ready(self))
         return full
-
-    @property
-    def largest_collective_bytes(self) -> int:
-        """Bytes of this unit's largest collective buffer: the gathered parameters, or the
-        ``N`` rank-major gradient buffers a shared-memory reduce-scatter holds."""
-        elem = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
-        return max(self.padded_numel * elem(self.compute_dtype),
-                   self.world_size * self.padded_numel * elem(self.reduce_dtype))
 
     @property
     def full_bytes(self) -> int:
@@ -232,32 +219,17 @@ class FlatParamShard:
     def start_gather(self, prefetch: bool = False) -> None:
         """Issue the unit's all-gather asynchronously (no-op when gathered or in flight).
 
-        Wire: ``(N-1) x shard`` elements of the compute dtype, one collective
-        (:mod:`.unit_collectives`: straight into ``full`` on CPU, rank-major scratch plus
-        :func:`unpack_rank_major` elsewhere).
+        Wire: ``(N-1) x shard`` elements of the compute dtype, one transport operation
+        straight into ``full``.
         """
         if self.gathered or self._pending_gather is not None:
             return
         self._readopt_shards()
         send = self.flat_shard.to(self.compute_device, self.compute_dtype, non_blocking=True)
-        ring = shared_memory_ring(self.compute_device, self.padded_numel * send.element_size(),
-                                  self.group)
-        if ring is not None:
-            self._allocate_full()
-            op = ring.all_gather(send, self.full.data.split(self.numels), self.chunk_numels)
-            self._pending_gather = (PendingCollective([], op.wait), None, send, prefetch)
-            return
-        if gathers_into_params(self.compute_device):
-            self._allocate_full()
-            pending = all_gather_into_params(self.full.data.split(self.numels),
-                                             send.split(self.chunk_numels), self.group)
-            self._pending_gather = (pending, None, send, prefetch)
-            return
-        scratch = torch.empty(self.padded_numel, dtype=self.compute_dtype,
-                              device=self.compute_device)
-        _GATHERED.add(scratch.numel() * scratch.element_size())
-        self._pending_gather = (all_gather_shards(scratch, send, self.group), scratch, send,
-                                prefetch)
+        self._allocate_full()
+        handle = self.transport.all_gather_chunks(self.full.data.split(self.numels),
+                                                  send.split(self.chunk_numels), self.group)
+        self._pending_gather = (handle, send, prefetch)
 
     def _allocate_full(self) -> None:
         self.full.untyped_storage().resize_(self.full_bytes)
@@ -269,16 +241,10 @@ class FlatParamShard:
             return
         if self._pending_gather is None:
             self.start_gather()
-        pending, scratch, _send, prefetched = self._pending_gather
+        handle, _send, prefetched = self._pending_gather
         _GATHERED.prefetched += int(prefetched)
         self._pending_gather = None
-        pending.wait()
-        if scratch is not None:
-            self._allocate_full()
-            unpack_rank_major(scratch, self.world_size, self.full.data.split(self.numels),
-                              chunk_numels=self.chunk_numels)
-            _GATHERED.sub(scratch.numel() * scratch.element_size())
-            del scratch
+        handle.wait()
         self.gathered = True
 
     def expose(self) -> None:
@@ -308,13 +274,10 @@ class FlatParamShard:
         """Release the gathered parameters (storage resized to 0: memory really goes down)."""
         self.hide()
         if self._pending_gather is not None:  # a prefetch nobody consumed
-            pending, scratch, _send, _prefetched = self._pending_gather
-            pending.wait()
+            handle, _send, _prefetched = self._pending_gather
+            handle.wait()
             self._pending_gather = None
-            if scratch is not None:
-                _GATHERED.sub(scratch.numel() * scratch.element_size())
-            else:  # it landed in full: released below
-                self.gathered = True
+            self.gathered = True  # it landed in full: released below
         if self.gathered:
             self.full.untyped_storage().resize_(0)
             _GATHERED.sub(self.full_bytes)
@@ -328,8 +291,8 @@ class FlatParamShard:
     def start_reduce(self) -> None:
         """Pack ``full.grad`` rank-major (divided by ``N``) and reduce-scatter it, async.
 
-        Wire: ``(N-1)/N x N x shard`` elements of the reduce dtype, one collective
-        (:func:`.unit_collectives.reduce_scatter_packed`).
+        Wire: ``(N-1)/N x N x shard`` elements of the reduce dtype, one transport
+        reduce-scatter.
         """
         grad = self.full.grad
         self.full.grad = None
@@ -337,7 +300,7 @@ class FlatParamShard:
                                  scale=1.0 / self.world_size, dtype=self.reduce_dtype,
                                  chunk_numels=self.chunk_numels)
         del grad
-        self._pending_reduce = reduce_scatter_packed(packed, self.group)
+        self._pending_reduce = self.transport.reduce_scatter(packed, self.group)
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter and add the result to the trainable shards' ``.grad``."""
@@ -364,7 +327,7 @@ class FlatParamShard:
         self._readopt_shards()
         out = torch.empty(self.padded_numel, dtype=self.master_dtype,
                           device=self.compute_device)
-        all_gather_shards(out, self.flat_shard.to(self.compute_device), self.group).wait()
+        self.transport.all_gather(out, self.flat_shard.to(self.compute_device), self.group).wait()
         out = out.to(self.storage_device)
         fulls = [torch.empty(lay.shape, dtype=self.master_dtype, device=out.device)
                  for lay in self.layouts]

@@ -23,12 +23,9 @@ step per rank: ``3Ψ(N-1)/N`` elements with ``reshard_after_forward=True`` (all-
 again in backward, reduce-scatter; the root unit is not re-gathered for backward), ``2Ψ(N-1)/N``
 with ``False``.
 
-On CPU, when every rank of the group runs on one machine, the units' all-gathers and
-reduce-scatters go through a ring of host shared-memory slots (:mod:`shardkit.shm_ring`; the
-largest collective x 3, once per machine) instead of gloo's sockets, counted by CommCounter as
-the same collectives; ``SHARDKIT_SHM_COLLECTIVES=0`` keeps gloo. FSDP on CPU also keeps freed
-allocations mapped for reuse (:mod:`shardkit.utils.cpu_allocator`), since it frees and
-re-allocates its gathered parameters and gradients every step.
+The units' all-gathers and reduce-scatters go through the ``comm`` transport
+(:mod:`shardkit.transport`): the process group's own collectives unless another transport is
+given (e.g. :class:`~shardkit.shm_transport.SharedMemoryTransport` for ranks on one host).
 
 .. warning:: every method that communicates (forward/backward, ``state_dict``,
    ``load_state_dict``, ``summon_full_params``, ``clip_grad_norm_``,
@@ -57,7 +54,7 @@ from shardkit.nn.data_parallel.sharded_checkpoint import (LOCAL_META_KEY,
                                                           reshard_local_state_dicts,
                                                           shard_optimizer_state,
                                                           unshard_optimizer_state)
-from shardkit.utils.cpu_allocator import keep_freed_memory_for_reuse
+from shardkit.transport import resolve_transport
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "gathered_param_bytes",
            "GatheredParamBytes"]
@@ -86,13 +83,16 @@ class FullyShardedDataParallel(nn.Module):
             or a :class:`MixedPrecisionPolicy`.
         fp32_reduce_scatter: reduce-scatter gradients in fp32 under mixed precision.
         flatten_parameters: accepted for FairScale compatibility; communication is always one
-            collective per unit and direction (on CPU, one batch of sends/receives for the
-            gather; see :mod:`.unit_collectives`).
+            transport operation per unit and direction.
         move_params_to_cpu: keep the shards (and so the optimizer state) in CPU memory, pinned
             when CUDA exists, copying them to the GPU for compute. On a CPU-only machine it
             changes nothing.
         compute_dtype: dtype of gathered parameters and compute; bf16/fp16 enable mixed precision.
         buffer_dtype: dtype floating-point buffers are kept in (default: ``compute_dtype``).
+        comm: the :class:`~shardkit.transport.Transport` for the unit's all-gathers and
+            reduce-scatters (default: the process group's own collectives; not in FairScale's
+            signature). Inner units built by :func:`~shardkit.nn.wrap.auto_wrap` get it through
+            ``enable_wrap(..., comm=...)``.
 
     Memory: ``Ψ_u/N`` + padding of master weights per unit, grads and optimizer state likewise;
     the gathered unit (``Ψ_u`` in compute dtype) only around its forward/backward.
@@ -103,8 +103,9 @@ class FullyShardedDataParallel(nn.Module):
                  mixed_precision: Union[bool, MixedPrecisionPolicy] = False,
                  fp32_reduce_scatter: bool = False, flatten_parameters: bool = True,
                  move_params_to_cpu: bool = False, compute_dtype: Optional[torch.dtype] = None,
-                 buffer_dtype: Optional[torch.dtype] = None):
+                 buffer_dtype: Optional[torch.dtype] = None, comm=None):
         _check_wrappable(module)
+        transport = resolve_transport(comm, "FullyShardedDataParallel")
         for name, value in (("reshard_after_forward", reshard_after_forward),
                             ("flatten_parameters", flatten_parameters),
                             ("move_params_to_cpu", move_params_to_cpu),
@@ -125,12 +126,14 @@ class FullyShardedDataParallel(nn.Module):
         self.mixed_precision_policy = policy
         self.move_params_to_cpu = move_params_to_cpu
         self.flatten_parameters = flatten_parameters
+        self.comm = transport
+        transport.prepare(process_group)
         params, locations = _collect_unit_params(module)
         self._buffer_dtypes = _cast_unit_buffers(module, policy.buffer_cast_dtype())
         self._shard: Optional[FlatParamShard] = None
         if params:
             self._shard = _build_shard(params, locations, process_group, policy,
-                                       move_params_to_cpu, self._on_grad_ready)
+                                       move_params_to_cpu, self._on_grad_ready, transport)
             _MANAGED_PARAMS.update((id(p), weakref.ref(p)) for p in params)
         _WRAPPED_MODULES.add(module)
         for inner in _inner_units(module):
@@ -593,7 +596,7 @@ def _cast_unit_buffers(module: nn.Module, dtype: Optional[torch.dtype]) -> list:
 
 
 def _build_shard(params, locations, group, policy: MixedPrecisionPolicy,
-                 move_params_to_cpu: bool, on_grad_ready) -> FlatParamShard:
+                 move_params_to_cpu: bool, on_grad_ready, transport) -> FlatParamShard:
     device = params[0].device
     master = params[0].dtype
     if move_params_to_cpu:
@@ -603,14 +606,10 @@ def _build_shard(params, locations, group, policy: MixedPrecisionPolicy,
         storage = torch.device("cpu")
     else:
         compute = storage = device
-    if compute.type == "cpu":
-        # FSDP frees and re-allocates its gathered parameters and gradients every step: keep
-        # that memory mapped for reuse rather than page-faulting it in afresh each time.
-        keep_freed_memory_for_reuse()
     return FlatParamShard(params, locations, group, compute_dtype=policy.compute_dtype(master),
                           reduce_dtype=policy.gradient_reduce_dtype(master),
                           compute_device=compute, storage_device=storage,
-                          on_grad_ready=on_grad_ready)
+                          on_grad_ready=on_grad_ready, transport=transport)
 
 
 def _cast_floating(t, dtype):

@@ -7,9 +7,10 @@ that holds its parameters' gradients followed by one presence flag per parameter
 computes the same layouts, so every rank packs the same shapes and issues the same collectives
 in the same order.
 
-A :class:`BucketReduction` (reduce-scatter or one reduce per owner) packs the gradients of one
-bucket with :func:`shardkit.kernels.pack_rank_major`, launches the asynchronous reduction and,
-once waited, hands each owned parameter its reduced gradient.
+A :class:`ReduceToOwners` packs the gradients of one bucket per owner with
+:func:`shardkit.kernels.pack_rank_major`, hands the segments to the wrapper's transport
+(:meth:`shardkit.transport.Transport.reduce_to_owners`, asynchronous) and, once waited, hands
+each owned parameter its reduced gradient.
 
 Note: presence flags. A parameter that took no part in a forward has no gradient on that rank.
 Its slot is packed as zeros and its flag as 0; after the reduction the owner sees the flags of
@@ -25,11 +26,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from shardkit import distributed as skdist
 from shardkit.kernels import pack_rank_major
 
-__all__ = ["BucketLayout", "plan_buckets", "BucketReduction", "ReduceScatterToOwners",
-           "ReduceToEachOwner", "REDUCTIONS"]
+__all__ = ["BucketLayout", "plan_buckets", "BucketReduction", "ReduceToOwners"]
 
 
 @dataclass(frozen=True)
@@ -184,51 +183,39 @@ class BucketReduction:
         return out
 
 
-class ReduceScatterToOwners(BucketReduction):
-    """One ``reduce_scatter_tensor`` over a rank-major buffer of ``world_size`` equal segments
-    (each owner's segment zero-padded to the largest). Wire (DESIGN convention):
-    ``(N-1)/N * N * largest segment`` elements, i.e. the bucket plus its padding. Best when the
-    bucket's ownership is balanced."""
+class ReduceToOwners(BucketReduction):
+    """The bucket's per-owner segments reduced onto their owners by the transport's
+    :meth:`~shardkit.transport.Transport.reduce_to_owners` (the process-group transport sends
+    one reduce per owner on gloo, a reduce-scatter of a balanced bucket on NCCL). Wire (DESIGN
+    convention): ``(N-1)/N`` of the bucket (plus padding where a reduce-scatter pads)."""
 
-    name = "reduce_scatter"
+    name = "reduce_to_owners"
 
-    def launch(self, grads):
-        layout = self.layout
-        n = layout.world_size
-        seg = max(layout.segment_numels)
-        device = layout.params[0].device
-        packed = torch.empty(n * seg, dtype=layout.comm_dtype, device=device)
-        rows = packed.view(n, seg)
-        for r, numel in enumerate(layout.segment_numels):
-            self._pack_segment(r, grads, rows[r, :numel])
-            rows[r, numel:].zero_()
-        self._own_segment = torch.empty(seg, dtype=layout.comm_dtype, device=device)
-        self._in_flight = [packed]
-        self._handles = [skdist.reduce_scatter_tensor(self._own_segment, packed,
-                                                      group=self.group, async_op=True)]
-
-
-class ReduceToEachOwner(BucketReduction):
-    """One ``reduce`` per owner that has parameters in the bucket, each of exactly its segment.
-    Wire (DESIGN convention): ``(N-1)/N`` of the bucket, no padding; several smaller calls."""
-
-    name = "reduce"
+    def __init__(self, layout: BucketLayout, group, rank: int, transport):
+        super().__init__(layout, group, rank)
+        self.transport = transport
 
     def launch(self, grads):
         layout = self.layout
         device = layout.params[0].device
-        handles = []
+        segments = []
         for r, numel in enumerate(layout.segment_numels):
             if numel == 0:
+                segments.append(None)
                 continue
             buf = torch.empty(numel, dtype=layout.comm_dtype, device=device)
             self._pack_segment(r, grads, buf)
-            if r == self.rank:
-                self._own_segment = buf
-            self._in_flight.append(buf)
-            dst = skdist.get_global_rank(self.group, r)
-            handles.append(skdist.reduce(buf, dst=dst, group=self.group, async_op=True))
-        self._handles = handles
+            segments.append(buf)
+        self._in_flight = [s for s in segments if s is not None]
+        handle = self.transport.reduce_to_owners(segments, self.group)
+        self._handles = [_OwnSegment(handle, self)]
 
 
-REDUCTIONS = {"reduce_scatter": ReduceScatterToOwners, "reduce": ReduceToEachOwner}
+class _OwnSegment:
+    """Waits for the reduction and keeps this rank's summed segment for :meth:`finish`."""
+
+    def __init__(self, handle, reduction: BucketReduction):
+        self._handle, self._reduction = handle, reduction
+
+    def wait(self) -> None:
+        self._reduction._own_segment = self._handle.wait()

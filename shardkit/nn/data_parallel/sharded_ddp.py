@@ -12,56 +12,21 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
 
 from shardkit import distributed as skdist
-from shardkit.nn.data_parallel.gradient_bucket import (REDUCTIONS, BucketLayout,
-                                                        BucketReduction, plan_buckets)
+from shardkit.nn.data_parallel.gradient_bucket import (BucketLayout, BucketReduction,
+                                                        ReduceToOwners, plan_buckets)
+from shardkit.transport import resolve_transport
 
-__all__ = ["ShardedDataParallel", "ReductionPolicy"]
+__all__ = ["ShardedDataParallel"]
 
 # Buckets whose reduction may be in flight at once during backward; beyond that the oldest is
 # waited for, which bounds the transient memory to a few buckets while keeping the overlap.
 _MAX_BUCKETS_IN_FLIGHT = 4
-
-
-@dataclass(frozen=True)
-class ReductionPolicy:
-    """How a bucket travels to its owners.
-
-    Attributes:
-        mode: ``"auto"``, ``"reduce_scatter"`` or ``"reduce"``. ``"auto"``: buckets of CPU
-            tensors (gloo) use one reduce per owner; on accelerators a balanced bucket is
-            reduce-scattered and an unbalanced one reduced per owner.
-        balance_tolerance: in ``"auto"``, a bucket whose ``N * largest segment / bucket`` is at
-            most this is reduce-scattered (its padding costs at most this factor on the wire).
-
-    Note: gloo. Its reduce-scatter moves as many bytes as an all-reduce, and measured on a
-    2-core machine at world 2 it takes about 1.4x the time of the per-owner reduces of the same
-    bucket (benchmarks/results/sharded_ddp.md), so CPU buckets are always reduced per owner.
-    """
-
-    mode: str = "auto"
-    balance_tolerance: float = 1.1
-
-    def __post_init__(self):
-        valid = ("auto",) + tuple(REDUCTIONS)
-        if self.mode not in valid:
-            raise ValueError(f"ShardedDataParallel(reduction={self.mode!r}): valid values are "
-                             f"{list(valid)}")
-
-    def reduction_for(self, layout: BucketLayout) -> type[BucketReduction]:
-        if self.mode != "auto":
-            return REDUCTIONS[self.mode]
-        if layout.params[0].device.type == "cpu":
-            return REDUCTIONS["reduce"]
-        if layout.balance() <= self.balance_tolerance:
-            return REDUCTIONS["reduce_scatter"]
-        return REDUCTIONS["reduce"]
 
 
 class ShardedDataParallel(nn.Module):
@@ -81,8 +46,8 @@ class ShardedDataParallel(nn.Module):
             re-partitioned) and re-plan the buckets; otherwise call :meth:`refresh_trainable`.
         reduce_fp16: gradients travel in fp16 (``True``) or in the dtype given
             (``torch.bfloat16``); owners receive them back in the parameters' dtype.
-        reduction: ``"auto"``, ``"reduce_scatter"`` or ``"reduce"`` (see :class:`ReductionPolicy`;
-            not in FairScale's signature).
+        comm: the :class:`~shardkit.transport.Transport` that reduces the buckets (default: the
+            process group's own collectives; not in FairScale's signature).
 
     Cost per rank (Ψ parameters, N ranks; DESIGN.md stage 2): gradient bytes after backward
     4Ψ/N in fp32, the rank's owned share (whole parameters, so up to one parameter more) plus
@@ -117,7 +82,7 @@ class ShardedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, sharded_optimizer, process_group=None,
                  broadcast_buffers: bool = True, sync_models_at_startup: bool = True,
                  reduce_buffer_size: int = 2 ** 23, auto_refresh_trainable: bool = True,
-                 reduce_fp16: Union[bool, torch.dtype] = False, reduction: str = "auto"):
+                 reduce_fp16: Union[bool, torch.dtype] = False, comm=None):
         super().__init__()
         skdist.require_initialized("ShardedDataParallel")
         if not isinstance(module, nn.Module):
@@ -126,8 +91,9 @@ class ShardedDataParallel(nn.Module):
         optimizers = _as_oss_list(sharded_optimizer)
         _check_reduce_buffer_size(reduce_buffer_size)
         self._comm_dtype = _comm_dtype_from(reduce_fp16)
-        self._policy = ReductionPolicy(mode=reduction)
+        self.comm = resolve_transport(comm, "ShardedDataParallel")
         self.process_group = _common_group(process_group, optimizers)
+        self.comm.prepare(self.process_group)
         _check_optimizer_params_in_module(module, optimizers)
 
         self.module = module
@@ -342,7 +308,7 @@ class ShardedDataParallel(nn.Module):
 
     def _launch(self, index: int) -> None:
         layout = self._buckets[index]
-        reduction = self._policy.reduction_for(layout)(layout, self.process_group, self.rank)
+        reduction = ReduceToOwners(layout, self.process_group, self.rank, self.comm)
         reduction.launch([p.grad for p in layout.params])
         for p in layout.params:
             p.grad = None

@@ -1,0 +1,502 @@
+"""An opt-in transport through host shared memory, for ranks that run on one host.
+
+gloo moves bytes between processes of one host through TCP loopback: the kernel copies every
+byte and the protocol work competes with training for the same cores. A
+:class:`SharedMemoryTransport` instead moves each collective through a small ring of
+fixed-size *slots* in memory that every rank of the group maps::
+
+    model = FullyShardedDataParallel(model, comm=SharedMemoryTransport())
+    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, comm=SharedMemoryTransport())
+
+It is never chosen for you: the default is the process group's own collectives
+(:mod:`shardkit.transport`). Parameters are never shared between processes: the slots hold
+copies in flight only.
+
+How it works. The memory is anonymous (``memfd_create``) and passed between processes through
+``/proc/<pid>/fd``, so nothing is ever created in ``/dev/shm`` and the kernel frees it when the
+last rank exits, however it exits. A collective runs as *rounds*, one per slot-sized piece; in
+a round each rank writes its piece and a header (op, total bytes, dtype, sequence number) into
+its part of the next slot, publishes the sequence number with an atomic store, waits until
+every rank has published, checks that every header matches its own (ranks that issued different
+collectives get an error naming both, never wrong data), reads what it needs, and marks the
+slot done. A slot is reused only when every rank has marked it done. The counters are
+sequentially consistent atomics from the ``atomics`` library, which also order the plain data
+writes before them. Operations run in issue order on one background thread per group, so they
+overlap with compute like the process group's asynchronous collectives.
+
+Failures: a rank waiting on a peer notices within half a second that the peer's process has
+exited and raises naming it; otherwise ``timeout_s`` bounds every wait. After an error the
+transport is broken and every later operation raises the same error.
+
+Memory: ``3 x N x part_bytes`` (default 2 MiB per part: 12 MiB at world 2) plus a page of
+control per group, for the life of the process, whatever the model's size; reported by
+:meth:`footprint_tensors` and counted by ``model_state_bytes`` under ``"transport"``.
+Communication: none on the network; ``CommCounter`` records each op with the bytes this rank
+writes for its peers (e.g. an all-gather: its input, once, ``1/(N-1)`` of the ring algorithm's
+wire bytes since every peer reads the same copy).
+
+When it cannot be used (ranks on different hosts or pid namespaces, no ``memfd_create``, a
+world of one), :meth:`prepare` warns once and the group's operations use the process group.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import secrets
+import threading
+import time
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from shardkit import distributed as skdist
+from shardkit.transport import CommHandle, ProcessGroupTransport, Transport
+
+__all__ = ["SharedMemoryTransport", "TransportError", "NUM_SLOTS"]
+
+NUM_SLOTS = 3
+_CONTROL_BYTES = 4096  # token page
+_HEADER_FIELDS = 4  # generation, op code, total bytes, dtype code
+_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+           torch.int32, torch.int8, torch.uint8, torch.bool)
+_LIVENESS_PERIOD_S = 0.25
+
+
+class TransportError(RuntimeError):
+    """A shared-memory collective failed: a peer exited, timed out, or issued another op."""
+
+
+class SharedMemoryTransport(Transport):
+    """Collectives through a ring of shared-memory slots (see the module docstring).
+
+    Args:
+        part_bytes: bytes each rank writes per round (the slot is ``N`` parts); a collective of
+            ``B`` bytes per rank takes ``ceil(B / part_bytes)`` rounds.
+        timeout_s: longest wait for a peer before raising (a dead peer is noticed sooner).
+
+    Memory: ``NUM_SLOTS x N x part_bytes`` per group, fixed. Communication: none on the wire.
+    """
+
+    name = "shared_memory"
+
+    def __init__(self, part_bytes: int = 2 << 20, timeout_s: float = 300.0):
+        if not isinstance(part_bytes, int) or part_bytes < 4096 or part_bytes % 64:
+            raise ValueError(f"SharedMemoryTransport(part_bytes={part_bytes!r}): must be an int "
+                             f">= 4096 and a multiple of 64")
+        if not timeout_s > 0:
+            raise ValueError(f"SharedMemoryTransport(timeout_s={timeout_s!r}): must be > 0")
+        self.part_bytes = part_bytes
+        self.timeout_s = float(timeout_s)
+        self._rings: dict = {}  # id(group object) -> (group object, _Ring or None)
+        self._fallback = ProcessGroupTransport()
+        self._warned = False
+
+    # ------------------------------------------------------------------ set-up
+
+    def prepare(self, group) -> None:
+        """Map the ring for ``group`` (collective: three small object collectives), or decide
+        on every rank alike to fall back to the process group, warning once."""
+        resolved = group if group is not None else torch.distributed.group.WORLD
+        if id(resolved) in self._rings:
+            return
+        ring, why = _Ring.open(group, self.part_bytes, self.timeout_s)
+        self._rings[id(resolved)] = (resolved, ring)
+        if ring is None and not self._warned:
+            self._warned = True
+            warnings.warn(f"SharedMemoryTransport: {why}; these collectives use the process "
+                          f"group's own backend instead", RuntimeWarning, stacklevel=3)
+
+    def _ring(self, group) -> Optional["_Ring"]:
+        resolved = group if group is not None else torch.distributed.group.WORLD
+        entry = self._rings.get(id(resolved))
+        if entry is None:
+            raise RuntimeError("SharedMemoryTransport: used on a process group it was not "
+                               "prepared for; the wrapper must call transport.prepare(group) "
+                               "on every rank at construction")
+        return entry[1]
+
+    def describe(self, group=None) -> str:
+        resolved = group if group is not None else torch.distributed.group.WORLD
+        entry = self._rings.get(id(resolved))
+        if entry is not None and entry[1] is None:
+            return f"process group ({skdist.backend_of(group)}; shared memory unavailable)"
+        return "shared memory"
+
+    def footprint_tensors(self) -> list[torch.Tensor]:
+        return [ring.memory for _g, ring in self._rings.values() if ring is not None]
+
+    def close(self) -> None:
+        for _g, ring in self._rings.values():
+            if ring is not None:
+                ring.stop()
+        self._rings.clear()
+
+    # ------------------------------------------------------------------ operations
+
+    def all_gather(self, output, input, group):
+        ring = self._ring(group)
+        if ring is None:
+            return self._fallback.all_gather(output, input, group)
+        n, rank = ring.world_size, ring.rank
+        if output.numel() != n * input.numel():
+            raise ValueError(f"all_gather: output has {output.numel()} elements; it must be "
+                             f"world size {n} x input's {input.numel()}")
+        numel = input.numel()
+        src, dst = input.reshape(-1), output.view(n, -1)
+
+        def write(part, lo, hi):
+            part[:hi - lo].copy_(src[lo:hi])
+
+        def read(parts, lo, hi):
+            for r in range(n):
+                if r != rank:
+                    dst[r, lo:hi].copy_(parts[r][:hi - lo])
+
+        def start():
+            if dst[rank].data_ptr() != src.data_ptr():
+                dst[rank].copy_(src)
+        skdist.record_transfer("all_gather", _nbytes(input), input.dtype, group)
+        return ring.submit("all_gather", input.dtype, numel, ring.chunk(input.dtype), write,
+                           read, start=start)
+
+    def reduce_scatter(self, input, group):
+        ring = self._ring(group)
+        if ring is None:
+            return self._fallback.reduce_scatter(input, group)
+        n, rank = ring.world_size, ring.rank
+        if input.numel() % n:
+            raise ValueError(f"reduce_scatter: input has {input.numel()} elements, not divisible "
+                             f"by world size {n}")
+        seg = input.numel() // n
+        rows = input.reshape(n, seg)
+        out = torch.empty(seg, dtype=input.dtype, device=input.device)
+        step = max(1, ring.chunk(input.dtype) // n)
+
+        def write(part, lo, hi):
+            part[:n * (hi - lo)].view(n, hi - lo).copy_(rows[:, lo:hi])
+
+        def read(parts, lo, hi):
+            k = hi - lo
+            acc = out[lo:hi]
+            acc.copy_(parts[0][rank * k:(rank + 1) * k])
+            for r in range(1, n):
+                acc.add_(parts[r][rank * k:(rank + 1) * k])
+        skdist.record_transfer("reduce_scatter", _nbytes(input) * (n - 1) // n, input.dtype,
+                               group)
+        return ring.submit("reduce_scatter", input.dtype, seg, step, write, read,
+                           result=lambda: out, total=input.numel())
+
+    def all_reduce(self, tensor, group, op=skdist.ReduceOp.SUM):
+        ring = self._ring(group)
+        if ring is None:
+            return self._fallback.all_reduce(tensor, group, op)
+        if op != skdist.ReduceOp.SUM and op != skdist.ReduceOp.MAX:
+            raise ValueError(f"SharedMemoryTransport.all_reduce(op={op}): SUM and MAX only")
+        n = ring.world_size
+        flat = tensor.view(-1)
+
+        def write(part, lo, hi):
+            part[:hi - lo].copy_(flat[lo:hi])
+
+        def read(parts, lo, hi):
+            acc = parts[0][:hi - lo].clone()
+            for r in range(1, n):
+                if op == skdist.ReduceOp.SUM:
+                    acc.add_(parts[r][:hi - lo])
+                else:
+                    torch.maximum(acc, parts[r][:hi - lo], out=acc)
+            flat[lo:hi].copy_(acc)
+        skdist.record_transfer("all_reduce", _nbytes(tensor), tensor.dtype, group)
+        return ring.submit("all_reduce", tensor.dtype, flat.numel(), ring.chunk(tensor.dtype),
+                           write, read, result=lambda: tensor)
+
+    def broadcast(self, tensor, src, group):
+        ring = self._ring(group)
+        if ring is None:
+            return self._fallback.broadcast(tensor, src, group)
+        members = [skdist.get_global_rank(group, r) for r in range(ring.world_size)]
+        if src not in members:
+            raise ValueError(f"broadcast(src={src}): not a member of the group {members}")
+        root = members.index(src)
+        flat = tensor.view(-1)
+
+        def write(part, lo, hi):
+            if ring.rank == root:
+                part[:hi - lo].copy_(flat[lo:hi])
+
+        def read(parts, lo, hi):
+            if ring.rank != root:
+                flat[lo:hi].copy_(parts[root][:hi - lo])
+        if ring.rank == root:
+            skdist.record_transfer("broadcast", _nbytes(tensor), tensor.dtype, group)
+        return ring.submit("broadcast", tensor.dtype, flat.numel(), ring.chunk(tensor.dtype),
+                           write, read, result=lambda: tensor)
+
+    def all_to_all(self, output, input, group):
+        ring = self._ring(group)
+        if ring is None:
+            return self._fallback.all_to_all(output, input, group)
+        n, rank = ring.world_size, ring.rank
+        if input.numel() != output.numel() or input.numel() % n:
+            raise ValueError(f"all_to_all: input {input.numel()} and output {output.numel()} "
+                             f"elements must be equal and divisible by world size {n}")
+        seg = input.numel() // n
+        rows_in, rows_out = input.reshape(n, seg), output.view(n, seg)
+        step = max(1, ring.chunk(input.dtype) // n)
+
+        def write(part, lo, hi):
+            part[:n * (hi - lo)].view(n, hi - lo).copy_(rows_in[:, lo:hi])
+
+        def read(parts, lo, hi):
+            k = hi - lo
+            for r in range(n):
+                rows_out[r, lo:hi].copy_(parts[r][rank * k:(rank + 1) * k])
+        skdist.record_transfer("all_to_all", _nbytes(input) * (n - 1) // n, input.dtype, group)
+        return ring.submit("all_to_all", input.dtype, seg, step, write, read,
+                           result=lambda: output, total=input.numel())
+
+
+class _Ring:
+    """One group's slots, counters and worker thread."""
+
+    def __init__(self, group, memory: torch.Tensor, view: memoryview, part_bytes: int,
+                 peers: dict, timeout_s: float):
+        import atomics  # a dependency of shardkit; imported here to keep start-up light
+
+        self.group = group
+        self.rank = skdist.get_rank(group)
+        self.world_size = n = skdist.get_world_size(group)
+        self.part_bytes = part_bytes
+        self.memory = memory
+        self.timeout_s = timeout_s
+        self._peers = peers
+        counters_at = _CONTROL_BYTES
+        headers_at = counters_at + 2 * NUM_SLOTS * n * 8
+        data_at = headers_at + NUM_SLOTS * n * _HEADER_FIELDS * 8
+        self._view = view
+        self._atomics = atomics
+        self._contexts: list = []
+        self._arrived = [[self._counter(counters_at + ((0 * NUM_SLOTS + s) * n + r) * 8)
+                          for r in range(n)] for s in range(NUM_SLOTS)]
+        self._done = [[self._counter(counters_at + ((1 * NUM_SLOTS + s) * n + r) * 8)
+                       for r in range(n)] for s in range(NUM_SLOTS)]
+        self._headers = memory[headers_at:data_at].view(torch.int64).view(
+            NUM_SLOTS, n, _HEADER_FIELDS)
+        self._data = memory[data_at:].view(NUM_SLOTS, n, part_bytes)
+        self._next_gen = 1
+        self._queue: "queue.Queue" = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._serve, daemon=True,
+                                        name=f"shardkit-shm-rank{self.rank}")
+        self._thread.start()
+
+    def _counter(self, offset: int):
+        context = self._atomics.atomicview(buffer=self._view[offset:offset + 8],
+                                           atype=self._atomics.INT)
+        self._contexts.append(context)  # it must outlive the atomic it hands out
+        return context.__enter__()
+
+    @staticmethod
+    def total_bytes(n: int, part_bytes: int) -> int:
+        return (_CONTROL_BYTES + 2 * NUM_SLOTS * n * 8 + NUM_SLOTS * n * _HEADER_FIELDS * 8
+                + NUM_SLOTS * n * part_bytes)
+
+    @classmethod
+    def open(cls, group, part_bytes: int, timeout_s: float):
+        """``(ring, None)``, or ``(None, why)`` on every rank alike. Collective."""
+        n = skdist.get_world_size(group)
+        if n == 1:
+            skdist.all_gather_object(None, group=group)
+            return None, "a group of one rank has nothing to exchange"
+        try:
+            namespace = os.readlink("/proc/self/ns/pid")
+        except OSError:
+            namespace = None
+        everyone = skdist.all_gather_object((namespace, os.getpid()), group=group)
+        size = cls.total_bytes(n, part_bytes)
+        offer, fd, mapping = None, None, None
+        if skdist.get_rank(group) == 0 and namespace is not None and \
+                all(ns == namespace for ns, _ in everyone) and hasattr(os, "memfd_create"):
+            fd, mapping, offer = _create(size)
+        leader = skdist.get_global_rank(group, 0)
+        offer = skdist.broadcast_object(offer, src=leader, group=group)
+        if offer is not None and skdist.get_rank(group) != 0:
+            mapping = _attach(offer, size)
+        ok = skdist.all_gather_object(mapping is not None, group=group)
+        if fd is not None:
+            os.close(fd)  # every rank has its mapping (or gave up): the memory lives on in them
+        if offer is None or not all(ok):
+            why = ("the ranks are not all in one pid namespace on one host" if offer is None
+                   else f"rank(s) {[r for r, good in enumerate(ok) if not good]} could not map "
+                        f"rank 0's shared memory")
+            return None, why
+        memory = torch.frombuffer(mapping, dtype=torch.uint8)
+        peers = {r: pid for r, (_ns, pid) in enumerate(everyone)}
+        return cls(group, memory, memoryview(mapping), part_bytes, peers, timeout_s), None
+
+    # ------------------------------------------------------------------ issuing
+
+    def chunk(self, dtype: torch.dtype) -> int:
+        """Elements of ``dtype`` in one part."""
+        return self.part_bytes // torch.empty((), dtype=dtype).element_size()
+
+    def submit(self, op: str, dtype: torch.dtype, numel: int, step: int,
+               write: Callable, read: Callable, result: Optional[Callable] = None,
+               start: Optional[Callable] = None, total: Optional[int] = None) -> CommHandle:
+        """Queue an operation of ``ceil(numel / step)`` rounds (at least one, so that a
+        mismatch of ops is always caught); returns its handle."""
+        if self._error is not None:
+            raise TransportError(str(self._error))
+        if dtype not in _DTYPES:
+            raise TypeError(f"SharedMemoryTransport: dtype {dtype} is not supported; valid "
+                            f"dtypes are {[str(d) for d in _DTYPES]}")
+        done = threading.Event()
+        box: dict = {}
+        total_bytes = (total if total is not None else numel) * \
+            torch.empty((), dtype=dtype).element_size()
+        header = (_OPS.index(op) + 1, total_bytes, _DTYPES.index(dtype))
+        self._queue.put((header, op, dtype, numel, step, write, read, start, done, box))
+
+        def finish():
+            done.wait()
+            if "error" in box:
+                raise box["error"]
+            return result() if result is not None else None
+        return CommHandle((), finish)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    # ------------------------------------------------------------------ worker
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            header, op, dtype, numel, step, write, read, start, done, box = item
+            try:
+                if self._error is not None:
+                    raise TransportError(str(self._error))
+                if start is not None:
+                    start()
+                offsets = range(0, max(numel, 1), step)
+                for lo in offsets:
+                    self._round(header, op, dtype, lo, min(lo + step, numel), write, read)
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
+                if self._error is None:
+                    self._error = err if isinstance(err, TransportError) else TransportError(
+                        f"shared-memory {op} failed on rank {self.rank}: {err!r}")
+                box["error"] = self._error
+            finally:
+                done.set()
+
+    def _round(self, header, op, dtype, lo, hi, write, read) -> None:
+        gen = self._next_gen
+        self._next_gen += 1
+        s = gen % NUM_SLOTS
+        if gen > NUM_SLOTS:
+            self._wait_all(self._done[s], gen - NUM_SLOTS, "release a slot")
+        parts = [self._data[s, r].view(dtype) for r in range(self.world_size)]
+        write(parts[self.rank], lo, hi)
+        self._headers[s, self.rank].copy_(torch.tensor((gen, *header), dtype=torch.int64))
+        self._arrived[s][self.rank].store(gen)
+        self._wait_all(self._arrived[s], gen, "arrive")
+        self._check_headers(s, gen, header)
+        read(parts, lo, hi)
+        self._done[s][self.rank].store(gen)
+
+    def _check_headers(self, s: int, gen: int, mine) -> None:
+        rows = self._headers[s].tolist()
+        for r, (their_gen, *theirs) in enumerate(rows):
+            if their_gen != gen or tuple(theirs) != tuple(mine):
+                raise TransportError(
+                    f"shared-memory collectives diverged at round {gen}: rank {self.rank} issued "
+                    f"{_describe(mine)}, rank {r} issued {_describe(theirs)}; every rank must "
+                    f"issue the same collectives in the same order")
+
+    def _wait_all(self, counters, gen: int, what: str) -> None:
+        start = time.monotonic()
+        checked = start
+        spins = 0
+        while True:
+            late = [r for r, c in enumerate(counters) if c.load() < gen]
+            if not late:
+                return
+            spins += 1
+            time.sleep(0 if spins < 200 else 5e-5 if spins < 2000 else 5e-4)
+            now = time.monotonic()
+            if now - checked > _LIVENESS_PERIOD_S:
+                checked = now
+                dead = [r for r in late if not _alive(self._peers.get(r))]
+                if dead:
+                    raise TransportError(
+                        f"shared-memory collective on rank {self.rank}: rank(s) {dead} (pid "
+                        f"{[self._peers[r] for r in dead]}) exited before they could {what}")
+            if now - start > self.timeout_s:
+                raise TransportError(
+                    f"shared-memory collective on rank {self.rank}: rank(s) {late} did not "
+                    f"{what} within {self.timeout_s:.0f} s (timeout_s sets the limit)")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _describe(header) -> str:
+    code, nbytes, dtype = header
+    op = _OPS[code - 1] if 1 <= code <= len(_OPS) else f"op #{code}"
+    kind = _DTYPES[dtype] if 0 <= dtype < len(_DTYPES) else f"dtype #{dtype}"
+    return f"{op} of {nbytes} bytes of {kind}"
+
+
+def _create(size: int):
+    """On the group's rank 0: an anonymous shared mapping and the offer the peers need to map
+    it (pid, fd, token); ``(None, None, None)`` if it cannot."""
+    try:
+        fd = os.memfd_create("shardkit-transport", os.MFD_CLOEXEC)
+    except OSError:
+        return None, None, None
+    try:
+        os.ftruncate(fd, size)
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError:
+        os.close(fd)
+        return None, None, None
+    token = secrets.token_bytes(32)
+    mapping[:32] = token
+    return fd, mapping, (os.getpid(), fd, token)
+
+
+def _attach(offer, size: int):
+    """On the other ranks: map rank 0's memory through ``/proc``, if its token is there."""
+    pid, fd, token = offer
+    try:
+        local = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        mapping = mmap.mmap(local, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(local)
+    if mapping[:32] != token:
+        mapping.close()
+        return None
+    return mapping
+
+
+def _alive(pid: Optional[int]) -> bool:
+    if pid is None:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")

@@ -1,0 +1,259 @@
+"""How the wrappers' collectives travel: one small interface, the process group by default.
+
+Every collective OSS, ShardedDataParallel and FullyShardedDataParallel issue for their data goes
+through a :class:`Transport` (the wrapper's ``comm=`` argument). The interface has the handful
+of operations the wrappers need, each asynchronous, returning a :class:`CommHandle` whose
+:meth:`~CommHandle.wait` finishes the operation and returns its result:
+
+=====================================  ====================================================
+``all_gather(output, input, group)``   every rank's ``input`` into ``output`` (rank-major)
+``all_gather_chunks(fulls, chunks)``   rank ``r``'s ``chunks[i]`` into rows ``r`` of ``fulls[i]``
+``reduce_scatter(input, group)``       sum of the ranks' rank-major ``input``, this rank's part
+``reduce_to_owners(segments, group)``  ``segments[r]`` summed over ranks, onto rank ``r``
+``broadcast(tensor, src, group)``      rank ``src``'s tensor everywhere (in place)
+``all_reduce(tensor, group, op)``      in place
+``all_to_all(output, input, group)``   chunk ``j`` of ``input`` to rank ``j``
+=====================================  ====================================================
+
+:class:`ProcessGroupTransport` (the default, :func:`default_transport`) runs them as
+``torch.distributed`` collectives on the group's own backend: NCCL on GPUs, gloo on CPU. The
+transport, not the wrapper, picks the algorithm for the backend: on gloo, whose all-gather copies
+its output through a temporary and whose reduce-scatter runs synchronously, an all-gather is one
+batch of sends/receives straight into the destination and a reduce-scatter one ``all_to_all``
+plus a local sum (the ring algorithms' bytes either way); on NCCL they are the native
+collectives. :class:`~shardkit.shm_transport.SharedMemoryTransport` is an opt-in plugin with the
+same interface for ranks on one host.
+
+``CommCounter`` records each operation under the name of the operation asked for
+(``all_gather``, ``reduce_scatter``, ...) with the bytes the transport really puts on the wire.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from shardkit import distributed as skdist
+from shardkit.kernels import unpack_rank_major
+
+__all__ = ["CommHandle", "Transport", "ProcessGroupTransport", "default_transport",
+           "resolve_transport"]
+
+
+class CommHandle:
+    """An operation in flight: :meth:`wait` finishes it and returns its result (idempotent)."""
+
+    def __init__(self, works: Sequence = (), finish: Optional[Callable] = None):
+        self._works = [w for w in works if w is not None]
+        self._finish = finish
+        self._done = False
+        self._result = None
+
+    def wait(self):
+        if not self._done:
+            for work in self._works:
+                work.wait()
+            self._works = []
+            self._result = self._finish() if self._finish is not None else None
+            self._done = True
+        return self._result
+
+
+class Transport:
+    """The collectives a wrapper needs (see the module docstring); subclass to plug in another
+    way of moving the bytes. Every method is asynchronous and must be called by every rank of
+    ``group`` in the same order with the same sizes and dtypes.
+
+    :meth:`prepare` is called by each wrapper at construction, on every rank, for each group it
+    will use: a transport that needs a collective set-up does it there, never inside a step.
+    """
+
+    name = "abstract"
+
+    def prepare(self, group) -> None:
+        """Collective set-up for ``group`` (nothing for the process-group transport)."""
+
+    def describe(self, group=None) -> str:
+        """What carries the bytes for ``group``, for logs and benchmark rows."""
+        return self.name
+
+    def footprint_tensors(self) -> list[torch.Tensor]:
+        """Buffers the transport holds for the life of the process (counted by
+        :func:`shardkit.utils.memory.model_state_bytes` under ``"transport"``)."""
+        return []
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group) -> CommHandle:
+        raise NotImplementedError
+
+    def all_gather_chunks(self, fulls: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor],
+                          group) -> CommHandle:
+        """Fill each flat ``fulls[i]`` with every rank's rows: rank ``r``'s ``chunks[i]`` lands
+        at elements ``[r*c, (r+1)*c)`` (``c = chunks[i].numel()``), cut at ``fulls[i]``'s end.
+        Default: one rank-major :meth:`all_gather` into a scratch buffer, then unpacked."""
+        n = skdist.get_world_size(group)
+        shard = torch.cat([c.reshape(-1) for c in chunks]) if len(chunks) != 1 else \
+            chunks[0].reshape(-1)
+        scratch = torch.empty(n * shard.numel(), dtype=shard.dtype, device=shard.device)
+        inner = self.all_gather(scratch, shard, group)
+        numels = [c.numel() for c in chunks]
+
+        def finish():
+            inner.wait()
+            unpack_rank_major(scratch, n, list(fulls), chunk_numels=numels)
+        return CommHandle((), finish)
+
+    def reduce_scatter(self, input: torch.Tensor, group) -> CommHandle:
+        raise NotImplementedError
+
+    def reduce_to_owners(self, segments: Sequence[Optional[torch.Tensor]], group) -> CommHandle:
+        """Sum ``segments[r]`` over ranks onto rank ``r`` (segments may differ in size, and be
+        ``None`` where rank ``r`` owns nothing; every rank passes the same sizes). ``wait``
+        returns this rank's summed segment (``None`` if it has none). Default: pad to the
+        largest segment and :meth:`reduce_scatter`."""
+        n, rank = skdist.get_world_size(group), skdist.get_rank(group)
+        sizes = [0 if s is None else s.numel() for s in segments]
+        ref = next(s for s in segments if s is not None)
+        width = max(sizes)
+        packed = torch.zeros(n, width, dtype=ref.dtype, device=ref.device)
+        for r, s in enumerate(segments):
+            if s is not None:
+                packed[r, :s.numel()].copy_(s.reshape(-1))
+        inner = self.reduce_scatter(packed.view(-1), group)
+        mine = sizes[rank]
+        return CommHandle((), lambda: inner.wait()[:mine] if mine else None)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group) -> CommHandle:
+        """``src`` is the global rank."""
+        raise NotImplementedError
+
+    def all_reduce(self, tensor: torch.Tensor, group, op=skdist.ReduceOp.SUM) -> CommHandle:
+        raise NotImplementedError
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group) -> CommHandle:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the transport holds (idempotent)."""
+
+
+class ProcessGroupTransport(Transport):
+    """The process group's own collectives (gloo on CPU, NCCL on GPU): the default.
+
+    Memory: nothing held between operations; a reduce-scatter on gloo holds one extra buffer of
+    the input's size until it completes. Wire per rank: the ring algorithms' bytes (DESIGN.md):
+    all-gather and reduce-scatter ``(N-1)/N`` of the full buffer, all-reduce twice that.
+    """
+
+    name = "process_group"
+
+    def describe(self, group=None) -> str:
+        return f"process group ({skdist.backend_of(group)})"
+
+    def all_gather(self, output, input, group):
+        n, rank = skdist.get_world_size(group), skdist.get_rank(group)
+        if output.numel() != n * input.numel():
+            raise ValueError(f"all_gather: output has {output.numel()} elements; it must be "
+                             f"world size {n} x input's {input.numel()}")
+        if not _uses_point_to_point(group):
+            return CommHandle([skdist.all_gather_into_tensor(output, input, group=group,
+                                                             async_op=True)])
+        segments = output.view(n, -1)
+        if segments[rank].data_ptr() != input.data_ptr():
+            segments[rank].copy_(input)
+        ops = []
+        for peer in range(n):
+            if peer != rank:
+                global_peer = skdist.get_global_rank(group, peer)
+                ops.append(skdist.P2POp("send", segments[rank], global_peer, group))
+                ops.append(skdist.P2POp("recv", segments[peer], global_peer, group))
+        return CommHandle(skdist.batch_isend_irecv(ops, counted_as="all_gather"))
+
+    def all_gather_chunks(self, fulls, chunks, group):
+        if not _uses_point_to_point(group):
+            return super().all_gather_chunks(fulls, chunks, group)
+        # Note: on gloo each rank sends the valid part of its chunk of every tensor straight
+        # into the peers' full tensors: no scratch buffer, no unpacking copy, no padding sent.
+        n, rank = skdist.get_world_size(group), skdist.get_rank(group)
+        peers = [skdist.get_global_rank(group, r) for r in range(n) if r != rank]
+        ops = []
+        for full, chunk in zip(fulls, chunks):
+            c = chunk.numel()
+            for r in range(n):
+                lo, hi = r * c, min((r + 1) * c, full.numel())
+                if hi <= lo:
+                    continue
+                if r == rank:
+                    full[lo:hi].copy_(chunk.reshape(-1)[:hi - lo])
+                    ops.extend(skdist.P2POp("send", chunk.reshape(-1)[:hi - lo], peer, group)
+                               for peer in peers)
+                else:
+                    ops.append(skdist.P2POp("recv", full[lo:hi],
+                                            skdist.get_global_rank(group, r), group))
+        return CommHandle(skdist.batch_isend_irecv(ops, counted_as="all_gather"))
+
+    def reduce_scatter(self, input, group):
+        n = skdist.get_world_size(group)
+        if input.numel() % n:
+            raise ValueError(f"reduce_scatter: input has {input.numel()} elements, not divisible "
+                             f"by world size {n}")
+        segment = input.numel() // n
+        if not _uses_point_to_point(group):
+            out = torch.empty(segment, dtype=input.dtype, device=input.device)
+            work = skdist.reduce_scatter_tensor(out, input, group=group, async_op=True)
+            return CommHandle([work], lambda: out)
+        received = torch.empty_like(input)
+        work = skdist.all_to_all_single(received, input, group=group, async_op=True,
+                                        counted_as="reduce_scatter")
+        return CommHandle([work], lambda: received.view(n, segment).sum(0))
+
+    def reduce_to_owners(self, segments, group):
+        # Note: one reduce per owner sends exactly each segment (no padding); NCCL's
+        # reduce-scatter is faster when the segments are about equal, so it is used there.
+        sizes = [0 if s is None else s.numel() for s in segments]
+        if not _uses_point_to_point(group) and max(sizes) * len(sizes) <= 1.1 * sum(sizes):
+            return super().reduce_to_owners(segments, group)
+        rank = skdist.get_rank(group)
+        works = []
+        for r, s in enumerate(segments):
+            if s is not None and s.numel():
+                works.append(skdist.reduce(s, dst=skdist.get_global_rank(group, r),
+                                           group=group, async_op=True))
+        mine = segments[rank]
+        return CommHandle(works, lambda: mine)
+
+    def broadcast(self, tensor, src, group):
+        return CommHandle([skdist.broadcast(tensor, src=src, group=group, async_op=True)])
+
+    def all_reduce(self, tensor, group, op=skdist.ReduceOp.SUM):
+        return CommHandle([skdist.all_reduce(tensor, op=op, group=group, async_op=True)],
+                          lambda: tensor)
+
+    def all_to_all(self, output, input, group):
+        return CommHandle([skdist.all_to_all_single(output, input, group=group, async_op=True)],
+                          lambda: output)
+
+
+def _uses_point_to_point(group) -> bool:
+    """gloo's all-gather copies its output through a temporary and its reduce-scatter runs
+    synchronously in the caller (measured 2-4x slower than sends of the same bytes here)."""
+    return skdist.backend_of(group) == "gloo" and skdist.get_world_size(group) > 1
+
+
+_DEFAULT = ProcessGroupTransport()
+
+
+def default_transport() -> ProcessGroupTransport:
+    """The process-group transport every wrapper uses unless given ``comm=``."""
+    return _DEFAULT
+
+
+def resolve_transport(comm, what: str) -> Transport:
+    """``comm`` checked: ``None`` (the default transport) or a :class:`Transport`."""
+    if comm is None:
+        return _DEFAULT
+    if not isinstance(comm, Transport):
+        raise TypeError(f"{what}(comm={comm!r}): expected None (the process group's own "
+                        f"collectives) or a shardkit.transport.Transport such as "
+                        f"ProcessGroupTransport() or SharedMemoryTransport()")
+    return comm
