@@ -369,7 +369,13 @@ class _Ring:
         return CommHandle((), finish)
 
     def stop(self) -> None:
+        """Finish what is queued, stop the worker and release the counters' views."""
         self._queue.put(None)
+        self._thread.join(timeout=self.timeout_s)
+        if not self._thread.is_alive():
+            for context in self._contexts:
+                context.__exit__(None, None, None)
+            self._contexts = []
 
     # ------------------------------------------------------------------ worker
 

@@ -186,6 +186,8 @@ class World:
                 pass
         time.sleep(0.5 if hung else 0)
         parts = []
+        for r in sorted(results):  # what the surviving ranks returned (e.g. an error they caught)
+            parts.append(f"--- rank {r} returned:\n{results[r]!r}")
         for r in sorted(failures):
             parts.append(f"--- rank {r} raised:\n{failures[r]}")
         for r in hung:

@@ -1,0 +1,258 @@
+"""The transports behind the wrappers' collectives: the process group (default) and the opt-in
+shared-memory plugin. Results against plain torch.distributed, CommCounter records, mismatched
+ops, dead peers (mid-operation and mid-setup), fixed footprint, nothing left behind."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from shardkit import distributed as skdist
+from shardkit.testing import World, world_fixture
+from shardkit.transport import ProcessGroupTransport, Transport, resolve_transport
+
+world2 = world_fixture(2)
+world4 = world_fixture(4)
+
+
+def _make(kind, **kw):
+    if kind == "shared_memory":
+        from shardkit.shm_transport import SharedMemoryTransport
+        return SharedMemoryTransport(part_bytes=kw.get("part_bytes", 4096))
+    return ProcessGroupTransport()
+
+
+def _every_op(kind):
+    """Each operation of the interface, sizes that take several rounds and odd remainders,
+    fp32 and bf16, compared with the exact result; plus what CommCounter recorded."""
+    t = _make(kind)
+    t.prepare(None)
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        numel = 3001  # not a multiple of a part
+        mine = (torch.arange(numel) % 97 + rank).to(dtype)
+        every = [(torch.arange(numel) % 97 + r).to(dtype) for r in range(n)]
+        gathered = torch.empty(n * numel, dtype=dtype)
+        with skdist.CommCounter() as c:
+            t.all_gather(gathered, mine, None).wait()
+        out[f"all_gather_{dtype}"] = (torch.equal(gathered, torch.cat(every)), c.calls_by_op,
+                                      c.bytes)
+        packed = torch.cat([(torch.arange(numel) % 13 * (r + 1) + rank).to(dtype)
+                            for r in range(n)])
+        expect = sum((torch.arange(numel) % 13 * (rank + 1) + q).double() for q in range(n))
+        with skdist.CommCounter() as c:
+            got = t.reduce_scatter(packed, None).wait()
+        out[f"reduce_scatter_{dtype}"] = (torch.allclose(got.double(), expect, rtol=1e-2),
+                                          c.calls_by_op, c.bytes)
+        tensor = torch.full((5000,), float(rank + 1), dtype=dtype)
+        t.all_reduce(tensor, None).wait()
+        out[f"all_reduce_{dtype}"] = bool((tensor == n * (n + 1) / 2).all())
+        b = torch.full((4099,), float(rank), dtype=dtype)
+        t.broadcast(b, n - 1, None).wait()
+        out[f"broadcast_{dtype}"] = bool((b == n - 1).all())
+        a2a_in = torch.cat([torch.full((700,), float(10 * rank + j), dtype=dtype)
+                            for j in range(n)])
+        a2a_out = torch.empty_like(a2a_in)
+        t.all_to_all(a2a_out, a2a_in, None).wait()
+        out[f"all_to_all_{dtype}"] = all(bool((a2a_out[j * 700:(j + 1) * 700] == 10 * j + rank)
+                                              .all()) for j in range(n))
+    segs = [torch.full((7 + 3 * r,), float(rank + 1)) if r != 1 else None for r in range(n)]
+    own = t.reduce_to_owners(segs, None).wait()
+    out["reduce_to_owners"] = None if own is None else (own.numel(), own[0].item())
+    fulls = [torch.empty(10), torch.empty(5)]
+    chunks = [torch.arange(5.) + 100 * rank, torch.arange(3.) + 100 * rank]  # 5 rows, 3 per rank
+    t.all_gather_chunks([f[:5 * n] if i == 0 else f for i, f in enumerate(fulls)]
+                        if n == 2 else [torch.empty(5 * n), torch.empty(5)], chunks, None).wait()
+    if n == 2:
+        out["chunks"] = (fulls[0].tolist(), fulls[1].tolist())
+    return out
+
+
+@pytest.mark.parametrize("kind", ["process_group", "shared_memory"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_operation_is_exact(world2, world4, kind, n):
+    world = world2 if n == 2 else world4
+    for rank, r in enumerate(world.run(_every_op, kind)):
+        for key, value in r.items():
+            if key.startswith(("all_reduce", "broadcast", "all_to_all")):
+                assert value, key
+            elif key.startswith(("all_gather", "reduce_scatter")):
+                assert value[0], key
+                op = key.rsplit("_", 1)[0]
+                assert value[1] == {op: 1}, (key, value)  # one record, under the op asked for
+        if rank == 1:
+            assert r["reduce_to_owners"] is None
+        else:
+            assert r["reduce_to_owners"] == (7 + 3 * rank, n * (n + 1) / 2)
+        if n == 2:
+            assert r["chunks"] == ([0, 1, 2, 3, 4, 100, 101, 102, 103, 104],
+                                   [0, 1, 2, 100, 101])
+
+
+def test_bytes_recorded_are_what_moves(world2):
+    r = world2.run(_every_op, "process_group")[0]
+    numel, fp32 = 3001, 4
+    # gloo: the gather is one batch of sends of this rank's input to its peer
+    assert r["all_gather_torch.float32"][2] == numel * fp32
+    # the reduce-scatter is an all_to_all: (N-1)/N of the input
+    assert r["reduce_scatter_torch.float32"][2] == numel * fp32
+    shm = world2.run(_every_op, "shared_memory")[0]
+    assert shm["all_gather_torch.float32"][2] == numel * fp32  # written once, read by the peer
+
+
+def test_resolve_transport_rejects_non_transports():
+    assert isinstance(resolve_transport(None, "X"), ProcessGroupTransport)
+    with pytest.raises(TypeError, match=r"X\(comm='nccl'\)"):
+        resolve_transport("nccl", "X")
+    assert isinstance(_make("process_group"), Transport)
+
+
+# ---------------------------------------------------------------- mismatched operations
+
+
+def _mismatched_ops():
+    t = _make("shared_memory")
+    t.prepare(None)
+    x = torch.ones(64)
+    try:
+        if skdist.get_rank() == 0:
+            t.all_gather(torch.empty(128), x, None).wait()
+        else:
+            t.reduce_scatter(torch.ones(128), None).wait()
+    except RuntimeError as err:
+        # the transport is broken from then on: a later op fails at once with the same error
+        try:
+            t.all_reduce(torch.ones(4), None).wait()
+        except RuntimeError as again:
+            return str(err), str(again) == str(err)
+    return "no error", False
+
+
+def test_mismatched_operations_raise_on_every_rank_naming_both(world2):
+    for message, sticky in world2.run(_mismatched_ops):
+        assert "all_gather of 256 bytes of torch.float32" in message, message
+        assert "reduce_scatter of 512 bytes of torch.float32" in message, message
+        assert sticky
+
+
+# ---------------------------------------------------------------- footprint and fallback
+
+
+def _footprint():
+    from shardkit.shm_transport import SharedMemoryTransport
+    sizes = []
+    for part in (4096, 1 << 16):
+        t = SharedMemoryTransport(part_bytes=part)
+        t.prepare(None)
+        sizes.append(sum(x.numel() for x in t.footprint_tensors()))
+        t.all_gather(torch.empty(2 * 100_000), torch.ones(100_000), None).wait()  # big op
+        sizes.append(sum(x.numel() for x in t.footprint_tensors()))  # no growth
+        t.close()
+    maps = open("/proc/self/maps").read()
+    return sizes, "/dev/shm/shardkit" in maps, "memfd:shardkit-transport" in maps
+
+
+def test_footprint_is_fixed_and_nothing_lives_in_dev_shm(world2):
+    for sizes, in_dev_shm, memfd in world2.run(_footprint):
+        small, small_after, big, big_after = sizes
+        assert small == small_after and big == big_after
+        assert 3 * 2 * 4096 <= small <= 3 * 2 * 4096 + 8192
+        assert 3 * 2 * (1 << 16) <= big <= 3 * 2 * (1 << 16) + 8192
+        assert not in_dev_shm  # this rank maps no file of shardkit's from /dev/shm
+        assert memfd
+
+
+def _fallback_warns_once():
+    import warnings
+    from shardkit.shm_transport import SharedMemoryTransport
+    t = SharedMemoryTransport()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.prepare(None)
+        other = skdist.new_group([0])
+        t.prepare(other)
+    x = torch.arange(4.)
+    out = torch.empty(4)
+    t.all_gather(out, x, None).wait()  # a world of one: through the process group
+    return [str(w.message) for w in caught], torch.equal(out, x), t.describe(None)
+
+
+def test_unusable_shared_memory_warns_once_and_falls_back():
+    with World(1) as world:
+        messages, correct, described = world.run(_fallback_warns_once)[0]
+    assert len(messages) == 1 and "process group" in messages[0], messages
+    assert correct
+    assert "shared memory unavailable" in described
+
+
+# ---------------------------------------------------------------- dead peers
+
+
+def _killed_mid_step(kind):
+    """Rank 1 SIGKILLs itself inside the second FSDP forward; rank 0 must raise quickly."""
+    from shardkit.models import MLP
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
+    comm = _make(kind, part_bytes=1 << 16)
+    model = FSDP(auto_wrap(MLP(64, 4, seed=0), transformer_auto_wrap_policy({torch.nn.Linear}),
+                           comm=comm), comm=comm)
+    calls = []
+
+    def maybe_die(module, args):
+        calls.append(1)
+        if skdist.get_rank() == 1 and len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears[2].register_forward_pre_hook(maybe_die)  # inside the third unit's forward
+    start = time.monotonic()
+    try:
+        for _ in range(4):
+            model(torch.randn(2, 64)).sum().backward()
+    except Exception as err:  # noqa: BLE001 - what the survivor sees
+        return f"{type(err).__name__}: {err}", time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def _killed_mid_setup():
+    """Rank 1 SIGKILLs itself while mapping rank 0's shared memory."""
+    from shardkit import shm_transport
+    if skdist.get_rank() == 1:
+        shm_transport._attach = lambda offer, size: os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        _make("shared_memory").prepare(None)
+    except Exception as err:  # noqa: BLE001
+        maps = open("/proc/self/maps").read()
+        return f"{type(err).__name__}: {err}", time.monotonic() - start, \
+            "/dev/shm/shardkit" in maps
+    return "no error", time.monotonic() - start, False
+
+
+def _survivor_report(fn, *args) -> str:
+    """Run ``fn`` in a fresh world of 2 in which rank 1 is killed; return the harness's report,
+    which holds what rank 0 returned (it has 5 s after rank 1's death to do so)."""
+    with World(2, timeout=120) as world:
+        with pytest.raises(Exception) as info:
+            world.run(fn, *args)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["process_group", "shared_memory"])
+def test_a_rank_killed_mid_step_is_an_error_on_its_peer(kind):
+    text = _survivor_report(_killed_mid_step, kind)
+    assert "rank 1 exited with code -9" in text, text
+    assert "--- rank 0 returned" in text, text  # rank 0 raised and returned, no hang
+    survivor = text.split("--- rank 0 returned:")[1].split("--- rank 1")[0]
+    assert "no error" not in survivor, survivor
+    if kind == "shared_memory":
+        assert "rank(s) [1]" in survivor and "exited" in survivor, survivor
+
+
+def test_a_rank_killed_mid_setup_is_an_error_on_its_peer():
+    text = _survivor_report(_killed_mid_setup)
+    assert "rank 1 exited with code -9" in text, text
+    survivor = text.split("--- rank 0 returned:")[1].split("--- rank 1")[0]
+    assert "no error" not in survivor and "True)" not in survivor, survivor
