@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch.nn as nn
 
 __all__ = ["auto_wrap", "enable_wrap", "wrap", "default_auto_wrap_policy",
-           "transformer_auto_wrap_policy", "size_based_auto_wrap_policy"]
+           "config_auto_wrap_policy", "transformer_auto_wrap_policy",
+           "size_based_auto_wrap_policy"]
 
 _wrap_contexts: list[tuple[type, dict, Optional[Callable]]] = []
 
@@ -71,6 +72,14 @@ default_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}
 
 
 size_based_auto_wrap_policy = default_auto_wrap_policy  # torch's name for the same rule
+
+
+def config_auto_wrap_policy(module: nn.Module = None, recurse: bool = None,
+                            unwrapped_params: Optional[int] = None,
+                            module_is_root: Optional[bool] = None, **_ignored) -> bool:
+    """Wrap exactly the modules that carry a ``wrapper_config`` attribute (FairScale's policy
+    for tagging units by hand, possibly over several passes); always look inside."""
+    return True if recurse else hasattr(module, "wrapper_config")
 
 
 def transformer_auto_wrap_policy(transformer_layer_cls=None, module: nn.Module = None,
@@ -132,21 +141,29 @@ def _check_policy(policy, what: str) -> None:
                          f"policy(module=, recurse=, unwrapped_params=)")
 
 
-def _current_wrapper(overrides: dict) -> Optional[tuple[type, dict, Optional[Callable]]]:
-    if not _wrap_contexts:
-        return None
-    cls, kwargs, policy = _wrap_contexts[-1]
-    return cls, {**kwargs, **overrides}, policy
+def _current_wrapper() -> Optional[tuple[type, dict, Optional[Callable]]]:
+    return _wrap_contexts[-1] if _wrap_contexts else None
+
+
+def _wrap_one(module: nn.Module, wrapper_cls, context_kwargs: dict, overrides: dict):
+    """``wrapper_cls(module, ...)`` with the context's kwargs, then the module's own
+    ``wrapper_config`` dict (FairScale's per-module settings), then ``overrides``."""
+    own = getattr(module, "wrapper_config", None) or {}
+    if not isinstance(own, dict):
+        raise ValueError(f"{type(module).__name__}.wrapper_config={own!r}: expected a dict of "
+                         f"wrapper keyword arguments")
+    return wrapper_cls(module, **{**context_kwargs, **own, **overrides})
 
 
 def wrap(module: nn.Module, **wrap_overrides) -> nn.Module:
-    """Inside :func:`enable_wrap`, wrap ``module`` (overrides beat the context's kwargs);
+    """Inside :func:`enable_wrap`, wrap ``module`` (the context's kwargs, overridden by the
+    module's ``wrapper_config`` dict if it has one, overridden by ``wrap_overrides``);
     outside, return it unchanged (FairScale semantics)."""
-    current = _current_wrapper(wrap_overrides)
+    current = _current_wrapper()
     if current is None:
         return module
     cls, kwargs, _ = current
-    return cls(module, **kwargs)
+    return _wrap_one(module, cls, kwargs, wrap_overrides)
 
 
 def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
@@ -155,11 +172,13 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
     policy selects it as the root (``module_is_root=True``): then the result is already a
     wrapper and needs no ``FSDP(...)`` around it.
 
-    Inside :func:`enable_wrap` the context's wrapper and kwargs are used (``wrapper_kwargs``
-    override them). .. warning:: unlike FairScale, where ``auto_wrap`` outside ``enable_wrap``
-    returns the module unchanged, shardkit wraps there too, with FullyShardedDataParallel and
-    ``wrapper_kwargs`` (so ``FSDP(auto_wrap(model, policy))`` needs no context); build an
-    unwrapped model by not calling ``auto_wrap``.
+    Inside :func:`enable_wrap` the context's wrapper and kwargs are used; a module's own
+    ``wrapper_config`` dict overrides them, and ``wrapper_kwargs`` override both.
+
+    .. warning:: unlike FairScale, where ``auto_wrap`` outside ``enable_wrap`` returns the
+        module unchanged, shardkit wraps there too, with FullyShardedDataParallel and
+        ``wrapper_kwargs`` (so ``FSDP(auto_wrap(model, policy))`` needs no context); build an
+        unwrapped model by not calling ``auto_wrap`` (:func:`wrap` does follow FairScale).
 
     The policy: ``auto_wrap_policy``, else the context's, else
     :func:`default_auto_wrap_policy`. It is called as ``policy(module=, recurse=,
@@ -170,13 +189,15 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
     if not isinstance(module, nn.Module):
         raise ValueError(f"auto_wrap(module={type(module).__name__}): expected an nn.Module")
     _check_policy(auto_wrap_policy, "auto_wrap")
-    current = _current_wrapper(wrapper_kwargs)
+    current = _current_wrapper()
     if current is None:
         from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
-        current = (FullyShardedDataParallel, dict(wrapper_kwargs), None)
-    wrapper_cls, kwargs, context_policy = current
+        current = (FullyShardedDataParallel, {}, None)
+    wrapper_cls, context_kwargs, context_policy = current
     policy = auto_wrap_policy or context_policy or default_auto_wrap_policy
-    wrapped, _ = _recursive_wrap(module, _policy_caller(policy), wrapper_cls, kwargs,
+    wrap_one = functools.partial(_wrap_one, wrapper_cls=wrapper_cls,
+                                 context_kwargs=context_kwargs, overrides=wrapper_kwargs)
+    wrapped, _ = _recursive_wrap(module, _policy_caller(policy), wrapper_cls, wrap_one,
                                  is_root=True)
     return wrapped
 
@@ -200,7 +221,7 @@ def _policy_caller(policy: Callable) -> Callable[[nn.Module, bool, int, bool], b
     return call
 
 
-def _recursive_wrap(module: nn.Module, policy, wrapper_cls, kwargs, is_root: bool):
+def _recursive_wrap(module: nn.Module, policy, wrapper_cls, wrap_one, is_root: bool):
     """Returns (module or its wrapper, number of its parameters now inside wrappers)."""
     if isinstance(module, wrapper_cls):
         return module, 0
@@ -209,10 +230,10 @@ def _recursive_wrap(module: nn.Module, policy, wrapper_cls, kwargs, is_root: boo
         return module, 0
     wrapped_numel = 0
     for name, child in list(module.named_children()):
-        new_child, numel = _recursive_wrap(child, policy, wrapper_cls, kwargs, is_root=False)
+        new_child, numel = _recursive_wrap(child, policy, wrapper_cls, wrap_one, is_root=False)
         if new_child is not child:
             setattr(module, name, new_child)
         wrapped_numel += numel
     if policy(module, False, total - wrapped_numel, is_root):
-        return wrapper_cls(module, **kwargs), total
+        return wrap_one(module), total
     return module, wrapped_numel

@@ -270,6 +270,15 @@ def test_the_same_layer_twice_is_refused():
         Pipe(nn.Sequential(conv, nn.ReLU(), conv), [3])
 
 
+def test_a_parameter_shared_across_devices_is_refused():
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    with pytest.raises(ValueError, match=r"shared by partitions 0 \(cpu\) and 1 \(meta\)"):
+        Pipe(nn.Sequential(a, b), [1, 1], devices=["cpu", "meta"])
+    pipe = Pipe(nn.Sequential(a, b), [1, 1], devices=["cpu", "cpu"])  # one device: fine
+    assert pipe[1].weight is pipe[0].weight
+
+
 def test_partitions_are_a_module_list_and_a_fairscale_checkpoint_loads():
     ref = _sequential()
     pipe = Pipe(copy.deepcopy(ref), [3, 4], chunks=2)

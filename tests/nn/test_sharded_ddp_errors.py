@@ -80,6 +80,7 @@ class Named(nn.Module):
         super().__init__()
         self.lin = nn.Linear(3, 3)
         self.greeting = "hello"
+        self.register_buffer("count", torch.zeros(1))
 
     def forward(self, x):
         return self.lin(x)
@@ -104,6 +105,9 @@ def _check_ddp_attributes_and_double_backward():
         wrapped.not_there
     except AttributeError as e:
         attrs["missing"] = str(e)
+    model.count.fill_(skdist.get_rank() + 5)
+    wrapped.sync_buffers(blocking=True)
+    attrs["synced_buffer"] = model.count.item()
     x = torch.randn(2, 3, generator=torch.Generator().manual_seed(skdist.get_rank()))
     errors = {}
     with skdist.CommCounter() as comm:
@@ -133,7 +137,7 @@ def test_ddp_attributes_forwarding_and_double_backward_error(world2):
         assert attrs["device_ids"] is None and attrs["output_device"] is None
         assert attrs["dim"] == 0 and attrs["sync"] is True and attrs["sync_inside_no_sync"] is False
         assert attrs["cap"] == 2 ** 23 and attrs["greeting"] == "hello" and attrs["twice"] == 6
-        assert attrs["lin"] and "not_there" in attrs["missing"]
+        assert attrs["lin"] and "not_there" in attrs["missing"] and attrs["synced_buffer"] == 5
         assert "double backward through the gradient reduction" in errors["create_graph"]
         assert errors["collectives"] == 0
         assert "requires grad" in errors["forward"]

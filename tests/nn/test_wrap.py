@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 from shardkit.models import GPT, Block, GPTConfig
-from shardkit.nn.wrap import (auto_wrap, default_auto_wrap_policy, enable_wrap,
+from shardkit.nn.wrap import (auto_wrap, config_auto_wrap_policy, default_auto_wrap_policy,
+                              enable_wrap,
                               size_based_auto_wrap_policy, transformer_auto_wrap_policy, wrap)
 from shardkit.testing import World
 
@@ -110,6 +111,23 @@ def test_default_policy_class_sets_and_enable_wrap_policy():
     with pytest.raises(ValueError, match="enable_wrap\\(auto_wrap_policy=3\\)"):
         with enable_wrap(wrapper_cls=Tag, auto_wrap_policy=3):
             pass
+
+
+def test_config_policy_and_wrapper_config_precedence():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    model[0].wrapper_config = {"b": 20}
+    model[2].wrapper_config = {}
+    with enable_wrap(wrapper_cls=Tag, a=1, b=2):
+        model = auto_wrap(model, config_auto_wrap_policy, c=3)
+        single = nn.Linear(2, 2)
+        single.wrapper_config = {"a": 10}
+        tagged = wrap(single, b=30)
+    assert isinstance(model[0], Tag) and isinstance(model[2], Tag)
+    assert not isinstance(model[1], Tag) and not isinstance(model, Tag)
+    # context < the module's wrapper_config < the call's own keyword arguments
+    assert model[0].kwargs == {"a": 1, "b": 20, "c": 3}
+    assert model[2].kwargs == {"a": 1, "b": 2, "c": 3}
+    assert tagged.kwargs == {"a": 10, "b": 30}
 
 
 def test_wrap_outside_and_inside_context():

@@ -192,11 +192,17 @@ class ShardedDataParallel(nn.Module):
                 p.grad for p in self._trainable if p.grad is not None)
         if self.auto_refresh_trainable and torch.is_grad_enabled() and self._plan_is_stale():
             self.refresh_trainable()
-        if self.broadcast_buffers and self.world_size > 1:
-            buffers = list(self.module.buffers())
-            if buffers:
-                self._broadcast_from_rank0(buffers)
+        if self.broadcast_buffers:
+            self.sync_buffers()
         return self.module(*inputs, **kwargs)
+
+    def sync_buffers(self, blocking: bool = False) -> None:
+        """Broadcast rank 0's module buffers (BatchNorm statistics...) to every rank, as
+        FairScale's method; ``blocking`` is accepted, the broadcast always completes before
+        returning. Collective: call on every rank. Wire: (N-1)/N of the buffers' bytes."""
+        buffers = list(self.module.buffers())
+        if buffers and self.world_size > 1:
+            self._broadcast_from_rank0(buffers)
 
     def __getattr__(self, name: str):
         """Attributes this wrapper lacks are looked up on the wrapped module (as FairScale)."""

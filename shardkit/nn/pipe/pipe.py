@@ -79,6 +79,18 @@ def _check_pipe_balance(module: nn.Sequential, balance) -> list[int]:
     return check_balance(module, balance, "Pipe")
 
 
+def _check_no_parameter_on_two_devices(stages: list, devices: list) -> None:
+    """A parameter shared by partitions on different devices cannot live on both."""
+    first_seen: dict[int, int] = {}
+    for j, stage in enumerate(stages):
+        for p in stage.parameters():
+            i = first_seen.setdefault(id(p), j)
+            if devices[i] != devices[j]:
+                raise ValueError(f"Pipe: a parameter of shape {tuple(p.shape)} is shared by "
+                                 f"partitions {i} ({devices[i]}) and {j} ({devices[j]}); shared "
+                                 f"parameters must sit on one device (adjust balance or devices)")
+
+
 def _moving_denied(call: str) -> TypeError:
     return TypeError(f"Pipe.{call}: denied, Pipe places each partition on its own device "
                      f"(devices=...); build the Pipe with the devices you want instead")
@@ -101,7 +113,8 @@ class Pipe(nn.Module):
     Args:
         module: the ``nn.Sequential`` to pipeline (its layers are moved onto ``devices``). An
             empty Sequential (with ``balance=[]``) is the identity. The same layer object twice
-            is refused (``ValueError``): it would run only once.
+            is refused (``ValueError``): it would run only once; so is a parameter shared by
+            partitions on different devices.
         balance: number of layers of each partition; must sum to ``len(module)`` (required:
             ``ValueError`` when missing; :mod:`shardkit.nn.pipe.balance` can propose one).
         devices: one device per partition (``IndexError`` when there are fewer); default:
@@ -157,10 +170,10 @@ class Pipe(nn.Module):
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
+        stages = split_sequential(module, parts) if parts else []
+        _check_no_parameter_on_two_devices(stages, self.devices)
         # Registered, so parameter names and state-dict keys are FairScale's `partitions.<j>.<name>`.
-        self.partitions = nn.ModuleList(
-            p.to(d) for p, d in zip(split_sequential(module, parts), self.devices)) \
-            if parts else nn.ModuleList()
+        self.partitions = nn.ModuleList(p.to(d) for p, d in zip(stages, self.devices))
 
     def __len__(self) -> int:
         return sum(len(p) for p in self.partitions)
