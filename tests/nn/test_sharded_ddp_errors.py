@@ -110,9 +110,9 @@ def _check_ddp_attributes_and_double_backward():
     attrs["synced_buffer"] = model.count.item()
     x = torch.randn(2, 3, generator=torch.Generator().manual_seed(skdist.get_rank()))
     errors = {}
+    loss = wrapped(x).pow(2).sum()
     with skdist.CommCounter() as comm:
         try:  # a gradient penalty: the first backward builds a graph of the gradients
-            loss = wrapped(x).pow(2).sum()
             torch.autograd.backward(loss, create_graph=True)
         except RuntimeError as e:
             errors["create_graph"] = str(e)
