@@ -326,6 +326,9 @@ def test_empty_sequential_is_the_identity():
     x = torch.randn(3, 2)
     assert pipe(x) is x and len(pipe) == 0 and list(pipe) == []
     assert pipe((x, x)) == (x, x)
+    assert pipe(torch.tensor(42)) == torch.tensor(42)  # no batch dimension needed
+    with pytest.raises(TypeError, match="tensor or a tuple of tensors"):
+        pipe(42)
 
 
 def _costly_model():

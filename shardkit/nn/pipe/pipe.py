@@ -216,10 +216,14 @@ class Pipe(nn.Module):
         returns its input."""
         packed = len(inputs) > 1 or isinstance(inputs[0], (tuple, list))
         original = inputs if len(inputs) > 1 else inputs[0]
-        inputs = as_tuple(inputs[0]) if len(inputs) == 1 else inputs
-        size = batch_size(inputs, "Pipe.forward")
+        inputs = as_tuple(inputs[0]) if len(inputs) == 1 and \
+            isinstance(inputs[0], (torch.Tensor, tuple, list)) else inputs
+        if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+            raise TypeError(f"Pipe.forward: expected a tensor or a tuple of tensors, got "
+                            f"{[type(t).__name__ for t in inputs]}")
         if not self.partitions:
             return original
+        size = batch_size(inputs, "Pipe.forward")
         batches = split_microbatches(inputs, min(self.chunks, size), "Pipe.forward")
         activations = [tuple(t.to(self.devices[0]) for t in mb) for mb in batches]
         skips = [SkipTracker() for _ in batches]
