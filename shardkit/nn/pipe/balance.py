@@ -119,7 +119,8 @@ def _synchronize(device: torch.device) -> None:
 
 def _saved_bytes(layer: nn.Module, inputs: tuple, packed: bool):
     """Run ``layer`` once; return its outputs and the bytes of the tensors autograd saved for
-    backward plus the outputs (each storage counted once)."""
+    backward plus the outputs, each storage counted once and neither the layer's parameters
+    nor its inputs (the previous layer's outputs, counted there)."""
     storages: dict[int, int] = {}
 
     def count(t: torch.Tensor) -> torch.Tensor:
@@ -129,10 +130,10 @@ def _saved_bytes(layer: nn.Module, inputs: tuple, packed: bool):
 
     with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
         outputs, packed = _call(layer, inputs, packed)
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     for t in outputs:
         count(t)
-    return outputs, packed, sum(n for ptr, n in storages.items() if ptr not in params)
+    owned = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *inputs)}
+    return outputs, packed, sum(n for ptr, n in storages.items() if ptr not in owned)
 
 
 def balance_by_size(partitions: int, module: nn.Sequential, input, *, chunks: int = 1,
