@@ -122,10 +122,9 @@ class Pipe(nn.Module):
             (FairScale: every visible GPU, none on a CPU-only machine).
         chunks: number of micro-batches, taken as ``int(chunks)``. A smaller batch runs as one
             micro-batch per sample.
-        checkpoint: (taken as ``str(checkpoint)``) ``"always"`` (recompute every micro-batch in
-            backward), ``"except_last"``
-            (all but the last, whose backward comes first) or ``"never"``. Only in training
-            mode with grad enabled.
+        checkpoint: taken as ``str(checkpoint)``: ``"always"`` (recompute every micro-batch in
+            backward), ``"except_last"`` (all but the last, whose backward comes first) or
+            ``"never"``. Only in training mode with grad enabled.
         deferred_batch_norm: replace BatchNorms by :class:`DeferredBatchNorm`, whose running
             statistics are updated once per mini-batch, as if it were unsplit.
 
