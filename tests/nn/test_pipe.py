@@ -286,8 +286,9 @@ def test_partitions_are_a_module_list_and_a_fairscale_checkpoint_loads():
     assert [n for n, _ in pipe.named_parameters()][:2] == ["partitions.0.0.weight",
                                                            "partitions.0.0.bias"]
     # a checkpoint written by FairScale's Pipe has these keys; loading it changes the weights
-    fairscale_sd = {f"partitions.{0 if int(k.split('.')[0]) < 3 else 1}.{k}": torch.full_like(v, 0.5)
-                    for k, v in ref.state_dict().items()}
+    fairscale_sd = {key: torch.full_like(v, 0.5)
+                    for key, v in zip(_pipe_keys(ref.state_dict(), [3, 4]),
+                                      ref.state_dict().values())}
     pipe.load_state_dict(fairscale_sd)
     assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in pipe.parameters())
 

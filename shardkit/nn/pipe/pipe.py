@@ -171,7 +171,7 @@ class Pipe(nn.Module):
         self.deferred_batch_norm = deferred_batch_norm
         stages = split_sequential(module, parts) if parts else []
         _check_no_parameter_on_two_devices(stages, self.devices)
-        # Registered, so parameter names and state-dict keys are FairScale's `partitions.<j>.<name>`.
+        # Registered: parameter names and state-dict keys are FairScale's `partitions.<j>.<name>`.
         self.partitions = nn.ModuleList(p.to(d) for p, d in zip(stages, self.devices))
 
     def __len__(self) -> int:
