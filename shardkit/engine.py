@@ -187,8 +187,9 @@ def compose_stage3(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineConfig)
     fsdp_kwargs = {}
     if "cpu" in (cfg.zero.offload_param_device, cfg.zero.offload_optimizer_device):
         fsdp_kwargs["move_params_to_cpu"] = True  # shards and optimizer state in CPU memory
-    wrapped = FSDP(auto_wrap(model, auto_wrap_policy=_stage3_wrap_policy(model), **fsdp_kwargs),
-                   **fsdp_kwargs)
+    wrapped = auto_wrap(model, auto_wrap_policy=_stage3_wrap_policy(model), **fsdp_kwargs)
+    if not isinstance(wrapped, FSDP):  # the policy may have wrapped the root already
+        wrapped = FSDP(wrapped, **fsdp_kwargs)
     optimizer = recipe.build(p for p in wrapped.parameters() if p.requires_grad)
     return Composition(3, wrapped, optimizer, wrapped.no_sync, wrapped.clip_grad_norm_)
 

@@ -111,15 +111,13 @@ def _replicated_param_shard(engine):
     return shard, groups
 
 
-# The documented key of FullyShardedDataParallel.local_state_dict()'s metadata entry.
-_FSDP_LOCAL_META = "_shardkit_fsdp_meta"
-
-
 def _row_sharded_shard(engine):
     """Stage 3: this rank's row block of every parameter and of its optimizer state, from
-    FSDP's ``local_state_dict()`` (no communication; memory: one shard copy)."""
+    FSDP's ``local_state_dict()`` and ``local_metadata_dict()`` (no communication; memory: one
+    shard copy)."""
     local = engine.wrapped.local_state_dict()
-    shapes = {name: list(shape) for name, shape in local.pop(_FSDP_LOCAL_META)["shapes"].items()}
+    shapes = {name: list(shape)
+              for name, shape in engine.wrapped.local_metadata_dict()["shapes"].items()}
     rank = distributed.get_rank()
     shard = RankShard()
     for name, value in local.items():

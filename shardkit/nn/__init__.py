@@ -13,6 +13,7 @@ _EXPORTS = {
     "enable_wrap": "shardkit.nn.wrap",
     "wrap": "shardkit.nn.wrap",
     "default_auto_wrap_policy": "shardkit.nn.wrap",
+    "config_auto_wrap_policy": "shardkit.nn.wrap",
     "transformer_auto_wrap_policy": "shardkit.nn.wrap",
 }
 

@@ -158,7 +158,8 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
     Args:
         module: any ``nn.Module``.
         offload_to_cpu: keep the region's saved inputs on CPU between forward and backward
-            (a device-to-host copy in forward, host-to-device in backward; no-op on CPU).
+            (a device-to-host copy in forward, host-to-device in backward; no-op on CPU). Any
+            truthy or falsy value, as in FairScale (``1``, ``"yes"``, ``None``...).
 
     Memory: the module's activations are freed after forward, only its inputs are kept.
     Compute: one more forward per backward. Communication: none of its own.
@@ -170,8 +171,7 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
     if not isinstance(module, nn.Module):
         raise TypeError(f"checkpoint_wrapper(module={type(module).__name__}): "
                         f"expected a torch.nn.Module")
-    if not isinstance(offload_to_cpu, bool):
-        raise TypeError(f"checkpoint_wrapper(offload_to_cpu={offload_to_cpu!r}): expected a bool")
+    offload_to_cpu = bool(offload_to_cpu)
     if hasattr(module, "_shardkit_unwrapped_forward"):
         module._shardkit_offload_to_cpu = offload_to_cpu
         return module

@@ -25,11 +25,10 @@ from typing import Any, Callable, Iterable, Optional
 import torch.nn as nn
 
 __all__ = ["auto_wrap", "enable_wrap", "wrap", "default_auto_wrap_policy",
-           "transformer_auto_wrap_policy", "size_based_auto_wrap_policy"]
+           "config_auto_wrap_policy", "transformer_auto_wrap_policy",
+           "size_based_auto_wrap_policy"]
 
-_DEFAULT_FORCE_LEAF = (nn.MultiheadAttention,)
-_DEFAULT_EXCLUDE = (nn.ModuleList, nn.ModuleDict)
-_wrap_contexts: list[tuple[type, dict]] = []
+_wrap_contexts: list[tuple[type, dict, Optional[Callable]]] = []
 
 
 def default_auto_wrap_policy(module: nn.Module = None, recurse: bool = None,
@@ -38,11 +37,20 @@ def default_auto_wrap_policy(module: nn.Module = None, recurse: bool = None,
                              min_num_params: int = int(1e8),
                              force_leaf_modules: Optional[Iterable[type]] = None,
                              exclude_wrap_modules: Optional[Iterable[type]] = None,
+                             skip_params_check_for_root: bool = False,
                              nonwrapped_numel: Optional[int] = None) -> bool:
     """Wrap any module whose not-yet-wrapped parameters number at least ``min_num_params``
     (FairScale's policy; pass ``functools.partial(default_auto_wrap_policy,
-    min_num_params=...)``). ``force_leaf_modules`` (default: MultiheadAttention) are never
-    looked into; ``exclude_wrap_modules`` (default: ModuleList, ModuleDict) never wrapped."""
+    min_num_params=...)``).
+
+    Args:
+        force_leaf_modules: classes never looked into (default:
+            ``default_auto_wrap_policy.FORCE_LEAF_MODULES``, ``{nn.MultiheadAttention}``).
+        exclude_wrap_modules: classes never wrapped (default:
+            ``default_auto_wrap_policy.EXCLUDE_WRAP_MODULES``, ``{nn.ModuleList,
+            nn.ModuleDict}``). Both defaults are read at each call, so editing the sets works.
+        skip_params_check_for_root: wrap the root (``module_is_root=True``) whatever its size.
+    """
     numel = unwrapped_params if unwrapped_params is not None else nonwrapped_numel
     if module is None or recurse is None or numel is None:
         raise ValueError("default_auto_wrap_policy(module=, recurse=, unwrapped_params=): all "
@@ -50,14 +58,28 @@ def default_auto_wrap_policy(module: nn.Module = None, recurse: bool = None,
                          "default_auto_wrap_policy, min_num_params=...)")
     large = numel >= min_num_params
     if recurse:
-        leaf = tuple(force_leaf_modules) if force_leaf_modules is not None else _DEFAULT_FORCE_LEAF
-        return large and not isinstance(module, leaf)
-    excluded = tuple(exclude_wrap_modules) if exclude_wrap_modules is not None \
-        else _DEFAULT_EXCLUDE
-    return large and not isinstance(module, excluded)
+        leaf = default_auto_wrap_policy.FORCE_LEAF_MODULES if force_leaf_modules is None \
+            else force_leaf_modules
+        return large and not isinstance(module, tuple(leaf))
+    excluded = default_auto_wrap_policy.EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None \
+        else exclude_wrap_modules
+    root_forced = bool(module_is_root) and skip_params_check_for_root
+    return (large or root_forced) and not isinstance(module, tuple(excluded))
+
+
+default_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}
+default_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}
 
 
 size_based_auto_wrap_policy = default_auto_wrap_policy  # torch's name for the same rule
+
+
+def config_auto_wrap_policy(module: nn.Module = None, recurse: bool = None,
+                            unwrapped_params: Optional[int] = None,
+                            module_is_root: Optional[bool] = None, **_ignored) -> bool:
+    """Wrap exactly the modules that carry a ``wrapper_config`` attribute (FairScale's policy
+    for tagging units by hand, possibly over several passes); always look inside."""
+    return True if recurse else hasattr(module, "wrapper_config")
 
 
 def transformer_auto_wrap_policy(transformer_layer_cls=None, module: nn.Module = None,
@@ -93,61 +115,96 @@ def _as_class_tuple(transformer_layer_cls) -> tuple:
 
 
 @contextlib.contextmanager
-def enable_wrap(wrapper_cls: Optional[type] = None, **wrapper_kwargs):
+def enable_wrap(wrapper_cls: Optional[type] = None, auto_wrap_policy: Optional[Callable] = None,
+                **wrapper_kwargs):
     """Inside the block, :func:`wrap` and :func:`auto_wrap` wrap with
-    ``wrapper_cls(module, **wrapper_kwargs)`` (default: FullyShardedDataParallel)."""
+    ``wrapper_cls(module, **wrapper_kwargs)`` (default: FullyShardedDataParallel), and
+    :func:`auto_wrap` without a policy of its own uses ``auto_wrap_policy`` (default:
+    :func:`default_auto_wrap_policy`). Contexts nest: the innermost one applies (FairScale
+    refuses nesting)."""
     if wrapper_cls is None:
         from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
         wrapper_cls = FullyShardedDataParallel
     if not callable(wrapper_cls):
         raise ValueError(f"enable_wrap(wrapper_cls={wrapper_cls!r}): expected a wrapper class")
-    _wrap_contexts.append((wrapper_cls, dict(wrapper_kwargs)))
+    _check_policy(auto_wrap_policy, "enable_wrap")
+    _wrap_contexts.append((wrapper_cls, dict(wrapper_kwargs), auto_wrap_policy))
     try:
         yield
     finally:
         _wrap_contexts.pop()
 
 
-def _current_wrapper(overrides: dict) -> Optional[tuple[type, dict]]:
-    if not _wrap_contexts:
-        return None
-    cls, kwargs = _wrap_contexts[-1]
-    return cls, {**kwargs, **overrides}
+def _check_policy(policy, what: str) -> None:
+    if policy is not None and not callable(policy):
+        raise ValueError(f"{what}(auto_wrap_policy={policy!r}): expected a callable "
+                         f"policy(module=, recurse=, unwrapped_params=)")
+
+
+def _current_wrapper() -> Optional[tuple[type, dict, Optional[Callable]]]:
+    return _wrap_contexts[-1] if _wrap_contexts else None
+
+
+def _wrap_one(module: nn.Module, wrapper_cls, context_kwargs: dict, overrides: dict):
+    """``wrapper_cls(module, ...)`` with the context's kwargs, then the module's own
+    ``wrapper_config`` dict (FairScale's per-module settings), then ``overrides``."""
+    own = getattr(module, "wrapper_config", None) or {}
+    if not isinstance(own, dict):
+        raise ValueError(f"{type(module).__name__}.wrapper_config={own!r}: expected a dict of "
+                         f"wrapper keyword arguments")
+    return wrapper_cls(module, **{**context_kwargs, **own, **overrides})
 
 
 def wrap(module: nn.Module, **wrap_overrides) -> nn.Module:
-    """Inside :func:`enable_wrap`, wrap ``module`` (overrides beat the context's kwargs);
+    """Inside :func:`enable_wrap`, wrap ``module`` (the context's kwargs, overridden by the
+    module's ``wrapper_config`` dict if it has one, overridden by ``wrap_overrides``);
     outside, return it unchanged (FairScale semantics)."""
-    current = _current_wrapper(wrap_overrides)
+    current = _current_wrapper()
     if current is None:
         return module
-    cls, kwargs = current
-    return cls(module, **kwargs)
+    cls, kwargs, _ = current
+    return _wrap_one(module, cls, kwargs, wrap_overrides)
 
 
 def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
               **wrapper_kwargs) -> nn.Module:
-    """Wrap, bottom-up, every submodule the policy selects (not ``module`` itself: wrap the
-    root yourself). Uses the :func:`enable_wrap` context's wrapper, or FullyShardedDataParallel
-    with ``wrapper_kwargs`` outside one. Default policy: :func:`default_auto_wrap_policy`."""
+    """Wrap, bottom-up, every submodule the policy selects, and ``module`` itself when the
+    policy selects it as the root (``module_is_root=True``): then the result is already a
+    wrapper and needs no ``FSDP(...)`` around it.
+
+    Inside :func:`enable_wrap` the context's wrapper and kwargs are used; a module's own
+    ``wrapper_config`` dict overrides them, and ``wrapper_kwargs`` override both.
+
+    .. warning:: unlike FairScale, where ``auto_wrap`` outside ``enable_wrap`` returns the
+        module unchanged, shardkit wraps there too, with FullyShardedDataParallel and
+        ``wrapper_kwargs`` (so ``FSDP(auto_wrap(model, policy))`` needs no context); build an
+        unwrapped model by not calling ``auto_wrap`` (:func:`wrap` does follow FairScale).
+
+    The policy: ``auto_wrap_policy``, else the context's, else
+    :func:`default_auto_wrap_policy`. It is called as ``policy(module=, recurse=,
+    unwrapped_params=, module_is_root=)``; ``module_is_root`` only when its signature names it
+    (or takes ``**kwargs``), and torch's ``nonwrapped_numel=`` when it names that instead.
+    Modules already wrapped are left as they are.
+    """
     if not isinstance(module, nn.Module):
         raise ValueError(f"auto_wrap(module={type(module).__name__}): expected an nn.Module")
-    policy = auto_wrap_policy or default_auto_wrap_policy
-    if not callable(policy):
-        raise ValueError(f"auto_wrap(auto_wrap_policy={policy!r}): expected a callable "
-                         f"policy(module=, recurse=, unwrapped_params=)")
-    current = _current_wrapper(wrapper_kwargs)
+    _check_policy(auto_wrap_policy, "auto_wrap")
+    current = _current_wrapper()
     if current is None:
         from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
-        current = (FullyShardedDataParallel, dict(wrapper_kwargs))
-    wrapper_cls, kwargs = current
-    wrapped, _ = _recursive_wrap(module, _policy_caller(policy), wrapper_cls, kwargs,
+        current = (FullyShardedDataParallel, {}, None)
+    wrapper_cls, context_kwargs, context_policy = current
+    policy = auto_wrap_policy or context_policy or default_auto_wrap_policy
+    wrap_one = functools.partial(_wrap_one, wrapper_cls=wrapper_cls,
+                                 context_kwargs=context_kwargs, overrides=wrapper_kwargs)
+    wrapped, _ = _recursive_wrap(module, _policy_caller(policy), wrapper_cls, wrap_one,
                                  is_root=True)
     return wrapped
 
 
-def _policy_caller(policy: Callable) -> Callable[[nn.Module, bool, int], bool]:
-    """Call a policy with whichever keyword it names the parameter count by."""
+def _policy_caller(policy: Callable) -> Callable[[nn.Module, bool, int, bool], bool]:
+    """Call a policy with whichever keywords it takes (parameter count: FairScale's
+    ``unwrapped_params`` or torch's ``nonwrapped_numel``; ``module_is_root`` if named)."""
     try:
         params = inspect.signature(policy).parameters
     except (TypeError, ValueError):
@@ -155,22 +212,28 @@ def _policy_caller(policy: Callable) -> Callable[[nn.Module, bool, int], bool]:
     accepts_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     key = "nonwrapped_numel" if "nonwrapped_numel" in params and \
         "unwrapped_params" not in params and not accepts_kwargs else "unwrapped_params"
-    return lambda m, recurse, numel: bool(policy(module=m, recurse=recurse, **{key: numel}))
+    pass_root = accepts_kwargs or "module_is_root" in params
+
+    def call(m: nn.Module, recurse: bool, numel: int, is_root: bool) -> bool:
+        extra = {"module_is_root": is_root} if pass_root else {}
+        return bool(policy(module=m, recurse=recurse, **{key: numel}, **extra))
+
+    return call
 
 
-def _recursive_wrap(module: nn.Module, policy, wrapper_cls, kwargs, is_root: bool):
+def _recursive_wrap(module: nn.Module, policy, wrapper_cls, wrap_one, is_root: bool):
     """Returns (module or its wrapper, number of its parameters now inside wrappers)."""
     if isinstance(module, wrapper_cls):
         return module, 0
     total = sum(p.numel() for p in module.parameters())
-    if not policy(module, True, total):
+    if not policy(module, True, total, is_root):
         return module, 0
     wrapped_numel = 0
     for name, child in list(module.named_children()):
-        new_child, numel = _recursive_wrap(child, policy, wrapper_cls, kwargs, is_root=False)
+        new_child, numel = _recursive_wrap(child, policy, wrapper_cls, wrap_one, is_root=False)
         if new_child is not child:
             setattr(module, name, new_child)
         wrapped_numel += numel
-    if not is_root and policy(module, False, total - wrapped_numel):
-        return wrapper_cls(module, **kwargs), total
+    if policy(module, False, total - wrapped_numel, is_root):
+        return wrap_one(module), total
     return module, wrapped_numel

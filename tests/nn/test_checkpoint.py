@@ -134,5 +134,13 @@ def test_copies_stay_independent():
 def test_bad_input():
     with pytest.raises(TypeError, match="module=function"):
         checkpoint_wrapper(lambda x: x)
-    with pytest.raises(TypeError, match="offload_to_cpu='yes'"):
-        checkpoint_wrapper(nn.Linear(2, 2), offload_to_cpu="yes")
+
+
+@pytest.mark.parametrize("value, offload", [(1, True), ("yes", True), (None, False), (0, False),
+                                            ([], False)])
+def test_offload_to_cpu_takes_any_truthy_or_falsy_value(value, offload):
+    wrapped = checkpoint_wrapper(nn.Linear(2, 2), offload_to_cpu=value)
+    assert wrapped._shardkit_offload_to_cpu is offload
+    x = torch.randn(3, 2, requires_grad=True)
+    wrapped(x).sum().backward()
+    assert x.grad is not None and wrapped.weight.grad is not None

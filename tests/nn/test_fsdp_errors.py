@@ -62,9 +62,12 @@ def _error_cases():
     results["recipient"] = _raises(lambda: model.gather_full_optim_state_dict(optim, 5),
                                    ValueError, "recipient_rank=5", "0..1")
     own = model.local_state_dict()
-    own["_shardkit_fsdp_meta"] = dict(own["_shardkit_fsdp_meta"], world_size=3)
-    results["local_from_other_world"] = _raises(lambda: model.load_local_state_dict(own),
-                                                ValueError, "world of 3", "list of all 3")
+    other_world = dict(model.local_metadata_dict(), world_size=3)
+    results["local_from_other_world"] = _raises(
+        lambda: model.load_local_state_dict(own, metadata=other_world), ValueError,
+        "world of 3", "list of all 3")
+    results["reshard_without_metadata"] = _raises(
+        lambda: model.load_local_state_dict([own, own]), ValueError, "metadata=")
     results["assign"] = _raises(lambda: model.load_state_dict({}, assign=True), ValueError,
                                 "assign=True")
     results["norm_type"] = _raises(lambda: model.clip_grad_norm_(1.0, norm_type=-1),

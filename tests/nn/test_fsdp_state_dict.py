@@ -9,6 +9,7 @@ import torch
 
 from shardkit import distributed as skdist
 from shardkit.models import GPT
+from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
 from shardkit.testing import World
 from tests.nn.fsdp_common import TINY, build_gpt, make_optimizer, max_diff, train_step, wrap_gpt
 
@@ -40,7 +41,11 @@ def _train_and_save(directory):
     plain = GPT(TINY, seed=99)
     plain.load_state_dict(full)  # strict: the original keys, unpadded shapes
     rank = skdist.get_rank()
-    torch.save(model.local_state_dict(), os.path.join(directory, f"local_{rank}.pt"))
+    local = model.local_state_dict()
+    tensors_only = all(isinstance(v, torch.Tensor) for v in local.values())
+    local = {k: v.cpu() for k, v in local.items()}  # FairScale users' idiom must work
+    torch.save(local, os.path.join(directory, f"local_{rank}.pt"))
+    torch.save(model.local_metadata_dict(), os.path.join(directory, f"meta_{rank}.pt"))
     full_osd = model.gather_full_optim_state_dict(optim, recipient_rank=0)
     optim_diff = 0.0
     if rank == 0:
@@ -59,7 +64,8 @@ def _train_and_save(directory):
     # load_state_dict (full) round trip into a fresh wrapped model
     fresh = wrap_gpt(build_gpt(freeze=()))
     fresh.load_state_dict(final_reference.state_dict())
-    return {"full_vs_reference": max_diff(full, reference.state_dict()),
+    return {"local_is_tensors_only": 0.0 if tensors_only else 1.0,
+            "full_vs_reference": max_diff(full, reference.state_dict()),
             "plain_vs_reference": max_diff(plain.state_dict(), reference.state_dict()),
             "optim_vs_reference": optim_diff,
             "continued_vs_reference": max_diff(model.state_dict(), final_reference.state_dict()),
@@ -69,8 +75,8 @@ def _train_and_save(directory):
 def _resume(directory):
     """Any world size: reshard the world-2 local checkpoint, load the optimizer shard, train on."""
     model = wrap_gpt(build_gpt())
-    locals_ = [torch.load(os.path.join(directory, f"local_{r}.pt")) for r in range(2)]
-    model.load_local_state_dict(locals_)
+    locals_, metas = _saved_locals(directory)
+    model.load_local_state_dict(locals_, metadata=metas)
     optim = make_optimizer(model)
     full_osd = torch.load(os.path.join(directory, "optim.pt"))
     optim.load_state_dict(model.get_shard_from_optim_state_dict(full_osd))
@@ -80,9 +86,20 @@ def _resume(directory):
     resumed = max_diff(model.state_dict(), final_reference.state_dict())
     own = None
     if skdist.get_world_size() == 2:  # a rank's own dict reloads without the others
+        saved_at = _reference(SAVE_AT)[0].state_dict()
         model.load_local_state_dict(locals_[skdist.get_rank()])
-        own = max_diff(model.state_dict(), _reference(SAVE_AT)[0].state_dict())
+        own = max_diff(model.state_dict(), saved_at)
+        # a dict written before local_metadata_dict() existed carried it inside; it still loads
+        old_format = dict(locals_[skdist.get_rank()], _shardkit_fsdp_meta=metas[skdist.get_rank()])
+        train_step(model, optim, TOTAL)
+        model.load_local_state_dict(old_format)
+        own = max(own, max_diff(model.state_dict(), saved_at))
     return {"resumed_vs_reference": resumed, "own_reload": own}
+
+
+def _saved_locals(directory):
+    return ([torch.load(os.path.join(directory, f"local_{r}.pt")) for r in range(2)],
+            [torch.load(os.path.join(directory, f"meta_{r}.pt")) for r in range(2)])
 
 
 def test_full_state_dict_and_local_checkpoint_world2(checkpoint_dir):
@@ -93,6 +110,31 @@ def test_full_state_dict_and_local_checkpoint_world2(checkpoint_dir):
         resumed = world.run(_resume, checkpoint_dir)
     for r in resumed:
         assert r["resumed_vs_reference"] <= 1e-5 and r["own_reload"] <= 1e-5, r
+    _check_offline_consolidation(checkpoint_dir)
+
+
+def _check_offline_consolidation(directory):
+    """FairScale's static consolidate_shard_weights: every rank's pair (in any order), no
+    process group, gives the full state dict of the model as it was saved."""
+    weights, metas = _saved_locals(directory)
+    reference = _reference(SAVE_AT)[0].state_dict()
+    full = FSDP.consolidate_shard_weights(weights[::-1], metas[::-1])
+    assert set(full) == set(reference)
+    assert all(full[k].shape == reference[k].shape for k in reference)
+    assert max_diff(full, reference) <= 1e-5
+    assert metas[1]["world_size"] == 2 and metas[1]["rank"] == 1
+    assert list(metas[0]["shapes"]["pos_emb.weight"]) == [TINY.seq_len, TINY.d_model]
+    # strict: a parameter named by the metadata must be in every rank's weights
+    dropped = [dict(w) for w in weights]
+    del dropped[1]["pos_emb.weight"]
+    with pytest.raises(KeyError, match="pos_emb.weight"):
+        FSDP.consolidate_shard_weights(dropped, metas)
+    partial = FSDP.consolidate_shard_weights(dropped, metas, strict=False)
+    assert "pos_emb.weight" not in partial and set(partial) == set(reference) - {"pos_emb.weight"}
+    without_buffers = FSDP.consolidate_shard_weights(weights, metas, with_module_buffers=False)
+    assert set(without_buffers) == set(metas[0]["shapes"])
+    with pytest.raises(ValueError, match="ranks \\[0, 0\\]"):
+        FSDP.consolidate_shard_weights([weights[0]] * 2, [metas[0]] * 2)
 
 
 @pytest.mark.parametrize("world_size", [1, 4])

@@ -463,6 +463,49 @@ def _rng_behaviour():
         mp.destroy_model_parallel()
 
 
+def _fairscale_rng_names():
+    from shardkit.nn.model_parallel.random import (
+        CudaRNGStatesTracker, get_cuda_rng_tracker, model_parallel_cuda_manual_seed)
+
+    mp.initialize_model_parallel(2)
+    try:
+        draws = []
+        for seed_fn in (mp.model_parallel_manual_seed, model_parallel_cuda_manual_seed):
+            seed_fn(123)
+            tracker = get_cuda_rng_tracker()
+            with tracker.fork():
+                draws.append(torch.rand(8))
+            draws.append(torch.rand(8))
+        tracker = get_cuda_rng_tracker()
+        saved = tracker.get_states()
+        with tracker.fork():
+            first = torch.rand(8)
+        tracker.set_states(saved)  # replay, as activation recomputation does
+        with tracker.fork():
+            replay = torch.rand(8)
+        fresh = CudaRNGStatesTracker()
+        fresh.add("mine", 5)
+        with fresh.fork("mine"):
+            mine = torch.rand(4)
+        return {"same": [torch.equal(a, b) for a, b in zip(draws[:2], draws[2:])],
+                "is_tracker": tracker is mp.get_model_parallel_rng_tracker()
+                and isinstance(tracker, CudaRNGStatesTracker),
+                "replayed": torch.equal(first, replay), "mine": mine,
+                "tp_rank": mp.get_model_parallel_rank(), "inside": draws[0]}
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_fairscale_rng_names_work_on_cpu(world4):
+    res = world4.run(_fairscale_rng_names)
+    for r in res:
+        assert r["same"] == [True, True] and r["is_tracker"] and r["replayed"]
+        assert torch.equal(r["mine"], res[0]["mine"])
+    # the model-parallel stream differs between tensor-parallel ranks, as with the shardkit name
+    assert res[0]["tp_rank"] != res[1]["tp_rank"]
+    assert not torch.equal(res[0]["inside"], res[1]["inside"])
+
+
 def test_rng_tracker_differs_inside_parallel_regions_and_agrees_outside(world4):
     res = world4.run(_rng_behaviour)
     # tensor groups [0,1] and [2,3] (data replicas of each other)

@@ -42,8 +42,15 @@ def test_parity_with_sequential(chunks, checkpoint):
                 checkpoint=checkpoint)
     x = torch.randn(16, 12)
     assert _max_diff(_outputs_and_grads(ref, x), _outputs_and_grads(pipe, x)) <= 1e-6
-    assert list(pipe.state_dict()) == list(ref.state_dict())
+    assert list(pipe.state_dict()) == _pipe_keys(ref.state_dict(), [2, 3, 2])
     assert len(pipe) == len(ref) and pipe[0] is pipe.partitions[0][0]
+    assert isinstance(pipe[-1], nn.Linear) and pipe[-1].out_features == 3
+
+
+def _pipe_keys(sequential_state, balance):
+    """FairScale's Pipe keys: ``partitions.<j>.<layer name>.<rest>``."""
+    owner = [j for j, size in enumerate(balance) for _ in range(size)]
+    return [f"partitions.{owner[int(k.split('.')[0])]}.{k}" for k in sequential_state]
 
 
 class TwoInputs(nn.Module):
@@ -122,6 +129,35 @@ def test_namespaces_isolate_repeated_skip_names():
     assert _max_diff(_outputs_and_grads(ref, x), _outputs_and_grads(pipe, x)) <= 1e-6
 
 
+def test_namespaces_compare_hash_and_order_by_value():
+    import pickle
+
+    ns, other = Namespace(), Namespace()
+    for twin in (copy.copy(ns), copy.deepcopy(ns), pickle.loads(pickle.dumps(ns))):
+        assert twin == ns and hash(twin) == hash(ns) and twin is not ns
+        assert not twin < ns and not ns < twin
+    assert ns != other and len({ns, other, copy.deepcopy(ns)}) == 2
+    assert sorted([ns, other]) == sorted([other, ns])  # a total order, as skip layouts need
+    assert ns != "ns" and (ns < other) != (other < ns)
+    # a layer copied on its own keeps its namespace, so its pop still finds the stash
+    layer = StashInput().isolate(ns)
+    assert copy.deepcopy(layer).namespaced("skip") == layer.namespaced("skip")
+
+
+@skippable(stash=["same"], pop=["same"])
+class StashAndPop(nn.Module):
+    def forward(self, x):
+        yield stash("same", x)
+        return (yield pop("same"))
+
+
+def test_a_layer_that_stashes_and_pops_one_name_is_refused():
+    with pytest.raises(TypeError, match="'same' is both stashed and popped by layer 1"):
+        verify_skippables(nn.Sequential(nn.Identity(), StashAndPop()))
+    with pytest.raises(TypeError, match="both stashed and popped"):
+        Pipe(nn.Sequential(StashAndPop()), [1])
+
+
 def test_verify_skippables_reports_every_problem():
     with pytest.raises(TypeError, match="'skip' is stashed by layer 0 and again by layer 1"):
         verify_skippables(nn.Sequential(StashInput(), StashInput(), PopAndAdd()))
@@ -190,10 +226,10 @@ def test_deferred_batch_norm_stats_equal_unsplit(checkpoint, momentum):
         ref(x).sum().backward()
         pipe(x).sum().backward()
     ref_sd, pipe_sd = ref.state_dict(), pipe.state_dict()
-    assert list(ref_sd) == list(pipe_sd)
+    assert list(pipe_sd) == _pipe_keys(ref_sd, [2, 2])
     for key in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
-        assert torch.allclose(ref_sd[key].double(), pipe_sd[key].double(), atol=1e-6,
-                              rtol=1e-6), key
+        assert torch.allclose(ref_sd[key].double(), pipe_sd["partitions.0." + key].double(),
+                              atol=1e-6, rtol=1e-6), key
     # eval mode uses the committed running statistics, as the unsplit model does
     x = torch.randn(8, 5)
     with torch.no_grad():
@@ -215,8 +251,109 @@ def test_bad_input_errors():
         Pipe(seq, [3, 4], checkpoint="sometimes")
     with pytest.raises(ValueError, match="chunks=0"):
         Pipe(seq, [3, 4], chunks=0)
-    with pytest.raises(ValueError, match="need at least 2 devices"):
+    with pytest.raises(IndexError, match="need at least 2 devices"):
         Pipe(seq, [3, 4], devices=["cpu"])
-    pipe = Pipe(seq, [3, 4], chunks=8)
-    with pytest.raises(ValueError, match="chunks=8 is larger than the batch size 5"):
-        pipe(torch.randn(5, 12))
+    with pytest.raises(ValueError, match="balance=None"):
+        Pipe(seq)
+    with pytest.raises(ValueError, match="chunks='many'"):
+        Pipe(seq, [3, 4], chunks="many")
+
+
+# --------------------------------------------------------------------------- FairScale behaviours
+
+
+def test_the_same_layer_twice_is_refused():
+    conv = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="layer '1' is the same module object as layer '0'"):
+        Pipe(nn.Sequential(conv, conv), [1, 1])
+    with pytest.raises(ValueError, match="same module object"):
+        Pipe(nn.Sequential(conv, nn.ReLU(), conv), [3])
+
+
+def test_a_parameter_shared_across_devices_is_refused():
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    with pytest.raises(ValueError, match=r"shared by partitions 0 \(cpu\) and 1 \(meta\)"):
+        Pipe(nn.Sequential(a, b), [1, 1], devices=["cpu", "meta"])
+    pipe = Pipe(nn.Sequential(a, b), [1, 1], devices=["cpu", "cpu"])  # one device: fine
+    assert pipe[1].weight is pipe[0].weight
+
+
+def test_partitions_are_a_module_list_and_a_fairscale_checkpoint_loads():
+    ref = _sequential()
+    pipe = Pipe(copy.deepcopy(ref), [3, 4], chunks=2)
+    assert isinstance(pipe.partitions, nn.ModuleList) and len(pipe.partitions) == 2
+    assert [n for n, _ in pipe.named_parameters()][:2] == ["partitions.0.0.weight",
+                                                           "partitions.0.0.bias"]
+    # a checkpoint written by FairScale's Pipe has these keys; loading it changes the weights
+    fairscale_sd = {key: torch.full_like(v, 0.5)
+                    for key, v in zip(_pipe_keys(ref.state_dict(), [3, 4]),
+                                      ref.state_dict().values())}
+    pipe.load_state_dict(fairscale_sd)
+    assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in pipe.parameters())
+
+
+def test_moving_a_pipe_is_refused_but_dtype_is_not():
+    pipe = Pipe(_sequential(), [3, 4])
+    for move in (lambda: pipe.cuda(), lambda: pipe.cpu(), lambda: pipe.to("cpu"),
+                 lambda: pipe.to(torch.device("cpu")), lambda: pipe.to(0),
+                 lambda: pipe.to(device="cpu"), lambda: pipe.to(torch.zeros(1))):
+        with pytest.raises(TypeError, match="Pipe places each partition"):
+            move()
+    assert pipe.to(torch.float64) is pipe and pipe[0].weight.dtype == torch.float64
+
+
+def test_chunks_and_checkpoint_are_coerced_and_small_batches_run():
+    ref = _sequential()
+    pipe = Pipe(copy.deepcopy(ref), [3, 4], chunks=8.0, checkpoint=_Mode("always"))
+    assert pipe.chunks == 8 and pipe.checkpoint == "always"
+    x = torch.randn(5, 12)  # 5 samples, 8 chunks: 5 micro-batches of one sample
+    assert _max_diff(_outputs_and_grads(ref, x), _outputs_and_grads(pipe, x)) <= 1e-6
+    assert Pipe(_sequential(), [7], chunks="3").chunks == 3
+
+
+class _Mode:
+    """An object whose str() is a checkpoint mode (FairScale takes ``str(checkpoint)``)."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __str__(self):
+        return self.mode
+
+
+def test_empty_sequential_is_the_identity():
+    pipe = Pipe(nn.Sequential(), balance=[], chunks=4)
+    x = torch.randn(3, 2)
+    assert pipe(x) is x and len(pipe) == 0 and list(pipe) == []
+    assert pipe((x, x)) == (x, x)
+    assert pipe(torch.tensor(42)) == torch.tensor(42)  # no batch dimension needed
+    with pytest.raises(TypeError, match="tensor or a tuple of tensors"):
+        pipe(42)
+
+
+def _costly_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 512), nn.Linear(512, 512),
+                         nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+def test_balance_helpers_propose_a_valid_balance():
+    from shardkit.nn.pipe.balance import balance_by_size, balance_by_time, balance_cost
+
+    assert balance_cost([1, 1, 1, 1], 2) == [2, 2]
+    assert balance_cost([10, 1, 1, 1, 1], 2) == [1, 4]
+    assert balance_cost([1, 2, 3], 3) == [1, 1, 1]
+    with pytest.raises(ValueError, match="partitions=4"):
+        balance_cost([1, 2, 3], 4)
+    model = _costly_model()
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(32, 64)
+    by_size = balance_by_size(2, model, x, chunks=4, param_scale=4.0)
+    # the 512x512 layer holds 76% of the parameters, so a cut falls right before or after it
+    assert sum(by_size) == 6 and len(by_size) == 2 and by_size in ([3, 3], [2, 4])
+    by_time = balance_by_time(3, model, x, timeout=0.01)
+    assert sum(by_time) == 6 and len(by_time) == 3 and min(by_time) >= 1
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
+    assert all(p.grad is None for p in model.parameters())
+    Pipe(model, by_size, chunks=4)(x).sum().backward()

@@ -33,6 +33,9 @@ def _check_bad_inputs():
     oss_elsewhere = OSS(stranger.parameters(), optim=torch.optim.SGD, lr=0.1)
     oss_partial = OSS(model[0].parameters(), optim=torch.optim.SGD, lr=0.1)
     only_rank0 = skdist.new_group([0])
+    mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
+    mixed[1].requires_grad_(False)
+    oss_mixed = OSS(mixed[0].parameters(), optim=torch.optim.SGD, lr=0.1)
     cases = {
         "plain_optimizer": lambda: ShardedDataParallel(
             model, torch.optim.SGD(model.parameters(), lr=0.1)),
@@ -44,6 +47,7 @@ def _check_bad_inputs():
         "comm": lambda: ShardedDataParallel(model, oss, comm="gloo"),
         "empty_list": lambda: ShardedDataParallel(model, []),
         "not_a_module": lambda: ShardedDataParallel(lambda x: x, oss),
+        "mixed_device_types": lambda: ShardedDataParallel(mixed, oss_mixed),
     }
     return {name: _error_of(build) for name, build in cases.items()}
 
@@ -58,6 +62,7 @@ EXPECTED = {
     "comm": ("TypeError", "comm='gloo'"),
     "empty_list": ("ValueError", "sharded_optimizer=[]"),
     "not_a_module": ("TypeError", "expected an nn.Module"),
+    "mixed_device_types": ("ValueError", "several types ['cpu', 'meta']"),
 }
 
 
@@ -68,6 +73,75 @@ def test_bad_input_is_rejected_before_any_collective(world2):
             assert got_kind == kind, (name, got_kind, message)
             assert fragment in message, (name, message)
             assert collectives == 0, (name, collectives)
+
+
+class Named(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.greeting = "hello"
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def twice(self, x):
+        return 2 * x
+
+
+def _check_ddp_attributes_and_double_backward():
+    torch.manual_seed(0)
+    model = Named()
+    oss = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    wrapped = ShardedDataParallel(model, oss)
+    attrs = dict(device_type=wrapped.device_type, multi=wrapped.is_multi_device_module,
+                 device_ids=wrapped.device_ids, output_device=wrapped.output_device,
+                 dim=wrapped.dim, sync=wrapped.require_backward_grad_sync,
+                 cap=wrapped.bucket_bytes_cap, greeting=wrapped.greeting,
+                 twice=wrapped.twice(3), lin=wrapped.lin is model.lin)
+    with wrapped.no_sync():
+        attrs["sync_inside_no_sync"] = wrapped.require_backward_grad_sync
+    try:
+        wrapped.not_there
+    except AttributeError as e:
+        attrs["missing"] = str(e)
+    model.count.fill_(skdist.get_rank() + 5)
+    wrapped.sync_buffers(blocking=True)
+    attrs["synced_buffer"] = model.count.item()
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(skdist.get_rank()))
+    errors = {}
+    loss = wrapped(x).pow(2).sum()
+    with skdist.CommCounter() as comm:
+        try:  # a gradient penalty: the first backward builds a graph of the gradients
+            torch.autograd.backward(loss, create_graph=True)
+        except RuntimeError as e:
+            errors["create_graph"] = str(e)
+    errors["collectives"] = len(comm.calls)
+    oss.zero_grad()
+    with wrapped.no_sync():  # no reduction: a create_graph backward is fine here
+        torch.autograd.backward(wrapped(x).pow(2).sum(), create_graph=True)
+    try:  # the next synchronised forward refuses gradients that are part of a graph
+        wrapped(x)
+    except RuntimeError as e:
+        errors["forward"] = str(e)
+    oss.zero_grad()
+    wrapped(x).sum().backward()  # an ordinary step still works afterwards
+    oss.step()
+    weights = skdist.all_gather_object(model.lin.weight.detach().clone())
+    return attrs, errors, torch.equal(*weights)
+
+
+def test_ddp_attributes_forwarding_and_double_backward_error(world2):
+    for attrs, errors, same in world2.run(_check_ddp_attributes_and_double_backward):
+        assert attrs["device_type"] == "cpu" and attrs["multi"] is False
+        assert attrs["device_ids"] is None and attrs["output_device"] is None
+        assert attrs["dim"] == 0 and attrs["sync"] is True and attrs["sync_inside_no_sync"] is False
+        assert attrs["cap"] == 2 ** 23 and attrs["greeting"] == "hello" and attrs["twice"] == 6
+        assert attrs["lin"] and "not_there" in attrs["missing"] and attrs["synced_buffer"] == 5
+        assert "double backward through the gradient reduction" in errors["create_graph"]
+        assert errors["collectives"] == 0
+        assert "requires grad" in errors["forward"]
+        assert same
 
 
 class WithBuffer(nn.Module):

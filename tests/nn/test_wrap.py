@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 
 from shardkit.models import GPT, Block, GPTConfig
-from shardkit.nn.wrap import (auto_wrap, default_auto_wrap_policy, enable_wrap,
+from shardkit.nn.wrap import (auto_wrap, config_auto_wrap_policy, default_auto_wrap_policy,
+                              enable_wrap,
                               size_based_auto_wrap_policy, transformer_auto_wrap_policy, wrap)
 from shardkit.testing import World
 
@@ -47,7 +48,9 @@ def test_default_policy_min_num_params_and_torch_keyword():
     policy = functools.partial(default_auto_wrap_policy, min_num_params=block_numel)
     with enable_wrap(wrapper_cls=Tag):
         model = auto_wrap(GPT(CFG), policy)
+    # the blocks; not the root, whose remaining (embedding) parameters are fewer than a block's
     assert all(isinstance(t.module, Block) for t in _tags(model)) and len(_tags(model)) == 3
+    assert not isinstance(model, Tag)
     # ModuleList is never wrapped; nothing is large enough with a huge threshold
     with enable_wrap(wrapper_cls=Tag):
         assert _tags(auto_wrap(GPT(CFG))) == []
@@ -60,6 +63,71 @@ def test_default_policy_min_num_params_and_torch_keyword():
     assert {type(t.module) for t in _tags(model)} == {nn.Linear}
     assert size_based_auto_wrap_policy(module=nn.Linear(4, 4), recurse=False,
                                        nonwrapped_numel=20, min_num_params=10)
+
+
+def test_root_is_wrapped_when_the_policy_accepts_it_and_policies_see_module_is_root():
+    seen = []
+
+    def fairscale_policy(module, recurse, unwrapped_params, module_is_root):
+        seen.append((type(module).__name__, recurse, module_is_root))
+        return recurse or module_is_root
+
+    with enable_wrap(wrapper_cls=Tag):
+        model = auto_wrap(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), fairscale_policy)
+    assert isinstance(model, Tag) and not _tags(model.module)
+    assert ("Sequential", True, True) in seen and ("Sequential", False, True) in seen
+    assert ("Linear", False, False) in seen
+    # the default policy: a root whose remainder is small only with skip_params_check_for_root
+    # (as in FairScale, the root must still be large enough to be looked into at all)
+    small = functools.partial(default_auto_wrap_policy, min_num_params=10)
+    forced = functools.partial(small, skip_params_check_for_root=True)
+    with enable_wrap(wrapper_cls=Tag):
+        plain = auto_wrap(nn.Sequential(nn.Linear(4, 4), nn.Linear(2, 2)), small)
+        root = auto_wrap(nn.Sequential(nn.Linear(4, 4), nn.Linear(2, 2)), forced)
+        listed = auto_wrap(nn.ModuleList([nn.Linear(4, 4), nn.Linear(2, 2)]), forced)
+    assert not isinstance(plain, Tag) and isinstance(plain[0], Tag) and len(_tags(plain)) == 1
+    assert isinstance(root, Tag) and len(_tags(root)) == 2
+    assert not isinstance(listed, Tag)  # an excluded class is not wrapped, even as the root
+
+
+def test_default_policy_class_sets_and_enable_wrap_policy():
+    assert default_auto_wrap_policy.FORCE_LEAF_MODULES == {nn.MultiheadAttention}
+    assert default_auto_wrap_policy.EXCLUDE_WRAP_MODULES == {nn.ModuleList, nn.ModuleDict}
+    big = dict(recurse=True, unwrapped_params=10**9, module_is_root=False)
+    assert not default_auto_wrap_policy(nn.MultiheadAttention(4, 2), **big)
+    default_auto_wrap_policy.FORCE_LEAF_MODULES.add(nn.Linear)  # read at every call
+    try:
+        assert not default_auto_wrap_policy(nn.Linear(2, 2), **big)
+    finally:
+        default_auto_wrap_policy.FORCE_LEAF_MODULES.discard(nn.Linear)
+    assert default_auto_wrap_policy(nn.Linear(2, 2), **big)
+    # enable_wrap(auto_wrap_policy=...) is the policy of auto_wraps without their own
+    linears = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear})
+    with enable_wrap(wrapper_cls=Tag, auto_wrap_policy=linears, flag=2):
+        model = auto_wrap(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
+        own = auto_wrap(nn.Sequential(nn.Linear(2, 2)), transformer_auto_wrap_policy({nn.ReLU}))
+    assert [type(t.module) for t in _tags(model)] == [nn.Linear, nn.Linear]
+    assert _tags(model)[0].kwargs == {"flag": 2} and _tags(own) == []
+    with pytest.raises(ValueError, match="enable_wrap\\(auto_wrap_policy=3\\)"):
+        with enable_wrap(wrapper_cls=Tag, auto_wrap_policy=3):
+            pass
+
+
+def test_config_policy_and_wrapper_config_precedence():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    model[0].wrapper_config = {"b": 20}
+    model[2].wrapper_config = {}
+    with enable_wrap(wrapper_cls=Tag, a=1, b=2):
+        model = auto_wrap(model, config_auto_wrap_policy, c=3)
+        single = nn.Linear(2, 2)
+        single.wrapper_config = {"a": 10}
+        tagged = wrap(single, b=30)
+    assert isinstance(model[0], Tag) and isinstance(model[2], Tag)
+    assert not isinstance(model[1], Tag) and not isinstance(model, Tag)
+    # context < the module's wrapper_config < the call's own keyword arguments
+    assert model[0].kwargs == {"a": 1, "b": 20, "c": 3}
+    assert model[2].kwargs == {"a": 1, "b": 2, "c": 3}
+    assert tagged.kwargs == {"a": 10, "b": 30}
 
 
 def test_wrap_outside_and_inside_context():

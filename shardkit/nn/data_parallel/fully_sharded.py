@@ -50,7 +50,8 @@ from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamB
                                                   unshard_rows)
 from shardkit.nn.data_parallel.mixed_precision import (MixedPrecisionPolicy,
                                                        resolve_mixed_precision)
-from shardkit.nn.data_parallel.sharded_checkpoint import (LOCAL_META_KEY,
+from shardkit.nn.data_parallel.sharded_checkpoint import (consolidate_shard_weights,
+                                                          local_metadata,
                                                           reshard_local_state_dicts,
                                                           shard_optimizer_state,
                                                           unshard_optimizer_state)
@@ -423,24 +424,32 @@ class FullyShardedDataParallel(nn.Module):
                 for p, lay in zip(u._shard.params, u._shard.layouts)}
 
     def local_state_dict(self) -> OrderedDict:
-        """This rank's shards (padded rows, cloned) and the buffers, under the original keys,
-        plus ``"_shardkit_fsdp_meta"``: world size, rank and each parameter's full shape.
+        """This rank's shards (padded rows, cloned) and the buffers, under the original keys:
+        tensors only. Save :meth:`local_metadata_dict` beside it to reshard or consolidate.
         No communication; memory: one shard copy."""
+        return OrderedDict((_clean_name(k), v.clone())
+                           for k, v in nn.Module.state_dict(self).items())
+
+    def local_metadata_dict(self) -> dict:
+        """World size, rank, each sharded parameter's full shape and the buffer keys: what
+        :meth:`consolidate_shard_weights` and :meth:`load_local_state_dict` need besides the
+        tensors (plain Python values; the layout differs from FairScale's, the use is the same).
+        No communication."""
         layouts = self._param_layouts()
-        out = OrderedDict((_clean_name(k), v.clone())
-                          for k, v in nn.Module.state_dict(self).items())
-        shapes = {name: tuple(layouts[id(p)].shape)
+        shapes = {_clean_name(name): tuple(layouts[id(p)].shape)
                   for name, p in self.named_parameters(remove_duplicate=False)
                   if id(p) in layouts}
-        out[LOCAL_META_KEY] = {"world_size": self.world_size, "rank": self.rank,
-                                "shapes": shapes}
-        return out
+        buffers = [_clean_name(name) for name, _ in self.named_buffers()]
+        return local_metadata(self.world_size, self.rank, shapes, buffers)
 
-    def load_local_state_dict(self, state_dict) -> None:
+    consolidate_shard_weights = staticmethod(consolidate_shard_weights)
+
+    def load_local_state_dict(self, state_dict, metadata=None) -> None:
         """Load :meth:`local_state_dict` output. Pass this rank's own dict when the world size
-        is unchanged, or the list of every rank's dicts (any world size) to reshard: each rank
-        re-slices its rows. No communication."""
-        local = reshard_local_state_dicts(state_dict, self.world_size, self.rank)
+        is unchanged, or the list of every rank's dicts with ``metadata=`` the list of their
+        :meth:`local_metadata_dict` (any world size) to reshard: each rank re-slices its rows.
+        No communication."""
+        local = reshard_local_state_dicts(state_dict, metadata, self.world_size, self.rank)
         nn.Module.load_state_dict(self, self._to_wrapped_keys(local), strict=True)
 
     # ------------------------------------------------------------------ gradients

@@ -16,10 +16,13 @@ import torch
 
 from shardkit.nn.data_parallel.flat_param import ParamLayout, shard_rows, unshard_rows
 
-__all__ = ["LOCAL_META_KEY", "reshard_local_state_dicts", "unshard_optimizer_state",
-           "shard_optimizer_state"]
+__all__ = ["LOCAL_META_KEY", "LOCAL_FORMAT", "local_metadata", "consolidate_shard_weights",
+           "reshard_local_state_dicts", "unshard_optimizer_state", "shard_optimizer_state"]
 
+# Where local_state_dict() kept its metadata before local_metadata_dict() existed; such
+# checkpoints still load.
 LOCAL_META_KEY = "_shardkit_fsdp_meta"
+LOCAL_FORMAT = "shardkit-fsdp-local/1"
 
 
 def unshard_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor],
@@ -63,36 +66,103 @@ def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tenso
     return {"state": state, "param_groups": copy.deepcopy(full_osd["param_groups"])}
 
 
+def local_metadata(world_size: int, rank: int, shapes: dict, buffer_names: Sequence[str]) -> dict:
+    """What :func:`consolidate_shard_weights` and resharding need besides the tensors of a
+    ``local_state_dict()``: the world size, this rank, each sharded parameter's full shape (its
+    rows are cut in ``world_size`` blocks of ``ceil(rows / world_size)``, the last zero padded)
+    and the buffer keys. Plain Python values (picklable, JSON-able)."""
+    return {"format": LOCAL_FORMAT, "world_size": int(world_size), "rank": int(rank),
+            "shapes": {name: list(shape) for name, shape in shapes.items()},
+            "buffer_names": list(buffer_names)}
 
-def reshard_local_state_dicts(state_dict, world_size: int, rank: int) -> OrderedDict:
-    """This rank's local state dict, from its own dict or from every old rank's dicts."""
-    dicts = [state_dict] if isinstance(state_dict, dict) else list(state_dict)
-    if not dicts or any(LOCAL_META_KEY not in d for d in dicts):
-        raise ValueError("load_local_state_dict: expected the output of local_state_dict() "
-                         "(a dict with '_shardkit_fsdp_meta'), or a list of every rank's")
-    metas = [d[LOCAL_META_KEY] for d in dicts]
-    old_world = metas[0]["world_size"]
-    if len(dicts) == 1:
-        if (old_world, metas[0]["rank"]) != (world_size, rank):
-            raise ValueError(
-                f"load_local_state_dict: this dict was saved by rank {metas[0]['rank']} of a "
-                f"world of {old_world}; this is rank {rank} of {world_size}. To reshard, pass "
-                f"the list of all {old_world} ranks' local state dicts")
-        return OrderedDict((k, v) for k, v in dicts[0].items() if k != LOCAL_META_KEY)
+
+def _check_pairs(shard_weights, shard_metadata, what: str) -> list[tuple[dict, dict]]:
+    """Every rank's ``(weights, metadata)``, sorted by rank, checked to form one whole world."""
+    weights, metas = list(shard_weights), list(shard_metadata)
+    if not weights or len(weights) != len(metas):
+        raise ValueError(f"{what}: got {len(weights)} shard weight dicts and {len(metas)} "
+                         f"metadata dicts; pass one of each per rank, in any order")
+    bad = [i for i, m in enumerate(metas) if not isinstance(m, dict) or "shapes" not in m]
+    if bad:
+        raise ValueError(f"{what}: shard_metadata[{bad[0]}] is not a local_metadata_dict() "
+                         f"(a dict with 'world_size', 'rank' and 'shapes')")
+    world = metas[0]["world_size"]
     ranks = sorted(m["rank"] for m in metas)
-    if ranks != list(range(old_world)) or any(m["world_size"] != old_world for m in metas):
-        raise ValueError(f"load_local_state_dict: got dicts of ranks {ranks} (world sizes "
-                         f"{sorted({m['world_size'] for m in metas})}); resharding needs exactly "
-                         f"one dict per rank of the old world")
-    dicts = sorted(dicts, key=lambda d: d[LOCAL_META_KEY]["rank"])
-    shapes = metas[0]["shapes"]
+    if ranks != list(range(world)) or any(m["world_size"] != world for m in metas):
+        raise ValueError(f"{what}: got the metadata of ranks {ranks} (world sizes "
+                         f"{sorted({m['world_size'] for m in metas})}); exactly one pair per "
+                         f"rank of the saving world is needed")
+    return sorted(zip(weights, metas), key=lambda pair: pair[1]["rank"])
+
+
+def consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers: bool = True,
+                              strict: bool = True) -> OrderedDict:
+    """The full (unsharded, unpadded) state dict from every rank's ``local_state_dict()`` and
+    ``local_metadata_dict()``, offline: no process group, no FSDP wrapper needed.
+
+    Args:
+        shard_weights: every rank's ``local_state_dict()``, in any order.
+        shard_metadata: the matching ``local_metadata_dict()`` of each.
+        with_module_buffers: include the buffers (taken from rank 0).
+        strict: every parameter named by the metadata must be in every rank's weights
+            (``KeyError`` otherwise); with ``strict=False`` missing ones are left out.
+
+    Memory: the full model once, plus one parameter's row blocks at a time.
+    """
+    pairs = _check_pairs(shard_weights, shard_metadata, "consolidate_shard_weights")
+    world = pairs[0][1]["world_size"]
     out = OrderedDict()
-    for key, value in dicts[0].items():
-        if key == LOCAL_META_KEY:
-            continue
+    shapes = pairs[0][1]["shapes"]
+    missing = [k for k in shapes if any(k not in w for w, _ in pairs)]
+    for key, value in pairs[0][0].items():
+        if key in shapes and key not in missing:
+            layout = ParamLayout(torch.Size(shapes[key]), world)
+            out[key] = unshard_rows([w[key] for w, _ in pairs], layout)
+        elif key not in shapes and with_module_buffers:  # buffers: the same on every rank
+            out[key] = value
+    if missing and strict:
+        raise KeyError(f"consolidate_shard_weights(strict=True): parameter(s) {missing} are in "
+                       f"the metadata but missing from some rank's weights; pass strict=False "
+                       f"to leave them out")
+    return out
+
+
+def reshard_local_state_dicts(state_dict, metadata, world_size: int, rank: int) -> OrderedDict:
+    """This rank's local state dict, from its own dict or from every old rank's dicts.
+
+    ``metadata``: the ``local_metadata_dict()`` (or list of them) saved with the dicts, or
+    ``None`` for this world's own dict. Dicts written before the metadata had its own method
+    carry it under ``LOCAL_META_KEY`` and load too.
+    """
+    dicts = [state_dict] if isinstance(state_dict, dict) else list(state_dict)
+    if metadata is None:
+        if all(isinstance(d, dict) and LOCAL_META_KEY in d for d in dicts):
+            metas = [d[LOCAL_META_KEY] for d in dicts]
+            dicts = [{k: v for k, v in d.items() if k != LOCAL_META_KEY} for d in dicts]
+        elif len(dicts) == 1:
+            return OrderedDict(dicts[0])  # this rank's own dict; a strict load checks shapes
+        else:
+            raise ValueError("load_local_state_dict: resharding a list of local state dicts "
+                             "needs their metadata: pass metadata=[local_metadata_dict() of "
+                             "each rank]")
+    else:
+        metas = [metadata] if isinstance(metadata, dict) else list(metadata)
+    if len(dicts) == 1:
+        meta = metas[0]
+        if (meta["world_size"], meta["rank"]) != (world_size, rank):
+            raise ValueError(
+                f"load_local_state_dict: this dict was saved by rank {meta['rank']} of a "
+                f"world of {meta['world_size']}; this is rank {rank} of {world_size}. To "
+                f"reshard, pass the list of all {meta['world_size']} ranks' local state dicts "
+                f"and metadata")
+        return OrderedDict(dicts[0])
+    pairs = _check_pairs(dicts, metas, "load_local_state_dict")
+    old_world, shapes = pairs[0][1]["world_size"], pairs[0][1]["shapes"]
+    out = OrderedDict()
+    for key, value in pairs[0][0].items():
         if key in shapes:
-            full = unshard_rows([d[key] for d in dicts], ParamLayout(torch.Size(shapes[key]),
-                                                                     old_world))
+            full = unshard_rows([w[key] for w, _ in pairs],
+                                ParamLayout(torch.Size(shapes[key]), old_world))
             value = shard_rows(full, ParamLayout(torch.Size(shapes[key]), world_size), rank)
         out[key] = value
     return out

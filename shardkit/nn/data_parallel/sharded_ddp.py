@@ -49,6 +49,15 @@ class ShardedDataParallel(nn.Module):
         comm: the :class:`~shardkit.transport.Transport` that reduces the buckets (default: the
             process group's own collectives; not in FairScale's signature).
 
+    Attributes that torch DDP code reads are there: ``module``, ``process_group``,
+    ``broadcast_buffers``, ``device_type``, ``is_multi_device_module``, ``device_ids`` and
+    ``output_device`` (the device index for a module on one accelerator, else ``None``),
+    ``dim``, ``require_backward_grad_sync`` (``False`` inside :meth:`no_sync`),
+    ``bucket_bytes_cap``; other unknown attributes are looked up on the wrapped module.
+    A gradient that itself requires grad (``backward(create_graph=True)``) raises
+    ``RuntimeError`` before it is reduced: double backward through the reduction is not
+    supported (inside :meth:`no_sync` it is fine).
+
     Cost per rank (Ψ parameters, N ranks; DESIGN.md stage 2): gradient bytes after backward
     4Ψ/N in fp32, the rank's owned share (whole parameters, so up to one parameter more) plus
     one flag per owned parameter; during backward, at most four buckets in flight.
@@ -96,8 +105,22 @@ class ShardedDataParallel(nn.Module):
         self.comm.prepare(self.process_group)
         _check_optimizer_params_in_module(module, optimizers)
 
+        device_types = _device_types(module)
         self.module = module
         self._optimizers = optimizers
+        # Attributes torch DDP exposes and training frameworks read (FairScale sets them too).
+        self.device_type = device_types[0] if device_types else "cpu"
+        self.is_multi_device_module = len({p.device for p in module.parameters()}) > 1
+        single = next(module.parameters(), None)
+        on_one_accelerator = (single is not None and not self.is_multi_device_module
+                              and single.device.type != "cpu")
+        self.device_ids = [single.device.index] if on_one_accelerator else None
+        self.output_device = single.device.index if on_one_accelerator else None
+        self.dim = 0
+        self.find_unused_parameters = True   # unused parameters are handled, nothing to set
+        self.require_forward_param_sync = True
+        self.gradient_as_bucket_view = False
+        self.static_graph = False
         self.rank = skdist.get_rank(self.process_group)
         self.world_size = skdist.get_world_size(self.process_group)
         self.broadcast_buffers = broadcast_buffers
@@ -130,13 +153,41 @@ class ShardedDataParallel(nn.Module):
         and broadcast rank 0's buffers (``broadcast_buffers``)."""
         if self._backward_active:
             self._forget_aborted_backward()
+        if self._sync_enabled:
+            self._check_grads_do_not_require_grad(
+                p.grad for p in self._trainable if p.grad is not None)
         if self.auto_refresh_trainable and torch.is_grad_enabled() and self._plan_is_stale():
             self.refresh_trainable()
-        if self.broadcast_buffers and self.world_size > 1:
-            buffers = list(self.module.buffers())
-            if buffers:
-                self._broadcast_from_rank0(buffers)
+        if self.broadcast_buffers:
+            self.sync_buffers()
         return self.module(*inputs, **kwargs)
+
+    def sync_buffers(self, blocking: bool = False) -> None:
+        """Broadcast rank 0's module buffers (BatchNorm statistics...) to every rank, as
+        FairScale's method; ``blocking`` is accepted, the broadcast always completes before
+        returning. Collective: call on every rank. Wire: (N-1)/N of the buffers' bytes."""
+        buffers = list(self.module.buffers())
+        if buffers and self.world_size > 1:
+            self._broadcast_from_rank0(buffers)
+
+    def __getattr__(self, name: str):
+        """Attributes this wrapper lacks are looked up on the wrapped module (as FairScale)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "module":
+                raise
+            return getattr(self.module, name)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag: ``False`` inside :meth:`no_sync` (gradients stay local)."""
+        return self._sync_enabled
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """torch DDP's name for ``reduce_buffer_size``."""
+        return self.reduce_buffer_size
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -266,7 +317,17 @@ class ShardedDataParallel(nn.Module):
     # ends (unused parameters) are launched then, by the callback queued on the engine, which
     # also waits for every reduction, so gradients are in place when backward() returns.
 
+    def _check_grads_do_not_require_grad(self, grads) -> None:
+        if any(g.requires_grad for g in grads):
+            raise RuntimeError("ShardedDataParallel: a gradient requires grad (backward with "
+                               "create_graph=True, or a .grad that is part of a graph); "
+                               "double backward through the gradient reduction is not "
+                               "supported. Use no_sync() for such a backward, or detach the "
+                               "gradients (p.grad = p.grad.detach())")
+
     def _on_grad_incoming(self, grad):
+        if self._sync_enabled and not self._backward_active:
+            self._check_grads_do_not_require_grad((grad,))
         if not self._backward_active:
             self._begin_backward()
         return None
@@ -382,6 +443,15 @@ def _as_oss_list(sharded_optimizer) -> list:
                             f"{type(o).__name__}>): expected shardkit.optim.OSS (wrap it: "
                             f"OSS(optimizer)); gradient sharding needs the OSS partition")
     return optimizers
+
+
+def _device_types(module: nn.Module) -> list[str]:
+    """The device type of the module's parameters; ``ValueError`` when they mix types."""
+    types = sorted({p.device.type for p in module.parameters()})
+    if len(types) > 1:
+        raise ValueError(f"ShardedDataParallel(module=...): the parameters are on devices of "
+                         f"several types {types}; put the whole module on one device type")
+    return types
 
 
 def _check_reduce_buffer_size(size) -> None:

@@ -32,7 +32,8 @@ from shardkit.nn.model_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region, scatter_to_model_parallel_region,
     scatter_to_sequence_parallel_region)
 from shardkit.nn.model_parallel.random import (
-    RNGStatesTracker, get_model_parallel_rng_tracker, model_parallel_manual_seed)
+    CudaRNGStatesTracker, RNGStatesTracker, get_cuda_rng_tracker, get_model_parallel_rng_tracker,
+    model_parallel_cuda_manual_seed, model_parallel_manual_seed)
 from shardkit.nn.model_parallel.sequence_parallel import (
     mark_sequence_parallel, reduce_sequence_parallel_grads)
 
@@ -46,5 +47,6 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "vocab_parallel_cross_entropy",
     "RNGStatesTracker", "get_model_parallel_rng_tracker", "model_parallel_manual_seed",
+    "CudaRNGStatesTracker", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
     "mark_sequence_parallel", "reduce_sequence_parallel_grads",
 ]

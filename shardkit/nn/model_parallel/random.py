@@ -29,7 +29,9 @@ import torch
 from shardkit.nn.model_parallel.initialize import get_model_parallel_rank
 
 __all__ = ["RNGStatesTracker", "get_model_parallel_rng_tracker", "model_parallel_manual_seed",
-           "MODEL_PARALLEL_RNG", "MODEL_PARALLEL_SEED_OFFSET"]
+           "MODEL_PARALLEL_RNG", "MODEL_PARALLEL_SEED_OFFSET",
+           # FairScale's (and Megatron's) names for the same objects
+           "CudaRNGStatesTracker", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed"]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 # Keeps the tensor-parallel streams away from the default stream's seed.
@@ -74,6 +76,15 @@ class RNGStatesTracker:
         """Names of the streams tracked."""
         return list(self._states)
 
+    def get_states(self) -> dict:
+        """A new dict of the streams' current states (opaque values for :meth:`set_states`),
+        e.g. to replay the same draws in an activation recomputation."""
+        return dict(self._states)
+
+    def set_states(self, states: dict) -> None:
+        """Replace the streams' states by ``states`` from :meth:`get_states`."""
+        self._states = dict(states)
+
     def add(self, name: str, seed: int) -> None:
         """Start stream ``name`` from ``seed`` (both must be new to this tracker)."""
         if name in self._states:
@@ -111,6 +122,22 @@ _TRACKER = RNGStatesTracker()
 def get_model_parallel_rng_tracker() -> RNGStatesTracker:
     """The process-wide tracker holding the model-parallel stream."""
     return _TRACKER
+
+
+def get_cuda_rng_tracker() -> RNGStatesTracker:
+    """FairScale's name for :func:`get_model_parallel_rng_tracker` (the tracker covers the CPU
+    generator too, so it works without CUDA)."""
+    return _TRACKER
+
+
+#: FairScale's name for :class:`RNGStatesTracker` (CPU and CUDA states, not only CUDA's).
+CudaRNGStatesTracker = RNGStatesTracker
+
+
+def model_parallel_cuda_manual_seed(seed: int) -> None:
+    """FairScale's name for :func:`model_parallel_manual_seed`. Unlike FairScale's, which seeds
+    only CUDA (and does nothing without it), it seeds the CPU generator too and works on CPU."""
+    model_parallel_manual_seed(seed)
 
 
 def model_parallel_manual_seed(seed: int) -> None:

@@ -5,7 +5,8 @@
   norm.
 - :class:`PipelineStage` with :class:`ScheduleGPipe` / :class:`Schedule1F1B`: one stage per
   process over ``torch.distributed`` point-to-point ops, optionally data-parallel per stage.
-- :func:`split_sequential` cuts an ``nn.Sequential`` by a ``balance`` list for either.
+- :func:`split_sequential` cuts an ``nn.Sequential`` by a ``balance`` list for either;
+  :mod:`shardkit.nn.pipe.balance` (``balance_by_time``, ``balance_by_size``) proposes one.
 """
 
 import importlib

@@ -7,7 +7,23 @@ from typing import Sequence
 
 import torch.nn as nn
 
-__all__ = ["split_sequential", "check_balance"]
+__all__ = ["split_sequential", "check_balance", "check_unique_layers"]
+
+
+def check_unique_layers(module: nn.Sequential, what: str) -> None:
+    """Raise ``ValueError`` when one layer object sits twice in ``module``.
+
+    ``named_children()`` yields a repeated module once, so a stage built from it would run the
+    layer once instead of twice and silently compute something else.
+    """
+    seen: dict[int, str] = {}
+    for name, layer in module._modules.items():
+        if layer is not None and id(layer) in seen:
+            raise ValueError(f"{what}(module=...): layer {name!r} is the same module object as "
+                             f"layer {seen[id(layer)]!r}; a pipeline needs distinct layers (use "
+                             f"copy.deepcopy for a second copy, or share only its parameters)")
+        if layer is not None:
+            seen[id(layer)] = name
 
 
 def check_balance(module: nn.Sequential, balance: Sequence[int], what: str) -> list[int]:
@@ -15,11 +31,13 @@ def check_balance(module: nn.Sequential, balance: Sequence[int], what: str) -> l
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
-        ValueError: a part is not a positive int, or the parts do not sum to ``len(module)``.
+        ValueError: a part is not a positive int, the parts do not sum to ``len(module)``, or
+            the same layer object appears twice in ``module`` (it would run only once).
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"{what}(module={type(module).__name__}): expected a torch.nn.Sequential "
                         f"(its layers are cut into stages by `balance`)")
+    check_unique_layers(module, what)
     try:
         parts = list(balance)
     except TypeError:

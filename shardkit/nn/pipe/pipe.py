@@ -9,7 +9,8 @@ import torch.nn as nn
 
 from shardkit.nn.checkpoint import checkpointed_call
 from shardkit.nn.pipe.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
-from shardkit.nn.pipe.microbatch import as_tuple, join_microbatches, split_microbatches
+from shardkit.nn.pipe.microbatch import (as_tuple, batch_size, join_microbatches,
+                                         split_microbatches)
 from shardkit.nn.pipe.partition import check_balance, split_sequential
 from shardkit.nn.pipe.skip import SkipTracker, use_skip_tracker, verify_skippables
 
@@ -58,6 +59,43 @@ def _default_devices(count: int) -> list[torch.device]:
     return [torch.device("cpu")] * count
 
 
+def _coerce_chunks(chunks) -> int:
+    """``int(chunks)`` as FairScale does (so ``4.0`` or ``"4"`` work), checked to be positive."""
+    try:
+        count = int(chunks)
+    except (TypeError, ValueError):
+        count = 0
+    if isinstance(chunks, bool) or count < 1:
+        raise ValueError(f"Pipe(chunks={chunks!r}): expected a positive int (micro-batches per "
+                         f"mini-batch)")
+    return count
+
+
+def _check_pipe_balance(module: nn.Sequential, balance) -> list[int]:
+    """``check_balance``, except that an empty Sequential with ``balance=[]`` is allowed."""
+    if isinstance(module, nn.Sequential) and len(module) == 0 and \
+            isinstance(balance, (list, tuple)) and len(balance) == 0:
+        return []
+    return check_balance(module, balance, "Pipe")
+
+
+def _check_no_parameter_on_two_devices(stages: list, devices: list) -> None:
+    """A parameter shared by partitions on different devices cannot live on both."""
+    first_seen: dict[int, int] = {}
+    for j, stage in enumerate(stages):
+        for p in stage.parameters():
+            i = first_seen.setdefault(id(p), j)
+            if devices[i] != devices[j]:
+                raise ValueError(f"Pipe: a parameter of shape {tuple(p.shape)} is shared by "
+                                 f"partitions {i} ({devices[i]}) and {j} ({devices[j]}); shared "
+                                 f"parameters must sit on one device (adjust balance or devices)")
+
+
+def _moving_denied(call: str) -> TypeError:
+    return TypeError(f"Pipe.{call}: denied, Pipe places each partition on its own device "
+                     f"(devices=...); build the Pipe with the devices you want instead")
+
+
 class Pipe(nn.Module):
     """Run an ``nn.Sequential`` as a GPipe pipeline over ``devices`` in one process.
 
@@ -67,15 +105,26 @@ class Pipe(nn.Module):
     the outputs are concatenated on the last device. Backward follows the autograd graph of the
     same micro-batches, so gradients equal those of the unsplit Sequential.
 
+    The partitions are ``self.partitions``, a registered ``nn.ModuleList`` of ``nn.Sequential``
+    keeping the layers' names, so parameter names and state-dict keys are FairScale's
+    (``partitions.<j>.<layer name>.<param>``) and a FairScale Pipe checkpoint loads. ``len``,
+    indexing and iteration see the original layers in order.
+
     Args:
-        module: the ``nn.Sequential`` to pipeline (its layers are moved onto ``devices``).
-        balance: number of layers of each partition; must sum to ``len(module)``.
-        devices: one device per partition; default: ``cuda:0..`` when there are enough GPUs,
-            else ``"cpu"`` for every partition.
-        chunks: number of micro-batches (at most the batch size).
-        checkpoint: ``"always"`` (recompute every micro-batch in backward), ``"except_last"``
-            (all but the last, whose backward comes first) or ``"never"``. Only in training
-            mode with grad enabled.
+        module: the ``nn.Sequential`` to pipeline (its layers are moved onto ``devices``). An
+            empty Sequential (with ``balance=[]``) is the identity. The same layer object twice
+            is refused (``ValueError``): it would run only once; so is a parameter shared by
+            partitions on different devices.
+        balance: number of layers of each partition; must sum to ``len(module)`` (required:
+            ``ValueError`` when missing; :mod:`shardkit.nn.pipe.balance` can propose one).
+        devices: one device per partition (``IndexError`` when there are fewer); default:
+            ``cuda:0..`` when there are enough GPUs, else ``"cpu"`` for every partition
+            (FairScale: every visible GPU, none on a CPU-only machine).
+        chunks: number of micro-batches, taken as ``int(chunks)``. A smaller batch runs as one
+            micro-batch per sample.
+        checkpoint: taken as ``str(checkpoint)``: ``"always"`` (recompute every micro-batch in
+            backward), ``"except_last"`` (all but the last, whose backward comes first) or
+            ``"never"``. Only in training mode with grad enabled.
         deferred_batch_norm: replace BatchNorms by :class:`DeferredBatchNorm`, whose running
             statistics are updated once per mini-batch, as if it were unsplit.
 
@@ -84,65 +133,101 @@ class Pipe(nn.Module):
     one device-to-device copy of each micro-batch's activations per partition boundary (none
     between partitions on the same device).
 
+    ``.cuda()``, ``.cpu()`` and ``.to(device)`` raise ``TypeError`` (``devices`` would go stale);
+    ``.to(dtype)`` works.
+
     Usage::
 
         model = Pipe(nn.Sequential(a, b, c, d), balance=[2, 2], devices=["cpu", "cpu"], chunks=4)
         model(x).sum().backward()
     """
 
-    def __init__(self, module: nn.Sequential, balance: Sequence[int],
-                 devices: Optional[Sequence[Union[str, torch.device]]] = None, chunks: int = 1,
-                 checkpoint: str = "except_last", deferred_batch_norm: bool = False):
+    def __init__(self, module: nn.Sequential, balance: Optional[Sequence[int]] = None,
+                 devices: Optional[Sequence[Union[str, int, torch.device]]] = None,
+                 chunks: int = 1, checkpoint: str = "except_last",
+                 deferred_batch_norm: bool = False):
         super().__init__()
-        parts = check_balance(module, balance, "Pipe")
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"Pipe(chunks={chunks!r}): expected a positive int (micro-batches "
-                             f"per mini-batch)")
+        chunks, checkpoint = _coerce_chunks(chunks), str(checkpoint)
         if checkpoint not in CHECKPOINT_MODES:
             raise ValueError(f"Pipe(checkpoint={checkpoint!r}): valid modes are "
                              f"{list(CHECKPOINT_MODES)}")
+        if balance is None:
+            raise ValueError("Pipe(balance=None): balance is required, a list with the number of "
+                             "layers of each partition (shardkit.nn.pipe.balance.balance_by_time "
+                             "or balance_by_size can propose one)")
+        parts = _check_pipe_balance(module, balance)
         devices = _default_devices(len(parts)) if devices is None else \
             [torch.device(d) for d in devices]
         if len(devices) < len(parts):
-            raise ValueError(f"Pipe(devices={[str(d) for d in devices]}): {len(parts)} partitions "
+            raise IndexError(f"Pipe(devices={[str(d) for d in devices]}): {len(parts)} partitions "
                              f"(balance={parts}) need at least {len(parts)} devices")
         verify_skippables(module)
         if deferred_batch_norm:
             convert_deferred_batch_norm(module)
-        for name, layer in module.named_children():  # same state_dict keys as the Sequential
-            self.add_module(name, layer)
         self.balance = parts
         self.devices = devices[:len(parts)]
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.deferred_batch_norm = deferred_batch_norm
-        self.partitions = [p.to(d) for p, d in zip(split_sequential(module, parts), self.devices)]
+        stages = split_sequential(module, parts) if parts else []
+        _check_no_parameter_on_two_devices(stages, self.devices)
+        # Registered: parameter names and state-dict keys are FairScale's `partitions.<j>.<name>`.
+        self.partitions = nn.ModuleList(p.to(d) for p, d in zip(stages, self.devices))
 
     def __len__(self) -> int:
-        return len(self._modules)
+        return sum(len(p) for p in self.partitions)
 
     def __getitem__(self, index: int) -> nn.Module:
-        return list(self._modules.values())[index]
+        return list(self)[index]
 
     def __iter__(self):
-        return iter(self._modules.values())
+        for partition in self.partitions:
+            yield from partition
 
-    def _checkpoint_stop(self) -> int:
+    def cuda(self, device=None):
+        """Refused: Pipe places each partition on its device; moving them all would leave
+        ``devices`` wrong. Raises ``TypeError``."""
+        raise _moving_denied("cuda()")
+
+    def cpu(self):
+        """Refused, as :meth:`cuda`. Raises ``TypeError``."""
+        raise _moving_denied("cpu()")
+
+    def to(self, *args, **kwargs):
+        """``to(dtype)`` converts every partition in place; ``to(device)`` and ``to(tensor)``
+        raise ``TypeError`` (Pipe owns the placement of its partitions)."""
+        if "device" in kwargs or "tensor" in kwargs or (
+                args and isinstance(args[0], (torch.device, int, str, torch.Tensor))):
+            raise _moving_denied("to(device)")
+        return super().to(*args, **kwargs)
+
+    def _checkpoint_stop(self, num_microbatches: int) -> int:
         if not (self.training and torch.is_grad_enabled()):
             return 0
-        return {"always": self.chunks, "except_last": self.chunks - 1, "never": 0}[self.checkpoint]
+        return {"always": num_microbatches, "except_last": num_microbatches - 1,
+                "never": 0}[self.checkpoint]
 
     def forward(self, *inputs):
         """Run the pipeline on a batch: a tensor, or a tuple of tensors with one batch size
         (several positional tensors are taken as that tuple). As in ``nn.Sequential``, each
-        layer gets its predecessor's output (a tensor or a tuple) as its one argument."""
+        layer gets its predecessor's output (a tensor or a tuple) as its one argument. A batch
+        smaller than ``chunks`` runs as that many micro-batches of one sample; an empty Pipe
+        returns its input."""
         packed = len(inputs) > 1 or isinstance(inputs[0], (tuple, list))
-        inputs = as_tuple(inputs[0]) if len(inputs) == 1 else inputs
-        batches = split_microbatches(inputs, self.chunks, "Pipe.forward")
+        original = inputs if len(inputs) > 1 else inputs[0]
+        inputs = as_tuple(inputs[0]) if len(inputs) == 1 and \
+            isinstance(inputs[0], (torch.Tensor, tuple, list)) else inputs
+        if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+            raise TypeError(f"Pipe.forward: expected a tensor or a tuple of tensors, got "
+                            f"{[type(t).__name__ for t in inputs]}")
+        if not self.partitions:
+            return original
+        size = batch_size(inputs, "Pipe.forward")
+        batches = split_microbatches(inputs, min(self.chunks, size), "Pipe.forward")
         activations = [tuple(t.to(self.devices[0]) for t in mb) for mb in batches]
         skips = [SkipTracker() for _ in batches]
         packed = [packed] * len(batches)  # whether micro-batch i's activation is a tuple
-        stop = self._checkpoint_stop()
+        stop = self._checkpoint_stop(len(batches))
         for tick in clock_cycles(len(batches), len(self.partitions)):
             for i, j in tick:
                 out = self._run_partition(j, activations[i], packed[i], skips[i],

@@ -30,9 +30,10 @@ it). Communication: none.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
-import itertools
 import threading
+import uuid
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -41,17 +42,33 @@ import torch.nn as nn
 __all__ = ["skippable", "stash", "pop", "Namespace", "verify_skippables", "Skippable",
            "SkipTracker", "use_skip_tracker"]
 
-_namespace_ids = itertools.count()
-
-
+@functools.total_ordering
 class Namespace:
-    """A name scope for skip names: equal names in different namespaces do not collide."""
+    """A name scope for skip names: equal names in different namespaces do not collide.
+
+    A namespace is a random UUID: copies (``copy.deepcopy`` of one layer, a pickled model in
+    another process) are equal to the original and hash alike; namespaces sort by that UUID
+    (any fixed order will do, as in FairScale).
+    """
+
+    __slots__ = ("id",)
 
     def __init__(self):
-        self._id = next(_namespace_ids)
+        self.id = uuid.uuid4()
 
     def __repr__(self) -> str:
-        return f"Namespace({self._id})"
+        return f"<Namespace '{self.id}'>"
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Namespace) and self.id == other.id
+
+    def __lt__(self, other) -> bool:
+        if not isinstance(other, Namespace):
+            return NotImplemented
+        return self.id < other.id
 
 
 _DEFAULT_NAMESPACE = Namespace()
@@ -201,7 +218,8 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()):  # noqa: F811
 
 def verify_skippables(module: nn.Sequential) -> None:
     """Check that every skip name stashed by a layer of ``module`` is popped once by a later
-    layer and that nothing is popped before it is stashed.
+    layer, that nothing is popped before it is stashed, and that no layer both stashes and pops
+    the same name.
 
     Raises:
         TypeError: listing every problem, with the layer indices involved.
@@ -212,6 +230,9 @@ def verify_skippables(module: nn.Sequential) -> None:
     for index, layer in enumerate(module.children()):
         if not isinstance(layer, Skippable):
             continue
+        for name in sorted(layer.stashable_names & layer.poppable_names):
+            problems.append(f"'{name}' is both stashed and popped by layer {index} "
+                            f"({type(layer).__name__}); a layer may only do one of them")
         for key in layer.stashable():
             if key in stashed:
                 problems.append(f"'{key[1]}' is stashed by layer {stashed[key]} and again by "

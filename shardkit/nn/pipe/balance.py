@@ -1,0 +1,161 @@
+"""Proposing a ``balance`` for :class:`~shardkit.nn.Pipe` from a per-layer cost (FairScale's
+``fairscale.nn.pipe.balance``).
+
+Each helper measures one cost per layer of the Sequential, on copies of the layers (the model
+is not touched), then cuts the list into ``partitions`` consecutive non-empty blocks so that the
+most expensive block is as cheap as possible.
+
+Usage::
+
+    from shardkit.nn import Pipe
+    from shardkit.nn.pipe.balance import balance_by_time
+
+    balance = balance_by_time(2, model, torch.randn(64, 1024), device="cpu")
+    pipe = Pipe(model, balance, chunks=8)
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from shardkit.nn.pipe.microbatch import as_tuple, batch_size
+
+__all__ = ["balance_by_time", "balance_by_size", "balance_cost"]
+
+Device = Union[torch.device, str, int]
+
+
+def balance_cost(costs: Sequence[float], partitions: int) -> list[int]:
+    """Cut ``costs`` into ``partitions`` consecutive non-empty blocks minimising the largest
+    block's sum; return the block lengths (a ``balance``). Exact, O(partitions · len(costs)²).
+    """
+    n = len(costs)
+    if isinstance(partitions, bool) or not isinstance(partitions, int) or not 1 <= partitions <= n:
+        raise ValueError(f"partitions={partitions!r}: expected an int between 1 and the number "
+                         f"of layers ({n})")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[k][i]: the smallest largest-block cost of the first i layers in k blocks.
+    best = [[inf] * (n + 1) for _ in range(partitions + 1)]
+    cut = [[0] * (n + 1) for _ in range(partitions + 1)]
+    best[0][0] = 0.0
+    for k in range(1, partitions + 1):
+        for i in range(k, n - (partitions - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    sizes, i = [], n
+    for k in range(partitions, 0, -1):
+        sizes.append(i - cut[k][i])
+        i = cut[k][i]
+    return sizes[::-1]
+
+
+def _layer_copies(module: nn.Sequential, device: torch.device):
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(f"module={type(module).__name__}: expected a torch.nn.Sequential")
+    for layer in module:
+        yield copy.deepcopy(layer).to(device).train()
+
+
+def _detached(inputs: tuple, device: torch.device) -> tuple:
+    return tuple(t.detach().to(device).requires_grad_(t.is_floating_point()) for t in inputs)
+
+
+def _call(layer: nn.Module, inputs: tuple, packed: bool):
+    out = layer(inputs if packed else inputs[0])
+    return as_tuple(out), not isinstance(out, torch.Tensor)
+
+
+def _sample_device(sample, device: Optional[Device]) -> torch.device:
+    return torch.device(device) if device is not None else as_tuple(sample)[0].device
+
+
+def balance_by_time(partitions: int, module: nn.Sequential, sample, *, timeout: float = 1.0,
+                    device: Optional[Device] = None) -> list[int]:
+    """A ``balance`` from the forward + backward time of each layer on ``sample``.
+
+    Every layer is timed on a copy, fed the previous layer's (detached) output, and the loop
+    repeats until ``timeout`` seconds have passed (at least once). ``device``: where to profile
+    (default: the sample's device; FairScale's default is CUDA). Timing on a busy machine is
+    noisy; pass the result to ``Pipe(balance=...)``.
+
+    Memory: one copy of one layer at a time plus its activations on ``sample``. No
+    communication.
+    """
+    device = _sample_device(sample, device)
+    times = [0.0] * len(module)
+    packed_input = not isinstance(sample, torch.Tensor)
+    begun = time.perf_counter()
+    while True:
+        inputs, packed = _detached(as_tuple(sample), device), packed_input
+        for i, layer in enumerate(_layer_copies(module, device)):
+            inputs = _detached(inputs, device)
+            _synchronize(device)
+            tick = time.perf_counter()
+            outputs, packed = _call(layer, inputs, packed)
+            grads = [t for t in outputs if t.requires_grad]
+            if grads:
+                torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
+            _synchronize(device)
+            times[i] += time.perf_counter() - tick
+            inputs = outputs
+        if time.perf_counter() - begun >= timeout:
+            return balance_cost(times, partitions)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _saved_bytes(layer: nn.Module, inputs: tuple, packed: bool):
+    """Run ``layer`` once; return its outputs and the bytes of the tensors autograd saved for
+    backward plus the outputs, each storage counted once and neither the layer's parameters
+    nor its inputs (the previous layer's outputs, counted there)."""
+    storages: dict[int, int] = {}
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        outputs, packed = _call(layer, inputs, packed)
+    for t in outputs:
+        count(t)
+    owned = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *inputs)}
+    return outputs, packed, sum(n for ptr, n in storages.items() if ptr not in owned)
+
+
+def balance_by_size(partitions: int, module: nn.Sequential, input, *, chunks: int = 1,
+                    param_scale: float = 2.0, device: Optional[Device] = None) -> list[int]:
+    """A ``balance`` from each layer's training memory: activations of one micro-batch plus
+    ``param_scale`` copies of its parameters (2 for SGD: weights and grads; about 4 for Adam).
+
+    Each layer runs once on the first sample of ``input``; its activation bytes (the tensors
+    autograd saves for backward, plus the outputs) are scaled by ``batch / chunks``. Unlike
+    FairScale's, which reads the CUDA allocator, this works on any device (default: the input's).
+
+    Memory: one copy of one layer at a time plus its activations on one sample. No
+    communication.
+    """
+    device = _sample_device(input, device)
+    inputs = as_tuple(input)
+    scale = batch_size(inputs, "balance_by_size(input=...)") / max(int(chunks), 1)
+    inputs, packed = _detached(tuple(t[:1] for t in inputs), device), \
+        not isinstance(input, torch.Tensor)
+    sizes = []
+    for layer in _layer_copies(module, device):
+        inputs, packed, activation = _saved_bytes(layer, _detached(inputs, device), packed)
+        weights = sum(p.numel() * p.element_size() for p in layer.parameters())
+        sizes.append(activation * scale + weights * param_scale)
+    return balance_cost(sizes, partitions)
