@@ -124,3 +124,52 @@ def test_data_swap_and_hooks_behave_as_in_pytorch(results, n, kind):
         assert hooks_fired_twice
         assert owner_updated
         assert len(set(sums)) == 1
+
+
+def _lbfgs_closure_and_fairscale_kwargs():
+    """FairScale's OSS.step(closure): the closure goes to the wrapped optimizer (LBFGS calls it
+    several times) on this rank's shard, the loss goes down and every rank ends with the same
+    weights (LBFGS over a shard is not LBFGS over the model: its curvature is per shard, as in
+    FairScale); FairScale's deprecated arguments are accepted with a DeprecationWarning and not
+    handed to the optimizer."""
+    import warnings
+    model = MLP(8, 2, seed=0)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = OSS(model.parameters(), optim=torch.optim.LBFGS, lr=0.5, max_iter=4,
+                  broadcast_buffer_size=2 ** 17, force_broadcast_object=True)
+    deprecations = [str(w.message) for w in caught if w.category is DeprecationWarning]
+    calls = []
+
+    def closure_for(m, o):
+        def closure():
+            o.zero_grad()
+            loss = F.mse_loss(m(x), torch.zeros_like(x))
+            loss.backward()
+            if m is model:  # every rank holds the full gradient, as under DDP
+                calls.append(1)
+            return loss
+        return closure
+
+    first = float(opt.step(closure_for(model, opt)))
+    opt.step(closure_for(model, opt))
+    last = float(F.mse_loss(model(x), torch.zeros_like(x)))
+    weights = distributed.all_gather_object(
+        [p.detach().sum().item() for p in model.parameters()])
+    return len(calls), last < first, all(w == weights[0] for w in weights), deprecations
+
+
+@pytest.mark.parametrize("n", [2])
+def test_lbfgs_closure_and_deprecated_fairscale_kwargs(world2, n):
+    for calls, improved, same, deprecations in world2.run(_lbfgs_closure_and_fairscale_kwargs):
+        assert calls > 2  # LBFGS evaluated the closure more than once per step
+        assert improved and same
+        assert len(deprecations) == 2 and all("ignored" in m for m in deprecations)
+
+
+def test_sync_op_is_a_clear_error(world2):
+    def build():
+        return OSS(MLP(8, 2).parameters(), optim=torch.optim.SGD, lr=0.1, sync_op="broadcast")
+    with pytest.raises(TypeError, match="sync_op"):
+        build()
