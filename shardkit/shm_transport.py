@@ -41,6 +41,7 @@ world of one), :meth:`prepare` warns once and the group's operations use the pro
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import queue
@@ -60,7 +61,7 @@ __all__ = ["SharedMemoryTransport", "TransportError", "NUM_SLOTS"]
 NUM_SLOTS = 3
 _CONTROL_BYTES = 4096  # token page
 _HEADER_FIELDS = 4  # generation, op code, total bytes, dtype code
-_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
+_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "reduce")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int8, torch.uint8, torch.bool)
 _LIVENESS_PERIOD_S = 0.25
@@ -236,6 +237,36 @@ class SharedMemoryTransport(Transport):
         return ring.submit("broadcast", tensor.dtype, flat.numel(), ring.chunk(tensor.dtype),
                            write, read, result=lambda: tensor)
 
+    def reduce_to_owners(self, segments, group):
+        """Every rank writes its segments back to back once (no padding); owner ``r`` sums the
+        ``r``-th segment of every rank into a buffer of exactly its size."""
+        ring = self._ring(group)
+        if ring is None:
+            return self._fallback.reduce_to_owners(segments, group)
+        n, rank = ring.world_size, ring.rank
+        sizes = [0 if s is None else s.numel() for s in segments]
+        ref = next(s for s in segments if s is not None)
+        flat = torch.cat([s.reshape(-1) for s in segments if s is not None])
+        start = sum(sizes[:rank])
+        mine = sizes[rank]
+        out = torch.empty(mine, dtype=ref.dtype, device=ref.device) if mine else None
+
+        def write(part, lo, hi):
+            part[:hi - lo].copy_(flat[lo:hi])
+
+        def read(parts, lo, hi):
+            a, b = max(lo, start), min(hi, start + mine)
+            if a >= b:
+                return
+            acc = out[a - start:b - start]
+            acc.copy_(parts[0][a - lo:b - lo])
+            for r in range(1, n):
+                acc.add_(parts[r][a - lo:b - lo])
+        skdist.record_transfer("reduce", _nbytes(flat) - mine * flat.element_size(), flat.dtype,
+                               group)
+        return ring.submit("reduce", flat.dtype, flat.numel(), ring.chunk(flat.dtype), write,
+                           read, result=lambda: out)
+
     def all_to_all(self, output, input, group):
         ring = self._ring(group)
         if ring is None:
@@ -290,9 +321,11 @@ class _Ring:
         self._next_gen = 1
         self._queue: "queue.Queue" = queue.Queue()
         self._error: Optional[BaseException] = None
+        self._busy = False
         self._thread = threading.Thread(target=self._serve, daemon=True,
                                         name=f"shardkit-shm-rank{self.rank}")
         self._thread.start()
+        atexit.register(self._release_at_exit)
 
     def _counter(self, offset: int):
         context = self._atomics.atomicview(buffer=self._view[offset:offset + 8],
@@ -368,6 +401,14 @@ class _Ring:
             return result() if result is not None else None
         return CommHandle((), finish)
 
+    def _release_at_exit(self) -> None:
+        # the atomics' views must be closed before they are collected (else each prints an
+        # error); only when the worker is idle, since it may still be using them
+        if not self._busy:
+            for context in self._contexts:
+                context.__exit__(None, None, None)
+            self._contexts = []
+
     def stop(self) -> None:
         """Finish what is queued, stop the worker and release the counters' views."""
         self._queue.put(None)
@@ -385,6 +426,7 @@ class _Ring:
             if item is None:
                 return
             header, op, dtype, numel, step, write, read, start, done, box = item
+            self._busy = True
             try:
                 if self._error is not None:
                     raise TransportError(str(self._error))
@@ -399,6 +441,7 @@ class _Ring:
                         f"shared-memory {op} failed on rank {self.rank}: {err!r}")
                 box["error"] = self._error
             finally:
+                self._busy = False
                 done.set()
 
     def _round(self, header, op, dtype, lo, hi, write, read) -> None:

@@ -231,6 +231,21 @@ def _killed_mid_setup():
     return "no error", time.monotonic() - start, False
 
 
+def _killed_during_wrapper_setup(kind):
+    """Rank 1 SIGKILLs itself while OSS is being built over the given transport."""
+    from shardkit.models import MLP
+    from shardkit.optim import OSS
+    from shardkit.optim import oss as oss_module
+    if skdist.get_rank() == 1:
+        oss_module._check_same_model_on_every_rank = \
+            lambda groups, group: os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        OSS(MLP(16, 2).parameters(), optim=torch.optim.SGD, lr=0.1, comm=_make(kind))
+    except Exception as err:  # noqa: BLE001
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
 def _survivor_report(fn, *args) -> str:
     """Run ``fn`` in a fresh world of 2 in which rank 1 is killed; return the harness's report,
     which holds what rank 0 returned (it has 5 s after rank 1's death to do so)."""
@@ -256,3 +271,11 @@ def test_a_rank_killed_mid_setup_is_an_error_on_its_peer():
     assert "rank 1 exited with code -9" in text, text
     survivor = text.split("--- rank 0 returned:")[1].split("--- rank 1")[0]
     assert "no error" not in survivor and "True)" not in survivor, survivor
+
+
+@pytest.mark.parametrize("kind", ["process_group", "shared_memory"])
+def test_a_rank_killed_while_a_wrapper_is_built_is_an_error_on_its_peer(kind):
+    text = _survivor_report(_killed_during_wrapper_setup, kind)
+    assert "rank 1 exited with code -9" in text, text
+    survivor = text.split("--- rank 0 returned:")[1].split("--- rank 1")[0]
+    assert "no error" not in survivor, survivor

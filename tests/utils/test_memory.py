@@ -15,7 +15,7 @@ def test_params_grads_and_adam_state():
     model = MLP(width=16, depth=3)
     n = _numel(model)
     assert model_state_bytes(model).as_dict() == {"params": 4 * n, "grads": 0, "optimizer": 0,
-                                                  "total": 4 * n}
+                                                  "transport": 0, "total": 4 * n}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(4, 16)).sum().backward()
     opt.step()
