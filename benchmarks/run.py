@@ -141,7 +141,7 @@ def _ratio(x) -> str:
 
 
 def _transport_cell(r: dict) -> str:
-    extra = f" ({_mb(r['transport_bytes'])} of slots)" if r["transport_bytes"] else ""
+    extra = f"; {_mb(r['transport_bytes'])} of shared-memory slots" if r["transport_bytes"] else ""
     return r["transport"] + extra
 
 
