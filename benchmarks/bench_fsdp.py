@@ -1,13 +1,16 @@
 """shardkit FullyShardedDataParallel against torch DDP, FSDP1 and FSDP2 (``fully_shard``),
 world 2, gloo on CPU, on the reference GPT and MLP 16x1024.
 
-    python -m benchmarks.bench_fsdp [--rounds 3] [--steps 2] [--workloads gpt,mlp] [--gloo]
-                                    [--out PATH]
+    python -m benchmarks.bench_fsdp [--rounds 3] [--steps 4] [--workloads gpt,mlp] [--out PATH]
 
 Every configuration is built once per rank (one FSDP unit per transformer Block / per Linear,
-plus the root), warmed up, then timed in interleaved rounds whose order rotates, so machine
-noise spreads over all of them. The report gives the median step time and its ratio to torch
-DDP measured in the same run, and the per-rank model-state bytes after a backward.
+plus the root), warmed up 3 steps, then timed in interleaved rounds whose order rotates, so
+machine noise spreads over all of them; a round's time is the slowest rank's. The report gives
+each row's transport, the median step time, its ratios to torch DDP and to FSDP2 measured in
+the same run (medians over rounds of the per-round ratios), and the per-rank model-state bytes
+after a backward. shardkit FSDP runs on its default transport (the process group's
+collectives: gloo, like torch's wrappers) and, in the ``shardkit_fsdp_shm`` row, with
+``comm=SharedMemoryTransport()`` (opt-in).
 """
 
 from __future__ import annotations
@@ -29,15 +32,14 @@ from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
 from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
 from shardkit.testing import World
 
-from benchmarks.common import time_interleaved, write_report
+from benchmarks.common import (make_transport, median_ratio, slowest_rank, time_interleaved,
+                               write_report)
 from shardkit.utils.memory import model_state_bytes, tensor_storage_bytes
 
 WORLD_SIZE = 2
 LR = 1e-4
-_TRANSPORTS = {True: "gloo sockets (SHARDKIT_SHM_COLLECTIVES=0)",
-               False: "host shared memory (the CPU default on one machine)"}
 CONFIGS = ("torch_ddp", "torch_fsdp1", "torch_fsdp2", "shardkit_fsdp",
-           "shardkit_fsdp_no_reshard")
+           "shardkit_fsdp_no_reshard", "shardkit_fsdp_shm")
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results", "fsdp.md")
 
 
@@ -79,7 +81,7 @@ WORKLOADS = {"gpt": lambda: _gpt_workload(4), "mlp": lambda: _mlp_workload(64)}
 # ---------------------------------------------------------------------- configurations
 
 
-def _wrap(kind: str, model: nn.Module, unit_cls: type) -> nn.Module:
+def _wrap(kind: str, model: nn.Module, unit_cls: type, comm=None) -> nn.Module:
     if kind == "torch_ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
     if kind == "torch_fsdp1":
@@ -98,8 +100,9 @@ def _wrap(kind: str, model: nn.Module, unit_cls: type) -> nn.Module:
         return fully_shard(model, mesh=mesh)
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={unit_cls})
     reshard = kind != "shardkit_fsdp_no_reshard"
-    return FullyShardedDataParallel(auto_wrap(model, policy, reshard_after_forward=reshard),
-                                    reshard_after_forward=reshard)
+    return FullyShardedDataParallel(
+        auto_wrap(model, policy, reshard_after_forward=reshard, comm=comm),
+        reshard_after_forward=reshard, comm=comm)
 
 
 @dataclass
@@ -110,6 +113,12 @@ class Trainer:
     module: nn.Module
     optimizer: torch.optim.Optimizer
     workload: Workload
+
+    def transport(self) -> str:
+        """What carries this configuration's collectives, in words."""
+        if self.kind.startswith("shardkit"):
+            return self.module.comm.describe(self.module.process_group)
+        return f"process group ({skdist.backend_of()})"
 
     def forward_backward(self, step: int, rank: int) -> None:
         inputs, target = self.workload.batch(step, rank)
@@ -139,7 +148,8 @@ def _local_state_bytes(module: nn.Module, optimizer) -> int:
 
 
 def _build(kind: str, workload: Workload) -> Trainer:
-    module = _wrap(kind, workload.make_model(), workload.unit_cls)
+    comm = make_transport("shared_memory" if kind == "shardkit_fsdp_shm" else "default")
+    module = _wrap(kind, workload.make_model(), workload.unit_cls, comm)
     return Trainer(kind, module, torch.optim.AdamW(module.parameters(), lr=LR), workload)
 
 
@@ -157,24 +167,31 @@ def _time_workload(workload_key: str, rounds: int, steps: int) -> dict:
         trainer.forward_backward(step, rank)
         states[kind] = trainer.state_bytes()
         trainer.optimizer.zero_grad(set_to_none=True)
+    transports = {kind: trainer.transport() for kind, trainer in trainers.items()}
+    for trainer in trainers.values():
+        if trainer.kind.startswith("shardkit"):
+            trainer.module.comm.close()  # the shared-memory transport's thread; else a no-op
     psi = sum(p.numel() for p in workload.make_model().parameters())
-    return {"name": workload.name, "psi": psi, "times": times, "states": states}
+    return {"name": workload.name, "psi": psi, "times": times, "states": states,
+            "transports": transports}
 
 
 # ---------------------------------------------------------------------- report
 
 
 def _table(result: dict) -> list[str]:
-    times = {k: statistics.median(v) for k, v in result["times"].items()}
-    ddp_time, ddp_bytes = times["torch_ddp"], result["states"]["torch_ddp"]
+    rounds = result["times"]
+    times = {k: statistics.median(v) for k, v in rounds.items()}
+    ddp_bytes = result["states"]["torch_ddp"]
     lines = [f"### {result['name']}", "",
-             "| configuration | median step (s) | x DDP time | x FSDP2 time | "
-             "model states / rank (MiB) | x DDP bytes |", "|---|---|---|---|---|---|"]
+             "| configuration | transport | median step (s) | x DDP time | x FSDP2 time | "
+             "model states / rank (MiB) | x DDP bytes |", "|---|---|---|---|---|---|---|"]
     for kind in CONFIGS:
         state = result["states"][kind]
-        lines.append(f"| {kind} | {times[kind]:.3f} | {times[kind] / ddp_time:.2f} | "
-                     f"{times[kind] / times['torch_fsdp2']:.2f} | {state / 2 ** 20:.1f} | "
-                     f"{state / ddp_bytes:.3f} |")
+        lines.append(f"| {kind} | {result['transports'][kind]} | {times[kind]:.3f} | "
+                     f"{median_ratio(rounds[kind], rounds['torch_ddp']):.2f} | "
+                     f"{median_ratio(rounds[kind], rounds['torch_fsdp2']):.2f} | "
+                     f"{state / 2 ** 20:.1f} | {state / ddp_bytes:.3f} |")
     lines += ["", f"Ψ = {result['psi']:,}. Per-round times (s): " +
               "; ".join(f"{k}: " + ", ".join(f"{t:.3f}" for t in v)
                         for k, v in result["times"].items()), ""]
@@ -188,13 +205,17 @@ def _report(results: list[dict], args) -> str:
              f"AdamW lr {LR}. One unit per Block / Linear plus the root, "
              f"reshard_after_forward=True everywhere except shardkit_fsdp_no_reshard (2Ψ "
              f"communication instead of 3Ψ). Each configuration is built once per rank, "
-             f"warmed up 2 steps, then timed in {args.rounds} interleaved rounds of "
-             f"{args.steps} steps (forward + backward + step + zero_grad); medians over rounds, "
-             f"rank 0's clock. Model-state bytes after a backward (gradients alive); DDP's "
-             f"reducer buckets are not counted. shardkit FSDP's unit collectives: "
-             f"{_TRANSPORTS[args.gloo]}; torch's wrappers and DDP use gloo.", "",
-             "Targets (issue 6): faster than torch FSDP2; <= 1.05 x DDP on the GPT and <= 1.3 x "
-             "on the MLP; model-state bytes 0.50 x DDP + padding.", ""]
+             f"warmed up 3 steps, then timed in {args.rounds} interleaved rounds of "
+             f"{args.steps} steps (forward + backward + step + zero_grad), each round the "
+             f"slowest rank's time; medians over rounds, ratios as the median over rounds of "
+             f"the per-round ratio. Model-state bytes after a backward (gradients alive); "
+             f"DDP's reducer buckets are not counted. shardkit FSDP's unit collectives: the "
+             f"default transport (the process group's collectives, gloo here, as for torch's "
+             f"wrappers and DDP), and `comm=SharedMemoryTransport()` in the "
+             f"`shardkit_fsdp_shm` row.", "",
+             "Targets (issues 6 and 13, over gloo): <= 0.85 x torch FSDP2 on both workloads; "
+             "<= 1.05 x DDP on the GPT and <= 1.3 x on the MLP; model-state bytes 0.50 x DDP + "
+             "padding.", ""]
     for result in results:
         lines += _table(result)
     return "\n".join(lines)
@@ -203,18 +224,15 @@ def _report(results: list[dict], args) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
     parser.add_argument("--workloads", default="gpt,mlp")
     parser.add_argument("--out", default=DEFAULT_OUT)
-    parser.add_argument("--gloo", action="store_true",
-                        help="shardkit FSDP over gloo's sockets instead of shared memory")
     args = parser.parse_args(argv)
-    if args.gloo:
-        os.environ["SHARDKIT_SHM_COLLECTIVES"] = "0"  # inherited by the ranks
     results = []
     with World(WORLD_SIZE, timeout=3600) as world:
         for key in args.workloads.split(","):
-            results.append(world.run(_time_workload, key, args.rounds, args.steps)[0])
+            per_rank = world.run(_time_workload, key, args.rounds, args.steps)
+            results.append({**per_rank[0], "times": slowest_rank([r["times"] for r in per_rank])})
             print("\n".join(_table(results[-1])), flush=True)
     report = _report(results, args)
     write_report(report, args.out)

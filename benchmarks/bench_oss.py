@@ -1,13 +1,15 @@
 """OSS + DDP against torch DDP + AdamW and torch DDP + ZeroRedundancyOptimizer(AdamW).
 
-    python -m benchmarks.bench_oss [--steps 12] [--warmup 1] [--quick] [--out PATH]
+    python -m benchmarks.bench_oss [--steps 12] [--warmup 3] [--quick] [--out PATH]
 
 World of 2 gloo ranks (one thread each), the reference GPT (~27M parameters, global batch 8)
 and the MLP 16x1024 (global batch 64) of :mod:`benchmarks.common`; every configuration runs
-under torch DDP with its native all-reduce and gradients as bucket views. Per workload the
-configurations are built side by side and stepped in alternation, one step each in an
-order that rotates every round, so that bursts of load from other jobs on a shared machine hit
-all of them alike. A step lasts until the slowest rank is done; a row gives the median and the
+under torch DDP with its native all-reduce and gradients as bucket views. OSS re-syncs the
+parameters over its default transport (the process group's collectives: gloo), and once more,
+as a separate row, with ``comm=SharedMemoryTransport()`` (opt-in); every row names its
+transport. Per workload the configurations are built side by side, warmed up, and stepped in
+alternation, one step each in an order that rotates every round, so that bursts of load from
+other jobs on a shared machine hit all of them alike. A step lasts until the slowest rank is done; a row gives the median and the
 best step, and three ratios against torch DDP + AdamW measured in the same run: the median of
 the step-by-step ratios to the DDP step of the same round (paired, the most robust to drifting
 load), the ratio of the medians and the ratio of the best steps. Model-state
@@ -28,7 +30,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from benchmarks.common import local_model_state_bytes, workloads, write_report
+from benchmarks.common import local_model_state_bytes, make_transport, workloads, write_report
 from shardkit import distributed, recipes
 from shardkit.optim import OSS
 from shardkit.testing import World
@@ -37,7 +39,7 @@ WORLD_SIZE = 2
 CONFIGS = {"torch_ddp": "torch DDP + AdamW",
            "torch_zero": "torch DDP + ZeroRedundancyOptimizer(AdamW)",
            "shardkit_oss": "shardkit DDP + OSS(AdamW)",
-           "shardkit_oss_broadcast": "shardkit DDP + OSS(AdamW), sync_op='broadcast'"}
+           "shardkit_oss_shm": "shardkit DDP + OSS(AdamW, comm=SharedMemoryTransport())"}
 WORKLOADS = ("gpt", "mlp")
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results", "oss.md")
 LR = 1e-3
@@ -50,16 +52,22 @@ def _optimizer(config: str, ddp):
     if config == "torch_zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         return ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
-    if config == "shardkit_oss_broadcast":
-        return OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=LR, sync_op="broadcast")
-    return OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=LR)
+    comm = make_transport("shared_memory" if config == "shardkit_oss_shm" else "default")
+    return OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=LR, comm=comm)
+
+
+def _transport(opt) -> str:
+    """What carries this configuration's parameter sync (torch's: the process group)."""
+    if isinstance(opt, OSS):
+        return opt.comm.describe(opt.group)
+    return f"process group ({distributed.backend_of()})"
 
 
 def measure_interleaved(workload_name: str, quick: bool, warmup: int, steps: int) -> dict:
     """On this rank: build every configuration of ``CONFIGS`` side by side on the workload,
     then train them in alternation, one step each in an order that rotates every round, so that
     a burst of load from other jobs hits all of them alike. Ranks start each step together.
-    Returns ``{config: {"step_times_s": [...], "model_state_bytes": int}}``."""
+    Returns ``{config: {"step_times_s": [...], "model_state_bytes": int, "transport": str}}``."""
     workload = workloads(quick)[workload_name]
     rank, world = distributed.get_rank(), distributed.get_world_size()
     gc.collect()
@@ -80,9 +88,12 @@ def measure_interleaved(workload_name: str, quick: bool, warmup: int, steps: int
             setups[config][2](inputs[local], target[local])
             if step >= warmup:
                 times[config].append(time.perf_counter() - start)
-    out = {config: {"step_times_s": times[config],
+    out = {config: {"step_times_s": times[config], "transport": _transport(opt),
                     "model_state_bytes": local_model_state_bytes(ddp, opt)}
            for config, (ddp, opt, _) in setups.items()}
+    for _ddp, opt, _ in setups.values():
+        if isinstance(opt, OSS):
+            opt.comm.close()  # the shared-memory transport's thread and slots; default: no-op
     del setups
     gc.collect()
     return out
@@ -96,7 +107,8 @@ def run_workloads(world: World, steps: int, warmup: int, quick: bool) -> dict:
         for config in CONFIGS:
             results[(workload, config)] = [r[config] for r in per_rank]
             step_ms = 1e3 * statistics.median(_slowest_rank(results[(workload, config)]))
-            print(f"{workload:4s} {config:13s} {step_ms:8.1f} ms/step (median)", flush=True)
+            print(f"{workload:4s} {config:16s} {step_ms:8.1f} ms/step (median)  "
+                  f"{per_rank[0][config]['transport']}", flush=True)
     return results
 
 
@@ -116,7 +128,8 @@ def summarize(results: dict) -> dict:
         out[(workload, config)] = {
             "step_s": statistics.median(slowest), "best_s": min(slowest),
             "paired_ratio": statistics.median(t / b for t, b in zip(slowest, base)),
-            "state_bytes": max(r["model_state_bytes"] for r in per_rank)}
+            "state_bytes": max(r["model_state_bytes"] for r in per_rank),
+            "transport": per_rank[0]["transport"]}
     return out
 
 
@@ -136,10 +149,10 @@ def markdown(summary: dict, args) -> str:
         f"step's ratio to the DDP step of the same round), of the medians, of the bests. Model state: per rank, parameters + "
         f"gradients + optimizer state.",
         "",
-        "| workload | configuration | ms/step (median) | ms/step (best) | step vs DDP "
-        "(paired, median) | step vs DDP (medians) | step vs DDP (bests) | "
+        "| workload | configuration | transport | ms/step (median) | ms/step (best) | step vs "
+        "DDP (paired, median) | step vs DDP (medians) | step vs DDP (bests) | "
         "model state / rank (MB) | state vs DDP |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for workload in WORKLOADS:
         label = workloads(args.quick)[workload].description
@@ -148,19 +161,23 @@ def markdown(summary: dict, args) -> str:
             row = summary.get((workload, config))
             if row is None or base is None:
                 continue
-            lines.append(f"| {label} | {name} | {1e3 * row['step_s']:.0f} | "
+            lines.append(f"| {label} | {name} | {row['transport']} | "
+                         f"{1e3 * row['step_s']:.0f} | "
                          f"{1e3 * row['best_s']:.0f} | {row['paired_ratio']:.3f} | "
                          f"{row['step_s'] / base['step_s']:.3f} | "
                          f"{row['best_s'] / base['best_s']:.3f} | "
                          f"{row['state_bytes'] / 2 ** 20:.1f} | "
                          f"{row['state_bytes'] / base['state_bytes']:.3f} |")
-    lines += ["", "Targets (issue 4): OSS step <= 0.95 x DDP on the GPT; model state <= 0.76 x "
-              "DDP (formula 0.75 at world 2: 4Ψ weights + 4Ψ grads + 8Ψ/2 AdamW state vs 16Ψ).",
+    lines += ["", "Targets (issues 4 and 13): OSS step <= 0.95 x DDP on the GPT over gloo (the "
+              "default transport); model state <= 0.76 x DDP (formula 0.75 at world 2: 4Ψ "
+              "weights + 4Ψ grads + 8Ψ/2 AdamW state vs 16Ψ).",
               "",
-              "OSS defaults on CPU: the parameter sync through host shared memory (every rank on "
-              "one machine maps the flat buffers; nothing is copied) and the shard stepped with "
-              "torch's fused AdamW. The `sync_op='broadcast'` row is the gloo-broadcast sync that "
-              "ranks on different machines get.", ""]
+              "OSS re-syncs the parameters with one all-gather per flat bucket on its transport: "
+              "by default the process group's collectives (gloo here, like torch's rows; DDP's "
+              "gradient all-reduce is torch's in every row). The `comm=SharedMemoryTransport()` "
+              "row opts in to the shared-memory transport for the sync (ranks on one host; "
+              "each process keeps its own parameters). The shard is stepped with torch's fused "
+              "AdamW.", ""]
     return "\n".join(lines)
 
 
@@ -175,7 +192,7 @@ def _git_commit() -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="timed steps per configuration")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="small stand-in workloads")
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args(argv)

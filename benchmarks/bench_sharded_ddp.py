@@ -1,13 +1,16 @@
 """ShardedDataParallel + OSS against torch DDP and FSDP2 (``fully_shard`` with
 ``reshard_after_forward=False``, the SHARD_GRAD_OP analogue), world 2, gloo on CPU.
 
-    python -m benchmarks.bench_sharded_ddp [--rounds 5] [--steps 2] [--workloads gpt,mlp]
+    python -m benchmarks.bench_sharded_ddp [--rounds 3] [--steps 4] [--workloads gpt,mlp]
 
-Every configuration is built once per rank, warmed up, then timed in interleaved rounds (the
-order rotates every round) so that the machine's noise spreads over all of them; the table
-gives the median step time and its ratio to torch DDP measured in the same run, and the
-per-rank model-state bytes (``model_state_bytes`` after backward, gradients alive) against
-DDP's. A micro-benchmark times the two ways of reducing a bucket onto owners over gloo.
+Every configuration is built once per rank, warmed up 3 steps, then timed in interleaved rounds
+(the order rotates every round) so that the machine's noise spreads over all of them; a round's
+time is the slowest rank's. The table gives each row's transport, the median step time, its
+ratio to torch DDP measured in the same run (median over rounds of the per-round ratio), and
+the per-rank model-state bytes (``model_state_bytes`` after backward, gradients alive) against
+DDP's. shardkit runs on its default transport (the process group's collectives: gloo, like
+torch) and, as a separate row, with one ``SharedMemoryTransport()`` passed to both OSS and
+ShardedDDP. A micro-benchmark times the two ways of reducing a bucket onto owners over gloo.
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.optim import OSS
 from shardkit.testing import World
 
-from benchmarks.common import time_interleaved, write_report
+from benchmarks.common import (make_transport, median_ratio, slowest_rank, time_interleaved,
+                               write_report)
 from shardkit.utils.memory import model_state_bytes, tensor_storage_bytes
 
 WORLD_SIZE = 2
 LR = 1e-4
-# shardkit_auto reduces CPU buckets per owner; the forced reduce-scatter shows why.
-CONFIGS = ("torch_ddp", "torch_fsdp2_no_reshard", "shardkit_auto", "shardkit_reduce_scatter")
+# shardkit_shm: the same wrappers with comm=SharedMemoryTransport() (opt-in).
+CONFIGS = ("torch_ddp", "torch_fsdp2_no_reshard", "shardkit", "shardkit_shm")
 DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results", "sharded_ddp.md")
 
 
@@ -92,6 +96,13 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     workload: Workload
     kind: str
+    comm: object = None           # shardkit's transport (None for torch's wrappers)
+
+    def transport(self) -> str:
+        """What carries this configuration's collectives, in words."""
+        if self.comm is not None:
+            return self.comm.describe()
+        return f"process group ({skdist.backend_of()})"
 
     def forward_backward(self, step: int, rank: int) -> None:
         inputs, target = self.workload.batch(step, rank)
@@ -122,10 +133,10 @@ def _build(kind: str, workload: Workload) -> Trainer:
             fully_shard(block, mesh=mesh, reshard_after_forward=False)
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
         return Trainer(model, torch.optim.AdamW(model.parameters(), lr=LR), workload, kind)
-    reduction = kind.removeprefix("shardkit_")
-    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LR)
-    wrapped = ShardedDataParallel(model, optimizer, reduction=reduction)
-    return Trainer(wrapped, optimizer, workload, kind)
+    comm = make_transport("shared_memory" if kind == "shardkit_shm" else "default")
+    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LR, comm=comm)
+    wrapped = ShardedDataParallel(model, optimizer, comm=comm)  # the same instance as OSS's
+    return Trainer(wrapped, optimizer, workload, kind, wrapped.comm)
 
 
 def _dtensor_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -160,8 +171,13 @@ def _time_workload(workload_key: str, rounds: int, steps: int) -> dict:
             states[kind] = trainer.state_bytes()
             trainer.optimizer.step()
         wire[kind] = comm.bytes if kind.startswith("shardkit") else None
+    transports = {kind: trainer.transport() for kind, trainer in trainers.items()}
+    for trainer in trainers.values():
+        if trainer.comm is not None:
+            trainer.comm.close()
     params = sum(p.numel() for p in workload.make_model().parameters())
-    return dict(name=workload.name, psi=params, times=times, states=states, wire=wire)
+    return dict(name=workload.name, psi=params, times=times, states=states, wire=wire,
+                transports=transports)
 
 
 def _time_reductions(numel: int, repeats: int) -> dict:
@@ -204,18 +220,21 @@ def _mib(nbytes: float) -> str:
 
 
 def _workload_table(result: dict) -> list[str]:
-    medians = {k: statistics.median(v) for k, v in result["times"].items()}
-    fastest = {k: min(v) for k, v in result["times"].items()}
+    times = result["times"]
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    fastest = {k: min(v) for k, v in times.items()}
     base_bytes = result["states"]["torch_ddp"]["total"]
     psi, n = result["psi"], WORLD_SIZE
     lines = [f"### {result['name']}", "",
-             "| configuration | median step (s) | x DDP (median) | x DDP (best round) | "
-             "model states / rank (MiB) | x DDP bytes | grads (MiB) | wire / step (MiB) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| configuration | transport | median step (s) | x DDP (median of rounds) | "
+             "x DDP (best round) | model states / rank (MiB) | x DDP bytes | grads (MiB) | "
+             "wire / step (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for kind in CONFIGS:
         s = result["states"][kind]
         wire = result["wire"][kind]
-        lines.append(f"| {kind} | {medians[kind]:.3f} | {medians[kind] / medians['torch_ddp']:.2f}"
+        lines.append(f"| {kind} | {result['transports'][kind]} | {medians[kind]:.3f} | "
+                     f"{median_ratio(times[kind], times['torch_ddp']):.2f}"
                      f" | {fastest[kind] / fastest['torch_ddp']:.2f} | {_mib(s['total'])} | "
                      f"{s['total'] / base_bytes:.3f} | {_mib(s['grads'])} | "
                      f"{_mib(wire) if wire is not None else '-'} |")
@@ -234,15 +253,19 @@ def _report(results: list[dict], micro: dict, micro_numel: int, args) -> str:
              f"`python -m benchmarks.bench_sharded_ddp --rounds {args.rounds} --steps "
              f"{args.steps}`, torch {torch.__version__}, {os.cpu_count()} CPU cores, one "
              f"thread per rank, AdamW lr {LR}. Every configuration is built once per rank, "
-             f"warmed up 2 steps, then timed in {args.rounds} interleaved rounds of "
-             f"{args.steps} steps (zero_grad + forward + backward + step); median and best round, "
-             f"rank 0's clock. Model-state bytes: `model_state_bytes` after a backward "
+             f"warmed up 3 steps, then timed in {args.rounds} interleaved rounds of "
+             f"{args.steps} steps (zero_grad + forward + backward + step), each round the "
+             f"slowest rank's time; median and best round, ratios to DDP as the median over "
+             f"rounds of the per-round ratio. shardkit: the default transport (the process "
+             f"group's collectives, gloo here, as for torch's rows) and, in the `shardkit_shm` "
+             f"row, one `SharedMemoryTransport()` passed as `comm=` to OSS and ShardedDDP. "
+             f"Model-state bytes: `model_state_bytes` after a backward "
              f"(gradients alive, optimizer state present); torch DDP's own reducer buckets "
              f"(another Ψ·4 bytes) are not visible to it and not counted. FSDP2: local "
              f"shards at rest after backward (its unsharded parameters live only between "
              f"forward and the end of backward).", "",
-             "Targets (issue 5): step time ≤ 1.0 x DDP on the GPT, model-state bytes "
-             "≤ 0.64 x DDP.", ""]
+             "Targets (issues 5 and 13): step time ≤ 1.0 x DDP on the GPT over gloo (the "
+             "default transport), model-state bytes ≤ 0.64 x DDP.", ""]
     for result in results:
         lines += _workload_table(result)
     lines += [f"### Reducing one {micro_numel * 4 / 2 ** 20:.0f} MiB fp32 bucket onto its owners "
@@ -257,8 +280,8 @@ def _report(results: list[dict], micro: dict, micro_numel: int, args) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
     parser.add_argument("--workloads", default="gpt,mlp")
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args(argv)
@@ -267,7 +290,8 @@ def main(argv=None) -> None:
     with World(WORLD_SIZE, timeout=3600) as world:
         micro = world.run(_time_reductions, micro_numel, 20)[0]
         for key in args.workloads.split(","):
-            results.append(world.run(_time_workload, key, args.rounds, args.steps)[0])
+            per_rank = world.run(_time_workload, key, args.rounds, args.steps)
+            results.append({**per_rank[0], "times": slowest_rank([r["times"] for r in per_rank])})
             print("\n".join(_workload_table(results[-1])), flush=True)
     report = _report(results, micro, micro_numel, args)
     write_report(report, args.out)

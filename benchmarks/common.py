@@ -5,18 +5,23 @@ Workloads (``benchmarks/run.py``; ``--quick`` shrinks them):
     gpt  the reference GPT (vocab 8192, 6 layers, d 512, seq 128; ~27M parameters), batch 8
     mlp  MLP 16x1024 (16 x Linear(1024, 1024) + GELU; ~16.8M parameters), batch 64
 
-Configurations, each a :class:`Config` with a ``setup(workload, model)``:
+Configurations, each a :class:`Config` with a ``setup(workload, model, comm)``:
     torch: DDP, DDP + ZeroRedundancyOptimizer, FSDP2 ``fully_shard`` with and without
            resharding after forward, ``torch.distributed.pipelining`` 1F1B;
-    shardkit: OSS + DDP, ShardedDDP + OSS, FSDP, 1F1B pipeline (:mod:`shardkit.recipes`).
-torch's collectives bypass :mod:`shardkit.distributed`, so torch rows report the formula
-traffic and shardkit rows the counted one.
+    shardkit: OSS + DDP, ShardedDDP + OSS, FSDP, 1F1B pipeline (:mod:`shardkit.recipes`), on the
+           default transport (the process group's own collectives: gloo on CPU), and OSS + DDP,
+           ShardedDDP + OSS and FSDP again with ``comm=SharedMemoryTransport()`` (opt-in; one
+           instance shared by the wrappers of a configuration), as separate rows.
+Every row records the transport that carried its bytes (``Transport.describe``). torch's
+collectives bypass :mod:`shardkit.distributed`, so torch rows report the formula traffic and
+shardkit rows the counted one beside it.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -88,12 +93,12 @@ def workloads(quick: bool) -> dict:
 # ----------------------------------------------------------------------------- torch baselines
 
 
-def setup_torch_ddp(w: Workload, model: nn.Module) -> TrainingSetup:
+def setup_torch_ddp(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
     """torch DDP (native all-reduce) + AdamW."""
     return recipes.setup_ddp(model, w.loss_fn, LEARNING_RATE, count_comm=False)
 
 
-def setup_torch_zero(w: Workload, model: nn.Module) -> TrainingSetup:
+def setup_torch_zero(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
     """torch DDP + ``ZeroRedundancyOptimizer(AdamW)`` (torch's ZeRO-1)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     psi = count_params(model.parameters())
@@ -116,18 +121,18 @@ def _setup_fsdp2(w: Workload, model: nn.Module, reshard_after_forward: bool) -> 
     return TrainingSetup(model, opt, recipes.data_parallel_step(model, opt, w.loss_fn), psi)
 
 
-def setup_torch_fsdp2(w: Workload, model: nn.Module) -> TrainingSetup:
+def setup_torch_fsdp2(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
     """torch FSDP2 ``fully_shard`` per unit and at the root (ZeRO-3)."""
     return _setup_fsdp2(w, model, reshard_after_forward=True)
 
 
-def setup_torch_fsdp2_no_reshard(w: Workload, model: nn.Module) -> TrainingSetup:
+def setup_torch_fsdp2_no_reshard(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
     """torch FSDP2 with ``reshard_after_forward=False`` (ZeRO-2-like: gathered weights kept
     from forward to backward)."""
     return _setup_fsdp2(w, model, reshard_after_forward=False)
 
 
-def setup_torch_pipeline(w: Workload, model: nn.Module) -> TrainingSetup:
+def setup_torch_pipeline(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
     """``torch.distributed.pipelining`` Schedule1F1B over world-size stages, same balance."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     rank, stages = distributed.get_rank(), distributed.get_world_size()
@@ -156,61 +161,119 @@ def setup_torch_pipeline(w: Workload, model: nn.Module) -> TrainingSetup:
 # ----------------------------------------------------------------------------- shardkit rows
 
 
-def setup_shardkit_oss(w: Workload, model: nn.Module) -> TrainingSetup:
-    """shardkit OSS(AdamW) under torch DDP (:func:`shardkit.recipes.setup_oss`)."""
-    return recipes.setup_oss(model, w.loss_fn, LEARNING_RATE)
+def setup_shardkit_oss(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
+    """shardkit OSS(AdamW, comm=comm) under torch DDP (:func:`shardkit.recipes.setup_oss`)."""
+    return recipes.setup_oss(model, w.loss_fn, LEARNING_RATE, comm=comm)
 
 
-def setup_shardkit_sharded(w: Workload, model: nn.Module) -> TrainingSetup:
-    """shardkit ShardedDDP + OSS (:func:`shardkit.recipes.setup_sharded`)."""
-    return recipes.setup_sharded(model, w.loss_fn, LEARNING_RATE)
+def setup_shardkit_sharded(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
+    """shardkit ShardedDDP + OSS on one transport (:func:`shardkit.recipes.setup_sharded`)."""
+    return recipes.setup_sharded(model, w.loss_fn, LEARNING_RATE, comm=comm)
 
 
-def setup_shardkit_fsdp(w: Workload, model: nn.Module) -> TrainingSetup:
+def setup_shardkit_fsdp(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
     """shardkit FSDP, one unit per workload unit class (:func:`shardkit.recipes.setup_fsdp`)."""
-    return recipes.setup_fsdp(model, w.loss_fn, LEARNING_RATE, set(w.unit_classes))
+    return recipes.setup_fsdp(model, w.loss_fn, LEARNING_RATE, set(w.unit_classes), comm=comm)
 
 
-def setup_shardkit_pipeline(w: Workload, model: nn.Module) -> TrainingSetup:
+def setup_shardkit_pipeline(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
     """shardkit 1F1B over world-size stages (:func:`shardkit.recipes.setup_pipeline`)."""
     chunks = recipes.pipeline_chunks(w.global_batch, distributed.get_world_size())
     return recipes.setup_pipeline(w.as_layers(model), w.loss_fn, LEARNING_RATE, chunks)
 
 
+# ----------------------------------------------------------------------------- formulas
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Element counts a row's formulas use: ``psi`` the parameters (this rank's stage for a
+    pipeline), ``padded`` the same as the wrapper lays them out (its flat buffers' padding
+    included; ``psi`` for torch), ``root`` the parameters outside every unit (gathered once
+    per step by ZeRO-3 wrappers, which keep the root unsharded from forward into backward),
+    ``boundary`` the elements one pipeline boundary carries per step."""
+
+    psi: int
+    padded: int
+    root: int
+    boundary: int
+
+
+# Elements each rank puts on the wire per step, before the ring factor (N-1)/N.
+TRAFFIC = {
+    "all_reduce": lambda s: 2 * s.psi,                       # DDP
+    "all_reduce+broadcast": lambda s: 3 * s.psi,             # ZeroRedundancyOptimizer in DDP
+    "all_reduce+all_gather": lambda s: 2 * s.psi + s.padded,  # OSS in DDP
+    "reduce+all_gather": lambda s: s.psi + s.padded,         # ShardedDDP + OSS, FSDP2 no reshard
+    "zero3": lambda s: 2 * s.root + 3 * (s.padded - s.root),  # gather fwd + bwd, reduce-scatter
+    "pipeline": lambda s: s.boundary,                        # activations forward, grads back
+}
+
+# Per-rank model-state bytes (fp32 AdamW: 4 weights + 4 grads + 8 state per parameter).
+STATES = {
+    "zero0": lambda psi, n: 16 * psi,
+    "zero1": lambda psi, n: 8 * psi + 8 * psi / n,
+    "zero2": lambda psi, n: 4 * psi + 12 * psi / n,
+    "zero3": lambda psi, n: 16 * psi / n,
+    "stage": lambda psi, n: 16 * psi,                        # a pipeline stage's own Ψ
+}
+
+
 @dataclass(frozen=True)
 class Config:
-    """One measured configuration; ``baseline`` names the torch config it is compared with."""
+    """One measured configuration; ``baseline`` names the torch config it is compared with,
+    ``transport`` is ``"default"`` or ``"shared_memory"`` (a fresh
+    :class:`~shardkit.shm_transport.SharedMemoryTransport` per measurement, closed after it),
+    ``traffic``/``states`` name its formulas in :data:`TRAFFIC` and :data:`STATES`."""
 
     name: str
     label: str
     stage: str
     library: str                  # "torch" or "shardkit"
     setup: Callable
+    traffic: str
+    states: str
     baseline: Optional[str] = None
     needs: tuple = field(default=())
-    comm_factor: float = 2.0       # formula traffic: comm_factor * Ψ (N-1)/N elements
+    transport: str = "default"
+    ddp_inside: bool = False      # torch DDP all-reduces the gradients (over the process group)
 
+
+_OSS = ("shardkit.optim:OSS",)
+_SHARDED = _OSS + ("shardkit.nn.data_parallel:ShardedDataParallel",)
+_FSDP = ("shardkit.nn.data_parallel:FullyShardedDataParallel", "shardkit.nn.wrap:auto_wrap")
+_SHM = ("shardkit.shm_transport:SharedMemoryTransport",)
+_PIPE = ("shardkit.nn.pipe:PipelineStage", "shardkit.nn.pipe:Schedule1F1B")
 
 CONFIGS = (
-    Config("torch_ddp", "torch DDP", "0", "torch", setup_torch_ddp),
+    Config("torch_ddp", "torch DDP", "0", "torch", setup_torch_ddp, "all_reduce", "zero0",
+           ddp_inside=True),
     Config("torch_zero", "torch DDP + ZeroRedundancyOptimizer", "1", "torch", setup_torch_zero,
-           comm_factor=3.0),
+           "all_reduce+broadcast", "zero1", ddp_inside=True),
     Config("shardkit_oss", "shardkit OSS + DDP", "1", "shardkit", setup_shardkit_oss,
-           "torch_zero", ("shardkit.optim:OSS",), 3.0),
+           "all_reduce+all_gather", "zero1", "torch_zero", _OSS, ddp_inside=True),
+    Config("shardkit_oss_shm", "shardkit OSS + DDP, shared memory", "1", "shardkit",
+           setup_shardkit_oss, "all_reduce+all_gather", "zero1", "torch_zero", _OSS + _SHM,
+           "shared_memory", ddp_inside=True),
     Config("torch_fsdp2_no_reshard", "torch fully_shard (no reshard)", "2", "torch",
-           setup_torch_fsdp2_no_reshard, comm_factor=2.0),
+           setup_torch_fsdp2_no_reshard, "reduce+all_gather", "zero3"),
     Config("shardkit_sharded", "shardkit ShardedDDP + OSS", "2", "shardkit",
-           setup_shardkit_sharded, "torch_fsdp2_no_reshard",
-           ("shardkit.optim:OSS", "shardkit.nn.data_parallel:ShardedDataParallel")),
-    Config("torch_fsdp2", "torch fully_shard", "3", "torch", setup_torch_fsdp2, comm_factor=3.0),
-    Config("shardkit_fsdp", "shardkit FSDP", "3", "shardkit", setup_shardkit_fsdp,
-           "torch_fsdp2", ("shardkit.nn.data_parallel:FullyShardedDataParallel",
-                           "shardkit.nn.wrap:auto_wrap"), 3.0),
+           setup_shardkit_sharded, "reduce+all_gather", "zero2", "torch_fsdp2_no_reshard",
+           _SHARDED),
+    Config("shardkit_sharded_shm", "shardkit ShardedDDP + OSS, shared memory", "2", "shardkit",
+           setup_shardkit_sharded, "reduce+all_gather", "zero2", "torch_fsdp2_no_reshard",
+           _SHARDED + _SHM, "shared_memory"),
+    Config("torch_fsdp2", "torch fully_shard", "3", "torch", setup_torch_fsdp2, "zero3",
+           "zero3"),
+    Config("shardkit_fsdp", "shardkit FSDP", "3", "shardkit", setup_shardkit_fsdp, "zero3",
+           "zero3", "torch_fsdp2", _FSDP),
+    Config("shardkit_fsdp_shm", "shardkit FSDP, shared memory", "3", "shardkit",
+           setup_shardkit_fsdp, "zero3", "zero3", "torch_fsdp2", _FSDP + _SHM,
+           "shared_memory"),
     Config("torch_pipelining", "torch.distributed.pipelining 1F1B", "pipe", "torch",
-           setup_torch_pipeline, comm_factor=0.0),
+           setup_torch_pipeline, "pipeline", "stage"),
     Config("shardkit_pipeline", "shardkit 1F1B pipeline", "pipe", "shardkit",
-           setup_shardkit_pipeline, "torch_pipelining",
-           ("shardkit.nn.pipe:PipelineStage", "shardkit.nn.pipe:Schedule1F1B"), 0.0),
+           setup_shardkit_pipeline, "pipeline", "stage", "torch_pipelining", _PIPE),
 )
 CONFIG_BY_NAME = {c.name: c for c in CONFIGS}
 
@@ -248,45 +311,116 @@ def local_model_state_bytes(module: nn.Module, optimizer) -> int:
     return total
 
 
+def make_transport(kind: str):
+    """``None`` (the wrappers' default: the process group's collectives) or a fresh
+    :class:`~shardkit.shm_transport.SharedMemoryTransport` (12 MiB of slots at world 2)."""
+    if kind == "default":
+        return None
+    if kind == "shared_memory":
+        from shardkit.shm_transport import SharedMemoryTransport
+        return SharedMemoryTransport()
+    raise ValueError(f"transport {kind!r}: expected 'default' or 'shared_memory'")
+
+
+def describe_transport(config: Config, setup: TrainingSetup) -> str:
+    """What carried this row's bytes, in words, from the wrappers' own ``comm.describe()``
+    (torch's wrappers and shardkit's pipeline use the process group directly)."""
+    from shardkit.transport import Transport
+    group_words = f"process group ({distributed.backend_of()})"
+    found = []
+    for owner in (setup.optimizer, setup.module):
+        comm = getattr(owner, "comm", None)
+        if isinstance(comm, Transport) and comm not in found:
+            found.append(comm)
+    if not found:
+        return group_words
+    words = " + ".join(c.describe() for c in found)
+    if config.ddp_inside and words != group_words:
+        words += f"; DDP's all-reduce: {group_words}"
+    return words
+
+
+def root_params(workload: Workload, model: nn.Module) -> int:
+    """Parameters of ``model`` (unwrapped) outside every instance of the unit classes."""
+    in_units = sum(count_params(m.parameters()) for m in model.modules()
+                   if isinstance(m, tuple(workload.unit_classes)))
+    return count_params(model.parameters()) - in_units
+
+
+def _sizes(workload: Workload, root: int, setup: TrainingSetup, config: Config,
+           states: dict) -> Sizes:
+    """The :class:`Sizes` of one built configuration; ``root`` from :func:`root_params`."""
+    psi, padded = setup.params, setup.params
+    if config.library == "shardkit" and config.stage == "3":
+        units = setup.module.sharded_units()  # outermost (the root) first
+        padded = sum(u.padded_numel for u in units)
+        root = units[0].padded_numel
+    elif config.library == "shardkit" and config.stage in ("1", "2"):
+        padded = states["params"] // 4  # OSS's flat buffers are the parameters' storage
+    return Sizes(psi, padded, root, workload.global_batch * workload.boundary_numel)
+
+
 def measure(config_name: str, workload_name: str, quick: bool, warmup: int, steps: int,
             seed: int = 0) -> dict:
-    """Build ``config_name`` on the workload, train ``warmup`` + ``steps`` steps on this rank,
-    and return its step times, model-state bytes, counted traffic per step and final loss.
-    (Names, not objects, cross the process boundary: workloads hold lambdas.)"""
+    """Build ``config_name`` on the workload, train ``warmup`` + ``steps`` steps on this rank
+    (every rank starts each step together), and return the timed steps, the transport words,
+    model-state bytes (measured and the ZeRO formula), traffic per step (counted on the last
+    step and the formula) and the final loss. (Names, not objects, cross the process
+    boundary: workloads hold lambdas.)"""
     config = CONFIG_BY_NAME[config_name]
     workload = workloads(quick)[workload_name]
     rank, world = distributed.get_rank(), distributed.get_world_size()
     gc.collect()
-    setup = config.setup(workload, workload.build(seed))
-    per_rank = workload.global_batch // world if setup.data_parallel else workload.global_batch
-    lo = rank * per_rank if setup.data_parallel else 0
-    times, comm_bytes, loss = [], 0.0, None
-    for step in range(warmup + steps):
-        inputs, target = workload.batch(step)
-        distributed.barrier()  # every rank starts the step together
-        start = time.perf_counter()
-        with distributed.CommCounter() as comm:
-            loss = setup.train_step(inputs[lo:lo + per_rank], target[lo:lo + per_rank])
-        elapsed = time.perf_counter() - start
-        if step >= warmup:
-            times.append(elapsed)
-        comm_bytes = comm.bytes
-    if config.library == "shardkit":
-        states = model_state_bytes(setup.module, setup.optimizer).total
-    else:
-        states = local_model_state_bytes(setup.module, setup.optimizer)
-    result = {"rank": rank, "step_times_s": times, "model_state_bytes": states,
-              "comm_bytes_per_step": comm_bytes, "params": setup.params,
-              "loss": None if loss is None else float(loss)}
-    del setup
+    comm = make_transport(config.transport)
+    try:
+        model = workload.build(seed)
+        root = root_params(workload, model)
+        setup = config.setup(workload, model, comm)
+        per_rank = workload.global_batch // world if setup.data_parallel else \
+            workload.global_batch
+        lo = rank * per_rank if setup.data_parallel else 0
+        times, counted, loss = [], None, None
+        for step in range(warmup + steps):
+            inputs, target = workload.batch(step)
+            distributed.barrier()  # every rank starts the step together
+            start = time.perf_counter()
+            with distributed.CommCounter() as counter:
+                loss = setup.train_step(inputs[lo:lo + per_rank], target[lo:lo + per_rank])
+            elapsed = time.perf_counter() - start
+            if step >= warmup:
+                times.append(elapsed)
+            counted = counter
+        transport_bytes = 0
+        if config.library == "shardkit":
+            measured = model_state_bytes(setup.module, setup.optimizer)
+            states, transport_bytes = measured.as_dict(), measured.transport
+            state_total = measured.total
+        else:
+            state_total, states = local_model_state_bytes(setup.module, setup.optimizer), {}
+        sizes = _sizes(workload, root, setup, config, states)
+        ring = (world - 1) / world if config.stage != "pipe" else 1.0
+        result = {
+            "rank": rank, "step_times_s": times, "transport": describe_transport(config, setup),
+            "transport_bytes": transport_bytes, "model_state_bytes": state_total,
+            "model_state_formula_bytes": STATES[config.states](setup.params, world),
+            "comm_bytes_per_step": counted.bytes if counted is not None else 0.0,
+            "comm_by_op": dict(counted.by_op) if counted is not None else {},
+            "comm_formula_bytes": TRAFFIC[config.traffic](sizes) * ring * 4,
+            "params": setup.params, "padded_params": sizes.padded,
+            "loss": None if loss is None else float(loss)}
+        del setup, model
+    finally:
+        if comm is not None:
+            comm.close()
     gc.collect()
     return result
 
 
-def time_interleaved(trainers: dict, rounds: int, steps: int, warmup: int = 2) -> tuple[dict, int]:
+def time_interleaved(trainers: dict, rounds: int, steps: int, warmup: int = 3) -> tuple[dict, int]:
     """Time each trainer's ``step(step_index, rank)`` in interleaved rounds (the order rotates
-    every round, a barrier around each measurement). Returns ``({name: [seconds per step, one
-    per round]}, next step index)``; every trainer first runs ``warmup`` untimed steps."""
+    every round, a barrier around each measurement, so every rank's clock spans the slowest
+    rank's steps). Returns ``({name: [seconds per step, one per round]}, next step index)``;
+    every trainer first runs ``warmup`` untimed steps."""
     rank = distributed.get_rank()
     names = list(trainers)
     step = 0
@@ -305,6 +439,18 @@ def time_interleaved(trainers: dict, rounds: int, steps: int, warmup: int = 2) -
             times[name].append((time.perf_counter() - start) / steps)
         step += steps
     return times, step
+
+
+def slowest_rank(per_rank_times: list) -> dict:
+    """``{name: [per-round seconds]}`` from every rank's :func:`time_interleaved` times: per
+    round, the slowest rank's."""
+    return {name: [max(ts) for ts in zip(*(times[name] for times in per_rank_times))]
+            for name in per_rank_times[0]}
+
+
+def median_ratio(times: list, base: list) -> float:
+    """Median over rounds of ``times[i] / base[i]`` (paired by round: drift cancels)."""
+    return statistics.median(t / b for t, b in zip(times, base))
 
 
 def write_report(text: str, path: str) -> None:

@@ -1,18 +1,27 @@
 """One benchmark runner: shardkit's wrappers against torch's, measured in the same run.
 
-``python -m benchmarks.run [--quick] [--repeats 3] [--steps 2] [--out benchmarks/results]``
+``python -m benchmarks.run [--quick] [--repeats 3] [--warmup 3] [--steps 4] [--out DIR]``
 
 Starts one world of 2 gloo ranks (one thread each) with :class:`shardkit.testing.World` and,
-``repeats`` times, runs every configuration of :mod:`benchmarks.common` on every workload in
-turn (the order rotates each round, so drift on a shared machine spreads over all rows). Each
-measurement builds the model afresh, trains ``warmup`` untimed steps and ``steps`` timed ones
-(ranks start each step together). A row's time is the median over rounds of its mean step time
-on the slowest rank.
+``repeats`` times (rounds), runs every configuration of :mod:`benchmarks.common` on every
+workload in turn (the order rotates each round, so drift on a shared machine spreads over all
+rows). Each measurement builds the model afresh, trains ``warmup`` untimed steps and ``steps``
+timed ones, every rank starting each step together; a step lasts as long as its slowest rank.
+A row's time is the median over rounds of its mean step; its ratios are the medians over rounds
+of the round's time over the baseline's time in the same round (torch DDP, and the paired torch
+wrapper). Defaults: 3 rounds x (3 warm-up + 4 timed steps), i.e. 9 warm-up and 12 timed steps
+per configuration; about 6 minutes on 2 idle cores for both reference workloads.
 
-Writes ``bench.md`` (a Markdown table: ms/step, ratio to the paired torch baseline and to torch
-DDP, per-rank model-state bytes, traffic per step), ``bench.json`` and ``bench.png`` into
-``--out`` (``benchmarks/results`` by default; ``out/bench-quick`` with ``--quick``), headed by
-the git commit measured. Nothing here is a test: timings are ratios, never assertions.
+shardkit rows run on the default transport (the process group's collectives: gloo sockets on
+CPU), like torch's; OSS + DDP, ShardedDDP + OSS and FSDP run again with
+``comm=SharedMemoryTransport()`` as separate rows with their own ratios. Every row names its
+transport.
+
+Writes ``bench.md`` (a Markdown table: transport, ms/step, ratios, per-rank model-state bytes
+beside the ZeRO formula, traffic per step counted by ``CommCounter`` beside the formula),
+``bench.json`` and ``bench.png`` into ``--out`` (``benchmarks/results`` by default;
+``out/bench-quick`` with ``--quick``), headed by the git commit measured. Nothing here is a
+test: timings are ratios, never assertions.
 """
 
 from __future__ import annotations
@@ -69,43 +78,56 @@ def run_rounds(world: World, names: list, workload_names: list, args) -> dict:
                       f"{last[:120]}", flush=True)
                 continue
             results.setdefault(key, []).append(per_rank)
-            ms = 1e3 * max(statistics.mean(r["step_times_s"]) for r in per_rank)
-            print(f"  round {round_index + 1}: {workload_name:<4} {name:<24} {ms:9.1f} ms/step "
+            print(f"  round {round_index + 1}: {workload_name:<4} {name:<24} "
+                  f"{1e3 * round_time(per_rank):9.1f} ms/step  {per_rank[0]['transport']} "
                   f"({time.time() - start:.0f} s)", flush=True)
     return results
 
 
+def round_time(per_rank: list) -> float:
+    """One round's seconds per step: per step the slowest rank's time, averaged."""
+    return statistics.mean(max(ts) for ts in zip(*(r["step_times_s"] for r in per_rank)))
+
+
 def summarize_row(workload, config, rounds) -> dict:
-    """One row's figures from its rounds."""
-    step_ms = statistics.median(
-        1e3 * max(statistics.mean(r["step_times_s"]) for r in per_rank) for per_rank in rounds)
+    """One row's figures from its rounds (formulas and bytes: the largest over ranks)."""
     last = rounds[-1]
-    params = max(r["params"] for r in last)
-    n = WORLD_SIZE
-    if config.stage == "pipe":  # boundary activations forward, their gradients back
-        formula = workload.global_batch * workload.boundary_numel * 4
-    else:
-        formula = config.comm_factor * params * (n - 1) / n * 4
+    counted = max(r["comm_bytes_per_step"] for r in last)
+    formula = max(r["comm_formula_bytes"] for r in last)
     return {"workload": workload.name, "config": config.name, "label": config.label,
             "stage": config.stage, "library": config.library, "baseline": config.baseline,
-            "ms_per_step": step_ms, "rounds": len(rounds),
+            "transport": last[0]["transport"], "transport_kind": config.transport,
+            "transport_bytes": max(r["transport_bytes"] for r in last),
+            "round_ms": [1e3 * round_time(per_rank) for per_rank in rounds],
+            "ms_per_step": statistics.median(1e3 * round_time(pr) for pr in rounds),
+            "rounds": len(rounds),
             "model_state_bytes": max(r["model_state_bytes"] for r in last),
-            "comm_bytes_per_step_counted": (max(r["comm_bytes_per_step"] for r in last)
-                                            if config.library == "shardkit" else None),
-            "comm_bytes_per_step_formula": formula, "params_per_rank": params,
+            "model_state_formula_bytes": max(r["model_state_formula_bytes"] for r in last),
+            "comm_bytes_per_step_counted": counted if config.library == "shardkit" else None,
+            "comm_by_op": last[0]["comm_by_op"] if config.library == "shardkit" else None,
+            "comm_bytes_per_step_formula": formula,
+            "params_per_rank": max(r["params"] for r in last),
+            "padded_params": max(r["padded_params"] for r in last),
             "final_loss": next((r["loss"] for r in last if r["loss"] is not None), None)}
 
 
+def _paired_ratio(row: dict, base: Optional[dict]) -> Optional[float]:
+    """Median over rounds of the row's round time over ``base``'s in the same round."""
+    if base is None or len(base["round_ms"]) != len(row["round_ms"]):
+        return None
+    return statistics.median(t / b for t, b in zip(row["round_ms"], base["round_ms"]))
+
+
 def add_ratios(rows: list) -> None:
-    """Each row's time over its paired torch baseline and over torch DDP, same workload."""
+    """Each row's time over its paired torch baseline and over torch DDP, same workload, as
+    the median over rounds of the per-round ratios."""
     by_key = {(r["workload"], r["config"]): r for r in rows if "ms_per_step" in r}
     for r in rows:
         if "ms_per_step" not in r:
             continue
         base = by_key.get((r["workload"], r["baseline"])) if r["baseline"] else None
-        ddp = by_key.get((r["workload"], "torch_ddp"))
-        r["ratio_to_baseline"] = r["ms_per_step"] / base["ms_per_step"] if base else None
-        r["ratio_to_ddp"] = r["ms_per_step"] / ddp["ms_per_step"] if ddp else None
+        r["ratio_to_baseline"] = _paired_ratio(r, base)
+        r["ratio_to_ddp"] = _paired_ratio(r, by_key.get((r["workload"], "torch_ddp")))
 
 
 def _mb(n) -> str:
@@ -118,35 +140,69 @@ def _ratio(x) -> str:
     return "—" if x is None else f"{x:.2f}×"
 
 
+def _transport_cell(r: dict) -> str:
+    extra = f"; {_mb(r['transport_bytes'])} of shared-memory slots" if r["transport_bytes"] else ""
+    return r["transport"] + extra
+
+
+def _traffic_cell(r: dict) -> str:
+    counted = r["comm_bytes_per_step_counted"]
+    if counted is None:
+        return "—"
+    formula = r["comm_bytes_per_step_formula"]
+    return f"{_mb(counted)} ({counted / formula:.3f})" if formula else _mb(counted)
+
+
 def render_markdown(meta: dict, rows: list) -> str:
     """The results table as Markdown, headed by what was measured where."""
     lines = [f"# shardkit benchmarks ({'quick' if meta['quick'] else 'reference workloads'})",
              "",
-             f"Commit `{meta['git_commit']}`, {meta['date']}; {meta['machine']}; torch "
-             f"{meta['torch']}; world {WORLD_SIZE} (gloo, 1 thread per rank); fp32 AdamW; "
-             f"{meta['repeats']} interleaved rounds × ({meta['warmup']} warm-up + "
-             f"{meta['steps']} timed steps); time = median over rounds of the slowest rank's "
-             f"mean step.",
+             f"`{meta['command']}` at commit `{meta['git_commit']}`, {meta['date']}; "
+             f"{meta['machine']}; torch {meta['torch']}; world {WORLD_SIZE} (gloo, 1 thread per "
+             f"rank); fp32 AdamW; {meta['repeats']} interleaved rounds × ({meta['warmup']} "
+             f"warm-up + {meta['steps']} timed steps) per configuration; a step lasts as long as "
+             f"the slowest rank; ms/step = median over rounds; ratios = median over rounds of "
+             f"the per-round ratio. Wall time {meta['wall_s'] / 60:.1f} min.",
              "",
-             "| workload | stage | configuration | ms/step | × torch pair | × torch DDP | "
-             "model states / rank | traffic / step (counted) | traffic / step (formula) |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| workload | stage | configuration | transport | ms/step | × torch pair | "
+             "× torch DDP | model states / rank | ZeRO formula | traffic / step (counted, "
+             "÷ formula) | traffic / step (formula) |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "ms_per_step" not in r:
-            lines.append(f"| {r['workload']} | {r['stage']} | {r['label']} | "
-                         f"{r['status']}: {r['reason']} | | | | | |")
+            lines.append(f"| {r['workload']} | {r['stage']} | {r['label']} | | "
+                         f"{r['status']}: {r['reason']} | | | | | | |")
             continue
         lines.append(f"| {r['workload']} | {r['stage']} | {r['label']} | "
-                     f"{r['ms_per_step']:.1f} | {_ratio(r['ratio_to_baseline'])} | "
-                     f"{_ratio(r['ratio_to_ddp'])} | {_mb(r['model_state_bytes'])} | "
-                     f"{_mb(r['comm_bytes_per_step_counted'])} | "
-                     f"{_mb(r['comm_bytes_per_step_formula'])} |")
-    lines += ["", "× torch pair: shardkit OSS vs ZeroRedundancyOptimizer (both under DDP), "
+                     f"{_transport_cell(r)} | {r['ms_per_step']:.1f} | "
+                     f"{_ratio(r['ratio_to_baseline'])} | {_ratio(r['ratio_to_ddp'])} | "
+                     f"{_mb(r['model_state_bytes'])} | {_mb(r['model_state_formula_bytes'])} | "
+                     f"{_traffic_cell(r)} | {_mb(r['comm_bytes_per_step_formula'])} |")
+    lines += ["",
+              "Transport: what carried the row's collectives (`comm.describe()` of the "
+              "wrappers; torch's wrappers and both pipelines use the process group). Rows "
+              "marked *shared memory* opt in with one `SharedMemoryTransport()` passed as "
+              "`comm=` to the configuration's shardkit wrappers (OSS's parameter sync under "
+              "torch DDP, whose gradient all-reduce stays on gloo; ShardedDDP and OSS; every "
+              "FSDP unit); its fixed slots are reported beside it, not in the model states.",
+              "",
+              "× torch pair: shardkit OSS vs ZeroRedundancyOptimizer (both under DDP), "
               "ShardedDDP vs `fully_shard(reshard_after_forward=False)`, FSDP vs `fully_shard`, "
-              "1F1B vs `torch.distributed.pipelining.Schedule1F1B`. Below 1 is faster. "
-              "Traffic: shardkit rows counted by `CommCounter`; torch's collectives bypass it, "
-              "so only the formula is shown for them (stage 1 under DDP: 3Ψ(N-1)/N elements, "
-              "stage 2: 2Ψ(N-1)/N, stage 3: 3Ψ(N-1)/N, pipeline: boundary activations)."]
+              "1F1B vs `torch.distributed.pipelining.Schedule1F1B`. Below 1 is faster.",
+              "",
+              "Model states: parameters + gradients + AdamW state per rank from tensor storages "
+              "(shardkit: `model_state_bytes`; torch: local shards), beside the ZeRO formula "
+              "(stage 0: 16Ψ, 1: 8Ψ + 8Ψ/N, 2: 4Ψ + 12Ψ/N, 3 and both `fully_shard` rows: "
+              "16Ψ/N, pipeline: 16Ψ of the stage; bytes).",
+              "",
+              "Traffic per rank and step, in bytes, with the ring factor (N-1)/N: DDP 2Ψ; "
+              "ZeroRedundancyOptimizer 2Ψ + Ψ; OSS + DDP 2Ψ + Ψ'; ShardedDDP + OSS Ψ + Ψ' "
+              "(`fully_shard` without resharding: 2Ψ); ZeRO-3 2Ψ'_root + 3(Ψ' − Ψ'_root) (the "
+              "root unit stays gathered from forward into backward); pipeline: the boundary "
+              "activations and their gradients. Ψ' is Ψ as the wrapper lays it out (padding "
+              "included: OSS's flat buffers, FSDP's padded units). shardkit rows are counted "
+              "by `CommCounter` on the last step (÷ formula in brackets); torch's collectives "
+              "bypass it, so only the formula is shown for them."]
     for w in meta["workloads"]:
         lines.append(f"- `{w}`: {meta['workloads'][w]}")
     return "\n".join(lines) + "\n"
@@ -180,16 +236,21 @@ def parse_args(argv):
     """The runner's options; bad names or counts exit 2 with argparse's message."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split(
         "\n")[0])
-    p.add_argument("--quick", action="store_true", help="small models, one round")
+    p.add_argument("--quick", action="store_true",
+                   help="small models, 1 round of 1 warm-up + 2 timed steps (a smoke run)")
     p.add_argument("--repeats", type=int, default=None, help="rounds (default 3; quick 1)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per measurement")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per measurement")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed steps per measurement (default 3; quick 1)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per measurement (default 4; quick 2)")
     p.add_argument("--workloads", default="gpt,mlp", help="comma-separated: gpt, mlp")
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGS),
                    help="comma-separated configuration names")
     p.add_argument("--out", default=None, help="output folder")
     args = p.parse_args(argv)
     args.repeats = args.repeats or (1 if args.quick else 3)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    args.steps = args.steps or (2 if args.quick else 4)
     args.out = args.out or ("out/bench-quick" if args.quick else "benchmarks/results")
     bad = [c for c in args.configs.split(",") if c not in CONFIG_BY_NAME]
     bad_w = [w for w in args.workloads.split(",") if w not in workloads(args.quick)]
@@ -201,7 +262,9 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     """Measure every live configuration, write bench.md/.json/.png, print the table."""
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    started = time.time()
     loads = workloads(args.quick)
     workload_names = args.workloads.split(",")
     configs = [CONFIG_BY_NAME[c] for c in args.configs.split(",")]
@@ -225,9 +288,10 @@ def main(argv=None) -> int:
     add_ratios(rows)
     meta = {"git_commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                               time.gmtime()),
-            "machine": f"{platform.machine()} Linux, {os.cpu_count()} CPU cores",
+            "machine": f"{platform.machine()} Linux, {len(os.sched_getaffinity(0))} CPU cores",
             "torch": torch.__version__, "quick": args.quick, "repeats": args.repeats,
-            "warmup": args.warmup, "steps": args.steps,
+            "warmup": args.warmup, "steps": args.steps, "wall_s": time.time() - started,
+            "command": " ".join(["python -m benchmarks.run", *argv]),
             "workloads": {w: loads[w].description for w in workload_names}}
     os.makedirs(args.out, exist_ok=True)
     table = render_markdown(meta, rows)

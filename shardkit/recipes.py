@@ -9,7 +9,7 @@ group (torchrun or :class:`shardkit.testing.World`), with AdamW.
 recipe                 stage  per-rank model states (fp32 Adam)  wire per step (elements)
 =====================  =====  =================================  ================================
 :func:`setup_ddp`      0      16Ψ                                2Ψ(N-1)/N
-:func:`setup_oss`      1      8Ψ + 8Ψ/N                          2Ψ(N-1)/N + Ψ(N-1)/N broadcast
+:func:`setup_oss`      1      8Ψ + 8Ψ/N                          2Ψ(N-1)/N + Ψ(N-1)/N all-gather
 :func:`setup_sharded`  2      4Ψ + 12Ψ/N (+ one bucket)          2Ψ(N-1)/N
 :func:`setup_fsdp`     3      16Ψ/N (+ the unit computing)       3Ψ(N-1)/N
 :func:`setup_pipeline` --     16Ψ_stage                          boundary activations and grads
@@ -109,22 +109,25 @@ def setup_ddp(model: nn.Module, loss_fn: Callable, lr: float,
     return TrainingSetup(ddp, opt, data_parallel_step(ddp, opt, loss_fn), psi)
 
 
-def setup_oss(model: nn.Module, loss_fn: Callable, lr: float) -> TrainingSetup:
-    """Stage 1: :class:`shardkit.optim.OSS` around AdamW, under torch DDP."""
+def setup_oss(model: nn.Module, loss_fn: Callable, lr: float, comm=None) -> TrainingSetup:
+    """Stage 1: :class:`shardkit.optim.OSS` around AdamW, under torch DDP; ``comm`` is OSS's
+    transport for the parameter sync (default: the process group's collectives; DDP's
+    gradient all-reduce is torch's either way)."""
     from shardkit.optim import OSS
     psi = count_params(model.parameters())
     ddp = torch_ddp(model)
-    opt = OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=lr)
+    opt = OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=lr, comm=comm)
     return TrainingSetup(ddp, opt, data_parallel_step(ddp, opt, loss_fn), psi)
 
 
-def setup_sharded(model: nn.Module, loss_fn: Callable, lr: float) -> TrainingSetup:
-    """Stage 2: :class:`ShardedDataParallel` + OSS(AdamW)."""
+def setup_sharded(model: nn.Module, loss_fn: Callable, lr: float, comm=None) -> TrainingSetup:
+    """Stage 2: :class:`ShardedDataParallel` + OSS(AdamW), both on the one transport ``comm``
+    (default: the process group's collectives)."""
     from shardkit.nn.data_parallel import ShardedDataParallel
     from shardkit.optim import OSS
     psi = count_params(model.parameters())
-    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=lr)
-    sdp = ShardedDataParallel(model, opt)
+    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=lr, comm=comm)
+    sdp = ShardedDataParallel(model, opt, comm=comm)
 
     def zero_grad():
         sdp.zero_grad()
@@ -133,15 +136,16 @@ def setup_sharded(model: nn.Module, loss_fn: Callable, lr: float) -> TrainingSet
 
 
 def setup_fsdp(model: nn.Module, loss_fn: Callable, lr: float, unit_classes: set,
-               offload: bool = False) -> TrainingSetup:
+               offload: bool = False, comm=None) -> TrainingSetup:
     """Stage 3: :class:`FullyShardedDataParallel`, one unit per instance of ``unit_classes``
-    (e.g. ``{Block}``) plus the root; ``offload`` keeps shards in CPU memory."""
+    (e.g. ``{Block}``) plus the root; ``offload`` keeps shards in CPU memory; ``comm`` is every
+    unit's transport (default: the process group's collectives)."""
     from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
     from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
     psi = count_params(model.parameters())
-    with enable_wrap(wrapper_cls=FSDP, move_params_to_cpu=offload):
+    with enable_wrap(wrapper_cls=FSDP, move_params_to_cpu=offload, comm=comm):
         model = auto_wrap(model, auto_wrap_policy=transformer_auto_wrap_policy(unit_classes))
-    fsdp = FSDP(model, move_params_to_cpu=offload)
+    fsdp = FSDP(model, move_params_to_cpu=offload, comm=comm)
     opt = torch.optim.AdamW(fsdp.parameters(), lr=lr)
 
     def zero_grad():
