@@ -129,7 +129,8 @@ def _build(cfg, rank):
         optimizers = [OSS(_param_groups(model, cfg.get("two_groups", False)),
                           optim=torch.optim.AdamW, lr=lr, weight_decay=wd, comm=comm)]
     wrapped = ShardedDataParallel(model, optimizers if len(optimizers) > 1 else optimizers[0],
-                                  reduce_buffer_size=cfg.get("bucket", 2 ** 23), comm=comm)
+                                  reduce_buffer_size=cfg.get("bucket", 2 ** 23), comm=comm,
+                                  max_inflight_bytes=cfg.get("inflight", 2 ** 26))
     return ref, ref_opt, wrapped, _Optimizers(optimizers)
 
 
@@ -181,6 +182,7 @@ CONFIGS = {
     "two_optimizers": {"two_optimizers": True},
     "startup_sync_of_rank_seeds": {"rank_seeds": True},
     "small_buckets": {"bucket": 1024},
+    "small_buckets_one_in_flight": {"bucket": 1024, "inflight": 0},
     "small_buckets_shared_memory": {"bucket": 1024, "comm": "shared_memory"},
     "one_param_per_bucket": {"bucket": 0},
     "activation_checkpointing": {"checkpoint": True, "bucket": 1024},

@@ -24,9 +24,10 @@ from shardkit.transport import resolve_transport
 
 __all__ = ["ShardedDataParallel"]
 
-# Buckets whose reduction may be in flight at once during backward; beyond that the oldest is
-# waited for, which bounds the transient memory to a few buckets while keeping the overlap.
-_MAX_BUCKETS_IN_FLIGHT = 4
+# Bytes of packed buckets whose reduction may be in flight at once during backward; beyond that
+# the oldest is waited for. A byte budget, not a bucket count: on a slow link many small buckets
+# may be in flight without blocking backward, while the transient memory stays bounded.
+DEFAULT_MAX_INFLIGHT_BYTES = 2 ** 26
 
 
 class ShardedDataParallel(nn.Module):
@@ -48,6 +49,9 @@ class ShardedDataParallel(nn.Module):
             (``torch.bfloat16``); owners receive them back in the parameters' dtype.
         comm: the :class:`~shardkit.transport.Transport` that reduces the buckets (default: the
             process group's own collectives; not in FairScale's signature).
+        max_inflight_bytes: bytes of packed buckets whose reduction may be in flight while
+            backward goes on; past it backward waits for the oldest (not in FairScale's
+            signature).
 
     Attributes that torch DDP code reads are there: ``module``, ``process_group``,
     ``broadcast_buffers``, ``device_type``, ``is_multi_device_module``, ``device_ids`` and
@@ -60,7 +64,8 @@ class ShardedDataParallel(nn.Module):
 
     Cost per rank (Ψ parameters, N ranks; DESIGN.md stage 2): gradient bytes after backward
     4Ψ/N in fp32, the rank's owned share (whole parameters, so up to one parameter more) plus
-    one flag per owned parameter; during backward, at most four buckets in flight.
+    one flag per owned parameter; during backward, packed buckets in flight up to
+    ``max_inflight_bytes`` (64 MiB by default; at least one bucket).
     Communication per step: the gradient reduction, (N-1)/N·Ψ elements in the DESIGN
     convention (plus the padding of reduce-scattered buckets, at most ``balance_tolerance``),
     plus OSS's parameter sync, (N-1)/N·Ψ: 2Ψ(N-1)/N together. ``broadcast_buffers`` adds the
@@ -91,7 +96,8 @@ class ShardedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, sharded_optimizer, process_group=None,
                  broadcast_buffers: bool = True, sync_models_at_startup: bool = True,
                  reduce_buffer_size: int = 2 ** 23, auto_refresh_trainable: bool = True,
-                 reduce_fp16: Union[bool, torch.dtype] = False, comm=None):
+                 reduce_fp16: Union[bool, torch.dtype] = False, comm=None,
+                 max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES):
         super().__init__()
         skdist.require_initialized("ShardedDataParallel")
         if not isinstance(module, nn.Module):
@@ -99,6 +105,10 @@ class ShardedDataParallel(nn.Module):
                             f"{type(module).__name__}")
         optimizers = _as_oss_list(sharded_optimizer)
         _check_reduce_buffer_size(reduce_buffer_size)
+        if not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 0:
+            raise ValueError(f"ShardedDataParallel(max_inflight_bytes={max_inflight_bytes!r}): "
+                             f"must be an int >= 0 (bytes; 0 keeps one bucket in flight at most)")
+        self.max_inflight_bytes = max_inflight_bytes
         self._comm_dtype = _comm_dtype_from(reduce_fp16)
         self.comm = resolve_transport(comm, "ShardedDataParallel")
         self.process_group = _common_group(process_group, optimizers)
@@ -375,8 +385,12 @@ class ShardedDataParallel(nn.Module):
             p.grad = None
         self._in_flight.append(reduction)
         self._next_launch = index + 1
-        if len(self._in_flight) > _MAX_BUCKETS_IN_FLIGHT:
+        while len(self._in_flight) > 1 and self._inflight_bytes() > self.max_inflight_bytes:
             self._finish(self._in_flight.popleft())
+
+    def _inflight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for r in self._in_flight
+                   for t in r.tensors_in_flight())
 
     def _finish(self, reduction: BucketReduction) -> None:
         for p, grad in reduction.finish():
