@@ -134,6 +134,7 @@ class OSS(torch.optim.Optimizer):
         self.optim = self._make_local_optimizer(groups, self._plan.partition)
         # the public defaults say what the caller asked for, not the fused kernel OSS chose
         super().__init__(groups, {**self.optim.defaults, **self._implementation_asked})
+        self._defer_sync = False  # see overlap_sync_with
         self._buckets = self._build_buckets(self._plan)
         self._ready = True
         if existing is not None:
@@ -206,6 +207,7 @@ class OSS(torch.optim.Optimizer):
         Communication: ``Ψ(N-1)/N`` elements in all, one all-gather per bucket.
         """
         self._check_trainable_covered()
+        self.wait_for_sync()
         loss = None
         self._consolidated = None
         self._push_hyperparameters()
@@ -286,6 +288,7 @@ class OSS(torch.optim.Optimizer):
 
         Communication: each rank's state once (``KΨ/N`` bytes per rank) plus small metadata.
         """
+        self.wait_for_sync()
         if not isinstance(recipient_rank, int) or not -1 <= recipient_rank < self.world_size:
             raise ValueError(f"OSS.consolidate_state_dict(recipient_rank={recipient_rank!r}): "
                              f"must be a rank of the group in [0, {self.world_size}) or -1 "
@@ -406,6 +409,56 @@ class OSS(torch.optim.Optimizer):
         if any(not b.is_bound() for buckets in self._buckets for b in buckets):
             self._buckets = self._build_buckets(self._plan)
 
+    # ------------------------------------------------------------------ overlapped sync
+
+    def overlap_sync_with(self, module: torch.nn.Module) -> None:
+        """Let the parameter sync of each :meth:`step` run on while ``module``'s next forward
+        starts: each submodule waits, in a forward pre-hook, only for the buckets that hold its
+        own parameters, the way FSDP prefetches. ``module.state_dict()``,
+        ``module.load_state_dict()`` and every OSS method that reads or writes parameters wait
+        for the whole sync first; so does :meth:`wait_for_sync`, which code that reads
+        parameters outside ``module``'s forward (a metric on ``p`` directly) must call.
+        Costs nothing on the wire (the same all-gathers, later); the buckets' buffers are the
+        parameters' own storage, so it holds no extra memory. Local, no collective.
+
+        .. warning:: a module whose forward reads another module's parameters without calling
+           that module must be covered by ``overlap_sync_with`` on a module that owns them
+           directly, or read them after :meth:`wait_for_sync`.
+        """
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"OSS.overlap_sync_with(module={module!r}): expected an nn.Module")
+        known = {id(p) for p in self.partition.all_params()}
+        for sub in module.modules():
+            own = [p for p in sub.parameters(recurse=False) if id(p) in known]
+            if own:
+                sub.register_forward_pre_hook(self._waiter_for(own))
+        module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_for_sync())
+        module.register_load_state_dict_pre_hook(lambda *args, **kwargs: self.wait_for_sync())
+        self._defer_sync = True
+
+    def wait_for_sync(self) -> None:
+        """Finish every bucket sync still in flight (a no-op unless :meth:`overlap_sync_with`
+        is in use)."""
+        pending, self._pending_sync = self.__dict__.get("_pending_sync", []), []
+        for b in pending:
+            b.finish_gather()
+
+    def _waiter_for(self, params: list[torch.Tensor]):
+        wanted = {id(p) for p in params}
+
+        def wait_for_own_buckets(_module, _args):
+            pending = self.__dict__.get("_pending_sync", [])
+            if not pending:
+                return
+            keep = []
+            for b in pending:
+                if any(id(p) in wanted for p, _ in b.slots):
+                    b.finish_gather()
+                else:
+                    keep.append(b)
+            self._pending_sync = keep
+        return wait_for_own_buckets
+
     def _sync_all_buckets(self) -> None:
         every = [b for buckets in self._buckets for b in buckets]
         for b in every:
@@ -427,6 +480,9 @@ class OSS(torch.optim.Optimizer):
             for b in buckets:
                 b.start_gather()
                 in_flight.append(b)
+        if self._defer_sync:  # the next forward waits per module (overlap_sync_with)
+            self._pending_sync = in_flight
+            return
         for b in in_flight:
             b.finish_gather()
 
@@ -443,6 +499,7 @@ class OSS(torch.optim.Optimizer):
                 p.grad = grad
 
     def _repartition(self) -> None:
+        self.wait_for_sync()
         for buckets in self._buckets:  # nothing may still be writing into the old buffers
             for b in buckets:
                 b.finish_gather()

@@ -147,6 +147,11 @@ class FlatParamBucket:
         return self.params_per_rank[self.rank]
 
     @property
+    def slots(self) -> list:
+        """``(param, offset in buffer)`` for every parameter of the bucket."""
+        return self._slots
+
+    @property
     def padding_numel(self) -> int:
         return self.buffer.numel() - sum(p.numel() for p, _ in self._slots)
 
