@@ -123,6 +123,11 @@ class PipelineSchedule:
             raise TypeError(f"{name}(stage={type(stage).__name__}): expected a PipelineStage")
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"{name}(chunks={chunks!r}): expected a positive int")
+        if stage.num_stages != stage.group_size:
+            raise ValueError(f"{name}(stage=...): runs one stage per rank, but the pipeline has "
+                             f"{stage.num_stages} stages on {stage.group_size} ranks; use "
+                             f"ScheduleInterleaved1F1B or ScheduleZBV with several stages per "
+                             f"rank")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"{name}(loss_fn={loss_fn!r}): expected a callable "
                             f"loss_fn(output, target) or None")
