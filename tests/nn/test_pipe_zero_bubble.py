@@ -128,3 +128,119 @@ def test_every_schedule_matches_single_process_training(world_name, request):
             assert grad_diff <= 1e-5, (rank, key, grad_diff)
             assert weight_diff <= 1e-5, (rank, key, weight_diff)
             assert loss_diff <= 1e-5, (rank, key, loss_diff)
+
+
+def _mean_loss(output, _target):
+    return output.mean()  # saves nothing: the bytes measured are the layers' activations
+
+
+def _memory(schedule_name, chunks=8, rows=64):
+    """Peak bytes saved for backward on this rank, peak live (stage, micro-batch) pairs, and
+    bytes still saved after the step, for one step of a 32-wide MLP."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layers = MLP(32, 8, seed=0)
+    if schedule_name == "GPipe":
+        stage = PipelineStage(split_sequential(layers, _even(16, world))[rank], rank, world)
+        schedule = ScheduleGPipe(stage, chunks, _mean_loss, track_activation_memory=True,
+                                 batch_weight_grads=False)
+    else:
+        cls, per_rank, placement = SCHEDULES[schedule_name]
+        parts = split_sequential(layers, _even(16, world * per_rank))
+        stages = [PipelineStage(parts[s], s, world * per_rank, placement=placement)
+                  for s in range(world * per_rank) if _owner(s, world, placement) == rank]
+        schedule = cls(stages[0] if per_rank == 1 and cls is Schedule1F1B else stages, chunks,
+                       _mean_loss, track_activation_memory=True)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(rows, 32, generator=g), torch.randn(rows, 32, generator=g)
+    for _ in range(2):  # the second step runs on cached shapes
+        schedule.step(x, target=y)
+    meter = schedule.activation_memory
+    return meter.peak_bytes, schedule.peak_live_microbatches, meter.current_bytes
+
+
+def _memory_grid():
+    return {name: _memory(name) for name in ("GPipe", *SCHEDULES)}
+
+
+def test_activation_memory_stays_within_each_schedules_bound(world2):
+    p, m, v = 2, 8, 2
+    results = world2.run(_memory_grid)
+    for rank, r in enumerate(results):
+        per_microbatch = r["GPipe"][0] / m  # GPipe holds all m micro-batches of the stage
+        assert r["GPipe"][1] == m
+        for name, (peak, live, left) in r.items():
+            assert left == 0, (name, rank)  # everything released by the end of the step
+        assert r["1F1B"][1] == p - rank
+        assert r["ZeroBubble"][1] <= p  # at most p micro-batches, like 1F1B's first stage
+        assert r["ZeroBubble"][0] <= p * per_microbatch * 1.01, (rank, r)
+        assert r["Interleaved1F1B"][1] <= (v - 1) * p + 2 * (p - 1 - rank) + 1
+        assert r["ZBV"][1] <= 2 * p  # half-size stages
+    one_f_one_b_peak = max(r["1F1B"][0] for r in results)
+    assert max(r["ZBV"][0] for r in results) <= one_f_one_b_peak * 1.01
+
+
+def _bad_inputs():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    messages = []
+    schedule, _ = _build("mlp", "ZeroBubble", 4)
+    x, y = _mlp_batch(0)
+    try:
+        schedule.step(x[:10], target=y[:10])
+        messages.append("no error")
+    except ValueError as error:
+        messages.append(str(error))
+    loss = schedule.step(x, target=y)  # nothing was half-sent: the pipeline still works
+    messages.append(loss is not None)
+    try:
+        _build("mlp", "Interleaved1F1B", 3)
+        messages.append("no error")
+    except ValueError as error:
+        messages.append(str(error))
+    parts = split_sequential(MLP(16, 8, out=4, seed=0), _even(17, 2 * world))
+    looped = [PipelineStage(parts[s], s, 2 * world) for s in (rank, rank + world)]
+    try:
+        ScheduleZBV(looped, 2, F.mse_loss).step(x, target=y)
+        messages.append("no error")
+    except ValueError as error:
+        messages.append(str(error))
+    try:
+        Schedule1F1B(looped[0], 2, F.mse_loss)
+        messages.append("no error")
+    except ValueError as error:
+        messages.append(str(error))
+    return messages
+
+
+def test_bad_input_raises_a_clear_error_on_every_rank(world2):
+    uneven, works, interleaved, zbv, one_stage = zip(*world2.run(_bad_inputs))
+    assert all("rank 0: batch size 10 is not divisible by chunks=4" in m for m in uneven)
+    assert all("rank 1: target of shape (10, 4) cannot be split into chunks=4 equal" in m
+               for m in uneven)
+    assert works == (False, True)
+    assert all("chunks=3, ranks=2" in m for m in interleaved)
+    assert all("rank 0: this rank must pass stages [0, 3] (the plan's placement), got [0, 2]"
+               in m for m in zbv)
+    assert all("runs one stage per rank, but the pipeline has 4 stages on 2 ranks" in m
+               for m in one_stage)
+
+
+def _hooks_fire_once_per_step():
+    schedule, stages = _build("mlp", "ZeroBubble", 4)
+    fired = []
+    for p in stages[0].module.parameters():
+        p.register_post_accumulate_grad_hook(lambda param: fired.append(param))
+    x, y = _mlp_batch(0)
+    schedule.step(x, target=y)
+    reference = MLP(16, 8, out=4, seed=0)
+    F.mse_loss(reference(x), y).backward()
+    ref = split_sequential(reference, _even(17, dist.get_world_size()))[dist.get_rank()]
+    diff = max((a.grad - b.grad).abs().max().item()
+               for a, b in zip(stages[0].module.parameters(), ref.parameters()))
+    count = sum(1 for _ in stages[0].module.parameters())
+    return len(fired), len({id(p) for p in fired}), count, diff
+
+
+def test_zero_bubble_fires_gradient_hooks_once_per_parameter_per_step(world2):
+    for fired, distinct, count, diff in world2.run(_hooks_fire_once_per_step):
+        assert fired == distinct == count  # 4 micro-batches, one call per parameter
+        assert diff <= 1e-6
