@@ -10,6 +10,7 @@ from shardkit.models import GPT, MLP, GPTConfig
 from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                               ScheduleInterleaved1F1B, ScheduleZBV, ScheduleZeroBubble,
                               split_sequential)
+from shardkit.recipes import gpt_as_sequential, token_cross_entropy
 from shardkit.testing import world_fixture
 
 BATCH, STEPS = 16, 3
@@ -19,23 +20,9 @@ world2 = world_fixture(2)
 world4 = world_fixture(4)
 
 
-class _Embed(nn.Module):
-    def __init__(self, gpt):
-        super().__init__()
-        self.tok_emb, self.pos_emb = gpt.tok_emb, gpt.pos_emb
-
-    def forward(self, idx):
-        return self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1]))
-
-
 def _gpt_layers():
-    """The reference GPT as a sequence of 8 layers: embeddings, 6 blocks, final norm + head."""
-    gpt = GPT(GPT_CFG, seed=0)
-    return nn.Sequential(_Embed(gpt), *gpt.blocks, nn.Sequential(gpt.ln_f, gpt.head))
-
-
-def _gpt_loss(logits, target):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    """The reference GPT as 9 layers: embeddings, 6 blocks, final norm, head."""
+    return gpt_as_sequential(GPT(GPT_CFG, seed=0))
 
 
 def _gpt_batch(step):
@@ -50,7 +37,7 @@ def _mlp_batch(step):
 
 
 MODELS = {
-    "gpt": (_gpt_layers, _gpt_batch, _gpt_loss),
+    "gpt": (_gpt_layers, _gpt_batch, token_cross_entropy),
     "mlp": (lambda: MLP(16, 8, out=4, seed=0), _mlp_batch, F.mse_loss),
 }
 # name -> (schedule class, stages per rank, placement)

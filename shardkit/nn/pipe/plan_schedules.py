@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from typing import Callable, Optional
 
 import torch
@@ -128,7 +129,8 @@ class PlanSchedule:
             (``self.activation_memory``).
 
     After a step, ``peak_live_microbatches`` is the most (stage, micro-batch) pairs whose
-    activations were alive at once on this rank (from F until BW or W).
+    activations were alive at once on this rank (from F until BW or W), and ``busy_seconds``
+    the time spent computing (forward, backward, W), not waiting.
 
     Memory and communication: see the subclasses; each activation crosses each stage boundary
     that spans two ranks once forward and its gradient once back.
@@ -203,6 +205,7 @@ class PlanSchedule:
         self._sinks = {s: GradientSink(stage.parameters()) for s, stage in self.stages.items()}
         self._alive = 0
         self.peak_live_microbatches = 0
+        self.busy_seconds = 0.0
         if self.activation_memory is not None:
             self.activation_memory.reset_peak()
         order = self.plan.orders[self.rank]
@@ -241,7 +244,7 @@ class PlanSchedule:
             activation, packed = self.links.take_activation(s - 1, i, self._remote(s - 1))
         meter = self.activation_memory
         metering = meter.recording(stage.parameters()) if meter else contextlib.nullcontext()
-        with metering:
+        with metering, self._busy():
             output = stage.module(activation if packed else activation[0])
             if s == last:
                 loss = self.loss_fn(output, self._targets[i])
@@ -282,7 +285,8 @@ class PlanSchedule:
         activation, roots = self._live.pop((s, i))
         grads = self._output_grads(s, i, roots)
         if roots:
-            torch.autograd.backward(roots, grads)
+            with self._busy():
+                torch.autograd.backward(roots, grads)
         self._send_input_grads(s, i, activation, [a.grad for a in activation])
         self._alive -= 1
 
@@ -291,7 +295,8 @@ class PlanSchedule:
         grads = self._output_grads(s, i, roots)
         params = list(self.stages[s].parameters())
         if roots:
-            input_grads, weight_pass = backward_input(roots, grads, activation, params)
+            with self._busy():
+                input_grads, weight_pass = backward_input(roots, grads, activation, params)
         else:
             input_grads, weight_pass = [None] * len(activation), None
         self._weights[(s, i)] = weight_pass
@@ -300,8 +305,17 @@ class PlanSchedule:
     def _run_W(self, s: int, i: int) -> None:
         weight_pass = self._weights.pop((s, i))
         if weight_pass is not None:
-            self._sinks[s].add(weight_pass.run())
+            with self._busy():
+                self._sinks[s].add(weight_pass.run())
         self._alive -= 1
+
+    @contextlib.contextmanager
+    def _busy(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_seconds += time.perf_counter() - start
 
     # ------------------------------------------------------------------ checks
     def _local_problems(self, inputs, target) -> list[str]:
