@@ -231,3 +231,42 @@ def test_zero_bubble_fires_gradient_hooks_once_per_parameter_per_step(world2):
     for fired, distinct, count, diff in world2.run(_hooks_fire_once_per_step):
         assert fired == distinct == count  # 4 micro-batches, one call per parameter
         assert diff <= 1e-6
+
+
+def _zero_bubble_under_sharded_ddp(schedule_name):
+    """2 stages x 2 data-parallel replicas: each stage wrapped in ShardedDDP + OSS over its
+    replica group; each pipeline trains on half the batch. Parity with one process, per step."""
+    from shardkit.nn.data_parallel import ShardedDataParallel
+    from shardkit.optim import OSS
+
+    rank = dist.get_rank()
+    pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pipeline, stage_index = rank // 2, rank % 2
+    reference = MLP(16, 8, out=4, seed=0)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref_part = split_sequential(reference, _even(17, 2))[stage_index]
+    part = split_sequential(MLP(16, 8, out=4, seed=0), _even(17, 2))[stage_index]
+    opt = OSS(part.parameters(), optim=torch.optim.SGD, group=replicas[stage_index], lr=0.1)
+    module = ShardedDataParallel(part, opt, process_group=replicas[stage_index])
+    stage = PipelineStage(module, stage_index, 2, group=pipelines[pipeline])
+    schedule = SCHEDULES[schedule_name][0](stage, 4, F.mse_loss)
+    half = slice(pipeline * BATCH // 2, (pipeline + 1) * BATCH // 2)
+    worst = 0.0
+    for step in range(STEPS):
+        x, y = _mlp_batch(step)
+        ref_opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        schedule.step(x[half], target=y[half])
+        opt.step()
+        worst = max([worst] + [(a - b).abs().max().item()
+                               for a, b in zip(part.parameters(), ref_part.parameters())])
+    return worst
+
+
+def test_zero_bubble_composes_with_sharded_ddp_on_the_stage_replicas(world4):
+    for name in ("ZeroBubble", "1F1B"):
+        for rank, worst in enumerate(world4.run(_zero_bubble_under_sharded_ddp, name)):
+            assert worst <= 1e-5, (name, rank, worst)

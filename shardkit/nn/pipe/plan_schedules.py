@@ -182,6 +182,17 @@ class PlanSchedule:
                             f"{given}")
         if any(s.group is not self.group for s in stages):
             problems.append("the stages of one rank must share one pipeline group")
+        if self.plan.split_backward():
+            from shardkit.nn.data_parallel import FullyShardedDataParallel
+
+            for stage in stages:
+                if any(isinstance(m, FullyShardedDataParallel) for m in stage.module.modules()):
+                    problems.append(
+                        f"stage {stage.stage_index} is wrapped in FullyShardedDataParallel, "
+                        f"whose gather/reduce-scatter hooks assume one backward per "
+                        f"micro-batch; {type(self).__name__} splits backward into B and W. Use "
+                        f"OSS or ShardedDataParallel on the stage's data-parallel group, or "
+                        f"Schedule1F1B / ScheduleInterleaved1F1B with FSDP")
         return problems
 
     # ------------------------------------------------------------------ one step
