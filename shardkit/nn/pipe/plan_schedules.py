@@ -317,7 +317,7 @@ class PlanSchedule:
         weight_pass = self._weights.pop((s, i))
         if weight_pass is not None:
             with self._busy():
-                self._sinks[s].add(weight_pass.run())
+                self._sinks[s].run(weight_pass)
         self._alive -= 1
 
     @contextlib.contextmanager

@@ -105,8 +105,11 @@ class WeightGradPass:
         self._recorded = recorded      # frontier node -> tuple of gradients at its outputs
         self._root_grads = root_grads  # root node -> its gradient tuple (roots in the frontier)
 
-    def run(self) -> dict:
-        """``{parameter: gradient}`` for the parameters this micro-batch reached."""
+    def run(self, into_grad: bool = False) -> dict:
+        """``{parameter: gradient}`` for the parameters this micro-batch reached; with
+        ``into_grad`` the gradients are added to ``.grad`` instead (by the parameters' own
+        accumulators, as a plain backward would: no extra buffer, gradient hooks fire) and the
+        dict is empty."""
         if self._groups is None:
             raise RuntimeError("WeightGradPass.run: this W pass already ran")
         out: dict = {}
@@ -125,6 +128,9 @@ class WeightGradPass:
                 clamps = [node.register_prehook(lambda _g, saved=recorded.get(node, ()): saved)
                           for node in frontier if node in recorded]
             try:
+                if into_grad:
+                    torch.autograd.backward(edges, grads, inputs=params)
+                    continue
                 got = torch.autograd.grad(edges, [get_gradient_edge(p) for p in params], grads,
                                           retain_graph=False, allow_unused=True)
             finally:
@@ -208,8 +214,8 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Optional[Sequence], inp
 class GradientSink:
     """Where W passes put parameter gradients during a step.
 
-    Without gradient hooks on the parameters, each W pass adds straight into ``.grad``. When some
-    parameter carries one (``register_hook`` / ``register_post_accumulate_grad_hook``, as
+    Without gradient hooks on the parameters, each W pass adds straight into ``.grad`` (through
+    the parameters' accumulators, like a plain backward). When some parameter carries one (``register_hook`` / ``register_post_accumulate_grad_hook``, as
     data-parallel wrappers install), the step's gradients are summed in private buffers and
     :meth:`deliver` hands each parameter its total once, through autograd, so those hooks fire
     once per parameter per step. Memory: one gradient-sized buffer per hooked parameter.
@@ -220,14 +226,13 @@ class GradientSink:
         self.deferred = any(_has_grad_hooks(p) for p in self.params)
         self._totals: dict = {}
 
-    def add(self, grads: dict) -> None:
-        for p, g in grads.items():
-            if self.deferred:
-                self._totals[p] = g if p not in self._totals else self._totals[p] + g
-            elif p.grad is None:
-                p.grad = g.clone() if g._base is not None else g
-            else:
-                p.grad.add_(g)
+    def run(self, weight_pass: WeightGradPass) -> None:
+        """Run one micro-batch's W pass into ``.grad`` (or into the step's totals)."""
+        if not self.deferred:
+            weight_pass.run(into_grad=True)
+            return
+        for p, g in weight_pass.run().items():
+            self._totals[p] = g if p not in self._totals else self._totals[p] + g
 
     def deliver(self) -> None:
         """Hand the summed gradients to the parameters through their accumulators (hooks run)."""
