@@ -121,19 +121,20 @@ def _parts(workload: str, num_stages: int) -> list:
     return split_sequential(layers, balance)
 
 
-def _time_steps(step, steps: int, warmup: int = 1) -> float:
-    """Wall-clock seconds per step, from a barrier before the first timed step to one after
-    the last."""
+def _time_steps(step, steps: int, warmup: int = 1) -> tuple:
+    """Wall-clock seconds per step (from a barrier before the first timed step to one after
+    the last) and this process's CPU seconds per step (all its threads)."""
     from shardkit import distributed as dist
 
     for _ in range(warmup):
         step()
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
+    cpu = time.process_time() - cpu_start
     dist.barrier()
-    return (time.perf_counter() - start) / steps
+    return (time.perf_counter() - start) / steps, cpu / steps
 
 
 def _single_process(workload: str, steps: int):
@@ -153,7 +154,7 @@ def _single_process(workload: str, steps: int):
             (loss_fn(model(xs), ys) / chunks).backward()
         opt.step()
 
-    return _time_steps(step, steps), None
+    return (*_time_steps(step, steps), None)
 
 
 def _shardkit(workload: str, kind: str, steps: int, **kwargs):
@@ -179,8 +180,8 @@ def _shardkit(workload: str, kind: str, steps: int, **kwargs):
         opt.step()
         busy.append(schedule.busy_seconds)
 
-    seconds = _time_steps(step, steps)
-    return seconds, statistics.mean(busy[1:])
+    wall, cpu = _time_steps(step, steps)
+    return wall, cpu, statistics.mean(busy[1:])
 
 
 def _torch(workload: str, kind: str, steps: int):
@@ -208,7 +209,7 @@ def _torch(workload: str, kind: str, steps: int):
         schedule.step(*args, **kwargs)
         opt.step()
 
-    return _time_steps(step, steps), None
+    return (*_time_steps(step, steps), None)
 
 
 SINGLE = "single process, grad accumulation"
@@ -241,6 +242,7 @@ def measure(workload_names: list, steps: int, rounds: int) -> dict:
         for workload in workload_names:
             names = list(configs(workload))
             seconds = {n: [] for n in names}
+            cpu = {n: [] for n in names}
             idle = {n: [] for n in names}
             for _ in range(rounds):
                 for name in names:
@@ -249,13 +251,15 @@ def measure(workload_names: list, steps: int, rounds: int) -> dict:
                                     if r is not None]
                     except Exception as error:  # a torch schedule that cannot run this case
                         seconds[name].append(float("nan"))
+                        cpu[name].append(float("nan"))
                         idle[name].append(f"failed: {str(error).splitlines()[-1][:80]}")
                         continue
-                    wall = max(s for s, _ in per_rank)
+                    wall = max(w for w, _, _ in per_rank)
                     seconds[name].append(wall)
-                    busy = [b for _, b in per_rank if b is not None]
+                    cpu[name].append(max(c for _, c, _ in per_rank))
+                    busy = [b for _, _, b in per_rank if b is not None]
                     idle[name].append(1 - statistics.mean(busy) / wall if busy else None)
-            results[workload] = (seconds, idle)
+            results[workload] = (seconds, cpu, idle)
     return results
 
 
@@ -272,7 +276,7 @@ def report(results: dict, steps: int, rounds: int) -> str:
         f"{rounds} interleaved rounds of {steps} steps. Load average at the end: "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.",
     ]
-    for workload, (seconds, idle) in results.items():
+    for workload, (seconds, cpu, idle) in results.items():
         spec = WORKLOADS[workload]
         table = configs(workload)
         best = {name: _best(values) for name, values in seconds.items()}
@@ -281,9 +285,9 @@ def report(results: dict, steps: int, rounds: int) -> str:
         lines += [
             "", f"## {workload}: {spec.description}", "",
             "| configuration | s/step (best) | samples/s | speed-up vs single | vs torch, same "
-            "schedule | vs shardkit 1F1B | idle fraction (measured) | idle fraction (formula, "
-            "F=B=W) |",
-            "|---|---|---|---|---|---|---|---|",
+            "schedule | vs shardkit 1F1B | CPU s/step, busiest rank | idle fraction (measured) "
+            "| idle fraction (formula, F=B=W) |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, value in best.items():
             _, _, _, torch_name, kind = table[name]
@@ -298,7 +302,7 @@ def report(results: dict, steps: int, rounds: int) -> str:
                 formula = (f"{formula_idle(kind, STAGES, spec.chunks):.2f} "
                            f"({KINDS[kind][4]})")
             lines.append(f"| {name} | {value:.3f} | {batch / value:.1f} | {single / value:.2f} | "
-                         f"{vs_torch} | {vs_1f1b} | {idle_text} | {formula} |")
+                         f"{vs_torch} | {vs_1f1b} | {_best(cpu[name]):.3f} | {idle_text} | {formula} |")
     lines += [
         "",
         "Idle fraction (measured): 1 - (seconds in forward, backward and W) / (step seconds), "
@@ -309,7 +313,8 @@ def report(results: dict, steps: int, rounds: int) -> str:
         "",
         "Wall-clock figures depend on what else the machine runs: when the load average exceeds "
         "the CPU count each process gets only a share of a core and the ratios say little about "
-        "the schedules.",
+        "the schedules; CPU seconds per step of the busiest rank measure each implementation's "
+        "own work (communication threads included) and are steadier.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -13,7 +13,7 @@ from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe,
 from shardkit.recipes import gpt_as_sequential, token_cross_entropy
 from shardkit.testing import world_fixture
 
-BATCH, STEPS = 16, 3
+BATCH, STEPS = 16, 2
 GPT_CFG = GPTConfig(vocab_size=64, n_layer=6, n_head=2, d_model=16, seq_len=8)
 
 world2 = world_fixture(2)
