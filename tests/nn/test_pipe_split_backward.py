@@ -19,6 +19,17 @@ class _TiedTwice(nn.Module):
         return self.a(torch.tanh(self.a(x) + self.b(x)))
 
 
+class _Sandwich(nn.Module):
+    """One Linear on both sides of another: W for ``a`` walks through ``b``'s frontier node."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
 def _frozen_mlp():
     model = MLP(16, 3, out=4)
     model[0].weight.requires_grad_(False)
@@ -30,6 +41,7 @@ CASES = {
     "mlp": (lambda: MLP(16, 3, out=4), lambda: torch.randn(5, 16), True),
     "mlp, input without grad": (lambda: MLP(16, 3, out=4), lambda: torch.randn(5, 16), False),
     "tied weight": (_TiedTwice, lambda: torch.randn(3, 8), True),
+    "tied around another layer": (_Sandwich, lambda: torch.randn(3, 8), True),
     "frozen weight": (_frozen_mlp, lambda: torch.randn(5, 16), True),
 }
 

@@ -169,6 +169,7 @@ class PipelinePlan:
         live = [0] * self.num_ranks
         peak = [0] * self.num_ranks
         timeline = [[] for _ in range(self.num_ranks)]
+        split = self.split_backward()
 
         def needs(a: Action) -> list:
             if a.kind == "F":
@@ -177,8 +178,7 @@ class PipelinePlan:
                 return [Action("B", a.stage, a.microbatch)]
             deps = [Action("F", a.stage, a.microbatch)]
             if a.stage < last:
-                kind = "B" if Action("B", a.stage + 1, a.microbatch) in self._index() else "BW"
-                deps.append(Action(kind, a.stage + 1, a.microbatch))
+                deps.append(Action("B" if split else "BW", a.stage + 1, a.microbatch))
             return deps
 
         progressed = True
@@ -216,13 +216,6 @@ class PipelinePlan:
         makespan = max(clock) - start
         idle = 1.0 - sum(busy) / (self.num_ranks * makespan)
         return DryRun(makespan, busy, idle, peak, timeline)
-
-    def _index(self) -> set:
-        cached = self.__dict__.get("_actions")
-        if cached is None:
-            cached = {a for order in self.orders for a in order}
-            object.__setattr__(self, "_actions", cached)
-        return cached
 
 
 # ---------------------------------------------------------------------- generators

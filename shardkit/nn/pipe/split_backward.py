@@ -21,7 +21,8 @@ input: the roots are the frontier, B does nothing and W is the whole backward.
 Note: one group can hold two frontier nodes of which one lies below the other on the input path (a
 tied weight used at two depths). W, started at both, would send the upper node's gradient down to
 the lower one on top of the lower one's recorded total; a pre-hook on the lower node replaces what
-arrives with the recorded total, so nothing is counted twice.
+arrives with the recorded total, so nothing is counted twice. The walk between the two may cross
+other groups' frontier nodes, so such a W pass keeps the graph's buffers until its last group.
 
 Memory: B keeps the micro-batch's graph (``retain_graph``), so its saved activations live until
 W: the schedule decides how many micro-batches wait for their W. Plus the recorded gradients, one
@@ -114,6 +115,9 @@ class WeightGradPass:
             raise RuntimeError("WeightGradPass.run: this W pass already ran")
         out: dict = {}
         recorded = {**self._root_grads, **self._recorded}
+        # a group with several frontier nodes walks the input path between them, through other
+        # groups' frontier nodes: keep every buffer until the last group has run
+        retain = any(len(frontier) > 1 for frontier, _ in self._groups)
         for frontier, params in self._groups:
             edges, grads = [], []
             for node in frontier:
@@ -129,10 +133,10 @@ class WeightGradPass:
                           for node in frontier if node in recorded]
             try:
                 if into_grad:
-                    torch.autograd.backward(edges, grads, inputs=params)
+                    torch.autograd.backward(edges, grads, inputs=params, retain_graph=retain)
                     continue
                 got = torch.autograd.grad(edges, [get_gradient_edge(p) for p in params], grads,
-                                          retain_graph=False, allow_unused=True)
+                                          retain_graph=retain, allow_unused=True)
             finally:
                 for handle in clamps:
                     handle.remove()
