@@ -302,7 +302,8 @@ def report(results: dict, steps: int, rounds: int) -> str:
                 formula = (f"{formula_idle(kind, STAGES, spec.chunks):.2f} "
                            f"({KINDS[kind][4]})")
             lines.append(f"| {name} | {value:.3f} | {batch / value:.1f} | {single / value:.2f} | "
-                         f"{vs_torch} | {vs_1f1b} | {_best(cpu[name]):.3f} | {idle_text} | {formula} |")
+                         f"{vs_torch} | {vs_1f1b} | {_best(cpu[name]):.3f} | {idle_text} | "
+                         f"{formula} |")
     lines += [
         "",
         "Idle fraction (measured): 1 - (seconds in forward, backward and W) / (step seconds), "

@@ -46,16 +46,15 @@ def _grad_node(t: torch.Tensor) -> Optional[Node]:
     return get_gradient_edge(t).node
 
 
-def _graph(roots: Sequence[Node]) -> tuple[list[Node], dict]:
-    """Every node below ``roots`` (each once, roots first) and each node's parents."""
-    order, parents, seen = [], {}, set()
+def _graph(roots: Sequence[Node]) -> dict:
+    """Each node below ``roots`` (roots included) mapped to its parents."""
+    parents, seen = {}, set()
     stack = [n for n in roots if n is not None]
     for n in stack:
         seen.add(n)
         parents.setdefault(n, [])
     while stack:
         node = stack.pop()
-        order.append(node)
         for child, _ in node.next_functions:
             if child is None:
                 continue
@@ -63,10 +62,10 @@ def _graph(roots: Sequence[Node]) -> tuple[list[Node], dict]:
             if child not in seen:
                 seen.add(child)
                 stack.append(child)
-    return order, parents
+    return parents
 
 
-def _reaching(targets: set, order: list[Node], parents: dict) -> set:
+def _reaching(targets: set, parents: dict) -> set:
     """Nodes from which some node of ``targets`` can be reached (targets included)."""
     found, stack = set(), [t for t in targets if t in parents]
     found.update(stack)
@@ -147,6 +146,57 @@ class WeightGradPass:
         return out
 
 
+def _frontier_of(param_node: Node, parents: dict, input_side: set, roots: set) -> set:
+    """The first nodes that reach the input on every path from ``param_node`` up to the roots
+    (a root that does not reach the input counts as one)."""
+    frontier, seen, stack = set(), {param_node}, [param_node]
+    while stack:
+        node = stack.pop()
+        if node in roots and node not in input_side:
+            frontier.add(node)
+        for parent in parents[node]:
+            if parent in input_side:
+                frontier.add(parent)
+            elif parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return frontier
+
+
+def _weight_groups(params: list, parents: dict, input_side: set, roots: set) -> list:
+    """``[(frontier nodes, params)]``: parameters whose frontiers share a node form one group."""
+    groups, frontiers = _Groups(), {}
+    for p in params:
+        start = _grad_node(p)
+        if start not in parents:
+            continue  # not used by this micro-batch
+        frontier = sorted(_frontier_of(start, parents, input_side, roots), key=id)
+        if frontier:
+            frontiers[p] = frontier
+            for node in frontier[1:]:
+                groups.union(frontier[0], node)
+    by_root: dict = {}
+    for p, frontier in frontiers.items():
+        nodes, members = by_root.setdefault(groups.find(frontier[0]), (set(), []))
+        nodes.update(frontier)
+        members.append(p)
+    return [(sorted(nodes, key=id), members) for nodes, members in by_root.values()]
+
+
+def _root_gradients(root_edges: list, grads: list, frontier: set, input_side: set) -> dict:
+    """For roots in the frontier that do not reach the input: node -> gradient tuple (the
+    gradients given for them), which W starts from."""
+    out: dict = {}
+    for edge, g in zip(root_edges, grads):
+        if edge.node in frontier and edge.node not in input_side:
+            slots = list(out.get(edge.node, ()))
+            slots += [None] * (edge.output_nr + 1 - len(slots))
+            old = slots[edge.output_nr]
+            slots[edge.output_nr] = g if old is None else old + g
+            out[edge.node] = tuple(slots)
+    return out
+
+
 def backward_input(roots: Sequence[torch.Tensor], grads: Optional[Sequence], inputs: Sequence,
                    params: Sequence[torch.Tensor]) -> tuple[list, WeightGradPass]:
     """B: the gradients of ``inputs`` (``None`` where an input does not require grad or is not
@@ -160,47 +210,13 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Optional[Sequence], inp
     root_nodes = list(dict.fromkeys(e.node for e in root_edges))
     wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     params = list(dict.fromkeys(p for p in params if p.requires_grad))  # tied: once
-    order, parents = _graph(root_nodes)
-    input_side = _reaching({_grad_node(inputs[i]) for i in wanted}, order, parents)
-    root_set = set(root_nodes)
-    groups, members = _Groups(), {}
-    for p in params:
-        start = _grad_node(p)
-        if start not in parents:
-            continue  # not used by this micro-batch
-        frontier, seen, stack = set(), {start}, [start]
-        while stack:
-            node = stack.pop()
-            for parent in parents[node]:
-                if parent in input_side:
-                    frontier.add(parent)
-                elif parent not in seen:
-                    seen.add(parent)
-                    stack.append(parent)
-            if node in root_set and node not in input_side:
-                frontier.add(node)
-        frontier = sorted(frontier, key=id)
-        for node in frontier[1:]:
-            groups.union(frontier[0], node)
-        if frontier:
-            members.setdefault(p, frontier)
-    by_root: dict = {}
-    for p, frontier in members.items():
-        entry = by_root.setdefault(groups.find(frontier[0]), (set(), []))
-        entry[0].update(frontier)
-        entry[1].append(p)
+    parents = _graph(root_nodes)
+    input_side = _reaching({_grad_node(inputs[i]) for i in wanted}, parents)
+    groups = _weight_groups(params, parents, input_side, set(root_nodes))
+    frontier = {node for nodes, _ in groups for node in nodes}
     recorded: dict = {}
-    frontier_nodes = {n for nodes, _ in by_root.values() for n in nodes}
     handles = [node.register_prehook(lambda g, node=node: recorded.__setitem__(node, g))
-               for node in frontier_nodes if node in input_side]
-    root_grads: dict = {}  # a root in the frontier: its gradient is the one given
-    for edge, g in zip(root_edges, grads):
-        if edge.node in frontier_nodes and edge.node not in input_side:
-            slots = list(root_grads.get(edge.node, ()))
-            while len(slots) <= edge.output_nr:
-                slots.append(None)
-            slots[edge.output_nr] = g if slots[edge.output_nr] is None else slots[edge.output_nr] + g
-            root_grads[edge.node] = tuple(slots)
+               for node in frontier if node in input_side]
     result: list = [None] * len(inputs)
     try:
         if wanted:
@@ -211,16 +227,17 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Optional[Sequence], inp
     finally:
         for handle in handles:
             handle.remove()
-    groups_list = [(sorted(nodes, key=id), ps) for nodes, ps in by_root.values()]
-    return result, WeightGradPass(groups_list, recorded, root_grads)
+    root_grads = _root_gradients(root_edges, grads, frontier, input_side)
+    return result, WeightGradPass(groups, recorded, root_grads)
 
 
 class GradientSink:
     """Where W passes put parameter gradients during a step.
 
     Without gradient hooks on the parameters, each W pass adds straight into ``.grad`` (through
-    the parameters' accumulators, like a plain backward). When some parameter carries one (``register_hook`` / ``register_post_accumulate_grad_hook``, as
-    data-parallel wrappers install), the step's gradients are summed in private buffers and
+    the parameters' accumulators, like a plain backward). When some parameter carries one
+    (``register_hook`` / ``register_post_accumulate_grad_hook``, as data-parallel wrappers
+    install), the step's gradients are summed in private buffers and
     :meth:`deliver` hands each parameter its total once, through autograd, so those hooks fire
     once per parameter per step. Memory: one gradient-sized buffer per hooked parameter.
     """
