@@ -195,11 +195,21 @@ def _bad_inputs():
         messages.append("no error")
     except ValueError as error:
         messages.append(str(error))
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    part = split_sequential(MLP(16, 8, out=4, seed=0), _even(17, world))[rank]
+    stage = PipelineStage(FullyShardedDataParallel(part, process_group=alone), rank, world)
+    try:
+        ScheduleZeroBubble(stage, 2, F.mse_loss).step(x, target=y)
+        messages.append("no error")
+    except ValueError as error:
+        messages.append(str(error))
     return messages
 
 
 def test_bad_input_raises_a_clear_error_on_every_rank(world2):
-    uneven, works, interleaved, zbv, one_stage = zip(*world2.run(_bad_inputs))
+    uneven, works, interleaved, zbv, one_stage, fsdp = zip(*world2.run(_bad_inputs))
     assert all("rank 0: batch size 10 is not divisible by chunks=4" in m for m in uneven)
     assert all("rank 1: target of shape (10, 4) cannot be split into chunks=4 equal" in m
                for m in uneven)
@@ -209,6 +219,7 @@ def test_bad_input_raises_a_clear_error_on_every_rank(world2):
                in m for m in zbv)
     assert all("runs one stage per rank, but the pipeline has 4 stages on 2 ranks" in m
                for m in one_stage)
+    assert all("rank 1: stage 1 is wrapped in FullyShardedDataParallel" in m for m in fsdp)
 
 
 def _hooks_fire_once_per_step():
