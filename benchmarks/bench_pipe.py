@@ -1,14 +1,20 @@
-"""Pipeline throughput: shardkit's GPipe/1F1B against torch.distributed.pipelining, same run.
+"""Pipeline throughput: shardkit's schedules against torch.distributed.pipelining's, same run.
 
-Workload: 16 x (Linear(1024, 1024) + GELU), micro-batches of 8 rows, 8 micro-batches per step,
-2 stages on 2 processes with one thread each (gloo); shardkit's GPipe with and without its
-batched weight gradients. Every configuration runs the same steps
-(forward, backward, SGD step); rounds are interleaved so machine load hits all of them alike,
-and each configuration's best round counts. Reported: samples/s, speed-up over one process
-running the same 8 micro-batches with gradient accumulation, fraction of the ideal speed-up
-p*m/(m+p-1) = 1.78, and shardkit relative to torch's schedule of the same kind.
+Two workloads, 2 pipeline ranks (gloo, one thread each):
+    mlp  16 x (Linear(1024, 1024) + GELU), 8 micro-batches of 8 rows
+    gpt  the reference GPT (vocab 8192, 6 layers, d 512, seq 128) cut between blocks
+         (shardkit.recipes.gpt_as_sequential), 4 micro-batches of 1 sequence
 
-    python -m benchmarks.bench_pipe [--steps 6] [--rounds 3]
+Schedules, each beside torch's schedule of the same kind: GPipe (mlp only), 1F1B, interleaved
+1F1B (2 stages per rank), ZB-H1 (torch: ScheduleInterleavedZeroBubble with one stage per rank)
+and ZBV (torch: ScheduleZBVZeroBubble). Every configuration runs the same steps (forward,
+backward, SGD step); rounds are interleaved so machine load hits all of them alike and each
+configuration's best round counts. Reported: samples/s, speed-up over one process running the
+same micro-batches with gradient accumulation, shardkit against torch's same schedule and against
+shardkit's 1F1B, and for shardkit's schedules the measured idle fraction (1 - compute time / step
+time, averaged over the ranks) beside the schedule's formula.
+
+    python -m benchmarks.bench_pipe [--steps 4] [--rounds 2] [--workloads mlp,gpt]
 
 Writes ``benchmarks/results/pipe.md``.
 """
@@ -19,6 +25,7 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -26,25 +33,95 @@ import torch.nn.functional as F
 
 from benchmarks.common import write_report
 
-WIDTH, DEPTH, MICRO, CHUNKS, STAGES = 1024, 16, 8, 8, 2
+STAGES = 2
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "pipe.md")
 
 
-def _model() -> nn.Sequential:
+@dataclass(frozen=True)
+class PipeWorkload:
+    """Layers to cut into stages, the batch, the loss and the micro-batch count."""
+
+    name: str
+    description: str
+    chunks: int
+
+
+WORKLOADS = {
+    "mlp": PipeWorkload("mlp", "16 x (Linear(1024, 1024) + GELU), 8 micro-batches of 8 rows", 8),
+    "gpt": PipeWorkload("gpt", "reference GPT (vocab 8192, 6 blocks, d 512, seq 128), "
+                               "4 micro-batches of 1 sequence", 4),
+}
+
+
+def _layers(workload: str) -> nn.Sequential:
     torch.manual_seed(0)
-    layers = []
-    for _ in range(DEPTH):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.GELU()]
-    return nn.Sequential(*layers)
+    if workload == "mlp":
+        layers = []
+        for _ in range(16):
+            layers += [nn.Linear(1024, 1024), nn.GELU()]
+        return nn.Sequential(*layers)
+    from shardkit.models import GPT, reference_gpt_config
+    from shardkit.recipes import gpt_as_sequential
+
+    return gpt_as_sequential(GPT(reference_gpt_config(), seed=0))
 
 
-def _batch():
-    g = torch.Generator().manual_seed(0)
-    return (torch.randn(MICRO * CHUNKS, WIDTH, generator=g),
-            torch.randn(MICRO * CHUNKS, WIDTH, generator=g))
+def _batch(workload: str):
+    if workload == "mlp":
+        g = torch.Generator().manual_seed(0)
+        return torch.randn(64, 1024, generator=g), torch.randn(64, 1024, generator=g)
+    from shardkit.models import reference_gpt_config, synthetic_batch
+
+    return synthetic_batch(reference_gpt_config(), WORKLOADS["gpt"].chunks, 0)
 
 
-def _time_steps(step, steps: int, warmup: int = 1) -> tuple[float, float]:
+def _loss_fn(workload: str):
+    from shardkit.recipes import token_cross_entropy
+
+    return F.mse_loss if workload == "mlp" else token_cross_entropy
+
+
+# schedule kind -> (stages per rank, placement, shardkit class, torch class, idle formula)
+KINDS = {
+    "GPipe": (1, "loop", "ScheduleGPipe", "ScheduleGPipe", "(p-1)/(m+p-1)"),
+    "1F1B": (1, "loop", "Schedule1F1B", "Schedule1F1B", "(p-1)/(m+p-1)"),
+    "Interleaved1F1B": (2, "loop", "ScheduleInterleaved1F1B", "ScheduleInterleaved1F1B",
+                        "(p-1)/(v*m+p-1)"),
+    "ZB-H1": (1, "loop", "ScheduleZeroBubble", "ScheduleInterleavedZeroBubble",
+              "(p-1)/(3m+p-1)"),
+    "ZBV": (2, "v", "ScheduleZBV", "ScheduleZBVZeroBubble", "dry run"),
+}
+
+
+def formula_idle(kind: str, p: int, m: int) -> float:
+    """The schedule's idle fraction with F = B = W (a full backward = 2 F)."""
+    from shardkit.nn.pipe.plan import zbv_plan
+
+    v = KINDS[kind][0]
+    if kind in ("GPipe", "1F1B", "Interleaved1F1B"):
+        return (p - 1) / (v * m + p - 1)
+    if kind == "ZB-H1":
+        return (p - 1) / (3 * m + p - 1)
+    return zbv_plan(p, m).dry_run().idle_fraction
+
+
+def _my_stage_indices(num_stages: int, placement: str, rank: int) -> list:
+    from shardkit.nn.pipe.stage import stage_rank
+
+    return [s for s in range(num_stages)
+            if stage_rank(s, num_stages, STAGES, placement) == rank]
+
+
+def _parts(workload: str, num_stages: int) -> list:
+    layers = _layers(workload)
+    n = len(layers)
+    balance = [n // num_stages + (1 if k < n % num_stages else 0) for k in range(num_stages)]
+    from shardkit.nn.pipe import split_sequential
+
+    return split_sequential(layers, balance)
+
+
+def _time_steps(step, steps: int, warmup: int = 1) -> tuple:
     """Wall-clock seconds per step (from a barrier before the first timed step to one after
     the last) and this process's CPU seconds per step (all its threads)."""
     from shardkit import distributed as dist
@@ -60,155 +137,201 @@ def _time_steps(step, steps: int, warmup: int = 1) -> tuple[float, float]:
     return (time.perf_counter() - start) / steps, cpu / steps
 
 
-def _single_process(steps: int):
-    """Rank 0 runs the whole model over 8 micro-batches with gradient accumulation."""
+def _single_process(workload: str, steps: int):
+    """Rank 0 runs the whole model over the micro-batches with gradient accumulation."""
     from shardkit import distributed as dist
 
     if dist.get_rank() != 0:
         _time_steps(lambda: None, steps, warmup=0)
         return None
-    model = _model()
+    model, (x, y), loss_fn = _layers(workload), _batch(workload), _loss_fn(workload)
+    chunks = WORKLOADS[workload].chunks
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x, y = _batch()
 
     def step():
         opt.zero_grad()
-        for xs, ys in zip(x.chunk(CHUNKS), y.chunk(CHUNKS)):
-            (F.mse_loss(model(xs), ys) / CHUNKS).backward()
+        for xs, ys in zip(x.chunk(chunks), y.chunk(chunks)):
+            (loss_fn(model(xs), ys) / chunks).backward()
         opt.step()
 
-    return _time_steps(step, steps)
+    return (*_time_steps(step, steps), None)
 
 
-def _shardkit(schedule_name: str, steps: int, **schedule_kwargs):
+def _shardkit(workload: str, kind: str, steps: int, **kwargs):
     from shardkit import distributed as dist
     from shardkit.nn import pipe
 
     rank = dist.get_rank()
-    module = pipe.split_sequential(_model(), [DEPTH, DEPTH])[rank]
-    stage = pipe.PipelineStage(module, rank, STAGES)
-    schedule = getattr(pipe, schedule_name)(stage, CHUNKS, F.mse_loss, **schedule_kwargs)
-    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
-    x, y = _batch()
+    per_rank, placement, cls_name, _, _ = KINDS[kind]
+    num_stages = STAGES * per_rank
+    parts = _parts(workload, num_stages)
+    stages = [pipe.PipelineStage(parts[s], s, num_stages, placement=placement)
+              for s in _my_stage_indices(num_stages, placement, rank)]
+    cls = getattr(pipe, cls_name)
+    arg = stages[0] if cls_name in ("ScheduleGPipe", "Schedule1F1B") else stages
+    schedule = cls(arg, WORKLOADS[workload].chunks, _loss_fn(workload), **kwargs)
+    opt = torch.optim.SGD([p for s in stages for p in s.parameters()], lr=1e-3)
+    x, y = _batch(workload)
+    busy = []
 
     def step():
         opt.zero_grad()
         schedule.step(x, target=y)
         opt.step()
+        busy.append(schedule.busy_seconds)
 
-    return _time_steps(step, steps)
+    wall, cpu = _time_steps(step, steps)
+    return wall, cpu, statistics.mean(busy[1:])
 
 
-def _torch(schedule_name: str, steps: int):
+def _torch(workload: str, kind: str, steps: int):
     from torch.distributed import pipelining
 
     from shardkit import distributed as dist
 
     rank = dist.get_rank()
-    module = nn.Sequential(*list(_model())[rank * DEPTH:(rank + 1) * DEPTH])
-    stage = pipelining.PipelineStage(module, rank, STAGES, torch.device("cpu"))
-    schedule = getattr(pipelining, schedule_name)(stage, CHUNKS, loss_fn=F.mse_loss)
-    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
-    x, y = _batch()
+    per_rank, placement, _, cls_name, _ = KINDS[kind]
+    num_stages = STAGES * per_rank
+    parts = _parts(workload, num_stages)
+    mine = _my_stage_indices(num_stages, placement, rank)
+    stages = [pipelining.PipelineStage(parts[s], s, num_stages, torch.device("cpu"))
+              for s in mine]
+    cls = getattr(pipelining, cls_name)
+    arg = stages[0] if cls_name in ("ScheduleGPipe", "Schedule1F1B") else stages
+    schedule = cls(arg, WORKLOADS[workload].chunks, loss_fn=_loss_fn(workload))
+    opt = torch.optim.SGD([p for s in mine for p in parts[s].parameters()], lr=1e-3)
+    x, y = _batch(workload)
 
     def step():
         opt.zero_grad()
-        if rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=[])
+        args = (x,) if 0 in mine else ()
+        kwargs = {"target": y, "losses": []} if num_stages - 1 in mine else {}
+        schedule.step(*args, **kwargs)
         opt.step()
 
-    return _time_steps(step, steps)
+    return (*_time_steps(step, steps), None)
 
 
 SINGLE = "single process, grad accumulation"
-TORCH_GPIPE = "torch.distributed.pipelining ScheduleGPipe"
-TORCH_1F1B = "torch.distributed.pipelining Schedule1F1B"
-# name -> (function, positional args, keyword args, the torch configuration it compares with)
-CONFIGS = {
-    SINGLE: (_single_process, (), {}, None),
-    "shardkit ScheduleGPipe": (_shardkit, ("ScheduleGPipe",), {}, TORCH_GPIPE),
-    "shardkit ScheduleGPipe, per-micro-batch weight grads": (
-        _shardkit, ("ScheduleGPipe",), {"batch_weight_grads": False}, TORCH_GPIPE),
-    "shardkit Schedule1F1B": (_shardkit, ("Schedule1F1B",), {}, TORCH_1F1B),
-    TORCH_GPIPE: (_torch, ("ScheduleGPipe",), {}, None),
-    TORCH_1F1B: (_torch, ("Schedule1F1B",), {}, None),
-}
 
 
-def _run_config(name: str, steps: int):
-    fn, args, kwargs, _ = CONFIGS[name]
+def configs(workload: str) -> dict:
+    """name -> (function, args, kwargs, torch row it compares with, kind)."""
+    out = {SINGLE: (_single_process, (workload,), {}, None, None)}
+    kinds = [k for k in KINDS if workload == "mlp" or k != "GPipe"]
+    for kind in kinds:
+        out[f"shardkit {kind}"] = (_shardkit, (workload, kind), {}, f"torch {kind}", kind)
+        if kind == "GPipe":
+            out["shardkit GPipe, per-micro-batch weight grads"] = (
+                _shardkit, (workload, kind), {"batch_weight_grads": False}, "torch GPipe", kind)
+    for kind in kinds:
+        out[f"torch {kind}"] = (_torch, (workload, kind), {}, None, kind)
+    return out
+
+
+def _run_config(workload: str, name: str, steps: int):
+    fn, args, kwargs, _, _ = configs(workload)[name]
     return fn(*args, steps, **kwargs)
 
 
-def measure(steps: int, rounds: int) -> dict:
+def measure(workload_names: list, steps: int, rounds: int) -> dict:
     from shardkit.testing import World
 
-    seconds = {name: [] for name in CONFIGS}
-    cpu = {name: [] for name in CONFIGS}
+    results = {}
     with World(STAGES, threads=1, timeout=1800) as world:
-        for _ in range(rounds):
-            for name in CONFIGS:
-                per_rank = [r for r in world.run(_run_config, name, steps) if r is not None]
-                seconds[name].append(max(wall for wall, _ in per_rank))
-                cpu[name].append(max(c for _, c in per_rank))
-    return seconds, cpu
+        for workload in workload_names:
+            names = list(configs(workload))
+            seconds = {n: [] for n in names}
+            cpu = {n: [] for n in names}
+            idle = {n: [] for n in names}
+            for _ in range(rounds):
+                for name in names:
+                    try:
+                        per_rank = [r for r in world.run(_run_config, workload, name, steps)
+                                    if r is not None]
+                    except Exception as error:  # a torch schedule that cannot run this case
+                        seconds[name].append(float("nan"))
+                        cpu[name].append(float("nan"))
+                        idle[name].append(f"failed: {str(error).splitlines()[-1][:80]}")
+                        continue
+                    wall = max(w for w, _, _ in per_rank)
+                    seconds[name].append(wall)
+                    cpu[name].append(max(c for _, c, _ in per_rank))
+                    busy = [b for _, _, b in per_rank if b is not None]
+                    idle[name].append(1 - statistics.mean(busy) / wall if busy else None)
+            results[workload] = (seconds, cpu, idle)
+    return results
 
 
-def report(seconds: dict, cpu: dict, steps: int, rounds: int) -> str:
-    batch = MICRO * CHUNKS
-    best = {name: min(values) for name, values in seconds.items()}
-    single = best[SINGLE]
-    ideal = STAGES * CHUNKS / (CHUNKS + STAGES - 1)
+def _best(values):
+    finite = [v for v in values if v == v]
+    return min(finite) if finite else float("nan")
+
+
+def report(results: dict, steps: int, rounds: int) -> str:
     lines = [
         "# Pipeline throughput (benchmarks/bench_pipe.py)",
         "",
-        f"16 x (Linear(1024, 1024) + GELU), {CHUNKS} micro-batches of {MICRO} rows, "
-        f"{STAGES} stages on {STAGES} processes (gloo, 1 thread each); forward + backward + SGD "
-        f"step. Best of {rounds} interleaved rounds of {steps} steps. Load average at the end: "
+        f"{STAGES} pipeline ranks (gloo, 1 thread each); forward + backward + SGD step. Best of "
+        f"{rounds} interleaved rounds of {steps} steps. Load average at the end: "
         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.",
-        "",
-        f"Ideal speed-up p*m/(m+p-1) = {ideal:.2f}.",
-        "",
-        "| configuration | s/step (best) | s/step (median) | samples/s | speed-up vs single "
-        "| fraction of ideal | vs torch, same schedule | CPU s/step, busiest rank (best) |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, value in best.items():
-        speedup = single / value
-        torch_name = CONFIGS[name][3]
-        vs_torch = f"{best[torch_name] / value:.2f}x" if torch_name else ""
-        of_ideal = f"{speedup / ideal:.2f}" if name != SINGLE else ""
-        lines.append(f"| {name} | {value:.3f} | {statistics.median(seconds[name]):.3f} | "
-                     f"{batch / value:.0f} | {speedup:.2f} | "
-                     f"{of_ideal} | {vs_torch} | {min(cpu[name]):.3f} |")
+    for workload, (seconds, cpu, idle) in results.items():
+        spec = WORKLOADS[workload]
+        table = configs(workload)
+        best = {name: _best(values) for name, values in seconds.items()}
+        batch = _batch(workload)[0].shape[0]
+        single = best[SINGLE]
+        lines += [
+            "", f"## {workload}: {spec.description}", "",
+            "| configuration | s/step (best) | samples/s | speed-up vs single | vs torch, same "
+            "schedule | vs shardkit 1F1B | CPU s/step, busiest rank | idle fraction (measured) "
+            "| idle fraction (formula, F=B=W) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, value in best.items():
+            _, _, _, torch_name, kind = table[name]
+            vs_torch = f"{best[torch_name] / value:.2f}x" if torch_name else ""
+            vs_1f1b = (f"{best['shardkit 1F1B'] / value:.2f}x"
+                       if name.startswith("shardkit") else "")
+            measured = [i for i in idle[name] if isinstance(i, float)]
+            failed = [i for i in idle[name] if isinstance(i, str)]
+            idle_text = f"{min(measured):.2f}" if measured else (failed[0] if failed else "")
+            formula = ""
+            if kind and name.startswith("shardkit"):
+                formula = (f"{formula_idle(kind, STAGES, spec.chunks):.2f} "
+                           f"({KINDS[kind][4]})")
+            lines.append(f"| {name} | {value:.3f} | {batch / value:.1f} | {single / value:.2f} | "
+                         f"{vs_torch} | {vs_1f1b} | {_best(cpu[name]):.3f} | {idle_text} | "
+                         f"{formula} |")
     lines += [
         "",
-        "Wall-clock figures depend on what else the machine runs: when the load average exceeds "
-        "the CPU count, each process gets only a share of a core (compare wall-clock with CPU "
-        "seconds) and the speed-ups say little about the schedules. CPU seconds per step of the "
-        "busiest rank measure each implementation's own work, communication threads included.",
+        "Idle fraction (measured): 1 - (seconds in forward, backward and W) / (step seconds), "
+        "mean over ranks, of the round with the least idle; it includes the optimizer step and "
+        "the Python around the actions, so it sits above the formula even for a perfect "
+        "schedule. The formula assumes F = B = W; on CPU a block's B and W differ, and ZB-H1's "
+        "gain over 1F1B depends on W filling the cool-down.",
         "",
-        "shardkit's GPipe computes each Linear's weight gradient once per step over all "
-        "micro-batches (`batch_weight_grads`, automatic for a stage that is an nn.Sequential of "
-        "Linear layers and parameter-free modules): one product over the step's 64 rows instead "
-        "of eight thin ones. That is less work than the single process's gradient accumulation, "
-        "so its speed-up can exceed the bubble-limited ideal; the per-micro-batch row shows the "
-        "schedule alone. 1F1B keeps per-micro-batch weight gradients (deferring them would "
-        "break its activation-memory bound).",
+        "Wall-clock figures depend on what else the machine runs: when the load average exceeds "
+        "the CPU count each process gets only a share of a core and the ratios say little about "
+        "the schedules; CPU seconds per step of the busiest rank measure each implementation's "
+        "own work (communication threads included) and are steadier.",
     ]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workloads", default="mlp,gpt")
     args = parser.parse_args()
-    seconds, cpu = measure(args.steps, args.rounds)
-    text = report(seconds, cpu, args.steps, args.rounds)
-    write_report(text, RESULTS)
+    names = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        parser.error(f"--workloads: unknown {unknown}; valid: {sorted(WORKLOADS)}")
+    results = measure(names, args.steps, args.rounds)
+    write_report(report(results, args.steps, args.rounds), RESULTS)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 4 examples/gpt_3d.py --pp 1          # 2 tensor x 2 data
     torchrun --nproc_per_node 8 examples/gpt_3d.py --check         # compare with one process
     torchrun --nproc_per_node 8 examples/gpt_3d.py --zero 3        # FSDP over the replicas
+    torchrun --nproc_per_node 8 examples/gpt_3d.py --schedule zero-bubble   # ZB-H1 pipeline
 
 Each rank holds 1/tp of the linear and embedding weights (Megatron-split layers), the layers of
 one pipeline stage, and 1/dp of the optimizer state (--zero 1: OSS over the data-parallel group;
@@ -37,8 +38,14 @@ def parse_args():
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--zero", type=int, default=1, choices=(1, 2, 3),
                    help="data-parallel sharding: 1 OSS, 2 ShardedDDP + OSS, 3 FSDP")
+    p.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES),
+                   help="pipeline schedule (zero-bubble: ZB-H1, backward split into B and W)")
     p.add_argument("--check", action="store_true", help="compare with single-process training")
     return p.parse_args()
+
+
+SCHEDULES = {"gpipe": pipe.ScheduleGPipe, "1f1b": pipe.Schedule1F1B,
+             "zero-bubble": pipe.ScheduleZeroBubble}
 
 
 def even_balance(layers: int, stages: int) -> list[int]:
@@ -61,6 +68,10 @@ def main():
     if args.zero == 3 and args.sequence_parallel:
         raise SystemExit("--zero 3 with --sequence-parallel: FSDP flattens the LayerNorm "
                          "parameters whose gradients sequence parallelism must sum; use --zero 1/2")
+    if args.zero == 3 and args.schedule == "zero-bubble":
+        raise SystemExit("--zero 3 with --schedule zero-bubble: FSDP's hooks assume one backward "
+                         "per micro-batch, ZB-H1 splits it in two; use --zero 1/2 or another "
+                         "--schedule")
     distributed.init_distributed()
     mp.initialize_model_parallel(args.tp, pipeline_length=args.pp)
     mp.model_parallel_manual_seed(0)
@@ -79,7 +90,7 @@ def main():
     stage = pipe.PipelineStage(stage_module, stage_index, args.pp,
                                group=mp.get_pipeline_parallel_group(),
                                data_parallel_group=stage_dp_group)
-    schedule = pipe.Schedule1F1B(stage, chunks=args.chunks, loss_fn=gpt_loss)
+    schedule = SCHEDULES[args.schedule](stage, chunks=args.chunks, loss_fn=gpt_loss)
 
     if args.check:
         reference = GPT(cfg, seed=0)

@@ -797,7 +797,8 @@ def _gpt_tensor_and_pipeline_training(schedule_name, sequence_parallel):
 
 
 @pytest.mark.parametrize("schedule,sequence_parallel", [("ScheduleGPipe", False),
-                                                        ("Schedule1F1B", True)])
+                                                        ("Schedule1F1B", True),
+                                                        ("ScheduleZeroBubble", True)])
 def test_gpt_2_tensor_x_2_pipeline_matches(world4, schedule, sequence_parallel):
     res = world4.run(_gpt_tensor_and_pipeline_training, schedule, sequence_parallel)
     print(f"TP2 x PP2 {schedule} sequence_parallel={sequence_parallel}: "

@@ -15,6 +15,7 @@ and ``optimizer.step()`` after :meth:`PipelineSchedule.step`, on every stage.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -108,7 +109,8 @@ class PipelineSchedule:
             tensor).
 
     After each :meth:`step`, ``peak_live_microbatches`` is the largest number of micro-batches
-    whose activations were alive at once on this stage.
+    whose activations were alive at once on this stage, and ``busy_seconds`` the time spent in
+    forward and backward (not waiting for neighbours).
 
     .. warning:: :meth:`step` must be called on every rank of the pipeline group (and of the
        data-parallel group). The first step exchanges a small description of the step (schedule,
@@ -123,6 +125,11 @@ class PipelineSchedule:
             raise TypeError(f"{name}(stage={type(stage).__name__}): expected a PipelineStage")
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"{name}(chunks={chunks!r}): expected a positive int")
+        if stage.num_stages != stage.group_size:
+            raise ValueError(f"{name}(stage=...): runs one stage per rank, but the pipeline has "
+                             f"{stage.num_stages} stages on {stage.group_size} ranks; use "
+                             f"ScheduleInterleaved1F1B or ScheduleZBV with several stages per "
+                             f"rank")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"{name}(loss_fn={loss_fn!r}): expected a callable "
                             f"loss_fn(output, target) or None")
@@ -168,6 +175,7 @@ class PipelineSchedule:
             self._batched.discard()
         self._next_backward = 0
         self.peak_live_microbatches = 0
+        self.busy_seconds = 0.0
         if self.activation_memory is not None:
             self.activation_memory.reset_peak()
         if self.receiver is not None:
@@ -178,7 +186,8 @@ class PipelineSchedule:
             else:
                 self._backward(index)
         if self._batching:
-            self._batched.flush()
+            with self._busy():
+                self._batched.flush()
         stage.reduce_gradients()
         for channel in (self.sender, self.grad_sender):
             if channel is not None:
@@ -202,7 +211,7 @@ class PipelineSchedule:
         meter = self.activation_memory
         metering = meter.recording(stage.module.parameters()) if meter else contextlib.nullcontext()
         batching = self._batched.recording() if self._batching else contextlib.nullcontext([])
-        with metering, batching as record:
+        with metering, batching as record, self._busy():
             output = stage.module(activation if packed else activation[0])
             if stage.is_last:
                 loss = self.loss_fn(output, self._targets[i])
@@ -228,14 +237,33 @@ class PipelineSchedule:
         else:
             grads = None
         record = self._records.pop(i, [])
-        if roots and self._batching:
-            self._batched.backward(roots, grads, record, [a for a in activation if a.requires_grad])
-        elif roots:
-            torch.autograd.backward(roots, grads)
+        with self._busy():
+            if roots and self._batching:
+                self._batched.backward(roots, grads, record,
+                                       [a for a in activation if a.requires_grad])
+            elif roots:
+                torch.autograd.backward(roots, grads)
         self._next_backward = i + 1
         if self.grad_sender is not None:
             self.grad_sender.send([a.grad if a.grad is not None else torch.zeros_like(a)
                                    for a in activation if a.requires_grad])
+
+    @contextlib.contextmanager
+    def _busy(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_seconds += time.perf_counter() - start
+
+    @property
+    def plan(self):
+        """This schedule's order on every rank as a :class:`~shardkit.nn.pipe.plan.PipelinePlan`
+        (for printing and :meth:`~shardkit.nn.pipe.plan.PipelinePlan.dry_run`)."""
+        from shardkit.nn.pipe.plan import gpipe_plan, one_f_one_b_plan
+
+        make = gpipe_plan if isinstance(self, ScheduleGPipe) else one_f_one_b_plan
+        return make(self.stage.num_stages, self.chunks)
 
     # ------------------------------------------------------------------ checks
     def _local_problems(self, inputs, target) -> list[str]:

@@ -12,16 +12,39 @@ from shardkit import distributed as dist
 __all__ = ["PipelineStage"]
 
 
-def _stage_problem(stage_index, num_stages, group_rank: int, group_size: int) -> Optional[str]:
+PLACEMENTS = ("loop", "v")
+
+
+def stage_rank(stage_index: int, num_stages: int, group_size: int, placement: str) -> int:
+    """The pipeline-group rank that runs ``stage_index`` under ``placement``: ``"loop"``
+    puts stage ``s`` on rank ``s % group_size``; ``"v"`` (``2 * group_size`` stages) goes down the
+    ranks and back up, so rank 0 runs the first and the last stage."""
+    if placement == "v" and stage_index >= group_size:
+        return num_stages - 1 - stage_index
+    return stage_index % group_size
+
+
+def _stage_problem(stage_index, num_stages, group_rank: int, group_size: int,
+                   placement) -> Optional[str]:
     for name, value in (("stage_index", stage_index), ("num_stages", num_stages)):
         if isinstance(value, bool) or not isinstance(value, int):
             return f"{name}={value!r} is not an int"
-    if num_stages != group_size:
-        return (f"num_stages={num_stages} but the pipeline group has {group_size} ranks (group "
-                f"rank i runs stage i, so num_stages must equal the group size)")
-    if stage_index != group_rank:
+    if placement not in PLACEMENTS:
+        return f"placement={placement!r} is not one of {list(PLACEMENTS)}"
+    if placement == "v" and num_stages != 2 * group_size:
+        return (f"placement='v' needs num_stages = 2 x the pipeline group size = "
+                f"{2 * group_size}, got num_stages={num_stages}")
+    if num_stages < group_size or num_stages % group_size:
+        return (f"num_stages={num_stages} but the pipeline group has {group_size} ranks "
+                f"(num_stages must be a multiple of the group size: one stage per rank, or "
+                f"several with ScheduleInterleaved1F1B / ScheduleZBV)")
+    if not 0 <= stage_index < num_stages:
+        return f"stage_index={stage_index} is not in [0, {num_stages})"
+    owner = stage_rank(stage_index, num_stages, group_size, placement)
+    if owner != group_rank:
         return (f"stage_index={stage_index} but this process is rank {group_rank} of the "
-                f"pipeline group (group rank i runs stage i)")
+                f"pipeline group (with placement={placement!r} and {num_stages} stages, stage "
+                f"{stage_index} runs on group rank {owner})")
     return None
 
 
@@ -30,8 +53,10 @@ class PipelineStage:
 
     Rank ``i`` of ``group`` (default: the whole world) runs stage ``i``; activations go to
     group rank ``i+1`` and gradients back to rank ``i-1`` by point-to-point ops. Drive it with
-    :class:`ScheduleGPipe` or :class:`Schedule1F1B`; step an optimizer over
-    ``stage.parameters()`` (each stage steps its own parameters).
+    :class:`ScheduleGPipe`, :class:`Schedule1F1B` or :class:`ScheduleZeroBubble`; step an
+    optimizer over ``stage.parameters()`` (each stage steps its own parameters). With more
+    stages than ranks (``placement``), each rank builds several stages and passes them as a list
+    to :class:`ScheduleInterleaved1F1B` or :class:`ScheduleZBV`.
 
     With several pipelines side by side (data parallelism across pipelines), pass
     ``data_parallel_group``: the group of ranks that run this same stage in the other
@@ -46,6 +71,11 @@ class PipelineStage:
         num_stages: number of stages; must equal the size of ``group``.
         group: the pipeline's process group (``None``: the default group).
         data_parallel_group: optional group over which gradients are averaged every step.
+        placement: with more stages than ranks, which rank runs which stage: ``"loop"``
+            (default; stage ``s`` on group rank ``s % p``, for :class:`ScheduleInterleaved1F1B`)
+            or ``"v"`` (``2p`` stages, rank ``r`` runs stages ``r`` and ``2p-1-r``, for
+            :class:`ScheduleZBV`). Build one ``PipelineStage`` per stage the rank runs, in the
+            same order on every rank.
 
     Memory: this stage's parameters and gradients only; activations as the schedule keeps
     them. Communication per step: each micro-batch's activations sent forward once and their
@@ -58,7 +88,7 @@ class PipelineStage:
     """
 
     def __init__(self, module: nn.Module, stage_index: int, num_stages: int, group=None,
-                 data_parallel_group=None):
+                 data_parallel_group=None, placement: str = "loop"):
         dist.require_initialized("PipelineStage")
         if not isinstance(module, nn.Module):
             raise TypeError(f"PipelineStage(module={type(module).__name__}): expected an "
@@ -67,10 +97,10 @@ class PipelineStage:
         if group_rank < 0:
             raise ValueError(f"PipelineStage(group=...): global rank {dist.get_rank()} is not "
                              f"a member of the pipeline group")
-        views = dist.all_gather_object((stage_index, num_stages), group=group)
+        views = dist.all_gather_object((stage_index, num_stages, placement), group=group)
         problems = []
-        for rank, (index, count) in enumerate(views):
-            problem = _stage_problem(index, count, rank, group_size)
+        for rank, (index, count, where) in enumerate(views):
+            problem = _stage_problem(index, count, rank, group_size, where)
             if problem:
                 problems.append(f"group rank {rank}: {problem}")
         if problems:
@@ -81,9 +111,16 @@ class PipelineStage:
         self.num_stages = num_stages
         self.group = group
         self.data_parallel_group = data_parallel_group
-        self.prev_rank = dist.get_global_rank(group, stage_index - 1) if stage_index > 0 else None
-        self.next_rank = (dist.get_global_rank(group, stage_index + 1)
+        self.placement = placement
+        self.group_size = group_size
+        self.prev_rank = self.global_rank_of(stage_index - 1) if stage_index > 0 else None
+        self.next_rank = (self.global_rank_of(stage_index + 1)
                           if stage_index < num_stages - 1 else None)
+
+    def global_rank_of(self, stage_index: int) -> int:
+        """The global rank that runs stage ``stage_index`` of this pipeline."""
+        group_rank = stage_rank(stage_index, self.num_stages, self.group_size, self.placement)
+        return dist.get_global_rank(self.group, group_rank)
 
     @property
     def is_first(self) -> bool:

@@ -1,0 +1,423 @@
+"""Schedules that run a :class:`~shardkit.nn.pipe.plan.PipelinePlan`: interleaved 1F1B, ZB-H1, ZBV.
+
+Each rank holds one or more :class:`PipelineStage` objects and walks its action list in order:
+``F`` runs a micro-batch forward through a stage and hands its output to the next stage (locally
+when that stage lives on the same rank, otherwise by an asynchronous tagged send); ``BW`` runs the
+whole backward; ``B`` only the input gradient (:func:`~shardkit.nn.pipe.split_backward.
+backward_input`), and ``W`` later the parameter gradients. Receives for the next few actions are
+posted ahead once the shapes are known (after the first step), so data lands while the rank
+computes. Every message carries a tag naming (kind, stage boundary, micro-batch, tensor), so two
+stages of one rank talking to the same neighbour never mix their messages.
+
+Loss and micro-batches: the batch is split into ``chunks`` equal micro-batches (an uneven split
+is an error: a mean loss over unequal micro-batches would weight rows unequally); each
+micro-batch's loss is divided by ``chunks`` before its backward. Call ``optimizer.zero_grad()``
+before and ``optimizer.step()`` after :meth:`PlanSchedule.step` on every rank, over the
+parameters of all the rank's stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from typing import Callable, Optional
+
+import torch
+
+from shardkit import distributed as dist
+from shardkit.nn.pipe.microbatch import batch_size, split_microbatches
+from shardkit.nn.pipe.p2p import ActivationMeta, PendingSends, TensorMeta
+from shardkit.nn.pipe.plan import PipelinePlan, interleaved_1f1b_plan, zb_h1_plan, zbv_plan
+from shardkit.nn.pipe.schedules import ActivationMemoryMeter
+from shardkit.nn.pipe.split_backward import GradientSink, backward_input
+from shardkit.nn.pipe.stage import PipelineStage
+
+__all__ = ["PlanSchedule", "ScheduleInterleaved1F1B", "ScheduleZeroBubble", "ScheduleZBV"]
+
+_ACTIVATION, _GRADIENT, _HEADER = 0, 1, 2
+_MAX_TENSORS = 16
+_LOOKAHEAD = 4
+
+
+class _TaggedLinks:
+    """Tagged point-to-point messages between this rank's stages and their neighbours."""
+
+    def __init__(self, group, num_stages: int, chunks: int):
+        self.group, self.num_stages, self.chunks = group, num_stages, chunks
+        self.metas: dict = {}      # (boundary, micro-batch) -> ActivationMeta
+        self.posted: dict = {}     # (kind, boundary, micro-batch) -> (buffers, works)
+        self.pending = PendingSends()
+
+    def _tag(self, kind: int, boundary: int, index: int, tensor: int = 0) -> int:
+        return ((kind * self.num_stages + boundary) * self.chunks + index) * _MAX_TENSORS + tensor
+
+    def _send(self, kind, boundary, index, tensors, peer) -> None:
+        data = [t.detach().contiguous() for t in tensors]
+        works = [dist.isend(t, peer, group=self.group, tag=self._tag(kind, boundary, index, n))
+                 for n, t in enumerate(data)]
+        self.pending.add(works, data)
+
+    def send_activation(self, boundary, index, tensors, packed, peer) -> None:
+        if len(tensors) > _MAX_TENSORS:
+            raise ValueError(f"a stage output has {len(tensors)} tensors; at most "
+                             f"{_MAX_TENSORS} can cross a stage boundary")
+        meta = ActivationMeta(tuple(TensorMeta.of(t) for t in tensors), packed)
+        known = self.metas.get((boundary, index))
+        if known is None:
+            header = meta.encode()
+            self._send(_HEADER, boundary, index,
+                       [torch.tensor([header.numel()], dtype=torch.int64), header], peer)
+            self.metas[(boundary, index)] = meta
+        elif known != meta:
+            raise ValueError(f"stage {boundary}, micro-batch {index}: the output changed from "
+                             f"{known} to {meta}; keep the batch size and shapes fixed")
+        self._send(_ACTIVATION, boundary, index, tensors, peer)
+
+    def _post(self, kind, boundary, index, likes, peer) -> None:
+        key = (kind, boundary, index)
+        if key in self.posted:
+            return
+        buffers = [torch.empty(m.shape, dtype=m.dtype) for m in likes]
+        works = [dist.irecv(b, peer, group=self.group, tag=self._tag(kind, boundary, index, n))
+                 for n, b in enumerate(buffers)]
+        self.posted[key] = (buffers, works)
+
+    def post_activation(self, boundary, index, peer) -> None:
+        meta = self.metas.get((boundary, index))
+        if meta is not None:
+            self._post(_ACTIVATION, boundary, index, meta.tensors, peer)
+
+    def take_activation(self, boundary, index, peer) -> tuple:
+        if (boundary, index) not in self.metas:
+            length = torch.empty(1, dtype=torch.int64)
+            dist.recv(length, peer, group=self.group, tag=self._tag(_HEADER, boundary, index, 0))
+            header = torch.empty(int(length.item()), dtype=torch.int64)
+            dist.recv(header, peer, group=self.group, tag=self._tag(_HEADER, boundary, index, 1))
+            self.metas[(boundary, index)] = ActivationMeta.decode(header.tolist())
+        meta = self.metas[(boundary, index)]
+        self._post(_ACTIVATION, boundary, index, meta.tensors, peer)
+        buffers, works = self.posted.pop((_ACTIVATION, boundary, index))
+        for work in works:
+            work.wait()
+        for b, m in zip(buffers, meta.tensors):
+            b.requires_grad_(m.requires_grad)
+        return tuple(buffers), meta.packed
+
+    def send_gradient(self, boundary, index, grads, peer) -> None:
+        self._send(_GRADIENT, boundary, index, grads, peer)
+
+    def post_gradient(self, boundary, index, roots, peer) -> None:
+        self._post(_GRADIENT, boundary, index, [TensorMeta.of(r) for r in roots], peer)
+
+    def take_gradient(self, boundary, index, roots, peer) -> list:
+        self.post_gradient(boundary, index, roots, peer)
+        buffers, works = self.posted.pop((_GRADIENT, boundary, index))
+        for work in works:
+            work.wait()
+        return buffers
+
+
+class PlanSchedule:
+    """Runs this rank's part of a :class:`PipelinePlan` over its :class:`PipelineStage` objects.
+
+    Args:
+        stages: this rank's stage, or its stages (a list, as the schedule's placement needs).
+        chunks: micro-batches per step; must divide the batch size.
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the rank running the last stage.
+        track_activation_memory: measure the bytes saved for backward on this rank
+            (``self.activation_memory``).
+
+    After a step, ``peak_live_microbatches`` is the most (stage, micro-batch) pairs whose
+    activations were alive at once on this rank (from F until BW or W), and ``busy_seconds``
+    the time spent computing (forward, backward, W), not waiting.
+
+    Memory and communication: see the subclasses; each activation crosses each stage boundary
+    that spans two ranks once forward and its gradient once back.
+
+    .. warning:: :meth:`step` must be called on every rank of the pipeline group. The first step
+       exchanges a description of the step so a mismatch raises the same error everywhere.
+    """
+
+    def __init__(self, stages, chunks: int, loss_fn: Optional[Callable] = None,
+                 track_activation_memory: bool = False):
+        name = type(self).__name__
+        stages = [stages] if isinstance(stages, PipelineStage) else list(stages) \
+            if isinstance(stages, (list, tuple)) else stages
+        if not isinstance(stages, list) or not stages or \
+                not all(isinstance(s, PipelineStage) for s in stages):
+            raise TypeError(f"{name}(stages={stages!r}): expected a PipelineStage or a list of "
+                            f"them")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"{name}(chunks={chunks!r}): expected a positive int")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"{name}(loss_fn={loss_fn!r}): expected a callable "
+                            f"loss_fn(output, target) or None")
+        first = stages[0]
+        self.group, self.rank = first.group, dist.get_rank(first.group)
+        self.num_ranks, self.num_stages = first.group_size, first.num_stages
+        self.plan: PipelinePlan = self.build_plan(self.num_ranks, chunks)
+        self.stages = {s.stage_index: s for s in stages}
+        self.chunks, self.loss_fn = chunks, loss_fn
+        self._problems = self._stage_problems(stages)
+        self.links = _TaggedLinks(self.group, self.num_stages, chunks)
+        self.activation_memory = ActivationMemoryMeter() if track_activation_memory else None
+        self.peak_live_microbatches = 0
+        self._checked = False
+
+    def build_plan(self, num_ranks: int, chunks: int) -> PipelinePlan:
+        """The plan for ``num_ranks`` ranks and ``chunks`` micro-batches (subclasses)."""
+        raise NotImplementedError
+
+    def _stage_problems(self, stages) -> list[str]:
+        mine = sorted(self.plan.stages_of(self.rank))
+        given = sorted(s.stage_index for s in stages)
+        problems = []
+        if len(self.plan.placement) != self.num_stages:
+            problems.append(f"{type(self).__name__} runs {len(self.plan.placement)} stages on "
+                            f"{self.num_ranks} ranks, but the stages say num_stages="
+                            f"{self.num_stages}")
+        elif given != mine:
+            problems.append(f"this rank must pass stages {mine} (the plan's placement), got "
+                            f"{given}")
+        if any(s.group is not self.group for s in stages):
+            problems.append("the stages of one rank must share one pipeline group")
+        if self.plan.split_backward():
+            from shardkit.nn.data_parallel import FullyShardedDataParallel
+
+            for stage in stages:
+                if any(isinstance(m, FullyShardedDataParallel) for m in stage.module.modules()):
+                    problems.append(
+                        f"stage {stage.stage_index} is wrapped in FullyShardedDataParallel, "
+                        f"whose gather/reduce-scatter hooks assume one backward per "
+                        f"micro-batch; {type(self).__name__} splits backward into B and W. Use "
+                        f"OSS or ShardedDataParallel on the stage's data-parallel group, or "
+                        f"Schedule1F1B / ScheduleInterleaved1F1B with FSDP")
+        return problems
+
+    # ------------------------------------------------------------------ one step
+    def step(self, *inputs: torch.Tensor, target: Optional[torch.Tensor] = None):
+        """Forward and backward of one mini-batch; returns the mean micro-batch loss (detached)
+        on the rank running the last stage, ``None`` elsewhere. Gradients accumulate in
+        ``.grad`` of the stages' parameters (and are averaged over each stage's
+        ``data_parallel_group``)."""
+        if not self._checked:
+            self._check_first_step(inputs, target)
+        last = self.num_stages - 1
+        self._inputs = split_microbatches(inputs, self.chunks, "step") if 0 in self.stages \
+            else None
+        self._targets = [t[0] for t in split_microbatches((target,), self.chunks, "target")] \
+            if last in self.stages and isinstance(target, torch.Tensor) else \
+            [target] * self.chunks
+        self._live: dict = {}      # (stage, i) -> (inputs, roots)
+        self._weights: dict = {}   # (stage, i) -> WeightGradPass
+        self._handoff: dict = {}   # local activations and gradients between this rank's stages
+        self._losses: list = []
+        self._sinks = {s: GradientSink(stage.parameters()) for s, stage in self.stages.items()}
+        self._alive = 0
+        self.peak_live_microbatches = 0
+        self.busy_seconds = 0.0
+        if self.activation_memory is not None:
+            self.activation_memory.reset_peak()
+        order = self.plan.orders[self.rank]
+        for position, action in enumerate(order):
+            for ahead in itertools.islice(order, position, position + _LOOKAHEAD):
+                self._post_ahead(ahead)
+            getattr(self, "_run_" + action.kind)(action.stage, action.microbatch)
+        for s, stage in self.stages.items():
+            self._sinks[s].deliver()
+            stage.reduce_gradients()
+        self.links.pending.wait()
+        self._inputs = self._targets = self._sinks = None
+        return torch.stack(self._losses).mean() if last in self.stages else None
+
+    def _remote(self, stage: int) -> Optional[int]:
+        """The global rank of ``stage`` if another rank runs it, else ``None``."""
+        if stage in self.stages or not 0 <= stage < self.num_stages:
+            return None
+        return next(iter(self.stages.values())).global_rank_of(stage)
+
+    def _post_ahead(self, action) -> None:
+        s, i = action.stage, action.microbatch
+        if action.kind == "F" and s > 0 and self._remote(s - 1) is not None:
+            self.links.post_activation(s - 1, i, self._remote(s - 1))
+        elif action.kind in ("B", "BW") and (s, i) in self._live \
+                and self._remote(s + 1) is not None:
+            self.links.post_gradient(s, i, self._live[(s, i)][1], self._remote(s + 1))
+
+    def _run_F(self, s: int, i: int) -> None:
+        stage, last = self.stages[s], self.num_stages - 1
+        if s == 0:
+            activation, packed = self._inputs[i], len(self._inputs[i]) > 1
+        elif self._remote(s - 1) is None:
+            activation, packed = self._handoff.pop(("F", s - 1, i))
+        else:
+            activation, packed = self.links.take_activation(s - 1, i, self._remote(s - 1))
+        meter = self.activation_memory
+        metering = meter.recording(stage.parameters()) if meter else contextlib.nullcontext()
+        with metering, self._busy():
+            output = stage.module(activation if packed else activation[0])
+            if s == last:
+                loss = self.loss_fn(output, self._targets[i])
+        if s == last:
+            self._losses.append(loss.detach())
+            roots = [loss / self.chunks]
+        else:
+            outputs = (output,) if isinstance(output, torch.Tensor) else tuple(output)
+            packed_out = not isinstance(output, torch.Tensor)
+            if self._remote(s + 1) is None:
+                self._handoff[("F", s, i)] = (tuple(
+                    o.detach().requires_grad_(o.requires_grad) for o in outputs), packed_out)
+            else:
+                self.links.send_activation(s, i, outputs, packed_out, self._remote(s + 1))
+            roots = [o for o in outputs if o.requires_grad]
+        self._live[(s, i)] = (activation, roots)
+        self._alive += 1
+        self.peak_live_microbatches = max(self.peak_live_microbatches, self._alive)
+
+    def _output_grads(self, s: int, i: int, roots) -> Optional[list]:
+        if s == self.num_stages - 1:
+            return None
+        if self._remote(s + 1) is None:
+            return self._handoff.pop(("B", s, i))
+        return self.links.take_gradient(s, i, roots, self._remote(s + 1))
+
+    def _send_input_grads(self, s: int, i: int, activation, grads) -> None:
+        if s == 0:
+            return
+        wanted = [(a, g) for a, g in zip(activation, grads) if a.requires_grad]
+        grads = [g if g is not None else torch.zeros_like(a) for a, g in wanted]
+        if self._remote(s - 1) is None:
+            self._handoff[("B", s - 1, i)] = grads
+        else:
+            self.links.send_gradient(s - 1, i, grads, self._remote(s - 1))
+
+    def _run_BW(self, s: int, i: int) -> None:
+        activation, roots = self._live.pop((s, i))
+        grads = self._output_grads(s, i, roots)
+        if roots:
+            with self._busy():
+                torch.autograd.backward(roots, grads)
+        self._send_input_grads(s, i, activation, [a.grad for a in activation])
+        self._alive -= 1
+
+    def _run_B(self, s: int, i: int) -> None:
+        activation, roots = self._live.pop((s, i))
+        grads = self._output_grads(s, i, roots)
+        params = list(self.stages[s].parameters())
+        if roots:
+            with self._busy():
+                input_grads, weight_pass = backward_input(roots, grads, activation, params)
+        else:
+            input_grads, weight_pass = [None] * len(activation), None
+        self._weights[(s, i)] = weight_pass
+        self._send_input_grads(s, i, activation, input_grads)
+
+    def _run_W(self, s: int, i: int) -> None:
+        weight_pass = self._weights.pop((s, i))
+        if weight_pass is not None:
+            with self._busy():
+                self._sinks[s].run(weight_pass)
+        self._alive -= 1
+
+    @contextlib.contextmanager
+    def _busy(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_seconds += time.perf_counter() - start
+
+    # ------------------------------------------------------------------ checks
+    def _local_problems(self, inputs, target) -> list[str]:
+        name, problems = type(self).__name__, list(self._problems)
+        if 0 in self.stages:
+            if not inputs:
+                problems.append(f"the first stage needs the batch: call {name}.step(*inputs)")
+            else:
+                try:
+                    size = batch_size(inputs, f"{name}.step(*inputs)")
+                    if size % self.chunks:
+                        problems.append(
+                            f"batch size {size} is not divisible by chunks={self.chunks}: the "
+                            f"last micro-batch would be smaller ({size % self.chunks} rows) and "
+                            f"weigh as much as the others in the mean loss; use a batch size "
+                            f"that is a multiple of {self.chunks}")
+                except (TypeError, ValueError) as error:
+                    problems.append(str(error))
+        if self.num_stages - 1 in self.stages:
+            if self.loss_fn is None:
+                problems.append(f"the last stage needs {name}(..., loss_fn=...)")
+            if target is None:
+                problems.append(f"the last stage needs the target: call "
+                                f"{name}.step(..., target=...)")
+            elif isinstance(target, torch.Tensor) and (target.dim() == 0
+                                                       or target.shape[0] % self.chunks):
+                problems.append(f"target of shape {tuple(target.shape)} cannot be split into "
+                                f"chunks={self.chunks} equal micro-batches along dim 0")
+        return problems
+
+    def _check_first_step(self, inputs, target) -> None:
+        mine = (type(self).__name__, self.chunks, self._local_problems(inputs, target))
+        views = dist.all_gather_object(mine, group=self.group)
+        problems = [f"rank {rank}: {p}" for rank, (_, _, ps) in enumerate(views) for p in ps]
+        if len({(kind, chunks) for kind, chunks, _ in views}) > 1:
+            problems.append("the ranks disagree on the schedule: " + ", ".join(
+                f"rank {rank} runs {kind}(chunks={chunks})"
+                for rank, (kind, chunks, _) in enumerate(views)))
+        if problems:
+            raise ValueError(f"{type(self).__name__}.step: the pipeline cannot run this "
+                             f"step:\n  " + "\n  ".join(problems))
+        self._checked = True
+
+
+class ScheduleInterleaved1F1B(PlanSchedule):
+    """Interleaved 1F1B (Megatron-LM): ``v = len(stages)`` stages per rank, stage ``c*p + r`` on
+    rank ``r`` (``PipelineStage(..., placement="loop")``); ``chunks`` a multiple of ``p``.
+
+    Bubble: ``(p-1)/(v*m)`` of the work, ``v`` times less than 1F1B's. Memory: at most
+    ``(v-1)*p + 2*(p-1-r) + 1`` stage-micro-batches alive on rank ``r`` (each stage ``1/v`` of
+    the layers a 1F1B stage would hold). Communication: ``v`` times 1F1B's messages, each of one
+    activation (or its gradient).
+    """
+
+    def build_plan(self, num_ranks, chunks):
+        return interleaved_1f1b_plan(num_ranks, chunks, self.num_stages // num_ranks)
+
+
+class ScheduleZeroBubble(PlanSchedule):
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): one stage per rank; backward split
+    into B (input gradient, sent back at once) and W (parameter gradients), W delayed ``r``
+    micro-batches on rank ``r`` so it fills the cool-down.
+
+    Bubble: ``(p-1)(F+B-W)``, a third of 1F1B's when F, B and W take equal time. Memory: at most
+    ``p`` micro-batches alive on every rank (1F1B's peak), plus the gradients B records for W
+    (about one activation per parameterised layer per waiting micro-batch). Gradient hooks on
+    parameters fire once per step. Communication: as 1F1B.
+    """
+
+    def build_plan(self, num_ranks, chunks):
+        if self.num_stages != num_ranks:
+            return _unrunnable(self, "one stage per rank")
+        return zb_h1_plan(num_ranks, chunks)
+
+
+class ScheduleZBV(PlanSchedule):
+    """ZBV: two stages per rank in a V (``PipelineStage(..., placement="v")``: rank ``r`` runs
+    stages ``r`` and ``2p-1-r``, so the last stage sits beside the first), backward split into B
+    and W, F/B/W list-scheduled with at most ``2p`` stage-micro-batches alive per rank.
+
+    Bubble: close to zero (see :func:`~shardkit.nn.pipe.plan.zbv_plan`'s dry run). Memory: at
+    most ``2p`` half-size stage-micro-batches per rank, 1F1B's peak. Communication: about twice
+    1F1B's messages, each of one activation; the hand-over at the V's tip stays on the rank.
+    """
+
+    def build_plan(self, num_ranks, chunks):
+        if self.num_stages != 2 * num_ranks:
+            return _unrunnable(self, "two stages per rank")
+        return zbv_plan(num_ranks, chunks)
+
+
+def _unrunnable(schedule: PlanSchedule, need: str) -> PipelinePlan:
+    raise ValueError(f"{type(schedule).__name__} runs {need}, but the pipeline has "
+                     f"{schedule.num_stages} stages on {schedule.num_ranks} ranks")
