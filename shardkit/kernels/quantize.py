@@ -107,11 +107,12 @@ class QuantLayout:
 
     def codes(self, buffer: torch.Tensor) -> torch.Tensor:
         """The ``(segments, code_bytes)`` uint8 view of ``buffer``'s codes."""
-        return buffer.view(-1, self.segment_bytes)[:, :self.code_bytes]
+        return buffer.view(self.world_size, self.segment_bytes)[:, :self.code_bytes]
 
     def scales(self, buffer: torch.Tensor) -> torch.Tensor:
         """The ``(segments, blocks_per_segment)`` view of ``buffer``'s scales."""
-        return buffer.view(-1, self.segment_bytes)[:, self.code_bytes:].view(self.scale_dtype)
+        rows = buffer.view(self.world_size, self.segment_bytes)
+        return rows[:, self.code_bytes:].view(self.scale_dtype)
 
     def ratio(self, value_dtype: torch.dtype = torch.float32) -> float:
         """Quantized bytes over the bytes of the unpadded values in ``value_dtype``."""
