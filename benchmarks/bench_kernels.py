@@ -25,13 +25,15 @@ from typing import Callable
 
 import torch
 
-from shardkit.kernels import adamw_step, pack_rank_major
+from shardkit.kernels import (adamw_step, dequantize_sum, dequantize_unpack, pack_rank_major,
+                              quant_layout, quantize_pack)
 from shardkit.optim import FusedAdamW
 
 ADAMW_BYTES_PER_PARAM = 28
 COPY = "copy_ of 28 B/param (bandwidth reference)"
 IN_PLACE = "in-place mul_ of 28 B/param (reference)"
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels.md"
+QUANT_RESULTS = RESULTS.with_name("quantize.md")
 
 
 def sync(device: torch.device) -> None:
@@ -193,6 +195,96 @@ def bench_packing(numel, world_size, rounds, device) -> list[dict]:
                              dtype=str(dtype).replace("torch.", ""), ms=seconds * 1e3,
                              ratio=seconds / base))
     return rows
+
+
+def torch_quantize_reference(tensors, world_size, bits, block):
+    """The unfused plain-torch way: pack rank-major in fp32, then quantize block by block."""
+    qmax = 127 if bits == 8 else 7
+    packed = pack_rank_major(tensors, world_size, dtype=torch.float32).view(world_size, -1)
+    blocks = torch.nn.functional.pad(packed, (0, -packed.shape[1] % block)).view(
+        world_size, -1, block)
+    scales = blocks.abs().amax(-1, keepdim=True) / qmax
+    codes = torch.round(blocks / torch.where(scales > 0, scales, 1.0)).clamp(-qmax, qmax)
+    if bits == 8:
+        return codes.to(torch.int8), scales
+    nibbles = (codes + 8).to(torch.uint8).view(world_size, -1, 2)
+    return nibbles[..., 0] | (nibbles[..., 1] << 4), scales
+
+
+def bench_quantize(numel, world_size, rounds, device, blocks=(256,)) -> list[dict]:
+    """Quantize-and-pack (and the receiving side's dequantize-and-sum) vs the plain-torch
+    reference, fp32 and bf16 gradients, int8 and int4. GB/s count bytes read (the values) plus
+    bytes written (codes and scales); dequantize-and-sum reads the ``N`` segments' bytes and
+    writes fp32. Also reports the bytes ratio against fp32 and the RMS error relative to the
+    RMS value."""
+    rows = []
+    base_tensors = gradient_like_tensors(numel, 48, device)
+    for dtype in (torch.float32, torch.bfloat16):
+        tensors = [t.to(dtype) for t in base_tensors]
+        total = sum(t.numel() for t in tensors)
+        for bits in (8, 4):
+            for block in blocks:
+                layout = quant_layout([t.numel() for t in tensors], world_size, bits=bits,
+                                      block=block)
+                out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+                summed = torch.empty(layout.segment_numel, device=device)
+
+                def fused():
+                    quantize_pack(tensors, layout, out=out, check_finite=False)
+
+                def receive():
+                    dequantize_sum(out, layout, sources=world_size, out=summed)
+
+                candidates = {"plain torch: pack_rank_major + quantize ops":
+                              lambda: torch_quantize_reference(tensors, world_size, bits, block),
+                              "shardkit quantize_pack": fused,
+                              "shardkit dequantize_sum (receiver, N segments)": receive}
+                medians = interleaved_medians(candidates, rounds, device)
+                fused()
+                exact = torch.cat([t.float() for t in tensors])
+                back = [torch.empty(t.shape, device=device) for t in tensors]
+                dequantize_unpack(out, layout, back)
+                rms = float((torch.cat(back) - exact).pow(2).mean().sqrt()
+                            / exact.pow(2).mean().sqrt())
+                base = medians["plain torch: pack_rank_major + quantize ops"]
+                moved = {"shardkit dequantize_sum (receiver, N segments)":
+                         layout.total_bytes + 4 * layout.segment_numel}
+                for name, seconds in medians.items():
+                    nbytes = moved.get(name, total * dtype.itemsize + layout.total_bytes)
+                    rows.append(dict(params=total, dtype=str(dtype).replace("torch.", ""),
+                                     bits=bits, block=block, candidate=name, ms=seconds * 1e3,
+                                     ratio=seconds / base, gbps=nbytes / seconds / 1e9,
+                                     wire=layout.ratio(torch.float32), rms=rms))
+    return rows
+
+
+def format_quantize(env, rows, sweep_rows) -> str:
+    lines = ["# Quantize-and-pack benchmarks (ZeRO++ qwZ / qgZ kernels)", "", env, "",
+             "48 gradient-like tensors, world size 4 (rank-major layout). GB/s: bytes read + "
+             "written", "by the candidate (quantize: values in, codes + scales out; "
+             "dequantize_sum: the N", "quantized segments in, fp32 shard out). wire: quantized "
+             "bytes / fp32 bytes. rms:", "RMS round-trip error / RMS value.", "",
+             "| params | dtype | bits | block | candidate | ms (median) | time / plain torch "
+             "| GB/s | wire | rms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['params'] / 2**20:.1f}M | {r['dtype']} | {r['bits']} | "
+                     f"{r['block']} | {r['candidate']} | {r['ms']:.2f} | {r['ratio']:.3f} | "
+                     f"{r['gbps']:.2f} | {r['wire']:.3f} | {r['rms']:.4f} |")
+    if sweep_rows:
+        lines += ["", "## Block size (fp32 gradients, CPU path): the measurement behind "
+                  "DEFAULT_BLOCK", "",
+                  "| bits | block | quantize_pack ms | dequantize_sum ms | wire | rms |",
+                  "|---|---|---|---|---|---|"]
+        by_key: dict = {}
+        for r in sweep_rows:
+            if r["dtype"] == "float32":
+                by_key.setdefault((r["bits"], r["block"]), {})[r["candidate"]] = r
+        for (bits, block), rs in sorted(by_key.items()):
+            q = rs["shardkit quantize_pack"]
+            d = rs["shardkit dequantize_sum (receiver, N segments)"]
+            lines.append(f"| {bits} | {block} | {q['ms']:.2f} | {d['ms']:.2f} | "
+                         f"{q['wire']:.3f} | {q['rms']:.4f} |")
+    return "\n".join(lines) + "\n"
 
 
 def small_call_overhead(rounds: int) -> list[dict]:

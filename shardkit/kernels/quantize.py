@@ -228,26 +228,29 @@ def _ceil_to_bf16(scale: torch.Tensor) -> torch.Tensor:
     return ((bits + 0xFFFF) & -65536).view(torch.float32)
 
 
-def _quantize_blocks(values: torch.Tensor, layout: QuantLayout
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``values`` (segments, blocks, block) fp32 -> (codes uint8 (segments, code_bytes),
-    scales (segments, blocks) in the layout's scale dtype)."""
+def _quantize_blocks(values: torch.Tensor, layout: QuantLayout, codes_out: torch.Tensor,
+                     scales_out: torch.Tensor) -> None:
+    """Quantize ``values`` (segments, blocks, block) fp32, overwriting it, into ``codes_out``
+    (uint8 (segments, code_bytes)) and ``scales_out`` (segments, blocks)."""
     qmax = QMAX[layout.bits]
-    bad = ~torch.isfinite(values).all(-1)
-    scale = values.abs().amax(-1) / qmax
+    # amax and amin propagate nan and inf, and are far faster on CPU than abs().amax()
+    absmax = torch.maximum(values.amax(-1), values.amin(-1).neg_())
+    bad = ~torch.isfinite(absmax)
+    scale = torch.where(bad, 0.0, absmax) / qmax
     if layout.scale_dtype == torch.bfloat16:
-        scale = _ceil_to_bf16(torch.where(bad, 0.0, scale))
-    scale = torch.where(bad, math.inf, scale)
-    usable = (scale > 0) & ~bad
-    ratio = values / torch.where(usable, scale, 1.0).unsqueeze(-1)
-    codes = torch.floor(ratio + 0.5).clamp_(-qmax, qmax)
-    codes = torch.where(usable.unsqueeze(-1), codes, 0.0).view(values.shape[0], -1)
+        scale = _ceil_to_bf16(scale)
+    codes = torch.addcdiv(torch.tensor(0.5, device=values.device), values,
+                          torch.where(scale > 0, scale, 1.0).unsqueeze(-1), out=values)
+    codes = codes.floor_().clamp_(-qmax, qmax)
+    if bool(bad.any()):
+        codes[bad] = 0.0
+    scales_out.copy_(torch.where(bad, math.inf, scale))
+    codes = codes.view(values.shape[0], -1)
     if layout.bits == 8:
-        packed = codes.to(torch.int8).view(torch.uint8)
-    else:
-        nibbles = (codes + 8).to(torch.uint8).view(values.shape[0], -1, 2)
-        packed = nibbles[..., 0] | (nibbles[..., 1] << 4)
-    return packed, scale.to(layout.scale_dtype)
+        codes_out.view(torch.int8).copy_(codes)
+    else:  # low nibble: even element, high nibble: odd element, each stored as code + 8
+        pairs = codes.view(values.shape[0], -1, 2)
+        codes_out.copy_(torch.add(pairs[..., 0], pairs[..., 1], alpha=16).add_(136))
 
 
 def _quantize_pack_torch(tensors, layout: QuantLayout, out: torch.Tensor, slots) -> None:
@@ -256,7 +259,15 @@ def _quantize_pack_torch(tensors, layout: QuantLayout, out: torch.Tensor, slots)
     values[:, seg:].zero_()
     for t, off, c in zip(tensors, layout.column_offsets, layout.chunk_numels):
         _write_columns(values[:, off:off + c], t.reshape(-1), t.numel(), c, 1.0)
-    codes, scales = _quantize_blocks(values.view(layout.world_size, -1, layout.block), layout)
+    blocks = values.view(layout.world_size, -1, layout.block)
+    if slots == sorted(slots):
+        _quantize_blocks(blocks, layout, layout.codes(out), layout.scales(out))
+        return
+    codes = torch.empty(layout.world_size, layout.code_bytes, dtype=torch.uint8,
+                        device=out.device)
+    scales = torch.empty(layout.world_size, layout.blocks_per_segment,
+                         dtype=layout.scale_dtype, device=out.device)
+    _quantize_blocks(blocks, layout, codes, scales)
     index = torch.tensor(slots, device=out.device)
     layout.codes(out)[index] = codes
     layout.scales(out)[index] = scales
@@ -265,14 +276,18 @@ def _quantize_pack_torch(tensors, layout: QuantLayout, out: torch.Tensor, slots)
 def _dequantize_rows(buffer: torch.Tensor, layout: QuantLayout) -> torch.Tensor:
     """Every segment of ``buffer`` dequantized: fp32 (segments, padded segment numel)."""
     codes = layout.codes(buffer)
+    rows = codes.shape[0]
+    values = torch.empty(rows, layout.blocks_per_segment * layout.block, device=buffer.device)
     if layout.bits == 8:
-        values = codes.view(torch.int8).float()
+        values.copy_(codes.view(torch.int8))
     else:
-        nibbles = torch.stack([codes & 15, codes >> 4], dim=-1).view(codes.shape[0], -1)
-        values = nibbles.float() - 8
-    scales = layout.scales(buffer).float()
-    blocks = values.view(codes.shape[0], -1, layout.block) * scales.unsqueeze(-1)
-    return blocks.view(codes.shape[0], -1)
+        pairs = values.view(rows, -1, 2)
+        pairs[..., 0].copy_(codes & 15)
+        pairs[..., 1].copy_(codes >> 4)
+        values.sub_(8.0)
+    blocks = values.view(rows, -1, layout.block)
+    blocks.mul_(layout.scales(buffer).unsqueeze(-1))
+    return values
 
 
 # ----------------------------------------------------------------------------- dequantize
@@ -288,7 +303,7 @@ def dequantize_unpack(buffer: torch.Tensor, layout: QuantLayout,
     Each byte read once, each kept element written once. No communication.
     """
     dtype = _check_values("dequantize_unpack: outs", outs)
-    if [t.numel() for t in outs] and len(outs) != len(layout.chunk_numels):
+    if len(outs) != len(layout.chunk_numels):
         raise ValueError(f"dequantize_unpack: {len(outs)} outs for a layout of "
                          f"{len(layout.chunk_numels)} tensors")
     for i, (t, c) in enumerate(zip(outs, layout.chunk_numels)):
