@@ -244,3 +244,15 @@ BAD = [
 def test_bad_input_gets_a_clear_error(call, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         call()
+
+
+def test_non_contiguous_sources_and_outs(backend):
+    t = torch.randn(20, 30).t()  # non-contiguous
+    layout = quant_layout([600], 3, block=64)
+    buf = quantize_pack([t], layout)
+    assert torch.equal(buf, quantize_pack([t.contiguous()], layout))
+    out = torch.empty(20, 30).t()
+    dequantize_unpack(buf, layout, [out])
+    flat = torch.empty(600)
+    dequantize_unpack(buf, layout, [flat])
+    assert torch.equal(out, flat.view(30, 20))
