@@ -21,6 +21,7 @@ block arrives as nan on every receiver (a loss-scaled step then skips), never a 
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence, Union
 
 import torch
@@ -30,7 +31,8 @@ from shardkit.kernels import (DEFAULT_BLOCK, QuantLayout, dequantize_sum, dequan
                               quant_layout, quantize_pack)
 
 __all__ = ["quantized_all_gather", "quantized_reduce_scatter",
-           "quantized_reduce_scatter_hierarchical", "PendingQuantized", "wire_bytes"]
+           "quantized_reduce_scatter_hierarchical", "PendingQuantized", "node_groups",
+           "wire_bytes", "hierarchical_wire_bytes"]
 
 _OPS = ("sum", "mean")
 _VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -227,3 +229,47 @@ def wire_bytes(numel_per_rank: int, group_size: int, *, bits: int, block: int = 
     elements: ``(n-1)/n x n x segment bytes``. For the planner and for tests."""
     layout = QuantLayout(group_size, (numel_per_rank,), bits, block, scale_dtype)
     return (group_size - 1) / group_size * layout.total_bytes
+
+
+def hierarchical_wire_bytes(numel_per_rank: int, ranks_per_node: int, nodes: int, *, bits: int,
+                            block: int = DEFAULT_BLOCK,
+                            scale_dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """``(inside the node, across nodes)`` bytes one rank puts on the wire (CommCounter's
+    convention) for :func:`quantized_reduce_scatter_hierarchical` with ``n = ranks_per_node``
+    and ``k = nodes``: ``(n-1)/n x n k x segment bytes`` and ``(k-1)/k x k x segment bytes``."""
+    n, k = ranks_per_node, nodes
+    if k == 1 or n == 1:
+        flat = wire_bytes(numel_per_rank, n * k, bits=bits, block=block, scale_dtype=scale_dtype)
+        return (flat, 0.0) if k == 1 else (0.0, flat)
+    segment = QuantLayout(1, (numel_per_rank,), bits, block, scale_dtype).segment_bytes
+    return (n - 1) / n * n * k * segment, (k - 1) / k * k * segment
+
+
+def node_groups(ranks_per_node: Optional[int] = None, group=None):
+    """This rank's ``(intra_group, inter_group)`` for the hierarchical reduce: the ranks of
+    ``group`` (default: all) cut node-major into nodes of ``ranks_per_node`` consecutive ranks
+    (default: torchrun's ``LOCAL_WORLD_SIZE``); ``inter_group`` holds the ranks with this
+    rank's local index on every node. Creates ``N/n + n`` process groups.
+
+    .. warning:: a collective: call it on every rank of ``group``, once (groups are costly).
+    """
+    ranks = skdist.group_ranks(group) if group is not None else list(
+        range(skdist.get_world_size()))
+    if ranks_per_node is None:
+        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", len(ranks)))
+    if (not isinstance(ranks_per_node, int) or ranks_per_node < 1
+            or len(ranks) % ranks_per_node):
+        raise ValueError(f"node_groups: ranks_per_node={ranks_per_node!r}; it must be a "
+                         f"positive divisor of the group's {len(ranks)} ranks")
+    me = skdist.get_rank()
+    n, k = ranks_per_node, len(ranks) // ranks_per_node
+    intra = inter = None
+    for node in range(k):
+        members = ranks[node * n:(node + 1) * n]
+        created = skdist.new_group(members)
+        intra = created if me in members else intra
+    for local in range(n):
+        members = ranks[local::n]
+        created = skdist.new_group(members)
+        inter = created if me in members else inter
+    return intra, inter

@@ -10,7 +10,8 @@ import torch
 
 from shardkit import distributed as skdist
 from shardkit.kernels import pack_rank_major
-from shardkit.quantized_comm import (quantized_all_gather, quantized_reduce_scatter,
+from shardkit.quantized_comm import (hierarchical_wire_bytes, node_groups,
+                                     quantized_all_gather, quantized_reduce_scatter,
                                      quantized_reduce_scatter_hierarchical, wire_bytes)
 from shardkit.testing import world_fixture
 
@@ -164,6 +165,14 @@ def _check_hierarchical(bits, op):
     intra, across = (c.bytes for c in comm.calls)
     assert intra == 1 / 2 * 4 * segment_bytes(seg, bits, 256), "n=2 peers, N=4 segments"
     assert across == 1 / 2 * 2 * segment_bytes(seg, bits, 256), "k=2 nodes, k segments"
+    assert (intra, across) == hierarchical_wire_bytes(seg, 2, 2, bits=bits)
+    flat = wire_bytes(seg, 4, bits=bits)
+    assert across <= flat / 2, "the links between nodes carry k/N of a flat all-to-all or less"
+
+    # the same through node_groups (node-major numbering, as torchrun gives)
+    node_g, across_g = node_groups(2)
+    again = quantized_reduce_scatter_hierarchical(mine, node_g, across_g, bits=bits, op=op)
+    assert torch.equal(again, got)
 
     # one node: the hierarchical call is the flat one over the node group, bit for bit
     one_node = quantized_reduce_scatter_hierarchical(mine, node_group, self_group, bits=bits,
