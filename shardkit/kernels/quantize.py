@@ -9,6 +9,9 @@ segment zero padded) and every block is sent as codes plus one scale:
     code  = clamp(floor(x / scale + 0.5), -qmax, qmax)          (0 where scale is 0)
     x'    = code * scale                  so |x - x'| <= scale / 2 for every element
 
+(up to fp32 rounding; a block whose absmax is below ``qmax`` times the smallest subnormal,
+about 1e-43, gets scale 0 and comes back as zeros.)
+
 The quantized buffer is one flat ``uint8`` tensor (one collective moves it) of ``world_size``
 segments of :attr:`QuantLayout.segment_bytes` bytes each: first the codes (int8: one byte per
 element, two's complement; int4: two per byte, element ``2i`` in the low nibble, each stored as
