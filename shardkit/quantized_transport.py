@@ -325,7 +325,8 @@ def quantized_transport_for(comm, weights: bool, gradients: bool,
                          f"quantize_gradients={gradients}): comm is already a "
                          f"QuantizedTransport; configure quantization on it, or pass a "
                          f"non-quantized comm with the quantize_* options")
-    key = (id(inner), weights, gradients)
+    # LOCAL_WORLD_SIZE is read when the transport is built: part of the key.
+    key = (id(inner), weights, gradients, os.environ.get("LOCAL_WORLD_SIZE"))
     shared = _SHARED.get(key)
     if shared is None or shared.inner is not inner:
         shared = QuantizedTransport(inner, weights=weights, gradients=gradients)

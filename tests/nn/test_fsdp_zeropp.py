@@ -8,6 +8,8 @@ warning, and bad arguments raise before anything is sent.
 """
 
 
+import os
+
 import pytest
 import torch
 
@@ -17,7 +19,8 @@ from shardkit.kernels import QuantLayout
 from shardkit.models import GPT, Block, GPTConfig, synthetic_batch
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
-from shardkit.quantized_transport import QuantizedTransport
+from shardkit.quantized_transport import QuantizedTransport, quantized_transport_for
+from shardkit.transport import ProcessGroupTransport
 from shardkit.testing import world_fixture
 
 world4 = world_fixture(4)
@@ -92,6 +95,22 @@ def test_training_follows_fp32_communication(world4, world):
         assert abs(losses[-1] - fp32[-1]) / fp32[-1] < 0.02, (name, losses[-1], fp32[-1])
 
 
+def _bf16_compute(kwargs):
+    group = pair_group()
+    model = build(group, mixed_precision=True, compute_dtype=torch.bfloat16, **kwargs)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = [step(model, optim, group, i) for i in range(10)]
+    return losses, sorted({str(p.dtype) for p in model.parameters()})
+
+
+def test_bf16_compute_with_quantized_communication(world4):
+    plain = world4.run(_bf16_compute, {})[0]
+    both = world4.run(_bf16_compute, MODES["qwZ+qgZ"])[0]
+    assert plain[1] == both[1] == ["torch.float32"]  # fp32 master shards under bf16 compute
+    assert both[0][-1] < 0.9 * both[0][0]
+    assert max(abs(a - b) / b for a, b in zip(both[0], plain[0])) < 0.03
+
+
 def _segment_bytes(numel, bits):
     return QuantLayout(1, (numel,), bits).segment_bytes
 
@@ -148,7 +167,14 @@ def test_bytes_per_step_match_the_quantized_formula(world4, world):
 
 
 def _hierarchical_bytes():
-    model = build(None, comm=QuantizedTransport(ranks_per_node=2))
+    # torchrun's LOCAL_WORLD_SIZE=2 at world 4: two nodes, so qgZ reduces hierarchically
+    saved = os.environ["LOCAL_WORLD_SIZE"]
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        model = build(None, quantize_gradients=True)
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = saved
+    described = model.comm.describe()
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     step(model, optim, None, 0)
     with skdist.CommCounter() as comm:
@@ -161,11 +187,12 @@ def _hierarchical_bytes():
     expect = sum(2 * _segment_bytes(u._shard.shard_numel, 4) +
                  _segment_bytes(u._shard.shard_numel, 4) for u in units)
     return (len(reduces), len(units), {c.group_size for c in reduces},
-            sum(c.bytes for c in reduces), expect)
+            sum(c.bytes for c in reduces), expect, described)
 
 
 def test_hierarchical_gradients_use_node_and_cross_node_groups(world4):
-    for calls, units, sizes, got, expect in world4.run(_hierarchical_bytes):
+    for calls, units, sizes, got, expect, described in world4.run(_hierarchical_bytes):
+        assert "qgZ int4 hierarchical 2 x 2" in described, described
         assert calls == 2 * units  # one all-to-all inside the node, one across, per unit
         assert sizes == {2}
         assert got == pytest.approx(expect, rel=1e-9)
@@ -281,3 +308,14 @@ def test_bad_arguments_raise_before_any_collective():
         QuantizedTransport(QuantizedTransport())
     with pytest.raises(TypeError, match="comm="):
         QuantizedTransport("gloo")
+
+
+def test_options_compose_with_an_explicit_transport():
+    inner = ProcessGroupTransport()
+    both = quantized_transport_for(inner, True, True)
+    assert isinstance(both, QuantizedTransport) and both.inner is inner
+    assert (both.weights, both.gradients) == (True, True)
+    assert quantized_transport_for(inner, True, True) is both  # one per model, shared by units
+    assert quantized_transport_for(inner, False, False) is inner
+    weights_only = quantized_transport_for(None, True, False)
+    assert (weights_only.weights, weights_only.gradients) == (True, False)
