@@ -12,8 +12,8 @@ Keys that change behaviour:
     optimizer.{type, params}, scheduler.{type, params}, gradient_clipping, steps_per_print,
     zero_optimization.{stage, reduce_bucket_size, offload_param.device (stage 3),
     offload_optimizer.device, zero_quantized_weights and zero_quantized_gradients (stage 3:
-    FSDP's quantize_weights / quantize_gradients, ZeRO++)}, fp16.{enabled, loss_scale, initial_scale_power,
-    loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale,
+    FSDP's quantize_weights / quantize_gradients, ZeRO++)}, fp16.{enabled, loss_scale,
+    initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale,
     raise_error_at_min_scale}, bf16.enabled.
 Keys accepted for compatibility with DeepSpeed configs, validated, without effect here:
     the other zero_optimization tuning knobs (allgather_bucket_size, overlap_comm,

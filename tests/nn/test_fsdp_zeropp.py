@@ -127,9 +127,9 @@ def _bytes_per_step(world, kwargs):
         model.loss(idx[r * per:(r + 1) * per], target[r * per:(r + 1) * per]).backward()
     # reshard_after_forward: every unit gathered in forward and again in backward, except the
     # root, which stays gathered; one reduce-scatter per unit.
-    units = [u for u in model.sharded_units() if u._shard is not None]
+    units = [u for u in model.sharded_units() if u.padded_numel]
     gathers = {id(u): 1 if u is model else 2 for u in units}
-    shard = {id(u): u._shard.shard_numel for u in units}
+    shard = {id(u): u.padded_numel // u.world_size for u in units}
     fp32 = sum((gathers[k] + 1) * (n - 1) * shard[k] * 4 for k in shard)
     qw = kwargs.get("quantize_weights", False)
     qg = kwargs.get("quantize_gradients", False)
@@ -182,10 +182,10 @@ def _hierarchical_bytes():
         idx, target = synthetic_batch(CFG, BATCH, 1)
         model.loss(idx[2 * r:2 * r + 2], target[2 * r:2 * r + 2]).backward()
     reduces = [c for c in comm.calls if c.op == "reduce_scatter"]
-    units = [u for u in model.sharded_units() if u._shard is not None]
+    units = [u for u in model.sharded_units() if u.padded_numel]
     # per unit: (n-1) k segments inside the node, (k-1) segments across (n = k = 2)
-    expect = sum(2 * _segment_bytes(u._shard.shard_numel, 4) +
-                 _segment_bytes(u._shard.shard_numel, 4) for u in units)
+    expect = sum(2 * _segment_bytes(u.padded_numel // u.world_size, 4) +
+                 _segment_bytes(u.padded_numel // u.world_size, 4) for u in units)
     return (len(reduces), len(units), {c.group_size for c in reduces},
             sum(c.bytes for c in reduces), expect, described)
 
