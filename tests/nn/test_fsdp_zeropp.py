@@ -319,3 +319,24 @@ def test_options_compose_with_an_explicit_transport():
     assert quantized_transport_for(inner, False, False) is inner
     weights_only = quantized_transport_for(None, True, False)
     assert (weights_only.weights, weights_only.gradients) == (True, False)
+
+
+def _uneven_nodes_fall_back_to_flat():
+    import warnings
+    transport = QuantizedTransport(ranks_per_node=3)  # ranks {0, 1, 2} and {3}: uneven nodes
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        transport.prepare(None)
+        transport.prepare(None)
+    grads = torch.arange(8, dtype=torch.float32) * (skdist.get_rank() + 1)
+    out = transport.reduce_scatter(grads, None).wait()
+    return [str(w.message) for w in caught], transport.describe(None), out.tolist()
+
+
+def test_uneven_nodes_fall_back_to_one_flat_exchange(world4):
+    for rank, (notes, described, out) in enumerate(world4.run(_uneven_nodes_fall_back_to_flat)):
+        assert len(notes) == 1 and "falls back to one flat all-to-all" in notes[0], notes
+        assert "qgZ int4 flat" in described
+        exact = [10.0 * (2 * rank + i) for i in range(2)]  # sum over ranks of (r + 1) x values
+        # within the sum of the ranks' half scales: (1 + 2 + 3 + 4) x 7 / 7 / 2
+        assert out == pytest.approx(exact, abs=5.0)
