@@ -1,7 +1,9 @@
 """Benchmark the kernels of :mod:`shardkit.kernels` against torch baselines measured in the same
 run: the AdamW step (shardkit's CPU path vs torch.optim.AdamW for-loop / foreach / fused) and
-the rank-major packing (vs ``torch.cat`` + scale + cast). On CUDA, the Triton kernels vs torch's
-fused AdamW.
+the rank-major packing (vs ``torch.cat`` + scale + cast), and the block-wise int8/int4
+quantize-and-pack of the compressed collectives (vs pack + plain torch quantize ops; written to
+``results/quantize.md`` with the block-size sweep behind ``DEFAULT_BLOCK``). On CUDA, the Triton
+kernels vs torch's fused AdamW.
 
 Every candidate runs once per round, rounds interleave the candidates (so drifts in machine load
 hit all of them alike), and the table reports medians over rounds of the process's CPU time (wall
@@ -11,6 +13,7 @@ bandwidth of a ``dst.copy_(src)`` moving the same bytes, interleaved in the same
 
     python -m benchmarks.bench_kernels            # 4M, 16M, 64M params, 1 thread
     python -m benchmarks.bench_kernels --quick    # 4M, 16M, fewer rounds, no 16M for-loop
+    python -m benchmarks.bench_kernels --quantize-only   # only the quantization rows (~1 min)
 """
 
 from __future__ import annotations
@@ -25,13 +28,15 @@ from typing import Callable
 
 import torch
 
-from shardkit.kernels import adamw_step, pack_rank_major
+from shardkit.kernels import (adamw_step, dequantize_sum, dequantize_unpack, pack_rank_major,
+                              quant_layout, quantize_pack)
 from shardkit.optim import FusedAdamW
 
 ADAMW_BYTES_PER_PARAM = 28
 COPY = "copy_ of 28 B/param (bandwidth reference)"
 IN_PLACE = "in-place mul_ of 28 B/param (reference)"
 RESULTS = Path(__file__).resolve().parent / "results" / "kernels.md"
+QUANT_RESULTS = RESULTS.with_name("quantize.md")
 
 
 def sync(device: torch.device) -> None:
@@ -195,6 +200,101 @@ def bench_packing(numel, world_size, rounds, device) -> list[dict]:
     return rows
 
 
+def torch_quantize_reference(tensors, world_size, bits, block):
+    """The unfused plain-torch way: pack rank-major in fp32, then quantize block by block."""
+    qmax = 127 if bits == 8 else 7
+    packed = pack_rank_major(tensors, world_size, dtype=torch.float32).view(world_size, -1)
+    blocks = torch.nn.functional.pad(packed, (0, -packed.shape[1] % block)).view(
+        world_size, -1, block)
+    scales = blocks.abs().amax(-1, keepdim=True) / qmax
+    codes = torch.round(blocks / torch.where(scales > 0, scales, 1.0)).clamp(-qmax, qmax)
+    if bits == 8:
+        return codes.to(torch.int8), scales
+    nibbles = (codes + 8).to(torch.uint8).view(world_size, -1, 2)
+    return nibbles[..., 0] | (nibbles[..., 1] << 4), scales
+
+
+def bench_quantize(numel, world_size, rounds, device, blocks=(256,),
+                   dtypes=(torch.float32, torch.bfloat16)) -> list[dict]:
+    """Quantize-and-pack (and the receiving side's dequantize-and-sum) vs the plain-torch
+    reference, fp32 and bf16 gradients, int8 and int4. GB/s count bytes read (the values) plus
+    bytes written (codes and scales); dequantize-and-sum reads the ``N`` segments' bytes and
+    writes fp32. Also reports the bytes ratio against fp32 and the RMS error relative to the
+    RMS value."""
+    rows = []
+    base_tensors = gradient_like_tensors(numel, 48, device)
+    for dtype in dtypes:
+        tensors = [t.to(dtype) for t in base_tensors]
+        total = sum(t.numel() for t in tensors)
+        for bits in (8, 4):
+            for block in blocks:
+                layout = quant_layout([t.numel() for t in tensors], world_size, bits=bits,
+                                      block=block)
+                out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+                summed = torch.empty(layout.segment_numel, device=device)
+
+                def fused():
+                    quantize_pack(tensors, layout, out=out, check_finite=False)
+
+                def receive():
+                    dequantize_sum(out, layout, sources=world_size, out=summed)
+
+                candidates = {"plain torch: pack_rank_major + quantize ops":
+                              lambda: torch_quantize_reference(tensors, world_size, bits, block),
+                              "shardkit quantize_pack": fused,
+                              "shardkit dequantize_sum (receiver, N segments)": receive}
+                medians = interleaved_medians(candidates, rounds, device)
+                fused()
+                exact = torch.cat([t.float() for t in tensors])
+                back = [torch.empty(t.shape, device=device) for t in tensors]
+                dequantize_unpack(out, layout, back)
+                rms = float((torch.cat(back) - exact).pow(2).mean().sqrt()
+                            / exact.pow(2).mean().sqrt())
+                base = medians["plain torch: pack_rank_major + quantize ops"]
+                moved = {"shardkit dequantize_sum (receiver, N segments)":
+                         layout.total_bytes + 4 * layout.segment_numel}
+                for name, seconds in medians.items():
+                    nbytes = moved.get(name, total * dtype.itemsize + layout.total_bytes)
+                    rows.append(dict(params=total, dtype=str(dtype).replace("torch.", ""),
+                                     bits=bits, block=block, candidate=name, ms=seconds * 1e3,
+                                     ratio=seconds / base, gbps=nbytes / seconds / 1e9,
+                                     wire=layout.ratio(torch.float32), rms=rms))
+    return rows
+
+
+def format_quantize(env, rows, sweep_rows) -> str:
+    lines = ["# Quantize-and-pack benchmarks (ZeRO++ qwZ / qgZ kernels)", "", env, "",
+             "48 gradient-like tensors, world size 4 (rank-major layout). GB/s: bytes read + "
+             "written", "by the candidate (quantize: values in, codes + scales out; "
+             "dequantize_sum: the N", "quantized segments in, fp32 shard out). wire: quantized "
+             "bytes / fp32 bytes. rms:", "RMS round-trip error / RMS value.", "",
+             "| params | dtype | bits | block | candidate | ms (median) | time / plain torch "
+             "| GB/s | wire | rms |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['params'] / 2**20:.1f}M | {r['dtype']} | {r['bits']} | "
+                     f"{r['block']} | {r['candidate']} | {r['ms']:.2f} | {r['ratio']:.3f} | "
+                     f"{r['gbps']:.2f} | {r['wire']:.3f} | {r['rms']:.4f} |")
+    if sweep_rows:
+        lines += ["", "## Block size (fp32 gradients, CPU path): the measurement behind "
+                  "DEFAULT_BLOCK", "",
+                  "DEFAULT_BLOCK = 256: the CPU time hardly depends on the block size; the "
+                  "scale", "overhead (wire) falls and the error (rms) grows with the block, "
+                  "and 256 is where", "the wire is within ~1% (int8) / ~2.5% (int4) of the "
+                  "largest blocks' while the error", "stays clearly below theirs.", "",
+                  "| bits | block | quantize_pack ms | dequantize_sum ms | wire | rms |",
+                  "|---|---|---|---|---|---|"]
+        by_key: dict = {}
+        for r in sweep_rows:
+            if r["dtype"] == "float32":
+                by_key.setdefault((r["bits"], r["block"]), {})[r["candidate"]] = r
+        for (bits, block), rs in sorted(by_key.items()):
+            q = rs["shardkit quantize_pack"]
+            d = rs["shardkit dequantize_sum (receiver, N segments)"]
+            lines.append(f"| {bits} | {block} | {q['ms']:.2f} | {d['ms']:.2f} | "
+                         f"{q['wire']:.3f} | {q['rms']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
 def small_call_overhead(rounds: int) -> list[dict]:
     """Per-call cost on a 1K-element buffer, where the update itself is negligible."""
     p, g, m, v = (torch.randn(1024) for _ in range(4))
@@ -272,15 +372,47 @@ def bench_cuda(sizes, rounds) -> list[dict]:
     return rows
 
 
+QUANT_SWEEP_BLOCKS = (64, 128, 256, 512, 1024, 2048)
+
+
+def run_quantize(args) -> str:
+    """The quantize-and-pack rows (4M params, world 4), the block-size sweep on CPU, and on
+    CUDA the same rows for the Triton kernels; written to ``QUANT_RESULTS``."""
+    rounds = args.rounds or (5 if args.quick else 11)
+    cpu = torch.device("cpu")
+    rows = bench_quantize(4 * 2**20, 4, rounds, cpu)
+    sweep = bench_quantize(4 * 2**20, 4, rounds, cpu, blocks=QUANT_SWEEP_BLOCKS,
+                           dtypes=(torch.float32,))
+    if torch.cuda.is_available():
+        rows += bench_quantize(64 * 2**20, 8, rounds, torch.device("cuda"))
+    env = (f"torch {torch.__version__}, {args.threads} CPU thread(s), "
+           f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores visible, "
+           f"{rounds} interleaved rounds, medians of process CPU time (wall time on CUDA)"
+           + (f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available()
+              else ", no GPU"))
+    report = format_quantize(env, rows, sweep)
+    print(report)
+    if not args.no_write:
+        QUANT_RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        QUANT_RESULTS.write_text(report)
+        print(f"written to {QUANT_RESULTS}")
+    return report
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4M and 16M params, 7 rounds")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (21)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1)")
     parser.add_argument("--no-write", action="store_true", help=f"do not write {RESULTS}")
+    parser.add_argument("--quantize-only", action="store_true",
+                        help=f"only the quantize-and-pack rows and block sweep ({QUANT_RESULTS})")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("SHARDKIT_KERNELS", "auto")
+    run_quantize(args)
+    if args.quantize_only:
+        return
     sizes = [4 * 2**20, 16 * 2**20] + ([] if args.quick else [64 * 2**20])
     rounds = args.rounds or (7 if args.quick else 21)
     cpu = torch.device("cpu")

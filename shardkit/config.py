@@ -11,8 +11,9 @@ Keys that change behaviour:
     train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
     optimizer.{type, params}, scheduler.{type, params}, gradient_clipping, steps_per_print,
     zero_optimization.{stage, reduce_bucket_size, offload_param.device (stage 3),
-    offload_optimizer.device}, fp16.{enabled, loss_scale, initial_scale_power,
-    loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale,
+    offload_optimizer.device, zero_quantized_weights and zero_quantized_gradients (stage 3:
+    FSDP's quantize_weights / quantize_gradients, ZeRO++)}, fp16.{enabled, loss_scale,
+    initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale,
     raise_error_at_min_scale}, bf16.enabled.
 Keys accepted for compatibility with DeepSpeed configs, validated, without effect here:
     the other zero_optimization tuning knobs (allgather_bucket_size, overlap_comm,
@@ -151,6 +152,7 @@ SCHEMA: dict = {
         "stage3_gather_fp16_weights_on_model_save": _bool(),
         "elastic_checkpoint": _bool(), "ignore_unused_parameters": _bool(True),
         "load_from_fp32_weights": _bool(True), "cpu_offload": _bool(),
+        "zero_quantized_weights": _bool(), "zero_quantized_gradients": _bool(),
     },
     "fp16": {
         "enabled": _bool(), "auto_cast": _bool(), "loss_scale": _num(0.0, 0),
@@ -196,6 +198,8 @@ class ZeroConfig:
     reduce_bucket_size: Optional[int] = None  # None: the wrapper's own default
     offload_optimizer_device: str = "none"
     offload_param_device: str = "none"
+    quantized_weights: bool = False  # ZeRO++ qwZ (stage 3)
+    quantized_gradients: bool = False  # ZeRO++ qgZ (stage 3)
 
 
 @dataclass(frozen=True)
@@ -419,9 +423,16 @@ def _zero_config(section: dict) -> tuple[ZeroConfig, list[str]]:
         param_device = "none"
     optim_device = "cpu" if section["cpu_offload"] else section["offload_optimizer"]["device"]
     bucket = section["reduce_bucket_size"]
+    quantized = {key: section[f"zero_{key}"] for key in ("quantized_weights",
+                                                         "quantized_gradients")}
+    for key, on in list(quantized.items()):
+        if on and stage < 3:
+            notes.append(f"zero_optimization.zero_{key} only applies at stage 3 (FSDP's "
+                         f"quantized collectives); ignored at stage {stage}")
+            quantized[key] = False
     return ZeroConfig(stage=stage, reduce_bucket_size=None if bucket is None else int(bucket),
                       offload_optimizer_device=optim_device,
-                      offload_param_device=param_device), notes
+                      offload_param_device=param_device, **quantized), notes
 
 
 def _precision_config(fp16: dict, bf16: dict) -> PrecisionConfig:

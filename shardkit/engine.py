@@ -187,6 +187,10 @@ def compose_stage3(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineConfig)
     fsdp_kwargs = {}
     if "cpu" in (cfg.zero.offload_param_device, cfg.zero.offload_optimizer_device):
         fsdp_kwargs["move_params_to_cpu"] = True  # shards and optimizer state in CPU memory
+    if cfg.zero.quantized_weights:
+        fsdp_kwargs["quantize_weights"] = True
+    if cfg.zero.quantized_gradients:
+        fsdp_kwargs["quantize_gradients"] = True
     wrapped = auto_wrap(model, auto_wrap_policy=_stage3_wrap_policy(model), **fsdp_kwargs)
     if not isinstance(wrapped, FSDP):  # the policy may have wrapped the root already
         wrapped = FSDP(wrapped, **fsdp_kwargs)

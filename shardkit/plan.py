@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 __all__ = ["Precision", "StageMemory", "ModelSummary", "precision_for", "zero_model_state_bytes",
-           "zero_comm_elements_per_step", "stage_table", "summarize_model",
+           "zero_comm_elements_per_step", "zeropp_traffic", "stage_table", "summarize_model",
            "estimate_activation_bytes", "recommend_stage", "parse_size", "format_bytes", "main"]
 
 STAGES = (0, 1, 2, 3)
@@ -100,6 +100,26 @@ def zero_comm_elements_per_step(params: float, world_size: int, stage: int) -> f
         raise PlanError(f"stage {stage!r} is unknown; valid stages are {list(STAGES)}")
     factor = 3.0 if stage == 3 else 2.0
     return factor * params * (world_size - 1) / world_size
+
+
+# Bytes per element of ZeRO++'s quantized transfers with blocks of 256 and fp32 scales
+# (shardkit.quantized_transport): int8 weights 1 + 4/256, int4 gradients 0.5 + 4/256.
+QWZ_BYTES = 1 + 4 / 256
+QGZ_BYTES = 0.5 + 4 / 256
+
+
+def zeropp_traffic(params: float, world_size: int, precision: Precision) -> dict[str, float]:
+    """Bytes one rank puts on the wire per stage-3 step for each communication option of FSDP:
+    ``fp32`` (plain: two all-gathers of W-byte weights, one reduce-scatter of G-byte
+    gradients, each ``Ψ(N-1)/N`` elements), ``qwZ`` (int8 weight gathers), ``qgZ`` (int4
+    gradient reduce-scatter) and ``qwZ+qgZ``. Ignores the up to one block of padding per
+    unit's segment and the root unit's single gather (both small for large models)."""
+    elements = params * (world_size - 1) / world_size
+    gathers = {False: precision.weights, True: QWZ_BYTES}
+    reduce = {False: precision.grads, True: QGZ_BYTES}
+    options = {"fp32": (False, False), "qwZ": (True, False), "qgZ": (False, True),
+               "qwZ+qgZ": (True, True)}
+    return {name: elements * (2 * gathers[qw] + reduce[qg]) for name, (qw, qg) in options.items()}
 
 
 # ----------------------------------------------------------------------------- a real model
@@ -426,6 +446,8 @@ def make_plan(req: PlanRequest) -> dict:
         "model": req.model, "summary": asdict(summary) if summary else None,
         "activations_bytes": activations, "gpu_memory_bytes": req.gpu_memory,
         "rows": [dict(asdict(r), total=r.total) for r in rows],
+        "stage3_traffic": zeropp_traffic(params, req.world_size, req.precision)
+        if 3 in req.stages else None,
         "recommended_stage": best.stage if best else None,
     }
 
@@ -455,6 +477,13 @@ def render_plan(plan: dict) -> str:
             line += (f"{format_bytes(r['transient']):>14}{format_bytes(r['activations']):>15}"
                      f"{format_bytes(r['total']):>12}")
         lines.append(line)
+    traffic = plan.get("stage3_traffic")
+    if traffic:
+        plain = traffic["fp32"]
+        label = "16-bit" if pr["weights"] == 2 else "fp32"
+        lines.append("stage 3 wire/step by FSDP option (ZeRO++): " + ", ".join(
+            f"{label if name == 'fp32' else name} {format_bytes(b)}"
+            + ("" if name == "fp32" else f" ({b / plain:.2f}x)") for name, b in traffic.items()))
     if show_extra and not plan["activations_bytes"]:
         lines.append("activations not estimated: give --seq-len (and --batch) and --wrap-block "
                      "naming the transformer block class")

@@ -197,3 +197,18 @@ def test_activation_estimate_is_a_modest_over_estimate(capsys):
     idx, target = synthetic_batch(demo.MODELS["small"], 4, 0)
     measured = _saved_activation_bytes(model, idx, target)
     assert measured <= result["activations_bytes"] <= 1.3 * measured
+
+
+def test_stage3_traffic_per_zeropp_option(capsys):
+    code, out, _ = _plan(capsys, "--params", "1e9", "--world-size", "8", "--json")
+    assert code == 0
+    traffic = json.loads(out)["stage3_traffic"]
+    elements = 1e9 * 7 / 8
+    assert traffic == pytest.approx({"fp32": 12 * elements,
+                                     "qwZ": (2 * (1 + 4 / 256) + 4) * elements,
+                                     "qgZ": (8 + 0.5 + 4 / 256) * elements,
+                                     "qwZ+qgZ": (2 * (1 + 4 / 256) + 0.5 + 4 / 256) * elements})
+    code, out, _ = _plan(capsys, "--params", "1e9", "--world-size", "8")
+    assert "qwZ+qgZ 2.2 GB (0.21x)" in out
+    code, out, _ = _plan(capsys, "--params", "1e9", "--world-size", "8", "--stages", "1", "--json")
+    assert json.loads(out)["stage3_traffic"] is None

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-KERNEL_VARIANTS = 7
+KERNEL_VARIANTS = 11
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None
@@ -43,7 +43,7 @@ def _compile(fn, signature: dict, constexprs: dict) -> None:
 def _compile_all() -> None:
     import triton.language as tl
 
-    from shardkit.kernels import triton_optim, triton_packing
+    from shardkit.kernels import triton_optim, triton_packing, triton_quantize
 
     f32 = "*fp32"
     scalars = dict(lr="fp32", beta1="fp32", beta2="fp32", eps="fp32", weight_decay="fp32")
@@ -81,6 +81,25 @@ def _compile_all() -> None:
                      DST_DTYPE="constexpr", BLOCK="constexpr")
     _compile(triton_packing._unpack_kernel, signature,
              dict(DST_DTYPE=tl.bfloat16, BLOCK=triton_packing.BLOCK))
+
+    ranges = dict(table="*i64", prog_first="*i32", prog_last="*i32")
+    sizes = dict(seg_numel="i64", n_blocks="i64", progs_per_seg="i32", seg_bytes="i64",
+                 scale_stride="i64")
+    for src, scale, bits, block in ((tl.float32, "*fp32", 8, 256), (tl.bfloat16, "*bf16", 4, 64)):
+        constexprs = dict(SRC_DTYPE=src, SCALE_BF16=scale == "*bf16", BITS=bits,
+                          QMAX=127.0 if bits == 8 else 7.0, BLOCK=block,
+                          GROUP=4096 // block)
+        signature = dict(ranges, out_ptr="*u8", scale_ptr=scale, **sizes, node_size="i32",
+                         nodes="i32", **{k: "constexpr" for k in constexprs})
+        _compile(triton_quantize._quantize_pack_kernel, signature, constexprs)
+    constexprs = dict(DST_DTYPE=tl.bfloat16, BITS=4, BLOCK=256, GROUP=16)
+    signature = dict(ranges, buf_ptr="*u8", scale_ptr="*fp32", **sizes,
+                     **{k: "constexpr" for k in constexprs})
+    _compile(triton_quantize._dequantize_unpack_kernel, signature, constexprs)
+    constexprs = dict(HAS_MULTIPLIER=True, BITS=8, BLOCK=256, GROUP=16)
+    signature = dict(buf_ptr="*u8", scale_ptr="*bf16", out_ptr=f32, **sizes, sources="i32",
+                     outputs="i32", multiplier="fp32", **{k: "constexpr" for k in constexprs})
+    _compile(triton_quantize._dequantize_sum_kernel, signature, constexprs)
 
 
 if __name__ == "__main__":

@@ -76,3 +76,27 @@ def test_adamw_many_and_packing_on_cuda(monkeypatch):
         if backend == "triton":
             triton_packed = packed
     assert torch.equal(triton_packed, packed)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_quantize_triton_matches_torch_on_cuda(monkeypatch, bits, scale_dtype):
+    from shardkit.kernels import dequantize_sum, dequantize_unpack, quant_layout, quantize_pack
+
+    gen = torch.Generator(device="cuda").manual_seed(bits)
+    sizes = [5, 4096, 0, 70_001, 1]
+    grads = [torch.randn(s, device="cuda", generator=gen).to(torch.bfloat16) for s in sizes]
+    layout = quant_layout(sizes, 8, bits=bits, block=256, scale_dtype=scale_dtype)
+    results = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("SHARDKIT_KERNELS", backend)
+        buf = quantize_pack(grads, layout, node_size=2)
+        outs = [torch.empty(s, device="cuda") for s in sizes]
+        dequantize_unpack(quantize_pack(grads, layout), layout, outs)
+        summed = dequantize_sum(buf, layout, sources=4, multiplier=0.25)
+        torch.cuda.synchronize()
+        results[backend] = (buf, outs, summed)
+    (tb, to, ts), (rb, ro, rs) = results["triton"], results["torch"]
+    assert torch.equal(tb, rb), "codes and scales: correctly rounded division on both paths"
+    assert all(torch.equal(a, b) for a, b in zip(to, ro))
+    torch.testing.assert_close(ts, rs, rtol=1e-6, atol=1e-6)  # the GPU may fuse mul+add
