@@ -35,10 +35,12 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
+from shardkit.cluster import SimulatedCluster, cluster_unavailable_reason, run_cluster  # re-exported
 from shardkit.models import GPT, GPTConfig, MLP, Block, reference_gpt_config  # re-exported
 
 __all__ = ["World", "WorldError", "free_port", "world_fixture", "GPT", "GPTConfig", "MLP", "Block",
-           "reference_gpt_config", "run_in_world"]
+           "reference_gpt_config", "run_in_world", "SimulatedCluster", "cluster_unavailable_reason",
+           "run_cluster"]
 
 _DEFAULT_TIMEOUT = float(os.environ.get("SHARDKIT_TEST_TIMEOUT", "240"))
 

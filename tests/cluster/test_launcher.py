@@ -1,0 +1,83 @@
+"""The simulated-cluster launcher: runs torchrun on every node, reports the worst exit status,
+gives each node its own address, host name and /dev/shm, and leaves nothing behind on any exit
+path (a failing command, SIGTERM to the launcher)."""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from shardkit import cluster
+from shardkit.testing import cluster_unavailable_reason, run_cluster
+
+_REASON = cluster_unavailable_reason()
+needs_cluster = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
+
+# one shell line per rank: what it can see of its node, then an exit status chosen by rank
+_PROBE = ("echo probe rank=$RANK group=$GROUP_RANK lws=$LOCAL_WORLD_SIZE host=$(hostname) "
+          "if=$GLOO_SOCKET_IFNAME shm=$(ls /dev/shm | wc -l); touch /dev/shm/mark-$RANK; "
+          "[ $RANK -eq 3 ] && exit 3; exit 0")
+
+
+def test_parse_link_rate():
+    assert cluster.parse_link_rate("1gbit") == 10**9
+    assert cluster.parse_link_rate("500mbit") == 5 * 10**8
+    assert cluster.parse_link_rate("none") is None
+    with pytest.raises(ValueError, match="link_rate='fast'"):
+        cluster.parse_link_rate("fast")
+
+
+def test_bad_arguments_are_clear():
+    with pytest.raises(ValueError, match="nodes=0"):
+        run_cluster(["x.py"], nodes=0)
+    with pytest.raises(ValueError, match="nproc_per_node=0"):
+        run_cluster(["x.py"], nproc_per_node=0)
+    with pytest.raises(ValueError, match="command"):
+        run_cluster([])
+
+
+@needs_cluster
+def test_nodes_are_separate_and_worst_status_returned_and_nothing_left():
+    out = io.StringIO()
+    rc = run_cluster(["--no-python", "sh", "-c", _PROBE], nodes=2, nproc_per_node=2,
+                     link_rate="1gbit", timeout=120, out=out)
+    lines = [l for l in out.getvalue().splitlines() if " probe " in l]
+    # rank 3 failed: its node's torchrun exits 1 (naming exit code 3), node 0's would hang at
+    # torchrun's exit barrier and is stopped; the worst status wins
+    assert rc == 1, out.getvalue()
+    assert "exitcode  : 3" in out.getvalue()
+    assert sorted(lines) == sorted([
+        "[node 0] probe rank=0 group=0 lws=2 host=node0 if=node0 shm=0",
+        "[node 0] probe rank=1 group=0 lws=2 host=node0 if=node0 shm=0",
+        "[node 1] probe rank=2 group=1 lws=2 host=node1 if=node1 shm=0",
+        "[node 1] probe rank=3 group=1 lws=2 host=node1 if=node1 shm=0",
+    ]), out.getvalue()
+    assert cluster.leftovers(os.getpid()) == []
+    assert not any(name.startswith("mark-") for name in os.listdir("/dev/shm"))
+
+
+@needs_cluster
+def test_sigterm_to_launcher_removes_everything():
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "shardkit", "cluster", "--nodes", "3", "--link-rate", "none",
+         "--", "--no-python", "sleep", "120"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:  # wait until sleep runs on every node
+            found = cluster.leftovers(launcher.pid)
+            if sum(1 for f in found if f.startswith("process")) >= 6:
+                break
+            time.sleep(0.2)
+        assert any(f.startswith("namespace") for f in cluster.leftovers(launcher.pid))
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(60) == 128 + signal.SIGTERM
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert cluster.leftovers(launcher.pid) == []
