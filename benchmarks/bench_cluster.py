@@ -3,7 +3,7 @@
 
     python -m benchmarks.bench_cluster [--rates 1gbit,10gbit] [--rounds 3] [--steps 1]
                                        [--configs torch_ddp,torch_fsdp2,shardkit_fsdp] [--out PATH]
-                                       [--merge]
+                                       [--nproc-per-node 1] [--merge]
 
 (``--merge`` keeps the runs of other rates already in the JSON beside ``--out``, so that each
 rate can be measured by its own shorter invocation.)
@@ -167,7 +167,7 @@ def rank_main(out_path: str, configs: list[str], rounds: int, steps: int) -> int
         wire[name] = _link_tx_bytes() - before
         counted[name] = comm.inter_node_bytes if ROWS[name].library == "shardkit" else None
     mine = {"rank": rank, "times": times, "counted": counted, "wire": wire, "probe": probe,
-            "host": os.uname().nodename}
+            "host": os.uname().nodename, "load": os.getloadavg()[0]}
     everyone = skd.all_gather_object(mine)
     if rank == 0:
         psi = sum(p.numel() for p in GPT(reference_gpt_config(), seed=0).parameters())
@@ -209,7 +209,8 @@ def _summarise(raw: dict, rate: str, configs: list[str]) -> dict:
             "all_reduce_16mb_s": probe,
             "all_reduce_16mb_formula_s": (2 * (n * k - 1) / (n * k) * PROBE_BYTES * 8 / rate_bps
                                           if rate_bps else None),
-            "hosts": sorted({r["host"] for r in ranks})}
+            "hosts": sorted({r["host"] for r in ranks}),
+            "load_average": max(r["load"] for r in ranks)}
 
 
 def _mb(x: Optional[float]) -> str:
@@ -235,17 +236,21 @@ def _report(runs: list[dict], args) -> str:
              f"mean over {args.steps} step(s), median over {args.rounds} interleaved rounds "
              f"(after one warm-up step each). Inter-node bytes per step per rank: shardkit's "
              f"counted by `CommCounter.inter_node_bytes`, torch's from the formula (its "
-             f"collectives bypass shardkit); link tx: what the node's interface sent in one "
-             f"step (kernel counter, headers included); link busy = tx x 8 / rate / step time.",
+             f"collectives bypass shardkit); link tx: what a node's interface sent in one "
+             f"step (kernel counter, headers included; with several ranks per node, all of "
+             f"theirs); link busy = tx x 8 / rate / step time.",
              ""]
     for run in runs:
-        lines += [f"## {run['nodes']} nodes x {run['ranks_per_node']} rank, link {run['rate']}",
-                  "", f"Commit `{run['commit']}`, {run['date']}.", "",
+        load = run.get("load_average")
+        lines += [f"## {run['nodes']} nodes x {run['ranks_per_node']} rank(s), link {run['rate']}",
+                  "", f"Commit `{run['commit']}`, {run['date']}"
+                  + ("" if load is None else f"; load average {load:.1f} on the 2 cores") + ".",
+                  "",
                   f"16 MB all-reduce: {run['all_reduce_16mb_s'] * 1e3:.0f} ms "
                   f"(the rate alone: {run['all_reduce_16mb_formula_s'] * 1e3:.0f} ms).", "",
                   "| configuration | ms/step | × torch DDP | × torch fully_shard | "
-                  "inter-node / step (counted) | inter-node / step (formula) | link tx / step | "
-                  "link busy |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "inter-node / step (counted) | inter-node / step (formula) | link tx / step / node "
+                  "| link busy |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for row in run["rows"].values():
             busy = "—" if row["link_busy"] is None else f"{row['link_busy']:.0%}"
             lines.append(f"| {row['label']} | {row['step_s'] * 1e3:.0f} | "
@@ -266,6 +271,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--configs", default=",".join(ROWS))
     parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="ranks per node (timings are meant for 1; bytes for any)")
     parser.add_argument("--merge", action="store_true",
                         help="keep other rates' runs from the existing JSON report")
     parser.add_argument("--rank-side", metavar="JSON", help=argparse.SUPPRESS)
@@ -293,7 +300,8 @@ def main(argv=None) -> int:
             rc = run_cluster(["-m", "benchmarks.bench_cluster", "--rank-side", raw_path,
                               "--configs", args.configs, "--rounds", str(args.rounds),
                               "--steps", str(args.steps)],
-                             nodes=2, nproc_per_node=1, link_rate=rate, env=env)
+                             nodes=2, nproc_per_node=args.nproc_per_node, link_rate=rate,
+                             env=env)
             if rc != 0:
                 print(f"bench_cluster: the {rate} run failed with status {rc}", file=sys.stderr)
                 return rc
@@ -302,8 +310,11 @@ def main(argv=None) -> int:
     json_path = os.path.splitext(args.out)[0] + ".json"
     if args.merge and os.path.exists(json_path):
         with open(json_path) as f:
-            kept = [r for r in json.load(f)["runs"] if r["rate"] not in {r["rate"] for r in runs}]
-        runs = sorted(kept + runs, key=lambda r: parse_link_rate(r["rate"]) or float("inf"))
+            done = {(r["rate"], r["ranks_per_node"]) for r in runs}
+            kept = [r for r in json.load(f)["runs"]
+                    if (r["rate"], r["ranks_per_node"]) not in done]
+        runs = sorted(kept + runs, key=lambda r: (r["ranks_per_node"],
+                                                  parse_link_rate(r["rate"]) or float("inf")))
     from benchmarks.common import write_report
     write_report(_report(runs, args), args.out)
     with open(json_path, "w") as f:

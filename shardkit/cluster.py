@@ -1,7 +1,8 @@
 """A simulated multi-node cluster on one Linux machine, for tests and benchmarks.
 
 Each *node* is a network namespace with its own address, its own loopback, its own host name
-(``node<i>``, also in its ``/etc/hosts``) and its own private tmpfs on ``/dev/shm``; the nodes are joined by a veth pair (two nodes) or by a bridge that lives
+(``node<i>``, also in its ``/etc/hosts``), its own process ids and its own private tmpfs on
+``/dev/shm``; the nodes are joined by a veth pair (two nodes) or by a bridge that lives
 in a separate "switch" namespace (more nodes), and every link can be rate-limited with a ``tbf``
 queueing discipline on both directions. On each node the launcher starts
 ``python -m torch.distributed.run --nnodes K --node-rank i --rdzv-backend static
@@ -263,12 +264,15 @@ class SimulatedCluster:
     def popen(self, node: int, argv: Sequence[str], env: Optional[dict] = None,
               **popen_kwargs) -> subprocess.Popen:
         """Start ``argv`` on ``node``: in its network namespace, in a mount namespace of its own
-        with a fresh tmpfs on ``/dev/shm``, with host name ``node<i>``, in a new session (so the whole tree can be
+        with a fresh tmpfs on ``/dev/shm``, in a pid namespace of its own (``argv`` is its
+        pid 1: when it ends, everything it started ends), with host name ``node<i>``, in a new
+        session (so the whole tree can be
         signalled). The process is killed by :meth:`close` if still running."""
         if not 0 <= node < self.nodes:
             raise ValueError(f"node={node}: valid nodes are 0..{self.nodes - 1}")
         wrapper = ["ip", "netns", "exec", self.namespace(node),
-                   "unshare", "--mount", "--uts", "--propagation", "private", "--",
+                   "unshare", "--mount", "--uts", "--pid", "--fork", "--mount-proc",
+                   "--kill-child", "--propagation", "private", "--",
                    "sh", "-c", f'mount -t tmpfs -o mode=1777 shm /dev/shm && '
                    f'hostname {self.interface(node)} && exec "$@"', "node"]
         proc = subprocess.Popen(wrapper + list(argv), env=env, start_new_session=True,

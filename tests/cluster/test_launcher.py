@@ -17,9 +17,10 @@ from shardkit.testing import cluster_unavailable_reason, run_cluster
 _REASON = cluster_unavailable_reason()
 needs_cluster = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
 
-# one shell line per rank: what it can see of its node, then an exit status chosen by rank
+# one shell line per rank: what it can see of its node (shm: files in /dev/shm other than the
+# node's own marks: a fresh tmpfs has none), then an exit status chosen by rank
 _PROBE = ("echo probe rank=$RANK group=$GROUP_RANK lws=$LOCAL_WORLD_SIZE host=$(hostname) "
-          "if=$GLOO_SOCKET_IFNAME shm=$(ls /dev/shm | wc -l); touch /dev/shm/mark-$RANK; "
+          "if=$GLOO_SOCKET_IFNAME shm=$(ls /dev/shm | grep -vc ^mark-); touch /dev/shm/mark-$RANK; "
           "[ $RANK -eq 3 ] && exit 3; exit 0")
 
 
