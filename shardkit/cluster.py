@@ -48,9 +48,9 @@ from dataclasses import dataclass
 from typing import IO, Optional, Sequence
 
 __all__ = ["SimulatedCluster", "run_cluster", "cluster_unavailable_reason", "parse_link_rate",
-           "leftovers", "remove_stale", "main"]
+           "leftovers", "remove_stale", "name_prefix", "main"]
 
-_PREFIX = "shardkit"              # namespace names: shardkit-<launcher pid>-<role>
+_PREFIX = "shardkit"              # namespace names: name_prefix(launcher pid) + role
 _SUBNET = "10.213.0"              # each launch has its own network stacks, so one subnet serves all
 _MASTER_PORT = 29500              # free by construction inside node 0's fresh namespace
 _ETC_NETNS = "/etc/netns"         # per-namespace /etc files, mounted by `ip netns exec`
@@ -83,7 +83,7 @@ def cluster_unavailable_reason() -> Optional[str]:
         return f"the simulated cluster needs {', '.join(missing)} on PATH (iproute2, util-linux)"
     if os.geteuid() != 0:
         return "the simulated cluster needs root (network namespaces, tc, mounts)"
-    probe = f"{_PREFIX}-{os.getpid()}-probe"
+    probe = f"{name_prefix(os.getpid())}probe"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:
         return f"cannot create a network namespace: {made.stderr.strip()}"
@@ -122,11 +122,26 @@ def _namespace_pids(namespace: str) -> list[int]:
     return [int(p) for p in done.stdout.split() if p.isdigit()]
 
 
+def _pid_namespace() -> str:
+    try:
+        return re.sub(r"\D", "", os.readlink("/proc/self/ns/pid")) or "0"
+    except OSError:
+        return "0"
+
+
+def name_prefix(pid: int) -> str:
+    """How the names of launcher ``pid``'s namespaces begin: ``shardkit-<pid namespace>-<pid>-``
+    (the pid namespace, so that a launcher never mistakes one in another pid namespace, whose
+    pid it cannot see, for a dead one)."""
+    return f"{_PREFIX}-{_pid_namespace()}-{pid}-"
+
+
 def _owned_namespaces(pid: Optional[int] = None) -> list[str]:
-    """Namespaces named by this module (of launcher ``pid``, or of any launcher)."""
+    """Namespaces named by this module for launchers of this pid namespace (of launcher
+    ``pid``, or of any)."""
     done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     names = [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
-    head = f"{_PREFIX}-{pid}-" if pid is not None else f"{_PREFIX}-"
+    head = name_prefix(pid) if pid is not None else f"{_PREFIX}-{_pid_namespace()}-"
     return [n for n in names if n.startswith(head)]
 
 
@@ -138,10 +153,10 @@ def leftovers(pid: int) -> list[str]:
         found.append(f"namespace {namespace}")
         found += [f"process {p} in {namespace}" for p in _namespace_pids(namespace)]
     with open("/proc/self/mountinfo") as f:
-        found += [f"mount {line.split()[4]}" for line in f if f"{_PREFIX}-{pid}-" in line]
+        found += [f"mount {line.split()[4]}" for line in f if name_prefix(pid) in line]
     if os.path.isdir(_ETC_NETNS):
         found += [f"{_ETC_NETNS}/{name}" for name in os.listdir(_ETC_NETNS)
-                  if name.startswith(f"{_PREFIX}-{pid}-")]
+                  if name.startswith(name_prefix(pid))]
     return found
 
 
@@ -149,7 +164,7 @@ def remove_stale() -> list[str]:
     """Delete the namespaces of launchers that no longer run (killed by SIGKILL); returns them."""
     removed = []
     for namespace in _owned_namespaces():
-        match = re.match(rf"{_PREFIX}-(\d+)-", namespace)
+        match = re.match(rf"{_PREFIX}-\d+-(\d+)-", namespace)
         if match and not os.path.exists(f"/proc/{match.group(1)}"):
             _empty_and_delete(namespace)
             removed.append(namespace)
@@ -194,7 +209,7 @@ class SimulatedCluster:
         self._made: list[str] = []
 
     def namespace(self, node: int) -> str:
-        return f"{_PREFIX}-{self.pid}-n{node}"
+        return f"{name_prefix(self.pid)}n{node}"
 
     def address(self, node: int) -> str:
         return f"{_SUBNET}.{node + 1}"
@@ -240,7 +255,7 @@ class SimulatedCluster:
             _ip("-n", self.namespace(0), "link", "add", self.interface(0), "type", "veth",
                 "peer", "name", self.interface(1), "netns", self.namespace(1))
         elif self.nodes > 2:  # a switch: a bridge in a namespace of its own
-            switch = f"{_PREFIX}-{self.pid}-sw"
+            switch = f"{name_prefix(self.pid)}sw"
             self._add_namespace(switch)
             _ip("-n", switch, "link", "add", "br0", "type", "bridge")
             _ip("-n", switch, "link", "set", "br0", "up")

@@ -61,24 +61,49 @@ def test_nodes_are_separate_and_worst_status_returned_and_nothing_left():
     assert not any(name.startswith("mark-") for name in os.listdir("/dev/shm"))
 
 
-@needs_cluster
-def test_sigterm_to_launcher_removes_everything():
+def _start_sleeping_cluster(nodes=3):
+    """A launcher process whose nodes all run `sleep`; returns it once every node sleeps."""
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "shardkit", "cluster", "--nodes", "3", "--link-rate", "none",
-         "--", "--no-python", "sleep", "120"],
+        [sys.executable, "-m", "shardkit", "cluster", "--nodes", str(nodes), "--link-rate",
+         "none", "--", "--no-python", "sleep", "120"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        sleeping = 0
+        for found in cluster.leftovers(launcher.pid):
+            if found.startswith("process"):
+                with open(f"/proc/{found.split()[1]}/comm") as f:
+                    sleeping += f.read().strip() == "sleep"
+        if sleeping == nodes:
+            return launcher
+        time.sleep(0.2)
+    launcher.kill()
+    raise AssertionError(f"the nodes did not start: {cluster.leftovers(launcher.pid)}")
+
+
+@needs_cluster
+@pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 128 + signal.SIGTERM),
+                                        (signal.SIGINT, 130)])
+def test_signal_to_launcher_removes_everything(sig, status):
+    launcher = _start_sleeping_cluster()
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:  # wait until sleep runs on every node
-            found = cluster.leftovers(launcher.pid)
-            if sum(1 for f in found if f.startswith("process")) >= 6:
-                break
-            time.sleep(0.2)
         assert any(f.startswith("namespace") for f in cluster.leftovers(launcher.pid))
-        launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(60) == 128 + signal.SIGTERM
+        launcher.send_signal(sig)
+        assert launcher.wait(60) == status
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
     assert cluster.leftovers(launcher.pid) == []
+
+
+@needs_cluster
+def test_what_a_killed_launcher_left_is_removed_by_the_next():
+    launcher = _start_sleeping_cluster(nodes=2)
+    launcher.kill()  # SIGKILL: no clean-up runs
+    launcher.wait()
+    assert cluster.leftovers(launcher.pid) != []
+    removed = cluster.remove_stale()  # what every launch does first
+    assert cluster.leftovers(launcher.pid) == []
+    prefix = cluster.name_prefix(launcher.pid)
+    assert {f"{prefix}n0", f"{prefix}n1"} <= set(removed)
