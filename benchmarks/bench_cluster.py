@@ -261,6 +261,14 @@ def _report(runs: list[dict], args) -> str:
         lines += ["", "Per-round step times (ms): " + "; ".join(
             f"{row['label']}: " + ", ".join(f"{t * 1e3:.0f}" for t in row["per_round_s"])
             for row in run["rows"].values()), ""]
+    lines += ["Notes: shardkit FSDP counts less than 3Ψ(N-1)/N because the root unit (embeddings "
+              "and head) stays gathered from forward into backward; its link counter agrees "
+              "with the count to within the TCP/IP headers. torch `fully_shard`'s interface "
+              "sends more than the formula (about 202 MB a step here; not investigated). On this "
+              "2-core machine, shared with other work, compute dominates the step and the "
+              "timings are noisy (see the load average); at 10 Gbit/s the link is far from "
+              "busy, and even the 16 MB all-reduce is limited by the CPU (TCP over veth) "
+              "rather than the rate.", ""]
     return "\n".join(lines)
 
 
@@ -275,6 +283,8 @@ def main(argv=None) -> int:
                         help="ranks per node (timings are meant for 1; bytes for any)")
     parser.add_argument("--merge", action="store_true",
                         help="keep other rates' runs from the existing JSON report")
+    parser.add_argument("--report-only", action="store_true",
+                        help="only re-render the Markdown from the existing JSON report")
     parser.add_argument("--rank-side", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     configs = args.configs.split(",")
@@ -283,6 +293,12 @@ def main(argv=None) -> int:
         parser.error(f"--configs: unknown {unknown}; valid: {sorted(ROWS)}")
     if args.rank_side:
         return rank_main(args.rank_side, configs, args.rounds, args.steps)
+    json_path = os.path.splitext(args.out)[0] + ".json"
+    if args.report_only:  # re-render the Markdown from the JSON beside it
+        from benchmarks.common import write_report
+        with open(json_path) as f:
+            write_report(_report(json.load(f)["runs"], args), args.out)
+        return 0
 
     from shardkit.cluster import cluster_unavailable_reason, parse_link_rate, run_cluster
     from benchmarks.run import git_commit
@@ -307,7 +323,6 @@ def main(argv=None) -> int:
                 return rc
             with open(raw_path) as f:
                 runs.append(dict(_summarise(json.load(f), rate, configs), commit=git_commit()))
-    json_path = os.path.splitext(args.out)[0] + ".json"
     if args.merge and os.path.exists(json_path):
         with open(json_path) as f:
             done = {(r["rate"], r["ranks_per_node"]) for r in runs}
