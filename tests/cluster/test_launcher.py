@@ -32,6 +32,14 @@ def test_parse_link_rate():
         cluster.parse_link_rate("fast")
 
 
+def test_unavailable_reason_names_what_is_missing(monkeypatch):
+    monkeypatch.setattr(cluster.shutil, "which", lambda tool: None if tool == "tc" else "/bin/x")
+    assert "needs tc on PATH" in cluster.cluster_unavailable_reason()
+    monkeypatch.setattr(cluster.shutil, "which", lambda tool: "/bin/x")
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 1000)
+    assert "needs root" in cluster.cluster_unavailable_reason()
+
+
 def test_bad_arguments_are_clear():
     with pytest.raises(ValueError, match="nodes=0"):
         run_cluster(["x.py"], nodes=0)
@@ -68,17 +76,25 @@ def _start_sleeping_cluster(nodes=3):
          "none", "--", "--no-python", "sleep", "120"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
     deadline = time.time() + 60
-    while time.time() < deadline:
-        sleeping = 0
-        for found in cluster.leftovers(launcher.pid):
-            if found.startswith("process"):
-                with open(f"/proc/{found.split()[1]}/comm") as f:
-                    sleeping += f.read().strip() == "sleep"
-        if sleeping == nodes:
+    while time.time() < deadline and launcher.poll() is None:
+        if _count_sleeping(cluster.leftovers(launcher.pid)) == nodes:
             return launcher
         time.sleep(0.2)
-    launcher.kill()
-    raise AssertionError(f"the nodes did not start: {cluster.leftovers(launcher.pid)}")
+    launcher.terminate()  # the launcher removes what it built
+    launcher.wait(30)
+    raise AssertionError(f"the nodes did not start (launcher status {launcher.returncode})")
+
+
+def _count_sleeping(found: list) -> int:
+    count = 0
+    for item in found:
+        if item.startswith("process"):
+            try:
+                with open(f"/proc/{item.split()[1]}/comm") as f:
+                    count += f.read().strip() == "sleep"
+            except OSError:  # it ended since it was listed
+                pass
+    return count
 
 
 @needs_cluster

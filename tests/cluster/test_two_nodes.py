@@ -61,6 +61,10 @@ def test_launch_succeeds_and_nodes_are_separate(cluster_results):
     assert [(w["node"], w["ranks_per_node"], w["host"]) for w in where] == [
         (0, 2, "node0"), (0, 2, "node0"), (1, 2, "node1"), (1, 2, "node1")]
     assert [w["sees_rank0_shm"] for w in where] == [True, True, False, False]
+    assert [w["node_groups"] for w in where] == [[[0, 1], [0, 2]], [[0, 1], [1, 3]],
+                                                 [[2, 3], [0, 2]], [[2, 3], [1, 3]]]
+    # each node has its own process ids: torchrun, its 2 ranks and little else
+    assert all(w["processes_visible"] < 10 for w in where), where
 
 
 def test_oss_with_ddp_matches_single_process(cluster_results):

@@ -37,9 +37,12 @@ def _where():
     skd.barrier()
     if skd.get_rank() == 0:
         os.unlink(marker)
+    intra, inter = skd.node_groups()
     return {"rank": skd.get_rank(), "node": skd.node_of(skd.get_rank()),
             "ranks_per_node": skd.ranks_per_node(), "host": os.uname().nodename,
-            "sees_rank0_shm": sees_marker}
+            "sees_rank0_shm": sees_marker, "node_groups": [skd.group_ranks(intra),
+                                                           skd.group_ranks(inter)],
+            "processes_visible": sum(name.isdigit() for name in os.listdir("/proc"))}
 
 
 def _oss_ddp():
