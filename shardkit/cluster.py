@@ -147,7 +147,9 @@ def _owned_namespaces(pid: Optional[int] = None) -> list[str]:
 
 def leftovers(pid: int) -> list[str]:
     """What a launcher with pid ``pid`` left behind: its namespaces, processes still inside them
-    and ``/dev/shm`` tmpfs mounts visible on this host. Empty after a clean exit."""
+    (a node's ``/dev/shm`` tmpfs lives in a mount namespace that ends with its last process),
+    mounts on this host naming them (``/run/netns/...``) and ``/etc/netns`` entries. Empty
+    after a clean exit."""
     found = []
     for namespace in _owned_namespaces(pid):
         found.append(f"namespace {namespace}")
