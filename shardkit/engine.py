@@ -527,7 +527,7 @@ def _ensure_process_group() -> None:
     if "RANK" not in os.environ:
         from shardkit.testing import free_port
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+                           "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     distributed.init_distributed()
 
 
