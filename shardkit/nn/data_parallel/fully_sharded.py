@@ -135,7 +135,8 @@ class FullyShardedDataParallel(nn.Module):
         transport = resolve_transport(comm, "FullyShardedDataParallel")
         if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
             raise ValueError(f"FullyShardedDataParallel(reshard_after_forward="
-                             f"{reshard_after_forward!r}): must be True, False or None")
+                             f"{reshard_after_forward!r}): must be True or False (or None: what "
+                             f"sharding_strategy implies)")
         strategy, reshard_after_forward = resolve_sharding_strategy(sharding_strategy,
                                                                     reshard_after_forward)
         for name, value in (("flatten_parameters", flatten_parameters),
