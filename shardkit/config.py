@@ -11,7 +11,7 @@ Keys that change behaviour:
     train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
     optimizer.{type, params}, scheduler.{type, params}, gradient_clipping, steps_per_print,
     zero_optimization.{stage, reduce_bucket_size, offload_param.device (stage 3),
-    offload_optimizer.device}, fp16.{enabled, loss_scale, initial_scale_power,
+    offload_optimizer.device, zero_hpz_partition_size (stage 3: FSDP's hpz_partition_size)}, fp16.{enabled, loss_scale, initial_scale_power,
     loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale,
     raise_error_at_min_scale}, bf16.enabled.
 Keys accepted for compatibility with DeepSpeed configs, validated, without effect here:
@@ -151,6 +151,7 @@ SCHEMA: dict = {
         "stage3_gather_fp16_weights_on_model_save": _bool(),
         "elastic_checkpoint": _bool(), "ignore_unused_parameters": _bool(True),
         "load_from_fp32_weights": _bool(True), "cpu_offload": _bool(),
+        "zero_hpz_partition_size": _int(1, 1),
     },
     "fp16": {
         "enabled": _bool(), "auto_cast": _bool(), "loss_scale": _num(0.0, 0),
@@ -196,6 +197,7 @@ class ZeroConfig:
     reduce_bucket_size: Optional[int] = None  # None: the wrapper's own default
     offload_optimizer_device: str = "none"
     offload_param_device: str = "none"
+    hpz_partition_size: int = 1  # ZeRO++ hpZ (stage 3): backward gathers in blocks this size
 
 
 @dataclass(frozen=True)
@@ -248,6 +250,10 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
                                             checked["gradient_accumulation_steps"],
                                             data_parallel_size)
     zero, notes = _zero_config(checked["zero_optimization"])
+    if data_parallel_size % zero.hpz_partition_size:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size={zero.hpz_partition_size} "
+                          f"must divide the data-parallel size {data_parallel_size} (use the "
+                          f"ranks per node)")
     precision = _precision_config(checked["fp16"], checked["bf16"])
     return EngineConfig(
         train_batch_size=train, train_micro_batch_size_per_gpu=micro,
@@ -419,9 +425,14 @@ def _zero_config(section: dict) -> tuple[ZeroConfig, list[str]]:
         param_device = "none"
     optim_device = "cpu" if section["cpu_offload"] else section["offload_optimizer"]["device"]
     bucket = section["reduce_bucket_size"]
+    hpz = section["zero_hpz_partition_size"]
+    if hpz > 1 and stage < 3:
+        notes.append(f"zero_optimization.zero_hpz_partition_size only applies at stage 3; "
+                     f"ignored at stage {stage}")
+        hpz = 1
     return ZeroConfig(stage=stage, reduce_bucket_size=None if bucket is None else int(bucket),
                       offload_optimizer_device=optim_device,
-                      offload_param_device=param_device), notes
+                      offload_param_device=param_device, hpz_partition_size=hpz), notes
 
 
 def _precision_config(fp16: dict, bf16: dict) -> PrecisionConfig:

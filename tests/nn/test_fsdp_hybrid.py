@@ -241,3 +241,40 @@ def test_clear_errors_before_any_collective(nodes2x2):
         assert "use FULL_SHARD" in r["hpz_with_hybrid"]
         assert "must divide" in r["hpz_not_dividing"]
         assert "hpz_partition_size=0" in r["hpz_zero"]
+
+
+def _initialize_with_hpz():
+    """``zero_optimization.zero_hpz_partition_size=2`` at stage 3 against the same config
+    without it: the same parameters every step, fewer elements on spanning groups."""
+    import shardkit
+    from shardkit.models import synthetic_batch
+
+    def config(**zero):
+        return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "eps": 1e-4}},
+                "zero_optimization": {"stage": 3, **zero}}
+
+    engines = [shardkit.initialize(model=GPT(TINY, seed=0), config=config(**zero))[0]
+               for zero in ({}, {"zero_hpz_partition_size": 2})]
+    worst, inter = 0.0, []
+    for step in range(3):
+        idx, target = synthetic_batch(TINY, 8, step)
+        mine = slice(2 * skdist.get_rank(), 2 * skdist.get_rank() + 2)
+        for engine in engines:
+            with CommCounter() as comm:
+                engine.backward(engine.module.loss(idx[mine], target[mine]))
+                engine.step()
+            inter.append(comm.inter_node_elements)
+        plain, hpz = (e.wrapped for e in engines)
+        worst = max(worst, max((a - b).abs().max().item() for a, b in
+                               zip(plain.parameters(), hpz.parameters())))
+    hpz_units = {u.hpz_partition_size for u in engines[1].wrapped.sharded_units()}
+    return {"worst": worst, "plain_inter": inter[-2], "hpz_inter": inter[-1],
+            "hpz_units": hpz_units}
+
+
+def test_initialize_zero_hpz_partition_size(nodes2x2):
+    for r in nodes2x2.run(_initialize_with_hpz):
+        assert r["hpz_units"] == {2}, r
+        assert r["worst"] <= 1e-6, r
+        assert r["hpz_inter"] < 0.8 * r["plain_inter"], r
