@@ -1,7 +1,8 @@
 """Everything on two nodes: 2 nodes x 2 ranks on the simulated cluster (network namespaces, own
 /dev/shm per node, a 10 Gbit/s link), parity with single-process training step by step for OSS
 (+DDP), ShardedDDP + OSS, FSDP, a 2-stage pipeline with one stage per node, tensor parallel inside
-a node, `shardkit.initialize` at ZeRO stages 0-3; FULL_SHARD's bytes on spanning groups; a
+a node, `shardkit.initialize` at ZeRO stages 0-3; FULL_SHARD's bytes on spanning groups;
+HYBRID_SHARD, _HYBRID_SHARD_ZERO2 and hpZ parity and spanning elements at their formulas; a
 checkpoint saved on 2 x 2 resumes on 1 node x 3 ranks.
 
 All the 2-node checks run in one torchrun launch (tests/cluster/two_node_checks.py); each test
@@ -125,6 +126,18 @@ def test_full_shard_puts_3m_on_spanning_groups(cluster_results):
         nk = v["world"]
         assert v["inter_elements"] == pytest.approx(3 * v["psi"] * (nk - 1) / nk, rel=0.05), v
         assert v["intra_bytes"] == 0, v  # the world group spans both nodes
+
+
+def test_hybrid_and_hpz_parity_and_spanning_elements(cluster_results):
+    from tests.nn.test_fsdp_hybrid import inter_node_formulas
+    for rank, v in enumerate(_values(cluster_results, "hybrid_and_hpz")):
+        for name, r in v["parity"].items():
+            assert r["shards"] <= TOL and r["state_dict"] <= TOL and r["loss"] <= TOL, (rank, r)
+        counted = v["bytes"]
+        expected = inter_node_formulas(counted["full_shard"]["psi"], 2, 2)
+        for name, r in counted.items():
+            assert r["inter"] == pytest.approx(expected[name], rel=0.05), (rank, name, r)
+        assert counted["hybrid"]["inter_bytes"] <= 0.25 * counted["full_shard"]["inter_bytes"]
 
 
 def _resume_on_three_ranks(ckpt_dir, stage):

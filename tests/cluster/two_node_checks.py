@@ -132,6 +132,14 @@ def _full_shard_bytes():
             "intra_bytes": comm.intra_node_bytes, "world": skd.get_world_size()}
 
 
+def _hybrid_and_hpz():
+    """HYBRID_SHARD (node groups), _HYBRID_SHARD_ZERO2 and FULL_SHARD + hpZ over the two real
+    nodes: parity step by step on every rank, and elements per step on spanning groups."""
+    from tests.nn import test_fsdp_hybrid as hybrid
+    names = ("full_shard", "hybrid", "hybrid_zero2", "hpz")
+    return {"parity": hybrid._parity(names), "bytes": hybrid._inter_node_per_step(names)}
+
+
 def _engine_config(stage):
     return {"train_batch_size": CKPT_GLOBAL_BATCH, "train_micro_batch_size_per_gpu": CKPT_MICRO,
             "gradient_clipping": 0.05, "steps_per_print": 1000,
@@ -180,6 +188,7 @@ def main(out_dir: str) -> int:
               ("fsdp", _fsdp), ("pipeline", _pipeline_one_stage_per_node),
               ("tensor_parallel", _tensor_parallel_in_node),
               ("initialize", _initialize_zero_stages), ("full_shard_bytes", _full_shard_bytes),
+              ("hybrid_and_hpz", _hybrid_and_hpz),
               ("save_checkpoint", lambda: _save_checkpoint(out_dir))]
     only = os.environ.get("CHECKS")
     results = {}

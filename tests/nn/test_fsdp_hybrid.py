@@ -51,9 +51,13 @@ CONFIGS = [  # (name, FSDP kwargs, micro_batches with no_sync, clip)
 ]
 
 
-def _parity():
+def _parity(names=None):
+    """Every configuration of CONFIGS (or those named): worst differences against the
+    single-process reference over all steps."""
     out = {}
     for name, kwargs, micro, clip in CONFIGS:
+        if names is not None and name not in names:
+            continue
         kwargs = dict(kwargs)
         if kwargs.pop("pair", False):
             kwargs["process_group"] = skdist.node_groups()
@@ -105,10 +109,13 @@ COST_CONFIGS = {
 }
 
 
-def _inter_node_per_step():
+def _inter_node_per_step(names=None):
+    """Per COST_CONFIGS entry (or those named): the second step's CommCounter split."""
     x = torch.randn(4, WIDTH)
     out = {}
     for name, kwargs in COST_CONFIGS.items():
+        if names is not None and name not in names:
+            continue
         model = _mlp(**kwargs)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for step in range(2):  # the first step records the order
@@ -123,19 +130,17 @@ def _inter_node_per_step():
     return out
 
 
-def test_inter_node_elements_at_the_formulas(nodes2x2):
-    n, k = 2, 2
+def inter_node_formulas(m: float, n: int, k: int) -> dict:
+    """Elements per step per rank on groups spanning nodes (issue 14's contract)."""
     nk = n * k
+    return {"full_shard": 3 * m * (nk - 1) / nk, "shard_grad_op": 2 * m * (nk - 1) / nk,
+            "hybrid": 2 * (m / n) * (k - 1) / k, "hybrid_zero2": 2 * (m / n) * (k - 1) / k,
+            "no_shard": 2 * m * (nk - 1) / nk, "hpz": 2 * m * (nk - 1) / nk}
+
+
+def test_inter_node_elements_at_the_formulas(nodes2x2):
     for rank, r in enumerate(nodes2x2.run(_inter_node_per_step)):
-        m = r["full_shard"]["psi"]
-        expected = {
-            "full_shard": 3 * m * (nk - 1) / nk,
-            "shard_grad_op": 2 * m * (nk - 1) / nk,
-            "hybrid": 2 * (m / n) * (k - 1) / k,
-            "hybrid_zero2": 2 * (m / n) * (k - 1) / k,
-            "no_shard": 2 * m * (nk - 1) / nk,
-            "hpz": 2 * m * (nk - 1) / nk,
-        }
+        expected = inter_node_formulas(r["full_shard"]["psi"], 2, 2)
         for name, formula in expected.items():
             assert r[name]["inter"] == pytest.approx(formula, rel=0.05), (rank, name, r[name])
         # issue 14: at 2 nodes x 2 ranks HYBRID puts <= 0.25x FULL_SHARD's bytes on spanning
