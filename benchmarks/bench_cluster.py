@@ -1,8 +1,10 @@
 """Data parallelism across nodes on the simulated cluster: torch DDP, torch ``fully_shard``
-(FSDP2) and shardkit FSDP (full shard) on the reference GPT, 2 nodes x 1 rank, per link rate.
+(FSDP2, and HSDP on a 2-D mesh) and shardkit FSDP (full shard, HYBRID_SHARD, hpZ) on the
+reference GPT, 2 nodes x 1 rank (or ``--nproc-per-node 2``), per link rate.
 
     python -m benchmarks.bench_cluster [--rates 1gbit,10gbit] [--rounds 3] [--steps 1]
-                                       [--configs torch_ddp,torch_fsdp2,shardkit_fsdp] [--out PATH]
+                                       [--configs torch_ddp,torch_fsdp2,shardkit_fsdp,...]
+                                       [--out PATH]
                                        [--nproc-per-node 1] [--merge]
 
 (``--merge`` keeps the runs of other rates already in the JSON beside ``--out``, so that each
@@ -18,8 +20,11 @@ bypass shardkit), the bytes the node's link interface really sent per step (kern
 TCP/IP headers included), and the fraction of the step the link is busy
 (wire bytes x 8 / rate / step time). Also a 16 MB all-reduce per rate, the link's sanity check.
 
-Adding a row (hybrid sharding, hpZ): put a :class:`Row` in ``ROWS`` whose ``build(model, mesh)``
-returns the wrapped module and whose ``inter_node_elements(psi, n, k)`` gives the formula.
+Rows: torch DDP, torch ``fully_shard``, torch HSDP (``fully_shard`` on a 2-D mesh), shardkit FSDP
+full shard, HYBRID_SHARD (shard in the node, all-reduce the shard across nodes) and full shard
++ hpZ (backward gathers inside the node). Adding a row: put a :class:`Row` in ``ROWS`` whose
+``build(model, unit_cls)`` returns the wrapped module and whose ``inter_node_elements(psi, n, k)``
+gives the formula.
 """
 
 from __future__ import annotations
@@ -70,12 +75,36 @@ def _torch_fsdp2(model, unit_cls):
     return fully_shard(model, mesh=mesh)
 
 
-def _shardkit_fsdp(model, unit_cls):
+def _shardkit_fsdp(model, unit_cls, **fsdp_kwargs):
     import functools
     from shardkit.nn.data_parallel import FullyShardedDataParallel
     from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={unit_cls})
-    return FullyShardedDataParallel(auto_wrap(model, policy))
+    return FullyShardedDataParallel(auto_wrap(model, policy, **fsdp_kwargs), **fsdp_kwargs)
+
+
+def _torch_hsdp(model, unit_cls):
+    """torch ``fully_shard`` on a 2-D (replicate across nodes, shard inside) mesh: HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from shardkit import distributed as skd
+    n = skd.ranks_per_node()
+    mesh = init_device_mesh("cpu", (skd.get_world_size() // n, n),
+                            mesh_dim_names=("replicate", "shard"))
+    for module in [m for m in model.modules() if isinstance(m, unit_cls)]:
+        fully_shard(module, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _shardkit_hybrid(model, unit_cls):
+    """HYBRID_SHARD over shardkit.distributed.node_groups()."""
+    return _shardkit_fsdp(model, unit_cls, sharding_strategy="HYBRID_SHARD")
+
+
+def _shardkit_hpz(model, unit_cls):
+    """FULL_SHARD with an hpZ partition per node (at 1 rank per node: plain FULL_SHARD)."""
+    from shardkit import distributed as skd
+    return _shardkit_fsdp(model, unit_cls, hpz_partition_size=skd.ranks_per_node())
 
 
 def _all_reduce_formula(psi, n, k):
@@ -86,12 +115,25 @@ def _full_shard_formula(psi, n, k):
     return 3 * psi * (n * k - 1) / (n * k)
 
 
+def _hybrid_formula(psi, n, k):
+    return 2 * (psi / n) * (k - 1) / k
+
+
+def _hpz_formula(psi, n, k):
+    return _full_shard_formula(psi, n, k) if n == 1 else 2 * psi * (n * k - 1) / (n * k)
+
+
 ROWS = {
     "torch_ddp": Row("torch DDP", "torch", _torch_ddp, _all_reduce_formula),
     "torch_fsdp2": Row("torch fully_shard (FSDP2)", "torch", _torch_fsdp2, _full_shard_formula),
     "shardkit_fsdp": Row("shardkit FSDP full shard", "shardkit", _shardkit_fsdp,
                          _full_shard_formula),
-    # hooks: "shardkit_hybrid" (2(M/n)(k-1)/k), "shardkit_hpz" (2M(nk-1)/nk), "torch_hsdp"
+    "shardkit_hybrid": Row("shardkit FSDP HYBRID_SHARD", "shardkit", _shardkit_hybrid,
+                           _hybrid_formula),
+    "shardkit_hpz": Row("shardkit FSDP full shard + hpZ", "shardkit", _shardkit_hpz,
+                        _hpz_formula),
+    "torch_hsdp": Row("torch fully_shard HSDP (2-D mesh)", "torch", _torch_hsdp,
+                      _hybrid_formula),
 }
 
 
