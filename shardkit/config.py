@@ -11,7 +11,8 @@ Keys that change behaviour:
     train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
     optimizer.{type, params}, scheduler.{type, params}, gradient_clipping, steps_per_print,
     zero_optimization.{stage, reduce_bucket_size, offload_param.device (stage 3),
-    offload_optimizer.device, zero_hpz_partition_size (stage 3: FSDP's hpz_partition_size)}, fp16.{enabled, loss_scale, initial_scale_power,
+    offload_optimizer.device, zero_hpz_partition_size (stage 3: FSDP's hpz_partition_size)},
+    fp16.{enabled, loss_scale, initial_scale_power,
     loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale,
     raise_error_at_min_scale}, bf16.enabled.
 Keys accepted for compatibility with DeepSpeed configs, validated, without effect here:
