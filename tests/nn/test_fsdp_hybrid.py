@@ -283,3 +283,31 @@ def test_initialize_zero_hpz_partition_size(nodes2x2):
         assert r["hpz_units"] == {2}, r
         assert r["worst"] <= 1e-6, r
         assert r["hpz_inter"] < 0.8 * r["plain_inter"], r
+
+
+def _hpz_secondary_lifetime():
+    """hpZ keeps Ψ_u/2 per resharded unit from forward to backward, nothing else."""
+    model = _mlp(hpz_partition_size=2)
+    units = [u for u in model.sharded_units() if u._shard is not None]
+    x = torch.randn(4, WIDTH)
+
+    def kept():
+        return sum(u._shard._secondary.numel() for u in units
+                   if u._shard._secondary is not None)
+
+    with torch.no_grad():
+        model(x)
+    after_no_grad = kept()
+    out = model(x)
+    after_forward = kept()
+    extra = sum(t.numel() for u in units for cat, t in u.model_state_tensors()
+                if cat == "params" and t is u._shard._secondary)
+    out.pow(2).mean().backward()
+    return {"no_grad": after_no_grad, "forward": after_forward, "counted": extra,
+            "backward": kept(), "expected": sum(u.unit_numel for u in units) // 2}
+
+
+def test_hpz_secondary_partition_lives_from_forward_to_backward(nodes2x2):
+    for r in nodes2x2.run(_hpz_secondary_lifetime):
+        assert r["no_grad"] == 0 and r["backward"] == 0, r
+        assert r["forward"] == r["counted"] == r["expected"], r

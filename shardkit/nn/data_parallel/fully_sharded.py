@@ -186,6 +186,7 @@ class FullyShardedDataParallel(nn.Module):
         self._backward_order: list = []
         self._orders_final = False
         self._final_callback_queued = False
+        self._replicas_pending: list = []  # root: shards whose replica all-reduce is not issued
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
 
@@ -351,7 +352,13 @@ class FullyShardedDataParallel(nn.Module):
         """All of this unit's gradient is in ``full.grad``: reduce-scatter it (async) unless
         inside ``no_sync``, and free the gathered parameters."""
         if self._require_backward_grad_sync:
+            root = self._root
+            # hybrid: the previous unit's reduce-scatter has had this unit's backward to
+            # finish; its all-reduce across replicas now overlaps the rest of backward
+            for earlier in root._replicas_pending:
+                earlier.replicate_reduce()
             shard.start_reduce()
+            root._replicas_pending = [shard] if shard.replicate_group is not None else []
         shard.free_full()
 
     def _finish_backward(self) -> None:
@@ -366,6 +373,7 @@ class FullyShardedDataParallel(nn.Module):
                 unit._shard.free_full()
             unit._pre_backward_done = False
         self._final_callback_queued = False
+        self._replicas_pending = []
         self._orders_final = True
 
     @contextlib.contextmanager
