@@ -45,10 +45,22 @@ CONFIGS = [  # (name, FSDP kwargs, micro_batches with no_sync, clip)
     ("hybrid", {"sharding_strategy": S.HYBRID_SHARD}, 1, None),
     ("hybrid_pair_clip_no_sync", {"sharding_strategy": "HYBRID_SHARD", "pair": True}, 2, 0.05),
     ("hybrid_zero2", {"sharding_strategy": S._HYBRID_SHARD_ZERO2}, 1, 0.05),
+    ("hybrid_2d_mesh", {"sharding_strategy": S.HYBRID_SHARD, "mesh": True}, 1, None),
     ("shard_grad_op", {"sharding_strategy": S.SHARD_GRAD_OP}, 1, None),
     ("no_shard", {"sharding_strategy": S.NO_SHARD}, 2, 0.05),
     ("hpz", {"hpz_partition_size": 2}, 1, 0.05),
 ]
+
+
+_MESH = []
+
+
+def _mesh_2x2():
+    """torch's 2-D mesh (replicate across the 2 nodes, shard inside each), made once."""
+    if not _MESH:
+        from torch.distributed.device_mesh import init_device_mesh
+        _MESH.append(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    return _MESH[0]
 
 
 def _parity(names=None):
@@ -61,6 +73,8 @@ def _parity(names=None):
         kwargs = dict(kwargs)
         if kwargs.pop("pair", False):
             kwargs["process_group"] = skdist.node_groups()
+        if kwargs.pop("mesh", False):
+            kwargs["device_mesh"] = _mesh_2x2()
         reference = build_gpt()
         ref_optim = make_optimizer(reference)
         model = wrap_gpt(build_gpt(), **kwargs)
@@ -89,6 +103,7 @@ def test_parity_every_strategy_every_rank_every_step(nodes2x2):
             assert r["shards"] <= 1e-5 and r["state_dict"] <= 1e-5, (rank, name, r)
             assert r["loss"] <= 1e-5 and r["norm"] <= 1e-5, (rank, name, r)
         assert results["hybrid"]["world_size"] == 2, results  # sharded inside the node
+        assert results["hybrid_2d_mesh"]["world_size"] == 2
         assert results["no_shard"]["world_size"] == 1
         assert results["hpz"]["world_size"] == 4
 
@@ -224,6 +239,10 @@ def _errors():
         "hpz_with_hybrid": dict(sharding_strategy=S.HYBRID_SHARD, hpz_partition_size=2),
         "hpz_not_dividing": dict(hpz_partition_size=3),
         "hpz_zero": dict(hpz_partition_size=0),
+        "mesh_1d_for_hybrid": dict(sharding_strategy=S.HYBRID_SHARD,
+                                   device_mesh=_mesh_2x2()["shard"]),
+        "mesh_and_group": dict(sharding_strategy=S.HYBRID_SHARD, device_mesh=_mesh_2x2(),
+                               process_group=(intra, inter)),
     }
     out = {}
     for name, kwargs in cases.items():
@@ -246,6 +265,9 @@ def test_clear_errors_before_any_collective(nodes2x2):
         assert "use FULL_SHARD" in r["hpz_with_hybrid"]
         assert "must divide" in r["hpz_not_dividing"]
         assert "hpz_partition_size=0" in r["hpz_zero"]
+        assert "expected a 2-D torch DeviceMesh (replicate, shard), got ndim=1" in \
+            r["mesh_1d_for_hybrid"]
+        assert "not both" in r["mesh_and_group"]
 
 
 def _initialize_with_hpz():

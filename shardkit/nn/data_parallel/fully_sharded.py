@@ -62,7 +62,8 @@ from shardkit.nn.data_parallel.sharded_checkpoint import (consolidate_shard_weig
                                                           reshard_local_state_dicts,
                                                           shard_optimizer_state,
                                                           unshard_optimizer_state)
-from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, resolve_groups,
+from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, groups_of_mesh,
+                                                          resolve_groups,
                                                           resolve_sharding_strategy)
 from shardkit.transport import resolve_transport
 
@@ -103,6 +104,8 @@ class FullyShardedDataParallel(nn.Module):
             gather each rank keeps its rows of a partition over blocks of this many
             consecutive ranks (``Ψ_u/h`` per unit, compute dtype, until backward), and the
             backward gather runs inside the block (a node when ``h`` is the ranks per node).
+        device_mesh: instead of ``process_group``, a torch ``DeviceMesh``: 2-D
+            ``(replicate, shard)`` for the hybrid strategies, 1-D otherwise.
         mixed_precision: compute in ``compute_dtype`` (default fp16) with fp32 master shards;
             or a :class:`MixedPrecisionPolicy`.
         fp32_reduce_scatter: reduce-scatter gradients in fp32 under mixed precision.
@@ -130,7 +133,7 @@ class FullyShardedDataParallel(nn.Module):
                  move_params_to_cpu: bool = False, compute_dtype: Optional[torch.dtype] = None,
                  buffer_dtype: Optional[torch.dtype] = None, comm=None,
                  sharding_strategy: Union[ShardingStrategy, str, None] = None,
-                 hpz_partition_size: int = 1):
+                 hpz_partition_size: int = 1, device_mesh=None):
         _check_wrappable(module)
         transport = resolve_transport(comm, "FullyShardedDataParallel")
         if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
@@ -148,6 +151,11 @@ class FullyShardedDataParallel(nn.Module):
         skdist.require_initialized("FullyShardedDataParallel")
         policy = resolve_mixed_precision(mixed_precision, compute_dtype, buffer_dtype,
                                          fp32_reduce_scatter)
+        if device_mesh is not None:
+            if process_group is not None:
+                raise ValueError("FullyShardedDataParallel: pass process_group or device_mesh, "
+                                 "not both")
+            process_group = groups_of_mesh(device_mesh, strategy)
         groups = resolve_groups(strategy, process_group, hpz_partition_size)
         super().__init__()
         self._fsdp_wrapped_module = module

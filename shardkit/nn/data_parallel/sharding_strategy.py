@@ -33,7 +33,8 @@ from typing import Optional
 
 from shardkit import distributed as skdist
 
-__all__ = ["ShardingStrategy", "UnitGroups", "resolve_sharding_strategy", "resolve_groups"]
+__all__ = ["ShardingStrategy", "UnitGroups", "resolve_sharding_strategy", "resolve_groups",
+           "groups_of_mesh"]
 
 
 class ShardingStrategy(enum.Enum):
@@ -128,6 +129,22 @@ def _check_pair(pair) -> tuple:
                          f"{inter_ranks})): the groups must share only this rank ({me}); a "
                          f"shard group and its replica group are orthogonal")
     return intra, inter
+
+
+def groups_of_mesh(device_mesh, strategy: ShardingStrategy):
+    """``process_group`` from a torch ``DeviceMesh`` (its groups already exist): a 2-D mesh
+    ``(replicate, shard)`` for hybrid strategies gives ``(shard group, replicate group)``, as
+    torch FSDP1 reads it; a 1-D mesh for the others gives its one group."""
+    ndim = getattr(device_mesh, "ndim", None)
+    wanted = 2 if strategy.is_hybrid else 1
+    if ndim != wanted:
+        raise ValueError(f"FullyShardedDataParallel(device_mesh={device_mesh!r}, "
+                         f"sharding_strategy={strategy.name}): expected a {wanted}-D "
+                         f"torch DeviceMesh" + (" (replicate, shard)" if wanted == 2 else "")
+                         + f", got ndim={ndim}")
+    if wanted == 2:
+        return device_mesh.get_group(1), device_mesh.get_group(0)
+    return device_mesh.get_group(0)
 
 
 def resolve_groups(strategy: ShardingStrategy, process_group,
