@@ -10,6 +10,7 @@ import torch.nn as nn
 from shardkit import distributed as skdist
 from shardkit.distributed import CommCounter
 from shardkit.models import GPT, MLP
+from shardkit.nn.checkpoint import checkpoint_wrapper
 from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
 from shardkit.nn.data_parallel.flat_param import shard_rows
 from shardkit.nn.data_parallel.sharding_strategy import ShardingStrategy
@@ -49,6 +50,10 @@ CONFIGS = [  # (name, FSDP kwargs, micro_batches with no_sync, clip)
     ("shard_grad_op", {"sharding_strategy": S.SHARD_GRAD_OP}, 1, None),
     ("no_shard", {"sharding_strategy": S.NO_SHARD}, 2, 0.05),
     ("hpz", {"hpz_partition_size": 2}, 1, 0.05),
+    # blocks recomputed in backward: the recomputation gathers again, backward still works
+    ("hpz_checkpointed", {"hpz_partition_size": 2, "checkpointed": True}, 1, None),
+    ("hybrid_checkpointed", {"sharding_strategy": S.HYBRID_SHARD, "checkpointed": True}, 1,
+     None),
 ]
 
 
@@ -77,7 +82,11 @@ def _parity(names=None):
             kwargs["device_mesh"] = _mesh_2x2()
         reference = build_gpt()
         ref_optim = make_optimizer(reference)
-        model = wrap_gpt(build_gpt(), **kwargs)
+        module = build_gpt()
+        if kwargs.pop("checkpointed", False):
+            for block in module.blocks:
+                checkpoint_wrapper(block)
+        model = wrap_gpt(module, **kwargs)
         optim = make_optimizer(model)
         worst = {"shards": 0.0, "loss": 0.0, "norm": 0.0}
         for step in range(STEPS):
