@@ -342,3 +342,23 @@ def test_hpz_secondary_partition_lives_from_forward_to_backward(nodes2x2):
     for r in nodes2x2.run(_hpz_secondary_lifetime):
         assert r["no_grad"] == 0 and r["backward"] == 0, r
         assert r["forward"] == r["counted"] == r["expected"], r
+
+
+def _hpz_over_the_whole_group():
+    """hpz_partition_size = world size: the secondary partition is the whole gather (backward
+    gathers over the world again from it): still on, and still in step."""
+    reference = build_gpt()
+    ref_optim = make_optimizer(reference)
+    model = wrap_gpt(build_gpt(), hpz_partition_size=4)
+    optim = make_optimizer(model)
+    for step in range(2):
+        train_step(reference, ref_optim, step, local=False)
+        train_step(model, optim, step)
+    groups = {skdist.group_ranks(u._shard.hpz_group) == [0, 1, 2, 3]
+              for u in model.sharded_units() if u._shard is not None}
+    return {"diff": _shard_diff(model, reference), "hpz_on": groups}
+
+
+def test_hpz_partition_of_the_whole_group(nodes2x2):
+    for r in nodes2x2.run(_hpz_over_the_whole_group):
+        assert r["hpz_on"] == {True} and r["diff"] <= 1e-5, r

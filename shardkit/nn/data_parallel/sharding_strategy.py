@@ -185,8 +185,7 @@ def resolve_groups(strategy: ShardingStrategy, process_group,
                          f"node, {skdist.ranks_per_node()})")
     if process_group is None and hpz_partition_size == skdist.ranks_per_node():
         return UnitGroups(None, None, skdist.node_groups()[0])
-    if hpz_partition_size == size:
-        return UnitGroups(process_group, None, process_group)
+    # (a block of the whole group is a named group too: None would read as "no hpZ")
     hpz = _group_of_blocks(skdist.group_ranks(process_group), hpz_partition_size,
                            skdist.get_rank())
     return UnitGroups(process_group, None, hpz)
