@@ -23,6 +23,13 @@ HYBRID_SHARD                shard = node, replicate = peers  ``2(M/n)(k-1)/k``
 _HYBRID_SHARD_ZERO2         as HYBRID_SHARD, no reshard      ``2(M/n)(k-1)/k``
 NO_SHARD                    shard = self, replicate = all    ``2M(nk-1)/nk``
 ==========================  ===============================  ==========================
+
+Memory per rank (fp32 Adam): ``16Ψ/|shard|`` of model state plus the gathered units, so
+``16Ψ/(nk)`` for FULL_SHARD / SHARD_GRAD_OP / hpZ, ``16Ψ/n`` for the hybrid strategies and
+``16Ψ`` for NO_SHARD (whose "gather" is a local copy, kept from forward to backward: one more
+``Ψ`` in the compute dtype). hpZ adds its secondary partitions, ``Ψ_u/h`` per resharded unit
+in the compute dtype, from the unit's forward to its backward gather (``Ψ/h`` at the end of
+forward).
 """
 
 from __future__ import annotations
