@@ -1,6 +1,7 @@
 """``python -m shardkit COMMAND``: the command-line entry points.
 
 Commands:
+    cluster      run a torchrun job on a simulated multi-node cluster (network namespaces)
     consolidate  write a plain fp32 state_dict from a shardkit.initialize checkpoint
     demo         multi-process CPU training that shows what each wrapper saves and costs
     plan         per-rank memory of ZeRO stages 0-3 for a parameter count or a model
@@ -15,7 +16,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     """Dispatch ``python -m shardkit COMMAND ...`` to the command's module; returns its exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "shardkit.demo", "plan": "shardkit.plan",
+    commands = {"demo": "shardkit.demo", "plan": "shardkit.plan", "cluster": "shardkit.cluster",
                 "consolidate": "shardkit.checkpoint.consolidate"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         parser = argparse.ArgumentParser(prog="python -m shardkit")

@@ -12,7 +12,8 @@ Keys that change behaviour:
     optimizer.{type, params}, scheduler.{type, params}, gradient_clipping, steps_per_print,
     zero_optimization.{stage, reduce_bucket_size, offload_param.device (stage 3),
     offload_optimizer.device, zero_quantized_weights and zero_quantized_gradients (stage 3:
-    FSDP's quantize_weights / quantize_gradients, ZeRO++)}, fp16.{enabled, loss_scale,
+    FSDP's quantize_weights / quantize_gradients, ZeRO++), zero_hpz_partition_size (stage 3:
+    FSDP's hpz_partition_size)}, fp16.{enabled, loss_scale,
     initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale,
     raise_error_at_min_scale}, bf16.enabled.
 Keys accepted for compatibility with DeepSpeed configs, validated, without effect here:
@@ -153,6 +154,7 @@ SCHEMA: dict = {
         "elastic_checkpoint": _bool(), "ignore_unused_parameters": _bool(True),
         "load_from_fp32_weights": _bool(True), "cpu_offload": _bool(),
         "zero_quantized_weights": _bool(), "zero_quantized_gradients": _bool(),
+        "zero_hpz_partition_size": _int(1, 1),
     },
     "fp16": {
         "enabled": _bool(), "auto_cast": _bool(), "loss_scale": _num(0.0, 0),
@@ -200,6 +202,7 @@ class ZeroConfig:
     offload_param_device: str = "none"
     quantized_weights: bool = False  # ZeRO++ qwZ (stage 3)
     quantized_gradients: bool = False  # ZeRO++ qgZ (stage 3)
+    hpz_partition_size: int = 1  # ZeRO++ hpZ (stage 3): backward gathers in blocks this size
 
 
 @dataclass(frozen=True)
@@ -252,6 +255,10 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
                                             checked["gradient_accumulation_steps"],
                                             data_parallel_size)
     zero, notes = _zero_config(checked["zero_optimization"])
+    if data_parallel_size % zero.hpz_partition_size:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size={zero.hpz_partition_size} "
+                          f"must divide the data-parallel size {data_parallel_size} (use the "
+                          f"ranks per node)")
     precision = _precision_config(checked["fp16"], checked["bf16"])
     return EngineConfig(
         train_batch_size=train, train_micro_batch_size_per_gpu=micro,
@@ -430,9 +437,15 @@ def _zero_config(section: dict) -> tuple[ZeroConfig, list[str]]:
             notes.append(f"zero_optimization.zero_{key} only applies at stage 3 (FSDP's "
                          f"quantized collectives); ignored at stage {stage}")
             quantized[key] = False
+    hpz = section["zero_hpz_partition_size"]
+    if hpz > 1 and stage < 3:
+        notes.append(f"zero_optimization.zero_hpz_partition_size only applies at stage 3; "
+                     f"ignored at stage {stage}")
+        hpz = 1
     return ZeroConfig(stage=stage, reduce_bucket_size=None if bucket is None else int(bucket),
                       offload_optimizer_device=optim_device,
-                      offload_param_device=param_device, **quantized), notes
+                      offload_param_device=param_device, hpz_partition_size=hpz,
+                      **quantized), notes
 
 
 def _precision_config(fp16: dict, bf16: dict) -> PrecisionConfig:

@@ -34,6 +34,7 @@ __all__ = [
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
     "broadcast_object", "all_gather_object",
     "CommCounter", "CommRecord", "ReduceOp", "destroy",
+    "ranks_per_node", "node_of", "spans_nodes", "node_groups",
 ]
 
 ReduceOp = dist.ReduceOp
@@ -145,9 +146,12 @@ def destroy() -> None:
     Note: without the barrier, a rank that finishes first can tear down gloo's connections while
     a peer is still completing the last collective, and gloo then aborts the process
     ("terminate called without an active exception")."""
+    global _node_groups
     if is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    _node_groups = None
+    _spanning.clear()
 
 
 def get_rank(group=None) -> int:
@@ -184,6 +188,73 @@ def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None):
     return dist.new_group(ranks=list(ranks), **kwargs)
 
 
+# ----------------------------------------------------------------------------- topology
+# Which ranks share a node comes from torchrun: LOCAL_WORLD_SIZE ranks per node, and node
+# GROUP_RANK holds global ranks [GROUP_RANK * LOCAL_WORLD_SIZE, (GROUP_RANK + 1) *
+# LOCAL_WORLD_SIZE) (torchrun numbers ranks node by node). Without LOCAL_WORLD_SIZE every rank
+# counts as being on one node.
+
+
+def ranks_per_node() -> int:
+    """Ranks on each node: torchrun's ``LOCAL_WORLD_SIZE`` (the world size when it is not set).
+
+    Raises RuntimeError when the world is not a whole number of equal nodes, or when
+    ``GROUP_RANK`` disagrees with that layout (a launcher that numbers ranks differently)."""
+    world = get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if per_node < 1 or world % per_node:
+        raise RuntimeError(f"LOCAL_WORLD_SIZE={per_node} does not divide the world size {world}; "
+                           f"shardkit needs the same number of ranks on every node")
+    group_rank = os.environ.get("GROUP_RANK")
+    if group_rank is not None and int(group_rank) != get_rank() // per_node:
+        raise RuntimeError(f"GROUP_RANK={group_rank} but rank {get_rank()} // LOCAL_WORLD_SIZE="
+                           f"{per_node} is {get_rank() // per_node}: ranks are not numbered node "
+                           f"by node as torchrun does")
+    return per_node
+
+
+def node_of(rank: int) -> int:
+    """The node (torchrun's group rank) that global rank ``rank`` runs on."""
+    return rank // ranks_per_node()
+
+
+_spanning: dict = {}  # id(group object) -> (the object, whether its ranks span nodes)
+
+
+def spans_nodes(group=None) -> bool:
+    """Whether the ranks of ``group`` (``None``: the default group) sit on more than one node.
+    Cached per group; costs no communication."""
+    resolved = group if group is not None else (dist.group.WORLD if is_initialized() else None)
+    entry = _spanning.get(id(resolved))
+    if entry is None or entry[0] is not resolved:
+        ranks = group_ranks(group) if is_initialized() else [0]
+        entry = (resolved, len({node_of(r) for r in ranks}) > 1)
+        _spanning[id(resolved)] = entry
+    return entry[1]
+
+
+_node_groups: Optional[tuple] = None
+
+
+def node_groups() -> tuple:
+    """``(intra_node, inter_node)``: the group of the ranks on this rank's node, and the group of
+    the ranks with this rank's local index on every node (the data-parallel replicas of hybrid
+    sharding). Collective the first time (creates one group per node and one per local index,
+    on every rank alike), cached after. Costs no tensor traffic."""
+    global _node_groups
+    if _node_groups is None:
+        per_node, world, rank = ranks_per_node(), get_world_size(), get_rank()
+        intra = inter = None
+        for node in range(world // per_node):
+            group = new_group(range(node * per_node, (node + 1) * per_node))
+            intra = group if node == rank // per_node else intra
+        for local in range(per_node):
+            group = new_group(range(local, world, per_node))
+            inter = group if local == rank % per_node else inter
+        _node_groups = (intra, inter)
+    return _node_groups
+
+
 # ----------------------------------------------------------------------------- counting
 
 
@@ -196,6 +267,7 @@ class CommRecord:
     dtype: torch.dtype
     bytes: float
     group_size: int
+    spans_nodes: bool = False  # the op's group has ranks on more than one node
 
 
 class CallList(list):
@@ -244,6 +316,11 @@ class CommCounter:
         calls: list of :class:`CommRecord`, one per collective (an ``int`` compares with its
             length); ``calls_by_op`` gives ``{op name: count}``.
 
+    Per link: ``intra_node_bytes`` counts ops on groups whose ranks share one node,
+    ``inter_node_bytes`` ops on groups that span nodes, both under the same convention and
+    classified by the op's group (a send on a spanning group counts as spanning even when its
+    peer shares the node); topology from :func:`ranks_per_node`.
+
     Counters nest: an op issued inside two counters is recorded once in each. Asynchronous
     ops are recorded once, when issued. Costs nothing on the wire.
     """
@@ -273,6 +350,21 @@ class CommCounter:
     def elements(self) -> float:
         """Elements on the wire: bytes of each record divided by its element size."""
         return sum(r.bytes / _elem_size(r.dtype) for r in self.calls if r.numel)
+
+    @property
+    def inter_node_bytes(self) -> float:
+        """Bytes of the ops on groups that span nodes (all of them on one node: 0)."""
+        return sum(r.bytes for r in self.calls if r.spans_nodes)
+
+    @property
+    def intra_node_bytes(self) -> float:
+        """Bytes of the ops on groups inside one node."""
+        return sum(r.bytes for r in self.calls if not r.spans_nodes)
+
+    @property
+    def inter_node_elements(self) -> float:
+        """Elements of the ops on groups that span nodes."""
+        return sum(r.bytes / _elem_size(r.dtype) for r in self.calls if r.numel and r.spans_nodes)
 
     def reset(self) -> None:
         self.calls = CallList()
@@ -312,6 +404,7 @@ def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtyp
     if not _active_counters:
         return
     n = get_world_size(group)
+    spanning = spans_nodes(group)
     if isinstance(full, torch.Tensor):
         numel, dtype, nbytes = full.numel(), full.dtype, full.numel() * full.element_size()
     elif dtype is not None:  # a byte count of tensors of ``dtype``
@@ -319,7 +412,8 @@ def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtyp
     else:  # a byte count (object collectives)
         numel, dtype, nbytes = full, torch.uint8, full
     record = CommRecord(op=op, numel=numel, dtype=dtype,
-                        bytes=_WIRE_FACTOR[kind or op](n) * nbytes, group_size=n)
+                        bytes=_WIRE_FACTOR[kind or op](n) * nbytes, group_size=n,
+                        spans_nodes=spanning)
     with _counter_lock:
         for counter in _active_counters:
             counter.calls.append(record)

@@ -12,6 +12,10 @@ stage  wrappers                                 params grads optimizer communica
 3      FullyShardedDataParallel per block       1/N   1/N   1/N       3Ψ(N-1)/N
 ====== ======================================= ===== ===== ========= ==========================
 
+``zero_optimization.zero_hpz_partition_size=h`` (stage 3, DeepSpeed's hpZ) gives every FSDP unit
+``hpz_partition_size=h``: backward gathers inside blocks of ``h`` ranks (a node), leaving
+``2Ψ(N-1)/N`` on links between blocks, for ``Ψ/h`` more memory per resharded unit.
+
 Master weights and optimizer state are always fp32; ``fp16``/``bf16`` run the forward and
 backward under ``torch.autocast`` (CPU or CUDA), fp16 with a :class:`DynamicLossScaler` whose
 skip decision is all-reduced (one element) so every rank skips together.
@@ -191,6 +195,8 @@ def compose_stage3(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineConfig)
         fsdp_kwargs["quantize_weights"] = True
     if cfg.zero.quantized_gradients:
         fsdp_kwargs["quantize_gradients"] = True
+    if cfg.zero.hpz_partition_size > 1:  # ZeRO++ hpZ: backward gathers inside the block
+        fsdp_kwargs["hpz_partition_size"] = cfg.zero.hpz_partition_size
     wrapped = auto_wrap(model, auto_wrap_policy=_stage3_wrap_policy(model), **fsdp_kwargs)
     if not isinstance(wrapped, FSDP):  # the policy may have wrapped the root already
         wrapped = FSDP(wrapped, **fsdp_kwargs)
@@ -531,7 +537,7 @@ def _ensure_process_group() -> None:
     if "RANK" not in os.environ:
         from shardkit.testing import free_port
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+                           "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     distributed.init_distributed()
 
 

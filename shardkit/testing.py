@@ -35,10 +35,12 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
+from shardkit.cluster import SimulatedCluster, cluster_unavailable_reason, run_cluster  # re-exported
 from shardkit.models import GPT, GPTConfig, MLP, Block, reference_gpt_config  # re-exported
 
 __all__ = ["World", "WorldError", "free_port", "world_fixture", "GPT", "GPTConfig", "MLP", "Block",
-           "reference_gpt_config", "run_in_world"]
+           "reference_gpt_config", "run_in_world", "SimulatedCluster", "cluster_unavailable_reason",
+           "run_cluster"]
 
 _DEFAULT_TIMEOUT = float(os.environ.get("SHARDKIT_TEST_TIMEOUT", "240"))
 
@@ -55,10 +57,11 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, stack_file: str,
-            threads: int, env: dict) -> None:
+            threads: int, env: dict, per_node: int) -> None:
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_RANK": str(rank % per_node), "LOCAL_WORLD_SIZE": str(per_node),
+                       "GROUP_RANK": str(rank // per_node), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
     dump = open(stack_file, "w")
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
@@ -93,12 +96,21 @@ class World:
         timeout: seconds a single :meth:`run` may take before it fails with every rank's stack.
         threads: torch intra-op threads per rank (1 keeps a 2-core machine responsive).
         env: extra environment variables for the ranks (e.g. ``{"TRITON_INTERPRET": "1"}``).
+        ranks_per_node: label the ranks as torchrun would on nodes of this many ranks
+            (``LOCAL_WORLD_SIZE``, ``LOCAL_RANK``, ``GROUP_RANK``), so that topology-aware code
+            and ``CommCounter``'s per-link split see several nodes; every rank still runs on
+            this machine (:func:`run_cluster` gives real separate nodes). Default: one node.
     """
 
     def __init__(self, world_size: int, timeout: float = _DEFAULT_TIMEOUT, threads: int = 1,
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, ranks_per_node: Optional[int] = None):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"World(world_size={world_size!r}): must be an int >= 1")
+        per_node = world_size if ranks_per_node is None else ranks_per_node
+        if not isinstance(per_node, int) or per_node < 1 or world_size % per_node:
+            raise ValueError(f"World(ranks_per_node={ranks_per_node!r}): must be an int >= 1 "
+                             f"that divides world_size={world_size}")
+        self.ranks_per_node = per_node
         self.world_size = world_size
         self.timeout = timeout
         self.threads = threads
@@ -115,7 +127,7 @@ class World:
         self._procs = [
             ctx.Process(target=_worker, daemon=True,
                         args=(r, self.world_size, port, self._tasks[r], self._results,
-                              self._stack_file(r), self.threads, self.env))
+                              self._stack_file(r), self.threads, self.env, self.ranks_per_node))
             for r in range(self.world_size)
         ]
         for p in self._procs:

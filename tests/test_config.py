@@ -119,3 +119,22 @@ def test_missing_file_and_bad_json(tmp_path):
         load_config(str(bad), 1)
     with pytest.raises(ConfigError, match="no config given"):
         load_config(None, 1)
+
+
+def test_zero_hpz_partition_size():
+    base = {"train_batch_size": 8}
+    cfg = load_config({**base, "zero_optimization": {"stage": 3,
+                                                     "zero_hpz_partition_size": 2}}, 4)
+    assert cfg.zero.hpz_partition_size == 2 and not cfg.warnings
+    assert load_config(base, 4).zero.hpz_partition_size == 1
+    below = load_config({**base, "zero_optimization": {"stage": 2,
+                                                       "zero_hpz_partition_size": 2}}, 4)
+    assert below.zero.hpz_partition_size == 1
+    assert any("zero_hpz_partition_size only applies at stage 3" in w for w in below.warnings)
+    with pytest.raises(ConfigError, match="zero_hpz_partition_size=3 must divide the "
+                                          "data-parallel size 4"):
+        load_config({**base, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}},
+                    4)
+    with pytest.raises(ConfigError, match="zero_optimization.zero_hpz_partition_size=0"):
+        load_config({**base, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0}},
+                    4)

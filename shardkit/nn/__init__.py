@@ -8,6 +8,7 @@ _EXPORTS = {
     "ShardedDataParallel": "shardkit.nn.data_parallel.sharded_ddp",
     "FullyShardedDataParallel": "shardkit.nn.data_parallel.fully_sharded",
     "FSDP": "shardkit.nn.data_parallel.fully_sharded",
+    "ShardingStrategy": "shardkit.nn.data_parallel.sharding_strategy",
     "checkpoint_wrapper": "shardkit.nn.checkpoint",
     "auto_wrap": "shardkit.nn.wrap",
     "enable_wrap": "shardkit.nn.wrap",

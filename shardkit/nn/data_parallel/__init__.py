@@ -7,6 +7,7 @@ _EXPORTS = {
     "FullyShardedDataParallel": "shardkit.nn.data_parallel.fully_sharded",
     "FSDP": "shardkit.nn.data_parallel.fully_sharded",
     "MixedPrecisionPolicy": "shardkit.nn.data_parallel.fully_sharded",
+    "ShardingStrategy": "shardkit.nn.data_parallel.sharding_strategy",
 }
 
 __all__ = sorted(_EXPORTS)

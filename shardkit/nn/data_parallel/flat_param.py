@@ -13,9 +13,16 @@ module sees views of ``full`` in place of its parameters. Backward accumulates t
 into ``full.grad``; it is packed rank-major with ``pack_rank_major`` (pre-divided by ``N``) and
 reduce-scattered by one transport operation into the shards' ``.grad``.
 
+Hybrid sharding adds a ``replicate_group``: the shards are identical on its ranks, and after the
+reduce-scatter the gradient shard is all-reduced over it (gradients are pre-divided by
+``N x replicas``). hpZ adds an ``hpz_group`` (a node-sized block of ``group``): when the
+forward gather is freed, each rank keeps its rows of a ``hpz``-way secondary partition, and the
+backward gather is an all-gather over ``hpz_group`` only.
+
 Memory per unit: the flat shard (``Ψ_u/N`` + padding, master dtype) always; ``full`` (``Ψ_u``,
 compute dtype) only between gather and free; a transport may hold a rank-major scratch buffer
-until the gather completes.
+until the gather completes; with hpZ, the secondary partition (``Ψ_u/h``, compute dtype) from
+the forward free to the backward gather.
 """
 
 from __future__ import annotations
@@ -131,18 +138,26 @@ class FlatParamShard:
             (they differ only under CPU offload with a GPU).
         on_grad_ready: called with this object once backward has filled ``full.grad``.
         transport: what carries the all-gathers and reduce-scatters.
+        replicate_group: ranks holding the same shard (hybrid sharding, NO_SHARD): gradient
+            shards are all-reduced over it after the reduce-scatter. ``None``: no replicas.
+        hpz_group: hpZ's secondary partition group (a block of ``group``, e.g. one node):
+            the backward gather runs over it from the rows kept at the forward free.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], locations: Sequence[list],
                  group, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
                  compute_device: torch.device, storage_device: torch.device,
-                 on_grad_ready: Callable[["FlatParamShard"], None], transport: Transport):
+                 on_grad_ready: Callable[["FlatParamShard"], None], transport: Transport,
+                 replicate_group=None, hpz_group=None):
         self.params = list(params)
         self.locations = [list(locs) for locs in locations]
         self.group = group
         self.transport = transport
         self.world_size = skdist.get_world_size(group)
         self.rank = skdist.get_rank(group)
+        self.replicate_group = replicate_group
+        self.replicas = 1 if replicate_group is None else skdist.get_world_size(replicate_group)
+        self.hpz_group = hpz_group
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) > 1:
             raise ValueError(f"FullyShardedDataParallel: one unit's parameters must share a "
@@ -157,6 +172,11 @@ class FlatParamShard:
         self.chunk_numels = [lay.chunk_numel for lay in self.layouts]
         self.numels = [lay.numel for lay in self.layouts]
         self.shard_numel = sum(self.chunk_numels)
+        self._secondary = None  # hpZ: this rank's rows of the hpz-way partition, or None
+        if hpz_group is not None:
+            self.hpz_layouts = [ParamLayout(p.shape, skdist.get_world_size(hpz_group))
+                                for p in self.params]
+            self.hpz_rank = skdist.get_rank(hpz_group)
         self.flat_shard = self._shard_into_flat_buffer()
         self.full = self._make_full_leaf(on_grad_ready)
         self.gathered = False
@@ -216,19 +236,27 @@ class FlatParamShard:
                     view.copy_(p.data.reshape(view.shape))
                 p.data = view
 
-    def start_gather(self, prefetch: bool = False) -> None:
+    def start_gather(self, prefetch: bool = False, from_secondary: bool = False) -> None:
         """Issue the unit's all-gather asynchronously (no-op when gathered or in flight).
 
         Wire: ``(N-1) x shard`` elements of the compute dtype, one transport operation
-        straight into ``full``.
+        straight into ``full``. With ``from_secondary`` and a kept hpZ partition: the
+        ``(h-1)/h x Ψ_u`` elements of an all-gather over ``hpz_group`` instead.
         """
         if self.gathered or self._pending_gather is not None:
             return
-        self._readopt_shards()
-        send = self.flat_shard.to(self.compute_device, self.compute_dtype, non_blocking=True)
+        if from_secondary and self._secondary is not None:
+            send, self._secondary = self._secondary, None
+            chunks = send.split([lay.chunk_numel for lay in self.hpz_layouts])
+            group = self.hpz_group
+        else:
+            self._secondary = None
+            self._readopt_shards()
+            send = self.flat_shard.to(self.compute_device, self.compute_dtype, non_blocking=True)
+            chunks, group = send.split(self.chunk_numels), self.group
         self._allocate_full()
-        handle = self.transport.all_gather_chunks(self.full.data.split(self.numels),
-                                                  send.split(self.chunk_numels), self.group)
+        handle = self.transport.all_gather_chunks(self.full.data.split(self.numels), chunks,
+                                                  group)
         self._pending_gather = (handle, send, prefetch)
 
     def _allocate_full(self) -> None:
@@ -270,14 +298,23 @@ class FlatParamShard:
                 module.__dict__.pop(name, None)
         self._exposed = False
 
-    def free_full(self) -> None:
-        """Release the gathered parameters (storage resized to 0: memory really goes down)."""
+    def free_full(self, keep_secondary: bool = False) -> None:
+        """Release the gathered parameters (storage resized to 0: memory really goes down).
+
+        ``keep_secondary`` (hpZ only, after a forward that backward will follow): first copy
+        this rank's rows of the ``hpz``-way partition out of ``full`` (``Ψ_u/h`` elements, no
+        communication). Otherwise any kept partition is dropped."""
         self.hide()
         if self._pending_gather is not None:  # a prefetch nobody consumed
             handle, _send, _prefetched = self._pending_gather
             handle.wait()
             self._pending_gather = None
             self.gathered = True  # it landed in full: released below
+        self._secondary = None
+        if keep_secondary and self.hpz_group is not None and self.gathered:
+            pieces = self.full.detach().split(self.numels)
+            self._secondary = torch.cat([shard_rows(piece, lay, self.hpz_rank).reshape(-1)
+                                         for piece, lay in zip(pieces, self.hpz_layouts)])
         if self.gathered:
             self.full.untyped_storage().resize_(0)
             _GATHERED.sub(self.full_bytes)
@@ -289,24 +326,37 @@ class FlatParamShard:
         return self.full.grad is not None
 
     def start_reduce(self) -> None:
-        """Pack ``full.grad`` rank-major (divided by ``N``) and reduce-scatter it, async.
+        """Pack ``full.grad`` rank-major (divided by ``N x replicas``) and reduce-scatter it,
+        async.
 
         Wire: ``(N-1)/N x N x shard`` elements of the reduce dtype, one transport
-        reduce-scatter.
+        reduce-scatter; with replicas, :meth:`replicate_reduce` adds an all-reduce of the
+        shard over ``replicate_group`` (``2(R-1)/R x shard``).
         """
         grad = self.full.grad
         self.full.grad = None
         packed = pack_rank_major(list(grad.split(self.numels)), self.world_size,
-                                 scale=1.0 / self.world_size, dtype=self.reduce_dtype,
-                                 chunk_numels=self.chunk_numels)
+                                 scale=1.0 / (self.world_size * self.replicas),
+                                 dtype=self.reduce_dtype, chunk_numels=self.chunk_numels)
         del grad
-        self._pending_reduce = self.transport.reduce_scatter(packed, self.group)
+        self._pending_reduce = (self.transport.reduce_scatter(packed, self.group), False)
+
+    def replicate_reduce(self) -> None:
+        """With replicas: wait for the reduce-scatter and issue the all-reduce of its result
+        over ``replicate_group`` (async; no-op otherwise or when already issued)."""
+        if self.replicate_group is None or self._pending_reduce is None \
+                or self._pending_reduce[1]:
+            return
+        out = self._pending_reduce[0].wait()
+        self._pending_reduce = (self.transport.all_reduce(out, self.replicate_group), True)
 
     def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter and add the result to the trainable shards' ``.grad``."""
+        """Wait for the reduce-scatter (and the replicas' all-reduce) and add the result to
+        the trainable shards' ``.grad``."""
         if self._pending_reduce is None:
             return
-        out = self._pending_reduce.wait()
+        self.replicate_reduce()
+        out = self._pending_reduce[0].wait()
         self._pending_reduce = None
         grad_shard = out.to(self.storage_device, self.master_dtype)
         for p, view in zip(self.params, self.shard_views(grad_shard)):
@@ -345,3 +395,5 @@ class FlatParamShard:
         yield "params", self.full
         if self.full.grad is not None:
             yield "grads", self.full.grad
+        if self._secondary is not None:
+            yield "params", self._secondary

@@ -23,6 +23,13 @@ step per rank: ``3Ψ(N-1)/N`` elements with ``reshard_after_forward=True`` (all-
 again in backward, reduce-scatter; the root unit is not re-gathered for backward), ``2Ψ(N-1)/N``
 with ``False``.
 
+``sharding_strategy`` picks FairScale / torch FSDP1's strategies (:mod:`.sharding_strategy`
+has each one's groups and spanning-link bytes): ``HYBRID_SHARD`` shards inside a node and
+replicates across nodes, all-reducing the gradient shard across them (``2(Ψ/n)(k-1)/k``
+elements on inter-node links, n ranks per node, k nodes); ``hpz_partition_size=n`` (DeepSpeed's
+hpZ) keeps a node-sized secondary partition after the forward gather so that backward gathers
+inside the node (``2Ψ(nk-1)/nk`` on inter-node links instead of ``3Ψ(nk-1)/nk``).
+
 The units' all-gathers and reduce-scatters go through the ``comm`` transport
 (:mod:`shardkit.transport`): the process group's own collectives unless another transport is
 given (e.g. :class:`~shardkit.shm_transport.SharedMemoryTransport` for ranks on one host).
@@ -55,10 +62,13 @@ from shardkit.nn.data_parallel.sharded_checkpoint import (consolidate_shard_weig
                                                           reshard_local_state_dicts,
                                                           shard_optimizer_state,
                                                           unshard_optimizer_state)
+from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, groups_of_mesh,
+                                                          resolve_groups,
+                                                          resolve_sharding_strategy)
 from shardkit.quantized_transport import quantized_transport_for
 
-__all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "gathered_param_bytes",
-           "GatheredParamBytes"]
+__all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "ShardingStrategy",
+           "gathered_param_bytes", "GatheredParamBytes"]
 
 _WRAPPED_PREFIX = "_fsdp_wrapped_module."
 _MANAGED_PARAMS: dict[int, weakref.ref] = {}  # id -> parameter, for "already sharded" checks
@@ -76,10 +86,26 @@ class FullyShardedDataParallel(nn.Module):
     Args:
         module: the module to wrap. Inner FSDP units (built first, e.g. with
             :func:`shardkit.nn.wrap.auto_wrap`) keep their own parameters; this unit owns the rest.
-        process_group: group to shard over (default: the world).
+        process_group: group to shard over (default: the world); for ``HYBRID_SHARD`` /
+            ``_HYBRID_SHARD_ZERO2`` a pair ``(intra_node, inter_node)`` (shard over the first,
+            replicate over the second) or ``None`` for
+            :func:`shardkit.distributed.node_groups`; for ``NO_SHARD`` the group to replicate
+            over.
         reshard_after_forward: free this unit's gathered parameters after its forward and gather
             again for backward (3Ψ communication, lowest memory); ``False`` keeps them until the
-            end of backward (2Ψ communication, one more unit of memory per unit).
+            end of backward (2Ψ communication, one more unit of memory per unit). Unset: what
+            ``sharding_strategy`` implies (True for FULL_SHARD).
+        sharding_strategy: a :class:`ShardingStrategy` (or its name): ``FULL_SHARD`` (default),
+            ``SHARD_GRAD_OP`` (= ``reshard_after_forward=False``), ``NO_SHARD`` (every rank
+            keeps the whole unit, gradients all-reduced: DDP's ``2Ψ(N-1)/N``),
+            ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2`` (FULL_SHARD / SHARD_GRAD_OP inside the
+            shard group, gradient shards all-reduced across the replica group).
+        hpz_partition_size: DeepSpeed's hpZ (FULL_SHARD only; 1 = off): after the forward
+            gather each rank keeps its rows of a partition over blocks of this many
+            consecutive ranks (``Ψ_u/h`` per unit, compute dtype, until backward), and the
+            backward gather runs inside the block (a node when ``h`` is the ranks per node).
+        device_mesh: instead of ``process_group``, a torch ``DeviceMesh``: 2-D
+            ``(replicate, shard)`` for the hybrid strategies, 1-D otherwise.
         mixed_precision: compute in ``compute_dtype`` (default fp16) with fp32 master shards;
             or a :class:`MixedPrecisionPolicy`.
         fp32_reduce_scatter: reduce-scatter gradients in fp32 under mixed precision.
@@ -111,16 +137,24 @@ class FullyShardedDataParallel(nn.Module):
     Communication: see the module docstring.
     """
 
-    def __init__(self, module: nn.Module, process_group=None, reshard_after_forward: bool = True,
+    def __init__(self, module: nn.Module, process_group=None,
+                 reshard_after_forward: Optional[bool] = None,
                  mixed_precision: Union[bool, MixedPrecisionPolicy] = False,
                  fp32_reduce_scatter: bool = False, flatten_parameters: bool = True,
                  move_params_to_cpu: bool = False, compute_dtype: Optional[torch.dtype] = None,
                  buffer_dtype: Optional[torch.dtype] = None, comm=None,
+                 sharding_strategy: Union[ShardingStrategy, str, None] = None,
+                 hpz_partition_size: int = 1, device_mesh=None,
                  quantize_weights: bool = False, quantize_gradients: bool = False):
         _check_wrappable(module)
         transport = quantized_transport_for(comm, quantize_weights, quantize_gradients)
-        for name, value in (("reshard_after_forward", reshard_after_forward),
-                            ("flatten_parameters", flatten_parameters),
+        if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"FullyShardedDataParallel(reshard_after_forward="
+                             f"{reshard_after_forward!r}): must be True or False (or None: what "
+                             f"sharding_strategy implies)")
+        strategy, reshard_after_forward = resolve_sharding_strategy(sharding_strategy,
+                                                                    reshard_after_forward)
+        for name, value in (("flatten_parameters", flatten_parameters),
                             ("move_params_to_cpu", move_params_to_cpu),
                             ("fp32_reduce_scatter", fp32_reduce_scatter)):
             if not isinstance(value, bool):
@@ -129,11 +163,20 @@ class FullyShardedDataParallel(nn.Module):
         skdist.require_initialized("FullyShardedDataParallel")
         policy = resolve_mixed_precision(mixed_precision, compute_dtype, buffer_dtype,
                                          fp32_reduce_scatter)
+        if device_mesh is not None:
+            if process_group is not None:
+                raise ValueError("FullyShardedDataParallel: pass process_group or device_mesh, "
+                                 "not both")
+            process_group = groups_of_mesh(device_mesh, strategy)
+        groups = resolve_groups(strategy, process_group, hpz_partition_size)
         super().__init__()
         self._fsdp_wrapped_module = module
-        self.process_group = process_group
-        self.world_size = skdist.get_world_size(process_group)
-        self.rank = skdist.get_rank(process_group)
+        self.sharding_strategy = strategy
+        self.process_group = groups.shard  # what the shards are cut over
+        self.replicate_group = groups.replicate
+        self.hpz_partition_size = hpz_partition_size
+        self.world_size = skdist.get_world_size(groups.shard)
+        self.rank = skdist.get_rank(groups.shard)
         self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = policy.enabled  # a bool, as in FairScale
         self.mixed_precision_policy = policy
@@ -142,12 +185,15 @@ class FullyShardedDataParallel(nn.Module):
         self.comm = transport
         self.quantize_weights = quantize_weights
         self.quantize_gradients = quantize_gradients
-        transport.prepare(process_group)
+        transport.prepare(groups.shard)
+        for group in (groups.replicate, groups.hpz):
+            if group is not None:
+                transport.prepare(group)
         params, locations = _collect_unit_params(module)
         self._buffer_dtypes = _cast_unit_buffers(module, policy.buffer_cast_dtype())
         self._shard: Optional[FlatParamShard] = None
         if params:
-            self._shard = _build_shard(params, locations, process_group, policy,
+            self._shard = _build_shard(params, locations, groups, policy,
                                        move_params_to_cpu, self._on_grad_ready, transport)
             _MANAGED_PARAMS.update((id(p), weakref.ref(p)) for p in params)
         _WRAPPED_MODULES.add(module)
@@ -162,6 +208,7 @@ class FullyShardedDataParallel(nn.Module):
         self._backward_order: list = []
         self._orders_final = False
         self._final_callback_queued = False
+        self._replicas_pending: list = []  # root: shards whose replica all-reduce is not issued
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
 
@@ -233,7 +280,8 @@ class FullyShardedDataParallel(nn.Module):
             yield from self._shard.model_state_tensors()
 
     def extra_repr(self) -> str:
-        return (f"world_size={self.world_size}, reshard_after_forward="
+        return (f"sharding_strategy={self.sharding_strategy.name}, "
+                f"world_size={self.world_size}, reshard_after_forward="
                 f"{self.reshard_after_forward}, unit_numel={self.unit_numel}, "
                 f"mixed_precision={self.mixed_precision_policy}")
 
@@ -268,24 +316,25 @@ class FullyShardedDataParallel(nn.Module):
         grad_enabled = torch.is_grad_enabled()
         keep_for_backward = grad_enabled and (self._is_root or not self.reshard_after_forward)
         if self._shard is not None and not keep_for_backward:
-            self._shard.free_full()
+            self._shard.free_full(keep_secondary=grad_enabled)
         if grad_enabled:
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward_hook)
         return output
 
-    def _gather_with_next(self, order: list) -> None:
+    def _gather_with_next(self, order: list, backward: bool = False) -> None:
         """Gather this unit (unless prefetched), issue the next unit's gather in ``order``
-        before waiting, so it overlaps this one's wait and compute, then expose this unit."""
+        before waiting, so it overlaps this one's wait and compute, then expose this unit.
+        In ``backward``, a unit that kept an hpZ partition gathers from it."""
         if self._shard is not None:
-            self._shard.start_gather()
-        self._root._prefetch_after(self, order)
+            self._shard.start_gather(from_secondary=backward)
+        self._root._prefetch_after(self, order, backward)
         if self._shard is not None:
             self._shard.finish_gather()
             self._shard.expose()
 
-    def _prefetch_after(self, unit, order: list) -> None:
+    def _prefetch_after(self, unit, order: list, backward: bool = False) -> None:
         """Note: prefetch order. The first iteration records the order in which units run
         forward and backward; later iterations issue the next unit's all-gather asynchronously
         as soon as the current unit's parameters are ready, so it overlaps the current unit's
@@ -299,7 +348,7 @@ class FullyShardedDataParallel(nn.Module):
         if position + 1 < len(order):
             following = order[position + 1]
             if following._shard is not None:
-                following._shard.start_gather(prefetch=True)
+                following._shard.start_gather(prefetch=True, from_secondary=backward)
 
     # ------------------------------------------------------------------ backward
 
@@ -313,7 +362,7 @@ class FullyShardedDataParallel(nn.Module):
             root._backward_order.append(self)
         # an activation-checkpointed forward is recomputed during backward and reads
         # module.weight again: _gather_with_next exposes the gathered parameters for it
-        self._gather_with_next(root._backward_order)
+        self._gather_with_next(root._backward_order, backward=True)
         return grad
 
     def _queue_final_callback(self) -> None:
@@ -325,18 +374,28 @@ class FullyShardedDataParallel(nn.Module):
         """All of this unit's gradient is in ``full.grad``: reduce-scatter it (async) unless
         inside ``no_sync``, and free the gathered parameters."""
         if self._require_backward_grad_sync:
+            root = self._root
+            # hybrid: the previous unit's reduce-scatter has had this unit's backward to
+            # finish; its all-reduce across replicas now overlaps the rest of backward
+            for earlier in root._replicas_pending:
+                earlier.replicate_reduce()
             shard.start_reduce()
+            root._replicas_pending = [shard] if shard.replicate_group is not None else []
         shard.free_full()
 
     def _finish_backward(self) -> None:
         """Root only, at the end of backward: wait for every reduce-scatter, hand the shards
         their gradients, free whatever is still gathered, close the first iteration's order."""
+        for unit in self.sharded_units():  # every replica all-reduce in flight before waiting
+            if unit._shard is not None:
+                unit._shard.replicate_reduce()
         for unit in self.sharded_units():
             if unit._shard is not None:
                 unit._shard.finish_reduce()
                 unit._shard.free_full()
             unit._pre_backward_done = False
         self._final_callback_queued = False
+        self._replicas_pending = []
         self._orders_final = True
 
     @contextlib.contextmanager
@@ -454,14 +513,16 @@ class FullyShardedDataParallel(nn.Module):
                   for name, p in self.named_parameters(remove_duplicate=False)
                   if id(p) in layouts}
         buffers = [_clean_name(name) for name, _ in self.named_buffers()]
-        return local_metadata(self.world_size, self.rank, shapes, buffers)
+        replica = 0 if self.replicate_group is None else skdist.get_rank(self.replicate_group)
+        return local_metadata(self.world_size, self.rank, shapes, buffers, replica=replica)
 
     consolidate_shard_weights = staticmethod(consolidate_shard_weights)
 
     def load_local_state_dict(self, state_dict, metadata=None) -> None:
         """Load :meth:`local_state_dict` output. Pass this rank's own dict when the world size
         is unchanged, or the list of every rank's dicts with ``metadata=`` the list of their
-        :meth:`local_metadata_dict` (any world size) to reshard: each rank re-slices its rows.
+        :meth:`local_metadata_dict` (any world size, any sharding strategy: replicas' copies of
+        a shard are skipped) to reshard: each rank re-slices its rows.
         No communication."""
         local = reshard_local_state_dicts(state_dict, metadata, self.world_size, self.rank)
         nn.Module.load_state_dict(self, self._to_wrapped_keys(local), strict=True)
@@ -618,7 +679,7 @@ def _cast_unit_buffers(module: nn.Module, dtype: Optional[torch.dtype]) -> list:
     return changed
 
 
-def _build_shard(params, locations, group, policy: MixedPrecisionPolicy,
+def _build_shard(params, locations, groups, policy: MixedPrecisionPolicy,
                  move_params_to_cpu: bool, on_grad_ready, transport) -> FlatParamShard:
     device = params[0].device
     master = params[0].dtype
@@ -629,10 +690,12 @@ def _build_shard(params, locations, group, policy: MixedPrecisionPolicy,
         storage = torch.device("cpu")
     else:
         compute = storage = device
-    return FlatParamShard(params, locations, group, compute_dtype=policy.compute_dtype(master),
+    return FlatParamShard(params, locations, groups.shard,
+                          compute_dtype=policy.compute_dtype(master),
                           reduce_dtype=policy.gradient_reduce_dtype(master),
                           compute_device=compute, storage_device=storage,
-                          on_grad_ready=on_grad_ready, transport=transport)
+                          on_grad_ready=on_grad_ready, transport=transport,
+                          replicate_group=groups.replicate, hpz_group=groups.hpz)
 
 
 def _cast_floating(t, dtype):

@@ -39,6 +39,8 @@ def unshard_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor],
         for key, value in osd["state"].get(index, {}).items():
             if layout is not None and isinstance(value, torch.Tensor) and value.shape == p.shape:
                 value = gather_rows(value, layout)
+            elif isinstance(value, torch.Tensor):  # e.g. Adam's step: not the live tensor
+                value = value.clone()
             entry[key] = value
         if entry:
             state[index] = entry
@@ -66,12 +68,16 @@ def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tenso
     return {"state": state, "param_groups": copy.deepcopy(full_osd["param_groups"])}
 
 
-def local_metadata(world_size: int, rank: int, shapes: dict, buffer_names: Sequence[str]) -> dict:
+def local_metadata(world_size: int, rank: int, shapes: dict, buffer_names: Sequence[str],
+                   replica: int = 0) -> dict:
     """What :func:`consolidate_shard_weights` and resharding need besides the tensors of a
     ``local_state_dict()``: the world size, this rank, each sharded parameter's full shape (its
     rows are cut in ``world_size`` blocks of ``ceil(rows / world_size)``, the last zero padded)
-    and the buffer keys. Plain Python values (picklable, JSON-able)."""
+    and the buffer keys. ``replica``: this rank's index among the ranks holding the same shard
+    (hybrid sharding, NO_SHARD; 0 otherwise): loaders use replica 0's dicts. Plain Python
+    values (picklable, JSON-able)."""
     return {"format": LOCAL_FORMAT, "world_size": int(world_size), "rank": int(rank),
+            "replica": int(replica),
             "shapes": {name: list(shape) for name, shape in shapes.items()},
             "buffer_names": list(buffer_names)}
 
@@ -86,6 +92,12 @@ def _check_pairs(shard_weights, shard_metadata, what: str) -> list[tuple[dict, d
     if bad:
         raise ValueError(f"{what}: shard_metadata[{bad[0]}] is not a local_metadata_dict() "
                          f"(a dict with 'world_size', 'rank' and 'shapes')")
+    if any(m.get("replica", 0) for m in metas):  # replicas' copies of replica 0's shards
+        kept = [(w, m) for w, m in zip(weights, metas) if not m.get("replica", 0)]
+        weights, metas = [w for w, _ in kept], [m for _, m in kept]
+        if not metas:
+            raise ValueError(f"{what}: every dict given is a replica's copy (replica > 0); "
+                             f"include the dicts of the ranks with replica 0")
     world = metas[0]["world_size"]
     ranks = sorted(m["rank"] for m in metas)
     if ranks != list(range(world)) or any(m["world_size"] != world for m in metas):

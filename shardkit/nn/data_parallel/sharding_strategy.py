@@ -1,0 +1,199 @@
+"""Which ranks a FullyShardedDataParallel unit shards over and which it replicates over.
+
+A strategy resolves to three groups (:class:`UnitGroups`):
+
+- ``shard``: the parameters are cut into row blocks over it (gathered for compute,
+  gradients reduce-scattered over it);
+- ``replicate``: the shards are identical on its ranks; after the reduce-scatter each rank
+  all-reduces its gradient shard over it (``None``: no replication);
+- ``hpz``: DeepSpeed's hpZ secondary partition: after the forward gather each rank keeps the
+  rows of its block in this (node-sized) group, and backward gathers inside it only
+  (``None``: backward gathers over ``shard`` again).
+
+Per step per rank, in elements, with M parameters, n ranks per node and k nodes (the groups of
+:func:`shardkit.distributed.node_groups`), on groups that span nodes:
+
+==========================  ===============================  ==========================
+strategy                    groups                           on spanning groups
+==========================  ===============================  ==========================
+FULL_SHARD                  shard = all nk                   ``3M(nk-1)/nk``
+SHARD_GRAD_OP               shard = all nk                   ``2M(nk-1)/nk``
+FULL_SHARD + hpZ (n)        shard = all, hpz = node          ``2M(nk-1)/nk``
+HYBRID_SHARD                shard = node, replicate = peers  ``2(M/n)(k-1)/k``
+_HYBRID_SHARD_ZERO2         as HYBRID_SHARD, no reshard      ``2(M/n)(k-1)/k``
+NO_SHARD                    shard = self, replicate = all    ``2M(nk-1)/nk``
+==========================  ===============================  ==========================
+
+Memory per rank (fp32 Adam): ``16Ψ/|shard|`` of model state plus the gathered units, so
+``16Ψ/(nk)`` for FULL_SHARD / SHARD_GRAD_OP / hpZ, ``16Ψ/n`` for the hybrid strategies and
+``16Ψ`` for NO_SHARD (whose "gather" is a local copy, kept from forward to backward: one more
+``Ψ`` in the compute dtype). hpZ adds its secondary partitions, ``Ψ_u/h`` per resharded unit
+in the compute dtype, from the unit's forward to its backward gather (``Ψ/h`` at the end of
+forward).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+from shardkit import distributed as skdist
+
+__all__ = ["ShardingStrategy", "UnitGroups", "resolve_sharding_strategy", "resolve_groups",
+           "groups_of_mesh"]
+
+
+class ShardingStrategy(enum.Enum):
+    """FairScale / torch FSDP1's sharding strategies (see the module docstring for costs)."""
+
+    FULL_SHARD = "FULL_SHARD"            # ZeRO-3: params resharded after forward
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"      # ZeRO-2-like: params kept from forward to backward
+    NO_SHARD = "NO_SHARD"                # DDP: replicas everywhere, gradients all-reduced
+    HYBRID_SHARD = "HYBRID_SHARD"        # FULL_SHARD inside a node, replicated across nodes
+    _HYBRID_SHARD_ZERO2 = "_HYBRID_SHARD_ZERO2"  # SHARD_GRAD_OP inside a node, replicated
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+_VALID = ", ".join(s.name for s in ShardingStrategy)
+
+
+def resolve_sharding_strategy(strategy, reshard_after_forward: Optional[bool]
+                              ) -> tuple[ShardingStrategy, bool]:
+    """``(strategy, reshard_after_forward)`` from the constructor's two arguments.
+
+    ``strategy`` is a :class:`ShardingStrategy`, its name, or ``None`` (FULL_SHARD, or
+    SHARD_GRAD_OP when ``reshard_after_forward=False``: FairScale's spelling). An explicit
+    ``reshard_after_forward`` that contradicts the strategy is an error."""
+    if strategy is None:
+        strategy = (ShardingStrategy.SHARD_GRAD_OP if reshard_after_forward is False
+                    else ShardingStrategy.FULL_SHARD)
+    elif isinstance(strategy, str) and strategy in ShardingStrategy.__members__:
+        strategy = ShardingStrategy[strategy]
+    elif not isinstance(strategy, ShardingStrategy):
+        raise ValueError(f"FullyShardedDataParallel(sharding_strategy={strategy!r}): valid "
+                         f"values are ShardingStrategy.{{{_VALID}}} (or their names)")
+    implied = strategy.reshards_after_forward
+    if strategy is ShardingStrategy.NO_SHARD:
+        implied = False  # the "gather" is a local copy: keep it
+    elif reshard_after_forward is not None and reshard_after_forward != implied:
+        raise ValueError(f"FullyShardedDataParallel(sharding_strategy={strategy.name}, "
+                         f"reshard_after_forward={reshard_after_forward}): {strategy.name} "
+                         f"{'reshards' if implied else 'keeps parameters'} after forward; "
+                         f"leave reshard_after_forward unset or pick the matching strategy")
+    return strategy, implied
+
+
+@dataclass(frozen=True)
+class UnitGroups:
+    """The groups one unit communicates over (module docstring)."""
+
+    shard: object
+    replicate: object = None
+    hpz: object = None
+
+
+_cached_groups: dict = {}  # tuple of global ranks -> process group
+
+
+def _group_of_blocks(ranks: list[int], block: int, mine: int):
+    """The group of the ``block`` consecutive entries of ``ranks`` that holds global rank
+    ``mine``. Collective on the world the first time (every block is created on every rank, as
+    torch requires), cached after."""
+    blocks = [tuple(ranks[i:i + block]) for i in range(0, len(ranks), block)]
+    for b in blocks:
+        if b not in _cached_groups:
+            _cached_groups[b] = skdist.new_group(b)
+    return next(_cached_groups[b] for b in blocks if mine in b)
+
+
+def _self_group():
+    """A group holding only this rank (NO_SHARD's shard group)."""
+    world, me = skdist.get_world_size(), skdist.get_rank()
+    return _group_of_blocks(list(range(world)), 1, me)
+
+
+def _check_pair(pair) -> tuple:
+    if not isinstance(pair, tuple) or len(pair) != 2:
+        raise ValueError(f"FullyShardedDataParallel(process_group={pair!r}): hybrid sharding "
+                         f"takes a pair (intra_node_group, inter_node_group) or None (the "
+                         f"groups of shardkit.distributed.node_groups())")
+    intra, inter = pair
+    me = skdist.get_rank()
+    intra_ranks, inter_ranks = skdist.group_ranks(intra), skdist.group_ranks(inter)
+    if me not in intra_ranks or me not in inter_ranks:
+        raise ValueError(f"FullyShardedDataParallel(process_group=(intra {intra_ranks}, inter "
+                         f"{inter_ranks})): rank {me} must be in both groups")
+    if set(intra_ranks) & set(inter_ranks) != {me}:
+        raise ValueError(f"FullyShardedDataParallel(process_group=(intra {intra_ranks}, inter "
+                         f"{inter_ranks})): the groups must share only this rank ({me}); a "
+                         f"shard group and its replica group are orthogonal")
+    return intra, inter
+
+
+def groups_of_mesh(device_mesh, strategy: ShardingStrategy):
+    """``process_group`` from a torch ``DeviceMesh`` (its groups already exist): a 2-D mesh
+    ``(replicate, shard)`` for hybrid strategies gives ``(shard group, replicate group)``, as
+    torch FSDP1 reads it; a 1-D mesh for the others gives its one group."""
+    ndim = getattr(device_mesh, "ndim", None)
+    wanted = 2 if strategy.is_hybrid else 1
+    if ndim != wanted:
+        raise ValueError(f"FullyShardedDataParallel(device_mesh={device_mesh!r}, "
+                         f"sharding_strategy={strategy.name}): expected a {wanted}-D "
+                         f"torch DeviceMesh" + (" (replicate, shard)" if wanted == 2 else "")
+                         + f", got ndim={ndim}")
+    if wanted == 2:
+        return device_mesh.get_group(1), device_mesh.get_group(0)
+    return device_mesh.get_group(0)
+
+
+def resolve_groups(strategy: ShardingStrategy, process_group,
+                   hpz_partition_size: int = 1) -> UnitGroups:
+    """The :class:`UnitGroups` of ``strategy`` over ``process_group`` (a group, ``None`` for the
+    world, or for hybrid strategies a pair ``(intra_node, inter_node)``). Checks happen before
+    any group is created; creating NO_SHARD's, hpZ's or node_groups()'s groups is collective
+    on the world the first time, cached after."""
+    if not isinstance(hpz_partition_size, int) or isinstance(hpz_partition_size, bool) \
+            or hpz_partition_size < 1:
+        raise ValueError(f"FullyShardedDataParallel(hpz_partition_size={hpz_partition_size!r}): "
+                         f"must be an int >= 1 (1: no secondary partition)")
+    if hpz_partition_size > 1 and strategy is not ShardingStrategy.FULL_SHARD:
+        raise ValueError(f"FullyShardedDataParallel(hpz_partition_size={hpz_partition_size}, "
+                         f"sharding_strategy={strategy.name}): hpZ keeps a secondary partition "
+                         f"between a resharding forward and backward; use FULL_SHARD")
+    if strategy.is_hybrid:
+        intra, inter = (skdist.node_groups() if process_group is None
+                        else _check_pair(process_group))
+        return UnitGroups(intra, inter if skdist.get_world_size(inter) > 1 else None)
+    if isinstance(process_group, tuple):
+        raise ValueError(f"FullyShardedDataParallel(process_group=<pair>, sharding_strategy="
+                         f"{strategy.name}): a pair of groups is for HYBRID_SHARD / "
+                         f"_HYBRID_SHARD_ZERO2; pass one group (or None) for {strategy.name}")
+    if strategy is ShardingStrategy.NO_SHARD:
+        if skdist.get_world_size(process_group) == 1:
+            return UnitGroups(_self_group())
+        if process_group is None:  # None would read as "no replicas": name the world
+            ranks = list(range(skdist.get_world_size()))
+            process_group = _group_of_blocks(ranks, len(ranks), skdist.get_rank())
+        return UnitGroups(_self_group(), process_group)
+    if hpz_partition_size == 1:
+        return UnitGroups(process_group)
+    size = skdist.get_world_size(process_group)
+    if size % hpz_partition_size:
+        raise ValueError(f"FullyShardedDataParallel(hpz_partition_size={hpz_partition_size}): "
+                         f"must divide the process group's size {size} (e.g. the ranks per "
+                         f"node, {skdist.ranks_per_node()})")
+    if process_group is None and hpz_partition_size == skdist.ranks_per_node():
+        return UnitGroups(None, None, skdist.node_groups()[0])
+    # (a block of the whole group is a named group too: None would read as "no hpZ")
+    hpz = _group_of_blocks(skdist.group_ranks(process_group), hpz_partition_size,
+                           skdist.get_rank())
+    return UnitGroups(process_group, None, hpz)
+

@@ -1,0 +1,89 @@
+"""Topology from torchrun's LOCAL_WORLD_SIZE / GROUP_RANK: which ranks share a node, the
+intra-node and inter-node groups, and CommCounter's split of bytes between groups inside one
+node and groups that span nodes (same ring convention). A world of 4 labelled as 2 nodes x 2
+ranks; tests/cluster/ runs the same on real separate nodes."""
+
+import os
+
+import pytest
+import torch
+
+from shardkit import distributed as skd
+from shardkit.distributed import CommCounter
+from shardkit.testing import World
+
+
+@pytest.fixture(scope="module")
+def nodes2x2():
+    with World(4, ranks_per_node=2) as w:
+        yield w
+
+
+def _topology():
+    intra, inter = skd.node_groups()
+    return {"per_node": skd.ranks_per_node(), "nodes": [skd.node_of(r) for r in range(4)],
+            "intra": skd.group_ranks(intra), "inter": skd.group_ranks(inter),
+            "spans": [skd.spans_nodes(None), skd.spans_nodes(intra), skd.spans_nodes(inter)],
+            "same_again": skd.node_groups() == (intra, inter)}
+
+
+def test_node_layout_and_groups(nodes2x2):
+    results = nodes2x2.run(_topology)
+    for rank, r in enumerate(results):
+        node = rank // 2
+        assert r["per_node"] == 2 and r["nodes"] == [0, 0, 1, 1]
+        assert r["intra"] == [2 * node, 2 * node + 1]
+        assert r["inter"] == [rank % 2, rank % 2 + 2]
+        assert r["spans"] == [True, False, True]
+        assert r["same_again"]
+
+
+def _counted_split():
+    intra, inter = skd.node_groups()
+    t = torch.ones(1000)  # 4000 bytes
+    out = {}
+    for name, group in (("world", None), ("intra", intra), ("inter", inter)):
+        with CommCounter() as comm:
+            skd.all_reduce(t, group=group)
+            if group is not None:  # the two-rank groups also gather 8000 bytes
+                skd.all_gather_into_tensor(torch.empty(2000), t, group=group)
+        out[name] = (comm.bytes, comm.intra_node_bytes, comm.inter_node_bytes,
+                     comm.inter_node_elements)
+    with CommCounter() as comm:  # a send on the world group spans, whoever the peer is
+        peer = skd.get_rank() ^ 1
+        if skd.get_rank() % 2 == 0:
+            skd.send(torch.ones(10), peer)
+        else:
+            skd.recv(torch.empty(10), peer)
+    out["send"] = (comm.bytes, comm.inter_node_bytes)
+    return out
+
+
+def test_comm_counter_splits_by_group_topology(nodes2x2):
+    for rank, r in enumerate(nodes2x2.run(_counted_split)):
+        assert r["world"] == (6000.0, 0.0, 6000.0, 1500.0)  # all-reduce 2*3/4*4000
+        # n=2 groups: all-reduce 2*1/2*4000 plus all-gather 1/2*8000
+        assert r["intra"] == (8000.0, 8000.0, 0.0, 0.0)
+        assert r["inter"] == (8000.0, 0.0, 8000.0, 2000.0)
+        assert r["send"] == ((40.0, 40.0) if rank % 2 == 0 else (0.0, 0.0))
+
+
+def _bad_local_world_size():
+    os.environ["LOCAL_WORLD_SIZE"] = "3"
+    try:
+        skd.ranks_per_node()
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+
+
+def test_uneven_nodes_are_a_clear_error(nodes2x2):
+    for msg in nodes2x2.run(_bad_local_world_size):
+        assert "LOCAL_WORLD_SIZE=3 does not divide the world size 4" in msg
+
+
+def test_one_node_by_default():
+    assert World(2).ranks_per_node == 2
+    with pytest.raises(ValueError, match="ranks_per_node=3"):
+        World(4, ranks_per_node=3)
