@@ -50,7 +50,8 @@ PROBE_BYTES = 16 * 2 ** 20
 
 @dataclass(frozen=True)
 class Row:
-    """One measured configuration: ``build(model, unit_cls)`` wraps the model on this rank;
+    """One measured configuration: ``build(model, unit_cls)`` wraps the model on this rank and
+    returns it, or ``(wrapped, optimizer)`` when the row brings its own optimizer (stages 1-2);
     ``inter_node_elements(psi, n, k)`` is the formula for elements per step per rank on groups
     that span nodes (n ranks per node, k nodes)."""
 
@@ -107,6 +108,44 @@ def _shardkit_hpz(model, unit_cls):
     return _shardkit_fsdp(model, unit_cls, hpz_partition_size=skd.ranks_per_node())
 
 
+def _torch_zero(model, unit_cls):
+    """torch DDP + ZeroRedundancyOptimizer(AdamW) (without overlap_with_ddp, whose DDP hook
+    needs a fixed warm-up protocol)."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+    ddp = DistributedDataParallel(model)
+    return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
+                                        lr=LR)
+
+
+def _shardkit_oss(model, unit_cls):
+    """torch DDP + shardkit OSS(AdamW), the parameter sync overlapped with the next forward."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+    from shardkit.optim import OSS
+    ddp = DistributedDataParallel(model)
+    optimizer = OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=LR)
+    optimizer.overlap_sync_with(ddp)
+    return ddp, optimizer
+
+
+def _shardkit_sharded(model, unit_cls):
+    """shardkit ShardedDataParallel + OSS(AdamW), the parameter sync overlapped with the next
+    forward."""
+    import torch
+    from shardkit.nn.data_parallel import ShardedDataParallel
+    from shardkit.optim import OSS
+    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LR)
+    wrapped = ShardedDataParallel(model, optimizer)
+    optimizer.overlap_sync_with(wrapped)
+    return wrapped, optimizer
+
+
+def _stage1_formula(psi, n, k):  # DDP's all-reduce + the owners' parameter sync
+    return 3 * psi * (n * k - 1) / (n * k)
+
+
 def _all_reduce_formula(psi, n, k):
     return 2 * psi * (n * k - 1) / (n * k)
 
@@ -134,6 +173,12 @@ ROWS = {
                         _hpz_formula),
     "torch_hsdp": Row("torch fully_shard HSDP (2-D mesh)", "torch", _torch_hsdp,
                       _hybrid_formula),
+    "torch_zero": Row("torch DDP + ZeroRedundancyOptimizer", "torch", _torch_zero,
+                      _stage1_formula),
+    "shardkit_oss": Row("shardkit OSS + torch DDP (sync overlapped)", "shardkit", _shardkit_oss,
+                        _stage1_formula),
+    "shardkit_sharded": Row("shardkit ShardedDDP + OSS (sync overlapped)", "shardkit",
+                            _shardkit_sharded, _all_reduce_formula),
 }
 
 
@@ -157,8 +202,12 @@ class _Trainer:
         import torch
         from shardkit.models import GPT, Block, reference_gpt_config
         self.cfg = reference_gpt_config()
-        self.module = row.build(GPT(self.cfg, seed=0), Block)
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=LR)
+        built = row.build(GPT(self.cfg, seed=0), Block)
+        if isinstance(built, tuple):
+            self.module, self.optimizer = built
+        else:
+            self.module = built
+            self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=LR)
 
     def step(self, step: int, rank: int) -> None:
         import torch.nn.functional as F
