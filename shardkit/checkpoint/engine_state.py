@@ -227,23 +227,29 @@ def _torch_format(optim_by_name: dict, order: list, groups: list, saved_groups: 
 
 
 def rng_state() -> dict:
-    """This process's RNG states (torch CPU, CUDA when present, Python, NumPy)."""
+    """This process's RNG states (torch CPU, CUDA when present, Python, NumPy), made only of
+    tensors, numbers and tuples so that the checkpoint loads with ``weights_only=True``."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy as np
-        state["numpy"] = np.random.get_state()
     except ImportError:
-        pass
+        return state
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
+                      "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     return state
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
         import numpy as np
-        np.random.set_state(state["numpy"])
+        s = state["numpy"]
+        np.random.set_state((s["name"], s["keys"].numpy().astype(np.uint32), s["pos"],
+                             s["has_gauss"], s["cached_gaussian"]))
