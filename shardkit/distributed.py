@@ -26,6 +26,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from shardkit import collective_check
+from shardkit.collective_check import set_debug_collectives  # re-exported: the documented switch
+
 __all__ = [
     "init_distributed", "is_initialized", "require_initialized", "get_rank", "get_world_size",
     "get_global_rank", "new_group", "all_reduce", "reduce_scatter_tensor",
@@ -33,7 +36,7 @@ __all__ = [
     "recv", "isend",
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "shared_memory_exchange",
     "broadcast_object", "all_gather_object",
-    "CommCounter", "CommRecord", "ReduceOp", "destroy",
+    "CommCounter", "CommRecord", "ReduceOp", "destroy", "set_debug_collectives",
 ]
 
 ReduceOp = dist.ReduceOp
@@ -308,8 +311,16 @@ _WIRE_FACTOR = {
 
 
 def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtype] = None,
-            kind: Optional[str] = None) -> None:
-    if not _active_counters:
+            kind: Optional[str] = None, counted: bool = True, checked: bool = True) -> None:
+    """Every collective wrapper calls this just before issuing its op: the collective debug
+    mode (:mod:`shardkit.collective_check`, off by default) checks that every rank is about to
+    issue the same op, then each active :class:`CommCounter` records it."""
+    if checked and collective_check._enabled:
+        tensor = full if isinstance(full, torch.Tensor) else None
+        collective_check.check_collective(
+            op, None if tensor is None else tuple(tensor.shape),
+            None if tensor is None else tensor.dtype, group)
+    if not (counted and _active_counters):
         return
     n = get_world_size(group)
     if isinstance(full, torch.Tensor):
@@ -448,7 +459,7 @@ def shared_memory_exchange(full: torch.Tensor, group=None, op: str = "all_gather
     if op not in ("all_gather", "reduce_scatter"):
         raise ValueError(f"shared_memory_exchange(op={op!r}): valid ops are 'all_gather' and "
                          f"'reduce_scatter'")
-    _record(op, full, group)
+    _record(op, full, group, checked=False)  # the ranks synchronise through shared memory
 
 
 def barrier(group=None) -> None:
@@ -460,8 +471,8 @@ def barrier(group=None) -> None:
 def broadcast_object(obj, src: int = 0, group=None):
     """Broadcast a picklable object from global rank ``src``; returns it on every rank."""
     box = [obj]
-    if _active_counters and get_rank() == src:
-        _record("broadcast", len(pickle.dumps(obj)), group)
+    counted = bool(_active_counters) and get_rank() == src
+    _record("broadcast", len(pickle.dumps(obj)) if counted else 0, group, counted=counted)
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
@@ -469,7 +480,6 @@ def broadcast_object(obj, src: int = 0, group=None):
 def all_gather_object(obj, group=None) -> list:
     """Gather one picklable object from every rank of ``group``; returns the list."""
     out = [None] * get_world_size(group)
-    if _active_counters:
-        _record("all_gather", len(pickle.dumps(obj)) * len(out), group)
+    _record("all_gather", len(pickle.dumps(obj)) * len(out) if _active_counters else 0, group)
     dist.all_gather_object(out, obj, group=group)
     return out
