@@ -445,7 +445,7 @@ def _loss_scaler(cfg: EngineConfig):
 
 def initialize(model: nn.Module, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, config=None, config_params=None, args=None, mpu=None,
-               dist_init_required=None, collate_fn=None):
+               dist_init_required=None, collate_fn=None, peer_timeout_s=None, resume_from=None):
     """Compose shardkit's wrappers from a DeepSpeed config.
 
     Args:
@@ -462,6 +462,14 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         config: a dict or the path of a JSON file (``config_params`` is an alias; without
             either, ``args.deepspeed_config`` is used as DeepSpeed does).
         args, dist_init_required, collate_fn: DeepSpeed's; ``mpu`` is refused.
+        peer_timeout_s: seconds without a peer's heartbeat before every surviving rank exits
+            naming the lost one (:func:`shardkit.fault.watch_peers`; default
+            ``SHARDKIT_PEER_TIMEOUT`` or 60; 0 turns the watchdog off).
+        resume_from: a checkpoint directory: when it holds a complete checkpoint (its
+            ``latest``), the engine loads it before returning (model, optimizer, scheduler,
+            counters, RNG), so a job restarted by ``torchrun --max-restarts`` continues where
+            the last complete save left off; ``engine.global_steps`` says where. Nothing is
+            loaded when the directory or its ``latest`` does not exist yet.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``; ``dataloader`` is ``None`` without
@@ -483,7 +491,11 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     world = _data_parallel_world_size()
     cfg = load_config(config if config is not None else config_params, world)
     _check_arguments(model, optimizer, lr_scheduler, cfg)
+    if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
+        raise TypeError(f"initialize(resume_from={resume_from!r}): expected a directory path")
     _ensure_process_group()
+    from shardkit import fault
+    fault.watch_peers(peer_timeout_s)
     if distributed.get_rank() == 0:
         _ensure_log_handler()
         for note in cfg.warnings:
@@ -500,6 +512,10 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     scheduler = _build_scheduler(cfg, lr_scheduler, composition.optimizer)
     engine = ShardedEngine(model, composition, cfg, scheduler, state_names, trainable)
     loader = _data_loader(training_data, cfg, collate_fn) if training_data is not None else None
+    if resume_from is not None:
+        path, _ = engine.load_checkpoint(os.fspath(resume_from))
+        if path is not None and distributed.get_rank() == 0:
+            logger.info("resumed from %s at step %d", path, engine.global_steps)
     return engine, composition.optimizer, loader, scheduler
 
 
