@@ -20,8 +20,8 @@ Limits: point-to-point ops (send/recv) are not checked (only two ranks take part
 that legitimately differ between pipeline stages); a rank that never reaches a collective of
 the group (it waits in another group, or died) is not a mismatch but a hang, which the
 process-group timeout or :mod:`shardkit.fault`'s watchdog reports. Sequence numbers are kept per
-set of ranks, so two groups over the same ranks share one counter (harmless: their calls are
-ordered the same way on every rank when the program is correct).
+process group (its ``group_name``), so a group used from another thread (an asynchronous
+checkpoint's) has its own.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ CHECKED_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_a
                          "reduce", "barrier", "broadcast_object", "all_gather_object"})
 
 _enabled = os.environ.get("SHARDKIT_DEBUG_COLLECTIVES", "0") not in ("", "0", "false", "False")
-_sequence: dict[tuple, int] = {}
+_sequence: dict[str, int] = {}
 _state = threading.local()  # re-entry guard: the check's own all-gather is not checked
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SKIP_FILES = {os.path.join(_HERE, "distributed.py"), os.path.abspath(__file__)}
@@ -114,8 +114,9 @@ def check_collective(op: str, shape: Optional[tuple], dtype: Optional[torch.dtyp
     if not (dist.is_available() and dist.is_initialized()):
         return
     ranks = _group_key(group)
-    seq = _sequence.get(ranks, 0)
-    _sequence[ranks] = seq + 1
+    key = getattr(group, "group_name", None) or "default"
+    seq = _sequence.get(key, 0)
+    _sequence[key] = seq + 1
     mine = {"op": op, "seq": seq, "shape": None if shape is None else list(shape),
             "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
             "ranks": list(ranks), "rank": dist.get_rank(), "site": _call_site()}

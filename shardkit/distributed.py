@@ -179,11 +179,15 @@ def group_ranks(group) -> list[int]:
     return [get_global_rank(group, r) for r in range(get_world_size(group))]
 
 
-def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None):
-    """Create a process group over ``ranks`` (global ranks). Must be called on every rank."""
+def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None,
+              backend: Optional[str] = None):
+    """Create a process group over ``ranks`` (global ranks); ``backend`` defaults to the default
+    group's (``"gloo"`` gives a CPU group beside an NCCL one). Must be called on every rank."""
     kwargs = {}
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if backend is not None:
+        kwargs["backend"] = backend
     return dist.new_group(ranks=list(ranks), **kwargs)
 
 

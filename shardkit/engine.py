@@ -251,6 +251,7 @@ class ShardedEngine(nn.Module):
         self._losses_since_print: list[float] = []
         self._clock = time.perf_counter()
         self._steps_at_clock = 0
+        self._pending_save = None  # an asynchronous save under way (checkpoint.async_save)
 
     # -- properties DeepSpeed users reach for
     @property
@@ -398,18 +399,36 @@ class ShardedEngine(nn.Module):
 
     # -- checkpoints
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
-                        client_state: Optional[dict] = None, save_latest: bool = True) -> str:
+                        client_state: Optional[dict] = None, save_latest: bool = True,
+                        async_save: bool = False) -> str:
         """Write a resharding checkpoint under ``save_dir/tag`` (default ``global_step<N>``) and
         point ``save_dir/latest`` at it, atomically. Must be called on every rank.
+
+        With ``async_save=True`` only the copy of this rank's share into host memory happens
+        here; a background thread writes and commits it (:mod:`shardkit.checkpoint.async_save`)
+        and the next ``save_checkpoint``, ``load_checkpoint``, :meth:`wait_for_checkpoint` or
+        the end of the process waits for it (raising its error, if any).
 
         Each rank writes the fp32 parameters and optimizer state it owns (stage 3: its dim-0
         row block of each), keyed by parameter name; rank 0 adds metadata, scheduler, loss
         scaler and ``client_state``. Memory: a CPU copy of this rank's share. Communication:
         two one-element all-reduces and two barriers.
-        Returns the checkpoint directory.
+        Returns the checkpoint directory (when ``async_save``, where it will be once written).
         """
         from shardkit.checkpoint.engine_state import save_engine_checkpoint
-        return save_engine_checkpoint(self, save_dir, tag, client_state, save_latest)
+        self.wait_for_checkpoint()
+        result = save_engine_checkpoint(self, save_dir, tag, client_state, save_latest,
+                                        async_save=async_save)
+        if not async_save:
+            return result
+        self._pending_save = result
+        return result.path
+
+    def wait_for_checkpoint(self) -> Optional[str]:
+        """Wait for this engine's asynchronous save, if one is under way; return its directory
+        (``None`` when there was none) or raise its error. Must be called on every rank."""
+        pending, self._pending_save = getattr(self, "_pending_save", None), None
+        return pending.wait() if pending is not None else None
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
                         load_optimizer_states: bool = True,
@@ -420,6 +439,7 @@ class ShardedEngine(nn.Module):
         ``(None, None)`` when ``load_dir`` holds no checkpoint. Must be called on every rank.
         Memory: the full fp32 state on each rank's CPU while loading."""
         from shardkit.checkpoint.engine_state import load_engine_checkpoint
+        self.wait_for_checkpoint()
         return load_engine_checkpoint(self, load_dir, tag,
                                       load_optimizer_states=load_optimizer_states
                                       and not load_module_only,

@@ -168,9 +168,11 @@ class PeerWatchdog:
 
     # -- API
     def wait_for_verdict(self, timeout_s: Optional[float] = None) -> Optional[tuple]:
-        """Block until a peer is declared lost or ``timeout_s`` (default: the watchdog's
-        timeout plus two beats) passes; return :attr:`lost`."""
-        wait = self.timeout_s + 2 * self.interval_s if timeout_s is None else timeout_s
+        """Block until a peer is declared lost or ``timeout_s`` passes; return :attr:`lost`.
+
+        The default covers the worst case after a death: the timeout, one beat before the
+        last change is read, one beat of the loop, and a margin for a loaded machine."""
+        wait = self.timeout_s + 4 * self.interval_s + 1.0 if timeout_s is None else timeout_s
         if self._thread.is_alive() or self._verdict.is_set():
             self._verdict.wait(wait)
         return self.lost

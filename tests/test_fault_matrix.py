@@ -139,6 +139,10 @@ def _rank_main(wrapper, phase, victim, rank, world, port, save_dir, log_path):
         if phase == "checkpoint_write":
             build.step(VICTIM_STEP)
             build.save(save_dir, "after")
+        elif phase == "async_checkpoint_write":  # killed in the background writer thread
+            build.step(VICTIM_STEP)
+            build.engine.save_checkpoint(save_dir, tag="after", async_save=True)
+            build.step(VICTIM_STEP + 1)
         else:
             for i in range(VICTIM_STEP, VICTIM_STEP + 3):
                 build.step(i)
@@ -203,6 +207,10 @@ def _run_case(tmp_path, wrapper, phase, world=2, victim=1):
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_rank_killed_world2(tmp_path, wrapper, phase):
     _run_case(tmp_path, wrapper, phase)
+
+
+def test_rank_killed_during_async_checkpoint_write(tmp_path):
+    _run_case(tmp_path, "initialize", "async_checkpoint_write")
 
 
 @pytest.mark.parametrize("wrapper,phase,victim", [("fsdp", "backward", 2),

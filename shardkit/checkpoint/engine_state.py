@@ -18,7 +18,9 @@ gives it to the optimizer's public ``load_state_dict`` (OSS reshards it; FSDP sl
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 import random
 from typing import Optional
 
@@ -39,7 +41,11 @@ logger = logging.getLogger("shardkit")
 
 
 def save_engine_checkpoint(engine, save_dir: str, tag: Optional[str],
-                           client_state: Optional[dict], save_latest: bool = True) -> str:
+                           client_state: Optional[dict], save_latest: bool = True,
+                           async_save: bool = False):
+    """Save ``engine`` (see ``ShardedEngine.save_checkpoint``). Returns the checkpoint
+    directory, or with ``async_save`` an :class:`~shardkit.checkpoint.async_save.AsyncSave`
+    whose background thread writes the host copies made here."""
     tag = f"global_step{engine.global_steps}" if tag is None else tag
     check_tag(tag)  # before the stage-3 gathers: a bad tag fails on every rank, no traffic
     if engine.zero_stage == 3:
@@ -64,7 +70,13 @@ def save_engine_checkpoint(engine, save_dir: str, tag: Optional[str],
             "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
             "client_state": client_state or {},
         }
-    return commit_checkpoint(save_dir, tag, shard, metadata, payload, save_latest)
+    if not async_save:
+        return commit_checkpoint(save_dir, tag, shard, metadata, payload, save_latest)
+    from shardkit.checkpoint.async_save import AsyncSave, checkpoint_group
+    group = checkpoint_group()
+    payload = copy.deepcopy(payload)  # the training loop goes on changing the originals
+    return AsyncSave(os.path.join(save_dir, tag), lambda: commit_checkpoint(
+        save_dir, tag, shard, metadata, payload, save_latest, group=group))
 
 
 def _inner_optimizer_class(engine):

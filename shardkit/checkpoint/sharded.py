@@ -114,13 +114,14 @@ def _write_rank_file_and_digest(path: str, shard: RankShard) -> None:
 
 def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
                       metadata: Optional[dict], engine_payload: Optional[dict],
-                      save_latest: bool = True) -> str:
+                      save_latest: bool = True, group=None) -> str:
     """Write this rank's shard and, on rank 0, the metadata; then publish atomically.
 
     Must be called on every rank (``metadata``/``engine_payload`` are used on rank 0 only).
     Communication: two barriers and two one-element all-reduces (one more barrier on
-    failure). Raises :class:`CheckpointError` on every rank if any rank failed; ``latest`` is
-    then untouched.
+    failure), on ``group`` (default: the default group; an asynchronous save passes its own,
+    so that its agreement never interleaves with the training loop's collectives). Raises
+    :class:`CheckpointError` on every rank if any rank failed; ``latest`` is then untouched.
     """
     check_tag(tag)
     rank = distributed.get_rank()
@@ -130,16 +131,16 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
-    distributed.barrier()
+    distributed.barrier(group)
     error = _attempt(lambda: _write_rank_file_and_digest(
         os.path.join(staging, rank_file_name(rank)), shard))
-    _agree_or_raise(error, f"writing {rank_file_name(rank)} into {staging}", staging)
+    _agree_or_raise(error, f"writing {rank_file_name(rank)} into {staging}", staging, group)
     error = None
     if rank == 0:
         error = _attempt(lambda: _publish(save_dir, tag, staging, final, metadata,
                                           engine_payload, save_latest))
-    _agree_or_raise(error, f"publishing {final}", staging)
-    distributed.barrier()
+    _agree_or_raise(error, f"publishing {final}", staging, group)
+    distributed.barrier(group)
     return final
 
 
@@ -151,14 +152,15 @@ def _attempt(action) -> Optional[BaseException]:
     return None
 
 
-def _agree_or_raise(error: Optional[BaseException], what: str, staging: str) -> None:
+def _agree_or_raise(error: Optional[BaseException], what: str, staging: str,
+                    group=None) -> None:
     failed = torch.tensor([1.0 if error is not None else 0.0])
-    distributed.all_reduce(failed, op=distributed.ReduceOp.MAX)
+    distributed.all_reduce(failed, op=distributed.ReduceOp.MAX, group=group)
     if failed.item() == 0:
         return
     if distributed.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)
-    distributed.barrier()  # every rank raises only once the staging directory is gone
+    distributed.barrier(group)  # every rank raises only once the staging directory is gone
     detail = f": {type(error).__name__}: {error}" if error is not None else \
         " on another rank (see its error)"
     raise CheckpointError(f"save_checkpoint failed {what}{detail}; 'latest' still names the "
