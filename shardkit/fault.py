@@ -55,7 +55,7 @@ PEER_LOST_EXIT_CODE = 75  # EX_TEMPFAIL: the job may succeed when restarted
 DEFAULT_TIMEOUT_S = 60.0
 _DONE = b"done"
 _COMM_ERROR_WORDS = ("connection", "gloo", "nccl", "closed", "reset", "timed out", "timeout",
-                     "broken pipe", "peer", "socket", "store")
+                     "broken pipe", "peer", "socket", "store", "exited before", "shared-memory")
 
 _watchdog: Optional["PeerWatchdog"] = None
 _lock = threading.Lock()
