@@ -59,6 +59,11 @@ def _torchrun(tmp_path, name, world, total, kill_at, stage, save_dir, restarts):
     out = str(tmp_path / f"{name}.pt")
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    # Note: with torchrun's default (workers share the agent's c10d store across restarts), the
+    # restarted ranks can read the killed attempt's gloo addresses from the store and fail with
+    # "connectFullMesh ... Connection refused" (seen 1 run in 4 here). A store per attempt,
+    # hosted by rank 0, avoids those stale keys.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
            "--max-restarts", str(restarts), "--monitor-interval", "0.2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
