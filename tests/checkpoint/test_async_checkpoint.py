@@ -39,7 +39,16 @@ def _snapshot(engine):
     return {k: v.detach().clone() for k, v in engine.module_state_dict().items()}
 
 
-def _async_round_trip(save_dir, stage):
+def _async_round_trip(save_dir, stage, debug):
+    from shardkit.collective_check import set_debug_collectives
+    set_debug_collectives(debug)  # the background commit is checked on its own group
+    try:
+        return _async_round_trip_body(save_dir, stage)
+    finally:
+        set_debug_collectives(False)
+
+
+def _async_round_trip_body(save_dir, stage):
     engine = _engine(stage)
     _train(engine, 2)
     at_save = _snapshot(engine)
@@ -59,9 +68,9 @@ def _async_round_trip(save_dir, stage):
 
 
 def test_async_save_holds_the_state_at_the_call_and_load_waits(world2, tmp_path):
-    for stage in (1, 3):
-        save_dir = str(tmp_path / f"stage{stage}")
-        for r in world2.run(_async_round_trip, save_dir, stage):
+    for stage, debug in ((1, False), (3, False), (3, True)):
+        save_dir = str(tmp_path / f"stage{stage}-{debug}")
+        for r in world2.run(_async_round_trip, save_dir, stage, debug):
             assert r["path"] == r["written"] == os.path.join(save_dir, "a")
             assert r["drift"] == 0.0, stage
             assert r["loaded"] == os.path.join(save_dir, "b") and r["latest"] == "b"
