@@ -533,10 +533,20 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     engine = ShardedEngine(model, composition, cfg, scheduler, state_names, trainable)
     loader = _data_loader(training_data, cfg, collate_fn) if training_data is not None else None
     if resume_from is not None:
-        path, _ = engine.load_checkpoint(os.fspath(resume_from))
-        if path is not None and distributed.get_rank() == 0:
-            logger.info("resumed from %s at step %d", path, engine.global_steps)
+        _resume(engine, os.fspath(resume_from))
     return engine, composition.optimizer, loader, scheduler
+
+
+def _resume(engine: ShardedEngine, load_dir: str) -> None:
+    """Load ``load_dir``'s latest checkpoint if it has one (a first start has none: quiet)."""
+    from shardkit.checkpoint import read_latest_tag
+    if read_latest_tag(load_dir) is None:
+        if distributed.get_rank() == 0:
+            logger.info("resume_from=%s: no checkpoint yet; starting from step 0", load_dir)
+        return
+    path, _ = engine.load_checkpoint(load_dir)
+    if distributed.get_rank() == 0:
+        logger.info("resumed from %s at step %d", path, engine.global_steps)
 
 
 def _ensure_log_handler() -> None:
