@@ -26,6 +26,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from shardkit import collective_check
+from shardkit.collective_check import set_debug_collectives  # re-exported: the documented switch
+
 __all__ = [
     "init_distributed", "is_initialized", "require_initialized", "get_rank", "get_world_size",
     "get_global_rank", "new_group", "all_reduce", "reduce_scatter_tensor",
@@ -33,7 +36,7 @@ __all__ = [
     "recv", "isend",
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
     "broadcast_object", "all_gather_object",
-    "CommCounter", "CommRecord", "ReduceOp", "destroy",
+    "CommCounter", "CommRecord", "ReduceOp", "destroy", "set_debug_collectives",
     "ranks_per_node", "node_of", "spans_nodes", "node_groups",
 ]
 
@@ -180,11 +183,15 @@ def group_ranks(group) -> list[int]:
     return [get_global_rank(group, r) for r in range(get_world_size(group))]
 
 
-def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None):
-    """Create a process group over ``ranks`` (global ranks). Must be called on every rank."""
+def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None,
+              backend: Optional[str] = None):
+    """Create a process group over ``ranks`` (global ranks); ``backend`` defaults to the default
+    group's (``"gloo"`` gives a CPU group beside an NCCL one). Must be called on every rank."""
     kwargs = {}
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if backend is not None:
+        kwargs["backend"] = backend
     return dist.new_group(ranks=list(ranks), **kwargs)
 
 
@@ -400,8 +407,16 @@ _WIRE_FACTOR = {
 
 
 def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtype] = None,
-            kind: Optional[str] = None) -> None:
-    if not _active_counters:
+            kind: Optional[str] = None, counted: bool = True, checked: bool = True) -> None:
+    """Every collective wrapper calls this just before issuing its op: the collective debug
+    mode (:mod:`shardkit.collective_check`, off by default) checks that every rank is about to
+    issue the same op, then each active :class:`CommCounter` records it."""
+    if checked and collective_check._enabled:
+        tensor = full if isinstance(full, torch.Tensor) else None
+        collective_check.check_collective(
+            op, None if tensor is None else tuple(tensor.shape),
+            None if tensor is None else tensor.dtype, group)
+    if not (counted and _active_counters):
         return
     n = get_world_size(group)
     spanning = spans_nodes(group)
@@ -550,7 +565,7 @@ def record_transfer(op: str, nbytes: int, dtype: torch.dtype, group=None) -> Non
     """Record ``nbytes`` of ``dtype`` that a transport moved for this rank outside the process
     group (e.g. written into shared memory for its peers), under the collective ``op`` it
     implements. Nothing is sent here."""
-    _record(op, int(nbytes), group, dtype=dtype, kind="send")
+    _record(op, int(nbytes), group, dtype=dtype, kind="send", checked=False)
 
 
 def backend_of(group=None) -> str:
@@ -570,8 +585,8 @@ def barrier(group=None) -> None:
 def broadcast_object(obj, src: int = 0, group=None):
     """Broadcast a picklable object from global rank ``src``; returns it on every rank."""
     box = [obj]
-    if _active_counters and get_rank() == src:
-        _record("broadcast", len(pickle.dumps(obj)), group)
+    counted = bool(_active_counters) and get_rank() == src
+    _record("broadcast", len(pickle.dumps(obj)) if counted else 0, group, counted=counted)
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
@@ -579,7 +594,6 @@ def broadcast_object(obj, src: int = 0, group=None):
 def all_gather_object(obj, group=None) -> list:
     """Gather one picklable object from every rank of ``group``; returns the list."""
     out = [None] * get_world_size(group)
-    if _active_counters:
-        _record("all_gather", len(pickle.dumps(obj)) * len(out), group)
+    _record("all_gather", len(pickle.dumps(obj)) * len(out) if _active_counters else 0, group)
     dist.all_gather_object(out, obj, group=group)
     return out

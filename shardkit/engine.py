@@ -262,6 +262,7 @@ class ShardedEngine(nn.Module):
         self._losses_since_print: list[float] = []
         self._clock = time.perf_counter()
         self._steps_at_clock = 0
+        self._pending_save = None  # an asynchronous save under way (checkpoint.async_save)
 
     # -- properties DeepSpeed users reach for
     @property
@@ -409,18 +410,36 @@ class ShardedEngine(nn.Module):
 
     # -- checkpoints
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
-                        client_state: Optional[dict] = None, save_latest: bool = True) -> str:
+                        client_state: Optional[dict] = None, save_latest: bool = True,
+                        async_save: bool = False) -> str:
         """Write a resharding checkpoint under ``save_dir/tag`` (default ``global_step<N>``) and
         point ``save_dir/latest`` at it, atomically. Must be called on every rank.
+
+        With ``async_save=True`` only the copy of this rank's share into host memory happens
+        here; a background thread writes and commits it (:mod:`shardkit.checkpoint.async_save`)
+        and the next ``save_checkpoint``, ``load_checkpoint``, :meth:`wait_for_checkpoint` or
+        the end of the process waits for it (raising its error, if any).
 
         Each rank writes the fp32 parameters and optimizer state it owns (stage 3: its dim-0
         row block of each), keyed by parameter name; rank 0 adds metadata, scheduler, loss
         scaler and ``client_state``. Memory: a CPU copy of this rank's share. Communication:
         two one-element all-reduces and two barriers.
-        Returns the checkpoint directory.
+        Returns the checkpoint directory (when ``async_save``, where it will be once written).
         """
         from shardkit.checkpoint.engine_state import save_engine_checkpoint
-        return save_engine_checkpoint(self, save_dir, tag, client_state, save_latest)
+        self.wait_for_checkpoint()
+        result = save_engine_checkpoint(self, save_dir, tag, client_state, save_latest,
+                                        async_save=async_save)
+        if not async_save:
+            return result
+        self._pending_save = result
+        return result.path
+
+    def wait_for_checkpoint(self) -> Optional[str]:
+        """Wait for this engine's asynchronous save, if one is under way; return its directory
+        (``None`` when there was none) or raise its error. Must be called on every rank."""
+        pending, self._pending_save = getattr(self, "_pending_save", None), None
+        return pending.wait() if pending is not None else None
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
                         load_optimizer_states: bool = True,
@@ -431,6 +450,7 @@ class ShardedEngine(nn.Module):
         ``(None, None)`` when ``load_dir`` holds no checkpoint. Must be called on every rank.
         Memory: the full fp32 state on each rank's CPU while loading."""
         from shardkit.checkpoint.engine_state import load_engine_checkpoint
+        self.wait_for_checkpoint()
         return load_engine_checkpoint(self, load_dir, tag,
                                       load_optimizer_states=load_optimizer_states
                                       and not load_module_only,
@@ -456,7 +476,7 @@ def _loss_scaler(cfg: EngineConfig):
 
 def initialize(model: nn.Module, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, config=None, config_params=None, args=None, mpu=None,
-               dist_init_required=None, collate_fn=None):
+               dist_init_required=None, collate_fn=None, peer_timeout_s=None, resume_from=None):
     """Compose shardkit's wrappers from a DeepSpeed config.
 
     Args:
@@ -473,6 +493,14 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         config: a dict or the path of a JSON file (``config_params`` is an alias; without
             either, ``args.deepspeed_config`` is used as DeepSpeed does).
         args, dist_init_required, collate_fn: DeepSpeed's; ``mpu`` is refused.
+        peer_timeout_s: seconds without a peer's heartbeat before every surviving rank exits
+            naming the lost one (:func:`shardkit.fault.watch_peers`; default
+            ``SHARDKIT_PEER_TIMEOUT`` or 60; 0 turns the watchdog off).
+        resume_from: a checkpoint directory: when it holds a complete checkpoint (its
+            ``latest``), the engine loads it before returning (model, optimizer, scheduler,
+            counters, RNG), so a job restarted by ``torchrun --max-restarts`` continues where
+            the last complete save left off; ``engine.global_steps`` says where. Nothing is
+            loaded when the directory or its ``latest`` does not exist yet.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``; ``dataloader`` is ``None`` without
@@ -494,7 +522,11 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     world = _data_parallel_world_size()
     cfg = load_config(config if config is not None else config_params, world)
     _check_arguments(model, optimizer, lr_scheduler, cfg)
+    if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
+        raise TypeError(f"initialize(resume_from={resume_from!r}): expected a directory path")
     _ensure_process_group()
+    from shardkit import fault
+    fault.watch_peers(peer_timeout_s)
     if distributed.get_rank() == 0:
         _ensure_log_handler()
         for note in cfg.warnings:
@@ -511,7 +543,21 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     scheduler = _build_scheduler(cfg, lr_scheduler, composition.optimizer)
     engine = ShardedEngine(model, composition, cfg, scheduler, state_names, trainable)
     loader = _data_loader(training_data, cfg, collate_fn) if training_data is not None else None
+    if resume_from is not None:
+        _resume(engine, os.fspath(resume_from))
     return engine, composition.optimizer, loader, scheduler
+
+
+def _resume(engine: ShardedEngine, load_dir: str) -> None:
+    """Load ``load_dir``'s latest checkpoint if it has one (a first start has none: quiet)."""
+    from shardkit.checkpoint import read_latest_tag
+    if read_latest_tag(load_dir) is None:
+        if distributed.get_rank() == 0:
+            logger.info("resume_from=%s: no checkpoint yet; starting from step 0", load_dir)
+        return
+    path, _ = engine.load_checkpoint(load_dir)
+    if distributed.get_rank() == 0:
+        logger.info("resumed from %s at step %d", path, engine.global_steps)
 
 
 def _ensure_log_handler() -> None:

@@ -3,7 +3,9 @@
 ``python -m shardkit consolidate DIR OUT.pt [--tag TAG]`` reads every rank file of the
 checkpoint ``DIR/TAG`` (default: the one ``DIR/latest`` names) and writes a ``state_dict`` that
 ``model.load_state_dict`` of the unwrapped model accepts. Runs in one process, no process group;
-memory: the full fp32 model on CPU (optimizer state is not read).
+memory: the full fp32 model on CPU (optimizer state is not read). Every file is checked against
+the sha256 in the metadata and read with ``torch.load(weights_only=True)``: a checkpoint from
+someone else cannot run code here.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ gives it to the optimizer's public ``load_state_dict`` (OSS reshards it; FSDP sl
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 import random
 from typing import Optional
 
@@ -39,7 +41,11 @@ logger = logging.getLogger("shardkit")
 
 
 def save_engine_checkpoint(engine, save_dir: str, tag: Optional[str],
-                           client_state: Optional[dict], save_latest: bool = True) -> str:
+                           client_state: Optional[dict], save_latest: bool = True,
+                           async_save: bool = False):
+    """Save ``engine`` (see ``ShardedEngine.save_checkpoint``). Returns the checkpoint
+    directory, or with ``async_save`` an :class:`~shardkit.checkpoint.async_save.AsyncSave`
+    whose background thread writes the host copies made here."""
     tag = f"global_step{engine.global_steps}" if tag is None else tag
     check_tag(tag)  # before the stage-3 gathers: a bad tag fails on every rank, no traffic
     if engine.zero_stage == 3:
@@ -64,7 +70,13 @@ def save_engine_checkpoint(engine, save_dir: str, tag: Optional[str],
             "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
             "client_state": client_state or {},
         }
-    return commit_checkpoint(save_dir, tag, shard, metadata, payload, save_latest)
+    if not async_save:
+        return commit_checkpoint(save_dir, tag, shard, metadata, payload, save_latest)
+    from shardkit.checkpoint.async_save import AsyncSave, checkpoint_group
+    group = checkpoint_group()
+    payload = copy.deepcopy(payload)  # the training loop goes on changing the originals
+    return AsyncSave(os.path.join(save_dir, tag), lambda: commit_checkpoint(
+        save_dir, tag, shard, metadata, payload, save_latest, group=group))
 
 
 def _inner_optimizer_class(engine):
@@ -225,23 +237,29 @@ def _torch_format(optim_by_name: dict, order: list, groups: list, saved_groups: 
 
 
 def rng_state() -> dict:
-    """This process's RNG states (torch CPU, CUDA when present, Python, NumPy)."""
+    """This process's RNG states (torch CPU, CUDA when present, Python, NumPy), made only of
+    tensors, numbers and tuples so that the checkpoint loads with ``weights_only=True``."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy as np
-        state["numpy"] = np.random.get_state()
     except ImportError:
-        pass
+        return state
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
+                      "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     return state
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
         import numpy as np
-        np.random.set_state(state["numpy"])
+        s = state["numpy"]
+        np.random.set_state((s["name"], s["keys"].numpy().astype(np.uint32), s["pos"],
+                             s["has_gauss"], s["cached_gaussian"]))

@@ -16,6 +16,12 @@ its optimizer state), which :func:`read_checkpoint` concatenates and trims to th
 listed in the metadata (``row_sharded``). Loading at another world size or stage only needs a
 different split of the same full tensors.
 
+Safety: every file is read with ``torch.load(weights_only=True)`` (tensors, numbers, strings and
+plain containers only; RNG states are stored as tensors), so a crafted checkpoint cannot run code
+when loaded, and ``metadata.json`` lists each file's size and sha256 (``files``), checked before
+the file is unpickled: a truncated or altered file is a :class:`CheckpointError` naming the
+file and what is wrong, never a pickle traceback.
+
 Atomicity: ranks write into ``DIR/.tmp-TAG``; the ranks then agree (one all-reduce) that every
 file is complete; rank 0 writes the metadata, renames the directory to ``DIR/TAG`` and finally
 replaces ``DIR/latest`` with ``os.replace``. A save that fails or is killed at any point leaves
@@ -24,8 +30,10 @@ replaces ``DIR/latest`` with ``os.replace``. A save that fails or is killed at a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import shutil
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -36,12 +44,13 @@ from shardkit import distributed
 
 __all__ = ["FORMAT", "CheckpointError", "RankShard", "LoadedCheckpoint", "commit_checkpoint",
            "read_latest_tag", "read_checkpoint", "rank_file_name", "resolve_checkpoint_dir",
-           "check_tag"]
+           "check_tag", "load_checkpoint_file", "file_digest"]
 
 FORMAT = "shardkit-resharding-v1"
 LATEST = "latest"
 METADATA = "metadata.json"
 ENGINE_FILE = "engine.pt"
+DIGEST_SUFFIX = ".sha256"  # a rank's checksum of its file, folded into the metadata by rank 0
 
 
 class CheckpointError(RuntimeError):
@@ -86,15 +95,33 @@ def _fsync(path: str) -> None:
         os.fsync(f.fileno())
 
 
+def file_digest(path: str) -> dict:
+    """``{"bytes": size, "sha256": hex}`` of the file at ``path`` (reads it once)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+            size += len(block)
+    return {"bytes": size, "sha256": h.hexdigest()}
+
+
+def _write_rank_file_and_digest(path: str, shard: RankShard) -> None:
+    _write_rank_file(path, shard)
+    with open(path + DIGEST_SUFFIX, "w") as f:
+        json.dump(file_digest(path), f)
+
+
 def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
                       metadata: Optional[dict], engine_payload: Optional[dict],
-                      save_latest: bool = True) -> str:
+                      save_latest: bool = True, group=None) -> str:
     """Write this rank's shard and, on rank 0, the metadata; then publish atomically.
 
     Must be called on every rank (``metadata``/``engine_payload`` are used on rank 0 only).
     Communication: two barriers and two one-element all-reduces (one more barrier on
-    failure). Raises :class:`CheckpointError` on every rank if any rank failed; ``latest`` is
-    then untouched.
+    failure), on ``group`` (default: the default group; an asynchronous save passes its own,
+    so that its agreement never interleaves with the training loop's collectives). Raises
+    :class:`CheckpointError` on every rank if any rank failed; ``latest`` is then untouched.
     """
     check_tag(tag)
     rank = distributed.get_rank()
@@ -104,15 +131,16 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
         os.makedirs(save_dir, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
-    distributed.barrier()
-    error = _attempt(lambda: _write_rank_file(os.path.join(staging, rank_file_name(rank)), shard))
-    _agree_or_raise(error, f"writing {rank_file_name(rank)} into {staging}", staging)
+    distributed.barrier(group)
+    error = _attempt(lambda: _write_rank_file_and_digest(
+        os.path.join(staging, rank_file_name(rank)), shard))
+    _agree_or_raise(error, f"writing {rank_file_name(rank)} into {staging}", staging, group)
     error = None
     if rank == 0:
         error = _attempt(lambda: _publish(save_dir, tag, staging, final, metadata,
                                           engine_payload, save_latest))
-    _agree_or_raise(error, f"publishing {final}", staging)
-    distributed.barrier()
+    _agree_or_raise(error, f"publishing {final}", staging, group)
+    distributed.barrier(group)
     return final
 
 
@@ -124,14 +152,15 @@ def _attempt(action) -> Optional[BaseException]:
     return None
 
 
-def _agree_or_raise(error: Optional[BaseException], what: str, staging: str) -> None:
+def _agree_or_raise(error: Optional[BaseException], what: str, staging: str,
+                    group=None) -> None:
     failed = torch.tensor([1.0 if error is not None else 0.0])
-    distributed.all_reduce(failed, op=distributed.ReduceOp.MAX)
+    distributed.all_reduce(failed, op=distributed.ReduceOp.MAX, group=group)
     if failed.item() == 0:
         return
     if distributed.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)
-    distributed.barrier()  # every rank raises only once the staging directory is gone
+    distributed.barrier(group)  # every rank raises only once the staging directory is gone
     detail = f": {type(error).__name__}: {error}" if error is not None else \
         " on another rank (see its error)"
     raise CheckpointError(f"save_checkpoint failed {what}{detail}; 'latest' still names the "
@@ -139,13 +168,14 @@ def _agree_or_raise(error: Optional[BaseException], what: str, staging: str) -> 
 
 
 def _publish(save_dir, tag, staging, final, metadata, engine_payload, save_latest) -> None:
+    engine_path = os.path.join(staging, ENGINE_FILE)
+    torch.save(engine_payload, engine_path)
+    _fsync(engine_path)
+    metadata = dict(metadata, files=_collect_digests(staging, metadata["world_size"]))
     meta_path = os.path.join(staging, METADATA)
     with open(meta_path, "w") as f:
         json.dump(metadata, f, indent=1, sort_keys=True)
     _fsync(meta_path)
-    engine_path = os.path.join(staging, ENGINE_FILE)
-    torch.save(engine_payload, engine_path)
-    _fsync(engine_path)
     if os.path.exists(final):  # re-saving a tag: keep the old one until the new one is in
         retired = os.path.join(save_dir, f".old-{tag}")
         shutil.rmtree(retired, ignore_errors=True)
@@ -161,6 +191,17 @@ def _publish(save_dir, tag, staging, final, metadata, engine_payload, save_lates
             f.flush()
             os.fsync(f.fileno())
         os.replace(pending, os.path.join(save_dir, LATEST))
+
+
+def _collect_digests(staging: str, world_size: int) -> dict:
+    """Every rank's checksum file (removed once read) and the engine file's, by file name."""
+    files = {ENGINE_FILE: file_digest(os.path.join(staging, ENGINE_FILE))}
+    for rank in range(world_size):
+        sidecar = os.path.join(staging, rank_file_name(rank) + DIGEST_SUFFIX)
+        with open(sidecar) as f:
+            files[rank_file_name(rank)] = json.load(f)
+        os.remove(sidecar)
+    return files
 
 
 def check_tag(tag: str) -> None:
@@ -207,8 +248,15 @@ def _tags(load_dir: str) -> list:
 
 
 def read_metadata(path: str) -> dict:
-    with open(os.path.join(path, METADATA)) as f:
-        metadata = json.load(f)
+    file = os.path.join(path, METADATA)
+    try:
+        with open(file) as f:
+            metadata = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: cannot be read as JSON ({type(e).__name__}: {e}); the "
+                              f"checkpoint is corrupted") from None
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{file}: holds a {type(metadata).__name__}, not a JSON object")
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {metadata.get('format')!r}; this shardkit reads "
                               f"{FORMAT!r}")
@@ -229,7 +277,7 @@ def read_checkpoint(path: str, with_optimizer: bool = True) -> LoadedCheckpoint:
         if not os.path.isfile(file):
             raise CheckpointError(f"{path}: {rank_file_name(rank)} is missing; the checkpoint "
                                   f"was written by {metadata['world_size']} ranks")
-        shard = torch.load(file, map_location="cpu", weights_only=False)
+        shard = load_checkpoint_file(path, rank_file_name(rank), metadata)
         params.update(shard["params"])
         if with_optimizer:
             optim.update(shard["optim"])
@@ -247,9 +295,50 @@ def read_checkpoint(path: str, with_optimizer: bool = True) -> LoadedCheckpoint:
     missing = [name for name in metadata["param_names"] if name not in params]
     if missing:
         raise CheckpointError(f"{path}: no rank file holds {missing[:5]}")
-    engine = torch.load(os.path.join(path, ENGINE_FILE), map_location="cpu",
-                        weights_only=False)
+    engine = load_checkpoint_file(path, ENGINE_FILE, metadata)
     return LoadedCheckpoint(path, metadata, params, optim, rng, engine)
+
+
+def load_checkpoint_file(path: str, name: str, metadata: dict):
+    """Load ``path/name`` safely: check its size and sha256 against ``metadata["files"]`` (when
+    the checkpoint lists them), then ``torch.load(weights_only=True)`` on CPU.
+
+    Raises :class:`CheckpointError` naming the file when it is missing, truncated, altered,
+    not a torch file, or holds objects that would need arbitrary code to unpickle."""
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file} is missing")
+    expected = metadata.get("files", {}).get(name)
+    if expected is not None:
+        actual = file_digest(file)
+        if actual["bytes"] != expected["bytes"]:
+            raise CheckpointError(f"{file}: {actual['bytes']} bytes, but the checkpoint's "
+                                  f"metadata lists {expected['bytes']}; the file is truncated "
+                                  f"or was overwritten")
+        if actual["sha256"] != expected["sha256"]:
+            raise CheckpointError(f"{file}: sha256 {actual['sha256'][:16]}... does not match "
+                                  f"{expected['sha256'][:16]}... in the checkpoint's metadata; "
+                                  f"the file is corrupted or was modified")
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(
+            f"refused to load {file}: it holds Python objects other than tensors, numbers, "
+            f"strings and plain containers ({_unsafe_detail(e)}). shardkit loads checkpoints "
+            f"with torch.load(weights_only=True) so that loading cannot run code; if you wrote "
+            f"this file yourself and trust it, load it with torch.load(weights_only=False)"
+        ) from None
+    except Exception as e:  # zip/storage errors of a damaged file
+        raise CheckpointError(f"{file} is not a readable torch file ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); it is truncated or "
+                              f"corrupted") from None
+
+
+def _unsafe_detail(error: Exception) -> str:
+    """The line of torch's weights-only error that names the refused global."""
+    lines = [ln.strip() for ln in str(error).splitlines()
+             if "GLOBAL" in ln or "Unsupported" in ln or "unsupported" in ln]
+    return lines[0] if lines else str(error).splitlines()[0]
 
 
 def _join_rows(blocks: list, shape: list) -> torch.Tensor:

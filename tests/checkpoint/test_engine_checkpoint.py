@@ -102,7 +102,7 @@ def test_stage3_world2_checkpoint_resumes_at_world1_stage0_and_world4_stage1(
     # Saving gathers nothing: two barriers and two one-element agreement all-reduces.
     assert reference["save_comm"] == {"barrier": 2, "all_reduce": 2}
     # Stage 3 writes each rank's own row blocks (parameters and Adam state): two similar files.
-    files = [torch.load(os.path.join(reference["path"], f"rank_0000{r}.pt"), weights_only=False)
+    files = [torch.load(os.path.join(reference["path"], f"rank_0000{r}.pt"), weights_only=True)
              for r in range(2)]
     numels = [sum(t.numel() for t in f["row_blocks"].values()) for f in files]
     assert min(numels) == max(numels) > 0

@@ -1,0 +1,89 @@
+"""Asynchronous checkpoint saves: copy this rank's shard to host memory, write it in a thread.
+
+``engine.save_checkpoint(dir, async_save=True)`` blocks the training loop only while this rank's
+fp32 parameters and optimizer state are copied into CPU tensors (the same copies a synchronous
+save makes); a background thread then writes the rank file, checksums it and takes part in the
+atomic commit of :func:`~shardkit.checkpoint.sharded.commit_checkpoint`. The next
+``save_checkpoint``, ``load_checkpoint``, :meth:`AsyncSave.wait` or the end of the process
+waits for it and raises its error, if any. A crash or failure during the background write
+leaves ``latest`` naming the previous checkpoint, exactly as a synchronous save does.
+
+Note: the commit's barriers and agreement all-reduces run on a separate gloo process group
+(created once, at the first asynchronous save, on every rank), so they never interleave with the
+collectives the training loop issues on the default group meanwhile.
+
+Costs: memory, one CPU copy of this rank's share of the model and optimizer state until the
+write ends; communication, that of a synchronous save, on the checkpoint group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import weakref
+from typing import Callable, Optional
+
+from shardkit import distributed
+
+__all__ = ["AsyncSave", "checkpoint_group"]
+
+_group = None
+_pending: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()
+
+
+def checkpoint_group():
+    """The gloo group over every rank that background saves commit on (created on first use;
+    a collective: every rank must reach the first asynchronous save)."""
+    global _group
+    if _group is None:
+        _group = distributed.new_group(range(distributed.get_world_size()), backend="gloo")
+    return _group
+
+
+class AsyncSave:
+    """A checkpoint being written by a background thread.
+
+    Attributes:
+        path: the checkpoint directory it will publish.
+    """
+
+    def __init__(self, path: str, write: Callable[[], str]):
+        self.path = path
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(write,),
+                                        name="shardkit-async-checkpoint", daemon=True)
+        _pending.add(self)
+        self._thread.start()
+
+    def _run(self, write) -> None:
+        try:
+            write()
+        except BaseException as e:  # re-raised by wait() on the caller's thread
+            self._error = e
+
+    def done(self) -> bool:
+        """True once the background write has ended (successfully or not)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> str:
+        """Block until the write ends; return the checkpoint directory or raise its error
+        (:class:`~shardkit.checkpoint.CheckpointError` when the save failed on any rank)."""
+        self._thread.join()
+        _pending.discard(self)
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self.path
+
+
+def _wait_all_at_exit() -> None:
+    """A process that ends normally first finishes its background saves (before the process
+    group is torn down: this is registered after it, so it runs before)."""
+    for save in list(_pending):
+        try:
+            save.wait()
+        except Exception as e:
+            print(f"[shardkit] asynchronous checkpoint save to {save.path} failed: {e}")
+
+
+atexit.register(_wait_all_at_exit)

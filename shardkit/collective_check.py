@@ -1,0 +1,160 @@
+"""Collective debug mode: catch ranks that issue collectives in different orders.
+
+Ranks that disagree about which collective comes next (a data-dependent branch, a module called
+a different number of times on one rank, a rank that skips a step) hang, or worse, exchange the
+wrong tensors without an error. With the debug mode on, every collective that goes through
+:mod:`shardkit.distributed` is preceded by a check: the ranks of its group exchange a fingerprint
+of the call (op, per-group sequence number, shape, dtype, the group's ranks, and the call site,
+which is reported but not compared) and, if any two differ, every rank raises
+:class:`CollectiveMismatchError` naming each rank's op and call site, before the real collective
+runs. Turn it on with ``SHARDKIT_DEBUG_COLLECTIVES=1`` in the environment or
+:func:`set_debug_collectives` (``shardkit.distributed.set_debug_collectives`` is the same
+function).
+
+Cost: off by default, then one boolean test per collective. On: one extra all-gather of
+``FINGERPRINT_BYTES`` bytes per rank on the collective's own group before each collective (a
+synchronous round trip, so it also serialises asynchronous collectives), plus a stack walk;
+``benchmarks/bench_collective_check.py`` measures it.
+
+Limits: point-to-point ops (send/recv) are not checked (only two ranks take part, in orders
+that legitimately differ between pipeline stages); a rank that never reaches a collective of
+the group (it waits in another group, or died) is not a mismatch but a hang, which the
+process-group timeout or :mod:`shardkit.fault`'s watchdog reports. Sequence numbers are kept per
+process group (its ``group_name``), so a group used from another thread (an asynchronous
+checkpoint's) has its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["set_debug_collectives", "debug_collectives_enabled", "CollectiveMismatchError",
+           "check_collective", "FINGERPRINT_BYTES"]
+
+FINGERPRINT_BYTES = 512
+# Only these are checked: every rank of the group takes part in them.
+CHECKED_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
+                         "reduce", "barrier", "broadcast_object", "all_gather_object"})
+
+_enabled = os.environ.get("SHARDKIT_DEBUG_COLLECTIVES", "0") not in ("", "0", "false", "False")
+_sequence: dict[str, int] = {}
+_state = threading.local()  # re-entry guard: the check's own all-gather is not checked
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SKIP_FILES = {os.path.join(_HERE, "distributed.py"), os.path.abspath(__file__)}
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks of one group were about to issue different collectives; the message lists each
+    rank's op, shape, dtype and call site."""
+
+
+def set_debug_collectives(enabled: bool = True) -> None:
+    """Turn the collective debug mode on or off in this process (call it on every rank, at the
+    same point, e.g. right after ``init_distributed``). See the module docstring for its cost."""
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_debug_collectives(enabled={enabled!r}): expected True or False")
+    _enabled = enabled
+
+
+def debug_collectives_enabled() -> bool:
+    """True when collectives are checked before they run."""
+    return _enabled
+
+
+def _call_site() -> str:
+    """The innermost frame outside shardkit.distributed, and the first frame outside shardkit
+    when that is a different one (the user's line that led to the collective)."""
+    frame = sys._getframe(1)
+    inner = user = None
+    package = os.path.dirname(_HERE)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path not in _SKIP_FILES:
+            where = f"{os.path.relpath(path) if path.startswith(os.getcwd()) else path}:" \
+                    f"{frame.f_lineno} in {frame.f_code.co_name}"
+            if inner is None:
+                inner = where
+            if not path.startswith(package + os.sep):
+                user = where
+                break
+        frame = frame.f_back
+    if user is None or user == inner:
+        return inner or "?"
+    return f"{inner} (from {user})"
+
+
+def _group_key(group) -> tuple:
+    if group is None or group is dist.group.WORLD:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _device_for(group) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def check_collective(op: str, shape: Optional[tuple], dtype: Optional[torch.dtype],
+                     group) -> None:
+    """Compare this collective's fingerprint with every rank of ``group``; raise
+    :class:`CollectiveMismatchError` on every rank if they differ. No-op when the mode is off,
+    for unchecked ops, and for the check's own all-gather."""
+    if not _enabled or op not in CHECKED_OPS or getattr(_state, "busy", False):
+        return
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    ranks = _group_key(group)
+    key = getattr(group, "group_name", None) or "default"
+    seq = _sequence.get(key, 0)
+    _sequence[key] = seq + 1
+    mine = {"op": op, "seq": seq, "shape": None if shape is None else list(shape),
+            "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+            "ranks": list(ranks), "rank": dist.get_rank(), "site": _call_site()}
+    _state.busy = True
+    try:
+        everyone = _exchange(mine, group, len(ranks))
+    finally:
+        _state.busy = False
+    compared = ("op", "seq", "shape", "dtype", "ranks")
+    if all(all(fp[k] == everyone[0][k] for k in compared) for fp in everyone):
+        return
+    lines = [f"  rank {fp['rank']}: {fp['op']}(shape={fp['shape']}, dtype={fp['dtype']}) "
+             f"#{fp['seq']} at {fp['site']}" for fp in everyone]
+    raise CollectiveMismatchError(
+        f"collective mismatch in the group of ranks {list(ranks)}: the ranks were about to issue "
+        f"different collectives (compared: op, sequence number, shape, dtype):\n"
+        + "\n".join(lines))
+
+
+def _exchange(fingerprint: dict, group, n: int) -> list[dict]:
+    """One all-gather of a fixed-size encoded fingerprint per rank."""
+    raw = json.dumps(fingerprint).encode()
+    if len(raw) > FINGERPRINT_BYTES:  # a very deep path: shorten the reported site only
+        fingerprint = dict(fingerprint, site=fingerprint["site"][-(FINGERPRINT_BYTES // 2):])
+        raw = json.dumps(fingerprint).encode()[:FINGERPRINT_BYTES]
+    from shardkit.distributed import _all_gather_tensor  # torch's, uncounted and unchecked
+    device = _device_for(group)
+    mine = torch.zeros(FINGERPRINT_BYTES, dtype=torch.uint8)
+    mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = torch.empty(n * FINGERPRINT_BYTES, dtype=torch.uint8, device=device)
+    _all_gather_tensor(out, mine.to(device), group=group)
+    out = out.cpu().view(n, FINGERPRINT_BYTES)
+    decoded = []
+    for row in out:
+        text = bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
+        try:
+            decoded.append(json.loads(text))
+        except json.JSONDecodeError:
+            decoded.append({"op": "?", "seq": -1, "shape": None, "dtype": None, "ranks": [],
+                            "rank": "?", "site": text[:120]})
+    return decoded

@@ -1,0 +1,275 @@
+"""Fail fast, naming the rank, when a peer process dies.
+
+A rank that is SIGKILLed (OOM killer, node reboot) leaves its peers either inside a collective
+(gloo then fails at once with "Connection closed by peer", which does not say which rank) or
+waiting for a collective the dead rank will never issue (which, by default, would block until
+the process-group timeout). :func:`watch_peers` starts a heartbeat watchdog that turns both into
+one clear failure: every survivor prints
+``shardkit: rank R of N is lost: no heartbeat for T s ...`` and exits with status
+:data:`PEER_LOST_EXIT_CODE` within about ``timeout_s`` of the death.
+
+How it works (Note: a watchdog thread, not a short process-group timeout, so that a slow but
+healthy collective — a large all-gather on a loaded machine — is never mistaken for a death):
+
+- Each rank runs a daemon thread that, every ``timeout_s / 8`` seconds, increments a counter
+  under ``shardkit/heartbeat/<attempt>/<rank>`` in the rendezvous TCP store (its own client
+  connection to ``MASTER_ADDR:MASTER_PORT``; ``<attempt>`` is torchrun's restart count, so a
+  restarted job never reads its predecessor's beats) and reads every peer's counter.
+- A peer whose counter has not moved for ``timeout_s`` (measured on this rank's own clock; no
+  clock agreement needed) is lost. Outside torchrun rank 0 hosts the store, so when the store
+  stops answering, rank 0 is lost.
+- On a loss the thread prints the message and calls ``os._exit(PEER_LOST_EXIT_CODE)``: the main
+  thread may be blocked inside a C++ collective where no Python exception can reach it. An
+  uncaught exception in the main thread (``sys.excepthook``) first waits up to ``timeout_s`` for
+  the watchdog's verdict when it looks like a communication failure, so the gloo error is
+  reported as the lost rank; any other exception is reported at once, as usual.
+- A rank that finishes marks itself done (at exit, or :meth:`PeerWatchdog.stop`); peers stop
+  watching it.
+
+Cost: one thread per rank; per beat, one small write and ``N - 1`` reads on the store (about
+``8N`` store requests per rank per ``timeout_s``; rank 0 or torchrun's agent serves them). No
+collective, no tensor traffic.
+
+Default timeout: ``SHARDKIT_PEER_TIMEOUT`` seconds when set, else :data:`DEFAULT_TIMEOUT_S`
+(60 s), far below torch's 30-minute process-group default. ``shardkit.initialize`` starts the
+watchdog (``peer_timeout_s``; 0 turns it off); wrapper users call :func:`watch_peers` once after
+``init_distributed``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+__all__ = ["watch_peers", "stop_watching", "PeerWatchdog", "PEER_LOST_EXIT_CODE",
+           "DEFAULT_TIMEOUT_S", "current_watchdog"]
+
+PEER_LOST_EXIT_CODE = 75  # EX_TEMPFAIL: the job may succeed when restarted
+DEFAULT_TIMEOUT_S = 60.0
+_DONE = b"done"
+_COMM_ERROR_WORDS = ("connection", "gloo", "nccl", "closed", "reset", "timed out", "timeout",
+                     "broken pipe", "peer", "socket", "store", "exited before", "shared-memory")
+
+_watchdog: Optional["PeerWatchdog"] = None
+_lock = threading.Lock()
+
+
+def _default_timeout() -> float:
+    value = os.environ.get("SHARDKIT_PEER_TIMEOUT")
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"SHARDKIT_PEER_TIMEOUT={value!r}: expected a number of seconds") from None
+
+
+class PeerWatchdog:
+    """The heartbeat thread of this rank (see the module docstring). Build it with
+    :func:`watch_peers`.
+
+    Attributes:
+        timeout_s: seconds without a peer heartbeat before the peer is declared lost.
+        lost: ``(rank, message)`` once a peer is lost, else ``None``.
+    """
+
+    def __init__(self, timeout_s: float, on_lost: Optional[Callable[[int, str], None]] = None):
+        self.timeout_s = timeout_s
+        self.interval_s = max(timeout_s / 8.0, 0.05)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.lost: Optional[tuple] = None
+        self._on_lost = on_lost or _exit_naming_the_rank
+        self._verdict = threading.Event()
+        self._stopped = threading.Event()
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        self._prefix = f"shardkit/heartbeat/{run}/{attempt}/"
+        self._store_host_rank = None if os.environ.get(
+            "TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0
+        self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                    is_master=False,
+                                    timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
+                                    wait_for_workers=False)
+        self._beat = 0
+        self._store.set(self._key(self.rank), str(self._beat))
+        self._thread = threading.Thread(target=self._run, name="shardkit-peer-watchdog",
+                                        daemon=True)
+        self._thread.start()
+
+    def _key(self, rank: int) -> str:
+        return f"{self._prefix}{rank}"
+
+    @property
+    def _verdict_key(self) -> str:
+        return f"{self._prefix}lost"
+
+    # -- the thread
+    def _run(self) -> None:
+        started = time.monotonic()
+        seen = {r: (None, started) for r in range(self.world_size) if r != self.rank}
+        while not self._stopped.wait(self.interval_s):
+            try:
+                self._beat += 1
+                self._store.set(self._key(self.rank), str(self._beat))
+                if self._store.check([self._verdict_key]):  # another rank saw it first
+                    rank, _, why = self._store.get(self._verdict_key).decode().partition("|")
+                    self._declare(int(rank), why, publish=False)
+                    return
+                now = time.monotonic()
+                for r in list(seen):
+                    value = self._store.get(self._key(r)) if self._store.check([self._key(r)]) \
+                        else None
+                    if value == _DONE:
+                        del seen[r]
+                    elif value != seen[r][0]:
+                        seen[r] = (value, now)
+                    elif now - seen[r][1] > self.timeout_s:
+                        self._declare(r, f"no heartbeat for {now - seen[r][1]:.1f} s "
+                                         f"(timeout {self.timeout_s:g} s)")
+                        return
+            except Exception as e:  # the store itself is gone
+                if self._stopped.wait(self.interval_s) or not dist.is_initialized():
+                    return  # a clean shutdown raced with this beat
+                who = self._store_host_rank
+                if who is None or who == self.rank:
+                    self._declare(None, f"the rendezvous store stopped answering ({e})")
+                else:
+                    self._declare(who, f"the rendezvous store it hosts stopped answering "
+                                       f"({type(e).__name__})")
+                return
+
+    def _declare(self, rank: Optional[int], why: str, publish: bool = True) -> None:
+        # Note: the first verdict is published in the store so that every survivor names the
+        # same rank; the store's host waits two beats before leaving, otherwise the others
+        # would see the store vanish and blame the host instead of the rank that died.
+        if publish and rank is not None:
+            try:
+                self._store.compare_set(self._verdict_key, "", f"{rank}|{why}")
+            except Exception:
+                pass
+        if self._store_host_rank == self.rank:
+            time.sleep(2 * self.interval_s)
+        subject = f"rank {rank} of {self.world_size} is lost" if rank is not None \
+            else "the job's rendezvous is lost"
+        message = (f"shardkit: {subject}: {why}; rank {self.rank} stops (exit status "
+                   f"{PEER_LOST_EXIT_CODE}). Restart the job (torchrun --max-restarts) and "
+                   f"resume from the latest checkpoint.")
+        self.lost = (rank, message)
+        self._verdict.set()
+        self._on_lost(rank, message)
+
+    # -- API
+    def wait_for_verdict(self, timeout_s: Optional[float] = None) -> Optional[tuple]:
+        """Block until a peer is declared lost or ``timeout_s`` passes; return :attr:`lost`.
+
+        The default covers the worst case after a death: the timeout, one beat before the
+        last change is read, one beat of the loop, and a margin for a loaded machine."""
+        wait = self.timeout_s + 4 * self.interval_s + 1.0 if timeout_s is None else timeout_s
+        if self._thread.is_alive() or self._verdict.is_set():
+            self._verdict.wait(wait)
+        return self.lost
+
+    def stop(self) -> None:
+        """Stop beating and tell the peers this rank finished (it is no longer watched)."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._thread.join(timeout=5 * self.interval_s + 1)
+        try:
+            self._store.set(self._key(self.rank), _DONE.decode())
+        except Exception:
+            pass
+
+
+def _exit_naming_the_rank(rank: Optional[int], message: str) -> None:
+    try:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(PEER_LOST_EXIT_CODE)
+
+
+def looks_like_communication_error(error: BaseException) -> bool:
+    """True for the errors a dead peer causes (gloo/NCCL connection errors, timeouts)."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = f"{type(error).__name__} {error}".lower()
+    return isinstance(error, (RuntimeError, OSError, ConnectionError)) and \
+        any(word in text for word in _COMM_ERROR_WORDS)
+
+
+def _excepthook(previous):
+    def hook(exc_type, exc, tb):
+        watchdog = _watchdog
+        if watchdog is not None and exc is not None and _chain_has_comm_error(exc):
+            watchdog.wait_for_verdict()  # exits the process if a peer is lost
+        previous(exc_type, exc, tb)
+    return hook
+
+
+def _chain_has_comm_error(exc: BaseException) -> bool:
+    seen = 0
+    while exc is not None and seen < 8:
+        if looks_like_communication_error(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def watch_peers(timeout_s: Optional[float] = None,
+                on_lost: Optional[Callable[[int, str], None]] = None) -> Optional[PeerWatchdog]:
+    """Start this rank's peer watchdog (idempotent: a running one is returned as is).
+
+    Args:
+        timeout_s: seconds without a peer's heartbeat before it is declared lost (default
+            ``SHARDKIT_PEER_TIMEOUT`` or 60); ``0`` starts nothing and returns ``None``.
+        on_lost: ``callable(rank, message)`` run on the watchdog thread instead of the default
+            (print the message, ``os._exit(PEER_LOST_EXIT_CODE)``); ``rank`` is ``None`` when the
+            store itself is lost and no rank can be named.
+
+    Call it on every rank after the process group exists (no collective is issued, so ranks
+    may call it at different times). Costs: see the module docstring.
+    """
+    global _watchdog
+    timeout_s = _default_timeout() if timeout_s is None else float(timeout_s)
+    if timeout_s < 0:
+        raise ValueError(f"watch_peers(timeout_s={timeout_s}): must be >= 0 (0 turns it off)")
+    if timeout_s == 0:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("watch_peers: the process group is not initialised; call "
+                           "shardkit.distributed.init_distributed() first")
+    with _lock:
+        if _watchdog is not None and not _watchdog._stopped.is_set():
+            return _watchdog
+        if dist.get_world_size() == 1:
+            return None
+        _watchdog = PeerWatchdog(timeout_s, on_lost)
+        if not getattr(sys.excepthook, "_shardkit", False):
+            sys.excepthook = _excepthook(sys.excepthook)
+            sys.excepthook._shardkit = True
+        atexit.register(stop_watching)
+        return _watchdog
+
+
+def current_watchdog() -> Optional[PeerWatchdog]:
+    """The running watchdog of this process, or ``None``."""
+    return _watchdog
+
+
+def stop_watching() -> None:
+    """Stop this rank's watchdog, if any, and mark the rank done for its peers."""
+    global _watchdog
+    with _lock:
+        watchdog, _watchdog = _watchdog, None
+    if watchdog is not None:
+        watchdog.stop()

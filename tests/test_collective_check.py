@@ -1,0 +1,99 @@
+"""Collective debug mode: ranks about to issue different collectives raise on every rank, with
+both call sites, instead of hanging or exchanging the wrong tensors; correct programs give the
+same results and the same counted traffic with the mode on."""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from shardkit import distributed
+from shardkit.collective_check import CollectiveMismatchError, set_debug_collectives
+from shardkit.testing import world_fixture
+
+world2 = world_fixture(2)
+
+
+def _with_debug(body):
+    set_debug_collectives(True)
+    try:
+        return body()
+    except CollectiveMismatchError as e:
+        return str(e)
+    finally:
+        set_debug_collectives(False)
+
+
+def _extra_all_gather():
+    def body():
+        x = torch.ones(4)
+        if distributed.get_rank() == 0:
+            out = torch.empty(8)
+            distributed.all_gather_into_tensor(out, x)  # EXTRA-ALL-GATHER
+        distributed.all_reduce(x)  # EVERYONE-ALL-REDUCE
+        return "no error"
+    return _with_debug(body)
+
+
+def _line_of(marker):
+    with open(__file__) as f:
+        for number, line in enumerate(f, 1):
+            if marker in line and "_line_of" not in line:
+                return number
+
+
+def test_extra_all_gather_is_caught_on_every_rank_naming_both_call_sites(world2):
+    gather_site = f"test_collective_check.py:{_line_of('# EXTRA-ALL-GATHER')}"
+    reduce_site = f"test_collective_check.py:{_line_of('# EVERYONE-ALL-REDUCE')}"
+    for message in world2.run(_extra_all_gather):
+        assert "collective mismatch in the group of ranks [0, 1]" in message
+        assert "rank 0: all_gather(shape=[8], dtype=float32) #0 at" in message
+        assert "rank 1: all_reduce(shape=[4], dtype=float32) #0 at" in message
+        assert gather_site in message and reduce_site in message
+    # The check ran before the real collectives: the world is still in step.
+    assert world2.run(_matching_program) == [_expected_matching()] * 2
+
+
+def _shape_mismatch():
+    return _with_debug(lambda: distributed.all_reduce(torch.ones(3 + distributed.get_rank())))
+
+
+def test_same_op_with_different_shapes_is_caught(world2):
+    for message in world2.run(_shape_mismatch):
+        assert "rank 0: all_reduce(shape=[3]" in message
+        assert "rank 1: all_reduce(shape=[4]" in message
+
+
+def _matching_program():
+    def body():
+        rank = distributed.get_rank()
+        with distributed.CommCounter() as comm:
+            x = torch.full((4,), float(rank + 1))
+            distributed.all_reduce(x)
+            out = torch.empty(8)
+            distributed.all_gather_into_tensor(out, torch.full((4,), float(rank)))
+            distributed.broadcast(x, src=1)
+            objs = distributed.all_gather_object({"rank": rank})
+            distributed.barrier()
+        return x.tolist(), out.tolist(), objs, comm.calls_by_op
+    return _with_debug(body)
+
+
+def _expected_matching():
+    return ([3.0] * 4, [0.0] * 4 + [1.0] * 4, [{"rank": 0}, {"rank": 1}],
+            {"all_reduce": 1, "all_gather": 2, "broadcast": 1, "barrier": 1})
+
+
+def test_matching_collectives_give_the_same_results_and_counted_traffic(world2):
+    assert world2.run(_matching_program) == [_expected_matching()] * 2
+
+
+def test_environment_variable_turns_the_mode_on():
+    code = ("from shardkit import collective_check as c, distributed as d; "
+            "print(c.debug_collectives_enabled(), d.set_debug_collectives is c.set_debug_collectives)")
+    for value, expected in (("1", "True True"), ("0", "False True")):
+        env = dict(os.environ, SHARDKIT_DEBUG_COLLECTIVES=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.stdout.strip() == expected, out.stderr

@@ -1,0 +1,241 @@
+"""The fault matrix: a rank SIGKILLed in forward, backward, the optimizer step or a checkpoint
+write, under DDP + OSS, ShardedDDP, FSDP, a 1F1B pipeline and ``shardkit.initialize``.
+
+Every survivor must exit with status ``PEER_LOST_EXIT_CODE`` and a message naming the lost rank
+(the peer watchdog of :mod:`shardkit.fault`, here with a 4 s timeout), and the checkpoint saved
+before the fault must still be ``latest`` and load. Ranks are plain processes forked from a
+forkserver that has torch imported, so a case costs a few seconds."""
+
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardkit.testing import free_port
+
+PEER_TIMEOUT_S = 4.0  # 2 s saw healthy ranks starved that long on a loaded 2-core VM
+WRAPPERS = ("ddp_oss", "sharded_ddp", "fsdp", "pipeline", "initialize")
+PHASES = ("forward", "backward", "optimizer_step", "checkpoint_write")
+VICTIM_STEP = 1
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                         nn.Linear(16, 4))
+
+
+def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Build:
+    """What a case trains: ``step(i)`` runs one step, ``save(dir, tag)`` writes a checkpoint,
+    ``first_layer`` and ``optimizer`` are where the kill hooks go."""
+
+    def __init__(self, wrapper, rank, world):
+        from shardkit.optim import OSS
+        self.rank, self.world, self.wrapper = rank, world, wrapper
+        model = _model()
+        self.first_layer = model[0]
+        self.loss_fn = nn.functional.mse_loss
+        self.engine = None
+        if wrapper == "ddp_oss":
+            self.optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+            self.model = nn.parallel.DistributedDataParallel(model)
+        elif wrapper == "sharded_ddp":
+            from shardkit.nn.data_parallel import ShardedDataParallel
+            self.optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+            self.model = ShardedDataParallel(model, self.optimizer)
+        elif wrapper == "fsdp":
+            from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+            self.model = FSDP(model)
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        elif wrapper == "pipeline":
+            from shardkit.nn.pipe import PipelineStage, Schedule1F1B, split_sequential
+            parts = split_sequential(model, [2, 3] if world == 2 else [1] * world)
+            self.model = parts[rank]
+            self.first_layer = self.model[0]
+            stage = PipelineStage(self.model, rank, world)
+            self.schedule = Schedule1F1B(stage, 2, self.loss_fn)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-2)
+        else:
+            import shardkit
+            self.engine, self.optimizer, _, _ = shardkit.initialize(model=model, config={
+                "train_batch_size": 4 * world, "zero_optimization": {"stage": 2},
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}},
+                peer_timeout_s=PEER_TIMEOUT_S)
+
+    def step(self, i):
+        gen = torch.Generator().manual_seed(i)
+        x, y = torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)
+        if self.wrapper == "pipeline":
+            self.schedule.step(x, target=y)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        elif self.engine is not None:
+            self.engine.backward(self.loss_fn(self.engine(x), y))
+            self.engine.step()
+        else:
+            self.loss_fn(self.model(x), y).backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+
+    def save(self, save_dir, tag):
+        if self.engine is not None:
+            return self.engine.save_checkpoint(save_dir, tag=tag)
+        from shardkit.checkpoint.sharded import FORMAT, RankShard, commit_checkpoint
+        state = self.model.local_state_dict() if self.wrapper == "fsdp" else \
+            self.model.state_dict()
+        params = {f"rank{self.rank}.{k}": v.detach().clone() for k, v in state.items()
+                  if isinstance(v, torch.Tensor)}
+        metadata = {"format": FORMAT, "tag": tag, "world_size": self.world,
+                    "param_names": sorted(params)} if self.rank == 0 else None
+        return commit_checkpoint(save_dir, tag, RankShard(params=params), metadata, {})
+
+    def arm(self, phase):
+        """Make the next step (or save) SIGKILL this process at ``phase``."""
+        if phase == "forward":
+            self.first_layer.register_forward_pre_hook(lambda *a: _die())
+        elif phase == "backward":
+            def kill_in_backward(module, inputs, out):
+                out.register_hook(lambda grad: _die())
+            self.first_layer.register_forward_hook(kill_in_backward)
+        elif phase == "optimizer_step":
+            inner = getattr(self.optimizer, "optim", self.optimizer)
+            inner.register_step_pre_hook(lambda *a: _die())
+        else:
+            from shardkit.checkpoint import sharded
+
+            def killed_while_writing(path, shard):
+                with open(path, "wb") as f:
+                    f.write(b"half a rank file")
+                _die()
+            sharded._write_rank_file = killed_while_writing
+
+
+def _rank_main(wrapper, phase, victim, rank, world, port, save_dir, log_path):
+    log = open(log_path, "w")
+    os.dup2(log.fileno(), 2)
+    sys.stderr = log
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    from shardkit import distributed, fault
+    distributed.init_distributed(backend="gloo", timeout_s=60)
+    fault.watch_peers(PEER_TIMEOUT_S)
+    try:
+        build = _Build(wrapper, rank, world)
+        build.step(0)
+        build.save(save_dir, "before")
+        if rank == victim:
+            build.arm(phase)
+        if phase == "checkpoint_write":
+            build.step(VICTIM_STEP)
+            build.save(save_dir, "after")
+        elif phase == "async_checkpoint_write":  # killed in the background writer thread
+            build.step(VICTIM_STEP)
+            build.engine.save_checkpoint(save_dir, tag="after", async_save=True)
+            build.step(VICTIM_STEP + 1)
+        else:
+            for i in range(VICTIM_STEP, VICTIM_STEP + 3):
+                build.step(i)
+        build.save(save_dir, "end")
+        sys.stderr.write("finished without noticing the fault\n")
+    except BaseException as e:
+        # What Python does with a script's uncaught exception: shardkit.fault's excepthook
+        # waits for the watchdog to name the lost rank (it ends the process) when the error
+        # looks like a communication failure, else prints the traceback at once.
+        sys.excepthook(type(e), e, e.__traceback__)
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "shardkit.distributed", "shardkit.optim",
+                                     "shardkit.nn.data_parallel", "shardkit.nn.pipe",
+                                     "shardkit.engine", __name__])
+    return _CTX
+
+
+def _run_case(tmp_path, wrapper, phase, world=2, victim=1):
+    from shardkit.checkpoint import consolidate_checkpoint, read_latest_tag
+    from shardkit.fault import PEER_LOST_EXIT_CODE
+    ctx = _context()
+    save_dir = str(tmp_path / "ckpt")
+    port = free_port()
+    logs = [str(tmp_path / f"rank{r}.log") for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(wrapper, phase, victim, r, world, port,
+                                                  save_dir, logs[r]))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + 60  # a guard only; survivors leave after about PEER_TIMEOUT_S
+    for p in procs:
+        p.join(max(0.1, deadline - time.time()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    outputs = [open(f).read() for f in logs]
+    codes = [p.exitcode for p in procs]
+    assert codes[victim] == -signal.SIGKILL, (codes, outputs)
+    for r in range(world):
+        if r == victim:
+            continue
+        assert codes[r] == PEER_LOST_EXIT_CODE, (r, codes, outputs[r])
+        assert f"rank {victim} of {world} is lost" in outputs[r], outputs[r]
+    assert read_latest_tag(save_dir) == "before"
+    assert consolidate_checkpoint(save_dir)  # loads, checksums verified
+
+
+@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_rank_killed_world2(tmp_path, wrapper, phase):
+    _run_case(tmp_path, wrapper, phase)
+
+
+def test_rank_killed_during_async_checkpoint_write(tmp_path):
+    _run_case(tmp_path, "initialize", "async_checkpoint_write")
+
+
+@pytest.mark.parametrize("wrapper,phase,victim", [("fsdp", "backward", 2),
+                                                  ("initialize", "checkpoint_write", 3),
+                                                  ("ddp_oss", "optimizer_step", 0)])
+def test_rank_killed_world4(tmp_path, wrapper, phase, victim):
+    _run_case(tmp_path, wrapper, phase, world=4, victim=victim)
+
+
+def test_watch_peers_bad_input_is_clear(monkeypatch):
+    from shardkit import fault
+    with pytest.raises(ValueError, match=r"watch_peers\(timeout_s=-1.0\): must be >= 0"):
+        fault.watch_peers(-1)
+    assert fault.watch_peers(0) is None  # off
+    with pytest.raises(RuntimeError, match="process group is not initialised"):
+        fault.watch_peers(5)
+    monkeypatch.setenv("SHARDKIT_PEER_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="SHARDKIT_PEER_TIMEOUT='soon'"):
+        fault.watch_peers()
+
+
+def test_communication_errors_are_told_from_bugs():
+    from shardkit.fault import looks_like_communication_error as comm
+    assert comm(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset "
+                             "by peer"))
+    assert comm(RuntimeError("shared-memory collective 4 on rank 0: rank(s) [1] exited before "
+                             "they could arrive"))
+    assert not comm(ValueError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not comm(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
