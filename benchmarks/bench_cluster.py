@@ -43,6 +43,18 @@ DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results", "cluster.md")
 LR = 1e-4
 BATCH_PER_RANK = 4
 PROBE_BYTES = 16 * 2 ** 20
+MLP_BATCH = 32
+# "gpt" (the reference GPT) or "mlp" (16 x Linear(1024, 1024)); the driver passes it to the ranks
+WORKLOAD = os.environ.get("SHARDKIT_BENCH_WORKLOAD", "gpt")
+
+
+def _build_model():
+    """The workload's model and its FSDP unit class."""
+    import torch.nn as nn
+    from shardkit.models import GPT, MLP, Block, reference_gpt_config
+    if WORKLOAD == "mlp":
+        return MLP(1024, 16, seed=0), nn.Linear
+    return GPT(reference_gpt_config(), seed=0), Block
 
 
 # ----------------------------------------------------------------------------- rows
@@ -200,9 +212,9 @@ class _Trainer:
 
     def __init__(self, row: Row):
         import torch
-        from shardkit.models import GPT, Block, reference_gpt_config
+        from shardkit.models import reference_gpt_config
         self.cfg = reference_gpt_config()
-        built = row.build(GPT(self.cfg, seed=0), Block)
+        built = row.build(*_build_model())
         if isinstance(built, tuple):
             self.module, self.optimizer = built
         else:
@@ -213,10 +225,15 @@ class _Trainer:
         import torch.nn.functional as F
         from shardkit.models import synthetic_batch
         from shardkit import distributed as skd
-        idx, target = synthetic_batch(self.cfg, BATCH_PER_RANK,
-                                      step * skd.get_world_size() + rank)
-        out = self.module(idx)
-        F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1)).backward()
+        import torch
+        if WORKLOAD == "mlp":
+            gen = torch.Generator().manual_seed(step * skd.get_world_size() + rank)
+            self.module(torch.randn(MLP_BATCH, 1024, generator=gen)).pow(2).mean().backward()
+        else:
+            idx, target = synthetic_batch(self.cfg, BATCH_PER_RANK,
+                                          step * skd.get_world_size() + rank)
+            out = self.module(idx)
+            F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1)).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -261,7 +278,7 @@ def rank_main(out_path: str, configs: list[str], rounds: int, steps: int) -> int
             "host": os.uname().nodename, "load": os.getloadavg()[0]}
     everyone = skd.all_gather_object(mine)
     if rank == 0:
-        psi = sum(p.numel() for p in GPT(reference_gpt_config(), seed=0).parameters())
+        psi = sum(p.numel() for p in _build_model()[0].parameters())
         with open(out_path, "w") as f:
             json.dump({"ranks": everyone, "psi": psi, "world": world,
                        "ranks_per_node": skd.ranks_per_node()}, f)
@@ -321,10 +338,13 @@ def _report(runs: list[dict], args) -> str:
              f"{os.cpu_count()} CPU cores shared by every node (and by other work on this "
              f"machine), one thread per rank. Each node is a network namespace with its own "
              f"address and /dev/shm; the nodes are joined by a veth pair limited by `tc tbf` "
-             f"to the rate in each direction; gloo over TCP. Reference GPT (Ψ = "
-             f"{runs[0]['psi']:,}), batch {BATCH_PER_RANK} per rank x seq 128, AdamW, "
-             f"one FSDP unit per Block plus the root. Step time: per round the slowest rank's "
-             f"mean over {args.steps} step(s), median over {args.rounds} interleaved rounds "
+             f"to the rate in each direction; gloo over TCP. " + (
+                 f"MLP 16 x Linear(1024, 1024) (Ψ = {runs[0]['psi']:,}), batch {MLP_BATCH} per "
+                 f"rank, AdamW, one FSDP unit per Linear plus the root. "
+                 if getattr(args, "workload", "gpt") == "mlp" else
+                 f"Reference GPT (Ψ = {runs[0]['psi']:,}), batch {BATCH_PER_RANK} per rank x "
+                 f"seq 128, AdamW, one FSDP unit per Block plus the root. ") +
+             f"Step time: per round the slowest rank's mean over {args.steps} step(s), median over {args.rounds} interleaved rounds "
              f"(after one warm-up step each). Inter-node bytes per step per rank: shardkit's "
              f"counted by `CommCounter.inter_node_bytes`, torch's from the formula (its "
              f"collectives bypass shardkit); link tx: what a node's interface sent in one "
@@ -376,6 +396,8 @@ def main(argv=None) -> int:
                         help="keep other rates' runs from the existing JSON report")
     parser.add_argument("--report-only", action="store_true",
                         help="only re-render the Markdown from the existing JSON report")
+    parser.add_argument("--workload", choices=("gpt", "mlp"), default=WORKLOAD,
+                        help="the reference GPT (default) or the MLP 16x1024")
     parser.add_argument("--rank-side", metavar="JSON", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     configs = args.configs.split(",")
@@ -398,7 +420,7 @@ def main(argv=None) -> int:
         print(f"bench_cluster: {reason}", file=sys.stderr)
         return 1
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, SHARDKIT_BENCH_WORKLOAD=args.workload, PYTHONPATH=os.pathsep.join(
         [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     runs = []
     for rate in args.rates.split(","):
