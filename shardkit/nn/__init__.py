@@ -9,6 +9,8 @@ _EXPORTS = {
     "FullyShardedDataParallel": "shardkit.nn.data_parallel.fully_sharded",
     "FSDP": "shardkit.nn.data_parallel.fully_sharded",
     "checkpoint_wrapper": "shardkit.nn.checkpoint",
+    "apply_activation_checkpointing": "shardkit.nn.checkpoint",
+    "no_split_modules_policy": "shardkit.nn.wrap",
     "auto_wrap": "shardkit.nn.wrap",
     "enable_wrap": "shardkit.nn.wrap",
     "wrap": "shardkit.nn.wrap",
