@@ -12,20 +12,22 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-VOCAB, SEQ = 64, 8
+# an odd vocabulary: the embedding (tied or not) splits unevenly across ranks
+VOCAB, SEQ = 61, 8
 
 
 def gpt2_config(tied: bool = True):
     return transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2,
                                    n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                   tie_word_embeddings=tied)
+                                   tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0)
 
 
 def llama_config(tied: bool = False):
     return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
                                     num_hidden_layers=2, num_attention_heads=2,
                                     num_key_value_heads=1, max_position_embeddings=SEQ,
-                                    tie_word_embeddings=tied)
+                                    tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0,
+                                    pad_token_id=None)
 
 
 def build(kind: str, tied: bool, seed: int = 0):
