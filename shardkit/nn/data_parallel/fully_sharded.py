@@ -61,6 +61,11 @@ __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "gathered
            "GatheredParamBytes"]
 
 _WRAPPED_PREFIX = "_fsdp_wrapped_module."
+
+
+def _eager(hook):
+    """``hook`` never traced by torch.compile (Dynamo calls it as plain Python)."""
+    return torch._dynamo.disable(hook, recursive=True)
 _MANAGED_PARAMS: dict[int, weakref.ref] = {}  # id -> parameter, for "already sharded" checks
 _WRAPPED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -162,8 +167,12 @@ class FullyShardedDataParallel(nn.Module):
         self._backward_order: list = []
         self._orders_final = False
         self._final_callback_queued = False
-        module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
-        module.register_forward_hook(self._post_forward)
+        # Note: torch.compile of the wrapped block. The hooks sit on the wrapped module (so
+        # that ``root.loss(...)``, reached through ``__getattr__``, still gathers), which puts
+        # them inside a compiled ``block.compile()``; Dynamo runs them eagerly, outside the
+        # block's graph, instead of tracing collectives into it.
+        module.register_forward_pre_hook(_eager(self._pre_forward), with_kwargs=True)
+        module.register_forward_hook(_eager(self._post_forward))
 
     # ------------------------------------------------------------------ module plumbing
 
@@ -272,7 +281,7 @@ class FullyShardedDataParallel(nn.Module):
         if grad_enabled:
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._pre_backward_hook)
+                    t.register_hook(_eager(self._pre_backward_hook))
         return output
 
     def _gather_with_next(self, order: list) -> None:
