@@ -191,8 +191,14 @@ def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,
     ``no_split_modules_policy(hf_model)`` or ``transformer_auto_wrap_policy({Block})``),
     asked with ``recurse=False`` about each submodule; give exactly one of ``policy`` and
     ``check_fn``. A selected module's own submodules are not checkpointed again (nested regions
-    would recompute twice). ``model`` itself is never selected. Works before or after FSDP
-    wrapping (FSDP units are looked into; their wrapped block is what gets checkpointed).
+    would recompute twice). ``model`` itself is never selected. With FSDP, apply it after
+    wrapping: when the selected block is an FSDP unit's wrapped module, the unit itself is
+    checkpointed (the region then includes the unit's all-gather, which the recomputation
+    repeats), the composition that holds for any block.
+
+    .. warning:: checkpointing a Hugging Face block *inside* an FSDP unit
+        (``FSDP(checkpoint_wrapper(block))``, i.e. this function before wrapping) fails in
+        backward with torch's "different number of tensors saved" error; apply it after.
 
     Memory: each selected module keeps only its inputs between forward and backward. Compute:
     one extra forward per selected module per backward. Communication: none of its own.
@@ -227,7 +233,8 @@ def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,
 def _select(module: nn.Module, check_fn) -> list:
     chosen = []
     for child in module.children():
-        if check_fn(child):
+        wrapped = getattr(child, "_fsdp_wrapped_module", None)  # an FSDP unit
+        if check_fn(child) or (wrapped is not None and check_fn(wrapped)):
             chosen.append(child)
         else:
             chosen.extend(_select(child, check_fn))

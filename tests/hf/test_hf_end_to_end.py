@@ -19,6 +19,7 @@ from shardkit.__main__ import main as shardkit_main
 from shardkit import distributed
 from shardkit.checkpoint.consolidate import consolidate_checkpoint
 from shardkit.nn import FullyShardedDataParallel as FSDP, ShardedDataParallel
+from shardkit.nn.checkpoint import apply_activation_checkpointing
 from shardkit.nn.wrap import auto_wrap, no_split_modules_policy
 from shardkit.optim import OSS
 from shardkit.testing import world_fixture
@@ -29,7 +30,7 @@ GLOBAL_BATCH, MICRO, STEPS, LR = 4, 2, 3, 1e-2
 # rounding noise (~1e-9) AdamW with a tiny eps would turn into lr-sized steps: moderate eps.
 EPS = 1e-4
 MODELS = [("gpt2", True), ("gpt2", False), ("llama", False), ("llama", True)]
-WRAPPERS = ["fsdp", "fsdp_keep_full", "oss_ddp", "sharded_ddp_oss", "stage0", "stage1",
+WRAPPERS = ["fsdp", "fsdp_keep_full", "fsdp_checkpointed", "oss_ddp", "sharded_ddp_oss", "stage0", "stage1",
             "stage2", "stage3"]
 
 world2 = world_fixture(2)
@@ -81,6 +82,11 @@ def _build_wrapped(kind, tied, wrapper):
         keep = wrapper == "fsdp_keep_full"
         wrapped = FSDP(auto_wrap(model, policy, reshard_after_forward=not keep),
                        reshard_after_forward=not keep)
+        if wrapper == "fsdp_checkpointed":
+            apply_activation_checkpointing(wrapped, policy)
+            units = [m for m in wrapped.modules() if hasattr(m, "_shardkit_unwrapped_forward")]
+            assert len(units) == model.config.num_hidden_layers
+            assert all(isinstance(u, FSDP) for u in units)
         opt = _adamw(wrapped.parameters())
         full = wrapped.state_dict
     elif wrapper == "oss_ddp":
