@@ -6,11 +6,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import pytest  # noqa: E402
-
-transformers = pytest.importorskip("transformers")
-
 import torch  # noqa: E402
+# a hard import: transformers is in the `test` extra, and these checks must never skip silently
+import transformers  # noqa: E402
 
 # an odd vocabulary: the embedding (tied or not) splits unevenly across ranks
 VOCAB, SEQ = 61, 8
