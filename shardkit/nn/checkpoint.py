@@ -191,14 +191,10 @@ def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,
     ``no_split_modules_policy(hf_model)`` or ``transformer_auto_wrap_policy({Block})``),
     asked with ``recurse=False`` about each submodule; give exactly one of ``policy`` and
     ``check_fn``. A selected module's own submodules are not checkpointed again (nested regions
-    would recompute twice). ``model`` itself is never selected. With FSDP, apply it after
-    wrapping: when the selected block is an FSDP unit's wrapped module, the unit itself is
-    checkpointed (the region then includes the unit's all-gather, which the recomputation
-    repeats), the composition that holds for any block.
-
-    .. warning:: checkpointing a Hugging Face block *inside* an FSDP unit
-        (``FSDP(checkpoint_wrapper(block))``, i.e. this function before wrapping) fails in
-        backward with torch's "different number of tensors saved" error; apply it after.
+    would recompute twice). ``model`` itself is never selected. With FSDP it may run before
+    wrapping (the block is checkpointed inside its unit) or after (when the selected block is
+    an FSDP unit's wrapped module, the unit itself is checkpointed, its all-gather included in
+    the region and repeated by the recomputation).
 
     Memory: each selected module keeps only its inputs between forward and backward. Compute:
     one extra forward per selected module per backward. Communication: none of its own.

@@ -30,8 +30,8 @@ GLOBAL_BATCH, MICRO, STEPS, LR = 4, 2, 3, 1e-2
 # rounding noise (~1e-9) AdamW with a tiny eps would turn into lr-sized steps: moderate eps.
 EPS = 1e-4
 MODELS = [("gpt2", True), ("gpt2", False), ("llama", False), ("llama", True)]
-WRAPPERS = ["fsdp", "fsdp_keep_full", "fsdp_checkpointed", "oss_ddp", "sharded_ddp_oss",
-            "stage0", "stage1", "stage2", "stage3"]
+WRAPPERS = ["fsdp", "fsdp_keep_full", "fsdp_checkpointed", "fsdp_checkpoint_inside", "oss_ddp",
+            "sharded_ddp_oss", "stage0", "stage1", "stage2", "stage3"]
 
 world2 = world_fixture(2)
 
@@ -79,6 +79,8 @@ def _build_wrapped(kind, tied, wrapper):
         return step, full, engine
     if wrapper.startswith("fsdp"):
         policy = no_split_modules_policy(model)
+        if wrapper == "fsdp_checkpoint_inside":  # blocks checkpointed, then wrapped
+            apply_activation_checkpointing(model, policy)
         keep = wrapper == "fsdp_keep_full"
         wrapped = FSDP(auto_wrap(model, policy, reshard_after_forward=not keep),
                        reshard_after_forward=not keep)

@@ -321,8 +321,11 @@ class FullyShardedDataParallel(nn.Module):
         if not root._orders_final and self not in root._backward_order:
             root._backward_order.append(self)
         # an activation-checkpointed forward is recomputed during backward and reads
-        # module.weight again: _gather_with_next exposes the gathered parameters for it
-        self._gather_with_next(root._backward_order)
+        # module.weight again: _gather_with_next exposes the gathered parameters for it. The
+        # engine runs hooks with grad mode off; the exposed views must still be views of
+        # ``full`` with autograd history, or the recomputation computes no weight gradient.
+        with torch.enable_grad():
+            self._gather_with_next(root._backward_order)
         return grad
 
     def _queue_final_callback(self) -> None:
