@@ -1,7 +1,8 @@
 """torch.compile inside the wrappers: compiled blocks (``block.compile()``) in FSDP units, under
 ShardedDataParallel and under OSS + DDP train exactly like eager code (fp32, CPU, Inductor), and
 the wrappers' hooks add no graph break inside a block; compiling the whole FSDP model works too
-(Dynamo breaks at each unit's hooks, which run eagerly).
+(Dynamo breaks at each unit's hooks, which run eagerly). A Hugging Face Llama with its decoder
+layers compiled inside FSDP units does the same.
 
 Inductor compiles are slow on a small machine: one tiny GPT, three steps per wrapper, one world.
 """
@@ -14,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardkit import distributed
 from shardkit.models import GPT, Block, GPTConfig, synthetic_batch
 from shardkit.nn import FullyShardedDataParallel as FSDP, ShardedDataParallel
-from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
+from shardkit.nn.wrap import auto_wrap, no_split_modules_policy, transformer_auto_wrap_policy
 from shardkit.optim import OSS
 from shardkit.testing import world_fixture
 
@@ -61,13 +62,35 @@ def _train(wrapper, compiled):
     return history
 
 
+def _train_hf_llama(compiled):
+    """A tied-embedding HF Llama, decoder layers compiled in place, one FSDP unit each."""
+    from tests.hf.hf_common import batch, build
+    model = build("llama", tied=True)
+    if compiled:
+        for layer in model.model.layers:
+            layer.compile()
+    wrapped = FSDP(auto_wrap(model, no_split_modules_policy(model)))
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2, eps=1e-4)
+    rank, per = distributed.get_rank(), GLOBAL_BATCH // distributed.get_world_size()
+    history = []
+    for step in range(STEPS):
+        ids = batch(step, GLOBAL_BATCH)[rank * per:(rank + 1) * per]
+        wrapped(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        history.append({k: v.detach().clone() for k, v in wrapped.state_dict().items()})
+    return history
+
+
 def _compare_all():
     out = {}
-    for wrapper in WRAPPERS:
-        eager = _train(wrapper, compiled=False)
+    for wrapper in WRAPPERS + ["fsdp_hf_llama"]:
+        train = _train_hf_llama if wrapper == "fsdp_hf_llama" else \
+            (lambda compiled, w=wrapper: _train(w, compiled))
+        eager = train(compiled=False)
         dynamo.reset()
         dynamo.utils.counters.clear()
-        compiled = _train(wrapper, compiled=True)
+        compiled = train(compiled=True)
         counters = dynamo.utils.counters
         out[wrapper] = {
             "diffs": [max(float((c[k] - e[k]).abs().max()) for k in e)
@@ -85,14 +108,15 @@ def results(world2):
     return world2.run(_compare_all)
 
 
-@pytest.mark.parametrize("wrapper", WRAPPERS)
+@pytest.mark.parametrize("wrapper", WRAPPERS + ["fsdp_hf_llama"])
 def test_compiled_blocks_train_like_eager_on_every_rank(results, wrapper):
     for rank, r in enumerate(results):
         assert len(r[wrapper]["diffs"]) == STEPS
         assert max(r[wrapper]["diffs"]) <= 1e-5, (rank, r[wrapper]["diffs"])
 
 
-@pytest.mark.parametrize("wrapper", ["fsdp", "fsdp_keep_full", "sharded_ddp", "oss_ddp"])
+@pytest.mark.parametrize("wrapper",
+                         ["fsdp", "fsdp_keep_full", "sharded_ddp", "oss_ddp", "fsdp_hf_llama"])
 def test_wrapper_hooks_add_no_graph_break_inside_a_block(results, wrapper):
     for r in results:
         got = r[wrapper]
