@@ -6,6 +6,12 @@ checkpoint ``DIR/TAG`` (default: the one ``DIR/latest`` names) and writes a ``st
 memory: the full fp32 model on CPU (optimizer state is not read). Every file is checked against
 the sha256 in the metadata and read with ``torch.load(weights_only=True)``: a checkpoint from
 someone else cannot run code here.
+
+With ``--hf-config CONFIG`` (a Hugging Face ``config.json`` or the directory holding it) the
+output is instead a directory written by ``save_pretrained`` (safetensors weights and the
+config): the model class (``--hf-model-class``, else the config's ``architectures[0]``, else
+``AutoModelForCausalLM``) is built from the config, loads the state dict with ``strict=True``
+and saves itself, tied weights once. Memory: the full fp32 model twice (state dict and model).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 
 from shardkit.checkpoint.sharded import CheckpointError, read_checkpoint, resolve_checkpoint_dir
 
-__all__ = ["consolidate_checkpoint", "main"]
+__all__ = ["consolidate_checkpoint", "save_hf_pretrained", "main"]
 
 
 def consolidate_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> dict:
@@ -32,24 +38,73 @@ def consolidate_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> di
     return {name: loaded.params[name] for name in loaded.metadata["param_names"]}
 
 
+def save_hf_pretrained(state: dict, hf_config: str, output_dir: str,
+                       model_class: Optional[str] = None):
+    """Build the Hugging Face model of ``hf_config`` (a ``config.json`` path or its directory),
+    load ``state`` into it with ``strict=True`` and ``save_pretrained(output_dir)``
+    (safetensors). Returns the model. Needs ``transformers``; reads nothing from the network.
+
+    ``model_class``: a class name in ``transformers`` (e.g. ``"LlamaForCausalLM"``); default the
+    config's ``architectures[0]``, else ``AutoModelForCausalLM``.
+    """
+    try:
+        import transformers
+    except ImportError as e:
+        raise CheckpointError("consolidate --hf-config needs the transformers package "
+                              "(pip install transformers)") from e
+    if not os.path.exists(hf_config):
+        raise CheckpointError(f"consolidate --hf-config {hf_config}: no such file or directory")
+    config_dir = hf_config if os.path.isdir(hf_config) else os.path.dirname(hf_config) or "."
+    if os.path.isfile(hf_config) and os.path.basename(hf_config) != "config.json":
+        config = transformers.AutoConfig.from_pretrained(hf_config, local_files_only=True)
+    else:
+        config = transformers.AutoConfig.from_pretrained(config_dir, local_files_only=True)
+    name = model_class or ((getattr(config, "architectures", None) or [None])[0])
+    if name is None:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    else:
+        cls = getattr(transformers, name, None)
+        if cls is None:
+            raise CheckpointError(f"consolidate --hf-model-class {name}: transformers has no "
+                                  f"class of that name (e.g. LlamaForCausalLM, GPT2LMHeadModel)")
+        model = cls(config)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"consolidate: the checkpoint does not match "
+                              f"{type(model).__name__} built from {hf_config}: {e}") from e
+    model.save_pretrained(output_dir)
+    return model
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m shardkit consolidate",
         description="Write a plain fp32 state_dict from a shardkit checkpoint directory.")
     parser.add_argument("checkpoint_dir", help="the directory given to engine.save_checkpoint")
-    parser.add_argument("output", help="where to write the state_dict (torch.save)")
+    parser.add_argument("output", help="where to write the state_dict (torch.save), or the "
+                        "save_pretrained directory with --hf-config")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: 'latest')")
+    parser.add_argument("--hf-config", default=None, help="a Hugging Face config.json (or its "
+                        "directory): write OUTPUT as a save_pretrained directory (safetensors)")
+    parser.add_argument("--hf-model-class", default=None, help="transformers class to build "
+                        "(default: the config's architectures[0], else AutoModelForCausalLM)")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.checkpoint_dir):
         print(f"consolidate: {args.checkpoint_dir} is not a directory", file=sys.stderr)
         return 2
     try:
         state = consolidate_checkpoint(args.checkpoint_dir, args.tag)
+        numel = sum(t.numel() for t in state.values())
+        if args.hf_config is not None:
+            model = save_hf_pretrained(state, args.hf_config, args.output, args.hf_model_class)
+            print(f"consolidate: wrote {type(model).__name__} ({len(state)} tensors, {numel} "
+                  f"elements) with save_pretrained to {args.output}")
+            return 0
     except CheckpointError as e:
         print(f"consolidate: {e}", file=sys.stderr)
         return 2
     torch.save(state, args.output)
-    numel = sum(t.numel() for t in state.values())
     print(f"consolidate: wrote {len(state)} tensors ({numel} elements) to {args.output}")
     return 0
 

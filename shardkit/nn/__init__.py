@@ -10,6 +10,8 @@ _EXPORTS = {
     "FSDP": "shardkit.nn.data_parallel.fully_sharded",
     "ShardingStrategy": "shardkit.nn.data_parallel.sharding_strategy",
     "checkpoint_wrapper": "shardkit.nn.checkpoint",
+    "apply_activation_checkpointing": "shardkit.nn.checkpoint",
+    "no_split_modules_policy": "shardkit.nn.wrap",
     "auto_wrap": "shardkit.nn.wrap",
     "enable_wrap": "shardkit.nn.wrap",
     "wrap": "shardkit.nn.wrap",

@@ -33,7 +33,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 __all__ = ["checkpoint_wrapper", "disable_checkpointing", "is_checkpointing", "is_recomputing",
-           "checkpointed_call"]
+           "checkpointed_call", "apply_activation_checkpointing"]
 
 
 class _CheckpointState(threading.local):
@@ -179,3 +179,59 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
     module._shardkit_offload_to_cpu = offload_to_cpu
     module.forward = types.MethodType(_checkpointed_forward, module)
     return module
+
+
+def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,
+                                   check_fn: Callable[[nn.Module], bool] = None,
+                                   offload_to_cpu: bool = False) -> nn.Module:
+    """Checkpoint (in place, with :func:`checkpoint_wrapper`) every submodule of ``model`` that
+    ``policy`` would wrap, or for which ``check_fn(module)`` is true, and return ``model``.
+
+    ``policy`` is a wrap policy of :mod:`shardkit.nn.wrap` (e.g.
+    ``no_split_modules_policy(hf_model)`` or ``transformer_auto_wrap_policy({Block})``),
+    asked with ``recurse=False`` about each submodule; give exactly one of ``policy`` and
+    ``check_fn``. A selected module's own submodules are not checkpointed again (nested regions
+    would recompute twice). ``model`` itself is never selected. With FSDP it may run before
+    wrapping (the block is checkpointed inside its unit) or after (when the selected block is
+    an FSDP unit's wrapped module, the unit itself is checkpointed, its all-gather included in
+    the region and repeated by the recomputation).
+
+    Memory: each selected module keeps only its inputs between forward and backward. Compute:
+    one extra forward per selected module per backward. Communication: none of its own.
+
+    Raises ``ValueError`` when nothing is selected (a policy that matches nothing is a mistake
+    that would otherwise silently cost the memory it was meant to save).
+    """
+    if (policy is None) == (check_fn is None):
+        raise ValueError(f"apply_activation_checkpointing(policy={policy!r}, check_fn="
+                         f"{check_fn!r}): give exactly one of them")
+    for name, value in (("policy", policy), ("check_fn", check_fn)):
+        if value is not None and not callable(value):
+            raise ValueError(f"apply_activation_checkpointing({name}={value!r}): expected a "
+                             f"callable")
+    if check_fn is None:
+        from shardkit.nn.wrap import _policy_caller
+        call = _policy_caller(policy)
+
+        def check_fn(m: nn.Module) -> bool:
+            numel = sum(p.numel() for p in m.parameters())
+            return call(m, False, numel, False)
+
+    selected = _select(model, check_fn)
+    if not selected:
+        raise ValueError(f"apply_activation_checkpointing: the policy selected no submodule of "
+                         f"{type(model).__name__}")
+    for m in selected:
+        checkpoint_wrapper(m, offload_to_cpu=offload_to_cpu)
+    return model
+
+
+def _select(module: nn.Module, check_fn) -> list:
+    chosen = []
+    for child in module.children():
+        wrapped = getattr(child, "_fsdp_wrapped_module", None)  # an FSDP unit
+        if check_fn(child) or (wrapped is not None and check_fn(wrapped)):
+            chosen.append(child)
+        else:
+            chosen.extend(_select(child, check_fn))
+    return chosen

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 __all__ = ["auto_wrap", "enable_wrap", "wrap", "default_auto_wrap_policy",
            "config_auto_wrap_policy", "transformer_auto_wrap_policy",
-           "size_based_auto_wrap_policy"]
+           "size_based_auto_wrap_policy", "no_split_modules_policy", "no_split_module_classes"]
 
 _wrap_contexts: list[tuple[type, dict, Optional[Callable]]] = []
 
@@ -97,6 +97,48 @@ def transformer_auto_wrap_policy(transformer_layer_cls=None, module: nn.Module =
     if recurse:
         return True
     return isinstance(module, classes)
+
+
+def no_split_module_classes(model: nn.Module) -> tuple:
+    """The block classes a model declares in ``_no_split_modules`` (Hugging Face's attribute:
+    class names that must stay on one device), gathered from every submodule and resolved to the
+    classes found in ``model``. Any module may declare the attribute; a name that names no
+    submodule's class is ignored (HF lists classes of other model variants too).
+
+    Raises ``ValueError`` when no submodule declares a class that ``model`` contains.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"no_split_module_classes(model={type(model).__name__}): expected an "
+                         f"nn.Module")
+    names: set = set()
+    for m in model.modules():
+        declared = getattr(m, "_no_split_modules", None)
+        if isinstance(declared, str):
+            declared = [declared]
+        names.update(declared or ())
+    found = {type(m).__name__: type(m) for m in model.modules() if type(m).__name__ in names}
+    if not found:
+        raise ValueError(f"no_split_module_classes(model={type(model).__name__}): no submodule "
+                         f"declares _no_split_modules naming a class it contains (declared: "
+                         f"{sorted(names)}); pass the block classes to "
+                         f"transformer_auto_wrap_policy({{Block}}) instead")
+    return tuple(found[n] for n in sorted(found))
+
+
+def no_split_modules_policy(model: nn.Module) -> Callable:
+    """A wrap policy selecting every instance of the block classes ``model`` declares in
+    ``_no_split_modules`` (see :func:`no_split_module_classes`): one FSDP unit, or one
+    checkpointed region, per transformer block of a Hugging Face model.
+
+    Usage::
+
+        policy = no_split_modules_policy(hf_model)  # e.g. {GPT2Block}, {LlamaDecoderLayer}
+        model = FSDP(auto_wrap(hf_model, policy))
+        apply_activation_checkpointing(hf_model, policy)
+
+    Costs nothing; the wrapper's own costs apply per unit.
+    """
+    return transformer_auto_wrap_policy(no_split_module_classes(model))
 
 
 def _as_class_tuple(transformer_layer_cls) -> tuple:

@@ -71,6 +71,13 @@ __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "Sharding
            "gathered_param_bytes", "GatheredParamBytes"]
 
 _WRAPPED_PREFIX = "_fsdp_wrapped_module."
+
+
+def _eager(hook):
+    """``hook`` never traced by torch.compile (Dynamo calls it as plain Python)."""
+    return torch._dynamo.disable(hook, recursive=True)
+
+
 _MANAGED_PARAMS: dict[int, weakref.ref] = {}  # id -> parameter, for "already sharded" checks
 _WRAPPED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -209,8 +216,12 @@ class FullyShardedDataParallel(nn.Module):
         self._orders_final = False
         self._final_callback_queued = False
         self._replicas_pending: list = []  # root: shards whose replica all-reduce is not issued
-        module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
-        module.register_forward_hook(self._post_forward)
+        # Note: torch.compile of the wrapped block. The hooks sit on the wrapped module (so
+        # that ``root.loss(...)``, reached through ``__getattr__``, still gathers), which puts
+        # them inside a compiled ``block.compile()``; Dynamo runs them eagerly, outside the
+        # block's graph, instead of tracing collectives into it.
+        module.register_forward_pre_hook(_eager(self._pre_forward), with_kwargs=True)
+        module.register_forward_hook(_eager(self._post_forward))
 
     # ------------------------------------------------------------------ module plumbing
 
@@ -320,7 +331,7 @@ class FullyShardedDataParallel(nn.Module):
         if grad_enabled:
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._pre_backward_hook)
+                    t.register_hook(_eager(self._pre_backward_hook))
         return output
 
     def _gather_with_next(self, order: list, backward: bool = False) -> None:
@@ -361,8 +372,11 @@ class FullyShardedDataParallel(nn.Module):
         if not root._orders_final and self not in root._backward_order:
             root._backward_order.append(self)
         # an activation-checkpointed forward is recomputed during backward and reads
-        # module.weight again: _gather_with_next exposes the gathered parameters for it
-        self._gather_with_next(root._backward_order, backward=True)
+        # module.weight again: _gather_with_next exposes the gathered parameters for it. The
+        # engine runs hooks with grad mode off; the exposed views must still be views of
+        # ``full`` with autograd history, or the recomputation computes no weight gradient.
+        with torch.enable_grad():
+            self._gather_with_next(root._backward_order, backward=True)
         return grad
 
     def _queue_final_callback(self) -> None:
