@@ -30,8 +30,13 @@ GLOBAL_BATCH, MICRO, STEPS, LR = 4, 2, 3, 1e-2
 # rounding noise (~1e-9) AdamW with a tiny eps would turn into lr-sized steps: moderate eps.
 EPS = 1e-4
 MODELS = [("gpt2", True), ("gpt2", False), ("llama", False), ("llama", True)]
-WRAPPERS = ["fsdp", "fsdp_keep_full", "fsdp_checkpointed", "fsdp_checkpoint_inside", "oss_ddp",
+WRAPPERS = ["fsdp", "fsdp_keep_full", "fsdp_checkpointed", "fsdp_checkpoint_inside",
+            "fsdp_no_shard", "fsdp_hybrid", "fsdp_hybrid_zero2", "oss_ddp",
             "sharded_ddp_oss", "stage0", "stage1", "stage2", "stage3"]
+# the sharding strategies beside FULL_SHARD / SHARD_GRAD_OP ("fsdp", "fsdp_keep_full"); in this
+# world of 2 on one node, HYBRID shards over the node and replicates over a group of one
+STRATEGIES = {"fsdp_no_shard": "NO_SHARD", "fsdp_hybrid": "HYBRID_SHARD",
+              "fsdp_hybrid_zero2": "_HYBRID_SHARD_ZERO2"}
 
 world2 = world_fixture(2)
 
@@ -81,9 +86,11 @@ def _build_wrapped(kind, tied, wrapper):
         policy = no_split_modules_policy(model)
         if wrapper == "fsdp_checkpoint_inside":  # blocks checkpointed, then wrapped
             apply_activation_checkpointing(model, policy)
-        keep = wrapper == "fsdp_keep_full"
-        wrapped = FSDP(auto_wrap(model, policy, reshard_after_forward=not keep),
-                       reshard_after_forward=not keep)
+        if wrapper in STRATEGIES:
+            kwargs = {"sharding_strategy": STRATEGIES[wrapper]}
+        else:
+            kwargs = {"reshard_after_forward": wrapper != "fsdp_keep_full"}
+        wrapped = FSDP(auto_wrap(model, policy, **kwargs), **kwargs)
         if wrapper == "fsdp_checkpointed":
             apply_activation_checkpointing(wrapped, policy)
             units = [m for m in wrapped.modules() if hasattr(m, "_shardkit_unwrapped_forward")]
