@@ -154,6 +154,26 @@ def _shardkit_sharded(model, unit_cls):
     return wrapped, optimizer
 
 
+def _shardkit_zeropp(model, unit_cls):
+    """FSDP full shard with ZeRO++'s compressed collectives: int8 weight gathers (qwZ) and int4
+    gradients (qgZ); with several ranks per node also hpZ."""
+    from shardkit import distributed as skd
+    n = skd.ranks_per_node()
+    extra = {"hpz_partition_size": n} if n > 1 else {}
+    return _shardkit_fsdp(model, unit_cls, quantize_weights=True, quantize_gradients=True,
+                          **extra)
+
+
+def _zeropp_formula(psi, n, k):
+    """Bytes-equivalent fp32 elements: int8 + one fp32 scale per 256 for the forward gather
+    (and the backward one unless hpZ keeps it in the node), int4 + scales for the gradients."""
+    nk = n * k
+    int8, int4 = (1 + 4 / 256) / 4, (0.5 + 4 / 256) / 4
+    gathers = 1 if n > 1 else 2
+    grads = (psi / n) * (k - 1) / k if n > 1 else psi * (nk - 1) / nk
+    return gathers * int8 * psi * (nk - 1) / nk + int4 * grads
+
+
 def _stage1_formula(psi, n, k):  # DDP's all-reduce + the owners' parameter sync
     return 3 * psi * (n * k - 1) / (n * k)
 
@@ -185,6 +205,8 @@ ROWS = {
                         _hpz_formula),
     "torch_hsdp": Row("torch fully_shard HSDP (2-D mesh)", "torch", _torch_hsdp,
                       _hybrid_formula),
+    "shardkit_zeropp": Row("shardkit FSDP qwZ + qgZ (+ hpZ)", "shardkit", _shardkit_zeropp,
+                           _zeropp_formula),
     "torch_zero": Row("torch DDP + ZeroRedundancyOptimizer", "torch", _torch_zero,
                       _stage1_formula),
     "shardkit_oss": Row("shardkit OSS + torch DDP (sync overlapped)", "shardkit", _shardkit_oss,
