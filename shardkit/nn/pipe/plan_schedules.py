@@ -29,7 +29,7 @@ from shardkit import distributed as dist
 from shardkit.nn.pipe.microbatch import batch_size, split_microbatches
 from shardkit.nn.pipe.p2p import ActivationMeta, PendingSends, TensorMeta
 from shardkit.nn.pipe.plan import PipelinePlan, interleaved_1f1b_plan, zb_h1_plan, zbv_plan
-from shardkit.nn.pipe.schedules import ActivationMemoryMeter
+from shardkit.nn.pipe.schedules import ActivationMemoryMeter, check_schedule_agreement
 from shardkit.nn.pipe.split_backward import GradientSink, backward_input
 from shardkit.nn.pipe.stage import PipelineStage
 
@@ -358,16 +358,8 @@ class PlanSchedule:
         return problems
 
     def _check_first_step(self, inputs, target) -> None:
-        mine = (type(self).__name__, self.chunks, self._local_problems(inputs, target))
-        views = dist.all_gather_object(mine, group=self.group)
-        problems = [f"rank {rank}: {p}" for rank, (_, _, ps) in enumerate(views) for p in ps]
-        if len({(kind, chunks) for kind, chunks, _ in views}) > 1:
-            problems.append("the ranks disagree on the schedule: " + ", ".join(
-                f"rank {rank} runs {kind}(chunks={chunks})"
-                for rank, (kind, chunks, _) in enumerate(views)))
-        if problems:
-            raise ValueError(f"{type(self).__name__}.step: the pipeline cannot run this "
-                             f"step:\n  " + "\n  ".join(problems))
+        check_schedule_agreement(type(self).__name__, self.chunks,
+                                 self._local_problems(inputs, target), self.group, "rank")
         self._checked = True
 
 

@@ -292,18 +292,24 @@ class PipelineSchedule:
         return problems
 
     def _check_first_step(self, inputs, target) -> None:
-        mine = (type(self).__name__, self.chunks, self._local_problems(inputs, target))
-        views = dist.all_gather_object(mine, group=self.stage.group)
-        problems = [f"stage {rank}: {p}" for rank, (_, _, ps) in enumerate(views) for p in ps]
-        kinds = {(kind, chunks) for kind, chunks, _ in views}
-        if len(kinds) > 1:
-            problems.append("the stages disagree on the schedule: " + ", ".join(
-                f"stage {rank} runs {kind}(chunks={chunks})"
-                for rank, (kind, chunks, _) in enumerate(views)))
-        if problems:
-            raise ValueError(f"{type(self).__name__}.step: the pipeline cannot run this "
-                             f"step:\n  " + "\n  ".join(problems))
+        check_schedule_agreement(type(self).__name__, self.chunks,
+                                 self._local_problems(inputs, target), self.stage.group, "stage")
         self._checked = True
+
+
+def check_schedule_agreement(kind: str, chunks: int, local_problems: list, group,
+                             who: str) -> None:
+    """Before a schedule's first step, every rank of ``group`` shares what it runs and what is
+    wrong with its inputs (one small object all-gather); any problem, or ranks that disagree on
+    the schedule, is a ValueError on every rank naming each ``who`` (``"stage"``/``"rank"``)."""
+    views = dist.all_gather_object((kind, chunks, local_problems), group=group)
+    problems = [f"{who} {rank}: {p}" for rank, (_, _, ps) in enumerate(views) for p in ps]
+    if len({(k, c) for k, c, _ in views}) > 1:
+        problems.append(f"the {who}s disagree on the schedule: " + ", ".join(
+            f"{who} {rank} runs {k}(chunks={c})" for rank, (k, c, _) in enumerate(views)))
+    if problems:
+        raise ValueError(f"{kind}.step: the pipeline cannot run this step:\n  "
+                         + "\n  ".join(problems))
 
 
 class ScheduleGPipe(PipelineSchedule):
