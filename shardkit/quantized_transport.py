@@ -58,6 +58,7 @@ import torch
 from shardkit import distributed as skdist
 from shardkit.kernels import (DEFAULT_BLOCK, QuantLayout, dequantize_sum, dequantize_unpack,
                               quantize_pack)
+from shardkit.quantized_comm import groups_of_nodes
 from shardkit.transport import CommHandle, Transport, resolve_transport
 
 __all__ = ["QuantizedTransport", "quantized_transport_for"]
@@ -166,23 +167,9 @@ class QuantizedTransport(Transport):
             elif per_node == 1:
                 result = None  # one rank per node: the flat exchange is already inter-node only
             else:
-                result = self._create_node_groups(ranks, per_node)
+                result = groups_of_nodes(ranks, per_node)
         _NODE_GROUPS[key] = result
         return result
-
-    @staticmethod
-    def _create_node_groups(ranks, per_node):
-        me = skdist.get_rank()
-        intra = inter = None
-        for start in range(0, len(ranks), per_node):
-            members = ranks[start:start + per_node]
-            created = skdist.new_group(members)
-            intra = created if me in members else intra
-        for local in range(per_node):
-            members = ranks[local::per_node]
-            created = skdist.new_group(members)
-            inter = created if me in members else inter
-        return intra, inter
 
     def describe(self, group=None) -> str:
         parts = []
