@@ -37,7 +37,7 @@ __all__ = [
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
     "broadcast_object", "all_gather_object",
     "CommCounter", "CommRecord", "ReduceOp", "destroy", "set_debug_collectives",
-    "ranks_per_node", "node_of", "spans_nodes", "node_groups",
+    "ranks_per_node", "node_of", "spans_nodes", "node_groups", "groups_of_nodes",
 ]
 
 ReduceOp = dist.ReduceOp
@@ -250,16 +250,26 @@ def node_groups() -> tuple:
     on every rank alike), cached after. Costs no tensor traffic."""
     global _node_groups
     if _node_groups is None:
-        per_node, world, rank = ranks_per_node(), get_world_size(), get_rank()
-        intra = inter = None
-        for node in range(world // per_node):
-            group = new_group(range(node * per_node, (node + 1) * per_node))
-            intra = group if node == rank // per_node else intra
-        for local in range(per_node):
-            group = new_group(range(local, world, per_node))
-            inter = group if local == rank % per_node else inter
-        _node_groups = (intra, inter)
+        _node_groups = groups_of_nodes(list(range(get_world_size())), ranks_per_node())
     return _node_groups
+
+
+def groups_of_nodes(ranks: Sequence[int], per_node: int) -> tuple:
+    """This rank's ``(intra, inter)`` groups for the global ``ranks`` cut node-major into nodes
+    of ``per_node``: one group per node, one per local index across nodes (every rank creates
+    all of them, as ``new_group`` requires; ``None`` where this rank is not a member).
+    Collective; costs no tensor traffic."""
+    me = get_rank()
+    intra = inter = None
+    for start in range(0, len(ranks), per_node):
+        members = list(ranks[start:start + per_node])
+        created = new_group(members)
+        intra = created if me in members else intra
+    for local in range(per_node):
+        members = list(ranks[local::per_node])
+        created = new_group(members)
+        inter = created if me in members else inter
+    return intra, inter
 
 
 # ----------------------------------------------------------------------------- counting

@@ -261,21 +261,4 @@ def node_groups(ranks_per_node: Optional[int] = None, group=None):
             or len(ranks) % ranks_per_node):
         raise ValueError(f"node_groups: ranks_per_node={ranks_per_node!r}; it must be a "
                          f"positive divisor of the group's {len(ranks)} ranks")
-    return groups_of_nodes(ranks, ranks_per_node)
-
-
-def groups_of_nodes(ranks: list, per_node: int):
-    """This rank's ``(intra, inter)`` groups for global ``ranks`` cut node-major into nodes of
-    ``per_node``: one group per node, one per local index across nodes (every rank creates all
-    of them, as ``new_group`` requires). Collective."""
-    me = skdist.get_rank()
-    intra = inter = None
-    for start in range(0, len(ranks), per_node):
-        members = ranks[start:start + per_node]
-        created = skdist.new_group(members)
-        intra = created if me in members else intra
-    for local in range(per_node):
-        members = ranks[local::per_node]
-        created = skdist.new_group(members)
-        inter = created if me in members else inter
-    return intra, inter
+    return skdist.groups_of_nodes(ranks, ranks_per_node)

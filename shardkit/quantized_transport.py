@@ -58,7 +58,6 @@ import torch
 from shardkit import distributed as skdist
 from shardkit.kernels import (DEFAULT_BLOCK, QuantLayout, dequantize_sum, dequantize_unpack,
                               quantize_pack)
-from shardkit.quantized_comm import groups_of_nodes
 from shardkit.transport import CommHandle, Transport, resolve_transport
 
 __all__ = ["QuantizedTransport", "quantized_transport_for"]
@@ -167,7 +166,7 @@ class QuantizedTransport(Transport):
             elif per_node == 1:
                 result = None  # one rank per node: the flat exchange is already inter-node only
             else:
-                result = groups_of_nodes(ranks, per_node)
+                result = skdist.groups_of_nodes(ranks, per_node)
         _NODE_GROUPS[key] = result
         return result
 
