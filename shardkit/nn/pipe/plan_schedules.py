@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import time
 from typing import Callable, Optional
 
 import torch
@@ -29,7 +28,8 @@ from shardkit import distributed as dist
 from shardkit.nn.pipe.microbatch import batch_size, split_microbatches
 from shardkit.nn.pipe.p2p import ActivationMeta, PendingSends, TensorMeta
 from shardkit.nn.pipe.plan import PipelinePlan, interleaved_1f1b_plan, zb_h1_plan, zbv_plan
-from shardkit.nn.pipe.schedules import ActivationMemoryMeter, check_schedule_agreement
+from shardkit.nn.pipe.schedules import (ActivationMemoryMeter, busy_time,
+                                        check_schedule_agreement)
 from shardkit.nn.pipe.split_backward import GradientSink, backward_input
 from shardkit.nn.pipe.stage import PipelineStage
 
@@ -320,13 +320,8 @@ class PlanSchedule:
                 self._sinks[s].run(weight_pass)
         self._alive -= 1
 
-    @contextlib.contextmanager
     def _busy(self):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.busy_seconds += time.perf_counter() - start
+        return busy_time(self)
 
     # ------------------------------------------------------------------ checks
     def _local_problems(self, inputs, target) -> list[str]:

@@ -248,13 +248,8 @@ class PipelineSchedule:
             self.grad_sender.send([a.grad if a.grad is not None else torch.zeros_like(a)
                                    for a in activation if a.requires_grad])
 
-    @contextlib.contextmanager
     def _busy(self):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.busy_seconds += time.perf_counter() - start
+        return busy_time(self)
 
     @property
     def plan(self):
@@ -295,6 +290,17 @@ class PipelineSchedule:
         check_schedule_agreement(type(self).__name__, self.chunks,
                                  self._local_problems(inputs, target), self.stage.group, "stage")
         self._checked = True
+
+
+@contextlib.contextmanager
+def busy_time(schedule):
+    """Add the wall-clock time of the block to ``schedule.busy_seconds`` (compute time per
+    step, beside the idle time a pipeline schedule leaves)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        schedule.busy_seconds += time.perf_counter() - start
 
 
 def check_schedule_agreement(kind: str, chunks: int, local_problems: list, group,
