@@ -85,3 +85,16 @@ def max_diff(full_sd: dict, reference_sd: dict) -> float:
     assert set(full_sd) == set(reference_sd), set(full_sd) ^ set(reference_sd)
     return max((full_sd[k].float() - reference_sd[k].float()).abs().max().item()
                for k in reference_sd)
+
+
+def shard_diff(model: FSDP, reference: torch.nn.Module) -> float:
+    """Largest difference between this rank's shard of every parameter and its rows of the
+    single-process ``reference`` (no communication: every rank checks its own parameters)."""
+    from shardkit.nn.data_parallel.flat_param import shard_rows
+    layouts = model._param_layouts()
+    ref = dict(reference.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        expected = shard_rows(ref[name].detach(), layouts[id(p)], model.rank)
+        worst = max(worst, (p.detach() - expected).abs().max().item())
+    return worst

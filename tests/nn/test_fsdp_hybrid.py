@@ -12,12 +12,11 @@ from shardkit.distributed import CommCounter
 from shardkit.models import GPT, MLP
 from shardkit.nn.checkpoint import checkpoint_wrapper
 from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
-from shardkit.nn.data_parallel.flat_param import shard_rows
 from shardkit.nn.data_parallel.sharding_strategy import ShardingStrategy
 from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
 from shardkit.testing import World
-from tests.nn.fsdp_common import (TINY, build_gpt, make_optimizer, max_diff, train_step,
-                                  wrap_gpt)
+from tests.nn.fsdp_common import (TINY, build_gpt, make_optimizer, max_diff, shard_diff,
+                                  train_step, wrap_gpt)
 
 S = ShardingStrategy
 STEPS = 4
@@ -28,18 +27,6 @@ WIDTH, DEPTH = 48, 8
 def nodes2x2():
     with World(4, ranks_per_node=2) as w:
         yield w
-
-
-def _shard_diff(model: FSDP, reference: nn.Module) -> float:
-    """Largest difference between this rank's shards and its rows of the reference (no
-    communication: every rank checks its own parameters)."""
-    layouts = model._param_layouts()
-    ref = dict(reference.named_parameters())
-    worst = 0.0
-    for name, p in model.named_parameters():
-        expected = shard_rows(ref[name].detach(), layouts[id(p)], model.rank)
-        worst = max(worst, (p.detach() - expected).abs().max().item())
-    return worst
 
 
 CONFIGS = [  # (name, FSDP kwargs, micro_batches with no_sync, clip)
@@ -99,7 +86,7 @@ def _parity(names=None):
             worst["loss"] = max(worst["loss"], abs(mean.item() / 4 - ref_loss.item()))
             if clip is not None:
                 worst["norm"] = max(worst["norm"], abs(norm.item() - ref_norm.item()))
-            worst["shards"] = max(worst["shards"], _shard_diff(model, reference))
+            worst["shards"] = max(worst["shards"], shard_diff(model, reference))
         worst["state_dict"] = max_diff(model.state_dict(), reference.state_dict())
         worst["world_size"] = model.world_size
         out[name] = worst
@@ -364,7 +351,7 @@ def _hpz_over_the_whole_group():
         train_step(model, optim, step)
     groups = {skdist.group_ranks(u._shard.hpz_group) == [0, 1, 2, 3]
               for u in model.sharded_units() if u._shard is not None}
-    return {"diff": _shard_diff(model, reference), "hpz_on": groups}
+    return {"diff": shard_diff(model, reference), "hpz_on": groups}
 
 
 def test_hpz_partition_of_the_whole_group(nodes2x2):

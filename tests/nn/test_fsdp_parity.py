@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from shardkit.testing import world_fixture
-from tests.nn.fsdp_common import (build_gpt, make_optimizer, max_diff, train_step, wrap_gpt)
+from tests.nn.fsdp_common import (build_gpt, make_optimizer, max_diff, shard_diff, train_step,
+                                  wrap_gpt)
 
 STEPS = 10
 GRID = [  # (reshard_after_forward, micro_batches with no_sync, clip, transport)
@@ -26,20 +27,6 @@ def _transport(kind):
         from shardkit.shm_transport import SharedMemoryTransport
         return SharedMemoryTransport(part_bytes=8192)
     return None
-
-
-def _shard_diff(model, reference) -> float:
-    """Largest difference between this rank's row block of every parameter and the same rows
-    of the single-process model (no communication)."""
-    from shardkit import distributed as skdist
-    from shardkit.nn.data_parallel.flat_param import ParamLayout, shard_rows
-    n, rank = skdist.get_world_size(), skdist.get_rank()
-    ref = dict(reference.named_parameters())
-    worst = 0.0
-    for name, p in model.named_parameters():
-        expected = shard_rows(ref[name].detach(), ParamLayout(ref[name].shape, n), rank)
-        worst = max(worst, (p.detach() - expected.view(p.shape)).abs().max().item())
-    return worst
 
 
 world2 = world_fixture(2)
@@ -69,7 +56,7 @@ def _parity_grid():
                                              - ref_loss.item()))
             if clip is not None:
                 worst_norm = max(worst_norm, abs(norm.item() - ref_norm.item()))
-            worst_shard = max(worst_shard, _shard_diff(model, reference))
+            worst_shard = max(worst_shard, shard_diff(model, reference))
         diff = max_diff(model.state_dict(), reference.state_dict())
         frozen = dict(model.named_parameters())["blocks.0.ln1.weight"]
         results.append({"config": (reshard, micro, clip, kind), "param_diff": diff,
