@@ -9,9 +9,10 @@ optimizer's transport (:mod:`shardkit.transport`), re-synchronises them with no 
 unpacking copy.
 
 Whole-parameter ownership makes per-rank segments uneven, and padding is sent on the wire. The
-plan therefore chooses ownership and buckets together (:func:`plan_ownership`): buckets are
-filled largest parameters first, each rank's segment of a bucket about equally full, so padding
-stays around one per cent on real models.
+plan therefore chooses ownership and buckets together (:func:`plan_ownership`): each bucket holds
+consecutive parameters (so the first layers arrive first, and a forward overlapped with the sync
+waits only for what it reaches), split evenly over the ranks, so padding stays within a few per
+cent on real models.
 
 Memory: the buffers replace the parameters' own storage (``Ψ`` plus the padding); with
 ``broadcast_fp16`` a transient half-precision copy of each bucket in flight (``2Ψ`` bytes at
@@ -48,41 +49,28 @@ def plan_ownership(trainable_groups: Sequence[Sequence[torch.Tensor]], world_siz
 
     ``trainable_groups``: per param group, its trainable parameters (the order every rank sees).
     ``bucket_numel``: target elements per rank in one bucket (default
-    :func:`default_bucket_numel`). Buckets are filled one after the other, largest parameters
-    first: a bucket's per-rank segment is the target or the largest parameter left, whichever
-    is larger, and each parameter goes to the least-filled rank segment it still fits in, so
-    the segments of a bucket end up about equally full (little padding) and the ranks about
-    equally loaded. Costs no communication.
+    :func:`default_bucket_numel`).
+
+    Preferred layout: buckets of *consecutive* parameters, in the order given (for one param
+    group, the model's registration order, which is usually its forward order), so bucket 0
+    holds the first layers and, with :meth:`OSS.overlap_sync_with`, the next forward starts as
+    soon as it has arrived while the later buckets are still on the wire. A bucket closes once
+    it holds ``world_size x bucket_numel`` elements that split evenly over the ranks (largest
+    first, each to the least-filled segment; at most :data:`MAX_PADDING_FRACTION` padding) or
+    has grown to four times that. Where those buckets would pad more than
+    :data:`MAX_PADDING_FRACTION` of the total (a few huge parameters against many ranks, e.g. a
+    GPT's embedding and head at 4 ranks), the buckets are instead filled largest parameters
+    first, which pads least but mixes layers. Either way each bucket's fullest segment goes to
+    the least-loaded rank. Costs no communication.
     """
     if bucket_numel is None:
         bucket_numel = default_bucket_numel(world_size)
     flat = [p for params in trainable_groups for p in params]
     numels = [p.numel() for p in flat]
-    remaining = sorted(range(len(flat)), key=lambda k: (-numels[k], k))
-    rank_load = [0] * world_size
-    placed: dict = {}  # item -> (bucket, rank)
-    bucket = 0
-    while remaining:
-        level = max(bucket_numel, numels[remaining[0]])
-        segment = [0] * world_size
-        left = []
-        for k in remaining:
-            r = min(range(world_size), key=lambda r: (segment[r], r))
-            if segment[r] + numels[k] <= level:
-                segment[r] += numels[k]
-                placed[k] = (bucket, r)
-            else:
-                left.append(k)
-        # the fullest segment of this bucket goes to the least loaded rank
-        by_fill = sorted(range(world_size), key=lambda r: (-segment[r], r))
-        by_load = sorted(range(world_size), key=lambda r: (rank_load[r], r))
-        to_rank = dict(zip(by_fill, by_load))
-        for k in remaining:
-            if k in placed and placed[k][0] == bucket:
-                placed[k] = (bucket, to_rank[placed[k][1]])
-        for r in range(world_size):
-            rank_load[to_rank[r]] += segment[r]
-        remaining, bucket = left, bucket + 1
+    windows = _consecutive_windows(numels, world_size, bucket_numel)
+    if _padding_fraction_of(windows, numels, world_size) > MAX_PADDING_FRACTION:
+        windows = _largest_first_windows(numels, world_size, bucket_numel)
+    placed = _assign_ranks(windows, numels, world_size)
     owners, bucket_of, k = [], {}, 0
     for params in trainable_groups:
         row = []
@@ -92,7 +80,107 @@ def plan_ownership(trainable_groups: Sequence[Sequence[torch.Tensor]], world_siz
             k += 1
         owners.append(row)
     partition = ParameterPartition.from_owners(trainable_groups, owners, world_size)
-    return OwnershipPlan(partition, bucket_of, max(1, bucket))
+    return OwnershipPlan(partition, bucket_of, max(1, len(windows)))
+
+
+def _assign_ranks(windows: list[list[int]], numels: Sequence[int], world_size: int) -> dict:
+    """Per item, ``(bucket, rank)``: each window split evenly, its fullest segment to the
+    least-loaded rank so far."""
+    placed: dict = {}
+    rank_load = [0] * world_size
+    for bucket, members in enumerate(windows):
+        segments = _balanced_segments([numels[k] for k in members], world_size)
+        fills = [sum(numels[members[i]] for i in seg) for seg in segments]
+        by_fill = sorted(range(world_size), key=lambda r: (-fills[r], r))
+        by_load = sorted(range(world_size), key=lambda r: (rank_load[r], r))
+        for seg_index, rank in zip(by_fill, by_load):
+            rank_load[rank] += fills[seg_index]
+            for i in segments[seg_index]:
+                placed[members[i]] = (bucket, rank)
+    return placed
+
+
+def _largest_first_windows(numels: Sequence[int], world_size: int,
+                           bucket_numel: int) -> list[list[int]]:
+    """Buckets filled largest items first: a bucket's per-rank level is the target or the
+    largest item left, whichever is larger, and each item goes to the least-filled segment it
+    still fits in."""
+    remaining = sorted(range(len(numels)), key=lambda k: (-numels[k], k))
+    windows = []
+    while remaining:
+        level = max(bucket_numel, numels[remaining[0]])
+        segment = [0] * world_size
+        members, left = [], []
+        for k in remaining:
+            r = min(range(world_size), key=lambda r: (segment[r], r))
+            if segment[r] + numels[k] <= level:
+                segment[r] += numels[k]
+                members.append(k)
+            else:
+                left.append(k)
+        windows.append(sorted(members))
+        remaining = left
+    return windows
+
+
+# A bucket keeps taking the next parameters while its even split would pad more than this.
+MAX_PADDING_FRACTION = 0.03
+
+
+def _consecutive_windows(numels: Sequence[int], world_size: int,
+                         bucket_numel: int) -> list[list[int]]:
+    """Indices of ``flat`` cut into runs of consecutive parameters, one run per bucket. A last
+    run that would pad badly on its own joins the one before it (once: the first buckets stay
+    small, for the overlap)."""
+    target = world_size * bucket_numel
+    windows: list[list[int]] = []
+    window: list[int] = []
+    for k, n in enumerate(numels):
+        window.append(k)
+        total = sum(numels[i] for i in window)
+        if total >= target and (total >= 4 * target or _padding_fraction(
+                [numels[i] for i in window], world_size) <= MAX_PADDING_FRACTION):
+            windows.append(window)
+            window = []
+    if window:
+        windows.append(window)
+    if len(windows) > 1 and _padding_fraction([numels[i] for i in windows[-1]],
+                                                 world_size) > MAX_PADDING_FRACTION:
+        last = windows.pop()
+        windows[-1] = windows[-1] + last
+    return windows
+
+
+def _balanced_segments(numels: Sequence[int], world_size: int) -> list[list[int]]:
+    """Split item indices over ``world_size`` segments: largest first, each to the
+    least-filled segment (ties to the lower index). Deterministic."""
+    segments: list[list[int]] = [[] for _ in range(world_size)]
+    fill = [0] * world_size
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        r = min(range(world_size), key=lambda r: (fill[r], r))
+        segments[r].append(i)
+        fill[r] += numels[i]
+    return segments
+
+
+def _padding_fraction_of(windows: list[list[int]], numels: Sequence[int],
+                         world_size: int) -> float:
+    total = sum(numels)
+    padded = sum(world_size * _widest_segment([numels[k] for k in w], world_size)
+                 for w in windows)
+    return 0.0 if padded == 0 else (padded - total) / padded
+
+
+def _widest_segment(numels: Sequence[int], world_size: int) -> int:
+    return max(sum(numels[i] for i in seg) for seg in _balanced_segments(numels, world_size))
+
+
+def _padding_fraction(numels: Sequence[int], world_size: int) -> float:
+    total = sum(numels)
+    if total == 0:
+        return 0.0
+    widest = _widest_segment(numels, world_size)
+    return (widest * world_size - total) / (widest * world_size)
 
 
 def default_bucket_numel(world_size: int) -> int:
