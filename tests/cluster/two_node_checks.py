@@ -55,6 +55,11 @@ def _sharded_ddp_oss():
     return sddp._run_grid(["plain", "no_sync_4_micro_batches", "two_param_groups"])
 
 
+def _overlapped_sync():
+    from tests.optim import test_oss_overlap as overlap
+    return {wrapper: overlap._train(wrapper) for wrapper in ("ddp", "sharded")}
+
+
 def _fsdp():
     from tests.nn import test_fsdp_parity as fsdp
     return fsdp._parity_grid()
@@ -185,6 +190,7 @@ def main(out_dir: str) -> int:
     torch.set_num_threads(1)
     rank = skd.get_rank()
     checks = [("where", _where), ("oss_ddp", _oss_ddp), ("sharded_ddp_oss", _sharded_ddp_oss),
+              ("overlapped_sync", _overlapped_sync),
               ("fsdp", _fsdp), ("pipeline", _pipeline_one_stage_per_node),
               ("tensor_parallel", _tensor_parallel_in_node),
               ("initialize", _initialize_zero_stages), ("full_shard_bytes", _full_shard_bytes),
