@@ -140,8 +140,8 @@ class Transport:
 class ProcessGroupTransport(Transport):
     """The process group's own collectives (gloo on CPU, NCCL on GPU): the default.
 
-    Memory: nothing held between operations; a reduce-scatter on gloo holds one extra buffer of
-    the input's size until it completes. Wire per rank: the ring algorithms' bytes (DESIGN.md):
+    Memory: nothing held between operations; a reduce-scatter on gloo holds ``(N-1)/N`` of the
+    input's size as scratch until it completes. Wire per rank: the ring algorithms' bytes (DESIGN.md):
     all-gather and reduce-scatter ``(N-1)/N`` of the full buffer, all-reduce twice that.
     """
 
@@ -202,10 +202,26 @@ class ProcessGroupTransport(Transport):
             out = torch.empty(segment, dtype=input.dtype, device=input.device)
             work = skdist.reduce_scatter_tensor(out, input, group=group, async_op=True)
             return CommHandle([work], lambda: out)
-        received = torch.empty_like(input)
-        work = skdist.all_to_all_single(received, input, group=group, async_op=True,
-                                        counted_as="reduce_scatter")
-        return CommHandle([work], lambda: received.view(n, segment).sum(0))
+        # Note: on gloo each rank sends segment r straight to rank r and sums, in rank order,
+        # its own segment and what it receives: (N-1)/N of the input on the wire, N-1
+        # segments of scratch plus the result, and no copy of the rank's own segment.
+        rank = skdist.get_rank(group)
+        parts = input.view(n, segment)
+        received = torch.empty(n - 1, segment, dtype=input.dtype, device=input.device)
+        peers = [r for r in range(n) if r != rank]
+        ops = []
+        for buf, r in zip(received, peers):
+            peer = skdist.get_global_rank(group, r)
+            ops.append(skdist.P2POp("send", parts[r], peer, group))
+            ops.append(skdist.P2POp("recv", buf, peer, group))
+
+        def finish():
+            ordered = [parts[rank] if r == rank else received[peers.index(r)] for r in range(n)]
+            total = torch.add(ordered[0], ordered[1])  # its own storage: the caller keeps it
+            for part in ordered[2:]:
+                total.add_(part)
+            return total
+        return CommHandle(skdist.batch_isend_irecv(ops, counted_as="reduce_scatter"), finish)
 
     def reduce_to_owners(self, segments, group):
         # Note: on NCCL a balanced bucket is one reduce-scatter (padding it costs at most 10%).
