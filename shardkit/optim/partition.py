@@ -1,19 +1,29 @@
-"""ParameterPartition: which rank owns which whole parameter, shared by OSS and ShardedDDP.
+"""Which rank owns which whole parameter and its optimizer state (OSS, ShardedDDP, checkpoints).
 
 Whole-parameter ownership keeps every torch optimizer correct (LAMB, Adafactor need a whole
-tensor). The partition is computed identically on every rank from the parameters' sizes alone
-(a greedy "largest first onto the lightest rank", stable on ties), and is immutable: OSS builds
-one, ShardedDDP reads the same object instead of reaching into OSS's internals.
+tensor). One algorithm, :func:`plan_ownership`, chooses the owners (and, for OSS, the flat sync
+bucket of every parameter) identically on every rank from the parameters' sizes alone; the
+resulting :class:`ParameterPartition` is immutable: OSS builds one, ShardedDDP and the engine's
+checkpoints read the same object instead of reaching into OSS's internals.
+:func:`send_state_to_new_owners` moves optimizer state when the ownership changes.
+
+Whole-parameter ownership makes per-rank segments of a sync bucket uneven, and padding is sent
+on the wire. The plan therefore chooses ownership and buckets together: buckets are filled
+largest parameters first, each rank's segment of a bucket about equally full, so padding stays
+around one per cent on real models.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["ParameterPartition"]
+from shardkit import distributed
+
+__all__ = ["ParameterPartition", "OwnershipPlan", "plan_ownership", "default_bucket_numel",
+           "send_state_to_new_owners"]
 
 
 @dataclass(frozen=True)
@@ -39,32 +49,11 @@ class ParameterPartition:
         """Assign each parameter to a rank, largest first onto the least loaded rank.
 
         Balancing is over all groups together, so ranks hold about the same number of elements
-        (at most one parameter's worth apart).
+        (at most one parameter's worth apart). This is :func:`plan_ownership` with a single
+        bucket (one ownership algorithm for the whole package).
         """
-        if world_size < 1:
-            raise ValueError(f"ParameterPartition: world_size={world_size}; must be >= 1")
-        flat = [(g, i, p) for g, params in enumerate(param_groups) for i, p in enumerate(params)]
-        seen = set()
-        for g, i, p in flat:
-            if id(p) in seen:
-                raise ValueError(f"ParameterPartition: a parameter appears twice (group {g}, "
-                                 f"index {i}); each parameter may be in one param group only")
-            seen.add(id(p))
-        order = sorted(range(len(flat)), key=lambda k: (-flat[k][2].numel(), k))
-        load = [0] * world_size
-        owner_of = {}
-        for k in order:
-            rank = min(range(world_size), key=lambda r: (load[r], r))
-            owner_of[k] = rank
-            load[rank] += flat[k][2].numel()
-        owners, k = [], 0
-        for params in param_groups:
-            owners.append(tuple(owner_of[k + i] for i in range(len(params))))
-            k += len(params)
-        groups = tuple(tuple(params) for params in param_groups)
-        index = {id(p): owners[g][i] for g, params in enumerate(groups)
-                 for i, p in enumerate(params)}
-        return cls(world_size, groups, tuple(owners), index)
+        total = sum(p.numel() for params in param_groups for p in params)
+        return plan_ownership(param_groups, world_size, bucket_numel=max(1, total)).partition
 
     @classmethod
     def from_owners(cls, param_groups: Sequence[Sequence[torch.Tensor]],
@@ -122,3 +111,107 @@ class ParameterPartition:
     def all_params(self) -> list[torch.Tensor]:
         """Every partitioned parameter, in group order."""
         return [p for params in self.param_groups for p in params]
+
+
+@dataclass(frozen=True)
+class OwnershipPlan:
+    """The partition of the trainable parameters and, per parameter, its sync-bucket index."""
+
+    partition: ParameterPartition
+    bucket_of: dict  # id(param) -> bucket index
+    num_buckets: int
+
+    def same_as(self, other: "OwnershipPlan") -> bool:
+        """Whether both plans give the same parameters the same owners and buckets."""
+        def ids(plan):
+            return [[id(p) for p in ps] for ps in plan.partition.param_groups]
+        return (ids(self) == ids(other) and self.partition.owners == other.partition.owners
+                and self.bucket_of == other.bucket_of)
+
+
+def plan_ownership(trainable_groups: Sequence[Sequence[torch.Tensor]], world_size: int,
+                   bucket_numel: Optional[int] = None) -> OwnershipPlan:
+    """Choose the owner and the bucket of every trainable parameter, deterministically.
+
+    ``trainable_groups``: per param group, its trainable parameters (the order every rank sees).
+    ``bucket_numel``: target elements per rank in one bucket (default
+    :func:`default_bucket_numel`). Buckets are filled one after the other, largest parameters
+    first: a bucket's per-rank segment is the target or the largest parameter left, whichever
+    is larger, and each parameter goes to the least-filled rank segment it still fits in, so
+    the segments of a bucket end up about equally full (little padding) and the ranks about
+    equally loaded. Costs no communication.
+    """
+    if world_size < 1:
+        raise ValueError(f"ParameterPartition: world_size={world_size}; must be >= 1")
+    if bucket_numel is None:
+        bucket_numel = default_bucket_numel(world_size)
+    flat = [p for params in trainable_groups for p in params]
+    placed = _fill_buckets([p.numel() for p in flat], world_size, bucket_numel)
+    owners, bucket_of, k = [], {}, 0
+    for params in trainable_groups:
+        row = []
+        for p in params:
+            row.append(placed[k][1])
+            bucket_of[id(p)] = placed[k][0]
+            k += 1
+        owners.append(row)
+    partition = ParameterPartition.from_owners(trainable_groups, owners, world_size)
+    num_buckets = 1 + max((b for b, _ in placed.values()), default=0)
+    return OwnershipPlan(partition, bucket_of, num_buckets)
+
+
+def _fill_buckets(numels: list[int], world_size: int, bucket_numel: int) -> dict:
+    """``{item: (bucket, rank)}`` for items of the given sizes (see :func:`plan_ownership`)."""
+    remaining = sorted(range(len(numels)), key=lambda k: (-numels[k], k))
+    rank_load = [0] * world_size
+    placed: dict = {}
+    bucket = 0
+    while remaining:
+        level = max(bucket_numel, numels[remaining[0]])
+        segment = [0] * world_size
+        left = []
+        for k in remaining:
+            r = min(range(world_size), key=lambda r: (segment[r], r))
+            if segment[r] + numels[k] <= level:
+                segment[r] += numels[k]
+                placed[k] = (bucket, r)
+            else:
+                left.append(k)
+        # the fullest segment of this bucket goes to the least loaded rank
+        by_fill = sorted(range(world_size), key=lambda r: (-segment[r], r))
+        by_load = sorted(range(world_size), key=lambda r: (rank_load[r], r))
+        to_rank = dict(zip(by_fill, by_load))
+        for k in remaining:
+            if k in placed and placed[k][0] == bucket:
+                placed[k] = (bucket, to_rank[placed[k][1]])
+        for r in range(world_size):
+            rank_load[to_rank[r]] += segment[r]
+        remaining, bucket = left, bucket + 1
+    return placed
+
+
+def default_bucket_numel(world_size: int) -> int:
+    """Elements per rank such that a whole bucket holds 2**22 elements (16 MiB of fp32): large
+    enough for full bandwidth, small enough that several buckets overlap with the step (and,
+    on gloo, that an all-gather's output stays under glibc's 32 MiB mmap threshold, so it is
+    not faulted in afresh on every call: 5-8x slower when it is, measured on CPU)."""
+    return max(1, 2 ** 22 // max(1, world_size))
+
+
+def send_state_to_new_owners(new: ParameterPartition, held: dict, rank: int, group=None) -> dict:
+    """Each rank in turn broadcasts the state it holds (``held``: ``{param: state}``) for
+    parameters that ``new`` gives to another rank; returns ``{param: state}`` arriving here.
+
+    Communication: ``N`` small object broadcasts (the moved state only), so call it only when
+    the partition changed. Collective over ``group``.
+    """
+    params = new.all_params()
+    arriving = {}
+    for r in range(new.world_size):
+        mine = None
+        if r == rank:
+            mine = {i: held[p] for i, p in enumerate(params) if new.owner(p) != r and p in held}
+        got = distributed.broadcast_object(mine, src=distributed.get_global_rank(group, r),
+                                           group=group)
+        arriving.update({params[i]: st for i, st in got.items() if new.owner(params[i]) == rank})
+    return arriving
