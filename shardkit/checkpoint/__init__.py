@@ -1,6 +1,17 @@
-"""Resharding checkpoints: each rank writes whole fp32 parameters and their optimizer state by
-name, committed atomically behind a ``latest`` file; they load at any world size and ZeRO stage
-and consolidate into a plain ``state_dict`` (``python -m shardkit consolidate DIR OUT.pt``)."""
+"""Every checkpoint path of shardkit, in one package.
+
+- :mod:`~shardkit.checkpoint.sharded`: the one on-disk format (each rank writes whole fp32
+  parameters and their optimizer state by name, or its row blocks at stage 3, committed
+  atomically behind a ``latest`` file); :mod:`~shardkit.checkpoint.engine_state` maps an
+  ``initialize`` engine of any stage onto it, :mod:`~shardkit.checkpoint.async_save` writes it
+  in the background, :mod:`~shardkit.checkpoint.consolidate` turns it into a plain
+  ``state_dict`` (``python -m shardkit consolidate DIR OUT.pt``).
+- :mod:`~shardkit.checkpoint.resharding`: the one row-block cut and join, used by FSDP's shards,
+  its local state dicts and optimizer state, and the on-disk row blocks.
+- :mod:`~shardkit.checkpoint.fsdp_state`: FSDP's local state dicts (metadata, offline
+  consolidation, resharding); :mod:`~shardkit.checkpoint.optimizer_state`: OSS's full
+  torch-format optimizer state dict (consolidate, load).
+"""
 
 from shardkit._lazy import lazy_exports
 
@@ -12,6 +23,12 @@ _EXPORTS = {
     "consolidate_checkpoint": "shardkit.checkpoint.consolidate",
     "save_engine_checkpoint": "shardkit.checkpoint.engine_state",
     "load_engine_checkpoint": "shardkit.checkpoint.engine_state",
+    "ParamLayout": "shardkit.checkpoint.resharding",
+    "shard_rows": "shardkit.checkpoint.resharding",
+    "unshard_rows": "shardkit.checkpoint.resharding",
+    "consolidate_shard_weights": "shardkit.checkpoint.fsdp_state",
+    "reshard_local_state_dicts": "shardkit.checkpoint.fsdp_state",
+    "consolidate_optimizer_state": "shardkit.checkpoint.optimizer_state",
 }
 
 __all__ = sorted(_EXPORTS)

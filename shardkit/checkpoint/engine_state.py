@@ -30,6 +30,7 @@ from shardkit import distributed
 from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard, check_tag,
                                          commit_checkpoint, read_checkpoint,
                                          resolve_checkpoint_dir)
+from shardkit.optim.local_step import without_fused_choice
 from shardkit.optim.partition import ParameterPartition
 
 __all__ = ["save_engine_checkpoint", "load_engine_checkpoint", "rng_state", "set_rng_state"]
@@ -119,7 +120,7 @@ def _replicated_param_shard(engine):
         for key, value in engine.module.state_dict().items():
             if key not in param_names:
                 shard.params[key] = _cpu(value)
-    groups = [_group_by_name(g, lambda p: names[id(p)]) for g in engine.optimizer.param_groups]
+    groups = _groups_by_name(engine.optimizer, lambda p: names[id(p)])
     return shard, groups
 
 
@@ -142,14 +143,17 @@ def _row_sharded_shard(engine):
         state = engine.optimizer.state.get(p)
         if state and name in shapes:
             shard.optim[name] = {k: _cpu(v) for k, v in state.items()}
-    groups = [_group_by_name(g, lambda p: names[id(p)]) for g in engine.optimizer.param_groups]
+    groups = _groups_by_name(engine.optimizer, lambda p: names[id(p)])
     return shard, groups, shapes
 
 
-def _group_by_name(group: dict, name_of) -> dict:
-    out = {k: v for k, v in group.items() if k != "params"}
-    out["params"] = [name_of(p) for p in group["params"]]
-    return out
+def _groups_by_name(optimizer, name_of) -> list[dict]:
+    """The optimizer's param groups with parameter names, and the implementation the caller
+    asked for (``fused=None`` where OSS chose torch's fused kernel itself), so that the
+    checkpoint loads into any optimizer as it would from that optimizer's own state dict."""
+    fused = getattr(optimizer, "fused", False) is True
+    return [{**without_fused_choice({k: v for k, v in g.items() if k != "params"}, fused),
+             "params": [name_of(p) for p in g["params"]]} for g in optimizer.param_groups]
 
 
 def _cpu(value):

@@ -12,9 +12,10 @@ The stored form does not depend on the world size or the ZeRO stage that wrote i
 is stored under its name in the unwrapped model, in fp32, with its optimizer state beside it,
 either whole in exactly one rank file (``params``), or, when it was sharded on dim 0 across the
 ranks that wrote it (FSDP), as every rank's block of rows (``row_blocks``, and row blocks of
-its optimizer state), which :func:`read_checkpoint` concatenates and trims to the full shape
-listed in the metadata (``row_sharded``). Loading at another world size or stage only needs a
-different split of the same full tensors.
+its optimizer state), which :func:`read_checkpoint` joins to the full shape listed in the
+metadata (``row_sharded``) with :mod:`shardkit.checkpoint.resharding`, the cut FSDP itself
+uses. Loading at another world size or stage only needs a different split of the same full
+tensors.
 
 Safety: every file is read with ``torch.load(weights_only=True)`` (tensors, numbers, strings and
 plain containers only; RNG states are stored as tensors), so a crafted checkpoint cannot run code
@@ -41,6 +42,7 @@ from typing import Any, Optional
 import torch
 
 from shardkit import distributed
+from shardkit.checkpoint.resharding import join_row_blocks, join_row_state
 
 __all__ = ["FORMAT", "CheckpointError", "RankShard", "LoadedCheckpoint", "commit_checkpoint",
            "read_latest_tag", "read_checkpoint", "rank_file_name", "resolve_checkpoint_dir",
@@ -289,9 +291,9 @@ def read_checkpoint(path: str, with_optimizer: bool = True) -> LoadedCheckpoint:
         if len(parts) != metadata["world_size"]:
             raise CheckpointError(f"{path}: {name} has {len(parts)} row blocks; expected one "
                                   f"per rank ({metadata['world_size']})")
-        params[name] = _join_rows([b for b, _ in parts], shape)
+        params[name] = join_row_blocks([b for b, _ in parts], shape)
         if with_optimizer and parts[0][1]:
-            optim[name] = _join_state(parts, shape)
+            optim[name] = join_row_state(parts, shape)
     missing = [name for name in metadata["param_names"] if name not in params]
     if missing:
         raise CheckpointError(f"{path}: no rank file holds {missing[:5]}")
@@ -339,26 +341,6 @@ def _unsafe_detail(error: Exception) -> str:
     lines = [ln.strip() for ln in str(error).splitlines()
              if "GLOBAL" in ln or "Unsupported" in ln or "unsupported" in ln]
     return lines[0] if lines else str(error).splitlines()[0]
-
-
-def _join_rows(blocks: list, shape: list) -> torch.Tensor:
-    """Rank-ordered dim-0 row blocks (the last ones zero padded) -> the full tensor."""
-    rest = tuple(shape[1:])
-    rows = torch.cat([b.reshape(-1, *rest) for b in blocks])
-    return rows[:shape[0] if shape else 1].reshape(shape)
-
-
-def _join_state(parts: list, shape: list) -> dict:
-    """Optimizer state of a row-sharded parameter: tensors shaped like the row block are
-    joined like the parameter; the rest (``step``) is the same on every rank."""
-    block0, state0 = parts[0]
-    joined = {}
-    for key, value in state0.items():
-        if isinstance(value, torch.Tensor) and value.shape == block0.shape:
-            joined[key] = _join_rows([state[key] for _, state in parts], shape)
-        else:
-            joined[key] = value
-    return joined
 
 
 def describe(metadata: dict) -> dict[str, Any]:

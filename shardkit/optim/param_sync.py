@@ -1,4 +1,4 @@
-"""Ownership plan and bucketed parameter re-synchronisation for OSS (ZeRO-1).
+"""Bucketed parameter re-synchronisation for OSS (ZeRO-1): :class:`ParamSync`.
 
 After each rank has stepped the parameters it owns, every rank needs every updated parameter.
 Instead of one broadcast per parameter, the owned parameters are laid out in *flat buckets*:
@@ -8,11 +8,11 @@ into these buffers (each process's own memory), so one in-place all-gather per b
 optimizer's transport (:mod:`shardkit.transport`), re-synchronises them with no packing or
 unpacking copy.
 
-Whole-parameter ownership makes per-rank segments uneven, and padding is sent on the wire. The
-plan therefore chooses ownership and buckets together (:func:`plan_ownership`): each bucket holds
-consecutive parameters (so the first layers arrive first, and a forward overlapped with the sync
-waits only for what it reaches), split evenly over the ranks, so padding stays within a few per
-cent on real models.
+Which rank owns which parameter, and which bucket each parameter is in, is decided by
+:func:`shardkit.optim.partition.plan_ownership`; this module only lays the buckets out and moves
+them, either all at once after a whole step or bucket by bucket while the next bucket is being
+stepped, and (with :meth:`ParamSync.overlap_with`) lets the last all-gathers finish during the
+next forward.
 
 Memory: the buffers replace the parameters' own storage (``Ψ`` plus the padding); with
 ``broadcast_fp16`` a transient half-precision copy of each bucket in flight (``2Ψ`` bytes at
@@ -22,173 +22,14 @@ elements in the parameters' dtype (fp16 with ``broadcast_fp16``), one all-gather
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from shardkit.transport import Transport, default_transport
-from shardkit.optim.partition import ParameterPartition
+from shardkit.optim.partition import OwnershipPlan
 
-__all__ = ["OwnershipPlan", "plan_ownership", "default_bucket_numel", "FlatParamBucket",
-           "build_buckets"]
-
-
-@dataclass(frozen=True)
-class OwnershipPlan:
-    """The partition of the trainable parameters and, per parameter, its bucket index."""
-
-    partition: ParameterPartition
-    bucket_of: dict  # id(param) -> bucket index
-    num_buckets: int
-
-
-def plan_ownership(trainable_groups: Sequence[Sequence[torch.Tensor]], world_size: int,
-                   bucket_numel: Optional[int] = None) -> OwnershipPlan:
-    """Choose the owner and the bucket of every trainable parameter, deterministically.
-
-    ``trainable_groups``: per param group, its trainable parameters (the order every rank sees).
-    ``bucket_numel``: target elements per rank in one bucket (default
-    :func:`default_bucket_numel`).
-
-    Preferred layout: buckets of *consecutive* parameters, in the order given (for one param
-    group, the model's registration order, which is usually its forward order), so bucket 0
-    holds the first layers and, with :meth:`OSS.overlap_sync_with`, the next forward starts as
-    soon as it has arrived while the later buckets are still on the wire. A bucket closes once
-    it holds ``world_size x bucket_numel`` elements that split evenly over the ranks (largest
-    first, each to the least-filled segment; at most :data:`MAX_PADDING_FRACTION` padding) or
-    has grown to four times that. Where those buckets would pad more than
-    :data:`MAX_PADDING_FRACTION` of the total (a few huge parameters against many ranks, e.g. a
-    GPT's embedding and head at 4 ranks), the buckets are instead filled largest parameters
-    first, which pads least but mixes layers. Either way each bucket's fullest segment goes to
-    the least-loaded rank. Costs no communication.
-    """
-    if bucket_numel is None:
-        bucket_numel = default_bucket_numel(world_size)
-    flat = [p for params in trainable_groups for p in params]
-    numels = [p.numel() for p in flat]
-    windows = _consecutive_windows(numels, world_size, bucket_numel)
-    if _padding_fraction_of(windows, numels, world_size) > MAX_PADDING_FRACTION:
-        windows = _largest_first_windows(numels, world_size, bucket_numel)
-    placed = _assign_ranks(windows, numels, world_size)
-    owners, bucket_of, k = [], {}, 0
-    for params in trainable_groups:
-        row = []
-        for p in params:
-            row.append(placed[k][1])
-            bucket_of[id(p)] = placed[k][0]
-            k += 1
-        owners.append(row)
-    partition = ParameterPartition.from_owners(trainable_groups, owners, world_size)
-    return OwnershipPlan(partition, bucket_of, max(1, len(windows)))
-
-
-def _assign_ranks(windows: list[list[int]], numels: Sequence[int], world_size: int) -> dict:
-    """Per item, ``(bucket, rank)``: each window split evenly, its fullest segment to the
-    least-loaded rank so far."""
-    placed: dict = {}
-    rank_load = [0] * world_size
-    for bucket, members in enumerate(windows):
-        segments = _balanced_segments([numels[k] for k in members], world_size)
-        fills = [sum(numels[members[i]] for i in seg) for seg in segments]
-        by_fill = sorted(range(world_size), key=lambda r: (-fills[r], r))
-        by_load = sorted(range(world_size), key=lambda r: (rank_load[r], r))
-        for seg_index, rank in zip(by_fill, by_load):
-            rank_load[rank] += fills[seg_index]
-            for i in segments[seg_index]:
-                placed[members[i]] = (bucket, rank)
-    return placed
-
-
-def _largest_first_windows(numels: Sequence[int], world_size: int,
-                           bucket_numel: int) -> list[list[int]]:
-    """Buckets filled largest items first: a bucket's per-rank level is the target or the
-    largest item left, whichever is larger, and each item goes to the least-filled segment it
-    still fits in."""
-    remaining = sorted(range(len(numels)), key=lambda k: (-numels[k], k))
-    windows = []
-    while remaining:
-        level = max(bucket_numel, numels[remaining[0]])
-        segment = [0] * world_size
-        members, left = [], []
-        for k in remaining:
-            r = min(range(world_size), key=lambda r: (segment[r], r))
-            if segment[r] + numels[k] <= level:
-                segment[r] += numels[k]
-                members.append(k)
-            else:
-                left.append(k)
-        windows.append(sorted(members))
-        remaining = left
-    return windows
-
-
-# A bucket keeps taking the next parameters while its even split would pad more than this.
-MAX_PADDING_FRACTION = 0.03
-
-
-def _consecutive_windows(numels: Sequence[int], world_size: int,
-                         bucket_numel: int) -> list[list[int]]:
-    """Indices of ``flat`` cut into runs of consecutive parameters, one run per bucket. A last
-    run that would pad badly on its own joins the one before it (once: the first buckets stay
-    small, for the overlap)."""
-    target = world_size * bucket_numel
-    windows: list[list[int]] = []
-    window: list[int] = []
-    for k, n in enumerate(numels):
-        window.append(k)
-        total = sum(numels[i] for i in window)
-        if total >= target and (total >= 4 * target or _padding_fraction(
-                [numels[i] for i in window], world_size) <= MAX_PADDING_FRACTION):
-            windows.append(window)
-            window = []
-    if window:
-        windows.append(window)
-    if len(windows) > 1 and _padding_fraction([numels[i] for i in windows[-1]],
-                                                 world_size) > MAX_PADDING_FRACTION:
-        last = windows.pop()
-        windows[-1] = windows[-1] + last
-    return windows
-
-
-def _balanced_segments(numels: Sequence[int], world_size: int) -> list[list[int]]:
-    """Split item indices over ``world_size`` segments: largest first, each to the
-    least-filled segment (ties to the lower index). Deterministic."""
-    segments: list[list[int]] = [[] for _ in range(world_size)]
-    fill = [0] * world_size
-    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        r = min(range(world_size), key=lambda r: (fill[r], r))
-        segments[r].append(i)
-        fill[r] += numels[i]
-    return segments
-
-
-def _padding_fraction_of(windows: list[list[int]], numels: Sequence[int],
-                         world_size: int) -> float:
-    total = sum(numels)
-    padded = sum(world_size * _widest_segment([numels[k] for k in w], world_size)
-                 for w in windows)
-    return 0.0 if padded == 0 else (padded - total) / padded
-
-
-def _widest_segment(numels: Sequence[int], world_size: int) -> int:
-    return max(sum(numels[i] for i in seg) for seg in _balanced_segments(numels, world_size))
-
-
-def _padding_fraction(numels: Sequence[int], world_size: int) -> float:
-    total = sum(numels)
-    if total == 0:
-        return 0.0
-    widest = _widest_segment(numels, world_size)
-    return (widest * world_size - total) / (widest * world_size)
-
-
-def default_bucket_numel(world_size: int) -> int:
-    """Elements per rank such that a whole bucket holds 2**22 elements (16 MiB of fp32): large
-    enough for full bandwidth, small enough that several buckets overlap with the step (and,
-    on gloo, that an all-gather's output stays under glibc's 32 MiB mmap threshold, so it is
-    not faulted in afresh on every call: 5-8x slower when it is, measured on CPU)."""
-    return max(1, 2 ** 22 // max(1, world_size))
+__all__ = ["ParamSync", "FlatParamBucket", "build_buckets"]
 
 
 class FlatParamBucket:
@@ -305,3 +146,127 @@ def build_buckets(plan: OwnershipPlan, rank: int, group=None, broadcast_fp16: bo
     return [[FlatParamBucket(rows, rank, world_size, group, broadcast_fp16, transport)
              for rows in per_kind.values()]
             for per_kind in grouped if per_kind]
+
+
+class ParamSync:
+    """The flat buckets of an :class:`~shardkit.optim.partition.OwnershipPlan` and the
+    re-synchronisation of the parameters through them, for the life of one optimizer.
+
+    Args:
+        plan: who owns each parameter and which bucket holds it.
+        rank, group: this rank's place in the data-parallel process group.
+        broadcast_fp16: send fp32 parameters as fp16 (the owner keeps its exact values).
+        transport: the :class:`~shardkit.transport.Transport` that carries the all-gathers.
+
+    Memory: the buckets are the parameters' own storage (``Ψ`` plus padding). Communication per
+    :meth:`sync_all` or :meth:`step_and_sync`: ``(N-1)/N · (Ψ + padding)`` elements, one
+    all-gather per bucket. Everything else is local.
+    """
+
+    def __init__(self, plan: OwnershipPlan, rank: int, group=None, broadcast_fp16: bool = False,
+                 transport: Optional[Transport] = None):
+        self.rank, self.group = rank, group
+        self.broadcast_fp16, self.transport = broadcast_fp16, transport
+        self._plan = plan
+        self._buckets = self._build()
+        self._pending: list[FlatParamBucket] = []  # all-gathers a later forward waits for
+        self._defer = False  # whether step_and_sync leaves its all-gathers to the next forward
+
+    @property
+    def buckets(self) -> list[list[FlatParamBucket]]:
+        """Per bucket index, one :class:`FlatParamBucket` per (device, dtype) in it."""
+        return self._buckets
+
+    @property
+    def num_buckets(self) -> int:
+        """How many all-gathers one sync issues."""
+        return sum(len(buckets) for buckets in self._buckets)
+
+    @property
+    def in_flight(self) -> int:
+        """How many bucket all-gathers are still running (only with :meth:`overlap_with`)."""
+        return len(self._pending)
+
+    def _build(self) -> list[list[FlatParamBucket]]:
+        return build_buckets(self._plan, self.rank, self.group, self.broadcast_fp16,
+                             self.transport)
+
+    def relayout(self, plan: OwnershipPlan) -> None:
+        """Give every parameter its own storage back, then lay the buckets of ``plan`` out
+        (after waiting for anything still in flight). Local: every rank sees the same layout."""
+        self.wait()
+        for buckets in self._buckets:  # nothing may still be writing into the old buffers
+            for b in buckets:
+                b.finish_gather()
+        for buckets in self._buckets:
+            for b in buckets:
+                b.unbind()
+        self._plan = plan
+        self._buckets = self._build()
+
+    def rebind_if_moved(self) -> None:
+        """Rebuild the buckets from the parameters' current values, dtype and device when
+        something replaced a parameter's storage (``model.to(...)``, ``p.data = ...``). Local."""
+        if any(not b.is_bound() for buckets in self._buckets for b in buckets):
+            self._buckets = self._build()
+
+    def sync_all(self) -> None:
+        """All-gather every bucket and wait (after a step that updated all owned parameters)."""
+        every = [b for buckets in self._buckets for b in buckets]
+        for b in every:
+            b.start_gather()
+        for b in every:
+            b.finish_gather()
+
+    def step_and_sync(self, step_only: Callable[[list], None]) -> None:
+        """Call ``step_only(params)`` on this rank's parameters of each bucket in turn, starting
+        that bucket's all-gather right after, so it runs while the next bucket is stepped.
+
+        ``step_only`` must update exactly the given parameters. With :meth:`overlap_with` the
+        last all-gathers are left running; the next forward (or :meth:`wait`) finishes them.
+        """
+        in_flight: list[FlatParamBucket] = []
+        for buckets in self._buckets:
+            step_only([p for b in buckets for p in b.owned_params])
+            for b in buckets:
+                b.start_gather()
+                in_flight.append(b)
+        if self._defer:
+            self._pending = in_flight
+            return
+        for b in in_flight:
+            b.finish_gather()
+
+    def wait(self) -> None:
+        """Finish every all-gather still in flight (a no-op unless :meth:`overlap_with` is on)."""
+        pending, self._pending = self._pending, []
+        for b in pending:
+            b.finish_gather()
+
+    def overlap_with(self, module: torch.nn.Module) -> None:
+        """From now on leave the all-gathers of :meth:`step_and_sync` running: each submodule of
+        ``module`` waits, in a forward pre-hook, only for the buckets holding its own
+        parameters; ``module.state_dict()`` and ``module.load_state_dict()`` wait for all."""
+        known = {id(p) for p in self._plan.partition.all_params()}
+        for sub in module.modules():
+            own = [p for p in sub.parameters(recurse=False) if id(p) in known]
+            if own:
+                sub.register_forward_pre_hook(self._waiter_for(own))
+        module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait())
+        module.register_load_state_dict_pre_hook(lambda *args, **kwargs: self.wait())
+        self._defer = True
+
+    def _waiter_for(self, params: list[torch.Tensor]):
+        wanted = {id(p) for p in params}
+
+        def wait_for_own_buckets(_module, _args):
+            if not self._pending:
+                return
+            keep = []
+            for b in self._pending:
+                if any(id(p) in wanted for p, _ in b.slots):
+                    b.finish_gather()
+                else:
+                    keep.append(b)
+            self._pending = keep
+        return wait_for_own_buckets

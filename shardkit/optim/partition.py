@@ -1,19 +1,30 @@
-"""ParameterPartition: which rank owns which whole parameter, shared by OSS and ShardedDDP.
+"""Which rank owns which whole parameter and its optimizer state (OSS, ShardedDDP, checkpoints).
 
 Whole-parameter ownership keeps every torch optimizer correct (LAMB, Adafactor need a whole
-tensor). The partition is computed identically on every rank from the parameters' sizes alone
-(a greedy "largest first onto the lightest rank", stable on ties), and is immutable: OSS builds
-one, ShardedDDP reads the same object instead of reaching into OSS's internals.
+tensor). One algorithm, :func:`plan_ownership`, chooses the owners (and, for OSS, the flat sync
+bucket of every parameter) identically on every rank from the parameters' sizes alone; the
+resulting :class:`ParameterPartition` is immutable: OSS builds one, ShardedDDP and the engine's
+checkpoints read the same object instead of reaching into OSS's internals.
+:func:`send_state_to_new_owners` moves optimizer state when the ownership changes.
+
+Whole-parameter ownership makes per-rank segments of a sync bucket uneven, and padding is sent
+on the wire. The plan therefore chooses ownership and buckets together: each bucket holds
+consecutive parameters (so the first layers arrive first, and a forward overlapped with the sync
+waits only for what it reaches), split evenly over the ranks, so padding stays within a few per
+cent on real models.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["ParameterPartition"]
+from shardkit import distributed
+
+__all__ = ["ParameterPartition", "OwnershipPlan", "plan_ownership", "default_bucket_numel",
+           "send_state_to_new_owners"]
 
 
 @dataclass(frozen=True)
@@ -39,32 +50,11 @@ class ParameterPartition:
         """Assign each parameter to a rank, largest first onto the least loaded rank.
 
         Balancing is over all groups together, so ranks hold about the same number of elements
-        (at most one parameter's worth apart).
+        (at most one parameter's worth apart). This is :func:`plan_ownership` with a single
+        bucket (one ownership algorithm for the whole package).
         """
-        if world_size < 1:
-            raise ValueError(f"ParameterPartition: world_size={world_size}; must be >= 1")
-        flat = [(g, i, p) for g, params in enumerate(param_groups) for i, p in enumerate(params)]
-        seen = set()
-        for g, i, p in flat:
-            if id(p) in seen:
-                raise ValueError(f"ParameterPartition: a parameter appears twice (group {g}, "
-                                 f"index {i}); each parameter may be in one param group only")
-            seen.add(id(p))
-        order = sorted(range(len(flat)), key=lambda k: (-flat[k][2].numel(), k))
-        load = [0] * world_size
-        owner_of = {}
-        for k in order:
-            rank = min(range(world_size), key=lambda r: (load[r], r))
-            owner_of[k] = rank
-            load[rank] += flat[k][2].numel()
-        owners, k = [], 0
-        for params in param_groups:
-            owners.append(tuple(owner_of[k + i] for i in range(len(params))))
-            k += len(params)
-        groups = tuple(tuple(params) for params in param_groups)
-        index = {id(p): owners[g][i] for g, params in enumerate(groups)
-                 for i, p in enumerate(params)}
-        return cls(world_size, groups, tuple(owners), index)
+        total = sum(p.numel() for params in param_groups for p in params)
+        return plan_ownership(param_groups, world_size, bucket_numel=max(1, total)).partition
 
     @classmethod
     def from_owners(cls, param_groups: Sequence[Sequence[torch.Tensor]],
@@ -122,3 +112,188 @@ class ParameterPartition:
     def all_params(self) -> list[torch.Tensor]:
         """Every partitioned parameter, in group order."""
         return [p for params in self.param_groups for p in params]
+
+
+@dataclass(frozen=True)
+class OwnershipPlan:
+    """The partition of the trainable parameters and, per parameter, its sync-bucket index."""
+
+    partition: ParameterPartition
+    bucket_of: dict  # id(param) -> bucket index
+    num_buckets: int
+
+    def same_as(self, other: "OwnershipPlan") -> bool:
+        """Whether both plans give the same parameters the same owners and buckets."""
+        def ids(plan):
+            return [[id(p) for p in ps] for ps in plan.partition.param_groups]
+        return (ids(self) == ids(other) and self.partition.owners == other.partition.owners
+                and self.bucket_of == other.bucket_of)
+
+
+def plan_ownership(trainable_groups: Sequence[Sequence[torch.Tensor]], world_size: int,
+                   bucket_numel: Optional[int] = None) -> OwnershipPlan:
+    """Choose the owner and the bucket of every trainable parameter, deterministically.
+
+    ``trainable_groups``: per param group, its trainable parameters (the order every rank sees).
+    ``bucket_numel``: target elements per rank in one bucket (default
+    :func:`default_bucket_numel`).
+
+    Preferred layout: buckets of *consecutive* parameters, in the order given (for one param
+    group, the model's registration order, which is usually its forward order), so bucket 0
+    holds the first layers and, with :meth:`OSS.overlap_sync_with`, the next forward starts as
+    soon as it has arrived while the later buckets are still on the wire. A bucket closes once
+    it holds ``world_size x bucket_numel`` elements that split evenly over the ranks (largest
+    first, each to the least-filled segment; at most :data:`MAX_PADDING_FRACTION` padding) or
+    has grown to four times that. Where those buckets would pad more than
+    :data:`MAX_PADDING_FRACTION` of the total (a few huge parameters against many ranks, e.g. a
+    GPT's embedding and head at 4 ranks), the buckets are instead filled largest parameters
+    first, which pads least but mixes layers. Either way each bucket's fullest segment goes to
+    the least-loaded rank. Costs no communication.
+    """
+    if world_size < 1:
+        raise ValueError(f"ParameterPartition: world_size={world_size}; must be >= 1")
+    if bucket_numel is None:
+        bucket_numel = default_bucket_numel(world_size)
+    flat = [p for params in trainable_groups for p in params]
+    numels = [p.numel() for p in flat]
+    windows = _consecutive_windows(numels, world_size, bucket_numel)
+    if _padding_fraction_of(windows, numels, world_size) > MAX_PADDING_FRACTION:
+        windows = _largest_first_windows(numels, world_size, bucket_numel)
+    placed = _assign_ranks(windows, numels, world_size)
+    owners, bucket_of, k = [], {}, 0
+    for params in trainable_groups:
+        row = []
+        for p in params:
+            row.append(placed[k][1])
+            bucket_of[id(p)] = placed[k][0]
+            k += 1
+        owners.append(row)
+    partition = ParameterPartition.from_owners(trainable_groups, owners, world_size)
+    return OwnershipPlan(partition, bucket_of, max(1, len(windows)))
+
+
+def _assign_ranks(windows: list[list[int]], numels: Sequence[int], world_size: int) -> dict:
+    """Per item, ``(bucket, rank)``: each window split evenly, its fullest segment to the
+    least-loaded rank so far."""
+    placed: dict = {}
+    rank_load = [0] * world_size
+    for bucket, members in enumerate(windows):
+        segments = _balanced_segments([numels[k] for k in members], world_size)
+        fills = [sum(numels[members[i]] for i in seg) for seg in segments]
+        by_fill = sorted(range(world_size), key=lambda r: (-fills[r], r))
+        by_load = sorted(range(world_size), key=lambda r: (rank_load[r], r))
+        for seg_index, rank in zip(by_fill, by_load):
+            rank_load[rank] += fills[seg_index]
+            for i in segments[seg_index]:
+                placed[members[i]] = (bucket, rank)
+    return placed
+
+
+def _largest_first_windows(numels: Sequence[int], world_size: int,
+                           bucket_numel: int) -> list[list[int]]:
+    """Buckets filled largest items first: a bucket's per-rank level is the target or the
+    largest item left, whichever is larger, and each item goes to the least-filled segment it
+    still fits in."""
+    remaining = sorted(range(len(numels)), key=lambda k: (-numels[k], k))
+    windows = []
+    while remaining:
+        level = max(bucket_numel, numels[remaining[0]])
+        segment = [0] * world_size
+        members, left = [], []
+        for k in remaining:
+            r = min(range(world_size), key=lambda r: (segment[r], r))
+            if segment[r] + numels[k] <= level:
+                segment[r] += numels[k]
+                members.append(k)
+            else:
+                left.append(k)
+        windows.append(sorted(members))
+        remaining = left
+    return windows
+
+
+# A bucket keeps taking the next parameters while its even split would pad more than this.
+MAX_PADDING_FRACTION = 0.03
+
+
+def _consecutive_windows(numels: Sequence[int], world_size: int,
+                         bucket_numel: int) -> list[list[int]]:
+    """Indices of ``flat`` cut into runs of consecutive parameters, one run per bucket. A last
+    run that would pad badly on its own joins the one before it (once: the first buckets stay
+    small, for the overlap)."""
+    target = world_size * bucket_numel
+    windows: list[list[int]] = []
+    window: list[int] = []
+    for k, n in enumerate(numels):
+        window.append(k)
+        total = sum(numels[i] for i in window)
+        if total >= target and (total >= 4 * target or _padding_fraction(
+                [numels[i] for i in window], world_size) <= MAX_PADDING_FRACTION):
+            windows.append(window)
+            window = []
+    if window:
+        windows.append(window)
+    if len(windows) > 1 and _padding_fraction([numels[i] for i in windows[-1]],
+                                                 world_size) > MAX_PADDING_FRACTION:
+        last = windows.pop()
+        windows[-1] = windows[-1] + last
+    return windows
+
+
+def _balanced_segments(numels: Sequence[int], world_size: int) -> list[list[int]]:
+    """Split item indices over ``world_size`` segments: largest first, each to the
+    least-filled segment (ties to the lower index). Deterministic."""
+    segments: list[list[int]] = [[] for _ in range(world_size)]
+    fill = [0] * world_size
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        r = min(range(world_size), key=lambda r: (fill[r], r))
+        segments[r].append(i)
+        fill[r] += numels[i]
+    return segments
+
+
+def _padding_fraction_of(windows: list[list[int]], numels: Sequence[int],
+                         world_size: int) -> float:
+    total = sum(numels)
+    padded = sum(world_size * _widest_segment([numels[k] for k in w], world_size)
+                 for w in windows)
+    return 0.0 if padded == 0 else (padded - total) / padded
+
+
+def _widest_segment(numels: Sequence[int], world_size: int) -> int:
+    return max(sum(numels[i] for i in seg) for seg in _balanced_segments(numels, world_size))
+
+
+def _padding_fraction(numels: Sequence[int], world_size: int) -> float:
+    total = sum(numels)
+    if total == 0:
+        return 0.0
+    widest = _widest_segment(numels, world_size)
+    return (widest * world_size - total) / (widest * world_size)
+
+
+def default_bucket_numel(world_size: int) -> int:
+    """Elements per rank such that a whole bucket holds 2**22 elements (16 MiB of fp32): large
+    enough for full bandwidth, small enough that several buckets overlap with the step (and,
+    on gloo, that an all-gather's output stays under glibc's 32 MiB mmap threshold, so it is
+    not faulted in afresh on every call: 5-8x slower when it is, measured on CPU)."""
+    return max(1, 2 ** 22 // max(1, world_size))
+
+
+def send_state_to_new_owners(new: ParameterPartition, held: dict, rank: int, group=None) -> dict:
+    """Each rank in turn broadcasts the state it holds (``held``: ``{param: state}``) for
+    parameters that ``new`` gives to another rank; returns ``{param: state}`` arriving here.
+
+    Communication: ``N`` small object broadcasts (the moved state only), so call it only when
+    the partition changed. Collective over ``group``.
+    """
+    params = new.all_params()
+    arriving = {}
+    for r in range(new.world_size):
+        mine = None
+        if r == rank:
+            mine = {i: held[p] for i, p in enumerate(params) if new.owner(p) != r and p in held}
+        got = distributed.broadcast_object(mine, src=distributed.get_global_rank(group, r),
+                                           group=group)
+        arriving.update({params[i]: st for i, st in got.items() if new.owner(params[i]) == rank})
+    return arriving

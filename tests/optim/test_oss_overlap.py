@@ -42,7 +42,7 @@ def _train(wrapper: str):
         opt.zero_grad()
         F.mse_loss(wrapped(x[local]), y[local]).backward()
         opt.step()
-        pending_seen += int(bool(opt.__dict__.get("_pending_sync")))
+        pending_seen += int(opt.sync_in_flight > 0)
         probe = torch.randn(3, 32, generator=torch.Generator().manual_seed(100 + step))
         if step % 3 == 0:  # an evaluation right after the step: each module waits for its own
             with torch.no_grad():

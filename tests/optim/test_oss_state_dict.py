@@ -111,7 +111,10 @@ def _plain_adamw_round_trip():
     held = sum(len(s) > 0 for s in opt.state.values())
     opt.consolidate_state_dict(recipient_rank=-1)
     back = opt.state_dict()
-    same = _same_state_dict(back, saved)
+    same = _same_state_dict(back, saved)  # the state dict records the caller's fused=None
+    fused_seen = {"chosen": opt.fused,
+                  "public": [g["fused"] for g in opt.param_groups],
+                  "local": [g["fused"] for g in opt.optim.param_groups]}
     reloaded = torch.optim.AdamW(_groups(copy.deepcopy(plain_model)), **HYPER)
     reloaded.load_state_dict(back)  # the consolidated dict loads into plain torch
     # OSS(existing_optimizer) takes over a plain optimizer that already has state
@@ -124,9 +127,15 @@ def _plain_adamw_round_trip():
             o.zero_grad()
             F.mse_loss(m(_batch(step)[0]), _batch(step)[1]).backward()
             o.step()
-    return {"same": same, "held": held, "total": len(saved["state"]),
-            "diff": _max_diff(_params(model), _params(plain_model)),
-            "takeover_diff": _max_diff(_params(taken_model), _params(plain_model))}
+    result = {"same": same, "held": held, "total": len(saved["state"]), "fused": fused_seen,
+              "diff": _max_diff(_params(model), _params(plain_model)),
+              "takeover_diff": _max_diff(_params(taken_model), _params(plain_model))}
+    opt.param_groups[1]["fused"] = False  # the user turns the kernel off for one group
+    opt.zero_grad()
+    F.mse_loss(model(_batch(4)[0]), _batch(4)[1]).backward()
+    opt.step()
+    fused_seen["local_after_off"] = [g["fused"] for g in opt.optim.param_groups]
+    return result
 
 
 def _same_state_dict(a, b) -> bool:
@@ -141,6 +150,9 @@ def test_plain_adamw_state_dict_into_oss_and_back(world2):
     for r in results:
         # OSS steps its shard with torch's fused AdamW: the same update up to the last bit
         assert r["same"] and r["diff"] <= 1e-6 and r["takeover_diff"] <= 1e-6
+        # the fused kernel OSS chose is what the param groups show, and what the shard runs
+        assert r["fused"] == {"chosen": True, "public": [True, True], "local": [True, True],
+                              "local_after_off": [True, False]}
     assert sum(r["held"] for r in results) == results[0]["total"]  # each state on one rank only
     assert all(0 < r["held"] < r["total"] for r in results)
 

@@ -4,7 +4,8 @@ import pytest
 import torch.nn as nn
 
 from shardkit.models import GPT, MLP, reference_gpt_config
-from shardkit.optim.param_sync import MAX_PADDING_FRACTION, build_buckets, plan_ownership
+from shardkit.optim.param_sync import build_buckets
+from shardkit.optim.partition import MAX_PADDING_FRACTION, plan_ownership
 
 
 def _params(model: nn.Module):

@@ -27,68 +27,18 @@ the forward free to the backward gather.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
 
 from shardkit import distributed as skdist
+from shardkit.checkpoint.resharding import ParamLayout, shard_rows, unshard_rows
 from shardkit.kernels import pack_rank_major, unpack_rank_major
 from shardkit.transport import Transport
 
 __all__ = ["ParamLayout", "FlatParamShard", "GatheredParamBytes", "gathered_param_bytes",
            "shard_rows", "unshard_rows"]
-
-
-@dataclass(frozen=True)
-class ParamLayout:
-    """How one parameter of shape ``shape`` is cut into ``world_size`` dim-0 row blocks."""
-
-    shape: torch.Size
-    world_size: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def rows(self) -> int:
-        return self.shape[0] if len(self.shape) else 1
-
-    @property
-    def row_numel(self) -> int:
-        return math.prod(self.shape[1:]) if len(self.shape) else 1
-
-    @property
-    def rows_per_shard(self) -> int:
-        return -(-self.rows // self.world_size)
-
-    @property
-    def chunk_numel(self) -> int:
-        return self.rows_per_shard * self.row_numel
-
-    @property
-    def shard_shape(self) -> tuple:
-        return (self.rows_per_shard, *self.shape[1:])
-
-
-def shard_rows(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s row block of ``full`` (a new ``layout.shard_shape`` tensor, zero padded)."""
-    rows = full.reshape(layout.rows, *layout.shape[1:])
-    out = torch.zeros(layout.shard_shape, dtype=full.dtype, device=full.device)
-    start = rank * layout.rows_per_shard
-    stop = min(start + layout.rows_per_shard, layout.rows)
-    if stop > start:
-        out[:stop - start].copy_(rows[start:stop])
-    return out
-
-
-def unshard_rows(shards: Sequence[torch.Tensor], layout: ParamLayout) -> torch.Tensor:
-    """Inverse of :func:`shard_rows`: concatenate every rank's block, drop padding, reshape."""
-    rows = torch.cat([s.reshape(-1, *layout.shape[1:]) for s in shards])[:layout.rows]
-    return rows.reshape(layout.shape)
 
 
 class GatheredParamBytes:

@@ -42,7 +42,6 @@ given (e.g. :class:`~shardkit.shm_transport.SharedMemoryTransport` for ranks on 
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from collections import OrderedDict
 from typing import Iterator, Optional, Union
@@ -57,15 +56,14 @@ from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamB
                                                   unshard_rows)
 from shardkit.nn.data_parallel.mixed_precision import (MixedPrecisionPolicy,
                                                        resolve_mixed_precision)
-from shardkit.nn.data_parallel.sharded_checkpoint import (consolidate_shard_weights,
-                                                          local_metadata,
-                                                          reshard_local_state_dicts,
-                                                          shard_optimizer_state,
-                                                          unshard_optimizer_state)
+from shardkit.checkpoint.fsdp_state import (consolidate_shard_weights, local_metadata,
+                                            reshard_local_state_dicts)
+from shardkit.checkpoint.resharding import shard_optimizer_state, unshard_optimizer_state
 from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, groups_of_mesh,
                                                           resolve_groups,
                                                           resolve_sharding_strategy)
 from shardkit.quantized_transport import quantized_transport_for
+from shardkit.utils.grad_norm import check_clip_arguments, clip_grad_norm_across_ranks
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "ShardingStrategy",
            "gathered_param_bytes", "GatheredParamBytes"]
@@ -550,27 +548,10 @@ class FullyShardedDataParallel(nn.Module):
         if self._is_root is False:
             raise RuntimeError("clip_grad_norm_() was called on an inner FullyShardedDataParallel "
                                "unit; call it on the root (outermost) instance")
-        max_norm, norm_type = float(max_norm), float(norm_type)
-        if not norm_type > 0:
-            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): must be > 0 or inf")
+        max_norm, norm_type = check_clip_arguments("clip_grad_norm_", max_norm, norm_type)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        if math.isinf(norm_type):
-            local = max((g.detach().abs().max().float() for g in grads),
-                        default=torch.zeros((), device=device))
-            total = local.reshape(1).to(self._comm_device(), copy=True)
-            skdist.all_reduce(total, op=skdist.ReduceOp.MAX, group=self.process_group)
-            total = total[0].to(device)
-        else:
-            local = sum((torch.linalg.vector_norm(g.detach().float(), norm_type) ** norm_type
-                         for g in grads), torch.zeros((), device=device))
-            total = local.reshape(1).to(self._comm_device(), copy=True)
-            skdist.all_reduce(total, group=self.process_group)
-            total = total[0].to(device) ** (1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.detach().mul_(coef.to(g.dtype))
-        return total
+        return clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.process_group,
+                                           comm_device=self._comm_device())
 
     # ------------------------------------------------------------------ optimizer state
 

@@ -1,71 +1,29 @@
-"""Checkpoint formats of FullyShardedDataParallel that move between world sizes.
+"""FullyShardedDataParallel's local state dicts: their metadata, offline consolidation, and
+resharding for another world size.
 
-A parameter is sharded on dim 0 into ``N`` row blocks (:class:`.flat_param.ParamLayout`), so a
-checkpoint saved by ``N`` ranks is resharded for ``M`` ranks by concatenating rows and cutting
-again. These functions take plain arguments (state dicts, layouts, this rank) and never
-communicate; the wrapper supplies the collectives.
+``FSDP.local_state_dict()`` holds each parameter's row block (see
+:mod:`shardkit.checkpoint.resharding`); ``FSDP.local_metadata_dict()`` the facts needed to join
+the blocks again. These functions take plain arguments (state dicts, metadata, this rank) and
+never communicate. Dicts written before the metadata had its own method carry it inside, under
+:data:`LOCAL_META_KEY`, and still load.
 """
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
-from typing import Callable, Optional, Sequence
+from typing import Sequence
 
 import torch
 
-from shardkit.nn.data_parallel.flat_param import ParamLayout, shard_rows, unshard_rows
+from shardkit.checkpoint.resharding import ParamLayout, shard_rows, unshard_rows
 
 __all__ = ["LOCAL_META_KEY", "LOCAL_FORMAT", "local_metadata", "consolidate_shard_weights",
-           "reshard_local_state_dicts", "unshard_optimizer_state", "shard_optimizer_state"]
+           "reshard_local_state_dicts"]
 
 # Where local_state_dict() kept its metadata before local_metadata_dict() existed; such
 # checkpoints still load.
 LOCAL_META_KEY = "_shardkit_fsdp_meta"
 LOCAL_FORMAT = "shardkit-fsdp-local/1"
-
-
-def unshard_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor],
-                            layouts: dict, names: Sequence[Optional[str]],
-                            gather_rows: Callable[[torch.Tensor, ParamLayout], torch.Tensor]
-                            ) -> dict:
-    """A torch optimizer state dict whose shard-shaped tensors are unsharded by
-    ``gather_rows(tensor, layout)``; ``ordered`` are the optimizer's parameters in state-dict
-    index order, ``layouts`` maps ``id(param)`` to its layout. Adds ``"param_names"``."""
-    state = {}
-    for index, p in enumerate(ordered):
-        layout = layouts.get(id(p))
-        entry = {}
-        for key, value in osd["state"].get(index, {}).items():
-            if layout is not None and isinstance(value, torch.Tensor) and value.shape == p.shape:
-                value = gather_rows(value, layout)
-            elif isinstance(value, torch.Tensor):  # e.g. Adam's step: not the live tensor
-                value = value.clone()
-            entry[key] = value
-        if entry:
-            state[index] = entry
-    return {"state": state, "param_groups": copy.deepcopy(osd["param_groups"]),
-            "param_names": list(names)}
-
-
-def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tensor]],
-                          layouts: dict, rank: int) -> dict:
-    """This rank's part of a full optimizer state dict: every tensor of its parameter's full
-    shape is cut to ``rank``'s rows; ``ordered[i]`` is the parameter of state index ``i``."""
-    if not isinstance(full_osd, dict) or any(k not in full_osd for k in ("state",
-                                                                          "param_groups")):
-        raise ValueError("get_shard_from_optim_state_dict: expected a torch optimizer state "
-                         "dict with 'state' and 'param_groups' (e.g. from "
-                         "gather_full_optim_state_dict)")
-    state = {}
-    for index, entry in full_osd["state"].items():
-        p = ordered[int(index)] if int(index) < len(ordered) else None
-        layout = layouts.get(id(p)) if p is not None else None
-        state[index] = {k: (shard_rows(v, layout, rank)
-                            if layout is not None and isinstance(v, torch.Tensor)
-                            and tuple(v.shape) == tuple(layout.shape) else v)
-                        for k, v in entry.items()}
-    return {"state": state, "param_groups": copy.deepcopy(full_osd["param_groups"])}
 
 
 def local_metadata(world_size: int, rank: int, shapes: dict, buffer_names: Sequence[str],

@@ -1,0 +1,135 @@
+"""The one resharding code path: how a tensor sharded on dim 0 is cut into row blocks and
+joined again.
+
+A parameter of shape ``(rows, ...)`` sharded over ``N`` ranks is cut into ``N`` blocks of
+``ceil(rows / N)`` rows, the last ones zero padded (:class:`ParamLayout`). FSDP's runtime shards,
+its local state dicts and optimizer state, and the row blocks in the engine's on-disk
+checkpoints all use this cut, so a checkpoint written by ``N`` ranks is resharded for ``M`` by
+joining the blocks (:func:`unshard_rows`) and cutting again (:func:`shard_rows`). Everything
+here takes plain arguments and never communicates; callers bring the blocks (from files, or by
+their own collectives).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+__all__ = ["ParamLayout", "shard_rows", "unshard_rows", "join_row_blocks", "join_row_state",
+           "unshard_optimizer_state", "shard_optimizer_state"]
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How one parameter of shape ``shape`` is cut into ``world_size`` dim-0 row blocks."""
+
+    shape: torch.Size
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if len(self.shape) else 1
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:]) if len(self.shape) else 1
+
+    @property
+    def rows_per_shard(self) -> int:
+        return -(-self.rows // self.world_size)
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.rows_per_shard * self.row_numel
+
+    @property
+    def shard_shape(self) -> tuple:
+        return (self.rows_per_shard, *self.shape[1:])
+
+
+def shard_rows(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s row block of ``full`` (a new ``layout.shard_shape`` tensor, zero padded)."""
+    rows = full.reshape(layout.rows, *layout.shape[1:])
+    out = torch.zeros(layout.shard_shape, dtype=full.dtype, device=full.device)
+    start = rank * layout.rows_per_shard
+    stop = min(start + layout.rows_per_shard, layout.rows)
+    if stop > start:
+        out[:stop - start].copy_(rows[start:stop])
+    return out
+
+
+def unshard_rows(shards: Sequence[torch.Tensor], layout: ParamLayout) -> torch.Tensor:
+    """Inverse of :func:`shard_rows`: concatenate every rank's block, drop padding, reshape."""
+    rows = torch.cat([s.reshape(-1, *layout.shape[1:]) for s in shards])[:layout.rows]
+    return rows.reshape(layout.shape)
+
+
+def join_row_blocks(blocks: Sequence[torch.Tensor], shape) -> torch.Tensor:
+    """The full tensor of ``shape`` from every rank's block, in rank order (memory: one copy
+    of the full tensor)."""
+    return unshard_rows(blocks, ParamLayout(torch.Size(shape), len(blocks)))
+
+
+def join_row_state(parts: Sequence[tuple], shape) -> dict:
+    """Optimizer state of a row-sharded parameter from ``[(param block, state block)]`` in rank
+    order: tensors shaped like the parameter's block are joined like the parameter; the rest
+    (Adam's ``step``) is the same on every rank and taken from the first."""
+    block0, state0 = parts[0]
+    joined = {}
+    for key, value in state0.items():
+        if isinstance(value, torch.Tensor) and value.shape == block0.shape:
+            joined[key] = join_row_blocks([state[key] for _, state in parts], shape)
+        else:
+            joined[key] = value
+    return joined
+
+
+def unshard_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor],
+                            layouts: dict, names: Sequence[Optional[str]],
+                            gather_rows: Callable[[torch.Tensor, ParamLayout], torch.Tensor]
+                            ) -> dict:
+    """A torch optimizer state dict whose shard-shaped tensors are unsharded by
+    ``gather_rows(tensor, layout)``; ``ordered`` are the optimizer's parameters in state-dict
+    index order, ``layouts`` maps ``id(param)`` to its layout. Adds ``"param_names"``."""
+    state = {}
+    for index, p in enumerate(ordered):
+        layout = layouts.get(id(p))
+        entry = {}
+        for key, value in osd["state"].get(index, {}).items():
+            if layout is not None and isinstance(value, torch.Tensor) and value.shape == p.shape:
+                value = gather_rows(value, layout)
+            elif isinstance(value, torch.Tensor):  # e.g. Adam's step: not the live tensor
+                value = value.clone()
+            entry[key] = value
+        if entry:
+            state[index] = entry
+    return {"state": state, "param_groups": copy.deepcopy(osd["param_groups"]),
+            "param_names": list(names)}
+
+
+def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tensor]],
+                          layouts: dict, rank: int) -> dict:
+    """This rank's part of a full optimizer state dict: every tensor of its parameter's full
+    shape is cut to ``rank``'s rows; ``ordered[i]`` is the parameter of state index ``i``."""
+    if not isinstance(full_osd, dict) or any(k not in full_osd for k in ("state",
+                                                                          "param_groups")):
+        raise ValueError("get_shard_from_optim_state_dict: expected a torch optimizer state "
+                         "dict with 'state' and 'param_groups' (e.g. from "
+                         "gather_full_optim_state_dict)")
+    state = {}
+    for index, entry in full_osd["state"].items():
+        p = ordered[int(index)] if int(index) < len(ordered) else None
+        layout = layouts.get(id(p)) if p is not None else None
+        state[index] = {k: (shard_rows(v, layout, rank)
+                            if layout is not None and isinstance(v, torch.Tensor)
+                            and tuple(v.shape) == tuple(layout.shape) else v)
+                        for k, v in entry.items()}
+    return {"state": state, "param_groups": copy.deepcopy(full_osd["param_groups"])}

@@ -1,0 +1,108 @@
+"""OSS's local step: which implementation the shard's optimizer runs and how one step is taken.
+
+Note on the fused kernel: for ``SGD``, ``Adam``, ``AdamW`` and ``Adagrad`` given with ``fused``
+and ``foreach`` both unset (``None``, torch's "you choose"), floating-point parameters on CPU or
+CUDA and no ``differentiable``, OSS chooses torch's own fused kernel for the local step: the
+same update up to rounding in the last bit, several times faster on CPU. The choice is written
+where the user reads it: every param group then says ``fused=True`` (set ``group["fused"] =
+False`` to step that group with torch's default loop from the next step on, or pass
+``fused=False`` to OSS). A consolidated state dict records the caller's choice (``None``), so it
+loads into a plain torch optimizer exactly as that optimizer's own state dict would.
+
+A step is taken whole, or, for optimizers that update each parameter independently, bucket by
+bucket: stepping the parameters of bucket ``k`` only, then starting its all-gather while bucket
+``k+1`` is stepped (:meth:`~shardkit.optim.param_sync.ParamSync.step_and_sync`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["choose_fused", "with_fused_choice", "without_fused_choice", "build_local_optimizer",
+           "steps_each_parameter_alone", "step_only", "whole_step"]
+
+# Optimizers whose step treats each parameter independently (state per parameter, nothing
+# shared across the group). Only these are stepped bucket by bucket.
+_PER_PARAMETER_OPTIMIZERS = frozenset({
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
+    torch.optim.Adadelta,
+})
+# torch optimizers with a fused multi-tensor kernel on CPU and CUDA.
+_FUSED_OPTIMIZERS = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
+                               torch.optim.Adagrad})
+
+
+def choose_fused(optim_class: type, kwargs: dict, groups: list[dict]) -> bool:
+    """Whether OSS runs the local step with torch's fused kernel: a torch optimizer that has
+    one, ``fused`` and ``foreach`` left unset (``None``) in the constructor arguments and in
+    every group, not differentiable, and floating-point parameters on CPU or CUDA."""
+    if optim_class not in _FUSED_OPTIMIZERS or kwargs.get("differentiable"):
+        return False
+    if kwargs.get("fused") is not None or kwargs.get("foreach") is not None:
+        return False
+    if any(g.get("fused") is not None or g.get("foreach") is not None for g in groups):
+        return False
+    params = [p for g in groups for p in g["params"]]
+    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+
+
+def with_fused_choice(group: dict, fused: bool) -> dict:
+    """``group`` with ``fused=True`` written in where OSS chose the fused kernel and the group
+    leaves the implementation to torch (a state dict saved by a plain optimizer, or by OSS)."""
+    if fused and group.get("fused") is None and group.get("foreach") is None:
+        return {**group, "fused": True}
+    return dict(group)
+
+
+def without_fused_choice(group: dict, fused: bool) -> dict:
+    """``group`` as the caller asked for it: ``fused=None`` where OSS wrote in its own choice
+    (what a consolidated state dict records)."""
+    if fused and group.get("fused") is True and group.get("foreach") is None:
+        return {**group, "fused": None}
+    return dict(group)
+
+
+def build_local_optimizer(optim_class: type, kwargs: dict, groups: list[dict], owned: set,
+                          fused: bool) -> torch.optim.Optimizer:
+    """The optimizer over this rank's parameters: one group per public group (same
+    hyper-parameters, only the parameters whose ``id`` is in ``owned``). Memory: the state of
+    the owned parameters only, allocated lazily by the optimizer's first step."""
+    local_groups = [{**{k: v for k, v in g.items() if k != "params"},
+                     "params": [p for p in g["params"] if id(p) in owned]} for g in groups]
+    kwargs = dict(kwargs)
+    if fused:
+        kwargs["fused"] = True
+    return optim_class(local_groups, **kwargs)
+
+
+def steps_each_parameter_alone(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s step updates each parameter from its own gradient and state only
+    (so stepping a subset, then the rest, is exactly one step)."""
+    return type(optimizer) in _PER_PARAMETER_OPTIMIZERS
+
+
+def step_only(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+              step_kwargs: dict) -> None:
+    """Step ``params`` only: the other gradients are hidden for the call (``grad=None`` makes
+    torch's per-parameter optimizers skip a parameter) and put back after. No copy."""
+    keep = {id(p) for p in params}
+    hidden = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]
+              if id(p) not in keep and p.grad is not None]
+    for p, _ in hidden:
+        p.grad = None
+    try:
+        optimizer.step(**step_kwargs)
+    finally:
+        for p, grad in hidden:
+            p.grad = grad
+
+
+def whole_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable],
+               step_kwargs: dict):
+    """One ordinary step of every owned parameter; returns what the optimizer returns."""
+    if closure is not None:
+        return optimizer.step(closure=closure, **step_kwargs)
+    return optimizer.step(**step_kwargs)

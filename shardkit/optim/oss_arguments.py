@@ -1,0 +1,122 @@
+"""Checking and normalising what is given to OSS's constructor and ``add_param_group``.
+
+Every check runs before OSS issues any collective (except :func:`check_same_model_on_every_rank`,
+which is the one small all-gather of parameter shapes that proves every rank agrees), so bad
+input fails on every rank alike with an error naming the argument, its value and what is valid.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import torch
+
+from shardkit import distributed
+
+__all__ = ["drop_deprecated_fairscale_kwargs", "check_optimizer_class", "check_takeover_arguments",
+           "check_flag", "normalize_param_groups", "check_same_model_on_every_rank", "groups_of",
+           "constructor_kwargs"]
+
+# FairScale OSS arguments that no longer do anything there either; accepted and ignored.
+_DEPRECATED_FAIRSCALE_KWARGS = ("broadcast_buffer_size", "force_broadcast_object")
+
+
+def drop_deprecated_fairscale_kwargs(defaults: dict) -> None:
+    """Remove FairScale's no-op arguments from ``defaults`` (with a DeprecationWarning); refuse
+    ``sync_op``, which shardkit replaced by ``comm=``."""
+    for name in _DEPRECATED_FAIRSCALE_KWARGS:
+        if name in defaults:
+            defaults.pop(name)
+            warnings.warn(f"OSS({name}=...) is accepted for FairScale compatibility and ignored: "
+                          f"shardkit syncs parameters in flat buckets", DeprecationWarning,
+                          stacklevel=3)
+    if "sync_op" in defaults:
+        raise TypeError("OSS(sync_op=...) was removed: the parameter sync goes through the "
+                        "transport given as comm= (default: the process group's collectives; "
+                        "shardkit.shm_transport.SharedMemoryTransport() for ranks on one host)")
+
+
+def check_optimizer_class(optim) -> None:
+    """``optim`` must be a ``torch.optim.Optimizer`` subclass (the class, not an instance)."""
+    if not (isinstance(optim, type) and issubclass(optim, torch.optim.Optimizer)):
+        raise TypeError(f"OSS(optim={optim!r}): must be a torch.optim.Optimizer subclass such as "
+                        f"torch.optim.AdamW or torch.optim.SGD (the class, not an instance)")
+
+
+def check_takeover_arguments(existing, optim, defaults, already_sharded: bool) -> None:
+    """``OSS(existing_optimizer)``: no optimizer class or hyper-parameters beside it, and not an
+    OSS (``already_sharded``) inside another."""
+    if already_sharded:
+        raise TypeError("OSS(existing_optimizer): it is already an OSS; wrap a plain "
+                        "torch.optim.Optimizer")
+    if optim is not torch.optim.SGD or defaults:
+        raise TypeError(f"OSS(existing_optimizer, ...): optim and hyper-parameters are taken from "
+                        f"the {type(existing).__name__} given; do not pass optim={optim!r} or "
+                        f"{sorted(defaults)} (pass a process group as group=...)")
+
+
+def check_flag(name: str, value) -> None:
+    """A boolean argument must be a real ``bool``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"OSS({name}={value!r}): must be True or False")
+
+
+def normalize_param_groups(params) -> list[dict]:
+    """``params`` as a list of group dicts with a ``params`` list, checked: tensors only, each
+    parameter in one group only, at least one parameter."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("OSS(params=...): got a single tensor; pass an iterable of parameters "
+                        "or of param-group dicts (e.g. model.parameters())")
+    items = list(params)
+    if not items:
+        raise ValueError("OSS(params=[]): got an empty parameter list")
+    if not all(isinstance(x, dict) for x in items):
+        items = [{"params": items}]
+    groups, seen = [], {}
+    for g, item in enumerate(items):
+        if "params" not in item:
+            raise ValueError(f"OSS: param group {g} has no 'params' key")
+        ps = item["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        for i, p in enumerate(ps):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"OSS: param group {g} item {i} is a {type(p).__name__}; expected "
+                                f"a torch.Tensor (named parameters are not supported)")
+            if not p.is_leaf:
+                raise ValueError(f"OSS: param group {g} item {i} is not a leaf tensor; an "
+                                 f"optimizer can only update leaf tensors")
+            if id(p) in seen:
+                raise ValueError(f"OSS: a parameter (shape {tuple(p.shape)}) is in param group "
+                                 f"{seen[id(p)][0]} (item {seen[id(p)][1]}) and again in group "
+                                 f"{g} (item {i}); each parameter may be in one group only")
+            seen[id(p)] = (g, i)
+        groups.append({**item, "params": ps})
+    return groups
+
+
+def check_same_model_on_every_rank(groups: list[dict], group) -> None:
+    """One small all-gather: every rank must partition the same shapes, or the sync would
+    corrupt parameters."""
+    mine = [[tuple(p.shape) for p in g["params"] if p.requires_grad] for g in groups]
+    every = distributed.all_gather_object(mine, group=group)
+    for r, theirs in enumerate(every):
+        if theirs != mine:
+            raise ValueError(f"OSS: rank {r} of the group has different trainable parameters "
+                             f"(param group lengths {[len(t) for t in theirs]}) from rank "
+                             f"{distributed.get_rank(group)} ({[len(m) for m in mine]}); every "
+                             f"rank must build OSS over the same model")
+
+
+def groups_of(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Copies of ``optimizer``'s param-group dicts (the parameter lists are shared)."""
+    return [{**g} for g in optimizer.param_groups]
+
+
+def constructor_kwargs(optim: type, defaults: dict) -> dict:
+    """The defaults the optimizer's constructor accepts (some defaults, such as AdamW's
+    ``decoupled_weight_decay``, are not constructor arguments)."""
+    sig = inspect.signature(optim.__init__)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in sig.parameters and k != "params"}
