@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections import OrderedDict
 from typing import Iterator, Optional, Union
 
 import torch
@@ -52,13 +51,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes,
-                                                  ParamLayout, gathered_param_bytes,
-                                                  unshard_rows)
+                                                  gathered_param_bytes)
+from shardkit.nn.data_parallel.fsdp_state_dict import FSDPStateDictMixin, clean_name
 from shardkit.nn.data_parallel.mixed_precision import (MixedPrecisionPolicy,
                                                        resolve_mixed_precision)
-from shardkit.checkpoint.fsdp_state import (consolidate_shard_weights, local_metadata,
-                                            reshard_local_state_dicts)
-from shardkit.checkpoint.resharding import shard_optimizer_state, unshard_optimizer_state
 from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, groups_of_mesh,
                                                           resolve_groups,
                                                           resolve_sharding_strategy)
@@ -67,9 +63,6 @@ from shardkit.utils.grad_norm import check_clip_arguments, clip_grad_norm_across
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "ShardingStrategy",
            "gathered_param_bytes", "GatheredParamBytes"]
-
-_WRAPPED_PREFIX = "_fsdp_wrapped_module."
-
 
 def _eager(hook):
     """``hook`` never traced by torch.compile (Dynamo calls it as plain Python)."""
@@ -80,11 +73,7 @@ _MANAGED_PARAMS: dict[int, weakref.ref] = {}  # id -> parameter, for "already sh
 _WRAPPED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
-def _clean_name(name: str) -> str:
-    return name.replace(_WRAPPED_PREFIX, "")
-
-
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
     """Shard ``module``'s parameters over ``process_group`` (ZeRO-3); gather them per unit only
     while the unit computes.
 
@@ -244,12 +233,12 @@ class FullyShardedDataParallel(nn.Module):
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The original parameter names (no wrapper prefixes); values are this rank's shards."""
         for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
-            yield _clean_name(name), p
+            yield clean_name(name), p
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         for name, b in super().named_buffers(prefix, recurse, remove_duplicate):
-            yield _clean_name(name), b
+            yield clean_name(name), b
 
     def sharded_units(self) -> list["FullyShardedDataParallel"]:
         """This unit and every FSDP unit nested in it, outermost first."""
@@ -461,84 +450,6 @@ class FullyShardedDataParallel(nn.Module):
                 for p, view in zip(shard.params, shard.shard_views(shard.flat_shard)):
                     p.data = view
 
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The full state dict: original keys, unpadded fp32 parameters (buffers in their
-        original dtype), loadable into the unwrapped module. All ranks must call it.
-
-        Memory: the full model on every rank while it is built. Communication: one
-        all-gather per unit.
-        """
-        if args or destination is not None:  # nn.Module's recursion into an inner unit
-            return super().state_dict(*args, destination=destination, prefix=prefix,
-                                      keep_vars=keep_vars)
-        with self.summon_full_params(writeback=False), self._buffers_in_original_dtype():
-            raw = super().state_dict(keep_vars=False)
-            return OrderedDict((prefix + _clean_name(k), v) for k, v in raw.items())
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a full state dict (e.g. from the unwrapped model or :meth:`state_dict`): each
-        rank keeps its rows. All ranks must call it. Communication: one all-gather per unit."""
-        if assign:
-            raise ValueError("FullyShardedDataParallel.load_state_dict(assign=True) is not "
-                             "supported: parameters must stay views of their shards")
-        with self.summon_full_params(writeback=True):
-            return super().load_state_dict(self._to_wrapped_keys(state_dict), strict=strict)
-
-    def _to_wrapped_keys(self, state_dict) -> OrderedDict:
-        wrapped = {_clean_name(k): k for k in nn.Module.state_dict(self, keep_vars=True)}
-        return OrderedDict((wrapped.get(k, k), v) for k, v in state_dict.items())
-
-    @contextlib.contextmanager
-    def _buffers_in_original_dtype(self):
-        changed = []
-        for unit in self.sharded_units():
-            for module, name, dtype in unit._buffer_dtypes:
-                buf = module._buffers[name]
-                changed.append((module, name, buf))
-                module._buffers[name] = buf.to(dtype)
-        try:
-            yield
-        finally:
-            for module, name, buf in changed:
-                module._buffers[name] = buf
-
-    # ------------------------------------------------------------------ local state dicts
-
-    def _param_layouts(self) -> dict[int, ParamLayout]:
-        return {id(p): lay for u in self.sharded_units() if u._shard is not None
-                for p, lay in zip(u._shard.params, u._shard.layouts)}
-
-    def local_state_dict(self) -> OrderedDict:
-        """This rank's shards (padded rows, cloned) and the buffers, under the original keys:
-        tensors only. Save :meth:`local_metadata_dict` beside it to reshard or consolidate.
-        No communication; memory: one shard copy."""
-        return OrderedDict((_clean_name(k), v.clone())
-                           for k, v in nn.Module.state_dict(self).items())
-
-    def local_metadata_dict(self) -> dict:
-        """World size, rank, each sharded parameter's full shape and the buffer keys: what
-        :meth:`consolidate_shard_weights` and :meth:`load_local_state_dict` need besides the
-        tensors (plain Python values; the layout differs from FairScale's, the use is the same).
-        No communication."""
-        layouts = self._param_layouts()
-        shapes = {_clean_name(name): tuple(layouts[id(p)].shape)
-                  for name, p in self.named_parameters(remove_duplicate=False)
-                  if id(p) in layouts}
-        buffers = [_clean_name(name) for name, _ in self.named_buffers()]
-        replica = 0 if self.replicate_group is None else skdist.get_rank(self.replicate_group)
-        return local_metadata(self.world_size, self.rank, shapes, buffers, replica=replica)
-
-    consolidate_shard_weights = staticmethod(consolidate_shard_weights)
-
-    def load_local_state_dict(self, state_dict, metadata=None) -> None:
-        """Load :meth:`local_state_dict` output. Pass this rank's own dict when the world size
-        is unchanged, or the list of every rank's dicts with ``metadata=`` the list of their
-        :meth:`local_metadata_dict` (any world size, any sharding strategy: replicas' copies of
-        a shard are skipped) to reshard: each rank re-slices its rows.
-        No communication."""
-        local = reshard_local_state_dicts(state_dict, metadata, self.world_size, self.rank)
-        nn.Module.load_state_dict(self, self._to_wrapped_keys(local), strict=True)
-
     # ------------------------------------------------------------------ gradients
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -553,48 +464,6 @@ class FullyShardedDataParallel(nn.Module):
         return clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.process_group,
                                            comm_device=self._comm_device())
 
-    # ------------------------------------------------------------------ optimizer state
-
-    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer,
-                                     recipient_rank: int = 0) -> Optional[dict]:
-        """The optimizer's state with every shard-shaped tensor unsharded to the full parameter
-        shape, in torch's format (loadable into a single-process optimizer over the unwrapped
-        model), plus ``"param_names"``. Returned on ``recipient_rank``, ``None`` elsewhere.
-
-        Communication: one all-gather per state tensor (``Ψ·K/4`` elements in all). Memory: the
-        full optimizer state on every rank while gathering. All ranks must call it.
-        """
-        if not isinstance(recipient_rank, int) or not 0 <= recipient_rank < self.world_size:
-            raise ValueError(f"gather_full_optim_state_dict(recipient_rank={recipient_rank!r}): "
-                             f"valid ranks are 0..{self.world_size - 1}")
-        ordered = [p for g in optim.param_groups for p in g["params"]]
-        names = {id(p): n for n, p in self.named_parameters()}
-        full = unshard_optimizer_state(optim.state_dict(), ordered, self._param_layouts(),
-                                       [names.get(id(p)) for p in ordered], self._gather_rows)
-        return full if self.rank == recipient_rank else None
-
-    def _gather_rows(self, shard: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
-        """Every rank's ``shard`` of a parameter-shaped tensor, unsharded (one all-gather)."""
-        device = self._comm_device()
-        gathered = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=device)
-        skdist.all_gather_into_tensor(gathered, shard.detach().reshape(-1).to(device),
-                                      group=self.process_group)
-        return unshard_rows(list(gathered.to(shard.device).chunk(self.world_size)), layout)
-
-    def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict) -> dict:
-        """This rank's part of a full optimizer state dict (from
-        :meth:`gather_full_optim_state_dict`, any world size, or a single-process optimizer over
-        the unwrapped model): every full-shape tensor is cut to this rank's rows. Load the result
-        with ``optim.load_state_dict``. No communication."""
-        names = full_optim_state_dict.get("param_names") if isinstance(
-            full_optim_state_dict, dict) else None
-        if names is None:
-            ordered = list(self.parameters())
-        else:
-            by_name = dict(self.named_parameters())
-            ordered = [by_name.get(n) for n in names]
-        return shard_optimizer_state(full_optim_state_dict, ordered, self._param_layouts(),
-                                     self.rank)
 
 
 FSDP = FullyShardedDataParallel

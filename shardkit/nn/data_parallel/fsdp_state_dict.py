@@ -1,0 +1,156 @@
+"""FullyShardedDataParallel's state dicts: full (original keys, unpadded), local (this rank's
+padded rows, FairScale's ``local_state_dict``) and the optimizer state unsharded or cut back to
+this rank's rows. A mixin of :class:`~shardkit.nn.data_parallel.FullyShardedDataParallel`; the
+formats and the resharding are in :mod:`shardkit.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from shardkit import distributed as skdist
+from shardkit.checkpoint.fsdp_state import (consolidate_shard_weights, local_metadata,
+                                            reshard_local_state_dicts)
+from shardkit.checkpoint.resharding import shard_optimizer_state, unshard_optimizer_state
+from shardkit.nn.data_parallel.flat_param import ParamLayout, unshard_rows
+
+__all__ = ["FSDPStateDictMixin", "clean_name"]
+
+_WRAPPED_PREFIX = "_fsdp_wrapped_module."
+
+
+def clean_name(name: str) -> str:
+    """A parameter or buffer name without FSDP's wrapper prefixes (the unwrapped model's key)."""
+    return name.replace(_WRAPPED_PREFIX, "")
+
+
+class FSDPStateDictMixin:
+    """State-dict methods of FullyShardedDataParallel (needs its ``summon_full_params``,
+    ``sharded_units``, ``world_size``, ``rank``, ``process_group``, ``replicate_group`` and
+    ``_comm_device``). Costs are stated per method."""
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The full state dict: original keys, unpadded fp32 parameters (buffers in their
+        original dtype), loadable into the unwrapped module. All ranks must call it.
+
+        Memory: the full model on every rank while it is built. Communication: one
+        all-gather per unit.
+        """
+        if args or destination is not None:  # nn.Module's recursion into an inner unit
+            return super().state_dict(*args, destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
+        with self.summon_full_params(writeback=False), self._buffers_in_original_dtype():
+            raw = super().state_dict(keep_vars=False)
+            return OrderedDict((prefix + clean_name(k), v) for k, v in raw.items())
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a full state dict (e.g. from the unwrapped model or :meth:`state_dict`): each
+        rank keeps its rows. All ranks must call it. Communication: one all-gather per unit."""
+        if assign:
+            raise ValueError("FullyShardedDataParallel.load_state_dict(assign=True) is not "
+                             "supported: parameters must stay views of their shards")
+        with self.summon_full_params(writeback=True):
+            return super().load_state_dict(self._to_wrapped_keys(state_dict), strict=strict)
+
+    def _to_wrapped_keys(self, state_dict) -> OrderedDict:
+        wrapped = {clean_name(k): k for k in nn.Module.state_dict(self, keep_vars=True)}
+        return OrderedDict((wrapped.get(k, k), v) for k, v in state_dict.items())
+
+    @contextlib.contextmanager
+    def _buffers_in_original_dtype(self):
+        changed = []
+        for unit in self.sharded_units():
+            for module, name, dtype in unit._buffer_dtypes:
+                buf = module._buffers[name]
+                changed.append((module, name, buf))
+                module._buffers[name] = buf.to(dtype)
+        try:
+            yield
+        finally:
+            for module, name, buf in changed:
+                module._buffers[name] = buf
+
+    # ------------------------------------------------------------------ local state dicts
+
+    def _param_layouts(self) -> dict[int, ParamLayout]:
+        return {id(p): lay for u in self.sharded_units() if u._shard is not None
+                for p, lay in zip(u._shard.params, u._shard.layouts)}
+
+    def local_state_dict(self) -> OrderedDict:
+        """This rank's shards (padded rows, cloned) and the buffers, under the original keys:
+        tensors only. Save :meth:`local_metadata_dict` beside it to reshard or consolidate.
+        No communication; memory: one shard copy."""
+        return OrderedDict((clean_name(k), v.clone())
+                           for k, v in nn.Module.state_dict(self).items())
+
+    def local_metadata_dict(self) -> dict:
+        """World size, rank, each sharded parameter's full shape and the buffer keys: what
+        :meth:`consolidate_shard_weights` and :meth:`load_local_state_dict` need besides the
+        tensors (plain Python values; the layout differs from FairScale's, the use is the same).
+        No communication."""
+        layouts = self._param_layouts()
+        shapes = {clean_name(name): tuple(layouts[id(p)].shape)
+                  for name, p in self.named_parameters(remove_duplicate=False)
+                  if id(p) in layouts}
+        buffers = [clean_name(name) for name, _ in self.named_buffers()]
+        replica = 0 if self.replicate_group is None else skdist.get_rank(self.replicate_group)
+        return local_metadata(self.world_size, self.rank, shapes, buffers, replica=replica)
+
+    consolidate_shard_weights = staticmethod(consolidate_shard_weights)
+
+    def load_local_state_dict(self, state_dict, metadata=None) -> None:
+        """Load :meth:`local_state_dict` output. Pass this rank's own dict when the world size
+        is unchanged, or the list of every rank's dicts with ``metadata=`` the list of their
+        :meth:`local_metadata_dict` (any world size, any sharding strategy: replicas' copies of
+        a shard are skipped) to reshard: each rank re-slices its rows.
+        No communication."""
+        local = reshard_local_state_dicts(state_dict, metadata, self.world_size, self.rank)
+        nn.Module.load_state_dict(self, self._to_wrapped_keys(local), strict=True)
+
+    # ------------------------------------------------------------------ optimizer state
+
+    def gather_full_optim_state_dict(self, optim: torch.optim.Optimizer,
+                                     recipient_rank: int = 0) -> Optional[dict]:
+        """The optimizer's state with every shard-shaped tensor unsharded to the full parameter
+        shape, in torch's format (loadable into a single-process optimizer over the unwrapped
+        model), plus ``"param_names"``. Returned on ``recipient_rank``, ``None`` elsewhere.
+
+        Communication: one all-gather per state tensor (``Ψ·K/4`` elements in all). Memory: the
+        full optimizer state on every rank while gathering. All ranks must call it.
+        """
+        if not isinstance(recipient_rank, int) or not 0 <= recipient_rank < self.world_size:
+            raise ValueError(f"gather_full_optim_state_dict(recipient_rank={recipient_rank!r}): "
+                             f"valid ranks are 0..{self.world_size - 1}")
+        ordered = [p for g in optim.param_groups for p in g["params"]]
+        names = {id(p): n for n, p in self.named_parameters()}
+        full = unshard_optimizer_state(optim.state_dict(), ordered, self._param_layouts(),
+                                       [names.get(id(p)) for p in ordered], self._gather_rows)
+        return full if self.rank == recipient_rank else None
+
+    def _gather_rows(self, shard: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
+        """Every rank's ``shard`` of a parameter-shaped tensor, unsharded (one all-gather)."""
+        device = self._comm_device()
+        gathered = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=device)
+        skdist.all_gather_into_tensor(gathered, shard.detach().reshape(-1).to(device),
+                                      group=self.process_group)
+        return unshard_rows(list(gathered.to(shard.device).chunk(self.world_size)), layout)
+
+    def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict) -> dict:
+        """This rank's part of a full optimizer state dict (from
+        :meth:`gather_full_optim_state_dict`, any world size, or a single-process optimizer over
+        the unwrapped model): every full-shape tensor is cut to this rank's rows. Load the result
+        with ``optim.load_state_dict``. No communication."""
+        names = full_optim_state_dict.get("param_names") if isinstance(
+            full_optim_state_dict, dict) else None
+        if names is None:
+            ordered = list(self.parameters())
+        else:
+            by_name = dict(self.named_parameters())
+            ordered = [by_name.get(n) for n in names]
+        return shard_optimizer_state(full_optim_state_dict, ordered, self._param_layouts(),
+                                     self.rank)
