@@ -49,7 +49,7 @@ def test_json_figures_are_the_formulas(capsys):
     assert rows == pytest.approx({0: 16 * psi, 1: 4 * psi + 12 * psi / n,
                                   2: 2 * psi + 14 * psi / n, 3: 16 * psi / n})
     wire = {r["stage"]: r["comm_per_step"] for r in json.loads(out)["rows"]}
-    assert wire == pytest.approx({0: 2 * 2 * psi * (n - 1) / n, 1: 2 * 2 * psi * (n - 1) / n,
+    assert wire == pytest.approx({0: 2 * 2 * psi * (n - 1) / n, 1: 2 * 3 * psi * (n - 1) / n,
                                   2: 2 * 2 * psi * (n - 1) / n, 3: 2 * 3 * psi * (n - 1) / n})
 
 
