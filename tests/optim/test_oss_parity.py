@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardkit import distributed
 from shardkit.optim import OSS
 from shardkit.testing import MLP, world_fixture
+from tests.utils.compare import max_diff
 
 STEPS = 10
 LOCAL_BATCH = 4
@@ -52,10 +53,6 @@ def _global_batch(step: int, world: int):
     x = torch.randn(LOCAL_BATCH * world, WIDTH, generator=gen)
     y = torch.randn(LOCAL_BATCH * world, 6, generator=gen)
     return x, y
-
-
-def _max_diff(a, b) -> float:
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
 def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, schedule=False,
@@ -110,7 +107,7 @@ def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, sc
         if schedule:
             ref_sched.step()
             sched.step()
-        worst = max(worst, _max_diff(model, oracle))
+        worst = max(worst, max_diff(model, oracle))
     return worst
 
 
