@@ -415,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unfused-attention", action="store_true",
                    help="count the attention score matrices in the activation estimate")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--chart", metavar="PNG",
+                   help="also draw the rows as a bar chart (matplotlib), figures in .chart.json")
     return p
 
 
@@ -530,8 +532,23 @@ def render_plan(plan: dict) -> str:
     return "\n".join(lines)
 
 
+def write_plan_chart(plan: dict, path: str) -> str:
+    """Per-rank memory (model states, + transient, + activations) and wire bytes of each stage
+    as a bar chart at ``path`` (:func:`shardkit.utils.charts.write_bar_chart`: matplotlib, and
+    the figures as JSON beside it). Raises ``ChartError`` without matplotlib."""
+    from shardkit.utils.charts import BarGroup, write_bar_chart
+    groups = [BarGroup(f"stage {r['stage']} {r['wrapper']}", {
+        "model states (GB)": r["model_states"] / 1e9,
+        "total with transient + activations (GB)": r["total"] / 1e9,
+        "wire per step (GB)": r["comm_per_step"] / 1e9}) for r in plan["rows"]]
+    title = (f"per rank: Ψ = {format_count(plan['params'])}, N = {plan['world_size']}, "
+             f"{plan['precision']['label']}")
+    return write_bar_chart(path, title, groups)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``python -m shardkit plan``; returns the exit code (2 on bad input)."""
+    from shardkit.utils.charts import ChartError
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         plan = make_plan(validate(args))
@@ -539,6 +556,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"python -m shardkit plan: {e}", file=sys.stderr)
         return 2
     print(json.dumps(plan, indent=2) if args.json else render_plan(plan))
+    if args.chart:
+        try:
+            line = write_plan_chart(plan, args.chart)
+        except ChartError as e:
+            print(f"python -m shardkit plan: --chart {args.chart}: {e}", file=sys.stderr)
+            return 2
+        if not args.json:
+            print(line)
     return 0
 
 

@@ -212,3 +212,17 @@ def test_stage3_traffic_per_zeropp_option(capsys):
     assert "qwZ+qgZ 2.2 GB (0.21x)" in out
     code, out, _ = _plan(capsys, "--params", "1e9", "--world-size", "8", "--stages", "1", "--json")
     assert json.loads(out)["stage3_traffic"] is None
+
+
+def test_chart_draws_every_stage_with_its_figures(capsys, tmp_path):
+    png = tmp_path / "plan.png"
+    code, out, _ = _plan(capsys, "--params", "7.5B", "--world-size", "64", "--mixed-precision",
+                         "--chart", str(png))
+    assert code == 0 and str(png) in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    chart = json.loads((tmp_path / "plan.chart.json").read_text())
+    states = [g["values"]["model states (GB)"] for g in chart["groups"]]
+    mixed = plan.precision_for("adam", mixed_precision=True)
+    assert states == pytest.approx([plan.zero_model_state_bytes(7.5e9, 64, s, mixed) / 1e9
+                                    for s in range(4)])
+    assert states[0] == pytest.approx(120.0) and states[3] == pytest.approx(1.875)

@@ -208,5 +208,5 @@ def test_parity_grid_world2(world2):
 
 def test_parity_grid_world4(world4):
     names = ["plain", "no_sync_4_micro_batches", "frozen_layer", "unused_branch_on_rank0",
-             "two_param_groups"]
+             "two_param_groups", "small_buckets_shared_memory"]
     _assert_parity(world4.run(_run_grid, names))

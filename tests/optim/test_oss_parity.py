@@ -21,6 +21,9 @@ WIDTH = 24
 TOL = 1e-5
 
 
+world1 = world_fixture(1)
+
+
 world2 = world_fixture(2)
 
 
@@ -115,6 +118,9 @@ def _transport(kind):
     if kind == "shared_memory":  # small parts: every bucket takes many rounds
         from shardkit.shm_transport import SharedMemoryTransport
         return SharedMemoryTransport(part_bytes=4096)
+    if kind == "process_group":  # what None resolves to, named explicitly
+        from shardkit.transport import ProcessGroupTransport
+        return ProcessGroupTransport()
     return None
 
 
@@ -144,6 +150,7 @@ CONFIGS = {
     "adamw": dict(opt=ADAMW),
     "adamw_clip_l2": dict(opt=ADAMW, clip=(0.05, 2.0)),
     "adamw_shared_memory": dict(opt=ADAMW, comm="shared_memory"),
+    "adamw_process_group": dict(opt=ADAMW, comm="process_group"),
     "adamw_clip_inf": dict(opt=ADAMW, clip=(0.01, float("inf"))),
     "adamw_lr_schedule": dict(opt=ADAMW, schedule=True),
     "adamw_one_group_no_frozen": dict(opt=ADAMW, two_groups=False, frozen=False),
@@ -204,12 +211,27 @@ def grid2(world2):
     return results[0], results
 
 
+WORLD1 = ["adamw", "adamw_process_group", "adamw_shared_memory"]
+
+
+@pytest.fixture(scope="module")
+def grid1(world1):
+    results = world1.run(_run_grid, WORLD1)
+    return results[0], results
+
+
 @pytest.fixture(scope="module")
 def grid4(world4):
     names = ["adamw", "adamw_clip_l2", "adamw_shared_memory", "sgd_momentum_clip",
              "adamw_owner_grads_only"]
     results = world4.run(_run_grid, names)
     return results[0], results
+
+
+@pytest.mark.parametrize("name", WORLD1)
+def test_parity_world1_each_transport(grid1, name):
+    first, _ = grid1
+    assert first[name] <= TOL, f"{name}: max |OSS - single process| = {first[name]:.3g}"
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
