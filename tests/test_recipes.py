@@ -94,10 +94,13 @@ logits = engine(idx)
 engine.backward(torch.nn.functional.cross_entropy(logits.reshape(-1, 32), tgt.reshape(-1)))
 engine.step()
 units = engine.wrapped.sharded_units()
+config["zero_optimization"] = {"stage": 2, "reduce_bucket_size": 1000}  # elements
+stage2, *_ = shardkit.initialize(model=GPT(cfg), config=config, peer_timeout_s=0)
 print(json.dumps({"environ_unchanged": dict(os.environ) == before,
                   "units": len(units), "block_units": sum(isinstance(u.module, Block)
                                                           for u in units),
-                  "steps": engine.global_steps}))
+                  "steps": engine.global_steps,
+                  "stage2_bucket_bytes": stage2.wrapped.reduce_buffer_size}))
 """
 
 
@@ -109,4 +112,39 @@ def test_initialize_outside_torchrun_starts_one_rank_and_writes_no_environment()
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"environ_unchanged": True, "units": TINY.n_layer + 1,
-                   "block_units": TINY.n_layer, "steps": 1}
+                   "block_units": TINY.n_layer, "steps": 1,
+                   "stage2_bucket_bytes": 4000}  # DeepSpeed's elements, fp32 bytes
+
+
+MECHANISM = ("distributed.py", "comm_counter.py", "transport.py", "shm_transport.py",
+             "quantized_transport.py", "quantized_comm.py", "comm_hooks.py", "fault.py", "nn",
+             "optim", "kernels", "checkpoint", "utils")
+POLICY = {"shardkit.recipes", "shardkit.engine", "shardkit.demo", "shardkit.plan",
+          "shardkit.testing"}
+
+
+def _imports(path):
+    import ast
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def test_imports_run_from_policy_to_mechanism():
+    import pathlib
+
+    import shardkit
+    root = pathlib.Path(shardkit.__file__).parent
+    files = [f for name in MECHANISM for f in
+             ([root / name] if name.endswith(".py") else sorted((root / name).rglob("*.py")))]
+    wrong = {str(f.relative_to(root)): sorted(_imports(f) & POLICY) for f in files
+             if _imports(f) & POLICY}
+    assert not wrong, wrong
+    engine = _imports(root / "engine.py")
+    assert not engine & {"shardkit.models", "shardkit.testing", "shardkit.demo"}, engine
