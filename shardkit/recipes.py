@@ -134,7 +134,9 @@ class Composition:
 def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
             wrap_policy: Optional[Callable] = None, offload: bool = False, comm=None,
             process_group=None, reduce_bucket_bytes: Optional[int] = None,
-            count_ddp_comm: bool = True, mixed_precision=False, quantize_weights: bool = False,
+            count_ddp_comm: bool = True, overlap_param_sync: bool = False,
+            reshard_after_forward: Optional[bool] = None, sharding_strategy=None,
+            mixed_precision=False, quantize_weights: bool = False,
             quantize_gradients: bool = False, hpz_partition_size: int = 1) -> Composition:
     """Wrap ``model`` for ZeRO ``stage`` (0-3, table in the module docstring) and build its
     optimizer from ``optimizer``.
@@ -149,6 +151,9 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
         reduce_bucket_bytes: stage 2: ShardedDataParallel's reduce bucket, in bytes.
         count_ddp_comm: stages 0-1: route torch DDP's all-reduce through
             :mod:`shardkit.distributed` so that ``CommCounter`` counts it.
+        overlap_param_sync: stages 1-2: OSS's parameter sync runs on into the next forward
+            (:meth:`shardkit.optim.OSS.overlap_sync_with` the wrapped model).
+        reshard_after_forward, sharding_strategy: stage 3: FSDP's (``None``: its defaults).
         mixed_precision: stage 3: FSDP's ``mixed_precision`` (``True`` or a
             ``MixedPrecisionPolicy``), for every unit.
         quantize_weights, quantize_gradients, hpz_partition_size: stage 3: FSDP's ZeRO++
@@ -164,18 +169,27 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
                         f"OptimizerRecipe, e.g. recipes.adamw(lr=1e-3) or "
                         f"OptimizerRecipe.of(torch_optimizer)")
     if stage != 3 and (offload or mixed_precision or quantize_weights or quantize_gradients
-                       or hpz_partition_size != 1 or wrap_policy is not None):
+                       or hpz_partition_size != 1 or wrap_policy is not None
+                       or reshard_after_forward is not None or sharding_strategy is not None):
         raise ValueError(f"compose(stage={stage}): wrap_policy, offload, mixed_precision, "
-                         f"quantize_weights, quantize_gradients and hpz_partition_size are "
-                         f"FSDP options (stage 3)")
+                         f"reshard_after_forward, sharding_strategy, quantize_weights, "
+                         f"quantize_gradients and hpz_partition_size are FSDP options (stage 3)")
+    if overlap_param_sync and stage not in (1, 2):
+        raise ValueError(f"compose(stage={stage}, overlap_param_sync=True): only OSS's "
+                         f"parameter sync (stages 1 and 2) can overlap the next forward")
     psi = count_params(model.parameters())
     if stage == 0:
         return _stage0(model, optimizer, process_group, count_ddp_comm, psi)
-    if stage == 1:
-        return _stage1(model, optimizer, comm, process_group, count_ddp_comm, psi)
-    if stage == 2:
-        return _stage2(model, optimizer, comm, process_group, reduce_bucket_bytes, psi)
+    if stage in (1, 2):
+        composition = _stage1(model, optimizer, comm, process_group, count_ddp_comm, psi) \
+            if stage == 1 else \
+            _stage2(model, optimizer, comm, process_group, reduce_bucket_bytes, psi)
+        if overlap_param_sync:
+            composition.optimizer.overlap_sync_with(composition.wrapped)
+        return composition
     fsdp_kwargs = dict(process_group=process_group, comm=comm, move_params_to_cpu=offload,
+                       reshard_after_forward=reshard_after_forward,
+                       sharding_strategy=sharding_strategy,
                        mixed_precision=mixed_precision, quantize_weights=quantize_weights, quantize_gradients=quantize_gradients,
                        hpz_partition_size=hpz_partition_size)
     return _stage3(model, optimizer, wrap_policy or default_wrap_policy(model), fsdp_kwargs, psi)
