@@ -63,6 +63,8 @@ def test_without_blocks_the_policy_is_by_parameter_count():
     (4, {}, ValueError, "compose(stage=4): valid stages are [0, 1, 2, 3]"),
     (1, {"offload": True}, ValueError, "are FSDP options (stage 3)"),
     (2, {"hpz_partition_size": 2}, ValueError, "are FSDP options (stage 3)"),
+    (0, {"wrap_policy": default_auto_wrap_policy}, ValueError, "are FSDP options (stage 3)"),
+    (3, {"overlap_param_sync": True}, ValueError, "only OSS's parameter sync"),
 ])
 def test_bad_arguments_fail_before_wrapping(stage, kwargs, error, message):
     with pytest.raises(error) as err:
