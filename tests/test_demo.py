@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shardkit import demo, recipes
+from shardkit import demo, plan, recipes
 from shardkit.models import GPT
 
 
@@ -50,7 +50,8 @@ def test_data_parallel_model_states_follow_the_zero_formulas(tiny_demo):
     _, report, _ = tiny_demo
     psi = sum(p.numel() for p in GPT(demo.MODELS["small"]).parameters())
     n = report["world_size"]
-    formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}
+    formula = {s: plan.zero_model_state_bytes(psi, n, s, plan.FP32_ADAMW) for s in range(4)}
+    assert formula[1] == 8 * psi + 8 * psi / n  # fp32 AdamW: W = G = 4, K = 8
     checked = set()
     for row in _rows(report):
         if row["stage"] is None:
