@@ -19,13 +19,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardkit import distributed
 from shardkit.models import GPT, Block, GPTConfig, synthetic_batch
-from shardkit.nn import FullyShardedDataParallel as FSDP, ShardedDataParallel
-from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
-from shardkit.optim import OSS
+from shardkit.nn.wrap import transformer_auto_wrap_policy
+from shardkit.recipes import adamw, compose
 from shardkit.testing import World
 
 from benchmarks.common import median_ratio, slowest_rank, time_interleaved, write_report
@@ -44,13 +42,10 @@ class _Trainer:
         if compiled:
             for block in model.blocks:
                 block.compile()
-        if wrapper == "fsdp":
-            self.model = FSDP(auto_wrap(model, transformer_auto_wrap_policy({Block})))
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        else:
-            self.opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-4)
-            self.model = ShardedDataParallel(model, self.opt) if wrapper == "sharded_ddp" \
-                else DDP(model)
+        stage = {"oss_ddp": 1, "sharded_ddp": 2, "fsdp": 3}[wrapper]
+        policy = {"wrap_policy": transformer_auto_wrap_policy({Block})} if stage == 3 else {}
+        composition = compose(model, stage, adamw(1e-4), count_ddp_comm=False, **policy)
+        self.model, self.opt = composition.wrapped, composition.optimizer
         self.first_step_s = None
 
     def step(self, i: int, rank: int) -> None:

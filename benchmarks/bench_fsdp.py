@@ -16,7 +16,6 @@ collectives: gloo, like torch's wrappers) and, in the ``shardkit_fsdp_shm`` row,
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 from dataclasses import dataclass
@@ -28,8 +27,8 @@ import torch.nn.functional as F
 
 from shardkit import distributed as skdist
 from shardkit.models import GPT, MLP, Block, reference_gpt_config, synthetic_batch
-from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
-from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
+from shardkit.nn.wrap import transformer_auto_wrap_policy
+from shardkit.recipes import adamw, compose
 from shardkit.testing import World
 
 from benchmarks.common import (make_transport, median_ratio, slowest_rank, time_interleaved,
@@ -98,11 +97,14 @@ def _wrap(kind: str, model: nn.Module, unit_cls: type, comm=None) -> nn.Module:
         for module in [m for m in model.modules() if isinstance(m, unit_cls)]:
             fully_shard(module, mesh=mesh)
         return fully_shard(model, mesh=mesh)
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={unit_cls})
-    reshard = kind != "shardkit_fsdp_no_reshard"
-    return FullyShardedDataParallel(
-        auto_wrap(model, policy, reshard_after_forward=reshard, comm=comm),
-        reshard_after_forward=reshard, comm=comm)
+    raise ValueError(f"_wrap: {kind!r} is not a torch configuration")
+
+
+def _shardkit_fsdp(kind: str, model: nn.Module, unit_cls: type, comm=None):
+    """Stage 3 of :func:`shardkit.recipes.compose`: one FSDP unit per ``unit_cls`` and the root,
+    AdamW over the shards."""
+    return compose(model, 3, adamw(LR), wrap_policy=transformer_auto_wrap_policy({unit_cls}),
+                   comm=comm, reshard_after_forward=kind != "shardkit_fsdp_no_reshard")
 
 
 @dataclass
@@ -149,6 +151,9 @@ def _local_state_bytes(module: nn.Module, optimizer) -> int:
 
 def _build(kind: str, workload: Workload) -> Trainer:
     comm = make_transport("shared_memory" if kind == "shardkit_fsdp_shm" else "default")
+    if kind.startswith("shardkit"):
+        composition = _shardkit_fsdp(kind, workload.make_model(), workload.unit_cls, comm)
+        return Trainer(kind, composition.wrapped, composition.optimizer, workload)
     module = _wrap(kind, workload.make_model(), workload.unit_cls, comm)
     return Trainer(kind, module, torch.optim.AdamW(module.parameters(), lr=LR), workload)
 

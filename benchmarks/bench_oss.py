@@ -28,10 +28,10 @@ import subprocess
 import time
 from datetime import datetime, timezone
 
-import torch
-
-from benchmarks.common import local_model_state_bytes, make_transport, workloads, write_report
-from shardkit import distributed, recipes
+from benchmarks.common import (local_model_state_bytes, make_transport, setup_torch_zero,
+                               workloads, write_report)
+from shardkit import distributed
+from shardkit.recipes import TrainingSetup, adamw, compose
 from shardkit.optim import OSS
 from shardkit.testing import World
 
@@ -45,15 +45,16 @@ DEFAULT_OUT = os.path.join(os.path.dirname(__file__), "results", "oss.md")
 LR = 1e-3
 
 
-def _optimizer(config: str, ddp):
-    """The optimizer of one configuration; every DDP is torch's with its native all-reduce."""
-    if config == "torch_ddp":
-        return torch.optim.AdamW(ddp.parameters(), lr=LR)
+def _setup(config: str, workload) -> TrainingSetup:
+    """One configuration, built by :func:`shardkit.recipes.compose` (stage 0 or 1) or
+    ``setup_torch_zero``; every DDP is torch's with its native all-reduce."""
+    model = workload.build(0)
     if config == "torch_zero":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        return ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LR)
+        return setup_torch_zero(workload, model)
+    stage = 0 if config == "torch_ddp" else 1
     comm = make_transport("shared_memory" if config == "shardkit_oss_shm" else "default")
-    return OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=LR, comm=comm)
+    composition = compose(model, stage, adamw(LR), comm=comm, count_ddp_comm=False)
+    return composition.training_setup(workload.loss_fn)
 
 
 def _transport(opt) -> str:
@@ -73,9 +74,8 @@ def measure_interleaved(workload_name: str, quick: bool, warmup: int, steps: int
     gc.collect()
     setups = {}
     for config in CONFIGS:
-        ddp = recipes.torch_ddp(workload.build(0), count_comm=False)
-        opt = _optimizer(config, ddp)
-        setups[config] = (ddp, opt, recipes.data_parallel_step(ddp, opt, workload.loss_fn))
+        setup = _setup(config, workload)
+        setups[config] = (setup.module, setup.optimizer, setup.train_step)
     per_rank = workload.global_batch // world
     local = slice(rank * per_rank, (rank + 1) * per_rank)
     names = list(CONFIGS)

@@ -28,8 +28,7 @@ import torch.nn.functional as F
 
 from shardkit import distributed as skdist
 from shardkit.models import GPT, MLP, reference_gpt_config, synthetic_batch
-from shardkit.nn.data_parallel import ShardedDataParallel
-from shardkit.optim import OSS
+from shardkit.recipes import adamw, compose
 from shardkit.testing import World
 
 from benchmarks.common import (make_transport, median_ratio, slowest_rank, time_interleaved,
@@ -134,9 +133,10 @@ def _build(kind: str, workload: Workload) -> Trainer:
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
         return Trainer(model, torch.optim.AdamW(model.parameters(), lr=LR), workload, kind)
     comm = make_transport("shared_memory" if kind == "shardkit_shm" else "default")
-    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LR, comm=comm)
-    wrapped = ShardedDataParallel(model, optimizer, comm=comm)  # the same instance as OSS's
-    return Trainer(wrapped, optimizer, workload, kind, wrapped.comm)
+    # stage 2 of recipes.compose: OSS and ShardedDataParallel on the same transport instance
+    composition = compose(model, 2, adamw(LR), comm=comm)
+    return Trainer(composition.wrapped, composition.optimizer, workload, kind,
+                   composition.wrapped.comm)
 
 
 def _dtensor_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:

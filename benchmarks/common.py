@@ -8,13 +8,14 @@ Workloads (``benchmarks/run.py``; ``--quick`` shrinks them):
 Configurations, each a :class:`Config` with a ``setup(workload, model, comm)``:
     torch: DDP, DDP + ZeroRedundancyOptimizer, FSDP2 ``fully_shard`` with and without
            resharding after forward, ``torch.distributed.pipelining`` 1F1B;
-    shardkit: OSS + DDP, ShardedDDP + OSS, FSDP, 1F1B pipeline (:mod:`shardkit.recipes`), on the
+    shardkit: OSS + DDP, ShardedDDP + OSS, FSDP, 1F1B pipeline (:func:`shardkit.recipes.compose`
+           and :func:`~shardkit.recipes.compose_pipeline`), on the
            default transport (the process group's own collectives: gloo on CPU), and OSS + DDP,
            ShardedDDP + OSS and FSDP again with ``comm=SharedMemoryTransport()`` (opt-in; one
            instance shared by the wrappers of a configuration), as separate rows.
 Every row records the transport that carried its bytes (``Transport.describe``). torch's
 collectives bypass :mod:`shardkit.distributed`, so torch rows report the formula traffic and
-shardkit rows the counted one beside it.
+shardkit rows the counted one beside it. The formulas are :mod:`shardkit.plan`'s.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shardkit import distributed, recipes
+from shardkit import distributed, plan, recipes
 from shardkit.models import GPT, MLP, Block, GPTConfig, reference_gpt_config, synthetic_batch
-from shardkit.recipes import TrainingSetup, count_params
+from shardkit.nn.wrap import transformer_auto_wrap_policy
+from shardkit.recipes import TrainingSetup, adamw, compose, count_params
 from shardkit.utils.memory import model_state_bytes
 
 LEARNING_RATE = 1e-3
@@ -93,9 +95,21 @@ def workloads(quick: bool) -> dict:
 # ----------------------------------------------------------------------------- torch baselines
 
 
+def _plain_step(model: nn.Module, opt, loss_fn: Callable) -> Callable:
+    """zero grads, forward, loss, backward, step (the torch baselines' training step)."""
+    def step(inputs, target):
+        opt.zero_grad()
+        loss = loss_fn(model(inputs), target)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
 def setup_torch_ddp(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
-    """torch DDP (native all-reduce) + AdamW."""
-    return recipes.setup_ddp(model, w.loss_fn, LEARNING_RATE, count_comm=False)
+    """torch DDP (native all-reduce) + AdamW: stage 0 of :func:`shardkit.recipes.compose`."""
+    composition = compose(model, 0, adamw(LEARNING_RATE), count_ddp_comm=False)
+    return composition.training_setup(w.loss_fn)
 
 
 def setup_torch_zero(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
@@ -105,7 +119,7 @@ def setup_torch_zero(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
     ddp = recipes.torch_ddp(model, count_comm=False)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
                                   lr=LEARNING_RATE)
-    return TrainingSetup(ddp, opt, recipes.data_parallel_step(ddp, opt, w.loss_fn), psi)
+    return TrainingSetup(ddp, opt, _plain_step(ddp, opt, w.loss_fn), psi)
 
 
 def _setup_fsdp2(w: Workload, model: nn.Module, reshard_after_forward: bool) -> TrainingSetup:
@@ -118,7 +132,7 @@ def _setup_fsdp2(w: Workload, model: nn.Module, reshard_after_forward: bool) -> 
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
-    return TrainingSetup(model, opt, recipes.data_parallel_step(model, opt, w.loss_fn), psi)
+    return TrainingSetup(model, opt, _plain_step(model, opt, w.loss_fn), psi)
 
 
 def setup_torch_fsdp2(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
@@ -162,24 +176,28 @@ def setup_torch_pipeline(w: Workload, model: nn.Module, comm=None) -> TrainingSe
 
 
 def setup_shardkit_oss(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
-    """shardkit OSS(AdamW, comm=comm) under torch DDP (:func:`shardkit.recipes.setup_oss`)."""
-    return recipes.setup_oss(model, w.loss_fn, LEARNING_RATE, comm=comm)
+    """shardkit OSS(AdamW, comm=comm) under torch DDP: stage 1 of
+    :func:`shardkit.recipes.compose` (DDP's all-reduce counted through shardkit)."""
+    return compose(model, 1, adamw(LEARNING_RATE), comm=comm).training_setup(w.loss_fn)
 
 
 def setup_shardkit_sharded(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
-    """shardkit ShardedDDP + OSS on one transport (:func:`shardkit.recipes.setup_sharded`)."""
-    return recipes.setup_sharded(model, w.loss_fn, LEARNING_RATE, comm=comm)
+    """shardkit ShardedDDP + OSS on one transport: stage 2 of :func:`shardkit.recipes.compose`."""
+    return compose(model, 2, adamw(LEARNING_RATE), comm=comm).training_setup(w.loss_fn)
 
 
 def setup_shardkit_fsdp(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
-    """shardkit FSDP, one unit per workload unit class (:func:`shardkit.recipes.setup_fsdp`)."""
-    return recipes.setup_fsdp(model, w.loss_fn, LEARNING_RATE, set(w.unit_classes), comm=comm)
+    """shardkit FSDP, one unit per workload unit class: stage 3 of
+    :func:`shardkit.recipes.compose`."""
+    policy = transformer_auto_wrap_policy(set(w.unit_classes))
+    composition = compose(model, 3, adamw(LEARNING_RATE), wrap_policy=policy, comm=comm)
+    return composition.training_setup(w.loss_fn)
 
 
 def setup_shardkit_pipeline(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
-    """shardkit 1F1B over world-size stages (:func:`shardkit.recipes.setup_pipeline`)."""
+    """shardkit 1F1B over world-size stages (:func:`shardkit.recipes.compose_pipeline`)."""
     chunks = recipes.pipeline_chunks(w.global_batch, distributed.get_world_size())
-    return recipes.setup_pipeline(w.as_layers(model), w.loss_fn, LEARNING_RATE, chunks)
+    return recipes.compose_pipeline(w.as_layers(model), w.loss_fn, adamw(LEARNING_RATE), chunks)
 
 
 # ----------------------------------------------------------------------------- formulas
@@ -199,23 +217,31 @@ class Sizes:
     boundary: int
 
 
-# Elements each rank puts on the wire per step, before the ring factor (N-1)/N.
+def _zero(stage: int, padded: bool = True):
+    def elements(s: Sizes, rank: int, world: int) -> float:
+        return plan.zero_comm_elements_per_step(s.psi, world, stage,
+                                                s.padded if padded else s.psi,
+                                                s.root if stage == 3 else 0)
+    return elements
+
+
+# Elements each rank puts on the wire per step, by shardkit.plan's formulas.
 TRAFFIC = {
-    "all_reduce": lambda s: 2 * s.psi,                       # DDP
-    "all_reduce+broadcast": lambda s: 3 * s.psi,             # ZeroRedundancyOptimizer in DDP
-    "all_reduce+all_gather": lambda s: 2 * s.psi + s.padded,  # OSS in DDP
-    "reduce+all_gather": lambda s: s.psi + s.padded,         # ShardedDDP + OSS, FSDP2 no reshard
-    "zero3": lambda s: 2 * s.root + 3 * (s.padded - s.root),  # gather fwd + bwd, reduce-scatter
-    "pipeline": lambda s: s.boundary,                        # activations forward, grads back
+    "all_reduce": _zero(0),                                   # DDP
+    "all_reduce+broadcast": _zero(1, padded=False),           # ZeroRedundancyOptimizer in DDP
+    "all_reduce+all_gather": _zero(1),                        # OSS in DDP
+    "reduce+all_gather": _zero(2),                            # ShardedDDP + OSS, FSDP2 no reshard
+    "zero3": _zero(3),                                        # gather fwd + bwd, reduce-scatter
+    "pipeline": lambda s, rank, world: plan.pipeline_comm_elements(s.boundary, rank, world),
 }
 
-# Per-rank model-state bytes (fp32 AdamW: 4 weights + 4 grads + 8 state per parameter).
+# Per-rank model-state bytes (fp32 AdamW), by shardkit.plan's formulas.
 STATES = {
-    "zero0": lambda psi, n: 16 * psi,
-    "zero1": lambda psi, n: 8 * psi + 8 * psi / n,
-    "zero2": lambda psi, n: 4 * psi + 12 * psi / n,
-    "zero3": lambda psi, n: 16 * psi / n,
-    "stage": lambda psi, n: 16 * psi,                        # a pipeline stage's own Ψ
+    "zero0": lambda psi, n: plan.zero_model_state_bytes(psi, n, 0, plan.FP32_ADAMW),
+    "zero1": lambda psi, n: plan.zero_model_state_bytes(psi, n, 1, plan.FP32_ADAMW),
+    "zero2": lambda psi, n: plan.zero_model_state_bytes(psi, n, 2, plan.FP32_ADAMW),
+    "zero3": lambda psi, n: plan.zero_model_state_bytes(psi, n, 3, plan.FP32_ADAMW),
+    "stage": lambda psi, n: plan.zero_model_state_bytes(psi, 1, 0, plan.FP32_ADAMW),  # own Ψ
 }
 
 
@@ -398,14 +424,13 @@ def measure(config_name: str, workload_name: str, quick: bool, warmup: int, step
         else:
             state_total, states = local_model_state_bytes(setup.module, setup.optimizer), {}
         sizes = _sizes(workload, root, setup, config, states)
-        ring = (world - 1) / world if config.stage != "pipe" else 1.0
         result = {
             "rank": rank, "step_times_s": times, "transport": describe_transport(config, setup),
             "transport_bytes": transport_bytes, "model_state_bytes": state_total,
             "model_state_formula_bytes": STATES[config.states](setup.params, world),
             "comm_bytes_per_step": counted.bytes if counted is not None else 0.0,
             "comm_by_op": dict(counted.by_op) if counted is not None else {},
-            "comm_formula_bytes": TRAFFIC[config.traffic](sizes) * ring * 4,
+            "comm_formula_bytes": TRAFFIC[config.traffic](sizes, rank, world) * 4,
             "params": setup.params, "padded_params": sizes.padded,
             "loss": None if loss is None else float(loss)}
         del setup, model

@@ -40,7 +40,7 @@ import torch
 
 from benchmarks.common import CONFIG_BY_NAME, CONFIGS, measure, workloads
 from shardkit.testing import World, WorldError
-from shardkit.utils.barchart import BarGroup, write_bar_chart
+from shardkit.utils.charts import BarGroup, write_bar_chart
 
 WORLD_SIZE = 2
 
@@ -209,7 +209,8 @@ def render_markdown(meta: dict, rows: list) -> str:
 
 
 def draw_chart(meta: dict, measured: list, path: str) -> str:
-    """ms/step and per-rank model states of every measured row, as a PNG at ``path``."""
+    """ms/step and per-rank model states of every measured row, as a PNG at ``path`` drawn by
+    matplotlib (a benchmark dependency), its figures beside it in ``bench.chart.json``."""
     groups = [BarGroup(f"{r['workload']} {r['label']}",
                        {"ms per step": r["ms_per_step"],
                         "model states per rank (MB)": r["model_state_bytes"] / 1e6})

@@ -17,12 +17,11 @@ import argparse
 
 import torch
 
-from shardkit import distributed
+from shardkit import distributed, recipes
 from shardkit.models import GPT, GPTConfig, synthetic_batch
 from shardkit.nn import model_parallel as mp
 from shardkit.nn import pipe
 from shardkit.nn.model_parallel.full_state import load_full_model_state_dict
-from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
 from shardkit.nn.model_parallel.gpt import TensorParallelGPT, from_reference_state_dict, gpt_loss
 from shardkit.optim import OSS
 
@@ -52,15 +51,21 @@ def even_balance(layers: int, stages: int) -> list[int]:
     return [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
 
 
+def one_unit(module=None, recurse=None, **_):
+    """Wrap policy for FSDP: no unit below the stage (the stage is one FSDP unit)."""
+    return bool(recurse)
+
+
 def wrap_data_parallel(part, zero: int, dp_group, lr: float):
     """(module for the stage, optimizer, group the stage itself averages gradients over)."""
-    if zero == 3:  # FSDP shards parameters, gradients and AdamW state over the replicas
-        module = FullyShardedDataParallel(part, process_group=dp_group)
-        return module, torch.optim.AdamW(module.parameters(), lr=lr), None
+    if zero in (2, 3):  # 2: ShardedDDP + OSS, 3: FSDP, over the replicas of this stage
+        composition = recipes.compose(part, zero, recipes.adamw(lr), process_group=dp_group,
+                                      **({"wrap_policy": one_unit} if zero == 3 else {}))
+        return composition.wrapped, composition.optimizer, None
+    # ZeRO-1 without torch DDP: the pipeline stage all-reduces the gradients over the replicas
+    # itself (data_parallel_group=), and OSS shards the optimizer state.
     optimizer = OSS(part.parameters(), optim=torch.optim.AdamW, group=dp_group, lr=lr)
-    if zero == 2:  # ShardedDDP reduces each gradient to the rank whose OSS shard owns it
-        return ShardedDataParallel(part, optimizer, process_group=dp_group), optimizer, None
-    return part, optimizer, dp_group  # ZeRO-1: the stage all-reduces gradients, OSS shards state
+    return part, optimizer, dp_group
 
 
 def main():

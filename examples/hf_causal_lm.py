@@ -21,11 +21,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from shardkit import distributed  # noqa: E402
-from shardkit.nn import FullyShardedDataParallel as FSDP  # noqa: E402
+from shardkit import distributed, recipes  # noqa: E402
 from shardkit.nn.checkpoint import apply_activation_checkpointing  # noqa: E402
 from shardkit.nn.data_parallel.mixed_precision import MixedPrecisionPolicy  # noqa: E402
-from shardkit.nn.wrap import auto_wrap, no_split_modules_policy  # noqa: E402
+from shardkit.nn.wrap import no_split_modules_policy  # noqa: E402
 
 
 def small_config(kind: str, vocab: int, seq_len: int):
@@ -67,9 +66,11 @@ def main() -> int:
 
     policy = no_split_modules_policy(model)  # e.g. {LlamaDecoderLayer}
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = FSDP(auto_wrap(model, policy, mixed_precision=bf16), mixed_precision=bf16)
+    # stage 3: an FSDP unit per block and at the root, AdamW over FSDP's shards
+    composition = recipes.compose(model, 3, recipes.adamw(args.lr), wrap_policy=policy,
+                                  mixed_precision=bf16)
+    model, optimizer = composition.wrapped, composition.optimizer
     apply_activation_checkpointing(model, policy)  # after wrapping: each block's FSDP unit
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     for step in range(args.steps):
         ids = batch(step, rank, args.batch_size, args.seq_len, config.vocab_size)

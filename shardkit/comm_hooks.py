@@ -24,8 +24,18 @@ from shardkit import distributed as skdist
 from shardkit.kernels import DEFAULT_BLOCK, pack_rank_major
 from shardkit.quantized_comm import quantized_all_gather, quantized_reduce_scatter
 
-__all__ = ["fp16_allreduce_hook", "bf16_allreduce_hook", "QuantizedHookState",
+__all__ = ["counted_allreduce_hook", "fp16_allreduce_hook", "bf16_allreduce_hook", "QuantizedHookState",
            "quantized_allreduce_hook"]
+
+
+def counted_allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
+    """fp32 averaging like torch's default hook, but through :func:`shardkit.distributed.
+    all_reduce`, so that :class:`CommCounter` sees DDP's traffic (torch's own hook bypasses
+    shardkit). Wire: ``2(N-1)/N`` of the bucket's bytes."""
+    buffer = bucket.buffer()
+    buffer.div_(skdist.get_world_size(process_group))
+    work = skdist.all_reduce(buffer, group=process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def _compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.Future[torch.Tensor]:

@@ -10,10 +10,10 @@ error at the same point and none is left waiting.
 Keys that change behaviour:
     train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
     optimizer.{type, params}, scheduler.{type, params}, gradient_clipping, steps_per_print,
-    zero_optimization.{stage, reduce_bucket_size, offload_param.device (stage 3),
-    offload_optimizer.device, zero_quantized_weights and zero_quantized_gradients (stage 3:
-    FSDP's quantize_weights / quantize_gradients, ZeRO++), zero_hpz_partition_size (stage 3:
-    FSDP's hpz_partition_size)}, fp16.{enabled, loss_scale,
+    zero_optimization.{stage, reduce_bucket_size (elements, as in DeepSpeed),
+    offload_param.device (stage 3), offload_optimizer.device, zero_quantized_weights and
+    zero_quantized_gradients (stage 3: FSDP's quantize_weights / quantize_gradients, ZeRO++),
+    zero_hpz_partition_size (stage 3: FSDP's hpz_partition_size)}, fp16.{enabled, loss_scale,
     initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale,
     raise_error_at_min_scale}, bf16.enabled.
 Keys accepted for compatibility with DeepSpeed configs, validated, without effect here:
@@ -197,7 +197,9 @@ class ZeroConfig:
     """The ZeRO stage and the knobs that change what is built."""
 
     stage: int = 0
-    reduce_bucket_size: Optional[int] = None  # None: the wrapper's own default
+    # zero_optimization.reduce_bucket_size, in DeepSpeed's unit (elements); None: the
+    # wrapper's own default. Converted to ShardedDataParallel's bytes where it is built.
+    reduce_bucket_numel: Optional[int] = None
     offload_optimizer_device: str = "none"
     offload_param_device: str = "none"
     quantized_weights: bool = False  # ZeRO++ qwZ (stage 3)
@@ -442,7 +444,7 @@ def _zero_config(section: dict) -> tuple[ZeroConfig, list[str]]:
         notes.append(f"zero_optimization.zero_hpz_partition_size only applies at stage 3; "
                      f"ignored at stage {stage}")
         hpz = 1
-    return ZeroConfig(stage=stage, reduce_bucket_size=None if bucket is None else int(bucket),
+    return ZeroConfig(stage=stage, reduce_bucket_numel=None if bucket is None else int(bucket),
                       offload_optimizer_device=optim_device,
                       offload_param_device=param_device, hpz_partition_size=hpz,
                       **quantized), notes

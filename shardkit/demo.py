@@ -23,7 +23,7 @@ a table -- per-rank model-state bytes measured from storages
 (:func:`shardkit.utils.memory.model_state_bytes`) beside the ZeRO formula for the measured Ψ and
 N, peak RSS per rank, step time and its ratio to DDP, bytes communicated per step
 (:class:`shardkit.distributed.CommCounter`) beside the formula, and the final loss -- and writes
-the same figures to ``DIR/demo.json`` and a bar chart to ``DIR/demo.png``.
+the same figures to ``DIR/demo.json`` and a bar chart (matplotlib) to ``DIR/demo.png``.
 
 A run whose wrapper does not import yet is listed as skipped; a run that fails is reported
 with the last line of its error (full log in ``DIR/launch.log``) and the others still run.
@@ -35,6 +35,7 @@ the six runs in well under two minutes on a 2-core machine.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import importlib
 import json
@@ -52,10 +53,11 @@ import torch
 
 from shardkit import distributed
 from shardkit.models import GPT, Block, GPTConfig, reference_gpt_config, synthetic_batch
-from shardkit.plan import precision_for, zero_model_state_bytes
-from shardkit.recipes import (TrainingSetup, gpt_as_sequential, pipeline_chunks, setup_ddp,
-                              setup_fsdp, setup_oss, setup_pipeline, setup_sharded,
-                              token_cross_entropy)
+from shardkit.nn.wrap import transformer_auto_wrap_policy
+from shardkit.plan import (FP32_ADAMW, pipeline_comm_elements, zero_comm_elements_per_step,
+                           zero_model_state_bytes)
+from shardkit.recipes import (TrainingSetup, adamw, compose, compose_pipeline, count_params,
+                              gpt_as_sequential, pipeline_chunks, token_cross_entropy)
 from shardkit.utils.memory import model_state_bytes
 
 __all__ = ["MODELS", "RUNS", "RunSpec", "small_gpt", "reference_gpt", "main"]
@@ -64,7 +66,6 @@ MODELS = {
     "small": GPTConfig(vocab_size=512, n_layer=2, n_head=4, d_model=128, seq_len=32),
     "reference": reference_gpt_config(),
 }
-FP32_ADAMW = precision_for("adamw", mixed_precision=False)
 LEARNING_RATE = 1e-3
 PROCESSES_PER_CORE = 2
 
@@ -81,13 +82,15 @@ def reference_gpt() -> "GPT":
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One row of the demo: which wrapper, which ZeRO stage, which imports it needs."""
+    """One row of the demo: which ZeRO stage (the arguments of :func:`shardkit.recipes.compose`),
+    which imports it needs."""
 
     name: str
     label: str
     stage: Optional[int]          # None: not data parallel (the pipeline)
     needs: tuple = ()             # "module:attribute" that must import for the run to be live
     min_world_size: int = 1
+    offload: bool = False         # stage 3: shards and optimizer state in CPU memory
 
 
 _FSDP_NEEDS = ("shardkit.nn.data_parallel:FullyShardedDataParallel", "shardkit.nn.wrap:auto_wrap",
@@ -98,7 +101,7 @@ RUNS = (
     RunSpec("sharded_ddp", "ShardedDDP + OSS", 2,
             ("shardkit.optim:OSS", "shardkit.nn.data_parallel:ShardedDataParallel")),
     RunSpec("fsdp", "FSDP", 3, _FSDP_NEEDS),
-    RunSpec("fsdp_offload", "FSDP + CPU offload", 3, _FSDP_NEEDS),
+    RunSpec("fsdp_offload", "FSDP + CPU offload", 3, _FSDP_NEEDS, offload=True),
     RunSpec("pipeline", "1F1B pipeline", None,
             ("shardkit.nn.pipe:PipelineStage", "shardkit.nn.pipe:Schedule1F1B",
              "shardkit.nn.pipe:split_sequential"), min_world_size=2),
@@ -117,21 +120,19 @@ class DemoError(ValueError):
 
 
 def build_setup(name: str, cfg: GPTConfig, seed: int, global_batch: int) -> TrainingSetup:
-    """Model, wrap, optimizer: the :class:`TrainingSetup` of run ``name``."""
-    model = GPT(cfg, seed)
-    loss = token_cross_entropy
-    if name == "ddp":
-        return setup_ddp(model, loss, LEARNING_RATE)
-    if name == "oss":
-        return setup_oss(model, loss, LEARNING_RATE)
-    if name == "sharded_ddp":
-        return setup_sharded(model, loss, LEARNING_RATE)
-    if name in ("fsdp", "fsdp_offload"):
-        return setup_fsdp(model, loss, LEARNING_RATE, {Block}, offload=name == "fsdp_offload")
-    if name == "pipeline":
+    """Model, wrap, optimizer: the :class:`TrainingSetup` of run ``name``, built by
+    :func:`shardkit.recipes.compose` (FSDP units: the GPT's ``Block``)."""
+    if name not in RUN_BY_NAME:
+        raise DemoError(f"unknown run {name!r}; valid runs are {', '.join(RUN_BY_NAME)}")
+    spec, model = RUN_BY_NAME[name], GPT(cfg, seed)
+    if spec.stage is None:
         chunks = pipeline_chunks(global_batch, distributed.get_world_size())
-        return setup_pipeline(gpt_as_sequential(model), loss, LEARNING_RATE, chunks)
-    raise DemoError(f"unknown run {name!r}; valid runs are {', '.join(RUN_BY_NAME)}")
+        return compose_pipeline(gpt_as_sequential(model), token_cross_entropy,
+                                adamw(LEARNING_RATE), chunks)
+    extra = {"wrap_policy": transformer_auto_wrap_policy({Block}),
+             "offload": spec.offload} if spec.stage == 3 else {}
+    composition = compose(model, spec.stage, adamw(LEARNING_RATE), **extra)
+    return composition.training_setup(token_cross_entropy)
 
 
 def reset_peak_rss() -> bool:
@@ -377,15 +378,24 @@ def _error_summary(runs_dir: str, name: str, code: int) -> str:
 
 def formula_figures(spec: RunSpec, params: int, world: int, rank: int,
                     cfg: GPTConfig, global_batch: int) -> tuple:
-    """(model-state bytes, communicated bytes per step) for this rank by the formulas."""
-    if spec.stage is None:  # pipeline: a whole (W+G+K) copy of its own stage; the boundary
-        boundary = global_batch * cfg.seq_len * cfg.d_model * 4  # activations, fp32
-        sends = (rank < world - 1) + (rank > 0)
-        return (FP32_ADAMW.weights + FP32_ADAMW.grads + FP32_ADAMW.optimizer) * params, \
-            sends * boundary
+    """(model-state bytes, communicated bytes per step) for this rank by :mod:`shardkit.plan`'s
+    formulas (fp32: 4 bytes per element on the wire)."""
+    if spec.stage is None:  # pipeline: a whole (W+G+K) copy of its own stage
+        boundary = global_batch * cfg.seq_len * cfg.d_model  # activations per step
+        return zero_model_state_bytes(params, 1, 0, FP32_ADAMW), \
+            pipeline_comm_elements(boundary, rank, world) * 4
     state = zero_model_state_bytes(params, world, spec.stage, FP32_ADAMW)
-    elements = {0: 2, 1: 3, 2: 2, 3: 3}[spec.stage] * params * (world - 1) / world
-    return state, elements * 4
+    root = root_params(cfg) if spec.stage == 3 else 0
+    return state, zero_comm_elements_per_step(params, world, spec.stage, root_params=root) * 4
+
+
+@functools.lru_cache(maxsize=None)
+def root_params(cfg: GPTConfig) -> int:
+    """Parameters of the GPT outside its ``Block`` units (FSDP's root unit: embeddings, final
+    norm, head; a tied weight once)."""
+    model = GPT(cfg)
+    return count_params(model.parameters()) - sum(count_params(b.parameters())
+                                                  for b in model.blocks)
 
 
 def summarize(req: DemoRequest, results: dict, skipped: dict) -> dict:
@@ -469,8 +479,9 @@ def render_table(report: dict) -> str:
     lines += ["model-state formulas (DESIGN.md; fp32 AdamW: W=G=4, K=8 bytes): stage 0 16Ψ, "
               "1 8Ψ+8Ψ/N, 2 4Ψ+12Ψ/N, 3 16Ψ/N; pipeline 16Ψ of its stage",
               "traffic formulas (elements per step): stages 0 and 2 2Ψ(N-1)/N; stage 1 under "
-              "DDP 3Ψ(N-1)/N (all-reduce + OSS re-sync); stage 3 3Ψ(N-1)/N; pipeline: "
-              "boundary activations and their gradients"]
+              "DDP 3Ψ(N-1)/N (all-reduce + OSS re-sync); stage 3 3Ψ(N-1)/N less one gather of "
+              "the root unit; pipeline: boundary activations and their gradients "
+              "(shardkit.plan)"]
     spread = report["final_loss_spread_data_parallel"]
     if spread is not None:
         lines.append(f"final loss across data-parallel runs: largest difference {spread:.3g}")
@@ -528,9 +539,10 @@ def main(argv: Optional[list] = None) -> int:
 
 
 def write_chart(report: dict, path: str) -> str:
-    """Bar chart of per-rank model states (measured and formula), traffic and step time; returns
-    a line saying where it went."""
-    from shardkit.utils.barchart import BarGroup, write_bar_chart
+    """Bar chart of per-rank model states (measured and formula), traffic and step time, drawn
+    by matplotlib (its figures also in ``demo.chart.json``); returns a line saying where it
+    went, or why there is none."""
+    from shardkit.utils.charts import BarGroup, ChartError, write_bar_chart
     ok = [r for r in report["runs"] if r["status"] == "ok"]
     if not ok:
         return "chart: nothing to draw"
@@ -541,7 +553,10 @@ def write_chart(report: dict, path: str) -> str:
         "step time (ms)": 1e3 * r["step_time_s"]}) for r in ok]
     title = (f"shardkit demo: {report['world_size']} ranks, model {report['model']} "
              f"(per rank)")
-    return write_bar_chart(path, title, groups)
+    try:
+        return write_bar_chart(path, title, groups)
+    except ChartError as e:
+        return f"chart: not drawn ({e})"
 
 
 if __name__ == "__main__":

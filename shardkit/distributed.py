@@ -19,18 +19,19 @@ import datetime
 import os
 import sys
 import pickle
-import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from shardkit import collective_check
+from shardkit import collective_check, comm_counter
 from shardkit.collective_check import set_debug_collectives  # re-exported: the documented switch
+from shardkit.comm_counter import CommCounter, CommRecord  # re-exported: counting lives there
 
 __all__ = [
-    "init_distributed", "is_initialized", "require_initialized", "get_rank", "get_world_size",
+    "init_distributed", "init_single_process", "is_initialized", "require_initialized",
+    "get_rank", "get_world_size",
     "get_global_rank", "new_group", "all_reduce", "reduce_scatter_tensor",
     "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
     "recv", "isend",
@@ -92,6 +93,22 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
         torch.cuda.set_device(_int_env("LOCAL_RANK", default=rank) % torch.cuda.device_count())
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    atexit.register(_destroy_at_exit)
+
+
+def init_single_process(backend: Optional[str] = None) -> None:
+    """Start a default process group of one rank (rank 0) over an in-memory store: no
+    environment variables are read or written and no port is opened. For running
+    shardkit's wrappers in a plain ``python script.py``. Idempotent like
+    :func:`init_distributed`. Costs nothing on the wire."""
+    if backend is not None and backend not in _VALID_BACKENDS:
+        raise ValueError(f"init_single_process(backend={backend!r}): unknown backend; "
+                         f"valid backends are {list(_VALID_BACKENDS)} or None (auto)")
+    if is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     atexit.register(_destroy_at_exit)
 
 
@@ -275,147 +292,6 @@ def groups_of_nodes(ranks: Sequence[int], per_node: int) -> tuple:
 # ----------------------------------------------------------------------------- counting
 
 
-@dataclass(frozen=True)
-class CommRecord:
-    """One collective as seen by :class:`CommCounter`."""
-
-    op: str
-    numel: int
-    dtype: torch.dtype
-    bytes: float
-    group_size: int
-    spans_nodes: bool = False  # the op's group has ranks on more than one node
-
-
-class CallList(list):
-    """The records of a :class:`CommCounter`; compares with an ``int`` as its length."""
-
-    def __eq__(self, other):
-        return len(self) == other if isinstance(other, int) else list.__eq__(self, other)
-
-    def __ne__(self, other):
-        return not self == other
-
-    def __lt__(self, other):
-        return len(self) < other if isinstance(other, int) else list.__lt__(self, other)
-
-    def __le__(self, other):
-        return len(self) <= other if isinstance(other, int) else list.__le__(self, other)
-
-    def __gt__(self, other):
-        return len(self) > other if isinstance(other, int) else list.__gt__(self, other)
-
-    def __ge__(self, other):
-        return len(self) >= other if isinstance(other, int) else list.__ge__(self, other)
-
-    def __int__(self):
-        return len(self)
-
-    __hash__ = None
-
-
-_active_counters: list["CommCounter"] = []
-_counter_lock = threading.Lock()
-
-
-class CommCounter:
-    """Count the bytes this rank puts on the wire for collectives issued inside the block.
-
-    Usage::
-
-        with CommCounter() as comm:
-            loss = model(x).sum(); loss.backward(); optimizer.step()
-        print(comm.bytes, comm.by_op, len(comm.calls))
-
-    Attributes:
-        bytes: total bytes under the ring convention of this module's docstring.
-        by_op: ``{op name: bytes}``.
-        calls: list of :class:`CommRecord`, one per collective (an ``int`` compares with its
-            length); ``calls_by_op`` gives ``{op name: count}``.
-
-    Per link: ``intra_node_bytes`` counts ops on groups whose ranks share one node,
-    ``inter_node_bytes`` ops on groups that span nodes, both under the same convention and
-    classified by the op's group (a send on a spanning group counts as spanning even when its
-    peer shares the node); topology from :func:`ranks_per_node`.
-
-    Counters nest: an op issued inside two counters is recorded once in each. Asynchronous
-    ops are recorded once, when issued. Costs nothing on the wire.
-    """
-
-    def __init__(self):
-        self.calls: CallList = CallList()
-
-    @property
-    def bytes(self) -> float:
-        return sum(r.bytes for r in self.calls)
-
-    @property
-    def by_op(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for r in self.calls:
-            out[r.op] = out.get(r.op, 0.0) + r.bytes
-        return out
-
-    @property
-    def calls_by_op(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for r in self.calls:
-            out[r.op] = out.get(r.op, 0) + 1
-        return out
-
-    @property
-    def elements(self) -> float:
-        """Elements on the wire: bytes of each record divided by its element size."""
-        return sum(r.bytes / _elem_size(r.dtype) for r in self.calls if r.numel)
-
-    @property
-    def inter_node_bytes(self) -> float:
-        """Bytes of the ops on groups that span nodes (all of them on one node: 0)."""
-        return sum(r.bytes for r in self.calls if r.spans_nodes)
-
-    @property
-    def intra_node_bytes(self) -> float:
-        """Bytes of the ops on groups inside one node."""
-        return sum(r.bytes for r in self.calls if not r.spans_nodes)
-
-    @property
-    def inter_node_elements(self) -> float:
-        """Elements of the ops on groups that span nodes."""
-        return sum(r.bytes / _elem_size(r.dtype) for r in self.calls if r.numel and r.spans_nodes)
-
-    def reset(self) -> None:
-        self.calls = CallList()
-
-    def __enter__(self) -> "CommCounter":
-        with _counter_lock:
-            _active_counters.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with _counter_lock:
-            _active_counters.remove(self)
-
-    def __repr__(self) -> str:
-        return f"CommCounter(bytes={self.bytes:.0f}, calls={len(self.calls)}, by_op={self.by_op})"
-
-
-def _elem_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-_WIRE_FACTOR = {
-    "all_reduce": lambda n: 2.0 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: (n - 1) / n,
-    "reduce": lambda n: (n - 1) / n,
-    "send": lambda n: 1.0,
-    "recv": lambda n: 0.0,
-    "barrier": lambda n: 0.0,
-}
-
-
 def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtype] = None,
             kind: Optional[str] = None, counted: bool = True, checked: bool = True) -> None:
     """Every collective wrapper calls this just before issuing its op: the collective debug
@@ -426,22 +302,20 @@ def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtyp
         collective_check.check_collective(
             op, None if tensor is None else tuple(tensor.shape),
             None if tensor is None else tensor.dtype, group)
-    if not (counted and _active_counters):
+    if not (counted and comm_counter.counting()):
         return
     n = get_world_size(group)
     spanning = spans_nodes(group)
     if isinstance(full, torch.Tensor):
         numel, dtype, nbytes = full.numel(), full.dtype, full.numel() * full.element_size()
     elif dtype is not None:  # a byte count of tensors of ``dtype``
-        numel, nbytes = full // _elem_size(dtype), full
+        numel, nbytes = full // comm_counter.element_size(dtype), full
     else:  # a byte count (object collectives)
         numel, dtype, nbytes = full, torch.uint8, full
     record = CommRecord(op=op, numel=numel, dtype=dtype,
-                        bytes=_WIRE_FACTOR[kind or op](n) * nbytes, group_size=n,
+                        bytes=comm_counter.WIRE_FACTOR[kind or op](n) * nbytes, group_size=n,
                         spans_nodes=spanning)
-    with _counter_lock:
-        for counter in _active_counters:
-            counter.calls.append(record)
+    comm_counter.add_record(record)
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -595,7 +469,7 @@ def barrier(group=None) -> None:
 def broadcast_object(obj, src: int = 0, group=None):
     """Broadcast a picklable object from global rank ``src``; returns it on every rank."""
     box = [obj]
-    counted = bool(_active_counters) and get_rank() == src
+    counted = comm_counter.counting() and get_rank() == src
     _record("broadcast", len(pickle.dumps(obj)) if counted else 0, group, counted=counted)
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
@@ -604,6 +478,6 @@ def broadcast_object(obj, src: int = 0, group=None):
 def all_gather_object(obj, group=None) -> list:
     """Gather one picklable object from every rank of ``group``; returns the list."""
     out = [None] * get_world_size(group)
-    _record("all_gather", len(pickle.dumps(obj)) * len(out) if _active_counters else 0, group)
+    _record("all_gather", len(pickle.dumps(obj)) * len(out) if comm_counter.counting() else 0, group)
     dist.all_gather_object(out, obj, group=group)
     return out

@@ -1,13 +1,16 @@
-"""``shardkit.initialize``: a DeepSpeed-style front end that composes shardkit's wrappers.
+"""``shardkit.initialize``: a DeepSpeed-style front end over :func:`shardkit.recipes.compose`.
 
-The config (validated by :mod:`shardkit.config`) picks a ZeRO stage, and the stage picks the
-wrappers (a plan, :data:`STAGE_PLANS`):
+The config (validated by :mod:`shardkit.config`) picks a ZeRO stage, and
+:func:`compose_from_config` turns its choices into :func:`shardkit.recipes.compose`'s
+arguments (stage-3 wrap units: ``initialize(wrap_policy=...)``, default
+:func:`shardkit.recipes.default_wrap_policy`). Per-rank memory and traffic are
+:func:`shardkit.plan.zero_model_state_bytes` and :func:`shardkit.plan.zero_comm_elements_per_step`:
 
 ====== ======================================= ===== ===== ========= ==========================
 stage  wrappers                                 params grads optimizer communication per step
 ====== ======================================= ===== ===== ========= ==========================
 0      torch DistributedDataParallel           full  full  full      all-reduce 2Ψ(N-1)/N
-1      OSS + torch DDP                          full  full  1/N       2Ψ(N-1)/N
+1      OSS + torch DDP                          full  full  1/N       3Ψ(N-1)/N
 2      OSS + ShardedDataParallel                full  1/N   1/N       2Ψ(N-1)/N
 3      FullyShardedDataParallel per block       1/N   1/N   1/N       3Ψ(N-1)/N
 ====== ======================================= ===== ===== ========= ==========================
@@ -35,8 +38,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -44,6 +46,7 @@ import torch.nn as nn
 from shardkit import distributed
 from shardkit.config import ConfigError, EngineConfig, load_config
 from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
+from shardkit.recipes import Composition, OptimizerRecipe, compose
 
 __all__ = ["initialize", "ShardedEngine"]
 
@@ -51,22 +54,6 @@ logger = logging.getLogger("shardkit")
 
 
 # ----------------------------------------------------------------------------- optimizer recipe
-
-
-@dataclass(frozen=True)
-class OptimizerRecipe:
-    """How to (re)build the optimizer: a torch optimizer class, its default hyper-parameters
-    and the param groups (user's groups, or ``None`` for "every trainable parameter").
-
-    Stage 3 needs a recipe rather than an instance because FSDP replaces the parameters."""
-
-    cls: type
-    defaults: dict
-    param_groups: Optional[list] = None
-    instance: Optional[torch.optim.Optimizer] = None
-
-    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return self.cls(list(params), **self.defaults)
 
 
 def _optimizer_recipe(cfg: EngineConfig, optimizer, model_parameters, model) -> OptimizerRecipe:
@@ -78,10 +65,7 @@ def _optimizer_recipe(cfg: EngineConfig, optimizer, model_parameters, model) -> 
         params = model_parameters if model_parameters is not None else \
             [p for p in model.parameters() if p.requires_grad]
         optimizer = optimizer(params)
-    # The first group's values (a scheduler or the user may have changed them since
-    # construction), limited to constructor arguments.
-    hyper = {k: optimizer.param_groups[0].get(k, v) for k, v in optimizer.defaults.items()}
-    return OptimizerRecipe(type(optimizer), hyper, None, optimizer)
+    return OptimizerRecipe.of(optimizer)
 
 
 def _check_arguments(model, optimizer, lr_scheduler, cfg: EngineConfig) -> None:
@@ -124,97 +108,25 @@ def _is_scheduler_instance(lr_scheduler) -> bool:
 # ----------------------------------------------------------------------------- composition
 
 
-@dataclass
-class Composition:
-    """What a stage plan builds: the module to call, the optimizer to step, and how to skip a
-    reduction or clip gradients with that combination of wrappers."""
-
-    stage: int
-    wrapped: nn.Module
-    optimizer: torch.optim.Optimizer
-    no_sync: Callable[[], Any]
-    clip_grad_norm: Callable[[float], Any]
-
-
-def _torch_ddp(model: nn.Module) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-    device = next(model.parameters()).device
-    ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids)
-
-
-def _trainable(model: nn.Module) -> list:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def _oss(model: nn.Module, recipe: OptimizerRecipe):
-    from shardkit.optim import OSS
-    if recipe.instance is not None:
-        return OSS(recipe.instance)
-    params = recipe.param_groups if recipe.param_groups is not None else _trainable(model)
-    return OSS(params, optim=recipe.cls, **recipe.defaults)
-
-
-def compose_stage0(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineConfig) -> Composition:
-    """torch DDP and a replicated optimizer."""
-    ddp = _torch_ddp(model)
-    optimizer = recipe.instance or recipe.build(recipe.param_groups or _trainable(model))
-    params = _trainable(model)
-    return Composition(0, ddp, optimizer, ddp.no_sync,
-                       lambda max_norm: torch.nn.utils.clip_grad_norm_(params, max_norm))
-
-
-def compose_stage1(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineConfig) -> Composition:
-    """OSS (optimizer state sharded) over torch DDP (full gradients all-reduced)."""
-    oss = _oss(model, recipe)
-    ddp = _torch_ddp(model)
-    return Composition(1, ddp, oss, ddp.no_sync, oss.clip_grad_norm)
-
-
-def compose_stage2(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineConfig) -> Composition:
-    """OSS plus ShardedDataParallel: each gradient is reduced to its owner only."""
-    from shardkit.nn.data_parallel import ShardedDataParallel
-    oss = _oss(model, recipe)
-    kwargs = {}
-    if cfg.zero.reduce_bucket_size is not None:
-        kwargs["reduce_buffer_size"] = cfg.zero.reduce_bucket_size
-    sdp = ShardedDataParallel(model, oss, **kwargs)
-    return Composition(2, sdp, oss, sdp.no_sync, oss.clip_grad_norm)
-
-
-def compose_stage3(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineConfig) -> Composition:
-    """FSDP around every transformer block (or large submodule) and around the root; the
-    optimizer is rebuilt over FSDP's sharded parameters."""
-    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
-    from shardkit.nn.wrap import auto_wrap
-
-    fsdp_kwargs = {}
-    if "cpu" in (cfg.zero.offload_param_device, cfg.zero.offload_optimizer_device):
-        fsdp_kwargs["move_params_to_cpu"] = True  # shards and optimizer state in CPU memory
-    if cfg.zero.quantized_weights:
-        fsdp_kwargs["quantize_weights"] = True
-    if cfg.zero.quantized_gradients:
-        fsdp_kwargs["quantize_gradients"] = True
-    if cfg.zero.hpz_partition_size > 1:  # ZeRO++ hpZ: backward gathers inside the block
-        fsdp_kwargs["hpz_partition_size"] = cfg.zero.hpz_partition_size
-    wrapped = auto_wrap(model, auto_wrap_policy=_stage3_wrap_policy(model), **fsdp_kwargs)
-    if not isinstance(wrapped, FSDP):  # the policy may have wrapped the root already
-        wrapped = FSDP(wrapped, **fsdp_kwargs)
-    optimizer = recipe.build(p for p in wrapped.parameters() if p.requires_grad)
-    return Composition(3, wrapped, optimizer, wrapped.no_sync, wrapped.clip_grad_norm_)
-
-
-def _stage3_wrap_policy(model: nn.Module):
-    """Policy, not mechanism: transformer blocks of shardkit's models are the FSDP units;
-    other models are wrapped by parameter count."""
-    from shardkit.models import Block
-    from shardkit.nn.wrap import default_auto_wrap_policy, transformer_auto_wrap_policy
-    if any(isinstance(m, Block) for m in model.modules()):
-        return transformer_auto_wrap_policy({Block})
-    return default_auto_wrap_policy
-
-
-STAGE_PLANS = {0: compose_stage0, 1: compose_stage1, 2: compose_stage2, 3: compose_stage3}
+def compose_from_config(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineConfig,
+                        wrap_policy: Optional[Callable] = None) -> Composition:
+    """The stage's wrappers, built by :func:`shardkit.recipes.compose` from the config's
+    choices. DeepSpeed counts ``reduce_bucket_size`` in elements; ShardedDataParallel's bucket
+    is in bytes of the (fp32) gradients, so the size is converted here, once."""
+    zero = cfg.zero
+    kwargs: dict = {}
+    if zero.stage == 2 and zero.reduce_bucket_numel is not None:
+        grad_bytes = next(model.parameters()).element_size()
+        kwargs["reduce_bucket_bytes"] = zero.reduce_bucket_numel * grad_bytes
+    if zero.stage == 3:
+        kwargs.update(wrap_policy=wrap_policy,
+                      offload="cpu" in (zero.offload_param_device, zero.offload_optimizer_device),
+                      quantize_weights=zero.quantized_weights,
+                      quantize_gradients=zero.quantized_gradients,
+                      hpz_partition_size=zero.hpz_partition_size)
+    # The engine counts no torch-DDP traffic of its own: users wrap steps in CommCounter
+    # to see what the wrappers send, as they would without the engine.
+    return compose(model, zero.stage, recipe, count_ddp_comm=False, **kwargs)
 
 
 # ----------------------------------------------------------------------------- engine
@@ -332,9 +244,7 @@ class ShardedEngine(nn.Module):
         self.micro_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-        if self.composition.stage >= 2 and hasattr(self.wrapped, "zero_grad"):
-            self.wrapped.zero_grad()
+        self.composition.zero_grad(set_to_none=set_to_none)
 
     def _optimizer_step(self) -> None:
         overflow = self._agreed_overflow() if self.loss_scaler is not None else False
@@ -476,7 +386,8 @@ def _loss_scaler(cfg: EngineConfig):
 
 def initialize(model: nn.Module, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, config=None, config_params=None, args=None, mpu=None,
-               dist_init_required=None, collate_fn=None, peer_timeout_s=None, resume_from=None):
+               dist_init_required=None, collate_fn=None, peer_timeout_s=None, resume_from=None,
+               wrap_policy=None):
     """Compose shardkit's wrappers from a DeepSpeed config.
 
     Args:
@@ -501,6 +412,9 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
             counters, RNG), so a job restarted by ``torchrun --max-restarts`` continues where
             the last complete save left off; ``engine.global_steps`` says where. Nothing is
             loaded when the directory or its ``latest`` does not exist yet.
+        wrap_policy: stage 3: the ``auto_wrap`` policy choosing the FSDP units (default
+            :func:`shardkit.recipes.default_wrap_policy`: HF's ``_no_split_modules``, else the
+            repeated transformer blocks, else by parameter count).
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``; ``dataloader`` is ``None`` without
@@ -539,7 +453,7 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     recipe = _optimizer_recipe(cfg, optimizer, model_parameters, model)
     state_names = list(model.state_dict().keys())
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    composition = STAGE_PLANS[cfg.zero.stage](model, recipe, cfg)
+    composition = compose_from_config(model, recipe, cfg, wrap_policy)
     scheduler = _build_scheduler(cfg, lr_scheduler, composition.optimizer)
     engine = ShardedEngine(model, composition, cfg, scheduler, state_names, trainable)
     loader = _data_loader(training_data, cfg, collate_fn) if training_data is not None else None
@@ -577,14 +491,14 @@ def _data_parallel_world_size() -> int:
 
 
 def _ensure_process_group() -> None:
-    """Join torchrun's group; outside torchrun start a one-rank gloo group."""
+    """Join torchrun's group (its environment names the rendezvous); outside torchrun start
+    a one-rank group (:func:`shardkit.distributed.init_single_process`)."""
     if distributed.is_initialized():
         return
-    if "RANK" not in os.environ:
-        from shardkit.testing import free_port
-        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                           "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    distributed.init_distributed()
+    if "RANK" in os.environ:
+        distributed.init_distributed()
+    else:
+        distributed.init_single_process()
 
 
 def _build_scheduler(cfg: EngineConfig, lr_scheduler, optimizer):

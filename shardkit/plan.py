@@ -8,6 +8,9 @@ weights, G bytes of gradients and K bytes of optimizer state)::
     stage 2  ShardedDDP + OSS  WΨ + (G + K)Ψ/N          (+ one reduce bucket while reducing)
     stage 3  FSDP              (W + G + K)Ψ/N           (+ the unit being computed, unsharded)
 
+Wire per step (elements, :func:`zero_comm_elements_per_step`): stage 0 ``2Ψ(N-1)/N``, stage 1
+(OSS under DDP) ``3Ψ(N-1)/N``, stage 2 ``2Ψ(N-1)/N``, stage 3 ``3Ψ(N-1)/N``.
+
 fp32 training: W = G = 4 and K = 8 for Adam/AdamW (two moments), 4 for SGD with momentum.
 Mixed precision: W = G = 2 and K = 12 for Adam/AdamW (fp32 master weights + two moments),
 8 for SGD (master weights + momentum). ``--params 7.5e9 --world-size 64 --mixed-precision``
@@ -34,14 +37,15 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 __all__ = ["Precision", "StageMemory", "ModelSummary", "precision_for", "zero_model_state_bytes",
-           "zero_comm_elements_per_step", "zeropp_traffic", "stage_table", "summarize_model",
-           "estimate_activation_bytes", "recommend_stage", "parse_size", "format_bytes", "main"]
+           "zero_comm_elements_per_step", "pipeline_comm_elements", "zeropp_traffic", "stage_table", "summarize_model",
+           "estimate_activation_bytes", "recommend_stage", "parse_size", "format_bytes", "FP32_ADAMW", "main"]
 
 STAGES = (0, 1, 2, 3)
 STAGE_WRAPPERS = {0: "DDP", 1: "OSS", 2: "ShardedDDP + OSS", 3: "FSDP"}
 OPTIMIZERS = ("adam", "adamw", "sgd")
-# Elements of one ShardedDataParallel reduce bucket (its reduce_buffer_size default).
-DEFAULT_REDUCE_BUCKET_ELEMENTS = 2 ** 23
+# Bytes of one ShardedDataParallel reduce bucket (its reduce_buffer_size default, FairScale's
+# unit: bytes in the gradients' dtype).
+DEFAULT_REDUCE_BUCKET_BYTES = 2 ** 23
 
 
 class PlanError(ValueError):
@@ -72,6 +76,10 @@ def precision_for(optimizer: str = "adam", mixed_precision: bool = False) -> Pre
     return Precision(4, 4, moments, f"{optimizer}, fp32")
 
 
+# fp32 training with AdamW: what the demo, the benchmarks and the engine's tests measure.
+FP32_ADAMW = precision_for("adamw", mixed_precision=False)
+
+
 def zero_model_state_bytes(params: float, world_size: int, stage: int,
                            precision: Precision) -> float:
     """Per-rank bytes of weights + grads + optimizer state for ZeRO ``stage`` (DESIGN.md)."""
@@ -92,14 +100,37 @@ def zero_formula_text(stage: int) -> str:
     return {0: "(W+G+K)Ψ", 1: "(W+G)Ψ + KΨ/N", 2: "WΨ + (G+K)Ψ/N", 3: "(W+G+K)Ψ/N"}[stage]
 
 
-def zero_comm_elements_per_step(params: float, world_size: int, stage: int) -> float:
-    """Elements one rank puts on the wire per step (DESIGN.md): 2Ψ(N-1)/N for stages 0-2
-    (gradient reduction + parameter sync), 3Ψ(N-1)/N for stage 3 (all-gather in forward and in
-    backward, reduce-scatter)."""
+def zero_comm_elements_per_step(params: float, world_size: int, stage: int,
+                                padded_params: Optional[float] = None,
+                                root_params: float = 0.0) -> float:
+    """Elements one rank puts on the wire per step with shardkit's stage wrappers
+    (:func:`shardkit.recipes.compose`), ring convention of :mod:`shardkit.distributed`:
+
+    - stage 0, DDP: gradient all-reduce ``2Ψ(N-1)/N``;
+    - stage 1, OSS under DDP: all-reduce ``2Ψ(N-1)/N`` + parameter sync ``Ψ'(N-1)/N``, so
+      ``3Ψ(N-1)/N``;
+    - stage 2, ShardedDDP + OSS: gradients reduced to their owner ``Ψ(N-1)/N`` + parameter sync
+      ``Ψ'(N-1)/N``, so ``2Ψ(N-1)/N``;
+    - stage 3, FSDP: all-gather in forward and in backward and a reduce-scatter,
+      ``3Ψ'(N-1)/N``, less one gather of the root unit's ``root_params`` (kept gathered from
+      forward into backward).
+
+    ``padded_params`` (Ψ', default Ψ) is what the wrapper's flat buffers hold, padding included.
+    """
     if stage not in STAGES:
         raise PlanError(f"stage {stage!r} is unknown; valid stages are {list(STAGES)}")
-    factor = 3.0 if stage == 3 else 2.0
-    return factor * params * (world_size - 1) / world_size
+    padded = params if padded_params is None else padded_params
+    elements = {0: 2 * params, 1: 2 * params + padded, 2: params + padded,
+                3: 3 * padded - root_params}[stage]
+    return elements * (world_size - 1) / world_size
+
+
+def pipeline_comm_elements(boundary_numel: float, rank: int, world_size: int) -> float:
+    """Elements pipeline rank ``rank`` of ``world_size`` sends per step: ``boundary_numel``
+    (one step's activations crossing one stage boundary) forward to the next stage and the
+    same number of gradients back to the previous one."""
+    sends = (rank < world_size - 1) + (rank > 0)
+    return sends * boundary_numel
 
 
 # Bytes per element of ZeRO++'s quantized transfers with blocks of 256 and fp32 scales
@@ -285,7 +316,7 @@ def transient_bytes(stage: int, precision: Precision, params: float,
     if summary is None:
         return 0.0
     if stage == 2:
-        return min(DEFAULT_REDUCE_BUCKET_ELEMENTS, params) * precision.grads
+        return min(DEFAULT_REDUCE_BUCKET_BYTES, params * precision.grads)
     if stage == 3:  # the gathered unit's weights and its full gradient before reduce-scatter
         return summary.largest_unit_params * (precision.weights + precision.grads)
     return 0.0
@@ -384,6 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unfused-attention", action="store_true",
                    help="count the attention score matrices in the activation estimate")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--chart", metavar="PNG",
+                   help="also draw the rows as a bar chart (matplotlib), figures in .chart.json")
     return p
 
 
@@ -499,8 +532,23 @@ def render_plan(plan: dict) -> str:
     return "\n".join(lines)
 
 
+def write_plan_chart(plan: dict, path: str) -> str:
+    """Per-rank memory (model states, + transient, + activations) and wire bytes of each stage
+    as a bar chart at ``path`` (:func:`shardkit.utils.charts.write_bar_chart`: matplotlib, and
+    the figures as JSON beside it). Raises ``ChartError`` without matplotlib."""
+    from shardkit.utils.charts import BarGroup, write_bar_chart
+    groups = [BarGroup(f"stage {r['stage']} {r['wrapper']}", {
+        "model states (GB)": r["model_states"] / 1e9,
+        "total with transient + activations (GB)": r["total"] / 1e9,
+        "wire per step (GB)": r["comm_per_step"] / 1e9}) for r in plan["rows"]]
+    title = (f"per rank: Ψ = {format_count(plan['params'])}, N = {plan['world_size']}, "
+             f"{plan['precision']['label']}")
+    return write_bar_chart(path, title, groups)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``python -m shardkit plan``; returns the exit code (2 on bad input)."""
+    from shardkit.utils.charts import ChartError
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         plan = make_plan(validate(args))
@@ -508,6 +556,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"python -m shardkit plan: {e}", file=sys.stderr)
         return 2
     print(json.dumps(plan, indent=2) if args.json else render_plan(plan))
+    if args.chart:
+        try:
+            line = write_plan_chart(plan, args.chart)
+        except ChartError as e:
+            print(f"python -m shardkit plan: --chart {args.chart}: {e}", file=sys.stderr)
+            return 2
+        if not args.json:
+            print(line)
     return 0
 
 

@@ -1,25 +1,37 @@
-"""One recipe per wrapper: a model in, a :class:`TrainingSetup` out, ready to train.
+"""The one place that composes shardkit's wrappers: a model and explicit arguments in, a
+:class:`Composition` out.
 
-The demo (``python -m shardkit demo``) and the benchmark runner (``benchmarks/run.py``) train
-the same models with every wrapper; these functions are the wrapping they share, each a few
-lines a newcomer can copy: model, wrap, optimizer, step. All run inside an initialised process
-group (torchrun or :class:`shardkit.testing.World`), with AdamW.
+:func:`compose` builds every ZeRO stage; :func:`shardkit.initialize` (from a DeepSpeed config),
+the demo, the benchmark runner and the examples all call it, each passing what it decides
+(stage, optimizer, wrap policy, offload, transport, process group, bucket size) as arguments.
+:func:`compose_pipeline` builds the 1F1B pipeline the demo and the benchmarks compare with.
+This is a policy module: it imports the wrappers (mechanism), never the reverse.
 
-=====================  =====  =================================  ================================
-recipe                 stage  per-rank model states (fp32 Adam)  wire per step (elements)
-=====================  =====  =================================  ================================
-:func:`setup_ddp`      0      16Ψ                                2Ψ(N-1)/N
-:func:`setup_oss`      1      8Ψ + 8Ψ/N                          2Ψ(N-1)/N + Ψ(N-1)/N all-gather
-:func:`setup_sharded`  2      4Ψ + 12Ψ/N (+ one bucket)          2Ψ(N-1)/N
-:func:`setup_fsdp`     3      16Ψ/N (+ the unit computing)       3Ψ(N-1)/N
-:func:`setup_pipeline` --     16Ψ_stage                          boundary activations and grads
-=====================  =====  =================================  ================================
+=====================  =====================================  ==================================
+stage                  wrappers                               per-rank model states (fp32 Adam)
+=====================  =====================================  ==================================
+0                      torch DDP + the optimizer              16Ψ
+1                      OSS(optimizer) under torch DDP         8Ψ + 8Ψ/N
+2                      OSS + ShardedDataParallel              4Ψ + 12Ψ/N (+ one reduce bucket)
+3                      FSDP per wrap unit and at the root     16Ψ/N (+ the unit computing)
+pipeline               one stage per rank, 1F1B               16Ψ_stage
+=====================  =====================================  ==================================
+
+Memory and traffic formulas live in :mod:`shardkit.plan` (``zero_model_state_bytes``,
+``zero_comm_elements_per_step``); this module only builds.
+
+Usage::
+
+    composition = compose(model, stage=2, optimizer=adamw(lr=1e-3))
+    setup = composition.training_setup(loss_fn)
+    for x, y in batches:
+        setup.train_step(x, y)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -28,9 +40,47 @@ import torch.nn.functional as F
 from shardkit import distributed
 from shardkit.models import GPT
 
-__all__ = ["TrainingSetup", "setup_ddp", "setup_oss", "setup_sharded", "setup_fsdp",
-           "setup_pipeline", "gpt_as_sequential", "balance_by_params", "pipeline_chunks",
-           "token_cross_entropy", "count_params"]
+__all__ = ["OptimizerRecipe", "adamw", "Composition", "TrainingSetup", "STAGES", "compose",
+           "torch_ddp", "default_wrap_policy", "repeated_block_classes", "compose_pipeline",
+           "gpt_as_sequential", "balance_by_params", "pipeline_chunks", "token_cross_entropy",
+           "count_params"]
+
+STAGES = (0, 1, 2, 3)
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+@dataclass(frozen=True)
+class OptimizerRecipe:
+    """How to build the optimizer: a torch optimizer class, its hyper-parameters and the param
+    groups (``None``: every trainable parameter of the model). ``instance`` is an optimizer the
+    user built already: stages 0-2 use (or wrap) it; stage 3 rebuilds one over FSDP's
+    parameters from ``cls`` and ``defaults``, because FSDP replaces the parameters."""
+
+    cls: type
+    defaults: dict
+    param_groups: Optional[list] = None
+    instance: Optional[torch.optim.Optimizer] = None
+
+    def build(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """A new ``cls`` over ``params`` with ``defaults``."""
+        return self.cls(list(params), **self.defaults)
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> "OptimizerRecipe":
+        """The recipe of an existing optimizer: its class and its first group's current values
+        (a scheduler may have changed them), limited to constructor arguments."""
+        hyper = {k: optimizer.param_groups[0].get(k, v) for k, v in optimizer.defaults.items()}
+        return cls(type(optimizer), hyper, None, optimizer)
+
+
+def adamw(lr: float, **kwargs) -> OptimizerRecipe:
+    """``torch.optim.AdamW(lr=lr, **kwargs)`` over every trainable parameter."""
+    return OptimizerRecipe(torch.optim.AdamW, dict(lr=lr, **kwargs))
+
+
+# ----------------------------------------------------------------------------- what is built
 
 
 @dataclass
@@ -51,6 +101,220 @@ class TrainingSetup:
     data_parallel: bool = True
 
 
+@dataclass
+class Composition:
+    """What :func:`compose` builds: the module to call (``wrapped``), the optimizer to step,
+    and how to skip a gradient reduction (``no_sync()``, a context), clip gradients
+    (``clip_grad_norm(max_norm)``) and zero them (``zero_grad(set_to_none=True)``) with this
+    combination of wrappers. ``params`` is Ψ, the model's parameter count before wrapping."""
+
+    stage: int
+    wrapped: nn.Module
+    optimizer: torch.optim.Optimizer
+    no_sync: Callable[[], Any]
+    clip_grad_norm: Callable[[float], Any]
+    zero_grad: Callable[..., None]
+    params: int
+
+    def training_setup(self, loss_fn: Callable) -> TrainingSetup:
+        """The plain step over this composition: zero grads, forward, ``loss_fn(output,
+        target)``, backward, optimizer step."""
+        def step(inputs, target):
+            self.zero_grad()
+            loss = loss_fn(self.wrapped(inputs), target)
+            loss.backward()
+            self.optimizer.step()
+            return loss.detach()
+        return TrainingSetup(self.wrapped, self.optimizer, step, self.params)
+
+
+# ----------------------------------------------------------------------------- composing
+
+
+def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
+            wrap_policy: Optional[Callable] = None, offload: bool = False, comm=None,
+            process_group=None, reduce_bucket_bytes: Optional[int] = None,
+            count_ddp_comm: bool = True, overlap_param_sync: bool = False,
+            reshard_after_forward: Optional[bool] = None, sharding_strategy=None,
+            mixed_precision=False, quantize_weights: bool = False,
+            quantize_gradients: bool = False, hpz_partition_size: int = 1) -> Composition:
+    """Wrap ``model`` for ZeRO ``stage`` (0-3, table in the module docstring) and build its
+    optimizer from ``optimizer``.
+
+    Args:
+        wrap_policy: stage 3: which submodules become FSDP units (an ``auto_wrap`` policy);
+            ``None`` uses :func:`default_wrap_policy` of the model.
+        offload: stage 3: keep shards and optimizer state in CPU memory (``move_params_to_cpu``).
+        comm: the transport of shardkit's wrappers (OSS, ShardedDataParallel, FSDP); ``None`` is
+            the process group's own collectives. torch DDP's all-reduce never uses it.
+        process_group: the data-parallel group (default: the world).
+        reduce_bucket_bytes: stage 2: ShardedDataParallel's reduce bucket, in bytes.
+        count_ddp_comm: stages 0-1: route torch DDP's all-reduce through
+            :mod:`shardkit.distributed` so that ``CommCounter`` counts it.
+        overlap_param_sync: stages 1-2: OSS's parameter sync runs on into the next forward
+            (:meth:`shardkit.optim.OSS.overlap_sync_with` the wrapped model).
+        reshard_after_forward, sharding_strategy: stage 3: FSDP's (``None``: its defaults).
+        mixed_precision: stage 3: FSDP's ``mixed_precision`` (``True`` or a
+            ``MixedPrecisionPolicy``), for every unit.
+        quantize_weights, quantize_gradients, hpz_partition_size: stage 3: FSDP's ZeRO++
+            options (qwZ, qgZ, hpZ).
+
+    Costs: those of the wrappers (module docstring); building issues each wrapper's
+    initial broadcasts. Bad arguments raise before any of them.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"compose(stage={stage!r}): valid stages are {list(STAGES)}")
+    if not isinstance(optimizer, OptimizerRecipe):
+        raise TypeError(f"compose(optimizer={type(optimizer).__name__}): expected an "
+                        f"OptimizerRecipe, e.g. recipes.adamw(lr=1e-3) or "
+                        f"OptimizerRecipe.of(torch_optimizer)")
+    if stage != 3 and (offload or mixed_precision or quantize_weights or quantize_gradients
+                       or hpz_partition_size != 1 or wrap_policy is not None
+                       or reshard_after_forward is not None or sharding_strategy is not None):
+        raise ValueError(f"compose(stage={stage}): wrap_policy, offload, mixed_precision, "
+                         f"reshard_after_forward, sharding_strategy, quantize_weights, "
+                         f"quantize_gradients and hpz_partition_size are FSDP options (stage 3)")
+    if overlap_param_sync and stage not in (1, 2):
+        raise ValueError(f"compose(stage={stage}, overlap_param_sync=True): only OSS's "
+                         f"parameter sync (stages 1 and 2) can overlap the next forward")
+    psi = count_params(model.parameters())
+    if stage == 0:
+        return _stage0(model, optimizer, process_group, count_ddp_comm, psi)
+    if stage in (1, 2):
+        composition = _stage1(model, optimizer, comm, process_group, count_ddp_comm, psi) \
+            if stage == 1 else \
+            _stage2(model, optimizer, comm, process_group, reduce_bucket_bytes, psi)
+        if overlap_param_sync:
+            composition.optimizer.overlap_sync_with(composition.wrapped)
+        return composition
+    fsdp_kwargs = dict(process_group=process_group, comm=comm, move_params_to_cpu=offload,
+                       reshard_after_forward=reshard_after_forward,
+                       sharding_strategy=sharding_strategy,
+                       mixed_precision=mixed_precision, quantize_weights=quantize_weights, quantize_gradients=quantize_gradients,
+                       hpz_partition_size=hpz_partition_size)
+    return _stage3(model, optimizer, wrap_policy or default_wrap_policy(model), fsdp_kwargs, psi)
+
+
+def torch_ddp(model: nn.Module, process_group=None, count_comm: bool = True) -> nn.Module:
+    """Wrap in torch DDP with gradients as views of its buckets (so the bucket storage is the
+    gradient storage and ``model_state_bytes`` counts what DDP really holds); with
+    ``count_comm`` its all-reduce goes through :func:`shardkit.comm_hooks.
+    counted_allreduce_hook` (fp32, counted by ``CommCounter``)."""
+    from torch.nn.parallel import DistributedDataParallel
+    device = next(model.parameters()).device
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=ids, process_group=process_group,
+                                  gradient_as_bucket_view=True)
+    if count_comm:
+        from shardkit.comm_hooks import counted_allreduce_hook
+        ddp.register_comm_hook(process_group, counted_allreduce_hook)
+    return ddp
+
+
+def _trainable(model: nn.Module) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _zero_grads(*owners) -> Callable[..., None]:
+    def zero_grad(set_to_none: bool = True) -> None:
+        for owner in owners:
+            if isinstance(owner, torch.optim.Optimizer):
+                owner.zero_grad(set_to_none=set_to_none)
+            else:
+                owner.zero_grad()
+    return zero_grad
+
+
+def _oss(model: nn.Module, recipe: OptimizerRecipe, comm, process_group):
+    from shardkit.optim import OSS
+    if recipe.instance is not None:
+        return OSS(recipe.instance, group=process_group, comm=comm)
+    params = recipe.param_groups if recipe.param_groups is not None else _trainable(model)
+    return OSS(params, optim=recipe.cls, group=process_group, comm=comm, **recipe.defaults)
+
+
+def _stage0(model, recipe, process_group, count_comm, psi) -> Composition:
+    """torch DDP and a replicated optimizer."""
+    ddp = torch_ddp(model, process_group, count_comm)
+    optimizer = recipe.instance or recipe.build(recipe.param_groups or _trainable(model))
+    params = _trainable(model)
+    return Composition(0, ddp, optimizer, ddp.no_sync,
+                       lambda max_norm: torch.nn.utils.clip_grad_norm_(params, max_norm),
+                       _zero_grads(optimizer), psi)
+
+
+def _stage1(model, recipe, comm, process_group, count_comm, psi) -> Composition:
+    """OSS (optimizer state sharded) over torch DDP (full gradients all-reduced)."""
+    oss = _oss(model, recipe, comm, process_group)
+    ddp = torch_ddp(model, process_group, count_comm)
+    return Composition(1, ddp, oss, ddp.no_sync, oss.clip_grad_norm, _zero_grads(oss), psi)
+
+
+def _stage2(model, recipe, comm, process_group, reduce_bucket_bytes, psi) -> Composition:
+    """OSS plus ShardedDataParallel on the one transport: each gradient is reduced to its
+    owner only."""
+    from shardkit.nn.data_parallel import ShardedDataParallel
+    oss = _oss(model, recipe, comm, process_group)
+    kwargs = {} if reduce_bucket_bytes is None else {"reduce_buffer_size": reduce_bucket_bytes}
+    sdp = ShardedDataParallel(model, oss, process_group=process_group, comm=comm, **kwargs)
+    return Composition(2, sdp, oss, sdp.no_sync, oss.clip_grad_norm, _zero_grads(sdp, oss), psi)
+
+
+def _stage3(model, recipe, policy, fsdp_kwargs, psi) -> Composition:
+    """FSDP around every unit the policy picks and around the root; the optimizer is built
+    over FSDP's sharded parameters."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.wrap import auto_wrap
+    wrapped = auto_wrap(model, auto_wrap_policy=policy, **fsdp_kwargs)
+    if not isinstance(wrapped, FSDP):  # the policy may have wrapped the root already
+        wrapped = FSDP(wrapped, **fsdp_kwargs)
+    optimizer = recipe.build(p for p in wrapped.parameters() if p.requires_grad)
+    return Composition(3, wrapped, optimizer, wrapped.no_sync, wrapped.clip_grad_norm_,
+                       _zero_grads(wrapped, optimizer), psi)
+
+
+# ----------------------------------------------------------------------------- wrap policy
+
+
+def repeated_block_classes(model: nn.Module) -> tuple:
+    """The transformer blocks of ``model`` found by type: the class repeated most (at least
+    twice) among the children of one ``nn.ModuleList``/``nn.Sequential``, weighted by the
+    parameters those children hold; ``()`` when no class repeats."""
+    best, best_params = (), 0
+    for container in model.modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        by_class: dict = {}
+        for child in container.children():
+            by_class.setdefault(type(child), []).append(child)
+        for cls, children in by_class.items():
+            held = sum(count_params(c.parameters()) for c in children)
+            if len(children) >= 2 and held > best_params:
+                best, best_params = (cls,), held
+    return best
+
+
+def default_wrap_policy(model: nn.Module) -> Callable:
+    """Stage 3's documented default: the classes the model names in Hugging Face's
+    ``_no_split_modules`` (:func:`shardkit.nn.wrap.no_split_modules_policy`); else the
+    transformer blocks found by type (:func:`repeated_block_classes`); else FSDP's
+    parameter-count policy (:func:`shardkit.nn.wrap.default_auto_wrap_policy`)."""
+    from shardkit.nn.wrap import (default_auto_wrap_policy, no_split_modules_policy,
+                                  transformer_auto_wrap_policy)
+    if any(getattr(m, "_no_split_modules", None) for m in model.modules()):
+        try:
+            return no_split_modules_policy(model)
+        except ValueError:  # declared names of other variants only: fall through
+            pass
+    blocks = repeated_block_classes(model)
+    if blocks:
+        return transformer_auto_wrap_policy(set(blocks))
+    return default_auto_wrap_policy
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
 def token_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of ``[batch, seq, vocab]`` logits against ``[batch, seq]`` targets."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
@@ -64,94 +328,6 @@ def count_params(params: Iterable[torch.Tensor]) -> int:
             seen.add(id(p))
             total += p.numel()
     return total
-
-
-def data_parallel_step(model: nn.Module, optimizer, loss_fn: Callable,
-                       zero_grad: Optional[Callable] = None) -> Callable:
-    """The plain training step: zero grads, forward, loss, backward, optimizer step."""
-    zero_grad = zero_grad or optimizer.zero_grad
-
-    def step(inputs, target):
-        zero_grad()
-        loss = loss_fn(model(inputs), target)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
-    return step
-
-
-def counted_allreduce_hook(process_group, bucket):
-    """DDP comm hook averaging the bucket with :func:`shardkit.distributed.all_reduce`, so that
-    :class:`CommCounter` sees DDP's traffic (torch's own hook bypasses shardkit)."""
-    buffer = bucket.buffer()
-    buffer.div_(distributed.get_world_size(process_group))
-    work = distributed.all_reduce(buffer, group=process_group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
-
-
-def torch_ddp(model: nn.Module, count_comm: bool = True) -> nn.Module:
-    """Wrap in torch DDP with gradients as views of its buckets (so the bucket storage is the
-    gradient storage and model_state_bytes counts what DDP really holds)."""
-    from torch.nn.parallel import DistributedDataParallel
-    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
-    if count_comm:
-        ddp.register_comm_hook(None, counted_allreduce_hook)
-    return ddp
-
-
-def setup_ddp(model: nn.Module, loss_fn: Callable, lr: float,
-              count_comm: bool = True) -> TrainingSetup:
-    """Stage 0: torch DDP + AdamW (traffic counted through shardkit unless ``count_comm`` is
-    False, which leaves torch's native all-reduce)."""
-    psi = count_params(model.parameters())
-    ddp = torch_ddp(model, count_comm)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=lr)
-    return TrainingSetup(ddp, opt, data_parallel_step(ddp, opt, loss_fn), psi)
-
-
-def setup_oss(model: nn.Module, loss_fn: Callable, lr: float, comm=None) -> TrainingSetup:
-    """Stage 1: :class:`shardkit.optim.OSS` around AdamW, under torch DDP; ``comm`` is OSS's
-    transport for the parameter sync (default: the process group's collectives; DDP's
-    gradient all-reduce is torch's either way)."""
-    from shardkit.optim import OSS
-    psi = count_params(model.parameters())
-    ddp = torch_ddp(model)
-    opt = OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=lr, comm=comm)
-    return TrainingSetup(ddp, opt, data_parallel_step(ddp, opt, loss_fn), psi)
-
-
-def setup_sharded(model: nn.Module, loss_fn: Callable, lr: float, comm=None) -> TrainingSetup:
-    """Stage 2: :class:`ShardedDataParallel` + OSS(AdamW), both on the one transport ``comm``
-    (default: the process group's collectives)."""
-    from shardkit.nn.data_parallel import ShardedDataParallel
-    from shardkit.optim import OSS
-    psi = count_params(model.parameters())
-    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=lr, comm=comm)
-    sdp = ShardedDataParallel(model, opt, comm=comm)
-
-    def zero_grad():
-        sdp.zero_grad()
-        opt.zero_grad()
-    return TrainingSetup(sdp, opt, data_parallel_step(sdp, opt, loss_fn, zero_grad), psi)
-
-
-def setup_fsdp(model: nn.Module, loss_fn: Callable, lr: float, unit_classes: set,
-               offload: bool = False, comm=None) -> TrainingSetup:
-    """Stage 3: :class:`FullyShardedDataParallel`, one unit per instance of ``unit_classes``
-    (e.g. ``{Block}``) plus the root; ``offload`` keeps shards in CPU memory; ``comm`` is every
-    unit's transport (default: the process group's collectives)."""
-    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
-    from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
-    psi = count_params(model.parameters())
-    with enable_wrap(wrapper_cls=FSDP, move_params_to_cpu=offload, comm=comm):
-        model = auto_wrap(model, auto_wrap_policy=transformer_auto_wrap_policy(unit_classes))
-    fsdp = FSDP(model, move_params_to_cpu=offload, comm=comm)
-    opt = torch.optim.AdamW(fsdp.parameters(), lr=lr)
-
-    def zero_grad():
-        fsdp.zero_grad()
-        opt.zero_grad()
-    return TrainingSetup(fsdp, opt, data_parallel_step(fsdp, opt, loss_fn, zero_grad), psi)
 
 
 class Embeddings(nn.Module):
@@ -197,16 +373,17 @@ def pipeline_chunks(global_batch: int, stages: int) -> int:
     return max(c for c in range(1, min(global_batch, 2 * stages) + 1) if global_batch % c == 0)
 
 
-def setup_pipeline(layers: nn.Sequential, loss_fn: Callable, lr: float,
-                   chunks: int) -> TrainingSetup:
+def compose_pipeline(layers: nn.Sequential, loss_fn: Callable, optimizer: OptimizerRecipe,
+                     chunks: int) -> TrainingSetup:
     """A world-size-stage 1F1B pipeline (``shardkit.nn.pipe``) over ``layers``, balanced by
-    parameters; every rank trains its own stage with AdamW. ``train_step`` takes the whole
-    batch (the first stage reads the inputs, the last the targets)."""
+    parameters; every rank trains its own stage with ``optimizer``. ``train_step`` takes the
+    whole batch (the first stage reads the inputs, the last the targets). Wire: each boundary's
+    activations forward and their gradients back (``shardkit.plan.pipeline_comm_elements``)."""
     from shardkit.nn.pipe import PipelineStage, Schedule1F1B, split_sequential
     rank, stages = distributed.get_rank(), distributed.get_world_size()
     part = split_sequential(layers, balance_by_params(list(layers), stages))[rank]
     schedule = Schedule1F1B(PipelineStage(part, rank, stages), chunks, loss_fn)
-    opt = torch.optim.AdamW(part.parameters(), lr=lr)
+    opt = optimizer.build(part.parameters())
 
     def step(inputs, target):
         opt.zero_grad()

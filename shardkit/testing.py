@@ -24,6 +24,7 @@ every rank's traceback (hung ranks dump their stacks), tears the world down, and
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing as mp
 import os
@@ -38,7 +39,7 @@ from typing import Any, Callable, Optional
 from shardkit.cluster import SimulatedCluster, cluster_unavailable_reason, run_cluster  # re-exported
 from shardkit.models import GPT, GPTConfig, MLP, Block, reference_gpt_config  # re-exported
 
-__all__ = ["World", "WorldError", "free_port", "world_fixture", "GPT", "GPTConfig", "MLP", "Block",
+__all__ = ["World", "WorldError", "free_port", "patched_environ", "world_fixture", "GPT", "GPTConfig", "MLP", "Block",
            "reference_gpt_config", "run_in_world", "SimulatedCluster", "cluster_unavailable_reason",
            "run_cluster"]
 
@@ -54,6 +55,27 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def patched_environ(**values: Optional[str]):
+    """Set environment variables for the block (``None`` removes one) and restore every one of
+    them afterwards, as it was. For test bodies that run inside a :class:`World`'s ranks, where
+    pytest's ``monkeypatch`` does not reach."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results, stack_file: str,

@@ -6,11 +6,11 @@ import torch
 import torch.nn as nn
 
 from shardkit import distributed as skdist
-from shardkit.comm_hooks import (QuantizedHookState, bf16_allreduce_hook, fp16_allreduce_hook,
+from shardkit.comm_hooks import (QuantizedHookState, bf16_allreduce_hook,
+                                 counted_allreduce_hook, fp16_allreduce_hook,
                                  quantized_allreduce_hook)
 from shardkit.optim import OSS
 from shardkit.quantized_comm import wire_bytes
-from shardkit.recipes import counted_allreduce_hook
 from shardkit.testing import world_fixture
 
 world2 = world_fixture(2)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shardkit import demo, recipes
+from shardkit import demo, plan, recipes
 from shardkit.models import GPT
 
 
@@ -34,9 +34,13 @@ def test_demo_runs_end_to_end_and_writes_its_figures(tiny_demo):
     proc, report, out = tiny_demo
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not _rows(report, "failed")
+    # A run skipped because its wrapper does not import is a failure of this test too.
+    assert not _rows(report, "skipped"), _rows(report, "skipped")
     assert [r["name"] for r in report["runs"]] == [r.name for r in demo.RUNS]
     assert report["world_size"] == 2 and report["steps"] == 3
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    chart = json.loads((out / "demo.chart.json").read_text())
+    assert [g["label"] for g in chart["groups"]] == [r["label"] for r in _rows(report)]
     assert "torch DDP" in proc.stdout and "final loss" in proc.stdout
     ddp = _rows(report)[0]
     assert ddp["name"] == "ddp" and ddp["step_time_ratio_to_ddp"] == 1.0
@@ -46,7 +50,8 @@ def test_data_parallel_model_states_follow_the_zero_formulas(tiny_demo):
     _, report, _ = tiny_demo
     psi = sum(p.numel() for p in GPT(demo.MODELS["small"]).parameters())
     n = report["world_size"]
-    formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}
+    formula = {s: plan.zero_model_state_bytes(psi, n, s, plan.FP32_ADAMW) for s in range(4)}
+    assert formula[1] == 8 * psi + 8 * psi / n  # fp32 AdamW: W = G = 4, K = 8
     checked = set()
     for row in _rows(report):
         if row["stage"] is None:
@@ -70,12 +75,21 @@ def test_final_loss_is_identical_across_data_parallel_stages(tiny_demo):
             assert row["final_loss"] == pytest.approx(ddp_losses[-1], rel=1e-4)
 
 
-def test_ddp_traffic_is_counted_exactly(tiny_demo):
+def test_counted_traffic_follows_the_plan_formulas(tiny_demo):
+    """CommCounter against shardkit.plan: DDP and the pipeline exactly, the sharded stages
+    within their flat buffers' padding (stage 1 is 3Ψ(N-1)/N: all-reduce + parameter sync)."""
     _, report, _ = tiny_demo
     ddp = _rows(report)[0]
     assert ddp["comm_bytes_per_step"] == pytest.approx(ddp["comm_formula_bytes_per_step"])
+    checked = set()
     for row in _rows(report):
-        assert all(b > 0 for b in row["comm_bytes_per_step"]), row["name"]
+        exact = row["stage"] in (0, None)
+        for counted, formula in zip(row["comm_bytes_per_step"],
+                                    row["comm_formula_bytes_per_step"]):
+            assert counted > 0, row["name"]
+            assert counted == pytest.approx(formula, rel=0 if exact else 0.01), row["name"]
+        checked.add(row["stage"])
+    assert checked == {0, 1, 2, 3, None}
 
 
 def _demo(capsys, *argv):

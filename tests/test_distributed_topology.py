@@ -3,14 +3,12 @@ intra-node and inter-node groups, and CommCounter's split of bytes between group
 node and groups that span nodes (same ring convention). A world of 4 labelled as 2 nodes x 2
 ranks; tests/cluster/ runs the same on real separate nodes."""
 
-import os
-
 import pytest
 import torch
 
 from shardkit import distributed as skd
 from shardkit.distributed import CommCounter
-from shardkit.testing import World
+from shardkit.testing import World, patched_environ
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +67,11 @@ def test_comm_counter_splits_by_group_topology(nodes2x2):
 
 
 def _bad_local_world_size():
-    os.environ["LOCAL_WORLD_SIZE"] = "3"
-    try:
-        skd.ranks_per_node()
-    except RuntimeError as err:
-        return str(err)
-    finally:
-        os.environ["LOCAL_WORLD_SIZE"] = "2"
+    with patched_environ(LOCAL_WORLD_SIZE="3"):
+        try:
+            skd.ranks_per_node()
+        except RuntimeError as err:
+            return str(err)
 
 
 def test_uneven_nodes_are_a_clear_error(nodes2x2):

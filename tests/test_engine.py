@@ -17,6 +17,7 @@ from shardkit.config import ConfigError
 from shardkit.models import GPT, Block, GPTConfig, synthetic_batch
 from shardkit.testing import world_fixture
 from shardkit.utils.memory import model_state_bytes
+from tests.utils.compare import max_diff
 
 TINY = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=8)
 # Note: eps 1e-6, not AdamW's 1e-8. The key bias of attention has an exactly-zero true gradient
@@ -83,11 +84,6 @@ def _full_params(stage, wrapped, module):
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def _max_diff(a, b):
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-
 def _parity(stage):
     rank, world = distributed.get_rank(), distributed.get_world_size()
     engine, optimizer, _, _ = shardkit.initialize(model=GPT(TINY, seed=0), config=_config(stage))
@@ -124,8 +120,8 @@ def _parity(stage):
             hand_opt.zero_grad()
 
         got = _full_params(stage, engine.wrapped, engine.module)
-        vs_oracle.append(_max_diff(got, oracle.state_dict()))
-        vs_hand.append(_max_diff(got, _full_params(stage, hand, hand_model)))
+        vs_oracle.append(max_diff(got, oracle.state_dict()))
+        vs_hand.append(max_diff(got, _full_params(stage, hand, hand_model)))
     memory = model_state_bytes(module=engine.wrapped, optimizer=engine.optimizer)
     return {"vs_oracle": vs_oracle, "vs_hand": vs_hand, "global_steps": engine.global_steps,
             "boundaries": boundaries[:GAS], "optimizer": type(optimizer).__name__,

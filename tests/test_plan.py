@@ -49,7 +49,7 @@ def test_json_figures_are_the_formulas(capsys):
     assert rows == pytest.approx({0: 16 * psi, 1: 4 * psi + 12 * psi / n,
                                   2: 2 * psi + 14 * psi / n, 3: 16 * psi / n})
     wire = {r["stage"]: r["comm_per_step"] for r in json.loads(out)["rows"]}
-    assert wire == pytest.approx({0: 2 * 2 * psi * (n - 1) / n, 1: 2 * 2 * psi * (n - 1) / n,
+    assert wire == pytest.approx({0: 2 * 2 * psi * (n - 1) / n, 1: 2 * 3 * psi * (n - 1) / n,
                                   2: 2 * 2 * psi * (n - 1) / n, 3: 2 * 3 * psi * (n - 1) / n})
 
 
@@ -212,3 +212,17 @@ def test_stage3_traffic_per_zeropp_option(capsys):
     assert "qwZ+qgZ 2.2 GB (0.21x)" in out
     code, out, _ = _plan(capsys, "--params", "1e9", "--world-size", "8", "--stages", "1", "--json")
     assert json.loads(out)["stage3_traffic"] is None
+
+
+def test_chart_draws_every_stage_with_its_figures(capsys, tmp_path):
+    png = tmp_path / "plan.png"
+    code, out, _ = _plan(capsys, "--params", "7.5B", "--world-size", "64", "--mixed-precision",
+                         "--chart", str(png))
+    assert code == 0 and str(png) in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    chart = json.loads((tmp_path / "plan.chart.json").read_text())
+    states = [g["values"]["model states (GB)"] for g in chart["groups"]]
+    mixed = plan.precision_for("adam", mixed_precision=True)
+    assert states == pytest.approx([plan.zero_model_state_bytes(7.5e9, 64, s, mixed) / 1e9
+                                    for s in range(4)])
+    assert states[0] == pytest.approx(120.0) and states[3] == pytest.approx(1.875)

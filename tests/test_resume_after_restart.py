@@ -20,6 +20,7 @@ import torch, torch.nn.functional as F
 import shardkit
 from shardkit import distributed
 from shardkit.models import GPT, GPTConfig, synthetic_batch
+from tests.utils.compare import max_diff
 
 save_dir, out, total, kill_at, stage = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
 TINY = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=8)
@@ -72,11 +73,6 @@ def _torchrun(tmp_path, name, world, total, kill_at, stage, save_dir, restarts):
     return proc, out
 
 
-def _max_diff(a, b):
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 def test_killed_rank_restarts_and_finishes_bit_identical(tmp_path):
     total, stage = 6, 3
     ref, ref_out = _torchrun(tmp_path, "reference", 2, total, -1, stage,
@@ -89,7 +85,7 @@ def test_killed_rank_restarts_and_finishes_bit_identical(tmp_path):
                              str(tmp_path / "ckpt"), 1)
     assert run.returncode == 0, _errors(run)
     assert "attempt 1 rank 0: starting at step 2" in run.stdout, run.stdout
-    assert _max_diff(torch.load(run_out, weights_only=True), reference) == 0.0
+    assert max_diff(torch.load(run_out, weights_only=True), reference) == 0.0
 
     # Killed with no restart left; the job comes back at world size 1 and reshards.
     dead, _ = _torchrun(tmp_path, "dead", 2, total, 3, stage, str(tmp_path / "ckpt-w"), 0)
@@ -98,7 +94,7 @@ def test_killed_rank_restarts_and_finishes_bit_identical(tmp_path):
                                      str(tmp_path / "ckpt-w"), 0)
     assert resized.returncode == 0, _errors(resized)
     assert "attempt 0 rank 0: starting at step 2" in resized.stdout, resized.stdout
-    assert _max_diff(torch.load(resized_out, weights_only=True), reference) <= 1e-5
+    assert max_diff(torch.load(resized_out, weights_only=True), reference) <= 1e-5
 
 
 def _errors(proc):

@@ -18,6 +18,7 @@ from shardkit import distributed
 from shardkit.checkpoint import read_latest_tag
 from shardkit.models import GPT, GPTConfig, synthetic_batch
 from shardkit.testing import world_fixture
+from tests.utils.compare import max_diff
 
 TINY = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=8)
 GLOBAL_BATCH, MICRO = 8, 2
@@ -88,11 +89,6 @@ def _resumed_run(save_dir, stage):
             "after": after, "lr": engine.get_lr(), "gas": engine.gradient_accumulation_steps()}
 
 
-def _max_diff(a, b):
-    assert a.keys() == b.keys()
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-
 def test_stage3_world2_checkpoint_resumes_at_world1_stage0_and_world4_stage1(
         world1, world2, world4, tmp_path):
     save_dir = str(tmp_path / "ckpt")
@@ -114,7 +110,7 @@ def test_stage3_world2_checkpoint_resumes_at_world1_stage0_and_world4_stage1(
             assert r["path"] == reference["path"] and r["client_state"] == {"epoch": 7}
             assert r["resumed_at"] == (STEPS_BEFORE, STEPS_BEFORE - 1) and r["gas"] == gas
             assert r["lr"] == pytest.approx(reference["lr"])
-        diffs = [_max_diff(got, want)
+        diffs = [max_diff(got, want)
                  for got, want in zip(results[0]["after"], reference["after"])]
         assert max(diffs) <= 1e-5, (world.world_size, stage, diffs)
 
@@ -124,4 +120,4 @@ def test_stage3_world2_checkpoint_resumes_at_world1_stage0_and_world4_stage1(
     assert main(["consolidate", save_dir, out]) == 0
     plain = GPT(TINY, seed=5)
     plain.load_state_dict(torch.load(out))
-    assert _max_diff(plain.state_dict(), reference["at_save"]) == 0.0
+    assert max_diff(plain.state_dict(), reference["at_save"]) == 0.0

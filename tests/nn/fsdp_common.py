@@ -13,6 +13,7 @@ from shardkit.models import GPT, Block, GPTConfig, synthetic_batch
 from shardkit.models import CausalSelfAttention
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
+from tests.utils.compare import max_diff  # noqa: F401  (the FSDP tests import it from here)
 
 # seq_len 9: the position embedding has 9 rows, so its shards are padded at world 2 and 4
 TINY = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=16, seq_len=9, tie_weights=True)
@@ -79,12 +80,6 @@ class _nullcontext:
 
     def __exit__(self, *exc):
         return False
-
-
-def max_diff(full_sd: dict, reference_sd: dict) -> float:
-    assert set(full_sd) == set(reference_sd), set(full_sd) ^ set(reference_sd)
-    return max((full_sd[k].float() - reference_sd[k].float()).abs().max().item()
-               for k in reference_sd)
 
 
 def shard_diff(model: FSDP, reference: torch.nn.Module) -> float:

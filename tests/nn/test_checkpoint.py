@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from shardkit.nn.checkpoint import (checkpoint_wrapper, disable_checkpointing, is_checkpointing,
                                     is_recomputing)
+from tests.utils.compare import max_diff
 
 
 class TwoInTwoOut(nn.Module):
@@ -45,10 +46,6 @@ def _run(module, x, mask, seed=123):
     return a.detach(), b.detach(), xg.grad.clone(), grads
 
 
-def _max_diff(xs, ys):
-    return max((u - v).abs().max().item() for u, v in zip(xs, ys))
-
-
 @pytest.mark.parametrize("offload", [False, True])
 def test_parity_kwargs_multi_io_dropout_batchnorm(offload):
     plain = TwoInTwoOut()
@@ -59,11 +56,11 @@ def test_parity_kwargs_multi_io_dropout_batchnorm(offload):
     mask = (torch.rand(16, 8) > 0.3).float()  # an input that does not require grad
     ref, got = _run(plain, x, mask), _run(wrapped, x, mask)
     # identical dropout masks (same RNG draw in forward and recomputation) -> identical grads
-    assert _max_diff(ref[:3], got[:3]) <= 1e-6
-    assert _max_diff(ref[3], got[3]) <= 1e-6
+    assert max_diff(ref[:3], got[:3]) <= 1e-6
+    assert max_diff(ref[3], got[3]) <= 1e-6
     # running statistics updated once, not twice (the recomputation leaves them alone)
     assert torch.equal(plain.bn.num_batches_tracked, wrapped.bn.num_batches_tracked)
-    assert _max_diff([plain.bn.running_mean, plain.bn.running_var],
+    assert max_diff([plain.bn.running_mean, plain.bn.running_var],
                      [wrapped.bn.running_mean, wrapped.bn.running_var]) <= 1e-7
 
 
@@ -109,7 +106,7 @@ def test_saved_activation_memory_goes_down():
     assert plain_bytes >= 4 * 4 * 32 * 64 * 4  # >= four activations saved per block
     out_plain.sum().backward()
     out_ckpt.sum().backward()
-    assert _max_diff([p.grad for p in plain.parameters()], [p.grad for p in ckpt.parameters()]) <= 1e-6
+    assert max_diff([p.grad for p in plain.parameters()], [p.grad for p in ckpt.parameters()]) <= 1e-6
 
 
 def test_params_only_region_and_nested_wrapping():
@@ -121,7 +118,7 @@ def test_params_only_region_and_nested_wrapping():
     x = torch.randn(4, 5)  # no input requires grad: grads still reach the parameters
     plain(x).sum().backward()
     ckpt(x).sum().backward()
-    assert _max_diff([p.grad for p in plain.parameters()], [p.grad for p in ckpt.parameters()]) <= 1e-6
+    assert max_diff([p.grad for p in plain.parameters()], [p.grad for p in ckpt.parameters()]) <= 1e-6
 
 
 def test_copies_stay_independent():

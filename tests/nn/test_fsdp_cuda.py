@@ -1,7 +1,6 @@
 """FSDP on CUDA (skipped without a GPU): NCCL world of 1, the Triton packing path, parity with
 single-process training, CPU offload (pinned fp32 shards, CUDA compute) and bf16 compute."""
 
-import os
 
 import pytest
 import torch
@@ -12,11 +11,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.fixture(scope="module")
 def nccl_world_of_one():
     from shardkit import distributed as skdist
-    from shardkit.testing import free_port
 
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    skdist.init_distributed(backend="nccl")
+    skdist.init_single_process(backend="nccl")  # no environment variables to leak
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     yield

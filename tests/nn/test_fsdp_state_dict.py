@@ -17,8 +17,14 @@ SAVE_AT, TOTAL = 3, 6
 
 
 @pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("fsdp_ckpt"))
+def saved_world2(tmp_path_factory):
+    """The world-2 checkpoint every test here reads, written (and resumed at world 2) once by
+    whichever test asks first, so no test depends on another having run."""
+    directory = str(tmp_path_factory.mktemp("fsdp_ckpt"))
+    with World(2) as world:
+        saved = world.run(_train_and_save, directory)
+        resumed = world.run(_resume, directory)
+    return directory, saved, resumed
 
 
 def _reference(steps):
@@ -102,12 +108,10 @@ def _saved_locals(directory):
             [torch.load(os.path.join(directory, f"meta_{r}.pt")) for r in range(2)])
 
 
-def test_full_state_dict_and_local_checkpoint_world2(checkpoint_dir):
-    with World(2) as world:
-        results = world.run(_train_and_save, checkpoint_dir)
-        for r in results:
-            assert all(v <= 1e-5 for v in r.values()), r
-        resumed = world.run(_resume, checkpoint_dir)
+def test_full_state_dict_and_local_checkpoint_world2(saved_world2):
+    checkpoint_dir, results, resumed = saved_world2
+    for r in results:
+        assert all(v <= 1e-5 for v in r.values()), r
     for r in resumed:
         assert r["resumed_vs_reference"] <= 1e-5 and r["own_reload"] <= 1e-5, r
     _check_offline_consolidation(checkpoint_dir)
@@ -138,9 +142,8 @@ def _check_offline_consolidation(directory):
 
 
 @pytest.mark.parametrize("world_size", [1, 4])
-def test_local_checkpoint_reshards(checkpoint_dir, world_size):
-    if not os.path.exists(os.path.join(checkpoint_dir, "optim.pt")):
-        pytest.skip("needs the world-2 checkpoint of the previous test")
+def test_local_checkpoint_reshards(saved_world2, world_size):
+    checkpoint_dir = saved_world2[0]
     with World(world_size) as world:
         results = world.run(_resume, checkpoint_dir)
     for r in results:

@@ -10,6 +10,7 @@ from shardkit.nn import Pipe
 from shardkit.nn.pipe import is_checkpointing, is_recomputing
 from shardkit.nn.pipe.pipe import clock_cycles
 from shardkit.nn.pipe.skip import Namespace, pop, skippable, stash, verify_skippables
+from tests.utils.compare import max_diff
 
 
 def _sequential(seed=0, width=12):
@@ -25,11 +26,6 @@ def _outputs_and_grads(model, x):
     return [out.detach(), x.grad] + [p.grad for p in model.parameters()]
 
 
-def _max_diff(xs, ys):
-    assert len(xs) == len(ys)
-    return max((a - b).abs().max().item() for a, b in zip(xs, ys))
-
-
 def test_clock_order_is_gpipe():
     assert clock_cycles(3, 2) == [[(0, 0)], [(1, 0), (0, 1)], [(2, 0), (1, 1)], [(2, 1)]]
 
@@ -41,7 +37,7 @@ def test_parity_with_sequential(chunks, checkpoint):
     pipe = Pipe(copy.deepcopy(ref), balance=[2, 3, 2], devices=["cpu"] * 3, chunks=chunks,
                 checkpoint=checkpoint)
     x = torch.randn(16, 12)
-    assert _max_diff(_outputs_and_grads(ref, x), _outputs_and_grads(pipe, x)) <= 1e-6
+    assert max_diff(_outputs_and_grads(ref, x), _outputs_and_grads(pipe, x)) <= 1e-6
     assert list(pipe.state_dict()) == _pipe_keys(ref.state_dict(), [2, 3, 2])
     assert len(pipe) == len(ref) and pipe[0] is pipe.partitions[0][0]
     assert isinstance(pipe[-1], nn.Linear) and pipe[-1].out_features == 3
@@ -113,7 +109,7 @@ def test_skip_connection_across_partitions(checkpoint):
     ref = _skip_model()  # runs as a plain Sequential too
     pipe = Pipe(copy.deepcopy(ref), [2, 2, 1], chunks=4, checkpoint=checkpoint)
     x = torch.randn(8, 6)
-    assert _max_diff(_outputs_and_grads(ref, x), _outputs_and_grads(pipe, x)) <= 1e-6
+    assert max_diff(_outputs_and_grads(ref, x), _outputs_and_grads(pipe, x)) <= 1e-6
     assert isinstance(pipe[0], StashInput) and isinstance(pipe[0], nn.Module)
 
 
@@ -126,7 +122,7 @@ def test_namespaces_isolate_repeated_skip_names():
     verify_skippables(ref)
     pipe = Pipe(copy.deepcopy(ref), [1, 2, 1], chunks=2, checkpoint="always")
     x = torch.randn(4, 6)
-    assert _max_diff(_outputs_and_grads(ref, x), _outputs_and_grads(pipe, x)) <= 1e-6
+    assert max_diff(_outputs_and_grads(ref, x), _outputs_and_grads(pipe, x)) <= 1e-6
 
 
 def test_namespaces_compare_hash_and_order_by_value():
@@ -194,7 +190,7 @@ def test_dropout_same_mask_in_recomputation_and_flags():
     a = _outputs_and_grads(kept, x)
     torch.manual_seed(7)
     b = _outputs_and_grads(recomputed, x)
-    assert _max_diff(a, b) <= 1e-6  # a different mask in recomputation would change the grads
+    assert max_diff(a, b) <= 1e-6  # a different mask in recomputation would change the grads
     assert recomputed[2].seen.count((True, False)) == 4  # first forward of each micro-batch
     assert recomputed[2].seen.count((False, True)) == 4  # each recomputation
     assert kept[2].seen == [(False, False)] * 4
@@ -308,7 +304,7 @@ def test_chunks_and_checkpoint_are_coerced_and_small_batches_run():
     pipe = Pipe(copy.deepcopy(ref), [3, 4], chunks=8.0, checkpoint=_Mode("always"))
     assert pipe.chunks == 8 and pipe.checkpoint == "always"
     x = torch.randn(5, 12)  # 5 samples, 8 chunks: 5 micro-batches of one sample
-    assert _max_diff(_outputs_and_grads(ref, x), _outputs_and_grads(pipe, x)) <= 1e-6
+    assert max_diff(_outputs_and_grads(ref, x), _outputs_and_grads(pipe, x)) <= 1e-6
     assert Pipe(_sequential(), [7], chunks="3").chunks == 3
 
 

@@ -16,6 +16,7 @@ from shardkit import distributed as skdist
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.optim import OSS
 from shardkit.testing import world_fixture
+from tests.utils.compare import max_diff
 
 STEPS = 10
 LOCAL_BATCH = 8
@@ -150,10 +151,6 @@ class _Optimizers(list):
         return [p for o in self for p, r in o.param_to_rank.items() if r == rank]
 
 
-def _max_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((pa - pb).abs().max().item() for pa, pb in zip(a.parameters(), b.parameters()))
-
-
 def _run_parity(cfg: dict) -> float:
     rank, world_size = skdist.get_rank(), skdist.get_world_size()
     ref, ref_opt, model, optimizer = _build(cfg, rank)
@@ -164,7 +161,7 @@ def _run_parity(cfg: dict) -> float:
                 m.hidden.requires_grad_(False)
         _reference_step(ref, ref_opt, cfg, step, world_size)
         _sharded_step(model, optimizer, cfg, step, rank)
-        worst = max(worst, _max_diff(ref, model.module))
+        worst = max(worst, max_diff(ref, model.module))
     return worst
 
 
@@ -211,5 +208,5 @@ def test_parity_grid_world2(world2):
 
 def test_parity_grid_world4(world4):
     names = ["plain", "no_sync_4_micro_batches", "frozen_layer", "unused_branch_on_rank0",
-             "two_param_groups"]
+             "two_param_groups", "small_buckets_shared_memory"]
     _assert_parity(world4.run(_run_grid, names))

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from shardkit import distributed as skdist
+from shardkit import plan
 from shardkit.models import GPT, GPTConfig, MLP, reference_gpt_config, synthetic_batch
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.optim import OSS
@@ -64,8 +65,9 @@ def test_gradient_and_model_state_bytes_follow_stage_2(world2, kind):
         # (whole parameters) and OSS's few-per-cent sync padding
         assert r["params"] <= psi * 4 * 1.05, r
         assert r["optimizer"] <= 8 * r["owned_numel"] + 1024, r
-        assert r["total"] <= (4 * psi + 12 * psi / n) * 1.06 + BUCKET_BYTES, r
-        ddp_total = 16 * psi
+        stage2 = plan.zero_model_state_bytes(psi, n, 2, plan.FP32_ADAMW)
+        assert r["total"] <= stage2 * 1.06 + BUCKET_BYTES, r
+        ddp_total = plan.zero_model_state_bytes(psi, n, 0, plan.FP32_ADAMW)
         assert r["total"] / ddp_total <= 0.64, r  # world 2: 0.625 by the formula
 
 
@@ -97,7 +99,7 @@ def _count_gpt_step(cfg: GPTConfig, reduce_fp16: bool):
 def test_reference_gpt_step_communicates_2psi_world2(world2):
     for r in world2.run(_count_gpt_step, reference_gpt_config(), False):
         psi, n = r["psi"], r["n"]
-        budget = 2 * psi * (n - 1) / n
+        budget = plan.zero_comm_elements_per_step(psi, n, 2)
         assert r["elements"] <= 1.1 * budget, r
         assert r["grad_elements"] <= 1.05 * psi * (n - 1) / n, r
         assert r["grad_dtypes"] == ["torch.float32"]

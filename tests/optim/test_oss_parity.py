@@ -13,11 +13,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardkit import distributed
 from shardkit.optim import OSS
 from shardkit.testing import MLP, world_fixture
+from tests.utils.compare import max_diff
 
 STEPS = 10
 LOCAL_BATCH = 4
 WIDTH = 24
 TOL = 1e-5
+
+
+world1 = world_fixture(1)
 
 
 world2 = world_fixture(2)
@@ -52,10 +56,6 @@ def _global_batch(step: int, world: int):
     x = torch.randn(LOCAL_BATCH * world, WIDTH, generator=gen)
     y = torch.randn(LOCAL_BATCH * world, 6, generator=gen)
     return x, y
-
-
-def _max_diff(a, b) -> float:
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
 
 def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, schedule=False,
@@ -110,7 +110,7 @@ def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, sc
         if schedule:
             ref_sched.step()
             sched.step()
-        worst = max(worst, _max_diff(model, oracle))
+        worst = max(worst, max_diff(model, oracle))
     return worst
 
 
@@ -118,6 +118,9 @@ def _transport(kind):
     if kind == "shared_memory":  # small parts: every bucket takes many rounds
         from shardkit.shm_transport import SharedMemoryTransport
         return SharedMemoryTransport(part_bytes=4096)
+    if kind == "process_group":  # what None resolves to, named explicitly
+        from shardkit.transport import ProcessGroupTransport
+        return ProcessGroupTransport()
     return None
 
 
@@ -147,6 +150,7 @@ CONFIGS = {
     "adamw": dict(opt=ADAMW),
     "adamw_clip_l2": dict(opt=ADAMW, clip=(0.05, 2.0)),
     "adamw_shared_memory": dict(opt=ADAMW, comm="shared_memory"),
+    "adamw_process_group": dict(opt=ADAMW, comm="process_group"),
     "adamw_clip_inf": dict(opt=ADAMW, clip=(0.01, float("inf"))),
     "adamw_lr_schedule": dict(opt=ADAMW, schedule=True),
     "adamw_one_group_no_frozen": dict(opt=ADAMW, two_groups=False, frozen=False),
@@ -207,12 +211,27 @@ def grid2(world2):
     return results[0], results
 
 
+WORLD1 = ["adamw", "adamw_process_group", "adamw_shared_memory"]
+
+
+@pytest.fixture(scope="module")
+def grid1(world1):
+    results = world1.run(_run_grid, WORLD1)
+    return results[0], results
+
+
 @pytest.fixture(scope="module")
 def grid4(world4):
     names = ["adamw", "adamw_clip_l2", "adamw_shared_memory", "sgd_momentum_clip",
              "adamw_owner_grads_only"]
     results = world4.run(_run_grid, names)
     return results[0], results
+
+
+@pytest.mark.parametrize("name", WORLD1)
+def test_parity_world1_each_transport(grid1, name):
+    first, _ = grid1
+    assert first[name] <= TOL, f"{name}: max |OSS - single process| = {first[name]:.3g}"
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

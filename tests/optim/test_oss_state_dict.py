@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from shardkit import distributed
 from shardkit.optim import OSS
 from shardkit.testing import MLP, World, world_fixture
+from tests.utils.compare import max_diff
 
 WIDTH, BATCH, SAVE_AT, MORE = 16, 8, 3, 3
 HYPER = {"lr": 1e-2, "weight_decay": 0.01}
@@ -81,19 +82,15 @@ def _resume(path):
     return _params(model)
 
 
-def _max_diff(a, b):
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
-
-
 def test_world2_checkpoint_resumes_at_world_1_2_4(world2, tmp_path):
     path = str(tmp_path / "oss.pt")
     expected = world2.run(_train_and_save, path)[0]
-    assert _max_diff(world2.run(_resume, path)[0], expected) == 0.0
+    assert max_diff(world2.run(_resume, path)[0], expected) == 0.0
     for n in (1, 4):
         with World(n) as w:
             got = w.run(_resume, path)
         for rank_params in got:
-            assert _max_diff(rank_params, expected) <= 1e-6, f"world {n}"
+            assert max_diff(rank_params, expected) <= 1e-6, f"world {n}"
 
 
 def _plain_adamw_round_trip():
@@ -128,8 +125,8 @@ def _plain_adamw_round_trip():
             F.mse_loss(m(_batch(step)[0]), _batch(step)[1]).backward()
             o.step()
     result = {"same": same, "held": held, "total": len(saved["state"]), "fused": fused_seen,
-              "diff": _max_diff(_params(model), _params(plain_model)),
-              "takeover_diff": _max_diff(_params(taken_model), _params(plain_model))}
+              "diff": max_diff(_params(model), _params(plain_model)),
+              "takeover_diff": max_diff(_params(taken_model), _params(plain_model))}
     opt.param_groups[1]["fused"] = False  # the user turns the kernel off for one group
     opt.zero_grad()
     F.mse_loss(model(_batch(4)[0]), _batch(4)[1]).backward()
@@ -237,7 +234,7 @@ def _repartition_parity():
         opt.step()
     except RuntimeError as e:
         missing_refresh = str(e)
-    return {"diff": _max_diff(oss_params, plain_params), "missing_refresh": missing_refresh}
+    return {"diff": max_diff(oss_params, plain_params), "missing_refresh": missing_refresh}
 
 
 def test_add_param_group_and_refresh_trainable_keep_parity(world2):

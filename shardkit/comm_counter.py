@@ -1,0 +1,177 @@
+"""What :class:`CommCounter` counts: the records of the collectives issued inside a block.
+
+The mechanism that issues collectives (:mod:`shardkit.distributed`) reports each op here, just
+before issuing it, through :func:`add_record`; this module knows nothing of process groups. The
+byte convention (ring algorithms, rooted ops averaged over the ranks) is in
+:mod:`shardkit.distributed`'s docstring and in :data:`WIRE_FACTOR`. Costs nothing on the wire;
+one small record per collective per active counter.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CommCounter", "CommRecord", "CallList", "WIRE_FACTOR", "element_size", "counting",
+           "add_record"]
+
+
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective as seen by :class:`CommCounter`."""
+
+    op: str
+    numel: int
+    dtype: torch.dtype
+    bytes: float
+    group_size: int
+    spans_nodes: bool = False  # the op's group has ranks on more than one node
+
+
+class CallList(list):
+    """The records of a :class:`CommCounter`; compares with an ``int`` as its length."""
+
+    def __eq__(self, other):
+        return len(self) == other if isinstance(other, int) else list.__eq__(self, other)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __lt__(self, other):
+        return len(self) < other if isinstance(other, int) else list.__lt__(self, other)
+
+    def __le__(self, other):
+        return len(self) <= other if isinstance(other, int) else list.__le__(self, other)
+
+    def __gt__(self, other):
+        return len(self) > other if isinstance(other, int) else list.__gt__(self, other)
+
+    def __ge__(self, other):
+        return len(self) >= other if isinstance(other, int) else list.__ge__(self, other)
+
+    def __int__(self):
+        return len(self)
+
+    __hash__ = None
+
+
+_active_counters: list["CommCounter"] = []
+_counter_lock = threading.Lock()
+
+
+class CommCounter:
+    """Count the bytes this rank puts on the wire for collectives issued inside the block.
+
+    Usage::
+
+        with CommCounter() as comm:
+            loss = model(x).sum(); loss.backward(); optimizer.step()
+        print(comm.bytes, comm.by_op, len(comm.calls))
+
+    Attributes:
+        bytes: total bytes under the ring convention of this module's docstring.
+        by_op: ``{op name: bytes}``.
+        calls: list of :class:`CommRecord`, one per collective (an ``int`` compares with its
+            length); ``calls_by_op`` gives ``{op name: count}``.
+
+    Per link: ``intra_node_bytes`` counts ops on groups whose ranks share one node,
+    ``inter_node_bytes`` ops on groups that span nodes, both under the same convention and
+    classified by the op's group (a send on a spanning group counts as spanning even when its
+    peer shares the node); topology from
+    :func:`shardkit.distributed.ranks_per_node`.
+
+    Counters nest: an op issued inside two counters is recorded once in each. Asynchronous
+    ops are recorded once, when issued. Costs nothing on the wire.
+    """
+
+    def __init__(self):
+        self.calls: CallList = CallList()
+
+    @property
+    def bytes(self) -> float:
+        return sum(r.bytes for r in self.calls)
+
+    @property
+    def by_op(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for r in self.calls:
+            out[r.op] = out.get(r.op, 0.0) + r.bytes
+        return out
+
+    @property
+    def calls_by_op(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.calls:
+            out[r.op] = out.get(r.op, 0) + 1
+        return out
+
+    @property
+    def elements(self) -> float:
+        """Elements on the wire: bytes of each record divided by its element size."""
+        return sum(r.bytes / element_size(r.dtype) for r in self.calls if r.numel)
+
+    @property
+    def inter_node_bytes(self) -> float:
+        """Bytes of the ops on groups that span nodes (all of them on one node: 0)."""
+        return sum(r.bytes for r in self.calls if r.spans_nodes)
+
+    @property
+    def intra_node_bytes(self) -> float:
+        """Bytes of the ops on groups inside one node."""
+        return sum(r.bytes for r in self.calls if not r.spans_nodes)
+
+    @property
+    def inter_node_elements(self) -> float:
+        """Elements of the ops on groups that span nodes."""
+        return sum(r.bytes / element_size(r.dtype) for r in self.calls if r.numel and r.spans_nodes)
+
+    def reset(self) -> None:
+        self.calls = CallList()
+
+    def __enter__(self) -> "CommCounter":
+        with _counter_lock:
+            _active_counters.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _counter_lock:
+            _active_counters.remove(self)
+
+    def __repr__(self) -> str:
+        return f"CommCounter(bytes={self.bytes:.0f}, calls={len(self.calls)}, by_op={self.by_op})"
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """Bytes of one element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+WIRE_FACTOR = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+    "reduce": lambda n: (n - 1) / n,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 0.0,
+    "barrier": lambda n: 0.0,
+}
+
+
+
+
+def counting() -> bool:
+    """True while at least one :class:`CommCounter` is active (recording can be skipped)."""
+    return bool(_active_counters)
+
+
+def add_record(record: CommRecord) -> None:
+    """Append ``record`` to every active counter."""
+    with _counter_lock:
+        for counter in _active_counters:
+            counter.calls.append(record)

@@ -1,0 +1,152 @@
+"""shardkit.recipes: the one composition road. The stage-3 default wrap policy (HF's
+``_no_split_modules``, else repeated blocks by type, else by size), refusals of bad arguments
+before any wrapper is built, and ``initialize`` outside torchrun (one rank, in a fresh process:
+no environment variable written, blocks found without the demo's model)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardkit import recipes
+from shardkit.models import GPT, MLP, Block, GPTConfig
+from shardkit.nn.wrap import default_auto_wrap_policy
+
+TINY = GPTConfig(vocab_size=32, n_layer=3, n_head=2, d_model=16, seq_len=8)
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+
+class Declared(nn.Module):
+    """Declares its block class the way a Hugging Face model does."""
+
+    _no_split_modules = ["Layer"]
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.layers = nn.ModuleList([Layer(), Layer()])
+        self.extra = nn.ModuleList([nn.Linear(8, 64), nn.Linear(64, 64), nn.Linear(64, 8)])
+
+
+def _selected(policy, model):
+    return {type(m) for m in model.modules() if policy(module=m, recurse=False,
+                                                       unwrapped_params=0)}
+
+
+def test_repeated_blocks_are_found_by_type():
+    assert recipes.repeated_block_classes(GPT(TINY)) == (Block,)
+    assert recipes.repeated_block_classes(MLP(16, depth=3)) == (nn.Linear,)
+    assert recipes.repeated_block_classes(nn.Linear(4, 4)) == ()
+    assert _selected(recipes.default_wrap_policy(GPT(TINY)), GPT(TINY)) == {Block}
+
+
+def test_no_split_modules_wins_over_the_larger_repeated_class():
+    model = Declared()
+    assert recipes.repeated_block_classes(model) == (nn.Linear,)  # more parameters
+    assert _selected(recipes.default_wrap_policy(model), model) == {Layer}
+
+
+def test_without_blocks_the_policy_is_by_parameter_count():
+    assert recipes.default_wrap_policy(nn.Linear(4, 4)) is default_auto_wrap_policy
+
+
+@pytest.mark.parametrize("stage, kwargs, error, message", [
+    (4, {}, ValueError, "compose(stage=4): valid stages are [0, 1, 2, 3]"),
+    (1, {"offload": True}, ValueError, "are FSDP options (stage 3)"),
+    (2, {"hpz_partition_size": 2}, ValueError, "are FSDP options (stage 3)"),
+    (0, {"wrap_policy": default_auto_wrap_policy}, ValueError, "are FSDP options (stage 3)"),
+    (3, {"overlap_param_sync": True}, ValueError, "only OSS's parameter sync"),
+])
+def test_bad_arguments_fail_before_wrapping(stage, kwargs, error, message):
+    with pytest.raises(error) as err:
+        recipes.compose(nn.Linear(4, 4), stage, recipes.adamw(1e-3), **kwargs)
+    assert message in str(err.value)
+
+
+def test_optimizer_must_be_a_recipe():
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="OptimizerRecipe.of"):
+        recipes.compose(nn.Linear(2, 2), 0, opt)
+    recipe = recipes.OptimizerRecipe.of(opt)
+    assert recipe.cls is torch.optim.SGD and recipe.defaults["lr"] == 0.1
+    assert recipe.instance is opt
+
+
+SINGLE_PROCESS = """
+import json, os, sys, torch
+import shardkit
+from shardkit.models import GPT, Block, GPTConfig, synthetic_batch
+before = dict(os.environ)
+cfg = GPTConfig(vocab_size=32, n_layer=3, n_head=2, d_model=16, seq_len=8)
+config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "zero_optimization": {"stage": 3}}
+engine, *_ = shardkit.initialize(model=GPT(cfg), config=config, peer_timeout_s=0)
+idx, tgt = synthetic_batch(cfg, 2, 0)
+logits = engine(idx)
+engine.backward(torch.nn.functional.cross_entropy(logits.reshape(-1, 32), tgt.reshape(-1)))
+engine.step()
+units = engine.wrapped.sharded_units()
+config["zero_optimization"] = {"stage": 2, "reduce_bucket_size": 1000}  # elements
+stage2, *_ = shardkit.initialize(model=GPT(cfg), config=config, peer_timeout_s=0)
+print(json.dumps({"environ_unchanged": dict(os.environ) == before,
+                  "units": len(units), "block_units": sum(isinstance(u.module, Block)
+                                                          for u in units),
+                  "steps": engine.global_steps,
+                  "stage2_bucket_bytes": stage2.wrapped.reduce_buffer_size}))
+"""
+
+
+def test_initialize_outside_torchrun_starts_one_rank_and_writes_no_environment():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", SINGLE_PROCESS], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == {"environ_unchanged": True, "units": TINY.n_layer + 1,
+                   "block_units": TINY.n_layer, "steps": 1,
+                   "stage2_bucket_bytes": 4000}  # DeepSpeed's elements, fp32 bytes
+
+
+MECHANISM = ("distributed.py", "comm_counter.py", "transport.py", "shm_transport.py",
+             "quantized_transport.py", "quantized_comm.py", "comm_hooks.py", "fault.py", "nn",
+             "optim", "kernels", "checkpoint", "utils")
+POLICY = {"shardkit.recipes", "shardkit.engine", "shardkit.demo", "shardkit.plan",
+          "shardkit.testing"}
+
+
+def _imports(path):
+    import ast
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return found
+
+
+def test_imports_run_from_policy_to_mechanism():
+    import pathlib
+
+    import shardkit
+    root = pathlib.Path(shardkit.__file__).parent
+    files = [f for name in MECHANISM for f in
+             ([root / name] if name.endswith(".py") else sorted((root / name).rglob("*.py")))]
+    wrong = {str(f.relative_to(root)): sorted(_imports(f) & POLICY) for f in files
+             if _imports(f) & POLICY}
+    assert not wrong, wrong
+    engine = _imports(root / "engine.py")
+    assert not engine & {"shardkit.models", "shardkit.testing", "shardkit.demo"}, engine
