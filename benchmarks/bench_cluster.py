@@ -121,8 +121,8 @@ def _shardkit_hpz(model, unit_cls):
 
 
 def _torch_zero(model, unit_cls):
-    """torch DDP + ZeroRedundancyOptimizer(AdamW) (without overlap_with_ddp, whose DDP hook
-    needs a fixed warm-up protocol)."""
+    """torch DDP + ZeroRedundancyOptimizer(AdamW). Without ``overlap_with_ddp``: on gloo torch
+    2.13 refuses it ("Gloo backend using Overlapping DDP with ZeRO may meet hangs")."""
     import torch
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
@@ -131,27 +131,32 @@ def _torch_zero(model, unit_cls):
                                         lr=LR)
 
 
-def _shardkit_oss(model, unit_cls):
+def _shardkit_oss(model, unit_cls, bucket_numel=None):
     """torch DDP + shardkit OSS(AdamW), the parameter sync overlapped with the next forward."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
     from shardkit.optim import OSS
     ddp = DistributedDataParallel(model)
-    optimizer = OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=LR)
+    optimizer = OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=LR, bucket_numel=bucket_numel)
     optimizer.overlap_sync_with(ddp)
     return ddp, optimizer
 
 
-def _shardkit_sharded(model, unit_cls):
+def _shardkit_sharded(model, unit_cls, reduce_buffer_size=2 ** 23, bucket_numel=None):
     """shardkit ShardedDataParallel + OSS(AdamW), the parameter sync overlapped with the next
     forward."""
     import torch
     from shardkit.nn.data_parallel import ShardedDataParallel
     from shardkit.optim import OSS
-    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LR)
-    wrapped = ShardedDataParallel(model, optimizer)
+    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LR, bucket_numel=bucket_numel)
+    wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=reduce_buffer_size)
     optimizer.overlap_sync_with(wrapped)
     return wrapped, optimizer
+
+
+def _bucket_variant(build, **kwargs):
+    """A row of the bucket-size sweep (``--configs`` picks them; not in the default set)."""
+    return lambda model, unit_cls: build(model, unit_cls, **kwargs)
 
 
 def _shardkit_zeropp(model, unit_cls):
@@ -214,6 +219,18 @@ ROWS = {
     "shardkit_sharded": Row("shardkit ShardedDDP + OSS (sync overlapped)", "shardkit",
                             _shardkit_sharded, _all_reduce_formula),
 }
+DEFAULT_ROWS = list(ROWS)
+
+# The bucket-size sweep behind the defaults (README, "Bucket sizes"): OSS's sync bucket in
+# elements per rank, ShardedDDP's reduce bucket in bytes.
+for _numel in (2 ** 19, 2 ** 20, 2 ** 22):
+    ROWS[f"shardkit_oss_b{_numel}"] = Row(
+        f"shardkit OSS + torch DDP, bucket_numel={_numel}", "shardkit",
+        _bucket_variant(_shardkit_oss, bucket_numel=_numel), _stage1_formula)
+for _bytes in (2 ** 21, 2 ** 22, 2 ** 25):
+    ROWS[f"shardkit_sharded_r{_bytes}"] = Row(
+        f"shardkit ShardedDDP + OSS, reduce_buffer_size={_bytes}", "shardkit",
+        _bucket_variant(_shardkit_sharded, reduce_buffer_size=_bytes), _all_reduce_formula)
 
 
 # ----------------------------------------------------------------------------- rank side
@@ -286,7 +303,7 @@ def rank_main(out_path: str, configs: list[str], rounds: int, steps: int) -> int
     rank, world = skd.get_rank(), skd.get_world_size()
     probe = _probe_all_reduce()
     trainers = {name: _Trainer(ROWS[name]) for name in configs}
-    times, step = time_interleaved(trainers, rounds, steps, warmup=1)
+    times, step = time_interleaved(trainers, rounds, steps, warmup=3)
     counted, wire = {}, {}
     for name, trainer in trainers.items():  # one more step each, counted
         skd.barrier()
@@ -410,7 +427,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rates", default="1gbit,10gbit")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--configs", default=",".join(ROWS))
+    parser.add_argument("--configs", default=",".join(DEFAULT_ROWS))
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="ranks per node (timings are meant for 1; bytes for any)")
