@@ -9,8 +9,9 @@
 - :mod:`~shardkit.checkpoint.resharding`: the one row-block cut and join, used by FSDP's shards,
   its local state dicts and optimizer state, and the on-disk row blocks.
 - :mod:`~shardkit.checkpoint.fsdp_state`: FSDP's local state dicts (metadata, offline
-  consolidation, resharding); :mod:`~shardkit.checkpoint.optimizer_state`: OSS's full
-  torch-format optimizer state dict (consolidate, load).
+  consolidation, resharding) and its full optimizer state dicts (gather, cut);
+  :mod:`~shardkit.checkpoint.optimizer_state`: OSS's full torch-format optimizer state dict
+  (consolidate, load).
 """
 
 from shardkit._lazy import lazy_exports

@@ -1,24 +1,29 @@
-"""FullyShardedDataParallel's local state dicts: their metadata, offline consolidation, and
-resharding for another world size.
+"""FullyShardedDataParallel's checkpoint formats: local state dicts (their metadata, offline
+consolidation, resharding for another world size) and full optimizer state dicts (gathered from
+the shards, cut back into them).
 
 ``FSDP.local_state_dict()`` holds each parameter's row block (see
 :mod:`shardkit.checkpoint.resharding`); ``FSDP.local_metadata_dict()`` the facts needed to join
 the blocks again. These functions take plain arguments (state dicts, metadata, this rank) and
-never communicate. Dicts written before the metadata had its own method carry it inside, under
+never communicate, except :func:`gather_full_optimizer_state` (one all-gather per state tensor,
+through :mod:`shardkit.distributed`). Dicts written before the metadata had its own method carry it inside, under
 :data:`LOCAL_META_KEY`, and still load.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
+from shardkit import distributed
 from shardkit.checkpoint.resharding import ParamLayout, shard_rows, unshard_rows
 
 __all__ = ["LOCAL_META_KEY", "LOCAL_FORMAT", "local_metadata", "consolidate_shard_weights",
-           "reshard_local_state_dicts"]
+           "reshard_local_state_dicts", "gather_full_optimizer_state",
+           "shard_full_optimizer_state", "unshard_optimizer_state", "shard_optimizer_state"]
 
 # Where local_state_dict() kept its metadata before local_metadata_dict() existed; such
 # checkpoints still load.
@@ -136,3 +141,79 @@ def reshard_local_state_dicts(state_dict, metadata, world_size: int, rank: int) 
             value = shard_rows(full, ParamLayout(torch.Size(shapes[key]), world_size), rank)
         out[key] = value
     return out
+
+
+def unshard_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor],
+                            layouts: dict, names: Sequence[Optional[str]],
+                            gather_rows: Callable[[torch.Tensor, ParamLayout], torch.Tensor]
+                            ) -> dict:
+    """A torch optimizer state dict whose shard-shaped tensors are unsharded by
+    ``gather_rows(tensor, layout)``; ``ordered`` are the optimizer's parameters in state-dict
+    index order, ``layouts`` maps ``id(param)`` to its layout. Adds ``"param_names"``."""
+    state = {}
+    for index, p in enumerate(ordered):
+        layout = layouts.get(id(p))
+        entry = {}
+        for key, value in osd["state"].get(index, {}).items():
+            if layout is not None and isinstance(value, torch.Tensor) and value.shape == p.shape:
+                value = gather_rows(value, layout)
+            elif isinstance(value, torch.Tensor):  # e.g. Adam's step: not the live tensor
+                value = value.clone()
+            entry[key] = value
+        if entry:
+            state[index] = entry
+    return {"state": state, "param_groups": copy.deepcopy(osd["param_groups"]),
+            "param_names": list(names)}
+
+
+def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tensor]],
+                          layouts: dict, rank: int) -> dict:
+    """This rank's part of a full optimizer state dict: every tensor of its parameter's full
+    shape is cut to ``rank``'s rows; ``ordered[i]`` is the parameter of state index ``i``."""
+    if not isinstance(full_osd, dict) or any(k not in full_osd for k in ("state",
+                                                                          "param_groups")):
+        raise ValueError("get_shard_from_optim_state_dict: expected a torch optimizer state "
+                         "dict with 'state' and 'param_groups' (e.g. from "
+                         "gather_full_optim_state_dict)")
+    state = {}
+    for index, entry in full_osd["state"].items():
+        p = ordered[int(index)] if int(index) < len(ordered) else None
+        layout = layouts.get(id(p)) if p is not None else None
+        state[index] = {k: (shard_rows(v, layout, rank)
+                            if layout is not None and isinstance(v, torch.Tensor)
+                            and tuple(v.shape) == tuple(layout.shape) else v)
+                        for k, v in entry.items()}
+    return {"state": state, "param_groups": copy.deepcopy(full_osd["param_groups"])}
+
+
+def gather_full_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor], layouts: dict,
+                                names: Sequence[Optional[str]], group=None,
+                                comm_device: Optional[torch.device] = None) -> dict:
+    """:func:`unshard_optimizer_state` with every shard-shaped tensor all-gathered over
+    ``group`` (on ``comm_device``, default the tensor's device). Communication: one all-gather
+    per state tensor (``Ψ·K/4`` elements in all). Memory: the full optimizer state. Collective:
+    every rank of ``group`` calls it with the same parameters."""
+    world_size = distributed.get_world_size(group)
+
+    def gather_rows(shard: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
+        device = comm_device or shard.device
+        gathered = torch.empty(shard.numel() * world_size, dtype=shard.dtype, device=device)
+        distributed.all_gather_into_tensor(gathered, shard.detach().reshape(-1).to(device),
+                                           group=group)
+        return unshard_rows(list(gathered.to(shard.device).chunk(world_size)), layout)
+
+    return unshard_optimizer_state(osd, ordered, layouts, names, gather_rows)
+
+
+def shard_full_optimizer_state(full_osd: dict, named_params: Sequence[tuple], layouts: dict,
+                               rank: int) -> dict:
+    """:func:`shard_optimizer_state` of a full dict whose state indices follow its
+    ``"param_names"`` when it has them (matched against ``named_params``, ``(name, param)``
+    pairs), else the order of ``named_params``. No communication."""
+    names = full_osd.get("param_names") if isinstance(full_osd, dict) else None
+    if names is None:
+        ordered = [p for _, p in named_params]
+    else:
+        by_name = dict(named_params)
+        ordered = [by_name.get(n) for n in names]
+    return shard_optimizer_state(full_osd, ordered, layouts, rank)

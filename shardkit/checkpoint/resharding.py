@@ -12,15 +12,13 @@ their own collectives).
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Sequence
 
 import torch
 
-__all__ = ["ParamLayout", "shard_rows", "unshard_rows", "join_row_blocks", "join_row_state",
-           "unshard_optimizer_state", "shard_optimizer_state"]
+__all__ = ["ParamLayout", "shard_rows", "unshard_rows", "join_row_blocks", "join_row_state"]
 
 
 @dataclass(frozen=True)
@@ -90,46 +88,3 @@ def join_row_state(parts: Sequence[tuple], shape) -> dict:
         else:
             joined[key] = value
     return joined
-
-
-def unshard_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor],
-                            layouts: dict, names: Sequence[Optional[str]],
-                            gather_rows: Callable[[torch.Tensor, ParamLayout], torch.Tensor]
-                            ) -> dict:
-    """A torch optimizer state dict whose shard-shaped tensors are unsharded by
-    ``gather_rows(tensor, layout)``; ``ordered`` are the optimizer's parameters in state-dict
-    index order, ``layouts`` maps ``id(param)`` to its layout. Adds ``"param_names"``."""
-    state = {}
-    for index, p in enumerate(ordered):
-        layout = layouts.get(id(p))
-        entry = {}
-        for key, value in osd["state"].get(index, {}).items():
-            if layout is not None and isinstance(value, torch.Tensor) and value.shape == p.shape:
-                value = gather_rows(value, layout)
-            elif isinstance(value, torch.Tensor):  # e.g. Adam's step: not the live tensor
-                value = value.clone()
-            entry[key] = value
-        if entry:
-            state[index] = entry
-    return {"state": state, "param_groups": copy.deepcopy(osd["param_groups"]),
-            "param_names": list(names)}
-
-
-def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tensor]],
-                          layouts: dict, rank: int) -> dict:
-    """This rank's part of a full optimizer state dict: every tensor of its parameter's full
-    shape is cut to ``rank``'s rows; ``ordered[i]`` is the parameter of state index ``i``."""
-    if not isinstance(full_osd, dict) or any(k not in full_osd for k in ("state",
-                                                                          "param_groups")):
-        raise ValueError("get_shard_from_optim_state_dict: expected a torch optimizer state "
-                         "dict with 'state' and 'param_groups' (e.g. from "
-                         "gather_full_optim_state_dict)")
-    state = {}
-    for index, entry in full_osd["state"].items():
-        p = ordered[int(index)] if int(index) < len(ordered) else None
-        layout = layouts.get(id(p)) if p is not None else None
-        state[index] = {k: (shard_rows(v, layout, rank)
-                            if layout is not None and isinstance(v, torch.Tensor)
-                            and tuple(v.shape) == tuple(layout.shape) else v)
-                        for k, v in entry.items()}
-    return {"state": state, "param_groups": copy.deepcopy(full_osd["param_groups"])}

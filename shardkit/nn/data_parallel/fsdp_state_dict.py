@@ -14,10 +14,11 @@ import torch
 import torch.nn as nn
 
 from shardkit import distributed as skdist
-from shardkit.checkpoint.fsdp_state import (consolidate_shard_weights, local_metadata,
-                                            reshard_local_state_dicts)
-from shardkit.checkpoint.resharding import shard_optimizer_state, unshard_optimizer_state
-from shardkit.nn.data_parallel.flat_param import ParamLayout, unshard_rows
+from shardkit.checkpoint.fsdp_state import (consolidate_shard_weights,
+                                            gather_full_optimizer_state, local_metadata,
+                                            reshard_local_state_dicts,
+                                            shard_full_optimizer_state)
+from shardkit.nn.data_parallel.flat_param import ParamLayout
 
 __all__ = ["FSDPStateDictMixin", "clean_name"]
 
@@ -128,29 +129,15 @@ class FSDPStateDictMixin:
                              f"valid ranks are 0..{self.world_size - 1}")
         ordered = [p for g in optim.param_groups for p in g["params"]]
         names = {id(p): n for n, p in self.named_parameters()}
-        full = unshard_optimizer_state(optim.state_dict(), ordered, self._param_layouts(),
-                                       [names.get(id(p)) for p in ordered], self._gather_rows)
+        full = gather_full_optimizer_state(optim.state_dict(), ordered, self._param_layouts(),
+                                           [names.get(id(p)) for p in ordered],
+                                           self.process_group, self._comm_device())
         return full if self.rank == recipient_rank else None
-
-    def _gather_rows(self, shard: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
-        """Every rank's ``shard`` of a parameter-shaped tensor, unsharded (one all-gather)."""
-        device = self._comm_device()
-        gathered = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=device)
-        skdist.all_gather_into_tensor(gathered, shard.detach().reshape(-1).to(device),
-                                      group=self.process_group)
-        return unshard_rows(list(gathered.to(shard.device).chunk(self.world_size)), layout)
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict) -> dict:
         """This rank's part of a full optimizer state dict (from
         :meth:`gather_full_optim_state_dict`, any world size, or a single-process optimizer over
         the unwrapped model): every full-shape tensor is cut to this rank's rows. Load the result
         with ``optim.load_state_dict``. No communication."""
-        names = full_optim_state_dict.get("param_names") if isinstance(
-            full_optim_state_dict, dict) else None
-        if names is None:
-            ordered = list(self.parameters())
-        else:
-            by_name = dict(self.named_parameters())
-            ordered = [by_name.get(n) for n in names]
-        return shard_optimizer_state(full_optim_state_dict, ordered, self._param_layouts(),
-                                     self.rank)
+        return shard_full_optimizer_state(full_optim_state_dict, list(self.named_parameters()),
+                                          self._param_layouts(), self.rank)
