@@ -162,37 +162,58 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
     Costs: those of the wrappers (module docstring); building issues each wrapper's
     initial broadcasts. Bad arguments raise before any of them.
     """
+    _check_arguments(stage, optimizer, comm, wrap_policy=wrap_policy, offload=offload,
+                     mixed_precision=mixed_precision, quantize_weights=quantize_weights,
+                     quantize_gradients=quantize_gradients,
+                     hpz_partition_size=hpz_partition_size,
+                     reshard_after_forward=reshard_after_forward,
+                     sharding_strategy=sharding_strategy, overlap_param_sync=overlap_param_sync)
+    psi = count_params(model.parameters())
+    if stage == 0:
+        return _stage0(model, optimizer, process_group, count_ddp_comm, psi)
+    if stage == 1:
+        composition = _stage1(model, optimizer, comm, process_group, count_ddp_comm, psi)
+    elif stage == 2:
+        composition = _stage2(model, optimizer, comm, process_group, reduce_bucket_bytes, psi)
+    else:
+        fsdp_kwargs = dict(process_group=process_group, comm=comm, move_params_to_cpu=offload,
+                           reshard_after_forward=reshard_after_forward,
+                           sharding_strategy=sharding_strategy, mixed_precision=mixed_precision,
+                           quantize_weights=quantize_weights,
+                           quantize_gradients=quantize_gradients,
+                           hpz_partition_size=hpz_partition_size)
+        policy = wrap_policy or default_wrap_policy(model)
+        return _stage3(model, optimizer, policy, fsdp_kwargs, psi)
+    if overlap_param_sync:
+        composition.optimizer.overlap_sync_with(composition.wrapped)
+    return composition
+
+
+# FSDP's options, with the values that leave them off.
+_FSDP_ONLY = {"wrap_policy": None, "offload": False, "mixed_precision": False,
+              "reshard_after_forward": None, "sharding_strategy": None,
+              "quantize_weights": False, "quantize_gradients": False, "hpz_partition_size": 1}
+
+
+def _check_arguments(stage, optimizer, comm, overlap_param_sync, **fsdp_options) -> None:
+    """Refuse what :func:`compose` cannot build, before any wrapper exists."""
     if stage not in STAGES:
         raise ValueError(f"compose(stage={stage!r}): valid stages are {list(STAGES)}")
     if not isinstance(optimizer, OptimizerRecipe):
         raise TypeError(f"compose(optimizer={type(optimizer).__name__}): expected an "
                         f"OptimizerRecipe, e.g. recipes.adamw(lr=1e-3) or "
                         f"OptimizerRecipe.of(torch_optimizer)")
-    if stage != 3 and (offload or mixed_precision or quantize_weights or quantize_gradients
-                       or hpz_partition_size != 1 or wrap_policy is not None
-                       or reshard_after_forward is not None or sharding_strategy is not None):
-        raise ValueError(f"compose(stage={stage}): wrap_policy, offload, mixed_precision, "
-                         f"reshard_after_forward, sharding_strategy, quantize_weights, "
-                         f"quantize_gradients and hpz_partition_size are FSDP options (stage 3)")
+    set_here = [name for name, off in _FSDP_ONLY.items() if fsdp_options[name] != off]
+    if stage != 3 and set_here:
+        what = "is an FSDP option" if len(set_here) == 1 else "are FSDP options"
+        raise ValueError(f"compose(stage={stage}): {', '.join(set_here)} {what} (stage 3 only)")
     if overlap_param_sync and stage not in (1, 2):
         raise ValueError(f"compose(stage={stage}, overlap_param_sync=True): only OSS's "
                          f"parameter sync (stages 1 and 2) can overlap the next forward")
-    psi = count_params(model.parameters())
-    if stage == 0:
-        return _stage0(model, optimizer, process_group, count_ddp_comm, psi)
-    if stage in (1, 2):
-        composition = _stage1(model, optimizer, comm, process_group, count_ddp_comm, psi) \
-            if stage == 1 else \
-            _stage2(model, optimizer, comm, process_group, reduce_bucket_bytes, psi)
-        if overlap_param_sync:
-            composition.optimizer.overlap_sync_with(composition.wrapped)
-        return composition
-    fsdp_kwargs = dict(process_group=process_group, comm=comm, move_params_to_cpu=offload,
-                       reshard_after_forward=reshard_after_forward,
-                       sharding_strategy=sharding_strategy,
-                       mixed_precision=mixed_precision, quantize_weights=quantize_weights, quantize_gradients=quantize_gradients,
-                       hpz_partition_size=hpz_partition_size)
-    return _stage3(model, optimizer, wrap_policy or default_wrap_policy(model), fsdp_kwargs, psi)
+    if stage == 0 and comm is not None:
+        raise ValueError(f"compose(stage=0, comm={type(comm).__name__}): stage 0 is torch DDP "
+                         f"alone, which uses its process group; comm= is the transport of "
+                         f"shardkit's wrappers (stages 1-3)")
 
 
 def torch_ddp(model: nn.Module, process_group=None, count_comm: bool = True) -> nn.Module:

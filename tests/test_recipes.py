@@ -61,9 +61,11 @@ def test_without_blocks_the_policy_is_by_parameter_count():
 
 @pytest.mark.parametrize("stage, kwargs, error, message", [
     (4, {}, ValueError, "compose(stage=4): valid stages are [0, 1, 2, 3]"),
-    (1, {"offload": True}, ValueError, "are FSDP options (stage 3)"),
-    (2, {"hpz_partition_size": 2}, ValueError, "are FSDP options (stage 3)"),
-    (0, {"wrap_policy": default_auto_wrap_policy}, ValueError, "are FSDP options (stage 3)"),
+    (1, {"offload": True}, ValueError, "compose(stage=1): offload is an FSDP option (stage 3 only)"),
+    (2, {"hpz_partition_size": 2, "mixed_precision": True}, ValueError,
+     "mixed_precision, hpz_partition_size are FSDP options (stage 3 only)"),
+    (0, {"wrap_policy": default_auto_wrap_policy}, ValueError, "wrap_policy is an FSDP option"),
+    (0, {"comm": object()}, ValueError, "stage 0 is torch DDP alone"),
     (3, {"overlap_param_sync": True}, ValueError, "only OSS's parameter sync"),
 ])
 def test_bad_arguments_fail_before_wrapping(stage, kwargs, error, message):

@@ -13,6 +13,7 @@ import sys
 import torch
 
 from shardkit.testing import free_port
+from tests.utils.compare import max_diff
 
 SCRIPT = r'''
 import os, signal, sys
@@ -20,7 +21,6 @@ import torch, torch.nn.functional as F
 import shardkit
 from shardkit import distributed
 from shardkit.models import GPT, GPTConfig, synthetic_batch
-from tests.utils.compare import max_diff
 
 save_dir, out, total, kill_at, stage = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
 TINY = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=8)
