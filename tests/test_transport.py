@@ -235,9 +235,9 @@ def _killed_during_wrapper_setup(kind):
     """Rank 1 SIGKILLs itself while OSS is being built over the given transport."""
     from shardkit.models import MLP
     from shardkit.optim import OSS
-    from shardkit.optim import oss as oss_module
-    if skdist.get_rank() == 1:
-        oss_module._check_same_model_on_every_rank = \
+    from shardkit.optim import oss_arguments
+    if skdist.get_rank() == 1:  # dies at OSS's first collective, the cross-rank model check
+        oss_arguments.check_same_model_on_every_rank = \
             lambda groups, group: os.kill(os.getpid(), signal.SIGKILL)
     try:
         OSS(MLP(16, 2).parameters(), optim=torch.optim.SGD, lr=0.1, comm=_make(kind))
