@@ -177,13 +177,17 @@ def setup_torch_pipeline(w: Workload, model: nn.Module, comm=None) -> TrainingSe
 
 def setup_shardkit_oss(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
     """shardkit OSS(AdamW, comm=comm) under torch DDP: stage 1 of
-    :func:`shardkit.recipes.compose` (DDP's all-reduce counted through shardkit)."""
-    return compose(model, 1, adamw(LEARNING_RATE), comm=comm).training_setup(w.loss_fn)
+    :func:`shardkit.recipes.compose` (DDP's all-reduce counted through shardkit), the parameter
+    sync overlapped with the next forward."""
+    return compose(model, 1, adamw(LEARNING_RATE), comm=comm,
+                   overlap_param_sync=True).training_setup(w.loss_fn)
 
 
 def setup_shardkit_sharded(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
-    """shardkit ShardedDDP + OSS on one transport: stage 2 of :func:`shardkit.recipes.compose`."""
-    return compose(model, 2, adamw(LEARNING_RATE), comm=comm).training_setup(w.loss_fn)
+    """shardkit ShardedDDP + OSS on one transport: stage 2 of :func:`shardkit.recipes.compose`,
+    the parameter sync overlapped with the next forward."""
+    return compose(model, 2, adamw(LEARNING_RATE), comm=comm,
+                   overlap_param_sync=True).training_setup(w.loss_fn)
 
 
 def setup_shardkit_fsdp(w: Workload, model: nn.Module, comm=None) -> TrainingSetup:
@@ -276,17 +280,20 @@ CONFIGS = (
            ddp_inside=True),
     Config("torch_zero", "torch DDP + ZeroRedundancyOptimizer", "1", "torch", setup_torch_zero,
            "all_reduce+broadcast", "zero1", ddp_inside=True),
-    Config("shardkit_oss", "shardkit OSS + DDP", "1", "shardkit", setup_shardkit_oss,
+    Config("shardkit_oss", "shardkit OSS + DDP (sync overlapped)", "1", "shardkit",
+           setup_shardkit_oss,
            "all_reduce+all_gather", "zero1", "torch_zero", _OSS, ddp_inside=True),
-    Config("shardkit_oss_shm", "shardkit OSS + DDP, shared memory", "1", "shardkit",
+    Config("shardkit_oss_shm", "shardkit OSS + DDP (sync overlapped), shared memory", "1",
+           "shardkit",
            setup_shardkit_oss, "all_reduce+all_gather", "zero1", "torch_zero", _OSS + _SHM,
            "shared_memory", ddp_inside=True),
     Config("torch_fsdp2_no_reshard", "torch fully_shard (no reshard)", "2", "torch",
            setup_torch_fsdp2_no_reshard, "reduce+all_gather", "zero3"),
-    Config("shardkit_sharded", "shardkit ShardedDDP + OSS", "2", "shardkit",
+    Config("shardkit_sharded", "shardkit ShardedDDP + OSS (sync overlapped)", "2", "shardkit",
            setup_shardkit_sharded, "reduce+all_gather", "zero2", "torch_fsdp2_no_reshard",
            _SHARDED),
-    Config("shardkit_sharded_shm", "shardkit ShardedDDP + OSS, shared memory", "2", "shardkit",
+    Config("shardkit_sharded_shm", "shardkit ShardedDDP + OSS (sync overlapped), shared memory",
+           "2", "shardkit",
            setup_shardkit_sharded, "reduce+all_gather", "zero2", "torch_fsdp2_no_reshard",
            _SHARDED + _SHM, "shared_memory"),
     Config("torch_fsdp2", "torch fully_shard", "3", "torch", setup_torch_fsdp2, "zero3",
@@ -389,7 +396,8 @@ def _sizes(workload: Workload, root: int, setup: TrainingSetup, config: Config,
 def measure(config_name: str, workload_name: str, quick: bool, warmup: int, steps: int,
             seed: int = 0) -> dict:
     """Build ``config_name`` on the workload, train ``warmup`` + ``steps`` steps on this rank
-    (every rank starts each step together), and return the timed steps, the transport words,
+    (the timed ones back to back in one window that every rank starts together and that
+    includes any parameter sync left in flight), and return the timed steps, the transport words,
     model-state bytes (measured and the ZeRO formula), traffic per step (counted on the last
     step and the formula) and the final loss. (Names, not objects, cross the process
     boundary: workloads hold lambdas.)"""
@@ -405,17 +413,22 @@ def measure(config_name: str, workload_name: str, quick: bool, warmup: int, step
         per_rank = workload.global_batch // world if setup.data_parallel else \
             workload.global_batch
         lo = rank * per_rank if setup.data_parallel else 0
-        times, counted, loss = [], None, None
-        for step in range(warmup + steps):
-            inputs, target = workload.batch(step)
-            distributed.barrier()  # every rank starts the step together
-            start = time.perf_counter()
+        batches = [workload.batch(step) for step in range(warmup + steps)]
+        for inputs, target in batches[:warmup]:
+            distributed.barrier()
+            setup.train_step(inputs[lo:lo + per_rank], target[lo:lo + per_rank])
+        finish_pending_sync(setup.optimizer)
+        # Note: the timed steps run back to back and the window closes only once any parameter
+        # sync left in flight (OSS overlapped with the next forward) has landed, so overlap is
+        # credited only where it really overlaps the next step's work.
+        distributed.barrier()  # every rank starts the window together
+        start = time.perf_counter()
+        for step, (inputs, target) in enumerate(batches[warmup:]):
             with distributed.CommCounter() as counter:
                 loss = setup.train_step(inputs[lo:lo + per_rank], target[lo:lo + per_rank])
-            elapsed = time.perf_counter() - start
-            if step >= warmup:
-                times.append(elapsed)
-            counted = counter
+        finish_pending_sync(setup.optimizer)
+        times = [(time.perf_counter() - start) / steps] * steps
+        counted = counter
         transport_bytes = 0
         if config.library == "shardkit":
             measured = model_state_bytes(setup.module, setup.optimizer)
@@ -441,6 +454,14 @@ def measure(config_name: str, workload_name: str, quick: bool, warmup: int, step
     return result
 
 
+def finish_pending_sync(optimizer) -> None:
+    """Wait for a parameter sync still in flight (OSS's ``overlap_sync_with``), so that a timed
+    window includes it."""
+    wait = getattr(optimizer, "wait_for_sync", None)
+    if wait is not None:
+        wait()
+
+
 def time_interleaved(trainers: dict, rounds: int, steps: int, warmup: int = 3) -> tuple[dict, int]:
     """Time each trainer's ``step(step_index, rank)`` in interleaved rounds (the order rotates
     every round, a barrier around each measurement, so every rank's clock spans the slowest
@@ -456,10 +477,12 @@ def time_interleaved(trainers: dict, rounds: int, steps: int, warmup: int = 3) -
     times = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
+            finish_pending_sync(getattr(trainers[name], "optimizer", None))
             distributed.barrier()
             start = time.perf_counter()
             for s in range(steps):
                 trainers[name].step(step + s, rank)
+            finish_pending_sync(getattr(trainers[name], "optimizer", None))
             distributed.barrier()
             times[name].append((time.perf_counter() - start) / steps)
         step += steps

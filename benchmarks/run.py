@@ -6,7 +6,9 @@ Starts one world of 2 gloo ranks (one thread each) with :class:`shardkit.testing
 ``repeats`` times (rounds), runs every configuration of :mod:`benchmarks.common` on every
 workload in turn (the order rotates each round, so drift on a shared machine spreads over all
 rows). Each measurement builds the model afresh, trains ``warmup`` untimed steps and ``steps``
-timed ones, every rank starting each step together; a step lasts as long as its slowest rank.
+timed ones back to back in one window that every rank starts together and that closes once any
+parameter sync still in flight has landed; a step lasts as long as its slowest rank's window
+divided by the steps.
 A row's time is the median over rounds of its mean step; its ratios are the medians over rounds
 of the round's time over the baseline's time in the same round (torch DDP, and the paired torch
 wrapper). Defaults: 3 rounds x (3 warm-up + 4 timed steps), i.e. 9 warm-up and 12 timed steps
@@ -160,8 +162,8 @@ def render_markdown(meta: dict, rows: list) -> str:
              f"`{meta['command']}` at commit `{meta['git_commit']}`, {meta['date']}; "
              f"{meta['machine']}; torch {meta['torch']}; world {WORLD_SIZE} (gloo, 1 thread per "
              f"rank); fp32 AdamW; {meta['repeats']} interleaved rounds × ({meta['warmup']} "
-             f"warm-up + {meta['steps']} timed steps) per configuration; a step lasts as long as "
-             f"the slowest rank; ms/step = median over rounds; ratios = median over rounds of "
+             f"warm-up + {meta['steps']} timed steps, back to back, in-flight syncs included) per "
+             f"configuration; a step lasts as long as the slowest rank; ms/step = median over rounds; ratios = median over rounds of "
              f"the per-round ratio. Wall time {meta['wall_s'] / 60:.1f} min.",
              "",
              "| workload | stage | configuration | transport | ms/step | × torch pair | "
