@@ -121,7 +121,7 @@ def _parts(workload: str, num_stages: int) -> list:
     return split_sequential(layers, balance)
 
 
-def _time_steps(step, steps: int, warmup: int = 1) -> tuple:
+def _time_steps(step, steps: int, warmup: int = 2) -> tuple:
     """Wall-clock seconds per step (from a barrier before the first timed step to one after
     the last) and this process's CPU seconds per step (all its threads)."""
     from shardkit import distributed as dist

@@ -28,8 +28,8 @@ import torch
 
 from shardkit import distributed as dist
 from shardkit.nn.pipe.microbatch import batch_size, split_microbatches
-from shardkit.nn.pipe.p2p import ActivationMeta, PendingSends, TensorMeta
-from shardkit.nn.pipe.plan import (PipelinePlan, gpipe_plan, interleaved_1f1b_plan,
+from shardkit.nn.pipe.p2p import ActivationMeta, PendingSends, TensorMeta, check_sendable
+from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan, interleaved_1f1b_plan,
                                    one_f_one_b_plan, zb_h1_plan, zbv_plan)
 from shardkit.nn.pipe.schedules import (ActivationMemoryMeter, busy_time,
                                         check_schedule_agreement)
@@ -42,6 +42,7 @@ __all__ = ["PlanSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved
 _ACTIVATION, _GRADIENT, _HEADER = 0, 1, 2
 _MAX_TENSORS = 16
 _LOOKAHEAD = 4
+_REPLAN_AT = 2  # the first step's timings include one-off costs (allocation, autograd start-up)
 
 
 class _TaggedLinks:
@@ -69,6 +70,7 @@ class _TaggedLinks:
         meta = ActivationMeta(tuple(TensorMeta.of(t) for t in tensors), packed)
         known = self.metas.get((boundary, index))
         if known is None:
+            check_sendable(tensors)
             header = meta.encode()
             self._send(_HEADER, boundary, index,
                        [torch.tensor([header.numel()], dtype=torch.int64), header], peer)
@@ -181,7 +183,30 @@ class PlanSchedule:
                                 self.stages.items()}
         self.peak_live_microbatches = 0
         self.busy_seconds = 0.0
+        self.action_seconds: dict = {}
+        self._steps = 0
         self._checked = False
+
+    plans_from_measured_costs = False
+
+    def _replan(self) -> None:
+        """Rebuild the plan from the last step's compute seconds per action kind, averaged
+        over the pipeline ranks (one small all-gather; every rank builds the same plan)."""
+        views = dist.all_gather_object(self.action_seconds, group=self.group)
+        costs = {}
+        for kind in ("F", "B", "W"):
+            values = [v[kind] for v in views if kind in v]
+            if values:
+                costs[kind] = max(sum(values) / len(values), 1e-6)
+        if len(costs) < 3:
+            return
+        costs["BW"] = costs["B"] + costs["W"]
+        try:
+            plan = self.build_plan(self.num_ranks, self.chunks, costs)
+            plan.dry_run(costs)
+        except PipelineDeadlock:  # same outcome on every rank: keep the current lists
+            return
+        self.plan = plan
 
     def default_merge(self) -> int:
         """Micro-batches whose matrix-product weight gradients are merged when the constructor
@@ -191,8 +216,10 @@ class PlanSchedule:
 
     _who = "rank"  # how errors name a process of the pipeline
 
-    def build_plan(self, num_ranks: int, chunks: int) -> PipelinePlan:
-        """The plan for ``num_ranks`` ranks and ``chunks`` micro-batches (subclasses)."""
+    def build_plan(self, num_ranks: int, chunks: int, costs: Optional[dict] = None
+                   ) -> PipelinePlan:
+        """The plan for ``num_ranks`` ranks and ``chunks`` micro-batches (subclasses); ``costs``
+        (seconds of F, B, W, BW) where the schedule plans from measured costs."""
         raise NotImplementedError
 
     def _stage_problems(self, stages) -> list[str]:
@@ -246,11 +273,20 @@ class PlanSchedule:
         self.busy_seconds = 0.0
         if self.activation_memory is not None:
             self.activation_memory.reset_peak()
+        if self._steps == _REPLAN_AT and self.plans_from_measured_costs:
+            self._replan()
+        seconds = {kind: 0.0 for kind in ("F", "B", "W", "BW")}
         order = self.plan.orders[self.rank]
         for position, action in enumerate(order):
             for ahead in itertools.islice(order, position, position + _LOOKAHEAD):
                 self._post_ahead(ahead)
+            before = self.busy_seconds
             getattr(self, "_run_" + action.kind)(action.stage, action.microbatch)
+            seconds[action.kind] += self.busy_seconds - before
+        self._steps += 1
+        counts = {kind: sum(1 for a in order if a.kind == kind) for kind in seconds}
+        self.action_seconds = {kind: seconds[kind] / counts[kind] for kind in seconds
+                               if counts[kind]}
         for s, stage in self.stages.items():
             with self._busy():
                 self._sinks[s].deliver()
@@ -431,7 +467,7 @@ class ScheduleGPipe(PlanSchedule):
     def default_merge(self) -> int:
         return self.chunks
 
-    def build_plan(self, num_ranks, chunks):
+    def build_plan(self, num_ranks, chunks, costs=None):
         if self.num_stages != num_ranks:
             return _unrunnable(self, "one stage per rank")
         return gpipe_plan(num_ranks, chunks)
@@ -453,7 +489,7 @@ class Schedule1F1B(PlanSchedule):
         super().__init__(_one_stage(self, stage), chunks, loss_fn, track_activation_memory,
                          weight_grad_merge)
 
-    def build_plan(self, num_ranks, chunks):
+    def build_plan(self, num_ranks, chunks, costs=None):
         if self.num_stages != num_ranks:
             return _unrunnable(self, "one stage per rank")
         return one_f_one_b_plan(num_ranks, chunks)
@@ -481,7 +517,7 @@ class ScheduleInterleaved1F1B(PlanSchedule):
     activation (or its gradient).
     """
 
-    def build_plan(self, num_ranks, chunks):
+    def build_plan(self, num_ranks, chunks, costs=None):
         return interleaved_1f1b_plan(num_ranks, chunks, self.num_stages // num_ranks)
 
 
@@ -496,7 +532,7 @@ class ScheduleZeroBubble(PlanSchedule):
     parameters fire once per step. Communication: as 1F1B.
     """
 
-    def build_plan(self, num_ranks, chunks):
+    def build_plan(self, num_ranks, chunks, costs=None):
         if self.num_stages != num_ranks:
             return _unrunnable(self, "one stage per rank")
         return zb_h1_plan(num_ranks, chunks)
@@ -510,12 +546,19 @@ class ScheduleZBV(PlanSchedule):
     Bubble: close to zero (see :func:`~shardkit.nn.pipe.plan.zbv_plan`'s dry run). Memory: at
     most ``2p`` half-size stage-micro-batches per rank, 1F1B's peak. Communication: about twice
     1F1B's messages, each of one activation; the hand-over at the V's tip stays on the rank.
+
+    The first two steps run the order planned for F = B = W; at the start of the third, the
+    ranks share the compute seconds they measured per F, B and W in the second (one small
+    all-gather) and every rank re-plans with them (``self.plan`` changes once; the memory bound
+    stays).
     """
 
-    def build_plan(self, num_ranks, chunks):
+    plans_from_measured_costs = True
+
+    def build_plan(self, num_ranks, chunks, costs=None):
         if self.num_stages != 2 * num_ranks:
             return _unrunnable(self, "two stages per rank")
-        return zbv_plan(num_ranks, chunks)
+        return zbv_plan(num_ranks, chunks, costs)
 
 
 def _unrunnable(schedule: PlanSchedule, need: str) -> PipelinePlan:
