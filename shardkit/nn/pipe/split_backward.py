@@ -174,7 +174,9 @@ class WeightGradPass:
         return out
 
 
-_PRODUCTS = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self"}
+_PRODUCTS = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self",
+             "EmbeddingBackward0": "_saved_indices"}
+_NO_PADDING = (-1, 2 ** 64 - 1)  # padding_idx=None, as autograd saves it
 
 
 def _accumulated(edge_node) -> Optional[torch.Tensor]:
@@ -184,12 +186,19 @@ def _accumulated(edge_node) -> Optional[torch.Tensor]:
 
 
 def _product_params(node: Node, params: set) -> Optional[tuple]:
-    """``(weight, bias or None)`` when ``node`` is ``x @ weight.t() (+ bias)`` with both among
-    ``params`` (fp32/fp16/bf16 alike, the scalars 1), else ``None``."""
+    """``(weight, bias or None)`` when ``node`` is ``x @ weight.t() (+ bias)`` (the scalars 1)
+    or a dense ``embedding(indices, weight)`` without padding row or frequency scaling, with the
+    parameters among ``params``; else ``None``."""
     kind = type(node).__name__
     if kind not in _PRODUCTS:
         return None
     edges = node.next_functions
+    if kind == "EmbeddingBackward0":
+        weight = _accumulated(edges[0][0])
+        if weight is None or weight not in params or node._saved_sparse or \
+                node._saved_scale_grad_by_freq or node._saved_padding_idx not in _NO_PADDING:
+            return None
+        return weight, None
     transpose = edges[-1][0]
     if transpose is None or type(transpose).__name__ != "TBackward0":
         return None
@@ -208,16 +217,31 @@ def _product_params(node: Node, params: set) -> Optional[tuple]:
 
 
 def _product_input(node: Node) -> torch.Tensor:
+    """The matrix product's input ``x`` (or the embedding's indices)."""
     # detached: an unpacked saved input carries its grad_fn, which would keep the graph alive
     return getattr(node, _PRODUCTS[type(node).__name__]).detach()
 
 
 def _product_grads(weight, bias, x, g) -> list:
     """``[(param, gradient)]`` of one product from its input ``x`` and output gradient ``g``."""
-    out = [(weight, (g.t() @ x.to(g.dtype)).to(weight.dtype))] if weight.requires_grad else []
+    out = []
+    if weight.requires_grad:
+        out.append((weight, _weight_grad(weight, x, g)))
     if bias is not None and bias.requires_grad:
         out.append((bias, g.sum(0).to(bias.dtype)))
     return out
+
+
+def _weight_grad(weight, x, g, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``weight``'s gradient from rows ``x`` (or indices) and ``g``, added to ``into`` if given."""
+    if not x.is_floating_point():  # an embedding: scatter-add the rows' gradients
+        rows = g.reshape(-1, weight.shape[1]).to(weight.dtype)
+        target = into if into is not None else torch.zeros_like(weight)
+        return target.index_add_(0, x.reshape(-1), rows)
+    if into is not None and into.dtype == g.dtype:
+        return into.addmm_(g.t(), x.to(g.dtype))
+    grad = (g.t() @ x.to(g.dtype)).to(weight.dtype)
+    return grad if into is None else into.add_(grad)
 
 
 def _add_to_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -383,10 +407,12 @@ class GradientSink:
             entry[3].append(g)
         self._products, self._waiting = [], 0
         for weight, bias, xs, gs in by_weight.values():
-            x = xs[0] if len(xs) == 1 else torch.cat(xs)
-            g = gs[0] if len(gs) == 1 else torch.cat(gs)
+            x = xs[0] if len(xs) == 1 else torch.cat([t.reshape(-1) for t in xs]) \
+                if not xs[0].is_floating_point() else torch.cat(xs)
+            g = gs[0] if len(gs) == 1 else torch.cat([t.reshape(-1, t.shape[-1])
+                                                      for t in gs])
             if weight.requires_grad:
-                self._add_product(weight, g, x.to(g.dtype))
+                self._add_product(weight, g, x)
             if bias is not None and bias.requires_grad:
                 self._add(bias, g.sum(0).to(bias.dtype))
 
@@ -404,10 +430,10 @@ class GradientSink:
 
     def _add_product(self, weight: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
         target = self._target(weight)
-        if target is not None and target.dtype == g.dtype:
-            target.addmm_(g.t(), x)
+        if target is not None:
+            _weight_grad(weight, x, g, into=target)
         else:
-            self._add(weight, (g.t() @ x).to(weight.dtype))
+            self._add(weight, _weight_grad(weight, x, g))
 
     def deliver(self) -> None:
         """Flush the waiting products, then hand the summed gradients to the parameters through
