@@ -31,8 +31,10 @@ captures ``g`` for those products (asking autograd for the gradient at the produ
 it works on a first stage whose input needs no gradient too), and W hands ``(x, g)`` to a
 :class:`GradientSink`, which adds the products of several micro-batches in one ``addmm_`` into
 ``.grad`` (one weight-sized write instead of a weight-sized product plus an accumulation per
-micro-batch). This is the op autograd itself would run, read off its graph: no layer type is
-special, and anything else (tied weights, norms, embeddings, attention) takes the generic path.
+micro-batch). A dense ``embedding`` is handled alike: its indices and output gradient, one
+``index_add_`` (instead of a vocabulary-sized zero fill and accumulation per micro-batch). These
+are the ops autograd itself would run, read off its graph: no layer type is special, and
+anything else (tied weights, norms, attention, padded embeddings) takes the generic path.
 
 Memory: B keeps the micro-batch's graph (``retain_graph``), so its saved activations live until
 W: the schedule decides how many micro-batches wait for their W. Plus the recorded gradients, one
