@@ -138,7 +138,9 @@ class PlanSchedule:
             one product: ``1`` adds each micro-batch's as its W runs; ``k`` keeps the inputs and
             output gradients of up to ``k - 1`` micro-batches until one ``addmm_`` per weight.
             ``None``: the schedule's default (``chunks`` for GPipe, which keeps every
-            micro-batch anyway; the number of pipeline ranks otherwise).
+            micro-batch anyway; the number of pipeline ranks otherwise). What waits is not in
+            ``activation_memory`` (which counts tensors saved by autograd); pass ``1`` where
+            the schedule's activation bound must hold exactly.
 
     After a step, ``peak_live_microbatches`` is the most (stage, micro-batch) pairs whose
     activations were alive at once on this rank (from F until BW or W), and ``busy_seconds``
