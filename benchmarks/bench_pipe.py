@@ -8,8 +8,8 @@ Two workloads, 2 pipeline ranks (gloo, one thread each):
 Schedules, each beside torch's schedule of the same kind: GPipe (mlp only), 1F1B, interleaved
 1F1B (2 stages per rank), ZB-H1 (torch: ScheduleInterleavedZeroBubble with one stage per rank)
 and ZBV (torch: ScheduleZBVZeroBubble). Every configuration runs the same steps (forward,
-backward, SGD step); rounds are interleaved so machine load hits all of them alike and each
-configuration's best round counts. Reported: samples/s, speed-up over one process running the
+backward, SGD step); rounds are interleaved so machine load hits all of them alike; ratios are
+taken within a round and their median reported. Reported: samples/s, speed-up over one process running the
 same micro-batches with gradient accumulation, shardkit against torch's same schedule and against
 shardkit's 1F1B, and for shardkit's schedules the measured idle fraction (1 - compute time / step
 time, averaged over the ranks) beside the schedule's formula.
@@ -35,6 +35,7 @@ from benchmarks.common import write_report
 
 STAGES = 2
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "pipe.md")
+LOAD_AT_START = float("nan")
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def _parts(workload: str, num_stages: int) -> list:
     return split_sequential(layers, balance)
 
 
-def _time_steps(step, steps: int, warmup: int = 1) -> tuple:
+def _time_steps(step, steps: int, warmup: int = 2) -> tuple:
     """Wall-clock seconds per step (from a barrier before the first timed step to one after
     the last) and this process's CPU seconds per step (all its threads)."""
     from shardkit import distributed as dist
@@ -268,13 +269,22 @@ def _best(values):
     return min(finite) if finite else float("nan")
 
 
+def _paired(reference: list, mine: list) -> str:
+    """Median over rounds of ``reference / mine`` within one round (both ran back to back, so
+    machine load hits them alike), as ``"1.23x"``."""
+    ratios = [r / m for r, m in zip(reference, mine) if r == r and m == m]
+    return f"{statistics.median(ratios):.2f}x" if ratios else ""
+
+
 def report(results: dict, steps: int, rounds: int) -> str:
     lines = [
         "# Pipeline throughput (benchmarks/bench_pipe.py)",
         "",
-        f"{STAGES} pipeline ranks (gloo, 1 thread each); forward + backward + SGD step. Best of "
-        f"{rounds} interleaved rounds of {steps} steps. Load average at the end: "
-        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.",
+        f"{STAGES} pipeline ranks (gloo, 1 thread each); forward + backward + SGD step. "
+        f"{rounds} interleaved rounds of {steps} steps after 2 warm-up steps (ZBV re-plans from "
+        f"measured costs there); s/step is each configuration's best round, the ratios are the "
+        f"median over rounds of the ratio within a round. Load average at the start: "
+        f"{LOAD_AT_START:.1f}, at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs.",
     ]
     for workload, (seconds, cpu, idle) in results.items():
         spec = WORKLOADS[workload]
@@ -285,14 +295,14 @@ def report(results: dict, steps: int, rounds: int) -> str:
         lines += [
             "", f"## {workload}: {spec.description}", "",
             "| configuration | s/step (best) | samples/s | speed-up vs single | vs torch, same "
-            "schedule | vs shardkit 1F1B | CPU s/step, busiest rank | idle fraction (measured) "
+            "schedule (median of rounds) | vs shardkit 1F1B (median of rounds) | CPU s/step, busiest rank | idle fraction (measured) "
             "| idle fraction (formula, F=B=W) |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, value in best.items():
             _, _, _, torch_name, kind = table[name]
-            vs_torch = f"{best[torch_name] / value:.2f}x" if torch_name else ""
-            vs_1f1b = (f"{best['shardkit 1F1B'] / value:.2f}x"
+            vs_torch = _paired(seconds[torch_name], seconds[name]) if torch_name else ""
+            vs_1f1b = (_paired(seconds["shardkit 1F1B"], seconds[name])
                        if name.startswith("shardkit") else "")
             measured = [i for i in idle[name] if isinstance(i, float)]
             failed = [i for i in idle[name] if isinstance(i, str)]
@@ -330,6 +340,8 @@ def main() -> None:
     unknown = [w for w in names if w not in WORKLOADS]
     if unknown:
         parser.error(f"--workloads: unknown {unknown}; valid: {sorted(WORKLOADS)}")
+    global LOAD_AT_START
+    LOAD_AT_START = os.getloadavg()[0]
     results = measure(names, args.steps, args.rounds)
     write_report(report(results, args.steps, args.rounds), RESULTS)
 

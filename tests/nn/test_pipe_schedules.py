@@ -258,62 +258,57 @@ def test_tuple_activations_with_an_integer_tensor(world2):
         assert max(per_schedule) <= 1e-6
 
 
-def _batched_weight_grads_match():
-    """GPipe with each Linear's weight gradient computed once per step over all micro-batches
-    gives the gradients of the per-micro-batch backward, on every stage."""
+def _merged_weight_grads_match():
+    """GPipe and 1F1B with each Linear's weight gradient merged over the micro-batches (one
+    product per step, or per pipeline depth) give the per-micro-batch gradients, every stage."""
     rank, world = dist.get_rank(), dist.get_world_size()
     grads = {}
-    for batched in (False, True):
+    for name, make in (("per micro-batch", lambda st: ScheduleGPipe(
+            st, 4, nn.functional.mse_loss, batch_weight_grads=False)),
+                       ("GPipe merged", lambda st: ScheduleGPipe(st, 4, nn.functional.mse_loss)),
+                       ("1F1B merged", lambda st: Schedule1F1B(st, 4, nn.functional.mse_loss,
+                                                                weight_grad_merge=3))):
         module = split_sequential(_model(), _balance(world))[rank]
         stage = PipelineStage(module, rank, world)
-        schedule = ScheduleGPipe(stage, 4, nn.functional.mse_loss, batch_weight_grads=batched)
+        schedule = make(stage)
         x, y = _batch(0)
         schedule.step(x, target=y)
-        grads[batched] = [p.grad.clone() for p in module.parameters()]
-        used = schedule._batched is not None
-    diff = max((a - b).abs().max().item() for a, b in zip(grads[False], grads[True]))
-    scale = max(g.abs().max().item() for g in grads[False])
-    return diff, scale, used
+        grads[name] = ([p.grad.clone() for p in module.parameters()],
+                       schedule.weight_grad_merge)
+    ref, merge = grads.pop("per micro-batch")
+    scale = max(g.abs().max().item() for g in ref)
+    out = {"per micro-batch": merge}
+    for name, (got, merge) in grads.items():
+        out[name] = (max((a - b).abs().max().item() for a, b in zip(ref, got)) / max(1.0, scale),
+                     merge)
+    return out
 
 
-def test_gpipe_batched_weight_grads_match_per_microbatch(world2, world4):
+def test_merged_weight_grads_match_per_microbatch(world2, world4):
     for world in (world2, world4):
-        for diff, scale, used in world.run(_batched_weight_grads_match):
-            assert used
-            assert diff <= 1e-6 * max(1.0, scale), (diff, scale)
+        for r in world.run(_merged_weight_grads_match):
+            assert r["per micro-batch"] == 1
+            assert r["GPipe merged"][1] == 4 and r["1F1B merged"][1] == 3
+            assert r["GPipe merged"][0] <= 1e-6 and r["1F1B merged"][0] <= 1e-6, r
 
 
-def test_batched_weight_grads_apply_only_to_sequential_linear_stacks():
-    from shardkit.nn.pipe.batched_weight_grads import BatchedLinearWeightGrads as B
-    assert B.applies_to(nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2)))
-    assert not B.applies_to(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))  # other params
-    assert not B.applies_to(nn.Sequential(nn.GELU()))  # nothing to batch
-    assert not B.applies_to(nn.Linear(4, 4))  # not a Sequential
-    shared = nn.Linear(4, 4)
-    assert not B.applies_to(nn.Sequential(shared, nn.ReLU(), shared))  # a weight used twice
-
-
-def _batched_required_on_a_stage_that_does_not_qualify():
-    rank, world = dist.get_rank(), dist.get_world_size()
-    module = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH)) if rank == 0 else \
-        nn.Sequential(nn.Linear(WIDTH, 4))
-    stage = PipelineStage(module, rank, world)
+def _bad_merge():
+    stage = PipelineStage(nn.Linear(4, 4), dist.get_rank(), dist.get_world_size())
     try:
-        ScheduleGPipe(stage, 2, nn.functional.mse_loss, batch_weight_grads=True)
+        Schedule1F1B(stage, 2, nn.functional.mse_loss, weight_grad_merge=0)
     except ValueError as err:
         return str(err)
     return None
 
 
-def test_batched_weight_grads_required_but_impossible_is_a_clear_error(world2):
-    messages = world2.run(_batched_required_on_a_stage_that_does_not_qualify)
-    assert "nn.Sequential of nn.Linear" in messages[0]
-    assert messages[1] is None
+def test_a_bad_weight_grad_merge_is_a_clear_error(world2):
+    for message in world2.run(_bad_merge):
+        assert "Schedule1F1B(weight_grad_merge=0): expected a positive int" in message
 
 
 def _gradient_hooks_are_honoured():
     """A hook on a stage parameter (as a data-parallel wrapper installs) must still fire: GPipe
-    then backpropagates per micro-batch for that step instead of batching weight gradients."""
+    then backpropagates per micro-batch for that step instead of merging weight gradients."""
     rank, world = dist.get_rank(), dist.get_world_size()
     module = split_sequential(_model(), _balance(world))[rank]
     stage = PipelineStage(module, rank, world)
@@ -323,9 +318,9 @@ def _gradient_hooks_are_honoured():
     first.register_post_accumulate_grad_hook(lambda p: fired.append(1))
     x, y = _batch(0)
     schedule.step(x, target=y)
-    return len(fired), schedule._batching
+    return len(fired)
 
 
 def test_gpipe_keeps_gradient_hooks_working(world2):
-    for fired, batching in world2.run(_gradient_hooks_are_honoured):
-        assert fired == 4 and batching is False  # once per micro-batch
+    for fired in world2.run(_gradient_hooks_are_honoured):
+        assert fired == 4  # once per micro-batch

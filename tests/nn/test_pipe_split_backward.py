@@ -110,3 +110,25 @@ def test_gradient_hooks_fire_once_per_step_with_the_step_total():
     sink.deliver()
     assert len(seen) == 1
     torch.testing.assert_close(seen[0], total)
+
+
+@pytest.mark.parametrize("merge", [1, 2, 3])
+def test_merged_products_and_embeddings_equal_per_microbatch_backward(merge):
+    """A GPT stage (embedding, blocks, head) from a first stage without input gradient: the sink
+    merges Linear and embedding weight gradients over micro-batches, same totals."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    batches = [torch.randint(0, 256, (2, 8)) for _ in range(3)]
+    for idx in batches:
+        model(idx).square().mean().backward()
+    ref = {p: p.grad.clone() for p in model.parameters()}
+    model.zero_grad(set_to_none=True)
+    sink = GradientSink(model.parameters(), merge)
+    for idx in batches:
+        _, weight_pass = backward_input([model(idx).square().mean()], None, [idx],
+                                        list(model.parameters()))
+        assert len(weight_pass._products) > 0  # the Linears and the embeddings merge
+        sink.run(weight_pass)
+    sink.deliver()
+    for p in ref:
+        torch.testing.assert_close(p.grad, ref[p], rtol=1e-5, atol=1e-6)

@@ -281,3 +281,33 @@ def test_zero_bubble_composes_with_sharded_ddp_on_the_stage_replicas(world4):
     for name in ("ZeroBubble", "1F1B"):
         for rank, worst in enumerate(world4.run(_zero_bubble_under_sharded_ddp, name)):
             assert worst <= 1e-5, (name, rank, worst)
+
+
+def _zbv_replanned():
+    """ZBV re-plans from measured costs at its third step: the new lists are well formed, keep
+    the live bound and still match one process, step by step."""
+    reference = MLP(16, 8, out=4, seed=0)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref_params = dict(reference.named_parameters())
+    schedule, stages = _build("mlp", "ZBV", 8)
+    first = schedule.plan
+    params = [(n, p) for st in stages for n, p in st.module.named_parameters()]
+    opt = torch.optim.SGD([p for _, p in params], lr=0.1)
+    worst = 0.0
+    for step in range(4):
+        x, y = _mlp_batch(step)
+        ref_opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        schedule.step(x, target=y)
+        opt.step()
+        worst = max([worst] + [(p - ref_params[n]).abs().max().item() for n, p in params])
+    return (worst, schedule.plan is not first, schedule.plan.problems(),
+            schedule.peak_live_microbatches, sorted(schedule.action_seconds))
+
+
+def test_zbv_replans_from_measured_costs_and_still_matches(world2):
+    for worst, replanned, problems, live, kinds in world2.run(_zbv_replanned):
+        assert worst <= 1e-5 and replanned and problems == [] and kinds == ["B", "F", "W"]
+        assert live <= 2 * 2  # 2p half-size stage-micro-batches

@@ -7,7 +7,8 @@
   :class:`ScheduleZeroBubble` (ZB-H1): one stage per process over ``torch.distributed``
   point-to-point ops, optionally data-parallel per stage; :class:`ScheduleInterleaved1F1B` and
   :class:`ScheduleZBV` with several stages per process. :mod:`shardkit.nn.pipe.plan` holds every
-  schedule as printable per-rank action lists with a dry run (deadlocks, bubble).
+  schedule as printable per-rank action lists with a dry run (deadlocks, bubble), and one
+  executor (:class:`PlanSchedule`) runs them all.
 - :func:`split_sequential` cuts an ``nn.Sequential`` by a ``balance`` list for either;
   :mod:`shardkit.nn.pipe.balance` (``balance_by_time``, ``balance_by_size``) proposes one.
 """
@@ -22,8 +23,8 @@ _LAZY = {
     "Pipe": "shardkit.nn.pipe.pipe",
     "DeferredBatchNorm": "shardkit.nn.pipe.batchnorm",
     "PipelineStage": "shardkit.nn.pipe.stage",
-    "ScheduleGPipe": "shardkit.nn.pipe.schedules",
-    "Schedule1F1B": "shardkit.nn.pipe.schedules",
+    "ScheduleGPipe": "shardkit.nn.pipe.plan_schedules",
+    "Schedule1F1B": "shardkit.nn.pipe.plan_schedules",
     "ActivationMemoryMeter": "shardkit.nn.pipe.schedules",
     "PlanSchedule": "shardkit.nn.pipe.plan_schedules",
     "ScheduleInterleaved1F1B": "shardkit.nn.pipe.plan_schedules",

@@ -292,8 +292,9 @@ def greedy_zero_bubble_plan(name: str, placement: tuple, chunks: int, live_cap: 
                             costs: Optional[dict] = None) -> PipelinePlan:
     """List-schedule F/B/W on a clock: each rank, when free, runs a ready B (oldest micro-batch,
     latest stage first), else a ready F if it keeps at most ``live_cap`` stage-micro-batches alive
-    on the rank (latest stage first), else the oldest pending W, else waits. Deadlock-free by
-    construction (the lists follow a feasible timeline)."""
+    on the rank (latest stage first; one slot kept per later stage of the rank), else the oldest
+    pending W, else waits. The lists follow a feasible timeline, so they cannot deadlock; where
+    the cap leaves no feasible timeline, :class:`PipelineDeadlock` is raised."""
     costs = {**DEFAULT_COSTS, **(costs or {})}
     num_ranks, last = max(placement) + 1, len(placement) - 1
     stages = [[s for s, r in enumerate(placement) if r == rank] for rank in range(num_ranks)]
@@ -325,11 +326,18 @@ def greedy_zero_bubble_plan(name: str, placement: tuple, chunks: int, live_cap: 
                     out.append(("B", i, -s, a))
                     break
         for s in sorted(stages[rank], reverse=True):
-            if next_f[s] < chunks and live[rank] < live_cap:
+            # keep one slot per later stage of this rank, so a micro-batch already on the rank
+            # can always go on to the stage whose B frees it (else the cap can stall every rank)
+            reserved = sum(1 for later in stages[rank] if later > s)
+            if next_f[s] < chunks and live[rank] < live_cap - reserved:
                 out.append(("F", next_f[s], -s, Action("F", s, next_f[s])))
         return out
 
+    idle_turns = 0
     while any(remaining):
+        if idle_turns > 4 * num_ranks * (sum(remaining) + 1):
+            raise PipelineDeadlock(f"{name}: the list scheduler stalled (live_cap={live_cap} is "
+                                   f"too small for these costs: {costs})")
         rank = min((r for r in range(num_ranks) if remaining[r]), key=lambda r: (clock[r], r))
         now, best, soonest = clock[rank], None, None
         for kind, i, neg_s, a in sorted(choices(rank), key=lambda c: ("BF".index(c[0]), c[1],
@@ -349,7 +357,9 @@ def greedy_zero_bubble_plan(name: str, placement: tuple, chunks: int, live_cap: 
                 soonest = min(t for t in others if t > now) if any(t > now for t in others) \
                     else now + min(costs.values())
             clock[rank] = soonest
+            idle_turns += 1
             continue
+        idle_turns = 0
         start = max(now, ready_at(best) or 0.0) if best.kind != "W" else now
         finish[best] = start + costs[best.kind]
         clock[rank] = finish[best]
@@ -387,9 +397,11 @@ def zb_h1_plan(num_ranks: int, chunks: int) -> PipelinePlan:
     return PipelinePlan("ZB-H1", loop_placement(num_ranks, num_ranks), chunks, tuple(orders))
 
 
-def zbv_plan(num_ranks: int, chunks: int) -> PipelinePlan:
+def zbv_plan(num_ranks: int, chunks: int, costs: Optional[dict] = None) -> PipelinePlan:
     """ZBV: two stages per rank in a V (rank 0 holds the first and the last), backward split in
-    B and W, at most ``2p`` half-size stage-micro-batches alive per rank (1F1B's peak)."""
+    B and W, at most ``2p`` half-size stage-micro-batches alive per rank (1F1B's peak). ``costs``
+    (time of F, B and W) shape the list scheduling: with W much cheaper than B, as when weight
+    gradients are merged, the order for F = B = W leaves bubbles a measured one closes."""
     _check_sizes("zbv_plan", num_ranks, chunks)
     return greedy_zero_bubble_plan("ZBV", v_placement(num_ranks), chunks,
-                                   live_cap=2 * num_ranks)
+                                   live_cap=2 * num_ranks, costs=costs)

@@ -1,9 +1,11 @@
-"""Schedules that run a :class:`~shardkit.nn.pipe.plan.PipelinePlan`: interleaved 1F1B, ZB-H1, ZBV.
+"""Every multi-process pipeline schedule runs a :class:`~shardkit.nn.pipe.plan.PipelinePlan` here:
+GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZBV share one executor and one action-list form.
 
 Each rank holds one or more :class:`PipelineStage` objects and walks its action list in order:
 ``F`` runs a micro-batch forward through a stage and hands its output to the next stage (locally
 when that stage lives on the same rank, otherwise by an asynchronous tagged send); ``BW`` runs the
-whole backward; ``B`` only the input gradient (:func:`~shardkit.nn.pipe.split_backward.
+whole backward (as B then W at once, so its matrix-product weight gradients merge like W's);
+``B`` only the input gradient (:func:`~shardkit.nn.pipe.split_backward.
 backward_input`), and ``W`` later the parameter gradients. Receives for the next few actions are
 posted ahead once the shapes are known (after the first step), so data lands while the rank
 computes. Every message carries a tag naming (kind, stage boundary, micro-batch, tensor), so two
@@ -26,18 +28,21 @@ import torch
 
 from shardkit import distributed as dist
 from shardkit.nn.pipe.microbatch import batch_size, split_microbatches
-from shardkit.nn.pipe.p2p import ActivationMeta, PendingSends, TensorMeta
-from shardkit.nn.pipe.plan import PipelinePlan, interleaved_1f1b_plan, zb_h1_plan, zbv_plan
+from shardkit.nn.pipe.p2p import ActivationMeta, PendingSends, TensorMeta, check_sendable
+from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan, interleaved_1f1b_plan,
+                                   one_f_one_b_plan, zb_h1_plan, zbv_plan)
 from shardkit.nn.pipe.schedules import (ActivationMemoryMeter, busy_time,
                                         check_schedule_agreement)
 from shardkit.nn.pipe.split_backward import GradientSink, backward_input
 from shardkit.nn.pipe.stage import PipelineStage
 
-__all__ = ["PlanSchedule", "ScheduleInterleaved1F1B", "ScheduleZeroBubble", "ScheduleZBV"]
+__all__ = ["PlanSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
+           "ScheduleZeroBubble", "ScheduleZBV"]
 
 _ACTIVATION, _GRADIENT, _HEADER = 0, 1, 2
 _MAX_TENSORS = 16
 _LOOKAHEAD = 4
+_REPLAN_AT = 2  # the first step's timings include one-off costs (allocation, autograd start-up)
 
 
 class _TaggedLinks:
@@ -65,6 +70,7 @@ class _TaggedLinks:
         meta = ActivationMeta(tuple(TensorMeta.of(t) for t in tensors), packed)
         known = self.metas.get((boundary, index))
         if known is None:
+            check_sendable(tensors)
             header = meta.encode()
             self._send(_HEADER, boundary, index,
                        [torch.tensor([header.numel()], dtype=torch.int64), header], peer)
@@ -127,6 +133,14 @@ class PlanSchedule:
         loss_fn: ``loss_fn(output, target) -> scalar`` on the rank running the last stage.
         track_activation_memory: measure the bytes saved for backward on this rank
             (``self.activation_memory``).
+        weight_grad_merge: how many micro-batches' matrix-product weight gradients (``Linear``
+            layers, wherever they sit; see :mod:`~shardkit.nn.pipe.split_backward`) are added in
+            one product: ``1`` adds each micro-batch's as its W runs; ``k`` keeps the inputs and
+            output gradients of up to ``k - 1`` micro-batches until one ``addmm_`` per weight.
+            ``None``: the schedule's default (``chunks`` for GPipe, which keeps every
+            micro-batch anyway; the number of pipeline ranks otherwise). What waits is not in
+            ``activation_memory`` (which counts tensors saved by autograd); pass ``1`` where
+            the schedule's activation bound must hold exactly.
 
     After a step, ``peak_live_microbatches`` is the most (stage, micro-batch) pairs whose
     activations were alive at once on this rank (from F until BW or W), and ``busy_seconds``
@@ -140,8 +154,12 @@ class PlanSchedule:
     """
 
     def __init__(self, stages, chunks: int, loss_fn: Optional[Callable] = None,
-                 track_activation_memory: bool = False):
+                 track_activation_memory: bool = False, weight_grad_merge: Optional[int] = None):
         name = type(self).__name__
+        if weight_grad_merge is not None and (isinstance(weight_grad_merge, bool) or not isinstance(
+                weight_grad_merge, int) or weight_grad_merge < 1):
+            raise ValueError(f"{name}(weight_grad_merge={weight_grad_merge!r}): expected a "
+                             f"positive int or None (the schedule's default)")
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages) \
             if isinstance(stages, (list, tuple)) else stages
         if not isinstance(stages, list) or not stages or \
@@ -162,11 +180,48 @@ class PlanSchedule:
         self._problems = self._stage_problems(stages)
         self.links = _TaggedLinks(self.group, self.num_stages, chunks)
         self.activation_memory = ActivationMemoryMeter() if track_activation_memory else None
+        self.weight_grad_merge = min(chunks, weight_grad_merge or self.default_merge())
+        self._whole_backward = {s: _runs_whole_backward(stage) for s, stage in
+                                self.stages.items()}
         self.peak_live_microbatches = 0
+        self.busy_seconds = 0.0
+        self.action_seconds: dict = {}
+        self._steps = 0
         self._checked = False
 
-    def build_plan(self, num_ranks: int, chunks: int) -> PipelinePlan:
-        """The plan for ``num_ranks`` ranks and ``chunks`` micro-batches (subclasses)."""
+    plans_from_measured_costs = False
+
+    def _replan(self) -> None:
+        """Rebuild the plan from the last step's compute seconds per action kind, averaged
+        over the pipeline ranks (one small all-gather; every rank builds the same plan)."""
+        views = dist.all_gather_object(self.action_seconds, group=self.group)
+        costs = {}
+        for kind in ("F", "B", "W"):
+            values = [v[kind] for v in views if kind in v]
+            if values:
+                costs[kind] = max(sum(values) / len(values), 1e-6)
+        if len(costs) < 3:
+            return
+        costs["BW"] = costs["B"] + costs["W"]
+        try:
+            plan = self.build_plan(self.num_ranks, self.chunks, costs)
+            plan.dry_run(costs)
+        except PipelineDeadlock:  # same outcome on every rank: keep the current lists
+            return
+        self.plan = plan
+
+    def default_merge(self) -> int:
+        """Micro-batches whose matrix-product weight gradients are merged when the constructor
+        gets ``weight_grad_merge=None``: the pipeline depth, which bounds what waits to about
+        1F1B's live micro-batches."""
+        return self.num_ranks
+
+    _who = "rank"  # how errors name a process of the pipeline
+
+    def build_plan(self, num_ranks: int, chunks: int, costs: Optional[dict] = None
+                   ) -> PipelinePlan:
+        """The plan for ``num_ranks`` ranks and ``chunks`` micro-batches (subclasses); ``costs``
+        (seconds of F, B, W, BW) where the schedule plans from measured costs."""
         raise NotImplementedError
 
     def _stage_problems(self, stages) -> list[str]:
@@ -213,19 +268,30 @@ class PlanSchedule:
         self._weights: dict = {}   # (stage, i) -> WeightGradPass
         self._handoff: dict = {}   # local activations and gradients between this rank's stages
         self._losses: list = []
-        self._sinks = {s: GradientSink(stage.parameters()) for s, stage in self.stages.items()}
+        self._sinks = {s: GradientSink(stage.parameters(), self.weight_grad_merge)
+                       for s, stage in self.stages.items()}
         self._alive = 0
         self.peak_live_microbatches = 0
         self.busy_seconds = 0.0
         if self.activation_memory is not None:
             self.activation_memory.reset_peak()
+        if self._steps == _REPLAN_AT and self.plans_from_measured_costs:
+            self._replan()
+        seconds = {kind: 0.0 for kind in ("F", "B", "W", "BW")}
         order = self.plan.orders[self.rank]
         for position, action in enumerate(order):
             for ahead in itertools.islice(order, position, position + _LOOKAHEAD):
                 self._post_ahead(ahead)
+            before = self.busy_seconds
             getattr(self, "_run_" + action.kind)(action.stage, action.microbatch)
+            seconds[action.kind] += self.busy_seconds - before
+        self._steps += 1
+        counts = {kind: sum(1 for a in order if a.kind == kind) for kind in seconds}
+        self.action_seconds = {kind: seconds[kind] / counts[kind] for kind in seconds
+                               if counts[kind]}
         for s, stage in self.stages.items():
-            self._sinks[s].deliver()
+            with self._busy():
+                self._sinks[s].deliver()
             stage.reduce_gradients()
         self.links.pending.wait()
         self._inputs = self._targets = self._sinks = None
@@ -293,6 +359,11 @@ class PlanSchedule:
             self.links.send_gradient(s - 1, i, grads, self._remote(s - 1))
 
     def _run_BW(self, s: int, i: int) -> None:
+        if not self._whole_backward[s] and not self._sinks[s].deferred:
+            self._run_B(s, i)  # the input gradient goes back first, then W
+            self._run_W(s, i)
+            return
+        # gradient hooks (data-parallel wrappers, FSDP) see one plain backward per micro-batch
         activation, roots = self._live.pop((s, i))
         grads = self._output_grads(s, i, roots)
         if roots:
@@ -332,7 +403,10 @@ class PlanSchedule:
             else:
                 try:
                     size = batch_size(inputs, f"{name}.step(*inputs)")
-                    if size % self.chunks:
+                    if self.chunks > size:
+                        problems.append(f"chunks={self.chunks} is larger than the batch size "
+                                        f"{size}; use chunks <= {size}")
+                    elif size % self.chunks:
                         problems.append(
                             f"batch size {size} is not divisible by chunks={self.chunks}: the "
                             f"last micro-batch would be smaller ({size % self.chunks} rows) and "
@@ -354,8 +428,85 @@ class PlanSchedule:
 
     def _check_first_step(self, inputs, target) -> None:
         check_schedule_agreement(type(self).__name__, self.chunks,
-                                 self._local_problems(inputs, target), self.group, "rank")
+                                 self._local_problems(inputs, target), self.group, self._who)
         self._checked = True
+
+
+def _runs_whole_backward(stage: PipelineStage) -> bool:
+    """Whether BW must stay one plain backward: FSDP's gather/reduce-scatter hooks expect it."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in stage.module.modules())
+
+
+class ScheduleGPipe(PlanSchedule):
+    """GPipe: every micro-batch forward, then every micro-batch backward; one stage per rank.
+
+    Memory: the activations of all ``chunks`` micro-batches are alive on every stage at the end
+    of the forwards. Bubble: ``(p-1)/(m+p-1)`` of the step for ``p`` stages and ``m`` chunks.
+    Communication: see :class:`PipelineStage`.
+
+    Args (beyond :class:`PlanSchedule`'s):
+        batch_weight_grads: ``False`` is ``weight_grad_merge=1`` (each micro-batch's weight
+            gradients as its backward runs); ``None`` or ``True``: the default, every
+            matrix-product weight gradient once per step over all micro-batches (the same
+            gradients up to rounding, much faster with small micro-batches).
+    """
+
+    _who = "stage"
+
+    def __init__(self, stage: PipelineStage, chunks: int, loss_fn: Optional[Callable] = None,
+                 track_activation_memory: bool = False, batch_weight_grads: Optional[bool] = None,
+                 weight_grad_merge: Optional[int] = None):
+        if batch_weight_grads not in (None, True, False):
+            raise ValueError(f"ScheduleGPipe(batch_weight_grads={batch_weight_grads!r}): "
+                             f"expected None (automatic), True or False")
+        if batch_weight_grads is False and weight_grad_merge is None:
+            weight_grad_merge = 1
+        super().__init__(_one_stage(self, stage), chunks, loss_fn, track_activation_memory,
+                         weight_grad_merge)
+
+    def default_merge(self) -> int:
+        return self.chunks
+
+    def build_plan(self, num_ranks, chunks, costs=None):
+        if self.num_stages != num_ranks:
+            return _unrunnable(self, "one stage per rank")
+        return gpipe_plan(num_ranks, chunks)
+
+
+class Schedule1F1B(PlanSchedule):
+    """1F1B: after a warm-up of ``p - s - 1`` forwards, stage ``s`` alternates one forward and
+    one backward, then drains the remaining backwards; one stage per rank.
+
+    Memory: at most ``min(p - s, m)`` micro-batches of activations alive on stage ``s`` (the
+    first stage holds the most), instead of GPipe's ``m``, plus the merged weight-gradient
+    inputs (``weight_grad_merge``). Same bubble and communication as :class:`ScheduleGPipe`.
+    """
+
+    _who = "stage"
+
+    def __init__(self, stage: PipelineStage, chunks: int, loss_fn: Optional[Callable] = None,
+                 track_activation_memory: bool = False, weight_grad_merge: Optional[int] = None):
+        super().__init__(_one_stage(self, stage), chunks, loss_fn, track_activation_memory,
+                         weight_grad_merge)
+
+    def build_plan(self, num_ranks, chunks, costs=None):
+        if self.num_stages != num_ranks:
+            return _unrunnable(self, "one stage per rank")
+        return one_f_one_b_plan(num_ranks, chunks)
+
+
+def _one_stage(schedule, stage):
+    if not isinstance(stage, PipelineStage):
+        raise TypeError(f"{type(schedule).__name__}(stage={type(stage).__name__}): expected a "
+                        f"PipelineStage")
+    if stage.num_stages != stage.group_size:
+        raise ValueError(f"{type(schedule).__name__}(stage=...): runs one stage per rank, but "
+                         f"the pipeline has {stage.num_stages} stages on {stage.group_size} "
+                         f"ranks; use ScheduleInterleaved1F1B or ScheduleZBV with several "
+                         f"stages per rank")
+    return stage
 
 
 class ScheduleInterleaved1F1B(PlanSchedule):
@@ -368,7 +519,7 @@ class ScheduleInterleaved1F1B(PlanSchedule):
     activation (or its gradient).
     """
 
-    def build_plan(self, num_ranks, chunks):
+    def build_plan(self, num_ranks, chunks, costs=None):
         return interleaved_1f1b_plan(num_ranks, chunks, self.num_stages // num_ranks)
 
 
@@ -383,7 +534,7 @@ class ScheduleZeroBubble(PlanSchedule):
     parameters fire once per step. Communication: as 1F1B.
     """
 
-    def build_plan(self, num_ranks, chunks):
+    def build_plan(self, num_ranks, chunks, costs=None):
         if self.num_stages != num_ranks:
             return _unrunnable(self, "one stage per rank")
         return zb_h1_plan(num_ranks, chunks)
@@ -397,12 +548,19 @@ class ScheduleZBV(PlanSchedule):
     Bubble: close to zero (see :func:`~shardkit.nn.pipe.plan.zbv_plan`'s dry run). Memory: at
     most ``2p`` half-size stage-micro-batches per rank, 1F1B's peak. Communication: about twice
     1F1B's messages, each of one activation; the hand-over at the V's tip stays on the rank.
+
+    The first two steps run the order planned for F = B = W; at the start of the third, the
+    ranks share the compute seconds they measured per F, B and W in the second (one small
+    all-gather) and every rank re-plans with them (``self.plan`` changes once; the memory bound
+    stays).
     """
 
-    def build_plan(self, num_ranks, chunks):
+    plans_from_measured_costs = True
+
+    def build_plan(self, num_ranks, chunks, costs=None):
         if self.num_stages != 2 * num_ranks:
             return _unrunnable(self, "two stages per rank")
-        return zbv_plan(num_ranks, chunks)
+        return zbv_plan(num_ranks, chunks, costs)
 
 
 def _unrunnable(schedule: PlanSchedule, need: str) -> PipelinePlan:

@@ -24,9 +24,23 @@ the lower one on top of the lower one's recorded total; a pre-hook on the lower 
 arrives with the recorded total, so nothing is counted twice. The walk between the two may cross
 other groups' frontier nodes, so such a W pass keeps the graph's buffers until its last group.
 
+Matrix products: a parameter used once, as the weight of a matrix product (``addmm``/``mm``
+with the weight transposed, which is what ``F.linear`` records, and its bias), needs in W only the
+product's saved input ``x`` and the gradient ``g`` at its output: its gradient is ``g^T x``. B
+captures ``g`` for those products (asking autograd for the gradient at the product's output, so
+it works on a first stage whose input needs no gradient too), and W hands ``(x, g)`` to a
+:class:`GradientSink`, which adds the products of several micro-batches in one ``addmm_`` into
+``.grad`` (one weight-sized write instead of a weight-sized product plus an accumulation per
+micro-batch). A dense ``embedding`` is handled alike: its indices and output gradient, one
+``index_add_`` (instead of a vocabulary-sized zero fill and accumulation per micro-batch). These
+are the ops autograd itself would run, read off its graph: no layer type is special, and
+anything else (tied weights, norms, attention, padded embeddings) takes the generic path.
+
 Memory: B keeps the micro-batch's graph (``retain_graph``), so its saved activations live until
 W: the schedule decides how many micro-batches wait for their W. Plus the recorded gradients, one
-tensor per frontier node output (about one activation per parameterised layer). No communication.
+tensor per frontier node output (about one activation per parameterised layer). A sink merging ``k`` micro-batches keeps, per
+matrix product, the input and output gradient of up to ``k - 1`` micro-batches whose graphs are
+already freed. No communication.
 """
 
 from __future__ import annotations
@@ -100,19 +114,35 @@ class WeightGradPass:
     """The W half of one micro-batch's backward: :meth:`run` returns each parameter's gradient
     of this micro-batch (and frees the graph). Runs at most once."""
 
-    def __init__(self, groups: list, recorded: dict, root_grads: dict):
+    def __init__(self, groups: list, recorded: dict, root_grads: dict, products: list = ()):
         self._groups = groups          # [(frontier nodes, params)]
         self._recorded = recorded      # frontier node -> tuple of gradients at its outputs
         self._root_grads = root_grads  # root node -> its gradient tuple (roots in the frontier)
+        self._products = list(products)  # [(product node, weight, bias or None)]
 
-    def run(self, into_grad: bool = False) -> dict:
+    def run(self, into_grad: bool = False, products: Optional[list] = None) -> dict:
         """``{parameter: gradient}`` for the parameters this micro-batch reached; with
-        ``into_grad`` the gradients are added to ``.grad`` instead (by the parameters' own
-        accumulators, as a plain backward would: no extra buffer, gradient hooks fire) and the
-        dict is empty."""
+        ``into_grad`` the gradients are added to ``.grad`` instead (as a plain backward would:
+        gradient hooks fire) and the dict is empty. With ``products`` (a list), the matrix-product
+        parameters are not computed: ``(weight, bias, x, g)`` is appended for each, to be merged
+        with other micro-batches' (:class:`GradientSink`)."""
         if self._groups is None:
             raise RuntimeError("WeightGradPass.run: this W pass already ran")
         out: dict = {}
+        # read the products' inputs before the generic groups free the graph
+        parts = [(w, b, _product_input(node), self._recorded[node][0])
+                 for node, w, b in self._products if self._recorded.get(node, (None,))[0]
+                 is not None]
+        if products is not None:
+            products.extend(parts)
+        elif into_grad:
+            for w, b, x, g in parts:
+                for p, grad in _product_grads(w, b, x, g):
+                    _add_to_grad(p, grad)
+        else:
+            for w, b, x, g in parts:
+                for p, grad in _product_grads(w, b, x, g):
+                    out[p] = grad
         recorded = {**self._root_grads, **self._recorded}
         # a group with several frontier nodes walks the input path between them, through other
         # groups' frontier nodes: keep every buffer until the last group has run
@@ -142,8 +172,88 @@ class WeightGradPass:
             for p, g in zip(params, got):
                 if g is not None:
                     out[p] = g if p not in out else out[p] + g
-        self._groups = self._recorded = self._root_grads = None
+        self._groups = self._recorded = self._root_grads = self._products = None
         return out
+
+
+_PRODUCTS = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self",
+             "EmbeddingBackward0": "_saved_indices"}
+_NO_PADDING = (-1, 2 ** 64 - 1)  # padding_idx=None, as autograd saves it
+
+
+def _accumulated(edge_node) -> Optional[torch.Tensor]:
+    """The leaf an ``AccumulateGrad`` node feeds, else ``None``."""
+    return getattr(edge_node, "variable", None) if edge_node is not None and \
+        type(edge_node).__name__ == "AccumulateGrad" else None
+
+
+def _product_params(node: Node, params: set) -> Optional[tuple]:
+    """``(weight, bias or None)`` when ``node`` is ``x @ weight.t() (+ bias)`` (the scalars 1)
+    or a dense ``embedding(indices, weight)`` without padding row or frequency scaling, with the
+    parameters among ``params``; else ``None``."""
+    kind = type(node).__name__
+    if kind not in _PRODUCTS:
+        return None
+    edges = node.next_functions
+    if kind == "EmbeddingBackward0":
+        weight = _accumulated(edges[0][0])
+        if weight is None or weight not in params or node._saved_sparse or \
+                node._saved_scale_grad_by_freq or node._saved_padding_idx not in _NO_PADDING:
+            return None
+        return weight, None
+    transpose = edges[-1][0]
+    if transpose is None or type(transpose).__name__ != "TBackward0":
+        return None
+    weight = _accumulated(transpose.next_functions[0][0])
+    if weight is None or weight not in params or weight.dim() != 2:
+        return None
+    bias = None
+    if kind == "AddmmBackward0":
+        if node._saved_alpha != 1 or node._saved_beta != 1:
+            return None
+        if edges[0][0] is not None:
+            bias = _accumulated(edges[0][0])
+            if bias is None or bias not in params or bias.dim() != 1:
+                return None
+    return weight, bias
+
+
+def _product_input(node: Node) -> torch.Tensor:
+    """The matrix product's input ``x`` (or the embedding's indices)."""
+    # detached: an unpacked saved input carries its grad_fn, which would keep the graph alive
+    return getattr(node, _PRODUCTS[type(node).__name__]).detach()
+
+
+def _product_grads(weight, bias, x, g) -> list:
+    """``[(param, gradient)]`` of one product from its input ``x`` and output gradient ``g``."""
+    out = []
+    if weight.requires_grad:
+        out.append((weight, _weight_grad(weight, x, g)))
+    if bias is not None and bias.requires_grad:
+        out.append((bias, g.sum(0).to(bias.dtype)))
+    return out
+
+
+def _weight_grad(weight, x, g, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``weight``'s gradient from rows ``x`` (or indices) and ``g``, added to ``into`` if given."""
+    if not x.is_floating_point():  # an embedding: scatter-add the rows' gradients
+        rows = g.reshape(-1, weight.shape[1]).to(weight.dtype)
+        target = into if into is not None else torch.zeros_like(weight)
+        return target.index_add_(0, x.reshape(-1), rows)
+    if into is not None and into.dtype == g.dtype:
+        return into.addmm_(g.t(), x.to(g.dtype))
+    grad = (g.t() @ x.to(g.dtype)).to(weight.dtype)
+    return grad if into is None else into.add_(grad)
+
+
+def _add_to_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """``param.grad += grad``, through autograd when the parameter carries gradient hooks."""
+    if _has_grad_hooks(param):
+        torch.autograd.backward([param.view_as(param)], [grad])
+    elif param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
 
 
 def _frontier_of(param_node: Node, parents: dict, input_side: set, roots: set) -> set:
@@ -211,24 +321,46 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Optional[Sequence], inp
     wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
     params = list(dict.fromkeys(p for p in params if p.requires_grad))  # tied: once
     parents = _graph(root_nodes)
-    input_side = _reaching({_grad_node(inputs[i]) for i in wanted}, parents)
+    owned = set(params)
+    candidates = {}
+    for node in parents:
+        found = _product_params(node, owned)
+        if found is not None:
+            candidates[node] = found
+    # products count as inputs: the path to them is B's, so their output gradient is known
+    input_side = _reaching({_grad_node(inputs[i]) for i in wanted} | set(candidates), parents)
     groups = _weight_groups(params, parents, input_side, set(root_nodes))
+    products, generic = [], []
+    for frontier, members in groups:
+        # one frontier node: every member meets the input path there and nowhere else
+        node = frontier[0] if len(frontier) == 1 else None
+        weight, bias = candidates.get(node, (None, None))
+        if weight is not None and any(p is weight for p in members):
+            bias = bias if any(p is bias for p in members) else None
+            products.append((node, weight, bias))
+            members = [p for p in members if p is not weight and p is not bias]
+        if members:
+            generic.append((frontier, members))
     frontier = {node for nodes, _ in groups for node in nodes}
+    captured = [node for node in frontier if node in candidates]
     recorded: dict = {}
     handles = [node.register_prehook(lambda g, node=node: recorded.__setitem__(node, g))
-               for node in frontier if node in input_side]
+               for node in frontier if node in input_side and node not in candidates]
     result: list = [None] * len(inputs)
     try:
-        if wanted:
-            got = torch.autograd.grad(roots, [inputs[i] for i in wanted], grads,
-                                      retain_graph=True, allow_unused=True)
+        targets = [inputs[i] for i in wanted] + [GradientEdge(n, 0) for n in captured]
+        if targets:
+            got = torch.autograd.grad(roots, targets, grads, retain_graph=True,
+                                      allow_unused=True)
             for i, g in zip(wanted, got):
                 result[i] = g
+            for node, g in zip(captured, got[len(wanted):]):
+                recorded[node] = (g,)
     finally:
         for handle in handles:
             handle.remove()
     root_grads = _root_gradients(root_edges, grads, frontier, input_side)
-    return result, WeightGradPass(groups, recorded, root_grads)
+    return result, WeightGradPass(generic, recorded, root_grads, products)
 
 
 class GradientSink:
@@ -240,23 +372,75 @@ class GradientSink:
     install), the step's gradients are summed in private buffers and
     :meth:`deliver` hands each parameter its total once, through autograd, so those hooks fire
     once per parameter per step. Memory: one gradient-sized buffer per hooked parameter.
+
+    Matrix-product parameters (see the module docstring) are merged over ``merge`` micro-batches:
+    their inputs and output gradients wait until ``merge`` W passes have run (or
+    :meth:`deliver`), then one ``addmm_`` per weight adds them all. Memory: per product, the
+    input and output gradient of up to ``merge - 1`` waiting micro-batches.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor]):
+    def __init__(self, params: Sequence[torch.Tensor], merge: int = 1):
+        if isinstance(merge, bool) or not isinstance(merge, int) or merge < 1:
+            raise ValueError(f"GradientSink(merge={merge!r}): expected a positive int")
         self.params = list(dict.fromkeys(p for p in params if p.requires_grad))
         self.deferred = any(_has_grad_hooks(p) for p in self.params)
+        self.merge = merge
         self._totals: dict = {}
+        self._products: list = []  # (weight, bias, x, g) of the waiting micro-batches
+        self._waiting = 0
 
     def run(self, weight_pass: WeightGradPass) -> None:
         """Run one micro-batch's W pass into ``.grad`` (or into the step's totals)."""
         if not self.deferred:
-            weight_pass.run(into_grad=True)
-            return
-        for p, g in weight_pass.run().items():
-            self._totals[p] = g if p not in self._totals else self._totals[p] + g
+            weight_pass.run(into_grad=True, products=self._products)
+        else:
+            for p, g in weight_pass.run(products=self._products).items():
+                self._add(p, g)
+        self._waiting += 1
+        if self._waiting >= self.merge:
+            self.flush()
+
+    def flush(self) -> None:
+        """Add the waiting micro-batches' matrix-product gradients (one ``addmm_`` per weight)."""
+        by_weight: dict = {}
+        for weight, bias, x, g in self._products:
+            entry = by_weight.setdefault(id(weight), (weight, bias, [], []))
+            entry[2].append(x)
+            entry[3].append(g)
+        self._products, self._waiting = [], 0
+        for weight, bias, xs, gs in by_weight.values():
+            x = xs[0] if len(xs) == 1 else torch.cat([t.reshape(-1) for t in xs]) \
+                if not xs[0].is_floating_point() else torch.cat(xs)
+            g = gs[0] if len(gs) == 1 else torch.cat([t.reshape(-1, t.shape[-1])
+                                                      for t in gs])
+            if weight.requires_grad:
+                self._add_product(weight, g, x)
+            if bias is not None and bias.requires_grad:
+                self._add(bias, g.sum(0).to(bias.dtype))
+
+    def _target(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        return self._totals.get(param) if self.deferred else param.grad
+
+    def _add(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        target = self._target(param)
+        if target is not None:
+            target.add_(grad)
+        elif self.deferred:
+            self._totals[param] = grad
+        else:
+            param.grad = grad
+
+    def _add_product(self, weight: torch.Tensor, g: torch.Tensor, x: torch.Tensor) -> None:
+        target = self._target(weight)
+        if target is not None:
+            _weight_grad(weight, x, g, into=target)
+        else:
+            self._add(weight, _weight_grad(weight, x, g))
 
     def deliver(self) -> None:
-        """Hand the summed gradients to the parameters through their accumulators (hooks run)."""
+        """Flush the waiting products, then hand the summed gradients to the parameters through
+        their accumulators (hooks run)."""
+        self.flush()
         if not self._totals:
             return
         params = list(self._totals)
