@@ -245,9 +245,11 @@ def _quantize_blocks(values: torch.Tensor, layout: QuantLayout, codes_out: torch
     scale = torch.where(bad, 0.0, absmax) / qmax
     if layout.scale_dtype == torch.bfloat16:
         scale = _ceil_to_bf16(scale)
-    codes = torch.addcdiv(torch.tensor(0.5, device=values.device), values,
-                          torch.where(scale > 0, scale, 1.0).unsqueeze(-1), out=values)
-    codes = codes.floor_().clamp_(-qmax, qmax)
+    # x / scale + 0.5 as a division then an addition: the same bits as addcdiv(0.5, x, scale)
+    # (its CPU kernel computes 0.5 + 1 * x / scale), about twice as fast on CPU, where
+    # addcdiv's broadcast of the per-block scale is not vectorised well (measured)
+    codes = torch.div(values, torch.where(scale > 0, scale, 1.0).unsqueeze(-1), out=values)
+    codes = codes.add_(0.5).floor_().clamp_(-qmax, qmax)
     if bool(bad.any()):
         codes[bad] = 0.0
     scales_out.copy_(torch.where(bad, math.inf, scale))
@@ -323,6 +325,21 @@ def dequantize_unpack(buffer: torch.Tensor, layout: QuantLayout,
         from shardkit.kernels import triton_quantize
         triton_quantize.dequantize_unpack(buffer, layout, outs, dtype)
         return
+    if _whole_block_int8(layout) and all(t.is_contiguous() for t in outs):
+        _dequantize_unpack_direct(buffer, layout, outs)
+        return
+    _dequantize_unpack_via_rows(buffer, layout, outs)
+
+
+def _whole_block_int8(layout: QuantLayout) -> bool:
+    """int8 codes, every chunk a whole number of blocks (so are the offsets): each chunk of a
+    segment can be decoded on its own, straight into its output."""
+    return layout.bits == 8 and all(c % layout.block == 0 for c in layout.chunk_numels)
+
+
+def _dequantize_unpack_via_rows(buffer: torch.Tensor, layout: QuantLayout,
+                                outs: Sequence[torch.Tensor]) -> None:
+    """Any layout: decode every segment into one fp32 temporary, then copy the columns out."""
     values = _dequantize_rows(buffer, layout)
     for t, off, c in zip(outs, layout.column_offsets, layout.chunk_numels):
         cols = values[:, off:off + c]
@@ -330,6 +347,31 @@ def dequantize_unpack(buffer: torch.Tensor, layout: QuantLayout,
             _read_columns(t.view(-1), cols, t.numel(), c)
         else:
             t.copy_(cols.reshape(-1)[:t.numel()].view(t.shape))
+
+
+def _dequantize_unpack_direct(buffer: torch.Tensor, layout: QuantLayout,
+                              outs: Sequence[torch.Tensor]) -> None:
+    """int8 whole-block chunks into contiguous ``outs``: ``code x scale`` computed in fp32 and
+    written straight into each output (the same bits as the fp32-temporary path), one pass that
+    reads each code byte and writes each kept element once, instead of three passes over an
+    fp32 temporary of the whole buffer (qwZ's dequantize: 1.5x faster on CPU, measured)."""
+    codes = layout.codes(buffer).view(torch.int8)
+    scales = layout.scales(buffer).float().unsqueeze(-1)  # (segments, blocks, 1): fp32 math
+    block = layout.block
+    for t, off, c in zip(outs, layout.column_offsets, layout.chunk_numels):
+        n = t.numel()
+        if c == 0 or n == 0:
+            continue
+        flat, first, per = t.view(-1), off // block, c // block
+        rows = n // c
+        if rows:
+            torch.mul(codes[:rows, off:off + c].view(rows, per, block),
+                      scales[:rows, first:first + per],
+                      out=flat[:rows * c].view(rows, per, block))
+        if rows * c < n:  # the last rank's chunk is cut short: decode it whole, keep the start
+            row = torch.mul(codes[rows, off:off + c].view(per, block),
+                            scales[rows, first:first + per])
+            flat[rows * c:].copy_(row.view(-1)[:n - rows * c])
 
 
 def dequantize_sum(buffer: torch.Tensor, layout: QuantLayout, *, sources: int,
