@@ -286,3 +286,23 @@ def test_cpu_int8_direct_dequantize_gives_the_bits_of_the_general_path(
     q._dequantize_unpack_via_rows(buf, layout, general)
     for a, b in zip(direct, general):
         assert torch.equal(a, b)
+
+
+@SETTINGS
+@given(blocks=st.integers(1, 40), world_size=st.integers(1, 4), bits=st.sampled_from([4, 8]),
+       block=st.sampled_from([8, 64, 256]), node_size=st.sampled_from([None, 1, 2]),
+       seed=st.integers(0, 2 ** 16))
+def test_cpu_quantize_of_an_already_packed_flat_buffer(blocks, world_size, bits, block,
+                                                       node_size, seed):
+    """A flat fp32 buffer of whole-block segments (qgZ's reduce-scatter input) is read in place:
+    the same bytes as through the packing copy, and the input is left untouched."""
+    if node_size is not None and world_size % node_size:
+        node_size = None
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randn(world_size * blocks * block, generator=gen) * 4
+    kept = flat.clone()
+    layout = quant_layout([flat.numel()], world_size, bits=bits, block=block)
+    strided = torch.stack([flat, flat], 1)[:, 0]  # same values, not contiguous: copied first
+    direct = quantize_pack([flat], layout, node_size=node_size)
+    assert torch.equal(direct, quantize_pack([strided], layout, node_size=node_size))
+    assert torch.equal(flat, kept)
