@@ -37,8 +37,10 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 __all__ = ["Precision", "StageMemory", "ModelSummary", "precision_for", "zero_model_state_bytes",
-           "zero_comm_elements_per_step", "pipeline_comm_elements", "zeropp_traffic", "stage_table", "summarize_model",
-           "estimate_activation_bytes", "recommend_stage", "parse_size", "format_bytes", "FP32_ADAMW", "main"]
+           "zero_comm_elements_per_step", "pipeline_comm_elements", "zeropp_traffic",
+           "CommOption", "COMM_OPTIONS", "LinkTraffic", "link_traffic", "link_traffic_table",
+           "stage_table", "summarize_model", "estimate_activation_bytes", "recommend_stage",
+           "parse_size", "format_bytes", "FP32_ADAMW", "main"]
 
 STAGES = (0, 1, 2, 3)
 STAGE_WRAPPERS = {0: "DDP", 1: "OSS", 2: "ShardedDDP + OSS", 3: "FSDP"}
@@ -153,6 +155,103 @@ def zeropp_traffic(params: float, world_size: int, precision: Precision) -> dict
     return {name: elements * (2 * gathers[qw] + reduce[qg]) for name, (qw, qg) in options.items()}
 
 
+@dataclass(frozen=True)
+class CommOption:
+    """One way to run FSDP's collectives: int8 weight gathers (``qwz``), int4 hierarchical
+    gradient reduction (``qgz``), hpZ's node-sized secondary weight partition (``hpz``), or
+    HYBRID_SHARD (``hybrid``: shard inside the node, all-reduce the shard across nodes)."""
+
+    qwz: bool = False
+    qgz: bool = False
+    hpz: bool = False
+    hybrid: bool = False
+
+
+COMM_OPTIONS = {
+    "fp32": CommOption(),
+    "qwZ": CommOption(qwz=True),
+    "qgZ": CommOption(qgz=True),
+    "hpZ": CommOption(hpz=True),
+    "qwZ+qgZ": CommOption(qwz=True, qgz=True),
+    "qwZ+hpZ": CommOption(qwz=True, hpz=True),
+    "hpZ+qgZ": CommOption(qgz=True, hpz=True),
+    "qwZ+hpZ+qgZ": CommOption(qwz=True, qgz=True, hpz=True),
+    "HYBRID": CommOption(hybrid=True),
+    "HYBRID+qwZ+qgZ": CommOption(qwz=True, qgz=True, hybrid=True),
+}
+
+
+@dataclass(frozen=True)
+class LinkTraffic:
+    """Bytes one rank puts on the wire per step, split as ``CommCounter`` splits them: ops on
+    groups inside one node (``intra_node``) and ops on groups spanning nodes (``inter_node``)."""
+
+    intra_node: float
+    inter_node: float
+
+    @property
+    def total(self) -> float:
+        return self.intra_node + self.inter_node
+
+
+def _ring(full_elements: float, group_size: int) -> float:
+    """Elements one rank sends in an all-gather / reduce-scatter of ``full_elements``."""
+    return full_elements * (group_size - 1) / group_size
+
+
+def link_traffic(params: float, ranks_per_node: int, nodes: int, precision: Precision,
+                 option: CommOption, root_params: float = 0.0) -> LinkTraffic:
+    """Per-link bytes per stage-3 step for one rank, n = ``ranks_per_node`` ranks on each of
+    k = ``nodes`` nodes (N = nk), Ψ = ``params``, of which ``root_params`` sit in the root unit
+    (gathered once per step: it is kept from forward to backward; every other unit twice).
+
+    Weight gathers move W bytes per element (``precision.weights``) or, with qwZ, int8 plus one
+    fp32 scale per 256 (``QWZ_BYTES``); gradients G bytes or, with qgZ, int4 plus scales
+    (``QGZ_BYTES``). Over the whole group (spanning nodes when k > 1):
+
+    - plain: gathers ``(2Ψ_r + R)(N-1)/N``, reduce-scatter ``Ψ(N-1)/N`` (Ψ_r = Ψ - R);
+    - hpZ (n > 1): the forward gather ``Ψ(N-1)/N`` over the group, the backward gather
+      ``Ψ_r(n-1)/n`` inside the node;
+    - qgZ with n > 1 and k > 1 (hierarchical): ``Ψ(n-1)/n`` inside the node, then
+      ``(Ψ/n)(k-1)/k`` across nodes; otherwise one flat exchange over the group;
+    - HYBRID: gathers and reduce-scatter inside the node (``(n-1)/n``), then an all-reduce of
+      the G-byte gradient shard across nodes, ``2(Ψ/n)(k-1)/k``.
+
+    Ignores padding (to a multiple of N per unit, to whole blocks per quantized chunk): a few
+    per cent on models of large matrices. Costs nothing (arithmetic)."""
+    n, k = ranks_per_node, nodes
+    if n < 1 or k < 1:
+        raise PlanError(f"ranks_per_node={n} and nodes={k} must both be at least 1")
+    weight_bytes = QWZ_BYTES if option.qwz else precision.weights
+    grad_bytes = QGZ_BYTES if option.qgz else precision.grads
+    resharded = params - root_params
+    gathered = 2 * resharded + root_params
+    links = {"intra": 0.0, "inter": 0.0}
+    spanning = "inter" if k > 1 else "intra"  # the link class of a group holding all N ranks
+    if option.hybrid:
+        links["intra"] += _ring(gathered, n) * weight_bytes + _ring(params, n) * grad_bytes
+        links["inter"] += 2 * _ring(params / n, k) * precision.grads
+        return LinkTraffic(links["intra"], links["inter"])
+    if option.hpz and n > 1:
+        links[spanning] += _ring(params, n * k) * weight_bytes
+        links["intra"] += _ring(resharded, n) * weight_bytes
+    else:
+        links[spanning] += _ring(gathered, n * k) * weight_bytes
+    if option.qgz and n > 1 and k > 1:
+        links["intra"] += _ring(params, n) * grad_bytes
+        links["inter"] += _ring(params / n, k) * grad_bytes
+    else:
+        links[spanning] += _ring(params, n * k) * grad_bytes
+    return LinkTraffic(links["intra"], links["inter"])
+
+
+def link_traffic_table(params: float, ranks_per_node: int, nodes: int, precision: Precision,
+                       root_params: float = 0.0) -> dict[str, LinkTraffic]:
+    """:func:`link_traffic` for every option of :data:`COMM_OPTIONS`."""
+    return {name: link_traffic(params, ranks_per_node, nodes, precision, option, root_params)
+            for name, option in COMM_OPTIONS.items()}
+
+
 # ----------------------------------------------------------------------------- a real model
 
 
@@ -168,6 +267,7 @@ class ModelSummary:
     hidden: int
     heads: int
     vocab: int
+    root_unit_params: int = 0  # parameters left to the root unit (gathered once per step)
 
 
 def load_factory_module(spec: str):
@@ -261,7 +361,8 @@ def summarize_model(model, wrap_block: Optional[str] = None,
     return ModelSummary(params=count_params(model.parameters()),
                         largest_unit_params=max(units), num_units=len(units),
                         num_blocks=len(blocks), hidden=hidden, heads=heads,
-                        vocab=max(embeddings) if embeddings else 0)
+                        vocab=max(embeddings) if embeddings else 0,
+                        root_unit_params=units[-1])
 
 
 def estimate_activation_bytes(summary: ModelSummary, batch: int, seq_len: int,
@@ -401,6 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", metavar="PKG.MODULE:FACTORY",
                      help="count the parameters of FACTORY() (an nn.Module)")
     p.add_argument("--world-size", type=int, required=True, help="data-parallel ranks N")
+    p.add_argument("--ranks-per-node", type=int,
+                   help="ranks on each node (default: all on one node): splits stage 3's "
+                        "traffic per option between intra-node and inter-node links")
     p.add_argument("--optimizer", default="adam", help=f"one of {', '.join(OPTIMIZERS)}")
     p.add_argument("--mixed-precision", action="store_true",
                    help="16-bit weights and grads with fp32 master state (K=12 for Adam)")
@@ -435,6 +539,7 @@ class PlanRequest:
     batch: int
     seq_len: int
     fused_attention: bool = True
+    ranks_per_node: Optional[int] = None
 
 
 def validate(args) -> PlanRequest:
@@ -448,6 +553,10 @@ def validate(args) -> PlanRequest:
         raise PlanError("give at most one wrap policy: --wrap-block or --min-num-params")
     if args.min_num_params is not None and args.min_num_params < 1:
         raise PlanError(f"--min-num-params {args.min_num_params} must be at least 1")
+    if args.ranks_per_node is not None and (args.ranks_per_node < 1
+                                            or args.world_size % args.ranks_per_node):
+        raise PlanError(f"--ranks-per-node {args.ranks_per_node} must be a positive divisor of "
+                        f"--world-size {args.world_size} (the same number of ranks per node)")
     if args.batch < 1 or args.seq_len < 0:
         raise PlanError(f"--batch {args.batch} must be >= 1 and --seq-len {args.seq_len} >= 0")
     return PlanRequest(
@@ -457,7 +566,8 @@ def validate(args) -> PlanRequest:
         stages=parse_stages(args.stages), wrap_block=args.wrap_block,
         min_num_params=args.min_num_params,
         gpu_memory=parse_size(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None,
-        batch=args.batch, seq_len=args.seq_len, fused_attention=not args.unfused_attention)
+        batch=args.batch, seq_len=args.seq_len, fused_attention=not args.unfused_attention,
+        ranks_per_node=args.ranks_per_node)
 
 
 def make_plan(req: PlanRequest) -> dict:
@@ -482,7 +592,38 @@ def make_plan(req: PlanRequest) -> dict:
         "stage3_traffic": zeropp_traffic(params, req.world_size, req.precision)
         if 3 in req.stages else None,
         "recommended_stage": best.stage if best else None,
+        "ranks_per_node": req.ranks_per_node or req.world_size,
+        "stage3_link_traffic": _link_traffic_data(req, params, summary)
+        if 3 in req.stages else None,
     }
+
+
+def _link_traffic_data(req: PlanRequest, params: float, summary: Optional[ModelSummary]):
+    n = req.ranks_per_node or req.world_size
+    root = summary.root_unit_params if summary is not None else 0.0
+    table = link_traffic_table(params, n, req.world_size // n, req.precision, root)
+    return {name: {"intra_node": t.intra_node, "inter_node": t.inter_node}
+            for name, t in table.items()}
+
+
+def render_link_traffic(plan: dict) -> list[str]:
+    """The per-link table of ``plan`` (stage 3, one row per FSDP communication option)."""
+    links = plan["stage3_link_traffic"]
+    n = plan["ranks_per_node"]
+    k = plan["world_size"] // n
+    plain = links["fp32"]
+    lines = [f"stage 3 wire/step per rank by link, {k} node{'s' if k > 1 else ''} x {n} "
+             f"rank{'s' if n > 1 else ''} (bytes on groups inside a node / spanning nodes, "
+             f"as CommCounter splits them):",
+             f"{'option':<16}{'intra-node':>12}{'inter-node':>12}{'x fp32 inter':>14}"]
+    for name, t in links.items():
+        ratio = (f"{t['inter_node'] / plain['inter_node']:.2f}x" if plain["inter_node"]
+                 else "-")
+        label = "fp32" if name == "fp32" and plan["precision"]["weights"] == 4 else (
+            "16-bit" if name == "fp32" else name)
+        lines.append(f"{label:<16}{format_bytes(t['intra_node']):>12}"
+                     f"{format_bytes(t['inter_node']):>12}{ratio:>14}")
+    return lines
 
 
 def render_plan(plan: dict) -> str:
@@ -517,6 +658,8 @@ def render_plan(plan: dict) -> str:
         lines.append("stage 3 wire/step by FSDP option (ZeRO++): " + ", ".join(
             f"{label if name == 'fp32' else name} {format_bytes(b)}"
             + ("" if name == "fp32" else f" ({b / plain:.2f}x)") for name, b in traffic.items()))
+    if plan.get("stage3_link_traffic"):
+        lines += render_link_traffic(plan)
     if show_extra and not plan["activations_bytes"]:
         lines.append("activations not estimated: give --seq-len (and --batch) and --wrap-block "
                      "naming the transformer block class")

@@ -235,9 +235,10 @@ def _ceil_to_bf16(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_blocks(values: torch.Tensor, layout: QuantLayout, codes_out: torch.Tensor,
-                     scales_out: torch.Tensor) -> None:
-    """Quantize ``values`` (segments, blocks, block) fp32, overwriting it, into ``codes_out``
-    (uint8 (segments, code_bytes)) and ``scales_out`` (segments, blocks)."""
+                     scales_out: torch.Tensor, scratch: Optional[torch.Tensor] = None) -> None:
+    """Quantize ``values`` (segments, blocks, block) fp32 into ``codes_out`` (uint8
+    (segments, code_bytes)) and ``scales_out`` (segments, blocks), using ``scratch`` (same
+    shape) as the working buffer, or ``values`` itself (overwritten) when it is ``None``."""
     qmax = QMAX[layout.bits]
     # amax and amin propagate nan and inf, and are far faster on CPU than abs().amax()
     absmax = torch.maximum(values.amax(-1), values.amin(-1).neg_())
@@ -245,9 +246,12 @@ def _quantize_blocks(values: torch.Tensor, layout: QuantLayout, codes_out: torch
     scale = torch.where(bad, 0.0, absmax) / qmax
     if layout.scale_dtype == torch.bfloat16:
         scale = _ceil_to_bf16(scale)
-    codes = torch.addcdiv(torch.tensor(0.5, device=values.device), values,
-                          torch.where(scale > 0, scale, 1.0).unsqueeze(-1), out=values)
-    codes = codes.floor_().clamp_(-qmax, qmax)
+    # x / scale + 0.5 as a division then an addition: the same bits as addcdiv(0.5, x, scale)
+    # (its CPU kernel computes 0.5 + 1 * x / scale), about twice as fast on CPU, where
+    # addcdiv's broadcast of the per-block scale is not vectorised well (measured)
+    codes = torch.div(values, torch.where(scale > 0, scale, 1.0).unsqueeze(-1),
+                      out=values if scratch is None else scratch)
+    codes = codes.add_(0.5).floor_().clamp_(-qmax, qmax)
     if bool(bad.any()):
         codes[bad] = 0.0
     scales_out.copy_(torch.where(bad, math.inf, scale))
@@ -262,21 +266,39 @@ def _quantize_blocks(values: torch.Tensor, layout: QuantLayout, codes_out: torch
 def _quantize_pack_torch(tensors, layout: QuantLayout, out: torch.Tensor, slots) -> None:
     seg, padded = layout.segment_numel, layout.blocks_per_segment * layout.block
     values = torch.empty(layout.world_size, padded, dtype=torch.float32, device=out.device)
-    values[:, seg:].zero_()
-    for t, off, c in zip(tensors, layout.column_offsets, layout.chunk_numels):
-        _write_columns(values[:, off:off + c], t.reshape(-1), t.numel(), c, 1.0)
-    blocks = values.view(layout.world_size, -1, layout.block)
+    scratch = None
+    if _already_packed(tensors, layout):
+        # one flat fp32 tensor in the packed layout already (qgZ's reduce-scatter input): read
+        # it in place, saving a copy pass; ``values`` is only the working buffer then
+        blocks = tensors[0].view(layout.world_size, -1, layout.block)
+        scratch = values.view(blocks.shape)
+    else:
+        values[:, seg:].zero_()
+        for t, off, c in zip(tensors, layout.column_offsets, layout.chunk_numels):
+            _write_columns(values[:, off:off + c], t.reshape(-1), t.numel(), c, 1.0)
+        blocks = values.view(layout.world_size, -1, layout.block)
     if slots == sorted(slots):
-        _quantize_blocks(blocks, layout, layout.codes(out), layout.scales(out))
+        _quantize_blocks(blocks, layout, layout.codes(out), layout.scales(out), scratch)
         return
     codes = torch.empty(layout.world_size, layout.code_bytes, dtype=torch.uint8,
                         device=out.device)
     scales = torch.empty(layout.world_size, layout.blocks_per_segment,
                          dtype=layout.scale_dtype, device=out.device)
-    _quantize_blocks(blocks, layout, codes, scales)
+    _quantize_blocks(blocks, layout, codes, scales, scratch)
     index = torch.tensor(slots, device=out.device)
     layout.codes(out)[index] = codes
     layout.scales(out)[index] = scales
+
+
+def _already_packed(tensors, layout: QuantLayout) -> bool:
+    """One contiguous fp32 tensor of exactly ``world_size`` segments of whole blocks: its
+    rank-major packed form is itself (no padding, no columns to gather)."""
+    if len(tensors) != 1:
+        return False
+    t = tensors[0]
+    return (t.dtype == torch.float32 and t.is_contiguous()
+            and layout.segment_numel % layout.block == 0
+            and t.numel() == layout.world_size * layout.segment_numel)
 
 
 def _dequantize_rows(buffer: torch.Tensor, layout: QuantLayout) -> torch.Tensor:
@@ -323,6 +345,21 @@ def dequantize_unpack(buffer: torch.Tensor, layout: QuantLayout,
         from shardkit.kernels import triton_quantize
         triton_quantize.dequantize_unpack(buffer, layout, outs, dtype)
         return
+    if _whole_block_int8(layout) and all(t.is_contiguous() for t in outs):
+        _dequantize_unpack_direct(buffer, layout, outs)
+        return
+    _dequantize_unpack_via_rows(buffer, layout, outs)
+
+
+def _whole_block_int8(layout: QuantLayout) -> bool:
+    """int8 codes, every chunk a whole number of blocks (so are the offsets): each chunk of a
+    segment can be decoded on its own, straight into its output."""
+    return layout.bits == 8 and all(c % layout.block == 0 for c in layout.chunk_numels)
+
+
+def _dequantize_unpack_via_rows(buffer: torch.Tensor, layout: QuantLayout,
+                                outs: Sequence[torch.Tensor]) -> None:
+    """Any layout: decode every segment into one fp32 temporary, then copy the columns out."""
     values = _dequantize_rows(buffer, layout)
     for t, off, c in zip(outs, layout.column_offsets, layout.chunk_numels):
         cols = values[:, off:off + c]
@@ -330,6 +367,31 @@ def dequantize_unpack(buffer: torch.Tensor, layout: QuantLayout,
             _read_columns(t.view(-1), cols, t.numel(), c)
         else:
             t.copy_(cols.reshape(-1)[:t.numel()].view(t.shape))
+
+
+def _dequantize_unpack_direct(buffer: torch.Tensor, layout: QuantLayout,
+                              outs: Sequence[torch.Tensor]) -> None:
+    """int8 whole-block chunks into contiguous ``outs``: ``code x scale`` computed in fp32 and
+    written straight into each output (the same bits as the fp32-temporary path), one pass that
+    reads each code byte and writes each kept element once, instead of three passes over an
+    fp32 temporary of the whole buffer (qwZ's dequantize: 1.5x faster on CPU, measured)."""
+    codes = layout.codes(buffer).view(torch.int8)
+    scales = layout.scales(buffer).float().unsqueeze(-1)  # (segments, blocks, 1): fp32 math
+    block = layout.block
+    for t, off, c in zip(outs, layout.column_offsets, layout.chunk_numels):
+        n = t.numel()
+        if c == 0 or n == 0:
+            continue
+        flat, first, per = t.view(-1), off // block, c // block
+        rows = n // c
+        if rows:
+            torch.mul(codes[:rows, off:off + c].view(rows, per, block),
+                      scales[:rows, first:first + per],
+                      out=flat[:rows * c].view(rows, per, block))
+        if rows * c < n:  # the last rank's chunk is cut short: decode it whole, keep the start
+            row = torch.mul(codes[rows, off:off + c].view(per, block),
+                            scales[rows, first:first + per])
+            flat[rows * c:].copy_(row.view(-1)[:n - rows * c])
 
 
 def dequantize_sum(buffer: torch.Tensor, layout: QuantLayout, *, sources: int,

@@ -13,7 +13,7 @@ only ties the concerns together; each lives in its own module:
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
@@ -25,7 +25,7 @@ from shardkit.optim import oss_arguments as args
 from shardkit.optim.local_step import (build_local_optimizer, choose_fused,
                                        steps_each_parameter_alone, step_only, whole_step,
                                        with_fused_choice, without_fused_choice)
-from shardkit.optim.param_sync import ParamSync
+from shardkit.optim.param_sync import ParamSync, broadcast_wire_dtype
 from shardkit.optim.partition import ParameterPartition, plan_ownership, send_state_to_new_owners
 from shardkit.transport import resolve_transport
 from shardkit.utils.grad_norm import check_clip_arguments, clip_grad_norm_across_ranks
@@ -51,8 +51,9 @@ class OSS(torch.optim.Optimizer):
         optim: the ``torch.optim.Optimizer`` subclass run on the local shard (default SGD,
             as in FairScale).
         group: the data-parallel process group (default: the whole world).
-        broadcast_fp16: send the updated parameters in fp16 (halves the sync; the other ranks'
-            copies of a parameter are then rounded, the owner's stays exact).
+        broadcast_fp16: send the updated parameters in fp16 (``True``) or in the dtype given
+            (``torch.bfloat16``: fp32's range, a coarser mantissa); halves the sync, the other
+            ranks' copies of a parameter are then rounded, the owner's stays exact.
         bucket_numel: target elements per rank in one sync bucket (default: a 16 MiB fp32
             bucket in all, see :func:`~shardkit.optim.partition.default_bucket_numel`).
         comm: the :class:`~shardkit.transport.Transport` that carries the parameter sync
@@ -70,7 +71,7 @@ class OSS(torch.optim.Optimizer):
     ``KΨ/N`` per rank (plus at most one parameter's worth of imbalance); parameters and
     gradients stay full, the parameters living in the flat sync buffers (``Ψ`` plus ~1% of
     padding on real models; the caller's parameters become views of them, in this process's own
-    memory). Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16 with
+    memory). Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16 / bf16 with
     ``broadcast_fp16``), one all-gather per bucket. :meth:`clip_grad_norm`: one all-reduce of
     one element. Construction: one small all-gather of the parameter shapes.
 
@@ -87,8 +88,8 @@ class OSS(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optim: type = torch.optim.SGD, group=None,
-                 broadcast_fp16: bool = False, bucket_numel: Optional[int] = None,
-                 comm=None, **defaults):
+                 broadcast_fp16: Union[bool, torch.dtype] = False,
+                 bucket_numel: Optional[int] = None, comm=None, **defaults):
         args.drop_deprecated_fairscale_kwargs(defaults)
         existing = params if isinstance(params, torch.optim.Optimizer) else None
         if existing is not None:
@@ -99,7 +100,7 @@ class OSS(torch.optim.Optimizer):
             args.check_optimizer_class(optim)
             groups = args.normalize_param_groups(params)
             ctor_kwargs = dict(defaults)
-        args.check_flag("broadcast_fp16", broadcast_fp16)
+        broadcast_wire_dtype(broadcast_fp16)  # a clear error for a bad value, before any op
         if bucket_numel is not None and (not isinstance(bucket_numel, int) or bucket_numel < 1):
             raise ValueError(f"OSS(bucket_numel={bucket_numel!r}): must be a positive int or None")
         self.comm = resolve_transport(comm, "OSS")

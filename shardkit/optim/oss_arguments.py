@@ -15,7 +15,7 @@ import torch
 from shardkit import distributed
 
 __all__ = ["drop_deprecated_fairscale_kwargs", "check_optimizer_class", "check_takeover_arguments",
-           "check_flag", "normalize_param_groups", "check_same_model_on_every_rank", "groups_of",
+           "normalize_param_groups", "check_same_model_on_every_rank", "groups_of",
            "constructor_kwargs"]
 
 # FairScale OSS arguments that no longer do anything there either; accepted and ignored.
@@ -54,12 +54,6 @@ def check_takeover_arguments(existing, optim, defaults, already_sharded: bool) -
         raise TypeError(f"OSS(existing_optimizer, ...): optim and hyper-parameters are taken from "
                         f"the {type(existing).__name__} given; do not pass optim={optim!r} or "
                         f"{sorted(defaults)} (pass a process group as group=...)")
-
-
-def check_flag(name: str, value) -> None:
-    """A boolean argument must be a real ``bool``."""
-    if not isinstance(value, bool):
-        raise TypeError(f"OSS({name}={value!r}): must be True or False")
 
 
 def normalize_param_groups(params) -> list[dict]:

@@ -15,21 +15,39 @@ stepped, and (with :meth:`ParamSync.overlap_with`) lets the last all-gathers fin
 next forward.
 
 Memory: the buffers replace the parameters' own storage (``Ψ`` plus the padding); with
-``broadcast_fp16`` a transient half-precision copy of each bucket in flight (``2Ψ`` bytes at
-most) lives during the sync. Communication per step per rank: ``(N-1)/N · (Ψ + padding)``
-elements in the parameters' dtype (fp16 with ``broadcast_fp16``), one all-gather per bucket.
+``broadcast_fp16`` a transient 16-bit copy of each bucket in flight (``2Ψ`` bytes at most)
+lives during the sync. Communication per step per rank: ``(N-1)/N · (Ψ + padding)`` elements
+in the parameters' dtype (fp16 with ``broadcast_fp16=True``, bf16 with
+``broadcast_fp16=torch.bfloat16``: half the bytes of fp32), one all-gather per bucket.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from shardkit.transport import Transport, default_transport
 from shardkit.optim.partition import OwnershipPlan
 
-__all__ = ["ParamSync", "FlatParamBucket", "build_buckets"]
+__all__ = ["ParamSync", "FlatParamBucket", "build_buckets", "broadcast_wire_dtype"]
+
+_WIRE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def broadcast_wire_dtype(broadcast_fp16: Union[bool, torch.dtype]) -> Optional[torch.dtype]:
+    """The dtype OSS's parameter sync sends fp32 parameters in, from its ``broadcast_fp16``
+    argument: ``False`` -> ``None`` (the parameters' own dtype), ``True`` -> fp16 (FairScale's
+    meaning), or a dtype among fp16 / bf16 / fp32. Anything else is a ValueError naming the
+    value. Costs nothing."""
+    if broadcast_fp16 is False:
+        return None
+    if broadcast_fp16 is True:
+        return torch.float16
+    if isinstance(broadcast_fp16, torch.dtype) and broadcast_fp16 in _WIRE_DTYPES:
+        return None if broadcast_fp16 == torch.float32 else broadcast_fp16
+    raise ValueError(f"OSS(broadcast_fp16={broadcast_fp16!r}): must be True or False (True: "
+                     f"fp16), or torch.float16, torch.bfloat16 or torch.float32")
 
 
 class FlatParamBucket:
@@ -39,16 +57,19 @@ class FlatParamBucket:
         params_per_rank: for each rank, the parameters it owns in this bucket (one device and
             dtype for the whole bucket).
         rank, world_size, group: this rank's place in the process group.
-        broadcast_fp16: send fp32 parameters as fp16 (the owner keeps its exact fp32 values).
+        broadcast_fp16: send fp32 parameters as fp16 (``True``) or as the 16-bit dtype given
+            (``torch.bfloat16``); the owner keeps its exact fp32 values
+            (:func:`broadcast_wire_dtype`).
         transport: what carries the all-gather (default: the process group's collectives).
 
     Memory: ``world_size x segment_numel`` elements (the parameters' storage). Communication
     per :meth:`start_gather`: ``(N-1)/N`` of the buffer's bytes (half of them with
-    ``broadcast_fp16``), one all-gather.
+    ``broadcast_fp16``), one all-gather; memory in flight: one 16-bit copy of the buffer.
     """
 
     def __init__(self, params_per_rank: Sequence[Sequence[torch.Tensor]], rank: int,
-                 world_size: int, group=None, broadcast_fp16: bool = False,
+                 world_size: int, group=None,
+                 broadcast_fp16: Union[bool, torch.dtype] = False,
                  transport: Optional[Transport] = None):
         every = [p for params in params_per_rank for p in params]
         self.dtype = every[0].dtype
@@ -57,7 +78,9 @@ class FlatParamBucket:
         self.transport = transport or default_transport()
         self.params_per_rank = tuple(tuple(params) for params in params_per_rank)
         self.segment_numel = max(sum(p.numel() for p in params) for params in params_per_rank)
-        self.send_fp16 = broadcast_fp16 and self.dtype == torch.float32
+        wire = broadcast_wire_dtype(broadcast_fp16)
+        # only fp32 buckets are narrowed: a bf16/fp16 model already sends 2 bytes per element
+        self.wire_dtype = wire if wire is not None and self.dtype == torch.float32 else None
         self.buffer = torch.zeros(world_size * self.segment_numel, dtype=self.dtype,
                                   device=self.device)
         self._slots = []  # (param, offset in buffer)
@@ -111,15 +134,16 @@ class FlatParamBucket:
     def start_gather(self) -> None:
         """Launch the all-gather that brings every rank's segment here (asynchronous)."""
         wire = self.buffer
-        if self.send_fp16:
-            wire = self._half = torch.empty(self.buffer.numel(), dtype=torch.float16,
+        if self.wire_dtype is not None:
+            wire = self._half = torch.empty(self.buffer.numel(), dtype=self.wire_dtype,
                                             device=self.device)
             self._segment(wire, self.rank).copy_(self._segment(self.buffer, self.rank))
         self._handle = self.transport.all_gather(wire, self._segment(wire, self.rank),
                                                  self.group)
 
     def finish_gather(self) -> None:
-        """Wait for :meth:`start_gather`; with fp16, widen the other ranks' segments into place."""
+        """Wait for :meth:`start_gather`; with a 16-bit wire, widen the other ranks' segments
+        into place."""
         if self._handle is not None:
             self._handle.wait()
             self._handle = None
@@ -130,7 +154,8 @@ class FlatParamBucket:
             self._half = None
 
 
-def build_buckets(plan: OwnershipPlan, rank: int, group=None, broadcast_fp16: bool = False,
+def build_buckets(plan: OwnershipPlan, rank: int, group=None,
+                  broadcast_fp16: Union[bool, torch.dtype] = False,
                   transport: Optional[Transport] = None) -> list[list[FlatParamBucket]]:
     """The flat buckets of ``plan``: per bucket index, one :class:`FlatParamBucket` per
     (device, dtype) found in it. Empty for a world of one (nothing to synchronise)."""
@@ -155,7 +180,8 @@ class ParamSync:
     Args:
         plan: who owns each parameter and which bucket holds it.
         rank, group: this rank's place in the data-parallel process group.
-        broadcast_fp16: send fp32 parameters as fp16 (the owner keeps its exact values).
+        broadcast_fp16: send fp32 parameters as fp16 (``True``) or in the 16-bit dtype given
+            (the owner keeps its exact values; :func:`broadcast_wire_dtype`).
         transport: the :class:`~shardkit.transport.Transport` that carries the all-gathers.
 
     Memory: the buckets are the parameters' own storage (``Ψ`` plus padding). Communication per
@@ -163,7 +189,8 @@ class ParamSync:
     all-gather per bucket. Everything else is local.
     """
 
-    def __init__(self, plan: OwnershipPlan, rank: int, group=None, broadcast_fp16: bool = False,
+    def __init__(self, plan: OwnershipPlan, rank: int, group=None,
+                 broadcast_fp16: Union[bool, torch.dtype] = False,
                  transport: Optional[Transport] = None):
         self.rank, self.group = rank, group
         self.broadcast_fp16, self.transport = broadcast_fp16, transport

@@ -256,3 +256,53 @@ def test_non_contiguous_sources_and_outs(backend):
     flat = torch.empty(600)
     dequantize_unpack(buf, layout, [flat])
     assert torch.equal(out, flat.view(30, 20))
+
+
+@SETTINGS
+@given(blocks=st.lists(st.integers(0, 6), min_size=1, max_size=4), world_size=st.integers(1, 4),
+       cut=st.integers(0, 300), block=st.sampled_from([8, 64, 256]),
+       scale_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       out_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       seed=st.integers(0, 2 ** 16))
+def test_cpu_int8_direct_dequantize_gives_the_bits_of_the_general_path(
+        blocks, world_size, cut, block, scale_dtype, out_dtype, seed):
+    """int8 layouts whose chunks are whole blocks decode straight into the outputs (qwZ's
+    case); the result must be the general path's bit for bit, the last rank's chunk cut short
+    included."""
+    from shardkit.kernels import quantize as q
+    chunks = [b * block for b in blocks]
+    numels = [max(0, c * world_size - (cut % c if c else 0)) for c in chunks]
+    layout = quant_layout(numels, world_size, block=block, scale_dtype=scale_dtype,
+                          chunk_numels=chunks)
+    assert q._whole_block_int8(layout)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [torch.randn(n, generator=gen) * 3 for n in numels]
+    if layout.segment_numel == 0:
+        return
+    buf = quantize_pack(tensors, layout)
+    direct = [torch.full((n,), 7.0, dtype=out_dtype) for n in numels]
+    general = [torch.full((n,), 7.0, dtype=out_dtype) for n in numels]
+    q._dequantize_unpack_direct(buf, layout, direct)
+    q._dequantize_unpack_via_rows(buf, layout, general)
+    for a, b in zip(direct, general):
+        assert torch.equal(a, b)
+
+
+@SETTINGS
+@given(blocks=st.integers(1, 40), world_size=st.integers(1, 4), bits=st.sampled_from([4, 8]),
+       block=st.sampled_from([8, 64, 256]), node_size=st.sampled_from([None, 1, 2]),
+       seed=st.integers(0, 2 ** 16))
+def test_cpu_quantize_of_an_already_packed_flat_buffer(blocks, world_size, bits, block,
+                                                       node_size, seed):
+    """A flat fp32 buffer of whole-block segments (qgZ's reduce-scatter input) is read in place:
+    the same bytes as through the packing copy, and the input is left untouched."""
+    if node_size is not None and world_size % node_size:
+        node_size = None
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randn(world_size * blocks * block, generator=gen) * 4
+    kept = flat.clone()
+    layout = quant_layout([flat.numel()], world_size, bits=bits, block=block)
+    strided = torch.stack([flat, flat], 1)[:, 0]  # same values, not contiguous: copied first
+    direct = quantize_pack([flat], layout, node_size=node_size)
+    assert torch.equal(direct, quantize_pack([strided], layout, node_size=node_size))
+    assert torch.equal(flat, kept)
