@@ -8,27 +8,17 @@ import torch.nn.functional as F
 
 from shardkit import distributed as dist
 from shardkit.models import MLP
-from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                              ScheduleInterleaved1F1B, ScheduleZBV, ScheduleZeroBubble,
-                              split_sequential)
+from shardkit.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe, split_sequential
 from shardkit.nn.pipe.stage import stage_rank
 from shardkit.testing import world_fixture
+from tests.nn.test_pipe_zero_bubble import SCHEDULES as ZERO_BUBBLE_SCHEDULES, _even
 
 BATCH, STEPS, CHUNKS = 16, 2, 4
 world4 = world_fixture(4)
 
-# name -> (schedule class, stages per pipeline rank, placement)
-SCHEDULES = {
-    "GPipe": (ScheduleGPipe, 1, "loop"),
-    "1F1B": (Schedule1F1B, 1, "loop"),
-    "Interleaved1F1B": (ScheduleInterleaved1F1B, 2, "loop"),
-    "ZeroBubble": (ScheduleZeroBubble, 1, "loop"),
-    "ZBV": (ScheduleZBV, 2, "v"),
-}
-
-
-def _even(n, parts):
-    return [n // parts + (1 if k < n % parts else 0) for k in range(parts)]
+# name -> (schedule class, stages per pipeline rank, placement): the zero-bubble tests' table
+# plus GPipe
+SCHEDULES = {"GPipe": (ScheduleGPipe, 1, "loop"), **ZERO_BUBBLE_SCHEDULES}
 
 
 def _batch(step):
