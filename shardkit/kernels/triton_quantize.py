@@ -42,15 +42,23 @@ def _positions(group, n_blocks, seg_numel, BLOCK: tl.constexpr, GROUP: tl.conste
 
 
 @triton.jit
+def _slot(table, t, rank, pos, live):
+    """Tensor ``t`` of the table (row: pointer, numel, chunk, offset in the segment): the
+    element index of segment positions ``pos`` of segment ``rank`` in it, and where that index
+    is real (inside this tensor's chunk and its unpadded length)."""
+    row = table + 4 * t
+    chunk = tl.load(row + 2)
+    j = pos - tl.load(row + 3)
+    k = rank * chunk + j
+    return row, k, live & (j >= 0) & (j < chunk) & (k < tl.load(row + 1))
+
+
+@triton.jit
 def _gather(table, t_first, t_last, rank, pos, live, DTYPE: tl.constexpr):
     """fp32 values at segment positions ``pos`` of segment ``rank`` (0 where not ``live``)."""
     x = tl.zeros(pos.shape, tl.float32)
     for t in range(t_first, t_last + 1):
-        row = table + 4 * t
-        chunk = tl.load(row + 2)
-        j = pos - tl.load(row + 3)
-        k = rank * chunk + j
-        mask = live & (j >= 0) & (j < chunk) & (k < tl.load(row + 1))
+        row, k, mask = _slot(table, t, rank, pos, live)
         src = tl.load(row).to(tl.pointer_type(DTYPE))
         x += tl.load(src + k, mask=mask, other=0.0).to(tl.float32)
     return x
@@ -60,11 +68,7 @@ def _gather(table, t_first, t_last, rank, pos, live, DTYPE: tl.constexpr):
 def _scatter(table, t_first, t_last, rank, pos, live, x, DTYPE: tl.constexpr):
     """Store ``x`` at segment positions ``pos`` of segment ``rank`` into the tensors."""
     for t in range(t_first, t_last + 1):
-        row = table + 4 * t
-        chunk = tl.load(row + 2)
-        j = pos - tl.load(row + 3)
-        k = rank * chunk + j
-        mask = live & (j >= 0) & (j < chunk) & (k < tl.load(row + 1))
+        row, k, mask = _slot(table, t, rank, pos, live)
         dst = tl.load(row).to(tl.pointer_type(DTYPE))
         tl.store(dst + k, cast_to(x, DTYPE), mask=mask)
 
