@@ -74,8 +74,10 @@ class Row:
 
 
 def _torch_ddp(model, unit_cls):
-    from torch.nn.parallel import DistributedDataParallel
-    return DistributedDataParallel(model)
+    """torch DDP + AdamW with the DDP settings of the shardkit stage-1 row
+    (:func:`shardkit.recipes.torch_ddp`, native all-reduce)."""
+    from shardkit.recipes import torch_ddp
+    return torch_ddp(model, count_comm=False)
 
 
 def _torch_fsdp2(model, unit_cls):
@@ -89,11 +91,13 @@ def _torch_fsdp2(model, unit_cls):
 
 
 def _shardkit_fsdp(model, unit_cls, **fsdp_kwargs):
-    import functools
-    from shardkit.nn.data_parallel import FullyShardedDataParallel
-    from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
-    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={unit_cls})
-    return FullyShardedDataParallel(auto_wrap(model, policy, **fsdp_kwargs), **fsdp_kwargs)
+    """shardkit FSDP, one unit per ``unit_cls`` and the root: stage 3 of
+    :func:`shardkit.recipes.compose` with the given FSDP options."""
+    from shardkit.nn.wrap import transformer_auto_wrap_policy
+    from shardkit.recipes import adamw, compose
+    composition = compose(model, 3, adamw(LR),
+                          wrap_policy=transformer_auto_wrap_policy({unit_cls}), **fsdp_kwargs)
+    return composition.wrapped, composition.optimizer
 
 
 def _torch_hsdp(model, unit_cls):
@@ -125,33 +129,29 @@ def _torch_zero(model, unit_cls):
     2.13 refuses it ("Gloo backend using Overlapping DDP with ZeRO may meet hangs")."""
     import torch
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
-    ddp = DistributedDataParallel(model)
+    from shardkit.recipes import torch_ddp
+    ddp = torch_ddp(model, count_comm=False)
     return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
                                         lr=LR)
 
 
 def _shardkit_oss(model, unit_cls, bucket_numel=None):
-    """torch DDP + shardkit OSS(AdamW), the parameter sync overlapped with the next forward."""
-    import torch
-    from torch.nn.parallel import DistributedDataParallel
-    from shardkit.optim import OSS
-    ddp = DistributedDataParallel(model)
-    optimizer = OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=LR, bucket_numel=bucket_numel)
-    optimizer.overlap_sync_with(ddp)
-    return ddp, optimizer
+    """torch DDP + shardkit OSS(AdamW), the parameter sync overlapped with the next forward:
+    stage 1 of :func:`shardkit.recipes.compose` (torch DDP's all-reduce left uncounted, as in
+    the torch rows)."""
+    from shardkit.recipes import adamw, compose
+    composition = compose(model, 1, adamw(LR), count_ddp_comm=False, overlap_param_sync=True,
+                          sync_bucket_numel=bucket_numel)
+    return composition.wrapped, composition.optimizer
 
 
-def _shardkit_sharded(model, unit_cls, reduce_buffer_size=2 ** 23, bucket_numel=None):
+def _shardkit_sharded(model, unit_cls, reduce_buffer_size=None, bucket_numel=None):
     """shardkit ShardedDataParallel + OSS(AdamW), the parameter sync overlapped with the next
-    forward."""
-    import torch
-    from shardkit.nn.data_parallel import ShardedDataParallel
-    from shardkit.optim import OSS
-    optimizer = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LR, bucket_numel=bucket_numel)
-    wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=reduce_buffer_size)
-    optimizer.overlap_sync_with(wrapped)
-    return wrapped, optimizer
+    forward: stage 2 of :func:`shardkit.recipes.compose`."""
+    from shardkit.recipes import adamw, compose
+    composition = compose(model, 2, adamw(LR), overlap_param_sync=True,
+                          reduce_bucket_bytes=reduce_buffer_size, sync_bucket_numel=bucket_numel)
+    return composition.wrapped, composition.optimizer
 
 
 def _bucket_variant(build, **kwargs):
@@ -169,34 +169,34 @@ def _shardkit_zeropp(model, unit_cls):
                           **extra)
 
 
+def _stage_formula(stage: int):
+    """Stages 0-2 on the whole group (which spans nodes): every element is inter-node."""
+    from shardkit.plan import zero_comm_elements_per_step
+    return lambda psi, n, k: zero_comm_elements_per_step(psi, n * k, stage)
+
+
+def _stage3_formula(option: str):
+    """FSDP's inter-node elements per step with one communication option (fp32-element
+    equivalents of the bytes), from :func:`shardkit.plan.link_traffic`; the root unit is
+    counted as gathered twice, like every unit."""
+    from shardkit.plan import COMM_OPTIONS, FP32_ADAMW, link_traffic
+    return lambda psi, n, k: link_traffic(psi, n, k, FP32_ADAMW,
+                                          COMM_OPTIONS[option]).inter_node / 4
+
+
+def _zeropp_option(n: int) -> str:
+    return "qwZ+hpZ+qgZ" if n > 1 else "qwZ+qgZ"
+
+
+_stage1_formula = _stage_formula(1)
+_all_reduce_formula = _stage_formula(0)
+_full_shard_formula = _stage3_formula("fp32")
+_hybrid_formula = _stage3_formula("HYBRID")
+_hpz_formula = _stage3_formula("hpZ")
+
+
 def _zeropp_formula(psi, n, k):
-    """Bytes-equivalent fp32 elements: int8 + one fp32 scale per 256 for the forward gather
-    (and the backward one unless hpZ keeps it in the node), int4 + scales for the gradients."""
-    nk = n * k
-    int8, int4 = (1 + 4 / 256) / 4, (0.5 + 4 / 256) / 4
-    gathers = 1 if n > 1 else 2
-    grads = (psi / n) * (k - 1) / k if n > 1 else psi * (nk - 1) / nk
-    return gathers * int8 * psi * (nk - 1) / nk + int4 * grads
-
-
-def _stage1_formula(psi, n, k):  # DDP's all-reduce + the owners' parameter sync
-    return 3 * psi * (n * k - 1) / (n * k)
-
-
-def _all_reduce_formula(psi, n, k):
-    return 2 * psi * (n * k - 1) / (n * k)
-
-
-def _full_shard_formula(psi, n, k):
-    return 3 * psi * (n * k - 1) / (n * k)
-
-
-def _hybrid_formula(psi, n, k):
-    return 2 * (psi / n) * (k - 1) / k
-
-
-def _hpz_formula(psi, n, k):
-    return _full_shard_formula(psi, n, k) if n == 1 else 2 * psi * (n * k - 1) / (n * k)
+    return _stage3_formula(_zeropp_option(n))(psi, n, k)
 
 
 ROWS = {

@@ -134,6 +134,7 @@ class Composition:
 def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
             wrap_policy: Optional[Callable] = None, offload: bool = False, comm=None,
             process_group=None, reduce_bucket_bytes: Optional[int] = None,
+            sync_bucket_numel: Optional[int] = None,
             count_ddp_comm: bool = True, overlap_param_sync: bool = False,
             reshard_after_forward: Optional[bool] = None, sharding_strategy=None,
             mixed_precision=False, quantize_weights: bool = False,
@@ -149,6 +150,8 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
             the process group's own collectives. torch DDP's all-reduce never uses it.
         process_group: the data-parallel group (default: the world).
         reduce_bucket_bytes: stage 2: ShardedDataParallel's reduce bucket, in bytes.
+        sync_bucket_numel: stages 1-2: OSS's parameter-sync bucket, elements per rank
+            (``None``: OSS's default).
         count_ddp_comm: stages 0-1: route torch DDP's all-reduce through
             :mod:`shardkit.distributed` so that ``CommCounter`` counts it.
         overlap_param_sync: stages 1-2: OSS's parameter sync runs on into the next forward
@@ -167,14 +170,17 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
                      quantize_gradients=quantize_gradients,
                      hpz_partition_size=hpz_partition_size,
                      reshard_after_forward=reshard_after_forward,
-                     sharding_strategy=sharding_strategy, overlap_param_sync=overlap_param_sync)
+                     sharding_strategy=sharding_strategy, overlap_param_sync=overlap_param_sync,
+                     sync_bucket_numel=sync_bucket_numel)
     psi = count_params(model.parameters())
     if stage == 0:
         return _stage0(model, optimizer, process_group, count_ddp_comm, psi)
     if stage == 1:
-        composition = _stage1(model, optimizer, comm, process_group, count_ddp_comm, psi)
+        oss = _oss(model, optimizer, comm, process_group, sync_bucket_numel)
+        composition = _stage1(model, oss, process_group, count_ddp_comm, psi)
     elif stage == 2:
-        composition = _stage2(model, optimizer, comm, process_group, reduce_bucket_bytes, psi)
+        oss = _oss(model, optimizer, comm, process_group, sync_bucket_numel)
+        composition = _stage2(model, oss, comm, process_group, reduce_bucket_bytes, psi)
     else:
         fsdp_kwargs = dict(process_group=process_group, comm=comm, move_params_to_cpu=offload,
                            reshard_after_forward=reshard_after_forward,
@@ -195,7 +201,8 @@ _FSDP_ONLY = {"wrap_policy": None, "offload": False, "mixed_precision": False,
               "quantize_weights": False, "quantize_gradients": False, "hpz_partition_size": 1}
 
 
-def _check_arguments(stage, optimizer, comm, overlap_param_sync, **fsdp_options) -> None:
+def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_numel,
+                     **fsdp_options) -> None:
     """Refuse what :func:`compose` cannot build, before any wrapper exists."""
     if stage not in STAGES:
         raise ValueError(f"compose(stage={stage!r}): valid stages are {list(STAGES)}")
@@ -210,6 +217,9 @@ def _check_arguments(stage, optimizer, comm, overlap_param_sync, **fsdp_options)
     if overlap_param_sync and stage not in (1, 2):
         raise ValueError(f"compose(stage={stage}, overlap_param_sync=True): only OSS's "
                          f"parameter sync (stages 1 and 2) can overlap the next forward")
+    if sync_bucket_numel is not None and stage not in (1, 2):
+        raise ValueError(f"compose(stage={stage}, sync_bucket_numel={sync_bucket_numel}): only "
+                         f"OSS (stages 1 and 2) has a parameter-sync bucket")
     if stage == 0 and comm is not None:
         raise ValueError(f"compose(stage=0, comm={type(comm).__name__}): stage 0 is torch DDP "
                          f"alone, which uses its process group; comm= is the transport of "
@@ -246,12 +256,13 @@ def _zero_grads(*owners) -> Callable[..., None]:
     return zero_grad
 
 
-def _oss(model: nn.Module, recipe: OptimizerRecipe, comm, process_group):
+def _oss(model: nn.Module, recipe: OptimizerRecipe, comm, process_group, bucket_numel):
     from shardkit.optim import OSS
     if recipe.instance is not None:
-        return OSS(recipe.instance, group=process_group, comm=comm)
+        return OSS(recipe.instance, group=process_group, comm=comm, bucket_numel=bucket_numel)
     params = recipe.param_groups if recipe.param_groups is not None else _trainable(model)
-    return OSS(params, optim=recipe.cls, group=process_group, comm=comm, **recipe.defaults)
+    return OSS(params, optim=recipe.cls, group=process_group, comm=comm,
+               bucket_numel=bucket_numel, **recipe.defaults)
 
 
 def _stage0(model, recipe, process_group, count_comm, psi) -> Composition:
@@ -264,18 +275,16 @@ def _stage0(model, recipe, process_group, count_comm, psi) -> Composition:
                        _zero_grads(optimizer), psi)
 
 
-def _stage1(model, recipe, comm, process_group, count_comm, psi) -> Composition:
+def _stage1(model, oss, process_group, count_comm, psi) -> Composition:
     """OSS (optimizer state sharded) over torch DDP (full gradients all-reduced)."""
-    oss = _oss(model, recipe, comm, process_group)
     ddp = torch_ddp(model, process_group, count_comm)
     return Composition(1, ddp, oss, ddp.no_sync, oss.clip_grad_norm, _zero_grads(oss), psi)
 
 
-def _stage2(model, recipe, comm, process_group, reduce_bucket_bytes, psi) -> Composition:
+def _stage2(model, oss, comm, process_group, reduce_bucket_bytes, psi) -> Composition:
     """OSS plus ShardedDataParallel on the one transport: each gradient is reduced to its
     owner only."""
     from shardkit.nn.data_parallel import ShardedDataParallel
-    oss = _oss(model, recipe, comm, process_group)
     kwargs = {} if reduce_bucket_bytes is None else {"reduce_buffer_size": reduce_bucket_bytes}
     sdp = ShardedDataParallel(model, oss, process_group=process_group, comm=comm, **kwargs)
     return Composition(2, sdp, oss, sdp.no_sync, oss.clip_grad_norm, _zero_grads(sdp, oss), psi)

@@ -67,6 +67,7 @@ def test_without_blocks_the_policy_is_by_parameter_count():
     (0, {"wrap_policy": default_auto_wrap_policy}, ValueError, "wrap_policy is an FSDP option"),
     (0, {"comm": object()}, ValueError, "stage 0 is torch DDP alone"),
     (3, {"overlap_param_sync": True}, ValueError, "only OSS's parameter sync"),
+    (0, {"sync_bucket_numel": 1024}, ValueError, "only OSS (stages 1 and 2) has a parameter-sync"),
 ])
 def test_bad_arguments_fail_before_wrapping(stage, kwargs, error, message):
     with pytest.raises(error) as err:
