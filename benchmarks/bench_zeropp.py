@@ -22,7 +22,7 @@ per link. The default model is the reference GPT itself (27.4M parameters, posit
 128 tokens) trained on ``--curve-seq-len`` tokens per sequence, global batch ``--curve-batch``,
 so that 2 x 300 steps fit the shared 2-core machine. Written beside ``--out``:
 ``zeropp_loss.md`` (the figures), ``zeropp_loss.json`` (every step's loss and time) and
-``zeropp_loss.png`` (matplotlib).
+``zeropp_loss.png`` (matplotlib, figures in ``zeropp_loss.chart.json``).
 """
 
 from __future__ import annotations
@@ -128,19 +128,8 @@ def _loss_curve(model_key: str, steps: int, batch: int, seq_len: int) -> dict:
 
 
 def _plot(curves: dict, title: str, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, losses in curves.items():
-        ax.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (mean over ranks)")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    from shardkit.utils.charts import write_line_chart
+    write_line_chart(path, title, curves, "step", "training loss (mean over ranks)")
 
 
 def _timing_report(timing: dict, args) -> str:

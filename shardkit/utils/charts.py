@@ -1,7 +1,8 @@
 """Charts as PNG files drawn by matplotlib, each with its figures beside it as JSON.
 
 The demo, the benchmark runner and ``python -m shardkit plan --chart`` draw one grouped bar
-chart each through :func:`write_bar_chart`. matplotlib is an optional dependency (in the
+chart each through :func:`write_bar_chart`; curves over steps (the ZeRO++ loss check) go
+through :func:`write_line_chart`. matplotlib is an optional dependency (in the
 ``test`` and ``dev`` extras); without it :func:`write_bar_chart` raises :class:`ChartError`
 saying how to install it, and callers keep their other outputs. Costs: no communication; one
 figure in memory while drawing.
@@ -13,7 +14,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-__all__ = ["BarGroup", "ChartError", "write_bar_chart", "chart_json_path"]
+__all__ = ["BarGroup", "ChartError", "write_bar_chart", "write_line_chart", "chart_json_path"]
 
 
 class ChartError(RuntimeError):
@@ -72,4 +73,27 @@ def write_bar_chart(path: str, title: str, groups: list) -> str:
     plt.close(fig)
     with open(chart_json_path(path), "w") as f:
         json.dump({"title": title, "groups": [asdict(g) for g in groups]}, f, indent=2)
+    return f"chart: {path} (figures: {chart_json_path(path)})"
+
+
+def write_line_chart(path: str, title: str, curves: dict, xlabel: str, ylabel: str) -> str:
+    """Draw ``{name: [y per step]}`` as lines over steps 1, 2, ... into the PNG at ``path``, and
+    write ``{"title", "xlabel", "ylabel", "curves"}`` to :func:`chart_json_path`. Returns a line
+    naming both files. Raises :class:`ChartError` without matplotlib or without curves."""
+    if not curves:
+        raise ChartError(f"write_line_chart({path!r}): no curves to draw")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, ys in curves.items():
+        ax.plot(range(1, len(ys) + 1), ys, label=name, linewidth=1)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    with open(chart_json_path(path), "w") as f:
+        json.dump({"title": title, "xlabel": xlabel, "ylabel": ylabel,
+                   "curves": {k: list(v) for k, v in curves.items()}}, f, indent=2)
     return f"chart: {path} (figures: {chart_json_path(path)})"
