@@ -210,3 +210,11 @@ def test_parity_grid_world4(world4):
     names = ["plain", "no_sync_4_micro_batches", "frozen_layer", "unused_branch_on_rank0",
              "two_param_groups", "small_buckets_shared_memory"]
     _assert_parity(world4.run(_run_grid, names))
+
+
+def test_parity_grid_world1():
+    # one rank owns everything: nothing to reduce or sync, on either transport
+    from shardkit.testing import World
+    with World(1) as world:
+        _assert_parity(world.run(_run_grid, ["plain", "no_sync_4_micro_batches",
+                                             "small_buckets", "small_buckets_shared_memory"]))
