@@ -24,8 +24,8 @@ from shardkit import distributed as skdist
 from shardkit.kernels import DEFAULT_BLOCK, pack_rank_major
 from shardkit.quantized_comm import quantized_all_gather, quantized_reduce_scatter
 
-__all__ = ["counted_allreduce_hook", "fp16_allreduce_hook", "bf16_allreduce_hook", "QuantizedHookState",
-           "quantized_allreduce_hook"]
+__all__ = ["counted_allreduce_hook", "fp16_allreduce_hook", "bf16_allreduce_hook",
+           "QuantizedHookState", "quantized_allreduce_hook"]
 
 
 def counted_allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:

@@ -478,6 +478,7 @@ def broadcast_object(obj, src: int = 0, group=None):
 def all_gather_object(obj, group=None) -> list:
     """Gather one picklable object from every rank of ``group``; returns the list."""
     out = [None] * get_world_size(group)
-    _record("all_gather", len(pickle.dumps(obj)) * len(out) if comm_counter.counting() else 0, group)
+    nbytes = len(pickle.dumps(obj)) * len(out) if comm_counter.counting() else 0
+    _record("all_gather", nbytes, group)
     dist.all_gather_object(out, obj, group=group)
     return out

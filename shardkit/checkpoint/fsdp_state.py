@@ -6,8 +6,8 @@ the shards, cut back into them).
 :mod:`shardkit.checkpoint.resharding`); ``FSDP.local_metadata_dict()`` the facts needed to join
 the blocks again. These functions take plain arguments (state dicts, metadata, this rank) and
 never communicate, except :func:`gather_full_optimizer_state` (one all-gather per state tensor,
-through :mod:`shardkit.distributed`). Dicts written before the metadata had its own method carry it inside, under
-:data:`LOCAL_META_KEY`, and still load.
+through :mod:`shardkit.distributed`). Dicts written before the metadata had its own method
+carry it inside, under :data:`LOCAL_META_KEY`, and still load.
 """
 
 from __future__ import annotations
