@@ -39,8 +39,8 @@ import torch
 
 from shardkit import distributed as skdist
 from shardkit.models import GPT, Block, GPTConfig, reference_gpt_config, synthetic_batch
-from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
-from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
+from shardkit.nn.wrap import transformer_auto_wrap_policy
+from shardkit.recipes import adamw, compose
 from shardkit.testing import World
 
 from benchmarks.common import time_interleaved, write_report
@@ -63,10 +63,9 @@ class Trainer:
         self.cfg, self.batch = cfg, batch
         self.data_cfg = dataclasses.replace(cfg, seq_len=seq_len or cfg.seq_len)
         self.world = skdist.get_world_size()
-        with enable_wrap(wrapper_cls=FSDP, **fsdp_kwargs):
-            self.model = FSDP(auto_wrap(GPT(cfg, seed=0), transformer_auto_wrap_policy({Block})),
-                              **fsdp_kwargs)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        composition = compose(GPT(cfg, seed=0), 3, adamw(LR),
+                              wrap_policy=transformer_auto_wrap_policy({Block}), **fsdp_kwargs)
+        self.model, self.optimizer = composition.wrapped, composition.optimizer
 
     def forward_backward(self, i: int, rank: int) -> torch.Tensor:
         idx, target = synthetic_batch(self.data_cfg, self.batch, i)
