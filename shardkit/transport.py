@@ -141,8 +141,9 @@ class ProcessGroupTransport(Transport):
     """The process group's own collectives (gloo on CPU, NCCL on GPU): the default.
 
     Memory: nothing held between operations; a reduce-scatter on gloo holds ``(N-1)/N`` of the
-    input's size as scratch until it completes. Wire per rank: the ring algorithms' bytes (DESIGN.md):
-    all-gather and reduce-scatter ``(N-1)/N`` of the full buffer, all-reduce twice that.
+    input's size as scratch until it completes. Wire per rank: the ring algorithms' bytes
+    (DESIGN.md): all-gather and reduce-scatter ``(N-1)/N`` of the full buffer, all-reduce twice
+    that.
     """
 
     name = "process_group"

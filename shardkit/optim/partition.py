@@ -97,7 +97,8 @@ class ParameterPartition:
                 for p, r in zip(params, owners)}
 
     def params_of(self, rank: int) -> list[list[torch.Tensor]]:
-        """Per param group, the parameters ``rank`` owns (FairScale's ``partition_parameters()[rank]``)."""
+        """Per param group, the parameters ``rank`` owns (FairScale's
+        ``partition_parameters()[rank]``)."""
         return [[p for p, r in zip(params, owners) if r == rank]
                 for params, owners in zip(self.param_groups, self.owners)]
 
