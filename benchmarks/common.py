@@ -423,7 +423,7 @@ def measure(config_name: str, workload_name: str, quick: bool, warmup: int, step
         # credited only where it really overlaps the next step's work.
         distributed.barrier()  # every rank starts the window together
         start = time.perf_counter()
-        for step, (inputs, target) in enumerate(batches[warmup:]):
+        for inputs, target in batches[warmup:]:
             with distributed.CommCounter() as counter:
                 loss = setup.train_step(inputs[lo:lo + per_rank], target[lo:lo + per_rank])
         finish_pending_sync(setup.optimizer)
