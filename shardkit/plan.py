@@ -29,12 +29,14 @@ Costs: no communication, no process group; ``--model`` builds the model once on 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import re
 import sys
 from dataclasses import asdict, dataclass
 from typing import Optional
+
+from shardkit.plan_model import (ModelSummary, PlanError, estimate_activation_bytes,
+                                 load_factory_module, summarize_model)
 
 __all__ = ["Precision", "StageMemory", "ModelSummary", "precision_for", "zero_model_state_bytes",
            "zero_comm_elements_per_step", "pipeline_comm_elements", "zeropp_traffic",
@@ -48,10 +50,6 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 # Bytes of one ShardedDataParallel reduce bucket (its reduce_buffer_size default, FairScale's
 # unit: bytes in the gradients' dtype).
 DEFAULT_REDUCE_BUCKET_BYTES = 2 ** 23
-
-
-class PlanError(ValueError):
-    """Bad input to the planner; the message names the argument, the value and what is valid."""
 
 
 # ----------------------------------------------------------------------------- formulas
@@ -250,143 +248,6 @@ def link_traffic_table(params: float, ranks_per_node: int, nodes: int, precision
     """:func:`link_traffic` for every option of :data:`COMM_OPTIONS`."""
     return {name: link_traffic(params, ranks_per_node, nodes, precision, option, root_params)
             for name, option in COMM_OPTIONS.items()}
-
-
-# ----------------------------------------------------------------------------- a real model
-
-
-@dataclass(frozen=True)
-class ModelSummary:
-    """What the planner learns from a real module: parameter count, largest FSDP unit, and the
-    transformer shape the activation estimate needs (zeros where it could not be found)."""
-
-    params: int
-    largest_unit_params: int
-    num_units: int
-    num_blocks: int
-    hidden: int
-    heads: int
-    vocab: int
-    root_unit_params: int = 0  # parameters left to the root unit (gathered once per step)
-
-
-def load_factory_module(spec: str):
-    """Import ``pkg.module:factory`` and call ``factory()``; returns the ``nn.Module``."""
-    import torch.nn as nn
-
-    if ":" not in spec:
-        raise PlanError(f"--model {spec!r} is not of the form 'pkg.module:factory' (a module "
-                        f"import path, a colon, then a callable returning an nn.Module)")
-    module_path, attr = spec.split(":", 1)
-    try:
-        module = importlib.import_module(module_path)
-    except Exception as e:  # any failure to import is the user's input, reported in one line
-        raise PlanError(f"--model {spec!r}: module {module_path!r} does not import "
-                        f"({type(e).__name__}: {e})") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise PlanError(f"--model {spec!r}: {module_path!r} has no callable {attr!r}")
-    model = factory()
-    if not isinstance(model, nn.Module):
-        raise PlanError(f"--model {spec!r}: {attr}() returned {type(model).__name__}, "
-                        f"not an nn.Module")
-    return model
-
-
-def fsdp_unit_sizes(model, wrap_block: Optional[str] = None,
-                    min_num_params: Optional[int] = None) -> list[int]:
-    """Parameters held by each FSDP unit when ``model`` is auto-wrapped, root unit last.
-
-    ``wrap_block``: every module whose class name is ``wrap_block`` becomes a unit.
-    ``min_num_params``: a module becomes a unit when the parameters not already in a unit below
-    it number at least ``min_num_params`` (children are wrapped first). The root unit holds
-    whatever remains. A parameter shared between units counts in the first one that owns it.
-    """
-    claimed: set[int] = set()
-    units: list[int] = []
-
-    def unclaimed_numel(module) -> int:
-        return sum(p.numel() for p in _distinct(module.parameters()) if id(p) not in claimed)
-
-    def claim(module) -> None:
-        size = unclaimed_numel(module)
-        claimed.update(id(p) for p in module.parameters())
-        units.append(size)
-
-    def visit(module) -> None:
-        for child in module.children():
-            visit(child)
-            if wrap_block is not None and type(child).__name__ == wrap_block:
-                claim(child)
-            elif min_num_params is not None and unclaimed_numel(child) >= min_num_params:
-                claim(child)
-
-    visit(model)
-    units.append(unclaimed_numel(model))
-    return units
-
-
-def _distinct(params):
-    seen = set()
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            yield p
-
-
-def summarize_model(model, wrap_block: Optional[str] = None,
-                    min_num_params: Optional[int] = None) -> ModelSummary:
-    """Count ``model``'s parameters and find its largest FSDP unit and transformer shape."""
-    import torch.nn as nn
-
-    from shardkit.recipes import count_params
-
-    if wrap_block is not None and not any(type(m).__name__ == wrap_block
-                                          for m in model.modules()):
-        found = sorted({type(m).__name__ for m in model.modules()})
-        raise PlanError(f"--wrap-block {wrap_block!r} matches no submodule; the model's module "
-                        f"classes are {', '.join(found)}")
-    units = fsdp_unit_sizes(model, wrap_block, min_num_params)
-    blocks = [m for m in model.modules() if wrap_block and type(m).__name__ == wrap_block]
-    hidden = heads = 0
-    if blocks:
-        norms = [m for m in blocks[0].modules() if isinstance(m, nn.LayerNorm)]
-        linears = [m for m in blocks[0].modules() if isinstance(m, nn.Linear)]
-        hidden = norms[0].normalized_shape[-1] if norms else (
-            linears[0].in_features if linears else 0)
-        found_heads = [getattr(m, a) for m in blocks[0].modules()
-                       for a in ("n_head", "num_heads") if isinstance(getattr(m, a, None), int)]
-        heads = found_heads[0] if found_heads else max(1, hidden // 64)
-    embeddings = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
-    return ModelSummary(params=count_params(model.parameters()),
-                        largest_unit_params=max(units), num_units=len(units),
-                        num_blocks=len(blocks), hidden=hidden, heads=heads,
-                        vocab=max(embeddings) if embeddings else 0,
-                        root_unit_params=units[-1])
-
-
-def estimate_activation_bytes(summary: ModelSummary, batch: int, seq_len: int,
-                              mixed_precision: bool, fused_attention: bool = True) -> float:
-    """Activation memory one rank keeps for backward, for ``batch`` sequences of ``seq_len``.
-
-    Per transformer block, without recomputation, the estimate of Korthikanti et al. (2022,
-    "Reducing Activation Recomputation in Large Transformer Models") in 16-bit activations:
-    ``s·b·h·(34 + 5·a·s/h)`` bytes (s sequence, b batch, h hidden, a heads), doubled for fp32.
-    Fused attention (torch's ``scaled_dot_product_attention``, flash attention) keeps no
-    ``a·s·s`` score matrices, so with ``fused_attention`` (the default) the ``5·a·s/h`` term is
-    left out. Plus the logits and their log-softmax for the loss, ``2·b·s·V·4`` bytes (fp32).
-    The block count, h and a come from the ``--wrap-block`` modules, V from the largest
-    embedding. For the reference GPT (batch 4, seq 128, fp32) this gives 140 MB where the
-    tensors autograd saves measure 120 MB: a deliberate over-estimate of about 17%.
-    Returns 0 when the model's shape could not be read (no ``--wrap-block``).
-    """
-    if not summary.num_blocks or not summary.hidden:
-        return 0.0
-    s, b, h, a = seq_len, batch, summary.hidden, summary.heads
-    scores = 0.0 if fused_attention else 5 * a * s / h
-    per_block = s * b * h * (34 + scores) * (1 if mixed_precision else 2)
-    logits = 2 * b * s * summary.vocab * 4
-    return summary.num_blocks * per_block + logits
 
 
 # ----------------------------------------------------------------------------- the plan
