@@ -30,6 +30,7 @@ gives the formula.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -154,11 +155,6 @@ def _shardkit_sharded(model, unit_cls, reduce_buffer_size=None, bucket_numel=Non
     return composition.wrapped, composition.optimizer
 
 
-def _bucket_variant(build, **kwargs):
-    """A row of the bucket-size sweep (``--configs`` picks them; not in the default set)."""
-    return lambda model, unit_cls: build(model, unit_cls, **kwargs)
-
-
 def _shardkit_zeropp(model, unit_cls):
     """FSDP full shard with ZeRO++'s compressed collectives: int8 weight gathers (qwZ) and int4
     gradients (qgZ); with several ranks per node also hpZ."""
@@ -226,11 +222,11 @@ DEFAULT_ROWS = list(ROWS)
 for _numel in (2 ** 19, 2 ** 20, 2 ** 22):
     ROWS[f"shardkit_oss_b{_numel}"] = Row(
         f"shardkit OSS + torch DDP, bucket_numel={_numel}", "shardkit",
-        _bucket_variant(_shardkit_oss, bucket_numel=_numel), _stage1_formula)
+        functools.partial(_shardkit_oss, bucket_numel=_numel), _stage1_formula)
 for _bytes in (2 ** 21, 2 ** 22, 2 ** 25):
     ROWS[f"shardkit_sharded_r{_bytes}"] = Row(
         f"shardkit ShardedDDP + OSS, reduce_buffer_size={_bytes}", "shardkit",
-        _bucket_variant(_shardkit_sharded, reduce_buffer_size=_bytes), _all_reduce_formula)
+        functools.partial(_shardkit_sharded, reduce_buffer_size=_bytes), _all_reduce_formula)
 
 
 # ----------------------------------------------------------------------------- rank side

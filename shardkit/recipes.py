@@ -175,12 +175,10 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
     psi = count_params(model.parameters())
     if stage == 0:
         return _stage0(model, optimizer, process_group, count_ddp_comm, psi)
-    if stage == 1:
+    if stage in (1, 2):
         oss = _oss(model, optimizer, comm, process_group, sync_bucket_numel)
-        composition = _stage1(model, oss, process_group, count_ddp_comm, psi)
-    elif stage == 2:
-        oss = _oss(model, optimizer, comm, process_group, sync_bucket_numel)
-        composition = _stage2(model, oss, comm, process_group, reduce_bucket_bytes, psi)
+        composition = _stage1(model, oss, process_group, count_ddp_comm, psi) if stage == 1 \
+            else _stage2(model, oss, comm, process_group, reduce_bucket_bytes, psi)
     else:
         fsdp_kwargs = dict(process_group=process_group, comm=comm, move_params_to_cpu=offload,
                            reshard_after_forward=reshard_after_forward,

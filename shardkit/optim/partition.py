@@ -219,19 +219,20 @@ MAX_PADDING_FRACTION = 0.03
 
 def _consecutive_windows(numels: Sequence[int], world_size: int,
                          bucket_numel: int) -> list[list[int]]:
-    """Indices of ``flat`` cut into runs of consecutive parameters, one run per bucket. A last
-    run that would pad badly on its own joins the one before it (once: the first buckets stay
+    """Indices of ``numels`` cut into runs of consecutive items, one run per bucket. A last run
+    that would pad badly on its own joins the one before it (once: the first buckets stay
     small, for the overlap)."""
     target = world_size * bucket_numel
     windows: list[list[int]] = []
     window: list[int] = []
+    total = 0
     for k, n in enumerate(numels):
         window.append(k)
-        total = sum(numels[i] for i in window)
+        total += n
         if total >= target and (total >= 4 * target or _padding_fraction(
                 [numels[i] for i in window], world_size) <= MAX_PADDING_FRACTION):
             windows.append(window)
-            window = []
+            window, total = [], 0
     if window:
         windows.append(window)
     if len(windows) > 1 and _padding_fraction([numels[i] for i in windows[-1]],
