@@ -136,22 +136,26 @@ def _torch_zero(model, unit_cls):
                                         lr=LR)
 
 
-def _shardkit_oss(model, unit_cls, bucket_numel=None):
+def _shardkit_oss(model, unit_cls, bucket_numel=None, reduce_to_owners=False):
     """torch DDP + shardkit OSS(AdamW), the parameter sync overlapped with the next forward:
     stage 1 of :func:`shardkit.recipes.compose` (torch DDP's all-reduce left uncounted, as in
-    the torch rows)."""
+    the torch rows; with ``reduce_to_owners`` DDP averages each gradient onto its owner only,
+    through shardkit's hook, which is counted)."""
     from shardkit.recipes import adamw, compose
     composition = compose(model, 1, adamw(LR), count_ddp_comm=False, overlap_param_sync=True,
-                          sync_bucket_numel=bucket_numel)
+                          sync_bucket_numel=bucket_numel, reduce_to_owners=reduce_to_owners)
     return composition.wrapped, composition.optimizer
 
 
-def _shardkit_sharded(model, unit_cls, reduce_buffer_size=None, bucket_numel=None):
+def _shardkit_sharded(model, unit_cls, reduce_buffer_size=None, bucket_numel=None,
+                      step_in_backward=False):
     """shardkit ShardedDataParallel + OSS(AdamW), the parameter sync overlapped with the next
-    forward: stage 2 of :func:`shardkit.recipes.compose`."""
+    forward (with ``step_in_backward``, each bucket stepped and its sync started inside
+    backward): stage 2 of :func:`shardkit.recipes.compose`."""
     from shardkit.recipes import adamw, compose
     composition = compose(model, 2, adamw(LR), overlap_param_sync=True,
-                          reduce_bucket_bytes=reduce_buffer_size, sync_bucket_numel=bucket_numel)
+                          reduce_bucket_bytes=reduce_buffer_size, sync_bucket_numel=bucket_numel,
+                          step_in_backward=step_in_backward)
     return composition.wrapped, composition.optimizer
 
 
@@ -212,8 +216,14 @@ ROWS = {
                       _stage1_formula),
     "shardkit_oss": Row("shardkit OSS + torch DDP (sync overlapped)", "shardkit", _shardkit_oss,
                         _stage1_formula),
+    "shardkit_oss_rto": Row("shardkit OSS + torch DDP (reduce to owners)", "shardkit",
+                            functools.partial(_shardkit_oss, reduce_to_owners=True),
+                            _all_reduce_formula),
     "shardkit_sharded": Row("shardkit ShardedDDP + OSS (sync overlapped)", "shardkit",
                             _shardkit_sharded, _all_reduce_formula),
+    "shardkit_sharded_sib": Row("shardkit ShardedDDP + OSS (step in backward)", "shardkit",
+                                functools.partial(_shardkit_sharded, step_in_backward=True),
+                                _all_reduce_formula),
 }
 DEFAULT_ROWS = list(ROWS)
 
@@ -223,6 +233,10 @@ for _numel in (2 ** 19, 2 ** 20, 2 ** 22):
     ROWS[f"shardkit_oss_b{_numel}"] = Row(
         f"shardkit OSS + torch DDP, bucket_numel={_numel}", "shardkit",
         functools.partial(_shardkit_oss, bucket_numel=_numel), _stage1_formula)
+    ROWS[f"shardkit_sharded_sib_b{_numel}"] = Row(
+        f"shardkit ShardedDDP + OSS (step in backward), bucket_numel={_numel}", "shardkit",
+        functools.partial(_shardkit_sharded, step_in_backward=True, bucket_numel=_numel),
+        _all_reduce_formula)
 for _bytes in (2 ** 21, 2 ** 22, 2 ** 25):
     ROWS[f"shardkit_sharded_r{_bytes}"] = Row(
         f"shardkit ShardedDDP + OSS, reduce_buffer_size={_bytes}", "shardkit",
@@ -291,7 +305,7 @@ def rank_main(out_path: str, configs: list[str], rounds: int, steps: int) -> int
     import torch
     from shardkit import distributed as skd
     from shardkit.models import GPT, reference_gpt_config
-    from benchmarks.common import time_interleaved
+    from benchmarks.common import finish_pending_sync, time_interleaved
 
     skd.init_distributed(backend="gloo", timeout_s=1800)
     torch.set_num_threads(1)
@@ -306,6 +320,7 @@ def rank_main(out_path: str, configs: list[str], rounds: int, steps: int) -> int
         before = _link_tx_bytes()
         with skd.CommCounter() as comm:
             trainer.step(step, rank)
+        finish_pending_sync(getattr(trainer, "optimizer", None))
         skd.barrier()
         wire[name] = _link_tx_bytes() - before
         counted[name] = comm.inter_node_bytes if ROWS[name].library == "shardkit" else None

@@ -25,7 +25,7 @@ from shardkit.kernels import DEFAULT_BLOCK, pack_rank_major
 from shardkit.quantized_comm import quantized_all_gather, quantized_reduce_scatter
 
 __all__ = ["counted_allreduce_hook", "fp16_allreduce_hook", "bf16_allreduce_hook",
-           "QuantizedHookState", "quantized_allreduce_hook"]
+           "QuantizedHookState", "quantized_allreduce_hook", "reduce_to_owners_hook"]
 
 
 def counted_allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -103,3 +103,58 @@ def quantized_allreduce_hook(state: Optional[QuantizedHookState], bucket
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(buffer)
     return fut
+
+
+def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook for torch DDP + OSS: each bucket's gradients are averaged onto the ranks
+    that own them in ``optimizer`` (an :class:`~shardkit.optim.OSS`, given as the hook's
+    ``state``) instead of onto every rank. OSS steps only what a rank owns, so training is the
+    same, and stage 1 then moves stage 2's bytes: ``(N-1)/N`` of the gradients here plus OSS's
+    parameter sync (``2Ψ(N-1)/N`` a step, as DDP alone; ``3Ψ(N-1)/N`` with the all-reduce)::
+
+        ddp = DistributedDataParallel(model)
+        optimizer = OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=1e-3)
+        ddp.register_comm_hook(optimizer, reduce_to_owners_hook)
+
+    After backward a rank's gradients of parameters it does not own are zero (not this rank's
+    contribution, not the average): clip with ``optimizer.clip_grad_norm``, which reads owned
+    gradients only, and read other gradients on their owner. Memory: a packed copy of the bucket
+    and this rank's share of it from every rank while in flight. Wire per bucket: the bytes of
+    the other ranks' shares, one all-to-all of uneven splits (no padding).
+    """
+    group = optimizer.group
+    n, rank = skdist.get_world_size(group), skdist.get_rank(group)
+    buffer = bucket.buffer()
+    slices = _slices_by_owner(optimizer.partition, bucket)
+    sizes = [sum(numel for _, numel in owned) for owned in slices]
+    sources = [buffer[offset:offset + numel] for owned in slices for offset, numel in owned]
+    packed = pack_rank_major(sources, 1, scale=1.0 / n, dtype=buffer.dtype)
+    received = torch.empty(n * sizes[rank], dtype=buffer.dtype, device=buffer.device)
+    work = skdist.all_to_all_uneven(received, packed, [sizes[rank]] * n, sizes, group=group,
+                                    async_op=True, counted_as="reduce")
+
+    def land(_fut) -> torch.Tensor:
+        summed = received.view(n, sizes[rank]).sum(dim=0)
+        buffer.zero_()
+        start = 0
+        for offset, numel in slices[rank]:
+            buffer[offset:offset + numel].copy_(summed[start:start + numel])
+            start += numel
+        return buffer
+
+    return work.get_future().then(land)
+
+
+def _slices_by_owner(partition, bucket) -> list[list[tuple[int, int]]]:
+    """Per rank, ``(offset, numel)`` in the bucket's buffer of each gradient it owns."""
+    buffer = bucket.buffer()
+    slices: list[list[tuple[int, int]]] = [[] for _ in range(partition.world_size)]
+    base, size = buffer.data_ptr(), buffer.element_size()
+    for p, grad in zip(bucket.parameters(), bucket.gradients()):
+        if p not in partition:
+            raise ValueError(f"reduce_to_owners_hook: a DDP parameter of shape "
+                             f"{tuple(p.shape)} is not in the OSS optimizer given as the hook's "
+                             f"state; build OSS over ddp.parameters()")
+        offset = (grad.data_ptr() - base) // size
+        slices[partition.owner(p)].append((offset, grad.numel()))
+    return slices

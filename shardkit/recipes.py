@@ -136,6 +136,7 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
             process_group=None, reduce_bucket_bytes: Optional[int] = None,
             sync_bucket_numel: Optional[int] = None,
             count_ddp_comm: bool = True, overlap_param_sync: bool = False,
+            step_in_backward: bool = False, reduce_to_owners: bool = False,
             reshard_after_forward: Optional[bool] = None, sharding_strategy=None,
             mixed_precision=False, quantize_weights: bool = False,
             quantize_gradients: bool = False, hpz_partition_size: int = 1) -> Composition:
@@ -156,6 +157,12 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
             :mod:`shardkit.distributed` so that ``CommCounter`` counts it.
         overlap_param_sync: stages 1-2: OSS's parameter sync runs on into the next forward
             (:meth:`shardkit.optim.OSS.overlap_sync_with` the wrapped model).
+        reduce_to_owners: stage 1: torch DDP averages each gradient onto its OSS owner only
+            (:func:`shardkit.comm_hooks.reduce_to_owners_hook`: stage 2's bytes, other ranks'
+            gradients left zero) instead of all-reducing it.
+        step_in_backward: stage 2: the owners step each sync bucket during backward, as soon
+            as its gradients are reduced (``ShardedDataParallel(step_in_backward=True)``; the
+            sync then always overlaps the next forward).
         reshard_after_forward, sharding_strategy: stage 3: FSDP's (``None``: its defaults).
         mixed_precision: stage 3: FSDP's ``mixed_precision`` (``True`` or a
             ``MixedPrecisionPolicy``), for every unit.
@@ -171,14 +178,17 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
                      hpz_partition_size=hpz_partition_size,
                      reshard_after_forward=reshard_after_forward,
                      sharding_strategy=sharding_strategy, overlap_param_sync=overlap_param_sync,
-                     sync_bucket_numel=sync_bucket_numel)
+                     sync_bucket_numel=sync_bucket_numel, step_in_backward=step_in_backward,
+                     reduce_to_owners=reduce_to_owners)
     psi = count_params(model.parameters())
     if stage == 0:
         return _stage0(model, optimizer, process_group, count_ddp_comm, psi)
     if stage in (1, 2):
         oss = _oss(model, optimizer, comm, process_group, sync_bucket_numel)
-        composition = _stage1(model, oss, process_group, count_ddp_comm, psi) if stage == 1 \
-            else _stage2(model, oss, comm, process_group, reduce_bucket_bytes, psi)
+        composition = _stage1(model, oss, process_group, count_ddp_comm, psi,
+                              reduce_to_owners) if stage == 1 \
+            else _stage2(model, oss, comm, process_group, reduce_bucket_bytes, psi,
+                         step_in_backward)
     else:
         fsdp_kwargs = dict(process_group=process_group, comm=comm, move_params_to_cpu=offload,
                            reshard_after_forward=reshard_after_forward,
@@ -188,7 +198,7 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
                            hpz_partition_size=hpz_partition_size)
         policy = wrap_policy or default_wrap_policy(model)
         return _stage3(model, optimizer, policy, fsdp_kwargs, psi)
-    if overlap_param_sync:
+    if overlap_param_sync and not step_in_backward:  # step_in_backward overlaps it already
         composition.optimizer.overlap_sync_with(composition.wrapped)
     return composition
 
@@ -200,7 +210,7 @@ _FSDP_ONLY = {"wrap_policy": None, "offload": False, "mixed_precision": False,
 
 
 def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_numel,
-                     **fsdp_options) -> None:
+                     step_in_backward, reduce_to_owners, **fsdp_options) -> None:
     """Refuse what :func:`compose` cannot build, before any wrapper exists."""
     if stage not in STAGES:
         raise ValueError(f"compose(stage={stage!r}): valid stages are {list(STAGES)}")
@@ -215,6 +225,13 @@ def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_num
     if overlap_param_sync and stage not in (1, 2):
         raise ValueError(f"compose(stage={stage}, overlap_param_sync=True): only OSS's "
                          f"parameter sync (stages 1 and 2) can overlap the next forward")
+    if reduce_to_owners and stage != 1:
+        raise ValueError(f"compose(stage={stage}, reduce_to_owners=True): only stage 1 (OSS under "
+                         f"torch DDP) takes DDP's reduce-to-owners hook; stage 2 always reduces "
+                         f"to the owners")
+    if step_in_backward and stage != 2:
+        raise ValueError(f"compose(stage={stage}, step_in_backward=True): only ShardedDataParallel "
+                         f"(stage 2) steps the optimizer during backward")
     if sync_bucket_numel is not None and stage not in (1, 2):
         raise ValueError(f"compose(stage={stage}, sync_bucket_numel={sync_bucket_numel}): only "
                          f"OSS (stages 1 and 2) has a parameter-sync bucket")
@@ -273,18 +290,24 @@ def _stage0(model, recipe, process_group, count_comm, psi) -> Composition:
                        _zero_grads(optimizer), psi)
 
 
-def _stage1(model, oss, process_group, count_comm, psi) -> Composition:
-    """OSS (optimizer state sharded) over torch DDP (full gradients all-reduced)."""
-    ddp = torch_ddp(model, process_group, count_comm)
+def _stage1(model, oss, process_group, count_comm, psi, reduce_to_owners) -> Composition:
+    """OSS (optimizer state sharded) over torch DDP (full gradients all-reduced, or with
+    ``reduce_to_owners`` averaged onto their owners only)."""
+    ddp = torch_ddp(model, process_group, count_comm and not reduce_to_owners)
+    if reduce_to_owners:
+        from shardkit.comm_hooks import reduce_to_owners_hook
+        ddp.register_comm_hook(oss, reduce_to_owners_hook)
     return Composition(1, ddp, oss, ddp.no_sync, oss.clip_grad_norm, _zero_grads(oss), psi)
 
 
-def _stage2(model, oss, comm, process_group, reduce_bucket_bytes, psi) -> Composition:
+def _stage2(model, oss, comm, process_group, reduce_bucket_bytes, psi,
+            step_in_backward) -> Composition:
     """OSS plus ShardedDataParallel on the one transport: each gradient is reduced to its
     owner only."""
     from shardkit.nn.data_parallel import ShardedDataParallel
     kwargs = {} if reduce_bucket_bytes is None else {"reduce_buffer_size": reduce_bucket_bytes}
-    sdp = ShardedDataParallel(model, oss, process_group=process_group, comm=comm, **kwargs)
+    sdp = ShardedDataParallel(model, oss, process_group=process_group, comm=comm,
+                              step_in_backward=step_in_backward, **kwargs)
     return Composition(2, sdp, oss, sdp.no_sync, oss.clip_grad_norm, _zero_grads(sdp, oss), psi)
 
 

@@ -30,6 +30,8 @@ same interface for ranks on one host.
 
 from __future__ import annotations
 
+import queue
+import threading
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -42,22 +44,87 @@ __all__ = ["CommHandle", "Transport", "ProcessGroupTransport", "default_transpor
 
 
 class CommHandle:
-    """An operation in flight: :meth:`wait` finishes it and returns its result (idempotent)."""
+    """An operation in flight: :meth:`wait` finishes it and returns its result (idempotent).
 
-    def __init__(self, works: Sequence = (), finish: Optional[Callable] = None):
+    ``completes_when_waited``: the works report completion only once waited for (gloo's
+    point-to-point sends and receives); :meth:`watch` then lets a background thread wait, so
+    that :meth:`is_completed` becomes a true poll.
+    """
+
+    def __init__(self, works: Sequence = (), finish: Optional[Callable] = None,
+                 completes_when_waited: bool = False):
         self._works = [w for w in works if w is not None]
         self._finish = finish
         self._done = False
         self._result = None
+        self._completes_when_waited = completes_when_waited
+        self._arrived: Optional[threading.Event] = None
+        self._watch_error: Optional[BaseException] = None
+
+    def watch(self) -> None:
+        """Make :meth:`is_completed` a true poll for works that only complete by being waited
+        for: one shared daemon thread waits for them (in the order watched). A no-op for works
+        that report completion themselves (NCCL, gloo's collectives)."""
+        if self._done or self._arrived is not None or not self._completes_when_waited:
+            return
+        self._arrived = threading.Event()
+        _completion_watcher().put(self)
+
+    def is_completed(self) -> bool:
+        """Whether the operation has arrived (a poll: never blocks; :meth:`wait` still takes
+        the result). Works that complete only when waited for read ``False`` until
+        :meth:`watch` has seen them arrive."""
+        if self._done:
+            return True
+        if self._arrived is not None:
+            return self._arrived.is_set()
+        return all(w.is_completed() for w in self._works)
+
+    def _wait_works(self) -> None:
+        # Note: a gloo send/receive may be waited for only once (a second wait blocks forever),
+        # so a watched handle leaves the waiting to the watcher thread.
+        if self._arrived is not None:
+            self._arrived.wait()
+            if self._watch_error is not None:
+                raise self._watch_error
+            return
+        for work in self._works:
+            work.wait()
 
     def wait(self):
         if not self._done:
-            for work in self._works:
-                work.wait()
+            self._wait_works()
             self._works = []
             self._result = self._finish() if self._finish is not None else None
             self._done = True
         return self._result
+
+
+def _watch_forever(pending: "queue.SimpleQueue[CommHandle]") -> None:
+    while True:
+        handle = pending.get()
+        try:
+            for work in handle._works:
+                work.wait()
+        except BaseException as error:  # handed to the caller's wait()
+            handle._watch_error = error
+        finally:
+            handle._arrived.set()
+
+
+_WATCHER: Optional["queue.SimpleQueue[CommHandle]"] = None
+_WATCHER_LOCK = threading.Lock()
+
+
+def _completion_watcher() -> "queue.SimpleQueue[CommHandle]":
+    """The queue of the one daemon thread that waits for watched handles (started once)."""
+    global _WATCHER
+    with _WATCHER_LOCK:
+        if _WATCHER is None:
+            _WATCHER = queue.SimpleQueue()
+            threading.Thread(target=_watch_forever, args=(_WATCHER,), daemon=True,
+                             name="shardkit-comm-watcher").start()
+        return _WATCHER
 
 
 class Transport:
@@ -168,7 +235,8 @@ class ProcessGroupTransport(Transport):
                 global_peer = skdist.get_global_rank(group, peer)
                 ops.append(skdist.P2POp("send", segments[rank], global_peer, group))
                 ops.append(skdist.P2POp("recv", segments[peer], global_peer, group))
-        return CommHandle(skdist.batch_isend_irecv(ops, counted_as="all_gather"))
+        return CommHandle(skdist.batch_isend_irecv(ops, counted_as="all_gather"),
+                          completes_when_waited=True)
 
     def all_gather_chunks(self, fulls, chunks, group):
         if not _uses_point_to_point(group):
@@ -191,7 +259,8 @@ class ProcessGroupTransport(Transport):
                 else:
                     ops.append(skdist.P2POp("recv", full[lo:hi],
                                             skdist.get_global_rank(group, r), group))
-        return CommHandle(skdist.batch_isend_irecv(ops, counted_as="all_gather"))
+        return CommHandle(skdist.batch_isend_irecv(ops, counted_as="all_gather"),
+                          completes_when_waited=True)
 
     def reduce_scatter(self, input, group):
         n = skdist.get_world_size(group)
@@ -222,7 +291,8 @@ class ProcessGroupTransport(Transport):
             for part in ordered[2:]:
                 total.add_(part)
             return total
-        return CommHandle(skdist.batch_isend_irecv(ops, counted_as="reduce_scatter"), finish)
+        return CommHandle(skdist.batch_isend_irecv(ops, counted_as="reduce_scatter"), finish,
+                          completes_when_waited=True)
 
     def reduce_to_owners(self, segments, group):
         # Note: on NCCL a balanced bucket is one reduce-scatter (padding it costs at most 10%).
@@ -255,7 +325,8 @@ class ProcessGroupTransport(Transport):
             for buf in received:
                 mine.add_(buf)
             return mine
-        return CommHandle(skdist.batch_isend_irecv(ops, counted_as="reduce"), finish)
+        return CommHandle(skdist.batch_isend_irecv(ops, counted_as="reduce"), finish,
+                          completes_when_waited=True)
 
     def broadcast(self, tensor, src, group):
         return CommHandle([skdist.broadcast(tensor, src=src, group=group, async_op=True)])

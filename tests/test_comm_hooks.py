@@ -88,3 +88,71 @@ def test_compressed_hook_bytes(runs, hook):
                 per_op = wire_bytes(-(-psi // 2), 2, bits=state.bits, block=state.block)
                 assert nbytes == 2 * per_op, "a quantized reduce-scatter and all-gather"
                 assert nbytes <= WIRE[hook] * fp32_bytes * (1 + state.block / (psi / 2))
+
+
+def _train_reduced_to_owners(steps: int = 4, bucket_cap_mb: float = 0.004):
+    """torch DDP + OSS(AdamW) with reduce_to_owners_hook (small buckets: several per backward)
+    against single-process AdamW on the global batch, at every step; per step the bytes the
+    hook sent and whether the gradients this rank does not own are zero."""
+    from torch.nn.parallel import DistributedDataParallel
+    from shardkit.comm_hooks import reduce_to_owners_hook
+
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                          nn.Linear(64, 8))
+    oracle = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                           nn.Linear(64, 8))
+    oracle.load_state_dict(model.state_dict())
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    optimizer = OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    ddp.register_comm_hook(optimizer, reduce_to_owners_hook)
+    reference = torch.optim.AdamW(oracle.parameters(), lr=1e-2)
+    owned = {id(p) for p, r in optimizer.param_to_rank.items() if r == rank}
+    not_owned_numel = sum(p.numel() for p in model.parameters() if id(p) not in owned)
+    worst, sent, zero_elsewhere = 0.0, [], []
+    for step in range(steps):
+        batch = [torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * step + r))
+                 for r in range(n)]
+        reference.zero_grad()
+        for x in batch:
+            (oracle(x).pow(2).mean() / n).backward()
+        reference.step()
+        optimizer.zero_grad()
+        with skdist.CommCounter() as comm:
+            ddp(batch[rank]).pow(2).mean().backward()
+        sent.append((comm.by_op.get("reduce", 0), 4 * not_owned_numel))
+        zero_elsewhere.append(all(not p.grad.any() for p in model.parameters()
+                                  if id(p) not in owned))
+        optimizer.step()
+        worst = max(worst, max((p - q).abs().max().item()
+                               for p, q in zip(model.parameters(), oracle.parameters())))
+    return worst, sent, zero_elsewhere
+
+
+def test_reduce_to_owners_hook_trains_like_one_process_on_stage2_bytes(world2):
+    for worst, sent, zero_elsewhere in world2.run(_train_reduced_to_owners):
+        assert worst <= 1e-5, worst
+        for counted, expected in sent:  # exactly the other ranks' shares: no padding
+            assert counted == expected, sent
+        assert all(zero_elsewhere)
+
+
+def _hook_with_a_foreign_optimizer():
+    from torch.nn.parallel import DistributedDataParallel
+    from shardkit.comm_hooks import reduce_to_owners_hook
+
+    model = nn.Linear(4, 4)
+    stranger = OSS(nn.Linear(4, 4).parameters(), optim=torch.optim.SGD, lr=0.1)
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(stranger, reduce_to_owners_hook)
+    try:
+        ddp(torch.ones(2, 4)).sum().backward()
+    except Exception as e:  # DDP re-raises the hook's error
+        return str(e)
+    return ""
+
+
+def test_reduce_to_owners_hook_names_a_parameter_oss_does_not_hold(world2):
+    for message in world2.run(_hook_with_a_foreign_optimizer):
+        assert "is not in the OSS optimizer" in message, message

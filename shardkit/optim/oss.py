@@ -118,6 +118,7 @@ class OSS(torch.optim.Optimizer):
         self.fused = choose_fused(optim, ctor_kwargs, groups)
         groups = [with_fused_choice(g, self.fused) for g in groups]
         self._ready = False
+        self._stepped_in_backward: Optional[set] = None  # buckets stepped by ShardedDDP's backward
         self._consolidated: Optional[dict] = None
         self._parked_state: dict = {}  # state of frozen parameters last owned here
         args.check_same_model_on_every_rank(groups, group)
@@ -207,6 +208,8 @@ class OSS(torch.optim.Optimizer):
 
         Communication: ``Ψ(N-1)/N`` elements in all, one all-gather per bucket.
         """
+        if self._stepped_in_backward is not None:
+            return self._finish_step_begun_in_backward(closure, kwargs)
         self._check_trainable_covered()
         self._sync.wait()
         self._consolidated = None
@@ -234,6 +237,11 @@ class OSS(torch.optim.Optimizer):
         step reads) are scaled.
         """
         max_norm, norm_type = check_clip_arguments("OSS.clip_grad_norm", max_norm, norm_type)
+        if self._stepped_in_backward is not None:
+            raise RuntimeError("OSS.clip_grad_norm: the last backward already stepped the "
+                               "parameters (ShardedDataParallel(step_in_backward=True)), so "
+                               "there is nothing left to clip; build ShardedDataParallel with "
+                               "step_in_backward=False to clip gradients before the step")
         grads = [p.grad for p in self._owned_params() if p.grad is not None]
         return clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.group,
                                            device=self._default_device())
@@ -336,6 +344,49 @@ class OSS(torch.optim.Optimizer):
         """Finish every bucket sync still in flight (a no-op unless :meth:`overlap_sync_with`
         is in use)."""
         self._sync.wait()
+
+    # ------------------------------------------------------------------ step in backward
+    # Called by ShardedDataParallel(step_in_backward=True), not by users: the parameters of a
+    # sync bucket are stepped, and their all-gather started, as soon as backward has reduced
+    # their gradients; the user's step() then only completes what backward left.
+
+    def _check_steps_per_parameter(self, what: str) -> None:
+        if not steps_each_parameter_alone(self.optim):
+            raise ValueError(f"{what}: the optimizer {type(self.optim).__name__} does not "
+                             f"update each parameter on its own, so it cannot be stepped bucket "
+                             f"by bucket; use SGD, Adam, AdamW or Adagrad, or leave it off")
+
+    def _prepare_step_in_backward(self, sync_group, module: torch.nn.Module) -> None:
+        self.comm.prepare(sync_group)
+        self._sync.use_group(sync_group)
+        self.overlap_sync_with(module)
+
+    def _sync_bucket_params(self) -> list[list[torch.Tensor]]:
+        return [self._sync.params_of_bucket(i) for i in range(len(self._sync.buckets))]
+
+    def _begin_step_in_backward(self) -> None:
+        self._check_trainable_covered()
+        self._consolidated = None
+        self._push_hyperparameters()
+        self._sync.rebind_if_moved()
+        self._stepped_in_backward = set()
+
+    @torch.no_grad()
+    def _step_bucket_in_backward(self, index: int) -> None:
+        self._sync.step_bucket(index, lambda params: step_only(self.optim, params, {}))
+        self._stepped_in_backward.add(index)
+
+    def _finish_step_begun_in_backward(self, closure, kwargs):
+        if closure is not None or kwargs:
+            raise ValueError("OSS.step: backward already stepped the parameters "
+                             "(ShardedDataParallel(step_in_backward=True)); a closure or step "
+                             "arguments cannot be honoured, call optimizer.step() bare")
+        done, self._stepped_in_backward = self._stepped_in_backward, None
+        for index in range(len(self._sync.buckets)):
+            if index not in done:
+                self._sync.step_bucket(index, lambda params: step_only(self.optim, params, {}))
+        self._pull_hyperparameters()
+        return None
 
     # ------------------------------------------------------------------ mechanism
 

@@ -264,6 +264,39 @@ class ParamSync:
         for b in in_flight:
             b.finish_gather()
 
+    def params_of_bucket(self, index: int) -> list[torch.Tensor]:
+        """Every parameter (all ranks' segments) that bucket ``index`` re-syncs."""
+        return [p for b in self._buckets[index] for p, _ in b.slots]
+
+    def step_bucket(self, index: int, step_only: Callable[[list], None]) -> None:
+        """Call ``step_only(params)`` on this rank's parameters of bucket ``index`` alone and
+        start that bucket's all-gather, left in flight for the next forward (with
+        :meth:`overlap_with`) or :meth:`wait`. An all-gather of this bucket still in flight is
+        finished first. Used to step buckets during backward, as soon as their gradients are
+        reduced (``ShardedDataParallel(step_in_backward=True)``)."""
+        buckets = self._buckets[index]
+        still_running = [b for b in self._pending if b in buckets]
+        for b in still_running:
+            b.finish_gather()
+        self._pending = [b for b in self._pending if b not in still_running]
+        step_only([p for b in buckets for p in b.owned_params])
+        for b in buckets:
+            b.start_gather()
+        self._pending.extend(buckets)
+        if not self._defer:
+            self.wait()
+
+    def use_group(self, group) -> None:
+        """Carry the all-gathers on ``group`` (the same ranks as before, e.g. a group of their
+        own so that their order needs to match only among themselves); rebuilds the buckets
+        from the parameters' current values. Local."""
+        self.wait()
+        for buckets in self._buckets:
+            for b in buckets:
+                b.finish_gather()
+        self.group = group
+        self._buckets = self._build()
+
     def wait(self) -> None:
         """Finish every all-gather still in flight (a no-op unless :meth:`overlap_with` is on)."""
         pending, self._pending = self._pending, []

@@ -90,6 +90,13 @@ def test_overlapped_parameter_sync_matches_single_process(cluster_results):
             assert all(diff <= TOL for diff in worst.values()), (wrapper, worst)
 
 
+def test_reduce_to_owners_hook_matches_single_process(cluster_results):
+    # torch DDP + OSS with gradients averaged onto their owners only, across the link
+    for worst, sent, zero_elsewhere in _values(cluster_results, "reduce_to_owners_hook"):
+        assert worst <= TOL and all(zero_elsewhere), (worst, zero_elsewhere)
+        assert all(counted == expected for counted, expected in sent), sent
+
+
 def test_fsdp_matches_single_process(cluster_results):
     for per_config in _values(cluster_results, "fsdp"):
         for r in per_config:

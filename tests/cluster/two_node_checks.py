@@ -57,7 +57,13 @@ def _sharded_ddp_oss():
 
 def _overlapped_sync():
     from tests.optim import test_oss_overlap as overlap
-    return {wrapper: overlap._train(wrapper) for wrapper in ("ddp", "sharded")}
+    return {wrapper: overlap._train(wrapper)
+            for wrapper in ("ddp", "sharded", "sharded_step_in_backward")}
+
+
+def _reduce_to_owners_hook():
+    from tests import test_comm_hooks as hooks
+    return hooks._train_reduced_to_owners()
 
 
 def _fsdp():
@@ -191,6 +197,7 @@ def main(out_dir: str) -> int:
     rank = skd.get_rank()
     checks = [("where", _where), ("oss_ddp", _oss_ddp), ("sharded_ddp_oss", _sharded_ddp_oss),
               ("overlapped_sync", _overlapped_sync),
+              ("reduce_to_owners_hook", _reduce_to_owners_hook),
               ("fsdp", _fsdp), ("pipeline", _pipeline_one_stage_per_node),
               ("tensor_parallel", _tensor_parallel_in_node),
               ("initialize", _initialize_zero_stages), ("full_shard_bytes", _full_shard_bytes),

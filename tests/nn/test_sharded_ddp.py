@@ -122,16 +122,20 @@ def _build(cfg, rank):
     comm = _transport(cfg.get("comm"))
     if cfg.get("two_optimizers"):
         first = OSS([*model.inp.parameters(), *model.hidden.parameters()],
-                    optim=torch.optim.AdamW, lr=lr, weight_decay=wd, comm=comm)
+                    optim=torch.optim.AdamW, lr=lr, weight_decay=wd, comm=comm,
+                    bucket_numel=cfg.get("sync_bucket"))
         second = OSS([*model.branch.parameters(), *model.out.parameters()],
-                     optim=torch.optim.AdamW, lr=lr, weight_decay=wd, comm=comm)
+                     optim=torch.optim.AdamW, lr=lr, weight_decay=wd, comm=comm,
+                     bucket_numel=cfg.get("sync_bucket"))
         optimizers = [first, second]
     else:
         optimizers = [OSS(_param_groups(model, cfg.get("two_groups", False)),
-                          optim=torch.optim.AdamW, lr=lr, weight_decay=wd, comm=comm)]
+                          optim=torch.optim.AdamW, lr=lr, weight_decay=wd, comm=comm,
+                          bucket_numel=cfg.get("sync_bucket"))]
     wrapped = ShardedDataParallel(model, optimizers if len(optimizers) > 1 else optimizers[0],
                                   reduce_buffer_size=cfg.get("bucket", 2 ** 23), comm=comm,
-                                  max_inflight_bytes=cfg.get("inflight", 2 ** 26))
+                                  max_inflight_bytes=cfg.get("inflight", 2 ** 26),
+                                  step_in_backward=cfg.get("step_in_backward", False))
     return ref, ref_opt, wrapped, _Optimizers(optimizers)
 
 
@@ -161,8 +165,25 @@ def _run_parity(cfg: dict) -> float:
                 m.hidden.requires_grad_(False)
         _reference_step(ref, ref_opt, cfg, step, world_size)
         _sharded_step(model, optimizer, cfg, step, rank)
-        worst = max(worst, max_diff(ref, model.module))
+        if cfg.get("step_in_backward"):
+            worst = max(worst, _diff_read_as_users_do(ref, model, cfg, step))
+        else:
+            worst = max(worst, max_diff(ref, model.module))
     return worst
+
+
+def _diff_read_as_users_do(ref, model, cfg, step) -> float:
+    """With the parameter sync still in flight after step(), read the parameters the ways a
+    user does: an evaluation forward (waits module by module) and state_dict() (waits for
+    all); neither may see a stale weight."""
+    worst = 0.0
+    if cfg.get("eval_between_steps"):
+        x, _ = _batch(10_000 + step, 0)
+        model.eval()
+        with torch.no_grad():
+            worst = max_diff([model(x)], [ref(x)])
+        model.train()
+    return max(worst, max_diff(ref.state_dict(), model.module.state_dict()))
 
 
 CONFIGS = {
@@ -183,6 +204,21 @@ CONFIGS = {
     "small_buckets_shared_memory": {"bucket": 1024, "comm": "shared_memory"},
     "one_param_per_bucket": {"bucket": 0},
     "activation_checkpointing": {"checkpoint": True, "bucket": 1024},
+    # the owners step each OSS sync bucket inside backward (small buckets: several of each)
+    "step_in_backward": {"step_in_backward": True, "bucket": 1024, "sync_bucket": 50},
+    "step_in_backward_eval_between_steps": {"step_in_backward": True, "bucket": 1024,
+                                            "sync_bucket": 50, "eval_between_steps": True},
+    "step_in_backward_no_sync": {"step_in_backward": True, "accumulate": 3, "bucket": 1024,
+                                 "sync_bucket": 50},
+    "step_in_backward_unused_branch_on_rank0": {"step_in_backward": True, "bucket": 1024,
+                                                "sync_bucket": 50, "unused_branch": "on_rank0"},
+    "step_in_backward_two_optimizers": {"step_in_backward": True, "two_optimizers": True,
+                                        "bucket": 1024, "sync_bucket": 50},
+    "step_in_backward_freeze_at_step_5": {"step_in_backward": True, "freeze": "at_step_5",
+                                          "bucket": 1024, "sync_bucket": 50},
+    "step_in_backward_shared_memory": {"step_in_backward": True, "bucket": 1024,
+                                       "sync_bucket": 50, "comm": "shared_memory"},
+    "step_in_backward_one_bucket_each": {"step_in_backward": True},
 }
 
 
@@ -208,7 +244,8 @@ def test_parity_grid_world2(world2):
 
 def test_parity_grid_world4(world4):
     names = ["plain", "no_sync_4_micro_batches", "frozen_layer", "unused_branch_on_rank0",
-             "two_param_groups", "small_buckets_shared_memory"]
+             "two_param_groups", "small_buckets_shared_memory", "step_in_backward",
+             "step_in_backward_eval_between_steps"]
     _assert_parity(world4.run(_run_grid, names))
 
 
@@ -217,4 +254,5 @@ def test_parity_grid_world1():
     from shardkit.testing import World
     with World(1) as world:
         _assert_parity(world.run(_run_grid, ["plain", "no_sync_4_micro_batches",
-                                             "small_buckets", "small_buckets_shared_memory"]))
+                                             "small_buckets", "small_buckets_shared_memory",
+                                             "step_in_backward"]))

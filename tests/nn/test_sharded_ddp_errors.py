@@ -36,6 +36,7 @@ def _check_bad_inputs():
     mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
     mixed[1].requires_grad_(False)
     oss_mixed = OSS(mixed[0].parameters(), optim=torch.optim.SGD, lr=0.1)
+    oss_lbfgs = OSS(model.parameters(), optim=torch.optim.LBFGS, lr=0.1)
     cases = {
         "plain_optimizer": lambda: ShardedDataParallel(
             model, torch.optim.SGD(model.parameters(), lr=0.1)),
@@ -49,6 +50,9 @@ def _check_bad_inputs():
         "empty_list": lambda: ShardedDataParallel(model, []),
         "not_a_module": lambda: ShardedDataParallel(lambda x: x, oss),
         "mixed_device_types": lambda: ShardedDataParallel(mixed, oss_mixed),
+        "step_in_backward_flag": lambda: ShardedDataParallel(model, oss, step_in_backward=1),
+        "step_in_backward_lbfgs": lambda: ShardedDataParallel(model, oss_lbfgs,
+                                                              step_in_backward=True),
     }
     return {name: _error_of(build) for name, build in cases.items()}
 
@@ -65,6 +69,8 @@ EXPECTED = {
     "empty_list": ("ValueError", "sharded_optimizer=[]"),
     "not_a_module": ("TypeError", "expected an nn.Module"),
     "mixed_device_types": ("ValueError", "several types ['cpu', 'meta']"),
+    "step_in_backward_flag": ("TypeError", "step_in_backward=1"),
+    "step_in_backward_lbfgs": ("ValueError", "the optimizer LBFGS does not update each"),
 }
 
 
@@ -299,3 +305,37 @@ def test_buckets_follow_the_observed_backward_order(world2):
         assert planned == ["a", "a", "b", "b", "c", "c"]  # reverse registration, before
         assert learned == ["c", "c", "b", "b", "a", "a"]  # the order gradients arrived
         assert diff <= 1e-6
+
+
+def _check_step_in_backward_refusals():
+    """After a backward that already stepped (step_in_backward=True), clipping and a step with
+    a closure are refused by name instead of acting on gradients already applied."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    oss = OSS(model.parameters(), optim=torch.optim.AdamW, lr=0.1)
+    wrapped = ShardedDataParallel(model, oss, step_in_backward=True)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(skdist.get_rank()))
+    wrapped(x).sum().backward()
+    errors = {}
+    try:
+        oss.clip_grad_norm(1.0)
+    except RuntimeError as e:
+        errors["clip"] = str(e)
+    try:
+        oss.step(closure=lambda: 0.0)
+    except ValueError as e:
+        errors["closure"] = str(e)
+    oss.step()  # nothing left to do; the next iteration runs as usual
+    oss.zero_grad()
+    wrapped(x).sum().backward()
+    oss.step()
+    oss.wait_for_sync()
+    weights = skdist.all_gather_object([p.detach().clone() for p in model.parameters()])
+    return errors, all(torch.equal(a, b) for a, b in zip(*weights))
+
+
+def test_step_in_backward_refuses_clipping_and_closures(world2):
+    for errors, same_weights in world2.run(_check_step_in_backward_refusals):
+        assert "already stepped" in errors["clip"], errors
+        assert "call optimizer.step() bare" in errors["closure"], errors
+        assert same_weights

@@ -1,7 +1,8 @@
 """OSS.overlap_sync_with(model): the parameter sync of a step runs on into the next forward,
 each module waiting only for its own buckets; evaluation, state_dict() and wait_for_sync() never
 see stale weights. Parity with single-process training at every step, on every rank, under torch
-DDP and ShardedDDP, worlds 2 and 4."""
+DDP and ShardedDDP (stepping after backward, or inside it with step_in_backward=True), worlds 2
+and 4."""
 
 import pytest
 import torch
@@ -28,9 +29,13 @@ def _train(wrapper: str):
     oracle, model = MLP(32, 4, seed=0), MLP(32, 4, seed=0)
     ref = torch.optim.AdamW(oracle.parameters(), lr=1e-2)
     opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, bucket_numel=700)
-    wrapped = DDP(model) if wrapper == "ddp" else ShardedDataParallel(model, opt,
-                                                                       reduce_buffer_size=4096)
-    opt.overlap_sync_with(wrapped)
+    if wrapper == "ddp":
+        wrapped = DDP(model)
+    else:  # "sharded", or "sharded_step_in_backward": the sync starts inside backward
+        wrapped = ShardedDataParallel(model, opt, reduce_buffer_size=4096,
+                                      step_in_backward=wrapper == "sharded_step_in_backward")
+    if wrapper != "sharded_step_in_backward":
+        opt.overlap_sync_with(wrapped)
     worst = {"eval": 0.0, "state_dict": 0.0, "waited": 0.0}
     pending_seen = 0
     for step in range(STEPS):
@@ -60,7 +65,7 @@ def _train(wrapper: str):
     return worst, pending_seen
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "sharded"])
+@pytest.mark.parametrize("wrapper", ["ddp", "sharded", "sharded_step_in_backward"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_overlapped_sync_matches_single_process(world2, world4, wrapper, n):
     world = world2 if n == 2 else world4

@@ -151,6 +151,17 @@ class BucketReduction:
         """Buffers alive until :meth:`finish` (reported as gradient memory)."""
         return list(self._in_flight)
 
+    def is_complete(self) -> bool:
+        """Whether the reduction has arrived (a poll that never blocks; :meth:`finish` still
+        takes the result). Call :meth:`watch` after :meth:`launch` for a true poll on gloo."""
+        return all(handle.is_completed() for handle in self._handles)
+
+    def watch(self) -> None:
+        """Let :meth:`is_complete` see the arrival of operations that complete only when waited
+        for (:meth:`shardkit.transport.CommHandle.watch`)."""
+        for handle in self._handles:
+            handle.watch()
+
     def finish(self) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """Wait; return ``(param, reduced gradient)`` for each owned parameter, ``None`` when no
         rank had a gradient for it. Gradients are views into this rank's segment (or casts
@@ -216,6 +227,12 @@ class _OwnSegment:
 
     def __init__(self, handle, reduction: BucketReduction):
         self._handle, self._reduction = handle, reduction
+
+    def is_completed(self) -> bool:
+        return self._handle.is_completed()
+
+    def watch(self) -> None:
+        self._handle.watch()
 
     def wait(self) -> None:
         self._reduction._own_segment = self._handle.wait()

@@ -52,6 +52,16 @@ class ShardedDataParallel(nn.Module):
         max_inflight_bytes: bytes of packed buckets whose reduction may be in flight while
             backward goes on; past it backward waits for the oldest (not in FairScale's
             signature).
+        step_in_backward: step the optimizers during backward: as soon as the gradients of
+            one of OSS's sync buckets are reduced, its owner steps it and starts its
+            all-gather, which the next forward waits for module by module; ``optimizer.step()``
+            then has nothing left to do. Hides the step and most of the parameter sync behind
+            backward on a slow link. Needs an optimizer that updates each parameter alone (SGD,
+            Adam, AdamW, Adagrad); gradients cannot be clipped or inspected before the update,
+            and accumulation must use :meth:`no_sync`. Creates one more process group over
+            the same ranks (the all-gathers' own) at construction: with the whole world, every
+            rank constructs it together; with a sub-group, only its members do, and they must
+            have created as many process groups before it. Not in FairScale's signature.
 
     Attributes that torch DDP code reads are there: ``module``, ``process_group``,
     ``broadcast_buffers``, ``device_type``, ``is_multi_device_module``, ``device_ids`` and
@@ -97,7 +107,8 @@ class ShardedDataParallel(nn.Module):
                  broadcast_buffers: bool = True, sync_models_at_startup: bool = True,
                  reduce_buffer_size: int = 2 ** 23, auto_refresh_trainable: bool = True,
                  reduce_fp16: Union[bool, torch.dtype] = False, comm=None,
-                 max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES):
+                 max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+                 step_in_backward: bool = False):
         super().__init__()
         skdist.require_initialized("ShardedDataParallel")
         if not isinstance(module, nn.Module):
@@ -151,6 +162,8 @@ class ShardedDataParallel(nn.Module):
         self._trainable: list = []            # trainable params, registration order
         self._owner_of: dict = {}
         self._observed: Optional[list] = None  # grads' arrival order, until the order is settled
+        self.step_in_backward = self._prepare_step_in_backward(step_in_backward)
+        self._steps_after: list[list] = []    # reduce bucket -> (optimizer, sync bucket)s
 
         self._build_plan(refresh_optimizers=False)
         if sync_models_at_startup and self.world_size > 1:
@@ -271,6 +284,22 @@ class ShardedDataParallel(nn.Module):
             backward_order, self._owner_of.__getitem__, self.world_size,
             self.reduce_buffer_size, lambda p: self._comm_dtype or p.dtype)
         self._bucket_of = {p: b.index for b in self._buckets for p in b.params}
+        self._steps_after = self._plan_steps_in_backward()
+
+    def _plan_steps_in_backward(self) -> list[list]:
+        """For each reduce bucket, the OSS sync buckets whose gradients are all reduced once
+        it is (``(optimizer index, sync bucket index)``, in that order). Every rank derives the
+        same lists from the plan, so the all-gathers start in the same order everywhere."""
+        if not self.step_in_backward or not self._buckets or self.world_size == 1:
+            return []
+        after: list[list] = [[] for _ in self._buckets]
+        last_bucket = len(self._buckets) - 1
+        for o, optimizer in enumerate(self._optimizers):
+            for s, params in enumerate(optimizer._sync_bucket_params()):
+                last = max((self._bucket_of[p] for p in params if p in self._bucket_of),
+                           default=last_bucket)
+                after[last].append((o, s))
+        return after
 
     def _settle_bucket_order(self) -> None:
         """After the first reduced backward of a plan: re-plan the buckets in the order rank 0's
@@ -350,6 +379,9 @@ class ShardedDataParallel(nn.Module):
             self._observed = []
         self._ready_count = [0] * len(self._buckets)
         self._next_launch = 0
+        if self._syncing and self._steps_after:
+            for optimizer in self._optimizers:
+                optimizer._begin_step_in_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _scale_carried_grads(self) -> None:
@@ -373,6 +405,11 @@ class ShardedDataParallel(nn.Module):
         self._ready_count[index] += 1
         while self._next_launch < len(self._buckets) and self._bucket_complete(self._next_launch):
             self._launch(self._next_launch)
+        if self._steps_after:
+            # finished strictly oldest first, so that the steps (and the all-gathers they
+            # start) come in the same order on every rank, whenever the reductions land
+            while self._in_flight and self._in_flight[0].is_complete():
+                self._finish(self._in_flight.popleft())
 
     def _bucket_complete(self, index: int) -> bool:
         return self._ready_count[index] >= len(self._buckets[index].params)
@@ -381,6 +418,8 @@ class ShardedDataParallel(nn.Module):
         layout = self._buckets[index]
         reduction = ReduceToOwners(layout, self.process_group, self.rank, self.comm)
         reduction.launch([p.grad for p in layout.params])
+        if self._steps_after:
+            reduction.watch()
         for p in layout.params:
             p.grad = None
         self._in_flight.append(reduction)
@@ -397,6 +436,9 @@ class ShardedDataParallel(nn.Module):
             p.grad = grad
             if grad is not None:
                 self._carried[p] = weakref.ref(grad)
+        if self._steps_after:
+            for o, s in self._steps_after[reduction.layout.index]:
+                self._optimizers[o]._step_bucket_in_backward(s)
 
     def _end_backward(self) -> None:
         try:
@@ -421,6 +463,27 @@ class ShardedDataParallel(nn.Module):
             self._in_flight.clear()
             self._backward_active = False
             self._syncing = False
+
+    def _prepare_step_in_backward(self, step_in_backward: bool) -> bool:
+        """Give the optimizers' parameter sync a process group of its own (so that steps
+        started whenever a reduction lands cannot interleave with the reductions' order) and
+        let the next forward wait for it per module. Collective over the group's ranks."""
+        if not isinstance(step_in_backward, bool):
+            raise TypeError(f"ShardedDataParallel(step_in_backward={step_in_backward!r}): "
+                            f"expected True or False")
+        if not step_in_backward:
+            return False
+        for optimizer in self._optimizers:
+            optimizer._check_steps_per_parameter("ShardedDataParallel(step_in_backward=True)")
+        if self.world_size == 1:
+            return True
+        ranks = skdist.group_ranks(self.process_group)
+        # Note: a sub-group's members create it alone (torch names it from a hash of the ranks
+        # and how many groups each member knows, so they must have created as many groups).
+        sync_group = skdist.new_group(ranks, members_only=len(ranks) < skdist.get_world_size())
+        for optimizer in self._optimizers:
+            optimizer._prepare_step_in_backward(sync_group, self.module)
+        return True
 
     # ------------------------------------------------------------------ broadcasts
 
