@@ -441,8 +441,27 @@ class P2POp:
     tag: int = 0
 
 
+# On gloo a large send or receive travels as messages of at most this many bytes, all issued
+# at once. Measured on the simulated cluster (1 Gbit/s tbf link, two ranks exchanging 12.5 MB
+# each way at the same time): one message each way 220 ms, 1 MiB messages 121 ms, 256 KiB
+# 119 ms, 4 MiB 133 ms (the rate alone: 105 ms); at 10 Gbit/s and on one host no difference.
+GLOO_P2P_PIECE_BYTES = 1 << 20
+
+
+def _pieces(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """``tensor`` as views of at most :data:`GLOO_P2P_PIECE_BYTES` on gloo (contiguous tensors
+    only: a receive must land in the caller's storage), else whole."""
+    piece = GLOO_P2P_PIECE_BYTES // max(1, tensor.element_size())
+    if (tensor.numel() <= piece or not tensor.is_contiguous()
+            or backend_of(group) != "gloo"):
+        return [tensor]
+    return list(tensor.view(-1).split(piece))
+
+
 def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None) -> list:
     """Issue several sends/receives together (avoids ordering deadlocks); returns work handles.
+    On gloo, large tensors go as several messages of at most :data:`GLOO_P2P_PIECE_BYTES`
+    (both ends cut a tensor alike, and messages with one tag are matched in order).
 
     ``counted_as``: record the batch as one collective of that name (e.g. ``"all_gather"`` for
     a gather built from sends), with the bytes its sends really move, instead of one record per
@@ -457,7 +476,8 @@ def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None) ->
         elif p.op == "send":
             sent += p.tensor.numel() * p.tensor.element_size()
         fn = dist.isend if p.op == "send" else dist.irecv
-        torch_ops.append(dist.P2POp(fn, p.tensor, p.peer, p.group, p.tag))
+        torch_ops.extend(dist.P2POp(fn, piece, p.peer, p.group, p.tag)
+                         for piece in _pieces(p.tensor, p.group))
     if counted_as is not None and ops:
         _record(counted_as, sent, ops[0].group, kind="send",
                 dtype=next((p.tensor.dtype for p in ops), None))
