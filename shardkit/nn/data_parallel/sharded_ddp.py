@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from shardkit import distributed as skdist
+from shardkit.nn.data_parallel import sharded_ddp_arguments as args
 from shardkit.nn.data_parallel.gradient_bucket import (BucketLayout, BucketReduction,
                                                         ReduceToOwners, plan_buckets)
 from shardkit.transport import resolve_transport
@@ -114,19 +115,19 @@ class ShardedDataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedDataParallel(module=...): expected an nn.Module, got "
                             f"{type(module).__name__}")
-        optimizers = _as_oss_list(sharded_optimizer)
-        _check_reduce_buffer_size(reduce_buffer_size)
+        optimizers = args.as_oss_list(sharded_optimizer)
+        args.check_reduce_buffer_size(reduce_buffer_size)
         if not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 0:
             raise ValueError(f"ShardedDataParallel(max_inflight_bytes={max_inflight_bytes!r}): "
                              f"must be an int >= 0 (bytes; 0 keeps one bucket in flight at most)")
         self.max_inflight_bytes = max_inflight_bytes
-        self._comm_dtype = _comm_dtype_from(reduce_fp16)
+        self._comm_dtype = args.comm_dtype_from(reduce_fp16)
         self.comm = resolve_transport(comm, "ShardedDataParallel")
-        self.process_group = _common_group(process_group, optimizers)
+        self.process_group = args.common_group(process_group, optimizers)
         self.comm.prepare(self.process_group)
-        _check_optimizer_params_in_module(module, optimizers)
+        args.check_optimizer_params_in_module(module, optimizers)
 
-        device_types = _device_types(module)
+        device_types = args.device_types(module)
         self.module = module
         self._optimizers = optimizers
         # Attributes torch DDP exposes and training frameworks read (FairScale sets them too).
@@ -330,13 +331,13 @@ class ShardedDataParallel(nn.Module):
             else:
                 missing.append(p)
         stale = [o for o in self._optimizers
-                 if any(_in_param_groups(p, o) for p in missing)]
+                 if any(args.in_param_groups(p, o) for p in missing)]
         if stale:
             for optimizer in stale:
                 optimizer.refresh_trainable()
             return self._owners_of(trainable)
         if missing:
-            names = _param_names(self.module, missing)
+            names = args.param_names(self.module, missing)
             raise ValueError(f"ShardedDataParallel: trainable parameter(s) {names} are in no "
                              f"optimizer's param groups; pass an OSS covering them, or set "
                              f"requires_grad=False on them")
@@ -503,92 +504,7 @@ class ShardedDataParallel(nn.Module):
                         offset += t.numel()
 
 
-# ---------------------------------------------------------------------- validation helpers
-
-
-def _as_oss_list(sharded_optimizer) -> list:
-    from shardkit.optim.oss import OSS
-
-    optimizers = (list(sharded_optimizer) if isinstance(sharded_optimizer, (list, tuple))
-                  else [sharded_optimizer])
-    if not optimizers:
-        raise ValueError("ShardedDataParallel(sharded_optimizer=[]): give at least one OSS")
-    for i, o in enumerate(optimizers):
-        if not isinstance(o, OSS):
-            where = "sharded_optimizer" if len(optimizers) == 1 else f"sharded_optimizer[{i}]"
-            raise TypeError(f"ShardedDataParallel({where}=<{type(o).__module__}."
-                            f"{type(o).__name__}>): expected shardkit.optim.OSS (wrap it: "
-                            f"OSS(optimizer)); gradient sharding needs the OSS partition")
-    return optimizers
-
-
-def _device_types(module: nn.Module) -> list[str]:
-    """The device type of the module's parameters; ``ValueError`` when they mix types."""
-    types = sorted({p.device.type for p in module.parameters()})
-    if len(types) > 1:
-        raise ValueError(f"ShardedDataParallel(module=...): the parameters are on devices of "
-                         f"several types {types}; put the whole module on one device type")
-    return types
-
-
-def _check_reduce_buffer_size(size) -> None:
-    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise ValueError(f"ShardedDataParallel(reduce_buffer_size={size!r}): expected an int of "
-                         f"bytes >= 0 (0: one parameter per bucket)")
-
-
-def _comm_dtype_from(reduce_fp16) -> Optional[torch.dtype]:
-    if reduce_fp16 is False or reduce_fp16 is None:
-        return None
-    if reduce_fp16 is True:
-        return torch.float16
-    if reduce_fp16 in (torch.float16, torch.bfloat16, torch.float32):
-        return reduce_fp16
-    raise ValueError(f"ShardedDataParallel(reduce_fp16={reduce_fp16!r}): expected a bool, "
-                     f"torch.float16, torch.bfloat16 or torch.float32")
-
-
-def _common_group(process_group, optimizers):
-    ranks = [skdist.group_ranks(o.group) for o in optimizers]
-    for i, r in enumerate(ranks[1:], start=1):
-        if r != ranks[0]:
-            raise ValueError(f"ShardedDataParallel: sharded_optimizer[{i}] works over ranks {r}, "
-                             f"sharded_optimizer[0] over {ranks[0]}; all must share one group")
-    if process_group is None:
-        return optimizers[0].group
-    given = skdist.group_ranks(process_group)
-    if given != ranks[0]:
-        raise ValueError(f"ShardedDataParallel(process_group=<ranks {given}>): the optimizer's "
-                         f"group has ranks {ranks[0]}; pass the optimizer's group (or None)")
-    return process_group
-
-
-def _check_optimizer_params_in_module(module: nn.Module, optimizers) -> None:
-    in_module = {id(p) for p in module.parameters()}
-    seen: dict = {}
-    for i, optimizer in enumerate(optimizers):
-        for g, group in enumerate(optimizer.param_groups):
-            for k, p in enumerate(group["params"]):
-                if id(p) not in in_module:
-                    raise ValueError(
-                        f"ShardedDataParallel: sharded_optimizer[{i}].param_groups[{g}]['params']"
-                        f"[{k}] (shape {tuple(p.shape)}) is not a parameter of the wrapped module; "
-                        f"build the optimizer over module.parameters()")
-                if id(p) in seen and seen[id(p)] != i:
-                    raise ValueError(
-                        f"ShardedDataParallel: a parameter of shape {tuple(p.shape)} is in "
-                        f"sharded_optimizer[{seen[id(p)]}] and sharded_optimizer[{i}]; each "
-                        f"parameter may belong to one optimizer only")
-                seen[id(p)] = i
-
-
-def _in_param_groups(p: torch.Tensor, optimizer) -> bool:
-    return any(q is p for group in optimizer.param_groups for q in group["params"])
-
-
-def _param_names(module: nn.Module, params: Sequence[torch.Tensor]) -> list[str]:
-    wanted = {id(p) for p in params}
-    return [name for name, p in module.named_parameters() if id(p) in wanted]
+# ---------------------------------------------------------------------- helpers
 
 
 def _chunks_by_dtype(tensors: Sequence[torch.Tensor], chunk_bytes: int):
