@@ -118,23 +118,24 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
 
     After backward a rank's gradients of parameters it does not own are zero (not this rank's
     contribution, not the average): clip with ``optimizer.clip_grad_norm``, which reads owned
-    gradients only, and read other gradients on their owner. Memory: a packed copy of the bucket
-    and this rank's share of it from every rank while in flight. Wire per bucket: the bytes of
-    the other ranks' shares, one all-to-all of uneven splits (no padding).
+    gradients only, and read other gradients on their owner. The reduction runs on OSS's
+    transport (``comm=``: on gloo, sends of each owner's share straight to it). Memory: a
+    packed copy of the bucket while in flight, plus what the transport receives. Wire per
+    bucket: the bytes of the other ranks' shares (no padding).
     """
     group = optimizer.group
     n, rank = skdist.get_world_size(group), skdist.get_rank(group)
     buffer = bucket.buffer()
     slices = _slices_by_owner(optimizer.partition, bucket)
-    sizes = [sum(numel for _, numel in owned) for owned in slices]
-    sources = [buffer[offset:offset + numel] for owned in slices for offset, numel in owned]
-    packed = pack_rank_major(sources, 1, scale=1.0 / n, dtype=buffer.dtype)
-    received = torch.empty(n * sizes[rank], dtype=buffer.dtype, device=buffer.device)
-    work = skdist.all_to_all_uneven(received, packed, [sizes[rank]] * n, sizes, group=group,
-                                    async_op=True, counted_as="reduce")
+    segments = []
+    for owned in slices:
+        sources = [buffer[offset:offset + numel] for offset, numel in owned]
+        segments.append(pack_rank_major(sources, 1, scale=1.0 / n, dtype=buffer.dtype)
+                        if sources else None)
+    handle = optimizer.comm.reduce_to_owners(segments, group)
 
-    def land(_fut) -> torch.Tensor:
-        summed = received.view(n, sizes[rank]).sum(dim=0)
+    def land(fut) -> torch.Tensor:
+        summed = fut.value()
         buffer.zero_()
         start = 0
         for offset, numel in slices[rank]:
@@ -142,7 +143,7 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
             start += numel
         return buffer
 
-    return work.get_future().then(land)
+    return handle.as_future().then(land)
 
 
 def _slices_by_owner(partition, bucket) -> list[list[tuple[int, int]]]:

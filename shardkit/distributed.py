@@ -374,26 +374,6 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
     return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
 
-def all_to_all_uneven(output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
-                      input_splits: Sequence[int], group=None, async_op: bool = False,
-                      counted_as: str = "all_to_all"):
-    """Send the ``input_splits[j]`` elements of ``input`` at chunk ``j`` to rank ``j`` and
-    receive ``output_splits[i]`` elements from each rank ``i`` into ``output`` (both
-    rank-major). Wire: what this rank sends to the others, recorded under ``counted_as``."""
-    n, rank = get_world_size(group), get_rank(group)
-    if len(input_splits) != n or len(output_splits) != n:
-        raise ValueError(f"all_to_all_uneven: {len(input_splits)} input and {len(output_splits)} "
-                         f"output splits for a group of {n} ranks; give one per rank")
-    if sum(input_splits) != input.numel() or sum(output_splits) != output.numel():
-        raise ValueError(f"all_to_all_uneven: splits sum to {sum(input_splits)} / "
-                         f"{sum(output_splits)}, tensors hold {input.numel()} / {output.numel()}")
-    sent = (input.numel() - input_splits[rank]) * input.element_size()
-    _record(counted_as, sent, group, dtype=input.dtype, kind="send")
-    return dist.all_to_all_single(output, input, output_split_sizes=list(output_splits),
-                                  input_split_sizes=list(input_splits), group=group,
-                                  async_op=async_op)
-
-
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
     """Broadcast ``tensor`` from global rank ``src``. Wire: ``(n-1)/n`` of its bytes."""
     _record("broadcast", tensor, group)

@@ -60,6 +60,7 @@ class CommHandle:
         self._completes_when_waited = completes_when_waited
         self._arrived: Optional[threading.Event] = None
         self._watch_error: Optional[BaseException] = None
+        self._future: Optional[torch.futures.Future] = None
 
     def watch(self) -> None:
         """Make :meth:`is_completed` a true poll for works that only complete by being waited
@@ -69,6 +70,22 @@ class CommHandle:
             return
         self._arrived = threading.Event()
         _completion_watcher().put(self)
+
+    def as_future(self) -> torch.futures.Future:
+        """A ``torch.futures.Future`` that completes with :meth:`wait`'s result once the
+        operation has arrived (what a DDP comm hook returns); the handle must not be waited for
+        directly afterwards. Works that complete only when waited for are finished on the
+        watcher thread; others through their own futures."""
+        if self._completes_when_waited and not self._done:
+            self._future = torch.futures.Future()
+            self.watch()
+            return self._future
+        if not self._works or self._done:
+            future = torch.futures.Future()
+            future.set_result(self.wait())
+            return future
+        return torch.futures.collect_all([w.get_future() for w in self._works]).then(
+            lambda _: self.wait())
 
     def is_completed(self) -> bool:
         """Whether the operation has arrived (a poll: never blocks; :meth:`wait` still takes
@@ -110,6 +127,17 @@ def _watch_forever(pending: "queue.SimpleQueue[CommHandle]") -> None:
             handle._watch_error = error
         finally:
             handle._arrived.set()
+        if handle._future is not None:
+            _complete(handle._future, handle)
+
+
+def _complete(future: torch.futures.Future, handle: CommHandle) -> None:
+    try:
+        result = handle.wait()
+    except BaseException as error:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 _WATCHER: Optional["queue.SimpleQueue[CommHandle]"] = None
