@@ -273,15 +273,17 @@ class ProcessGroupTransport(Transport):
                     ops.append(skdist.P2POp("recv", buf[off:off + c], peer, group))
 
         def finish():
+            # one tensor's chunk at a time, so that it is still in cache when scaled
             total = received[0]  # a peer's chunks; its padding is zeros, like this rank's
             for flat, c, off in zip(flats, chunks, offsets):
+                mine = total[off:off + c]
                 valid = max(0, min(c, flat.numel() - rank * c))
                 if valid:
-                    total[off:off + valid].add_(flat[rank * c:rank * c + valid])
-            for other in received[1:]:
-                total.add_(other)
-            if scale != 1.0:
-                total.mul_(scale)
+                    mine[:valid].add_(flat[rank * c:rank * c + valid])
+                for other in received[1:]:
+                    mine.add_(other[off:off + c])
+                if scale != 1.0:
+                    mine.mul_(scale)
             return total
         return CommHandle(skdist.batch_isend_irecv(ops, counted_as="reduce_scatter"), finish)
 
