@@ -58,6 +58,7 @@ class CommHandle:
                 work.wait()
             self._works = []
             self._result = self._finish() if self._finish is not None else None
+            self._finish = None  # its closure may hold the operation's inputs and scratch
             self._done = True
         return self._result
 
@@ -246,8 +247,8 @@ class ProcessGroupTransport(Transport):
         return CommHandle(skdist.batch_isend_irecv(ops, counted_as="reduce_scatter"), finish)
 
     def reduce_scatter_chunks(self, tensors, chunk_numels, group, *, scale=1.0, dtype=None):
-        dtype = dtype or tensors[0].dtype
-        if not _uses_point_to_point(group) or dtype.itemsize < 4 or \
+        dtype = dtype or (tensors[0].dtype if tensors else None)
+        if not tensors or not _uses_point_to_point(group) or dtype.itemsize < 4 or \
                 any(t.dtype != dtype or not t.is_contiguous() for t in tensors):
             return super().reduce_scatter_chunks(tensors, chunk_numels, group, scale=scale,
                                                  dtype=dtype)
@@ -255,8 +256,9 @@ class ProcessGroupTransport(Transport):
         # tensor straight from the tensor (one send per tensor; a chunk that runs into the
         # padding goes through a chunk-sized temporary, so the padded bytes travel as with
         # the packed buffer), receives its own chunks into one shard-sized buffer per peer,
-        # adds its own chunks in place and scales once. Scaling after the sum is why 16-bit
-        # reductions keep the pre-scaled packed path above: their sum could overflow.
+        # adds its own chunks in place and scales once. Tensors of another dtype than the
+        # reduction's take the packed path (its copy is also the cast), and so do 16-bit
+        # reductions, whose sum before the scale could overflow where the pre-scaled one fits.
         n, rank = skdist.get_world_size(group), skdist.get_rank(group)
         flats = [t.reshape(-1) for t in tensors]
         chunks = _checked_chunks(flats, chunk_numels, n)
