@@ -9,6 +9,7 @@ of operations the wrappers need, each asynchronous, returning a :class:`CommHand
 ``all_gather(output, input, group)``   every rank's ``input`` into ``output`` (rank-major)
 ``all_gather_chunks(fulls, chunks)``   rank ``r``'s ``chunks[i]`` into rows ``r`` of ``fulls[i]``
 ``reduce_scatter(input, group)``       sum of the ranks' rank-major ``input``, this rank's part
+``reduce_scatter_chunks(ts, cs, g)``   the same for tensors ``ts`` cut into chunks ``cs``
 ``reduce_to_owners(segments, group)``  ``segments[r]`` summed over ranks, onto rank ``r``
 ``broadcast(tensor, src, group)``      rank ``src``'s tensor everywhere (in place)
 ``all_reduce(tensor, group, op)``      in place
@@ -20,9 +21,10 @@ of operations the wrappers need, each asynchronous, returning a :class:`CommHand
 transport, not the wrapper, picks the algorithm for the backend: on gloo, whose all-gather copies
 its output through a temporary and whose reduce-scatter runs synchronously, an all-gather is one
 batch of sends/receives straight into the destination and a reduce-scatter one ``all_to_all``
-plus a local sum (the ring algorithms' bytes either way); on NCCL they are the native
-collectives. :class:`~shardkit.shm_transport.SharedMemoryTransport` is an opt-in plugin with the
-same interface for ranks on one host.
+plus a local sum, and a reduce-scatter of chunked tensors sends each peer its chunks straight
+from the tensors, with no packed copy (the ring algorithms' bytes in every case); on NCCL they
+are the native collectives. :class:`~shardkit.shm_transport.SharedMemoryTransport` is an opt-in
+plugin with the same interface for ranks on one host.
 
 ``CommCounter`` records each operation under the name of the operation asked for
 (``all_gather``, ``reduce_scatter``, ...) with the bytes the transport really puts on the wire.
@@ -37,7 +39,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from shardkit import distributed as skdist
-from shardkit.kernels import unpack_rank_major
+from shardkit.kernels import pack_rank_major, unpack_rank_major
 
 __all__ = ["CommHandle", "Transport", "ProcessGroupTransport", "default_transport",
            "resolve_transport"]
@@ -113,6 +115,7 @@ class CommHandle:
             self._wait_works()
             self._works = []
             self._result = self._finish() if self._finish is not None else None
+            self._finish = None  # its closure may hold the operation's inputs and scratch
             self._done = True
         return self._result
 
@@ -200,6 +203,25 @@ class Transport:
 
     def reduce_scatter(self, input: torch.Tensor, group) -> CommHandle:
         raise NotImplementedError
+
+    def reduce_scatter_chunks(self, tensors: Sequence[torch.Tensor],
+                              chunk_numels: Sequence[int], group, *, scale: float = 1.0,
+                              dtype: Optional[torch.dtype] = None) -> CommHandle:
+        """Reduce-scatter ``tensors`` laid out as :func:`~shardkit.kernels.pack_rank_major`
+        does: each (flattened) tensor ``i`` is cut into ``N`` chunks of ``chunk_numels[i]``
+        elements, zero padded; rank ``r`` receives chunk ``r`` of every tensor, in order,
+        summed over ranks, times ``scale``, in ``dtype`` (default: the first tensor's).
+        ``wait`` returns this rank's ``sum(chunk_numels)`` elements (a tensor of its own). The
+        tensors must stay unchanged until then.
+
+        Wire: as :meth:`reduce_scatter` of the packed ``N x sum(chunk_numels)`` elements.
+        Default: one :func:`~shardkit.kernels.pack_rank_major` into a buffer of that size (scale
+        and cast fused into the copy), then :meth:`reduce_scatter`.
+        """
+        n = skdist.get_world_size(group)
+        packed = pack_rank_major(list(tensors), n, scale=scale, dtype=dtype,
+                                 chunk_numels=chunk_numels)
+        return self.reduce_scatter(packed, group)
 
     def reduce_to_owners(self, segments: Sequence[Optional[torch.Tensor]], group) -> CommHandle:
         """Sum ``segments[r]`` over ranks onto rank ``r`` (segments may differ in size, and be
@@ -322,6 +344,50 @@ class ProcessGroupTransport(Transport):
         return CommHandle(skdist.batch_isend_irecv(ops, counted_as="reduce_scatter"), finish,
                           completes_when_waited=True)
 
+    def reduce_scatter_chunks(self, tensors, chunk_numels, group, *, scale=1.0, dtype=None):
+        dtype = dtype or (tensors[0].dtype if tensors else None)
+        if not tensors or not _uses_point_to_point(group) or dtype.itemsize < 4 or \
+                any(t.dtype != dtype or not t.is_contiguous() for t in tensors):
+            return super().reduce_scatter_chunks(tensors, chunk_numels, group, scale=scale,
+                                                 dtype=dtype)
+        # Note: on gloo the packed copy is skipped. Each rank sends peer r chunk r of every
+        # tensor straight from the tensor (one send per tensor; a chunk that runs into the
+        # padding goes through a chunk-sized temporary, so the padded bytes travel as with
+        # the packed buffer), receives its own chunks into one shard-sized buffer per peer,
+        # adds its own chunks in place and scales once. Tensors of another dtype than the
+        # reduction's take the packed path (its copy is also the cast), and so do 16-bit
+        # reductions, whose sum before the scale could overflow where the pre-scaled one fits.
+        n, rank = skdist.get_world_size(group), skdist.get_rank(group)
+        flats = [t.reshape(-1) for t in tensors]
+        chunks = _checked_chunks(flats, chunk_numels, n)
+        offsets = [sum(chunks[:i]) for i in range(len(chunks))]
+        segment = sum(chunks)
+        peers = [r for r in range(n) if r != rank]
+        received = [torch.empty(segment, dtype=dtype, device=flats[0].device) for _ in peers]
+        ops = []
+        for buf, r in zip(received, peers):
+            peer = skdist.get_global_rank(group, r)
+            for flat, c, off in zip(flats, chunks, offsets):
+                if c:
+                    ops.append(skdist.P2POp("send", _padded_chunk(flat, r, c), peer, group))
+                    ops.append(skdist.P2POp("recv", buf[off:off + c], peer, group))
+
+        def finish():
+            # one tensor's chunk at a time, so that it is still in cache when scaled
+            total = received[0]  # a peer's chunks; its padding is zeros, like this rank's
+            for flat, c, off in zip(flats, chunks, offsets):
+                mine = total[off:off + c]
+                valid = max(0, min(c, flat.numel() - rank * c))
+                if valid:
+                    mine[:valid].add_(flat[rank * c:rank * c + valid])
+                for other in received[1:]:
+                    mine.add_(other[off:off + c])
+                if scale != 1.0:
+                    mine.mul_(scale)
+            return total
+        return CommHandle(skdist.batch_isend_irecv(ops, counted_as="reduce_scatter"), finish,
+                          completes_when_waited=True)
+
     def reduce_to_owners(self, segments, group):
         # Note: on NCCL a balanced bucket is one reduce-scatter (padding it costs at most 10%).
         # On gloo each rank sends segment r straight to its owner r, which sums what it
@@ -372,6 +438,32 @@ def _uses_point_to_point(group) -> bool:
     """gloo's all-gather copies its output through a temporary and its reduce-scatter runs
     synchronously in the caller (measured 2-4x slower than sends of the same bytes here)."""
     return skdist.backend_of(group) == "gloo" and skdist.get_world_size(group) > 1
+
+
+def _checked_chunks(flats, chunk_numels, n: int) -> list[int]:
+    """``chunk_numels`` as ints, checked to cover each flat tensor in ``n`` chunks."""
+    chunks = [int(c) for c in chunk_numels]
+    if len(chunks) != len(flats):
+        raise ValueError(f"reduce_scatter_chunks: chunk_numels has {len(chunks)} entries for "
+                         f"{len(flats)} tensors")
+    for i, (flat, c) in enumerate(zip(flats, chunks)):
+        if c < 0 or c * n < flat.numel():
+            raise ValueError(f"reduce_scatter_chunks: chunk_numels[{i}]={c} x world size {n} "
+                             f"< numel {flat.numel()}; use at least "
+                             f"ceil({flat.numel()} / {n}) = {-(-flat.numel() // n)}")
+    return chunks
+
+
+def _padded_chunk(flat: torch.Tensor, r: int, c: int) -> torch.Tensor:
+    """Chunk ``r`` (``c`` elements) of ``flat``: a view when it lies inside ``flat``, else a
+    zero-padded copy of what does."""
+    lo, hi = r * c, min((r + 1) * c, flat.numel())
+    if hi - lo == c:
+        return flat[lo:hi]
+    padded = flat.new_zeros(c)
+    if hi > lo:
+        padded[:hi - lo].copy_(flat[lo:hi])
+    return padded
 
 
 _DEFAULT = ProcessGroupTransport()

@@ -92,6 +92,58 @@ def test_every_operation_is_exact(world2, world4, kind, n):
                                    [0, 1, 2, 100, 101])
 
 
+def _chunk_of_sum(tensors, c: int, rank: int, n: int) -> torch.Tensor:
+    """Chunk ``rank`` (``c`` elements) of the sum of ``tensors``, zero padded to ``n x c``."""
+    total = sum(t.double().reshape(-1) for t in tensors)
+    padded = torch.zeros(n * c, dtype=torch.float64)
+    padded[:total.numel()] = total
+    return padded[rank * c:(rank + 1) * c]
+
+
+def _chunked_reduce_scatter(kind):
+    """``reduce_scatter_chunks`` on tensors whose chunks are whole, padded and (at world 4)
+    wholly padding, fp32 (gloo: sent straight from the tensors) and bf16 (packed first), against
+    the exact sum; with what CommCounter recorded."""
+    t = _make(kind)
+    t.prepare(None)
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    shapes = [(8, 3), (9,), (5, 2), (0,)]  # 9 rows at world 4: chunks of 3, the last all padding
+    chunks = [-(-shape[0] // n) * (shape[1] if len(shape) > 1 else 1) for shape in shapes]
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        def values(r):  # small integers: exact in both dtypes, and after the scale by 1/n
+            return [(torch.arange(torch.Size(s).numel()) % 7 + 2 * r).reshape(s).to(dtype)
+                    for s in shapes]
+        every = [values(r) for r in range(n)]
+        expect = torch.cat([_chunk_of_sum([v[i] for v in every], c, rank, n)
+                            for i, c in enumerate(chunks)]) / n
+        with skdist.CommCounter() as c:
+            got = t.reduce_scatter_chunks(values(rank), chunks, None, scale=1.0 / n,
+                                          dtype=dtype).wait()
+        out[str(dtype)] = (got.dtype == dtype and torch.equal(got.double(), expect),
+                           c.calls_by_op, c.bytes, sum(chunks))
+    try:
+        t.reduce_scatter_chunks([torch.ones(9)], [1], None)
+        out["error"] = None
+    except ValueError as e:
+        out["error"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["process_group", "shared_memory"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_reduce_scatter_of_chunks_is_exact_with_padded_bytes(world2, world4, kind, n):
+    world = world2 if n == 2 else world4
+    for r in world.run(_chunked_reduce_scatter, kind):
+        for dtype in ("torch.float32", "torch.bfloat16"):
+            exact, calls, nbytes, segment = r[dtype]
+            assert exact, (dtype, r)
+            assert calls == {"reduce_scatter": 1}, (dtype, r)
+            # the padded layout's (N-1)/N of N segments, padding included, as when packed
+            assert nbytes == (n - 1) * segment * (4 if dtype == "torch.float32" else 2), r
+        assert "chunk_numels[0]=1" in r["error"] and "ceil(9 / " in r["error"], r["error"]
+
+
 def test_bytes_recorded_are_what_moves(world2):
     r = world2.run(_every_op, "process_group")[0]
     numel, fp32 = 3001, 4

@@ -10,8 +10,10 @@ For compute, the unit's shards are all-gathered by one operation of the wrapper'
 (compute dtype): each rank's row block of every parameter lands in place (the process-group
 transport sends straight into ``full`` on gloo, and gathers rank-major and unpacks on NCCL). The
 module sees views of ``full`` in place of its parameters. Backward accumulates the full gradient
-into ``full.grad``; it is packed rank-major with ``pack_rank_major`` (pre-divided by ``N``) and
-reduce-scattered by one transport operation into the shards' ``.grad``.
+into ``full.grad``; one transport operation
+(:meth:`shardkit.transport.Transport.reduce_scatter_chunks`) reduce-scatters it, divided by
+``N``, into the shards' ``.grad`` (the process-group transport sends each rank its chunks
+straight from ``full.grad`` on gloo, and packs rank-major with ``pack_rank_major`` on NCCL).
 
 Hybrid sharding adds a ``replicate_group``: the shards are identical on its ranks, and after the
 reduce-scatter the gradient shard is all-reduced over it (gradients are pre-divided by
@@ -21,8 +23,9 @@ backward gather is an all-gather over ``hpz_group`` only.
 
 Memory per unit: the flat shard (``Ψ_u/N`` + padding, master dtype) always; ``full`` (``Ψ_u``,
 compute dtype) only between gather and free; a transport may hold a rank-major scratch buffer
-until the gather completes; with hpZ, the secondary partition (``Ψ_u/h``, compute dtype) from
-the forward free to the backward gather.
+until the gather completes; ``full.grad`` (``Ψ_u``, compute dtype), or the transport's packed
+copy of it, until the reduce-scatter completes; with hpZ, the secondary partition (``Ψ_u/h``,
+compute dtype) from the forward free to the backward gather.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch.nn as nn
 
 from shardkit import distributed as skdist
 from shardkit.checkpoint.resharding import ParamLayout, shard_rows, unshard_rows
-from shardkit.kernels import pack_rank_major, unpack_rank_major
+from shardkit.kernels import unpack_rank_major
 from shardkit.transport import Transport
 
 __all__ = ["ParamLayout", "FlatParamShard", "GatheredParamBytes", "gathered_param_bytes",
@@ -276,8 +279,9 @@ class FlatParamShard:
         return self.full.grad is not None
 
     def start_reduce(self) -> None:
-        """Pack ``full.grad`` rank-major (divided by ``N x replicas``) and reduce-scatter it,
-        async.
+        """Reduce-scatter ``full.grad`` (divided by ``N x replicas``, in the reduce dtype)
+        into this rank's shard, async. ``full.grad`` is detached from ``full`` and lives until
+        the operation completes (a transport may send straight from it).
 
         Wire: ``(N-1)/N x N x shard`` elements of the reduce dtype, one transport
         reduce-scatter; with replicas, :meth:`replicate_reduce` adds an all-reduce of the
@@ -285,11 +289,10 @@ class FlatParamShard:
         """
         grad = self.full.grad
         self.full.grad = None
-        packed = pack_rank_major(list(grad.split(self.numels)), self.world_size,
-                                 scale=1.0 / (self.world_size * self.replicas),
-                                 dtype=self.reduce_dtype, chunk_numels=self.chunk_numels)
-        del grad
-        self._pending_reduce = (self.transport.reduce_scatter(packed, self.group), False)
+        handle = self.transport.reduce_scatter_chunks(
+            grad.split(self.numels), self.chunk_numels, self.group,
+            scale=1.0 / (self.world_size * self.replicas), dtype=self.reduce_dtype)
+        self._pending_reduce = (handle, False)
 
     def replicate_reduce(self) -> None:
         """With replicas: wait for the reduce-scatter and issue the all-reduce of its result
