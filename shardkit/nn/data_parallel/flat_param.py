@@ -9,11 +9,12 @@ For compute, the unit's shards are all-gathered by one operation of the wrapper'
 (:meth:`shardkit.transport.Transport.all_gather_chunks`) into one flat leaf tensor ``full``
 (compute dtype): each rank's row block of every parameter lands in place (the process-group
 transport sends straight into ``full`` on gloo, and gathers rank-major and unpacks on NCCL). The
-module sees views of ``full`` in place of its parameters. Backward accumulates the full gradient
-into ``full.grad``; one transport operation
-(:meth:`shardkit.transport.Transport.reduce_scatter_chunks`) reduce-scatters it, divided by
+module sees views of ``full`` in place of its parameters. Backward hands the unit the full
+gradient of each parameter as autograd produced it (no flat ``full.grad``: joining them would copy
+the unit's whole gradient); one transport operation
+(:meth:`shardkit.transport.Transport.reduce_scatter_chunks`) reduce-scatters them, divided by
 ``N``, into the shards' ``.grad`` (the process-group transport sends each rank its chunks
-straight from ``full.grad`` on gloo, and packs rank-major with ``pack_rank_major`` on NCCL).
+straight from those gradients on gloo, and packs rank-major with ``pack_rank_major`` on NCCL).
 
 Hybrid sharding adds a ``replicate_group``: the shards are identical on its ranks, and after the
 reduce-scatter the gradient shard is all-reduced over it (gradients are pre-divided by
@@ -23,14 +24,14 @@ backward gather is an all-gather over ``hpz_group`` only.
 
 Memory per unit: the flat shard (``Ψ_u/N`` + padding, master dtype) always; ``full`` (``Ψ_u``,
 compute dtype) only between gather and free; a transport may hold a rank-major scratch buffer
-until the gather completes; ``full.grad`` (``Ψ_u``, compute dtype), or the transport's packed
-copy of it, until the reduce-scatter completes; with hpZ, the secondary partition (``Ψ_u/h``,
+until the gather completes; the per-parameter gradients (``Ψ_u``, compute dtype), or the
+transport's packed copy of them, until the reduce-scatter completes; with hpZ, the secondary partition (``Ψ_u/h``,
 compute dtype) from the forward free to the backward gather.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -89,7 +90,7 @@ class FlatParamShard:
             reduce-scatter (from the unit's :class:`MixedPrecisionPolicy`).
         compute_device / storage_device: where compute happens and where the shard lives
             (they differ only under CPU offload with a GPU).
-        on_grad_ready: called with this object once backward has filled ``full.grad``.
+        on_grad_ready: called with this object once backward has produced the unit's gradients.
         transport: what carries the all-gathers and reduce-scatters.
         replicate_group: ranks holding the same shard (hybrid sharding, NO_SHARD): gradient
             shards are all-reduced over it after the reduce-scatter. ``None``: no replicas.
@@ -131,7 +132,9 @@ class FlatParamShard:
                                 for p in self.params]
             self.hpz_rank = skdist.get_rank(hpz_group)
         self.flat_shard = self._shard_into_flat_buffer()
-        self.full = self._make_full_leaf(on_grad_ready)
+        self._on_grad_ready = on_grad_ready
+        self._grad_pieces: Optional[list] = None  # backward's gradient, one tensor per parameter
+        self.full = self._make_full_leaf()
         self.gathered = False
         self._pending_gather = None
         self._pending_reduce = None
@@ -156,11 +159,10 @@ class FlatParamShard:
         pieces = flat.split(self.chunk_numels)
         return [piece.view(lay.shard_shape) for piece, lay in zip(pieces, self.layouts)]
 
-    def _make_full_leaf(self, on_grad_ready) -> torch.Tensor:
+    def _make_full_leaf(self) -> torch.Tensor:
         full = torch.empty(sum(self.numels), dtype=self.compute_dtype, device=self.compute_device)
         full.untyped_storage().resize_(0)
         full.requires_grad_(True)
-        full.register_post_accumulate_grad_hook(lambda t: on_grad_ready(self))
         return full
 
     @property
@@ -234,8 +236,8 @@ class FlatParamShard:
         computes no gradient for them."""
         trainable = [p.requires_grad for p in self.params]
         self.full.requires_grad_(any(trainable))
-        pieces = self.full.split(self.numels) if any(trainable) else self.full.detach().split(
-            self.numels)
+        pieces = _PiecesOfFull.apply(self.full, self) if any(trainable) else \
+            self.full.detach().split(self.numels)
         for p_trains, piece, lay, locs in zip(trainable, pieces, self.layouts, self.locations):
             view = piece.view(lay.shape) if p_trains else piece.detach().view(lay.shape)
             for module, name in locs:
@@ -276,21 +278,30 @@ class FlatParamShard:
     # ------------------------------------------------------------------ reduce-scatter
 
     def has_full_grad(self) -> bool:
-        return self.full.grad is not None
+        return self._grad_pieces is not None
+
+    def receive_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Backward's gradient of every parameter of the unit (``None``: none reached it), added
+        to what an earlier backward inside ``no_sync`` left; then ``on_grad_ready``."""
+        grads = [torch.zeros(n, dtype=self.compute_dtype, device=self.compute_device)
+                 if g is None else g for g, n in zip(grads, self.numels)]
+        if self._grad_pieces is not None:
+            grads = [held + g for held, g in zip(self._grad_pieces, grads)]
+        self._grad_pieces = grads
+        self._on_grad_ready(self)
 
     def start_reduce(self) -> None:
-        """Reduce-scatter ``full.grad`` (divided by ``N x replicas``, in the reduce dtype)
-        into this rank's shard, async. ``full.grad`` is detached from ``full`` and lives until
-        the operation completes (a transport may send straight from it).
+        """Reduce-scatter the unit's gradients (divided by ``N x replicas``, in the reduce dtype)
+        into this rank's shard, async. They live until the operation completes (a transport
+        may send straight from them).
 
         Wire: ``(N-1)/N x N x shard`` elements of the reduce dtype, one transport
         reduce-scatter; with replicas, :meth:`replicate_reduce` adds an all-reduce of the
         shard over ``replicate_group`` (``2(R-1)/R x shard``).
         """
-        grad = self.full.grad
-        self.full.grad = None
+        grads, self._grad_pieces = self._grad_pieces, None
         handle = self.transport.reduce_scatter_chunks(
-            grad.split(self.numels), self.chunk_numels, self.group,
+            grads, self.chunk_numels, self.group,
             scale=1.0 / (self.world_size * self.replicas), dtype=self.reduce_dtype)
         self._pending_reduce = (handle, False)
 
@@ -346,7 +357,25 @@ class FlatParamShard:
     def model_state_tensors(self):
         """``(category, tensor)`` pairs held outside ``module.parameters()``."""
         yield "params", self.full
-        if self.full.grad is not None:
-            yield "grads", self.full.grad
+        for grad in self._grad_pieces or ():
+            yield "grads", grad
         if self._secondary is not None:
             yield "params", self._secondary
+
+
+class _PiecesOfFull(torch.autograd.Function):
+    """``full.split(numels)`` whose backward hands the per-parameter gradients to the unit
+    (:meth:`FlatParamShard.receive_grads`) instead of joining them into one flat ``full.grad``:
+    the reduce-scatter sends each straight from where autograd left it, so no pass copies the
+    unit's whole gradient (``torch.split``'s backward is a ``cat``)."""
+
+    @staticmethod
+    def forward(ctx, full, shard):
+        ctx.shard = shard
+        ctx.set_materialize_grads(False)
+        return full.split(shard.numels)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.shard.receive_grads([None if g is None else g.reshape(-1) for g in grads])
+        return None, None

@@ -372,7 +372,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _on_grad_ready(self, shard: FlatParamShard) -> None:
-        """All of this unit's gradient is in ``full.grad``: reduce-scatter it (async) unless
+        """All of this unit's gradient has arrived: reduce-scatter it (async) unless
         inside ``no_sync``, and free the gathered parameters."""
         if self._require_backward_grad_sync:
             root = self._root
