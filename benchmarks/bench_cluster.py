@@ -136,14 +136,17 @@ def _torch_zero(model, unit_cls):
                                         lr=LR)
 
 
-def _shardkit_oss(model, unit_cls, bucket_numel=None, reduce_to_owners=False):
+def _shardkit_oss(model, unit_cls, bucket_numel=None, reduce_to_owners=False,
+                  step_in_backward=False):
     """torch DDP + shardkit OSS(AdamW), the parameter sync overlapped with the next forward:
     stage 1 of :func:`shardkit.recipes.compose` (torch DDP's all-reduce left uncounted, as in
     the torch rows; with ``reduce_to_owners`` DDP averages each gradient onto its owner only,
-    through shardkit's hook, which is counted)."""
+    through shardkit's hook, which is counted; ``step_in_backward`` also steps each sync bucket
+    inside backward)."""
     from shardkit.recipes import adamw, compose
     composition = compose(model, 1, adamw(LR), count_ddp_comm=False, overlap_param_sync=True,
-                          sync_bucket_numel=bucket_numel, reduce_to_owners=reduce_to_owners)
+                          sync_bucket_numel=bucket_numel, reduce_to_owners=reduce_to_owners,
+                          step_in_backward=step_in_backward)
     return composition.wrapped, composition.optimizer
 
 
@@ -218,6 +221,9 @@ ROWS = {
                         _stage1_formula),
     "shardkit_oss_rto": Row("shardkit OSS + torch DDP (reduce to owners)", "shardkit",
                             functools.partial(_shardkit_oss, reduce_to_owners=True),
+                            _all_reduce_formula),
+    "shardkit_oss_sib": Row("shardkit OSS + torch DDP (step in backward)", "shardkit",
+                            functools.partial(_shardkit_oss, step_in_backward=True),
                             _all_reduce_formula),
     "shardkit_sharded": Row("shardkit ShardedDDP + OSS (sync overlapped)", "shardkit",
                             _shardkit_sharded, _all_reduce_formula),

@@ -15,6 +15,7 @@ bytes; ``fp16/bf16_allreduce_hook`` half of it; ``quantized_allreduce_hook`` abo
 ``bits/32 + 1/block`` of it (a quantized reduce-scatter and a quantized all-gather).
 """
 
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,7 +26,8 @@ from shardkit.kernels import DEFAULT_BLOCK, pack_rank_major
 from shardkit.quantized_comm import quantized_all_gather, quantized_reduce_scatter
 
 __all__ = ["counted_allreduce_hook", "fp16_allreduce_hook", "bf16_allreduce_hook",
-           "QuantizedHookState", "quantized_allreduce_hook", "reduce_to_owners_hook"]
+           "QuantizedHookState", "quantized_allreduce_hook", "reduce_to_owners_hook",
+           "step_oss_in_ddp_backward"]
 
 
 def counted_allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -144,6 +146,86 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
         return buffer
 
     return handle.as_future().then(land)
+
+
+def step_oss_in_ddp_backward(ddp, optimizer) -> None:
+    """Register on torch DDP ``ddp`` a comm hook that reduces each gradient onto its owner in
+    ``optimizer`` (an :class:`~shardkit.optim.OSS`, as :func:`reduce_to_owners_hook`) and, as
+    soon as every gradient of one of OSS's sync buckets has landed, steps that bucket and
+    starts its all-gather, on a thread that waits for the transfers, while backward goes on.
+    The next forward waits for the sync module by module (``ddp.module``'s ``state_dict()``
+    for all of it); ``optimizer.step()`` then has nothing left to do::
+
+        ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        optimizer = OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=1e-3)
+        step_oss_in_ddp_backward(ddp, optimizer)
+
+    Needs ``gradient_as_bucket_view=True`` (the step reads the gradients in DDP's buckets)
+    and an optimizer that updates each parameter alone; gradients cannot be clipped before the
+    update and accumulation must use ``ddp.no_sync()``. Creates a process group over the same
+    ranks for the all-gathers (:func:`shardkit.distributed.group_of_same_ranks`). Wire and
+    memory: :func:`reduce_to_owners_hook`'s plus OSS's parameter sync, ``2Ψ(N-1)/N`` a step.
+    """
+    if not getattr(ddp, "gradient_as_bucket_view", False):
+        raise ValueError("step_oss_in_ddp_backward(ddp=...): build DistributedDataParallel with "
+                         "gradient_as_bucket_view=True; the step reads the gradients in DDP's "
+                         "buckets as soon as they are reduced")
+    optimizer._check_steps_per_parameter("step_oss_in_ddp_backward")
+    if skdist.get_world_size(optimizer.group) > 1:
+        optimizer._prepare_step_in_backward(skdist.group_of_same_ranks(optimizer.group),
+                                            ddp.module)
+    ddp.register_comm_hook(_StepWhenReduced(optimizer), _reduce_to_owners_and_step_hook)
+
+
+class _StepWhenReduced:
+    """The state of :func:`_reduce_to_owners_and_step_hook`: how many gradients of each OSS
+    sync bucket have landed in this backward, and the bucket each parameter is in."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self._planned_for = None
+        self._bucket_of: dict = {}
+        self._sizes: list[int] = []
+        self._landed: list[int] = []
+        self._lock = threading.Lock()
+
+    def begin_backward(self) -> None:
+        if self._planned_for is not self.optimizer.partition:
+            buckets = self.optimizer._sync_bucket_params()
+            self._bucket_of = {id(p): i for i, params in enumerate(buckets) for p in params}
+            self._sizes = [len(params) for params in buckets]
+            self._planned_for = self.optimizer.partition
+        self._landed = [0] * len(self._sizes)
+        if self._sizes:
+            self.optimizer._begin_step_in_backward()
+
+    def gradients_landed(self, params) -> None:
+        # Note: transfers land in the order DDP issued its buckets (one watcher thread), so the
+        # steps and the all-gathers they start come in the same order on every rank.
+        with self._lock:
+            ready = []
+            for p in params:
+                index = self._bucket_of.get(id(p))
+                if index is not None:
+                    self._landed[index] += 1
+                    if self._landed[index] == self._sizes[index]:
+                        ready.append(index)
+            for index in sorted(ready):
+                self.optimizer._step_bucket_in_backward(index)
+
+
+def _reduce_to_owners_and_step_hook(state: _StepWhenReduced, bucket):
+    if bucket.index() == 0:
+        state.begin_backward()
+    params = bucket.parameters()
+    reduced = reduce_to_owners_hook(state.optimizer, bucket)
+
+    def step_what_is_complete(fut) -> torch.Tensor:
+        buffer = fut.value()
+        state.gradients_landed(params)
+        return buffer
+
+    return reduced.then(step_what_is_complete)
 
 
 def _slices_by_owner(partition, bucket) -> list[list[tuple[int, int]]]:

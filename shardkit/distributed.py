@@ -213,6 +213,15 @@ def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None,
     return dist.new_group(ranks=list(ranks), **kwargs)
 
 
+def group_of_same_ranks(group):
+    """A new process group over ``group``'s ranks (its collectives then need to match in
+    order only among themselves). With the whole world every rank must call it together; with
+    a sub-group only its members call it, and they must have created as many process groups
+    before (torch names such a group from a hash of its ranks and of that count)."""
+    ranks = group_ranks(group)
+    return new_group(ranks, members_only=len(ranks) < get_world_size())
+
+
 # ----------------------------------------------------------------------------- topology
 # Which ranks share a node comes from torchrun: LOCAL_WORLD_SIZE ranks per node, and node
 # GROUP_RANK holds global ranks [GROUP_RANK * LOCAL_WORLD_SIZE, (GROUP_RANK + 1) *

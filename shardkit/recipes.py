@@ -160,9 +160,10 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
         reduce_to_owners: stage 1: torch DDP averages each gradient onto its OSS owner only
             (:func:`shardkit.comm_hooks.reduce_to_owners_hook`: stage 2's bytes, other ranks'
             gradients left zero) instead of all-reducing it.
-        step_in_backward: stage 2: the owners step each sync bucket during backward, as soon
-            as its gradients are reduced (``ShardedDataParallel(step_in_backward=True)``; the
-            sync then always overlaps the next forward).
+        step_in_backward: stages 1-2: the owners step each sync bucket during backward, as
+            soon as its gradients are reduced (stage 2: ``ShardedDataParallel(step_in_backward=
+            True)``; stage 1: :func:`shardkit.comm_hooks.step_oss_in_ddp_backward`, which also
+            reduces to the owners); the sync then always overlaps the next forward.
         reshard_after_forward, sharding_strategy: stage 3: FSDP's (``None``: its defaults).
         mixed_precision: stage 3: FSDP's ``mixed_precision`` (``True`` or a
             ``MixedPrecisionPolicy``), for every unit.
@@ -186,7 +187,7 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
     if stage in (1, 2):
         oss = _oss(model, optimizer, comm, process_group, sync_bucket_numel)
         composition = _stage1(model, oss, process_group, count_ddp_comm, psi,
-                              reduce_to_owners) if stage == 1 \
+                              reduce_to_owners, step_in_backward) if stage == 1 \
             else _stage2(model, oss, comm, process_group, reduce_bucket_bytes, psi,
                          step_in_backward)
     else:
@@ -229,9 +230,9 @@ def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_num
         raise ValueError(f"compose(stage={stage}, reduce_to_owners=True): only stage 1 (OSS under "
                          f"torch DDP) takes DDP's reduce-to-owners hook; stage 2 always reduces "
                          f"to the owners")
-    if step_in_backward and stage != 2:
-        raise ValueError(f"compose(stage={stage}, step_in_backward=True): only ShardedDataParallel "
-                         f"(stage 2) steps the optimizer during backward")
+    if step_in_backward and stage not in (1, 2):
+        raise ValueError(f"compose(stage={stage}, step_in_backward=True): only OSS (stages 1 "
+                         f"and 2) steps the optimizer during backward")
     if sync_bucket_numel is not None and stage not in (1, 2):
         raise ValueError(f"compose(stage={stage}, sync_bucket_numel={sync_bucket_numel}): only "
                          f"OSS (stages 1 and 2) has a parameter-sync bucket")
@@ -290,11 +291,17 @@ def _stage0(model, recipe, process_group, count_comm, psi) -> Composition:
                        _zero_grads(optimizer), psi)
 
 
-def _stage1(model, oss, process_group, count_comm, psi, reduce_to_owners) -> Composition:
+def _stage1(model, oss, process_group, count_comm, psi, reduce_to_owners,
+            step_in_backward) -> Composition:
     """OSS (optimizer state sharded) over torch DDP (full gradients all-reduced, or with
-    ``reduce_to_owners`` averaged onto their owners only)."""
-    ddp = torch_ddp(model, process_group, count_comm and not reduce_to_owners)
-    if reduce_to_owners:
+    ``reduce_to_owners`` averaged onto their owners only; ``step_in_backward``: also stepped
+    there)."""
+    ddp = torch_ddp(model, process_group,
+                    count_comm and not reduce_to_owners and not step_in_backward)
+    if step_in_backward:
+        from shardkit.comm_hooks import step_oss_in_ddp_backward
+        step_oss_in_ddp_backward(ddp, oss)
+    elif reduce_to_owners:
         from shardkit.comm_hooks import reduce_to_owners_hook
         ddp.register_comm_hook(oss, reduce_to_owners_hook)
     return Composition(1, ddp, oss, ddp.no_sync, oss.clip_grad_norm, _zero_grads(oss), psi)

@@ -156,3 +156,29 @@ def _hook_with_a_foreign_optimizer():
 def test_reduce_to_owners_hook_names_a_parameter_oss_does_not_hold(world2):
     for message in world2.run(_hook_with_a_foreign_optimizer):
         assert "is not in the OSS optimizer" in message, message
+
+
+def _step_in_ddp_backward_refusals():
+    from torch.nn.parallel import DistributedDataParallel
+    from shardkit.comm_hooks import step_oss_in_ddp_backward
+
+    errors = {}
+    model = nn.Linear(4, 4)
+    oss = OSS(model.parameters(), optim=torch.optim.AdamW, lr=0.1)
+    try:
+        step_oss_in_ddp_backward(DistributedDataParallel(model), oss)
+    except ValueError as e:
+        errors["bucket_view"] = str(e)
+    lbfgs = OSS(model.parameters(), optim=torch.optim.LBFGS, lr=0.1)
+    try:
+        step_oss_in_ddp_backward(DistributedDataParallel(model, gradient_as_bucket_view=True),
+                                 lbfgs)
+    except ValueError as e:
+        errors["optimizer"] = str(e)
+    return errors
+
+
+def test_step_oss_in_ddp_backward_refuses_what_it_cannot_step(world2):
+    for errors in world2.run(_step_in_ddp_backward_refusals):
+        assert "gradient_as_bucket_view=True" in errors["bucket_view"], errors
+        assert "LBFGS does not update each parameter" in errors["optimizer"], errors

@@ -68,7 +68,7 @@ def test_without_blocks_the_policy_is_by_parameter_count():
     (0, {"comm": object()}, ValueError, "stage 0 is torch DDP alone"),
     (3, {"overlap_param_sync": True}, ValueError, "only OSS's parameter sync"),
     (0, {"sync_bucket_numel": 1024}, ValueError, "only OSS (stages 1 and 2) has a parameter-sync"),
-    (1, {"step_in_backward": True}, ValueError, "only ShardedDataParallel (stage 2) steps"),
+    (3, {"step_in_backward": True}, ValueError, "only OSS (stages 1 and 2) steps"),
     (2, {"reduce_to_owners": True}, ValueError, "only stage 1 (OSS under torch DDP)"),
 ])
 def test_bad_arguments_fail_before_wrapping(stage, kwargs, error, message):

@@ -58,7 +58,8 @@ def _sharded_ddp_oss():
 def _overlapped_sync():
     from tests.optim import test_oss_overlap as overlap
     return {wrapper: overlap._train(wrapper)
-            for wrapper in ("ddp", "sharded", "sharded_step_in_backward")}
+            for wrapper in ("ddp", "sharded", "sharded_step_in_backward",
+                            "ddp_step_in_backward")}
 
 
 def _reduce_to_owners_hook():

@@ -1,8 +1,8 @@
 """OSS.overlap_sync_with(model): the parameter sync of a step runs on into the next forward,
 each module waiting only for its own buckets; evaluation, state_dict() and wait_for_sync() never
 see stale weights. Parity with single-process training at every step, on every rank, under torch
-DDP and ShardedDDP (stepping after backward, or inside it with step_in_backward=True), worlds 2
-and 4."""
+DDP and ShardedDDP (stepping after backward, or inside it: ShardedDDP(step_in_backward=True),
+comm_hooks.step_oss_in_ddp_backward), worlds 2 and 4."""
 
 import pytest
 import torch
@@ -31,10 +31,14 @@ def _train(wrapper: str):
     opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, bucket_numel=700)
     if wrapper == "ddp":
         wrapped = DDP(model)
+    elif wrapper == "ddp_step_in_backward":  # torch DDP's comm hook steps OSS's buckets
+        from shardkit.comm_hooks import step_oss_in_ddp_backward
+        wrapped = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=0.01)
+        step_oss_in_ddp_backward(wrapped, opt)
     else:  # "sharded", or "sharded_step_in_backward": the sync starts inside backward
         wrapped = ShardedDataParallel(model, opt, reduce_buffer_size=4096,
                                       step_in_backward=wrapper == "sharded_step_in_backward")
-    if wrapper != "sharded_step_in_backward":
+    if not wrapper.endswith("step_in_backward"):
         opt.overlap_sync_with(wrapped)
     worst = {"eval": 0.0, "state_dict": 0.0, "waited": 0.0}
     pending_seen = 0
@@ -65,7 +69,8 @@ def _train(wrapper: str):
     return worst, pending_seen
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "sharded", "sharded_step_in_backward"])
+@pytest.mark.parametrize("wrapper", ["ddp", "sharded", "sharded_step_in_backward",
+                                     "ddp_step_in_backward"])
 @pytest.mark.parametrize("n", [2, 4])
 def test_overlapped_sync_matches_single_process(world2, world4, wrapper, n):
     world = world2 if n == 2 else world4

@@ -478,10 +478,7 @@ class ShardedDataParallel(nn.Module):
             optimizer._check_steps_per_parameter("ShardedDataParallel(step_in_backward=True)")
         if self.world_size == 1:
             return True
-        ranks = skdist.group_ranks(self.process_group)
-        # Note: a sub-group's members create it alone (torch names it from a hash of the ranks
-        # and how many groups each member knows, so they must have created as many groups).
-        sync_group = skdist.new_group(ranks, members_only=len(ranks) < skdist.get_world_size())
+        sync_group = skdist.group_of_same_ranks(self.process_group)
         for optimizer in self._optimizers:
             optimizer._prepare_step_in_backward(sync_group, self.module)
         return True
