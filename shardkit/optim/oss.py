@@ -373,8 +373,11 @@ class OSS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _step_bucket_in_backward(self, index: int) -> None:
-        self._sync.step_bucket(index, lambda params: step_only(self.optim, params, {}))
+        self._sync.step_bucket(index, self._step_only)
         self._stepped_in_backward.add(index)
+
+    def _step_only(self, params: list) -> None:
+        step_only(self.optim, params, {})
 
     def _finish_step_begun_in_backward(self, closure, kwargs):
         if closure is not None or kwargs:
@@ -384,7 +387,7 @@ class OSS(torch.optim.Optimizer):
         done, self._stepped_in_backward = self._stepped_in_backward, None
         for index in range(len(self._sync.buckets)):
             if index not in done:
-                self._sync.step_bucket(index, lambda params: step_only(self.optim, params, {}))
+                self._sync.step_bucket(index, self._step_only)
         self._pull_hyperparameters()
         return None
 

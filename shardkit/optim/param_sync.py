@@ -221,10 +221,7 @@ class ParamSync:
     def relayout(self, plan: OwnershipPlan) -> None:
         """Give every parameter its own storage back, then lay the buckets of ``plan`` out
         (after waiting for anything still in flight). Local: every rank sees the same layout."""
-        self.wait()
-        for buckets in self._buckets:  # nothing may still be writing into the old buffers
-            for b in buckets:
-                b.finish_gather()
+        self._finish_every_gather()  # nothing may still be writing into the old buffers
         for buckets in self._buckets:
             for b in buckets:
                 b.unbind()
@@ -290,12 +287,15 @@ class ParamSync:
         """Carry the all-gathers on ``group`` (the same ranks as before, e.g. a group of their
         own so that their order needs to match only among themselves); rebuilds the buckets
         from the parameters' current values. Local."""
+        self._finish_every_gather()
+        self.group = group
+        self._buckets = self._build()
+
+    def _finish_every_gather(self) -> None:
         self.wait()
         for buckets in self._buckets:
             for b in buckets:
                 b.finish_gather()
-        self.group = group
-        self._buckets = self._build()
 
     def wait(self) -> None:
         """Finish every all-gather still in flight (a no-op unless :meth:`overlap_with` is on)."""
