@@ -86,18 +86,18 @@ def steps_each_parameter_alone(optimizer: torch.optim.Optimizer) -> bool:
 
 def step_only(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
               step_kwargs: dict) -> None:
-    """Step ``params`` only: the other gradients are hidden for the call (``grad=None`` makes
-    torch's per-parameter optimizers skip a parameter) and put back after. No copy."""
+    """Step ``params`` only: each param group's list is narrowed to them for the call and put
+    back after. No parameter or gradient is touched beyond the step itself, so another thread
+    may go on using the others (ShardedDDP / DDP backward while a bucket is stepped). No copy."""
     keep = {id(p) for p in params}
-    hidden = [(p, p.grad) for g in optimizer.param_groups for p in g["params"]
-              if id(p) not in keep and p.grad is not None]
-    for p, _ in hidden:
-        p.grad = None
+    saved = [g["params"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["params"] = [p for p in g["params"] if id(p) in keep]
     try:
         optimizer.step(**step_kwargs)
     finally:
-        for p, grad in hidden:
-            p.grad = grad
+        for g, group_params in zip(optimizer.param_groups, saved):
+            g["params"] = group_params
 
 
 def whole_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable],
