@@ -31,7 +31,8 @@ from shardkit.kernels import (DEFAULT_BLOCK, QuantLayout, dequantize_sum, dequan
                               quant_layout, quantize_pack)
 
 __all__ = ["quantized_all_gather", "quantized_reduce_scatter",
-           "quantized_reduce_scatter_hierarchical", "PendingQuantized", "node_groups",
+           "quantized_reduce_scatter_hierarchical", "issue_reduce_scatter",
+           "PendingQuantized", "node_groups",
            "wire_bytes", "hierarchical_wire_bytes"]
 
 _OPS = ("sum", "mean")
@@ -42,14 +43,15 @@ class PendingQuantized:
     """An issued quantized collective; :meth:`wait` finishes the transfer, dequantizes and
     returns the result tensor (``None`` for an all-gather into a list of tensors)."""
 
-    def __init__(self, work, finish):
-        self._work = work
+    def __init__(self, works, finish):
+        self._works = list(works) if isinstance(works, (list, tuple)) else [works]
         self._finish = finish
 
     def wait(self) -> Optional[torch.Tensor]:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        for work in self._works:
+            if work is not None:
+                work.wait()
+        self._works = []
         return self._finish()
 
 
@@ -126,8 +128,9 @@ def quantized_reduce_scatter(tensors: Union[torch.Tensor, Sequence[torch.Tensor]
                              scale_dtype: torch.dtype = torch.float32,
                              chunk_numels: Optional[Sequence[int]] = None, op: str = "sum",
                              out: Optional[torch.Tensor] = None, async_op: bool = False):
-    """Reduce-scatter with quantized transfers (qgZ, one level): quantize-and-pack ->
-    all-to-all -> dequantize and sum over ranks in fp32.
+    """Reduce-scatter with quantized transfers (qgZ, one level): each peer's segment is
+    quantized and sent to it, every received segment is dequantized and summed in fp32 with
+    this rank's own segment, which never leaves the rank and stays exact.
 
     Args:
         tensors: the gradients (one dtype: fp32 / bf16 / fp16), or one flat rank-major buffer of
@@ -139,9 +142,10 @@ def quantized_reduce_scatter(tensors: Union[torch.Tensor, Sequence[torch.Tensor]
         async_op: return a :class:`PendingQuantized` instead of waiting.
 
     Returns this rank's reduced shard (``S`` elements; chunk ``rank`` of every tensor, side by
-    side, as in ``reduce_scatter_tensor`` of the packed buffer). Wire per rank: ``(N-1)/N x
-    N x segment bytes`` of uint8 (one all-to-all). Memory: two quantized buffers of
-    ``N x segment bytes`` and the result; error within the sum of the ``N`` half scales.
+    side, as in ``reduce_scatter_tensor`` of the packed buffer). Wire per rank: ``(N-1) x
+    segment bytes`` of uint8 (what an all-to-all of the quantized buffer moves), recorded as one
+    ``all_to_all``. Memory: two quantized buffers of ``N-1`` segments, one fp32 segment and the
+    result. Error: within the sum of the other ``N-1`` ranks' half scales.
     """
     _check_op(op)
     tensors = _as_list(tensors)
@@ -149,16 +153,70 @@ def quantized_reduce_scatter(tensors: Union[torch.Tensor, Sequence[torch.Tensor]
     layout = quant_layout([t.numel() for t in tensors], n, bits=bits, block=block,
                           scale_dtype=scale_dtype, chunk_numels=chunk_numels)
     out = _result_buffer(out, layout.segment_numel, tensors[0].device)
-    send = quantize_pack(tensors, layout, check_finite=False)
-    received = torch.empty_like(send)
-    work = skdist.all_to_all_single(received, send, group=group, async_op=True)
-    multiplier = 1.0 / n if op == "mean" else 1.0
-
-    def finish():
-        return dequantize_sum(received, layout, sources=n, multiplier=multiplier, out=out)
-
-    pending = PendingQuantized(work, finish)
+    works, finish = issue_reduce_scatter(tensors, layout, group,
+                                         multiplier=1.0 / n if op == "mean" else 1.0, out=out)
+    pending = PendingQuantized(works, finish)
     return pending if async_op else pending.wait()
+
+
+def issue_reduce_scatter(tensors: Sequence[torch.Tensor], layout: QuantLayout, group, *,
+                         multiplier: float = 1.0, out: Optional[torch.Tensor] = None,
+                         counted_as: str = "all_to_all"):
+    """The one-level qgZ exchange, issued: returns ``(works, finish)``; ``finish()`` (after the
+    works are waited for) returns ``multiplier x`` the fp32 sum of this rank's segment over the
+    ranks (in ``out`` when given). ``layout`` cuts ``tensors`` for the group's ``N`` ranks.
+
+    Only the ``N-1`` peers' segments are quantized (straight from ``tensors``, the rank-major
+    packing fused into the quantization) and sent, one message to each peer: this rank's own
+    segment is added exactly, so half of the quantize and dequantize work disappears at
+    ``N = 2`` and the error bound loses one term. Recorded once as ``counted_as`` with the bytes
+    sent. Callers check the arguments (see :func:`quantized_reduce_scatter`)."""
+    n, rank = skdist.get_world_size(group), skdist.get_rank(group)
+    chunks = layout.chunk_numels
+    one = QuantLayout(1, chunks, layout.bits, layout.block, layout.scale_dtype)
+    peers = [r for r in range(n) if r != rank]
+    size = one.total_bytes
+    device = tensors[0].device
+    send = torch.empty(len(peers) * size, dtype=torch.uint8, device=device)
+    received = torch.empty_like(send)
+    ops = []
+    for k, r in enumerate(peers):
+        piece = slice(k * size, (k + 1) * size)
+        quantize_pack(_chunks_of_rank(tensors, chunks, r), one, out=send[piece],
+                      check_finite=False)
+        peer = skdist.get_global_rank(group, r)
+        ops += [skdist.P2POp("send", send[piece], peer, group),
+                skdist.P2POp("recv", received[piece], peer, group)]
+    works = skdist.batch_isend_irecv(ops, counted_as=counted_as)
+
+    def finish() -> torch.Tensor:
+        if peers:
+            total = dequantize_sum(received, QuantLayout(len(peers), chunks, layout.bits,
+                                                         layout.block, layout.scale_dtype),
+                                   sources=len(peers))
+        else:
+            total = torch.zeros(one.segment_numel, device=device)
+        offset = 0
+        for own, c in zip(_chunks_of_rank(tensors, chunks, rank), chunks):
+            total[offset:offset + own.numel()].add_(own)
+            offset += c
+        if multiplier != 1.0:
+            total.mul_(multiplier)
+        if out is None:
+            return total
+        return out.copy_(total)
+    return works, finish
+
+
+def _chunks_of_rank(tensors: Sequence[torch.Tensor], chunks: Sequence[int],
+                    rank: int) -> list[torch.Tensor]:
+    """Chunk ``rank`` of every (flattened) tensor: a view, shorter than its chunk (or empty)
+    where the tensor ends inside or before it."""
+    pieces = []
+    for t, c in zip(tensors, chunks):
+        flat = t.reshape(-1)
+        pieces.append(flat[min(rank * c, flat.numel()):min((rank + 1) * c, flat.numel())])
+    return pieces
 
 
 def _result_buffer(out: Optional[torch.Tensor], numel: int, device) -> torch.Tensor:

@@ -8,14 +8,15 @@ other one to an inner transport (the process group's own collectives by default)
   through the inner transport, and every rank's rows are dequantized into the output tensors
   (the compute dtype). Every rank, this one included, computes with the same dequantized
   weights; the fp32 master shard is never touched.
-* ``reduce_scatter`` (FSDP's gradient reduce-scatter), **qgZ**: the rank-major gradients are
-  quantized to int4 blocks and exchanged by one all-to-all, then dequantized and summed in fp32.
-  When the group spans several nodes (``ranks_per_node`` below, default torchrun's
+* ``reduce_scatter`` / ``reduce_scatter_chunks`` (FSDP's gradient reduce-scatter), **qgZ**: each
+  peer's segment of the rank-major gradients is quantized to int4 blocks (straight from the
+  per-parameter gradients: no packed fp32 copy) and sent to it; each rank dequantizes what it
+  receives and sums it in fp32 with its own segment, which never leaves the rank and stays
+  exact. When the group spans several nodes (``ranks_per_node`` below, default torchrun's
   ``LOCAL_WORLD_SIZE``) the reduction is hierarchical: all-to-all inside the node, dequantize
   and sum, requantize, all-to-all across nodes, dequantize and sum, so the inter-node links
   carry ``1/n`` of what a flat exchange would (``n`` ranks per node). The result is the fp32
-  *sum* (the interface's ``reduce_scatter`` contract): FSDP's ``start_reduce`` has already
-  divided by ``N`` before packing, so the transport must not divide again.
+  *sum* times the ``scale`` FSDP asks for (``1/N``), applied after the sum.
 
 ``all_gather`` stays exact (delegated): FSDP uses it for master-weight gathers
 (``state_dict``, ``summon_full_params``, optimizer-state gathers), which must be lossless.
@@ -38,8 +39,8 @@ between operations except the node groups (process groups, created once per grou
 :meth:`QuantizedTransport.prepare`).
 
 Error: each gathered weight is within half its block's scale (``absmax / 127``) of the exact
-value; each reduced gradient within the sum of the ranks' half scales (``absmax / 7 / 2``,
-int4), about twice that when hierarchical. Inf or nan values are sent as a block that
+value; each reduced gradient within the sum of the other ranks' half scales (``absmax / 7 / 2``,
+int4; flat exchange), about twice the sum over all ranks when hierarchical. Inf or nan values are sent as a block that
 dequantizes to nan (a loss-scaled step sees the overflow and skips).
 
 Where an operation cannot be quantized (values that are not fp32 / bf16 / fp16, e.g. fp64), or
@@ -57,7 +58,8 @@ import torch
 
 from shardkit import distributed as skdist
 from shardkit.kernels import (DEFAULT_BLOCK, QuantLayout, dequantize_sum, dequantize_unpack,
-                              quantize_pack)
+                              quant_layout, quantize_pack)
+from shardkit.quantized_comm import issue_reduce_scatter
 from shardkit.transport import CommHandle, Transport, resolve_transport
 
 __all__ = ["QuantizedTransport", "quantized_transport_for"]
@@ -256,11 +258,9 @@ class QuantizedTransport(Transport):
         groups = self._node_groups(group)
         flat = input.reshape(-1)
         if groups is None:
-            send = quantize_pack([flat], layout, check_finite=False)
-            received = torch.empty_like(send)
-            work = skdist.all_to_all_single(received, send, group=group, async_op=True,
-                                            counted_as="reduce_scatter")
-            return CommHandle([work], lambda: dequantize_sum(received, layout, sources=n))
+            works, finish = issue_reduce_scatter([flat], layout, group,
+                                                 counted_as="reduce_scatter")
+            return CommHandle(works, finish, completes_when_waited=True)
         intra, inter = groups
         per_node, nodes = skdist.get_world_size(intra), skdist.get_world_size(inter)
         send = quantize_pack([flat], layout, node_size=per_node, check_finite=False)
@@ -277,6 +277,28 @@ class QuantizedTransport(Transport):
                                      counted_as="reduce_scatter")
             return dequantize_sum(received2, across, sources=nodes)
         return CommHandle([work], across_nodes)
+
+    def reduce_scatter_chunks(self, tensors, chunk_numels, group, *, scale=1.0, dtype=None):
+        """qgZ straight from the gradients (FSDP's reduce-scatter): each peer's chunks are
+        quantized from ``tensors`` (no packed fp32 copy), this rank's own chunks are summed in
+        exactly, and ``scale`` is applied to the fp32 sum; ``wait`` returns that fp32 sum.
+        Wire: ``(N-1) x segment bytes`` of uint8, as :meth:`reduce_scatter`. Where the
+        reduction is hierarchical, not quantized, or the values are not one float dtype: the
+        packed path (``pack_rank_major``, then :meth:`reduce_scatter`)."""
+        n = skdist.get_world_size(group)
+        dtypes = {t.dtype for t in tensors}
+        if (not self.gradients or n == 1 or not tensors or len(dtypes) != 1
+                or not dtypes <= set(_FLOAT_DTYPES) or self._node_groups(group) is not None):
+            return super().reduce_scatter_chunks(tensors, chunk_numels, group, scale=scale,
+                                                 dtype=dtype)
+        layout = quant_layout([t.numel() for t in tensors], n, bits=self.gradient_bits,
+                              block=self.block, chunk_numels=chunk_numels)
+        if layout.segment_numel == 0:
+            return super().reduce_scatter_chunks(tensors, chunk_numels, group, scale=scale,
+                                                 dtype=dtype)
+        works, finish = issue_reduce_scatter(list(tensors), layout, group, multiplier=scale,
+                                             counted_as="reduce_scatter")
+        return CommHandle(works, finish, completes_when_waited=True)
 
     # ------------------------------------------------------------------ delegated, exact
 
