@@ -251,7 +251,9 @@ def _quantize_blocks(values: torch.Tensor, layout: QuantLayout, codes_out: torch
     # addcdiv's broadcast of the per-block scale is not vectorised well (measured)
     codes = torch.div(values, torch.where(scale > 0, scale, 1.0).unsqueeze(-1),
                       out=values if scratch is None else scratch)
-    codes = codes.add_(0.5).floor_().clamp_(-qmax, qmax)
+    codes = codes.add_(0.5).floor_()
+    if _scale_may_overshoot(scale):
+        codes.clamp_(-qmax, qmax)
     if bool(bad.any()):
         codes[bad] = 0.0
     scales_out.copy_(torch.where(bad, math.inf, scale))
@@ -261,6 +263,15 @@ def _quantize_blocks(values: torch.Tensor, layout: QuantLayout, codes_out: torch
     else:  # low nibble: even element, high nibble: odd element, each stored as code + 8
         pairs = codes.view(values.shape[0], -1, 2)
         codes_out.copy_(torch.add(pairs[..., 0], pairs[..., 1], alpha=16).add_(136))
+
+
+def _scale_may_overshoot(scale: torch.Tensor) -> bool:
+    """Whether a code could leave ``[-qmax, qmax]``: only for subnormal scales. A normal scale
+    is ``absmax / qmax`` within one rounding (or rounded up, for bf16 scales), so every
+    ``x / scale`` is at most ``qmax`` plus a few ulps and rounds to at most ``qmax``; the clamp
+    pass is then skipped (the same codes, one pass less on CPU)."""
+    tiny = torch.finfo(torch.float32).tiny
+    return bool(((scale > 0) & (scale < tiny)).any())
 
 
 def _quantize_pack_torch(tensors, layout: QuantLayout, out: torch.Tensor, slots) -> None:
@@ -414,6 +425,7 @@ def dequantize_sum(buffer: torch.Tensor, layout: QuantLayout, *, sources: int,
                          f"the layout's {layout.world_size} segments")
     outputs = layout.world_size // sources
     numel = outputs * layout.segment_numel
+    fresh_out = out is None
     if out is None:
         if dtype not in _VALUE_DTYPES:
             raise ValueError(f"dequantize_sum: dtype={dtype}; valid dtypes are "
@@ -432,10 +444,12 @@ def dequantize_sum(buffer: torch.Tensor, layout: QuantLayout, *, sources: int,
         triton_quantize.dequantize_sum(buffer, layout, out, sources, outputs, float(multiplier))
         return out
     values = _dequantize_rows(buffer, layout).view(sources, outputs, -1)
-    total = values[0].clone()
+    total = values[0]  # the decoded temporary is ours: sum into it in place
     for s in range(1, sources):
         total += values[s]
     if multiplier != 1.0:
         total *= multiplier
+    if fresh_out and dtype == torch.float32 and total.shape[1] == layout.segment_numel:
+        return total.view(-1)  # no padding to drop: the sum is the result
     out.view(outputs, -1).copy_(total[:, :layout.segment_numel])
     return out

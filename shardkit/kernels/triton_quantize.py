@@ -82,6 +82,27 @@ def _codes(x, scale, usable, QMAX: tl.constexpr):
 
 
 @triton.jit
+def _store_scale(ptrs, scale, mask):
+    """Store fp32 ``scale`` in the buffer's scale dtype. A bf16 scale is already a bf16 value
+    (rounded up), so its top 16 bits are stored as they are: exact for subnormal scales too,
+    which Triton's interpreter converts wrongly."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        top = (scale.to(tl.int32, bitcast=True) >> 16).to(tl.int16)
+        tl.store(ptrs.to(tl.pointer_type(tl.int16)), top, mask=mask)
+    else:
+        tl.store(ptrs, scale.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_scale(ptrs, mask):
+    """A stored scale as fp32; bf16 widened from its bits (see :func:`_store_scale`)."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        top = tl.load(ptrs.to(tl.pointer_type(tl.int16)), mask=mask, other=0).to(tl.int32)
+        return ((top & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _quantize_pack_kernel(table, prog_first, prog_last, out_ptr, scale_ptr, seg_numel, n_blocks,
                           progs_per_seg, seg_bytes, scale_stride, node_size, nodes,
                           SRC_DTYPE: tl.constexpr, SCALE_BF16: tl.constexpr, BITS: tl.constexpr,
@@ -114,8 +135,7 @@ def _quantize_pack_kernel(table, prog_first, prog_last, out_ptr, scale_ptr, seg_
         tl.store(base + even + 1, qo.to(tl.int8).to(tl.uint8, bitcast=True), mask=store_mask)
     else:
         tl.store(base + even // 2, ((qe + 8) | ((qo + 8) << 4)).to(tl.uint8), mask=store_mask)
-    tl.store(scale_ptr + slot * scale_stride + blk, scale.to(scale_ptr.dtype.element_ty),
-             mask=live_blk)
+    _store_scale(scale_ptr + slot * scale_stride + blk, scale, live_blk)
 
 
 @triton.jit
@@ -132,8 +152,7 @@ def _decode(buf_ptr, scale_ptr, slot, seg_bytes, scale_stride, blk, even, live_b
         byte = tl.load(base + even // 2, mask=mask, other=0x88).to(tl.int32)
         qe = ((byte & 15) - 8).to(tl.float32)
         qo = ((byte >> 4) - 8).to(tl.float32)
-    scale = tl.load(scale_ptr + slot * scale_stride + blk, mask=live_blk, other=0.0).to(
-        tl.float32)
+    scale = _load_scale(scale_ptr + slot * scale_stride + blk, live_blk)
     return qe * scale[:, None], qo * scale[:, None]
 
 

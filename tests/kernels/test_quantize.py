@@ -119,6 +119,29 @@ def test_quantize_matches_reference_and_round_trip_is_within_half_a_scale(
     assert all(torch.equal(a, b.to(dtype)) for a, b in zip(low, outs))
 
 
+@pytest.mark.parametrize("magnitude", [1e-40, 1e-36, 1.0, 3e38])
+@pytest.mark.parametrize("bits,scale_dtype", [(8, torch.float32), (4, torch.float32),
+                                              (8, torch.bfloat16)])
+def test_codes_stay_within_qmax_at_extreme_magnitudes(backend, magnitude, bits, scale_dtype):
+    """Subnormal scales (where x / scale can overshoot qmax and the clamp matters), the largest
+    finite values and each block's absmax itself all give the reference codes."""
+    gen = torch.Generator().manual_seed(7)
+    values = (torch.rand(4 * 64, generator=gen) * 2 - 1) * magnitude
+    values[::64] = magnitude  # every block holds its absmax exactly, both signs below
+    values[1::64] = -magnitude
+    layout = quant_layout([values.numel()], 2, bits=bits, block=64, scale_dtype=scale_dtype)
+    buffer = quantize_pack([values], layout)
+    segments = reference_segments([values], 2, layout.chunk_numels, 64)
+    codes, scales = reference_quantize(segments, bits, 64, scale_dtype)
+    got_codes, got_scales = decode_buffer(buffer, 2, segments.shape[1], bits, scale_dtype)
+    assert torch.equal(got_scales, scales) and torch.equal(got_codes, codes)
+    assert got_codes.abs().max() <= QMAX[bits]
+    out = torch.empty_like(values)
+    dequantize_unpack(buffer, layout, [out])
+    expected = (codes.float().view(2, -1, 64) * scales.unsqueeze(-1)).reshape(-1)
+    assert torch.equal(out, expected[:values.numel()]), "decoded with the stored scales"
+
+
 @SETTINGS
 @given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=4),
        world_size=st.integers(1, 4), bits=st.sampled_from([4, 8]),

@@ -390,7 +390,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         for unit in self.sharded_units():  # every replica all-reduce in flight before waiting
             if unit._shard is not None:
                 unit._shard.replicate_reduce()
-        for unit in self.sharded_units():
+        # innermost first: backward issued their reduce-scatters before the root's, so they
+        # are finished (and, when quantized, dequantized) while the root's is still in flight
+        for unit in reversed(self.sharded_units()):
             if unit._shard is not None:
                 unit._shard.finish_reduce()
                 unit._shard.free_full()
