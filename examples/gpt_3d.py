@@ -179,6 +179,20 @@ def build_stages(model, args):
     return built
 
 
+def keep_first_plan(schedule) -> None:
+    """Keep the plan every pipeline starts with (ZBV: no re-plan from measured costs).
+
+    ZBV re-plans at its third step from the compute times its pipeline measured, agreed over the
+    pipeline group only, so two replicas of a stage in different pipelines can get different
+    orders of their W passes. ShardedDDP and FSDP start the stage's gradient reduction over the
+    replicas inside those passes: with two stages per rank in different orders the replicas
+    would reduce different stages against each other (a collective mismatch). OSS (--zero 1)
+    reduces after the step in stage order and keeps the re-plan.
+    """
+    if getattr(schedule, "plans_from_measured_costs", False):
+        schedule.plans_from_measured_costs = False
+
+
 def stage_weights(part, stage) -> dict:
     """The stage's parameters under the full model's names (FSDP: gathered, a collective over
     the stage's replicas; the others hold them whole)."""
@@ -243,6 +257,8 @@ def main(argv=None):
     stages = [stage for _, _, stage, _ in built]
     schedule = cls(stages[0] if len(stages) == 1 else stages, chunks=args.chunks,
                    loss_fn=gpt_loss)
+    if args.zero in (2, 3) and mp.get_data_parallel_world_size() > 1:
+        keep_first_plan(schedule)
     optimizers = [optimizer for *_, optimizer in built]
     # one rank prints: the last stage's, first of its tensor- and data-parallel groups
     printer = is_last and mp.get_model_parallel_rank() == 0 and mp.get_data_parallel_rank() == 0

@@ -1,0 +1,120 @@
+"""examples/gpt_3d.py under torchrun on CPU (world 4) matches single-process training with every
+pipeline schedule, each in a different tensor x pipeline x data layout and ZeRO stage; arguments
+that cannot run are refused before any communication, naming the flags."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from shardkit.testing import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "examples", "gpt_3d.py")
+STEPS = 3
+# SGD with a large step: the weight comparison sees a gradient that is off by any factor
+SGD = ("--optimizer", "sgd", "--lr", "0.5")
+
+# run -> (schedule, extra flags, pipeline stages): every schedule, and across them tensor
+# parallelism (with sequence parallelism), data parallelism and ZeRO 1, 2 and 3
+RUNS = {
+    "gpipe-zero3": ("gpipe", ("--tp", "1", "--pp", "2", "--zero", "3", *SGD), 2),
+    "1f1b-tp-adamw": ("1f1b", ("--tp", "2", "--pp", "2", "--zero", "1"), 2),  # losses only
+    "zero-bubble-zero2": ("zero-bubble", ("--tp", "1", "--pp", "2", "--zero", "2", *SGD), 2),
+    "interleaved-v3-zero3": ("interleaved-1f1b", ("--tp", "1", "--pp", "2", "--zero", "3",
+                                                  "--virtual-stages", "3", *SGD), 6),
+    # the third step re-plans from measured costs
+    "zbv-tp-sequence-parallel": ("zbv", ("--tp", "2", "--pp", "2", "--zero", "1",
+                                         "--sequence-parallel", *SGD), 4),
+    # replicas under ShardedDDP keep the first plan (keep_first_plan)
+    "zbv-zero2": ("zbv", ("--tp", "1", "--pp", "2", "--zero", "2", *SGD), 4),
+}
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("gpt_3d_example", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _torchrun(*args):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+           "--master_port", str(free_port()), SCRIPT, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_every_schedule_matches_single_process_training(run):
+    schedule, flags, stages = RUNS[run]
+    proc = _torchrun("--schedule", schedule, "--steps", str(STEPS), "--batch", "8",
+                     "--chunks", "2", "--check", *flags)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    steps = re.findall(r"step +\d+  loss ([0-9.]+)  single-process ([0-9.]+)", proc.stdout)
+    assert len(steps) == STEPS, proc.stdout  # one rank prints
+    line = re.search(r"check: (PASS|FAIL)  --schedule (\S+): (\d+) stages on 2 pipeline ranks; "
+                     r"max \|loss - single-process loss\| over \d+ steps (\S+)", proc.stdout)
+    assert line, proc.stdout
+    verdict, name, built, loss_difference = line.groups()
+    assert (verdict, name, int(built)) == ("PASS", schedule, stages)
+    assert float(loss_difference) <= 1e-4
+    if "sgd" in flags:
+        weight = re.search(r"max \|weight - single-process weight\| on every rank (\S+)",
+                           proc.stdout)
+        assert weight and float(weight.group(1)) <= 1e-4, proc.stdout
+
+
+def test_the_example_has_every_schedule_of_the_library():
+    from shardkit.nn import pipe
+
+    example = _load_example()
+    offered = {cls for cls, *_ in example.SCHEDULES.values()}
+    library = {getattr(pipe, name) for name in pipe.__all__
+               if name.startswith("Schedule")}
+    assert offered == library
+    assert {schedule for schedule, _, _ in RUNS.values()} == set(example.SCHEDULES)
+
+
+@pytest.mark.parametrize("argv, world, expected", [
+    (["--schedule", "zbv", "--virtual-stages", "3"], 8,
+     "--schedule zbv runs 2 stage(s) per pipeline rank, got --virtual-stages 3"),
+    (["--schedule", "1f1b", "--virtual-stages", "2"], 8,
+     "or --schedule interleaved-1f1b for several"),
+    (["--schedule", "interleaved-1f1b", "--virtual-stages", "4"], 8,
+     "--pp 2 x --virtual-stages 4 = 8 pipeline stages, but the GPT has only 6 layers to cut "
+     "(embedding, --layers 4 blocks, head); use --layers >= 6"),
+    (["--schedule", "interleaved-1f1b", "--pp", "4", "--tp", "1", "--layers", "6"], 8,
+     "--schedule interleaved-1f1b needs --chunks to be a multiple of --pp 4"),
+    (["--chunks", "3"], 8, "--chunks 3 does not divide the 4 sequences of each replica"),
+    (["--batch", "7", "--chunks", "1"], 8, "--batch 7 is not divisible by the 2 data-parallel"),
+    (["--tp", "3"], 6, "--tp 3 does not divide the GPT's 4 attention heads"),
+    ([], 6, "--tp 2 x --pp 2 = 4 ranks per pipeline does not divide the world size 6"),
+    (["--zero", "3", "--schedule", "zbv"], 8, "--zero 3 with --schedule zbv: FSDP's hooks"),
+    (["--zero", "3", "--sequence-parallel"], 8, "--zero 3 with --sequence-parallel"),
+])
+def test_arguments_that_cannot_run_are_refused_by_name(argv, world, expected):
+    example = _load_example()
+    problem = example.argument_problem(example.parse_args(argv), world)
+    assert problem is not None and expected in problem, problem
+
+
+def test_refusal_comes_before_any_communication(monkeypatch):
+    example = _load_example()
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(SystemExit, match="--virtual-stages 3"):
+        example.main(["--schedule", "zbv", "--virtual-stages", "3"])  # no process group needed
+
+
+def test_defaults_run_every_schedule_on_eight_ranks():
+    example = _load_example()
+    for schedule in example.SCHEDULES:
+        args = example.parse_args(["--schedule", schedule])
+        assert example.argument_problem(args, 8) is None, schedule
+        assert args.virtual_stages == (2 if schedule in ("interleaved-1f1b", "zbv") else 1)
