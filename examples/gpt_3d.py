@@ -7,6 +7,7 @@
     torchrun --nproc_per_node 8 examples/gpt_3d.py --schedule zero-bubble   # ZB-H1 pipeline
     torchrun --nproc_per_node 8 examples/gpt_3d.py --schedule interleaved-1f1b --virtual-stages 3
     torchrun --nproc_per_node 8 examples/gpt_3d.py --schedule zbv  # two stages per rank in a V
+    torchrun --nproc_per_node 8 examples/gpt_3d.py --schedule all --check --steps 5   # each in turn
 
 Each rank holds 1/tp of the linear and embedding weights (Megatron-split layers), the layers of
 its pipeline stages, and 1/dp of the optimizer state (--zero 1: OSS over the data-parallel group;
@@ -17,10 +18,12 @@ Schedules (--schedule): gpipe, 1f1b and zero-bubble (ZB-H1) run one stage per pi
 interleaved-1f1b runs --virtual-stages v stages per rank (default 2; stage s on pipeline rank
 s mod pp) and zbv two per rank in a V (rank r runs stages r and 2pp-1-r). The GPT's layers
 (embedding, --layers blocks, head) are cut into pp x v consecutive stages, as evenly as they go.
+Several schedules (--schedule zbv,1f1b or all) train one after the other, each from the same
+weights; ``all`` leaves out, with a ``skipped:`` line, those the library refuses with --zero 3.
 
-With --check every rank also trains the unsplit GPT on the whole batch; the last line compares
-the losses of every step with it and, with --optimizer sgd, every rank's weights at the end, and
-says ``check: PASS`` (exit status 0) or ``check: FAIL`` (exit status 1). Weights are not compared
+With --check every rank also trains the unsplit GPT on the whole batch; the last line of each
+schedule compares the losses of every step with it and, with --optimizer sgd, every rank's
+weights at the end, and says ``check: PASS`` or ``check: FAIL`` (exit status 1 if any failed). Weights are not compared
 under AdamW: gradients that are zero in exact arithmetic (the attention key bias's) come out as
 rounding noise that differs between the split and the unsplit model, and Adam turns any such noise
 into steps of about lr, so the weights part by ~lr per step while the training is the same.
@@ -73,22 +76,75 @@ def parse_args(argv=None):
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--zero", type=int, default=1, choices=(1, 2, 3),
                    help="data-parallel sharding: 1 OSS, 2 ShardedDDP + OSS, 3 FSDP")
-    p.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES),
-                   help="pipeline schedule (zero-bubble: ZB-H1, backward split into B and W; "
-                        "interleaved-1f1b: several stages per rank, round-robin; zbv: two "
-                        "stages per rank in a V, backward split)")
+    p.add_argument("--schedule", default="1f1b",
+                   help=f"pipeline schedule: one of {', '.join(SCHEDULES)}; several separated "
+                        f"by commas, or all (every one this layout can run), train one after "
+                        f"the other from the same weights. zero-bubble: ZB-H1, backward split "
+                        f"into B and W; interleaved-1f1b: several stages per rank, "
+                        f"round-robin; zbv: two stages per rank in a V, backward split")
     p.add_argument("--virtual-stages", type=int, default=None,
-                   help="pipeline stages per pipeline rank (default: 2 for interleaved-1f1b "
-                        "and zbv, 1 for the others)")
+                   help="pipeline stages per pipeline rank for interleaved-1f1b (default 2); "
+                        "zbv runs 2, the others 1")
     p.add_argument("--check", action="store_true", help="compare with single-process training")
     args = p.parse_args(argv)
-    if args.virtual_stages is None:
-        args.virtual_stages = SCHEDULES[args.schedule][2]
+    names = list(SCHEDULES) if args.schedule == "all" else args.schedule.split(",")
+    for name in names:
+        if name not in SCHEDULES:
+            p.error(f"--schedule {args.schedule}: {name!r} is not one of {list(SCHEDULES)} "
+                    f"(or all)")
+    args.schedules = list(dict.fromkeys(names))
     return args
 
 
 def config(args) -> GPTConfig:
     return GPTConfig(vocab_size=256, n_layer=args.layers, n_head=4, d_model=64, seq_len=32)
+
+
+def stages_per_rank(args, name: str) -> int:
+    """How many pipeline stages each pipeline rank runs under schedule ``name``."""
+    _, _, default, allowed = SCHEDULES[name]
+    if allowed is None:
+        return default if args.virtual_stages is None else args.virtual_stages
+    return allowed[0]
+
+
+def fsdp_refusal(args, name: str):
+    """Why ``--zero`` cannot run under schedule ``name`` (the library refuses it), or None."""
+    if args.zero == 3 and name in REFUSED_WITH_FSDP:
+        return (f"--zero 3 with --schedule {name}: FSDP's hooks assume one backward per "
+                f"micro-batch, this schedule splits it into B and W; use --zero 1/2 or --schedule "
+                f"gpipe / 1f1b / interleaved-1f1b")
+    return None
+
+
+def schedule_problem(args, name: str):
+    """Why schedule ``name`` cannot run with these arguments (naming the flags), or None."""
+    allowed = SCHEDULES[name][3]
+    v = stages_per_rank(args, name)
+    given = args.virtual_stages
+    if given is not None and allowed is not None and given not in allowed \
+            and args.schedule != "all":
+        return (f"--schedule {name} runs {allowed[0]} stage(s) per pipeline rank, got "
+                f"--virtual-stages {given}; use --virtual-stages {allowed[0]}"
+                + (" or --schedule interleaved-1f1b for several" if allowed == (1,) else ""))
+    stages, layers = args.pp * v, args.layers + 2
+    if stages > layers:
+        return (f"--schedule {name}: --pp {args.pp} x {v} stages per rank"
+                + (f" (--virtual-stages {v})" if allowed is None else "")
+                + f" = {stages} pipeline stages, but the GPT has only {layers} layers to cut "
+                f"(embedding, --layers {args.layers} blocks, head); use --layers >= {stages - 2}"
+                f" or fewer stages")
+    if name == "interleaved-1f1b" and args.chunks % args.pp:
+        return (f"--schedule interleaved-1f1b needs --chunks to be a multiple of --pp {args.pp} "
+                f"(micro-batches go round in groups of pp), got --chunks {args.chunks}")
+    return fsdp_refusal(args, name)
+
+
+def runnable_schedules(args) -> list:
+    """The schedules to train: all those named; with ``--schedule all``, those the library
+    accepts with this ``--zero``."""
+    return [name for name in args.schedules
+            if args.schedule != "all" or fsdp_refusal(args, name) is None]
 
 
 def argument_problem(args, world_size: int):
@@ -98,24 +154,13 @@ def argument_problem(args, world_size: int):
     for flag, value in (("--tp", args.tp), ("--pp", args.pp), ("--steps", args.steps),
                         ("--batch", args.batch), ("--chunks", args.chunks),
                         ("--layers", args.layers), ("--virtual-stages", args.virtual_stages)):
-        if value < 1:
+        if value is not None and value < 1:
             return f"{flag} {value}: expected a positive number"
     if world_size % (args.tp * args.pp):
         return (f"--tp {args.tp} x --pp {args.pp} = {args.tp * args.pp} ranks per pipeline does "
                 f"not divide the world size {world_size}; use a world size that is a multiple")
     if cfg.n_head % args.tp:
         return f"--tp {args.tp} does not divide the GPT's {cfg.n_head} attention heads"
-    _, _, _, allowed = SCHEDULES[args.schedule]
-    v = args.virtual_stages
-    if allowed is not None and v not in allowed:
-        return (f"--schedule {args.schedule} runs {allowed[0]} stage(s) per pipeline rank, got "
-                f"--virtual-stages {v}; use --virtual-stages {allowed[0]}"
-                + (" or --schedule interleaved-1f1b for several" if allowed == (1,) else ""))
-    stages, layers = args.pp * v, cfg.n_layer + 2
-    if stages > layers:
-        return (f"--pp {args.pp} x --virtual-stages {v} = {stages} pipeline stages, but the GPT "
-                f"has only {layers} layers to cut (embedding, --layers {args.layers} blocks, "
-                f"head); use --layers >= {stages - 2} or fewer stages")
     dp = world_size // (args.tp * args.pp)
     if args.batch % dp:
         return (f"--batch {args.batch} is not divisible by the {dp} data-parallel replicas "
@@ -123,16 +168,15 @@ def argument_problem(args, world_size: int):
     if (args.batch // dp) % args.chunks:
         return (f"--chunks {args.chunks} does not divide the {args.batch // dp} sequences of "
                 f"each replica (--batch {args.batch} / {dp} replicas): micro-batches must be equal")
-    if args.schedule == "interleaved-1f1b" and args.chunks % args.pp:
-        return (f"--schedule interleaved-1f1b needs --chunks to be a multiple of --pp {args.pp} "
-                f"(micro-batches go round in groups of pp), got --chunks {args.chunks}")
     if args.zero == 3 and args.sequence_parallel:
         return ("--zero 3 with --sequence-parallel: FSDP flattens the LayerNorm parameters whose "
                 "gradients sequence parallelism must sum; use --zero 1/2")
-    if args.zero == 3 and args.schedule in REFUSED_WITH_FSDP:
-        return (f"--zero 3 with --schedule {args.schedule}: FSDP's hooks assume one backward per "
-                f"micro-batch, this schedule splits it into B and W; use --zero 1/2 or --schedule "
-                f"gpipe / 1f1b / interleaved-1f1b")
+    for name in runnable_schedules(args):
+        problem = schedule_problem(args, name)
+        if problem:
+            return problem
+    if not runnable_schedules(args):
+        return f"--schedule all with --zero {args.zero}: no schedule runs"
     return None
 
 
@@ -159,11 +203,12 @@ def wrap_data_parallel(part, zero: int, dp_group, optimizer_cls, lr: float):
     return part, optimizer, dp_group
 
 
-def build_stages(model, args):
-    """This rank's pipeline stages: [(stage index, layers, PipelineStage, optimizer)], in stage
-    order. Stage s of pp x v runs on the pipeline rank the schedule's placement gives it."""
-    _, placement, _, _ = SCHEDULES[args.schedule]
-    num_stages = args.pp * args.virtual_stages
+def build_stages(model, args, name: str):
+    """This rank's pipeline stages under schedule ``name``: [(stage index, layers,
+    PipelineStage, optimizer)], in stage order. Stage s of pp x v runs on the pipeline rank the
+    schedule's placement gives it."""
+    _, placement, _, _ = SCHEDULES[name]
+    num_stages = args.pp * stages_per_rank(args, name)
     parts = pipe.split_sequential(model, even_balance(len(model), num_stages))
     pipeline_rank, dp_group = mp.get_pipeline_parallel_rank(), mp.get_data_parallel_group()
     built = []
@@ -215,7 +260,7 @@ def weight_difference(cfg, reference, built, sequence_parallel: bool) -> float:
     return worst
 
 
-def report_check(args, cfg, reference, built, worst_loss: float, printer: bool) -> bool:
+def report_check(args, name, cfg, reference, built, worst_loss: float, printer: bool) -> bool:
     """Share the worst loss and weight differences over the world (one all-reduce; FSDP stages
     gather their weights first), print the ``check:`` line on ``printer``, return whether the
     run matched single-process training."""
@@ -230,38 +275,36 @@ def report_check(args, cfg, reference, built, worst_loss: float, printer: bool) 
         weights = (f"max |weight - single-process weight| on every rank {worst_weight:.2e} "
                    f"(tolerance {WEIGHT_TOLERANCE:.0e})" if compare_weights else
                    "weights not compared under adamw (use --optimizer sgd)")
-        print(f"check: {'PASS' if passed else 'FAIL'}  --schedule {args.schedule}: "
-              f"{args.pp * args.virtual_stages} stages on {args.pp} pipeline ranks; max |loss - "
+        print(f"check: {'PASS' if passed else 'FAIL'}  --schedule {name}: "
+              f"{args.pp * stages_per_rank(args, name)} stages on {args.pp} pipeline ranks; "
+              f"max |loss - "
               f"single-process loss| over {args.steps} steps {worst_loss:.2e} (tolerance "
               f"{LOSS_TOLERANCE:.0e}); {weights}", flush=True)
     return passed
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    problem = argument_problem(args, int(os.environ.get("WORLD_SIZE", "1")))
-    if problem:
-        raise SystemExit(problem)
-    distributed.init_distributed()
-    mp.initialize_model_parallel(args.tp, pipeline_length=args.pp)
+def train(args, name: str) -> bool:
+    """Train ``args.steps`` steps under schedule ``name`` from the reference weights; with
+    ``--check`` compare with one process and return whether it matched (else True)."""
     mp.model_parallel_manual_seed(0)
     cfg = config(args)
 
     # model: the unsplit reference weights, Megatron-split; this rank keeps its stages
     model = TensorParallelGPT(cfg, sequence_parallel=args.sequence_parallel)
     load_full_model_state_dict(model, from_reference_state_dict(GPT(cfg, seed=0).state_dict(), cfg))
-    built = build_stages(model, args)
-    num_stages = args.pp * args.virtual_stages
+    built = build_stages(model, args, name)
+    num_stages = args.pp * stages_per_rank(args, name)
     is_last = any(s == num_stages - 1 for s, *_ in built)
-    cls = SCHEDULES[args.schedule][0]
     stages = [stage for _, _, stage, _ in built]
-    schedule = cls(stages[0] if len(stages) == 1 else stages, chunks=args.chunks,
-                   loss_fn=gpt_loss)
+    schedule = SCHEDULES[name][0](stages[0] if len(stages) == 1 else stages,
+                                  chunks=args.chunks, loss_fn=gpt_loss)
     if args.zero in (2, 3) and mp.get_data_parallel_world_size() > 1:
         keep_first_plan(schedule)
     optimizers = [optimizer for *_, optimizer in built]
     # one rank prints: the last stage's, first of its tensor- and data-parallel groups
     printer = is_last and mp.get_model_parallel_rank() == 0 and mp.get_data_parallel_rank() == 0
+    if printer and len(args.schedules) > 1:
+        print(f"--schedule {name}: {num_stages} stages on {args.pp} pipeline ranks", flush=True)
 
     if args.check:
         reference = GPT(cfg, seed=0)
@@ -295,12 +338,26 @@ def main(argv=None):
             print(f"step {step:3d}  loss {loss:.4f}"
                   + (f"  single-process {expected.item():.4f}" if args.check else ""), flush=True)
 
-    failed = False
-    if args.check:
-        failed = not report_check(args, cfg, reference, built, worst_loss, printer)
+    if not args.check:
+        return True
+    return report_check(args, name, cfg, reference, built, worst_loss, printer)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    problem = argument_problem(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if problem:
+        raise SystemExit(problem)
+    distributed.init_distributed()
+    mp.initialize_model_parallel(args.tp, pipeline_length=args.pp)
+    if distributed.get_rank() == 0:
+        for name in args.schedules:
+            if name not in runnable_schedules(args):
+                print(f"skipped: {fsdp_refusal(args, name)}", flush=True)
+    passed = [train(args, name) for name in runnable_schedules(args)]
     mp.destroy_model_parallel()
     distributed.destroy()
-    if failed:
+    if not all(passed):
         sys.exit(1)
 
 
