@@ -23,10 +23,11 @@ weights; ``all`` leaves out, with a ``skipped:`` line, those the library refuses
 
 With --check every rank also trains the unsplit GPT on the whole batch; the last line of each
 schedule compares the losses of every step with it and, with --optimizer sgd, every rank's
-weights at the end, and says ``check: PASS`` or ``check: FAIL`` (exit status 1 if any failed). Weights are not compared
-under AdamW: gradients that are zero in exact arithmetic (the attention key bias's) come out as
-rounding noise that differs between the split and the unsplit model, and Adam turns any such noise
-into steps of about lr, so the weights part by ~lr per step while the training is the same.
+weights at the end, and says ``check: PASS`` or ``check: FAIL`` (exit status 1 if any failed).
+Weights are not compared under AdamW: gradients that are zero in exact arithmetic (the attention
+key bias's) come out as rounding noise that differs between the split and the unsplit model, and
+Adam turns any such noise into steps of about lr, so the weights part by ~lr per step while the
+training is the same.
 """
 
 import argparse
