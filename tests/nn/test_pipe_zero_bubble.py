@@ -195,10 +195,12 @@ def _bad_inputs():
         messages.append("no error")
     except ValueError as error:
         messages.append(str(error))
+    from shardkit.nn.checkpoint import checkpoint_wrapper
     from shardkit.nn.data_parallel import FullyShardedDataParallel
 
     alone = [dist.new_group([r]) for r in range(world)][rank]
     part = split_sequential(MLP(16, 8, out=4, seed=0), _even(17, world))[rank]
+    part[0] = checkpoint_wrapper(part[0])
     stage = PipelineStage(FullyShardedDataParallel(part, process_group=alone), rank, world)
     try:
         ScheduleZeroBubble(stage, 2, F.mse_loss).step(x, target=y)
@@ -219,7 +221,8 @@ def test_bad_input_raises_a_clear_error_on_every_rank(world2):
                in m for m in zbv)
     assert all("runs one stage per rank, but the pipeline has 4 stages on 2 ranks" in m
                for m in one_stage)
-    assert all("rank 1: stage 1 is wrapped in FullyShardedDataParallel" in m for m in fsdp)
+    assert all("rank 1: stage 1 is wrapped in FullyShardedDataParallel and holds a "
+               "checkpoint_wrapper module" in m for m in fsdp)
 
 
 def _hooks_fire_once_per_step():

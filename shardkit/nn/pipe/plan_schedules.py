@@ -33,6 +33,7 @@ from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan, i
                                    one_f_one_b_plan, zb_h1_plan, zbv_plan)
 from shardkit.nn.pipe.schedules import (ActivationMemoryMeter, busy_time,
                                         check_schedule_agreement)
+from shardkit.nn.pipe.fsdp_weight_sink import ShardedGradientSink, stage_is_fully_sharded
 from shardkit.nn.pipe.split_backward import GradientSink, backward_input
 from shardkit.nn.pipe.stage import PipelineStage
 
@@ -238,16 +239,17 @@ class PlanSchedule:
         if any(s.group is not self.group for s in stages):
             problems.append("the stages of one rank must share one pipeline group")
         if self.plan.split_backward():
-            from shardkit.nn.data_parallel import FullyShardedDataParallel
+            from shardkit.nn.checkpoint import is_checkpoint_wrapped
 
             for stage in stages:
-                if any(isinstance(m, FullyShardedDataParallel) for m in stage.module.modules()):
+                if stage_is_fully_sharded(stage.module) and any(
+                        is_checkpoint_wrapped(m) for m in stage.module.modules()):
                     problems.append(
-                        f"stage {stage.stage_index} is wrapped in FullyShardedDataParallel, "
-                        f"whose gather/reduce-scatter hooks assume one backward per "
-                        f"micro-batch; {type(self).__name__} splits backward into B and W. Use "
-                        f"OSS or ShardedDataParallel on the stage's data-parallel group, or "
-                        f"Schedule1F1B / ScheduleInterleaved1F1B with FSDP")
+                        f"stage {stage.stage_index} is wrapped in FullyShardedDataParallel and "
+                        f"holds a checkpoint_wrapper module; {type(self).__name__} splits "
+                        f"backward into B and W, and W would meet recomputed weights FSDP has "
+                        f"already freed. Remove checkpoint_wrapper from this stage, or use "
+                        f"Schedule1F1B / ScheduleInterleaved1F1B")
         return problems
 
     # ------------------------------------------------------------------ one step
@@ -268,7 +270,8 @@ class PlanSchedule:
         self._weights: dict = {}   # (stage, i) -> WeightGradPass
         self._handoff: dict = {}   # local activations and gradients between this rank's stages
         self._losses: list = []
-        self._sinks = {s: GradientSink(stage.parameters(), self.weight_grad_merge)
+        self._sinks = {s: ShardedGradientSink() if self._whole_backward[s] else
+                       GradientSink(stage.parameters(), self.weight_grad_merge)
                        for s, stage in self.stages.items()}
         self._alive = 0
         self.peak_live_microbatches = 0
@@ -375,9 +378,9 @@ class PlanSchedule:
     def _run_B(self, s: int, i: int) -> None:
         activation, roots = self._live.pop((s, i))
         grads = self._output_grads(s, i, roots)
-        params = list(self.stages[s].parameters())
         if roots:
             with self._busy():
+                params = self._sinks[s].weight_targets(roots)
                 input_grads, weight_pass = backward_input(roots, grads, activation, params)
         else:
             input_grads, weight_pass = [None] * len(activation), None
@@ -433,10 +436,9 @@ class PlanSchedule:
 
 
 def _runs_whole_backward(stage: PipelineStage) -> bool:
-    """Whether BW must stay one plain backward: FSDP's gather/reduce-scatter hooks expect it."""
-    from shardkit.nn.data_parallel import FullyShardedDataParallel
-
-    return any(isinstance(m, FullyShardedDataParallel) for m in stage.module.modules())
+    """Whether BW stays one plain backward (FSDP's hooks then reduce-scatter as usual); B and W
+    of such a stage go through :class:`ShardedGradientSink`."""
+    return stage_is_fully_sharded(stage.module)
 
 
 class ScheduleGPipe(PlanSchedule):
