@@ -48,7 +48,8 @@ def _train(schedule_name, wrapper, model="mlp", accumulate=False):
     """Worst |weight - reference weight| over this rank's stages after each step, and under FSDP
     worst |gradient shard - the reference gradient's rows| before each optimizer step. With
     ``accumulate``, each optimizer step follows two schedule steps, the first inside every
-    stage's ``no_sync()`` (FSDP only)."""
+    stage's ``no_sync()`` (FSDP only). Also the bytes of gathered parameters and unsharded
+    gradients FSDP still held after the synchronised steps (all must be released)."""
     rank = dist.get_rank()
     pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -73,7 +74,7 @@ def _train(schedule_name, wrapper, model="mlp", accumulate=False):
     arg = stages[0] if cls in (ScheduleGPipe, Schedule1F1B) else stages
     schedule = cls(arg, CHUNKS, loss_fn)
     half = slice(pipeline * BATCH // 2, (pipeline + 1) * BATCH // 2)
-    worst = 0.0
+    worst, left = 0.0, 0
     for step in range(STEPS):
         batches = [batch(2 * step), batch(2 * step + 1)] if accumulate else [batch(step)]
         ref_opt.zero_grad()
@@ -88,6 +89,7 @@ def _train(schedule_name, wrapper, model="mlp", accumulate=False):
                         local.enter_context(stage.module.no_sync())
                 schedule.step(x[half], target=y[half])
         if wrapper == "fsdp":
+            left += _fsdp_bytes_held([st.module for st in stages])
             worst = max([worst] + [_shard_grad_error(parts[s], ref_parts[s])
                                    for s in mine])
         ref_opt.step()
@@ -96,7 +98,15 @@ def _train(schedule_name, wrapper, model="mlp", accumulate=False):
         for s in mine:
             worst = max([worst] + [(a - b).abs().max().item() for a, b in zip(
                 _full_params(stages[mine.index(s)].module, parts[s]), ref_parts[s].parameters())])
-    return worst
+    return worst, left
+
+
+def _fsdp_bytes_held(modules):
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+
+    grads = sum(t.numel() * t.element_size() for m in modules for unit in m.sharded_units()
+                for kind, t in unit.model_state_tensors() if kind == "grads")
+    return FullyShardedDataParallel.gathered_param_bytes().live + grads
 
 
 def _shard_grad_error(part, ref_part):
@@ -127,5 +137,6 @@ def _grid():
 
 def test_every_schedule_under_each_data_parallel_wrapper(world4):
     for rank, results in enumerate(world4.run(_grid)):
-        for key, worst in results.items():
+        for key, (worst, left) in results.items():
             assert worst <= 1e-5, (key, rank, worst)
+            assert left == 0, (key, rank, left)

@@ -114,6 +114,7 @@ class ShardedGradientSink:
             slots = by_shard.setdefault(shard, [None] * len(shard.params))
             g = grads.get(edge)
             if g is not None:
+                g = g.reshape(-1)  # the unit takes flat gradients, as its split's backward gives
                 slots[index] = g if slots[index] is None else slots[index] + g
         for shard, slots in by_shard.items():
             shard.receive_grads(slots)

@@ -11,6 +11,14 @@ posted ahead once the shapes are known (after the first step), so data lands whi
 computes. Every message carries a tag naming (kind, stage boundary, micro-batch, tensor), so two
 stages of one rank talking to the same neighbour never mix their messages.
 
+Under FullyShardedDataParallel (a stage module that is or holds FSDP units on the stage's
+data-parallel group): ``BW`` stays one plain backward (FSDP's hooks gather, reduce-scatter and
+free as usual); ``B`` and ``W`` go through :class:`~shardkit.nn.pipe.fsdp_weight_sink.
+ShardedGradientSink`, which hands each unit its gradients after every W (one reduce-scatter per
+unit and micro-batch, or accumulation inside the unit's ``no_sync()``) and says what is gathered
+between B and W (nothing) and during W. A stage holding a ``checkpoint_wrapper`` module under
+FSDP is refused when backward is split.
+
 Loss and micro-batches: the batch is split into ``chunks`` equal micro-batches (an uneven split
 is an error: a mean loss over unequal micro-batches would weight rows unequally); each
 micro-batch's loss is divided by ``chunks`` before its backward. Call ``optimizer.zero_grad()``
@@ -533,7 +541,8 @@ class ScheduleZeroBubble(PlanSchedule):
     Bubble: ``(p-1)(F+B-W)``, a third of 1F1B's when F, B and W take equal time. Memory: at most
     ``p`` micro-batches alive on every rank (1F1B's peak), plus the gradients B records for W
     (about one activation per parameterised layer per waiting micro-batch). Gradient hooks on
-    parameters fire once per step. Communication: as 1F1B.
+    parameters fire once per step. Communication: as 1F1B. Under FSDP: see
+    :mod:`~shardkit.nn.pipe.fsdp_weight_sink` (each unit reduce-scatters after each W).
     """
 
     def build_plan(self, num_ranks, chunks, costs=None):
@@ -550,6 +559,8 @@ class ScheduleZBV(PlanSchedule):
     Bubble: close to zero (see :func:`~shardkit.nn.pipe.plan.zbv_plan`'s dry run). Memory: at
     most ``2p`` half-size stage-micro-batches per rank, 1F1B's peak. Communication: about twice
     1F1B's messages, each of one activation; the hand-over at the V's tip stays on the rank.
+    Each of the two stages may be wrapped in its own FSDP (see
+    :mod:`~shardkit.nn.pipe.fsdp_weight_sink`).
 
     The first two steps run the order planned for F = B = W; at the start of the third, the
     ranks share the compute seconds they measured per F, B and W in the second (one small
