@@ -73,10 +73,6 @@ def main():
     if args.zero == 3 and args.sequence_parallel:
         raise SystemExit("--zero 3 with --sequence-parallel: FSDP flattens the LayerNorm "
                          "parameters whose gradients sequence parallelism must sum; use --zero 1/2")
-    if args.zero == 3 and args.schedule == "zero-bubble":
-        raise SystemExit("--zero 3 with --schedule zero-bubble: FSDP's hooks assume one backward "
-                         "per micro-batch, ZB-H1 splits it in two; use --zero 1/2 or another "
-                         "--schedule")
     distributed.init_distributed()
     mp.initialize_model_parallel(args.tp, pipeline_length=args.pp)
     mp.model_parallel_manual_seed(0)
