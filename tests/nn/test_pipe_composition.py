@@ -35,8 +35,13 @@ def _wrap(part, wrapper, replicas):
     from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
     from shardkit.optim import OSS
 
-    if wrapper == "fsdp":
-        module = FullyShardedDataParallel(part, process_group=replicas)
+    if wrapper == "fsdp":  # GPT stages: a root unit over one unit per Block (resharded)
+        from shardkit.models import Block
+        from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
+
+        with enable_wrap(wrapper_cls=FullyShardedDataParallel, process_group=replicas):
+            module = FullyShardedDataParallel(
+                auto_wrap(part, transformer_auto_wrap_policy({Block})), process_group=replicas)
         return module, torch.optim.SGD(module.parameters(), lr=0.1)
     opt = OSS(part.parameters(), optim=torch.optim.SGD, group=replicas, lr=0.1)
     if wrapper == "sharded_ddp":

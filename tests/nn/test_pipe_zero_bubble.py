@@ -207,11 +207,18 @@ def _bad_inputs():
         messages.append("no error")
     except ValueError as error:
         messages.append(str(error))
+    mixed = split_sequential(MLP(16, 8, out=4, seed=0), _even(17, world))[rank]
+    mixed[0] = FullyShardedDataParallel(mixed[0], process_group=alone)
+    try:
+        ScheduleZeroBubble(PipelineStage(mixed, rank, world), 2, F.mse_loss).step(x, target=y)
+        messages.append("no error")
+    except ValueError as error:
+        messages.append(str(error))
     return messages
 
 
 def test_bad_input_raises_a_clear_error_on_every_rank(world2):
-    uneven, works, interleaved, zbv, one_stage, fsdp = zip(*world2.run(_bad_inputs))
+    uneven, works, interleaved, zbv, one_stage, fsdp, mixed = zip(*world2.run(_bad_inputs))
     assert all("rank 0: batch size 10 is not divisible by chunks=4" in m for m in uneven)
     assert all("rank 1: target of shape (10, 4) cannot be split into chunks=4 equal" in m
                for m in uneven)
@@ -223,6 +230,8 @@ def test_bad_input_raises_a_clear_error_on_every_rank(world2):
                for m in one_stage)
     assert all("rank 1: stage 1 is wrapped in FullyShardedDataParallel and holds a "
                "checkpoint_wrapper module" in m for m in fsdp)
+    assert all("rank 0: stage 0 holds FullyShardedDataParallel units and 8 trainable "
+               "parameters outside them (e.g. '2.weight')" in m for m in mixed)
 
 
 def _hooks_fire_once_per_step():

@@ -52,7 +52,7 @@ import torch
 from shardkit.nn.data_parallel.flat_param import gathered_param_edges
 from shardkit.nn.pipe.split_backward import WeightGradPass
 
-__all__ = ["ShardedGradientSink"]
+__all__ = ["ShardedGradientSink", "stage_is_fully_sharded", "params_outside_fsdp"]
 
 # Ops whose gradient for the parameter's side reads only the other operand (the input side).
 _FRONTIER_WITHOUT_WEIGHTS = frozenset({"AddmmBackward0", "MmBackward0", "EmbeddingBackward0",
@@ -148,3 +148,15 @@ def stage_is_fully_sharded(module: torch.nn.Module) -> bool:
 
     return any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
 
+
+def params_outside_fsdp(module: torch.nn.Module) -> list[str]:
+    """Names of ``module``'s trainable parameters that no FullyShardedDataParallel unit in it
+    owns (empty when there is no unit: nothing is sharded)."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+
+    units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+    owned = {id(p) for unit in units for p in unit.parameters()}
+    if not units:
+        return []
+    return [name for name, p in module.named_parameters()
+            if p.requires_grad and id(p) not in owned]

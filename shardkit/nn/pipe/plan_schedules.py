@@ -41,7 +41,8 @@ from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan, i
                                    one_f_one_b_plan, zb_h1_plan, zbv_plan)
 from shardkit.nn.pipe.schedules import (ActivationMemoryMeter, busy_time,
                                         check_schedule_agreement)
-from shardkit.nn.pipe.fsdp_weight_sink import ShardedGradientSink, stage_is_fully_sharded
+from shardkit.nn.pipe.fsdp_weight_sink import (ShardedGradientSink, params_outside_fsdp,
+                                               stage_is_fully_sharded)
 from shardkit.nn.pipe.split_backward import GradientSink, backward_input
 from shardkit.nn.pipe.stage import PipelineStage
 
@@ -250,6 +251,14 @@ class PlanSchedule:
             from shardkit.nn.checkpoint import is_checkpoint_wrapped
 
             for stage in stages:
+                outside = params_outside_fsdp(stage.module)
+                if stage_is_fully_sharded(stage.module) and outside:
+                    problems.append(
+                        f"stage {stage.stage_index} holds FullyShardedDataParallel units and "
+                        f"{len(outside)} trainable parameters outside them (e.g. "
+                        f"{outside[0]!r}); {type(self).__name__} splits backward into B and W "
+                        f"and hands W's gradients to the FSDP units only. Wrap the whole stage "
+                        f"module in FullyShardedDataParallel (inner units may stay)")
                 if stage_is_fully_sharded(stage.module) and any(
                         is_checkpoint_wrapped(m) for m in stage.module.modules()):
                     problems.append(
