@@ -72,8 +72,6 @@ class ShardedGradientSink:
     Memory: nothing beyond FSDP's own (see the module docstring for what W gathers).
     """
 
-    deferred = False
-
     def __init__(self):
         self._owners: dict = {}    # GradientEdge -> (shard, index), for the waiting W passes
         self._touched: dict = {}   # shards that got gradients this step, in order
@@ -126,9 +124,6 @@ class ShardedGradientSink:
         if not reads:
             return []
         return list(dict.fromkeys(self._owners[p][0] for p in params))
-
-    def flush(self) -> None:
-        """Nothing waits between W passes (no matrix products are merged)."""
 
     def deliver(self) -> None:
         """Wait for this step's reduce-scatters (and replica all-reduces) and add them to the

@@ -133,12 +133,12 @@ class WeightGradPass:
     of this micro-batch (and frees the graph). Runs at most once."""
 
     def __init__(self, groups: list, recorded: dict, root_grads: dict, products: list = (),
-                 input_side: frozenset = frozenset()):
+                 input_side: Optional[set] = None):
         self._groups = groups          # [(frontier nodes, params)]
         self._recorded = recorded      # frontier node -> tuple of gradients at its outputs
         self._root_grads = root_grads  # root node -> its gradient tuple (roots in the frontier)
         self._products = list(products)  # [(product node, weight, bias or None)]
-        self._input_side = input_side  # nodes B walked (W runs none of them but the frontier)
+        self._input_side = input_side or set()  # nodes B walked (W runs none but the frontier)
 
     def groups(self) -> list:
         """``[(frontier nodes, params, nodes below the frontier)]``, one entry per autograd call
@@ -194,7 +194,7 @@ class WeightGradPass:
             with around_group(k) if around_group is not None else contextlib.nullcontext():
                 self._run_group(frontier, params, recorded, into_grad, retain, out)
         self._groups = self._recorded = self._root_grads = self._products = None
-        self._input_side = frozenset()
+        self._input_side = set()
         return out
 
     @staticmethod
@@ -419,7 +419,7 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Optional[Sequence], inp
         for handle in handles:
             handle.remove()
     root_grads = _root_gradients(root_edges, grads, frontier, input_side)
-    return result, WeightGradPass(generic, recorded, root_grads, products, frozenset(input_side))
+    return result, WeightGradPass(generic, recorded, root_grads, products, input_side)
 
 
 class GradientSink:
