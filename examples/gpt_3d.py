@@ -19,7 +19,7 @@ interleaved-1f1b runs --virtual-stages v stages per rank (default 2; stage s on 
 s mod pp) and zbv two per rank in a V (rank r runs stages r and 2pp-1-r). The GPT's layers
 (embedding, --layers blocks, head) are cut into pp x v consecutive stages, as evenly as they go.
 Several schedules (--schedule zbv,1f1b or all) train one after the other, each from the same
-weights; ``all`` leaves out, with a ``skipped:`` line, those the library refuses with --zero 3.
+weights.
 
 With --check every rank also trains the unsplit GPT on the whole batch; the last line of each
 schedule compares the losses of every step with it and, with --optimizer sgd, every rank's
@@ -53,9 +53,6 @@ SCHEDULES = {
     "interleaved-1f1b": (pipe.ScheduleInterleaved1F1B, "loop", 2, None),  # None: any v >= 1
     "zbv": (pipe.ScheduleZBV, "v", 2, (2,)),
 }
-# Schedules with backward split into B and W: the library refuses FSDP stages under them
-# (FSDP's hooks assume one backward per micro-batch). Empty this when it accepts them.
-REFUSED_WITH_FSDP = ("zero-bubble", "zbv")
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 # fp32 parity with one process (micro-batches, tensor-parallel sums and the data-parallel mean
 # round differently; measured differences are around 1e-6)
@@ -109,15 +106,6 @@ def stages_per_rank(args, name: str) -> int:
     return allowed[0]
 
 
-def fsdp_refusal(args, name: str):
-    """Why ``--zero`` cannot run under schedule ``name`` (the library refuses it), or None."""
-    if args.zero == 3 and name in REFUSED_WITH_FSDP:
-        return (f"--zero 3 with --schedule {name}: FSDP's hooks assume one backward per "
-                f"micro-batch, this schedule splits it into B and W; use --zero 1/2 or --schedule "
-                f"gpipe / 1f1b / interleaved-1f1b")
-    return None
-
-
 def schedule_problem(args, name: str):
     """Why schedule ``name`` cannot run with these arguments (naming the flags), or None."""
     allowed = SCHEDULES[name][3]
@@ -138,14 +126,7 @@ def schedule_problem(args, name: str):
     if name == "interleaved-1f1b" and args.chunks % args.pp:
         return (f"--schedule interleaved-1f1b needs --chunks to be a multiple of --pp {args.pp} "
                 f"(micro-batches go round in groups of pp), got --chunks {args.chunks}")
-    return fsdp_refusal(args, name)
-
-
-def runnable_schedules(args) -> list:
-    """The schedules to train: all those named; with ``--schedule all``, those the library
-    accepts with this ``--zero``."""
-    return [name for name in args.schedules
-            if args.schedule != "all" or fsdp_refusal(args, name) is None]
+    return None
 
 
 def argument_problem(args, world_size: int):
@@ -172,12 +153,10 @@ def argument_problem(args, world_size: int):
     if args.zero == 3 and args.sequence_parallel:
         return ("--zero 3 with --sequence-parallel: FSDP flattens the LayerNorm parameters whose "
                 "gradients sequence parallelism must sum; use --zero 1/2")
-    for name in runnable_schedules(args):
+    for name in args.schedules:
         problem = schedule_problem(args, name)
         if problem:
             return problem
-    if not runnable_schedules(args):
-        return f"--schedule all with --zero {args.zero}: no schedule runs"
     return None
 
 
@@ -224,19 +203,6 @@ def build_stages(model, args, name: str):
         built.append((s, parts[s], stage, optimizer))
     return built
 
-
-def keep_first_plan(schedule) -> None:
-    """Keep the plan every pipeline starts with (ZBV: no re-plan from measured costs).
-
-    ZBV re-plans at its third step from the compute times its pipeline measured, agreed over the
-    pipeline group only, so two replicas of a stage in different pipelines can get different
-    orders of their W passes. ShardedDDP and FSDP start the stage's gradient reduction over the
-    replicas inside those passes: with two stages per rank in different orders the replicas
-    would reduce different stages against each other (a collective mismatch). OSS (--zero 1)
-    reduces after the step in stage order and keeps the re-plan.
-    """
-    if getattr(schedule, "plans_from_measured_costs", False):
-        schedule.plans_from_measured_costs = False
 
 
 def stage_weights(part, stage) -> dict:
@@ -299,8 +265,6 @@ def train(args, name: str) -> bool:
     stages = [stage for _, _, stage, _ in built]
     schedule = SCHEDULES[name][0](stages[0] if len(stages) == 1 else stages,
                                   chunks=args.chunks, loss_fn=gpt_loss)
-    if args.zero in (2, 3) and mp.get_data_parallel_world_size() > 1:
-        keep_first_plan(schedule)
     optimizers = [optimizer for *_, optimizer in built]
     # one rank prints: the last stage's, first of its tensor- and data-parallel groups
     printer = is_last and mp.get_model_parallel_rank() == 0 and mp.get_data_parallel_rank() == 0
@@ -351,11 +315,7 @@ def main(argv=None):
         raise SystemExit(problem)
     distributed.init_distributed()
     mp.initialize_model_parallel(args.tp, pipeline_length=args.pp)
-    if distributed.get_rank() == 0:
-        for name in args.schedules:
-            if name not in runnable_schedules(args):
-                print(f"skipped: {fsdp_refusal(args, name)}", flush=True)
-    passed = [train(args, name) for name in runnable_schedules(args)]
+    passed = [train(args, name) for name in args.schedules]
     mp.destroy_model_parallel()
     distributed.destroy()
     if not all(passed):

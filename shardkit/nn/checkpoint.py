@@ -33,7 +33,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 __all__ = ["checkpoint_wrapper", "disable_checkpointing", "is_checkpointing", "is_recomputing",
-           "checkpointed_call", "apply_activation_checkpointing"]
+           "checkpointed_call", "apply_activation_checkpointing", "is_checkpoint_wrapped"]
 
 
 class _CheckpointState(threading.local):
@@ -179,6 +179,11 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
     module._shardkit_offload_to_cpu = offload_to_cpu
     module.forward = types.MethodType(_checkpointed_forward, module)
     return module
+
+
+def is_checkpoint_wrapped(module: nn.Module) -> bool:
+    """Whether :func:`checkpoint_wrapper` made ``module``'s forward a checkpointed region."""
+    return hasattr(module, "_shardkit_unwrapped_forward")
 
 
 def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,

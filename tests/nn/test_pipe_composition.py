@@ -1,8 +1,10 @@
 """Every schedule under a data-parallel wrapper on each stage's replica group (2 pipelines x 2
-ranks): OSS with the stage's all-reduce, ShardedDDP + OSS, and FSDP where the schedule runs one
-plain backward per micro-batch. Parity with one process training on the whole batch, per step."""
+ranks): OSS with the stage's all-reduce, ShardedDDP + OSS, and FSDP (with ZB-H1 and ZBV too, whose
+backward is split into B and W; FSDP's sharded gradients checked as well, and ``no_sync``
+accumulation). Parity with one process training on the whole batch, per step."""
 
-import pytest
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -10,8 +12,10 @@ from shardkit import distributed as dist
 from shardkit.models import MLP
 from shardkit.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe, split_sequential
 from shardkit.nn.pipe.stage import stage_rank
+from shardkit.checkpoint.resharding import ParamLayout, shard_rows
 from shardkit.testing import world_fixture
-from tests.nn.test_pipe_zero_bubble import SCHEDULES as ZERO_BUBBLE_SCHEDULES, _even
+from tests.nn.test_pipe_zero_bubble import (MODELS, SCHEDULES as ZERO_BUBBLE_SCHEDULES, _even,
+                                            _gpt_layers)
 
 BATCH, STEPS, CHUNKS = 16, 2, 4
 world4 = world_fixture(4)
@@ -31,8 +35,13 @@ def _wrap(part, wrapper, replicas):
     from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
     from shardkit.optim import OSS
 
-    if wrapper == "fsdp":
-        module = FullyShardedDataParallel(part, process_group=replicas)
+    if wrapper == "fsdp":  # GPT stages: a root unit over one unit per Block (resharded)
+        from shardkit.models import Block
+        from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
+
+        with enable_wrap(wrapper_cls=FullyShardedDataParallel, process_group=replicas):
+            module = FullyShardedDataParallel(
+                auto_wrap(part, transformer_auto_wrap_policy({Block})), process_group=replicas)
         return module, torch.optim.SGD(module.parameters(), lr=0.1)
     opt = OSS(part.parameters(), optim=torch.optim.SGD, group=replicas, lr=0.1)
     if wrapper == "sharded_ddp":
@@ -40,8 +49,12 @@ def _wrap(part, wrapper, replicas):
     return part, opt  # "oss": the stage all-reduces its gradients over data_parallel_group
 
 
-def _train(schedule_name, wrapper):
-    """Worst |weight - reference weight| over this rank's stages after each step."""
+def _train(schedule_name, wrapper, model="mlp", accumulate=False):
+    """Worst |weight - reference weight| over this rank's stages after each step, and under FSDP
+    worst |gradient shard - the reference gradient's rows| before each optimizer step. With
+    ``accumulate``, each optimizer step follows two schedule steps, the first inside every
+    stage's ``no_sync()`` (FSDP only). Also the bytes of gathered parameters and unsharded
+    gradients FSDP still held after the synchronised steps (all must be released)."""
     rank = dist.get_rank()
     pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -49,10 +62,12 @@ def _train(schedule_name, wrapper):
     replicas = replica_groups[pipe_rank]
     cls, per_rank, placement = SCHEDULES[schedule_name]
     num_stages = 2 * per_rank
-    reference = MLP(16, 8, out=4, seed=0)
+    make, batch, loss_fn = (lambda: MLP(16, 8, out=4, seed=0), _batch, F.mse_loss) \
+        if model == "mlp" else (_gpt_layers, MODELS["gpt"][1], MODELS["gpt"][2])
+    reference = make()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    ref_parts = split_sequential(reference, _even(17, num_stages))
-    parts = split_sequential(MLP(16, 8, out=4, seed=0), _even(17, num_stages))
+    ref_parts = split_sequential(reference, _even(len(reference), num_stages))
+    parts = split_sequential(make(), _even(len(reference), num_stages))
     mine = [s for s in range(num_stages) if stage_rank(s, num_stages, 2, placement) == pipe_rank]
     stages, opts = [], []
     for s in mine:
@@ -62,23 +77,48 @@ def _train(schedule_name, wrapper):
                                     placement=placement))
         opts.append(opt)
     arg = stages[0] if cls in (ScheduleGPipe, Schedule1F1B) else stages
-    schedule = cls(arg, CHUNKS, F.mse_loss)
+    schedule = cls(arg, CHUNKS, loss_fn)
     half = slice(pipeline * BATCH // 2, (pipeline + 1) * BATCH // 2)
-    worst = 0.0
+    worst, left = 0.0, 0
     for step in range(STEPS):
-        x, y = _batch(step)
+        batches = [batch(2 * step), batch(2 * step + 1)] if accumulate else [batch(step)]
         ref_opt.zero_grad()
-        F.mse_loss(reference(x), y).backward()
-        ref_opt.step()
+        for x, y in batches:
+            loss_fn(reference(x), y).backward()
         for opt in opts:
             opt.zero_grad()
-        schedule.step(x[half], target=y[half])
+        for k, (x, y) in enumerate(batches):
+            with contextlib.ExitStack() as local:
+                if k < len(batches) - 1:
+                    for stage in stages:
+                        local.enter_context(stage.module.no_sync())
+                schedule.step(x[half], target=y[half])
+        if wrapper == "fsdp":
+            left += _fsdp_bytes_held([st.module for st in stages])
+            worst = max([worst] + [_shard_grad_error(parts[s], ref_parts[s])
+                                   for s in mine])
+        ref_opt.step()
         for opt in opts:
             opt.step()
         for s in mine:
             worst = max([worst] + [(a - b).abs().max().item() for a, b in zip(
                 _full_params(stages[mine.index(s)].module, parts[s]), ref_parts[s].parameters())])
-    return worst
+    return worst, left
+
+
+def _fsdp_bytes_held(modules):
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+
+    grads = sum(t.numel() * t.element_size() for m in modules for unit in m.sharded_units()
+                for kind, t in unit.model_state_tensors() if kind == "grads")
+    return FullyShardedDataParallel.gathered_param_bytes().live + grads
+
+
+def _shard_grad_error(part, ref_part):
+    """Worst |FSDP gradient shard - this data-parallel rank's rows of the reference gradient|."""
+    dp_rank, dp_size = dist.get_rank() // 2, 2  # replica groups [0, 2] and [1, 3]
+    return max((p.grad - shard_rows(r.grad, ParamLayout(r.shape, dp_size), dp_rank)).abs().max()
+               .item() for p, r in zip(part.parameters(), ref_part.parameters()))
 
 
 def _full_params(module, part):
@@ -92,16 +132,17 @@ def _full_params(module, part):
 
 
 def _grid():
-    out = {}
-    for wrapper in ("oss", "sharded_ddp", "fsdp"):
-        for name in SCHEDULES:
-            if wrapper == "fsdp" and name in ("ZeroBubble", "ZBV"):
-                continue  # refused with a clear error (see test_pipe_zero_bubble)
-            out[(wrapper, name)] = _train(name, wrapper)
+    out = {(wrapper, name, "mlp"): _train(name, wrapper)
+           for wrapper in ("oss", "sharded_ddp", "fsdp") for name in SCHEDULES}
+    # LayerNorms, attention, embeddings (W gathers the weights of the units it needs), on 4 GPT
+    # stages; no_sync accumulation over two steps (the same path under ZBV)
+    out[("fsdp", "ZBV", "gpt")] = _train("ZBV", "fsdp", model="gpt")
+    out[("fsdp", "ZeroBubble", "mlp, no_sync")] = _train("ZeroBubble", "fsdp", accumulate=True)
     return out
 
 
 def test_every_schedule_under_each_data_parallel_wrapper(world4):
     for rank, results in enumerate(world4.run(_grid)):
-        for (wrapper, name), worst in results.items():
-            assert worst <= 1e-5, (wrapper, name, rank, worst)
+        for key, (worst, left) in results.items():
+            assert worst <= 1e-5, (key, rank, worst)
+            assert left == 0, (key, rank, left)

@@ -195,13 +195,22 @@ def _bad_inputs():
         messages.append("no error")
     except ValueError as error:
         messages.append(str(error))
+    from shardkit.nn.checkpoint import checkpoint_wrapper
     from shardkit.nn.data_parallel import FullyShardedDataParallel
 
     alone = [dist.new_group([r]) for r in range(world)][rank]
     part = split_sequential(MLP(16, 8, out=4, seed=0), _even(17, world))[rank]
+    part[0] = checkpoint_wrapper(part[0])
     stage = PipelineStage(FullyShardedDataParallel(part, process_group=alone), rank, world)
     try:
         ScheduleZeroBubble(stage, 2, F.mse_loss).step(x, target=y)
+        messages.append("no error")
+    except ValueError as error:
+        messages.append(str(error))
+    mixed = split_sequential(MLP(16, 8, out=4, seed=0), _even(17, world))[rank]
+    mixed[0] = FullyShardedDataParallel(mixed[0], process_group=alone)
+    try:
+        ScheduleZeroBubble(PipelineStage(mixed, rank, world), 2, F.mse_loss).step(x, target=y)
         messages.append("no error")
     except ValueError as error:
         messages.append(str(error))
@@ -209,7 +218,7 @@ def _bad_inputs():
 
 
 def test_bad_input_raises_a_clear_error_on_every_rank(world2):
-    uneven, works, interleaved, zbv, one_stage, fsdp = zip(*world2.run(_bad_inputs))
+    uneven, works, interleaved, zbv, one_stage, fsdp, mixed = zip(*world2.run(_bad_inputs))
     assert all("rank 0: batch size 10 is not divisible by chunks=4" in m for m in uneven)
     assert all("rank 1: target of shape (10, 4) cannot be split into chunks=4 equal" in m
                for m in uneven)
@@ -219,7 +228,10 @@ def test_bad_input_raises_a_clear_error_on_every_rank(world2):
                in m for m in zbv)
     assert all("runs one stage per rank, but the pipeline has 4 stages on 2 ranks" in m
                for m in one_stage)
-    assert all("rank 1: stage 1 is wrapped in FullyShardedDataParallel" in m for m in fsdp)
+    assert all("rank 1: stage 1 is wrapped in FullyShardedDataParallel and holds a "
+               "checkpoint_wrapper module" in m for m in fsdp)
+    assert all("rank 0: stage 0 holds FullyShardedDataParallel units and 8 trainable "
+               "parameters outside them (e.g. '2.weight')" in m for m in mixed)
 
 
 def _hooks_fire_once_per_step():

@@ -35,6 +35,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from shardkit import distributed as skdist
 from shardkit.checkpoint.resharding import ParamLayout, shard_rows, unshard_rows
@@ -42,7 +43,7 @@ from shardkit.kernels import unpack_rank_major
 from shardkit.transport import Transport
 
 __all__ = ["ParamLayout", "FlatParamShard", "GatheredParamBytes", "gathered_param_bytes",
-           "shard_rows", "unshard_rows"]
+           "gathered_param_edges", "shard_rows", "unshard_rows"]
 
 
 class GatheredParamBytes:
@@ -298,7 +299,12 @@ class FlatParamShard:
         Wire: ``(N-1)/N x N x shard`` elements of the reduce dtype, one transport
         reduce-scatter; with replicas, :meth:`replicate_reduce` adds an all-reduce of the
         shard over ``replicate_group`` (``2(R-1)/R x shard``).
+
+        A reduce-scatter still in flight (a split backward's earlier weight pass, see
+        :func:`gathered_param_edges`) is finished into ``.grad`` first.
         """
+        if self._pending_reduce is not None:
+            self.finish_reduce()
         grads, self._grad_pieces = self._grad_pieces, None
         handle = self.transport.reduce_scatter_chunks(
             grads, self.chunk_numels, self.group,
@@ -379,3 +385,31 @@ class _PiecesOfFull(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.shard.receive_grads([None if g is None else g.reshape(-1) for g in grads])
         return None, None
+
+
+def gathered_param_edges(roots: Sequence[torch.Tensor]) -> dict:
+    """``{GradientEdge: (shard, index)}`` for every trainable parameter whose gathered view the
+    autograd graph below ``roots`` used: the edge is the output of the ``view`` that gave the
+    module parameter ``index`` of the unit's split of ``full`` (:class:`_PiecesOfFull`); its
+    gradient is that parameter's whole gradient for this graph. A split backward
+    (:mod:`shardkit.nn.pipe.split_backward`) asks autograd for these edges in its W pass, so the
+    split's backward (which would reduce-scatter) never runs, and hands the gradients to
+    :meth:`FlatParamShard.receive_grads` itself. Each parameter's own view node is named, not
+    the split's outputs: autograd decides per node what to compute, and a W pass asking for one
+    output of the split would also compute every path leading to the others (the input path,
+    through weights already freed). Walks the graph once; no communication."""
+    found: dict = {}
+    stack = [get_gradient_edge(r).node for r in roots if r.requires_grad]
+    seen = set(stack)
+    while stack:
+        node = stack.pop()
+        for child, index in node.next_functions:
+            if child is None:
+                continue
+            if getattr(type(child), "_forward_cls", None) is _PiecesOfFull \
+                    and child.shard.params[index].requires_grad:
+                found[GradientEdge(node, 0)] = (child.shard, index)
+            if child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return found

@@ -11,6 +11,14 @@ posted ahead once the shapes are known (after the first step), so data lands whi
 computes. Every message carries a tag naming (kind, stage boundary, micro-batch, tensor), so two
 stages of one rank talking to the same neighbour never mix their messages.
 
+Under FullyShardedDataParallel (a stage module that is or holds FSDP units on the stage's
+data-parallel group): ``BW`` stays one plain backward (FSDP's hooks gather, reduce-scatter and
+free as usual); ``B`` and ``W`` go through :class:`~shardkit.nn.pipe.fsdp_weight_sink.
+ShardedGradientSink`, which hands each unit its gradients after every W (one reduce-scatter per
+unit and micro-batch, or accumulation inside the unit's ``no_sync()``) and says what is gathered
+between B and W (nothing) and during W. A stage holding a ``checkpoint_wrapper`` module under
+FSDP is refused when backward is split.
+
 Loss and micro-batches: the batch is split into ``chunks`` equal micro-batches (an uneven split
 is an error: a mean loss over unequal micro-batches would weight rows unequally); each
 micro-batch's loss is divided by ``chunks`` before its backward. Call ``optimizer.zero_grad()``
@@ -33,6 +41,8 @@ from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan, i
                                    one_f_one_b_plan, zb_h1_plan, zbv_plan)
 from shardkit.nn.pipe.schedules import (ActivationMemoryMeter, busy_time,
                                         check_schedule_agreement)
+from shardkit.nn.pipe.fsdp_weight_sink import (ShardedGradientSink, params_outside_fsdp,
+                                               stage_is_fully_sharded)
 from shardkit.nn.pipe.split_backward import GradientSink, backward_input
 from shardkit.nn.pipe.stage import PipelineStage
 
@@ -193,8 +203,11 @@ class PlanSchedule:
 
     def _replan(self) -> None:
         """Rebuild the plan from the last step's compute seconds per action kind, averaged
-        over the pipeline ranks (one small all-gather; every rank builds the same plan)."""
-        views = dist.all_gather_object(self.action_seconds, group=self.group)
+        over every rank of the default group (one small all-gather), so that every pipeline
+        builds the same plan: the replicas of a stage (whose data-parallel wrappers reduce
+        inside W) and its tensor-parallel peers must run their actions in the same order.
+        Every rank of the default group runs such a schedule."""
+        views = dist.all_gather_object(self.action_seconds)
         costs = {}
         for kind in ("F", "B", "W"):
             values = [v[kind] for v in views if kind in v]
@@ -238,16 +251,25 @@ class PlanSchedule:
         if any(s.group is not self.group for s in stages):
             problems.append("the stages of one rank must share one pipeline group")
         if self.plan.split_backward():
-            from shardkit.nn.data_parallel import FullyShardedDataParallel
+            from shardkit.nn.checkpoint import is_checkpoint_wrapped
 
             for stage in stages:
-                if any(isinstance(m, FullyShardedDataParallel) for m in stage.module.modules()):
+                outside = params_outside_fsdp(stage.module)
+                if stage_is_fully_sharded(stage.module) and outside:
                     problems.append(
-                        f"stage {stage.stage_index} is wrapped in FullyShardedDataParallel, "
-                        f"whose gather/reduce-scatter hooks assume one backward per "
-                        f"micro-batch; {type(self).__name__} splits backward into B and W. Use "
-                        f"OSS or ShardedDataParallel on the stage's data-parallel group, or "
-                        f"Schedule1F1B / ScheduleInterleaved1F1B with FSDP")
+                        f"stage {stage.stage_index} holds FullyShardedDataParallel units and "
+                        f"{len(outside)} trainable parameters outside them (e.g. "
+                        f"{outside[0]!r}); {type(self).__name__} splits backward into B and W "
+                        f"and hands W's gradients to the FSDP units only. Wrap the whole stage "
+                        f"module in FullyShardedDataParallel (inner units may stay)")
+                if stage_is_fully_sharded(stage.module) and any(
+                        is_checkpoint_wrapped(m) for m in stage.module.modules()):
+                    problems.append(
+                        f"stage {stage.stage_index} is wrapped in FullyShardedDataParallel and "
+                        f"holds a checkpoint_wrapper module; {type(self).__name__} splits "
+                        f"backward into B and W, and W would meet recomputed weights FSDP has "
+                        f"already freed. Remove checkpoint_wrapper from this stage, or use "
+                        f"Schedule1F1B / ScheduleInterleaved1F1B")
         return problems
 
     # ------------------------------------------------------------------ one step
@@ -268,7 +290,8 @@ class PlanSchedule:
         self._weights: dict = {}   # (stage, i) -> WeightGradPass
         self._handoff: dict = {}   # local activations and gradients between this rank's stages
         self._losses: list = []
-        self._sinks = {s: GradientSink(stage.parameters(), self.weight_grad_merge)
+        self._sinks = {s: ShardedGradientSink() if self._whole_backward[s] else
+                       GradientSink(stage.parameters(), self.weight_grad_merge)
                        for s, stage in self.stages.items()}
         self._alive = 0
         self.peak_live_microbatches = 0
@@ -375,9 +398,9 @@ class PlanSchedule:
     def _run_B(self, s: int, i: int) -> None:
         activation, roots = self._live.pop((s, i))
         grads = self._output_grads(s, i, roots)
-        params = list(self.stages[s].parameters())
         if roots:
             with self._busy():
+                params = self._sinks[s].weight_targets(roots)
                 input_grads, weight_pass = backward_input(roots, grads, activation, params)
         else:
             input_grads, weight_pass = [None] * len(activation), None
@@ -433,10 +456,9 @@ class PlanSchedule:
 
 
 def _runs_whole_backward(stage: PipelineStage) -> bool:
-    """Whether BW must stay one plain backward: FSDP's gather/reduce-scatter hooks expect it."""
-    from shardkit.nn.data_parallel import FullyShardedDataParallel
-
-    return any(isinstance(m, FullyShardedDataParallel) for m in stage.module.modules())
+    """Whether BW stays one plain backward (FSDP's hooks then reduce-scatter as usual); B and W
+    of such a stage go through :class:`ShardedGradientSink`."""
+    return stage_is_fully_sharded(stage.module)
 
 
 class ScheduleGPipe(PlanSchedule):
@@ -531,7 +553,8 @@ class ScheduleZeroBubble(PlanSchedule):
     Bubble: ``(p-1)(F+B-W)``, a third of 1F1B's when F, B and W take equal time. Memory: at most
     ``p`` micro-batches alive on every rank (1F1B's peak), plus the gradients B records for W
     (about one activation per parameterised layer per waiting micro-batch). Gradient hooks on
-    parameters fire once per step. Communication: as 1F1B.
+    parameters fire once per step. Communication: as 1F1B. Under FSDP: see
+    :mod:`~shardkit.nn.pipe.fsdp_weight_sink` (each unit reduce-scatters after each W).
     """
 
     def build_plan(self, num_ranks, chunks, costs=None):
@@ -548,10 +571,12 @@ class ScheduleZBV(PlanSchedule):
     Bubble: close to zero (see :func:`~shardkit.nn.pipe.plan.zbv_plan`'s dry run). Memory: at
     most ``2p`` half-size stage-micro-batches per rank, 1F1B's peak. Communication: about twice
     1F1B's messages, each of one activation; the hand-over at the V's tip stays on the rank.
+    Each of the two stages may be wrapped in its own FSDP (see
+    :mod:`~shardkit.nn.pipe.fsdp_weight_sink`).
 
     The first two steps run the order planned for F = B = W; at the start of the third, the
-    ranks share the compute seconds they measured per F, B and W in the second (one small
-    all-gather) and every rank re-plans with them (``self.plan`` changes once; the memory bound
+    ranks of every pipeline share the compute seconds they measured per F, B and W in the
+    second (one small all-gather over the default group) and every rank re-plans with them (``self.plan`` changes once; the memory bound
     stays).
     """
 

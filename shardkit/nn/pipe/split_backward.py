@@ -45,7 +45,8 @@ already freed. No communication.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import contextlib
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
@@ -53,11 +54,28 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 __all__ = ["backward_input", "WeightGradPass", "GradientSink"]
 
 
-def _grad_node(t: torch.Tensor) -> Optional[Node]:
-    """The node a gradient for ``t`` flows into (its grad_fn, or its accumulator if a leaf)."""
+def _grad_node(t) -> Optional[Node]:
+    """The node a gradient for ``t`` flows into (its grad_fn, or its accumulator if a leaf;
+    a ``GradientEdge``'s node)."""
+    if isinstance(t, GradientEdge):
+        return t.node
     if not t.requires_grad:
         return None
     return get_gradient_edge(t).node
+
+
+def _edge(param) -> GradientEdge:
+    return param if isinstance(param, GradientEdge) else get_gradient_edge(param)
+
+
+def _first_users(param, parents: dict) -> list:
+    """The nodes a parameter's value flows into: for a ``GradientEdge``, only the users of that
+    output of its node (a node with several outputs may carry several parameters)."""
+    if not isinstance(param, GradientEdge):
+        return parents[_grad_node(param)]
+    return [n for n in parents[param.node]
+            if any(child is param.node and k == param.output_nr
+                   for child, k in n.next_functions)]
 
 
 def _graph(roots: Sequence[Node]) -> dict:
@@ -114,18 +132,43 @@ class WeightGradPass:
     """The W half of one micro-batch's backward: :meth:`run` returns each parameter's gradient
     of this micro-batch (and frees the graph). Runs at most once."""
 
-    def __init__(self, groups: list, recorded: dict, root_grads: dict, products: list = ()):
+    def __init__(self, groups: list, recorded: dict, root_grads: dict, products: list = (),
+                 input_side: Optional[set] = None):
         self._groups = groups          # [(frontier nodes, params)]
         self._recorded = recorded      # frontier node -> tuple of gradients at its outputs
         self._root_grads = root_grads  # root node -> its gradient tuple (roots in the frontier)
         self._products = list(products)  # [(product node, weight, bias or None)]
+        self._input_side = input_side or set()  # nodes B walked (W runs none but the frontier)
 
-    def run(self, into_grad: bool = False, products: Optional[list] = None) -> dict:
+    def groups(self) -> list:
+        """``[(frontier nodes, params, nodes below the frontier)]``, one entry per autograd call
+        W makes, in :meth:`run`'s order: the frontier nodes compute only their parameter-side
+        gradients, the nodes below them (on the parameters' side: views, transposes, the
+        parameters' own nodes) run whole. A wrapper that must prepare parameters for W (gather
+        them) reads which ops W runs here. Matrix-product parameters merged by a sink are not
+        listed."""
+        out = []
+        for frontier, params in self._groups or ():
+            below, stack = set(), list(frontier)
+            while stack:
+                for child, _ in stack.pop().next_functions:
+                    if child is not None and child not in self._input_side \
+                            and child not in below:
+                        below.add(child)
+                        stack.append(child)
+            out.append((list(frontier), list(params), below))
+        return out
+
+    def run(self, into_grad: bool = False, products: Optional[list] = None,
+            around_group: Optional[Callable] = None) -> dict:
         """``{parameter: gradient}`` for the parameters this micro-batch reached; with
         ``into_grad`` the gradients are added to ``.grad`` instead (as a plain backward would:
         gradient hooks fire) and the dict is empty. With ``products`` (a list), the matrix-product
         parameters are not computed: ``(weight, bias, x, g)`` is appended for each, to be merged
-        with other micro-batches' (:class:`GradientSink`)."""
+        with other micro-batches' (:class:`GradientSink`). ``around_group(k)``: a context
+        manager entered around the ``k``-th autograd call (the ``k``-th entry of
+        :meth:`groups`). A parameter may be a ``GradientEdge`` (see :func:`backward_input`);
+        its gradient is keyed by that edge."""
         if self._groups is None:
             raise RuntimeError("WeightGradPass.run: this W pass already ran")
         out: dict = {}
@@ -147,33 +190,39 @@ class WeightGradPass:
         # a group with several frontier nodes walks the input path between them, through other
         # groups' frontier nodes: keep every buffer until the last group has run
         retain = any(len(frontier) > 1 for frontier, _ in self._groups)
-        for frontier, params in self._groups:
-            edges, grads = [], []
-            for node in frontier:
-                for i, g in enumerate(recorded.get(node, ())):
-                    if g is not None:
-                        edges.append(GradientEdge(node, i))
-                        grads.append(g)
-            if not edges:
-                continue
-            clamps = []
-            if len(frontier) > 1:  # see the module's Note
-                clamps = [node.register_prehook(lambda _g, saved=recorded.get(node, ()): saved)
-                          for node in frontier if node in recorded]
-            try:
-                if into_grad:
-                    torch.autograd.backward(edges, grads, inputs=params, retain_graph=retain)
-                    continue
-                got = torch.autograd.grad(edges, [get_gradient_edge(p) for p in params], grads,
-                                          retain_graph=retain, allow_unused=True)
-            finally:
-                for handle in clamps:
-                    handle.remove()
-            for p, g in zip(params, got):
-                if g is not None:
-                    out[p] = g if p not in out else out[p] + g
+        for k, (frontier, params) in enumerate(self._groups):
+            with around_group(k) if around_group is not None else contextlib.nullcontext():
+                self._run_group(frontier, params, recorded, into_grad, retain, out)
         self._groups = self._recorded = self._root_grads = self._products = None
+        self._input_side = set()
         return out
+
+    @staticmethod
+    def _run_group(frontier, params, recorded, into_grad, retain, out) -> None:
+        edges, grads = [], []
+        for node in frontier:
+            for i, g in enumerate(recorded.get(node, ())):
+                if g is not None:
+                    edges.append(GradientEdge(node, i))
+                    grads.append(g)
+        if not edges:
+            return
+        clamps = []
+        if len(frontier) > 1:  # see the module's Note
+            clamps = [node.register_prehook(lambda _g, saved=recorded.get(node, ()): saved)
+                      for node in frontier if node in recorded]
+        try:
+            if into_grad:
+                torch.autograd.backward(edges, grads, inputs=params, retain_graph=retain)
+                return
+            got = torch.autograd.grad(edges, [_edge(p) for p in params], grads,
+                                      retain_graph=retain, allow_unused=True)
+        finally:
+            for handle in clamps:
+                handle.remove()
+        for p, g in zip(params, got):
+            if g is not None:
+                out[p] = g if p not in out else out[p] + g
 
 
 _PRODUCTS = {"AddmmBackward0": "_saved_mat1", "MmBackward0": "_saved_self",
@@ -256,21 +305,27 @@ def _add_to_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
-def _frontier_of(param_node: Node, parents: dict, input_side: set, roots: set) -> set:
-    """The first nodes that reach the input on every path from ``param_node`` up to the roots
+def _frontier_of(param, parents: dict, input_side: set, roots: set) -> set:
+    """The first nodes that reach the input on every path from ``param`` up to the roots
     (a root that does not reach the input counts as one)."""
-    frontier, seen, stack = set(), {param_node}, [param_node]
-    while stack:
-        node = stack.pop()
-        if node in roots and node not in input_side:
-            frontier.add(node)
-        for parent in parents[node]:
+    start = _grad_node(param)
+    frontier, seen, stack = set(), {start}, []
+    if start in roots and start not in input_side:
+        frontier.add(start)
+    users = _first_users(param, parents)
+    while True:
+        for parent in users:
             if parent in input_side:
                 frontier.add(parent)
             elif parent not in seen:
                 seen.add(parent)
                 stack.append(parent)
-    return frontier
+        if not stack:
+            return frontier
+        node = stack.pop()
+        if node in roots and node not in input_side:
+            frontier.add(node)
+        users = parents[node]
 
 
 def _weight_groups(params: list, parents: dict, input_side: set, roots: set) -> list:
@@ -280,7 +335,7 @@ def _weight_groups(params: list, parents: dict, input_side: set, roots: set) -> 
         start = _grad_node(p)
         if start not in parents:
             continue  # not used by this micro-batch
-        frontier = sorted(_frontier_of(start, parents, input_side, roots), key=id)
+        frontier = sorted(_frontier_of(p, parents, input_side, roots), key=id)
         if frontier:
             frontiers[p] = frontier
             for node in frontier[1:]:
@@ -312,6 +367,9 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Optional[Sequence], inp
     """B: the gradients of ``inputs`` (``None`` where an input does not require grad or is not
     reached) for ``roots`` with gradients ``grads`` (``None``: ones, for a loss), and the W pass
     that computes ``params``' gradients later. Parameters that do not require grad are skipped.
+    A parameter may also be given as a ``GradientEdge`` (an output of a node whose gradient W
+    returns, keyed by the edge, without running the node): how FSDP's gathered views are
+    named, whose leaf is the unit's flat buffer rather than the parameter.
     """
     roots = [r for r in roots if r.requires_grad]
     if grads is None:
@@ -319,7 +377,8 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Optional[Sequence], inp
     root_edges = [get_gradient_edge(r) for r in roots]
     root_nodes = list(dict.fromkeys(e.node for e in root_edges))
     wanted = [i for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-    params = list(dict.fromkeys(p for p in params if p.requires_grad))  # tied: once
+    params = list(dict.fromkeys(p for p in params
+                                if isinstance(p, GradientEdge) or p.requires_grad))  # tied: once
     parents = _graph(root_nodes)
     owned = set(params)
     candidates = {}
@@ -360,7 +419,7 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Optional[Sequence], inp
         for handle in handles:
             handle.remove()
     root_grads = _root_gradients(root_edges, grads, frontier, input_side)
-    return result, WeightGradPass(generic, recorded, root_grads, products)
+    return result, WeightGradPass(generic, recorded, root_grads, products, input_side)
 
 
 class GradientSink:
@@ -388,6 +447,10 @@ class GradientSink:
         self._totals: dict = {}
         self._products: list = []  # (weight, bias, x, g) of the waiting micro-batches
         self._waiting = 0
+
+    def weight_targets(self, roots: Sequence[torch.Tensor]) -> list:
+        """The parameters B hands to W (the stage's trainable parameters; ``roots`` unused)."""
+        return self.params
 
     def run(self, weight_pass: WeightGradPass) -> None:
         """Run one micro-batch's W pass into ``.grad`` (or into the step's totals)."""

@@ -1,0 +1,157 @@
+"""W passes of a pipeline stage wrapped in :class:`~shardkit.nn.data_parallel.
+FullyShardedDataParallel`: how zero-bubble schedules (B and W split) compose with FSDP.
+
+FSDP computes with *views* of each unit's gathered flat buffer ``full``; autograd gives the views'
+gradients to the split of ``full`` (one node per unit and forward), whose backward hands them to
+the unit, which reduce-scatters them and frees ``full``. Under a split backward:
+
+- **F** is FSDP's forward, unchanged (gather, compute, free unless the unit is the root).
+- **B** asks autograd for the stage input's gradient only. FSDP's pre-backward hooks on the
+  units' outputs gather each unit as the gradient reaches it (B needs the weights: ``dX = dY W``).
+  The split nodes lie on the parameters' side, so B never runs them: no reduce-scatter. FSDP's
+  end-of-backward callback frees every unit of the stage when B ends.
+- **W** asks autograd for the gradients at the split nodes' outputs
+  (:func:`~shardkit.nn.data_parallel.flat_param.gathered_param_edges`), without running them,
+  and :class:`ShardedGradientSink` hands each unit the micro-batch's gradients of all its
+  parameters at once, as a plain backward would: the unit reduce-scatters them (asynchronously,
+  into the sharded ``.grad``: once per unit per micro-batch, like FSDP under 1F1B) unless inside
+  ``no_sync()``, where they accumulate unsharded until the next synchronised step.
+
+Weights in W. Most weight gradients read only the layer's input and output gradient (``g^T x`` of
+a linear layer, an embedding's rows, the bias's sum): such a W runs while the unit stays sharded.
+Where an op of W is not known to be of that kind (a ``LayerNorm``'s ``native_layer_norm_backward``
+reads its weight's storage; an op nonlinear in its weight; the whole backward of a first stage,
+whose input needs no gradient), the units of that autograd call are gathered for it
+(:meth:`FlatParamShard.start_gather`) and freed after the unit's last such call in this W.
+
+Memory, per stage: between B and W nothing is gathered (FSDP's end-of-backward callback frees the
+stage's units when B ends; a root unit is gathered again by the next F, as without split). During
+one B, each unit stays gathered from the moment the gradient reaches it to the end of that B: at
+most the stage's units (compute dtype) at its end, what FSDP's root unit holds anyway when the
+stage is one unit. During one W, at most the units whose weight-reading ops that W runs, each from
+its first to its last such autograd call. Each waiting W keeps its micro-batch's graph (the saved
+activations, which reference ``full`` but not its storage) and the gradients B recorded. Outside
+``no_sync`` no unsharded gradient outlives its W's reduce-scatter.
+
+Communication per step per unit: F's and B's all-gathers as FSDP under 1F1B (3Ψ_u(N-1)/N with
+resharding), one reduce-scatter per micro-batch, plus one all-gather per micro-batch for units
+whose W reads weights. Every data-parallel rank of a stage runs the same plan over the same
+graph, so the collectives are issued in the same order everywhere.
+
+Limit: activation checkpointing inside a unit is not supported under a split backward (B's
+recomputation builds views the W edges, found before B, do not name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+
+from shardkit.nn.data_parallel.flat_param import gathered_param_edges
+from shardkit.nn.pipe.split_backward import WeightGradPass
+
+__all__ = ["ShardedGradientSink", "stage_is_fully_sharded", "params_outside_fsdp"]
+
+# Ops whose gradient for the parameter's side reads only the other operand (the input side).
+_FRONTIER_WITHOUT_WEIGHTS = frozenset({"AddmmBackward0", "MmBackward0", "EmbeddingBackward0",
+                                       "AddBackward0", "SubBackward0", "MulBackward0"})
+# Nodes on the parameter's side that move a gradient without reading any data.
+_PASS_THROUGH = frozenset({"ViewBackward0", "TBackward0", "UnsafeViewBackward0",
+                           "ExpandBackward0", "ReshapeAliasBackward0", "ToCopyBackward0",
+                           "AccumulateGrad", "_PiecesOfFullBackward"})
+
+
+class ShardedGradientSink:
+    """Where the W passes of a stage wrapped in FSDP put their gradients (see the module
+    docstring): each W's gradients go to their units, which reduce-scatter them (or accumulate
+    them inside ``no_sync``); :meth:`deliver` waits for the last reduce-scatters at the end of
+    the step. Same interface as :class:`~shardkit.nn.pipe.split_backward.GradientSink`.
+
+    Memory: nothing beyond FSDP's own (see the module docstring for what W gathers).
+    """
+
+    def __init__(self):
+        self._owners: dict = {}    # GradientEdge -> (shard, index), for the waiting W passes
+        self._touched: dict = {}   # shards that got gradients this step, in order
+
+    def weight_targets(self, roots: Sequence[torch.Tensor]) -> list:
+        """The gradient edges B hands to W: every trainable parameter view the micro-batch's
+        graph below ``roots`` used."""
+        edges = gathered_param_edges(roots)
+        self._owners.update(edges)
+        return list(edges)
+
+    def run(self, weight_pass: WeightGradPass) -> None:
+        """Run one micro-batch's W pass and hand each unit its gradients."""
+        groups = weight_pass.groups()
+        needs = [self._shards_needing_weights(frontier, params, below)
+                 for frontier, params, below in groups]
+        last = {shard: k for k, shards in enumerate(needs) for shard in shards}
+        gathered_here: set = set()
+
+        @contextlib.contextmanager
+        def around(k):
+            for shard in needs[k]:
+                if not shard.gathered and shard not in gathered_here:
+                    shard.start_gather()
+                    shard.finish_gather()
+                    gathered_here.add(shard)
+            try:
+                yield
+            finally:
+                for shard in needs[k]:
+                    if last[shard] == k and shard in gathered_here:
+                        shard.free_full()
+
+        grads = weight_pass.run(around_group=around)
+        by_shard: dict = {}
+        for edge in (p for _, params, _ in groups for p in params):
+            shard, index = self._owners.pop(edge)
+            slots = by_shard.setdefault(shard, [None] * len(shard.params))
+            g = grads.get(edge)
+            if g is not None:
+                g = g.reshape(-1)  # the unit takes flat gradients, as its split's backward gives
+                slots[index] = g if slots[index] is None else slots[index] + g
+        for shard, slots in by_shard.items():
+            shard.receive_grads(slots)
+            self._touched[shard] = None
+
+    def _shards_needing_weights(self, frontier, params, below) -> list:
+        reads = any(type(n).__name__ not in _FRONTIER_WITHOUT_WEIGHTS for n in frontier) or \
+            any(type(n).__name__ not in _PASS_THROUGH for n in below)
+        if not reads:
+            return []
+        return list(dict.fromkeys(self._owners[p][0] for p in params))
+
+    def deliver(self) -> None:
+        """Wait for this step's reduce-scatters (and replica all-reduces) and add them to the
+        shards' ``.grad``; the units are left sharded."""
+        shards = list(self._touched)
+        for shard in shards:
+            shard.replicate_reduce()
+        for shard in shards:
+            shard.finish_reduce()
+            shard.free_full()
+        self._touched, self._owners = {}, {}  # edges of parameters no W reached
+
+
+def stage_is_fully_sharded(module: torch.nn.Module) -> bool:
+    """Whether a stage module is or holds a FullyShardedDataParallel unit."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in module.modules())
+
+
+def params_outside_fsdp(module: torch.nn.Module) -> list[str]:
+    """Names of ``module``'s trainable parameters that no FullyShardedDataParallel unit in it
+    owns (empty when there is no unit: nothing is sharded)."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+
+    units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+    owned = {id(p) for unit in units for p in unit.parameters()}
+    if not units:
+        return []
+    return [name for name, p in module.named_parameters()
+            if p.requires_grad and id(p) not in owned]
