@@ -19,6 +19,8 @@ nodes (shardkit: counted by ``CommCounter.inter_node_bytes``; torch: the formula
 bypass shardkit), the bytes the node's link interface really sent per step (kernel counters,
 TCP/IP headers included), and the fraction of the step the link is busy
 (wire bytes x 8 / rate / step time). Also a 16 MB all-reduce per rate, the link's sanity check.
+Written: the Markdown table at ``--out``, its figures in the JSON beside it, and a bar chart of
+step time and link bytes per row in the PNG beside it (matplotlib).
 
 Rows: torch DDP, torch ``fully_shard``, torch HSDP (``fully_shard`` on a 2-D mesh), shardkit FSDP
 full shard, HYBRID_SHARD (shard in the node, all-reduce the shard across nodes) and full shard
@@ -428,6 +430,7 @@ def _report(runs: list[dict], args) -> str:
         lines += ["", "Per-round step times (ms): " + "; ".join(
             f"{row['label']}: " + ", ".join(f"{t * 1e3:.0f}" for t in row["per_round_s"])
             for row in run["rows"].values()), ""]
+        lines += _zeropp_ratio_line(run["rows"])
     lines += ["Notes: shardkit FSDP counts less than 3Ψ(N-1)/N because the root unit (embeddings "
               "and head) stays gathered from forward into backward; its link counter agrees "
               "with the count to within the TCP/IP headers. torch `fully_shard`'s interface "
@@ -437,6 +440,17 @@ def _report(runs: list[dict], args) -> str:
               "busy, and even the 16 MB all-reduce is limited by the CPU (TCP over veth) "
               "rather than the rate.", ""]
     return "\n".join(lines)
+
+
+def _zeropp_ratio_line(rows: dict) -> list[str]:
+    """ZeRO++'s step against FSDP with fp32 communication in the same job (the ZeRO++ issue's
+    measure): the ratio of medians and the per-round ratios, where both rows ran."""
+    if "shardkit_zeropp" not in rows or "shardkit_fsdp" not in rows:
+        return []
+    fast, base = rows["shardkit_zeropp"], rows["shardkit_fsdp"]
+    per_round = [q / f for q, f in zip(fast["per_round_s"], base["per_round_s"])]
+    return [f"{fast['label']} / {base['label']}: {fast['step_s'] / base['step_s']:.2f}× "
+            f"(per round: {', '.join(f'{r:.2f}' for r in per_round)}).", ""]
 
 
 def main(argv=None) -> int:
@@ -503,7 +517,23 @@ def main(argv=None) -> int:
     write_report(_report(runs, args), args.out)
     with open(json_path, "w") as f:
         json.dump({"runs": runs}, f, indent=1)
+    print(_draw_chart(runs, os.path.splitext(args.out)[0] + ".png"))
     return 0
+
+
+def _draw_chart(runs: list[dict], path: str) -> str:
+    """Step time and inter-node bytes of every row of every run, as a PNG at ``path`` (figures
+    beside it); a line saying why not where matplotlib is missing."""
+    from shardkit.utils.charts import BarGroup, ChartError, write_bar_chart
+    groups = [BarGroup(f"{run['rate']} {run['nodes']}x{run['ranks_per_node']} {row['label']}",
+                       {"ms per step": row["step_s"] * 1e3,
+                        "link tx per step per node (MB)": row["link_tx_bytes"] / 1e6})
+              for run in runs for row in run["rows"].values()]
+    commits = sorted({run.get("commit", "?") for run in runs})
+    try:
+        return write_bar_chart(path, f"simulated cluster, commit {', '.join(commits)}", groups)
+    except ChartError as error:
+        return f"chart: not drawn ({error})"
 
 
 if __name__ == "__main__":
