@@ -9,10 +9,10 @@ Schedules, each beside torch's schedule of the same kind: GPipe (mlp only), 1F1B
 1F1B (2 stages per rank), ZB-H1 (torch: ScheduleInterleavedZeroBubble with one stage per rank)
 and ZBV (torch: ScheduleZBVZeroBubble). Every configuration runs the same steps (forward,
 backward, SGD step); rounds are interleaved so machine load hits all of them alike; ratios are
-taken within a round and their median reported. Reported: samples/s, speed-up over one process running the
-same micro-batches with gradient accumulation, shardkit against torch's same schedule and against
-shardkit's 1F1B, and for shardkit's schedules the measured idle fraction (1 - compute time / step
-time, averaged over the ranks) beside the schedule's formula.
+taken within a round and their median reported. Reported: samples/s, speed-up over one process
+running the same micro-batches with gradient accumulation, shardkit against torch's same
+schedule and against shardkit's 1F1B, and for shardkit's schedules the measured idle fraction
+(1 - compute time / step time, averaged over the ranks) beside the schedule's formula.
 
     python -m benchmarks.bench_pipe [--steps 4] [--rounds 2] [--workloads mlp,gpt] [--out PATH]
     python -m benchmarks.bench_pipe --cluster 1gbit [--steps 4] [--rounds 2] [--out PATH]
@@ -26,9 +26,9 @@ writes the results there, and the launching side renders the report (default
 ``benchmarks/results/pipe_cluster_<RATE>.md``, its figures in the JSON beside it). Both launches
 run :func:`measure` (the same configurations in the same interleaved rounds) and :func:`report`;
 they differ only in how a function is run on every rank (``World.run``, or
-:func:`run_on_this_rank` plus an all-gather) and how the results come back. On the cluster the
-report adds the bytes the link carried per step (both nodes' interface counters, TCP/IP headers
-included) and how busy that keeps the link. A configuration that raises on any rank (a torch
+:func:`run_on_this_rank`: the call, then an all-gather of the results) and how the results come
+back. On the cluster the report adds the bytes the busier node's interface sent per step (kernel
+counter, TCP/IP headers included) and how busy that keeps the link. A configuration that raises on any rank (a torch
 schedule that cannot run the case) is reported as failed, on either launch.
 """
 

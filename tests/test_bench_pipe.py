@@ -75,3 +75,30 @@ def test_report_of_the_local_launch_has_no_link_columns():
     assert "Launch: local" in text and "shardkit.testing.World" in text
     assert "link busy" not in text
     assert len(_row(text, "shardkit 1F1B")) == 9
+
+
+def test_measure_with_a_fake_launch():
+    """measure() takes the slowest rank, the busier node's link bytes, and records a
+    configuration that raised on a rank as failed, whichever launch ran it."""
+    calls = []
+
+    def run(fn, workload, name, steps):
+        calls.append(name)
+        if name == "torch ZBV":
+            raise RuntimeError("rank 1 raised:\nValueError: cannot run this case")
+        if name == bench_pipe.SINGLE:
+            return [(0.3, 0.3, None, 10.0), None]
+        busy = 0.05 if name.startswith("shardkit") else None
+        return [(0.1, 0.08, busy, 100.0), (0.2, 0.09, busy, 300.0)]
+
+    results = bench_pipe.measure(run, ["mlp"], steps=3, rounds=2)["mlp"]
+    names = list(bench_pipe.configs("mlp"))
+    assert calls == names + names  # interleaved rounds, same order each round
+    assert results["seconds"]["shardkit 1F1B"] == [0.2, 0.2]
+    assert results["cpu"]["shardkit 1F1B"] == [0.09, 0.09]
+    assert results["idle"]["shardkit 1F1B"] == [pytest.approx(0.75)] * 2
+    assert results["idle"]["torch 1F1B"] == [None, None]
+    assert results["link_tx"]["shardkit 1F1B"] == [300.0, 300.0]
+    assert results["link_tx"][bench_pipe.SINGLE] == [10.0, 10.0]
+    assert results["idle"]["torch ZBV"] == ["failed: ValueError: cannot run this case"] * 2
+    assert results["link_tx"]["torch ZBV"] == [None, None]
