@@ -28,8 +28,9 @@ run :func:`measure` (the same configurations in the same interleaved rounds) and
 they differ only in how a function is run on every rank (``World.run``, or
 :func:`run_on_this_rank`: the call, then an all-gather of the results) and how the results come
 back. On the cluster the report adds the bytes the busier node's interface sent per step (kernel
-counter, TCP/IP headers included) and how busy that keeps the link. A configuration that raises on any rank (a torch
-schedule that cannot run the case) is reported as failed, on either launch.
+counter, TCP/IP headers included) and how busy that keeps the link. A configuration that
+raises on any rank (a torch schedule that cannot run the case) is reported as failed, on either
+launch.
 """
 
 from __future__ import annotations
