@@ -89,7 +89,8 @@ def quantized_allreduce_hook(state: Optional[QuantizedHookState], bucket
 
     Wire: ``2(N-1)/N x N x segment bytes`` with segments of ``ceil(numel / N)`` elements, about
     ``bits/32 + 1/block`` of fp32 DDP's bytes. Error: each gradient element within half a block
-    scale per rank of the reduce, plus half a block scale of the averaged shard (see
+    scale per other rank of the reduce (a rank's own share is summed exactly), plus half a
+    block scale of the averaged shard (see
     :mod:`shardkit.quantized_comm`). Memory: the quantized buffers (about ``bits/32`` of the
     bucket each) and one fp32 shard. The hook finishes its transfers before returning (no
     overlap with the rest of backward).
