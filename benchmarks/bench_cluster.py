@@ -371,7 +371,8 @@ def _summarise(raw: dict, rate: str, configs: list[str]) -> dict:
     probe = statistics.median(max(r["probe"][i] for r in ranks)
                               for i in range(len(ranks[0]["probe"])))
     return {"rate": rate, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "rounds": len(ranks[0]["times"][configs[0]]), "nodes": k, "ranks_per_node": n, "psi": psi, "rows": rows,
+            "rounds": len(ranks[0]["times"][configs[0]]), "nodes": k, "ranks_per_node": n,
+            "psi": psi, "rows": rows,
             "all_reduce_16mb_s": probe,
             "all_reduce_16mb_formula_s": (2 * (n * k - 1) / (n * k) * PROBE_BYTES * 8 / rate_bps
                                           if rate_bps else None),
@@ -402,9 +403,10 @@ def _report(runs: list[dict], args) -> str:
                  if getattr(args, "workload", "gpt") == "mlp" else
                  f"Reference GPT (Ψ = {runs[0]['psi']:,}), batch {BATCH_PER_RANK} per rank x "
                  f"seq 128, AdamW, one FSDP unit per Block plus the root. ") +
-             f"Step time: per round the slowest rank's mean over {args.steps} step(s), median over {args.rounds} interleaved rounds "
-             f"(after one warm-up step each). Inter-node bytes per step per rank: shardkit's "
-             f"counted by `CommCounter.inter_node_bytes`, torch's from the formula (its "
+             f"Step time: per round the slowest rank's mean over {args.steps} step(s), median "
+             f"over {args.rounds} interleaved rounds (after one warm-up step each). "
+             f"Inter-node bytes per step per rank: shardkit's counted by "
+             f"`CommCounter.inter_node_bytes`, torch's from the formula (its "
              f"collectives bypass shardkit); link tx: what a node's interface sent in one "
              f"step (kernel counter, headers included; with several ranks per node, all of "
              f"theirs); link busy = tx x 8 / rate / step time.",
@@ -418,8 +420,8 @@ def _report(runs: list[dict], args) -> str:
                   f"16 MB all-reduce: {run['all_reduce_16mb_s'] * 1e3:.0f} ms "
                   f"(the rate alone: {run['all_reduce_16mb_formula_s'] * 1e3:.0f} ms).", "",
                   "| configuration | ms/step | × torch DDP | × torch fully_shard | "
-                  "inter-node / step (counted) | inter-node / step (formula) | link tx / step / node "
-                  "| link busy |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "inter-node / step (counted) | inter-node / step (formula) | "
+                  "link tx / step / node | link busy |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for row in run["rows"].values():
             busy = "—" if row["link_busy"] is None else f"{row['link_busy']:.0%}"
             lines.append(f"| {row['label']} | {row['step_s'] * 1e3:.0f} | "

@@ -15,8 +15,9 @@ other one to an inner transport (the process group's own collectives by default)
   exact. When the group spans several nodes (``ranks_per_node`` below, default torchrun's
   ``LOCAL_WORLD_SIZE``) the reduction is hierarchical: all-to-all inside the node, dequantize
   and sum, requantize, all-to-all across nodes, dequantize and sum, so the inter-node links
-  carry ``1/n`` of what a flat exchange would (``n`` ranks per node). The result is the fp32
-  *sum* times the ``scale`` FSDP asks for (``1/N``), applied after the sum.
+  carry ``1/n`` of what a flat exchange would (``n`` ranks per node). ``reduce_scatter``
+  returns the fp32 *sum* (the interface's contract); ``reduce_scatter_chunks`` multiplies that
+  sum by the ``scale`` FSDP asks for (``1/N``).
 
 ``all_gather`` stays exact (delegated): FSDP uses it for master-weight gathers
 (``state_dict``, ``summon_full_params``, optimizer-state gathers), which must be lossless.
@@ -40,8 +41,8 @@ between operations except the node groups (process groups, created once per grou
 
 Error: each gathered weight is within half its block's scale (``absmax / 127``) of the exact
 value; each reduced gradient within the sum of the other ranks' half scales (``absmax / 7 / 2``,
-int4; flat exchange), about twice the sum over all ranks when hierarchical. Inf or nan values are sent as a block that
-dequantizes to nan (a loss-scaled step sees the overflow and skips).
+int4; flat exchange), about twice the sum over all ranks when hierarchical. Inf or nan values
+are sent as a block that dequantizes to nan (a loss-scaled step sees the overflow and skips).
 
 Where an operation cannot be quantized (values that are not fp32 / bf16 / fp16, e.g. fp64), or
 the node layout does not allow the hierarchical reduction, the transport falls back (to the

@@ -25,8 +25,8 @@ backward gather is an all-gather over ``hpz_group`` only.
 Memory per unit: the flat shard (``Ψ_u/N`` + padding, master dtype) always; ``full`` (``Ψ_u``,
 compute dtype) only between gather and free; a transport may hold a rank-major scratch buffer
 until the gather completes; the per-parameter gradients (``Ψ_u``, compute dtype), or the
-transport's packed copy of them, until the reduce-scatter completes; with hpZ, the secondary partition (``Ψ_u/h``,
-compute dtype) from the forward free to the backward gather.
+transport's packed copy of them, until the reduce-scatter completes; with hpZ, the secondary
+partition (``Ψ_u/h``, compute dtype) from the forward free to the backward gather.
 """
 
 from __future__ import annotations

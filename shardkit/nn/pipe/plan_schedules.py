@@ -37,8 +37,8 @@ import torch
 from shardkit import distributed as dist
 from shardkit.nn.pipe.microbatch import batch_size, split_microbatches
 from shardkit.nn.pipe.p2p import ActivationMeta, PendingSends, TensorMeta, check_sendable
-from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan, interleaved_1f1b_plan,
-                                   one_f_one_b_plan, zb_h1_plan, zbv_plan)
+from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan,
+                                   interleaved_1f1b_plan, one_f_one_b_plan, zb_h1_plan, zbv_plan)
 from shardkit.nn.pipe.schedules import (ActivationMemoryMeter, busy_time,
                                         check_schedule_agreement)
 from shardkit.nn.pipe.fsdp_weight_sink import (ShardedGradientSink, params_outside_fsdp,
@@ -576,8 +576,8 @@ class ScheduleZBV(PlanSchedule):
 
     The first two steps run the order planned for F = B = W; at the start of the third, the
     ranks of every pipeline share the compute seconds they measured per F, B and W in the
-    second (one small all-gather over the default group) and every rank re-plans with them (``self.plan`` changes once; the memory bound
-    stays).
+    second (one small all-gather over the default group) and every rank re-plans with them
+    (``self.plan`` changes once; the memory bound stays).
     """
 
     plans_from_measured_costs = True

@@ -38,9 +38,9 @@ anything else (tied weights, norms, attention, padded embeddings) takes the gene
 
 Memory: B keeps the micro-batch's graph (``retain_graph``), so its saved activations live until
 W: the schedule decides how many micro-batches wait for their W. Plus the recorded gradients, one
-tensor per frontier node output (about one activation per parameterised layer). A sink merging ``k`` micro-batches keeps, per
-matrix product, the input and output gradient of up to ``k - 1`` micro-batches whose graphs are
-already freed. No communication.
+tensor per frontier node output (about one activation per parameterised layer). A sink merging
+``k`` micro-batches keeps, per matrix product, the input and output gradient of up to ``k - 1``
+micro-batches whose graphs are already freed. No communication.
 """
 
 from __future__ import annotations
