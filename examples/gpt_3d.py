@@ -76,7 +76,7 @@ def parse_args(argv=None):
                    help="data-parallel sharding: 1 OSS, 2 ShardedDDP + OSS, 3 FSDP")
     p.add_argument("--schedule", default="1f1b",
                    help=f"pipeline schedule: one of {', '.join(SCHEDULES)}; several separated "
-                        f"by commas, or all (every one this layout can run), train one after "
+                        f"by commas, or all (every schedule), train one after "
                         f"the other from the same weights. zero-bubble: ZB-H1, backward split "
                         f"into B and W; interleaved-1f1b: several stages per rank, "
                         f"round-robin; zbv: two stages per rank in a V, backward split")
