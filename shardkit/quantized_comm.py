@@ -29,6 +29,7 @@ import torch
 from shardkit import distributed as skdist
 from shardkit.kernels import (DEFAULT_BLOCK, QuantLayout, dequantize_sum, dequantize_unpack,
                               quant_layout, quantize_pack)
+from shardkit.kernels.packing import chunk_of_rank
 
 __all__ = ["quantized_all_gather", "quantized_reduce_scatter",
            "quantized_reduce_scatter_hierarchical", "issue_reduce_scatter",
@@ -210,13 +211,8 @@ def issue_reduce_scatter(tensors: Sequence[torch.Tensor], layout: QuantLayout, g
 
 def _chunks_of_rank(tensors: Sequence[torch.Tensor], chunks: Sequence[int],
                     rank: int) -> list[torch.Tensor]:
-    """Chunk ``rank`` of every (flattened) tensor: a view, shorter than its chunk (or empty)
-    where the tensor ends inside or before it."""
-    pieces = []
-    for t, c in zip(tensors, chunks):
-        flat = t.reshape(-1)
-        pieces.append(flat[min(rank * c, flat.numel()):min((rank + 1) * c, flat.numel())])
-    return pieces
+    """Chunk ``rank`` of every (flattened) tensor (see :func:`chunk_of_rank`)."""
+    return [chunk_of_rank(t.reshape(-1), rank, c) for t, c in zip(tensors, chunks)]
 
 
 def _result_buffer(out: Optional[torch.Tensor], numel: int, device) -> torch.Tensor:

@@ -40,6 +40,7 @@ import torch
 
 from shardkit import distributed as skdist
 from shardkit.kernels import pack_rank_major, unpack_rank_major
+from shardkit.kernels.packing import _check_chunks, chunk_of_rank
 
 __all__ = ["CommHandle", "Transport", "ProcessGroupTransport", "default_transport",
            "resolve_transport"]
@@ -359,7 +360,7 @@ class ProcessGroupTransport(Transport):
         # reductions, whose sum before the scale could overflow where the pre-scaled one fits.
         n, rank = skdist.get_world_size(group), skdist.get_rank(group)
         flats = [t.reshape(-1) for t in tensors]
-        chunks = _checked_chunks(flats, chunk_numels, n)
+        chunks = _check_chunks([f.numel() for f in flats], chunk_numels, n)
         offsets = [sum(chunks[:i]) for i in range(len(chunks))]
         segment = sum(chunks)
         peers = [r for r in range(n) if r != rank]
@@ -377,9 +378,9 @@ class ProcessGroupTransport(Transport):
             total = received[0]  # a peer's chunks; its padding is zeros, like this rank's
             for flat, c, off in zip(flats, chunks, offsets):
                 mine = total[off:off + c]
-                valid = max(0, min(c, flat.numel() - rank * c))
-                if valid:
-                    mine[:valid].add_(flat[rank * c:rank * c + valid])
+                own = chunk_of_rank(flat, rank, c)
+                if own.numel():
+                    mine[:own.numel()].add_(own)
                 for other in received[1:]:
                     mine.add_(other[off:off + c])
                 if scale != 1.0:
@@ -440,29 +441,14 @@ def _uses_point_to_point(group) -> bool:
     return skdist.backend_of(group) == "gloo" and skdist.get_world_size(group) > 1
 
 
-def _checked_chunks(flats, chunk_numels, n: int) -> list[int]:
-    """``chunk_numels`` as ints, checked to cover each flat tensor in ``n`` chunks."""
-    chunks = [int(c) for c in chunk_numels]
-    if len(chunks) != len(flats):
-        raise ValueError(f"reduce_scatter_chunks: chunk_numels has {len(chunks)} entries for "
-                         f"{len(flats)} tensors")
-    for i, (flat, c) in enumerate(zip(flats, chunks)):
-        if c < 0 or c * n < flat.numel():
-            raise ValueError(f"reduce_scatter_chunks: chunk_numels[{i}]={c} x world size {n} "
-                             f"< numel {flat.numel()}; use at least "
-                             f"ceil({flat.numel()} / {n}) = {-(-flat.numel() // n)}")
-    return chunks
-
-
 def _padded_chunk(flat: torch.Tensor, r: int, c: int) -> torch.Tensor:
     """Chunk ``r`` (``c`` elements) of ``flat``: a view when it lies inside ``flat``, else a
     zero-padded copy of what does."""
-    lo, hi = r * c, min((r + 1) * c, flat.numel())
-    if hi - lo == c:
-        return flat[lo:hi]
+    chunk = chunk_of_rank(flat, r, c)
+    if chunk.numel() == c:
+        return chunk
     padded = flat.new_zeros(c)
-    if hi > lo:
-        padded[:hi - lo].copy_(flat[lo:hi])
+    padded[:chunk.numel()].copy_(chunk)
     return padded
 
 

@@ -15,8 +15,8 @@ import torch
 
 from shardkit.kernels.dispatch import backend_for
 
-__all__ = ["chunk_numels_for", "pack_rank_major", "unpack_rank_major", "unpack_shard",
-           "shard_views"]
+__all__ = ["chunk_numels_for", "chunk_of_rank", "pack_rank_major", "unpack_rank_major",
+           "unpack_shard", "shard_views"]
 
 
 def chunk_numels_for(numels: Sequence[int], world_size: int) -> list[int]:
@@ -25,6 +25,14 @@ def chunk_numels_for(numels: Sequence[int], world_size: int) -> list[int]:
     if world_size < 1:
         raise ValueError(f"world_size={world_size}; it must be at least 1")
     return [-(-n // world_size) for n in numels]
+
+
+def chunk_of_rank(flat: torch.Tensor, rank: int, chunk_numel: int) -> torch.Tensor:
+    """Chunk ``rank`` of the flat tensor ``flat`` cut into chunks of ``chunk_numel`` elements:
+    a view, shorter than ``chunk_numel`` (or empty) where ``flat`` ends inside or before it
+    (the padding is not materialised). No copy."""
+    end = flat.numel()
+    return flat[min(rank * chunk_numel, end):min((rank + 1) * chunk_numel, end)]
 
 
 def _check_chunks(numels, chunk_numels, world_size):
