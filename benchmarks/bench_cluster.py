@@ -254,16 +254,6 @@ for _bytes in (2 ** 21, 2 ** 22, 2 ** 25):
 # ----------------------------------------------------------------------------- rank side
 
 
-def _link_tx_bytes() -> int:
-    """Bytes this node's cluster interface has sent (kernel counter; one rank per node)."""
-    iface = os.environ.get("GLOO_SOCKET_IFNAME", "")
-    try:
-        with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
-            return int(f.read())
-    except OSError:
-        return 0
-
-
 class _Trainer:
     """A wrapped reference GPT with AdamW; ``step(i, rank)`` trains on this rank's batch."""
 
@@ -313,7 +303,7 @@ def rank_main(out_path: str, configs: list[str], rounds: int, steps: int) -> int
     import torch
     from shardkit import distributed as skd
     from shardkit.models import GPT, reference_gpt_config
-    from benchmarks.common import finish_pending_sync, time_interleaved
+    from benchmarks.common import finish_pending_sync, link_tx_bytes, time_interleaved
 
     skd.init_distributed(backend="gloo", timeout_s=1800)
     torch.set_num_threads(1)
@@ -325,12 +315,12 @@ def rank_main(out_path: str, configs: list[str], rounds: int, steps: int) -> int
     counted, wire = {}, {}
     for name, trainer in trainers.items():  # one more step each, counted
         skd.barrier()
-        before = _link_tx_bytes()
+        before = link_tx_bytes() or 0
         with skd.CommCounter() as comm:
             trainer.step(step, rank)
         finish_pending_sync(getattr(trainer, "optimizer", None))
         skd.barrier()
-        wire[name] = _link_tx_bytes() - before
+        wire[name] = (link_tx_bytes() or 0) - before
         counted[name] = comm.inter_node_bytes if ROWS[name].library == "shardkit" else None
     mine = {"rank": rank, "times": times, "counted": counted, "wire": wire, "probe": probe,
             "host": os.uname().nodename, "load": os.getloadavg()[0]}
@@ -486,14 +476,13 @@ def main(argv=None) -> int:
         return 0
 
     from shardkit.cluster import cluster_unavailable_reason, parse_link_rate, run_cluster
+    from benchmarks.common import cluster_env
     from benchmarks.run import git_commit
     reason = cluster_unavailable_reason()
     if reason:
         print(f"bench_cluster: {reason}", file=sys.stderr)
         return 1
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, SHARDKIT_BENCH_WORKLOAD=args.workload, PYTHONPATH=os.pathsep.join(
-        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = cluster_env(SHARDKIT_BENCH_WORKLOAD=args.workload)
     runs = []
     for rate in args.rates.split(","):
         with tempfile.TemporaryDirectory() as tmp:

@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.common import write_report
+from benchmarks.common import cluster_env, link_tx_bytes, write_report
 
 STAGES = 2
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "pipe.md")
@@ -148,19 +148,6 @@ def _parts(workload: str, num_stages: int) -> list:
     return split_sequential(layers, balance)
 
 
-def _link_tx_bytes() -> Optional[int]:
-    """Bytes this node's cluster interface has sent (kernel counter), or None outside the
-    simulated cluster (no ``GLOO_SOCKET_IFNAME``)."""
-    iface = os.environ.get("GLOO_SOCKET_IFNAME")
-    if not iface:
-        return None
-    try:
-        with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
-            return int(f.read())
-    except OSError:
-        return None
-
-
 def _time_steps(step, steps: int, warmup: int = 2) -> tuple:
     """Wall-clock seconds per step (from a barrier before the first timed step to one after
     the last), this process's CPU seconds per step (all its threads) and the bytes this node's
@@ -170,14 +157,14 @@ def _time_steps(step, steps: int, warmup: int = 2) -> tuple:
     for _ in range(warmup):
         step()
     dist.barrier()
-    tx_start = _link_tx_bytes()
+    tx_start = link_tx_bytes()
     start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
     cpu = time.process_time() - cpu_start
     dist.barrier()
     wall = (time.perf_counter() - start) / steps
-    tx_end = _link_tx_bytes()
+    tx_end = link_tx_bytes()
     tx = None if tx_start is None or tx_end is None else (tx_end - tx_start) / steps
     return wall, cpu / steps, tx
 
@@ -486,9 +473,7 @@ def measure_on_cluster(workload_names: list, steps: int, rounds: int, rate: str)
     ``rate``; returns rank 0's JSON. Raises RuntimeError when the launch fails."""
     from shardkit.cluster import run_cluster
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = cluster_env()
     with tempfile.TemporaryDirectory() as tmp:
         raw_path = os.path.join(tmp, "raw.json")
         rc = run_cluster(["-m", "benchmarks.bench_pipe", "--rank-side", raw_path,

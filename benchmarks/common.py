@@ -501,6 +501,28 @@ def median_ratio(times: list, base: list) -> float:
     return statistics.median(t / b for t, b in zip(times, base))
 
 
+def link_tx_bytes() -> Optional[int]:
+    """Bytes this node's cluster interface has sent so far (kernel counter, TCP/IP headers
+    included), or None outside the simulated cluster (no ``GLOO_SOCKET_IFNAME``)."""
+    iface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not iface:
+        return None
+    try:
+        with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
+def cluster_env(**extra: str) -> dict:
+    """The environment for a benchmark's ranks on the simulated cluster: this one, with the
+    repository first on ``PYTHONPATH`` (the ranks run ``python -m benchmarks...`` from the
+    nodes' own working directory) and ``extra`` variables."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), **extra)
+
+
 def write_report(text: str, path: str) -> None:
     """Write a benchmark's Markdown report to ``path`` (creating its folder) and print it."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
