@@ -329,3 +329,33 @@ def test_cpu_quantize_of_an_already_packed_flat_buffer(blocks, world_size, bits,
     direct = quantize_pack([flat], layout, node_size=node_size)
     assert torch.equal(direct, quantize_pack([strided], layout, node_size=node_size))
     assert torch.equal(flat, kept)
+
+
+@SETTINGS
+@given(blocks=st.lists(st.integers(0, 6), min_size=2, max_size=5), bits=st.sampled_from([4, 8]),
+       block=st.sampled_from([8, 64, 256]), seed=st.integers(0, 2 ** 16))
+def test_cpu_quantize_of_chunks_back_to_back_in_one_shard(blocks, bits, block, seed):
+    """qwZ quantizes a flat shard split into its parameters' chunks: when they lie back to
+    back in one storage they are read in place, with the bytes of separate copies; a gap or
+    a reordering between them falls back to the copying path, with the same bytes again."""
+    from shardkit.kernels import quantize as q
+    chunks = [b * block for b in blocks]
+    if sum(chunks) == 0:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randn(sum(chunks) + block, generator=gen) * 5
+    kept = flat.clone()
+    views = list(flat[:sum(chunks)].split(chunks))
+    layout = quant_layout(chunks, 1, bits=bits, block=block, chunk_numels=chunks)
+    assert q._already_packed(views, layout) is not None
+    copies = [v.clone() for v in views]
+    assert q._already_packed(copies, layout) is None or len(copies) == 1
+    expected = quantize_pack(copies, layout)
+    assert torch.equal(quantize_pack(views, layout), expected)
+    assert torch.equal(flat, kept)
+    gapped = [flat[:chunks[0]], flat[chunks[0] + block:chunks[0] + block + chunks[1]]]
+    gap_layout = quant_layout(chunks[:2], 1, bits=bits, block=block, chunk_numels=chunks[:2])
+    if chunks[0] and chunks[1]:
+        assert q._already_packed(gapped, gap_layout) is None
+    assert torch.equal(quantize_pack(gapped, gap_layout),
+                       quantize_pack([g.clone() for g in gapped], gap_layout))
