@@ -82,6 +82,18 @@ def _collectives_match_torch():
         for w in works:
             w.wait()
         out["batch_p2p"] = torch.equal(got3, torch.full((3,), prv * 2.0))
+        # several messages each way, sends and receives interleaved, one of them larger than a
+        # gloo piece: receives are posted first, yet each arrives in the order it was sent
+        sizes = (5, (1 << 18) + 7, 3)
+        ops, inbox = [], []
+        for k, size in enumerate(sizes):
+            inbox.append(torch.empty(size))
+            ops += [skd.P2POp("send", torch.full((size,), rank * 10.0 + k), nxt),
+                    skd.P2POp("recv", inbox[-1], prv)]
+        for w in skd.batch_isend_irecv(ops):
+            w.wait()
+        out["batch_p2p_order"] = all(torch.equal(t, torch.full((s,), prv * 10.0 + k))
+                                     for k, (t, s) in enumerate(zip(inbox, sizes)))
     skd.barrier()
     out["broadcast_object"] = skd.broadcast_object({"k": rank}, src=0) == {"k": 0}
     out["all_gather_object"] = skd.all_gather_object(rank * 3) == [r * 3 for r in range(n)]
@@ -307,3 +319,29 @@ def test_rank_that_raises_fails_the_run_without_hanging(tmp_path):
     proc = _torchrun_script(tmp_path, "raise")
     assert proc.returncode != 0
     assert "rank 1 fails on purpose" in proc.stderr
+
+
+def test_batch_isend_irecv_posts_every_receive_before_the_first_send(monkeypatch):
+    """gloo reads a message only once its receive is posted, so a batch hands torch all of its
+    receives first (two ranks that both sent first ran at half the link's rate); sends keep
+    their order among themselves, and so do receives, which is what matching relies on."""
+    import torch.distributed as dist
+    handed = []
+    monkeypatch.setattr(skd, "backend_of", lambda group=None: "gloo")
+    monkeypatch.setattr(skd, "_record", lambda *args, **kwargs: None)
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: handed.extend(ops) or [])
+
+    class Op:  # torch's P2POp needs a process group to exist
+        def __init__(self, op, tensor, peer, group=None, tag=0):
+            self.op, self.tensor = op, tensor
+
+    monkeypatch.setattr(dist, "P2POp", Op)
+    tensors = [torch.zeros(n) for n in (4, 3 * (1 << 18), 2, 5)]
+    skd.batch_isend_irecv([skd.P2POp("send", tensors[0], 1), skd.P2POp("recv", tensors[1], 1),
+                           skd.P2POp("send", tensors[2], 1), skd.P2POp("recv", tensors[3], 1)])
+    kinds = ["recv" if op.op is dist.irecv else "send" for op in handed]
+    assert kinds == ["recv"] * 4 + ["send"] * 2  # the large receive travels as three pieces
+    starts = [op.tensor.data_ptr() for op in handed]
+    piece = tensors[1].element_size() * (1 << 18)
+    assert starts[:3] == [tensors[1].data_ptr() + k * piece for k in range(3)]
+    assert starts[3:] == [tensors[3].data_ptr(), tensors[0].data_ptr(), tensors[2].data_ptr()]
