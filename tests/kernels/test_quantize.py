@@ -359,3 +359,10 @@ def test_cpu_quantize_of_chunks_back_to_back_in_one_shard(blocks, bits, block, s
         assert q._already_packed(gapped, gap_layout) is None
     assert torch.equal(quantize_pack(gapped, gap_layout),
                        quantize_pack([g.clone() for g in gapped], gap_layout))
+    swapped = [views[1], views[0]]
+    swap_layout = quant_layout(chunks[1::-1], 1, bits=bits, block=block,
+                               chunk_numels=chunks[1::-1])
+    if chunks[0] and chunks[1]:
+        assert q._already_packed(swapped, swap_layout) is None
+    assert torch.equal(quantize_pack(swapped, swap_layout),
+                       quantize_pack([v.clone() for v in swapped], swap_layout))
