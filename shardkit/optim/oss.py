@@ -228,13 +228,15 @@ class OSS(torch.optim.Optimizer):
         """Clear the gradients of every parameter of every group (owned or not)."""
         super().zero_grad(set_to_none=set_to_none)
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0,
+                       filter_params_fn: Optional[Callable] = None) -> torch.Tensor:
         """Clip the gradients so that their global norm is at most ``max_norm``; return the norm.
 
         Each rank measures the gradients of the parameters it owns, so the result is right both
         when every rank holds the full reduced gradients (DDP) and when only the owners do
         (ShardedDDP); one all-reduce of one element. Only the owned gradients (the ones the
-        step reads) are scaled.
+        step reads) are scaled. ``filter_params_fn`` (FairScale's argument) receives the list of
+        this rank's owned parameters and returns the ones to measure and clip.
         """
         max_norm, norm_type = check_clip_arguments("OSS.clip_grad_norm", max_norm, norm_type)
         if self._stepped_in_backward is not None:
@@ -242,7 +244,13 @@ class OSS(torch.optim.Optimizer):
                                "parameters (ShardedDataParallel(step_in_backward=True)), so "
                                "there is nothing left to clip; build ShardedDataParallel with "
                                "step_in_backward=False to clip gradients before the step")
-        grads = [p.grad for p in self._owned_params() if p.grad is not None]
+        if filter_params_fn is not None and not callable(filter_params_fn):
+            raise TypeError(f"OSS.clip_grad_norm(filter_params_fn={filter_params_fn!r}): expected "
+                            f"a callable taking and returning a list of parameters, or None")
+        owned = self._owned_params()
+        if filter_params_fn is not None:
+            owned = list(filter_params_fn(owned))
+        grads = [p.grad for p in owned if p.grad is not None]
         return clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.group,
                                            device=self._default_device())
 
@@ -294,10 +302,16 @@ class OSS(torch.optim.Optimizer):
                                                          self.world_size, self.group,
                                                          recipient_rank)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, all_ranks: bool = False) -> dict:
         """The full optimizer state in torch's format (global parameter indices; loadable into
         a plain single-process optimizer of the same type), after :meth:`consolidate_state_dict`.
+        ``all_ranks=True`` (FairScale's argument) consolidates on every rank first: then it is
+        collective, and costs what ``consolidate_state_dict(-1)`` does.
         """
+        if not isinstance(all_ranks, bool):
+            raise ValueError(f"OSS.state_dict(all_ranks={all_ranks!r}): must be True or False")
+        if all_ranks:
+            self.consolidate_state_dict(recipient_rank=-1)
         if self._consolidated is None:
             raise RuntimeError(
                 f"OSS.state_dict() on rank {self.rank}: no consolidated state here. Call "

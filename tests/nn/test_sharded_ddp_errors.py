@@ -339,3 +339,39 @@ def test_step_in_backward_refuses_clipping_and_closures(world2):
         assert "already stepped" in errors["clip"], errors
         assert "call optimizer.step() bare" in errors["closure"], errors
         assert same_weights
+
+
+def _stale_plan_warning():
+    import warnings
+    torch.manual_seed(0)
+    out = {}
+    for warn in (True, False):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model[0].requires_grad_(False)
+        oss = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+        ddp = ShardedDataParallel(model, oss, auto_refresh_trainable=False,
+                                  warn_on_trainable_params_changed=warn)
+        x = torch.randn(3, 4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp(x).sum().backward()          # planned as built: no warning
+            model[0].requires_grad_(True)
+            ddp(x).sum().backward()          # stale: one warning
+            ddp(x).sum().backward()          # the same change: no second warning
+        stale = [str(w.message) for w in caught if "refresh_trainable" in str(w.message)]
+        ddp.refresh_trainable()
+        ddp.zero_grad()
+        with warnings.catch_warnings(record=True) as after:
+            warnings.simplefilter("always")
+            ddp(x).sum().backward()
+        out[warn] = (len(stale), sum("refresh_trainable" in str(w.message) for w in after))
+    return out
+
+
+def test_stale_trainable_set_warns_once_without_auto_refresh(world2):
+    """FairScale's ``warn_on_trainable_params_changed``: with ``auto_refresh_trainable=False`` a
+    newly trainable parameter would go unreduced until ``refresh_trainable()``; forward says so
+    once per change (and stays quiet when asked to, or once refreshed)."""
+    for r in world2.run(_stale_plan_warning):
+        assert r[True] == (1, 0), r
+        assert r[False] == (0, 0), r

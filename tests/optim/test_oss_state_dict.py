@@ -109,6 +109,7 @@ def _plain_adamw_round_trip():
     opt.consolidate_state_dict(recipient_rank=-1)
     back = opt.state_dict()
     same = _same_state_dict(back, saved)  # the state dict records the caller's fused=None
+    same = same and _same_state_dict(opt.state_dict(all_ranks=True), saved)  # FairScale's form
     fused_seen = {"chosen": opt.fused,
                   "public": [g["fused"] for g in opt.param_groups],
                   "local": [g["fused"] for g in opt.optim.param_groups]}
@@ -276,3 +277,34 @@ def test_partition_views_are_consistent(world2):
     for rank, r in enumerate(world2.run(_public_views)):
         assert r.pop("ranks") == (rank, 2, 2)
         assert all(r.values()), r
+
+
+def _clip_with_filter():
+    """FairScale's ``clip_grad_norm(filter_params_fn=...)``: only the parameters the filter
+    keeps are measured and clipped (every rank holds the same full gradients here)."""
+    model = MLP(WIDTH, 3, out=4, seed=4)
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    F.mse_loss(model(_batch(0)[0]), _batch(0)[1]).backward()
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases_before = [p.grad.clone() for n, p in model.named_parameters() if n.endswith("bias")]
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad)
+                                                     for p in weights]))
+    norm = opt.clip_grad_norm(1e-3, filter_params_fn=lambda ps: [p for p in ps if p.dim() == 2])
+    owned = {id(p) for p in opt.partition.params_of(opt.rank)[0]}
+    clipped = [torch.linalg.vector_norm(p.grad).item() for p in weights if id(p) in owned]
+    biases_after = [p.grad for n, p in model.named_parameters() if n.endswith("bias")]
+    try:
+        opt.clip_grad_norm(1.0, filter_params_fn="weights")
+        bad = "accepted"
+    except TypeError as error:
+        bad = str(error)
+    return {"norm": norm.item(), "expected": expected.item(), "clipped": clipped,
+            "biases_kept": all(torch.equal(a, b) for a, b in zip(biases_before, biases_after)),
+            "bad": bad}
+
+
+def test_clip_grad_norm_with_filter(world2):
+    for r in world2.run(_clip_with_filter):
+        assert r["norm"] == pytest.approx(r["expected"], rel=1e-5), r
+        assert r["biases_kept"] and "filter_params_fn" in r["bad"], r
+        assert all(c < 2e-3 for c in r["clipped"]), r

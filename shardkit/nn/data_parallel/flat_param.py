@@ -97,22 +97,28 @@ class FlatParamShard:
             shards are all-reduced over it after the reduce-scatter. ``None``: no replicas.
         hpz_group: hpZ's secondary partition group (a block of ``group``, e.g. one node):
             the backward gather runs over it from the rows kept at the forward free.
+        reduce_group: the group over ``group``'s ranks that carries the reduce-scatter
+            (default ``group``).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], locations: Sequence[list],
                  group, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
                  compute_device: torch.device, storage_device: torch.device,
                  on_grad_ready: Callable[["FlatParamShard"], None], transport: Transport,
-                 replicate_group=None, hpz_group=None):
+                 replicate_group=None, hpz_group=None, reduce_group=None):
         self.params = list(params)
         self.locations = [list(locs) for locs in locations]
         self.group = group
+        self.reduce_group = group if reduce_group is None else reduce_group
         self.transport = transport
         self.world_size = skdist.get_world_size(group)
         self.rank = skdist.get_rank(group)
         self.replicate_group = replicate_group
         self.replicas = 1 if replicate_group is None else skdist.get_world_size(replicate_group)
         self.hpz_group = hpz_group
+        # gradients are divided by ``predivide`` before the reduce-scatter and by
+        # ``postdivide`` after; together by N x replicas, the mean over the data-parallel ranks
+        self.predivide, self.postdivide = float(self.world_size * self.replicas), 1.0
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) > 1:
             raise ValueError(f"FullyShardedDataParallel: one unit's parameters must share a "
@@ -291,9 +297,16 @@ class FlatParamShard:
         self._grad_pieces = grads
         self._on_grad_ready(self)
 
+    def set_divide_factors(self, pre: Optional[float], post: Optional[float]) -> None:
+        """Divide gradients by ``pre`` before the reduce-scatter and by ``post`` after (``None``
+        for both: by ``N x replicas`` before, the mean). Local."""
+        if pre is None:
+            pre, post = float(self.world_size * self.replicas), 1.0
+        self.predivide, self.postdivide = float(pre), float(post)
+
     def start_reduce(self) -> None:
-        """Reduce-scatter the unit's gradients (divided by ``N x replicas``, in the reduce dtype)
-        into this rank's shard, async. They live until the operation completes (a transport
+        """Reduce-scatter the unit's gradients (divided by ``predivide``, by default ``N x
+        replicas``, in the reduce dtype) into this rank's shard, async. They live until the operation completes (a transport
         may send straight from them).
 
         Wire: ``(N-1)/N x N x shard`` elements of the reduce dtype, one transport
@@ -307,8 +320,8 @@ class FlatParamShard:
             self.finish_reduce()
         grads, self._grad_pieces = self._grad_pieces, None
         handle = self.transport.reduce_scatter_chunks(
-            grads, self.chunk_numels, self.group,
-            scale=1.0 / (self.world_size * self.replicas), dtype=self.reduce_dtype)
+            grads, self.chunk_numels, self.reduce_group, scale=1.0 / self.predivide,
+            dtype=self.reduce_dtype)
         self._pending_reduce = (handle, False)
 
     def replicate_reduce(self) -> None:
@@ -329,6 +342,8 @@ class FlatParamShard:
         out = self._pending_reduce[0].wait()
         self._pending_reduce = None
         grad_shard = out.to(self.storage_device, self.master_dtype)
+        if self.postdivide != 1.0:
+            grad_shard.div_(self.postdivide)
         for p, view in zip(self.params, self.shard_views(grad_shard)):
             if not p.requires_grad:
                 continue

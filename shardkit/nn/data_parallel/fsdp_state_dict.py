@@ -37,17 +37,27 @@ class FSDPStateDictMixin:
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The full state dict: original keys, unpadded fp32 parameters (buffers in their
-        original dtype), loadable into the unwrapped module. All ranks must call it.
+        original dtype), loadable into the unwrapped module. All ranks must call it. With
+        ``state_dict_device`` the tensors are moved there; with ``state_dict_on_rank_0_only``
+        only rank 0 of the group (and of the replicas) gets them, the others an empty dict.
 
-        Memory: the full model on every rank while it is built. Communication: one
-        all-gather per unit.
+        Memory: the full model on every rank while it is built (held afterwards only where it
+        is returned). Communication: one all-gather per unit.
         """
         if args or destination is not None:  # nn.Module's recursion into an inner unit
             return super().state_dict(*args, destination=destination, prefix=prefix,
                                       keep_vars=keep_vars)
         with self.summon_full_params(writeback=False), self._buffers_in_original_dtype():
             raw = super().state_dict(keep_vars=False)
-            return OrderedDict((prefix + clean_name(k), v) for k, v in raw.items())
+            if self.state_dict_on_rank_0_only and not self._is_first_rank():
+                return OrderedDict()
+            device = self.state_dict_device
+            return OrderedDict((prefix + clean_name(k), v if device is None else v.to(device))
+                               for k, v in raw.items())
+
+    def _is_first_rank(self) -> bool:
+        replica = 0 if self.replicate_group is None else skdist.get_rank(self.replicate_group)
+        return self.rank == 0 and replica == 0
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state dict (e.g. from the unwrapped model or :meth:`state_dict`): each
@@ -78,8 +88,11 @@ class FSDPStateDictMixin:
 
     # ------------------------------------------------------------------ local state dicts
 
-    def _param_layouts(self) -> dict[int, ParamLayout]:
+    def _param_layouts(self, gathered_state_only: bool = False) -> dict[int, ParamLayout]:
+        """``id(param) -> layout`` of every sharded parameter (with ``gathered_state_only``,
+        not of units built with ``no_broadcast_optim_state``)."""
         return {id(p): lay for u in self.sharded_units() if u._shard is not None
+                and not (gathered_state_only and u.no_broadcast_optim_state)
                 for p, lay in zip(u._shard.params, u._shard.layouts)}
 
     def local_state_dict(self) -> OrderedDict:
@@ -120,6 +133,8 @@ class FSDPStateDictMixin:
         """The optimizer's state with every shard-shaped tensor unsharded to the full parameter
         shape, in torch's format (loadable into a single-process optimizer over the unwrapped
         model), plus ``"param_names"``. Returned on ``recipient_rank``, ``None`` elsewhere.
+        Units built with ``no_broadcast_optim_state=True`` are not gathered: their parameters'
+        state is the recipient's own shard, for the caller to fill in (FairScale's meaning).
 
         Communication: one all-gather per state tensor (``Ψ·K/4`` elements in all). Memory: the
         full optimizer state on every rank while gathering. All ranks must call it.
@@ -129,7 +144,8 @@ class FSDPStateDictMixin:
                              f"valid ranks are 0..{self.world_size - 1}")
         ordered = [p for g in optim.param_groups for p in g["params"]]
         names = {id(p): n for n, p in self.named_parameters()}
-        full = gather_full_optimizer_state(optim.state_dict(), ordered, self._param_layouts(),
+        full = gather_full_optimizer_state(optim.state_dict(), ordered,
+                                           self._param_layouts(gathered_state_only=True),
                                            [names.get(id(p)) for p in ordered],
                                            self.process_group, self._comm_device())
         return full if self.rank == recipient_rank else None

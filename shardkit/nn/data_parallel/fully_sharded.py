@@ -52,6 +52,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes,
                                                   gathered_param_bytes)
+from shardkit.nn.data_parallel.fsdp_arguments import (check_compute_device, check_divide_factor,
+                                                      check_reduce_scatter_group,
+                                                      resolve_cpu_offload,
+                                                      resolve_fairscale_options, shard_devices)
 from shardkit.nn.data_parallel.fsdp_state_dict import FSDPStateDictMixin, clean_name
 from shardkit.nn.data_parallel.mixed_precision import (MixedPrecisionPolicy,
                                                        resolve_mixed_precision)
@@ -125,6 +129,15 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             :class:`~shardkit.quantized_transport.QuantizedTransport`; a ``comm`` that already
             is one together with either option is an error. Not in FairScale's signature;
             inner units get them through ``enable_wrap`` like the other arguments.
+        process_group_reduce_scatter, disable_reshard_on_root, move_grads_to_cpu,
+        bucket_cap_mb, compute_device, no_broadcast_optim_state, state_dict_device,
+        clear_autocast_cache, force_input_to_fp32, verbose, cpu_offload,
+        state_dict_on_rank_0_only, gradient_predivide_factor, allow_reset_parameters:
+            FairScale's other arguments, with its defaults and meaning, so that its users'
+            calls run unchanged; :mod:`.fsdp_arguments` says what each does here (e.g.
+            ``disable_reshard_on_root=False`` re-gathers the root for backward, ``Ψ_root(N-1)/N``
+            more elements; ``bucket_cap_mb`` is only checked: each unit's gradients are already
+            one flat reduce-scatter).
 
     Memory: ``Ψ_u/N`` + padding of master weights per unit, grads and optimizer state likewise;
     the gathered unit (``Ψ_u`` in compute dtype) only around its forward/backward.
@@ -139,7 +152,15 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                  buffer_dtype: Optional[torch.dtype] = None, comm=None,
                  sharding_strategy: Union[ShardingStrategy, str, None] = None,
                  hpz_partition_size: int = 1, device_mesh=None,
-                 quantize_weights: bool = False, quantize_gradients: bool = False):
+                 quantize_weights: bool = False, quantize_gradients: bool = False,
+                 process_group_reduce_scatter=None, disable_reshard_on_root: bool = True,
+                 move_grads_to_cpu: Optional[bool] = None, bucket_cap_mb: float = 25,
+                 compute_device=None, no_broadcast_optim_state: bool = False,
+                 state_dict_device=None, clear_autocast_cache: bool = False,
+                 force_input_to_fp32: bool = False, verbose: bool = False,
+                 cpu_offload: bool = False, state_dict_on_rank_0_only: bool = False,
+                 gradient_predivide_factor: Optional[float] = None,
+                 allow_reset_parameters: bool = False):
         _check_wrappable(module)
         transport = quantized_transport_for(comm, quantize_weights, quantize_gradients)
         if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
@@ -154,6 +175,18 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             if not isinstance(value, bool):
                 raise ValueError(f"FullyShardedDataParallel({name}={value!r}): must be True or "
                                  f"False")
+        move_params_to_cpu = resolve_cpu_offload(move_params_to_cpu, cpu_offload)
+        first_param = next(module.parameters(), None)
+        module_device = torch.device("cpu") if first_param is None else first_param.device
+        options = resolve_fairscale_options(
+            move_params_to_cpu=move_params_to_cpu, module_device=module_device,
+            disable_reshard_on_root=disable_reshard_on_root, move_grads_to_cpu=move_grads_to_cpu,
+            bucket_cap_mb=bucket_cap_mb, no_broadcast_optim_state=no_broadcast_optim_state,
+            state_dict_device=state_dict_device, clear_autocast_cache=clear_autocast_cache,
+            force_input_to_fp32=force_input_to_fp32, verbose=verbose,
+            state_dict_on_rank_0_only=state_dict_on_rank_0_only,
+            gradient_predivide_factor=gradient_predivide_factor,
+            allow_reset_parameters=allow_reset_parameters)
         skdist.require_initialized("FullyShardedDataParallel")
         policy = resolve_mixed_precision(mixed_precision, compute_dtype, buffer_dtype,
                                          fp32_reduce_scatter)
@@ -163,6 +196,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                                  "not both")
             process_group = groups_of_mesh(device_mesh, strategy)
         groups = resolve_groups(strategy, process_group, hpz_partition_size)
+        reduce_group = check_reduce_scatter_group(process_group_reduce_scatter, groups.shard,
+                                                  strategy)
+        if first_param is not None:
+            check_compute_device(compute_device, shard_devices(module_device,
+                                                               move_params_to_cpu)[0])
         super().__init__()
         self._fsdp_wrapped_module = module
         self.sharding_strategy = strategy
@@ -179,8 +217,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self.comm = transport
         self.quantize_weights = quantize_weights
         self.quantize_gradients = quantize_gradients
+        self._set_fairscale_options(options, reduce_group)
         transport.prepare(groups.shard)
-        for group in (groups.replicate, groups.hpz):
+        separate_reduce = reduce_group if reduce_group is not groups.shard else None
+        for group in (groups.replicate, groups.hpz, separate_reduce):
             if group is not None:
                 transport.prepare(group)
         params, locations = _collect_unit_params(module)
@@ -188,7 +228,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._shard: Optional[FlatParamShard] = None
         if params:
             self._shard = _build_shard(params, locations, groups, policy,
-                                       move_params_to_cpu, self._on_grad_ready, transport)
+                                       move_params_to_cpu, self._on_grad_ready, transport,
+                                       reduce_group)
+            self._shard.set_divide_factors(self.gradient_predivide_factor,
+                                           self.gradient_postdivide_factor)
             _MANAGED_PARAMS.update((id(p), weakref.ref(p)) for p in params)
         _WRAPPED_MODULES.add(module)
         for inner in _inner_units(module):
@@ -209,6 +252,25 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         # block's graph, instead of tracing collectives into it.
         module.register_forward_pre_hook(_eager(self._pre_forward), with_kwargs=True)
         module.register_forward_hook(_eager(self._post_forward))
+
+    def _set_fairscale_options(self, options, reduce_group) -> None:
+        """FairScale's attributes of the same names (see :mod:`.fsdp_arguments`)."""
+        self.process_group_reduce_scatter = reduce_group
+        self.disable_reshard_on_root = options.disable_reshard_on_root
+        self.move_grads_to_cpu = options.move_grads_to_cpu
+        self.bucket_cap_mb = options.bucket_cap_mb
+        self.no_broadcast_optim_state = options.no_broadcast_optim_state
+        self.state_dict_device = options.state_dict_device
+        self.clear_autocast_cache = options.clear_autocast_cache
+        self.force_input_to_fp32 = options.force_input_to_fp32
+        self.verbose = options.verbose
+        self.state_dict_on_rank_0_only = options.state_dict_on_rank_0_only
+        self.allow_reset_parameters = options.allow_reset_parameters
+        data_parallel = self.world_size * (1 if self.replicate_group is None
+                                           else skdist.get_world_size(self.replicate_group))
+        pre = options.gradient_predivide_factor
+        self.gradient_predivide_factor = float(data_parallel) if pre is None else pre
+        self.gradient_postdivide_factor = data_parallel / self.gradient_predivide_factor
 
     # ------------------------------------------------------------------ module plumbing
 
@@ -277,11 +339,34 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if self._shard is not None:
             yield from self._shard.model_state_tensors()
 
+    @property
+    def cpu_offload(self) -> bool:
+        """FairScale's name: whether the shards are kept on the CPU (``move_params_to_cpu``)."""
+        return self.move_params_to_cpu
+
+    @property
+    def params_with_grad(self) -> list[nn.Parameter]:
+        """This rank's shards that hold a gradient (FairScale's property)."""
+        return [p for p in self.parameters() if p.grad is not None]
+
     def extra_repr(self) -> str:
-        return (f"sharding_strategy={self.sharding_strategy.name}, "
+        text = (f"sharding_strategy={self.sharding_strategy.name}, "
                 f"world_size={self.world_size}, reshard_after_forward="
                 f"{self.reshard_after_forward}, unit_numel={self.unit_numel}, "
                 f"mixed_precision={self.mixed_precision_policy}")
+        if self.verbose:
+            text += (f", rank={self.rank}, padded_numel={self.padded_numel}, "
+                     f"move_params_to_cpu={self.move_params_to_cpu}, move_grads_to_cpu="
+                     f"{self.move_grads_to_cpu}, disable_reshard_on_root="
+                     f"{self.disable_reshard_on_root}, transport={self.comm.describe()}, "
+                     f"gradient_predivide_factor={self.gradient_predivide_factor}, "
+                     f"gradient_postdivide_factor={self.gradient_postdivide_factor}, "
+                     f"force_input_to_fp32={self.force_input_to_fp32}, clear_autocast_cache="
+                     f"{self.clear_autocast_cache}, state_dict_device={self.state_dict_device}, "
+                     f"state_dict_on_rank_0_only={self.state_dict_on_rank_0_only}, "
+                     f"quantize_weights={self.quantize_weights}, quantize_gradients="
+                     f"{self.quantize_gradients}")
+        return text
 
     # ------------------------------------------------------------------ forward
 
@@ -308,13 +393,18 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if policy.enabled and policy.cast_inputs:
             dtype = policy.param_dtype
             args, kwargs = tree_map(lambda t: _cast_floating(t, dtype), (args, kwargs))
+        elif self.force_input_to_fp32 and not policy.enabled:
+            args, kwargs = tree_map(_widen_to_fp32, (args, kwargs))
         return args, kwargs
 
     def _post_forward(self, module, args, output):
         grad_enabled = torch.is_grad_enabled()
-        keep_for_backward = grad_enabled and (self._is_root or not self.reshard_after_forward)
+        root_keeps = self._is_root and self.disable_reshard_on_root
+        keep_for_backward = grad_enabled and (root_keeps or not self.reshard_after_forward)
         if self._shard is not None and not keep_for_backward:
             self._shard.free_full(keep_secondary=grad_enabled)
+        if self.clear_autocast_cache:
+            torch.clear_autocast_cache()
         if grad_enabled:
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -429,13 +519,16 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                                    f"backward; call it between steps")
 
     @contextlib.contextmanager
-    def summon_full_params(self, recurse: bool = True, writeback: bool = True):
+    def summon_full_params(self, recurse: bool = True, volatile: Optional[bool] = None,
+                           writeback: Optional[bool] = None):
         """Inside the block every parameter holds its full fp32 value (``module.weight`` has the
-        original shape); with ``writeback`` edits are copied back into the shards on exit.
+        original shape); edits are copied back into the shards on exit, unless ``volatile``
+        (FairScale's name) or ``writeback=False`` (torch's) says they may be dropped.
 
         Memory: the full model (``recurse``) or this unit in master dtype. Communication: one
         all-gather per unit. All ranks must enter it.
         """
+        writeback = _resolve_writeback(volatile, writeback)
         self._check_idle("summon_full_params")
         units = self.sharded_units() if recurse else [self]
         shards = [u._shard for u in units if u._shard is not None]
@@ -451,6 +544,42 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                     shard.write_back([p.data for p in shard.params])
                 for p, view in zip(shard.params, shard.shard_views(shard.flat_shard)):
                     p.data = view
+
+    def apply(self, fn) -> "FullyShardedDataParallel":
+        """``nn.Module.apply`` with this unit's full parameters summoned around it (inner units
+        summon their own as the recursion reaches them), so ``fn`` may initialise weights in
+        their original shapes; the result is written back into the shards. FairScale's
+        behaviour. Communication: two all-gathers per unit; all ranks must call it."""
+        with self.summon_full_params(recurse=False):
+            return super().apply(fn)
+
+    def reset_parameters(self) -> None:
+        """Call the wrapped module's ``reset_parameters()`` on its full parameters (written back
+        into the shards), when constructed with ``allow_reset_parameters=True``; otherwise
+        ``RuntimeError``, as in FairScale (a module's own initialiser run on the shards would
+        see the wrong shapes)."""
+        if not self.allow_reset_parameters:
+            raise RuntimeError("FullyShardedDataParallel.reset_parameters(): construct the unit "
+                               "with allow_reset_parameters=True to let it reach the wrapped "
+                               "module (it then runs on the full parameters)")
+        reset = getattr(self.module, "reset_parameters", None)
+        if not callable(reset):
+            raise RuntimeError(f"FullyShardedDataParallel.reset_parameters(): the wrapped "
+                               f"{type(self.module).__name__} has no reset_parameters()")
+        with self.summon_full_params(recurse=True):
+            reset()
+
+    def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
+        """Divide the gradients by ``pre`` before the reduce-scatter and by ``post`` after
+        (their product is the data-parallel size for a mean, FairScale's default split).
+        ``recursive`` sets every inner unit too. Local; call it between steps on all ranks."""
+        pre = check_divide_factor("set_gradient_divide_factors(pre)", pre)
+        post = check_divide_factor("set_gradient_divide_factors(post)", post)
+        self._check_idle("set_gradient_divide_factors")
+        for unit in self.sharded_units() if recursive else [self]:
+            unit.gradient_predivide_factor, unit.gradient_postdivide_factor = pre, post
+            if unit._shard is not None:
+                unit._shard.set_divide_factors(pre, post)
 
     # ------------------------------------------------------------------ gradients
 
@@ -546,22 +675,35 @@ def _cast_unit_buffers(module: nn.Module, dtype: Optional[torch.dtype]) -> list:
 
 
 def _build_shard(params, locations, groups, policy: MixedPrecisionPolicy,
-                 move_params_to_cpu: bool, on_grad_ready, transport) -> FlatParamShard:
-    device = params[0].device
+                 move_params_to_cpu: bool, on_grad_ready, transport,
+                 reduce_group) -> FlatParamShard:
     master = params[0].dtype
-    if move_params_to_cpu:
-        compute = device if device.type == "cuda" else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-            else torch.device("cpu"))
-        storage = torch.device("cpu")
-    else:
-        compute = storage = device
+    compute, storage = shard_devices(params[0].device, move_params_to_cpu)
     return FlatParamShard(params, locations, groups.shard,
                           compute_dtype=policy.compute_dtype(master),
                           reduce_dtype=policy.gradient_reduce_dtype(master),
                           compute_device=compute, storage_device=storage,
                           on_grad_ready=on_grad_ready, transport=transport,
-                          replicate_group=groups.replicate, hpz_group=groups.hpz)
+                          replicate_group=groups.replicate, hpz_group=groups.hpz,
+                          reduce_group=reduce_group)
+
+
+def _resolve_writeback(volatile: Optional[bool], writeback: Optional[bool]) -> bool:
+    for name, value in (("volatile", volatile), ("writeback", writeback)):
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"summon_full_params({name}={value!r}): must be True or False")
+    if volatile is not None and writeback is not None and volatile == writeback:
+        raise ValueError(f"summon_full_params(volatile={volatile}, writeback={writeback}): they "
+                         f"contradict each other; volatile=True is writeback=False")
+    if volatile is not None:
+        return not volatile
+    return True if writeback is None else writeback
+
+
+def _widen_to_fp32(t):
+    if isinstance(t, torch.Tensor) and t.dtype in (torch.float16, torch.bfloat16):
+        return t.float()
+    return t
 
 
 def _cast_floating(t, dtype):

@@ -10,6 +10,7 @@ gradients, OSS steps that share, and OSS re-synchronises the parameters.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections import deque
 from typing import Iterator, Optional, Sequence, Union
@@ -46,6 +47,8 @@ class ShardedDataParallel(nn.Module):
             each parameter on its own.
         auto_refresh_trainable: notice at forward when ``requires_grad`` changed (or an OSS
             re-partitioned) and re-plan the buckets; otherwise call :meth:`refresh_trainable`.
+        warn_on_trainable_params_changed: with ``auto_refresh_trainable=False``, warn once per
+            change when forward finds the buckets planned for other trainable parameters.
         reduce_fp16: gradients travel in fp16 (``True``) or in the dtype given
             (``torch.bfloat16``); owners receive them back in the parameters' dtype.
         comm: the :class:`~shardkit.transport.Transport` that reduces the buckets (default: the
@@ -109,7 +112,7 @@ class ShardedDataParallel(nn.Module):
                  reduce_buffer_size: int = 2 ** 23, auto_refresh_trainable: bool = True,
                  reduce_fp16: Union[bool, torch.dtype] = False, comm=None,
                  max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-                 step_in_backward: bool = False):
+                 step_in_backward: bool = False, warn_on_trainable_params_changed: bool = True):
         super().__init__()
         skdist.require_initialized("ShardedDataParallel")
         if not isinstance(module, nn.Module):
@@ -147,6 +150,8 @@ class ShardedDataParallel(nn.Module):
         self.world_size = skdist.get_world_size(self.process_group)
         self.broadcast_buffers = broadcast_buffers
         self.auto_refresh_trainable = auto_refresh_trainable
+        self.warn_on_trainable_params_changed = warn_on_trainable_params_changed
+        self._warned_for: Optional[tuple] = None  # the plan signature last warned about
         self.reduce_buffer_size = reduce_buffer_size
 
         self._hooked: dict = {}               # param -> its two hook handles
@@ -180,11 +185,27 @@ class ShardedDataParallel(nn.Module):
         if self._sync_enabled:
             self._check_grads_do_not_require_grad(
                 p.grad for p in self._trainable if p.grad is not None)
-        if self.auto_refresh_trainable and torch.is_grad_enabled() and self._plan_is_stale():
-            self.refresh_trainable()
+        if torch.is_grad_enabled() and self._plan_is_stale():
+            if self.auto_refresh_trainable:
+                self.refresh_trainable()
+            else:
+                self._warn_stale_plan()
         if self.broadcast_buffers:
             self.sync_buffers()
         return self.module(*inputs, **kwargs)
+
+    def _warn_stale_plan(self) -> None:
+        """Once per change: with ``auto_refresh_trainable=False`` a parameter that became
+        trainable has no reduction hook until :meth:`refresh_trainable`, so its gradient would
+        stay local (FairScale warns alike)."""
+        signature = self._plan_signature()
+        if not self.warn_on_trainable_params_changed or signature == self._warned_for:
+            return
+        self._warned_for = signature
+        warnings.warn("ShardedDataParallel: the trainable parameters (or an OSS partition) "
+                      "changed since the buckets were planned and auto_refresh_trainable=False; "
+                      "call refresh_trainable() on every rank, or the gradients of newly "
+                      "trainable parameters are not reduced", RuntimeWarning, stacklevel=3)
 
     def sync_buffers(self, blocking: bool = False) -> None:
         """Broadcast rank 0's module buffers (BatchNorm statistics...) to every rank, as

@@ -1,0 +1,191 @@
+"""FullyShardedDataParallel's FairScale arguments beyond the core ones: checks and meaning.
+
+FairScale's ``FullyShardedDataParallel`` takes more constructor arguments than the core set in
+DESIGN.md, and its users pass them. Each one is honoured here, with FairScale's default:
+
+- ``cpu_offload``: FairScale's older name for ``move_params_to_cpu`` (DeprecationWarning).
+- ``move_grads_to_cpu`` (default: ``move_params_to_cpu``): gradient shards live where the
+  parameter shards live, so it must agree with where they are (an error otherwise).
+- ``disable_reshard_on_root``: the outermost unit keeps its gathered parameters from forward
+  into backward (``True``, default) or frees and re-gathers them like any other unit.
+- ``compute_device``: checked against the device the unit computes on.
+- ``state_dict_device``, ``state_dict_on_rank_0_only``: where ``state_dict()``'s tensors go and
+  whether ranks other than 0 get an empty dict.
+- ``force_input_to_fp32``, ``clear_autocast_cache``: forward input casting and autocast's
+  weight cache, as in FairScale.
+- ``gradient_predivide_factor``: gradients are divided by it before the reduce-scatter and by
+  ``world / factor`` after (``set_gradient_divide_factors`` changes both).
+- ``process_group_reduce_scatter``: a process group over the same ranks that carries the
+  reduce-scatters (FairScale's way to let them run beside the all-gathers).
+- ``no_broadcast_optim_state``: ``gather_full_optim_state_dict`` leaves this unit's parameters'
+  state as this rank holds it (FairScale: for experts that every rank fills in itself).
+- ``allow_reset_parameters``: lets ``reset_parameters()`` reach the wrapped module.
+- ``bucket_cap_mb``: FairScale batches small reduce-scatters into buckets of this size; here
+  each unit's gradients already go as one flat reduce-scatter, so the value is only checked.
+- ``verbose``: ``repr`` lists every setting.
+
+Every check raises ``ValueError`` naming the argument before any collective. No communication.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from shardkit import distributed as skdist
+
+__all__ = ["FairScaleOptions", "resolve_fairscale_options", "resolve_cpu_offload",
+           "check_reduce_scatter_group", "check_compute_device", "shard_devices"]
+
+
+@dataclass(frozen=True)
+class FairScaleOptions:
+    """The resolved FairScale-only settings of one FSDP unit (see the module docstring)."""
+
+    disable_reshard_on_root: bool = True
+    move_grads_to_cpu: bool = False
+    bucket_cap_mb: float = 25
+    no_broadcast_optim_state: bool = False
+    state_dict_device: Optional[torch.device] = None
+    clear_autocast_cache: bool = False
+    force_input_to_fp32: bool = False
+    verbose: bool = False
+    state_dict_on_rank_0_only: bool = False
+    gradient_predivide_factor: Optional[float] = None
+    allow_reset_parameters: bool = False
+
+
+def resolve_cpu_offload(move_params_to_cpu: bool, cpu_offload: bool) -> bool:
+    """``move_params_to_cpu`` or FairScale's older ``cpu_offload`` (which warns)."""
+    _check_bool("cpu_offload", cpu_offload)
+    if cpu_offload:
+        warnings.warn("FullyShardedDataParallel(cpu_offload=True) is FairScale's older name for "
+                      "move_params_to_cpu=True; use that", DeprecationWarning, stacklevel=3)
+    return bool(move_params_to_cpu or cpu_offload)
+
+
+def resolve_fairscale_options(*, move_params_to_cpu: bool, module_device: torch.device,
+                              disable_reshard_on_root, move_grads_to_cpu, bucket_cap_mb,
+                              no_broadcast_optim_state, state_dict_device, clear_autocast_cache,
+                              force_input_to_fp32, verbose, state_dict_on_rank_0_only,
+                              gradient_predivide_factor,
+                              allow_reset_parameters) -> FairScaleOptions:
+    """Check FairScale's extra arguments and resolve their defaults."""
+    for name, value in (("disable_reshard_on_root", disable_reshard_on_root),
+                        ("no_broadcast_optim_state", no_broadcast_optim_state),
+                        ("clear_autocast_cache", clear_autocast_cache),
+                        ("force_input_to_fp32", force_input_to_fp32), ("verbose", verbose),
+                        ("state_dict_on_rank_0_only", state_dict_on_rank_0_only),
+                        ("allow_reset_parameters", allow_reset_parameters)):
+        _check_bool(name, value)
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
+        raise ValueError(f"FullyShardedDataParallel(bucket_cap_mb={bucket_cap_mb!r}): must be a "
+                         f"number of MB (FairScale's reduce-scatter bucket; <= 0 turns it off)")
+    if gradient_predivide_factor is not None:
+        check_divide_factor("gradient_predivide_factor", gradient_predivide_factor)
+    return FairScaleOptions(
+        disable_reshard_on_root=disable_reshard_on_root,
+        move_grads_to_cpu=_resolve_move_grads(move_grads_to_cpu, move_params_to_cpu,
+                                              *shard_devices(module_device, move_params_to_cpu)),
+        bucket_cap_mb=bucket_cap_mb, no_broadcast_optim_state=no_broadcast_optim_state,
+        state_dict_device=_as_device("state_dict_device", state_dict_device),
+        clear_autocast_cache=clear_autocast_cache, force_input_to_fp32=force_input_to_fp32,
+        verbose=verbose, state_dict_on_rank_0_only=state_dict_on_rank_0_only,
+        gradient_predivide_factor=(None if gradient_predivide_factor is None
+                                   else float(gradient_predivide_factor)),
+        allow_reset_parameters=allow_reset_parameters)
+
+
+def check_divide_factor(name: str, value) -> float:
+    """A gradient divide factor: a positive finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not \
+            0 < float(value) < float("inf"):
+        raise ValueError(f"FullyShardedDataParallel({name}={value!r}): must be a positive number "
+                         f"(gradients are divided by it)")
+    return float(value)
+
+
+def check_reduce_scatter_group(process_group_reduce_scatter, shard_group, sharding_strategy):
+    """The group that carries the reduce-scatters: ``shard_group`` unless another group over
+    exactly its ranks is given (only for strategies that shard over one group)."""
+    if process_group_reduce_scatter is None:
+        return shard_group
+    if sharding_strategy.name not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        raise ValueError(f"FullyShardedDataParallel(process_group_reduce_scatter=...): only with "
+                         f"FULL_SHARD or SHARD_GRAD_OP, not {sharding_strategy.name} (its "
+                         f"gradients are not reduce-scattered over one group)")
+    try:
+        given = skdist.group_ranks(process_group_reduce_scatter)
+    except Exception as error:
+        raise ValueError(f"FullyShardedDataParallel(process_group_reduce_scatter="
+                         f"{process_group_reduce_scatter!r}): expected a process group over the "
+                         f"same ranks as process_group ({error})") from None
+    wanted = skdist.group_ranks(shard_group)
+    if sorted(given) != sorted(wanted):
+        raise ValueError(f"FullyShardedDataParallel(process_group_reduce_scatter=...): its ranks "
+                         f"{sorted(given)} differ from process_group's {sorted(wanted)}; give a "
+                         f"group over the same ranks (or None)")
+    return process_group_reduce_scatter
+
+
+def check_compute_device(compute_device, actual: Optional[torch.device]) -> None:
+    """FairScale's ``compute_device`` must be where the unit computes (its parameters'
+    device, or the current CUDA device when they are offloaded)."""
+    if compute_device is None or actual is None:
+        return
+    wanted = _as_device("compute_device", compute_device)
+    same = wanted.type == actual.type and (wanted.index is None or actual.index is None
+                                           or wanted.index == actual.index)
+    if not same:
+        raise ValueError(f"FullyShardedDataParallel(compute_device={compute_device!r}): this unit "
+                         f"computes on {actual} (where its parameters are); move the module "
+                         f"there first, or pass compute_device={str(actual)!r} or None")
+
+
+def shard_devices(module_device: torch.device, move_params_to_cpu: bool) -> tuple:
+    """``(compute device, storage device)`` of a unit whose parameters are on
+    ``module_device``: offloaded shards are stored on the CPU and computed with on the module's
+    CUDA device (or the current one; the CPU where there is no CUDA)."""
+    if not move_params_to_cpu:
+        return module_device, module_device
+    if module_device.type == "cuda":
+        compute = module_device
+    elif torch.cuda.is_available():
+        compute = torch.device("cuda", torch.cuda.current_device())
+    else:
+        compute = torch.device("cpu")
+    return compute, torch.device("cpu")
+
+
+def _resolve_move_grads(move_grads_to_cpu, move_params_to_cpu: bool, compute: torch.device,
+                        storage: torch.device) -> bool:
+    if move_grads_to_cpu is None:
+        return move_params_to_cpu
+    _check_bool("move_grads_to_cpu", move_grads_to_cpu)
+    if move_grads_to_cpu and storage.type != "cpu":
+        raise ValueError(f"FullyShardedDataParallel(move_grads_to_cpu=True): the parameter shards "
+                         f"stay on {storage} and their gradients live beside them; pass "
+                         f"move_params_to_cpu=True to keep both (and the optimizer) on the CPU")
+    if not move_grads_to_cpu and storage.type == "cpu" and compute.type != "cpu":
+        raise ValueError("FullyShardedDataParallel(move_grads_to_cpu=False, "
+                         "move_params_to_cpu=True): the offloaded shards need their gradients "
+                         "on the CPU for the optimizer step; leave move_grads_to_cpu unset")
+    return move_grads_to_cpu
+
+
+def _as_device(name: str, value) -> Optional[torch.device]:
+    if value is None:
+        return None
+    try:
+        return torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"FullyShardedDataParallel({name}={value!r}): expected a torch.device, "
+                         f"a device string such as 'cpu' or 'cuda:0', or None") from None
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"FullyShardedDataParallel({name}={value!r}): must be True or False")

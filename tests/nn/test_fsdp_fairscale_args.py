@@ -1,0 +1,241 @@
+"""FairScale's FullyShardedDataParallel arguments and methods beyond the core set: a FairScale
+user's constructor call and training loop run unchanged, each option does what FairScale's did,
+and bad values raise before any collective."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardkit import distributed as skdist
+from shardkit.distributed import CommCounter
+from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+from shardkit.testing import world_fixture
+from tests.nn.fsdp_common import (GLOBAL_BATCH, TINY, build_gpt, make_optimizer, max_diff,
+                                  train_step, wrap_gpt)
+
+world2 = world_fixture(2)
+
+STEPS = 3
+
+# every FairScale-only argument, at a value that changes something where it can on CPU
+FAIRSCALE_KWARGS = dict(disable_reshard_on_root=False, move_grads_to_cpu=False, bucket_cap_mb=0,
+                        compute_device="cpu", no_broadcast_optim_state=False,
+                        state_dict_device="cpu", clear_autocast_cache=True,
+                        force_input_to_fp32=True, verbose=True, state_dict_on_rank_0_only=False,
+                        gradient_predivide_factor=2.0, allow_reset_parameters=True)
+
+
+def _parity_with_every_fairscale_argument():
+    """Parity with single-process training, step by step, with all the extra arguments set
+    (a reduce-scatter group of its own, the root resharded, gradients pre-divided by 2)."""
+    reduce_group = skdist.new_group(list(range(skdist.get_world_size())))
+    reference = build_gpt()
+    ref_optim = make_optimizer(reference)
+    model = wrap_gpt(build_gpt(), process_group_reduce_scatter=reduce_group, **FAIRSCALE_KWARGS)
+    optim = make_optimizer(model)
+    worst = 0.0
+    for step in range(STEPS):
+        train_step(reference, ref_optim, step, local=False, clip=1.0)
+        train_step(model, optim, step, clip=1.0)
+        worst = max(worst, max_diff(model.state_dict(), reference.state_dict()))
+    units = model.sharded_units()
+    return {"worst": worst,
+            "repr": sum("gradient_postdivide_factor=1.0" in u.extra_repr() for u in units),
+            "units": len(units),
+            "uses_group": all(u._shard is None or u._shard.reduce_group is reduce_group
+                              for u in units)}
+
+
+def _root_bytes(disable_reshard_on_root: bool):
+    model = wrap_gpt(build_gpt(), disable_reshard_on_root=disable_reshard_on_root)
+    optim = make_optimizer(model)
+    train_step(model, optim, 0)
+    with CommCounter() as counter:
+        train_step(model, optim, 1)
+    root = model.sharded_units()[0]
+    return counter.calls_by_op["all_gather"], root.local_numel, counter.by_op["all_gather"]
+
+
+def _root_reshard_bytes():
+    kept_calls, root_local, kept = _root_bytes(True)
+    freed_calls, _, freed = _root_bytes(False)
+    return {"extra_calls": freed_calls - kept_calls, "extra_bytes": freed - kept,
+            "root_bytes": root_local * (skdist.get_world_size() - 1) * 4}
+
+
+def _state_dict_options():
+    out = {}
+    model = wrap_gpt(build_gpt(), state_dict_on_rank_0_only=True)
+    sd = model.state_dict()
+    out["rank0_only_keys"] = len(sd)
+    out["full_keys"] = len(build_gpt().state_dict())
+    moved = wrap_gpt(build_gpt(), state_dict_device=torch.device("meta"))
+    out["devices"] = sorted({v.device.type for v in moved.state_dict().values()})
+    return out
+
+
+class _DtypeProbe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.dtype)
+        return self.lin(x.to(self.lin.weight.dtype))
+
+
+def _inputs_and_summon():
+    out = {}
+    forced = FSDP(_DtypeProbe(), force_input_to_fp32=True)
+    plain = FSDP(_DtypeProbe())
+    x = torch.randn(2, 4).to(torch.bfloat16)
+    forced(x)
+    plain(x)
+    out["forced"], out["plain"] = str(forced.module.seen[0]), str(plain.module.seen[0])
+    model = FSDP(nn.Linear(4, 6))
+    with model.summon_full_params(volatile=True), torch.no_grad():
+        model.module.weight.fill_(3.0)
+    with model.summon_full_params(volatile=False), torch.no_grad():
+        out["volatile_dropped"] = not bool((model.module.weight == 3.0).any())
+        model.module.weight.fill_(5.0)
+    with model.summon_full_params():
+        out["kept"] = bool((model.module.weight == 5.0).all())
+    try:
+        with model.summon_full_params(volatile=True, writeback=True):
+            pass
+        out["contradiction"] = "accepted"
+    except ValueError as error:
+        out["contradiction"] = str(error)
+    return out
+
+
+def _divide_factors_and_apply():
+    out = {}
+    torch.manual_seed(0)
+    x = torch.randn(GLOBAL_BATCH, 4)
+    mine = x.chunk(skdist.get_world_size())[skdist.get_rank()]
+
+    mean_model = FSDP(_seeded_linear())
+    sum_model = FSDP(_seeded_linear())
+    sum_model.set_gradient_divide_factors(1.0, 1.0, recursive=True)
+    for m in (mean_model, sum_model):
+        m(mine).pow(2).sum().backward()
+    out["sum_over_mean"] = (sum_model.module.weight.grad
+                            / mean_model.module.weight.grad).flatten().tolist()
+    out["params_with_grad"] = len(sum_model.params_with_grad)
+    out["cpu_offload"] = sum_model.cpu_offload
+
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(4, 6)), nn.Linear(6, 2)))
+    shapes = []
+
+    def init(module):
+        if isinstance(module, nn.Linear):
+            shapes.append(tuple(module.weight.shape))
+            with torch.no_grad():
+                module.weight.fill_(0.5)
+    assert model.apply(init) is model
+    out["apply_shapes"] = shapes
+    with model.summon_full_params():
+        out["apply_written"] = all(bool((m.weight == 0.5).all())
+                                   for m in model.modules() if isinstance(m, nn.Linear))
+
+    try:
+        FSDP(nn.Linear(4, 6)).reset_parameters()
+        out["reset_refused"] = "accepted"
+    except RuntimeError as error:
+        out["reset_refused"] = str(error)
+    allowed = FSDP(nn.Linear(4, 6), allow_reset_parameters=True)
+    with allowed.summon_full_params(), torch.no_grad():
+        allowed.module.weight.fill_(9.0)
+    allowed.reset_parameters()
+    with allowed.summon_full_params():
+        out["reset_shape"] = tuple(allowed.module.weight.shape)
+        out["reset_changed"] = not bool((allowed.module.weight == 9.0).any())
+        weight = allowed.module.weight.detach().clone()
+    everyone = [torch.empty_like(weight) for _ in range(skdist.get_world_size())]
+    skdist.all_gather(everyone, weight)
+    out["reset_same_everywhere"] = all(torch.equal(w, weight) for w in everyone)
+    return out
+
+
+def _seeded_linear():
+    torch.manual_seed(1)
+    return nn.Linear(4, 6)
+
+
+def _no_broadcast_optim_state():
+    model = wrap_gpt(build_gpt(), nested=False, no_broadcast_optim_state=True)
+    optim = make_optimizer(model)
+    train_step(model, optim, 0)
+    full = model.gather_full_optim_state_dict(optim)
+    gathered = wrap_gpt(build_gpt(), nested=False)
+    gathered_optim = make_optimizer(gathered)
+    train_step(gathered, gathered_optim, 0)
+    reference = gathered.gather_full_optim_state_dict(gathered_optim)
+    if full is None:
+        return None
+    index = full["param_names"].index("blocks.0.fc.weight")
+    return {"kept": tuple(full["state"][index]["exp_avg"].shape),
+            "full": tuple(reference["state"][index]["exp_avg"].shape)}
+
+
+def _errors():
+    out = {}
+    cases = {
+        "bucket_cap_mb": dict(bucket_cap_mb="25"),
+        "compute_device": dict(compute_device="cuda:0"),
+        "gradient_predivide_factor": dict(gradient_predivide_factor=0),
+        "state_dict_device": dict(state_dict_device="no-such-device"),
+        "verbose": dict(verbose="yes"),
+        "process_group_reduce_scatter": dict(process_group_reduce_scatter=skdist.new_group([0])),
+    }
+    for name, kwargs in cases.items():
+        try:
+            FSDP(nn.Linear(4, 4), **kwargs)
+            out[name] = "accepted"
+        except ValueError as error:
+            out[name] = str(error)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        offloaded = FSDP(nn.Linear(4, 4), cpu_offload=True)
+    out["cpu_offload_warns"] = any(issubclass(w.category, DeprecationWarning) for w in caught)
+    out["cpu_offload_sets"] = offloaded.move_params_to_cpu and offloaded.move_grads_to_cpu
+    return out
+
+
+def test_fairscale_arguments(world2):
+    for r in world2.run(_parity_with_every_fairscale_argument):
+        assert r["worst"] <= 1e-5, r
+        assert r["uses_group"], r
+        # verbose repr: every unit shows its post-divide factor (2 ranks / pre-divide 2)
+        assert r["repr"] == r["units"], r
+    for r in world2.run(_root_reshard_bytes):
+        # the root re-gathers for backward: one more all-gather of its rows
+        assert r["extra_calls"] == 1, r
+        assert r["extra_bytes"] == pytest.approx(r["root_bytes"]), r
+    rank0, rank1 = world2.run(_state_dict_options)
+    assert rank0["rank0_only_keys"] == rank0["full_keys"] and rank1["rank0_only_keys"] == 0
+    assert rank0["devices"] == rank1["devices"] == ["meta"]
+    for r in world2.run(_inputs_and_summon):
+        assert (r["forced"], r["plain"]) == ("torch.float32", "torch.bfloat16"), r
+        assert r["volatile_dropped"] and r["kept"], r
+        assert "volatile" in r["contradiction"] and "writeback" in r["contradiction"], r
+    for r in world2.run(_divide_factors_and_apply):
+        # pre=1, post=1: the sum over 2 ranks instead of the mean
+        assert r["sum_over_mean"] == pytest.approx([2.0] * len(r["sum_over_mean"])), r
+        assert r["params_with_grad"] == 2 and r["cpu_offload"] is False, r
+        assert sorted(r["apply_shapes"]) == [(2, 6), (6, 4)] and r["apply_written"], r
+        assert "allow_reset_parameters=True" in r["reset_refused"], r
+        assert r["reset_shape"] == (6, 4) and r["reset_changed"], r
+        assert r["reset_same_everywhere"], r
+    rank0, rank1 = world2.run(_no_broadcast_optim_state)
+    assert rank1 is None
+    assert rank0["kept"][0] * 2 == rank0["full"][0] and rank0["full"][1] == TINY.d_model, rank0
+    for r in world2.run(_errors):
+        for name in ("bucket_cap_mb", "compute_device", "gradient_predivide_factor",
+                     "state_dict_device", "verbose", "process_group_reduce_scatter"):
+            assert r[name] != "accepted" and name in r[name], (name, r[name])
+        assert r["cpu_offload_warns"] and r["cpu_offload_sets"], r
