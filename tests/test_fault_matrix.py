@@ -171,41 +171,80 @@ def _context():
     return _CTX
 
 
+class _Case:
+    """One launched case: its rank processes, their logs and the checkpoint directory."""
+
+    def __init__(self, tmp_path, wrapper, phase, world=2, victim=1):
+        ctx = _context()
+        self.world, self.victim = world, victim
+        self.save_dir = str(tmp_path / "ckpt")
+        port = free_port()
+        self.logs = [str(tmp_path / f"rank{r}.log") for r in range(world)]
+        self.procs = [ctx.Process(target=_rank_main, args=(wrapper, phase, victim, r, world,
+                                                           port, self.save_dir, self.logs[r]))
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.deadline = time.time() + 60  # a guard; survivors leave after about PEER_TIMEOUT_S
+
+    def finish(self) -> "_Case":
+        """Wait for every rank (killing what outlives the guard)."""
+        for p in self.procs:
+            p.join(max(0.1, self.deadline - time.time()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.codes = [p.exitcode for p in self.procs]
+        self.outputs = [open(f).read() for f in self.logs]
+        return self
+
+    def check(self) -> None:
+        from shardkit.checkpoint import consolidate_checkpoint, read_latest_tag
+        from shardkit.fault import PEER_LOST_EXIT_CODE
+        codes, outputs, victim = self.codes, self.outputs, self.victim
+        assert codes[victim] == -signal.SIGKILL, (codes, outputs)
+        for r in range(self.world):
+            if r == victim:
+                continue
+            assert codes[r] == PEER_LOST_EXIT_CODE, (r, codes, outputs[r])
+            assert f"rank {victim} of {self.world} is lost" in outputs[r], outputs[r]
+        assert read_latest_tag(self.save_dir) == "before"
+        assert consolidate_checkpoint(self.save_dir)  # loads, checksums verified
+
+
 def _run_case(tmp_path, wrapper, phase, world=2, victim=1):
-    from shardkit.checkpoint import consolidate_checkpoint, read_latest_tag
-    from shardkit.fault import PEER_LOST_EXIT_CODE
-    ctx = _context()
-    save_dir = str(tmp_path / "ckpt")
-    port = free_port()
-    logs = [str(tmp_path / f"rank{r}.log") for r in range(world)]
-    procs = [ctx.Process(target=_rank_main, args=(wrapper, phase, victim, r, world, port,
-                                                  save_dir, logs[r]))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.time() + 60  # a guard only; survivors leave after about PEER_TIMEOUT_S
-    for p in procs:
-        p.join(max(0.1, deadline - time.time()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    outputs = [open(f).read() for f in logs]
-    codes = [p.exitcode for p in procs]
-    assert codes[victim] == -signal.SIGKILL, (codes, outputs)
-    for r in range(world):
-        if r == victim:
-            continue
-        assert codes[r] == PEER_LOST_EXIT_CODE, (r, codes, outputs[r])
-        assert f"rank {victim} of {world} is lost" in outputs[r], outputs[r]
-    assert read_latest_tag(save_dir) == "before"
-    assert consolidate_checkpoint(save_dir)  # loads, checksums verified
+    _Case(tmp_path, wrapper, phase, world, victim).finish().check()
+
+
+# Cases run this many at a time: most of a case is its survivor waiting PEER_TIMEOUT_S for the
+# watchdog, which several cases can do together (each case is a world of its own).
+CONCURRENT_CASES = 4
+
+
+@pytest.fixture(scope="module")
+def world2_cases(request, tmp_path_factory):
+    """The selected ``test_rank_killed_world2`` cases, launched ``CONCURRENT_CASES`` at a time:
+    ``{(wrapper, phase): finished _Case}``."""
+    wanted = [(item.callspec.params["wrapper"], item.callspec.params["phase"])
+              for item in request.session.items
+              if getattr(item, "originalname", None) == "test_rank_killed_world2"
+              and item.module.__name__ == __name__]
+    done = {}
+    for start in range(0, len(wanted), CONCURRENT_CASES):
+        batch = {(w, p): _Case(tmp_path_factory.mktemp(f"{w}-{p}"), w, p)
+                 for w, p in wanted[start:start + CONCURRENT_CASES]}
+        done.update((key, case.finish()) for key, case in batch.items())
+    return done
 
 
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("wrapper", WRAPPERS)
-def test_rank_killed_world2(tmp_path, wrapper, phase):
-    _run_case(tmp_path, wrapper, phase)
+def test_rank_killed_world2(world2_cases, tmp_path, wrapper, phase):
+    case = world2_cases.get((wrapper, phase))
+    if case is None:  # selected in a way the fixture did not see: run it alone
+        case = _Case(tmp_path, wrapper, phase).finish()
+    case.check()
 
 
 def test_rank_killed_during_async_checkpoint_write(tmp_path):
