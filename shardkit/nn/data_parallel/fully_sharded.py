@@ -519,11 +519,13 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                                    f"backward; call it between steps")
 
     @contextlib.contextmanager
-    def summon_full_params(self, recurse: bool = True, volatile: Optional[bool] = None,
+    def summon_full_params(self, recurse: bool = True, *, volatile: Optional[bool] = None,
                            writeback: Optional[bool] = None):
         """Inside the block every parameter holds its full fp32 value (``module.weight`` has the
-        original shape); edits are copied back into the shards on exit, unless ``volatile``
-        (FairScale's name) or ``writeback=False`` (torch's) says they may be dropped.
+        original shape); edits are copied back into the shards on exit, unless ``volatile=True``
+        (FairScale's name) or ``writeback=False`` (torch's) says they may be dropped. Both are
+        keyword-only: FairScale's second positional argument is ``volatile``, torch's is
+        ``writeback``, and they mean opposite things.
 
         Memory: the full model (``recurse``) or this unit in master dtype. Communication: one
         all-gather per unit. All ranks must enter it.
