@@ -21,6 +21,7 @@ Keys accepted for compatibility with DeepSpeed configs, validated, without effec
     contiguous_gradients, reduce_scatter, stage3_* ...), offload *.pin_memory / buffer_*,
     fp16.auto_cast, wall_clock_breakdown, memory_breakdown, prescale_gradients,
     gradient_predivide_factor, zero_allow_untested_optimizer, dump_state.
+DeepSpeed's older section name ``bfloat16`` is read as ``bf16``.
 """
 
 from __future__ import annotations
@@ -250,7 +251,7 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
     Raises :class:`ConfigError` naming the dotted key path, the value and what would be valid.
     Pure: no collectives, no global state.
     """
-    raw = _read(config)
+    raw = _with_current_names(_read(config))
     checked = _check_section(raw, SCHEMA, "")
     train, micro, gas = resolve_batch_sizes(checked["train_batch_size"],
                                             checked["train_micro_batch_size_per_gpu"],
@@ -290,6 +291,23 @@ def _read(config) -> dict:
         raise ConfigError(f"config must be a dict or a JSON file path, not "
                           f"{type(config).__name__}")
     return dict(config)
+
+
+# DeepSpeed's older spellings it still reads, with the current key they mean
+_OLD_NAMES = {"bfloat16": "bf16"}
+
+
+def _with_current_names(raw: dict) -> dict:
+    """``raw`` with DeepSpeed's older top-level spellings renamed (``bfloat16`` -> ``bf16``);
+    both spellings at once is an error."""
+    out = dict(raw)
+    for old, new in _OLD_NAMES.items():
+        if old in out:
+            if new in out:
+                raise ConfigError(f"config has both {old!r} and {new!r} (DeepSpeed's older and "
+                                  f"current names of one section); keep {new!r}")
+            out[new] = out.pop(old)
+    return out
 
 
 def _check_section(section, schema: dict, path: str) -> dict:

@@ -102,6 +102,9 @@ def test_batch_triple(train, micro, gas, world, expected):
      ["fp16.enabled and bf16.enabled"]),
     ({"train_batch_size": 8, "gradient_clipping": float("nan")}, ["gradient_clipping=nan"]),
     ({"train_batch_size": 8, "fp16": "on"}, ["fp16: expected a JSON object"]),
+    ({"train_batch_size": 8, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}},
+     ["'bfloat16' and 'bf16'"]),
+    ({"train_batch_size": 8, "bfloat16": {"enable": True}}, ["bf16.enable"]),
 ])
 def test_bad_config_is_named(config, needles):
     with pytest.raises(ConfigError) as info:
@@ -138,3 +141,10 @@ def test_zero_hpz_partition_size():
     with pytest.raises(ConfigError, match="zero_optimization.zero_hpz_partition_size=0"):
         load_config({**base, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0}},
                     4)
+
+
+def test_deepspeed_older_bfloat16_section_is_read_as_bf16():
+    cfg = load_config({"train_batch_size": 8, "bfloat16": {"enabled": True}}, 2)
+    assert cfg.precision.dtype == "bf16"
+    assert load_config({"train_batch_size": 8, "bfloat16": {"enabled": False}},
+                       2).precision.dtype == "fp32"
