@@ -92,6 +92,21 @@ def _groups_and_getters():
         mp.initialize_model_parallel(3)
     except ValueError as e:
         out["indivisible"] = str(e)
+    out["fairscale_errors"] = []
+    for kwargs in ({"context_parallel_size": 2}, {"ddp_backend": 1}, {"timeout": 30}):
+        try:
+            mp.initialize_model_parallel(2, **kwargs)
+            out["fairscale_errors"].append("accepted")
+        except ValueError as e:
+            out["fairscale_errors"].append(str(e))
+    # FairScale's keyword arguments: explicit backends and a timeout for every group
+    import datetime
+    mp.initialize_model_parallel(2, 1, 1, model_parallel_backend="gloo", pipeline_backend="gloo",
+                                 ddp_backend="gloo", timeout=datetime.timedelta(seconds=60))
+    t = torch.tensor([1.0])
+    distributed.all_reduce(t, group=mp.get_data_parallel_group())
+    out["with_backends"] = (mp.get_model_parallel_world_size(), t.item())
+    mp.destroy_model_parallel()
     return out
 
 
@@ -109,6 +124,10 @@ def test_groups_and_getters(world4):
     assert all("initialize_model_parallel" in r["getter_error"] for r in res)
     assert all("world size 4 is not divisible by tensor-parallel size (model_parallel_size) 3"
                in r["indivisible"] for r in res)
+    for r in res:
+        names = ("context_parallel_size", "ddp_backend", "timeout")
+        assert all(n in e for n, e in zip(names, r["fairscale_errors"])), r["fairscale_errors"]
+        assert r["with_backends"] == (2, 2.0), r
 
 
 # ----------------------------------------------------------------------------- mappings

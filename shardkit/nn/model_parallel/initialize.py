@@ -17,6 +17,7 @@ creates the groups once, on every rank, and the getters read them back.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Optional
 
@@ -102,13 +103,25 @@ class _Groups:
 _GROUPS: Optional[_Groups] = None
 
 
-def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1) -> None:
+def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1,
+                              context_parallel_size: int = 1, *,
+                              model_parallel_backend: Optional[str] = None,
+                              pipeline_backend: Optional[str] = None,
+                              cp_backend: Optional[str] = None,
+                              ddp_backend: Optional[str] = None,
+                              timeout: Optional[datetime.timedelta] = None) -> None:
     """Create the tensor-, pipeline- and data-parallel groups for this rank.
 
     Args:
         model_parallel_size: ranks that split each layer (tensor parallelism); adjacent ranks.
         pipeline_length: pipeline stages; the data-parallel size is what remains,
             ``world_size / (model_parallel_size * pipeline_length)``.
+        context_parallel_size: FairScale's newer argument; only ``1`` (no context
+            parallelism) is provided.
+        model_parallel_backend, pipeline_backend, ddp_backend: the backend of the tensor-,
+            pipeline- and data-parallel groups (default: the default group's), as FairScale.
+        cp_backend: accepted for FairScale's signature (no context-parallel group is built).
+        timeout: a ``datetime.timedelta`` for every group created (default: torch's).
 
     Costs ``world/tp + world/pp + world/dp`` group creations (store rendezvous, no tensor
     traffic) and no model memory. Must be called on every rank.
@@ -119,6 +132,9 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1
             ``model_parallel_size * pipeline_length`` (the message has the numbers).
     """
     global _GROUPS
+    backends = _check_fairscale_options(context_parallel_size, timeout, {
+        "data": ddp_backend, "tensor": model_parallel_backend, "pipeline": pipeline_backend,
+        "context": cp_backend})
     distributed.require_initialized("initialize_model_parallel")
     if _GROUPS is not None:
         raise RuntimeError(
@@ -131,10 +147,31 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1
     for kind, groups in (("data", layout.data_groups()), ("tensor", layout.tensor_groups()),
                          ("pipeline", layout.pipeline_groups())):
         for ranks in groups:
-            group = distributed.new_group(ranks)
+            group = distributed.new_group(
+                ranks, backend=backends[kind],
+                timeout_s=None if timeout is None else timeout.total_seconds())
             if rank in ranks:
                 found[kind] = (group, tuple(ranks))
     _GROUPS = _Groups(layout, *found["tensor"], *found["pipeline"], *found["data"])
+
+
+def _check_fairscale_options(context_parallel_size, timeout, backends: dict) -> dict:
+    """FairScale's extra arguments of :func:`initialize_model_parallel`, checked before any
+    group is created; returns ``{kind: backend or None}``."""
+    if context_parallel_size != 1:
+        raise ValueError(f"initialize_model_parallel(context_parallel_size="
+                         f"{context_parallel_size!r}): context parallelism is not provided; "
+                         f"pass 1 (tensor, pipeline and data parallelism are)")
+    if timeout is not None and not isinstance(timeout, datetime.timedelta):
+        raise ValueError(f"initialize_model_parallel(timeout={timeout!r}): expected a "
+                         f"datetime.timedelta or None")
+    for kind, backend in backends.items():
+        if backend is not None and not isinstance(backend, str):
+            name = {"data": "ddp_backend", "tensor": "model_parallel_backend",
+                    "pipeline": "pipeline_backend", "context": "cp_backend"}[kind]
+            raise ValueError(f"initialize_model_parallel({name}={backend!r}): expected a "
+                             f"backend name such as 'gloo' or 'nccl', or None")
+    return backends
 
 
 def model_parallel_is_initialized() -> bool:
