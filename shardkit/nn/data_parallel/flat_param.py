@@ -306,8 +306,8 @@ class FlatParamShard:
 
     def start_reduce(self) -> None:
         """Reduce-scatter the unit's gradients (divided by ``predivide``, by default ``N x
-        replicas``, in the reduce dtype) into this rank's shard, async. They live until the operation completes (a transport
-        may send straight from them).
+        replicas``, in the reduce dtype) into this rank's shard, async. They live until the
+        operation completes (a transport may send straight from them).
 
         Wire: ``(N-1)/N x N x shard`` elements of the reduce dtype, one transport
         reduce-scatter; with replicas, :meth:`replicate_reduce` adds an all-reduce of the

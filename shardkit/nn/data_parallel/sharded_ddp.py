@@ -198,10 +198,11 @@ class ShardedDataParallel(nn.Module):
         """Once per change: with ``auto_refresh_trainable=False`` a parameter that became
         trainable has no reduction hook until :meth:`refresh_trainable`, so its gradient would
         stay local (FairScale warns alike)."""
-        signature = self._plan_signature()
-        if not self.warn_on_trainable_params_changed or signature == self._warned_for:
+        flags, partitions = self._plan_signature()
+        if not self.warn_on_trainable_params_changed or _same_signature(
+                (flags, partitions), self._warned_for):
             return
-        self._warned_for = signature
+        self._warned_for = (flags, partitions)
         warnings.warn("ShardedDataParallel: the trainable parameters (or an OSS partition) "
                       "changed since the buckets were planned and auto_refresh_trainable=False; "
                       "call refresh_trainable() on every rank, or the gradients of newly "
@@ -523,6 +524,12 @@ class ShardedDataParallel(nn.Module):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _same_signature(a: tuple, b: Optional[tuple]) -> bool:
+    """Plan signatures ``(requires_grad flags, partitions)`` equal, partitions by identity."""
+    return b is not None and a[0] == b[0] and len(a[1]) == len(b[1]) and all(
+        x is y for x, y in zip(a[1], b[1]))
 
 
 def _chunks_by_dtype(tensors: Sequence[torch.Tensor], chunk_bytes: int):
