@@ -16,7 +16,9 @@ DESIGN.md, and its users pass them. Each one is honoured here, with FairScale's 
 - ``gradient_predivide_factor``: gradients are divided by it before the reduce-scatter and by
   ``world / factor`` after (``set_gradient_divide_factors`` changes both).
 - ``process_group_reduce_scatter``: a process group over the same ranks that carries the
-  reduce-scatters (FairScale's way to let them run beside the all-gathers).
+  reduce-scatters (FairScale's way to let them run beside the all-gathers; over gloo on one
+  host it measured no faster: MLP 16x1024 at world 2, 1.27-1.31x torch DDP with the shared
+  group, 1.31-1.41x with a group of its own, three interleaved rounds).
 - ``no_broadcast_optim_state``: ``gather_full_optim_state_dict`` leaves this unit's parameters'
   state as this rank holds it (FairScale: for experts that every rank fills in itself).
 - ``allow_reset_parameters``: lets ``reset_parameters()`` reach the wrapped module.
