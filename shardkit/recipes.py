@@ -18,7 +18,10 @@ pipeline               one stage per rank, 1F1B               16Ψ_stage
 =====================  =====================================  ==================================
 
 Memory and traffic formulas live in :mod:`shardkit.plan` (``zero_model_state_bytes``,
-``zero_comm_elements_per_step``); this module only builds.
+``zero_comm_elements_per_step``); this module only builds. Stages 1-3 step with torch's fused
+kernel where the optimizer has one and the recipe leaves ``fused``/``foreach`` unset (OSS's
+choice for stages 1-2, the same rule for the optimizer built over FSDP's shards); stage 0 and
+the pipeline build the optimizer exactly as the recipe says.
 
 Usage::
 
@@ -326,9 +329,21 @@ def _stage3(model, recipe, policy, fsdp_kwargs, psi) -> Composition:
     wrapped = auto_wrap(model, auto_wrap_policy=policy, **fsdp_kwargs)
     if not isinstance(wrapped, FSDP):  # the policy may have wrapped the root already
         wrapped = FSDP(wrapped, **fsdp_kwargs)
-    optimizer = recipe.build(p for p in wrapped.parameters() if p.requires_grad)
+    optimizer = _build_on_shards(recipe, [p for p in wrapped.parameters() if p.requires_grad])
     return Composition(3, wrapped, optimizer, wrapped.no_sync, wrapped.clip_grad_norm_,
                        _zero_grads(wrapped, optimizer), psi)
+
+
+def _build_on_shards(recipe: OptimizerRecipe, params: list) -> torch.optim.Optimizer:
+    """The stage-3 optimizer over FSDP's shards, with torch's fused kernel where OSS would
+    choose it for stages 1-2 (same rule, :func:`shardkit.optim.local_step.choose_fused`: a
+    torch optimizer that has one, ``fused`` and ``foreach`` left unset): the same update up to
+    the last bit, so every stage steps alike. The param groups then say ``fused=True``."""
+    from shardkit.optim.local_step import choose_fused
+    defaults = dict(recipe.defaults)
+    if choose_fused(recipe.cls, defaults, [{"params": params}]):
+        defaults["fused"] = True
+    return recipe.cls(params, **defaults)
 
 
 # ----------------------------------------------------------------------------- wrap policy

@@ -107,6 +107,7 @@ print(json.dumps({"environ_unchanged": dict(os.environ) == before,
                   "units": len(units), "block_units": sum(isinstance(u.module, Block)
                                                           for u in units),
                   "steps": engine.global_steps,
+                  "stage3_fused": engine.optimizer.param_groups[0]["fused"],
                   "stage2_bucket_bytes": stage2.wrapped.reduce_buffer_size}))
 """
 
@@ -119,8 +120,27 @@ def test_initialize_outside_torchrun_starts_one_rank_and_writes_no_environment()
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == {"environ_unchanged": True, "units": TINY.n_layer + 1,
-                   "block_units": TINY.n_layer, "steps": 1,
+                   "block_units": TINY.n_layer, "steps": 1, "stage3_fused": True,
                    "stage2_bucket_bytes": 4000}  # DeepSpeed's elements, fp32 bytes
+
+
+def test_stage3_steps_the_shards_with_the_fused_kernel_where_oss_would():
+    """compose's stage-3 optimizer follows OSS's rule: torch's fused kernel when the recipe
+    leaves ``fused`` and ``foreach`` unset, the caller's choice otherwise."""
+    from shardkit.testing import World
+    with World(1) as world:
+        got = world.run(_stage3_fused_choices)[0]
+    assert got == {"unset": True, "foreach": None, "fused_false": False, "sgd": True}
+
+
+def _stage3_fused_choices():
+    def fused_of(recipe):
+        composition = recipes.compose(nn.Sequential(nn.Linear(4, 4)), 3, recipe)
+        return composition.optimizer.param_groups[0]["fused"]
+    return {"unset": fused_of(recipes.adamw(1e-3)),
+            "foreach": fused_of(recipes.adamw(1e-3, foreach=True)),
+            "fused_false": fused_of(recipes.adamw(1e-3, fused=False)),
+            "sgd": fused_of(recipes.OptimizerRecipe(torch.optim.SGD, {"lr": 0.1}))}
 
 
 MECHANISM = ("distributed.py", "comm_counter.py", "transport.py", "shm_transport.py",
