@@ -297,11 +297,9 @@ class FlatParamShard:
         self._grad_pieces = grads
         self._on_grad_ready(self)
 
-    def set_divide_factors(self, pre: Optional[float], post: Optional[float]) -> None:
-        """Divide gradients by ``pre`` before the reduce-scatter and by ``post`` after (``None``
-        for both: by ``N x replicas`` before, the mean). Local."""
-        if pre is None:
-            pre, post = float(self.world_size * self.replicas), 1.0
+    def set_divide_factors(self, pre: float, post: float) -> None:
+        """Divide gradients by ``pre`` before the reduce-scatter and by ``post`` after (the
+        default, ``N x replicas`` and 1, gives the mean). Local."""
         self.predivide, self.postdivide = float(pre), float(post)
 
     def start_reduce(self) -> None:

@@ -40,7 +40,8 @@ import torch
 from shardkit import distributed as skdist
 
 __all__ = ["FairScaleOptions", "resolve_fairscale_options", "resolve_cpu_offload",
-           "check_reduce_scatter_group", "check_compute_device", "shard_devices"]
+           "check_reduce_scatter_group", "check_compute_device", "check_divide_factor",
+           "check_bool", "shard_devices"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class FairScaleOptions:
 
 def resolve_cpu_offload(move_params_to_cpu: bool, cpu_offload: bool) -> bool:
     """``move_params_to_cpu`` or FairScale's older ``cpu_offload`` (which warns)."""
-    _check_bool("cpu_offload", cpu_offload)
+    check_bool("cpu_offload", cpu_offload)
     if cpu_offload:
         warnings.warn("FullyShardedDataParallel(cpu_offload=True) is FairScale's older name for "
                       "move_params_to_cpu=True; use that", DeprecationWarning, stacklevel=3)
@@ -82,12 +83,13 @@ def resolve_fairscale_options(*, move_params_to_cpu: bool, module_device: torch.
                         ("force_input_to_fp32", force_input_to_fp32), ("verbose", verbose),
                         ("state_dict_on_rank_0_only", state_dict_on_rank_0_only),
                         ("allow_reset_parameters", allow_reset_parameters)):
-        _check_bool(name, value)
+        check_bool(name, value)
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)):
         raise ValueError(f"FullyShardedDataParallel(bucket_cap_mb={bucket_cap_mb!r}): must be a "
                          f"number of MB (FairScale's reduce-scatter bucket; <= 0 turns it off)")
     if gradient_predivide_factor is not None:
-        check_divide_factor("gradient_predivide_factor", gradient_predivide_factor)
+        check_divide_factor("FullyShardedDataParallel", "gradient_predivide_factor",
+                            gradient_predivide_factor)
     return FairScaleOptions(
         disable_reshard_on_root=disable_reshard_on_root,
         move_grads_to_cpu=_resolve_move_grads(move_grads_to_cpu, move_params_to_cpu,
@@ -101,12 +103,12 @@ def resolve_fairscale_options(*, move_params_to_cpu: bool, module_device: torch.
         allow_reset_parameters=allow_reset_parameters)
 
 
-def check_divide_factor(name: str, value) -> float:
-    """A gradient divide factor: a positive finite number."""
+def check_divide_factor(call: str, name: str, value) -> float:
+    """A gradient divide factor (argument ``name`` of ``call``): a positive finite number."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not \
             0 < float(value) < float("inf"):
-        raise ValueError(f"FullyShardedDataParallel({name}={value!r}): must be a positive number "
-                         f"(gradients are divided by it)")
+        raise ValueError(f"{call}({name}={value!r}): must be a positive number (gradients are "
+                         f"divided by it)")
     return float(value)
 
 
@@ -166,7 +168,7 @@ def _resolve_move_grads(move_grads_to_cpu, move_params_to_cpu: bool, compute: to
                         storage: torch.device) -> bool:
     if move_grads_to_cpu is None:
         return move_params_to_cpu
-    _check_bool("move_grads_to_cpu", move_grads_to_cpu)
+    check_bool("move_grads_to_cpu", move_grads_to_cpu)
     if move_grads_to_cpu and storage.type != "cpu":
         raise ValueError(f"FullyShardedDataParallel(move_grads_to_cpu=True): the parameter shards "
                          f"stay on {storage} and their gradients live beside them; pass "
@@ -188,6 +190,7 @@ def _as_device(name: str, value) -> Optional[torch.device]:
                          f"a device string such as 'cpu' or 'cuda:0', or None") from None
 
 
-def _check_bool(name: str, value) -> None:
+def check_bool(name: str, value) -> None:
+    """``FullyShardedDataParallel(name=value)`` must be True or False."""
     if not isinstance(value, bool):
         raise ValueError(f"FullyShardedDataParallel({name}={value!r}): must be True or False")

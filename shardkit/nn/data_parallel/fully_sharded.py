@@ -52,7 +52,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes,
                                                   gathered_param_bytes)
-from shardkit.nn.data_parallel.fsdp_arguments import (check_compute_device, check_divide_factor,
+from shardkit.nn.data_parallel.fsdp_arguments import (check_bool, check_compute_device,
+                                                      check_divide_factor,
                                                       check_reduce_scatter_group,
                                                       resolve_cpu_offload,
                                                       resolve_fairscale_options, shard_devices)
@@ -172,9 +173,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         for name, value in (("flatten_parameters", flatten_parameters),
                             ("move_params_to_cpu", move_params_to_cpu),
                             ("fp32_reduce_scatter", fp32_reduce_scatter)):
-            if not isinstance(value, bool):
-                raise ValueError(f"FullyShardedDataParallel({name}={value!r}): must be True or "
-                                 f"False")
+            check_bool(name, value)
         move_params_to_cpu = resolve_cpu_offload(move_params_to_cpu, cpu_offload)
         first_param = next(module.parameters(), None)
         module_device = torch.device("cpu") if first_param is None else first_param.device
@@ -575,8 +574,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         """Divide the gradients by ``pre`` before the reduce-scatter and by ``post`` after
         (their product is the data-parallel size for a mean, FairScale's default split).
         ``recursive`` sets every inner unit too. Local; call it between steps on all ranks."""
-        pre = check_divide_factor("set_gradient_divide_factors(pre)", pre)
-        post = check_divide_factor("set_gradient_divide_factors(post)", post)
+        call = "FullyShardedDataParallel.set_gradient_divide_factors"
+        pre, post = check_divide_factor(call, "pre", pre), check_divide_factor(call, "post", post)
         self._check_idle("set_gradient_divide_factors")
         for unit in self.sharded_units() if recursive else [self]:
             unit.gradient_predivide_factor, unit.gradient_postdivide_factor = pre, post

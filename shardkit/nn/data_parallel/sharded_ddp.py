@@ -283,10 +283,7 @@ class ShardedDataParallel(nn.Module):
     def _plan_is_stale(self) -> bool:
         # Partitions compare by identity: OSS replaces the object whenever ownership changes
         # (holding them here also keeps their ids from being reused).
-        flags, partitions = self._plan_signature()
-        planned_flags, planned_partitions = self._planned_with
-        return flags != planned_flags or any(
-            now is not then for now, then in zip(partitions, planned_partitions))
+        return not _same_signature(self._plan_signature(), self._planned_with)
 
     def _build_plan(self, refresh_optimizers: bool) -> None:
         if refresh_optimizers:

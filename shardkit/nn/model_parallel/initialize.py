@@ -132,9 +132,12 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1
             ``model_parallel_size * pipeline_length`` (the message has the numbers).
     """
     global _GROUPS
-    backends = _check_fairscale_options(context_parallel_size, timeout, {
-        "data": ddp_backend, "tensor": model_parallel_backend, "pipeline": pipeline_backend,
-        "context": cp_backend})
+    _check_fairscale_options(context_parallel_size, timeout, {
+        "ddp_backend": ddp_backend, "model_parallel_backend": model_parallel_backend,
+        "pipeline_backend": pipeline_backend, "cp_backend": cp_backend})
+    backend_of = {"data": ddp_backend, "tensor": model_parallel_backend,
+                  "pipeline": pipeline_backend}
+    timeout_s = None if timeout is None else timeout.total_seconds()
     distributed.require_initialized("initialize_model_parallel")
     if _GROUPS is not None:
         raise RuntimeError(
@@ -147,17 +150,15 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1
     for kind, groups in (("data", layout.data_groups()), ("tensor", layout.tensor_groups()),
                          ("pipeline", layout.pipeline_groups())):
         for ranks in groups:
-            group = distributed.new_group(
-                ranks, backend=backends[kind],
-                timeout_s=None if timeout is None else timeout.total_seconds())
+            group = distributed.new_group(ranks, backend=backend_of[kind], timeout_s=timeout_s)
             if rank in ranks:
                 found[kind] = (group, tuple(ranks))
     _GROUPS = _Groups(layout, *found["tensor"], *found["pipeline"], *found["data"])
 
 
-def _check_fairscale_options(context_parallel_size, timeout, backends: dict) -> dict:
-    """FairScale's extra arguments of :func:`initialize_model_parallel`, checked before any
-    group is created; returns ``{kind: backend or None}``."""
+def _check_fairscale_options(context_parallel_size, timeout, backends: dict) -> None:
+    """FairScale's extra arguments of :func:`initialize_model_parallel` (``backends``: argument
+    name -> value), checked before any group is created."""
     if context_parallel_size != 1:
         raise ValueError(f"initialize_model_parallel(context_parallel_size="
                          f"{context_parallel_size!r}): context parallelism is not provided; "
@@ -165,13 +166,10 @@ def _check_fairscale_options(context_parallel_size, timeout, backends: dict) -> 
     if timeout is not None and not isinstance(timeout, datetime.timedelta):
         raise ValueError(f"initialize_model_parallel(timeout={timeout!r}): expected a "
                          f"datetime.timedelta or None")
-    for kind, backend in backends.items():
+    for name, backend in backends.items():
         if backend is not None and not isinstance(backend, str):
-            name = {"data": "ddp_backend", "tensor": "model_parallel_backend",
-                    "pipeline": "pipeline_backend", "context": "cp_backend"}[kind]
             raise ValueError(f"initialize_model_parallel({name}={backend!r}): expected a "
                              f"backend name such as 'gloo' or 'nccl', or None")
-    return backends
 
 
 def model_parallel_is_initialized() -> bool:
