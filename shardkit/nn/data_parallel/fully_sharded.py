@@ -558,7 +558,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         """Call the wrapped module's ``reset_parameters()`` on its full parameters (written back
         into the shards), when constructed with ``allow_reset_parameters=True``; otherwise
         ``RuntimeError``, as in FairScale (a module's own initialiser run on the shards would
-        see the wrong shapes)."""
+        see the wrong shapes). Memory: the full parameters while it runs. Communication: one
+        all-gather per unit (``summon_full_params``); all ranks must call it."""
         if not self.allow_reset_parameters:
             raise RuntimeError("FullyShardedDataParallel.reset_parameters(): construct the unit "
                                "with allow_reset_parameters=True to let it reach the wrapped "
