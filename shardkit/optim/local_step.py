@@ -3,11 +3,12 @@
 Note on the fused kernel: for ``SGD``, ``Adam``, ``AdamW`` and ``Adagrad`` given with ``fused``
 and ``foreach`` both unset (``None``, torch's "you choose"), floating-point parameters on CPU or
 CUDA and no ``differentiable``, OSS chooses torch's own fused kernel for the local step: the
-same update up to rounding in the last bit, several times faster on CPU. The choice is written
-where the user reads it: every param group then says ``fused=True`` (set ``group["fused"] =
-False`` to step that group with torch's default loop from the next step on, or pass
-``fused=False`` to OSS). A consolidated state dict records the caller's choice (``None``), so it
-loads into a plain torch optimizer exactly as that optimizer's own state dict would.
+same update up to rounding in the last bit, several times faster on CPU. ``OSS.fused`` reports
+the choice; it is written into the local optimizer's groups only. The public param groups and
+a consolidated state dict keep the caller's ``fused=None``, so they read (and load into a plain
+torch optimizer) exactly as that optimizer's own would (FairScale's tests compare the two).
+Set ``group["fused"] = False`` to step that group with torch's default loop from the next step
+on, or pass ``fused=False`` to OSS.
 
 A step is taken whole, or, for optimizers that update each parameter independently, bucket by
 bucket: stepping the parameters of bucket ``k`` only, then starting its all-gather while bucket
@@ -70,7 +71,7 @@ def build_local_optimizer(optim_class: type, kwargs: dict, groups: list[dict], o
     """The optimizer over this rank's parameters: one group per public group (same
     hyper-parameters, only the parameters whose ``id`` is in ``owned``). Memory: the state of
     the owned parameters only, allocated lazily by the optimizer's first step."""
-    local_groups = [{**{k: v for k, v in g.items() if k != "params"},
+    local_groups = [{**with_fused_choice({k: v for k, v in g.items() if k != "params"}, fused),
                      "params": [p for p in g["params"] if id(p) in owned]} for g in groups]
     kwargs = dict(kwargs)
     if fused:

@@ -77,11 +77,12 @@ class OSS(torch.optim.Optimizer):
 
     Implementation: for ``SGD``, ``Adam``, ``AdamW`` and ``Adagrad`` given with ``fused`` and
     ``foreach`` unset, the local step runs torch's own fused kernel (the same update up to the
-    last bit), and every param group says so: ``fused=True``. Pass ``fused=False`` (or set it in
-    a group) to keep torch's default loop; consolidated state dicts record the caller's choice
-    (see :mod:`shardkit.optim.local_step`). Each rank's parameters are its own: in-place writes,
-    ``model.to(dtype)`` and ``p.data = ...`` behave as in plain PyTorch (OSS re-lays its buckets
-    out from the current values at the next step).
+    last bit); :attr:`fused` says so, while ``param_groups`` and consolidated state dicts keep
+    the caller's ``fused=None``, as a plain torch optimizer's would. Pass ``fused=False`` (or set
+    it in a group) to keep torch's default loop (see :mod:`shardkit.optim.local_step`). Each
+    rank's parameters are its own: in-place writes, ``model.to(dtype)`` and ``p.data = ...``
+    behave as in plain PyTorch (OSS re-lays its buckets out from the current values at the next
+    step).
 
     .. warning:: ``step``, ``clip_grad_norm``, ``consolidate_state_dict``, ``add_param_group``
        and ``refresh_trainable`` are collective: call them on every rank of ``group``.
@@ -116,7 +117,6 @@ class OSS(torch.optim.Optimizer):
         self.bucket_numel = bucket_numel
         self._optim_class, self._optim_kwargs = optim, ctor_kwargs
         self.fused = choose_fused(optim, ctor_kwargs, groups)
-        groups = [with_fused_choice(g, self.fused) for g in groups]
         self._ready = False
         self._stepped_in_backward: Optional[set] = None  # buckets stepped by ShardedDDP's backward
         self._consolidated: Optional[dict] = None
@@ -126,7 +126,7 @@ class OSS(torch.optim.Optimizer):
 
         self._plan = plan_ownership(_trainable(groups), self.world_size, bucket_numel)
         self.optim = self._build_local_optimizer(groups)
-        super().__init__(groups, dict(self.optim.defaults))
+        super().__init__(groups, without_fused_choice(dict(self.optim.defaults), self.fused))
         self._sync = ParamSync(self._plan, self.rank, group, broadcast_fp16, self.comm)
         self._ready = True
         if existing is not None:
@@ -296,8 +296,8 @@ class OSS(torch.optim.Optimizer):
         index_of = {id(p): i for i, p in
                     enumerate(p for g in self.param_groups for p in g["params"])}
         local = {index_of[id(p)]: s for p, s in {**self._parked_state, **self.optim.state}.items()}
-        groups = [{**without_fused_choice(_hyper(g), self.fused),
-                   "params": [index_of[id(p)] for p in g["params"]]} for g in self.param_groups]
+        groups = [{**_hyper(g), "params": [index_of[id(p)] for p in g["params"]]}
+                  for g in self.param_groups]
         self._consolidated = consolidate_optimizer_state(local, groups, self.rank,
                                                          self.world_size, self.group,
                                                          recipient_rank)
@@ -326,7 +326,7 @@ class OSS(torch.optim.Optimizer):
         saved_groups = check_full_state_dict("OSS.load_state_dict", state_dict, self.param_groups)
         self._consolidated = None
         for group, saved in zip(self.param_groups, saved_groups):
-            group.update(with_fused_choice(_hyper(saved), self.fused))
+            group.update(_hyper(saved))
         found = state_by_param(state_dict, self.param_groups)
         owned = {id(p) for p in self._owned_params()}
         self._load_local_state({p: s for p, (_, s) in found.items() if id(p) in owned})
@@ -414,7 +414,7 @@ class OSS(torch.optim.Optimizer):
 
     def _load_local_state(self, state: dict) -> None:
         """Give the local optimizer ``{owned param: state}`` and the public hyper-parameters."""
-        load_into_optimizer(self.optim, state, [_hyper(g) for g in self.param_groups])
+        load_into_optimizer(self.optim, state, [self._local_hyper(g) for g in self.param_groups])
 
     def _owned_per_group(self, rank: int) -> list[list[torch.Tensor]]:
         return [[p for p in g["params"] if p in self.partition and self.partition.owner(p) == rank]
@@ -436,13 +436,18 @@ class OSS(torch.optim.Optimizer):
                         f"optimizer.refresh_trainable() on every rank after changing "
                         f"requires_grad")
 
+    def _local_hyper(self, group: dict) -> dict:
+        """A public group's hyper-parameters as the local optimizer runs them (with OSS's
+        fused-kernel choice written in where the group leaves the implementation to torch)."""
+        return with_fused_choice(_hyper(group), self.fused)
+
     def _push_hyperparameters(self) -> None:
         for group, local in zip(self.param_groups, self.optim.param_groups):
-            local.update(_hyper(group))
+            local.update(self._local_hyper(group))
 
     def _pull_hyperparameters(self) -> None:
         for group, local in zip(self.param_groups, self.optim.param_groups):
-            group.update(_hyper(local))
+            group.update(without_fused_choice(_hyper(local), self.fused))
 
     def _repartition(self) -> None:
         self._sync.wait()

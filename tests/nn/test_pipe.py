@@ -148,18 +148,20 @@ class StashAndPop(nn.Module):
 
 
 def test_a_layer_that_stashes_and_pops_one_name_is_refused():
-    with pytest.raises(TypeError, match="'same' is both stashed and popped by layer 1"):
+    with pytest.raises(TypeError, match="'1' declared 'same' both as stashable and as poppable"):
         verify_skippables(nn.Sequential(nn.Identity(), StashAndPop()))
-    with pytest.raises(TypeError, match="both stashed and popped"):
+    with pytest.raises(TypeError, match="both as stashable and as poppable"):
         Pipe(nn.Sequential(StashAndPop()), [1])
 
 
 def test_verify_skippables_reports_every_problem():
-    with pytest.raises(TypeError, match="'skip' is stashed by layer 0 and again by layer 1"):
+    with pytest.raises(TypeError, match=r"'1' redeclared 'skip' as stashable \(already stashed "
+                                        r"by layer '0'"):
         verify_skippables(nn.Sequential(StashInput(), StashInput(), PopAndAdd()))
-    with pytest.raises(TypeError, match="popped by layer 0 but not stashed"):
+    with pytest.raises(TypeError, match="'0' declared 'skip' as poppable but it was not stashed"):
         verify_skippables(nn.Sequential(PopAndAdd(), StashInput()))
-    with pytest.raises(TypeError, match="stashed by layer 0 but never popped"):
+    with pytest.raises(TypeError, match=r"no module declared 'skip' as poppable but stashed "
+                                        r"\(stashed by layer '0'"):
         Pipe(nn.Sequential(StashInput(), nn.Linear(6, 6)), [1, 1])
 
 
@@ -230,6 +232,37 @@ def test_deferred_batch_norm_stats_equal_unsplit(checkpoint, momentum):
     x = torch.randn(8, 5)
     with torch.no_grad():
         assert torch.allclose(ref.eval()(x), pipe.eval()(x), atol=1e-5)
+
+
+def test_deferred_batch_norm_alone_commits_every_chunks_micro_batches():
+    """FairScale's standalone use: DeferredBatchNorm(chunks=k) fed a batch's k micro-batches
+    holds the running statistics of the unsplit BatchNorm; converting keeps a layer that already
+    has the same chunks and replaces one with other chunks."""
+    from shardkit.nn.pipe import DeferredBatchNorm
+    for momentum in (0.1, None):
+        bn = nn.BatchNorm2d(3, momentum=momentum)
+        dbn = DeferredBatchNorm.convert_deferred_batch_norm(copy.deepcopy(bn), chunks=4)
+        assert isinstance(dbn, DeferredBatchNorm) and dbn.chunks == 4
+        for step in range(2):
+            x = torch.rand(16, 3, 5, 5) * (step + 2) + step
+            bn(x)
+            for part in x.chunk(4):
+                dbn(part)
+            assert dbn.tracked_chunks == 0  # committed after the fourth
+            assert torch.allclose(bn.running_mean, dbn.running_mean, atol=1e-5)
+            assert torch.allclose(bn.running_var, dbn.running_var, atol=1e-5)
+        assert int(dbn.num_batches_tracked) == 2
+    assert DeferredBatchNorm.convert_deferred_batch_norm(dbn, chunks=4) is dbn
+    other = DeferredBatchNorm.convert_deferred_batch_norm(dbn, chunks=2)
+    assert other is not dbn and other.chunks == 2
+    plain = nn.BatchNorm2d(3, track_running_stats=False)
+    assert DeferredBatchNorm.convert_deferred_batch_norm(plain, chunks=4) is plain
+    with pytest.raises(ValueError, match="chunks=0"):
+        DeferredBatchNorm(3, chunks=0)
+
+
+def test_skippable_repr_names_the_decorator():
+    assert repr(StashInput()).startswith("@skippable(StashInput(")
 
 
 # --------------------------------------------------------------------------- bad input

@@ -136,6 +136,12 @@ def test_wrap_outside_and_inside_context():
     with enable_wrap(wrapper_cls=Tag, a=1, b=2):
         tagged = wrap(lin, b=3)
     assert isinstance(tagged, Tag) and tagged.kwargs == {"a": 1, "b": 3}
+    # FairScale's spelling: shardkit.nn's `wrap` is callable although it is also the submodule
+    import shardkit.nn.wrap  # noqa: F401 - the submodule import that used to shadow the function
+    from shardkit.nn import wrap as nn_wrap
+    with enable_wrap(wrapper_cls=Tag, a=1):
+        assert nn_wrap(lin, b=2).kwargs == {"a": 1, "b": 2}
+    assert nn_wrap(lin) is lin and callable(shardkit.nn.wrap.auto_wrap)
 
 
 def test_bad_policy_arguments():

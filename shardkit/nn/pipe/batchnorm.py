@@ -10,6 +10,8 @@ statistics once, with the batch's mean and unbiased variance, so they equal what
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -21,15 +23,28 @@ __all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "commit_deferred_
 
 
 class DeferredBatchNorm(_BatchNorm):
-    """A BatchNorm (any dimensionality) whose running statistics move once per :meth:`commit`."""
+    """A BatchNorm (any dimensionality) whose running statistics move once per :meth:`commit`.
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum=0.1, affine: bool = True):
+    ``chunks`` (FairScale's argument): when given, :meth:`commit` also runs by itself once
+    ``chunks`` micro-batches have been tracked, so the layer works outside a :class:`Pipe`
+    (feed it a batch's ``chunks`` micro-batches in turn). ``None``: only explicit commits (what
+    ``Pipe`` does after each mini-batch, however many micro-batches it ran).
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum=0.1, affine: bool = True,
+                 chunks: Optional[int] = None):
+        if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool)
+                                   or chunks < 1):
+            raise ValueError(f"DeferredBatchNorm(chunks={chunks!r}): must be a positive int "
+                             f"(micro-batches per mini-batch) or None (commit explicitly)")
         super().__init__(num_features, eps, momentum, affine, track_running_stats=True)
+        self.chunks = chunks
         self.register_buffer("sum", torch.zeros(num_features, dtype=torch.float64),
                              persistent=False)
         self.register_buffer("sum_squares", torch.zeros(num_features, dtype=torch.float64),
                              persistent=False)
-        self.count = 0
+        self.count = 0  # samples (times spatial positions) tracked since the last commit
+        self.tracked_chunks = 0
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -51,6 +66,9 @@ class DeferredBatchNorm(_BatchNorm):
         self.sum += x.sum(dims)
         self.sum_squares += x.square().sum(dims)
         self.count += input.numel() // input.shape[1]
+        self.tracked_chunks += 1
+        if self.chunks is not None and self.tracked_chunks >= self.chunks:
+            self.commit()
 
     @torch.no_grad()
     def commit(self) -> None:
@@ -68,24 +86,33 @@ class DeferredBatchNorm(_BatchNorm):
         self.sum.zero_()
         self.sum_squares.zero_()
         self.count = 0
+        self.tracked_chunks = 0
 
     @classmethod
-    def from_batch_norm(cls, bn: _BatchNorm) -> "DeferredBatchNorm":
+    def from_batch_norm(cls, bn: _BatchNorm, chunks: Optional[int] = None) -> "DeferredBatchNorm":
         """A deferred copy of ``bn`` with its parameters and running statistics."""
-        deferred = cls(bn.num_features, bn.eps, bn.momentum, bn.affine)
+        deferred = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, chunks)
         deferred.load_state_dict(bn.state_dict())
         device = bn.running_mean.device
         return deferred.to(device).train(bn.training)
 
+    @classmethod
+    def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:
+        """FairScale's spelling of :func:`convert_deferred_batch_norm`, with its default
+        ``chunks=1`` (every call is a whole mini-batch)."""
+        return convert_deferred_batch_norm(module, chunks)
 
-def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
+
+def convert_deferred_batch_norm(module: nn.Module, chunks: Optional[int] = None) -> nn.Module:
     """Replace, in place, every BatchNorm with running statistics under ``module`` by a
-    :class:`DeferredBatchNorm`; returns ``module`` (or the replacement if it is one itself)."""
-    if isinstance(module, _BatchNorm) and not isinstance(module, DeferredBatchNorm) \
-            and module.track_running_stats:
-        return DeferredBatchNorm.from_batch_norm(module)
+    :class:`DeferredBatchNorm` committing every ``chunks`` micro-batches (``None``: explicitly);
+    returns ``module`` (or the replacement if it is one itself). A deferred batch norm with
+    another ``chunks`` is replaced too; one with the same is kept."""
+    if isinstance(module, _BatchNorm) and module.track_running_stats and not (
+            isinstance(module, DeferredBatchNorm) and module.chunks == chunks):
+        return DeferredBatchNorm.from_batch_norm(module, chunks)
     for name, child in list(module.named_children()):
-        converted = convert_deferred_batch_norm(child)
+        converted = convert_deferred_batch_norm(child, chunks)
         if converted is not child:
             setattr(module, name, converted)
     return module

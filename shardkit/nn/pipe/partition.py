@@ -19,9 +19,10 @@ def check_unique_layers(module: nn.Sequential, what: str) -> None:
     seen: dict[int, str] = {}
     for name, layer in module._modules.items():
         if layer is not None and id(layer) in seen:
-            raise ValueError(f"{what}(module=...): layer {name!r} is the same module object as "
-                             f"layer {seen[id(layer)]!r}; a pipeline needs distinct layers (use "
-                             f"copy.deepcopy for a second copy, or share only its parameters)")
+            raise ValueError(f"{what}(module=...): module with duplicate children is not "
+                             f"supported: layer {name!r} is the same module object as layer "
+                             f"{seen[id(layer)]!r} (use copy.deepcopy for a second copy, or "
+                             f"share only its parameters)")
         if layer is not None:
             seen[id(layer)] = name
 
@@ -35,8 +36,9 @@ def check_balance(module: nn.Sequential, balance: Sequence[int], what: str) -> l
             the same layer object appears twice in ``module`` (it would run only once).
     """
     if not isinstance(module, nn.Sequential):
-        raise TypeError(f"{what}(module={type(module).__name__}): expected a torch.nn.Sequential "
-                        f"(its layers are cut into stages by `balance`)")
+        raise TypeError(f"{what}(module={type(module).__name__}): module must be "
+                        f"nn.Sequential to be partitioned (its layers are cut into stages by "
+                        f"`balance`)")
     check_unique_layers(module, what)
     try:
         parts = list(balance)

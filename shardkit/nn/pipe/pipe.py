@@ -149,8 +149,8 @@ class Pipe(nn.Module):
         super().__init__()
         chunks, checkpoint = _coerce_chunks(chunks), str(checkpoint)
         if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"Pipe(checkpoint={checkpoint!r}): valid modes are "
-                             f"{list(CHECKPOINT_MODES)}")
+            raise ValueError(f"Pipe(checkpoint={checkpoint!r}): checkpoint is not one of "
+                             f"'always', 'except_last', or 'never'")
         if balance is None:
             raise ValueError("Pipe(balance=None): balance is required, a list with the number of "
                              "layers of each partition (shardkit.nn.pipe.balance.balance_by_time "

@@ -208,7 +208,11 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()):  # noqa: F811
         def forward(self, *args, **kwargs):
             return Skippable._drive(self, generator_forward, *args, **kwargs)
 
-        body = {"forward": forward, "stashable_names": stash_names, "poppable_names": pop_names,
+        def __repr__(self):  # FairScale's form: @skippable(<the module's own repr>)
+            return f"@skippable({cls.__repr__(self)})"
+
+        body = {"forward": forward, "__repr__": __repr__,
+                "stashable_names": stash_names, "poppable_names": pop_names,
                 "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                 "__doc__": cls.__doc__}
         return type(cls.__name__, (cls, Skippable), body)
@@ -227,27 +231,32 @@ def verify_skippables(module: nn.Sequential) -> None:
     stashed: dict = {}
     popped: dict = {}
     problems: list[str] = []
-    for index, layer in enumerate(module.children()):
+    # Note: the wording starts as FairScale's ("'<layer name>' declared ..."), so code matching
+    # its messages still does; what follows names the other layer involved and the fix.
+    for name, layer in module.named_children():
         if not isinstance(layer, Skippable):
             continue
-        for name in sorted(layer.stashable_names & layer.poppable_names):
-            problems.append(f"'{name}' is both stashed and popped by layer {index} "
-                            f"({type(layer).__name__}); a layer may only do one of them")
+        for skip in sorted(layer.stashable_names & layer.poppable_names):
+            problems.append(f"'{name}' declared '{skip}' both as stashable and as poppable "
+                            f"({type(layer).__name__}; a layer may only do one of them)")
         for key in layer.stashable():
             if key in stashed:
-                problems.append(f"'{key[1]}' is stashed by layer {stashed[key]} and again by "
-                                f"layer {index} (isolate one of them with a Namespace)")
-            stashed.setdefault(key, index)
+                problems.append(f"'{name}' redeclared '{key[1]}' as stashable (already stashed "
+                                f"by layer '{stashed[key]}'; isolate one of them with a "
+                                f"Namespace)")
+            stashed.setdefault(key, name)
         for key in layer.poppable():
             if key in popped:
-                problems.append(f"'{key[1]}' is popped by layer {popped[key]} and again by "
-                                f"layer {index} (isolate one of them with a Namespace)")
+                problems.append(f"'{name}' redeclared '{key[1]}' as poppable (already popped "
+                                f"by layer '{popped[key]}'; isolate one of them with a "
+                                f"Namespace)")
             elif key not in stashed:
-                problems.append(f"'{key[1]}' is popped by layer {index} but not stashed by an "
-                                f"earlier layer")
-            popped.setdefault(key, index)
-    for key, index in stashed.items():
+                problems.append(f"'{name}' declared '{key[1]}' as poppable but it was not "
+                                f"stashed (by an earlier layer)")
+            popped.setdefault(key, name)
+    for key, name in stashed.items():
         if key not in popped:
-            problems.append(f"'{key[1]}' is stashed by layer {index} but never popped")
+            problems.append(f"no module declared '{key[1]}' as poppable but stashed (stashed by "
+                            f"layer '{name}', never popped)")
     if problems:
         raise TypeError("skip connections do not pair up:\n  " + "\n  ".join(problems))
