@@ -228,7 +228,9 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
     :func:`default_auto_wrap_policy`. It is called as ``policy(module=, recurse=,
     unwrapped_params=, module_is_root=)``; ``module_is_root`` only when its signature names it
     (or takes ``**kwargs``), and torch's ``nonwrapped_numel=`` when it names that instead.
-    Modules already wrapped are left as they are.
+    Modules already wrapped are left as they are, and so is a module whose parameter is also
+    used outside it (a tied embedding or head): the enclosing unit takes it, so that a size
+    policy on a model with tied weights still gives a valid wrapping.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"auto_wrap(module={type(module).__name__}): expected an nn.Module")
@@ -242,8 +244,29 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
     wrap_one = functools.partial(_wrap_one, wrapper_cls=wrapper_cls,
                                  context_kwargs=context_kwargs, overrides=wrapper_kwargs)
     wrapped, _ = _recursive_wrap(module, _policy_caller(policy), wrapper_cls, wrap_one,
-                                 is_root=True)
+                                 is_root=True, owners=_registering_modules(module))
     return wrapped
+
+
+def _registering_modules(root: nn.Module) -> dict[int, set[int]]:
+    """``{id(parameter): ids of the modules under root that register it}``: a parameter with
+    several (a tied embedding and output head) is shared."""
+    owners: dict[int, set[int]] = {}
+    for m in root.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), set()).add(id(m))
+    return owners
+
+
+def _shares_parameters_outside(module: nn.Module, owners: dict) -> bool:
+    """Whether a parameter under ``module`` is also registered by a module outside it.
+
+    Note: such a module cannot be a unit of its own (a unit shards what it holds, and the other
+    user would read the shard), so auto_wrap leaves it to the enclosing unit, which holds every
+    use: a tied embedding and head end up in the unit that contains both."""
+    inside = {id(m) for m in module.modules()}
+    return any(not owners.get(id(p), set()) <= inside for p in module.parameters())
 
 
 def _policy_caller(policy: Callable) -> Callable[[nn.Module, bool, int, bool], bool]:
@@ -265,7 +288,8 @@ def _policy_caller(policy: Callable) -> Callable[[nn.Module, bool, int, bool], b
     return call
 
 
-def _recursive_wrap(module: nn.Module, policy, wrapper_cls, wrap_one, is_root: bool):
+def _recursive_wrap(module: nn.Module, policy, wrapper_cls, wrap_one, is_root: bool,
+                    owners: dict):
     """Returns (module or its wrapper, number of its parameters now inside wrappers)."""
     if isinstance(module, wrapper_cls):
         return module, 0
@@ -274,11 +298,12 @@ def _recursive_wrap(module: nn.Module, policy, wrapper_cls, wrap_one, is_root: b
         return module, 0
     wrapped_numel = 0
     for name, child in list(module.named_children()):
-        new_child, numel = _recursive_wrap(child, policy, wrapper_cls, wrap_one, is_root=False)
+        new_child, numel = _recursive_wrap(child, policy, wrapper_cls, wrap_one, False, owners)
         if new_child is not child:
             setattr(module, name, new_child)
         wrapped_numel += numel
-    if policy(module, False, total - wrapped_numel, is_root):
+    if policy(module, False, total - wrapped_numel, is_root) and (
+            is_root or not _shares_parameters_outside(module, owners)):
         return wrap_one(module), total
     return module, wrapped_numel
 

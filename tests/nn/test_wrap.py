@@ -144,6 +144,27 @@ def test_wrap_outside_and_inside_context():
     assert nn_wrap(lin) is lin and callable(shardkit.nn.wrap.auto_wrap)
 
 
+def test_a_module_whose_parameter_is_used_outside_it_is_left_to_the_enclosing_unit():
+    """A size policy on a model with a tied embedding and head: neither becomes a unit of its
+    own (the tie would cross units); everything else the policy picks is wrapped."""
+    class TiedLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(40, 8)
+            self.body = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+            self.head = nn.Linear(8, 40, bias=False)
+            self.head.weight = self.emb.weight
+
+    def big(module, recurse, unwrapped_params, module_is_root=False):
+        return recurse or (unwrapped_params > 50 and not module_is_root)
+
+    with enable_wrap(wrapper_cls=Tag):
+        model = auto_wrap(TiedLM(), auto_wrap_policy=big)
+    assert isinstance(model.emb, nn.Embedding) and isinstance(model.head, nn.Linear)
+    assert model.head.weight is model.emb.weight
+    assert [type(t.module) for t in _tags(model)] == [nn.Linear, nn.Linear]
+
+
 def test_bad_policy_arguments():
     with pytest.raises(ValueError, match="transformer_layer_cls"):
         transformer_auto_wrap_policy({"Block"})
