@@ -36,7 +36,7 @@ __all__ = [
     "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
     "recv", "isend",
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
-    "broadcast_object", "all_gather_object",
+    "broadcast_object", "all_gather_object", "broadcast_tensors_from_rank0",
     "CommCounter", "CommRecord", "ReduceOp", "destroy", "set_debug_collectives",
     "ranks_per_node", "node_of", "spans_nodes", "node_groups", "groups_of_nodes",
 ]
@@ -506,6 +506,47 @@ def barrier(group=None) -> None:
     """Block until every rank of ``group`` reaches this point. Wire: 0 counted bytes."""
     _record("barrier", 0, group)
     dist.barrier(group=group)
+
+
+def broadcast_tensors_from_rank0(tensors: Sequence[torch.Tensor], group=None,
+                                 chunk_bytes: int = 1 << 24) -> None:
+    """Overwrite ``tensors`` (parameters, buffers) on every rank of ``group`` with group rank
+    0's values, packed into flat chunks of about ``chunk_bytes`` per device and dtype.
+
+    Memory: one chunk at a time. Wire: ``(N-1)/N`` of the tensors' bytes, counted as
+    broadcasts. Collective over ``group``."""
+    if get_world_size(group) < 2:
+        return
+    src = get_global_rank(group, 0)
+    mine = get_rank(group) == 0
+    for chunk in _chunks_by_dtype(tensors, chunk_bytes):
+        flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+        broadcast(flat, src=src, group=group)
+        if not mine:
+            offset = 0
+            with torch.no_grad():
+                for t in chunk:
+                    t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+                    offset += t.numel()
+
+
+def _chunks_by_dtype(tensors: Sequence[torch.Tensor], chunk_bytes: int):
+    """``tensors`` in lists of one device and dtype, each about ``chunk_bytes`` at most (a
+    larger tensor alone)."""
+    by_key: dict = {}
+    for t in tensors:
+        by_key.setdefault((t.device, t.dtype), []).append(t)
+    for same in by_key.values():
+        chunk, size = [], 0
+        for t in same:
+            nbytes = t.numel() * t.element_size()
+            if chunk and size + nbytes > chunk_bytes:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(t)
+            size += nbytes
+        if chunk:
+            yield chunk
 
 
 def broadcast_object(obj, src: int = 0, group=None):

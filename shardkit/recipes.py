@@ -21,7 +21,10 @@ Memory and traffic formulas live in :mod:`shardkit.plan` (``zero_model_state_byt
 ``zero_comm_elements_per_step``); this module only builds. Stages 1-3 step with torch's fused
 kernel where the optimizer has one and the recipe leaves ``fused``/``foreach`` unset (OSS's
 choice for stages 1-2, the same rule for the optimizer built over FSDP's shards); stage 0 and
-the pipeline build the optimizer exactly as the recipe says.
+the pipeline build the optimizer exactly as the recipe says. Every stage starts from rank 0's
+weights and buffers, as DeepSpeed's engine does: torch DDP and ShardedDataParallel broadcast
+them when they wrap, and stage 3 passes FSDP ``sync_module_states=True`` (a one-time broadcast
+of the model), so ranks that initialised the model differently still train one model.
 
 Usage::
 
@@ -199,7 +202,7 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
                            sharding_strategy=sharding_strategy, mixed_precision=mixed_precision,
                            quantize_weights=quantize_weights,
                            quantize_gradients=quantize_gradients,
-                           hpz_partition_size=hpz_partition_size)
+                           hpz_partition_size=hpz_partition_size, sync_module_states=True)
         policy = wrap_policy or default_wrap_policy(model)
         return _stage3(model, optimizer, policy, fsdp_kwargs, psi)
     if overlap_param_sync and not step_in_backward:  # step_in_backward overlaps it already

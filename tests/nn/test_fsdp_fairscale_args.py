@@ -182,6 +182,35 @@ def _no_broadcast_optim_state():
             "full": tuple(reference["state"][index]["exp_avg"].shape)}
 
 
+def _sync_module_states():
+    """Ranks that initialised differently: with sync_module_states (and through compose at
+    stage 3) every rank trains rank 0's model; without, each rank's rows come from its own."""
+    from shardkit.recipes import adamw, compose
+
+    def differing():
+        torch.manual_seed(100 + skdist.get_rank())  # unseeded in effect: another init per rank
+        model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+        model[1].running_mean.fill_(float(skdist.get_rank()))
+        return model
+
+    def full_state(wrapped):
+        with wrapped.summon_full_params():
+            params = torch.cat([p.detach().reshape(-1) for p in wrapped.parameters()])
+        return torch.cat([params, wrapped.module[1].running_mean])
+
+    torch.manual_seed(100)
+    rank0_model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    rank0_state = torch.cat([torch.cat([p.detach().reshape(-1)
+                                        for p in rank0_model.parameters()]), torch.zeros(6)])
+    with CommCounter() as counter:
+        synced = FSDP(differing(), sync_module_states=True)
+    composed = compose(differing(), 3, adamw(1e-3)).wrapped
+    return {"synced": torch.equal(full_state(synced), rank0_state),
+            "composed": torch.equal(full_state(composed), rank0_state),
+            "plain": torch.equal(full_state(FSDP(differing())), rank0_state),
+            "broadcast_bytes": counter.by_op.get("broadcast", 0)}
+
+
 def _errors():
     out = {}
     cases = {
@@ -234,6 +263,10 @@ def test_fairscale_arguments(world2):
     rank0, rank1 = world2.run(_no_broadcast_optim_state)
     assert rank1 is None
     assert rank0["kept"][0] * 2 == rank0["full"][0] and rank0["full"][1] == TINY.d_model, rank0
+    synced = world2.run(_sync_module_states)
+    assert all(r["synced"] and r["composed"] for r in synced), synced
+    assert not synced[1]["plain"], synced  # FairScale's default: no sync, each rank's own rows
+    assert synced[0]["broadcast_bytes"] > 0, synced
     for r in world2.run(_errors):
         for name in ("bucket_cap_mb", "compute_device", "gradient_predivide_factor",
                      "state_dict_device", "verbose", "process_group_reduce_scatter"):

@@ -139,6 +139,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             ``disable_reshard_on_root=False`` re-gathers the root for backward, ``Ψ_root(N-1)/N``
             more elements; ``bucket_cap_mb`` is only checked: each unit's gradients are already
             one flat reduce-scatter).
+        sync_module_states: first overwrite this unit's parameters and buffers with those of
+            rank 0 (of the replicas, then of the shard group), so ranks that built the module
+            differently (unseeded initialisation) train one model (torch FSDP's argument; a
+            one-time broadcast of the unit, ``Ψ_u(N-1)/N``). Off by default, as in FairScale:
+            each rank's rows are then taken from its own copy.
 
     Memory: ``Ψ_u/N`` + padding of master weights per unit, grads and optimizer state likewise;
     the gathered unit (``Ψ_u`` in compute dtype) only around its forward/backward.
@@ -161,7 +166,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                  force_input_to_fp32: bool = False, verbose: bool = False,
                  cpu_offload: bool = False, state_dict_on_rank_0_only: bool = False,
                  gradient_predivide_factor: Optional[float] = None,
-                 allow_reset_parameters: bool = False):
+                 allow_reset_parameters: bool = False, sync_module_states: bool = False):
         _check_wrappable(module)
         transport = quantized_transport_for(comm, quantize_weights, quantize_gradients)
         if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
@@ -172,7 +177,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                                                                     reshard_after_forward)
         for name, value in (("flatten_parameters", flatten_parameters),
                             ("move_params_to_cpu", move_params_to_cpu),
-                            ("fp32_reduce_scatter", fp32_reduce_scatter)):
+                            ("fp32_reduce_scatter", fp32_reduce_scatter),
+                            ("sync_module_states", sync_module_states)):
             check_bool(name, value)
         move_params_to_cpu = resolve_cpu_offload(move_params_to_cpu, cpu_offload)
         first_param = next(module.parameters(), None)
@@ -223,6 +229,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             if group is not None:
                 transport.prepare(group)
         params, locations = _collect_unit_params(module)
+        if sync_module_states:
+            _sync_unit_states(module, params, groups)
         self._buffer_dtypes = _cast_unit_buffers(module, policy.buffer_cast_dtype())
         self._shard: Optional[FlatParamShard] = None
         if params:
@@ -631,6 +639,17 @@ def _unit_modules(module: nn.Module) -> Iterator[nn.Module]:
         yield m
         stack.extend(reversed([c for c in m.children()
                                if not isinstance(c, FullyShardedDataParallel)]))
+
+
+def _sync_unit_states(module: nn.Module, params: list, groups) -> None:
+    """Give every rank rank 0's values of the unit's parameters and of the buffers outside
+    its inner units: across the replicas first, so that each shard group's rank 0 holds global
+    rank 0's values, then inside the shard group."""
+    buffers = [b for m in _unit_modules(module) for b in m._buffers.values() if b is not None]
+    tensors = list(params) + list({id(b): b for b in buffers}.values())
+    if groups.replicate is not None:  # None: no replicas
+        skdist.broadcast_tensors_from_rank0(tensors, groups.replicate)
+    skdist.broadcast_tensors_from_rank0(tensors, groups.shard)  # None: the world
 
 
 def _inner_units(module: nn.Module) -> list[FullyShardedDataParallel]:

@@ -173,7 +173,9 @@ class ShardedDataParallel(nn.Module):
 
         self._build_plan(refresh_optimizers=False)
         if sync_models_at_startup and self.world_size > 1:
-            self._broadcast_from_rank0(list(module.parameters()) + list(module.buffers()))
+            skdist.broadcast_tensors_from_rank0(
+                list(module.parameters()) + list(module.buffers()), self.process_group,
+                max(self.reduce_buffer_size, 1 << 20))
 
     # ------------------------------------------------------------------ public surface
 
@@ -214,7 +216,8 @@ class ShardedDataParallel(nn.Module):
         returning. Collective: call on every rank. Wire: (N-1)/N of the buffers' bytes."""
         buffers = list(self.module.buffers())
         if buffers and self.world_size > 1:
-            self._broadcast_from_rank0(buffers)
+            skdist.broadcast_tensors_from_rank0(buffers, self.process_group,
+                                               max(self.reduce_buffer_size, 1 << 20))
 
     def __getattr__(self, name: str):
         """Attributes this wrapper lacks are looked up on the wrapped module (as FairScale)."""
@@ -502,23 +505,6 @@ class ShardedDataParallel(nn.Module):
             optimizer._prepare_step_in_backward(sync_group, self.module)
         return True
 
-    # ------------------------------------------------------------------ broadcasts
-
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
-        """Broadcast ``tensors`` from group rank 0, packed into flat chunks per dtype/device of
-        about ``reduce_buffer_size`` bytes. Wire: (N-1)/N of their bytes."""
-        src = skdist.get_global_rank(self.process_group, 0)
-        chunk_bytes = max(self.reduce_buffer_size, 1 << 20)
-        for chunk in _chunks_by_dtype(tensors, chunk_bytes):
-            flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-            skdist.broadcast(flat, src=src, group=self.process_group)
-            if self.rank != 0:
-                offset = 0
-                with torch.no_grad():
-                    for t in chunk:
-                        t.copy_(flat[offset:offset + t.numel()].view(t.shape))
-                        offset += t.numel()
-
 
 # ---------------------------------------------------------------------- helpers
 
@@ -527,20 +513,3 @@ def _same_signature(a: tuple, b: Optional[tuple]) -> bool:
     """Plan signatures ``(requires_grad flags, partitions)`` equal, partitions by identity."""
     return b is not None and a[0] == b[0] and len(a[1]) == len(b[1]) and all(
         x is y for x, y in zip(a[1], b[1]))
-
-
-def _chunks_by_dtype(tensors: Sequence[torch.Tensor], chunk_bytes: int):
-    by_key: dict = {}
-    for t in tensors:
-        by_key.setdefault((t.device, t.dtype), []).append(t)
-    for group in by_key.values():
-        chunk, size = [], 0
-        for t in group:
-            nbytes = t.numel() * t.element_size()
-            if chunk and size + nbytes > chunk_bytes:
-                yield chunk
-                chunk, size = [], 0
-            chunk.append(t)
-            size += nbytes
-        if chunk:
-            yield chunk
