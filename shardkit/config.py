@@ -10,7 +10,9 @@ error at the same point and none is left waiting.
 Keys that change behaviour:
     train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
     optimizer.{type, params}, scheduler.{type, params}, gradient_clipping, steps_per_print,
-    zero_optimization.{stage, reduce_bucket_size (elements, as in DeepSpeed),
+    zero_optimization.{stage, reduce_bucket_size (elements, as in DeepSpeed), reduce_scatter
+    (stage 1, default true as in DeepSpeed: each gradient is averaged onto its owner only, so
+    stage 1 moves 2Ψ(N-1)/N a step; false: torch DDP's all-reduce, 3Ψ(N-1)/N),
     offload_param.device (stage 3), offload_optimizer.device, zero_quantized_weights and
     zero_quantized_gradients (stage 3: FSDP's quantize_weights / quantize_gradients, ZeRO++),
     zero_hpz_partition_size (stage 3: FSDP's hpz_partition_size)}, fp16.{enabled, loss_scale,
@@ -18,8 +20,8 @@ Keys that change behaviour:
     raise_error_at_min_scale}, bf16.enabled.
 Keys accepted for compatibility with DeepSpeed configs, validated, without effect here:
     the other zero_optimization tuning knobs (allgather_bucket_size, overlap_comm,
-    contiguous_gradients, reduce_scatter, stage3_* ...), offload *.pin_memory / buffer_*,
-    fp16.auto_cast, wall_clock_breakdown, memory_breakdown, prescale_gradients,
+    contiguous_gradients, reduce_scatter at stages 2-3, stage3_* ...), offload *.pin_memory /
+    buffer_*, fp16.auto_cast, wall_clock_breakdown, memory_breakdown, prescale_gradients,
     gradient_predivide_factor, zero_allow_untested_optimizer, dump_state.
 DeepSpeed's older section name ``bfloat16`` is read as ``bf16``.
 """
@@ -206,6 +208,9 @@ class ZeroConfig:
     quantized_weights: bool = False  # ZeRO++ qwZ (stage 3)
     quantized_gradients: bool = False  # ZeRO++ qgZ (stage 3)
     hpz_partition_size: int = 1  # ZeRO++ hpZ (stage 3): backward gathers in blocks this size
+    # zero_optimization.reduce_scatter (stage 1): average each gradient onto its OSS owner only
+    # (DeepSpeed's "reduce instead of allreduce"), not onto every rank
+    reduce_to_owners: bool = False
 
 
 @dataclass(frozen=True)
@@ -465,6 +470,7 @@ def _zero_config(section: dict) -> tuple[ZeroConfig, list[str]]:
     return ZeroConfig(stage=stage, reduce_bucket_numel=None if bucket is None else int(bucket),
                       offload_optimizer_device=optim_device,
                       offload_param_device=param_device, hpz_partition_size=hpz,
+                      reduce_to_owners=stage == 1 and section["reduce_scatter"],
                       **quantized), notes
 
 

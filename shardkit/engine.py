@@ -10,10 +10,16 @@ arguments (stage-3 wrap units: ``initialize(wrap_policy=...)``, default
 stage  wrappers                                 params grads optimizer communication per step
 ====== ======================================= ===== ===== ========= ==========================
 0      torch DistributedDataParallel           full  full  full      all-reduce 2Ψ(N-1)/N
-1      OSS + torch DDP                          full  full  1/N       3Ψ(N-1)/N
+1      OSS + torch DDP, reduce to owners        full  full* 1/N       2Ψ(N-1)/N
 2      OSS + ShardedDataParallel                full  1/N   1/N       2Ψ(N-1)/N
 3      FullyShardedDataParallel per block       1/N   1/N   1/N       3Ψ(N-1)/N
 ====== ======================================= ===== ===== ========= ==========================
+
+\* At stage 1 each gradient is averaged onto its OSS owner only
+(``zero_optimization.reduce_scatter``, default true as in DeepSpeed;
+:func:`shardkit.comm_hooks.reduce_to_owners_hook`): a rank's gradients of parameters it does
+not own read zero after backward. ``"reduce_scatter": false`` keeps torch DDP's all-reduce
+(every rank holds the averaged gradients; ``3Ψ(N-1)/N``).
 
 ``zero_optimization.zero_hpz_partition_size=h`` (stage 3, DeepSpeed's hpZ) gives every FSDP unit
 ``hpz_partition_size=h``: backward gathers inside blocks of ``h`` ranks (a node), leaving
@@ -115,6 +121,8 @@ def compose_from_config(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineCo
     is in bytes of the (fp32) gradients, so the size is converted here, once."""
     zero = cfg.zero
     kwargs: dict = {}
+    if zero.stage == 1:
+        kwargs["reduce_to_owners"] = zero.reduce_to_owners
     if zero.stage == 2 and zero.reduce_bucket_numel is not None:
         grad_bytes = next(model.parameters()).element_size()
         kwargs["reduce_bucket_bytes"] = zero.reduce_bucket_numel * grad_bytes

@@ -148,3 +148,16 @@ def test_deepspeed_older_bfloat16_section_is_read_as_bf16():
     assert cfg.precision.dtype == "bf16"
     assert load_config({"train_batch_size": 8, "bfloat16": {"enabled": False}},
                        2).precision.dtype == "fp32"
+
+
+def test_reduce_scatter_picks_reduce_to_owners_at_stage_1():
+    """DeepSpeed's default reduce_scatter=true averages stage 1's gradients onto their owners
+    (2Ψ(N-1)/N a step); false keeps the all-reduce; other stages are unaffected."""
+    base = {"train_batch_size": 8}
+    stage1 = {**base, "zero_optimization": {"stage": 1}}
+    assert load_config(stage1, 2).zero.reduce_to_owners
+    off = {**base, "zero_optimization": {"stage": 1, "reduce_scatter": False}}
+    assert not load_config(off, 2).zero.reduce_to_owners
+    for stage in (0, 2, 3):
+        assert not load_config({**base, "zero_optimization": {"stage": stage}},
+                               2).zero.reduce_to_owners

@@ -65,8 +65,10 @@ def _hand_composed(stage, model):
     from shardkit.optim import OSS
     if stage in (1, 2):
         oss = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LR, weight_decay=WD, eps=EPS)
-        if stage == 1:
+        if stage == 1:  # DeepSpeed's reduce_scatter=true: gradients onto their owners only
+            from shardkit.comm_hooks import reduce_to_owners_hook
             wrapped = DDP(model)
+            wrapped.register_comm_hook(oss, reduce_to_owners_hook)
         else:
             from shardkit.nn.data_parallel import ShardedDataParallel
             wrapped = ShardedDataParallel(model, oss)
