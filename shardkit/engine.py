@@ -155,6 +155,11 @@ class ShardedEngine(nn.Module):
         optimizer, lr_scheduler, loss_scaler: the composed parts (``None`` when unused).
         global_steps: optimizer steps taken (skipped fp16 steps included, as in DeepSpeed).
         micro_steps, skipped_steps: micro-batches seen; steps skipped on overflow.
+
+    DeepSpeed's accessors: ``zero_optimization_stage()``, ``gradient_accumulation_steps()``,
+    ``train_batch_size()``, ``train_micro_batch_size_per_gpu()``, ``gradient_clipping()``,
+    ``get_lr()``, ``get_global_grad_norm()``, ``was_step_applied()``, ``loss_scale``,
+    ``global_samples``, ``global_rank``, ``local_rank``, ``world_size``, ``device``.
     """
 
     def __init__(self, model: nn.Module, composition: Composition, cfg: EngineConfig,
@@ -183,6 +188,8 @@ class ShardedEngine(nn.Module):
         self._clock = time.perf_counter()
         self._steps_at_clock = 0
         self._pending_save = None  # an asynchronous save under way (checkpoint.async_save)
+        self._last_grad_norm: Optional[float] = None
+        self._last_step_applied = False
 
     # -- properties DeepSpeed users reach for
     @property
@@ -219,6 +226,43 @@ class ShardedEngine(nn.Module):
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
+
+    def gradient_clipping(self) -> float:
+        """The config's ``gradient_clipping`` (0: off)."""
+        return self.config.gradient_clipping
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        """The total gradient norm (over every rank, before clipping) of the last optimizer
+        step; ``None`` before the first step, after a skipped fp16 step, or when
+        ``gradient_clipping`` is off (the engine adds no collective to compute it then)."""
+        return self._last_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """Whether the last accumulation boundary stepped the optimizer (``False`` when fp16
+        overflow skipped it, and before the first boundary)."""
+        return self._last_step_applied
+
+    @property
+    def global_samples(self) -> int:
+        """Samples consumed by the optimizer steps taken: ``global_steps x train_batch_size``."""
+        return self.global_steps * self.config.train_batch_size
+
+    @property
+    def global_rank(self) -> int:
+        return distributed.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return distributed.get_world_size()
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters (and so the batches) live."""
+        return next(self.module.parameters()).device
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True on the micro-batch whose ``step`` will run the optimizer."""
@@ -257,13 +301,16 @@ class ShardedEngine(nn.Module):
     def _optimizer_step(self) -> None:
         overflow = self._agreed_overflow() if self.loss_scaler is not None else False
         scale_before = self.loss_scale
+        self._last_step_applied = not overflow
         if overflow:
             self.skipped_steps += 1
+            self._last_grad_norm = None
         else:
             if self.loss_scaler is not None and self.loss_scale != 1.0:
                 self._unscale_gradients(1.0 / self.loss_scale)
             if self.config.gradient_clipping > 0:
-                self.composition.clip_grad_norm(self.config.gradient_clipping)
+                norm = self.composition.clip_grad_norm(self.config.gradient_clipping)
+                self._last_grad_norm = None if norm is None else float(norm)
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()

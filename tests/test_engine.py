@@ -99,11 +99,12 @@ def _parity(stage):
     oracle_opt = torch.optim.AdamW(oracle.parameters(), lr=LR, weight_decay=WD, eps=EPS)
 
     engine_comm, hand_comm = distributed.CommCounter(), distributed.CommCounter()
-    vs_oracle, vs_hand, boundaries = [], [], []
+    vs_oracle, vs_hand, boundaries, norms = [], [], [], []
+    assert engine.get_global_grad_norm() is None and not engine.was_step_applied()
     for step in range(STEPS):
         idx, tgt = synthetic_batch(TINY, MICRO * GAS * world, step)
         oracle.loss(idx, tgt).backward()
-        torch.nn.utils.clip_grad_norm_(oracle.parameters(), CLIP)
+        oracle_norm = float(torch.nn.utils.clip_grad_norm_(oracle.parameters(), CLIP))
         oracle_opt.step()
         oracle_opt.zero_grad()
 
@@ -121,6 +122,7 @@ def _parity(stage):
             hand_opt.step()
             hand_opt.zero_grad()
 
+        norms.append((engine.get_global_grad_norm(), oracle_norm, engine.was_step_applied()))
         got = _full_params(stage, engine.wrapped, engine.module)
         vs_oracle.append(max_diff(got, oracle.state_dict()))
         vs_hand.append(max_diff(got, _full_params(stage, hand, hand_model)))
@@ -128,7 +130,9 @@ def _parity(stage):
     return {"vs_oracle": vs_oracle, "vs_hand": vs_hand, "global_steps": engine.global_steps,
             "boundaries": boundaries[:GAS], "optimizer": type(optimizer).__name__,
             "comm": (engine_comm.bytes, len(engine_comm.calls)),
-            "hand_comm": (hand_comm.bytes, len(hand_comm.calls)),
+            "hand_comm": (hand_comm.bytes, len(hand_comm.calls)), "norms": norms,
+            "samples": engine.global_samples, "clipping": engine.gradient_clipping(),
+            "ranks": (engine.global_rank, engine.world_size, str(engine.device)),
             "memory": memory.as_dict(), "numel": sum(p.numel() for p in oracle.parameters())}
 
 
@@ -142,6 +146,11 @@ def test_stage_matches_single_process_and_hand_composed(world2, stage):
         assert max(r["vs_hand"]) <= 1e-6, r["vs_hand"]
         # The engine adds no traffic to what its wrappers need (fp32: no overflow flag).
         assert r["comm"] == r["hand_comm"]
+        # DeepSpeed's accessors: the pre-clipping global norm of each step, as the oracle's
+        for got, want, applied in r["norms"]:
+            assert applied and got == pytest.approx(want, rel=1e-4), r["norms"]
+        assert r["samples"] == STEPS * MICRO * GAS * len(results) and r["clipping"] == CLIP
+    assert [r["ranks"] for r in results] == [(0, 2, "cpu"), (1, 2, "cpu")]
     assert results[0]["optimizer"] == ("OSS" if stage in (1, 2) else "AdamW")
 
     # Per-rank memory after a step (grads freed): AdamW keeps 8 bytes per parameter.
@@ -189,7 +198,7 @@ def _fp16_dynamic(stage):
         engine, _, _, _ = shardkit.initialize(model=model, config=config)
         gen = torch.Generator().manual_seed(7)
         target_map = torch.randn(10, 10, generator=gen)
-        losses, scales = [], []
+        losses, scales, applied = [], [], []
         for step in range(40):
             x = torch.randn(16, 10, generator=gen)[rank * 8:(rank + 1) * 8]
             loss = F.mse_loss(engine(x).float(), x @ target_map)
@@ -197,12 +206,13 @@ def _fp16_dynamic(stage):
             scales.append(engine.loss_scale)
             engine.step()
             losses.append(loss.item())
+            applied.append(engine.was_step_applied())
         master_dtype = next(engine.module.parameters()).dtype
     finally:
         log.removeHandler(records)
     return {"losses": losses, "scales": scales, "skipped": engine.skipped_steps,
             "final_scale": engine.loss_scale, "log": records.messages,
-            "master_dtype": str(master_dtype)}
+            "master_dtype": str(master_dtype), "applied": applied}
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
@@ -214,6 +224,7 @@ def test_fp16_dynamic_scaling_skips_then_trains(world2, stage):
     # Hysteresis 2: the first overflow keeps 2**32, the second halves it.
     assert r0["scales"][:3] == [2.0 ** 32, 2.0 ** 32, 2.0 ** 31]
     assert r0["skipped"] >= 3 and r0["final_scale"] < 2.0 ** 32
+    assert r0["applied"].count(False) == r0["skipped"]  # was_step_applied says which
     overflow_lines = [m for m in r0["log"] if "overflowed" in m]
     assert len(overflow_lines) == r0["skipped"]
     assert not any("overflowed" in m for m in results[1]["log"])  # rank 0 logs
