@@ -164,11 +164,15 @@ class ShardedEngine(nn.Module):
 
     def __init__(self, model: nn.Module, composition: Composition, cfg: EngineConfig,
                  lr_scheduler=None, state_names: Optional[list] = None,
-                 trainable_param_names: Optional[list] = None):
+                 trainable_param_names: Optional[list] = None,
+                 frozen_param_names: Optional[list] = None):
         super().__init__()
         self.module = model
         # Names of the unwrapped model, recorded before wrapping (FSDP renames and flattens).
         self._state_names = list(state_names or model.state_dict().keys())
+        self.frozen_param_names = list(
+            frozen_param_names if frozen_param_names is not None else
+            [n for n, p in model.named_parameters() if not p.requires_grad])
         self.trainable_param_names = list(trainable_param_names or
                                           [n for n, p in model.named_parameters()
                                            if p.requires_grad])
@@ -374,6 +378,38 @@ class ShardedEngine(nn.Module):
         self._steps_at_clock = self.global_steps
 
     # -- checkpoints
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's export: the unwrapped model's full ``state_dict`` (gathered at stage 3),
+        floating tensors in the compute dtype (fp16/bf16; fp32 without mixed precision), written
+        by rank 0 to ``save_dir/save_filename`` through a temporary file renamed into place, so
+        a crash leaves no partial file. ``exclude_frozen_parameters`` drops parameters that do
+        not require grad. Collective (every rank calls it). Memory: the full model on each rank
+        at stage 3 (rank 0 elsewhere); communication: stage 3's gather of every unit."""
+        if not isinstance(save_filename, str) or not save_filename or os.sep in save_filename:
+            raise ValueError(f"engine.save_16bit_model(save_filename={save_filename!r}): must be "
+                             f"a file name (no directory part)")
+        state = self.module_state_dict()
+        if exclude_frozen_parameters:
+            frozen = set(self.frozen_param_names)
+            state = {k: v for k, v in state.items() if k not in frozen}
+        dtype = self._autocast_dtype
+        if dtype is not None:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        if distributed.get_rank() == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            staging = f"{path}.tmp{os.getpid()}"
+            try:
+                torch.save({k: v.detach().cpu() for k, v in state.items()}, staging)
+                os.replace(staging, path)
+            finally:
+                if os.path.exists(staging):
+                    os.remove(staging)
+        if distributed.is_initialized():
+            distributed.barrier()
+        return True
+
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
                         client_state: Optional[dict] = None, save_latest: bool = True,
                         async_save: bool = False) -> str:
@@ -508,9 +544,10 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     recipe = _optimizer_recipe(cfg, optimizer, model_parameters, model)
     state_names = list(model.state_dict().keys())
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     composition = compose_from_config(model, recipe, cfg, wrap_policy)
     scheduler = _build_scheduler(cfg, lr_scheduler, composition.optimizer)
-    engine = ShardedEngine(model, composition, cfg, scheduler, state_names, trainable)
+    engine = ShardedEngine(model, composition, cfg, scheduler, state_names, trainable, frozen)
     loader = _data_loader(training_data, cfg, collate_fn) if training_data is not None else None
     if resume_from is not None:
         _resume(engine, os.fspath(resume_from))

@@ -5,6 +5,7 @@ All bodies run in one world of 2 gloo ranks.
 """
 
 import contextlib
+import os
 import logging
 
 import pytest
@@ -233,6 +234,38 @@ def test_fp16_dynamic_scaling_skips_then_trains(world2, stage):
                                                        "samples/s="))
     trained = r0["losses"][r0["skipped"]:]
     assert sum(trained[-5:]) / 5 < 0.5 * trained[0], r0["losses"]
+
+
+def _save_16bit_model(stage, out_dir):
+    """DeepSpeed's save_16bit_model: every rank calls it, rank 0 writes the full model in the
+    compute dtype under the original names; frozen parameters can be left out."""
+    model = GPT(TINY, seed=0)  # at stage 3 its blocks are units of their own
+    model.blocks[0].ln1.weight.requires_grad_(False)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    config = {"train_batch_size": 8, "bf16": {"enabled": True},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+              "zero_optimization": {"stage": stage}}
+    engine, _, _, _ = shardkit.initialize(model=model, config=config)
+    x, y = next(iter(_micro_batches(0, distributed.get_rank(), 2)))
+    engine.backward(_lm_loss(engine(x), y))
+    engine.step()
+    assert engine.save_16bit_model(out_dir, f"model{stage}.bin")
+    engine.save_16bit_model(out_dir, f"trainable{stage}.bin", exclude_frozen_parameters=True)
+    distributed.barrier()
+    full = torch.load(os.path.join(out_dir, f"model{stage}.bin"))
+    trainable = torch.load(os.path.join(out_dir, f"trainable{stage}.bin"))
+    return {"keys": sorted(full) == sorted(reference),
+            "dtypes": sorted({str(v.dtype) for v in full.values() if v.is_floating_point()}),
+            "same": all(torch.equal(full[k], v.to(torch.bfloat16)) for k, v in reference.items()),
+            "dropped": sorted(set(full) - set(trainable)),
+            "leftovers": sorted(f for f in os.listdir(out_dir) if ".tmp" in f)}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_save_16bit_model(world2, stage, tmp_path):
+    for r in world2.run(_save_16bit_model, stage, str(tmp_path)):
+        assert r["keys"] and r["dtypes"] == ["torch.bfloat16"] and r["same"], r
+        assert r["dropped"] == ["blocks.0.ln1.weight"] and r["leftovers"] == [], r
 
 
 def _bf16_trains():
