@@ -106,6 +106,22 @@ def _check_arguments(model, optimizer, lr_scheduler, cfg: EngineConfig) -> None:
                           f"{len(optimizer.param_groups)}")
 
 
+def _write_atomically(state: dict, path: str) -> Optional[str]:
+    """``torch.save`` of ``state`` (on CPU) to ``path`` through a temporary file renamed into
+    place; returns the error's text instead of raising, and leaves no temporary behind."""
+    staging = f"{path}.tmp{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, staging)
+        os.replace(staging, path)
+        return None
+    except OSError as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        if os.path.exists(staging):
+            os.remove(staging)
+
+
 def _is_scheduler_instance(lr_scheduler) -> bool:
     return lr_scheduler is not None and hasattr(lr_scheduler, "step") \
         and hasattr(lr_scheduler, "state_dict")
@@ -383,9 +399,10 @@ class ShardedEngine(nn.Module):
         """DeepSpeed's export: the unwrapped model's full ``state_dict`` (gathered at stage 3),
         floating tensors in the compute dtype (fp16/bf16; fp32 without mixed precision), written
         by rank 0 to ``save_dir/save_filename`` through a temporary file renamed into place, so
-        a crash leaves no partial file. ``exclude_frozen_parameters`` drops parameters that do
-        not require grad. Collective (every rank calls it). Memory: the full model on each rank
-        at stage 3 (rank 0 elsewhere); communication: stage 3's gather of every unit."""
+        a crash leaves no partial file; a failure to write raises ``RuntimeError`` on every
+        rank. ``exclude_frozen_parameters`` drops parameters that do not require grad.
+        Collective (every rank calls it). Memory: the full model on each rank at stage 3 (rank 0
+        elsewhere); communication: stage 3's gather of every unit, plus one small broadcast."""
         if not isinstance(save_filename, str) or not save_filename or os.sep in save_filename:
             raise ValueError(f"engine.save_16bit_model(save_filename={save_filename!r}): must be "
                              f"a file name (no directory part)")
@@ -396,18 +413,12 @@ class ShardedEngine(nn.Module):
         dtype = self._autocast_dtype
         if dtype is not None:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        if distributed.get_rank() == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            path = os.path.join(save_dir, save_filename)
-            staging = f"{path}.tmp{os.getpid()}"
-            try:
-                torch.save({k: v.detach().cpu() for k, v in state.items()}, staging)
-                os.replace(staging, path)
-            finally:
-                if os.path.exists(staging):
-                    os.remove(staging)
-        if distributed.is_initialized():
-            distributed.barrier()
+        path = os.path.join(save_dir, save_filename)
+        error = _write_atomically(state, path) if distributed.get_rank() == 0 else None
+        if distributed.is_initialized():  # every rank learns the outcome: none waits on a failure
+            error = distributed.broadcast_object(error, src=0)
+        if error is not None:
+            raise RuntimeError(f"engine.save_16bit_model: rank 0 could not write {path}: {error}")
         return True
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,

@@ -252,13 +252,21 @@ def _save_16bit_model(stage, out_dir):
     assert engine.save_16bit_model(out_dir, f"model{stage}.bin")
     engine.save_16bit_model(out_dir, f"trainable{stage}.bin", exclude_frozen_parameters=True)
     distributed.barrier()
+    blocked = os.path.join(out_dir, f"file{stage}")
+    open(blocked, "w").close()  # a file where the directory should be: rank 0 cannot write
+    try:
+        engine.save_16bit_model(os.path.join(blocked, "sub"))
+        failure = None
+    except RuntimeError as error:
+        failure = str(error)
     full = torch.load(os.path.join(out_dir, f"model{stage}.bin"))
     trainable = torch.load(os.path.join(out_dir, f"trainable{stage}.bin"))
     return {"keys": sorted(full) == sorted(reference),
             "dtypes": sorted({str(v.dtype) for v in full.values() if v.is_floating_point()}),
             "same": all(torch.equal(full[k], v.to(torch.bfloat16)) for k, v in reference.items()),
             "dropped": sorted(set(full) - set(trainable)),
-            "leftovers": sorted(f for f in os.listdir(out_dir) if ".tmp" in f)}
+            "leftovers": sorted(f for f in os.listdir(out_dir) if ".tmp" in f),
+            "failure": failure}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
@@ -266,6 +274,8 @@ def test_save_16bit_model(world2, stage, tmp_path):
     for r in world2.run(_save_16bit_model, stage, str(tmp_path)):
         assert r["keys"] and r["dtypes"] == ["torch.bfloat16"] and r["same"], r
         assert r["dropped"] == ["blocks.0.ln1.weight"] and r["leftovers"] == [], r
+        # rank 0's failure reaches every rank as an error, not a hang
+        assert r["failure"] and "rank 0 could not write" in r["failure"], r
 
 
 def _bf16_trains():
