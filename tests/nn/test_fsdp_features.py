@@ -138,3 +138,68 @@ def test_eval_and_no_sync_memory(world2):
         assert r["accumulating"] >= r["full_bytes"] - 4 * TINY.vocab_size * TINY.d_model, r
         # after the synchronising backward only the 1/N gradient shards remain
         assert r["after_sync"] <= r["shard_bytes"], r
+
+
+def _kept_units_after_a_forward_without_backward():
+    """The root stays gathered after its forward (FairScale's default) and every unit does with
+    reshard_after_forward=False. A forward that no backward follows, then an optimizer step, must
+    not leave the next forward computing with the old weights; two forwards before their
+    backwards (a pipeline's micro-batches) still reuse what is kept; reshard() frees it all."""
+    from shardkit.nn.data_parallel.flat_param import gathered_param_bytes
+    out = {}
+    idx, target = synthetic_batch(TINY, GLOBAL_BATCH, 0)
+    idx = local_slice(idx)
+    for name, kwargs in (("root kept", {}), ("no reshard", {"reshard_after_forward": False})):
+        model = wrap_gpt(build_gpt(), **kwargs)
+        optim = make_optimizer(model)
+        train_step(model, optim, 0)
+        model(idx)  # with gradients, no backward: kept units stay gathered
+        train_step(model, optim, 1)  # backward of another batch, then a step
+        model(idx)
+        for p in model.parameters():  # a step with hand-made gradients, no backward before it
+            p.grad = torch.ones_like(p) if p.requires_grad else None
+        optim.step()
+        logits = model(idx)
+        with torch.no_grad():
+            model.reshard()
+            fresh = model(idx)  # gathered afresh from the current shards
+        out[name] = max_diff({"l": logits.detach()}, {"l": fresh})
+    # a module called twice before one backward (two views of a batch, a siamese loss): each
+    # unit's gradient is reduced once, whole, and matches single-process training
+    model, reference = wrap_gpt(build_gpt()), build_gpt()
+    sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    ref_sgd = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5)
+    other, other_target = synthetic_batch(TINY, GLOBAL_BATCH, 5)
+    first = model.loss(idx, local_slice(target))
+    with skdist.CommCounter() as second_forward:
+        second = model.loss(local_slice(other), local_slice(other_target))
+    with skdist.CommCounter() as two_backward:
+        (first + 0.5 * second).backward()
+    sgd.step()
+    ref_idx, ref_target = synthetic_batch(TINY, GLOBAL_BATCH, 0)
+    (reference.loss(ref_idx, ref_target) + 0.5 * reference.loss(other, other_target)).backward()
+    ref_sgd.step()
+    out["two_forwards_diff"] = max_diff(model.state_dict(), reference.state_dict())
+    out["reduce_scatters"] = two_backward.by_op.get("reduce_scatter", 0)
+    out["second_forward_gathers"] = second_forward.by_op.get("all_gather", 0)
+    with skdist.CommCounter() as first_forward:
+        loss = model.loss(idx, local_slice(target))
+    with skdist.CommCounter() as one_backward:
+        loss.backward()
+    out["first_forward_gathers"] = first_forward.by_op.get("all_gather", 0)
+    out["one_backward_reduce_scatters"] = one_backward.by_op.get("reduce_scatter", 0)
+    model(idx)
+    kept = gathered_param_bytes().live
+    model.reshard()
+    out["reshard"] = (kept > 0, gathered_param_bytes().live)
+    return out
+
+
+def test_kept_units_follow_an_optimizer_step(world2):
+    for r in world2.run(_kept_units_after_a_forward_without_backward):
+        assert r["root kept"] == 0.0 and r["no reshard"] == 0.0, r
+        # the root (embeddings, head) reused: the second forward gathers only the blocks
+        assert 0 < r["second_forward_gathers"] < r["first_forward_gathers"], r
+        assert r["two_forwards_diff"] <= 1e-5, r
+        assert r["reduce_scatters"] == r["one_backward_reduce_scatters"] > 0, r
+        assert r["reshard"] == (True, 0), r

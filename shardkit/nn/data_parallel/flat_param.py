@@ -142,10 +142,17 @@ class FlatParamShard:
         self._on_grad_ready = on_grad_ready
         self._grad_pieces: Optional[list] = None  # backward's gradient, one tensor per parameter
         self.full = self._make_full_leaf()
+        # Note: one autograd split of ``full`` per forward; each hands its gradients over, and
+        # also feeds this one-element leaf, whose gradient autograd accumulates once every split
+        # of the unit on the backward's path has run: only then is the unit's gradient whole
+        # (a module called twice before one backward) and its reduce-scatter due.
+        self._uses = torch.zeros(1, device=compute_device, requires_grad=True)
+        self._uses.register_post_accumulate_grad_hook(self._every_use_delivered)
         self.gathered = False
         self._pending_gather = None
         self._pending_reduce = None
         self._exposed = False
+        self._kept_from: Optional[int] = None  # fingerprint of the shard a kept ``full`` is of
 
     # ------------------------------------------------------------------ construction
 
@@ -243,7 +250,7 @@ class FlatParamShard:
         computes no gradient for them."""
         trainable = [p.requires_grad for p in self.params]
         self.full.requires_grad_(any(trainable))
-        pieces = _PiecesOfFull.apply(self.full, self) if any(trainable) else \
+        pieces = _PiecesOfFull.apply(self.full, self._uses, self) if any(trainable) else \
             self.full.detach().split(self.numels)
         for p_trains, piece, lay, locs in zip(trainable, pieces, self.layouts, self.locations):
             view = piece.view(lay.shape) if p_trains else piece.detach().view(lay.shape)
@@ -259,6 +266,22 @@ class FlatParamShard:
             for module, name in locs:
                 module.__dict__.pop(name, None)
         self._exposed = False
+
+    def remember_source(self) -> None:
+        """Note which shard values ``full`` was gathered from, for a unit that stays gathered
+        after its forward (see :meth:`source_changed`). One pass over the shard, no
+        communication."""
+        self._kept_from = _fingerprint(self.flat_shard)
+
+    @property
+    def kept_from_forward(self) -> bool:
+        """Gathered, and kept so since a forward (not freed by a backward yet)."""
+        return self.gathered and self._kept_from is not None
+
+    def source_changed(self) -> bool:
+        """Whether this rank's shard changed since :meth:`remember_source` (an optimizer step
+        after a forward that no backward followed): the kept ``full`` is then stale."""
+        return _fingerprint(self.flat_shard) != self._kept_from
 
     def free_full(self, keep_secondary: bool = False) -> None:
         """Release the gathered parameters (storage resized to 0: memory really goes down).
@@ -281,6 +304,7 @@ class FlatParamShard:
             self.full.untyped_storage().resize_(0)
             _GATHERED.sub(self.full_bytes)
             self.gathered = False
+        self._kept_from = None
 
     # ------------------------------------------------------------------ reduce-scatter
 
@@ -290,12 +314,23 @@ class FlatParamShard:
     def receive_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Backward's gradient of every parameter of the unit (``None``: none reached it), added
         to what an earlier backward inside ``no_sync`` left; then ``on_grad_ready``."""
-        grads = [torch.zeros(n, dtype=self.compute_dtype, device=self.compute_device)
-                 if g is None else g for g, n in zip(grads, self.numels)]
-        if self._grad_pieces is not None:
-            grads = [held + g for held, g in zip(self._grad_pieces, grads)]
-        self._grad_pieces = grads
+        self.add_grads(grads)
         self._on_grad_ready(self)
+
+    def add_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Add one use's gradients (``None``: none reached that parameter) to what the unit
+        holds, without declaring them complete."""
+        if self._grad_pieces is None:
+            grads = [torch.zeros(n, dtype=self.compute_dtype, device=self.compute_device)
+                     if g is None else g for g, n in zip(grads, self.numels)]
+        else:
+            grads = [held if g is None else held + g for held, g in zip(self._grad_pieces, grads)]
+        self._grad_pieces = grads
+
+    def _every_use_delivered(self, uses: torch.Tensor) -> None:
+        uses.grad = None
+        if self._grad_pieces is not None:
+            self._on_grad_ready(self)
 
     def set_divide_factors(self, pre: float, post: float) -> None:
         """Divide gradients by ``pre`` before the reduce-scatter and by ``post`` after (the
@@ -384,20 +419,33 @@ class FlatParamShard:
 
 class _PiecesOfFull(torch.autograd.Function):
     """``full.split(numels)`` whose backward hands the per-parameter gradients to the unit
-    (:meth:`FlatParamShard.receive_grads`) instead of joining them into one flat ``full.grad``:
+    (:meth:`FlatParamShard.add_grads`) instead of joining them into one flat ``full.grad``:
     the reduce-scatter sends each straight from where autograd left it, so no pass copies the
     unit's whole gradient (``torch.split``'s backward is a ``cat``)."""
 
     @staticmethod
-    def forward(ctx, full, shard):
+    def forward(ctx, full, uses, shard):
         ctx.shard = shard
         ctx.set_materialize_grads(False)
         return full.split(shard.numels)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.shard.receive_grads([None if g is None else g.reshape(-1) for g in grads])
-        return None, None
+        shard = ctx.shard
+        shard.add_grads([None if g is None else g.reshape(-1) for g in grads])
+        return None, torch.zeros_like(shard._uses), None  # the unit's hook on ``uses`` follows
+
+
+_BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fingerprint(flat: torch.Tensor) -> int:
+    """The sum, wrapping around, of ``flat``'s bit patterns as integers: any change to one
+    element changes it (two changes cancel with odds of about 2**-32); one pass, fast on CPU
+    where a float64 sum is not."""
+    bits = flat.detach().reshape(-1).view(_BITS_OF_SIZE[flat.element_size()])
+    total = torch.int64 if bits.dtype == torch.int64 else torch.int32
+    return int(bits.sum(dtype=total))
 
 
 def gathered_param_edges(roots: Sequence[torch.Tensor]) -> dict:

@@ -392,6 +392,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if root is None:
             raise RuntimeError("FullyShardedDataParallel: an inner unit ran forward without its "
                                "root; call the outermost FSDP instance, not the inner one")
+        if self is root and not root._final_callback_queued:  # not a recompute in backward
+            root._drop_stale_kept_units()
         if not root._orders_final and self not in root._forward_order:
             root._forward_order.append(self)
         self._pre_backward_done = False
@@ -410,6 +412,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         keep_for_backward = grad_enabled and (root_keeps or not self.reshard_after_forward)
         if self._shard is not None and not keep_for_backward:
             self._shard.free_full(keep_secondary=grad_enabled)
+        elif self._shard is not None:
+            self._shard.remember_source()
         if self.clear_autocast_cache:
             torch.clear_autocast_cache()
         if grad_enabled:
@@ -417,6 +421,36 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(_eager(self._pre_backward_hook))
         return output
+
+    def _drop_stale_kept_units(self) -> None:
+        """Root only, as a forward starts: units kept gathered by an earlier forward that no
+        backward followed (the root, ``reshard_after_forward=False``) are reused, unless a shard
+        changed since (an optimizer step in between), then they are freed and gathered afresh.
+
+        Note: without this, a forward with gradients but no backward (a metric on the training
+        batch, a skipped micro-batch), then ``optimizer.step()``, made the next forward compute
+        with the old weights. The decision is all-reduced (one element) because a rank whose
+        own rows did not change must still gather with the others."""
+        kept = [u._shard for u in self.sharded_units()
+                if u._shard is not None and u._shard.kept_from_forward]
+        if not kept:
+            return
+        stale = torch.tensor([float(any(s.source_changed() for s in kept))],
+                             device=self._comm_device())
+        skdist.all_reduce(stale, op=skdist.ReduceOp.MAX, group=self.process_group)
+        if stale.item() > 0:
+            for shard in kept:
+                shard.free_full()
+
+    def reshard(self) -> None:
+        """Free every unit's gathered parameters now (torch FSDP2's method): e.g. after a
+        forward that no backward follows, to give the memory back before the next step. The
+        next forward (or backward) gathers them again. Local; call it on every rank, like the
+        forward it precedes."""
+        self._check_idle("reshard")
+        for unit in self.sharded_units():
+            if unit._shard is not None:
+                unit._shard.free_full()
 
     def _gather_with_next(self, order: list, backward: bool = False) -> None:
         """Gather this unit (unless prefetched), issue the next unit's gather in ``order``
