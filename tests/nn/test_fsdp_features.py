@@ -203,3 +203,48 @@ def test_kept_units_follow_an_optimizer_step(world2):
         assert r["two_forwards_diff"] <= 1e-5, r
         assert r["reduce_scatters"] == r["one_backward_reduce_scatters"] > 0, r
         assert r["reshard"] == (True, 0), r
+
+
+class _SharedBlock(torch.nn.Module):
+    """ALBERT-style: one block applied three times per forward, and a layer used on odd steps."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(4, 8)
+        self.block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+        self.sometimes = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, x, use_sometimes=False):
+        h = self.inp(x)
+        for _ in range(3):
+            h = self.block(h) + h
+        return self.out(self.sometimes(h) if use_sometimes else h)
+
+
+def _unit_applied_several_times():
+    from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+    reference, model = _SharedBlock(), _SharedBlock()
+    model.block, model.sometimes = FSDP(model.block), FSDP(model.sometimes)
+    model = FSDP(model)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for step in range(4):
+        x = torch.randn(8, 4, generator=gen)
+        optim.zero_grad()
+        model(local_slice(x), use_sometimes=step % 2 == 1).pow(2).mean().backward()
+        optim.step()
+        ref_optim.zero_grad()
+        reference(x, use_sometimes=step % 2 == 1).pow(2).mean().backward()
+        ref_optim.step()
+        with model.summon_full_params():
+            worst = max(worst, max((a - b).abs().max().item()
+                                   for a, b in zip(model.parameters(), reference.parameters())))
+    return worst
+
+
+def test_a_unit_applied_several_times_in_one_forward(world2):
+    assert all(worst <= 1e-6 for worst in world2.run(_unit_applied_several_times))
