@@ -15,7 +15,7 @@ stage  wrappers                                 params grads optimizer communica
 3      FullyShardedDataParallel per block       1/N   1/N   1/N       3Ψ(N-1)/N
 ====== ======================================= ===== ===== ========= ==========================
 
-\* At stage 1 each gradient is averaged onto its OSS owner only
+(*) At stage 1 each gradient is averaged onto its OSS owner only
 (``zero_optimization.reduce_scatter``, default true as in DeepSpeed;
 :func:`shardkit.comm_hooks.reduce_to_owners_hook`): a rank's gradients of parameters it does
 not own read zero after backward. ``"reduce_scatter": false`` keeps torch DDP's all-reduce
