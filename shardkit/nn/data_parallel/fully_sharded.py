@@ -23,6 +23,14 @@ step per rank: ``3Ψ(N-1)/N`` elements with ``reshard_after_forward=True`` (all-
 again in backward, reduce-scatter; the root unit is not re-gathered for backward), ``2Ψ(N-1)/N``
 with ``False``.
 
+A module may run several times before one backward (two views of a batch, a block shared by
+several layers): a unit stays gathered until every use has delivered its gradient, then
+reduce-scatters once. Units kept gathered by a forward that no backward followed (the root;
+every unit with ``reshard_after_forward=False``) are reused by the next forward unless their
+shard changed in between (an optimizer step), which the root checks as a forward starts (a
+checksum of the kept shards and a one-element all-reduce; nothing when no unit is kept, as after
+every backward).
+
 ``sharding_strategy`` picks FairScale / torch FSDP1's strategies (:mod:`.sharding_strategy`
 has each one's groups and spanning-link bytes): ``HYBRID_SHARD`` shards inside a node and
 replicates across nodes, all-reducing the gradient shard across them (``2(Ψ/n)(k-1)/k``
@@ -36,7 +44,8 @@ given (e.g. :class:`~shardkit.shm_transport.SharedMemoryTransport` for ranks on 
 
 .. warning:: every method that communicates (forward/backward, ``state_dict``,
    ``load_state_dict``, ``summon_full_params``, ``clip_grad_norm_``,
-   ``gather_full_optim_state_dict``) must be called on all ranks of the group, in the same order.
+   ``gather_full_optim_state_dict``), and ``reshard()``, must be called on all ranks of the
+   group, in the same order.
 """
 
 from __future__ import annotations
