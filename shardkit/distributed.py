@@ -36,7 +36,7 @@ __all__ = [
     "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
     "recv", "isend",
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
-    "broadcast_object", "all_gather_object", "broadcast_tensors_from_rank0",
+    "broadcast_object", "all_gather_object", "broadcast_tensors_from_rank0", "any_rank",
     "CommCounter", "CommRecord", "ReduceOp", "destroy", "set_debug_collectives",
     "ranks_per_node", "node_of", "spans_nodes", "node_groups", "groups_of_nodes",
 ]
@@ -506,6 +506,15 @@ def barrier(group=None) -> None:
     """Block until every rank of ``group`` reaches this point. Wire: 0 counted bytes."""
     _record("barrier", 0, group)
     dist.barrier(group=group)
+
+
+def any_rank(flag: bool, group=None, device=None) -> bool:
+    """Whether ``flag`` is true on any rank of ``group``: a decision every rank then takes
+    alike (skip a step, abort a save, re-gather). One all-reduce of one element (on ``device``,
+    the compute device: NCCL needs CUDA)."""
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    all_reduce(value, op=ReduceOp.MAX, group=group)
+    return bool(value.item() > 0)
 
 
 def broadcast_tensors_from_rank0(tensors: Sequence[torch.Tensor], group=None,

@@ -106,6 +106,12 @@ def _check_arguments(model, optimizer, lr_scheduler, cfg: EngineConfig) -> None:
                           f"{len(optimizer.param_groups)}")
 
 
+def _names_by_trainability(model: nn.Module) -> tuple[list[str], list[str]]:
+    """``(trainable parameter names, frozen parameter names)`` of ``model``."""
+    named = list(model.named_parameters())
+    return ([n for n, p in named if p.requires_grad], [n for n, p in named if not p.requires_grad])
+
+
 def _write_atomically(state: dict, path: str) -> Optional[str]:
     """``torch.save`` of ``state`` (on CPU) to ``path`` through a temporary file renamed into
     place; returns the error's text instead of raising, and leaves no temporary behind."""
@@ -186,12 +192,10 @@ class ShardedEngine(nn.Module):
         self.module = model
         # Names of the unwrapped model, recorded before wrapping (FSDP renames and flattens).
         self._state_names = list(state_names or model.state_dict().keys())
-        self.frozen_param_names = list(
-            frozen_param_names if frozen_param_names is not None else
-            [n for n, p in model.named_parameters() if not p.requires_grad])
-        self.trainable_param_names = list(trainable_param_names or
-                                          [n for n, p in model.named_parameters()
-                                           if p.requires_grad])
+        trainable, frozen = _names_by_trainability(model)
+        self.trainable_param_names = list(
+            trainable if trainable_param_names is None else trainable_param_names)
+        self.frozen_param_names = list(frozen if frozen_param_names is None else frozen_param_names)
         self.wrapped = composition.wrapped
         self.config = cfg
         self.composition = composition
@@ -348,14 +352,10 @@ class ShardedEngine(nn.Module):
     def _agreed_overflow(self) -> bool:
         """Inf/nan in any rank's gradients, all-reduced so every rank decides the same."""
         grads = self._local_gradients()
-        flag = torch.zeros(1)
-        if grads:
-            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
-            flag.fill_(0.0 if bool(finite) else 1.0)
+        overflow = bool(grads) and not bool(
+            torch.stack([torch.isfinite(g).all() for g in grads]).all())
         device = grads[0].device if grads else torch.device("cpu")
-        flag = flag.to(device)
-        distributed.all_reduce(flag, op=distributed.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        return distributed.any_rank(overflow, device=device)
 
     def _unscale_gradients(self, inv_scale: float) -> None:
         grads = self._local_gradients()
@@ -554,8 +554,7 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
                        "state stays on the GPU", cfg.zero.stage)
     recipe = _optimizer_recipe(cfg, optimizer, model_parameters, model)
     state_names = list(model.state_dict().keys())
-    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    trainable, frozen = _names_by_trainability(model)  # before wrapping renames them
     composition = compose_from_config(model, recipe, cfg, wrap_policy)
     scheduler = _build_scheduler(cfg, lr_scheduler, composition.optimizer)
     engine = ShardedEngine(model, composition, cfg, scheduler, state_names, trainable, frozen)

@@ -156,9 +156,7 @@ def _attempt(action) -> Optional[BaseException]:
 
 def _agree_or_raise(error: Optional[BaseException], what: str, staging: str,
                     group=None) -> None:
-    failed = torch.tensor([1.0 if error is not None else 0.0])
-    distributed.all_reduce(failed, op=distributed.ReduceOp.MAX, group=group)
-    if failed.item() == 0:
+    if not distributed.any_rank(error is not None, group):
         return
     if distributed.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)

@@ -444,10 +444,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 if u._shard is not None and u._shard.kept_from_forward]
         if not kept:
             return
-        stale = torch.tensor([float(any(s.source_changed() for s in kept))],
-                             device=self._comm_device())
-        skdist.all_reduce(stale, op=skdist.ReduceOp.MAX, group=self.process_group)
-        if stale.item() > 0:
+        if skdist.any_rank(any(s.source_changed() for s in kept), self.process_group,
+                           self._comm_device()):
             for shard in kept:
                 shard.free_full()
 
