@@ -132,3 +132,25 @@ def test_merged_products_and_embeddings_equal_per_microbatch_backward(merge):
     sink.deliver()
     for p in ref:
         torch.testing.assert_close(p.grad, ref[p], rtol=1e-5, atol=1e-6)
+
+
+def test_sink_adds_a_product_once_its_waiting_rows_are_enough():
+    """Small micro-batches wait to be merged (up to ``merge``); once a weight's waiting rows reach
+    ``enough_rows`` its product is added at that W, where the schedule placed it."""
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8)
+    xs = [torch.randn(rows, 8) for rows in (3, 3, 6, 2)]
+    ref = sum(torch.autograd.grad(layer(x).sum(), layer.weight)[0] for x in xs)
+    sink = GradientSink(layer.parameters(), merge=10, enough_rows=6)
+    waiting = []
+    for x in xs:
+        x = x.requires_grad_(True)
+        _, weight_pass = backward_input([layer(x).sum()], None, [x], list(layer.parameters()))
+        sink.run(weight_pass)
+        waiting.append(len(sink._products))
+    assert waiting == [1, 0, 0, 1]  # 3 rows wait, 3 + 3 are enough, 6 alone are, 2 wait
+    sink.deliver()
+    torch.testing.assert_close(layer.weight.grad, ref)
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError, match="GradientSink\\(enough_rows="):
+            GradientSink(layer.parameters(), enough_rows=bad)

@@ -143,14 +143,17 @@ class PlanSchedule:
         loss_fn: ``loss_fn(output, target) -> scalar`` on the rank running the last stage.
         track_activation_memory: measure the bytes saved for backward on this rank
             (``self.activation_memory``).
-        weight_grad_merge: how many micro-batches' matrix-product weight gradients (``Linear``
-            layers, wherever they sit; see :mod:`~shardkit.nn.pipe.split_backward`) are added in
-            one product: ``1`` adds each micro-batch's as its W runs; ``k`` keeps the inputs and
-            output gradients of up to ``k - 1`` micro-batches until one ``addmm_`` per weight.
-            ``None``: the schedule's default (``chunks`` for GPipe, which keeps every
-            micro-batch anyway; the number of pipeline ranks otherwise). What waits is not in
-            ``activation_memory`` (which counts tensors saved by autograd); pass ``1`` where
-            the schedule's activation bound must hold exactly.
+        weight_grad_merge: at most how many micro-batches' matrix-product weight gradients
+            (``Linear`` layers, wherever they sit; see :mod:`~shardkit.nn.pipe.split_backward`)
+            are added in one product: ``1`` adds each micro-batch's as its W runs; ``k`` keeps
+            the inputs and output gradients of up to ``k - 1`` micro-batches until one
+            ``addmm_`` per weight, except that a weight whose waiting micro-batches hold
+            :data:`~shardkit.nn.pipe.split_backward.ENOUGH_ROWS` rows (128) is added at once
+            (merging larger products gains nothing, and adding them where the plan put their W
+            keeps its bubbles filled). ``None``: the schedule's default (``chunks`` for GPipe,
+            which keeps every micro-batch anyway; the number of pipeline ranks otherwise). What
+            waits is not in ``activation_memory`` (which counts tensors saved by autograd); pass
+            ``1`` where the schedule's activation bound must hold exactly.
 
     After a step, ``peak_live_microbatches`` is the most (stage, micro-batch) pairs whose
     activations were alive at once on this rank (from F until BW or W), and ``busy_seconds``
@@ -471,8 +474,9 @@ class ScheduleGPipe(PlanSchedule):
     Args (beyond :class:`PlanSchedule`'s):
         batch_weight_grads: ``False`` is ``weight_grad_merge=1`` (each micro-batch's weight
             gradients as its backward runs); ``None`` or ``True``: the default, every
-            matrix-product weight gradient once per step over all micro-batches (the same
-            gradients up to rounding, much faster with small micro-batches).
+            matrix-product weight gradient merged over all micro-batches, or over as many as
+            make 128 rows (the same gradients up to rounding, much faster with small
+            micro-batches).
     """
 
     _who = "stage"
