@@ -178,10 +178,14 @@ class ShardedEngine(nn.Module):
         global_steps: optimizer steps taken (skipped fp16 steps included, as in DeepSpeed).
         micro_steps, skipped_steps: micro-batches seen; steps skipped on overflow.
 
-    DeepSpeed's accessors: ``zero_optimization_stage()``, ``gradient_accumulation_steps()``,
-    ``train_batch_size()``, ``train_micro_batch_size_per_gpu()``, ``gradient_clipping()``,
-    ``get_lr()``, ``get_global_grad_norm()``, ``was_step_applied()``, ``loss_scale``,
-    ``global_samples``, ``global_rank``, ``local_rank``, ``world_size``, ``device``.
+    DeepSpeed's accessors: ``zero_optimization_stage()``, ``zero_optimization()``,
+    ``gradient_accumulation_steps()``, ``train_batch_size()``,
+    ``train_micro_batch_size_per_gpu()``, ``get_batch_info()``, ``gradient_clipping()``,
+    ``get_lr()``, ``get_mom()``, ``get_global_grad_norm()``, ``was_step_applied()``,
+    ``fp16_enabled()``, ``bfloat16_enabled()``, ``steps_per_print()``, ``loss_scale``,
+    ``global_samples``, ``global_rank``, ``local_rank``, ``world_size``, ``dp_world_size``,
+    ``device``; and ``no_sync()``, ``set_gradient_accumulation_boundary()``,
+    ``save_fp16_model()`` (the older name of ``save_16bit_model``).
     """
 
     def __init__(self, model: nn.Module, composition: Composition, cfg: EngineConfig,
@@ -214,6 +218,7 @@ class ShardedEngine(nn.Module):
         self._pending_save = None  # an asynchronous save under way (checkpoint.async_save)
         self._last_grad_norm: Optional[float] = None
         self._last_step_applied = False
+        self._boundary_override: Optional[bool] = None
 
     # -- properties DeepSpeed users reach for
     @property
@@ -288,9 +293,55 @@ class ShardedEngine(nn.Module):
         """Where the model's parameters (and so the batches) live."""
         return next(self.module.parameters()).device
 
+    @property
+    def dp_world_size(self) -> int:
+        """Ranks the batch is split over (every rank: the engine runs data parallelism)."""
+        return distributed.get_world_size()
+
+    def fp16_enabled(self) -> bool:
+        return self.config.precision.dtype == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision.dtype == "bf16"
+
+    def zero_optimization(self) -> bool:
+        """Whether a ZeRO stage (1-3) shards anything."""
+        return self.composition.stage > 0
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
+        return (self.config.train_batch_size, self.config.train_micro_batch_size_per_gpu,
+                self.config.gradient_accumulation_steps)
+
+    def get_mom(self) -> list:
+        """Each parameter group's momentum: Adam's ``betas``, else SGD's ``momentum``."""
+        return [group["betas"] if "betas" in group else group.get("momentum")
+                for group in self.optimizer.param_groups]
+
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True on the micro-batch whose ``step`` will run the optimizer."""
+        """True on the micro-batch whose ``step`` will run the optimizer (unless
+        :meth:`set_gradient_accumulation_boundary` decided it)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: Optional[bool]) -> None:
+        """Decide by hand whether the coming micro-batches end an accumulation window (``True``:
+        ``backward`` reduces and ``step`` steps; ``False``: neither), as DeepSpeed's engine
+        allows for variable-length accumulation; ``None`` returns to counting micro-batches.
+        Every rank must make the same choice (the reduction is a collective)."""
+        if is_boundary is not None and not isinstance(is_boundary, bool):
+            raise ValueError(f"engine.set_gradient_accumulation_boundary({is_boundary!r}): "
+                             f"expected True, False or None")
+        self._boundary_override = is_boundary
+
+    def no_sync(self):
+        """A context in which ``backward`` accumulates gradients locally without reducing them
+        (the wrappers' ``no_sync``); the first backward outside it reduces everything."""
+        return self.composition.no_sync()
 
     # -- training
     def forward(self, *args, **kwargs):
@@ -420,6 +471,11 @@ class ShardedEngine(nn.Module):
         if error is not None:
             raise RuntimeError(f"engine.save_16bit_model: rank 0 could not write {path}: {error}")
         return True
+
+    def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's older name of :meth:`save_16bit_model` (same file, same costs)."""
+        return self.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
                         client_state: Optional[dict] = None, save_latest: bool = True,

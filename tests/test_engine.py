@@ -298,6 +298,68 @@ def test_bf16_trains_without_loss_scaler(world2):
         assert no_scaler and losses[-1] < losses[0]
 
 
+def _accessors_and_manual_boundary(stage):
+    """DeepSpeed's remaining accessors, ``no_sync()`` and a boundary decided by hand: two
+    micro-batches then a step, with GAS 4, equal the oracle stepping on those two."""
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+              "steps_per_print": 7, "fp16": {"enabled": False},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}},
+              "zero_optimization": {"stage": stage}}
+    torch.manual_seed(0)
+    engine, _, _, _ = shardkit.initialize(model=torch.nn.Linear(4, 1), config=config)
+    torch.manual_seed(0)
+    oracle = torch.nn.Linear(4, 1)
+    xs = torch.randn(world, 2, 2, 4)  # rank, micro-batch, rows, features
+    accessors = (engine.fp16_enabled(), engine.bfloat16_enabled(), engine.zero_optimization(),
+                 engine.get_batch_info(), engine.get_mom(), engine.steps_per_print(),
+                 engine.dp_world_size)
+    counter = distributed.CommCounter()
+    boundaries = []
+    for m, flag in enumerate((False, True)):
+        engine.set_gradient_accumulation_boundary(flag)
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        with counter:
+            engine.backward(engine(xs[rank, m]).pow(2).mean())
+            engine.step()
+        if m == 0:
+            silent = counter.bytes
+    (oracle(xs.reshape(-1, 2, 4)).pow(2).mean((1, 2)).sum() / 4 / world).backward()
+    with torch.no_grad():
+        for p in oracle.parameters():
+            p -= 0.1 * p.grad
+    got = dict(engine.module.named_parameters())
+    diff = max((got[k].detach() - v.detach()).abs().max().item()
+               for k, v in oracle.named_parameters())
+    engine.set_gradient_accumulation_boundary(None)
+    counting = engine.is_gradient_accumulation_boundary()  # micro_steps 2: (2 + 1) % 4
+    with counter, engine.no_sync():
+        engine.backward(engine(xs[rank, 0]).sum())
+    # this rank's own gradient of sum(x w^T + b) / GAS, not the ranks' average
+    local = (engine.module.weight.grad - xs[rank, 0].sum(0) / 4).abs().max().item()
+    try:
+        engine.set_gradient_accumulation_boundary(1)
+        bad = None
+    except ValueError as error:
+        bad = str(error)
+    return {"accessors": accessors, "boundaries": boundaries, "silent": silent,
+            "reduced": counter.bytes, "steps": engine.global_steps, "diff": diff,
+            "counting": counting, "bad": bad, "local": local}
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_accessors_no_sync_and_a_boundary_set_by_hand(world2, stage):
+    for r in world2.run(_accessors_and_manual_boundary, stage):
+        assert r["accessors"] == (False, False, stage > 0, (16, 2, 4), [0.9], 7, 2)
+        assert r["boundaries"] == [False, True] and r["steps"] == 1
+        # only the boundary backward reduced (stage 0's all-reduce is torch DDP's, uncounted)
+        assert r["silent"] == 0 and (r["reduced"] > 0) == (stage > 0)
+        assert r["local"] <= 1e-6  # no_sync(): the rank's own gradient
+        assert r["diff"] <= 1e-6
+        assert r["counting"] is False
+        assert "set_gradient_accumulation_boundary(1): expected True, False or None" in r["bad"]
+
+
 # ----------------------------------------------------------------------------- user objects
 
 
