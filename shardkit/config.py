@@ -22,7 +22,11 @@ Keys accepted for compatibility with DeepSpeed configs, validated, without effec
     the other zero_optimization tuning knobs (allgather_bucket_size, overlap_comm,
     contiguous_gradients, reduce_scatter at stages 2-3, stage3_* ...), offload *.pin_memory /
     buffer_*, fp16.auto_cast, wall_clock_breakdown, memory_breakdown, prescale_gradients,
-    gradient_predivide_factor, zero_allow_untested_optimizer, dump_state.
+    gradient_predivide_factor, zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer,
+    dump_state; communication_data_type and data_types.grad_accum_dtype when "fp32" (what the
+    engine does); and, while switched off, the sections amp, activation_checkpointing,
+    tensorboard, wandb, csv_monitor, comms_logger and flops_profiler. A value these do not
+    accept is an error that names what to use instead.
 DeepSpeed's older section name ``bfloat16`` is read as ``bf16``.
 """
 
@@ -56,6 +60,7 @@ class Field:
     check: Optional[Callable[[Any], bool]] = None
     valid: str = ""
     choices: tuple = ()
+    refusal: str = ""  # what a failed check says, when not "out of range" / "not a valid choice"
 
 
 def _int(default=None, minimum=None, maximum=None) -> Field:
@@ -129,6 +134,32 @@ SCHEDULER_PARAMS = {
 REQUIRED_SCHEDULER_PARAMS = {"WarmupDecayLR": ("total_num_steps",),
                              "WarmupCosineLR": ("total_num_steps",)}
 
+def _off(feature: str, instead: str) -> Field:
+    """A DeepSpeed switch shardkit accepts only when off: ``True`` is an error naming what
+    to use instead (never silently ignored)."""
+    return Field((bool,), False, lambda v: v is False,
+                 f"false (shardkit does not implement DeepSpeed's {feature}; {instead})",
+                 refusal="is not supported")
+
+
+def _fp32_only(key: str, instead: str) -> Field:
+    """A dtype name DeepSpeed lets one lower; shardkit's engine runs it in fp32 only."""
+    return Field((str, type(None)), None, lambda v: v is None or v.lower() in ("fp32", "float32"),
+                 f'"fp32" or null (shardkit does not lower {key}; {instead})',
+                 refusal="is not supported")
+
+
+def _str(default=None) -> Field:
+    return Field((str,), default)
+
+
+def _monitor(feature: str, instead: str, **extra: Field) -> dict:
+    """A DeepSpeed monitoring section: validated, accepted while ``enabled`` is false."""
+    return {"enabled": _off(feature, instead), **extra}
+
+
+_LOG_INSTEAD = "log from the training loop (engine.get_lr(), the loss), or remove the section"
+
 _OFFLOAD_COMMON = {"device": _choice("none", "none", "cpu"), "pin_memory": _bool(),
                    "buffer_count": _int(4, 1), "fast_init": _bool(), "ratio": _num(1.0, 0)}
 
@@ -171,6 +202,37 @@ SCHEMA: dict = {
     "wall_clock_breakdown": _bool(), "memory_breakdown": _bool(), "dump_state": _bool(),
     "prescale_gradients": _bool(), "gradient_predivide_factor": _num(1.0, 0, strict=True),
     "zero_allow_untested_optimizer": _bool(),
+    "zero_force_ds_cpu_optimizer": _bool(True),
+    # shardkit's engine keeps fp32 master gradients and reduces and accumulates them in fp32
+    "communication_data_type": _fp32_only(
+        "communication_data_type", "reduce in 16 bits by hand: ShardedDataParallel("
+        "reduce_fp16=torch.bfloat16), or torch DDP with shardkit.comm_hooks.bf16_allreduce_hook"),
+    "data_types": {"grad_accum_dtype": _fp32_only("data_types.grad_accum_dtype",
+                                                  "gradients accumulate in fp32")},
+    # DeepSpeed sections with no effect on training, accepted while switched off
+    "amp": {"enabled": _off("apex AMP section", 'use "fp16" or "bf16" instead'),
+            "opt_level": _str()},
+    "activation_checkpointing": {
+        **{flag: _off(f"activation_checkpointing.{flag}", "wrap blocks with "
+                      "shardkit.nn.checkpoint.checkpoint_wrapper(module, offload_to_cpu=...)")
+           for flag in ("partition_activations", "cpu_checkpointing",
+                        "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
+                        "profile")},
+        "number_checkpoints": Field((int, type(None)), None),
+    },
+    "tensorboard": _monitor("TensorBoard monitor", _LOG_INSTEAD, output_path=_str(""),
+                            job_name=_str("")),
+    "wandb": _monitor("Weights & Biases monitor", _LOG_INSTEAD, group=_str(), team=_str(),
+                      project=_str("deepspeed")),
+    "csv_monitor": _monitor("CSV monitor", _LOG_INSTEAD, output_path=_str(""),
+                            job_name=_str("")),
+    "comms_logger": _monitor("communication logger", "count bytes by op with "
+                             "shardkit.distributed.CommCounter()", verbose=_bool(),
+                             prof_all=_bool(True), debug=_bool(),
+                             prof_ops=Field((list,), [])),
+    "flops_profiler": _monitor("FLOPS profiler", "use torch.profiler", profile_step=_int(1, 1),
+                               module_depth=_int(-1, -1), top_modules=_int(1, 1),
+                               detailed=_bool(True), output_file=Field((str, type(None)))),
 }
 
 
@@ -345,7 +407,7 @@ def _check_value(value, spec: Field, path: str):
     if spec.check is not None and not spec.check(value):
         close = difflib.get_close_matches(str(value), spec.choices, n=1, cutoff=0.5)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        what = "is not a valid choice" if spec.choices else "is out of range"
+        what = spec.refusal or ("is not a valid choice" if spec.choices else "is out of range")
         raise ConfigError(f"{path}={value!r} {what}{hint}; valid values: {valid}")
     return value
 

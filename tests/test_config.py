@@ -105,6 +105,23 @@ def test_batch_triple(train, micro, gas, world, expected):
     ({"train_batch_size": 8, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}},
      ["'bfloat16' and 'bf16'"]),
     ({"train_batch_size": 8, "bfloat16": {"enable": True}}, ["bf16.enable"]),
+    # DeepSpeed sections shardkit accepts only switched off: on, each names what to use instead
+    ({"train_batch_size": 8, "activation_checkpointing": {"partition_activations": True}},
+     ["activation_checkpointing.partition_activations=True is not supported",
+      "shardkit.nn.checkpoint.checkpoint_wrapper"]),
+    ({"train_batch_size": 8, "tensorboard": {"enabled": True, "output_path": "runs"}},
+     ["tensorboard.enabled=True is not supported", "TensorBoard"]),
+    ({"train_batch_size": 8, "comms_logger": {"enabled": True}},
+     ["comms_logger.enabled=True", "CommCounter"]),
+    ({"train_batch_size": 8, "flops_profiler": {"enabled": True}}, ["torch.profiler"]),
+    ({"train_batch_size": 8, "wandb": {"enabled": False, "projekt": "x"}},
+     ["wandb.projekt", "did you mean 'wandb.project'"]),
+    ({"train_batch_size": 8, "communication_data_type": "fp16"},
+     ["communication_data_type='fp16' is not supported", "reduce_fp16=torch.bfloat16"]),
+    ({"train_batch_size": 8, "data_types": {"grad_accum_dtype": "bf16"}},
+     ["data_types.grad_accum_dtype='bf16' is not supported"]),
+    ({"train_batch_size": 8, "amp": {"enabled": True, "opt_level": "O1"}},
+     ["amp.enabled=True is not supported"]),
 ])
 def test_bad_config_is_named(config, needles):
     with pytest.raises(ConfigError) as info:
@@ -161,3 +178,25 @@ def test_reduce_scatter_picks_reduce_to_owners_at_stage_1():
     for stage in (0, 2, 3):
         assert not load_config({**base, "zero_optimization": {"stage": stage}},
                                2).zero.reduce_to_owners
+
+
+def test_deepspeed_sections_switched_off_are_accepted():
+    """Sections of real DeepSpeed configs that change nothing while off load as they are."""
+    config = {**SEED_CONFIG, "wall_clock_breakdown": False,
+              "activation_checkpointing": {"partition_activations": False,
+                                           "cpu_checkpointing": False,
+                                           "contiguous_memory_optimization": False,
+                                           "number_checkpoints": None,
+                                           "synchronize_checkpoint_boundary": False,
+                                           "profile": False},
+              "tensorboard": {"enabled": False, "output_path": "runs/", "job_name": "x"},
+              "wandb": {"enabled": False, "project": "p"},
+              "csv_monitor": {"enabled": False},
+              "comms_logger": {"enabled": False, "verbose": False, "prof_ops": []},
+              "flops_profiler": {"enabled": False, "profile_step": 1, "output_file": None},
+              "amp": {"enabled": False}, "communication_data_type": "fp32",
+              "data_types": {"grad_accum_dtype": None}, "zero_force_ds_cpu_optimizer": False}
+    plain = load_config(SEED_CONFIG, data_parallel_size=2)
+    cfg = load_config(config, data_parallel_size=2)
+    assert (cfg.zero, cfg.precision, cfg.optimizer, cfg.scheduler) == (
+        plain.zero, plain.precision, plain.optimizer, plain.scheduler)
