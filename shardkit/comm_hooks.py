@@ -27,6 +27,7 @@ from shardkit.quantized_comm import quantized_all_gather, quantized_reduce_scatt
 
 __all__ = ["counted_allreduce_hook", "fp16_allreduce_hook", "bf16_allreduce_hook",
            "QuantizedHookState", "quantized_allreduce_hook", "reduce_to_owners_hook",
+           "OwnersHookState", "allreduce_hook_for",
            "step_oss_in_ddp_backward"]
 
 
@@ -73,6 +74,17 @@ def bf16_allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Ten
     return _compress_hook(torch.bfloat16, process_group, bucket)
 
 
+def allreduce_hook_for(dtype: Optional[torch.dtype]):
+    """The averaging DDP hook that sends ``dtype`` (``None`` or fp32:
+    :func:`counted_allreduce_hook`; fp16 / bf16: their hooks); a ValueError for any other
+    dtype."""
+    hooks = {None: counted_allreduce_hook, torch.float32: counted_allreduce_hook,
+             torch.float16: fp16_allreduce_hook, torch.bfloat16: bf16_allreduce_hook}
+    if dtype not in hooks:
+        raise ValueError(f"allreduce_hook_for({dtype}): gradients travel in fp32, fp16 or bf16")
+    return hooks[dtype]
+
+
 @dataclass(frozen=True)
 class QuantizedHookState:
     """The ``state`` of :func:`quantized_allreduce_hook`: its process group and quantization."""
@@ -108,6 +120,16 @@ def quantized_allreduce_hook(state: Optional[QuantizedHookState], bucket
     return fut
 
 
+@dataclass(frozen=True)
+class OwnersHookState:
+    """The ``state`` of :func:`reduce_to_owners_hook` when the gradients travel in 16 bits:
+    the OSS optimizer and the wire ``dtype`` (``torch.bfloat16`` / ``torch.float16``; ``None``:
+    the bucket's own dtype)."""
+
+    optimizer: object
+    dtype: Optional[torch.dtype] = None
+
+
 def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook for torch DDP + OSS: each bucket's gradients are averaged onto the ranks
     that own them in ``optimizer`` (an :class:`~shardkit.optim.OSS`, given as the hook's
@@ -118,6 +140,8 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
         ddp = DistributedDataParallel(model)
         optimizer = OSS(ddp.parameters(), optim=torch.optim.AdamW, lr=1e-3)
         ddp.register_comm_hook(optimizer, reduce_to_owners_hook)
+        # or, gradients sent and summed in bf16 (divided by N first), half the bytes:
+        ddp.register_comm_hook(OwnersHookState(optimizer, torch.bfloat16), reduce_to_owners_hook)
 
     After backward a rank's gradients of parameters it does not own are zero (not this rank's
     contribution, not the average): clip with ``optimizer.clip_grad_norm``, which reads owned
@@ -126,6 +150,9 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
     packed copy of the bucket while in flight, plus what the transport receives. Wire per
     bucket: the bytes of the other ranks' shares (no padding).
     """
+    wire = None
+    if isinstance(optimizer, OwnersHookState):
+        optimizer, wire = optimizer.optimizer, optimizer.dtype
     group = optimizer.group
     n, rank = skdist.get_world_size(group), skdist.get_rank(group)
     buffer = bucket.buffer()
@@ -133,7 +160,7 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
     segments = []
     for owned in slices:
         sources = [buffer[offset:offset + numel] for offset, numel in owned]
-        segments.append(pack_rank_major(sources, 1, scale=1.0 / n, dtype=buffer.dtype)
+        segments.append(pack_rank_major(sources, 1, scale=1.0 / n, dtype=wire or buffer.dtype)
                         if sources else None)
     handle = optimizer.comm.reduce_to_owners(segments, group)
 

@@ -15,7 +15,8 @@ Keys that change behaviour:
     stage 1 moves 2Ψ(N-1)/N a step; false: torch DDP's all-reduce, 3Ψ(N-1)/N),
     offload_param.device (stage 3), offload_optimizer.device, zero_quantized_weights and
     zero_quantized_gradients (stage 3: FSDP's quantize_weights / quantize_gradients, ZeRO++),
-    zero_hpz_partition_size (stage 3: FSDP's hpz_partition_size)}, fp16.{enabled, loss_scale,
+    zero_hpz_partition_size (stage 3: FSDP's hpz_partition_size)}, communication_data_type
+    ("fp16"/"bf16": gradients reduced in 16 bits at every stage), fp16.{enabled, loss_scale,
     initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale,
     raise_error_at_min_scale}, bf16.enabled.
 Keys accepted for compatibility with DeepSpeed configs, validated, without effect here:
@@ -23,8 +24,8 @@ Keys accepted for compatibility with DeepSpeed configs, validated, without effec
     contiguous_gradients, reduce_scatter at stages 2-3, stage3_* ...), offload *.pin_memory /
     buffer_*, fp16.auto_cast, wall_clock_breakdown, memory_breakdown, prescale_gradients,
     gradient_predivide_factor, zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer,
-    dump_state; communication_data_type and data_types.grad_accum_dtype when "fp32" (what the
-    engine does); and, while switched off, the sections amp, activation_checkpointing,
+    dump_state; data_types.grad_accum_dtype when "fp32" (what the engine does); and, while
+    switched off, the sections amp, activation_checkpointing,
     tensorboard, wandb, csv_monitor, comms_logger and flops_profiler. A value these do not
     accept is an error that names what to use instead.
 DeepSpeed's older section name ``bfloat16`` is read as ``bf16``.
@@ -158,6 +159,10 @@ def _monitor(feature: str, instead: str, **extra: Field) -> dict:
     return {"enabled": _off(feature, instead), **extra}
 
 
+# communication_data_type's names (DeepSpeed's and torch's) -> the engine's dtype names
+_COMM_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16",
+                "bf16": "bf16", "bfloat16": "bf16"}
+
 _LOG_INSTEAD = "log from the training loop (engine.get_lr(), the loss), or remove the section"
 
 _OFFLOAD_COMMON = {"device": _choice("none", "none", "cpu"), "pin_memory": _bool(),
@@ -203,10 +208,12 @@ SCHEMA: dict = {
     "prescale_gradients": _bool(), "gradient_predivide_factor": _num(1.0, 0, strict=True),
     "zero_allow_untested_optimizer": _bool(),
     "zero_force_ds_cpu_optimizer": _bool(True),
-    # shardkit's engine keeps fp32 master gradients and reduces and accumulates them in fp32
-    "communication_data_type": _fp32_only(
-        "communication_data_type", "reduce in 16 bits by hand: ShardedDataParallel("
-        "reduce_fp16=torch.bfloat16), or torch DDP with shardkit.comm_hooks.bf16_allreduce_hook"),
+    # the dtype gradients are reduced in (None: fp32, the engine's gradient dtype)
+    "communication_data_type": Field((str, type(None)), None,
+                                     lambda v: v is None or v.lower() in _COMM_DTYPES,
+                                     f"one of {sorted(_COMM_DTYPES)} or null",
+                                     choices=tuple(_COMM_DTYPES)),
+    # shardkit's engine keeps fp32 master gradients and accumulates them in fp32
     "data_types": {"grad_accum_dtype": _fp32_only("data_types.grad_accum_dtype",
                                                   "gradients accumulate in fp32")},
     # DeepSpeed sections with no effect on training, accepted while switched off
@@ -304,6 +311,8 @@ class EngineConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     gradient_clipping: float = 0.0
     steps_per_print: int = 10
+    # communication_data_type: "fp16" / "bf16" reduce the gradients in 16 bits; None: fp32
+    communication_dtype: Optional[str] = None
     raw: Mapping[str, Any] = field(default_factory=dict)
     warnings: tuple = ()
 
@@ -330,6 +339,7 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
                           f"must divide the data-parallel size {data_parallel_size} (use the "
                           f"ranks per node)")
     precision = _precision_config(checked["fp16"], checked["bf16"])
+    comm_dtype = _communication_dtype(checked["communication_data_type"], zero)
     return EngineConfig(
         train_batch_size=train, train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=gas, data_parallel_size=data_parallel_size,
@@ -337,7 +347,20 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
         scheduler=_scheduler_spec(raw.get("scheduler")),
         zero=zero, precision=precision,
         gradient_clipping=float(checked["gradient_clipping"]),
-        steps_per_print=checked["steps_per_print"], raw=raw, warnings=tuple(notes))
+        steps_per_print=checked["steps_per_print"], communication_dtype=comm_dtype, raw=raw,
+        warnings=tuple(notes))
+
+
+def _communication_dtype(value: Optional[str], zero: ZeroConfig) -> Optional[str]:
+    """``"fp16"`` / ``"bf16"`` from ``communication_data_type``, ``None`` for fp32 or absent."""
+    dtype = None if value is None else _COMM_DTYPES[value.lower()]
+    if dtype == "fp32":
+        return None
+    if dtype is not None and zero.stage == 3 and zero.quantized_gradients:
+        raise ConfigError(f"communication_data_type={value!r} with zero_optimization."
+                          f"zero_quantized_gradients=true: qgZ already sends int4 gradients; "
+                          f"drop one of the two")
+    return dtype
 
 
 def _read(config) -> dict:

@@ -154,6 +154,9 @@ def compose_from_config(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineCo
                       quantize_weights=zero.quantized_weights,
                       quantize_gradients=zero.quantized_gradients,
                       hpz_partition_size=zero.hpz_partition_size)
+    if cfg.communication_dtype is not None:
+        kwargs["reduce_dtype"] = {"fp16": torch.float16,
+                                  "bf16": torch.bfloat16}[cfg.communication_dtype]
     # The engine counts no torch-DDP traffic of its own: users wrap steps in CommCounter
     # to see what the wrappers send, as they would without the engine.
     return compose(model, zero.stage, recipe, count_ddp_comm=False, **kwargs)

@@ -145,7 +145,8 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
             step_in_backward: bool = False, reduce_to_owners: bool = False,
             reshard_after_forward: Optional[bool] = None, sharding_strategy=None,
             mixed_precision=False, quantize_weights: bool = False,
-            quantize_gradients: bool = False, hpz_partition_size: int = 1) -> Composition:
+            quantize_gradients: bool = False, hpz_partition_size: int = 1,
+            reduce_dtype: Optional[torch.dtype] = None) -> Composition:
     """Wrap ``model`` for ZeRO ``stage`` (0-3, table in the module docstring) and build its
     optimizer from ``optimizer``.
 
@@ -175,6 +176,12 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
             ``MixedPrecisionPolicy``), for every unit.
         quantize_weights, quantize_gradients, hpz_partition_size: stage 3: FSDP's ZeRO++
             options (qwZ, qgZ, hpZ).
+        reduce_dtype: the dtype fp32 gradients travel and are summed in, divided by N first
+            (``torch.bfloat16`` / ``torch.float16``: half the gradient bytes; ``None`` or fp32:
+            fp32). Stage 0 and 1: torch DDP's bf16/fp16 hook, or
+            :class:`shardkit.comm_hooks.OwnersHookState` with ``reduce_to_owners``; stage 2:
+            ``ShardedDataParallel(reduce_fp16=dtype)``; stage 3: FSDP's
+            ``MixedPrecisionPolicy(reduce_dtype=dtype)`` (weights stay fp32).
 
     Costs: those of the wrappers (module docstring); building issues each wrapper's
     initial broadcasts. Bad arguments raise before any of them.
@@ -187,16 +194,21 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
                      sharding_strategy=sharding_strategy, overlap_param_sync=overlap_param_sync,
                      sync_bucket_numel=sync_bucket_numel, step_in_backward=step_in_backward,
                      reduce_to_owners=reduce_to_owners)
+    reduce_dtype = _checked_reduce_dtype(reduce_dtype, stage, mixed_precision,
+                                         quantize_gradients, step_in_backward)
     psi = count_params(model.parameters())
     if stage == 0:
-        return _stage0(model, optimizer, process_group, count_ddp_comm, psi)
+        return _stage0(model, optimizer, process_group, count_ddp_comm, psi, reduce_dtype)
     if stage in (1, 2):
         oss = _oss(model, optimizer, comm, process_group, sync_bucket_numel)
         composition = _stage1(model, oss, process_group, count_ddp_comm, psi,
-                              reduce_to_owners, step_in_backward) if stage == 1 \
+                              reduce_to_owners, step_in_backward, reduce_dtype) if stage == 1 \
             else _stage2(model, oss, comm, process_group, reduce_bucket_bytes, psi,
-                         step_in_backward)
+                         step_in_backward, reduce_dtype)
     else:
+        if reduce_dtype is not None:
+            from shardkit.nn.data_parallel.mixed_precision import MixedPrecisionPolicy
+            mixed_precision = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
         fsdp_kwargs = dict(process_group=process_group, comm=comm, move_params_to_cpu=offload,
                            reshard_after_forward=reshard_after_forward,
                            sharding_strategy=sharding_strategy, mixed_precision=mixed_precision,
@@ -248,20 +260,44 @@ def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_num
                          f"shardkit's wrappers (stages 1-3)")
 
 
-def torch_ddp(model: nn.Module, process_group=None, count_comm: bool = True) -> nn.Module:
+def torch_ddp(model: nn.Module, process_group=None, count_comm: bool = True,
+              reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
     """Wrap in torch DDP with gradients as views of its buckets (so the bucket storage is the
     gradient storage and ``model_state_bytes`` counts what DDP really holds); with
     ``count_comm`` its all-reduce goes through :func:`shardkit.comm_hooks.
-    counted_allreduce_hook` (fp32, counted by ``CommCounter``)."""
+    counted_allreduce_hook` (fp32, counted by ``CommCounter``); with a 16-bit
+    ``reduce_dtype``, through that dtype's hook (counted too, half the bytes)."""
     from torch.nn.parallel import DistributedDataParallel
     device = next(model.parameters()).device
     ids = [device.index] if device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=ids, process_group=process_group,
                                   gradient_as_bucket_view=True)
-    if count_comm:
-        from shardkit.comm_hooks import counted_allreduce_hook
-        ddp.register_comm_hook(process_group, counted_allreduce_hook)
+    if count_comm or reduce_dtype is not None:
+        from shardkit.comm_hooks import allreduce_hook_for
+        ddp.register_comm_hook(process_group, allreduce_hook_for(reduce_dtype))
     return ddp
+
+
+_REDUCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _checked_reduce_dtype(reduce_dtype, stage, mixed_precision, quantize_gradients,
+                          step_in_backward) -> Optional[torch.dtype]:
+    """``compose``'s ``reduce_dtype``, fp32 read as ``None``; what it cannot combine with is a
+    ValueError before any wrapper exists."""
+    if reduce_dtype is not None and reduce_dtype not in _REDUCE_DTYPES:
+        raise ValueError(f"compose(reduce_dtype={reduce_dtype!r}): valid values are None, "
+                         f"torch.float32, torch.bfloat16 and torch.float16")
+    if reduce_dtype in (None, torch.float32):
+        return None
+    clash = ("mixed_precision (set reduce_dtype in its MixedPrecisionPolicy)"
+             if stage == 3 and mixed_precision is not False else
+             "quantize_gradients (qgZ sends int4 gradients)" if quantize_gradients else
+             "step_in_backward" if step_in_backward else None)
+    if clash:
+        raise ValueError(f"compose(stage={stage}, reduce_dtype={reduce_dtype}): not with "
+                         f"{clash}")
+    return reduce_dtype
 
 
 def _trainable(model: nn.Module) -> list:
@@ -287,9 +323,9 @@ def _oss(model: nn.Module, recipe: OptimizerRecipe, comm, process_group, bucket_
                bucket_numel=bucket_numel, **recipe.defaults)
 
 
-def _stage0(model, recipe, process_group, count_comm, psi) -> Composition:
+def _stage0(model, recipe, process_group, count_comm, psi, reduce_dtype) -> Composition:
     """torch DDP and a replicated optimizer."""
-    ddp = torch_ddp(model, process_group, count_comm)
+    ddp = torch_ddp(model, process_group, count_comm, reduce_dtype)
     optimizer = recipe.instance or recipe.build(recipe.param_groups or _trainable(model))
     params = _trainable(model)
     return Composition(0, ddp, optimizer, ddp.no_sync,
@@ -298,27 +334,29 @@ def _stage0(model, recipe, process_group, count_comm, psi) -> Composition:
 
 
 def _stage1(model, oss, process_group, count_comm, psi, reduce_to_owners,
-            step_in_backward) -> Composition:
+            step_in_backward, reduce_dtype) -> Composition:
     """OSS (optimizer state sharded) over torch DDP (full gradients all-reduced, or with
     ``reduce_to_owners`` averaged onto their owners only; ``step_in_backward``: also stepped
     there)."""
-    ddp = torch_ddp(model, process_group,
-                    count_comm and not reduce_to_owners and not step_in_backward)
+    plain = not reduce_to_owners and not step_in_backward
+    ddp = torch_ddp(model, process_group, count_comm and plain, reduce_dtype if plain else None)
     if step_in_backward:
         from shardkit.comm_hooks import step_oss_in_ddp_backward
         step_oss_in_ddp_backward(ddp, oss)
     elif reduce_to_owners:
-        from shardkit.comm_hooks import reduce_to_owners_hook
-        ddp.register_comm_hook(oss, reduce_to_owners_hook)
+        from shardkit.comm_hooks import OwnersHookState, reduce_to_owners_hook
+        ddp.register_comm_hook(OwnersHookState(oss, reduce_dtype), reduce_to_owners_hook)
     return Composition(1, ddp, oss, ddp.no_sync, oss.clip_grad_norm, _zero_grads(oss), psi)
 
 
 def _stage2(model, oss, comm, process_group, reduce_bucket_bytes, psi,
-            step_in_backward) -> Composition:
+            step_in_backward, reduce_dtype) -> Composition:
     """OSS plus ShardedDataParallel on the one transport: each gradient is reduced to its
     owner only."""
     from shardkit.nn.data_parallel import ShardedDataParallel
     kwargs = {} if reduce_bucket_bytes is None else {"reduce_buffer_size": reduce_bucket_bytes}
+    if reduce_dtype is not None:
+        kwargs["reduce_fp16"] = reduce_dtype
     sdp = ShardedDataParallel(model, oss, process_group=process_group, comm=comm,
                               step_in_backward=step_in_backward, **kwargs)
     return Composition(2, sdp, oss, sdp.no_sync, oss.clip_grad_norm, _zero_grads(sdp, oss), psi)

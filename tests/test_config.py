@@ -116,8 +116,11 @@ def test_batch_triple(train, micro, gas, world, expected):
     ({"train_batch_size": 8, "flops_profiler": {"enabled": True}}, ["torch.profiler"]),
     ({"train_batch_size": 8, "wandb": {"enabled": False, "projekt": "x"}},
      ["wandb.projekt", "did you mean 'wandb.project'"]),
-    ({"train_batch_size": 8, "communication_data_type": "fp16"},
-     ["communication_data_type='fp16' is not supported", "reduce_fp16=torch.bfloat16"]),
+    ({"train_batch_size": 8, "communication_data_type": "int8"},
+     ["communication_data_type='int8' is not a valid choice", "'bf16'"]),
+    ({"train_batch_size": 8, "communication_data_type": "bf16",
+      "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}},
+     ["communication_data_type='bf16' with zero_optimization.zero_quantized_gradients"]),
     ({"train_batch_size": 8, "data_types": {"grad_accum_dtype": "bf16"}},
      ["data_types.grad_accum_dtype='bf16' is not supported"]),
     ({"train_batch_size": 8, "amp": {"enabled": True, "opt_level": "O1"}},
@@ -200,3 +203,11 @@ def test_deepspeed_sections_switched_off_are_accepted():
     cfg = load_config(config, data_parallel_size=2)
     assert (cfg.zero, cfg.precision, cfg.optimizer, cfg.scheduler) == (
         plain.zero, plain.precision, plain.optimizer, plain.scheduler)
+
+
+@pytest.mark.parametrize("value, dtype", [(None, None), ("fp32", None), ("FP16", "fp16"),
+                                          ("bfloat16", "bf16"), ("bf16", "bf16")])
+def test_communication_data_type(value, dtype):
+    cfg = load_config({"train_batch_size": 8, "communication_data_type": value},
+                      data_parallel_size=2)
+    assert cfg.communication_dtype == dtype

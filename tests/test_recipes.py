@@ -70,6 +70,13 @@ def test_without_blocks_the_policy_is_by_parameter_count():
     (0, {"sync_bucket_numel": 1024}, ValueError, "only OSS (stages 1 and 2) has a parameter-sync"),
     (3, {"step_in_backward": True}, ValueError, "only OSS (stages 1 and 2) steps"),
     (2, {"reduce_to_owners": True}, ValueError, "only stage 1 (OSS under torch DDP)"),
+    (1, {"reduce_dtype": torch.int8}, ValueError, "compose(reduce_dtype=torch.int8): valid"),
+    (3, {"reduce_dtype": torch.bfloat16, "mixed_precision": True}, ValueError,
+     "set reduce_dtype in its MixedPrecisionPolicy"),
+    (3, {"reduce_dtype": torch.float16, "quantize_gradients": True}, ValueError,
+     "not with quantize_gradients"),
+    (1, {"reduce_dtype": torch.bfloat16, "step_in_backward": True}, ValueError,
+     "not with step_in_backward"),
 ])
 def test_bad_arguments_fail_before_wrapping(stage, kwargs, error, message):
     with pytest.raises(error) as err:
