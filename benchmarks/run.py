@@ -1,6 +1,6 @@
 """One benchmark runner: shardkit's wrappers against torch's, measured in the same run.
 
-``python -m benchmarks.run [--quick] [--repeats 3] [--warmup 3] [--steps 4] [--out DIR]``
+``python -m benchmarks.run [--quick] [--repeats 5] [--warmup 3] [--steps 4] [--out DIR]``
 
 Starts one world of 2 gloo ranks (one thread each) with :class:`shardkit.testing.World` and,
 ``repeats`` times (rounds), runs every configuration of :mod:`benchmarks.common` on every
@@ -11,8 +11,10 @@ parameter sync still in flight has landed; a step lasts as long as its slowest r
 divided by the steps.
 A row's time is the median over rounds of its mean step; its ratios are the medians over rounds
 of the round's time over the baseline's time in the same round (torch DDP, and the paired torch
-wrapper). Defaults: 3 rounds x (3 warm-up + 4 timed steps), i.e. 9 warm-up and 12 timed steps
-per configuration; about 6 minutes on 2 idle cores for both reference workloads.
+wrapper). Defaults: 5 rounds x (3 warm-up + 4 timed steps), i.e. 15 warm-up and 20 timed steps
+per configuration; about 11 minutes on 2 idle cores for both reference workloads. (With 3
+rounds, single rounds that a noisy neighbour slowed moved the medians by up to 0.1 between
+runs of the same code.)
 
 shardkit rows run on the default transport (the process group's collectives: gloo sockets on
 CPU), like torch's; OSS + DDP, ShardedDDP + OSS and FSDP run again with
@@ -247,7 +249,7 @@ def parse_args(argv):
         "\n")[0])
     p.add_argument("--quick", action="store_true",
                    help="small models, 1 round of 1 warm-up + 2 timed steps (a smoke run)")
-    p.add_argument("--repeats", type=int, default=None, help="rounds (default 3; quick 1)")
+    p.add_argument("--repeats", type=int, default=None, help="rounds (default 5; quick 1)")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed steps per measurement (default 3; quick 1)")
     p.add_argument("--steps", type=int, default=None,
@@ -257,7 +259,7 @@ def parse_args(argv):
                    help="comma-separated configuration names")
     p.add_argument("--out", default=None, help="output folder")
     args = p.parse_args(argv)
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.repeats = args.repeats or (1 if args.quick else 5)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     args.steps = args.steps or (2 if args.quick else 4)
     args.out = args.out or ("out/bench-quick" if args.quick else "benchmarks/results")
