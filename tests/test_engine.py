@@ -77,7 +77,9 @@ def _hand_composed(stage, model):
     from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
     from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
     fsdp = FSDP(auto_wrap(model, auto_wrap_policy=transformer_auto_wrap_policy({Block})))
-    opt = torch.optim.AdamW(fsdp.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+    # stage 3 steps with torch's fused kernel, as OSS does for stages 1-2 (its rounding differs
+    # from the default loop's in the last bit on some CPUs, e.g. AVX2)
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=LR, weight_decay=WD, eps=EPS, fused=True)
     return fsdp, opt, fsdp.no_sync, lambda: fsdp.clip_grad_norm_(CLIP)
 
 
