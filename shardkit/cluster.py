@@ -370,12 +370,13 @@ def run_cluster(command: Sequence[str], nodes: int = 2, nproc_per_node: int = 1,
         raise ValueError("command=[]: give the script (and its arguments) to run on every node")
     out = out or sys.stdout
     base_env = dict(os.environ if env is None else env)
-    restore = _raise_on_sigterm()
-    try:
+    with _StopSignals() as stop:
         with SimulatedCluster(nodes, link_rate) as cluster:
             lock = threading.Lock()
             procs, pumps = [], []
             for node in range(nodes):
+                if stop.received:
+                    break
                 node_env = dict(base_env, GLOO_SOCKET_IFNAME=cluster.interface(node),
                                 TP_SOCKET_IFNAME=cluster.interface(node))
                 proc = cluster.popen(node, torchrun_argv(cluster, node, nproc_per_node, command),
@@ -386,22 +387,23 @@ def run_cluster(command: Sequence[str], nodes: int = 2, nproc_per_node: int = 1,
                 pump.start()
                 procs.append(proc)
                 pumps.append(pump)
-            codes = _wait_all(procs, timeout)
-            for pump in pumps:
-                pump.join(2.0)
-            return max(codes)
-    finally:
-        restore()
+            codes = _wait_all(procs, timeout, stop)
+            if not stop.received:
+                for pump in pumps:
+                    pump.join(2.0)
+        stop.raise_if_received()  # after the cluster is gone
+        return max(codes)
 
 
-def _wait_all(procs: list, timeout: Optional[float]) -> list[int]:
+def _wait_all(procs: list, timeout: Optional[float], stop: "_StopSignals") -> list[int]:
     """Wait for every node and return its exit status. Once a node fails, the others get
     ``_GRACE_S`` to fail or finish on their own (torchrun's agents would otherwise wait for the
     failed node at their exit barrier), then they are stopped and reported as 0, so that the
-    status is the failing node's own; after ``timeout`` the unfinished report 124."""
+    status is the failing node's own; after ``timeout`` the unfinished report 124. Returns at
+    once when ``stop`` has received a signal."""
     deadline = None if timeout is None else time.time() + timeout
     stopped_after_failure = False
-    while any(p.poll() is None for p in procs):
+    while any(p.poll() is None for p in procs) and not stop.received:
         if not stopped_after_failure and any(p.poll() not in (None, 0) for p in procs):
             grace_end = time.time() + _GRACE_S
             if deadline is None or grace_end < deadline:
@@ -414,16 +416,39 @@ def _wait_all(procs: list, timeout: Optional[float]) -> list[int]:
     return [unfinished if c is None else _exit_status(c) for c in codes]
 
 
-def _raise_on_sigterm():
-    """Turn SIGTERM into SystemExit(143) so that ``finally`` blocks run; returns the undo."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
+class _StopSignals:
+    """While entered (in the main thread), SIGINT and SIGTERM to the launcher are only recorded:
+    the wait loop sees them and the cluster is taken down in the normal flow of the code, then
+    :meth:`raise_if_received` raises KeyboardInterrupt (SIGINT) or SystemExit(143) (SIGTERM).
+    An exception raised from inside a signal handler could land in ``subprocess``'s own
+    bookkeeping (between taking and releasing a ``Popen``'s wait lock) and leave a node that
+    can no longer be waited for. A second signal while the first is handled raises at once."""
 
-    def handler(signum, frame):
-        raise SystemExit(128 + signum)
+    def __init__(self):
+        self.received: Optional[int] = None
+        self._previous: dict = {}
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    return lambda: signal.signal(signal.SIGTERM, previous)
+    def _handler(self, signum, frame):
+        if self.received is not None:  # the user insists
+            raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+        self.received = signum
+
+    def __enter__(self) -> "_StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous = {}
+
+    def raise_if_received(self) -> None:
+        if self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.received is not None:
+            raise SystemExit(128 + self.received)
 
 
 # ----------------------------------------------------------------------------- command line
