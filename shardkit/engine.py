@@ -56,6 +56,9 @@ from shardkit.recipes import Composition, OptimizerRecipe, compose
 
 __all__ = ["initialize", "ShardedEngine"]
 
+# the config's names of the 16-bit dtypes (precision and communication_data_type)
+_HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
 logger = logging.getLogger("shardkit")
 
 
@@ -155,8 +158,7 @@ def compose_from_config(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineCo
                       quantize_gradients=zero.quantized_gradients,
                       hpz_partition_size=zero.hpz_partition_size)
     if cfg.communication_dtype is not None:
-        kwargs["reduce_dtype"] = {"fp16": torch.float16,
-                                  "bf16": torch.bfloat16}[cfg.communication_dtype]
+        kwargs["reduce_dtype"] = _HALF_DTYPES[cfg.communication_dtype]
     # The engine counts no torch-DDP traffic of its own: users wrap steps in CommCounter
     # to see what the wrappers send, as they would without the engine.
     return compose(model, zero.stage, recipe, count_ddp_comm=False, **kwargs)
@@ -212,8 +214,7 @@ class ShardedEngine(nn.Module):
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        self._autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(
-            cfg.precision.dtype)
+        self._autocast_dtype = _HALF_DTYPES.get(cfg.precision.dtype)
         self._device_type = next(model.parameters()).device.type
         self._losses_since_print: list[float] = []
         self._clock = time.perf_counter()

@@ -482,11 +482,10 @@ class GradientSink:
             entry = by_weight.setdefault(id(weight), (weight, bias, [], []))
             entry[2].append(x)
             entry[3].append(g)
-        self._products = [item for item in self._products
-                          if not ready(by_weight[id(item[0])][2])]
-        for weight, bias, xs, gs in by_weight.values():
-            if not ready(xs):
-                continue
+        done = [key for key, (_, _, xs, _) in by_weight.items() if ready(xs)]
+        self._products = [item for item in self._products if id(item[0]) not in done]
+        for key in done:
+            weight, bias, xs, gs = by_weight[key]
             x = xs[0] if len(xs) == 1 else torch.cat([t.reshape(-1) for t in xs]) \
                 if not xs[0].is_floating_point() else torch.cat(xs)
             g = gs[0] if len(gs) == 1 else torch.cat([t.reshape(-1, t.shape[-1])
