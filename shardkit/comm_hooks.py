@@ -77,7 +77,8 @@ def bf16_allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Ten
 def allreduce_hook_for(dtype: Optional[torch.dtype]):
     """The averaging DDP hook that sends ``dtype`` (``None`` or fp32:
     :func:`counted_allreduce_hook`; fp16 / bf16: their hooks); a ValueError for any other
-    dtype."""
+    dtype. Costs are the chosen hook's: a 16-bit one sends half the fp32 bytes and holds a
+    16-bit copy of each bucket while it is in flight."""
     hooks = {None: counted_allreduce_hook, torch.float32: counted_allreduce_hook,
              torch.float16: fp16_allreduce_hook, torch.bfloat16: bf16_allreduce_hook}
     if dtype not in hooks:
@@ -124,7 +125,8 @@ def quantized_allreduce_hook(state: Optional[QuantizedHookState], bucket
 class OwnersHookState:
     """The ``state`` of :func:`reduce_to_owners_hook` when the gradients travel in 16 bits:
     the OSS optimizer and the wire ``dtype`` (``torch.bfloat16`` / ``torch.float16``; ``None``:
-    the bucket's own dtype)."""
+    the bucket's own dtype). Costs are the hook's, with its packed copy and its wire in
+    ``dtype``: half the fp32 bytes in 16 bits."""
 
     optimizer: object
     dtype: Optional[torch.dtype] = None

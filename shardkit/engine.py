@@ -303,9 +303,11 @@ class ShardedEngine(nn.Module):
         return distributed.get_world_size()
 
     def fp16_enabled(self) -> bool:
+        """Whether the config's ``fp16.enabled`` runs the model in fp16 with loss scaling."""
         return self.config.precision.dtype == "fp16"
 
     def bfloat16_enabled(self) -> bool:
+        """Whether the config's ``bf16.enabled`` runs the model in bf16."""
         return self.config.precision.dtype == "bf16"
 
     def zero_optimization(self) -> bool:
@@ -313,6 +315,7 @@ class ShardedEngine(nn.Module):
         return self.composition.stage > 0
 
     def steps_per_print(self) -> int:
+        """Optimizer steps between two log lines (the config's ``steps_per_print``)."""
         return self.config.steps_per_print
 
     def get_batch_info(self) -> tuple[int, int, int]:
