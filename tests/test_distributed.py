@@ -214,6 +214,23 @@ def test_timeout_fails_with_stacks():
         assert "_sleep_forever" in str(info.value)
 
 
+def _environment_and_threads():
+    return (os.environ.get("SHARDKIT_TEST_PARENT_VAR"), os.environ.get("SHARDKIT_TEST_EXTRA_VAR"),
+            "SHARDKIT_TEST_REMOVED_VAR" in os.environ, os.environ["RANK"],
+            torch.get_num_threads())
+
+
+def test_ranks_see_the_parents_environment_as_it_was_at_start(monkeypatch):
+    # Ranks fork from a long-lived fork server: they must still see what the parent had when
+    # the world started (like spawned processes), not what the fork server inherited.
+    monkeypatch.setenv("SHARDKIT_TEST_PARENT_VAR", "set after the fork server started")
+    monkeypatch.setenv("SHARDKIT_TEST_REMOVED_VAR", "x")
+    monkeypatch.delenv("SHARDKIT_TEST_REMOVED_VAR")
+    with World(2, env={"SHARDKIT_TEST_EXTRA_VAR": "from env="}) as w:
+        assert w.run(_environment_and_threads) == [
+            ("set after the fork server started", "from env=", False, str(r), 1) for r in (0, 1)]
+
+
 # ----------------------------------------------------------------------------- init errors
 
 _INIT_SNIPPET = """

@@ -3,10 +3,10 @@ write, under DDP + OSS, ShardedDDP, FSDP, a 1F1B pipeline and ``shardkit.initial
 
 Every survivor must exit with status ``PEER_LOST_EXIT_CODE`` and a message naming the lost rank
 (the peer watchdog of :mod:`shardkit.fault`, here with a 4 s timeout), and the checkpoint saved
-before the fault must still be ``latest`` and load. Ranks are plain processes forked from a
-forkserver that has torch imported, so a case costs a few seconds."""
+before the fault must still be ``latest`` and load. Ranks are plain processes forked from the
+fork server of :func:`shardkit.testing.process_context` (torch imported), so a case costs a few
+seconds."""
 
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from shardkit.testing import free_port
+from shardkit.testing import free_port, process_context
 
 PEER_TIMEOUT_S = 4.0  # 2 s saw healthy ranks starved that long on a loaded 2-core VM
 WRAPPERS = ("ddp_oss", "sharded_ddp", "fsdp", "pipeline", "initialize")
@@ -158,24 +158,11 @@ def _rank_main(wrapper, phase, victim, rank, world, port, save_dir, log_path):
     os._exit(0)
 
 
-_CTX = None
-
-
-def _context():
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "shardkit.distributed", "shardkit.optim",
-                                     "shardkit.nn.data_parallel", "shardkit.nn.pipe",
-                                     "shardkit.engine", __name__])
-    return _CTX
-
-
 class _Case:
     """One launched case: its rank processes, their logs and the checkpoint directory."""
 
     def __init__(self, tmp_path, wrapper, phase, world=2, victim=1):
-        ctx = _context()
+        ctx = process_context()
         self.world, self.victim = world, victim
         self.save_dir = str(tmp_path / "ckpt")
         port = free_port()
