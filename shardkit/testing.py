@@ -41,7 +41,7 @@ from shardkit.models import GPT, GPTConfig, MLP, Block, reference_gpt_config  # 
 
 __all__ = ["World", "WorldError", "free_port", "patched_environ", "world_fixture", "GPT", "GPTConfig", "MLP", "Block",
            "reference_gpt_config", "run_in_world", "SimulatedCluster", "cluster_unavailable_reason",
-           "run_cluster"]
+           "run_cluster", "process_context"]
 
 _DEFAULT_TIMEOUT = float(os.environ.get("SHARDKIT_TEST_TIMEOUT", "240"))
 
