@@ -93,10 +93,12 @@ class CommCounter:
 
     @property
     def bytes(self) -> float:
+        """Bus bytes of every recorded call, summed."""
         return sum(r.bytes for r in self.calls)
 
     @property
     def by_op(self) -> dict[str, float]:
+        """Bus bytes per operation name (``all_gather``, ``reduce_scatter``, ...)."""
         out: dict[str, float] = {}
         for r in self.calls:
             out[r.op] = out.get(r.op, 0.0) + r.bytes
@@ -104,6 +106,7 @@ class CommCounter:
 
     @property
     def calls_by_op(self) -> dict[str, int]:
+        """Number of recorded calls per operation name."""
         out: dict[str, int] = {}
         for r in self.calls:
             out[r.op] = out.get(r.op, 0) + 1
@@ -130,6 +133,7 @@ class CommCounter:
         return sum(r.bytes / element_size(r.dtype) for r in self.calls if r.numel and r.spans_nodes)
 
     def reset(self) -> None:
+        """Forget every recorded call (the counter keeps counting)."""
         self.calls = CallList()
 
     def __enter__(self) -> "CommCounter":

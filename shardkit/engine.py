@@ -227,23 +227,29 @@ class ShardedEngine(nn.Module):
     # -- properties DeepSpeed users reach for
     @property
     def zero_stage(self) -> int:
+        """The ZeRO stage the config chose (0-3)."""
         return self.composition.stage
 
     # Methods, not properties: DeepSpeed's engine spells them as calls.
     def zero_optimization_stage(self) -> int:
+        """The ZeRO stage (0-3), as DeepSpeed's engine reports it."""
         return self.composition.stage
 
     def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (the config's, after the batch-size arithmetic)."""
         return self.config.gradient_accumulation_steps
 
     def train_batch_size(self) -> int:
+        """Samples per optimizer step over all data-parallel ranks."""
         return self.config.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per forward on one rank."""
         return self.config.train_micro_batch_size_per_gpu
 
     @property
     def loss_scale(self) -> float:
+        """The fp16 loss scale now (1.0 without fp16 loss scaling)."""
         return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
 
     def module_state_dict(self) -> dict:
@@ -258,6 +264,7 @@ class ShardedEngine(nn.Module):
         return list(self._state_names)
 
     def get_lr(self) -> list[float]:
+        """The learning rate of each optimizer parameter group."""
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def gradient_clipping(self) -> float:
@@ -282,14 +289,17 @@ class ShardedEngine(nn.Module):
 
     @property
     def global_rank(self) -> int:
+        """This process's rank in the default process group."""
         return distributed.get_rank()
 
     @property
     def world_size(self) -> int:
+        """Ranks in the default process group."""
         return distributed.get_world_size()
 
     @property
     def local_rank(self) -> int:
+        """This process's rank on its node (torchrun's ``LOCAL_RANK``; 0 without it)."""
         return int(os.environ.get("LOCAL_RANK", 0))
 
     @property
@@ -378,6 +388,8 @@ class ShardedEngine(nn.Module):
         self.micro_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every wrapped parameter (``None`` by default, as torch).
+        No communication."""
         self.composition.zero_grad(set_to_none=set_to_none)
 
     def _optimizer_step(self) -> None:

@@ -161,6 +161,8 @@ class World:
 
     # -- life cycle
     def start(self) -> "World":
+        """Start the ranks (from :func:`process_context`) and return the world; they set
+        up their gloo process group while the first :meth:`run` is sent."""
         ctx = process_context()
         env = {**os.environ, **self.env}
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]

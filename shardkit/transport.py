@@ -112,6 +112,8 @@ class CommHandle:
             work.wait()
 
     def wait(self):
+        """Block until the operation has arrived and return its result (later calls return
+        the same result at once)."""
         if not self._done:
             self._wait_works()
             self._works = []
@@ -183,6 +185,9 @@ class Transport:
         return []
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group) -> CommHandle:
+        """Every rank's flat ``input`` into the flat ``output`` of ``N x input.numel()``
+        elements, rank-major. ``wait`` returns ``output``. Wire (ring): ``(N-1)/N`` of
+        ``output``'s bytes sent per rank; memory: none beyond ``output``."""
         raise NotImplementedError
 
     def all_gather_chunks(self, fulls: Sequence[torch.Tensor], chunks: Sequence[torch.Tensor],
@@ -203,6 +208,9 @@ class Transport:
         return CommHandle((), finish)
 
     def reduce_scatter(self, input: torch.Tensor, group) -> CommHandle:
+        """Sum the ranks' flat ``input`` (``N`` equal rank-major parts); ``wait`` returns this
+        rank's part of the sum, a tensor of its own. ``input`` must stay unchanged until then.
+        Wire (ring): ``(N-1)/N`` of ``input``'s bytes sent per rank."""
         raise NotImplementedError
 
     def reduce_scatter_chunks(self, tensors: Sequence[torch.Tensor],
@@ -242,13 +250,20 @@ class Transport:
         return CommHandle((), lambda: inner.wait()[:mine] if mine else None)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group) -> CommHandle:
-        """``src`` is the global rank."""
+        """Rank ``src``'s ``tensor`` into ``tensor`` on every rank, in place (``src`` is the
+        global rank); ``wait`` returns it. Wire: the tensor's bytes, once per receiving rank
+        (by ``src``, or along the backend's tree or ring)."""
         raise NotImplementedError
 
     def all_reduce(self, tensor: torch.Tensor, group, op=skdist.ReduceOp.SUM) -> CommHandle:
+        """Reduce ``tensor`` over the ranks with ``op``, in place; ``wait`` returns it. Wire
+        (ring): ``2(N-1)/N`` of its bytes sent per rank."""
         raise NotImplementedError
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, group) -> CommHandle:
+        """Flat ``input`` cut into ``N`` equal chunks: chunk ``j`` goes to rank ``j``, and rank
+        ``i``'s chunk for this rank lands in chunk ``i`` of ``output``; ``wait`` returns
+        ``output``. Wire: ``(N-1)/N`` of ``input``'s bytes sent per rank."""
         raise NotImplementedError
 
     def close(self) -> None:

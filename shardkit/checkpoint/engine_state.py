@@ -166,6 +166,13 @@ def _cpu(value):
 def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
                            load_optimizer_states: bool = True,
                            load_lr_scheduler_states: bool = True):
+    """What ``engine.load_checkpoint`` does: read the tag's checkpoint (verified), check its
+    parameter names against the engine's model, load the weights, optionally the optimizer and
+    LR-scheduler state (resharded from any saved world size or stage), the loss scaler, the
+    step counters and this rank's RNG state. Returns ``(path, client_state)``, or
+    ``(None, None)`` with a warning when ``load_dir`` has no checkpoint. Memory: every rank
+    reads all rank files and merges them on CPU (the full fp32 model and optimizer state) before
+    keeping its part; communication: what loading into the wrappers costs."""
     path = resolve_checkpoint_dir(load_dir, tag)
     if path is None:
         logger.warning("load_checkpoint: no 'latest' file in %s; nothing loaded", load_dir)

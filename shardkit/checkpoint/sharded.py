@@ -82,6 +82,7 @@ class LoadedCheckpoint:
 
 
 def rank_file_name(rank: int) -> str:
+    """The name of rank ``rank``'s file inside a checkpoint directory."""
     return f"rank_{rank:05d}.pt"
 
 
