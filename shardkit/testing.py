@@ -78,18 +78,23 @@ def _set_environ(values: dict) -> None:
             os.environ[name] = value
 
 
-_PRELOAD = ["torch"]  # imported once by the fork server; nothing that reads the environment
+# Imported once by the fork server. torch._dynamo too: torch's DDP and shardkit's wrappers
+# import it when first built (about 2.5 s per process on a small machine). Both read a few of
+# their own settings (TORCH_LOGS, TORCHDYNAMO_*) from the environment at import: a rank sees
+# those as the fork server read them; shardkit's and triton's are read when used.
+_PRELOAD = ["torch", "torch._dynamo"]
 
 
 def process_context():
     """The multiprocessing context that test ranks start from.
 
-    A fork server that has imported torch, where the platform has one: each rank is then a
-    fork of a clean, single-threaded process (no op has run in it, so no thread pool exists),
-    and starting a world costs a fraction of a second instead of one torch import per rank
-    (about 5 s on a small machine). Elsewhere it is ``spawn``. Either way a rank sees the
-    environment the parent had when the world started (see :class:`World`), not the fork
-    server's."""
+    A fork server that has imported torch (``_PRELOAD``), where the platform has one: each
+    rank is a fork of a clean process in which no op has run (so no intra-op thread pool
+    exists), and starting a world costs a fraction of a second instead of one torch import per
+    rank (about 5 s on a small machine, and 2.5 s more for ``torch._dynamo``, which torch's DDP
+    and shardkit's wrappers import when first built). Elsewhere it is ``spawn``. Either way a
+    rank sees the environment the parent had when the world started (see :class:`World`), not
+    the fork server's."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
