@@ -78,17 +78,16 @@ def _set_environ(values: dict) -> None:
             os.environ[name] = value
 
 
-# Imported once by the fork server. torch._dynamo too: torch's DDP and shardkit's wrappers
-# import it when first built (about 2.5 s per process on a small machine). Both read a few of
-# their own settings (TORCH_LOGS, TORCHDYNAMO_*) from the environment at import: a rank sees
-# those as the fork server read them; shardkit's and triton's are read when used.
+# What the fork server imports (why: process_context). torch and torch._dynamo read a few of
+# their settings (TORCH_LOGS, TORCHDYNAMO_*) from the environment at import: a rank sees those
+# as the fork server read them; shardkit's and triton's are read when used.
 _PRELOAD = ["torch", "torch._dynamo"]
 
 
 def process_context():
     """The multiprocessing context that test ranks start from.
 
-    A fork server that has imported torch (``_PRELOAD``), where the platform has one: each
+    A fork server that has imported ``_PRELOAD``, where the platform has one: each
     rank is a fork of a clean process in which no op has run (so no intra-op thread pool
     exists), and starting a world costs a fraction of a second instead of one torch import per
     rank (about 5 s on a small machine, and 2.5 s more for ``torch._dynamo``, which torch's DDP
