@@ -209,7 +209,8 @@ def link_traffic(params: float, ranks_per_node: int, nodes: int, precision: Prec
 
     - plain: gathers ``(2Ψ_r + R)(N-1)/N``, reduce-scatter ``Ψ(N-1)/N`` (Ψ_r = Ψ - R);
     - hpZ (n > 1): the forward gather ``Ψ(N-1)/N`` over the group, the backward gather
-      ``Ψ_r(n-1)/n`` inside the node;
+      ``Ψ_r(n-1)/n`` inside the node, always W bytes per element (exact even with qwZ, so
+      backward sees the forward's weights);
     - qgZ with n > 1 and k > 1 (hierarchical): ``Ψ(n-1)/n`` inside the node, then
       ``(Ψ/n)(k-1)/k`` across nodes; otherwise one flat exchange over the group;
     - HYBRID: gathers and reduce-scatter inside the node (``(n-1)/n``), then an all-reduce of
@@ -232,7 +233,7 @@ def link_traffic(params: float, ranks_per_node: int, nodes: int, precision: Prec
         return LinkTraffic(links["intra"], links["inter"])
     if option.hpz and n > 1:
         links[spanning] += _ring(params, n * k) * weight_bytes
-        links["intra"] += _ring(resharded, n) * weight_bytes
+        links["intra"] += _ring(resharded, n) * precision.weights
     else:
         links[spanning] += _ring(gathered, n * k) * weight_bytes
     if option.qgz and n > 1 and k > 1:
@@ -472,18 +473,19 @@ def render_link_traffic(plan: dict) -> list[str]:
     links = plan["stage3_link_traffic"]
     n = plan["ranks_per_node"]
     k = plan["world_size"] // n
-    plain = links["fp32"]
+    plain = links["fp32"]  # the unquantized row, in the plan's precision
+    baseline = "fp32" if plan["precision"]["weights"] == 4 else "16-bit"
     lines = [f"stage 3 wire/step per rank by link, {k} node{'s' if k > 1 else ''} x {n} "
              f"rank{'s' if n > 1 else ''} (bytes on groups inside a node / spanning nodes, "
              f"as CommCounter splits them):",
-             f"{'option':<16}{'intra-node':>12}{'inter-node':>12}{'x fp32 inter':>14}"]
+             f"{'option':<16}{'intra-node':>12}{'inter-node':>12}"
+             f"{'x ' + baseline + ' inter':>16}"]
     for name, t in links.items():
         ratio = (f"{t['inter_node'] / plain['inter_node']:.2f}x" if plain["inter_node"]
                  else "-")
-        label = "fp32" if name == "fp32" and plan["precision"]["weights"] == 4 else (
-            "16-bit" if name == "fp32" else name)
+        label = baseline if name == "fp32" else name
         lines.append(f"{label:<16}{format_bytes(t['intra_node']):>12}"
-                     f"{format_bytes(t['inter_node']):>12}{ratio:>14}")
+                     f"{format_bytes(t['inter_node']):>12}{ratio:>16}")
     return lines
 
 

@@ -7,7 +7,10 @@ other one to an inner transport (the process group's own collectives by default)
   is quantized to int8 blocks with one fp32 scale per block, the uint8 buffer is all-gathered
   through the inner transport, and every rank's rows are dequantized into the output tensors
   (the compute dtype). Every rank, this one included, computes with the same dequantized
-  weights; the fp32 master shard is never touched.
+  weights; the fp32 master shard is never touched. With hpZ, FSDP's backward gather from the
+  node's secondary partition (which holds those dequantized weights) goes through
+  :meth:`lossless`, the inner transport, in the compute dtype: quantizing them again, in other
+  blocks, would give backward other weights than the forward used.
 * ``reduce_scatter`` / ``reduce_scatter_chunks`` (FSDP's gradient reduce-scatter), **qgZ**: each
   peer's segment of the rank-major gradients is quantized to int4 blocks (straight from the
   per-parameter gradients: no packed fp32 copy) and sent to it; each rank dequantizes what it
@@ -44,6 +47,10 @@ value; each reduced gradient within the sum of the other ranks' half scales (``a
 int4; flat exchange), about twice the sum over all ranks when hierarchical. Inf or nan values
 are sent as a block that dequantizes to nan (a loss-scaled step sees the overflow and skips).
 
+Small operations: each rank's segment is padded to whole blocks, so a segment of fewer than
+about ``block`` elements sends more bytes quantized than exact; it still runs quantized, with a
+one-time warning.
+
 Where an operation cannot be quantized (values that are not fp32 / bf16 / fp16, e.g. fp64), or
 the node layout does not allow the hierarchical reduction, the transport falls back (to the
 inner transport, or to the flat exchange) and warns once per process and reason.
@@ -75,6 +82,18 @@ def _warn_once(key: str, message: str) -> None:
     if key not in _WARNED:
         _WARNED.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _warn_if_no_saving(op: str, layout: QuantLayout, dtype: torch.dtype) -> None:
+    """Each segment is padded to whole blocks, each block adds a scale: a tiny unit's quantized
+    bytes can exceed its exact ones. It still runs quantized (the same path on every size);
+    this says so once per process and operation."""
+    if layout.ratio(dtype) > 1.0:
+        _warn_once(f"no-saving-{op}", f"QuantizedTransport: a quantized {op} of "
+                   f"{layout.segment_numel} {dtype} elements per rank sends "
+                   f"{layout.ratio(dtype):.2f}x the bytes of the exact values (segments are "
+                   f"padded to whole blocks of {layout.block}, plus one scale per block); "
+                   f"units this small gain nothing from quantization")
 
 
 def _check_bits(name: str, value, valid) -> int:
@@ -192,6 +211,9 @@ class QuantizedTransport(Transport):
     def footprint_tensors(self):
         return self.inner.footprint_tensors()
 
+    def lossless(self) -> Transport:
+        return self.inner.lossless()
+
     def close(self) -> None:
         self.inner.close()
 
@@ -218,6 +240,7 @@ class QuantizedTransport(Transport):
             return self.inner.all_gather_chunks(fulls, chunks, group)
         own = QuantLayout(1, tuple(numels), self.weight_bits, self.block)
         full = QuantLayout(n, tuple(numels), self.weight_bits, self.block)
+        _warn_if_no_saving("all_gather", full, chunks[0].dtype)
         send = quantize_pack([c.reshape(-1) for c in chunks], own, check_finite=False)
         received = torch.empty(full.total_bytes, dtype=torch.uint8, device=send.device)
         handle = self.inner.all_gather(received, send, group)
@@ -256,6 +279,7 @@ class QuantizedTransport(Transport):
         if segment == 0:
             return self.inner.reduce_scatter(input, group)
         layout = QuantLayout(n, (segment,), self.gradient_bits, self.block)
+        _warn_if_no_saving("reduce_scatter", layout, input.dtype)
         groups = self._node_groups(group)
         flat = input.reshape(-1)
         if groups is None:
@@ -297,6 +321,7 @@ class QuantizedTransport(Transport):
         if layout.segment_numel == 0:
             return super().reduce_scatter_chunks(tensors, chunk_numels, group, scale=scale,
                                                  dtype=dtype)
+        _warn_if_no_saving("reduce_scatter", layout, tensors[0].dtype)
         works, finish = issue_reduce_scatter(list(tensors), layout, group, multiplier=scale,
                                              counted_as="reduce_scatter")
         return CommHandle(works, finish, completes_when_waited=True)

@@ -184,6 +184,12 @@ class Transport:
         :func:`shardkit.utils.memory.model_state_bytes` under ``"transport"``)."""
         return []
 
+    def lossless(self) -> "Transport":
+        """The transport that moves values bit for bit: this one, or for a compressing
+        transport the one it wraps. FSDP's hpZ backward gather uses it, so that backward
+        computes with exactly the weights the forward used."""
+        return self
+
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group) -> CommHandle:
         """Every rank's flat ``input`` into the flat ``output`` of ``N x input.numel()``
         elements, rank-major. ``wait`` returns ``output``. Wire (ring): ``(N-1)/N`` of

@@ -111,9 +111,10 @@ def test_command_line_prints_the_per_link_table(capsys):
     text = capsys.readouterr()[0]
     assert code == 0 and "2 nodes x 4 ranks" in text
     row = next(line for line in text.splitlines() if line.startswith("qwZ+hpZ+qgZ"))
-    # by hand, N = 8, n = 4: intra 3/4 Ψ (1 + 4/256) + 3/4 Ψ (0.5 + 4/256) = 1.15 GB; inter
-    # 7/8 Ψ (1 + 4/256) + Ψ/4 x 1/2 x (0.5 + 4/256) = 953.1 MB, against fp32's 12 x 7/8 Ψ
-    assert row.split()[1:] == ["1.1", "GB", "953.1", "MB", "0.09x"], row
+    # by hand, N = 8, n = 4: intra 3/4 Ψ x 4 (hpZ's backward gather stays fp32) + 3/4 Ψ (0.5 +
+    # 4/256) = 3.39 GB; inter 7/8 Ψ (1 + 4/256) + Ψ/4 x 1/2 x (0.5 + 4/256) = 953.1 MB,
+    # against fp32's 12 x 7/8 Ψ
+    assert row.split()[1:] == ["3.4", "GB", "953.1", "MB", "0.09x"], row
 
 
 @pytest.mark.parametrize("value", ["3", "0"])

@@ -38,6 +38,9 @@ def chunk_of_rank(flat: torch.Tensor, rank: int, chunk_numel: int) -> torch.Tens
 def _check_chunks(numels, chunk_numels, world_size):
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r}; it must be an int >= 1")
+    if any(n < 0 for n in numels):
+        raise ValueError(f"numels={list(numels)} holds a negative size; tensors have >= 0 "
+                         f"elements")
     if chunk_numels is None:
         return chunk_numels_for(numels, world_size)
     chunk_numels = [int(c) for c in chunk_numels]

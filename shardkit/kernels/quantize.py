@@ -17,6 +17,10 @@ segments of :attr:`QuantLayout.segment_bytes` bytes each: first the codes (int8:
 element, two's complement; int4: two per byte, element ``2i`` in the low nibble, each stored as
 ``code + 8``), then the scales (fp32, or bf16 rounded *up* so the bound still holds).
 
+At the top of the range, ``code * scale`` can round past the largest finite value of the output
+dtype and come back as ``±inf`` (e.g. fp16 values within 1% of 65504 with bf16 scales, which are
+rounded up, or fp32 values near 3.4e38): values that close to overflow are outside the bound.
+
 Non-finite input: a block holding inf or nan gets scale ``+inf`` and zero codes, so it
 dequantizes to nan in every element (a loss-scaled step sees the overflow and skips); the
 scale is never nan. With ``check_finite=True`` (the default of :func:`quantize_pack`) such input
@@ -117,6 +121,8 @@ class QuantLayout:
 
     def scales(self, buffer: torch.Tensor) -> torch.Tensor:
         """The ``(segments, blocks_per_segment)`` view of ``buffer``'s scales."""
+        if self.blocks_per_segment == 0:  # nothing to view as scales
+            return torch.empty(self.world_size, 0, dtype=self.scale_dtype, device=buffer.device)
         rows = buffer.view(self.world_size, self.segment_bytes)
         return rows[:, self.code_bytes:].view(self.scale_dtype)
 
@@ -243,7 +249,8 @@ def _quantize_blocks(values: torch.Tensor, layout: QuantLayout, codes_out: torch
     # amax and amin propagate nan and inf, and are far faster on CPU than abs().amax()
     absmax = torch.maximum(values.amax(-1), values.amin(-1).neg_())
     bad = ~torch.isfinite(absmax)
-    scale = torch.where(bad, 0.0, absmax) / qmax
+    # abs_: an all-zero block's max(0, -0.0) may be -0.0; its scale is +0.0, as on Triton
+    scale = torch.where(bad, 0.0, absmax).abs_() / qmax
     if layout.scale_dtype == torch.bfloat16:
         scale = _ceil_to_bf16(scale)
     # x / scale + 0.5 as a division then an addition: the same bits as addcdiv(0.5, x, scale)

@@ -203,11 +203,13 @@ def test_empty_all_zero_and_uneven_sizes(backend):
     zeros = quant_layout([40], 3, block=16)
     zbuf = quantize_pack([torch.zeros(40)], zeros)
     assert (zeros.scales(zbuf) == 0).all(), "scale 0 for an all-zero block, never nan"
+    assert not zeros.scales(zbuf).signbit().any(), "+0.0, the same bits on every backend"
     assert torch.equal(dequantize_sum(zbuf, zeros, sources=3), torch.zeros(14))
 
     nothing = quant_layout([0, 0], 4)
     assert nothing.total_bytes == 0
     assert quantize_pack([torch.zeros(0), torch.zeros(0)], nothing).numel() == 0
+    assert nothing.scales(torch.empty(0, dtype=torch.uint8)).shape == (4, 0)
     assert dequantize_sum(torch.empty(0, dtype=torch.uint8), nothing, sources=4).numel() == 0
 
 
@@ -260,6 +262,7 @@ BAD = [
      "sources=3"),
     (lambda: dequantize_unpack(torch.empty(3, dtype=torch.uint8), quant_layout([8], 1),
                                [torch.empty(8)]), "buffer is a (3,) torch.uint8"),
+    (lambda: quant_layout([-1], 2), "numels=[-1] holds a negative size"),
 ]
 
 

@@ -339,6 +339,43 @@ def test_hpz_secondary_partition_lives_from_forward_to_backward(nodes2x2):
         assert r["forward"] == r["counted"] == r["expected"], r
 
 
+def _quantized_hpz_backward_weights():
+    """qwZ + hpZ: the weights autograd saved in forward and the ones backward gathers from the
+    secondary partition are the same bits (a second quantization, in other blocks, would move
+    them by up to half a block scale); the backward gather inside the node moves fp32."""
+    torch.manual_seed(0)
+    inner = nn.Linear(300, 300, bias=False)
+    with torch.no_grad():  # magnitudes that vary across rows and columns: blocks matter
+        inner.weight.mul_(torch.logspace(-2, 1, 300).view(300, 1) * torch.logspace(0, 1, 300))
+    options = {"quantize_weights": True, "hpz_partition_size": 2}
+    model = FSDP(nn.Sequential(FSDP(inner, **options)), **options)
+    x = torch.randn(4, 300, generator=torch.Generator().manual_seed(skdist.get_rank()))
+    diffs = []
+
+    def pack(t):
+        return t, (t.detach().clone() if t.shape == (300, 300) else None)
+
+    def unpack(packed):
+        t, saved = packed
+        if saved is not None:
+            diffs.append((t - saved).abs().max().item())
+        return t
+
+    with CommCounter() as comm:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = model(x.requires_grad_())
+        out.pow(2).sum().backward()
+    gathers = [(str(c.dtype), c.group_size) for c in comm.calls if c.op == "all_gather"]
+    return {"diffs": diffs, "gathers": gathers}
+
+
+def test_quantized_hpz_backward_uses_the_forward_weights(nodes2x2):
+    for r in nodes2x2.run(_quantized_hpz_backward_weights):
+        assert r["diffs"] and max(r["diffs"]) == 0.0, r
+        # forward: int8 blocks over all 4 ranks; backward: exact fp32 inside the node
+        assert r["gathers"] == [("torch.uint8", 4), ("torch.float32", 2)], r
+
+
 def _hpz_over_the_whole_group():
     """hpz_partition_size = world size: the secondary partition is the whole gather (backward
     gathers over the world again from it): still on, and still in step."""

@@ -252,6 +252,31 @@ def test_non_float_values_fall_back_with_one_warning(world4):
         assert dtypes == ["torch.float64"]
 
 
+def _small_unit_warns_once():
+    """A unit far smaller than one block per rank: quantized, it sends more than fp32; the
+    transport says so once (per operation), and still quantizes."""
+    import warnings
+    import shardkit.quantized_transport as qt
+    qt._WARNED.discard("no-saving-all_gather")
+    qt._WARNED.discard("no-saving-reduce_scatter")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = FSDP(torch.nn.Linear(8, 8), quantize_weights=True, quantize_gradients=True)
+        with skdist.CommCounter() as comm:
+            for _ in range(2):
+                model(torch.randn(2, 8)).sum().backward()
+    notes = [str(w.message) for w in caught if "gain nothing" in str(w.message)]
+    return notes, sorted({str(c.dtype) for c in comm.calls})
+
+
+def test_units_too_small_to_gain_warn_once(world4):
+    for notes, dtypes in world4.run(_small_unit_warns_once):
+        assert len(notes) == 2, notes  # once for the gathers, once for the reduce-scatters
+        assert "quantized all_gather of 18 torch.float32 elements per rank" in notes[0]
+        assert "quantized reduce_scatter" in notes[1] and "whole blocks of 256" in notes[1]
+        assert dtypes == ["torch.uint8"]
+
+
 def _engine_from_config():
     import shardkit
     model = GPT(CFG, seed=5)

@@ -210,22 +210,25 @@ class FlatParamShard:
 
         Wire: ``(N-1) x shard`` elements of the compute dtype, one transport operation
         straight into ``full``. With ``from_secondary`` and a kept hpZ partition: the
-        ``(h-1)/h x Ψ_u`` elements of an all-gather over ``hpz_group`` instead.
+        ``(h-1)/h x Ψ_u`` elements of an all-gather over ``hpz_group`` instead, always exact
+        in the compute dtype (the transport's :meth:`~shardkit.transport.Transport.lossless`),
+        so backward sees the forward's weights even where the forward gather was quantized.
         """
         if self.gathered or self._pending_gather is not None:
             return
         if from_secondary and self._secondary is not None:
             send, self._secondary = self._secondary, None
             chunks = send.split([lay.chunk_numel for lay in self.hpz_layouts])
-            group = self.hpz_group
+            # the secondary holds the weights the forward computed with: move them unchanged
+            transport, group = self.transport.lossless(), self.hpz_group
         else:
             self._secondary = None
             self._readopt_shards()
             send = self.flat_shard.to(self.compute_device, self.compute_dtype, non_blocking=True)
             chunks, group = send.split(self.chunk_numels), self.group
+            transport = self.transport
         self._allocate_full()
-        handle = self.transport.all_gather_chunks(self.full.data.split(self.numels), chunks,
-                                                  group)
+        handle = transport.all_gather_chunks(self.full.data.split(self.numels), chunks, group)
         self._pending_gather = (handle, send, prefetch)
 
     def _allocate_full(self) -> None:
