@@ -114,7 +114,9 @@ class CommCounter:
 
     @property
     def elements(self) -> float:
-        """Elements on the wire: bytes of each record divided by its element size."""
+        """Elements on the wire: bytes of each record divided by its element size. Quantized
+        ops are ``uint8`` records, so there one element is one byte (codes and scales): with
+        them in the count, compare :attr:`bytes` instead."""
         return sum(r.bytes / element_size(r.dtype) for r in self.calls if r.numel)
 
     @property
@@ -129,7 +131,8 @@ class CommCounter:
 
     @property
     def inter_node_elements(self) -> float:
-        """Elements of the ops on groups that span nodes."""
+        """Elements of the ops on groups that span nodes (quantized ops: bytes, as in
+        :attr:`elements`)."""
         return sum(r.bytes / element_size(r.dtype) for r in self.calls if r.numel and r.spans_nodes)
 
     def reset(self) -> None:
