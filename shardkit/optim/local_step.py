@@ -1,9 +1,11 @@
 """OSS's local step: which implementation the shard's optimizer runs and how one step is taken.
 
 Note on the fused kernel: for ``SGD``, ``Adam``, ``AdamW`` and ``Adagrad`` given with ``fused``
-and ``foreach`` both unset (``None``, torch's "you choose"), floating-point parameters on CPU or
-CUDA and no ``differentiable``, OSS chooses torch's own fused kernel for the local step: the
-same update up to rounding in the last bit, several times faster on CPU. ``OSS.fused`` reports
+and ``foreach`` both unset (``None``, torch's "you choose"), fp32 parameters on CPU or CUDA and
+no ``differentiable``, OSS chooses torch's own fused kernel for the local step: the same update
+up to rounding in the last bit, several times faster on CPU. Parameters cast to another dtype
+later (``model.to(torch.bfloat16)``) turn the choice off at the next step, for good: in 16 bits
+the fused kernel rounds differently from torch's default loop. ``OSS.fused`` reports
 the choice; it is written into the local optimizer's groups only. The public param groups and
 a consolidated state dict keep the caller's ``fused=None``, so they read (and load into a plain
 torch optimizer) exactly as that optimizer's own would (FairScale's tests compare the two).
@@ -21,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["choose_fused", "with_fused_choice", "without_fused_choice", "build_local_optimizer",
+__all__ = ["choose_fused", "all_fp32", "with_fused_choice", "without_fused_choice", "build_local_optimizer",
            "steps_each_parameter_alone", "step_only", "whole_step"]
 
 # Optimizers whose step treats each parameter independently (state per parameter, nothing
@@ -47,7 +49,14 @@ def choose_fused(optim_class: type, kwargs: dict, groups: list[dict]) -> bool:
     if any(g.get("fused") is not None or g.get("foreach") is not None for g in groups):
         return False
     params = [p for g in groups for p in g["params"]]
-    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return all_fp32(params) and all(p.device.type in ("cpu", "cuda") for p in params)
+
+
+def all_fp32(params) -> bool:
+    """Whether every parameter is fp32: only there is the fused kernel's update the default
+    loop's up to the last bit (in 16-bit it computes in fp32 and rounds once, where the loop
+    rounds after every operation)."""
+    return all(p.dtype == torch.float32 for p in params)
 
 
 def with_fused_choice(group: dict, fused: bool) -> dict:

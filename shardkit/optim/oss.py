@@ -22,7 +22,7 @@ from shardkit.checkpoint.optimizer_state import (check_full_state_dict,
                                                  consolidate_optimizer_state, load_into_optimizer,
                                                  state_by_param)
 from shardkit.optim import oss_arguments as args
-from shardkit.optim.local_step import (build_local_optimizer, choose_fused,
+from shardkit.optim.local_step import (all_fp32, build_local_optimizer, choose_fused,
                                        steps_each_parameter_alone, step_only, whole_step,
                                        with_fused_choice, without_fused_choice)
 from shardkit.optim.param_sync import ParamSync, broadcast_wire_dtype
@@ -76,8 +76,9 @@ class OSS(torch.optim.Optimizer):
     one element. Construction: one small all-gather of the parameter shapes.
 
     Implementation: for ``SGD``, ``Adam``, ``AdamW`` and ``Adagrad`` given with ``fused`` and
-    ``foreach`` unset, the local step runs torch's own fused kernel (the same update up to the
-    last bit); :attr:`fused` says so, while ``param_groups`` and consolidated state dicts keep
+    ``foreach`` unset, over fp32 parameters, the local step runs torch's own fused kernel (the
+    same update up to the last bit; parameters cast to another dtype later go back to torch's
+    default loop at the next step); :attr:`fused` says so, while ``param_groups`` and consolidated state dicts keep
     the caller's ``fused=None``, as a plain torch optimizer's would. Pass ``fused=False`` (or set
     it in a group) to keep torch's default loop (see :mod:`shardkit.optim.local_step`). Each
     rank's parameters are its own: in-place writes, ``model.to(dtype)`` and ``p.data = ...``
@@ -121,11 +122,11 @@ class OSS(torch.optim.Optimizer):
         self._stepped_in_backward: Optional[set] = None  # buckets stepped by ShardedDDP's backward
         self._consolidated: Optional[dict] = None
         self._parked_state: dict = {}  # state of frozen parameters last owned here
-        args.check_same_model_on_every_rank(groups, group)
-        self.comm.prepare(group)
-
+        # local (no collective), so that bad hyper-parameters fail before any collective starts
         self._plan = plan_ownership(_trainable(groups), self.world_size, bucket_numel)
         self.optim = self._build_local_optimizer(groups)
+        args.check_same_model_on_every_rank(groups, group)
+        self.comm.prepare(group)
         super().__init__(groups, without_fused_choice(dict(self.optim.defaults), self.fused))
         self._sync = ParamSync(self._plan, self.rank, group, broadcast_fp16, self.comm)
         self._ready = True
@@ -213,8 +214,10 @@ class OSS(torch.optim.Optimizer):
         self._check_trainable_covered()
         self._sync.wait()
         self._consolidated = None
-        self._push_hyperparameters()
         self._sync.rebind_if_moved()
+        if self.fused and not all_fp32(self._owned_params()):
+            self.fused = False  # cast after construction: step as the caller's optimizer would
+        self._push_hyperparameters()
         loss = None
         if closure is None and self._sync.buckets and steps_each_parameter_alone(self.optim):
             self._sync.step_and_sync(lambda params: step_only(self.optim, params, kwargs))
@@ -409,8 +412,13 @@ class OSS(torch.optim.Optimizer):
 
     def _build_local_optimizer(self, groups: list[dict]) -> torch.optim.Optimizer:
         owned = {id(p) for params in self.partition.params_of(self.rank) for p in params}
-        return build_local_optimizer(self._optim_class, self._optim_kwargs, groups, owned,
-                                     self.fused)
+        try:
+            return build_local_optimizer(self._optim_class, self._optim_kwargs, groups, owned,
+                                         self.fused)
+        except (ValueError, TypeError) as error:  # torch's check of a hyper-parameter
+            kind = ValueError if isinstance(error, ValueError) else TypeError
+            raise kind(f"OSS(optim={self._optim_class.__name__}): the optimizer "
+                       f"refused its arguments: {error}") from error
 
     def _load_local_state(self, state: dict) -> None:
         """Give the local optimizer ``{owned param: state}`` and the public hyper-parameters."""

@@ -65,6 +65,27 @@ def _bf16_before_first_step(kind):
     return worst
 
 
+def _bf16_adamw_as_torch_would_step_it(kind):
+    """OSS chose the fused kernel for fp32 AdamW; after ``model.to(bf16)`` it steps as a plain
+    bf16 ``torch.optim.AdamW`` does (the fused kernel would round differently in 16 bits)."""
+    model, oracle = MLP(16, 3, seed=0), MLP(16, 3, seed=0)
+    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2, comm=_transport(kind))
+    chosen = opt.fused
+    model.to(torch.bfloat16)
+    oracle.to(torch.bfloat16)
+    ref = torch.optim.AdamW(oracle.parameters(), lr=1e-2)
+    worst = 0.0
+    for step in range(3):
+        _grads(model, step)
+        _grads(oracle, step)
+        opt.step()
+        ref.step()
+        worst = max(worst, max((p.float() - q.float()).abs().max().item()
+                               for p, q in zip(model.parameters(), oracle.parameters())))
+    return {"chosen": chosen, "after": opt.fused, "worst": worst,
+            "public_fused": opt.param_groups[0]["fused"]}
+
+
 def _data_swap_and_hooks(kind):
     """A ``p.data = ...`` swap between steps is trained from its new values, and a gradient
     hook registered on a parameter fires once per backward as in plain PyTorch."""
@@ -94,6 +115,7 @@ def _all_checks():
     for kind in ("process_group", "shared_memory"):
         out[kind] = {"in_place": _in_place_write_on_every_rank(kind),
                      "bf16": _bf16_before_first_step(kind),
+                     "bf16_adamw": _bf16_adamw_as_torch_would_step_it(kind),
                      "swap": _data_swap_and_hooks(kind)}
     return out
 
@@ -114,6 +136,16 @@ def test_in_place_write_on_every_rank_is_applied_once(results, n, kind):
 def test_model_to_bf16_before_the_first_step_sticks(results, n, kind):
     for r in results[n]:
         assert r[kind]["bf16"] == 0.0  # the same bf16 SGD, bit for bit
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("kind", ["process_group", "shared_memory"])
+def test_fused_kernel_choice_ends_when_parameters_leave_fp32(results, n, kind):
+    for r in results[n]:
+        got = r[kind]["bf16_adamw"]
+        assert got["chosen"] is True and got["after"] is False, got
+        assert got["public_fused"] is None, got  # the caller's setting, as before
+        assert got["worst"] == 0.0, got  # bf16 AdamW's own default loop, bit for bit
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardkit import distributed
+from shardkit.distributed import CommCounter
 from shardkit.optim import OSS
 from shardkit.testing import MLP, World, world_fixture
 from tests.utils.compare import max_diff
@@ -196,6 +197,28 @@ def test_state_dict_errors_are_clear(world2):
     assert "param group 0" in rank0["wrong_param_count"] and "parameters" in rank0[
         "wrong_param_count"]
     assert "1 param groups" in rank0["wrong_group_count"]
+
+
+def _bad_hyper_parameters():
+    """Hyper-parameters the optimizer refuses: an error naming OSS and the optimizer, raised
+    before the construction's first collective (so no rank waits on another)."""
+    out = []
+    for kwargs in ({"lr": -1.0}, {"lrr": 3}, {"lr": 0.1, "betas": (1.5, 0.9)}):
+        with CommCounter() as comm:
+            try:
+                OSS(MLP(WIDTH, 2, seed=0).parameters(), optim=torch.optim.AdamW, **kwargs)
+                out.append(None)
+            except (TypeError, ValueError) as error:
+                out.append((str(error), len(comm.calls)))
+    return out
+
+
+def test_bad_hyper_parameters_fail_before_any_collective(world2):
+    for lr, keyword, betas in world2.run(_bad_hyper_parameters):
+        assert lr == ("OSS(optim=AdamW): the optimizer refused its arguments: Invalid learning "
+                      "rate: -1.0", 0)
+        assert "unexpected keyword argument 'lrr'" in keyword[0] and keyword[1] == 0
+        assert "Invalid beta parameter at index 0: 1.5" in betas[0] and betas[1] == 0
 
 
 def _repartition_parity():
