@@ -32,8 +32,13 @@ Memory: ``3 x N x part_bytes`` (default 2 MiB per part: 12 MiB at world 2) plus 
 control per group, for the life of the process, whatever the model's size; reported by
 :meth:`footprint_tensors` and counted by ``model_state_bytes`` under ``"transport"``.
 Communication: none on the network; ``CommCounter`` records each op with the bytes this rank
-writes for its peers (e.g. an all-gather: its input, once, ``1/(N-1)`` of the ring algorithm's
-wire bytes since every peer reads the same copy).
+reads from its peers' slots, i.e. what a network transport would deliver to it: an all-gather
+``(N-1)/N`` of the output, a reduce-scatter or all-to-all ``(N-1)/N`` of the input, a
+reduce-to-owner ``N-1`` peers' copies of the rank's own segment, a broadcast the tensor on every
+rank but the source (0 there), an all-reduce ``N-1`` peers' copies of the tensor (each rank
+reads them all; the ring's ``2(N-1)/N`` is not this algorithm). For the all-gathers and
+reduce-scatters the wrappers use, that is exactly the ring formula, as with the process group.
+What it writes is less: one copy of its own part, which every peer reads.
 
 When it cannot be used (ranks on different hosts or pid namespaces, no ``memfd_create``, a
 world of one), :meth:`prepare` warns once and the group's operations use the process group.
@@ -160,7 +165,7 @@ class SharedMemoryTransport(Transport):
         def start():
             if dst[rank].data_ptr() != src.data_ptr():
                 dst[rank].copy_(src)
-        skdist.record_transfer("all_gather", _nbytes(input), input.dtype, group)
+        skdist.record_transfer("all_gather", _nbytes(input) * (n - 1), input.dtype, group)
         return ring.submit("all_gather", input.dtype, numel, ring.chunk(input.dtype), write,
                            read, start=start)
 
@@ -211,7 +216,7 @@ class SharedMemoryTransport(Transport):
                 else:
                     torch.maximum(acc, parts[r][:hi - lo], out=acc)
             flat[lo:hi].copy_(acc)
-        skdist.record_transfer("all_reduce", _nbytes(tensor), tensor.dtype, group)
+        skdist.record_transfer("all_reduce", _nbytes(tensor) * (n - 1), tensor.dtype, group)
         return ring.submit("all_reduce", tensor.dtype, flat.numel(), ring.chunk(tensor.dtype),
                            write, read, result=lambda: tensor)
 
@@ -232,8 +237,8 @@ class SharedMemoryTransport(Transport):
         def read(parts, lo, hi):
             if ring.rank != root:
                 flat[lo:hi].copy_(parts[root][:hi - lo])
-        if ring.rank == root:
-            skdist.record_transfer("broadcast", _nbytes(tensor), tensor.dtype, group)
+        skdist.record_transfer("broadcast", 0 if ring.rank == root else _nbytes(tensor),
+                               tensor.dtype, group)
         return ring.submit("broadcast", tensor.dtype, flat.numel(), ring.chunk(tensor.dtype),
                            write, read, result=lambda: tensor)
 
@@ -262,7 +267,7 @@ class SharedMemoryTransport(Transport):
             acc.copy_(parts[0][a - lo:b - lo])
             for r in range(1, n):
                 acc.add_(parts[r][a - lo:b - lo])
-        skdist.record_transfer("reduce", _nbytes(flat) - mine * flat.element_size(), flat.dtype,
+        skdist.record_transfer("reduce", (n - 1) * mine * flat.element_size(), flat.dtype,
                                group)
         return ring.submit("reduce", flat.dtype, flat.numel(), ring.chunk(flat.dtype), write,
                            read, result=lambda: out)

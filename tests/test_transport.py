@@ -48,20 +48,28 @@ def _every_op(kind):
         out[f"reduce_scatter_{dtype}"] = (torch.allclose(got.double(), expect, rtol=1e-2),
                                           c.calls_by_op, c.bytes)
         tensor = torch.full((5000,), float(rank + 1), dtype=dtype)
-        t.all_reduce(tensor, None).wait()
+        with skdist.CommCounter() as c:
+            t.all_reduce(tensor, None).wait()
         out[f"all_reduce_{dtype}"] = bool((tensor == n * (n + 1) / 2).all())
+        out[f"all_reduce_bytes_{dtype}"] = c.bytes
         b = torch.full((4099,), float(rank), dtype=dtype)
-        t.broadcast(b, n - 1, None).wait()
+        with skdist.CommCounter() as c:
+            t.broadcast(b, n - 1, None).wait()
         out[f"broadcast_{dtype}"] = bool((b == n - 1).all())
+        out[f"broadcast_bytes_{dtype}"] = c.bytes
         a2a_in = torch.cat([torch.full((700,), float(10 * rank + j), dtype=dtype)
                             for j in range(n)])
         a2a_out = torch.empty_like(a2a_in)
-        t.all_to_all(a2a_out, a2a_in, None).wait()
+        with skdist.CommCounter() as c:
+            t.all_to_all(a2a_out, a2a_in, None).wait()
+        out[f"all_to_all_bytes_{dtype}"] = c.bytes
         out[f"all_to_all_{dtype}"] = all(bool((a2a_out[j * 700:(j + 1) * 700] == 10 * j + rank)
                                               .all()) for j in range(n))
     segs = [torch.full((7 + 3 * r,), float(rank + 1)) if r != 1 else None for r in range(n)]
-    own = t.reduce_to_owners(segs, None).wait()
+    with skdist.CommCounter() as c:
+        own = t.reduce_to_owners(segs, None).wait()
     out["reduce_to_owners"] = None if own is None else (own.numel(), own[0].item())
+    out["reduce_to_owners_bytes"] = c.bytes
     fulls = [torch.empty(10), torch.empty(5)]
     chunks = [torch.arange(5.) + 100 * rank, torch.arange(3.) + 100 * rank]  # 5 rows, 3 per rank
     t.all_gather_chunks([f[:5 * n] if i == 0 else f for i, f in enumerate(fulls)]
@@ -77,6 +85,8 @@ def test_every_operation_is_exact(world2, world4, kind, n):
     world = world2 if n == 2 else world4
     for rank, r in enumerate(world.run(_every_op, kind)):
         for key, value in r.items():
+            if "_bytes" in key:
+                continue  # test_shared_memory_counts_what_each_rank_receives
             if key.startswith(("all_reduce", "broadcast", "all_to_all")):
                 assert value, key
             elif key.startswith(("all_gather", "reduce_scatter")):
@@ -152,7 +162,27 @@ def test_bytes_recorded_are_what_moves(world2):
     # the reduce-scatter is an all_to_all: (N-1)/N of the input
     assert r["reduce_scatter_torch.float32"][2] == numel * fp32
     shm = world2.run(_every_op, "shared_memory")[0]
-    assert shm["all_gather_torch.float32"][2] == numel * fp32  # written once, read by the peer
+    assert shm["all_gather_torch.float32"][2] == numel * fp32  # read from the peer's slot
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_shared_memory_counts_what_each_rank_receives(world2, world4, n):
+    """Shared memory records the bytes a rank reads from its peers' slots: for the all-gather,
+    reduce-scatter and all-to-all, the process group's (ring) bytes at every world size."""
+    world = world2 if n == 2 else world4
+    for rank, (shm, pg) in enumerate(zip(world.run(_every_op, "shared_memory"),
+                                         world.run(_every_op, "process_group"))):
+        for dtype, size in (("torch.float32", 4), ("torch.bfloat16", 2)):
+            for op in ("all_gather", "reduce_scatter"):
+                assert shm[f"{op}_{dtype}"][2] == pg[f"{op}_{dtype}"][2], (rank, op, dtype)
+            assert shm[f"all_gather_{dtype}"][2] == (n - 1) * 3001 * size
+            assert shm[f"all_to_all_bytes_{dtype}"] == pg[f"all_to_all_bytes_{dtype}"] \
+                == (n - 1) * 700 * size
+            # every rank reads its N-1 peers' copies; a broadcast reaches all but the source
+            assert shm[f"all_reduce_bytes_{dtype}"] == (n - 1) * 5000 * size
+            assert shm[f"broadcast_bytes_{dtype}"] == (0 if rank == n - 1 else 4099 * size)
+        mine = 0 if rank == 1 else 7 + 3 * rank  # rank 1 owns no segment
+        assert shm["reduce_to_owners_bytes"] == (n - 1) * mine * 4, (rank, shm)
 
 
 def test_resolve_transport_rejects_non_transports():

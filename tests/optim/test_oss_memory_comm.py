@@ -129,13 +129,13 @@ def test_sync_volume_halves_with_broadcast_fp16(measured, n):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_shared_memory_transport_counts_what_it_writes(measured, n):
-    """Opted in, the sync writes each rank's segment once into the shared slots (its peers read
-    that one copy): 1/N of the buffer per rank, recorded as one all-gather per bucket; its
-    fixed-size slots are reported as transport memory, not as model state."""
+def test_shared_memory_transport_counts_what_it_delivers(measured, n):
+    """Opted in, each rank reads its N-1 peers' segments from the shared slots: (N-1)/N of the
+    buffer per rank, as over gloo, recorded as one all-gather per bucket; its fixed-size slots
+    are reported as transport memory, not as model state."""
     for x in measured[n]:
         r = x["fp32_shm"]
-        _check_volume(r, n, 4, "torch.float32", 1 / n)
+        _check_volume(r, n, 4, "torch.float32", (n - 1) / n)
         assert r["transport"] == "shared memory"
         assert r["transport_bytes"] >= 3 * n * (1 << 20)
         assert r["transport_bytes"] <= 3 * n * (1 << 20) + (1 << 16)
