@@ -54,6 +54,7 @@ import secrets
 import threading
 import time
 import warnings
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -70,6 +71,7 @@ _OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all",
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int8, torch.uint8, torch.bool)
 _LIVENESS_PERIOD_S = 0.25
+_WARNED: set = set()  # fallback reasons already warned about in this process
 
 
 class TransportError(RuntimeError):
@@ -84,7 +86,9 @@ class SharedMemoryTransport(Transport):
             ``B`` bytes per rank takes ``ceil(B / part_bytes)`` rounds.
         timeout_s: longest wait for a peer before raising (a dead peer is noticed sooner).
 
-    Memory: ``NUM_SLOTS x N x part_bytes`` per group, fixed. Communication: none on the wire.
+    Memory: ``NUM_SLOTS x N x part_bytes`` per group, fixed, plus one worker thread per group;
+    both are released by :meth:`close`, or when the transport is garbage-collected.
+    Communication: none on the wire.
     """
 
     name = "shared_memory"
@@ -99,20 +103,22 @@ class SharedMemoryTransport(Transport):
         self.timeout_s = float(timeout_s)
         self._rings: dict = {}  # id(group object) -> (group object, _Ring or None)
         self._fallback = ProcessGroupTransport()
-        self._warned = False
+        # a transport dropped without close() still stops its workers and unmaps its memory
+        weakref.finalize(self, _stop_rings, self._rings)
 
     # ------------------------------------------------------------------ set-up
 
     def prepare(self, group) -> None:
         """Map the ring for ``group`` (collective: three small object collectives), or decide
-        on every rank alike to fall back to the process group, warning once."""
+        on every rank alike to fall back to the process group, warning once per process and
+        reason."""
         resolved = group if group is not None else torch.distributed.group.WORLD
         if id(resolved) in self._rings:
             return
         ring, why = _Ring.open(group, self.part_bytes, self.timeout_s)
         self._rings[id(resolved)] = (resolved, ring)
-        if ring is None and not self._warned:
-            self._warned = True
+        if ring is None and why not in _WARNED:
+            _WARNED.add(why)
             warnings.warn(f"SharedMemoryTransport: {why}; these collectives use the process "
                           f"group's own backend instead", RuntimeWarning, stacklevel=3)
 
@@ -136,10 +142,8 @@ class SharedMemoryTransport(Transport):
         return [ring.memory for _g, ring in self._rings.values() if ring is not None]
 
     def close(self) -> None:
-        for _g, ring in self._rings.values():
-            if ring is not None:
-                ring.stop()
-        self._rings.clear()
+        """Finish queued operations, stop the workers and unmap the slots (idempotent)."""
+        _stop_rings(self._rings)
 
     # ------------------------------------------------------------------ operations
 
@@ -299,21 +303,22 @@ class SharedMemoryTransport(Transport):
 class _Ring:
     """One group's slots, counters and worker thread."""
 
-    def __init__(self, group, memory: torch.Tensor, view: memoryview, part_bytes: int,
-                 peers: dict, timeout_s: float):
+    def __init__(self, group, mapping: mmap.mmap, part_bytes: int, peers: dict,
+                 timeout_s: float):
         import atomics  # a dependency of shardkit; imported here to keep start-up light
 
         self.group = group
         self.rank = skdist.get_rank(group)
         self.world_size = n = skdist.get_world_size(group)
         self.part_bytes = part_bytes
-        self.memory = memory
+        self._mapping = mapping
+        self._view = memoryview(mapping)
+        self.memory = memory = torch.frombuffer(mapping, dtype=torch.uint8)
         self.timeout_s = timeout_s
         self._peers = peers
         counters_at = _CONTROL_BYTES
         headers_at = counters_at + 2 * NUM_SLOTS * n * 8
         data_at = headers_at + NUM_SLOTS * n * _HEADER_FIELDS * 8
-        self._view = view
         self._atomics = atomics
         self._contexts: list = []
         self._arrived = [[self._counter(counters_at + ((0 * NUM_SLOTS + s) * n + r) * 8)
@@ -356,25 +361,30 @@ class _Ring:
             namespace = None
         everyone = skdist.all_gather_object((namespace, os.getpid()), group=group)
         size = cls.total_bytes(n, part_bytes)
-        offer, fd, mapping = None, None, None
-        if skdist.get_rank(group) == 0 and namespace is not None and \
-                all(ns == namespace for ns, _ in everyone) and hasattr(os, "memfd_create"):
-            fd, mapping, offer = _create(size)
+        offer, fd, mapping, why = None, None, None, None
+        if skdist.get_rank(group) == 0:
+            if namespace is None or any(ns != namespace for ns, _ in everyone):
+                why = "the ranks are not all in one pid namespace on one host"
+            elif not hasattr(os, "memfd_create"):
+                why = "this platform has no os.memfd_create"
+            else:
+                fd, mapping, offer = _create(size)
+                if offer is None:
+                    why = f"rank 0 could not create {size} bytes of anonymous shared memory"
         leader = skdist.get_global_rank(group, 0)
-        offer = skdist.broadcast_object(offer, src=leader, group=group)
+        offer, why = skdist.broadcast_object((offer, why), src=leader, group=group)
         if offer is not None and skdist.get_rank(group) != 0:
             mapping = _attach(offer, size)
         ok = skdist.all_gather_object(mapping is not None, group=group)
         if fd is not None:
             os.close(fd)  # every rank has its mapping (or gave up): the memory lives on in them
         if offer is None or not all(ok):
-            why = ("the ranks are not all in one pid namespace on one host" if offer is None
-                   else f"rank(s) {[r for r, good in enumerate(ok) if not good]} could not map "
-                        f"rank 0's shared memory")
-            return None, why
-        memory = torch.frombuffer(mapping, dtype=torch.uint8)
+            if mapping is not None:
+                mapping.close()
+            return None, why or (f"rank(s) {[r for r, good in enumerate(ok) if not good]} "
+                                 f"could not map rank 0's shared memory")
         peers = {r: pid for r, (_ns, pid) in enumerate(everyone)}
-        return cls(group, memory, memoryview(mapping), part_bytes, peers, timeout_s), None
+        return cls(group, mapping, part_bytes, peers, timeout_s), None
 
     # ------------------------------------------------------------------ issuing
 
@@ -415,13 +425,25 @@ class _Ring:
             self._contexts = []
 
     def stop(self) -> None:
-        """Finish what is queued, stop the worker and release the counters' views."""
+        """Finish what is queued, stop the worker, release the counters' views and drop the
+        memory, which is unmapped once no tensor of it is left (e.g. one from
+        ``footprint_tensors``)."""
         self._queue.put(None)
+        if threading.current_thread() is self._thread:
+            return  # dropped from inside the worker: it stops at the queued None
         self._thread.join(timeout=self.timeout_s)
-        if not self._thread.is_alive():
-            for context in self._contexts:
-                context.__exit__(None, None, None)
-            self._contexts = []
+        if self._thread.is_alive():
+            return
+        atexit.unregister(self._release_at_exit)
+        self._release_at_exit()
+        # Note: no mmap.close(): tensors made by torch.frombuffer hold no buffer export, so
+        # closing would leave any tensor still viewing the slots dangling. Each holds a
+        # reference to the mapping instead: it is unmapped when the last of them goes.
+        try:
+            self._view.release()
+        except BufferError:  # a counter's view is still exported: released with it
+            pass
+        self.memory = self._headers = self._data = self._view = self._mapping = None
 
     # ------------------------------------------------------------------ worker
 
@@ -554,3 +576,11 @@ def _alive(pid: Optional[int]) -> bool:
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+def _stop_rings(rings: dict) -> None:
+    """Stop every ring of a transport's ``{group id: (group, ring or None)}`` and forget them."""
+    for _group, ring in list(rings.values()):
+        if ring is not None:
+            ring.stop()
+    rings.clear()

@@ -256,6 +256,7 @@ def _fallback_warns_once():
         t.prepare(None)
         other = skdist.new_group([0])
         t.prepare(other)
+        SharedMemoryTransport().prepare(None)  # another transport, the same reason: silent
     x = torch.arange(4.)
     out = torch.empty(4)
     t.all_gather(out, x, None).wait()  # a world of one: through the process group
@@ -268,6 +269,72 @@ def test_unusable_shared_memory_warns_once_and_falls_back():
     assert len(messages) == 1 and "process group" in messages[0], messages
     assert correct
     assert "shared memory unavailable" in described
+
+
+def _no_memfd_on_rank0():
+    """Rank 0 cannot create anonymous shared memory: every rank falls back, and the warning
+    gives that reason (not a pid-namespace one)."""
+    import os
+    import warnings
+    from shardkit.shm_transport import SharedMemoryTransport
+    saved = os.memfd_create
+    if skdist.get_rank() == 0:
+        del os.memfd_create
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t = SharedMemoryTransport(part_bytes=4096)
+            t.prepare(None)
+    finally:
+        os.memfd_create = saved
+    out = torch.empty(4)
+    t.all_gather(out, torch.full((2,), float(skdist.get_rank())), None).wait()
+    return [str(w.message) for w in caught], out.tolist(), t.describe(None)
+
+
+def test_fallback_names_its_reason(world2):
+    for messages, out, described in world2.run(_no_memfd_on_rank0):
+        assert len(messages) == 1 and "no os.memfd_create" in messages[0], messages
+        assert out == [0.0, 0.0, 1.0, 1.0] and "shared memory unavailable" in described
+
+
+def _released():
+    """close(), or dropping the transport, stops its worker and unmaps its slots; a tensor of
+    the slots kept by the caller keeps them mapped (never dangling) until it goes."""
+    import gc
+    import threading
+    from shardkit.shm_transport import SharedMemoryTransport
+
+    def state():
+        maps = open("/proc/self/maps").read().count("memfd:shardkit-transport")
+        return maps, threading.active_count()
+
+    before = state()
+    for _ in range(3):
+        t = SharedMemoryTransport(part_bytes=4096)
+        t.prepare(None)
+        t.all_gather(torch.empty(8), torch.ones(4), None).wait()
+    del t
+    gc.collect()
+    dropped = state()
+    t = SharedMemoryTransport(part_bytes=4096)
+    t.prepare(None)
+    held = t.footprint_tensors()[0]
+    t.close()
+    t.close()
+    closed_held = state() + (int(held[32:40].sum()),)
+    del held
+    gc.collect()
+    return {"before": before, "dropped": dropped, "closed_held": closed_held,
+            "after": state()}
+
+
+def test_close_and_garbage_collection_release_the_slots(world2):
+    for r in world2.run(_released):
+        maps, threads = r["before"]
+        assert r["dropped"] == (maps, threads), r
+        assert r["closed_held"][:2] == (maps + 1, threads), r  # still mapped, worker stopped
+        assert r["after"] == (maps, threads), r
 
 
 # ---------------------------------------------------------------- dead peers
