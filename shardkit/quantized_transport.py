@@ -24,7 +24,8 @@ other one to an inner transport (the process group's own collectives by default)
 
 ``all_gather`` stays exact (delegated): FSDP uses it for master-weight gathers
 (``state_dict``, ``summon_full_params``, optimizer-state gathers), which must be lossless.
-``reduce_to_owners``, ``broadcast``, ``all_reduce`` and ``all_to_all`` are delegated too, so OSS
+``all_gather_segments``, ``reduce_to_owners``, ``broadcast``, ``all_reduce`` and
+``all_to_all`` are delegated too, so OSS
 and ShardedDataParallel behave exactly as with the inner transport.
 
 Bytes per rank per operation (``N`` ranks, ``S`` elements per rank's segment, block ``B``,
@@ -253,6 +254,10 @@ class QuantizedTransport(Transport):
     def all_gather(self, output, input, group) -> CommHandle:
         """Exact (delegated): FSDP gathers master weights with it for checkpoints."""
         return self.inner.all_gather(output, input, group)
+
+    def all_gather_segments(self, output, sizes, group) -> CommHandle:
+        """Exact (delegated): OSS's parameter sync."""
+        return self.inner.all_gather_segments(output, sizes, group)
 
     # ------------------------------------------------------------------ qgZ
 

@@ -60,7 +60,7 @@ from typing import Callable, Optional
 import torch
 
 from shardkit import distributed as skdist
-from shardkit.transport import CommHandle, ProcessGroupTransport, Transport
+from shardkit.transport import CommHandle, ProcessGroupTransport, Transport, segment_views
 
 __all__ = ["SharedMemoryTransport", "TransportError", "NUM_SLOTS"]
 
@@ -172,6 +172,31 @@ class SharedMemoryTransport(Transport):
         skdist.record_transfer("all_gather", _nbytes(input) * (n - 1), input.dtype, group)
         return ring.submit("all_gather", input.dtype, numel, ring.chunk(input.dtype), write,
                            read, start=start)
+
+    def all_gather_segments(self, output, sizes, group):
+        """Round by round, each rank writes the next part of its own segment (nothing once it
+        has run out) and reads the peers' parts of theirs."""
+        ring = self._ring(group)
+        if ring is None:
+            return self._fallback.all_gather_segments(output, sizes, group)
+        n, rank = ring.world_size, ring.rank
+        views = segment_views(output, sizes, n)
+        own = views[rank]
+
+        def write(part, lo, hi):
+            hi = min(hi, own.numel())
+            if hi > lo:
+                part[:hi - lo].copy_(own[lo:hi])
+
+        def read(parts, lo, hi):
+            for r, view in enumerate(views):
+                end = min(hi, view.numel())
+                if r != rank and end > lo:
+                    view[lo:end].copy_(parts[r][:end - lo])
+        skdist.record_transfer("all_gather", _nbytes(output) - _nbytes(own), output.dtype,
+                               group)
+        return ring.submit("all_gather", output.dtype, max(sizes), ring.chunk(output.dtype),
+                           write, read, result=lambda: output, total=output.numel())
 
     def reduce_scatter(self, input, group):
         ring = self._ring(group)

@@ -8,6 +8,7 @@ of operations the wrappers need, each asynchronous, returning a :class:`CommHand
 =====================================  ====================================================
 ``all_gather(output, input, group)``   every rank's ``input`` into ``output`` (rank-major)
 ``all_gather_chunks(fulls, chunks)``   rank ``r``'s ``chunks[i]`` into rows ``r`` of ``fulls[i]``
+``all_gather_segments(out, sizes, g)``  rank ``r``'s segment (``sizes[r]``, unequal) into ``out``
 ``reduce_scatter(input, group)``       sum of the ranks' rank-major ``input``, this rank's part
 ``reduce_scatter_chunks(ts, cs, g)``   the same for tensors ``ts`` cut into chunks ``cs``
 ``reduce_to_owners(segments, group)``  ``segments[r]`` summed over ranks, onto rank ``r``
@@ -213,6 +214,27 @@ class Transport:
             unpack_rank_major(scratch, n, list(fulls), chunk_numels=numels)
         return CommHandle((), finish)
 
+    def all_gather_segments(self, output: torch.Tensor, sizes: Sequence[int],
+                            group) -> CommHandle:
+        """Segments of unequal size: the flat ``output`` is cut into ``sizes`` (one per rank, in
+        rank order, back to back); this rank's segment must already hold its values, and every
+        other segment receives its rank's. ``wait`` returns ``output``. Wire: each rank's
+        segment to each of its ``N-1`` peers (per rank: ``(N-1) x`` its own segment sent,
+        ``output`` minus it received); no padding, no scratch. Default: one broadcast per
+        non-empty segment (equal sizes: one :meth:`all_gather`)."""
+        n, rank = skdist.get_world_size(group), skdist.get_rank(group)
+        views = segment_views(output, sizes, n)
+        if len(set(sizes)) == 1:
+            return self.all_gather(output, views[rank], group)
+        handles = [self.broadcast(view, skdist.get_global_rank(group, r), group)
+                   for r, view in enumerate(views) if view.numel()]
+
+        def finish():
+            for handle in handles:
+                handle.wait()
+            return output
+        return CommHandle((), finish)
+
     def reduce_scatter(self, input: torch.Tensor, group) -> CommHandle:
         """Sum the ranks' flat ``input`` (``N`` equal rank-major parts); ``wait`` returns this
         rank's part of the sum, a tensor of its own. ``input`` must stay unchanged until then.
@@ -334,6 +356,25 @@ class ProcessGroupTransport(Transport):
         return CommHandle(skdist.batch_isend_irecv(ops, counted_as="all_gather"),
                           completes_when_waited=True)
 
+    def all_gather_segments(self, output, sizes, group):
+        if not _uses_point_to_point(group) or len(set(sizes)) == 1:
+            return super().all_gather_segments(output, sizes, group)
+        # Note: on gloo each rank sends its segment straight into every peer's output and
+        # receives theirs in place: exactly the unpadded bytes, one batch.
+        n, rank = skdist.get_world_size(group), skdist.get_rank(group)
+        views = segment_views(output, sizes, n)
+        ops = []
+        for peer in range(n):
+            if peer == rank:
+                continue
+            global_peer = skdist.get_global_rank(group, peer)
+            if views[rank].numel():
+                ops.append(skdist.P2POp("send", views[rank], global_peer, group))
+            if views[peer].numel():
+                ops.append(skdist.P2POp("recv", views[peer], global_peer, group))
+        return CommHandle(skdist.batch_isend_irecv(ops, counted_as="all_gather"),
+                          lambda: output, completes_when_waited=True)
+
     def reduce_scatter(self, input, group):
         n = skdist.get_world_size(group)
         if input.numel() % n:
@@ -454,6 +495,15 @@ class ProcessGroupTransport(Transport):
     def all_to_all(self, output, input, group):
         return CommHandle([skdist.all_to_all_single(output, input, group=group, async_op=True)],
                           lambda: output)
+
+
+def segment_views(output: torch.Tensor, sizes: Sequence[int], n: int) -> list[torch.Tensor]:
+    """``output`` cut into ``sizes`` (one per rank); a clear error where they do not fit."""
+    sizes = list(sizes)
+    if len(sizes) != n or any(s < 0 for s in sizes) or sum(sizes) != output.numel():
+        raise ValueError(f"all_gather_segments: sizes={sizes} must be {n} non-negative sizes "
+                         f"(one per rank) summing to output's {output.numel()} elements")
+    return list(output.view(-1).split(sizes))
 
 
 def _uses_point_to_point(group) -> bool:

@@ -66,6 +66,18 @@ def _every_op(kind):
         out[f"all_to_all_{dtype}"] = all(bool((a2a_out[j * 700:(j + 1) * 700] == 10 * j + rank)
                                               .all()) for j in range(n))
     segs = [torch.full((7 + 3 * r,), float(rank + 1)) if r != 1 else None for r in range(n)]
+    sizes = [(3001 if r == 0 else 5 * r) for r in range(n)]  # unequal, one much larger
+    flat = torch.full((sum(sizes),), -1.0)
+    start = sum(sizes[:rank])
+    flat[start:start + sizes[rank]] = rank + 1.0
+    with skdist.CommCounter() as c:
+        t.all_gather_segments(flat, sizes, None).wait()
+    expected = torch.cat([torch.full((size,), r + 1.0) for r, size in enumerate(sizes)])
+    out["segments"] = (torch.equal(flat, expected), c.calls_by_op, c.bytes, sizes)
+    flat[:] = -1.0
+    flat[start:start + sizes[rank]] = rank + 1.0
+    Transport.all_gather_segments(t, flat, sizes, None).wait()  # the interface's default
+    out["segments_default"] = torch.equal(flat, expected)
     with skdist.CommCounter() as c:
         own = t.reduce_to_owners(segs, None).wait()
     out["reduce_to_owners"] = None if own is None else (own.numel(), own[0].item())
@@ -93,6 +105,9 @@ def test_every_operation_is_exact(world2, world4, kind, n):
                 assert value[0], key
                 op = key.rsplit("_", 1)[0]
                 assert value[1] == {op: 1}, (key, value)  # one record, under the op asked for
+        exact, calls, _bytes, _sizes = r["segments"]
+        assert exact and calls == {"all_gather": 1}, r["segments"]
+        assert r["segments_default"]  # one broadcast per segment
         if rank == 1:
             assert r["reduce_to_owners"] is None
         else:
@@ -183,6 +198,10 @@ def test_shared_memory_counts_what_each_rank_receives(world2, world4, n):
             assert shm[f"broadcast_bytes_{dtype}"] == (0 if rank == n - 1 else 4099 * size)
         mine = 0 if rank == 1 else 7 + 3 * rank  # rank 1 owns no segment
         assert shm["reduce_to_owners_bytes"] == (n - 1) * mine * 4, (rank, shm)
+        # unequal segments: shared memory counts what the rank receives, gloo what it sends
+        sizes = shm["segments"][3]
+        assert shm["segments"][2] == 4 * (sum(sizes) - sizes[rank])
+        assert pg["segments"][2] == 4 * (n - 1) * sizes[rank]
 
 
 def test_resolve_transport_rejects_non_transports():

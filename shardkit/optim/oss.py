@@ -69,9 +69,10 @@ class OSS(torch.optim.Optimizer):
 
     Costs (Ψ trainable parameters, N ranks, K optimizer bytes per parameter): optimizer state
     ``KΨ/N`` per rank (plus at most one parameter's worth of imbalance); parameters and
-    gradients stay full, the parameters living in the flat sync buffers (``Ψ`` plus ~1% of
-    padding on real models; the caller's parameters become views of them, in this process's own
-    memory). Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16 / bf16 with
+    gradients stay full, the parameters living in the flat sync buffers (``Ψ`` plus at most 3%
+    of padding, none where one parameter outweighs the others' shares: see
+    :mod:`shardkit.optim.param_sync`; the caller's parameters become views of them, in this
+    process's own memory). Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16 / bf16 with
     ``broadcast_fp16``), one all-gather per bucket. :meth:`clip_grad_norm`: one all-reduce of
     one element. Construction: one small all-gather of the parameter shapes.
 

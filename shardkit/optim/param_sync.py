@@ -2,11 +2,17 @@
 
 After each rank has stepped the parameters it owns, every rank needs every updated parameter.
 Instead of one broadcast per parameter, the owned parameters are laid out in *flat buckets*:
-bucket ``k`` is one buffer of ``world_size`` equal segments, segment ``r`` holding (contiguous,
-zero padded at the end) the parameters rank ``r`` owns in that bucket. The parameters are views
-into these buffers (each process's own memory), so one in-place all-gather per bucket, by the
-optimizer's transport (:mod:`shardkit.transport`), re-synchronises them with no packing or
-unpacking copy.
+bucket ``k`` is one buffer of ``world_size`` segments, segment ``r`` holding (contiguous) the
+parameters rank ``r`` owns in that bucket. The parameters are views into these buffers (each
+process's own memory), so one in-place all-gather per bucket, by the optimizer's transport
+(:mod:`shardkit.transport`), re-synchronises them with no packing or unpacking copy.
+
+Note: segments are padded to one size (one plain all-gather: NCCL's fastest) where that pads at
+most :data:`~shardkit.optim.partition.MAX_PADDING_FRACTION` of the bucket; where one owner's
+share is much larger (a parameter bigger than ``Ψ/N``, e.g. GPT-2's 38.6M-element tied
+embedding at 4 ranks, which would pad the buffer by 24%, or 2.5x at 8 ranks), the segments keep
+their own sizes and the bucket moves with :meth:`~shardkit.transport.Transport.all_gather_segments`
+(no padding in memory or on the wire).
 
 Which rank owns which parameter, and which bucket each parameter is in, is decided by
 :func:`shardkit.optim.partition.plan_ownership`; this module only lays the buckets out and moves
@@ -14,11 +20,13 @@ them, either all at once after a whole step or bucket by bucket while the next b
 stepped, and (with :meth:`ParamSync.overlap_with`) lets the last all-gathers finish during the
 next forward.
 
-Memory: the buffers replace the parameters' own storage (``Ψ`` plus the padding); with
-``broadcast_fp16`` a transient 16-bit copy of each bucket in flight (``2Ψ`` bytes at most)
+Memory: the buffers replace the parameters' own storage (``Ψ`` plus at most 3% of padding);
+with ``broadcast_fp16`` a transient 16-bit copy of each bucket in flight (``2Ψ`` bytes at most)
 lives during the sync. Communication per step per rank: ``(N-1)/N · (Ψ + padding)`` elements
 in the parameters' dtype (fp16 with ``broadcast_fp16=True``, bf16 with
-``broadcast_fp16=torch.bfloat16``: half the bytes of fp32), one all-gather per bucket.
+``broadcast_fp16=torch.bfloat16``: half the bytes of fp32), one all-gather per bucket; in an
+unpadded bucket each rank sends its own segment to its ``N-1`` peers, ``(N-1)/N`` of the
+bucket on average over the ranks.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from shardkit.transport import Transport, default_transport
-from shardkit.optim.partition import OwnershipPlan
+from shardkit.optim.partition import MAX_PADDING_FRACTION, OwnershipPlan
 
 __all__ = ["ParamSync", "FlatParamBucket", "build_buckets", "broadcast_wire_dtype"]
 
@@ -51,7 +59,8 @@ def broadcast_wire_dtype(broadcast_fp16: Union[bool, torch.dtype]) -> Optional[t
 
 
 class FlatParamBucket:
-    """One flat buffer of ``world_size`` equal segments; the parameters are views into it.
+    """One flat buffer of ``world_size`` segments (equal, or unpadded: see the module's note);
+    the parameters are views into it.
 
     Args:
         params_per_rank: for each rank, the parameters it owns in this bucket (one device and
@@ -62,9 +71,10 @@ class FlatParamBucket:
             (:func:`broadcast_wire_dtype`).
         transport: what carries the all-gather (default: the process group's collectives).
 
-    Memory: ``world_size x segment_numel`` elements (the parameters' storage). Communication
-    per :meth:`start_gather`: ``(N-1)/N`` of the buffer's bytes (half of them with
-    ``broadcast_fp16``), one all-gather; memory in flight: one 16-bit copy of the buffer.
+    Memory: ``sum(segment_numels)`` elements (the parameters' storage). Communication per
+    :meth:`start_gather`: ``(N-1)/N`` of the buffer's bytes (half of them with
+    ``broadcast_fp16``; unpadded: this rank's segment to each peer), one all-gather; memory in
+    flight: one 16-bit copy of the buffer.
     """
 
     def __init__(self, params_per_rank: Sequence[Sequence[torch.Tensor]], rank: int,
@@ -77,15 +87,17 @@ class FlatParamBucket:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.transport = transport or default_transport()
         self.params_per_rank = tuple(tuple(params) for params in params_per_rank)
-        self.segment_numel = max(sum(p.numel() for p in params) for params in params_per_rank)
+        self.segment_numels = _segment_numels(
+            [sum(p.numel() for p in params) for params in params_per_rank])
+        self._offsets = [sum(self.segment_numels[:r]) for r in range(world_size)]
         wire = broadcast_wire_dtype(broadcast_fp16)
         # only fp32 buckets are narrowed: a bf16/fp16 model already sends 2 bytes per element
         self.wire_dtype = wire if wire is not None and self.dtype == torch.float32 else None
-        self.buffer = torch.zeros(world_size * self.segment_numel, dtype=self.dtype,
+        self.buffer = torch.zeros(sum(self.segment_numels), dtype=self.dtype,
                                   device=self.device)
         self._slots = []  # (param, offset in buffer)
         for r, params in enumerate(self.params_per_rank):
-            offset = r * self.segment_numel
+            offset = self._offsets[r]
             for p in params:
                 self._slots.append((p, offset))
                 offset += p.numel()
@@ -128,8 +140,13 @@ class FlatParamBucket:
         return all(p.data_ptr() == base + offset * size and p.dtype == self.dtype
                    and p.device == self.device for p, offset in self._slots)
 
+    @property
+    def padded(self) -> bool:
+        """Whether the segments share one (padded) size: one plain all-gather moves them."""
+        return len(set(self.segment_numels)) == 1
+
     def _segment(self, buffer: torch.Tensor, r: int) -> torch.Tensor:
-        return buffer[r * self.segment_numel:(r + 1) * self.segment_numel]
+        return buffer[self._offsets[r]:self._offsets[r] + self.segment_numels[r]]
 
     def start_gather(self) -> None:
         """Launch the all-gather that brings every rank's segment here (asynchronous)."""
@@ -138,8 +155,8 @@ class FlatParamBucket:
             wire = self._half = torch.empty(self.buffer.numel(), dtype=self.wire_dtype,
                                             device=self.device)
             self._segment(wire, self.rank).copy_(self._segment(self.buffer, self.rank))
-        self._handle = self.transport.all_gather(wire, self._segment(wire, self.rank),
-                                                 self.group)
+        self._handle = self.transport.all_gather_segments(wire, self.segment_numels,
+                                                          self.group)
 
     def finish_gather(self) -> None:
         """Wait for :meth:`start_gather`; with a 16-bit wire, widen the other ranks' segments
@@ -152,6 +169,15 @@ class FlatParamBucket:
                 if r != self.rank:
                     self._segment(self.buffer, r).copy_(self._segment(self._half, r))
             self._half = None
+
+
+def _segment_numels(loads: Sequence[int]) -> tuple:
+    """Per rank, its segment's size: all the widest where that pads at most
+    MAX_PADDING_FRACTION of the bucket, else each rank's own load (no padding)."""
+    padded = len(loads) * max(loads)
+    if padded - sum(loads) <= MAX_PADDING_FRACTION * padded:
+        return (max(loads),) * len(loads)
+    return tuple(loads)
 
 
 def build_buckets(plan: OwnershipPlan, rank: int, group=None,
