@@ -123,6 +123,7 @@ class OSS(torch.optim.Optimizer):
         self._stepped_in_backward: Optional[set] = None  # buckets stepped by ShardedDDP's backward
         self._consolidated: Optional[dict] = None
         self._parked_state: dict = {}  # state of frozen parameters last owned here
+        args.check_no_shared_storage(groups, self.world_size)
         # local (no collective), so that bad hyper-parameters fail before any collective starts
         self._plan = plan_ownership(_trainable(groups), self.world_size, bucket_numel)
         self.optim = self._build_local_optimizer(groups)

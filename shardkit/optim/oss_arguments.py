@@ -102,6 +102,32 @@ def check_same_model_on_every_rank(groups: list[dict], group) -> None:
                              f"rank must build OSS over the same model")
 
 
+def check_no_shared_storage(groups: list[dict], world_size: int) -> None:
+    """Two trainable parameters whose memory overlaps (tied through ``.data``, or views of one
+    tensor) would be untied by the sync buckets, which give each parameter a place of its own:
+    refuse them with the way to tie them that OSS keeps (one Parameter object). No
+    communication; nothing to check at world size 1, where OSS keeps the storage as it is."""
+    if world_size == 1:
+        return
+    spans = []
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group["params"]):
+            if not p.requires_grad or p.numel() == 0 or p.device.type == "meta":
+                continue
+            start = p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size()
+            reach = sum((size - 1) * stride for size, stride in zip(p.shape, p.stride())) + 1
+            spans.append((start, start + reach * p.element_size(), g, i, tuple(p.shape)))
+    spans.sort()
+    for a, b in zip(spans, spans[1:]):
+        if b[0] < a[1]:
+            raise ValueError(
+                f"OSS: trainable parameters {a[3]} of param group {a[2]} (shape {a[4]}) and "
+                f"{b[3]} of param group {b[2]} (shape {b[4]}) share memory (tied through "
+                f"`.data`?); OSS's sync buffers give each parameter its own storage and would "
+                f"untie them. Tie them as one Parameter instead (`b.weight = a.weight`, as "
+                f"torch's tie_weights does)")
+
+
 def groups_of(optimizer: torch.optim.Optimizer) -> list[dict]:
     """Copies of ``optimizer``'s param-group dicts (the parameter lists are shared)."""
     return [{**g} for g in optimizer.param_groups]

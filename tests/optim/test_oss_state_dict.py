@@ -213,6 +213,29 @@ def _bad_hyper_parameters():
     return out
 
 
+def _tied_through_data():
+    """Parameters tied through ``.data`` are refused before any collective; tied as one
+    Parameter they train as in plain PyTorch."""
+    model = MLP(WIDTH, 3, seed=0)
+    model[2].weight.data = model[0].weight.data
+    with CommCounter() as comm:
+        try:
+            OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+            refused = None
+        except ValueError as error:
+            refused = (str(error), len(comm.calls))
+    model[2].weight = model[0].weight  # one Parameter: fine
+    OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    return refused
+
+
+def test_parameters_tied_through_data_are_refused(world2):
+    for message, calls in world2.run(_tied_through_data):
+        assert calls == 0
+        assert "trainable parameters 0 of param group 0" in message, message
+        assert "share memory" in message and "b.weight = a.weight" in message
+
+
 def test_bad_hyper_parameters_fail_before_any_collective(world2):
     for lr, keyword, betas in world2.run(_bad_hyper_parameters):
         assert lr == ("OSS(optim=AdamW): the optimizer refused its arguments: Invalid learning "
