@@ -160,6 +160,20 @@ def require_initialized(what: str) -> None:
             f"torch.distributed.init_process_group(...) before creating it")
 
 
+def check_group(group, what: str, argument: str = "group", pair_ok: bool = False) -> None:
+    """Raise a clear TypeError naming ``what(argument=...)`` unless ``group`` is ``None`` (the
+    default group) or a process group (with ``pair_ok``, also a tuple of them, for hybrid
+    sharding). Local: no collective."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return
+    if pair_ok and isinstance(group, tuple) and all(
+            isinstance(g, dist.ProcessGroup) for g in group):
+        return
+    pair = " or a pair (intra_node_group, inter_node_group)" if pair_ok else ""
+    raise TypeError(f"{what}({argument}={group!r}): must be a torch.distributed ProcessGroup "
+                    f"(e.g. from new_group){pair}, or None for the default group")
+
+
 def destroy() -> None:
     """Wait for every rank (a barrier), then destroy the default process group if it exists.
 

@@ -97,8 +97,10 @@ class SharedMemoryTransport(Transport):
         if not isinstance(part_bytes, int) or part_bytes < 4096 or part_bytes % 64:
             raise ValueError(f"SharedMemoryTransport(part_bytes={part_bytes!r}): must be an int "
                              f">= 4096 and a multiple of 64")
-        if not timeout_s > 0:
-            raise ValueError(f"SharedMemoryTransport(timeout_s={timeout_s!r}): must be > 0")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+                or not timeout_s > 0:
+            raise ValueError(f"SharedMemoryTransport(timeout_s={timeout_s!r}): must be a "
+                             f"number of seconds > 0")
         self.part_bytes = part_bytes
         self.timeout_s = float(timeout_s)
         self._rings: dict = {}  # id(group object) -> (group object, _Ring or None)
@@ -112,6 +114,7 @@ class SharedMemoryTransport(Transport):
         """Map the ring for ``group`` (collective: three small object collectives), or decide
         on every rank alike to fall back to the process group, warning once per process and
         reason."""
+        skdist.require_initialized("SharedMemoryTransport.prepare")
         resolved = group if group is not None else torch.distributed.group.WORLD
         if id(resolved) in self._rings:
             return
@@ -231,6 +234,9 @@ class SharedMemoryTransport(Transport):
             return self._fallback.all_reduce(tensor, group, op)
         if op != skdist.ReduceOp.SUM and op != skdist.ReduceOp.MAX:
             raise ValueError(f"SharedMemoryTransport.all_reduce(op={op}): SUM and MAX only")
+        if not tensor.is_contiguous():
+            raise ValueError(f"SharedMemoryTransport.all_reduce: the {tuple(tensor.shape)} "
+                             f"tensor must be contiguous (it is reduced in place)")
         n = ring.world_size
         flat = tensor.view(-1)
 

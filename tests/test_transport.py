@@ -204,6 +204,20 @@ def test_shared_memory_counts_what_each_rank_receives(world2, world4, n):
         assert pg["segments"][2] == 4 * (n - 1) * sizes[rank]
 
 
+@pytest.mark.parametrize("value", ["x", 0, -1.0, True])
+def test_shared_memory_timeout_must_be_positive_seconds(value):
+    from shardkit.shm_transport import SharedMemoryTransport
+    with pytest.raises(ValueError, match=r"timeout_s=.*must be a number of seconds > 0"):
+        SharedMemoryTransport(timeout_s=value)
+
+
+def test_shared_memory_needs_a_process_group():
+    from shardkit.shm_transport import SharedMemoryTransport
+    assert not skdist.is_initialized()
+    with pytest.raises(RuntimeError, match="SharedMemoryTransport.prepare needs torch.distri"):
+        SharedMemoryTransport().prepare(None)
+
+
 def test_resolve_transport_rejects_non_transports():
     assert isinstance(resolve_transport(None, "X"), ProcessGroupTransport)
     with pytest.raises(TypeError, match=r"X\(comm='nccl'\)"):

@@ -108,6 +108,7 @@ class OSS(torch.optim.Optimizer):
             raise ValueError(f"OSS(bucket_numel={bucket_numel!r}): must be a positive int or None")
         self.comm = resolve_transport(comm, "OSS")
         distributed.require_initialized("OSS")
+        distributed.check_group(group, "OSS")
         self.group = group
         self.rank = distributed.get_rank(group)
         if self.rank < 0:

@@ -213,6 +213,34 @@ def _bad_hyper_parameters():
     return out
 
 
+def _bad_groups():
+    """A group argument that is not a process group: a TypeError naming the wrapper and the
+    argument, before any collective."""
+    from shardkit.nn import FullyShardedDataParallel, ShardedDataParallel
+    out = []
+    for build in (lambda: OSS(MLP(WIDTH, 2).parameters(), group=123, lr=0.1),
+                  lambda: ShardedDataParallel(MLP(WIDTH, 2), OSS(MLP(WIDTH, 2).parameters(),
+                                                                 lr=0.1), process_group="g"),
+                  lambda: FullyShardedDataParallel(MLP(WIDTH, 2), process_group=[1, 2])):
+        with CommCounter() as comm:
+            try:
+                build()
+                out.append(None)
+            except TypeError as error:
+                out.append((str(error), len(comm.calls)))
+    return out
+
+
+def test_group_arguments_must_be_process_groups(world2):
+    for oss, sdp, fsdp in world2.run(_bad_groups):
+        assert oss == ("OSS(group=123): must be a torch.distributed ProcessGroup (e.g. from "
+                       "new_group), or None for the default group", 0)
+        assert sdp[0].startswith("ShardedDataParallel(process_group='g'): must be a torch")
+        assert fsdp[0].startswith("FullyShardedDataParallel(process_group=[1, 2]): must be")
+        assert "or a pair (intra_node_group, inter_node_group)" in fsdp[0]
+        assert fsdp[1] == 0
+
+
 def _tied_through_data():
     """Parameters tied through ``.data`` are refused before any collective; tied as one
     Parameter they train as in plain PyTorch."""

@@ -202,6 +202,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             gradient_predivide_factor=gradient_predivide_factor,
             allow_reset_parameters=allow_reset_parameters)
         skdist.require_initialized("FullyShardedDataParallel")
+        skdist.check_group(process_group, "FullyShardedDataParallel", "process_group",
+                           pair_ok=True)
         policy = resolve_mixed_precision(mixed_precision, compute_dtype, buffer_dtype,
                                          fp32_reduce_scatter)
         if device_mesh is not None:

@@ -115,6 +115,7 @@ class ShardedDataParallel(nn.Module):
                  step_in_backward: bool = False, warn_on_trainable_params_changed: bool = True):
         super().__init__()
         skdist.require_initialized("ShardedDataParallel")
+        skdist.check_group(process_group, "ShardedDataParallel", "process_group")
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedDataParallel(module=...): expected an nn.Module, got "
                             f"{type(module).__name__}")
