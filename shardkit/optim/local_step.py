@@ -5,8 +5,8 @@ and ``foreach`` both unset (``None``, torch's "you choose"), fp32 parameters on 
 no ``differentiable``, OSS chooses torch's own fused kernel for the local step: the same update
 up to rounding in the last bit, several times faster on CPU. Parameters cast to another dtype
 later (``model.to(torch.bfloat16)``) turn the choice off at the next step, for good: in 16 bits
-the fused kernel rounds differently from torch's default loop. ``OSS.fused`` reports
-the choice; it is written into the local optimizer's groups only. The public param groups and
+the fused kernel rounds differently from torch's default loop. ``OSS.fused`` reports the
+choice; it is written into the local optimizer's groups only. The public param groups and
 a consolidated state dict keep the caller's ``fused=None``, so they read (and load into a plain
 torch optimizer) exactly as that optimizer's own would (FairScale's tests compare the two).
 Set ``group["fused"] = False`` to step that group with torch's default loop from the next step
@@ -23,8 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["choose_fused", "all_fp32", "with_fused_choice", "without_fused_choice", "build_local_optimizer",
-           "steps_each_parameter_alone", "step_only", "whole_step"]
+__all__ = ["choose_fused", "all_fp32", "with_fused_choice", "without_fused_choice",
+           "build_local_optimizer", "steps_each_parameter_alone", "step_only", "whole_step"]
 
 # Optimizers whose step treats each parameter independently (state per parameter, nothing
 # shared across the group). Only these are stepped bucket by bucket.

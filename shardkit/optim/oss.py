@@ -72,19 +72,19 @@ class OSS(torch.optim.Optimizer):
     gradients stay full, the parameters living in the flat sync buffers (``Ψ`` plus at most 3%
     of padding, none where one parameter outweighs the others' shares: see
     :mod:`shardkit.optim.param_sync`; the caller's parameters become views of them, in this
-    process's own memory). Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16 / bf16 with
-    ``broadcast_fp16``), one all-gather per bucket. :meth:`clip_grad_norm`: one all-reduce of
-    one element. Construction: one small all-gather of the parameter shapes.
+    process's own memory). Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16
+    / bf16 with ``broadcast_fp16``), one all-gather per bucket. :meth:`clip_grad_norm`: one
+    all-reduce of one element. Construction: one small all-gather of the parameter shapes.
 
     Implementation: for ``SGD``, ``Adam``, ``AdamW`` and ``Adagrad`` given with ``fused`` and
     ``foreach`` unset, over fp32 parameters, the local step runs torch's own fused kernel (the
     same update up to the last bit; parameters cast to another dtype later go back to torch's
-    default loop at the next step); :attr:`fused` says so, while ``param_groups`` and consolidated state dicts keep
-    the caller's ``fused=None``, as a plain torch optimizer's would. Pass ``fused=False`` (or set
-    it in a group) to keep torch's default loop (see :mod:`shardkit.optim.local_step`). Each
-    rank's parameters are its own: in-place writes, ``model.to(dtype)`` and ``p.data = ...``
-    behave as in plain PyTorch (OSS re-lays its buckets out from the current values at the next
-    step).
+    default loop at the next step); :attr:`fused` says so, while ``param_groups`` and
+    consolidated state dicts keep the caller's ``fused=None``, as a plain torch optimizer's
+    would. Pass ``fused=False`` (or set it in a group) to keep torch's default loop (see
+    :mod:`shardkit.optim.local_step`). Each rank's parameters are its own: in-place writes,
+    ``model.to(dtype)`` and ``p.data = ...`` behave as in plain PyTorch (OSS re-lays its buckets
+    out from the current values at the next step).
 
     .. warning:: ``step``, ``clip_grad_norm``, ``consolidate_state_dict``, ``add_param_group``
        and ``refresh_trainable`` are collective: call them on every rank of ``group``.
