@@ -163,15 +163,22 @@ def require_initialized(what: str) -> None:
 def check_group(group, what: str, argument: str = "group", pair_ok: bool = False) -> None:
     """Raise a clear TypeError naming ``what(argument=...)`` unless ``group`` is ``None`` (the
     default group) or a process group (with ``pair_ok``, also a tuple of them, for hybrid
-    sharding). Local: no collective."""
-    if group is None or isinstance(group, dist.ProcessGroup):
+    sharding). torch's marker for a group this rank is not in passes, so that the caller's
+    membership check can say so. Local: no collective."""
+    if group is None or isinstance(group, dist.ProcessGroup) or _not_a_member(group):
         return
     if pair_ok and isinstance(group, tuple) and all(
-            isinstance(g, dist.ProcessGroup) for g in group):
+            isinstance(g, dist.ProcessGroup) or _not_a_member(g) for g in group):
         return
     pair = " or a pair (intra_node_group, inter_node_group)" if pair_ok else ""
     raise TypeError(f"{what}({argument}={group!r}): must be a torch.distributed ProcessGroup "
                     f"(e.g. from new_group){pair}, or None for the default group")
+
+
+def _not_a_member(group) -> bool:
+    """Whether ``group`` is what ``new_group`` returns on a rank outside it (an int marker)."""
+    marker = dist.GroupMember.NON_GROUP_MEMBER
+    return type(group) is type(marker) and group == marker
 
 
 def destroy() -> None:
