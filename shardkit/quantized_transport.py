@@ -25,8 +25,8 @@ other one to an inner transport (the process group's own collectives by default)
 ``all_gather`` stays exact (delegated): FSDP uses it for master-weight gathers
 (``state_dict``, ``summon_full_params``, optimizer-state gathers), which must be lossless.
 ``all_gather_segments``, ``reduce_to_owners``, ``broadcast``, ``all_reduce`` and
-``all_to_all`` are delegated too, so OSS
-and ShardedDataParallel behave exactly as with the inner transport.
+``all_to_all`` are delegated too, so OSS and ShardedDataParallel behave exactly as with the
+inner transport.
 
 Bytes per rank per operation (``N`` ranks, ``S`` elements per rank's segment, block ``B``,
 ``CommCounter`` records them as ``uint8``): ``(N-1) x ceil(S/B) x (B x bits/8 + 4)``, about
