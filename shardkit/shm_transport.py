@@ -15,7 +15,8 @@ copies in flight only.
 How it works. The memory is anonymous (``memfd_create``) and passed between processes through
 ``/proc/<pid>/fd``, so nothing is ever created in ``/dev/shm`` and the kernel frees it when the
 last rank exits, however it exits. A collective runs as *rounds*, one per slot-sized piece; in
-a round each rank writes its piece and a header (op, total bytes, dtype, sequence number) into
+a round each rank writes its piece and a header (op, total bytes, dtype, sequence number; a
+broadcast's source and an unequal segment layout too) into
 its part of the next slot, publishes the sequence number with an atomic store, waits until
 every rank has published, checks that every header matches its own (ranks that issued different
 collectives get an error naming both, never wrong data), reads what it needs, and marks the
@@ -55,6 +56,7 @@ import threading
 import time
 import warnings
 import weakref
+import zlib
 from typing import Callable, Optional
 
 import torch
@@ -66,7 +68,7 @@ __all__ = ["SharedMemoryTransport", "TransportError", "NUM_SLOTS"]
 
 NUM_SLOTS = 3
 _CONTROL_BYTES = 4096  # token page
-_HEADER_FIELDS = 4  # generation, op code, total bytes, dtype code
+_HEADER_FIELDS = 5  # generation, op code, total bytes, dtype code, detail (see _Ring.submit)
 _OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "reduce")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int8, torch.uint8, torch.bool)
@@ -199,7 +201,8 @@ class SharedMemoryTransport(Transport):
         skdist.record_transfer("all_gather", _nbytes(output) - _nbytes(own), output.dtype,
                                group)
         return ring.submit("all_gather", output.dtype, max(sizes), ring.chunk(output.dtype),
-                           write, read, result=lambda: output, total=output.numel())
+                           write, read, result=lambda: output, total=output.numel(),
+                           detail=_layout_code(sizes))
 
     def reduce_scatter(self, input, group):
         ring = self._ring(group)
@@ -275,7 +278,7 @@ class SharedMemoryTransport(Transport):
         skdist.record_transfer("broadcast", 0 if ring.rank == root else _nbytes(tensor),
                                tensor.dtype, group)
         return ring.submit("broadcast", tensor.dtype, flat.numel(), ring.chunk(tensor.dtype),
-                           write, read, result=lambda: tensor)
+                           write, read, result=lambda: tensor, detail=root + 1)
 
     def reduce_to_owners(self, segments, group):
         """Every rank writes its segments back to back once (no padding); owner ``r`` sums the
@@ -305,7 +308,7 @@ class SharedMemoryTransport(Transport):
         skdist.record_transfer("reduce", (n - 1) * mine * flat.element_size(), flat.dtype,
                                group)
         return ring.submit("reduce", flat.dtype, flat.numel(), ring.chunk(flat.dtype), write,
-                           read, result=lambda: out)
+                           read, result=lambda: out, detail=_layout_code(sizes))
 
     def all_to_all(self, output, input, group):
         ring = self._ring(group)
@@ -425,9 +428,12 @@ class _Ring:
 
     def submit(self, op: str, dtype: torch.dtype, numel: int, step: int,
                write: Callable, read: Callable, result: Optional[Callable] = None,
-               start: Optional[Callable] = None, total: Optional[int] = None) -> CommHandle:
+               start: Optional[Callable] = None, total: Optional[int] = None,
+               detail: int = 0) -> CommHandle:
         """Queue an operation of ``ceil(numel / step)`` rounds (at least one, so that a
-        mismatch of ops is always caught); returns its handle."""
+        mismatch of ops is always caught); returns its handle. ``detail`` goes into the header
+        with the op, so that ranks that agree on the op but not on its shape also fail: a
+        broadcast's source (rank + 1), or a code of an unequal segment layout."""
         if self._error is not None:
             raise TransportError(str(self._error))
         if dtype not in _DTYPES:
@@ -437,7 +443,7 @@ class _Ring:
         box: dict = {}
         total_bytes = (total if total is not None else numel) * \
             torch.empty((), dtype=dtype).element_size()
-        header = (_OPS.index(op) + 1, total_bytes, _DTYPES.index(dtype))
+        header = (_OPS.index(op) + 1, total_bytes, _DTYPES.index(dtype), detail)
         self._queue.put((header, op, dtype, numel, step, write, read, start, done, box))
 
         def finish():
@@ -467,6 +473,8 @@ class _Ring:
             return
         atexit.unregister(self._release_at_exit)
         self._release_at_exit()
+        if self._error is not None:  # its frames hold views of the slots: keep only the error
+            self._error = self._error.with_traceback(None)
         # Note: no mmap.close(): tensors made by torch.frombuffer hold no buffer export, so
         # closing would leave any tensor still viewing the slots dangling. Each holds a
         # reference to the mapping instead: it is unmapped when the last of them goes.
@@ -555,10 +563,19 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _describe(header) -> str:
-    code, nbytes, dtype = header
+    code, nbytes, dtype, detail = header
     op = _OPS[code - 1] if 1 <= code <= len(_OPS) else f"op #{code}"
     kind = _DTYPES[dtype] if 0 <= dtype < len(_DTYPES) else f"dtype #{dtype}"
+    if detail and op == "broadcast":
+        op = f"broadcast from group rank {detail - 1}"
+    elif detail:
+        op = f"{op} (segment layout #{detail:x})"
     return f"{op} of {nbytes} bytes of {kind}"
+
+
+def _layout_code(sizes) -> int:
+    """A code of a list of segment sizes, the same on every rank (for the header check)."""
+    return zlib.crc32(repr(list(sizes)).encode()) + 1
 
 
 def _create(size: int):

@@ -246,6 +246,35 @@ def _mismatched_ops():
     return "no error", False
 
 
+def _same_op_other_shape():
+    """Ranks that agree on the op but not on its shape: a broadcast from different sources, a
+    reduce-to-owners of different segment layouts with the same total. Each raises (one
+    transport per case: an error breaks a transport for good)."""
+    rank = skdist.get_rank()
+    cases = {"broadcast": lambda t: t.broadcast(torch.ones(8), rank, None),
+             "reduce": lambda t: t.reduce_to_owners(
+                 [torch.ones(3), torch.ones(5)] if rank == 0 else [torch.ones(5), torch.ones(3)],
+                 None)}
+    out = {}
+    for name, issue in cases.items():
+        t = _make("shared_memory")
+        t.prepare(None)
+        try:
+            issue(t).wait()
+            out[name] = "no error"
+        except RuntimeError as err:
+            out[name] = str(err)
+        t.close()
+    return out
+
+
+def test_same_op_with_another_source_or_layout_raises(world2):
+    for r in world2.run(_same_op_other_shape):
+        assert "broadcast from group rank 0" in r["broadcast"], r
+        assert "broadcast from group rank 1" in r["broadcast"], r
+        assert r["reduce"].count("reduce (segment layout #") == 2, r
+
+
 def test_mismatched_operations_raise_on_every_rank_naming_both(world2):
     for message, sticky in world2.run(_mismatched_ops):
         assert "all_gather of 256 bytes of torch.float32" in message, message
@@ -342,6 +371,7 @@ def _released():
         maps = open("/proc/self/maps").read().count("memfd:shardkit-transport")
         return maps, threading.active_count()
 
+    gc.collect()  # what earlier checks in this rank left behind
     before = state()
     for _ in range(3):
         t = SharedMemoryTransport(part_bytes=4096)
