@@ -60,7 +60,6 @@ inner transport, or to the flat exchange) and warns once per process and reason.
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Optional
 
 import torch
@@ -69,20 +68,13 @@ from shardkit import distributed as skdist
 from shardkit.kernels import (DEFAULT_BLOCK, QuantLayout, dequantize_sum, dequantize_unpack,
                               quant_layout, quantize_pack)
 from shardkit.quantized_comm import issue_reduce_scatter
-from shardkit.transport import CommHandle, Transport, resolve_transport
+from shardkit.transport import CommHandle, Transport, resolve_transport, warn_once
 
 __all__ = ["QuantizedTransport", "quantized_transport_for"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_WARNED: set = set()
 _NODE_GROUPS: dict = {}  # (group ranks, ranks per node) -> (intra, inter) or None
 _SHARED: dict = {}  # see quantized_transport_for
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _warn_if_no_saving(op: str, layout: QuantLayout, dtype: torch.dtype) -> None:
@@ -90,11 +82,11 @@ def _warn_if_no_saving(op: str, layout: QuantLayout, dtype: torch.dtype) -> None
     bytes can exceed its exact ones. It still runs quantized (the same path on every size);
     this says so once per process and operation."""
     if layout.ratio(dtype) > 1.0:
-        _warn_once(f"no-saving-{op}", f"QuantizedTransport: a quantized {op} of "
-                   f"{layout.segment_numel} {dtype} elements per rank sends "
-                   f"{layout.ratio(dtype):.2f}x the bytes of the exact values (segments are "
-                   f"padded to whole blocks of {layout.block}, plus one scale per block); "
-                   f"units this small gain nothing from quantization")
+        warn_once(f"no-saving-{op}", f"QuantizedTransport: a quantized {op} of "
+                  f"{layout.segment_numel} {dtype} elements per rank sends "
+                  f"{layout.ratio(dtype):.2f}x the bytes of the exact values (segments are "
+                  f"padded to whole blocks of {layout.block}, plus one scale per block); "
+                  f"units this small gain nothing from quantization")
 
 
 def _check_bits(name: str, value, valid) -> int:
@@ -183,9 +175,9 @@ class QuantizedTransport(Transport):
             node_major = nodes == sorted(nodes) and all(
                 nodes.count(d) == per_node for d in distinct)
             if not node_major:
-                _warn_once(f"layout{key}", f"QuantizedTransport: the group's ranks {ranks} are "
-                           f"not the same number per node in node-major order (ranks_per_node="
-                           f"{rpn}); qgZ falls back to one flat all-to-all over the group")
+                warn_once(f"layout{key}", f"QuantizedTransport: the group's ranks {ranks} are "
+                          f"not the same number per node in node-major order (ranks_per_node="
+                          f"{rpn}); qgZ falls back to one flat all-to-all over the group")
             elif per_node == 1:
                 result = None  # one rank per node: the flat exchange is already inter-node only
             else:
@@ -230,11 +222,11 @@ class QuantizedTransport(Transport):
             return self.inner.all_gather_chunks(fulls, chunks, group)
         dtypes = {t.dtype for t in list(fulls) + list(chunks)}
         if not dtypes <= set(_FLOAT_DTYPES) or len({t.dtype for t in fulls}) != 1:
-            _warn_once(f"gather{sorted(map(str, dtypes))}",
-                       f"QuantizedTransport: all_gather_chunks of {sorted(map(str, dtypes))} "
-                       f"values is not quantized (qwZ needs one of "
-                       f"{[str(d) for d in _FLOAT_DTYPES]}); sent exactly by "
-                       f"{self.inner.describe(group)}")
+            warn_once(f"gather{sorted(map(str, dtypes))}",
+                      f"QuantizedTransport: all_gather_chunks of {sorted(map(str, dtypes))} "
+                      f"values is not quantized (qwZ needs one of "
+                      f"{[str(d) for d in _FLOAT_DTYPES]}); sent exactly by "
+                      f"{self.inner.describe(group)}")
             return self.inner.all_gather_chunks(fulls, chunks, group)
         numels = [c.numel() for c in chunks]
         if sum(numels) == 0:
@@ -275,10 +267,10 @@ class QuantizedTransport(Transport):
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, not divisible "
                              f"by world size {n}")
         if input.dtype not in _FLOAT_DTYPES:
-            _warn_once(f"reduce{input.dtype}",
-                       f"QuantizedTransport: reduce_scatter of {input.dtype} values is not "
-                       f"quantized (qgZ needs one of {[str(d) for d in _FLOAT_DTYPES]}); "
-                       f"reduced exactly by {self.inner.describe(group)}")
+            warn_once(f"reduce{input.dtype}",
+                      f"QuantizedTransport: reduce_scatter of {input.dtype} values is not "
+                      f"quantized (qgZ needs one of {[str(d) for d in _FLOAT_DTYPES]}); "
+                      f"reduced exactly by {self.inner.describe(group)}")
             return self.inner.reduce_scatter(input, group)
         segment = input.numel() // n
         if segment == 0:

@@ -54,7 +54,6 @@ import queue
 import secrets
 import threading
 import time
-import warnings
 import weakref
 import zlib
 from typing import Callable, Optional
@@ -62,7 +61,8 @@ from typing import Callable, Optional
 import torch
 
 from shardkit import distributed as skdist
-from shardkit.transport import CommHandle, ProcessGroupTransport, Transport, segment_views
+from shardkit.transport import (CommHandle, ProcessGroupTransport, Transport, segment_views,
+                                warn_once)
 
 __all__ = ["SharedMemoryTransport", "TransportError", "NUM_SLOTS"]
 
@@ -73,7 +73,6 @@ _OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all",
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int8, torch.uint8, torch.bool)
 _LIVENESS_PERIOD_S = 0.25
-_WARNED: set = set()  # fallback reasons already warned about in this process
 
 
 class TransportError(RuntimeError):
@@ -122,10 +121,9 @@ class SharedMemoryTransport(Transport):
             return
         ring, why = _Ring.open(group, self.part_bytes, self.timeout_s)
         self._rings[id(resolved)] = (resolved, ring)
-        if ring is None and why not in _WARNED:
-            _WARNED.add(why)
-            warnings.warn(f"SharedMemoryTransport: {why}; these collectives use the process "
-                          f"group's own backend instead", RuntimeWarning, stacklevel=3)
+        if ring is None:
+            warn_once(f"shared-memory fallback: {why}", f"SharedMemoryTransport: {why}; these "
+                      f"collectives use the process group's own backend instead", stacklevel=4)
 
     def _ring(self, group) -> Optional["_Ring"]:
         resolved = group if group is not None else torch.distributed.group.WORLD

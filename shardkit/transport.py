@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -323,12 +324,7 @@ class ProcessGroupTransport(Transport):
         segments = output.view(n, -1)
         if segments[rank].data_ptr() != input.data_ptr():
             segments[rank].copy_(input)
-        ops = []
-        for peer in range(n):
-            if peer != rank:
-                global_peer = skdist.get_global_rank(group, peer)
-                ops.append(skdist.P2POp("send", segments[rank], global_peer, group))
-                ops.append(skdist.P2POp("recv", segments[peer], global_peer, group))
+        ops = _own_segment_to_every_peer(list(segments), rank, group)
         return CommHandle(skdist.batch_isend_irecv(ops, counted_as="all_gather"),
                           completes_when_waited=True)
 
@@ -362,16 +358,7 @@ class ProcessGroupTransport(Transport):
         # Note: on gloo each rank sends its segment straight into every peer's output and
         # receives theirs in place: exactly the unpadded bytes, one batch.
         n, rank = skdist.get_world_size(group), skdist.get_rank(group)
-        views = segment_views(output, sizes, n)
-        ops = []
-        for peer in range(n):
-            if peer == rank:
-                continue
-            global_peer = skdist.get_global_rank(group, peer)
-            if views[rank].numel():
-                ops.append(skdist.P2POp("send", views[rank], global_peer, group))
-            if views[peer].numel():
-                ops.append(skdist.P2POp("recv", views[peer], global_peer, group))
+        ops = _own_segment_to_every_peer(segment_views(output, sizes, n), rank, group)
         return CommHandle(skdist.batch_isend_irecv(ops, counted_as="all_gather"),
                           lambda: output, completes_when_waited=True)
 
@@ -504,6 +491,35 @@ def segment_views(output: torch.Tensor, sizes: Sequence[int], n: int) -> list[to
         raise ValueError(f"all_gather_segments: sizes={sizes} must be {n} non-negative sizes "
                          f"(one per rank) summing to output's {output.numel()} elements")
     return list(output.view(-1).split(sizes))
+
+
+_WARNED: set = set()  # keys warn_once has warned about in this process
+
+
+def warn_once(key: str, message: str, stacklevel: int = 3) -> None:
+    """A RuntimeWarning the first time ``key`` comes up in this process, for a transport's
+    fallback or degraded path that runs again and again. ``stacklevel`` as for
+    ``warnings.warn``, counted from here: the default points at whoever called the function
+    that calls this one."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
+
+
+def _own_segment_to_every_peer(views: Sequence[torch.Tensor], rank: int,
+                               group) -> list:
+    """The sends and receives of an in-place all-gather over ``views`` (one per rank): this
+    rank's view to every peer, every peer's into its view. Empty views move nothing."""
+    ops = []
+    for peer, view in enumerate(views):
+        if peer == rank:
+            continue
+        global_peer = skdist.get_global_rank(group, peer)
+        if views[rank].numel():
+            ops.append(skdist.P2POp("send", views[rank], global_peer, group))
+        if view.numel():
+            ops.append(skdist.P2POp("recv", view, global_peer, group))
+    return ops
 
 
 def _uses_point_to_point(group) -> bool:

@@ -256,9 +256,9 @@ def _small_unit_warns_once():
     """A unit far smaller than one block per rank: quantized, it sends more than fp32; the
     transport says so once (per operation), and still quantizes."""
     import warnings
-    import shardkit.quantized_transport as qt
-    qt._WARNED.discard("no-saving-all_gather")
-    qt._WARNED.discard("no-saving-reduce_scatter")
+    import shardkit.transport as transport
+    transport._WARNED.discard("no-saving-all_gather")
+    transport._WARNED.discard("no-saving-reduce_scatter")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = FSDP(torch.nn.Linear(8, 8), quantize_weights=True, quantize_gradients=True)
