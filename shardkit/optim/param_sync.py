@@ -140,11 +140,6 @@ class FlatParamBucket:
         return all(p.data_ptr() == base + offset * size and p.dtype == self.dtype
                    and p.device == self.device for p, offset in self._slots)
 
-    @property
-    def padded(self) -> bool:
-        """Whether the segments share one (padded) size: one plain all-gather moves them."""
-        return len(set(self.segment_numels)) == 1
-
     def _segment(self, buffer: torch.Tensor, r: int) -> torch.Tensor:
         return buffer[self._offsets[r]:self._offsets[r] + self.segment_numels[r]]
 
