@@ -218,7 +218,7 @@ class OSS(torch.optim.Optimizer):
         self._sync.wait()
         self._consolidated = None
         self._sync.rebind_if_moved()
-        if self.fused and not all_fp32(self._owned_params()):
+        if self.fused and not all_fp32(p for g in self.optim.param_groups for p in g["params"]):
             self.fused = False  # cast after construction: step as the caller's optimizer would
         self._push_hyperparameters()
         loss = None
