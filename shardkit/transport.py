@@ -189,7 +189,7 @@ class Transport:
     def lossless(self) -> "Transport":
         """The transport that moves values bit for bit: this one, or for a compressing
         transport the one it wraps. FSDP's hpZ backward gather uses it, so that backward
-        computes with exactly the weights the forward used."""
+        computes with exactly the weights the forward used. Costs nothing (an accessor)."""
         return self
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group) -> CommHandle:
@@ -485,7 +485,8 @@ class ProcessGroupTransport(Transport):
 
 
 def segment_views(output: torch.Tensor, sizes: Sequence[int], n: int) -> list[torch.Tensor]:
-    """``output`` cut into ``sizes`` (one per rank); a clear error where they do not fit."""
+    """``output`` cut into ``sizes`` (one per rank); a clear error where they do not fit.
+    Views only: no copy, no communication."""
     sizes = list(sizes)
     if len(sizes) != n or any(s < 0 for s in sizes) or sum(sizes) != output.numel():
         raise ValueError(f"all_gather_segments: sizes={sizes} must be {n} non-negative sizes "
@@ -500,7 +501,7 @@ def warn_once(key: str, message: str, stacklevel: int = 3) -> None:
     """A RuntimeWarning the first time ``key`` comes up in this process, for a transport's
     fallback or degraded path that runs again and again. ``stacklevel`` as for
     ``warnings.warn``, counted from here: the default points at whoever called the function
-    that calls this one."""
+    that calls this one. Holds one set of keys per process; no communication."""
     if key not in _WARNED:
         _WARNED.add(key)
         warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
