@@ -1,5 +1,6 @@
 """What the benchmark runner measures: the reference workloads, the torch baselines beside
-shardkit's recipes, and one training measurement on a rank.
+shardkit's recipes, and the measurement on a rank (every configuration of a workload side by side,
+stepped in interleaved rounds: :func:`measure_side_by_side`).
 
 Workloads (``benchmarks/run.py``; ``--quick`` shrinks them):
     gpt  the reference GPT (vocab 8192, 6 layers, d 512, seq 128; ~27M parameters), batch 8
@@ -393,65 +394,109 @@ def _sizes(workload: Workload, root: int, setup: TrainingSetup, config: Config,
     return Sizes(psi, padded, root, workload.global_batch * workload.boundary_numel)
 
 
-def measure(config_name: str, workload_name: str, quick: bool, warmup: int, steps: int,
-            seed: int = 0) -> dict:
-    """Build ``config_name`` on the workload, train ``warmup`` + ``steps`` steps on this rank
-    (the timed ones back to back in one window that every rank starts together and that
-    includes any parameter sync left in flight), and return the timed steps, the transport words,
-    model-state bytes (measured and the ZeRO formula), traffic per step (counted on the last
-    step and the formula) and the final loss. (Names, not objects, cross the process
-    boundary: workloads hold lambdas.)"""
-    config = CONFIG_BY_NAME[config_name]
-    workload = workloads(quick)[workload_name]
-    rank, world = distributed.get_rank(), distributed.get_world_size()
-    gc.collect()
+@dataclass
+class _Row:
+    """One configuration built by :func:`measure_side_by_side`, and what it measured."""
+
+    config: Config
+    setup: TrainingSetup
+    comm: object                  # the opt-in transport, closed after the run; None: default
+    root: int                     # parameters outside the unit classes (ZeRO-3's formula)
+    rows: slice                   # this rank's share of the global batch
+    round_times_s: list = field(default_factory=list)
+    counter: object = None        # the CommCounter of the last step
+    loss: object = None
+
+    def train(self, inputs, target) -> None:
+        with distributed.CommCounter() as counter:
+            self.loss = self.setup.train_step(inputs[self.rows], target[self.rows])
+        self.counter = counter
+
+
+def _build_row(config: Config, workload: Workload, seed: int) -> _Row:
     comm = make_transport(config.transport)
     try:
         model = workload.build(seed)
         root = root_params(workload, model)
         setup = config.setup(workload, model, comm)
-        per_rank = workload.global_batch // world if setup.data_parallel else \
-            workload.global_batch
-        lo = rank * per_rank if setup.data_parallel else 0
-        batches = [workload.batch(step) for step in range(warmup + steps)]
-        for inputs, target in batches[:warmup]:
-            distributed.barrier()
-            setup.train_step(inputs[lo:lo + per_rank], target[lo:lo + per_rank])
-        finish_pending_sync(setup.optimizer)
-        # Note: the timed steps run back to back and the window closes only once any parameter
-        # sync left in flight (OSS overlapped with the next forward) has landed, so overlap is
-        # credited only where it really overlaps the next step's work.
-        distributed.barrier()  # every rank starts the window together
-        start = time.perf_counter()
-        for inputs, target in batches[warmup:]:
-            with distributed.CommCounter() as counter:
-                loss = setup.train_step(inputs[lo:lo + per_rank], target[lo:lo + per_rank])
-        finish_pending_sync(setup.optimizer)
-        times = [(time.perf_counter() - start) / steps] * steps
-        counted = counter
-        transport_bytes = 0
-        if config.library == "shardkit":
-            measured = model_state_bytes(setup.module, setup.optimizer)
-            states, transport_bytes = measured.as_dict(), measured.transport
-            state_total = measured.total
-        else:
-            state_total, states = local_model_state_bytes(setup.module, setup.optimizer), {}
-        sizes = _sizes(workload, root, setup, config, states)
-        result = {
-            "rank": rank, "step_times_s": times, "transport": describe_transport(config, setup),
-            "transport_bytes": transport_bytes, "model_state_bytes": state_total,
-            "model_state_formula_bytes": STATES[config.states](setup.params, world),
-            "comm_bytes_per_step": counted.bytes if counted is not None else 0.0,
-            "comm_by_op": dict(counted.by_op) if counted is not None else {},
-            "comm_formula_bytes": TRAFFIC[config.traffic](sizes, rank, world) * 4,
-            "params": setup.params, "padded_params": sizes.padded,
-            "loss": None if loss is None else float(loss)}
-        del setup, model
-    finally:
+    except BaseException:
         if comm is not None:
             comm.close()
+        raise
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    per_rank = workload.global_batch // world if setup.data_parallel else workload.global_batch
+    lo = rank * per_rank if setup.data_parallel else 0
+    return _Row(config, setup, comm, root, slice(lo, lo + per_rank))
+
+
+def _results_of(row: _Row, workload: Workload) -> dict:
+    """This rank's figures of one measured row (see :func:`measure_side_by_side`)."""
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    setup, config = row.setup, row.config
+    transport_bytes = 0
+    if config.library == "shardkit":
+        measured = model_state_bytes(setup.module, setup.optimizer)
+        states, transport_bytes = measured.as_dict(), measured.transport
+        state_total = measured.total
+    else:
+        state_total, states = local_model_state_bytes(setup.module, setup.optimizer), {}
+    sizes = _sizes(workload, row.root, setup, config, states)
+    counted = row.counter
+    return {
+        "rank": rank, "round_times_s": list(row.round_times_s),
+        "transport": describe_transport(config, setup),
+        "transport_bytes": transport_bytes, "model_state_bytes": state_total,
+        "model_state_formula_bytes": STATES[config.states](setup.params, world),
+        "comm_bytes_per_step": counted.bytes if counted is not None else 0.0,
+        "comm_by_op": dict(counted.by_op) if counted is not None else {},
+        "comm_formula_bytes": TRAFFIC[config.traffic](sizes, rank, world) * 4,
+        "params": setup.params, "padded_params": sizes.padded,
+        "loss": None if row.loss is None else float(row.loss)}
+
+
+def measure_side_by_side(config_names: list, workload_name: str, quick: bool, warmup: int,
+                         rounds: int, steps: int, seed: int = 0) -> dict:
+    """Build every configuration of ``config_names`` on the workload side by side (each its own
+    model, from the same seed), train each ``warmup`` untimed steps, then time ``rounds``
+    rounds: in each, every configuration trains ``steps`` steps back to back, in an order
+    that rotates every round, in a window that every rank starts together and that closes
+    once any parameter sync left in flight has landed (overlap is credited only where it
+    really overlaps the next step's work). Every configuration sees the same batches.
+
+    Returns, on this rank, ``{config: {"round_times_s": [seconds per step, one per round],
+    "transport", model-state bytes (measured and the ZeRO formula), traffic per step
+    (counted on the last step, and the formula), "loss", ...}}``. Pairing the rows round by
+    round (seconds apart, not minutes) is what keeps their ratios steady on a shared machine.
+    (Names, not objects, cross the process boundary: workloads hold lambdas.)"""
+    workload = workloads(quick)[workload_name]
     gc.collect()
-    return result
+    rows: list = []
+    try:
+        for name in config_names:
+            rows.append(_build_row(CONFIG_BY_NAME[name], workload, seed))
+        batches = [workload.batch(step) for step in range(warmup + rounds * steps)]
+        for row in rows:
+            for inputs, target in batches[:warmup]:
+                distributed.barrier()
+                row.train(inputs, target)
+            finish_pending_sync(row.setup.optimizer)
+        timed = iter(batches[warmup:])
+        for r in range(rounds):
+            round_batches = [next(timed) for _ in range(steps)]
+            for row in rows[r % len(rows):] + rows[:r % len(rows)]:
+                distributed.barrier()  # every rank starts the window together
+                start = time.perf_counter()
+                for inputs, target in round_batches:
+                    row.train(inputs, target)
+                finish_pending_sync(row.setup.optimizer)
+                row.round_times_s.append((time.perf_counter() - start) / steps)
+        return {row.config.name: _results_of(row, workload) for row in rows}
+    finally:
+        for row in rows:
+            if row.comm is not None:
+                row.comm.close()
+        del rows
+        gc.collect()
 
 
 def finish_pending_sync(optimizer) -> None:

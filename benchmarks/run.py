@@ -1,20 +1,22 @@
 """One benchmark runner: shardkit's wrappers against torch's, measured in the same run.
 
-``python -m benchmarks.run [--quick] [--repeats 5] [--warmup 3] [--steps 4] [--out DIR]``
+``python -m benchmarks.run [--quick] [--repeats 12] [--warmup 3] [--steps 1] [--out DIR]``
 
 Starts one world of 2 gloo ranks (one thread each) with :class:`shardkit.testing.World` and,
-``repeats`` times (rounds), runs every configuration of :mod:`benchmarks.common` on every
-workload in turn (the order rotates each round, so drift on a shared machine spreads over all
-rows). Each measurement builds the model afresh, trains ``warmup`` untimed steps and ``steps``
-timed ones back to back in one window that every rank starts together and that closes once any
+per workload, builds every configuration of :mod:`benchmarks.common` side by side (each its own
+model from the same seed), trains each ``warmup`` untimed steps, then runs ``repeats`` rounds:
+in each round every configuration trains ``steps`` timed steps back to back, in an order that
+rotates every round, in a window that every rank starts together and that closes once any
 parameter sync still in flight has landed; a step lasts as long as its slowest rank's window
-divided by the steps.
-A row's time is the median over rounds of its mean step; its ratios are the medians over rounds
-of the round's time over the baseline's time in the same round (torch DDP, and the paired torch
-wrapper). Defaults: 5 rounds x (3 warm-up + 4 timed steps), i.e. 15 warm-up and 20 timed steps
-per configuration; about 11 minutes on 2 idle cores for both reference workloads. (With 3
-rounds, single rounds that a noisy neighbour slowed moved the medians by up to 0.1 between
-runs of the same code.)
+divided by the steps. (:func:`benchmarks.common.measure_side_by_side`.)
+A row's time is the median over rounds; its ratios are the medians over rounds of the round's
+time over the baseline's time in the same round (torch DDP, and the paired torch wrapper).
+Defaults: 12 rounds x 1 timed step after 3 warm-up steps, i.e. 12 timed steps per
+configuration; about 8 minutes on 2 idle cores for both reference workloads, with every GPT
+configuration in memory at once (about 5 GB per rank). A round of the GPT lasts about 20 s,
+so a row and its baseline are paired seconds apart: when each row was built and timed on its
+own, a round spanned minutes, and the per-round ratios on the shared 2-core VM scattered by
++-0.2 with load that drifted in between (`bench_slower_vm_3.md`).
 
 shardkit rows run on the default transport (the process group's collectives: gloo sockets on
 CPU), like torch's; OSS + DDP, ShardedDDP + OSS and FSDP run again with
@@ -42,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from benchmarks.common import CONFIG_BY_NAME, CONFIGS, measure, workloads
+from benchmarks.common import CONFIG_BY_NAME, CONFIGS, measure_side_by_side, workloads
 from shardkit.testing import World, WorldError
 from shardkit.utils.charts import BarGroup, write_bar_chart
 
@@ -61,58 +63,55 @@ def available(config) -> Optional[str]:
     return None
 
 
-def run_rounds(world: World, names: list, workload_names: list, args) -> dict:
-    """``{(workload, config): [per-round per-rank results] or {"error": ...}}``."""
+def run_workloads(world: World, names: list, workload_names: list, args) -> dict:
+    """``{(workload, config): per-rank results, or {"error": ...}}``: one side-by-side
+    measurement per workload (a failure marks every row of that workload)."""
     results: dict = {}
-    jobs = [(w, c) for w in workload_names for c in names]
-    for round_index in range(args.repeats):
-        shift = round_index % len(jobs)
-        for workload_name, name in jobs[shift:] + jobs[:shift]:
-            key = (workload_name, name)
-            if isinstance(results.get(key), dict):
-                continue  # failed before: do not try again
-            start = time.time()
-            try:
-                per_rank = world.run(measure, name, workload_name, args.quick, args.warmup,
-                                     args.steps)
-            except WorldError as e:
-                last = [ln for ln in str(e).splitlines() if ln.strip()][-1].strip()
-                results[key] = {"error": last[:200]}
-                print(f"  round {round_index + 1}: {workload_name:<4} {name:<24} FAILED: "
-                      f"{last[:120]}", flush=True)
-                continue
-            results.setdefault(key, []).append(per_rank)
-            print(f"  round {round_index + 1}: {workload_name:<4} {name:<24} "
-                  f"{1e3 * round_time(per_rank):9.1f} ms/step  {per_rank[0]['transport']} "
-                  f"({time.time() - start:.0f} s)", flush=True)
+    for workload_name in workload_names:
+        start = time.time()
+        try:
+            per_rank = world.run(measure_side_by_side, names, workload_name, args.quick,
+                                 args.warmup, args.repeats, args.steps)
+        except WorldError as e:
+            last = [ln for ln in str(e).splitlines() if ln.strip()][-1].strip()
+            print(f"  {workload_name}: FAILED: {last[:160]}", flush=True)
+            for name in names:
+                results[(workload_name, name)] = {"error": last[:200]}
+            continue
+        for name in names:
+            results[(workload_name, name)] = [r[name] for r in per_rank]
+            print(f"  {workload_name:<4} {name:<24} "
+                  f"{statistics.median(round_ms(results[(workload_name, name)])):9.1f} ms/step "
+                  f"(median)  {per_rank[0][name]['transport']}", flush=True)
+        print(f"  {workload_name}: {time.time() - start:.0f} s", flush=True)
     return results
 
 
-def round_time(per_rank: list) -> float:
-    """One round's seconds per step: per step the slowest rank's time, averaged."""
-    return statistics.mean(max(ts) for ts in zip(*(r["step_times_s"] for r in per_rank)))
+def round_ms(per_rank: list) -> list:
+    """Per round, milliseconds per step of the slowest rank (the step ends when all are done)."""
+    return [1e3 * max(ts) for ts in zip(*(r["round_times_s"] for r in per_rank))]
 
 
-def summarize_row(workload, config, rounds) -> dict:
-    """One row's figures from its rounds (formulas and bytes: the largest over ranks)."""
-    last = rounds[-1]
-    counted = max(r["comm_bytes_per_step"] for r in last)
-    formula = max(r["comm_formula_bytes"] for r in last)
+def summarize_row(workload, config, per_rank) -> dict:
+    """One row's figures from every rank's results (formulas and bytes: the largest over
+    ranks)."""
+    counted = max(r["comm_bytes_per_step"] for r in per_rank)
+    formula = max(r["comm_formula_bytes"] for r in per_rank)
+    rounds = round_ms(per_rank)
     return {"workload": workload.name, "config": config.name, "label": config.label,
             "stage": config.stage, "library": config.library, "baseline": config.baseline,
-            "transport": last[0]["transport"], "transport_kind": config.transport,
-            "transport_bytes": max(r["transport_bytes"] for r in last),
-            "round_ms": [1e3 * round_time(per_rank) for per_rank in rounds],
-            "ms_per_step": statistics.median(1e3 * round_time(pr) for pr in rounds),
+            "transport": per_rank[0]["transport"], "transport_kind": config.transport,
+            "transport_bytes": max(r["transport_bytes"] for r in per_rank),
+            "round_ms": rounds, "ms_per_step": statistics.median(rounds),
             "rounds": len(rounds),
-            "model_state_bytes": max(r["model_state_bytes"] for r in last),
-            "model_state_formula_bytes": max(r["model_state_formula_bytes"] for r in last),
+            "model_state_bytes": max(r["model_state_bytes"] for r in per_rank),
+            "model_state_formula_bytes": max(r["model_state_formula_bytes"] for r in per_rank),
             "comm_bytes_per_step_counted": counted if config.library == "shardkit" else None,
-            "comm_by_op": last[0]["comm_by_op"] if config.library == "shardkit" else None,
+            "comm_by_op": per_rank[0]["comm_by_op"] if config.library == "shardkit" else None,
             "comm_bytes_per_step_formula": formula,
-            "params_per_rank": max(r["params"] for r in last),
-            "padded_params": max(r["padded_params"] for r in last),
-            "final_loss": next((r["loss"] for r in last if r["loss"] is not None), None)}
+            "params_per_rank": max(r["params"] for r in per_rank),
+            "padded_params": max(r["padded_params"] for r in per_rank),
+            "final_loss": next((r["loss"] for r in per_rank if r["loss"] is not None), None)}
 
 
 def _paired_ratio(row: dict, base: Optional[dict]) -> Optional[float]:
@@ -163,10 +162,12 @@ def render_markdown(meta: dict, rows: list) -> str:
              "",
              f"`{meta['command']}` at commit `{meta['git_commit']}`, {meta['date']}; "
              f"{meta['machine']}; torch {meta['torch']}; world {WORLD_SIZE} (gloo, 1 thread per "
-             f"rank); fp32 AdamW; {meta['repeats']} interleaved rounds × ({meta['warmup']} "
-             f"warm-up + {meta['steps']} timed steps, back to back, in-flight syncs included) per "
-             f"configuration; a step lasts as long as the slowest rank; ms/step = median over rounds; ratios = median over rounds of "
-             f"the per-round ratio. Wall time {meta['wall_s'] / 60:.1f} min.",
+             f"rank); fp32 AdamW; per workload every configuration built side by side, "
+             f"{meta['warmup']} warm-up steps each, then {meta['repeats']} interleaved rounds "
+             f"(each: {meta['steps']} timed step(s) of every configuration, order rotating, "
+             f"in-flight syncs included); a step lasts as long as the slowest rank; ms/step = "
+             f"median over rounds; ratios = median over rounds of the per-round ratio. Wall "
+             f"time {meta['wall_s'] / 60:.1f} min.",
              "",
              "| workload | stage | configuration | transport | ms/step | × torch pair | "
              "× torch DDP | model states / rank | ZeRO formula | traffic / step (counted, "
@@ -248,20 +249,20 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split(
         "\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help="small models, 1 round of 1 warm-up + 2 timed steps (a smoke run)")
-    p.add_argument("--repeats", type=int, default=None, help="rounds (default 5; quick 1)")
+                   help="small models, 2 rounds of 1 timed step after 1 warm-up (a smoke run)")
+    p.add_argument("--repeats", type=int, default=None, help="rounds (default 12; quick 2)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="untimed steps per measurement (default 3; quick 1)")
+                   help="untimed steps per configuration (default 3; quick 1)")
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per measurement (default 4; quick 2)")
+                   help="timed steps per configuration and round (default 1)")
     p.add_argument("--workloads", default="gpt,mlp", help="comma-separated: gpt, mlp")
     p.add_argument("--configs", default=",".join(c.name for c in CONFIGS),
                    help="comma-separated configuration names")
     p.add_argument("--out", default=None, help="output folder")
     args = p.parse_args(argv)
-    args.repeats = args.repeats or (1 if args.quick else 5)
+    args.repeats = args.repeats or (2 if args.quick else 12)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
-    args.steps = args.steps or (2 if args.quick else 4)
+    args.steps = args.steps or 1
     args.out = args.out or ("out/bench-quick" if args.quick else "benchmarks/results")
     bad = [c for c in args.configs.split(",") if c not in CONFIG_BY_NAME]
     bad_w = [w for w in args.workloads.split(",") if w not in workloads(args.quick)]
@@ -284,7 +285,7 @@ def main(argv=None) -> int:
     print(f"benchmarks: world {WORLD_SIZE}, workloads {workload_names}, {args.repeats} rounds; "
           f"live: {', '.join(live)}" + (f"; skipped: {skipped}" if skipped else ""), flush=True)
     with World(WORLD_SIZE, timeout=900) as world:
-        results = run_rounds(world, live, workload_names, args)
+        results = run_workloads(world, live, workload_names, args)
     rows = []
     for w in workload_names:
         for c in configs:
