@@ -539,9 +539,11 @@ def any_rank(flag: bool, group=None, device=None) -> bool:
 
 
 def broadcast_tensors_from_rank0(tensors: Sequence[torch.Tensor], group=None,
-                                 chunk_bytes: int = 1 << 24) -> None:
+                                 chunk_bytes: int = 1 << 24, transport=None) -> None:
     """Overwrite ``tensors`` (parameters, buffers) on every rank of ``group`` with group rank
-    0's values, packed into flat chunks of about ``chunk_bytes`` per device and dtype.
+    0's values, packed into flat chunks of about ``chunk_bytes`` per device and dtype, each
+    broadcast by ``transport`` (a :class:`shardkit.transport.Transport`: the wrapper's
+    ``comm``) or, with ``None``, by the process group.
 
     Memory: one chunk at a time. Wire: ``(N-1)/N`` of the tensors' bytes, counted as
     broadcasts. Collective over ``group``."""
@@ -551,7 +553,10 @@ def broadcast_tensors_from_rank0(tensors: Sequence[torch.Tensor], group=None,
     mine = get_rank(group) == 0
     for chunk in _chunks_by_dtype(tensors, chunk_bytes):
         flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-        broadcast(flat, src=src, group=group)
+        if transport is None:
+            broadcast(flat, src=src, group=group)
+        else:
+            transport.broadcast(flat, src, group).wait()
         if not mine:
             offset = 0
             with torch.no_grad():

@@ -400,6 +400,68 @@ def test_close_and_garbage_collection_release_the_slots(world2):
         assert r["after"] == (maps, threads), r
 
 
+# ---------------------------------------------------------------- one road
+
+
+def _recording(kind):
+    """A transport of ``kind`` that counts the broadcasts that went through it."""
+    if kind == "shared_memory":
+        from shardkit.shm_transport import SharedMemoryTransport as base
+    else:
+        base = ProcessGroupTransport
+
+    class Recording(base):
+        broadcasts = 0
+
+        def broadcast(self, tensor, src, group):
+            self.broadcasts += 1
+            return super().broadcast(tensor, src, group)
+    return Recording()
+
+
+def _differing_model(rank: int) -> torch.nn.Module:
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    model[1].running_mean.fill_(float(rank))
+    return model
+
+
+def _start_up_syncs_take_the_transport(kind):
+    """Ranks built differently: ShardedDDP's start-up broadcast and sync_buffers(), and FSDP's
+    sync_module_states, move rank 0's values through the wrapper's ``comm=``."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import ShardedDataParallel
+    from shardkit.optim import OSS
+    rank = skdist.get_rank()
+    expected = _differing_model(0).state_dict()
+    out = {}
+    comm = _recording(kind)
+    model = _differing_model(rank)
+    sdp = ShardedDataParallel(model, OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1,
+                                         comm=comm), comm=comm)
+    out["sharded_start"] = (comm.broadcasts, all(torch.equal(v, expected[k])
+                                                 for k, v in model.state_dict().items()))
+    model[1].running_mean.fill_(float(rank) + 5)
+    before = comm.broadcasts
+    sdp.sync_buffers()
+    out["sharded_buffers"] = (comm.broadcasts - before,
+                              bool((model[1].running_mean == 5.0).all()))
+    comm.close()
+    comm = _recording(kind)
+    fsdp = FSDP(_differing_model(rank), comm=comm, sync_module_states=True)
+    state = fsdp.state_dict()
+    out["fsdp"] = (comm.broadcasts, all(torch.equal(state[k], v) for k, v in expected.items()))
+    comm.close()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["process_group", "shared_memory"])
+def test_start_up_syncs_take_the_wrappers_transport(world2, kind):
+    for out in world2.run(_start_up_syncs_take_the_transport, kind):
+        for what, (broadcasts, synced) in out.items():
+            assert broadcasts > 0 and synced, (what, out)
+
+
 # ---------------------------------------------------------------- dead peers
 
 

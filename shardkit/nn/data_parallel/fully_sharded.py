@@ -151,7 +151,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         sync_module_states: first overwrite this unit's parameters and buffers with those of
             rank 0 (of the replicas, then of the shard group), so ranks that built the module
             differently (unseeded initialisation) train one model (torch FSDP's argument; a
-            one-time broadcast of the unit, ``Ψ_u(N-1)/N``). Off by default, as in FairScale:
+            one-time broadcast of the unit by ``comm``, ``Ψ_u(N-1)/N``). Off by default, as in FairScale:
             each rank's rows are then taken from its own copy.
 
     Memory: ``Ψ_u/N`` + padding of master weights per unit, grads and optimizer state likewise;
@@ -241,7 +241,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 transport.prepare(group)
         params, locations = _collect_unit_params(module)
         if sync_module_states:
-            _sync_unit_states(module, params, groups)
+            _sync_unit_states(module, params, groups, transport)
         self._buffer_dtypes = _cast_unit_buffers(module, policy.buffer_cast_dtype())
         self._shard: Optional[FlatParamShard] = None
         if params:
@@ -684,15 +684,15 @@ def _unit_modules(module: nn.Module) -> Iterator[nn.Module]:
                                if not isinstance(c, FullyShardedDataParallel)]))
 
 
-def _sync_unit_states(module: nn.Module, params: list, groups) -> None:
+def _sync_unit_states(module: nn.Module, params: list, groups, transport) -> None:
     """Give every rank rank 0's values of the unit's parameters and of the buffers outside
-    its inner units: across the replicas first, so that each shard group's rank 0 holds global
-    rank 0's values, then inside the shard group."""
+    its inner units, by the unit's ``transport``: across the replicas first, so that each
+    shard group's rank 0 holds global rank 0's values, then inside the shard group."""
     buffers = [b for m in _unit_modules(module) for b in m._buffers.values() if b is not None]
     tensors = list(params) + list({id(b): b for b in buffers}.values())
     if groups.replicate is not None:  # None: no replicas
-        skdist.broadcast_tensors_from_rank0(tensors, groups.replicate)
-    skdist.broadcast_tensors_from_rank0(tensors, groups.shard)  # None: the world
+        skdist.broadcast_tensors_from_rank0(tensors, groups.replicate, transport=transport)
+    skdist.broadcast_tensors_from_rank0(tensors, groups.shard, transport=transport)  # None: world
 
 
 def _inner_units(module: nn.Module) -> list[FullyShardedDataParallel]:

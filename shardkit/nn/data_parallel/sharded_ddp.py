@@ -41,8 +41,9 @@ class ShardedDataParallel(nn.Module):
             ``module``; together they must cover every trainable parameter.
         process_group: the data-parallel group (default: the optimizers' group; if given, it must
             contain the same ranks as theirs).
-        broadcast_buffers: broadcast rank 0's module buffers at every forward.
-        sync_models_at_startup: broadcast rank 0's parameters and buffers at wrap time.
+        broadcast_buffers: broadcast rank 0's module buffers at every forward (by ``comm``).
+        sync_models_at_startup: broadcast rank 0's parameters and buffers at wrap time (by
+            ``comm``, like every collective of this wrapper).
         reduce_buffer_size: bucket size in bytes (in the communication dtype); ``0`` reduces
             each parameter on its own.
         auto_refresh_trainable: notice at forward when ``requires_grad`` changed (or an OSS
@@ -176,7 +177,7 @@ class ShardedDataParallel(nn.Module):
         if sync_models_at_startup and self.world_size > 1:
             skdist.broadcast_tensors_from_rank0(
                 list(module.parameters()) + list(module.buffers()), self.process_group,
-                max(self.reduce_buffer_size, 1 << 20))
+                max(self.reduce_buffer_size, 1 << 20), self.comm)
 
     # ------------------------------------------------------------------ public surface
 
@@ -218,7 +219,7 @@ class ShardedDataParallel(nn.Module):
         buffers = list(self.module.buffers())
         if buffers and self.world_size > 1:
             skdist.broadcast_tensors_from_rank0(buffers, self.process_group,
-                                               max(self.reduce_buffer_size, 1 << 20))
+                                               max(self.reduce_buffer_size, 1 << 20), self.comm)
 
     def __getattr__(self, name: str):
         """Attributes this wrapper lacks are looked up on the wrapped module (as FairScale)."""
