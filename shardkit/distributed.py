@@ -15,6 +15,7 @@ averaged over the ranks.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
 import sys
@@ -39,6 +40,7 @@ __all__ = [
     "broadcast_object", "all_gather_object", "broadcast_tensors_from_rank0", "any_rank",
     "CommCounter", "CommRecord", "ReduceOp", "destroy", "set_debug_collectives",
     "ranks_per_node", "node_of", "spans_nodes", "node_groups", "groups_of_nodes",
+    "CollectiveError", "reporting_broken_links",
 ]
 
 ReduceOp = dist.ReduceOp
@@ -47,6 +49,63 @@ _all_gather_tensor = getattr(dist, "all_gather_single", dist.all_gather_into_ten
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _VALID_BACKENDS = ("gloo", "nccl", "mpi")
+
+
+# ----------------------------------------------------------------------------- broken links
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed because its connection to a peer broke or timed out: most often a
+    peer rank died. The message names the operation, the group and this rank; ``__cause__``
+    is the backend's own error (gloo's says only "Connection reset by peer").
+    (:func:`shardkit.fault.watch_peers` names the lost rank itself.)"""
+
+
+_BROKEN_LINK_WORDS = ("connection", "reset by peer", "closed by peer", "broken pipe",
+                      "timed out", "timeout")
+
+
+def is_broken_link(error: BaseException) -> bool:
+    """Whether ``error`` says a connection broke or timed out (gloo's "Connection reset by
+    peer", a socket timeout, torch's ``DistNetworkError``), not that the call was wrong."""
+    if isinstance(error, getattr(dist, "DistNetworkError", ())):
+        return True
+    text = str(error).lower()
+    return isinstance(error, (RuntimeError, OSError)) and \
+        any(word in text for word in _BROKEN_LINK_WORDS)
+
+
+def broken_link_error(operation: str, error: BaseException) -> CollectiveError:
+    """The :class:`CollectiveError` for ``operation`` (words such as "all_gather over process
+    group (gloo), on rank 0 of 2,") failing with the backend's ``error``."""
+    return CollectiveError(
+        f"{operation} failed: the connection to a peer broke or timed out, most likely "
+        f"because a peer rank died or stopped (its own log says why; "
+        f"shardkit.fault.watch_peers() names the lost rank). The backend said: {error}")
+
+
+def operation_words(name: str, group=None, carrier: Optional[str] = None) -> str:
+    """``"<name> over <carrier>, on rank r of n (global rank g),"`` for error messages
+    (``carrier``: by default the group's backend)."""
+    try:
+        carrier = carrier or f"process group ({backend_of(group)})"
+        where = f"rank {get_rank(group)} of {get_world_size(group)} (global rank {get_rank()})"
+    except Exception:  # noqa: BLE001 - the process group itself may be gone
+        carrier, where = carrier or "the process group", "this rank"
+    return f"{name} over {carrier}, on {where},"
+
+
+@contextlib.contextmanager
+def reporting_broken_links(name: str, group=None):
+    """Inside, an error from a broken or timed-out connection becomes a
+    :class:`CollectiveError` naming ``name`` and ``group``; other errors pass unchanged.
+    Costs nothing unless something fails."""
+    try:
+        yield
+    except Exception as error:
+        if not is_broken_link(error):
+            raise
+        raise broken_link_error(operation_words(name, group), error) from error
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -526,7 +585,8 @@ def backend_of(group=None) -> str:
 def barrier(group=None) -> None:
     """Block until every rank of ``group`` reaches this point. Wire: 0 counted bytes."""
     _record("barrier", 0, group)
-    dist.barrier(group=group)
+    with reporting_broken_links("barrier", group):
+        dist.barrier(group=group)
 
 
 def any_rank(flag: bool, group=None, device=None) -> bool:
@@ -589,7 +649,8 @@ def broadcast_object(obj, src: int = 0, group=None):
     box = [obj]
     counted = comm_counter.counting() and get_rank() == src
     _record("broadcast", len(pickle.dumps(obj)) if counted else 0, group, counted=counted)
-    dist.broadcast_object_list(box, src=src, group=group)
+    with reporting_broken_links("broadcast_object", group):
+        dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 
@@ -598,5 +659,6 @@ def all_gather_object(obj, group=None) -> list:
     out = [None] * get_world_size(group)
     nbytes = len(pickle.dumps(obj)) * len(out) if comm_counter.counting() else 0
     _record("all_gather", nbytes, group)
-    dist.all_gather_object(out, obj, group=group)
+    with reporting_broken_links("all_gather_object", group):
+        dist.all_gather_object(out, obj, group=group)
     return out

@@ -29,10 +29,16 @@ plugin with the same interface for ranks on one host.
 
 ``CommCounter`` records each operation under the name of the operation asked for
 (``all_gather``, ``reduce_scatter``, ...) with the bytes the transport really puts on the wire.
+
+A connection that breaks under an operation of the process-group transport (a peer rank died,
+or timed out) raises :class:`CollectiveError`, naming the operation, the group and this rank,
+with the backend's own error as its cause (gloo's says only "Connection reset by peer").
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import queue
 import threading
 import warnings
@@ -41,6 +47,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from shardkit import distributed as skdist
+from shardkit.distributed import CollectiveError  # noqa: F401 - raised here, documented here
 from shardkit.kernels import pack_rank_major, unpack_rank_major
 from shardkit.kernels.packing import _check_chunks, chunk_of_rank
 
@@ -66,6 +73,7 @@ class CommHandle:
         self._arrived: Optional[threading.Event] = None
         self._watch_error: Optional[BaseException] = None
         self._future: Optional[torch.futures.Future] = None
+        self.describe: Optional[Callable[[], str]] = None  # the operation, for errors
 
     def watch(self) -> None:
         """Make :meth:`is_completed` a true poll for works that only complete by being waited
@@ -105,13 +113,18 @@ class CommHandle:
     def _wait_works(self) -> None:
         # Note: a gloo send/receive may be waited for only once (a second wait blocks forever),
         # so a watched handle leaves the waiting to the watcher thread.
-        if self._arrived is not None:
-            self._arrived.wait()
-            if self._watch_error is not None:
-                raise self._watch_error
-            return
-        for work in self._works:
-            work.wait()
+        try:
+            if self._arrived is not None:
+                self._arrived.wait()
+                if self._watch_error is not None:
+                    raise self._watch_error
+                return
+            for work in self._works:
+                work.wait()
+        except Exception as error:
+            if self.describe is None or not skdist.is_broken_link(error):
+                raise
+            raise skdist.broken_link_error(self.describe(), error) from error
 
     def wait(self):
         """Block until the operation has arrived and return its result (later calls return
@@ -299,6 +312,31 @@ class Transport:
         """Release what the transport holds (idempotent)."""
 
 
+def _reports_broken_links(method: Callable) -> Callable:
+    """Make ``method`` (an operation of :class:`ProcessGroupTransport`) raise
+    :class:`CollectiveError`, naming itself, where a broken connection makes it fail at launch
+    or at ``wait``. Costs nothing until then (the words are formed only on failure)."""
+    signature = inspect.signature(method)
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        group = signature.bind(self, *args, **kwargs).arguments.get("group")
+        describe = functools.partial(_words, self, method.__name__, group)
+        try:
+            handle = method(self, *args, **kwargs)
+        except Exception as error:
+            if not skdist.is_broken_link(error):
+                raise
+            raise skdist.broken_link_error(describe(), error) from error
+        handle.describe = describe
+        return handle
+    return run
+
+
+def _words(transport: "Transport", name: str, group) -> str:
+    return skdist.operation_words(name, group, transport.describe(group))
+
+
 class ProcessGroupTransport(Transport):
     """The process group's own collectives (gloo on CPU, NCCL on GPU): the default.
 
@@ -313,6 +351,7 @@ class ProcessGroupTransport(Transport):
     def describe(self, group=None) -> str:
         return f"process group ({skdist.backend_of(group)})"
 
+    @_reports_broken_links
     def all_gather(self, output, input, group):
         n, rank = skdist.get_world_size(group), skdist.get_rank(group)
         if output.numel() != n * input.numel():
@@ -328,6 +367,7 @@ class ProcessGroupTransport(Transport):
         return CommHandle(skdist.batch_isend_irecv(ops, counted_as="all_gather"),
                           completes_when_waited=True)
 
+    @_reports_broken_links
     def all_gather_chunks(self, fulls, chunks, group):
         if not _uses_point_to_point(group):
             return super().all_gather_chunks(fulls, chunks, group)
@@ -352,6 +392,7 @@ class ProcessGroupTransport(Transport):
         return CommHandle(skdist.batch_isend_irecv(ops, counted_as="all_gather"),
                           completes_when_waited=True)
 
+    @_reports_broken_links
     def all_gather_segments(self, output, sizes, group):
         if not _uses_point_to_point(group) or len(set(sizes)) == 1:
             return super().all_gather_segments(output, sizes, group)
@@ -362,6 +403,7 @@ class ProcessGroupTransport(Transport):
         return CommHandle(skdist.batch_isend_irecv(ops, counted_as="all_gather"),
                           lambda: output, completes_when_waited=True)
 
+    @_reports_broken_links
     def reduce_scatter(self, input, group):
         n = skdist.get_world_size(group)
         if input.numel() % n:
@@ -394,6 +436,7 @@ class ProcessGroupTransport(Transport):
         return CommHandle(skdist.batch_isend_irecv(ops, counted_as="reduce_scatter"), finish,
                           completes_when_waited=True)
 
+    @_reports_broken_links
     def reduce_scatter_chunks(self, tensors, chunk_numels, group, *, scale=1.0, dtype=None):
         dtype = dtype or (tensors[0].dtype if tensors else None)
         if not tensors or not _uses_point_to_point(group) or dtype.itemsize < 4 or \
@@ -438,6 +481,7 @@ class ProcessGroupTransport(Transport):
         return CommHandle(skdist.batch_isend_irecv(ops, counted_as="reduce_scatter"), finish,
                           completes_when_waited=True)
 
+    @_reports_broken_links
     def reduce_to_owners(self, segments, group):
         # Note: on NCCL a balanced bucket is one reduce-scatter (padding it costs at most 10%).
         # On gloo each rank sends segment r straight to its owner r, which sums what it
@@ -472,13 +516,16 @@ class ProcessGroupTransport(Transport):
         return CommHandle(skdist.batch_isend_irecv(ops, counted_as="reduce"), finish,
                           completes_when_waited=True)
 
+    @_reports_broken_links
     def broadcast(self, tensor, src, group):
         return CommHandle([skdist.broadcast(tensor, src=src, group=group, async_op=True)])
 
+    @_reports_broken_links
     def all_reduce(self, tensor, group, op=skdist.ReduceOp.SUM):
         return CommHandle([skdist.all_reduce(tensor, op=op, group=group, async_op=True)],
                           lambda: tensor)
 
+    @_reports_broken_links
     def all_to_all(self, output, input, group):
         return CommHandle([skdist.all_to_all_single(output, input, group=group, async_op=True)],
                           lambda: output)

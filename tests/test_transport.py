@@ -520,6 +520,29 @@ def _killed_during_wrapper_setup(kind):
     return "no error"
 
 
+def test_only_broken_links_become_collective_errors():
+    from shardkit.distributed import CollectiveError, is_broken_link, reporting_broken_links
+    from shardkit.transport import CommHandle
+    reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    assert is_broken_link(reset) and is_broken_link(TimeoutError("timed out after 30 s"))
+    assert not is_broken_link(RuntimeError("[gloo] tensors must have the same size"))
+    with pytest.raises(CollectiveError, match="barrier over .*a peer rank died") as info:
+        with reporting_broken_links("barrier"):
+            raise reset
+    assert info.value.__cause__ is reset
+    with pytest.raises(ValueError, match="bad size"):  # a wrong call is not reworded
+        with reporting_broken_links("barrier"):
+            raise ValueError("bad size")
+
+    class Broken:
+        def wait(self):
+            raise reset
+    handle = CommHandle([Broken()])
+    handle.describe = lambda: "all_gather over process group (gloo), on rank 0 of 2,"
+    with pytest.raises(CollectiveError, match="^all_gather over process group"):
+        handle.wait()
+
+
 def _survivor_report(fn, *args) -> str:
     """Run ``fn`` in a fresh world of 2 in which rank 1 is killed; return the harness's report,
     which holds what rank 0 returned (it has 5 s after rank 1's death to do so)."""
@@ -538,6 +561,9 @@ def test_a_rank_killed_mid_step_is_an_error_on_its_peer(kind):
     assert "no error" not in survivor, survivor
     if kind == "shared_memory":
         assert "rank(s) [1]" in survivor and "exited" in survivor, survivor
+    else:  # gloo says only "Connection reset by peer": the error names shardkit's operation
+        assert "CollectiveError: all_gather" in survivor and "a peer rank died" in survivor, \
+            survivor
 
 
 def test_a_rank_killed_mid_setup_is_an_error_on_its_peer():
@@ -553,3 +579,5 @@ def test_a_rank_killed_while_a_wrapper_is_built_is_an_error_on_its_peer(kind):
     assert "rank 1 exited with code -9" in text, text
     survivor = text.split("--- rank 0 returned:")[1].split("--- rank 1")[0]
     assert "no error" not in survivor, survivor
+    # OSS's first collective, the cross-rank model check, is the process group's on either kind
+    assert "CollectiveError: all_gather_object over process group" in survivor, survivor

@@ -151,8 +151,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         sync_module_states: first overwrite this unit's parameters and buffers with those of
             rank 0 (of the replicas, then of the shard group), so ranks that built the module
             differently (unseeded initialisation) train one model (torch FSDP's argument; a
-            one-time broadcast of the unit by ``comm``, ``Ψ_u(N-1)/N``). Off by default, as in FairScale:
-            each rank's rows are then taken from its own copy.
+            one-time broadcast of the unit by ``comm``, ``Ψ_u(N-1)/N``). Off by default, as in
+            FairScale: each rank's rows are then taken from its own copy.
 
     Memory: ``Ψ_u/N`` + padding of master weights per unit, grads and optimizer state likewise;
     the gathered unit (``Ψ_u`` in compute dtype) only around its forward/backward.

@@ -219,7 +219,7 @@ class ShardedDataParallel(nn.Module):
         buffers = list(self.module.buffers())
         if buffers and self.world_size > 1:
             skdist.broadcast_tensors_from_rank0(buffers, self.process_group,
-                                               max(self.reduce_buffer_size, 1 << 20), self.comm)
+                                                max(self.reduce_buffer_size, 1 << 20), self.comm)
 
     def __getattr__(self, name: str):
         """Attributes this wrapper lacks are looked up on the wrapped module (as FairScale)."""
