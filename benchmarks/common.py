@@ -467,13 +467,18 @@ def measure_side_by_side(config_names: list, workload_name: str, quick: bool, wa
     "transport", model-state bytes (measured and the ZeRO formula), traffic per step
     (counted on the last step, and the formula), "loss", ...}}``. Pairing the rows round by
     round (seconds apart, not minutes) is what keeps their ratios steady on a shared machine.
+    A configuration that raises while being built is ``{"error": ...}`` and the others run on.
     (Names, not objects, cross the process boundary: workloads hold lambdas.)"""
     workload = workloads(quick)[workload_name]
     gc.collect()
     rows: list = []
+    failed: dict = {}  # a configuration that raised while being built (on every rank alike)
     try:
         for name in config_names:
-            rows.append(_build_row(CONFIG_BY_NAME[name], workload, seed))
+            try:
+                rows.append(_build_row(CONFIG_BY_NAME[name], workload, seed))
+            except Exception as e:  # noqa: BLE001 - the row reports it; the others run on
+                failed[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
         batches = [workload.batch(step) for step in range(warmup + rounds * steps)]
         for row in rows:
             for inputs, target in batches[:warmup]:
@@ -490,7 +495,7 @@ def measure_side_by_side(config_names: list, workload_name: str, quick: bool, wa
                     row.train(inputs, target)
                 finish_pending_sync(row.setup.optimizer)
                 row.round_times_s.append((time.perf_counter() - start) / steps)
-        return {row.config.name: _results_of(row, workload) for row in rows}
+        return {**failed, **{row.config.name: _results_of(row, workload) for row in rows}}
     finally:
         for row in rows:
             if row.comm is not None:

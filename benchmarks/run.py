@@ -12,7 +12,7 @@ divided by the steps. (:func:`benchmarks.common.measure_side_by_side`.)
 A row's time is the median over rounds; its ratios are the medians over rounds of the round's
 time over the baseline's time in the same round (torch DDP, and the paired torch wrapper).
 Defaults: 12 rounds x 1 timed step after 3 warm-up steps, i.e. 12 timed steps per
-configuration; about 8 minutes on 2 idle cores for both reference workloads, with every GPT
+configuration; about 8 minutes on the slower 2-core VM for both reference workloads, with every GPT
 configuration in memory at once (about 5 GB per rank). A round of the GPT lasts about 20 s,
 so a row and its baseline are paired seconds apart: when each row was built and timed on its
 own, a round spanned minutes, and the per-round ratios on the shared 2-core VM scattered by
@@ -65,7 +65,8 @@ def available(config) -> Optional[str]:
 
 def run_workloads(world: World, names: list, workload_names: list, args) -> dict:
     """``{(workload, config): per-rank results, or {"error": ...}}``: one side-by-side
-    measurement per workload (a failure marks every row of that workload)."""
+    measurement per workload (a configuration that fails to build marks its own row; a
+    failure while training marks every row of that workload)."""
     results: dict = {}
     for workload_name in workload_names:
         start = time.time()
@@ -79,6 +80,11 @@ def run_workloads(world: World, names: list, workload_names: list, args) -> dict
                 results[(workload_name, name)] = {"error": last[:200]}
             continue
         for name in names:
+            if "error" in per_rank[0][name]:
+                results[(workload_name, name)] = per_rank[0][name]
+                print(f"  {workload_name:<4} {name:<24} FAILED: {per_rank[0][name]['error']}",
+                      flush=True)
+                continue
             results[(workload_name, name)] = [r[name] for r in per_rank]
             print(f"  {workload_name:<4} {name:<24} "
                   f"{statistics.median(round_ms(results[(workload_name, name)])):9.1f} ms/step "
