@@ -1,6 +1,7 @@
 """The transports behind the wrappers' collectives: the process group (default) and the opt-in
 shared-memory plugin. Results against plain torch.distributed, CommCounter records, mismatched
-ops, dead peers (mid-operation and mid-setup), fixed footprint, nothing left behind."""
+ops, the wrappers' start-up broadcasts on their transport, dead peers (mid-operation and
+mid-setup, with errors that name the operation), fixed footprint, nothing left behind."""
 
 import os
 import signal
