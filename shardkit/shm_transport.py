@@ -174,7 +174,7 @@ class SharedMemoryTransport(Transport):
                 dst[rank].copy_(src)
         skdist.record_transfer("all_gather", _nbytes(input) * (n - 1), input.dtype, group)
         return ring.submit("all_gather", input.dtype, numel, ring.chunk(input.dtype), write,
-                           read, start=start)
+                           read, result=lambda: output, start=start)
 
     def all_gather_segments(self, output, sizes, group):
         """Round by round, each rank writes the next part of its own segment (nothing once it

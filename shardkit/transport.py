@@ -359,13 +359,13 @@ class ProcessGroupTransport(Transport):
                              f"world size {n} x input's {input.numel()}")
         if not _uses_point_to_point(group):
             return CommHandle([skdist.all_gather_into_tensor(output, input, group=group,
-                                                             async_op=True)])
+                                                             async_op=True)], lambda: output)
         segments = output.view(n, -1)
         if segments[rank].data_ptr() != input.data_ptr():
             segments[rank].copy_(input)
         ops = _own_segment_to_every_peer(list(segments), rank, group)
         return CommHandle(skdist.batch_isend_irecv(ops, counted_as="all_gather"),
-                          completes_when_waited=True)
+                          lambda: output, completes_when_waited=True)
 
     @_reports_broken_links
     def all_gather_chunks(self, fulls, chunks, group):
@@ -518,7 +518,8 @@ class ProcessGroupTransport(Transport):
 
     @_reports_broken_links
     def broadcast(self, tensor, src, group):
-        return CommHandle([skdist.broadcast(tensor, src=src, group=group, async_op=True)])
+        return CommHandle([skdist.broadcast(tensor, src=src, group=group, async_op=True)],
+                          lambda: tensor)
 
     @_reports_broken_links
     def all_reduce(self, tensor, group, op=skdist.ReduceOp.SUM):

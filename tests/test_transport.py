@@ -170,6 +170,36 @@ def test_reduce_scatter_of_chunks_is_exact_with_padded_bytes(world2, world4, kin
         assert "chunk_numels[0]=1" in r["error"] and "ceil(9 / " in r["error"], r["error"]
 
 
+def _what_wait_returns(kind):
+    """Each operation's ``wait()`` result, against what the interface documents."""
+    t = _make(kind)
+    t.prepare(None)
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    x = torch.full((6,), float(rank))
+    out = torch.empty(6 * n)
+    got = {"all_gather": t.all_gather(out, x, None).wait() is out}
+    segments = torch.zeros(3 * n + 1)
+    sizes = [3] * n
+    sizes[-1] += 1  # unequal
+    got["all_gather_segments"] = t.all_gather_segments(segments, sizes, None).wait() is segments
+    b = torch.full((5,), float(rank))
+    got["broadcast"] = t.broadcast(b, 0, None).wait() is b
+    a = torch.ones(5)
+    got["all_reduce"] = t.all_reduce(a, None).wait() is a
+    o = torch.empty(2 * n)
+    got["all_to_all"] = t.all_to_all(o, torch.ones(2 * n), None).wait() is o
+    part = t.reduce_scatter(torch.ones(2 * n), None).wait()
+    got["reduce_scatter"] = isinstance(part, torch.Tensor) and part.numel() == 2
+    t.close()
+    return got
+
+
+@pytest.mark.parametrize("kind", ["process_group", "shared_memory"])
+def test_wait_returns_what_the_interface_documents(world2, kind):
+    for got in world2.run(_what_wait_returns, kind):
+        assert all(got.values()), got
+
+
 def test_bytes_recorded_are_what_moves(world2):
     r = world2.run(_every_op, "process_group")[0]
     numel, fp32 = 3001, 4
