@@ -1,0 +1,68 @@
+"""``benchmarks/run.py`` and ``benchmarks.common.measure_side_by_side`` on the quick workloads in
+one world of 2: every configuration timed once per round, shardkit's counted bytes and model
+states at their formulas, a configuration that cannot be built reported on its own row, and the
+ratios paired round by round. No timing is asserted."""
+
+import dataclasses
+
+import pytest
+
+from benchmarks import common, run
+from shardkit.testing import world_fixture
+
+world2 = world_fixture(2)
+CONFIGS = ["torch_ddp", "shardkit_oss", "shardkit_sharded", "shardkit_fsdp", "cannot_build"]
+
+
+def _refuse(workload, model, comm=None):
+    raise RuntimeError("this configuration cannot be built")
+
+
+def _measure():
+    common.CONFIG_BY_NAME["cannot_build"] = dataclasses.replace(
+        common.CONFIG_BY_NAME["torch_ddp"], name="cannot_build", setup=_refuse)
+    return common.measure_side_by_side(CONFIGS, "mlp", quick=True, warmup=1, rounds=3, steps=1)
+
+
+@pytest.fixture(scope="module")
+def measured(world2):
+    return world2.run(_measure)
+
+
+def test_every_configuration_is_timed_once_per_round(measured):
+    for per_rank in measured:
+        for name in CONFIGS[:-1]:
+            times = per_rank[name]["round_times_s"]
+            assert len(times) == 3 and all(t > 0 for t in times), (name, times)
+
+
+def test_counted_bytes_and_states_are_at_the_formulas(measured):
+    for per_rank in measured:
+        for name in ("shardkit_oss", "shardkit_sharded", "shardkit_fsdp"):
+            r = per_rank[name]
+            assert r["comm_bytes_per_step"] == pytest.approx(r["comm_formula_bytes"], rel=0.05)
+            assert r["model_state_bytes"] == pytest.approx(r["model_state_formula_bytes"],
+                                                           rel=0.01)
+            assert r["transport"] == "process group (gloo)"
+
+
+def test_a_configuration_that_cannot_be_built_fails_alone(measured):
+    for per_rank in measured:
+        assert per_rank["cannot_build"] == {
+            "error": "RuntimeError: this configuration cannot be built"}
+
+
+def test_rows_are_paired_with_their_baselines_round_by_round(measured):
+    workload = common.workloads(True)["mlp"]
+    rows = [run.summarize_row(workload, common.CONFIG_BY_NAME[name],
+                              [per_rank[name] for per_rank in measured])
+            for name in CONFIGS[:-1]]
+    run.add_ratios(rows)
+    by_name = {r["config"]: r for r in rows}
+    ddp, oss = by_name["torch_ddp"], by_name["shardkit_oss"]
+    assert ddp["ratio_to_ddp"] == 1.0
+    expected = sorted(t / b for t, b in zip(oss["round_ms"], ddp["round_ms"]))[1]
+    assert oss["ratio_to_ddp"] == pytest.approx(expected)
+    slowest = [max(ts) * 1e3 for ts in zip(*(p["shardkit_oss"]["round_times_s"]
+                                              for p in measured))]
+    assert oss["round_ms"] == pytest.approx(slowest)  # a step lasts as long as the slowest rank
