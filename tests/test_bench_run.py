@@ -63,6 +63,6 @@ def test_rows_are_paired_with_their_baselines_round_by_round(measured):
     assert ddp["ratio_to_ddp"] == 1.0
     expected = sorted(t / b for t, b in zip(oss["round_ms"], ddp["round_ms"]))[1]
     assert oss["ratio_to_ddp"] == pytest.approx(expected)
-    slowest = [max(ts) * 1e3 for ts in zip(*(p["shardkit_oss"]["round_times_s"]
-                                              for p in measured))]
+    per_rank_times = [p["shardkit_oss"]["round_times_s"] for p in measured]
+    slowest = [max(ts) * 1e3 for ts in zip(*per_rank_times)]
     assert oss["round_ms"] == pytest.approx(slowest)  # a step lasts as long as the slowest rank
