@@ -132,6 +132,7 @@ class CommHandle:
         if not self._done:
             self._wait_works()
             self._works = []
+            self.describe = None  # it holds the operation's arguments; only failures read it
             self._result = self._finish() if self._finish is not None else None
             self._finish = None  # its closure may hold the operation's inputs and scratch
             self._done = True
@@ -320,8 +321,8 @@ def _reports_broken_links(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        group = signature.bind(self, *args, **kwargs).arguments.get("group")
-        describe = functools.partial(_words, self, method.__name__, group)
+        # the arguments are bound to find the group only on failure: this runs on every call
+        describe = functools.partial(_words, signature, method.__name__, self, args, kwargs)
         try:
             handle = method(self, *args, **kwargs)
         except Exception as error:
@@ -333,7 +334,9 @@ def _reports_broken_links(method: Callable) -> Callable:
     return run
 
 
-def _words(transport: "Transport", name: str, group) -> str:
+def _words(signature: inspect.Signature, name: str, transport: "Transport", args: tuple,
+           kwargs: dict) -> str:
+    group = signature.bind(transport, *args, **kwargs).arguments.get("group")
     return skdist.operation_words(name, group, transport.describe(group))
 
 
