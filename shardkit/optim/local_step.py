@@ -24,7 +24,8 @@ from typing import Callable, Optional
 import torch
 
 __all__ = ["choose_fused", "all_fp32", "with_fused_choice", "without_fused_choice",
-           "build_local_optimizer", "steps_each_parameter_alone", "step_only", "whole_step"]
+           "build_local_optimizer", "steps_each_parameter_alone", "step_only", "fused_sgd_calls",
+           "whole_step"]
 
 # Optimizers whose step treats each parameter independently (state per parameter, nothing
 # shared across the group). Only these are stepped bucket by bucket.
@@ -98,7 +99,43 @@ def step_only(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
               step_kwargs: dict) -> None:
     """Step ``params`` only: each param group's list is narrowed to them for the call and put
     back after. No parameter or gradient is touched beyond the step itself, so another thread
-    may go on using the others (ShardedDDP / DDP backward while a bucket is stepped). No copy."""
+    may go on using the others (ShardedDDP / DDP backward while a bucket is stepped). No copy.
+    Fused SGD with momentum takes its first-time parameters in a call of their own
+    (:func:`fused_sgd_calls`)."""
+    for subset in fused_sgd_calls(optimizer, params):
+        _step_narrowed(optimizer, subset, step_kwargs)
+
+
+def fused_sgd_calls(optimizer: torch.optim.Optimizer,
+                    params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` split into the calls a step must make: one, except for torch's fused SGD
+    with momentum, whose kernel treats a call as a first step only when *no* parameter in it
+    has a momentum buffer yet, and fails on a mix. A parameter that gets its first gradient
+    after the others' first step (unused until now, or made trainable later) is then stepped
+    in a call of its own, as torch's default loop steps each parameter: same update."""
+    if not _has_fused_momentum_sgd(optimizer):
+        return [params]
+    fused_momentum = {id(p) for g in _fused_momentum_groups(optimizer) for p in g["params"]}
+    first, other = [], []
+    for p in params:
+        new = (id(p) in fused_momentum and p.grad is not None
+               and optimizer.state.get(p, {}).get("momentum_buffer") is None)
+        (first if new else other).append(p)
+    return [subset for subset in (first, other) if subset] if first else [params]
+
+
+def _fused_momentum_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    if not isinstance(optimizer, torch.optim.SGD):
+        return []
+    return [g for g in optimizer.param_groups if g.get("fused") and g.get("momentum", 0) != 0]
+
+
+def _has_fused_momentum_sgd(optimizer: torch.optim.Optimizer) -> bool:
+    return bool(_fused_momentum_groups(optimizer))
+
+
+def _step_narrowed(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
+                   step_kwargs: dict) -> None:
     keep = {id(p) for p in params}
     saved = [g["params"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
@@ -112,7 +149,17 @@ def step_only(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
 
 def whole_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable],
                step_kwargs: dict):
-    """One ordinary step of every owned parameter; returns what the optimizer returns."""
+    """One ordinary step of every owned parameter; returns what the optimizer returns.
+    Fused SGD (whose step calls the closure once, first) evaluates the closure here and then
+    steps as :func:`step_only` does, so that first-time parameters are stepped apart."""
+    if _has_fused_momentum_sgd(optimizer):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        step_only(optimizer, [p for g in optimizer.param_groups for p in g["params"]],
+                  step_kwargs)
+        return loss
     if closure is not None:
         return optimizer.step(closure=closure, **step_kwargs)
     return optimizer.step(**step_kwargs)

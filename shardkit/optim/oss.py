@@ -184,8 +184,8 @@ class OSS(torch.optim.Optimizer):
     def partition_parameters(self) -> list[list[dict]]:
         """Per rank, its param groups (hyper-parameters and the parameters it owns), FairScale's
         layout. Costs nothing."""
-        return [[{**_hyper(g), "params": owned} for g, owned in zip(self.param_groups,
-                                                                   self._owned_per_group(r))]
+        return [[{**_hyper(g), "params": owned}
+                 for g, owned in zip(self.param_groups, self._owned_per_group(r))]
                 for r in range(self.world_size)]
 
     @property
@@ -218,8 +218,7 @@ class OSS(torch.optim.Optimizer):
         self._sync.wait()
         self._consolidated = None
         self._sync.rebind_if_moved()
-        if self.fused and not all_fp32(p for g in self.optim.param_groups for p in g["params"]):
-            self.fused = False  # cast after construction: step as the caller's optimizer would
+        self._settle_fused_choice()
         self._push_hyperparameters()
         loss = None
         if closure is None and self._sync.buckets and steps_each_parameter_alone(self.optim):
@@ -229,6 +228,16 @@ class OSS(torch.optim.Optimizer):
             self._sync.sync_all()
         self._pull_hyperparameters()
         return loss
+
+    def _settle_fused_choice(self) -> None:
+        """Turn OSS's own choice of the fused kernel off, for good, where it would no longer
+        step as the caller's optimizer does: parameters cast to 16 bits after construction, or
+        sparse gradients (``nn.Embedding(sparse=True)``), which torch's fused kernels refuse."""
+        if not self.fused:
+            return
+        params = [p for g in self.optim.param_groups for p in g["params"]]
+        if not all_fp32(params) or any(p.grad is not None and p.grad.is_sparse for p in params):
+            self.fused = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every parameter of every group (owned or not)."""
@@ -387,6 +396,7 @@ class OSS(torch.optim.Optimizer):
     def _begin_step_in_backward(self) -> None:
         self._check_trainable_covered()
         self._consolidated = None
+        self._settle_fused_choice()
         self._push_hyperparameters()
         self._sync.rebind_if_moved()
         self._stepped_in_backward = set()

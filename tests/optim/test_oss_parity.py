@@ -41,8 +41,8 @@ def _model(frozen: bool):
     return model
 
 
-def _groups(model, two_groups: bool, lr: float):
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+def _groups(model, two_groups: bool, lr: float, with_frozen: bool = False):
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad or with_frozen]
     if not two_groups:
         return [{"params": [p for _, p in trainable]}]
     weights = [p for n, p in trainable if n.endswith("weight")]
@@ -60,16 +60,19 @@ def _global_batch(step: int, world: int):
 
 def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, schedule=False,
                 takeover=False, scaler=False, owners_only_grads=False, closure=False,
-                broadcast_fp16=False, comm=None):
+                broadcast_fp16=False, comm=None, unfreeze_at=None):
     """Train DDP+OSS and the single-process oracle side by side; return the max difference
-    over all steps (parameters compared after every step)."""
+    over all steps (parameters compared after every step). ``unfreeze_at``: the frozen layer
+    (in the optimizers' groups from the start) becomes trainable before that step, and gets
+    its first gradient while the others already have optimizer state."""
     rank, world = distributed.get_rank(), distributed.get_world_size()
     oracle, model = _model(frozen), _model(frozen)
-    ref_opt = optim_cls(_groups(oracle, two_groups, hyper["lr"]), **hyper)
+    with_frozen = unfreeze_at is not None
+    ref_opt = optim_cls(_groups(oracle, two_groups, hyper["lr"], with_frozen), **hyper)
     if takeover:
         opt = OSS(optim_cls(_groups(model, two_groups, hyper["lr"]), **hyper))
     else:
-        opt = OSS(_groups(model, two_groups, hyper["lr"]), optim=optim_cls,
+        opt = OSS(_groups(model, two_groups, hyper["lr"], with_frozen), optim=optim_cls,
                   broadcast_fp16=broadcast_fp16, comm=_transport(comm), **hyper)
     ddp = model if owners_only_grads else DDP(model)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 3, 0.5) if schedule else None
@@ -77,6 +80,10 @@ def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, sc
     grad_scaler = _make_scaler(scaler)
     worst = 0.0
     for step in range(STEPS):
+        if step == unfreeze_at:
+            for m in (oracle, model):
+                m[2].requires_grad_(True)
+            opt.refresh_trainable()
         x, y = _global_batch(step, world)
         local = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
 
@@ -162,6 +169,12 @@ CONFIGS = {
     "sgd_momentum": dict(opt=SGD_MOMENTUM),
     "sgd_momentum_clip": dict(opt=SGD_MOMENTUM, clip=(0.05, 2.0)),
     "sgd_closure": dict(opt=SGD_MOMENTUM, closure=True),
+    # a parameter's first gradient arrives after the others have momentum buffers (torch's
+    # fused SGD kernel, which OSS chooses, cannot take such a mix in one call)
+    "sgd_momentum_unfreeze_later": dict(opt=SGD_MOMENTUM, owners_only_grads=True, unfreeze_at=4),
+    "sgd_closure_unfreeze_later": dict(opt=SGD_MOMENTUM, owners_only_grads=True, closure=True,
+                                       unfreeze_at=4),
+    "adamw_unfreeze_later": dict(opt=ADAMW, owners_only_grads=True, unfreeze_at=4),
 }
 
 
@@ -172,6 +185,7 @@ def _run_grid(names):
         optim_cls, hyper = cfg.pop("opt")
         out[name] = _train_pair(optim_cls, hyper, **cfg)
     out["fused_adamw"] = _fused_adamw_parity()
+    out["sparse_embedding_sgd"] = _sparse_embedding_parity()
     out["broadcast_fp16"] = _train_pair(*ADAMW, broadcast_fp16=True)
     out["inf_skips_everywhere"] = _overflow_on_one_rank_skips_on_all()
     return out
@@ -197,6 +211,28 @@ def _overflow_on_one_rank_skips_on_all():
     return unchanged and scaler.get_scale() == 2.0 ** 9
 
 
+def _sparse_embedding_parity():
+    """SGD with momentum over an ``nn.Embedding(sparse=True)``: torch's fused kernel (OSS's
+    choice) refuses sparse gradients, so the step must fall back to torch's loop, not fail.
+    Every rank takes the whole batch, so no gradient needs averaging."""
+    def build():
+        torch.manual_seed(5)
+        return torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 3))
+    oracle, model = build(), build()
+    ref_opt = torch.optim.SGD(oracle.parameters(), **SGD_MOMENTUM[1])
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, **SGD_MOMENTUM[1])
+    worst = 0.0
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randint(0, 50, (16,), generator=gen), torch.randn(16, 3, generator=gen)
+        for m, o in ((oracle, ref_opt), (model, opt)):
+            o.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            o.step()
+        worst = max(worst, max_diff(model, oracle))
+    return worst if not opt.fused else float("inf")
+
+
 def _fused_adamw_parity():
     from shardkit.optim import FusedAdamW
     return _train_pair(FusedAdamW, {"lr": 1e-2, "weight_decay": 0.01}, clip=(0.05, 2.0))
@@ -211,7 +247,7 @@ def grid2(world2):
     return results[0], results
 
 
-WORLD1 = ["adamw", "adamw_process_group", "adamw_shared_memory"]
+WORLD1 = ["adamw", "adamw_process_group", "adamw_shared_memory", "sgd_momentum_unfreeze_later"]
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +259,7 @@ def grid1(world1):
 @pytest.fixture(scope="module")
 def grid4(world4):
     names = ["adamw", "adamw_clip_l2", "adamw_shared_memory", "sgd_momentum_clip",
-             "adamw_owner_grads_only"]
+             "adamw_owner_grads_only", "sgd_momentum_unfreeze_later"]
     results = world4.run(_run_grid, names)
     return results[0], results
 
@@ -242,7 +278,8 @@ def test_parity_world2(grid2, name):
 
 
 @pytest.mark.parametrize("name", ["adamw", "adamw_clip_l2", "adamw_shared_memory",
-                                  "sgd_momentum_clip", "adamw_owner_grads_only"])
+                                  "sgd_momentum_clip", "adamw_owner_grads_only",
+                                  "sgd_momentum_unfreeze_later"])
 def test_parity_world4(grid4, name):
     first, every = grid4
     assert all(r[name] == first[name] for r in every), "ranks disagree"
@@ -252,6 +289,11 @@ def test_parity_world4(grid4, name):
 def test_parity_fused_adamw(grid2, grid4):
     for first, _ in (grid2, grid4):
         assert first["fused_adamw"] <= TOL
+
+
+def test_sparse_gradients_step_with_torchs_loop(grid1, grid2):
+    for first, _ in (grid1, grid2):
+        assert first["sparse_embedding_sgd"] <= TOL
 
 
 def test_overflow_on_one_rank_skips_the_step_on_every_rank(grid2, grid4):
