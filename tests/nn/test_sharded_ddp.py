@@ -7,7 +7,6 @@ step. One grid of configurations runs inside one world per size.
 
 import contextlib
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -61,6 +60,8 @@ def _uses_branch(cfg: dict, step: int, rank: int) -> bool:
         return False
     if mode == "on_rank0":  # data-dependent: rank 0 skips it, the others use it
         return rank != 0
+    if mode == "before_step_4":
+        return step >= 4
     return True
 
 
@@ -85,13 +86,16 @@ def _sharded_step(model, optimizer, cfg, step, rank):
         optimizer.zero_grad(set_to_none=False)
     else:
         optimizer.zero_grad()  # torch's default: set_to_none=True
+    manual = cfg.get("manual_reduce", 0)
     for micro in range(micro_batches):
         x, y = _batch(step, rank, micro)
         last = micro == micro_batches - 1
-        accumulate_locally = not last and not cfg.get("no_no_sync")
+        accumulate_locally = (not last or manual) and not cfg.get("no_no_sync")
         with model.no_sync() if accumulate_locally else contextlib.nullcontext():
             out = model(x, use_branch=_uses_branch(cfg, step, rank))
             (F.mse_loss(out, y) / micro_batches).backward()
+    for _ in range(manual):  # FairScale's manual reduction; a second call changes nothing
+        model.reduce()
     owned = {id(p) for p in optimizer.owned_params()}
     for p in model.parameters():
         if p.grad is not None and id(p) not in owned:
@@ -110,28 +114,28 @@ def _build(cfg, rank):
     lr, wd = 1e-2, 0.05
     ref = Net(seed=0)
     model = Net(seed=0 if not cfg.get("rank_seeds") else rank)  # startup sync fixes rank seeds
-    if cfg.get("freeze") == "always":
+    if cfg.get("freeze") in ("always", "until_step_3"):
         for m in (ref, model):
             m.hidden.requires_grad_(False)
     if cfg.get("checkpoint"):  # recomputation inside backward must not disturb the buckets
         from shardkit.nn.checkpoint import checkpoint_wrapper
         checkpoint_wrapper(model.hidden)
         checkpoint_wrapper(model.branch)
-    ref_opt = torch.optim.AdamW(_param_groups(ref, cfg.get("two_groups", False)), lr=lr,
-                                weight_decay=wd)
+    optim_cls, hyper = ((torch.optim.SGD, {"lr": lr, "momentum": 0.9, "weight_decay": wd})
+                        if cfg.get("optim") == "sgd_momentum"
+                        else (torch.optim.AdamW, {"lr": lr, "weight_decay": wd}))
+    ref_opt = optim_cls(_param_groups(ref, cfg.get("two_groups", False)), **hyper)
     comm = _transport(cfg.get("comm"))
     if cfg.get("two_optimizers"):
         first = OSS([*model.inp.parameters(), *model.hidden.parameters()],
-                    optim=torch.optim.AdamW, lr=lr, weight_decay=wd, comm=comm,
-                    bucket_numel=cfg.get("sync_bucket"))
+                    optim=optim_cls, comm=comm, bucket_numel=cfg.get("sync_bucket"), **hyper)
         second = OSS([*model.branch.parameters(), *model.out.parameters()],
-                     optim=torch.optim.AdamW, lr=lr, weight_decay=wd, comm=comm,
-                     bucket_numel=cfg.get("sync_bucket"))
+                     optim=optim_cls, comm=comm, bucket_numel=cfg.get("sync_bucket"), **hyper)
         optimizers = [first, second]
     else:
         optimizers = [OSS(_param_groups(model, cfg.get("two_groups", False)),
-                          optim=torch.optim.AdamW, lr=lr, weight_decay=wd, comm=comm,
-                          bucket_numel=cfg.get("sync_bucket"))]
+                          optim=optim_cls, comm=comm, bucket_numel=cfg.get("sync_bucket"),
+                          **hyper)]
     wrapped = ShardedDataParallel(model, optimizers if len(optimizers) > 1 else optimizers[0],
                                   reduce_buffer_size=cfg.get("bucket", 2 ** 23), comm=comm,
                                   max_inflight_bytes=cfg.get("inflight", 2 ** 26),
@@ -163,6 +167,9 @@ def _run_parity(cfg: dict) -> float:
         if cfg.get("freeze") == "at_step_5" and step == 5:
             for m in (ref, model.module):
                 m.hidden.requires_grad_(False)
+        if cfg.get("freeze") == "until_step_3" and step == 3:  # first gradient comes late
+            for m in (ref, model.module):
+                m.hidden.requires_grad_(True)
         _reference_step(ref, ref_opt, cfg, step, world_size)
         _sharded_step(model, optimizer, cfg, step, rank)
         if cfg.get("step_in_backward"):
@@ -197,6 +204,11 @@ CONFIGS = {
     "unused_branch_everywhere": {"unused_branch": "everywhere"},
     "unused_branch_on_rank0": {"unused_branch": "on_rank0"},
     "two_param_groups": {"two_groups": True},
+    "manual_reduce_after_no_sync": {"accumulate": 3, "manual_reduce": 1},
+    "manual_reduce_twice": {"accumulate": 2, "manual_reduce": 2, "bucket": 1024},
+    "sgd_momentum_unfreeze_at_step_3": {"optim": "sgd_momentum", "freeze": "until_step_3"},
+    "sgd_momentum_branch_first_used_at_step_4": {"optim": "sgd_momentum",
+                                                 "unused_branch": "before_step_4"},
     "two_optimizers": {"two_optimizers": True},
     "startup_sync_of_rank_seeds": {"rank_seeds": True},
     "small_buckets": {"bucket": 1024},
@@ -219,6 +231,8 @@ CONFIGS = {
     "step_in_backward_shared_memory": {"step_in_backward": True, "bucket": 1024,
                                        "sync_bucket": 50, "comm": "shared_memory"},
     "step_in_backward_one_bucket_each": {"step_in_backward": True},
+    "step_in_backward_manual_reduce": {"step_in_backward": True, "accumulate": 2,
+                                       "manual_reduce": 1, "bucket": 1024, "sync_bucket": 50},
 }
 
 
@@ -244,6 +258,7 @@ def test_parity_grid_world2(world2):
 
 def test_parity_grid_world4(world4):
     names = ["plain", "no_sync_4_micro_batches", "frozen_layer", "unused_branch_on_rank0",
+             "manual_reduce_twice", "sgd_momentum_unfreeze_at_step_3",
              "two_param_groups", "small_buckets_shared_memory", "step_in_backward",
              "step_in_backward_eval_between_steps"]
     _assert_parity(world4.run(_run_grid, names))

@@ -21,7 +21,7 @@ import torch.nn as nn
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel import sharded_ddp_arguments as args
 from shardkit.nn.data_parallel.gradient_bucket import (BucketLayout, BucketReduction,
-                                                        ReduceToOwners, plan_buckets)
+                                                       ReduceToOwners, plan_buckets)
 from shardkit.transport import resolve_transport
 
 __all__ = ["ShardedDataParallel"]
@@ -98,14 +98,16 @@ class ShardedDataParallel(nn.Module):
             optimizer.zero_grad()
 
     ``no_sync()`` is decided when backward starts: backward passes that start inside it
-    accumulate locally and the first one outside reduces the sum. Gradients accumulated across
+    accumulate locally and the first one outside reduces the sum; or, as in FairScale, the
+    last backward also runs inside ``no_sync()`` and :meth:`reduce` then reduces the sum.
+    Gradients accumulated across
     backward passes without zeroing stay correct (the owner's reduced gradient is carried).
     Buckets are first planned in reverse registration order, then, after the first reduced
     backward, re-planned once in the order rank 0's gradients really arrived (as torch DDP
     does); a bucket that completes early waits for the ones planned before it.
 
-    .. warning:: Construction, :meth:`refresh_trainable`, forward (with ``broadcast_buffers``)
-        and backward issue collectives: call them on every rank of the group.
+    .. warning:: Construction, :meth:`refresh_trainable`, forward (with ``broadcast_buffers``),
+        backward and :meth:`reduce` issue collectives: call them on every rank of the group.
     """
 
     def __init__(self, module: nn.Module, sharded_optimizer, process_group=None,
@@ -250,6 +252,41 @@ class ShardedDataParallel(nn.Module):
             yield
         finally:
             self._sync_enabled = previous
+
+    def reduce(self) -> None:
+        """Reduce the gradients accumulated so far to their owners now, as the end of a
+        backward outside :meth:`no_sync` would (FairScale's manual reduction): typically after
+        backward passes inside ``no_sync()``. Owners then hold the average over ranks, the
+        others none. Calling it again, with no backward in between, changes nothing.
+        Collective: call on every rank alike, between backward and step. Wire: one reduced
+        backward's, ``(N-1)/N`` of the trainable gradients' bytes in all."""
+        if self._backward_active:
+            raise RuntimeError("ShardedDataParallel.reduce() was called during backward; call "
+                               "it after backward, before optimizer.step()")
+        if self.world_size == 1:
+            return
+        if self._plan_is_stale():
+            raise RuntimeError("ShardedDataParallel.reduce(): the trainable parameters changed "
+                               "since the last forward; run a forward first (or call "
+                               "refresh_trainable() on every rank)")
+        if self._steps_after and any(o._stepped_in_backward is not None
+                                     for o in self._optimizers):
+            raise RuntimeError("ShardedDataParallel.reduce(): with step_in_backward=True the "
+                               "owners already stepped on the last reduction; call "
+                               "optimizer.step() before reducing again")
+        self._scale_carried_grads()
+        self._syncing = True
+        if self._steps_after:
+            for optimizer in self._optimizers:
+                optimizer._begin_step_in_backward()
+        try:
+            self._next_launch = 0
+            while self._next_launch < len(self._buckets):
+                self._launch(self._next_launch)
+            while self._in_flight:
+                self._finish(self._in_flight.popleft())
+        finally:
+            self._syncing = False
 
     def refresh_trainable(self) -> None:
         """Re-partition the OSS optimizers (``OSS.refresh_trainable``: collective when ownership
