@@ -379,10 +379,14 @@ def _build_on_shards(recipe: OptimizerRecipe, params: list) -> torch.optim.Optim
     """The stage-3 optimizer over FSDP's shards, with torch's fused kernel where OSS would
     choose it for stages 1-2 (same rule, :func:`shardkit.optim.local_step.choose_fused`: a
     torch optimizer that has one, ``fused`` and ``foreach`` left unset): the same update up to
-    the last bit, so every stage steps alike. The param groups then say ``fused=True``."""
+    the last bit, so every stage steps alike. The param groups then say ``fused=True``.
+    Except SGD with momentum: torch's fused SGD fails once some parameters have momentum
+    buffers and others not yet (a unit unused in the first step); OSS steps those apart, a
+    plain optimizer cannot, so it keeps torch's loop."""
     from shardkit.optim.local_step import choose_fused
     defaults = dict(recipe.defaults)
-    if choose_fused(recipe.cls, defaults, [{"params": params}]):
+    momentum_sgd = issubclass(recipe.cls, torch.optim.SGD) and defaults.get("momentum", 0) != 0
+    if not momentum_sgd and choose_fused(recipe.cls, defaults, [{"params": params}]):
         defaults["fused"] = True
     return recipe.cls(params, **defaults)
 

@@ -137,7 +137,8 @@ def test_stage3_steps_the_shards_with_the_fused_kernel_where_oss_would():
     from shardkit.testing import World
     with World(1) as world:
         got = world.run(_stage3_fused_choices)[0]
-    assert got == {"unset": True, "foreach": None, "fused_false": False, "sgd": True}
+    assert got == {"unset": True, "foreach": None, "fused_false": False, "sgd": True,
+                   "sgd_momentum": None, "late_unit_steps": True}
 
 
 def _stage3_fused_choices():
@@ -147,7 +148,36 @@ def _stage3_fused_choices():
     return {"unset": fused_of(recipes.adamw(1e-3)),
             "foreach": fused_of(recipes.adamw(1e-3, foreach=True)),
             "fused_false": fused_of(recipes.adamw(1e-3, fused=False)),
-            "sgd": fused_of(recipes.OptimizerRecipe(torch.optim.SGD, {"lr": 0.1}))}
+            "sgd": fused_of(recipes.OptimizerRecipe(torch.optim.SGD, {"lr": 0.1})),
+            "sgd_momentum": fused_of(_sgd_momentum()),
+            "late_unit_steps": _unit_first_used_at_step_2_steps()}
+
+
+def _sgd_momentum():
+    return recipes.OptimizerRecipe(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, use_second: bool):
+        h = self.first(x)
+        return self.second(h) if use_second else h
+
+
+def _unit_first_used_at_step_2_steps():
+    """SGD with momentum at stage 3, one unit without a gradient until step 2: every step
+    runs (torch's fused SGD would fail on the mix of units with and without momentum)."""
+    composition = recipes.compose(_Branchy(), 3, _sgd_momentum(),
+                                  wrap_policy=lambda module, recurse, **kw: recurse or isinstance(
+                                      module, nn.Linear))
+    for step in range(3):
+        composition.zero_grad()
+        composition.wrapped(torch.randn(2, 4), use_second=step >= 2).sum().backward()
+        composition.optimizer.step()
+    return True
 
 
 MECHANISM = ("distributed.py", "comm_counter.py", "transport.py", "shm_transport.py",
