@@ -257,7 +257,8 @@ class ShardedDataParallel(nn.Module):
         """Reduce the gradients accumulated so far to their owners now, as the end of a
         backward outside :meth:`no_sync` would (FairScale's manual reduction): typically after
         backward passes inside ``no_sync()``. Owners then hold the average over ranks, the
-        others none. Calling it again, with no backward in between, changes nothing.
+        others none. Calling it again, with no backward in between, changes nothing (with
+        ``step_in_backward=True``, where it also steps, it is an error before ``step()``).
         Collective: call on every rank alike, between backward and step. Wire: one reduced
         backward's, ``(N-1)/N`` of the trainable gradients' bytes in all."""
         if self._backward_active:
