@@ -308,8 +308,9 @@ def test_buckets_follow_the_observed_backward_order(world2):
 
 
 def _check_step_in_backward_refusals():
-    """After a backward that already stepped (step_in_backward=True), clipping and a step with
-    a closure are refused by name instead of acting on gradients already applied."""
+    """After a backward that already stepped (step_in_backward=True), clipping, a step with a
+    closure and a manual reduce() are refused by name instead of acting on gradients already
+    applied."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     oss = OSS(model.parameters(), optim=torch.optim.AdamW, lr=0.1)
@@ -325,6 +326,10 @@ def _check_step_in_backward_refusals():
         oss.step(closure=lambda: 0.0)
     except ValueError as e:
         errors["closure"] = str(e)
+    try:  # a manual reduction would step the owners a second time
+        wrapped.reduce()
+    except RuntimeError as e:
+        errors["reduce"] = str(e)
     oss.step()  # nothing left to do; the next iteration runs as usual
     oss.zero_grad()
     wrapped(x).sum().backward()
@@ -338,6 +343,7 @@ def test_step_in_backward_refuses_clipping_and_closures(world2):
     for errors, same_weights in world2.run(_check_step_in_backward_refusals):
         assert "already stepped" in errors["clip"], errors
         assert "call optimizer.step() bare" in errors["closure"], errors
+        assert "already stepped on the last reduction" in errors["reduce"], errors
         assert same_weights
 
 
