@@ -1,7 +1,6 @@
 """ShardedDataParallel: bad input rejected at wrap time before any collective, start-up and
 buffer broadcasts, and loss scaling with ShardedGradScaler across ranks."""
 
-import pytest
 import torch
 import torch.nn as nn
 
