@@ -30,6 +30,16 @@ def _summon_and_names():
     out["shard_shape"] = tuple(model.module.blocks[0].fc.weight.shape)
     sd = model.state_dict()
     out["discarded"] = not bool((sd["blocks.0.fc.bias"] == 7.0).any())
+    # nested: state_dict() (itself a summon) and a second summon inside the block; the
+    # outermost block alone writes back and reshards
+    with model.summon_full_params(), torch.no_grad():
+        inside = model.state_dict()  # views of the summoned parameters, as in torch
+        out["nested_state_dict"] = all(torch.equal(inside[k], v) for k, v in sd.items())
+        with model.summon_full_params(writeback=False):
+            model.module.blocks[0].fc.bias.fill_(3.0)
+        out["nested_keeps_full"] = tuple(model.module.blocks[0].fc.weight.shape)
+    out["nested_edit_kept"] = bool((model.state_dict()["blocks.0.fc.bias"] == 3.0).all())
+    out["nested_reshards"] = tuple(model.module.blocks[0].fc.weight.shape)
     out["edit_trains"] = bool(torch.isfinite(train_step(model, make_optimizer(model), 0)[0]))
     return out
 
@@ -40,6 +50,9 @@ def test_summon_full_params_and_names(world2):
         assert r["names"] and r["written_back"] and r["discarded"] and r["edit_trains"], r
         assert r["full_shape"] == (4 * TINY.d_model, TINY.d_model)
         assert r["shard_shape"] == (4 * TINY.d_model // n, TINY.d_model)
+        assert r["nested_state_dict"] and r["nested_edit_kept"], r
+        assert r["nested_keeps_full"] == (4 * TINY.d_model, TINY.d_model)
+        assert r["nested_reshards"] == r["shard_shape"]
 
 
 FROZEN_AT_START = ("blocks.1.fc.weight", "blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias",

@@ -258,6 +258,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._root: Optional[FullyShardedDataParallel] = None
         self._require_backward_grad_sync = True
         self._pre_backward_done = False
+        self._summoned = False  # inside summon_full_params: parameters hold full values
         # root-only iteration state (see "Note: prefetch order")
         self._forward_order: list = []
         self._backward_order: list = []
@@ -577,22 +578,32 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         keyword-only: FairScale's second positional argument is ``volatile``, torch's is
         ``writeback``, and they mean opposite things.
 
+        Nested calls (``state_dict()`` inside the block, or another ``summon_full_params``)
+        leave units already summoned as they are: the outermost block that summoned a unit
+        writes it back and reshards it on exit.
+
         Memory: the full model (``recurse``) or this unit in master dtype. Communication: one
-        all-gather per unit. All ranks must enter it.
+        all-gather per unit not yet summoned. All ranks must enter it.
         """
         writeback = _resolve_writeback(volatile, writeback)
         self._check_idle("summon_full_params")
-        units = self.sharded_units() if recurse else [self]
+        units = [u for u in (self.sharded_units() if recurse else [self]) if not u._summoned]
         shards = [u._shard for u in units if u._shard is not None]
-        fulls = [s.gather_master() for s in shards]
-        for shard, full in zip(shards, fulls):
-            for p, f in zip(shard.params, full):
-                p.data = f
+        for unit in units:
+            unit._summoned = True
+        gathered = False
         try:
+            fulls = [s.gather_master() for s in shards]
+            for shard, full in zip(shards, fulls):
+                for p, f in zip(shard.params, full):
+                    p.data = f
+            gathered = True
             yield
         finally:
+            for unit in units:
+                unit._summoned = False
             for shard in shards:
-                if writeback:
+                if writeback and gathered:
                     shard.write_back([p.data for p in shard.params])
                 for p, view in zip(shard.params, shard.shard_views(shard.flat_shard)):
                     p.data = view
