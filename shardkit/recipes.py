@@ -383,10 +383,10 @@ def _build_on_shards(recipe: OptimizerRecipe, params: list) -> torch.optim.Optim
     Except SGD with momentum: torch's fused SGD fails once some parameters have momentum
     buffers and others not yet (a unit unused in the first step); OSS steps those apart, a
     plain optimizer cannot, so it keeps torch's loop."""
-    from shardkit.optim.local_step import choose_fused
+    from shardkit.optim.local_step import choose_fused, fused_first_steps_collide
     defaults = dict(recipe.defaults)
-    momentum_sgd = issubclass(recipe.cls, torch.optim.SGD) and defaults.get("momentum", 0) != 0
-    if not momentum_sgd and choose_fused(recipe.cls, defaults, [{"params": params}]):
+    if (not fused_first_steps_collide(recipe.cls, defaults)
+            and choose_fused(recipe.cls, defaults, [{"params": params}])):
         defaults["fused"] = True
     return recipe.cls(params, **defaults)
 

@@ -25,7 +25,7 @@ import torch
 
 __all__ = ["choose_fused", "all_fp32", "with_fused_choice", "without_fused_choice",
            "build_local_optimizer", "steps_each_parameter_alone", "step_only", "fused_sgd_calls",
-           "whole_step"]
+           "fused_first_steps_collide", "whole_step"]
 
 # Optimizers whose step treats each parameter independently (state per parameter, nothing
 # shared across the group). Only these are stepped bucket by bucket.
@@ -113,9 +113,10 @@ def fused_sgd_calls(optimizer: torch.optim.Optimizer,
     has a momentum buffer yet, and fails on a mix. A parameter that gets its first gradient
     after the others' first step (unused until now, or made trainable later) is then stepped
     in a call of its own, as torch's default loop steps each parameter: same update."""
-    if not _has_fused_momentum_sgd(optimizer):
+    groups = _fused_momentum_groups(optimizer)
+    if not groups:
         return [params]
-    fused_momentum = {id(p) for g in _fused_momentum_groups(optimizer) for p in g["params"]}
+    fused_momentum = {id(p) for g in groups for p in g["params"]}
     first, other = [], []
     for p in params:
         new = (id(p) in fused_momentum and p.grad is not None
@@ -124,14 +125,17 @@ def fused_sgd_calls(optimizer: torch.optim.Optimizer,
     return [subset for subset in (first, other) if subset] if first else [params]
 
 
+def fused_first_steps_collide(optim_class: type, hyper: dict) -> bool:
+    """Whether torch's fused kernel for ``optim_class`` with these hyper-parameters fails on a
+    call where some parameters step for the first time and others not (SGD with momentum:
+    see :func:`fused_sgd_calls`). A plain torch optimizer given such a kernel cannot recover;
+    OSS's local step splits the call."""
+    return issubclass(optim_class, torch.optim.SGD) and hyper.get("momentum", 0) != 0
+
+
 def _fused_momentum_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
-    if not isinstance(optimizer, torch.optim.SGD):
-        return []
-    return [g for g in optimizer.param_groups if g.get("fused") and g.get("momentum", 0) != 0]
-
-
-def _has_fused_momentum_sgd(optimizer: torch.optim.Optimizer) -> bool:
-    return bool(_fused_momentum_groups(optimizer))
+    return [g for g in optimizer.param_groups
+            if g.get("fused") and fused_first_steps_collide(type(optimizer), g)]
 
 
 def _step_narrowed(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
@@ -152,7 +156,7 @@ def whole_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable],
     """One ordinary step of every owned parameter; returns what the optimizer returns.
     Fused SGD (whose step calls the closure once, first) evaluates the closure here and then
     steps as :func:`step_only` does, so that first-time parameters are stepped apart."""
-    if _has_fused_momentum_sgd(optimizer):
+    if _fused_momentum_groups(optimizer):
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -277,15 +277,10 @@ class ShardedDataParallel(nn.Module):
                                "optimizer.step() before reducing again")
         self._scale_carried_grads()
         self._syncing = True
-        if self._steps_after:
-            for optimizer in self._optimizers:
-                optimizer._begin_step_in_backward()
+        self._begin_owner_steps()
         try:
             self._next_launch = 0
-            while self._next_launch < len(self._buckets):
-                self._launch(self._next_launch)
-            while self._in_flight:
-                self._finish(self._in_flight.popleft())
+            self._launch_rest_and_wait()
         finally:
             self._syncing = False
 
@@ -442,10 +437,16 @@ class ShardedDataParallel(nn.Module):
             self._observed = []
         self._ready_count = [0] * len(self._buckets)
         self._next_launch = 0
-        if self._syncing and self._steps_after:
+        if self._syncing:
+            self._begin_owner_steps()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _begin_owner_steps(self) -> None:
+        """With ``step_in_backward``: the optimizers start a step whose buckets the landing
+        reductions complete."""
+        if self._steps_after:
             for optimizer in self._optimizers:
                 optimizer._begin_step_in_backward()
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _scale_carried_grads(self) -> None:
         """Multiply by N each reduced gradient still sitting untouched (same tensor) in an
@@ -506,15 +507,20 @@ class ShardedDataParallel(nn.Module):
     def _end_backward(self) -> None:
         try:
             if self._syncing:
-                while self._next_launch < len(self._buckets):
-                    self._launch(self._next_launch)
-                while self._in_flight:
-                    self._finish(self._in_flight.popleft())
+                self._launch_rest_and_wait()
                 if self._observed is not None:
                     self._settle_bucket_order()
         finally:
             self._backward_active = False
             self._syncing = False
+
+    def _launch_rest_and_wait(self) -> None:
+        """Launch every bucket not launched yet (unused parameters: their gradients count as
+        zero), then finish every reduction in flight: gradients are in place on return."""
+        while self._next_launch < len(self._buckets):
+            self._launch(self._next_launch)
+        while self._in_flight:
+            self._finish(self._in_flight.popleft())
 
     def _forget_aborted_backward(self) -> None:
         """A backward that raised (on every rank alike) never ran its end callback: wait for
