@@ -145,18 +145,18 @@ def reshard_local_state_dicts(state_dict, metadata, world_size: int, rank: int) 
 
 def unshard_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor],
                             layouts: dict, names: Sequence[Optional[str]],
-                            gather_rows: Callable[[torch.Tensor, ParamLayout], torch.Tensor]
-                            ) -> dict:
+                            gather_rows: Callable[[torch.Tensor, torch.Tensor, ParamLayout],
+                                                  torch.Tensor]) -> dict:
     """A torch optimizer state dict whose shard-shaped tensors are unsharded by
-    ``gather_rows(tensor, layout)``; ``ordered`` are the optimizer's parameters in state-dict
-    index order, ``layouts`` maps ``id(param)`` to its layout. Adds ``"param_names"``."""
+    ``gather_rows(tensor, param, layout)``; ``ordered`` are the optimizer's parameters in
+    state-dict index order, ``layouts`` maps ``id(param)`` to its layout. Adds ``"param_names"``."""
     state = {}
     for index, p in enumerate(ordered):
         layout = layouts.get(id(p))
         entry = {}
         for key, value in osd["state"].get(index, {}).items():
             if layout is not None and isinstance(value, torch.Tensor) and value.shape == p.shape:
-                value = gather_rows(value, layout)
+                value = gather_rows(value, p, layout)
             elif isinstance(value, torch.Tensor):  # e.g. Adam's step: not the live tensor
                 value = value.clone()
             entry[key] = value
@@ -167,11 +167,14 @@ def unshard_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor],
 
 
 def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tensor]],
-                          layouts: dict, rank: int) -> dict:
+                          layouts: dict, rank: int, param_ranks: Optional[dict] = None) -> dict:
     """This rank's part of a full optimizer state dict: every tensor of its parameter's full
-    shape is cut to ``rank``'s rows; ``ordered[i]`` is the parameter of state index ``i``."""
-    if not isinstance(full_osd, dict) or any(k not in full_osd for k in ("state",
-                                                                          "param_groups")):
+    shape is cut to ``rank``'s rows (``param_ranks``: ``id(param)`` -> this rank's index in the
+    group that parameter is sharded over, where that is not ``rank``); ``ordered[i]`` is the
+    parameter of state index ``i``."""
+    param_ranks = param_ranks or {}
+    if not isinstance(full_osd, dict) or any(k not in full_osd
+                                             for k in ("state", "param_groups")):
         raise ValueError("get_shard_from_optim_state_dict: expected a torch optimizer state "
                          "dict with 'state' and 'param_groups' (e.g. from "
                          "gather_full_optim_state_dict)")
@@ -179,7 +182,7 @@ def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tenso
     for index, entry in full_osd["state"].items():
         p = ordered[int(index)] if int(index) < len(ordered) else None
         layout = layouts.get(id(p)) if p is not None else None
-        state[index] = {k: (shard_rows(v, layout, rank)
+        state[index] = {k: (shard_rows(v, layout, param_ranks.get(id(p), rank))
                             if layout is not None and isinstance(v, torch.Tensor)
                             and tuple(v.shape) == tuple(layout.shape) else v)
                         for k, v in entry.items()}
@@ -188,25 +191,31 @@ def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tenso
 
 def gather_full_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor], layouts: dict,
                                 names: Sequence[Optional[str]], group=None,
-                                comm_device: Optional[torch.device] = None) -> dict:
-    """:func:`unshard_optimizer_state` with every shard-shaped tensor all-gathered over
-    ``group`` (on ``comm_device``, default the tensor's device). Communication: one all-gather
-    per state tensor (``Ψ·K/4`` elements in all). Memory: the full optimizer state. Collective:
-    every rank of ``group`` calls it with the same parameters."""
-    world_size = distributed.get_world_size(group)
+                                comm_device: Optional[torch.device] = None,
+                                param_groups: Optional[dict] = None) -> dict:
+    """:func:`unshard_optimizer_state` with every shard-shaped tensor all-gathered over its
+    parameter's group (``param_groups``: ``id(param)`` -> the group it is sharded over, e.g. an
+    expert unit's own group; default ``group``), on ``comm_device`` (default the tensor's
+    device). Communication: one all-gather per state tensor (``Ψ·K/4`` elements in all).
+    Memory: the full optimizer state. Collective: every rank of ``group`` calls it with the
+    same parameters."""
+    param_groups = param_groups or {}
 
-    def gather_rows(shard: torch.Tensor, layout: ParamLayout) -> torch.Tensor:
+    def gather_rows(shard: torch.Tensor, param: torch.Tensor,
+                    layout: ParamLayout) -> torch.Tensor:
+        rows_group = param_groups.get(id(param), group)
+        world_size = distributed.get_world_size(rows_group)
         device = comm_device or shard.device
         gathered = torch.empty(shard.numel() * world_size, dtype=shard.dtype, device=device)
         distributed.all_gather_into_tensor(gathered, shard.detach().reshape(-1).to(device),
-                                           group=group)
+                                           group=rows_group)
         return unshard_rows(list(gathered.to(shard.device).chunk(world_size)), layout)
 
     return unshard_optimizer_state(osd, ordered, layouts, names, gather_rows)
 
 
 def shard_full_optimizer_state(full_osd: dict, named_params: Sequence[tuple], layouts: dict,
-                               rank: int) -> dict:
+                               rank: int, param_ranks: Optional[dict] = None) -> dict:
     """:func:`shard_optimizer_state` of a full dict whose state indices follow its
     ``"param_names"`` when it has them (matched against ``named_params``, ``(name, param)``
     pairs), else the order of ``named_params``. No communication."""
@@ -216,4 +225,4 @@ def shard_full_optimizer_state(full_osd: dict, named_params: Sequence[tuple], la
     else:
         by_name = dict(named_params)
         ordered = [by_name.get(n) for n in names]
-    return shard_optimizer_state(full_osd, ordered, layouts, rank)
+    return shard_optimizer_state(full_osd, ordered, layouts, rank, param_ranks)

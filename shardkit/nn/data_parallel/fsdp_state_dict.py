@@ -133,8 +133,10 @@ class FSDPStateDictMixin:
         """The optimizer's state with every shard-shaped tensor unsharded to the full parameter
         shape, in torch's format (loadable into a single-process optimizer over the unwrapped
         model), plus ``"param_names"``. Returned on ``recipient_rank``, ``None`` elsewhere.
-        Units built with ``no_broadcast_optim_state=True`` are not gathered: their parameters'
-        state is the recipient's own shard, for the caller to fill in (FairScale's meaning).
+        Each unit's state is gathered over the group that unit is sharded over. Units with
+        ``no_broadcast_optim_state=True`` (given, or set by FairScale's rule for a nested unit
+        alone in a world of one, e.g. an expert) are not gathered: their parameters' state is
+        the recipient's own, listed under ``"uncollected_local_ids"`` for the caller to fill in.
 
         Communication: one all-gather per state tensor (``Ψ·K/4`` elements in all). Memory: the
         full optimizer state on every rank while gathering. All ranks must call it.
@@ -142,12 +144,17 @@ class FSDPStateDictMixin:
         if not isinstance(recipient_rank, int) or not 0 <= recipient_rank < self.world_size:
             raise ValueError(f"gather_full_optim_state_dict(recipient_rank={recipient_rank!r}): "
                              f"valid ranks are 0..{self.world_size - 1}")
+        self._mark_units_in_their_own_world()
         ordered = [p for g in optim.param_groups for p in g["params"]]
         names = {id(p): n for n, p in self.named_parameters()}
-        full = gather_full_optimizer_state(optim.state_dict(), ordered,
-                                           self._param_layouts(gathered_state_only=True),
+        gathered = self._param_layouts(gathered_state_only=True)
+        full = gather_full_optimizer_state(optim.state_dict(), ordered, gathered,
                                            [names.get(id(p)) for p in ordered],
-                                           self.process_group, self._comm_device())
+                                           self.process_group, self._comm_device(),
+                                           param_groups=self._param_unit_attr("process_group"))
+        sharded = self._param_layouts()
+        full["uncollected_local_ids"] = [i for i, p in enumerate(ordered)
+                                         if id(p) in sharded and id(p) not in gathered]
         return full if self.rank == recipient_rank else None
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict) -> dict:
@@ -156,4 +163,21 @@ class FSDPStateDictMixin:
         the unwrapped model): every full-shape tensor is cut to this rank's rows. Load the result
         with ``optim.load_state_dict``. No communication."""
         return shard_full_optimizer_state(full_optim_state_dict, list(self.named_parameters()),
-                                          self._param_layouts(), self.rank)
+                                          self._param_layouts(), self.rank,
+                                          param_ranks=self._param_unit_attr("rank"))
+
+    def _param_unit_attr(self, attr: str) -> dict:
+        """``id(param) -> getattr(unit, attr)`` for every sharded parameter, from the unit that
+        shards it (units may shard over different groups, e.g. experts)."""
+        return {id(p): getattr(u, attr) for u in self.sharded_units() if u._shard is not None
+                for p in u._shard.params}
+
+    def _mark_units_in_their_own_world(self) -> None:
+        """FairScale's rule: a nested unit sharded over a group of one rank, other than this
+        unit's larger group (an expert alone on its rank), holds state no other rank shares, so
+        gathering it would only cost memory: it gets ``no_broadcast_optim_state=True``."""
+        for unit in self.sharded_units():
+            if (unit is not self and unit.world_size == 1 < self.world_size
+                    and unit.replicate_group is None
+                    and unit.process_group is not self.process_group):
+                unit.no_broadcast_optim_state = True

@@ -397,6 +397,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             object.__setattr__(unit, "_root", self)  # not a submodule: no cycle in the tree
             if unit is not self:
                 unit._is_root = False
+        self._mark_units_in_their_own_world()
 
     def _pre_forward(self, module, args, kwargs):
         self._lazy_init_root()
