@@ -129,6 +129,9 @@ def _divide_factors_and_apply():
     out["cpu_offload"] = sum_model.cpu_offload
 
     model = FSDP(nn.Sequential(FSDP(nn.Linear(4, 6)), nn.Linear(6, 2)))
+    # FairScale's .params: each unit's own parameters (rows of), not its nested units'
+    out["own_params"] = [[tuple(p.shape) for p in unit.params] for unit in model.sharded_units()]
+    out["no_own_params"] = FSDP(nn.Sequential(FSDP(nn.Linear(4, 6)))).params
     shapes = []
 
     def init(module):
@@ -256,6 +259,8 @@ def test_fairscale_arguments(world2):
         # pre=1, post=1: the sum over 2 ranks instead of the mean
         assert r["sum_over_mean"] == pytest.approx([2.0] * len(r["sum_over_mean"])), r
         assert r["params_with_grad"] == 2 and r["cpu_offload"] is False, r
+        assert r["own_params"] == [[(1, 6), (1,)], [(3, 4), (3,)]], r
+        assert r["no_own_params"] == [], r
         assert sorted(r["apply_shapes"]) == [(2, 6), (6, 4)] and r["apply_written"], r
         assert "allow_reset_parameters=True" in r["reset_refused"], r
         assert r["reset_shape"] == (6, 4) and r["reset_changed"], r

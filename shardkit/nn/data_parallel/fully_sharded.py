@@ -364,6 +364,12 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         return self.move_params_to_cpu
 
     @property
+    def params(self) -> list[nn.Parameter]:
+        """FairScale's attribute: the parameters this unit shards itself (not those of nested
+        units), each holding this rank's rows. Empty for a unit with none of its own."""
+        return [] if self._shard is None else list(self._shard.params)
+
+    @property
     def params_with_grad(self) -> list[nn.Parameter]:
         """This rank's shards that hold a gradient (FairScale's property)."""
         return [p for p in self.parameters() if p.grad is not None]
