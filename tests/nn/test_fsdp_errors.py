@@ -1,6 +1,10 @@
 """FSDP bad input: clear errors naming the argument, the value and the fix, raised before any
 collective starts (so every rank raises the same error and none hangs)."""
 
+import copy
+import io
+import pickle
+
 import pytest
 import torch
 import torch.nn as nn
@@ -22,6 +26,10 @@ def _raises(fn, exc, *fragments):
         missing = [f for f in fragments if f not in text]
         return f"message lacks {missing}: {text}" if missing else "ok"
     return f"no {exc.__name__} raised"
+
+
+def _torch_save(module):
+    torch.save(module, io.BytesIO())
 
 
 def _error_cases():
@@ -72,6 +80,13 @@ def _error_cases():
                                 "assign=True")
     results["norm_type"] = _raises(lambda: model.clip_grad_norm_(1.0, norm_type=-1),
                                    ValueError, "norm_type=-1")
+    for name, copy_it in (("deepcopy", copy.deepcopy), ("torch_save", _torch_save),
+                          ("pickle", pickle.dumps)):
+        results[name] = _raises(lambda: copy_it(model), TypeError, "cannot be pickled or copied",
+                                "state_dict()")
+    # a plain module holding units (no root unit) refuses too
+    results["deepcopy_holder"] = _raises(lambda: copy.deepcopy(nn.Sequential(FSDP(MLP(8, 2)))),
+                                         TypeError, "cannot be pickled or copied")
     # the world is still usable: every rank raised before any collective
     train_step(model, optim, 1)
     return results

@@ -307,6 +307,16 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 raise
             return getattr(wrapped, name)
 
+    def __getstate__(self):
+        # A copy would keep hooks bound to the original unit and fail later with a shape error
+        # far from the cause. pickle, torch.save(model) and copy.deepcopy all come here.
+        raise TypeError(
+            "FullyShardedDataParallel cannot be pickled or copied (pickle, torch.save(model), "
+            "copy.deepcopy): its parameters are this rank's shards, tied to process groups and "
+            "autograd hooks. Save model.state_dict() (full, loadable at any world size) or "
+            "local_state_dict() with local_metadata_dict(), and copy the module before wrapping "
+            "it")
+
     def forward(self, *args, **kwargs):
         return self._fsdp_wrapped_module(*args, **kwargs)
 
