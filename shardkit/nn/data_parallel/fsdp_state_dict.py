@@ -169,15 +169,12 @@ class FSDPStateDictMixin:
     def _param_unit_attr(self, attr: str) -> dict:
         """``id(param) -> getattr(unit, attr)`` for every sharded parameter, from the unit that
         shards it (units may shard over different groups, e.g. experts)."""
-        return {id(p): getattr(u, attr) for u in self.sharded_units() if u._shard is not None
-                for p in u._shard.params}
+        return {id(p): getattr(u, attr) for u in self.sharded_units() for p in u.params}
 
     def _mark_units_in_their_own_world(self) -> None:
-        """FairScale's rule: a nested unit sharded over a group of one rank, other than this
-        unit's larger group (an expert alone on its rank), holds state no other rank shares, so
+        """FairScale's rule: a nested unit sharded over a group of one rank while this unit's
+        group is larger (an expert alone on its rank) holds state no other rank shares, so
         gathering it would only cost memory: it gets ``no_broadcast_optim_state=True``."""
         for unit in self.sharded_units():
-            if (unit is not self and unit.world_size == 1 < self.world_size
-                    and unit.replicate_group is None
-                    and unit.process_group is not self.process_group):
+            if unit.world_size == 1 < self.world_size and unit.replicate_group is None:
                 unit.no_broadcast_optim_state = True
