@@ -376,7 +376,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
     @property
     def params(self) -> list[nn.Parameter]:
         """FairScale's attribute: the parameters this unit shards itself (not those of nested
-        units), each holding this rank's rows. Empty for a unit with none of its own."""
+        units), each holding this rank's rows. Empty for a unit with none of its own. No
+        communication; a new list of the same parameter objects, no tensor copied."""
         return [] if self._shard is None else list(self._shard.params)
 
     @property
