@@ -32,15 +32,17 @@ LOCAL_FORMAT = "shardkit-fsdp-local/1"
 
 
 def local_metadata(world_size: int, rank: int, shapes: dict, buffer_names: Sequence[str],
-                   replica: int = 0) -> dict:
+                   replica: int = 0, own_group_params: Sequence[str] = ()) -> dict:
     """What :func:`consolidate_shard_weights` and resharding need besides the tensors of a
     ``local_state_dict()``: the world size, this rank, each sharded parameter's full shape (its
     rows are cut in ``world_size`` blocks of ``ceil(rows / world_size)``, the last zero padded)
     and the buffer keys. ``replica``: this rank's index among the ranks holding the same shard
-    (hybrid sharding, NO_SHARD; 0 otherwise): loaders use replica 0's dicts. Plain Python
+    (hybrid sharding, NO_SHARD; 0 otherwise): loaders use replica 0's dicts.
+    ``own_group_params``: the parameters of units sharded over a group other than the root's
+    (experts): they cannot be consolidated or resharded (:func:`_check_pairs`). Plain Python
     values (picklable, JSON-able)."""
     return {"format": LOCAL_FORMAT, "world_size": int(world_size), "rank": int(rank),
-            "replica": int(replica),
+            "replica": int(replica), "own_group_params": sorted(own_group_params),
             "shapes": {name: list(shape) for name, shape in shapes.items()},
             "buffer_names": list(buffer_names)}
 
@@ -61,6 +63,7 @@ def _check_pairs(shard_weights, shard_metadata, what: str) -> list[tuple[dict, d
         if not metas:
             raise ValueError(f"{what}: every dict given is a replica's copy (replica > 0); "
                              f"include the dicts of the ranks with replica 0")
+    _refuse_own_group_params(metas, what)
     world = metas[0]["world_size"]
     ranks = sorted(m["rank"] for m in metas)
     if ranks != list(range(world)) or any(m["world_size"] != world for m in metas):
@@ -68,6 +71,20 @@ def _check_pairs(shard_weights, shard_metadata, what: str) -> list[tuple[dict, d
                          f"{sorted({m['world_size'] for m in metas})}); exactly one pair per "
                          f"rank of the saving world is needed")
     return sorted(zip(weights, metas), key=lambda pair: pair[1]["rank"])
+
+
+def _refuse_own_group_params(metas: Sequence[dict], what: str) -> None:
+    """A ValueError where a unit was sharded over a group of its own (FairScale's experts):
+    ranks of different groups hold different tensors under one name, so no single full
+    tensor (or new world's shard) of it exists."""
+    names = sorted({n for m in metas for n in m.get("own_group_params", ())})
+    if names:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise ValueError(f"{what}: parameter(s) {shown} belong to FSDP units sharded over their "
+                         f"own process groups (e.g. experts), whose ranks hold different values "
+                         f"under the same name, so they cannot be consolidated or resharded. "
+                         f"At the same world size, load each rank's own dict "
+                         f"(load_local_state_dict(own_dict)); or save state_dict() per group")
 
 
 def consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers: bool = True,

@@ -1,7 +1,8 @@
 """FSDP units sharded over groups other than the root's (FairScale's mixture-of-experts layout):
 each expert unit's optimizer state is gathered over its own group and cut back to its own rank's
 rows, and an expert alone on its rank is left out of the gather (FairScale's rule), listed under
-``uncollected_local_ids``."""
+``uncollected_local_ids``. Local checkpoints reload per rank; consolidating or resharding them
+is a clear error (ranks of different groups hold different experts under one name)."""
 
 import torch
 import torch.nn as nn
@@ -78,7 +79,41 @@ def _round_trips(expert_size: int):
                                        .shape)
             out["round_trip"] = _same_state(model.get_shard_from_optim_state_dict(full)["state"],
                                             own)
+    out.update(_local_checkpoint_checks(model))
     return out
+
+
+def _local_checkpoint_checks(model) -> dict:
+    """Local dicts of a model with experts: the own dict reloads at the same world size; every
+    rank's dicts cannot be consolidated or resharded (the experts differ under one name), and
+    both say so before touching the model."""
+    local, meta = model.local_state_dict(), model.local_metadata_dict()
+    dicts = [None] * skdist.get_world_size()
+    metas = [None] * skdist.get_world_size()
+    torch.distributed.all_gather_object(dicts, local)
+    torch.distributed.all_gather_object(metas, meta)
+    before = {k: v.clone() for k, v in model.local_state_dict().items()}
+    model.load_local_state_dict(local)
+    out = {"own_group_params": meta["own_group_params"],
+           "own_reload": all(torch.equal(before[k], v)
+                             for k, v in model.local_state_dict().items())}
+    for what, call in (("consolidate", lambda: FSDP.consolidate_shard_weights(dicts, metas)),
+                       ("reshard", lambda: model.load_local_state_dict(dicts, metas))):
+        try:
+            call()
+            out[what] = "no error"
+        except ValueError as e:
+            out[what] = str(e)
+    out["untouched"] = all(torch.equal(before[k], v) for k, v in model.local_state_dict().items())
+    return out
+
+
+def _assert_local_checkpoints(r) -> None:
+    assert r["own_group_params"] == ["expert.bias", "expert.weight"], r
+    assert r["own_reload"] and r["untouched"], r
+    for what in ("consolidate", "reshard"):
+        assert "expert.bias, expert.weight" in r[what] and "own process groups" in r[what] \
+            and "load_local_state_dict(own_dict)" in r[what], r[what]
 
 
 def test_expert_alone_on_its_rank_is_not_gathered(world2):
@@ -87,6 +122,7 @@ def test_expert_alone_on_its_rank_is_not_gathered(world2):
         assert r["uncollected"] == ["expert.bias", "expert.weight"], r
         assert r["trunk_shape"] == (8, 8) and r["expert_shape"] == (7, 8), r
         assert r["round_trip"] and r["expert_weights"], r
+        _assert_local_checkpoints(r)
 
 
 def test_expert_groups_gather_over_their_own_group(world4):
@@ -94,3 +130,4 @@ def test_expert_groups_gather_over_their_own_group(world4):
         assert not r["expert_marked"] and r["uncollected"] == [], r
         assert r["trunk_shape"] == (8, 8) and r["expert_shape"] == (7, 8), r
         assert r["round_trip"] and r["expert_weights"], r
+        _assert_local_checkpoints(r)

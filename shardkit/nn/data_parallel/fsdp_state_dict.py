@@ -113,7 +113,18 @@ class FSDPStateDictMixin:
                   if id(p) in layouts}
         buffers = [clean_name(name) for name, _ in self.named_buffers()]
         replica = 0 if self.replicate_group is None else skdist.get_rank(self.replicate_group)
-        return local_metadata(self.world_size, self.rank, shapes, buffers, replica=replica)
+        return local_metadata(self.world_size, self.rank, shapes, buffers, replica=replica,
+                              own_group_params=self._params_over_other_groups())
+
+    def _params_over_other_groups(self) -> list[str]:
+        """Names of the parameters whose unit shards them over other ranks than this unit's
+        group (experts). No communication."""
+        mine = skdist.group_ranks(self.process_group)
+        units = [u for u in self.sharded_units() if u.params
+                 and skdist.group_ranks(u.process_group) != mine]
+        foreign = {id(p) for u in units for p in u.params}
+        return [clean_name(name) for name, p in self.named_parameters(remove_duplicate=False)
+                if id(p) in foreign]
 
     consolidate_shard_weights = staticmethod(consolidate_shard_weights)
 
