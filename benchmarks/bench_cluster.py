@@ -302,7 +302,6 @@ def rank_main(out_path: str, configs: list[str], rounds: int, steps: int) -> int
     """What every rank runs under torchrun: time the rows, count their bytes, write JSON."""
     import torch
     from shardkit import distributed as skd
-    from shardkit.models import GPT, reference_gpt_config
     from benchmarks.common import finish_pending_sync, link_tx_bytes, time_interleaved
 
     skd.init_distributed(backend="gloo", timeout_s=1800)

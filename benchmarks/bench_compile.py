@@ -20,7 +20,6 @@ import time
 import torch
 import torch.nn.functional as F
 
-from shardkit import distributed
 from shardkit.models import GPT, Block, GPTConfig, synthetic_batch
 from shardkit.nn.wrap import transformer_auto_wrap_policy
 from shardkit.recipes import adamw, compose
@@ -77,7 +76,7 @@ def main(argv=None) -> None:
         results = world.run(_measure, args.rounds, args.steps)
     times = slowest_rank([r[0] for r in results])
     first = {k: max(r[1][k] for r in results) for k in results[0][1]}
-    lines = [f"# Eager vs compiled blocks per wrapper (world 2, gloo, CPU, Inductor)", "",
+    lines = ["# Eager vs compiled blocks per wrapper (world 2, gloo, CPU, Inductor)", "",
              f"GPT d_model={CFG.d_model} n_layer={CFG.n_layer} seq_len={CFG.seq_len}, "
              f"{BATCH_PER_RANK} sequences per rank, torch {torch.__version__}; "
              f"{args.rounds} rounds x {args.steps} steps after 3 warm-up steps.", "",

@@ -44,7 +44,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import IO, Optional, Sequence
 
 __all__ = ["SimulatedCluster", "run_cluster", "cluster_unavailable_reason", "parse_link_rate",

@@ -4,7 +4,6 @@ is raised on every rank at that wait while ``latest`` keeps naming the previous 
 
 import os
 
-import torch
 import torch.nn.functional as F
 
 import shardkit

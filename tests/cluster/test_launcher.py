@@ -54,7 +54,7 @@ def test_nodes_are_separate_and_worst_status_returned_and_nothing_left():
     out = io.StringIO()
     rc = run_cluster(["--no-python", "sh", "-c", _PROBE], nodes=2, nproc_per_node=2,
                      link_rate="1gbit", timeout=120, out=out)
-    lines = [l for l in out.getvalue().splitlines() if " probe " in l]
+    lines = [line for line in out.getvalue().splitlines() if " probe " in line]
     # rank 3 failed: its node's torchrun exits 1 (naming exit code 3), node 0's would hang at
     # torchrun's exit barrier and is stopped; the worst status wins
     assert rc == 1, out.getvalue()

@@ -1,7 +1,6 @@
 """Rank-major packing for reduce-scatter (Triton kernels under the interpreter, and the CPU path)
 against a reference layout built with plain torch ops."""
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -69,7 +69,7 @@ def _memory_checks():
 
 def test_memory_follows_zero3(world2):
     for r in world2.run(_memory_checks):
-        n, psi, pad = r["n"], r["psi"], (r["padded"] - r["psi"]) / r["n"]
+        n, psi = r["n"], r["psi"]
         state = r["state"]
         assert state["params"] == state["grads"] == r["padded"] // n * 4, r
         low = plan.zero_model_state_bytes(psi, n, 3, plan.FP32_ADAMW)  # 16Ψ/N

@@ -2,7 +2,6 @@
 optimizer built before wrapping, evaluation under no_grad, CPU offload, no_sync memory and the
 original parameter names."""
 
-import pytest
 import torch
 
 from shardkit import distributed as skdist

@@ -4,7 +4,6 @@ no_sync accumulation and gradient clipping, over the default transport and the s
 one; worlds 1, 2 and 4. Every rank compares its own shard of every parameter with the matching
 rows of the single-process model after every step."""
 
-import pytest
 import torch
 
 from shardkit.testing import world_fixture

@@ -206,7 +206,7 @@ def _state_dict_round_trip():
         step(model, optim, group, i)
     sd = model.state_dict()
     # exact: this rank's rows of every parameter are its fp32 master shard, bit for bit
-    r, n = skdist.get_rank(), skdist.get_world_size()
+    r = skdist.get_rank()
     exact = True
     for name, p in model.named_parameters():
         full = sd[name].reshape(-1, *p.shape[1:]) if p.dim() else sd[name].reshape(1)

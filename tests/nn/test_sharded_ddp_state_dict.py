@@ -3,7 +3,6 @@ wrappers, and continue exactly as the uninterrupted run."""
 
 import copy
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

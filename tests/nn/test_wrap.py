@@ -3,7 +3,6 @@
 import functools
 
 import pytest
-import torch
 import torch.nn as nn
 
 from shardkit.models import GPT, Block, GPTConfig

@@ -196,4 +196,3 @@ def resolve_groups(strategy: ShardingStrategy, process_group,
     hpz = _group_of_blocks(skdist.group_ranks(process_group), hpz_partition_size,
                            skdist.get_rank())
     return UnitGroups(process_group, None, hpz)
-

@@ -11,7 +11,6 @@ stage knows the shapes of its own outputs. The tagged links that use these live 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
