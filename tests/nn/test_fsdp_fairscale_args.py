@@ -214,6 +214,25 @@ def _sync_module_states():
             "broadcast_bytes": counter.by_op.get("broadcast", 0)}
 
 
+def _resolved_attributes():
+    """FairScale's attributes of the resolved precision and device, per argument combination."""
+    def attrs(**kwargs):
+        unit = FSDP(nn.Linear(4, 4), **kwargs)
+        return (unit.compute_dtype, unit.buffer_dtype, unit.fp32_reduce_scatter,
+                str(unit.compute_device), unit.mixed_precision)
+    from shardkit.nn.data_parallel.mixed_precision import MixedPrecisionPolicy
+    return {
+        "plain": attrs(),
+        "mixed": attrs(mixed_precision=True),
+        "bf16_fp32_reduce": attrs(compute_dtype=torch.bfloat16, fp32_reduce_scatter=True,
+                                  buffer_dtype=torch.float32),
+        "policy": attrs(mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                             reduce_dtype=torch.float32)),
+        "offloaded": attrs(move_params_to_cpu=True),
+        "double": FSDP(nn.Linear(4, 4).double()).compute_dtype,
+    }
+
+
 def _errors():
     out = {}
     cases = {
@@ -272,6 +291,14 @@ def test_fairscale_arguments(world2):
     assert all(r["synced"] and r["composed"] for r in synced), synced
     assert not synced[1]["plain"], synced  # FairScale's default: no sync, each rank's own rows
     assert synced[0]["broadcast_bytes"] > 0, synced
+    for r in world2.run(_resolved_attributes):
+        f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+        assert r["plain"] == (f32, f32, False, "cpu", False), r
+        assert r["mixed"] == (f16, f16, False, "cpu", True), r
+        assert r["bf16_fp32_reduce"] == (bf16, f32, True, "cpu", True), r
+        assert r["policy"] == (bf16, bf16, True, "cpu", True), r
+        assert r["offloaded"] == (f32, f32, False, "cpu", False), r
+        assert r["double"] == torch.float64, r
     for r in world2.run(_errors):
         for name in ("bucket_cap_mb", "compute_device", "gradient_predivide_factor",
                      "state_dict_device", "verbose", "process_group_reduce_scatter"):

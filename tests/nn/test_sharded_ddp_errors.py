@@ -105,7 +105,9 @@ def _check_ddp_attributes_and_double_backward():
                  device_ids=wrapped.device_ids, output_device=wrapped.output_device,
                  dim=wrapped.dim, sync=wrapped.require_backward_grad_sync,
                  cap=wrapped.bucket_bytes_cap, greeting=wrapped.greeting,
-                 twice=wrapped.twice(3), lin=wrapped.lin is model.lin)
+                 twice=wrapped.twice(3), lin=wrapped.lin is model.lin,
+                 fairscale=(wrapped.sharded_optimizers == [oss], wrapped.reduce_fp16,
+                            wrapped.reduce_buffer_size, wrapped.auto_refresh_trainable))
     with wrapped.no_sync():
         attrs["sync_inside_no_sync"] = wrapped.require_backward_grad_sync
     try:
@@ -145,6 +147,7 @@ def test_ddp_attributes_forwarding_and_double_backward_error(world2):
         assert attrs["dim"] == 0 and attrs["sync"] is True and attrs["sync_inside_no_sync"] is False
         assert attrs["cap"] == 2 ** 23 and attrs["greeting"] == "hello" and attrs["twice"] == 6
         assert attrs["lin"] and "not_there" in attrs["missing"] and attrs["synced_buffer"] == 5
+        assert attrs["fairscale"] == (True, False, 2 ** 23, True), attrs
         assert "double backward through the gradient reduction" in errors["create_graph"]
         assert errors["collectives"] == 0
         assert "requires grad" in errors["forward"]

@@ -78,6 +78,7 @@ from shardkit.utils.grad_norm import check_clip_arguments, clip_grad_norm_across
 __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "ShardingStrategy",
            "gathered_param_bytes", "GatheredParamBytes"]
 
+
 def _eager(hook):
     """``hook`` never traced by torch.compile (Dynamo calls it as plain Python)."""
     return torch._dynamo.disable(hook, recursive=True)
@@ -154,6 +155,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             one-time broadcast of the unit by ``comm``, ``Ψ_u(N-1)/N``). Off by default, as in
             FairScale: each rank's rows are then taken from its own copy.
 
+    FairScale's attributes hold the resolved values: ``compute_dtype``, ``buffer_dtype``,
+    ``fp32_reduce_scatter`` and ``compute_device`` as well as the other arguments' names
+    (``mixed_precision`` is a bool; the whole policy is ``mixed_precision_policy``).
+
     Memory: ``Ψ_u/N`` + padding of master weights per unit, grads and optimizer state likewise;
     the gathered unit (``Ψ_u`` in compute dtype) only around its forward/backward.
     Communication: see the module docstring.
@@ -228,6 +233,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = policy.enabled  # a bool, as in FairScale
         self.mixed_precision_policy = policy
+        self._set_fairscale_dtypes(policy, first_param, move_params_to_cpu, module_device)
         self.move_params_to_cpu = move_params_to_cpu
         self.flatten_parameters = flatten_parameters
         self.comm = transport
@@ -271,6 +277,19 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         # block's graph, instead of tracing collectives into it.
         module.register_forward_pre_hook(_eager(self._pre_forward), with_kwargs=True)
         module.register_forward_hook(_eager(self._post_forward))
+
+    def _set_fairscale_dtypes(self, policy: MixedPrecisionPolicy, first_param,
+                              move_params_to_cpu: bool, module_device: torch.device) -> None:
+        """FairScale's read-only attributes of the resolved precision and device:
+        ``compute_dtype`` (what the unit gathers and computes in), ``buffer_dtype``,
+        ``fp32_reduce_scatter`` (gradients reduced in fp32 under mixed precision) and
+        ``compute_device``."""
+        master = torch.float32 if first_param is None else first_param.dtype
+        self.compute_dtype = policy.compute_dtype(master)
+        self.buffer_dtype = policy.buffer_cast_dtype() or self.compute_dtype
+        self.fp32_reduce_scatter = policy.enabled and \
+            policy.gradient_reduce_dtype(master) == torch.float32
+        self.compute_device = shard_devices(module_device, move_params_to_cpu)[0]
 
     def _set_fairscale_options(self, options, reduce_group) -> None:
         """FairScale's attributes of the same names (see :mod:`.fsdp_arguments`)."""
@@ -676,7 +695,6 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         return clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.process_group,
                                            comm_device=self._comm_device())
-
 
 
 FSDP = FullyShardedDataParallel

@@ -72,7 +72,9 @@ class ShardedDataParallel(nn.Module):
     ``broadcast_buffers``, ``device_type``, ``is_multi_device_module``, ``device_ids`` and
     ``output_device`` (the device index for a module on one accelerator, else ``None``),
     ``dim``, ``require_backward_grad_sync`` (``False`` inside :meth:`no_sync`),
-    ``bucket_bytes_cap``; other unknown attributes are looked up on the wrapped module.
+    ``bucket_bytes_cap``; and FairScale's: ``sharded_optimizers`` (the list of OSS
+    instances), ``reduce_fp16``, ``reduce_buffer_size``, ``auto_refresh_trainable``; other
+    unknown attributes are looked up on the wrapped module.
     A gradient that itself requires grad (``backward(create_graph=True)``) raises
     ``RuntimeError`` before it is reduced: double backward through the reduction is not
     supported (inside :meth:`no_sync` it is fine).
@@ -129,6 +131,7 @@ class ShardedDataParallel(nn.Module):
                              f"must be an int >= 0 (bytes; 0 keeps one bucket in flight at most)")
         self.max_inflight_bytes = max_inflight_bytes
         self._comm_dtype = args.comm_dtype_from(reduce_fp16)
+        self.reduce_fp16 = reduce_fp16
         self.comm = resolve_transport(comm, "ShardedDataParallel")
         self.process_group = args.common_group(process_group, optimizers)
         self.comm.prepare(self.process_group)
@@ -136,7 +139,7 @@ class ShardedDataParallel(nn.Module):
 
         device_types = args.device_types(module)
         self.module = module
-        self._optimizers = optimizers
+        self.sharded_optimizers = optimizers
         # Attributes torch DDP exposes and training frameworks read (FairScale sets them too).
         self.device_type = device_types[0] if device_types else "cpu"
         self.is_multi_device_module = len({p.device for p in module.parameters()}) > 1
@@ -271,7 +274,7 @@ class ShardedDataParallel(nn.Module):
                                "since the last forward; run a forward first (or call "
                                "refresh_trainable() on every rank)")
         if self._steps_after and any(o._stepped_in_backward is not None
-                                     for o in self._optimizers):
+                                     for o in self.sharded_optimizers):
             raise RuntimeError("ShardedDataParallel.reduce(): with step_in_backward=True the "
                                "owners already stepped on the last reduction; call "
                                "optimizer.step() before reducing again")
@@ -316,7 +319,7 @@ class ShardedDataParallel(nn.Module):
 
     def _plan_signature(self) -> tuple:
         flags = tuple(p.requires_grad for p in self.module.parameters())
-        return flags, tuple(o.partition for o in self._optimizers)
+        return flags, tuple(o.partition for o in self.sharded_optimizers)
 
     def _plan_is_stale(self) -> bool:
         # Partitions compare by identity: OSS replaces the object whenever ownership changes
@@ -325,7 +328,7 @@ class ShardedDataParallel(nn.Module):
 
     def _build_plan(self, refresh_optimizers: bool) -> None:
         if refresh_optimizers:
-            for optimizer in self._optimizers:
+            for optimizer in self.sharded_optimizers:
                 optimizer.refresh_trainable()
         trainable = self._trainable_params()
         owner_of = self._owners_of(trainable)
@@ -352,7 +355,7 @@ class ShardedDataParallel(nn.Module):
             return []
         after: list[list] = [[] for _ in self._buckets]
         last_bucket = len(self._buckets) - 1
-        for o, optimizer in enumerate(self._optimizers):
+        for o, optimizer in enumerate(self.sharded_optimizers):
             for s, params in enumerate(optimizer._sync_bucket_params()):
                 last = max((self._bucket_of[p] for p in params if p in self._bucket_of),
                            default=last_bucket)
@@ -381,13 +384,13 @@ class ShardedDataParallel(nn.Module):
         owner_of = {}
         missing = []
         for p in trainable:
-            for optimizer in self._optimizers:
+            for optimizer in self.sharded_optimizers:
                 if p in optimizer.partition:
                     owner_of[p] = optimizer.partition.owner(p)
                     break
             else:
                 missing.append(p)
-        stale = [o for o in self._optimizers
+        stale = [o for o in self.sharded_optimizers
                  if any(args.in_param_groups(p, o) for p in missing)]
         if stale:
             for optimizer in stale:
@@ -445,7 +448,7 @@ class ShardedDataParallel(nn.Module):
         """With ``step_in_backward``: the optimizers start a step whose buckets the landing
         reductions complete."""
         if self._steps_after:
-            for optimizer in self._optimizers:
+            for optimizer in self.sharded_optimizers:
                 optimizer._begin_step_in_backward()
 
     def _scale_carried_grads(self) -> None:
@@ -502,7 +505,7 @@ class ShardedDataParallel(nn.Module):
                 self._carried[p] = weakref.ref(grad)
         if self._steps_after:
             for o, s in self._steps_after[reduction.layout.index]:
-                self._optimizers[o]._step_bucket_in_backward(s)
+                self.sharded_optimizers[o]._step_bucket_in_backward(s)
 
     def _end_backward(self) -> None:
         try:
@@ -542,12 +545,12 @@ class ShardedDataParallel(nn.Module):
                             f"expected True or False")
         if not step_in_backward:
             return False
-        for optimizer in self._optimizers:
+        for optimizer in self.sharded_optimizers:
             optimizer._check_steps_per_parameter("ShardedDataParallel(step_in_backward=True)")
         if self.world_size == 1:
             return True
         sync_group = skdist.group_of_same_ranks(self.process_group)
-        for optimizer in self._optimizers:
+        for optimizer in self.sharded_optimizers:
             optimizer._prepare_step_in_backward(sync_group, self.module)
         return True
 
