@@ -219,9 +219,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         groups = resolve_groups(strategy, process_group, hpz_partition_size)
         reduce_group = check_reduce_scatter_group(process_group_reduce_scatter, groups.shard,
                                                   strategy)
+        unit_compute_device = shard_devices(module_device, move_params_to_cpu)[0]
         if first_param is not None:
-            check_compute_device(compute_device, shard_devices(module_device,
-                                                               move_params_to_cpu)[0])
+            check_compute_device(compute_device, unit_compute_device)
         super().__init__()
         self._fsdp_wrapped_module = module
         self.sharding_strategy = strategy
@@ -233,7 +233,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self.reshard_after_forward = reshard_after_forward
         self.mixed_precision = policy.enabled  # a bool, as in FairScale
         self.mixed_precision_policy = policy
-        self._set_fairscale_dtypes(policy, first_param, move_params_to_cpu, module_device)
+        master_dtype = torch.float32 if first_param is None else first_param.dtype
+        self._set_fairscale_dtypes(policy, master_dtype, unit_compute_device)
         self.move_params_to_cpu = move_params_to_cpu
         self.flatten_parameters = flatten_parameters
         self.comm = transport
@@ -278,18 +279,17 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         module.register_forward_pre_hook(_eager(self._pre_forward), with_kwargs=True)
         module.register_forward_hook(_eager(self._post_forward))
 
-    def _set_fairscale_dtypes(self, policy: MixedPrecisionPolicy, first_param,
-                              move_params_to_cpu: bool, module_device: torch.device) -> None:
+    def _set_fairscale_dtypes(self, policy: MixedPrecisionPolicy, master: torch.dtype,
+                              compute_device: torch.device) -> None:
         """FairScale's read-only attributes of the resolved precision and device:
         ``compute_dtype`` (what the unit gathers and computes in), ``buffer_dtype``,
         ``fp32_reduce_scatter`` (gradients reduced in fp32 under mixed precision) and
         ``compute_device``."""
-        master = torch.float32 if first_param is None else first_param.dtype
         self.compute_dtype = policy.compute_dtype(master)
         self.buffer_dtype = policy.buffer_cast_dtype() or self.compute_dtype
         self.fp32_reduce_scatter = policy.enabled and \
             policy.gradient_reduce_dtype(master) == torch.float32
-        self.compute_device = shard_devices(module_device, move_params_to_cpu)[0]
+        self.compute_device = compute_device
 
     def _set_fairscale_options(self, options, reduce_group) -> None:
         """FairScale's attributes of the same names (see :mod:`.fsdp_arguments`)."""
