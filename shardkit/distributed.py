@@ -510,31 +510,10 @@ class P2POp:
     tag: int = 0
 
 
-# On gloo a large send or receive travels as messages of at most this many bytes, all issued
-# at once. Measured on the simulated cluster (1 Gbit/s tbf link, two ranks exchanging 12.5 MB
-# each way at the same time, sends posted before receives): one message each way 220 ms, 1 MiB
-# messages 121 ms, 256 KiB 119 ms, 4 MiB 133 ms (the rate alone: 105 ms). Since receives are
-# posted first (batch_isend_irecv), one message is as fast as pieces (8 MiB each way: 70 ms
-# either way; the rate alone 67 ms); the pieces stay, as they cost nothing measurable. At
-# 10 Gbit/s and on one host no difference.
-GLOO_P2P_PIECE_BYTES = 1 << 20
-
-
-def _pieces(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-    """``tensor`` as views of at most :data:`GLOO_P2P_PIECE_BYTES` on gloo (contiguous tensors
-    only: a receive must land in the caller's storage), else whole."""
-    piece = GLOO_P2P_PIECE_BYTES // max(1, tensor.element_size())
-    if (tensor.numel() <= piece or not tensor.is_contiguous()
-            or backend_of(group) != "gloo"):
-        return [tensor]
-    return list(tensor.view(-1).split(piece))
-
-
 def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None) -> list:
     """Issue several sends/receives together (avoids ordering deadlocks); returns work handles.
-    On gloo, large tensors go as several messages of at most :data:`GLOO_P2P_PIECE_BYTES`
-    (both ends cut a tensor alike, and messages with one tag are matched in order), and every
-    receive is posted before the first send (see the note below).
+    Each tensor travels as one message, and every receive is posted before the first send (see
+    the notes below).
 
     ``counted_as``: record the batch as one collective of that name (e.g. ``"all_gather"`` for
     a gather built from sends), with the bytes its sends really move, instead of one record per
@@ -549,20 +528,25 @@ def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None) ->
         elif p.op == "send":
             sent += p.tensor.numel() * p.tensor.element_size()
         fn = dist.isend if p.op == "send" else dist.irecv
-        torch_ops.extend(dist.P2POp(fn, piece, p.peer, p.group, p.tag)
-                         for piece in _pieces(p.tensor, p.group))
+        torch_ops.append(dist.P2POp(fn, p.tensor, p.peer, p.group, p.tag))
     if counted_as is not None and ops:
         _record(counted_as, sent, ops[0].group, kind="send",
                 dtype=next((p.tensor.dtype for p in ops), None))
     if not torch_ops:
         return []
-    # Note: gloo reads a message off the socket only once its receive is posted. When both ends
-    # of a pair send first, each one's data waits in the kernel until the peer gets round to
-    # its receives, and exchanges in both directions at once slow down: measured on the
-    # simulated cluster (1 Gbit/s, 8 MiB each way in 1 MiB pieces), sends first 123-141 ms,
-    # receives first 70 ms (the rate alone: 67 ms); on one host no difference. Only the order
-    # between sends and receives changes: sends to one peer, and receives from one peer, keep
-    # their order, which is what matching relies on.
+    # Note: gloo moves a message only once the receiver has announced the matching receive
+    # (a notification each way, handled by each process's gloo thread). When both ends of a
+    # pair post their sends first, each waits for the other's announcement, and exchanges in
+    # both directions at once slow down: measured on the simulated cluster (1 Gbit/s, 8 MiB
+    # each way in 1 MiB pieces), sends first 123-141 ms, receives first 70 ms (the rate alone:
+    # 67 ms); on one host no difference. Only the order between sends and receives changes:
+    # sends to one peer, and receives from one peer, keep their order, which matching relies on.
+    # Note: tensors are not cut into smaller messages, since each message costs its own round of
+    # notifications and wake-ups, which on one host with 2 shared cores is what FSDP's per-unit
+    # gathers spend much of their time on: 1 MiB pieces made the MLP 16x1024's FSDP step about
+    # 3% slower than whole tensors (world 2, interleaved A/B runs). On the simulated cluster
+    # (1 Gbit/s), with receives posted first, pieces and whole tensors take the same time (MLP
+    # FSDP 889-907 ms against 890-891 ms a step; 8 MiB each way: 70 ms either way).
     torch_ops.sort(key=lambda o: o.op is not dist.irecv)
     return dist.batch_isend_irecv(torch_ops)
 
