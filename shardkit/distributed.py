@@ -33,7 +33,7 @@ from shardkit.comm_counter import CommCounter, CommRecord  # re-exported: counti
 __all__ = [
     "init_distributed", "init_single_process", "is_initialized", "require_initialized",
     "get_rank", "get_world_size",
-    "get_global_rank", "new_group", "all_reduce", "reduce_scatter_tensor",
+    "get_global_rank", "new_group", "timeout_of", "all_reduce", "reduce_scatter_tensor",
     "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
     "recv", "isend",
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
@@ -293,13 +293,24 @@ def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None,
     return dist.new_group(ranks=list(ranks), **kwargs)
 
 
-def group_of_same_ranks(group):
+def group_of_same_ranks(group, timeout_s: Optional[float] = None):
     """A new process group over ``group``'s ranks (its collectives then need to match in
-    order only among themselves). With the whole world every rank must call it together; with
-    a sub-group only its members call it, and they must have created as many process groups
-    before (torch names such a group from a hash of its ranks and of that count)."""
+    order only among themselves), with ``timeout_s`` (default: torch's default for the
+    backend). With the whole world every rank must call it together; with a sub-group only its
+    members call it, and they must have created as many process groups before (torch names such
+    a group from a hash of its ranks and of that count)."""
     ranks = group_ranks(group)
-    return new_group(ranks, members_only=len(ranks) < get_world_size())
+    return new_group(ranks, timeout_s=timeout_s, members_only=len(ranks) < get_world_size())
+
+
+def timeout_of(group=None) -> Optional[float]:
+    """Seconds after which ``group``'s operations time out, as its backend was created with, or
+    ``None`` where the backend does not say. Local; no communication."""
+    resolved = group if group is not None else dist.group.WORLD
+    try:
+        return resolved._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return None
 
 
 # ----------------------------------------------------------------------------- topology
@@ -510,14 +521,15 @@ class P2POp:
     tag: int = 0
 
 
-def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None) -> list:
+def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None,
+                      group=None) -> list:
     """Issue several sends/receives together (avoids ordering deadlocks); returns work handles.
     Each tensor travels as one message, and every receive is posted before the first send (see
-    the notes below).
+    the notes below). The ops may use different process groups (a transport's lanes).
 
     ``counted_as``: record the batch as one collective of that name (e.g. ``"all_gather"`` for
     a gather built from sends), with the bytes its sends really move, instead of one record per
-    send and receive."""
+    send and receive; on ``group`` (default: the first op's)."""
     torch_ops = []
     sent = 0
     for p in ops:
@@ -530,7 +542,7 @@ def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None) ->
         fn = dist.isend if p.op == "send" else dist.irecv
         torch_ops.append(dist.P2POp(fn, p.tensor, p.peer, p.group, p.tag))
     if counted_as is not None and ops:
-        _record(counted_as, sent, ops[0].group, kind="send",
+        _record(counted_as, sent, ops[0].group if group is None else group, kind="send",
                 dtype=next((p.tensor.dtype for p in ops), None))
     if not torch_ops:
         return []
@@ -548,7 +560,11 @@ def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None) ->
     # (1 Gbit/s), with receives posted first, pieces and whole tensors take the same time (MLP
     # FSDP 889-907 ms against 890-891 ms a step; 8 MiB each way: 70 ms either way).
     torch_ops.sort(key=lambda o: o.op is not dist.irecv)
-    return dist.batch_isend_irecv(torch_ops)
+    if len({id(o.group) for o in torch_ops}) == 1:
+        return dist.batch_isend_irecv(torch_ops)
+    # several groups: torch batches one group at a time, and gloo issues each op on its own
+    # anyway (it has no coalescing), so they are issued one by one, receives first
+    return [o.op(o.tensor, o.peer, o.group, o.tag) for o in torch_ops]
 
 
 def record_transfer(op: str, nbytes: int, dtype: torch.dtype, group=None) -> None:

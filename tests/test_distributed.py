@@ -351,7 +351,7 @@ def test_batch_isend_irecv_posts_every_receive_before_the_first_send(monkeypatch
 
     class Op:  # torch's P2POp needs a process group to exist
         def __init__(self, op, tensor, peer, group=None, tag=0):
-            self.op, self.tensor = op, tensor
+            self.op, self.tensor, self.group = op, tensor, group
 
     monkeypatch.setattr(dist, "P2POp", Op)
     tensors = [torch.zeros(n) for n in (4, 3 * (1 << 18), 2, 5)]

@@ -89,7 +89,29 @@ def _every_op(kind):
                         if n == 2 else [torch.empty(5 * n), torch.empty(5)], chunks, None).wait()
     if n == 2:
         out["chunks"] = (fulls[0].tolist(), fulls[1].tolist())
+    if kind == "process_group":
+        out["lanes"] = _lanes_in_use(t)
     return out
+
+
+def _lanes_in_use(t):
+    """On gloo, prepare opened two lanes over the group's ranks with its timeout, once (a second
+    prepare creates no group), and each direction of an exchange travels on its own lane."""
+    import torch.distributed as dist
+    from shardkit import transport as T
+    up, down = T._lane(None, True), T._lane(None, False)
+    groups_before = dist.distributed_c10d.get_pg_count()
+    t.prepare(None)
+    ProcessGroupTransport().prepare(None)  # lanes belong to the group, not to one transport
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    ops = T._own_segment_to_every_peer([torch.zeros(2) for _ in range(n)], rank, None)
+    on_lane = all(op.group is (up if (rank < op.peer) == (op.op == "send") else down)
+                  for op in ops)
+    return {"distinct": up is not down and dist.group.WORLD not in (up, down),
+            "same_ranks": skdist.group_ranks(up) == skdist.group_ranks(down) == list(range(n)),
+            "timeout": skdist.timeout_of(up) == skdist.timeout_of(down) == skdist.timeout_of(),
+            "no_new_groups": dist.distributed_c10d.get_pg_count() == groups_before,
+            "each_direction_on_its_lane": on_lane and len(ops) == 2 * (n - 1)}
 
 
 @pytest.mark.parametrize("kind", ["process_group", "shared_memory"])
@@ -116,6 +138,8 @@ def test_every_operation_is_exact(world2, world4, kind, n):
         if n == 2:
             assert r["chunks"] == ([0, 1, 2, 3, 4, 100, 101, 102, 103, 104],
                                    [0, 1, 2, 100, 101])
+        if kind == "process_group":
+            assert all(r["lanes"].values()), r["lanes"]
 
 
 def _chunk_of_sum(tensors, c: int, rank: int, n: int) -> torch.Tensor:
