@@ -521,15 +521,18 @@ class P2POp:
     tag: int = 0
 
 
+_FIRST_OPS_GROUP = object()  # batch_isend_irecv's default: record on the first op's group
+
+
 def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None,
-                      group=None) -> list:
+                      group=_FIRST_OPS_GROUP) -> list:
     """Issue several sends/receives together (avoids ordering deadlocks); returns work handles.
     Each tensor travels as one message, and every receive is posted before the first send (see
     the notes below). The ops may use different process groups (a transport's lanes).
 
     ``counted_as``: record the batch as one collective of that name (e.g. ``"all_gather"`` for
     a gather built from sends), with the bytes its sends really move, instead of one record per
-    send and receive; on ``group`` (default: the first op's)."""
+    send and receive; on ``group`` (``None``: the default group; by default the first op's)."""
     torch_ops = []
     sent = 0
     for p in ops:
@@ -542,8 +545,8 @@ def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None,
         fn = dist.isend if p.op == "send" else dist.irecv
         torch_ops.append(dist.P2POp(fn, p.tensor, p.peer, p.group, p.tag))
     if counted_as is not None and ops:
-        _record(counted_as, sent, ops[0].group if group is None else group, kind="send",
-                dtype=next((p.tensor.dtype for p in ops), None))
+        _record(counted_as, sent, ops[0].group if group is _FIRST_OPS_GROUP else group,
+                kind="send", dtype=next((p.tensor.dtype for p in ops), None))
     if not torch_ops:
         return []
     # Note: gloo moves a message only once the receiver has announced the matching receive
