@@ -361,3 +361,12 @@ def test_batch_isend_irecv_posts_every_receive_before_the_first_send(monkeypatch
     assert kinds == ["recv"] * 2 + ["send"] * 2
     expected = [tensors[1], tensors[3], tensors[0], tensors[2]]
     assert [id(op.tensor) for op in handed] == [id(t) for t in expected]
+    # a batch counted as one collective is recorded on the group asked for (None: the default
+    # group), not on its ops' groups, which a transport's lanes make differ from rank to rank
+    recorded = []
+    monkeypatch.setattr(skd, "_record", lambda op, nbytes, group, **kw: recorded.append(group))
+    lane = object()
+    for kwargs in ({"group": None}, {}):
+        skd.batch_isend_irecv([skd.P2POp("send", tensors[0], 1, lane)], counted_as="all_gather",
+                              **kwargs)
+    assert recorded == [None, lane]
