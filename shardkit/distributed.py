@@ -293,14 +293,17 @@ def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None,
     return dist.new_group(ranks=list(ranks), **kwargs)
 
 
-def group_of_same_ranks(group, timeout_s: Optional[float] = None):
+def group_of_same_ranks(group, timeout_s: Optional[float] = None,
+                        backend: Optional[str] = None):
     """A new process group over ``group``'s ranks (its collectives then need to match in
     order only among themselves), with ``timeout_s`` (default: torch's default for the
-    backend). With the whole world every rank must call it together; with a sub-group only its
-    members call it, and they must have created as many process groups before (torch names such
-    a group from a hash of its ranks and of that count)."""
+    backend) and ``backend`` (default: the default group's). With the whole world every rank
+    must call it together; with a sub-group only its members call it, and they must have
+    created as many process groups before (torch names such a group from a hash of its ranks and
+    of that count)."""
     ranks = group_ranks(group)
-    return new_group(ranks, timeout_s=timeout_s, members_only=len(ranks) < get_world_size())
+    return new_group(ranks, timeout_s=timeout_s, backend=backend,
+                     members_only=len(ranks) < get_world_size())
 
 
 def timeout_of(group=None) -> Optional[float]:

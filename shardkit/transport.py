@@ -598,8 +598,9 @@ def _open_lanes(group) -> None:
     if entry is not None and entry[0] is resolved:
         return
     timeout = skdist.timeout_of(resolved)
-    lanes = (skdist.group_of_same_ranks(resolved, timeout),
-             skdist.group_of_same_ranks(resolved, timeout))
+    # gloo explicitly: a gloo group beside an NCCL default group keeps gloo lanes
+    lanes = (skdist.group_of_same_ranks(resolved, timeout, backend="gloo"),
+             skdist.group_of_same_ranks(resolved, timeout, backend="gloo"))
     _LANES[id(resolved)] = (resolved, lanes)
 
 
