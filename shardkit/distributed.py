@@ -33,7 +33,8 @@ from shardkit.comm_counter import CommCounter, CommRecord  # re-exported: counti
 __all__ = [
     "init_distributed", "init_single_process", "is_initialized", "require_initialized",
     "get_rank", "get_world_size",
-    "get_global_rank", "new_group", "timeout_of", "all_reduce", "reduce_scatter_tensor",
+    "get_global_rank", "new_group", "resolved_group", "timeout_of", "all_reduce",
+    "reduce_scatter_tensor",
     "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
     "recv", "isend",
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
@@ -306,12 +307,18 @@ def group_of_same_ranks(group, timeout_s: Optional[float] = None,
                      members_only=len(ranks) < get_world_size())
 
 
+def resolved_group(group=None):
+    """``group`` itself, or for ``None`` the default group's object (one key for either way of
+    naming it). Local; no communication."""
+    return group if group is not None else dist.group.WORLD
+
+
 def timeout_of(group=None) -> Optional[float]:
     """Seconds after which ``group``'s operations time out, as its backend was created with, or
     ``None`` where the backend does not say. Local; no communication."""
-    resolved = group if group is not None else dist.group.WORLD
     try:
-        return resolved._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        return resolved_group(group)._get_backend(
+            torch.device("cpu")).options._timeout.total_seconds()
     except (AttributeError, RuntimeError):
         return None
 

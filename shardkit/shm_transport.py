@@ -116,7 +116,7 @@ class SharedMemoryTransport(Transport):
         on every rank alike to fall back to the process group, warning once per process and
         reason."""
         skdist.require_initialized("SharedMemoryTransport.prepare")
-        resolved = group if group is not None else torch.distributed.group.WORLD
+        resolved = skdist.resolved_group(group)
         if id(resolved) in self._rings:
             return
         ring, why = _Ring.open(group, self.part_bytes, self.timeout_s)
@@ -126,7 +126,7 @@ class SharedMemoryTransport(Transport):
                       f"collectives use the process group's own backend instead", stacklevel=4)
 
     def _ring(self, group) -> Optional["_Ring"]:
-        resolved = group if group is not None else torch.distributed.group.WORLD
+        resolved = skdist.resolved_group(group)
         entry = self._rings.get(id(resolved))
         if entry is None:
             raise RuntimeError("SharedMemoryTransport: used on a process group it was not "
@@ -135,7 +135,7 @@ class SharedMemoryTransport(Transport):
         return entry[1]
 
     def describe(self, group=None) -> str:
-        resolved = group if group is not None else torch.distributed.group.WORLD
+        resolved = skdist.resolved_group(group)
         entry = self._rings.get(id(resolved))
         if entry is not None and entry[1] is None:
             return f"process group ({skdist.backend_of(group)}; shared memory unavailable)"
