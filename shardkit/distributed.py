@@ -307,6 +307,20 @@ def group_of_same_ranks(group, timeout_s: Optional[float] = None,
                      members_only=len(ranks) < get_world_size())
 
 
+_SINGLE_RANK_GROUPS: dict = {}  # id(default group) -> this rank's one-member group
+
+
+def single_rank_group():
+    """A process group of this rank alone (FairScale's ``single_rank_pg``: nothing sharded or
+    reduced over it). The first call creates one such group per rank, so every rank must make
+    it together; later calls return the same group. Costs one gloo/NCCL group per rank."""
+    key = id(dist.group.WORLD)
+    if key not in _SINGLE_RANK_GROUPS:
+        groups = [new_group([r]) for r in range(get_world_size())]
+        _SINGLE_RANK_GROUPS[key] = groups[get_rank()]
+    return _SINGLE_RANK_GROUPS[key]
+
+
 def resolved_group(group=None):
     """``group`` itself, or for ``None`` the default group's object (one key for either way of
     naming it). Local; no communication."""

@@ -28,7 +28,8 @@ import torch.nn as nn
 
 __all__ = ["auto_wrap", "enable_wrap", "wrap", "default_auto_wrap_policy",
            "config_auto_wrap_policy", "transformer_auto_wrap_policy",
-           "size_based_auto_wrap_policy", "no_split_modules_policy", "no_split_module_classes"]
+           "size_based_auto_wrap_policy", "no_split_modules_policy", "no_split_module_classes",
+           "auto_wrap_bn"]
 
 _wrap_contexts: list[tuple[type, dict, Optional[Callable]]] = []
 
@@ -246,6 +247,48 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
     wrapped, _ = _recursive_wrap(module, _policy_caller(policy), wrapper_cls, wrap_one,
                                  is_root=True, owners=_registering_modules(module))
     return wrapped
+
+
+def auto_wrap_bn(module: nn.Module, single_rank_pg: bool = False, process_group=None,
+                 fsdp_config: Optional[dict] = None, wrap_it: bool = True,
+                 assert_on_collision: bool = True) -> nn.Module:
+    """Give every BatchNorm layer of ``module`` its own FullyShardedDataParallel unit that keeps
+    its weights and statistics in fp32 (FairScale's function, for models whose other units
+    compute in 16 bits): each BatchNorm gets ``fsdp_config`` as its ``wrapper_config``
+    (default: ``mixed_precision=False``, ``reshard_after_forward=False``, over
+    ``process_group``, or over this rank alone with ``single_rank_pg=True``), then, with
+    ``wrap_it``, :func:`auto_wrap` wraps exactly those layers. Inputs are not cast: a 16-bit
+    activation reaches the layer as it is, as in FairScale.
+
+    A BatchNorm that already carries a ``wrapper_config`` is a ValueError with
+    ``assert_on_collision`` (another policy tagged it), else it is given the new one. Wrapping
+    costs what each unit costs (one unit per BatchNorm: its parameters are gathered in forward,
+    its gradients reduce-scattered); ``single_rank_pg=True`` creates one single-rank group per
+    rank, collectively, on first use (:func:`shardkit.distributed.single_rank_group`).
+    """
+    from shardkit import distributed as skdist
+    from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"auto_wrap_bn(module={type(module).__name__}): expected an nn.Module")
+    if fsdp_config is not None and not isinstance(fsdp_config, dict):
+        raise ValueError(f"auto_wrap_bn(fsdp_config={fsdp_config!r}): expected a dict of "
+                         f"FullyShardedDataParallel keyword arguments")
+    if fsdp_config is None:
+        group = skdist.single_rank_group() if single_rank_pg else process_group
+        fsdp_config = {"process_group": group, "mixed_precision": False,
+                       "reshard_after_forward": False, "bucket_cap_mb": 0}
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            if assert_on_collision and hasattr(m, "wrapper_config"):
+                raise ValueError(f"auto_wrap_bn: a {type(m).__name__} already has a "
+                                 f"wrapper_config ({m.wrapper_config!r}); another policy tagged "
+                                 f"it. Pass assert_on_collision=False to replace it")
+            m.wrapper_config = dict(fsdp_config)
+    if not wrap_it:
+        return module
+    with enable_wrap(wrapper_cls=FullyShardedDataParallel,
+                     auto_wrap_policy=config_auto_wrap_policy):
+        return auto_wrap(module)
 
 
 def _registering_modules(root: nn.Module) -> dict[int, set[int]]:

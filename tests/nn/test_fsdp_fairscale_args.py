@@ -233,6 +233,85 @@ def _resolved_attributes():
     }
 
 
+class _StateProbe(nn.Module):
+    """Records every unit's training_state as the forward, and later the backward, pass it."""
+
+    def __init__(self, name: str, log: list):
+        super().__init__()
+        self.name, self.log, self.units = name, log, []
+
+    def _states(self) -> dict:
+        return {which: u.training_state.name for which, u in self.units}
+
+    def forward(self, x):
+        self.log.append((self.name, "forward", self._states()))
+        if x.requires_grad:
+            x.register_hook(lambda g: self.log.append((self.name, "backward", self._states())))
+        return x
+
+
+def _training_states():
+    """FairScale's TrainingState through forward, backward, summon_full_params and assert_state;
+    get_fsdp_instances; auto_wrap_bn."""
+    from shardkit.nn.data_parallel import TrainingState, auto_wrap_bn, get_fsdp_instances
+    log: list = []
+    first, middle = _StateProbe("first", log), _StateProbe("middle", log)
+    inner = FSDP(nn.Linear(4, 6))
+    model = FSDP(nn.Sequential(first, inner, middle, nn.Linear(6, 2)))
+    for probe in (first, middle):
+        probe.units = [("root", model), ("inner", inner)]
+    out = {"before": [u.training_state.name for u in (model, inner)]}
+    x = torch.randn(GLOBAL_BATCH, 4, requires_grad=True)
+    model(x).sum().backward()
+    out["log"] = log
+    out["after"] = [u.training_state.name for u in (model, inner)]
+    model.assert_state(TrainingState.IDLE)
+    model.assert_state([TrainingState.IDLE, TrainingState.FORWARD])
+    with model.summon_full_params():
+        out["summoned"] = [u.training_state.name for u in (model, inner)]
+        try:
+            inner.assert_state(TrainingState.IDLE)
+            out["wrong_state"] = "accepted"
+        except ValueError as error:
+            out["wrong_state"] = str(error)
+    out["after_summon"] = [u.training_state.name for u in (model, inner)]
+    try:
+        model.assert_state("IDLE")
+        out["not_a_state"] = "accepted"
+    except TypeError as error:
+        out["not_a_state"] = str(error)
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    out["after_no_grad"] = model.training_state.name
+    out["instances"] = [u is v for u, v in zip(get_fsdp_instances(model), (model, inner))]
+    empty = FSDP(nn.Sequential(FSDP(nn.Linear(4, 4))))
+    out["skip_empty"] = (len(get_fsdp_instances(empty)),
+                         len(get_fsdp_instances(empty, skip_empty=True)))
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    wrapped = FSDP(auto_wrap_bn(net), mixed_precision=True)
+    bn_units = [u for u in get_fsdp_instances(wrapped) if u is not wrapped]
+    out["bn_units"] = [(type(u.module).__name__, u.mixed_precision, u.reshard_after_forward,
+                        u.compute_dtype) for u in bn_units]
+    out["root_dtype"] = wrapped.compute_dtype
+    output = wrapped(torch.randn(GLOBAL_BATCH, 4))
+    output.float().sum().backward()
+    norm = bn_units[0].module
+    out["bn_trained"] = (output.dtype, norm.running_mean.dtype, norm.weight.grad.dtype,
+                         bool(norm.running_mean.abs().sum() > 0))
+    tagged = nn.BatchNorm1d(3)
+    tagged.wrapper_config = {"reshard_after_forward": True}  # as another policy would
+    try:
+        auto_wrap_bn(nn.Sequential(tagged))
+        out["collision"] = "accepted"
+    except ValueError as error:
+        out["collision"] = str(error)
+    single = auto_wrap_bn(nn.Sequential(nn.BatchNorm1d(3)), single_rank_pg=True)
+    out["single_rank_world"] = single[0].world_size
+    return out
+
+
 def _errors():
     out = {}
     cases = {
@@ -299,6 +378,28 @@ def test_fairscale_arguments(world2):
         assert r["policy"] == (bf16, bf16, True, "cpu", True), r
         assert r["offloaded"] == (f32, f32, False, "cpu", False), r
         assert r["double"] == torch.float64, r
+    for r in world2.run(_training_states):
+        assert r["before"] == r["after"] == r["after_summon"] == ["IDLE", "IDLE"], r
+        forward = {name: states for name, when, states in r["log"] if when == "forward"}
+        backward = {name: states for name, when, states in r["log"] if when == "backward"}
+        assert forward["first"] == {"root": "FORWARD", "inner": "IDLE"}, r["log"]
+        assert forward["middle"] == {"root": "FORWARD", "inner": "IDLE"}, r["log"]
+        # backward reached the inner unit (its parameters gathered again), not yet its gradient
+        assert backward["middle"]["inner"] == "BACKWARD_PRE", r["log"]
+        assert backward["middle"]["root"] in ("BACKWARD_PRE", "BACKWARD_POST"), r["log"]
+        assert backward["first"]["inner"] in ("BACKWARD_PRE", "BACKWARD_POST"), r["log"]
+        assert r["summoned"] == ["SUMMON_FULL_PARAMS", "SUMMON_FULL_PARAMS"], r
+        assert "IDLE" in r["wrong_state"] and "SUMMON_FULL_PARAMS" in r["wrong_state"], r
+        assert "TrainingState" in r["not_a_state"], r
+        assert r["after_no_grad"] == "IDLE" and r["instances"] == [True, True], r
+        assert r["skip_empty"] == (2, 1), r
+        # the BatchNorm is its own fp32 unit inside a 16-bit model, kept gathered after forward
+        assert r["bn_units"] == [("BatchNorm1d", False, False, torch.float32)], r
+        assert r["root_dtype"] == torch.float16, r
+        # fp16 activations through an fp32 BatchNorm: statistics and gradients stay fp32
+        assert r["bn_trained"] == (torch.float16, torch.float32, torch.float32, True), r
+        assert "wrapper_config" in r["collision"] and "assert_on_collision" in r["collision"], r
+        assert r["single_rank_world"] == 1, r
     for r in world2.run(_errors):
         for name in ("bucket_cap_mb", "compute_device", "gradient_predivide_factor",
                      "state_dict_device", "verbose", "process_group_reduce_scatter"):

@@ -8,6 +8,9 @@ _EXPORTS = {
     "FSDP": "shardkit.nn.data_parallel.fully_sharded",
     "MixedPrecisionPolicy": "shardkit.nn.data_parallel.fully_sharded",
     "ShardingStrategy": "shardkit.nn.data_parallel.sharding_strategy",
+    "TrainingState": "shardkit.nn.data_parallel.training_state",
+    "get_fsdp_instances": "shardkit.nn.data_parallel.fully_sharded",
+    "auto_wrap_bn": "shardkit.nn.wrap",
 }
 
 __all__ = sorted(_EXPORTS)

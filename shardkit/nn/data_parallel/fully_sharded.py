@@ -70,13 +70,14 @@ from shardkit.nn.data_parallel.fsdp_state_dict import FSDPStateDictMixin, clean_
 from shardkit.nn.data_parallel.mixed_precision import (MixedPrecisionPolicy,
                                                        resolve_mixed_precision)
 from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, groups_of_mesh,
-                                                          resolve_groups,
-                                                          resolve_sharding_strategy)
+                                                         resolve_groups,
+                                                         resolve_sharding_strategy)
+from shardkit.nn.data_parallel.training_state import TrainingState, check_state
 from shardkit.quantized_transport import quantized_transport_for
 from shardkit.utils.grad_norm import check_clip_arguments, clip_grad_norm_across_ranks
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "ShardingStrategy",
-           "gathered_param_bytes", "GatheredParamBytes"]
+           "TrainingState", "get_fsdp_instances", "gathered_param_bytes", "GatheredParamBytes"]
 
 
 def _eager(hook):
@@ -158,6 +159,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
     FairScale's attributes hold the resolved values: ``compute_dtype``, ``buffer_dtype``,
     ``fp32_reduce_scatter`` and ``compute_device`` as well as the other arguments' names
     (``mixed_precision`` is a bool; the whole policy is ``mixed_precision_policy``).
+    ``training_state`` is the unit's :class:`TrainingState` (FairScale's), checked with
+    :meth:`assert_state`.
 
     Memory: ``Ψ_u/N`` + padding of master weights per unit, grads and optimizer state likewise;
     the gathered unit (``Ψ_u`` in compute dtype) only around its forward/backward.
@@ -266,6 +269,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._require_backward_grad_sync = True
         self._pre_backward_done = False
         self._summoned = False  # inside summon_full_params: parameters hold full values
+        self.training_state = TrainingState.IDLE
         # root-only iteration state (see "Note: prefetch order")
         self._forward_order: list = []
         self._backward_order: list = []
@@ -441,7 +445,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if root is None:
             raise RuntimeError("FullyShardedDataParallel: an inner unit ran forward without its "
                                "root; call the outermost FSDP instance, not the inner one")
-        if self is root and not root._final_callback_queued:  # not a recompute in backward
+        in_backward = root._final_callback_queued  # a recompute (activation checkpointing)
+        if not in_backward:
+            self.training_state = TrainingState.FORWARD
+        if self is root and not in_backward:
             root._drop_stale_kept_units()
         if not root._orders_final and self not in root._forward_order:
             root._forward_order.append(self)
@@ -465,6 +472,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             self._shard.remember_source()
         if self.clear_autocast_cache:
             torch.clear_autocast_cache()
+        if self.training_state is TrainingState.FORWARD:
+            self.training_state = TrainingState.IDLE
         if grad_enabled:
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -534,6 +543,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if self._pre_backward_done:
             return grad
         self._pre_backward_done = True
+        self.training_state = TrainingState.BACKWARD_PRE
         if not root._orders_final and self not in root._backward_order:
             root._backward_order.append(self)
         # an activation-checkpointed forward is recomputed during backward and reads
@@ -552,6 +562,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
     def _on_grad_ready(self, shard: FlatParamShard) -> None:
         """All of this unit's gradient has arrived: reduce-scatter it (async) unless
         inside ``no_sync``, and free the gathered parameters."""
+        self.training_state = TrainingState.BACKWARD_POST
         if self._require_backward_grad_sync:
             root = self._root
             # hybrid: the previous unit's reduce-scatter has had this unit's backward to
@@ -575,6 +586,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 unit._shard.finish_reduce()
                 unit._shard.free_full()
             unit._pre_backward_done = False
+            unit.training_state = TrainingState.IDLE
         self._final_callback_queued = False
         self._replicas_pending = []
         self._orders_final = True
@@ -596,6 +608,12 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         finally:
             for u, flag in zip(units, previous):
                 u._require_backward_grad_sync = flag
+
+    def assert_state(self, state) -> None:
+        """Raise ``ValueError`` unless this unit's :attr:`training_state` is ``state`` (a
+        :class:`TrainingState` or a list of them): FairScale's check, for code that asserts
+        where in the step it is. Local, costs nothing."""
+        check_state(self, state)
 
     # ------------------------------------------------------------------ full parameters
 
@@ -628,6 +646,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         shards = [u._shard for u in units if u._shard is not None]
         for unit in units:
             unit._summoned = True
+            unit.training_state = TrainingState.SUMMON_FULL_PARAMS
         gathered = False
         try:
             fulls = [s.gather_master() for s in shards]
@@ -639,6 +658,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         finally:
             for unit in units:
                 unit._summoned = False
+                unit.training_state = TrainingState.IDLE
             for shard in shards:
                 if writeback and gathered:
                     shard.write_back([p.data for p in shard.params])
@@ -698,6 +718,14 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+
+
+def get_fsdp_instances(module: nn.Module, skip_empty: bool = False) -> list:
+    """Every :class:`FullyShardedDataParallel` unit in ``module`` (itself included), in
+    ``module.modules()`` order; ``skip_empty`` leaves out units that own no parameter of their
+    own (FairScale's function). Local, no communication."""
+    units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+    return [u for u in units if u._shard is not None] if skip_empty else units
 
 
 # ---------------------------------------------------------------------- construction helpers
