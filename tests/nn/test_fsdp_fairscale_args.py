@@ -309,7 +309,48 @@ def _training_states():
         out["collision"] = str(error)
     single = auto_wrap_bn(nn.Sequential(nn.BatchNorm1d(3)), single_rank_pg=True)
     out["single_rank_world"] = single[0].world_size
+    out["conv_bn_losses"] = _conv_bn_losses()
     return out
+
+
+def _conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 4, kernel_size=3), nn.BatchNorm2d(4), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(4, 8, kernel_size=3), nn.BatchNorm2d(8), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten()),
+        nn.Linear(8, 10))
+
+
+def _conv_bn_losses():
+    """FairScale's FSDP(checkpoint(FSDP(BatchNorm))) pattern: BatchNorms wrapped by auto_wrap_bn,
+    a checkpointed block, several forwards (images of two sizes) before one backward; the
+    losses of the FSDP model and of the plain one, step by step (every rank has the same batch,
+    so the mean gradient is the local one)."""
+    from shardkit.nn import checkpoint_wrapper
+    from shardkit.nn.data_parallel import auto_wrap_bn
+    from shardkit.nn.wrap import enable_wrap, wrap
+    torch.manual_seed(1)
+    images = [torch.randn(2, 3, 12, 12), torch.randn(2, 3, 9, 9)]
+    plain = _conv_net()
+    sharded = _conv_net()
+    sharded[0] = auto_wrap_bn(sharded[0])
+    sharded[1] = checkpoint_wrapper(auto_wrap_bn(sharded[1]))
+    with enable_wrap(wrapper_cls=FSDP):
+        for i in range(3):
+            sharded[i] = wrap(sharded[i])
+    sharded = FSDP(sharded)
+    losses = []
+    for model in (sharded, plain):
+        optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses.append([])
+        for _ in range(3):
+            loss = torch.cat([model(x) for x in images]).pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses[-1].append(loss.item())
+    return losses
 
 
 def _errors():
@@ -400,6 +441,8 @@ def test_fairscale_arguments(world2):
         assert r["bn_trained"] == (torch.float16, torch.float32, torch.float32, True), r
         assert "wrapper_config" in r["collision"] and "assert_on_collision" in r["collision"], r
         assert r["single_rank_world"] == 1, r
+        sharded, plain = r["conv_bn_losses"]
+        assert sharded == pytest.approx(plain, rel=1e-5) and plain[-1] < plain[0], r
     for r in world2.run(_errors):
         for name in ("bucket_cap_mb", "compute_device", "gradient_predivide_factor",
                      "state_dict_device", "verbose", "process_group_reduce_scatter"):

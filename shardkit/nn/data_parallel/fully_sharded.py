@@ -73,6 +73,7 @@ from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, group
                                                          resolve_groups,
                                                          resolve_sharding_strategy)
 from shardkit.nn.data_parallel.training_state import TrainingState, check_state
+from shardkit.nn.wrap import auto_wrap_bn  # noqa: F401 - FairScale's FSDP module has it
 from shardkit.quantized_transport import quantized_transport_for
 from shardkit.utils.grad_norm import check_clip_arguments, clip_grad_norm_across_ranks
 
