@@ -54,7 +54,8 @@ def _measure(rounds: int) -> dict:
 
     def train_step():
         logits = engine(idx[mine])
-        engine.backward(F.cross_entropy(logits.reshape(-1, SMALL.vocab_size), tgt[mine].reshape(-1)))
+        engine.backward(F.cross_entropy(logits.reshape(-1, SMALL.vocab_size),
+                                        tgt[mine].reshape(-1)))
         engine.step()
 
     with distributed.CommCounter() as comm:

@@ -9,8 +9,9 @@ parameters over its default transport (the process group's collectives: gloo), a
 as a separate row, with ``comm=SharedMemoryTransport()`` (opt-in); every row names its
 transport. Per workload the configurations are built side by side, warmed up, and stepped in
 alternation, one step each in an order that rotates every round, so that bursts of load from
-other jobs on a shared machine hit all of them alike. A step lasts until the slowest rank is done; a row gives the median and the
-best step, and three ratios against torch DDP + AdamW measured in the same run: the median of
+other jobs on a shared machine hit all of them alike. A step lasts until the slowest rank is
+done; a row gives the median and the best step, and three ratios against torch DDP + AdamW
+measured in the same run: the median of
 the step-by-step ratios to the DDP step of the same round (paired, the most robust to drifting
 load), the ratio of the medians and the ratio of the best steps. Model-state
 bytes are per rank (parameters + gradients + optimizer state, each storage once). Writes a
@@ -146,7 +147,8 @@ def markdown(summary: dict, args) -> str:
         f"alternation (rotating order), {args.steps} timed steps each; a step lasts until the "
         f"slowest rank is done. Median and best step (the least disturbed by other jobs); "
         f"ratios against torch DDP + AdamW in the same run: paired (median over rounds of the "
-        f"step's ratio to the DDP step of the same round), of the medians, of the bests. Model state: per rank, parameters + "
+        f"step's ratio to the DDP step of the same round), of the medians, of the bests. "
+        f"Model state: per rank, parameters + "
         f"gradients + optimizer state.",
         "",
         "| workload | configuration | transport | ms/step (median) | ms/step (best) | step vs "

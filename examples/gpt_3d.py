@@ -204,7 +204,6 @@ def build_stages(model, args, name: str):
     return built
 
 
-
 def stage_weights(part, stage) -> dict:
     """The stage's parameters under the full model's names (FSDP: gathered, a collective over
     the stage's replicas; the others hold them whole)."""

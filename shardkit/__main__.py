@@ -14,7 +14,8 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch ``python -m shardkit COMMAND ...`` to the command's module; returns its exit code."""
+    """Dispatch ``python -m shardkit COMMAND ...`` to the command's module; returns its exit
+    code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"demo": "shardkit.demo", "plan": "shardkit.plan", "cluster": "shardkit.cluster",
                 "consolidate": "shardkit.checkpoint.consolidate"}

@@ -18,8 +18,6 @@ __all__ = ["CommCounter", "CommRecord", "CallList", "WIRE_FACTOR", "element_size
            "add_record"]
 
 
-
-
 @dataclass(frozen=True)
 class CommRecord:
     """One collective as seen by :class:`CommCounter`."""
@@ -168,8 +166,6 @@ WIRE_FACTOR = {
     "recv": lambda n: 0.0,
     "barrier": lambda n: 0.0,
 }
-
-
 
 
 def counting() -> bool:

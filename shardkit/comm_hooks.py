@@ -96,7 +96,7 @@ class QuantizedHookState:
 
 
 def quantized_allreduce_hook(state: Optional[QuantizedHookState], bucket
-                            ) -> torch.futures.Future[torch.Tensor]:
+                             ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket with block-wise int8/int4 transfers (a quantized
     reduce-scatter summing in fp32, then a quantized all-gather of the averaged shards).
 

@@ -135,6 +135,7 @@ SCHEDULER_PARAMS = {
 REQUIRED_SCHEDULER_PARAMS = {"WarmupDecayLR": ("total_num_steps",),
                              "WarmupCosineLR": ("total_num_steps",)}
 
+
 def _off(feature: str, instead: str) -> Field:
     """A DeepSpeed switch shardkit accepts only when off: ``True`` is an error naming what
     to use instead (never silently ignored)."""

@@ -36,10 +36,12 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-from shardkit.cluster import SimulatedCluster, cluster_unavailable_reason, run_cluster  # re-exported
+# re-exported
+from shardkit.cluster import SimulatedCluster, cluster_unavailable_reason, run_cluster
 from shardkit.models import GPT, GPTConfig, MLP, Block, reference_gpt_config  # re-exported
 
-__all__ = ["World", "WorldError", "free_port", "patched_environ", "world_fixture", "GPT", "GPTConfig", "MLP", "Block",
+__all__ = ["World", "WorldError", "free_port", "patched_environ", "world_fixture", "GPT",
+           "GPTConfig", "MLP", "Block",
            "reference_gpt_config", "run_in_world", "SimulatedCluster", "cluster_unavailable_reason",
            "run_cluster", "process_context"]
 

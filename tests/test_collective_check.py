@@ -91,7 +91,8 @@ def test_matching_collectives_give_the_same_results_and_counted_traffic(world2):
 
 def test_environment_variable_turns_the_mode_on():
     code = ("from shardkit import collective_check as c, distributed as d; "
-            "print(c.debug_collectives_enabled(), d.set_debug_collectives is c.set_debug_collectives)")
+            "print(c.debug_collectives_enabled(), "
+            "d.set_debug_collectives is c.set_debug_collectives)")
     for value, expected in (("1", "True True"), ("0", "False True")):
         env = dict(os.environ, SHARDKIT_DEBUG_COLLECTIVES=value)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,

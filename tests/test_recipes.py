@@ -61,7 +61,8 @@ def test_without_blocks_the_policy_is_by_parameter_count():
 
 @pytest.mark.parametrize("stage, kwargs, error, message", [
     (4, {}, ValueError, "compose(stage=4): valid stages are [0, 1, 2, 3]"),
-    (1, {"offload": True}, ValueError, "compose(stage=1): offload is an FSDP option (stage 3 only)"),
+    (1, {"offload": True}, ValueError,
+     "compose(stage=1): offload is an FSDP option (stage 3 only)"),
     (2, {"hpz_partition_size": 2, "mixed_precision": True}, ValueError,
      "mixed_precision, hpz_partition_size are FSDP options (stage 3 only)"),
     (0, {"wrap_policy": default_auto_wrap_policy}, ValueError, "wrap_policy is an FSDP option"),

@@ -259,7 +259,8 @@ def rng_state() -> dict:
         return state
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype(np.int64)),
-                      "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+                      "pos": int(pos), "has_gauss": int(has_gauss),
+                      "cached_gaussian": float(cached)}
     return state
 
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from shardkit.kernels.triton_common import (TL_DTYPES, cached_table, cast_to, host_table,
-                                             interpreter_block)
+                                            interpreter_block)
 
 __all__ = ["adamw", "adamw_many", "sgd", "BLOCK"]
 

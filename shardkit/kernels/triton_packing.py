@@ -7,8 +7,9 @@ One launch covers every tensor of one dtype: an int64 table holds, per tensor, i
 element count ``n``, its chunk ``c`` and its column offset ``o`` inside a segment of ``S``
 elements; a cached block map gives each program ``(tensor i, rank r, first element j0 of its
 block within chunk r)``. Element ``j`` of chunk ``r`` is element ``r * c + j`` of the tensor
-(zero beyond ``n``) and lives at ``r * S + o + j`` of the packed buffer, so no program divides. Each element is read once and written once (pack: scaled and cast on the
-way), so packing costs ``numel * (in + out bytes)`` of memory traffic and no extra memory.
+(zero beyond ``n``) and lives at ``r * S + o + j`` of the packed buffer, so no program divides.
+Each element is read once and written once (pack: scaled and cast on the way), so packing
+costs ``numel * (in + out bytes)`` of memory traffic and no extra memory.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 from shardkit.kernels.triton_common import (TL_DTYPES, cached_table, cast_to, host_table,
-                                             interpreter_block)
+                                            interpreter_block)
 
 __all__ = ["pack", "unpack", "BLOCK"]
 

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from shardkit.kernels.quantize import QMAX
 from shardkit.kernels.triton_common import (TL_DTYPES, cached_table, cast_to, host_table,
-                                             interpreter_block)
+                                            interpreter_block)
 
 __all__ = ["quantize_pack", "dequantize_unpack", "dequantize_sum", "TILE"]
 
@@ -118,7 +118,7 @@ def _quantize_pack_kernel(table, prog_first, prog_last, out_ptr, scale_ptr, seg_
     xo = _gather(table, t_first, t_last, rank, even + 1, live_o, SRC_DTYPE)
     # x - x is 0 for finite x and nan for inf and nan; GPU max ignores nan, so test it apart
     bad = tl.max(((xe - xe) != 0).to(tl.int32), axis=1) | tl.max(((xo - xo) != 0).to(tl.int32),
-                                                                  axis=1)
+                                                                 axis=1)
     absmax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
     scale = tl.div_rn(tl.where(bad != 0, 0.0, absmax), QMAX)
     if SCALE_BF16:  # round up to bf16, so x / scale stays within qmax

@@ -99,7 +99,7 @@ class DynamicLossScaler:
         if self.cur_hysteresis > 1:
             self.cur_hysteresis -= 1
             logger.debug("loss scaler: overflow; scale stays %g, hysteresis now %d",
-                        self.cur_scale, self.cur_hysteresis)
+                         self.cur_scale, self.cur_hysteresis)
             return
         if self.cur_scale <= self.min_scale:
             if self.raise_error_at_min_scale:
@@ -112,7 +112,7 @@ class DynamicLossScaler:
             return
         new_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
         logger.debug("loss scaler: overflow; scale %g -> %g",
-                    self.cur_scale, new_scale)
+                     self.cur_scale, new_scale)
         self.cur_scale = new_scale
 
     def _on_clean_step(self) -> None:

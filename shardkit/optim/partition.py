@@ -236,7 +236,7 @@ def _consecutive_windows(numels: Sequence[int], world_size: int,
     if window:
         windows.append(window)
     if len(windows) > 1 and _padding_fraction([numels[i] for i in windows[-1]],
-                                                 world_size) > MAX_PADDING_FRACTION:
+                                              world_size) > MAX_PADDING_FRACTION:
         last = windows.pop()
         windows[-1] = windows[-1] + last
     return windows

@@ -21,7 +21,7 @@ def buffers(n=8, **overrides):
 
 def call_adamw(b, **kw):
     adamw_step(b["param"], b["grad"], b["exp_avg"], b["exp_avg_sq"], **{"step": 1, "lr": 0.1,
-                                                                      **kw})
+                                                                        **kw})
 
 
 ADAMW_CASES = [

@@ -83,7 +83,7 @@ tensor_specs = st.lists(st.tuples(st.integers(0, 2500), st.integers(-3, 3)), min
 @SETTINGS
 @given(specs=tensor_specs, world_size=st.integers(1, 4), bits=st.sampled_from([4, 8]),
        block=st.sampled_from([8, 32, 256]), dtype=st.sampled_from([torch.float32,
-                                                                     torch.bfloat16]),
+                                                                   torch.bfloat16]),
        scale_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        zero_from=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_quantize_matches_reference_and_round_trip_is_within_half_a_scale(
@@ -146,7 +146,7 @@ def test_codes_stay_within_qmax_at_extreme_magnitudes(backend, magnitude, bits, 
 @given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=4),
        world_size=st.integers(1, 4), bits=st.sampled_from([4, 8]),
        block=st.sampled_from([8, 64, 512]), out_dtype=st.sampled_from([torch.float32,
-                                                                         torch.bfloat16]),
+                                                                       torch.bfloat16]),
        multiplier=st.sampled_from([1.0, 0.25, 1 / 3]), seed=st.integers(0, 2**16))
 def test_dequantize_sum_over_ranks_matches_reference(backend, sizes, world_size, bits, block,
                                                      out_dtype, multiplier, seed):

@@ -61,7 +61,7 @@ def test_parity_kwargs_multi_io_dropout_batchnorm(offload):
     # running statistics updated once, not twice (the recomputation leaves them alone)
     assert torch.equal(plain.bn.num_batches_tracked, wrapped.bn.num_batches_tracked)
     assert max_diff([plain.bn.running_mean, plain.bn.running_var],
-                     [wrapped.bn.running_mean, wrapped.bn.running_var]) <= 1e-7
+                    [wrapped.bn.running_mean, wrapped.bn.running_var]) <= 1e-7
 
 
 def test_flags_first_forward_then_recompute():
@@ -106,7 +106,8 @@ def test_saved_activation_memory_goes_down():
     assert plain_bytes >= 4 * 4 * 32 * 64 * 4  # >= four activations saved per block
     out_plain.sum().backward()
     out_ckpt.sum().backward()
-    assert max_diff([p.grad for p in plain.parameters()], [p.grad for p in ckpt.parameters()]) <= 1e-6
+    assert max_diff([p.grad for p in plain.parameters()],
+                    [p.grad for p in ckpt.parameters()]) <= 1e-6
 
 
 def test_params_only_region_and_nested_wrapping():
@@ -118,7 +119,8 @@ def test_params_only_region_and_nested_wrapping():
     x = torch.randn(4, 5)  # no input requires grad: grads still reach the parameters
     plain(x).sum().backward()
     ckpt(x).sum().backward()
-    assert max_diff([p.grad for p in plain.parameters()], [p.grad for p in ckpt.parameters()]) <= 1e-6
+    assert max_diff([p.grad for p in plain.parameters()],
+                    [p.grad for p in ckpt.parameters()]) <= 1e-6
 
 
 def test_copies_stay_independent():

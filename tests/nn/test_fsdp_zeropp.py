@@ -309,7 +309,7 @@ def test_config_keys_are_validated():
         load_config({**base, "zero_optimization": {"zero_quantized_weight": True}},
                     data_parallel_size=1)
     ignored = load_config({**base, "zero_optimization": {"stage": 2,
-                                                        "zero_quantized_weights": True}},
+                                                         "zero_quantized_weights": True}},
                           data_parallel_size=1)
     assert not ignored.zero.quantized_weights
     assert any("only applies at stage 3" in w for w in ignored.warnings)

@@ -554,7 +554,7 @@ def _bad_input():
     catch("before_init", lambda: mp.ColumnParallelLinear(4, 4))
     catch("vocab_before_init", lambda: mp.VocabParallelEmbedding(8, 4))
     catch("ce_before_init", lambda: mp.vocab_parallel_cross_entropy(torch.zeros(2, 4),
-                                                                     torch.zeros(2).long()))
+                                                                    torch.zeros(2).long()))
     mp.initialize_model_parallel(4)
     try:
         with CommCounter() as comm:

@@ -267,7 +267,7 @@ def _merged_weight_grads_match():
             st, 4, nn.functional.mse_loss, batch_weight_grads=False)),
                        ("GPipe merged", lambda st: ScheduleGPipe(st, 4, nn.functional.mse_loss)),
                        ("1F1B merged", lambda st: Schedule1F1B(st, 4, nn.functional.mse_loss,
-                                                                weight_grad_merge=3))):
+                                                               weight_grad_merge=3))):
         module = split_sequential(_model(), _balance(world))[rank]
         stage = PipelineStage(module, rank, world)
         schedule = make(stage)

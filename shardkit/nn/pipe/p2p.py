@@ -52,7 +52,8 @@ class ActivationMeta:
     def decode(values: list) -> "ActivationMeta":
         packed, count, pos, tensors = bool(values[0]), values[1], 2, []
         for _ in range(count):
-            dtype, requires_grad, ndim = _DTYPES[values[pos]], bool(values[pos + 1]), values[pos + 2]
+            dtype, requires_grad = _DTYPES[values[pos]], bool(values[pos + 1])
+            ndim = values[pos + 2]
             tensors.append(TensorMeta(dtype, tuple(values[pos + 3:pos + 3 + ndim]), requires_grad))
             pos += 3 + ndim
         return ActivationMeta(tuple(tensors), packed)

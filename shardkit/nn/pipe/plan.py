@@ -341,7 +341,7 @@ def greedy_zero_bubble_plan(name: str, placement: tuple, chunks: int, live_cap: 
         rank = min((r for r in range(num_ranks) if remaining[r]), key=lambda r: (clock[r], r))
         now, best, soonest = clock[rank], None, None
         for kind, i, neg_s, a in sorted(choices(rank), key=lambda c: ("BF".index(c[0]), c[1],
-                                                                       c[2])):
+                                                                      c[2])):
             t = ready_at(a)
             if t is None:
                 continue

@@ -42,6 +42,7 @@ import torch.nn as nn
 __all__ = ["skippable", "stash", "pop", "Namespace", "verify_skippables", "Skippable",
            "SkipTracker", "use_skip_tracker"]
 
+
 @functools.total_ordering
 class Namespace:
     """A name scope for skip names: equal names in different namespaces do not collide.
@@ -85,7 +86,8 @@ class stash:  # noqa: N801 - FairScale's name
 
 
 class pop:  # noqa: N801 - FairScale's name
-    """``tensor = yield pop(name)`` inside a skippable forward: take the tensor stashed as ``name``."""
+    """``tensor = yield pop(name)`` inside a skippable forward: take the tensor stashed as
+    ``name``."""
 
     __slots__ = ("name",)
 
