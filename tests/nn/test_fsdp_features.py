@@ -152,6 +152,67 @@ def test_eval_and_no_sync_memory(world2):
         assert r["after_sync"] <= r["shard_bytes"], r
 
 
+def _nested_linear(reshard: bool):
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    torch.manual_seed(0)
+    return FSDP(torch.nn.Sequential(FSDP(torch.nn.Linear(4, 4), reshard_after_forward=reshard),
+                                    torch.nn.ReLU(), torch.nn.Linear(4, 4)),
+                reshard_after_forward=reshard)
+
+
+def _no_sync_keeps_gathered_units():
+    """Inside no_sync the units that stay gathered from forward to backward stay gathered
+    between micro-batches too (FairScale's rule): counted all-gathers per accumulation cycle,
+    the gradients of plain accumulation, and a shard changed inside the block re-gathered."""
+    from shardkit.distributed import CommCounter
+    from shardkit.nn.data_parallel.flat_param import gathered_param_bytes
+    out = {}
+    before = gathered_param_bytes().live  # the process-wide count (other tests' models)
+    torch.manual_seed(1)
+    xs = [torch.randn(3, 4) for _ in range(4)]
+    for reshard in (False, True):
+        model, plain = _nested_linear(reshard), _nested_linear(reshard)
+        with CommCounter() as counter:
+            for x in xs[:-1]:
+                with model.no_sync():
+                    model(x).pow(2).sum().backward()
+            out[f"live_inside_{reshard}"] = gathered_param_bytes().live - before
+            model(xs[-1]).pow(2).sum().backward()
+        out[f"live_after_{reshard}"] = gathered_param_bytes().live - before
+        ops = [r.op for r in counter.calls]
+        out[f"calls_{reshard}"] = (ops.count("all_gather"), ops.count("reduce_scatter"))
+        for x in xs:
+            plain(x).pow(2).sum().backward()
+        out[f"grads_{reshard}"] = max_diff([p.grad for p in model.parameters()],
+                                           [p.grad for p in plain.parameters()])
+    # a step between micro-batches (not what no_sync is for) must not leave stale weights
+    model, fresh = _nested_linear(False), _nested_linear(False)
+    for m in (model, fresh):
+        with m.no_sync():
+            m(xs[0]).sum().backward()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(1.0)
+    fresh.reshard()
+    with model.no_sync():
+        out["after_step"] = (model(xs[1]) - fresh(xs[1])).abs().max().item()
+    model.reshard()
+    fresh.reshard()
+    return out
+
+
+def test_no_sync_keeps_gathered_units(world2):
+    for r in world2.run(_no_sync_keeps_gathered_units):
+        # reshard_after_forward=False: both units gathered once for the whole cycle
+        assert r["calls_False"] == (2, 2), r
+        # True: the root gathered once, the inner unit in each forward and backward
+        assert r["calls_True"] == (1 + 2 * 4, 2), r
+        assert r["live_inside_False"] > r["live_inside_True"] > 0, r
+        assert r["live_after_False"] == r["live_after_True"] == 0, r
+        assert r["grads_False"] <= 1e-6 and r["grads_True"] <= 1e-6, r
+        assert r["after_step"] <= 1e-6, r
+
+
 def _kept_units_after_a_forward_without_backward():
     """The root stays gathered after its forward (FairScale's default) and every unit does with
     reshard_after_forward=False. A forward that no backward follows, then an optimizer step, must

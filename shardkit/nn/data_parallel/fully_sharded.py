@@ -465,8 +465,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
     def _post_forward(self, module, args, output):
         grad_enabled = torch.is_grad_enabled()
-        root_keeps = self._is_root and self.disable_reshard_on_root
-        keep_for_backward = grad_enabled and (root_keeps or not self.reshard_after_forward)
+        keep_for_backward = grad_enabled and self._stays_gathered_for_backward()
         if self._shard is not None and not keep_for_backward:
             self._shard.free_full(keep_secondary=grad_enabled)
         elif self._shard is not None:
@@ -572,7 +571,24 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 earlier.replicate_reduce()
             shard.start_reduce()
             root._replicas_pending = [shard] if shard.replicate_group is not None else []
-        shard.free_full()
+        self._release_after_backward(shard)
+
+    def _stays_gathered_for_backward(self) -> bool:
+        """Whether the forward leaves this unit gathered for its backward: the root (unless
+        ``disable_reshard_on_root=False``) and units with ``reshard_after_forward=False``."""
+        root_keeps = self._is_root and self.disable_reshard_on_root
+        return root_keeps or not self.reshard_after_forward
+
+    def _release_after_backward(self, shard: FlatParamShard) -> None:
+        """Free the gathered parameters once backward is done with them, except, inside
+        ``no_sync``, in units that stay gathered from forward to backward: the parameters do
+        not change before the next forward, which then reuses them (FairScale's behaviour:
+        one all-gather of such a unit per accumulation cycle instead of one per micro-batch,
+        for ``Ψ_u`` held between the micro-batches)."""
+        if not self._require_backward_grad_sync and self._stays_gathered_for_backward():
+            shard.hide()
+        else:
+            shard.free_full()
 
     def _finish_backward(self) -> None:
         """Root only, at the end of backward: wait for every reduce-scatter, hand the shards
@@ -585,7 +601,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         for unit in reversed(self.sharded_units()):
             if unit._shard is not None:
                 unit._shard.finish_reduce()
-                unit._shard.free_full()
+                unit._release_after_backward(unit._shard)
             unit._pre_backward_done = False
             unit.training_state = TrainingState.IDLE
         self._final_callback_queued = False
@@ -595,7 +611,13 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (unsharded, ``Ψ`` per unit in compute dtype) and skip
-        the reduce-scatter; the first backward outside the block reduces everything once."""
+        the reduce-scatter; the first backward outside the block reduces everything once.
+
+        Units that stay gathered from forward to backward (the root, and those with
+        ``reshard_after_forward=False``) also stay gathered from one micro-batch to the next
+        inside the block, as in FairScale: their parameters are all-gathered once per
+        accumulation cycle (``Ψ_u`` more memory between micro-batches). Should a shard change
+        in between (an optimizer step inside the block), the next forward gathers afresh."""
         if self._is_root is False:
             raise RuntimeError("no_sync() was called on an inner FullyShardedDataParallel unit; "
                                "call it on the root (outermost) instance, which applies it to "
