@@ -9,8 +9,6 @@ the process group, so all ranks skip together and back the scale off together.
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 
 from shardkit import distributed as skdist
@@ -21,12 +19,17 @@ __all__ = ["ShardedGradScaler"]
 class ShardedGradScaler(torch.amp.GradScaler):
     """Dynamic loss scaling (``torch.amp.GradScaler`` semantics) for sharded training.
 
-    Args:
+    Args (positional in torch's order, ``device`` first, or in FairScale's, ``init_scale``
+    first: a number as the first positional argument means FairScale's order):
         device: device of the scale, ``"cuda"`` or ``"cpu"`` (default: ``"cuda"`` when CUDA is
             available, else ``"cpu"``); as ``torch.amp.GradScaler``.
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: as
-            ``torch.amp.GradScaler``.
+            ``torch.amp.GradScaler`` (defaults 2**16, 2.0, 0.5, 2000, True).
         process_group: ranks whose inf/nan checks are combined (default: the default group).
+
+    Unlike torch's scaler and like FairScale's, 16-bit gradients may be unscaled (pure fp16
+    training, e.g. an FSDP model cast with ``.half()``): they are unscaled in place, in their
+    own dtype.
 
     ``scale``, ``unscale_``, ``step``, ``update``, ``state_dict``/``load_state_dict`` behave as
     torch's; a rank that holds no gradient of an optimizer (a non-owner under ShardedDDP)
@@ -48,11 +51,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
         same optimizers in the same order.
     """
 
-    def __init__(self, device: Optional[Union[str, torch.device]] = None,
-                 init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000, enabled: bool = True,
-                 process_group=None):
-        device = _device_name(device)
+    def __init__(self, *args, **kwargs):
+        options = {**_DEFAULTS, **_named_arguments(args, kwargs)}
+        device = _device_name(options["device"])
+        init_scale, growth_factor = options["init_scale"], options["growth_factor"]
+        backoff_factor, growth_interval = options["backoff_factor"], options["growth_interval"]
+        enabled = options["enabled"]
         _check_positive("init_scale", init_scale)
         _check_positive("growth_interval", growth_interval)
         if enabled and not growth_factor > 1.0:
@@ -63,10 +67,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
         super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
                          enabled=enabled)
-        self.process_group = process_group
+        self.process_group = options["process_group"]
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        # FairScale's scaler unscales fp16 gradients too (torch's refuses them)
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
         return self._found_inf_on_any_rank(per_device, found_inf.device)
 
     def _found_inf_on_any_rank(self, per_device: dict, scale_device: torch.device) -> dict:
@@ -81,6 +86,33 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return {d: flag.to(d) for d in devices}
 
 
+_TORCH_ORDER = ("device", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
+                "enabled", "process_group")
+_DEFAULTS = {"device": None, "init_scale": 2.0 ** 16, "growth_factor": 2.0,
+             "backoff_factor": 0.5, "growth_interval": 2000, "enabled": True,
+             "process_group": None}
+
+
+def _named_arguments(args: tuple, kwargs: dict) -> dict:
+    """The constructor's arguments by name: positional ones in torch's order (``device``
+    first), or in FairScale's (``init_scale`` first) when the first one is a number."""
+    fairscale_order = bool(args) and isinstance(args[0], (int, float)) and \
+        not isinstance(args[0], bool)
+    order = _TORCH_ORDER[1:] if fairscale_order else _TORCH_ORDER
+    if len(args) > len(order):
+        raise TypeError(f"ShardedGradScaler takes at most {len(order)} positional arguments "
+                        f"({', '.join(order)}), got {len(args)}")
+    named = dict(zip(order, args))
+    for name, value in kwargs.items():
+        if name not in _DEFAULTS:
+            raise TypeError(f"ShardedGradScaler({name}=...): unknown argument; valid ones are "
+                            f"{', '.join(_TORCH_ORDER)}")
+        if name in named:
+            raise TypeError(f"ShardedGradScaler: {name} given both by position and by name")
+        named[name] = value
+    return named
+
+
 def _device_name(device) -> str:
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -89,7 +121,8 @@ def _device_name(device) -> str:
     if isinstance(device, str):
         return torch.device(device).type
     raise TypeError(f"ShardedGradScaler(device={device!r}): expected 'cuda', 'cpu' or a "
-                    f"torch.device (torch.amp's order: device first; pass init_scale= by keyword)")
+                    f"torch.device (positionally, a number first means FairScale's order: "
+                    f"init_scale first)")
 
 
 def _check_positive(name: str, value) -> None:

@@ -197,6 +197,25 @@ class OSS(torch.optim.Optimizer):
             rows[self.partition.owner(p)].append(p)
         return out
 
+    @property
+    def backend(self) -> str:
+        """The process group's backend (``"gloo"``, ``"nccl"``), FairScale's attribute."""
+        return distributed.backend_of(self.group)
+
+    # FairScale's private names, which its users' code and tests read
+    @property
+    def _per_device_params(self) -> dict:
+        return self.per_device_params
+
+    @property
+    def _param_to_rank(self) -> dict:
+        return self.param_to_rank
+
+    @property
+    def _local_params(self) -> list[torch.Tensor]:
+        """The parameters this rank owns that have a gradient."""
+        return [p for p in self._owned_params() if p.grad is not None]
+
     # ------------------------------------------------------------------ training
 
     @torch.no_grad()
@@ -267,7 +286,7 @@ class OSS(torch.optim.Optimizer):
             owned = list(filter_params_fn(owned))
         grads = [p.grad for p in owned if p.grad is not None]
         return clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.group,
-                                           device=self._default_device())
+                                           device=self._default_device)
 
     # ------------------------------------------------------------------ param groups
 
@@ -444,7 +463,9 @@ class OSS(torch.optim.Optimizer):
     def _owned_params(self) -> list[torch.Tensor]:
         return [p for params in self._owned_per_group(self.rank) for p in params]
 
+    @property
     def _default_device(self) -> torch.device:
+        """The device of the first parameter (FairScale's property of the same name)."""
         return self.param_groups[0]["params"][0].device
 
     def _check_trainable_covered(self) -> None:

@@ -281,8 +281,16 @@ def _training_states():
     except TypeError as error:
         out["not_a_state"] = str(error)
     with torch.no_grad():
-        model(torch.randn(2, 4))
+        probe_x = torch.randn(2, 4)
+        before_reset = model(probe_x)
     out["after_no_grad"] = model.training_state.name
+    # FairScale's checkpoint reload: load_state_dict, then _reset_lazy_init, then train on
+    model.load_state_dict(model.state_dict())
+    model._reset_lazy_init()
+    model(x).sum().backward()
+    with torch.no_grad():
+        out["reset_lazy"] = (model(probe_x) - before_reset).abs().max().item()
+    out["reset_root"] = (model._is_root, inner._is_root, inner._root is model)
     out["instances"] = [u is v for u, v in zip(get_fsdp_instances(model), (model, inner))]
     empty = FSDP(nn.Sequential(FSDP(nn.Linear(4, 4))))
     out["skip_empty"] = (len(get_fsdp_instances(empty)),
@@ -433,6 +441,7 @@ def test_fairscale_arguments(world2):
         assert "IDLE" in r["wrong_state"] and "SUMMON_FULL_PARAMS" in r["wrong_state"], r
         assert "TrainingState" in r["not_a_state"], r
         assert r["after_no_grad"] == "IDLE" and r["instances"] == [True, True], r
+        assert r["reset_lazy"] == 0.0 and r["reset_root"] == (True, False, True), r
         assert r["skip_empty"] == (2, 1), r
         # the BatchNorm is its own fp32 unit inside a 16-bit model, kept gathered after forward
         assert r["bn_units"] == [("BatchNorm1d", False, False, torch.float32)], r

@@ -119,12 +119,35 @@ def test_disabled_scaler_is_a_pass_through():
     assert scaler.scale(loss) is loss
 
 
+def test_fairscale_positional_order_and_fp16_gradients():
+    """FairScale's order (init_scale first) and its fp16 gradients (pure fp16 training), which
+    torch's scaler refuses to unscale."""
+    scaler = ShardedGradScaler(1024.0, 4.0, 0.25, 7)
+    assert (scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor(),
+            scaler.get_growth_interval()) == (1024.0, 4.0, 0.25, 7)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).half()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(torch.ones(3, 4, dtype=torch.float16)).float().sum()).backward()
+    expected = [p.grad.float() / 1024.0 for p in model.parameters()]
+    scaler.unscale_(optimizer)
+    for p, e in zip(model.parameters(), expected):
+        assert p.grad.dtype == torch.float16 and torch.allclose(p.grad.float(), e, rtol=1e-3)
+    scaler.step(optimizer)
+    scaler.update()
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    with pytest.raises(TypeError, match="init_scale given both"):
+        ShardedGradScaler(8.0, init_scale=16.0)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(device=65536.0), "device=65536.0"),
     (dict(device="cpu", init_scale=0.0), "init_scale=0.0"),
     (dict(device="cpu", growth_factor=1.0), "growth_factor=1.0"),
     (dict(device="cpu", backoff_factor=1.5), "backoff_factor=1.5"),
     (dict(device="cpu", growth_interval=0), "growth_interval=0"),
+    (dict(device="cpu", scale=8.0), "scale=.*unknown argument"),
 ])
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):

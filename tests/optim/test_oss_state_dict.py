@@ -344,6 +344,10 @@ def _public_views():
         == [sorted(map(id, ps), key=[id(q) for q in opt.partition.all_params()].index)
             for ps in owned],
         "frozen_not_partitioned": all(p not in opt.partition for p in model[0].parameters()),
+        # FairScale's names for the same views, which its users' code reads
+        "fairscale_names": opt.backend == "gloo" and opt._per_device_params == devices
+        and opt._param_to_rank == opt.param_to_rank
+        and opt._default_device == torch.device("cpu") and opt._local_params == [],
     }
 
 

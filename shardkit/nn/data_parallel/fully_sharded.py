@@ -440,6 +440,19 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 unit._is_root = False
         self._mark_units_in_their_own_world()
 
+    def _reset_lazy_init(self) -> None:
+        """Forget which unit is the root and the recorded gather order; the next forward
+        finds them again (FairScale's private method, which its users' code calls after
+        loading a checkpoint). Call it on the outermost unit, between steps. Local."""
+        self._check_idle("_reset_lazy_init")
+        units = self.sharded_units()
+        for unit in units:
+            object.__setattr__(unit, "_root", None)
+            unit._is_root = False
+        self._is_root = None
+        self._forward_order, self._backward_order = [], []
+        self._orders_final = False
+
     def _pre_forward(self, module, args, kwargs):
         self._lazy_init_root()
         root = self._root
