@@ -2,6 +2,9 @@
 optimizer built before wrapping, evaluation under no_grad, CPU offload, no_sync memory and the
 original parameter names."""
 
+import collections
+import dataclasses
+
 import torch
 
 from shardkit import distributed as skdist
@@ -211,6 +214,65 @@ def test_no_sync_keeps_gathered_units(world2):
         assert r["live_after_False"] == r["live_after_True"] == 0, r
         assert r["grads_False"] <= 1e-6 and r["grads_True"] <= 1e-6, r
         assert r["after_step"] <= 1e-6, r
+
+
+class _OutputDict(dict):
+    pass
+
+
+@dataclasses.dataclass
+class _Output:
+    hidden: torch.Tensor
+    extra: tuple
+
+
+def _wrap_output(kind: str, y: torch.Tensor):
+    if kind == "dict subclass":
+        return _OutputDict(y=y)
+    if kind == "ordered dict subclass":
+        return type("Ordered", (collections.OrderedDict,), {})(y=y)
+    return _Output(hidden=y, extra=(y * 0,))
+
+
+class _Returns(torch.nn.Sequential):
+    """A block whose forward returns its output inside a container of the given kind."""
+
+    def __init__(self, kind: str):
+        torch.manual_seed(3)
+        super().__init__(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+        self.kind = kind
+
+    def forward(self, x):
+        return _wrap_output(self.kind, super().forward(x))
+
+
+def _outputs_in_custom_containers():
+    """An inner unit (resharded after forward) whose output sits in a dict subclass, an
+    OrderedDict subclass (old transformers ModelOutput) or a dataclass is gathered again for
+    backward: its gradients match the unwrapped module's."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    out = {}
+    x = torch.randn(3, 4)
+    for kind in ("dict subclass", "ordered dict subclass", "dataclass"):
+        plain, inner = _Returns(kind), _Returns(kind)
+        model = FSDP(torch.nn.Sequential(FSDP(inner)))
+
+        def first(o):
+            return o.hidden if isinstance(o, _Output) else o["y"]
+        for m in (model, plain):
+            sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+            first(m(x)).pow(2).sum().backward()
+            sgd.step()
+        out[kind] = max_diff(list(model.state_dict().values()), list(plain.state_dict().values()))
+        out[f"{kind} moved"] = max_diff(list(plain.state_dict().values()),
+                                        list(_Returns(kind).state_dict().values()))
+    return out
+
+
+def test_outputs_in_custom_containers(world2):
+    for r in world2.run(_outputs_in_custom_containers):
+        for kind in ("dict subclass", "ordered dict subclass", "dataclass"):
+            assert r[kind] <= 1e-6 < r[f"{kind} moved"], r
 
 
 def _kept_units_after_a_forward_without_backward():

@@ -51,12 +51,14 @@ given (e.g. :class:`~shardkit.shm_transport.SharedMemoryTransport` for ranks on 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
+from collections.abc import Mapping
 from typing import Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes,
@@ -79,6 +81,28 @@ from shardkit.utils.grad_norm import check_clip_arguments, clip_grad_norm_across
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "ShardingStrategy",
            "TrainingState", "get_fsdp_instances", "gathered_param_bytes", "GatheredParamBytes"]
+
+
+def _tensors_in(output) -> Iterator[torch.Tensor]:
+    """Every tensor in a forward's output, however nested: mappings (dict subclasses too, such
+    as an ``OrderedDict`` subclass or a transformers ``ModelOutput``), lists, tuples
+    (namedtuples) and dataclasses. Each container is visited once."""
+    seen: set = set()
+    stack = [output]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            yield item
+            continue
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
 
 
 def _eager(hook):
@@ -488,8 +512,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if self.training_state is TrainingState.FORWARD:
             self.training_state = TrainingState.IDLE
         if grad_enabled:
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            for t in _tensors_in(output):
+                if t.requires_grad:
                     t.register_hook(_eager(self._pre_backward_hook))
         return output
 
@@ -748,6 +772,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             raise RuntimeError("clip_grad_norm_() was called on an inner FullyShardedDataParallel "
                                "unit; call it on the root (outermost) instance")
         max_norm, norm_type = check_clip_arguments("clip_grad_norm_", max_norm, norm_type)
+        self._check_idle("clip_grad_norm_")
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         return clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.process_group,
                                            comm_device=self._comm_device())
