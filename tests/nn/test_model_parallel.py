@@ -231,6 +231,7 @@ def _column_stride_parity(tp_rank, tp, diffs):
                                       _maxdiff(lv, shard_of(v, tp_rank, tp, -1)))
     full = layer.full_weight()
     diffs["column_stride3_full_weight"] = _maxdiff(full, layer.master_weight)
+    diffs["column_stride3_get_master_weight"] = _maxdiff(layer.get_master_weight(), full)
     diffs["column_stride3_gathered_out"] = _maxdiff(layer(x), ref(x))
 
 

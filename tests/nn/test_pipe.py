@@ -1,6 +1,7 @@
 """Pipe (GPipe in one process): parity with the plain Sequential, skips, recomputation, BN."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -386,3 +387,23 @@ def test_balance_helpers_propose_a_valid_balance():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
     assert all(p.grad is None for p in model.parameters())
     Pipe(model, by_size, chunks=4)(x).sum().backward()
+    with pytest.raises(ValueError, match="already has a gradient"):
+        balance_by_time(2, model, x)
+
+
+class _Delay(nn.Module):
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return x
+
+
+def test_balance_by_time_follows_the_layers_costs():
+    """FairScale's test: layers sleeping 10-60 ms cut as [4, 2]; the sample keeps its
+    requires_grad=False and the process's first backward is not charged to the first layer."""
+    from shardkit.nn.pipe.balance import balance_by_time
+    model = nn.Sequential(*[_Delay(i / 100) for i in range(1, 7)])
+    assert balance_by_time(2, model, torch.rand(1), timeout=0.4) == [4, 2]

@@ -108,6 +108,11 @@ class TensorParallelModule(nn.Module):
         """The unsplit weight (collective; see :meth:`full_state_dict`)."""
         return self.full_state_dict()["weight"]
 
+    def get_master_weight(self) -> torch.Tensor:
+        """FairScale's name for :meth:`full_weight` (collective). With ``stride > 1`` the rows
+        come in the unsplit layer's order, where FairScale's are rank-major."""
+        return self.full_weight()
+
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load unsplit parameters (e.g. an ``nn.Linear``'s state dict) by keeping this rank's

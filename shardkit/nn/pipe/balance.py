@@ -83,33 +83,50 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample, *, timeout: 
                     device: Optional[Device] = None) -> list[int]:
     """A ``balance`` from the forward + backward time of each layer on ``sample``.
 
-    Every layer is timed on a copy, fed the previous layer's (detached) output, and the loop
-    repeats until ``timeout`` seconds have passed (at least once). ``device``: where to profile
-    (default: the sample's device; FairScale's default is CUDA). Timing on a busy machine is
-    noisy; pass the result to ``Pipe(balance=...)``.
+    Every layer is timed on a copy, fed the previous layer's (detached) output; the sample's
+    tensors keep their own ``requires_grad`` (as in FairScale: a sample that needs no gradient
+    times no gradient with respect to the input). One untimed pass first absorbs one-time
+    costs (autograd's first backward, lazy initialisation), then the timed loop repeats until
+    ``timeout`` seconds have passed (at least once). ``device``: where to profile (default:
+    the sample's device; FairScale's default is CUDA). Timing on a busy machine is noisy; pass
+    the result to ``Pipe(balance=...)``. A parameter that already has a gradient is a
+    ValueError (the timed backward passes would add to it).
 
     Memory: one copy of one layer at a time plus its activations on ``sample``. No
     communication.
     """
+    if any(p.grad is not None for p in module.parameters()):
+        raise ValueError("balance_by_time(module=...): some parameter already has a gradient; "
+                         "call module.zero_grad(set_to_none=True) first")
     device = _sample_device(sample, device)
+    _time_layers(module, sample, device)  # warm-up, not counted
     times = [0.0] * len(module)
-    packed_input = not isinstance(sample, torch.Tensor)
     begun = time.perf_counter()
     while True:
-        inputs, packed = _detached(as_tuple(sample), device), packed_input
-        for i, layer in enumerate(_layer_copies(module, device)):
-            inputs = _detached(inputs, device)
-            _synchronize(device)
-            tick = time.perf_counter()
-            outputs, packed = _call(layer, inputs, packed)
-            grads = [t for t in outputs if t.requires_grad]
-            if grads:
-                torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
-            _synchronize(device)
-            times[i] += time.perf_counter() - tick
-            inputs = outputs
+        for i, elapsed in enumerate(_time_layers(module, sample, device)):
+            times[i] += elapsed
         if time.perf_counter() - begun >= timeout:
             return balance_cost(times, partitions)
+
+
+def _time_layers(module: nn.Sequential, sample, device: torch.device) -> list[float]:
+    """Seconds of forward + backward of each layer (a copy on ``device``) in one pass."""
+    inputs = tuple(t.detach().to(device).requires_grad_(t.requires_grad)
+                   for t in as_tuple(sample))
+    packed = not isinstance(sample, torch.Tensor)
+    times = []
+    for layer in _layer_copies(module, device):
+        inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)
+        _synchronize(device)
+        tick = time.perf_counter()
+        outputs, packed = _call(layer, inputs, packed)
+        grads = [t for t in outputs if t.requires_grad]
+        if grads:
+            torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
+        _synchronize(device)
+        times.append(time.perf_counter() - tick)
+        inputs = outputs
+    return times
 
 
 def _synchronize(device: torch.device) -> None:

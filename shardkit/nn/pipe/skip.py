@@ -164,7 +164,10 @@ class Skippable(nn.Module):
 
     def _drive(self, generator_forward, *args, **kwargs):
         result = generator_forward(self, *args, **kwargs)
+        stashed: set = set()
+        popped: set = set()
         if not inspect.isgenerator(result):
+            self._check_all_used(stashed, popped)
             return result
         tracker = _tracker.current
         reply = None
@@ -172,17 +175,32 @@ class Skippable(nn.Module):
             try:
                 op = result.send(reply)
             except StopIteration as stop:
+                self._check_all_used(stashed, popped)
                 return stop.value
             reply = None
             if isinstance(op, stash):
                 self._check_declared(op.name, self.stashable_names, "stash")
                 tracker.save(self.namespaced(op.name), op.tensor)
+                stashed.add(op.name)
             elif isinstance(op, pop):
                 self._check_declared(op.name, self.poppable_names, "pop")
                 reply = tracker.load(self.namespaced(op.name))
+                popped.add(op.name)
             else:
                 raise TypeError(f"{type(self).__name__}.forward yielded {op!r}; a skippable "
                                 f"forward may only yield stash(name, tensor) or pop(name)")
+
+    def _check_all_used(self, stashed: set, popped: set) -> None:
+        """Every declared name must be stashed and popped by each forward (FairScale's rule: a
+        skip the next layer waits for, or a stashed tensor nobody takes, is a bug)."""
+        for verb, declared, done in (("stashed", self.stashable_names, stashed),
+                                     ("popped", self.poppable_names, popped)):
+            missing = sorted(declared - done)
+            if missing:
+                names = ", ".join(repr(n) for n in missing)
+                raise RuntimeError(f"{names} must be {verb} but have not: "
+                                   f"{type(self).__name__}.forward returned without it, though "
+                                   f"@skippable declares it")
 
     def _check_declared(self, name: str, declared: frozenset, verb: str) -> None:
         if name not in declared:
