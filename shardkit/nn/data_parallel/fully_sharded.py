@@ -468,6 +468,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         """Forget which unit is the root and the recorded gather order; the next forward
         finds them again (FairScale's private method, which its users' code calls after
         loading a checkpoint). Call it on the outermost unit, between steps. Local."""
+        if self._is_root is False:
+            raise RuntimeError("_reset_lazy_init() was called on an inner "
+                               "FullyShardedDataParallel unit; call it on the root (outermost) "
+                               "instance, which resets every unit")
         self._check_idle("_reset_lazy_init")
         units = self.sharded_units()
         for unit in units:
