@@ -15,20 +15,27 @@ Keys that change behaviour:
     stage 1 moves 2Ψ(N-1)/N a step; false: torch DDP's all-reduce, 3Ψ(N-1)/N),
     offload_param.device (stage 3), offload_optimizer.device, zero_quantized_weights and
     zero_quantized_gradients (stage 3: FSDP's quantize_weights / quantize_gradients, ZeRO++),
-    zero_hpz_partition_size (stage 3: FSDP's hpz_partition_size)}, communication_data_type
+    zero_hpz_partition_size (stage 3: FSDP's hpz_partition_size), ignore_unused_parameters
+    (stages 0-1, default true as in DeepSpeed: torch DDP with find_unused_parameters, so a
+    forward may leave parameters unused)}, communication_data_type
     ("fp16"/"bf16": gradients reduced in 16 bits at every stage), fp16.{enabled, loss_scale,
     initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale,
-    raise_error_at_min_scale}, bf16.enabled.
+    raise_error_at_min_scale}, bf16.enabled, dataloader_drop_last (default false: the
+    training_data loader keeps a last, smaller micro-batch), checkpoint.tag_validation ("Warn",
+    the default, "Fail" or "Ignore": whether save_checkpoint compares the ranks' tags).
 Keys accepted for compatibility with DeepSpeed configs, validated, without effect here:
     the other zero_optimization tuning knobs (allgather_bucket_size, overlap_comm,
     contiguous_gradients, reduce_scatter at stages 2-3, stage3_* ...), offload *.pin_memory /
     buffer_*, fp16.auto_cast, wall_clock_breakdown, memory_breakdown, prescale_gradients,
     gradient_predivide_factor, zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer,
-    dump_state; data_types.grad_accum_dtype when "fp32" (what the engine does); and, while
+    dump_state, zero_optimization.log_trace_cache_warnings; data_types.grad_accum_dtype when
+    "fp32" (what the engine does); sparse_gradients and fp16.fp16_master_weights_and_grads
+    when false; and, while
     switched off, the sections amp, activation_checkpointing,
     tensorboard, wandb, csv_monitor, comms_logger and flops_profiler. A value these do not
     accept is an error that names what to use instead.
-DeepSpeed's older section name ``bfloat16`` is read as ``bf16``.
+DeepSpeed's older section name ``bfloat16`` is read as ``bf16``, and its oldest form
+``"zero_optimization": true`` as stage 1 (``false``: stage 0).
 """
 
 from __future__ import annotations
@@ -195,12 +202,15 @@ SCHEMA: dict = {
         "load_from_fp32_weights": _bool(True), "cpu_offload": _bool(),
         "zero_quantized_weights": _bool(), "zero_quantized_gradients": _bool(),
         "zero_hpz_partition_size": _int(1, 1),
+        "log_trace_cache_warnings": _bool(),  # logging only
     },
     "fp16": {
         "enabled": _bool(), "auto_cast": _bool(), "loss_scale": _num(0.0, 0),
         "initial_scale_power": _int(16, 0, 127), "loss_scale_window": _int(1000, 1),
         "hysteresis": _int(2, 1), "consecutive_hysteresis": _bool(),
         "min_loss_scale": _num(1.0, 0, strict=True), "raise_error_at_min_scale": _bool(),
+        "fp16_master_weights_and_grads": _off("fp16.fp16_master_weights_and_grads",
+                                              "master weights and gradients stay fp32"),
     },
     "bf16": {"enabled": _bool()},
     "gradient_clipping": _num(0.0, 0),
@@ -208,6 +218,12 @@ SCHEMA: dict = {
     "wall_clock_breakdown": _bool(), "memory_breakdown": _bool(), "dump_state": _bool(),
     "prescale_gradients": _bool(), "gradient_predivide_factor": _num(1.0, 0, strict=True),
     "zero_allow_untested_optimizer": _bool(),
+    # the training_data loader keeps a last, smaller micro-batch unless this is true
+    "dataloader_drop_last": _bool(),
+    "sparse_gradients": _off("sparse_gradients", "gradients are reduced dense"),
+    # whether every rank passed the same tag to save_checkpoint: warn, fail, or do not check
+    "checkpoint": {"tag_validation": _choice("Warn", "Ignore", "Warn", "Fail",
+                                             case_insensitive=True)},
     "zero_force_ds_cpu_optimizer": _bool(True),
     # the dtype gradients are reduced in (None: fp32, the engine's gradient dtype)
     "communication_data_type": Field((str, type(None)), None,
@@ -281,6 +297,9 @@ class ZeroConfig:
     # zero_optimization.reduce_scatter (stage 1): average each gradient onto its OSS owner only
     # (DeepSpeed's "reduce instead of allreduce"), not onto every rank
     reduce_to_owners: bool = False
+    # zero_optimization.ignore_unused_parameters: stages 0-1 build torch DDP with
+    # find_unused_parameters, so a forward may leave parameters unused (stages 2-3 always may)
+    ignore_unused_parameters: bool = True
 
 
 @dataclass(frozen=True)
@@ -316,6 +335,8 @@ class EngineConfig:
     communication_dtype: Optional[str] = None
     raw: Mapping[str, Any] = field(default_factory=dict)
     warnings: tuple = ()
+    dataloader_drop_last: bool = False
+    checkpoint_tag_validation: str = "warn"  # "warn", "ignore" or "fail"
 
 
 # ----------------------------------------------------------------------------- validation
@@ -349,7 +370,8 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
         zero=zero, precision=precision,
         gradient_clipping=float(checked["gradient_clipping"]),
         steps_per_print=checked["steps_per_print"], communication_dtype=comm_dtype, raw=raw,
-        warnings=tuple(notes))
+        warnings=tuple(notes), dataloader_drop_last=checked["dataloader_drop_last"],
+        checkpoint_tag_validation=checked["checkpoint"]["tag_validation"].lower())
 
 
 def _communication_dtype(value: Optional[str], zero: ZeroConfig) -> Optional[str]:
@@ -392,6 +414,8 @@ def _with_current_names(raw: dict) -> dict:
     """``raw`` with DeepSpeed's older top-level spellings renamed (``bfloat16`` -> ``bf16``);
     both spellings at once is an error."""
     out = dict(raw)
+    if isinstance(out.get("zero_optimization"), bool):  # DeepSpeed's oldest form: on = stage 1
+        out["zero_optimization"] = {"stage": 1 if out["zero_optimization"] else 0}
     for old, new in _OLD_NAMES.items():
         if old in out:
             if new in out:
@@ -557,6 +581,7 @@ def _zero_config(section: dict) -> tuple[ZeroConfig, list[str]]:
                       offload_optimizer_device=optim_device,
                       offload_param_device=param_device, hpz_partition_size=hpz,
                       reduce_to_owners=stage == 1 and section["reduce_scatter"],
+                      ignore_unused_parameters=section["ignore_unused_parameters"],
                       **quantized), notes
 
 

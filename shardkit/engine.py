@@ -146,6 +146,8 @@ def compose_from_config(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineCo
     is in bytes of the (fp32) gradients, so the size is converted here, once."""
     zero = cfg.zero
     kwargs: dict = {}
+    if zero.stage in (0, 1):
+        kwargs["find_unused_parameters"] = zero.ignore_unused_parameters
     if zero.stage == 1:
         kwargs["reduce_to_owners"] = zero.reduce_to_owners
     if zero.stage == 2 and zero.reduce_bucket_numel is not None:
@@ -223,6 +225,17 @@ class ShardedEngine(nn.Module):
         self._last_grad_norm: Optional[float] = None
         self._last_step_applied = False
         self._boundary_override: Optional[bool] = None
+
+    def __getattr__(self, name: str):
+        # DeepSpeed's engine forwards unknown attributes to the model (engine.config_class,
+        # a custom method of the user's model)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
 
     # -- properties DeepSpeed users reach for
     @property
@@ -509,18 +522,41 @@ class ShardedEngine(nn.Module):
 
         Each rank writes the fp32 parameters and optimizer state it owns (stage 3: its dim-0
         row block of each), keyed by parameter name; rank 0 adds metadata, scheduler, loss
-        scaler and ``client_state``. Memory: a CPU copy of this rank's share. Communication:
-        two one-element all-reduces and two barriers.
+        scaler and ``client_state``. A ``tag`` that is not a string (an epoch, a loss) is
+        used as ``str(tag)``, as DeepSpeed does. Memory: a CPU copy of this rank's share.
+        Communication: the tags compared across ranks (one small all-gather, unless the
+        config's ``checkpoint.tag_validation`` is ``"Ignore"``), two one-element all-reduces and
+        two barriers.
         Returns the checkpoint directory (when ``async_save``, where it will be once written).
         """
         from shardkit.checkpoint.engine_state import save_engine_checkpoint
         self.wait_for_checkpoint()
+        tag = None if tag is None else str(tag)  # DeepSpeed's: an epoch or a loss names a tag
+        self._validate_tag(tag)
         result = save_engine_checkpoint(self, save_dir, tag, client_state, save_latest,
                                         async_save=async_save)
         if not async_save:
             return result
         self._pending_save = result
         return result.path
+
+    def _validate_tag(self, tag: Optional[str]) -> None:
+        """The config's ``checkpoint.tag_validation``: unless ``"ignore"``, compare the tag
+        across ranks (one small all-gather) and warn, or with ``"fail"`` raise on every rank
+        before anything is written, when they differ."""
+        mode = self.config.checkpoint_tag_validation
+        if mode == "ignore" or distributed.get_world_size() == 1:
+            return
+        tags = distributed.all_gather_object(tag)
+        if len(set(tags)) == 1:
+            return
+        message = (f"save_checkpoint: the ranks passed different tags {tags}; each rank would "
+                   f"write into its own directory")
+        if mode == "fail":
+            from shardkit.checkpoint import CheckpointError
+            raise CheckpointError(message + " (checkpoint.tag_validation='Fail')")
+        if distributed.get_rank() == 0:
+            logger.warning(message)
 
     def wait_for_checkpoint(self) -> Optional[str]:
         """Wait for this engine's asynchronous save, if one is under way; return its directory
@@ -538,6 +574,7 @@ class ShardedEngine(nn.Module):
         Memory: the full fp32 state on each rank's CPU while loading."""
         from shardkit.checkpoint.engine_state import load_engine_checkpoint
         self.wait_for_checkpoint()
+        tag = None if tag is None else str(tag)
         return load_engine_checkpoint(self, load_dir, tag,
                                       load_optimizer_states=load_optimizer_states
                                       and not load_module_only,
@@ -564,7 +601,7 @@ def _loss_scaler(cfg: EngineConfig):
 def initialize(model: nn.Module, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, config=None, config_params=None, args=None, mpu=None,
                dist_init_required=None, collate_fn=None, peer_timeout_s=None, resume_from=None,
-               wrap_policy=None):
+               wrap_policy=None, distributed_port=None):
     """Compose shardkit's wrappers from a DeepSpeed config.
 
     Args:
@@ -581,6 +618,8 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         config: a dict or the path of a JSON file (``config_params`` is an alias; without
             either, ``args.deepspeed_config`` is used as DeepSpeed does).
         args, dist_init_required, collate_fn: DeepSpeed's; ``mpu`` is refused.
+        distributed_port: DeepSpeed's: the rendezvous port (``MASTER_PORT``) when this call
+            starts the process group under a launcher that did not set one.
         peer_timeout_s: seconds without a peer's heartbeat before every surviving rank exits
             naming the lost one (:func:`shardkit.fault.watch_peers`; default
             ``SHARDKIT_PEER_TIMEOUT`` or 60; 0 turns the watchdog off).
@@ -615,7 +654,7 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     _check_arguments(model, optimizer, lr_scheduler, cfg)
     if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
         raise TypeError(f"initialize(resume_from={resume_from!r}): expected a directory path")
-    _ensure_process_group()
+    _ensure_process_group(distributed_port)
     from shardkit import fault
     fault.watch_peers(peer_timeout_s)
     if distributed.get_rank() == 0:
@@ -667,11 +706,14 @@ def _data_parallel_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _ensure_process_group() -> None:
-    """Join torchrun's group (its environment names the rendezvous); outside torchrun start
-    a one-rank group (:func:`shardkit.distributed.init_single_process`)."""
+def _ensure_process_group(port=None) -> None:
+    """Join torchrun's group (its environment names the rendezvous; ``port`` fills in a
+    missing ``MASTER_PORT``, as DeepSpeed's ``distributed_port``); outside torchrun start a
+    one-rank group (:func:`shardkit.distributed.init_single_process`)."""
     if distributed.is_initialized():
         return
+    if port is not None and "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(int(port))
     if "RANK" in os.environ:
         distributed.init_distributed()
     else:
@@ -692,4 +734,4 @@ def _data_loader(dataset, cfg: EngineConfig, collate_fn):
     sampler = DistributedSampler(dataset, num_replicas=distributed.get_world_size(),
                                  rank=distributed.get_rank())
     return DataLoader(dataset, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
-                      collate_fn=collate_fn, drop_last=True)
+                      collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)

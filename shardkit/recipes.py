@@ -146,7 +146,8 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
             reshard_after_forward: Optional[bool] = None, sharding_strategy=None,
             mixed_precision=False, quantize_weights: bool = False,
             quantize_gradients: bool = False, hpz_partition_size: int = 1,
-            reduce_dtype: Optional[torch.dtype] = None) -> Composition:
+            reduce_dtype: Optional[torch.dtype] = None,
+            find_unused_parameters: bool = False) -> Composition:
     """Wrap ``model`` for ZeRO ``stage`` (0-3, table in the module docstring) and build its
     optimizer from ``optimizer``.
 
@@ -182,6 +183,9 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
             :class:`shardkit.comm_hooks.OwnersHookState` with ``reduce_to_owners``; stage 2:
             ``ShardedDataParallel(reduce_fp16=dtype)``; stage 3: FSDP's
             ``MixedPrecisionPolicy(reduce_dtype=dtype)`` (weights stay fp32).
+        find_unused_parameters: stages 0-1: torch DDP's option, for models whose forward
+            leaves some parameters unused (a pooler, an unused head); a walk of the autograd
+            graph after each forward. Stages 2-3 need none.
 
     Costs: those of the wrappers (module docstring); building issues each wrapper's
     initial broadcasts. Bad arguments raise before any of them.
@@ -196,13 +200,19 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
                      reduce_to_owners=reduce_to_owners)
     reduce_dtype = _checked_reduce_dtype(reduce_dtype, stage, mixed_precision,
                                          quantize_gradients, step_in_backward)
+    if find_unused_parameters not in (False, True) or (find_unused_parameters and stage > 1):
+        raise ValueError(f"compose(stage={stage}, find_unused_parameters="
+                         f"{find_unused_parameters!r}): a bool, for stages 0-1 (torch DDP); "
+                         f"stages 2-3 reduce per parameter and need no search for unused ones")
     psi = count_params(model.parameters())
     if stage == 0:
-        return _stage0(model, optimizer, process_group, count_ddp_comm, psi, reduce_dtype)
+        return _stage0(model, optimizer, process_group, count_ddp_comm, psi, reduce_dtype,
+                       find_unused_parameters)
     if stage in (1, 2):
         oss = _oss(model, optimizer, comm, process_group, sync_bucket_numel)
         composition = _stage1(model, oss, process_group, count_ddp_comm, psi,
-                              reduce_to_owners, step_in_backward, reduce_dtype) if stage == 1 \
+                              reduce_to_owners, step_in_backward, reduce_dtype,
+                              find_unused_parameters) if stage == 1 \
             else _stage2(model, oss, comm, process_group, reduce_bucket_bytes, psi,
                          step_in_backward, reduce_dtype)
     else:
@@ -261,17 +271,21 @@ def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_num
 
 
 def torch_ddp(model: nn.Module, process_group=None, count_comm: bool = True,
-              reduce_dtype: Optional[torch.dtype] = None) -> nn.Module:
+              reduce_dtype: Optional[torch.dtype] = None,
+              find_unused_parameters: bool = False) -> nn.Module:
     """Wrap in torch DDP with gradients as views of its buckets (so the bucket storage is the
     gradient storage and ``model_state_bytes`` counts what DDP really holds); with
     ``count_comm`` its all-reduce goes through :func:`shardkit.comm_hooks.
     counted_allreduce_hook` (fp32, counted by ``CommCounter``); with a 16-bit
-    ``reduce_dtype``, through that dtype's hook (counted too, half the bytes)."""
+    ``reduce_dtype``, through that dtype's hook (counted too, half the bytes).
+    ``find_unused_parameters``: torch DDP's option (parameters a forward does not use are
+    marked ready; costs a walk of the autograd graph after each forward)."""
     from torch.nn.parallel import DistributedDataParallel
     device = next(model.parameters()).device
     ids = [device.index] if device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=ids, process_group=process_group,
-                                  gradient_as_bucket_view=True)
+                                  gradient_as_bucket_view=True,
+                                  find_unused_parameters=find_unused_parameters)
     if count_comm or reduce_dtype is not None:
         from shardkit.comm_hooks import allreduce_hook_for
         ddp.register_comm_hook(process_group, allreduce_hook_for(reduce_dtype))
@@ -323,9 +337,10 @@ def _oss(model: nn.Module, recipe: OptimizerRecipe, comm, process_group, bucket_
                bucket_numel=bucket_numel, **recipe.defaults)
 
 
-def _stage0(model, recipe, process_group, count_comm, psi, reduce_dtype) -> Composition:
+def _stage0(model, recipe, process_group, count_comm, psi, reduce_dtype,
+            find_unused: bool) -> Composition:
     """torch DDP and a replicated optimizer."""
-    ddp = torch_ddp(model, process_group, count_comm, reduce_dtype)
+    ddp = torch_ddp(model, process_group, count_comm, reduce_dtype, find_unused)
     optimizer = recipe.instance or recipe.build(recipe.param_groups or _trainable(model))
     params = _trainable(model)
     return Composition(0, ddp, optimizer, ddp.no_sync,
@@ -334,12 +349,13 @@ def _stage0(model, recipe, process_group, count_comm, psi, reduce_dtype) -> Comp
 
 
 def _stage1(model, oss, process_group, count_comm, psi, reduce_to_owners,
-            step_in_backward, reduce_dtype) -> Composition:
+            step_in_backward, reduce_dtype, find_unused: bool) -> Composition:
     """OSS (optimizer state sharded) over torch DDP (full gradients all-reduced, or with
     ``reduce_to_owners`` averaged onto their owners only; ``step_in_backward``: also stepped
     there)."""
     plain = not reduce_to_owners and not step_in_backward
-    ddp = torch_ddp(model, process_group, count_comm and plain, reduce_dtype if plain else None)
+    ddp = torch_ddp(model, process_group, count_comm and plain, reduce_dtype if plain else None,
+                    find_unused)
     if step_in_backward:
         from shardkit.comm_hooks import step_oss_in_ddp_backward
         step_oss_in_ddp_backward(ddp, oss)

@@ -422,6 +422,61 @@ def test_user_optimizer_scheduler_and_dataloader(world2, stage, optimizer):
                      "steps": 4, "lr_iteration": 3}
 
 
+class _WithUnusedHead(torch.nn.Module):
+    """A model whose forward leaves a parameter unused (a pooler, a second head)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.used, self.unused = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+        self.tag = "custom attribute"
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _deepspeed_script_habits(stage, tmp):
+    """What DeepSpeed's tutorials do: unused parameters, attributes of the model read through
+    the engine, a partial last batch, numeric checkpoint tags, DeepSpeed's oldest ZeRO switch."""
+    dataset = torch.utils.data.TensorDataset(torch.randn(38, 8), torch.randn(38, 4))
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD",
+                                                                 "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": stage}, "checkpoint": {"tag_validation": "Fail"}}
+    engine, _, loader, _ = shardkit.initialize(model=_WithUnusedHead(), training_data=dataset,
+                                               config=config, distributed_port=29511)
+    sizes = []
+    for x, y in loader:
+        sizes.append(len(x))
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+    path = engine.save_checkpoint(tmp, tag=3)  # an epoch number, as DeepSpeed's examples do
+    loaded, _ = engine.load_checkpoint(tmp, tag=3)
+    try:
+        engine.save_checkpoint(tmp, tag=f"rank{distributed.get_rank()}")
+        mismatched = "accepted"
+    except Exception as error:  # CheckpointError on every rank, before anything is written
+        mismatched = str(error)
+    old_switch, *_ = shardkit.initialize(model=torch.nn.Linear(2, 2), config={
+        "train_batch_size": 2 * distributed.get_world_size(), "zero_optimization": True,
+        "optimizer": {"type": "SGD"}})
+    return {"sizes": sizes, "steps": engine.global_steps, "tag": engine.tag,
+            "path": os.path.basename(path), "loaded": os.path.basename(loaded),
+            "mismatched": mismatched, "written": sorted(os.listdir(tmp)),
+            "old_switch_stage": old_switch.zero_optimization_stage()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepspeed_script_habits(world2, stage, tmp_path):
+    for r in world2.run(_deepspeed_script_habits, stage, str(tmp_path)):
+        # 38 samples, 2 ranks, micro-batch 4: DeepSpeed keeps the last partial batch
+        assert r["sizes"] == [4, 4, 4, 4, 3] and r["steps"] == 5, r
+        assert r["tag"] == "custom attribute", r
+        assert r["path"] == r["loaded"] == "3", r
+        assert "different tags" in r["mismatched"], r
+        assert r["written"] == ["3", "latest"], r
+        assert r["old_switch_stage"] == 1, r
+
+
 # ----------------------------------------------------------------------------- bad input
 
 BAD_CONFIGS = {
