@@ -654,6 +654,10 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     _check_arguments(model, optimizer, lr_scheduler, cfg)
     if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
         raise TypeError(f"initialize(resume_from={resume_from!r}): expected a directory path")
+    if distributed_port is not None and (isinstance(distributed_port, bool) or not isinstance(
+            distributed_port, int) or not 0 < distributed_port < 65536):
+        raise ConfigError(f"initialize(distributed_port={distributed_port!r}): expected a port "
+                          f"number in 1-65535")
     _ensure_process_group(distributed_port)
     from shardkit import fault
     fault.watch_peers(peer_timeout_s)
@@ -713,7 +717,7 @@ def _ensure_process_group(port=None) -> None:
     if distributed.is_initialized():
         return
     if port is not None and "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(int(port))
+        os.environ["MASTER_PORT"] = str(port)
     if "RANK" in os.environ:
         distributed.init_distributed()
     else:

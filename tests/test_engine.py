@@ -516,6 +516,11 @@ def _bad_configs():
                                 config={"train_batch_size": 8, "zero_optimization": {"stage": 1}})
         except ConfigError as e:
             out["scheduler instance"] = str(e)
+        try:
+            shardkit.initialize(model=torch.nn.Linear(2, 2), distributed_port="29500",
+                                config={"train_batch_size": 8, "optimizer": {"type": "SGD"}})
+        except ConfigError as e:
+            out["port"] = str(e)
     out["collectives"] = len(comm.calls)
     return out
 
@@ -527,4 +532,5 @@ def test_bad_configs_raise_on_every_rank_without_traffic(world2):
         assert needle in results[0].get(name, ""), (name, results[0].get(name))
     assert "exactly one" in results[0]["two optimizers"]
     assert "pass a callable instead" in results[0]["scheduler instance"]
+    assert "distributed_port='29500'" in results[0]["port"]
     assert results[0]["collectives"] == 0
