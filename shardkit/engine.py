@@ -53,6 +53,7 @@ from shardkit import distributed
 from shardkit.config import ConfigError, EngineConfig, load_config
 from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
 from shardkit.recipes import Composition, OptimizerRecipe, compose
+from shardkit.utils.wrapped_attributes import attribute_through
 
 __all__ = ["initialize", "ShardedEngine"]
 
@@ -229,13 +230,7 @@ class ShardedEngine(nn.Module):
     def __getattr__(self, name: str):
         # DeepSpeed's engine forwards unknown attributes to the model (engine.config_class,
         # a custom method of the user's model)
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            module = self.__dict__.get("_modules", {}).get("module")
-            if module is None:
-                raise
-            return getattr(module, name)
+        return attribute_through(self, name, "module")
 
     # -- properties DeepSpeed users reach for
     @property

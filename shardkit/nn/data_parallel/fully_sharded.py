@@ -78,6 +78,7 @@ from shardkit.nn.data_parallel.training_state import TrainingState, check_state
 from shardkit.nn.wrap import auto_wrap_bn  # noqa: F401 - FairScale's FSDP module has it
 from shardkit.quantized_transport import quantized_transport_for
 from shardkit.utils.grad_norm import check_clip_arguments, clip_grad_norm_across_ranks
+from shardkit.utils.wrapped_attributes import attribute_through
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "ShardingStrategy",
            "TrainingState", "get_fsdp_instances", "gathered_param_bytes", "GatheredParamBytes"]
@@ -347,13 +348,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         return self._fsdp_wrapped_module
 
     def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            wrapped = self._modules.get("_fsdp_wrapped_module")
-            if wrapped is None:
-                raise
-            return getattr(wrapped, name)
+        return attribute_through(self, name, "_fsdp_wrapped_module")
 
     def __getstate__(self):
         # A copy would keep hooks bound to the original unit and fail later with a shape error

@@ -23,6 +23,7 @@ from shardkit.nn.data_parallel import sharded_ddp_arguments as args
 from shardkit.nn.data_parallel.gradient_bucket import (BucketLayout, BucketReduction,
                                                        ReduceToOwners, plan_buckets)
 from shardkit.transport import resolve_transport
+from shardkit.utils.wrapped_attributes import attribute_through
 
 __all__ = ["ShardedDataParallel"]
 
@@ -228,12 +229,7 @@ class ShardedDataParallel(nn.Module):
 
     def __getattr__(self, name: str):
         """Attributes this wrapper lacks are looked up on the wrapped module (as FairScale)."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "module":
-                raise
-            return getattr(self.module, name)
+        return attribute_through(self, name, "module")
 
     @property
     def require_backward_grad_sync(self) -> bool:
