@@ -52,7 +52,7 @@ import torch.nn as nn
 from shardkit import distributed
 from shardkit.config import ConfigError, EngineConfig, load_config
 from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
-from shardkit.recipes import Composition, OptimizerRecipe, compose
+from shardkit.recipes import Composition, OptimizerRecipe, compose, why_not_movable_to_shards
 from shardkit.utils.wrapped_attributes import attribute_through
 
 __all__ = ["initialize", "ShardedEngine"]
@@ -96,18 +96,17 @@ def _check_arguments(model, optimizer, lr_scheduler, cfg: EngineConfig) -> None:
     if cfg.scheduler is not None and lr_scheduler is not None:
         raise ConfigError("initialize: both lr_scheduler=... and a config 'scheduler' section "
                           "were given; pass exactly one of them")
-    if _is_scheduler_instance(lr_scheduler):
-        if cfg.zero.stage >= 1 or getattr(lr_scheduler, "optimizer", None) is not optimizer:
-            raise ConfigError(
-                f"initialize(lr_scheduler=<{type(lr_scheduler).__name__}>): at "
-                f"zero_optimization.stage={cfg.zero.stage} the engine steps an optimizer it "
-                f"builds itself, which this scheduler is not attached to; pass a callable "
-                f"instead, e.g. lr_scheduler=lambda opt: {type(lr_scheduler).__name__}(opt, ...)")
-    if cfg.zero.stage == 3 and isinstance(optimizer, torch.optim.Optimizer) \
-            and len(optimizer.param_groups) > 1:
-        raise ConfigError(f"zero_optimization.stage=3 rebuilds the optimizer over FSDP's "
-                          f"parameters, so it supports one param group; this optimizer has "
-                          f"{len(optimizer.param_groups)}")
+    if _is_scheduler_instance(lr_scheduler) \
+            and getattr(lr_scheduler, "optimizer", None) is not optimizer:
+        raise ConfigError(
+            f"initialize(lr_scheduler=<{type(lr_scheduler).__name__}>): the scheduler is not "
+            f"attached to the optimizer passed as optimizer=... (the one the engine steps); "
+            f"build it on that optimizer, or pass a callable, e.g. "
+            f"lr_scheduler=lambda opt: {type(lr_scheduler).__name__}(opt, ...)")
+    problem = cfg.zero.stage == 3 and isinstance(optimizer, torch.optim.Optimizer) \
+        and why_not_movable_to_shards(optimizer)
+    if problem:
+        raise ConfigError(f"initialize(optimizer=...) at zero_optimization.stage=3: {problem}")
 
 
 def _names_by_trainability(model: nn.Module) -> tuple[list[str], list[str]]:
@@ -130,6 +129,16 @@ def _write_atomically(state: dict, path: str) -> Optional[str]:
     finally:
         if os.path.exists(staging):
             os.remove(staging)
+
+
+def _note_step_taken_for(lr_scheduler) -> None:
+    """At stages 1-2 OSS steps for the optimizer a torch scheduler was built on (it shares that
+    optimizer's param groups), so that optimizer's own ``step`` never runs; mark it stepped
+    the way torch's scheduler checks, or its first ``step`` warns that it came before any
+    optimizer step."""
+    optimizer = getattr(lr_scheduler, "optimizer", None)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer._opt_called = True
 
 
 def _is_scheduler_instance(lr_scheduler) -> bool:
@@ -415,6 +424,7 @@ class ShardedEngine(nn.Module):
                 self._last_grad_norm = None if norm is None else float(norm)
             self.optimizer.step()
             if self.lr_scheduler is not None:
+                _note_step_taken_for(self.lr_scheduler)
                 self.lr_scheduler.step()
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)

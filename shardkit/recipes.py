@@ -49,7 +49,7 @@ from shardkit.models import GPT
 __all__ = ["OptimizerRecipe", "adamw", "Composition", "TrainingSetup", "STAGES", "compose",
            "torch_ddp", "default_wrap_policy", "repeated_block_classes", "compose_pipeline",
            "gpt_as_sequential", "balance_by_params", "pipeline_chunks", "token_cross_entropy",
-           "count_params"]
+           "count_params", "why_not_movable_to_shards"]
 
 STAGES = (0, 1, 2, 3)
 
@@ -61,8 +61,9 @@ STAGES = (0, 1, 2, 3)
 class OptimizerRecipe:
     """How to build the optimizer: a torch optimizer class, its hyper-parameters and the param
     groups (``None``: every trainable parameter of the model). ``instance`` is an optimizer the
-    user built already: stages 0-2 use (or wrap) it; stage 3 rebuilds one over FSDP's
-    parameters from ``cls`` and ``defaults``, because FSDP replaces the parameters."""
+    user built already: stage 0 steps it, stages 1-2 wrap it in OSS (which shares its param
+    groups), stage 3 steps it moved onto FSDP's flat parameters (its one group's ``params``
+    replaced; it must hold no state yet), because FSDP replaces the parameters."""
 
     cls: type
     defaults: dict
@@ -268,6 +269,24 @@ def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_num
         raise ValueError(f"compose(stage=0, comm={type(comm).__name__}): stage 0 is torch DDP "
                          f"alone, which uses its process group; comm= is the transport of "
                          f"shardkit's wrappers (stages 1-3)")
+    problem = stage == 3 and optimizer.instance is not None \
+        and why_not_movable_to_shards(optimizer.instance)
+    if problem:
+        raise ValueError(f"compose(stage=3): {problem}")
+
+
+def why_not_movable_to_shards(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why stage 3 cannot step ``optimizer`` moved onto FSDP's flat parameters (``None``: it
+    can): it needs one param group (FSDP flattens a unit's parameters into one) and no state
+    yet (state belongs to parameters that FSDP replaces)."""
+    if len(optimizer.param_groups) > 1:
+        return (f"the {type(optimizer).__name__} given has {len(optimizer.param_groups)} param "
+                f"groups; moved onto FSDP's flat parameters it can keep only one")
+    if optimizer.state:
+        return (f"the {type(optimizer).__name__} given already holds state for "
+                f"{len(optimizer.state)} parameters, which FSDP replaces by flat shards; pass a "
+                f"fresh optimizer and restore its state from a checkpoint")
+    return None
 
 
 def torch_ddp(model: nn.Module, process_group=None, count_comm: bool = True,
@@ -400,11 +419,22 @@ def _build_on_shards(recipe: OptimizerRecipe, params: list) -> torch.optim.Optim
     buffers and others not yet (a unit unused in the first step); OSS steps those apart, a
     plain optimizer cannot, so it keeps torch's loop."""
     from shardkit.optim.local_step import choose_fused, fused_first_steps_collide
+    if recipe.instance is not None:
+        return _moved_onto(recipe.instance, params)
     defaults = dict(recipe.defaults)
     if (not fused_first_steps_collide(recipe.cls, defaults)
             and choose_fused(recipe.cls, defaults, [{"params": params}])):
         defaults["fused"] = True
     return recipe.cls(params, **defaults)
+
+
+def _moved_onto(optimizer: torch.optim.Optimizer, params: list) -> torch.optim.Optimizer:
+    """The caller's own optimizer, its one param group now over ``params`` (FSDP's flat
+    parameters): its settings, hooks and any scheduler built on it keep working. It steps as
+    it was built (``fused=None`` is torch's default loop, not the fused kernel chosen above).
+    Checked beforehand by :func:`why_not_movable_to_shards`."""
+    optimizer.param_groups[0]["params"] = list(params)
+    return optimizer
 
 
 # ----------------------------------------------------------------------------- wrap policy

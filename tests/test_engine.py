@@ -422,6 +422,79 @@ def test_user_optimizer_scheduler_and_dataloader(world2, stage, optimizer):
                      "steps": 4, "lr_iteration": 3}
 
 
+def _scheduler_on_own_optimizer(stage):
+    """DeepSpeed's most common form: the script builds its optimizer and a torch scheduler on
+    it, passes both, and later changes the learning rate through its own optimizer."""
+    import warnings
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    reference.load_state_dict(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda step: 0.5 ** step)
+    torch.manual_seed(1)
+    batches = [(torch.randn(4 * world, 4), torch.randn(4 * world, 2)) for _ in range(3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, optimizer, _, scheduler = shardkit.initialize(
+            model=model, optimizer=opt, lr_scheduler=sched,
+            config={"train_batch_size": 4 * world, "zero_optimization": {"stage": stage}})
+        for x, y in batches:
+            mine = slice(4 * rank, 4 * rank + 4)
+            engine.backward(F.mse_loss(engine(x[mine]), y[mine]))
+            engine.step()
+            ref_opt.zero_grad()
+            F.mse_loss(reference(x), y).backward()
+            ref_opt.step()
+            ref_sched.step()
+    trained = _full_params(stage, engine.wrapped, model)
+    diff = max_diff(trained, reference.state_dict())
+    for group in opt.param_groups:  # the script's own handle, as DeepSpeed scripts do
+        group["lr"] = 0.0
+        group["weight_decay"] = 0.0
+    x, y = batches[0]
+    engine.backward(F.mse_loss(engine(x[4 * rank:4 * rank + 4]), y[4 * rank:4 * rank + 4]))
+    engine.step()
+    after = _full_params(stage, engine.wrapped, model)
+    return {"diff": diff, "same scheduler": scheduler is sched,
+            "lr": scheduler.get_last_lr(), "moved by lr 0": max_diff(after, trained),
+            "scheduler warnings": [str(w.message) for w in caught
+                                   if "lr_scheduler" in str(w.message)]}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_scheduler_built_on_the_passed_optimizer(world2, stage):
+    for r in world2.run(_scheduler_on_own_optimizer, stage):
+        assert r["same scheduler"] and r["scheduler warnings"] == [], r
+        assert r["lr"] == [0.05 * 0.5 ** 4], r  # four engine steps stepped the scheduler
+        assert r["diff"] < 1e-5, r  # the schedule reached the stepping optimizer
+        assert r["moved by lr 0"] == 0.0, r  # and so did a rate set on the script's handle
+
+
+def _stage3_refuses_a_used_optimizer():
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with distributed.CommCounter() as comm:
+        try:
+            shardkit.initialize(model=model, optimizer=opt, config={
+                "train_batch_size": 2 * distributed.get_world_size(),
+                "zero_optimization": {"stage": 3}})
+            error = "accepted"
+        except ConfigError as e:
+            error = str(e)
+    return error, len(comm.calls)
+
+
+def test_stage3_refuses_an_optimizer_with_state(world2):
+    for error, calls in world2.run(_stage3_refuses_a_used_optimizer):
+        assert "already holds state for 2 parameters" in error and calls == 0, error
+
+
 class _WithUnusedHead(torch.nn.Module):
     """A model whose forward leaves a parameter unused (a pooler, a second head)."""
 
@@ -511,8 +584,9 @@ def _bad_configs():
         try:
             model = torch.nn.Linear(2, 2)
             opt = torch.optim.SGD(model.parameters(), 0.1)
+            elsewhere = torch.optim.SGD(model.parameters(), 0.1)
             shardkit.initialize(model=model, optimizer=opt,
-                                lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1),
+                                lr_scheduler=torch.optim.lr_scheduler.StepLR(elsewhere, 1),
                                 config={"train_batch_size": 8, "zero_optimization": {"stage": 1}})
         except ConfigError as e:
             out["scheduler instance"] = str(e)
@@ -531,6 +605,6 @@ def test_bad_configs_raise_on_every_rank_without_traffic(world2):
     for name, (_, needle) in BAD_CONFIGS.items():
         assert needle in results[0].get(name, ""), (name, results[0].get(name))
     assert "exactly one" in results[0]["two optimizers"]
-    assert "pass a callable instead" in results[0]["scheduler instance"]
+    assert "not attached to the optimizer passed" in results[0]["scheduler instance"]
     assert "distributed_port='29500'" in results[0]["port"]
     assert results[0]["collectives"] == 0

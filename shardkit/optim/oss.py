@@ -47,7 +47,9 @@ class OSS(torch.optim.Optimizer):
     Args:
         params: parameters or param-group dicts (per-group hyper-parameters are honoured), or an
             existing ``torch.optim.Optimizer`` whose type, defaults, param groups and state are
-            taken over (then ``optim`` and ``defaults`` must not be given).
+            taken over (then ``optim`` and ``defaults`` must not be given). Its param-group
+            dicts become OSS's own (the same objects), so a learning rate changed through it,
+            or by a scheduler built on it, is the one OSS steps with; do not step it yourself.
         optim: the ``torch.optim.Optimizer`` subclass run on the local shard (default SGD,
             as in FairScale).
         group: the data-parallel process group (default: the whole world).

@@ -129,8 +129,10 @@ def check_no_shared_storage(groups: list[dict], world_size: int) -> None:
 
 
 def groups_of(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Copies of ``optimizer``'s param-group dicts (the parameter lists are shared)."""
-    return [{**g} for g in optimizer.param_groups]
+    """``optimizer``'s param-group dicts themselves, not copies: OSS's groups are then the same
+    objects, so a learning rate set through the optimizer taken over (or by a scheduler built on
+    it) is the one OSS steps with."""
+    return list(optimizer.param_groups)
 
 
 def constructor_kwargs(optim: type, defaults: dict) -> dict:

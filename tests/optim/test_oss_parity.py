@@ -70,13 +70,16 @@ def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, sc
     with_frozen = unfreeze_at is not None
     ref_opt = optim_cls(_groups(oracle, two_groups, hyper["lr"], with_frozen), **hyper)
     if takeover:
-        opt = OSS(optim_cls(_groups(model, two_groups, hyper["lr"]), **hyper))
+        original = optim_cls(_groups(model, two_groups, hyper["lr"]), **hyper)
+        opt = OSS(original)
     else:
         opt = OSS(_groups(model, two_groups, hyper["lr"], with_frozen), optim=optim_cls,
                   broadcast_fp16=broadcast_fp16, comm=_transport(comm), **hyper)
     ddp = model if owners_only_grads else DDP(model)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 3, 0.5) if schedule else None
-    sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5) if schedule else None
+    # "on_original": the scheduler drives the optimizer OSS took over (their groups are shared)
+    sched = torch.optim.lr_scheduler.StepLR(original if schedule == "on_original" else opt, 3,
+                                            0.5) if schedule else None
     grad_scaler = _make_scaler(scaler)
     worst = 0.0
     for step in range(STEPS):
@@ -162,6 +165,7 @@ CONFIGS = {
     "adamw_lr_schedule": dict(opt=ADAMW, schedule=True),
     "adamw_one_group_no_frozen": dict(opt=ADAMW, two_groups=False, frozen=False),
     "adamw_takeover": dict(opt=ADAMW, takeover=True),
+    "adamw_takeover_schedule_on_original": dict(opt=ADAMW, takeover=True, schedule="on_original"),
     "adamw_grad_scaler": dict(opt=ADAMW, scaler="torch", clip=(0.05, 2.0)),
     "adamw_owner_grads_only": dict(opt=ADAMW, owners_only_grads=True, clip=(0.05, 2.0)),
     "adamw_owner_grads_sharded_scaler": dict(opt=ADAMW, owners_only_grads=True,
