@@ -52,7 +52,7 @@ import torch.nn as nn
 from shardkit import distributed
 from shardkit.config import ConfigError, EngineConfig, load_config
 from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
-from shardkit.recipes import Composition, OptimizerRecipe, compose, why_not_movable_to_shards
+from shardkit.recipes import Composition, OptimizerRecipe, compose, why_not_steppable_on_shards
 from shardkit.utils.wrapped_attributes import attribute_through
 
 __all__ = ["initialize", "ShardedEngine"]
@@ -104,7 +104,7 @@ def _check_arguments(model, optimizer, lr_scheduler, cfg: EngineConfig) -> None:
             f"build it on that optimizer, or pass a callable, e.g. "
             f"lr_scheduler=lambda opt: {type(lr_scheduler).__name__}(opt, ...)")
     problem = cfg.zero.stage == 3 and isinstance(optimizer, torch.optim.Optimizer) \
-        and why_not_movable_to_shards(optimizer)
+        and why_not_steppable_on_shards(optimizer)
     if problem:
         raise ConfigError(f"initialize(optimizer=...) at zero_optimization.stage=3: {problem}")
 
@@ -614,8 +614,8 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         optimizer: a torch optimizer or ``callable(params) -> optimizer``; exclusive with a
             config ``optimizer`` section.
         model_parameters: parameters or param groups for a config-built optimizer (default:
-            every trainable parameter; ignored at stage 3, where the optimizer is built over
-            FSDP's shards of every trainable parameter).
+            every trainable parameter), at every stage (FSDP shards the same parameter objects
+            in place).
         training_data: a ``torch.utils.data.Dataset``; a ``DataLoader`` with a
             ``DistributedSampler`` and the micro-batch size is returned for it.
         lr_scheduler: a scheduler or ``callable(optimizer) -> scheduler``; exclusive with a

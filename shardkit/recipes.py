@@ -49,7 +49,7 @@ from shardkit.models import GPT
 __all__ = ["OptimizerRecipe", "adamw", "Composition", "TrainingSetup", "STAGES", "compose",
            "torch_ddp", "default_wrap_policy", "repeated_block_classes", "compose_pipeline",
            "gpt_as_sequential", "balance_by_params", "pipeline_chunks", "token_cross_entropy",
-           "count_params", "why_not_movable_to_shards"]
+           "count_params", "why_not_steppable_on_shards"]
 
 STAGES = (0, 1, 2, 3)
 
@@ -61,9 +61,9 @@ STAGES = (0, 1, 2, 3)
 class OptimizerRecipe:
     """How to build the optimizer: a torch optimizer class, its hyper-parameters and the param
     groups (``None``: every trainable parameter of the model). ``instance`` is an optimizer the
-    user built already: stage 0 steps it, stages 1-2 wrap it in OSS (which shares its param
-    groups), stage 3 steps it moved onto FSDP's flat parameters (its one group's ``params``
-    replaced; it must hold no state yet), because FSDP replaces the parameters."""
+    user built already: stages 0 and 3 step it (FSDP shards the same parameter objects in
+    place; it must hold no state yet there), stages 1-2 wrap it in OSS (which shares its param
+    groups)."""
 
     cls: type
     defaults: dict
@@ -270,22 +270,20 @@ def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_num
                          f"alone, which uses its process group; comm= is the transport of "
                          f"shardkit's wrappers (stages 1-3)")
     problem = stage == 3 and optimizer.instance is not None \
-        and why_not_movable_to_shards(optimizer.instance)
+        and why_not_steppable_on_shards(optimizer.instance)
     if problem:
         raise ValueError(f"compose(stage=3): {problem}")
 
 
-def why_not_movable_to_shards(optimizer: torch.optim.Optimizer) -> Optional[str]:
-    """Why stage 3 cannot step ``optimizer`` moved onto FSDP's flat parameters (``None``: it
-    can): it needs one param group (FSDP flattens a unit's parameters into one) and no state
-    yet (state belongs to parameters that FSDP replaces)."""
-    if len(optimizer.param_groups) > 1:
-        return (f"the {type(optimizer).__name__} given has {len(optimizer.param_groups)} param "
-                f"groups; moved onto FSDP's flat parameters it can keep only one")
+def why_not_steppable_on_shards(optimizer: torch.optim.Optimizer) -> Optional[str]:
+    """Why stage 3 cannot step ``optimizer``, built over the model before wrapping (``None``:
+    it can). FSDP shards each parameter in place (the same ``Parameter`` objects keep their
+    dim-0 rows), so the optimizer's groups already hold the shards; only state it holds
+    already, full-size tensors, cannot follow."""
     if optimizer.state:
         return (f"the {type(optimizer).__name__} given already holds state for "
-                f"{len(optimizer.state)} parameters, which FSDP replaces by flat shards; pass a "
-                f"fresh optimizer and restore its state from a checkpoint")
+                f"{len(optimizer.state)} parameters, full-size where FSDP keeps row shards; "
+                f"pass a fresh optimizer and restore its state from a checkpoint")
     return None
 
 
@@ -411,30 +409,36 @@ def _stage3(model, recipe, policy, fsdp_kwargs, psi) -> Composition:
 
 
 def _build_on_shards(recipe: OptimizerRecipe, params: list) -> torch.optim.Optimizer:
-    """The stage-3 optimizer over FSDP's shards, with torch's fused kernel where OSS would
-    choose it for stages 1-2 (same rule, :func:`shardkit.optim.local_step.choose_fused`: a
-    torch optimizer that has one, ``fused`` and ``foreach`` left unset): the same update up to
-    the last bit, so every stage steps alike. The param groups then say ``fused=True``.
-    Except SGD with momentum: torch's fused SGD fails once some parameters have momentum
-    buffers and others not yet (a unit unused in the first step); OSS steps those apart, a
-    plain optimizer cannot, so it keeps torch's loop."""
+    """The stage-3 optimizer. FSDP shards each parameter in place, so the caller's optimizer
+    (``recipe.instance``) already steps the shards: it is used as built, its groups, settings
+    and any scheduler on it unchanged (``fused=None`` is then torch's default loop). Otherwise
+    one is built over ``recipe.param_groups`` (default: ``params``, every trainable shard),
+    with torch's fused kernel where OSS would choose it for stages 1-2 (same rule,
+    :func:`shardkit.optim.local_step.choose_fused`: a torch optimizer that has one, ``fused``
+    and ``foreach`` left unset): the same update up to the last bit, so every stage steps
+    alike. The param groups then say ``fused=True``. Except SGD with momentum: torch's fused
+    SGD fails once some parameters have momentum buffers and others not yet (a unit unused in
+    the first step); OSS steps those apart, a plain optimizer cannot, so it keeps torch's
+    loop."""
     from shardkit.optim.local_step import choose_fused, fused_first_steps_collide
     if recipe.instance is not None:
-        return _moved_onto(recipe.instance, params)
+        return recipe.instance
+    groups = _as_group_dicts(recipe.param_groups if recipe.param_groups is not None else params)
     defaults = dict(recipe.defaults)
     if (not fused_first_steps_collide(recipe.cls, defaults)
-            and choose_fused(recipe.cls, defaults, [{"params": params}])):
+            and choose_fused(recipe.cls, defaults, groups)):
         defaults["fused"] = True
-    return recipe.cls(params, **defaults)
+    return recipe.cls(groups, **defaults)
 
 
-def _moved_onto(optimizer: torch.optim.Optimizer, params: list) -> torch.optim.Optimizer:
-    """The caller's own optimizer, its one param group now over ``params`` (FSDP's flat
-    parameters): its settings, hooks and any scheduler built on it keep working. It steps as
-    it was built (``fused=None`` is torch's default loop, not the fused kernel chosen above).
-    Checked beforehand by :func:`why_not_movable_to_shards`."""
-    optimizer.param_groups[0]["params"] = list(params)
-    return optimizer
+def _as_group_dicts(params_or_groups) -> list[dict]:
+    """Parameters or param-group dicts as group dicts whose ``params`` are lists (torch's
+    optimizer accepts either form; the fused-kernel rule reads groups)."""
+    items = list(params_or_groups)
+    if not all(isinstance(item, dict) for item in items):
+        return [{"params": items}]
+    return [{**g, "params": [g["params"]] if isinstance(g["params"], torch.Tensor)
+             else list(g["params"])} for g in items]
 
 
 # ----------------------------------------------------------------------------- wrap policy

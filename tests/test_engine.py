@@ -422,28 +422,38 @@ def test_user_optimizer_scheduler_and_dataloader(world2, stage, optimizer):
                      "steps": 4, "lr_iteration": 3}
 
 
+def _decay_groups(model, decay):
+    """HF scripts' two groups: weight decay on the weights, none on the biases."""
+    return [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")],
+             "weight_decay": decay},
+            {"params": [p for n, p in model.named_parameters() if n.endswith("bias")],
+             "weight_decay": 0.0}]
+
+
 def _scheduler_on_own_optimizer(stage):
-    """DeepSpeed's most common form: the script builds its optimizer and a torch scheduler on
-    it, passes both, and later changes the learning rate through its own optimizer."""
+    """DeepSpeed's most common form: the script builds its optimizer (two param groups) and a
+    torch scheduler on it, passes both, and later changes the learning rate through its own
+    optimizer. Then the config-built optimizer over ``model_parameters`` groups."""
     import warnings
     rank, world = distributed.get_rank(), distributed.get_world_size()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    reference.load_state_dict(model.state_dict())
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model, reference = mlp(), mlp()
+    opt = torch.optim.AdamW(_decay_groups(model, 0.5), lr=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(_decay_groups(reference, 0.5), lr=0.05)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda step: 0.5 ** step)
     torch.manual_seed(1)
     batches = [(torch.randn(4 * world, 4), torch.randn(4 * world, 2)) for _ in range(3)]
+    mine = slice(4 * rank, 4 * rank + 4)
+    config = {"train_batch_size": 4 * world, "zero_optimization": {"stage": stage}}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine, optimizer, _, scheduler = shardkit.initialize(
-            model=model, optimizer=opt, lr_scheduler=sched,
-            config={"train_batch_size": 4 * world, "zero_optimization": {"stage": stage}})
+            model=model, optimizer=opt, lr_scheduler=sched, config=config)
         for x, y in batches:
-            mine = slice(4 * rank, 4 * rank + 4)
             engine.backward(F.mse_loss(engine(x[mine]), y[mine]))
             engine.step()
             ref_opt.zero_grad()
@@ -452,6 +462,21 @@ def _scheduler_on_own_optimizer(stage):
             ref_sched.step()
     trained = _full_params(stage, engine.wrapped, model)
     diff = max_diff(trained, reference.state_dict())
+
+    from_config = mlp()
+    built, *_ = shardkit.initialize(
+        model=from_config, model_parameters=_decay_groups(from_config, 0.5),
+        config={**config, "optimizer": {"type": "AdamW", "params": {"lr": 0.05,
+                                                                    "weight_decay": 0.5}}})
+    grouped = mlp()
+    grouped_opt = torch.optim.AdamW(_decay_groups(grouped, 0.5), lr=0.05)
+    for x, y in batches:
+        built.backward(F.mse_loss(built(x[mine]), y[mine]))
+        built.step()
+        grouped_opt.zero_grad()
+        F.mse_loss(grouped(x), y).backward()
+        grouped_opt.step()
+    groups_diff = max_diff(_full_params(stage, built.wrapped, from_config), grouped.state_dict())
     for group in opt.param_groups:  # the script's own handle, as DeepSpeed scripts do
         group["lr"] = 0.0
         group["weight_decay"] = 0.0
@@ -459,7 +484,7 @@ def _scheduler_on_own_optimizer(stage):
     engine.backward(F.mse_loss(engine(x[4 * rank:4 * rank + 4]), y[4 * rank:4 * rank + 4]))
     engine.step()
     after = _full_params(stage, engine.wrapped, model)
-    return {"diff": diff, "same scheduler": scheduler is sched,
+    return {"diff": diff, "groups diff": groups_diff, "same scheduler": scheduler is sched,
             "lr": scheduler.get_last_lr(), "moved by lr 0": max_diff(after, trained),
             "scheduler warnings": [str(w.message) for w in caught
                                    if "lr_scheduler" in str(w.message)]}
@@ -469,9 +494,10 @@ def _scheduler_on_own_optimizer(stage):
 def test_scheduler_built_on_the_passed_optimizer(world2, stage):
     for r in world2.run(_scheduler_on_own_optimizer, stage):
         assert r["same scheduler"] and r["scheduler warnings"] == [], r
-        assert r["lr"] == [0.05 * 0.5 ** 4], r  # four engine steps stepped the scheduler
+        assert r["lr"] == [0.05 * 0.5 ** 4] * 2, r  # four engine steps stepped the scheduler
         assert r["diff"] < 1e-5, r  # the schedule reached the stepping optimizer
         assert r["moved by lr 0"] == 0.0, r  # and so did a rate set on the script's handle
+        assert r["groups diff"] < 1e-5, r  # model_parameters groups kept at every stage
 
 
 def _stage3_refuses_a_used_optimizer():
