@@ -430,62 +430,66 @@ def _decay_groups(model, decay):
              "weight_decay": 0.0}]
 
 
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def _train_beside_reference(engine, reference, ref_opt, batches, ref_sched=None):
+    """Step ``engine`` on this rank's share of each global batch and ``reference`` on the whole
+    batch."""
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    for x, y in batches:
+        local = len(x) // world
+        mine = slice(local * rank, local * (rank + 1))
+        engine.backward(F.mse_loss(engine(x[mine]), y[mine]))
+        engine.step()
+        ref_opt.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        if ref_sched is not None:
+            ref_sched.step()
+
+
 def _scheduler_on_own_optimizer(stage):
     """DeepSpeed's most common form: the script builds its optimizer (two param groups) and a
     torch scheduler on it, passes both, and later changes the learning rate through its own
     optimizer. Then the config-built optimizer over ``model_parameters`` groups."""
     import warnings
-    rank, world = distributed.get_rank(), distributed.get_world_size()
+    world = distributed.get_world_size()
+    torch.manual_seed(1)
+    batches = [(torch.randn(4 * world, 4), torch.randn(4 * world, 2)) for _ in range(3)]
+    config = {"train_batch_size": 4 * world, "zero_optimization": {"stage": stage}}
 
-    def mlp():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    model, reference = mlp(), mlp()
+    model, reference = _mlp(), _mlp()
     opt = torch.optim.AdamW(_decay_groups(model, 0.5), lr=0.05)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
     ref_opt = torch.optim.AdamW(_decay_groups(reference, 0.5), lr=0.05)
-    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda step: 0.5 ** step)
-    torch.manual_seed(1)
-    batches = [(torch.randn(4 * world, 4), torch.randn(4 * world, 2)) for _ in range(3)]
-    mine = slice(4 * rank, 4 * rank + 4)
-    config = {"train_batch_size": 4 * world, "zero_optimization": {"stage": stage}}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine, optimizer, _, scheduler = shardkit.initialize(
             model=model, optimizer=opt, lr_scheduler=sched, config=config)
-        for x, y in batches:
-            engine.backward(F.mse_loss(engine(x[mine]), y[mine]))
-            engine.step()
-            ref_opt.zero_grad()
-            F.mse_loss(reference(x), y).backward()
-            ref_opt.step()
-            ref_sched.step()
+        _train_beside_reference(engine, reference, ref_opt, batches,
+                                torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.5 ** s))
     trained = _full_params(stage, engine.wrapped, model)
-    diff = max_diff(trained, reference.state_dict())
+    for group in opt.param_groups:  # the script's own handle, as DeepSpeed scripts do
+        group["lr"] = 0.0
+        group["weight_decay"] = 0.0
+    _train_beside_reference(engine, _mlp(), torch.optim.SGD(_mlp().parameters()), batches[:1])
+    after = _full_params(stage, engine.wrapped, model)
 
-    from_config = mlp()
+    from_config, grouped = _mlp(), _mlp()
     built, *_ = shardkit.initialize(
         model=from_config, model_parameters=_decay_groups(from_config, 0.5),
         config={**config, "optimizer": {"type": "AdamW", "params": {"lr": 0.05,
                                                                     "weight_decay": 0.5}}})
-    grouped = mlp()
-    grouped_opt = torch.optim.AdamW(_decay_groups(grouped, 0.5), lr=0.05)
-    for x, y in batches:
-        built.backward(F.mse_loss(built(x[mine]), y[mine]))
-        built.step()
-        grouped_opt.zero_grad()
-        F.mse_loss(grouped(x), y).backward()
-        grouped_opt.step()
-    groups_diff = max_diff(_full_params(stage, built.wrapped, from_config), grouped.state_dict())
-    for group in opt.param_groups:  # the script's own handle, as DeepSpeed scripts do
-        group["lr"] = 0.0
-        group["weight_decay"] = 0.0
-    x, y = batches[0]
-    engine.backward(F.mse_loss(engine(x[4 * rank:4 * rank + 4]), y[4 * rank:4 * rank + 4]))
-    engine.step()
-    after = _full_params(stage, engine.wrapped, model)
-    return {"diff": diff, "groups diff": groups_diff, "same scheduler": scheduler is sched,
-            "lr": scheduler.get_last_lr(), "moved by lr 0": max_diff(after, trained),
+    _train_beside_reference(built, grouped,
+                            torch.optim.AdamW(_decay_groups(grouped, 0.5), lr=0.05), batches)
+    return {"diff": max_diff(trained, reference.state_dict()),
+            "groups diff": max_diff(_full_params(stage, built.wrapped, from_config),
+                                    grouped.state_dict()),
+            "same scheduler": scheduler is sched, "lr": scheduler.get_last_lr(),
+            "moved by lr 0": max_diff(after, trained),
             "scheduler warnings": [str(w.message) for w in caught
                                    if "lr_scheduler" in str(w.message)]}
 
