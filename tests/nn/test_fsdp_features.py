@@ -57,6 +57,48 @@ def test_summon_full_params_and_names(world2):
         assert r["nested_reshards"] == r["shard_shape"]
 
 
+def _forward_inside_summon():
+    """What generation scripts do: forward (under no_grad) inside summon_full_params, with every
+    unit summoned or only the root, in fp32 and under bf16 mixed precision; a backward through
+    such a forward is refused; training goes on afterwards."""
+    reference = build_gpt()
+    idx, target = synthetic_batch(TINY, 2, 0)
+    with torch.no_grad():
+        expected = reference(idx)
+    out = {}
+    for name, kwargs in (("fp32", {}), ("bf16", {"compute_dtype": torch.bfloat16})):
+        model = wrap_gpt(build_gpt(), **kwargs)
+        for recurse in (True, False):
+            try:
+                with model.summon_full_params(recurse=recurse), torch.no_grad():
+                    out[f"{name} recurse={recurse}"] = max_diff(model(idx), expected)
+            except RuntimeError as error:
+                out[f"{name} recurse={recurse}"] = str(error)
+        out[f"{name} resharded"] = tuple(model.module.blocks[0].fc.weight.shape)
+    try:
+        with model.summon_full_params():
+            model.loss(idx, target).backward()
+        out["backward"] = "accepted"
+    except RuntimeError as error:
+        out["backward"] = str(error)
+    model.zero_grad(set_to_none=True)
+    out["trains after"] = bool(torch.isfinite(train_step(model, make_optimizer(model), 0)[0]))
+    return out
+
+
+def test_forward_inside_summon_full_params(world2):
+    for r in world2.run(_forward_inside_summon):
+        assert r["fp32 recurse=True"] < 1e-5 and r["fp32 recurse=False"] < 1e-5, r
+        # every unit summoned: fp32 masters, fp32 compute; the root alone would meet the
+        # blocks' bf16 activations with fp32 weights
+        assert r["bf16 recurse=True"] < 1e-5, r
+        assert "needs every unit summoned" in r["bf16 recurse=False"], r
+        assert r["fp32 resharded"] == r["bf16 resharded"] == (4 * TINY.d_model // 2,
+                                                              TINY.d_model), r
+        assert "inside summon_full_params() is not supported" in r["backward"], r
+        assert r["trains after"], r
+
+
 FROZEN_AT_START = ("blocks.1.fc.weight", "blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias",
                    "blocks.0.attn.proj.weight", "blocks.0.attn.proj.bias")
 

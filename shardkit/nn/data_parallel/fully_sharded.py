@@ -482,6 +482,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if root is None:
             raise RuntimeError("FullyShardedDataParallel: an inner unit ran forward without its "
                                "root; call the outermost FSDP instance, not the inner one")
+        if self.mixed_precision_policy.enabled and (self._summoned or root._summoned):
+            _check_summoned_alike(root)
+        if self._summoned:  # inside summon_full_params: compute with the summoned fp32 values
+            return args, kwargs
         in_backward = root._final_callback_queued  # a recompute (activation checkpointing)
         if not in_backward:
             self.training_state = TrainingState.FORWARD
@@ -501,6 +505,12 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
     def _post_forward(self, module, args, output):
         grad_enabled = torch.is_grad_enabled()
+        if self._summoned:
+            if grad_enabled:
+                for t in _tensors_in(output):
+                    if t.requires_grad:
+                        t.register_hook(_refuse_backward_while_summoned)
+            return output
         keep_for_backward = grad_enabled and self._stays_gathered_for_backward()
         if self._shard is not None and not keep_for_backward:
             self._shard.free_full(keep_secondary=grad_enabled)
@@ -695,6 +705,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         Nested calls (``state_dict()`` inside the block, or another ``summon_full_params``)
         leave units already summoned as they are: the outermost block that summoned a unit
         writes it back and reshards it on exit.
+
+        A forward inside the block (``model.generate(...)`` under ``torch.no_grad()``) computes
+        with the summoned fp32 values, without gathering or casting them again; units not
+        summoned (``recurse=False``) gather as usual, except under mixed precision, where the
+        forward needs every unit summoned. A backward through it is refused.
 
         Memory: the full model (``recurse``) or this unit in master dtype. Communication: one
         all-gather per unit not yet summoned. All ranks must enter it.
@@ -897,6 +912,25 @@ def _resolve_writeback(volatile: Optional[bool], writeback: Optional[bool]) -> b
     if volatile is not None:
         return not volatile
     return True if writeback is None else writeback
+
+
+def _check_summoned_alike(root: "FullyShardedDataParallel") -> None:
+    """Under mixed precision a forward must not mix summoned units (fp32 masters) with
+    gathered ones (compute dtype): their activations would meet parameters of the other
+    dtype."""
+    summoned = [u._summoned for u in root.sharded_units()]
+    if any(summoned) and not all(summoned):
+        raise RuntimeError("FullyShardedDataParallel: a forward inside summon_full_params() "
+                           "under mixed precision needs every unit summoned (fp32), so that no "
+                           "unit computes in the compute dtype beside them; call "
+                           "summon_full_params(recurse=True) on the outermost unit")
+
+
+def _refuse_backward_while_summoned(grad):
+    raise RuntimeError("FullyShardedDataParallel: backward through a forward run inside "
+                       "summon_full_params() is not supported (its gradients would have the full "
+                       "shapes, not the shards'); run forward and backward outside the block, or "
+                       "the forward under torch.no_grad()")
 
 
 def _widen_to_fp32(t):
