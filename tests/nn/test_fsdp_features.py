@@ -99,6 +99,42 @@ def test_forward_inside_summon_full_params(world2):
         assert r["trains after"], r
 
 
+def _direct_calls():
+    """Code that calls a submodule holding a unit's parameters outside that unit's forward
+    (an encoder-decoder's ``generate()`` runs the encoder, which reads the root's embedding):
+    refused with gradients, gathered and kept under no_grad, reused by the next forward and
+    freed by it; training still matches the oracle afterwards."""
+    reference, model = build_gpt(), wrap_gpt(build_gpt())
+    idx, _ = synthetic_batch(TINY, 2, 0)
+    out = {}
+    try:
+        model.module.tok_emb(idx)
+        out["with grad"] = "accepted"
+    except RuntimeError as error:
+        out["with grad"] = str(error)
+    with skdist.CommCounter() as comm, torch.no_grad():
+        out["embedding"] = max_diff(model.module.tok_emb(idx), reference.tok_emb(idx))
+        out["block"] = max_diff(model.module.blocks[1].fc(reference.tok_emb(idx)),
+                                reference.blocks[1].fc(reference.tok_emb(idx)))
+        out["direct gathers"] = comm.calls_by_op.get("all_gather", 0)
+        out["logits"] = max_diff(model(idx), reference(idx))
+    out["root freed"] = not model._shard.gathered
+    ref_opt, opt = make_optimizer(reference), make_optimizer(model)
+    for step in range(2):
+        train_step(reference, ref_opt, step, local=False)
+        train_step(model, opt, step)
+    out["trained"] = max_diff(model.state_dict(), reference.state_dict())
+    return out
+
+
+def test_direct_calls_of_submodules(world2):
+    for r in world2.run(_direct_calls):
+        assert "ran outside that unit's forward, with gradients" in r["with grad"], r
+        assert r["embedding"] == 0.0 and r["block"] < 1e-6 and r["logits"] < 1e-5, r
+        assert r["direct gathers"] == 2, r  # the root once (kept), the block's unit once
+        assert r["root freed"] and r["trained"] < 1e-5, r
+
+
 FROZEN_AT_START = ("blocks.1.fc.weight", "blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias",
                    "blocks.0.attn.proj.weight", "blocks.0.attn.proj.bias")
 

@@ -288,8 +288,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                                            self.gradient_postdivide_factor)
             _MANAGED_PARAMS.update((id(p), weakref.ref(p)) for p in params)
         _WRAPPED_MODULES.add(module)
+        self._enclosing: Optional[weakref.ref] = None  # the unit built around this one
         for inner in _inner_units(module):
             inner._is_root = False
+            if inner._enclosing is None:
+                inner._enclosing = weakref.ref(self)
         self._is_root: Optional[bool] = None
         self._root: Optional[FullyShardedDataParallel] = None
         self._require_backward_grad_sync = True
@@ -308,6 +311,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         # block's graph, instead of tracing collectives into it.
         module.register_forward_pre_hook(_eager(self._pre_forward), with_kwargs=True)
         module.register_forward_hook(_eager(self._post_forward))
+        for holder in _holders_inside(module, locations):
+            holder.register_forward_pre_hook(self._before_a_direct_call)
 
     def _set_fairscale_dtypes(self, policy: MixedPrecisionPolicy, master: torch.dtype,
                               compute_device: torch.device) -> None:
@@ -476,8 +481,16 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._forward_order, self._backward_order = [], []
         self._orders_final = False
 
+    def _outermost(self) -> "FullyShardedDataParallel":
+        """The unit built around all the others that contain this one (the root to be)."""
+        unit = self
+        while unit._enclosing is not None and unit._enclosing() is not None:
+            unit = unit._enclosing()
+        return unit
+
     def _pre_forward(self, module, args, kwargs):
-        self._lazy_init_root()
+        if self._root is None:  # the first forward, possibly an inner unit called directly
+            self._outermost()._lazy_init_root()
         root = self._root
         if root is None:
             raise RuntimeError("FullyShardedDataParallel: an inner unit ran forward without its "
@@ -525,6 +538,34 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 if t.requires_grad:
                     t.register_hook(_eager(self._pre_backward_hook))
         return output
+
+    def _before_a_direct_call(self, module, args) -> None:
+        """A submodule holding this unit's parameters is about to run. Inside the unit's own
+        forward (or a backward, or ``summon_full_params``) nothing is done. Outside it, the
+        code calls that submodule directly (HF ``generate()`` on an encoder-decoder runs
+        ``model.get_encoder()``, which reads the root's shared embedding): under ``no_grad``
+        the unit is gathered and kept as after a forward (its next forward reuses it unless a
+        step changed the shard, then frees it; :meth:`reshard` frees it too); with gradients
+        that would compute on shards, so it is refused. Memory: the unit, gathered.
+        Communication: one all-gather of the unit, unless it is gathered already."""
+        if torch.compiler.is_compiling():
+            # Note: inside a compiled block this hook is traced and must add no graph break,
+            # so a direct call from compiled code is not detected (call the unit there).
+            return
+        root = self._root or self._outermost()
+        if self.training_state is not TrainingState.IDLE or root._final_callback_queued \
+                or self._shard.gathered:
+            return
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"FullyShardedDataParallel: a {type(module).__name__} holding parameters of an "
+                f"FSDP unit ran outside that unit's forward, with gradients enabled, while the "
+                f"parameters are sharded; call the unit (or the outermost FSDP instance), or "
+                f"run it under torch.no_grad() or inside summon_full_params()")
+        self._shard.start_gather()
+        self._shard.finish_gather()
+        self._shard.remember_source()
+        self._shard.expose()
 
     def _drop_stale_kept_units(self) -> None:
         """Root only, as a forward starts: units kept gathered by an earlier forward that no
@@ -873,6 +914,13 @@ def _collect_unit_params(module: nn.Module):
                 locations[id(p)] = []
             locations[id(p)].append((m, name))
     return params, [locations[id(p)] for p in params]
+
+
+def _holders_inside(module: nn.Module, locations: list) -> list:
+    """The submodules of ``module`` (not ``module`` itself, whose forward the unit's own hooks
+    cover) that hold one of the unit's parameters, each once."""
+    holders = {id(m): m for locs in locations for m, _ in locs if m is not module}
+    return list(holders.values())
 
 
 def _cast_unit_buffers(module: nn.Module, dtype: Optional[torch.dtype]) -> list:
