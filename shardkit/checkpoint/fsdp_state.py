@@ -199,9 +199,13 @@ def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tenso
     for index, entry in full_osd["state"].items():
         p = ordered[int(index)] if int(index) < len(ordered) else None
         layout = layouts.get(id(p)) if p is not None else None
-        state[index] = {k: (shard_rows(v, layout, param_ranks.get(id(p), rank))
+        # Note: copies, never views of the argument: torch's load_state_dict keeps the tensors
+        # it is given, so an optimizer loaded from another one's live state dict would
+        # otherwise step the other's ``step`` counters and moments in place.
+        state[index] = {k: (shard_rows(v, layout, param_ranks.get(id(p), rank)).clone()
                             if layout is not None and isinstance(v, torch.Tensor)
-                            and tuple(v.shape) == tuple(layout.shape) else v)
+                            and tuple(v.shape) == tuple(layout.shape)
+                            else v.clone() if isinstance(v, torch.Tensor) else v)
                         for k, v in entry.items()}
     return {"state": state, "param_groups": copy.deepcopy(full_osd["param_groups"])}
 
@@ -235,11 +239,39 @@ def shard_full_optimizer_state(full_osd: dict, named_params: Sequence[tuple], la
                                rank: int, param_ranks: Optional[dict] = None) -> dict:
     """:func:`shard_optimizer_state` of a full dict whose state indices follow its
     ``"param_names"`` when it has them (matched against ``named_params``, ``(name, param)``
-    pairs), else the order of ``named_params``. No communication."""
+    pairs), else the order of ``named_params``, corrected by shape (see
+    :func:`_matched_by_shape`). No communication."""
     names = full_osd.get("param_names") if isinstance(full_osd, dict) else None
     if names is None:
-        ordered = [p for _, p in named_params]
+        ordered = _matched_by_shape(full_osd, [p for _, p in named_params], layouts)
     else:
         by_name = dict(named_params)
         ordered = [by_name.get(n) for n in names]
     return shard_optimizer_state(full_osd, ordered, layouts, rank, param_ranks)
+
+
+def _matched_by_shape(full_osd: dict, params: list, layouts: dict) -> list:
+    """For a dict without parameter names (a plain torch optimizer's), the parameter whose
+    rows to cut for each state index: the model's ``i``-th, unless its full shape is not the
+    state's, then the first parameter that has that shape.
+
+    Note: torch numbers state in its param-group order, which differs from the model's as
+    soon as groups regroup parameters (weight decay on matrices only). Every parameter of
+    one full shape is cut alike, so the shape alone chooses the right cut."""
+    state = full_osd.get("state", {}) if isinstance(full_osd, dict) else {}
+    by_shape: dict = {}
+    for p in params:
+        layout = layouts.get(id(p))
+        if layout is not None:
+            by_shape.setdefault(tuple(layout.shape), p)
+    ordered = list(params) + [None] * max(0, max((int(i) + 1 for i in state), default=0)
+                                          - len(params))
+    for index, entry in state.items():
+        shapes = [tuple(v.shape) for v in entry.values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0]
+        current = ordered[int(index)]
+        layout = layouts.get(id(current)) if current is not None else None
+        if shapes and (layout is None or tuple(layout.shape) != shapes[0]) \
+                and shapes[0] in by_shape:
+            ordered[int(index)] = by_shape[shapes[0]]
+    return ordered

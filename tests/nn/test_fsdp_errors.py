@@ -48,6 +48,10 @@ def _error_cases():
     results["fp32_rs_without_mp"] = _raises(lambda: FSDP(MLP(8, 2), fp32_reduce_scatter=True),
                                             ValueError, "fp32_reduce_scatter", "mixed_precision")
     results["not_a_module"] = _raises(lambda: FSDP("model"), ValueError, "nn.Module")
+    with_grad = MLP(8, 2)
+    with_grad(torch.randn(3, 8)).sum().backward()
+    results["stale_grad"] = _raises(lambda: FSDP(with_grad), ValueError, "already has a .grad",
+                                    "zero_grad(set_to_none=True)")
 
     shared = nn.Linear(4, 4)
     outer = nn.Sequential(nn.Sequential(shared), nn.Linear(4, 4))

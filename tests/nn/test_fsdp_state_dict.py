@@ -11,7 +11,7 @@ from shardkit import distributed as skdist
 from shardkit.models import GPT
 from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
 from shardkit.testing import World
-from tests.nn.fsdp_common import TINY, build_gpt, make_optimizer, max_diff, train_step, wrap_gpt
+from tests.nn.fsdp_common import EPS, LR, TINY, build_gpt, make_optimizer, max_diff, train_step, wrap_gpt
 
 SAVE_AT, TOTAL = 3, 6
 
@@ -100,7 +100,35 @@ def _resume(directory):
         train_step(model, optim, TOTAL)
         model.load_local_state_dict(old_format)
         own = max(own, max_diff(model.state_dict(), saved_at))
-    return {"resumed_vs_reference": resumed, "own_reload": own}
+    return {"resumed_vs_reference": resumed, "own_reload": own,
+            "from_grouped_single_process": _resume_from_grouped_plain_optimizer()}
+
+
+def _decay_groups(model):
+    """nanoGPT's groups: decay on matrices, none on vectors (torch then numbers the state
+    matrices first, not in the model's order)."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _resume_from_grouped_plain_optimizer():
+    """A single-process optimizer's state dict (no parameter names, grouped) sharded into FSDP
+    at this world size: training goes on as the single process would."""
+    def run(model, steps, optim=None, local=False):
+        optim = optim or torch.optim.AdamW(_decay_groups(model), lr=LR, eps=EPS)
+        for step in steps:
+            train_step(model, optim, step, local=local)
+        return optim
+    reference = build_gpt(freeze=())
+    ref_optim = run(reference, range(SAVE_AT))
+    plain_osd = ref_optim.state_dict()
+    model = wrap_gpt(build_gpt(freeze=()))
+    model.load_state_dict(reference.state_dict())
+    optim = torch.optim.AdamW(_decay_groups(model), lr=LR, eps=EPS)
+    optim.load_state_dict(model.get_shard_from_optim_state_dict(plain_osd))
+    run(model, range(SAVE_AT, TOTAL), optim, local=True)
+    run(reference, range(SAVE_AT, TOTAL), ref_optim)
+    return max_diff(model.state_dict(), reference.state_dict())
 
 
 def _saved_locals(directory):
@@ -114,6 +142,7 @@ def test_full_state_dict_and_local_checkpoint_world2(saved_world2):
         assert all(v <= 1e-5 for v in r.values()), r
     for r in resumed:
         assert r["resumed_vs_reference"] <= 1e-5 and r["own_reload"] <= 1e-5, r
+        assert r["from_grouped_single_process"] <= 1e-5, r
     _check_offline_consolidation(checkpoint_dir)
 
 

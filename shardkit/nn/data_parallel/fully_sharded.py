@@ -909,6 +909,12 @@ def _collect_unit_params(module: nn.Module):
                     f"already sharded by another FullyShardedDataParallel unit (a parameter "
                     f"shared across units, or a module wrapped twice). Wrap the lowest module "
                     f"that contains every use of the parameter as one unit")
+            if p.grad is not None:
+                raise ValueError(
+                    f"FullyShardedDataParallel: parameter {name!r} of a {type(m).__name__} "
+                    f"already has a .grad (shape {tuple(p.grad.shape)}), which cannot follow "
+                    f"the parameter into its shard; call model.zero_grad(set_to_none=True) "
+                    f"before wrapping")
             if id(p) not in locations:
                 params.append(p)
                 locations[id(p)] = []
