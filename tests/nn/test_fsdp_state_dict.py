@@ -11,7 +11,8 @@ from shardkit import distributed as skdist
 from shardkit.models import GPT
 from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
 from shardkit.testing import World
-from tests.nn.fsdp_common import EPS, LR, TINY, build_gpt, make_optimizer, max_diff, train_step, wrap_gpt
+from tests.nn.fsdp_common import (EPS, LR, TINY, build_gpt, make_optimizer, max_diff, train_step,
+                                  wrap_gpt)
 
 SAVE_AT, TOTAL = 3, 6
 
