@@ -172,7 +172,7 @@ def init_single_process(backend: Optional[str] = None) -> None:
     atexit.register(_destroy_at_exit)
 
 
-_EXIT_BARRIER_TIMEOUT = datetime.timedelta(seconds=120)
+_EXIT_BARRIER_TIMEOUT_S = 30.0
 
 
 def _destroy_at_exit() -> None:
@@ -181,17 +181,44 @@ def _destroy_at_exit() -> None:
     Without it, a rank that leaves first closes gloo's connections while a peer is still inside
     its last collective, and gloo aborts that peer (SIGABRT, "terminate called without an active
     exception"). After an uncaught exception (``sys.last_value`` is set) it does nothing: the
-    peers may never reach a barrier, and waiting for them would turn the crash into a hang."""
+    peers may never reach a barrier, and waiting for them would turn the crash into a hang.
+
+    Note: the ranks meet on the rendezvous store, not in a collective, and wait at most 30 s.
+    A peer still inside another collective (it runs one step more: uneven data) never comes;
+    a collective barrier would then stay pending and hold this process until the group's
+    whole timeout (minutes), delaying that peer's clear "connection closed" error. Here this
+    rank leaves after 30 s without destroying the group."""
     if getattr(sys, "last_value", None) is not None or not is_initialized():
         return
+    if not _every_rank_at_exit(_EXIT_BARRIER_TIMEOUT_S):
+        print(f"[shardkit] rank {dist.get_rank()}: the other ranks did not all reach the end of "
+              f"the script within {_EXIT_BARRIER_TIMEOUT_S:.0f} s (one still in a collective, "
+              f"or gone): leaving without tearing the process group down", file=sys.stderr)
+        return
     try:
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=_EXIT_BARRIER_TIMEOUT)
-        else:
-            dist.barrier()
         dist.destroy_process_group()
-    except Exception as err:  # a peer died: say so, but do not mask the exit status
+    except Exception as err:
         print(f"[shardkit] process-group teardown at exit failed: {err}", file=sys.stderr)
+
+
+def _every_rank_at_exit(timeout_s: float) -> bool:
+    """Count this rank in on the default group's store and wait until every rank has been
+    counted (``False`` after ``timeout_s``, or when the store is gone). No collective."""
+    import time
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        world = dist.get_world_size()
+        key = "shardkit/ranks_at_exit"
+        arrived = store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while arrived < world:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+            arrived = store.add(key, 0)
+        return True
+    except Exception:  # the store's host (rank 0 or the launcher) has gone
+        return False
 
 
 def _int_env(name: str, default: Optional[int] = None) -> int:

@@ -24,7 +24,9 @@ healthy collective — a large all-gather on a loaded machine — is never mista
   the watchdog's verdict when it looks like a communication failure, so the gloo error is
   reported as the lost rank; any other exception is reported at once, as usual.
 - A rank that finishes marks itself done (at exit, or :meth:`PeerWatchdog.stop`); peers stop
-  watching it.
+  watching it. A rank stopping on an uncaught exception that is not a communication error
+  marks itself failed, with the exception's type and message, and its peers declare it lost
+  at their next beat (within ``timeout_s / 8``).
 
 Cost: one thread per rank; per beat, one small write and ``N - 1`` reads on the store (about
 ``8N`` store requests per rank per ``timeout_s``; rank 0 or torchrun's agent serves them). No
@@ -54,6 +56,7 @@ __all__ = ["watch_peers", "stop_watching", "PeerWatchdog", "PEER_LOST_EXIT_CODE"
 PEER_LOST_EXIT_CODE = 75  # EX_TEMPFAIL: the job may succeed when restarted
 DEFAULT_TIMEOUT_S = 60.0
 _DONE = b"done"
+_FAILED = b"failed|"  # followed by the exception's type and message
 _COMM_ERROR_WORDS = ("connection", "gloo", "nccl", "closed", "reset", "timed out", "timeout",
                      "broken pipe", "peer", "socket", "store", "exited before", "shared-memory")
 
@@ -129,6 +132,10 @@ class PeerWatchdog:
                         else None
                     if value == _DONE:
                         del seen[r]
+                    elif value is not None and value.startswith(_FAILED):
+                        self._declare(r, f"it stopped on an uncaught "
+                                         f"{value[len(_FAILED):].decode(errors='replace')}")
+                        return
                     elif value != seen[r][0]:
                         seen[r] = (value, now)
                     elif now - seen[r][1] > self.timeout_s:
@@ -179,12 +186,22 @@ class PeerWatchdog:
 
     def stop(self) -> None:
         """Stop beating and tell the peers this rank finished (it is no longer watched)."""
+        self._stop_with(_DONE.decode())
+
+    def fail(self, error: BaseException) -> None:
+        """Stop beating and tell the peers this rank is stopping on ``error`` (an uncaught
+        exception): they declare it lost at their next beat instead of waiting for a timeout
+        or taking it for finished."""
+        text = f"{type(error).__name__}: {error}".replace("\n", " ")[:300]
+        self._stop_with(_FAILED.decode() + text)
+
+    def _stop_with(self, value: str) -> None:
         if self._stopped.is_set():
             return
         self._stopped.set()
         self._thread.join(timeout=5 * self.interval_s + 1)
         try:
-            self._store.set(self._key(self.rank), _DONE.decode())
+            self._store.set(self._key(self.rank), value)
         except Exception:
             pass
 
@@ -209,8 +226,11 @@ def looks_like_communication_error(error: BaseException) -> bool:
 def _excepthook(previous):
     def hook(exc_type, exc, tb):
         watchdog = _watchdog
-        if watchdog is not None and exc is not None and _chain_has_comm_error(exc):
-            watchdog.wait_for_verdict()  # exits the process if a peer is lost
+        if watchdog is not None and exc is not None:
+            if _chain_has_comm_error(exc):
+                watchdog.wait_for_verdict()  # exits the process if a peer is lost
+            else:  # this rank's own failure: the peers name it at once
+                watchdog.fail(exc)
         previous(exc_type, exc, tb)
     return hook
 

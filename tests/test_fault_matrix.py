@@ -102,6 +102,10 @@ class _Build:
         """Make the next step (or save) SIGKILL this process at ``phase``."""
         if phase == "forward":
             self.first_layer.register_forward_pre_hook(lambda *a: _die())
+        elif phase == "raises":  # a bug in user code on this rank, not a kill
+            def bad_batch(*args):
+                raise ValueError("bad batch on this rank")
+            self.first_layer.register_forward_pre_hook(bad_batch)
         elif phase == "backward":
             def kill_in_backward(module, inputs, out):
                 out.register_hook(lambda grad: _die())
@@ -243,6 +247,19 @@ def test_rank_killed_during_async_checkpoint_write(tmp_path):
                                                   ("ddp_oss", "optimizer_step", 0)])
 def test_rank_killed_world4(tmp_path, wrapper, phase, victim):
     _run_case(tmp_path, wrapper, phase, world=4, victim=victim)
+
+
+@pytest.mark.parametrize("wrapper", ["fsdp", "initialize"])
+def test_rank_stopping_on_an_exception_is_named_at_once(tmp_path, wrapper):
+    """The victim raises instead of dying: it exits 1 with its traceback, and every survivor
+    names it and its error within a beat, rather than waiting PEER_TIMEOUT_S to report an
+    anonymous "connection closed" (or taking it for finished)."""
+    from shardkit.fault import PEER_LOST_EXIT_CODE
+    case = _Case(tmp_path, wrapper, "raises").finish()
+    assert case.codes[1] == 1 and "ValueError: bad batch" in case.outputs[1], case.outputs[1]
+    assert case.codes[0] == PEER_LOST_EXIT_CODE, (case.codes, case.outputs[0])
+    assert "rank 1 of 2 is lost: it stopped on an uncaught ValueError: bad batch on this " \
+           "rank" in case.outputs[0], case.outputs[0]
 
 
 def test_watch_peers_bad_input_is_clear(monkeypatch):
