@@ -208,7 +208,9 @@ def _every_rank_at_exit(timeout_s: float) -> bool:
     try:
         store = dist.distributed_c10d._get_default_store()
         world = dist.get_world_size()
-        key = "shardkit/ranks_at_exit"
+        # a restarted torchrun job may keep the store: count each attempt apart
+        key = (f"shardkit/ranks_at_exit/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
         arrived = store.add(key, 1)
         deadline = time.monotonic() + timeout_s
         while arrived < world:
