@@ -560,6 +560,41 @@ def _killed_mid_setup():
     return "no error", time.monotonic() - start, False
 
 
+def _pipeline_stage_killed_mid_step(phase):
+    """A 1F1B pipeline of two stages; stage 1 SIGKILLs itself in its second step's forward
+    (its peer waits for a gradient) or its first (its peer has sent, the header unread)."""
+    from shardkit.nn.pipe import PipelineStage, Schedule1F1B, split_sequential
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    part = split_sequential(model, [2, 1])[skdist.get_rank()]
+    schedule = Schedule1F1B(PipelineStage(part, skdist.get_rank(), 2), 2,
+                            torch.nn.functional.mse_loss)
+    steps = {"first": 0, "second": 1}[phase]
+    if skdist.get_rank() == 1:
+        calls = {"n": 0}
+
+        def die_at_step(module, inputs):
+            calls["n"] += 1
+            if calls["n"] > 2 * steps:
+                os.kill(os.getpid(), signal.SIGKILL)
+        part.register_forward_pre_hook(die_at_step)
+    try:
+        for _ in range(3):
+            schedule.step(torch.randn(4, 8), target=torch.randn(4, 4))
+    except Exception as err:  # noqa: BLE001 - what the survivor sees
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+@pytest.mark.parametrize("phase", ["first", "second"])
+def test_a_pipeline_stage_killed_is_an_error_naming_the_message(phase):
+    text = _survivor_report(_pipeline_stage_killed_mid_step, phase)
+    assert "rank 1 exited with code -9" in text, text
+    survivor = text.split("--- rank 0 returned:")[1].split("--- rank 1")[0]
+    assert "CollectiveError: pipeline receive of the gradient of stage 0's output" in survivor \
+        and "from rank 1" in survivor and "a peer rank died" in survivor, survivor
+
+
 def _killed_during_wrapper_setup(kind):
     """Rank 1 SIGKILLs itself while OSS is being built over the given transport."""
     from shardkit.models import MLP

@@ -69,9 +69,24 @@ class _TaggedLinks:
 
     def _send(self, kind, boundary, index, tensors, peer) -> None:
         data = [t.detach().contiguous() for t in tensors]
-        works = [dist.isend(t, peer, group=self.group, tag=self._tag(kind, boundary, index, n))
-                 for n, t in enumerate(data)]
+        with self._reporting("send", kind, boundary, index, peer):
+            works = [dist.isend(t, peer, group=self.group,
+                                tag=self._tag(kind, boundary, index, n))
+                     for n, t in enumerate(data)]
         self.pending.add(works, data)
+
+    def _reporting(self, verb: str, kind: int, boundary: int, index: int, peer: int):
+        """A broken link (a neighbour that died) becomes a CollectiveError naming the message."""
+        what = {_ACTIVATION: f"stage {boundary}'s output", _HEADER: f"stage {boundary}'s output "
+                f"header", _GRADIENT: f"the gradient of stage {boundary}'s output"}[kind]
+        way = "to" if verb == "send" else "from"
+        return dist.reporting_broken_links(
+            f"pipeline {verb} of {what} (micro-batch {index}) {way} rank {peer}", self.group)
+
+    def _wait(self, works: list, kind: int, boundary: int, index: int, peer: int) -> None:
+        with self._reporting("receive", kind, boundary, index, peer):
+            for work in works:
+                work.wait()
 
     def send_activation(self, boundary, index, tensors, packed, peer) -> None:
         if len(tensors) > _MAX_TENSORS:
@@ -95,8 +110,10 @@ class _TaggedLinks:
         if key in self.posted:
             return
         buffers = [torch.empty(m.shape, dtype=m.dtype) for m in likes]
-        works = [dist.irecv(b, peer, group=self.group, tag=self._tag(kind, boundary, index, n))
-                 for n, b in enumerate(buffers)]
+        with self._reporting("receive", kind, boundary, index, peer):
+            works = [dist.irecv(b, peer, group=self.group,
+                                tag=self._tag(kind, boundary, index, n))
+                     for n, b in enumerate(buffers)]
         self.posted[key] = (buffers, works)
 
     def post_activation(self, boundary, index, peer) -> None:
@@ -107,15 +124,17 @@ class _TaggedLinks:
     def take_activation(self, boundary, index, peer) -> tuple:
         if (boundary, index) not in self.metas:
             length = torch.empty(1, dtype=torch.int64)
-            dist.recv(length, peer, group=self.group, tag=self._tag(_HEADER, boundary, index, 0))
-            header = torch.empty(int(length.item()), dtype=torch.int64)
-            dist.recv(header, peer, group=self.group, tag=self._tag(_HEADER, boundary, index, 1))
+            with self._reporting("receive", _HEADER, boundary, index, peer):
+                dist.recv(length, peer, group=self.group,
+                          tag=self._tag(_HEADER, boundary, index, 0))
+                header = torch.empty(int(length.item()), dtype=torch.int64)
+                dist.recv(header, peer, group=self.group,
+                          tag=self._tag(_HEADER, boundary, index, 1))
             self.metas[(boundary, index)] = ActivationMeta.decode(header.tolist())
         meta = self.metas[(boundary, index)]
         self._post(_ACTIVATION, boundary, index, meta.tensors, peer)
         buffers, works = self.posted.pop((_ACTIVATION, boundary, index))
-        for work in works:
-            work.wait()
+        self._wait(works, _ACTIVATION, boundary, index, peer)
         for b, m in zip(buffers, meta.tensors):
             b.requires_grad_(m.requires_grad)
         return tuple(buffers), meta.packed
@@ -129,8 +148,7 @@ class _TaggedLinks:
     def take_gradient(self, boundary, index, roots, peer) -> list:
         self.post_gradient(boundary, index, roots, peer)
         buffers, works = self.posted.pop((_GRADIENT, boundary, index))
-        for work in works:
-            work.wait()
+        self._wait(works, _GRADIENT, boundary, index, peer)
         return buffers
 
 
@@ -319,7 +337,9 @@ class PlanSchedule:
             with self._busy():
                 self._sinks[s].deliver()
             stage.reduce_gradients()
-        self.links.pending.wait()
+        with dist.reporting_broken_links("pipeline sends in flight at the end of the step",
+                                         self.group):
+            self.links.pending.wait()
         self._inputs = self._targets = self._sinks = None
         return torch.stack(self._losses).mean() if last in self.stages else None
 
