@@ -208,9 +208,7 @@ def _every_rank_at_exit(timeout_s: float) -> bool:
     try:
         store = dist.distributed_c10d._get_default_store()
         world = dist.get_world_size()
-        # a restarted torchrun job may keep the store: count each attempt apart
-        key = (f"shardkit/ranks_at_exit/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
-               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+        key = per_attempt_store_key("shardkit/ranks_at_exit")
         arrived = store.add(key, 1)
         deadline = time.monotonic() + timeout_s
         while arrived < world:
@@ -221,6 +219,13 @@ def _every_rank_at_exit(timeout_s: float) -> bool:
         return True
     except Exception:  # the store's host (rank 0 or the launcher) has gone
         return False
+
+
+def per_attempt_store_key(name: str) -> str:
+    """``name`` scoped to this torchrun run and restart attempt (a restarted job may keep the
+    rendezvous store, so keys of an earlier attempt must not be read as this one's)."""
+    return (f"{name}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
 
 
 def _int_env(name: str, default: Optional[int] = None) -> int:

@@ -50,6 +50,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from shardkit.distributed import per_attempt_store_key
+
 __all__ = ["watch_peers", "stop_watching", "PeerWatchdog", "PEER_LOST_EXIT_CODE",
            "DEFAULT_TIMEOUT_S", "current_watchdog"]
 
@@ -92,9 +94,7 @@ class PeerWatchdog:
         self._on_lost = on_lost or _exit_naming_the_rank
         self._verdict = threading.Event()
         self._stopped = threading.Event()
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        run = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        self._prefix = f"shardkit/heartbeat/{run}/{attempt}/"
+        self._prefix = per_attempt_store_key("shardkit/heartbeat") + "/"
         self._store_host_rank = None if os.environ.get(
             "TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0
         self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
