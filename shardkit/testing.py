@@ -29,6 +29,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import socket
 import tempfile
@@ -193,7 +194,7 @@ class World:
         return os.path.join(self._stack_dir, f"rank{rank}.txt")
 
     def close(self) -> None:
-        """Stop the ranks (politely, then by force)."""
+        """Stop the ranks (politely, then by force) and remove their stack-dump folder."""
         for q, p in zip(getattr(self, "_tasks", []), self._procs):
             if p.is_alive():
                 try:
@@ -207,6 +208,10 @@ class World:
                 p.kill()
                 p.join(5)
         self._procs = []
+        stack_dir = getattr(self, "_stack_dir", None)
+        if stack_dir is not None:
+            shutil.rmtree(stack_dir, ignore_errors=True)
+            self._stack_dir = None
 
     def __enter__(self) -> "World":
         return self.start()

@@ -190,13 +190,17 @@ def _world_is_usable():
 
 def test_failing_rank_reports_traceback_and_world_recovers():
     with World(2, timeout=60) as w:
+        first_stack_dir = w._stack_dir
         with pytest.raises(AssertionError) as info:
             w.run(_raise_on_rank_one)
         message = str(info.value)
         assert "deliberate failure on rank one" in message
         assert "rank 1 raised" in message
         assert "rank 0" in message  # the hung rank's stack is reported too
-        assert w.run(_world_is_usable) == [2.0, 2.0]
+        assert w.run(_world_is_usable) == [2.0, 2.0]  # restarted: a second stack-dump folder
+        stack_dirs = [first_stack_dir, w._stack_dir]
+    # every start's folder of stack dumps is removed with the world, on failure and on close
+    assert all(d and not os.path.exists(d) for d in stack_dirs), stack_dirs
 
 
 def _sleep_forever():
