@@ -20,8 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import sys
-import types
 from typing import Any, Callable, Iterable, Optional
 
 import torch.nn as nn
@@ -349,19 +347,3 @@ def _recursive_wrap(module: nn.Module, policy, wrapper_cls, wrap_one, is_root: b
             is_root or not _shares_parameters_outside(module, owners)):
         return wrap_one(module), total
     return module, wrapped_numel
-
-
-class _CallableModule(types.ModuleType):
-    """This module, callable as :func:`wrap`.
-
-    ``from shardkit.nn import wrap`` (FairScale's spelling) finds the submodule
-    ``shardkit.nn.wrap`` rather than the function once the submodule is imported, because
-    Python binds a package attribute to each imported submodule. Calling the module calls
-    :func:`wrap`, so that spelling works while ``shardkit.nn.wrap.<name>`` keeps working too.
-    """
-
-    def __call__(self, module: nn.Module, **wrap_overrides) -> nn.Module:
-        return wrap(module, **wrap_overrides)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -215,7 +215,7 @@ def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,
             raise ValueError(f"apply_activation_checkpointing({name}={value!r}): expected a "
                              f"callable")
     if check_fn is None:
-        from shardkit.nn.wrap import _policy_caller
+        from shardkit.nn.wrap.auto_wrap import _policy_caller
         call = _policy_caller(policy)
 
         def check_fn(m: nn.Module) -> bool:
