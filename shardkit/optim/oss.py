@@ -118,7 +118,7 @@ class OSS(torch.optim.Optimizer):
                              f"member of the given process group")
         self.world_size = distributed.get_world_size(group)
         self.global_rank = distributed.get_global_rank(group, self.rank)
-        self.broadcast_fp16 = broadcast_fp16
+        self._broadcast_fp16 = broadcast_fp16
         self.bucket_numel = bucket_numel
         self._optim_class, self._optim_kwargs = optim, ctor_kwargs
         self.fused = choose_fused(optim, ctor_kwargs, groups)
@@ -150,6 +150,20 @@ class OSS(torch.optim.Optimizer):
     def param_to_rank(self) -> dict:
         """``{parameter: owning rank}`` for every trainable parameter."""
         return self.partition.param_to_rank
+
+    @property
+    def broadcast_fp16(self) -> Union[bool, torch.dtype]:
+        """The dtype the parameter sync sends fp32 parameters in (the constructor's argument).
+        Assignable between steps, as in FairScale (Lightning sets it after building OSS): the
+        next sync uses it; a bad value is a ValueError naming it."""
+        return self._broadcast_fp16
+
+    @broadcast_fp16.setter
+    def broadcast_fp16(self, value: Union[bool, torch.dtype]) -> None:
+        broadcast_wire_dtype(value)
+        self._broadcast_fp16 = value
+        if getattr(self, "_sync", None) is not None:
+            self._sync.set_wire(value)
 
     @property
     def num_buckets(self) -> int:

@@ -90,9 +90,7 @@ class FlatParamBucket:
         self.segment_numels = _segment_numels(
             [sum(p.numel() for p in params) for params in params_per_rank])
         self._offsets = [sum(self.segment_numels[:r]) for r in range(world_size)]
-        wire = broadcast_wire_dtype(broadcast_fp16)
-        # only fp32 buckets are narrowed: a bf16/fp16 model already sends 2 bytes per element
-        self.wire_dtype = wire if wire is not None and self.dtype == torch.float32 else None
+        self.set_wire(broadcast_fp16)
         self.buffer = torch.zeros(sum(self.segment_numels), dtype=self.dtype,
                                   device=self.device)
         self._slots = []  # (param, offset in buffer)
@@ -104,6 +102,13 @@ class FlatParamBucket:
         self.bind()
         self._handle = None
         self._half: Optional[torch.Tensor] = None
+
+    def set_wire(self, broadcast_fp16: Union[bool, torch.dtype]) -> None:
+        """Send the next gathers in the dtype ``broadcast_fp16`` names
+        (:func:`broadcast_wire_dtype`); only fp32 buckets are narrowed (a bf16/fp16 model
+        already sends 2 bytes per element). Call with no gather in flight."""
+        wire = broadcast_wire_dtype(broadcast_fp16)
+        self.wire_dtype = wire if wire is not None and self.dtype == torch.float32 else None
 
     @property
     def owned_params(self) -> tuple:
@@ -248,6 +253,15 @@ class ParamSync:
                 b.unbind()
         self._plan = plan
         self._buckets = self._build()
+
+    def set_wire(self, broadcast_fp16: Union[bool, torch.dtype]) -> None:
+        """Send the following syncs in the dtype ``broadcast_fp16`` names (after waiting for
+        anything in flight, which keeps the dtype it was sent in). Local."""
+        self._finish_every_gather()
+        self.broadcast_fp16 = broadcast_fp16
+        for buckets in self._buckets:
+            for b in buckets:
+                b.set_wire(broadcast_fp16)
 
     def rebind_if_moved(self) -> None:
         """Rebuild the buckets from the parameters' current values, dtype and device when

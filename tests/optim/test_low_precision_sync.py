@@ -46,15 +46,19 @@ def _flag(name: str):
     return {"fp32": False, "fp16": True, "bf16": torch.bfloat16}[name]
 
 
-def _train(stage: int, wire: str) -> dict:
+def _train(stage: int, wire: str, assigned: bool = False) -> dict:
     """Stage 1 (DDP-style all-reduced gradients + OSS) or 2 (ShardedDDP + OSS) with ``wire``
     communication against a single-process AdamW; worst parameter difference over the steps,
-    and what CommCounter saw per step in the op that the option narrows."""
+    and what CommCounter saw per step in the op that the option narrows. ``assigned``: OSS is
+    built with an fp32 sync and ``opt.broadcast_fp16`` is set afterwards (as Lightning does)."""
     rank, world = distributed.get_rank(), distributed.get_world_size()
     oracle, model = MLP(WIDTH, depth=4, out=6, seed=3), MLP(WIDTH, depth=4, out=6, seed=3)
     ref_opt = torch.optim.AdamW(oracle.parameters(), lr=LR)
     sync = _flag(wire) if stage == 1 else False
-    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LR, broadcast_fp16=sync)
+    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LR,
+              broadcast_fp16=False if assigned else sync)
+    if assigned:
+        opt.broadcast_fp16 = sync
     net = model
     if stage == 2:
         net = ShardedDataParallel(model, opt, reduce_fp16=_flag(wire))
@@ -82,7 +86,9 @@ def _train(stage: int, wire: str) -> dict:
 
 
 def _all_runs() -> dict:
-    return {(stage, wire): _train(stage, wire) for stage in (1, 2) for wire in WIRE}
+    runs = {(stage, wire): _train(stage, wire) for stage in (1, 2) for wire in WIRE}
+    runs[(1, "fp16 assigned")] = _train(1, "fp16", assigned=True)
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +115,12 @@ def test_16_bit_wire_halves_the_counted_bytes(runs, stage, wire):
         assert narrow["dtypes"] == [str(WIRE[wire])], (rank, narrow)
         assert narrow["wire_bytes"] == pytest.approx(fp32["wire_bytes"] / 2, rel=1e-6), (
             rank, stage, wire, narrow["wire_bytes"], fp32["wire_bytes"])
+
+
+def test_broadcast_fp16_assigned_after_construction_takes_effect(runs):
+    """FairScale reads ``broadcast_fp16`` at each sync; Lightning sets it after building OSS."""
+    for rank, r in enumerate(runs):
+        assert r[(1, "fp16 assigned")] == r[(1, "fp16")], (rank, r[(1, "fp16 assigned")])
 
 
 @pytest.mark.parametrize("bad", ["bf16", torch.int8, 2])
