@@ -104,7 +104,7 @@ class OSS(torch.optim.Optimizer):
         else:
             args.check_optimizer_class(optim)
             groups = args.normalize_param_groups(params)
-            ctor_kwargs = dict(defaults)
+            ctor_kwargs = args.without_fixed_defaults(optim, defaults)
         broadcast_wire_dtype(broadcast_fp16)  # a clear error for a bad value, before any op
         if bucket_numel is not None and (not isinstance(bucket_numel, int) or bucket_numel < 1):
             raise ValueError(f"OSS(bucket_numel={bucket_numel!r}): must be a positive int or None")

@@ -142,3 +142,22 @@ def constructor_kwargs(optim: type, defaults: dict) -> dict:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
         return dict(defaults)
     return {k: v for k, v in defaults.items() if k in sig.parameters and k != "params"}
+
+
+def without_fixed_defaults(optim: type, defaults: dict) -> dict:
+    """``defaults`` minus the keys ``optim``'s constructor does not take but sets itself to the
+    same value: ``OSS(params=opt.param_groups, optim=type(opt), **opt.defaults)`` (Lightning's
+    call) passes torch AdamW's ``decoupled_weight_decay=True``, which AdamW's constructor
+    refuses. A different value stays, so torch's error still names it. Costs one throwaway
+    optimizer over a one-element tensor, only when such a key is present."""
+    accepted = constructor_kwargs(optim, defaults)
+    extra = {k: v for k, v in defaults.items() if k not in accepted}
+    if not extra:
+        return dict(defaults)
+    try:
+        fixed = optim([torch.zeros(1, requires_grad=True)], **accepted).defaults
+    except Exception:  # noqa: BLE001 - torch's own error comes when the real optimizer is built
+        return dict(defaults)
+    return {k: v for k, v in defaults.items()
+            if k in accepted or k not in fixed or fixed[k] != v}
+

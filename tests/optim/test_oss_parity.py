@@ -59,7 +59,7 @@ def _global_batch(step: int, world: int):
 
 
 def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, schedule=False,
-                takeover=False, scaler=False, owners_only_grads=False, closure=False,
+                takeover=False, lightning=False, scaler=False, owners_only_grads=False, closure=False,
                 broadcast_fp16=False, comm=None, unfreeze_at=None):
     """Train DDP+OSS and the single-process oracle side by side; return the max difference
     over all steps (parameters compared after every step). ``unfreeze_at``: the frozen layer
@@ -72,6 +72,9 @@ def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, sc
     if takeover:
         original = optim_cls(_groups(model, two_groups, hyper["lr"]), **hyper)
         opt = OSS(original)
+    elif lightning:  # Lightning 1.x's DDPShardedStrategy re-creates the user's optimizer so
+        user = optim_cls(_groups(model, two_groups, hyper["lr"]), **hyper)
+        opt = OSS(params=user.param_groups, optim=type(user), **user.defaults)
     else:
         opt = OSS(_groups(model, two_groups, hyper["lr"], with_frozen), optim=optim_cls,
                   broadcast_fp16=broadcast_fp16, comm=_transport(comm), **hyper)
@@ -179,6 +182,9 @@ CONFIGS = {
     "sgd_closure_unfreeze_later": dict(opt=SGD_MOMENTUM, owners_only_grads=True, closure=True,
                                        unfreeze_at=4),
     "adamw_unfreeze_later": dict(opt=ADAMW, owners_only_grads=True, unfreeze_at=4),
+    # OSS(params=opt.param_groups, optim=type(opt), **opt.defaults): torch AdamW's defaults
+    # hold decoupled_weight_decay, which its constructor does not take
+    "adamw_lightning_rebuild": dict(opt=ADAMW, lightning=True),
 }
 
 
