@@ -171,8 +171,9 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
         buffer.zero_()
         start = 0
         for offset, numel in slices[rank]:
-            buffer[offset:offset + numel].copy_(summed[start:start + numel])
-            start += numel
+            if numel:  # a rank owning only zero-element parameters receives nothing (None)
+                buffer[offset:offset + numel].copy_(summed[start:start + numel])
+                start += numel
         return buffer
 
     return handle.as_future().then(land)

@@ -138,6 +138,47 @@ def test_reduce_to_owners_hook_trains_like_one_process_on_stage2_bytes(world2):
         assert all(zero_elsewhere)
 
 
+class _WithEmptyParameter(nn.Module):
+    """A weight and a zero-element parameter: at world 2 OSS gives each its own rank, so one
+    rank owns nothing but zero elements and receives nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.z = nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        return (x * self.w).sum() + self.z.sum()
+
+
+def _owner_of_only_zero_elements_trains():
+    from torch.nn.parallel import DistributedDataParallel
+    from shardkit.comm_hooks import reduce_to_owners_hook
+
+    rank, world = skdist.get_rank(), skdist.get_world_size()
+    model, oracle = _WithEmptyParameter(), _WithEmptyParameter()
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    ddp = DistributedDataParallel(model)
+    ddp.register_comm_hook(opt, reduce_to_owners_hook)
+    owners = sorted(opt.param_to_rank[p] for p in model.parameters())
+    for step in range(2):
+        x = torch.randn(world, 4, generator=torch.Generator().manual_seed(step))
+        ddp(x[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        (oracle(x.sum(0)) / world).backward()
+        ref_opt.step()
+    return owners, (model.w - oracle.w).abs().max().item()
+
+
+def test_reduce_to_owners_hook_with_a_rank_owning_only_zero_elements(world2):
+    for owners, worst in world2.run(_owner_of_only_zero_elements_trains):
+        assert owners == [0, 1], owners  # the zero-element parameter has a rank of its own
+        assert worst <= 1e-6, worst
+
+
 def _hook_with_a_foreign_optimizer():
     from torch.nn.parallel import DistributedDataParallel
     from shardkit.comm_hooks import reduce_to_owners_hook
