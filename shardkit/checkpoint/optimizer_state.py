@@ -17,7 +17,14 @@ import torch
 from shardkit import distributed
 
 __all__ = ["consolidate_optimizer_state", "check_full_state_dict", "state_by_param",
-           "load_into_optimizer"]
+           "checked_elementwise_state", "load_into_optimizer"]
+
+# torch optimizers' state that holds one value per parameter element (Adam/AdamW, NAdam, RAdam,
+# Adamax, SGD, Adagrad, RMSprop, Adadelta, ASGD, Rprop); factored state (Adafactor's
+# row_var / col_var) has other shapes and is left to the optimizer.
+ELEMENTWISE_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf",
+                               "momentum_buffer", "sum", "square_avg", "acc_delta", "grad_avg",
+                               "ax", "prev", "step_size"})
 
 
 def consolidate_optimizer_state(local: dict, param_groups: list[dict], rank: int,
@@ -70,6 +77,24 @@ def state_by_param(state_dict: dict, param_groups: list[dict]) -> dict:
         id_to_param.update(zip(saved["params"], group["params"]))
     return {p: (key, value) for key, value in state_dict["state"].items()
             if (p := id_to_param.get(key)) is not None}
+
+
+def checked_elementwise_state(caller: str, param: torch.Tensor, index, state: dict) -> dict:
+    """``state`` (of the parameter saved at ``index``) with each per-element tensor
+    (:data:`ELEMENTWISE_STATE`) in ``param``'s shape: the same elements saved in another shape
+    (a flattened copy) are viewed in it; a different number of elements, which a fused kernel
+    would read past its end, is a ValueError naming the parameter and the key. No copy."""
+    checked = dict(state)
+    for key, value in state.items():
+        if key not in ELEMENTWISE_STATE or not torch.is_tensor(value) \
+                or value.shape == param.shape:
+            continue
+        if value.numel() != param.numel():
+            raise ValueError(f"{caller}: the saved state {key!r} of parameter {index} has shape "
+                             f"{tuple(value.shape)}, the parameter has shape "
+                             f"{tuple(param.shape)}; the state dict is from another model")
+        checked[key] = value.reshape(param.shape)
+    return checked
 
 
 def load_into_optimizer(optimizer: torch.optim.Optimizer, state: dict,

@@ -19,6 +19,7 @@ import torch
 
 from shardkit import distributed
 from shardkit.checkpoint.optimizer_state import (check_full_state_dict,
+                                                 checked_elementwise_state,
                                                  consolidate_optimizer_state, load_into_optimizer,
                                                  state_by_param)
 from shardkit.optim import oss_arguments as args
@@ -373,11 +374,13 @@ class OSS(torch.optim.Optimizer):
         """Load a full torch-format optimizer state dict, saved at any world size or by a plain
         torch optimizer; keep only the state of the parameters this rank owns. No communication.
         """
-        saved_groups = check_full_state_dict("OSS.load_state_dict", state_dict, self.param_groups)
+        caller = "OSS.load_state_dict"
+        saved_groups = check_full_state_dict(caller, state_dict, self.param_groups)
+        found = {p: (key, checked_elementwise_state(caller, p, key, s))
+                 for p, (key, s) in state_by_param(state_dict, self.param_groups).items()}
         self._consolidated = None
         for group, saved in zip(self.param_groups, saved_groups):
             group.update(_hyper(saved))
-        found = state_by_param(state_dict, self.param_groups)
         owned = {id(p) for p in self._owned_params()}
         self._load_local_state({p: s for p, (_, s) in found.items() if id(p) in owned})
         # state of parameters frozen here: parked on one rank, picked by index

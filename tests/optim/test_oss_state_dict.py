@@ -12,6 +12,8 @@
 
 import copy
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -178,6 +180,23 @@ def _state_dict_errors():
     plain = torch.optim.AdamW(MLP(WIDTH, 3, out=4, seed=3).parameters())
     catch("wrong_param_count", lambda: opt.load_state_dict(_with_groups(plain.state_dict(), 2)))
     catch("wrong_group_count", lambda: opt.load_state_dict(plain.state_dict()))
+    # the same architecture one unit wider: a fused step would read past the state's end
+    wider = MLP(WIDTH + 1, 2, out=4, seed=3)
+    wider_opt = torch.optim.AdamW(_groups(wider), **HYPER)
+    for p in wider.parameters():
+        p.grad = torch.ones_like(p)
+    wider_opt.step()
+    before = opt.optim.state_dict()
+    catch("wrong_state_shape", lambda: opt.load_state_dict(wider_opt.state_dict()))
+    errors["unchanged_after_refusal"] = str(opt.optim.state_dict()) == str(before)
+    # the same elements saved flattened are read in the parameter's shape
+    opt.consolidate_state_dict(recipient_rank=-1)
+    flat = opt.state_dict()
+    flat["state"] = {i: {k: v.flatten() if k.startswith("exp_avg") else v for k, v in s.items()}
+                     for i, s in flat["state"].items()}
+    opt.load_state_dict(flat)
+    errors["flattened_loads"] = all(v.shape == p.shape for p, s in opt.optim.state.items()
+                                    for k, v in s.items() if k.startswith("exp_avg"))
     return errors
 
 
@@ -197,6 +216,10 @@ def test_state_dict_errors_are_clear(world2):
     assert "param group 0" in rank0["wrong_param_count"] and "parameters" in rank0[
         "wrong_param_count"]
     assert "1 param groups" in rank0["wrong_group_count"]
+    for r in (rank0, rank1):
+        assert re.search(r"OSS.load_state_dict: the saved state 'exp_avg' of parameter 0 has "
+                         r"shape \(\d+, \d+\), the parameter has shape", r["wrong_state_shape"])
+        assert r["unchanged_after_refusal"] and r["flattened_loads"], r
 
 
 def _bad_hyper_parameters():
