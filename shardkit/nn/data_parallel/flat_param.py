@@ -141,6 +141,8 @@ class FlatParamShard:
         self.flat_shard = self._shard_into_flat_buffer()
         self._on_grad_ready = on_grad_ready
         self._grad_pieces: Optional[list] = None  # backward's gradient, one tensor per parameter
+        self._used: Optional[list] = None  # per parameter: whether a gradient reached it here
+        self._reducing_used: Optional[list] = None  # the same, for the reduce in flight
         self.full = self._make_full_leaf()
         # Note: one autograd split of ``full`` per forward; each hands its gradients over, and
         # also feeds this one-element leaf, whose gradient autograd accumulates once every split
@@ -324,9 +326,11 @@ class FlatParamShard:
         """Add one use's gradients (``None``: none reached that parameter) to what the unit
         holds, without declaring them complete."""
         if self._grad_pieces is None:
+            self._used = [g is not None for g in grads]
             grads = [torch.zeros(n, dtype=self.compute_dtype, device=self.compute_device)
                      if g is None else g for g, n in zip(grads, self.numels)]
         else:
+            self._used = [u or g is not None for u, g in zip(self._used, grads)]
             grads = [held if g is None else held + g for held, g in zip(self._grad_pieces, grads)]
         self._grad_pieces = grads
 
@@ -355,6 +359,7 @@ class FlatParamShard:
         if self._pending_reduce is not None:
             self.finish_reduce()
         grads, self._grad_pieces = self._grad_pieces, None
+        self._reducing_used, self._used = self._used, None
         handle = self.transport.reduce_scatter_chunks(
             grads, self.chunk_numels, self.reduce_group, scale=1.0 / self.predivide,
             dtype=self.reduce_dtype)
@@ -371,17 +376,25 @@ class FlatParamShard:
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter (and the replicas' all-reduce) and add the result to
-        the trainable shards' ``.grad``."""
+        the trainable shards' ``.grad``.
+
+        Note: a parameter no gradient reached on this rank, whose reduced shard is exactly
+        zero, was (but for a shard of exact zeros) unused on every rank: its ``.grad`` is left
+        as it was (``None`` after ``zero_grad``), as in one process, so a stateful optimizer
+        skips it instead of applying momentum or weight decay to a zero gradient."""
         if self._pending_reduce is None:
             return
         self.replicate_reduce()
         out = self._pending_reduce[0].wait()
         self._pending_reduce = None
+        used, self._reducing_used = self._reducing_used, None
         grad_shard = out.to(self.storage_device, self.master_dtype)
         if self.postdivide != 1.0:
             grad_shard.div_(self.postdivide)
-        for p, view in zip(self.params, self.shard_views(grad_shard)):
+        for i, (p, view) in enumerate(zip(self.params, self.shard_views(grad_shard))):
             if not p.requires_grad:
+                continue
+            if used is not None and not used[i] and not view.any():
                 continue
             if p.grad is None:
                 p.grad = view

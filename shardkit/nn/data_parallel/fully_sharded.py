@@ -45,7 +45,10 @@ given (e.g. :class:`~shardkit.shm_transport.SharedMemoryTransport` for ranks on 
 .. warning:: every method that communicates (forward/backward, ``state_dict``,
    ``load_state_dict``, ``summon_full_params``, ``clip_grad_norm_``,
    ``gather_full_optim_state_dict``), and ``reshard()``, must be called on all ranks of the
-   group, in the same order.
+   group, in the same order. So every rank's forward must run the same units: a branch that
+   skips a whole unit on some ranks only leaves their collectives unmatched. Inside a unit,
+   parameters may go unused on some ranks (their gradient there counts as zero) or on all
+   (their ``.grad`` stays ``None``, as in one process).
 """
 
 from __future__ import annotations
@@ -680,6 +683,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
     def _finish_backward(self) -> None:
         """Root only, at the end of backward: wait for every reduce-scatter, hand the shards
         their gradients, free whatever is still gathered, close the first iteration's order."""
+        self._reduce_units_left_out()
         for unit in self.sharded_units():  # every replica all-reduce in flight before waiting
             if unit._shard is not None:
                 unit._shard.replicate_reduce()
@@ -694,6 +698,16 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._final_callback_queued = False
         self._replicas_pending = []
         self._orders_final = True
+
+    def _reduce_units_left_out(self) -> None:
+        """Reduce-scatter, in unit order, the gradients that earlier backwards inside
+        ``no_sync`` accumulated in units this (synchronising) backward did not reach (a branch
+        taken in an earlier micro-batch only); they would otherwise be dropped. Every rank takes
+        the same branches (as FSDP requires of every unit's use), so the calls match."""
+        for unit in self.sharded_units():
+            shard = unit._shard
+            if shard is not None and shard.has_full_grad() and unit._require_backward_grad_sync:
+                shard.start_reduce()
 
     @contextlib.contextmanager
     def no_sync(self):
