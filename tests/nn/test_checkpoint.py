@@ -1,14 +1,24 @@
-"""checkpoint_wrapper: same outputs and grads as the plain module, less saved memory, flags."""
+"""checkpoint_wrapper: same outputs and grads as the plain module, less saved memory, flags;
+several backwards, tensor-parallel dropout and pipeline schedules (a world of 2)."""
 
 import copy
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from shardkit import distributed as dist
+from shardkit.nn import Pipe
+from shardkit.nn import model_parallel as mp
 from shardkit.nn.checkpoint import (checkpoint_wrapper, disable_checkpointing, is_checkpointing,
                                     is_recomputing)
+from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZeroBubble,
+                              split_sequential)
+from shardkit.testing import world_fixture
 from tests.utils.compare import max_diff
+
+world2 = world_fixture(2)
 
 
 class TwoInTwoOut(nn.Module):
@@ -143,3 +153,115 @@ def test_offload_to_cpu_takes_any_truthy_or_falsy_value(value, offload):
     x = torch.randn(3, 2, requires_grad=True)
     wrapped(x).sum().backward()
     assert x.grad is not None and wrapped.weight.grad is not None
+
+
+def _run_twice(module, x, mask):
+    """Two backwards through one forward (retain_graph); returns the grads and BN stats."""
+    torch.manual_seed(123)
+    a, b = module(x, mask, scale=2.0)
+    loss = a.square().sum() + b.sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    return ([p.grad.clone() for p in module.parameters()],
+            [module.bn.running_mean, module.bn.running_var, module.bn.num_batches_tracked])
+
+
+def test_two_backwards_with_retain_graph_match_plain():
+    plain = TwoInTwoOut()
+    wrapped = checkpoint_wrapper(copy.deepcopy(plain))
+    x = torch.randn(16, 8)
+    mask = (torch.rand(16, 8) > 0.3).float()
+    ref_grads, ref_stats = _run_twice(plain, x, mask)
+    got_grads, got_stats = _run_twice(wrapped, x, mask)
+    # both recomputations draw the first forward's dropout mask; BN stats updated once
+    assert max_diff(ref_grads, got_grads) <= 1e-6
+    assert max_diff(ref_stats, got_stats) == 0
+    probe = checkpoint_wrapper(FlagProbe())
+    out = probe(torch.randn(3, 4, requires_grad=True)).sum()
+    out.backward(retain_graph=True)
+    out.backward()
+    assert probe.seen == [(True, False), (False, True), (False, True)]
+
+
+class _TensorParallelBlock(nn.Module):
+    """Column-parallel -> dropout on the shards (model-parallel stream) -> row-parallel."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = mp.ColumnParallelLinear(8, 16, gather_output=False)
+        self.fc2 = mp.RowParallelLinear(16, 8, input_is_parallel=True)
+
+    def forward(self, x):
+        h = F.gelu(self.fc1(x))
+        with mp.get_model_parallel_rng_tracker().fork():
+            h = F.dropout(h, 0.5, self.training)
+        return x + self.fc2(h)
+
+
+def _tensor_parallel_grads(wrap):
+    mp.model_parallel_manual_seed(0)
+    model = wrap(_TensorParallelBlock())
+    mp.model_parallel_manual_seed(123)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    out = model(x)
+    out.pow(2).sum().backward()
+    with mp.get_model_parallel_rng_tracker().fork():  # where the streams stand afterwards
+        after = torch.rand(8)
+    return [out.detach(), after, torch.rand(8)] + [p.grad for p in model.parameters()]
+
+
+def _tensor_parallel_dropout_parity():
+    mp.initialize_model_parallel(2)
+    try:
+        plain = _tensor_parallel_grads(lambda m: m)
+        wrapped = _tensor_parallel_grads(checkpoint_wrapper)
+        piped = _tensor_parallel_grads(
+            lambda m: Pipe(nn.Sequential(m), balance=[1], chunks=1, checkpoint="always"))
+        return max_diff(plain, wrapped), max_diff(plain, piped)
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_tensor_parallel_dropout_in_tracker_fork_matches_plain(world2):
+    for wrapped_diff, piped_diff in world2.run(_tensor_parallel_dropout_parity):
+        assert wrapped_diff <= 1e-6 and piped_diff <= 1e-6
+
+
+def _pipeline_model(checkpointed):
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(2)]
+    if checkpointed:
+        blocks = [checkpoint_wrapper(b) for b in blocks]
+    return nn.Sequential(nn.Linear(8, 8), blocks[0], blocks[1], nn.Linear(8, 4))
+
+
+def _pipeline_batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+def _train(step_fn, params, steps=2):
+    opt = torch.optim.Adam(params, lr=1e-2)
+    for step in range(steps):
+        opt.zero_grad()
+        step_fn(*_pipeline_batch(step))
+        opt.step()
+
+
+def _pipeline_with_checkpointed_blocks_parity():
+    rank = dist.get_rank()
+    ref = _pipeline_model(checkpointed=False)
+    _train(lambda x, y: F.mse_loss(ref(x), y).backward(), ref.parameters())
+    ref_stage = split_sequential(ref, [2, 2])[rank]
+    out = {}
+    for cls in (ScheduleGPipe, Schedule1F1B, ScheduleZeroBubble):  # all recompute in a W pass
+        module = split_sequential(_pipeline_model(checkpointed=True), [2, 2])[rank]
+        schedule = cls(PipelineStage(module, rank, 2), 2, F.mse_loss)
+        _train(lambda x, y: schedule.step(x, target=y), module.parameters())
+        out[cls.__name__] = max_diff(module, ref_stage)
+    return out
+
+
+def test_pipeline_schedules_with_checkpointed_blocks_match_single_process(world2):
+    for per_schedule in world2.run(_pipeline_with_checkpointed_blocks_parity):
+        assert max(per_schedule.values()) <= 1e-5, per_schedule

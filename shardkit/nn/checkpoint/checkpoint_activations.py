@@ -12,9 +12,14 @@ runs under non-reentrant ``torch.utils.checkpoint``. What that buys and costs:
 
 Layers can ask :func:`is_checkpointing` (inside the first forward of a checkpointed region) and
 :func:`is_recomputing` (inside its recomputation) to behave consistently. Dropout needs no help:
-the RNG state is saved before the first forward and restored for the recomputation, so both
-draw the same mask. BatchNorm running statistics are updated once, by the first forward: the
-recomputation normalises with the same batch statistics but leaves the running ones alone.
+the default RNG state and the streams of the model-parallel RNG tracker
+(:func:`~shardkit.nn.model_parallel.get_model_parallel_rng_tracker`, entered with ``fork()``)
+are saved before the first forward and restored for the recomputation, so both draw the same
+mask; afterwards the generators are back where the recomputation found them. BatchNorm running
+statistics are updated once, by the first forward: the recomputation normalises with the same
+batch statistics but leaves the running ones alone. A region may be recomputed any number of
+times (``backward(retain_graph=True)`` then ``backward()``, a pipeline's split weight-gradient
+pass); every recomputation behaves the same.
 
 :class:`shardkit.nn.Pipe` checkpoints its micro-batches with :func:`checkpointed_call`, so its
 ``is_checkpointing``/``is_recomputing`` are these same functions.
@@ -31,6 +36,8 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from shardkit.nn.model_parallel.random import get_model_parallel_rng_tracker
 
 __all__ = ["checkpoint_wrapper", "disable_checkpointing", "is_checkpointing", "is_recomputing",
            "checkpointed_call", "apply_activation_checkpointing", "is_checkpoint_wrapped"]
@@ -81,7 +88,7 @@ def _counting(field: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _recomputing(modules: tuple[nn.Module, ...]) -> Iterator[None]:
+def _recomputing(modules: tuple[nn.Module, ...], rng_streams: dict) -> Iterator[None]:
     # Note: the recomputation must save the same tensors as the first forward, so BatchNorm
     # runs unchanged and its running statistics are put back afterwards. Writing through
     # ``.data`` keeps the version counters of tensors the recomputed graph saved unchanged.
@@ -89,16 +96,48 @@ def _recomputing(modules: tuple[nn.Module, ...]) -> Iterator[None]:
              if isinstance(bn, _BatchNorm) and bn.training and bn.track_running_stats
              for buf in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
              if buf is not None]
+    # Tensor-parallel dropout draws inside tracker.fork(): replay the streams as they were at
+    # the first forward (torch restores only the default generator), then resume the current
+    # ones so the recomputation consumes no randomness of the training that follows.
+    tracker = get_model_parallel_rng_tracker()
+    current = tracker.get_states()
+    tracker.set_states(rng_streams)
     try:
         with _counting("recomputing"):
             yield
     finally:
+        tracker.set_states(current)
         for buf, saved in stats:
             buf.data.copy_(saved)
 
 
+class _EachEntryAnew:
+    """A context manager that runs a fresh one from ``factory`` at every entry, so it can be
+    entered again (torch.utils.checkpoint enters its recompute context once per recomputation,
+    and a region is recomputed once per backward through it)."""
+
+    def __init__(self, factory: Callable[[], contextlib.AbstractContextManager]):
+        self._factory = factory
+        self._entered = []
+
+    def __enter__(self):
+        context = self._factory()
+        value = context.__enter__()
+        self._entered.append(context)
+        return value
+
+    def __exit__(self, *exc_info):
+        return self._entered.pop().__exit__(*exc_info)
+
+
 def _contexts(modules: tuple[nn.Module, ...]):
-    return lambda: (_counting("checkpointing"), _recomputing(modules))
+    def forward_and_recompute_contexts():
+        # called by torch_checkpoint right before the region's first forward
+        rng_streams = get_model_parallel_rng_tracker().get_states()
+        return (_counting("checkpointing"),
+                _EachEntryAnew(lambda: _recomputing(modules, rng_streams)))
+
+    return forward_and_recompute_contexts
 
 
 def _device_to_restore(value: Any):
@@ -153,7 +192,8 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
     The module keeps its class, parameters and ``state_dict`` keys; its forward runs as a
     non-reentrant checkpointed region: keyword arguments, several inputs and outputs, inputs
     that do not require grad, and FSDP inside or outside all work. Dropout draws the same mask
-    in the recomputation; BatchNorm running statistics are updated once per forward.
+    in the recomputation, inside the model-parallel RNG tracker's ``fork()`` too; BatchNorm
+    running statistics are updated once per forward. Backward may run through it several times.
 
     Args:
         module: any ``nn.Module``.
