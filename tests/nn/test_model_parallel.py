@@ -6,6 +6,7 @@ output and all gradients at tensor-parallel size 2 and 4 (max abs diff <= 1e-5).
 
 import contextlib
 import functools
+import math
 
 import pytest
 import torch
@@ -232,7 +233,17 @@ def _column_stride_parity(tp_rank, tp, diffs):
     full = layer.full_weight()
     diffs["column_stride3_full_weight"] = _maxdiff(full, layer.master_weight)
     diffs["column_stride3_get_master_weight"] = _maxdiff(layer.get_master_weight(), full)
-    diffs["column_stride3_gathered_out"] = _maxdiff(layer(x), ref(x))
+    g = torch.randn(4, 24, generator=torch.Generator().manual_seed(4))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, yr = layer(xa), ref(xb)
+    (y * g).sum().backward()
+    (yr * g).sum().backward()
+    diffs["column_stride3_gathered_out"] = _maxdiff(y, yr)
+    diffs["column_stride3_gathered_dx"] = _maxdiff(xa.grad, xb.grad)
+    diffs["column_stride3_gathered_dw"] = _maxdiff(layer.weight.grad,
+                                                   shard_of(ref.weight.grad, tp_rank, tp, 0, 3))
+    diffs["column_stride3_gathered_db"] = _maxdiff(layer.bias.grad,
+                                                   shard_of(ref.bias.grad, tp_rank, tp, 0, 3))
 
 
 def _row_parity(tp_rank, tp, diffs):
@@ -258,6 +269,54 @@ def _row_parity(tp_rank, tp, diffs):
                                       if parallel_input else xb.grad)
         diffs[key + "_dw"] = _maxdiff(layer.weight.grad, shard_of(ref.weight.grad, tp_rank, tp, 1))
         diffs[key + "_db"] = _maxdiff(layer.bias.grad, ref.bias.grad)
+
+
+def _row_stride_parity(tp_rank, tp, diffs):
+    """stride 3: the input columns each rank uses are the blocks of its weight columns."""
+    for parallel_input in (False, True):
+        torch.manual_seed(17)
+        layer = mp.RowParallelLinear(24, 8, stride=3, input_is_parallel=parallel_input,
+                                     keep_master_weight_for_test=True)
+        ref = nn.Linear(24, 8)
+        with torch.no_grad():
+            ref.weight.copy_(layer.master_weight)
+            ref.bias.zero_()
+        x = torch.randn(3, 24, generator=torch.Generator().manual_seed(5))
+        g = torch.randn(3, 8, generator=torch.Generator().manual_seed(6))
+        xa = (shard_of(x, tp_rank, tp, -1, 3) if parallel_input else x.clone()).requires_grad_()
+        xb = x.clone().requires_grad_()
+        y, yr = layer(xa), ref(xb)
+        (y * g).sum().backward()
+        (yr * g).sum().backward()
+        key = f"row_stride3_input_is_parallel={parallel_input}"
+        diffs[key + "_out"] = _maxdiff(y, yr)
+        diffs[key + "_dx"] = _maxdiff(xa.grad, shard_of(xb.grad, tp_rank, tp, -1, 3)
+                                      if parallel_input else xb.grad)
+        diffs[key + "_dw"] = _maxdiff(layer.weight.grad,
+                                      shard_of(ref.weight.grad, tp_rank, tp, 1, 3))
+        diffs[key + "_db"] = _maxdiff(layer.bias.grad, ref.bias.grad)
+
+
+def _parallel_embedding_max_norm_parity(tp_rank, tp, diffs):
+    """Rows are renormalised by the norm of the whole row, not of this rank's columns."""
+    idx = torch.randint(0, 32, (3, 7), generator=torch.Generator().manual_seed(9))
+    g = torch.randn(3, 7, 8, generator=torch.Generator().manual_seed(10))
+    for norm_type in (2.0, math.inf):
+        torch.manual_seed(18)
+        layer = mp.ParallelEmbedding(32, 8, max_norm=0.5, norm_type=norm_type,
+                                     init_method=nn.init.normal_, keep_master_weight_for_test=True)
+        ref = nn.Embedding(32, 8, max_norm=0.5, norm_type=norm_type)
+        with torch.no_grad():
+            ref.weight.copy_(layer.master_weight)
+        y, yr = layer(idx), ref(idx)
+        (y * g).sum().backward()
+        (yr * g).sum().backward()
+        key = f"ParallelEmbedding_max_norm_p={norm_type}"
+        diffs[key + "_out"] = _maxdiff(y, yr)
+        diffs[key + "_weight"] = _maxdiff(layer.full_weight(), ref.weight)
+        diffs[key + "_dw"] = _maxdiff(layer.weight.grad, shard_of(ref.weight.grad, tp_rank, tp, 1))
+        # the test means something: rows were renormalised, others left alone
+        assert not torch.equal(ref.weight, layer.master_weight)
 
 
 def _vocab_embedding_max_norm_parity(tp_rank, tp, diffs):
@@ -348,8 +407,10 @@ def _layer_parity(tp):
         _column_parity(rank, tp, diffs)
         _column_stride_parity(rank, tp, diffs)
         _row_parity(rank, tp, diffs)
+        _row_stride_parity(rank, tp, diffs)
         _embedding_parity(rank, tp, diffs)
         _vocab_embedding_max_norm_parity(rank, tp, diffs)
+        _parallel_embedding_max_norm_parity(rank, tp, diffs)
         _sequence_parallel_parity(rank, tp, diffs)
         _full_state_round_trip(rank, tp, diffs)
         return diffs
@@ -549,7 +610,7 @@ def _bad_input():
     def catch(name, fn):
         try:
             fn()
-        except (ValueError, RuntimeError, TypeError) as e:
+        except (ValueError, RuntimeError, TypeError, IndexError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
 
     catch("before_init", lambda: mp.ColumnParallelLinear(4, 4))
@@ -570,6 +631,14 @@ def _bad_input():
                 torch.zeros(2, 3, 4), torch.zeros(2, 4).long()))
             catch("load_shape", lambda: mp.ColumnParallelLinear(8, 8).load_full_weight(
                 torch.zeros(8, 4)))
+            for bad in (16, -5):
+                catch(f"ce_out_of_range_{bad}", lambda: mp.vocab_parallel_cross_entropy(
+                    torch.zeros(3, 4), torch.tensor([1, bad, -100])))
+            for cls in (mp.VocabParallelEmbedding, mp.ParallelEmbedding):
+                layer = cls(16, 8, max_norm=1.0)
+                for bad in (16, -1):
+                    catch(f"{cls.__name__}_{bad}", lambda: layer(torch.tensor([[0, bad]])))
+            catch("norm_type", lambda: mp.ParallelEmbedding(16, 8, max_norm=1.0, norm_type=0))
         errors["collectives"] = len(comm.calls)
     finally:
         mp.destroy_model_parallel()
@@ -592,6 +661,14 @@ def test_bad_input_clear_errors_before_any_collective(world4):
     assert "scale_grad_by_freq=True is not supported" in e["freq"]
     assert "target shape (2, 4)" in e["ce_target"]
     assert "unsplit 'weight' has shape (8, 4); the unsplit layer's is (8, 8)" in e["load_shape"]
+    for bad in (16, -5):  # V = 4 ranks x 4 logits; -100 is the ignore_index
+        assert (f"IndexError: vocab_parallel_cross_entropy: target {bad} is outside [0, V=16) "
+                f"and is not ignore_index=-100") in e[f"ce_out_of_range_{bad}"]
+    for name in ("VocabParallelEmbedding", "ParallelEmbedding"):
+        for bad in (16, -1):
+            assert (f"IndexError: {name}: token id {bad} is outside [0, num_embeddings=16)"
+                    in e[f"{name}_{bad}"]), e[f"{name}_{bad}"]
+    assert "norm_type=0 with max_norm is not supported" in e["norm_type"]
 
 
 # ----------------------------------------------------------------------------- GPT training

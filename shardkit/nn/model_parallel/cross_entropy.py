@@ -20,6 +20,7 @@ import torch
 from shardkit import distributed
 from shardkit.nn.model_parallel.initialize import (
     get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size)
+from shardkit.nn.model_parallel.utils import check_indices
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -73,7 +74,9 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     Args:
         vocab_parallel_logits: ``[..., V/n]``, this rank's slice of the vocabulary (rank ``r``
             holds words ``[r*V/n, (r+1)*V/n)``, as :class:`ColumnParallelLinear` splits them).
-        target: ``[...]`` word indices in ``[0, V)`` (the same on every tensor-parallel rank).
+        target: ``[...]`` word indices in ``[0, V)`` (the same on every tensor-parallel rank);
+            any other value but ``ignore_index`` raises ``IndexError`` (on an accelerator, a
+            device-side assert that does not synchronise with the host).
         ignore_index: target value whose loss and gradient are zero (as ``F.cross_entropy``).
 
     Returns the loss per token, shape ``[...]``, in fp32 (take ``.mean()`` yourself; with
@@ -87,5 +90,7 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     if target.dtype.is_floating_point:
         raise TypeError(f"vocab_parallel_cross_entropy: target dtype {target.dtype} must be an "
                         f"integer type (word indices)")
-    get_model_parallel_world_size()  # clear error when the groups do not exist yet
+    vocab = get_model_parallel_world_size() * vocab_parallel_logits.shape[-1]
+    # before the collectives: a bad target would otherwise just match no rank's slice
+    check_indices(target, vocab, "vocab_parallel_cross_entropy: target", "V", ignore_index)
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, ignore_index)

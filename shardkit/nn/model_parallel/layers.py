@@ -33,6 +33,7 @@ and ``load_full_state_dict(sd)`` (keeps this rank's slice; no communication).
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -48,7 +49,7 @@ from shardkit.nn.model_parallel.mappings import (
     gather_from_sequence_parallel_region, reduce_from_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_model_parallel_region)
 from shardkit.nn.model_parallel.sequence_parallel import mark_sequence_parallel
-from shardkit.nn.model_parallel.utils import join_shards, shard_of
+from shardkit.nn.model_parallel.utils import check_indices, join_shards, shard_of
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "ParallelEmbedding", "TensorParallelModule"]
@@ -214,12 +215,7 @@ class ColumnParallelLinear(TensorParallelModule):
         y = F.linear(x, self.weight, self.bias)
         if not self.gather_output:
             return y
-        gathered = gather_from_model_parallel_region(y)
-        stride = self._shard_dims["weight"][1]
-        if stride == 1 or self.tp_size == 1:
-            return gathered
-        # rank-major [rank 0's blocks | rank 1's blocks | ...] back to the unsplit order
-        return join_shards(list(gathered.chunk(self.tp_size, dim=-1)), dim=-1, stride=stride)
+        return gather_from_model_parallel_region(y, stride=self._shard_dims["weight"][1])
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -235,8 +231,9 @@ class RowParallelLinear(TensorParallelModule):
         in_features, out_features: the unsplit layer's sizes (``in_features`` must divide by n).
         bias: add a bias (replicated, added once after the sum; starts at zero).
         input_is_parallel: the input already holds this rank's ``in_features / n`` slice (the
-            output of a ``ColumnParallelLinear(gather_output=False)``); otherwise it is sliced
-            here (backward: all-gather of the input gradient).
+            output of a ``ColumnParallelLinear(gather_output=False)`` of the same ``stride``);
+            otherwise it is sliced here, the same blocks as the weight's columns (backward:
+            all-gather of the input gradient).
         init_method: in-place initialiser applied to the full ``[out, in]`` master weight.
         stride, keep_master_weight_for_test: as in :class:`ColumnParallelLinear`.
         sequence_parallel: reduce-scatter the output along ``sequence_dim`` instead of
@@ -277,7 +274,7 @@ class RowParallelLinear(TensorParallelModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = scatter_to_model_parallel_region(x)
+            x = scatter_to_model_parallel_region(x, stride=self._shard_dims["weight"][1])
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim)
@@ -354,6 +351,9 @@ class VocabParallelEmbedding(TensorParallelModule):
         return None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        # an id outside [0, V) would look up zeros on every rank instead of failing
+        check_indices(idx, self.num_embeddings, "VocabParallelEmbedding: token id",
+                      "num_embeddings")
         outside = (idx < self.vocab_start_index) | (idx >= self.vocab_end_index)
         local = (idx - self.vocab_start_index).masked_fill(outside, 0)
         if self.max_norm is not None:  # renormalise only the rows really looked up here
@@ -372,15 +372,32 @@ class VocabParallelEmbedding(TensorParallelModule):
                 f"{self.vocab_end_index}) on this rank, sequence_parallel={self.sequence_parallel}")
 
 
+def _full_row_norms(local: torch.Tensor, norm_type: float, group, tp_size: int) -> torch.Tensor:
+    """Norms of whole rows of which each rank holds some columns: one all-reduce of one float
+    per row (``norm_type > 0`` or inf)."""
+    if norm_type == math.inf:
+        norms = local.abs().amax(dim=-1)
+        if tp_size > 1:
+            distributed.all_reduce(norms, op=distributed.ReduceOp.MAX, group=group)
+        return norms
+    norms = local.abs().pow(norm_type).sum(dim=-1)
+    if tp_size > 1:
+        distributed.all_reduce(norms, group=group)
+    return norms.pow(1.0 / norm_type)
+
+
 class ParallelEmbedding(TensorParallelModule):
     """An embedding table split by columns (embedding dimension) over the tensor-parallel group;
     the output is all-gathered so every rank has full rows.
 
     Args: as :class:`VocabParallelEmbedding` (``embedding_dim`` must divide by n), without
-    sequence parallelism.
+    sequence parallelism; ``scale_grad_by_freq`` is supported. With ``max_norm``, each row looked
+    up whose norm (over the whole row, all ranks' columns) exceeds ``max_norm`` is rescaled in
+    place to ``max_norm``, as ``nn.Embedding`` does; ``norm_type`` must be positive (or inf).
 
     Memory: ``V * dim / n`` per rank. Communication: forward all-gather of the output
-    (``(n-1)/n`` of its bytes); backward none.
+    (``(n-1)/n`` of its bytes), plus with ``max_norm`` an all-reduce of one float per distinct
+    token id of the batch (the partial row norms); backward none.
     """
 
     _shard_dims = {"weight": (1, 1)}
@@ -392,6 +409,9 @@ class ParallelEmbedding(TensorParallelModule):
                  keep_master_weight_for_test: bool = False):
         super().__init__("ParallelEmbedding")
         _check_divisible("ParallelEmbedding: embedding_dim", embedding_dim, self.tp_size)
+        if max_norm is not None and not (norm_type > 0):
+            raise ValueError(f"ParallelEmbedding: norm_type={norm_type} with max_norm is not "
+                             f"supported; use a positive norm_type (or math.inf)")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
         self.max_norm, self.norm_type = max_norm, norm_type
@@ -403,9 +423,23 @@ class ParallelEmbedding(TensorParallelModule):
         self.master_weight = master if keep_master_weight_for_test else None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        local = F.embedding(idx, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+        # before renormalising: a negative id would index the weight from its end
+        check_indices(idx, self.num_embeddings, "ParallelEmbedding: token id", "num_embeddings")
+        if self.max_norm is not None:
+            self._renormalise_rows(idx)
+        local = F.embedding(idx, self.weight, self.padding_idx, None, self.norm_type,
                             self.scale_grad_by_freq, self.sparse)
         return gather_from_model_parallel_region(local)
+
+    @torch.no_grad()
+    def _renormalise_rows(self, idx: torch.Tensor) -> None:
+        """``torch.embedding_renorm_`` with each row's norm taken over all ranks' columns."""
+        rows = idx.unique()
+        local = self.weight[rows]
+        norms = _full_row_norms(local, self.norm_type, self.tp_group, self.tp_size)
+        # the same scale as torch.embedding_renorm_, epsilon included
+        scale = torch.where(norms > self.max_norm, self.max_norm / (norms + 1e-7), 1.0)
+        self.weight.index_copy_(0, rows, local * scale.unsqueeze(-1))
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim} "

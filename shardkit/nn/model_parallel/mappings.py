@@ -16,6 +16,10 @@ function                                          forward               backward
 ``reduce_scatter_to_sequence_parallel_region``    reduce-scatter        all-gather
 ================================================  ====================  ====================
 
+``stride`` (scatter/gather of the last dimension only) matches a strided weight split (see
+:func:`~shardkit.nn.model_parallel.utils.shard_of`): rank ``r`` keeps blocks ``r, r + n, ...``
+of ``stride * n``; the communication is the same as with ``stride=1``.
+
 All-gather and reduce-scatter each put ``(n-1)/n·S`` on the wire, so the sequence-parallel
 pair costs what one all-reduce does, while the activations between them are ``1/n`` the size.
 The sequence dimension defaults to 1 (batch-first ``[batch, seq, hidden]``, shardkit's GPT).
@@ -28,7 +32,7 @@ import torch
 
 from shardkit import distributed
 from shardkit.nn.model_parallel.initialize import get_model_parallel_group
-from shardkit.nn.model_parallel.utils import divide
+from shardkit.nn.model_parallel.utils import divide, join_shards, shard_of
 
 __all__ = [
     "SEQUENCE_DIM",
@@ -53,17 +57,18 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _keep_own_slice(x: torch.Tensor, dim: int) -> torch.Tensor:
+def _keep_own_slice(x: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
     group = get_model_parallel_group()
     n = distributed.get_world_size(group)
     if n == 1:
         return x
-    size = divide(x.shape[dim], n, f"dimension {dim} of the activation {tuple(x.shape)} "
-                                   f"split over {n} tensor-parallel ranks")
-    return x.narrow(dim, distributed.get_rank(group) * size, size).contiguous()
+    parts = f"{n} tensor-parallel ranks" + (f" × stride {stride}" if stride > 1 else "")
+    divide(x.shape[dim], n * stride, f"dimension {dim} of the activation {tuple(x.shape)} "
+                                     f"split over {parts}")
+    return shard_of(x, distributed.get_rank(group), n, dim, stride)
 
 
-def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
     group = get_model_parallel_group()
     n = distributed.get_world_size(group)
     if n == 1:
@@ -72,7 +77,7 @@ def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     # Flat buffers: gloo wants the output's first dimension to be n times the input's.
     out = torch.empty(n * x.numel(), dtype=x.dtype, device=x.device)
     distributed.all_gather_into_tensor(out, x.view(-1), group=group)
-    return torch.cat(out.view((n,) + tuple(x.shape)).unbind(0), dim=dim)
+    return join_shards(list(out.view((n,) + tuple(x.shape)).unbind(0)), dim=dim, stride=stride)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -117,22 +122,24 @@ class _ReduceFromRegion(torch.autograd.Function):
 
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _keep_own_slice(x, _last(x))
+    def forward(ctx, x, stride):
+        ctx.stride = stride
+        return _keep_own_slice(x, _last(x), stride)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, _last(grad))
+        return _all_gather(grad, _last(grad), ctx.stride), None
 
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _all_gather(x, _last(x))
+    def forward(ctx, x, stride):
+        ctx.stride = stride
+        return _all_gather(x, _last(x), stride)
 
     @staticmethod
     def backward(ctx, grad):
-        return _keep_own_slice(grad, _last(grad))
+        return _keep_own_slice(grad, _last(grad), ctx.stride), None
 
 
 def copy_to_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
@@ -146,14 +153,16 @@ def reduce_from_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
     return _ReduceFromRegion.apply(x)
 
 
-def scatter_to_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    """Keep this rank's slice of the last dimension; backward all-gathers the gradient."""
-    return _ScatterToRegion.apply(x)
+def scatter_to_model_parallel_region(x: torch.Tensor, stride: int = 1) -> torch.Tensor:
+    """Keep this rank's slice of the last dimension (its ``stride`` blocks, as ``shard_of``);
+    backward all-gathers the gradient."""
+    return _ScatterToRegion.apply(x, stride)
 
 
-def gather_from_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's slice along the last dimension; backward keeps own slice."""
-    return _GatherFromRegion.apply(x)
+def gather_from_model_parallel_region(x: torch.Tensor, stride: int = 1) -> torch.Tensor:
+    """Concatenate every rank's slice along the last dimension (interleaving ``stride`` blocks
+    per rank, the inverse of ``shard_of``); backward keeps own slice."""
+    return _GatherFromRegion.apply(x, stride)
 
 
 # ----------------------------------------------------------------------------- sequence regions

@@ -1,11 +1,14 @@
 """Small shape helpers shared by the tensor-parallel modules: exact division with a clear error,
-and splitting or joining a tensor along one dimension into tensor-parallel shards."""
+splitting or joining a tensor along one dimension into tensor-parallel shards, and the range
+check of word indices."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-__all__ = ["divide", "split_along_dim", "shard_of", "join_shards"]
+__all__ = ["divide", "split_along_dim", "shard_of", "join_shards", "check_indices"]
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -40,3 +43,21 @@ def join_shards(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.
     per_rank = [split_along_dim(s, stride, dim) for s in shards]
     ordered = [per_rank[r][k] for k in range(stride) for r in range(world)]
     return torch.cat(ordered, dim=dim)
+
+
+def check_indices(indices: torch.Tensor, size: int, what: str, size_name: str = "size",
+                  ignore_index: Optional[int] = None) -> None:
+    """Raise ``IndexError`` unless every entry of ``indices`` is in ``[0, size)`` or equals
+    ``ignore_index``. No communication. On CPU the message names the first bad value; on an
+    accelerator the check is a device-side assert (no host synchronisation), which names
+    ``size`` only and fails at a later synchronisation."""
+    bad = (indices < 0) | (indices >= size)
+    if ignore_index is not None:
+        bad &= indices != ignore_index
+    allowed = f"[0, {size_name}={size})"
+    if ignore_index is not None:
+        allowed += f" and is not ignore_index={ignore_index}"
+    if indices.device.type != "cpu":
+        torch._assert_async(~bad.any(), f"{what}: an index is outside {allowed}")
+    elif bad.any():
+        raise IndexError(f"{what} {indices[bad][0].item()} is outside {allowed}")
