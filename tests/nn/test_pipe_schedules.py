@@ -1,11 +1,15 @@
 """Multi-process pipeline: GPipe and 1F1B match single-process training; memory; bytes; errors."""
 
+import time
+
 import pytest
 import torch
 import torch.nn as nn
 
 from shardkit import distributed as dist
-from shardkit.nn.pipe import PipelineStage, Schedule1F1B, ScheduleGPipe, split_sequential
+from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZeroBubble,
+                              split_sequential)
+from shardkit.nn.pipe.p2p import StepState
 from shardkit.testing import world_fixture
 
 WIDTH, BATCH, STEPS = 16, 16, 10
@@ -155,11 +159,13 @@ def test_1f1b_keeps_at_most_num_stages_microbatches_alive(world2):
         assert ofob_bytes <= (2 - rank) * per_microbatch * 1.01  # at most the 2-micro-batch level
         assert gpipe_left == 0 and ofob_left == 0  # everything released by backward
     # bytes on the wire per step: each stage sends one activation (or its gradient) per
-    # micro-batch: 64 rows x 16 features x 4 bytes in all, no shape headers after the first step
+    # micro-batch: 64 rows x 16 features x 4 bytes in all, no shape headers after the first step;
+    # stage 0's micro-batch 0 carries the step state, 3 more float32 elements, in the same send
     for name in ("ScheduleGPipe", "Schedule1F1B"):
         for rank in range(2):
             _, _, _, send_bytes, send_calls = results[rank][name]
-            assert send_bytes == 64 * WIDTH * 4 and send_calls == 8
+            state_bytes = StepState.BITS * 4 if rank == 0 else 0
+            assert send_bytes == 64 * WIDTH * 4 + state_bytes and send_calls == 8
 
 
 def _mismatched_stage_counts():
@@ -324,3 +330,105 @@ def _gradient_hooks_are_honoured():
 def test_gpipe_keeps_gradient_hooks_working(world2):
     for fired in world2.run(_gradient_hooks_are_honoured):
         assert fired == 4  # once per micro-batch
+
+
+# training and evaluation interleaved: (kind, batch seed, rows); the 8-row evaluation changes the
+# batch size, so its shape headers go again, and again for the 16-row training step after it
+STEP_KINDS = (("train", 0, 16), ("eval", 1, 16), ("train", 2, 16), ("eval", 3, 8),
+              ("train", 4, 16), ("train", 5, 16))
+
+
+def _reference_train_and_eval():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for kind, seed, rows in STEP_KINDS:
+        x, y = _batch(seed, rows)
+        if kind == "eval":
+            with torch.no_grad():
+                losses.append(nn.functional.mse_loss(model(x), y).item())
+            continue
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def _check_train_and_eval():
+    """Evaluation steps under no_grad between training steps: forward only, the loss of the
+    current parameters, .grad untouched; training goes on as in one process."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref_model, ref_losses = _reference_train_and_eval()
+    ref_stage = split_sequential(ref_model, _balance(world))[rank]
+    out = {}
+    for schedule_cls in (ScheduleGPipe, Schedule1F1B, ScheduleZeroBubble):
+        module = split_sequential(_model(), _balance(world))[rank]
+        schedule = schedule_cls(PipelineStage(module, rank, world), 4, nn.functional.mse_loss)
+        opt = torch.optim.Adam(module.parameters(), lr=1e-2)
+        worst, grads_kept = 0.0, True
+        for (kind, seed, rows), ref_loss in zip(STEP_KINDS, ref_losses):
+            x, y = _batch(seed, rows)
+            if kind == "eval":
+                before = [p.grad.clone() for p in module.parameters()]
+                with torch.no_grad():
+                    loss = schedule.step(x, target=y)
+                grads_kept &= all(torch.equal(a, p.grad)
+                                  for a, p in zip(before, module.parameters()))
+            else:
+                opt.zero_grad()
+                loss = schedule.step(x, target=y)
+                opt.step()
+            if loss is not None:
+                worst = max(worst, abs(loss.item() - ref_loss))
+        out[schedule_cls.__name__] = (worst, _max_param_diff(module, ref_stage), grads_kept)
+    return out
+
+
+def test_evaluation_steps_under_no_grad_between_training_steps(world2):
+    for rank, per_schedule in enumerate(world2.run(_check_train_and_eval)):
+        for name, (loss_diff, param_diff, grads_kept) in per_schedule.items():
+            assert loss_diff <= 1e-5 and param_diff <= 1e-5 and grads_kept, (rank, name)
+
+
+def _bad_later_batches():
+    """After a good step, batches the first stage cannot split: the first step's clear error on
+    every rank, at once; then the pipeline runs on, with a new batch size too."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model()
+    module = split_sequential(model, _balance(world))[rank]
+    schedule = Schedule1F1B(PipelineStage(module, rank, world), 4, nn.functional.mse_loss)
+    x, y = _batch(0)
+    schedule.step(x, target=y)
+    errors = []
+    for rows in (10, 2):
+        x, y = _batch(1, rows)
+        start = time.monotonic()
+        try:
+            schedule.step(x, target=y)
+            errors.append(("no error", time.monotonic() - start))
+        except ValueError as error:
+            errors.append((str(error), time.monotonic() - start))
+    loss_diffs = []
+    for x, y in (_batch(2), _batch(3, 8)):  # the full model is unchanged: no optimizer step
+        with torch.no_grad():
+            expected = nn.functional.mse_loss(model(x), y).item()
+        loss = schedule.step(x, target=y)
+        loss_diffs.append(None if loss is None else abs(loss.item() - expected))
+    return errors, loss_diffs
+
+
+@pytest.mark.parametrize("world_name", ["world2", "world4"])
+def test_a_later_bad_batch_is_the_same_clear_error_on_every_rank(world_name, request):
+    results = request.getfixturevalue(world_name).run(_bad_later_batches)
+    for rank, (errors, loss_diffs) in enumerate(results):
+        (uneven, uneven_s), (small, small_s) = errors
+        assert "stage 0: batch size 10 is not divisible by chunks=4" in uneven, (rank, uneven)
+        assert "stage 0: chunks=4 is larger than the batch size 2" in small, (rank, small)
+        assert uneven_s < 10 and small_s < 10, (rank, uneven_s, small_s)
+        if rank == len(results) - 1:
+            assert "target of shape (10, 4) cannot be split into chunks=4" in uneven
+            assert max(loss_diffs) <= 1e-6, loss_diffs
+        else:
+            assert loss_diffs == [None, None]

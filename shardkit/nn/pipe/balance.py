@@ -17,6 +17,7 @@ Usage::
 from __future__ import annotations
 
 import copy
+import math
 import time
 from typing import Optional, Sequence, Union
 
@@ -158,17 +159,23 @@ def balance_by_size(partitions: int, module: nn.Sequential, input, *, chunks: in
     """A ``balance`` from each layer's training memory: activations of one micro-batch plus
     ``param_scale`` copies of its parameters (2 for SGD: weights and grads; about 4 for Adam).
 
-    Each layer runs once on the first sample of ``input``; its activation bytes (the tensors
-    autograd saves for backward, plus the outputs) are scaled by ``batch / chunks``. Unlike
-    FairScale's, which reads the CUDA allocator, this works on any device (default: the input's).
+    Each layer (a copy in training mode: the model's buffers, e.g. BatchNorm's running
+    statistics, are untouched) runs once on the first micro-batch of ``input`` as ``Pipe``
+    would cut it with ``chunks``, but at least 2 rows (BatchNorm cannot train on one); its
+    activation bytes (the tensors autograd saves for backward, plus the outputs) are scaled to
+    ``batch / chunks`` rows. Unlike FairScale's, which reads the CUDA allocator and profiles one
+    sample, this works on any device (default: the input's).
 
-    Memory: one copy of one layer at a time plus its activations on one sample. No
+    Memory: one copy of one layer at a time plus its activations on one micro-batch. No
     communication.
     """
     device = _sample_device(input, device)
     inputs = as_tuple(input)
-    scale = batch_size(inputs, "balance_by_size(input=...)") / max(int(chunks), 1)
-    inputs, packed = _detached(tuple(t[:1] for t in inputs), device), \
+    batch = batch_size(inputs, "balance_by_size(input=...)")
+    per_chunk = batch / max(int(chunks), 1)
+    rows = min(batch, max(2, math.ceil(per_chunk)))
+    scale = per_chunk / rows
+    inputs, packed = _detached(tuple(t[:rows] for t in inputs), device), \
         not isinstance(input, torch.Tensor)
     sizes = []
     for layer in _layer_copies(module, device):

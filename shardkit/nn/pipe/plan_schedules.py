@@ -9,7 +9,11 @@ whole backward (as B then W at once, so its matrix-product weight gradients merg
 backward_input`), and ``W`` later the parameter gradients. Receives for the next few actions are
 posted ahead once the shapes are known (after the first step), so data lands while the rank
 computes. Every message carries a tag naming (kind, stage boundary, micro-batch, tensor), so two
-stages of one rank talking to the same neighbour never mix their messages.
+stages of one rank talking to the same neighbour never mix their messages. Before each step the
+first stage's rank tells every rank, inside its first messages, whether the batch is as before,
+new or unusable, and whether the step records for backward
+(:class:`~shardkit.nn.pipe.p2p.TaggedLinks`), so a changed batch, an evaluation step under
+``torch.no_grad()`` or a bad batch is handled alike on every rank.
 
 Under FullyShardedDataParallel (a stage module that is or holds FSDP units on the stage's
 data-parallel group): ``BW`` stays one plain backward (FSDP's hooks gather, reduce-scatter and
@@ -36,7 +40,7 @@ import torch
 
 from shardkit import distributed as dist
 from shardkit.nn.pipe.microbatch import batch_size, split_microbatches
-from shardkit.nn.pipe.p2p import ActivationMeta, PendingSends, TensorMeta, check_sendable
+from shardkit.nn.pipe.p2p import StepState, TaggedLinks, batch_signature
 from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan,
                                    interleaved_1f1b_plan, one_f_one_b_plan, zb_h1_plan, zbv_plan)
 from shardkit.nn.pipe.schedules import (ActivationMemoryMeter, busy_time,
@@ -49,107 +53,8 @@ from shardkit.nn.pipe.stage import PipelineStage
 __all__ = ["PlanSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
            "ScheduleZeroBubble", "ScheduleZBV"]
 
-_ACTIVATION, _GRADIENT, _HEADER = 0, 1, 2
-_MAX_TENSORS = 16
 _LOOKAHEAD = 4
-_REPLAN_AT = 2  # the first step's timings include one-off costs (allocation, autograd start-up)
-
-
-class _TaggedLinks:
-    """Tagged point-to-point messages between this rank's stages and their neighbours."""
-
-    def __init__(self, group, num_stages: int, chunks: int):
-        self.group, self.num_stages, self.chunks = group, num_stages, chunks
-        self.metas: dict = {}      # (boundary, micro-batch) -> ActivationMeta
-        self.posted: dict = {}     # (kind, boundary, micro-batch) -> (buffers, works)
-        self.pending = PendingSends()
-
-    def _tag(self, kind: int, boundary: int, index: int, tensor: int = 0) -> int:
-        return ((kind * self.num_stages + boundary) * self.chunks + index) * _MAX_TENSORS + tensor
-
-    def _send(self, kind, boundary, index, tensors, peer) -> None:
-        data = [t.detach().contiguous() for t in tensors]
-        with self._reporting("send", kind, boundary, index, peer):
-            works = [dist.isend(t, peer, group=self.group,
-                                tag=self._tag(kind, boundary, index, n))
-                     for n, t in enumerate(data)]
-        self.pending.add(works, data)
-
-    def _reporting(self, verb: str, kind: int, boundary: int, index: int, peer: int):
-        """A broken link (a neighbour that died) becomes a CollectiveError naming the message."""
-        what = {_ACTIVATION: f"stage {boundary}'s output", _HEADER: f"stage {boundary}'s output "
-                f"header", _GRADIENT: f"the gradient of stage {boundary}'s output"}[kind]
-        way = "to" if verb == "send" else "from"
-        return dist.reporting_broken_links(
-            f"pipeline {verb} of {what} (micro-batch {index}) {way} rank {peer}", self.group)
-
-    def _wait(self, works: list, kind: int, boundary: int, index: int, peer: int) -> None:
-        with self._reporting("receive", kind, boundary, index, peer):
-            for work in works:
-                work.wait()
-
-    def send_activation(self, boundary, index, tensors, packed, peer) -> None:
-        if len(tensors) > _MAX_TENSORS:
-            raise ValueError(f"a stage output has {len(tensors)} tensors; at most "
-                             f"{_MAX_TENSORS} can cross a stage boundary")
-        meta = ActivationMeta(tuple(TensorMeta.of(t) for t in tensors), packed)
-        known = self.metas.get((boundary, index))
-        if known is None:
-            check_sendable(tensors)
-            header = meta.encode()
-            self._send(_HEADER, boundary, index,
-                       [torch.tensor([header.numel()], dtype=torch.int64), header], peer)
-            self.metas[(boundary, index)] = meta
-        elif known != meta:
-            raise ValueError(f"stage {boundary}, micro-batch {index}: the output changed from "
-                             f"{known} to {meta}; keep the batch size and shapes fixed")
-        self._send(_ACTIVATION, boundary, index, tensors, peer)
-
-    def _post(self, kind, boundary, index, likes, peer) -> None:
-        key = (kind, boundary, index)
-        if key in self.posted:
-            return
-        buffers = [torch.empty(m.shape, dtype=m.dtype) for m in likes]
-        with self._reporting("receive", kind, boundary, index, peer):
-            works = [dist.irecv(b, peer, group=self.group,
-                                tag=self._tag(kind, boundary, index, n))
-                     for n, b in enumerate(buffers)]
-        self.posted[key] = (buffers, works)
-
-    def post_activation(self, boundary, index, peer) -> None:
-        meta = self.metas.get((boundary, index))
-        if meta is not None:
-            self._post(_ACTIVATION, boundary, index, meta.tensors, peer)
-
-    def take_activation(self, boundary, index, peer) -> tuple:
-        if (boundary, index) not in self.metas:
-            length = torch.empty(1, dtype=torch.int64)
-            with self._reporting("receive", _HEADER, boundary, index, peer):
-                dist.recv(length, peer, group=self.group,
-                          tag=self._tag(_HEADER, boundary, index, 0))
-                header = torch.empty(int(length.item()), dtype=torch.int64)
-                dist.recv(header, peer, group=self.group,
-                          tag=self._tag(_HEADER, boundary, index, 1))
-            self.metas[(boundary, index)] = ActivationMeta.decode(header.tolist())
-        meta = self.metas[(boundary, index)]
-        self._post(_ACTIVATION, boundary, index, meta.tensors, peer)
-        buffers, works = self.posted.pop((_ACTIVATION, boundary, index))
-        self._wait(works, _ACTIVATION, boundary, index, peer)
-        for b, m in zip(buffers, meta.tensors):
-            b.requires_grad_(m.requires_grad)
-        return tuple(buffers), meta.packed
-
-    def send_gradient(self, boundary, index, grads, peer) -> None:
-        self._send(_GRADIENT, boundary, index, grads, peer)
-
-    def post_gradient(self, boundary, index, roots, peer) -> None:
-        self._post(_GRADIENT, boundary, index, [TensorMeta.of(r) for r in roots], peer)
-
-    def take_gradient(self, boundary, index, roots, peer) -> list:
-        self.post_gradient(boundary, index, roots, peer)
-        buffers, works = self.posted.pop((_GRADIENT, boundary, index))
-        self._wait(works, _GRADIENT, boundary, index, peer)
-        return buffers
+_REPLAN_AT = 2  # training steps; the first's timings include one-off costs (allocation, autograd)
 
 
 class PlanSchedule:
@@ -178,10 +83,14 @@ class PlanSchedule:
     the time spent computing (forward, backward, W), not waiting.
 
     Memory and communication: see the subclasses; each activation crosses each stage boundary
-    that spans two ranks once forward and its gradient once back.
+    that spans two ranks once forward and its gradient once back; micro-batch 0 from group
+    rank ``r`` to ``r + 1`` carries three more elements, the step state. The shape headers (a
+    few int64 per micro-batch and boundary) go again only on a step whose batch shapes or grad
+    mode changed.
 
     .. warning:: :meth:`step` must be called on every rank of the pipeline group. The first step
-       exchanges a description of the step so a mismatch raises the same error everywhere.
+       exchanges a description of the step so a mismatch raises the same error everywhere; on
+       later steps a batch the first stage cannot split raises that error on every rank too.
     """
 
     def __init__(self, stages, chunks: int, loss_fn: Optional[Callable] = None,
@@ -209,7 +118,7 @@ class PlanSchedule:
         self.stages = {s.stage_index: s for s in stages}
         self.chunks, self.loss_fn = chunks, loss_fn
         self._problems = self._stage_problems(stages)
-        self.links = _TaggedLinks(self.group, self.num_stages, chunks)
+        self.links = TaggedLinks(self.group, self.num_stages, chunks)
         self.activation_memory = ActivationMemoryMeter() if track_activation_memory else None
         self.weight_grad_merge = min(chunks, weight_grad_merge or self.default_merge())
         self._whole_backward = {s: _runs_whole_backward(stage) for s, stage in
@@ -217,8 +126,9 @@ class PlanSchedule:
         self.peak_live_microbatches = 0
         self.busy_seconds = 0.0
         self.action_seconds: dict = {}
-        self._steps = 0
+        self._training_steps = 0
         self._checked = False
+        self._signature = None  # the first stage's last batch_signature
 
     plans_from_measured_costs = False
 
@@ -298,15 +208,52 @@ class PlanSchedule:
         """Forward and backward of one mini-batch; returns the mean micro-batch loss (detached)
         on the rank running the last stage, ``None`` elsewhere. Gradients accumulate in
         ``.grad`` of the stages' parameters (and are averaged over each stage's
-        ``data_parallel_group``)."""
+        ``data_parallel_group``).
+
+        Under ``torch.no_grad()`` the step only runs forward: it returns the loss the same way
+        and leaves ``.grad`` and the data-parallel reduction alone, so evaluation steps may come
+        between training steps. Enter it on every rank: on the first step ranks that disagree
+        get the same error; later, the grad mode of the rank running the first stage holds for
+        all. The batch may change size or shape between steps as long as ``chunks`` divides its
+        size (the shape headers then go again)."""
         if not self._checked:
             self._check_first_step(inputs, target)
-        last = self.num_stages - 1
-        self._inputs = split_microbatches(inputs, self.chunks, "step") if 0 in self.stages \
-            else None
-        self._targets = [t[0] for t in split_microbatches((target,), self.chunks, "target")] \
-            if last in self.stages and isinstance(target, torch.Tensor) else \
-            [target] * self.chunks
+        self._prepare_step()  # before _start_step, which waits for micro-batch 0 off rank 0
+        grad = self._start_step(inputs, target)
+        with torch.set_grad_enabled(grad):
+            return self._run_step(inputs, target, grad)
+
+    def _start_step(self, inputs, target) -> bool:
+        """Learn the step's :class:`~shardkit.nn.pipe.p2p.StepState` (made here on group rank 0,
+        which runs stage 0; received with micro-batch 0 elsewhere), pass it on to the next
+        rank, and act on it alike everywhere: drop the cached headers for a new batch, raise
+        the first step's clear error for a bad one. Returns whether the step records for
+        backward."""
+        grad = torch.is_grad_enabled()
+        if 0 in self.stages:
+            state = self._first_stage_state(inputs, grad)
+        else:
+            state = self.links.take_lead(self.rank - 1, self._remote(self.rank - 1))
+            if state is None:  # the first step: nothing cached, the batch checked by all
+                state = StepState(StepState.NEW, grad)
+        if self.rank < self.num_ranks - 1:
+            self.links.start_lead(self.rank, state, self._remote(self.rank + 1))
+        if state.batch == StepState.BAD:  # only zeros went out, all received: nothing half-done
+            self._check_agreement(inputs, target)
+        if state.batch == StepState.NEW:
+            self.links.metas.clear()
+        return state.grad
+
+    def _first_stage_state(self, inputs, grad: bool) -> StepState:
+        if self._batch_problems(inputs):
+            return StepState(StepState.BAD, grad)
+        signature = batch_signature(inputs, grad)
+        if signature == self._signature:
+            return StepState(StepState.SAME, grad)
+        self._signature = signature
+        return StepState(StepState.NEW, grad)
+
+    def _prepare_step(self) -> None:
         self._live: dict = {}      # (stage, i) -> (inputs, roots)
         self._weights: dict = {}   # (stage, i) -> WeightGradPass
         self._handoff: dict = {}   # local activations and gradients between this rank's stages
@@ -319,8 +266,14 @@ class PlanSchedule:
         self.busy_seconds = 0.0
         if self.activation_memory is not None:
             self.activation_memory.reset_peak()
-        if self._steps == _REPLAN_AT and self.plans_from_measured_costs:
-            self._replan()
+
+    def _run_step(self, inputs, target, grad: bool):
+        last = self.num_stages - 1
+        self._inputs = split_microbatches(inputs, self.chunks, "step") if 0 in self.stages \
+            else None
+        self._targets = [t[0] for t in split_microbatches((target,), self.chunks, "target")] \
+            if last in self.stages and isinstance(target, torch.Tensor) else \
+            [target] * self.chunks
         seconds = {kind: 0.0 for kind in ("F", "B", "W", "BW")}
         order = self.plan.orders[self.rank]
         for position, action in enumerate(order):
@@ -329,17 +282,22 @@ class PlanSchedule:
             before = self.busy_seconds
             getattr(self, "_run_" + action.kind)(action.stage, action.microbatch)
             seconds[action.kind] += self.busy_seconds - before
-        self._steps += 1
-        counts = {kind: sum(1 for a in order if a.kind == kind) for kind in seconds}
-        self.action_seconds = {kind: seconds[kind] / counts[kind] for kind in seconds
-                               if counts[kind]}
+        if grad:  # a forward-only step measures no B or W: it must not feed the re-plan
+            self._training_steps += 1
+            counts = {kind: sum(1 for a in order if a.kind == kind) for kind in seconds}
+            self.action_seconds = {kind: seconds[kind] / counts[kind] for kind in seconds
+                                   if counts[kind]}
         for s, stage in self.stages.items():
             with self._busy():
                 self._sinks[s].deliver()
-            stage.reduce_gradients()
+            if grad:
+                stage.reduce_gradients()
         with dist.reporting_broken_links("pipeline sends in flight at the end of the step",
                                          self.group):
             self.links.pending.wait()
+        # here, not at the next step's start: ranks other than 0 then wait for micro-batch 0
+        if grad and self._training_steps == _REPLAN_AT and self.plans_from_measured_costs:
+            self._replan()
         self._inputs = self._targets = self._sinks = None
         return torch.stack(self._losses).mean() if last in self.stages else None
 
@@ -373,7 +331,7 @@ class PlanSchedule:
                 loss = self.loss_fn(output, self._targets[i])
         if s == last:
             self._losses.append(loss.detach())
-            roots = [loss / self.chunks]
+            roots = [loss / self.chunks] if loss.requires_grad else []
         else:
             outputs = (output,) if isinstance(output, torch.Tensor) else tuple(output)
             packed_out = not isinstance(output, torch.Tensor)
@@ -441,25 +399,29 @@ class PlanSchedule:
         return busy_time(self)
 
     # ------------------------------------------------------------------ checks
+    def _batch_problems(self, inputs) -> list[str]:
+        """What is wrong with the batch the first stage got (checked every step)."""
+        name = type(self).__name__
+        if not inputs:
+            return [f"the first stage needs the batch: call {name}.step(*inputs)"]
+        try:
+            size = batch_size(inputs, f"{name}.step(*inputs)")
+        except (TypeError, ValueError) as error:
+            return [str(error)]
+        if self.chunks > size:
+            return [f"chunks={self.chunks} is larger than the batch size {size}; use "
+                    f"chunks <= {size}"]
+        if size % self.chunks:
+            return [f"batch size {size} is not divisible by chunks={self.chunks}: the last "
+                    f"micro-batch would be smaller ({size % self.chunks} rows) and weigh as much "
+                    f"as the others in the mean loss; use a batch size that is a multiple of "
+                    f"{self.chunks}"]
+        return []
+
     def _local_problems(self, inputs, target) -> list[str]:
         name, problems = type(self).__name__, list(self._problems)
         if 0 in self.stages:
-            if not inputs:
-                problems.append(f"the first stage needs the batch: call {name}.step(*inputs)")
-            else:
-                try:
-                    size = batch_size(inputs, f"{name}.step(*inputs)")
-                    if self.chunks > size:
-                        problems.append(f"chunks={self.chunks} is larger than the batch size "
-                                        f"{size}; use chunks <= {size}")
-                    elif size % self.chunks:
-                        problems.append(
-                            f"batch size {size} is not divisible by chunks={self.chunks}: the "
-                            f"last micro-batch would be smaller ({size % self.chunks} rows) and "
-                            f"weigh as much as the others in the mean loss; use a batch size "
-                            f"that is a multiple of {self.chunks}")
-                except (TypeError, ValueError) as error:
-                    problems.append(str(error))
+            problems += self._batch_problems(inputs)
         if self.num_stages - 1 in self.stages:
             if self.loss_fn is None:
                 problems.append(f"the last stage needs {name}(..., loss_fn=...)")
@@ -472,9 +434,12 @@ class PlanSchedule:
                                 f"chunks={self.chunks} equal micro-batches along dim 0")
         return problems
 
-    def _check_first_step(self, inputs, target) -> None:
+    def _check_agreement(self, inputs, target) -> None:
         check_schedule_agreement(type(self).__name__, self.chunks,
                                  self._local_problems(inputs, target), self.group, self._who)
+
+    def _check_first_step(self, inputs, target) -> None:
+        self._check_agreement(inputs, target)
         self._checked = True
 
 
@@ -598,10 +563,11 @@ class ScheduleZBV(PlanSchedule):
     Each of the two stages may be wrapped in its own FSDP (see
     :mod:`~shardkit.nn.pipe.fsdp_weight_sink`).
 
-    The first two steps run the order planned for F = B = W; at the start of the third, the
-    ranks of every pipeline share the compute seconds they measured per F, B and W in the
-    second (one small all-gather over the default group) and every rank re-plans with them
-    (``self.plan`` changes once; the memory bound stays).
+    The first two training steps run the order planned for F = B = W; at the end of the
+    second, the ranks of every pipeline share the compute seconds they measured per F, B and W
+    in it (one small all-gather over the default group) and every rank re-plans with them
+    (``self.plan`` changes once; the memory bound stays). Steps under ``torch.no_grad()`` do
+    not count.
     """
 
     plans_from_measured_costs = True
