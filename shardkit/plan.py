@@ -127,10 +127,12 @@ def zero_comm_elements_per_step(params: float, world_size: int, stage: int,
 
 def pipeline_comm_elements(boundary_numel: float, rank: int, world_size: int) -> float:
     """Elements pipeline rank ``rank`` of ``world_size`` sends per step: ``boundary_numel``
-    (one step's activations crossing one stage boundary) forward to the next stage and the
-    same number of gradients back to the previous one."""
-    sends = (rank < world_size - 1) + (rank > 0)
-    return sends * boundary_numel
+    (one step's activations crossing one stage boundary) forward to the next stage, with the
+    step state (``StepState.BITS`` elements riding on micro-batch 0), and the same number of
+    gradients back to the previous one."""
+    from shardkit.nn.pipe.p2p import StepState
+    forward, backward = rank < world_size - 1, rank > 0
+    return (forward + backward) * boundary_numel + forward * StepState.BITS
 
 
 # Bytes per element of ZeRO++'s quantized transfers with blocks of 256 and fp32 scales
