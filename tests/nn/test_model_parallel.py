@@ -258,17 +258,25 @@ def _row_parity(tp_rank, tp, diffs):
             layer.bias.copy_(torch.arange(12.0) / 10)
         x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1))
         g = torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(2))
-        xa = (shard_of(x, tp_rank, tp, -1) if parallel_input else x.clone()).requires_grad_()
-        xb = x.clone().requires_grad_()
-        y, yr = layer(xa), ref(xb)
-        (y * g).sum().backward()
-        (yr * g).sum().backward()
-        key = f"row_input_is_parallel={parallel_input}"
-        diffs[key + "_out"] = _maxdiff(y, yr)
-        diffs[key + "_dx"] = _maxdiff(xa.grad, shard_of(xb.grad, tp_rank, tp, -1)
-                                      if parallel_input else xb.grad)
-        diffs[key + "_dw"] = _maxdiff(layer.weight.grad, shard_of(ref.weight.grad, tp_rank, tp, 1))
-        diffs[key + "_db"] = _maxdiff(layer.bias.grad, ref.bias.grad)
+        _compare_row_layer(layer, ref, x, g, parallel_input, tp_rank, tp, 1,
+                           f"row_input_is_parallel={parallel_input}", diffs)
+
+
+def _compare_row_layer(layer, ref, x, g, parallel_input, tp_rank, tp, stride, key, diffs):
+    """Forward and backward of a RowParallelLinear and its nn.Linear twin on ``x`` (this rank's
+    blocks of it with ``parallel_input``): differences of output, input, weight and bias
+    gradients into ``diffs`` under ``key``."""
+    xa = (shard_of(x, tp_rank, tp, -1, stride) if parallel_input else x.clone()).requires_grad_()
+    xb = x.clone().requires_grad_()
+    y, yr = layer(xa), ref(xb)
+    (y * g).sum().backward()
+    (yr * g).sum().backward()
+    diffs[key + "_out"] = _maxdiff(y, yr)
+    diffs[key + "_dx"] = _maxdiff(xa.grad, shard_of(xb.grad, tp_rank, tp, -1, stride)
+                                  if parallel_input else xb.grad)
+    diffs[key + "_dw"] = _maxdiff(layer.weight.grad,
+                                  shard_of(ref.weight.grad, tp_rank, tp, 1, stride))
+    diffs[key + "_db"] = _maxdiff(layer.bias.grad, ref.bias.grad)
 
 
 def _row_stride_parity(tp_rank, tp, diffs):
@@ -283,18 +291,8 @@ def _row_stride_parity(tp_rank, tp, diffs):
             ref.bias.zero_()
         x = torch.randn(3, 24, generator=torch.Generator().manual_seed(5))
         g = torch.randn(3, 8, generator=torch.Generator().manual_seed(6))
-        xa = (shard_of(x, tp_rank, tp, -1, 3) if parallel_input else x.clone()).requires_grad_()
-        xb = x.clone().requires_grad_()
-        y, yr = layer(xa), ref(xb)
-        (y * g).sum().backward()
-        (yr * g).sum().backward()
-        key = f"row_stride3_input_is_parallel={parallel_input}"
-        diffs[key + "_out"] = _maxdiff(y, yr)
-        diffs[key + "_dx"] = _maxdiff(xa.grad, shard_of(xb.grad, tp_rank, tp, -1, 3)
-                                      if parallel_input else xb.grad)
-        diffs[key + "_dw"] = _maxdiff(layer.weight.grad,
-                                      shard_of(ref.weight.grad, tp_rank, tp, 1, 3))
-        diffs[key + "_db"] = _maxdiff(layer.bias.grad, ref.bias.grad)
+        _compare_row_layer(layer, ref, x, g, parallel_input, tp_rank, tp, 3,
+                           f"row_stride3_input_is_parallel={parallel_input}", diffs)
 
 
 def _parallel_embedding_max_norm_parity(tp_rank, tp, diffs):

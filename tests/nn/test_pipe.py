@@ -407,3 +407,14 @@ def test_balance_by_time_follows_the_layers_costs():
     from shardkit.nn.pipe.balance import balance_by_time
     model = nn.Sequential(*[_Delay(i / 100) for i in range(1, 7)])
     assert balance_by_time(2, model, torch.rand(1), timeout=0.4) == [4, 2]
+
+
+def test_balance_by_size_with_batchnorm_leaves_running_stats_alone():
+    """Profiled on a micro-batch of at least 2 rows (BatchNorm cannot train on one), on copies
+    of the layers: the model's running statistics are untouched."""
+    from shardkit.nn.pipe.balance import balance_by_size
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    balance = balance_by_size(2, model, torch.randn(8, 16), chunks=2)
+    assert sum(balance) == len(model) and len(balance) == 2
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

@@ -35,11 +35,21 @@ def _batch(step, batch=BATCH):
 
 
 def _reference(steps, batch=BATCH):
+    return _reference_steps([("train", step, batch) for step in range(steps)])
+
+
+def _reference_steps(kinds):
+    """One process through ``kinds`` of ``(kind, seed, rows)``: "train" steps Adam, "eval"
+    only computes the loss under no_grad. Returns the model and the losses."""
     model = _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses = []
-    for step in range(steps):
-        x, y = _batch(step, batch)
+    for kind, seed, rows in kinds:
+        x, y = _batch(seed, rows)
+        if kind == "eval":
+            with torch.no_grad():
+                losses.append(nn.functional.mse_loss(model(x), y).item())
+            continue
         opt.zero_grad()
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
@@ -338,29 +348,11 @@ STEP_KINDS = (("train", 0, 16), ("eval", 1, 16), ("train", 2, 16), ("eval", 3, 8
               ("train", 4, 16), ("train", 5, 16))
 
 
-def _reference_train_and_eval():
-    model = _model()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for kind, seed, rows in STEP_KINDS:
-        x, y = _batch(seed, rows)
-        if kind == "eval":
-            with torch.no_grad():
-                losses.append(nn.functional.mse_loss(model(x), y).item())
-            continue
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return model, losses
-
-
 def _check_train_and_eval():
     """Evaluation steps under no_grad between training steps: forward only, the loss of the
     current parameters, .grad untouched; training goes on as in one process."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    ref_model, ref_losses = _reference_train_and_eval()
+    ref_model, ref_losses = _reference_steps(STEP_KINDS)
     ref_stage = split_sequential(ref_model, _balance(world))[rank]
     out = {}
     for schedule_cls in (ScheduleGPipe, Schedule1F1B, ScheduleZeroBubble):
