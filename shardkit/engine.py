@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from typing import Callable, Optional
@@ -290,9 +291,15 @@ class ShardedEngine(nn.Module):
 
     def get_global_grad_norm(self) -> Optional[float]:
         """The total gradient norm (over every rank, before clipping) of the last optimizer
-        step; ``None`` before the first step, after a skipped fp16 step, or when
-        ``gradient_clipping`` is off (the engine adds no collective to compute it then)."""
+        step, as DeepSpeed reports it: measured at ZeRO stages 1-3 and with fp16/bf16 whether
+        or not ``gradient_clipping`` is set (one all-reduce of one element a step), at stage 0
+        in fp32 only when clipping (else ``None``: no extra pass). ``None`` also before the
+        first step and after a skipped fp16 step."""
         return self._last_grad_norm
+
+    @property
+    def _measures_grad_norm(self) -> bool:
+        return self.zero_stage > 0 or self.config.precision.dtype != "fp32"
 
     def was_step_applied(self) -> bool:
         """Whether the last accumulation boundary stepped the optimizer (``False`` when fp16
@@ -419,8 +426,8 @@ class ShardedEngine(nn.Module):
         else:
             if self.loss_scaler is not None and self.loss_scale != 1.0:
                 self._unscale_gradients(1.0 / self.loss_scale)
-            if self.config.gradient_clipping > 0:
-                norm = self.composition.clip_grad_norm(self.config.gradient_clipping)
+            if self.config.gradient_clipping > 0 or self._measures_grad_norm:
+                norm = self.composition.clip_grad_norm(self.config.gradient_clipping or math.inf)
                 self._last_grad_norm = None if norm is None else float(norm)
             self.optimizer.step()
             if self.lr_scheduler is not None:

@@ -36,6 +36,8 @@ Usage::
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -112,7 +114,8 @@ class TrainingSetup:
 class Composition:
     """What :func:`compose` builds: the module to call (``wrapped``), the optimizer to step,
     and how to skip a gradient reduction (``no_sync()``, a context), clip gradients
-    (``clip_grad_norm(max_norm)``) and zero them (``zero_grad(set_to_none=True)``) with this
+    (``clip_grad_norm(max_norm)``, returning the global norm; ``max_norm=inf`` only measures
+    it) and zero them (``zero_grad(set_to_none=True)``) with this
     combination of wrappers. ``params`` is Ψ, the model's parameter count before wrapping."""
 
     stage: int
@@ -360,9 +363,16 @@ def _stage0(model, recipe, process_group, count_comm, psi, reduce_dtype,
     ddp = torch_ddp(model, process_group, count_comm, reduce_dtype, find_unused)
     optimizer = recipe.instance or recipe.build(recipe.param_groups or _trainable(model))
     params = _trainable(model)
-    return Composition(0, ddp, optimizer, ddp.no_sync,
-                       lambda max_norm: torch.nn.utils.clip_grad_norm_(params, max_norm),
+    return Composition(0, ddp, optimizer, ddp.no_sync, functools.partial(_clip_replicated, params),
                        _zero_grads(optimizer), psi)
+
+
+def _clip_replicated(params: list, max_norm: float) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` over gradients every rank holds in full; ``max_norm=inf``
+    only measures (no pass that multiplies by 1)."""
+    if math.isinf(max_norm):
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 def _stage1(model, oss, process_group, count_comm, psi, reduce_to_owners,

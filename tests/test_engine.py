@@ -472,6 +472,8 @@ def _scheduler_on_own_optimizer(stage):
         _train_beside_reference(engine, reference, ref_opt, batches,
                                 torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 0.5 ** s))
     trained = _full_params(stage, engine.wrapped, model)
+    norms = (engine.get_global_grad_norm(),
+             float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])))
     for group in opt.param_groups:  # the script's own handle, as DeepSpeed scripts do
         group["lr"] = 0.0
         group["weight_decay"] = 0.0
@@ -488,6 +490,7 @@ def _scheduler_on_own_optimizer(stage):
     return {"diff": max_diff(trained, reference.state_dict()),
             "groups diff": max_diff(_full_params(stage, built.wrapped, from_config),
                                     grouped.state_dict()),
+            "grad norm": norms,
             "same scheduler": scheduler is sched, "lr": scheduler.get_last_lr(),
             "moved by lr 0": max_diff(after, trained),
             "scheduler warnings": [str(w.message) for w in caught
@@ -502,6 +505,13 @@ def test_scheduler_built_on_the_passed_optimizer(world2, stage):
         assert r["diff"] < 1e-5, r  # the schedule reached the stepping optimizer
         assert r["moved by lr 0"] == 0.0, r  # and so did a rate set on the script's handle
         assert r["groups diff"] < 1e-5, r  # model_parameters groups kept at every stage
+        # No gradient_clipping in the config: DeepSpeed still reports the norm at ZeRO stages
+        # 1-3 (stage 0 in fp32 measures nothing it does not need).
+        norm, reference_norm = r["grad norm"]
+        if stage == 0:
+            assert norm is None, r
+        else:
+            assert norm == pytest.approx(reference_norm, rel=1e-5), r
 
 
 def _stage3_refuses_a_used_optimizer():

@@ -41,6 +41,7 @@ def clip_grad_norm_across_ranks(grads: Sequence[torch.Tensor], max_norm: float, 
     """Scale ``grads`` (this rank's part of the model's gradients; every element counted on
     exactly one rank) so that the global ``norm_type``-norm is at most ``max_norm``; return that
     global norm (a 0-d tensor on the gradients' device, or ``device`` when there are none).
+    ``max_norm=inf`` only measures: the gradients are left untouched (not even multiplied by 1).
 
     ``comm_device``: where the one-element all-reduce runs (default: the gradients' device; FSDP
     passes its communication device for CPU-offloaded gradients under NCCL). Call
@@ -64,6 +65,8 @@ def clip_grad_norm_across_ranks(grads: Sequence[torch.Tensor], max_norm: float, 
     total = total[0].to(device)
     if not math.isinf(norm_type):
         total = total ** (1.0 / norm_type)
+    if math.isinf(max_norm):  # measuring only: no pass over the gradients
+        return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.device, g.dtype))
