@@ -233,7 +233,7 @@ class ShardedEngine(nn.Module):
         self._clock = time.perf_counter()
         self._steps_at_clock = 0
         self._pending_save = None  # an asynchronous save under way (checkpoint.async_save)
-        self._last_grad_norm: Optional[float] = None
+        self._last_grad_norm: Optional[torch.Tensor] = None  # read lazily: no device sync a step
         self._last_step_applied = False
         self._boundary_override: Optional[bool] = None
 
@@ -295,7 +295,7 @@ class ShardedEngine(nn.Module):
         or not ``gradient_clipping`` is set (one all-reduce of one element a step), at stage 0
         in fp32 only when clipping (else ``None``: no extra pass). ``None`` also before the
         first step and after a skipped fp16 step."""
-        return self._last_grad_norm
+        return None if self._last_grad_norm is None else float(self._last_grad_norm)
 
     @property
     def _measures_grad_norm(self) -> bool:
@@ -428,7 +428,7 @@ class ShardedEngine(nn.Module):
                 self._unscale_gradients(1.0 / self.loss_scale)
             if self.config.gradient_clipping > 0 or self._measures_grad_norm:
                 norm = self.composition.clip_grad_norm(self.config.gradient_clipping or math.inf)
-                self._last_grad_norm = None if norm is None else float(norm)
+                self._last_grad_norm = None if norm is None else torch.as_tensor(norm).detach()
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 _note_step_taken_for(self.lr_scheduler)
