@@ -129,10 +129,11 @@ def pipeline_comm_elements(boundary_numel: float, rank: int, world_size: int) ->
     """Elements pipeline rank ``rank`` of ``world_size`` sends per step: ``boundary_numel``
     (one step's activations crossing one stage boundary) forward to the next stage, with the
     step state (``StepState.BITS`` elements riding on micro-batch 0), and the same number of
-    gradients back to the previous one."""
-    from shardkit.nn.pipe.p2p import StepState
+    gradients back to the previous one; the last message each way carries the step's verdict
+    (``VERDICT_ELEMENTS``)."""
+    from shardkit.nn.pipe.p2p import VERDICT_ELEMENTS, StepState
     forward, backward = rank < world_size - 1, rank > 0
-    return (forward + backward) * boundary_numel + forward * StepState.BITS
+    return (forward + backward) * (boundary_numel + VERDICT_ELEMENTS) + forward * StepState.BITS
 
 
 # Bytes per element of ZeRO++'s quantized transfers with blocks of 256 and fp32 scales

@@ -7,18 +7,19 @@ import torch
 import torch.nn as nn
 
 from shardkit import distributed as dist
-from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZeroBubble,
+from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                              ScheduleInterleaved1F1B, ScheduleZBV, ScheduleZeroBubble,
                               split_sequential)
-from shardkit.nn.pipe.p2p import StepState
+from shardkit.nn.pipe.p2p import VERDICT_ELEMENTS, StepState
 from shardkit.testing import world_fixture
 
 WIDTH, BATCH, STEPS = 16, 16, 10
 
 
-world2 = world_fixture(2)
+world2 = world_fixture(2, timeout=120)  # a hung step fails its test in two minutes
 
 
-world4 = world_fixture(4)
+world4 = world_fixture(4, timeout=120)
 
 
 def _model(seed=0):
@@ -170,12 +171,14 @@ def test_1f1b_keeps_at_most_num_stages_microbatches_alive(world2):
         assert gpipe_left == 0 and ofob_left == 0  # everything released by backward
     # bytes on the wire per step: each stage sends one activation (or its gradient) per
     # micro-batch: 64 rows x 16 features x 4 bytes in all, no shape headers after the first step;
-    # stage 0's micro-batch 0 carries the step state, 3 more float32 elements, in the same send
+    # stage 0's micro-batch 0 carries the step state, 3 more float32 elements, and the last
+    # message each way the step's verdict, 1 more, in the same sends
     for name in ("ScheduleGPipe", "Schedule1F1B"):
         for rank in range(2):
             _, _, _, send_bytes, send_calls = results[rank][name]
             state_bytes = StepState.BITS * 4 if rank == 0 else 0
-            assert send_bytes == 64 * WIDTH * 4 + state_bytes and send_calls == 8
+            assert send_bytes == 64 * WIDTH * 4 + state_bytes + VERDICT_ELEMENTS * 4
+            assert send_calls == 8
 
 
 def _mismatched_stage_counts():
@@ -424,3 +427,189 @@ def test_a_later_bad_batch_is_the_same_clear_error_on_every_rank(world_name, req
             assert max(loss_diffs) <= 1e-6, loss_diffs
         else:
             assert loss_diffs == [None, None]
+
+
+# ---------------------------------------------------------------- what only a later stage sees
+class _Narrow(nn.Module):
+    """Keeps the first ``width`` features: an output shape that follows the data, not the batch
+    shape. A list gives one width per call (per micro-batch)."""
+
+    def __init__(self, stage):
+        super().__init__()
+        self.stage, self.width = stage, WIDTH
+
+    def forward(self, x):
+        width = self.width.pop(0) if isinstance(self.width, list) else self.width
+        return x[:, :width]
+
+
+class _Pad(nn.Module):
+    def forward(self, x):
+        return nn.functional.pad(x, (0, WIDTH - x.shape[1]))
+
+
+def _narrowing_model(num_stages, narrowing):
+    """Linear + Tanh per stage (a final Linear to 4 on the last); each stage in ``narrowing``
+    ends with a _Narrow, and the next stage pads back to WIDTH. Returns (model, balance)."""
+    torch.manual_seed(0)
+    layers, balance = [], []
+    for s in range(num_stages):
+        part = ([_Pad()] if s - 1 in narrowing else []) + [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+        part += [_Narrow(s)] if s in narrowing else []
+        part += [nn.Linear(WIDTH, 4)] if s == num_stages - 1 else []
+        layers += part
+        balance.append(len(part))
+    return nn.Sequential(*layers), balance
+
+
+def _set_widths(module, widths):
+    for m in module.modules():
+        if isinstance(m, _Narrow):
+            width = widths.get(m.stage, WIDTH)
+            m.width = list(width) if isinstance(width, list) else width
+
+
+def _reference_narrowing(num_stages, narrowing, steps):
+    """One process through ``steps`` (kind, seed, target rows, widths) as _reference_steps."""
+    model, _ = _narrowing_model(num_stages, narrowing)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for kind, seed, _, widths in steps:
+        _set_widths(model, widths)
+        x, y = _batch(seed)
+        with torch.set_grad_enabled(kind == "train"):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            if kind == "train":
+                loss.backward()
+                opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+SCHEDULES = {"GPipe": (ScheduleGPipe, 1, "loop"), "1F1B": (Schedule1F1B, 1, "loop"),
+             "ZB-H1": (ScheduleZeroBubble, 1, "loop"),
+             "interleaved": (ScheduleInterleaved1F1B, 2, "loop"), "ZBV": (ScheduleZBV, 2, "v")}
+
+
+def _my_stages(per_rank, placement):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if per_rank == 1:
+        return [rank]
+    return [rank, rank + world] if placement == "loop" else [rank, 2 * world - 1 - rank]
+
+
+def _run_faulty_steps(name, steps, narrowing):
+    """Train (Adam) and evaluate through ``steps`` with ``name``'s schedule, catching the
+    ValueErrors; compare with one process running only the steps that went through."""
+    schedule_cls, per_rank, placement = SCHEDULES[name]
+    num_stages = per_rank * dist.get_world_size()
+    model, balance = _narrowing_model(num_stages, narrowing)
+    parts, mine = split_sequential(model, balance), _my_stages(per_rank, placement)
+    stages = [PipelineStage(parts[s], s, num_stages, placement=placement) for s in mine]
+    schedule = schedule_cls(stages[0] if per_rank == 1 else stages, 4, nn.functional.mse_loss)
+    opt = torch.optim.Adam([p for s in mine for p in parts[s].parameters()], lr=1e-2)
+    outcomes, slowest = [], 0.0
+    for kind, seed, target_rows, widths in steps:
+        for s in mine:
+            _set_widths(parts[s], widths)
+        x, y = _batch(seed)[0], _batch(seed, target_rows)[1]
+        start = time.monotonic()
+        try:
+            with torch.set_grad_enabled(kind == "train"):
+                opt.zero_grad()
+                loss = schedule.step(x, target=y)
+                if kind == "train":
+                    opt.step()
+            outcomes.append(None if loss is None else loss.item())
+        except ValueError as error:
+            outcomes.append(str(error))
+        slowest = max(slowest, time.monotonic() - start)
+    done = [step for step, o in zip(steps, outcomes) if not isinstance(o, str)]
+    ref_model, ref_losses = _reference_narrowing(num_stages, narrowing, done)
+    ref_parts = split_sequential(ref_model, balance)
+    losses = [o for o in outcomes if isinstance(o, float)]
+    return ([o if isinstance(o, str) else None for o in outcomes],
+            max((abs(a - b) for a, b in zip(losses, ref_losses)), default=None), len(losses),
+            max(_max_param_diff(parts[s], ref_parts[s]) for s in mine), slowest)
+
+
+def _check_faulty_steps(names, steps, narrowing):
+    return {name: _run_faulty_steps(name, steps, narrowing) for name in names}
+
+
+# a target whose rows split but do not fit the output: loss_fn raises on the last stage
+TARGET_ROWS = ("(the last), micro-batch 0: loss_fn raised RuntimeError: The size of tensor a (4) "
+               "must match the size of tensor b (3)")
+UNSPLITTABLE = "target of shape ({}, 4) cannot be split into chunks=4 equal micro-batches"
+RESHAPED = ("stage {}, micro-batch {}: expected an output of float32 (4, {}) requiring grad "
+            "(announced to stage {} on an earlier step; the batch's shapes and the grad mode are "
+            "unchanged), found float32 (4, {}) requiring grad")
+ALONE = "may change from one step to the next only together with micro-batch 0's"
+SEVERAL = "with several stages per rank a stage's output shapes must follow from the batch's"
+
+# (kind, batch seed, target rows, {stage: output width}); 16-row batches, chunks=4; a width
+# changes after a training step (an evaluation step re-sends the headers anyway). The narrowing
+# stage is the last but one: stage 0 with one stage per rank on two ranks ...
+ONE_PER_RANK = (("train", 0, 16, {}), ("train", 1, 12, {}), ("train", 2, 10, {}),
+                ("eval", 3, 6, {}), ("train", 4, 16, {}), ("train", 5, 16, {0: 10}),
+                ("train", 6, 16, {0: [10, 10, 7, 10]}), ("eval", 7, 16, {0: 10}),
+                ("train", 8, 16, {0: 10}), ("train", 9, 16, {0: 13}))
+ONE_PER_RANK_ERRORS = (None, TARGET_ROWS, UNSPLITTABLE.format(10), UNSPLITTABLE.format(6), None,
+                       None, RESHAPED.format(0, 2, 10, 1, 7) + "; a stage's output shapes " + ALONE,
+                       None, None, None)
+# ... and stage 2 of 4 with two stages per rank (interleaved: rank 0 to 1; ZBV: rank 1 to 0)
+TWO_PER_RANK = (("train", 0, 16, {}), ("train", 1, 12, {}), ("train", 2, 10, {}),
+                ("eval", 3, 6, {}), ("train", 4, 16, {}), ("train", 5, 16, {2: 10}),
+                ("train", 6, 16, {}), ("train", 7, 16, {2: [16, 16, 7, 16]}),
+                ("eval", 8, 16, {}), ("train", 9, 16, {}))
+TWO_PER_RANK_ERRORS = (None, TARGET_ROWS, UNSPLITTABLE.format(10), UNSPLITTABLE.format(6), None,
+                       RESHAPED.format(2, 0, 16, 3, 10) + "; " + SEVERAL, None,
+                       RESHAPED.format(2, 2, 16, 3, 7) + "; " + SEVERAL, None, None)
+
+
+def _assert_faults(results, name, expected, steps):
+    errors = [r[name][0] for r in results]
+    for k, want in enumerate(expected):
+        got = {e[k] for e in errors}
+        assert len(got) == 1, (name, k, got)  # the same outcome on every rank
+        got = got.pop()
+        if want is None:
+            assert got is None, (name, k, got)
+        else:
+            assert got is not None and want in got, (name, k, got)
+    finished = sum(want is None for want in expected)
+    counts = [r[name][2] for r in results]
+    assert sorted(counts) == [0] * (len(results) - 1) + [finished], (name, counts)
+    for rank, (_, loss_diff, count, param_diff, slowest) in enumerate(r[name] for r in results):
+        assert param_diff <= 1e-5, (name, rank, param_diff)  # training went on correctly
+        assert count == 0 or loss_diff <= 1e-5, (name, rank, loss_diff)
+        assert slowest < 30, (name, rank, slowest)
+
+
+def test_later_stage_faults_are_one_clear_error_on_every_rank(world2):
+    """A target only the last stage sees (unsplittable, or rows that make loss_fn raise, in
+    training and under no_grad), an output shape that changes with the data on the last
+    stage but one (re-announced with one stage per rank; an error with two), and one that
+    changes on micro-batch 2 alone: every rank raises the same ValueError, and training goes
+    on afterwards as in one process over the steps that went through."""
+    results = world2.run(_check_faulty_steps, ["GPipe", "1F1B", "ZB-H1"], ONE_PER_RANK, {0})
+    for name in ("GPipe", "1F1B", "ZB-H1"):
+        _assert_faults(results, name, ONE_PER_RANK_ERRORS, ONE_PER_RANK)
+    results = world2.run(_check_faulty_steps, ["interleaved", "ZBV"], TWO_PER_RANK, {2})
+    for name in ("interleaved", "ZBV"):
+        _assert_faults(results, name, TWO_PER_RANK_ERRORS, TWO_PER_RANK)
+
+
+# four ranks, 1F1B: the middle stage 1 and the last-but-one stage 2 narrow
+FOUR_STAGES = (("train", 0, 16, {}), ("train", 1, 16, {2: 9}),
+               ("train", 2, 16, {1: [16, 16, 11, 16], 2: 9}), ("train", 3, 12, {2: 9}),
+               ("train", 4, 16, {1: 12, 2: 9}), ("eval", 5, 6, {1: 12, 2: 9}),
+               ("train", 6, 16, {1: 12, 2: 9}))
+FOUR_STAGES_ERRORS = (None, None, RESHAPED.format(1, 2, 16, 2, 11), TARGET_ROWS, None,
+                      UNSPLITTABLE.format(6), None)
+
+
+def test_later_stage_faults_on_four_ranks(world4):
+    results = world4.run(_check_faulty_steps, ["1F1B"], FOUR_STAGES, {1, 2})
+    _assert_faults(results, "1F1B", FOUR_STAGES_ERRORS, FOUR_STAGES)

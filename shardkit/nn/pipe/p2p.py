@@ -1,22 +1,30 @@
-"""What crosses a stage boundary: activation descriptions, the step state, and the tagged links.
+"""What crosses a stage boundary: activation descriptions, the step state, the verdict, and the
+tagged links.
 
 Shapes are sent when they are new: the first time micro-batch ``i`` goes forward, a small int64
 header (:class:`ActivationMeta`: dtype, requires_grad, shape of each tensor) precedes the data;
 afterwards both sides reuse the cached description, so the receiver can post its receive before
 the sender is ready (the data lands while the receiver computes). Gradients need no header: a
-stage knows the shapes of its own outputs.
+stage knows the shapes of the outputs it sent.
 
 Whether the cached descriptions still hold is decided by the rank of the first stage, the only
 one that sees the batch, and passed down the ranks every step as a :class:`StepState` (see
 :class:`TaggedLinks`): the batch is as before, new (every rank drops its cache and the headers
 go again, as in the first step) or unusable (every rank raises the same error), and whether the
 step records for backward. So no cache depends on a grad mode or a batch size one rank alone
-knows. All traffic goes through :mod:`shardkit.distributed`.
+knows. With one stage per rank, a stage whose output shapes change with the data (same batch)
+turns "as before" into "new" for the ranks after it, on micro-batch 0.
+
+What only a later stage can see (a target it cannot use, an output that no longer matches the
+shapes it announced) travels as the step's *verdict*: one element riding on the last message
+across each boundary, each way. A rank that finds such a problem goes on sending what its
+neighbours expect (zeros of the announced shapes), so every rank runs its whole step, learns
+the verdict on the way, and raises the same error at the end. All traffic goes through
+:mod:`shardkit.distributed`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -26,13 +34,14 @@ import torch
 from shardkit import distributed as dist
 
 __all__ = ["TensorMeta", "ActivationMeta", "StepState", "batch_signature", "PendingSends",
-           "TaggedLinks", "check_sendable"]
+           "TaggedLinks", "check_sendable", "describe", "VERDICT_ELEMENTS"]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
-ACTIVATION, GRADIENT, HEADER, LEAD = 0, 1, 2, 3  # message kinds, part of every tag
+ACTIVATION, GRADIENT, HEADER, LEAD, VERDICT = 0, 1, 2, 3, 4  # message kinds, part of every tag
 MAX_TENSORS = 16
 LEAD_WINDOW = 4  # micro-batches a receiver posts before it knows the step state
+VERDICT_ELEMENTS = 1  # the verdict's elements on the last message across a boundary, each way
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,13 @@ class ActivationMeta:
         return ActivationMeta(tuple(tensors), packed)
 
 
+def describe(meta: ActivationMeta) -> str:
+    """``meta`` in words: ``"float32 (2, 8) requiring grad"``, or a tuple of such."""
+    parts = [f"{str(m.dtype).replace('torch.', '')} {m.shape}"
+             + (" requiring grad" if m.requires_grad else "") for m in meta.tensors]
+    return f"a tuple of [{', '.join(parts)}]" if meta.packed else ", ".join(parts)
+
+
 @dataclass(frozen=True)
 class StepState:
     """What every rank learns from the first stage's rank before a step: ``batch`` is ``SAME``
@@ -86,18 +102,14 @@ class StepState:
     SAME, NEW, BAD = 0, 1, 2
     BITS = 3
 
-    def bits(self, dtype: torch.dtype) -> torch.Tensor:
-        return _bits(2 * self.batch + int(self.grad), dtype)
+    def values(self) -> list:
+        value = 2 * self.batch + int(self.grad)
+        return [(value >> i) & 1 for i in range(self.BITS)]
 
     @staticmethod
     def from_bits(bits: torch.Tensor) -> "StepState":
         value = sum(1 << i for i, b in enumerate(bits.tolist()) if b)
         return StepState(value // 2, bool(value % 2))
-
-
-@functools.lru_cache(maxsize=None)
-def _bits(value: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor([(value >> i) & 1 for i in range(StepState.BITS)], dtype=dtype)
 
 
 def batch_signature(inputs: tuple, grad: bool) -> tuple:
@@ -138,31 +150,70 @@ class TaggedLinks:
     receiver posts the window with the cached shapes before it knows the state (posting late
     costs as much again), so for a new or bad batch the sender fills the window with zeros of
     those shapes; the step's data then follows as in the first step (header, then data).
+
+    Note: the verdict (``failed``: this rank knows that some stage found a problem in the step)
+    rides as ``VERDICT_ELEMENTS`` more elements on the first tensor of the last message across
+    each boundary each way (``carriers``: the micro-batch of the stage's last F, and of the next
+    stage's last B or BW, from the plan); a gradient message without tensors (no_grad steps,
+    inputs that need no gradient) is replaced by a one-byte message. A stage's last send in
+    each direction comes after its last receive from that side, so the verdict reaches every
+    rank by the end of its action list, whichever stage found the problem.
     """
 
-    def __init__(self, group, num_stages: int, chunks: int):
+    def __init__(self, group, num_stages: int, chunks: int, reannounce: bool = False):
         self.group, self.num_stages, self.chunks = group, num_stages, chunks
+        self.reannounce = reannounce  # a rank may turn SAME into NEW (one stage per rank)
         self.metas: dict = {}      # (boundary, micro-batch) -> ActivationMeta
-        self.posted: dict = {}     # (kind, boundary, micro-batch) -> (buffers, works)
+        self.posted: dict = {}     # (kind, boundary, micro-batch) -> (buffers, works, verdict)
         self.pending = PendingSends()
         self.lead: Optional[tuple] = None  # this step's (boundary, StepState) to send on
+        self.carriers: dict = {}   # (ACTIVATION or GRADIENT, boundary) -> micro-batch
+        self.failed = False        # the verdict as this rank knows it
 
     def _tag(self, kind: int, boundary: int, index: int, tensor: int = 0) -> int:
         return ((kind * self.num_stages + boundary) * self.chunks + index) * MAX_TENSORS + tensor
 
-    def _send(self, kind, boundary, index, tensors, peer) -> None:
+    def _carries(self, way: int, boundary: int, index: int) -> bool:
+        return self.carriers.get((way, boundary)) == index
+
+    def _verdict(self, way: int, boundary: int, index: int) -> list:
+        return [int(self.failed)] if self._carries(way, boundary, index) else []
+
+    def _learn(self, verdict: Optional[torch.Tensor]) -> None:
+        if verdict is not None and bool(verdict[-1]):
+            self.failed = True
+
+    def _send(self, kind, boundary, index, tensors, peer, tail: list = ()) -> None:
+        """Send ``tensors``, ``tail`` (small ints) appended to the first one."""
         data = [t.detach().contiguous() for t in tensors]
+        if tail:
+            data[0] = torch.cat([data[0].reshape(-1), torch.tensor(tail, dtype=data[0].dtype)])
         with self._reporting("send", kind, boundary, index, peer):
             works = [dist.isend(t, peer, group=self.group,
                                 tag=self._tag(kind, boundary, index, n))
                      for n, t in enumerate(data)]
         self.pending.add(works, data)
 
+    def _receive(self, kind, boundary, index, likes: list, extra: int, peer) -> tuple:
+        """Post the receives of one message shaped like ``likes`` (TensorMeta) with ``extra``
+        elements after the first tensor: (buffers, works, those extra elements)."""
+        first = likes[0]
+        numel = math.prod(first.shape)
+        flat = torch.empty(numel + extra, dtype=first.dtype)
+        buffers = [flat[:numel].view(first.shape)] + [torch.empty(m.shape, dtype=m.dtype)
+                                                      for m in likes[1:]]
+        with self._reporting("receive", kind, boundary, index, peer):
+            works = [dist.irecv(b, peer, group=self.group,
+                                tag=self._tag(kind, boundary, index, n))
+                     for n, b in enumerate([flat, *buffers[1:]])]
+        return buffers, works, flat[numel:]
+
     def _reporting(self, verb: str, kind: int, boundary: int, index: int, peer: int):
         """A broken link (a neighbour that died) becomes a CollectiveError naming the message."""
         what = {ACTIVATION: f"stage {boundary}'s output", HEADER: f"stage {boundary}'s output "
                 f"header", GRADIENT: f"the gradient of stage {boundary}'s output",
-                LEAD: f"stage {boundary}'s output with the step state"}[kind]
+                LEAD: f"stage {boundary}'s output with the step state",
+                VERDICT: f"the step's verdict from stage {boundary + 1}"}[kind]
         way = "to" if verb == "send" else "from"
         return dist.reporting_broken_links(
             f"pipeline {verb} of {what} (micro-batch {index}) {way} rank {peer}", self.group)
@@ -172,6 +223,7 @@ class TaggedLinks:
             for work in works:
                 work.wait()
 
+    # ------------------------------------------------------------------ the lead window
     def _lead_metas(self, boundary: int) -> Optional[list]:
         metas = [self.metas.get((boundary, i)) for i in range(min(self.chunks, LEAD_WINDOW))]
         return None if None in metas else metas
@@ -184,87 +236,114 @@ class TaggedLinks:
         metas = self._lead_metas(boundary)
         if metas is None:
             return None
-        window = [self._post_lead(boundary, i, meta, peer) for i, meta in enumerate(metas)]
+        window = [self._receive(LEAD, boundary, i, meta.tensors, self._lead_extra(boundary, i),
+                                peer) for i, meta in enumerate(metas)]
         self._wait(window[0][1], LEAD, boundary, 0, peer)
-        state = StepState.from_bits(window[0][2])
-        for index, (buffers, works, _) in enumerate(window):
+        state = StepState.from_bits(window[0][2][:StepState.BITS])
+        for index, (buffers, works, tail) in enumerate(window):
             if state.batch == StepState.SAME:  # micro-batch 0 is in: nothing left to wait for
-                self.posted[(ACTIVATION, boundary, index)] = (buffers, works if index else [])
+                verdict = tail if self._carries(ACTIVATION, boundary, index) else None
+                self.posted[(ACTIVATION, boundary, index)] = (buffers, works if index else [],
+                                                              verdict)
             elif index:
                 self._wait(works, LEAD, boundary, index, peer)
         return state
 
-    def _post_lead(self, boundary: int, index: int, meta: ActivationMeta, peer: int) -> tuple:
-        """Post one micro-batch of the lead window: (buffers, works, the state's bits), the
-        bits right after micro-batch 0's first tensor."""
-        first = meta.tensors[0]
-        numel = math.prod(first.shape)
-        flat = torch.empty(numel + (StepState.BITS if index == 0 else 0), dtype=first.dtype)
-        buffers = [flat[:numel].view(first.shape)] + [torch.empty(m.shape, dtype=m.dtype)
-                                                      for m in meta.tensors[1:]]
-        with self._reporting("receive", LEAD, boundary, index, peer):
-            works = [dist.irecv(b, peer, group=self.group,
-                                tag=self._tag(LEAD, boundary, index, n))
-                     for n, b in enumerate([flat, *buffers[1:]])]
-        return buffers, works, flat[numel:]
+    def _lead_extra(self, boundary: int, index: int) -> int:
+        return (StepState.BITS if index == 0 else 0) + \
+            len(self._verdict(ACTIVATION, boundary, index))
 
     def start_lead(self, boundary: int, state: StepState, peer: int) -> None:
         """Pass ``state`` on over ``boundary`` to ``peer`` if it expects a lead window (the
         window's shapes are cached): zeros at once for a new or bad batch, else the outputs
         as they come (:meth:`send_activation`)."""
         self.lead = None
-        metas = self._lead_metas(boundary)
-        if metas is None:
+        if self._lead_metas(boundary) is None:
             return
         if state.batch == StepState.SAME:
             self.lead = (boundary, state)
             return
-        for index, meta in enumerate(metas):
+        self._send_zero_window(boundary, state, peer)
+
+    def _send_zero_window(self, boundary: int, state: StepState, peer: int) -> None:
+        for index, meta in enumerate(self._lead_metas(boundary)):
             zeros = [torch.zeros(m.shape, dtype=m.dtype) for m in meta.tensors]
             self._send_lead(boundary, index, zeros, state, peer)
 
     def _send_lead(self, boundary, index, tensors, state: StepState, peer) -> None:
-        if index == 0:
-            bits = state.bits(tensors[0].dtype)
-            tensors = [torch.cat([tensors[0].detach().reshape(-1), bits]), *tensors[1:]]
-        self._send(LEAD, boundary, index, tensors, peer)
+        tail = (state.values() if index == 0 else []) + self._verdict(ACTIVATION, boundary, index)
+        self._send(LEAD, boundary, index, tensors, peer, tail)
 
-    def send_activation(self, boundary, index, tensors, packed, peer) -> None:
+    def _reannounce(self, boundary: int, index: int, peer: int) -> bool:
+        """Turn this step's SAME into NEW over ``boundary`` when micro-batch 0's output changed
+        (one stage per rank; the lead window not sent yet): zeros fill the window the next
+        rank posted, its headers go again. Whether it did."""
+        if not (self.reannounce and index == 0 and self.lead is not None
+                and self.lead[0] == boundary):
+            return False
+        self._send_zero_window(boundary, StepState(StepState.NEW, self.lead[1].grad), peer)
+        self.lead = None
+        for key in [k for k in self.metas if k[0] == boundary]:
+            del self.metas[key]
+        return True
+
+    # ------------------------------------------------------------------ activations
+    def send_activation(self, boundary, index, tensors, packed, peer) -> Optional[str]:
+        """Send one micro-batch's output over ``boundary`` (its header first when new). An
+        output that no longer matches the shapes announced for it (and cannot be announced
+        again) goes as zeros of the announced shapes, so the next stage gets what it posted;
+        the problem is returned for the step's verdict."""
         if len(tensors) > MAX_TENSORS:
             raise ValueError(f"a stage output has {len(tensors)} tensors; at most "
                              f"{MAX_TENSORS} can cross a stage boundary")
         meta = ActivationMeta(tuple(TensorMeta.of(t) for t in tensors), packed)
         known = self.metas.get((boundary, index))
+        if known is not None and known != meta:
+            if not self._reannounce(boundary, index, peer):
+                self._send_data(boundary, index, [torch.zeros(m.shape, dtype=m.dtype)
+                                                  for m in known.tensors], peer)
+                return self._changed_output(boundary, index, known, meta)
+            known = None
         if known is None:
             check_sendable(tensors)
             header = meta.encode()
             self._send(HEADER, boundary, index,
                        [torch.tensor([header.numel()], dtype=torch.int64), header], peer)
             self.metas[(boundary, index)] = meta
-        elif known != meta:
-            raise ValueError(f"stage {boundary}, micro-batch {index}: the output changed from "
-                             f"{known} to {meta} although the batch's shapes and the grad mode "
-                             f"did not; a stage's output shapes must follow from those")
+        self._send_data(boundary, index, tensors, peer)
+        return None
+
+    def _send_data(self, boundary, index, tensors, peer) -> None:
         if self.lead is not None and boundary == self.lead[0] and index < LEAD_WINDOW:
             self._send_lead(boundary, index, tensors, self.lead[1], peer)
         else:
-            self._send(ACTIVATION, boundary, index, tensors, peer)
+            self._send(ACTIVATION, boundary, index, tensors, peer,
+                       self._verdict(ACTIVATION, boundary, index))
 
-    def _post(self, kind, boundary, index, likes, peer) -> None:
-        key = (kind, boundary, index)
-        if key in self.posted:
-            return
-        buffers = [torch.empty(m.shape, dtype=m.dtype) for m in likes]
-        with self._reporting("receive", kind, boundary, index, peer):
-            works = [dist.irecv(b, peer, group=self.group,
-                                tag=self._tag(kind, boundary, index, n))
-                     for n, b in enumerate(buffers)]
-        self.posted[key] = (buffers, works)
+    def _changed_output(self, boundary, index, known, meta) -> str:
+        why = ("a stage's output shapes may change from one step to the next only together "
+               "with micro-batch 0's (the new shapes are announced on micro-batch 0)"
+               if self.reannounce else
+               "with several stages per rank a stage's output shapes must follow from the "
+               "batch's shapes and the grad mode (schedules with one stage per rank announce "
+               "output shapes that change with the data)")
+        return (f"stage {boundary}, micro-batch {index}: expected an output of {describe(known)} "
+                f"(announced to stage {boundary + 1} on an earlier step; the batch's shapes and "
+                f"the grad mode are unchanged), found {describe(meta)}; {why}")
 
     def post_activation(self, boundary, index, peer) -> None:
         meta = self.metas.get((boundary, index))
         if meta is not None:
-            self._post(ACTIVATION, boundary, index, meta.tensors, peer)
+            self._post_activation(boundary, index, meta, peer)
+
+    def _post_activation(self, boundary, index, meta: ActivationMeta, peer) -> None:
+        key = (ACTIVATION, boundary, index)
+        if key in self.posted:
+            return
+        carries = self._carries(ACTIVATION, boundary, index)
+        buffers, works, tail = self._receive(ACTIVATION, boundary, index, meta.tensors,
+                                             int(carries), peer)
+        self.posted[key] = (buffers, works, tail if carries else None)
 
     def take_activation(self, boundary, index, peer) -> tuple:
         if (boundary, index) not in self.metas:
@@ -277,23 +356,46 @@ class TaggedLinks:
                           tag=self._tag(HEADER, boundary, index, 1))
             self.metas[(boundary, index)] = ActivationMeta.decode(header.tolist())
         meta = self.metas[(boundary, index)]
-        self._post(ACTIVATION, boundary, index, meta.tensors, peer)
-        buffers, works = self.posted.pop((ACTIVATION, boundary, index))
+        self._post_activation(boundary, index, meta, peer)
+        buffers, works, verdict = self.posted.pop((ACTIVATION, boundary, index))
         self._wait(works, ACTIVATION, boundary, index, peer)
+        self._learn(verdict)
         for b, m in zip(buffers, meta.tensors):
             b.requires_grad_(m.requires_grad)
         return tuple(buffers), meta.packed
 
+    # ------------------------------------------------------------------ gradients
     def send_gradient(self, boundary, index, grads, peer) -> None:
-        self._send(GRADIENT, boundary, index, grads, peer)
+        verdict = self._verdict(GRADIENT, boundary, index)
+        if grads:
+            self._send(GRADIENT, boundary, index, grads, peer, verdict)
+        elif verdict:
+            self._send(VERDICT, boundary, index, [torch.tensor(verdict, dtype=torch.uint8)], peer)
 
-    def post_gradient(self, boundary, index, roots, peer) -> None:
-        self._post(GRADIENT, boundary, index, [TensorMeta.of(r) for r in roots], peer)
+    def post_gradient(self, boundary, index, peer) -> None:
+        """Post the receive of the gradient of micro-batch ``index``'s output over ``boundary``:
+        one tensor for each output tensor sent requiring grad, in the shapes sent."""
+        key = (GRADIENT, boundary, index)
+        if key in self.posted:
+            return
+        likes = [m for m in self.metas[(boundary, index)].tensors if m.requires_grad]
+        carries = self._carries(GRADIENT, boundary, index)
+        if likes:
+            buffers, works, tail = self._receive(GRADIENT, boundary, index, likes,
+                                                 int(carries), peer)
+        elif carries:
+            buffers = []
+            _, works, tail = self._receive(VERDICT, boundary, index,
+                                           [TensorMeta(torch.uint8, (0,), False)], 1, peer)
+        else:
+            buffers, works, tail = [], [], None
+        self.posted[key] = (buffers, works, tail if carries else None)
 
-    def take_gradient(self, boundary, index, roots, peer) -> list:
-        self.post_gradient(boundary, index, roots, peer)
-        buffers, works = self.posted.pop((GRADIENT, boundary, index))
+    def take_gradient(self, boundary, index, peer) -> list:
+        self.post_gradient(boundary, index, peer)
+        buffers, works, verdict = self.posted.pop((GRADIENT, boundary, index))
         self._wait(works, GRADIENT, boundary, index, peer)
+        self._learn(verdict)
         return buffers
 
 

@@ -13,7 +13,12 @@ stages of one rank talking to the same neighbour never mix their messages. Befor
 first stage's rank tells every rank, inside its first messages, whether the batch is as before,
 new or unusable, and whether the step records for backward
 (:class:`~shardkit.nn.pipe.p2p.TaggedLinks`), so a changed batch, an evaluation step under
-``torch.no_grad()`` or a bad batch is handled alike on every rank.
+``torch.no_grad()`` or a bad batch is handled alike on every rank. What only a later stage can
+find (a target it cannot split or that ``loss_fn`` refuses, an output that no longer matches the
+shapes it announced) does not stop that stage: it sends zeros of the shapes its neighbours
+expect and sets the step's verdict, which rides on the last message across each boundary each
+way; every rank runs its action list to the end, so nothing is left in flight, and raises the
+same error.
 
 Under FullyShardedDataParallel (a stage module that is or holds FSDP units on the stage's
 data-parallel group): ``BW`` stays one plain backward (FSDP's hooks gather, reduce-scatter and
@@ -40,11 +45,11 @@ import torch
 
 from shardkit import distributed as dist
 from shardkit.nn.pipe.microbatch import batch_size, split_microbatches
-from shardkit.nn.pipe.p2p import StepState, TaggedLinks, batch_signature
+from shardkit.nn.pipe.p2p import ACTIVATION, GRADIENT, StepState, TaggedLinks, batch_signature
 from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan,
                                    interleaved_1f1b_plan, one_f_one_b_plan, zb_h1_plan, zbv_plan)
 from shardkit.nn.pipe.schedules import (ActivationMemoryMeter, busy_time,
-                                        check_schedule_agreement)
+                                        check_schedule_agreement, raise_step_failure)
 from shardkit.nn.pipe.fsdp_weight_sink import (ShardedGradientSink, params_outside_fsdp,
                                                stage_is_fully_sharded)
 from shardkit.nn.pipe.split_backward import GradientSink, backward_input
@@ -84,13 +89,19 @@ class PlanSchedule:
 
     Memory and communication: see the subclasses; each activation crosses each stage boundary
     that spans two ranks once forward and its gradient once back; micro-batch 0 from group
-    rank ``r`` to ``r + 1`` carries three more elements, the step state. The shape headers (a
-    few int64 per micro-batch and boundary) go again only on a step whose batch shapes or grad
-    mode changed.
+    rank ``r`` to ``r + 1`` carries three more elements, the step state, and the last message
+    across each such boundary one more each way, the verdict (``VERDICT_ELEMENTS``; a one-byte
+    message of its own where that gradient message has no tensors, as under
+    ``torch.no_grad()``). The shape headers (a few int64 per micro-batch and boundary) go
+    again only on a step whose batch shapes, grad mode or data-dependent output shapes changed.
+    A step that fails part-way costs one small object all-gather more.
 
     .. warning:: :meth:`step` must be called on every rank of the pipeline group. The first step
        exchanges a description of the step so a mismatch raises the same error everywhere; on
-       later steps a batch the first stage cannot split raises that error on every rank too.
+       later steps a batch the first stage cannot split, a target the last stage cannot use,
+       or an output that changed shape where that cannot be announced raises one error on every
+       rank of the pipeline too. With several pipelines side by side, a step that fails in one
+       pipeline only skips its gradient averaging there: give every pipeline usable batches.
     """
 
     def __init__(self, stages, chunks: int, loss_fn: Optional[Callable] = None,
@@ -118,7 +129,9 @@ class PlanSchedule:
         self.stages = {s.stage_index: s for s in stages}
         self.chunks, self.loss_fn = chunks, loss_fn
         self._problems = self._stage_problems(stages)
-        self.links = TaggedLinks(self.group, self.num_stages, chunks)
+        self.links = TaggedLinks(self.group, self.num_stages, chunks,
+                                 reannounce=self.num_stages == self.num_ranks)
+        self.links.carriers = last_messages(self.plan)
         self.activation_memory = ActivationMemoryMeter() if track_activation_memory else None
         self.weight_grad_merge = min(chunks, weight_grad_merge or self.default_merge())
         self._whole_backward = {s: _runs_whole_backward(stage) for s, stage in
@@ -153,6 +166,7 @@ class PlanSchedule:
         except PipelineDeadlock:  # same outcome on every rank: keep the current lists
             return
         self.plan = plan
+        self.links.carriers = last_messages(plan)
 
     def default_merge(self) -> int:
         """Micro-batches whose matrix-product weight gradients are merged when the constructor
@@ -215,7 +229,18 @@ class PlanSchedule:
         between training steps. Enter it on every rank: on the first step ranks that disagree
         get the same error; later, the grad mode of the rank running the first stage holds for
         all. The batch may change size or shape between steps as long as ``chunks`` divides its
-        size (the shape headers then go again)."""
+        size (the shape headers then go again). With one stage per rank (GPipe, 1F1B, ZB-H1) a
+        stage's output shapes may also change with the data, when micro-batch 0's change too
+        (that stage announces the new shapes).
+
+        Raises:
+            ValueError: on every rank, naming the stage, the micro-batch, what was expected and
+                what was found: a batch the first stage cannot split (before any work); a
+                target the last stage cannot use (not splittable into ``chunks``, or one that
+                makes ``loss_fn`` raise: the error names its exception), or a stage output that
+                no longer matches the shapes it announced (found during the step: every rank
+                finishes the step's messages first, so the pipeline stays usable; ``.grad`` may
+                hold part of the step's gradients, so zero them before the next step)."""
         if not self._checked:
             self._check_first_step(inputs, target)
         self._prepare_step()  # before _start_step, which waits for micro-batch 0 off rank 0
@@ -231,7 +256,7 @@ class PlanSchedule:
         backward."""
         grad = torch.is_grad_enabled()
         if 0 in self.stages:
-            state = self._first_stage_state(inputs, grad)
+            state = self._first_stage_state(inputs, target, grad)
         else:
             state = self.links.take_lead(self.rank - 1, self._remote(self.rank - 1))
             if state is None:  # the first step: nothing cached, the batch checked by all
@@ -244,9 +269,11 @@ class PlanSchedule:
             self.links.metas.clear()
         return state.grad
 
-    def _first_stage_state(self, inputs, grad: bool) -> StepState:
+    def _first_stage_state(self, inputs, target, grad: bool) -> StepState:
         if self._batch_problems(inputs):
             return StepState(StepState.BAD, grad)
+        if self.num_stages - 1 in self.stages and self._target_problems(target):
+            return StepState(StepState.BAD, grad)  # ZBV: the last stage sees the batch too
         signature = batch_signature(inputs, grad)
         if signature == self._signature:
             return StepState(StepState.SAME, grad)
@@ -258,6 +285,9 @@ class PlanSchedule:
         self._weights: dict = {}   # (stage, i) -> WeightGradPass
         self._handoff: dict = {}   # local activations and gradients between this rank's stages
         self._losses: list = []
+        self._faults: list = []    # what this rank found wrong during the step (the first)
+        self._targets: Optional[list] = None  # the target's micro-batches; [] if unusable
+        self.links.failed = False
         self._sinks = {s: ShardedGradientSink() if self._whole_backward[s] else
                        GradientSink(stage.parameters(), self.weight_grad_merge)
                        for s, stage in self.stages.items()}
@@ -271,9 +301,7 @@ class PlanSchedule:
         last = self.num_stages - 1
         self._inputs = split_microbatches(inputs, self.chunks, "step") if 0 in self.stages \
             else None
-        self._targets = [t[0] for t in split_microbatches((target,), self.chunks, "target")] \
-            if last in self.stages and isinstance(target, torch.Tensor) else \
-            [target] * self.chunks
+        self._target = target
         seconds = {kind: 0.0 for kind in ("F", "B", "W", "BW")}
         order = self.plan.orders[self.rank]
         for position, action in enumerate(order):
@@ -282,24 +310,59 @@ class PlanSchedule:
             before = self.busy_seconds
             getattr(self, "_run_" + action.kind)(action.stage, action.microbatch)
             seconds[action.kind] += self.busy_seconds - before
-        if grad:  # a forward-only step measures no B or W: it must not feed the re-plan
+        failed = self.links.failed  # every rank knows by now; no message is left to receive
+        if grad and not failed:  # a forward-only step measures no B or W: no re-plan input
             self._training_steps += 1
             counts = {kind: sum(1 for a in order if a.kind == kind) for kind in seconds}
             self.action_seconds = {kind: seconds[kind] / counts[kind] for kind in seconds
                                    if counts[kind]}
         for s, stage in self.stages.items():
             with self._busy():
-                self._sinks[s].deliver()
-            if grad:
+                self._sinks[s].deliver()  # completes what W started (FSDP reduce-scatters)
+            if grad and not failed:
                 stage.reduce_gradients()
+        if failed:
+            self._end_failed_step()
         with dist.reporting_broken_links("pipeline sends in flight at the end of the step",
                                          self.group):
             self.links.pending.wait()
         # here, not at the next step's start: ranks other than 0 then wait for micro-batch 0
         if grad and self._training_steps == _REPLAN_AT and self.plans_from_measured_costs:
             self._replan()
-        self._inputs = self._targets = self._sinks = None
+        self._inputs = self._target = self._targets = self._sinks = None
         return torch.stack(self._losses).mean() if last in self.stages else None
+
+    def _end_failed_step(self) -> None:
+        """A stage found a problem during the step: complete the sends still in flight, then
+        raise the same error on every rank (one small object all-gather)."""
+        with dist.reporting_broken_links("pipeline sends in flight at the end of the step",
+                                         self.group):
+            self.links.pending.wait()
+        self._inputs = self._target = self._targets = self._sinks = None
+        raise_step_failure(type(self).__name__, self._faults, self.group)
+
+    def _fail(self, problem: str) -> None:
+        """Record what this rank found wrong; the verdict carries it to the other ranks."""
+        self.links.failed = True
+        if not self._faults:
+            self._faults.append(problem)
+
+    def _step_targets(self, index: int) -> list:
+        """The target's micro-batches, checked at the last stage's first forward of the step
+        (micro-batch ``index``; the batch size has come with the headers by then); ``[]`` when
+        the target is unusable, which fails the step."""
+        if self._targets is None:
+            problems = self._target_problems(self._target)
+            if problems:
+                self._fail(f"stage {self.num_stages - 1} (the last), micro-batch {index}: "
+                           f"{problems[0]}")
+                self._targets = []
+            elif isinstance(self._target, torch.Tensor):
+                self._targets = [t[0] for t in split_microbatches((self._target,), self.chunks,
+                                                                  "target")]
+            else:
+                self._targets = [self._target] * self.chunks
+        return self._targets
 
     def _remote(self, stage: int) -> Optional[int]:
         """The global rank of ``stage`` if another rank runs it, else ``None``."""
@@ -313,7 +376,7 @@ class PlanSchedule:
             self.links.post_activation(s - 1, i, self._remote(s - 1))
         elif action.kind in ("B", "BW") and (s, i) in self._live \
                 and self._remote(s + 1) is not None:
-            self.links.post_gradient(s, i, self._live[(s, i)][1], self._remote(s + 1))
+            self.links.post_gradient(s, i, self._remote(s + 1))
 
     def _run_F(self, s: int, i: int) -> None:
         stage, last = self.stages[s], self.num_stages - 1
@@ -323,34 +386,54 @@ class PlanSchedule:
             activation, packed = self._handoff.pop(("F", s - 1, i))
         else:
             activation, packed = self.links.take_activation(s - 1, i, self._remote(s - 1))
+        if s == last and (not self._step_targets(i) or self.links.failed):
+            self._keep_live(s, i, activation, [])  # the step fails: no loss, zero gradients
+            return
         meter = self.activation_memory
         metering = meter.recording(stage.parameters()) if meter else contextlib.nullcontext()
         with metering, self._busy():
             output = stage.module(activation if packed else activation[0])
-            if s == last:
-                loss = self.loss_fn(output, self._targets[i])
+            loss = self._loss(output, i) if s == last else None
         if s == last:
-            self._losses.append(loss.detach())
-            roots = [loss / self.chunks] if loss.requires_grad else []
+            if loss is not None:
+                self._losses.append(loss.detach())
+            roots = [loss / self.chunks] if loss is not None and loss.requires_grad else []
         else:
             outputs = (output,) if isinstance(output, torch.Tensor) else tuple(output)
             packed_out = not isinstance(output, torch.Tensor)
+            roots = [o for o in outputs if o.requires_grad]
             if self._remote(s + 1) is None:
                 self._handoff[("F", s, i)] = (tuple(
                     o.detach().requires_grad_(o.requires_grad) for o in outputs), packed_out)
             else:
-                self.links.send_activation(s, i, outputs, packed_out, self._remote(s + 1))
-            roots = [o for o in outputs if o.requires_grad]
+                problem = self.links.send_activation(s, i, outputs, packed_out,
+                                                     self._remote(s + 1))
+                if problem:  # zeros went in its place: nothing to backpropagate
+                    self._fail(problem)
+                    roots = []
+        self._keep_live(s, i, activation, roots)
+
+    def _loss(self, output, i: int) -> Optional[torch.Tensor]:
+        """``loss_fn`` on micro-batch ``i``; an exception there (a target that does not fit
+        the output) fails the step on every rank instead of leaving the others waiting."""
+        try:
+            return self.loss_fn(output, self._targets[i])
+        except Exception as error:  # re-raised on every rank at the end of the step
+            self._fail(f"stage {self.num_stages - 1} (the last), micro-batch {i}: loss_fn "
+                       f"raised {type(error).__name__}: {error}")
+            return None
+
+    def _keep_live(self, s: int, i: int, activation, roots) -> None:
         self._live[(s, i)] = (activation, roots)
         self._alive += 1
         self.peak_live_microbatches = max(self.peak_live_microbatches, self._alive)
 
-    def _output_grads(self, s: int, i: int, roots) -> Optional[list]:
+    def _output_grads(self, s: int, i: int) -> Optional[list]:
         if s == self.num_stages - 1:
             return None
         if self._remote(s + 1) is None:
             return self._handoff.pop(("B", s, i))
-        return self.links.take_gradient(s, i, roots, self._remote(s + 1))
+        return self.links.take_gradient(s, i, self._remote(s + 1))
 
     def _send_input_grads(self, s: int, i: int, activation, grads) -> None:
         if s == 0:
@@ -369,7 +452,7 @@ class PlanSchedule:
             return
         # gradient hooks (data-parallel wrappers, FSDP) see one plain backward per micro-batch
         activation, roots = self._live.pop((s, i))
-        grads = self._output_grads(s, i, roots)
+        grads = self._output_grads(s, i)
         if roots:
             with self._busy():
                 torch.autograd.backward(roots, grads)
@@ -378,7 +461,7 @@ class PlanSchedule:
 
     def _run_B(self, s: int, i: int) -> None:
         activation, roots = self._live.pop((s, i))
-        grads = self._output_grads(s, i, roots)
+        grads = self._output_grads(s, i)
         if roots:
             with self._busy():
                 params = self._sinks[s].weight_targets(roots)
@@ -422,17 +505,25 @@ class PlanSchedule:
         name, problems = type(self).__name__, list(self._problems)
         if 0 in self.stages:
             problems += self._batch_problems(inputs)
-        if self.num_stages - 1 in self.stages:
+        last = self.num_stages - 1
+        if last in self.stages:
             if self.loss_fn is None:
                 problems.append(f"the last stage needs {name}(..., loss_fn=...)")
-            if target is None:
-                problems.append(f"the last stage needs the target: call "
-                                f"{name}.step(..., target=...)")
-            elif isinstance(target, torch.Tensor) and (target.dim() == 0
-                                                       or target.shape[0] % self.chunks):
-                problems.append(f"target of shape {tuple(target.shape)} cannot be split into "
-                                f"chunks={self.chunks} equal micro-batches along dim 0")
+            where = f"stage {last} (the last): " if len(self.stages) > 1 else ""
+            problems += [where + p for p in self._target_problems(target)]
         return problems
+
+    def _target_problems(self, target) -> list[str]:
+        """What is wrong with the last stage's target on its own (split along dim 0 like the
+        batch, but its rows need not equal the batch's: a flattened target is fine)."""
+        if target is None:
+            return [f"the last stage needs the target: call {type(self).__name__}.step(..., "
+                    f"target=...)"]
+        if isinstance(target, torch.Tensor) and (target.dim() == 0
+                                                 or target.shape[0] % self.chunks):
+            return [f"target of shape {tuple(target.shape)} cannot be split into "
+                    f"chunks={self.chunks} equal micro-batches along dim 0"]
+        return []
 
     def _check_agreement(self, inputs, target) -> None:
         check_schedule_agreement(type(self).__name__, self.chunks,
@@ -441,6 +532,20 @@ class PlanSchedule:
     def _check_first_step(self, inputs, target) -> None:
         self._check_agreement(inputs, target)
         self._checked = True
+
+
+def last_messages(plan: PipelinePlan) -> dict:
+    """Which micro-batch's message crosses each stage boundary last, each way (the step's
+    verdict rides on it): ``(ACTIVATION, b)``: stage ``b``'s last F; ``(GRADIENT, b)``: stage
+    ``b + 1``'s last B or BW."""
+    last = {}
+    for order in plan.orders:
+        for action in order:
+            if action.kind == "F":
+                last[(ACTIVATION, action.stage)] = action.microbatch
+            elif action.kind in ("B", "BW"):
+                last[(GRADIENT, action.stage - 1)] = action.microbatch
+    return last
 
 
 def _runs_whole_backward(stage: PipelineStage) -> bool:

@@ -1,5 +1,5 @@
 """What every multi-process pipeline schedule shares: the activation-memory meter, the busy-time
-clock and the first-step agreement check.
+clock, the first-step agreement check and the error of a step that failed part-way.
 
 The schedules themselves (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZBV) all run on one executor,
 :class:`~shardkit.nn.pipe.plan_schedules.PlanSchedule`; ``ScheduleGPipe`` and ``Schedule1F1B``
@@ -16,7 +16,8 @@ import torch
 
 from shardkit import distributed as dist
 
-__all__ = ["ActivationMemoryMeter", "busy_time", "check_schedule_agreement"]
+__all__ = ["ActivationMemoryMeter", "busy_time", "check_schedule_agreement",
+           "raise_step_failure"]
 
 
 class _SavedActivation:
@@ -114,6 +115,19 @@ def check_schedule_agreement(kind: str, chunks: int, local_problems: list, group
     if problems:
         raise ValueError(f"{kind}.step: the pipeline cannot run this step:\n  "
                          + "\n  ".join(problems))
+
+
+def raise_step_failure(kind: str, local_problems: list, group) -> None:
+    """End a step that a stage found wrong part-way: every rank of ``group`` has run its whole
+    action list (so no message is left in flight) and knows the step failed; they share what
+    each found (one small object all-gather) and raise the same ValueError."""
+    views = dist.all_gather_object(list(local_problems), group=group)
+    problems = [f"rank {rank}: {p}" for rank, found in enumerate(views) for p in found]
+    raise ValueError(f"{kind}.step: the pipeline could not finish this step:\n  "
+                     + "\n  ".join(problems or ["(no rank recorded the problem)"])
+                     + "\nEvery rank ran the step to its end, so the pipeline can go on with "
+                       "another batch; the stages' .grad may hold part of this step's "
+                       "gradients: zero them before the next step")
 
 
 def __getattr__(name):
