@@ -509,7 +509,7 @@ def _run_faulty_steps(name, steps, narrowing):
     stages = [PipelineStage(parts[s], s, num_stages, placement=placement) for s in mine]
     schedule = schedule_cls(stages[0] if per_rank == 1 else stages, 4, nn.functional.mse_loss)
     opt = torch.optim.Adam([p for s in mine for p in parts[s].parameters()], lr=1e-2)
-    outcomes, slowest = [], 0.0
+    outcomes, causes, slowest = [], [], 0.0
     for kind, seed, target_rows, widths in steps:
         for s in mine:
             _set_widths(parts[s], widths)
@@ -524,6 +524,8 @@ def _run_faulty_steps(name, steps, narrowing):
             outcomes.append(None if loss is None else loss.item())
         except ValueError as error:
             outcomes.append(str(error))
+            if "loss_fn raised" in str(error):  # chained to its own error on the last stage's rank
+                causes.append(type(error.__cause__).__name__)
         slowest = max(slowest, time.monotonic() - start)
     done = [step for step, o in zip(steps, outcomes) if not isinstance(o, str)]
     ref_model, ref_losses = _reference_narrowing(num_stages, narrowing, done)
@@ -531,7 +533,7 @@ def _run_faulty_steps(name, steps, narrowing):
     losses = [o for o in outcomes if isinstance(o, float)]
     return ([o if isinstance(o, str) else None for o in outcomes],
             max((abs(a - b) for a, b in zip(losses, ref_losses)), default=None), len(losses),
-            max(_max_param_diff(parts[s], ref_parts[s]) for s in mine), slowest)
+            max(_max_param_diff(parts[s], ref_parts[s]) for s in mine), slowest, causes)
 
 
 def _check_faulty_steps(names, steps, narrowing):
@@ -581,7 +583,12 @@ def _assert_faults(results, name, expected, steps):
     finished = sum(want is None for want in expected)
     counts = [r[name][2] for r in results]
     assert sorted(counts) == [0] * (len(results) - 1) + [finished], (name, counts)
-    for rank, (_, loss_diff, count, param_diff, slowest) in enumerate(r[name] for r in results):
+    causes = sorted(c for r in results for c in r[name][5])
+    loss_fn_errors = sum(want is not None and "loss_fn raised" in want for want in expected)
+    assert causes == ["NoneType"] * (len(results) - 1) * loss_fn_errors \
+        + ["RuntimeError"] * loss_fn_errors, (name, causes)  # chained on the raising rank only
+    for rank, result in enumerate(r[name] for r in results):
+        _, loss_diff, count, param_diff, slowest, _ = result
         assert param_diff <= 1e-5, (name, rank, param_diff)  # training went on correctly
         assert count == 0 or loss_diff <= 1e-5, (name, rank, loss_diff)
         assert slowest < 30, (name, rank, slowest)

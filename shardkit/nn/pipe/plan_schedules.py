@@ -286,6 +286,7 @@ class PlanSchedule:
         self._handoff: dict = {}   # local activations and gradients between this rank's stages
         self._losses: list = []
         self._faults: list = []    # what this rank found wrong during the step (the first)
+        self._fault_cause: Optional[BaseException] = None  # the exception behind it, if any
         self._targets: Optional[list] = None  # the target's micro-batches; [] if unusable
         self.links.failed = False
         self._sinks = {s: ShardedGradientSink() if self._whole_backward[s] else
@@ -339,13 +340,15 @@ class PlanSchedule:
                                          self.group):
             self.links.pending.wait()
         self._inputs = self._target = self._targets = self._sinks = None
-        raise_step_failure(type(self).__name__, self._faults, self.group)
+        cause, self._fault_cause = self._fault_cause, None  # its frames hold tensors
+        raise_step_failure(type(self).__name__, self._faults, self.group, cause)
 
-    def _fail(self, problem: str) -> None:
+    def _fail(self, problem: str, cause: Optional[BaseException] = None) -> None:
         """Record what this rank found wrong; the verdict carries it to the other ranks."""
         self.links.failed = True
         if not self._faults:
             self._faults.append(problem)
+            self._fault_cause = cause
 
     def _step_targets(self, index: int) -> list:
         """The target's micro-batches, checked at the last stage's first forward of the step
@@ -420,7 +423,7 @@ class PlanSchedule:
             return self.loss_fn(output, self._targets[i])
         except Exception as error:  # re-raised on every rank at the end of the step
             self._fail(f"stage {self.num_stages - 1} (the last), micro-batch {i}: loss_fn "
-                       f"raised {type(error).__name__}: {error}")
+                       f"raised {type(error).__name__}: {error}", error)
             return None
 
     def _keep_live(self, s: int, i: int, activation, roots) -> None:

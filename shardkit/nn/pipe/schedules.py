@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -117,17 +117,19 @@ def check_schedule_agreement(kind: str, chunks: int, local_problems: list, group
                          + "\n  ".join(problems))
 
 
-def raise_step_failure(kind: str, local_problems: list, group) -> None:
+def raise_step_failure(kind: str, local_problems: list, group,
+                       cause: Optional[BaseException] = None) -> None:
     """End a step that a stage found wrong part-way: every rank of ``group`` has run its whole
     action list (so no message is left in flight) and knows the step failed; they share what
-    each found (one small object all-gather) and raise the same ValueError."""
+    each found (one small object all-gather) and raise the same ValueError (chained to
+    ``cause``, this rank's own exception behind its problem, where there is one)."""
     views = dist.all_gather_object(list(local_problems), group=group)
     problems = [f"rank {rank}: {p}" for rank, found in enumerate(views) for p in found]
     raise ValueError(f"{kind}.step: the pipeline could not finish this step:\n  "
                      + "\n  ".join(problems or ["(no rank recorded the problem)"])
                      + "\nEvery rank ran the step to its end, so the pipeline can go on with "
                        "another batch; the stages' .grad may hold part of this step's "
-                       "gradients: zero them before the next step")
+                       "gradients: zero them before the next step") from cause
 
 
 def __getattr__(name):
