@@ -167,7 +167,9 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
                            load_optimizer_states: bool = True,
                            load_lr_scheduler_states: bool = True):
     """What ``engine.load_checkpoint`` does: read the tag's checkpoint (verified), check its
-    parameter names against the engine's model, load the weights, optionally the optimizer and
+    tensor names and shapes against the engine's model (and, with the optimizer states, that
+    the same optimizer class saved them; a mismatch is a ``CheckpointError`` on every rank before
+    anything is written), load the weights, optionally the optimizer and
     LR-scheduler state (resharded from any saved world size or stage), the loss scaler, the
     step counters and this rank's RNG state. Returns ``(path, client_state)``, or
     ``(None, None)`` with a warning when ``load_dir`` has no checkpoint. Memory: every rank
@@ -179,6 +181,9 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
         return None, None
     ckpt = read_checkpoint(path, with_optimizer=load_optimizer_states)
     _check_names(engine, ckpt)
+    _check_shapes(engine, ckpt)  # before anything is written: a mismatch changes nothing
+    if load_optimizer_states:
+        _check_optimizer_class(engine, ckpt)
     _load_model(engine, ckpt.params)
     if load_optimizer_states:
         _load_optimizer(engine, ckpt.optim, ckpt.engine["param_groups"])
@@ -203,6 +208,42 @@ def _check_names(engine, ckpt) -> None:
             f"load_checkpoint({ckpt.path}): the model does not match the checkpoint; missing "
             f"in the checkpoint: {sorted(expected - saved)[:5]}, unexpected: "
             f"{sorted(saved - expected)[:5]}")
+
+
+def _model_shapes(engine) -> dict:
+    """The full shape of every tensor in the unwrapped model's ``state_dict``, by name (stage 3:
+    FSDP's :meth:`full_shapes`, no gather). No communication."""
+    if engine.zero_stage == 3:
+        return engine.wrapped.full_shapes()
+    return {name: tuple(v.shape) for name, v in engine.module.state_dict().items()}
+
+
+def _check_shapes(engine, ckpt) -> None:
+    """A :class:`CheckpointError` naming the tensors whose saved shape is not the model's (the
+    checkpoint of another configuration of the same model), raised on every rank before any
+    weight is written or any collective starts. Local: no communication."""
+    shapes = _model_shapes(engine)
+    wrong = [f"{name}: {tuple(value.shape)} in the checkpoint, {shapes[name]} in the model"
+             for name, value in ckpt.params.items()
+             if name in shapes and isinstance(value, torch.Tensor)
+             and tuple(value.shape) != shapes[name]]
+    if wrong:
+        raise CheckpointError(
+            f"load_checkpoint({ckpt.path}): size mismatch, the checkpoint is of another model "
+            f"configuration ({len(wrong)} tensor(s)): {'; '.join(wrong[:5])}; nothing was loaded")
+
+
+def _check_optimizer_class(engine, ckpt) -> None:
+    """Optimizer state loads only into the optimizer class that saved it (its param groups
+    replace the engine's, whose step would then miss its own hyper-parameters). Local."""
+    saved = ckpt.metadata.get("optimizer_class")
+    mine = type(_inner_optimizer_class(engine)).__name__
+    if saved is not None and saved != mine:
+        raise CheckpointError(
+            f"load_checkpoint({ckpt.path}): the optimizer state was saved by {saved}, this "
+            f"engine's optimizer is {mine}; load the weights only with "
+            f"load_checkpoint(..., load_optimizer_states=False) (or load_module_only=True), or "
+            f"use {saved}; nothing was loaded")
 
 
 def _load_model(engine, params: dict) -> None:

@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from shardkit import distributed
+from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE
 from shardkit.checkpoint.resharding import ParamLayout, shard_rows, unshard_rows
 
 __all__ = ["LOCAL_META_KEY", "LOCAL_FORMAT", "local_metadata", "consolidate_shard_weights",
@@ -199,6 +200,7 @@ def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tenso
     for index, entry in full_osd["state"].items():
         p = ordered[int(index)] if int(index) < len(ordered) else None
         layout = layouts.get(id(p)) if p is not None else None
+        _check_full_shape(index, entry, layout)
         # Note: copies, never views of the argument: torch's load_state_dict keeps the tensors
         # it is given, so an optimizer loaded from another one's live state dict would
         # otherwise step the other's ``step`` counters and moments in place.
@@ -208,6 +210,24 @@ def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tenso
                             else v.clone() if isinstance(v, torch.Tensor) else v)
                         for k, v in entry.items()}
     return {"state": state, "param_groups": copy.deepcopy(full_osd["param_groups"])}
+
+
+def _check_full_shape(index, entry: dict, layout: Optional[ParamLayout]) -> None:
+    """A ValueError when a per-element state tensor (Adam's moments, SGD's momentum) of the
+    parameter at ``index`` does not have that parameter's full shape: the dict is of another
+    model, or already a shard; loaded, it would fail at the next ``step()`` or step wrong rows.
+    Local, no copy."""
+    if layout is None:
+        return
+    for key, value in entry.items():
+        if key in ELEMENTWISE_STATE and isinstance(value, torch.Tensor) \
+                and tuple(value.shape) != tuple(layout.shape):
+            raise ValueError(
+                f"get_shard_from_optim_state_dict: state {key!r} of parameter {index} has shape "
+                f"{tuple(value.shape)}, the parameter's full shape is {tuple(layout.shape)}; "
+                f"pass the full optimizer state dict of this model (from "
+                f"gather_full_optim_state_dict, or a single-process optimizer over the "
+                f"unwrapped model)")
 
 
 def gather_full_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor], layouts: dict,

@@ -135,6 +135,49 @@ def test_bad_checkpoint_requests_are_clear(world1, tmp_path):
     assert "size mismatch" in out["other model"]
 
 
+def _mismatched_loads(save_dir, stage):
+    """Save an AdamW engine at ``stage``; load it into a wider model (only the last bias has
+    the saved shape) and into an SGD engine. Return each error and whether anything changed."""
+    def engine_of(width, optimizer):
+        torch.manual_seed(width)
+        model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.ReLU(),
+                                    torch.nn.Linear(width, 2))
+        engine, *_ = shardkit.initialize(model=model, config={
+            "train_batch_size": 2, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": optimizer, "params": {"lr": 0.1}}})
+        engine.backward(engine(torch.ones(1, 4)).sum())
+        engine.step()
+        return engine
+
+    engine_of(6, "AdamW").save_checkpoint(save_dir, tag="t")
+    out = {}
+    for name, width, optimizer in (("wider", 8, "AdamW"), ("sgd", 6, "SGD")):
+        engine = engine_of(width, optimizer)
+        before = [t.clone() for t in engine.wrapped.local_state_dict().values()] \
+            if stage == 3 else [t.clone() for t in engine.module.state_dict().values()]
+        try:
+            engine.load_checkpoint(save_dir, tag="t")
+            out[name] = "loaded"
+        except CheckpointError as e:
+            out[name] = str(e)
+        after = engine.wrapped.local_state_dict().values() if stage == 3 else \
+            engine.module.state_dict().values()
+        out[name + " changed"] = any(not torch.equal(a, b) for a, b in zip(before, after))
+        engine.step()  # still usable: no rank is left in a collective
+    return out
+
+
+def test_checkpoint_of_another_shape_or_optimizer_is_refused_before_anything_changes(
+        world2, tmp_path):
+    for stage in (0, 3):
+        for out in world2.run(_mismatched_loads, str(tmp_path / f"s{stage}"), stage):
+            assert "size mismatch" in out["wider"], out
+            assert "0.weight: (6, 4) in the checkpoint, (8, 4) in the model" in out["wider"]
+            assert "saved by AdamW, this engine's optimizer is SGD" in out["sgd"], out
+            assert "load_optimizer_states=False" in out["sgd"]
+            assert not out["wider changed"] and not out["sgd changed"], (stage, out)
+
+
 def _fp16_state_round_trip(save_dir):
     config = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
               "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},

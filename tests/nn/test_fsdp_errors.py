@@ -80,6 +80,26 @@ def _error_cases():
         "world of 3", "list of all 3")
     results["reshard_without_metadata"] = _raises(
         lambda: model.load_local_state_dict([own, own]), ValueError, "metadata=")
+    # another model's (or an already sharded) optimizer state: refused before it is loaded,
+    # not a shape error at the next step
+    other = torch.optim.AdamW(MLP(8, 2).parameters())
+    other.state = {p: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(p.shape),
+                       "exp_avg_sq": torch.zeros(p.shape)}
+                   for g in other.param_groups for p in g["params"]}
+    results["optim_of_other_model"] = _raises(
+        lambda: model.get_shard_from_optim_state_dict(other.state_dict()), ValueError,
+        "state 'exp_avg' of parameter 0 has shape", "full shape")
+    # a full state dict with one tensor of another shape: torch's size-mismatch error, and not
+    # one shard written (torch's own load copies the tensors that fit first)
+    full = {k: v + 1 for k, v in model.state_dict().items()}
+    name = next(k for k, v in full.items() if v.dim() == 2)
+    full[name] = torch.zeros(full[name].shape[0] + 1, full[name].shape[1])
+    before = model.local_state_dict()
+    results["load_other_shapes"] = _raises(lambda: model.load_state_dict(full), RuntimeError,
+                                           f"size mismatch for {name}", "nothing was loaded")
+    results["load_other_shapes_wrote"] = "ok" if all(
+        torch.equal(a, b) for a, b in zip(before.values(), model.local_state_dict().values())) \
+        else "shards changed"
     results["assign"] = _raises(lambda: model.load_state_dict({}, assign=True), ValueError,
                                 "assign=True")
     results["norm_type"] = _raises(lambda: model.clip_grad_norm_(1.0, norm_type=-1),

@@ -65,8 +65,32 @@ class FSDPStateDictMixin:
         if assign:
             raise ValueError("FullyShardedDataParallel.load_state_dict(assign=True) is not "
                              "supported: parameters must stay views of their shards")
+        self._check_full_shapes(state_dict)
         with self.summon_full_params(writeback=True):
             return super().load_state_dict(self._to_wrapped_keys(state_dict), strict=strict)
+
+    def full_shapes(self) -> dict:
+        """The full (unsharded) shape of every tensor of :meth:`state_dict`, by its key:
+        parameters from their layouts, buffers as held. No communication, no gather."""
+        layouts = self._param_layouts()
+        shapes = {clean_name(name): tuple(layouts[id(p)].shape)
+                  for name, p in self.named_parameters(remove_duplicate=False)
+                  if id(p) in layouts}
+        for name, buf in self.named_buffers():
+            shapes.setdefault(clean_name(name), tuple(buf.shape))
+        return shapes
+
+    def _check_full_shapes(self, state_dict) -> None:
+        """torch's size-mismatch RuntimeError, raised before the gather and before any shard is
+        written (torch's own load would first copy the tensors whose shapes fit). Local."""
+        shapes = self.full_shapes()
+        wrong = [f"size mismatch for {k}: copying a param with shape {tuple(v.shape)} from "
+                 f"checkpoint, the shape in current model is {shapes[k]}."
+                 for k, v in state_dict.items() if isinstance(v, torch.Tensor)
+                 and k in shapes and tuple(v.shape) != shapes[k]]
+        if wrong:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} "
+                               f"(nothing was loaded):\n\t" + "\n\t".join(wrong))
 
     def _to_wrapped_keys(self, state_dict) -> OrderedDict:
         wrapped = {clean_name(k): k for k in nn.Module.state_dict(self, keep_vars=True)}
@@ -107,11 +131,8 @@ class FSDPStateDictMixin:
         :meth:`consolidate_shard_weights` and :meth:`load_local_state_dict` need besides the
         tensors (plain Python values; the layout differs from FairScale's, the use is the same).
         No communication."""
-        layouts = self._param_layouts()
-        shapes = {clean_name(name): tuple(layouts[id(p)].shape)
-                  for name, p in self.named_parameters(remove_duplicate=False)
-                  if id(p) in layouts}
         buffers = [clean_name(name) for name, _ in self.named_buffers()]
+        shapes = {k: v for k, v in self.full_shapes().items() if k not in buffers}
         replica = 0 if self.replicate_group is None else skdist.get_rank(self.replicate_group)
         return local_metadata(self.world_size, self.rank, shapes, buffers, replica=replica,
                               own_group_params=self._params_over_other_groups())
