@@ -33,7 +33,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     ``scale``, ``unscale_``, ``step``, ``update``, ``state_dict``/``load_state_dict`` behave as
     torch's; a rank that holds no gradient of an optimizer (a non-owner under ShardedDDP)
-    still takes part and skips or steps with the others.
+    still takes part and skips or steps with the others. An OSS that
+    ``ShardedDataParallel(step_in_backward=True)`` already stepped during backward is refused
+    (a RuntimeError before any collective): its step can be neither unscaled nor skipped.
 
     Cost: memory, two scalars; communication, one all-reduce of one float32 per
     ``unscale_``/``step`` per optimizer.
@@ -70,6 +72,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self.process_group = options["process_group"]
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        if getattr(optimizer, "_stepped_in_backward", None) is not None:
+            # before the collective: every rank of such an OSS stepped in the same backward
+            raise RuntimeError("ShardedGradScaler: the last backward already stepped the "
+                               "parameters with the scaled gradients "
+                               "(ShardedDataParallel(step_in_backward=True)), so they can be "
+                               "neither unscaled nor skipped on inf/nan; build "
+                               "ShardedDataParallel with step_in_backward=False to use loss "
+                               "scaling")
         # FairScale's scaler unscales fp16 gradients too (torch's refuses them)
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
         return self._found_inf_on_any_rank(per_device, found_inf.device)

@@ -49,7 +49,9 @@ def clip_grad_norm_across_ranks(grads: Sequence[torch.Tensor], max_norm: float, 
     ``group`` (collective: every rank calls it, with or without gradients). Memory: one scalar
     per gradient.
     """
-    grads = [g.detach() for g in grads]
+    # a zero-element gradient adds nothing to any norm (and has no maximum: skipping it keeps
+    # the infinity norm from failing on its owner alone, which would leave the others waiting)
+    grads = [g.detach() for g in grads if g.numel()]
     device = grads[0].device if grads else (device or torch.device("cpu"))
     if math.isinf(norm_type):
         local = (torch.stack([g.abs().max().float() for g in grads]).max()

@@ -3,6 +3,7 @@ buffer broadcasts, and loss scaling with ShardedGradScaler across ranks."""
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel import ShardedDataParallel
@@ -265,6 +266,55 @@ def test_recovers_after_a_failed_backward(world2):
         assert failed and diff <= 1e-6
 
 
+class SharedAcrossReentrantCheckpoint(nn.Module):
+    """``mid`` runs inside a reentrant checkpoint and again outside it: its gradient is
+    accumulated twice in one backward (the second time by the checkpoint's own backward)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.mid, self.b = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.mid(t)),
+                                              torch.tanh(self.a(x)), use_reentrant=True)
+        return self.b(torch.tanh(self.mid(h)))
+
+
+def _check_gradient_arriving_twice():
+    """Refused on every rank (as torch DDP refuses it) instead of leaving the second part of
+    the gradient unreduced; the advised no_sync() + reduce() then trains like one process."""
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    model, ref = SharedAcrossReentrantCheckpoint(), SharedAcrossReentrantCheckpoint()
+    oss = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    wrapped = ShardedDataParallel(model, oss, reduce_buffer_size=0)
+    x = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    error = ""
+    try:
+        wrapped(x[rank]).sum().backward()
+    except RuntimeError as e:
+        error = str(e)
+    for _ in range(2):
+        oss.zero_grad()
+        with wrapped.no_sync():
+            wrapped(x[rank]).sum().backward()
+        wrapped.reduce()
+        oss.step()
+        ref_opt.zero_grad()
+        for xr in x:
+            (ref(xr).sum() / n).backward()
+        ref_opt.step()
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), model.parameters()))
+    return error, diff
+
+
+def test_gradient_arriving_twice_in_one_backward_is_refused(world2):
+    for error, diff in world2.run(_check_gradient_arriving_twice):
+        assert "twice in one backward" in error and "mid." in error, error
+        assert diff <= 1e-6
+
+
 class Reversed(nn.Module):
     """Registered c, b, a but used a -> b -> c: registration order is not backward order."""
 
@@ -311,8 +361,8 @@ def test_buckets_follow_the_observed_backward_order(world2):
 
 def _check_step_in_backward_refusals():
     """After a backward that already stepped (step_in_backward=True), clipping, a step with a
-    closure and a manual reduce() are refused by name instead of acting on gradients already
-    applied."""
+    closure, a manual reduce() and ShardedGradScaler's unscaling are refused by name instead of
+    acting on gradients already applied."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     oss = OSS(model.parameters(), optim=torch.optim.AdamW, lr=0.1)
@@ -332,7 +382,15 @@ def _check_step_in_backward_refusals():
         wrapped.reduce()
     except RuntimeError as e:
         errors["reduce"] = str(e)
-    oss.step()  # nothing left to do; the next iteration runs as usual
+    oss.step()  # nothing left to do
+    scaler = ShardedGradScaler("cpu", init_scale=4.0)
+    oss.zero_grad()
+    scaler.scale(wrapped(x).sum()).backward()  # stepped with the scaled gradients already
+    try:
+        scaler.step(oss)
+    except RuntimeError as e:
+        errors["scaler"] = str(e)
+    oss.step()  # the next iteration runs as usual
     oss.zero_grad()
     wrapped(x).sum().backward()
     oss.step()
@@ -341,11 +399,12 @@ def _check_step_in_backward_refusals():
     return errors, all(torch.equal(a, b) for a, b in zip(*weights))
 
 
-def test_step_in_backward_refuses_clipping_and_closures(world2):
+def test_step_in_backward_refuses_clipping_closures_and_loss_scaling(world2):
     for errors, same_weights in world2.run(_check_step_in_backward_refusals):
         assert "already stepped" in errors["clip"], errors
         assert "call optimizer.step() bare" in errors["closure"], errors
         assert "already stepped on the last reduction" in errors["reduce"], errors
+        assert "step_in_backward=False to use loss scaling" in errors["scaler"], errors
         assert same_weights
 
 

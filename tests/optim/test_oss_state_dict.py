@@ -409,3 +409,25 @@ def test_clip_grad_norm_with_filter(world2):
         assert r["norm"] == pytest.approx(r["expected"], rel=1e-5), r
         assert r["biases_kept"] and "filter_params_fn" in r["bad"], r
         assert all(c < 2e-3 for c in r["clipped"]), r
+
+
+def _clip_with_zero_element_parameter():
+    """A zero-element parameter (owned by one rank) adds nothing to the norm: the infinity
+    norm must not fail on its owner alone (the other ranks would wait in the all-reduce)."""
+    model = MLP(WIDTH, 3, out=4, seed=4)
+    empty = torch.nn.Parameter(torch.zeros(0, WIDTH))
+    opt = OSS([*model.parameters(), empty], optim=torch.optim.SGD, lr=0.1)
+    x, y = _batch(0)
+    (F.mse_loss(model(x), y) + empty.sum()).backward()
+    grads = [p.grad for p in model.parameters()]
+    norms = {}
+    for norm_type in (float("inf"), 2.0):  # max_norm above the norm: nothing is scaled
+        expected = torch.nn.utils.get_total_norm(grads, norm_type).item()
+        norms[norm_type] = (opt.clip_grad_norm(1e3, norm_type).item(), expected)
+    return norms
+
+
+def test_clip_grad_norm_with_a_zero_element_parameter(world2):
+    for r in world2.run(_clip_with_zero_element_parameter):
+        for norm_type, (norm, expected) in r.items():
+            assert norm == pytest.approx(expected, rel=1e-5), (norm_type, r)

@@ -78,12 +78,16 @@ class ShardedDataParallel(nn.Module):
     unknown attributes are looked up on the wrapped module.
     A gradient that itself requires grad (``backward(create_graph=True)``) raises
     ``RuntimeError`` before it is reduced: double backward through the reduction is not
-    supported (inside :meth:`no_sync` it is fine).
+    supported (inside :meth:`no_sync` it is fine). So does a gradient accumulated twice into
+    one parameter in one backward (used inside a reentrant checkpoint and outside it), as torch
+    DDP does: its bucket may already be reduced (inside :meth:`no_sync`, then :meth:`reduce`,
+    it is fine).
 
     Cost per rank (Ψ parameters, N ranks; DESIGN.md stage 2): gradient bytes after backward
     4Ψ/N in fp32, the rank's owned share (whole parameters, so up to one parameter more) plus
     one flag per owned parameter; during backward, packed buckets in flight up to
-    ``max_inflight_bytes`` (64 MiB by default; at least one bucket).
+    ``max_inflight_bytes`` (64 MiB by default; at least one bucket) and a set of the
+    parameters whose gradient has arrived (one id each).
     Communication per step: the gradient reduction, (N-1)/N·Ψ elements in the DESIGN
     convention (plus the padding of reduce-scattered buckets, at most ``balance_tolerance``),
     plus OSS's parameter sync, (N-1)/N·Ψ: 2Ψ(N-1)/N together. ``broadcast_buffers`` adds the
@@ -170,6 +174,7 @@ class ShardedDataParallel(nn.Module):
         self._backward_active = False
         self._syncing = False
         self._ready_count: list[int] = []
+        self._arrived: set = set()            # ids of the params whose gradient this backward had
         self._next_launch = 0
         self._in_flight: deque[BucketReduction] = deque()
         self._carried: dict = {}              # param -> weakref to the reduced grad we gave it
@@ -435,6 +440,7 @@ class ShardedDataParallel(nn.Module):
         if self._observed is not None:
             self._observed = []
         self._ready_count = [0] * len(self._buckets)
+        self._arrived = set()
         self._next_launch = 0
         if self._syncing:
             self._begin_owner_steps()
@@ -465,6 +471,9 @@ class ShardedDataParallel(nn.Module):
         index = self._bucket_of.get(p)
         if index is None:
             return
+        if id(p) in self._arrived:
+            self._refuse_second_gradient(p)
+        self._arrived.add(id(p))
         self._ready_count[index] += 1
         while self._next_launch < len(self._buckets) and self._bucket_complete(self._next_launch):
             self._launch(self._next_launch)
@@ -473,6 +482,20 @@ class ShardedDataParallel(nn.Module):
             # start) come in the same order on every rank, whenever the reductions land
             while self._in_flight and self._in_flight[0].is_complete():
                 self._finish(self._in_flight.popleft())
+
+    def _refuse_second_gradient(self, p: torch.Tensor) -> None:
+        """A gradient accumulated twice into ``p`` in one backward (a parameter used inside a
+        reentrant checkpoint and outside it, or in two of them): its bucket may already be
+        reduced, and the second part would stay local. Refused, as torch DDP refuses it; every
+        rank running the same graph raises at the same point."""
+        names = args.param_names(self.module, [p]) or [f"of shape {tuple(p.shape)}"]
+        raise RuntimeError(f"ShardedDataParallel: parameter {names[0]} received its gradient "
+                           f"twice in one backward (used inside a reentrant checkpoint, "
+                           f"torch.utils.checkpoint(use_reentrant=True), and outside it or in "
+                           f"another one); its first part may already be reduced. Use "
+                           f"non-reentrant checkpointing (shardkit.nn.checkpoint."
+                           f"checkpoint_wrapper, or use_reentrant=False), or run that backward "
+                           f"inside no_sync() and call reduce() after it")
 
     def _bucket_complete(self, index: int) -> bool:
         return self._ready_count[index] >= len(self._buckets[index].params)
