@@ -99,6 +99,40 @@ def test_forward_inside_summon_full_params(world2):
         assert r["trains after"], r
 
 
+def _summon_after_a_forward_without_backward():
+    """A forward with gradients that no backward follows (a metric) leaves the root gathered
+    for its backward; ``summon_full_params`` then must still show the summoned fp32 parameters
+    as the module attributes, and edits made through them must be written back."""
+    reference, model = build_gpt(), wrap_gpt(build_gpt())
+    ref_opt, opt = make_optimizer(reference), make_optimizer(model)
+    out = {"trained": 0.0}
+    for step in range(2):
+        idx, target = synthetic_batch(TINY, GLOBAL_BATCH, step)
+        model.loss(local_slice(idx), local_slice(target))  # no backward
+        with model.summon_full_params(), torch.no_grad():
+            model.module.ln_f.weight.mul_(0.5)
+            model.module.tok_emb.weight.add_(0.01)
+        with torch.no_grad():
+            reference.ln_f.weight.mul_(0.5)
+            reference.tok_emb.weight.add_(0.01)
+        out["edited"] = max_diff(model.state_dict(), reference.state_dict())
+        train_step(reference, ref_opt, step, local=False)
+        train_step(model, opt, step)
+        out["trained"] = max(out["trained"], max_diff(model.state_dict(), reference.state_dict()))
+    bf16 = wrap_gpt(build_gpt(), compute_dtype=torch.bfloat16)
+    bf16.loss(local_slice(idx), local_slice(target))
+    with bf16.summon_full_params():
+        out["summoned dtype"] = bf16.module.ln_f.weight.dtype
+    bf16.reshard()  # the process-wide count of gathered bytes is read by later tests
+    return out
+
+
+def test_summon_full_params_after_a_forward_without_backward(world2):
+    for r in world2.run(_summon_after_a_forward_without_backward):
+        assert r["edited"] < 1e-6 and r["trained"] < 1e-5, r
+        assert r["summoned dtype"] == torch.float32, r
+
+
 def _direct_calls():
     """Code that calls a submodule holding a unit's parameters outside that unit's forward
     (an encoder-decoder's ``generate()`` runs the encoder, which reads the root's embedding):

@@ -776,6 +776,13 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         for unit in units:
             unit._summoned = True
             unit.training_state = TrainingState.SUMMON_FULL_PARAMS
+        # a unit kept gathered since a forward (the root, reshard_after_forward=False) still
+        # exposes its compute views as the module attributes: hide them for the block, or
+        # ``module.weight`` would read (and edits would land in) the gathered copy, not the
+        # summoned parameter that is written back
+        exposed = [s for s in shards if s._exposed]
+        for shard in exposed:
+            shard.hide()
         gathered = False
         try:
             fulls = [s.gather_master() for s in shards]
@@ -793,6 +800,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                     shard.write_back([p.data for p in shard.params])
                 for p, view in zip(shard.params, shard.shard_views(shard.flat_shard)):
                     p.data = view
+            with torch.enable_grad():  # views with autograd history, as the forward left
+                for shard in exposed:
+                    if shard.gathered:
+                        shard.expose()
 
     def apply(self, fn) -> "FullyShardedDataParallel":
         """``nn.Module.apply`` with this unit's full parameters summoned around it (inner units
