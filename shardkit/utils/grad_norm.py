@@ -37,33 +37,40 @@ def check_clip_arguments(caller: str, max_norm, norm_type) -> tuple[float, float
 @torch.no_grad()
 def clip_grad_norm_across_ranks(grads: Sequence[torch.Tensor], max_norm: float, norm_type: float,
                                 group=None, device: Optional[torch.device] = None,
-                                comm_device: Optional[torch.device] = None) -> torch.Tensor:
+                                comm_device: Optional[torch.device] = None,
+                                measured: Optional[Sequence[torch.Tensor]] = None,
+                                also_over: Sequence = ()) -> torch.Tensor:
     """Scale ``grads`` (this rank's part of the model's gradients; every element counted on
     exactly one rank) so that the global ``norm_type``-norm is at most ``max_norm``; return that
     global norm (a 0-d tensor on the gradients' device, or ``device`` when there are none).
     ``max_norm=inf`` only measures: the gradients are left untouched (not even multiplied by 1).
 
+    ``measured``: the gradients this rank counts in the norm when not all of ``grads`` (a
+    replica another rank counts is scaled here but not measured); ``also_over``: more groups
+    the partial norm is reduced over after ``group`` (tensor- and pipeline-parallel groups).
     ``comm_device``: where the one-element all-reduce runs (default: the gradients' device; FSDP
     passes its communication device for CPU-offloaded gradients under NCCL). Call
     :func:`check_clip_arguments` first. Communication: one all-reduce of one element over
-    ``group`` (collective: every rank calls it, with or without gradients). Memory: one scalar
-    per gradient.
+    ``group`` and each of ``also_over`` (collective: every rank calls it, with or without
+    gradients). Memory: one scalar per gradient.
     """
     # a zero-element gradient adds nothing to any norm (and has no maximum: skipping it keeps
     # the infinity norm from failing on its owner alone, which would leave the others waiting)
     grads = [g.detach() for g in grads if g.numel()]
+    counted = grads if measured is None else [g.detach() for g in measured if g.numel()]
     device = grads[0].device if grads else (device or torch.device("cpu"))
     if math.isinf(norm_type):
-        local = (torch.stack([g.abs().max().float() for g in grads]).max()
-                 if grads else torch.zeros((), device=device))
+        local = (torch.stack([g.abs().max().float() for g in counted]).max()
+                 if counted else torch.zeros((), device=device))
         op = distributed.ReduceOp.MAX
     else:
         local = (torch.stack([torch.linalg.vector_norm(g.float(), norm_type) ** norm_type
-                              for g in grads]).sum()
-                 if grads else torch.zeros((), device=device))
+                              for g in counted]).sum()
+                 if counted else torch.zeros((), device=device))
         op = distributed.ReduceOp.SUM
     total = local.reshape(1).to(comm_device or device, copy=True)
-    distributed.all_reduce(total, op=op, group=group)
+    for over in (group, *also_over):
+        distributed.all_reduce(total, op=op, group=over)
     total = total[0].to(device)
     if not math.isinf(norm_type):
         total = total ** (1.0 / norm_type)

@@ -929,3 +929,59 @@ def test_gpt_full_state_is_the_reference_and_weights_are_split(world4, tp):
         # per rank: 1/tp of the linear and embedding weights, LayerNorms etc. replicated
         assert r["param_bytes"] == r["expected_bytes"]
         assert r["param_bytes"] < r["reference_bytes"] / tp * 1.2
+
+
+# ----------------------------------------------------------------------------- gradient clipping
+
+MAX_NORM = 0.5
+
+
+@functools.lru_cache(maxsize=None)
+def _clipped_reference_run():
+    """The single-process oracle with torch's clip_grad_norm_ before each step: (model, norms)."""
+    ref = GPT(GPT_CFG, seed=0)
+    opt = _sgd(ref.parameters())
+    norms = []
+    for step in range(STEPS):
+        idx, target = synthetic_batch(GPT_CFG, GLOBAL_BATCH, step)
+        opt.zero_grad()
+        ref.loss(idx, target).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
+        opt.step()
+    return ref, norms
+
+
+def _gpt_clipped_training(pp):
+    """2 tensor (x 2 stages over send/recv when ``pp == 2``) clipped by mp.clip_grad_norm: the
+    norm counts split weights and replicated LayerNorms/biases once, as the unsplit GPT's."""
+    mp.initialize_model_parallel(2, pipeline_length=pp)
+    try:
+        ref, ref_norms = _clipped_reference_run()
+        part = full = _tensor_parallel_gpt()
+        if pp == 2:
+            stage_index = mp.get_pipeline_parallel_rank()
+            part = full[:2] if stage_index == 0 else full[2:]
+        opt = _sgd(part.parameters())
+        norm_diff = 0.0
+        for step in range(STEPS):
+            idx, target = synthetic_batch(GPT_CFG, GLOBAL_BATCH, step)
+            opt.zero_grad()
+            if pp == 2:
+                _hand_written_pipeline_step(part, stage_index, idx, target)
+            else:
+                full.loss(idx, target).backward()
+            norm = mp.clip_grad_norm(part.parameters(), MAX_NORM)
+            norm_diff = max(norm_diff, abs(norm.item() - ref_norms[step]))
+            opt.step()
+        return {"norm_diff": norm_diff, "clipped": min(ref_norms) > MAX_NORM,
+                "param_diff": _param_diff(full_model_state_dict(part), ref)}
+    finally:
+        mp.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_clip_grad_norm_counts_split_and_replicated_parameters_once(world4, pp):
+    res = world4.run(_gpt_clipped_training, pp)
+    for r in res:
+        assert r["clipped"]  # every step really clips
+        assert r["norm_diff"] <= 1e-4 and r["param_diff"] <= TOL, r

@@ -61,7 +61,8 @@ class TensorParallelModule(nn.Module):
     """Base of the tensor-parallel layers: the group it was built for and the unsplit export.
 
     Subclasses list, in ``_shard_dims``, each parameter's split as ``(dim, stride)``, or
-    ``None`` for a parameter replicated on every tensor-parallel rank.
+    ``None`` for a parameter replicated on every tensor-parallel rank. Split parameters carry
+    ``param.tensor_model_parallel = True`` (Megatron's attribute; see :func:`clip_grad_norm`).
     """
 
     _shard_dims: dict[str, Optional[tuple[int, int]]] = {}
@@ -84,7 +85,11 @@ class TensorParallelModule(nn.Module):
         return shard_of(full, self.tp_rank, self.tp_size, dim, stride)
 
     def _param_from_master(self, name: str, master: torch.Tensor) -> nn.Parameter:
-        return nn.Parameter(self._split(master, name))
+        param = nn.Parameter(self._split(master, name))
+        if self._shard_dims[name] is not None:
+            # Megatron's marker, read by clip_grad_norm: this rank holds only a slice
+            param.tensor_model_parallel = True
+        return param
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
