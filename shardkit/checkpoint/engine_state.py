@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from shardkit import distributed
+from shardkit.checkpoint.resharding import shape_mismatches
 from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard, check_tag,
                                          commit_checkpoint, read_checkpoint,
                                          resolve_checkpoint_dir)
@@ -222,11 +223,8 @@ def _check_shapes(engine, ckpt) -> None:
     """A :class:`CheckpointError` naming the tensors whose saved shape is not the model's (the
     checkpoint of another configuration of the same model), raised on every rank before any
     weight is written or any collective starts. Local: no communication."""
-    shapes = _model_shapes(engine)
-    wrong = [f"{name}: {tuple(value.shape)} in the checkpoint, {shapes[name]} in the model"
-             for name, value in ckpt.params.items()
-             if name in shapes and isinstance(value, torch.Tensor)
-             and tuple(value.shape) != shapes[name]]
+    wrong = [f"{name}: {saved} in the checkpoint, {mine} in the model"
+             for name, saved, mine in shape_mismatches(ckpt.params, _model_shapes(engine))]
     if wrong:
         raise CheckpointError(
             f"load_checkpoint({ckpt.path}): size mismatch, the checkpoint is of another model "

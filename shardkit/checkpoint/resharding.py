@@ -18,7 +18,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["ParamLayout", "shard_rows", "unshard_rows", "join_row_blocks", "join_row_state"]
+__all__ = ["ParamLayout", "shard_rows", "unshard_rows", "join_row_blocks", "join_row_state",
+           "shape_mismatches"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +89,13 @@ def join_row_state(parts: Sequence[tuple], shape) -> dict:
         else:
             joined[key] = value
     return joined
+
+
+def shape_mismatches(tensors: dict, full_shapes: dict) -> list[tuple]:
+    """``(name, given shape, expected shape)`` for each tensor of ``tensors`` whose shape is
+    not its entry in ``full_shapes`` (names missing there are not this check's business).
+    Local; copies nothing."""
+    return [(name, tuple(value.shape), tuple(full_shapes[name]))
+            for name, value in tensors.items()
+            if isinstance(value, torch.Tensor) and name in full_shapes
+            and tuple(value.shape) != tuple(full_shapes[name])]

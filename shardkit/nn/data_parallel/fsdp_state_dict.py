@@ -18,6 +18,7 @@ from shardkit.checkpoint.fsdp_state import (consolidate_shard_weights,
                                             gather_full_optimizer_state, local_metadata,
                                             reshard_local_state_dicts,
                                             shard_full_optimizer_state)
+from shardkit.checkpoint.resharding import shape_mismatches
 from shardkit.nn.data_parallel.flat_param import ParamLayout
 
 __all__ = ["FSDPStateDictMixin", "clean_name"]
@@ -83,11 +84,9 @@ class FSDPStateDictMixin:
     def _check_full_shapes(self, state_dict) -> None:
         """torch's size-mismatch RuntimeError, raised before the gather and before any shard is
         written (torch's own load would first copy the tensors whose shapes fit). Local."""
-        shapes = self.full_shapes()
-        wrong = [f"size mismatch for {k}: copying a param with shape {tuple(v.shape)} from "
-                 f"checkpoint, the shape in current model is {shapes[k]}."
-                 for k, v in state_dict.items() if isinstance(v, torch.Tensor)
-                 and k in shapes and tuple(v.shape) != shapes[k]]
+        wrong = [f"size mismatch for {name}: copying a param with shape {given} from "
+                 f"checkpoint, the shape in current model is {mine}."
+                 for name, given, mine in shape_mismatches(state_dict, self.full_shapes())]
         if wrong:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} "
                                f"(nothing was loaded):\n\t" + "\n\t".join(wrong))

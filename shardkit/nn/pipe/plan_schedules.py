@@ -322,26 +322,17 @@ class PlanSchedule:
                 self._sinks[s].deliver()  # completes what W started (FSDP reduce-scatters)
             if grad and not failed:
                 stage.reduce_gradients()
-        if failed:
-            self._end_failed_step()
         with dist.reporting_broken_links("pipeline sends in flight at the end of the step",
                                          self.group):
             self.links.pending.wait()
+        self._inputs = self._target = self._targets = self._sinks = None
+        if failed:  # the same error on every rank (one small object all-gather)
+            cause, self._fault_cause = self._fault_cause, None  # its frames hold tensors
+            raise_step_failure(type(self).__name__, self._faults, self.group, cause)
         # here, not at the next step's start: ranks other than 0 then wait for micro-batch 0
         if grad and self._training_steps == _REPLAN_AT and self.plans_from_measured_costs:
             self._replan()
-        self._inputs = self._target = self._targets = self._sinks = None
         return torch.stack(self._losses).mean() if last in self.stages else None
-
-    def _end_failed_step(self) -> None:
-        """A stage found a problem during the step: complete the sends still in flight, then
-        raise the same error on every rank (one small object all-gather)."""
-        with dist.reporting_broken_links("pipeline sends in flight at the end of the step",
-                                         self.group):
-            self.links.pending.wait()
-        self._inputs = self._target = self._targets = self._sinks = None
-        cause, self._fault_cause = self._fault_cause, None  # its frames hold tensors
-        raise_step_failure(type(self).__name__, self._faults, self.group, cause)
 
     def _fail(self, problem: str, cause: Optional[BaseException] = None) -> None:
         """Record what this rank found wrong; the verdict carries it to the other ranks."""
@@ -350,15 +341,18 @@ class PlanSchedule:
             self._faults.append(problem)
             self._fault_cause = cause
 
+    def _fail_at_last_stage(self, index: int, problem: str,
+                            cause: Optional[BaseException] = None) -> None:
+        self._fail(f"stage {self.num_stages - 1} (the last), micro-batch {index}: {problem}",
+                   cause)
+
     def _step_targets(self, index: int) -> list:
         """The target's micro-batches, checked at the last stage's first forward of the step
-        (micro-batch ``index``; the batch size has come with the headers by then); ``[]`` when
-        the target is unusable, which fails the step."""
+        (micro-batch ``index``); ``[]`` when the target is unusable, which fails the step."""
         if self._targets is None:
             problems = self._target_problems(self._target)
             if problems:
-                self._fail(f"stage {self.num_stages - 1} (the last), micro-batch {index}: "
-                           f"{problems[0]}")
+                self._fail_at_last_stage(index, problems[0])
                 self._targets = []
             elif isinstance(self._target, torch.Tensor):
                 self._targets = [t[0] for t in split_microbatches((self._target,), self.chunks,
@@ -422,8 +416,8 @@ class PlanSchedule:
         try:
             return self.loss_fn(output, self._targets[i])
         except Exception as error:  # re-raised on every rank at the end of the step
-            self._fail(f"stage {self.num_stages - 1} (the last), micro-batch {i}: loss_fn "
-                       f"raised {type(error).__name__}: {error}", error)
+            self._fail_at_last_stage(i, f"loss_fn raised {type(error).__name__}: {error}",
+                                     error)
             return None
 
     def _keep_live(self, s: int, i: int, activation, roots) -> None:
