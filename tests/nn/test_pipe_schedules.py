@@ -440,6 +440,10 @@ class _Narrow(nn.Module):
 
     def forward(self, x):
         width = self.width.pop(0) if isinstance(self.width, list) else self.width
+        if width is None:
+            raise RuntimeError(f"stage {self.stage} refuses this micro-batch")
+        if width == "uint16":  # a dtype no header can name
+            return x.to(torch.uint16)
         return x[:, :width]
 
 
@@ -524,7 +528,7 @@ def _run_faulty_steps(name, steps, narrowing):
             outcomes.append(None if loss is None else loss.item())
         except ValueError as error:
             outcomes.append(str(error))
-            if "loss_fn raised" in str(error):  # chained to its own error on the last stage's rank
+            if " raised " in str(error):  # chained to its own error on the raising rank
                 causes.append(type(error.__cause__).__name__)
         slowest = max(slowest, time.monotonic() - start)
     done = [step for step, o in zip(steps, outcomes) if not isinstance(o, str)]
@@ -584,9 +588,9 @@ def _assert_faults(results, name, expected, steps):
     counts = [r[name][2] for r in results]
     assert sorted(counts) == [0] * (len(results) - 1) + [finished], (name, counts)
     causes = sorted(c for r in results for c in r[name][5])
-    loss_fn_errors = sum(want is not None and "loss_fn raised" in want for want in expected)
-    assert causes == ["NoneType"] * (len(results) - 1) * loss_fn_errors \
-        + ["RuntimeError"] * loss_fn_errors, (name, causes)  # chained on the raising rank only
+    raised = sum(want is not None and " raised " in want for want in expected)
+    assert causes == ["NoneType"] * (len(results) - 1) * raised \
+        + ["RuntimeError"] * raised, (name, causes)  # chained on the raising rank only
     for rank, result in enumerate(r[name] for r in results):
         _, loss_diff, count, param_diff, slowest, _ = result
         assert param_diff <= 1e-5, (name, rank, param_diff)  # training went on correctly
@@ -615,6 +619,41 @@ FOUR_STAGES = (("train", 0, 16, {}), ("train", 1, 16, {2: 9}),
                ("train", 6, 16, {1: 12, 2: 9}))
 FOUR_STAGES_ERRORS = (None, None, RESHAPED.format(1, 2, 16, 2, 11), TARGET_ROWS, None,
                       UNSPLITTABLE.format(6), None)
+
+
+# a stage's forward raising (None) or returning what cannot be sent ("uint16"): in the first
+# step (no shapes announced: the next stage learns of it from a VOID header), in later steps
+# (zeros of the announced shapes go on), in an evaluation step, on the first and the last
+# stage; the steps after each one announce their shapes again and train as one process
+def _raising(stage, mb):
+    return {stage: [WIDTH if k != mb else None for k in range(4)]}
+
+
+FORWARD_RAISED = "stage {}{}, micro-batch {}: its forward raised RuntimeError: stage {} refuses"
+UNSENDABLE = "stage {}, micro-batch {}: its output holds a tensor of dtype torch.uint16"
+RAISING_TWO = (("train", 0, 16, _raising(0, 0)), ("train", 1, 16, {}),
+               ("train", 2, 16, _raising(1, 2)), ("eval", 3, 16, _raising(0, 1)),
+               ("train", 4, 16, {}), ("train", 5, 16, _raising(0, 3)),
+               ("train", 6, 16, {0: [WIDTH, "uint16", WIDTH, WIDTH]}), ("train", 7, 16, {}))
+RAISING_TWO_ERRORS = (FORWARD_RAISED.format(0, "", 0, 0), None,
+                      FORWARD_RAISED.format(1, " (the last)", 2, 1),
+                      FORWARD_RAISED.format(0, "", 1, 0), None,
+                      FORWARD_RAISED.format(0, "", 3, 0), UNSENDABLE.format(0, 1), None)
+# four stages on two ranks: stage 1 raises (interleaved: sends to rank 0; ZBV: hands its
+# output to stage 2 on the same rank), then stage 2 (the last but one)
+RAISING_FOUR = (("train", 0, 16, _raising(1, 0)), ("train", 1, 16, {}),
+                ("train", 2, 16, _raising(2, 1)), ("train", 3, 16, {}))
+RAISING_FOUR_ERRORS = (FORWARD_RAISED.format(1, "", 0, 1), None,
+                       FORWARD_RAISED.format(2, "", 1, 2), None)
+
+
+def test_a_stage_forward_raising_is_one_clear_error_on_every_rank(world2):
+    results = world2.run(_check_faulty_steps, ["GPipe", "1F1B", "ZB-H1"], RAISING_TWO, {0, 1})
+    for name in ("GPipe", "1F1B", "ZB-H1"):
+        _assert_faults(results, name, RAISING_TWO_ERRORS, RAISING_TWO)
+    results = world2.run(_check_faulty_steps, ["interleaved", "ZBV"], RAISING_FOUR, {1, 2})
+    for name in ("interleaved", "ZBV"):
+        _assert_faults(results, name, RAISING_FOUR_ERRORS, RAISING_FOUR)
 
 
 def test_later_stage_faults_on_four_ranks(world4):

@@ -16,11 +16,13 @@ knows. With one stage per rank, a stage whose output shapes change with the data
 turns "as before" into "new" for the ranks after it, on micro-batch 0.
 
 What only a later stage can see (a target it cannot use, an output that no longer matches the
-shapes it announced) travels as the step's *verdict*: one element riding on the last message
-across each boundary, each way. A rank that finds such a problem goes on sending what its
-neighbours expect (zeros of the announced shapes), so every rank runs its whole step, learns
-the verdict on the way, and raises the same error at the end. All traffic goes through
-:mod:`shardkit.distributed`.
+shapes it announced, an exception in a stage's forward or in ``loss_fn``) travels as the step's
+*verdict*: one element riding on the last message across each boundary, each way. A rank that
+finds such a problem stops computing and goes on sending what its neighbours expect (zeros of
+the announced shapes, or a ``VOID`` header where none were announced yet), so every rank runs
+its whole step, learns the verdict on the way, and raises the same error at the end; the cached
+headers are then dropped everywhere, so the next step announces its shapes again. All traffic
+goes through :mod:`shardkit.distributed`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from shardkit import distributed as dist
 
 __all__ = ["TensorMeta", "ActivationMeta", "StepState", "batch_signature", "PendingSends",
-           "TaggedLinks", "check_sendable", "describe", "VERDICT_ELEMENTS"]
+           "TaggedLinks", "output_tensors", "describe", "VERDICT_ELEMENTS", "VOID"]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
@@ -64,22 +66,28 @@ class ActivationMeta:
 
     tensors: tuple
     packed: bool
+    void: bool = False  # no output: the stage failed this step (see ``VOID``)
 
     def encode(self) -> torch.Tensor:
-        values = [int(self.packed), len(self.tensors)]
+        values = [2 if self.void else int(self.packed), len(self.tensors)]
         for m in self.tensors:
             values += [_DTYPES.index(m.dtype), int(m.requires_grad), len(m.shape), *m.shape]
         return torch.tensor(values, dtype=torch.int64)
 
     @staticmethod
     def decode(values: list) -> "ActivationMeta":
-        packed, count, pos, tensors = bool(values[0]), values[1], 2, []
+        packed, void, count, pos, tensors = values[0] == 1, values[0] == 2, values[1], 2, []
         for _ in range(count):
             dtype, requires_grad = _DTYPES[values[pos]], bool(values[pos + 1])
             ndim = values[pos + 2]
             tensors.append(TensorMeta(dtype, tuple(values[pos + 3:pos + 3 + ndim]), requires_grad))
             pos += 3 + ndim
-        return ActivationMeta(tuple(tensors), packed)
+        return ActivationMeta(tuple(tensors), packed, void)
+
+
+# What a stage sends for a micro-batch it has no output for, when no shapes were announced yet
+# (a stage whose forward raised, or that learnt the step failed): one byte the receiver ignores.
+VOID = ActivationMeta((TensorMeta(torch.uint8, (1,), False),), False, void=True)
 
 
 def describe(meta: ActivationMeta) -> str:
@@ -293,9 +301,6 @@ class TaggedLinks:
         output that no longer matches the shapes announced for it (and cannot be announced
         again) goes as zeros of the announced shapes, so the next stage gets what it posted;
         the problem is returned for the step's verdict."""
-        if len(tensors) > MAX_TENSORS:
-            raise ValueError(f"a stage output has {len(tensors)} tensors; at most "
-                             f"{MAX_TENSORS} can cross a stage boundary")
         meta = ActivationMeta(tuple(TensorMeta.of(t) for t in tensors), packed)
         known = self.metas.get((boundary, index))
         if known is not None and known != meta:
@@ -305,13 +310,25 @@ class TaggedLinks:
                 return self._changed_output(boundary, index, known, meta)
             known = None
         if known is None:
-            check_sendable(tensors)
             header = meta.encode()
             self._send(HEADER, boundary, index,
                        [torch.tensor([header.numel()], dtype=torch.int64), header], peer)
             self.metas[(boundary, index)] = meta
         self._send_data(boundary, index, tensors, peer)
         return None
+
+    def send_no_output(self, boundary, index, peer) -> None:
+        """Send what the next stage expects for micro-batch ``index`` when this stage has no
+        output for it (the step failed here or earlier): zeros of the announced shapes, else a
+        ``VOID`` header and its one byte, which tell the receiver the step failed."""
+        known = self.metas.get((boundary, index))
+        if known is None:
+            header = VOID.encode()
+            self._send(HEADER, boundary, index,
+                       [torch.tensor([header.numel()], dtype=torch.int64), header], peer)
+            self.metas[(boundary, index)] = known = VOID
+        self._send_data(boundary, index, [torch.zeros(m.shape, dtype=m.dtype)
+                                          for m in known.tensors], peer)
 
     def _send_data(self, boundary, index, tensors, peer) -> None:
         if self.lead is not None and boundary == self.lead[0] and index < LEAD_WINDOW:
@@ -356,6 +373,8 @@ class TaggedLinks:
                           tag=self._tag(HEADER, boundary, index, 1))
             self.metas[(boundary, index)] = ActivationMeta.decode(header.tolist())
         meta = self.metas[(boundary, index)]
+        if meta.void:  # the stage before had no output: the step failed there
+            self.failed = True
         self._post_activation(boundary, index, meta, peer)
         buffers, works, verdict = self.posted.pop((ACTIVATION, boundary, index))
         self._wait(works, ACTIVATION, boundary, index, peer)
@@ -399,9 +418,19 @@ class TaggedLinks:
         return buffers
 
 
-def check_sendable(tensors: tuple) -> None:
-    """Raise TypeError when a tensor's dtype cannot be described in a header."""
+def output_tensors(output) -> tuple[Optional[tuple], Optional[str]]:
+    """A stage's output as the tensors to send, or ``None`` and what makes it unsendable: a
+    tensor or a tuple/list of at most ``MAX_TENSORS`` tensors of the dtypes a header names."""
+    tensors = (output,) if isinstance(output, torch.Tensor) else \
+        tuple(output) if isinstance(output, (tuple, list)) else None
+    if tensors is None or not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None, (f"its output ({type(output).__name__}) cannot cross a stage boundary: "
+                      f"return a tensor or a tuple of tensors")
+    if len(tensors) > MAX_TENSORS:
+        return None, (f"its output has {len(tensors)} tensors; at most {MAX_TENSORS} can cross "
+                      f"a stage boundary")
     for t in tensors:
         if t.dtype not in _DTYPES:
-            raise TypeError(f"pipeline activations of dtype {t.dtype} cannot be sent; "
-                            f"supported dtypes are {[str(d) for d in _DTYPES]}")
+            return None, (f"its output holds a tensor of dtype {t.dtype}, which cannot cross a "
+                          f"stage boundary; supported dtypes are {[str(d) for d in _DTYPES]}")
+    return tensors, None

@@ -45,10 +45,11 @@ import torch
 
 from shardkit import distributed as dist
 from shardkit.nn.pipe.microbatch import batch_size, split_microbatches
-from shardkit.nn.pipe.p2p import ACTIVATION, GRADIENT, StepState, TaggedLinks, batch_signature
+from shardkit.nn.pipe.p2p import (ACTIVATION, GRADIENT, StepState, TaggedLinks, batch_signature,
+                                  output_tensors)
 from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan,
                                    interleaved_1f1b_plan, one_f_one_b_plan, zb_h1_plan, zbv_plan)
-from shardkit.nn.pipe.schedules import (ActivationMemoryMeter, busy_time,
+from shardkit.nn.pipe.schedules import (COMMUNICATION_ERRORS, ActivationMemoryMeter, busy_time,
                                         check_schedule_agreement, raise_step_failure)
 from shardkit.nn.pipe.fsdp_weight_sink import (ShardedGradientSink, params_outside_fsdp,
                                                stage_is_fully_sharded)
@@ -57,6 +58,8 @@ from shardkit.nn.pipe.stage import PipelineStage
 
 __all__ = ["PlanSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
            "ScheduleZeroBubble", "ScheduleZBV"]
+
+_FAILED = object()  # a stage forward that raised (the step fails)
 
 _LOOKAHEAD = 4
 _REPLAN_AT = 2  # training steps; the first's timings include one-off costs (allocation, autograd)
@@ -237,10 +240,15 @@ class PlanSchedule:
             ValueError: on every rank, naming the stage, the micro-batch, what was expected and
                 what was found: a batch the first stage cannot split (before any work); a
                 target the last stage cannot use (not splittable into ``chunks``, or one that
-                makes ``loss_fn`` raise: the error names its exception), or a stage output that
-                no longer matches the shapes it announced (found during the step: every rank
-                finishes the step's messages first, so the pipeline stays usable; ``.grad`` may
-                hold part of the step's gradients, so zero them before the next step)."""
+                makes ``loss_fn`` raise), a stage whose forward raises or returns what cannot
+                cross a boundary (not tensors, or a dtype a header cannot name), or a stage
+                output that no longer matches the shapes it announced. Found during the step,
+                these end it the same way: the stage stops computing and sends its neighbours
+                what they expect, every rank finishes the step's messages, then raises (on the
+                rank that caught an exception, chained to it), so the pipeline stays usable;
+                ``.grad`` may hold part of the step's gradients, so zero them before the next
+                step. The next step repeats the first step's checks (one small all-gather).
+                A communication error inside a stage (a peer died) propagates at once."""
         if not self._checked:
             self._check_first_step(inputs, target)
         self._prepare_step()  # before _start_step, which waits for micro-batch 0 off rank 0
@@ -327,12 +335,21 @@ class PlanSchedule:
             self.links.pending.wait()
         self._inputs = self._target = self._targets = self._sinks = None
         if failed:  # the same error on every rank (one small object all-gather)
+            self._forget_shapes()
             cause, self._fault_cause = self._fault_cause, None  # its frames hold tensors
             raise_step_failure(type(self).__name__, self._faults, self.group, cause)
         # here, not at the next step's start: ranks other than 0 then wait for micro-batch 0
         if grad and self._training_steps == _REPLAN_AT and self.plans_from_measured_costs:
             self._replan()
         return torch.stack(self._losses).mean() if last in self.stages else None
+
+    def _forget_shapes(self) -> None:
+        """After a failed step (on every rank alike): the next step starts as the first did,
+        with the ranks' agreement check and the shape headers sent again, since a stage that
+        failed may have announced a ``VOID`` output instead of its shapes."""
+        self.links.metas.clear()
+        self._signature = None
+        self._checked = False
 
     def _fail(self, problem: str, cause: Optional[BaseException] = None) -> None:
         """Record what this rank found wrong; the verdict carries it to the other ranks."""
@@ -383,20 +400,29 @@ class PlanSchedule:
             activation, packed = self._handoff.pop(("F", s - 1, i))
         else:
             activation, packed = self.links.take_activation(s - 1, i, self._remote(s - 1))
-        if s == last and (not self._step_targets(i) or self.links.failed):
-            self._keep_live(s, i, activation, [])  # the step fails: no loss, zero gradients
+        if s == last:
+            self._step_targets(i)  # checked once a step; an unusable target fails the step
+        if self.links.failed:  # no more work this step: pass on what the next stage expects
+            self._skip_forward(s, i, activation)
             return
         meter = self.activation_memory
         metering = meter.recording(stage.parameters()) if meter else contextlib.nullcontext()
         with metering, self._busy():
-            output = stage.module(activation if packed else activation[0])
-            loss = self._loss(output, i) if s == last else None
+            output = self._forward(s, i, activation if packed else activation[0])
+            loss = self._loss(output, i) if s == last and output is not _FAILED else None
+        if output is _FAILED:
+            self._skip_forward(s, i, activation)
+            return
         if s == last:
             if loss is not None:
                 self._losses.append(loss.detach())
             roots = [loss / self.chunks] if loss is not None and loss.requires_grad else []
         else:
-            outputs = (output,) if isinstance(output, torch.Tensor) else tuple(output)
+            outputs, problem = output_tensors(output)
+            if problem:
+                self._fail(f"stage {s}, micro-batch {i}: {problem}")
+                self._skip_forward(s, i, activation)
+                return
             packed_out = not isinstance(output, torch.Tensor)
             roots = [o for o in outputs if o.requires_grad]
             if self._remote(s + 1) is None:
@@ -409,6 +435,30 @@ class PlanSchedule:
                     self._fail(problem)
                     roots = []
         self._keep_live(s, i, activation, roots)
+
+    def _forward(self, s: int, i: int, activation):
+        """Stage ``s``'s module on micro-batch ``i``; an exception there fails the step on
+        every rank (re-raised at its end, chained here) and gives ``_FAILED``. Communication
+        errors (a peer died or is out of step) propagate at once."""
+        try:
+            return self.stages[s].module(activation)
+        except COMMUNICATION_ERRORS:
+            raise
+        except Exception as error:
+            last = " (the last)" if s == self.num_stages - 1 else ""
+            self._fail(f"stage {s}{last}, micro-batch {i}: its forward raised "
+                       f"{type(error).__name__}: {error}", error)
+            return _FAILED
+
+    def _skip_forward(self, s: int, i: int, activation) -> None:
+        """Micro-batch ``i`` of a failed step at stage ``s``: no forward (no loss, zero input
+        gradients on the way back), and the next stage gets what it expects."""
+        if s < self.num_stages - 1:
+            if self._remote(s + 1) is None:
+                self._handoff[("F", s, i)] = ((torch.zeros(1, dtype=torch.uint8),), False)
+            else:
+                self.links.send_no_output(s, i, self._remote(s + 1))
+        self._keep_live(s, i, activation, [])
 
     def _loss(self, output, i: int) -> Optional[torch.Tensor]:
         """``loss_fn`` on micro-batch ``i``; an exception there (a target that does not fit

@@ -13,11 +13,19 @@ import time
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed
 
 from shardkit import distributed as dist
+from shardkit.collective_check import CollectiveMismatchError
+from shardkit.shm_transport import TransportError
 
 __all__ = ["ActivationMemoryMeter", "busy_time", "check_schedule_agreement",
-           "raise_step_failure"]
+           "raise_step_failure", "COMMUNICATION_ERRORS"]
+
+# Raised inside a stage's forward, these stop the step on this rank at once: a peer died or
+# the ranks are out of step, so the step's remaining messages could not go through either.
+COMMUNICATION_ERRORS = (dist.CollectiveError, torch.distributed.DistError,
+                        CollectiveMismatchError, TransportError)
 
 
 class _SavedActivation:
