@@ -447,7 +447,26 @@ class OSS(torch.optim.Optimizer):
     def _step_only(self, params: list) -> None:
         step_only(self.optim, params, {})
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # True only while a step begun in backward waits: torch's GradScaler.step() then hands
+        # step() its scale (as the ``grad_scale`` / ``found_inf`` attributes) instead of calling
+        # it bare, which lets step() refuse to finish an update made with scaled gradients.
+        return self._stepped_in_backward is not None
+
+    def _refuse_loss_scaling(self) -> None:
+        if "found_inf" not in self.__dict__:
+            return
+        for name in ("grad_scale", "found_inf"):  # the scaler deletes them only if step returns
+            self.__dict__.pop(name, None)
+        raise RuntimeError("OSS.step: called by a GradScaler, but the last backward already "
+                           "stepped the parameters with the scaled gradients "
+                           "(ShardedDataParallel(step_in_backward=True)), so they can be neither "
+                           "unscaled nor skipped on inf/nan; build ShardedDataParallel with "
+                           "step_in_backward=False to use loss scaling")
+
     def _finish_step_begun_in_backward(self, closure, kwargs):
+        self._refuse_loss_scaling()
         if closure is not None or kwargs:
             raise ValueError("OSS.step: backward already stepped the parameters "
                              "(ShardedDataParallel(step_in_backward=True)); a closure or step "

@@ -361,8 +361,8 @@ def test_buckets_follow_the_observed_backward_order(world2):
 
 def _check_step_in_backward_refusals():
     """After a backward that already stepped (step_in_backward=True), clipping, a step with a
-    closure, a manual reduce() and ShardedGradScaler's unscaling are refused by name instead of
-    acting on gradients already applied."""
+    closure, a manual reduce() and ShardedGradScaler's or torch's GradScaler's step are refused
+    by name instead of acting on gradients already applied."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     oss = OSS(model.parameters(), optim=torch.optim.AdamW, lr=0.1)
@@ -390,6 +390,14 @@ def _check_step_in_backward_refusals():
         scaler.step(oss)
     except RuntimeError as e:
         errors["scaler"] = str(e)
+    oss.step()
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=4.0)  # torch's own, too
+    oss.zero_grad()
+    torch_scaler.scale(wrapped(x).sum()).backward()
+    try:
+        torch_scaler.step(oss)
+    except RuntimeError as e:
+        errors["torch scaler"] = str(e)
     oss.step()  # the next iteration runs as usual
     oss.zero_grad()
     wrapped(x).sum().backward()
@@ -405,6 +413,7 @@ def test_step_in_backward_refuses_clipping_closures_and_loss_scaling(world2):
         assert "call optimizer.step() bare" in errors["closure"], errors
         assert "already stepped on the last reduction" in errors["reduce"], errors
         assert "step_in_backward=False to use loss scaling" in errors["scaler"], errors
+        assert "step_in_backward=False to use loss scaling" in errors["torch scaler"], errors
         assert same_weights
 
 
