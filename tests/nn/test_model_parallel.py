@@ -416,6 +416,45 @@ def _layer_parity(tp):
         mp.destroy_model_parallel()
 
 
+def _layers_keep_their_group():
+    """Layers built at tensor-parallel size 2 still compute the unsplit MLP after the groups
+    are destroyed and rebuilt at size 4 (they communicate over the group they were built
+    with, as destroy_model_parallel documents)."""
+    mp.initialize_model_parallel(2)
+    try:
+        rank = mp.get_model_parallel_rank()
+        torch.manual_seed(19)
+        emb = mp.VocabParallelEmbedding(16, 8, keep_master_weight_for_test=True)
+        fc = mp.ColumnParallelLinear(8, 16, gather_output=False, keep_master_weight_for_test=True)
+        out = mp.RowParallelLinear(16, 8, input_is_parallel=True, keep_master_weight_for_test=True)
+    finally:
+        mp.destroy_model_parallel()
+    ref_emb, ref_fc, ref_out = nn.Embedding(16, 8), nn.Linear(8, 16), nn.Linear(16, 8)
+    with torch.no_grad():
+        for ref, layer in ((ref_emb, emb), (ref_fc, fc), (ref_out, out)):
+            ref.weight.copy_(layer.master_weight)
+        ref_fc.bias.zero_()
+        ref_out.bias.zero_()
+    idx = torch.randint(0, 16, (3, 5), generator=torch.Generator().manual_seed(1))
+    mp.initialize_model_parallel(4)  # other groups now; the layers keep their size-2 group
+    try:
+        y = out(F.gelu(fc(emb(idx))))
+        yr = ref_out(F.gelu(ref_fc(ref_emb(idx))))
+        y.square().sum().backward()
+        yr.square().sum().backward()
+        return {"out": _maxdiff(y, yr),
+                "dw_emb": _maxdiff(emb.weight.grad, shard_of(ref_emb.weight.grad, rank, 2, 0)),
+                "dw_fc": _maxdiff(fc.weight.grad, shard_of(ref_fc.weight.grad, rank, 2, 0)),
+                "dw_out": _maxdiff(out.weight.grad, shard_of(ref_out.weight.grad, rank, 2, 1))}
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_layers_keep_their_group_after_destroy_model_parallel(world4):
+    for r in world4.run(_layers_keep_their_group):
+        assert max(r.values()) <= TOL, r
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_layers_match_unsplit_layers(world4, tp):
     results = world4.run(_layer_parity, tp)
@@ -444,9 +483,13 @@ def _cross_entropy_parity(tp):
         with CommCounter() as comm:
             loss = mp.vocab_parallel_cross_entropy(shard, target)
             (loss * g).sum().backward()
+        # token ids of a narrower integer type (uint8: F.cross_entropy takes it too)
+        narrow = {str(dt): _maxdiff(mp.vocab_parallel_cross_entropy(
+            shard.detach()[1:], target[1:].to(dt)), ref[1:]) for dt in (torch.uint8, torch.int16)}
         return {"loss": _maxdiff(loss, ref),
                 "grad": _maxdiff(shard.grad, shard_of(full.grad, rank, tp, -1)),
-                "calls": comm.calls_by_op, "elements": [c.numel for c in comm.calls]}
+                "calls": comm.calls_by_op, "elements": [c.numel for c in comm.calls],
+                "narrow": narrow}
     finally:
         mp.destroy_model_parallel()
 
@@ -455,6 +498,7 @@ def _cross_entropy_parity(tp):
 def test_vocab_parallel_cross_entropy_matches_torch(world4, tp):
     for r in world4.run(_cross_entropy_parity, tp):
         assert r["loss"] <= TOL and r["grad"] <= TOL, r
+        assert len(r["narrow"]) == 2 and max(r["narrow"].values()) <= TOL, r["narrow"]
         # max, then (sum-exp, target logit) together; nothing in backward; logits never gathered
         assert r["calls"] == {"all_reduce": 2} and r["elements"] == [15, 30]
 
@@ -599,6 +643,48 @@ def test_rng_tracker_differs_inside_parallel_regions_and_agrees_outside(world4):
     assert "no stream named 'nope'" in res[0]["errors"]["missing"]
 
 
+def _gpt_block_dropout_masks():
+    """A sequence-parallel GPT block with dropout 0.5 whose branches output exactly 1, so the
+    output shows the mask: unseeded (the default stream, alike on every rank) it must refuse to
+    train; seeded, each tensor-parallel rank (its own part of the sequence) draws its own mask."""
+    mp.initialize_model_parallel(2)
+    try:
+        cfg = GPTConfig(vocab_size=64, n_layer=1, n_head=4, d_model=16, seq_len=8, dropout=0.5)
+        block = TensorParallelBlock(cfg, sequence_parallel=True)
+        with torch.no_grad():
+            for layer in (block.attn.proj, block.out):
+                layer.weight.zero_()
+                layer.bias.fill_(1.0)
+        x = torch.zeros(1, 4, 16)  # this rank's half of a sequence of 8
+        mp.get_model_parallel_rng_tracker().reset()
+        torch.manual_seed(0)
+        out = {}
+        with CommCounter() as comm:
+            try:
+                block(x)
+            except RuntimeError as e:
+                out["error"] = str(e)
+        out["collectives_before_error"] = len(comm.calls)
+        out["eval"] = block.eval()(x).eq(2.0).all().item()  # no dropout, no stream needed
+        mp.model_parallel_manual_seed(0)
+        out["mask"] = block.train()(x).gt(1.5)
+        return out
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_gpt_dropout_on_shards_needs_the_model_parallel_stream(world4):
+    res = world4.run(_gpt_block_dropout_masks)
+    for r in res:
+        assert ("TensorParallelBlock: dropout=0.5 in training at tensor-parallel size 2 needs "
+                "the model-parallel RNG stream" in r.get("error", "")), r.get("error")
+        assert "model_parallel_manual_seed(seed)" in r["error"]
+        assert r["collectives_before_error"] == 0 and r["eval"]
+        assert 0 < r["mask"].float().mean() < 1  # dropout really drops
+    assert not torch.equal(res[0]["mask"], res[1]["mask"])  # tensor-parallel ranks differ
+    assert torch.equal(res[0]["mask"], res[2]["mask"])  # data replicas agree
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -608,7 +694,7 @@ def _bad_input():
     def catch(name, fn):
         try:
             fn()
-        except (ValueError, RuntimeError, TypeError, IndexError) as e:
+        except (ValueError, RuntimeError, TypeError, IndexError, KeyError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
 
     catch("before_init", lambda: mp.ColumnParallelLinear(4, 4))
@@ -637,6 +723,20 @@ def _bad_input():
                 for bad in (16, -1):
                     catch(f"{cls.__name__}_{bad}", lambda: layer(torch.tensor([[0, bad]])))
             catch("norm_type", lambda: mp.ParallelEmbedding(16, 8, max_norm=1.0, norm_type=0))
+            # strict loading: an unexpected bias, or a bad bias shape after a good weight
+            catch("load_unexpected", lambda: mp.ColumnParallelLinear(8, 8, bias=False)
+                  .load_full_state_dict(nn.Linear(8, 8).state_dict()))
+            layer = mp.ColumnParallelLinear(8, 8)
+            before = layer.weight.detach().clone()
+            catch("load_half", lambda: layer.load_full_state_dict(
+                {"weight": torch.ones(8, 8), "bias": torch.ones(4)}))
+            errors["load_half_untouched"] = torch.equal(layer.weight, before)
+            # inputs of the wrong width, caught before the sequence all-gather / the reduce
+            catch("column_width", lambda: mp.ColumnParallelLinear(
+                8, 8, sequence_parallel=True)(torch.zeros(2, 4, 6)))
+            catch("row_full_input", lambda: mp.RowParallelLinear(
+                8, 4, input_is_parallel=True)(torch.zeros(3, 8)))
+            catch("row_width", lambda: mp.RowParallelLinear(8, 4)(torch.zeros(3, 16)))
         errors["collectives"] = len(comm.calls)
     finally:
         mp.destroy_model_parallel()
@@ -659,6 +759,10 @@ def test_bad_input_clear_errors_before_any_collective(world4):
     assert "scale_grad_by_freq=True is not supported" in e["freq"]
     assert "target shape (2, 4)" in e["ce_target"]
     assert "unsplit 'weight' has shape (8, 4); the unsplit layer's is (8, 8)" in e["load_shape"]
+    assert ("KeyError" in e["load_unexpected"]
+            and "unexpected key(s) ['bias']" in e["load_unexpected"]), e["load_unexpected"]
+    assert "unsplit 'bias' has shape (4,); the unsplit layer's is (8,)" in e["load_half"]
+    assert e["load_half_untouched"]  # nothing half-written
     for bad in (16, -5):  # V = 4 ranks x 4 logits; -100 is the ignore_index
         assert (f"IndexError: vocab_parallel_cross_entropy: target {bad} is outside [0, V=16) "
                 f"and is not ignore_index=-100") in e[f"ce_out_of_range_{bad}"]
@@ -667,6 +771,12 @@ def test_bad_input_clear_errors_before_any_collective(world4):
             assert (f"IndexError: {name}: token id {bad} is outside [0, num_embeddings=16)"
                     in e[f"{name}_{bad}"]), e[f"{name}_{bad}"]
     assert "norm_type=0 with max_norm is not supported" in e["norm_type"]
+    assert ("ColumnParallelLinear: the input has shape (2, 4, 6); its last dimension must be 8 "
+            "(in_features)" in e["column_width"]), e["column_width"]
+    assert ("RowParallelLinear: the input has shape (3, 8); its last dimension must be 2 "
+            "(input_is_parallel=True: this rank's slice, in_features=8 / tensor-parallel size 4; "
+            "pass input_is_parallel=False" in e["row_full_input"]), e["row_full_input"]
+    assert "its last dimension must be 8 (in_features" in e["row_width"], e["row_width"]
 
 
 # ----------------------------------------------------------------------------- GPT training
@@ -929,6 +1039,54 @@ def test_gpt_full_state_is_the_reference_and_weights_are_split(world4, tp):
         # per rank: 1/tp of the linear and embedding weights, LayerNorms etc. replicated
         assert r["param_bytes"] == r["expected_bytes"]
         assert r["param_bytes"] < r["reference_bytes"] / tp * 1.2
+
+
+def _full_state_through_wrappers():
+    """full_model_state_dict / load_full_model_state_dict on the wrapper itself (torch DDP, FSDP
+    with a unit per block), and on a model registering one layer under two names."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+
+    mp.initialize_model_parallel(2)
+    try:
+        group, out = mp.get_data_parallel_group(), {}
+        ref, other = GPT(GPT_CFG, seed=0).state_dict(), GPT(GPT_CFG, seed=1).state_dict()
+        for kind in ("ddp", "fsdp"):
+            model = _tensor_parallel_gpt()
+            if kind == "fsdp":
+                for i in (1, 2):
+                    model[i] = FullyShardedDataParallel(model[i], process_group=group)
+                wrapped, prefix = FullyShardedDataParallel(model, process_group=group), ""
+            else:
+                wrapped, prefix = DistributedDataParallel(model, process_group=group), "module."
+
+            def export():
+                full = full_model_state_dict(wrapped)
+                return to_reference_state_dict({k[len(prefix):]: v for k, v in full.items()},
+                                               GPT_CFG)
+
+            out[kind + "_export"] = max(_maxdiff(export()[k], v) for k, v in ref.items())
+            load_full_model_state_dict(wrapped, {prefix + k: v for k, v in
+                                                 from_reference_state_dict(other, GPT_CFG).items()})
+            out[kind + "_load"] = max(_maxdiff(export()[k], v) for k, v in other.items())
+        shared = nn.Module()
+        shared.a = shared.b = mp.ColumnParallelLinear(4, 8)
+        full = full_model_state_dict(shared)
+        out["shared_shapes"] = {k: tuple(v.shape) for k, v in full.items()}
+        load_full_model_state_dict(shared, full)
+        return out
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_full_model_state_dict_through_ddp_fsdp_and_shared_layers(world4):
+    for r in world4.run(_full_state_through_wrappers):
+        for kind in ("ddp", "fsdp"):
+            assert r[kind + "_export"] == 0.0 and r[kind + "_load"] == 0.0, r
+        # both names of the shared layer export the unsplit [8, 4] weight
+        assert r["shared_shapes"] == {"a.weight": (8, 4), "a.bias": (8,),
+                                      "b.weight": (8, 4), "b.bias": (8,)}
 
 
 # ----------------------------------------------------------------------------- gradient clipping

@@ -74,9 +74,9 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     Args:
         vocab_parallel_logits: ``[..., V/n]``, this rank's slice of the vocabulary (rank ``r``
             holds words ``[r*V/n, (r+1)*V/n)``, as :class:`ColumnParallelLinear` splits them).
-        target: ``[...]`` word indices in ``[0, V)`` (the same on every tensor-parallel rank);
-            any other value but ``ignore_index`` raises ``IndexError`` (on an accelerator, a
-            device-side assert that does not synchronise with the host).
+        target: ``[...]`` word indices in ``[0, V)`` of any integer dtype (the same on every
+            tensor-parallel rank); any other value but ``ignore_index`` raises ``IndexError``
+            (on an accelerator, a device-side assert that does not synchronise with the host).
         ignore_index: target value whose loss and gradient are zero (as ``F.cross_entropy``).
 
     Returns the loss per token, shape ``[...]``, in fp32 (take ``.mean()`` yourself; with
@@ -87,9 +87,10 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         raise ValueError(f"vocab_parallel_cross_entropy: target shape {tuple(target.shape)} must "
                          f"equal the logits' shape without the vocabulary dimension, "
                          f"{tuple(vocab_parallel_logits.shape[:-1])}")
-    if target.dtype.is_floating_point:
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
         raise TypeError(f"vocab_parallel_cross_entropy: target dtype {target.dtype} must be an "
                         f"integer type (word indices)")
+    target = target.long()  # any integer type (uint8, int16, int32 token ids); no-op for int64
     vocab = get_model_parallel_world_size() * vocab_parallel_logits.shape[-1]
     # before the collectives: a bad target would otherwise just match no rank's slice
     check_indices(target, vocab, "vocab_parallel_cross_entropy: target", "V", ignore_index)

@@ -31,11 +31,10 @@ import torch.nn.functional as F
 
 from shardkit.models import GPTConfig
 from shardkit.nn.model_parallel.cross_entropy import vocab_parallel_cross_entropy
-from shardkit.nn.model_parallel.initialize import (
-    get_model_parallel_rank, get_model_parallel_world_size)
+from shardkit.nn.model_parallel.initialize import get_model_parallel_world_size
 from shardkit.nn.model_parallel.layers import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
-from shardkit.nn.model_parallel.random import get_model_parallel_rng_tracker
+from shardkit.nn.model_parallel.random import MODEL_PARALLEL_RNG, get_model_parallel_rng_tracker
 from shardkit.nn.model_parallel.sequence_parallel import (
     mark_sequence_parallel, reduce_sequence_parallel_grads)
 from shardkit.nn.model_parallel.utils import divide
@@ -46,10 +45,29 @@ __all__ = ["TensorParallelGPT", "TensorParallelBlock", "TensorParallelAttention"
 SEQ = 1  # activations are [batch, seq, d_model]
 
 
-def _sharded_dropout_rng(enabled: bool):
-    """Dropout on activations that differ across tensor-parallel ranks draws its own stream."""
-    if enabled and get_model_parallel_rng_tracker().names():
+def _check_sharded_dropout_rng(what: str, p: float, training: bool) -> None:
+    """Raise a clear error unless dropout ``p`` on tensor-parallel shards can draw from the
+    model-parallel stream (drawing from the default stream, seeded alike on every rank, would
+    repeat one mask on every shard). No communication."""
+    tp = get_model_parallel_world_size()
+    if (training and p > 0 and tp > 1
+            and MODEL_PARALLEL_RNG not in get_model_parallel_rng_tracker().names()):
+        raise RuntimeError(
+            f"{what}: dropout={p} in training at tensor-parallel size {tp} needs the "
+            f"model-parallel RNG stream (a different dropout mask on each shard): call "
+            f"shardkit.nn.model_parallel.model_parallel_manual_seed(seed) on every rank after "
+            f"initialize_model_parallel, or use dropout=0 / model.eval()")
+
+
+def _sharded_dropout_rng(what: str, p: float):
+    """The context for dropout ``p`` (0: none) on activations that differ across
+    tensor-parallel ranks: the model-parallel stream's fork; at tensor-parallel size 1 without
+    that stream, the default stream (else :func:`_check_sharded_dropout_rng`'s error)."""
+    if p <= 0:
+        return contextlib.nullcontext()
+    if MODEL_PARALLEL_RNG in get_model_parallel_rng_tracker().names():
         return get_model_parallel_rng_tracker().fork()
+    _check_sharded_dropout_rng(what, p, True)
     return contextlib.nullcontext()
 
 
@@ -74,7 +92,7 @@ class TensorParallelAttention(nn.Module):
         q, k, v = (z.view(b, t, self.local_heads, self.head_dim).transpose(1, 2)
                    for z in qkv.chunk(3, dim=-1))
         p = self.dropout if self.training else 0.0
-        with _sharded_dropout_rng(p > 0):
+        with _sharded_dropout_rng("TensorParallelAttention", p):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim))
 
@@ -102,9 +120,13 @@ class TensorParallelBlock(nn.Module):
             mark_sequence_parallel(self.ln2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # before any collective: attention heads (and sequence-split activations) are shards
+        _check_sharded_dropout_rng("TensorParallelBlock", self.attn.dropout, self.training)
         x = x + self.attn(self.ln1(x))
         h = self.out(F.gelu(self.fc(self.ln2(x))))
-        with _sharded_dropout_rng(self.sequence_parallel and self.training):
+        # sequence-split activations need the shards' stream; replicated ones the default one
+        sharded_p = self.drop.p if self.sequence_parallel and self.training else 0.0
+        with _sharded_dropout_rng("TensorParallelBlock", sharded_p):
             return x + self.drop(h)
 
 
@@ -127,10 +149,11 @@ class GPTEmbedding(nn.Module):
             raise ValueError(f"TensorParallelGPT: sequence length {t} exceeds "
                              f"seq_len={self.seq_len}")
         pos = torch.arange(t, device=idx.device)
-        if self.sequence_parallel:
-            local = divide(t, get_model_parallel_world_size(),
+        if self.sequence_parallel:  # this rank's part of the sequence, in the embedding's group
+            rank, size = self.tok_emb.tp_rank, self.tok_emb.tp_size
+            local = divide(t, size,
                            "sequence length with sequence_parallel over the tensor-parallel size")
-            pos = pos[get_model_parallel_rank() * local:(get_model_parallel_rank() + 1) * local]
+            pos = pos[rank * local:(rank + 1) * local]
         return self.tok_emb(idx) + self.pos_emb(pos)
 
 
@@ -163,6 +186,11 @@ class TensorParallelGPT(nn.Sequential):
             tensor-parallel size (and ``seq_len`` too with ``sequence_parallel``).
         sequence_parallel: keep LayerNorm/dropout/residual activations split along the sequence.
             Call :meth:`reduce_sequence_parallel_grads` after backward.
+
+    Dropout (``cfg.dropout > 0``, training) on split activations (attention heads; with
+    ``sequence_parallel`` the sequence-split residual branch) draws from the model-parallel RNG
+    stream: at tensor-parallel size > 1 call :func:`model_parallel_manual_seed` first (a
+    ``RuntimeError`` before any collective otherwise), as FairScale and Megatron require.
 
     ``forward(idx)`` returns vocabulary-split logits; ``loss(idx, target)`` the mean
     cross-entropy. Initialisation follows each layer's master-weight rule; load

@@ -26,6 +26,10 @@ the concatenation of the shards is exactly what ``init_method`` gives the unspli
 the same seed. The master weight is transient (its full size, during construction only) unless
 ``keep_master_weight_for_test=True``. Biases start at zero.
 
+Every layer communicates over the tensor-parallel group it was built in (``tp_group``), so it
+keeps working after :func:`destroy_model_parallel` or a new :func:`initialize_model_parallel`.
+Inputs of the wrong width raise ``ValueError`` before any collective.
+
 Every layer can export and load the unsplit weights: ``full_state_dict()`` (an all-gather over the
 tensor-parallel group; the keys and shapes of the equivalent ``nn.Linear`` / ``nn.Embedding``)
 and ``load_full_state_dict(sd)`` (keeps this rank's slice; no communication).
@@ -96,19 +100,21 @@ class TensorParallelModule(nn.Module):
         """The unsplit parameters (keys and shapes of the plain torch layer). Collective over the
         tensor-parallel group: one all-gather per sharded parameter (``(n-1)/n`` of its full
         bytes); the result costs the full size on every rank."""
-        out = {}
-        for name, param in self.named_parameters(recurse=False):
-            spec = self._shard_dims[name]
-            if spec is None or self.tp_size == 1:
-                out[name] = param.detach().clone()
-                continue
-            flat = torch.empty(self.tp_size * param.numel(), dtype=param.dtype,
-                               device=param.device)
-            distributed.all_gather_into_tensor(flat, param.detach().reshape(-1),
-                                               group=self.tp_group)
-            shards = flat.view((self.tp_size,) + tuple(param.shape)).unbind(0)
-            out[name] = join_shards(list(shards), dim=spec[0], stride=spec[1])
-        return out
+        return {name: self._join(name, param)
+                for name, param in self.named_parameters(recurse=False)}
+
+    @torch.no_grad()
+    def _join(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The unsplit value of parameter ``name`` from this rank's ``local`` slice of it (a new
+        tensor). Collective over the tensor-parallel group for a split parameter (one
+        all-gather, ``(n-1)/n`` of the full bytes); a copy for a replicated one."""
+        spec = self._shard_dims[name]
+        if spec is None or self.tp_size == 1:
+            return local.detach().clone()
+        flat = torch.empty(self.tp_size * local.numel(), dtype=local.dtype, device=local.device)
+        distributed.all_gather_into_tensor(flat, local.detach().reshape(-1), group=self.tp_group)
+        shards = flat.view((self.tp_size,) + tuple(local.shape)).unbind(0)
+        return join_shards(list(shards), dim=spec[0], stride=spec[1])
 
     def full_weight(self) -> torch.Tensor:
         """The unsplit weight (collective; see :meth:`full_state_dict`)."""
@@ -122,12 +128,17 @@ class TensorParallelModule(nn.Module):
     @torch.no_grad()
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load unsplit parameters (e.g. an ``nn.Linear``'s state dict) by keeping this rank's
-        slice. No communication. Raises ``KeyError``/``ValueError`` on missing keys or shapes."""
+        slice. No communication. Strict, as ``nn.Module.load_state_dict``: a missing or
+        unexpected key (a bias for a ``bias=False`` layer) raises ``KeyError``, a wrong shape
+        ``ValueError``, before any parameter is written."""
         own = [name for name, _ in self.named_parameters(recurse=False)]
         missing = sorted(set(own) - set(state_dict))
-        if missing:
-            raise KeyError(f"{type(self).__name__}.load_full_state_dict: missing key(s) {missing}; "
-                           f"expected {sorted(own)}")
+        unexpected = sorted(set(state_dict) - set(own))
+        if missing or unexpected:
+            raise KeyError(f"{type(self).__name__}.load_full_state_dict: missing key(s) {missing}, "
+                           f"unexpected key(s) {unexpected}; expected exactly {sorted(own)}")
+        for name in own:
+            self._check_full_shape(name, state_dict[name])
         for name in own:
             self._load_full_param(name, state_dict[name])
 
@@ -135,13 +146,16 @@ class TensorParallelModule(nn.Module):
         """Load an unsplit weight by keeping this rank's slice (no communication)."""
         self._load_full_param("weight", weight)
 
-    @torch.no_grad()
-    def _load_full_param(self, name: str, full: torch.Tensor) -> None:
-        param = getattr(self, name)
+    def _check_full_shape(self, name: str, full: torch.Tensor) -> None:
         expected = self._full_shape(name)
         if tuple(full.shape) != expected:
             raise ValueError(f"{type(self).__name__}: unsplit {name!r} has shape "
                              f"{tuple(full.shape)}; the unsplit layer's is {expected}")
+
+    @torch.no_grad()
+    def _load_full_param(self, name: str, full: torch.Tensor) -> None:
+        self._check_full_shape(name, full)
+        param = getattr(self, name)
         param.copy_(self._split(full.detach().to(param.device, param.dtype), name))
 
     def _full_shape(self, name: str) -> tuple[int, ...]:
@@ -159,6 +173,14 @@ def _check_divisible(what: str, value: int, tp_size: int, stride: int = 1) -> No
         detail = (f"tensor-parallel size {tp_size}" if stride == 1
                   else f"tensor-parallel size {tp_size} × stride {stride} = {parts}")
         raise ValueError(f"{what}={value} is not divisible by {detail}; use a multiple of {parts}")
+
+
+def _check_input_width(what: str, x: torch.Tensor, expected: int, meaning: str) -> None:
+    """Raise ``ValueError`` before any collective unless ``x``'s last dimension is ``expected``
+    (``meaning`` says why). No communication."""
+    if x.dim() == 0 or x.shape[-1] != expected:
+        raise ValueError(f"{what}: the input has shape {tuple(x.shape)}; its last dimension must "
+                         f"be {expected} ({meaning})")
 
 
 def _master(shape: tuple[int, ...], init_method: InitMethod) -> torch.Tensor:
@@ -213,14 +235,16 @@ class ColumnParallelLinear(TensorParallelModule):
         self.master_weight = master if keep_master_weight_for_test else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_input_width("ColumnParallelLinear", x, self.in_features, "in_features")
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.sequence_dim)
+            x = gather_from_sequence_parallel_region(x, self.sequence_dim, group=self.tp_group)
         else:
-            x = copy_to_model_parallel_region(x)
+            x = copy_to_model_parallel_region(x, group=self.tp_group)
         y = F.linear(x, self.weight, self.bias)
         if not self.gather_output:
             return y
-        return gather_from_model_parallel_region(y, stride=self._shard_dims["weight"][1])
+        return gather_from_model_parallel_region(y, stride=self._shard_dims["weight"][1],
+                                                 group=self.tp_group)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -278,13 +302,23 @@ class RowParallelLinear(TensorParallelModule):
         self.master_weight = master if keep_master_weight_for_test else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:
-            x = scatter_to_model_parallel_region(x, stride=self._shard_dims["weight"][1])
+        if self.input_is_parallel:
+            _check_input_width(
+                "RowParallelLinear", x, self.input_size_per_partition,
+                f"input_is_parallel=True: this rank's slice, in_features={self.in_features} / "
+                f"tensor-parallel size {self.tp_size}; pass input_is_parallel=False for the "
+                f"whole input")
+        else:
+            _check_input_width("RowParallelLinear", x, self.in_features,
+                               "in_features, the whole input, as input_is_parallel=False")
+            x = scatter_to_model_parallel_region(x, stride=self._shard_dims["weight"][1],
+                                                 group=self.tp_group)
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim)
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim,
+                                                           group=self.tp_group)
         else:
-            y = reduce_from_model_parallel_region(partial)
+            y = reduce_from_model_parallel_region(partial, group=self.tp_group)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -369,8 +403,9 @@ class VocabParallelEmbedding(TensorParallelModule):
                               self.norm_type, False, self.sparse)
         partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim)
-        return reduce_from_model_parallel_region(partial)
+            return reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim,
+                                                              group=self.tp_group)
+        return reduce_from_model_parallel_region(partial, group=self.tp_group)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start_index}, "
@@ -434,7 +469,7 @@ class ParallelEmbedding(TensorParallelModule):
             self._renormalise_rows(idx)
         local = F.embedding(idx, self.weight, self.padding_idx, None, self.norm_type,
                             self.scale_grad_by_freq, self.sparse)
-        return gather_from_model_parallel_region(local)
+        return gather_from_model_parallel_region(local, group=self.tp_group)
 
     @torch.no_grad()
     def _renormalise_rows(self, idx: torch.Tensor) -> None:

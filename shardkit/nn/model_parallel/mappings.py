@@ -23,7 +23,9 @@ of ``stride * n``; the communication is the same as with ``stride=1``.
 All-gather and reduce-scatter each put ``(n-1)/n·S`` on the wire, so the sequence-parallel
 pair costs what one all-reduce does, while the activations between them are ``1/n`` the size.
 The sequence dimension defaults to 1 (batch-first ``[batch, seq, hidden]``, shardkit's GPT).
-Every collective goes through :mod:`shardkit.distributed` on the tensor-parallel group.
+Every collective goes through :mod:`shardkit.distributed` on the tensor-parallel group: the
+``group`` argument (the layers pass the group they were built with, so they keep working after
+:func:`~shardkit.nn.model_parallel.initialize.destroy_model_parallel`), else the current one.
 """
 
 from __future__ import annotations
@@ -48,8 +50,12 @@ SEQUENCE_DIM = 1
 # ----------------------------------------------------------------------------- primitives
 
 
-def _all_reduce(x: torch.Tensor) -> torch.Tensor:
-    group = get_model_parallel_group()
+def _group(group):
+    return get_model_parallel_group() if group is None else group
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    group = _group(group)
     if distributed.get_world_size(group) == 1:
         return x
     x = x.contiguous()
@@ -57,8 +63,8 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _keep_own_slice(x: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
-    group = get_model_parallel_group()
+def _keep_own_slice(x: torch.Tensor, dim: int, stride: int, group) -> torch.Tensor:
+    group = _group(group)
     n = distributed.get_world_size(group)
     if n == 1:
         return x
@@ -68,8 +74,8 @@ def _keep_own_slice(x: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
     return shard_of(x, distributed.get_rank(group), n, dim, stride)
 
 
-def _all_gather(x: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
-    group = get_model_parallel_group()
+def _all_gather(x: torch.Tensor, dim: int, stride: int, group) -> torch.Tensor:
+    group = _group(group)
     n = distributed.get_world_size(group)
     if n == 1:
         return x
@@ -80,8 +86,8 @@ def _all_gather(x: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
     return join_shards(list(out.view((n,) + tuple(x.shape)).unbind(0)), dim=dim, stride=stride)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
-    group = get_model_parallel_group()
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    group = _group(group)
     n = distributed.get_world_size(group)
     if n == 1:
         return x
@@ -102,67 +108,70 @@ def _last(x: torch.Tensor) -> int:
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
+        ctx.group = group
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad)
+        return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _all_reduce(x.clone())
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, stride):
-        ctx.stride = stride
-        return _keep_own_slice(x, _last(x), stride)
+    def forward(ctx, x, stride, group):
+        ctx.stride, ctx.group = stride, group
+        return _keep_own_slice(x, _last(x), stride, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, _last(grad), ctx.stride), None
+        return _all_gather(grad, _last(grad), ctx.stride, ctx.group), None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, stride):
-        ctx.stride = stride
-        return _all_gather(x, _last(x), stride)
+    def forward(ctx, x, stride, group):
+        ctx.stride, ctx.group = stride, group
+        return _all_gather(x, _last(x), stride, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _keep_own_slice(grad, _last(grad), ctx.stride), None
+        return _keep_own_slice(grad, _last(grad), ctx.stride, ctx.group), None, None
 
 
-def copy_to_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+def copy_to_model_parallel_region(x: torch.Tensor, *, group=None) -> torch.Tensor:
     """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward."""
-    return _CopyToRegion.apply(x)
+    return _CopyToRegion.apply(x, group)
 
 
-def reduce_from_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+def reduce_from_model_parallel_region(x: torch.Tensor, *, group=None) -> torch.Tensor:
     """Leave a tensor-parallel region by summing partial results: all-reduce forward (on a copy;
     ``x`` is untouched), identity backward."""
-    return _ReduceFromRegion.apply(x)
+    return _ReduceFromRegion.apply(x, group)
 
 
-def scatter_to_model_parallel_region(x: torch.Tensor, stride: int = 1) -> torch.Tensor:
+def scatter_to_model_parallel_region(x: torch.Tensor, stride: int = 1, *,
+                                     group=None) -> torch.Tensor:
     """Keep this rank's slice of the last dimension (its ``stride`` blocks, as ``shard_of``);
     backward all-gathers the gradient."""
-    return _ScatterToRegion.apply(x, stride)
+    return _ScatterToRegion.apply(x, stride, group)
 
 
-def gather_from_model_parallel_region(x: torch.Tensor, stride: int = 1) -> torch.Tensor:
+def gather_from_model_parallel_region(x: torch.Tensor, stride: int = 1, *,
+                                      group=None) -> torch.Tensor:
     """Concatenate every rank's slice along the last dimension (interleaving ``stride`` blocks
     per rank, the inverse of ``shard_of``); backward keeps own slice."""
-    return _GatherFromRegion.apply(x, stride)
+    return _GatherFromRegion.apply(x, stride, group)
 
 
 # ----------------------------------------------------------------------------- sequence regions
@@ -170,52 +179,53 @@ def gather_from_model_parallel_region(x: torch.Tensor, stride: int = 1) -> torch
 
 class _ScatterToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim):
-        ctx.dim = dim
-        return _keep_own_slice(x, dim)
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _keep_own_slice(x, dim, 1, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim), None
+        return _all_gather(grad, ctx.dim, 1, ctx.group), None, None
 
 
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim):
-        ctx.dim = dim
-        return _all_gather(x, dim)
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, 1, group)
 
     @staticmethod
     def backward(ctx, grad):
         # The gathered activation feeds a column-parallel layer, whose input gradient is a
         # partial sum on each rank: summing and re-splitting is one reduce-scatter.
-        return _reduce_scatter(grad, ctx.dim), None
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim):
-        ctx.dim = dim
-        return _reduce_scatter(x, dim)
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim), None
+        return _all_gather(grad, ctx.dim, 1, ctx.group), None, None
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+def scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUENCE_DIM, *,
+                                        group=None) -> torch.Tensor:
     """Keep this rank's slice of the sequence dimension; backward all-gathers the gradient."""
-    return _ScatterToSequence.apply(x, dim)
+    return _ScatterToSequence.apply(x, dim, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor,
-                                         dim: int = SEQUENCE_DIM) -> torch.Tensor:
+def gather_from_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUENCE_DIM, *,
+                                         group=None) -> torch.Tensor:
     """All-gather the sequence shards (forward); reduce-scatter the gradient (backward)."""
-    return _GatherFromSequence.apply(x, dim)
+    return _GatherFromSequence.apply(x, dim, group)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor,
-                                               dim: int = SEQUENCE_DIM) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUENCE_DIM, *,
+                                               group=None) -> torch.Tensor:
     """Sum partial results and keep this rank's sequence slice (reduce-scatter); backward
     all-gathers the gradient."""
-    return _ReduceScatterToSequence.apply(x, dim)
+    return _ReduceScatterToSequence.apply(x, dim, group)
