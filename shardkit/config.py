@@ -20,15 +20,18 @@ Keys that change behaviour:
     forward may leave parameters unused)}, communication_data_type
     ("fp16"/"bf16": gradients reduced in 16 bits at every stage), fp16.{enabled, loss_scale,
     initial_scale_power, loss_scale_window, hysteresis, consecutive_hysteresis, min_loss_scale,
-    raise_error_at_min_scale}, bf16.enabled, dataloader_drop_last (default false: the
-    training_data loader keeps a last, smaller micro-batch), checkpoint.tag_validation ("Warn",
-    the default, "Fail" or "Ignore": whether save_checkpoint compares the ranks' tags).
+    raise_error_at_min_scale}, bf16.{enabled, check_grad_overflow (default true as in
+    DeepSpeed: a step whose gradients hold inf/nan is skipped, scheduler included)},
+    dataloader_drop_last (default false: the training_data loader keeps a last, smaller
+    micro-batch), checkpoint.tag_validation ("Warn", the default, "Fail" or "Ignore": whether
+    save_checkpoint compares the ranks' tags).
 Keys accepted for compatibility with DeepSpeed configs, validated, without effect here:
     the other zero_optimization tuning knobs (allgather_bucket_size, overlap_comm,
     contiguous_gradients, reduce_scatter at stages 2-3, stage3_* ...), offload *.pin_memory /
-    buffer_*, fp16.auto_cast, wall_clock_breakdown, memory_breakdown, prescale_gradients,
-    gradient_predivide_factor, zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer,
-    dump_state, zero_optimization.log_trace_cache_warnings; data_types.grad_accum_dtype when
+    buffer_*, fp16.auto_cast, bf16.immediate_grad_update, wall_clock_breakdown,
+    memory_breakdown, prescale_gradients, gradient_predivide_factor,
+    zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer, dump_state,
+    zero_optimization.log_trace_cache_warnings; data_types.grad_accum_dtype when
     "fp32" (what the engine does); sparse_gradients and fp16.fp16_master_weights_and_grads
     when false; and, while
     switched off, the sections amp, activation_checkpointing,
@@ -106,11 +109,15 @@ def _betas() -> Field:
                  "a pair of numbers in [0, 1)")
 
 
-def _num_or_list(default) -> Field:
-    return Field((int, float, list), default,
-                 lambda v: all(isinstance(x, (int, float)) and x >= 0
-                               for x in (v if isinstance(v, list) else [v])),
-                 "a number >= 0 or a list of them (one per param group)")
+def _num_or_list(default, nullable: bool = False) -> Field:
+    """A learning rate: a number >= 0 or one per param group; ``nullable``: ``null`` too
+    (each group's own lr)."""
+    null = (type(None),) if nullable else ()
+    return Field((int, float, list) + null, default,
+                 lambda v: v is None or all(isinstance(x, (int, float)) and x >= 0
+                                            for x in (v if isinstance(v, list) else [v])),
+                 "a number >= 0 or a list of them (one per param group)"
+                 + (", or null (each param group's own lr)" if nullable else ""))
 
 
 _ADAM_PARAMS = {
@@ -131,7 +138,9 @@ _WARMUP = {
     "last_batch_iteration": _int(-1, -1),
 }
 SCHEDULER_PARAMS = {
-    "WarmupLR": _WARMUP,
+    # DeepSpeed's WarmupLR warms up to each param group's own lr unless warmup_max_lr is
+    # given; its WarmupDecayLR keeps 0.001
+    "WarmupLR": {**_WARMUP, "warmup_max_lr": _num_or_list(None, nullable=True)},
     "WarmupDecayLR": {**_WARMUP, "total_num_steps": _int(None, 1)},
     "WarmupCosineLR": {
         "total_num_steps": _int(None, 1), "warmup_min_ratio": _num(0.0, 0),
@@ -212,7 +221,8 @@ SCHEMA: dict = {
         "fp16_master_weights_and_grads": _off("fp16.fp16_master_weights_and_grads",
                                               "master weights and gradients stay fp32"),
     },
-    "bf16": {"enabled": _bool()},
+    "bf16": {"enabled": _bool(), "check_grad_overflow": _bool(True),
+             "immediate_grad_update": _bool()},
     "gradient_clipping": _num(0.0, 0),
     "steps_per_print": _int(10, 1),
     "wall_clock_breakdown": _bool(), "memory_breakdown": _bool(), "dump_state": _bool(),
@@ -305,7 +315,9 @@ class ZeroConfig:
 @dataclass(frozen=True)
 class PrecisionConfig:
     """Compute precision: ``dtype`` is ``"fp32"``, ``"fp16"`` or ``"bf16"``. Loss scaling
-    applies to fp16 only: ``static_loss_scale > 0`` fixes the scale, 0 makes it dynamic."""
+    applies to fp16 only: ``static_loss_scale > 0`` fixes the scale, 0 makes it dynamic.
+    ``check_grad_overflow``: skip a step whose gradients hold inf/nan (fp16 always;
+    bf16 as its ``check_grad_overflow`` says)."""
 
     dtype: str = "fp32"
     static_loss_scale: float = 0.0
@@ -315,6 +327,7 @@ class PrecisionConfig:
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
     raise_error_at_min_scale: bool = False
+    check_grad_overflow: bool = False
 
 
 @dataclass(frozen=True)
@@ -480,7 +493,9 @@ def resolve_batch_sizes(train: Optional[int], micro: Optional[int], gas: Optiona
             raise ConfigError(
                 f"inconsistent batch sizes: train_batch_size={train} != "
                 f"train_micro_batch_size_per_gpu={micro} x gradient_accumulation_steps={gas} x "
-                f"data-parallel world size={world} = {micro * gas * world}")
+                f"data-parallel world size={world} = {micro * gas * world}; set "
+                f"train_batch_size={micro * gas * world}, or give two of the three and the third "
+                f"is derived")
         return train, micro, gas
     if train is not None and micro is not None:
         return train, micro, _exact_quotient(train, micro * world, "gradient_accumulation_steps",
@@ -498,8 +513,12 @@ def resolve_batch_sizes(train: Optional[int], micro: Optional[int], gas: Optiona
 def _exact_quotient(train: int, divisor: int, derived: str, divisor_desc: str,
                     value: int) -> int:
     if value % divisor:
+        below = train - train % divisor  # the nearest valid sizes around the one given
+        nearest = " or ".join(str(n) for n in sorted({max(divisor, below), below + divisor}))
         raise ConfigError(f"inconsistent batch sizes: train_batch_size={train} is not divisible "
-                          f"by {divisor_desc} = {divisor}, so {derived} would not be an integer")
+                          f"by {divisor_desc} = {divisor}, so {derived} would not be an integer; "
+                          f"valid train_batch_size values are multiples of {divisor} (e.g. "
+                          f"{nearest})")
     return value // divisor
 
 
@@ -509,6 +528,11 @@ def _optimizer_spec(section) -> Optional[OptimizerSpec]:
     if section.get("type") is None:
         raise ConfigError(f"optimizer.type is missing; valid types: {list(OPTIMIZER_TYPES)}")
     kind = section["type"].lower()
+    if isinstance(section.get("params"), Mapping) and "max_grad_norm" in section["params"]:
+        # DeepSpeed refuses it too; difflib would point at an unrelated key
+        raise ConfigError(f"optimizer.params.max_grad_norm={section['params']['max_grad_norm']!r}"
+                          f" is not an optimizer parameter; clip with the top-level "
+                          f"\"gradient_clipping\": <max norm> instead")
     params = _check_section(section.get("params", {}), OPTIMIZER_PARAMS[kind], "optimizer.params")
     given = set(section.get("params", {}))
     if kind == "sgd":
@@ -525,8 +549,10 @@ def _optimizer_spec(section) -> Optional[OptimizerSpec]:
                           "Adam/AdamW always correct the bias (remove the key or set it true)")
     kwargs = {"lr": params["lr"], "betas": tuple(params["betas"]), "eps": params["eps"],
               "weight_decay": params["weight_decay"], "amsgrad": params["amsgrad"]}
-    if kind == "adamw" and "weight_decay" not in given:
-        kwargs["weight_decay"] = 0.01  # torch.optim.AdamW's default
+    if decoupled and params["torch_adam"] and "weight_decay" not in given:
+        # DeepSpeed builds torch.optim.AdamW here, whose default is 0.01; its usual path
+        # (FusedAdam, DeepSpeedCPUAdam) defaults to 0, as the schema does
+        kwargs["weight_decay"] = 0.01
     return OptimizerSpec(section["type"], "AdamW" if decoupled else "Adam", kwargs)
 
 
@@ -589,9 +615,11 @@ def _precision_config(fp16: dict, bf16: dict) -> PrecisionConfig:
     if fp16["enabled"] and bf16["enabled"]:
         raise ConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
     if not fp16["enabled"]:
-        return PrecisionConfig(dtype="bf16" if bf16["enabled"] else "fp32")
+        if bf16["enabled"]:
+            return PrecisionConfig(dtype="bf16", check_grad_overflow=bf16["check_grad_overflow"])
+        return PrecisionConfig(dtype="fp32")
     return PrecisionConfig(
-        dtype="fp16", static_loss_scale=float(fp16["loss_scale"]),
+        dtype="fp16", check_grad_overflow=True, static_loss_scale=float(fp16["loss_scale"]),
         initial_scale_power=fp16["initial_scale_power"],
         loss_scale_window=fp16["loss_scale_window"], hysteresis=fp16["hysteresis"],
         consecutive_hysteresis=fp16["consecutive_hysteresis"],

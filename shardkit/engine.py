@@ -26,8 +26,10 @@ not own read zero after backward. ``"reduce_scatter": false`` keeps torch DDP's 
 ``2Ψ(N-1)/N`` on links between blocks, for ``Ψ/h`` more memory per resharded unit.
 
 Master weights and optimizer state are always fp32; ``fp16``/``bf16`` run the forward and
-backward under ``torch.autocast`` (CPU or CUDA), fp16 with a :class:`DynamicLossScaler` whose
-skip decision is all-reduced (one element) so every rank skips together.
+backward under ``torch.autocast`` (CPU or CUDA), fp16 with a :class:`DynamicLossScaler`. A step
+whose gradients hold inf/nan is skipped under fp16, and under bf16 unless
+``bf16.check_grad_overflow`` is false (DeepSpeed's default, true); the decision is all-reduced
+(one element) so every rank skips together.
 
 Usage::
 
@@ -41,9 +43,11 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import math
 import os
+import re
 import time
 from typing import Callable, Optional
 
@@ -108,6 +112,32 @@ def _check_arguments(model, optimizer, lr_scheduler, cfg: EngineConfig) -> None:
         and why_not_steppable_on_shards(optimizer)
     if problem:
         raise ConfigError(f"initialize(optimizer=...) at zero_optimization.stage=3: {problem}")
+
+
+def _param_group_count(recipe: OptimizerRecipe) -> int:
+    """How many param groups the optimizer built from ``recipe`` will have (OSS and FSDP keep
+    the user's grouping at every stage)."""
+    if recipe.instance is not None:
+        return len(recipe.instance.param_groups)
+    groups = recipe.param_groups
+    if groups and all(isinstance(g, dict) for g in groups):
+        return len(groups)
+    return 1
+
+
+def _check_scheduler_lists(cfg: EngineConfig, recipe: OptimizerRecipe) -> None:
+    """A per-group list in the config's ``scheduler.params`` (``warmup_min_lr``,
+    ``warmup_max_lr``) must have one value per param group: checked before any collective, so
+    every rank raises the same :class:`ConfigError` naming the key. Local, no memory."""
+    if cfg.scheduler is None:
+        return
+    groups = _param_group_count(recipe)
+    for key, value in cfg.scheduler.kwargs.items():
+        if isinstance(value, (list, tuple)) and len(value) != groups:
+            raise ConfigError(
+                f"scheduler.params.{key}={list(value)!r}: one value per optimizer param group "
+                f"is needed and the optimizer has {groups} group(s); give a list of {groups} "
+                f"or a single number")
 
 
 def _names_by_trainability(model: nn.Module) -> tuple[list[str], list[str]]:
@@ -187,7 +217,8 @@ class ShardedEngine(nn.Module):
     (and multiplies it by the fp16 loss scale) and suppresses the gradient reduction except on
     the last micro-batch; ``step`` runs the optimizer, scheduler and loss scaler only at that
     boundary, then zeroes the gradients. Memory and communication are those of the stage's
-    wrappers (module docstring); the engine adds one all-reduced flag per step under fp16.
+    wrappers (module docstring); the engine adds one all-reduced flag per step under fp16 and
+    bf16 (the overflow check).
 
     Attributes:
         module: the user's model (at stage 3 its blocks are FSDP units).
@@ -229,7 +260,10 @@ class ShardedEngine(nn.Module):
         self.skipped_steps = 0
         self._autocast_dtype = _HALF_DTYPES.get(cfg.precision.dtype)
         self._device_type = next(model.parameters()).device.type
-        self._losses_since_print: list[float] = []
+        # the losses since the last log line, summed on their device: read (one host sync)
+        # only when a line is printed, never per micro-batch
+        self._loss_sum: Optional[torch.Tensor] = None
+        self._losses_counted = 0
         self._clock = time.perf_counter()
         self._steps_at_clock = 0
         self._pending_save = None  # an asynchronous save under way (checkpoint.async_save)
@@ -294,7 +328,7 @@ class ShardedEngine(nn.Module):
         step, as DeepSpeed reports it: measured at ZeRO stages 1-3 and with fp16/bf16 whether
         or not ``gradient_clipping`` is set (one all-reduce of one element a step), at stage 0
         in fp32 only when clipping (else ``None``: no extra pass). ``None`` also before the
-        first step and after a skipped fp16 step."""
+        first step and after a skipped step (fp16, or bf16 with inf/nan gradients)."""
         return None if self._last_grad_norm is None else float(self._last_grad_norm)
 
     @property
@@ -302,8 +336,8 @@ class ShardedEngine(nn.Module):
         return self.zero_stage > 0 or self.config.precision.dtype != "fp32"
 
     def was_step_applied(self) -> bool:
-        """Whether the last accumulation boundary stepped the optimizer (``False`` when fp16
-        overflow skipped it, and before the first boundary)."""
+        """Whether the last accumulation boundary stepped the optimizer (``False`` when inf/nan
+        gradients skipped it under fp16 or bf16, and before the first boundary)."""
         return self._last_step_applied
 
     @property
@@ -389,24 +423,37 @@ class ShardedEngine(nn.Module):
         with self._precision_context(), self._reduction_context():
             return self.wrapped(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale);
-        the gradient reduction runs only on the boundary micro-batch."""
+        the gradient reduction runs only on the boundary micro-batch. ``scale_wrt_gas=False``
+        (DeepSpeed's, for a loss the script already divided, as Hugging Face's Trainer does)
+        skips the division. Returns what DeepSpeed returns: the loss divided as the gradients
+        were (``loss / gradient_accumulation_steps`` unless ``scale_wrt_gas=False``).
+        No memory or communication beyond the backward's own."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward(loss): expected a scalar tensor, got "
                              f"{loss if not isinstance(loss, torch.Tensor) else loss.shape}")
-        self._losses_since_print.append(float(loss.detach()))
-        factor = self.loss_scale / self.config.gradient_accumulation_steps
+        if not isinstance(scale_wrt_gas, bool):
+            raise ValueError(f"engine.backward(scale_wrt_gas={scale_wrt_gas!r}): expected True "
+                             f"or False")
+        self._count_loss(loss)
+        divisor = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
+        factor = self.loss_scale / divisor
         scaled = loss.float() * factor if factor != 1.0 else loss
         with self._reduction_context():
             scaled.backward(retain_graph=retain_graph)
-        return loss
+        return loss / divisor if divisor != 1 else loss
 
-    def step(self) -> None:
+    def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """At the accumulation boundary: (fp16) agree on overflow, unscale, clip, step the
-        optimizer and scheduler, update the loss scale, zero gradients. Elsewhere: count."""
+        optimizer and scheduler (``scheduler.step(**lr_kwargs)``, DeepSpeed's argument), update
+        the loss scale, zero gradients. Elsewhere: count."""
+        if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
+            raise ValueError(f"engine.step(lr_kwargs={lr_kwargs!r}): expected a dict of keyword "
+                             f"arguments for lr_scheduler.step(), or None")
         if self.is_gradient_accumulation_boundary():
-            self._optimizer_step()
+            self._optimizer_step(lr_kwargs or {})
             self.global_steps += 1
             self._maybe_print()
         self.micro_steps += 1
@@ -416,8 +463,9 @@ class ShardedEngine(nn.Module):
         No communication."""
         self.composition.zero_grad(set_to_none=set_to_none)
 
-    def _optimizer_step(self) -> None:
-        overflow = self._agreed_overflow() if self.loss_scaler is not None else False
+    def _optimizer_step(self, lr_kwargs: dict) -> None:
+        overflow = self._agreed_overflow() if self.config.precision.check_grad_overflow \
+            else False
         scale_before = self.loss_scale
         self._last_step_applied = not overflow
         if overflow:
@@ -432,12 +480,13 @@ class ShardedEngine(nn.Module):
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 _note_step_taken_for(self.lr_scheduler)
-                self.lr_scheduler.step()
+                self.lr_scheduler.step(**lr_kwargs)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)
         if overflow and distributed.get_rank() == 0:
-            logger.info("step %d: fp16 gradients overflowed; step skipped, loss scale %g -> %g",
-                        self.global_steps + 1, scale_before, self.loss_scale)
+            logger.info("step %d: %s gradients overflowed (inf/nan); step skipped, loss scale "
+                        "%g -> %g", self.global_steps + 1, self.config.precision.dtype,
+                        scale_before, self.loss_scale)
         self.zero_grad()
 
     def _local_gradients(self) -> list[torch.Tensor]:
@@ -475,16 +524,23 @@ class ShardedEngine(nn.Module):
         if distributed.get_rank() == 0:
             elapsed = max(time.perf_counter() - self._clock, 1e-9)
             samples = (self.global_steps - self._steps_at_clock) * self.config.train_batch_size
-            losses = self._losses_since_print
-            loss = sum(losses) / len(losses) if losses else float("nan")
+            counted = self._losses_counted
+            loss = float(self._loss_sum) / counted if counted else float("nan")
             lrs = ", ".join(f"{lr:.3e}" for lr in self.get_lr())
             logger.info("step=%d loss=%.6f lr=[%s] loss_scale=%g samples/s=%.1f skipped=%d",
                         self.global_steps, loss, lrs, self.loss_scale, samples / elapsed,
                         self.skipped_steps)
         self._reset_print_window()
 
+    def _count_loss(self, loss: torch.Tensor) -> None:
+        """Add ``loss`` to the log window's sum on its device (no host sync; one scalar)."""
+        detached = loss.detach().float().reshape(())
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        self._losses_counted += 1
+
     def _reset_print_window(self) -> None:
-        self._losses_since_print = []
+        self._loss_sum = None
+        self._losses_counted = 0
         self._clock = time.perf_counter()
         self._steps_at_clock = self.global_steps
 
@@ -537,14 +593,21 @@ class ShardedEngine(nn.Module):
         scaler and ``client_state``. A ``tag`` that is not a string (an epoch, a loss) is
         used as ``str(tag)``, as DeepSpeed does. Memory: a CPU copy of this rank's share.
         Communication: the tags compared across ranks (one small all-gather, unless the
-        config's ``checkpoint.tag_validation`` is ``"Ignore"``), two one-element all-reduces and
-        two barriers.
+        config's ``checkpoint.tag_validation`` is ``"Ignore"``: then a small broadcast), two
+        one-element all-reduces and two barriers.
+
+        ``client_state`` must load back: checkpoints are read with
+        ``torch.load(weights_only=True)`` (tensors, numbers, strings, bools, None and
+        lists/tuples/dicts of them). Rank 0's (the one written) is tried in memory first; any
+        other object (an ``argparse.Namespace``, a NumPy scalar) is a ``TypeError`` on every rank
+        naming its key, before anything is written, rather than a checkpoint that cannot be
+        resumed from.
         Returns the checkpoint directory (when ``async_save``, where it will be once written).
         """
         from shardkit.checkpoint.engine_state import save_engine_checkpoint
         self.wait_for_checkpoint()
         tag = None if tag is None else str(tag)  # DeepSpeed's: an epoch or a loss names a tag
-        self._validate_tag(tag)
+        self._validate_tag(tag, client_state)
         result = save_engine_checkpoint(self, save_dir, tag, client_state, save_latest,
                                         async_save=async_save)
         if not async_save:
@@ -552,14 +615,23 @@ class ShardedEngine(nn.Module):
         self._pending_save = result
         return result.path
 
-    def _validate_tag(self, tag: Optional[str]) -> None:
-        """The config's ``checkpoint.tag_validation``: unless ``"ignore"``, compare the tag
-        across ranks (one small all-gather) and warn, or with ``"fail"`` raise on every rank
-        before anything is written, when they differ."""
+    def _validate_tag(self, tag: Optional[str], client_state=None) -> None:
+        """What every rank must agree on before a save writes anything: rank 0's
+        ``client_state`` loads back (else a ``TypeError`` on every rank), and the config's
+        ``checkpoint.tag_validation``: unless ``"ignore"``, the tag is compared across ranks
+        and a difference warns, or with ``"fail"`` raises on every rank. Communication: one
+        small all-gather (a broadcast of rank 0's verdict with ``"ignore"``); none at world 1."""
         mode = self.config.checkpoint_tag_validation
-        if mode == "ignore" or distributed.get_world_size() == 1:
+        problem = _client_state_problem(client_state) if distributed.get_rank() == 0 else None
+        single = distributed.get_world_size() == 1
+        if single or mode == "ignore":
+            if not single:
+                problem = distributed.broadcast_object(problem, src=0)
+            _raise_client_state_problem(problem)
             return
-        tags = distributed.all_gather_object(tag)
+        gathered = distributed.all_gather_object((tag, problem))
+        _raise_client_state_problem(gathered[0][1])
+        tags = [t for t, _ in gathered]
         if len(set(tags)) == 1:
             return
         message = (f"save_checkpoint: the ranks passed different tags {tags}; each rank would "
@@ -577,21 +649,102 @@ class ShardedEngine(nn.Module):
         return pending.wait() if pending is not None else None
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
+                        load_module_strict: bool = True,
                         load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False):
         """Restore model, optimizer, scheduler, loss scaler, counters and RNG from a checkpoint
         written at any world size and ZeRO stage. Returns ``(path, client_state)``, or
         ``(None, None)`` when ``load_dir`` holds no checkpoint. Must be called on every rank.
+
+        The arguments are DeepSpeed's, in its order; ``load_module_strict=False`` (loading a
+        checkpoint of another model) is refused with a ``ValueError`` before anything is read.
+
+        ``load_module_only=True`` is DeepSpeed's warm start: the weights only; the step
+        counters (``global_steps``, ``skipped_steps``), the loss scale, the scheduler and this
+        process's RNG stay as they are (a fine-tuning run starts at step 0).
         Memory: the full fp32 state on each rank's CPU while loading."""
         from shardkit.checkpoint.engine_state import load_engine_checkpoint
+        if load_module_strict is not True:
+            raise ValueError(
+                f"engine.load_checkpoint(load_module_strict={load_module_strict!r}): only True "
+                f"is supported (the checkpoint's tensors must be the model's); to start from "
+                f"part of a checkpoint, write its weights with `python -m shardkit consolidate "
+                f"DIR model.pt`, load them with model.load_state_dict(..., strict=False) before "
+                f"shardkit.initialize")
         self.wait_for_checkpoint()
         tag = None if tag is None else str(tag)
-        return load_engine_checkpoint(self, load_dir, tag,
-                                      load_optimizer_states=load_optimizer_states
-                                      and not load_module_only,
-                                      load_lr_scheduler_states=load_lr_scheduler_states
-                                      and not load_module_only)
+        kept = self._training_position() if load_module_only else None
+        result = load_engine_checkpoint(self, load_dir, tag,
+                                        load_optimizer_states=load_optimizer_states
+                                        and not load_module_only,
+                                        load_lr_scheduler_states=load_lr_scheduler_states
+                                        and not load_module_only)
+        if kept is not None:
+            self._restore_training_position(kept)
+        return result
+
+    def _training_position(self) -> dict:
+        """Where this run stands apart from its weights: step counters, loss scaler, RNG.
+        A few numbers plus the RNG states; no communication."""
+        from shardkit.checkpoint.engine_state import rng_state
+        return {"global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
+                "micro_steps": self.micro_steps, "rng": rng_state(),
+                "loss_scaler": None if self.loss_scaler is None
+                else self.loss_scaler.state_dict()}
+
+    def _restore_training_position(self, kept: dict) -> None:
+        """Undo what a checkpoint load changed besides the weights (see
+        :meth:`_training_position`). No communication."""
+        from shardkit.checkpoint.engine_state import set_rng_state
+        self.global_steps = kept["global_steps"]
+        self.skipped_steps = kept["skipped_steps"]
+        self.micro_steps = kept["micro_steps"]
+        set_rng_state(kept["rng"])
+        if self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(kept["loss_scaler"])
+
+
+def _client_state_problem(client_state) -> Optional[str]:
+    """Why ``client_state`` would not load back from a checkpoint (read with
+    ``torch.load(weights_only=True)``), naming the first key that fails; ``None`` when it
+    would. A trial save and load in memory: one serialized copy of ``client_state``."""
+    if client_state is None:
+        return None
+    if not isinstance(client_state, dict):
+        return f"client_state must be a dict, not {type(client_state).__name__}"
+    if _load_back_error(client_state) is None:
+        return None
+    for key, value in client_state.items():
+        error = _load_back_error({key: value})
+        if error is not None:
+            return f"client_state[{key!r}] ({type(value).__name__}): {error}"
+    return f"client_state: {_load_back_error(client_state)}"
+
+
+def _load_back_error(obj) -> Optional[str]:
+    """``None`` when ``obj`` survives ``torch.save`` then ``torch.load(weights_only=True)``,
+    else what stopped it (the class the safe loader refuses, when it names one)."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+        return None
+    except Exception as error:  # pickling errors and the safe loader's refusal alike
+        refused = re.search(r"GLOBAL ([\w.]+)", str(error))
+        if refused:
+            return f"the checkpoint loader would refuse {refused.group(1)}"
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+
+
+def _raise_client_state_problem(problem: Optional[str]) -> None:
+    if problem is not None:
+        raise TypeError(
+            f"engine.save_checkpoint: {problem}; checkpoints load with "
+            f"torch.load(weights_only=True), so client_state may hold tensors, numbers, "
+            f"strings, bools, None and lists/tuples/dicts of them (e.g. vars(args) for an "
+            f"argparse.Namespace, float(x) for a NumPy scalar); nothing was written")
 
 
 def _loss_scaler(cfg: EngineConfig):
@@ -683,6 +836,7 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
                        "stage 3 only (FSDP move_params_to_cpu); at stage %d the optimizer "
                        "state stays on the GPU", cfg.zero.stage)
     recipe = _optimizer_recipe(cfg, optimizer, model_parameters, model)
+    _check_scheduler_lists(cfg, recipe)
     state_names = list(model.state_dict().keys())
     trainable, frozen = _names_by_trainability(model)  # before wrapping renames them
     composition = compose_from_config(model, recipe, cfg, wrap_policy)

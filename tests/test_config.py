@@ -54,6 +54,30 @@ def test_deepspeed_adam_is_adamw_unless_adam_w_mode_false():
     assert sgd.optimizer.kwargs["momentum"] == 0.9
 
 
+def test_adam_weight_decay_defaults_are_deepspeeds():
+    # DeepSpeed's Adam/AdamW (FusedAdam, DeepSpeedCPUAdam) default to no weight decay; only
+    # torch_adam=true builds torch.optim.AdamW, whose default is 0.01.
+    base = {"train_batch_size": 2}
+    for kind in ("AdamW", "Adam"):
+        plain = load_config({**base, "optimizer": {"type": kind, "params": {"lr": 1e-3}}}, 1)
+        torch_adam = load_config({**base, "optimizer": {"type": kind, "params": {
+            "lr": 1e-3, "torch_adam": True}}}, 1)
+        assert plain.optimizer.kwargs["weight_decay"] == 0.0, kind
+        assert torch_adam.optimizer.kwargs["weight_decay"] == 0.01, kind
+
+
+def test_warmup_lr_without_max_lr_warms_up_to_the_optimizer_lr():
+    # DeepSpeed's WarmupLR takes each group's optimizer lr when warmup_max_lr is absent (or
+    # null); WarmupDecayLR keeps its 0.001.
+    base = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}}
+    for params in ({"warmup_num_steps": 10}, {"warmup_max_lr": None}):
+        cfg = load_config({**base, "scheduler": {"type": "WarmupLR", "params": params}}, 1)
+        assert cfg.scheduler.kwargs["warmup_max_lr"] is None, params
+    decay = load_config({**base, "scheduler": {"type": "WarmupDecayLR", "params": {
+        "total_num_steps": 100}}}, 1)
+    assert decay.scheduler.kwargs["warmup_max_lr"] == 0.001
+
+
 @pytest.mark.parametrize("train, micro, gas, world, expected", [
     (32, 4, None, 2, (32, 4, 4)),
     (32, None, 2, 4, (32, 4, 2)),
@@ -84,9 +108,12 @@ def test_batch_triple(train, micro, gas, world, expected):
     ({"train_batch_size": 8, "zero_optimization": {"stage": True}},
      ["zero_optimization.stage=True"]),
     ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4,
-      "gradient_accumulation_steps": 1}, ["inconsistent batch sizes", "= 8"]),
+      "gradient_accumulation_steps": 1}, ["inconsistent batch sizes", "= 8",
+                                          "set train_batch_size=8, or give two of the three"]),
     ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
-     ["train_batch_size=10 is not divisible", "= 8"]),
+     ["train_batch_size=10 is not divisible", "= 8", "multiples of 8 (e.g. 8 or 16)"]),
+    ({"train_batch_size": 6, "gradient_accumulation_steps": 4},
+     ["train_batch_size=6 is not divisible", "multiples of 8 (e.g. 8)"]),
     ({"gradient_accumulation_steps": 2}, ["train_micro_batch_size_per_gpu are both missing"]),
     ({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": -0.1}}},
      ["optimizer.params.lr=-0.1", ">= 0"]),
@@ -125,6 +152,9 @@ def test_batch_triple(train, micro, gas, world, expected):
      ["data_types.grad_accum_dtype='bf16' is not supported"]),
     ({"train_batch_size": 8, "amp": {"enabled": True, "opt_level": "O1"}},
      ["amp.enabled=True is not supported"]),
+    # DeepSpeed refuses max_grad_norm as an optimizer parameter and points at gradient_clipping
+    ({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}},
+     ["optimizer.params.max_grad_norm=1.0", '"gradient_clipping"']),
 ])
 def test_bad_config_is_named(config, needles):
     with pytest.raises(ConfigError) as info:
@@ -211,3 +241,15 @@ def test_communication_data_type(value, dtype):
     cfg = load_config({"train_batch_size": 8, "communication_data_type": value},
                       data_parallel_size=2)
     assert cfg.communication_dtype == dtype
+
+
+def test_bf16_section_keys_and_overflow_check():
+    # DeepSpeed's bf16 section: check_grad_overflow (default true: skip inf/nan steps) and
+    # immediate_grad_update (accepted, no effect here); fp16 always checks
+    base = {"train_batch_size": 2}
+    on = load_config({**base, "bf16": {"enabled": True, "immediate_grad_update": True}}, 1)
+    off = load_config({**base, "bf16": {"enabled": True, "check_grad_overflow": False}}, 1)
+    fp16 = load_config({**base, "fp16": {"enabled": True}}, 1)
+    fp32 = load_config(base, 1)
+    assert (on.precision.check_grad_overflow, off.precision.check_grad_overflow) == (True, False)
+    assert fp16.precision.check_grad_overflow and not fp32.precision.check_grad_overflow

@@ -300,6 +300,39 @@ def test_bf16_trains_without_loss_scaler(world2):
         assert no_scaler and losses[-1] < losses[0]
 
 
+def _bf16_inf_gradient(stage, check):
+    """One rank's loss is inf on step 1 of 3: with ``bf16.check_grad_overflow`` (DeepSpeed's
+    default) every rank skips that step, scheduler included; without it the weights take it."""
+    world, rank = distributed.get_world_size(), distributed.get_rank()
+    config = {"train_batch_size": 2 * world, "bf16": {"enabled": True,
+                                                      "check_grad_overflow": check},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05,
+                                                           "warmup_num_steps": 4}},
+              "zero_optimization": {"stage": stage}}
+    engine, *_ = shardkit.initialize(model=_mlp(), config=config)
+    torch.manual_seed(rank)
+    applied = []
+    for step in range(3):
+        loss = F.mse_loss(engine(torch.randn(2, 4)).float(), torch.randn(2, 2))
+        engine.backward(loss * float("inf") if step == 1 and rank == world - 1 else loss)
+        engine.step()
+        applied.append(engine.was_step_applied())
+    finite = all(bool(torch.isfinite(v).all())
+                 for v in _full_params(stage, engine.wrapped, engine.module).values())
+    return {"applied": applied, "finite": finite, "skipped": engine.skipped_steps,
+            "steps": engine.global_steps, "iteration": engine.lr_scheduler.last_batch_iteration}
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_bf16_skips_a_step_with_inf_gradients(world2, stage):
+    for r in world2.run(_bf16_inf_gradient, stage, True):
+        assert r == {"applied": [True, False, True], "finite": True, "skipped": 1, "steps": 3,
+                     "iteration": 1}, r
+    for r in world2.run(_bf16_inf_gradient, stage, False):  # DeepSpeed's off switch
+        assert r["applied"] == [True] * 3 and not r["finite"] and r["skipped"] == 0, r
+
+
 def _accessors_and_manual_boundary(stage):
     """DeepSpeed's remaining accessors, ``no_sync()`` and a boundary decided by hand: two
     micro-batches then a step, with GAS 4, equal the oracle stepping on those two."""
@@ -590,6 +623,87 @@ def test_deepspeed_script_habits(world2, stage, tmp_path):
         assert r["old_switch_stage"] == 1, r
 
 
+def _backward_and_step_arguments(stage):
+    """DeepSpeed's ``backward(loss, scale_wrt_gas=...)`` and ``step(lr_kwargs=...)``: a loss
+    the script divided itself (Hugging Face's Trainer) trains like the engine's own division,
+    backward returns the loss divided as the gradients were, lr_kwargs reach the scheduler."""
+    world = distributed.get_world_size()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05,
+                                                           "warmup_num_steps": 10}},
+              "zero_optimization": {"stage": stage}}
+    engines = [shardkit.initialize(model=_mlp(), config=config)[0] for _ in range(2)]
+    torch.manual_seed(3)
+    returned = []
+    for step in range(3):
+        for micro in range(2):
+            x, y = torch.randn(2, 4), torch.randn(2, 2)
+            loss = F.mse_loss(engines[0](x), y)
+            by_engine = engines[0].backward(loss)
+            by_script = engines[1].backward(F.mse_loss(engines[1](x), y) / 2, scale_wrt_gas=False)
+            returned.append((float(by_engine), float(loss) / 2, float(by_script)))
+            engines[0].step()
+            # the last step jumps the scheduler (after the optimizer step: same weights)
+            engines[1].step(lr_kwargs={"last_batch_iteration": 7} if step == 2 else None)
+    return {"diff": max_diff(_full_params(stage, engines[0].wrapped, engines[0].module),
+                             _full_params(stage, engines[1].wrapped, engines[1].module)),
+            "moved": max_diff(_full_params(stage, engines[0].wrapped, engines[0].module),
+                              _mlp().state_dict()),
+            "returned": returned, "world": world,
+            "iterations": [e.lr_scheduler.last_batch_iteration for e in engines]}
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_backward_scale_wrt_gas_and_step_lr_kwargs(world2, stage):
+    for r in world2.run(_backward_and_step_arguments, stage):
+        assert r["diff"] == 0.0 and r["moved"] > 1e-3, r
+        for by_engine, expected, by_script in r["returned"]:  # DeepSpeed: loss / GAS
+            assert by_engine == pytest.approx(expected) == pytest.approx(by_script), r
+        assert r["iterations"] == [2, 7], r
+
+
+def _host_reads_in_backward(stage):
+    """Which scalar reads to the host (``item``, ``float``: a device sync each on CUDA)
+    ``engine.backward`` makes on micro-batches that print no log line."""
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "steps_per_print": 1000, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": stage}}
+    engine, *_ = shardkit.initialize(model=_mlp(), config=config)
+    reads = []
+    originals = {name: getattr(torch.Tensor, name) for name in ("item", "__float__")}
+
+    def counted(name):
+        def read(tensor, *args, **kwargs):
+            reads.append(name)
+            return originals[name](tensor, *args, **kwargs)
+        return read
+
+    for micro in range(6):
+        loss = F.mse_loss(engine(torch.randn(2, 4)), torch.randn(2, 2))
+        if micro < 2:  # the wrappers' first backward sets up once (stage 2 agrees on a plan)
+            engine.backward(loss)
+            engine.step()
+            continue
+        for name in originals:
+            setattr(torch.Tensor, name, counted(name))
+        try:
+            engine.backward(loss)
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+        engine.step()
+    return reads
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_backward_reads_nothing_back_to_the_host(world2, stage):
+    # The progress line's loss is summed on the device and read when a line is printed
+    # (was: float(loss) on every micro-batch, a CUDA sync each).
+    for reads in world2.run(_host_reads_in_backward, stage):
+        assert reads == [], reads
+
+
 # ----------------------------------------------------------------------------- bad input
 
 BAD_CONFIGS = {
@@ -604,6 +718,12 @@ BAD_CONFIGS = {
                                                           "params": {"lr": -1e-3}}},
                     "optimizer.params.lr=-0.001"),
     "missing optimizer": ({"train_batch_size": 8}, "no optimizer"),
+    # one lr per param group, and Linear's parameters make one group: refused before the
+    # wrappers' first broadcast, naming the key (was a ValueError from WarmupLR after it)
+    "scheduler list": ({"train_batch_size": 8, "optimizer": {"type": "SGD"},
+                        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": [0.1, 0.2]}}},
+                       "scheduler.params.warmup_max_lr=[0.1, 0.2]: one value per optimizer "
+                       "param group is needed and the optimizer has 1 group(s)"),
 }
 
 

@@ -12,8 +12,11 @@ Same parameter names and the same numbers as ``deepspeed.runtime.lr_schedules``:
 As in DeepSpeed, ``last_batch_iteration`` counts scheduler steps: it is -1 after construction
 (the optimizer then holds the schedule's starting lr) and ``k`` after ``k + 1`` calls to
 :meth:`step`. torch's ``last_epoch`` is ``last_batch_iteration + 1``. The schedules hold a few
-floats per param group and issue no communication; ``state_dict()`` / ``load_state_dict()`` are
-torch's.
+floats per param group and issue no communication. ``state_dict()`` is torch's plus
+``last_batch_iteration``; as in DeepSpeed, ``load_state_dict()`` restores only the position in
+the schedule, so a run resumed with a changed schedule (a longer ``total_num_steps``, another
+peak lr) follows the schedule it was built with, from the saved iteration on. DeepSpeed's own
+``{"last_batch_iteration": k}`` loads too.
 """
 
 from __future__ import annotations
@@ -73,6 +76,26 @@ class _DeepSpeedSchedule(LRScheduler):
     def get_lr(self) -> list[float]:
         return self.lrs_at(self.last_batch_iteration)
 
+    def state_dict(self) -> dict:
+        """torch's state dict with DeepSpeed's ``last_batch_iteration`` beside it."""
+        return {**super().state_dict(), "last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Take the saved position only (DeepSpeed's rule); the schedule's parameters stay
+        those this scheduler was built with. The optimizer's lrs are left alone (they come
+        back with its own state); the next :meth:`step` sets them. No communication."""
+        if "last_batch_iteration" in state_dict:
+            iteration = int(state_dict["last_batch_iteration"])
+        elif "last_epoch" in state_dict:
+            iteration = int(state_dict["last_epoch"]) - 1
+        else:
+            raise KeyError(f"{type(self).__name__}.load_state_dict: expected "
+                           f"'last_batch_iteration' (DeepSpeed's) or 'last_epoch' (torch's), "
+                           f"got keys {sorted(state_dict)}")
+        self.last_epoch = iteration + 1
+        self._step_count = int(state_dict.get("_step_count", iteration + 2))
+        self._last_lr = self.lrs_at(iteration)
+
     def lrs_at(self, iteration: int) -> list[float]:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -97,11 +120,13 @@ class WarmupLR(_DeepSpeedSchedule):
 
     At iteration ``i < warmup_num_steps`` the lr is ``min + (max - min) * g(i)`` with
     ``g = log(i + 1) / log(warmup_num_steps)`` (``log``) or ``i / warmup_num_steps``
-    (``linear``); afterwards ``warmup_max_lr``. ``warmup_max_lr=None`` takes the optimizer's lr.
+    (``linear``); afterwards ``warmup_max_lr``. ``warmup_max_lr=None`` (the default, as in
+    DeepSpeed) warms each param group up to the lr it holds when the schedule is built.
 
     Args:
         optimizer: any torch optimizer (OSS included).
-        warmup_min_lr, warmup_max_lr: a float, or one per param group.
+        warmup_min_lr, warmup_max_lr: a float, or one per param group; ``warmup_max_lr=None``:
+            each group's own lr.
         warmup_num_steps: warm-up length in scheduler steps (at least 2 is used).
         warmup_type: ``"log"`` (DeepSpeed's default) or ``"linear"``.
         last_batch_iteration: resume position (-1: start).
@@ -110,12 +135,12 @@ class WarmupLR(_DeepSpeedSchedule):
     """
 
     def __init__(self, optimizer, warmup_min_lr: Union[Number, Sequence[Number]] = 0.0,
-                 warmup_max_lr: Union[Number, Sequence[Number], None] = 0.001,
+                 warmup_max_lr: Union[Number, Sequence[Number], None] = None,
                  warmup_num_steps: int = 1000, warmup_type: str = "log",
                  last_batch_iteration: int = -1):
         self.optimizer = optimizer
-        if warmup_max_lr is None:
-            warmup_max_lr = optimizer.param_groups[0]["lr"]
+        if warmup_max_lr is None:  # every group warms up to its own lr (groups may differ)
+            warmup_max_lr = [float(group["lr"]) for group in optimizer.param_groups]
         self.min_lrs = self._per_group(warmup_min_lr, "warmup_min_lr")
         self.max_lrs = self._per_group(warmup_max_lr, "warmup_max_lr")
         self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]
@@ -164,9 +189,11 @@ class WarmupCosineLR(_DeepSpeedSchedule):
     """Scale each group's initial lr by a ratio: warm-up, then cosine decay.
 
     During warm-up the ratio rises from ``warmup_min_ratio`` to 1 (``log`` or ``linear``);
-    afterwards it is ``cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * t / T)) / 2`` with
-    ``t = i - warmup_num_steps + 1`` and ``T = total_num_steps - warmup_num_steps``. As in
-    DeepSpeed the lr is 0 before the first :meth:`step`.
+    afterwards it is ``cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * min(t / T, 1))) / 2``
+    with ``t = i - warmup_num_steps + 1`` and ``T = total_num_steps - warmup_num_steps``: it
+    reaches ``cos_min_ratio`` at ``total_num_steps`` and stays there when training goes on (as
+    DeepSpeed clamps it; the cosine does not swing back up). As in DeepSpeed the lr is 0 before
+    the first :meth:`step`.
 
     Args:
         optimizer: any torch optimizer; its current lrs are the peak lrs.
@@ -207,7 +234,8 @@ class WarmupCosineLR(_DeepSpeedSchedule):
             return self.warmup_min_ratio + rise * (1.0 - self.warmup_min_ratio)
         step_into_decay = iteration - self.warmup_num_steps + 1
         decay_span = self.total_num_steps - self.warmup_num_steps
-        cosine = (1 + math.cos(math.pi * step_into_decay / decay_span)) / 2
+        progress = min(1.0, step_into_decay / decay_span)  # held at the floor past the end
+        cosine = (1 + math.cos(math.pi * progress)) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
     def lrs_at(self, iteration: int) -> list[float]:

@@ -123,3 +123,84 @@ def test_stage3_world2_checkpoint_resumes_at_world1_stage0_and_world4_stage1(
     plain = GPT(TINY, seed=5)
     plain.load_state_dict(torch.load(out))
     assert max_diff(plain.state_dict(), reference["at_save"]) == 0.0
+
+
+def _warm_start_and_longer_schedule(save_dir):
+    """DeepSpeed's two ways back into a checkpoint with a new config: ``load_module_only``
+    (fine-tuning: the weights, nothing of the run's position) and a full load into a longer
+    schedule (the iteration is restored, the schedule is the new config's)."""
+    world = distributed.get_world_size()
+
+    def config(total):
+        return {"train_batch_size": 2 * world, "steps_per_print": 1000,
+                "fp16": {"enabled": True, "initial_scale_power": 4, "loss_scale_window": 1},
+                "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                "scheduler": {"type": "WarmupDecayLR", "params": {
+                    "total_num_steps": total, "warmup_max_lr": 0.1, "warmup_num_steps": 2,
+                    "warmup_type": "linear"}},
+                "zero_optimization": {"stage": 2}}
+
+    torch.manual_seed(0)
+    engine, *_ = shardkit.initialize(model=torch.nn.Linear(4, 2), config=config(10))
+    for _ in range(4):
+        engine.backward(engine(torch.randn(2, 4)).square().mean())
+        engine.step()
+    engine.save_checkpoint(save_dir)
+    saved = {k: v.clone() for k, v in engine.module.state_dict().items()}
+
+    warm, *_ = shardkit.initialize(model=torch.nn.Linear(4, 2), config=config(10))
+    scale = warm.loss_scale
+    warm.load_checkpoint(save_dir, load_module_only=True, load_module_strict=True)
+    try:  # DeepSpeed's argument; loading part of a checkpoint is refused before any reading
+        warm.load_checkpoint(save_dir, None, False)
+        not_strict = "accepted"
+    except ValueError as error:
+        not_strict = str(error)
+    longer, *_ = shardkit.initialize(model=torch.nn.Linear(4, 2), config=config(20))
+    longer.load_checkpoint(save_dir)
+    longer.backward(longer(torch.randn(2, 4)).square().mean())
+    longer.step()
+    return {"weights": max_diff(warm.module.state_dict(), saved),
+            "warm": (warm.global_steps, warm.skipped_steps, warm.micro_steps,
+                     warm.lr_scheduler.last_batch_iteration, warm.loss_scale == scale),
+            "longer_lr": longer.get_lr()[0], "longer_steps": longer.global_steps,
+            "not_strict": not_strict}
+
+
+def test_load_module_only_is_a_warm_start_and_a_resumed_schedule_is_the_new_configs(
+        world2, tmp_path):
+    for r in world2.run(_warm_start_and_longer_schedule, str(tmp_path / "ckpt")):
+        assert r["weights"] == 0.0, r
+        # DeepSpeed: load_module_only leaves global_steps, skipped_steps, the loss scale and
+        # the scheduler where a new run starts
+        assert r["warm"] == (0, 0, 0, -1, True), r
+        assert "load_module_strict=False): only True is supported" in r["not_strict"], r
+        # iteration 4 of WarmupDecayLR(total 20, warmup 2): 0.1 * (20 - 4) / 18, not the saved
+        # schedule's 0.1 * (10 - 4) / 8
+        assert r["longer_steps"] == 5 and r["longer_lr"] == pytest.approx(0.1 * 16 / 18), r
+
+
+def _unloadable_client_state(save_dir):
+    """A DeepSpeed script's habit, ``client_state={"args": args}``: the checkpoint would be
+    written but never load (weights_only=True), so the save refuses it on every rank first."""
+    import argparse
+    engine, *_ = shardkit.initialize(model=torch.nn.Linear(4, 2), config={
+        "train_batch_size": 2 * distributed.get_world_size(),
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    try:
+        engine.save_checkpoint(save_dir, client_state={"step": 3,
+                                                       "args": argparse.Namespace(lr=0.1)})
+        refused = "accepted"
+    except TypeError as error:
+        refused = str(error)
+    written = sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []
+    engine.save_checkpoint(save_dir, client_state={"step": 3, "args": {"lr": 0.1}})
+    return refused, written, engine.load_checkpoint(save_dir)[1]
+
+
+def test_client_state_that_would_not_load_back_is_refused_before_writing(world2, tmp_path):
+    for refused, written, loaded in world2.run(_unloadable_client_state, str(tmp_path / "c")):
+        assert "client_state['args'] (Namespace)" in refused, refused
+        assert "argparse.Namespace" in refused and "nothing was written" in refused, refused
+        assert written == [], written
+        assert loaded == {"step": 3, "args": {"lr": 0.1}}

@@ -56,7 +56,31 @@ def test_warmup_cosine_ratio():
     assert got[1:3] == pytest.approx([0.1, 0.55])
     for i in range(2, 11):
         t, span = i - 2 + 1, 10 - 2
-        assert got[i + 1] == pytest.approx(max(0.0, (1 + math.cos(math.pi * t / span)) / 2))
+        progress = min(1.0, t / span)  # DeepSpeed holds the floor past total_num_steps
+        assert got[i + 1] == pytest.approx(max(0.0, (1 + math.cos(math.pi * progress)) / 2))
+
+
+def test_warmup_cosine_stays_at_the_floor_after_total_num_steps():
+    # Training past total_num_steps (more epochs than planned): DeepSpeed clamps the cosine,
+    # the lr stays at cos_min_ratio instead of swinging back up to the peak.
+    s = WarmupCosineLR(_optimizer(lr=1.0), total_num_steps=10, warmup_num_steps=2,
+                       cos_min_ratio=0.01, warmup_type="linear")
+    got = _lrs(s, 30)
+    assert got[10] == pytest.approx(0.01)  # iteration 9: end of the decay
+    assert got[11:] == pytest.approx([0.01] * 19)
+
+
+def test_warmup_lr_default_max_lr_is_each_groups_own_lr():
+    # DeepSpeed's WarmupLR(warmup_max_lr=None), its default: every param group warms up to
+    # the lr it was built with (a decay group and a no-decay group with their own rates).
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    opt = torch.optim.SGD([{"params": [params[0]], "lr": 0.1},
+                           {"params": [params[1]], "lr": 0.01}], lr=0.5)
+    s = WarmupLR(opt, warmup_num_steps=2, warmup_type="linear")
+    for _ in range(4):
+        opt.step()
+        s.step()
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1, 0.01])
 
 
 def test_per_group_bounds_and_state_dict_round_trip():
@@ -86,3 +110,22 @@ def test_is_a_torch_lr_scheduler():
 def test_bad_arguments_are_named(factory, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace("[", r"\[")):
         factory(_optimizer())
+
+
+def test_load_state_dict_takes_the_position_and_keeps_the_new_schedule():
+    # DeepSpeed saves only last_batch_iteration: a run resumed with a longer total_num_steps
+    # follows the longer schedule from the saved iteration (not the saved schedule's decay).
+    s = WarmupDecayLR(_optimizer(), total_num_steps=10, warmup_max_lr=0.1, warmup_num_steps=2,
+                      warmup_type="linear")
+    _lrs(s, 6)
+    saved = s.state_dict()
+    assert saved["last_batch_iteration"] == 5
+    longer = WarmupDecayLR(_optimizer(), total_num_steps=20, warmup_max_lr=0.1,
+                           warmup_num_steps=2, warmup_type="linear")
+    longer.load_state_dict(saved)
+    assert longer.last_batch_iteration == 5 and longer.total_num_steps == 20
+    assert _lrs(longer, 4)[1:] == pytest.approx([0.1 * (20 - i) / 18 for i in (6, 7, 8)])
+    from_deepspeed = WarmupLR(_optimizer(lr=0.4), warmup_num_steps=4, warmup_type="linear")
+    from_deepspeed.load_state_dict({"last_batch_iteration": 1})  # DeepSpeed's own format
+    from_deepspeed.step()
+    assert from_deepspeed.optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
