@@ -95,6 +95,16 @@ def _check_bits(name: str, value, valid) -> int:
     return value
 
 
+def _check_block(block) -> int:
+    """``QuantizedTransport(block=...)``: elements per scale, a power of two from 8 to 8192
+    (what :class:`~shardkit.kernels.QuantLayout` accepts). Local, no communication."""
+    if isinstance(block, bool) or not isinstance(block, int) or not 8 <= block <= 8192 \
+            or block & (block - 1):
+        raise ValueError(f"QuantizedTransport(block={block!r}): valid values are the powers of "
+                         f"two from 8 to 8192 (elements per fp32 scale; default {DEFAULT_BLOCK})")
+    return block
+
+
 class QuantizedTransport(Transport):
     """Quantized weight all-gather (qwZ) and gradient reduce-scatter (qgZ) over ``inner``.
 
@@ -133,9 +143,7 @@ class QuantizedTransport(Transport):
         self.weights, self.gradients = weights, gradients
         self.weight_bits = _check_bits("weight_bits", weight_bits, (8, 4))
         self.gradient_bits = _check_bits("gradient_bits", gradient_bits, (4, 8))
-        # QuantLayout checks the block (power of two, 8..8192) with a clear message.
-        QuantLayout(1, (0,), 8, block)
-        self.block = block
+        self.block = _check_block(block)
         if ranks_per_node is None:
             env = os.environ.get("LOCAL_WORLD_SIZE")
             ranks_per_node = int(env) if env else None

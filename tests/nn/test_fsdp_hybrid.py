@@ -274,6 +274,74 @@ def test_clear_errors_before_any_collective(nodes2x2):
         assert "not both" in r["mesh_and_group"]
 
 
+def _clip_with_mixed_strategies():
+    """Units of another strategy than the root's (NO_SHARD or hybrid units under a FULL_SHARD
+    root, FULL_SHARD units under a hybrid or NO_SHARD root): clip_grad_norm_ returns the
+    single-process norm on every rank (each gradient element counted once)."""
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0))
+    mine = x[2 * skdist.get_rank():2 * skdist.get_rank() + 2]
+    reference = MLP(WIDTH, DEPTH, seed=1)
+    reference(x).pow(2).mean().backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9).item()
+    out = {}
+    for root, inner in ((S.FULL_SHARD, S.NO_SHARD), (S.FULL_SHARD, S.HYBRID_SHARD),
+                        (S.HYBRID_SHARD, S.FULL_SHARD), (S.NO_SHARD, S.FULL_SHARD)):
+        model = FSDP(auto_wrap(MLP(WIDTH, DEPTH, seed=1),
+                               transformer_auto_wrap_policy({nn.Linear}),
+                               sharding_strategy=inner), sharding_strategy=root)
+        model(mine).pow(2).mean().backward()
+        out[(root.name, inner.name)] = abs(model.clip_grad_norm_(1e9).item() / expected - 1)
+    out["experts"] = _experts_under_a_hybrid_root(mine)
+    return out
+
+
+def _experts_under_a_hybrid_root(x) -> float:
+    """A hybrid root around one expert per rank (a unit over a group of one): the norm counts
+    the root's gradient once and every rank's expert; before, each node counted its own experts
+    only, and the replicas clipped the same gradient differently. Relative error."""
+    expert_group = [skdist.new_group([r]) for r in range(4)][skdist.get_rank()]
+    torch.manual_seed(skdist.get_rank())
+    model = FSDP(nn.Sequential(nn.Linear(WIDTH, WIDTH),
+                               FSDP(nn.Linear(WIDTH, 4), process_group=expert_group)),
+                 sharding_strategy=S.HYBRID_SHARD)
+    model(x).pow(2).mean().backward()
+    squares = {}
+    for name, unit, group in (("root", model, model.process_group),
+                              ("expert", model.module[1], None)):
+        total = torch.tensor([sum(p.grad.pow(2).sum().item() for p in unit.params)])
+        skdist.all_reduce(total, group=group)  # root: its rows; experts: every rank's own
+        squares[name] = total.item()
+    expected = (squares["root"] + squares["expert"]) ** 0.5
+    return abs(model.clip_grad_norm_(1e9).item() / expected - 1)
+
+
+def test_clip_grad_norm_with_units_of_mixed_strategies(nodes2x2):
+    for r in nodes2x2.run(_clip_with_mixed_strategies):
+        assert max(r.values()) <= 1e-4, r  # relative error (before the fix: 0.2 to 1.0)
+
+
+def _torch_strategy_enum():
+    """torch FSDP1 users pass torch's own ShardingStrategy members: each resolves by name to
+    shardkit's strategy, with its groups (shard inside the node, replicate across nodes)."""
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+    out = {}
+    for name in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "SHARD_GRAD_OP", "NO_SHARD"):
+        unit = FSDP(nn.Linear(4, 4), sharding_strategy=TorchStrategy[name])
+        replicas = None if unit.replicate_group is None else \
+            skdist.get_world_size(unit.replicate_group)
+        out[name] = (unit.sharding_strategy.name, unit.world_size, replicas,
+                     unit.reshard_after_forward)
+    return out
+
+
+def test_torch_sharding_strategy_members_are_accepted(nodes2x2):
+    for r in nodes2x2.run(_torch_strategy_enum):
+        assert r["HYBRID_SHARD"] == ("HYBRID_SHARD", 2, 2, True), r
+        assert r["_HYBRID_SHARD_ZERO2"] == ("_HYBRID_SHARD_ZERO2", 2, 2, False), r
+        assert r["SHARD_GRAD_OP"] == ("SHARD_GRAD_OP", 4, None, False), r
+        assert r["NO_SHARD"] == ("NO_SHARD", 1, 4, False), r
+
+
 def _initialize_with_hpz():
     """``zero_optimization.zero_hpz_partition_size=2`` at stage 3 against the same config
     without it: the same parameters every step, fewer elements on spanning groups."""

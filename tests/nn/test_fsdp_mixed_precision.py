@@ -84,7 +84,12 @@ def _buffers_and_scaler():
     default_buffers = FSDP(ScaledLinear(), compute_dtype=torch.bfloat16)
     out = {"buffer_dtype": model.module.scale.dtype,
            "default_buffer_dtype": default_buffers.module.scale.dtype,
-           "state_dict_buffer_dtype": default_buffers.state_dict()["scale"].dtype}
+           "state_dict_buffer_dtype": default_buffers.state_dict()["scale"].dtype,
+           "local_buffer_dtype": default_buffers.local_state_dict()["scale"].dtype,
+           "buffer_after_local": default_buffers.module.scale.dtype}
+    # a local checkpoint reloads into a mixed-precision unit (buffer cast back on copy)
+    default_buffers.load_local_state_dict(default_buffers.local_state_dict())
+    out["buffer_after_load_local"] = default_buffers.module.scale.dtype
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = ShardedGradScaler(device="cpu", init_scale=2.0 ** 8)
     x = torch.randn(4, 6)
@@ -110,6 +115,10 @@ def test_buffers_and_sharded_grad_scaler(world2):
         assert r["buffer_dtype"] == torch.float32
         assert r["default_buffer_dtype"] == torch.bfloat16
         assert r["state_dict_buffer_dtype"] == torch.float32
+        # local checkpoints keep buffers in their own dtype too (FairScale's), so that
+        # consolidate_shard_weights gives what state_dict() gives; the unit keeps computing in bf16
+        assert r["local_buffer_dtype"] == torch.float32, r
+        assert r["buffer_after_local"] == r["buffer_after_load_local"] == torch.bfloat16, r
         assert r["skipped_everywhere"] and r["scale_after_inf"] == 2.0 ** 7, r
         assert r["stepped"], r
 

@@ -323,8 +323,10 @@ def test_bad_arguments_raise_before_any_collective():
         FSDP(model, comm=QuantizedTransport(), quantize_gradients=True)
     with pytest.raises(ValueError, match="nothing to quantize"):
         QuantizedTransport(weights=False, gradients=False)
-    with pytest.raises(ValueError, match="block=100"):
-        QuantizedTransport(block=100)
+    for block in (100, 0, 4, 16384, True, 256.0):  # each named, with the valid values
+        with pytest.raises(ValueError, match=rf"QuantizedTransport\(block={block!r}\): valid "
+                                             rf"values are the powers of two from 8 to 8192"):
+            QuantizedTransport(block=block)
     with pytest.raises(ValueError, match="gradient_bits=2"):
         QuantizedTransport(gradient_bits=2)
     with pytest.raises(ValueError, match="ranks_per_node=0"):

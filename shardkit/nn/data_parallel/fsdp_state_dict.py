@@ -119,11 +119,13 @@ class FSDPStateDictMixin:
                 for p, lay in zip(u._shard.params, u._shard.layouts)}
 
     def local_state_dict(self) -> OrderedDict:
-        """This rank's shards (padded rows, cloned) and the buffers, under the original keys:
-        tensors only. Save :meth:`local_metadata_dict` beside it to reshard or consolidate.
-        No communication; memory: one shard copy."""
-        return OrderedDict((clean_name(k), v.clone())
-                           for k, v in nn.Module.state_dict(self).items())
+        """This rank's shards (padded rows, cloned) and the buffers in their original dtype (as
+        :meth:`state_dict` and FairScale give them, also under mixed precision), under the
+        original keys: tensors only. Save :meth:`local_metadata_dict` beside it to reshard or
+        consolidate. No communication; memory: one shard copy."""
+        with self._buffers_in_original_dtype():
+            return OrderedDict((clean_name(k), v.clone())
+                               for k, v in nn.Module.state_dict(self).items())
 
     def local_metadata_dict(self) -> dict:
         """World size, rank, each sharded parameter's full shape and the buffer keys: what

@@ -846,16 +846,47 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every shard's gradient so the global norm (over all ranks) is at most
-        ``max_norm``; returns that global norm (``torch.nn.utils.clip_grad_norm_`` semantics).
-        Communication: one all-reduce of one element. Call it on the root, on all ranks."""
+        ``max_norm``; returns that global norm (``torch.nn.utils.clip_grad_norm_`` semantics),
+        each gradient element counted once, also when units use different strategies (e.g.
+        ``NO_SHARD`` or hybrid units under a ``FULL_SHARD`` root, as torch FSDP1 allows).
+        Communication: one all-reduce of one element over the root's shard group; when some
+        unit's replicas or shard group differ from the root's, one more over the root's replica
+        group (if it has one). Call it on the root, on all ranks."""
         if self._is_root is False:
             raise RuntimeError("clip_grad_norm_() was called on an inner FullyShardedDataParallel "
                                "unit; call it on the root (outermost) instance")
         max_norm, norm_type = check_clip_arguments("clip_grad_norm_", max_norm, norm_type)
         self._check_idle("clip_grad_norm_")
         grads = [p.grad for p in self.parameters() if p.grad is not None]
+        measured, also_over = self._gradients_counted_once()
         return clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.process_group,
-                                           comm_device=self._comm_device())
+                                           comm_device=self._comm_device(),
+                                           measured=measured, also_over=also_over)
+
+    def _gradients_counted_once(self) -> tuple:
+        """``(measured, also_over)`` for :func:`clip_grad_norm_across_ranks`: which of this
+        rank's gradients enter the norm and which groups the partial norm is summed over after
+        the root's shard group, so that every gradient element is counted exactly once.
+
+        When every unit replicates over the root's replica group and shards inside the root's
+        shard group (one strategy throughout, experts on their own groups), summing all of this
+        rank's gradients over the root's shard group already counts each once: ``(None, ())``.
+        Otherwise (units of another strategy than the root's) each unit's gradients count on
+        the first rank of its replica group only, and the sum runs over the root's shard group
+        and then its replica group. Local, no communication."""
+        def ranks(group):
+            return None if group is None else tuple(skdist.group_ranks(group))
+
+        units = [u for u in self.sharded_units() if u._shard is not None]
+        root_shard, root_replicas = set(skdist.group_ranks(self.process_group)), \
+            ranks(self.replicate_group)
+        if all(ranks(u.replicate_group) == root_replicas
+               and set(skdist.group_ranks(u.process_group)) <= root_shard for u in units):
+            return None, ()
+        measured = [p.grad for u in units
+                    if u.replicate_group is None or skdist.get_rank(u.replicate_group) == 0
+                    for p in u.params if p.grad is not None]
+        return measured, (() if self.replicate_group is None else (self.replicate_group,))
 
 
 FSDP = FullyShardedDataParallel

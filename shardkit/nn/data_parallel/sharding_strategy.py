@@ -69,14 +69,19 @@ def resolve_sharding_strategy(strategy, reshard_after_forward: Optional[bool]
                               ) -> tuple[ShardingStrategy, bool]:
     """``(strategy, reshard_after_forward)`` from the constructor's two arguments.
 
-    ``strategy`` is a :class:`ShardingStrategy`, its name, or ``None`` (FULL_SHARD, or
-    SHARD_GRAD_OP when ``reshard_after_forward=False``: FairScale's spelling). An explicit
-    ``reshard_after_forward`` that contradicts the strategy is an error."""
+    ``strategy`` is a :class:`ShardingStrategy`, its name, a member of torch FSDP1's
+    ``torch.distributed.fsdp.ShardingStrategy`` (read by name: torch's enum has the same five),
+    or ``None`` (FULL_SHARD, or SHARD_GRAD_OP when ``reshard_after_forward=False``:
+    FairScale's spelling). An explicit ``reshard_after_forward`` that contradicts the strategy
+    is an error. Local, no communication."""
     if strategy is None:
         strategy = (ShardingStrategy.SHARD_GRAD_OP if reshard_after_forward is False
                     else ShardingStrategy.FULL_SHARD)
     elif isinstance(strategy, str) and strategy in ShardingStrategy.__members__:
         strategy = ShardingStrategy[strategy]
+    elif isinstance(strategy, enum.Enum) and not isinstance(strategy, ShardingStrategy) \
+            and strategy.name in ShardingStrategy.__members__:
+        strategy = ShardingStrategy[strategy.name]  # torch.distributed.fsdp.ShardingStrategy
     elif not isinstance(strategy, ShardingStrategy):
         raise ValueError(f"FullyShardedDataParallel(sharding_strategy={strategy!r}): valid "
                          f"values are ShardingStrategy.{{{_VALID}}} (or their names)")
