@@ -274,6 +274,36 @@ def test_clear_errors_before_any_collective(nodes2x2):
         assert "not both" in r["mesh_and_group"]
 
 
+def _pairs_that_form_no_grid():
+    """Pairs each fine on its own rank that do not form one grid: shard groups of 3 and 1
+    (every rank hung in FSDP's set-up), and replica groups joining different shards (replicas
+    would average different shards)."""
+    me = skdist.get_rank()
+
+    def mine(blocks):
+        groups = [skdist.new_group(list(b)) for b in blocks]  # on every rank, in one order
+        return next(g for g, b in zip(groups, blocks) if me in b)
+
+    cases = {"uneven": (mine([(0, 1, 2), (3,)]), mine([(0, 3), (1,), (2,)])),
+             "crossed": (mine([(0, 1), (2, 3)]), mine([(0, 3), (1, 2)]))}
+    out = {}
+    for name, pair in cases.items():
+        try:
+            FSDP(nn.Linear(4, 4), sharding_strategy=S.HYBRID_SHARD, process_group=pair)
+            out[name] = None
+        except ValueError as err:
+            out[name] = str(err)
+    return out
+
+
+def test_pairs_that_form_no_grid_are_one_error_on_every_rank(nodes2x2):
+    for r in nodes2x2.run(_pairs_that_form_no_grid):
+        assert "do not form one grid" in r["uneven"], r
+        assert "intra-node sizes [1, 3]" in r["uneven"], r
+        assert "rank 0 (shard 0 of [0, 1]) is a replica of rank 3 (shard 1 of [2, 3])" \
+            in r["crossed"], r
+
+
 def _clip_with_mixed_strategies():
     """Units of another strategy than the root's (NO_SHARD or hybrid units under a FULL_SHARD
     root, FULL_SHARD units under a hybrid or NO_SHARD root): clip_grad_norm_ returns the

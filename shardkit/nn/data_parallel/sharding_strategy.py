@@ -131,16 +131,66 @@ def _check_pair(pair) -> tuple:
                          f"takes a pair (intra_node_group, inter_node_group) or None (the "
                          f"groups of shardkit.distributed.node_groups())")
     intra, inter = pair
-    me = skdist.get_rank()
-    intra_ranks, inter_ranks = skdist.group_ranks(intra), skdist.group_ranks(inter)
-    if me not in intra_ranks or me not in inter_ranks:
-        raise ValueError(f"FullyShardedDataParallel(process_group=(intra {intra_ranks}, inter "
-                         f"{inter_ranks})): rank {me} must be in both groups")
-    if set(intra_ranks) & set(inter_ranks) != {me}:
-        raise ValueError(f"FullyShardedDataParallel(process_group=(intra {intra_ranks}, inter "
-                         f"{inter_ranks})): the groups must share only this rank ({me}); a "
-                         f"shard group and its replica group are orthogonal")
+    intra_ranks, inter_ranks = tuple(skdist.group_ranks(intra)), tuple(skdist.group_ranks(inter))
+    _check_grid(intra_ranks, inter_ranks)
     return intra, inter
+
+
+_checked_grids: set = set()  # (intra ranks, inter ranks) pairs every rank agreed on
+
+
+def _check_grid(intra: tuple, inter: tuple) -> None:
+    """The ranks' pairs must form one grid of nodes x ranks per node: each rank in both of its
+    groups and in no other rank of both, every member of a group naming the same group, the
+    shard groups (and the replica groups) all one size, and a replica group joining the ranks
+    that hold the same shard (the same place in their shard groups). Otherwise replicas would
+    average different shards, or the ranks would wait on each other's collectives. One object
+    all-gather over the world the first time a pair is seen (cached), so a mismatch, even on
+    one rank, is the same ValueError on every rank instead of a hang."""
+    if (intra, inter) in _checked_grids:
+        return
+    problems = _grid_problems(skdist.all_gather_object((intra, inter)))
+    if problems:
+        raise ValueError("FullyShardedDataParallel(process_group=(intra_node_group, "
+                         "inter_node_group)): the ranks' pairs do not form one grid of nodes x "
+                         "ranks per node:\n  " + "\n  ".join(problems[:6])
+                         + "\nBuild the pairs from shardkit.distributed.node_groups() or a 2-D "
+                         "torch DeviceMesh")
+    _checked_grids.add((intra, inter))
+
+
+def _pair_problem(r: int, intra: tuple, inter: tuple) -> Optional[str]:
+    if r not in intra or r not in inter:
+        return f"rank {r} (intra {list(intra)}, inter {list(inter)}) must be in both groups"
+    if set(intra) & set(inter) != {r}:
+        return (f"rank {r} (intra {list(intra)}, inter {list(inter)}): the groups must share "
+                f"only this rank; a shard group and its replica group are orthogonal")
+    return None
+
+
+def _grid_problems(pairs: list) -> list[str]:
+    """What keeps ``pairs`` (rank r's (intra ranks, inter ranks)) from forming one grid."""
+    problems = [p for r, pair in enumerate(pairs) for p in [_pair_problem(r, *pair)] if p]
+    if problems:
+        return problems
+    for r, (intra, inter) in enumerate(pairs):
+        for kind, group in (("intra", 0), ("inter", 1)):
+            members = pairs[r][group]
+            others = [m for m in members if pairs[m][group] != members]
+            if others:
+                problems.append(f"rank {r}'s {kind}-node group is {list(members)}, but rank "
+                                f"{others[0]}'s is {list(pairs[others[0]][group])}")
+        place = intra.index(r)
+        misplaced = [m for m in inter if pairs[m][0].index(m) != place]
+        if misplaced:
+            m = misplaced[0]
+            problems.append(f"rank {r} (shard {place} of {list(intra)}) is a replica of rank {m} "
+                            f"(shard {pairs[m][0].index(m)} of {list(pairs[m][0])})")
+    sizes = {len(intra) for intra, _ in pairs}, {len(inter) for _, inter in pairs}
+    if len(sizes[0]) > 1 or len(sizes[1]) > 1:
+        problems.append(f"the groups differ in size (intra-node sizes {sorted(sizes[0])}, "
+                        f"inter-node sizes {sorted(sizes[1])})")
+    return problems
 
 
 def groups_of_mesh(device_mesh, strategy: ShardingStrategy):
