@@ -59,6 +59,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         init_scale, growth_factor = options["init_scale"], options["growth_factor"]
         backoff_factor, growth_interval = options["backoff_factor"], options["growth_interval"]
         enabled = options["enabled"]
+        skdist.check_group(options["process_group"], "ShardedGradScaler", "process_group")
         _check_positive("init_scale", init_scale)
         _check_positive("growth_interval", growth_interval)
         if enabled and not growth_factor > 1.0:

@@ -165,5 +165,18 @@ def whole_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable],
                   step_kwargs)
         return loss
     if closure is not None:
-        return optimizer.step(closure=closure, **step_kwargs)
+        return optimizer.step(closure=_with_grad(closure), **step_kwargs)
     return optimizer.step(**step_kwargs)
+
+
+def _with_grad(closure: Callable) -> Callable:
+    """``closure`` run with autograd on. OSS's step runs under ``torch.no_grad``; torch's own
+    optimizers enable grad around the closure themselves, but an optimizer whose ``step`` just
+    calls ``closure()`` (apex-style, or written before torch 1.5) would otherwise run the
+    forward without a graph and fail in backward, where a plain torch optimizer (and FairScale's
+    OSS, which steps in the caller's grad mode) works. Lightning's automatic optimization always
+    passes a closure. Costs nothing."""
+    def closure_with_grad():
+        with torch.enable_grad():
+            return closure()
+    return closure_with_grad

@@ -314,6 +314,10 @@ class OSS(torch.optim.Optimizer):
         if not self._ready:  # torch's Optimizer.__init__ adding the initial groups
             super().add_param_group(param_group)
             return
+        if not isinstance(param_group, dict):
+            raise TypeError(f"OSS.add_param_group(param_group=<{type(param_group).__name__}>): "
+                            f"expected a dict with a 'params' key (and optional "
+                            f"hyper-parameters such as 'lr')")
         new = args.normalize_param_groups([param_group])[0]
         known = {id(p) for g in self.param_groups for p in g["params"]}
         for i, p in enumerate(new["params"]):
@@ -503,8 +507,10 @@ class OSS(torch.optim.Optimizer):
 
     @property
     def _default_device(self) -> torch.device:
-        """The device of the first parameter (FairScale's property of the same name)."""
-        return self.param_groups[0]["params"][0].device
+        """The device of the first parameter of any group (FairScale's property of the same
+        name); a group may be empty (Hugging Face's weight-decay groups can be), CPU if all are."""
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        return first.device if first is not None else torch.device("cpu")
 
     def _check_trainable_covered(self) -> None:
         for g, group in enumerate(self.param_groups):

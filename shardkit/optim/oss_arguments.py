@@ -58,10 +58,16 @@ def check_takeover_arguments(existing, optim, defaults, already_sharded: bool) -
 
 def normalize_param_groups(params) -> list[dict]:
     """``params`` as a list of group dicts with a ``params`` list, checked: tensors only, each
-    parameter in one group only, at least one parameter."""
+    parameter in one group only, at least one parameter, no set (unordered).
+
+    The caller's group dicts are kept, not copied (their ``params`` becomes a list in place),
+    as torch's ``Optimizer`` keeps them: ``OSS(params=opt.param_groups, ...)`` (Lightning's
+    call) then shares its groups with ``opt``, so a scheduler built on ``opt`` still drives OSS's
+    learning rate. No communication."""
     if isinstance(params, torch.Tensor):
         raise TypeError("OSS(params=...): got a single tensor; pass an iterable of parameters "
                         "or of param-group dicts (e.g. model.parameters())")
+    _refuse_set("OSS(params=...)", params)
     items = list(params)
     if not items:
         raise ValueError("OSS(params=[]): got an empty parameter list")
@@ -72,6 +78,7 @@ def normalize_param_groups(params) -> list[dict]:
         if "params" not in item:
             raise ValueError(f"OSS: param group {g} has no 'params' key")
         ps = item["params"]
+        _refuse_set(f"OSS: param group {g}'s 'params'", ps)
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
         for i, p in enumerate(ps):
             if not isinstance(p, torch.Tensor):
@@ -85,8 +92,19 @@ def normalize_param_groups(params) -> list[dict]:
                                  f"{seen[id(p)][0]} (item {seen[id(p)][1]}) and again in group "
                                  f"{g} (item {i}); each parameter may be in one group only")
             seen[id(p)] = (g, i)
-        groups.append({**item, "params": ps})
+        item["params"] = ps
+        groups.append(item)
     return groups
+
+
+def _refuse_set(what: str, params) -> None:
+    """A set's order differs from process to process: each rank would partition the parameters
+    differently and the sync would write one parameter's values into another (silently when
+    their shapes match). Refused, as torch refuses a set in a param group."""
+    if isinstance(params, (set, frozenset)):
+        raise TypeError(f"{what}: got a {type(params).__name__}; optimizer parameters must be "
+                        f"in an ordered collection (a list, or model.parameters()), the same "
+                        f"order on every rank")
 
 
 def check_same_model_on_every_rank(groups: list[dict], group) -> None:
@@ -94,12 +112,23 @@ def check_same_model_on_every_rank(groups: list[dict], group) -> None:
     corrupt parameters."""
     mine = [[tuple(p.shape) for p in g["params"] if p.requires_grad] for g in groups]
     every = distributed.all_gather_object(mine, group=group)
+    me = distributed.get_rank(group)
     for r, theirs in enumerate(every):
         if theirs != mine:
             raise ValueError(f"OSS: rank {r} of the group has different trainable parameters "
-                             f"(param group lengths {[len(t) for t in theirs]}) from rank "
-                             f"{distributed.get_rank(group)} ({[len(m) for m in mine]}); every "
-                             f"rank must build OSS over the same model")
+                             f"from rank {me}: {_first_difference(theirs, mine, r, me)}; every "
+                             f"rank must build OSS over the same model, in the same order")
+
+
+def _first_difference(theirs: list, mine: list, r: int, me: int) -> str:
+    """Where two ranks' trainable shapes first differ, in words (for the error above)."""
+    if len(theirs) != len(mine) or any(len(t) != len(m) for t, m in zip(theirs, mine)):
+        return (f"param group lengths {[len(t) for t in theirs]} on rank {r}, "
+                f"{[len(m) for m in mine]} on rank {me}")
+    g, i = next((g, i) for g, (t, m) in enumerate(zip(theirs, mine))
+                for i, (a, b) in enumerate(zip(t, m)) if a != b)
+    return (f"trainable parameter {i} of param group {g} has shape {theirs[g][i]} on rank {r}, "
+            f"{mine[g][i]} on rank {me}")
 
 
 def check_no_shared_storage(groups: list[dict], world_size: int) -> None:
@@ -160,4 +189,3 @@ def without_fixed_defaults(optim: type, defaults: dict) -> dict:
         return dict(defaults)
     return {k: v for k, v in defaults.items()
             if k in accepted or k not in fixed or fixed[k] != v}
-

@@ -53,6 +53,11 @@ def _check_bad_inputs():
         "step_in_backward_flag": lambda: ShardedDataParallel(model, oss, step_in_backward=1),
         "step_in_backward_lbfgs": lambda: ShardedDataParallel(model, oss_lbfgs,
                                                               step_in_backward=True),
+        # a string would read as True and silently turn the option on
+        "broadcast_buffers_str": lambda: ShardedDataParallel(model, oss, broadcast_buffers="no"),
+        "sync_at_startup_str": lambda: ShardedDataParallel(model, oss,
+                                                           sync_models_at_startup="no"),
+        "auto_refresh_none": lambda: ShardedDataParallel(model, oss, auto_refresh_trainable=None),
     }
     return {name: _error_of(build) for name, build in cases.items()}
 
@@ -71,6 +76,9 @@ EXPECTED = {
     "mixed_device_types": ("ValueError", "several types ['cpu', 'meta']"),
     "step_in_backward_flag": ("TypeError", "step_in_backward=1"),
     "step_in_backward_lbfgs": ("ValueError", "the optimizer LBFGS does not update each"),
+    "broadcast_buffers_str": ("TypeError", "broadcast_buffers='no'): expected True or False"),
+    "sync_at_startup_str": ("TypeError", "sync_models_at_startup='no'): expected True or"),
+    "auto_refresh_none": ("TypeError", "auto_refresh_trainable=None): expected True or"),
 }
 
 
@@ -451,3 +459,35 @@ def test_stale_trainable_set_warns_once_without_auto_refresh(world2):
     for r in world2.run(_stale_plan_warning):
         assert r[True] == (1, 0), r
         assert r[False] == (0, 0), r
+
+
+def _param_added_outside_the_module():
+    """A parameter that is not the module's (a learnable loss temperature) added to OSS after
+    wrapping: no hook would ever average its gradient, so its owner would step it with its own
+    batch's gradient alone. Refused at the next forward (or refresh_trainable) on every rank,
+    before any of the wrapper's collectives, as at construction."""
+    out = {}
+    for auto in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        oss = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+        ddp = ShardedDataParallel(model, oss, auto_refresh_trainable=auto)
+        temperature = nn.Parameter(torch.ones(()))
+        oss.add_param_group({"params": [temperature]})
+        with skdist.CommCounter() as comm:
+            try:
+                ddp(torch.ones(2, 4)) if auto else ddp.refresh_trainable()
+                out[auto] = None
+            except ValueError as e:
+                out[auto] = (str(e), len(comm.calls))
+    return out
+
+
+def test_parameter_added_outside_the_module_is_refused(world2):
+    for r in world2.run(_param_added_outside_the_module):
+        for auto in (True, False):
+            assert r[auto] is not None, "a parameter outside the module was accepted"
+            message, collectives = r[auto]
+            assert "param_groups[1]['params'][0] (shape ()) is not a parameter of the wrapped " \
+                   "module (its gradient would never be averaged)" in message, message
+            assert collectives == 0

@@ -148,6 +148,8 @@ def test_fairscale_positional_order_and_fp16_gradients():
     (dict(device="cpu", backoff_factor=1.5), "backoff_factor=1.5"),
     (dict(device="cpu", growth_interval=0), "growth_interval=0"),
     (dict(device="cpu", scale=8.0), "scale=.*unknown argument"),
+    # a group given by name would fail only at the first unscale_, inside the all-reduce
+    (dict(device="cpu", process_group="world"), r"process_group='world'\): must be a torch"),
 ])
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):

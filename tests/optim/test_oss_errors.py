@@ -55,3 +55,12 @@ def test_empty_and_non_tensor_params():
         OSS([], optim=torch.optim.SGD, lr=0.1)
     with pytest.raises(TypeError, match="item 1 is a str; expected a torch.Tensor"):
         OSS([torch.zeros(2, requires_grad=True), "w"], optim=torch.optim.SGD, lr=0.1)
+
+
+def test_parameters_in_a_set():
+    """A set has no order that every rank shares: each rank would partition differently and the
+    sync would swap same-shaped parameters silently. Refused before any collective."""
+    with pytest.raises(TypeError, match=r"param group 0's 'params': got a set; .*ordered"):
+        OSS([{"params": set(_params())}], optim=torch.optim.SGD, lr=0.1)
+    with pytest.raises(TypeError, match=r"OSS\(params=\.\.\.\): got a set; .*ordered"):
+        OSS(set(_params()), optim=torch.optim.SGD, lr=0.1)

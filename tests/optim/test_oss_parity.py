@@ -59,8 +59,8 @@ def _global_batch(step: int, world: int):
 
 
 def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, schedule=False,
-                takeover=False, lightning=False, scaler=False, owners_only_grads=False, closure=False,
-                broadcast_fp16=False, comm=None, unfreeze_at=None):
+                takeover=False, lightning=False, scaler=False, owners_only_grads=False,
+                closure=False, broadcast_fp16=False, comm=None, unfreeze_at=None):
     """Train DDP+OSS and the single-process oracle side by side; return the max difference
     over all steps (parameters compared after every step). ``unfreeze_at``: the frozen layer
     (in the optimizers' groups from the start) becomes trainable before that step, and gets
@@ -75,6 +75,7 @@ def _train_pair(optim_cls, hyper, *, two_groups=True, frozen=True, clip=None, sc
     elif lightning:  # Lightning 1.x's DDPShardedStrategy re-creates the user's optimizer so
         user = optim_cls(_groups(model, two_groups, hyper["lr"]), **hyper)
         opt = OSS(params=user.param_groups, optim=type(user), **user.defaults)
+        original = user  # a scheduler built before the swap stays on it
     else:
         opt = OSS(_groups(model, two_groups, hyper["lr"], with_frozen), optim=optim_cls,
                   broadcast_fp16=broadcast_fp16, comm=_transport(comm), **hyper)
@@ -156,6 +157,22 @@ def _reduce_to_owners_like_sharded_ddp(opt):
             p.grad = None
 
 
+class OldStyleSGD(torch.optim.Optimizer):
+    """An optimizer written as apex's or pre-1.5 ones: ``step`` neither runs under no_grad nor
+    enables grad around ``closure()``, and updates through ``.data``."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad.data, alpha=-group["lr"])
+        return loss
+
+
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.99), "weight_decay": 0.01})
 SGD_MOMENTUM = (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9})
 
@@ -176,6 +193,8 @@ CONFIGS = {
     "sgd_momentum": dict(opt=SGD_MOMENTUM),
     "sgd_momentum_clip": dict(opt=SGD_MOMENTUM, clip=(0.05, 2.0)),
     "sgd_closure": dict(opt=SGD_MOMENTUM, closure=True),
+    # Lightning always passes a closure; an optimizer that calls it as is must get a graph
+    "old_style_sgd_closure": dict(opt=(OldStyleSGD, {"lr": 5e-2}), closure=True),
     # a parameter's first gradient arrives after the others have momentum buffers (torch's
     # fused SGD kernel, which OSS chooses, cannot take such a mix in one call)
     "sgd_momentum_unfreeze_later": dict(opt=SGD_MOMENTUM, owners_only_grads=True, unfreeze_at=4),
@@ -185,6 +204,9 @@ CONFIGS = {
     # OSS(params=opt.param_groups, optim=type(opt), **opt.defaults): torch AdamW's defaults
     # hold decoupled_weight_decay, which its constructor does not take
     "adamw_lightning_rebuild": dict(opt=ADAMW, lightning=True),
+    # ... with the lr scheduler built on the user's optimizer before the swap: OSS must keep
+    # the given group dicts (as torch and FairScale do), or the schedule is silently ignored
+    "adamw_lightning_schedule_on_user": dict(opt=ADAMW, lightning=True, schedule="on_original"),
 }
 
 

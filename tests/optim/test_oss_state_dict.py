@@ -166,7 +166,7 @@ def _state_dict_errors():
     def catch(name, fn):
         try:
             fn()
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, TypeError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
 
     catch("never_consolidated", opt.state_dict)
@@ -177,6 +177,8 @@ def _state_dict_errors():
     opt.step()
     catch("stale_after_step", opt.state_dict)
     catch("bad_recipient", lambda: opt.consolidate_state_dict(recipient_rank=5))
+    # a bare list of parameters (torch refuses it too): named as such, not as a bad item
+    catch("add_group_not_dict", lambda: opt.add_param_group(list(model.parameters())[:1]))
     plain = torch.optim.AdamW(MLP(WIDTH, 3, out=4, seed=3).parameters())
     catch("wrong_param_count", lambda: opt.load_state_dict(_with_groups(plain.state_dict(), 2)))
     catch("wrong_group_count", lambda: opt.load_state_dict(plain.state_dict()))
@@ -213,6 +215,9 @@ def test_state_dict_errors_are_clear(world2):
     assert "not_recipient" not in rank1
     assert "consolidate_state_dict" in rank1["stale_after_step"]
     assert "recipient_rank=5" in rank0["bad_recipient"]
+    assert rank0["add_group_not_dict"] == (
+        "TypeError: OSS.add_param_group(param_group=<list>): expected a dict with a 'params' "
+        "key (and optional hyper-parameters such as 'lr')")
     assert "param group 0" in rank0["wrong_param_count"] and "parameters" in rank0[
         "wrong_param_count"]
     assert "1 param groups" in rank0["wrong_group_count"]
@@ -431,3 +436,39 @@ def test_clip_grad_norm_with_a_zero_element_parameter(world2):
     for r in world2.run(_clip_with_zero_element_parameter):
         for norm_type, (norm, expected) in r.items():
             assert norm == pytest.approx(expected, rel=1e-5), (norm_type, r)
+
+
+def _clip_with_an_empty_first_group():
+    """Hugging Face groups parameters by weight decay, and either group may be empty: OSS must
+    still find its device (the first parameter of any group) to clip."""
+    model = MLP(WIDTH, 3, out=4, seed=4)
+    opt = OSS([{"params": [], "weight_decay": 0.01},
+               {"params": list(model.parameters()), "weight_decay": 0.0}],
+              optim=torch.optim.AdamW, lr=0.1)
+    x, y = _batch(0)
+    F.mse_loss(model(x), y).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    return opt.clip_grad_norm(1e3).item(), expected
+
+
+def test_clip_grad_norm_with_an_empty_first_group(world2):
+    for norm, expected in world2.run(_clip_with_an_empty_first_group):
+        assert norm == pytest.approx(expected, rel=1e-5)
+
+
+def _models_that_differ_by_shape():
+    """Ranks that build OSS over models with as many parameters but one shape apart: the error
+    names the parameter and both shapes (not only the group lengths, which agree)."""
+    rank = distributed.get_rank()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2 + rank))
+    try:
+        OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_models_that_differ_are_named_by_shape(world2):
+    for message in world2.run(_models_that_differ_by_shape):
+        assert message is not None and "trainable parameter 2 of param group 0 has shape" in \
+            message and "(2, 3)" in message and "(3, 3)" in message, message

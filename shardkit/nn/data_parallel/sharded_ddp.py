@@ -131,6 +131,10 @@ class ShardedDataParallel(nn.Module):
                             f"{type(module).__name__}")
         optimizers = args.as_oss_list(sharded_optimizer)
         args.check_reduce_buffer_size(reduce_buffer_size)
+        args.check_bool_flags(broadcast_buffers=broadcast_buffers,
+                              sync_models_at_startup=sync_models_at_startup,
+                              auto_refresh_trainable=auto_refresh_trainable,
+                              warn_on_trainable_params_changed=warn_on_trainable_params_changed)
         if not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 0:
             raise ValueError(f"ShardedDataParallel(max_inflight_bytes={max_inflight_bytes!r}): "
                              f"must be an int >= 0 (bytes; 0 keeps one bucket in flight at most)")
@@ -329,6 +333,9 @@ class ShardedDataParallel(nn.Module):
 
     def _build_plan(self, refresh_optimizers: bool) -> None:
         if refresh_optimizers:
+            # a parameter added since (OSS.add_param_group) must be the module's too, as at
+            # construction: no hook would ever average its gradient. Local, before any collective.
+            args.check_optimizer_params_in_module(self.module, self.sharded_optimizers)
             for optimizer in self.sharded_optimizers:
                 optimizer.refresh_trainable()
         trainable = self._trainable_params()

@@ -44,6 +44,14 @@ def check_reduce_buffer_size(size) -> None:
                          f"bytes >= 0 (0: one parameter per bucket)")
 
 
+def check_bool_flags(**flags) -> None:
+    """TypeError naming the first flag that is not ``True`` or ``False`` (a string such as
+    ``"no"`` would otherwise read as true and silently turn the option on)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"ShardedDataParallel({name}={value!r}): expected True or False")
+
+
 def comm_dtype_from(reduce_fp16) -> Optional[torch.dtype]:
     """The dtype gradients travel in from ``reduce_fp16`` (``None``: the parameters' own)."""
     if reduce_fp16 is False or reduce_fp16 is None:
@@ -73,7 +81,8 @@ def common_group(process_group, optimizers):
 
 
 def check_optimizer_params_in_module(module: nn.Module, optimizers) -> None:
-    """ValueError for an optimizer parameter outside ``module`` or in two optimizers."""
+    """ValueError for an optimizer parameter outside ``module`` or in two optimizers (at
+    construction and at every re-plan, which may follow ``OSS.add_param_group``). Local."""
     in_module = {id(p) for p in module.parameters()}
     seen: dict = {}
     for i, optimizer in enumerate(optimizers):
@@ -82,8 +91,9 @@ def check_optimizer_params_in_module(module: nn.Module, optimizers) -> None:
                 if id(p) not in in_module:
                     raise ValueError(
                         f"ShardedDataParallel: sharded_optimizer[{i}].param_groups[{g}]['params']"
-                        f"[{k}] (shape {tuple(p.shape)}) is not a parameter of the wrapped module; "
-                        f"build the optimizer over module.parameters()")
+                        f"[{k}] (shape {tuple(p.shape)}) is not a parameter of the wrapped module "
+                        f"(its gradient would never be averaged); build the optimizer over "
+                        f"module.parameters(), registering such a parameter on the module first")
                 if id(p) in seen and seen[id(p)] != i:
                     raise ValueError(
                         f"ShardedDataParallel: a parameter of shape {tuple(p.shape)} is in "
