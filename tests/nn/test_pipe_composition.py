@@ -1,5 +1,6 @@
 """Every schedule under a data-parallel wrapper on each stage's replica group (2 pipelines x 2
-ranks): OSS with the stage's all-reduce, ShardedDDP + OSS, and FSDP (with ZB-H1 and ZBV too, whose
+ranks): OSS with the stage's all-reduce, ShardedDDP + OSS, torch DDP (its forwards inside
+``no_sync()``, then the stage's all-reduce), and FSDP (with ZB-H1 and ZBV too, whose
 backward is split into B and W; FSDP's sharded gradients checked as well, and ``no_sync``
 accumulation, bf16 mixed precision). Parity with one process training on the whole batch, per
 step."""
@@ -37,6 +38,9 @@ def _wrap(part, wrapper, replicas, **fsdp_options):
     from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
     from shardkit.optim import OSS
 
+    if wrapper == "ddp":  # torch DDP: forwards in no_sync(), one flat all-reduce per step
+        return (torch.nn.parallel.DistributedDataParallel(part, process_group=replicas),
+                torch.optim.SGD(part.parameters(), lr=0.1))
     if wrapper == "fsdp":  # GPT stages: a root unit over one unit per Block (resharded)
         from shardkit.models import Block
         from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
@@ -57,7 +61,7 @@ def _train(schedule_name, wrapper, model="mlp", accumulate=False, **fsdp_options
     """Worst |weight - reference weight| over this rank's stages after each step, and under FSDP
     worst |gradient shard - the reference gradient's rows| before each optimizer step. With
     ``accumulate``, each optimizer step follows two schedule steps, the first inside every
-    stage's ``no_sync()`` (FSDP only). Also the bytes of gathered parameters and unsharded
+    stage's ``no_sync()`` (FSDP and torch DDP). Also the bytes of gathered parameters and unsharded
     gradients FSDP still held after the synchronised steps (all must be released)."""
     rank = dist.get_rank()
     pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -137,7 +141,8 @@ def _full_params(module, part):
 
 def _grid():
     out = {(wrapper, name, "mlp"): _train(name, wrapper)
-           for wrapper in ("oss", "sharded_ddp", "fsdp") for name in SCHEDULES}
+           for wrapper in ("oss", "sharded_ddp", "fsdp", "ddp") for name in SCHEDULES}
+    out[("ddp", "ZBV", "mlp, no_sync")] = _train("ZBV", "ddp", accumulate=True)
     # LayerNorms, attention, embeddings (W gathers the weights of the units it needs), on 4 GPT
     # stages; no_sync accumulation over two steps (the same path under ZBV)
     out[("fsdp", "ZBV", "gpt")] = _train("ZBV", "fsdp", model="gpt")
@@ -153,3 +158,108 @@ def test_every_schedule_under_each_data_parallel_wrapper(world4):
         for key, (worst, left) in results.items():
             assert worst <= (2e-3 if "bf16" in key[2] else 1e-5), (key, rank, worst)
             assert left == 0, (key, rank, left)
+
+
+class _RaiseIn(torch.nn.Module):
+    """Identity, except that its forward raises while ``armed`` (one pipeline's batch that
+    its first stage cannot take)."""
+
+    armed = False
+
+    def forward(self, x):
+        if _RaiseIn.armed:
+            raise RuntimeError("this pipeline's first stage refuses the batch")
+        return x
+
+
+def _one_pipeline_fails(wrapper):
+    """Steps 0 and 2 train; in step 1 the first stage of pipeline 0 raises, pipeline 1 runs
+    well. Returns what each step gave (``"ok"`` or the ValueError's problem lines) and the
+    worst |weight - reference| after step 2, the reference trained on steps 0 and 2 only."""
+    rank = dist.get_rank()
+    pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pipeline, pipe_rank = rank // 2, rank % 2
+    replicas = replica_groups[pipe_rank]
+    make = lambda: torch.nn.Sequential(_RaiseIn(), *MLP(16, 4, out=4, seed=0))  # noqa: E731
+    part = split_sequential(make(), [5, 5])[pipe_rank]
+    reference = split_sequential(make(), [5, 5])
+    module, opt = _wrap(part, wrapper, replicas)
+    stage = PipelineStage(module, pipe_rank, 2, group=pipelines[pipeline],
+                          data_parallel_group=replicas if wrapper == "oss" else None)
+    schedule = Schedule1F1B(stage, 2, F.mse_loss)
+    ref_opt = torch.optim.SGD([p for r in reference for p in r.parameters()], lr=0.1)
+    half = slice(pipeline * BATCH // 2, (pipeline + 1) * BATCH // 2)
+    outcomes = []
+    for step in range(3):
+        x, y = _batch(step)
+        _RaiseIn.armed = step == 1 and pipeline == 0
+        opt.zero_grad()
+        try:
+            schedule.step(x[half], target=y[half])
+        except ValueError as err:
+            outcomes.append(str(err).splitlines()[1:-1])
+            continue
+        finally:
+            _RaiseIn.armed = False
+        outcomes.append("ok")
+        opt.step()
+        ref_opt.zero_grad()
+        F.mse_loss(reference[1](reference[0](x)), y).backward()
+        ref_opt.step()
+    worst = max((a - b).abs().max().item()
+                for a, b in zip(part.parameters(), reference[pipe_rank].parameters()))
+    return outcomes, worst
+
+
+def test_a_step_failing_in_one_pipeline_fails_in_every_pipeline(world4):
+    """The replicas' gradient all-reduce carries the step's verdict: a forward raising in one
+    pipeline is a ValueError on all four ranks (none waits in the all-reduce, none averages
+    with the next step's gradients), and training goes on as in one process."""
+    for wrapper in ("oss", "ddp"):
+        for rank, (outcomes, worst) in enumerate(world4.run(_one_pipeline_fails, wrapper)):
+            assert outcomes[0] == "ok" and outcomes[2] == "ok", (wrapper, rank, outcomes)
+            problems = " ".join(outcomes[1])
+            if rank < 2:
+                assert "stage 0, micro-batch 0: its forward raised RuntimeError: this " \
+                    "pipeline's first stage refuses the batch" in problems, (wrapper, problems)
+            else:
+                assert "the step failed in another pipeline" in problems, (wrapper, problems)
+            assert worst <= 1e-5, (wrapper, rank, worst)
+
+
+def _refused_double_reduction(wrapper):
+    """A ShardedDDP or FSDP stage given data_parallel_group over the wrapper's own ranks: the
+    stage's all-reduce would average reduced gradients with zeros (ShardedDDP's non-owners) or
+    with other ranks' shards (FSDP); ``"ddp_static"``: a torch DDP stage with static_graph.
+    The error, or None."""
+    rank = dist.get_rank()
+    pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pipeline, pipe_rank = rank // 2, rank % 2
+    replicas = replica_groups[pipe_rank]
+    part = split_sequential(MLP(16, 4, out=4, seed=0), [5, 4])[pipe_rank]
+    module, _ = _wrap(part, wrapper, replicas) if wrapper != "ddp_static" else (
+        torch.nn.parallel.DistributedDataParallel(part, process_group=replicas,
+                                                  static_graph=True), None)
+    try:
+        PipelineStage(module, pipe_rank, 2, group=pipelines[pipeline],
+                      data_parallel_group=replicas)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_data_parallel_group_beside_a_reducing_wrapper_is_refused(world4):
+    for wrapper, name in (("sharded_ddp", "ShardedDataParallel"),
+                          ("fsdp", "FullyShardedDataParallel")):
+        for rank, error in enumerate(world4.run(_refused_double_reduction, wrapper)):
+            replicas = [rank % 2, rank % 2 + 2]
+            assert error is not None and f"data_parallel_group (ranks {replicas}) shares ranks " \
+                f"{replicas} with the stage module's {name}" in error, (wrapper, rank, error)
+            assert "Pass data_parallel_group=None" in error
+    # torch DDP's static graph delays its all-reduce into a backward the pipeline runs inside
+    # no_sync(): its reducer asserts on some ranks, and the others wait
+    for error in world4.run(_refused_double_reduction, "ddp_static"):
+        assert error is not None and "the stage module is DistributedDataParallel(" \
+            "static_graph=True)" in error and "static_graph=False" in error, error

@@ -10,7 +10,10 @@ from shardkit import distributed as dist
 from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                               ScheduleInterleaved1F1B, ScheduleZBV, ScheduleZeroBubble,
                               split_sequential)
+from shardkit.models import GPT, GPTConfig, synthetic_batch
 from shardkit.nn.pipe.p2p import VERDICT_ELEMENTS, StepState
+from shardkit.nn.pipe.stage import stage_rank
+from shardkit.recipes import gpt_as_sequential, token_cross_entropy
 from shardkit.testing import world_fixture
 
 WIDTH, BATCH, STEPS = 16, 16, 10
@@ -131,7 +134,8 @@ def test_two_stages_times_two_data_parallel(world4):
     results = world4.run(_check_two_stages_two_data_parallel)
     for rank, (param_diff, losses, ref_losses, reduce_bytes, grad_bytes) in enumerate(results):
         assert param_diff <= 1e-5, (rank, param_diff)
-        assert reduce_bytes == pytest.approx(2 * (2 - 1) / 2 * grad_bytes)  # one flat all-reduce
+        # one flat all-reduce: the gradients and one element, the step's verdict
+        assert reduce_bytes == pytest.approx(2 * (2 - 1) / 2 * (grad_bytes + 4))
     # the two pipelines' half-batch losses average to the full-batch loss
     last0, last1 = results[1][1], results[3][1]
     for a, b, ref in zip(last0, last1, results[1][2]):
@@ -659,3 +663,84 @@ def test_a_stage_forward_raising_is_one_clear_error_on_every_rank(world2):
 def test_later_stage_faults_on_four_ranks(world4):
     results = world4.run(_check_faulty_steps, ["1F1B"], FOUR_STAGES, {1, 2})
     _assert_faults(results, "1F1B", FOUR_STAGES_ERRORS, FOUR_STAGES)
+
+
+TIED_GPT = GPTConfig(vocab_size=32, n_layer=2, n_head=2, d_model=16, seq_len=8, tie_weights=True)
+
+
+def _tied_gpt_stages(num_stages, placement):
+    """The tied GPT's layers, this rank's stages of it, and those stages' indices."""
+    layers = gpt_as_sequential(GPT(TIED_GPT, seed=0))
+    parts = split_sequential(layers, [2, 1, 1, 1] if num_stages == 4 else [3, 2])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = [s for s in range(num_stages) if stage_rank(s, num_stages, world, placement) == rank]
+    return parts, mine
+
+
+def _check_tied_weights():
+    """A weight tied between the first and the last stage (token embedding and head): refused
+    with the same error on every rank when another rank runs the last stage (unless frozen);
+    trained as in one process when one rank runs both (ZBV's V). Returns (error, worst
+    parameter difference)."""
+    parts, mine = _tied_gpt_stages(2, "loop")
+    try:
+        PipelineStage(parts[mine[0]], mine[0], 2)
+        error = None
+    except ValueError as err:
+        error = str(err)
+    parts, mine = _tied_gpt_stages(2, "loop")
+    parts[0][0].tok.weight.requires_grad_(False)  # a frozen tie trains no copy: allowed
+    PipelineStage(parts[mine[0]], mine[0], 2)
+    parts, mine = _tied_gpt_stages(4, "v")
+    stages = [PipelineStage(parts[s], s, 4, placement="v") for s in mine]
+    schedule = ScheduleZBV(stages, 2, token_cross_entropy)
+    params = list({id(p): p for st in stages for p in st.parameters()}.values())
+    opt = torch.optim.SGD(params, lr=0.1)
+    reference = GPT(TIED_GPT, seed=0)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    ref_parts = split_sequential(gpt_as_sequential(reference), [2, 1, 1, 1])
+    worst = 0.0
+    for step in range(2):
+        idx, target = synthetic_batch(TIED_GPT, 4, step)
+        opt.zero_grad(), ref_opt.zero_grad()
+        schedule.step(idx, target=target)
+        reference.loss(idx, target).backward()
+        opt.step(), ref_opt.step()
+        worst = max([worst] + [(a - b).abs().max().item() for s in mine for a, b in
+                               zip(parts[s].parameters(), ref_parts[s].parameters())])
+    return error, worst
+
+
+def test_tied_weights_across_ranks_are_refused_on_every_rank(world2):
+    for error, worst in world2.run(_check_tied_weights):
+        assert error is not None and "stage 0's parameter '0.tok.weight' is the same tensor " \
+            "as stage 1's '4.weight' (tied weights), but stage 1 runs on group rank 1" in error
+        assert "stage 1's parameter '4.weight'" in error and "Untie them" in error
+        assert worst <= 1e-5
+
+
+def _bad_losses():
+    """loss_fn returning per-element losses (``reduction="none"``: backward would sum them)
+    or a Python float (``.item()``), then a good one: what each step gave on this rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stage = PipelineStage(split_sequential(_model(), _balance(world))[rank], rank, world)
+    outcomes = []
+    for loss_fn in (lambda out, y: nn.functional.mse_loss(out, y, reduction="none"),
+                    lambda out, y: nn.functional.mse_loss(out, y).item(),
+                    nn.functional.mse_loss):
+        schedule = Schedule1F1B(stage, 4, loss_fn)
+        x, y = _batch(0)
+        try:
+            schedule.step(x, target=y)
+            outcomes.append("ok")
+        except ValueError as err:
+            outcomes.append(str(err))
+    return outcomes
+
+
+def test_a_loss_that_is_not_one_element_is_one_clear_error_on_every_rank(world2):
+    for vector, number, good in world2.run(_bad_losses):
+        assert "stage 1 (the last), micro-batch 0: loss_fn returned a tensor of shape (4, 4); " \
+            "expected a one-element tensor" in vector
+        assert "loss_fn returned a float; expected a one-element tensor" in number
+        assert good == "ok"

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch.nn as nn
 
-__all__ = ["split_sequential", "check_balance", "check_unique_layers"]
+__all__ = ["split_sequential", "check_balance", "check_unique_layers", "shared_parameters"]
 
 
 def check_unique_layers(module: nn.Sequential, what: str) -> None:
@@ -66,4 +66,38 @@ def split_sequential(module: nn.Sequential, balance: Sequence[int]) -> list[nn.S
     for size in parts:
         stages.append(nn.Sequential(OrderedDict(layers[start:start + size])))
         start += size
+    _mark_shared_parameters(stages)
     return stages
+
+
+SHARED_ATTR = "_pipe_shared_parameters"
+
+
+def _mark_shared_parameters(stages: list[nn.Sequential]) -> None:
+    """Record on each stage which of its parameters are the same tensor as a parameter of
+    another stage (tied weights: an embedding and the output head), as ``{name: (parameter,
+    [(stage, name there), ...])}`` in ``SHARED_ATTR``, so that :class:`PipelineStage` can
+    refuse a trainable tie between stages run by different processes (each would train its
+    own copy). Costs one pass over the parameters; nothing is recorded on stages without such
+    ties."""
+    owners: dict[int, list] = {}
+    for j, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            owners.setdefault(id(p), []).append((j, name))
+    for j, stage in enumerate(stages):
+        ties = {name: (p, [(k, other) for k, other in owners[id(p)] if k != j])
+                for name, p in stage.named_parameters()}
+        ties = {name: tie for name, tie in ties.items() if tie[1]}
+        if ties:
+            setattr(stage, SHARED_ATTR, (len(stages), ties))
+
+
+def shared_parameters(module: nn.Module) -> tuple[int, dict]:
+    """``(number of stages, {name: (parameter, [(stage, name there), ...])})`` that
+    :func:`split_sequential` recorded on ``module`` or on a module inside it (a stage wrapped
+    by a data-parallel wrapper); ``(0, {})`` when none."""
+    for m in module.modules():
+        found = getattr(m, SHARED_ATTR, None)
+        if found is not None:
+            return found
+    return 0, {}

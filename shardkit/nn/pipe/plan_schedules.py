@@ -54,7 +54,7 @@ from shardkit.nn.pipe.schedules import (COMMUNICATION_ERRORS, ActivationMemoryMe
 from shardkit.nn.pipe.fsdp_weight_sink import (ShardedGradientSink, params_outside_fsdp,
                                                stage_is_fully_sharded)
 from shardkit.nn.pipe.split_backward import GradientSink, backward_input
-from shardkit.nn.pipe.stage import PipelineStage
+from shardkit.nn.pipe.stage import PipelineStage, is_torch_ddp
 
 __all__ = ["PlanSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
            "ScheduleZeroBubble", "ScheduleZBV"]
@@ -103,8 +103,12 @@ class PlanSchedule:
        exchanges a description of the step so a mismatch raises the same error everywhere; on
        later steps a batch the first stage cannot split, a target the last stage cannot use,
        or an output that changed shape where that cannot be announced raises one error on every
-       rank of the pipeline too. With several pipelines side by side, a step that fails in one
-       pipeline only skips its gradient averaging there: give every pipeline usable batches.
+       rank of the pipeline too. With several pipelines side by side whose stages average
+       their gradients through ``data_parallel_group`` (or are torch DDP modules), the
+       verdict rides on that all-reduce (one element more), so a step that fails in one
+       pipeline raises in every pipeline. Under ShardedDDP or FSDP, which reduce inside
+       backward, a step failing in one pipeline only leaves the others waiting in their
+       reductions: give every pipeline usable batches.
     """
 
     def __init__(self, stages, chunks: int, loss_fn: Optional[Callable] = None,
@@ -240,8 +244,10 @@ class PlanSchedule:
             ValueError: on every rank, naming the stage, the micro-batch, what was expected and
                 what was found: a batch the first stage cannot split (before any work); a
                 target the last stage cannot use (not splittable into ``chunks``, or one that
-                makes ``loss_fn`` raise), a stage whose forward raises or returns what cannot
-                cross a boundary (not tensors, or a dtype a header cannot name), or a stage
+                makes ``loss_fn`` raise), a ``loss_fn`` value that is not a one-element tensor
+                (``reduction="none"``, a Python float), a stage whose forward raises or
+                returns what cannot cross a boundary (not tensors, or a dtype a header cannot
+                name), a step that failed in another pipeline (see the class), or a stage
                 output that no longer matches the shapes it announced. Found during the step,
                 these end it the same way: the stage stops computing and sends its neighbours
                 what they expect, every rank finishes the step's messages, then raises (on the
@@ -320,16 +326,18 @@ class PlanSchedule:
             getattr(self, "_run_" + action.kind)(action.stage, action.microbatch)
             seconds[action.kind] += self.busy_seconds - before
         failed = self.links.failed  # every rank knows by now; no message is left to receive
+        for s, stage in self.stages.items():
+            with self._busy():
+                self._sinks[s].deliver()  # completes what W started (FSDP reduce-scatters)
+            if grad and stage.reduce_gradients(failed) and not failed:
+                self._fail(f"stage {s}: the step failed in another pipeline (a replica of "
+                           f"this stage in its data_parallel_group said so)")
+                failed = True
         if grad and not failed:  # a forward-only step measures no B or W: no re-plan input
             self._training_steps += 1
             counts = {kind: sum(1 for a in order if a.kind == kind) for kind in seconds}
             self.action_seconds = {kind: seconds[kind] / counts[kind] for kind in seconds
                                    if counts[kind]}
-        for s, stage in self.stages.items():
-            with self._busy():
-                self._sinks[s].deliver()  # completes what W started (FSDP reduce-scatters)
-            if grad and not failed:
-                stage.reduce_gradients()
         with dist.reporting_broken_links("pipeline sends in flight at the end of the step",
                                          self.group):
             self.links.pending.wait()
@@ -440,8 +448,10 @@ class PlanSchedule:
         """Stage ``s``'s module on micro-batch ``i``; an exception there fails the step on
         every rank (re-raised at its end, chained here) and gives ``_FAILED``. Communication
         errors (a peer died or is out of step) propagate at once."""
+        module = self.stages[s].module
         try:
-            return self.stages[s].module(activation)
+            with module.no_sync() if is_torch_ddp(module) else contextlib.nullcontext():
+                return module(activation)
         except COMMUNICATION_ERRORS:
             raise
         except Exception as error:
@@ -462,13 +472,23 @@ class PlanSchedule:
 
     def _loss(self, output, i: int) -> Optional[torch.Tensor]:
         """``loss_fn`` on micro-batch ``i``; an exception there (a target that does not fit
-        the output) fails the step on every rank instead of leaving the others waiting."""
+        the output), or a value that is not a one-element tensor (``reduction="none"``: its
+        backward would sum the elements, not average them), fails the step on every rank
+        instead of leaving the others waiting."""
         try:
-            return self.loss_fn(output, self._targets[i])
+            loss = self.loss_fn(output, self._targets[i])
         except Exception as error:  # re-raised on every rank at the end of the step
             self._fail_at_last_stage(i, f"loss_fn raised {type(error).__name__}: {error}",
                                      error)
             return None
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            found = f"a tensor of shape {tuple(loss.shape)}" if isinstance(
+                loss, torch.Tensor) else f"a {type(loss).__name__}"
+            self._fail_at_last_stage(i, f"loss_fn returned {found}; expected a one-element "
+                                        f"tensor (the micro-batch's mean loss, e.g. "
+                                        f"reduction='mean')")
+            return None
+        return loss
 
     def _keep_live(self, s: int, i: int, activation, roots) -> None:
         self._live[(s, i)] = (activation, roots)

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from shardkit import distributed as dist
+from shardkit.nn.pipe.partition import shared_parameters
 
 __all__ = ["PipelineStage"]
 
@@ -48,6 +49,88 @@ def _stage_problem(stage_index, num_stages, group_rank: int, group_size: int,
     return None
 
 
+def _tie_problems(module: nn.Module, stage_index: int, num_stages: int, group_size: int,
+                  placement: str) -> list[str]:
+    """Trainable parameters of this stage that :func:`split_sequential` found to be the same
+    tensor as a parameter of a stage another rank runs: each rank would train its own copy,
+    and the copies would drift apart silently (no gradient crosses between them). A frozen
+    tie is fine."""
+    count, ties = shared_parameters(module)
+    if count != num_stages:
+        return []
+    mine = stage_rank(stage_index, num_stages, group_size, placement)
+    problems = []
+    for name, (param, others) in ties.items():
+        if not param.requires_grad:
+            continue
+        for other, other_name in others:
+            owner = stage_rank(other, num_stages, group_size, placement)
+            if owner != mine:
+                problems.append(
+                    f"stage {stage_index}'s parameter {name!r} is the same tensor as stage "
+                    f"{other}'s {other_name!r} (tied weights), but stage {other} runs on group "
+                    f"rank {owner}: each rank would train its own copy and they would drift "
+                    f"apart. Untie them before split_sequential (give one stage a copy as its "
+                    f"own nn.Parameter) and add the copies' gradients between those ranks "
+                    f"after each step, or run both stages on one rank (ScheduleZBV with "
+                    f"placement='v' runs the first and the last stage on group rank 0)")
+    return problems
+
+
+def _double_reduction_problems(module: nn.Module, data_parallel_group) -> list[str]:
+    """A ``data_parallel_group`` sharing ranks with the group of a stage module that reduces
+    its gradients itself (ShardedDataParallel: each gradient to its owner; FSDP: sharded):
+    the stage's all-reduce would average what is already reduced with zeros or with other
+    ranks' shards. A group across replicas of the same shards (hybrid: it meets the
+    wrapper's group in this rank only) is fine. Local; no communication."""
+    if data_parallel_group is None:
+        return []
+    from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
+
+    replicas = set(dist.group_ranks(data_parallel_group))
+    for m in module.modules():
+        if not isinstance(m, (ShardedDataParallel, FullyShardedDataParallel)):
+            continue
+        shared = sorted(replicas & set(dist.group_ranks(m.process_group)))
+        if len(shared) > 1:
+            return [f"data_parallel_group (ranks {sorted(replicas)}) shares ranks {shared} "
+                    f"with the stage module's {type(m).__name__}, which reduces the gradients "
+                    f"over its own process group in backward; averaging them again over "
+                    f"data_parallel_group would mix in zeros or other ranks' shards. Pass "
+                    f"data_parallel_group=None"]
+    return []
+
+
+def is_torch_ddp(module: nn.Module) -> bool:
+    """Whether ``module`` is torch's ``DistributedDataParallel`` (whose reducer expects one
+    backward per forward, so a pipeline runs its forwards inside ``no_sync()`` and averages
+    its gradients itself at the end of the step)."""
+    return isinstance(module, nn.parallel.DistributedDataParallel)
+
+
+def _replica_group(module: nn.Module, data_parallel_group) -> tuple:
+    """The group this stage's gradients are averaged over: ``data_parallel_group``, or the
+    process group of a torch ``DistributedDataParallel`` stage module (which must be the same
+    ranks when both are given, and not ``static_graph``), and what is wrong. Local; no
+    communication."""
+    if not is_torch_ddp(module):
+        return data_parallel_group, []
+    if module.static_graph:
+        return data_parallel_group, [
+            "the stage module is DistributedDataParallel(static_graph=True); a pipeline runs "
+            "its forwards inside no_sync() (one backward per micro-batch) and averages the "
+            "gradients itself, where static_graph's delayed all-reduce cannot run: build the "
+            "DDP module with static_graph=False"]
+    if data_parallel_group is not None and \
+            dist.group_ranks(data_parallel_group) != dist.group_ranks(module.process_group):
+        return data_parallel_group, [
+            f"data_parallel_group has ranks {dist.group_ranks(data_parallel_group)}, but the "
+            f"DistributedDataParallel stage module's process group has "
+            f"{dist.group_ranks(module.process_group)}; pass the DDP module's process group "
+            f"or None"]
+    return module.process_group, []
+
+
 class PipelineStage:
     """Stage ``stage_index`` of a ``num_stages``-stage pipeline, run by this process.
 
@@ -61,7 +144,8 @@ class PipelineStage:
     With several pipelines side by side (data parallelism across pipelines), pass
     ``data_parallel_group``: the group of ranks that run this same stage in the other
     pipelines. After the last backward of each step the schedule calls
-    :meth:`reduce_gradients`, which averages this stage's gradients over that group.
+    :meth:`reduce_gradients`, which averages this stage's gradients over that group and tells
+    every replica whether the step failed in any pipeline (each then raises).
 
     Args:
         module: this stage's layers (e.g. one part of :func:`split_sequential`). It gets what
@@ -70,7 +154,13 @@ class PipelineStage:
         stage_index: which stage this is; must equal this process's rank in ``group``.
         num_stages: number of stages; must equal the size of ``group``.
         group: the pipeline's process group (``None``: the default group).
-        data_parallel_group: optional group over which gradients are averaged every step.
+        data_parallel_group: optional group over which gradients are averaged every step;
+            leave it ``None`` for a ShardedDataParallel or FullyShardedDataParallel stage
+            module, which reduces its gradients itself (a ``ValueError`` otherwise).
+            A torch ``DistributedDataParallel`` stage module brings its own (its
+            ``process_group``): the schedule runs its forwards inside ``no_sync()`` (its
+            reducer expects one backward per forward, a pipeline runs one per micro-batch) and
+            averages the gradients in one flat all-reduce after the step's last backward.
         placement: with more stages than ranks, which rank runs which stage: ``"loop"``
             (default; stage ``s`` on group rank ``s % p``, for :class:`ScheduleInterleaved1F1B`)
             or ``"v"`` (``2p`` stages, rank ``r`` runs stages ``r`` and ``2p-1-r``, for
@@ -80,11 +170,16 @@ class PipelineStage:
     Memory: this stage's parameters and gradients only; activations as the schedule keeps
     them. Communication per step: each micro-batch's activations sent forward once and their
     gradients sent back once (``send`` counts their bytes), plus one all-reduce of this stage's
-    gradients, ``2(d-1)/d`` of their bytes, with a data-parallel group of ``d`` ranks.
+    gradients and one element more (whether the step failed in some pipeline), ``2(d-1)/d`` of
+    their bytes, with a data-parallel group of ``d`` ranks.
 
-    .. warning:: The constructor exchanges ``(stage_index, num_stages)`` over ``group`` (one
-       small all-gather) so every rank raises the same error on a mismatch: construct the
-       stages on all ranks of the group.
+    Tied weights (a parameter :func:`split_sequential` put in two stages, as a GPT's token
+    embedding and output head) are refused when another rank runs the other stage: each rank
+    would train its own copy. They work when one rank runs both stages (``placement="v"``).
+
+    .. warning:: The constructor exchanges ``(stage_index, num_stages)`` and what it found
+       wrong over ``group`` (one small all-gather) so every rank raises the same error on a
+       mismatch or a tie across ranks: construct the stages on all ranks of the group.
     """
 
     def __init__(self, module: nn.Module, stage_index: int, num_stages: int, group=None,
@@ -97,20 +192,27 @@ class PipelineStage:
         if group_rank < 0:
             raise ValueError(f"PipelineStage(group=...): global rank {dist.get_rank()} is not "
                              f"a member of the pipeline group")
-        views = dist.all_gather_object((stage_index, num_stages, placement), group=group)
+        local = [] if _stage_problem(stage_index, num_stages, group_rank, group_size,
+                                     placement) else \
+            _tie_problems(module, stage_index, num_stages, group_size, placement)
+        local += _double_reduction_problems(module, data_parallel_group)
+        replicas, wrong = _replica_group(module, data_parallel_group)
+        local += wrong
+        views = dist.all_gather_object((stage_index, num_stages, placement, local), group=group)
         problems = []
-        for rank, (index, count, where) in enumerate(views):
+        for rank, (index, count, where, found) in enumerate(views):
             problem = _stage_problem(index, count, rank, group_size, where)
             if problem:
                 problems.append(f"group rank {rank}: {problem}")
+            problems += [f"group rank {rank}: {p}" for p in found]
         if problems:
-            raise ValueError("PipelineStage: the ranks of the pipeline group disagree on the "
-                             "stages:\n  " + "\n  ".join(problems))
+            raise ValueError("PipelineStage: the pipeline group's stages cannot run "
+                             "together:\n  " + "\n  ".join(problems))
         self.module = module
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.group = group
-        self.data_parallel_group = data_parallel_group
+        self.data_parallel_group = replicas
         self.placement = placement
         self.group_size = group_size
         self.prev_rank = self.global_rank_of(stage_index - 1) if stage_index > 0 else None
@@ -134,28 +236,38 @@ class PipelineStage:
         """This stage's parameters (those of its module)."""
         return self.module.parameters()
 
-    def reduce_gradients(self) -> None:
-        """Average this stage's gradients over ``data_parallel_group`` (one flat all-reduce).
+    def reduce_gradients(self, failed: bool = False) -> bool:
+        """Average this stage's gradients over ``data_parallel_group`` (one flat all-reduce),
+        and share whether the step failed: ``failed`` (this pipeline's step failed) rides as
+        one more element, and the return value is whether the step failed in any replica's
+        pipeline (the gradients then belong to no whole step: zero them). Every replica takes
+        part, failed or not, so none is left waiting in the all-reduce.
 
-        No-op without a data-parallel group or with a group of one rank. Parameters that
-        require grad but got none are treated as zero gradients (and then hold them).
+        No-op (returns ``failed``) without a data-parallel group or with a group of one rank,
+        and inside a torch ``DistributedDataParallel`` stage module's ``no_sync()`` (its
+        gradients accumulate locally until a step outside it averages them all, as under
+        DDP). Parameters that require grad but got none are treated as zero gradients (and
+        then hold them).
         """
         group = self.data_parallel_group
         if group is None or dist.get_world_size(group) == 1:
-            return
+            return failed
+        if is_torch_ddp(self.module) and not self.module.require_backward_grad_sync:
+            return failed
         params = [p for p in self.module.parameters() if p.requires_grad]
-        if not params:
-            return
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dtype = params[0].grad.dtype if params else torch.float32
+        flat = torch.cat([p.grad.reshape(-1) for p in params]
+                         + [torch.tensor([float(failed)], dtype=dtype)])
         dist.all_reduce(flat, group=group)
         flat.div_(dist.get_world_size(group))
         offset = 0
         for p in params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
             offset += p.numel()
+        return bool(flat[-1] > 0)
 
     def __repr__(self) -> str:
         return (f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, "
