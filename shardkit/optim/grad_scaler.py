@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from shardkit import distributed as skdist
+from shardkit.optim.oss import STEPPED_WITH_SCALED_GRADS
 
 __all__ = ["ShardedGradScaler"]
 
@@ -75,12 +76,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         if getattr(optimizer, "_stepped_in_backward", None) is not None:
             # before the collective: every rank of such an OSS stepped in the same backward
-            raise RuntimeError("ShardedGradScaler: the last backward already stepped the "
-                               "parameters with the scaled gradients "
-                               "(ShardedDataParallel(step_in_backward=True)), so they can be "
-                               "neither unscaled nor skipped on inf/nan; build "
-                               "ShardedDataParallel with step_in_backward=False to use loss "
-                               "scaling")
+            raise RuntimeError("ShardedGradScaler: " + STEPPED_WITH_SCALED_GRADS)
         # FairScale's scaler unscales fp16 gradients too (torch's refuses them)
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
         return self._found_inf_on_any_rank(per_device, found_inf.device)

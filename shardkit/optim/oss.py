@@ -33,6 +33,14 @@ from shardkit.utils.grad_norm import check_clip_arguments, clip_grad_norm_across
 
 __all__ = ["OSS"]
 
+# Why loss scaling cannot follow a step begun in backward (OSS.step's and ShardedGradScaler's
+# refusals share it).
+STEPPED_WITH_SCALED_GRADS = ("the last backward already stepped the parameters with the scaled "
+                             "gradients (ShardedDataParallel(step_in_backward=True)), so they "
+                             "can be neither unscaled nor skipped on inf/nan; build "
+                             "ShardedDataParallel with step_in_backward=False to use loss "
+                             "scaling")
+
 
 class OSS(torch.optim.Optimizer):
     """Wrap a torch optimizer so that each rank holds and steps only its share of the state.
@@ -463,11 +471,7 @@ class OSS(torch.optim.Optimizer):
             return
         for name in ("grad_scale", "found_inf"):  # the scaler deletes them only if step returns
             self.__dict__.pop(name, None)
-        raise RuntimeError("OSS.step: called by a GradScaler, but the last backward already "
-                           "stepped the parameters with the scaled gradients "
-                           "(ShardedDataParallel(step_in_backward=True)), so they can be neither "
-                           "unscaled nor skipped on inf/nan; build ShardedDataParallel with "
-                           "step_in_backward=False to use loss scaling")
+        raise RuntimeError("OSS.step: called by a GradScaler, but " + STEPPED_WITH_SCALED_GRADS)
 
     def _finish_step_begun_in_backward(self, closure, kwargs):
         self._refuse_loss_scaling()

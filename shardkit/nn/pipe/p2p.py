@@ -310,10 +310,7 @@ class TaggedLinks:
                 return self._changed_output(boundary, index, known, meta)
             known = None
         if known is None:
-            header = meta.encode()
-            self._send(HEADER, boundary, index,
-                       [torch.tensor([header.numel()], dtype=torch.int64), header], peer)
-            self.metas[(boundary, index)] = meta
+            self._announce(boundary, index, meta, peer)
         self._send_data(boundary, index, tensors, peer)
         return None
 
@@ -323,12 +320,18 @@ class TaggedLinks:
         ``VOID`` header and its one byte, which tell the receiver the step failed."""
         known = self.metas.get((boundary, index))
         if known is None:
-            header = VOID.encode()
-            self._send(HEADER, boundary, index,
-                       [torch.tensor([header.numel()], dtype=torch.int64), header], peer)
-            self.metas[(boundary, index)] = known = VOID
+            self._announce(boundary, index, VOID, peer)
+            known = VOID
         self._send_data(boundary, index, [torch.zeros(m.shape, dtype=m.dtype)
                                           for m in known.tensors], peer)
+
+    def _announce(self, boundary, index, meta: ActivationMeta, peer) -> None:
+        """Send ``meta`` as micro-batch ``index``'s header over ``boundary`` (its length, then
+        the int64 description) and cache it on this side, as the receiver does."""
+        header = meta.encode()
+        self._send(HEADER, boundary, index,
+                   [torch.tensor([header.numel()], dtype=torch.int64), header], peer)
+        self.metas[(boundary, index)] = meta
 
     def _send_data(self, boundary, index, tensors, peer) -> None:
         if self.lead is not None and boundary == self.lead[0] and index < LEAD_WINDOW:

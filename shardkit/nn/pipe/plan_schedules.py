@@ -366,10 +366,15 @@ class PlanSchedule:
             self._faults.append(problem)
             self._fault_cause = cause
 
+    def _fail_at(self, s: int, index: int, problem: str,
+                 cause: Optional[BaseException] = None) -> None:
+        """:meth:`_fail` with the stage and micro-batch named ("stage 3 (the last), ...")."""
+        last = " (the last)" if s == self.num_stages - 1 else ""
+        self._fail(f"stage {s}{last}, micro-batch {index}: {problem}", cause)
+
     def _fail_at_last_stage(self, index: int, problem: str,
                             cause: Optional[BaseException] = None) -> None:
-        self._fail(f"stage {self.num_stages - 1} (the last), micro-batch {index}: {problem}",
-                   cause)
+        self._fail_at(self.num_stages - 1, index, problem, cause)
 
     def _step_targets(self, index: int) -> list:
         """The target's micro-batches, checked at the last stage's first forward of the step
@@ -428,7 +433,7 @@ class PlanSchedule:
         else:
             outputs, problem = output_tensors(output)
             if problem:
-                self._fail(f"stage {s}, micro-batch {i}: {problem}")
+                self._fail_at(s, i, problem)
                 self._skip_forward(s, i, activation)
                 return
             packed_out = not isinstance(output, torch.Tensor)
@@ -455,9 +460,7 @@ class PlanSchedule:
         except COMMUNICATION_ERRORS:
             raise
         except Exception as error:
-            last = " (the last)" if s == self.num_stages - 1 else ""
-            self._fail(f"stage {s}{last}, micro-batch {i}: its forward raised "
-                       f"{type(error).__name__}: {error}", error)
+            self._fail_at(s, i, f"its forward raised {type(error).__name__}: {error}", error)
             return _FAILED
 
     def _skip_forward(self, s: int, i: int, activation) -> None:
