@@ -176,13 +176,14 @@ def test_1f1b_keeps_at_most_num_stages_microbatches_alive(world2):
     # bytes on the wire per step: each stage sends one activation (or its gradient) per
     # micro-batch: 64 rows x 16 features x 4 bytes in all, no shape headers after the first step;
     # stage 0's micro-batch 0 carries the step state, 3 more float32 elements, and the last
-    # message each way the step's verdict, 1 more, in the same sends
+    # message each way the step's verdict, 1 more, in the same sends; at the end of a training
+    # step rank 1 tells rank 0 its verdict and rank 0 tells it the outcome, one byte each way
     for name in ("ScheduleGPipe", "Schedule1F1B"):
         for rank in range(2):
             _, _, _, send_bytes, send_calls = results[rank][name]
             state_bytes = StepState.BITS * 4 if rank == 0 else 0
-            assert send_bytes == 64 * WIDTH * 4 + state_bytes + VERDICT_ELEMENTS * 4
-            assert send_calls == 8
+            assert send_bytes == 64 * WIDTH * 4 + state_bytes + VERDICT_ELEMENTS * 4 + 1
+            assert send_calls == 8 + 1
 
 
 def _mismatched_stage_counts():
@@ -448,7 +449,20 @@ class _Narrow(nn.Module):
             raise RuntimeError(f"stage {self.stage} refuses this micro-batch")
         if width == "uint16":  # a dtype no header can name
             return x.to(torch.uint16)
+        if width == "backward":  # a gradient this stage refuses
+            return _RefusingBackward.apply(x, self.stage)
         return x[:, :width]
+
+
+class _RefusingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, stage):
+        ctx.stage = stage
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(f"stage {ctx.stage} refuses this gradient")
 
 
 class _Pad(nn.Module):
@@ -658,6 +672,78 @@ def test_a_stage_forward_raising_is_one_clear_error_on_every_rank(world2):
     results = world2.run(_check_faulty_steps, ["interleaved", "ZBV"], RAISING_FOUR, {1, 2})
     for name in ("interleaved", "ZBV"):
         _assert_faults(results, name, RAISING_FOUR_ERRORS, RAISING_FOUR)
+
+
+# a stage's backward raising (a custom autograd function refusing its gradient) on one
+# micro-batch: the first and the last stage, a middle micro-batch, an evaluation step (no
+# backward: it goes through), four stages on two ranks (local hand-off under ZBV)
+def _refusing(stage, mb):
+    return {stage: [WIDTH if k != mb else "backward" for k in range(4)]}
+
+
+BACKWARD_RAISED = ("stage {}{}, micro-batch {}: its backward raised RuntimeError: stage {} "
+                   "refuses this gradient")
+BACKWARD_TWO = (("train", 0, 16, _refusing(0, 1)), ("train", 1, 16, {}),
+                ("train", 2, 16, _refusing(1, 3)), ("eval", 3, 16, {0: "backward"}),
+                ("train", 4, 16, {}))
+BACKWARD_TWO_ERRORS = (BACKWARD_RAISED.format(0, "", 1, 0), None,
+                       BACKWARD_RAISED.format(1, " (the last)", 3, 1), None, None)
+BACKWARD_FOUR = (("train", 0, 16, _refusing(1, 0)), ("train", 1, 16, {}),
+                 ("train", 2, 16, _refusing(2, 2)), ("train", 3, 16, {}))
+BACKWARD_FOUR_ERRORS = (BACKWARD_RAISED.format(1, "", 0, 1), None,
+                        BACKWARD_RAISED.format(2, "", 2, 2), None)
+
+
+def test_a_stage_backward_raising_is_one_clear_error_on_every_rank(world2):
+    """Without this, the raising rank left the step and its neighbours waited for gradients
+    that never came."""
+    results = world2.run(_check_faulty_steps, ["GPipe", "1F1B", "ZB-H1"], BACKWARD_TWO, {0, 1})
+    for name in ("GPipe", "1F1B", "ZB-H1"):
+        _assert_faults(results, name, BACKWARD_TWO_ERRORS, BACKWARD_TWO)
+    results = world2.run(_check_faulty_steps, ["interleaved", "ZBV"], BACKWARD_FOUR, {1, 2})
+    for name in ("interleaved", "ZBV"):
+        _assert_faults(results, name, BACKWARD_FOUR_ERRORS, BACKWARD_FOUR)
+
+
+def _raising_weight_hook(schedule_cls):
+    """A hook on a parameter of the last stage raising on the first step (ZB-H1 runs it when
+    it hands the step's weight gradients to the parameters, after that stage's last message):
+    what each of 3 steps gave on this rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = split_sequential(_model(), _balance(world))[rank]
+    stage = PipelineStage(module, rank, world)
+    schedule = schedule_cls(stage, 4, nn.functional.mse_loss)
+    opt = torch.optim.Adam(stage.parameters(), lr=1e-2)
+    armed = [rank == world - 1]
+
+    def refuse(param):
+        if armed[0]:
+            raise RuntimeError("the hook refuses")
+
+    next(module.parameters()).register_post_accumulate_grad_hook(refuse)
+    outcomes = []
+    for step in range(3):
+        x, y = _batch(step)
+        opt.zero_grad()
+        try:
+            loss = schedule.step(x, target=y)
+            opt.step()
+            outcomes.append(None if loss is None else loss.item())
+        except ValueError as error:
+            outcomes.append(str(error))
+        armed[0] = False
+    return outcomes
+
+
+def test_a_gradient_hook_raising_is_one_clear_error_on_every_rank(world2):
+    _, ref_losses = _reference_steps([("train", step, BATCH) for step in (1, 2)])
+    for schedule_cls in (ScheduleZeroBubble, Schedule1F1B):
+        results = world2.run(_raising_weight_hook, schedule_cls)
+        assert results[0][0] == results[1][0], results  # the same error on both ranks
+        assert "rank 1: stage 1" in results[0][0] and "RuntimeError: the hook refuses" \
+            in results[0][0], results[0][0]
+        assert results[0][1:] == [None, None]
+        assert results[1][1:] == pytest.approx(ref_losses, abs=1e-5)
 
 
 def test_later_stage_faults_on_four_ranks(world4):

@@ -16,8 +16,9 @@ knows. With one stage per rank, a stage whose output shapes change with the data
 turns "as before" into "new" for the ranks after it, on micro-batch 0.
 
 What only a later stage can see (a target it cannot use, an output that no longer matches the
-shapes it announced, an exception in a stage's forward or in ``loss_fn``) travels as the step's
-*verdict*: one element riding on the last message across each boundary, each way. A rank that
+shapes it announced, an exception in a stage's forward, backward or ``loss_fn``) travels as the
+step's *verdict*: one element riding on the last message across each boundary, each way, and, at
+the end of a training step, through group rank 0 (:meth:`TaggedLinks.settle`). A rank that
 finds such a problem stops computing and goes on sending what its neighbours expect (zeros of
 the announced shapes, or a ``VOID`` header where none were announced yet), so every rank runs
 its whole step, learns the verdict on the way, and raises the same error at the end; the cached
@@ -40,7 +41,7 @@ __all__ = ["TensorMeta", "ActivationMeta", "StepState", "batch_signature", "Pend
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
-ACTIVATION, GRADIENT, HEADER, LEAD, VERDICT = 0, 1, 2, 3, 4  # message kinds, part of every tag
+ACTIVATION, GRADIENT, HEADER, LEAD, VERDICT, SETTLE = 0, 1, 2, 3, 4, 5  # kinds, part of tags
 MAX_TENSORS = 16
 LEAD_WINDOW = 4  # micro-batches a receiver posts before it knows the step state
 VERDICT_ELEMENTS = 1  # the verdict's elements on the last message across a boundary, each way
@@ -221,7 +222,8 @@ class TaggedLinks:
         what = {ACTIVATION: f"stage {boundary}'s output", HEADER: f"stage {boundary}'s output "
                 f"header", GRADIENT: f"the gradient of stage {boundary}'s output",
                 LEAD: f"stage {boundary}'s output with the step state",
-                VERDICT: f"the step's verdict from stage {boundary + 1}"}[kind]
+                VERDICT: f"the step's verdict from stage {boundary + 1}",
+                SETTLE: "the training step's final verdict"}[kind]
         way = "to" if verb == "send" else "from"
         return dist.reporting_broken_links(
             f"pipeline {verb} of {what} (micro-batch {index}) {way} rank {peer}", self.group)
@@ -385,6 +387,34 @@ class TaggedLinks:
         for b, m in zip(buffers, meta.tensors):
             b.requires_grad_(m.requires_grad)
         return tuple(buffers), meta.packed
+
+    # ------------------------------------------------------------------ the final verdict
+    def settle(self, ranks: list) -> None:
+        """End a training step's verdict (``ranks``: the group's global ranks, this rank's
+        place in them given by ``group``): every other rank tells group rank 0 what it knows,
+        and rank 0, which runs stage 0 and so ends the step with its last backward, tells each
+        the outcome (2 one-byte messages per rank and step). Needed because a stage's backward
+        (or W) that raises comes after its last message downstream; rank 0 waits for nothing
+        it would not have waited for anyway, the others for one message."""
+        me, first = dist.get_rank(self.group), ranks[0]
+        tag = self._tag(SETTLE, 0, 0)
+        if me == 0:
+            heard = [torch.zeros(1, dtype=torch.uint8) for _ in ranks[1:]]
+            for peer, flag in zip(ranks[1:], heard):
+                with self._reporting("receive", SETTLE, 0, 0, peer):
+                    work = dist.irecv(flag, peer, group=self.group, tag=tag)
+                self._wait([work], SETTLE, 0, 0, peer)
+                self._learn(flag)
+            outcome = torch.tensor([int(self.failed)], dtype=torch.uint8)
+            for peer in ranks[1:]:
+                self._send(SETTLE, 0, 0, [outcome], peer)
+            return
+        self._send(SETTLE, 0, 0, [torch.tensor([int(self.failed)], dtype=torch.uint8)], first)
+        outcome = torch.zeros(1, dtype=torch.uint8)
+        with self._reporting("receive", SETTLE, 0, 0, first):
+            work = dist.irecv(outcome, first, group=self.group, tag=tag)
+        self._wait([work], SETTLE, 0, 0, first)
+        self._learn(outcome)
 
     # ------------------------------------------------------------------ gradients
     def send_gradient(self, boundary, index, grads, peer) -> None:

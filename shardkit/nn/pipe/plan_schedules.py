@@ -59,7 +59,7 @@ from shardkit.nn.pipe.stage import PipelineStage, is_torch_ddp
 __all__ = ["PlanSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
            "ScheduleZeroBubble", "ScheduleZBV"]
 
-_FAILED = object()  # a stage forward that raised (the step fails)
+_FAILED = object()  # a stage forward or backward that raised (the step fails)
 
 _LOOKAHEAD = 4
 _REPLAN_AT = 2  # training steps; the first's timings include one-off costs (allocation, autograd)
@@ -139,10 +139,12 @@ class PlanSchedule:
         self.links = TaggedLinks(self.group, self.num_stages, chunks,
                                  reannounce=self.num_stages == self.num_ranks)
         self.links.carriers = last_messages(self.plan)
+        self._group_ranks = [dist.get_global_rank(self.group, r) for r in range(self.num_ranks)]
         self.activation_memory = ActivationMemoryMeter() if track_activation_memory else None
         self.weight_grad_merge = min(chunks, weight_grad_merge or self.default_merge())
         self._whole_backward = {s: _runs_whole_backward(stage) for s, stage in
                                 self.stages.items()}
+        self._reducing = {s: _reduces_during_backward(stage) for s, stage in self.stages.items()}
         self.peak_live_microbatches = 0
         self.busy_seconds = 0.0
         self.action_seconds: dict = {}
@@ -245,16 +247,19 @@ class PlanSchedule:
                 what was found: a batch the first stage cannot split (before any work); a
                 target the last stage cannot use (not splittable into ``chunks``, or one that
                 makes ``loss_fn`` raise), a ``loss_fn`` value that is not a one-element tensor
-                (``reduction="none"``, a Python float), a stage whose forward raises or
-                returns what cannot cross a boundary (not tensors, or a dtype a header cannot
-                name), a step that failed in another pipeline (see the class), or a stage
-                output that no longer matches the shapes it announced. Found during the step,
-                these end it the same way: the stage stops computing and sends its neighbours
-                what they expect, every rank finishes the step's messages, then raises (on the
-                rank that caught an exception, chained to it), so the pipeline stays usable;
-                ``.grad`` may hold part of the step's gradients, so zero them before the next
-                step. The next step repeats the first step's checks (one small all-gather).
-                A communication error inside a stage (a peer died) propagates at once."""
+                (``reduction="none"``, a Python float), a stage whose forward or backward
+                (or a gradient hook) raises, or whose output cannot cross a boundary (not
+                tensors, or a dtype a header cannot name), a step that failed in another
+                pipeline (see the class), or a stage output that no longer matches the shapes
+                it announced. Found during the step, these end it the same way: the stage
+                stops computing and sends its neighbours what they expect, every rank
+                finishes the step's messages, then raises (on the rank that caught an
+                exception, chained to it), so the pipeline stays usable; ``.grad`` may hold
+                part of the step's gradients, so zero them before the next step. The next
+                step repeats the first step's checks (one small all-gather). A communication
+                error inside a stage (a peer died) propagates at once, and so does a backward
+                raising inside a ShardedDataParallel or FSDP stage that has replicas (their
+                gradient reduction is already under way)."""
         if not self._checked:
             self._check_first_step(inputs, target)
         self._prepare_step()  # before _start_step, which waits for micro-batch 0 off rank 0
@@ -325,10 +330,12 @@ class PlanSchedule:
             before = self.busy_seconds
             getattr(self, "_run_" + action.kind)(action.stage, action.microbatch)
             seconds[action.kind] += self.busy_seconds - before
+        for s in self.stages:  # completes what W started (FSDP reduce-scatters); hooks run
+            self._backward(s, None, self._sinks[s].deliver)
+        if grad and self.num_ranks > 1:  # a backward that raised may not have been heard yet
+            self.links.settle(self._group_ranks)
         failed = self.links.failed  # every rank knows by now; no message is left to receive
         for s, stage in self.stages.items():
-            with self._busy():
-                self._sinks[s].deliver()  # completes what W started (FSDP reduce-scatters)
             if grad and stage.reduce_gradients(failed) and not failed:
                 self._fail(f"stage {s}: the step failed in another pipeline (a replica of "
                            f"this stage in its data_parallel_group said so)")
@@ -523,30 +530,50 @@ class PlanSchedule:
         # gradient hooks (data-parallel wrappers, FSDP) see one plain backward per micro-batch
         activation, roots = self._live.pop((s, i))
         grads = self._output_grads(s, i)
-        if roots:
-            with self._busy():
-                torch.autograd.backward(roots, grads)
-        self._send_input_grads(s, i, activation, [a.grad for a in activation])
+        failed = roots and self._backward(
+            s, i, lambda: torch.autograd.backward(roots, grads)) is _FAILED
+        input_grads = [None] * len(activation) if failed else [a.grad for a in activation]
+        self._send_input_grads(s, i, activation, input_grads)
         self._alive -= 1
 
     def _run_B(self, s: int, i: int) -> None:
         activation, roots = self._live.pop((s, i))
         grads = self._output_grads(s, i)
-        if roots:
-            with self._busy():
-                params = self._sinks[s].weight_targets(roots)
-                input_grads, weight_pass = backward_input(roots, grads, activation, params)
-        else:
-            input_grads, weight_pass = [None] * len(activation), None
-        self._weights[(s, i)] = weight_pass
+        result = self._backward(s, i, lambda: backward_input(
+            roots, grads, activation, self._sinks[s].weight_targets(roots))) if roots else None
+        if result is None or result is _FAILED:
+            result = [None] * len(activation), None
+        input_grads, self._weights[(s, i)] = result
         self._send_input_grads(s, i, activation, input_grads)
 
     def _run_W(self, s: int, i: int) -> None:
         weight_pass = self._weights.pop((s, i))
         if weight_pass is not None:
-            with self._busy():
-                self._sinks[s].run(weight_pass)
+            self._backward(s, i, lambda: self._sinks[s].run(weight_pass))
         self._alive -= 1
+
+    def _backward(self, s: int, i: Optional[int], run: Callable):
+        """``run()``, a backward part of stage ``s`` on micro-batch ``i`` (``None``: handing
+        the step's weight gradients to the parameters); an exception there (a custom autograd
+        function or a gradient hook raising, a tensor modified in place) fails the step on
+        every rank as a forward's does: the stage sends zero input gradients and gives
+        ``_FAILED``. Communication errors propagate at once, and so does any exception in a
+        stage that reduces gradients inside backward (see ``_reduces_during_backward``)."""
+        try:
+            with self._busy():
+                return run()
+        except COMMUNICATION_ERRORS:
+            raise
+        except Exception as error:
+            if self._reducing[s]:
+                raise
+            problem = f"its backward raised {type(error).__name__}: {error}"
+            if i is None:
+                self._fail(f"stage {s}: handing the weight gradients to the parameters, "
+                           f"{problem}", error)
+            else:
+                self._fail_at(s, i, problem, error)
+            return _FAILED
 
     def _busy(self):
         return busy_time(self)
@@ -616,6 +643,18 @@ def last_messages(plan: PipelinePlan) -> dict:
             elif action.kind in ("B", "BW"):
                 last[(GRADIENT, action.stage - 1)] = action.microbatch
     return last
+
+
+def _reduces_during_backward(stage: PipelineStage) -> bool:
+    """Whether the stage module's own hooks reduce gradients over replicas inside backward
+    (ShardedDataParallel, FSDP on more than one rank): a backward raising there cannot be
+    passed over, since its replicas may already wait in that reduction."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
+
+    return any(isinstance(m, ShardedDataParallel) and m.world_size > 1
+               or isinstance(m, FullyShardedDataParallel) and (
+                   m.world_size > 1 or getattr(m, "replicate_group", None) is not None)
+               for m in stage.module.modules())
 
 
 def _runs_whole_backward(stage: PipelineStage) -> bool:
