@@ -42,9 +42,10 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,
     max_norm, norm_type = check_clip_arguments("clip_grad_norm", max_norm, norm_type)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     with_grad = [p for p in params if p.grad is not None]
-    # replicated gradients are equal on every tensor-parallel rank: count them on rank 0 only
-    measured = [p.grad for p in with_grad
-                if getattr(p, "tensor_model_parallel", False) or get_model_parallel_rank() == 0]
+    # replicated gradients are equal on every tensor-parallel rank: count them on rank 0 only;
+    # a pipeline's later copy of a tied weight (``shared``, as Megatron marks it) not at all
+    measured = [p.grad for p in with_grad if not getattr(p, "shared", False) and (
+        getattr(p, "tensor_model_parallel", False) or get_model_parallel_rank() == 0)]
     pipeline = [get_pipeline_parallel_group()] if get_pipeline_parallel_world_size() > 1 else []
     return clip_grad_norm_across_ranks([p.grad for p in with_grad], max_norm, norm_type,
                                        get_model_parallel_group(), measured=measured,

@@ -41,7 +41,7 @@ __all__ = ["TensorMeta", "ActivationMeta", "StepState", "batch_signature", "Pend
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
-ACTIVATION, GRADIENT, HEADER, LEAD, VERDICT, SETTLE = 0, 1, 2, 3, 4, 5  # kinds, part of tags
+ACTIVATION, GRADIENT, HEADER, LEAD, VERDICT, SETTLE, TIE = range(7)  # kinds, part of tags
 MAX_TENSORS = 16
 LEAD_WINDOW = 4  # micro-batches a receiver posts before it knows the step state
 VERDICT_ELEMENTS = 1  # the verdict's elements on the last message across a boundary, each way
@@ -387,6 +387,11 @@ class TaggedLinks:
         for b, m in zip(buffers, meta.tensors):
             b.requires_grad_(m.requires_grad)
         return tuple(buffers), meta.packed
+
+    def tie_tag(self, boundary: int, index: int) -> int:
+        """The tag of the ``index``-th weight tied between stage ``boundary`` and a later
+        stage on another rank (:mod:`~shardkit.nn.pipe.ties`; at most ``MAX_TENSORS``)."""
+        return self._tag(TIE, boundary, 0, index)
 
     # ------------------------------------------------------------------ the final verdict
     def settle(self, ranks: list) -> None:

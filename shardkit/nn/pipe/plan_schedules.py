@@ -55,6 +55,7 @@ from shardkit.nn.pipe.fsdp_weight_sink import (ShardedGradientSink, params_outsi
                                                stage_is_fully_sharded)
 from shardkit.nn.pipe.split_backward import GradientSink, backward_input
 from shardkit.nn.pipe.stage import PipelineStage, is_torch_ddp
+from shardkit.nn.pipe.ties import TiedWeights
 
 __all__ = ["PlanSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
            "ScheduleZeroBubble", "ScheduleZBV"]
@@ -145,6 +146,7 @@ class PlanSchedule:
         self._whole_backward = {s: _runs_whole_backward(stage) for s, stage in
                                 self.stages.items()}
         self._reducing = {s: _reduces_during_backward(stage) for s, stage in self.stages.items()}
+        self._ties = TiedWeights(_one_tie_per_weight(stages), self.group, self.links.tie_tag)
         self.peak_live_microbatches = 0
         self.busy_seconds = 0.0
         self.action_seconds: dict = {}
@@ -323,6 +325,10 @@ class PlanSchedule:
             else None
         self._target = target
         seconds = {kind: 0.0 for kind in ("F", "B", "W", "BW")}
+        if self._ties:
+            self._ties.sync_weights()  # the first step only
+            if grad:
+                self._ties.remember_gradients()
         order = self.plan.orders[self.rank]
         for position, action in enumerate(order):
             for ahead in itertools.islice(order, position, position + _LOOKAHEAD):
@@ -335,6 +341,8 @@ class PlanSchedule:
         if grad and self.num_ranks > 1:  # a backward that raised may not have been heard yet
             self.links.settle(self._group_ranks)
         failed = self.links.failed  # every rank knows by now; no message is left to receive
+        if grad and not failed and self._ties:
+            self._ties.add_gradients()
         for s, stage in self.stages.items():
             if grad and stage.reduce_gradients(failed) and not failed:
                 self._fail(f"stage {s}: the step failed in another pipeline (a replica of "
@@ -643,6 +651,16 @@ def last_messages(plan: PipelinePlan) -> dict:
             elif action.kind in ("B", "BW"):
                 last[(GRADIENT, action.stage - 1)] = action.microbatch
     return last
+
+
+def _one_tie_per_weight(stages: list) -> list:
+    """The stages' cross-rank ties, one per weight: a weight two of this rank's stages hold
+    is tied once, from the earlier of them (as the other rank sees it)."""
+    ties = {}
+    for stage in sorted(stages, key=lambda st: st.stage_index, reverse=True):
+        for tie in stage.ties:
+            ties[id(tie.param)] = tie
+    return list(ties.values())
 
 
 def _reduces_during_backward(stage: PipelineStage) -> bool:

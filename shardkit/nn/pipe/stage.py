@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from shardkit import distributed as dist
 from shardkit.nn.pipe.partition import shared_parameters
+from shardkit.nn.pipe.ties import cross_rank_ties
 
 __all__ = ["PipelineStage"]
 
@@ -49,32 +50,32 @@ def _stage_problem(stage_index, num_stages, group_rank: int, group_size: int,
     return None
 
 
-def _tie_problems(module: nn.Module, stage_index: int, num_stages: int, group_size: int,
-                  placement: str) -> list[str]:
-    """Trainable parameters of this stage that :func:`split_sequential` found to be the same
-    tensor as a parameter of a stage another rank runs: each rank would train its own copy,
-    and the copies would drift apart silently (no gradient crosses between them). A frozen
-    tie is fine."""
-    count, ties = shared_parameters(module)
-    if count != num_stages:
-        return []
-    mine = stage_rank(stage_index, num_stages, group_size, placement)
-    problems = []
-    for name, (param, others) in ties.items():
-        if not param.requires_grad:
-            continue
-        for other, other_name in others:
-            owner = stage_rank(other, num_stages, group_size, placement)
-            if owner != mine:
-                problems.append(
-                    f"stage {stage_index}'s parameter {name!r} is the same tensor as stage "
-                    f"{other}'s {other_name!r} (tied weights), but stage {other} runs on group "
-                    f"rank {owner}: each rank would train its own copy and they would drift "
-                    f"apart. Untie them before split_sequential (give one stage a copy as its "
-                    f"own nn.Parameter) and add the copies' gradients between those ranks "
-                    f"after each step, or run both stages on one rank (ScheduleZBV with "
-                    f"placement='v' runs the first and the last stage on group rank 0)")
-    return problems
+def _ties(module: nn.Module, stage_index: int, num_stages: int, group, group_size: int,
+          placement: str) -> tuple[list, list[str]]:
+    """This stage's trainable parameters that :func:`split_sequential` found to be the same
+    tensor as a parameter of a stage another rank runs (see :mod:`~shardkit.nn.pipe.ties`),
+    and what about them cannot run. Local; no communication."""
+    count, shared = shared_parameters(module)
+    if count != num_stages or not shared:
+        return [], []
+    where = lambda s: stage_rank(s, num_stages, group_size, placement)  # noqa: E731
+    ties, problems = cross_rank_ties(shared, stage_index, where, where(stage_index),
+                                     lambda r: dist.get_global_rank(group, r))
+    if ties and _reduces_itself(module):
+        problems.append(f"stage {stage_index}'s parameter {ties[0].name!r} is tied with stage "
+                        f"{ties[0].other_stage}, which another rank runs, and the stage module "
+                        f"reduces its gradients itself (ShardedDataParallel / FSDP), so the "
+                        f"copies' gradients cannot be added: untie them, or run both stages "
+                        f"on one rank (ScheduleZBV with placement='v' runs the first and the "
+                        f"last stage on group rank 0)")
+    return ties, problems
+
+
+def _reduces_itself(module: nn.Module) -> bool:
+    from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
+
+    return any(isinstance(m, (ShardedDataParallel, FullyShardedDataParallel))
+               for m in module.modules())
 
 
 def _double_reduction_problems(module: nn.Module, data_parallel_group) -> list[str]:
@@ -174,8 +175,14 @@ class PipelineStage:
     their bytes, with a data-parallel group of ``d`` ranks.
 
     Tied weights (a parameter :func:`split_sequential` put in two stages, as a GPT's token
-    embedding and output head) are refused when another rank runs the other stage: each rank
-    would train its own copy. They work when one rank runs both stages (``placement="v"``).
+    embedding and output head): when another rank runs the other stage, each rank holds a copy
+    and the schedule keeps them one weight (the later stage's copy takes the earlier one's
+    values before the first step; after each training step the two ranks add each other's
+    share of the gradient: one send of the weight's bytes each way; see
+    :mod:`~shardkit.nn.pipe.ties`), so an optimizer over each stage's parameters trains them
+    as one. A weight tied across three or more ranks, or inside a ShardedDataParallel / FSDP
+    stage module, is refused. When one rank runs both stages (``placement="v"``) nothing
+    crosses.
 
     .. warning:: The constructor exchanges ``(stage_index, num_stages)`` and what it found
        wrong over ``group`` (one small all-gather) so every rank raises the same error on a
@@ -192,9 +199,9 @@ class PipelineStage:
         if group_rank < 0:
             raise ValueError(f"PipelineStage(group=...): global rank {dist.get_rank()} is not "
                              f"a member of the pipeline group")
-        local = [] if _stage_problem(stage_index, num_stages, group_rank, group_size,
-                                     placement) else \
-            _tie_problems(module, stage_index, num_stages, group_size, placement)
+        ties, local = ([], []) if _stage_problem(stage_index, num_stages, group_rank,
+                                                 group_size, placement) else \
+            _ties(module, stage_index, num_stages, group, group_size, placement)
         local += _double_reduction_problems(module, data_parallel_group)
         replicas, wrong = _replica_group(module, data_parallel_group)
         local += wrong
@@ -215,6 +222,7 @@ class PipelineStage:
         self.data_parallel_group = replicas
         self.placement = placement
         self.group_size = group_size
+        self.ties = ties  # trainable weights shared with a stage another rank runs
         self.prev_rank = self.global_rank_of(stage_index - 1) if stage_index > 0 else None
         self.next_rank = (self.global_rank_of(stage_index + 1)
                           if stage_index < num_stages - 1 else None)

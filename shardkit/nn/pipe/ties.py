@@ -1,0 +1,151 @@
+"""Weights tied between pipeline stages that different ranks run (a GPT's token embedding and
+output head, split into the first and the last stage): each of the two ranks holds a copy, and
+the copies stay one weight as in Megatron-LM: the later stage's copy takes the earlier one's
+values before the first step, and after every training step each rank adds the other's share
+of the gradient to its own, so both optimizers apply the same update. The later copy is marked
+``shared = True`` (Megatron's mark), so :func:`shardkit.nn.model_parallel.clip_grad_norm`
+counts it once.
+
+Cost per training step, for each tied weight of ``S`` bytes on this rank: one send of ``S``
+bytes to the other copy's rank (this step's gradient, not what earlier steps accumulated into
+``.grad``) and one receive; memory: a copy of the ``.grad`` the step started with, when there
+was one (gradient accumulation across steps), and the received gradient while it is added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+
+from shardkit import distributed as dist
+from shardkit.nn.pipe.p2p import MAX_TENSORS
+
+__all__ = ["Tie", "TiedWeights"]
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A trainable parameter this stage shares with a stage another rank runs."""
+
+    param: torch.nn.Parameter
+    stage: int          # this stage
+    name: str           # its name in this stage
+    other_stage: int
+    other_name: str
+    peer: int           # the global rank running ``other_stage``
+
+    @property
+    def key(self) -> tuple:
+        """The same on both ranks: (earlier stage, its name, later stage, its name)."""
+        mine, theirs = (self.stage, self.name), (self.other_stage, self.other_name)
+        return (*min(mine, theirs), *max(mine, theirs))
+
+    @property
+    def is_earlier(self) -> bool:
+        return self.stage < self.other_stage
+
+
+class TiedWeights:
+    """The cross-rank ties of one rank's stages, and the messages that keep them one weight.
+
+    ``tag(tie, index)`` gives the point-to-point tag of the ``index``-th tie between the same
+    two stages (the pipeline's :class:`~shardkit.nn.pipe.p2p.TaggedLinks` reserves a kind for
+    them, so they never meet an activation or a gradient)."""
+
+    def __init__(self, ties: list, group, tag):
+        self.ties = sorted(ties, key=lambda t: t.key)
+        self.group, self._tag = group, tag
+        self._index = {}
+        for tie in self.ties:
+            pair = (tie.key[0], tie.key[2])
+            self._index[tie.key] = sum(1 for k in self._index if (k[0], k[2]) == pair)
+            if self._index[tie.key] >= MAX_TENSORS:
+                raise ValueError(f"stages {pair[0]} and {pair[1]} share more than "
+                                 f"{MAX_TENSORS} trainable weights across ranks; tie fewer")
+        self._synced = False
+        self._before: list = []
+
+    def __bool__(self) -> bool:
+        return bool(self.ties)
+
+    def _tag_of(self, tie: Tie) -> int:
+        return self._tag(min(tie.stage, tie.other_stage), self._index[tie.key])
+
+    def _exchange(self, outgoing: list, incoming: list, what: str) -> None:
+        """Send ``outgoing[k]`` to tie ``k``'s peer and receive ``incoming[k]`` from it
+        (``None``: nothing that way); sends are posted first, so no pair waits on the other."""
+        works = []
+        with dist.reporting_broken_links(f"pipeline exchange of tied weights' {what}",
+                                         self.group):
+            for tie, tensor in zip(self.ties, outgoing):
+                if tensor is not None:
+                    works.append(dist.isend(tensor, tie.peer, group=self.group,
+                                            tag=self._tag_of(tie)))
+            for tie, tensor in zip(self.ties, incoming):
+                if tensor is not None:
+                    works.append(dist.irecv(tensor, tie.peer, group=self.group,
+                                            tag=self._tag_of(tie)))
+            for work in works:
+                work.wait()
+
+    def sync_weights(self) -> None:
+        """Once, before the first step: the later stage's copy takes the earlier one's values
+        (ranks that initialised the model differently then still train one weight)."""
+        if self._synced:
+            return
+        outgoing = [t.param.detach().contiguous() if t.is_earlier else None for t in self.ties]
+        incoming = [None if t.is_earlier else torch.empty_like(t.param) for t in self.ties]
+        self._exchange(outgoing, incoming, "values")
+        with torch.no_grad():
+            for tie, values in zip(self.ties, incoming):
+                if values is not None:
+                    tie.param.copy_(values)
+        self._synced = True
+
+    def remember_gradients(self) -> None:
+        """At the start of a training step: what ``.grad`` already holds (from earlier steps
+        of an accumulation), so that only this step's share crosses to the other copy."""
+        self._before = [None if t.param.grad is None else t.param.grad.clone()
+                        for t in self.ties]
+
+    def add_gradients(self) -> None:
+        """After a training step's backward: each copy gets the other's share of this step's
+        gradient, so both hold the tied weight's whole gradient."""
+        mine = []
+        for tie, before in zip(self.ties, self._before):
+            grad = tie.param.grad
+            share = torch.zeros_like(tie.param) if grad is None else grad.detach().clone()
+            mine.append(share if before is None else share.sub_(before))
+        theirs = [torch.empty_like(share) for share in mine]
+        self._exchange(mine, theirs, "gradients")
+        for tie, share in zip(self.ties, theirs):
+            if tie.param.grad is None:
+                tie.param.grad = share
+            else:
+                tie.param.grad.add_(share)
+        self._before = []
+
+
+def cross_rank_ties(shared: dict, stage_index: int, placement_rank, my_rank: int,
+                    global_rank) -> tuple[list, list]:
+    """From :func:`~shardkit.nn.pipe.partition.shared_parameters`' ``{name: (param, [(stage,
+    name there), ...])}``: the trainable ties with stages another rank runs, and what cannot
+    be supported (a weight shared with stages on two or more other ranks). ``placement_rank``
+    maps a stage to its group rank, ``global_rank`` a group rank to its global rank."""
+    ties, problems = [], []
+    for name, (param, others) in shared.items():
+        if not param.requires_grad:
+            continue  # a frozen tie trains no copy
+        remote = [(s, n) for s, n in others if placement_rank(s) != my_rank]
+        if len({placement_rank(s) for s, _ in remote}) > 1:
+            problems.append(f"stage {stage_index}'s parameter {name!r} is tied with stages "
+                            f"{sorted(s for s, _ in remote)}, run by several other ranks; a "
+                            f"tie may span two ranks only")
+            continue
+        if remote:
+            other, other_name = min(remote)
+            ties.append(Tie(param, stage_index, name, other, other_name,
+                            global_rank(placement_rank(other))))
+            if other < stage_index:  # the later copy: a global norm counts the earlier only
+                param.shared = True  # Megatron's mark
+    return ties, problems
