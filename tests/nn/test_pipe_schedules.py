@@ -803,6 +803,25 @@ def _train_tied(name, steps=3, accumulate=False, perturb=False, freeze=False):
     return worst, sent
 
 
+def _tied_gradient_norm():
+    """``model_parallel.clip_grad_norm`` over a 2-stage pipeline group, the tied weight on
+    both ranks, after one 1F1B step, and one process's norm: the tie counts once."""
+    import shardkit.nn.model_parallel as mp
+
+    parts, mine = _tied_gpt_stages(2, "loop")
+    stage = PipelineStage(parts[mine[0]], mine[0], 2)
+    idx, target = synthetic_batch(TIED_GPT, 4, 0)
+    Schedule1F1B(stage, 2, token_cross_entropy).step(idx, target=target)
+    mp.initialize_model_parallel(1, pipeline_length=2)
+    try:
+        norm = mp.clip_grad_norm(stage.parameters(), float("inf")).item()
+    finally:
+        mp.destroy_model_parallel()
+    reference = GPT(TIED_GPT, seed=0)
+    reference.loss(idx, target).backward()
+    return norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf")).item()
+
+
 def _check_tied_weights():
     """Every schedule at world 2 (ZBV: one rank runs both tied stages), the accumulation and
     perturbed-copy cases, and the tie frozen (for the bytes)."""
@@ -810,14 +829,15 @@ def _check_tied_weights():
     results["accumulate"] = _train_tied("1F1B", accumulate=True)
     results["perturb"] = _train_tied("GPipe", perturb=True)
     results["frozen"] = _train_tied("1F1B", freeze=True)
-    return results
+    return results, _tied_gradient_norm()
 
 
 def test_weights_tied_across_ranks_train_as_one_weight(world2):
     """A GPT's token embedding tied to its head, the first and the last stage on different
     ranks, trains as in one process under every schedule (was refused)."""
     tied_bytes = TIED_GPT.vocab_size * TIED_GPT.d_model * 4
-    for rank, results in enumerate(world2.run(_check_tied_weights)):
+    for rank, (results, norms) in enumerate(world2.run(_check_tied_weights)):
+        assert norms[0] == pytest.approx(norms[1], rel=1e-5), (rank, norms)  # the tie once
         for name, (worst, _) in results.items():
             assert worst <= 1e-5, (rank, name, worst)
         # the tie's gradient crosses once each way per training step (the values once, before
