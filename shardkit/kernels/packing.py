@@ -54,6 +54,17 @@ def _check_chunks(numels, chunk_numels, world_size):
     return chunk_numels
 
 
+# the element types the Triton packing kernels are built for; other dtypes (integers, bool,
+# fp8, complex) are plain copies and take the torch path on every device
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _triton_packs(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton kernels should move ``tensors`` (see :func:`backend_for`)."""
+    return (backend_for(*tensors) == "triton"
+            and all(t.dtype in _TRITON_DTYPES for t in tensors))
+
+
 def _check_same_device(name, tensors, device):
     for i, t in enumerate(tensors):
         if t.device != device:
@@ -83,7 +94,7 @@ def pack_rank_major(tensors: Sequence[torch.Tensor], world_size: int, *, scale: 
         out = torch.empty(world_size * seg, dtype=dtype, device=device)
     else:
         _check_out(out, world_size * seg, dtype, device)
-    if backend_for(out, *tensors) == "triton":
+    if _triton_packs(out, *tensors):
         from shardkit.kernels import triton_packing
         triton_packing.pack(tensors, out, chunks, world_size, scale)
         return out
@@ -159,7 +170,7 @@ def unpack_rank_major(buffer: torch.Tensor, world_size: int, outs: Sequence[torc
         raise ValueError(f"unpack_rank_major: buffer (stride {buffer.stride()}) must be "
                          f"contiguous")
     _check_same_device("unpack_rank_major", outs, buffer.device)
-    if backend_for(buffer, *outs) == "triton" and all(t.is_contiguous() for t in outs):
+    if _triton_packs(buffer, *outs) and all(t.is_contiguous() for t in outs):
         from shardkit.kernels import triton_packing
         triton_packing.unpack(buffer, outs, chunks, world_size)
         return

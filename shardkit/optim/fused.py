@@ -22,13 +22,26 @@ class _FlatState:
     # Every parameter's step count, as torch keeps it (a float32 CPU scalar): ``state[p]["step"]``
     # is ``steps[i]``, a view, so one add and one read serve the whole bucket.
     steps: torch.Tensor = None
+    dtype: torch.dtype = field(init=False)    # the buffers' dtype and device
+    device: torch.device = field(init=False)
 
     def __post_init__(self):
+        first = next(iter(self.buffers.values()))
+        self.dtype, self.device = first.dtype, first.device
         sizes = [p.numel() for p in self.params]
         for key, buffer in self.buffers.items():
             self.views[key] = [v.view_as(p) for v, p in zip(buffer.split(sizes), self.params)]
         self.steps = torch.zeros(len(self.params), dtype=torch.float32)
         self.views["step"] = list(self.steps.unbind(0))
+
+    def outdated(self) -> bool:
+        """Whether the parameters were cast, moved or resized since the buffers were built
+        (a ``model.to(torch.bfloat16)`` or ``model.cuda()`` after a step). Only the first
+        parameter is looked at: a module conversion changes them all, and a few attribute
+        reads per bucket keep the check off the per-parameter cost of a step."""
+        first = self.params[0]
+        return (first.dtype != self.dtype or first.device != self.device
+                or first.shape != self.views["exp_avg"][0].shape)
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -41,7 +54,10 @@ class FusedAdamW(torch.optim.Optimizer):
     The state of each param group (per device and dtype) lives in flat buffers; ``state[p]``
     holds views into them, so the step reads and writes each buffer once: on CUDA the Triton
     multi-tensor AdamW kernel (one launch per group), on CPU torch's fused AdamW kernel (one
-    call per group). See :mod:`shardkit.kernels` for the dispatch.
+    call per group). See :mod:`shardkit.kernels` for the dispatch. As with torch, clearing
+    ``opt.state`` (or assigning a fresh dict) restarts the moments and step counts, a tensor
+    assigned to ``state[p][key]`` is used from the next step on, and ``copy.deepcopy`` or
+    ``torch.save`` of the optimizer gives one that trains on.
 
     Memory: ``K = 8`` bytes of fp32 optimizer state per parameter (12 with ``amsgrad``), allocated
     for every parameter of a group on the group's first step (torch allocates per parameter on
@@ -49,8 +65,9 @@ class FusedAdamW(torch.optim.Optimizer):
     :class:`shardkit.optim.OSS` to shard it.
 
     Args:
-        params: parameters or param-group dicts, as for any torch optimizer. Parameters must be
-            contiguous (the kernels step flat memory).
+        params: parameters or param-group dicts, as for any torch optimizer. A parameter that
+            is not contiguous (a transposed view, a ``channels_last`` convolution weight) is
+            stepped through a contiguous copy: one more read and write of it per step.
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
 
     Example::
@@ -68,15 +85,14 @@ class FusedAdamW(torch.optim.Optimizer):
         self._flat: dict[int, tuple[tuple, list[_FlatState]]] = {}
         super().__init__(params, defaults)
 
+    def __setstate__(self, state: dict) -> None:
+        # copy.deepcopy and pickle go through torch's __getstate__, which keeps only defaults,
+        # state and param_groups: the flat buffers are rebuilt from the state on the next step
+        super().__setstate__(state)
+        self._flat = {}
+
     def add_param_group(self, param_group: dict) -> None:
-        """Add a group (as torch); its parameters must be contiguous."""
-        params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        for i, p in enumerate(params):
-            if isinstance(p, torch.Tensor) and not p.is_contiguous():
-                raise ValueError(f"FusedAdamW: parameter {i} of the new group (shape "
-                                 f"{tuple(p.shape)}, stride {p.stride()}) is not contiguous; "
-                                 f"the fused step works on flat memory")
+        """Add a group (as torch), checking its hyper-parameters."""
         super().add_param_group(param_group)
         added = self.param_groups[-1]
         try:
@@ -107,10 +123,12 @@ class FusedAdamW(torch.optim.Optimizer):
         return loss
 
     def _flat_states(self, index: int, group: dict) -> list[_FlatState]:
-        """The group's flat state, rebuilt if its parameters or ``amsgrad`` changed."""
+        """The group's flat state, rebuilt (the state cast and moved into new buffers, as
+        torch's ``load_state_dict`` would) if its parameters, their dtype or device, or
+        ``amsgrad`` changed."""
         key = (tuple(map(id, group["params"])), bool(group["amsgrad"]))
         cached = self._flat.get(index)
-        if cached is None or cached[0] != key:
+        if cached is None or cached[0] != key or any(f.outdated() for f in cached[1]):
             cached = self._flat[index] = (key, self._build_flat_states(group))
         return cached[1]
 
@@ -132,6 +150,7 @@ class FusedAdamW(torch.optim.Optimizer):
                 # loaded or earlier state: move it into the flat buffers
                 for key in keys + ["step"]:
                     if key in state:
+                        _check_state_shape(p, key, state[key])
                         flat.views[key][i].copy_(state[key])
                     state[key] = flat.views[key][i]
             flats.append(flat)
@@ -146,14 +165,16 @@ class FusedAdamW(torch.optim.Optimizer):
                 raise RuntimeError(f"FusedAdamW: parameter of shape {tuple(flat.params[i].shape)}"
                                    f" has a sparse gradient; use torch.optim.SparseAdam")
         views = flat.views
-        params, grads = [], []
+        params, grads, strided = [], [], []
         for i in live:
             p = flat.params[i]
-            state = self.state[p]
-            if not state:
-                state.update((key, views[key][i]) for key in views)
+            _bind_to_views(self.state[p], views, i)
+            grad = p.grad
+            grads.append(grad if grad.is_contiguous() else grad.contiguous())
+            if not p.is_contiguous():  # the kernels step flat memory: go through a copy
+                strided.append((p, p.contiguous()))
+                p = strided[-1][1]
             params.append(p)
-            grads.append(p.grad if p.grad.is_contiguous() else p.grad.contiguous())
         if len(live) == len(flat.params):
             flat.steps.add_(1.0)
         else:
@@ -168,6 +189,32 @@ class FusedAdamW(torch.optim.Optimizer):
                         amsgrad=group["amsgrad"],
                         max_exp_avg_sqs=[views["max_exp_avg_sq"][i] for i in live]
                         if group["amsgrad"] else None, validate=False)
+        for p, stepped in strided:
+            p.copy_(stepped)
+
+
+def _bind_to_views(state: dict, views: dict, i: int) -> None:
+    """Make ``state`` (one parameter's) hold the flat views ``views[key][i]``, as torch's
+    optimizer would see it: an entry the user cleared (``opt.state.clear()``, a fresh
+    ``opt.state`` dict) starts again from zero, and a tensor assigned in its place is copied in.
+    """
+    for key, entries in views.items():
+        view, value = entries[i], state.get(key)
+        if value is view:
+            continue
+        if value is None:
+            view.zero_()
+        else:
+            view.copy_(value)
+        state[key] = view
+
+
+def _check_state_shape(param: torch.Tensor, key: str, value) -> None:
+    if key != "step" and isinstance(value, torch.Tensor) and value.shape != param.shape:
+        raise ValueError(f"FusedAdamW: state[{key!r}] of a parameter has shape "
+                         f"{tuple(value.shape)}, the parameter {tuple(param.shape)} (resized "
+                         f"after its first step, or a state dict of another model); clear "
+                         f"its state (del opt.state[p]) to start it afresh")
 
 
 def _by_device_dtype(group: dict) -> list:
