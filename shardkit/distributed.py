@@ -122,11 +122,16 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
 
     Raises:
         RuntimeError: a torchrun variable is missing or malformed, naming which.
-        ValueError: an unknown backend or a world size below 1.
+        ValueError: an unknown backend, a ``timeout_s`` that is not a number of seconds > 0,
+            or a world size below 1.
     """
     if backend is not None and backend not in _VALID_BACKENDS:
         raise ValueError(f"init_distributed(backend={backend!r}): unknown backend; "
                          f"valid backends are {list(_VALID_BACKENDS)} or None (auto)")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not 0 < timeout_s < float("inf"):
+        raise ValueError(f"init_distributed(timeout_s={timeout_s!r}): must be a finite number "
+                         f"of seconds > 0")
     if dist.is_available() and dist.is_initialized():
         current = dist.get_backend()
         if backend is not None and current != backend:
@@ -333,26 +338,59 @@ def group_of_same_ranks(group, timeout_s: Optional[float] = None,
     """A new process group over ``group``'s ranks (its collectives then need to match in
     order only among themselves), with ``timeout_s`` (default: torch's default for the
     backend) and ``backend`` (default: the default group's). With the whole world every rank
-    must call it together; with a sub-group only its members call it, and they must have
-    created as many process groups before (torch names such a group from a hash of its ranks and
-    of that count)."""
+    must call it together; with a sub-group only its members call it (collective over them:
+    one small object all-gather on ``group`` first, see :func:`_align_group_counts`)."""
     ranks = group_ranks(group)
-    return new_group(ranks, timeout_s=timeout_s, backend=backend,
-                     members_only=len(ranks) < get_world_size())
+    members_only = len(ranks) < get_world_size()
+    if members_only:
+        _align_group_counts(group)
+    # a member that died leaves the others waiting on the store until the timeout; the error
+    # then names the call rather than only the store keys
+    with reporting_broken_links(f"new_group(ranks={ranks})", group):
+        return new_group(ranks, timeout_s=timeout_s, backend=backend, members_only=members_only)
 
 
-_SINGLE_RANK_GROUPS: dict = {}  # id(default group) -> this rank's one-member group
+def _registered_group_count() -> Optional[int]:
+    """How many process groups this process has registered with torch (``None`` where torch
+    does not expose the registry)."""
+    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+    return None if names is None else len(names)
+
+
+def _align_group_counts(group) -> None:
+    """Make every member of ``group`` hold as many registered process groups as the member
+    holding most, so that a group the members then create by themselves gets one name on all
+    of them.
+
+    Note: torch names a group created by its members only from its ranks and the number of
+    groups this process has registered. That number differs between ranks as soon as some
+    ranks created groups the others did not (e.g. a wrapper on a sub-group of theirs), and the
+    members would then wait forever for each other under different names. The members behind
+    pad with groups of themselves alone (no connection, no traffic). Collective over
+    ``group``: one small object all-gather."""
+    mine = _registered_group_count()
+    counts = all_gather_object(mine, group=group)
+    if mine is None or None in counts:
+        return
+    for _ in range(max(counts) - mine):
+        new_group([get_rank()], members_only=True)
+
+
+# id(default group) -> (the default group, this rank's one-member group); the default group is
+# held so that its id stays its own after a destroy_process_group and a new init
+_SINGLE_RANK_GROUPS: dict = {}
 
 
 def single_rank_group():
     """A process group of this rank alone (FairScale's ``single_rank_pg``: nothing sharded or
     reduced over it). The first call creates one such group per rank, so every rank must make
     it together; later calls return the same group. Costs one gloo/NCCL group per rank."""
-    key = id(dist.group.WORLD)
-    if key not in _SINGLE_RANK_GROUPS:
+    world = dist.group.WORLD
+    entry = _SINGLE_RANK_GROUPS.get(id(world))
+    if entry is None or entry[0] is not world:
         groups = [new_group([r]) for r in range(get_world_size())]
-        _SINGLE_RANK_GROUPS[key] = groups[get_rank()]
-    return _SINGLE_RANK_GROUPS[key]
+        entry = _SINGLE_RANK_GROUPS[id(world)] = (world, groups[get_rank()])
+    return entry[1]
 
 
 def resolved_group(group=None):
@@ -416,7 +454,7 @@ def spans_nodes(group=None) -> bool:
     return entry[1]
 
 
-_node_groups: Optional[tuple] = None
+_node_groups: Optional[tuple] = None  # (the default group they were made in, (intra, inter))
 
 
 def node_groups() -> tuple:
@@ -425,9 +463,10 @@ def node_groups() -> tuple:
     sharding). Collective the first time (creates one group per node and one per local index,
     on every rank alike), cached after. Costs no tensor traffic."""
     global _node_groups
-    if _node_groups is None:
-        _node_groups = groups_of_nodes(list(range(get_world_size())), ranks_per_node())
-    return _node_groups
+    world = dist.group.WORLD
+    if _node_groups is None or _node_groups[0] is not world:  # none yet, or a new default group
+        _node_groups = (world, groups_of_nodes(list(range(get_world_size())), ranks_per_node()))
+    return _node_groups[1]
 
 
 def groups_of_nodes(ranks: Sequence[int], per_node: int) -> tuple:

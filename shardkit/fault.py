@@ -94,6 +94,7 @@ class PeerWatchdog:
         self._on_lost = on_lost or _exit_naming_the_rank
         self._verdict = threading.Event()
         self._stopped = threading.Event()
+        self._world = dist.group.WORLD  # the default group it watches for
         self._prefix = per_attempt_store_key("shardkit/heartbeat") + "/"
         self._store_host_rank = None if os.environ.get(
             "TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0
@@ -119,6 +120,9 @@ class PeerWatchdog:
         started = time.monotonic()
         seen = {r: (None, started) for r in range(self.world_size) if r != self.rank}
         while not self._stopped.wait(self.interval_s):
+            if self.group_gone():
+                self._retire()
+                return
             try:
                 self._beat += 1
                 self._store.set(self._key(self.rank), str(self._beat))
@@ -143,8 +147,9 @@ class PeerWatchdog:
                                          f"(timeout {self.timeout_s:g} s)")
                         return
             except Exception as e:  # the store itself is gone
-                if self._stopped.wait(self.interval_s) or not dist.is_initialized():
-                    return  # a clean shutdown raced with this beat
+                if self._stopped.wait(self.interval_s) or self.group_gone():
+                    self._retire()
+                    return  # a clean shutdown, or a destroy_process_group, raced with this beat
                 who = self._store_host_rank
                 if who is None or who == self.rank:
                     self._declare(None, f"the rendezvous store stopped answering ({e})")
@@ -152,6 +157,18 @@ class PeerWatchdog:
                     self._declare(who, f"the rendezvous store it hosts stopped answering "
                                        f"({type(e).__name__})")
                 return
+
+    def group_gone(self) -> bool:
+        """Whether the default process group it was started in has been destroyed (and
+        perhaps replaced by a new one): its store, and the peers' heartbeats, are gone."""
+        return self._world is None or dist.group.WORLD is not self._world
+
+    def _retire(self) -> None:
+        # Note: the peers' heartbeats lived in the destroyed group's store; watching on would
+        # take its end for a lost rank and stop a healthy job. watch_peers() after a new
+        # init_distributed() starts a watchdog for the new group.
+        self._stopped.set()
+        self._world = None
 
     def _declare(self, rank: Optional[int], why: str, publish: bool = True) -> None:
         # Note: the first verdict is published in the store so that every survivor names the
@@ -257,7 +274,9 @@ def watch_peers(timeout_s: Optional[float] = None,
             store itself is lost and no rank can be named.
 
     Call it on every rank after the process group exists (no collective is issued, so ranks
-    may call it at different times). Costs: see the module docstring.
+    may call it at different times). The watchdog belongs to that default process group: once
+    the group is destroyed it stops quietly at its next beat, and a call after a new
+    ``init_distributed`` starts one for the new group. Costs: see the module docstring.
     """
     global _watchdog
     timeout_s = _default_timeout() if timeout_s is None else float(timeout_s)
@@ -269,7 +288,8 @@ def watch_peers(timeout_s: Optional[float] = None,
         raise RuntimeError("watch_peers: the process group is not initialised; call "
                            "shardkit.distributed.init_distributed() first")
     with _lock:
-        if _watchdog is not None and not _watchdog._stopped.is_set():
+        if _watchdog is not None and not _watchdog._stopped.is_set() \
+                and not _watchdog.group_gone():
             return _watchdog
         if dist.get_world_size() == 1:
             return None

@@ -16,7 +16,7 @@ How it works. The memory is anonymous (``memfd_create``) and passed between proc
 ``/proc/<pid>/fd``, so nothing is ever created in ``/dev/shm`` and the kernel frees it when the
 last rank exits, however it exits. A collective runs as *rounds*, one per slot-sized piece; in
 a round each rank writes its piece and a header (op, total bytes, dtype, sequence number; a
-broadcast's source and an unequal segment layout too) into
+broadcast's source, an all-reduce's reduction and an unequal segment layout too) into
 its part of the next slot, publishes the sequence number with an atomic store, waits until
 every rank has published, checks that every header matches its own (ranks that issued different
 collectives get an error naming both, never wrong data), reads what it needs, and marks the
@@ -73,6 +73,7 @@ _OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all",
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
            torch.int32, torch.int8, torch.uint8, torch.bool)
 _LIVENESS_PERIOD_S = 0.25
+_REDUCE_OPS = ("SUM", "MAX")  # the all-reduces it runs, coded in the header's detail
 
 
 class TransportError(RuntimeError):
@@ -254,7 +255,8 @@ class SharedMemoryTransport(Transport):
             flat[lo:hi].copy_(acc)
         skdist.record_transfer("all_reduce", _nbytes(tensor) * (n - 1), tensor.dtype, group)
         return ring.submit("all_reduce", tensor.dtype, flat.numel(), ring.chunk(tensor.dtype),
-                           write, read, result=lambda: tensor)
+                           write, read, result=lambda: tensor,
+                           detail=_REDUCE_OPS.index(_reduce_op_name(op)) + 1)
 
     def broadcast(self, tensor, src, group):
         ring = self._ring(group)
@@ -431,7 +433,8 @@ class _Ring:
         """Queue an operation of ``ceil(numel / step)`` rounds (at least one, so that a
         mismatch of ops is always caught); returns its handle. ``detail`` goes into the header
         with the op, so that ranks that agree on the op but not on its shape also fail: a
-        broadcast's source (rank + 1), or a code of an unequal segment layout."""
+        broadcast's source (rank + 1), an all-reduce's reduction, or a code of an unequal
+        segment layout."""
         if self._error is not None:
             raise TransportError(str(self._error))
         if dtype not in _DTYPES:
@@ -566,9 +569,16 @@ def _describe(header) -> str:
     kind = _DTYPES[dtype] if 0 <= dtype < len(_DTYPES) else f"dtype #{dtype}"
     if detail and op == "broadcast":
         op = f"broadcast from group rank {detail - 1}"
+    elif detail and op == "all_reduce":
+        op = f"all_reduce ({_REDUCE_OPS[detail - 1] if detail <= len(_REDUCE_OPS) else detail})"
     elif detail:
         op = f"{op} (segment layout #{detail:x})"
     return f"{op} of {nbytes} bytes of {kind}"
+
+
+def _reduce_op_name(op) -> str:
+    """``"SUM"`` or ``"MAX"`` for a ``ReduceOp`` (the all-reduce's header detail)."""
+    return "SUM" if op == skdist.ReduceOp.SUM else "MAX"
 
 
 def _layout_code(sizes) -> int:

@@ -60,7 +60,8 @@ class CommHandle:
 
     ``completes_when_waited``: the works report completion only once waited for (gloo's
     point-to-point sends and receives); :meth:`watch` then lets a background thread wait, so
-    that :meth:`is_completed` becomes a true poll.
+    that :meth:`is_completed` becomes a true poll. A handle dropped without :meth:`wait`
+    still completes its operation (that thread waits for it), like an unwaited collective.
     """
 
     def __init__(self, works: Sequence = (), finish: Optional[Callable] = None,
@@ -125,6 +126,19 @@ class CommHandle:
             if self.describe is None or not skdist.is_broken_link(error):
                 raise
             raise skdist.broken_link_error(self.describe(), error) from error
+
+    def __del__(self):
+        # Note: a gloo send or receive whose work object is destroyed before it completes is
+        # lost, and the next exchange between the same ranks then waits forever. A handle
+        # dropped unwaited (an abandoned prefetch, an exception between issue and wait) hands
+        # its works to the watcher thread, which holds them until they arrive, as the process
+        # group holds a collective's.
+        try:
+            if not self._done and self._works and self._completes_when_waited \
+                    and self._arrived is None:
+                CommHandle(self._works, completes_when_waited=True).watch()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to keep
+            pass
 
     def wait(self):
         """Block until the operation has arrived and return its result (later calls return

@@ -188,6 +188,32 @@ def _world_is_usable():
     return t.item()
 
 
+def _cached_groups_after_a_new_default_group():
+    """node_groups() and single_rank_group() before and after torch's own
+    destroy_process_group() and a new init_distributed() on a fresh port."""
+    import torch.distributed as dist
+    from shardkit.testing import free_port
+    old = skd.node_groups(), skd.single_rank_group()
+    port = skd.broadcast_object(free_port() if skd.get_rank() == 0 else None, src=0)
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    skd.init_distributed(backend="gloo")
+    (intra, inter), single = skd.node_groups(), skd.single_rank_group()
+    total = torch.ones(1)
+    skd.all_reduce(total, group=intra)
+    return {"fresh": intra is not old[0][0] and inter is not old[0][1] and single is not old[1],
+            "registered": [dist.get_process_group_ranks(g) for g in (intra, single)],
+            "sum": total.item()}
+
+
+def test_cached_groups_follow_a_new_default_group(world):
+    """They used to return the destroyed groups (unknown to torch: KeyError from
+    get_process_group_ranks) after the default group was destroyed and made again."""
+    n = world.world_size
+    for rank, got in enumerate(world.run(_cached_groups_after_a_new_default_group)):
+        assert got == {"fresh": True, "registered": [list(range(n)), [rank]], "sum": n}, got
+
+
 def test_failing_rank_reports_traceback_and_world_recovers():
     with World(2, timeout=60) as w:
         first_stack_dir = w._stack_dir
@@ -266,6 +292,14 @@ def test_init_without_torchrun_env_names_the_missing_variables():
 def test_init_unknown_backend():
     rc, out = _run_init({}, arg="backend='tcpfoo'")
     assert rc == 3 and "tcpfoo" in out and "gloo" in out
+
+
+@pytest.mark.parametrize("value", [0, -1, None, True, "30", float("nan"), float("inf")])
+def test_init_bad_timeout_names_the_argument(value):
+    """A bad timeout used to reach the rendezvous ("client socket has timed out after -1000ms",
+    or a TypeError from timedelta), or, for True, to become a 1 s timeout."""
+    with pytest.raises(ValueError, match=r"init_distributed\(timeout_s=.*number of seconds > 0"):
+        skd.init_distributed(timeout_s=value)
 
 
 def test_init_world_size_zero():

@@ -262,6 +262,32 @@ def test_rank_stopping_on_an_exception_is_named_at_once(tmp_path, wrapper):
            "rank" in case.outputs[0], case.outputs[0]
 
 
+def _watchdog_across_a_new_default_group():
+    """watch_peers(), then torch's destroy_process_group() and a new init_distributed() on a
+    fresh port; a few beats later the ranks still run, and watch_peers() watches anew."""
+    import torch.distributed as dist
+    from shardkit import distributed as skdist
+    from shardkit import fault
+    first = fault.watch_peers(timeout_s=1.0)
+    port = skdist.broadcast_object(free_port() if skdist.get_rank() == 0 else None, src=0)
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    skdist.init_distributed(backend="gloo")
+    time.sleep(3 * first.timeout_s)  # time enough for the old store's end to be noticed
+    second = fault.watch_peers(timeout_s=1.0)
+    out = (first.group_gone(), second is not first, second._thread.is_alive())
+    fault.stop_watching()
+    return out
+
+
+def test_a_new_default_group_retires_the_watchdog_instead_of_stopping_the_job():
+    """The watchdog used to take the destroyed group's store for a lost rank 0 and stop every
+    rank of a healthy job (exit status 75)."""
+    from shardkit.testing import World
+    with World(2, timeout=60) as world:
+        assert world.run(_watchdog_across_a_new_default_group) == [(True, True, True)] * 2
+
+
 def test_watch_peers_bad_input_is_clear(monkeypatch):
     from shardkit import fault
     with pytest.raises(ValueError, match=r"watch_peers\(timeout_s=-1.0\): must be >= 0"):

@@ -218,6 +218,54 @@ def _what_wait_returns(kind):
     return got
 
 
+def _lanes_after_groups_only_some_ranks_made():
+    """Ranks 1 and 3 open lanes on a group of theirs (so they hold two process groups more than
+    ranks 0 and 2); then each half of the world opens lanes on its own group and gathers."""
+    rank = skdist.get_rank()
+    odd = skdist.new_group([1, 3])
+    transport = ProcessGroupTransport()
+    if rank in (1, 3):
+        transport.prepare(odd)
+    # a short timeout: without agreement on the lanes' names this fails instead of hanging
+    halves = [skdist.new_group([0, 1], timeout_s=20), skdist.new_group([2, 3], timeout_s=20)]
+    mine = halves[rank // 2]
+    transport.prepare(mine)
+    out = torch.empty(2)
+    transport.all_gather(out, torch.tensor([float(rank)]), mine).wait()
+    return out.tolist()
+
+
+def test_lanes_of_a_sub_group_open_whatever_groups_other_ranks_made(world4):
+    """A wrapper on a sub-group after a wrapper on another sub-group (so the members hold
+    different numbers of process groups) used to wait forever opening its lanes."""
+    assert world4.run(_lanes_after_groups_only_some_ranks_made) == \
+        [[0.0, 1.0], [0.0, 1.0], [2.0, 3.0], [2.0, 3.0]]
+
+
+def _dropped_handles_then_a_gather(kind):
+    """Gathers and reduce-scatters whose handles are dropped unwaited, then one waited for."""
+    import gc
+    t = _make(kind)
+    t.prepare(None)
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    for _ in range(3):
+        t.all_gather(torch.empty(n * 100), torch.full((100,), float(rank)), None)
+        t.reduce_scatter(torch.ones(n * 50), None)
+    gc.collect()
+    out = torch.empty(n * 4)
+    t.all_gather(out, torch.full((4,), float(rank)), None).wait()
+    total = t.reduce_scatter(torch.ones(n * 2), None).wait()
+    t.close()
+    return out.view(n, -1)[:, 0].tolist(), total.tolist()
+
+
+@pytest.mark.parametrize("kind", ["process_group", "shared_memory"])
+def test_a_handle_dropped_unwaited_does_not_stall_later_operations(world2, kind):
+    """On gloo, the sends and receives of a dropped handle used to be lost with it, and the
+    next gather between the same ranks waited forever."""
+    assert world2.run(_dropped_handles_then_a_gather, kind) == [([0.0, 1.0], [2.0, 2.0])] * 2
+
+
 @pytest.mark.parametrize("kind", ["process_group", "shared_memory"])
 def test_wait_returns_what_the_interface_documents(world2, kind):
     for got in world2.run(_what_wait_returns, kind):
@@ -303,13 +351,17 @@ def _mismatched_ops():
 
 def _same_op_other_shape():
     """Ranks that agree on the op but not on its shape: a broadcast from different sources, a
-    reduce-to-owners of different segment layouts with the same total. Each raises (one
-    transport per case: an error breaks a transport for good)."""
+    reduce-to-owners of different segment layouts with the same total, an all-reduce with
+    different reductions. Each raises (one transport per case: an error breaks a transport
+    for good)."""
     rank = skdist.get_rank()
     cases = {"broadcast": lambda t: t.broadcast(torch.ones(8), rank, None),
              "reduce": lambda t: t.reduce_to_owners(
                  [torch.ones(3), torch.ones(5)] if rank == 0 else [torch.ones(5), torch.ones(3)],
-                 None)}
+                 None),
+             "all_reduce": lambda t: t.all_reduce(
+                 torch.full((4,), rank + 1.0), None,
+                 skdist.ReduceOp.SUM if rank == 0 else skdist.ReduceOp.MAX)}
     out = {}
     for name, issue in cases.items():
         t = _make("shared_memory")
@@ -328,6 +380,9 @@ def test_same_op_with_another_source_or_layout_raises(world2):
         assert "broadcast from group rank 0" in r["broadcast"], r
         assert "broadcast from group rank 1" in r["broadcast"], r
         assert r["reduce"].count("reduce (segment layout #") == 2, r
+        # they used to finish with 3.0 on rank 0 and 2.0 on rank 1, and no error
+        assert "all_reduce (SUM) of 16 bytes" in r["all_reduce"], r
+        assert "all_reduce (MAX) of 16 bytes" in r["all_reduce"], r
 
 
 def test_mismatched_operations_raise_on_every_rank_naming_both(world2):
@@ -608,6 +663,28 @@ def _killed_during_wrapper_setup(kind):
     except Exception as err:  # noqa: BLE001
         return f"{type(err).__name__}: {err}"
     return "no error"
+
+
+def _killed_while_lanes_open():
+    """Rank 1 SIGKILLs itself instead of opening the lanes of a group with a 5 s timeout."""
+    from shardkit import transport as T
+    group = skdist.new_group([0, 1], timeout_s=5)
+    if skdist.get_rank() == 1:
+        T._open_lanes = lambda g: os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        ProcessGroupTransport().prepare(group)
+    except Exception as err:  # noqa: BLE001 - what the survivor sees
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_a_rank_killed_while_lanes_open_is_an_error_naming_the_call():
+    """The survivor used to get only torch's DistStoreError naming the store keys it waited
+    for ("wait timeout after 5000ms, keys: /default_pg/0//3d1e...")."""
+    text = _survivor_report(_killed_while_lanes_open)
+    survivor = text.split("--- rank 0 returned:")[1].split("--- rank 1")[0]
+    assert "CollectiveError: new_group(ranks=[0, 1]) over process group (gloo), on rank 0 of 2" \
+        in survivor and "a peer rank died" in survivor, survivor
 
 
 def test_only_broken_links_become_collective_errors():
