@@ -104,9 +104,26 @@ def main(argv: Optional[list] = None) -> int:
     except CheckpointError as e:
         print(f"consolidate: {e}", file=sys.stderr)
         return 2
-    torch.save(state, args.output)
+    try:
+        _save_atomically(state, args.output)
+    except (OSError, RuntimeError) as e:  # torch.save reports a missing directory as the latter
+        print(f"consolidate: cannot write {args.output} ({type(e).__name__}: {e}); nothing was "
+              f"written there", file=sys.stderr)
+        return 2
     print(f"consolidate: wrote {len(state)} tensors ({numel} elements) to {args.output}")
     return 0
+
+
+def _save_atomically(state: dict, output: str) -> None:
+    """``torch.save`` into a temporary file beside ``output``, then rename it: a full disk or a
+    killed process never leaves a truncated ``output``."""
+    pending = f"{output}.tmp-{os.getpid()}"
+    try:
+        torch.save(state, pending)
+        os.replace(pending, output)
+    finally:
+        if os.path.exists(pending):
+            os.remove(pending)
 
 
 if __name__ == "__main__":

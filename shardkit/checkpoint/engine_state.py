@@ -28,9 +28,9 @@ import torch
 
 from shardkit import distributed
 from shardkit.checkpoint.resharding import shape_mismatches
-from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard, check_tag,
-                                         commit_checkpoint, read_checkpoint,
-                                         resolve_checkpoint_dir)
+from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard,
+                                         agreement_device, check_tag, commit_checkpoint,
+                                         read_checkpoint, resolve_checkpoint_dir)
 from shardkit.optim.local_step import without_fused_choice
 from shardkit.optim.partition import ParameterPartition
 
@@ -175,16 +175,12 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     step counters and this rank's RNG state. Returns ``(path, client_state)``, or
     ``(None, None)`` with a warning when ``load_dir`` has no checkpoint. Memory: every rank
     reads all rank files and merges them on CPU (the full fp32 model and optimizer state) before
-    keeping its part; communication: what loading into the wrappers costs."""
-    path = resolve_checkpoint_dir(load_dir, tag)
-    if path is None:
+    keeping its part; communication: one two-element all-reduce (every rank agrees it read the
+    checkpoint before any loads), then what loading into the wrappers costs."""
+    ckpt = _read_and_check_on_every_rank(engine, load_dir, tag, load_optimizer_states)
+    if ckpt is None:
         logger.warning("load_checkpoint: no 'latest' file in %s; nothing loaded", load_dir)
         return None, None
-    ckpt = read_checkpoint(path, with_optimizer=load_optimizer_states)
-    _check_names(engine, ckpt)
-    _check_shapes(engine, ckpt)  # before anything is written: a mismatch changes nothing
-    if load_optimizer_states:
-        _check_optimizer_class(engine, ckpt)
     _load_model(engine, ckpt.params)
     if load_optimizer_states:
         _load_optimizer(engine, ckpt.optim, ckpt.engine["param_groups"])
@@ -198,7 +194,46 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     saved_world = ckpt.metadata["world_size"]
     set_rng_state(ckpt.rng_by_rank[distributed.get_rank() % saved_world])
-    return path, ckpt.engine["client_state"]
+    return ckpt.path, ckpt.engine["client_state"]
+
+
+def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
+                                  with_optimizer: bool):
+    """The checked checkpoint (``None`` when ``load_dir`` has none), read by every rank, which
+    then agree before any loads: a rank that cannot read it, or finds none while others do (a
+    directory that is not shared, a damaged file one node sees), makes every rank raise a
+    :class:`CheckpointError` rather than go on with other weights or wait in a collective.
+    Communication: one two-element all-reduce."""
+    ckpt, error = None, None
+    try:
+        path = resolve_checkpoint_dir(load_dir, tag)
+        if path is not None:
+            ckpt = read_checkpoint(path, with_optimizer=with_optimizer)
+            _check_names(engine, ckpt)
+            _check_shapes(engine, ckpt)  # before anything is written: a mismatch changes nothing
+            if with_optimizer:
+                _check_optimizer_class(engine, ckpt)
+    except Exception as e:  # raised on every rank below
+        error = e
+    failed, found = _count_over_ranks(error is not None, ckpt is not None)
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError(f"load_checkpoint({load_dir!r}, tag={tag!r}) failed on {failed} "
+                              f"other rank(s) (see their errors); nothing was loaded")
+    if 0 < found < distributed.get_world_size():
+        raise CheckpointError(
+            f"load_checkpoint({load_dir!r}, tag={tag!r}): {found} of "
+            f"{distributed.get_world_size()} ranks found a checkpoint there, "
+            f"{'this one' if ckpt is not None else 'not this one'}; every rank must see the "
+            f"same directory (a filesystem shared by the nodes); nothing was loaded")
+    return ckpt
+
+
+def _count_over_ranks(*flags: bool) -> list[int]:
+    counts = torch.tensor([float(f) for f in flags], device=agreement_device())
+    distributed.all_reduce(counts)
+    return [int(c) for c in counts.tolist()]
 
 
 def _check_names(engine, ckpt) -> None:

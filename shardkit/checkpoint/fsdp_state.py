@@ -140,15 +140,16 @@ def reshard_local_state_dicts(state_dict, metadata, world_size: int, rank: int) 
                              "each rank]")
     else:
         metas = [metadata] if isinstance(metadata, dict) else list(metadata)
-    if len(dicts) == 1:
+    if len(dicts) == 1 and len(metas) == 1 and isinstance(metas[0], dict):
         meta = metas[0]
-        if (meta["world_size"], meta["rank"]) != (world_size, rank):
+        if (meta.get("world_size"), meta.get("rank")) == (world_size, rank):
+            return OrderedDict(dicts[0])
+        if meta.get("world_size") != 1:  # the dict of a world of one is whole: resharded below
             raise ValueError(
-                f"load_local_state_dict: this dict was saved by rank {meta['rank']} of a "
-                f"world of {meta['world_size']}; this is rank {rank} of {world_size}. To "
-                f"reshard, pass the list of all {meta['world_size']} ranks' local state dicts "
-                f"and metadata")
-        return OrderedDict(dicts[0])
+                f"load_local_state_dict: this dict was saved by rank {meta.get('rank')} of a "
+                f"world of {meta.get('world_size')}; this is rank {rank} of {world_size}. To "
+                f"reshard, pass the list of all {meta.get('world_size')} ranks' local state "
+                f"dicts and metadata")
     pairs = _check_pairs(dicts, metas, "load_local_state_dict")
     old_world, shapes = pairs[0][1]["world_size"], pairs[0][1]["shapes"]
     out = OrderedDict()

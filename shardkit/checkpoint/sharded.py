@@ -45,8 +45,8 @@ from shardkit import distributed
 from shardkit.checkpoint.resharding import join_row_blocks, join_row_state
 
 __all__ = ["FORMAT", "CheckpointError", "RankShard", "LoadedCheckpoint", "commit_checkpoint",
-           "read_latest_tag", "read_checkpoint", "rank_file_name", "resolve_checkpoint_dir",
-           "check_tag", "load_checkpoint_file", "file_digest"]
+           "agreement_device", "read_latest_tag", "read_checkpoint", "rank_file_name",
+           "resolve_checkpoint_dir", "check_tag", "load_checkpoint_file", "file_digest"]
 
 FORMAT = "shardkit-resharding-v1"
 LATEST = "latest"
@@ -121,7 +121,7 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     """Write this rank's shard and, on rank 0, the metadata; then publish atomically.
 
     Must be called on every rank (``metadata``/``engine_payload`` are used on rank 0 only).
-    Communication: two barriers and two one-element all-reduces (one more barrier on
+    Communication: one barrier and three one-element all-reduces (one more barrier on
     failure), on ``group`` (default: the default group; an asynchronous save passes its own,
     so that its agreement never interleaves with the training loop's collectives). Raises
     :class:`CheckpointError` on every rank if any rank failed; ``latest`` is then untouched.
@@ -130,11 +130,8 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     rank = distributed.get_rank()
     final = os.path.join(save_dir, tag)
     staging = os.path.join(save_dir, f".tmp-{tag}")
-    if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-    distributed.barrier(group)
+    error = _attempt(lambda: _make_staging(save_dir, staging)) if rank == 0 else None
+    _agree_or_raise(error, f"creating {staging}", staging, group)
     error = _attempt(lambda: _write_rank_file_and_digest(
         os.path.join(staging, rank_file_name(rank)), shard))
     _agree_or_raise(error, f"writing {rank_file_name(rank)} into {staging}", staging, group)
@@ -147,6 +144,14 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     return final
 
 
+def _make_staging(save_dir: str, staging: str) -> None:
+    """Rank 0: an empty staging directory (a ``save_dir`` that is a file or cannot be written
+    to fails here, and every rank then raises rather than waiting for rank 0)."""
+    os.makedirs(save_dir, exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+
+
 def _attempt(action) -> Optional[BaseException]:
     try:
         action()
@@ -155,9 +160,17 @@ def _attempt(action) -> Optional[BaseException]:
     return None
 
 
+def agreement_device(group=None) -> Optional[torch.device]:
+    """Where a one-element agreement all-reduce over ``group`` must live: this process's CUDA
+    device for an NCCL group (NCCL reduces CUDA tensors only), else the CPU (``None``)."""
+    if distributed.backend_of(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
+
+
 def _agree_or_raise(error: Optional[BaseException], what: str, staging: str,
                     group=None) -> None:
-    if not distributed.any_rank(error is not None, group):
+    if not distributed.any_rank(error is not None, group, device=agreement_device(group)):
         return
     if distributed.get_rank() == 0:
         shutil.rmtree(staging, ignore_errors=True)

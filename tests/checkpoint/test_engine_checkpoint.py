@@ -95,10 +95,9 @@ def test_stage3_world2_checkpoint_resumes_at_world1_stage0_and_world4_stage1(
     reference = world2.run(_reference_run, save_dir)[0]
     assert reference["path"] == os.path.join(save_dir, f"global_step{STEPS_BEFORE}")
     assert read_latest_tag(save_dir) == f"global_step{STEPS_BEFORE}"
-    # Saving gathers nothing: two barriers and two one-element agreement all-reduces.
-    # the tags compared across ranks (checkpoint.tag_validation, "Warn" by default), then
-    # two one-element all-reduces and two barriers
-    assert reference["save_comm"] == {"all_gather": 1, "barrier": 2, "all_reduce": 2}
+    # Saving gathers nothing: the tags compared across ranks (checkpoint.tag_validation,
+    # "Warn" by default), then three one-element agreement all-reduces and one barrier
+    assert reference["save_comm"] == {"all_gather": 1, "barrier": 1, "all_reduce": 3}
     # Stage 3 writes each rank's own row blocks (parameters and Adam state): two similar files.
     files = [torch.load(os.path.join(reference["path"], f"rank_0000{r}.pt"), weights_only=True)
              for r in range(2)]
@@ -123,6 +122,10 @@ def test_stage3_world2_checkpoint_resumes_at_world1_stage0_and_world4_stage1(
     plain = GPT(TINY, seed=5)
     plain.load_state_dict(torch.load(out))
     assert max_diff(plain.state_dict(), reference["at_save"]) == 0.0
+    # an output that cannot be written is a one-line error and leaves no file behind
+    assert main(["consolidate", save_dir, str(tmp_path / "no_such_dir" / "model.pt")]) == 2
+    assert not (tmp_path / "no_such_dir").exists()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "model.pt"]
 
 
 def _warm_start_and_longer_schedule(save_dir):

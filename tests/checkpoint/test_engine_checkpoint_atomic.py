@@ -69,6 +69,29 @@ def test_failed_save_on_one_rank_raises_everywhere_and_keeps_latest(world2, tmp_
     assert "No space left on device" in world2.run(_failed_save, str(tmp_path / "b"))[1]["error"]
 
 
+def _save_into(save_dir):
+    engine, _, _, _ = shardkit.initialize(model=torch.nn.Linear(4, 4), config={
+        "train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 1}})
+    try:
+        engine.save_checkpoint(save_dir, tag="t")
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_save_dir_rank0_cannot_create_fails_on_every_rank(world2, tmp_path):
+    # rank 0 creates the staging directory; when it cannot (a file in the way, a read-only or
+    # full disk), every rank raises instead of waiting at a barrier rank 0 never reaches
+    in_the_way = tmp_path / "a_file"
+    in_the_way.write_text("not a directory")
+    errors = world2.run(_save_into, str(in_the_way))
+    assert all(e is not None and "creating" in e and "'latest' still names" in e
+               for e in errors), errors
+    assert "FileExistsError" in errors[0] and "on another rank" in errors[1]
+    assert in_the_way.read_text() == "not a directory"
+
+
 KILLED_MID_SAVE = textwrap.dedent("""
     import os, signal, sys, torch, shardkit
     from shardkit.checkpoint import sharded
@@ -206,3 +229,66 @@ def test_loss_scaler_scheduler_counters_and_rng_round_trip(world1, tmp_path):
     r = world1.run(_fp16_state_round_trip, str(tmp_path / "ckpt"))[0]
     assert r["skipped"] >= 1 and r["scale"] < 2.0 ** 20  # the scaler really moved
     assert r["same_state"] and r["same_rng"]
+
+
+def _load_seen_differently(save_dir, stage):
+    """Rank 1 reads a directory without the checkpoint, then one with a damaged rank file (a
+    directory that is not shared by the nodes): every rank must raise, and train on after."""
+    import shutil
+    engine, _, _, _ = shardkit.initialize(model=torch.nn.Linear(4, 4), config={
+        "train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": stage}})
+    engine.save_checkpoint(save_dir, tag="t")
+    rank = distributed.get_rank()
+    if rank == 0:
+        shutil.copytree(save_dir, save_dir + "-damaged")
+        with open(os.path.join(save_dir + "-damaged", "t", "rank_00000.pt"), "r+b") as f:
+            f.truncate(64)
+    distributed.barrier()
+    out = {}
+    for case, other in (("missing", save_dir + "-nowhere"), ("damaged", save_dir + "-damaged")):
+        try:
+            engine.load_checkpoint(save_dir if rank == 0 else other)
+            out[case] = None
+        except CheckpointError as e:
+            out[case] = str(e)
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()  # no rank was left inside a collective
+    return out
+
+
+def test_load_that_fails_or_finds_nothing_on_one_rank_raises_on_every_rank(world2, tmp_path):
+    for stage in (1, 3):
+        rank0, rank1 = world2.run(_load_seen_differently, str(tmp_path / f"s{stage}"), stage)
+        assert "1 of 2 ranks found a checkpoint there, this one" in rank0["missing"]
+        assert "not this one" in rank1["missing"] and "shared" in rank1["missing"]
+        assert "failed on 1 other rank(s)" in rank0["damaged"]
+        assert "rank_00000.pt: 64 bytes" in rank1["damaged"]
+
+
+def _agreement_on_an_nccl_group(save_dir):
+    """The save's agreement all-reduces use this process's CUDA device under NCCL (whose
+    process groups reduce CUDA tensors only); gloo's backend is swapped for the name only."""
+    from shardkit.checkpoint import sharded
+    devices = []
+    real_any_rank, real_backend = distributed.any_rank, distributed.backend_of
+    real_current = torch.cuda.current_device
+
+    def recording_any_rank(flag, group=None, device=None):
+        devices.append(str(device))
+        return real_any_rank(flag, group)
+
+    distributed.any_rank = recording_any_rank
+    distributed.backend_of = lambda group=None: "nccl"
+    torch.cuda.current_device = lambda: 0
+    try:
+        sharded.commit_checkpoint(save_dir, "t", sharded.RankShard(), {
+            "format": sharded.FORMAT, "world_size": 1, "param_names": []}, {})
+    finally:
+        distributed.any_rank, distributed.backend_of = real_any_rank, real_backend
+        torch.cuda.current_device = real_current
+    return devices
+
+
+def test_save_agreement_uses_the_cuda_device_under_nccl(world1, tmp_path):
+    assert world1.run(_agreement_on_an_nccl_group, str(tmp_path / "ckpt"))[0] == ["cuda:0"] * 3

@@ -178,3 +178,94 @@ def test_local_checkpoint_reshards(saved_world2, world_size):
         results = world.run(_resume, checkpoint_dir)
     for r in results:
         assert r["resumed_vs_reference"] <= 1e-5, r
+
+
+def test_world1_local_dict_reshards_to_every_rank_of_a_larger_world():
+    # a world of one saves one local dict: it is the whole model, so every rank of a larger
+    # world reshards it (FairScale users pass [dict] or the dict itself with its metadata)
+    from shardkit.checkpoint.fsdp_state import local_metadata, reshard_local_state_dicts
+    full = torch.arange(15.0).reshape(5, 3)
+    saved = {"w": full.clone(), "buf": torch.ones(2)}
+    meta = local_metadata(1, 0, {"w": [5, 3]}, ["buf"])
+    for given, metadata in (([saved], [meta]), (saved, meta)):
+        rows = [reshard_local_state_dicts(given, metadata, world_size=2, rank=r)["w"]
+                for r in range(2)]
+        assert [tuple(r.shape) for r in rows] == [(3, 3), (3, 3)]  # ceil(5/2) rows, padded
+        assert torch.equal(torch.cat(rows)[:5], full)
+    with pytest.raises(ValueError, match="rank 1 of a world of 2; this is rank 0 of 4"):
+        reshard_local_state_dicts(saved, local_metadata(2, 1, {"w": [5, 3]}, ["buf"]), 4, 0)
+
+
+def _load_another_models_state_dict():
+    model = wrap_gpt(build_gpt())
+    before = model.state_dict()
+    other = {k: v + 1 for k, v in before.items() if not k.startswith("blocks.1.")}
+    other["extra.weight"] = torch.zeros(3)
+    try:
+        model.load_state_dict(other)
+        strict_error = None
+    except RuntimeError as e:
+        strict_error = str(e)
+    unchanged = max_diff(model.state_dict(), before)
+    result = model.load_state_dict(other, strict=False)
+    # a rank-0-only state dict loaded as given: rank 1 has {}; every rank must raise, not hang
+    try:
+        model.load_state_dict(before if skdist.get_rank() == 0 else {})
+        rank0_only_error = None
+    except RuntimeError as e:
+        rank0_only_error = str(e)
+    return {"strict_error": strict_error, "unchanged": unchanged,
+            "rank0_only_error": rank0_only_error,
+            "missing": result.missing_keys, "unexpected": result.unexpected_keys,
+            "expected_missing": sorted(k for k in before if k.startswith("blocks.1."))}
+
+
+def test_key_mismatch_names_state_dict_keys_and_loads_nothing():
+    # the keys a user sees are state_dict()'s (no "_fsdp_wrapped_module." prefixes), and a
+    # strict load that fails leaves every weight as it was (torch's would copy the matching ones)
+    with World(2) as world:
+        results = world.run(_load_another_models_state_dict)
+    for r in results:
+        assert "nothing was loaded" in r["strict_error"], r["strict_error"]
+        assert '"blocks.1.ln1.weight"' in r["strict_error"]
+        assert 'Unexpected key(s) in state_dict: "extra.weight"' in r["strict_error"]
+        assert "_fsdp_wrapped_module" not in r["strict_error"]
+        assert r["unchanged"] == 0.0
+        assert sorted(r["missing"]) == r["expected_missing"]
+        assert r["unexpected"] == ["extra.weight"]
+    assert "given on another rank of the group does not match" in results[0]["rank0_only_error"]
+    assert 'Missing key(s) in state_dict: "tok_emb.weight"' in results[1]["rank0_only_error"]
+
+
+def _state_dict_one_unit_at_a_time():
+    from shardkit.nn.data_parallel.flat_param import FlatParamShard as FlatShard
+    model = wrap_gpt(build_gpt(), state_dict_on_rank_0_only=True,
+                     state_dict_device=torch.device("cpu"))
+    units = model.sharded_units()
+    summoned_at_gathers = []
+    original = FlatShard.gather_master
+
+    def recording_gather(shard):
+        summoned_at_gathers.append(sum(u._summoned for u in units))
+        return original(shard)
+
+    FlatShard.gather_master = recording_gather
+    try:
+        full = model.state_dict()
+    finally:
+        FlatShard.gather_master = original
+    expected = build_gpt().state_dict()
+    return {"summoned": summoned_at_gathers, "units": len(units),
+            "keys": list(full), "expected_keys": list(expected),
+            "diff": max_diff(full, expected) if full else None}
+
+
+def test_full_state_dict_gathers_one_unit_at_a_time():
+    # FairScale's memory: one unit gathered at a time (not the whole model on every rank), and
+    # with state_dict_on_rank_0_only only rank 0 keeps the result
+    with World(2) as world:
+        rank0, rank1 = world.run(_state_dict_one_unit_at_a_time)
+    for r in (rank0, rank1):
+        assert r["units"] > 2 and r["summoned"] == [1] * r["units"], r["summoned"]
+    assert rank0["keys"] == rank0["expected_keys"] and rank0["diff"] == 0.0
+    assert rank1["keys"] == []

@@ -42,19 +42,45 @@ class FSDPStateDictMixin:
         ``state_dict_device`` the tensors are moved there; with ``state_dict_on_rank_0_only``
         only rank 0 of the group (and of the replicas) gets them, the others an empty dict.
 
-        Memory: the full model on every rank while it is built (held afterwards only where it
-        is returned). Communication: one all-gather per unit.
+        The dict is built one unit at a time: each unit is gathered, its parameters are kept
+        (moved to ``state_dict_device``) where the dict is returned, and its gathered copy is
+        released before the next unit is gathered, as FairScale does.
+
+        Memory: one unit gathered at a time, plus the dict where it is returned (the full model,
+        on ``state_dict_device``). Communication: one all-gather per unit.
         """
         if args or destination is not None:  # nn.Module's recursion into an inner unit
             return super().state_dict(*args, destination=destination, prefix=prefix,
                                       keep_vars=keep_vars)
-        with self.summon_full_params(writeback=False), self._buffers_in_original_dtype():
-            raw = super().state_dict(keep_vars=False)
-            if self.state_dict_on_rank_0_only and not self._is_first_rank():
-                return OrderedDict()
-            device = self.state_dict_device
-            return OrderedDict((prefix + clean_name(k), v if device is None else v.to(device))
-                               for k, v in raw.items())
+        keep = not self.state_dict_on_rank_0_only or self._is_first_rank()
+        with self._buffers_in_original_dtype():
+            raw = nn.Module.state_dict(self, keep_vars=True)  # shard views; buffers as saved
+        values = self._full_params_unit_by_unit(raw, keep)
+        if not keep:
+            return OrderedDict()
+        return OrderedDict((prefix + clean_name(k), self._on_state_dict_device(
+            values[k] if k in values else _detached(v))) for k, v in raw.items())
+
+    def _full_params_unit_by_unit(self, raw: dict, keep: bool) -> dict:
+        """``{state-dict key: full parameter}`` for the parameter keys of ``raw``, each unit
+        summoned alone (``{}`` where ``keep`` is false: the gathers still run, collectively).
+        Communication: one all-gather per unit."""
+        params = dict(nn.Module.named_parameters(self, remove_duplicate=False))
+        keys_of: dict = {}
+        for key in raw:
+            if key in params:
+                keys_of.setdefault(id(params[key]), []).append(key)
+        values = {}
+        for unit in self.sharded_units():
+            with unit.summon_full_params(recurse=False, writeback=False):
+                for p in (unit._shard.params if keep and unit._shard is not None else ()):
+                    for key in keys_of.get(id(p), ()):
+                        values[key] = self._on_state_dict_device(p.detach())
+        return values
+
+    def _on_state_dict_device(self, value):
+        device = self.state_dict_device
+        return value.to(device) if device is not None and torch.is_tensor(value) else value
 
     def _is_first_rank(self) -> bool:
         replica = 0 if self.replicate_group is None else skdist.get_rank(self.replicate_group)
@@ -62,13 +88,20 @@ class FSDPStateDictMixin:
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state dict (e.g. from the unwrapped model or :meth:`state_dict`): each
-        rank keeps its rows. All ranks must call it. Communication: one all-gather per unit."""
+        rank keeps its rows. Keys and shapes are checked first: a mismatch (with ``strict``,
+        a missing or unexpected key) on any rank raises on every rank, naming the keys as
+        :meth:`state_dict` has them, and loads nothing; with ``strict=False`` the returned
+        missing/unexpected keys use those names too. All ranks must call it.
+        Communication: a one-element all-reduce, then one all-gather per unit."""
         if assign:
             raise ValueError("FullyShardedDataParallel.load_state_dict(assign=True) is not "
                              "supported: parameters must stay views of their shards")
-        self._check_full_shapes(state_dict)
+        self._refuse_mismatch_on_every_rank(
+            self._shape_problems(state_dict) + (self._key_problems(state_dict) if strict else []))
         with self.summon_full_params(writeback=True):
-            return super().load_state_dict(self._to_wrapped_keys(state_dict), strict=strict)
+            result = super().load_state_dict(self._to_wrapped_keys(state_dict), strict=strict)
+        return type(result)([clean_name(k) for k in result.missing_keys],
+                            [clean_name(k) for k in result.unexpected_keys])
 
     def full_shapes(self) -> dict:
         """The full (unsharded) shape of every tensor of :meth:`state_dict`, by its key:
@@ -81,15 +114,34 @@ class FSDPStateDictMixin:
             shapes.setdefault(clean_name(name), tuple(buf.shape))
         return shapes
 
-    def _check_full_shapes(self, state_dict) -> None:
-        """torch's size-mismatch RuntimeError, raised before the gather and before any shard is
-        written (torch's own load would first copy the tensors whose shapes fit). Local."""
-        wrong = [f"size mismatch for {name}: copying a param with shape {given} from "
-                 f"checkpoint, the shape in current model is {mine}."
-                 for name, given, mine in shape_mismatches(state_dict, self.full_shapes())]
-        if wrong:
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} "
-                               f"(nothing was loaded):\n\t" + "\n\t".join(wrong))
+    def _shape_problems(self, state_dict) -> list[str]:
+        """torch's size-mismatch lines for the tensors whose shape is not the model's. Local."""
+        return [f"size mismatch for {name}: copying a param with shape {given} from "
+                f"checkpoint, the shape in current model is {mine}."
+                for name, given, mine in shape_mismatches(state_dict, self.full_shapes())]
+
+    def _key_problems(self, state_dict) -> list[str]:
+        """torch's missing/unexpected-key lines under the keys of :meth:`state_dict` (not FSDP's
+        wrapped names). Local."""
+        expected = [clean_name(k) for k in nn.Module.state_dict(self, keep_vars=True)]
+        missing = [k for k in expected if k not in state_dict]
+        known = set(expected)
+        unexpected = [k for k in state_dict if k not in known]
+        return [f"{what} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + "."
+                for what, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys]
+
+    def _refuse_mismatch_on_every_rank(self, problems: list[str]) -> None:
+        """torch's RuntimeError, raised on every rank of the group before the gather and before
+        any shard is written (torch's own load first copies the tensors that fit), also when
+        only some ranks were given a mismatching dict (``{}`` where a ``rank0_only`` dict was
+        not loaded). Communication: one one-element all-reduce over the group."""
+        failed = skdist.any_rank(bool(problems), self.process_group, device=self._comm_device())
+        if not failed:
+            return
+        detail = "\n\t".join(problems) if problems else \
+            "the state dict given on another rank of the group does not match (see its error)"
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} "
+                           f"(nothing was loaded):\n\t{detail}")
 
     def _to_wrapped_keys(self, state_dict) -> OrderedDict:
         wrapped = {clean_name(k): k for k in nn.Module.state_dict(self, keep_vars=True)}
@@ -211,3 +263,8 @@ class FSDPStateDictMixin:
         for unit in self.sharded_units():
             if unit.world_size == 1 < self.world_size and unit.replicate_group is None:
                 unit.no_broadcast_optim_state = True
+
+
+def _detached(value):
+    """A state-dict value as ``keep_vars=False`` gives it (extra state stays as it is)."""
+    return value.detach() if torch.is_tensor(value) else value
