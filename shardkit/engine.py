@@ -442,7 +442,10 @@ class ShardedEngine(nn.Module):
         factor = self.loss_scale / divisor
         scaled = loss.float() * factor if factor != 1.0 else loss
         with self._reduction_context():
-            scaled.backward(retain_graph=retain_graph)
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            except RuntimeError as error:
+                raise _explained_backward_error(error, self.config.zero) from error
         return loss / divisor if divisor != 1 else loss
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
@@ -593,8 +596,8 @@ class ShardedEngine(nn.Module):
         scaler and ``client_state``. A ``tag`` that is not a string (an epoch, a loss) is
         used as ``str(tag)``, as DeepSpeed does. Memory: a CPU copy of this rank's share.
         Communication: the tags compared across ranks (one small all-gather, unless the
-        config's ``checkpoint.tag_validation`` is ``"Ignore"``: then a small broadcast), two
-        one-element all-reduces and two barriers.
+        config's ``checkpoint.tag_validation`` is ``"Ignore"``: then a small broadcast), three
+        one-element all-reduces and one barrier.
 
         ``client_state`` must load back: checkpoints are read with
         ``torch.load(weights_only=True)`` (tensors, numbers, strings, bools, None and
@@ -703,6 +706,29 @@ class ShardedEngine(nn.Module):
         set_rng_state(kept["rng"])
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(kept["loss_scaler"])
+
+
+_DDP_READY_TWICE = "Expected to mark a variable ready only once"
+
+
+def _explained_backward_error(error: RuntimeError, zero) -> RuntimeError:
+    """torch DDP's "marked ready twice", in the config's terms where the config caused it:
+    stages 0-1 with ``ignore_unused_parameters`` build DDP with ``find_unused_parameters``,
+    which marks the parameters of a reentrant activation checkpoint unused after the forward
+    (they are not in its graph yet) and fails when their recomputed gradients arrive. Every
+    rank runs the same backward, so every rank raises it. Any other error comes back as is."""
+    if _DDP_READY_TWICE not in str(error) or zero.stage > 1 \
+            or not zero.ignore_unused_parameters:
+        return error
+    return RuntimeError(
+        f"engine.backward: zero_optimization.stage={zero.stage} with ignore_unused_parameters="
+        f"true (the default) runs torch DDP with find_unused_parameters, which cannot run a "
+        f"reentrant activation checkpoint (torch.utils.checkpoint(use_reentrant=True), Hugging "
+        f"Face's gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': "
+        f"True}})) nor a parameter used outside the forward. Valid: \"ignore_unused_parameters"
+        f"\": false in zero_optimization (every trainable parameter must then get a gradient "
+        f"each step), checkpointing with use_reentrant=False, or stage 2 or 3. torch DDP "
+        f"said: {str(error).splitlines()[0][:200]}")
 
 
 def _client_state_problem(client_state) -> Optional[str]:

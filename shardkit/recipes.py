@@ -189,7 +189,9 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
             ``MixedPrecisionPolicy(reduce_dtype=dtype)`` (weights stay fp32).
         find_unused_parameters: stages 0-1: torch DDP's option, for models whose forward
             leaves some parameters unused (a pooler, an unused head); a walk of the autograd
-            graph after each forward. Stages 2-3 need none.
+            graph after each forward. Stages 2-3 need none. Not with a reentrant activation
+            checkpoint (``use_reentrant=True``): torch DDP then fails in backward with
+            "Expected to mark a variable ready only once".
 
     Costs: those of the wrappers (module docstring); building issues each wrapper's
     initial broadcasts. Bad arguments raise before any of them.

@@ -111,6 +111,17 @@ def _error_cases():
     # a plain module holding units (no root unit) refuses too
     results["deepcopy_holder"] = _raises(lambda: copy.deepcopy(nn.Sequential(FSDP(MLP(8, 2)))),
                                          TypeError, "cannot be pickled or copied")
+    # a dtype or device change after wrapping: refused before any tensor changes (it used to
+    # cast the buffers, be undone on the shards at the next gather and fail in the forward
+    # with "mat1 and mat2 must have the same dtype")
+    for name, convert in (("half", lambda: model.half()),
+                          ("to_double", lambda: model.to(torch.float64))):
+        results[name] = _raises(convert, RuntimeError, "after wrapping", "float32",
+                                "before wrapping", "compute_dtype=")
+    dtypes = {t.dtype for t in list(model.parameters()) + list(model.buffers())
+              if t.is_floating_point()}
+    results["half_changed_nothing"] = "ok" if dtypes == {torch.float32} else str(dtypes)
+    results["no_op_conversions"] = "ok" if model.to("cpu").float().cpu() is model else "refused"
     # the world is still usable: every rank raised before any collective
     train_step(model, optim, 1)
     return results

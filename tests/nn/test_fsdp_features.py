@@ -1,11 +1,13 @@
 """FSDP features users rely on: summon_full_params (write-back), unfreezing mid-run, an
 optimizer built before wrapping, evaluation under no_grad, CPU offload, no_sync memory and the
-original parameter names."""
+original parameter names; the user's own hooks, gradient penalties (create_graph), losses that
+reach a unit through a stored value, zero_grad inside an accumulation cycle."""
 
 import collections
 import dataclasses
 
 import torch
+import torch.nn.utils.prune
 
 from shardkit import distributed as skdist
 from shardkit.testing import world_fixture
@@ -495,3 +497,201 @@ def _unit_applied_several_times():
 
 def test_a_unit_applied_several_times_in_one_forward(world2):
     assert all(worst <= 1e-6 for worst in world2.run(_unit_applied_several_times))
+
+
+class _TwoLayers(torch.nn.Module):
+    """A tiny MLP whose first layer becomes an inner unit, seeded alike on every rank."""
+
+    def __init__(self, prune_first: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
+        if prune_first:  # a forward pre-hook registered before wrapping reads weight_orig
+            torch.nn.utils.prune.l1_unstructured(self.l1, "weight", amount=0.5)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+def _wrap_two_layers(model):
+    from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+    model.l1 = FSDP(model.l1)
+    return FSDP(model)
+
+
+def _sharded_grad_diff(model, reference) -> float:
+    """Largest difference between this rank's gradient shards and the oracle's gradients
+    (infinite where one of them is None and the other is not)."""
+    from shardkit.checkpoint.resharding import ParamLayout, shard_rows
+    ref = dict(reference.named_parameters())
+    n, r = skdist.get_world_size(), skdist.get_rank()
+    worst = 0.0
+    for k, p in model.named_parameters():
+        expected = ref[k].grad
+        if p.grad is None or expected is None:
+            worst = worst if p.grad is None and expected is None else float("inf")
+            continue
+        expected = shard_rows(expected, ParamLayout(expected.shape, n), r)
+        worst = max(worst, (p.grad - expected).abs().max().item())
+    return worst
+
+
+def _gradient_penalty():
+    """WGAN-GP / R1: ``torch.autograd.grad(out, x, create_graph=True)`` then a backward through
+    the loss plus the penalty (the graph autograd.grad built reads the gathered weights)."""
+    reference, model = _TwoLayers(), _wrap_two_layers(_TwoLayers())
+    gen = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for _ in range(2):
+        x = torch.randn(8, 6, generator=gen)
+        for net, inputs in ((reference, x), (model, local_slice(x))):
+            inputs = inputs.clone().requires_grad_(True)
+            out = net(inputs)
+            grad, = torch.autograd.grad(out.sum(), inputs, create_graph=True)
+            (out.pow(2).mean() + grad.pow(2).sum() / len(inputs)).backward()
+        worst = max(worst, _sharded_grad_diff(model, reference))
+        reference.zero_grad(), model.zero_grad()
+    return {"worst": worst, "freed": [u._shard.gathered for u in model.sharded_units()]}
+
+
+def test_gradient_penalty_with_create_graph(world2):
+    for r in world2.run(_gradient_penalty):
+        assert r["worst"] < 1e-6 and r["freed"] == [False, False], r
+
+
+def _user_hooks_on_wrapped_modules():
+    """Hooks of the user's on a wrapped module see the gathered parameters, as under torch's
+    FSDP: torch.nn.utils.prune's pre-hook (registered before wrapping, it reads weight_orig)
+    and a forward hook registered after wrapping (it reads the bias)."""
+    reference, model = _TwoLayers(prune_first=True), _wrap_two_layers(_TwoLayers(True))
+    seen = {}
+    for name, net in (("reference", reference.l1), ("fsdp", model.module.l1.module)):
+        net.register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(
+            name, (tuple(m.bias.shape), m.bias.detach().sum().item())))
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(2))
+    reference(x).pow(2).mean().backward()
+    model(local_slice(x)).pow(2).mean().backward()
+    return {"seen": seen, "grads": _sharded_grad_diff(model, reference)}
+
+
+def test_user_hooks_on_wrapped_modules_see_full_parameters(world2):
+    for r in world2.run(_user_hooks_on_wrapped_modules):
+        assert r["seen"]["fsdp"][0] == (6,), r
+        assert abs(r["seen"]["fsdp"][1] - r["seen"]["reference"][1]) < 1e-6, r
+        assert r["grads"] < 1e-6, r
+
+
+def _optimizer_in_backward():
+    """torchtune's optimizer-in-backward: a post-accumulate-grad hook on every parameter steps
+    it and clears its gradient; the hooks run once the reduced shard is in ``p.grad``."""
+    reference, model = _TwoLayers(), _wrap_two_layers(_TwoLayers())
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    optims = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+    calls = []
+
+    def step_now(p):
+        calls.append(tuple(p.grad.shape))
+        optims[p].step()
+        optims[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step_now)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x = torch.randn(8, 6, generator=gen)
+        reference(x).pow(2).mean().backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        model(local_slice(x)).pow(2).mean().backward()
+    with model.summon_full_params():
+        worst = max((a - b).abs().max().item()
+                    for a, b in zip(model.parameters(), reference.parameters()))
+    return {"worst": worst, "calls": calls,
+            "grads left": [p.grad is not None for p in model.parameters()]}
+
+
+def test_post_accumulate_grad_hooks_run_on_the_shards(world2):
+    for r in world2.run(_optimizer_in_backward):
+        assert r["worst"] < 1e-6 and not any(r["grads left"]), r
+        assert r["calls"] == [(3, 6), (3,), (2, 6), (2,)] * 2, r
+
+
+class _RouterWithAuxLoss(torch.nn.Module):
+    """An MoE-style layer that stores its router's auxiliary loss on itself."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.router, self.fc = torch.nn.Linear(6, 2), torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        self.aux_loss = self.router(x).softmax(-1).pow(2).mean()
+        return torch.tanh(self.fc(x))
+
+
+def _loss_reaching_a_unit_only_through_a_stored_value():
+    """A backward of the stored auxiliary loss alone reaches the unit's router through no
+    output of the unit: its gradient must still land in .grad in that backward (it used to be
+    left in flight, ``.grad`` None, and added to the next step's gradient)."""
+    from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+    reference = torch.nn.Sequential(_RouterWithAuxLoss(), torch.nn.Linear(6, 3))
+    model = torch.nn.Sequential(_RouterWithAuxLoss(), torch.nn.Linear(6, 3))
+    model[0] = FSDP(model[0])
+    model = FSDP(model)
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(4))
+    out = {}
+    for step, whole_loss in enumerate((False, True)):
+        for net, inputs, layer in ((reference, x, reference[0]),
+                                   (model, local_slice(x), model.module[0].module)):
+            y = net(inputs)
+            (y.pow(2).mean() + layer.aux_loss if whole_loss else layer.aux_loss).backward()
+        out[step] = _sharded_grad_diff(model, reference)
+        reference.zero_grad(), model.zero_grad()
+    return out
+
+
+def test_loss_reaching_a_unit_only_through_a_stored_value(world2):
+    for r in world2.run(_loss_reaching_a_unit_only_through_a_stored_value):
+        assert r[0] < 1e-6 and r[1] < 1e-6, r
+
+
+def _zero_grad_discards_no_sync_gradients():
+    """A micro-batch accumulated inside no_sync, then discarded with ``model.zero_grad()`` (a
+    skipped accumulation cycle): the next step's gradient is that step's alone, as in one
+    process (the accumulated gradient used to be added to it)."""
+    reference, model = _TwoLayers(), _wrap_two_layers(_TwoLayers())
+    gen = torch.Generator().manual_seed(5)
+    first, second = torch.randn(8, 6, generator=gen), torch.randn(8, 6, generator=gen)
+    reference(first).pow(2).mean().backward()
+    with model.no_sync():
+        model(local_slice(first)).pow(2).mean().backward()
+    reference.zero_grad()
+    model.zero_grad()
+    reference(second).pow(2).mean().backward()
+    model(local_slice(second)).pow(2).mean().backward()
+    return _sharded_grad_diff(model, reference)
+
+
+def test_zero_grad_discards_gradients_accumulated_in_no_sync(world2):
+    assert all(worst < 1e-6 for worst in world2.run(_zero_grad_discards_no_sync_gradients))
+
+
+def _direct_call_after_a_step():
+    """backward, then a forward with gradients that no backward follows (a logged metric: the
+    root stays gathered), then ``optimizer.step()``, then a direct call of a submodule of the
+    root (what ``generate()`` does with an encoder): it must compute with the stepped weights
+    (it used to reuse the gathered pre-step ones)."""
+    reference, model = _TwoLayers(), _wrap_two_layers(_TwoLayers())
+    gen = torch.Generator().manual_seed(6)
+    x, probe = torch.randn(8, 6, generator=gen), torch.randn(2, 6, generator=gen)
+    for net, inputs in ((reference, x), (model, local_slice(x))):
+        optim = torch.optim.SGD(net.parameters(), lr=0.5)
+        net(inputs).pow(2).mean().backward()
+        net(inputs)  # no backward
+        optim.step()
+    with torch.no_grad():
+        return (model.module.l2(probe) - reference.l2(probe)).abs().max().item()
+
+
+def test_direct_call_after_a_step_uses_the_stepped_weights(world2):
+    assert all(diff < 1e-6 for diff in world2.run(_direct_call_after_a_step))

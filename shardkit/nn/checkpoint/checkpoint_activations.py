@@ -28,8 +28,10 @@ pass); every recomputation behaves the same.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import types
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -182,8 +184,58 @@ def checkpointed_call(fn: Callable, *args, modules: tuple[nn.Module, ...] = (),
 
 
 def _checkpointed_forward(module: nn.Module, *args, **kwargs):
+    if _state.enabled and torch.is_grad_enabled():
+        args, kwargs = _without_caches(module, args, kwargs)
     return checkpointed_call(module._shardkit_unwrapped_forward, *args, modules=(module,),
                              offload_to_cpu=module._shardkit_offload_to_cpu, **kwargs)
+
+
+# Parameter names under which Hugging Face layers receive a key/value cache (transformers'
+# own activation checkpointing leaves out the same ones).
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _fills_in_place(value: Any) -> bool:
+    """A cache object that layers ``update()`` (transformers' ``Cache``), not a legacy tuple
+    of past tensors, a flag or a mapping."""
+    return callable(getattr(value, "update", None)) and not isinstance(value, (torch.Tensor,
+                                                                               dict))
+
+
+def _without_caches(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args``/``kwargs`` with any key/value cache object replaced by ``None``, as
+    transformers does when it checkpoints a layer itself: the forward appends this step's keys
+    and values to the cache in place, so the recomputation would attend over them twice (a
+    shape error or torch's "different number of tensors" CheckpointError). A layer that sets
+    ``_can_checkpoint_with_cache`` (it only reads the cache) keeps its ``cache``."""
+    layer = getattr(module, "_fsdp_wrapped_module", module)  # an FSDP unit checkpointed whole
+    names = _positional_names(getattr(layer, "_shardkit_unwrapped_forward", layer.forward))
+    args, kwargs, dropped = list(args), dict(kwargs), []
+    keep = ("cache",) if getattr(layer, "_can_checkpoint_with_cache", False) else ()
+    for i, name in enumerate(names[:len(args)]):
+        if name in _CACHE_ARGUMENTS and name not in keep and _fills_in_place(args[i]):
+            args[i] = None
+            dropped.append(name)
+    for name in _CACHE_ARGUMENTS:
+        if name not in keep and _fills_in_place(kwargs.get(name)):
+            kwargs[name] = None
+            dropped.append(name)
+    if dropped:
+        warnings.warn(f"checkpoint_wrapper: {type(module).__name__} was given a key/value cache "
+                      f"({', '.join(dropped)}) in a checkpointed forward; it runs without it, "
+                      f"as under transformers' own gradient checkpointing (a cache only "
+                      f"serves generation, which runs without grad and is not checkpointed)",
+                      stacklevel=3)
+    return tuple(args), kwargs
+
+
+def _positional_names(fn: Callable) -> list:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C function: no names to match
+        return []
+    return [p.name for p in parameters
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
 def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Module:
@@ -194,6 +246,10 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
     that do not require grad, and FSDP inside or outside all work. Dropout draws the same mask
     in the recomputation, inside the model-parallel RNG tracker's ``fork()`` too; BatchNorm
     running statistics are updated once per forward. Backward may run through it several times.
+    A key/value cache object handed to a checkpointed forward (a Hugging Face layer's ``cache``,
+    ``past_key_values``, ``layer_past``) is replaced by ``None`` with a warning, as transformers'
+    own checkpointing does: the forward fills it in place, so the recomputation would not see
+    what the forward saw.
 
     Args:
         module: any ``nn.Module``.

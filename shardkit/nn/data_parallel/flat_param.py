@@ -201,8 +201,11 @@ class FlatParamShard:
     def _readopt_shards(self) -> None:
         """Keep the invariant 'each parameter views the flat shard' even if a user replaced a
         parameter's ``.data`` (e.g. ``load_state_dict(assign=True)``): copy it back in."""
-        for p, view in zip(self.params, self.shard_views(self.flat_shard)):
+        for p, view, lay, locs in zip(self.params, self.shard_views(self.flat_shard),
+                                      self.layouts, self.locations):
             if p.data.data_ptr() != view.data_ptr() or p.data.shape != view.shape:
+                if p.data.numel() != view.numel():
+                    raise RuntimeError(_resized_after_wrapping(p, lay, locs))
                 with torch.no_grad():
                     view.copy_(p.data.reshape(view.shape))
                 p.data = view
@@ -322,6 +325,11 @@ class FlatParamShard:
         self.add_grads(grads)
         self._on_grad_ready(self)
 
+    def drop_unreduced_grads(self) -> None:
+        """Forget the gradients held for a later reduce-scatter (accumulated inside
+        ``no_sync``). Local."""
+        self._grad_pieces, self._used = None, None
+
     def add_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Add one use's gradients (``None``: none reached that parameter) to what the unit
         holds, without declaring them complete."""
@@ -381,7 +389,11 @@ class FlatParamShard:
         Note: a parameter no gradient reached on this rank, whose reduced shard is exactly
         zero, was (but for a shard of exact zeros) unused on every rank: its ``.grad`` is left
         as it was (``None`` after ``zero_grad``), as in one process, so a stateful optimizer
-        skips it instead of applying momentum or weight decay to a zero gradient."""
+        skips it instead of applying momentum or weight decay to a zero gradient.
+
+        Hooks the user registered with ``p.register_post_accumulate_grad_hook`` (an optimizer
+        step inside backward) run once the reduced shard is in ``p.grad``, as under torch's
+        FSDP2; not inside ``no_sync``, where no reduced gradient arrives."""
         if self._pending_reduce is None:
             return
         self.replicate_reduce()
@@ -400,6 +412,7 @@ class FlatParamShard:
                 p.grad = view
             else:
                 p.grad.add_(view)
+            _run_post_accumulate_grad_hooks(p)
 
     # ------------------------------------------------------------------ full master copies
 
@@ -450,6 +463,25 @@ class _PiecesOfFull(torch.autograd.Function):
         shard = ctx.shard
         shard.add_grads([None if g is None else g.reshape(-1) for g in grads])
         return None, torch.zeros_like(shard._uses), None  # the unit's hook on ``uses`` follows
+
+
+def _run_post_accumulate_grad_hooks(p: nn.Parameter) -> None:
+    """Call ``p``'s post-accumulate-grad hooks: autograd never reaches the sharded parameter
+    itself (the module computes with views of ``full``), so it would not call them."""
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+    for hook in list((hooks or {}).values()):
+        hook(p)
+
+
+def _resized_after_wrapping(p: nn.Parameter, layout, locations: list) -> str:
+    """What went wrong when a sharded parameter's ``.data`` was replaced by one of another
+    size (Hugging Face's ``resize_token_embeddings`` on the wrapped model does that): its
+    rows were never gathered, so nothing sensible can be copied back."""
+    where = ", ".join(f"{type(m).__name__}.{attr}" for m, attr in locations) or "a parameter"
+    return (f"FullyShardedDataParallel: {where} was replaced by a tensor of shape "
+            f"{tuple(p.data.shape)} after wrapping; FSDP sharded it with shape "
+            f"{tuple(layout.shape)}. Change a parameter's size (e.g. Hugging Face's "
+            f"resize_token_embeddings) before wrapping the model in FSDP")
 
 
 _BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

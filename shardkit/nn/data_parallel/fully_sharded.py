@@ -29,7 +29,15 @@ reduce-scatters once. Units kept gathered by a forward that no backward followed
 every unit with ``reshard_after_forward=False``) are reused by the next forward unless their
 shard changed in between (an optimizer step), which the root checks as a forward starts (a
 checksum of the kept shards and a one-element all-reduce; nothing when no unit is kept, as after
-every backward).
+every backward). A backward with ``create_graph=True`` (a gradient penalty:
+``torch.autograd.grad(out, x, create_graph=True)``, then a backward through the penalty) leaves
+the units it reached gathered for the backward through the graph it built, which frees them.
+
+The user's hooks see what they see in one process: forward (pre-)hooks on a wrapped module run
+with its parameters gathered (as under torch's FSDP), and post-accumulate-grad hooks on the
+parameters run once the reduced shard is in ``.grad`` (as under FSDP2). ``.to()``/``.half()``/
+``.cuda()`` after wrapping that would change the shards' dtype or device raise (cast or move
+the module before wrapping; ``compute_dtype`` for low-precision compute).
 
 ``sharding_strategy`` picks FairScale / torch FSDP1's strategies (:mod:`.sharding_strategy`
 has each one's groups and spanning-link bytes): ``HYBRID_SHARD`` shards inside a node and
@@ -48,7 +56,11 @@ given (e.g. :class:`~shardkit.shm_transport.SharedMemoryTransport` for ranks on 
    group, in the same order. So every rank's forward must run the same units: a branch that
    skips a whole unit on some ranks only leaves their collectives unmatched. Inside a unit,
    parameters may go unused on some ranks (their gradient there counts as zero) or on all
-   (their ``.grad`` stays ``None``, as in one process).
+   (their ``.grad`` stays ``None``, as in one process). A backward gathers a unit when it
+   reaches the unit's outputs: one that reaches a unit freed after its forward only through a
+   value the module kept (an MoE layer's ``self.aux_loss`` backpropagated alone) gets its
+   gradients, but fails if that path needs the unit's weights (an input gradient through them);
+   give such a unit ``reshard_after_forward=False``.
 """
 
 from __future__ import annotations
@@ -291,6 +303,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                                            self.gradient_postdivide_factor)
             _MANAGED_PARAMS.update((id(p), weakref.ref(p)) for p in params)
         _WRAPPED_MODULES.add(module)
+        _mark_fsdp_managed(module)
+        module.register_state_dict_pre_hook(_refusing_shards_as_full_state(self))
         self._enclosing: Optional[weakref.ref] = None  # the unit built around this one
         for inner in _inner_units(module):
             inner._is_root = False
@@ -307,15 +321,21 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._backward_order: list = []
         self._orders_final = False
         self._final_callback_queued = False
+        self._backward_builds_graph = False  # root: the running backward has create_graph=True
         self._replicas_pending: list = []  # root: shards whose replica all-reduce is not issued
         # Note: torch.compile of the wrapped block. The hooks sit on the wrapped module (so
         # that ``root.loss(...)``, reached through ``__getattr__``, still gathers), which puts
         # them inside a compiled ``block.compile()``; Dynamo runs them eagerly, outside the
         # block's graph, instead of tracing collectives into it.
-        module.register_forward_pre_hook(_eager(self._pre_forward), with_kwargs=True)
-        module.register_forward_hook(_eager(self._post_forward))
+        # Note: the user's own hooks on the wrapped module (a forward hook reading
+        # ``module.weight``, torch.nn.utils.prune's pre-hook registered before wrapping) must see
+        # the gathered parameters, as they do under torch's FSDP: the gather runs before every
+        # pre-hook, and the free after every forward hook (see _run_post_forward_last).
+        module.register_forward_pre_hook(_eager(self._pre_forward), with_kwargs=True,
+                                         prepend=True)
+        self._post_forward_handle = module.register_forward_hook(_eager(self._post_forward))
         for holder in _holders_inside(module, locations):
-            holder.register_forward_pre_hook(self._before_a_direct_call)
+            holder.register_forward_pre_hook(self._before_a_direct_call, prepend=True)
 
     def _set_fairscale_dtypes(self, policy: MixedPrecisionPolicy, master: torch.dtype,
                               compute_device: torch.device) -> None:
@@ -370,6 +390,18 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
     def forward(self, *args, **kwargs):
         return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (behind ``.to()``, ``.half()``, ``.cuda()``, ``.float()``),
+        refused with a clear error, before anything changes, when it would change the dtype or
+        device of a unit's shards: the flat shard, its gathers and the optimizer state keep
+        what the module had when wrapped, so such a change would be undone at the next gather
+        while the buffers kept it. A call that changes nothing (``.to("cpu")`` on CPU,
+        ``.float()`` on fp32) passes. Local, no communication."""
+        for unit in self.sharded_units():
+            if unit._shard is not None:
+                _refuse_changing_shards(unit._shard, fn)
+        return super()._apply(fn, recurse)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
@@ -498,6 +530,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if root is None:
             raise RuntimeError("FullyShardedDataParallel: an inner unit ran forward without its "
                                "root; call the outermost FSDP instance, not the inner one")
+        self._run_post_forward_last(module)
         if self.mixed_precision_policy.enabled and (self._summoned or root._summoned):
             _check_summoned_alike(root)
         if self._summoned:  # inside summon_full_params: compute with the summoned fp32 values
@@ -518,6 +551,14 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         elif self.force_input_to_fp32 and not policy.enabled:
             args, kwargs = tree_map(_widen_to_fp32, (args, kwargs))
         return args, kwargs
+
+    def _run_post_forward_last(self, module: nn.Module) -> None:
+        """Move the unit's post-forward hook behind the forward hooks registered after it, so
+        that those still see the gathered parameters (torch runs forward hooks in order)."""
+        hooks = module._forward_hooks
+        hook_id = self._post_forward_handle.id
+        if hook_id in hooks and next(reversed(hooks)) != hook_id:
+            hooks.move_to_end(hook_id)
 
     def _post_forward(self, module, args, output):
         grad_enabled = torch.is_grad_enabled()
@@ -549,15 +590,23 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         ``model.get_encoder()``, which reads the root's shared embedding): under ``no_grad``
         the unit is gathered and kept as after a forward (its next forward reuses it unless a
         step changed the shard, then frees it; :meth:`reshard` frees it too); with gradients
-        that would compute on shards, so it is refused. Memory: the unit, gathered.
-        Communication: one all-gather of the unit, unless it is gathered already."""
+        that would compute on shards, so it is refused. A unit kept gathered since a forward is
+        reused unless its shard changed since (then gathered afresh, as the next forward would).
+        Memory: the unit, gathered. Communication: one all-gather of the unit, unless it is
+        gathered already; with units kept gathered, the root's one-element staleness
+        all-reduce."""
         if torch.compiler.is_compiling():
             # Note: inside a compiled block this hook is traced and must add no graph break,
             # so a direct call from compiled code is not detected (call the unit there).
             return
         root = self._root or self._outermost()
-        if self.training_state is not TrainingState.IDLE or root._final_callback_queued \
-                or self._shard.gathered:
+        if self.training_state is not TrainingState.IDLE or root._final_callback_queued:
+            return
+        if self._shard.kept_from_forward:
+            # kept since a forward that no backward followed: stale if a step came in between
+            # (the root's check, as a forward would run it; frees the changed units)
+            root._drop_stale_kept_units()
+        if self._shard.gathered:
             return
         if torch.is_grad_enabled():
             raise RuntimeError(
@@ -647,11 +696,20 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
     def _queue_final_callback(self) -> None:
         if not self._final_callback_queued:
             self._final_callback_queued = True
+            # the engine runs a backward's hooks with grad mode on exactly when create_graph=True
+            self._backward_builds_graph = torch.is_grad_enabled()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _on_grad_ready(self, shard: FlatParamShard) -> None:
         """All of this unit's gradient has arrived: reduce-scatter it (async) unless
         inside ``no_sync``, and free the gathered parameters."""
+        if torch._C._current_graph_task_id() != -1:
+            # Note: a backward may reach the unit's parameters without passing its outputs'
+            # hooks (a loss from a value the module stored, such as an MoE router's
+            # ``self.aux_loss``, backpropagated alone): the root's end-of-backward must still
+            # run, or the reduce-scatter just issued is never waited for and the gradient
+            # lands in .grad one step late
+            self._root._queue_final_callback()
         self.training_state = TrainingState.BACKWARD_POST
         if self._require_backward_grad_sync:
             root = self._root
@@ -675,10 +733,26 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         not change before the next forward, which then reuses them (FairScale's behaviour:
         one all-gather of such a unit per accumulation cycle instead of one per micro-batch,
         for ``Ψ_u`` held between the micro-batches)."""
+        if self._keeps_gathered_for_the_built_graph(shard):
+            return
         if not self._require_backward_grad_sync and self._stays_gathered_for_backward():
             shard.hide()
         else:
             shard.free_full()
+
+    def _keeps_gathered_for_the_built_graph(self, shard: FlatParamShard) -> bool:
+        """A backward with ``create_graph=True`` (a gradient penalty: ``torch.autograd.grad(out,
+        x, create_graph=True)``, then ``(loss + penalty).backward()``) builds a graph that reads
+        the gathered parameters: keep the unit gathered, as after a forward, so the later
+        backward through that graph finds them (it frees them; so does the next forward if a
+        step changed the shard, see :meth:`_drop_stale_kept_units`). Memory: every unit that
+        backward reached stays gathered until then."""
+        root = self._root
+        if root is None or not (root._final_callback_queued and root._backward_builds_graph) \
+                or not shard.gathered:
+            return False
+        shard.remember_source()
+        return True
 
     def _finish_backward(self) -> None:
         """Root only, at the end of backward: wait for every reduce-scatter, hand the shards
@@ -696,6 +770,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             unit._pre_backward_done = False
             unit.training_state = TrainingState.IDLE
         self._final_callback_queued = False
+        self._backward_builds_graph = False
         self._replicas_pending = []
         self._orders_final = True
 
@@ -718,7 +793,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         ``reshard_after_forward=False``) also stay gathered from one micro-batch to the next
         inside the block, as in FairScale: their parameters are all-gathered once per
         accumulation cycle (``Ψ_u`` more memory between micro-batches). Should a shard change
-        in between (an optimizer step inside the block), the next forward gathers afresh."""
+        in between (an optimizer step inside the block), the next forward gathers afresh.
+
+        ``model.zero_grad()`` discards what the block accumulated (:meth:`zero_grad`);
+        ``optimizer.zero_grad()`` clears only the shards' ``.grad``."""
         if self._is_root is False:
             raise RuntimeError("no_sync() was called on an inner FullyShardedDataParallel unit; "
                                "call it on the root (outermost) instance, which applies it to "
@@ -732,6 +810,17 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         finally:
             for u, flag in zip(units, previous):
                 u._require_backward_grad_sync = flag
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, which also drops what backwards inside :meth:`no_sync`
+        accumulated and no synchronising backward has reduced yet (held unsharded, outside
+        ``.grad``), as under torch's and FairScale's FSDP, where it sits in ``.grad``; without
+        it, those gradients would be added to the next step's. ``optimizer.zero_grad()`` sees
+        only the shards: call ``model.zero_grad()`` to discard a cycle half-way. Local."""
+        for unit in self.sharded_units():
+            if unit._shard is not None:
+                unit._shard.drop_unreduced_grads()
+        super().zero_grad(set_to_none)
 
     def assert_state(self, state) -> None:
         """Raise ``ValueError`` unless this unit's :attr:`training_state` is ``state`` (a
@@ -940,6 +1029,54 @@ def _sync_unit_states(module: nn.Module, params: list, groups, transport) -> Non
     if groups.replicate is not None:  # None: no replicas
         skdist.broadcast_tensors_from_rank0(tensors, groups.replicate, transport=transport)
     skdist.broadcast_tensors_from_rank0(tensors, groups.shard, transport=transport)  # None: world
+
+
+def _refuse_changing_shards(shard: FlatParamShard, fn) -> None:
+    """Raise unless ``fn`` (what ``nn.Module._apply`` applies to every tensor) keeps the
+    shard's dtype and device; it is tried on an empty slice of the shard."""
+    probe = fn(shard.flat_shard[:0])
+    if not isinstance(probe, torch.Tensor):
+        return
+    before = (shard.flat_shard.dtype, shard.flat_shard.device)
+    if (probe.dtype, probe.device) == before:
+        return
+    raise RuntimeError(
+        f"FullyShardedDataParallel: .to() / .half() / .cuda() (nn.Module._apply) after wrapping "
+        f"would turn the parameter shards from {before[0]} on {before[1]} into {probe.dtype} on "
+        f"{probe.device}; a wrapped unit keeps the dtype and device its module had when wrapped "
+        f"(shards, gathers, optimizer state). Cast or move the module before wrapping it; for "
+        f"low-precision compute pass compute_dtype=torch.bfloat16 (or mixed_precision=...)")
+
+
+def _refusing_shards_as_full_state(unit: "FullyShardedDataParallel"):
+    """A ``state_dict`` pre-hook for the module ``unit`` wraps: called on that module itself
+    (empty prefix; FSDP's own ``state_dict``/``local_state_dict`` reach it with a prefix) while
+    its parameters are row shards, it raises instead of returning shards under the full names
+    (Hugging Face's ``fsdp_model.save_pretrained(dir)`` would write a checkpoint of shards)."""
+    unit_ref = weakref.ref(unit)
+
+    def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        fsdp = unit_ref()
+        if prefix or fsdp is None or fsdp._summoned or fsdp._shard is None \
+                or fsdp._shard.world_size == 1 or fsdp.training_state != TrainingState.IDLE:
+            return
+        raise RuntimeError(
+            f"{type(module).__name__}.state_dict(): its parameters are FullyShardedDataParallel "
+            f"row shards here, not the model's weights. Call state_dict() on the FSDP wrapper "
+            f"(full values under the model's names, on every rank), e.g. "
+            f"model.save_pretrained(dir, state_dict=fsdp_model.state_dict())")
+    return hook
+
+
+def _mark_fsdp_managed(module: nn.Module) -> None:
+    """Mark ``module`` as torch's FSDP marks the modules it manages. Hugging Face's
+    ``generate()`` reads ``_is_fsdp_managed_module`` to default to ``synced_gpus=True``
+    (ranks whose sequences ended keep running forwards, so every rank issues the same
+    all-gathers); without it, ranks that stop at different lengths hang. Dynamo reads both
+    flags too: such a module is traced without guards on its parameters, as under torch's
+    FSDP with ``use_orig_params=True`` (the parameters here are the module's own)."""
+    module._is_fsdp_managed_module = True
+    module._fsdp_use_orig_params = True
 
 
 def _inner_units(module: nn.Module) -> list[FullyShardedDataParallel]:
