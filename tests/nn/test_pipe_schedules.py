@@ -11,7 +11,7 @@ from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                               ScheduleInterleaved1F1B, ScheduleZBV, ScheduleZeroBubble,
                               split_sequential)
 from shardkit.models import GPT, GPTConfig, synthetic_batch
-from shardkit.nn.pipe.p2p import VERDICT_ELEMENTS, StepState
+from shardkit.nn.pipe.p2p import SETTLE_ELEMENTS, VERDICT_ELEMENTS, StepState
 from shardkit.nn.pipe.stage import stage_rank
 from shardkit.recipes import gpt_as_sequential, token_cross_entropy
 from shardkit.testing import world_fixture
@@ -177,12 +177,13 @@ def test_1f1b_keeps_at_most_num_stages_microbatches_alive(world2):
     # micro-batch: 64 rows x 16 features x 4 bytes in all, no shape headers after the first step;
     # stage 0's micro-batch 0 carries the step state, 3 more float32 elements, and the last
     # message each way the step's verdict, 1 more, in the same sends; at the end of a training
-    # step rank 1 tells rank 0 its verdict and rank 0 tells it the outcome, one byte each way
+    # step rank 1 tells rank 0 its verdict and rank 0 tells it the outcome, one element each way
     for name in ("ScheduleGPipe", "Schedule1F1B"):
         for rank in range(2):
             _, _, _, send_bytes, send_calls = results[rank][name]
             state_bytes = StepState.BITS * 4 if rank == 0 else 0
-            assert send_bytes == 64 * WIDTH * 4 + state_bytes + VERDICT_ELEMENTS * 4 + 1
+            assert send_bytes == 64 * WIDTH * 4 + state_bytes + VERDICT_ELEMENTS * 4 \
+                + SETTLE_ELEMENTS * 4
             assert send_calls == 8 + 1
 
 

@@ -37,7 +37,8 @@ import torch
 from shardkit import distributed as dist
 
 __all__ = ["TensorMeta", "ActivationMeta", "StepState", "batch_signature", "PendingSends",
-           "TaggedLinks", "output_tensors", "describe", "VERDICT_ELEMENTS", "VOID"]
+           "TaggedLinks", "output_tensors", "describe", "VERDICT_ELEMENTS", "SETTLE_ELEMENTS",
+           "VOID"]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
@@ -45,6 +46,7 @@ ACTIVATION, GRADIENT, HEADER, LEAD, VERDICT, SETTLE, TIE = range(7)  # kinds, pa
 MAX_TENSORS = 16
 LEAD_WINDOW = 4  # micro-batches a receiver posts before it knows the step state
 VERDICT_ELEMENTS = 1  # the verdict's elements on the last message across a boundary, each way
+SETTLE_ELEMENTS = 1  # float32 elements of a training step's final verdict, to and from rank 0
 
 
 @dataclass(frozen=True)
@@ -398,24 +400,25 @@ class TaggedLinks:
         """End a training step's verdict (``ranks``: the group's global ranks, this rank's
         place in them given by ``group``): every other rank tells group rank 0 what it knows,
         and rank 0, which runs stage 0 and so ends the step with its last backward, tells each
-        the outcome (2 one-byte messages per rank and step). Needed because a stage's backward
+        the outcome (``SETTLE_ELEMENTS`` float32 each way between rank 0 and every other rank,
+        per training step). Needed because a stage's backward
         (or W) that raises comes after its last message downstream; rank 0 waits for nothing
         it would not have waited for anyway, the others for one message."""
         me, first = dist.get_rank(self.group), ranks[0]
         tag = self._tag(SETTLE, 0, 0)
         if me == 0:
-            heard = [torch.zeros(1, dtype=torch.uint8) for _ in ranks[1:]]
+            heard = [torch.zeros(SETTLE_ELEMENTS) for _ in ranks[1:]]
             for peer, flag in zip(ranks[1:], heard):
                 with self._reporting("receive", SETTLE, 0, 0, peer):
                     work = dist.irecv(flag, peer, group=self.group, tag=tag)
                 self._wait([work], SETTLE, 0, 0, peer)
                 self._learn(flag)
-            outcome = torch.tensor([int(self.failed)], dtype=torch.uint8)
+            outcome = torch.full((SETTLE_ELEMENTS,), float(self.failed))
             for peer in ranks[1:]:
                 self._send(SETTLE, 0, 0, [outcome], peer)
             return
-        self._send(SETTLE, 0, 0, [torch.tensor([int(self.failed)], dtype=torch.uint8)], first)
-        outcome = torch.zeros(1, dtype=torch.uint8)
+        self._send(SETTLE, 0, 0, [torch.full((SETTLE_ELEMENTS,), float(self.failed))], first)
+        outcome = torch.zeros(SETTLE_ELEMENTS)
         with self._reporting("receive", SETTLE, 0, 0, first):
             work = dist.irecv(outcome, first, group=self.group, tag=tag)
         self._wait([work], SETTLE, 0, 0, first)
