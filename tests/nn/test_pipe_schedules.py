@@ -873,3 +873,47 @@ def test_a_loss_that_is_not_one_element_is_one_clear_error_on_every_rank(world2)
             "expected a one-element tensor" in vector
         assert "loss_fn returned a float; expected a one-element tensor" in number
         assert good == "ok"
+
+
+def _frozen_tie_after_construction():
+    """Both ranks freeze the tied weight after building the stages and train with AdamW
+    (weight decay): as in one process, the frozen weight keeps ``.grad`` None and its values."""
+    parts, mine = _tied_gpt_stages(2, "loop")
+    stage = PipelineStage(parts[mine[0]], mine[0], 2)
+    schedule = Schedule1F1B(stage, 2, token_cross_entropy)
+    tied = parts[0][0].tok.weight
+    tied.requires_grad_(False)
+    start = tied.detach().clone()
+    opt = torch.optim.AdamW(stage.parameters(), lr=0.1, weight_decay=0.1)
+    for step in range(2):
+        opt.zero_grad()
+        idx, target = synthetic_batch(TIED_GPT, 4, step)
+        schedule.step(idx, target=target)
+        opt.step()
+    return tied.grad is None, (tied - start).abs().max().item()
+
+
+def test_tied_weight_frozen_after_construction_stays_frozen(world2):
+    for rank, (no_grad, moved) in enumerate(world2.run(_frozen_tie_after_construction)):
+        assert no_grad and moved == 0.0, (rank, no_grad, moved)
+
+
+def _one_copy_frozen():
+    """Rank 1 freezes its copy of the tied weight, rank 0 does not: the first step raises."""
+    parts, mine = _tied_gpt_stages(2, "loop")
+    if dist.get_rank() == 1:
+        parts[1][-1].weight.requires_grad_(False)
+    stage = PipelineStage(parts[mine[0]], mine[0], 2)
+    schedule = Schedule1F1B(stage, 2, token_cross_entropy)
+    idx, target = synthetic_batch(TIED_GPT, 4, 0)
+    with pytest.raises(ValueError) as info:
+        schedule.step(idx, target=target)
+    return str(info.value)
+
+
+def test_tied_weight_frozen_on_one_rank_only_is_one_clear_error(world2):
+    """One copy frozen, the other not, used to leave the trainable rank waiting forever."""
+    errors = world2.run(_one_copy_frozen)
+    assert errors[0] == errors[1], errors
+    assert "frozen (requires_grad=False) on group rank 1 and trainable on group rank 0" \
+        in errors[0], errors[0]

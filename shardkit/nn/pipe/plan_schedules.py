@@ -632,7 +632,13 @@ class PlanSchedule:
 
     def _check_agreement(self, inputs, target) -> None:
         check_schedule_agreement(type(self).__name__, self.chunks,
-                                 self._local_problems(inputs, target), self.group, self._who)
+                                 self._local_problems(inputs, target), self.group, self._who,
+                                 self._tie_status())
+
+    def _tie_status(self) -> dict:
+        """``{key: requires_grad}`` of this rank's copies of weights tied across ranks."""
+        return {key: param.requires_grad for stage in self.stages.values()
+                for key, param in stage.tie_copies}
 
     def _check_first_step(self, inputs, target) -> None:
         self._check_agreement(inputs, target)

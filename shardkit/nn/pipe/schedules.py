@@ -108,18 +108,23 @@ def busy_time(schedule):
 
 
 def check_schedule_agreement(kind: str, chunks: int, local_problems: list, group,
-                             who: str) -> None:
+                             who: str, tie_status: Optional[dict] = None) -> None:
     """Before a schedule's first step (and a later step the first stage cannot run), every rank
     of ``group`` shares what it runs, whether under ``torch.no_grad()``, and what is wrong with
     its inputs (one small object all-gather); any problem, or ranks that disagree on the
-    schedule, is a ValueError on every rank naming each ``who`` (``"stage"``/``"rank"``)."""
-    views = dist.all_gather_object((kind, chunks, torch.is_grad_enabled(), local_problems),
-                                   group=group)
-    problems = [f"{who} {rank}: {p}" for rank, (*_, ps) in enumerate(views) for p in ps]
+    schedule, is a ValueError on every rank naming each ``who`` (``"stage"``/``"rank"``).
+    ``tie_status``: ``{key: requires_grad}`` of this rank's copies of weights tied across
+    ranks (see :func:`~shardkit.nn.pipe.ties.frozen_copy_problems`)."""
+    from shardkit.nn.pipe.ties import frozen_copy_problems
+
+    views = dist.all_gather_object((kind, chunks, torch.is_grad_enabled(), local_problems,
+                                    tie_status or {}), group=group)
+    problems = [f"{who} {rank}: {p}" for rank, (*_, ps, _) in enumerate(views) for p in ps]
+    problems += frozen_copy_problems([view[4] for view in views])
     if len({view[:3] for view in views}) > 1:
         problems.append(f"the {who}s disagree on the schedule: " + ", ".join(
             f"{who} {rank} runs {k}(chunks={c})" + ("" if grad else " under torch.no_grad()")
-            for rank, (k, c, grad, _) in enumerate(views)))
+            for rank, (k, c, grad, *_) in enumerate(views)))
     if problems:
         raise ValueError(f"{kind}.step: the pipeline cannot run this step:\n  "
                          + "\n  ".join(problems))

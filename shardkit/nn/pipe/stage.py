@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from shardkit import distributed as dist
 from shardkit.nn.pipe.partition import shared_parameters
-from shardkit.nn.pipe.ties import cross_rank_ties
+from shardkit.nn.pipe.ties import cross_rank_copies, cross_rank_ties
 
 __all__ = ["PipelineStage"]
 
@@ -69,6 +69,17 @@ def _ties(module: nn.Module, stage_index: int, num_stages: int, group, group_siz
                         f"on one rank (ScheduleZBV with placement='v' runs the first and the "
                         f"last stage on group rank 0)")
     return ties, problems
+
+
+def _tie_copies(module: nn.Module, stage_index: int, num_stages: int, group_size: int,
+                placement: str) -> list:
+    """This stage's parameters shared with a stage another rank runs, frozen or not, as
+    ``(key, parameter)``: the schedule checks that both copies agree on ``requires_grad``."""
+    count, shared = shared_parameters(module)
+    if count != num_stages or not shared:
+        return []
+    where = lambda s: stage_rank(s, num_stages, group_size, placement)  # noqa: E731
+    return cross_rank_copies(shared, stage_index, where, where(stage_index))
 
 
 def _reduces_itself(module: nn.Module) -> bool:
@@ -182,7 +193,8 @@ class PipelineStage:
     :mod:`~shardkit.nn.pipe.ties`), so an optimizer over each stage's parameters trains them
     as one. A weight tied across three or more ranks, or inside a ShardedDataParallel / FSDP
     stage module, is refused. When one rank runs both stages (``placement="v"``) nothing
-    crosses.
+    crosses. Freeze a tied weight on both ranks or on neither (the schedule's first step
+    checks, and raises on every rank); a frozen tie keeps ``.grad`` None, as in one process.
 
     .. warning:: The constructor exchanges ``(stage_index, num_stages)`` and what it found
        wrong over ``group`` (one small all-gather) so every rank raises the same error on a
@@ -223,6 +235,7 @@ class PipelineStage:
         self.placement = placement
         self.group_size = group_size
         self.ties = ties  # trainable weights shared with a stage another rank runs
+        self.tie_copies = _tie_copies(module, stage_index, num_stages, group_size, placement)
         self.prev_rank = self.global_rank_of(stage_index - 1) if stage_index > 0 else None
         self.next_rank = (self.global_rank_of(stage_index + 1)
                           if stage_index < num_stages - 1 else None)

@@ -20,7 +20,7 @@ import torch
 from shardkit import distributed as dist
 from shardkit.nn.pipe.p2p import MAX_TENSORS
 
-__all__ = ["Tie", "TiedWeights"]
+__all__ = ["Tie", "TiedWeights", "cross_rank_copies", "frozen_copy_problems"]
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,9 @@ class TiedWeights:
 
     def add_gradients(self) -> None:
         """After a training step's backward: each copy gets the other's share of this step's
-        gradient, so both hold the tied weight's whole gradient."""
+        gradient, so both hold the tied weight's whole gradient. A tie frozen after the stages
+        were built (on both ranks: the first step checks) keeps ``.grad`` None, so an
+        optimizer's weight decay or momentum leaves it alone, as in one process."""
         mine = []
         for tie, before in zip(self.ties, self._before):
             grad = tie.param.grad
@@ -119,11 +121,45 @@ class TiedWeights:
         theirs = [torch.empty_like(share) for share in mine]
         self._exchange(mine, theirs, "gradients")
         for tie, share in zip(self.ties, theirs):
+            if not tie.param.requires_grad:
+                continue  # frozen (on both ranks): .grad stays None, as in one process
             if tie.param.grad is None:
                 tie.param.grad = share
             else:
                 tie.param.grad.add_(share)
         self._before = []
+
+
+def cross_rank_copies(shared: dict, stage_index: int, placement_rank, my_rank: int) -> list:
+    """Every parameter of this stage that is the same tensor as one of a stage another rank
+    runs, frozen or not, as ``(key, parameter)`` (``key`` as :attr:`Tie.key`, the same on
+    both ranks), so the ranks can check before a step that both copies agree on
+    ``requires_grad``."""
+    copies = []
+    for name, (param, others) in shared.items():
+        for other, other_name in others:
+            if placement_rank(other) != my_rank:
+                mine, theirs = (stage_index, name), (other, other_name)
+                copies.append(((*min(mine, theirs), *max(mine, theirs)), param))
+    return copies
+
+
+def frozen_copy_problems(views: list) -> list[str]:
+    """From each rank's ``{key: requires_grad}`` of its cross-rank copies: the ties whose two
+    copies disagree (one frozen, one trainable), which would train two weights, or leave the
+    trainable copy waiting for a gradient the frozen one never sends."""
+    seen, problems = {}, []
+    for rank, status in enumerate(views):
+        for key, trainable in status.items():
+            if key in seen and seen[key][1] != trainable:
+                first, first_trainable = seen[key]
+                frozen, free = (first, rank) if not first_trainable else (rank, first)
+                problems.append(
+                    f"the tied weight (stage {key[0]}'s {key[1]!r} = stage {key[2]}'s "
+                    f"{key[3]!r}) is frozen (requires_grad=False) on group rank {frozen} and "
+                    f"trainable on group rank {free}; freeze both copies or neither")
+            seen.setdefault(key, (rank, trainable))
+    return problems
 
 
 def cross_rank_ties(shared: dict, stage_index: int, placement_rank, my_rank: int,
