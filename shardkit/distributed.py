@@ -622,14 +622,19 @@ _FIRST_OPS_GROUP = object()  # batch_isend_irecv's default: record on the first 
 
 
 def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None,
-                      group=_FIRST_OPS_GROUP) -> list:
+                      group=_FIRST_OPS_GROUP, logical_bytes: Optional[int] = None) -> list:
     """Issue several sends/receives together (avoids ordering deadlocks); returns work handles.
     Each tensor travels as one message, and every receive is posted before the first send (see
     the notes below). The ops may use different process groups (a transport's lanes).
 
     ``counted_as``: record the batch as one collective of that name (e.g. ``"all_gather"`` for
     a gather built from sends), with the bytes its sends really move, instead of one record per
-    send and receive; on ``group`` (``None``: the default group; by default the first op's)."""
+    send and receive; on ``group`` (``None``: the default group; by default the first op's).
+
+    ``logical_bytes`` (with ``counted_as``): the collective's full logical size ``S`` (all-gather
+    output, reduce input), recorded under ``counted_as``'s own convention, the same on every
+    rank, instead of what this rank's sends move (which differs between ranks when the
+    segments are uneven)."""
     torch_ops = []
     sent = 0
     for p in ops:
@@ -642,8 +647,12 @@ def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None,
         fn = dist.isend if p.op == "send" else dist.irecv
         torch_ops.append(dist.P2POp(fn, p.tensor, p.peer, p.group, p.tag))
     if counted_as is not None and ops:
-        _record(counted_as, sent, ops[0].group if group is _FIRST_OPS_GROUP else group,
-                kind="send", dtype=next((p.tensor.dtype for p in ops), None))
+        record_group = ops[0].group if group is _FIRST_OPS_GROUP else group
+        dtype = ops[0].tensor.dtype
+        if logical_bytes is not None:
+            _record(counted_as, int(logical_bytes), record_group, dtype=dtype)
+        else:
+            _record(counted_as, sent, record_group, kind="send", dtype=dtype)
     if not torch_ops:
         return []
     # Note: gloo moves a message only once the receiver has announced the matching receive

@@ -424,7 +424,9 @@ class ProcessGroupTransport(Transport):
         # receives theirs in place: exactly the unpadded bytes, one batch.
         n, rank = skdist.get_world_size(group), skdist.get_rank(group)
         ops = _own_segment_to_every_peer(segment_views(output, sizes, n), rank, group)
-        return CommHandle(_issue(ops, "all_gather", group), lambda: output,
+        # counted as (N-1)/N of the output on every rank, as the broadcasts elsewhere count
+        nbytes = output.numel() * output.element_size()
+        return CommHandle(_issue(ops, "all_gather", group, logical_bytes=nbytes), lambda: output,
                           completes_when_waited=True)
 
     @_reports_broken_links
@@ -534,7 +536,11 @@ class ProcessGroupTransport(Transport):
             for buf in received:
                 mine.add_(buf)
             return mine
-        return CommHandle(_issue(ops, "reduce", group), finish, completes_when_waited=True)
+        # a rooted op: counted as (N-1)/N of the whole bucket on every rank (DESIGN.md)
+        ref = next(s for s in segments if s is not None)
+        nbytes = sum(sizes) * ref.element_size()
+        return CommHandle(_issue(ops, "reduce", group, logical_bytes=nbytes), finish,
+                          completes_when_waited=True)
 
     @_reports_broken_links
     def broadcast(self, tensor, src, group):
@@ -639,9 +645,12 @@ def _p2p(op: str, tensor: torch.Tensor, rank: int, peer: int, group) -> skdist.P
     return skdist.P2POp(op, tensor, skdist.get_global_rank(group, peer), _lane(group, src < dst))
 
 
-def _issue(ops: list, counted_as: str, group) -> list:
-    """Post ``ops`` (receives first), recorded as one ``counted_as`` on ``group``."""
-    return skdist.batch_isend_irecv(ops, counted_as=counted_as, group=group)
+def _issue(ops: list, counted_as: str, group, logical_bytes: Optional[int] = None) -> list:
+    """Post ``ops`` (receives first), recorded as one ``counted_as`` on ``group``: of
+    ``logical_bytes`` (the op's full size, counted by DESIGN.md's convention) when given, else
+    of the bytes the sends move."""
+    return skdist.batch_isend_irecv(ops, counted_as=counted_as, group=group,
+                                    logical_bytes=logical_bytes)
 
 
 def _uses_point_to_point(group) -> bool:

@@ -109,7 +109,7 @@ def _train_reduced_to_owners(steps: int = 4, bucket_cap_mb: float = 0.004):
     ddp.register_comm_hook(optimizer, reduce_to_owners_hook)
     reference = torch.optim.AdamW(oracle.parameters(), lr=1e-2)
     owned = {id(p) for p, r in optimizer.param_to_rank.items() if r == rank}
-    not_owned_numel = sum(p.numel() for p in model.parameters() if id(p) not in owned)
+    psi = sum(p.numel() for p in model.parameters())
     worst, sent, zero_elsewhere = 0.0, [], []
     for step in range(steps):
         batch = [torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * step + r))
@@ -121,7 +121,9 @@ def _train_reduced_to_owners(steps: int = 4, bucket_cap_mb: float = 0.004):
         optimizer.zero_grad()
         with skdist.CommCounter() as comm:
             ddp(batch[rank]).pow(2).mean().backward()
-        sent.append((comm.by_op.get("reduce", 0), 4 * not_owned_numel))
+        # DESIGN.md's convention: a rooted reduce counts (N-1)/N of the gradients on every
+        # rank (the ranks' sends of their not-owned shares, averaged)
+        sent.append((comm.by_op.get("reduce", 0), 4 * psi * (n - 1) / n))
         zero_elsewhere.append(all(not p.grad.any() for p in model.parameters()
                                   if id(p) not in owned))
         optimizer.step()
@@ -133,7 +135,7 @@ def _train_reduced_to_owners(steps: int = 4, bucket_cap_mb: float = 0.004):
 def test_reduce_to_owners_hook_trains_like_one_process_on_stage2_bytes(world2):
     for worst, sent, zero_elsewhere in world2.run(_train_reduced_to_owners):
         assert worst <= 1e-5, worst
-        for counted, expected in sent:  # exactly the other ranks' shares: no padding
+        for counted, expected in sent:  # (N-1)/N of exactly Ψ: no padding
             assert counted == expected, sent
         assert all(zero_elsewhere)
 

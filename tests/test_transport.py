@@ -301,10 +301,11 @@ def test_shared_memory_counts_what_each_rank_receives(world2, world4, n):
             assert shm[f"broadcast_bytes_{dtype}"] == (0 if rank == n - 1 else 4099 * size)
         mine = 0 if rank == 1 else 7 + 3 * rank  # rank 1 owns no segment
         assert shm["reduce_to_owners_bytes"] == (n - 1) * mine * 4, (rank, shm)
-        # unequal segments: shared memory counts what the rank receives, gloo what it sends
+        # unequal segments: shared memory counts what the rank receives; the process group
+        # counts DESIGN.md's (N-1)/N of the output on every rank, whatever its own segment
         sizes = shm["segments"][3]
         assert shm["segments"][2] == 4 * (sum(sizes) - sizes[rank])
-        assert pg["segments"][2] == 4 * (n - 1) * sizes[rank]
+        assert pg["segments"][2] == 4 * sum(sizes) * (n - 1) / n
 
 
 @pytest.mark.parametrize("value", ["x", 0, -1.0, True])
