@@ -44,9 +44,10 @@ class SimpleModel(nn.Module):
 
 
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="a DeepSpeed JSON config (default: inline)")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    parser.add_argument("--steps", type=int, default=60,
+                        help="steps of the global batch of 16 (default 60)")
     args = parser.parse_args()
 
     torch.manual_seed(0)  # the same model and data on every rank

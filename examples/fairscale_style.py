@@ -44,8 +44,8 @@ def seed_order_errors(model) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=50)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50, help="optimizer steps (default 50)")
     parser.add_argument("--seed-order", action="store_true",
                         help="run the tutorial's (wrong) order and show the errors")
     args = parser.parse_args()

@@ -64,14 +64,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     p.add_argument("--chunks", type=int, default=2, help="micro-batches per replica and step")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
     p.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZERS),
                    help="--check compares the weights under sgd only (see the module docstring)")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks of the GPT")
-    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron sequence parallelism in the tensor-parallel regions")
     p.add_argument("--zero", type=int, default=1, choices=(1, 2, 3),
                    help="data-parallel sharding: 1 OSS, 2 ShardedDDP + OSS, 3 FSDP")
     p.add_argument("--schedule", default="1f1b",

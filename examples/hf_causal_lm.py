@@ -46,14 +46,16 @@ def batch(step: int, rank: int, size: int, seq_len: int, vocab: int) -> torch.Te
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=["gpt2", "llama"], default="llama")
-    parser.add_argument("--config", default=None, help="a config.json directory instead")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank")
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--save-dir", default=None)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["gpt2", "llama"], default="llama",
+                        help="small config to build the model from (default llama)")
+    parser.add_argument("--config", default=None, help="a config.json directory instead of --model")
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank (default 8)")
+    parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default 32)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
+    parser.add_argument("--save-dir", default=None,
+                        help="write the trained model here with save_pretrained (rank 0)")
     args = parser.parse_args()
 
     distributed.init_distributed()

@@ -496,14 +496,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=2,
                    help="processes, e.g. 1, 2 or 4 (default 2; at most 2 per CPU core)")
     p.add_argument("--steps", type=int, default=100, help="training steps per run (default 100)")
-    p.add_argument("--model", default="small", help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--model", default="small", help=f"one of {', '.join(MODELS)} (default small)")
     p.add_argument("--batch", type=int, default=8, help="global batch (default 8)")
     p.add_argument("--runs", default=",".join(r.name for r in RUNS),
                    help="comma-separated runs or stages (default: all)")
     p.add_argument("--out", default=None, help="output folder (default out/demo-<timestamp>)")
     p.add_argument("--seed", type=int, default=0, help="model seed (default 0)")
     p.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds a run may take before it is reported as failed")
+                   help="seconds a run may take before it is reported as failed (default 300)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 

@@ -50,10 +50,12 @@ def check_takeover_arguments(existing, optim, defaults, already_sharded: bool) -
     if already_sharded:
         raise TypeError("OSS(existing_optimizer): it is already an OSS; wrap a plain "
                         "torch.optim.Optimizer")
-    if optim is not torch.optim.SGD or defaults:
+    passed = ([f"optim={optim!r}"] if optim is not torch.optim.SGD else []) + (
+        [str(sorted(defaults))] if defaults else [])
+    if passed:
         raise TypeError(f"OSS(existing_optimizer, ...): optim and hyper-parameters are taken from "
-                        f"the {type(existing).__name__} given; do not pass optim={optim!r} or "
-                        f"{sorted(defaults)} (pass a process group as group=...)")
+                        f"the {type(existing).__name__} given; do not pass {' or '.join(passed)} "
+                        f"(pass a process group as group=...)")
 
 
 def normalize_param_groups(params) -> list[dict]:

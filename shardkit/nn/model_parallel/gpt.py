@@ -14,8 +14,14 @@ layers and the position embedding replicated.
 
 Usage::
 
+    from shardkit.models import GPT, GPTConfig
+    from shardkit.nn.model_parallel import initialize_model_parallel
+    from shardkit.nn.model_parallel.full_state import load_full_model_state_dict
+    from shardkit.nn.model_parallel.gpt import TensorParallelGPT, from_reference_state_dict
+
     initialize_model_parallel(2)
-    model = TensorParallelGPT(GPTConfig(...))
+    cfg = GPTConfig(...)
+    model = TensorParallelGPT(cfg)
     load_full_model_state_dict(model, from_reference_state_dict(GPT(cfg).state_dict(), cfg))
     loss = model.loss(idx, target)
 """
