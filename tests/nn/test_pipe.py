@@ -1,7 +1,6 @@
 """Pipe (GPipe in one process): parity with the plain Sequential, skips, recomputation, BN."""
 
 import copy
-import time
 
 import pytest
 import torch
@@ -289,6 +288,28 @@ def test_bad_input_errors():
         Pipe(seq, [3, 4], chunks="many")
 
 
+class _ReturnsText(nn.Module):
+    def forward(self, x):
+        return (x, "hello")
+
+
+class _Mean(nn.Module):
+    def forward(self, x):
+        return x.mean()
+
+
+def test_a_partition_returning_a_non_tensor_gets_a_type_error_naming_it():
+    # FairScale raises TypeError; before, a middle partition's str crashed in `.to(device)`
+    # with "AttributeError: 'str' object has no attribute 'to'".
+    for layers, balance in [((_ReturnsText(), nn.Identity()), [1, 1]), ((_ReturnsText(),), [1])]:
+        pipe = Pipe(nn.Sequential(*layers), balance, devices=["cpu"] * len(balance), chunks=2)
+        with pytest.raises(TypeError, match=r"partition 0 returned \['Tensor', 'str'\]"):
+            pipe(torch.randn(4, 3))
+    scalar = Pipe(nn.Sequential(nn.Linear(3, 3), _Mean()), [1, 1], devices=["cpu"] * 2, chunks=2)
+    with pytest.raises(TypeError, match="last partition returned a 0-dim tensor"):
+        scalar(torch.randn(4, 3))
+
+
 # --------------------------------------------------------------------------- FairScale behaviours
 
 
@@ -391,22 +412,64 @@ def test_balance_helpers_propose_a_valid_balance():
         balance_by_time(2, model, x)
 
 
+class _FakeClock:
+    """A ``time.perf_counter`` that only the layers advance, so the test does not depend on
+    how busy the machine is (real 10-60 ms sleeps overshoot by tens of ms under load)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def __deepcopy__(self, memo):  # balance_by_time times copies of the layers: one clock
+        return self
+
+
 class _Delay(nn.Module):
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, clock: _FakeClock):
         super().__init__()
         self.seconds = seconds
+        self.clock = clock
 
     def forward(self, x):
-        time.sleep(self.seconds)
+        self.clock.now += self.seconds
         return x
 
 
-def test_balance_by_time_follows_the_layers_costs():
-    """FairScale's test: layers sleeping 10-60 ms cut as [4, 2]; the sample keeps its
-    requires_grad=False and the process's first backward is not charged to the first layer."""
-    from shardkit.nn.pipe.balance import balance_by_time
-    model = nn.Sequential(*[_Delay(i / 100) for i in range(1, 7)])
-    assert balance_by_time(2, model, torch.rand(1), timeout=0.4) == [4, 2]
+def test_balance_by_time_follows_the_layers_costs(monkeypatch):
+    """FairScale's test: layers taking 10-60 ms cut as [4, 2] (the sample keeps its
+    requires_grad=False)."""
+    from shardkit.nn.pipe import balance
+    clock = _FakeClock()
+    monkeypatch.setattr(balance.time, "perf_counter", clock)
+    model = nn.Sequential(*[_Delay(i / 100, clock) for i in range(1, 7)])
+    assert balance.balance_by_time(2, model, torch.rand(1), timeout=0.4) == [4, 2]
+
+
+class _Expand(nn.Module):
+    """Adds ``times`` fresh tensors that require grad: nothing is saved for backward, but the
+    graph keeps each of them alive."""
+
+    def __init__(self, times):
+        super().__init__()
+        self.times = times
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x = x + torch.rand_like(x, requires_grad=True)
+        return x
+
+
+def test_balance_by_size_counts_tensors_the_graph_keeps_alive():
+    # FairScale's test: latent sizes 1..6 cut as [4, 2] (and 6..1 as [2, 4]); before, only
+    # tensors saved for backward were counted, every layer cost the same and both gave [3, 3].
+    from shardkit.nn.pipe.balance import balance_by_size
+    sample = torch.rand(10, 100, 100)
+    rising = nn.Sequential(*[_Expand(i) for i in [1, 2, 3, 4, 5, 6]])
+    falling = nn.Sequential(*[_Expand(i) for i in [6, 5, 4, 3, 2, 1]])
+    assert balance_by_size(2, rising, sample) == [4, 2]
+    assert balance_by_size(2, falling, sample) == [2, 4]
 
 
 def test_balance_by_size_with_batchnorm_leaves_running_stats_alone():

@@ -32,6 +32,7 @@ import inspect
 import threading
 import types
 import warnings
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -173,14 +174,53 @@ def checkpointed_call(fn: Callable, *args, modules: tuple[nn.Module, ...] = (),
     ``modules`` are the modules ``fn`` runs (their BatchNorm running statistics are restored
     after the recomputation). With ``offload_to_cpu`` the tensor inputs kept for the
     recomputation are held on CPU and copied back to their device inside the region. Without
-    grad mode, or inside :func:`disable_checkpointing`, ``fn`` simply runs.
+    grad mode, or inside :func:`disable_checkpointing`, ``fn`` simply runs. Under
+    ``torch.compile`` the region is compiled as torch's own non-reentrant checkpoint: the
+    recomputation happens in the compiled backward, and the flags (:func:`is_checkpointing`,
+    :func:`is_recomputing`) stay False there.
     """
     if not (_state.enabled and torch.is_grad_enabled()):
         return fn(*args, **kwargs)
     if offload_to_cpu:
         fn, args, kwargs = _offloaded(fn, args, kwargs)
+    if torch.compiler.is_compiling():
+        # Dynamo refuses a context_fn built at run time ("checkpoint not implemented for
+        # NestedUserFunctionVariable context_fn"); the compiled graph recomputes the region in
+        # its backward graph, where buffer updates and RNG draws are handled by the compiler.
+        return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
+                                **kwargs)
     return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
                             context_fn=_contexts(modules), **kwargs)
+
+
+class _WeakMethod:
+    """``func`` bound to ``module`` through a weak reference: what checkpoint_wrapper stores as
+    the module's ``forward`` (and its original forward).
+
+    Note: a bound method stored on its own module is a reference cycle (module -> forward ->
+    module) that only the cyclic garbage collector breaks, so ``del model`` would not free its
+    parameters (GPU memory) until the next collection; FairScale binds weakly for this reason.
+    A deep copy binds to the copied module and a pickle (``torch.save(model)``) to the loaded
+    one, which a plain weak reference could not do.
+    """
+
+    def __init__(self, func: Callable, module: nn.Module):
+        self.func = func
+        self.module = weakref.ref(module)
+
+    def __call__(self, *args, **kwargs):
+        return self.func(self.module(), *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(types.MethodType(self.func, self.module()))
+
+    def __deepcopy__(self, memo: dict) -> "_WeakMethod":
+        module = self.module()
+        return _WeakMethod(self.func, memo.get(id(module), module))
+
+    def __reduce__(self):
+        return _WeakMethod, (self.func, self.module())
 
 
 def _checkpointed_forward(module: nn.Module, *args, **kwargs):
@@ -271,9 +311,11 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
     if hasattr(module, "_shardkit_unwrapped_forward"):
         module._shardkit_offload_to_cpu = offload_to_cpu
         return module
-    module._shardkit_unwrapped_forward = module.forward
+    # A forward set on the instance (not the class's) is kept as it is.
+    module._shardkit_unwrapped_forward = module.__dict__.get("forward") or \
+        _WeakMethod(type(module).forward, module)
     module._shardkit_offload_to_cpu = offload_to_cpu
-    module.forward = types.MethodType(_checkpointed_forward, module)
+    module.forward = _WeakMethod(_checkpointed_forward, module)
     return module
 
 

@@ -135,10 +135,29 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _graph_leaves(outputs: tuple) -> list:
+    """The leaf tensors the autograd graph of ``outputs`` keeps alive (one per
+    ``AccumulateGrad`` node): the layer's parameters and inputs, and any tensor the forward
+    created with ``requires_grad=True``, which lives as long as the graph does."""
+    leaves, seen = [], set()
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            leaves.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
 def _saved_bytes(layer: nn.Module, inputs: tuple, packed: bool):
     """Run ``layer`` once; return its outputs and the bytes of the tensors autograd saved for
-    backward plus the outputs, each storage counted once and neither the layer's parameters
-    nor its inputs (the previous layer's outputs, counted there)."""
+    backward, the outputs and the leaves the graph keeps alive (as FairScale's allocator
+    reading sees them), each storage counted once and neither the layer's parameters nor its
+    inputs (the previous layer's outputs, counted there)."""
     storages: dict[int, int] = {}
 
     def count(t: torch.Tensor) -> torch.Tensor:
@@ -148,7 +167,7 @@ def _saved_bytes(layer: nn.Module, inputs: tuple, packed: bool):
 
     with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
         outputs, packed = _call(layer, inputs, packed)
-    for t in outputs:
+    for t in (*outputs, *_graph_leaves(outputs)):
         count(t)
     owned = {t.untyped_storage().data_ptr() for t in (*layer.parameters(), *inputs)}
     return outputs, packed, sum(n for ptr, n in storages.items() if ptr not in owned)

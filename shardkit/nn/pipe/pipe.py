@@ -91,6 +91,20 @@ def _check_no_parameter_on_two_devices(stages: list, devices: list) -> None:
                                  f"parameters must sit on one device (adjust balance or devices)")
 
 
+def _check_partition_output(out, j: int, last: bool) -> None:
+    """A partition must return a tensor or a tuple of tensors: the next partition gets them
+    on its device, and the last one's are concatenated along dim 0 (so they need one)."""
+    values = as_tuple(out) if isinstance(out, (torch.Tensor, tuple, list)) else None
+    if not values or not all(isinstance(t, torch.Tensor) for t in values):
+        kinds = type(out).__name__ if values is None else [type(t).__name__ for t in values]
+        raise TypeError(f"Pipe: partition {j} returned {kinds}; each partition must return a "
+                        f"tensor or a tuple of tensors")
+    if last and any(t.dim() == 0 for t in values):
+        raise TypeError("Pipe: the last partition returned a 0-dim tensor; Pipe concatenates "
+                        f"the micro-batches' outputs along dim 0, so each output needs a batch "
+                        f"dimension (compute a scalar loss outside the Pipe)")
+
+
 def _moving_denied(call: str) -> TypeError:
     return TypeError(f"Pipe.{call}: denied, Pipe places each partition on its own device "
                      f"(devices=...); build the Pipe with the devices you want instead")
@@ -232,6 +246,7 @@ class Pipe(nn.Module):
             for i, j in tick:
                 out = self._run_partition(j, activations[i], packed[i], skips[i],
                                           checkpointed=i < stop)
+                _check_partition_output(out, j, last=j == len(self.partitions) - 1)
                 packed[i] = not isinstance(out, torch.Tensor)
                 activations[i] = as_tuple(out)
         if self.deferred_batch_norm and self.training:
