@@ -101,8 +101,8 @@ def _check_partition_output(out, j: int, last: bool) -> None:
                         f"tensor or a tuple of tensors")
     if last and any(t.dim() == 0 for t in values):
         raise TypeError("Pipe: the last partition returned a 0-dim tensor; Pipe concatenates "
-                        f"the micro-batches' outputs along dim 0, so each output needs a batch "
-                        f"dimension (compute a scalar loss outside the Pipe)")
+                        "the micro-batches' outputs along dim 0, so each output needs a batch "
+                        "dimension (compute a scalar loss outside the Pipe)")
 
 
 def _moving_denied(call: str) -> TypeError:
