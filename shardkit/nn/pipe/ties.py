@@ -15,6 +15,7 @@ was one (gradient accumulation across steps), and the received gradient while it
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from shardkit import distributed as dist
@@ -48,9 +49,9 @@ class Tie:
 class TiedWeights:
     """The cross-rank ties of one rank's stages, and the messages that keep them one weight.
 
-    ``tag(tie, index)`` gives the point-to-point tag of the ``index``-th tie between the same
-    two stages (the pipeline's :class:`~shardkit.nn.pipe.p2p.TaggedLinks` reserves a kind for
-    them, so they never meet an activation or a gradient)."""
+    ``tag(stage, index)`` gives the point-to-point tag of the ``index``-th tie between
+    ``stage`` and a later stage (:meth:`~shardkit.nn.pipe.p2p.TaggedLinks.tie_tag`: a message
+    kind of their own, so they never meet an activation or a gradient)."""
 
     def __init__(self, ties: list, group, tag):
         self.ties = sorted(ties, key=lambda t: t.key)
