@@ -42,6 +42,15 @@ def build(kind: str, tied: bool, seed: int = 0):
     return model
 
 
+def tiny_t5(seed: int = 0):
+    """A 2+2-layer T5 (shared embeddings, no dropout) with seeded random weights."""
+    torch.manual_seed(seed)
+    cfg = transformers.T5Config(d_model=16, d_ff=32, num_layers=2, num_decoder_layers=2,
+                                num_heads=2, d_kv=8, vocab_size=VOCAB, decoder_start_token_id=0,
+                                pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
 def batch(step: int, n: int = 4):
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randint(0, VOCAB, (n, SEQ), generator=g)

@@ -8,17 +8,9 @@ import torch
 from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
 from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
 from shardkit.testing import world_fixture
-from tests.hf.hf_common import VOCAB, build, transformers
+from tests.hf.hf_common import VOCAB, build, tiny_t5, transformers
 
 world2 = world_fixture(2)
-
-
-def _t5(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = transformers.T5Config(d_model=16, d_ff=32, num_layers=2, num_decoder_layers=2,
-                                num_heads=2, d_kv=8, vocab_size=VOCAB, decoder_start_token_id=0,
-                                pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
-    return transformers.T5ForConditionalGeneration(cfg).eval()
 
 
 def _wrapped(plain, block_class):
@@ -33,7 +25,7 @@ def _generations():
     prompt = torch.tensor([[5, 6, 7, 8]])
     cases = {"gpt2": (build("gpt2", tied=True).eval(),
                       transformers.models.gpt2.modeling_gpt2.GPT2Block),
-             "t5": (_t5(), transformers.models.t5.modeling_t5.T5Block)}
+             "t5": (tiny_t5().eval(), transformers.models.t5.modeling_t5.T5Block)}
     out = {}
     for name, (plain, block) in cases.items():
         want = plain.generate(prompt, max_new_tokens=4, do_sample=False)

@@ -26,7 +26,7 @@ from shardkit.nn.checkpoint import apply_activation_checkpointing
 from shardkit.nn.wrap import auto_wrap, no_split_modules_policy
 from shardkit.optim import OSS
 from shardkit.testing import world_fixture
-from tests.hf.hf_common import SEQ, VOCAB, build, transformers
+from tests.hf.hf_common import SEQ, VOCAB, build, tiny_t5, transformers
 
 STEPS, LR, EPS = 3, 1e-2, 1e-4
 world2 = world_fixture(2)
@@ -34,17 +34,9 @@ world2 = world_fixture(2)
 
 # ----------------------------------------------------------------------------- models, data
 
-def _t5(seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = transformers.T5Config(d_model=16, d_ff=32, num_layers=2, num_decoder_layers=2,
-                                num_heads=2, d_kv=8, vocab_size=VOCAB, decoder_start_token_id=0,
-                                pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
-    return transformers.T5ForConditionalGeneration(cfg)
-
-
 MODELS = {"gpt2": functools.partial(build, "gpt2", True),
           "llama": functools.partial(build, "llama", False),
-          "llama_tied": functools.partial(build, "llama", True), "t5": _t5}
+          "llama_tied": functools.partial(build, "llama", True), "t5": tiny_t5}
 
 
 def _padded_batch(step: int, n: int = 4) -> dict:
