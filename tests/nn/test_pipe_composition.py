@@ -231,7 +231,8 @@ def test_a_step_failing_in_one_pipeline_fails_in_every_pipeline(world4):
 def _refused_double_reduction(wrapper):
     """A ShardedDDP or FSDP stage given data_parallel_group over the wrapper's own ranks: the
     stage's all-reduce would average reduced gradients with zeros (ShardedDDP's non-owners) or
-    with other ranks' shards (FSDP); ``"ddp_static"``: a torch DDP stage with static_graph.
+    with other ranks' shards (FSDP); ``"ddp_static"``: a torch DDP stage with static_graph;
+    ``"ddp_hook"``: one with a communication hook, which the stage's own all-reduce skips.
     The error, or None."""
     rank = dist.get_rank()
     pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -239,9 +240,16 @@ def _refused_double_reduction(wrapper):
     pipeline, pipe_rank = rank // 2, rank % 2
     replicas = replica_groups[pipe_rank]
     part = split_sequential(MLP(16, 4, out=4, seed=0), [5, 4])[pipe_rank]
-    module, _ = _wrap(part, wrapper, replicas) if wrapper != "ddp_static" else (
-        torch.nn.parallel.DistributedDataParallel(part, process_group=replicas,
-                                                  static_graph=True), None)
+    if wrapper == "ddp_static":
+        module = torch.nn.parallel.DistributedDataParallel(part, process_group=replicas,
+                                                           static_graph=True)
+    elif wrapper == "ddp_hook":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        module = torch.nn.parallel.DistributedDataParallel(part, process_group=replicas)
+        module.register_comm_hook(replicas, fp16_compress_hook)
+    else:
+        module, _ = _wrap(part, wrapper, replicas)
     try:
         PipelineStage(module, pipe_rank, 2, group=pipelines[pipeline],
                       data_parallel_group=replicas)
@@ -263,3 +271,8 @@ def test_data_parallel_group_beside_a_reducing_wrapper_is_refused(world4):
     for error in world4.run(_refused_double_reduction, "ddp_static"):
         assert error is not None and "the stage module is DistributedDataParallel(" \
             "static_graph=True)" in error and "static_graph=False" in error, error
+    # a DDP comm hook (fp16 compression, PowerSGD) would be skipped by the pipeline's own
+    # plain all-reduce: refused by name rather than silently not run
+    for error in world4.run(_refused_double_reduction, "ddp_hook"):
+        assert error is not None and "communication hook (fp16_compress_hook)" in error and \
+            "without register_comm_hook" in error, error

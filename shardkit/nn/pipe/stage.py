@@ -123,7 +123,8 @@ def is_torch_ddp(module: nn.Module) -> bool:
 def _replica_group(module: nn.Module, data_parallel_group) -> tuple:
     """The group this stage's gradients are averaged over: ``data_parallel_group``, or the
     process group of a torch ``DistributedDataParallel`` stage module (which must be the same
-    ranks when both are given, and not ``static_graph``), and what is wrong. Local; no
+    ranks when both are given, not ``static_graph``, and without a communication hook, which
+    the schedule's own all-reduce would skip), and what is wrong. Local; no
     communication."""
     if not is_torch_ddp(module):
         return data_parallel_group, []
@@ -133,6 +134,14 @@ def _replica_group(module: nn.Module, data_parallel_group) -> tuple:
             "its forwards inside no_sync() (one backward per micro-batch) and averages the "
             "gradients itself, where static_graph's delayed all-reduce cannot run: build the "
             "DDP module with static_graph=False"]
+    if module._comm_hooks:
+        hooks = ", ".join(getattr(hook, "__name__", repr(hook)) for hook, _ in module._comm_hooks)
+        return data_parallel_group, [
+            f"the DistributedDataParallel stage module has a communication hook ({hooks}); "
+            f"a pipeline runs its forwards inside no_sync() and averages the gradients itself "
+            f"in one plain all-reduce, so the hook would never run: build the stage's DDP "
+            f"module without register_comm_hook (or wrap the stage in ShardedDataParallel / "
+            f"FullyShardedDataParallel, which take a comm= transport)"]
     if data_parallel_group is not None and \
             dist.group_ranks(data_parallel_group) != dist.group_ranks(module.process_group):
         return data_parallel_group, [
@@ -172,7 +181,8 @@ class PipelineStage:
             A torch ``DistributedDataParallel`` stage module brings its own (its
             ``process_group``): the schedule runs its forwards inside ``no_sync()`` (its
             reducer expects one backward per forward, a pipeline runs one per micro-batch) and
-            averages the gradients in one flat all-reduce after the step's last backward.
+            averages the gradients in one flat all-reduce after the step's last backward
+            (so a DDP module with ``register_comm_hook`` is refused: its hook would not run).
         placement: with more stages than ranks, which rank runs which stage: ``"loop"``
             (default; stage ``s`` on group rank ``s % p``, for :class:`ScheduleInterleaved1F1B`)
             or ``"v"`` (``2p`` stages, rank ``r`` runs stages ``r`` and ``2p-1-r``, for
