@@ -5,7 +5,9 @@ output and all gradients at tensor-parallel size 2 and 4 (max abs diff <= 1e-5).
 """
 
 import contextlib
+import copy
 import functools
+import io
 import math
 
 import pytest
@@ -109,6 +111,24 @@ def _groups_and_getters():
     out["with_backends"] = (mp.get_model_parallel_world_size(), t.item())
     mp.destroy_model_parallel()
     return out
+
+
+def _sizes_differing_between_ranks():
+    """Rank 0 asks for tensor-parallel size 2, the others for 1: every rank raises the same
+    clear error instead of waiting forever in group creation; the next call works."""
+    try:
+        mp.initialize_model_parallel(2 if distributed.get_rank() == 0 else 1)
+    except ValueError as e:
+        error = str(e)
+    mp.initialize_model_parallel(2)
+    mp.destroy_model_parallel()
+    return error
+
+
+def test_sizes_differing_between_ranks_are_one_clear_error(world4):
+    for error in world4.run(_sizes_differing_between_ranks):
+        assert ("the ranks passed different sizes (rank 0: model_parallel_size=2, "
+                "pipeline_length=1; rank 1: model_parallel_size=1" in error), error
 
 
 def test_groups_and_getters(world4):
@@ -354,34 +374,38 @@ def _embedding_parity(tp_rank, tp, diffs):
                                           shard_of(ref.weight.grad, tp_rank, tp, dim))
 
 
-def _sequence_parallel_parity(tp_rank, tp, diffs):
-    """Column(SP) -> gelu -> Row(SP) equals the unsplit MLP on the full sequence."""
+def _sequence_parallel_parity(tp_rank, tp, diffs, seq=1):
+    """Column(SP) -> gelu -> Row(SP) equals the unsplit MLP on the full sequence (dimension
+    ``seq``: 1 for [batch, seq, hidden], 0 for Megatron's [seq, batch, hidden])."""
     torch.manual_seed(14)
     fc = mp.ColumnParallelLinear(8, 16, gather_output=False, sequence_parallel=True,
-                                 keep_master_weight_for_test=True)
+                                 keep_master_weight_for_test=True, sequence_dim=seq)
     out = mp.RowParallelLinear(16, 8, input_is_parallel=True, sequence_parallel=True,
-                               keep_master_weight_for_test=True)
+                               keep_master_weight_for_test=True, sequence_dim=seq)
     ref_fc, ref_out = nn.Linear(8, 16), nn.Linear(16, 8)
     with torch.no_grad():
         ref_fc.weight.copy_(fc.master_weight)
         ref_out.weight.copy_(out.master_weight)
         for b in (ref_fc.bias, ref_out.bias):
             b.zero_()
-    x = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(6))
-    g = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(7))
-    xa = shard_of(x, tp_rank, tp, 1).requires_grad_()
+    shape = (2, 8, 8) if seq == 1 else (8, 3, 8)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(6))
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+    xa = shard_of(x, tp_rank, tp, seq).requires_grad_()
     xb = x.clone().requires_grad_()
     y = out(F.gelu(fc(xa)))
     yr = ref_out(F.gelu(ref_fc(xb)))
-    (y * shard_of(g, tp_rank, tp, 1)).sum().backward()
+    (y * shard_of(g, tp_rank, tp, seq)).sum().backward()
     (yr * g).sum().backward()
     mp.reduce_sequence_parallel_grads(out)
-    diffs["sp_mlp_out"] = _maxdiff(y, shard_of(yr, tp_rank, tp, 1))
-    diffs["sp_mlp_dx"] = _maxdiff(xa.grad, shard_of(xb.grad, tp_rank, tp, 1))
-    diffs["sp_mlp_dw_fc"] = _maxdiff(fc.weight.grad, shard_of(ref_fc.weight.grad, tp_rank, tp, 0))
-    diffs["sp_mlp_dw_out"] = _maxdiff(out.weight.grad,
+    key = f"sp_mlp_dim{seq}"
+    diffs[f"{key}_out"] = _maxdiff(y, shard_of(yr, tp_rank, tp, seq))
+    diffs[f"{key}_dx"] = _maxdiff(xa.grad, shard_of(xb.grad, tp_rank, tp, seq))
+    diffs[f"{key}_dw_fc"] = _maxdiff(fc.weight.grad,
+                                     shard_of(ref_fc.weight.grad, tp_rank, tp, 0))
+    diffs[f"{key}_dw_out"] = _maxdiff(out.weight.grad,
                                       shard_of(ref_out.weight.grad, tp_rank, tp, 1))
-    diffs["sp_mlp_db_out"] = _maxdiff(out.bias.grad, ref_out.bias.grad)
+    diffs[f"{key}_db_out"] = _maxdiff(out.bias.grad, ref_out.bias.grad)
 
 
 def _full_state_round_trip(tp_rank, tp, diffs):
@@ -410,6 +434,7 @@ def _layer_parity(tp):
         _vocab_embedding_max_norm_parity(rank, tp, diffs)
         _parallel_embedding_max_norm_parity(rank, tp, diffs)
         _sequence_parallel_parity(rank, tp, diffs)
+        _sequence_parallel_parity(rank, tp, diffs, seq=0)
         _full_state_round_trip(rank, tp, diffs)
         return diffs
     finally:
@@ -501,6 +526,76 @@ def test_vocab_parallel_cross_entropy_matches_torch(world4, tp):
         assert len(r["narrow"]) == 2 and max(r["narrow"].values()) <= TOL, r["narrow"]
         # max, then (sum-exp, target logit) together; nothing in backward; logits never gathered
         assert r["calls"] == {"all_reduce": 2} and r["elements"] == [15, 30]
+
+
+def _cross_entropy_label_smoothing_parity(tp):
+    """Label smoothing (Megatron-core's argument) with ignored tokens: loss and gradient as
+    F.cross_entropy's; a float third argument (Megatron-core's positional label_smoothing)
+    is a clear error, not a silently unsmoothed loss."""
+    mp.initialize_model_parallel(tp)
+    try:
+        rank = mp.get_model_parallel_rank()
+        gen = torch.Generator().manual_seed(22)
+        logits = torch.randn(4, 6, 32, generator=gen) * 3
+        target = torch.randint(0, 32, (4, 6), generator=gen)
+        target[1, 2] = target[3, 0] = -100
+        g = torch.rand(4, 6, generator=gen)
+        full = logits.clone().requires_grad_()
+        ref = F.cross_entropy(full.view(-1, 32), target.view(-1), reduction="none",
+                              label_smoothing=0.1).view(4, 6)
+        (ref * g).sum().backward()
+        shard = shard_of(logits, rank, tp, -1).requires_grad_()
+        loss = mp.vocab_parallel_cross_entropy(shard, target, label_smoothing=0.1,
+                                               group=mp.get_model_parallel_group())
+        (loss * g).sum().backward()
+        errors = []
+        for kwargs in ({"ignore_index": 0.1}, {"label_smoothing": 1.5}):
+            try:
+                mp.vocab_parallel_cross_entropy(shard, target, **kwargs)
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+        return {"loss": _maxdiff(loss, ref),
+                "grad": _maxdiff(shard.grad, shard_of(full.grad, rank, tp, -1)),
+                "errors": errors}
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_vocab_parallel_cross_entropy_label_smoothing(world4):
+    for r in world4.run(_cross_entropy_label_smoothing_parity, 2):
+        assert r["loss"] <= TOL and r["grad"] <= TOL, r
+        assert len(r["errors"]) == 2, r
+        assert "ignore_index=0.1" in r["errors"][0] and "label_smoothing=" in r["errors"][0]
+        assert "label_smoothing=1.5" in r["errors"][1]
+
+
+def _groups_without_this_rank():
+    """A group argument that does not hold this rank is a clear error, not a silent no-op."""
+    mp.initialize_model_parallel(2)
+    try:
+        halves = [distributed.new_group([0, 1]), distributed.new_group([2, 3])]
+        other = halves[1 - distributed.get_rank() // 2]
+        fc = mp.ColumnParallelLinear(4, 8, gather_output=False)
+        fc(torch.ones(2, 4)).sum().backward()
+        errors = []
+        with CommCounter() as comm:
+            for call in (lambda: mp.vocab_parallel_cross_entropy(
+                    torch.zeros(2, 4), torch.tensor([0, 1]), group=other),
+                         lambda: mp.clip_grad_norm(fc.parameters(), 1.0,
+                                                   data_parallel_group=other)):
+                try:
+                    call()
+                except ValueError as e:
+                    errors.append(str(e))
+        return {"errors": errors, "collectives": len(comm.calls)}
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_group_arguments_must_hold_this_rank(world4):
+    for r in world4.run(_groups_without_this_rank):
+        assert r["collectives"] == 0 and len(r["errors"]) == 2, r
+        assert all("is not in the group" in e for e in r["errors"]), r
 
 
 # ----------------------------------------------------------------------------- communication
@@ -737,6 +832,13 @@ def _bad_input():
             catch("row_full_input", lambda: mp.RowParallelLinear(
                 8, 4, input_is_parallel=True)(torch.zeros(3, 8)))
             catch("row_width", lambda: mp.RowParallelLinear(8, 4)(torch.zeros(3, 16)))
+            # sequence parallelism on 2-D activations: the default sequence_dim=1 is the hidden
+            catch("column_sequence_dim", lambda: mp.ColumnParallelLinear(
+                8, 8, sequence_parallel=True)(torch.zeros(4, 8)))
+            catch("row_sequence_dim", lambda: mp.RowParallelLinear(
+                8, 8, input_is_parallel=True, sequence_parallel=True)(torch.zeros(8, 2)))
+            catch("embedding_sequence_dim", lambda: mp.VocabParallelEmbedding(
+                16, 8, sequence_parallel=True)(torch.zeros(8).long()))
         errors["collectives"] = len(comm.calls)
     finally:
         mp.destroy_model_parallel()
@@ -777,6 +879,9 @@ def test_bad_input_clear_errors_before_any_collective(world4):
             "(input_is_parallel=True: this rank's slice, in_features=8 / tensor-parallel size 4; "
             "pass input_is_parallel=False" in e["row_full_input"]), e["row_full_input"]
     assert "its last dimension must be 8 (in_features" in e["row_width"], e["row_width"]
+    for name in ("column", "row", "embedding"):
+        assert ("sequence_dim=1 is not a sequence dimension of a 2-dimensional activation"
+                in e[f"{name}_sequence_dim"]), e[f"{name}_sequence_dim"]
 
 
 # ----------------------------------------------------------------------------- GPT training
@@ -1142,4 +1247,121 @@ def test_clip_grad_norm_counts_split_and_replicated_parameters_once(world4, pp):
     res = world4.run(_gpt_clipped_training, pp)
     for r in res:
         assert r["clipped"]  # every step really clips
+        assert r["norm_diff"] <= 1e-4 and r["param_diff"] <= TOL, r
+
+
+def _gpt_trains_on_beside_an_eval_model_of_another_size(sequence_parallel):
+    """A tensor-parallel-2 GPT (clipped, optionally sequence-parallel) trains on after the groups
+    were rebuilt at size 4 for an evaluation copy: its loss, clipping and sequence-parallel
+    reductions use the groups its layers were built with, not the current ones."""
+    mp.initialize_model_parallel(2)
+    try:
+        ref, ref_norms = _clipped_reference_run()
+        model = _tensor_parallel_gpt(sequence_parallel)
+    finally:
+        mp.destroy_model_parallel()
+    mp.initialize_model_parallel(4)
+    try:
+        evaluator = TensorParallelGPT(GPT_CFG).eval()
+        load_full_model_state_dict(evaluator, full_model_state_dict(model))
+        opt = _sgd(model.parameters())
+        idx, target = synthetic_batch(GPT_CFG, GLOBAL_BATCH, 0)
+        with torch.no_grad():
+            eval_diff = abs(evaluator.loss(idx, target).item() - model.loss(idx, target).item())
+        norm_diff = 0.0
+        for step in range(STEPS):
+            idx, target = synthetic_batch(GPT_CFG, GLOBAL_BATCH, step)
+            opt.zero_grad()
+            model.loss(idx, target).backward()
+            model.reduce_sequence_parallel_grads()
+            norm = mp.clip_grad_norm(model.parameters(), MAX_NORM)
+            norm_diff = max(norm_diff, abs(norm.item() - ref_norms[step]))
+            opt.step()
+        result = {"eval_diff": eval_diff, "norm_diff": norm_diff,
+                  "param_diff": _param_diff(full_model_state_dict(model), ref)}
+        mixed = list(model[-1].parameters()) + list(evaluator[-1].parameters())
+        try:  # parameters of both models in one call: a clear error before any collective
+            mp.clip_grad_norm(mixed, MAX_NORM)
+        except ValueError as e:
+            result["mixed_error"] = str(e)
+        return result
+    finally:
+        mp.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_model_keeps_its_groups_beside_a_model_of_another_tensor_parallel_size(
+        world4, sequence_parallel):
+    for r in world4.run(_gpt_trains_on_beside_an_eval_model_of_another_size, sequence_parallel):
+        assert r["eval_diff"] <= TOL and r["norm_diff"] <= 1e-4 and r["param_diff"] <= TOL, r
+        assert "different model-parallel layouts" in r.get("mixed_error", ""), r
+
+
+def _deep_copied_gpt():
+    """``copy.deepcopy`` of a sequence-parallel model (an EMA or evaluation copy) shares the
+    process groups and keeps the parameters' marks: same loss (also after
+    destroy_model_parallel), same sequence-parallel reduction, same clipped norm. A parameter
+    still pickles (torch.save)."""
+    mp.initialize_model_parallel(2)
+    try:
+        model = _tensor_parallel_gpt(sequence_parallel=True)
+        twin = copy.deepcopy(model)
+        idx, target = synthetic_batch(GPT_CFG, GLOBAL_BATCH, 0)
+        norms, reduced = [], []
+        for m in (model, twin):
+            m.loss(idx, target).backward()
+            reduced.append(mp.reduce_sequence_parallel_grads(m))
+            norms.append(mp.clip_grad_norm(m.parameters(), math.inf).item())
+        torch.save(twin[1].fc.weight, io.BytesIO())
+        mp.destroy_model_parallel()  # the layers keep their groups: the loss still works
+        after_destroy = abs(twin.loss(idx, target).item() - model.loss(idx, target).item())
+        return {"norms": norms, "reduced": reduced, "after_destroy": after_destroy,
+                "shares_group": twin[1].fc.tp_group is model[1].fc.tp_group,
+                "own_weights": twin[1].fc.weight.data_ptr() != model[1].fc.weight.data_ptr()}
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_deepcopy_of_a_tensor_parallel_model(world4):
+    for r in world4.run(_deep_copied_gpt):
+        assert r["shares_group"] and r["own_weights"], r
+        assert abs(r["norms"][0] - r["norms"][1]) <= 1e-6, r
+        assert r["reduced"][0] == r["reduced"][1] > 0, r
+        assert r["after_destroy"] <= TOL, r
+
+
+def _gpt_tensor_and_data_parallel_clipped(zero):
+    """2 tensor x 2 data, clipped by mp.clip_grad_norm: with ShardedDDP or FSDP each gradient
+    lives on one replica, so the norm is summed over the data-parallel group too
+    (``data_parallel_group``); the clipped training matches the single process's."""
+    mp.initialize_model_parallel(2)
+    try:
+        ref, ref_norms = _clipped_reference_run()
+        model = _tensor_parallel_gpt()
+        dp = mp.get_data_parallel_group()
+        wrapped, opt, average_by_hand = _wrap_data_parallel(model, zero, dp)
+        half = GLOBAL_BATCH // mp.get_data_parallel_world_size()
+        lo = mp.get_data_parallel_rank() * half
+        norm_diff = 0.0
+        for step in range(STEPS):
+            idx, target = synthetic_batch(GPT_CFG, GLOBAL_BATCH, step)
+            opt.zero_grad()
+            gpt_loss(wrapped(idx[lo:lo + half]), target[lo:lo + half]).backward()
+            if average_by_hand:
+                _average_over_data_parallel(model)
+            norm = mp.clip_grad_norm(wrapped.parameters(), MAX_NORM,
+                                     data_parallel_group=None if average_by_hand else dp)
+            norm_diff = max(norm_diff, abs(norm.item() - ref_norms[step]))
+            opt.step()
+        full_params = wrapped.summon_full_params() if zero == 3 else contextlib.nullcontext()
+        with full_params:
+            param_diff = _param_diff(full_model_state_dict(model), ref)
+        return {"norm_diff": norm_diff, "param_diff": param_diff}
+    finally:
+        mp.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_clip_grad_norm_with_gradients_sharded_over_data_parallel(world4, zero):
+    for r in world4.run(_gpt_tensor_and_data_parallel_clipped, zero):
         assert r["norm_diff"] <= 1e-4 and r["param_diff"] <= TOL, r

@@ -15,11 +15,12 @@ logits shard); the full ``tokens * V`` logits never exist. Backward needs no com
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from shardkit import distributed
-from shardkit.nn.model_parallel.initialize import (
-    get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size)
+from shardkit.nn.model_parallel.initialize import get_model_parallel_group
 from shardkit.nn.model_parallel.utils import check_indices
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -27,11 +28,11 @@ __all__ = ["vocab_parallel_cross_entropy"]
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index):
-        group = get_model_parallel_group()
+    def forward(ctx, logits, target, ignore_index, label_smoothing, group):
         ctx.logits_dtype = logits.dtype
         per_rank = logits.shape[-1]
-        start = get_model_parallel_rank() * per_rank
+        vocab = per_rank * distributed.get_world_size(group)
+        start = distributed.get_rank(group) * per_rank
         logits = logits.float()
 
         row_max = logits.max(dim=-1).values
@@ -45,31 +46,42 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logit = target_logit.masked_fill(~ours, 0.0)
 
         exp = shifted.exp()
-        sums = torch.stack([exp.sum(dim=-1), target_logit])
+        parts = [exp.sum(dim=-1), target_logit]
+        if label_smoothing:  # the smoothed term needs the sum of log-probabilities too
+            parts.append(shifted.sum(dim=-1))
+        sums = torch.stack(parts)
         distributed.all_reduce(sums, group=group)
-        sum_exp, target_logit = sums[0], sums[1]
-
+        log_sum_exp = sums[0].log()
+        loss = log_sum_exp - sums[1]
+        if label_smoothing:
+            mean_nll = log_sum_exp - sums[2] / vocab  # -mean over the vocabulary of log p
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * mean_nll
         ignored = target == ignore_index
-        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        loss = loss.masked_fill(ignored, 0.0)
+        softmax = exp.div_(sums[0].unsqueeze(-1))
+        ctx.label_smoothing, ctx.vocab = label_smoothing, vocab
         ctx.save_for_backward(softmax, safe_target, ours & ~ignored, ignored)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         softmax, safe_target, subtract_one, ignored = ctx.saved_tensors
-        grad = softmax.clone()
+        smoothing = ctx.label_smoothing
+        # d loss / d logit_j = p_j - (1 - s) [j = target] - s / V
+        grad = softmax - smoothing / ctx.vocab if smoothing else softmax.clone()
         grad.scatter_add_(-1, safe_target.unsqueeze(-1),
-                          -subtract_one.to(grad.dtype).unsqueeze(-1))
+                          -(1.0 - smoothing) * subtract_one.to(grad.dtype).unsqueeze(-1))
         grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad.to(ctx.logits_dtype), None, None
+        return grad.to(ctx.logits_dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                 ignore_index: int = -100) -> torch.Tensor:
+                                 ignore_index: int = -100, *, label_smoothing: float = 0.0,
+                                 group=None) -> torch.Tensor:
     """Per-token cross-entropy of vocabulary-split logits; same values and gradients as
-    ``F.cross_entropy(full_logits.view(-1, V), target.view(-1), reduction="none")``.
+    ``F.cross_entropy(full_logits.view(-1, V), target.view(-1), reduction="none",
+    ignore_index=ignore_index, label_smoothing=label_smoothing)``.
 
     Args:
         vocab_parallel_logits: ``[..., V/n]``, this rank's slice of the vocabulary (rank ``r``
@@ -77,21 +89,47 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         target: ``[...]`` word indices in ``[0, V)`` of any integer dtype (the same on every
             tensor-parallel rank); any other value but ``ignore_index`` raises ``IndexError``
             (on an accelerator, a device-side assert that does not synchronise with the host).
-        ignore_index: target value whose loss and gradient are zero (as ``F.cross_entropy``).
+        ignore_index: target value (an int) whose loss and gradient are zero.
+        label_smoothing: in ``[0, 1]``, as ``F.cross_entropy`` (Megatron-core's third argument;
+            keyword-only here).
+        group: the tensor-parallel group the logits are split over: the producing layer's
+            ``tp_group`` (default: the current :func:`get_model_parallel_group`; pass the
+            layer's when a model of another tensor-parallel size was set up since).
 
     Returns the loss per token, shape ``[...]``, in fp32 (take ``.mean()`` yourself; with
     ignored tokens, divide by the number of kept ones). Communication: two all-reduces over
-    the tensor-parallel group of ``3 * tokens`` floats in all; no gathering of logits.
+    the tensor-parallel group of ``3 * tokens`` floats in all (``4 * tokens`` with label
+    smoothing); no gathering of logits.
     """
-    if vocab_parallel_logits.shape[:-1] != target.shape:
+    _check_arguments(vocab_parallel_logits, target, ignore_index, label_smoothing)
+    group = get_model_parallel_group() if group is None else group
+    if distributed.get_rank(group) < 0:
+        raise ValueError(f"vocab_parallel_cross_entropy(group=...): global rank "
+                         f"{distributed.get_rank()} is not in the group; pass the "
+                         f"tensor-parallel group of the layer that made the logits (its "
+                         f"tp_group)")
+    target = target.long()  # any integer type (uint8, int16, int32 token ids); no-op for int64
+    vocab = distributed.get_world_size(group) * vocab_parallel_logits.shape[-1]
+    # before the collectives: a bad target would otherwise just match no rank's slice
+    check_indices(target, vocab, "vocab_parallel_cross_entropy: target", "V", ignore_index)
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, int(ignore_index),
+                                            float(label_smoothing), group)
+
+
+def _check_arguments(logits, target, ignore_index, label_smoothing) -> None:
+    """Clear errors for arguments of the wrong shape or type; no communication."""
+    if logits.shape[:-1] != target.shape:
         raise ValueError(f"vocab_parallel_cross_entropy: target shape {tuple(target.shape)} must "
                          f"equal the logits' shape without the vocabulary dimension, "
-                         f"{tuple(vocab_parallel_logits.shape[:-1])}")
+                         f"{tuple(logits.shape[:-1])}")
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
         raise TypeError(f"vocab_parallel_cross_entropy: target dtype {target.dtype} must be an "
                         f"integer type (word indices)")
-    target = target.long()  # any integer type (uint8, int16, int32 token ids); no-op for int64
-    vocab = get_model_parallel_world_size() * vocab_parallel_logits.shape[-1]
-    # before the collectives: a bad target would otherwise just match no rank's slice
-    check_indices(target, vocab, "vocab_parallel_cross_entropy: target", "V", ignore_index)
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, ignore_index)
+    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
+        raise TypeError(f"vocab_parallel_cross_entropy(ignore_index={ignore_index!r}): must be an "
+                        f"int (a word index); label smoothing is the keyword argument "
+                        f"label_smoothing=")
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real) or \
+            not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"vocab_parallel_cross_entropy(label_smoothing={label_smoothing!r}): "
+                         f"must be a number in [0, 1]")

@@ -39,7 +39,8 @@ from shardkit.models import GPTConfig
 from shardkit.nn.model_parallel.cross_entropy import vocab_parallel_cross_entropy
 from shardkit.nn.model_parallel.initialize import get_model_parallel_world_size
 from shardkit.nn.model_parallel.layers import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+    deepcopy_keeping_parameter_marks)
 from shardkit.nn.model_parallel.random import MODEL_PARALLEL_RNG, get_model_parallel_rng_tracker
 from shardkit.nn.model_parallel.sequence_parallel import (
     mark_sequence_parallel, reduce_sequence_parallel_grads)
@@ -51,11 +52,10 @@ __all__ = ["TensorParallelGPT", "TensorParallelBlock", "TensorParallelAttention"
 SEQ = 1  # activations are [batch, seq, d_model]
 
 
-def _check_sharded_dropout_rng(what: str, p: float, training: bool) -> None:
-    """Raise a clear error unless dropout ``p`` on tensor-parallel shards can draw from the
-    model-parallel stream (drawing from the default stream, seeded alike on every rank, would
-    repeat one mask on every shard). No communication."""
-    tp = get_model_parallel_world_size()
+def _check_sharded_dropout_rng(what: str, p: float, training: bool, tp: int) -> None:
+    """Raise a clear error unless dropout ``p`` on shards of a tensor-parallel size ``tp`` can
+    draw from the model-parallel stream (drawing from the default stream, seeded alike on every
+    rank, would repeat one mask on every shard). No communication."""
     if (training and p > 0 and tp > 1
             and MODEL_PARALLEL_RNG not in get_model_parallel_rng_tracker().names()):
         raise RuntimeError(
@@ -65,15 +65,15 @@ def _check_sharded_dropout_rng(what: str, p: float, training: bool) -> None:
             f"initialize_model_parallel, or use dropout=0 / model.eval()")
 
 
-def _sharded_dropout_rng(what: str, p: float):
-    """The context for dropout ``p`` (0: none) on activations that differ across
+def _sharded_dropout_rng(what: str, p: float, tp: int):
+    """The context for dropout ``p`` (0: none) on activations that differ across the ``tp``
     tensor-parallel ranks: the model-parallel stream's fork; at tensor-parallel size 1 without
     that stream, the default stream (else :func:`_check_sharded_dropout_rng`'s error)."""
     if p <= 0:
         return contextlib.nullcontext()
     if MODEL_PARALLEL_RNG in get_model_parallel_rng_tracker().names():
         return get_model_parallel_rng_tracker().fork()
-    _check_sharded_dropout_rng(what, p, True)
+    _check_sharded_dropout_rng(what, p, True, tp)
     return contextlib.nullcontext()
 
 
@@ -98,7 +98,7 @@ class TensorParallelAttention(nn.Module):
         q, k, v = (z.view(b, t, self.local_heads, self.head_dim).transpose(1, 2)
                    for z in qkv.chunk(3, dim=-1))
         p = self.dropout if self.training else 0.0
-        with _sharded_dropout_rng("TensorParallelAttention", p):
+        with _sharded_dropout_rng("TensorParallelAttention", p, self.qkv.tp_size):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim))
 
@@ -127,12 +127,13 @@ class TensorParallelBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # before any collective: attention heads (and sequence-split activations) are shards
-        _check_sharded_dropout_rng("TensorParallelBlock", self.attn.dropout, self.training)
+        tp = self.fc.tp_size
+        _check_sharded_dropout_rng("TensorParallelBlock", self.attn.dropout, self.training, tp)
         x = x + self.attn(self.ln1(x))
         h = self.out(F.gelu(self.fc(self.ln2(x))))
         # sequence-split activations need the shards' stream; replicated ones the default one
         sharded_p = self.drop.p if self.sequence_parallel and self.training else 0.0
-        with _sharded_dropout_rng("TensorParallelBlock", sharded_p):
+        with _sharded_dropout_rng("TensorParallelBlock", sharded_p, tp):
             return x + self.drop(h)
 
 
@@ -179,9 +180,11 @@ class GPTHead(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def gpt_loss(vocab_parallel_logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of vocabulary-split logits (a pipeline ``loss_fn``)."""
-    return vocab_parallel_cross_entropy(vocab_parallel_logits, target).mean()
+def gpt_loss(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, *,
+             group=None) -> torch.Tensor:
+    """Mean next-token cross-entropy of vocabulary-split logits (a pipeline ``loss_fn``);
+    ``group``: the head's ``tp_group`` (default: the current tensor-parallel group)."""
+    return vocab_parallel_cross_entropy(vocab_parallel_logits, target, group=group).mean()
 
 
 class TensorParallelGPT(nn.Sequential):
@@ -213,6 +216,11 @@ class TensorParallelGPT(nn.Sequential):
         self.cfg = cfg
         self.sequence_parallel = sequence_parallel
 
+    def __deepcopy__(self, memo):
+        """A deep copy (an EMA or evaluation copy) sharing the process groups and keeping the
+        parameters' marks (the LayerNorms' ``sequence_parallel`` too)."""
+        return deepcopy_keeping_parameter_marks(self, memo)
+
     def __getitem__(self, index):
         """A layer, or for a slice a plain ``nn.Sequential`` of those layers under their
         original names (a pipeline stage; shares the layers)."""
@@ -222,7 +230,7 @@ class TensorParallelGPT(nn.Sequential):
 
     def loss(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over all tokens (same value on every tensor-parallel rank)."""
-        return gpt_loss(self(idx), target)
+        return gpt_loss(self(idx), target, group=self[-1].head.tp_group)
 
     def reduce_sequence_parallel_grads(self) -> None:
         """Sum the sequence-parallel parameters' gradients over the tensor-parallel group

@@ -18,35 +18,53 @@ from typing import Iterable
 
 import torch
 
-from shardkit.nn.model_parallel.initialize import (
-    get_model_parallel_group, get_model_parallel_rank, get_pipeline_parallel_group,
-    get_pipeline_parallel_world_size)
+from shardkit import distributed
+from shardkit.nn.model_parallel.initialize import groups_of
 from shardkit.utils.grad_norm import check_clip_arguments, clip_grad_norm_across_ranks
 
 __all__ = ["clip_grad_norm"]
 
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,
-                   norm_type: float = 2.0) -> torch.Tensor:
+                   norm_type: float = 2.0, *, data_parallel_group=None) -> torch.Tensor:
     """Scale the gradients of ``parameters`` so that the ``norm_type``-norm of the whole
     model's gradient (all tensor-parallel slices and pipeline stages) is at most ``max_norm``;
     return that norm (``torch.nn.utils.clip_grad_norm_`` semantics; ``max_norm=inf`` measures
-    only). Call on every rank, after the gradients are averaged over the data-parallel group
-    (torch DDP, or by hand), with this rank's parameters (its stage's, for a pipeline). Not for
-    gradients that OSS, ShardedDataParallel or FSDP hold sharded over the data-parallel group:
-    their own clipping reduces over that group only.
+    only). Call on every rank, after the gradients are averaged over the data-parallel group,
+    with this rank's parameters (its stage's, for a pipeline).
 
-    Communication: one all-reduce of one element over the tensor-parallel group, and one over
-    the pipeline group when there are several stages. Memory: one scalar per gradient.
+    ``data_parallel_group``: pass the group when ShardedDataParallel or FSDP run over it and
+    hold each gradient on one replica only (reduced to its owner, or sharded): the partial
+    norms are then summed over that group too. Leave ``None`` when every replica holds the
+    whole averaged gradients (torch DDP, OSS with gradients averaged by hand). The wrappers'
+    own clipping (``OSS.clip_grad_norm``, ``FullyShardedDataParallel.clip_grad_norm_``)
+    knows nothing of tensor parallelism: it counts replicated parameters once per
+    tensor-parallel rank and misses the other ranks' slices.
+
+    The groups are the ones the tensor-parallel layers of ``parameters`` were built with (so a
+    model keeps clipping right after :func:`destroy_model_parallel` and a new
+    :func:`initialize_model_parallel` for another model), else the current ones; parameters of
+    layers built under different layouts raise ``ValueError`` before any collective.
+
+    Communication: one all-reduce of one element over the tensor-parallel group, one over
+    the pipeline group when there are several stages, one over ``data_parallel_group`` when
+    given. Memory: one scalar per gradient.
     """
     max_norm, norm_type = check_clip_arguments("clip_grad_norm", max_norm, norm_type)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    groups = groups_of(params, "clip_grad_norm")
     with_grad = [p for p in params if p.grad is not None]
     # replicated gradients are equal on every tensor-parallel rank: count them on rank 0 only;
     # a pipeline's later copy of a tied weight (``shared``, as Megatron marks it) not at all
+    counts_replicated = groups.tensor_rank == 0
     measured = [p.grad for p in with_grad if not getattr(p, "shared", False) and (
-        getattr(p, "tensor_model_parallel", False) or get_model_parallel_rank() == 0)]
-    pipeline = [get_pipeline_parallel_group()] if get_pipeline_parallel_world_size() > 1 else []
+        getattr(p, "tensor_model_parallel", False) or counts_replicated)]
+    also_over = [groups.pipeline] if len(groups.pipeline_ranks) > 1 else []
+    if data_parallel_group is not None:
+        if distributed.get_rank(data_parallel_group) < 0:
+            raise ValueError(f"clip_grad_norm(data_parallel_group=...): global rank "
+                             f"{distributed.get_rank()} is not in the group; pass the group "
+                             f"ShardedDataParallel / FSDP run over on this rank")
+        also_over.append(data_parallel_group)
     return clip_grad_norm_across_ranks([p.grad for p in with_grad], max_norm, norm_type,
-                                       get_model_parallel_group(), measured=measured,
-                                       also_over=pipeline)
+                                       groups.tensor, measured=measured, also_over=also_over)

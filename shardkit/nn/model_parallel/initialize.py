@@ -99,6 +99,24 @@ class _Groups:
     data: object
     data_ranks: tuple
 
+    @property
+    def tensor_rank(self) -> int:
+        """This rank's index in its tensor-parallel group."""
+        return self.tensor_ranks.index(distributed.get_rank())
+
+    def __deepcopy__(self, memo) -> "_Groups":
+        return self  # process groups cannot be copied; a copied layer shares them
+
+    def __reduce__(self):
+        # A pickled parameter (torch.save of a parameter, or of a state dict with keep_vars)
+        # keeps its other marks and loses this one: process groups mean nothing elsewhere.
+        return _no_groups, ()
+
+
+def _no_groups() -> None:
+    """What a pickled :class:`_Groups` loads as."""
+    return None
+
 
 _GROUPS: Optional[_Groups] = None
 
@@ -123,13 +141,15 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1
         cp_backend: accepted for FairScale's signature (no context-parallel group is built).
         timeout: a ``datetime.timedelta`` for every group created (default: torch's).
 
-    Costs ``world/tp + world/pp + world/dp`` group creations (store rendezvous, no tensor
-    traffic) and no model memory. Must be called on every rank.
+    Costs one all-gather of the sizes (so that ranks passing different ones fail instead of
+    waiting for each other), then ``world/tp + world/pp + world/dp`` group creations (store
+    rendezvous, no tensor traffic); no model memory. Must be called on every rank.
 
     Raises:
         RuntimeError: torch.distributed is not initialised, or the groups already exist.
-        ValueError: a size below 1, or a world size not divisible by
-            ``model_parallel_size * pipeline_length`` (the message has the numbers).
+        ValueError: a size below 1, a world size not divisible by
+            ``model_parallel_size * pipeline_length`` (the message has the numbers), or sizes
+            that differ between ranks (on every rank).
     """
     global _GROUPS
     _check_fairscale_options(context_parallel_size, timeout, {
@@ -143,6 +163,7 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1
         raise RuntimeError(
             f"initialize_model_parallel: groups already exist ({_GROUPS.layout}); call "
             f"destroy_model_parallel() first")
+    _check_same_sizes_on_every_rank(model_parallel_size, pipeline_length)
     layout = ParallelLayout(distributed.get_world_size(), model_parallel_size, pipeline_length)
     rank = distributed.get_rank()
     found = {}
@@ -154,6 +175,18 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1
             if rank in ranks:
                 found[kind] = (group, tuple(ranks))
     _GROUPS = _Groups(layout, *found["tensor"], *found["pipeline"], *found["data"])
+
+
+def _check_same_sizes_on_every_rank(model_parallel_size, pipeline_length) -> None:
+    """Raise the same ``ValueError`` on every rank when the ranks passed different sizes: they
+    would create different groups and wait for each other forever. One all-gather of two
+    small objects over the default group."""
+    passed = distributed.all_gather_object((model_parallel_size, pipeline_length))
+    if len(set(passed)) > 1:
+        detail = "; ".join(f"rank {r}: model_parallel_size={tp!r}, pipeline_length={pp!r}"
+                           for r, (tp, pp) in enumerate(passed))
+        raise ValueError(f"initialize_model_parallel: the ranks passed different sizes "
+                         f"({detail}); every rank must pass the same ones")
 
 
 def _check_fairscale_options(context_parallel_size, timeout, backends: dict) -> None:
@@ -181,10 +214,42 @@ def destroy_model_parallel() -> None:
     """Forget the groups so that :func:`initialize_model_parallel` may run again (all ranks).
 
     The process groups themselves are not torn down (torch frees them with the default group);
-    layers built earlier keep the group they were built with.
+    layers built earlier keep the groups they were built with, and so do
+    :func:`~shardkit.nn.model_parallel.clip_grad_norm` and
+    :func:`~shardkit.nn.model_parallel.reduce_sequence_parallel_grads` given their parameters
+    (pass a layer's ``tp_group`` to ``vocab_parallel_cross_entropy``).
     """
     global _GROUPS
     _GROUPS = None
+
+
+def current_groups(what: str) -> _Groups:
+    """The groups of the current :func:`initialize_model_parallel` (a frozen value that stays
+    valid after :func:`destroy_model_parallel`; layers keep the one they were built with).
+    ``RuntimeError`` naming ``what`` when there are none."""
+    return _groups(what)
+
+
+def groups_of(tagged, what: str) -> _Groups:
+    """The groups that the parameters or layers in ``tagged`` were built with (their
+    ``model_parallel_groups``; an untagged one, such as a LayerNorm's weight, follows the
+    others), else the current ones. No communication.
+
+    Raises:
+        ValueError: they come from layers built under different layouts (two models of other
+            tensor- or pipeline-parallel sizes mixed in one call).
+        RuntimeError: none is tagged and there are no current groups.
+    """
+    found = {}
+    for obj in tagged:
+        groups = getattr(obj, "model_parallel_groups", None)
+        if groups is not None:
+            found.setdefault(groups.layout, groups)
+    if len(found) > 1:
+        raise ValueError(
+            f"{what}: the parameters come from layers built under different model-parallel "
+            f"layouts {list(found)}; pass the parameters of one model at a time")
+    return next(iter(found.values())) if found else _groups(what)
 
 
 def _groups(what: str) -> _Groups:

@@ -27,7 +27,9 @@ the same seed. The master weight is transient (its full size, during constructio
 ``keep_master_weight_for_test=True``. Biases start at zero.
 
 Every layer communicates over the tensor-parallel group it was built in (``tp_group``), so it
-keeps working after :func:`destroy_model_parallel` or a new :func:`initialize_model_parallel`.
+keeps working after :func:`destroy_model_parallel` or a new :func:`initialize_model_parallel`;
+its parameters carry those groups (``model_parallel_groups``) for :func:`clip_grad_norm` and
+:func:`reduce_sequence_parallel_grads`. ``copy.deepcopy`` shares the groups.
 Inputs of the wrong width raise ``ValueError`` before any collective.
 
 Every layer can export and load the unsplit weights: ``full_state_dict()`` (an all-gather over the
@@ -37,6 +39,7 @@ and ``load_full_state_dict(sd)`` (keeps this rank's slice; no communication).
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable, Optional
 
@@ -45,9 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardkit import distributed
-from shardkit.nn.model_parallel.initialize import (
-    get_model_parallel_group, get_model_parallel_rank, get_model_parallel_world_size,
-    model_parallel_is_initialized)
+from shardkit.nn.model_parallel.initialize import current_groups, model_parallel_is_initialized
 from shardkit.nn.model_parallel.mappings import (
     SEQUENCE_DIM, copy_to_model_parallel_region, gather_from_model_parallel_region,
     gather_from_sequence_parallel_region, reduce_from_model_parallel_region,
@@ -56,7 +57,7 @@ from shardkit.nn.model_parallel.sequence_parallel import mark_sequence_parallel
 from shardkit.nn.model_parallel.utils import check_indices, join_shards, shard_of
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "ParallelEmbedding", "TensorParallelModule"]
+           "ParallelEmbedding", "TensorParallelModule", "deepcopy_keeping_parameter_marks"]
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 
@@ -77,9 +78,24 @@ class TensorParallelModule(nn.Module):
             raise RuntimeError(
                 f"{what} was created before shardkit.nn.model_parallel.initialize_model_parallel"
                 f"(model_parallel_size, ...): create the groups on every rank first")
-        self.tp_group = get_model_parallel_group()
-        self.tp_rank = get_model_parallel_rank()
-        self.tp_size = get_model_parallel_world_size()
+        # the whole snapshot, so that the loss, clipping and sequence-parallel reductions of
+        # this layer's parameters can find the groups it was built with
+        self.model_parallel_groups = current_groups(what)
+        self.tp_group = self.model_parallel_groups.tensor
+        self.tp_rank = self.model_parallel_groups.tensor_rank
+        self.tp_size = len(self.model_parallel_groups.tensor_ranks)
+
+    def __deepcopy__(self, memo):
+        """A deep copy (an EMA or evaluation copy) sharing the process groups; see
+        :func:`deepcopy_keeping_parameter_marks`."""
+        return deepcopy_keeping_parameter_marks(self, memo)
+
+    def _mark(self, name: str, param: nn.Parameter) -> None:
+        """Tag ``param`` with this layer's groups and, when split, Megatron's
+        ``tensor_model_parallel`` (both read by :func:`clip_grad_norm`)."""
+        param.model_parallel_groups = self.model_parallel_groups
+        if self._shard_dims[name] is not None:
+            param.tensor_model_parallel = True
 
     def _split(self, full: torch.Tensor, name: str) -> torch.Tensor:
         spec = self._shard_dims[name]
@@ -90,9 +106,7 @@ class TensorParallelModule(nn.Module):
 
     def _param_from_master(self, name: str, master: torch.Tensor) -> nn.Parameter:
         param = nn.Parameter(self._split(master, name))
-        if self._shard_dims[name] is not None:
-            # Megatron's marker, read by clip_grad_norm: this rank holds only a slice
-            param.tensor_model_parallel = True
+        self._mark(name, param)
         return param
 
     @torch.no_grad()
@@ -167,6 +181,23 @@ class TensorParallelModule(nn.Module):
         return tuple(shape)
 
 
+def deepcopy_keeping_parameter_marks(module: nn.Module, memo: dict) -> nn.Module:
+    """``copy.deepcopy(module)`` for a ``__deepcopy__``: the process groups, which cannot be
+    copied, are shared, and each copied parameter keeps its original's marks
+    (``tensor_model_parallel``, ``sequence_parallel``, its groups), which
+    ``nn.Parameter.__deepcopy__`` drops. No communication."""
+    clone = type(module).__new__(type(module))
+    memo[id(module)] = clone
+    state = {key: value for key, value in module.__dict__.items() if key != "tp_group"}
+    clone.__dict__.update(copy.deepcopy(state, memo))
+    if "tp_group" in module.__dict__:
+        clone.tp_group = module.tp_group
+    for original, copied in zip(module.parameters(), clone.parameters()):
+        for mark, value in original.__dict__.items():
+            copied.__dict__.setdefault(mark, value)
+    return clone
+
+
 def _check_divisible(what: str, value: int, tp_size: int, stride: int = 1) -> None:
     parts = tp_size * stride
     if value % parts:
@@ -181,6 +212,18 @@ def _check_input_width(what: str, x: torch.Tensor, expected: int, meaning: str) 
     if x.dim() == 0 or x.shape[-1] != expected:
         raise ValueError(f"{what}: the input has shape {tuple(x.shape)}; its last dimension must "
                          f"be {expected} ({meaning})")
+
+
+def _check_sequence_dim(what: str, ndim: int, sequence_dim: int) -> None:
+    """Raise ``ValueError`` before any collective unless ``sequence_dim`` is a dimension of a
+    sequence-parallel activation of ``ndim`` dimensions other than the last (the hidden one).
+    No communication."""
+    if not -ndim <= sequence_dim < ndim or sequence_dim % ndim == ndim - 1:
+        raise ValueError(
+            f"{what}: sequence_dim={sequence_dim} is not a sequence dimension of a "
+            f"{ndim}-dimensional activation (the last one is the hidden dimension); pass "
+            f"sequence_dim=0 for [seq, hidden] or [seq, batch, hidden] activations, 1 for "
+            f"[batch, seq, hidden]")
 
 
 def _master(shape: tuple[int, ...], init_method: InitMethod) -> torch.Tensor:
@@ -237,6 +280,7 @@ class ColumnParallelLinear(TensorParallelModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_input_width("ColumnParallelLinear", x, self.in_features, "in_features")
         if self.sequence_parallel:
+            _check_sequence_dim("ColumnParallelLinear", x.dim(), self.sequence_dim)
             x = gather_from_sequence_parallel_region(x, self.sequence_dim, group=self.tp_group)
         else:
             x = copy_to_model_parallel_region(x, group=self.tp_group)
@@ -296,7 +340,7 @@ class RowParallelLinear(TensorParallelModule):
         self.sequence_dim = sequence_dim
         master = _master((out_features, in_features), init_method)
         self.weight = self._param_from_master("weight", master)
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.bias = self._param_from_master("bias", torch.zeros(out_features)) if bias else None
         if self.bias is not None and sequence_parallel:
             mark_sequence_parallel(self.bias)
         self.master_weight = master if keep_master_weight_for_test else None
@@ -313,6 +357,8 @@ class RowParallelLinear(TensorParallelModule):
                                "in_features, the whole input, as input_is_parallel=False")
             x = scatter_to_model_parallel_region(x, stride=self._shard_dims["weight"][1],
                                                  group=self.tp_group)
+        if self.sequence_parallel:
+            _check_sequence_dim("RowParallelLinear", x.dim(), self.sequence_dim)
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim,
@@ -393,6 +439,8 @@ class VocabParallelEmbedding(TensorParallelModule):
         # an id outside [0, V) would look up zeros on every rank instead of failing
         check_indices(idx, self.num_embeddings, "VocabParallelEmbedding: token id",
                       "num_embeddings")
+        if self.sequence_parallel:  # the output has one more dimension, the hidden one
+            _check_sequence_dim("VocabParallelEmbedding", idx.dim() + 1, self.sequence_dim)
         outside = (idx < self.vocab_start_index) | (idx >= self.vocab_end_index)
         local = (idx - self.vocab_start_index).masked_fill(outside, 0)
         if self.max_norm is not None:  # renormalise only the rows really looked up here

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from shardkit import distributed
-from shardkit.nn.model_parallel.initialize import get_model_parallel_group
+from shardkit.nn.model_parallel.initialize import groups_of
 
 __all__ = ["mark_sequence_parallel", "is_sequence_parallel", "sequence_parallel_parameters",
            "reduce_sequence_parallel_grads"]
@@ -44,12 +44,13 @@ def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 def reduce_sequence_parallel_grads(module: nn.Module) -> int:
     """Sum the gradients of ``module``'s sequence-parallel parameters over the tensor-parallel
-    group, in one all-reduce. Call on every tensor-parallel rank after backward.
+    group (the one ``module``'s tensor-parallel layers were built with, else the current one),
+    in one all-reduce. Call on every tensor-parallel rank after backward.
 
     Returns the number of gradient elements reduced (0: nothing marked, no collective).
     """
     grads = [p.grad for p in sequence_parallel_parameters(module) if p.grad is not None]
-    group = get_model_parallel_group()
+    group = groups_of(module.modules(), "reduce_sequence_parallel_grads").tensor
     if not grads or distributed.get_world_size(group) == 1:
         return sum(g.numel() for g in grads)
     flat = torch.cat([g.reshape(-1) for g in grads])
