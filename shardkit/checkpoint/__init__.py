@@ -9,7 +9,8 @@
 - :mod:`~shardkit.checkpoint.resharding`: the one row-block cut and join, used by FSDP's shards,
   its local state dicts and optimizer state, and the on-disk row blocks.
 - :mod:`~shardkit.checkpoint.fsdp_state`: FSDP's local state dicts (metadata, offline
-  consolidation, resharding) and its full optimizer state dicts (gather, cut);
+  consolidation, resharding, also of the local optimizer state dicts saved beside them) and its
+  full optimizer state dicts (gather, cut);
   :mod:`~shardkit.checkpoint.optimizer_state`: OSS's full torch-format optimizer state dict
   (consolidate, load).
 """
@@ -29,6 +30,7 @@ _EXPORTS = {
     "unshard_rows": "shardkit.checkpoint.resharding",
     "consolidate_shard_weights": "shardkit.checkpoint.fsdp_state",
     "reshard_local_state_dicts": "shardkit.checkpoint.fsdp_state",
+    "reshard_local_optim_state_dicts": "shardkit.checkpoint.fsdp_state",
     "consolidate_optimizer_state": "shardkit.checkpoint.optimizer_state",
 }
 

@@ -29,8 +29,9 @@ import torch
 from shardkit import distributed
 from shardkit.checkpoint.resharding import shape_mismatches
 from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard,
-                                         agreement_device, check_tag, commit_checkpoint,
-                                         read_checkpoint, resolve_checkpoint_dir)
+                                         agreement_device, check_loads_back, check_tag,
+                                         commit_checkpoint, plain_numbers, read_checkpoint,
+                                         resolve_checkpoint_dir)
 from shardkit.optim.local_step import without_fused_choice
 from shardkit.optim.partition import ParameterPartition
 
@@ -50,35 +51,51 @@ def save_engine_checkpoint(engine, save_dir: str, tag: Optional[str],
     whose background thread writes the host copies made here."""
     tag = f"global_step{engine.global_steps}" if tag is None else tag
     check_tag(tag)  # before the stage-3 gathers: a bad tag fails on every rank, no traffic
+    shard, metadata, payload, error = RankShard(), None, None, None
+    try:
+        shard, metadata, payload = _checkpoint_parts(engine, tag, client_state)
+        if async_save:
+            payload = copy.deepcopy(payload)  # the training loop goes on changing the originals
+    except Exception as e:  # e.g. rank 0's scheduler state: raised on every rank by the commit
+        error = e
+    if not async_save:
+        return commit_checkpoint(save_dir, tag, shard, metadata, payload, save_latest,
+                                 prepare_error=error)
+    from shardkit.checkpoint.async_save import AsyncSave, checkpoint_group
+    group = checkpoint_group()
+    return AsyncSave(os.path.join(save_dir, tag), lambda: commit_checkpoint(
+        save_dir, tag, shard, metadata, payload, save_latest, group=group, prepare_error=error))
+
+
+def _checkpoint_parts(engine, tag: str, client_state: Optional[dict]):
+    """This rank's :class:`RankShard`, and on rank 0 the metadata and the engine payload
+    (``None`` elsewhere), the payload checked to load back with ``weights_only=True``. Local:
+    no communication (a failure here is agreed on by the commit's first all-reduce)."""
     if engine.zero_stage == 3:
         shard, groups, row_sharded = _row_sharded_shard(engine)
     else:
         (shard, groups), row_sharded = _replicated_param_shard(engine), {}
+    shard.optim = plain_numbers(shard.optim)
     shard.rng = rng_state()
-    metadata = payload = None
-    if distributed.get_rank() == 0:
-        metadata = {
-            "format": FORMAT, "tag": tag, "world_size": distributed.get_world_size(),
-            "zero_stage": engine.zero_stage, "global_steps": engine.global_steps,
-            "skipped_steps": engine.skipped_steps,
-            "param_names": sorted(engine.module_state_names()),
-            "row_sharded": row_sharded,
-            "optimizer_class": type(_inner_optimizer_class(engine)).__name__,
-            "precision": engine.config.precision.dtype,
-        }
-        payload = {
-            "param_groups": groups,
-            "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
-            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
-            "client_state": client_state or {},
-        }
-    if not async_save:
-        return commit_checkpoint(save_dir, tag, shard, metadata, payload, save_latest)
-    from shardkit.checkpoint.async_save import AsyncSave, checkpoint_group
-    group = checkpoint_group()
-    payload = copy.deepcopy(payload)  # the training loop goes on changing the originals
-    return AsyncSave(os.path.join(save_dir, tag), lambda: commit_checkpoint(
-        save_dir, tag, shard, metadata, payload, save_latest, group=group))
+    if distributed.get_rank() != 0:
+        return shard, None, None
+    metadata = {
+        "format": FORMAT, "tag": tag, "world_size": distributed.get_world_size(),
+        "zero_stage": engine.zero_stage, "global_steps": engine.global_steps,
+        "skipped_steps": engine.skipped_steps,
+        "param_names": sorted(engine.module_state_names()),
+        "row_sharded": row_sharded,
+        "optimizer_class": type(_inner_optimizer_class(engine)).__name__,
+        "precision": engine.config.precision.dtype,
+    }
+    payload = plain_numbers({
+        "param_groups": groups,
+        "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler else None,
+    })
+    check_loads_back(payload, "engine.save_checkpoint")
+    payload["client_state"] = client_state or {}  # checked by the engine, before any traffic
+    return shard, metadata, payload
 
 
 def _inner_optimizer_class(engine):
@@ -172,10 +189,13 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     the same optimizer class saved them; a mismatch is a ``CheckpointError`` on every rank before
     anything is written), load the weights, optionally the optimizer and
     LR-scheduler state (resharded from any saved world size or stage), the loss scaler, the
-    step counters and this rank's RNG state. Returns ``(path, client_state)``, or
+    step counters and this rank's RNG state (with the scheduler's state but not the
+    optimizer's, the optimizer's lrs are set to the loaded position's, as the uninterrupted
+    run holds them). Returns ``(path, client_state)``, or
     ``(None, None)`` with a warning when ``load_dir`` has no checkpoint. Memory: every rank
-    reads all rank files and merges them on CPU (the full fp32 model and optimizer state) before
-    keeping its part; communication: one two-element all-reduce (every rank agrees it read the
+    reads all rank files one by one and merges on CPU the full fp32 model and the optimizer
+    state its optimizer keeps (stages 1-2: its OSS share; stages 0 and 3: all of it) before
+    loading; communication: one two-element all-reduce (every rank agrees it read the
     checkpoint before any loads), then what loading into the wrappers costs."""
     ckpt = _read_and_check_on_every_rank(engine, load_dir, tag, load_optimizer_states)
     if ckpt is None:
@@ -187,6 +207,8 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     if load_lr_scheduler_states and engine.lr_scheduler is not None \
             and ckpt.engine["scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(ckpt.engine["scheduler"])
+        if not load_optimizer_states:
+            _set_scheduled_values(engine.lr_scheduler, engine.optimizer)
     if engine.loss_scaler is not None and ckpt.engine["loss_scaler"] is not None:
         engine.loss_scaler.load_state_dict(ckpt.engine["loss_scaler"])
     engine.global_steps = int(ckpt.metadata["global_steps"])
@@ -195,6 +217,23 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     saved_world = ckpt.metadata["world_size"]
     set_rng_state(ckpt.rng_by_rank[distributed.get_rank() % saved_world])
     return ckpt.path, ckpt.engine["client_state"]
+
+
+def _set_scheduled_values(scheduler, optimizer) -> None:
+    """The optimizer's lrs (and OneCycle's ``beta1``) at the scheduler's loaded position.
+
+    Without the optimizer's state its param groups still hold the values a fresh schedule
+    starts from (WarmupLR's ``warmup_min_lr``, WarmupCosineLR's 0), so the first step after
+    the load would run at them; the uninterrupted run holds the loaded position's. Local."""
+    last_lrs = getattr(scheduler, "get_last_lr", None)
+    if last_lrs is None:
+        return
+    for group, lr in zip(optimizer.param_groups, last_lrs()):
+        group["lr"] = lr
+    if getattr(scheduler, "cycle_momentum", False) and hasattr(scheduler, "momentum_at"):
+        beta1 = scheduler.momentum_at(scheduler.last_batch_iteration)
+        for group in optimizer.param_groups:
+            group["betas"] = (beta1, group["betas"][1])
 
 
 def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
@@ -208,7 +247,8 @@ def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
     try:
         path = resolve_checkpoint_dir(load_dir, tag)
         if path is not None:
-            ckpt = read_checkpoint(path, with_optimizer=with_optimizer)
+            ckpt = read_checkpoint(path, with_optimizer=with_optimizer,
+                                   keep_optim=_optimizer_state_kept_here(engine))
             _check_names(engine, ckpt)
             _check_shapes(engine, ckpt)  # before anything is written: a mismatch changes nothing
             if with_optimizer:
@@ -228,6 +268,20 @@ def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
             f"{'this one' if ckpt is not None else 'not this one'}; every rank must see the "
             f"same directory (a filesystem shared by the nodes); nothing was loaded")
     return ckpt
+
+
+def _optimizer_state_kept_here(engine):
+    """Stages 1-2: which parameters' optimizer state this rank's OSS keeps (those it owns, and
+    those outside its partition, which it parks by index), as a predicate on names, so that
+    reading the checkpoint drops the other ranks' state file by file; ``None`` (all) at stages
+    0 and 3, whose optimizer takes the full state. Local."""
+    param_to_rank = getattr(engine.optimizer, "param_to_rank", None)
+    if engine.zero_stage == 3 or param_to_rank is None:
+        return None
+    rank = distributed.get_rank()
+    owned = {name for name, p in engine.module.named_parameters()
+             if param_to_rank.get(p, rank) == rank}
+    return owned.__contains__
 
 
 def _count_over_ranks(*flags: bool) -> list[int]:

@@ -1,6 +1,6 @@
 """FullyShardedDataParallel's checkpoint formats: local state dicts (their metadata, offline
-consolidation, resharding for another world size) and full optimizer state dicts (gathered from
-the shards, cut back into them).
+consolidation, resharding for another world size, with the local optimizer state dicts saved
+beside them) and full optimizer state dicts (gathered from the shards, cut back into them).
 
 ``FSDP.local_state_dict()`` holds each parameter's row block (see
 :mod:`shardkit.checkpoint.resharding`); ``FSDP.local_metadata_dict()`` the facts needed to join
@@ -23,7 +23,8 @@ from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE
 from shardkit.checkpoint.resharding import ParamLayout, shard_rows, unshard_rows
 
 __all__ = ["LOCAL_META_KEY", "LOCAL_FORMAT", "local_metadata", "consolidate_shard_weights",
-           "reshard_local_state_dicts", "gather_full_optimizer_state",
+           "reshard_local_state_dicts", "reshard_local_optim_state_dicts",
+           "gather_full_optimizer_state",
            "shard_full_optimizer_state", "unshard_optimizer_state", "shard_optimizer_state"]
 
 # Where local_state_dict() kept its metadata before local_metadata_dict() existed; such
@@ -52,7 +53,7 @@ def _check_pairs(shard_weights, shard_metadata, what: str) -> list[tuple[dict, d
     """Every rank's ``(weights, metadata)``, sorted by rank, checked to form one whole world."""
     weights, metas = list(shard_weights), list(shard_metadata)
     if not weights or len(weights) != len(metas):
-        raise ValueError(f"{what}: got {len(weights)} shard weight dicts and {len(metas)} "
+        raise ValueError(f"{what}: got {len(weights)} state dicts and {len(metas)} "
                          f"metadata dicts; pass one of each per rank, in any order")
     bad = [i for i, m in enumerate(metas) if not isinstance(m, dict) or "shapes" not in m]
     if bad:
@@ -160,6 +161,86 @@ def reshard_local_state_dicts(state_dict, metadata, world_size: int, rank: int) 
             value = shard_rows(full, ParamLayout(torch.Size(shapes[key]), world_size), rank)
         out[key] = value
     return out
+
+
+def reshard_local_optim_state_dicts(optim_state_dicts, shard_metadata, module,
+                                    optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's optimizer state dict, for ``optimizer.load_state_dict``, from every rank's
+    ``optimizer.state_dict()`` saved beside its ``local_state_dict()``: the optimizer half of
+    resuming a local checkpoint at another world size or sharding strategy.
+
+    Args:
+        optim_state_dicts: every saving rank's ``optimizer.state_dict()`` (row blocks).
+        shard_metadata: the matching ``local_metadata_dict()`` of each, in the same order
+            (replicas' copies, ``replica > 0``, are skipped as for the weights).
+        module: the FullyShardedDataParallel root now wrapping the model.
+        optimizer: the optimizer to load, built like the saved one (the same param groups over
+            the same parameters, in the same order: saved state index ``i`` is its ``i``-th
+            parameter, as torch's ``load_state_dict`` assumes too).
+
+    Each state tensor of a parameter's row-block shape is joined to the full parameter shape and
+    cut again for this rank; other values (Adam's ``step``) are taken from the first rank.
+    No communication; memory: the full optimizer state once.
+    """
+    what = "reshard_local_optim_state_dicts"
+    pairs = _check_pairs(optim_state_dicts, shard_metadata, what)
+    saved = [osd for osd, _ in pairs]
+    for r, osd in enumerate(saved):
+        _check_same_groups(what, osd, optimizer, r)
+    old_world, shapes = pairs[0][1]["world_size"], pairs[0][1]["shapes"]
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    names = [name_of.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+    state = {}
+    for index in sorted({int(i) for osd in saved for i in osd["state"]}):
+        name = names[index] if index < len(names) else None
+        entries = [osd["state"].get(index, osd["state"].get(str(index))) for osd in saved]
+        if name in shapes:
+            state[index] = _joined_entry(what, name, entries,
+                                         ParamLayout(torch.Size(shapes[name]), old_world))
+        elif entries[0] is not None:
+            state[index] = copy.deepcopy(entries[0])
+    full = {"state": state, "param_groups": copy.deepcopy(saved[0]["param_groups"]),
+            "param_names": names}
+    return module.get_shard_from_optim_state_dict(full)
+
+
+def _check_same_groups(what: str, osd, optimizer, rank: int) -> None:
+    """A ValueError unless ``osd`` is a torch optimizer state dict with ``optimizer``'s
+    number of param groups and of parameters in each."""
+    if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
+        raise ValueError(f"{what}: optim_state_dicts[{rank}] is not a torch optimizer state "
+                         f"dict (with 'state' and 'param_groups'); pass each rank's "
+                         f"optimizer.state_dict()")
+    saved = [len(g["params"]) for g in osd["param_groups"]]
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    if saved != mine:
+        raise ValueError(f"{what}: the saved optimizer has {saved} parameters per param group, "
+                         f"this optimizer {mine}; build it with the same param groups, in the "
+                         f"same order, as the one that saved the state")
+
+
+def _joined_entry(what: str, name: str, entries: list, layout: ParamLayout) -> dict:
+    """One parameter's optimizer state with every row-block tensor joined to the full shape."""
+    if any(e is None for e in entries):
+        ranks = [r for r, e in enumerate(entries) if e is None]
+        raise ValueError(f"{what}: parameter {name} has optimizer state on some ranks but not "
+                         f"on rank(s) {ranks} of the saving world; the dicts are not of one "
+                         f"checkpoint")
+    joined = {}
+    for key, value in entries[0].items():
+        values = [e.get(key) for e in entries]
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == layout.shard_shape:
+            joined[key] = unshard_rows(values, layout)
+        elif isinstance(value, torch.Tensor) and not all(
+                isinstance(v, torch.Tensor) and torch.equal(v, value) for v in values):
+            # e.g. factored second moments (Adafactor's row_var) of each rank's rows
+            raise ValueError(f"{what}: state {key!r} of parameter {name} (shape "
+                             f"{tuple(value.shape)}) differs between the saving ranks and is "
+                             f"not a row block of the parameter ({layout.shard_shape}), so it "
+                             f"cannot be resharded")
+        else:
+            joined[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return joined
 
 
 def unshard_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor],

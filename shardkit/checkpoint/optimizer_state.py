@@ -10,6 +10,7 @@ world size. :func:`state_by_param` reads such a dict back against the current pa
 
 from __future__ import annotations
 
+import pickle
 from typing import Optional
 
 import torch
@@ -124,7 +125,10 @@ def _shard_from(r: int, local: dict, rank: int, group, recipient: int) -> Option
                     tensors.append(value)
                 else:
                     meta.append((i, key, None, value, None))
+        meta = _picklable_or_refusal(meta, r)
     meta = distributed.broadcast_object(meta, src=src, group=group)
+    if isinstance(meta, str):  # the sender's state cannot travel: every rank raises
+        raise ValueError(meta)
     wanted = recipient in (-1, rank)
     flats = _flat_by_kind(meta, tensors if r == rank else None)
     for (dtype, device_type), (flat, numel) in flats.items():
@@ -143,6 +147,25 @@ def _shard_from(r: int, local: dict, rank: int, group, recipient: int) -> Option
     if not wanted:
         return None
     return _unflatten_state(meta, {k: v[0] for k, v in flats.items()})
+
+
+def _picklable_or_refusal(meta: list, rank: int):
+    """``meta`` when it pickles, else the message every rank raises (sent in its place, so
+    that no rank waits for a shard its sender could not send). Local; one trial pickle of the
+    metadata (shapes and the non-tensor state values)."""
+    try:
+        pickle.dumps(meta)
+        return meta
+    except Exception:  # find the first value that does not pickle, to name it
+        for i, key, shape, value, _ in meta:
+            try:
+                pickle.dumps(value)
+            except Exception as error:
+                return (f"OSS.consolidate_state_dict: the optimizer state {key!r} of parameter "
+                        f"{i} on rank {rank} is a {type(value).__name__}, which cannot be "
+                        f"pickled ({type(error).__name__}: {error}); optimizer state must be "
+                        f"tensors, numbers, strings and plain containers of them")
+        return f"OSS.consolidate_state_dict: the optimizer state on rank {rank} cannot be pickled"
 
 
 def _numel(shape) -> int:

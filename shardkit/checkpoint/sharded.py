@@ -26,18 +26,24 @@ file and what is wrong, never a pickle traceback.
 Atomicity: ranks write into ``DIR/.tmp-TAG``; the ranks then agree (one all-reduce) that every
 file is complete; rank 0 writes the metadata, renames the directory to ``DIR/TAG`` and finally
 replaces ``DIR/latest`` with ``os.replace``. A save that fails or is killed at any point leaves
-``latest`` naming the previous complete checkpoint. A shared filesystem is assumed across nodes.
+``latest`` naming the previous complete checkpoint; a failure on any one rank, from building its
+part (rank 0's scheduler state) to publishing, raises a :class:`CheckpointError` on every rank,
+none waiting in a collective for it. A shared filesystem is assumed across nodes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import pickle
+import re
 import shutil
+import sys
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -46,7 +52,8 @@ from shardkit.checkpoint.resharding import join_row_blocks, join_row_state
 
 __all__ = ["FORMAT", "CheckpointError", "RankShard", "LoadedCheckpoint", "commit_checkpoint",
            "agreement_device", "read_latest_tag", "read_checkpoint", "rank_file_name",
-           "resolve_checkpoint_dir", "check_tag", "load_checkpoint_file", "file_digest"]
+           "resolve_checkpoint_dir", "check_tag", "load_checkpoint_file", "file_digest",
+           "plain_numbers", "check_loads_back"]
 
 FORMAT = "shardkit-resharding-v1"
 LATEST = "latest"
@@ -117,10 +124,14 @@ def _write_rank_file_and_digest(path: str, shard: RankShard) -> None:
 
 def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
                       metadata: Optional[dict], engine_payload: Optional[dict],
-                      save_latest: bool = True, group=None) -> str:
+                      save_latest: bool = True, group=None,
+                      prepare_error: Optional[BaseException] = None) -> str:
     """Write this rank's shard and, on rank 0, the metadata; then publish atomically.
 
-    Must be called on every rank (``metadata``/``engine_payload`` are used on rank 0 only).
+    Must be called on every rank (``metadata``/``engine_payload`` are used on rank 0 only),
+    also by a rank that failed to build its part: it passes that exception as
+    ``prepare_error``, and every rank then raises before anything is written (rather than the
+    others waiting for it in the first agreement).
     Communication: one barrier and three one-element all-reduces (one more barrier on
     failure), on ``group`` (default: the default group; an asynchronous save passes its own,
     so that its agreement never interleaves with the training loop's collectives). Raises
@@ -130,8 +141,12 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     rank = distributed.get_rank()
     final = os.path.join(save_dir, tag)
     staging = os.path.join(save_dir, f".tmp-{tag}")
-    error = _attempt(lambda: _make_staging(save_dir, staging)) if rank == 0 else None
-    _agree_or_raise(error, f"creating {staging}", staging, group)
+    error = prepare_error
+    if error is None and rank == 0:
+        error = _attempt(lambda: _make_staging(save_dir, staging))
+    _agree_or_raise(error, "building this rank's part of the checkpoint"
+                    if prepare_error is not None
+                    else f"building each rank's part and creating {staging}", staging, group)
     error = _attempt(lambda: _write_rank_file_and_digest(
         os.path.join(staging, rank_file_name(rank)), shard))
     _agree_or_raise(error, f"writing {rank_file_name(rank)} into {staging}", staging, group)
@@ -142,6 +157,50 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     _agree_or_raise(error, f"publishing {final}", staging, group)
     distributed.barrier(group)
     return final
+
+
+def plain_numbers(value):
+    """``value`` with every NumPy scalar (an ``np.float64`` learning rate from a schedule
+    computed with NumPy) replaced by the Python number it holds, inside dicts, lists and
+    tuples; the safe loader (``weights_only=True``) refuses NumPy scalars. Other values are
+    returned as they are (no copy of tensors)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.generic):
+        return value.item()
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, plain_numbers(v)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(plain_numbers(v) for v in value)
+    return value
+
+
+def check_loads_back(payload: dict, caller: str) -> None:
+    """A TypeError naming the first entry of ``payload`` that ``torch.load(weights_only=True)``
+    would refuse (a checkpoint that saves but can never be loaded). Local; memory: one
+    serialized copy of ``payload``."""
+    if _load_back_error(payload) is None:
+        return
+    for key, value in payload.items():
+        error = _load_back_error({key: value})
+        if error is not None:
+            raise TypeError(f"{caller}: the {key} state ({type(value).__name__}) would not load "
+                            f"back: {error}. Checkpoints are read with torch.load("
+                            f"weights_only=True): tensors, numbers, strings, bools, None and "
+                            f"lists/tuples/dicts of them; nothing was written")
+
+
+def _load_back_error(obj) -> Optional[str]:
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as error:  # a pickling error or the safe loader's refusal
+        refused = re.search(r"GLOBAL ([\w.]+)", str(error))
+        if refused:
+            return f"the safe loader refuses {refused.group(1)}"
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    return None
 
 
 def _make_staging(save_dir: str, staging: str) -> None:
@@ -277,10 +336,16 @@ def read_metadata(path: str) -> dict:
     return metadata
 
 
-def read_checkpoint(path: str, with_optimizer: bool = True) -> LoadedCheckpoint:
-    """Merge every rank file of the checkpoint at ``path`` (memory: the full fp32 state).
+def read_checkpoint(path: str, with_optimizer: bool = True,
+                    keep_optim: Optional[Callable[[str], bool]] = None) -> LoadedCheckpoint:
+    """Merge every rank file of the checkpoint at ``path``. Memory: the full fp32 weights, and
+    the optimizer state of the parameters ``keep_optim(name)`` accepts (default: all); the
+    rest is dropped file by file, so a rank that keeps a share never holds the whole.
 
     Reads files only; no communication."""
+    def kept(name: str) -> bool:
+        return with_optimizer and (keep_optim is None or keep_optim(name))
+
     metadata = read_metadata(path)
     params: dict = {}
     optim: dict = {}
@@ -293,10 +358,11 @@ def read_checkpoint(path: str, with_optimizer: bool = True) -> LoadedCheckpoint:
                                   f"was written by {metadata['world_size']} ranks")
         shard = load_checkpoint_file(path, rank_file_name(rank), metadata)
         params.update(shard["params"])
-        if with_optimizer:
-            optim.update(shard["optim"])
+        optim.update({name: state for name, state in shard["optim"].items()
+                      if kept(name) and name not in shard.get("row_blocks", {})})
         for name, block in shard.get("row_blocks", {}).items():
-            blocks.setdefault(name, []).append((block, shard["optim"].get(name, {})))
+            state = shard["optim"].get(name, {}) if kept(name) else {}
+            blocks.setdefault(name, []).append((block, state))
         rng[rank] = shard["rng"]
     for name, shape in metadata.get("row_sharded", {}).items():
         parts = blocks.get(name, [])

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import torch
 
 import shardkit
@@ -90,6 +91,99 @@ def test_save_dir_rank0_cannot_create_fails_on_every_rank(world2, tmp_path):
                for e in errors), errors
     assert "FileExistsError" in errors[0] and "on another rank" in errors[1]
     assert in_the_way.read_text() == "not a directory"
+
+
+def _rank0_fails_building_its_part(save_dir, async_save):
+    """A user scheduler whose state_dict() raises on rank 0 only (rank 0 alone builds the
+    engine payload): before the fix the other ranks waited in the commit's first all-reduce
+    for a rank that had already raised."""
+    class SchedulerFailingOnRank0(torch.optim.lr_scheduler.LambdaLR):
+        failing = False
+
+        def state_dict(self):
+            if self.failing and distributed.get_rank() == 0:
+                raise RuntimeError("scheduler state unavailable")
+            return super().state_dict()
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = SchedulerFailingOnRank0(optimizer, lambda step: 1.0)
+    engine, _, _, _ = shardkit.initialize(model=model, optimizer=optimizer,
+                                          lr_scheduler=scheduler,
+                                          config={"train_batch_size": 4,
+                                                  "zero_optimization": {"stage": 1}})
+    engine.save_checkpoint(save_dir, tag="good")
+    scheduler.failing = True
+    try:
+        engine.save_checkpoint(save_dir, tag="bad", async_save=async_save)
+        engine.wait_for_checkpoint()
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    return {"error": error, "latest": read_latest_tag(save_dir),
+            "listing": sorted(os.listdir(save_dir))}
+
+
+def test_failure_building_rank0s_part_raises_on_every_rank(world2, tmp_path):
+    for async_save in (False, True):
+        save_dir = str(tmp_path / f"ckpt-{async_save}")
+        rank0, rank1 = world2.run(_rank0_fails_building_its_part, save_dir, async_save)
+        assert "scheduler state unavailable" in rank0["error"], rank0
+        assert "on another rank" in rank1["error"], rank1
+        for r in (rank0, rank1):
+            assert "'latest' still names the previous" in r["error"]
+            assert r["latest"] == "good" and r["listing"] == ["good", "latest"], r
+
+
+def _numpy_learning_rate(save_dir):
+    """A schedule computed with NumPy (``np.cos``) puts ``np.float64`` learning rates into the
+    param groups and the scheduler state; the checkpoint must still load (weights_only)."""
+    import numpy as np
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: np.cos(0.1 * step))
+    engine, _, _, _ = shardkit.initialize(model=model, optimizer=optimizer,
+                                          lr_scheduler=scheduler,
+                                          config={"train_batch_size": 4})
+    for _ in range(2):
+        engine.backward(engine(torch.ones(2, 4)).sum())
+        engine.step()
+    engine.save_checkpoint(save_dir, tag="cos")
+    lr = engine.get_lr()[0]
+    engine.backward(engine(torch.ones(2, 4)).sum())
+    engine.step()
+    engine.load_checkpoint(save_dir, tag="cos")
+    return lr, engine.get_lr()[0], scheduler.last_epoch
+
+
+def _unloadable_scheduler_state(save_dir):
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class SchedulerWithAnObject(torch.optim.lr_scheduler.LambdaLR):
+        def state_dict(self):
+            return {**super().state_dict(), "owner": self}
+
+    engine, _, _, _ = shardkit.initialize(
+        model=model, optimizer=optimizer,
+        lr_scheduler=SchedulerWithAnObject(optimizer, lambda step: 1.0),
+        config={"train_batch_size": 4})
+    try:
+        engine.save_checkpoint(save_dir, tag="t")
+    except CheckpointError as e:
+        return str(e), sorted(os.listdir(save_dir)) if os.path.isdir(save_dir) else []
+    return None, sorted(os.listdir(save_dir))
+
+
+def test_scheduler_state_must_load_back(world2, tmp_path):
+    results = world2.run(_numpy_learning_rate, str(tmp_path / "np"))
+    for saved_lr, loaded_lr, last_epoch in results:
+        assert loaded_lr == saved_lr == 0.1 * float(np.cos(0.2)) and last_epoch == 2
+    rank0, rank1 = world2.run(_unloadable_scheduler_state, str(tmp_path / "obj"))
+    assert "the scheduler state (dict) would not load back" in rank0[0], rank0
+    assert "SchedulerWithAnObject" in rank0[0] and "nothing was written" in rank0[0]
+    assert "on another rank" in rank1[0]
+    assert rank0[1] == rank1[1] == [], rank0
 
 
 KILLED_MID_SAVE = textwrap.dedent("""

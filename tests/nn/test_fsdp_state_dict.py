@@ -53,6 +53,7 @@ def _train_and_save(directory):
     local = {k: v.cpu() for k, v in local.items()}  # FairScale users' idiom must work
     torch.save(local, os.path.join(directory, f"local_{rank}.pt"))
     torch.save(model.local_metadata_dict(), os.path.join(directory, f"meta_{rank}.pt"))
+    torch.save(optim.state_dict(), os.path.join(directory, f"optim_{rank}.pt"))  # row blocks
     full_osd = model.gather_full_optim_state_dict(optim, recipient_rank=0)
     optim_diff = 0.0
     if rank == 0:
@@ -102,7 +103,35 @@ def _resume(directory):
         model.load_local_state_dict(old_format)
         own = max(own, max_diff(model.state_dict(), saved_at))
     return {"resumed_vs_reference": resumed, "own_reload": own,
-            "from_grouped_single_process": _resume_from_grouped_plain_optimizer()}
+            "from_grouped_single_process": _resume_from_grouped_plain_optimizer(),
+            **_resume_from_local_optimizer_states(directory)}
+
+
+def _resume_from_local_optimizer_states(directory):
+    """FairScale users' local checkpoint: each rank saved its local_state_dict() and its
+    optimizer's own state_dict() (row blocks). At another world size both halves reshard."""
+    from shardkit.checkpoint import reshard_local_optim_state_dicts
+    locals_, metas = _saved_locals(directory)
+    saved = [torch.load(os.path.join(directory, f"optim_{r}.pt"), weights_only=True)
+             for r in range(2)]
+    model = wrap_gpt(build_gpt())
+    model.load_local_state_dict(locals_, metadata=metas)
+    optim = make_optimizer(model)
+    optim.load_state_dict(reshard_local_optim_state_dicts(saved, metas, model, optim))
+    for step in range(SAVE_AT, TOTAL):
+        train_step(model, optim, step)
+    final_reference, _ = _reference(TOTAL)
+    full = model.gather_full_optim_state_dict(optim, recipient_rank=0)
+    steps = {float(e["step"]) for e in full["state"].values()} if full is not None else None
+    other_groups = torch.optim.AdamW([next(model.parameters())], lr=LR)
+    try:
+        reshard_local_optim_state_dicts(saved, metas, model, other_groups)
+        groups_error = None
+    except ValueError as e:
+        groups_error = str(e)
+    return {"from_local_optim_vs_reference": max_diff(model.state_dict(),
+                                                      final_reference.state_dict()),
+            "from_local_optim_steps": steps, "local_optim_groups_error": groups_error}
 
 
 def _decay_groups(model):
@@ -178,6 +207,9 @@ def test_local_checkpoint_reshards(saved_world2, world_size):
         results = world.run(_resume, checkpoint_dir)
     for r in results:
         assert r["resumed_vs_reference"] <= 1e-5, r
+        assert r["from_local_optim_vs_reference"] <= 1e-5, r
+        assert "parameters per param group" in r["local_optim_groups_error"], r
+    assert results[0]["from_local_optim_steps"] == {float(TOTAL)}
 
 
 def test_world1_local_dict_reshards_to_every_rank_of_a_larger_world():

@@ -227,6 +227,30 @@ def test_state_dict_errors_are_clear(world2):
         assert r["unchanged_after_refusal"] and r["flattened_loads"], r
 
 
+def _unpicklable_state_on_rank1():
+    """A custom optimizer that keeps an object which cannot be pickled (a lambda) in the state
+    of one parameter, on rank 1 only: before the fix rank 1 raised while pickling its shard's
+    metadata and rank 0 waited for it in the broadcast."""
+    model = MLP(WIDTH, 2, seed=0)
+    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=1e-2)
+    model(torch.ones(2, WIDTH)).sum().backward()
+    opt.step()
+    if distributed.get_rank() == 1:
+        owned = next(iter(opt.optim.state))
+        opt.optim.state[owned]["schedule"] = lambda step: 1.0
+    try:
+        opt.consolidate_state_dict(recipient_rank=0)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_state_that_cannot_be_pickled_fails_on_every_rank(world2):
+    for error in world2.run(_unpicklable_state_on_rank1):
+        assert error is not None and "'schedule'" in error and "on rank 1" in error, error
+        assert "function, which cannot be pickled" in error, error
+
+
 def _bad_hyper_parameters():
     """Hyper-parameters the optimizer refuses: an error naming OSS and the optimizer, raised
     before the construction's first collective (so no rank waits on another)."""
