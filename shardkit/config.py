@@ -9,7 +9,8 @@ error at the same point and none is left waiting.
 
 Keys that change behaviour:
     train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
-    optimizer.{type, params}, scheduler.{type, params}, gradient_clipping, steps_per_print,
+    optimizer.{type, params}, scheduler.{type (WarmupLR, WarmupDecayLR, WarmupCosineLR,
+    OneCycle), params}, gradient_clipping, steps_per_print,
     zero_optimization.{stage, reduce_bucket_size (elements, as in DeepSpeed), reduce_scatter
     (stage 1, default true as in DeepSpeed: each gradient is averaged onto its owner only, so
     stage 1 moves 2Ψ(N-1)/N a step; false: torch DDP's all-reduce, 3Ψ(N-1)/N),
@@ -28,8 +29,9 @@ Keys that change behaviour:
 Keys accepted for compatibility with DeepSpeed configs, validated, without effect here:
     the other zero_optimization tuning knobs (allgather_bucket_size, overlap_comm,
     contiguous_gradients, reduce_scatter at stages 2-3, stage3_* ...), offload *.pin_memory /
-    buffer_*, fp16.auto_cast, bf16.immediate_grad_update, wall_clock_breakdown,
-    memory_breakdown, prescale_gradients, gradient_predivide_factor,
+    buffer_*, fp16.auto_cast, bf16.immediate_grad_update, wall_clock_breakdown and
+    memory_breakdown (when true, a note says no breakdown is printed), prescale_gradients,
+    gradient_predivide_factor,
     zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer, dump_state,
     zero_optimization.log_trace_cache_warnings; data_types.grad_accum_dtype when
     "fp32" (what the engine does); sparse_gradients and fp16.fp16_master_weights_and_grads
@@ -109,6 +111,12 @@ def _betas() -> Field:
                  "a pair of numbers in [0, 1)")
 
 
+def _nullable(spec: Field) -> Field:
+    """``spec`` that also accepts ``null`` (its default then applies)."""
+    return Field(spec.types + (type(None),), spec.default,
+                 lambda v: v is None or spec.check(v), spec.valid + " or null")
+
+
 def _num_or_list(default, nullable: bool = False) -> Field:
     """A learning rate: a number >= 0 or one per param group; ``nullable``: ``null`` too
     (each group's own lr)."""
@@ -147,9 +155,20 @@ SCHEDULER_PARAMS = {
         "warmup_num_steps": _int(1000, 0), "cos_min_ratio": _num(0.0001, 0),
         "warmup_type": _choice("log", "log", "linear"), "last_batch_iteration": _int(-1, -1),
     },
+    "OneCycle": {
+        "cycle_min_lr": _num(None, 0), "cycle_max_lr": _num(None, 0),
+        "decay_lr_rate": _num(0.0, 0), "cycle_first_step_size": _int(2000, 1),
+        "cycle_second_step_size": _nullable(_int(None, 1)),
+        "cycle_first_stair_count": _int(0, 0),
+        "cycle_second_stair_count": _nullable(_int(None, 0)),
+        "decay_step_size": _int(0, 0), "cycle_momentum": _bool(True),
+        "cycle_min_mom": _num(0.8, 0), "cycle_max_mom": _num(0.9, 0),
+        "decay_mom_rate": _num(0.0, 0), "last_batch_iteration": _int(-1, -1),
+    },
 }
 REQUIRED_SCHEDULER_PARAMS = {"WarmupDecayLR": ("total_num_steps",),
-                             "WarmupCosineLR": ("total_num_steps",)}
+                             "WarmupCosineLR": ("total_num_steps",),
+                             "OneCycle": ("cycle_min_lr", "cycle_max_lr")}
 
 
 def _off(feature: str, instead: str) -> Field:
@@ -369,6 +388,7 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
                                             checked["gradient_accumulation_steps"],
                                             data_parallel_size)
     zero, notes = _zero_config(checked["zero_optimization"])
+    notes += _breakdown_notes(checked)
     if data_parallel_size % zero.hpz_partition_size:
         raise ConfigError(f"zero_optimization.zero_hpz_partition_size={zero.hpz_partition_size} "
                           f"must divide the data-parallel size {data_parallel_size} (use the "
@@ -575,7 +595,21 @@ def _scheduler_spec(section) -> Optional[SchedulerSpec]:
         if params["total_num_steps"] <= max(2, params["warmup_num_steps"]):
             raise ConfigError(f"scheduler.params.total_num_steps={params['total_num_steps']} "
                               f"must exceed warmup_num_steps={params['warmup_num_steps']}")
+    if kind == "OneCycle":
+        for key in ("cycle_min_mom", "cycle_max_mom"):  # Adam's beta1
+            if not params[key] < 1:
+                raise ConfigError(f"scheduler.params.{key}={params[key]!r} is out of range; "
+                                  f"valid values: a number in [0, 1) (it becomes Adam's beta1)")
     return SchedulerSpec(kind, params)
+
+
+def _breakdown_notes(checked: dict) -> list[str]:
+    """DeepSpeed's timing and memory printouts, switched on: accepted, but they print nothing
+    here, so rank 0 says so once rather than leave the user waiting for the lines."""
+    instead = {"wall_clock_breakdown": "time the loop or use torch.profiler",
+               "memory_breakdown": "use shardkit.utils.memory.model_state_bytes"}
+    return [f"{key}=true has no effect in shardkit (no breakdown is printed); {hint}"
+            for key, hint in instead.items() if checked[key]]
 
 
 def _zero_config(section: dict) -> tuple[ZeroConfig, list[str]]:

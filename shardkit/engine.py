@@ -666,7 +666,9 @@ class ShardedEngine(nn.Module):
         ``load_module_only=True`` is DeepSpeed's warm start: the weights only; the step
         counters (``global_steps``, ``skipped_steps``), the loss scale, the scheduler and this
         process's RNG stay as they are (a fine-tuning run starts at step 0).
-        Memory: the full fp32 state on each rank's CPU while loading."""
+        Memory, on each rank's CPU while loading: the full fp32 weights and the optimizer
+        state this rank's optimizer keeps (stages 1-2: its OSS share; stages 0 and 3: the
+        whole)."""
         from shardkit.checkpoint.engine_state import load_engine_checkpoint
         if load_module_strict is not True:
             raise ValueError(
@@ -807,7 +809,7 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         lr_scheduler: a scheduler or ``callable(optimizer) -> scheduler``; exclusive with a
             config ``scheduler`` section.
         config: a dict or the path of a JSON file (``config_params`` is an alias; without
-            either, ``args.deepspeed_config`` is used as DeepSpeed does).
+            either, ``args.deepspeed_config`` is used as DeepSpeed does; both is an error).
         args, dist_init_required, collate_fn: DeepSpeed's; ``mpu`` is refused.
         distributed_port: DeepSpeed's: the rendezvous port (``MASTER_PORT``) when this call
             starts the process group under a launcher that did not set one.
@@ -833,15 +835,12 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
 
     .. warning:: collective: call it on every rank, with the same config.
     """
-    if config is not None and config_params is not None:
-        raise ConfigError("initialize: config and config_params are aliases; pass only one")
-    if config is None and config_params is None and args is not None:
-        config = getattr(args, "deepspeed_config", None)  # DeepSpeed's --deepspeed_config
+    config = _config_source(config, config_params, args)
     if mpu is not None:
         raise ConfigError("initialize(mpu=...): model-parallel units are not supported by the "
                           "front end; compose shardkit.nn.model_parallel yourself")
     world = _data_parallel_world_size()
-    cfg = load_config(config if config is not None else config_params, world)
+    cfg = load_config(config, world)
     _check_arguments(model, optimizer, lr_scheduler, cfg)
     if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
         raise TypeError(f"initialize(resume_from={resume_from!r}): expected a directory path")
@@ -872,6 +871,22 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     if resume_from is not None:
         _resume(engine, os.fspath(resume_from))
     return engine, composition.optimizer, loader, scheduler
+
+
+def _config_source(config, config_params, args):
+    """The one config given: ``config``, its alias ``config_params``, or DeepSpeed's
+    ``args.deepspeed_config`` (``--deepspeed_config``). Two of them is a :class:`ConfigError`,
+    as in DeepSpeed: which one the run follows would otherwise be a silent choice."""
+    if config is not None and config_params is not None:
+        raise ConfigError("initialize: config and config_params are aliases; pass only one")
+    given = config if config is not None else config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if given is not None and from_args is not None:
+        raise ConfigError(
+            f"initialize: a config was given both as args.deepspeed_config={from_args!r} "
+            f"(--deepspeed_config) and as config=...; pass only one (drop the command-line "
+            f"flag or the config argument)")
+    return given if given is not None else from_args
 
 
 def _resume(engine: ShardedEngine, load_dir: str) -> None:

@@ -253,3 +253,32 @@ def test_bf16_section_keys_and_overflow_check():
     fp32 = load_config(base, 1)
     assert (on.precision.check_grad_overflow, off.precision.check_grad_overflow) == (True, False)
     assert fp16.precision.check_grad_overflow and not fp32.precision.check_grad_overflow
+
+
+def test_one_cycle_scheduler_section():
+    # DeepSpeed's OneCycle: cycle_min_lr and cycle_max_lr are required, the rest default
+    base = {"train_batch_size": 2}
+    cfg = load_config({**base, "scheduler": {"type": "OneCycle", "params": {
+        "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 100,
+        "cycle_second_step_size": None, "decay_step_size": 10}}}, 1)
+    assert cfg.scheduler.type == "OneCycle"
+    assert cfg.scheduler.kwargs["cycle_max_lr"] == 1e-3
+    assert cfg.scheduler.kwargs["cycle_momentum"] is True
+    with pytest.raises(ConfigError, match="scheduler.params.cycle_max_lr is required"):
+        load_config({**base, "scheduler": {"type": "OneCycle",
+                                           "params": {"cycle_min_lr": 1e-4}}}, 1)
+    with pytest.raises(ConfigError, match="cycle_first_step_size=0 is out of range"):
+        load_config({**base, "scheduler": {"type": "OneCycle", "params": {
+            "cycle_min_lr": 0, "cycle_max_lr": 1, "cycle_first_step_size": 0}}}, 1)
+    with pytest.raises(ConfigError, match=r"cycle_max_mom=1.5 is out of range.*\[0, 1\)"):
+        load_config({**base, "scheduler": {"type": "OneCycle", "params": {
+            "cycle_min_lr": 0, "cycle_max_lr": 1, "cycle_max_mom": 1.5}}}, 1)
+
+
+def test_breakdown_switches_say_they_print_nothing():
+    # DeepSpeed prints timing / memory breakdowns for these; shardkit accepts them and says
+    # once (rank 0 logs cfg.warnings at initialize) that no breakdown will come
+    cfg = load_config({"train_batch_size": 2, "wall_clock_breakdown": True,
+                       "memory_breakdown": False}, 1)
+    assert len(cfg.warnings) == 1 and "wall_clock_breakdown=true has no effect" in cfg.warnings[0]
+    assert load_config({"train_batch_size": 2, "wall_clock_breakdown": False}, 1).warnings == ()

@@ -238,6 +238,68 @@ def test_fp16_dynamic_scaling_skips_then_trains(world2, stage):
     assert sum(trained[-5:]) / 5 < 0.5 * trained[0], r0["losses"]
 
 
+def _fp16_one_rank_overflows(stage):
+    """fp16 with dynamic loss scaling against one process with torch's GradScaler (hysteresis
+    1 = GradScaler's rule, loss_scale_window = growth_interval); rank 1's second micro-batch
+    of step 2 and rank 0's first of step 5 overflow (a huge input), on that rank only."""
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    micro, gas, poisoned = 2, 2, {(2, 1, 1), (5, 0, 0)}
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                   torch.nn.Linear(16, 4))
+
+    def inputs(step, x):
+        chunks = list(x.split(micro))
+        for at, (r, m) in enumerate((r, m) for r in range(world) for m in range(gas)):
+            if (step, r, m) in poisoned:
+                chunks[at] = chunks[at].clone().index_fill_(1, torch.tensor([0]), 1e6)
+        return chunks
+
+    config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+              "steps_per_print": 1000, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.05}},
+              "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2,
+                       "hysteresis": 1}}
+    engine, _, _, _ = shardkit.initialize(model=net(), config=config)
+    oracle = net()
+    oracle_opt = torch.optim.SGD(oracle.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+    ours, torchs, diffs = [], [], []
+    for step in range(8):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(micro * gas * world, 8, generator=gen), \
+            torch.randn(micro * gas * world, 4, generator=gen)
+        chunks = inputs(step, x)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = oracle(torch.cat(chunks))
+        scaler.scale(F.mse_loss(out.float(), y)).backward()
+        scaler.step(oracle_opt)
+        scaler.update()
+        oracle_opt.zero_grad()
+        torchs.append(scaler.get_scale())
+        for m in range(gas):
+            at = rank * gas + m
+            out = engine(chunks[at])
+            engine.backward(F.mse_loss(out.float(), y[at * micro:(at + 1) * micro]))
+            engine.step()
+        ours.append(engine.loss_scale)
+        diffs.append(max_diff(_full_params(stage, engine.wrapped, engine.module),
+                              oracle.state_dict()))
+    return {"ours": ours, "torch": torchs, "skipped": engine.skipped_steps,
+            "diff": max(diffs)}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_fp16_overflow_on_one_rank_matches_torch_grad_scaler(world2, stage):
+    results = world2.run(_fp16_one_rank_overflows, stage)
+    for r in results:
+        assert r["ours"] == r["torch"]  # the same scale after every step, growth included
+        assert r["skipped"] == 2  # both overflowing steps, on both ranks
+        assert r["diff"] < 1e-4, r["diff"]
+
+
 def _save_16bit_model(stage, out_dir):
     """DeepSpeed's save_16bit_model: every rank calls it, rank 0 writes the full model in the
     compute dtype under the original names; frozen parameters can be left out."""
@@ -768,3 +830,15 @@ def test_bad_configs_raise_on_every_rank_without_traffic(world2):
     assert "not attached to the optimizer passed" in results[0]["scheduler instance"]
     assert "distributed_port='29500'" in results[0]["port"]
     assert results[0]["collectives"] == 0
+
+
+def test_a_config_given_twice_is_refused_before_any_process_group():
+    """DeepSpeed refuses ``args.deepspeed_config`` together with ``config=...``: the run would
+    otherwise follow one of two configs silently. Raised before any collective (no world)."""
+    import argparse
+    args = argparse.Namespace(deepspeed_config="ds_config.json", local_rank=0)
+    with pytest.raises(ConfigError, match=r"args.deepspeed_config='ds_config.json'.*config="):
+        shardkit.initialize(model=torch.nn.Linear(2, 2), args=args,
+                            config={"train_batch_size": 2})
+    with pytest.raises(ConfigError, match="config and config_params are aliases"):
+        shardkit.initialize(model=torch.nn.Linear(2, 2), config={}, config_params={})

@@ -12,6 +12,7 @@ _EXPORTS = {
     "WarmupLR": "shardkit.optim.lr_scheduler",
     "WarmupDecayLR": "shardkit.optim.lr_scheduler",
     "WarmupCosineLR": "shardkit.optim.lr_scheduler",
+    "OneCycle": "shardkit.optim.lr_scheduler",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -31,9 +31,9 @@ class DynamicLossScaler:
       ``min_scale`` logs a warning and keeps skipping, or raises
       :class:`LossScaleAtMinimumError` when ``raise_error_at_min_scale``.
     - **No overflow**: with ``consecutive_hysteresis`` the budget is restored to ``hysteresis``
-      at once. The scale is multiplied by ``scale_factor`` each time the number of clean steps
-      since the last overflow, minus one, is a positive multiple of ``scale_window``; growing
-      also restores the hysteresis budget.
+      at once. The scale is multiplied by ``scale_factor`` on each step that completes a
+      multiple of ``scale_window`` clean steps since the last overflow (or the start), as torch's
+      ``GradScaler`` does with ``growth_interval``; growing also restores the hysteresis budget.
 
     Args:
         init_scale: starting scale (DeepSpeed: ``2 ** initial_scale_power``).
@@ -118,8 +118,10 @@ class DynamicLossScaler:
     def _on_clean_step(self) -> None:
         if self.consecutive_hysteresis:
             self.cur_hysteresis = self.hysteresis
-        stable_steps = self.cur_iter - self.last_overflow_iter - 1
-        if stable_steps > 0 and stable_steps % self.scale_window == 0:
+        # this step included: the scale grows on the step that completes a whole window of
+        # clean steps (DeepSpeed's rule, and torch GradScaler's growth_interval)
+        clean_steps = self.cur_iter - self.last_overflow_iter
+        if clean_steps % self.scale_window == 0:
             if not self.consecutive_hysteresis:
                 self.cur_hysteresis = self.hysteresis
             self.cur_scale *= self.scale_factor

@@ -8,6 +8,8 @@ Same parameter names and the same numbers as ``deepspeed.runtime.lr_schedules``:
   ``total_num_steps``.
 - :class:`WarmupCosineLR`: a ratio of each group's initial lr: warm-up from
   ``warmup_min_ratio`` to 1, then a cosine down to ``cos_min_ratio`` at ``total_num_steps``.
+- :class:`OneCycle`: a triangle from ``cycle_min_lr`` up to ``cycle_max_lr`` and back (Adam's
+  ``beta1`` moving the other way), then an optional decay below ``cycle_min_lr``.
 
 As in DeepSpeed, ``last_batch_iteration`` counts scheduler steps: it is -1 after construction
 (the optimizer then holds the schedule's starting lr) and ``k`` after ``k + 1`` calls to
@@ -21,37 +23,27 @@ peak lr) follows the schedule it was built with, from the saved iteration on. De
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional, Sequence, Union
 
 from torch.optim.lr_scheduler import LRScheduler
 
-__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "WARMUP_TYPES"]
+__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "WARMUP_TYPES"]
 
 WARMUP_TYPES = ("log", "linear")
 Number = Union[int, float]
 
+logger = logging.getLogger("shardkit")
 
-class _DeepSpeedSchedule(LRScheduler):
+
+class _IterationSchedule(LRScheduler):
     """Shared mechanics: DeepSpeed's iteration counter on top of torch's ``last_epoch``."""
 
-    def __init__(self, optimizer, warmup_num_steps: int, warmup_type: str,
-                 last_batch_iteration: int):
-        name = type(self).__name__
-        if warmup_type not in WARMUP_TYPES:
-            raise ValueError(f"{name}(warmup_type={warmup_type!r}): valid types are "
-                             f"{list(WARMUP_TYPES)}")
-        if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) \
-                or warmup_num_steps < 0:
-            raise ValueError(f"{name}(warmup_num_steps={warmup_num_steps!r}): must be an "
-                             f"integer >= 0")
+    def __init__(self, optimizer, last_batch_iteration: int):
         if not isinstance(last_batch_iteration, int) or last_batch_iteration < -1:
-            raise ValueError(f"{name}(last_batch_iteration={last_batch_iteration!r}): must be "
-                             f"an integer >= -1")
-        # DeepSpeed's floor: log(1) would divide by zero below two steps.
-        self.warmup_num_steps = max(2, warmup_num_steps)
-        self.warmup_type = warmup_type
-        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
+            raise ValueError(f"{type(self).__name__}(last_batch_iteration="
+                             f"{last_batch_iteration!r}): must be an integer >= -1")
         super().__init__(optimizer)
         if last_batch_iteration != -1:
             self.step(last_batch_iteration)
@@ -98,6 +90,26 @@ class _DeepSpeedSchedule(LRScheduler):
 
     def lrs_at(self, iteration: int) -> list[float]:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+class _DeepSpeedSchedule(_IterationSchedule):
+    """The warm-up shared by DeepSpeed's warm-up schedules."""
+
+    def __init__(self, optimizer, warmup_num_steps: int, warmup_type: str,
+                 last_batch_iteration: int):
+        name = type(self).__name__
+        if warmup_type not in WARMUP_TYPES:
+            raise ValueError(f"{name}(warmup_type={warmup_type!r}): valid types are "
+                             f"{list(WARMUP_TYPES)}")
+        if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) \
+                or warmup_num_steps < 0:
+            raise ValueError(f"{name}(warmup_num_steps={warmup_num_steps!r}): must be an "
+                             f"integer >= 0")
+        # DeepSpeed's floor: log(1) would divide by zero below two steps.
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_type = warmup_type
+        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
+        super().__init__(optimizer, last_batch_iteration)
 
     def _warmup_fraction(self, iteration: int) -> float:
         """0 at the start of warm-up, rising to 1 at ``warmup_num_steps``."""
@@ -241,6 +253,133 @@ class WarmupCosineLR(_DeepSpeedSchedule):
     def lrs_at(self, iteration: int) -> list[float]:
         ratio = self.ratio_at(iteration)
         return [lr * ratio for lr in self.org_lrs]
+
+
+class OneCycle(_IterationSchedule):
+    """DeepSpeed's 1Cycle: the lr climbs from ``cycle_min_lr`` to ``cycle_max_lr`` and comes
+    back, then optionally decays; Adam's ``beta1`` moves the opposite way.
+
+    With ``S1 = cycle_first_step_size``, ``S2 = cycle_second_step_size`` (default ``S1``) and
+    ``n = iteration + 1``, during the cycle (iteration < ``S1 + S2``) the lr is
+    ``min + (max - min) * f`` with ``f = n / S1`` while ``n <= S1``, else
+    ``(S1 + S2 - n) / S2``. After it, the lr is
+    ``cycle_min_lr / (1 + decay_lr_rate * k / decay_step_size)`` with ``k = iteration - S1 - S2
+    + 1`` (held at ``cycle_min_lr`` when either is 0). The optimizer holds ``cycle_min_lr``
+    from construction until the first :meth:`step`, as in DeepSpeed.
+
+    Momentum (``cycle_momentum``, the default): ``beta1 = max_mom - (max_mom - min_mom) * f``
+    during the cycle, ``cycle_max_mom * (1 + decay_mom_rate * k / decay_step_size)`` after it,
+    ``cycle_min_mom`` before the first step. Only optimizers with ``betas`` (Adam, AdamW) have
+    their momentum cycled; with any other (SGD) a warning says it stays fixed, as DeepSpeed
+    does. Unlike DeepSpeed, which sets ``beta2`` to 0.99 whenever it cycles ``beta1``, each
+    group keeps its own ``beta2``. ``cycle_first_stair_count`` and
+    ``cycle_second_stair_count`` are accepted and, as in DeepSpeed, change nothing.
+
+    Args:
+        optimizer: any torch optimizer (OSS included).
+        cycle_min_lr, cycle_max_lr: the cycle's bounds (every param group).
+        decay_lr_rate: lr decay after the cycle (0: none).
+        cycle_first_step_size: iterations of the rising half (>= 1).
+        cycle_second_step_size: iterations of the falling half (``None``: the first's).
+        cycle_first_stair_count, cycle_second_stair_count: DeepSpeed's, without effect.
+        decay_step_size: iterations per decay interval after the cycle (0: no decay).
+        cycle_momentum: cycle ``beta1`` between ``cycle_min_mom`` and ``cycle_max_mom``.
+        cycle_min_mom, cycle_max_mom: the momentum bounds.
+        decay_mom_rate: momentum growth rate after the cycle (0: held at ``cycle_max_mom``).
+        last_batch_iteration: resume position (-1: start).
+
+    Memory: a few floats per param group. Communication: none.
+    """
+
+    def __init__(self, optimizer, cycle_min_lr: float, cycle_max_lr: float,
+                 decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000,
+                 cycle_second_step_size: Optional[int] = None,
+                 cycle_first_stair_count: int = 0,
+                 cycle_second_stair_count: Optional[int] = None, decay_step_size: int = 0,
+                 cycle_momentum: bool = True, cycle_min_mom: float = 0.8,
+                 cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0,
+                 last_batch_iteration: int = -1):
+        name = type(self).__name__
+        for label, value in (("cycle_first_step_size", cycle_first_step_size),
+                             ("cycle_second_step_size", cycle_second_step_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name}({label}={value!r}): must be an integer >= 1")
+        for label, value in (("cycle_min_lr", cycle_min_lr), ("cycle_max_lr", cycle_max_lr),
+                             ("decay_lr_rate", decay_lr_rate),
+                             ("decay_step_size", decay_step_size),
+                             ("decay_mom_rate", decay_mom_rate)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name}({label}={value!r}): must be a number >= 0")
+        for label, value in (("cycle_min_mom", cycle_min_mom), ("cycle_max_mom", cycle_max_mom)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 <= value < 1:
+                raise ValueError(f"{name}({label}={value!r}): must be a number in [0, 1) (it "
+                                 f"becomes Adam's beta1)")
+        self.first_step_size = float(cycle_first_step_size)
+        self.second_step_size = float(cycle_second_step_size or cycle_first_step_size)
+        self.total_size = self.first_step_size + self.second_step_size
+        self.first_stair_count = cycle_first_stair_count
+        self.second_stair_count = cycle_second_stair_count
+        self.decay_step_size = decay_step_size
+        self.decay_lr_rate = float(decay_lr_rate)
+        self.decay_mom_rate = float(decay_mom_rate)
+        groups = len(optimizer.param_groups)
+        self.min_lrs = [float(cycle_min_lr)] * groups
+        self.max_lrs = [float(cycle_max_lr)] * groups
+        self.min_mom, self.max_mom = float(cycle_min_mom), float(cycle_max_mom)
+        self.cycle_momentum = bool(cycle_momentum) and _cycles_betas(optimizer, name)
+        super().__init__(optimizer, last_batch_iteration)
+
+    def _cycle_fraction(self, iteration: int) -> float:
+        """0 at the cycle's start, 1 at its peak (after ``S1`` steps), 0 again at its end."""
+        done = iteration + 1
+        if done <= self.first_step_size:
+            return done / self.first_step_size
+        return (self.total_size - done) / self.second_step_size
+
+    def _decay_intervals(self, iteration: int) -> float:
+        """Decay intervals since the cycle ended (0 with no decay configured)."""
+        if not self.decay_step_size:
+            return 0.0
+        return (iteration - self.total_size + 1) / self.decay_step_size
+
+    def lrs_at(self, iteration: int) -> list[float]:
+        if iteration < 0:
+            return list(self.min_lrs)
+        if iteration < self.total_size:
+            f = self._cycle_fraction(iteration)
+            return [lo + (hi - lo) * f for lo, hi in zip(self.min_lrs, self.max_lrs)]
+        return [lo / (1 + self.decay_lr_rate * self._decay_intervals(iteration))
+                for lo in self.min_lrs]
+
+    def momentum_at(self, iteration: int) -> float:
+        """``beta1`` at ``iteration`` (every param group)."""
+        if iteration < 0:
+            return self.min_mom
+        if iteration < self.total_size:
+            return self.max_mom - (self.max_mom - self.min_mom) * self._cycle_fraction(iteration)
+        return self.max_mom * (1 + self.decay_mom_rate * self._decay_intervals(iteration))
+
+    def step(self, batch_iteration: Optional[int] = None) -> None:
+        """Advance one step (or jump to ``batch_iteration``, DeepSpeed's name here); set each
+        group's lr and, when cycling momentum, its ``beta1``."""
+        super().step(batch_iteration)
+        if self.cycle_momentum:
+            beta1 = self.momentum_at(self.last_batch_iteration)
+            for group in self.optimizer.param_groups:
+                group["betas"] = (beta1, group["betas"][1])
+
+
+def _cycles_betas(optimizer, name: str) -> bool:
+    """Whether ``optimizer`` has Adam's ``betas`` to cycle; warns (as DeepSpeed) when not."""
+    if "betas" in getattr(optimizer, "defaults", {}):
+        return True
+    logger.warning(
+        "%s: cycle_momentum is off because %s has no betas (only Adam-style momentum is "
+        "cycled); set \"cycle_momentum\": false to silence this", name,
+        type(optimizer).__name__)
+    return False
 
 
 def _require_total_steps(name: str, total_num_steps) -> None:

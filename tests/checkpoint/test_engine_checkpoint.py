@@ -207,3 +207,108 @@ def test_client_state_that_would_not_load_back_is_refused_before_writing(world2,
         assert "argparse.Namespace" in refused and "nothing was written" in refused, refused
         assert written == [], written
         assert loaded == {"step": 3, "args": {"lr": 0.1}}
+
+
+def _resume_without_optimizer_state(save_dir, schedule):
+    """``load_checkpoint(load_optimizer_states=False)`` (a new optimizer setting, DeepSpeed's
+    way): right after the load, and at every step after it, the optimizer holds the lr (and
+    OneCycle's beta1) of the uninterrupted run, not those a fresh schedule starts from."""
+    world = distributed.get_world_size()
+    config = {"train_batch_size": 2 * world, "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 0.0}},
+              "scheduler": schedule, "zero_optimization": {"stage": 1}}
+
+    def batch(step):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(2 * world, 4, generator=gen)
+        return x[2 * distributed.get_rank():][:2]
+
+    def run(engine, steps):
+        lrs = []
+        for step in steps:
+            engine.backward(engine(batch(step)).square().mean())
+            engine.step()
+            lrs.append((engine.get_lr(), engine.get_mom()))
+        return lrs
+
+    torch.manual_seed(0)
+    engine, *_ = shardkit.initialize(model=torch.nn.Linear(4, 2), config=config)
+    run(engine, range(3))
+    engine.save_checkpoint(save_dir)
+    before = (engine.get_lr(), engine.get_mom())
+    after = run(engine, range(3, 6))
+    resumed, *_ = shardkit.initialize(model=torch.nn.Linear(4, 2), config=config)
+    resumed.load_checkpoint(save_dir, load_optimizer_states=False)
+    loaded = (resumed.get_lr(), resumed.get_mom())
+    return before, loaded, after, run(resumed, range(3, 6))
+
+
+@pytest.mark.parametrize("schedule", [
+    {"type": "WarmupCosineLR", "params": {"total_num_steps": 8, "warmup_num_steps": 2}},
+    {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1,
+                                    "cycle_first_step_size": 2, "cycle_min_mom": 0.8,
+                                    "cycle_max_mom": 0.9}}])
+def test_resume_without_optimizer_state_continues_the_schedule(world2, tmp_path, schedule):
+    for before, loaded, after, resumed_after in world2.run(
+            _resume_without_optimizer_state, str(tmp_path / schedule["type"]), schedule):
+        assert loaded == before  # not the fresh schedule's 0 (cosine) or cycle_min_lr
+        assert resumed_after == after
+
+
+def _load_keeps_this_ranks_optimizer_share(save_dir, save_stage):
+    """At stages 1-2 a rank keeps only its OSS share of the optimizer state while it reads the
+    checkpoint (not every rank's), whatever stage wrote it; training then goes on exactly as
+    the uninterrupted run does."""
+    from shardkit.checkpoint import engine_state
+    world = distributed.get_world_size()
+    config = {"train_batch_size": 4 * world, "train_micro_batch_size_per_gpu": 2,
+              "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}}}
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8),
+                                   torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+    def run(engine, steps):
+        for step in steps:
+            gen = torch.Generator().manual_seed(step)
+            x = torch.randn(4 * world, 4, generator=gen)[4 * distributed.get_rank():][:4]
+            for micro in x.split(2):
+                engine.backward(engine(micro).square().mean())
+                engine.step()
+        return _full_state(engine)
+
+    saver, *_ = shardkit.initialize(model=net(), config={
+        **config, "zero_optimization": {"stage": save_stage}})
+    run(saver, range(2))
+    saver.save_checkpoint(save_dir)
+    uninterrupted = run(saver, range(2, 4))
+    engine, *_ = shardkit.initialize(model=net(), config={**config,
+                                                          "zero_optimization": {"stage": 2}})
+    held, read = [], engine_state.read_checkpoint
+
+    def recording_read(*args, **kwargs):
+        ckpt = read(*args, **kwargs)
+        held.append(sorted(ckpt.optim))
+        return ckpt
+
+    engine_state.read_checkpoint = recording_read
+    try:
+        engine.load_checkpoint(save_dir)
+    finally:
+        engine_state.read_checkpoint = read
+    owned = sorted(n for n, p in engine.module.named_parameters()
+                   if engine.optimizer.param_to_rank[p] == distributed.get_rank())
+    return held, owned, max_diff(run(engine, range(2, 4)), uninterrupted)
+
+
+@pytest.mark.parametrize("save_stage", [2, 3])
+def test_stage2_load_holds_only_this_ranks_optimizer_state(world2, tmp_path, save_stage):
+    results = world2.run(_load_keeps_this_ranks_optimizer_share, str(tmp_path / "c"),
+                         save_stage)
+    for held, owned, diff in results:
+        assert held == [owned], (held, owned)
+        assert diff <= 1e-6, diff
+    assert sorted(results[0][1] + results[1][1]) == sorted(
+        f"{i}.{kind}" for i in (0, 2, 4) for kind in ("weight", "bias"))

@@ -14,9 +14,9 @@ class ReferenceRules:
 
     - overflow: the streak restarts; with hysteresis budget left (> 1) the budget shrinks and
       the scale stays, otherwise the scale halves (not below the floor);
-    - clean step: growth happens on the clean step that follows a whole number (>= 1) of
-      windows of clean steps; growing refills the budget (with consecutive hysteresis every
-      clean step refills it).
+    - clean step: growth happens on the clean step that completes a whole number of windows
+      of clean steps; growing refills the budget (with consecutive hysteresis every clean step
+      refills it).
     """
 
     def __init__(self, scale, window, hysteresis, floor, consecutive):
@@ -35,10 +35,10 @@ class ReferenceRules:
             return
         if self.consecutive:
             self.budget = self.hysteresis
-        if self.streak > 0 and self.streak % self.window == 0:
+        self.streak += 1
+        if self.streak % self.window == 0:
             self.scale *= 2
             self.budget = self.hysteresis
-        self.streak += 1
 
 
 @settings(max_examples=300, deadline=None)
@@ -90,7 +90,22 @@ def test_growth_after_window_of_clean_steps():
     for _ in range(8):
         s.update_scale(False)
         scales.append(s.loss_scale)
-    assert scales == [4, 4, 4, 8, 8, 8, 16, 16]
+    assert scales == [4, 4, 8, 8, 8, 16, 16, 16]
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_scale_sequence_matches_torch_grad_scaler(window):
+    """hysteresis=1 is torch's GradScaler(growth_interval=window): the same scale after every
+    step, overflows included (DeepSpeed grows on the step that completes a window too)."""
+    import torch
+    pattern = [False, True, False, False, True] + [False] * 7 + [True, False, False]
+    scale, tracker = torch.full((), 8.0), torch.zeros((), dtype=torch.int32)
+    ours = DynamicLossScaler(init_scale=8, scale_window=window, hysteresis=1)
+    for i, overflow in enumerate(pattern):
+        torch._amp_update_scale_(scale, tracker, torch.full((), float(overflow)), 2.0, 0.5,
+                                 window)
+        ours.update_scale(overflow)
+        assert ours.loss_scale == float(scale), f"step {i} of {pattern}"
 
 
 def test_min_scale_warns_and_keeps_skipping(caplog):

@@ -129,3 +129,59 @@ def test_load_state_dict_takes_the_position_and_keeps_the_new_schedule():
     from_deepspeed.load_state_dict({"last_batch_iteration": 1})  # DeepSpeed's own format
     from_deepspeed.step()
     assert from_deepspeed.optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
+
+
+def _one_cycle_reference(iteration, lo, hi, first, second, decay_rate, decay_size, mom_lo,
+                         mom_hi, mom_rate):
+    """DeepSpeed's OneCycle (deepspeed.runtime.lr_schedules) restated: (lr, beta1) at an
+    iteration, written from its documented triangle and decay."""
+    if iteration < 0:
+        return lo, mom_lo
+    total = first + second
+    if iteration < total:
+        n = iteration + 1
+        cycle = math.floor(1 + n / total)
+        x = 1.0 + n / total - cycle
+        ratio = first / total
+        scale = x / ratio if x <= ratio else (x - 1) / (ratio - 1)
+        return lo + (hi - lo) * scale, mom_hi - (mom_hi - mom_lo) * scale
+    k = iteration - total + 1
+    lr = lo if not (decay_size and decay_rate) else lo / (1 + decay_rate * k / decay_size)
+    mom = mom_hi if not (decay_size and mom_rate) else mom_hi * (1 + mom_rate * k / decay_size)
+    return lr, mom
+
+
+@pytest.mark.parametrize("first, second, decay_rate, decay_size, mom_rate", [
+    (4, None, 0.0, 0, 0.0), (3, 5, 0.5, 2, 0.01), (1, 1, 1.0, 1, 0.0)])
+def test_one_cycle_matches_deepspeed_formula_at_every_step(first, second, decay_rate,
+                                                           decay_size, mom_rate):
+    from shardkit.optim.lr_scheduler import OneCycle
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    opt = torch.optim.AdamW(params, lr=0.5, betas=(0.9, 0.95))
+    s = OneCycle(opt, cycle_min_lr=0.01, cycle_max_lr=0.1, decay_lr_rate=decay_rate,
+                 cycle_first_step_size=first, cycle_second_step_size=second,
+                 decay_step_size=decay_size, cycle_min_mom=0.85, cycle_max_mom=0.95,
+                 decay_mom_rate=mom_rate)
+    for iteration in range(-1, 20):
+        lr, beta1 = _one_cycle_reference(iteration, 0.01, 0.1, first, second or first,
+                                         decay_rate, decay_size, 0.85, 0.95, mom_rate)
+        group = opt.param_groups[0]
+        assert group["lr"] == pytest.approx(lr), iteration
+        assert group["betas"] == pytest.approx((beta1, 0.95)), iteration
+        opt.step()
+        s.step()
+
+
+def test_one_cycle_resumes_and_leaves_sgd_momentum_alone(caplog):
+    from shardkit.optim.lr_scheduler import OneCycle
+    s = OneCycle(_optimizer(), cycle_min_lr=0.0, cycle_max_lr=1.0, cycle_first_step_size=4)
+    _lrs(s, 3)
+    resumed = OneCycle(_optimizer(), cycle_min_lr=0.0, cycle_max_lr=1.0,
+                       cycle_first_step_size=4)
+    resumed.load_state_dict(s.state_dict())
+    assert _lrs(resumed, 4)[1:] == pytest.approx([1.0, 0.75, 0.5])  # iterations 3-5
+    assert "cycle_momentum is off" in caplog.text  # SGD has no betas
+    resumed.step(batch_iteration=0)  # DeepSpeed's keyword (engine.step(lr_kwargs=...))
+    assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="cycle_first_step_size=0"):
+        OneCycle(_optimizer(), 0.0, 1.0, cycle_first_step_size=0)
