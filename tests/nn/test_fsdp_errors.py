@@ -104,6 +104,15 @@ def _error_cases():
                                 "assign=True")
     results["norm_type"] = _raises(lambda: model.clip_grad_norm_(1.0, norm_type=-1),
                                    ValueError, "norm_type=-1")
+    # a BatchNorm in a bf16 unit with fp32 buffers: torch's batch_norm used to fail at the
+    # first forward ("expected scalar type BFloat16 but found Float")
+    bn_model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    results["batchnorm_buffer_dtype"] = _raises(
+        lambda: FSDP(bn_model, compute_dtype=torch.bfloat16, buffer_dtype=torch.float32),
+        ValueError, "buffer_dtype=torch.float32", "BatchNorm1d", "auto_wrap_bn(model)")
+    results["summon_with_grads"] = _raises(
+        lambda: model.summon_full_params(with_grads=True).__enter__(), ValueError,
+        "with_grads=True")
     for name, copy_it in (("deepcopy", copy.deepcopy), ("torch_save", _torch_save),
                           ("pickle", pickle.dumps)):
         results[name] = _raises(lambda: copy_it(model), TypeError, "cannot be pickled or copied",

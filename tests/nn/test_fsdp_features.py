@@ -1,7 +1,10 @@
 """FSDP features users rely on: summon_full_params (write-back), unfreezing mid-run, an
 optimizer built before wrapping, evaluation under no_grad, CPU offload, no_sync memory and the
-original parameter names; the user's own hooks, gradient penalties (create_graph), losses that
-reach a unit through a stored value, zero_grad inside an accumulation cycle."""
+original parameter names; the user's own hooks (backward pre-hooks included), gradient penalties
+(create_graph), backward(inputs=...), losses that reach a unit through a stored value, zero_grad
+inside an accumulation cycle, training on after a backward that raised; a plain module's state
+dict inside summon_full_params, and torch FSDP1's summon / state_dict_type / optimizer-state
+spellings."""
 
 import collections
 import dataclasses
@@ -695,3 +698,231 @@ def _direct_call_after_a_step():
 
 def test_direct_call_after_a_step_uses_the_stepped_weights(world2):
     assert all(diff < 1e-6 for diff in world2.run(_direct_call_after_a_step))
+
+
+def _backward_with_inputs():
+    """``loss.backward(inputs=params)`` (all of them, or the root's two only) gives the
+    gradients one process gives (the others stay None; it used to leave every ``.grad`` None),
+    and ``torch.autograd.grad`` over a unit's parameters is refused with a clear error."""
+    reference, model = _TwoLayers(), _wrap_two_layers(_TwoLayers())
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(4))
+    out = {}
+    for case, names in (("all", None), ("l2", ("l2.weight", "l2.bias"))):
+        for net, inputs in ((reference, x), (model, local_slice(x))):
+            params = dict(net.named_parameters())
+            chosen = list(params.values()) if names is None else [params[n] for n in names]
+            net(inputs).pow(2).mean().backward(inputs=chosen)
+        out[case] = _sharded_grad_diff(model, reference)
+        out[f"{case} with grad"] = [n for n, p in model.named_parameters() if p.grad is not None]
+        reference.zero_grad(), model.zero_grad()
+    out["freed"] = [u._shard.gathered for u in model.sharded_units()]
+    try:
+        torch.autograd.grad(model(local_slice(x)).pow(2).mean(), list(model.parameters()))
+        out["autograd.grad"] = None
+    except RuntimeError as error:
+        out["autograd.grad"] = str(error)
+    return out
+
+
+def test_backward_with_inputs_reaches_the_parameters(world2):
+    for r in world2.run(_backward_with_inputs):
+        assert r["all"] < 1e-6 and r["l2"] < 1e-6, r
+        assert r["all with grad"] == ["l1.weight", "l1.bias", "l2.weight", "l2.bias"], r
+        assert r["l2 with grad"] == ["l2.weight", "l2.bias"], r
+        assert r["freed"] == [False, False], r
+        assert "torch.autograd.grad(..., inputs=...)" in r["autograd.grad"], r
+
+
+def _backward_pre_hooks():
+    """Full backward pre-hooks of the user's, on a wrapped module and on an inner FSDP unit
+    (registered after wrapping), read the gathered weight, as in one process (they read the
+    shard); gradients are unchanged."""
+    reference, model = _TwoLayers(), _wrap_two_layers(_TwoLayers())
+    seen = []
+    for net, where in ((reference.l1, "reference"), (model.module.l1.module, "wrapped module"),
+                       (model.module.l1, "unit")):
+        net.register_full_backward_pre_hook(lambda m, g, where=where: seen.append(
+            (where, tuple(m.weight.shape), round(m.weight.detach().sum().item(), 5))))
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+    for _ in range(2):
+        reference(x).pow(2).mean().backward()
+        model(local_slice(x)).pow(2).mean().backward()
+    return {"seen": seen, "grads": _sharded_grad_diff(model, reference)}
+
+
+def test_backward_pre_hooks_see_the_gathered_parameters(world2):
+    for r in world2.run(_backward_pre_hooks):
+        expected = [w for w in r["seen"] if w[0] == "reference"][0]
+        assert len(r["seen"]) == 6 and r["grads"] < 1e-6, r
+        assert all(w[1:] == expected[1:] for w in r["seen"]), r
+
+
+def _plain_state_dict_inside_summon():
+    """What ``model.save_pretrained(dir)`` does inside ``summon_full_params``: the wrapped
+    module's own ``state_dict()``; its keys are the unwrapped model's (they had
+    ``_fsdp_wrapped_module.`` in them), and the same module's ``load_state_dict`` takes them."""
+    reference, model = _TwoLayers(), _wrap_two_layers(_TwoLayers())
+    with model.summon_full_params():
+        state = model.module.state_dict()
+        out = {"keys": list(state), "expected": list(reference.state_dict()),
+               "equal": all(torch.equal(state[k], v) for k, v in reference.state_dict().items())}
+        out["load"] = str(model.module.load_state_dict({k: v * 2 for k, v in state.items()}))
+    doubled = model.state_dict()
+    out["doubled"] = all(torch.equal(doubled[k], 2 * v) for k, v in reference.state_dict().items())
+    out["root keys"] = list(doubled)
+    return out
+
+
+def test_plain_state_dict_inside_summon_has_the_unwrapped_keys(world2):
+    for r in world2.run(_plain_state_dict_inside_summon):
+        assert r["keys"] == r["expected"] == r["root keys"] and r["equal"], r
+        assert r["load"] == "<All keys matched successfully>" and r["doubled"], r
+
+
+def _torch_fsdp1_state_dict_options():
+    """torch FSDP1's spellings: ``summon_full_params(rank0_only=..., offload_to_cpu=...)`` and
+    ``FSDP.state_dict_type(model, StateDictType..., FullStateDictConfig(...))``."""
+    from shardkit.nn.data_parallel import (FSDP, FullStateDictConfig, StateDictType)
+    reference, model = _TwoLayers(), _wrap_two_layers(_TwoLayers())
+    expected = reference.state_dict()
+    out = {}
+    with model.summon_full_params(rank0_only=True, writeback=False, offload_to_cpu=True):
+        out["rank0_only"] = tuple(model.module.l1.module.weight.shape)
+    with model.summon_full_params(offload_to_cpu=True), torch.no_grad():
+        model.module.l2.weight.add_(1.0)
+    out["written back"] = torch.equal(model.state_dict()["l2.weight"], expected["l2.weight"] + 1)
+    for kwargs in ({"rank0_only": True}, {"with_grads": True}, {"offload_to_cpu": 1}):
+        try:
+            with model.summon_full_params(**kwargs):
+                pass
+        except ValueError as error:
+            out[str(kwargs)] = str(error)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                              FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+        out["full keys"] = list(model.state_dict())
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        local = model.state_dict()
+        model.load_state_dict({k: torch.zeros_like(v) for k, v in local.items()})
+    out["local"] = {k: tuple(v.shape) for k, v in local.items()}
+    out["zeroed"] = all(not v.any() for v in model.state_dict().values())
+    out["after"] = FSDP.get_state_dict_type(model).state_dict_type.name
+    try:
+        FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+    except ValueError as error:
+        out["sharded"] = str(error)
+    return out
+
+
+def test_torch_fsdp1_state_dict_options(world2):
+    rank0, rank1 = world2.run(_torch_fsdp1_state_dict_options)
+    assert rank0["rank0_only"] == (6, 6) and rank1["rank0_only"] == (3, 6)
+    assert rank0["full keys"] == ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
+    assert rank1["full keys"] == []
+    for r in (rank0, rank1):
+        assert r["written back"] and r["zeroed"] and r["after"] == "FULL_STATE_DICT", r
+        assert r["local"] == {"l1.weight": (3, 6), "l1.bias": (3,), "l2.weight": (2, 6),
+                              "l2.bias": (2,)}, r
+        assert "needs writeback=False" in r["{'rank0_only': True}"]
+        assert "with_grads=True) is not supported" in r["{'with_grads': True}"]
+        assert "offload_to_cpu=1): must be True or False" in r["{'offload_to_cpu': 1}"]
+        assert "LOCAL_STATE_DICT" in r["sharded"]
+
+
+def _torch_fsdp1_optimizer_state():
+    """torch FSDP1's ``FSDP.optim_state_dict`` (keyed by parameter names) and
+    ``FSDP.optim_state_dict_to_load``, and ``full_optim_state_dict`` /
+    ``shard_full_optim_state_dict``: a fresh model and optimizer resume as one process does."""
+    from shardkit.nn.data_parallel import FSDP, FullOptimStateDictConfig, StateDictType
+    gen = torch.Generator().manual_seed(7)
+    batches = [torch.randn(8, 6, generator=gen) for _ in range(3)]
+    reference, model = _TwoLayers(), _wrap_two_layers(_TwoLayers())
+    nets = [(reference, torch.optim.Adam(reference.parameters(), lr=0.1), lambda x: x),
+            (model, torch.optim.Adam(model.parameters(), lr=0.1), local_slice)]
+    for x in batches[:2]:
+        for net, optim, part in nets:
+            net(part(x)).pow(2).mean().backward()
+            optim.step()
+            optim.zero_grad()
+    optim = nets[1][1]
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, None,
+                              FullOptimStateDictConfig(rank0_only=False)):
+        named = FSDP.optim_state_dict(model, optim)
+        weights = model.state_dict()
+    expected = nets[0][1].state_dict()
+    ref_names = [n for n, _ in reference.named_parameters()]
+    out = {"names": sorted(named["state"]),
+           "moments": max((named["state"][n]["exp_avg"] - expected["state"][i]["exp_avg"])
+                          .abs().max().item() for i, n in enumerate(ref_names)),
+           "rank0_only": len(FSDP.full_optim_state_dict(model, optim))}
+    resumed = {}
+    for how in ("named", "ids"):
+        fresh = _wrap_two_layers(_TwoLayers())
+        fresh.load_state_dict(weights)
+        fresh_optim = torch.optim.Adam(fresh.parameters(), lr=0.1)
+        if how == "named":
+            fresh_optim.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_optim, named))
+        else:
+            full = FSDP.full_optim_state_dict(model, optim, rank0_only=False)
+            fresh_optim.load_state_dict(FSDP.shard_full_optim_state_dict(full, fresh))
+        fresh(local_slice(batches[2])).pow(2).mean().backward()
+        fresh_optim.step()
+        resumed[how] = fresh
+    reference(batches[2]).pow(2).mean().backward()
+    nets[0][1].step()
+    for how, fresh in resumed.items():
+        with fresh.summon_full_params():
+            out[how] = max((a - b).abs().max().item()
+                           for a, b in zip(fresh.parameters(), reference.parameters()))
+    return out
+
+
+def test_torch_fsdp1_optimizer_state_functions(world2):
+    rank0, rank1 = world2.run(_torch_fsdp1_optimizer_state)
+    assert rank0["rank0_only"] > 0 and rank1["rank0_only"] == 0
+    for r in (rank0, rank1):
+        assert r["names"] == ["l1.bias", "l1.weight", "l2.bias", "l2.weight"], r
+        assert r["moments"] < 1e-7 and r["named"] < 1e-6 and r["ids"] < 1e-6, r
+
+
+def _training_goes_on_after_a_backward_that_raised():
+    """A training loop that skips a batch whose backward raised (fairseq's out-of-memory
+    recovery: catch, zero_grad, next batch), here a hook of the user's raising half-way through
+    backward after the root's reduce-scatter was issued. The next steps used to compute no
+    gradient at all (the units still looked mid-backward); they must train as one process that
+    skipped the batch."""
+    reference, model = _TwoLayers(), _wrap_two_layers(_TwoLayers())
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    failing = {"now": False}
+
+    def out_of_memory(module, grad_output):
+        if failing["now"]:
+            raise RuntimeError("simulated out of memory")
+
+    model.module.l1.register_full_backward_pre_hook(out_of_memory)
+    gen = torch.Generator().manual_seed(8)
+    skipped = []
+    for step in range(4):
+        x = torch.randn(8, 6, generator=gen)
+        failing["now"] = step == 1
+        try:
+            model(local_slice(x)).pow(2).mean().backward()
+            optim.step()
+        except RuntimeError as error:
+            skipped.append(str(error))
+        optim.zero_grad()
+        if step != 1:
+            reference(x).pow(2).mean().backward()
+            ref_optim.step()
+            ref_optim.zero_grad()
+    with model.summon_full_params():
+        worst = max((a - b).abs().max().item()
+                    for a, b in zip(model.parameters(), reference.parameters()))
+    return {"worst": worst, "skipped": skipped,
+            "gathered": [u._shard.gathered for u in model.sharded_units()]}
+
+
+def test_training_goes_on_after_a_backward_that_raised(world2):
+    for r in world2.run(_training_goes_on_after_a_backward_that_raised):
+        assert r["skipped"] == ["simulated out of memory"], r
+        assert r["worst"] < 1e-6 and r["gathered"] == [False, False], r

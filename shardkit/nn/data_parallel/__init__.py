@@ -11,6 +11,14 @@ _EXPORTS = {
     "TrainingState": "shardkit.nn.data_parallel.training_state",
     "get_fsdp_instances": "shardkit.nn.data_parallel.fully_sharded",
     "auto_wrap_bn": "shardkit.nn.wrap",
+    "StateDictType": "shardkit.nn.data_parallel.fsdp_state_dict_type",
+    "StateDictConfig": "shardkit.nn.data_parallel.fsdp_state_dict_type",
+    "FullStateDictConfig": "shardkit.nn.data_parallel.fsdp_state_dict_type",
+    "LocalStateDictConfig": "shardkit.nn.data_parallel.fsdp_state_dict_type",
+    "ShardedStateDictConfig": "shardkit.nn.data_parallel.fsdp_state_dict_type",
+    "OptimStateDictConfig": "shardkit.nn.data_parallel.fsdp_state_dict_type",
+    "FullOptimStateDictConfig": "shardkit.nn.data_parallel.fsdp_state_dict_type",
+    "StateDictSettings": "shardkit.nn.data_parallel.fsdp_state_dict_type",
 }
 
 __all__ = sorted(_EXPORTS)

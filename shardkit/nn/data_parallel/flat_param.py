@@ -258,13 +258,20 @@ class FlatParamShard:
         computes no gradient for them."""
         trainable = [p.requires_grad for p in self.params]
         self.full.requires_grad_(any(trainable))
-        pieces = _PiecesOfFull.apply(self.full, self._uses, self) if any(trainable) else \
-            self.full.detach().split(self.numels)
+        pieces = _PiecesOfFull.apply(self.full, self._uses, self, *self._params_for_the_graph()) \
+            if any(trainable) else self.full.detach().split(self.numels)
         for p_trains, piece, lay, locs in zip(trainable, pieces, self.layouts, self.locations):
             view = piece.view(lay.shape) if p_trains else piece.detach().view(lay.shape)
             for module, name in locs:
                 module.__dict__[name] = view
         self._exposed = True
+
+    def _params_for_the_graph(self) -> list:
+        """The trainable parameters :class:`_PiecesOfFull` takes as inputs: not those with a
+        tensor hook of the user's (``register_hook``, ``register_post_accumulate_grad_hook``),
+        which autograd would call with ``None`` at the parameter's (empty) accumulation; this
+        unit calls post-accumulate-grad hooks itself, with the reduced shard."""
+        return [p for p in self.params if p.requires_grad and not _has_tensor_hooks(p)]
 
     def hide(self) -> None:
         """Undo :meth:`expose`: the attributes read as the (sharded) parameters again."""
@@ -329,6 +336,15 @@ class FlatParamShard:
         """Forget the gradients held for a later reduce-scatter (accumulated inside
         ``no_sync``). Local."""
         self._grad_pieces, self._used = None, None
+
+    def abandon_reduce(self) -> None:
+        """Wait for a reduce-scatter still in flight (every rank issued it) and drop its
+        result, with any held gradients: what a backward that raised left behind. Local
+        apart from that wait."""
+        if self._pending_reduce is not None:
+            self._pending_reduce[0].wait()
+        self._pending_reduce, self._reducing_used = None, None
+        self.drop_unreduced_grads()
 
     def add_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Add one use's gradients (``None``: none reached that parameter) to what the unit
@@ -450,19 +466,52 @@ class _PiecesOfFull(torch.autograd.Function):
     """``full.split(numels)`` whose backward hands the per-parameter gradients to the unit
     (:meth:`FlatParamShard.add_grads`) instead of joining them into one flat ``full.grad``:
     the reduce-scatter sends each straight from where autograd left it, so no pass copies the
-    unit's whole gradient (``torch.split``'s backward is a ``cat``)."""
+    unit's whole gradient (``torch.split``'s backward is a ``cat``).
+
+    The unit's trainable parameters (but those with tensor hooks) are inputs too (unread, given
+    no gradient): they are then in the graph, so ``loss.backward(inputs=params)`` reaches this
+    node, and a parameter left out of ``inputs`` gets no gradient, as in one process."""
 
     @staticmethod
-    def forward(ctx, full, uses, shard):
-        ctx.shard = shard
+    def forward(ctx, full, uses, shard, *params):
+        ctx.shard, ctx.params_given = shard, len(params)
+        ctx.in_graph = {id(p) for p in params}
         ctx.set_materialize_grads(False)
         return full.split(shard.numels)
 
     @staticmethod
     def backward(ctx, *grads):
         shard = ctx.shard
-        shard.add_grads([None if g is None else g.reshape(-1) for g in grads])
-        return None, torch.zeros_like(shard._uses), None  # the unit's hook on ``uses`` follows
+        wanted = _params_this_backward_wants(shard, ctx.in_graph)
+        shard.add_grads([None if g is None or not want else g.reshape(-1)
+                         for g, want in zip(grads, wanted)])
+        # the unit's hook on ``uses`` follows (unless ``inputs=`` leaves it out: then the
+        # root's end of backward reduces what the unit holds)
+        return (None, torch.zeros_like(shard._uses), None) + (None,) * ctx.params_given
+
+
+def _has_tensor_hooks(p: nn.Parameter) -> bool:
+    return bool(getattr(p, "_backward_hooks", None)) or \
+        bool(getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+def _params_this_backward_wants(shard: FlatParamShard, in_graph: set) -> list:
+    """Per parameter of ``shard``: whether the running backward computes its gradient (False
+    for a parameter of ``in_graph`` that ``backward(inputs=...)`` leaves out; frozen ones are
+    never read)."""
+    try:
+        return [id(p) not in in_graph
+                or torch._C._will_engine_execute_node(get_gradient_edge(p).node)
+                for p in shard.params]
+    except RuntimeError as error:  # torch: not answerable for leaves inside autograd.grad()
+        if "autograd.grad" not in str(error):
+            raise
+        raise RuntimeError(
+            "FullyShardedDataParallel: torch.autograd.grad(..., inputs=...) with a wrapped "
+            "unit's parameters among the inputs is not supported: each rank holds only its "
+            "row shard of a parameter, and its gradient is reduce-scattered over the ranks "
+            "into .grad. Use loss.backward() (or loss.backward(inputs=params)) and read "
+            "p.grad, this rank's rows of the mean gradient") from None
 
 
 def _run_post_accumulate_grad_hooks(p: nn.Parameter) -> None:

@@ -7,11 +7,13 @@ formats and the resharding are in :mod:`shardkit.checkpoint`.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import OrderedDict
 from typing import Optional
 
 import torch
 import torch.nn as nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from shardkit import distributed as skdist
 from shardkit.checkpoint.fsdp_state import (consolidate_shard_weights,
@@ -20,8 +22,12 @@ from shardkit.checkpoint.fsdp_state import (consolidate_shard_weights,
                                             shard_full_optimizer_state)
 from shardkit.checkpoint.resharding import shape_mismatches
 from shardkit.nn.data_parallel.flat_param import ParamLayout
+from shardkit.nn.data_parallel.fsdp_state_dict_type import (DEFAULT_SETTINGS, StateDictType,
+                                                            get_state_dict_type,
+                                                            set_state_dict_type,
+                                                            state_dict_type)
 
-__all__ = ["FSDPStateDictMixin", "clean_name"]
+__all__ = ["FSDPStateDictMixin", "add_wrapper_prefix", "clean_name"]
 
 _WRAPPED_PREFIX = "_fsdp_wrapped_module."
 
@@ -31,10 +37,61 @@ def clean_name(name: str) -> str:
     return name.replace(_WRAPPED_PREFIX, "")
 
 
+class _StructuralKeys(threading.local):
+    """How deep this thread is in :func:`_structural_state_dict` (0: not inside)."""
+
+    depth = 0
+
+
+_structural_keys = _StructuralKeys()
+
+
+def _structural_state_dict(module: nn.Module, keep_vars: bool = False) -> OrderedDict:
+    """``nn.Module.state_dict`` of ``module`` keyed by module paths, inner units' wrapper
+    prefixes included (what ``nn.Module.load_state_dict`` matches against). Local."""
+    _structural_keys.depth += 1
+    try:
+        return nn.Module.state_dict(module, keep_vars=keep_vars)
+    finally:
+        _structural_keys.depth -= 1
+
+
+def _drop_wrapper_prefixes(destination: OrderedDict, prefix: str) -> None:
+    """Rename, in place and in order, the keys (and ``_metadata`` entries) under ``prefix`` to
+    their names without FSDP's wrapper prefixes: a plain module's ``state_dict()`` that reaches
+    a unit (Hugging Face's ``save_pretrained`` inside ``summon_full_params``) then has the
+    unwrapped model's keys, as under torch's FSDP. The unit's keys are the last ones added."""
+    mine = [k for k in destination if k.startswith(prefix)]
+    if not any(_WRAPPED_PREFIX in k for k in mine):
+        return
+    for key in mine:
+        destination[clean_name(key)] = destination.pop(key)
+    metadata = getattr(destination, "_metadata", None)
+    if metadata is not None:
+        for key in [k for k in metadata if _WRAPPED_PREFIX in k + "."]:
+            metadata[clean_name(key + ".")[:-1]] = metadata.pop(key)  # the wrapped module's
+
+
+def add_wrapper_prefix(state_dict, prefix: str, *_) -> None:
+    """A ``load_state_dict`` pre-hook of every unit, the inverse of
+    :func:`_drop_wrapper_prefixes`: keys under ``prefix`` without the unit's wrapper prefix
+    (a plain module's ``load_state_dict`` reaching the unit with the unwrapped model's keys) are
+    renamed to the module path that ``nn.Module`` loads from. Keys that already have it (FSDP's
+    own ``load_state_dict``) are left alone. Local."""
+    inner = prefix + _WRAPPED_PREFIX
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
 class FSDPStateDictMixin:
     """State-dict methods of FullyShardedDataParallel (needs its ``summon_full_params``,
     ``sharded_units``, ``world_size``, ``rank``, ``process_group``, ``replicate_group`` and
     ``_comm_device``). Costs are stated per method."""
+
+    _state_dict_settings = DEFAULT_SETTINGS  # torch FSDP1's state_dict_type (per unit)
+    state_dict_type = staticmethod(state_dict_type)
+    set_state_dict_type = staticmethod(set_state_dict_type)
+    get_state_dict_type = staticmethod(get_state_dict_type)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The full state dict: original keys, unpadded fp32 parameters (buffers in their
@@ -46,15 +103,27 @@ class FSDPStateDictMixin:
         (moved to ``state_dict_device``) where the dict is returned, and its gathered copy is
         released before the next unit is gathered, as FairScale does.
 
+        Under ``FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT)`` it is
+        :meth:`local_state_dict` instead; a ``FullStateDictConfig`` there adds its
+        ``offload_to_cpu`` (CPU tensors) and ``rank0_only`` to the constructor's options.
+
         Memory: one unit gathered at a time, plus the dict where it is returned (the full model,
         on ``state_dict_device``). Communication: one all-gather per unit.
         """
         if args or destination is not None:  # nn.Module's recursion into an inner unit
-            return super().state_dict(*args, destination=destination, prefix=prefix,
-                                      keep_vars=keep_vars)
-        keep = not self.state_dict_on_rank_0_only or self._is_first_rank()
+            result = super().state_dict(*args, destination=destination, prefix=prefix,
+                                        keep_vars=keep_vars)
+            if not _structural_keys.depth:
+                _drop_wrapper_prefixes(result, prefix)
+            return result
+        config = self._state_dict_settings.state_dict_config
+        if self._state_dict_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            return OrderedDict((prefix + k, v.cpu() if config.offload_to_cpu else v)
+                               for k, v in self.local_state_dict().items())
+        rank0_only = self.state_dict_on_rank_0_only or getattr(config, "rank0_only", False)
+        keep = not rank0_only or self._is_first_rank()
         with self._buffers_in_original_dtype():
-            raw = nn.Module.state_dict(self, keep_vars=True)  # shard views; buffers as saved
+            raw = _structural_state_dict(self, keep_vars=True)  # shard views; buffers as saved
         values = self._full_params_unit_by_unit(raw, keep)
         if not keep:
             return OrderedDict()
@@ -80,6 +149,8 @@ class FSDPStateDictMixin:
 
     def _on_state_dict_device(self, value):
         device = self.state_dict_device
+        if self._state_dict_settings.state_dict_config.offload_to_cpu:
+            device = torch.device("cpu")
         return value.to(device) if device is not None and torch.is_tensor(value) else value
 
     def _is_first_rank(self) -> bool:
@@ -96,6 +167,9 @@ class FSDPStateDictMixin:
         if assign:
             raise ValueError("FullyShardedDataParallel.load_state_dict(assign=True) is not "
                              "supported: parameters must stay views of their shards")
+        if self._state_dict_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            self.load_local_state_dict(state_dict)  # strict: torch's error on any mismatch
+            return _IncompatibleKeys([], [])
         self._refuse_mismatch_on_every_rank(
             self._shape_problems(state_dict) + (self._key_problems(state_dict) if strict else []))
         with self.summon_full_params(writeback=True):
@@ -123,7 +197,7 @@ class FSDPStateDictMixin:
     def _key_problems(self, state_dict) -> list[str]:
         """torch's missing/unexpected-key lines under the keys of :meth:`state_dict` (not FSDP's
         wrapped names). Local."""
-        expected = [clean_name(k) for k in nn.Module.state_dict(self, keep_vars=True)]
+        expected = [clean_name(k) for k in _structural_state_dict(self, keep_vars=True)]
         missing = [k for k in expected if k not in state_dict]
         known = set(expected)
         unexpected = [k for k in state_dict if k not in known]
@@ -144,7 +218,7 @@ class FSDPStateDictMixin:
                            f"(nothing was loaded):\n\t{detail}")
 
     def _to_wrapped_keys(self, state_dict) -> OrderedDict:
-        wrapped = {clean_name(k): k for k in nn.Module.state_dict(self, keep_vars=True)}
+        wrapped = {clean_name(k): k for k in _structural_state_dict(self, keep_vars=True)}
         return OrderedDict((wrapped.get(k, k), v) for k, v in state_dict.items())
 
     @contextlib.contextmanager
@@ -177,7 +251,7 @@ class FSDPStateDictMixin:
         consolidate. No communication; memory: one shard copy."""
         with self._buffers_in_original_dtype():
             return OrderedDict((clean_name(k), v.clone())
-                               for k, v in nn.Module.state_dict(self).items())
+                               for k, v in _structural_state_dict(self).items())
 
     def local_metadata_dict(self) -> dict:
         """World size, rank, each sharded parameter's full shape and the buffer keys: what
@@ -251,6 +325,71 @@ class FSDPStateDictMixin:
                                           self._param_layouts(), self.rank,
                                           param_ranks=self._param_unit_attr("rank"))
 
+    # torch FSDP1's optimizer-state functions (static: ``FSDP.optim_state_dict(model, optim)``)
+
+    @staticmethod
+    def full_optim_state_dict(model, optim: torch.optim.Optimizer, optim_input=None,
+                              rank0_only: bool = True, group=None) -> dict:
+        """torch FSDP1's name for :meth:`gather_full_optim_state_dict` (parameter ids as keys):
+        the full state on rank 0 (``{}`` elsewhere) or, with ``rank0_only=False``, on every
+        rank. ``optim_input`` and ``group`` must be left unset (the model's own group is used).
+        All ranks must call it; costs as :meth:`gather_full_optim_state_dict`."""
+        _refuse_torch_only_arguments("full_optim_state_dict", optim_input=optim_input,
+                                     group=group)
+        if not isinstance(rank0_only, bool):
+            raise ValueError(f"full_optim_state_dict(rank0_only={rank0_only!r}): must be True "
+                             f"or False")
+        full = model._gather_full_optim_state(optim)
+        return full if not rank0_only or model.rank == 0 else {}
+
+    @staticmethod
+    def shard_full_optim_state_dict(full_optim_state_dict: dict, model, optim_input=None,
+                                    optim=None) -> dict:
+        """torch FSDP1's name for :meth:`get_shard_from_optim_state_dict`. No communication."""
+        _refuse_torch_only_arguments("shard_full_optim_state_dict", optim_input=optim_input)
+        return model.get_shard_from_optim_state_dict(full_optim_state_dict)
+
+    @staticmethod
+    def optim_state_dict(model, optim: torch.optim.Optimizer, optim_state_dict=None,
+                         group=None) -> dict:
+        """torch FSDP1's optimizer state under :meth:`state_dict_type`: ``FULL_STATE_DICT``
+        gives the full state keyed by parameter names (``{}`` off rank 0 with a
+        ``FullOptimStateDictConfig(rank0_only=True)``), ``LOCAL_STATE_DICT`` this rank's
+        ``optim.state_dict()``. Load either with :meth:`optim_state_dict_to_load`. All ranks must
+        call it; costs as :meth:`gather_full_optim_state_dict` (full) or nothing (local)."""
+        _refuse_torch_only_arguments("optim_state_dict", optim_state_dict=optim_state_dict,
+                                     group=group)
+        settings = model._state_dict_settings
+        if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            return optim.state_dict()
+        full = model._gather_full_optim_state(optim)
+        if getattr(settings.optim_state_dict_config, "rank0_only", False) and model.rank != 0:
+            return {}
+        return _keyed_by_names(full)
+
+    @staticmethod
+    def optim_state_dict_to_load(model, optim: torch.optim.Optimizer, optim_state_dict: dict,
+                                 is_named_optimizer: bool = False, load_directly: bool = False,
+                                 group=None) -> dict:
+        """What ``optim.load_state_dict`` takes for :meth:`optim_state_dict` output (full,
+        keyed by names, from any world size: this rank's rows are cut out; local: as given);
+        with ``load_directly=True`` it is loaded into ``optim`` and ``None`` returned. No
+        communication."""
+        _refuse_torch_only_arguments("optim_state_dict_to_load", group=group,
+                                     is_named_optimizer=is_named_optimizer or None)
+        if model._state_dict_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            mine = optim_state_dict
+        else:
+            mine = model.get_shard_from_optim_state_dict(_keyed_by_ids(optim_state_dict))
+        if load_directly:
+            optim.load_state_dict(mine)
+            return None
+        return mine
+
+    def _gather_full_optim_state(self, optim: torch.optim.Optimizer) -> dict:
+        """:meth:`gather_full_optim_state_dict`'s dict on every rank (it is built on all)."""
+        return self.gather_full_optim_state_dict(optim, recipient_rank=self.rank)
+
     def _param_unit_attr(self, attr: str) -> dict:
         """``id(param) -> getattr(unit, attr)`` for every sharded parameter, from the unit that
         shards it (units may shard over different groups, e.g. experts)."""
@@ -263,6 +402,42 @@ class FSDPStateDictMixin:
         for unit in self.sharded_units():
             if unit.world_size == 1 < self.world_size and unit.replicate_group is None:
                 unit.no_broadcast_optim_state = True
+
+
+def _refuse_torch_only_arguments(call: str, **given) -> None:
+    """torch FSDP1 arguments with no meaning here: a ValueError unless left unset."""
+    for name, value in given.items():
+        if value is not None:
+            raise ValueError(f"FSDP.{call}({name}=...): not supported by shardkit's FSDP (the "
+                             f"model's own process group and its optimizer's param groups are "
+                             f"used); leave it unset")
+
+
+def _keyed_by_names(full: dict) -> dict:
+    """An id-keyed full optimizer state dict with ``"param_names"`` as torch FSDP1's
+    ``optim_state_dict`` keys it: state and param groups by parameter name."""
+    names = full["param_names"]
+    groups = [dict(g, params=[names[i] for i in g["params"]]) for g in full["param_groups"]]
+    return {"state": {names[i]: entry for i, entry in full["state"].items()},
+            "param_groups": groups}
+
+
+def _keyed_by_ids(osd: dict) -> dict:
+    """The inverse of :func:`_keyed_by_names` (a dict keyed by ids passes unchanged)."""
+    if not isinstance(osd, dict) or "param_groups" not in osd or "state" not in osd:
+        raise ValueError("FSDP.optim_state_dict_to_load(optim_state_dict=...): expected what "
+                         "FSDP.optim_state_dict returned (a dict with 'state' and "
+                         "'param_groups'), e.g. loaded from the saved checkpoint")
+    flat = [n for g in osd["param_groups"] for n in g["params"]]
+    if not all(isinstance(n, str) for n in flat):
+        return osd
+    index = {n: i for i, n in enumerate(flat)}
+    groups, start = [], 0
+    for g in osd["param_groups"]:
+        groups.append(dict(g, params=list(range(start, start + len(g["params"])))))
+        start += len(g["params"])
+    return {"state": {index[n]: entry for n, entry in osd["state"].items()},
+            "param_groups": groups, "param_names": flat}
 
 
 def _detached(value):

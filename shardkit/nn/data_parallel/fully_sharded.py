@@ -34,8 +34,12 @@ every backward). A backward with ``create_graph=True`` (a gradient penalty:
 the units it reached gathered for the backward through the graph it built, which frees them.
 
 The user's hooks see what they see in one process: forward (pre-)hooks on a wrapped module run
-with its parameters gathered (as under torch's FSDP), and post-accumulate-grad hooks on the
-parameters run once the reduced shard is in ``.grad`` (as under FSDP2). ``.to()``/``.half()``/
+with its parameters gathered (as under torch's FSDP), so do full backward pre-hooks on a wrapped
+module or on a unit (the unit gathers for backward just before them), and post-accumulate-grad
+hooks on the parameters run once the reduced shard is in ``.grad`` (as under FSDP2).
+``loss.backward(inputs=params)`` fills the ``.grad`` of exactly those parameters (not those with
+a tensor hook of the user's, which autograd would call with ``None``); ``torch.autograd.grad``
+over a unit's parameters is refused (they are row shards). ``.to()``/``.half()``/
 ``.cuda()`` after wrapping that would change the shards' dtype or device raise (cast or move
 the module before wrapping; ``compute_dtype`` for low-precision compute).
 
@@ -83,7 +87,8 @@ from shardkit.nn.data_parallel.fsdp_arguments import (check_bool, check_compute_
                                                       check_reduce_scatter_group,
                                                       resolve_cpu_offload,
                                                       resolve_fairscale_options, shard_devices)
-from shardkit.nn.data_parallel.fsdp_state_dict import FSDPStateDictMixin, clean_name
+from shardkit.nn.data_parallel.fsdp_state_dict import (FSDPStateDictMixin, add_wrapper_prefix,
+                                                       clean_name)
 from shardkit.nn.data_parallel.mixed_precision import (MixedPrecisionPolicy,
                                                        resolve_mixed_precision)
 from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, groups_of_mesh,
@@ -255,6 +260,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                            pair_ok=True)
         policy = resolve_mixed_precision(mixed_precision, compute_dtype, buffer_dtype,
                                          fp32_reduce_scatter)
+        _refuse_batchnorm_with_other_buffer_dtype(module, policy)
         if device_mesh is not None:
             if process_group is not None:
                 raise ValueError("FullyShardedDataParallel: pass process_group or device_mesh, "
@@ -305,6 +311,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         _WRAPPED_MODULES.add(module)
         _mark_fsdp_managed(module)
         module.register_state_dict_pre_hook(_refusing_shards_as_full_state(self))
+        self._register_load_state_dict_pre_hook(add_wrapper_prefix)
         self._enclosing: Optional[weakref.ref] = None  # the unit built around this one
         for inner in _inner_units(module):
             inner._is_root = False
@@ -315,6 +322,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._require_backward_grad_sync = True
         self._pre_backward_done = False
         self._summoned = False  # inside summon_full_params: parameters hold full values
+        self._gathers_before_hooks_of: set = set()  # ids of modules (see _gather_for_hooks)
         self.training_state = TrainingState.IDLE
         # root-only iteration state (see "Note: prefetch order")
         self._forward_order: list = []
@@ -336,6 +344,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._post_forward_handle = module.register_forward_hook(_eager(self._post_forward))
         for holder in _holders_inside(module, locations):
             holder.register_forward_pre_hook(self._before_a_direct_call, prepend=True)
+        if module._backward_pre_hooks:  # the user's, registered before wrapping
+            self._gather_before_backward_pre_hooks_of(module)
 
     def _set_fairscale_dtypes(self, policy: MixedPrecisionPolicy, master: torch.dtype,
                               compute_device: torch.device) -> None:
@@ -535,15 +545,20 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             _check_summoned_alike(root)
         if self._summoned:  # inside summon_full_params: compute with the summoned fp32 values
             return args, kwargs
+        root._recover_from_a_failed_backward()
         in_backward = root._final_callback_queued  # a recompute (activation checkpointing)
         if not in_backward:
             self.training_state = TrainingState.FORWARD
         if self is root and not in_backward:
             root._drop_stale_kept_units()
+            root._gather_before_users_backward_pre_hooks()
         if not root._orders_final and self not in root._forward_order:
             root._forward_order.append(self)
         self._pre_backward_done = False
-        self._gather_with_next(root._forward_order)
+        # a recompute prefetches the unit backward reaches next, not the one that followed in
+        # forward (backward is done with that one: it would be gathered for nothing)
+        self._gather_with_next(root._backward_order if in_backward else root._forward_order,
+                               backward=in_backward)
         policy = self.mixed_precision_policy
         if policy.enabled and policy.cast_inputs:
             dtype = policy.param_dtype
@@ -675,6 +690,37 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 following._shard.start_gather(prefetch=True, from_secondary=backward)
 
     # ------------------------------------------------------------------ backward
+
+    def register_full_backward_pre_hook(self, hook, prepend: bool = False):
+        """``nn.Module.register_full_backward_pre_hook``; the hook sees this unit's gathered
+        parameters (``unit.module.weight`` in its full shape), as a hook on the module does in
+        one process: the unit gathers for backward just before the hooks run."""
+        self._gather_before_backward_pre_hooks_of(self)
+        return super().register_full_backward_pre_hook(hook, prepend=prepend)
+
+    def _gather_before_users_backward_pre_hooks(self) -> None:
+        """Root, as a forward starts: every unit whose wrapped module has a full backward
+        pre-hook of the user's gets the unit's gather registered before it (the unit otherwise
+        gathers when backward reaches the module's outputs, after those hooks ran, which then
+        read the shards). Local; a look at each unit's hook dicts."""
+        for unit in self.sharded_units():
+            if unit.module._backward_pre_hooks:
+                unit._gather_before_backward_pre_hooks_of(unit.module)
+
+    def _gather_before_backward_pre_hooks_of(self, target: nn.Module) -> None:
+        """Prepend this unit's backward gather to ``target``'s full backward pre-hooks (once).
+        Note: only while some hook is there, since a module with full backward hooks wraps its
+        outputs (torch's BackwardHookFunction: a warning when no input requires grad, and no
+        in-place edits of the outputs)."""
+        if id(target) in self._gathers_before_hooks_of:
+            return
+        self._gathers_before_hooks_of.add(id(target))
+        nn.Module.register_full_backward_pre_hook(target, _eager(self._gather_for_hooks),
+                                                  prepend=True)
+
+    def _gather_for_hooks(self, module, grad_output) -> None:
+        if not self._summoned and self._root is not None:
+            self._pre_backward_hook(None)
 
     def _pre_backward_hook(self, grad):
         root = self._root
@@ -817,6 +863,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         ``.grad``), as under torch's and FairScale's FSDP, where it sits in ``.grad``; without
         it, those gradients would be added to the next step's. ``optimizer.zero_grad()`` sees
         only the shards: call ``model.zero_grad()`` to discard a cycle half-way. Local."""
+        if self._root is not None:
+            self._root._recover_from_a_failed_backward()
         for unit in self.sharded_units():
             if unit._shard is not None:
                 unit._shard.drop_unreduced_grads()
@@ -830,7 +878,35 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
     # ------------------------------------------------------------------ full parameters
 
+    def _recover_from_a_failed_backward(self) -> None:
+        """Root: a backward that raised (a hook's error, an out-of-memory error caught by the
+        training loop, which then skips the batch) never ran :meth:`_finish_backward`, so the
+        units still looked mid-backward: the next forward was taken for a recompute and no
+        gradient reached ``.grad`` again. Outside any backward, put every unit back to idle:
+        wait for the reduce-scatters in flight and drop their results and the gradients held
+        (also what ``no_sync`` accumulated before: the failed backward may have added part of
+        its own to them), as ``zero_grad`` after the error does in one process; free the
+        gathered parameters. Only a flag is read otherwise.
+
+        Note: every rank must have raised in the same backward (as with any error inside a
+        collective step); a rank whose backward finished while another's raised hangs in a
+        collective whatever is done here."""
+        if not self._final_callback_queued or torch._C._current_graph_task_id() != -1:
+            return
+        for unit in self.sharded_units():
+            if unit._shard is not None:
+                unit._shard.abandon_reduce()
+                unit._shard.free_full()
+            unit._pre_backward_done = False
+            unit.training_state = TrainingState.IDLE
+        self._final_callback_queued = False
+        self._backward_builds_graph = False
+        self._replicas_pending = []
+
     def _check_idle(self, what: str) -> None:
+        root = self._root
+        if root is not None:
+            root._recover_from_a_failed_backward()
         for unit in self.sharded_units():
             if unit._shard is not None and unit._shard.gathered and unit._root is not None \
                     and unit._root._final_callback_queued:
@@ -839,7 +915,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, *, volatile: Optional[bool] = None,
-                           writeback: Optional[bool] = None):
+                           writeback: Optional[bool] = None, rank0_only: bool = False,
+                           offload_to_cpu: bool = False, with_grads: bool = False):
         """Inside the block every parameter holds its full fp32 value (``module.weight`` has the
         original shape); edits are copied back into the shards on exit, unless ``volatile=True``
         (FairScale's name) or ``writeback=False`` (torch's) says they may be dropped. Both are
@@ -855,10 +932,19 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         summoned (``recurse=False``) gather as usual, except under mixed precision, where the
         forward needs every unit summoned. A backward through it is refused.
 
-        Memory: the full model (``recurse``) or this unit in master dtype. Communication: one
-        all-gather per unit not yet summoned. All ranks must enter it.
+        torch FSDP1's options: ``rank0_only=True`` gives the full values on the group's first
+        rank only (the others keep their shards inside the block; it needs ``writeback=False``,
+        as in torch: the other ranks could not write edits back); ``offload_to_cpu=True`` holds
+        the full values in CPU memory (edits are still written back). ``with_grads=True`` is
+        refused: gradients stay sharded in ``.grad``.
+
+        Memory: the full model (``recurse``) or this unit in master dtype (on rank 0 only with
+        ``rank0_only``, in CPU memory with ``offload_to_cpu``). Communication: one all-gather
+        per unit not yet summoned. All ranks must enter it.
         """
         writeback = _resolve_writeback(volatile, writeback)
+        rank0_only = _check_summon_options(writeback, rank0_only, offload_to_cpu, with_grads)
+        keep_full = not rank0_only or self._is_first_rank()
         self._check_idle("summon_full_params")
         units = [u for u in (self.sharded_units() if recurse else [self]) if not u._summoned]
         shards = [u._shard for u in units if u._shard is not None]
@@ -874,10 +960,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             shard.hide()
         gathered = False
         try:
-            fulls = [s.gather_master() for s in shards]
-            for shard, full in zip(shards, fulls):
-                for p, f in zip(shard.params, full):
-                    p.data = f
+            for shard in shards:  # one unit's full copy at a time on the compute device
+                full = shard.gather_master()
+                for p, f in zip(shard.params, full if keep_full else ()):
+                    p.data = f.cpu() if offload_to_cpu else f
             gathered = True
             yield
         finally:
@@ -1135,6 +1221,27 @@ def _cast_unit_buffers(module: nn.Module, dtype: Optional[torch.dtype]) -> list:
     return changed
 
 
+def _refuse_batchnorm_with_other_buffer_dtype(module: nn.Module,
+                                              policy: MixedPrecisionPolicy) -> None:
+    """Under mixed precision with ``buffer_dtype`` other than the compute dtype, a BatchNorm
+    whose weight this unit gathers would meet running statistics of another dtype, which
+    torch's ``batch_norm`` refuses at the first forward ("expected scalar type BFloat16 but
+    found Float"): say so here, with the ways out. Local, before any collective."""
+    if not policy.enabled or policy.buffer_cast_dtype() == policy.param_dtype:
+        return
+    for m in _unit_modules(module):
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.weight is not None \
+                and m.running_mean is not None:
+            raise ValueError(
+                f"FullyShardedDataParallel(compute_dtype={policy.param_dtype}, buffer_dtype="
+                f"{policy.buffer_dtype}): this unit holds a {type(m).__name__}, whose weight "
+                f"would be gathered in {policy.param_dtype} beside running statistics in "
+                f"{policy.buffer_dtype}, which torch's batch_norm refuses. Give the BatchNorm "
+                f"layers their own full-precision units first (model = auto_wrap_bn(model), "
+                f"FairScale's way), or leave buffer_dtype unset (statistics in "
+                f"{policy.param_dtype})")
+
+
 def _build_shard(params, locations, groups, policy: MixedPrecisionPolicy,
                  move_params_to_cpu: bool, on_grad_ready, transport,
                  reduce_group) -> FlatParamShard:
@@ -1159,6 +1266,23 @@ def _resolve_writeback(volatile: Optional[bool], writeback: Optional[bool]) -> b
     if volatile is not None:
         return not volatile
     return True if writeback is None else writeback
+
+
+def _check_summon_options(writeback: bool, rank0_only, offload_to_cpu, with_grads) -> bool:
+    """torch FSDP1's ``summon_full_params`` options, checked before any gather."""
+    for name, value in (("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu),
+                        ("with_grads", with_grads)):
+        if not isinstance(value, bool):
+            raise ValueError(f"summon_full_params({name}={value!r}): must be True or False")
+    if with_grads:
+        raise ValueError("summon_full_params(with_grads=True) is not supported: gradients stay "
+                         "this rank's shards in .grad (read them there, or gather them with "
+                         "the optimizer state)")
+    if rank0_only and writeback:
+        raise ValueError("summon_full_params(rank0_only=True) needs writeback=False (as in "
+                         "torch's FSDP): the other ranks do not hold the full values, so edits "
+                         "could not be written back consistently")
+    return rank0_only
 
 
 def _check_summoned_alike(root: "FullyShardedDataParallel") -> None:

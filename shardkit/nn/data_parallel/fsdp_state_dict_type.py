@@ -1,0 +1,165 @@
+"""torch FSDP1's ``state_dict_type`` settings for FullyShardedDataParallel.
+
+torch's FSDP1 users pick what ``model.state_dict()`` returns with::
+
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT,
+                              FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+        state = model.state_dict()
+
+The same names work here: ``FULL_STATE_DICT`` is :meth:`FullyShardedDataParallel.state_dict`
+(full values, original keys; ``offload_to_cpu`` puts them in CPU memory, ``rank0_only`` returns
+them on the group's first rank and ``{}`` elsewhere), ``LOCAL_STATE_DICT`` is
+:meth:`~FullyShardedDataParallel.local_state_dict` (this rank's padded rows; ``load_state_dict``
+then loads such a dict). ``SHARDED_STATE_DICT`` (torch's DTensor shards for
+``torch.distributed.checkpoint``) is refused with the alternatives. The settings are plain
+attributes of each unit: setting them costs nothing and communicates nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import NamedTuple, Optional
+
+__all__ = ["StateDictType", "StateDictConfig", "FullStateDictConfig", "LocalStateDictConfig",
+           "ShardedStateDictConfig", "OptimStateDictConfig", "FullOptimStateDictConfig",
+           "StateDictSettings", "state_dict_type", "set_state_dict_type",
+           "get_state_dict_type"]
+
+
+class StateDictType(Enum):
+    """What ``state_dict()`` / ``load_state_dict()`` of a unit handle (torch's names)."""
+
+    FULL_STATE_DICT = auto()
+    LOCAL_STATE_DICT = auto()
+    SHARDED_STATE_DICT = auto()
+
+
+@dataclass
+class StateDictConfig:
+    """``offload_to_cpu``: return the state dict's tensors in CPU memory."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class FullStateDictConfig(StateDictConfig):
+    """``rank0_only``: only the group's first rank gets the full dict (others ``{}``)."""
+
+    rank0_only: bool = False
+
+
+@dataclass
+class LocalStateDictConfig(StateDictConfig):
+    """Settings of ``LOCAL_STATE_DICT`` (none beyond ``offload_to_cpu``)."""
+
+
+@dataclass
+class ShardedStateDictConfig(StateDictConfig):
+    """Accepted for torch's signature; ``SHARDED_STATE_DICT`` itself is refused."""
+
+
+@dataclass
+class OptimStateDictConfig:
+    """torch's optimizer-state setting; stored, and read back by :func:`get_state_dict_type`
+    (use :meth:`~FullyShardedDataParallel.gather_full_optim_state_dict` for the state)."""
+
+    offload_to_cpu: bool = True
+
+
+@dataclass
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    rank0_only: bool = False
+
+
+class StateDictSettings(NamedTuple):
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig
+
+
+_CONFIG_OF = {StateDictType.FULL_STATE_DICT: FullStateDictConfig,
+              StateDictType.LOCAL_STATE_DICT: LocalStateDictConfig}
+
+DEFAULT_SETTINGS = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
+                                     OptimStateDictConfig())
+
+
+def _check_settings(kind, config, optim_config) -> StateDictSettings:
+    """The settings as given, checked (a ``ValueError`` naming the argument otherwise)."""
+    if kind is StateDictType.SHARDED_STATE_DICT:
+        raise ValueError("FSDP.state_dict_type(StateDictType.SHARDED_STATE_DICT) is not "
+                         "supported (torch's DTensor shards for torch.distributed.checkpoint); "
+                         "use LOCAL_STATE_DICT and save local_metadata_dict() beside it "
+                         "(loadable at any world size with load_local_state_dict), or "
+                         "FULL_STATE_DICT")
+    if not isinstance(kind, StateDictType):
+        raise ValueError(f"FSDP.state_dict_type(state_dict_type={kind!r}): expected "
+                         f"StateDictType.FULL_STATE_DICT or StateDictType.LOCAL_STATE_DICT "
+                         f"(shardkit.nn.data_parallel.StateDictType)")
+    wanted = _CONFIG_OF[kind]
+    config = wanted() if config is None else config
+    if type(config) not in (wanted, StateDictConfig):
+        raise ValueError(f"FSDP.state_dict_type(..., state_dict_config={config!r}): "
+                         f"{kind.name} takes a {wanted.__name__}")
+    if not isinstance(config.offload_to_cpu, bool) or \
+            not isinstance(getattr(config, "rank0_only", False), bool):
+        raise ValueError(f"FSDP.state_dict_type(..., state_dict_config={config!r}): its "
+                         f"offload_to_cpu and rank0_only must be True or False")
+    optim_config = OptimStateDictConfig() if optim_config is None else optim_config
+    if not isinstance(optim_config, OptimStateDictConfig):
+        raise ValueError(f"FSDP.state_dict_type(..., optim_state_dict_config={optim_config!r}):"
+                         f" expected an OptimStateDictConfig or None")
+    return StateDictSettings(kind, config, optim_config)
+
+
+def _units_of(module) -> list:
+    from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
+    units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+    if not units:
+        raise ValueError(f"FSDP.state_dict_type(module={type(module).__name__}): the module "
+                         f"holds no FullyShardedDataParallel unit")
+    return units
+
+
+def set_state_dict_type(module, state_dict_type: StateDictType,
+                        state_dict_config: Optional[StateDictConfig] = None,
+                        optim_state_dict_config: Optional[OptimStateDictConfig] = None
+                        ) -> StateDictSettings:
+    """Set the state-dict settings of every unit in ``module``; return the previous settings
+    of the first one (torch's ``FSDP.set_state_dict_type``). Local."""
+    settings = _check_settings(state_dict_type, state_dict_config, optim_state_dict_config)
+    units = _units_of(module)
+    previous = units[0]._state_dict_settings
+    for unit in units:
+        unit._state_dict_settings = settings
+    return previous
+
+
+def get_state_dict_type(module) -> StateDictSettings:
+    """The state-dict settings of the units in ``module`` (torch's ``FSDP.get_state_dict_type``;
+    an error if they differ). Local."""
+    settings = {id(u._state_dict_settings): u._state_dict_settings for u in _units_of(module)}
+    if len(settings) > 1:
+        raise ValueError("FSDP.get_state_dict_type(): the units of this module have different "
+                         "state-dict settings; set them with FSDP.set_state_dict_type(root, ...)")
+    return next(iter(settings.values()))
+
+
+@contextlib.contextmanager
+def state_dict_type(module, state_dict_type: StateDictType,
+                    state_dict_config: Optional[StateDictConfig] = None,
+                    optim_state_dict_config: Optional[OptimStateDictConfig] = None):
+    """Inside the block every unit of ``module`` uses these settings; on exit each unit gets its
+    previous ones back (torch's ``FSDP.state_dict_type``). Local."""
+    settings = _check_settings(state_dict_type, state_dict_config, optim_state_dict_config)
+    units = _units_of(module)
+    previous = [u._state_dict_settings for u in units]
+    for unit in units:
+        unit._state_dict_settings = settings
+    try:
+        yield
+    finally:
+        for unit, before in zip(units, previous):
+            unit._state_dict_settings = before
