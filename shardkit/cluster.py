@@ -54,6 +54,7 @@ _SUBNET = "10.213.0"              # each launch has its own network stacks, so o
 _MASTER_PORT = 29500              # free by construction inside node 0's fresh namespace
 _ETC_NETNS = "/etc/netns"         # per-namespace /etc files, mounted by `ip netns exec`
 _GRACE_S = 5.0                    # between SIGTERM and SIGKILL at shutdown
+_PEER_TIMEOUT_S = 70.0            # shardkit.fault.DEFAULT_TIMEOUT_S (60 s) and a margin
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
@@ -220,6 +221,9 @@ class SimulatedCluster:
 
     # -- life cycle
     def __enter__(self) -> "SimulatedCluster":
+        reason = cluster_unavailable_reason()
+        if reason:  # before any tool runs: a missing `ip` would be a bare FileNotFoundError
+            raise RuntimeError(f"SimulatedCluster: {reason}")
         remove_stale()
         try:
             self._build()
@@ -268,8 +272,10 @@ class SimulatedCluster:
                 _ip("-n", switch, "link", "set", port, "up")
                 if self.rate_bps:  # the switch's side limits the traffic into the node
                     _tc_limit(switch, port, self.rate_bps)
-        if self.nodes == 1:
-            _ip("-n", self.namespace(0), "link", "add", self.interface(0), "type", "dummy")
+        if self.nodes == 1:  # a veth whose other end stays inside (no `dummy` module needed)
+            _ip("-n", self.namespace(0), "link", "add", self.interface(0), "type", "veth",
+                "peer", "name", "unused0")
+            _ip("-n", self.namespace(0), "link", "set", "unused0", "up")
         for node in range(self.nodes):
             ns, dev = self.namespace(node), self.interface(node)
             _ip("-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", dev)
@@ -365,6 +371,9 @@ def run_cluster(command: Sequence[str], nodes: int = 2, nproc_per_node: int = 1,
     SIGTERM to this process stop the nodes and remove the cluster before it exits.
     """
     _validate(nodes, nproc_per_node)
+    if timeout is not None and (isinstance(timeout, bool) or not (
+            isinstance(timeout, (int, float)) and timeout > 0)):
+        raise ValueError(f"timeout={timeout!r}: must be a number of seconds > 0, or None")
     if not command:
         raise ValueError("command=[]: give the script (and its arguments) to run on every node")
     out = out or sys.stdout
@@ -386,7 +395,7 @@ def run_cluster(command: Sequence[str], nodes: int = 2, nproc_per_node: int = 1,
                 pump.start()
                 procs.append(proc)
                 pumps.append(pump)
-            codes = _wait_all(procs, timeout, stop)
+            codes = _wait_all(procs, timeout, stop, _peer_timeout_from(base_env))
             if not stop.received:
                 for pump in pumps:
                     pump.join(2.0)
@@ -394,25 +403,55 @@ def run_cluster(command: Sequence[str], nodes: int = 2, nproc_per_node: int = 1,
         return max(codes)
 
 
-def _wait_all(procs: list, timeout: Optional[float], stop: "_StopSignals") -> list[int]:
+def _wait_all(procs: list, timeout: Optional[float], stop: "_StopSignals",
+              peer_timeout_s: float = _PEER_TIMEOUT_S) -> list[int]:
     """Wait for every node and return its exit status. Once a node fails, the others get
     ``_GRACE_S`` to fail or finish on their own (torchrun's agents would otherwise wait for the
-    failed node at their exit barrier), then they are stopped and reported as 0, so that the
-    status is the failing node's own; after ``timeout`` the unfinished report 124. Returns at
-    once when ``stop`` has received a signal."""
+    failed node at their exit barrier), or, while their ranks still run, up to
+    ``peer_timeout_s`` more (so that ranks waiting for :mod:`shardkit.fault`'s verdict can
+    report the lost rank); then they are stopped and reported as 0, so that the status is the
+    failing node's own; after ``timeout`` the unfinished report 124. Returns at once when
+    ``stop`` has received a signal."""
     deadline = None if timeout is None else time.time() + timeout
-    stopped_after_failure = False
+    failed_at = None
     while any(p.poll() is None for p in procs) and not stop.received:
-        if not stopped_after_failure and any(p.poll() not in (None, 0) for p in procs):
-            grace_end = time.time() + _GRACE_S
-            if deadline is None or grace_end < deadline:
-                deadline, stopped_after_failure = grace_end, True
-        if deadline is not None and time.time() > deadline:
+        now = time.time()
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = now
+        if deadline is not None and now > deadline:
+            break
+        if failed_at is not None and now > failed_at + _GRACE_S and (
+                now > failed_at + _GRACE_S + peer_timeout_s
+                or not any(_runs_ranks(p) for p in procs if p.poll() is None)):
             break
         time.sleep(0.1)
     codes = [p.poll() for p in procs]
+    stopped_after_failure = failed_at is not None and (deadline is None or time.time() <= deadline)
     unfinished = 0 if stopped_after_failure else 124
     return [unfinished if c is None else _exit_status(c) for c in codes]
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except (OSError, ValueError):  # gone, or a kernel without the children file
+        return []
+
+
+def _runs_ranks(node: subprocess.Popen) -> bool:
+    """Whether ``node``'s torchrun (the child of its ``unshare``) still has worker processes,
+    as opposed to waiting alone at its exit barrier."""
+    return any(_children(agent) for agent in _children(node.pid))
+
+
+def _peer_timeout_from(env: dict) -> float:
+    """How long ranks may wait for the peer watchdog's verdict: ``SHARDKIT_PEER_TIMEOUT`` as
+    the ranks will see it, else :data:`shardkit.fault.DEFAULT_TIMEOUT_S`, plus a margin."""
+    try:
+        return float(env.get("SHARDKIT_PEER_TIMEOUT", _PEER_TIMEOUT_S - 10.0)) + 10.0
+    except ValueError:
+        return _PEER_TIMEOUT_S
 
 
 class _StopSignals:
@@ -473,6 +512,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         parse_link_rate(args.link_rate)
         _validate(args.nodes, args.nproc_per_node)
+        if args.timeout is not None and not args.timeout > 0:
+            raise ValueError(f"--timeout={args.timeout:g}: must be a number of seconds > 0")
     except ValueError as err:
         parser.error(str(err))
     reason = cluster_unavailable_reason()

@@ -118,10 +118,16 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
     Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (``LOCAL_RANK`` picks the
     CUDA device). ``backend=None`` picks ``nccl`` when CUDA is available, else ``gloo``.
     Idempotent: a second call with the group already up returns at once (and checks that the
-    backend agrees). Costs one TCP rendezvous; no tensor traffic.
+    backend agrees). Before the backend connects the ranks, they meet on the rendezvous store,
+    so that a rank that never comes, or ranks started with different ``WORLD_SIZE`` values,
+    are one clear error on every waiting rank. Costs one TCP rendezvous and one small object
+    all-gather (every rank's node, for :func:`node_groups`); no tensor traffic.
 
     Raises:
-        RuntimeError: a torchrun variable is missing or malformed, naming which.
+        RuntimeError: a torchrun variable is missing or malformed, naming which; the
+            rendezvous cannot be hosted or reached (naming ``MASTER_ADDR``/``MASTER_PORT``);
+            ranks missing after ``timeout_s`` (naming them); ``WORLD_SIZE`` differing between
+            ranks, or one ``RANK`` given to two processes.
         ValueError: an unknown backend, a ``timeout_s`` that is not a number of seconds > 0,
             or a world size below 1.
     """
@@ -156,9 +162,130 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
         if not torch.cuda.is_available():
             raise ValueError("init_distributed(backend='nccl'): CUDA is not available; use 'gloo'")
         torch.cuda.set_device(_int_env("LOCAL_RANK", default=rank) % torch.cuda.device_count())
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = _rendezvous_store(rank, world_size, timeout)
+    _meet_every_rank(store, rank, world_size, timeout_s)
+    store = dist.PrefixStore(_default_group_prefix(), store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
     atexit.register(_destroy_at_exit)
+    discover_node_layout()
+
+
+def _default_group_prefix() -> str:
+    """Where the default group keeps its keys in the store: torch's ``"default_pg"``, and for
+    a restarted torchrun attempt (whose agent keeps the store) a name of its own.
+
+    Note: with torch's own name, a restarted attempt found the dead attempt's gloo addresses
+    still in the agent's store and connected to them ("connectFullMesh failed ... Connection
+    refused"): 3 restarts in 4 failed so on one host."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return "default_pg" if attempt in ("", "0") else f"default_pg/attempt{attempt}"
+
+
+def _rendezvous_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """The TCP store at ``MASTER_ADDR:MASTER_PORT`` that ``env://`` would make (hosted by rank 0,
+    or by torchrun's agent when ``TORCHELASTIC_USE_AGENT_STORE`` says so), but not waiting for
+    the other ranks to connect (:func:`_meet_every_rank` does, naming the missing ones), and
+    with errors that name the address."""
+    host, port = os.environ["MASTER_ADDR"], _int_env("MASTER_PORT")
+    if not 0 < port < 2 ** 16:
+        raise ValueError(f"init_distributed: MASTER_PORT={port} is not a TCP port (1-65535)")
+    hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+    try:
+        return dist.TCPStore(host, port, world_size, is_master=hosting, timeout=timeout,
+                             wait_for_workers=False, multi_tenant=hosting)
+    except (RuntimeError, OSError) as err:
+        if hosting:
+            raise RuntimeError(
+                f"init_distributed: rank 0 could not host the rendezvous at MASTER_ADDR={host} "
+                f"MASTER_PORT={port} (a port another job or an earlier run still holds, or an "
+                f"address that is not this machine's): choose a free MASTER_PORT. The store "
+                f"said: {err}") from err
+        raise RuntimeError(
+            f"init_distributed: rank {rank} could not reach the rendezvous at MASTER_ADDR={host} "
+            f"MASTER_PORT={port} within {timeout.total_seconds():g} s: is rank 0 running, and "
+            f"is MASTER_ADDR its address as seen from this machine? The store said: {err}"
+        ) from err
+
+
+_INIT_GENERATION = [0]  # how many times this process met its peers (keys of a re-init differ)
+
+
+def _meet_every_rank(store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Wait on ``store`` until all ``world_size`` ranks have arrived, before the backend starts
+    connecting them, so that a missing rank or a ``WORLD_SIZE`` that differs between ranks is
+    one clear error on every waiting rank instead of a backend timeout naming store keys.
+
+    The first rank to see a problem publishes it in the store and every waiting rank raises it:
+    RuntimeError naming the missing ranks after ``timeout_s``, or the differing world sizes.
+    Store traffic only: a few requests per rank, then one poll every 50-500 ms."""
+    import socket
+    import time
+    _INIT_GENERATION[0] += 1
+    key = per_attempt_store_key(f"shardkit/init/{_INIT_GENERATION[0]}")
+    hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+    with _store_answering(rank):
+        me = f"{socket.gethostname()}:{os.getpid()}"
+        holder = store.compare_set(f"{key}/rank/{rank}", "", me).decode()
+        if holder != me:
+            _publish_verdict(store, key, f"RANK={rank} was given to two processes ({holder} "
+                                         f"and {me})")
+        first = store.compare_set(f"{key}/world_size", "", str(world_size)).decode()
+        if first != str(world_size):
+            _publish_verdict(store, key, f"WORLD_SIZE differs between ranks: rank {rank} has "
+                                         f"WORLD_SIZE={world_size}, ranks that arrived before "
+                                         f"it have WORLD_SIZE={first}")
+        arrived = store.add(f"{key}/arrived", 1)
+        deadline, pause = time.monotonic() + timeout_s, 0.05
+        while True:
+            if store.check([f"{key}/verdict"]):
+                if hosting:  # let the others read it before the store goes away with this rank
+                    time.sleep(1.0)
+                verdict = store.get(f"{key}/verdict").decode()
+                raise RendezvousError(f"init_distributed (rank {rank}): {verdict}")
+            if arrived > world_size:
+                _publish_verdict(store, key, f"more ranks ({arrived}) than WORLD_SIZE="
+                                             f"{world_size} arrived (a RANK given twice?)")
+            elif arrived == world_size:
+                return
+            elif time.monotonic() > deadline:
+                missing = [r for r in range(world_size) if not store.check([f"{key}/rank/{r}"])]
+                _publish_verdict(
+                    store, key, f"rank(s) {missing} of WORLD_SIZE={world_size} did not arrive at "
+                    f"the rendezvous MASTER_ADDR={os.environ['MASTER_ADDR']} MASTER_PORT="
+                    f"{os.environ['MASTER_PORT']} within timeout_s={timeout_s:g} s (not started, "
+                    f"failed before init_distributed, or given another MASTER_ADDR/MASTER_PORT)")
+            else:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.5)
+                arrived = store.add(f"{key}/arrived", 0)
+
+
+class RendezvousError(RuntimeError):
+    """:func:`init_distributed`'s ranks met on the rendezvous store and found a problem: a rank
+    missing after the timeout, ``WORLD_SIZE`` differing between ranks, or a ``RANK`` given
+    twice. The message is the same on every rank that waited."""
+
+
+def _publish_verdict(store, key: str, verdict: str) -> None:
+    """Record why the rendezvous failed; the first verdict stays, so every rank raises it."""
+    store.compare_set(f"{key}/verdict", "", verdict)
+
+
+@contextlib.contextmanager
+def _store_answering(rank: int):
+    """Inside, a store that stops answering (its host, rank 0, ended) is a clear error."""
+    try:
+        yield
+    except RendezvousError:
+        raise
+    except (RuntimeError, OSError) as err:
+        raise RuntimeError(
+            f"init_distributed (rank {rank}): the rendezvous store at MASTER_ADDR="
+            f"{os.environ['MASTER_ADDR']} MASTER_PORT={os.environ['MASTER_PORT']} stopped "
+            f"answering while this rank waited for the others: rank 0, which hosts it, ended "
+            f"(its own error says why). The store said: {err}") from err
 
 
 def init_single_process(backend: Optional[str] = None) -> None:
@@ -286,11 +413,11 @@ def destroy() -> None:
     Note: without the barrier, a rank that finishes first can tear down gloo's connections while
     a peer is still completing the last collective, and gloo then aborts the process
     ("terminate called without an active exception")."""
-    global _node_groups
+    global _node_groups, _layout
     if is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    _node_groups = None
+    _node_groups = _layout = None
     _spanning.clear()
 
 
@@ -410,33 +537,119 @@ def timeout_of(group=None) -> Optional[float]:
 
 
 # ----------------------------------------------------------------------------- topology
-# Which ranks share a node comes from torchrun: LOCAL_WORLD_SIZE ranks per node, and node
-# GROUP_RANK holds global ranks [GROUP_RANK * LOCAL_WORLD_SIZE, (GROUP_RANK + 1) *
-# LOCAL_WORLD_SIZE) (torchrun numbers ranks node by node). Without LOCAL_WORLD_SIZE every rank
-# counts as being on one node.
+# Which ranks share a node comes from the launcher: LOCAL_WORLD_SIZE ranks per node, and each
+# rank's node is its GROUP_RANK (torchrun's node rank). Launchers need not number ranks node by
+# node (srun's cyclic distribution puts rank 1 on the second node), so the node of every rank is
+# gathered once (init_distributed, or the first node_groups()) instead of being computed as
+# rank // LOCAL_WORLD_SIZE. Without GROUP_RANK the host name tells the nodes apart; on one host
+# without it, ranks are cut node by node into LOCAL_WORLD_SIZE. Without LOCAL_WORLD_SIZE every
+# rank counts as being on one node.
+
+_layout: Optional[tuple] = None  # (the default group it was gathered in, node index per rank)
+
+
+def _node_identity() -> tuple:
+    """What this rank knows of its node: ``(GROUP_RANK or None, host name)``."""
+    import socket
+    group_rank = os.environ.get("GROUP_RANK")
+    return (int(group_rank) if group_rank not in (None, "") else None, socket.gethostname())
+
+
+def layout_from_identities(identities: Sequence[tuple], per_node: int) -> list[int]:
+    """The node index of every rank from each rank's ``(GROUP_RANK or None, host name)``:
+    nodes are the distinct GROUP_RANKs (when every rank has one), else the distinct host names
+    (when there are several), else consecutive blocks of ``per_node`` ranks. Nodes are numbered
+    by GROUP_RANK, or by their lowest rank. Local; no communication."""
+    if all(group_rank is not None for group_rank, _ in identities):
+        keys = [group_rank for group_rank, _ in identities]
+        order = sorted(set(keys))
+    elif len({host for _, host in identities}) > 1:
+        keys = [host for _, host in identities]
+        order = list(dict.fromkeys(keys))
+    else:
+        return [rank // per_node for rank in range(len(identities))]
+    return [order.index(key) for key in keys]
+
+
+def discover_node_layout() -> list[int]:
+    """Gather every rank's node (see the notes above) over the default group and keep it for
+    :func:`node_of`, :func:`spans_nodes` and :func:`node_groups`; returns the node index of
+    every rank. Collective over the default group (one small object all-gather, not counted
+    by :class:`CommCounter`); a no-op for a world of one."""
+    global _layout
+    world = dist.group.WORLD
+    if _layout is not None and _layout[0] is world:
+        return _layout[1]
+    size = get_world_size()
+    try:
+        per_node = max(int(os.environ.get("LOCAL_WORLD_SIZE", size)), 1)
+    except ValueError:  # ranks_per_node() names the bad value when topology is used
+        per_node = size
+    identities = [_node_identity()] * size
+    if size > 1:
+        dist.all_gather_object(identities, _node_identity())
+    _layout = (world, layout_from_identities(identities, per_node))
+    _spanning.clear()  # answers cached before the layout was known
+    return _layout[1]
+
+
+def _known_layout() -> Optional[list]:
+    """The gathered node of every rank for the current default group, or ``None``."""
+    if _layout is not None and is_initialized() and _layout[0] is dist.group.WORLD:
+        return _layout[1]
+    return None
 
 
 def ranks_per_node() -> int:
-    """Ranks on each node: torchrun's ``LOCAL_WORLD_SIZE`` (the world size when it is not set).
+    """Ranks on each node: torchrun's ``LOCAL_WORLD_SIZE`` (without it: as many as the gathered
+    layout puts on each node, or the world size).
 
-    Raises RuntimeError when the world is not a whole number of equal nodes, or when
-    ``GROUP_RANK`` disagrees with that layout (a launcher that numbers ranks differently)."""
+    Raises RuntimeError when the world is not a whole number of equal nodes, or when the ranks'
+    GROUP_RANKs (or host names) put a number of ranks other than ``LOCAL_WORLD_SIZE`` on some
+    node (the same error on every rank once the layout is gathered)."""
     world = get_world_size()
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    layout = _known_layout()
+    members = None if layout is None else _node_members(layout)
+    if members is not None and len({len(ranks) for ranks in members}) > 1:
+        raise RuntimeError(f"the ranks' nodes are {_describe_nodes(members)}: shardkit needs the "
+                           f"same number of ranks on every node")
+    default = world if members is None else len(members[0])
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", default))
     if per_node < 1 or world % per_node:
         raise RuntimeError(f"LOCAL_WORLD_SIZE={per_node} does not divide the world size {world}; "
                            f"shardkit needs the same number of ranks on every node")
-    group_rank = os.environ.get("GROUP_RANK")
-    if group_rank is not None and int(group_rank) != get_rank() // per_node:
-        raise RuntimeError(f"GROUP_RANK={group_rank} but rank {get_rank()} // LOCAL_WORLD_SIZE="
-                           f"{per_node} is {get_rank() // per_node}: ranks are not numbered node "
-                           f"by node as torchrun does")
+    if members is not None and per_node != len(members[0]):
+        raise RuntimeError(f"the ranks' nodes are {_describe_nodes(members)}, but "
+                           f"LOCAL_WORLD_SIZE={per_node}")
+    if members is None:  # not gathered (a process group made by hand): torchrun's numbering
+        group_rank = os.environ.get("GROUP_RANK")
+        if group_rank is not None and int(group_rank) != get_rank() // per_node:
+            raise RuntimeError(
+                f"GROUP_RANK={group_rank} but rank {get_rank()} // LOCAL_WORLD_SIZE={per_node} "
+                f"is {get_rank() // per_node}: call shardkit.distributed.node_groups() (or "
+                f"init_distributed()) on every rank first, so that the node of every rank is "
+                f"gathered instead of assumed")
     return per_node
+
+
+def _describe_nodes(members: Sequence[Sequence[int]]) -> str:
+    text = ", ".join(f"node {node}: ranks {list(ranks)}" for node, ranks in enumerate(members))
+    return f"{text} (from GROUP_RANK, or the host name)"
+
+
+def _node_members(layout: Sequence[int]) -> list[list[int]]:
+    """The global ranks of each node, in rank order, nodes in index order."""
+    members: list[list[int]] = [[] for _ in range(max(layout) + 1)]
+    for rank, node in enumerate(layout):
+        members[node].append(rank)
+    return [ranks for ranks in members if ranks]
 
 
 def node_of(rank: int) -> int:
     """The node (torchrun's group rank) that global rank ``rank`` runs on."""
-    return rank // ranks_per_node()
+    per_node = ranks_per_node()
+    layout = _known_layout()
+    return rank // per_node if layout is None else layout[rank]
 
 
 _spanning: dict = {}  # id(group object) -> (the object, whether its ranks span nodes)
@@ -460,13 +673,34 @@ _node_groups: Optional[tuple] = None  # (the default group they were made in, (i
 def node_groups() -> tuple:
     """``(intra_node, inter_node)``: the group of the ranks on this rank's node, and the group of
     the ranks with this rank's local index on every node (the data-parallel replicas of hybrid
-    sharding). Collective the first time (creates one group per node and one per local index,
+    sharding). Nodes are where the ranks really run (their GROUP_RANK or host), whatever order
+    the launcher numbered them in. Collective the first time (gathers the layout if
+    :func:`init_distributed` did not, then creates one group per node and one per local index,
     on every rank alike), cached after. Costs no tensor traffic."""
     global _node_groups
     world = dist.group.WORLD
     if _node_groups is None or _node_groups[0] is not world:  # none yet, or a new default group
-        _node_groups = (world, groups_of_nodes(list(range(get_world_size())), ranks_per_node()))
+        layout = discover_node_layout()
+        ranks_per_node()  # every rank holds the same layout: raises on all ranks or on none
+        _node_groups = (world, _groups_of_node_members(_node_members(layout)))
     return _node_groups[1]
+
+
+def _groups_of_node_members(members: Sequence[Sequence[int]]) -> tuple:
+    """This rank's ``(intra, inter)`` groups for nodes holding the global ranks ``members``
+    (equal sizes): one group per node, one per local index across nodes (every rank creates
+    all of them in one order, as ``new_group`` requires; ``None`` where this rank is not a
+    member). Collective; costs no tensor traffic."""
+    me = get_rank()
+    intra = inter = None
+    for ranks in members:
+        created = new_group(list(ranks))
+        intra = created if me in ranks else intra
+    for local in range(len(members[0])):
+        ranks = [node[local] for node in members]
+        created = new_group(ranks)
+        inter = created if me in ranks else inter
+    return intra, inter
 
 
 def groups_of_nodes(ranks: Sequence[int], per_node: int) -> tuple:
@@ -474,17 +708,8 @@ def groups_of_nodes(ranks: Sequence[int], per_node: int) -> tuple:
     of ``per_node``: one group per node, one per local index across nodes (every rank creates
     all of them, as ``new_group`` requires; ``None`` where this rank is not a member).
     Collective; costs no tensor traffic."""
-    me = get_rank()
-    intra = inter = None
-    for start in range(0, len(ranks), per_node):
-        members = list(ranks[start:start + per_node])
-        created = new_group(members)
-        intra = created if me in members else intra
-    for local in range(per_node):
-        members = list(ranks[local::per_node])
-        created = new_group(members)
-        inter = created if me in members else inter
-    return intra, inter
+    return _groups_of_node_members([list(ranks[start:start + per_node])
+                                    for start in range(0, len(ranks), per_node)])
 
 
 # ----------------------------------------------------------------------------- counting

@@ -131,6 +131,7 @@ class PeerWatchdog:
                     self._declare(int(rank), why, publish=False)
                     return
                 now = time.monotonic()
+                silent = []
                 for r in list(seen):
                     value = self._store.get(self._key(r)) if self._store.check([self._key(r)]) \
                         else None
@@ -143,9 +144,10 @@ class PeerWatchdog:
                     elif value != seen[r][0]:
                         seen[r] = (value, now)
                     elif now - seen[r][1] > self.timeout_s:
-                        self._declare(r, f"no heartbeat for {now - seen[r][1]:.1f} s "
-                                         f"(timeout {self.timeout_s:g} s)")
-                        return
+                        silent.append(r)
+                if silent:
+                    self._declare_silent(silent, seen, now)
+                    return
             except Exception as e:  # the store itself is gone
                 if self._stopped.wait(self.interval_s) or self.group_gone():
                     self._retire()
@@ -157,6 +159,16 @@ class PeerWatchdog:
                     self._declare(who, f"the rendezvous store it hosts stopped answering "
                                        f"({type(e).__name__})")
                 return
+
+    def _declare_silent(self, silent: list, seen: dict, now: float) -> None:
+        # Note: when a node goes, its launcher stops that node's other ranks too, and they all
+        # fall silent within one beat; the one silent longest is named and the others listed,
+        # since beats (timeout_s / 8 apart) cannot order deaths closer than that.
+        first = min(silent, key=lambda r: seen[r][1])
+        others = [r for r in silent if r != first]
+        also = f"; also silent: rank(s) {others}" if others else ""
+        self._declare(first, f"no heartbeat for {now - seen[first][1]:.1f} s "
+                             f"(timeout {self.timeout_s:g} s){also}")
 
     def group_gone(self) -> bool:
         """Whether the default process group it was started in has been destroyed (and

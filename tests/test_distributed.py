@@ -314,6 +314,51 @@ def test_init_bad_rank_value():
     assert rc == 3 and "RANK='x'" in out
 
 
+def _start_init(env_overrides, arg=""):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+                        "TORCHELASTIC_USE_AGENT_STORE")}
+    env.update(env_overrides)
+    return subprocess.Popen([sys.executable, "-c", _INIT_SNIPPET.format(arg=arg)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_init_names_a_world_size_mismatch_and_a_missing_rank_on_every_rank():
+    """Before: WORLD_SIZE 2 against 3 gave rank 1 "wait timeout after ...ms, keys:
+    /default_pg/0//cpu//0/2" and rank 0 a gloo send timeout after init had succeeded; a rank
+    that never came gave "2/3 clients joined" on rank 0 and store keys on the others."""
+    from shardkit.testing import free_port
+    mismatch, missing = str(free_port()), str(free_port())
+    base = {"MASTER_ADDR": "127.0.0.1"}
+    procs = {
+        "mismatch0": _start_init(dict(base, RANK="0", WORLD_SIZE="2", MASTER_PORT=mismatch),
+                                 arg="timeout_s=60"),
+        "mismatch1": _start_init(dict(base, RANK="1", WORLD_SIZE="3", MASTER_PORT=mismatch),
+                                 arg="timeout_s=60"),
+        "missing0": _start_init(dict(base, RANK="0", WORLD_SIZE="3", MASTER_PORT=missing),
+                                arg="timeout_s=5"),
+        "missing1": _start_init(dict(base, RANK="1", WORLD_SIZE="3", MASTER_PORT=missing),
+                                arg="timeout_s=5"),
+    }
+    try:
+        out = {name: p.communicate(timeout=120)[0] for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for name in ("mismatch0", "mismatch1"):
+        assert procs[name].returncode == 3, out[name]
+        said = out[name].split("WORLD_SIZE differs between ranks: ")[-1]
+        # whichever rank came second is named, with both sizes
+        assert said.startswith(("rank 1 has WORLD_SIZE=3, ranks that arrived before it have "
+                                "WORLD_SIZE=2", "rank 0 has WORLD_SIZE=2, ranks that arrived "
+                                "before it have WORLD_SIZE=3")), out[name]
+    for name in ("missing0", "missing1"):
+        assert procs[name].returncode == 3, out[name]
+        assert "rank(s) [2] of WORLD_SIZE=3 did not arrive" in out[name], out[name]
+
+
 def test_init_single_process_and_idempotent():
     from shardkit.testing import free_port
     snippet = ("from shardkit import distributed as d\n"
@@ -375,6 +420,35 @@ def test_rank_that_raises_fails_the_run_without_hanging(tmp_path):
     proc = _torchrun_script(tmp_path, "raise")
     assert proc.returncode != 0
     assert "rank 1 fails on purpose" in proc.stderr
+
+
+_RESTART_SCRIPT = """
+import os, sys, torch
+from shardkit import distributed as d
+d.init_distributed(timeout_s=60)
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+t = torch.ones(3)
+d.all_reduce(t)
+if attempt < 2 and d.get_rank() == 1:
+    sys.exit(7)
+print(f"attempt {attempt} rank {d.get_rank()} sum {t[0].item():g}", flush=True)
+"""
+
+
+def test_restarted_torchrun_attempts_connect_afresh(tmp_path):
+    # before: a restarted attempt read the dead attempt's gloo addresses from the agent's store
+    # ("connectFullMesh failed ... Connection refused") in about 3 restarts of 4
+    script = tmp_path / "restart_script.py"
+    script.write_text(_RESTART_SCRIPT)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", "--max-restarts", "2", str(script)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "attempt 2 rank 0 sum 2" in proc.stdout and "attempt 2 rank 1 sum 2" in proc.stdout
 
 
 def test_batch_isend_irecv_posts_every_receive_before_the_first_send(monkeypatch):

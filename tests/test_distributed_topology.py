@@ -83,3 +83,55 @@ def test_one_node_by_default():
     assert World(2).ranks_per_node == 2
     with pytest.raises(ValueError, match="ranks_per_node=3"):
         World(4, ranks_per_node=3)
+
+
+def _cyclic_topology():
+    """Node groups when the launcher numbers ranks round-robin over the nodes (srun's cyclic
+    distribution): ranks 0 and 2 on node 0, ranks 1 and 3 on node 1."""
+    rank = skd.get_rank()
+    saved = (getattr(skd, "_layout", None), skd._node_groups)
+    skd._layout = skd._node_groups = None
+    try:
+        with patched_environ(GROUP_RANK=str(rank % 2), LOCAL_RANK=str(rank // 2)):
+            intra, inter = skd.node_groups()
+            return {"intra": skd.group_ranks(intra), "inter": skd.group_ranks(inter),
+                    "nodes": [skd.node_of(r) for r in range(4)],
+                    "spans": [skd.spans_nodes(intra), skd.spans_nodes(inter)]}
+    finally:
+        skd._layout, skd._node_groups = saved
+        skd._spanning.clear()
+
+
+def test_node_groups_follow_group_rank_not_rank_order(nodes2x2):
+    # before: ranks 1 and 2 raised "not numbered node by node" while ranks 0 and 3 waited in
+    # new_group for them (a hang); without GROUP_RANK the "intra-node" group crossed nodes
+    for rank, r in enumerate(nodes2x2.run(_cyclic_topology)):
+        assert r["nodes"] == [0, 1, 0, 1]
+        assert r["intra"] == [rank % 2, rank % 2 + 2]
+        assert r["inter"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert r["spans"] == [False, True]
+
+
+def test_layout_from_group_rank_then_host_then_rank_order():
+    layout = skd.layout_from_identities
+    assert layout([(1, "a"), (0, "a"), (1, "a"), (0, "a")], 2) == [1, 0, 1, 0]
+    assert layout([(None, "b"), (None, "a"), (None, "b"), (None, "a")], 2) == [0, 1, 0, 1]
+    assert layout([(None, "h")] * 4, 2) == [0, 0, 1, 1]
+    assert layout([(None, "h")] * 4, 4) == [0, 0, 0, 0]
+
+
+def _uneven_layout():
+    saved = skd._layout
+    skd._layout = (skd._layout[0], [0, 0, 0, 1])
+    try:
+        skd.ranks_per_node()
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        skd._layout = saved
+
+
+def test_uneven_nodes_from_group_rank_are_the_same_error_on_every_rank(nodes2x2):
+    for msg in nodes2x2.run(_uneven_layout):
+        assert "node 0: ranks [0, 1, 2], node 1: ranks [3]" in msg
+        assert "the same number of ranks on every node" in msg

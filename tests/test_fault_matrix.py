@@ -308,3 +308,20 @@ def test_communication_errors_are_told_from_bugs():
                              "they could arrive"))
     assert not comm(ValueError("mat1 and mat2 shapes cannot be multiplied"))
     assert not comm(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_several_silent_peers_name_the_longest_silent_and_list_the_others():
+    """A node's launcher stops its other ranks when one dies: all fall silent within a beat.
+    Before, the lowest silent rank was named and the others not mentioned."""
+    from shardkit.fault import PeerWatchdog
+
+    class Fake:
+        timeout_s = 10.0
+
+        def _declare(self, rank, why):
+            self.declared = (rank, why)
+
+    fake = Fake()
+    PeerWatchdog._declare_silent(fake, [2, 3], {2: (b"7", 10.5), 3: (b"6", 9.5)}, 21.0)
+    assert fake.declared[0] == 3
+    assert "no heartbeat for 11.5 s (timeout 10 s); also silent: rank(s) [2]" in fake.declared[1]

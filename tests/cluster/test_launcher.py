@@ -47,6 +47,9 @@ def test_bad_arguments_are_clear():
         run_cluster(["x.py"], nproc_per_node=0)
     with pytest.raises(ValueError, match="command"):
         run_cluster([])
+    for bad in (0, -5):  # before: a negative timeout ended the launch at once, status 124
+        with pytest.raises(ValueError, match=f"timeout={bad}: must be a number of seconds > 0"):
+            run_cluster(["x.py"], timeout=bad)
 
 
 @needs_cluster
@@ -123,3 +126,75 @@ def test_what_a_killed_launcher_left_is_removed_by_the_next():
     assert cluster.leftovers(launcher.pid) == []
     prefix = cluster.name_prefix(launcher.pid)
     assert {f"{prefix}n0", f"{prefix}n1"} <= set(removed)
+
+
+# node 1's ranks fail at once; node 0's ranks report a few seconds later (as ranks waiting for
+# shardkit.fault's verdict on a lost peer do), longer than the launcher's 5 s grace
+_LATE_REPORT = ("if [ $GROUP_RANK -eq 1 ]; then exit 3; fi; sleep 8; "
+                "echo reported rank=$RANK; exit 75")
+
+
+@needs_cluster
+def test_nodes_whose_ranks_still_run_may_report_after_another_node_fails():
+    # before: node 0 was stopped 5 s after node 1 failed, and its ranks' report was lost
+    out = io.StringIO()
+    rc = run_cluster(["--no-python", "sh", "-c", _LATE_REPORT], nodes=2, nproc_per_node=2,
+                     link_rate="none", timeout=120, out=out)
+    assert rc == 1, out.getvalue()
+    assert "[node 0] reported rank=0" in out.getvalue(), out.getvalue()
+    assert "exitcode  : 75" in out.getvalue(), out.getvalue()
+    assert cluster.leftovers(os.getpid()) == []
+
+
+def test_launch_without_the_tools_is_a_clear_error(monkeypatch):
+    # before: FileNotFoundError "No such file or directory: 'ip'" from the first `ip netns list`
+    monkeypatch.setattr(cluster.shutil, "which", lambda tool: None if tool == "ip" else "/bin/x")
+    with pytest.raises(RuntimeError, match="needs ip on PATH"):
+        run_cluster(["x.py"], nodes=2)
+
+
+_GROUPS_BY_HOST = """
+import socket
+from shardkit import distributed as d
+d.init_distributed()
+intra, inter = d.node_groups()
+hosts = d.all_gather_object(socket.gethostname())
+print(f"topo rank={d.get_rank()} host={hosts[d.get_rank()]} "
+      f"intra={[hosts[r] for r in d.group_ranks(intra)]} "
+      f"inter={[hosts[r] for r in d.group_ranks(inter)]}", flush=True)
+d.destroy()
+"""
+
+
+@needs_cluster
+def test_node_groups_follow_the_hosts_when_ranks_are_numbered_round_robin():
+    # srun --distribution=cyclic numbering: ranks 0 and 2 on node0, 1 and 3 on node1. Before,
+    # ranks 1 and 2 raised and ranks 0 and 3 waited for them (a hang), or, without
+    # GROUP_RANK, the "intra-node" group [0, 1] crossed the link
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root, SHARDKIT_TEST_CODE=_GROUPS_BY_HOST)
+    cyclic = 'export RANK=$((LOCAL_RANK * GROUP_WORLD_SIZE + GROUP_RANK)); '
+    for drop in ("", "unset GROUP_RANK; "):
+        out = io.StringIO()
+        rc = run_cluster(["--no-python", "sh", "-c", cyclic + drop + 'exec "$0" -c '
+                          '"$SHARDKIT_TEST_CODE"', sys.executable], nodes=2, nproc_per_node=2,
+                         link_rate="none", env=env, timeout=180, out=out)
+        lines = sorted(line.split("] ", 1)[1] for line in out.getvalue().splitlines()
+                       if "] topo " in line)
+        assert rc == 0 and lines == [
+            "topo rank=0 host=node0 intra=['node0', 'node0'] inter=['node0', 'node1']",
+            "topo rank=1 host=node1 intra=['node1', 'node1'] inter=['node0', 'node1']",
+            "topo rank=2 host=node0 intra=['node0', 'node0'] inter=['node0', 'node1']",
+            "topo rank=3 host=node1 intra=['node1', 'node1'] inter=['node0', 'node1']",
+        ], (drop, out.getvalue()[-3000:])
+
+
+@needs_cluster
+def test_one_node_cluster_runs():
+    # before: `ip link add node0 type dummy` failed ("Unknown device type") on kernels without
+    # the dummy module, so --nodes 1 never started
+    out = io.StringIO()
+    rc = run_cluster(["--no-python", "sh", "-c", "echo one rank=$RANK host=$(hostname)"],
+                     nodes=1, nproc_per_node=1, link_rate="none", timeout=60, out=out)
+    assert rc == 0 and "[node 0] one rank=0 host=node0" in out.getvalue(), out.getvalue()
+    assert cluster.leftovers(os.getpid()) == []
