@@ -10,7 +10,7 @@ queueing discipline on both directions. On each node the launcher starts
 interface, so gloo's traffic between nodes crosses the slow link and nothing else does::
 
     python -m shardkit cluster --nodes 2 --nproc-per-node 2 --link-rate 1gbit train.py --steps 5
-    bash scripts/cluster.sh --nodes 2 --link-rate 10gbit -- -m benchmarks.bench_cluster
+    bash scripts/cluster.sh --nodes 2 --link-rate 10gbit -- -m mypackage.train --steps 5
 
 or from Python (the test suite's way)::
 
