@@ -1,6 +1,7 @@
 """DeepSpeed's warm-up learning-rate schedules as torch ``LRScheduler`` subclasses.
 
-Same parameter names and the same numbers as ``deepspeed.runtime.lr_schedules``:
+Same parameter names and the same numbers as ``deepspeed.runtime.lr_schedules`` (past
+``total_num_steps`` :class:`WarmupCosineLR` holds its floor, as clamped DeepSpeed releases do):
 
 - :class:`WarmupLR`: from ``warmup_min_lr`` up to ``warmup_max_lr`` over ``warmup_num_steps``
   (``log`` or ``linear`` ramp), then constant.
@@ -203,9 +204,9 @@ class WarmupCosineLR(_DeepSpeedSchedule):
     During warm-up the ratio rises from ``warmup_min_ratio`` to 1 (``log`` or ``linear``);
     afterwards it is ``cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * min(t / T, 1))) / 2``
     with ``t = i - warmup_num_steps + 1`` and ``T = total_num_steps - warmup_num_steps``: it
-    reaches ``cos_min_ratio`` at ``total_num_steps`` and stays there when training goes on (as
-    DeepSpeed clamps it; the cosine does not swing back up). As in DeepSpeed the lr is 0 before
-    the first :meth:`step`.
+    reaches ``cos_min_ratio`` at ``total_num_steps`` and stays there when training goes on
+    (DeepSpeed releases whose cosine is not clamped let it swing back up towards the peak past
+    ``total_num_steps``). As in DeepSpeed the lr is 0 before the first :meth:`step`.
 
     Args:
         optimizer: any torch optimizer; its current lrs are the peak lrs.
