@@ -1301,7 +1301,8 @@ def _deep_copied_gpt():
     """``copy.deepcopy`` of a sequence-parallel model (an EMA or evaluation copy) shares the
     process groups and keeps the parameters' marks: same loss (also after
     destroy_model_parallel), same sequence-parallel reduction, same clipped norm. A parameter
-    still pickles (torch.save)."""
+    still pickles (torch.save), and so does the whole model: loaded where the groups exist it
+    computes the same loss; loaded without them it refuses to run."""
     mp.initialize_model_parallel(2)
     try:
         model = _tensor_parallel_gpt(sequence_parallel=True)
@@ -1313,9 +1314,22 @@ def _deep_copied_gpt():
             reduced.append(mp.reduce_sequence_parallel_grads(m))
             norms.append(mp.clip_grad_norm(m.parameters(), math.inf).item())
         torch.save(twin[1].fc.weight, io.BytesIO())
+        pickled = io.BytesIO()
+        torch.save(model, pickled)  # the whole model, as FairScale's layers allow
+        pickled.seek(0)
+        loaded = torch.load(pickled, weights_only=False)  # binds the current groups
+        after_load = abs(loaded.loss(idx, target).item() - model.loss(idx, target).item())
         mp.destroy_model_parallel()  # the layers keep their groups: the loss still works
         after_destroy = abs(twin.loss(idx, target).item() - model.loss(idx, target).item())
+        pickled.seek(0)
+        unbound = torch.load(pickled, weights_only=False)  # no groups now: refuses to run
+        try:
+            unbound(idx)
+            unbound_error = ""
+        except RuntimeError as error:
+            unbound_error = str(error)
         return {"norms": norms, "reduced": reduced, "after_destroy": after_destroy,
+                "after_load": after_load, "unbound_error": unbound_error,
                 "shares_group": twin[1].fc.tp_group is model[1].fc.tp_group,
                 "own_weights": twin[1].fc.weight.data_ptr() != model[1].fc.weight.data_ptr()}
     finally:
@@ -1327,7 +1341,8 @@ def test_deepcopy_of_a_tensor_parallel_model(world4):
         assert r["shares_group"] and r["own_weights"], r
         assert abs(r["norms"][0] - r["norms"][1]) <= 1e-6, r
         assert r["reduced"][0] == r["reduced"][1] > 0, r
-        assert r["after_destroy"] <= TOL, r
+        assert r["after_destroy"] <= TOL and r["after_load"] <= TOL, r
+        assert "initialize_model_parallel(2" in r["unbound_error"], r
 
 
 def _gpt_tensor_and_data_parallel_clipped(zero):

@@ -90,6 +90,28 @@ class TensorParallelModule(nn.Module):
         :func:`deepcopy_keeping_parameter_marks`."""
         return deepcopy_keeping_parameter_marks(self, memo)
 
+    def __getstate__(self):
+        """Pickling (``torch.save(model)``): the process groups stay behind, since they mean
+        nothing outside this process; :meth:`__setstate__` binds the loading process's."""
+        state = self.__dict__.copy()
+        state["tp_group"] = state["model_parallel_groups"] = None
+        return state
+
+    def __setstate__(self, state):
+        """Unpickling: bind the current groups when they are of the saved tensor-parallel size
+        and this rank holds the saved slice (``tp_rank``); else the layer refuses to run (a
+        forward pre-hook raises) rather than communicate over the wrong group. Local."""
+        super().__setstate__(state)
+        if model_parallel_is_initialized():
+            groups = current_groups(type(self).__name__)
+            if len(groups.tensor_ranks) == self.tp_size and groups.tensor_rank == self.tp_rank:
+                self.model_parallel_groups, self.tp_group = groups, groups.tensor
+                for param in self._parameters.values():
+                    if param is not None:
+                        param.model_parallel_groups = groups
+        if _refuse_unbound_layer not in self._forward_pre_hooks.values():
+            self.register_forward_pre_hook(_refuse_unbound_layer)
+
     def _mark(self, name: str, param: nn.Parameter) -> None:
         """Tag ``param`` with this layer's groups and, when split, Megatron's
         ``tensor_model_parallel`` (both read by :func:`clip_grad_norm`)."""
@@ -179,6 +201,17 @@ class TensorParallelModule(nn.Module):
         if spec is not None:
             shape[spec[0]] *= self.tp_size
         return tuple(shape)
+
+
+def _refuse_unbound_layer(module: "TensorParallelModule", args) -> None:
+    """Forward pre-hook of an unpickled layer: a clear error while it has no groups."""
+    if module.tp_group is None:
+        raise RuntimeError(
+            f"{type(module).__name__} was loaded with torch.load from a pickled model, saved by "
+            f"tensor-parallel rank {module.tp_rank} of {module.tp_size}; this process has no "
+            f"matching groups. Call shardkit.nn.model_parallel.initialize_model_parallel("
+            f"{module.tp_size}, ...) before torch.load on the rank that saved it, or save and "
+            f"load state_dict() / full_state_dict() instead")
 
 
 def deepcopy_keeping_parameter_marks(module: nn.Module, memo: dict) -> nn.Module:
