@@ -58,6 +58,7 @@ from shardkit import distributed
 from shardkit.config import ConfigError, EngineConfig, load_config
 from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
 from shardkit.recipes import Composition, OptimizerRecipe, compose, why_not_steppable_on_shards
+from shardkit.utils.grad_norm import tensor_parallel_groups
 from shardkit.utils.wrapped_attributes import attribute_through
 
 __all__ = ["initialize", "ShardedEngine"]
@@ -810,7 +811,9 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
             config ``scheduler`` section.
         config: a dict or the path of a JSON file (``config_params`` is an alias; without
             either, ``args.deepspeed_config`` is used as DeepSpeed does; both is an error).
-        args, dist_init_required, collate_fn: DeepSpeed's; ``mpu`` is refused.
+        args, dist_init_required, collate_fn: DeepSpeed's; ``mpu`` is refused, and so is a
+            model with tensor-parallel layers split over several ranks
+            (:func:`_refuse_tensor_parallel_layers`).
         distributed_port: DeepSpeed's: the rendezvous port (``MASTER_PORT``) when this call
             starts the process group under a launcher that did not set one.
         peer_timeout_s: seconds without a peer's heartbeat before every surviving rank exits
@@ -842,6 +845,7 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     world = _data_parallel_world_size()
     cfg = load_config(config, world)
     _check_arguments(model, optimizer, lr_scheduler, cfg)
+    _refuse_tensor_parallel_layers(model, world)
     if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
         raise TypeError(f"initialize(resume_from={resume_from!r}): expected a directory path")
     if distributed_port is not None and (isinstance(distributed_port, bool) or not isinstance(
@@ -871,6 +875,26 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     if resume_from is not None:
         _resume(engine, os.fspath(resume_from))
     return engine, composition.optimizer, loader, scheduler
+
+
+def _refuse_tensor_parallel_layers(model: nn.Module, world: int) -> None:
+    """:class:`ConfigError` for a model built from ``shardkit.nn.model_parallel`` layers split
+    over more than one rank. The engine runs data parallelism over the whole world: its wrappers
+    would broadcast and average the different slices the tensor-parallel ranks hold, and
+    ``gradient_clipping`` would clip by the norm of that mixture. Local, before any collective."""
+    groups = tensor_parallel_groups(model.parameters(), "initialize(model=...)")
+    if groups is None:
+        return
+    split = next(name for name, p in model.named_parameters()
+                 if getattr(p, "tensor_model_parallel", False))
+    raise ConfigError(
+        f"initialize(model=...): the model has tensor-parallel layers ({split!r} is split over "
+        f"tensor-parallel ranks {list(groups.tensor_ranks)}), but the engine runs data "
+        f"parallelism over all {world} ranks and would mix the slices "
+        f"those ranks hold (and clip by the norm of that mixture); compose OSS, "
+        f"ShardedDataParallel or FullyShardedDataParallel over "
+        f"shardkit.nn.model_parallel.get_data_parallel_group() yourself: their clipping counts "
+        f"each slice once")
 
 
 def _config_source(config, config_params, args):

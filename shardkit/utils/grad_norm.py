@@ -5,18 +5,28 @@ One function serves OSS (each rank measures the gradients of the parameters it o
 the infinity norm) are combined by one all-reduce of one element, so the norm is the norm of
 the whole model's gradient, as ``torch.nn.utils.clip_grad_norm_`` would compute it on one
 process.
+
+Under tensor parallelism (2D/3D parallelism: the wrappers run over the data-parallel group of a
+model built from ``shardkit.nn.model_parallel`` layers) each tensor-parallel rank holds a slice
+of every split weight (``param.tensor_model_parallel``) and a copy of every replicated one.
+:func:`counted_on_tensor_rank` is the one rule that decides which gradients a rank counts then
+(split ones everywhere, replicated ones on tensor-parallel rank 0 only), used by
+:func:`shardkit.nn.model_parallel.clip_grad_norm` and, through
+:func:`count_once_over_tensor_parallel` (which also adds the tensor-parallel group to the groups
+the partial norm is summed over), by OSS's and FSDP's clipping.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
 from shardkit import distributed
 
-__all__ = ["check_clip_arguments", "clip_grad_norm_across_ranks"]
+__all__ = ["check_clip_arguments", "clip_grad_norm_across_ranks", "count_once_over_tensor_parallel",
+           "counted_on_tensor_rank", "tensor_parallel_groups"]
 
 
 def check_clip_arguments(caller: str, max_norm, norm_type) -> tuple[float, float]:
@@ -32,6 +42,67 @@ def check_clip_arguments(caller: str, max_norm, norm_type) -> tuple[float, float
     if not norm_type > 0:
         raise ValueError(f"{caller}(norm_type={norm_type}): must be > 0 or inf")
     return max_norm, norm_type
+
+
+def counted_on_tensor_rank(params: Iterable[torch.Tensor], tensor_rank: int) -> list:
+    """The parameters of ``params`` whose gradients tensor-parallel rank ``tensor_rank`` counts
+    in the model's norm: the split ones (``tensor_model_parallel``; each rank holds other
+    elements) on every rank, the replicated ones (the same gradient on every tensor-parallel
+    rank) on rank 0 only. Local, no communication."""
+    return [p for p in params if getattr(p, "tensor_model_parallel", False) or tensor_rank == 0]
+
+
+def tensor_parallel_groups(params: Iterable[torch.Tensor], what: str):
+    """The model-parallel groups the tensor-parallel layers of ``params`` were built with (their
+    ``model_parallel_groups`` mark) when those layers split weights over more than one rank;
+    ``None`` for a model without such layers. Local, no communication.
+
+    Raises:
+        ValueError: the parameters come from layers built under different layouts.
+    """
+    marked = [p for p in params if getattr(p, "model_parallel_groups", None) is not None]
+    if not marked:
+        return None
+    # imported here: shardkit.nn.model_parallel imports this module
+    from shardkit.nn.model_parallel.initialize import groups_of
+    groups = groups_of(marked, what)
+    return groups if len(groups.tensor_ranks) > 1 else None
+
+
+def count_once_over_tensor_parallel(params: Iterable[torch.Tensor], counted: Sequence, what: str,
+                                    data_groups: Sequence = ()) -> tuple[list, tuple]:
+    """``(counted, also_over)`` for a data-parallel wrapper's clipping under tensor parallelism.
+
+    ``params``: all of the wrapper's parameters on this rank (read for the layers' marks, so
+    that every rank of the wrapper decides alike); ``counted``: those whose gradients this rank
+    would count without tensor parallelism (its owned ones, its shards). Without split
+    tensor-parallel parameters, ``(counted, ())``: nothing changes. With them, the ones this
+    tensor-parallel rank counts (:func:`counted_on_tensor_rank`) and ``(tensor_group,)``: the
+    partial norm is then also summed over the tensor-parallel group, one more all-reduce of one
+    element, so that every rank gets the whole model's norm and clips by the same factor (the
+    replicated weights stay equal). Pipeline stages are not summed: each stage's wrapper
+    measures its stage (:func:`shardkit.nn.model_parallel.clip_grad_norm` sums them).
+
+    ``data_groups``: the wrapper's process groups (``None``: the world); a group holding two
+    ranks of one tensor-parallel group (a wrapper over the world instead of the data-parallel
+    group) raises ``ValueError``. Local, no communication.
+    """
+    params = list(params)
+    groups = tensor_parallel_groups(params, what)
+    if groups is None:
+        return list(counted), ()
+    tensor_ranks = set(groups.tensor_ranks)
+    for group in data_groups:
+        ranks = (range(distributed.get_world_size()) if group is None
+                 else distributed.group_ranks(group))
+        shared = sorted(tensor_ranks.intersection(ranks))
+        if len(shared) > 1:
+            raise ValueError(
+                f"{what}: the model has tensor-parallel layers, and the wrapper's process group "
+                f"(ranks {list(ranks)}) holds ranks {shared} of one tensor-parallel group "
+                f"{list(groups.tensor_ranks)}, which hold different slices of the weights; build "
+                f"the wrapper over shardkit.nn.model_parallel.get_data_parallel_group()")
+    return counted_on_tensor_rank(counted, groups.tensor_rank), (groups.tensor,)
 
 
 @torch.no_grad()

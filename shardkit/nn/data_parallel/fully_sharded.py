@@ -97,7 +97,8 @@ from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, group
 from shardkit.nn.data_parallel.training_state import TrainingState, check_state
 from shardkit.nn.wrap import auto_wrap_bn  # noqa: F401 - FairScale's FSDP module has it
 from shardkit.quantized_transport import quantized_transport_for
-from shardkit.utils.grad_norm import check_clip_arguments, clip_grad_norm_across_ranks
+from shardkit.utils.grad_norm import (check_clip_arguments, clip_grad_norm_across_ranks,
+                                      count_once_over_tensor_parallel)
 from shardkit.utils.wrapped_attributes import attribute_through
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "ShardingStrategy",
@@ -1026,7 +1027,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         ``NO_SHARD`` or hybrid units under a ``FULL_SHARD`` root, as torch FSDP1 allows).
         Communication: one all-reduce of one element over the root's shard group; when some
         unit's replicas or shard group differ from the root's, one more over the root's replica
-        group (if it has one). Call it on the root, on all ranks."""
+        group (if it has one); for a model with tensor-parallel layers (FSDP over the
+        data-parallel group, 2D/3D parallelism), one more over the tensor-parallel group, so
+        that split weights count once per slice and replicated ones once in all (see
+        :func:`~shardkit.utils.grad_norm.count_once_over_tensor_parallel`). Call it on the root,
+        on all ranks."""
         if self._is_root is False:
             raise RuntimeError("clip_grad_norm_() was called on an inner FullyShardedDataParallel "
                                "unit; call it on the root (outermost) instance")
@@ -1048,20 +1053,30 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         rank's gradients over the root's shard group already counts each once: ``(None, ())``.
         Otherwise (units of another strategy than the root's) each unit's gradients count on
         the first rank of its replica group only, and the sum runs over the root's shard group
-        and then its replica group. Local, no communication."""
+        and then its replica group. Tensor-parallel layers in the model then narrow the counted
+        gradients and add the tensor-parallel group (``count_once_over_tensor_parallel``).
+        Local, no communication."""
         def ranks(group):
             return None if group is None else tuple(skdist.group_ranks(group))
 
         units = [u for u in self.sharded_units() if u._shard is not None]
         root_shard, root_replicas = set(skdist.group_ranks(self.process_group)), \
             ranks(self.replicate_group)
-        if all(ranks(u.replicate_group) == root_replicas
-               and set(skdist.group_ranks(u.process_group)) <= root_shard for u in units):
+        uniform = all(ranks(u.replicate_group) == root_replicas
+                      and set(skdist.group_ranks(u.process_group)) <= root_shard for u in units)
+        if uniform:
+            counted, also_over = self.params_with_grad, ()
+        else:
+            counted = [p for u in units
+                       if u.replicate_group is None or skdist.get_rank(u.replicate_group) == 0
+                       for p in u.params if p.grad is not None]
+            also_over = () if self.replicate_group is None else (self.replicate_group,)
+        counted, over_tensor = count_once_over_tensor_parallel(
+            self.parameters(), counted, "clip_grad_norm_",
+            data_groups=[g for g in (self.process_group, self.replicate_group) if g is not None])
+        if uniform and not over_tensor:
             return None, ()
-        measured = [p.grad for u in units
-                    if u.replicate_group is None or skdist.get_rank(u.replicate_group) == 0
-                    for p in u.params if p.grad is not None]
-        return measured, (() if self.replicate_group is None else (self.replicate_group,))
+        return [p.grad for p in counted], also_over + over_tensor
 
 
 FSDP = FullyShardedDataParallel

@@ -20,7 +20,8 @@ import torch
 
 from shardkit import distributed
 from shardkit.nn.model_parallel.initialize import groups_of
-from shardkit.utils.grad_norm import check_clip_arguments, clip_grad_norm_across_ranks
+from shardkit.utils.grad_norm import (check_clip_arguments, clip_grad_norm_across_ranks,
+                                      counted_on_tensor_rank)
 
 __all__ = ["clip_grad_norm"]
 
@@ -38,8 +39,9 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,
     norms are then summed over that group too. Leave ``None`` when every replica holds the
     whole averaged gradients (torch DDP, OSS with gradients averaged by hand). The wrappers'
     own clipping (``OSS.clip_grad_norm``, ``FullyShardedDataParallel.clip_grad_norm_``)
-    knows nothing of tensor parallelism: it counts replicated parameters once per
-    tensor-parallel rank and misses the other ranks' slices.
+    gives the same norm when they run over the data-parallel group (it reads the same marks,
+    :func:`shardkit.utils.grad_norm.count_once_over_tensor_parallel`), except under pipeline
+    parallelism, where it measures its own stage only: use this function there.
 
     The groups are the ones the tensor-parallel layers of ``parameters`` were built with (so a
     model keeps clipping right after :func:`destroy_model_parallel` and a new
@@ -54,11 +56,10 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     groups = groups_of(params, "clip_grad_norm")
     with_grad = [p for p in params if p.grad is not None]
-    # replicated gradients are equal on every tensor-parallel rank: count them on rank 0 only;
-    # a pipeline's later copy of a tied weight (``shared``, as Megatron marks it) not at all
-    counts_replicated = groups.tensor_rank == 0
-    measured = [p.grad for p in with_grad if not getattr(p, "shared", False) and (
-        getattr(p, "tensor_model_parallel", False) or counts_replicated)]
+    # a pipeline's later copy of a tied weight (``shared``, as Megatron marks it) counts not
+    # at all: the earlier stage counts it
+    measured = [p.grad for p in counted_on_tensor_rank(with_grad, groups.tensor_rank)
+                if not getattr(p, "shared", False)]
     also_over = [groups.pipeline] if len(groups.pipeline_ranks) > 1 else []
     if data_parallel_group is not None:
         if distributed.get_rank(data_parallel_group) < 0:
