@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from shardkit import distributed as skdist
-from shardkit.optim.oss import STEPPED_WITH_SCALED_GRADS
+from shardkit.optim.oss import OSS, STEPPED_WITH_SCALED_GRADS
 
 __all__ = ["ShardedGradScaler"]
 
@@ -40,6 +40,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     Cost: memory, two scalars; communication, one all-reduce of one float32 per
     ``unscale_``/``step`` per optimizer.
+
+    torch's own ``torch.amp.GradScaler`` checks only the gradients a rank holds. With
+    :class:`~shardkit.optim.OSS` it still never hangs (OSS combines the flags itself, one more
+    all-reduce of one element per step), but when only some ranks see inf/nan (under
+    ``ShardedDataParallel`` each rank holds only the gradients it owns) its ``update()`` would
+    move the ranks' scales apart, so ``OSS.step`` raises a RuntimeError on every rank naming
+    this class. With ``FullyShardedDataParallel`` (a plain optimizer over the shards) nothing
+    can catch it: use this class.
 
     Usage::
 
@@ -79,7 +87,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
             raise RuntimeError("ShardedGradScaler: " + STEPPED_WITH_SCALED_GRADS)
         # FairScale's scaler unscales fp16 gradients too (torch's refuses them)
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
-        return self._found_inf_on_any_rank(per_device, found_inf.device)
+        agreed = self._found_inf_on_any_rank(per_device, found_inf.device)
+        if isinstance(optimizer, OSS):  # so that its step does not combine the flags again
+            optimizer._found_inf_agreed_over(self.process_group)
+        return agreed
 
     def _found_inf_on_any_rank(self, per_device: dict, scale_device: torch.device) -> dict:
         """One flag: 1.0 if any device of any rank found inf/nan. Returned for every device

@@ -29,7 +29,8 @@ from shardkit.optim.local_step import (all_fp32, build_local_optimizer, choose_f
 from shardkit.optim.param_sync import ParamSync, broadcast_wire_dtype
 from shardkit.optim.partition import ParameterPartition, plan_ownership, send_state_to_new_owners
 from shardkit.transport import resolve_transport
-from shardkit.utils.grad_norm import check_clip_arguments, clip_grad_norm_across_ranks
+from shardkit.utils.grad_norm import (check_clip_arguments, clip_grad_norm_across_ranks,
+                                      count_once_over_tensor_parallel)
 
 __all__ = ["OSS"]
 
@@ -85,7 +86,8 @@ class OSS(torch.optim.Optimizer):
     :mod:`shardkit.optim.param_sync`; the caller's parameters become views of them, in this
     process's own memory). Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16
     / bf16 with ``broadcast_fp16``), one all-gather per bucket. :meth:`clip_grad_norm`: one
-    all-reduce of one element. Construction: one small all-gather of the parameter shapes.
+    all-reduce of one element (one more over the tensor-parallel group for a model with
+    tensor-parallel layers). Construction: one small all-gather of the parameter shapes.
 
     Implementation: for ``SGD``, ``Adam``, ``AdamW`` and ``Adagrad`` given with ``fused`` and
     ``foreach`` unset, over fp32 parameters, the local step runs torch's own fused kernel (the
@@ -133,6 +135,7 @@ class OSS(torch.optim.Optimizer):
         self.fused = choose_fused(optim, ctor_kwargs, groups)
         self._ready = False
         self._stepped_in_backward: Optional[set] = None  # buckets stepped by ShardedDDP's backward
+        self._found_inf_agreed = False  # ShardedGradScaler combined this step's inf/nan flags
         self._consolidated: Optional[dict] = None
         self._parked_state: dict = {}  # state of frozen parameters last owned here
         args.check_no_shared_storage(groups, self.world_size)
@@ -254,12 +257,23 @@ class OSS(torch.optim.Optimizer):
         ...) is stepped bucket by bucket, each bucket's all-gather overlapping the stepping of
         the next; any other optimizer, or a closure, steps whole and then syncs every bucket.
 
+        Called by a ``GradScaler`` (torch's or :class:`~shardkit.optim.ShardedGradScaler`),
+        ``step`` runs on every rank even on inf/nan and decides with the other ranks: one
+        all-reduce of one element (none with ``ShardedGradScaler``, whose check already spans
+        the ranks) tells whether any rank found inf/nan; then every rank skips, or unscales the
+        gradients the scaler left scaled and steps. Ranks that disagree under torch's scaler (a
+        shard that overflowed on some ranks only, as under ``ShardedDataParallel``) raise a
+        RuntimeError on every rank, since its ``update()`` would move the loss scales apart.
+
         Communication: ``Ψ(N-1)/N`` elements in all, one all-gather per bucket.
         """
+        found_inf_agreed, self._found_inf_agreed = self._found_inf_agreed, False
         if self._stepped_in_backward is not None:
             return self._finish_step_begun_in_backward(closure, kwargs)
         self._check_trainable_covered()
         self._sync.wait()
+        if "found_inf" in self.__dict__ and self._skip_scaled_step(found_inf_agreed):
+            return None
         self._consolidated = None
         self._sync.rebind_if_moved()
         self._settle_fused_choice()
@@ -272,6 +286,56 @@ class OSS(torch.optim.Optimizer):
             self._sync.sync_all()
         self._pull_hyperparameters()
         return loss
+
+    # ------------------------------------------------------------------ loss scaling
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # Note: with this True, torch's GradScaler.step() calls step() even when this rank found
+        # inf/nan, handing it the scale and this rank's flag as the ``grad_scale`` / ``found_inf``
+        # attributes. Every rank then enters step() and the ranks decide together; otherwise a
+        # rank whose shard overflowed would skip the parameter sync the other ranks wait in.
+        return True
+
+    def _found_inf_agreed_over(self, group) -> None:
+        """Told by ShardedGradScaler that it combined this step's inf/nan flags over ``group``
+        (None: the world): the next :meth:`step` need not combine them again if ``group``
+        holds every rank of this OSS."""
+        held = distributed.group_ranks(group)
+        self._found_inf_agreed = set(distributed.group_ranks(self.group)) <= set(held)
+
+    def _skip_scaled_step(self, found_inf_agreed: bool) -> bool:
+        """For a step called by a GradScaler: True if every rank skips it (some rank found
+        inf/nan); otherwise unscale the gradients the scaler left scaled and return False."""
+        ranks_with_inf = self._count_ranks_that_found_inf(found_inf_agreed)
+        if 0 < ranks_with_inf < self.world_size:
+            for name in ("grad_scale", "found_inf"):  # the scaler deletes them only if step returns
+                self.__dict__.pop(name, None)
+            raise RuntimeError(
+                f"OSS.step: the GradScaler found inf/nan gradients on {ranks_with_inf} of "
+                f"{self.world_size} ranks only: torch.amp.GradScaler checks the gradients this "
+                f"rank holds (under ShardedDataParallel, only the ones it owns), so its update() "
+                f"would back the loss scale off on those ranks only and the ranks would train "
+                f"with different scales. No rank stepped. Use shardkit.optim.ShardedGradScaler "
+                f"(the same arguments as torch.amp.GradScaler), whose check spans every rank")
+        if ranks_with_inf:
+            return True
+        grad_scale = self.__dict__.get("grad_scale")
+        if grad_scale is not None:  # torch's scaler leaves unscaling to an optimizer like this
+            _unscale_grads([p for g in self.param_groups for p in g["params"]], grad_scale)
+        return False
+
+    def _count_ranks_that_found_inf(self, found_inf_agreed: bool) -> int:
+        """How many ranks of the group found inf/nan: one all-reduce of one element, unless the
+        flags are already the same on every rank."""
+        found_inf = self.__dict__["found_inf"]
+        # torch's scaler hands the int 0 when this rank holds no gradient at all
+        device = found_inf.device if torch.is_tensor(found_inf) else self._default_device
+        found_here = torch.as_tensor(found_inf, device=device).gt(0).to(torch.float32)
+        if found_inf_agreed or self.world_size == 1:
+            return self.world_size if found_here.item() else 0
+        distributed.all_reduce(found_here, group=self.group)
+        return int(found_here.item())
 
     def _settle_fused_choice(self) -> None:
         """Turn OSS's own choice of the fused kernel off, for good, where it would no longer
@@ -296,6 +360,16 @@ class OSS(torch.optim.Optimizer):
         (ShardedDDP); one all-reduce of one element. Only the owned gradients (the ones the
         step reads) are scaled. ``filter_params_fn`` (FairScale's argument) receives the list of
         this rank's owned parameters and returns the ones to measure and clip.
+
+        Tensor parallelism (OSS over the data-parallel group of a model built from
+        ``shardkit.nn.model_parallel`` layers): read from the parameters' marks, split weights
+        count on every tensor-parallel rank and replicated ones (LayerNorms, row-parallel
+        biases) on tensor-parallel rank 0 only, and the norm is also summed over the
+        tensor-parallel group: one more all-reduce of one element, only when such layers are
+        present. Every rank then gets the norm of the unsplit model and clips by the same
+        factor. A pipeline stage's OSS measures that stage only (sum the stages with
+        :func:`shardkit.nn.model_parallel.clip_grad_norm`). An OSS group holding two ranks of
+        one tensor-parallel group raises ``ValueError`` before any collective.
         """
         max_norm, norm_type = check_clip_arguments("OSS.clip_grad_norm", max_norm, norm_type)
         if self._stepped_in_backward is not None:
@@ -309,9 +383,14 @@ class OSS(torch.optim.Optimizer):
         owned = self._owned_params()
         if filter_params_fn is not None:
             owned = list(filter_params_fn(owned))
-        grads = [p.grad for p in owned if p.grad is not None]
-        return clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.group,
-                                           device=self._default_device)
+        owned = [p for p in owned if p.grad is not None]
+        every_param = [p for group in self.param_groups for p in group["params"]]
+        counted, also_over = count_once_over_tensor_parallel(
+            every_param, owned, "OSS.clip_grad_norm", data_groups=(self.group,))
+        return clip_grad_norm_across_ranks([p.grad for p in owned], max_norm, norm_type,
+                                           self.group, device=self._default_device,
+                                           measured=[p.grad for p in counted],
+                                           also_over=also_over)
 
     # ------------------------------------------------------------------ param groups
 
@@ -459,13 +538,6 @@ class OSS(torch.optim.Optimizer):
     def _step_only(self, params: list) -> None:
         step_only(self.optim, params, {})
 
-    @property
-    def _step_supports_amp_scaling(self) -> bool:
-        # True only while a step begun in backward waits: torch's GradScaler.step() then hands
-        # step() its scale (as the ``grad_scale`` / ``found_inf`` attributes) instead of calling
-        # it bare, which lets step() refuse to finish an update made with scaled gradients.
-        return self._stepped_in_backward is not None
-
     def _refuse_loss_scaling(self) -> None:
         if "found_inf" not in self.__dict__:
             return
@@ -556,6 +628,15 @@ class OSS(torch.optim.Optimizer):
         self.optim = self._build_local_optimizer(self.param_groups)
         self._load_local_state({**kept, **arriving})
         self._consolidated = None
+
+
+def _unscale_grads(params: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
+    """Divide every gradient of ``params`` by ``grad_scale`` in place, with the reciprocal
+    torch's GradScaler uses (computed in fp64), so the result is the same to the last bit."""
+    inv_scale = grad_scale.double().reciprocal().float()
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(inv_scale.to(p.grad.device))
 
 
 def _hyper(group: dict) -> dict:

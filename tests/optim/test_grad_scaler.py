@@ -154,3 +154,120 @@ def test_fairscale_positional_order_and_fp16_gradients():
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         ShardedGradScaler(**kwargs)
+
+
+# ---------------------------------------------------------------- torch's own GradScaler with OSS
+
+
+def _sharded_and_reference_models():
+    """The same small MLP twice: wrapped in ShardedDataParallel + OSS(Adam), and plain (the
+    one-process oracle, trained on the global batch)."""
+    from shardkit.nn.data_parallel import ShardedDataParallel
+    from shardkit.optim import OSS
+
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model.load_state_dict(reference.state_dict())
+    optimizer = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.05)
+    return (ShardedDataParallel(model, optimizer), optimizer,
+            reference, torch.optim.Adam(reference.parameters(), lr=0.05))
+
+
+def _global_batch(step: int) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, 16).reshape(4, 4) * (step + 1)
+
+
+def _train_step(model, optimizer, scaler, x, loss_factor: float, clip: bool) -> None:
+    optimizer.zero_grad()
+    loss = model(x).pow(2).mean() * loss_factor
+    scaler.scale(loss).backward()
+    if clip:  # the AMP recipe: unscale, clip the true gradients, then step
+        scaler.unscale_(optimizer)
+        if hasattr(optimizer, "clip_grad_norm"):
+            optimizer.clip_grad_norm(0.5)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def _check_torch_scaler_with_sharded_ddp_matches_one_process():
+    """torch.amp.GradScaler with ShardedDDP + OSS where every rank agrees (a step that
+    overflows everywhere, steps that overflow nowhere): the same weights and scale as one
+    process training the global batch, and one all-reduce of one element per step."""
+    rank, world = skdist.get_rank(), skdist.get_world_size()
+    model, optimizer, reference, reference_optimizer = _sharded_and_reference_models()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    reference_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    plan = [(1.0, False), (float("inf"), False), (1.0, True), (1.0, False), (1.0, True)]
+    max_error, scales = 0.0, []
+    with skdist.CommCounter() as comm:
+        for step, (loss_factor, clip) in enumerate(plan):
+            x = _global_batch(step)
+            _train_step(model, optimizer, scaler, x.chunk(world)[rank], loss_factor, clip)
+            with skdist.CommCounter():  # the oracle: local, not counted
+                _train_step(reference, reference_optimizer, reference_scaler, x, loss_factor,
+                            clip)
+            max_error = max(max_error, max((p - q).abs().max().item() for p, q in
+                                           zip(model.parameters(), reference.parameters())))
+            scales.append((scaler.get_scale(), reference_scaler.get_scale()))
+    # without a scaler, OSS.step adds no collective
+    optimizer.zero_grad()
+    model(_global_batch(0).chunk(world)[rank]).sum().backward()
+    with skdist.CommCounter() as bare:
+        optimizer.step()
+    return dict(max_error=max_error, scales=scales,
+                all_reduce_bytes=comm.by_op.get("all_reduce", 0),
+                all_reduces=comm.calls_by_op.get("all_reduce", 0),
+                bare_step_ops=sorted(bare.calls_by_op))
+
+
+def test_torch_grad_scaler_with_sharded_ddp_matches_one_process(world2):
+    for r in world2.run(_check_torch_scaler_with_sharded_ddp_matches_one_process):
+        assert r["max_error"] < 1e-5
+        assert [ours for ours, _ in r["scales"]] == [theirs for _, theirs in r["scales"]]
+        assert [ours for ours, _ in r["scales"]] == [1024.0, 512.0, 512.0, 1024.0, 1024.0]
+        # 5 agreements + 2 clippings, each one all-reduce of one element
+        assert r["all_reduces"] == 7
+        assert r["bare_step_ops"] == ["all_gather"]
+
+
+def _check_torch_scaler_when_ranks_disagree():
+    """An inf in one rank's owned gradient only: torch's scaler would back off that rank's
+    scale only. Every rank raises, naming ShardedGradScaler, with no weight changed and the
+    world still in step; ShardedGradScaler then skips on every rank with one all-reduce."""
+    rank = skdist.get_rank()
+    model, optimizer, _, _ = _sharded_and_reference_models()
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def poisoned_step(scaler):
+        optimizer.zero_grad()
+        scaler.scale(model(_global_batch(rank)).pow(2).mean()).backward()
+        if rank == 1:  # ShardedDDP reduced each gradient to its owner only
+            owned = next(p for p, owner in optimizer.param_to_rank.items() if owner == rank)
+            owned.grad.view(-1)[0] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+
+    with pytest.raises(RuntimeError) as raised:
+        poisoned_step(torch.amp.GradScaler("cpu", init_scale=1024.0))
+    message = str(raised.value)
+    untouched = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    attributes_left = [a for a in ("grad_scale", "found_inf") if hasattr(optimizer, a)]
+    sharded = ShardedGradScaler("cpu", init_scale=1024.0)
+    with skdist.CommCounter() as comm:
+        poisoned_step(sharded)
+    skipped = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    return dict(message=message, untouched=untouched, attributes_left=attributes_left,
+                skipped=skipped, scale=sharded.get_scale(), ops=comm.calls_by_op)
+
+
+def test_torch_grad_scaler_raises_on_every_rank_when_ranks_disagree(world2):
+    for r in world2.run(_check_torch_scaler_when_ranks_disagree):
+        assert "on 1 of 2 ranks" in r["message"]
+        assert "shardkit.optim.ShardedGradScaler" in r["message"]
+        assert r["untouched"] and r["attributes_left"] == []
+        assert r["skipped"] and r["scale"] == 512.0
+        # ShardedGradScaler's check spans the ranks already: OSS adds no all-reduce of its own
+        assert r["ops"].get("all_reduce") == 1 and "all_gather" not in r["ops"]
