@@ -164,7 +164,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         device_mesh: instead of ``process_group``, a torch ``DeviceMesh``: 2-D
             ``(replicate, shard)`` for the hybrid strategies, 1-D otherwise.
         mixed_precision: compute in ``compute_dtype`` (default fp16) with fp32 master shards;
-            or a :class:`MixedPrecisionPolicy`.
+            or a :class:`MixedPrecisionPolicy`. Scale fp16 losses with
+            :class:`shardkit.optim.ShardedGradScaler`, not ``torch.amp.GradScaler``: torch's
+            checks only this rank's gradient shard, so an overflow in one shard skips the step
+            on that rank alone and moves its loss scale apart from the others' (no error).
         fp32_reduce_scatter: reduce-scatter gradients in fp32 under mixed precision.
         flatten_parameters: accepted for FairScale compatibility; communication is always one
             transport operation per unit and direction.
