@@ -79,8 +79,10 @@ class CommCounter:
     Per link: ``intra_node_bytes`` counts ops on groups whose ranks share one node,
     ``inter_node_bytes`` ops on groups that span nodes, both under the same convention and
     classified by the op's group (a send on a spanning group counts as spanning even when its
-    peer shares the node); topology from
-    :func:`shardkit.distributed.ranks_per_node`.
+    peer shares the node); a group spans nodes when its ranks run on more than one node of
+    the layout :func:`shardkit.distributed.init_distributed` gathers (``GROUP_RANK`` or host
+    name, whatever order the launcher numbered the ranks in; see
+    :func:`shardkit.distributed.spans_nodes`).
 
     Counters nest: an op issued inside two counters is recorded once in each. Asynchronous
     ops are recorded once, when issued. Costs nothing on the wire.

@@ -41,6 +41,7 @@ __all__ = [
     "broadcast_object", "all_gather_object", "broadcast_tensors_from_rank0", "any_rank",
     "CommCounter", "CommRecord", "ReduceOp", "destroy", "set_debug_collectives",
     "ranks_per_node", "node_of", "spans_nodes", "node_groups", "groups_of_nodes",
+    "ranks_by_node", "check_equal_nodes", "node_layout_known",
     "CollectiveError", "reporting_broken_links",
 ]
 
@@ -328,6 +329,7 @@ def _destroy_at_exit() -> None:
               f"or gone): leaving without tearing the process group down", file=sys.stderr)
         return
     try:
+        _forget_topology()  # else the default group outlives this teardown (see there)
         dist.destroy_process_group()
     except Exception as err:
         print(f"[shardkit] process-group teardown at exit failed: {err}", file=sys.stderr)
@@ -413,12 +415,11 @@ def destroy() -> None:
     Note: without the barrier, a rank that finishes first can tear down gloo's connections while
     a peer is still completing the last collective, and gloo then aborts the process
     ("terminate called without an active exception")."""
-    global _node_groups, _layout
     if is_initialized():
         dist.barrier()
+        _forget_topology()
         dist.destroy_process_group()
-    _node_groups = _layout = None
-    _spanning.clear()
+    _forget_topology()
 
 
 def get_rank(group=None) -> int:
@@ -548,6 +549,17 @@ def timeout_of(group=None) -> Optional[float]:
 _layout: Optional[tuple] = None  # (the default group it was gathered in, node index per rank)
 
 
+def _forget_topology() -> None:
+    """Drop the gathered layout and the groups cached for topology. They hold the default
+    group and its node groups: a group still referenced outlives ``destroy_process_group``
+    with its gloo connections open, and is torn down at interpreter exit instead, when the
+    ranks no longer wait for each other (gloo then aborted a rank now and then: "terminate
+    called without an active exception")."""
+    global _node_groups, _layout
+    _node_groups = _layout = None
+    _spanning.clear()
+
+
 def _node_identity() -> tuple:
     """What this rank knows of its node: ``(GROUP_RANK or None, host name)``."""
     import socket
@@ -598,6 +610,13 @@ def _known_layout() -> Optional[list]:
     if _layout is not None and is_initialized() and _layout[0] is dist.group.WORLD:
         return _layout[1]
     return None
+
+
+def node_layout_known() -> bool:
+    """Whether the node of every rank was gathered for the current default group (by
+    :func:`init_distributed` or a first :func:`node_groups`), so that :func:`ranks_by_node`
+    costs no communication."""
+    return _known_layout() is not None
 
 
 def ranks_per_node() -> int:
@@ -690,26 +709,64 @@ def _groups_of_node_members(members: Sequence[Sequence[int]]) -> tuple:
     """This rank's ``(intra, inter)`` groups for nodes holding the global ranks ``members``
     (equal sizes): one group per node, one per local index across nodes (every rank creates
     all of them in one order, as ``new_group`` requires; ``None`` where this rank is not a
-    member). Collective; costs no tensor traffic."""
+    member). Each group's ranks are passed ascending, so a group's rank order is its global
+    rank order whatever the node order. Collective; costs no tensor traffic."""
     me = get_rank()
     intra = inter = None
     for ranks in members:
-        created = new_group(list(ranks))
+        ranks = sorted(ranks)
+        created = new_group(ranks)
         intra = created if me in ranks else intra
     for local in range(len(members[0])):
-        ranks = [node[local] for node in members]
+        ranks = sorted(node[local] for node in members)
         created = new_group(ranks)
         inter = created if me in ranks else inter
     return intra, inter
 
 
-def groups_of_nodes(ranks: Sequence[int], per_node: int) -> tuple:
-    """This rank's ``(intra, inter)`` groups for the global ``ranks`` cut node-major into nodes
-    of ``per_node``: one group per node, one per local index across nodes (every rank creates
-    all of them, as ``new_group`` requires; ``None`` where this rank is not a member).
-    Collective; costs no tensor traffic."""
-    return _groups_of_node_members([list(ranks[start:start + per_node])
-                                    for start in range(0, len(ranks), per_node)])
+def ranks_by_node(ranks: Sequence[int]) -> list[list[int]]:
+    """The global ``ranks`` grouped by the node each runs on: the gathered layout (see the notes
+    above), whatever order the launcher numbered the ranks in. Nodes come in the order of their
+    lowest rank, ranks ascending inside each, so torchrun's node-by-node numbering gives
+    consecutive blocks. Collective over the default group only the first time, when
+    :func:`init_distributed` did not gather the layout (one small object all-gather); no
+    tensor traffic after."""
+    layout = discover_node_layout() if _known_layout() is None else _known_layout()
+    by_node: dict = {}
+    for rank in sorted(ranks):
+        by_node.setdefault(layout[rank], []).append(rank)
+    return list(by_node.values())
+
+
+def check_equal_nodes(members: Sequence[Sequence[int]], what: str) -> None:
+    """Raise ValueError, naming ``what``, unless every node of ``members`` (from
+    :func:`ranks_by_node`) holds the same number of ranks. Every rank holds the same layout,
+    so it raises on every rank or on none. Local; no communication."""
+    if len({len(ranks) for ranks in members}) > 1:
+        layout = _known_layout() or []
+        nodes = ", ".join(f"ranks {list(ranks)} on node "
+                          f"{layout[ranks[0]] if ranks[0] < len(layout) else '?'}"
+                          for ranks in members)
+        raise ValueError(f"{what}: the ranks sit on nodes of unequal sizes ({nodes}; nodes from "
+                         f"GROUP_RANK, or the host name); it needs the same number of ranks on "
+                         f"every node")
+
+
+def groups_of_nodes(ranks: Sequence[int], per_node: Optional[int] = None) -> tuple:
+    """This rank's ``(intra, inter)`` groups for the global ``ranks``: one group per node, one
+    per local index across nodes (every rank creates all of them, as ``new_group`` requires;
+    ``None`` where this rank is not a member). ``per_node=None``: the nodes the ranks really
+    run on (:func:`ranks_by_node`; ValueError on every rank when they hold unequal numbers of
+    ``ranks``); ``per_node=m``: ``ranks`` cut into consecutive blocks of ``m`` (node-major
+    numbering taken as given). Collective (and gathers the layout the first time, see
+    :func:`ranks_by_node`); costs no tensor traffic."""
+    if per_node is None:
+        members = ranks_by_node(ranks)
+        check_equal_nodes(members, "groups_of_nodes")
+    else:
+        members = [list(ranks[start:start + per_node])
+                   for start in range(0, len(ranks), per_node)]
+    return _groups_of_node_members(members)
 
 
 # ----------------------------------------------------------------------------- counting

@@ -21,7 +21,6 @@ block arrives as nan on every receiver (a loss-scaled step then skips), never a 
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence, Union
 
 import torch
@@ -33,7 +32,7 @@ from shardkit.kernels.packing import chunk_of_rank
 
 __all__ = ["quantized_all_gather", "quantized_reduce_scatter",
            "quantized_reduce_scatter_hierarchical", "issue_reduce_scatter",
-           "PendingQuantized", "node_groups",
+           "PendingQuantized", "node_groups", "node_send_order", "pack_for_nodes",
            "wire_bytes", "hierarchical_wire_bytes"]
 
 _OPS = ("sum", "mean")
@@ -232,7 +231,8 @@ def quantized_reduce_scatter_hierarchical(tensors: Union[torch.Tensor, Sequence[
                                           scale_dtype: torch.dtype = torch.float32,
                                           chunk_numels: Optional[Sequence[int]] = None,
                                           op: str = "sum",
-                                          out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                          out: Optional[torch.Tensor] = None,
+                                          group=None) -> torch.Tensor:
     """ZeRO++'s hierarchical qgZ over ``n`` ranks per node (``intra_group``) and ``k`` nodes
     (``inter_group``: the ranks of the same local index on every node).
 
@@ -240,8 +240,14 @@ def quantized_reduce_scatter_hierarchical(tensors: Union[torch.Tensor, Sequence[
     its node's partial sums for the ``k`` ranks of its local index) -> requantize -> all-to-all
     across nodes -> dequantize and sum (and divide by ``N = n k`` for ``op="mean"``).
 
-    The values are cut for ``N`` ranks; this rank gets segment ``inter_rank * n + intra_rank``,
-    which is its rank in the full group when ranks are numbered node-major (torchrun's order).
+    The values are cut for the ``N`` ranks of ``group`` (default: the default group) in its
+    rank order, as ``reduce_scatter_tensor`` would cut them, and this rank gets its own segment
+    whatever order the launcher numbered the ranks in: when the gathered node layout (see
+    :func:`shardkit.distributed.ranks_by_node`) puts ``group``'s ranks on ``k`` nodes of ``n``,
+    the groups must be those nodes and their columns (what :func:`node_groups` returns), and
+    the segments are sent in that order (one extra copy of the quantized send buffer when the
+    numbering is not node-major). Otherwise the groups define the nodes and the numbering is
+    taken as node-major: this rank gets segment ``inter_rank * n + intra_rank``.
     With one node (``k = 1``) or one rank per node (``n = 1``) it is one all-to-all, exactly
     :func:`quantized_reduce_scatter` over the other group.
 
@@ -260,10 +266,11 @@ def quantized_reduce_scatter_hierarchical(tensors: Union[torch.Tensor, Sequence[
         group = intra_group if k == 1 else inter_group
         return quantized_reduce_scatter(tensors, group, chunk_numels=chunk_numels, **kwargs)
     world = n * k
+    order = _order_of_given_groups(intra_group, inter_group, group)
     layout = quant_layout([t.numel() for t in tensors], world, bits=bits, block=block,
                           scale_dtype=scale_dtype, chunk_numels=chunk_numels)
     out = _result_buffer(out, layout.segment_numel, tensors[0].device)
-    send = quantize_pack(tensors, layout, node_size=n, check_finite=False)
+    send = pack_for_nodes(tensors, layout, n, order)
     received = torch.empty_like(send)
     skdist.all_to_all_single(received, send, group=intra_group)
     partials = dequantize_sum(received, layout, sources=n)  # k x S, fp32
@@ -274,6 +281,69 @@ def quantized_reduce_scatter_hierarchical(tensors: Union[torch.Tensor, Sequence[
     skdist.all_to_all_single(received, send, group=inter_group)
     return dequantize_sum(received, across, sources=k,
                           multiplier=1.0 / world if op == "mean" else 1.0, out=out)
+
+
+def node_send_order(members: Sequence[Sequence[int]],
+                    ranks: Sequence[int]) -> Optional[list[int]]:
+    """Where each segment goes in the send buffer of the hierarchical reduce over the nodes
+    ``members`` (global ranks, ascending, ``k`` nodes of ``n``) of the group whose global ranks
+    are ``ranks`` (in group-rank order): slot ``j * k + q`` holds the segment of the rank with
+    node-local index ``j`` that is rank ``q`` of its cross-node group. Returns, per slot, the
+    group rank of that segment; ``None`` where this is the node-major order that
+    ``quantize_pack(node_size=n)`` writes directly. Local; no communication."""
+    n, k = len(members[0]), len(members)
+    index = {rank: i for i, rank in enumerate(ranks)}
+    order = []
+    for local in range(n):
+        order += [index[rank] for rank in sorted(node[local] for node in members)]
+    if all(slot == (r % n) * k + r // n for r, slot in
+           sorted((r, slot) for slot, r in enumerate(order))):
+        return None
+    return order
+
+
+def pack_for_nodes(tensors: Sequence[torch.Tensor], layout: QuantLayout, per_node: int,
+                   order: Optional[list[int]]) -> torch.Tensor:
+    """Quantize ``tensors`` (rank-major for ``layout.world_size`` ranks) into the send buffer of
+    the hierarchical reduce: the kernel's node-major slots when ``order`` is ``None``, else the
+    slots of :func:`node_send_order` (one more copy of the quantized buffer). No
+    communication."""
+    if order is None:
+        return quantize_pack(tensors, layout, node_size=per_node, check_finite=False)
+    packed = quantize_pack(tensors, layout, check_finite=False)
+    slots = torch.tensor(order, device=packed.device)
+    return packed.view(layout.world_size, layout.segment_bytes).index_select(0, slots).reshape(-1)
+
+
+def _order_of_given_groups(intra_group, inter_group, group) -> Optional[list[int]]:
+    """:func:`node_send_order` for :func:`quantized_reduce_scatter_hierarchical`: from the
+    gathered layout when it puts ``group``'s ranks on as many equal nodes as the groups say
+    (then the groups must be those nodes), else node-major (``None``). Local; raises
+    ValueError before anything is sent."""
+    intra, inter = skdist.group_ranks(intra_group), skdist.group_ranks(inter_group)
+    n, k = len(intra), len(inter)
+    ranks = (skdist.group_ranks(group) if group is not None
+             else list(range(skdist.get_world_size())))
+    if len(ranks) != n * k:
+        if group is not None:
+            raise ValueError(f"quantized_reduce_scatter_hierarchical: group holds "
+                             f"{len(ranks)} ranks, but intra_group x inter_group hold {n} x "
+                             f"{k}; group is the group the values are cut for")
+        return None  # a part of the world: the groups define the nodes, node-major
+    if not skdist.node_layout_known():
+        return None
+    members = skdist.ranks_by_node(ranks)
+    if len(members) != k or any(len(node) != n for node in members):
+        return None  # the groups are nodes of their own (e.g. labelled on one host)
+    me = skdist.get_rank()
+    mine = next(node for node in members if me in node)
+    column = sorted(node[mine.index(me)] for node in members)
+    if intra != mine or inter != column:
+        raise ValueError(f"quantized_reduce_scatter_hierarchical: intra_group holds ranks "
+                         f"{intra} and inter_group {inter}, but rank {me} runs on a node with "
+                         f"ranks {mine} (GROUP_RANK, or the host name), across nodes {column}; "
+                         f"pass the groups of shardkit.quantized_comm.node_groups()")
+    return node_send_order(members, ranks)
 
 
 def wire_bytes(numel_per_rank: int, group_size: int, *, bits: int, block: int = DEFAULT_BLOCK,
@@ -300,19 +370,31 @@ def hierarchical_wire_bytes(numel_per_rank: int, ranks_per_node: int, nodes: int
 
 
 def node_groups(ranks_per_node: Optional[int] = None, group=None):
-    """This rank's ``(intra_group, inter_group)`` for the hierarchical reduce: the ranks of
-    ``group`` (default: all) cut node-major into nodes of ``ranks_per_node`` consecutive ranks
-    (default: torchrun's ``LOCAL_WORLD_SIZE``); ``inter_group`` holds the ranks with this
-    rank's local index on every node. Creates ``N/n + n`` process groups.
+    """This rank's ``(intra_group, inter_group)`` for the hierarchical reduce over the ranks of
+    ``group`` (default: all): ``intra_group`` holds the ranks on this rank's node,
+    ``inter_group`` the ranks with this rank's local index on every node.
 
-    .. warning:: a collective: call it on every rank of ``group``, once (groups are costly).
+    Nodes are where the ranks really run (their ``GROUP_RANK`` or host, gathered by
+    :func:`shardkit.distributed.init_distributed`), whatever order the launcher numbered them
+    in; an explicit ``ranks_per_node`` instead cuts the ranks into consecutive blocks of that
+    many (node-major numbering taken as given). Creates ``k + n`` process groups (``k`` nodes of
+    ``n``); no tensor traffic (one small object all-gather over the world the first time if the
+    layout was not gathered yet).
+
+    Raises ValueError, on every rank and before any group is created, when ``ranks_per_node``
+    does not divide the group or the group's ranks sit on nodes of unequal sizes.
+
+    .. warning:: a collective: call it on every rank, once (groups are costly).
     """
     ranks = skdist.group_ranks(group) if group is not None else list(
         range(skdist.get_world_size()))
     if ranks_per_node is None:
-        ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", len(ranks)))
-    if (not isinstance(ranks_per_node, int) or ranks_per_node < 1
-            or len(ranks) % ranks_per_node):
+        members = skdist.ranks_by_node(ranks)
+        skdist.check_equal_nodes(members, "node_groups")
+        return skdist.groups_of_nodes(ranks)
+    if (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+            or ranks_per_node < 1 or len(ranks) % ranks_per_node):
         raise ValueError(f"node_groups: ranks_per_node={ranks_per_node!r}; it must be a "
-                         f"positive divisor of the group's {len(ranks)} ranks")
+                         f"positive divisor of the group's {len(ranks)} ranks, or None (the "
+                         f"nodes the ranks run on)")
     return skdist.groups_of_nodes(ranks, ranks_per_node)

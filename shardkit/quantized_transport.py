@@ -15,8 +15,10 @@ other one to an inner transport (the process group's own collectives by default)
   peer's segment of the rank-major gradients is quantized to int4 blocks (straight from the
   per-parameter gradients: no packed fp32 copy) and sent to it; each rank dequantizes what it
   receives and sums it in fp32 with its own segment, which never leaves the rank and stays
-  exact. When the group spans several nodes (``ranks_per_node`` below, default torchrun's
-  ``LOCAL_WORLD_SIZE``) the reduction is hierarchical: all-to-all inside the node, dequantize
+  exact. When the group spans several nodes (the nodes its ranks really run on, gathered by
+  :func:`shardkit.distributed.init_distributed` from ``GROUP_RANK`` or the host name, whatever
+  order the launcher numbered the ranks in; or consecutive blocks of an explicit
+  ``ranks_per_node``) the reduction is hierarchical: all-to-all inside the node, dequantize
   and sum, requantize, all-to-all across nodes, dequantize and sum, so the inter-node links
   carry ``1/n`` of what a flat exchange would (``n`` ranks per node). ``reduce_scatter``
   returns the fp32 *sum* (the interface's contract); ``reduce_scatter_chunks`` multiplies that
@@ -39,7 +41,8 @@ qgZ: ``(n-1) x k x segment bytes`` inside the node and ``(k-1) x segment bytes``
 
 Memory: the quantized send buffer and the gathered / exchanged quantized buffer of each
 operation in flight (about 1/4 (int8) or 1/8 (int4) of the fp32 sizes), plus the fp32 result
-of a reduce-scatter (and ``k x S`` fp32 partial sums when hierarchical). Nothing is held
+of a reduce-scatter (and ``k x S`` fp32 partial sums when hierarchical, plus one more copy of
+the quantized send buffer when the ranks are not numbered node by node). Nothing is held
 between operations except the node groups (process groups, created once per group in
 :meth:`QuantizedTransport.prepare`).
 
@@ -67,13 +70,13 @@ import torch
 from shardkit import distributed as skdist
 from shardkit.kernels import (DEFAULT_BLOCK, QuantLayout, dequantize_sum, dequantize_unpack,
                               quant_layout, quantize_pack)
-from shardkit.quantized_comm import issue_reduce_scatter
+from shardkit.quantized_comm import issue_reduce_scatter, node_send_order, pack_for_nodes
 from shardkit.transport import CommHandle, Transport, resolve_transport, warn_once
 
 __all__ = ["QuantizedTransport", "quantized_transport_for"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_NODE_GROUPS: dict = {}  # (group ranks, ranks per node) -> (intra, inter) or None
+_NODE_GROUPS: dict = {}  # (group ranks, its ranks by node) -> (intra, inter, order) or None
 _SHARED: dict = {}  # see quantized_transport_for
 
 
@@ -116,9 +119,11 @@ class QuantizedTransport(Transport):
             (qgZ). At least one must be true.
         weight_bits: 8 (ZeRO++) or 4. gradient_bits: 4 (ZeRO++) or 8.
         block: elements per scale (a power of two from 8 to 8192).
-        ranks_per_node: consecutive global ranks per node (default ``LOCAL_WORLD_SIZE``, or
-            one node when unset). A group whose ranks lie on more than one node, with the same
-            number on each, reduces hierarchically.
+        ranks_per_node: ``None`` (default): the nodes the ranks really run on (the layout
+            :func:`shardkit.distributed.init_distributed` gathers; without it, one node unless
+            ``LOCAL_WORLD_SIZE`` is set, and then :meth:`prepare` gathers it). An int: nodes of
+            that many consecutive global ranks. A group whose ranks lie on more than one
+            node, with the same number on each, reduces hierarchically.
 
     Memory and communication: see the module docstring. Stateless between operations apart
     from the node groups, which :meth:`prepare` creates once per process group (a collective:
@@ -144,52 +149,71 @@ class QuantizedTransport(Transport):
         self.weight_bits = _check_bits("weight_bits", weight_bits, (8, 4))
         self.gradient_bits = _check_bits("gradient_bits", gradient_bits, (4, 8))
         self.block = _check_block(block)
-        if ranks_per_node is None:
-            env = os.environ.get("LOCAL_WORLD_SIZE")
-            ranks_per_node = int(env) if env else None
-        elif isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) \
-                or ranks_per_node < 1:
+        if ranks_per_node is not None and (isinstance(ranks_per_node, bool)
+                                           or not isinstance(ranks_per_node, int)
+                                           or ranks_per_node < 1):
             raise ValueError(f"QuantizedTransport(ranks_per_node={ranks_per_node!r}): must be "
-                             f"a positive int (ranks on each node) or None (LOCAL_WORLD_SIZE)")
+                             f"a positive int (consecutive ranks on each node) or None (the "
+                             f"nodes the ranks run on)")
         self.ranks_per_node = ranks_per_node
 
     # ------------------------------------------------------------------ set-up
 
     def prepare(self, group) -> None:
         """The inner transport's set-up, and the node groups of ``group`` when qgZ reduces
-        hierarchically (``N/n + n`` process groups, once per group per process)."""
+        hierarchically (``k + n`` process groups, once per group per process; collective over
+        the world, and the first time it may gather the node layout, see
+        :func:`shardkit.distributed.ranks_by_node`)."""
         self.inner.prepare(group)
         if self.gradients:
             self._node_groups(group, create=True)
 
-    def _node_groups(self, group, create: bool = False):
-        """``(intra, inter)`` for ``group``, or ``None`` where the reduction is flat."""
-        n_ranks = skdist.get_world_size(group)
+    def _nodes(self, ranks: list, create: bool) -> Optional[list]:
+        """The global ``ranks`` by node (see ``ranks_per_node``), or ``None``: one node, and
+        nothing to gather (no layout, no ``LOCAL_WORLD_SIZE``)."""
         rpn = self.ranks_per_node
-        if rpn is None or n_ranks == 1:
+        if rpn is not None:
+            by_node: dict = {}
+            for rank in ranks:
+                by_node.setdefault(rank // rpn, []).append(rank)
+            return list(by_node.values())
+        if not skdist.node_layout_known():
+            if not os.environ.get("LOCAL_WORLD_SIZE"):
+                return None
+            if not create:
+                raise RuntimeError("QuantizedTransport: prepare(group) was not called for this "
+                                   "process group; every wrapper calls it at construction")
+        return skdist.ranks_by_node(ranks)
+
+    def _node_groups(self, group, create: bool = False):
+        """``(intra, inter, send order)`` for ``group`` (see
+        :func:`~shardkit.quantized_comm.node_send_order`), or ``None`` where the reduction is
+        flat."""
+        n_ranks = skdist.get_world_size(group)
+        if n_ranks == 1:
             return None
         ranks = skdist.group_ranks(group) if group is not None else list(range(n_ranks))
-        key = (tuple(ranks), rpn)
+        members = self._nodes(ranks, create)
+        if members is None:
+            return None
+        key = (tuple(ranks), tuple(tuple(node) for node in members))
         if key in _NODE_GROUPS:
             return _NODE_GROUPS[key]
         if not create:
             raise RuntimeError("QuantizedTransport: prepare(group) was not called for this "
                                "process group; every wrapper calls it at construction")
-        nodes = [r // rpn for r in ranks]
-        distinct = sorted(set(nodes))
-        per_node = n_ranks // len(distinct)
         result = None
-        if len(distinct) > 1:
-            node_major = nodes == sorted(nodes) and all(
-                nodes.count(d) == per_node for d in distinct)
-            if not node_major:
-                warn_once(f"layout{key}", f"QuantizedTransport: the group's ranks {ranks} are "
-                          f"not the same number per node in node-major order (ranks_per_node="
-                          f"{rpn}); qgZ falls back to one flat all-to-all over the group")
-            elif per_node == 1:
-                result = None  # one rank per node: the flat exchange is already inter-node only
-            else:
-                result = skdist.groups_of_nodes(ranks, per_node)
+        if len({len(node) for node in members}) > 1:
+            # the same layout on every rank: every rank warns and falls back alike
+            source = (f"ranks_per_node={self.ranks_per_node}" if self.ranks_per_node
+                      else "nodes from GROUP_RANK or the host name")
+            warn_once(f"layout{key}", f"QuantizedTransport: the group's ranks sit on nodes of "
+                      f"unequal sizes ({members}; {source}); qgZ falls back to one flat "
+                      f"all-to-all over the group")
+        elif len(members) > 1 and len(members[0]) > 1:  # one rank per node: flat is inter-node
+            intra, inter = skdist.groups_of_nodes(
+                ranks, None if self.ranks_per_node is None else len(members[0]))
+            result = (intra, inter, node_send_order(members, ranks))
         _NODE_GROUPS[key] = result
         return result
 
@@ -291,9 +315,9 @@ class QuantizedTransport(Transport):
             works, finish = issue_reduce_scatter([flat], layout, group,
                                                  counted_as="reduce_scatter")
             return CommHandle(works, finish, completes_when_waited=True)
-        intra, inter = groups
+        intra, inter, order = groups
         per_node, nodes = skdist.get_world_size(intra), skdist.get_world_size(inter)
-        send = quantize_pack([flat], layout, node_size=per_node, check_finite=False)
+        send = pack_for_nodes([flat], layout, per_node, order)
         received = torch.empty_like(send)
         work = skdist.all_to_all_single(received, send, group=intra, async_op=True,
                                         counted_as="reduce_scatter")
@@ -364,8 +388,7 @@ def quantized_transport_for(comm, weights: bool, gradients: bool,
                          f"quantize_gradients={gradients}): comm is already a "
                          f"QuantizedTransport; configure quantization on it, or pass a "
                          f"non-quantized comm with the quantize_* options")
-    # LOCAL_WORLD_SIZE is read when the transport is built: part of the key.
-    key = (id(inner), weights, gradients, os.environ.get("LOCAL_WORLD_SIZE"))
+    key = (id(inner), weights, gradients)  # the nodes are read per group, in prepare
     shared = _SHARED.get(key)
     if shared is None or shared.inner is not inner:
         shared = QuantizedTransport(inner, weights=weights, gradients=gradients)

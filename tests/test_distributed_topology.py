@@ -135,3 +135,140 @@ def test_uneven_nodes_from_group_rank_are_the_same_error_on_every_rank(nodes2x2)
     for msg in nodes2x2.run(_uneven_layout):
         assert "node 0: ranks [0, 1, 2], node 1: ranks [3]" in msg
         assert "the same number of ranks on every node" in msg
+
+
+def _numbered(cyclic: bool) -> dict:
+    """Every multi-node path with ranks 0 and 2 on node 0, 1 and 3 on node 1 (srun's cyclic
+    distribution) or node by node (torchrun's): the node groups of the hierarchical quantized
+    reduce, of QuantizedTransport (ZeRO++'s qgZ), of HYBRID_SHARD and of hpZ over an explicit
+    group; CommCounter's inter-node bytes; the values they compute."""
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from shardkit.models import MLP
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
+    from shardkit.quantized_comm import (hierarchical_wire_bytes, node_groups,
+                                         quantized_reduce_scatter_hierarchical)
+    from shardkit.quantized_transport import QuantizedTransport
+
+    rank = skd.get_rank()
+    saved = (skd._layout, skd._node_groups)
+    skd._layout = skd._node_groups = None
+    skd._spanning.clear()
+    node, local = (rank % 2, rank // 2) if cyclic else (rank // 2, rank % 2)
+    out = {}
+    try:
+        with patched_environ(GROUP_RANK=str(node), LOCAL_RANK=str(local)):
+            skd.discover_node_layout()
+            gen = torch.Generator().manual_seed(rank)
+            grads = torch.randn(4 * 1000, generator=gen) * (rank + 1)
+            exact = torch.empty(1000)
+            skd.reduce_scatter_tensor(exact, grads.clone())
+            intra, inter = node_groups()
+            out["groups"] = (skd.group_ranks(intra), skd.group_ranks(inter))
+            with CommCounter() as comm:
+                got = quantized_reduce_scatter_hierarchical(grads, intra, inter, bits=8)
+            out["hier"] = (got, exact, comm.intra_node_bytes, comm.inter_node_bytes,
+                           hierarchical_wire_bytes(1000, 2, 2, bits=8))
+            if cyclic:  # blocks of consecutive ranks are not the nodes: an error, not a send
+                blocks = node_groups(ranks_per_node=2)
+                with CommCounter() as comm, pytest.raises(ValueError) as info:
+                    quantized_reduce_scatter_hierarchical(grads, *blocks, bits=8)
+                out["wrong_groups"] = (str(info.value), len(comm.calls))
+            transport = QuantizedTransport(weights=False, gradient_bits=8)
+            transport.prepare(None)
+            with CommCounter() as comm:
+                got = transport.reduce_scatter(grads, None).wait()
+            out["transport"] = (got, comm.intra_node_bytes, comm.inter_node_bytes,
+                                transport.describe(None))
+
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+            for name, kwargs in (("hybrid", {"sharding_strategy": "HYBRID_SHARD"}),
+                                 ("hpz", {"hpz_partition_size": 2,
+                                          "process_group": dist.group.WORLD})):
+                model = FSDP(auto_wrap(MLP(16, 2, seed=1),
+                                       transformer_auto_wrap_policy({nn.Linear}), **kwargs),
+                             **kwargs)
+                optim = torch.optim.SGD(model.parameters(), lr=0.1)
+                for _ in range(2):  # the second step is counted
+                    with CommCounter() as comm:
+                        model(x).pow(2).mean().backward()
+                        optim.step()
+                        optim.zero_grad()
+                psi = sum(u.unit_numel for u in model.sharded_units())
+                out[name] = (comm.inter_node_elements, psi, model.state_dict())
+    finally:
+        skd._layout, skd._node_groups = saved
+        skd._spanning.clear()
+    return out
+
+
+def test_every_multi_node_path_follows_the_gathered_layout(nodes2x2):
+    # before: with ranks numbered round-robin, quantized_comm.node_groups() and
+    # QuantizedTransport cut ranks [0, 1] as a "node" (it spans both nodes): CommCounter put
+    # 2080 bytes per rank on inter-node groups instead of 1040 (the formula), and an explicit
+    # hpZ group paired ranks across the nodes
+    by_numbering = {cyclic: nodes2x2.run(_numbered, cyclic) for cyclic in (False, True)}
+    for cyclic, results in by_numbering.items():
+        for rank, r in enumerate(results):
+            node, local = (rank % 2, rank // 2) if cyclic else (rank // 2, rank % 2)
+            mates = [node, node + 2] if cyclic else [2 * node, 2 * node + 1]
+            column = [2 * local, 2 * local + 1] if cyclic else [local, local + 2]
+            assert r["groups"] == (mates, column), (cyclic, rank, r["groups"])
+
+            got, exact, intra_bytes, inter_bytes, (intra_formula, inter_formula) = r["hier"]
+            # int8 blocks: well within 2% of the largest value; the wrong segment is ~100% off
+            assert (got - exact).abs().max() <= 0.02 * exact.abs().max(), (cyclic, rank)
+            assert (intra_bytes, inter_bytes) == (intra_formula, inter_formula)
+            got, intra_bytes, inter_bytes, described = r["transport"]
+            assert "qgZ int8 hierarchical 2 x 2" in described, described
+            assert (got - exact).abs().max() <= 0.02 * exact.abs().max(), (cyclic, rank)
+            assert (intra_bytes, inter_bytes) == (intra_formula, inter_formula)
+
+            for name, formula in (("hybrid", lambda m: 2 * (m / 2) * (2 - 1) / 2),
+                                  ("hpz", lambda m: 2 * m * (4 - 1) / 4)):
+                inter_elements, psi, _ = r[name]
+                assert inter_elements == pytest.approx(formula(psi), rel=0.05), (
+                    cyclic, rank, name, inter_elements, formula(psi))
+        if cyclic:
+            for rank, r in enumerate(results):
+                message, calls = r["wrong_groups"]
+                assert calls == 0 and "pass the groups of shardkit.quantized_comm.node_groups()" \
+                    in message and f"node with ranks {[rank % 2, rank % 2 + 2]}" in message, r
+    for rank in range(4):  # the same training whatever the numbering
+        for name in ("hybrid", "hpz"):
+            node_major, cyclic = (by_numbering[n][rank][name][2] for n in (False, True))
+            for key in node_major:
+                assert torch.allclose(node_major[key], cyclic[key], atol=1e-6), (rank, name, key)
+
+
+def _uneven_layout_for_the_multi_node_paths():
+    """Nodes of 3 and 1 ranks: quantized_comm.node_groups() raises on every rank before
+    creating a group; QuantizedTransport warns on every rank and reduces flat."""
+    import warnings
+
+    from shardkit.quantized_comm import node_groups
+    from shardkit.quantized_transport import QuantizedTransport
+
+    saved = skd._layout
+    skd._layout = (skd._layout[0], [0, 0, 0, 1])
+    try:
+        with CommCounter() as comm, pytest.raises(ValueError) as info:
+            node_groups()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            transport = QuantizedTransport(weights=False)
+            transport.prepare(None)
+        return str(info.value), len(comm.calls), [str(w.message) for w in caught], \
+            transport.describe(None)
+    finally:
+        skd._layout = saved
+
+
+def test_uneven_nodes_are_an_error_before_any_group_or_a_flat_fallback(nodes2x2):
+    for message, calls, warned, described in nodes2x2.run(_uneven_layout_for_the_multi_node_paths):
+        assert "node_groups: the ranks sit on nodes of unequal sizes (ranks [0, 1, 2] on node " \
+            "0, ranks [3] on node 1" in message and calls == 0, message
+        assert len(warned) == 1 and "falls back to one flat all-to-all" in warned[0], warned
+        assert "qgZ int4 flat" in described, described

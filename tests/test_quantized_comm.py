@@ -197,7 +197,11 @@ def _check_errors_and_nonfinite():
                  lambda: quantized_all_gather([torch.empty(8)], torch.randn(4),
                                               chunk_numels=[3]),
                  lambda: quantized_all_gather(torch.empty(16, dtype=torch.int32),
-                                              torch.randn(4))):
+                                              torch.randn(4)),
+                 lambda: node_groups(3),
+                 lambda: quantized_reduce_scatter_hierarchical(
+                     [torch.randn(8)], groups()["node"][0], groups()["across"][0],
+                     group=groups()["node"][0])):
         with skdist.CommCounter() as comm:
             with pytest.raises(ValueError) as info:
                 call()
@@ -221,3 +225,5 @@ def test_bad_input_raises_before_sending_and_inf_arrives_as_nan(world4):
     assert "the reduced shard needs 2 contiguous elements" in messages[2]
     assert "must be one tensor of world size 4 x shard's 4 = 16" in messages[3]
     assert "chunk_numels sum to 3" in messages[4] and "output[0] is torch.int32" in messages[5]
+    assert "ranks_per_node=3; it must be a positive divisor of the group's 4 ranks" in messages[6]
+    assert "group holds 2 ranks, but intra_group x inter_group hold 2 x 2" in messages[7]

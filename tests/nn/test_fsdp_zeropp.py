@@ -8,8 +8,6 @@ warning, and bad arguments raise before anything is sent.
 """
 
 
-import os
-
 import pytest
 import torch
 
@@ -159,7 +157,8 @@ def test_bytes_per_step_match_the_quantized_formula(world4, world):
             measured.setdefault(name, []).append((sum(by_op.values()), gather + reduce, fp32))
     # Against FULL_SHARD fp32 (per element: int8 blocks 1.0156 bytes, int4 0.5156, fp32 4;
     # the root unit is gathered once, the others twice): both options stay under ZeRO++'s 0.3x
-    bound = {"fp32": 1.0, "qwZ": 0.55, "qgZ": 0.75, "qwZ+qgZ": 0.3}
+    # (fp32's reduce-scatters also carry a use count per parameter and a tag: (P+1)(N-1) more)
+    bound = {"fp32": 1.001, "qwZ": 0.55, "qgZ": 0.75, "qwZ+qgZ": 0.3}
     for name, per_rank in measured.items():
         for total, formula, fp32 in per_rank:
             assert total == pytest.approx(formula, rel=0.05), (name, total, formula)
@@ -167,13 +166,9 @@ def test_bytes_per_step_match_the_quantized_formula(world4, world):
 
 
 def _hierarchical_bytes():
-    # torchrun's LOCAL_WORLD_SIZE=2 at world 4: two nodes, so qgZ reduces hierarchically
-    saved = os.environ["LOCAL_WORLD_SIZE"]
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
-    try:
-        model = build(None, quantize_gradients=True)
-    finally:
-        os.environ["LOCAL_WORLD_SIZE"] = saved
+    # nodes of 2 consecutive ranks at world 4: two nodes, so qgZ reduces hierarchically (the
+    # default, the nodes the ranks run on: tests/test_distributed_topology.py)
+    model = build(None, comm=QuantizedTransport(weights=False, ranks_per_node=2))
     described = model.comm.describe()
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     step(model, optim, None, 0)
