@@ -107,10 +107,14 @@ def _comm_per_step(reshard: bool, shm: bool):
         train_step(gpt, gpt_optim, 1)
     gpt_units = gpt.sharded_units()
     return {"n": n, "psi": psi, "padded": padded, "elements": comm_counter.elements,
+            # each reduce-scatter also carries one use count per parameter and the unit's tag
+            # (FlatParamShard.start_reduce)
+            "counts": n * sum(len(u.params) + 1 for u in units if u.params),
             "by_op": comm_counter.by_op, "calls": comm_counter.calls_by_op,
             "units": len(units) - 1,
             "gpt_bytes": gpt_comm.by_op, "gpt_root": gpt_units[0].padded_numel,
             "gpt_inner": sum(u.padded_numel for u in gpt_units[1:]),
+            "gpt_counts": n * sum(len(u.params) + 1 for u in gpt_units if u.params),
             "gpt_root_local": gpt_units[0].local_numel,
             "gpt_inner_local": sum(u.local_numel for u in gpt_units[1:]),
             "describe": gpt.comm.describe()}
@@ -128,14 +132,15 @@ def test_communication_per_step_over_gloo(world2, reshard, passes):
         assert r["calls"] == {"all_gather": gathers * r["units"],
                               "reduce_scatter": r["units"]}, r
         assert r["by_op"]["all_gather"] == pytest.approx(gathers * r["padded"] * frac * 4)
-        assert r["by_op"]["reduce_scatter"] == pytest.approx(r["padded"] * frac * 4)
+        assert r["by_op"]["reduce_scatter"] == pytest.approx(
+            (r["padded"] + r["counts"]) * frac * 4)
         assert r["elements"] == pytest.approx(passes * r["psi"] * frac, rel=0.02), r
         # GPT: the root (embeddings, head) stays gathered from forward into backward; each rank
         # sends its unpadded rows (the position embedding's shards are padded)
         gpt_gathered = (r["gpt_root_local"] + gathers * r["gpt_inner_local"]) * (n - 1) * 4
         assert r["gpt_bytes"]["all_gather"] == pytest.approx(gpt_gathered), r
         assert r["gpt_bytes"]["reduce_scatter"] == pytest.approx(
-            (r["gpt_root"] + r["gpt_inner"]) * frac * 4), r
+            (r["gpt_root"] + r["gpt_inner"] + r["gpt_counts"]) * frac * 4), r
 
 
 @pytest.mark.parametrize("reshard,passes", [(True, 3), (False, 2)])
@@ -149,8 +154,9 @@ def test_communication_per_step_through_shared_memory(world2, reshard, passes):
         assert r["calls"] == {"all_gather": gathers * r["units"],
                               "reduce_scatter": r["units"]}, r
         assert r["by_op"]["all_gather"] == pytest.approx(gathers * r["padded"] / n * 4)
-        assert r["by_op"]["reduce_scatter"] == pytest.approx(r["padded"] * frac * 4)
+        assert r["by_op"]["reduce_scatter"] == pytest.approx(
+            (r["padded"] + r["counts"]) * frac * 4)
         assert r["gpt_bytes"]["all_gather"] == pytest.approx(
             (r["gpt_root"] + gathers * r["gpt_inner"]) / n * 4), r
         assert r["gpt_bytes"]["reduce_scatter"] == pytest.approx(
-            (r["gpt_root"] + r["gpt_inner"]) * frac * 4), r
+            (r["gpt_root"] + r["gpt_inner"] + r["gpt_counts"]) * frac * 4), r

@@ -926,3 +926,112 @@ def test_training_goes_on_after_a_backward_that_raised(world2):
     for r in world2.run(_training_goes_on_after_a_backward_that_raised):
         assert r["skipped"] == ["simulated out of memory"], r
         assert r["worst"] < 1e-6 and r["gathered"] == [False, False], r
+
+
+class _GatedLookup(torch.nn.Module):
+    """An MoE-style conditional layer: the embedding and its gate run only where the caller
+    says (a data-dependent branch). The forward looks up rows 0-3 only, so at 2 ranks the
+    rows rank 1 owns (4-7) get an exactly zero gradient, and the gate's weight (one row) is
+    only padding there."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.gate = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 1)
+        self.out = torch.nn.Linear(4, 2)
+
+    def forward(self, idx, use_branch: bool):
+        h = torch.ones(len(idx), 4)
+        if use_branch:
+            e = self.emb(idx)
+            h = h + e * torch.sigmoid(self.gate(e))
+        return self.out(h)
+
+
+def _parameters_used_on_some_ranks_only():
+    """AdamW with weight decay, against one process on the global batch, step by step: the
+    branch runs on rank 0 only (4 steps), then on no rank (1 step). Where it ran somewhere,
+    every rank must hold a gradient shard (zeros on rank 1) and step it, as one process does
+    (rank 1 used to keep ``grad None``, skip the step, and drift by 0.055); where it ran
+    nowhere, ``.grad`` stays None everywhere, as in one process."""
+    from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    reference, model = _GatedLookup(), FSDP(_GatedLookup())  # every rank runs the unit
+    hyper = dict(lr=0.05, weight_decay=0.1)
+    ref_optim = torch.optim.AdamW(reference.parameters(), **hyper)
+    optim = torch.optim.AdamW(model.parameters(), **hyper)
+    gen = torch.Generator().manual_seed(9)
+    out = {"worst": [], "without_grad": [], "ref_without_grad": []}
+    for step in range(5):
+        idx, y = torch.randint(0, 4, (4 * n,), generator=gen), torch.randn(4 * n, 2, generator=gen)
+        users = [0] if step < 4 else []
+        for r in range(n):
+            rows = slice(4 * r, 4 * r + 4)
+            loss = torch.nn.functional.mse_loss(reference(idx[rows], r in users), y[rows])
+            (loss / n).backward()
+        mine = slice(4 * rank, 4 * rank + 4)
+        torch.nn.functional.mse_loss(model(idx[mine], rank in users), y[mine]).backward()
+        out["without_grad"].append(sorted(k for k, p in model.named_parameters()
+                                          if p.grad is None))
+        out["ref_without_grad"].append(sorted(k for k, p in reference.named_parameters()
+                                              if p.grad is None))
+        for opt in (ref_optim, optim):
+            opt.step()
+            opt.zero_grad()
+        with model.summon_full_params():
+            out["worst"].append(max((a - b).abs().max().item()
+                                    for a, b in zip(model.parameters(), reference.parameters())))
+    out["optimizer_state"] = sorted(k for k, p in model.named_parameters() if optim.state[p])
+    return out
+
+
+def test_parameters_used_on_some_ranks_only_step_on_every_rank(world2):
+    for r in world2.run(_parameters_used_on_some_ranks_only):
+        assert max(r["worst"]) < 1e-6, r
+        assert r["without_grad"] == r["ref_without_grad"], r
+        assert r["without_grad"][-1] == ["emb.weight", "gate.bias", "gate.weight"], r
+        assert len(r["optimizer_state"]) == 5, r
+
+
+class _ConditionalUnit(torch.nn.Module):
+    """``a -> (cond) -> b``, three units of one size; ``cond`` runs where the caller says."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.cond, self.b = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x, use_cond: bool):
+        h = self.a(x)
+        return self.b(self.cond(h) if use_cond else h)
+
+
+def _unit_skipped_on_one_rank():
+    """A whole unit whose forward runs on rank 0 only (after a first step on both, which
+    records the prefetch order, so every forward gather still pairs up). Its reduce-scatter
+    then pairs with another unit's on rank 1: rank 1 used to finish with a gradient mixed from
+    two units and rank 0 to hang. Both ranks must raise, naming their unit. On a group of its
+    own: the rank that raised first leaves a receive that nothing will match."""
+    from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+    group = skdist.new_group([0, 1])
+    model = _ConditionalUnit()
+    for name in ("a", "cond", "b"):
+        setattr(model, name, FSDP(getattr(model, name), process_group=group,
+                                  reshard_after_forward=False))
+    model = FSDP(model, process_group=group)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10))
+    model(x, True).sum().backward()
+    try:
+        model(x, skdist.get_rank() == 0).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_unit_run_on_some_ranks_only_raises_on_every_rank(world2):
+    rank0, rank1 = world2.run(_unit_skipped_on_one_rank)
+    for error in (rank0, rank1):
+        assert "reduce-scatters are out of step" in error, error
+        assert "a branch that runs a whole unit on some ranks only" in error, error
+    assert "this rank reduced unit 'cond (Linear)'" in rank0, rank0
+    assert "this rank reduced unit 'a (Linear)'" in rank1, rank1

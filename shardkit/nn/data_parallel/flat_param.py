@@ -143,6 +143,8 @@ class FlatParamShard:
         self._grad_pieces: Optional[list] = None  # backward's gradient, one tensor per parameter
         self._used: Optional[list] = None  # per parameter: whether a gradient reached it here
         self._reducing_used: Optional[list] = None  # the same, for the reduce in flight
+        # (tag 1-16, name) of the unit, set by the root: see _check_every_rank_reduced_this
+        self.label: tuple[int, str] = (1, "a unit")
         self.full = self._make_full_leaf()
         # Note: one autograd split of ``full`` per forward; each hands its gradients over, and
         # also feeds this one-element leaf, whose gradient autograd accumulates once every split
@@ -373,9 +375,13 @@ class FlatParamShard:
         replicas``, in the reduce dtype) into this rank's shard, async. They live until the
         operation completes (a transport may send straight from them).
 
-        Wire: ``(N-1)/N x N x shard`` elements of the reduce dtype, one transport
-        reduce-scatter; with replicas, :meth:`replicate_reduce` adds an all-reduce of the
-        shard over ``replicate_group`` (``2(R-1)/R x shard``).
+        Wire: ``(N-1)/N x N x (shard + P)`` elements of the reduce dtype, one transport
+        reduce-scatter, ``P`` the unit's parameter count: each rank also sends every peer
+        which parameters a gradient reached here (see :meth:`finish_reduce`), plus one element
+        naming the unit (see :meth:`_check_every_rank_reduced_this`); not through a transport
+        that quantizes gradients (qgZ), where the bare ``shard`` goes. With replicas,
+        :meth:`replicate_reduce` adds an all-reduce of the result over ``replicate_group``
+        (``2(R-1)/R x (shard + P + 1)``).
 
         A reduce-scatter still in flight (a split backward's earlier weight pass, see
         :func:`gathered_param_edges`) is finished into ``.grad`` first.
@@ -383,11 +389,58 @@ class FlatParamShard:
         if self._pending_reduce is not None:
             self.finish_reduce()
         grads, self._grad_pieces = self._grad_pieces, None
-        self._reducing_used, self._used = self._used, None
+        used, self._used = self._used, None
+        self._reducing_used = [True] * len(self.params) if used is None else used
+        chunk_numels = list(self.chunk_numels)
+        if self._counts_ride_the_reduce_scatter():
+            counts = self._local_use_counts(self._reducing_used, grads[0])
+            grads, chunk_numels = list(grads) + [counts.repeat(self.world_size)], \
+                chunk_numels + [counts.numel()]
         handle = self.transport.reduce_scatter_chunks(
-            grads, self.chunk_numels, self.reduce_group, scale=1.0 / self.predivide,
+            grads, chunk_numels, self.reduce_group, scale=1.0 / self.predivide,
             dtype=self.reduce_dtype)
         self._pending_reduce = (handle, False)
+
+    def _counts_ride_the_reduce_scatter(self) -> bool:
+        """Whether the use counts travel inside the gradients' reduce-scatter: not through a
+        transport that quantizes gradients (``QuantizedTransport(gradients=True)``): sharing
+        a block with gradients, they would set its scale and round those to zero."""
+        return self.transport.lossless() is self.transport or \
+            not getattr(self.transport, "gradients", True)
+
+    def _local_use_counts(self, used: list, like: torch.Tensor) -> torch.Tensor:
+        """Per parameter, ``predivide`` where a gradient reached it on this rank, else 0: once
+        reduced (summed, times ``1 / predivide``) the number of ranks where one did. Then the
+        unit's tag times ``predivide``: reduced, the sum of the tags the ranks sent."""
+        values = [self.predivide if u else 0.0 for u in used] + [self.label[0] * self.predivide]
+        return torch.tensor(values, dtype=like.dtype, device=like.device)
+
+    def _check_every_rank_reduced_this(self, out: torch.Tensor) -> None:
+        """Raise unless every rank's part of the reduce-scatter just completed came from this
+        unit: the tags summed in ``out`` (each rank's unit's, 1 to 16 by position in the model)
+        must be ``N x replicas`` times this unit's. Otherwise the ranks' collectives are out of
+        step, typically because a unit's forward ran on some ranks only, and the gradients are
+        a mix of different units' (no error came before: units of equal size pair up). No
+        verdict where a 16-bit reduction could round the sum (``16 N`` past 256 in bf16, 2048
+        in fp16), nor between units 16 positions apart, nor on an accelerator (the read
+        would synchronise with the host once per unit). Costs one read of ``out``'s last
+        element."""
+        tag, name = self.label
+        ranks = self.world_size * self.replicas
+        if _TAGS * ranks > _EXACT_INTEGERS.get(self.reduce_dtype, 2 ** 24):
+            return  # the sum could round (a 16-bit reduction over many ranks): no verdict
+        mean_tag = float(out[-1]) / ranks
+        if abs(mean_tag - tag) < 0.25:
+            return
+        raise RuntimeError(
+            f"FullyShardedDataParallel: the ranks' gradient reduce-scatters are out of step: "
+            f"this rank reduced unit {name!r} while another rank reduced a different unit "
+            f"(the mean of the units' tags is {mean_tag:.2f}, this unit's is {tag}). Every rank "
+            f"must run the same FSDP units in each forward; a branch that runs a whole unit "
+            f"on some ranks only (a conditional submodule) leaves their collectives unmatched. "
+            f"Run the unit on every rank (e.g. with an empty batch, or multiply its output by "
+            f"zero), or move the branch inside a unit (its parameters may then go unused on "
+            f"some ranks). The process group is now out of step: end the job")
 
     def replicate_reduce(self) -> None:
         """With replicas: wait for the reduce-scatter and issue the all-reduce of its result
@@ -398,14 +451,32 @@ class FlatParamShard:
         out = self._pending_reduce[0].wait()
         self._pending_reduce = (self.transport.all_reduce(out, self.replicate_group), True)
 
+    def _used_anywhere(self, out: torch.Tensor, used_here: list) -> list[bool]:
+        """Per parameter: whether a gradient reached it on any rank of the reduce (and
+        replicate) group, read from the counts after the shard in ``out``. Without counts
+        (qgZ): where it reached this rank, or its reduced rows here are not all zero."""
+        if all(used_here):  # nothing to learn: spare the read of the counts (a device sync)
+            return used_here
+        if out.numel() > self.shard_numel:  # the transport returns exactly the chunks asked
+            counts = out[self.shard_numel:-1].tolist()
+        else:
+            counts = [bool(view.any()) for view in self.shard_views(out[:self.shard_numel])]
+        return [here or c > 0 for here, c in zip(used_here, counts)]
+
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter (and the replicas' all-reduce) and add the result to
         the trainable shards' ``.grad``.
 
-        Note: a parameter no gradient reached on this rank, whose reduced shard is exactly
-        zero, was (but for a shard of exact zeros) unused on every rank: its ``.grad`` is left
-        as it was (``None`` after ``zero_grad``), as in one process, so a stateful optimizer
-        skips it instead of applying momentum or weight decay to a zero gradient.
+        Note: a parameter that no gradient reached on any rank (a branch every rank skipped)
+        keeps its ``.grad`` as it was (``None`` after ``zero_grad``), as in one process, so a
+        stateful optimizer skips it instead of applying momentum or weight decay to a zero
+        gradient. One that a gradient reached on some rank gets its reduced shard on every
+        rank, zeros included (this rank skipped the branch, and owns rows no other rank's
+        gradient touched, or only padding), as in one process: every rank's optimizer then
+        steps it alike (decay, moments). The use counts of :meth:`start_reduce` tell the two
+        apart. (torch's FSDP1 gives zeros in both cases.) Under qgZ, which carries no counts,
+        this rank tells them apart by its own use and reduced rows only: a parameter it did
+        not use whose rows here reduced to exact zeros keeps ``None`` on this rank alone.
 
         Hooks the user registered with ``p.register_post_accumulate_grad_hook`` (an optimizer
         step inside backward) run once the reduced shard is in ``p.grad``, as under torch's
@@ -415,14 +486,18 @@ class FlatParamShard:
         self.replicate_reduce()
         out = self._pending_reduce[0].wait()
         self._pending_reduce = None
-        used, self._reducing_used = self._reducing_used, None
-        grad_shard = out.to(self.storage_device, self.master_dtype)
+        used_here, self._reducing_used = self._reducing_used, None
+        if out.numel() > self.shard_numel and out.device.type == "cpu":
+            # Note: on an accelerator, reading the tag would cost a host sync per unit per step
+            self._check_every_rank_reduced_this(out)
+        used = self._used_anywhere(out, used_here)
+        # a copy of its own (fused with any cast): .grad must not keep the counts' buffer
+        grad_shard = out[:self.shard_numel].to(self.storage_device, self.master_dtype,
+                                               copy=out.numel() > self.shard_numel)
         if self.postdivide != 1.0:
             grad_shard.div_(self.postdivide)
-        for i, (p, view) in enumerate(zip(self.params, self.shard_views(grad_shard))):
-            if not p.requires_grad:
-                continue
-            if used is not None and not used[i] and not view.any():
+        for p, view, used_somewhere in zip(self.params, self.shard_views(grad_shard), used):
+            if not p.requires_grad or not used_somewhere:
                 continue
             if p.grad is None:
                 p.grad = view
@@ -534,6 +609,8 @@ def _resized_after_wrapping(p: nn.Parameter, layout, locations: list) -> str:
 
 
 _BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_TAGS = 16  # units are tagged 1 to _TAGS by position (see _check_every_rank_reduced_this)
+_EXACT_INTEGERS = {torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8}  # others: float32's 2**24
 
 
 def _fingerprint(flat: torch.Tensor) -> int:

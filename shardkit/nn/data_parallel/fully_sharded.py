@@ -21,7 +21,8 @@ Per-rank model state (fp32 Adam, Ψ parameters, N ranks): ``16Ψ/N`` + padding, 
 being computed (its gathered parameters) and, with prefetch, the next one. Communication per
 step per rank: ``3Ψ(N-1)/N`` elements with ``reshard_after_forward=True`` (all-gather in forward,
 again in backward, reduce-scatter; the root unit is not re-gathered for backward), ``2Ψ(N-1)/N``
-with ``False``.
+with ``False``; the reduce-scatters add ``(P+1)(N-1)`` elements per unit of P parameter tensors
+(use counts and a tag, see the warning below).
 
 A module may run several times before one backward (two views of a batch, a block shared by
 several layers): a unit stays gathered until every use has delivered its gradient, then
@@ -37,6 +38,12 @@ The user's hooks see what they see in one process: forward (pre-)hooks on a wrap
 with its parameters gathered (as under torch's FSDP), so do full backward pre-hooks on a wrapped
 module or on a unit (the unit gathers for backward just before them), and post-accumulate-grad
 hooks on the parameters run once the reduced shard is in ``.grad`` (as under FSDP2).
+Full backward (post-)hooks (``register_full_backward_hook``) differ from one process: on a
+wrapped module they see its parameters gathered (full shapes; measured with torch 2.x, where
+they run before the unit frees them), but as views whose ``.grad`` is ``None``; on the FSDP unit
+itself they run after the unit freed them and see ``unit.module.weight`` as this rank's row
+shard, and ``.grad`` as it was before this backward: the reduced gradient reaches ``.grad``
+only at the root's end of backward. Read gradients there or in a post-accumulate-grad hook.
 ``loss.backward(inputs=params)`` fills the ``.grad`` of exactly those parameters (not those with
 a tensor hook of the user's, which autograd would call with ``None``); ``torch.autograd.grad``
 over a unit's parameters is refused (they are row shards). ``.to()``/``.half()``/
@@ -58,9 +65,22 @@ given (e.g. :class:`~shardkit.shm_transport.SharedMemoryTransport` for ranks on 
    ``load_state_dict``, ``summon_full_params``, ``clip_grad_norm_``,
    ``gather_full_optim_state_dict``), and ``reshard()``, must be called on all ranks of the
    group, in the same order. So every rank's forward must run the same units: a branch that
-   skips a whole unit on some ranks only leaves their collectives unmatched. Inside a unit,
-   parameters may go unused on some ranks (their gradient there counts as zero) or on all
-   (their ``.grad`` stays ``None``, as in one process). A backward gathers a unit when it
+   skips a whole unit on some ranks only leaves their collectives unmatched. Each unit's
+   reduce-scatter carries the unit's tag, so that a reduce-scatter paired with another unit's
+   raises on every rank that reaches it, naming the unit (checked on CPU only: on an
+   accelerator reading the tag would synchronise with the host once per unit; measured: a
+   unit run on one rank of two, after a first step on both, with
+   ``reshard_after_forward=False``). A gather paired
+   with a reduce-scatter (the default ``reshard_after_forward=True``) makes gloo abort both
+   processes ("Is there a distributed collective mismatch in your code?"; measured, where
+   before one rank hung and the other trained on); gathers paired with another unit's of the
+   same size are not detected (wrong weights until a later mismatch, or a hang). Inside
+   a unit, parameters may go unused on some ranks (their gradient there counts as zero, and
+   every rank gets its shard of the mean, zeros included, as in one process) or on all
+   (their ``.grad`` stays ``None``, as in one process): the reduce-scatter also carries one
+   use count per parameter to tell the two apart. Together ``(P+1)(N-1)`` more elements per
+   unit and step, P its parameter tensors; neither under ``quantize_gradients`` (see
+   :meth:`.FlatParamShard.finish_reduce`). A backward gathers a unit when it
    reaches the unit's outputs: one that reaches a unit freed after its forward only through a
    value the module kept (an MoE layer's ``self.aux_loss`` backpropagated alone) gets its
    gradients, but fails if that path needs the unit's weights (an input gradient through them);
@@ -80,7 +100,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from shardkit import distributed as skdist
-from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes,
+from shardkit.nn.data_parallel.flat_param import (_TAGS, FlatParamShard, GatheredParamBytes,
                                                   gathered_param_bytes)
 from shardkit.nn.data_parallel.fsdp_arguments import (check_bool, check_compute_device,
                                                       check_divide_factor,
@@ -158,9 +178,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2`` (FULL_SHARD / SHARD_GRAD_OP inside the
             shard group, gradient shards all-reduced across the replica group).
         hpz_partition_size: DeepSpeed's hpZ (FULL_SHARD only; 1 = off): after the forward
-            gather each rank keeps its rows of a partition over blocks of this many
-            consecutive ranks (``Ψ_u/h`` per unit, compute dtype, until backward), and the
-            backward gather runs inside the block (a node when ``h`` is the ranks per node).
+            gather each rank keeps its rows of a partition over blocks of this many ranks
+            of one node (whatever the launcher's numbering, when ``h`` divides the ranks per
+            node; else consecutive ranks): ``Ψ_u/h`` per unit, compute dtype, until backward;
+            the backward gather runs inside the block (a node when ``h`` is the ranks per
+            node).
         device_mesh: instead of ``process_group``, a torch ``DeviceMesh``: 2-D
             ``(replicate, shard)`` for the hybrid strategies, 1-D otherwise.
         mixed_precision: compute in ``compute_dtype`` (default fp16) with fp32 master shards;
@@ -211,6 +233,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
     (``mixed_precision`` is a bool; the whole policy is ``mixed_precision_policy``).
     ``training_state`` is the unit's :class:`TrainingState` (FairScale's), checked with
     :meth:`assert_state`.
+
+    Hooks: forward (pre-)hooks and full backward pre-hooks see the gathered parameters, as in
+    one process; full backward hooks do not (shards on the unit, ``.grad`` not yet reduced:
+    see the module docstring).
 
     Memory: ``Ψ_u/N`` + padding of master weights per unit, grads and optimizer state likewise;
     the gathered unit (``Ψ_u`` in compute dtype) only around its forward/backward.
@@ -511,7 +537,19 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             object.__setattr__(unit, "_root", self)  # not a submodule: no cycle in the tree
             if unit is not self:
                 unit._is_root = False
+        self._label_units()
         self._mark_units_in_their_own_world()
+
+    def _label_units(self) -> None:
+        """Give each unit's shard a tag (1 to 16, by position in the model, alike on every
+        rank) and a name, which its reduce-scatter carries to check that every rank reduced
+        the same unit (:meth:`.FlatParamShard._check_every_rank_reduced_this`). Local."""
+        units = [(name, m) for name, m in self.named_modules()
+                 if isinstance(m, FullyShardedDataParallel)]
+        for position, (name, unit) in enumerate(units):
+            if unit._shard is not None:
+                described = f"{clean_name(name) or '(the root)'} ({type(unit.module).__name__})"
+                unit._shard.label = (position % _TAGS + 1, described)
 
     def _reset_lazy_init(self) -> None:
         """Forget which unit is the root and the recorded gather order; the next forward
