@@ -271,3 +271,52 @@ def test_parity_grid_world1():
         _assert_parity(world.run(_run_grid, ["plain", "no_sync_4_micro_batches",
                                              "small_buckets", "small_buckets_shared_memory",
                                              "step_in_backward"]))
+
+
+class WithFrozenIndex(nn.Module):
+    """Net plus a frozen integer parameter, as FairScale's ``test_mixed_types`` tripwire: a
+    parameter of another dtype that is not trainable must not disturb buckets or partition."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Net(seed=0)
+        self.index = nn.Parameter(torch.tensor([3, 3]), requires_grad=False)
+
+    def forward(self, x, use_branch: bool = True):
+        return self.net(x, use_branch)
+
+
+def _check_fairscale_feature_switches():
+    """What FairScale's test_sharded_ddp_features checks beyond its parity grid, each step
+    compared with the single-process oracle: an eval forward between steps (no reduction, no
+    gradient), a cast to fp16 and back after wrapping (its GPT-2 test's ``.to()`` stress),
+    and a frozen integer parameter."""
+    rank, world_size = skdist.get_rank(), skdist.get_world_size()
+    ref, model = WithFrozenIndex(), WithFrozenIndex()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2, momentum=0.9)
+    optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=1e-2, momentum=0.9)
+    wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=1024)
+    worst, eval_grads = 0.0, []
+    for step in range(4):
+        _reference_step(ref, ref_opt, {}, step, world_size)
+        optimizer.zero_grad()
+        x, y = _batch(step, rank)
+        F.mse_loss(wrapped(x), y).backward()
+        optimizer.step()
+        wrapped.zero_grad()
+        wrapped.eval()
+        wrapped(x)  # FairScale's train -> eval -> train switch
+        eval_grads += [p.grad for p in model.parameters() if p.grad is not None]
+        wrapped.train()
+        if step == 1:
+            for m in (ref, wrapped):
+                m.to(dtype=torch.float16)
+                m.to(dtype=torch.float32)
+        worst = max(worst, max_diff(ref, model))
+    return worst, len(eval_grads) == 0, model.index.tolist()
+
+
+def test_fairscale_feature_switches_keep_parity(world2):
+    for worst, no_grad_after_eval, index in world2.run(_check_fairscale_feature_switches):
+        assert worst <= TOLERANCE, worst
+        assert no_grad_after_eval and index == [3, 3]
