@@ -415,11 +415,10 @@ def destroy() -> None:
     Note: without the barrier, a rank that finishes first can tear down gloo's connections while
     a peer is still completing the last collective, and gloo then aborts the process
     ("terminate called without an active exception")."""
+    _forget_topology()
     if is_initialized():
         dist.barrier()
-        _forget_topology()
         dist.destroy_process_group()
-    _forget_topology()
 
 
 def get_rank(group=None) -> int:
@@ -731,7 +730,7 @@ def ranks_by_node(ranks: Sequence[int]) -> list[list[int]]:
     consecutive blocks. Collective over the default group only the first time, when
     :func:`init_distributed` did not gather the layout (one small object all-gather); no
     tensor traffic after."""
-    layout = discover_node_layout() if _known_layout() is None else _known_layout()
+    layout = discover_node_layout()  # the cached one when already gathered
     by_node: dict = {}
     for rank in sorted(ranks):
         by_node.setdefault(layout[rank], []).append(rank)
