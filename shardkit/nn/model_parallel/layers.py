@@ -32,6 +32,10 @@ its parameters carry those groups (``model_parallel_groups``) for :func:`clip_gr
 :func:`reduce_sequence_parallel_grads`. ``copy.deepcopy`` shares the groups.
 Inputs of the wrong width raise ``ValueError`` before any collective.
 
+``ColumnParallelLinear`` and ``RowParallelLinear`` take Megatron-LM's ``skip_bias_add``:
+``forward`` then returns ``(output, bias)`` without adding the bias, for the caller to fuse the
+add into the next op (bias-GeLU, bias-dropout-add); see each class.
+
 Every layer can export and load the unsplit weights: ``full_state_dict()`` (an all-gather over the
 tensor-parallel group; the keys and shapes of the equivalent ``nn.Linear`` / ``nn.Embedding``)
 and ``load_full_state_dict(sd)`` (keeps this rank's slice; no communication).
@@ -41,7 +45,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -60,6 +64,8 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
            "ParallelEmbedding", "TensorParallelModule", "deepcopy_keeping_parameter_marks"]
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
+# what a linear layer built with skip_bias_add=True returns: (output, bias or None)
+OutputAndBias = tuple[torch.Tensor, Optional[torch.Tensor]]
 
 
 class TensorParallelModule(nn.Module):
@@ -259,6 +265,19 @@ def _check_sequence_dim(what: str, ndim: int, sequence_dim: int) -> None:
             f"[batch, seq, hidden]")
 
 
+def _check_flag(what: str, name: str, value) -> None:
+    """Raise ``TypeError`` unless ``value`` is a ``bool`` (a string such as ``"no"`` would be
+    truthy). No communication."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what}: {name}={value!r} ({type(value).__name__}); it must be a bool, "
+                        f"True or False")
+
+
+def _skip_bias_add_repr(layer: nn.Module) -> str:
+    """``", skip_bias_add=True"`` for :meth:`extra_repr` when set; nothing by default."""
+    return ", skip_bias_add=True" if layer.skip_bias_add else ""
+
+
 def _master(shape: tuple[int, ...], init_method: InitMethod) -> torch.Tensor:
     weight = torch.empty(shape, dtype=torch.get_default_dtype())
     init_method(weight)
@@ -281,27 +300,40 @@ class ColumnParallelLinear(TensorParallelModule):
         sequence_parallel: the input is split along ``sequence_dim``; all-gather it first
             (backward: reduce-scatter of the input gradient) instead of the identity/all-reduce.
         sequence_dim: the sequence dimension of the input (1 for ``[batch, seq, hidden]``).
+        skip_bias_add: Megatron-LM's flag. ``False`` (default): ``forward`` returns the output
+            tensor, bias added. ``True``: it returns ``(output, bias)`` with the bias not added,
+            for the caller to fuse ``output + bias`` into the next op (bias-GeLU). The bias is
+            this rank's ``out_features / n`` slice (the parameter itself) when ``gather_output``
+            is ``False``, and all ``out_features`` (all-gathered, so each slice gets its part of
+            the gradient back) when it is ``True``; ``None`` for ``bias=False``.
 
     Memory: ``(in * out / n + out / n)`` parameters per rank. Communication: backward all-reduce
     of the input gradient (``2(n-1)/n`` of its bytes), or with ``sequence_parallel`` an
     all-gather forward and a reduce-scatter backward of the input; plus an all-gather of the
-    output forward when ``gather_output``.
+    output forward when ``gather_output``. ``skip_bias_add`` changes neither, except that with
+    ``gather_output`` the returned bias is all-gathered too (``out`` more elements forward, a
+    ``1/n`` slice kept backward, no communication) and costs its full size per rank while used.
     """
 
     _shard_dims = {"weight": (0, 1), "bias": (0, 1)}
+    # the default for a layer pickled before the flag existed: it adds its bias
+    skip_bias_add = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  gather_output: bool = True, init_method: InitMethod = nn.init.xavier_normal_,
                  stride: int = 1, keep_master_weight_for_test: bool = False,
-                 sequence_parallel: bool = False, sequence_dim: int = SEQUENCE_DIM):
+                 sequence_parallel: bool = False, sequence_dim: int = SEQUENCE_DIM, *,
+                 skip_bias_add: bool = False):
         super().__init__("ColumnParallelLinear")
         if not isinstance(stride, int) or stride < 1:
             raise ValueError(f"ColumnParallelLinear: stride={stride!r}; it must be an int >= 1")
+        _check_flag("ColumnParallelLinear", "skip_bias_add", skip_bias_add)
         _check_divisible("ColumnParallelLinear: out_features", out_features, self.tp_size, stride)
         self._shard_dims = {"weight": (0, stride), "bias": (0, stride)}
         self.in_features, self.out_features = in_features, out_features
         self.output_size_per_partition = out_features // self.tp_size
         self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
         master = _master((out_features, in_features), init_method)
@@ -310,23 +342,41 @@ class ColumnParallelLinear(TensorParallelModule):
                      else None)
         self.master_weight = master if keep_master_weight_for_test else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, OutputAndBias]:
+        """The output (``[..., out_features]``, or this rank's ``out_features / n`` without
+        ``gather_output``); with ``skip_bias_add``, ``(output, bias)`` with the bias not added."""
         _check_input_width("ColumnParallelLinear", x, self.in_features, "in_features")
         if self.sequence_parallel:
             _check_sequence_dim("ColumnParallelLinear", x.dim(), self.sequence_dim)
             x = gather_from_sequence_parallel_region(x, self.sequence_dim, group=self.tp_group)
         else:
             x = copy_to_model_parallel_region(x, group=self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
-        if not self.gather_output:
+        y = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
+        if self.gather_output:
+            y = self._gather_out_features(y)
+        if not self.skip_bias_add:
             return y
-        return gather_from_model_parallel_region(y, stride=self._shard_dims["weight"][1],
+        return y, self._bias_for_caller()
+
+    def _gather_out_features(self, local: torch.Tensor) -> torch.Tensor:
+        """All ranks' ``out_features`` slices of ``local``'s last dimension, in the unsplit
+        order (an all-gather; backward keeps this rank's slice of the gradient)."""
+        return gather_from_model_parallel_region(local, stride=self._shard_dims["weight"][1],
                                                  group=self.tp_group)
+
+    def _bias_for_caller(self) -> Optional[torch.Tensor]:
+        """The bias matching the output that ``forward`` returns with ``skip_bias_add``: the
+        parameter itself beside a split output; beside a gathered one, the gathered bias, whose
+        backward hands each rank the gradient of its own slice."""
+        if self.bias is None or not self.gather_output:
+            return self.bias
+        return self._gather_out_features(self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
                 f"({self.output_size_per_partition} on this rank), bias={self.bias is not None}, "
-                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
+                f"{_skip_bias_add_repr(self)}")
 
 
 class RowParallelLinear(TensorParallelModule):
@@ -345,21 +395,32 @@ class RowParallelLinear(TensorParallelModule):
         sequence_parallel: reduce-scatter the output along ``sequence_dim`` instead of
             all-reducing it (requires ``input_is_parallel``); the bias is then marked
             ``sequence_parallel`` (see :func:`reduce_sequence_parallel_grads`).
+        skip_bias_add: Megatron-LM's flag. ``False`` (default): ``forward`` returns the output
+            tensor, bias added. ``True``: it returns ``(output, bias)``, the summed (or, with
+            ``sequence_parallel``, reduce-scattered) output without the bias and the replicated
+            bias parameter itself (``None`` for ``bias=False``), for the caller to add after the
+            reduction, fused with the next op (bias-dropout-add). With ``sequence_parallel`` the
+            caller adds it to this rank's sequence slice, so its gradient still needs
+            :func:`reduce_sequence_parallel_grads`, exactly as without the flag.
 
     Memory: ``in * out / n + out`` parameters per rank. Communication: forward all-reduce of the
     output (``2(n-1)/n`` of its bytes), or with ``sequence_parallel`` a reduce-scatter forward and
-    an all-gather backward (``(n-1)/n`` each).
+    an all-gather backward (``(n-1)/n`` each). ``skip_bias_add`` changes neither.
     """
 
     _shard_dims = {"weight": (1, 1), "bias": None}
+    # the default for a layer pickled before the flag existed: it adds its bias
+    skip_bias_add = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  input_is_parallel: bool = False, init_method: InitMethod = nn.init.xavier_normal_,
                  stride: int = 1, keep_master_weight_for_test: bool = False,
-                 sequence_parallel: bool = False, sequence_dim: int = SEQUENCE_DIM):
+                 sequence_parallel: bool = False, sequence_dim: int = SEQUENCE_DIM, *,
+                 skip_bias_add: bool = False):
         super().__init__("RowParallelLinear")
         if not isinstance(stride, int) or stride < 1:
             raise ValueError(f"RowParallelLinear: stride={stride!r}; it must be an int >= 1")
+        _check_flag("RowParallelLinear", "skip_bias_add", skip_bias_add)
         _check_divisible("RowParallelLinear: in_features", in_features, self.tp_size, stride)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs "
@@ -369,6 +430,7 @@ class RowParallelLinear(TensorParallelModule):
         self.in_features, self.out_features = in_features, out_features
         self.input_size_per_partition = in_features // self.tp_size
         self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
         master = _master((out_features, in_features), init_method)
@@ -378,7 +440,9 @@ class RowParallelLinear(TensorParallelModule):
             mark_sequence_parallel(self.bias)
         self.master_weight = master if keep_master_weight_for_test else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, OutputAndBias]:
+        """The summed output ``[..., out_features]`` (this rank's sequence slice with
+        ``sequence_parallel``); with ``skip_bias_add``, ``(output, bias)``, bias not added."""
         if self.input_is_parallel:
             _check_input_width(
                 "RowParallelLinear", x, self.input_size_per_partition,
@@ -398,13 +462,17 @@ class RowParallelLinear(TensorParallelModule):
                                                            group=self.tp_group)
         else:
             y = reduce_from_model_parallel_region(partial, group=self.tp_group)
+        if self.skip_bias_add:
+            # the parameter itself, not a copy: the caller's add must put its gradient on
+            # the parameter reduce_sequence_parallel_grads sums (marked sequence_parallel)
+            return y, self.bias
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} ({self.input_size_per_partition} on this rank), "
                 f"out_features={self.out_features}, bias={self.bias is not None}, "
                 f"input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}{_skip_bias_add_repr(self)}")
 
 
 class VocabParallelEmbedding(TensorParallelModule):
