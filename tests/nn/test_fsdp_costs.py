@@ -107,14 +107,14 @@ def _comm_per_step(reshard: bool, shm: bool):
         train_step(gpt, gpt_optim, 1)
     gpt_units = gpt.sharded_units()
     return {"n": n, "psi": psi, "padded": padded, "elements": comm_counter.elements,
-            # each reduce-scatter also carries one use count per parameter and the unit's tag
-            # (FlatParamShard.start_reduce)
-            "counts": n * sum(len(u.params) + 1 for u in units if u.params),
+            # each reduce-scatter also carries one use count per parameter, a non-finite flag
+            # and the unit's tag (FlatParamShard.start_reduce)
+            "counts": n * sum(len(u.params) + 2 for u in units if u.params),
             "by_op": comm_counter.by_op, "calls": comm_counter.calls_by_op,
             "units": len(units) - 1,
             "gpt_bytes": gpt_comm.by_op, "gpt_root": gpt_units[0].padded_numel,
             "gpt_inner": sum(u.padded_numel for u in gpt_units[1:]),
-            "gpt_counts": n * sum(len(u.params) + 1 for u in gpt_units if u.params),
+            "gpt_counts": n * sum(len(u.params) + 2 for u in gpt_units if u.params),
             "gpt_root_local": gpt_units[0].local_numel,
             "gpt_inner_local": sum(u.local_numel for u in gpt_units[1:]),
             "describe": gpt.comm.describe()}

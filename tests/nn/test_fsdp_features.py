@@ -7,8 +7,10 @@ dict inside summon_full_params, and torch FSDP1's summon / state_dict_type / opt
 spellings."""
 
 import collections
+import copy
 import dataclasses
 
+import pytest
 import torch
 import torch.nn.utils.prune
 
@@ -948,15 +950,17 @@ class _GatedLookup(torch.nn.Module):
         return self.out(h)
 
 
-def _parameters_used_on_some_ranks_only():
+def _parameters_used_on_some_ranks_only(quantize_gradients: bool = False):
     """AdamW with weight decay, against one process on the global batch, step by step: the
     branch runs on rank 0 only (4 steps), then on no rank (1 step). Where it ran somewhere,
     every rank must hold a gradient shard (zeros on rank 1) and step it, as one process does
-    (rank 1 used to keep ``grad None``, skip the step, and drift by 0.055); where it ran
-    nowhere, ``.grad`` stays None everywhere, as in one process."""
+    (rank 1 used to keep ``grad None``, skip the step, and drift by 0.055; under qgZ too until
+    the use counts went through the lossless transport there); where it ran nowhere,
+    ``.grad`` stays None everywhere, as in one process."""
     from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
     rank, n = skdist.get_rank(), skdist.get_world_size()
-    reference, model = _GatedLookup(), FSDP(_GatedLookup())  # every rank runs the unit
+    reference = _GatedLookup()  # every rank runs the unit below
+    model = FSDP(_GatedLookup(), quantize_gradients=quantize_gradients)
     hyper = dict(lr=0.05, weight_decay=0.1)
     ref_optim = torch.optim.AdamW(reference.parameters(), **hyper)
     optim = torch.optim.AdamW(model.parameters(), **hyper)
@@ -985,12 +989,69 @@ def _parameters_used_on_some_ranks_only():
     return out
 
 
-def test_parameters_used_on_some_ranks_only_step_on_every_rank(world2):
-    for r in world2.run(_parameters_used_on_some_ranks_only):
-        assert max(r["worst"]) < 1e-6, r
+@pytest.mark.parametrize("quantize_gradients", [False, True])
+def test_parameters_used_on_some_ranks_only_step_on_every_rank(world2, quantize_gradients):
+    for r in world2.run(_parameters_used_on_some_ranks_only, quantize_gradients):
+        # int4 gradients (qgZ) round the reduced values: parity within the blocks' scales
+        assert max(r["worst"]) < (2e-3 if quantize_gradients else 1e-6), r
         assert r["without_grad"] == r["ref_without_grad"], r
         assert r["without_grad"][-1] == ["emb.weight", "gate.bias", "gate.weight"], r
         assert len(r["optimizer_state"]) == 5, r
+
+
+def _overflowing_loss(y: torch.Tensor, rank: int, overflow: bool) -> torch.Tensor:
+    """A loss whose gradient is inf, when ``overflow``, in one output column only: column 3 on
+    rank 0, column 0 on rank 1, so that at 2 ranks the inf rows of the weight's gradient are
+    the ones the *other* rank owns after the reduce-scatter (rows 2-3 live on rank 1)."""
+    column = 3 if rank == 0 else 0
+    return (y * y).mean() + (y[:, column] * (float("inf") if overflow else 1.0)).mean()
+
+
+def _torch_grad_scaler_sees_an_overflow_on_every_rank(quantize_gradients: bool):
+    """``torch.amp.GradScaler`` (not the sharded one) with FSDP, against one process on the
+    global batch: at steps 1 and 3 one rank's loss overflows (rank 0, then rank 1) in rows
+    that the other rank owns. Every rank must skip those steps and back off its scale, as
+    the one process does: before, only the owner of the inf rows saw it, skipped alone, and
+    the ranks' scales moved apart (512 vs 2048 after one step), silently."""
+    from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(4, 4)
+    model = FSDP(copy.deepcopy(reference), quantize_gradients=quantize_gradients)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_scaler, scaler = (torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+                          for _ in range(2))
+    gen = torch.Generator().manual_seed(3)
+    out = {"scales": [], "ref_scales": [], "worst": []}
+    for step in range(5):
+        x = torch.randn(2 * n, 4, generator=gen)
+        overflowing = {1: 0, 3: 1}.get(step)
+        for r in range(n):
+            loss = _overflowing_loss(reference(x[2 * r:2 * r + 2]), r, r == overflowing)
+            ref_scaler.scale(loss / n).backward()
+        mine = x[2 * rank:2 * rank + 2]
+        scaler.scale(_overflowing_loss(model(mine), rank, rank == overflowing)).backward()
+        for s, opt in ((ref_scaler, ref_optim), (scaler, optim)):
+            s.step(opt)
+            s.update()
+            opt.zero_grad()
+        out["scales"].append(scaler.get_scale())
+        out["ref_scales"].append(ref_scaler.get_scale())
+        with model.summon_full_params():
+            out["worst"].append(max((a - b).abs().max().item()
+                                    for a, b in zip(model.parameters(), reference.parameters())))
+    return out
+
+
+@pytest.mark.parametrize("quantize_gradients", [False, True])
+def test_torch_grad_scaler_skips_an_overflow_on_every_rank(world2, quantize_gradients):
+    for r in world2.run(_torch_grad_scaler_sees_an_overflow_on_every_rank, quantize_gradients):
+        assert r["scales"] == r["ref_scales"] == [2048.0, 1024.0, 2048.0, 1024.0, 2048.0], r
+        worst = r["worst"]
+        assert worst[1] == worst[0] and worst[3] == worst[2], r  # the skipped steps changed nothing
+        # int4 gradients (qgZ) of the scaled loss round the update: parity within their scales
+        assert max(worst) < (0.05 if quantize_gradients else 1e-6), r
 
 
 class _ConditionalUnit(torch.nn.Module):

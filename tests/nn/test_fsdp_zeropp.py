@@ -133,8 +133,11 @@ def _bytes_per_step(world, kwargs):
     qg = kwargs.get("quantize_gradients", False)
     expect_gather = sum(gathers[k] * (n - 1) * (_segment_bytes(shard[k], 8) if qw else
                                                 shard[k] * 4) for k in shard)
-    expect_reduce = sum((n - 1) * (_segment_bytes(shard[k], 4) if qg else shard[k] * 4)
-                        for k in shard)
+    # plus, per unit, a use count per parameter, an overflow flag and a tag (fp32; under qgZ
+    # in a lossless reduce-scatter of their own)
+    side = {id(u): len(u.params) + 2 for u in units}
+    expect_reduce = sum((n - 1) * ((_segment_bytes(shard[k], 4) if qg else shard[k] * 4)
+                                   + side[k] * 4) for k in shard)
     dtypes = {op: sorted({str(c.dtype) for c in comm.calls if c.op == op})
               for op in comm.by_op}
     return comm.by_op, dtypes, expect_gather, expect_reduce, fp32
@@ -152,12 +155,14 @@ def test_bytes_per_step_match_the_quantized_formula(world4, world):
             quantized = {"all_gather": "quantize_weights", "reduce_scatter":
                          "quantize_gradients"}
             for op, option in quantized.items():
-                want = ["torch.uint8"] if kwargs.get(option) else ["torch.float32"]
+                # quantized: uint8 blocks, and (gradients) the side values' lossless fp32
+                want = ["torch.float32"] if not kwargs.get(option) else \
+                    ["torch.float32", "torch.uint8"] if op == "reduce_scatter" else ["torch.uint8"]
                 assert dtypes[op] == want, (name, op, dtypes)
             measured.setdefault(name, []).append((sum(by_op.values()), gather + reduce, fp32))
     # Against FULL_SHARD fp32 (per element: int8 blocks 1.0156 bytes, int4 0.5156, fp32 4;
     # the root unit is gathered once, the others twice): both options stay under ZeRO++'s 0.3x
-    # (fp32's reduce-scatters also carry a use count per parameter and a tag: (P+1)(N-1) more)
+    # (fp32's reduce-scatters also carry a use count per parameter, a flag and a tag: (P+2)(N-1))
     bound = {"fp32": 1.001, "qwZ": 0.55, "qgZ": 0.75, "qwZ+qgZ": 0.3}
     for name, per_rank in measured.items():
         for total, formula, fp32 in per_rank:
@@ -177,20 +182,29 @@ def _hierarchical_bytes():
         idx, target = synthetic_batch(CFG, BATCH, 1)
         model.loss(idx[2 * r:2 * r + 2], target[2 * r:2 * r + 2]).backward()
     reduces = [c for c in comm.calls if c.op == "reduce_scatter"]
+    quantized = [c for c in reduces if c.dtype == torch.uint8]
+    side = [c for c in reduces if c.dtype != torch.uint8]
     units = [u for u in model.sharded_units() if u.padded_numel]
     # per unit: (n-1) k segments inside the node, (k-1) segments across (n = k = 2)
     expect = sum(2 * _segment_bytes(u.padded_numel // u.world_size, 4) +
                  _segment_bytes(u.padded_numel // u.world_size, 4) for u in units)
-    return (len(reduces), len(units), {c.group_size for c in reduces},
-            sum(c.bytes for c in reduces), expect, described)
+    # and the use counts, overflow flag and tag (P + 2 fp32 per rank), lossless over all 4
+    expect_side = sum(3 * (len(u.params) + 2) * 4 for u in units)
+    return dict(calls=len(quantized), units=len(units),
+                sizes={c.group_size for c in quantized}, got=sum(c.bytes for c in quantized),
+                expect=expect, side_calls=len(side), side_sizes={c.group_size for c in side},
+                side_bytes=sum(c.bytes for c in side), expect_side=expect_side,
+                described=described)
 
 
 def test_hierarchical_gradients_use_node_and_cross_node_groups(world4):
-    for calls, units, sizes, got, expect, described in world4.run(_hierarchical_bytes):
-        assert "qgZ int4 hierarchical 2 x 2" in described, described
-        assert calls == 2 * units  # one all-to-all inside the node, one across, per unit
-        assert sizes == {2}
-        assert got == pytest.approx(expect, rel=1e-9)
+    for r in world4.run(_hierarchical_bytes):
+        assert "qgZ int4 hierarchical 2 x 2" in r["described"], r
+        assert r["calls"] == 2 * r["units"]  # one all-to-all inside the node, one across
+        assert r["sizes"] == {2}
+        assert r["got"] == pytest.approx(r["expect"], rel=1e-9)
+        assert r["side_calls"] == r["units"] and r["side_sizes"] == {4}, r
+        assert r["side_bytes"] == pytest.approx(r["expect_side"], rel=1e-9), r
 
 
 def _state_dict_round_trip():
@@ -269,7 +283,8 @@ def test_units_too_small_to_gain_warn_once(world4):
         assert len(notes) == 2, notes  # once for the gathers, once for the reduce-scatters
         assert "quantized all_gather of 18 torch.float32 elements per rank" in notes[0]
         assert "quantized reduce_scatter" in notes[1] and "whole blocks of 256" in notes[1]
-        assert dtypes == ["torch.uint8"]
+        # fp32: only the use counts, overflow flag and tag, in their own lossless reduce
+        assert dtypes == ["torch.float32", "torch.uint8"]
 
 
 def _engine_from_config():

@@ -344,7 +344,10 @@ class FlatParamShard:
         result, with any held gradients: what a backward that raised left behind. Local
         apart from that wait."""
         if self._pending_reduce is not None:
-            self._pending_reduce[0].wait()
+            handle, _, side_handle = self._pending_reduce
+            handle.wait()
+            if side_handle is not None:
+                side_handle.wait()
         self._pending_reduce, self._reducing_used = None, None
         self.drop_unreduced_grads()
 
@@ -375,13 +378,15 @@ class FlatParamShard:
         replicas``, in the reduce dtype) into this rank's shard, async. They live until the
         operation completes (a transport may send straight from them).
 
-        Wire: ``(N-1)/N x N x (shard + P)`` elements of the reduce dtype, one transport
+        Wire: ``(N-1)/N x N x (shard + P + 2)`` elements of the reduce dtype, one transport
         reduce-scatter, ``P`` the unit's parameter count: each rank also sends every peer
-        which parameters a gradient reached here (see :meth:`finish_reduce`), plus one element
-        naming the unit (see :meth:`_check_every_rank_reduced_this`); not through a transport
-        that quantizes gradients (qgZ), where the bare ``shard`` goes. With replicas,
-        :meth:`replicate_reduce` adds an all-reduce of the result over ``replicate_group``
-        (``2(R-1)/R x (shard + P + 1)``).
+        which parameters a gradient reached here (see :meth:`finish_reduce`), whether its
+        gradients hold an inf or NaN (see :meth:`_spread_non_finite`), and one element
+        naming the unit (see :meth:`_check_every_rank_reduced_this`). Through a transport that
+        quantizes gradients (qgZ) those ``P + 2`` elements per rank go in a second, small
+        reduce-scatter of the lossless transport. With replicas, :meth:`replicate_reduce`
+        adds an all-reduce of the result over ``replicate_group``
+        (``2(R-1)/R x (shard + P + 2)``). Compute: one max-abs pass over the local gradients.
 
         A reduce-scatter still in flight (a split backward's earlier weight pass, see
         :func:`gathered_param_edges`) is finished into ``.grad`` first.
@@ -391,45 +396,60 @@ class FlatParamShard:
         grads, self._grad_pieces = self._grad_pieces, None
         used, self._used = self._used, None
         self._reducing_used = [True] * len(self.params) if used is None else used
-        chunk_numels = list(self.chunk_numels)
-        if self._counts_ride_the_reduce_scatter():
-            counts = self._local_use_counts(self._reducing_used, grads[0])
-            grads, chunk_numels = list(grads) + [counts.repeat(self.world_size)], \
-                chunk_numels + [counts.numel()]
+        side = self._side_values(self._reducing_used, grads).repeat(self.world_size)
+        chunk_numels, side_handle = list(self.chunk_numels), None
+        if self._side_values_ride_the_reduce_scatter():
+            grads, chunk_numels = list(grads) + [side], chunk_numels + [side.numel() //
+                                                                        self.world_size]
+        else:
+            side_handle = self.transport.lossless().reduce_scatter_chunks(
+                [side], [side.numel() // self.world_size], self.reduce_group,
+                scale=1.0 / self.predivide, dtype=self.reduce_dtype)
         handle = self.transport.reduce_scatter_chunks(
             grads, chunk_numels, self.reduce_group, scale=1.0 / self.predivide,
             dtype=self.reduce_dtype)
-        self._pending_reduce = (handle, False)
+        self._pending_reduce = (handle, False, side_handle)
 
-    def _counts_ride_the_reduce_scatter(self) -> bool:
-        """Whether the use counts travel inside the gradients' reduce-scatter: not through a
-        transport that quantizes gradients (``QuantizedTransport(gradients=True)``): sharing
-        a block with gradients, they would set its scale and round those to zero."""
+    def _side_values_ride_the_reduce_scatter(self) -> bool:
+        """Whether the ``P + 2`` side values travel inside the gradients' reduce-scatter: not
+        through a transport that quantizes gradients (``QuantizedTransport(gradients=True)``):
+        sharing a block with gradients, they would set its scale and round those to zero."""
         return self.transport.lossless() is self.transport or \
             not getattr(self.transport, "gradients", True)
 
-    def _local_use_counts(self, used: list, like: torch.Tensor) -> torch.Tensor:
-        """Per parameter, ``predivide`` where a gradient reached it on this rank, else 0: once
-        reduced (summed, times ``1 / predivide``) the number of ranks where one did. Then the
-        unit's tag times ``predivide``: reduced, the sum of the tags the ranks sent."""
-        values = [self.predivide if u else 0.0 for u in used] + [self.label[0] * self.predivide]
-        return torch.tensor(values, dtype=like.dtype, device=like.device)
+    def _side_values(self, used: list, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """What each rank sends every peer beside its gradients, times ``predivide`` (so that,
+        reduced, it reads as a sum over ranks): per parameter 1 where a gradient reached it on
+        this rank, else 0 (reduced: the number of ranks where one did); 0, or NaN when this
+        rank's gradients of the unit hold an inf or NaN (reduced: NaN when any rank's do);
+        then the unit's tag (reduced: the sum of the tags the ranks sent)."""
+        like = grads[0]
+        tag = self.label[0] * self.predivide
+        values = [self.predivide if u else 0.0 for u in used] + [0.0, tag]
+        side = torch.tensor(values, dtype=self.reduce_dtype, device=like.device)
+        nonempty = [g for g in grads if g.numel()]
+        if nonempty:
+            # max |g| is finite exactly when every element is (a sum could overflow); x 0
+            # turns it into 0, or NaN for inf / NaN, without a host sync
+            largest = torch.stack(torch._foreach_norm(nonempty, float("inf"))).max()
+            side[-2] = (largest * 0).to(self.reduce_dtype)
+        return side
 
-    def _check_every_rank_reduced_this(self, out: torch.Tensor) -> None:
+    def _check_every_rank_reduced_this(self, side: torch.Tensor) -> None:
         """Raise unless every rank's part of the reduce-scatter just completed came from this
-        unit: the tags summed in ``out`` (each rank's unit's, 1 to 16 by position in the model)
+        unit: the tags summed in ``side`` (each rank's unit's, 1 to 16 by position in the model)
         must be ``N x replicas`` times this unit's. Otherwise the ranks' collectives are out of
         step, typically because a unit's forward ran on some ranks only, and the gradients are
         a mix of different units' (no error came before: units of equal size pair up). No
         verdict where a 16-bit reduction could round the sum (``16 N`` past 256 in bf16, 2048
         in fp16), nor between units 16 positions apart, nor on an accelerator (the read
-        would synchronise with the host once per unit). Costs one read of ``out``'s last
+        would synchronise with the host once per unit). Costs one read of ``side``'s last
         element."""
         tag, name = self.label
         ranks = self.world_size * self.replicas
         if _TAGS * ranks > _EXACT_INTEGERS.get(self.reduce_dtype, 2 ** 24):
             return  # the sum could round (a 16-bit reduction over many ranks): no verdict
-        mean_tag = float(out[-1]) / ranks
+        mean_tag = float(side[-1]) / ranks
         if abs(mean_tag - tag) < 0.25:
             return
         raise RuntimeError(
@@ -448,20 +468,34 @@ class FlatParamShard:
         if self.replicate_group is None or self._pending_reduce is None \
                 or self._pending_reduce[1]:
             return
-        out = self._pending_reduce[0].wait()
-        self._pending_reduce = (self.transport.all_reduce(out, self.replicate_group), True)
+        handle, _, side_handle = self._pending_reduce
+        replicated = self.transport.all_reduce(handle.wait(), self.replicate_group)
+        if side_handle is not None:
+            side_handle = self.transport.lossless().all_reduce(side_handle.wait(),
+                                                               self.replicate_group)
+        self._pending_reduce = (replicated, True, side_handle)
 
-    def _used_anywhere(self, out: torch.Tensor, used_here: list) -> list[bool]:
+    def _used_anywhere(self, side: torch.Tensor, used_here: list) -> list[bool]:
         """Per parameter: whether a gradient reached it on any rank of the reduce (and
-        replicate) group, read from the counts after the shard in ``out``. Without counts
-        (qgZ): where it reached this rank, or its reduced rows here are not all zero."""
+        replicate) group, read from the counts in the reduced side values."""
         if all(used_here):  # nothing to learn: spare the read of the counts (a device sync)
             return used_here
-        if out.numel() > self.shard_numel:  # the transport returns exactly the chunks asked
-            counts = out[self.shard_numel:-1].tolist()
-        else:
-            counts = [bool(view.any()) for view in self.shard_views(out[:self.shard_numel])]
+        counts = side[:-2].tolist()
         return [here or c > 0 for here, c in zip(used_here, counts)]
+
+    def _spread_non_finite(self, views: list, flag: torch.Tensor) -> None:
+        """Make an inf or NaN that any rank's gradients of the unit held visible on every
+        rank: ``flag`` (reduced side value) is NaN then, and is added to the first element of
+        each gradient view (0 otherwise). Without this, an overflow lands in the shard of the
+        rank owning its rows only, and ``torch.amp.GradScaler``, which checks this rank's
+        gradients, would skip the step there and step it on the others, moving their loss
+        scales apart. On CPU the flag is read first and nothing is written when it is 0; on
+        an accelerator the adds run unconditionally (no host sync)."""
+        if flag.device.type == "cpu" and not torch.isnan(flag):
+            return
+        for view in views:
+            if view.numel():
+                view[:1].add_(flag.to(view.dtype))
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter (and the replicas' all-reduce) and add the result to
@@ -474,9 +508,9 @@ class FlatParamShard:
         rank, zeros included (this rank skipped the branch, and owns rows no other rank's
         gradient touched, or only padding), as in one process: every rank's optimizer then
         steps it alike (decay, moments). The use counts of :meth:`start_reduce` tell the two
-        apart. (torch's FSDP1 gives zeros in both cases.) Under qgZ, which carries no counts,
-        this rank tells them apart by its own use and reduced rows only: a parameter it did
-        not use whose rows here reduced to exact zeros keeps ``None`` on this rank alone.
+        apart (under qgZ they come through the lossless transport). (torch's FSDP1 gives zeros
+        in both cases.) An inf or NaN in any rank's gradients of the unit reaches every rank's
+        shard (:meth:`_spread_non_finite`), so a loss scaler skips the step everywhere.
 
         Hooks the user registered with ``p.register_post_accumulate_grad_hook`` (an optimizer
         step inside backward) run once the reduced shard is in ``p.grad``, as under torch's
@@ -484,21 +518,25 @@ class FlatParamShard:
         if self._pending_reduce is None:
             return
         self.replicate_reduce()
-        out = self._pending_reduce[0].wait()
+        handle, _, side_handle = self._pending_reduce
+        out = handle.wait()
+        side = out[self.shard_numel:] if side_handle is None else side_handle.wait()
         self._pending_reduce = None
         used_here, self._reducing_used = self._reducing_used, None
-        if out.numel() > self.shard_numel and out.device.type == "cpu":
+        if side.device.type == "cpu":
             # Note: on an accelerator, reading the tag would cost a host sync per unit per step
-            self._check_every_rank_reduced_this(out)
-        used = self._used_anywhere(out, used_here)
-        # a copy of its own (fused with any cast): .grad must not keep the counts' buffer
+            self._check_every_rank_reduced_this(side)
+        used = self._used_anywhere(side, used_here)
+        # a copy of its own (fused with any cast): .grad must not keep the side values' buffer
         grad_shard = out[:self.shard_numel].to(self.storage_device, self.master_dtype,
                                                copy=out.numel() > self.shard_numel)
         if self.postdivide != 1.0:
             grad_shard.div_(self.postdivide)
-        for p, view, used_somewhere in zip(self.params, self.shard_views(grad_shard), used):
-            if not p.requires_grad or not used_somewhere:
-                continue
+        stepped = [(p, view) for p, view, used_somewhere
+                   in zip(self.params, self.shard_views(grad_shard), used)
+                   if p.requires_grad and used_somewhere]
+        self._spread_non_finite([view for _, view in stepped], side[-2])
+        for p, view in stepped:
             if p.grad is None:
                 p.grad = view
             else:

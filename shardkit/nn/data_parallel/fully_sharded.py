@@ -21,8 +21,13 @@ Per-rank model state (fp32 Adam, Ψ parameters, N ranks): ``16Ψ/N`` + padding, 
 being computed (its gathered parameters) and, with prefetch, the next one. Communication per
 step per rank: ``3Ψ(N-1)/N`` elements with ``reshard_after_forward=True`` (all-gather in forward,
 again in backward, reduce-scatter; the root unit is not re-gathered for backward), ``2Ψ(N-1)/N``
-with ``False``; the reduce-scatters add ``(P+1)(N-1)`` elements per unit of P parameter tensors
-(use counts and a tag, see the warning below).
+with ``False``; the reduce-scatters add ``(P+2)(N-1)`` elements per unit of P parameter tensors
+(use counts, an overflow flag and a tag, see the warning below).
+
+An inf or NaN in any rank's gradients of a unit reaches every rank's gradient shard of that
+unit, so ``torch.amp.GradScaler`` (which checks only this rank's gradients) skips an overflowing
+step on every rank, as :class:`shardkit.optim.ShardedGradScaler` does with one more all-reduce.
+Cost: one max-abs pass over the local gradients per unit and step, and the flag's element.
 
 A module may run several times before one backward (two views of a batch, a block shared by
 several layers): a unit stays gathered until every use has delivered its gradient, then
@@ -78,9 +83,10 @@ given (e.g. :class:`~shardkit.shm_transport.SharedMemoryTransport` for ranks on 
    a unit, parameters may go unused on some ranks (their gradient there counts as zero, and
    every rank gets its shard of the mean, zeros included, as in one process) or on all
    (their ``.grad`` stays ``None``, as in one process): the reduce-scatter also carries one
-   use count per parameter to tell the two apart. Together ``(P+1)(N-1)`` more elements per
-   unit and step, P its parameter tensors; neither under ``quantize_gradients`` (see
-   :meth:`.FlatParamShard.finish_reduce`). A backward gathers a unit when it
+   use count per parameter to tell the two apart. Together ``(P+2)(N-1)`` more elements per
+   unit and step, P its parameter tensors; under ``quantize_gradients`` they go in a second,
+   lossless reduce-scatter of their own (see :meth:`.FlatParamShard.start_reduce`).
+   A backward gathers a unit when it
    reaches the unit's outputs: one that reaches a unit freed after its forward only through a
    value the module kept (an MoE layer's ``self.aux_loss`` backpropagated alone) gets its
    gradients, but fails if that path needs the unit's weights (an input gradient through them);
@@ -187,9 +193,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             ``(replicate, shard)`` for the hybrid strategies, 1-D otherwise.
         mixed_precision: compute in ``compute_dtype`` (default fp16) with fp32 master shards;
             or a :class:`MixedPrecisionPolicy`. Scale fp16 losses with
-            :class:`shardkit.optim.ShardedGradScaler`, not ``torch.amp.GradScaler``: torch's
-            checks only this rank's gradient shard, so an overflow in one shard skips the step
-            on that rank alone and moves its loss scale apart from the others' (no error).
+            :class:`shardkit.optim.ShardedGradScaler` or ``torch.amp.GradScaler``: an overflow
+            in any rank's gradients reaches every rank's shard of the unit, so both skip the
+            step on every rank.
         fp32_reduce_scatter: reduce-scatter gradients in fp32 under mixed precision.
         flatten_parameters: accepted for FairScale compatibility; communication is always one
             transport operation per unit and direction.
