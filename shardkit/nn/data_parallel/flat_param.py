@@ -386,7 +386,7 @@ class FlatParamShard:
         quantizes gradients (qgZ) those ``P + 2`` elements per rank go in a second, small
         reduce-scatter of the lossless transport. With replicas, :meth:`replicate_reduce`
         adds an all-reduce of the result over ``replicate_group``
-        (``2(R-1)/R x (shard + P + 2)``). Compute: one max-abs pass over the local gradients.
+        (``2(R-1)/R x (shard + P + 2)``). Compute: one min/max pass over the local gradients.
 
         A reduce-scatter still in flight (a split backward's earlier weight pass, see
         :func:`gathered_param_edges`) is finished into ``.grad`` first.
@@ -427,12 +427,11 @@ class FlatParamShard:
         tag = self.label[0] * self.predivide
         values = [self.predivide if u else 0.0 for u in used] + [0.0, tag]
         side = torch.tensor(values, dtype=self.reduce_dtype, device=like.device)
-        nonempty = [g for g in grads if g.numel()]
-        if nonempty:
-            # max |g| is finite exactly when every element is (a sum could overflow); x 0
-            # turns it into 0, or NaN for inf / NaN, without a host sync
-            largest = torch.stack(torch._foreach_norm(nonempty, float("inf"))).max()
-            side[-2] = (largest * 0).to(self.reduce_dtype)
+        extremes = [torch.stack(torch.aminmax(g.reshape(-1))) for g in grads if g.numel()]
+        if extremes:
+            # the extremes are finite exactly when every element is (a sum could overflow);
+            # x 0 turns them into 0, or NaN for inf / NaN, without a host sync
+            side[-2] = (torch.cat(extremes) * 0).sum().to(self.reduce_dtype)
         return side
 
     def _check_every_rank_reduced_this(self, side: torch.Tensor) -> None:

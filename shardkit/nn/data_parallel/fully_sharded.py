@@ -27,7 +27,7 @@ with ``False``; the reduce-scatters add ``(P+2)(N-1)`` elements per unit of P pa
 An inf or NaN in any rank's gradients of a unit reaches every rank's gradient shard of that
 unit, so ``torch.amp.GradScaler`` (which checks only this rank's gradients) skips an overflowing
 step on every rank, as :class:`shardkit.optim.ShardedGradScaler` does with one more all-reduce.
-Cost: one max-abs pass over the local gradients per unit and step, and the flag's element.
+Cost: one min/max pass over the local gradients per unit and step, and the flag's element.
 
 A module may run several times before one backward (two views of a batch, a block shared by
 several layers): a unit stays gathered until every use has delivered its gradient, then
