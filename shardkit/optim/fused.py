@@ -35,13 +35,11 @@ class _FlatState:
         self.views["step"] = list(self.steps.unbind(0))
 
     def outdated(self) -> bool:
-        """Whether the parameters were cast, moved or resized since the buffers were built
-        (a ``model.to(torch.bfloat16)`` or ``model.cuda()`` after a step). Only the first
-        parameter is looked at: a module conversion changes them all, and a few attribute
-        reads per bucket keep the check off the per-parameter cost of a step."""
-        first = self.params[0]
-        return (first.dtype != self.dtype or first.device != self.device
-                or first.shape != self.views["exp_avg"][0].shape)
+        """Whether any parameter was cast, moved or resized since the buffers were built
+        (a ``model.to(torch.bfloat16)`` or ``model.cuda()`` after a step, or a conversion of
+        one submodule only). Three attribute reads per parameter and step."""
+        return any(p.dtype != self.dtype or p.device != self.device or p.shape != view.shape
+                   for p, view in zip(self.params, self.views["exp_avg"]))
 
 
 class FusedAdamW(torch.optim.Optimizer):

@@ -354,6 +354,43 @@ def test_model_cast_after_steps_keeps_training_with_cast_state(backend, dtype):
     assert max_param_diff(ref, model) < (1e-6 if dtype == torch.float64 else 2e-2)
 
 
+class _TwoLayers(torch.nn.Module):
+    """Two linears; the second may be cast alone (its input follows its dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)).to(self.second.weight.dtype)).float()
+
+
+def test_one_submodule_cast_after_steps_keeps_training_with_cast_state(backend):
+    """Only the second layer cast to bf16 after some steps, the first parameter of the group
+    unchanged: the state of the cast parameters follows them, as torch.optim.AdamW's does once
+    reloaded. (Only the group's first parameter used to be checked: the fused step then met
+    fp32 state beside bf16 parameters, "expected scalar type BFloat16 but found Float".)"""
+    ref, model = _TwoLayers(), _TwoLayers()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    opt = FusedAdamW(model.parameters(), lr=3e-3)
+    for step in range(4):
+        if step == 2:
+            ref.second.to(torch.bfloat16)
+            model.second.to(torch.bfloat16)
+            ref_opt.load_state_dict(ref_opt.state_dict())  # torch casts the state to the params'
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    assert [opt.state[p]["exp_avg"].dtype for p in model.parameters()] == \
+        [torch.float32] * 2 + [torch.bfloat16] * 2
+    assert max((a.float() - b.float()).abs().max().item()
+               for a, b in zip(ref.parameters(), model.parameters())) < 2e-2
+
+
 def test_resized_parameter_and_mismatched_state_are_refused_by_name(backend):
     """A parameter resized after its first step (torch.optim.AdamW raises at its step too) and
     a state dict of another model get a ValueError naming the shapes, not a silent step on
