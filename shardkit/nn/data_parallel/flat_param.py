@@ -488,8 +488,12 @@ class FlatParamShard:
         each gradient view (0 otherwise). Without this, an overflow lands in the shard of the
         rank owning its rows only, and ``torch.amp.GradScaler``, which checks this rank's
         gradients, would skip the step there and step it on the others, moving their loss
-        scales apart. On CPU the flag is read first and nothing is written when it is 0; on
-        an accelerator the adds run unconditionally (no host sync)."""
+        scales apart. Where the gradient shards live on CPU (offloaded ones too) the flag is
+        read first and nothing is written when it is 0; on an accelerator the adds run
+        unconditionally (no host sync)."""
+        if not views:
+            return
+        flag = flag.to(views[0].device)
         if flag.device.type == "cpu" and not torch.isnan(flag):
             return
         for view in views:
