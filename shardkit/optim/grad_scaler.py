@@ -46,8 +46,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
     all-reduce of one element per step), but when only some ranks see inf/nan (under
     ``ShardedDataParallel`` each rank holds only the gradients it owns) its ``update()`` would
     move the ranks' scales apart, so ``OSS.step`` raises a RuntimeError on every rank naming
-    this class. With ``FullyShardedDataParallel`` (a plain optimizer over the shards) nothing
-    can catch it: use this class.
+    this class. ``FullyShardedDataParallel`` carries an overflow in any rank's gradients of a
+    unit into every rank's shard of it, so torch's scaler agrees there too; this class works
+    with it as well (its all-reduce then only confirms).
 
     Usage::
 
