@@ -667,9 +667,9 @@ class ShardedEngine(nn.Module):
         ``load_module_only=True`` is DeepSpeed's warm start: the weights only; the step
         counters (``global_steps``, ``skipped_steps``), the loss scale, the scheduler and this
         process's RNG stay as they are (a fine-tuning run starts at step 0).
-        Memory, on each rank's CPU while loading: the full fp32 weights and the optimizer
-        state this rank's optimizer keeps (stages 1-2: its OSS share; stages 0 and 3: the
-        whole)."""
+        Memory, on each rank's CPU while loading: stages 0-2, the full fp32 weights and the
+        optimizer state this rank's optimizer keeps (stages 1-2: its OSS share; stage 0: the
+        whole); stage 3, only this rank's row blocks of both (``1/N``)."""
         from shardkit.checkpoint.engine_state import load_engine_checkpoint
         if load_module_strict is not True:
             raise ValueError(

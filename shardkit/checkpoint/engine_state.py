@@ -8,12 +8,16 @@ keyed by the parameter's name in the unwrapped model. How a rank finds its part 
   stages 1-2, a balanced partition at stage 0) writes it and its optimizer state, which it holds
   locally; nothing crosses the wire.
 - stage 3: FSDP holds every parameter as a dim-0 row block per rank. Each rank writes its
-  blocks (``local_state_dict()``) and the matching blocks of its optimizer state; reading the
-  checkpoint joins them. Nothing crosses the wire either.
+  blocks (``local_state_dict()``) and the matching blocks of its optimizer state; a reader at
+  stages 0-2 joins them, a stage-3 reader cuts its own rows out of them. Nothing crosses the
+  wire either.
 
-Loading builds a full torch-format optimizer state dict in the engine's own parameter order and
-gives it to the optimizer's public ``load_state_dict`` (OSS reshards it; FSDP slices it with
-``get_shard_from_optim_state_dict``), so any saved stage/world size loads into any other.
+Loading at stages 0-2 builds a full torch-format optimizer state dict in the engine's own
+parameter order and gives it to the optimizer's public ``load_state_dict`` (OSS reshards it).
+Loading at stage 3 keeps, from each file as it is read, only this rank's FSDP row block of every
+parameter and of its optimizer state (:func:`read_checkpoint`'s ``keep_rows``), and loads them
+with ``load_local_state_dict`` and a torch-format state dict of those blocks: no full tensor is
+built. Either way any saved stage/world size loads into any other.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Optional
 import torch
 
 from shardkit import distributed
-from shardkit.checkpoint.resharding import shape_mismatches
+from shardkit.checkpoint.resharding import ParamLayout
 from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard,
                                          agreement_device, check_loads_back, check_tag,
                                          commit_checkpoint, plain_numbers, read_checkpoint,
@@ -192,11 +196,14 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     step counters and this rank's RNG state (with the scheduler's state but not the
     optimizer's, the optimizer's lrs are set to the loaded position's, as the uninterrupted
     run holds them). Returns ``(path, client_state)``, or
-    ``(None, None)`` with a warning when ``load_dir`` has no checkpoint. Memory: every rank
-    reads all rank files one by one and merges on CPU the full fp32 model and the optimizer
-    state its optimizer keeps (stages 1-2: its OSS share; stages 0 and 3: all of it) before
-    loading; communication: one two-element all-reduce (every rank agrees it read the
-    checkpoint before any loads), then what loading into the wrappers costs."""
+    ``(None, None)`` with a warning when ``load_dir`` has no checkpoint. Memory, on each
+    rank's CPU: every rank reads all rank files one by one and keeps of each what it needs:
+    stage 0 the full fp32 model and optimizer state, stages 1-2 the full fp32 model and its OSS
+    share of the optimizer state, stage 3 only its row blocks (``1/N`` of the fp32 model and of
+    the optimizer state, plus padding), the file being read memory-mapped. Communication: one
+    two-element all-reduce (every rank agrees it read the checkpoint before any loads), then
+    what loading into the wrappers costs (stage 3: nothing; stages 0-2: see the optimizer's
+    ``load_state_dict``)."""
     ckpt = _read_and_check_on_every_rank(engine, load_dir, tag, load_optimizer_states)
     if ckpt is None:
         logger.warning("load_checkpoint: no 'latest' file in %s; nothing loaded", load_dir)
@@ -248,7 +255,8 @@ def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
         path = resolve_checkpoint_dir(load_dir, tag)
         if path is not None:
             ckpt = read_checkpoint(path, with_optimizer=with_optimizer,
-                                   keep_optim=_optimizer_state_kept_here(engine))
+                                   keep_optim=_optimizer_state_kept_here(engine),
+                                   keep_rows=_rows_kept_here(engine))
             _check_names(engine, ckpt)
             _check_shapes(engine, ckpt)  # before anything is written: a mismatch changes nothing
             if with_optimizer:
@@ -284,6 +292,25 @@ def _optimizer_state_kept_here(engine):
     return owned.__contains__
 
 
+def _rows_kept_here(engine):
+    """Stage 3: for each parameter name of the unwrapped model, the FSDP layout it is sharded
+    by and this rank's index in it, as read_checkpoint's ``keep_rows`` (buffers: ``None``, kept
+    whole); ``None`` at stages 0-2, whose parameters are whole. From
+    ``local_metadata_dict()``: local, no communication."""
+    if engine.zero_stage != 3:
+        return None
+    meta = engine.wrapped.local_metadata_dict()
+    if meta["own_group_params"]:
+        raise CheckpointError(
+            f"load_checkpoint: parameter(s) {meta['own_group_params'][:4]} belong to FSDP units "
+            f"sharded over process groups of their own (experts), which an engine checkpoint "
+            f"cannot reshard; nothing was loaded")
+    world, rank = meta["world_size"], meta["rank"]
+    layouts = {name: ParamLayout(torch.Size(shape), world)
+               for name, shape in meta["shapes"].items()}
+    return lambda name: (layouts[name], rank) if name in layouts else None
+
+
 def _count_over_ranks(*flags: bool) -> list[int]:
     counts = torch.tensor([float(f) for f in flags], device=agreement_device())
     distributed.all_reduce(counts)
@@ -312,8 +339,10 @@ def _check_shapes(engine, ckpt) -> None:
     """A :class:`CheckpointError` naming the tensors whose saved shape is not the model's (the
     checkpoint of another configuration of the same model), raised on every rank before any
     weight is written or any collective starts. Local: no communication."""
-    wrong = [f"{name}: {saved} in the checkpoint, {mine} in the model"
-             for name, saved, mine in shape_mismatches(ckpt.params, _model_shapes(engine))]
+    model = _model_shapes(engine)
+    wrong = [f"{name}: {saved} in the checkpoint, {tuple(model[name])} in the model"
+             for name, saved in ckpt.shapes.items()
+             if name in model and tuple(saved) != tuple(model[name])]
     if wrong:
         raise CheckpointError(
             f"load_checkpoint({ckpt.path}): size mismatch, the checkpoint is of another model "
@@ -334,15 +363,20 @@ def _check_optimizer_class(engine, ckpt) -> None:
 
 
 def _load_model(engine, params: dict) -> None:
+    """Stage 3: ``params`` holds this rank's row blocks (and the buffers), loaded as FSDP's
+    local state dict, into the shards (units kept gathered since a forward are freed first:
+    their parameters are then the shards again); else the full tensors. No communication."""
     if engine.zero_stage == 3:
-        engine.wrapped.load_state_dict(params)
+        engine.wrapped.reshard()
+        engine.wrapped.load_local_state_dict(params)
     else:
         engine.module.load_state_dict(params, strict=True)
 
 
 def _load_optimizer(engine, optim_by_name: dict, saved_groups: list) -> None:
-    """Give the optimizer a full torch-format state dict in its own parameter order: OSS keeps
-    its owned part, FSDP cuts each tensor to this rank's rows."""
+    """Give the optimizer a torch-format state dict in its own parameter order: at stages
+    0-2 of full tensors (OSS keeps its owned part), at stage 3 of this rank's row blocks, as
+    read (its optimizer's parameters are those blocks)."""
     source = engine.wrapped if engine.zero_stage == 3 else engine.module
     name_of = {id(p): n for n, p in source.named_parameters()}
     order = [name_of[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
@@ -350,11 +384,7 @@ def _load_optimizer(engine, optim_by_name: dict, saved_groups: list) -> None:
     for g in engine.optimizer.param_groups:
         groups.append(list(range(start, start + len(g["params"]))))
         start += len(g["params"])
-    full = _torch_format(optim_by_name, order, groups, saved_groups)
-    if engine.zero_stage == 3:
-        full["param_names"] = order
-        full = engine.wrapped.get_shard_from_optim_state_dict(full)
-    engine.optimizer.load_state_dict(full)
+    engine.optimizer.load_state_dict(_torch_format(optim_by_name, order, groups, saved_groups))
 
 
 def _torch_format(optim_by_name: dict, order: list, groups: list, saved_groups: list) -> dict:

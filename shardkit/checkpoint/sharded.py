@@ -15,7 +15,8 @@ ranks that wrote it (FSDP), as every rank's block of rows (``row_blocks``, and r
 its optimizer state), which :func:`read_checkpoint` joins to the full shape listed in the
 metadata (``row_sharded``) with :mod:`shardkit.checkpoint.resharding`, the cut FSDP itself
 uses. Loading at another world size or stage only needs a different split of the same full
-tensors.
+tensors; a reader that is itself row sharded (ZeRO-3) passes ``keep_rows`` and keeps, from each
+file as it is read, only its own row block of each tensor, never the full tensors.
 
 Safety: every file is read with ``torch.load(weights_only=True)`` (tensors, numbers, strings and
 plain containers only; RNG states are stored as tensors), so a crafted checkpoint cannot run code
@@ -48,12 +49,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from shardkit import distributed
-from shardkit.checkpoint.resharding import join_row_blocks, join_row_state
+from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE
+from shardkit.checkpoint.resharding import ParamLayout, join_row_blocks, join_row_state
 
-__all__ = ["FORMAT", "CheckpointError", "RankShard", "LoadedCheckpoint", "commit_checkpoint",
-           "agreement_device", "read_latest_tag", "read_checkpoint", "rank_file_name",
-           "resolve_checkpoint_dir", "check_tag", "load_checkpoint_file", "file_digest",
-           "plain_numbers", "check_loads_back"]
+__all__ = ["FORMAT", "CheckpointError", "RankShard", "LoadedCheckpoint", "RowsWanted",
+           "commit_checkpoint", "agreement_device", "read_latest_tag", "read_checkpoint",
+           "rank_file_name", "resolve_checkpoint_dir", "check_tag", "load_checkpoint_file",
+           "file_digest", "plain_numbers", "check_loads_back"]
 
 FORMAT = "shardkit-resharding-v1"
 LATEST = "latest"
@@ -78,7 +80,12 @@ class RankShard:
 
 @dataclass
 class LoadedCheckpoint:
-    """Every rank file merged: the world-size-independent state of a checkpoint."""
+    """Every rank file merged: the world-size-independent state of a checkpoint.
+
+    ``params``/``optim`` hold full tensors, except for the names a ``keep_rows`` reader asked
+    rows of: there they hold that reader's padded row block. ``shapes`` is the full saved
+    shape of every tensor read, by name (also of those whose rows could not be kept because the
+    shape is not the reader's)."""
 
     path: str
     metadata: dict
@@ -86,6 +93,12 @@ class LoadedCheckpoint:
     optim: dict
     rng_by_rank: dict
     engine: dict
+    shapes: dict = field(default_factory=dict)
+
+
+RowsWanted = Callable[[str], Optional[tuple]]
+"""``name -> (ParamLayout, rank)``: keep only ``rank``'s padded row block of that tensor when
+cut as ``layout`` says (the full shape and the reader's world size); ``None``: keep it whole."""
 
 
 def rank_file_name(rank: int) -> str:
@@ -337,51 +350,241 @@ def read_metadata(path: str) -> dict:
 
 
 def read_checkpoint(path: str, with_optimizer: bool = True,
-                    keep_optim: Optional[Callable[[str], bool]] = None) -> LoadedCheckpoint:
-    """Merge every rank file of the checkpoint at ``path``. Memory: the full fp32 weights, and
-    the optimizer state of the parameters ``keep_optim(name)`` accepts (default: all); the
-    rest is dropped file by file, so a rank that keeps a share never holds the whole.
+                    keep_optim: Optional[Callable[[str], bool]] = None,
+                    keep_rows: Optional[RowsWanted] = None) -> LoadedCheckpoint:
+    """Merge every rank file of the checkpoint at ``path``, one file at a time.
+
+    Memory: without ``keep_rows``, the full fp32 weights, and the optimizer state of the
+    parameters ``keep_optim(name)`` accepts (default: all); the rest is dropped file by file,
+    so a rank that keeps a share never holds the whole. With ``keep_rows`` (see
+    :data:`RowsWanted`; ZeRO-3 readers), each tensor it gives a layout for, and the optimizer
+    state tensors of that tensor's shape, are kept as the reader's padded row block only,
+    copied out of each file as it is read, whatever world size or stage wrote it: the reader
+    holds ``1/N`` of the weights and of the kept optimizer state (plus padding) and never a
+    full tensor; the file being read is memory-mapped, so its other rows stay in the OS page
+    cache, not in this process. Scalars (Adam's ``step``) are kept as saved.
 
     Reads files only; no communication."""
     def kept(name: str) -> bool:
         return with_optimizer and (keep_optim is None or keep_optim(name))
 
     metadata = read_metadata(path)
-    params: dict = {}
-    optim: dict = {}
+    merge = _FullMerge(metadata, kept) if keep_rows is None else \
+        _RowMerge(metadata, kept, keep_rows)
     rng: dict = {}
-    blocks: dict = {}  # name -> [(param block, optimizer-state block)] in rank order
     for rank in range(metadata["world_size"]):
         file = os.path.join(path, rank_file_name(rank))
         if not os.path.isfile(file):
             raise CheckpointError(f"{path}: {rank_file_name(rank)} is missing; the checkpoint "
                                   f"was written by {metadata['world_size']} ranks")
-        shard = load_checkpoint_file(path, rank_file_name(rank), metadata)
-        params.update(shard["params"])
-        optim.update({name: state for name, state in shard["optim"].items()
-                      if kept(name) and name not in shard.get("row_blocks", {})})
-        for name, block in shard.get("row_blocks", {}).items():
-            state = shard["optim"].get(name, {}) if kept(name) else {}
-            blocks.setdefault(name, []).append((block, state))
+        shard = load_checkpoint_file(path, rank_file_name(rank), metadata,
+                                     mmap=keep_rows is not None)
+        merge.add(shard, rank)
         rng[rank] = shard["rng"]
-    for name, shape in metadata.get("row_sharded", {}).items():
-        parts = blocks.get(name, [])
-        if len(parts) != metadata["world_size"]:
-            raise CheckpointError(f"{path}: {name} has {len(parts)} row blocks; expected one "
-                                  f"per rank ({metadata['world_size']})")
-        params[name] = join_row_blocks([b for b, _ in parts], shape)
-        if with_optimizer and parts[0][1]:
-            optim[name] = join_row_state(parts, shape)
-    missing = [name for name in metadata["param_names"] if name not in params]
+    merge.finish(path)
+    missing = [name for name in metadata["param_names"]
+               if name not in merge.params and name not in merge.shapes]
     if missing:
         raise CheckpointError(f"{path}: no rank file holds {missing[:5]}")
     engine = load_checkpoint_file(path, ENGINE_FILE, metadata)
-    return LoadedCheckpoint(path, metadata, params, optim, rng, engine)
+    return LoadedCheckpoint(path, metadata, merge.params, merge.optim, rng, engine,
+                            merge.shapes)
 
 
-def load_checkpoint_file(path: str, name: str, metadata: dict):
+class _FullMerge:
+    """Rank files merged into full tensors: whole ones as saved, row blocks joined once every
+    file is read. Memory: the full tensors kept, plus every block until it is joined."""
+
+    def __init__(self, metadata: dict, kept: Callable[[str], bool]):
+        self.metadata, self.kept = metadata, kept
+        self.params: dict = {}
+        self.optim: dict = {}
+        self.shapes: dict = {}
+        self.blocks: dict = {}  # name -> [(param block, optimizer-state block)] in rank order
+
+    def add(self, shard: dict, saved_rank: int) -> None:
+        """Take what the file of ``saved_rank`` holds."""
+        row_blocks = shard.get("row_blocks", {})
+        for name, value in shard["params"].items():
+            self.add_whole(name, value, shard["optim"].get(name) if self.kept(name) else None)
+        for name, state in shard["optim"].items():
+            if name not in shard["params"] and name not in row_blocks and self.kept(name):
+                self.add_whole_state(name, state)
+        for name, block in row_blocks.items():
+            state = shard["optim"].get(name, {}) if self.kept(name) else {}
+            self.add_block(name, block, state, saved_rank)
+
+    def add_whole(self, name: str, value, state: Optional[dict]) -> None:
+        self.params[name] = value
+        if isinstance(value, torch.Tensor):
+            self.shapes[name] = tuple(value.shape)
+        if state is not None:
+            self.add_whole_state(name, state)
+
+    def add_whole_state(self, name: str, state: dict) -> None:
+        self.optim[name] = state
+
+    def add_block(self, name: str, block: torch.Tensor, state: dict, saved_rank: int) -> None:
+        self.blocks.setdefault(name, []).append((block, state))
+
+    def finish(self, path: str) -> None:
+        """Join the row blocks (checking that every saving rank wrote one)."""
+        world = self.metadata["world_size"]
+        for name, shape in self.metadata.get("row_sharded", {}).items():
+            parts = self.blocks.pop(name, [])
+            if name in self.shapes:  # already settled by _RowMerge: kept as rows, or foreign
+                continue
+            if len(parts) != world:
+                raise CheckpointError(f"{path}: {name} has {len(parts)} row blocks; expected "
+                                      f"one per rank ({world})")
+            self.params[name] = join_row_blocks([b for b, _ in parts], shape)
+            self.shapes[name] = tuple(shape)
+            if parts[0][1]:
+                self.optim[name] = join_row_state(parts, shape)
+
+
+class _RowMerge(_FullMerge):
+    """Rank files merged into one reader's row blocks: for each name ``keep_rows`` gives a
+    layout for, the rows of that reader's block are copied out of every file that holds some
+    of them (whole tensors or another world's blocks) into one zero-padded block, so no full
+    tensor is ever built. Other names are merged as :class:`_FullMerge` does, copied out of the
+    memory-mapped file. Memory: the blocks, and those other tensors."""
+
+    def __init__(self, metadata: dict, kept: Callable[[str], bool], keep_rows: RowsWanted):
+        super().__init__(metadata, kept)
+        self.keep_rows = keep_rows
+        self.rows: dict = {}  # name -> _RowBlock
+        self.foreign: dict = {}  # name -> full shape: saved shape is not the reader's, not kept
+
+    def _block_for(self, name: str, full_shape) -> Optional["_RowBlock"]:
+        """The block collecting ``name``'s rows, ``None`` when ``name`` is kept whole; a name
+        whose saved shape is not the reader's gets no block and is noted in ``foreign``."""
+        wanted = self.keep_rows(name)
+        if wanted is None:
+            return None
+        layout, rank = wanted
+        if tuple(full_shape) != tuple(layout.shape):
+            self.foreign[name] = tuple(full_shape)
+            return None
+        if name not in self.rows:
+            self.rows[name] = _RowBlock(name, layout, rank)
+        return self.rows[name]
+
+    def add_whole(self, name: str, value, state: Optional[dict]) -> None:
+        if not isinstance(value, torch.Tensor):
+            return super().add_whole(name, value, state)
+        block = self._block_for(name, value.shape)
+        if block is not None:
+            block.add(value, state, ParamLayout(torch.Size(value.shape), 1), 0)
+            self.shapes[name] = tuple(value.shape)
+        elif name in self.foreign:
+            self.shapes[name] = tuple(value.shape)
+        else:  # a buffer: the same on every rank, small
+            super().add_whole(name, _copied(value), _copied(state))
+
+    def add_whole_state(self, name: str, state: dict) -> None:
+        wanted = self.keep_rows(name)
+        if wanted is None or name in self.foreign:
+            return super().add_whole_state(name, _copied(state))
+        block = self._block_for(name, wanted[0].shape)
+        block.add(None, state, ParamLayout(wanted[0].shape, 1), 0)
+
+    def add_block(self, name: str, block: torch.Tensor, state: dict, saved_rank: int) -> None:
+        full_shape = torch.Size(self.metadata["row_sharded"][name])
+        rows = self._block_for(name, full_shape)
+        if rows is not None:
+            rows.add(block, state, ParamLayout(full_shape, self.metadata["world_size"]),
+                     saved_rank)
+        elif name not in self.foreign:
+            super().add_block(name, _copied(block), _copied(state), saved_rank)
+
+    def finish(self, path: str) -> None:
+        world = self.metadata["world_size"]
+        for name in self.metadata.get("row_sharded", {}):
+            rows = self.rows.get(name)
+            if rows is not None and rows.pieces != world:
+                raise CheckpointError(f"{path}: {name} has {rows.pieces} row blocks; expected "
+                                      f"one per rank ({world})")
+        for name, shape in self.foreign.items():
+            self.shapes[name] = shape
+        for name, rows in self.rows.items():
+            self.shapes[name] = tuple(rows.layout.shape)
+            if rows.param is not None:
+                self.params[name] = rows.param
+            if rows.state:
+                self.optim[name] = rows.state
+        super().finish(path)
+
+
+class _RowBlock:
+    """One tensor's row block for one reader (``layout``, ``rank``), and the matching blocks
+    of its optimizer state, filled from pieces: each piece is a saving rank's block of the
+    tensor as cut by its own layout (a whole tensor is the one block of a world of one)."""
+
+    def __init__(self, name: str, layout: ParamLayout, rank: int):
+        self.name, self.layout, self.rank = name, layout, rank
+        self.param: Optional[torch.Tensor] = None
+        self.state: dict = {}
+        self.pieces = 0  # how many saved blocks of the tensor were added
+
+    def add(self, piece: Optional[torch.Tensor], state: Optional[dict],
+            piece_layout: ParamLayout, piece_index: int) -> None:
+        """Copy this reader's rows out of ``piece`` (the tensor's block ``piece_index`` under
+        ``piece_layout``; ``None``: only its optimizer state) and out of the state tensors of
+        the piece's shape; other state values (``step``) are taken from the first piece."""
+        first_row = piece_index * piece_layout.rows_per_shard
+        if piece is not None:
+            self.pieces += 1
+            self.param = self._copy_rows(self.param, piece, first_row)
+        rows_shape = tuple(piece.shape) if piece is not None else tuple(piece_layout.shape)
+        for key, value in (state or {}).items():
+            if _is_rows_of(key, value, rows_shape):
+                self.state[key] = self._copy_rows(self.state.get(key), value, first_row)
+            elif key in ELEMENTWISE_STATE and isinstance(value, torch.Tensor):
+                raise CheckpointError(
+                    f"optimizer state {key!r} of {self.name} has shape {tuple(value.shape)}, "
+                    f"not that of the saved tensor ({rows_shape}); the checkpoint is damaged "
+                    f"or of another model")
+            elif key not in self.state:
+                self.state[key] = _copied(value)
+
+    def _copy_rows(self, block: Optional[torch.Tensor], piece: torch.Tensor,
+                   first_row: int) -> torch.Tensor:
+        """``block`` (a new zero-padded block when ``None``) with the rows of ``piece`` that
+        fall into this reader's block copied in; ``piece`` holds full rows ``first_row...``."""
+        layout = self.layout
+        if block is None:
+            block = torch.zeros(layout.shard_shape, dtype=piece.dtype)
+        rows = piece.reshape(-1, *layout.shape[1:])
+        start = self.rank * layout.rows_per_shard
+        stop = min(start + layout.rows_per_shard, layout.rows)  # padding rows stay zero
+        low, high = max(start, first_row), min(stop, first_row + rows.shape[0])
+        if high > low:
+            block[low - start:high - start].copy_(rows[low - first_row:high - first_row])
+        return block
+
+
+def _is_rows_of(key: str, value, rows_shape: tuple) -> bool:
+    """Whether optimizer state ``value`` is cut into rows like the saved tensor of shape
+    ``rows_shape`` it belongs to (a 0-dim one only for per-element state: ``step`` is not)."""
+    return isinstance(value, torch.Tensor) and tuple(value.shape) == rows_shape \
+        and (value.dim() > 0 or key in ELEMENTWISE_STATE)
+
+
+def _copied(value):
+    """``value`` with its tensors copied out of the memory-mapped file they were read from."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value
+
+
+def load_checkpoint_file(path: str, name: str, metadata: dict, mmap: bool = False):
     """Load ``path/name`` safely: check its size and sha256 against ``metadata["files"]`` (when
-    the checkpoint lists them), then ``torch.load(weights_only=True)`` on CPU.
+    the checkpoint lists them), then ``torch.load(weights_only=True)`` on CPU. With ``mmap``
+    the tensors are views of the memory-mapped file (copy-on-write), so the caller holds only
+    what it copies out; otherwise the whole file is read into memory.
 
     Raises :class:`CheckpointError` naming the file when it is missing, truncated, altered,
     not a torch file, or holds objects that would need arbitrary code to unpickle."""
@@ -400,7 +603,7 @@ def load_checkpoint_file(path: str, name: str, metadata: dict):
                                   f"{expected['sha256'][:16]}... in the checkpoint's metadata; "
                                   f"the file is corrupted or was modified")
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise CheckpointError(
             f"refused to load {file}: it holds Python objects other than tensors, numbers, "

@@ -4,9 +4,11 @@ consolidate into a plain state_dict.
 The reference is one uninterrupted run at world 2, stage 3: it saves after 3 steps and goes on
 for 5 more. The checkpoint is then loaded at world 1 stage 0 and at world 4 stage 1, and the
 next 5 steps must give the same parameters (same global batches; gradient accumulation makes up
-the difference in world size).
+the difference in world size). A stage-3 load keeps only its own rows of what it reads: checked
+from checkpoints of stages 0, 1 and 3 at world sizes 1, 2 and 4 into stage 3 at 2 and 4.
 """
 
+import json
 import os
 
 import pytest
@@ -16,11 +18,16 @@ import torch.nn.functional as F
 import shardkit
 from shardkit import distributed
 from shardkit.checkpoint import read_latest_tag
+from shardkit.checkpoint.resharding import ParamLayout, shard_rows
+from shardkit.checkpoint.sharded import CheckpointError, file_digest, read_checkpoint
 from shardkit.models import GPT, GPTConfig, synthetic_batch
 from shardkit.testing import world_fixture
+from shardkit.utils.memory import tensor_storage_bytes
 from tests.utils.compare import max_diff
 
 TINY = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=8)
+# rows that 2 and 4 ranks do not divide (61, 7, 3 x 30): FSDP pads its last row blocks
+UNEVEN = GPTConfig(vocab_size=61, n_layer=1, n_head=2, d_model=30, seq_len=7)
 GLOBAL_BATCH, MICRO = 8, 2
 STEPS_BEFORE, STEPS_AFTER = 3, 5
 
@@ -45,18 +52,18 @@ def _config(stage):
             "zero_optimization": {"stage": stage}}
 
 
-def _train_steps(engine, first_step, steps):
+def _train_steps(engine, first_step, steps, cfg=TINY):
     """Run ``steps`` optimizer steps on the global batches ``first_step, ...``; return the full
     fp32 parameters after each step (collective at stage 3)."""
     rank, world = distributed.get_rank(), distributed.get_world_size()
     per_rank = GLOBAL_BATCH // world
     history = []
     for step in range(first_step, first_step + steps):
-        idx, tgt = synthetic_batch(TINY, GLOBAL_BATCH, step)
+        idx, tgt = synthetic_batch(cfg, GLOBAL_BATCH, step)
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         for x, y in zip(idx[mine].split(MICRO), tgt[mine].split(MICRO)):
             logits = engine(x)
-            engine.backward(F.cross_entropy(logits.reshape(-1, TINY.vocab_size), y.reshape(-1)))
+            engine.backward(F.cross_entropy(logits.reshape(-1, cfg.vocab_size), y.reshape(-1)))
             engine.step()
         history.append(_full_state(engine))
     return history
@@ -312,3 +319,89 @@ def test_stage2_load_holds_only_this_ranks_optimizer_state(world2, tmp_path, sav
         assert diff <= 1e-6, diff
     assert sorted(results[0][1] + results[1][1]) == sorted(
         f"{i}.{kind}" for i in (0, 2, 4) for kind in ("weight", "bias"))
+
+
+def _uneven_saved_run(save_dir, stage):
+    """Train UNEVEN 3 steps at ``stage``, save, train 2 more; rank 0 returns those 2 steps."""
+    engine, *_ = shardkit.initialize(model=GPT(UNEVEN, seed=0), config=_config(stage))
+    _train_steps(engine, 0, 3, UNEVEN)
+    engine.save_checkpoint(save_dir)
+    after = _train_steps(engine, 3, 2, UNEVEN)
+    return after if distributed.get_rank() == 0 else None
+
+
+def _tensor_bytes(*dicts):
+    return tensor_storage_bytes(t for d in dicts for v in d.values()
+                                for t in (v.values() if isinstance(v, dict) else [v]))
+
+
+def _stage3_load_of_own_rows(save_dir):
+    """Load ``save_dir`` into a fresh stage-3 engine. Returns the bytes of the tensors the read
+    kept and of the whole checkpoint, the largest difference between what was loaded and what
+    the full checkpoint's rows for this rank are (today's merge-then-slice), and 2 more steps."""
+    from shardkit.checkpoint import engine_state
+    torch.manual_seed(123)
+    engine, *_ = shardkit.initialize(model=GPT(UNEVEN, seed=99), config=_config(3))
+    held, read = [], engine_state.read_checkpoint
+
+    def recording_read(*args, **kwargs):
+        ckpt = read(*args, **kwargs)
+        held.append(_tensor_bytes(ckpt.params, ckpt.optim))
+        return ckpt
+
+    engine_state.read_checkpoint = recording_read
+    try:
+        path, _ = engine.load_checkpoint(save_dir)
+    finally:
+        engine_state.read_checkpoint = read
+    full = read_checkpoint(path)
+    meta = engine.wrapped.local_metadata_dict()
+    rank, diff = meta["rank"], 0.0
+    for name, p in engine.wrapped.named_parameters():
+        layout = ParamLayout(torch.Size(meta["shapes"][name]), meta["world_size"])
+        diff = max(diff, max_diff([p], [shard_rows(full.params[name], layout, rank)]))
+        for key, value in engine.optimizer.state[p].items():
+            saved = full.optim[name][key]
+            if value.dim():
+                saved = shard_rows(saved, layout, rank)
+            diff = max(diff, max_diff([value], [saved]))
+    return {"held": held[0], "full": _tensor_bytes(full.params, full.optim), "diff": diff,
+            "after": _train_steps(engine, 3, 2, UNEVEN)}
+
+
+def test_stage3_load_keeps_only_this_ranks_rows_from_any_saved_stage_and_world(
+        world1, world2, world4, tmp_path):
+    for saver, stage in ((world1, 0), (world4, 1), (world2, 3)):
+        save_dir = str(tmp_path / f"w{saver.world_size}s{stage}")
+        uninterrupted = saver.run(_uneven_saved_run, save_dir, stage)[0]
+        for loader in (world2, world4):
+            results = loader.run(_stage3_load_of_own_rows, save_dir)
+            n = loader.world_size
+            for r in results:
+                # bit for bit what merging every file and cutting this rank's rows gives
+                assert r["diff"] == 0.0, (saver.world_size, stage, n, r["diff"])
+                # 1/N of the weights and Adam state, plus the padding of the last blocks
+                assert r["held"] <= r["full"] / n * 1.1, (saver.world_size, stage, n,
+                                                          r["held"], r["full"])
+            diffs = [max_diff(got, want)
+                     for got, want in zip(results[0]["after"], uninterrupted)]
+            assert max(diffs) <= 1e-5, (saver.world_size, stage, n, diffs)
+
+    # Adam state of another shape than its parameter's rows is refused while reading (before
+    # the ranks agree, so on every rank, nothing loaded), naming the tensor and the key
+    save_dir = str(tmp_path / "w2s3")
+    path = os.path.join(save_dir, read_latest_tag(save_dir))
+    rank_file = os.path.join(path, "rank_00001.pt")
+    shard = torch.load(rank_file, weights_only=True)
+    shard["optim"]["pos_emb.weight"]["exp_avg"] = shard["optim"]["pos_emb.weight"][
+        "exp_avg"].flatten()
+    torch.save(shard, rank_file)
+    with open(os.path.join(path, "metadata.json")) as f:
+        metadata = json.load(f)
+    metadata["files"]["rank_00001.pt"] = file_digest(rank_file)
+    with open(os.path.join(path, "metadata.json"), "w") as f:
+        json.dump(metadata, f)
+    layouts = {name: ParamLayout(torch.Size(shape), 4)
+               for name, shape in metadata["row_sharded"].items()}
+    with pytest.raises(CheckpointError, match=r"'exp_avg' of pos_emb.weight has shape \(120,\)"):
+        read_checkpoint(path, keep_rows=lambda name: (layouts[name], 1))
