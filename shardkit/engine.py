@@ -271,6 +271,9 @@ class ShardedEngine(nn.Module):
         self._last_grad_norm: Optional[torch.Tensor] = None  # read lazily: no device sync a step
         self._last_step_applied = False
         self._boundary_override: Optional[bool] = None
+        self._no_sync_depth = 0  # how many engine.no_sync() contexts are open
+        # the boundary backward ran inside engine.no_sync(): its gradients were never averaged
+        self._boundary_unreduced = False
 
     def __getattr__(self, name: str):
         # DeepSpeed's engine forwards unknown attributes to the model (engine.config_class,
@@ -414,10 +417,20 @@ class ShardedEngine(nn.Module):
                              f"expected True, False or None")
         self._boundary_override = is_boundary
 
+    @contextlib.contextmanager
     def no_sync(self):
         """A context in which ``backward`` accumulates gradients locally without reducing them
-        (the wrappers' ``no_sync``); the first backward outside it reduces everything."""
-        return self.composition.no_sync()
+        (the wrappers' ``no_sync``); the first backward outside it reduces everything.
+        As in DeepSpeed, ``step()`` inside it is an error, and so is a boundary ``step()``
+        whose last ``backward`` ran inside it: either would apply this rank's own, unaveraged
+        gradients (at stage 0 the replicas would silently drift apart). No memory or
+        communication of its own."""
+        with self.composition.no_sync():
+            self._no_sync_depth += 1
+            try:
+                yield
+            finally:
+                self._no_sync_depth -= 1
 
     # -- training
     def forward(self, *args, **kwargs):
@@ -439,6 +452,8 @@ class ShardedEngine(nn.Module):
             raise ValueError(f"engine.backward(scale_wrt_gas={scale_wrt_gas!r}): expected True "
                              f"or False")
         self._count_loss(loss)
+        if self.is_gradient_accumulation_boundary():
+            self._boundary_unreduced = self._no_sync_depth > 0
         divisor = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
         factor = self.loss_scale / divisor
         scaled = loss.float() * factor if factor != 1.0 else loss
@@ -457,10 +472,28 @@ class ShardedEngine(nn.Module):
             raise ValueError(f"engine.step(lr_kwargs={lr_kwargs!r}): expected a dict of keyword "
                              f"arguments for lr_scheduler.step(), or None")
         if self.is_gradient_accumulation_boundary():
+            self._refuse_unreduced_step()
             self._optimizer_step(lr_kwargs or {})
             self.global_steps += 1
             self._maybe_print()
         self.micro_steps += 1
+
+    def _refuse_unreduced_step(self) -> None:
+        """DeepSpeed's rule, checked on every rank before any collective: a boundary step must
+        follow a backward whose gradients were reduced (outside :meth:`no_sync`)."""
+        if self._no_sync_depth > 0:
+            raise RuntimeError(
+                "engine.step() was called inside engine.no_sync(): the gradients there are "
+                "this rank's own, not averaged over the ranks, so the step would diverge from "
+                "single-process training (as in DeepSpeed, this is not allowed); leave the "
+                "no_sync() block, run the accumulation boundary's engine.backward(loss) "
+                "outside it, then call engine.step()")
+        if self._boundary_unreduced:
+            raise RuntimeError(
+                "engine.step(): the accumulation boundary's engine.backward(loss) ran inside "
+                "engine.no_sync(), so its gradients were never averaged over the ranks and the "
+                "step would apply this rank's own; run the last backward of each accumulation "
+                "window outside no_sync() (it reduces everything accumulated before it)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every wrapped parameter (``None`` by default, as torch).
@@ -491,6 +524,7 @@ class ShardedEngine(nn.Module):
             logger.info("step %d: %s gradients overflowed (inf/nan); step skipped, loss scale "
                         "%g -> %g", self.global_steps + 1, self.config.precision.dtype,
                         scale_before, self.loss_scale)
+        self._boundary_unreduced = False
         self.zero_grad()
 
     def _local_gradients(self) -> list[torch.Tensor]:

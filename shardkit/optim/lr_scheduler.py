@@ -133,8 +133,10 @@ class WarmupLR(_DeepSpeedSchedule):
 
     At iteration ``i < warmup_num_steps`` the lr is ``min + (max - min) * g(i)`` with
     ``g = log(i + 1) / log(warmup_num_steps)`` (``log``) or ``i / warmup_num_steps``
-    (``linear``); afterwards ``warmup_max_lr``. ``warmup_max_lr=None`` (the default, as in
-    DeepSpeed) warms each param group up to the lr it holds when the schedule is built.
+    (``linear``); afterwards ``warmup_max_lr``. ``warmup_max_lr=None`` (the default) warms each
+    param group up to the lr it holds when the schedule is built. DeepSpeed's default is a
+    fixed 0.001 instead, whatever lr the optimizer was given: pass ``warmup_max_lr=0.001`` to
+    get its schedule.
 
     Args:
         optimizer: any torch optimizer (OSS included).
