@@ -286,9 +286,12 @@ def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tenso
         # Note: copies, never views of the argument: torch's load_state_dict keeps the tensors
         # it is given, so an optimizer loaded from another one's live state dict would
         # otherwise step the other's ``step`` counters and moments in place.
+        # a 0-dim parameter's full shape is also that of Adam's ``step``: only per-element
+        # state is cut then (the shard is 1-D, the step must stay 0-dim)
         state[index] = {k: (shard_rows(v, layout, param_ranks.get(id(p), rank)).clone()
                             if layout is not None and isinstance(v, torch.Tensor)
                             and tuple(v.shape) == tuple(layout.shape)
+                            and (v.dim() > 0 or k in ELEMENTWISE_STATE)
                             else v.clone() if isinstance(v, torch.Tensor) else v)
                         for k, v in entry.items()}
     return {"state": state, "param_groups": copy.deepcopy(full_osd["param_groups"])}
@@ -345,35 +348,63 @@ def shard_full_optimizer_state(full_osd: dict, named_params: Sequence[tuple], la
     :func:`_matched_by_shape`). No communication."""
     names = full_osd.get("param_names") if isinstance(full_osd, dict) else None
     if names is None:
-        ordered = _matched_by_shape(full_osd, [p for _, p in named_params], layouts)
+        params = _optimized_params(full_osd, [p for _, p in named_params])
+        ordered = _matched_by_shape(full_osd, params, layouts)
     else:
         by_name = dict(named_params)
         ordered = [by_name.get(n) for n in names]
     return shard_optimizer_state(full_osd, ordered, layouts, rank, param_ranks)
 
 
+def _optimized_params(full_osd: dict, params: list) -> list:
+    """The parameters a torch optimizer's dict (no names) most likely numbers, in model order:
+    only the trainable ones when its param groups list exactly that many (the usual
+    ``[p for p in model.parameters() if p.requires_grad]``), else all of them. Without this, a
+    frozen parameter of the same full shape took a trainable one's index and its cut, which
+    differs when their units shard over different groups (a NO_SHARD unit in a FULL_SHARD
+    model): the optimizer then failed at its first step."""
+    groups = full_osd.get("param_groups", ()) if isinstance(full_osd, dict) else ()
+    listed = sum(len(g.get("params", ())) for g in groups if isinstance(g, dict))
+    trainable = [p for p in params if p.requires_grad]
+    return trainable if listed == len(trainable) != len(params) else params
+
+
 def _matched_by_shape(full_osd: dict, params: list, layouts: dict) -> list:
     """For a dict without parameter names (a plain torch optimizer's), the parameter whose
-    rows to cut for each state index: the model's ``i``-th, unless its full shape is not the
-    state's, then the first parameter that has that shape.
+    rows to cut for each state index: the model's ``i``-th when every index's state has the
+    full shape of the parameter at its position (an optimizer over the parameters in model
+    order); otherwise each index, in order, takes the next parameter of its state's full shape
+    in model order.
 
     Note: torch numbers state in its param-group order, which differs from the model's as
-    soon as groups regroup parameters (weight decay on matrices only). Every parameter of
-    one full shape is cut alike, so the shape alone chooses the right cut."""
+    soon as groups regroup parameters (weight decay on matrices only). A rule that puts every
+    parameter of one shape in one group (on ``p.dim()``, on names such as biases) keeps their
+    model order, so each gets its own cut, also where parameters of one shape are cut
+    differently (units of different sharding strategies). Matching the first parameter of a
+    shape, or a parameter whose shape merely coincides at that position, gave a NO_SHARD
+    unit's parameter a FULL_SHARD cut: the optimizer failed at its first step."""
     state = full_osd.get("state", {}) if isinstance(full_osd, dict) else {}
-    by_shape: dict = {}
-    for p in params:
-        layout = layouts.get(id(p))
-        if layout is not None:
-            by_shape.setdefault(tuple(layout.shape), p)
-    ordered = list(params) + [None] * max(0, max((int(i) + 1 for i in state), default=0)
-                                          - len(params))
-    for index, entry in state.items():
-        shapes = [tuple(v.shape) for v in entry.values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0]
-        current = ordered[int(index)]
-        layout = layouts.get(id(current)) if current is not None else None
-        if shapes and (layout is None or tuple(layout.shape) != shapes[0]) \
-                and shapes[0] in by_shape:
-            ordered[int(index)] = by_shape[shapes[0]]
+    wanted = {int(i): _state_shape(entry) for i, entry in state.items()}
+    ordered = list(params) + [None] * max(0, max(wanted, default=-1) + 1 - len(params))
+
+    def full_shape(p):
+        layout = layouts.get(id(p)) if p is not None else None
+        return None if layout is None else tuple(layout.shape)
+
+    if all(shape is None or full_shape(ordered[i]) == shape for i, shape in wanted.items()):
+        return ordered
+    unused: dict = {}
+    for p in sorted(params, key=lambda p: not p.requires_grad):  # frozen ones hold no state
+        if full_shape(p) is not None:
+            unused.setdefault(full_shape(p), []).append(p)
+    for index in sorted(wanted):
+        if unused.get(wanted[index]):
+            ordered[index] = unused[wanted[index]].pop(0)
     return ordered
+
+
+def _state_shape(entry: dict):
+    """The full parameter shape a state entry's per-element tensors have (``None``: none)."""
+    shapes = [tuple(v.shape) for k, v in entry.items()
+              if isinstance(v, torch.Tensor) and (v.dim() > 0 or k in ELEMENTWISE_STATE)]
+    return shapes[0] if shapes else None
