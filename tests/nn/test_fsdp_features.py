@@ -1096,3 +1096,48 @@ def test_a_unit_run_on_some_ranks_only_raises_on_every_rank(world2):
         assert "a branch that runs a whole unit on some ranks only" in error, error
     assert "this rank reduced unit 'cond (Linear)'" in rank0, rank0
     assert "this rank reduced unit 'a (Linear)'" in rank1, rank1
+
+
+class _SkippableChain(torch.nn.Module):
+    """18 linears of one size in a chain; ``skip`` names the ones left out of a forward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(18))
+
+    def forward(self, x, skip=()):
+        for i, layer in enumerate(self.layers):
+            if i not in skip:
+                x = layer(x)
+        return x
+
+
+def _units_sixteen_apart_out_of_step():
+    """Rank 1 leaves 16 consecutive units out of its second forward (after a no_sync
+    micro-batch that kept every unit gathered, so no forward gather pairs up wrongly). The
+    first reduce-scatters out of step pair ``layers.16`` with ``layers.0``, 16 positions
+    apart, which carried the same tag when tags went 1 to 16: that pair went through (one
+    mixed gradient) and the error came one unit later, at ``layers.15``. Tags now go up to
+    4096 in fp32: the first mismatched pair raises. Own group, as above."""
+    from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+    group = skdist.new_group([0, 1])
+    model = _SkippableChain()
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = FSDP(layer, process_group=group, reshard_after_forward=False)
+    model = FSDP(model, process_group=group)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(10))
+    with model.no_sync():  # every unit stays gathered: the next forward gathers nothing
+        model(x).sum().backward()
+    skip = range(1, 17) if skdist.get_rank() == 1 else ()
+    try:
+        model(x, skip).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_units_sixteen_positions_apart_out_of_step_raise(world2):
+    for error in world2.run(_units_sixteen_apart_out_of_step):
+        assert "reduce-scatters are out of step" in error, error
+        assert "this rank reduced unit 'layers.16 (Linear)'" in error, error

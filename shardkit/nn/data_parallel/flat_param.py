@@ -143,7 +143,7 @@ class FlatParamShard:
         self._grad_pieces: Optional[list] = None  # backward's gradient, one tensor per parameter
         self._used: Optional[list] = None  # per parameter: whether a gradient reached it here
         self._reducing_used: Optional[list] = None  # the same, for the reduce in flight
-        # (tag 1-16, name) of the unit, set by the root: see _check_every_rank_reduced_this
+        # (tag, name) of the unit, set by the root: see _check_every_rank_reduced_this
         self.label: tuple[int, str] = (1, "a unit")
         self.full = self._make_full_leaf()
         # Note: one autograd split of ``full`` per forward; each hands its gradients over, and
@@ -436,18 +436,18 @@ class FlatParamShard:
 
     def _check_every_rank_reduced_this(self, side: torch.Tensor) -> None:
         """Raise unless every rank's part of the reduce-scatter just completed came from this
-        unit: the tags summed in ``side`` (each rank's unit's, 1 to 16 by position in the model)
-        must be ``N x replicas`` times this unit's. Otherwise the ranks' collectives are out of
-        step, typically because a unit's forward ran on some ranks only, and the gradients are
-        a mix of different units' (no error came before: units of equal size pair up). No
-        verdict where a 16-bit reduction could round the sum (``16 N`` past 256 in bf16, 2048
-        in fp16), nor between units 16 positions apart, nor on an accelerator (the read
-        would synchronise with the host once per unit). Costs one read of ``side``'s last
+        unit: the tags summed in ``side`` (each rank's unit's, 1 to :meth:`tag_count` by position
+        in the model) must be ``N x replicas`` times this unit's. Otherwise the ranks'
+        collectives are out of step, typically because a unit's forward ran on some ranks only,
+        and the gradients are a mix of different units' (no error came before: units of equal
+        size pair up). No verdict between units :meth:`tag_count` positions apart, where fewer
+        than 2 tags fit (a bf16 reduction over more than 128 ranks), nor on an accelerator (the
+        read would synchronise with the host once per unit). Costs one read of ``side``'s last
         element."""
         tag, name = self.label
         ranks = self.world_size * self.replicas
-        if _TAGS * ranks > _EXACT_INTEGERS.get(self.reduce_dtype, 2 ** 24):
-            return  # the sum could round (a 16-bit reduction over many ranks): no verdict
+        if tag == 0:
+            return  # no tag fits the reduction's exact range: no verdict
         mean_tag = float(side[-1]) / ranks
         if abs(mean_tag - tag) < 0.25:
             return
@@ -460,6 +460,13 @@ class FlatParamShard:
             f"Run the unit on every rank (e.g. with an empty batch, or multiply its output by "
             f"zero), or move the branch inside a unit (its parameters may then go unused on "
             f"some ranks). The process group is now out of step: end the job")
+
+    def tag_count(self) -> int:
+        """How many distinct unit tags this unit's reduce-scatter carries exactly: the sum of
+        ``N x replicas`` tags must stay an exact integer in the reduce dtype (up to 4096 in
+        fp32 below 256 ranks; 2048 / N in fp16, 256 / N in bf16). Alike on every rank."""
+        exact = _EXACT_INTEGERS.get(self.reduce_dtype, _EXACT_INTEGERS_OTHERWISE)
+        return min(_MAX_TAGS, exact // (self.world_size * self.replicas))
 
     def replicate_reduce(self) -> None:
         """With replicas: wait for the reduce-scatter and issue the all-reduce of its result
@@ -650,8 +657,11 @@ def _resized_after_wrapping(p: nn.Parameter, layout, locations: list) -> str:
 
 
 _BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_TAGS = 16  # units are tagged 1 to _TAGS by position (see _check_every_rank_reduced_this)
-_EXACT_INTEGERS = {torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8}  # others: float32's 2**24
+_MAX_TAGS = 4096  # units are tagged 1 to tag_count() by position (see FlatParamShard.label)
+# sums of tags below these come through a reduction in that dtype exactly (fp32: 2**24 with
+# room for the rounding of the pre- and post-division); see FlatParamShard.tag_count
+_EXACT_INTEGERS = {torch.float16: 2 ** 11, torch.bfloat16: 2 ** 8}
+_EXACT_INTEGERS_OTHERWISE = 2 ** 20
 
 
 def _fingerprint(flat: torch.Tensor) -> int:

@@ -106,7 +106,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from shardkit import distributed as skdist
-from shardkit.nn.data_parallel.flat_param import (_TAGS, FlatParamShard, GatheredParamBytes,
+from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes,
                                                   gathered_param_bytes)
 from shardkit.nn.data_parallel.fsdp_arguments import (check_bool, check_compute_device,
                                                       check_divide_factor,
@@ -547,15 +547,17 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._mark_units_in_their_own_world()
 
     def _label_units(self) -> None:
-        """Give each unit's shard a tag (1 to 16, by position in the model, alike on every
-        rank) and a name, which its reduce-scatter carries to check that every rank reduced
-        the same unit (:meth:`.FlatParamShard._check_every_rank_reduced_this`). Local."""
+        """Give each unit's shard a tag (1 to its ``tag_count()``, up to 4096, by position in
+        the model, alike on every rank; 0 where no tag fits) and a name, which its
+        reduce-scatter carries to check that every rank reduced the same unit
+        (:meth:`.FlatParamShard._check_every_rank_reduced_this`). Local."""
         units = [(name, m) for name, m in self.named_modules()
                  if isinstance(m, FullyShardedDataParallel)]
         for position, (name, unit) in enumerate(units):
             if unit._shard is not None:
                 described = f"{clean_name(name) or '(the root)'} ({type(unit.module).__name__})"
-                unit._shard.label = (position % _TAGS + 1, described)
+                tags = unit._shard.tag_count()
+                unit._shard.label = (position % tags + 1 if tags > 1 else 0, described)
 
     def _reset_lazy_init(self) -> None:
         """Forget which unit is the root and the recorded gather order; the next forward
