@@ -233,7 +233,8 @@ class PlanSchedule:
         """Forward and backward of one mini-batch; returns the mean micro-batch loss (detached)
         on the rank running the last stage, ``None`` elsewhere. Gradients accumulate in
         ``.grad`` of the stages' parameters (and are averaged over each stage's
-        ``data_parallel_group``).
+        ``data_parallel_group``). Batch tensors that require grad get their gradient too, at
+        the end of the step, as from one process's backward (so do the weights that built them).
 
         Under ``torch.no_grad()`` the step only runs forward: it returns the loss the same way
         and leaves ``.grad`` and the data-parallel reduction alone, so evaluation steps may come
@@ -309,6 +310,7 @@ class PlanSchedule:
         self._faults: list = []    # what this rank found wrong during the step (the first)
         self._fault_cause: Optional[BaseException] = None  # the exception behind it, if any
         self._targets: Optional[list] = None  # the target's micro-batches; [] if unusable
+        self._batch_grads: list = []  # (micro-batch view, its gradient) of inputs needing grad
         self.links.failed = False
         self._sinks = {s: ShardedGradientSink() if self._whole_backward[s] else
                        GradientSink(stage.parameters(), self.weight_grad_merge)
@@ -338,6 +340,8 @@ class PlanSchedule:
             seconds[action.kind] += self.busy_seconds - before
         for s in self.stages:  # completes what W started (FSDP reduce-scatters); hooks run
             self._backward(s, None, self._sinks[s].deliver)
+        if self._batch_grads:
+            self._backward(0, None, self._hand_batch_grads, "handing the batch its gradients")
         if grad and self.num_ranks > 1:  # a backward that raised may not have been heard yet
             self.links.settle(self._group_ranks)
         failed = self.links.failed  # every rank knows by now; no message is left to receive
@@ -522,6 +526,8 @@ class PlanSchedule:
 
     def _send_input_grads(self, s: int, i: int, activation, grads) -> None:
         if s == 0:
+            self._batch_grads += [(a, g) for a, g in zip(activation, grads)
+                                  if a.requires_grad and g is not None]
             return
         wanted = [(a, g) for a, g in zip(activation, grads) if a.requires_grad]
         grads = [g if g is not None else torch.zeros_like(a) for a, g in wanted]
@@ -540,7 +546,9 @@ class PlanSchedule:
         grads = self._output_grads(s, i)
         failed = roots and self._backward(
             s, i, lambda: torch.autograd.backward(roots, grads)) is _FAILED
-        input_grads = [None] * len(activation) if failed else [a.grad for a in activation]
+        # stage 0: the plain backward has already reached the batch tensors themselves
+        input_grads = [None] * len(activation) if failed or s == 0 else \
+            [a.grad for a in activation]
         self._send_input_grads(s, i, activation, input_grads)
         self._alive -= 1
 
@@ -560,9 +568,20 @@ class PlanSchedule:
             self._backward(s, i, lambda: self._sinks[s].run(weight_pass))
         self._alive -= 1
 
-    def _backward(self, s: int, i: Optional[int], run: Callable):
-        """``run()``, a backward part of stage ``s`` on micro-batch ``i`` (``None``: handing
-        the step's weight gradients to the parameters); an exception there (a custom autograd
+    def _hand_batch_grads(self) -> None:
+        """Give the step's batch tensors that require grad their gradient, as one process's
+        backward would (B computed each micro-batch's for stage 0; its inputs are views of the
+        batch): one autograd call for the step, so a graph that built the batch before the
+        pipeline is walked once. Memory: the first stage's input gradients until the step's
+        end (the batch's size), only where the batch requires grad."""
+        views, grads = zip(*self._batch_grads)
+        self._batch_grads = []
+        torch.autograd.backward(list(views), list(grads))
+
+    def _backward(self, s: int, i: Optional[int], run: Callable,
+                  what: str = "handing the weight gradients to the parameters"):
+        """``run()``, a backward part of stage ``s`` on micro-batch ``i`` (``None``: ``what``,
+        a part of the step's end); an exception there (a custom autograd
         function or a gradient hook raising, a tensor modified in place) fails the step on
         every rank as a forward's does: the stage sends zero input gradients and gives
         ``_FAILED``. Communication errors propagate at once, and so does any exception in a
@@ -577,8 +596,7 @@ class PlanSchedule:
                 raise
             problem = f"its backward raised {type(error).__name__}: {error}"
             if i is None:
-                self._fail(f"stage {s}: handing the weight gradients to the parameters, "
-                           f"{problem}", error)
+                self._fail(f"stage {s}: {what}, {problem}", error)
             else:
                 self._fail_at(s, i, problem, error)
             return _FAILED
