@@ -240,6 +240,42 @@ def test_optimizer_built_before_wrapping_and_cpu_offload(world2):
         assert r["offload_device"] == {"cpu"}
 
 
+def _discarded_models_are_collected():
+    """A model discarded after a forward that no backward followed (its root, and units with
+    ``reshard_after_forward=False``, kept gathered) or after a training step is garbage
+    collected, and the gathered bytes are counted off. Two cycles through torch's C++ kept it
+    alive for good: the unit's post-accumulate-grad hook (every FSDP model, even unused) and
+    the autograd node whose output views sit in the modules while gathered."""
+    import gc
+    import weakref
+    from shardkit.nn.data_parallel.flat_param import gathered_param_bytes
+    gc.collect()
+    before = gathered_param_bytes().live
+    out = {}
+    for case in ("wrapped", "forward", "step"):
+        model = wrap_gpt(build_gpt(), reshard_after_forward=False)
+        if case == "forward":
+            idx, _ = synthetic_batch(TINY, GLOBAL_BATCH, 0)
+            model(local_slice(idx))
+        elif case == "step":
+            optim = make_optimizer(model)
+            train_step(model, optim, 0)
+            del optim
+        held = gathered_param_bytes().live - before
+        alive = weakref.ref(model)
+        del model
+        gc.collect()
+        out[case] = (alive() is not None, held, gathered_param_bytes().live - before)
+    return out
+
+
+def test_discarded_models_are_collected_and_counted_off(world2):
+    for r in world2.run(_discarded_models_are_collected):
+        assert [alive for alive, _, _ in r.values()] == [False] * 3, r
+        assert r["forward"][1] > 0, r  # the root stayed gathered after the forward
+        assert [left for _, _, left in r.values()] == [0] * 3, r
+
+
 def _eval_and_no_sync_memory():
     reference = build_gpt()
     model = wrap_gpt(build_gpt())

@@ -31,6 +31,7 @@ partition (``Ψ_u/h``, compute dtype) from the forward free to the backward gath
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -41,6 +42,7 @@ from shardkit import distributed as skdist
 from shardkit.checkpoint.resharding import ParamLayout, shard_rows, unshard_rows
 from shardkit.kernels import unpack_rank_major
 from shardkit.transport import Transport
+from shardkit.utils.weak_hooks import weakly_bound
 
 __all__ = ["ParamLayout", "FlatParamShard", "GatheredParamBytes", "gathered_param_bytes",
            "gathered_param_edges", "shard_rows", "unshard_rows"]
@@ -151,7 +153,7 @@ class FlatParamShard:
         # of the unit on the backward's path has run: only then is the unit's gradient whole
         # (a module called twice before one backward) and its reduce-scatter due.
         self._uses = torch.zeros(1, device=compute_device, requires_grad=True)
-        self._uses.register_post_accumulate_grad_hook(self._every_use_delivered)
+        self._uses.register_post_accumulate_grad_hook(weakly_bound(self._every_use_delivered))
         self.gathered = False
         self._pending_gather = None
         self._pending_reduce = None
@@ -241,6 +243,8 @@ class FlatParamShard:
     def _allocate_full(self) -> None:
         self.full.untyped_storage().resize_(self.full_bytes)
         _GATHERED.add(self.full_bytes)
+        # a unit dropped while gathered (a model discarded after a forward) counts off too
+        self._uncount = weakref.finalize(self.full, _GATHERED.sub, self.full_bytes)
 
     def finish_gather(self) -> None:
         """Wait for (or issue and wait for) the all-gather; ``full`` then holds the unit."""
@@ -319,7 +323,7 @@ class FlatParamShard:
                                          for piece, lay in zip(pieces, self.hpz_layouts)])
         if self.gathered:
             self.full.untyped_storage().resize_(0)
-            _GATHERED.sub(self.full_bytes)
+            self._uncount()  # _GATHERED.sub, once
             self.gathered = False
         self._kept_from = None
 
@@ -597,14 +601,19 @@ class _PiecesOfFull(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, full, uses, shard, *params):
-        ctx.shard, ctx.params_given = shard, len(params)
+        # Note: weakly: the views this node outputs sit in the modules (``self.weight``), and a
+        # reference from the node (C++) back to the unit is a cycle the garbage collector
+        # cannot see, which kept a model discarded after a forward alive for good
+        ctx.shard, ctx.params_given = weakref.ref(shard), len(params)
         ctx.in_graph = {id(p) for p in params}
         ctx.set_materialize_grads(False)
         return full.split(shard.numels)
 
     @staticmethod
     def backward(ctx, *grads):
-        shard = ctx.shard
+        shard = ctx.shard()
+        if shard is None:  # the model is gone: nothing to hand the gradients to
+            return (None,) * (3 + ctx.params_given)
         wanted = _params_this_backward_wants(shard, ctx.in_graph)
         shard.add_grads([None if g is None or not want else g.reshape(-1)
                          for g, want in zip(grads, wanted)])
@@ -692,9 +701,10 @@ def gathered_param_edges(roots: Sequence[torch.Tensor]) -> dict:
         for child, index in node.next_functions:
             if child is None:
                 continue
-            if getattr(type(child), "_forward_cls", None) is _PiecesOfFull \
-                    and child.shard.params[index].requires_grad:
-                found[GradientEdge(node, 0)] = (child.shard, index)
+            shard = child.shard() if getattr(type(child), "_forward_cls", None) \
+                is _PiecesOfFull else None  # the node holds its unit weakly
+            if shard is not None and shard.params[index].requires_grad:
+                found[GradientEdge(node, 0)] = (shard, index)
             if child not in seen:
                 seen.add(child)
                 stack.append(child)
