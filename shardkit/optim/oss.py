@@ -87,7 +87,8 @@ class OSS(torch.optim.Optimizer):
     process's own memory). Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16
     / bf16 with ``broadcast_fp16``), one all-gather per bucket. :meth:`clip_grad_norm`: one
     all-reduce of one element (one more over the tensor-parallel group for a model with
-    tensor-parallel layers). Construction: one small all-gather of the parameter shapes.
+    tensor-parallel layers). Construction, :meth:`add_param_group` and :meth:`refresh_trainable`:
+    one small all-gather of the trainable parameters' indices and shapes (every rank must agree).
 
     Implementation: for ``SGD``, ``Adam``, ``AdamW`` and ``Adagrad`` given with ``fused`` and
     ``foreach`` unset, over fp32 parameters, the local step runs torch's own fused kernel (the
@@ -412,12 +413,17 @@ class OSS(torch.optim.Optimizer):
                 raise ValueError(f"OSS.add_param_group: parameter {i} (shape {tuple(p.shape)}) "
                                  f"is already in another param group; each parameter may be in "
                                  f"one group only")
+        self._check_every_rank_agrees(self.param_groups + [new], "OSS.add_param_group")
         super().add_param_group(new)
         self._repartition()
 
     def refresh_trainable(self) -> None:
         """Re-partition after ``requires_grad`` changed on some parameters (every rank alike).
-        Costs nothing when ownership does not change; else moved state is sent to its new owner."""
+        Communication: one small all-gather of the trainable parameters' indices and shapes
+        (ranks that froze different parameters get a ValueError on every rank, not a hang or
+        a silent mix-up of parameters); when ownership changes, moved state is also sent to
+        its new owner."""
+        self._check_every_rank_agrees(self.param_groups, "OSS.refresh_trainable")
         self._repartition()
 
     # ------------------------------------------------------------------ state dicts
@@ -610,6 +616,15 @@ class OSS(torch.optim.Optimizer):
     def _pull_hyperparameters(self) -> None:
         for group, local in zip(self.param_groups, self.optim.param_groups):
             group.update(without_fused_choice(_hyper(local), self.fused))
+
+    def _check_every_rank_agrees(self, groups: list[dict], caller: str) -> None:
+        """Before re-partitioning: every rank must see the same trainable parameters, or each
+        would compute another partition (a hang in the state exchange, or one parameter's
+        values synced into another). Nothing is changed when they differ."""
+        self._sync.wait()
+        args.check_same_model_on_every_rank(
+            groups, self.group, caller,
+            advice="change requires_grad, and add param groups, identically")
 
     def _repartition(self) -> None:
         self._sync.wait()

@@ -15,8 +15,8 @@ import torch
 from shardkit import distributed
 
 __all__ = ["drop_deprecated_fairscale_kwargs", "check_optimizer_class", "check_takeover_arguments",
-           "normalize_param_groups", "check_same_model_on_every_rank", "groups_of",
-           "constructor_kwargs"]
+           "normalize_param_groups", "check_same_model_on_every_rank", "trainable_signature",
+           "groups_of", "constructor_kwargs"]
 
 # FairScale OSS arguments that no longer do anything there either; accepted and ignored.
 _DEPRECATED_FAIRSCALE_KWARGS = ("broadcast_buffer_size", "force_broadcast_object")
@@ -109,28 +109,54 @@ def _refuse_set(what: str, params) -> None:
                         f"order on every rank")
 
 
-def check_same_model_on_every_rank(groups: list[dict], group) -> None:
-    """One small all-gather: every rank must partition the same shapes, or the sync would
-    corrupt parameters."""
-    mine = [[tuple(p.shape) for p in g["params"] if p.requires_grad] for g in groups]
+# What the construction-time check asks of every rank (refresh_trainable and add_param_group
+# pass their own).
+SAME_MODEL_ADVICE = ("build OSS over the same model, in the same order, with the same "
+                     "parameters frozen")
+
+
+def check_same_model_on_every_rank(groups: list[dict], group, caller: str = "OSS",
+                                   advice: str = SAME_MODEL_ADVICE) -> None:
+    """One small all-gather: every rank must partition the same parameters, the same items of
+    the same param groups with the same shapes, or the sync would write one parameter's values
+    into another (silently when their shapes match: two layers of one width, one frozen on
+    each rank) or abort inside the collective library. ``caller`` and ``advice`` word the
+    ValueError, raised on every rank alike. Communication: the trainable items' indices and
+    shapes of every rank, once."""
+    mine = trainable_signature(groups)
     every = distributed.all_gather_object(mine, group=group)
     me = distributed.get_rank(group)
     for r, theirs in enumerate(every):
         if theirs != mine:
-            raise ValueError(f"OSS: rank {r} of the group has different trainable parameters "
+            raise ValueError(f"{caller}: rank {r} of the group has different trainable parameters "
                              f"from rank {me}: {_first_difference(theirs, mine, r, me)}; every "
-                             f"rank must build OSS over the same model, in the same order")
+                             f"rank must {advice}")
+
+
+def trainable_signature(groups: list[dict]) -> list[list[tuple]]:
+    """Per param group, ``(item index, shape)`` of each parameter that requires grad: what
+    every rank's partition is computed from. Costs nothing."""
+    return [[(i, tuple(p.shape)) for i, p in enumerate(g["params"]) if p.requires_grad]
+            for g in groups]
 
 
 def _first_difference(theirs: list, mine: list, r: int, me: int) -> str:
-    """Where two ranks' trainable shapes first differ, in words (for the error above)."""
-    if len(theirs) != len(mine) or any(len(t) != len(m) for t, m in zip(theirs, mine)):
-        return (f"param group lengths {[len(t) for t in theirs]} on rank {r}, "
-                f"{[len(m) for m in mine]} on rank {me}")
-    g, i = next((g, i) for g, (t, m) in enumerate(zip(theirs, mine))
-                for i, (a, b) in enumerate(zip(t, m)) if a != b)
-    return (f"trainable parameter {i} of param group {g} has shape {theirs[g][i]} on rank {r}, "
-            f"{mine[g][i]} on rank {me}")
+    """Where two ranks' trainable signatures first differ, in words (for the error above)."""
+    if len(theirs) != len(mine):
+        return f"{len(theirs)} param groups on rank {r}, {len(mine)} on rank {me}"
+    g, t, m = next((g, t, m) for g, (t, m) in enumerate(zip(theirs, mine)) if t != m)
+    for (ti, ts), (mi, ms) in zip(t, m):
+        if ti != mi:
+            on, off = (r, me) if ti < mi else (me, r)
+            return (f"item {min(ti, mi)} of param group {g} is trainable on rank {on} and "
+                    f"frozen on rank {off}")
+        if ts != ms:
+            return (f"trainable parameter {ti} of param group {g} has shape {ts} on rank {r}, "
+                    f"{ms} on rank {me}")
+    on, off, longer = (r, me, t) if len(t) > len(m) else (me, r, m)
+    item = longer[min(len(t), len(m))][0]
+    return (f"item {item} of param group {g} is trainable on rank {on} and frozen or absent on "
+            f"rank {off}")
 
 
 def check_no_shared_storage(groups: list[dict], world_size: int) -> None:
