@@ -320,3 +320,33 @@ def test_fairscale_feature_switches_keep_parity(world2):
     for worst, no_grad_after_eval, index in world2.run(_check_fairscale_feature_switches):
         assert worst <= TOLERANCE, worst
         assert no_grad_after_eval and index == [3, 3]
+
+
+def _discarded_wrappers_are_collected():
+    """ShardedDDP, its module and its OSS are garbage collected once the user drops them, built
+    only or after training steps: the wrapper's post-accumulate-grad hooks on the parameters
+    (kept by torch in C++, out of the collector's sight) held it, and with it the model and
+    the optimizer state, for good."""
+    import gc
+    import weakref
+    from shardkit.nn.data_parallel import ShardedDataParallel
+    from shardkit.optim import OSS
+    alive = {}
+    for steps in (0, 2):
+        module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        optim = OSS(module.parameters(), optim=torch.optim.AdamW, lr=0.1)
+        model = ShardedDataParallel(module, optim)
+        for _ in range(steps):
+            model(torch.randn(3, 4)).sum().backward()
+            optim.step()
+            optim.zero_grad()
+        refs = [weakref.ref(x) for x in (module, optim, model)]
+        del module, optim, model
+        gc.collect()
+        alive[steps] = [r() is not None for r in refs]
+    return alive
+
+
+def test_discarded_wrappers_are_collected(world2):
+    for alive in world2.run(_discarded_wrappers_are_collected):
+        assert alive == {0: [False] * 3, 2: [False] * 3}, alive

@@ -23,6 +23,7 @@ from shardkit.nn.data_parallel import sharded_ddp_arguments as args
 from shardkit.nn.data_parallel.gradient_bucket import (BucketLayout, BucketReduction,
                                                        ReduceToOwners, plan_buckets)
 from shardkit.transport import resolve_transport
+from shardkit.utils.weak_hooks import weakly_bound
 from shardkit.utils.wrapped_attributes import attribute_through
 
 __all__ = ["ShardedDataParallel"]
@@ -414,8 +415,12 @@ class ShardedDataParallel(nn.Module):
     def _hook(self, p: torch.Tensor) -> None:
         if p in self._hooked:
             return
+        # Note: weakly bound: torch keeps post-accumulate-grad hooks in C++, where the garbage
+        # collector cannot see the cycle back to this wrapper (it kept every ShardedDDP, its
+        # module and optimizer alive after the user dropped them)
         self._hooked[p] = (p.register_hook(self._on_grad_incoming),
-                           p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+                           p.register_post_accumulate_grad_hook(
+                               weakly_bound(self._on_grad_accumulated)))
 
     # ------------------------------------------------------------------ backward
 
