@@ -378,10 +378,12 @@ def _cycles_betas(optimizer, name: str) -> bool:
     """Whether ``optimizer`` has Adam's ``betas`` to cycle; warns (as DeepSpeed) when not."""
     if "betas" in getattr(optimizer, "defaults", {}):
         return True
+    inner = getattr(optimizer, "optim", None)  # OSS: name the optimizer it shards
+    described = type(optimizer).__name__ if not hasattr(inner, "param_groups") else \
+        f"{type(optimizer).__name__}({type(inner).__name__})"
     logger.warning(
         "%s: cycle_momentum is off because %s has no betas (only Adam-style momentum is "
-        "cycled); set \"cycle_momentum\": false to silence this", name,
-        type(optimizer).__name__)
+        "cycled); set \"cycle_momentum\": false to silence this", name, described)
     return False
 
 

@@ -180,7 +180,7 @@ def test_one_cycle_resumes_and_leaves_sgd_momentum_alone(caplog):
                        cycle_first_step_size=4)
     resumed.load_state_dict(s.state_dict())
     assert _lrs(resumed, 4)[1:] == pytest.approx([1.0, 0.75, 0.5])  # iterations 3-5
-    assert "cycle_momentum is off" in caplog.text  # SGD has no betas
+    assert "cycle_momentum is off because SGD has no betas" in caplog.text
     resumed.step(batch_iteration=0)  # DeepSpeed's keyword (engine.step(lr_kwargs=...))
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
     with pytest.raises(ValueError, match="cycle_first_step_size=0"):
