@@ -19,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from shardkit import distributed
-from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE
+from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE, per_element
 from shardkit.checkpoint.resharding import ParamLayout, shard_rows, unshard_rows
 
 __all__ = ["LOCAL_META_KEY", "LOCAL_FORMAT", "local_metadata", "consolidate_shard_weights",
@@ -289,9 +289,8 @@ def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tenso
         # a 0-dim parameter's full shape is also that of Adam's ``step``: only per-element
         # state is cut then (the shard is 1-D, the step must stay 0-dim)
         state[index] = {k: (shard_rows(v, layout, param_ranks.get(id(p), rank)).clone()
-                            if layout is not None and isinstance(v, torch.Tensor)
+                            if layout is not None and per_element(k, v)
                             and tuple(v.shape) == tuple(layout.shape)
-                            and (v.dim() > 0 or k in ELEMENTWISE_STATE)
                             else v.clone() if isinstance(v, torch.Tensor) else v)
                         for k, v in entry.items()}
     return {"state": state, "param_groups": copy.deepcopy(full_osd["param_groups"])}
@@ -405,6 +404,5 @@ def _matched_by_shape(full_osd: dict, params: list, layouts: dict) -> list:
 
 def _state_shape(entry: dict):
     """The full parameter shape a state entry's per-element tensors have (``None``: none)."""
-    shapes = [tuple(v.shape) for k, v in entry.items()
-              if isinstance(v, torch.Tensor) and (v.dim() > 0 or k in ELEMENTWISE_STATE)]
+    shapes = [tuple(v.shape) for k, v in entry.items() if per_element(k, v)]
     return shapes[0] if shapes else None

@@ -18,7 +18,7 @@ import torch
 from shardkit import distributed
 
 __all__ = ["consolidate_optimizer_state", "check_full_state_dict", "state_by_param",
-           "checked_elementwise_state", "load_into_optimizer"]
+           "checked_elementwise_state", "load_into_optimizer", "per_element"]
 
 # torch optimizers' state that holds one value per parameter element (Adam/AdamW, NAdam, RAdam,
 # Adamax, SGD, Adagrad, RMSprop, Adadelta, ASGD, Rprop); factored state (Adafactor's
@@ -26,6 +26,13 @@ __all__ = ["consolidate_optimizer_state", "check_full_state_dict", "state_by_par
 ELEMENTWISE_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf",
                                "momentum_buffer", "sum", "square_avg", "acc_delta", "grad_avg",
                                "ax", "prev", "step_size"})
+
+
+def per_element(key: str, value) -> bool:
+    """Whether optimizer state ``value`` holds one value per element of its parameter (and so is
+    cut into rows with it): a tensor of one dimension or more, or a 0-dim one only under a
+    per-element key (a 0-dim parameter's moments; Adam's 0-dim ``step`` is not). Local."""
+    return isinstance(value, torch.Tensor) and (value.dim() > 0 or key in ELEMENTWISE_STATE)
 
 
 def consolidate_optimizer_state(local: dict, param_groups: list[dict], rank: int,

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["ParamLayout", "shard_rows", "unshard_rows", "join_row_blocks", "join_row_state",
-           "shape_mismatches"]
+           "shape_mismatches", "copy_rows_into"]
 
 
 @dataclass(frozen=True)
@@ -56,13 +56,23 @@ class ParamLayout:
 
 def shard_rows(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
     """Rank ``rank``'s row block of ``full`` (a new ``layout.shard_shape`` tensor, zero padded)."""
-    rows = full.reshape(layout.rows, *layout.shape[1:])
     out = torch.zeros(layout.shard_shape, dtype=full.dtype, device=full.device)
+    copy_rows_into(out, full, 0, layout, rank)
+    return out
+
+
+def copy_rows_into(block: torch.Tensor, piece: torch.Tensor, first_row: int,
+                   layout: ParamLayout, rank: int) -> None:
+    """Copy into ``block`` (rank ``rank``'s ``layout.shard_shape`` block) the rows of ``piece``
+    that fall into it; ``piece`` holds the full tensor's rows ``first_row`` on (the whole tensor,
+    or another world's block of it). Rows of ``block`` outside ``piece`` are left as they are
+    (padding stays zero). No allocation."""
+    rows = piece.reshape(-1, *layout.shape[1:])
     start = rank * layout.rows_per_shard
     stop = min(start + layout.rows_per_shard, layout.rows)
-    if stop > start:
-        out[:stop - start].copy_(rows[start:stop])
-    return out
+    low, high = max(start, first_row), min(stop, first_row + rows.shape[0])
+    if high > low:
+        block[low - start:high - start].copy_(rows[low - first_row:high - first_row])
 
 
 def unshard_rows(shards: Sequence[torch.Tensor], layout: ParamLayout) -> torch.Tensor:

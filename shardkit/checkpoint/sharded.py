@@ -49,8 +49,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from shardkit import distributed
-from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE
-from shardkit.checkpoint.resharding import ParamLayout, join_row_blocks, join_row_state
+from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE, per_element
+from shardkit.checkpoint.resharding import (ParamLayout, copy_rows_into, join_row_blocks,
+                                            join_row_state)
 
 __all__ = ["FORMAT", "CheckpointError", "RankShard", "LoadedCheckpoint", "RowsWanted",
            "commit_checkpoint", "agreement_device", "read_latest_tag", "read_checkpoint",
@@ -538,7 +539,7 @@ class _RowBlock:
             self.param = self._copy_rows(self.param, piece, first_row)
         rows_shape = tuple(piece.shape) if piece is not None else tuple(piece_layout.shape)
         for key, value in (state or {}).items():
-            if _is_rows_of(key, value, rows_shape):
+            if per_element(key, value) and tuple(value.shape) == rows_shape:
                 self.state[key] = self._copy_rows(self.state.get(key), value, first_row)
             elif key in ELEMENTWISE_STATE and isinstance(value, torch.Tensor):
                 raise CheckpointError(
@@ -552,23 +553,10 @@ class _RowBlock:
                    first_row: int) -> torch.Tensor:
         """``block`` (a new zero-padded block when ``None``) with the rows of ``piece`` that
         fall into this reader's block copied in; ``piece`` holds full rows ``first_row...``."""
-        layout = self.layout
         if block is None:
-            block = torch.zeros(layout.shard_shape, dtype=piece.dtype)
-        rows = piece.reshape(-1, *layout.shape[1:])
-        start = self.rank * layout.rows_per_shard
-        stop = min(start + layout.rows_per_shard, layout.rows)  # padding rows stay zero
-        low, high = max(start, first_row), min(stop, first_row + rows.shape[0])
-        if high > low:
-            block[low - start:high - start].copy_(rows[low - first_row:high - first_row])
+            block = torch.zeros(self.layout.shard_shape, dtype=piece.dtype)
+        copy_rows_into(block, piece, first_row, self.layout, self.rank)
         return block
-
-
-def _is_rows_of(key: str, value, rows_shape: tuple) -> bool:
-    """Whether optimizer state ``value`` is cut into rows like the saved tensor of shape
-    ``rows_shape`` it belongs to (a 0-dim one only for per-element state: ``step`` is not)."""
-    return isinstance(value, torch.Tensor) and tuple(value.shape) == rows_shape \
-        and (value.dim() > 0 or key in ELEMENTWISE_STATE)
 
 
 def _copied(value):
