@@ -153,15 +153,18 @@ def test_launch_without_the_tools_is_a_clear_error(monkeypatch):
         run_cluster(["x.py"], nodes=2)
 
 
+# one write per line (text and newline together): two ranks of a node share one pipe, and a
+# print's separate write of its newline let a peer's line land in between (seen once in CI)
 _GROUPS_BY_HOST = """
-import socket
+import os, socket
 from shardkit import distributed as d
 d.init_distributed()
 intra, inter = d.node_groups()
 hosts = d.all_gather_object(socket.gethostname())
-print(f"topo rank={d.get_rank()} host={hosts[d.get_rank()]} "
-      f"intra={[hosts[r] for r in d.group_ranks(intra)]} "
-      f"inter={[hosts[r] for r in d.group_ranks(inter)]}", flush=True)
+line = (f"topo rank={d.get_rank()} host={hosts[d.get_rank()]} "
+        f"intra={[hosts[r] for r in d.group_ranks(intra)]} "
+        f"inter={[hosts[r] for r in d.group_ranks(inter)]}\\n")
+os.write(1, line.encode())
 d.destroy()
 """
 
