@@ -39,6 +39,23 @@ def test_live_microbatches_stay_within_the_stated_bounds(p, m):
     assert all(peaks[r] <= (v - 1) * p + 2 * (p - 1 - r) + 1 for r in range(p))
 
 
+def test_interleaved_1f1b_takes_chunks_that_are_not_a_multiple_of_the_ranks():
+    # rounds of g = m / max(1, m // p) micro-batches (torch's flexible rule): every such plan is
+    # well formed, runs without deadlock and keeps (v-1)*g + 2*(p-1-r) + 1 alive at most
+    for p in (2, 3, 4, 8):
+        for m in range(1, 3 * p + 1):
+            g = m // max(1, m // p)
+            if m % max(1, m // p):
+                continue
+            for v in (2, 3):
+                plan = interleaved_1f1b_plan(p, m, v)
+                assert plan.problems() == [], (p, m, v)
+                peaks = plan.dry_run().peak_live
+                assert all(peaks[r] <= (v - 1) * g + 2 * (p - 1 - r) + 1 for r in range(p))
+    assert interleaved_1f1b_plan(4, 6, 2).format().splitlines()[1].startswith(
+        "rank 0: F0.0 F0.1 F0.2 F0.3 F0.4 F0.5 F4.0")  # one round of 6
+
+
 def test_a_broken_list_is_reported_as_a_deadlock():
     good = one_f_one_b_plan(2, 2)
     # rank 0 runs a backward before the forward it belongs to: malformed, found before running
@@ -70,8 +87,9 @@ def test_plans_are_printable_with_their_communication():
 def test_placements_and_bad_sizes():
     assert loop_placement(4, 2) == (0, 1, 0, 1)
     assert v_placement(3) == (0, 1, 2, 2, 1, 0)
-    with pytest.raises(ValueError, match=r"chunks=6, ranks=4; use chunks in \[4, 8, 16\]"):
-        interleaved_1f1b_plan(4, 6, 2)
+    with pytest.raises(ValueError, match=r"chunks=9 on ranks=4 gives 2 rounds, which do not "
+                                         r"divide the chunks; use chunks=8 or 10"):
+        interleaved_1f1b_plan(4, 9, 2)
     with pytest.raises(ValueError, match=r"zb_h1_plan\(chunks=0\)"):
         zb_h1_plan(2, 0)
 

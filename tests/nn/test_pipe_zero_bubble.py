@@ -71,9 +71,10 @@ def _owner(stage, world, placement):
     return stage % world
 
 
-def _check_parity(model_name, schedule_name, chunks):
+def _check_parity(model_name, schedule_name, chunks, rows=BATCH):
     """Per step: max |grad - reference grad| and max |weight - reference weight| over this
-    rank's parameters, and the loss difference on the rank running the last stage."""
+    rank's parameters, and the loss difference on the rank running the last stage (on the
+    first ``rows`` samples of each batch)."""
     make, batch, loss_fn = MODELS[model_name]
     reference = make()
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -83,7 +84,7 @@ def _check_parity(model_name, schedule_name, chunks):
     opt = torch.optim.SGD([p for _, p in params], lr=0.1)
     grad_diff = weight_diff = loss_diff = 0.0
     for step in range(STEPS):
-        x, y = batch(step)
+        x, y = (t[:rows] for t in batch(step))
         ref_opt.zero_grad()
         ref_loss = loss_fn(reference(x), y)
         ref_loss.backward()
@@ -102,8 +103,13 @@ def _check_parity(model_name, schedule_name, chunks):
 
 def _parity_grid():
     p = dist.get_world_size()
-    return {(model, schedule, m): _check_parity(model, schedule, m)
+    grid = {(model, schedule, m): _check_parity(model, schedule, m)
             for model in MODELS for schedule in SCHEDULES for m in (p, 2 * p, 4 * p)}
+    # interleaved 1F1B with chunks that are not a multiple of the ranks: rounds of m / (m // p)
+    # micro-batches (fewer chunks than ranks: one round of m)
+    for m in {2: (1, 3), 4: (2, 3, 6)}[p]:
+        grid[("mlp", "Interleaved1F1B", m)] = _check_parity("mlp", "Interleaved1F1B", m, rows=12)
+    return grid
 
 
 @pytest.mark.parametrize("world_name", ["world2", "world4"])
@@ -178,7 +184,7 @@ def _bad_inputs():
     loss = schedule.step(x, target=y)  # nothing was half-sent: the pipeline still works
     messages.append(loss is not None)
     try:
-        _build("mlp", "Interleaved1F1B", 3)
+        _build("mlp", "Interleaved1F1B", 5)
         messages.append("no error")
     except ValueError as error:
         messages.append(str(error))
@@ -222,7 +228,8 @@ def test_bad_input_raises_a_clear_error_on_every_rank(world2):
     assert all("rank 1: target of shape (10, 4) cannot be split into chunks=4 equal" in m
                for m in uneven)
     assert works == (False, True)
-    assert all("chunks=3, ranks=2" in m for m in interleaved)
+    assert all("chunks=5 on ranks=2 gives 2 rounds, which do not divide the chunks; use "
+               "chunks=4 or 6" in m for m in interleaved)
     assert all("rank 0: this rank must pass stages [0, 3] (the plan's placement), got [0, 2]"
                in m for m in zbv)
     assert all("runs one stage per rank, but the pipeline has 4 stages on 2 ranks" in m

@@ -251,27 +251,27 @@ def one_f_one_b_plan(num_ranks: int, chunks: int) -> PipelinePlan:
 
 def interleaved_1f1b_plan(num_ranks: int, chunks: int, stages_per_rank: int) -> PipelinePlan:
     """Megatron's interleaved 1F1B: ``v = stages_per_rank`` stages per rank (stage ``c*p + r`` on
-    rank ``r``); micro-batches go through in groups of ``p``. Requires ``chunks`` to be a
-    multiple of ``p``. Bubble ``(p-1)/(v*m)`` of the work, i.e. ``(p-1)/(v*m+p-1)`` of the step;
-    at most ``(v-1)*p + 2*(p-1-r) + 1`` stage-micro-batches alive on rank ``r``."""
+    rank ``r``); micro-batches go through in rounds of ``g`` (``g = p`` when ``chunks`` is a
+    multiple of ``p``; otherwise ``m / max(1, m // p)``, which must be whole, as in torch's
+    flexible schedule: ``m < p`` runs one round of ``m``, ``m = 10`` on 4 ranks two rounds of 5).
+    Bubble ``(p-1)/(v*m)`` of the work, i.e. ``(p-1)/(v*m+p-1)`` of the step, when ``g = p``;
+    at most ``(v-1)*g + 2*(p-1-r) + 1`` stage-micro-batches alive on rank ``r``."""
     _check_sizes("interleaved_1f1b_plan", num_ranks, chunks)
     p, v, m = num_ranks, stages_per_rank, chunks
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"interleaved_1f1b_plan(stages_per_rank={v!r}): expected a positive int")
-    if m % p:
-        raise ValueError(f"interleaved 1F1B needs chunks to be a multiple of the number of ranks: "
-                         f"chunks={m}, ranks={p}; use chunks in {[p * k for k in (1, 2, 4)]}")
+    g = interleaved_round_size(p, m)
     total = m * v
 
     def unit(k: int, forward: bool) -> tuple:
-        chunk = (k % (p * v)) // p
+        chunk = (k % (g * v)) // g
         if not forward:
             chunk = v - 1 - chunk
-        return chunk, (k // (p * v)) * p + k % p
+        return chunk, (k // (g * v)) * g + k % g
 
     orders = []
     for r in range(p):
-        warmup = min((v - 1) * p + 2 * (p - 1 - r), total)
+        warmup = min((v - 1) * g + 2 * (p - 1 - r), total)
         order = []
         for k in range(warmup):
             c, i = unit(k, True)
@@ -286,6 +286,24 @@ def interleaved_1f1b_plan(num_ranks: int, chunks: int, stages_per_rank: int) -> 
             order.append(Action("BW", c * p + r, i))
         orders.append(tuple(order))
     return PipelinePlan(f"Interleaved1F1B(v={v})", loop_placement(p * v, p), m, tuple(orders))
+
+
+def interleaved_round_size(num_ranks: int, chunks: int) -> int:
+    """Micro-batches per round of interleaved 1F1B: ``chunks / max(1, chunks // num_ranks)``
+    (``num_ranks`` when ``chunks`` is a multiple of it). ValueError, naming sizes that work,
+    when that is not whole (e.g. 6 chunks on 4 ranks: one round would hold 6 and a second none)."""
+    def whole_rounds(c: int) -> bool:
+        return c % max(1, c // num_ranks) == 0
+
+    rounds = max(1, chunks // num_ranks)
+    if not whole_rounds(chunks):
+        below = next(c for c in range(chunks - 1, 0, -1) if whole_rounds(c))
+        above = next(c for c in range(chunks + 1, chunks + num_ranks + 1) if whole_rounds(c))
+        raise ValueError(f"interleaved 1F1B runs micro-batches in rounds of about the number of "
+                         f"ranks: chunks={chunks} on ranks={num_ranks} gives {rounds} rounds, "
+                         f"which do not divide the chunks; use chunks={below} or {above} (any "
+                         f"multiple of the ranks, or fewer chunks than ranks, works)")
+    return chunks // rounds
 
 
 def greedy_zero_bubble_plan(name: str, placement: tuple, chunks: int, live_cap: int,

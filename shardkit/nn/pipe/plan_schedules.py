@@ -778,12 +778,15 @@ def _one_stage(schedule, stage):
 
 class ScheduleInterleaved1F1B(PlanSchedule):
     """Interleaved 1F1B (Megatron-LM): ``v = len(stages)`` stages per rank, stage ``c*p + r`` on
-    rank ``r`` (``PipelineStage(..., placement="loop")``); ``chunks`` a multiple of ``p``.
+    rank ``r`` (``PipelineStage(..., placement="loop")``). Micro-batches go through in rounds
+    of ``g = p`` when ``chunks`` is a multiple of ``p``, else of ``g = m / max(1, m // p)``,
+    which must be whole (torch's rule: 3 chunks on 4 ranks, 10 on 4, 6 on 4 work; 9 on 4 does
+    not, and the error names the nearest sizes that do).
 
-    Bubble: ``(p-1)/(v*m)`` of the work, ``v`` times less than 1F1B's. Memory: at most
-    ``(v-1)*p + 2*(p-1-r) + 1`` stage-micro-batches alive on rank ``r`` (each stage ``1/v`` of
-    the layers a 1F1B stage would hold). Communication: ``v`` times 1F1B's messages, each of one
-    activation (or its gradient).
+    Bubble: ``(p-1)/(v*m)`` of the work when ``g = p``, ``v`` times less than 1F1B's. Memory:
+    at most ``(v-1)*g + 2*(p-1-r) + 1`` stage-micro-batches alive on rank ``r`` (each stage
+    ``1/v`` of the layers a 1F1B stage would hold). Communication: ``v`` times 1F1B's
+    messages, each of one activation (or its gradient).
     """
 
     def build_plan(self, num_ranks, chunks, costs=None):
