@@ -117,8 +117,8 @@ from shardkit.nn.data_parallel.fsdp_state_dict import (FSDPStateDictMixin, add_w
                                                        clean_name)
 from shardkit.nn.data_parallel.mixed_precision import (MixedPrecisionPolicy,
                                                        resolve_mixed_precision)
-from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, groups_of_mesh,
-                                                         resolve_groups,
+from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, check_quantization,
+                                                         groups_of_mesh, resolve_groups,
                                                          resolve_sharding_strategy)
 from shardkit.nn.data_parallel.training_state import TrainingState, check_state
 from shardkit.nn.wrap import auto_wrap_bn  # noqa: F401 - FairScale's FSDP module has it
@@ -217,8 +217,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             nodes) when torchrun's ``LOCAL_WORLD_SIZE`` says the group spans several nodes.
             Either option wraps ``comm`` (or the default transport) in one shared
             :class:`~shardkit.quantized_transport.QuantizedTransport`; a ``comm`` that already
-            is one together with either option is an error. Not in FairScale's signature;
-            inner units get them through ``enable_wrap`` like the other arguments.
+            is one together with either option is an error, and so is either option with
+            ``NO_SHARD`` (it gathers nothing and all-reduces its gradients exactly). Not in
+            FairScale's signature; inner units get them through ``enable_wrap`` like the other
+            arguments.
         process_group_reduce_scatter, disable_reshard_on_root, move_grads_to_cpu,
         bucket_cap_mb, compute_device, no_broadcast_optim_state, state_dict_device,
         clear_autocast_cache, force_input_to_fp32, verbose, cpu_offload,
@@ -274,6 +276,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                              f"sharding_strategy implies)")
         strategy, reshard_after_forward = resolve_sharding_strategy(sharding_strategy,
                                                                     reshard_after_forward)
+        check_quantization(strategy, quantize_weights, quantize_gradients)
         for name, value in (("flatten_parameters", flatten_parameters),
                             ("move_params_to_cpu", move_params_to_cpu),
                             ("fp32_reduce_scatter", fp32_reduce_scatter),

@@ -41,7 +41,7 @@ from typing import Optional
 from shardkit import distributed as skdist
 
 __all__ = ["ShardingStrategy", "UnitGroups", "resolve_sharding_strategy", "resolve_groups",
-           "groups_of_mesh"]
+           "groups_of_mesh", "check_quantization"]
 
 
 class ShardingStrategy(enum.Enum):
@@ -94,6 +94,24 @@ def resolve_sharding_strategy(strategy, reshard_after_forward: Optional[bool]
                          f"{'reshards' if implied else 'keeps parameters'} after forward; "
                          f"leave reshard_after_forward unset or pick the matching strategy")
     return strategy, implied
+
+
+def check_quantization(strategy: ShardingStrategy, quantize_weights, quantize_gradients) -> None:
+    """Refuse ZeRO++'s qwZ / qgZ on ``NO_SHARD``, which has nothing they apply to: its
+    "gather" is a local copy and its gradients are all-reduced, never reduce-scattered, so the
+    options would silently send every byte in full precision. Local, before any collective."""
+    if strategy is not ShardingStrategy.NO_SHARD:
+        return
+    asked = [name for name, on in (("quantize_weights", quantize_weights),
+                                   ("quantize_gradients", quantize_gradients)) if on is True]
+    if asked:
+        settings = ", ".join(f"{name}=True" for name in asked)
+        raise ValueError(f"FullyShardedDataParallel(sharding_strategy=NO_SHARD, {settings}): "
+                         f"NO_SHARD has no weight all-gather (qwZ) nor gradient reduce-scatter "
+                         f"(qgZ) to quantize; its gradient all-reduce stays exact. Use "
+                         f"quantize_weights / quantize_gradients with FULL_SHARD, "
+                         f"SHARD_GRAD_OP, HYBRID_SHARD or _HYBRID_SHARD_ZERO2, or leave them "
+                         f"False")
 
 
 @dataclass(frozen=True)
