@@ -23,6 +23,7 @@ from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
 from shardkit.nn.data_parallel.flat_param import shard_rows
 from shardkit.nn.data_parallel.sharding_strategy import ShardingStrategy as S
 from shardkit.nn.wrap import auto_wrap, enable_wrap, transformer_auto_wrap_policy
+from shardkit.quantized_transport import QuantizedTransport
 from shardkit.testing import World
 from shardkit.utils.memory import model_state_bytes
 
@@ -380,6 +381,14 @@ def _quantizing_no_shard_is_refused():
             except ValueError as e:
                 out[str(options)] = str(e)
         out[str(options) + " calls"] = len(comm.calls)
+    with CommCounter() as comm:  # the same through a quantizing comm= of the user's own
+        try:
+            FSDP(MLP(8, 1), sharding_strategy=S.NO_SHARD,
+                 comm=QuantizedTransport(weights=False, gradients=True))
+            out["comm"] = "no error"
+        except ValueError as e:
+            out["comm"] = str(e)
+    out["comm calls"] = len(comm.calls)
     return out
 
 
@@ -392,6 +401,9 @@ def test_quantization_on_no_shard_is_a_clear_error_before_any_collective(nodes2x
                 assert message == 0, results
                 continue
             assert "sharding_strategy=NO_SHARD" in message, message
+            if options == "comm":
+                assert "comm=QuantizedTransport" in message, message
+                continue
             for name in ("quantize_weights", "quantize_gradients"):
                 assert (f"{name}=True" in message) == (name in options), message
             assert "FULL_SHARD" in message and "HYBRID_SHARD" in message, message

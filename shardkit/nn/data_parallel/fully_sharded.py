@@ -276,7 +276,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                              f"sharding_strategy implies)")
         strategy, reshard_after_forward = resolve_sharding_strategy(sharding_strategy,
                                                                     reshard_after_forward)
-        check_quantization(strategy, quantize_weights, quantize_gradients)
+        check_quantization(strategy, quantize_weights, quantize_gradients, comm)
         for name, value in (("flatten_parameters", flatten_parameters),
                             ("move_params_to_cpu", move_params_to_cpu),
                             ("fp32_reduce_scatter", fp32_reduce_scatter),

@@ -96,22 +96,29 @@ def resolve_sharding_strategy(strategy, reshard_after_forward: Optional[bool]
     return strategy, implied
 
 
-def check_quantization(strategy: ShardingStrategy, quantize_weights, quantize_gradients) -> None:
+def check_quantization(strategy: ShardingStrategy, quantize_weights, quantize_gradients,
+                       comm=None) -> None:
     """Refuse ZeRO++'s qwZ / qgZ on ``NO_SHARD``, which has nothing they apply to: its
     "gather" is a local copy and its gradients are all-reduced, never reduce-scattered, so the
-    options would silently send every byte in full precision. Local, before any collective."""
+    options (or a ``comm`` that is a quantizing :class:`~shardkit.quantized_transport.
+    QuantizedTransport`) would silently send every byte in full precision. Local, before any
+    collective."""
     if strategy is not ShardingStrategy.NO_SHARD:
         return
-    asked = [name for name, on in (("quantize_weights", quantize_weights),
-                                   ("quantize_gradients", quantize_gradients)) if on is True]
+    asked = [f"{name}=True" for name, on in (("quantize_weights", quantize_weights),
+                                             ("quantize_gradients", quantize_gradients))
+             if on is True]
+    if getattr(comm, "weights", False) or getattr(comm, "gradients", False):
+        asked.append(f"comm={type(comm).__name__}(weights={comm.weights}, "
+                     f"gradients={comm.gradients})")
     if asked:
-        settings = ", ".join(f"{name}=True" for name in asked)
+        settings = ", ".join(asked)
         raise ValueError(f"FullyShardedDataParallel(sharding_strategy=NO_SHARD, {settings}): "
                          f"NO_SHARD has no weight all-gather (qwZ) nor gradient reduce-scatter "
                          f"(qgZ) to quantize; its gradient all-reduce stays exact. Use "
-                         f"quantize_weights / quantize_gradients with FULL_SHARD, "
-                         f"SHARD_GRAD_OP, HYBRID_SHARD or _HYBRID_SHARD_ZERO2, or leave them "
-                         f"False")
+                         f"quantize_weights / quantize_gradients (or a quantizing comm) with "
+                         f"FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or _HYBRID_SHARD_ZERO2, or "
+                         f"leave them off")
 
 
 @dataclass(frozen=True)
