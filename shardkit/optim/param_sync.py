@@ -128,7 +128,7 @@ class FlatParamBucket:
         """Copy the parameters' current values into the buffer and make them views of it."""
         with torch.no_grad():
             for p, offset in self._slots:
-                view = self.buffer[offset:offset + p.numel()].view(p.shape)
+                view = _view_in_layout_of(self.buffer[offset:offset + p.numel()], p)
                 view.copy_(p.detach())
                 p.data = view
 
@@ -169,6 +169,33 @@ class FlatParamBucket:
                 if r != self.rank:
                     self._segment(self.buffer, r).copy_(self._segment(self._half, r))
             self._half = None
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill ``t.numel()`` consecutive slots in some order of its
+    dimensions (contiguous, transposed or permuted; not expanded or sliced)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _view_in_layout_of(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A view of ``flat`` (``p.numel()`` elements) with ``p``'s shape and, where ``p`` is dense,
+    ``p``'s strides too.
+
+    Note: a transposed parameter (``nn.Parameter(w.t())``) must keep its strides. torch's
+    DistributedDataParallel, built before OSS in the usual order, laid its gradient buckets out
+    with the parameter's strides; a parameter that turned contiguous under it gets gradients
+    laid out differently from those buckets, and the reduced gradient comes back wrong
+    (a 0.3 error in the weights after one SGD step)."""
+    if _is_dense(p):
+        return flat.as_strided(p.shape, p.stride())
+    return flat.view(p.shape)
 
 
 def _segment_numels(loads: Sequence[int]) -> tuple:

@@ -190,8 +190,21 @@ class BucketReduction:
             if not has_grad:
                 out.append((p, None))
             else:
-                out.append((p, view if view.dtype == p.dtype else view.to(p.dtype)))
+                grad = view if view.dtype == p.dtype else view.to(p.dtype)
+                out.append((p, _in_layout_of(grad, p)))
         return out
+
+
+def _in_layout_of(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``p``'s strides: itself for a contiguous parameter, a copy for a transposed
+    or permuted one (one more gradient-sized buffer for that parameter only).
+
+    Note: torch's fused optimizers (``AdamW(fused=True)``, which OSS picks for fp32 on its own)
+    walk a parameter and its gradient as flat memory; a contiguous gradient of a transposed
+    parameter would update the wrong elements."""
+    if p.is_contiguous() or grad.stride() == p.stride():
+        return grad
+    return torch.empty_like(p, dtype=grad.dtype).copy_(grad)
 
 
 class ReduceToOwners(BucketReduction):
