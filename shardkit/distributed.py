@@ -83,7 +83,10 @@ def broken_link_error(operation: str, error: BaseException) -> CollectiveError:
     return CollectiveError(
         f"{operation} failed: the connection to a peer broke or timed out, most likely "
         f"because a peer rank died or stopped (its own log says why; "
-        f"shardkit.fault.watch_peers() names the lost rank). The backend said: {error}")
+        f"shardkit.fault.watch_peers() names the lost rank; a peer that aborted on a size "
+        f"mismatch means the ranks issued different collectives, e.g. a module run on some "
+        f"ranks only: SHARDKIT_DEBUG_COLLECTIVES=1 names each rank's op and call site). The "
+        f"backend said: {error}")
 
 
 def operation_words(name: str, group=None, carrier: Optional[str] = None) -> str:
