@@ -351,8 +351,25 @@ def shard_full_optimizer_state(full_osd: dict, named_params: Sequence[tuple], la
         ordered = _matched_by_shape(full_osd, params, layouts)
     else:
         by_name = dict(named_params)
+        _refuse_unknown_names(full_osd, names, by_name)
         ordered = [by_name.get(n) for n in names]
     return shard_optimizer_state(full_osd, ordered, layouts, rank, param_ranks)
+
+
+def _refuse_unknown_names(full_osd: dict, names: Sequence[Optional[str]], by_name: dict) -> None:
+    """A ValueError naming the parameters of a named dict that hold state but are not this
+    model's: their state would otherwise be kept whole (uncut) and fail, or step wrong rows,
+    at the next ``step()``. Local."""
+    stateful = {int(i) for i in full_osd.get("state", {})}
+    unknown = [n for i, n in enumerate(names) if n is not None and n not in by_name
+               and i in stateful]
+    if unknown:
+        missing = [n for n in by_name if n not in set(names)]
+        raise ValueError(
+            f"get_shard_from_optim_state_dict: the dict holds state for {len(unknown)} "
+            f"parameter(s) this model does not have, e.g. {unknown[:3]}; the model's "
+            f"parameters absent from the dict are {missing[:3]}: pass the full optimizer "
+            f"state dict of this model")
 
 
 def _optimized_params(full_osd: dict, params: list) -> list:

@@ -20,6 +20,7 @@ from shardkit.checkpoint.fsdp_state import (consolidate_shard_weights,
                                             gather_full_optimizer_state, local_metadata,
                                             reshard_local_state_dicts,
                                             shard_full_optimizer_state)
+from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE
 from shardkit.checkpoint.resharding import shape_mismatches
 from shardkit.nn.data_parallel.flat_param import ParamLayout
 from shardkit.nn.data_parallel.fsdp_state_dict_type import (DEFAULT_SETTINGS, StateDictType,
@@ -280,10 +281,33 @@ class FSDPStateDictMixin:
         """Load :meth:`local_state_dict` output. Pass this rank's own dict when the world size
         is unchanged, or the list of every rank's dicts with ``metadata=`` the list of their
         :meth:`local_metadata_dict` (any world size, any sharding strategy: replicas' copies of
-        a shard are skipped) to reshard: each rank re-slices its rows.
+        a shard are skipped) to reshard: each rank re-slices its rows. Keys and shard shapes
+        are checked before anything is written (a mismatch loads nothing).
         No communication."""
         local = reshard_local_state_dicts(state_dict, metadata, self.world_size, self.rank)
+        self._refuse_local_mismatch(local)
         nn.Module.load_state_dict(self, self._to_wrapped_keys(local), strict=True)
+
+    def _refuse_local_mismatch(self, local: dict) -> None:
+        """torch's strict-load RuntimeError under :meth:`local_state_dict`'s keys (not FSDP's
+        wrapped names), raised before any shard is written: torch's own load first copies every
+        tensor that fits, so a dict of another model used to leave this one half overwritten.
+        Local: every rank given dicts of another model raises alike, no communication."""
+        mine = {clean_name(k): v for k, v in _structural_state_dict(self, keep_vars=True).items()}
+        full = self.full_shapes()
+        sizes = [f"size mismatch for {k}: the dict's shard has shape {tuple(v.shape)}, this "
+                 f"rank's shard of it (full shape {tuple(full.get(k, mine[k].shape))}) has "
+                 f"{tuple(mine[k].shape)}"
+                 for k, v in local.items() if k in mine and torch.is_tensor(v)
+                 and torch.is_tensor(mine[k]) and tuple(v.shape) != tuple(mine[k].shape)]
+        if sizes:
+            sizes.append("a local state dict loads only at the world size that saved it; to "
+                         "reshard, pass the list of every rank's dicts and "
+                         "metadata=[their local_metadata_dict()]")
+        problems = self._key_problems(local) + sizes
+        if problems:
+            raise RuntimeError(f"Error(s) in loading local_state_dict for {type(self).__name__} "
+                               f"(nothing was loaded):\n\t" + "\n\t".join(problems))
 
     # ------------------------------------------------------------------ optimizer state
 
@@ -318,10 +342,12 @@ class FSDPStateDictMixin:
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict) -> dict:
         """This rank's part of a full optimizer state dict (from
-        :meth:`gather_full_optim_state_dict`, any world size, or a single-process optimizer over
-        the unwrapped model): every full-shape tensor is cut to this rank's rows. Load the result
-        with ``optim.load_state_dict``. No communication."""
-        return shard_full_optimizer_state(full_optim_state_dict, list(self.named_parameters()),
+        :meth:`gather_full_optim_state_dict`, any world size, torch FSDP1's name-keyed
+        ``FSDP.optim_state_dict``, or a single-process optimizer over the unwrapped model):
+        every full-shape tensor is cut to this rank's rows. Load the result with
+        ``optim.load_state_dict``. No communication."""
+        full = _keyed_by_ids(full_optim_state_dict, "get_shard_from_optim_state_dict")
+        return shard_full_optimizer_state(full, list(self.named_parameters()),
                                           self._param_layouts(), self.rank,
                                           param_ranks=self._param_unit_attr("rank"))
 
@@ -372,12 +398,14 @@ class FSDPStateDictMixin:
                                  is_named_optimizer: bool = False, load_directly: bool = False,
                                  group=None) -> dict:
         """What ``optim.load_state_dict`` takes for :meth:`optim_state_dict` output (full,
-        keyed by names, from any world size: this rank's rows are cut out; local: as given);
+        keyed by names, from any world size: this rank's rows are cut out; local: as given,
+        once its per-element state is checked to have this rank's shard shapes);
         with ``load_directly=True`` it is loaded into ``optim`` and ``None`` returned. No
         communication."""
         _refuse_torch_only_arguments("optim_state_dict_to_load", group=group,
                                      is_named_optimizer=is_named_optimizer or None)
         if model._state_dict_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            _refuse_other_shards(model, optim, optim_state_dict)
             mine = optim_state_dict
         else:
             mine = model.get_shard_from_optim_state_dict(_keyed_by_ids(optim_state_dict))
@@ -404,6 +432,31 @@ class FSDPStateDictMixin:
                 unit.no_broadcast_optim_state = True
 
 
+def _refuse_other_shards(model, optim: torch.optim.Optimizer, osd) -> None:
+    """A ValueError when a local optimizer state dict holds per-element state whose shape is
+    not this rank's shard of its parameter (saved at another world size or by another model):
+    torch's ``load_state_dict`` takes it and the next ``step()`` fails on a size mismatch.
+    Local, no copy."""
+    ordered = [p for g in optim.param_groups for p in g["params"]]
+    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    problems = []
+    for index, entry in (osd.get("state", {}) if isinstance(osd, dict) else {}).items():
+        p = ordered[index] if isinstance(index, int) and 0 <= index < len(ordered) else None
+        for key, value in (entry.items() if p is not None else ()):
+            if key in ELEMENTWISE_STATE and torch.is_tensor(value) \
+                    and tuple(value.shape) != tuple(p.shape):
+                problems.append(f"{names.get(id(p), index)} {key!r} {tuple(value.shape)} "
+                                f"(this rank's shard: {tuple(p.shape)})")
+                break
+    if problems:
+        raise ValueError(
+            f"FSDP.optim_state_dict_to_load (LOCAL_STATE_DICT): the state of {len(problems)} "
+            f"parameter(s) does not have this rank's shard shapes, e.g. {problems[:2]}; a local "
+            f"optimizer state dict loads only at the world size that saved it: to reshard, "
+            f"pass every rank's dicts with their local_metadata_dict() to "
+            f"shardkit.checkpoint.reshard_local_optim_state_dicts")
+
+
 def _refuse_torch_only_arguments(call: str, **given) -> None:
     """torch FSDP1 arguments with no meaning here: a ValueError unless left unset."""
     for name, value in given.items():
@@ -422,16 +475,22 @@ def _keyed_by_names(full: dict) -> dict:
             "param_groups": groups}
 
 
-def _keyed_by_ids(osd: dict) -> dict:
+def _keyed_by_ids(osd: dict, caller: str = "optim_state_dict_to_load") -> dict:
     """The inverse of :func:`_keyed_by_names` (a dict keyed by ids passes unchanged)."""
     if not isinstance(osd, dict) or "param_groups" not in osd or "state" not in osd:
-        raise ValueError("FSDP.optim_state_dict_to_load(optim_state_dict=...): expected what "
-                         "FSDP.optim_state_dict returned (a dict with 'state' and "
-                         "'param_groups'), e.g. loaded from the saved checkpoint")
+        raise ValueError(f"FSDP.{caller}(...): expected a full optimizer state dict (a dict "
+                         f"with 'state' and 'param_groups': from gather_full_optim_state_dict, "
+                         f"FSDP.optim_state_dict or a torch optimizer), e.g. loaded from the "
+                         f"saved checkpoint")
     flat = [n for g in osd["param_groups"] for n in g["params"]]
     if not all(isinstance(n, str) for n in flat):
         return osd
     index = {n: i for i, n in enumerate(flat)}
+    unlisted = sorted(str(n) for n in osd["state"] if n not in index)
+    if unlisted:
+        raise ValueError(f"FSDP.{caller}(...): the state of {unlisted[:5]} is in no param "
+                         f"group of the dict (its param groups list {flat[:5]}...); pass the "
+                         f"dict FSDP.optim_state_dict returned, unchanged")
     groups, start = [], 0
     for g in osd["param_groups"]:
         groups.append(dict(g, params=list(range(start, start + len(g["params"])))))
