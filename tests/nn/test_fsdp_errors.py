@@ -53,6 +53,13 @@ def _error_cases():
     results["stale_grad"] = _raises(lambda: FSDP(with_grad), ValueError, "already has a .grad",
                                     "zero_grad(set_to_none=True)")
 
+    # nn.Embedding(max_norm=) writes into its weight in forward: before, autograd's "a view
+    # ... has been modified inplace" at the first forward (the write could not reach the shard)
+    renorming = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Embedding(10, 4, max_norm=1.0)))
+    results["embedding_max_norm"] = _raises(lambda: FSDP(renorming), ValueError,
+                                            "1.0 is nn.Embedding(max_norm=1.0)",
+                                            "max_norm=None")
+
     shared = nn.Linear(4, 4)
     outer = nn.Sequential(nn.Sequential(shared), nn.Linear(4, 4))
     outer[1].weight = shared.weight  # shared across what will become two units

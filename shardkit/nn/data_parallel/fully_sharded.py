@@ -300,6 +300,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         policy = resolve_mixed_precision(mixed_precision, compute_dtype, buffer_dtype,
                                          fp32_reduce_scatter)
         _refuse_batchnorm_with_other_buffer_dtype(module, policy)
+        _refuse_embedding_max_norm(module)
         if device_mesh is not None:
             if process_group is not None:
                 raise ValueError("FullyShardedDataParallel: pass process_group or device_mesh, "
@@ -1161,15 +1162,23 @@ def _check_wrappable(module) -> None:
 
 def _unit_modules(module: nn.Module) -> Iterator[nn.Module]:
     """``module`` and its submodules, not descending into inner FSDP units."""
-    stack = [module]
+    for _, m in _named_unit_modules(module):
+        yield m
+
+
+def _named_unit_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` for ``module`` (name ``""``) and its submodules, not
+    descending into inner FSDP units; a module reached twice is yielded once."""
+    stack = [("", module)]
     seen = set()
     while stack:
-        m = stack.pop()
+        name, m = stack.pop()
         if id(m) in seen:
             continue
         seen.add(id(m))
-        yield m
-        stack.extend(reversed([c for c in m.children()
+        yield name, m
+        stack.extend(reversed([(f"{name}.{child}" if name else child, c)
+                               for child, c in m.named_children()
                                if not isinstance(c, FullyShardedDataParallel)]))
 
 
@@ -1307,6 +1316,23 @@ def _refuse_batchnorm_with_other_buffer_dtype(module: nn.Module,
                 f"layers their own full-precision units first (model = auto_wrap_bn(model), "
                 f"FairScale's way), or leave buffer_dtype unset (statistics in "
                 f"{policy.param_dtype})")
+
+
+def _refuse_embedding_max_norm(module: nn.Module) -> None:
+    """An ``nn.Embedding(max_norm=...)`` renormalises the looked-up rows of its weight in place
+    during forward. In a unit that weight is a view of the gathered (temporary) full
+    parameter: autograd refuses the in-place write ("a view ... has been modified inplace"),
+    and were it allowed, the write would be dropped at reshard, not reach the shard. Say so
+    here, with the ways out. Local, before any collective."""
+    for name, m in _named_unit_modules(module):
+        if isinstance(m, nn.Embedding) and m.max_norm is not None:
+            raise ValueError(
+                f"FullyShardedDataParallel: {name or 'the module'} is nn.Embedding(max_norm="
+                f"{m.max_norm}), which renormalises rows of its weight in place in forward; "
+                f"under FSDP that weight is a temporary gathered copy, so the write cannot "
+                f"reach the shard. Build the embedding with max_norm=None (and, if you need "
+                f"the bound, renormalise the rows yourself under torch.no_grad() in "
+                f"summon_full_params(), or clamp the looked-up vectors' norms in forward)")
 
 
 def _build_shard(params, locations, groups, policy: MixedPrecisionPolicy,
