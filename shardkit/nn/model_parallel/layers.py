@@ -30,7 +30,11 @@ Every layer communicates over the tensor-parallel group it was built in (``tp_gr
 keeps working after :func:`destroy_model_parallel` or a new :func:`initialize_model_parallel`;
 its parameters carry those groups (``model_parallel_groups``) for :func:`clip_grad_norm` and
 :func:`reduce_sequence_parallel_grads`. ``copy.deepcopy`` shares the groups.
-Inputs of the wrong width raise ``ValueError`` before any collective.
+Inputs of the wrong width raise ``ValueError`` before any collective; so do, at construction,
+sizes that are not ints >= 0, a ``padding_idx`` outside ``[-V, V)`` and (``TypeError``) flags
+that are not bools (``gather_output``, ``input_is_parallel``, ``sequence_parallel``,
+``skip_bias_add``: a string such as ``"no"`` would be truthy) or an ``init_method`` that is not
+callable.
 
 ``ColumnParallelLinear`` and ``RowParallelLinear`` take Megatron-LM's ``skip_bias_add``:
 ``forward`` then returns ``(output, bias)`` without adding the bias, for the caller to fuse the
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 from typing import Callable, Optional, Union
 
 import torch
@@ -237,7 +242,24 @@ def deepcopy_keeping_parameter_marks(module: nn.Module, memo: dict) -> nn.Module
     return clone
 
 
+def _check_size(what: str, value) -> None:
+    """Raise ``ValueError`` unless ``value`` is an integer >= 0 (a Python or NumPy int; torch's
+    layers accept 0 and fail on a negative size with a message that names no argument). No
+    communication."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{what}={value!r}; it must be an int >= 0")
+
+
+def _check_init_method(what: str, init_method) -> None:
+    """Raise ``TypeError`` unless ``init_method`` can be applied to the master weight (e.g.
+    ``torch.nn.init.xavier_normal_``, not its name). No communication."""
+    if not callable(init_method):
+        raise TypeError(f"{what}: init_method={init_method!r} is not callable; pass an in-place "
+                        f"initialiser such as torch.nn.init.xavier_normal_")
+
+
 def _check_divisible(what: str, value: int, tp_size: int, stride: int = 1) -> None:
+    _check_size(what, value)
     parts = tp_size * stride
     if value % parts:
         detail = (f"tensor-parallel size {tp_size}" if stride == 1
@@ -327,8 +349,12 @@ class ColumnParallelLinear(TensorParallelModule):
         super().__init__("ColumnParallelLinear")
         if not isinstance(stride, int) or stride < 1:
             raise ValueError(f"ColumnParallelLinear: stride={stride!r}; it must be an int >= 1")
-        _check_flag("ColumnParallelLinear", "skip_bias_add", skip_bias_add)
+        for name, flag in (("gather_output", gather_output), ("skip_bias_add", skip_bias_add),
+                           ("sequence_parallel", sequence_parallel)):
+            _check_flag("ColumnParallelLinear", name, flag)
+        _check_size("ColumnParallelLinear: in_features", in_features)
         _check_divisible("ColumnParallelLinear: out_features", out_features, self.tp_size, stride)
+        _check_init_method("ColumnParallelLinear", init_method)
         self._shard_dims = {"weight": (0, stride), "bias": (0, stride)}
         self.in_features, self.out_features = in_features, out_features
         self.output_size_per_partition = out_features // self.tp_size
@@ -420,8 +446,13 @@ class RowParallelLinear(TensorParallelModule):
         super().__init__("RowParallelLinear")
         if not isinstance(stride, int) or stride < 1:
             raise ValueError(f"RowParallelLinear: stride={stride!r}; it must be an int >= 1")
-        _check_flag("RowParallelLinear", "skip_bias_add", skip_bias_add)
+        for name, flag in (("input_is_parallel", input_is_parallel),
+                           ("skip_bias_add", skip_bias_add),
+                           ("sequence_parallel", sequence_parallel)):
+            _check_flag("RowParallelLinear", name, flag)
         _check_divisible("RowParallelLinear: in_features", in_features, self.tp_size, stride)
+        _check_size("RowParallelLinear: out_features", out_features)
+        _check_init_method("RowParallelLinear", init_method)
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs "
                              "input_is_parallel=True (the input must be the column-parallel "
@@ -510,8 +541,11 @@ class VocabParallelEmbedding(TensorParallelModule):
             # distort that row's frequency count
             raise ValueError("VocabParallelEmbedding: scale_grad_by_freq=True is not supported; "
                              "use scale_grad_by_freq=False")
+        _check_flag("VocabParallelEmbedding", "sequence_parallel", sequence_parallel)
         _check_divisible("VocabParallelEmbedding: num_embeddings (vocabulary)", num_embeddings,
                          self.tp_size)
+        _check_size("VocabParallelEmbedding: embedding_dim", embedding_dim)
+        _check_init_method("VocabParallelEmbedding", init_method)
         if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
             raise ValueError(f"VocabParallelEmbedding: padding_idx={padding_idx} is outside "
                              f"[-{num_embeddings}, {num_embeddings})")
@@ -597,17 +631,23 @@ class ParallelEmbedding(TensorParallelModule):
                  init_method: InitMethod = nn.init.xavier_normal_,
                  keep_master_weight_for_test: bool = False):
         super().__init__("ParallelEmbedding")
+        _check_size("ParallelEmbedding: num_embeddings", num_embeddings)
         _check_divisible("ParallelEmbedding: embedding_dim", embedding_dim, self.tp_size)
+        _check_init_method("ParallelEmbedding", init_method)
+        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+            raise ValueError(f"ParallelEmbedding: padding_idx={padding_idx} is outside "
+                             f"[-{num_embeddings}, {num_embeddings})")
         if max_norm is not None and not (norm_type > 0):
             raise ValueError(f"ParallelEmbedding: norm_type={norm_type} with max_norm is not "
                              f"supported; use a positive norm_type (or math.inf)")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.padding_idx = padding_idx
+        # non-negative, as nn.Embedding stores it
+        self.padding_idx = padding_idx % num_embeddings if padding_idx is not None else None
         self.max_norm, self.norm_type = max_norm, norm_type
         self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
         master = _master((num_embeddings, embedding_dim), init_method)
-        if padding_idx is not None:
-            master[padding_idx].zero_()
+        if self.padding_idx is not None:
+            master[self.padding_idx].zero_()
         self.weight = self._param_from_master("weight", master)
         self.master_weight = master if keep_master_weight_for_test else None
 
