@@ -2,8 +2,8 @@
 
 Small models with what real ones have (BatchNorm running statistics and its int counter, a
 residual add, a tied input/output embedding, ``nn.MultiheadAttention``'s packed in-projection, a
-0-dim learned temperature, a transposed (non-contiguous) parameter, a Hugging Face BERT masked
-LM) train for 3 steps under torch DDP + OSS, ShardedDataParallel + OSS, FullyShardedDataParallel
+0-dim learned temperature, a transposed (non-contiguous) parameter, an LSTM that calls
+``flatten_parameters()`` in forward, a Hugging Face BERT masked LM) train for 3 steps under torch DDP + OSS, ShardedDataParallel + OSS, FullyShardedDataParallel
 (size and class auto-wrap policies, activation checkpointing) and ``shardkit.initialize`` stages
 0 and 3, each rank on its own slice of the global batch. After every step each rank compares its
 loss, every parameter and every persistent buffer with the reference; at the end, the
@@ -97,6 +97,22 @@ class TiedTransformer(nn.Module):
         return self.out(h)
 
 
+class LSTMLanguageModel(nn.Module):
+    """An embedding, a 2-layer LSTM whose forward calls ``flatten_parameters()`` (what RNN code
+    does for cuDNN) and an output head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.rnn = nn.LSTM(D, D, num_layers=2, batch_first=True)
+        self.out = nn.Linear(D, VOCAB)
+
+    def forward(self, x):
+        self.rnn.flatten_parameters()
+        h, _ = self.rnn(self.emb(x))
+        return self.out(h)
+
+
 def _bert():
     import transformers
     cfg = transformers.BertConfig(vocab_size=VOCAB + 4, hidden_size=D, num_hidden_layers=2,
@@ -143,6 +159,7 @@ MODELS = {
     "resnet_batchnorm": (SmallResNet, _image_batch, lambda: ResBlock, ("layers.0", "layers.1")),
     "tied_transformer": (TiedTransformer, _token_batch, lambda: nn.TransformerEncoderLayer,
                          ("blocks.0", "blocks.1")),
+    "lstm_lm": (LSTMLanguageModel, _token_batch, lambda: nn.LSTM, ()),
     "hf_bert_mlm": (_bert, _token_batch, _bert_layer,
                     ("bert.encoder.layer.0", "bert.encoder.layer.1")),
 }
@@ -293,6 +310,9 @@ ZOO_WORLD2 = [
     ("tied_transformer", "fsdp_checkpoint", "sgd"),
     ("hf_bert_mlm", "fsdp_class", "sgd"),
     ("hf_bert_mlm", "zero3", "sgd"),
+    # the LSTM is a unit: its forward's flatten_parameters() used to meet FSDP's bool flag
+    # ("'bool' object is not callable")
+    ("lstm_lm", "fsdp_size", "sgd"),
 ]
 ZOO_WORLD4 = [
     ("temperature_transposed", "ddp_oss", "sgd"),

@@ -382,6 +382,11 @@ def _errors():
         offloaded = FSDP(nn.Linear(4, 4), cpu_offload=True)
     out["cpu_offload_warns"] = any(issubclass(w.category, DeprecationWarning) for w in caught)
     out["cpu_offload_sets"] = offloaded.move_params_to_cpu and offloaded.move_grads_to_cpu
+    # FairScale's flag reads back as given, except on a wrapped RNN, whose own
+    # flatten_parameters() (called in RNN forwards) becomes a no-op
+    out["flatten_flag"] = (FSDP(nn.Linear(4, 4), flatten_parameters=False).flatten_parameters,
+                           FSDP(nn.Linear(4, 4)).flatten_parameters,
+                           FSDP(nn.GRU(4, 4)).flatten_parameters())
     return out
 
 
@@ -457,3 +462,4 @@ def test_fairscale_arguments(world2):
                      "state_dict_device", "verbose", "process_group_reduce_scatter"):
             assert r[name] != "accepted" and name in r[name], (name, r[name])
         assert r["cpu_offload_warns"] and r["cpu_offload_sets"], r
+        assert r["flatten_flag"] == (False, True, None), r

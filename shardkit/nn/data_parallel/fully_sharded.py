@@ -425,6 +425,21 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         """The wrapped module."""
         return self._fsdp_wrapped_module
 
+    @property
+    def flatten_parameters(self):
+        """FairScale's flag (a bool; a unit is always one flat buffer here). Where the wrapped
+        module has a method of this name (torch's RNNs: cuDNN's weight packing, which RNN code
+        calls in ``forward``), that call instead, as a no-op: the unit owns its weights'
+        storage (views of the gathered buffer) and cuDNN's repacking would move them out."""
+        own = getattr(type(self._fsdp_wrapped_module), "flatten_parameters", None)
+        if callable(own):
+            return _keep_unit_storage
+        return self._flatten_parameters_flag
+
+    @flatten_parameters.setter
+    def flatten_parameters(self, value: bool) -> None:
+        self._flatten_parameters_flag = value
+
     def __getattr__(self, name: str):
         return attribute_through(self, name, "_fsdp_wrapped_module")
 
@@ -1316,6 +1331,10 @@ def _refuse_batchnorm_with_other_buffer_dtype(module: nn.Module,
                 f"layers their own full-precision units first (model = auto_wrap_bn(model), "
                 f"FairScale's way), or leave buffer_dtype unset (statistics in "
                 f"{policy.param_dtype})")
+
+
+def _keep_unit_storage() -> None:
+    """What ``unit.flatten_parameters()`` runs for a wrapped RNN: nothing (see the property)."""
 
 
 def _refuse_embedding_max_norm(module: nn.Module) -> None:
