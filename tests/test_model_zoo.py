@@ -3,12 +3,13 @@
 Small models with what real ones have (BatchNorm running statistics and its int counter, a
 residual add, a tied input/output embedding, ``nn.MultiheadAttention``'s packed in-projection, a
 0-dim learned temperature, a transposed (non-contiguous) parameter, an LSTM that calls
-``flatten_parameters()`` in forward, a Hugging Face BERT masked LM) train for 3 steps under torch DDP + OSS, ShardedDataParallel + OSS, FullyShardedDataParallel
-(size and class auto-wrap policies, activation checkpointing) and ``shardkit.initialize`` stages
-0 and 3, each rank on its own slice of the global batch. After every step each rank compares its
-loss, every parameter and every persistent buffer with the reference; at the end, the
-state_dict's keys and shapes with the unwrapped model's, and checks that the discarded wrapper
-and model are collected. One world per size for the module.
+``flatten_parameters()`` in forward, a Hugging Face BERT masked LM) train for 3 steps under
+torch DDP + OSS, ShardedDataParallel + OSS, FullyShardedDataParallel (size and class auto-wrap
+policies, activation checkpointing) and ``shardkit.initialize`` stages 0 and 3, each rank on
+its own slice of the global batch. After every step each rank compares its loss, every
+parameter and every persistent buffer with the reference; at the end, the state_dict's keys and
+shapes with the unwrapped model's, and checks that the discarded wrapper and model are
+collected. One world per size for the module.
 
 Reference: the single-process model runs the slices one after another and steps once on the mean
 loss, which is the global-batch step for every sample-independent layer; BatchNorm's running
