@@ -31,6 +31,11 @@ whose gradients hold inf/nan is skipped under fp16, and under bf16 unless
 ``bf16.check_grad_overflow`` is false (DeepSpeed's default, true); the decision is all-reduced
 (one element) so every rank skips together.
 
+A model built from ``shardkit.nn.model_parallel`` layers trains through ``mpu=`` (DeepSpeed's
+model-parallel unit): the table's wrappers then run over the data-parallel group, N is its size,
+and the tensor-parallel ranks add one one-element all-reduce a step for the gradient norm
+(:func:`initialize`).
+
 Usage::
 
     engine, optimizer, _, scheduler = shardkit.initialize(model=model, config="ds_config.json")
@@ -56,9 +61,10 @@ import torch.nn as nn
 
 from shardkit import distributed
 from shardkit.config import ConfigError, EngineConfig, load_config
+from shardkit.model_parallel_unit import (ModelParallelGroups, checkpoint_location,
+                                          model_parallel_groups, mp_rank_name, write_latest)
 from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
 from shardkit.recipes import Composition, OptimizerRecipe, compose, why_not_steppable_on_shards
-from shardkit.utils.grad_norm import tensor_parallel_groups
 from shardkit.utils.wrapped_attributes import attribute_through
 
 __all__ = ["initialize", "ShardedEngine"]
@@ -182,10 +188,12 @@ def _is_scheduler_instance(lr_scheduler) -> bool:
 
 
 def compose_from_config(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineConfig,
-                        wrap_policy: Optional[Callable] = None) -> Composition:
+                        wrap_policy: Optional[Callable] = None,
+                        process_group=None) -> Composition:
     """The stage's wrappers, built by :func:`shardkit.recipes.compose` from the config's
-    choices. DeepSpeed counts ``reduce_bucket_size`` in elements; ShardedDataParallel's bucket
-    is in bytes of the (fp32) gradients, so the size is converted here, once."""
+    choices, over ``process_group`` (the data-parallel group; ``None``: the world). DeepSpeed
+    counts ``reduce_bucket_size`` in elements; ShardedDataParallel's bucket is in bytes of the
+    (fp32) gradients, so the size is converted here, once."""
     zero = cfg.zero
     kwargs: dict = {}
     if zero.stage in (0, 1):
@@ -205,7 +213,8 @@ def compose_from_config(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineCo
         kwargs["reduce_dtype"] = _HALF_DTYPES[cfg.communication_dtype]
     # The engine counts no torch-DDP traffic of its own: users wrap steps in CommCounter
     # to see what the wrappers send, as they would without the engine.
-    return compose(model, zero.stage, recipe, count_ddp_comm=False, **kwargs)
+    return compose(model, zero.stage, recipe, count_ddp_comm=False, process_group=process_group,
+                   **kwargs)
 
 
 # ----------------------------------------------------------------------------- engine
@@ -234,16 +243,18 @@ class ShardedEngine(nn.Module):
     ``get_lr()``, ``get_mom()``, ``get_global_grad_norm()``, ``was_step_applied()``,
     ``fp16_enabled()``, ``bfloat16_enabled()``, ``steps_per_print()``, ``loss_scale``,
     ``global_samples``, ``global_rank``, ``local_rank``, ``world_size``, ``dp_world_size``,
-    ``device``; and ``no_sync()``, ``set_gradient_accumulation_boundary()``,
+    ``mp_world_size``, ``device``; and ``no_sync()``, ``set_gradient_accumulation_boundary()``,
     ``save_fp16_model()`` (the older name of ``save_16bit_model``).
     """
 
     def __init__(self, model: nn.Module, composition: Composition, cfg: EngineConfig,
                  lr_scheduler=None, state_names: Optional[list] = None,
                  trainable_param_names: Optional[list] = None,
-                 frozen_param_names: Optional[list] = None):
+                 frozen_param_names: Optional[list] = None,
+                 model_parallel: Optional[ModelParallelGroups] = None):
         super().__init__()
         self.module = model
+        self.model_parallel = model_parallel
         # Names of the unwrapped model, recorded before wrapping (FSDP renames and flattens).
         self._state_names = list(state_names or model.state_dict().keys())
         trainable, frozen = _names_by_trainability(model)
@@ -310,7 +321,13 @@ class ShardedEngine(nn.Module):
 
     def module_state_dict(self) -> dict:
         """The unwrapped model's full fp32 ``state_dict`` (stage 3: gathered by FSDP, a
-        collective on every rank; memory: the full model on each rank)."""
+        collective on every rank; memory: the full model on each rank). Under tensor
+        parallelism the unsplit model's (:func:`shardkit.nn.model_parallel.full_state.
+        full_model_state_dict`: one all-gather per split parameter over the tensor-parallel
+        group, on every rank)."""
+        if self.model_parallel is not None:
+            from shardkit.nn.model_parallel.full_state import full_model_state_dict
+            return full_model_state_dict(self.wrapped if self.zero_stage == 3 else self.module)
         if self.zero_stage == 3:
             return self.wrapped.state_dict()
         return self.module.state_dict()
@@ -371,8 +388,23 @@ class ShardedEngine(nn.Module):
 
     @property
     def dp_world_size(self) -> int:
-        """Ranks the batch is split over (every rank: the engine runs data parallelism)."""
+        """Ranks the batch is split over: the data-parallel group's (every rank without
+        tensor parallelism)."""
+        if self.model_parallel is not None:
+            return self.model_parallel.data_size
         return distributed.get_world_size()
+
+    @property
+    def checkpoint_group(self):
+        """The ranks that write one checkpoint directory together: the data-parallel group
+        under tensor parallelism (each tensor-parallel rank's slices go to ``TAG/mp_rank_XX``),
+        ``None`` (the world) otherwise."""
+        return None if self.model_parallel is None else self.model_parallel.data_group
+
+    @property
+    def mp_world_size(self) -> int:
+        """Ranks that split each tensor-parallel layer (1 without tensor parallelism)."""
+        return 1 if self.model_parallel is None else self.model_parallel.tensor_size
 
     def fp16_enabled(self) -> bool:
         """Whether the config's ``fp16.enabled`` runs the model in fp16 with loss scaling."""
@@ -585,11 +617,12 @@ class ShardedEngine(nn.Module):
     # -- checkpoints
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's export: the unwrapped model's full ``state_dict`` (gathered at stage 3),
-        floating tensors in the compute dtype (fp16/bf16; fp32 without mixed precision), written
-        by rank 0 to ``save_dir/save_filename`` through a temporary file renamed into place, so
-        a crash leaves no partial file; a failure to write raises ``RuntimeError`` on every
-        rank. ``exclude_frozen_parameters`` drops parameters that do not require grad.
+        """DeepSpeed's export: the unwrapped model's full ``state_dict`` (gathered at stage 3;
+        under tensor parallelism the unsplit model's, see :meth:`module_state_dict`), floating
+        tensors in the compute dtype (fp16/bf16; fp32 without mixed precision), written by rank
+        0 to ``save_dir/save_filename`` through a temporary file renamed into place, so a crash
+        leaves no partial file; a failure to write raises ``RuntimeError`` on every rank.
+        ``exclude_frozen_parameters`` drops parameters that do not require grad.
         Collective (every rank calls it). Memory: the full model on each rank at stage 3 (rank 0
         elsewhere); communication: stage 3's gather of every unit, plus one small broadcast."""
         if not isinstance(save_filename, str) or not save_filename or os.sep in save_filename:
@@ -645,13 +678,45 @@ class ShardedEngine(nn.Module):
         from shardkit.checkpoint.engine_state import save_engine_checkpoint
         self.wait_for_checkpoint()
         tag = None if tag is None else str(tag)  # DeepSpeed's: an epoch or a loss names a tag
+        if self.model_parallel is not None and async_save:
+            raise ValueError(
+                f"engine.save_checkpoint(async_save=True): not with tensor parallelism "
+                f"(tensor-parallel size {self.mp_world_size}); save with async_save=False")
         self._validate_tag(tag, client_state)
+        if self.model_parallel is not None:
+            return self._save_tensor_parallel_checkpoint(save_dir, tag, client_state,
+                                                         save_latest)
         result = save_engine_checkpoint(self, save_dir, tag, client_state, save_latest,
                                         async_save=async_save)
         if not async_save:
             return result
         self._pending_save = result
         return result.path
+
+    def _save_tensor_parallel_checkpoint(self, save_dir: str, tag: Optional[str],
+                                         client_state, save_latest: bool) -> str:
+        """Each tensor-parallel rank's data-parallel group writes a complete resharding
+        checkpoint of its slices into ``save_dir/TAG/mp_rank_XX`` (as DeepSpeed's
+        ``mp_rank_XX`` files); once every group has committed (one more one-element
+        all-reduce over the world), rank 0 points ``save_dir/latest`` at ``TAG``. A failure in
+        any group raises :class:`CheckpointError` on every rank and leaves ``latest`` as it
+        was."""
+        from shardkit.checkpoint import CheckpointError
+        from shardkit.checkpoint.engine_state import save_engine_checkpoint
+        tag = f"global_step{self.global_steps}" if tag is None else tag
+        path, error = os.path.join(save_dir, tag), None
+        try:
+            save_engine_checkpoint(self, path, mp_rank_name(self.model_parallel.tensor_rank),
+                                   client_state, save_latest=False)
+        except Exception as e:  # the other groups must learn of it rather than go on
+            error = e
+        if error is None and save_latest and distributed.get_rank() == 0:
+            error = write_latest(save_dir, tag)
+        if distributed.any_rank(error is not None):
+            raise CheckpointError(f"save_checkpoint({save_dir!r}, tag={tag!r}) failed"
+                                  f"{f': {error}' if error else ' on another rank'}; "
+                                  f"'latest' still names the previous checkpoint") from error
+        return path
 
     def _validate_tag(self, tag: Optional[str], client_state=None) -> None:
         """What every rank must agree on before a save writes anything: rank 0's
@@ -714,6 +779,7 @@ class ShardedEngine(nn.Module):
                 f"shardkit.initialize")
         self.wait_for_checkpoint()
         tag = None if tag is None else str(tag)
+        load_dir, tag = checkpoint_location(load_dir, tag, self.model_parallel)
         kept = self._training_position() if load_module_only else None
         result = load_engine_checkpoint(self, load_dir, tag,
                                         load_optimizer_states=load_optimizer_states
@@ -845,9 +911,25 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
             config ``scheduler`` section.
         config: a dict or the path of a JSON file (``config_params`` is an alias; without
             either, ``args.deepspeed_config`` is used as DeepSpeed does; both is an error).
-        args, dist_init_required, collate_fn: DeepSpeed's; ``mpu`` is refused, and so is a
-            model with tensor-parallel layers split over several ranks
-            (:func:`_refuse_tensor_parallel_layers`).
+        args, dist_init_required, collate_fn: DeepSpeed's.
+        mpu: DeepSpeed's model-parallel unit for a model built from
+            ``shardkit.nn.model_parallel`` layers (or Megatron-style ones marking their split
+            weights ``tensor_model_parallel``): any object with the methods of
+            :data:`shardkit.model_parallel_unit.MPU_METHODS`, e.g. the module
+            ``shardkit.nn.model_parallel.initialize`` after
+            ``initialize_model_parallel(tp)``. ``None`` with such a model uses the groups its
+            layers were built with. The stage's wrappers then run over the data-parallel group
+            only (initial weights broadcast from its rank 0, never across tensor-parallel
+            ranks, which hold other slices); ``train_batch_size`` counts data-parallel ranks;
+            the dataloader gives every tensor-parallel rank of a replica the same batch;
+            ``gradient_clipping`` uses the unsplit model's norm (each slice and each
+            replicated weight counted once); the fp16/bf16 skip decision is agreed over every
+            rank; checkpoints keep each tensor-parallel rank's slices in ``TAG/mp_rank_XX``.
+            It costs nothing beyond the layers' own collectives and, per step, one all-reduce
+            of one element over the tensor-parallel group for the norm (the overflow flag is
+            all-reduced over the world, as without ``mpu``). Pipeline-parallel sizes above 1,
+            an ``mpu`` missing a method or disagreeing with the layers' groups are a
+            :class:`~shardkit.config.ConfigError` before any collective.
         distributed_port: DeepSpeed's: the rendezvous port (``MASTER_PORT``) when this call
             starts the process group under a launcher that did not set one.
         peer_timeout_s: seconds without a peer's heartbeat before every surviving rank exits
@@ -873,13 +955,10 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     .. warning:: collective: call it on every rank, with the same config.
     """
     config = _config_source(config, config_params, args)
-    if mpu is not None:
-        raise ConfigError("initialize(mpu=...): model-parallel units are not supported by the "
-                          "front end; compose shardkit.nn.model_parallel yourself")
-    world = _data_parallel_world_size()
+    parallel = model_parallel_groups(model, mpu) if isinstance(model, nn.Module) else None
+    world = parallel.data_size if parallel is not None else _data_parallel_world_size()
     cfg = load_config(config, world)
     _check_arguments(model, optimizer, lr_scheduler, cfg)
-    _refuse_tensor_parallel_layers(model, world)
     if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
         raise TypeError(f"initialize(resume_from={resume_from!r}): expected a directory path")
     if distributed_port is not None and (isinstance(distributed_port, bool) or not isinstance(
@@ -902,33 +981,16 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     _check_scheduler_lists(cfg, recipe)
     state_names = list(model.state_dict().keys())
     trainable, frozen = _names_by_trainability(model)  # before wrapping renames them
-    composition = compose_from_config(model, recipe, cfg, wrap_policy)
+    composition = compose_from_config(model, recipe, cfg, wrap_policy,
+                                      None if parallel is None else parallel.data_group)
     scheduler = _build_scheduler(cfg, lr_scheduler, composition.optimizer)
-    engine = ShardedEngine(model, composition, cfg, scheduler, state_names, trainable, frozen)
-    loader = _data_loader(training_data, cfg, collate_fn) if training_data is not None else None
+    engine = ShardedEngine(model, composition, cfg, scheduler, state_names, trainable, frozen,
+                           parallel)
+    loader = None if training_data is None else \
+        _data_loader(training_data, cfg, collate_fn, parallel)
     if resume_from is not None:
         _resume(engine, os.fspath(resume_from))
     return engine, composition.optimizer, loader, scheduler
-
-
-def _refuse_tensor_parallel_layers(model: nn.Module, world: int) -> None:
-    """:class:`ConfigError` for a model built from ``shardkit.nn.model_parallel`` layers split
-    over more than one rank. The engine runs data parallelism over the whole world: its wrappers
-    would broadcast and average the different slices the tensor-parallel ranks hold, and
-    ``gradient_clipping`` would clip by the norm of that mixture. Local, before any collective."""
-    groups = tensor_parallel_groups(model.parameters(), "initialize(model=...)")
-    if groups is None:
-        return
-    split = next(name for name, p in model.named_parameters()
-                 if getattr(p, "tensor_model_parallel", False))
-    raise ConfigError(
-        f"initialize(model=...): the model has tensor-parallel layers ({split!r} is split over "
-        f"tensor-parallel ranks {list(groups.tensor_ranks)}), but the engine runs data "
-        f"parallelism over all {world} ranks and would mix the slices "
-        f"those ranks hold (and clip by the norm of that mixture); compose OSS, "
-        f"ShardedDataParallel or FullyShardedDataParallel over "
-        f"shardkit.nn.model_parallel.get_data_parallel_group() yourself: their clipping counts "
-        f"each slice once")
 
 
 def _config_source(config, config_params, args):
@@ -998,9 +1060,13 @@ def _build_scheduler(cfg: EngineConfig, lr_scheduler, optimizer):
     return lr_scheduler
 
 
-def _data_loader(dataset, cfg: EngineConfig, collate_fn):
+def _data_loader(dataset, cfg: EngineConfig, collate_fn,
+                 parallel: Optional[ModelParallelGroups] = None):
+    """The micro-batch loader over this rank's share of ``dataset``: split over the
+    data-parallel ranks, so the tensor-parallel ranks of one replica read the same samples."""
     from torch.utils.data import DataLoader, DistributedSampler
-    sampler = DistributedSampler(dataset, num_replicas=distributed.get_world_size(),
-                                 rank=distributed.get_rank())
+    replicas, index = ((distributed.get_world_size(), distributed.get_rank()) if parallel is None
+                       else (parallel.data_size, parallel.data_rank))
+    sampler = DistributedSampler(dataset, num_replicas=replicas, rank=index)
     return DataLoader(dataset, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
                       collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)

@@ -371,7 +371,14 @@ def _stage0(model, recipe, process_group, count_comm, psi, reduce_dtype,
 
 def _clip_replicated(params: list, max_norm: float) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` over gradients every rank holds in full; ``max_norm=inf``
-    only measures (no pass that multiplies by 1)."""
+    only measures (no pass that multiplies by 1). With tensor-parallel layers (DDP over the
+    data-parallel group) the norm is the unsplit model's, each slice and each replicated
+    weight counted once (:func:`shardkit.nn.model_parallel.clip_grad_norm`: one more
+    all-reduce of one element, over the tensor-parallel group)."""
+    from shardkit.utils.grad_norm import tensor_parallel_groups
+    if tensor_parallel_groups(params, "compose(stage=0) clipping") is not None:
+        from shardkit.nn.model_parallel import clip_grad_norm
+        return clip_grad_norm(params, max_norm)
     if math.isinf(max_norm):
         return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     return torch.nn.utils.clip_grad_norm_(params, max_norm)

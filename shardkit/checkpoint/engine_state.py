@@ -64,11 +64,20 @@ def save_engine_checkpoint(engine, save_dir: str, tag: Optional[str],
         error = e
     if not async_save:
         return commit_checkpoint(save_dir, tag, shard, metadata, payload, save_latest,
+                                 group=getattr(engine, "checkpoint_group", None),
                                  prepare_error=error)
     from shardkit.checkpoint.async_save import AsyncSave, checkpoint_group
     group = checkpoint_group()
     return AsyncSave(os.path.join(save_dir, tag), lambda: commit_checkpoint(
         save_dir, tag, shard, metadata, payload, save_latest, group=group, prepare_error=error))
+
+
+def _rank_and_world(engine) -> tuple[int, int]:
+    """This rank's index among the ranks writing one checkpoint, and their number: the
+    engine's ``checkpoint_group`` (its data-parallel group under tensor parallelism, whose
+    slices each tensor-parallel rank writes apart), else the world. Local."""
+    group = getattr(engine, "checkpoint_group", None)
+    return distributed.get_rank(group), distributed.get_world_size(group)
 
 
 def _checkpoint_parts(engine, tag: str, client_state: Optional[dict]):
@@ -81,10 +90,11 @@ def _checkpoint_parts(engine, tag: str, client_state: Optional[dict]):
         (shard, groups), row_sharded = _replicated_param_shard(engine), {}
     shard.optim = plain_numbers(shard.optim)
     shard.rng = rng_state()
-    if distributed.get_rank() != 0:
+    rank, world = _rank_and_world(engine)
+    if rank != 0:
         return shard, None, None
     metadata = {
-        "format": FORMAT, "tag": tag, "world_size": distributed.get_world_size(),
+        "format": FORMAT, "tag": tag, "world_size": world,
         "zero_stage": engine.zero_stage, "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps,
         "param_names": sorted(engine.module_state_names()),
@@ -112,7 +122,7 @@ def _owner_of(engine):
     split of the model's parameters (identical on every rank)."""
     param_to_rank = getattr(engine.optimizer, "param_to_rank", None)
     params = [p for _, p in engine.module.named_parameters()]
-    fallback = ParameterPartition.balanced([params], distributed.get_world_size())
+    fallback = ParameterPartition.balanced([params], _rank_and_world(engine)[1])
     if param_to_rank is None:
         return fallback.owner
     return lambda p: param_to_rank[p] if p in param_to_rank else fallback.owner(p)
@@ -126,7 +136,7 @@ def _local_optimizer_state(engine, param) -> Optional[dict]:
 
 
 def _replicated_param_shard(engine):
-    rank = distributed.get_rank()
+    rank = _rank_and_world(engine)[0]
     owner = _owner_of(engine)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     shard = RankShard()
@@ -153,7 +163,7 @@ def _row_sharded_shard(engine):
     local = engine.wrapped.local_state_dict()
     shapes = {name: list(shape)
               for name, shape in engine.wrapped.local_metadata_dict()["shapes"].items()}
-    rank = distributed.get_rank()
+    rank = _rank_and_world(engine)[0]
     shard = RankShard()
     for name, value in local.items():
         if name in shapes:
@@ -222,7 +232,7 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     engine.skipped_steps = int(ckpt.metadata.get("skipped_steps", 0))
     engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
     saved_world = ckpt.metadata["world_size"]
-    set_rng_state(ckpt.rng_by_rank[distributed.get_rank() % saved_world])
+    set_rng_state(ckpt.rng_by_rank[_rank_and_world(engine)[0] % saved_world])
     return ckpt.path, ckpt.engine["client_state"]
 
 
@@ -286,7 +296,7 @@ def _optimizer_state_kept_here(engine):
     param_to_rank = getattr(engine.optimizer, "param_to_rank", None)
     if engine.zero_stage == 3 or param_to_rank is None:
         return None
-    rank = distributed.get_rank()
+    rank = _rank_and_world(engine)[0]
     owned = {name for name, p in engine.module.named_parameters()
              if param_to_rank.get(p, rank) == rank}
     return owned.__contains__

@@ -152,7 +152,7 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     :class:`CheckpointError` on every rank if any rank failed; ``latest`` is then untouched.
     """
     check_tag(tag)
-    rank = distributed.get_rank()
+    rank = distributed.get_rank(group)  # files are numbered within the group that writes them
     final = os.path.join(save_dir, tag)
     staging = os.path.join(save_dir, f".tmp-{tag}")
     error = prepare_error
@@ -245,7 +245,7 @@ def _agree_or_raise(error: Optional[BaseException], what: str, staging: str,
                     group=None) -> None:
     if not distributed.any_rank(error is not None, group, device=agreement_device(group)):
         return
-    if distributed.get_rank() == 0:
+    if distributed.get_rank(group) == 0:
         shutil.rmtree(staging, ignore_errors=True)
     distributed.barrier(group)  # every rank raises only once the staging directory is gone
     detail = f": {type(error).__name__}: {error}" if error is not None else \
