@@ -87,7 +87,20 @@ def _optimizer_recipe(cfg: EngineConfig, optimizer, model_parameters, model) -> 
         params = model_parameters if model_parameters is not None else \
             [p for p in model.parameters() if p.requires_grad]
         optimizer = optimizer(params)
+        if cfg.zero.stage == 3 and optimizer.state:
+            return _recipe_rebuilt_on_shards(optimizer)
     return OptimizerRecipe.of(optimizer)
+
+
+def _recipe_rebuilt_on_shards(optimizer: torch.optim.Optimizer) -> OptimizerRecipe:
+    """Stage 3, an optimizer made by the caller's ``callable(params)`` that built state in its
+    constructor (Adagrad's sums, full-size): its class, hyper-parameters and param groups
+    without the instance, so it is built again over FSDP's shards (the same ``Parameter``
+    objects, cut in place) and its state is shard-sized. The caller never held the first
+    instance; its full-size state is dropped."""
+    recipe = OptimizerRecipe.of(optimizer)
+    groups = [dict(group) for group in optimizer.param_groups]
+    return OptimizerRecipe(recipe.cls, recipe.defaults, groups)
 
 
 def _check_arguments(model, optimizer, lr_scheduler, cfg: EngineConfig) -> None:

@@ -630,6 +630,28 @@ def test_stage3_refuses_an_optimizer_with_state(world2):
         assert "already holds state for 2 parameters" in error and calls == 0, error
 
 
+def _eager_state_optimizer_from_a_callable(stage):
+    """Adagrad builds its state in its constructor: given as a callable, it trains at every
+    stage like one process (stage 3 used to refuse it: "already holds state")."""
+    world = distributed.get_world_size()
+    torch.manual_seed(2)
+    batches = [(torch.randn(4 * world, 4), torch.randn(4 * world, 2)) for _ in range(3)]
+    model, reference = _mlp(), _mlp()
+    engine, optimizer, _, _ = shardkit.initialize(
+        model=model, optimizer=lambda params: torch.optim.Adagrad(params, lr=0.1),
+        config={"train_batch_size": 4 * world, "zero_optimization": {"stage": stage}})
+    ref_opt = torch.optim.Adagrad(reference.parameters(), lr=0.1)
+    _train_beside_reference(engine, reference, ref_opt, batches)
+    full = engine.module_state_dict()
+    return max((full[n] - p).abs().max().item() for n, p in reference.named_parameters())
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_optimizer_with_eager_state_from_a_callable(world2, stage):
+    for worst in world2.run(_eager_state_optimizer_from_a_callable, stage):
+        assert worst < 1e-6, worst
+
+
 class _WithUnusedHead(torch.nn.Module):
     """A model whose forward leaves a parameter unused (a pooler, a second head)."""
 
