@@ -366,6 +366,9 @@ class EngineConfig:
     # communication_data_type: "fp16" / "bf16" reduce the gradients in 16 bits; None: fp32
     communication_dtype: Optional[str] = None
     raw: Mapping[str, Any] = field(default_factory=dict)
+    # every section and key of SCHEMA, checked, with DeepSpeed's defaults filled in (what the
+    # engine's DeepSpeed accessors, e.g. zero_overlap_comm(), report)
+    checked: Mapping[str, Any] = field(default_factory=dict)
     warnings: tuple = ()
     dataloader_drop_last: bool = False
     checkpoint_tag_validation: str = "warn"  # "warn", "ignore" or "fail"
@@ -403,7 +406,8 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
         zero=zero, precision=precision,
         gradient_clipping=float(checked["gradient_clipping"]),
         steps_per_print=checked["steps_per_print"], communication_dtype=comm_dtype, raw=raw,
-        warnings=tuple(notes), dataloader_drop_last=checked["dataloader_drop_last"],
+        checked=checked, warnings=tuple(notes),
+        dataloader_drop_last=checked["dataloader_drop_last"],
         checkpoint_tag_validation=checked["checkpoint"]["tag_validation"].lower())
 
 

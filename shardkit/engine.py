@@ -61,6 +61,7 @@ import torch.nn as nn
 
 from shardkit import distributed
 from shardkit.config import ConfigError, EngineConfig, load_config
+from shardkit.engine_accessors import DeepSpeedAccessors
 from shardkit.model_parallel_unit import (ModelParallelGroups, checkpoint_location,
                                           model_parallel_groups, mp_rank_name, write_latest)
 from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
@@ -233,7 +234,7 @@ def compose_from_config(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineCo
 # ----------------------------------------------------------------------------- engine
 
 
-class ShardedEngine(nn.Module):
+class ShardedEngine(DeepSpeedAccessors, nn.Module):
     """The object ``initialize`` returns: call it, ``backward`` the loss, ``step``.
 
     Gradient accumulation: ``backward`` divides the loss by ``gradient_accumulation_steps``
@@ -283,6 +284,8 @@ class ShardedEngine(nn.Module):
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        # samples and steps before the last set_train_batch_size (global_samples counts on)
+        self._samples_before_resize = self._steps_before_resize = 0
         self._autocast_dtype = _HALF_DTYPES.get(cfg.precision.dtype)
         self._device_type = next(model.parameters()).device.type
         # the losses since the last log line, summed on their device: read (one host sync)
@@ -376,8 +379,10 @@ class ShardedEngine(nn.Module):
 
     @property
     def global_samples(self) -> int:
-        """Samples consumed by the optimizer steps taken: ``global_steps x train_batch_size``."""
-        return self.global_steps * self.config.train_batch_size
+        """Samples consumed by the optimizer steps taken: ``global_steps x train_batch_size``
+        (each step at the batch size it ran with, after ``set_train_batch_size``)."""
+        return self._samples_before_resize + \
+            (self.global_steps - self._steps_before_resize) * self.config.train_batch_size
 
     @property
     def global_rank(self) -> int:
@@ -801,6 +806,8 @@ class ShardedEngine(nn.Module):
                                         and not load_module_only)
         if kept is not None:
             self._restore_training_position(kept)
+        else:  # the loaded steps count at this run's batch size
+            self._samples_before_resize = self._steps_before_resize = 0
         return result
 
     def _training_position(self) -> dict:

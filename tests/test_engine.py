@@ -444,6 +444,71 @@ def _accessors_and_manual_boundary(stage):
             "counting": counting, "bad": bad, "local": local}
 
 
+def _deepspeed_config_accessors_and_batch_setters():
+    """DeepSpeed's config accessors report the config with DeepSpeed's defaults; the batch-size
+    setters change the accumulation (or micro-batch) as DeepSpeed does and global_samples
+    counts each step at the batch it ran with."""
+    world = distributed.get_world_size()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
+              "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 3},
+              "zero_optimization": {"stage": 2, "overlap_comm": True,
+                                    "offload_optimizer": {"device": "cpu"}}}
+    engine, _, _, _ = shardkit.initialize(model=torch.nn.Linear(4, 1), config=config)
+    report = {
+        "names": (engine.optimizer_name(), engine.optimizer_params(), engine.scheduler_name(),
+                  engine.scheduler_params()),
+        "zero": (engine.zero_optimization_partition_gradients(),
+                 engine.zero_optimization_partition_weights(), engine.zero_overlap_comm(),
+                 engine.zero_contiguous_gradients(), engine.zero_reduce_bucket_size(),
+                 engine.zero_cpu_offload(), engine.zero_offload_optimizer()["device"],
+                 engine.zero_offload_param()),
+        "scale": (engine.dynamic_loss_scale(), engine.initial_dynamic_scale(),
+                  engine.dynamic_loss_scale_args()["delayed_shift"]),
+        "misc": (engine.gradient_predivide_factor(), engine.postscale_gradients(),
+                 engine.wall_clock_breakdown(), engine.amp_enabled(),
+                 engine.sparse_gradients_enabled())}
+
+    def one_step():
+        for _ in range(engine.gradient_accumulation_steps()):
+            engine.backward(engine(torch.randn(engine.train_micro_batch_size_per_gpu(), 4)
+                                   .half()).float().pow(2).mean())
+            engine.step()
+
+    one_step()
+    engine.set_train_batch_size(8 * world)  # accumulation 2 -> 4
+    one_step()
+    engine.set_train_micro_batch_size(1)  # accumulation stays 4
+    one_step()
+    report["after"] = (engine.get_batch_info(), engine.global_steps, engine.global_samples)
+    engine.backward(engine(torch.randn(1, 4).half()).float().sum())
+    engine.step()  # one micro-batch into an accumulation of 4
+    errors = []
+    for call in (lambda: engine.set_train_batch_size(4 * world),
+                 lambda: engine.set_train_batch_size(3)):
+        try:
+            call()
+            errors.append("accepted")
+        except ValueError as error:
+            errors.append(str(error))
+    report["errors"] = errors
+    return report
+
+
+def test_deepspeed_config_accessors_and_batch_setters(world2):
+    for r in world2.run(_deepspeed_config_accessors_and_batch_setters):
+        assert r["names"] == ("AdamW", {"lr": 0.01}, "WarmupLR", {"warmup_num_steps": 5}), r
+        assert r["zero"] == (True, False, True, True, int(5e8), True, "cpu", None), r
+        assert r["scale"] == (True, 256.0, 3), r
+        assert r["misc"] == (1.0, True, False, False, False), r
+        # steps at 8, 16 and 8 samples (2 ranks): 32 in all
+        assert r["after"] == ((8, 1, 4), 3, 32), r
+        assert "called after 1 of 4 micro-batches" in r["errors"][0], r
+        assert "must be a positive multiple of micro-batch 1 x data-parallel ranks 2" \
+            in r["errors"][1], r
+
+
 @pytest.mark.parametrize("stage", [0, 1])
 def test_accessors_no_sync_and_a_boundary_set_by_hand(world2, stage):
     for r in world2.run(_accessors_and_manual_boundary, stage):

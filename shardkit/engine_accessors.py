@@ -1,0 +1,199 @@
+"""DeepSpeed's engine accessors that report the config (``engine.zero_overlap_comm()``,
+``engine.optimizer_name()``...) and its two batch-size setters, for scripts written against
+``deepspeed.DeepSpeedEngine``.
+
+Each reads :class:`shardkit.config.EngineConfig` (DeepSpeed's defaults filled in); a knob
+shardkit accepts but does not act on (``overlap_comm``, ``allgather_bucket_size``...) is reported
+as configured, as DeepSpeed reports it. No memory, no communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+__all__ = ["DeepSpeedAccessors"]
+
+
+class DeepSpeedAccessors:
+    """Mixed into :class:`shardkit.engine.ShardedEngine`; needs ``self.config`` (an
+    :class:`~shardkit.config.EngineConfig`), ``self.global_steps``, ``self.micro_steps``,
+    ``self.global_samples``, ``self.dp_world_size`` and ``self._boundary_override``."""
+
+    # -- the config's sections, as DeepSpeed reports them
+    def _zero_section(self) -> dict:
+        return self.config.checked.get("zero_optimization", {})
+
+    def optimizer_name(self) -> Optional[str]:
+        """The config's ``optimizer.type`` (``None`` when the script passed its own)."""
+        return None if self.config.optimizer is None else self.config.optimizer.type
+
+    def optimizer_params(self) -> Optional[dict]:
+        """The config's ``optimizer.params`` as written (``None`` without the section)."""
+        return _params_of(self.config.raw.get("optimizer"))
+
+    def scheduler_name(self) -> Optional[str]:
+        """The config's ``scheduler.type`` (``None`` without the section)."""
+        return None if self.config.scheduler is None else self.config.scheduler.type
+
+    def scheduler_params(self) -> Optional[dict]:
+        """The config's ``scheduler.params`` as written (``None`` without the section)."""
+        return _params_of(self.config.raw.get("scheduler"))
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        """Whether gradients are sharded (ZeRO stage 2 or 3)."""
+        return self.config.zero.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        """Whether parameters are sharded (ZeRO stage 3)."""
+        return self.config.zero.stage >= 3
+
+    def zero_offload_optimizer(self) -> Optional[dict]:
+        """The ``offload_optimizer`` section when it offloads (``device`` not "none"), else
+        ``None``: truthy exactly when DeepSpeed's is."""
+        if self.config.zero.offload_optimizer_device == "none":
+            return None
+        return dict(self._zero_section().get("offload_optimizer", {}),
+                    device=self.config.zero.offload_optimizer_device)
+
+    def zero_offload_param(self) -> Optional[dict]:
+        """The ``offload_param`` section when it offloads (stage 3), else ``None``."""
+        if self.config.zero.offload_param_device == "none":
+            return None
+        return dict(self._zero_section().get("offload_param", {}))
+
+    def zero_cpu_offload(self) -> bool:
+        """Whether the optimizer state is offloaded to the CPU."""
+        return self.config.zero.offload_optimizer_device == "cpu"
+
+    def zero_reduce_bucket_size(self) -> int:
+        """``zero_optimization.reduce_bucket_size`` in elements (DeepSpeed's default 5e8 when
+        unset; shardkit's wrappers then use their own bucket)."""
+        size = self.config.zero.reduce_bucket_numel
+        return int(5e8) if size is None else size
+
+    def zero_allgather_bucket_size(self) -> int:
+        """``zero_optimization.allgather_bucket_size`` (accepted, reported; OSS and FSDP size
+        their own gathers)."""
+        return int(self._zero_section().get("allgather_bucket_size", 5e8))
+
+    def zero_reduce_scatter(self) -> bool:
+        """``zero_optimization.reduce_scatter`` (stage 1: each gradient is averaged onto its
+        owner only)."""
+        return bool(self._zero_section().get("reduce_scatter", True))
+
+    def zero_overlap_comm(self) -> bool:
+        """``zero_optimization.overlap_comm`` as configured (shardkit's wrappers overlap their
+        reductions with backward in any case)."""
+        return bool(self._zero_section().get("overlap_comm", False))
+
+    def zero_contiguous_gradients(self) -> bool:
+        """``zero_optimization.contiguous_gradients`` as configured."""
+        return bool(self._zero_section().get("contiguous_gradients", True))
+
+    def zero_ignore_unused_parameters(self) -> bool:
+        """``zero_optimization.ignore_unused_parameters``."""
+        return self.config.zero.ignore_unused_parameters
+
+    def zero_hpz_partition_size(self) -> int:
+        """ZeRO++ hpZ's partition size (1: off)."""
+        return self.config.zero.hpz_partition_size
+
+    def zero_quantized_weights(self) -> bool:
+        """ZeRO++ qwZ: int8 weight all-gathers (stage 3)."""
+        return self.config.zero.quantized_weights
+
+    def zero_quantized_gradients(self) -> bool:
+        """ZeRO++ qgZ: int4 gradient reduce-scatters (stage 3)."""
+        return self.config.zero.quantized_gradients
+
+    def dynamic_loss_scale(self) -> bool:
+        """Whether fp16 runs with a dynamic loss scale (``fp16.loss_scale`` 0)."""
+        precision = self.config.precision
+        return precision.dtype == "fp16" and precision.static_loss_scale == 0
+
+    def initial_dynamic_scale(self) -> float:
+        """``2 ** fp16.initial_scale_power``."""
+        return float(2 ** self.config.precision.initial_scale_power)
+
+    def dynamic_loss_scale_args(self) -> Optional[dict]:
+        """The dynamic scaler's settings under DeepSpeed's keys, ``None`` without one."""
+        if not self.dynamic_loss_scale():
+            return None
+        p = self.config.precision
+        return {"init_scale": self.initial_dynamic_scale(), "scale_window": p.loss_scale_window,
+                "delayed_shift": p.hysteresis, "consecutive_hysteresis": p.consecutive_hysteresis,
+                "min_scale": p.min_loss_scale}
+
+    def gradient_predivide_factor(self) -> float:
+        """The config's ``gradient_predivide_factor`` (1.0 by default)."""
+        return float(self.config.checked.get("gradient_predivide_factor", 1.0))
+
+    def postscale_gradients(self) -> bool:
+        """Whether gradients are averaged after the reduction (``not prescale_gradients``)."""
+        return not self.config.checked.get("prescale_gradients", False)
+
+    def wall_clock_breakdown(self) -> bool:
+        """The config's ``wall_clock_breakdown`` (accepted; nothing is printed for it)."""
+        return bool(self.config.checked.get("wall_clock_breakdown", False))
+
+    def memory_breakdown(self) -> bool:
+        """The config's ``memory_breakdown`` (accepted; nothing is printed for it)."""
+        return bool(self.config.checked.get("memory_breakdown", False))
+
+    def dataloader_drop_last(self) -> bool:
+        """Whether the engine's dataloader drops a last partial micro-batch."""
+        return self.config.dataloader_drop_last
+
+    def sparse_gradients_enabled(self) -> bool:
+        """Always ``False``: gradients are reduced dense (a ``sparse_gradients`` section is
+        refused)."""
+        return False
+
+    def amp_enabled(self) -> bool:
+        """Always ``False``: apex AMP is not supported (use ``fp16`` or ``bf16``)."""
+        return False
+
+    # -- DeepSpeed's batch-size setters
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch by changing the gradient accumulation steps (the micro-batch
+        stays), as DeepSpeed does: ``train_batch_size`` must be a multiple of micro-batch x
+        data-parallel ranks. Call it between optimizer steps (ValueError mid-accumulation,
+        where DeepSpeed would silently move the next boundary)."""
+        micro, ranks = self.config.train_micro_batch_size_per_gpu, self.dp_world_size
+        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) \
+                or train_batch_size < 1 or train_batch_size % (micro * ranks):
+            raise ValueError(f"engine.set_train_batch_size({train_batch_size!r}): must be a "
+                             f"positive multiple of micro-batch {micro} x data-parallel ranks "
+                             f"{ranks} = {micro * ranks}")
+        self._set_batch_sizes(train_batch_size, micro, train_batch_size // (micro * ranks),
+                              "set_train_batch_size")
+
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Change the micro-batch and keep the gradient accumulation steps, as DeepSpeed does
+        (``train_batch_size`` becomes micro x steps x data-parallel ranks). A dataloader the
+        engine built keeps its batch size, as in DeepSpeed. Call it between optimizer steps."""
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) \
+                or micro_batch_size < 1:
+            raise ValueError(f"engine.set_train_micro_batch_size({micro_batch_size!r}): must be "
+                             f"a positive int")
+        gas = self.config.gradient_accumulation_steps
+        self._set_batch_sizes(micro_batch_size * gas * self.dp_world_size, micro_batch_size, gas,
+                              "set_train_micro_batch_size")
+
+    def _set_batch_sizes(self, train: int, micro: int, gas: int, caller: str) -> None:
+        old_gas = self.config.gradient_accumulation_steps
+        if self._boundary_override is None and self.micro_steps % old_gas:
+            raise ValueError(f"engine.{caller}: called after {self.micro_steps % old_gas} of "
+                             f"{old_gas} micro-batches of an accumulation; call it right after "
+                             f"engine.step() at a boundary")
+        self._samples_before_resize = self.global_samples
+        self._steps_before_resize = self.global_steps
+        self.config = dataclasses.replace(self.config, train_batch_size=train,
+                                          train_micro_batch_size_per_gpu=micro,
+                                          gradient_accumulation_steps=gas)
+        self.micro_steps = self.global_steps * gas  # the next boundary after gas micro-batches
+
+
+def _params_of(section: Any) -> Optional[dict]:
+    return None if not isinstance(section, dict) else dict(section.get("params", {}))
