@@ -26,6 +26,7 @@ LR, EPS, WD, CLIP = 1e-2, 1e-6, 0.01, 0.05
 TOL = 1e-5
 
 world4 = world_fixture(4)
+world2 = world_fixture(2)
 
 
 def _tp_model() -> nn.Module:
@@ -212,9 +213,29 @@ def _round_trip(save_dir: str) -> dict:
     return out
 
 
-def test_checkpoint_keeps_each_tensor_parallel_ranks_slices(world4, tmp_path):
+def _resume_at_one_replica(save_dir: str) -> tuple:
+    """Load the TP2 x DP2 checkpoint at TP2 x DP1 (stage 1) and take the step the saving run
+    took after the save, on the same global batch (twice the accumulation)."""
+    engine, *_ = shardkit.initialize(model=_tp_model(),
+                                     config=_config(1, gradient_accumulation_steps=GAS * DP),
+                                     mpu=mp.initialize)
+    engine.load_checkpoint(save_dir)
+    x, y = _global_batch(2)
+    for xm, ym in zip(x.split(MICRO), y.split(MICRO)):
+        engine.backward(_loss(engine(xm), ym))
+        engine.step()
+    return full_model_state_dict(engine.module), engine.global_steps, engine.dp_world_size
+
+
+def test_checkpoint_keeps_each_tensor_parallel_ranks_slices(world4, world2, tmp_path):
     import os
     results = world4.run(_with_model_parallel, _round_trip, str(tmp_path))
+    # the same checkpoint at another data-parallel size (each mp_rank_XX directory reshards)
+    for state, steps, replicas in world2.run(_with_model_parallel, _resume_at_one_replica,
+                                             str(tmp_path)):
+        assert (steps, replicas) == (3, 1)
+        expected = results[0]["expected"]
+        assert max((state[k] - expected[k]).abs().max().item() for k in expected) <= TOL
     assert sorted(os.listdir(tmp_path / "global_step2")) == ["mp_rank_00", "mp_rank_01"]
     assert (tmp_path / "latest").read_text() == "global_step2"
     exported = torch.load(f"{tmp_path}-export/pytorch_model.bin", weights_only=True)
