@@ -63,7 +63,8 @@ from shardkit import distributed
 from shardkit.config import ConfigError, EngineConfig, load_config
 from shardkit.engine_accessors import DeepSpeedAccessors
 from shardkit.model_parallel_unit import (ModelParallelGroups, checkpoint_location,
-                                          model_parallel_groups, mp_rank_name, write_latest)
+                                          model_parallel_groups, mp_rank_name,
+                                          write_latest, write_tensor_parallel_layout)
 from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
 from shardkit.recipes import Composition, OptimizerRecipe, compose, why_not_steppable_on_shards
 from shardkit.utils.wrapped_attributes import attribute_through
@@ -721,11 +722,14 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         was."""
         from shardkit.checkpoint import CheckpointError
         from shardkit.checkpoint.engine_state import save_engine_checkpoint
+        from shardkit.nn.model_parallel.full_state import split_specs
         tag = f"global_step{self.global_steps}" if tag is None else tag
         path, error = os.path.join(save_dir, tag), None
         try:
             save_engine_checkpoint(self, path, mp_rank_name(self.model_parallel.tensor_rank),
                                    client_state, save_latest=False)
+            if distributed.get_rank() == 0:  # how to join the slices offline (consolidate)
+                write_tensor_parallel_layout(path, self.mp_world_size, split_specs(self.module))
         except Exception as e:  # the other groups must learn of it rather than go on
             error = e
         if error is None and save_latest and distributed.get_rank() == 0:

@@ -9,6 +9,7 @@ no communication beyond reading group membership.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -21,7 +22,11 @@ from shardkit.config import ConfigError
 from shardkit.utils.grad_norm import tensor_parallel_groups
 
 __all__ = ["MPU_METHODS", "ModelParallelGroups", "model_parallel_groups", "mp_rank_name",
-           "write_latest", "checkpoint_location"]
+           "write_latest", "checkpoint_location", "TENSOR_PARALLEL_LAYOUT",
+           "write_tensor_parallel_layout", "read_tensor_parallel_layout"]
+
+# in a tensor-parallel checkpoint's TAG directory: how the mp_rank_XX slices join
+TENSOR_PARALLEL_LAYOUT = "tensor_parallel.json"
 
 
 # DeepSpeed's model-parallel unit (``mpu=``): the methods the engine calls on it
@@ -210,3 +215,27 @@ def checkpoint_location(load_dir: str, tag: Optional[str],
     if parallel is None:
         return load_dir, tag
     return os.path.join(load_dir, resolved), mp_rank_name(parallel.tensor_rank)
+
+
+def write_tensor_parallel_layout(tag_dir: str, size: int, splits: dict) -> None:
+    """Write ``tag_dir/tensor_parallel.json``: the tensor-parallel size and, per split
+    parameter's ``state_dict`` key, its ``[dim, stride]``, through a file renamed into place.
+    What :func:`shardkit.checkpoint.consolidate.consolidate_checkpoint` reads to join the
+    ``mp_rank_XX`` slices into the unsplit model. A few bytes per split parameter."""
+    pending = os.path.join(tag_dir, f".{TENSOR_PARALLEL_LAYOUT}.tmp")
+    with open(pending, "w") as f:
+        json.dump({"size": size, "splits": {k: list(v) for k, v in sorted(splits.items())}}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pending, os.path.join(tag_dir, TENSOR_PARALLEL_LAYOUT))
+
+
+def read_tensor_parallel_layout(tag_dir: str) -> Optional[tuple[int, dict]]:
+    """``(size, {key: (dim, stride)})`` of a tensor-parallel checkpoint's ``TAG`` directory,
+    ``None`` for a checkpoint written without tensor parallelism."""
+    path = os.path.join(tag_dir, TENSOR_PARALLEL_LAYOUT)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        layout = json.load(f)
+    return int(layout["size"]), {k: (int(d), int(s)) for k, (d, s) in layout["splits"].items()}

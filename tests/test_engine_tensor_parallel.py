@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import shardkit
 from shardkit import distributed
+from shardkit.checkpoint.consolidate import consolidate_checkpoint
 from shardkit.config import ConfigError
 from shardkit.distributed import CommCounter
 from shardkit.nn import model_parallel as mp
@@ -191,6 +192,7 @@ def _round_trip(save_dir: str) -> dict:
     engine, *_ = shardkit.initialize(model=_tp_model(), config=_config(2), mpu=mp.initialize)
     _train(engine, 2)
     path = engine.save_checkpoint(save_dir, client_state={"epoch": 7})
+    at_save = full_model_state_dict(engine.module)
     _train(engine, 1, first_step=2)
     expected = full_model_state_dict(engine.module)
     engine.save_16bit_model(save_dir + "-export")  # the unsplit model, written by rank 0
@@ -200,7 +202,7 @@ def _round_trip(save_dir: str) -> dict:
     steps_after_load = restored.global_steps
     _train(restored, 1, first_step=2)
     state = full_model_state_dict(restored.wrapped)
-    out = {"path": path, "loaded_path": loaded_path, "client": client,
+    out = {"path": path, "loaded_path": loaded_path, "client": client, "at_save": at_save,
            "steps": steps_after_load, "expected": expected,
            "diff": max((state[k] - expected[k]).abs().max().item() for k in expected)}
     plain, *_ = shardkit.initialize(model=nn.Linear(WIDTH, OUT), config=_config(1))
@@ -236,7 +238,13 @@ def test_checkpoint_keeps_each_tensor_parallel_ranks_slices(world4, world2, tmp_
         assert (steps, replicas) == (3, 1)
         expected = results[0]["expected"]
         assert max((state[k] - expected[k]).abs().max().item() for k in expected) <= TOL
-    assert sorted(os.listdir(tmp_path / "global_step2")) == ["mp_rank_00", "mp_rank_01"]
+    assert sorted(os.listdir(tmp_path / "global_step2")) == ["mp_rank_00", "mp_rank_01",
+                                                             "tensor_parallel.json"]
+    # offline, one process: the unsplit model from both ranks' slices
+    consolidated = consolidate_checkpoint(str(tmp_path))
+    at_save = results[0]["at_save"]
+    assert consolidated.keys() == at_save.keys()
+    assert all(torch.equal(consolidated[k], at_save[k]) for k in at_save)
     assert (tmp_path / "latest").read_text() == "global_step2"
     exported = torch.load(f"{tmp_path}-export/pytorch_model.bin", weights_only=True)
     assert {k: v.shape for k, v in exported.items()} == \

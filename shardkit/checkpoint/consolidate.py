@@ -12,6 +12,10 @@ output is instead a directory written by ``save_pretrained`` (safetensors weight
 config): the model class (``--hf-model-class``, else the config's ``architectures[0]``, else
 ``AutoModelForCausalLM``) is built from the config, loads the state dict with ``strict=True``
 and saves itself, tied weights once. Memory: the full fp32 model twice (state dict and model).
+
+A checkpoint of a tensor-parallel engine (``initialize(mpu=...)``: ``TAG/mp_rank_XX`` and
+``TAG/tensor_parallel.json``) consolidates to the unsplit model: each ``mp_rank_XX`` part is
+read as above and every split parameter joined along its split dimension.
 """
 
 from __future__ import annotations
@@ -23,19 +27,46 @@ from typing import Optional
 
 import torch
 
-from shardkit.checkpoint.sharded import CheckpointError, read_checkpoint, resolve_checkpoint_dir
+from shardkit.checkpoint.sharded import (CheckpointError, read_checkpoint, read_latest_tag,
+                                         resolve_checkpoint_dir)
 
 __all__ = ["consolidate_checkpoint", "save_hf_pretrained", "main"]
 
 
 def consolidate_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> dict:
     """The full fp32 model ``state_dict`` of a checkpoint, keys in the unwrapped model's order
-    as saved (sorted by name)."""
+    as saved (sorted by name). A tensor-parallel engine's checkpoint (``TAG/mp_rank_XX``) gives
+    the unsplit model: each rank's slices joined as its ``tensor_parallel.json`` says."""
+    from shardkit.model_parallel_unit import read_tensor_parallel_layout
+    resolved = tag if tag is not None else read_latest_tag(checkpoint_dir)
+    layout = None if resolved is None else \
+        read_tensor_parallel_layout(os.path.join(checkpoint_dir, resolved))
+    if layout is not None:
+        return _joined_tensor_parallel_state(os.path.join(checkpoint_dir, resolved), *layout)
     path = resolve_checkpoint_dir(checkpoint_dir, tag)
     if path is None:
         raise CheckpointError(f"consolidate: {checkpoint_dir} has no 'latest' file; pass --tag")
+    return _plain_state(path)
+
+
+def _plain_state(path: str) -> dict:
     loaded = read_checkpoint(path, with_optimizer=False)
     return {name: loaded.params[name] for name in loaded.metadata["param_names"]}
+
+
+def _joined_tensor_parallel_state(tag_dir: str, size: int, splits: dict) -> dict:
+    """Every ``mp_rank_XX`` part consolidated, split parameters joined (memory: the full model
+    plus one tensor-parallel rank's part)."""
+    from shardkit.nn.model_parallel.utils import join_shards
+    parts = []
+    for rank in range(size):
+        part = os.path.join(tag_dir, f"mp_rank_{rank:02d}")
+        if not os.path.isdir(part):
+            raise CheckpointError(f"consolidate: {tag_dir} was written at tensor-parallel size "
+                                  f"{size} but has no {os.path.basename(part)}")
+        parts.append(_plain_state(part))
+    return {name: join_shards([p[name] for p in parts], *splits[name]) if name in splits
+            else tensor for name, tensor in parts[0].items()}
 
 
 def save_hf_pretrained(state: dict, hf_config: str, output_dir: str,

@@ -18,7 +18,7 @@ import torch.nn as nn
 from shardkit.nn.data_parallel.fsdp_state_dict import clean_name
 from shardkit.nn.model_parallel.layers import TensorParallelModule
 
-__all__ = ["full_model_state_dict", "load_full_model_state_dict"]
+__all__ = ["full_model_state_dict", "load_full_model_state_dict", "split_specs"]
 
 
 # torch's checkpoint_wrapper: in module names, not in state_dict keys (as FSDP's prefix)
@@ -38,6 +38,15 @@ def _split_keys(model: nn.Module, keys) -> dict[str, tuple[TensorParallelModule,
             if spec is not None and prefix + pname in keys:
                 by_key[prefix + pname] = (module, pname)
     return by_key
+
+
+def split_specs(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """``state_dict`` key -> ``(dim, stride)`` of every split parameter of ``model`` (what
+    :func:`shardkit.nn.model_parallel.utils.join_shards` needs to rebuild it from the
+    tensor-parallel ranks' slices, e.g. offline from a checkpoint). Local, no communication."""
+    keys = model.state_dict().keys()
+    return {key: tuple(module._shard_dims[pname])
+            for key, (module, pname) in _split_keys(model, keys).items()}
 
 
 @torch.no_grad()
