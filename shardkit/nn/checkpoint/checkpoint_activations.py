@@ -17,9 +17,10 @@ the default RNG state and the streams of the model-parallel RNG tracker
 are saved before the first forward and restored for the recomputation, so both draw the same
 mask; afterwards the generators are back where the recomputation found them. BatchNorm running
 statistics are updated once, by the first forward: the recomputation normalises with the same
-batch statistics but leaves the running ones alone. A region may be recomputed any number of
-times (``backward(retain_graph=True)`` then ``backward()``, a pipeline's split weight-gradient
-pass); every recomputation behaves the same.
+batch statistics but leaves the running ones alone. The recomputation runs every submodule in
+the train/eval mode of the first forward, even if ``model.eval()`` was called in between. A
+region may be recomputed any number of times (``backward(retain_graph=True)`` then
+``backward()``, a pipeline's split weight-gradient pass); every recomputation behaves the same.
 
 :class:`shardkit.nn.Pipe` checkpoints its micro-batches with :func:`checkpointed_call`, so its
 ``is_checkpointing``/``is_recomputing`` are these same functions.
@@ -28,6 +29,7 @@ pass); every recomputation behaves the same.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import threading
 import types
@@ -90,8 +92,40 @@ def _counting(field: str) -> Iterator[None]:
         setattr(_state, field, getattr(_state, field) - 1)
 
 
+def _training_modes(modules: tuple[nn.Module, ...]) -> list[tuple[nn.Module, bool]]:
+    """Each submodule of ``modules`` with its ``training`` flag, as the first forward saw it."""
+    return [(m, m.training) for root in modules for m in root.modules()]
+
+
 @contextlib.contextmanager
-def _recomputing(modules: tuple[nn.Module, ...], rng_streams: dict) -> Iterator[None]:
+def _as_in_forward(modes: list[tuple[nn.Module, bool]]) -> Iterator[None]:
+    # Note: a model switched to eval() (or back) between forward and backward, e.g. by an
+    # evaluation callback, must still be recomputed as it ran: otherwise Dropout and BatchNorm
+    # save other tensors (torch's "different number of tensors" CheckpointError) or, where
+    # the count happens to match, give silently wrong gradients.
+    now = [(m, m.training) for m, _ in modes]
+    for m, training in modes:
+        m.training = training
+    try:
+        yield
+    finally:
+        for m, training in now:
+            m.training = training
+
+
+@contextlib.contextmanager
+def _recomputing(modules: tuple[nn.Module, ...], rng_streams: dict,
+                 modes: list[tuple[nn.Module, bool]]) -> Iterator[None]:
+    """The recomputation replays the first forward: same train/eval flags, same RNG streams
+    (torch replays the default generator itself); its BatchNorm updates are undone."""
+    with _as_in_forward(modes), _stats_restored(modules), \
+            _rng_streams_replayed(rng_streams), _counting("recomputing"):
+        yield
+
+
+@contextlib.contextmanager
+def _stats_restored(modules: tuple[nn.Module, ...]) -> Iterator[None]:
+    """BatchNorm running statistics of ``modules`` put back as they were at entry."""
     # Note: the recomputation must save the same tensors as the first forward, so BatchNorm
     # runs unchanged and its running statistics are put back afterwards. Writing through
     # ``.data`` keeps the version counters of tensors the recomputed graph saved unchanged.
@@ -99,6 +133,15 @@ def _recomputing(modules: tuple[nn.Module, ...], rng_streams: dict) -> Iterator[
              if isinstance(bn, _BatchNorm) and bn.training and bn.track_running_stats
              for buf in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
              if buf is not None]
+    try:
+        yield
+    finally:
+        for buf, saved in stats:
+            buf.data.copy_(saved)
+
+
+@contextlib.contextmanager
+def _rng_streams_replayed(rng_streams: dict) -> Iterator[None]:
     # Tensor-parallel dropout draws inside tracker.fork(): replay the streams as they were at
     # the first forward (torch restores only the default generator), then resume the current
     # ones so the recomputation consumes no randomness of the training that follows.
@@ -106,12 +149,9 @@ def _recomputing(modules: tuple[nn.Module, ...], rng_streams: dict) -> Iterator[
     current = tracker.get_states()
     tracker.set_states(rng_streams)
     try:
-        with _counting("recomputing"):
-            yield
+        yield
     finally:
         tracker.set_states(current)
-        for buf, saved in stats:
-            buf.data.copy_(saved)
 
 
 class _EachEntryAnew:
@@ -137,8 +177,9 @@ def _contexts(modules: tuple[nn.Module, ...]):
     def forward_and_recompute_contexts():
         # called by torch_checkpoint right before the region's first forward
         rng_streams = get_model_parallel_rng_tracker().get_states()
+        modes = _training_modes(modules)
         return (_counting("checkpointing"),
-                _EachEntryAnew(lambda: _recomputing(modules, rng_streams)))
+                _EachEntryAnew(lambda: _recomputing(modules, rng_streams, modes)))
 
     return forward_and_recompute_contexts
 
@@ -149,22 +190,56 @@ def _device_to_restore(value: Any):
     return None
 
 
-def _offloaded(fn: Callable, args: tuple, kwargs: dict):
+def _offloaded(fn: Callable, args: tuple) -> tuple[Callable, tuple]:
     """``fn`` and its arguments rewritten so the tensors the region keeps live on CPU: they are
     copied to CPU before the region and back to their device as the region's first step (which
     the recomputation repeats). The copies are differentiable, so gradients reach the inputs."""
-    arg_devices = [_device_to_restore(a) for a in args]
-    kw_devices = {k: _device_to_restore(v) for k, v in kwargs.items()}
+    devices = [_device_to_restore(a) for a in args]
 
-    def on_device(*cpu_args, **cpu_kwargs):
-        moved = [a.to(d) if d is not None else a for a, d in zip(cpu_args, arg_devices)]
-        moved_kw = {k: v.to(kw_devices[k]) if kw_devices[k] is not None else v
-                    for k, v in cpu_kwargs.items()}
-        return fn(*moved, **moved_kw)
+    def on_device(*cpu_args):
+        return fn(*[a.to(d) if d is not None else a for a, d in zip(cpu_args, devices)])
 
-    cpu_args = tuple(a.to("cpu") if d is not None else a for a, d in zip(args, arg_devices))
-    cpu_kwargs = {k: v.to("cpu") if kw_devices[k] is not None else v for k, v in kwargs.items()}
-    return on_device, cpu_args, cpu_kwargs
+    return on_device, tuple(a.to("cpu") if d is not None else a for a, d in zip(args, devices))
+
+
+def _keywords_as_positions(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, tuple]:
+    """``fn`` taking its tensor keyword arguments positionally, after ``args``.
+
+    Note: torch's non-reentrant checkpoint saves (and version-checks) only the positional
+    tensors; keyword ones are kept by reference, so a keyword tensor changed in place after the
+    first forward (or by it) would silently feed the recomputation other values, and other
+    gradients. As positions they are checked like ``args``."""
+    names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    if not names:
+        return (lambda *a: fn(*a, **kwargs)), args
+    n = len(args)
+
+    def with_keywords(*flat):
+        given = dict(zip(names, flat[n:]))
+        return fn(*flat[:n], **{k: given.get(k, v) for k, v in kwargs.items()})
+
+    return with_keywords, args + tuple(kwargs[k] for k in names)
+
+
+def _region_name(fn: Callable, modules: tuple[nn.Module, ...]) -> str:
+    if modules:
+        return type(modules[0]).__name__
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def _check_inputs_unchanged(name: str, tensors: tuple, versions: list, labels: list) -> None:
+    """Raise if the first forward changed one of the region's input tensors in place: the
+    recomputation would start from the changed value (torch refuses it later, in backward, with
+    "modified by an inplace operation" pointing at neither the module nor the argument)."""
+    changed = [label for t, v, label in zip(tensors, versions, labels)
+               if v is not None and t._version != v]
+    if changed:
+        raise RuntimeError(
+            f"activation checkpointing: {name}.forward changed its input "
+            f"{', '.join(changed)} in place (e.g. nn.ReLU(inplace=True) as its first layer, or "
+            f"`x += ...`); the recomputation in backward would start from the changed value. "
+            f"Make that in-place operation out of place, or do not checkpoint {name} "
+            f"(checkpoint_wrapper, or a Pipe partition starting with it)")
 
 
 def checkpointed_call(fn: Callable, *args, modules: tuple[nn.Module, ...] = (),
@@ -178,19 +253,46 @@ def checkpointed_call(fn: Callable, *args, modules: tuple[nn.Module, ...] = (),
     ``torch.compile`` the region is compiled as torch's own non-reentrant checkpoint: the
     recomputation happens in the compiled backward, and the flags (:func:`is_checkpointing`,
     :func:`is_recomputing`) stay False there.
+
+    Tensor arguments, positional or keyword, must not be changed in place, by ``fn`` (a
+    ``RuntimeError`` naming the argument right after the forward) or before the backward
+    (torch's "modified by an inplace operation" error in backward), as the recomputation reads
+    them again. Memory: the tensor arguments stay referenced until the backward.
     """
     if not (_state.enabled and torch.is_grad_enabled()):
         return fn(*args, **kwargs)
-    if offload_to_cpu:
-        fn, args, kwargs = _offloaded(fn, args, kwargs)
     if torch.compiler.is_compiling():
+        if offload_to_cpu:
+            fn, args = _offloaded(functools.partial(fn, **kwargs), args)
+            kwargs = {}
         # Dynamo refuses a context_fn built at run time ("checkpoint not implemented for
         # NestedUserFunctionVariable context_fn"); the compiled graph recomputes the region in
         # its backward graph, where buffer updates and RNG draws are handled by the compiler.
         return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
                                 **kwargs)
-    return torch_checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
-                            context_fn=_contexts(modules), **kwargs)
+    region, inputs = _keywords_as_positions(fn, args, kwargs)
+    if offload_to_cpu:
+        region, inputs = _offloaded(region, inputs)
+    versions = [_version(t) for t in inputs]
+    out = torch_checkpoint(region, *inputs, use_reentrant=False, preserve_rng_state=True,
+                           context_fn=_contexts(modules))
+    _check_inputs_unchanged(_region_name(fn, modules), inputs, versions,
+                            _input_labels(fn, args, kwargs))
+    return out
+
+
+def _version(value: Any):
+    """A tensor's in-place version counter (None for non-tensors and inference tensors)."""
+    if isinstance(value, torch.Tensor) and not value.is_inference():
+        return value._version
+    return None
+
+
+def _input_labels(fn: Callable, args: tuple, kwargs: dict) -> list:
+    """How an error names each input: positional ones by parameter name where ``fn`` has one."""
+    names = _positional_names(fn)
+    return [f"{names[i]!r}" if i < len(names) else f"#{i}" for i in range(len(args))] + \
+        [f"{k!r}" for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
 
 
 class _WeakMethod:
@@ -285,7 +387,12 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
     non-reentrant checkpointed region: keyword arguments, several inputs and outputs, inputs
     that do not require grad, and FSDP inside or outside all work. Dropout draws the same mask
     in the recomputation, inside the model-parallel RNG tracker's ``fork()`` too; BatchNorm
-    running statistics are updated once per forward. Backward may run through it several times.
+    running statistics are updated once per forward, and the recomputation runs in the
+    train/eval mode of the forward even if ``eval()`` was called in between. Backward may run
+    through it several times. Tensor arguments, positional or keyword, are what the
+    recomputation starts from: a forward that changes one in place (``nn.ReLU(inplace=True)``
+    as the first layer) raises a ``RuntimeError`` naming it, and one changed by the caller
+    before backward is refused by torch in backward, as plain autograd refuses it.
     A key/value cache object handed to a checkpointed forward (a Hugging Face layer's ``cache``,
     ``past_key_values``, ``layer_past``) is replaced by ``None`` with a warning, as transformers'
     own checkpointing does: the forward fills it in place, so the recomputation would not see
