@@ -130,8 +130,12 @@ def test_what_a_killed_launcher_left_is_removed_by_the_next():
 
 # node 1's ranks fail at once; node 0's ranks report a few seconds later (as ranks waiting for
 # shardkit.fault's verdict on a lost peer do), longer than the launcher's 5 s grace
-_LATE_REPORT = ("if [ $GROUP_RANK -eq 1 ]; then exit 3; fi; sleep 8; "
-                "echo reported rank=$RANK; exit 75")
+# node 1 fails at once; on node 0, rank 0 reports after 8 s and succeeds, rank 1 reports after
+# 10 s and fails (if both failed, node 0's torchrun would stop the second one as soon as it saw
+# the first exit, which under load came before the second had printed)
+_LATE_REPORT = ("if [ $GROUP_RANK -eq 1 ]; then exit 3; fi; "
+                "if [ $LOCAL_RANK -eq 0 ]; then sleep 8; echo reported rank=$RANK; exit 0; fi; "
+                "sleep 10; echo reported rank=$RANK; exit 75")
 
 
 @needs_cluster
@@ -142,6 +146,7 @@ def test_nodes_whose_ranks_still_run_may_report_after_another_node_fails():
                      link_rate="none", timeout=120, out=out)
     assert rc == 1, out.getvalue()
     assert "[node 0] reported rank=0" in out.getvalue(), out.getvalue()
+    assert "[node 0] reported rank=1" in out.getvalue(), out.getvalue()
     assert "exitcode  : 75" in out.getvalue(), out.getvalue()
     assert cluster.leftovers(os.getpid()) == []
 
