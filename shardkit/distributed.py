@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import numbers
 import os
 import sys
 import pickle
@@ -406,6 +407,17 @@ def check_group(group, what: str, argument: str = "group", pair_ok: bool = False
                     f"(e.g. from new_group){pair}, or None for the default group")
 
 
+def check_member(group, what: str, argument: str = "group") -> None:
+    """Raise a clear ValueError naming ``what(argument=...)`` when this rank is not a member of
+    ``group`` (or of one group of a pair), where torch would only say "Invalid process group
+    specified". A wrapper over a sub-group is built on that sub-group's ranks only. Local; no
+    communication."""
+    groups = group if isinstance(group, tuple) else (group,)
+    if any(_not_a_member(g) for g in groups):
+        raise ValueError(f"{what}({argument}=...): global rank {get_rank()} is not a member of "
+                         f"the given process group; build it on the group's ranks only")
+
+
 def _not_a_member(group) -> bool:
     """Whether ``group`` is what ``new_group`` returns on a rank outside it (an int marker)."""
     marker = dist.GroupMember.NON_GROUP_MEMBER
@@ -455,6 +467,7 @@ def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None,
     """Create a process group over ``ranks`` (global ranks); ``backend`` defaults to the default
     group's (``"gloo"`` gives a CPU group beside an NCCL one). Must be called on every rank, or,
     with ``members_only``, on the members of ``ranks`` only."""
+    _check_call("new_group", None)
     kwargs = {"use_local_synchronization": True} if members_only else {}
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
@@ -800,11 +813,52 @@ def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtyp
     comm_counter.add_record(record)
 
 
+# ----------------------------------------------------------------------------- argument checks
+
+
+def _check_call(name: str, group, *tensors, reduce_op=None, **peers) -> None:
+    """Raise a clear error for a bad call of the collective ``name``, on this rank, before
+    anything is recorded or sent: no process group yet, a ``group`` that is not one, one of
+    ``tensors`` that is not a tensor, a ``reduce_op`` that is not a ReduceOp, a peer (``src=``,
+    ``dst=``: global ranks) outside ``group``. gloo crashes the whole process on a send to a
+    rank out of range, so peers are checked here. A rank outside ``group`` is not checked
+    further: torch skips the op there. Local; no communication."""
+    what = f"shardkit.distributed.{name}"
+    if not is_initialized():
+        raise RuntimeError(f"{what} needs a process group: call "
+                           f"shardkit.distributed.init_distributed() (under torchrun) or "
+                           f"torch.distributed.init_process_group(...) first")
+    check_group(group, what)
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if reduce_op is not None and not isinstance(reduce_op, (ReduceOp, ReduceOp.RedOpType)):
+        raise TypeError(f"{what}(op={reduce_op!r}): must be a shardkit.distributed.ReduceOp "
+                        f"(e.g. ReduceOp.SUM, ReduceOp.MAX)")
+    if _not_a_member(group):
+        return
+    for argument, peer in peers.items():
+        _check_peer(what, argument, peer, group)
+
+
+def _check_peer(what: str, argument: str, peer, group) -> None:
+    """Raise ValueError unless ``peer`` is the global rank of a member of ``group``."""
+    if group is None or group is dist.group.WORLD:
+        ranks, valid = range(get_world_size()), f"an int in [0, {get_world_size()})"
+    else:
+        ranks = dist.get_process_group_ranks(group)
+        valid = f"one of the group's global ranks {ranks}"
+    if isinstance(peer, bool) or not isinstance(peer, numbers.Integral) or peer not in ranks:
+        raise ValueError(f"{what}({argument}={peer!r}): must be a global rank of the group, "
+                         f"{valid}")
+
+
 # ----------------------------------------------------------------------------- collectives
 
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """In-place all-reduce of ``tensor``. Wire: ``2(n-1)/n`` of its bytes."""
+    _check_call("all_reduce", group, tensor, reduce_op=op)
     _record("all_reduce", tensor, group)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
@@ -815,6 +869,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
 
     Wire: ``(n-1)/n`` of the input's bytes. Raises ``ValueError`` when the sizes disagree.
     """
+    _check_call("reduce_scatter_tensor", group, output, input, reduce_op=op)
     n = get_world_size(group)
     if input.numel() != output.numel() * n:
         raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements; it must be "
@@ -826,6 +881,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
                            async_op: bool = False):
     """Gather every rank's ``input`` into ``output`` (rank-major). Wire: ``(n-1)/n`` of output."""
+    _check_call("all_gather_into_tensor", group, output, input)
     n = get_world_size(group)
     if output.numel() != input.numel() * n:
         raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements; it must "
@@ -837,7 +893,14 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
 def all_gather(tensors: list[torch.Tensor], tensor: torch.Tensor, group=None,
                async_op: bool = False):
     """List form of all-gather (tensors may differ in size across calls, not across ranks)."""
-    _record("all_gather", tensor.numel() * tensor.element_size() * get_world_size(group), group)
+    _check_call("all_gather", group, tensor)
+    n = get_world_size(group)
+    count = len(tensors) if isinstance(tensors, (list, tuple)) else None
+    if count != n and not _not_a_member(group):
+        raise ValueError(f"shardkit.distributed.all_gather(tensors=...): expected a list of "
+                         f"{n} tensors (one per rank of the group), got "
+                         f"{type(tensors).__name__ if count is None else count}")
+    _record("all_gather", tensor.numel() * tensor.element_size() * n, group)
     return dist.all_gather(tensors, tensor, group=group, async_op=async_op)
 
 
@@ -847,6 +910,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
     receive every rank's chunk for this rank into ``output`` (rank-major). Wire: ``(n-1)/n`` of
     the input's bytes, recorded under ``counted_as`` (a transport that builds a reduce-scatter
     from it records ``"reduce_scatter"``: the same bytes, the op the caller asked for)."""
+    _check_call("all_to_all_single", group, output, input)
     n = get_world_size(group)
     if input.numel() != output.numel() or input.numel() % n:
         raise ValueError(f"all_to_all_single: input has {input.numel()} elements and output "
@@ -857,36 +921,42 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
     """Broadcast ``tensor`` from global rank ``src``. Wire: ``(n-1)/n`` of its bytes."""
+    _check_call("broadcast", group, tensor, src=src)
     _record("broadcast", tensor, group)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """Reduce ``tensor`` onto global rank ``dst``. Wire: ``(n-1)/n`` of its bytes."""
+    _check_call("reduce", group, tensor, reduce_op=op, dst=dst)
     _record("reduce", tensor, group)
     return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
     """Blocking send to global rank ``dst``. Wire: the tensor's bytes."""
+    _check_call("send", group, tensor, dst=dst)
     _record("send", tensor, group)
     dist.send(tensor, dst=dst, group=group, tag=tag)
 
 
 def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
     """Blocking receive from global rank ``src``. Wire: 0 (the sender counts it)."""
+    _check_call("recv", group, tensor, src=src)
     _record("recv", tensor, group)
     dist.recv(tensor, src=src, group=group, tag=tag)
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
     """Asynchronous send to global rank ``dst``; returns a work handle. Wire: its bytes."""
+    _check_call("isend", group, tensor, dst=dst)
     _record("send", tensor, group)
     return dist.isend(tensor, dst=dst, group=group, tag=tag)
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0):
     """Asynchronous receive from global rank ``src``; returns a work handle. Wire: 0."""
+    _check_call("irecv", group, tensor, src=src)
     _record("recv", tensor, group)
     return dist.irecv(tensor, src=src, group=group, tag=tag)
 
@@ -919,11 +989,14 @@ def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None,
     output, reduce input), recorded under ``counted_as``'s own convention, the same on every
     rank, instead of what this rank's sends move (which differs between ranks when the
     segments are uneven)."""
+    for p in ops:  # all of them before the first is recorded or issued
+        if p.op not in ("send", "recv"):
+            raise ValueError(f"P2POp.op={p.op!r}; valid values are 'send' and 'recv'")
+        peer = {"dst" if p.op == "send" else "src": p.peer}
+        _check_call(f"batch_isend_irecv({p.op})", p.group, p.tensor, **peer)
     torch_ops = []
     sent = 0
     for p in ops:
-        if p.op not in ("send", "recv"):
-            raise ValueError(f"P2POp.op={p.op!r}; valid values are 'send' and 'recv'")
         if counted_as is None:
             _record(p.op, p.tensor, p.group)
         elif p.op == "send":
@@ -977,6 +1050,7 @@ def backend_of(group=None) -> str:
 
 def barrier(group=None) -> None:
     """Block until every rank of ``group`` reaches this point. Wire: 0 counted bytes."""
+    _check_call("barrier", group)
     _record("barrier", 0, group)
     with reporting_broken_links("barrier", group):
         dist.barrier(group=group)
@@ -1039,6 +1113,7 @@ def _chunks_by_dtype(tensors: Sequence[torch.Tensor], chunk_bytes: int):
 
 def broadcast_object(obj, src: int = 0, group=None):
     """Broadcast a picklable object from global rank ``src``; returns it on every rank."""
+    _check_call("broadcast_object", group, src=src)
     box = [obj]
     counted = comm_counter.counting() and get_rank() == src
     _record("broadcast", len(pickle.dumps(obj)) if counted else 0, group, counted=counted)
@@ -1049,6 +1124,7 @@ def broadcast_object(obj, src: int = 0, group=None):
 
 def all_gather_object(obj, group=None) -> list:
     """Gather one picklable object from every rank of ``group``; returns the list."""
+    _check_call("all_gather_object", group)
     out = [None] * get_world_size(group)
     nbytes = len(pickle.dumps(obj)) * len(out) if comm_counter.counting() else 0
     _record("all_gather", nbytes, group)

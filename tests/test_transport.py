@@ -658,7 +658,7 @@ def _killed_during_wrapper_setup(kind):
     from shardkit.optim import oss_arguments
     if skdist.get_rank() == 1:  # dies at OSS's first collective, the cross-rank model check
         oss_arguments.check_same_model_on_every_rank = \
-            lambda groups, group: os.kill(os.getpid(), signal.SIGKILL)
+            lambda groups, group, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
     try:
         OSS(MLP(16, 2).parameters(), optim=torch.optim.SGD, lr=0.1, comm=_make(kind))
     except Exception as err:  # noqa: BLE001

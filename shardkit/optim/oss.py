@@ -143,7 +143,8 @@ class OSS(torch.optim.Optimizer):
         # local (no collective), so that bad hyper-parameters fail before any collective starts
         self._plan = plan_ownership(_trainable(groups), self.world_size, bucket_numel)
         self.optim = self._build_local_optimizer(groups)
-        args.check_same_model_on_every_rank(groups, group)
+        args.check_same_model_on_every_rank(
+            groups, group, settings=args.optimizer_settings(optim, ctor_kwargs, groups))
         self.comm.prepare(group)
         super().__init__(groups, without_fused_choice(dict(self.optim.defaults), self.fused))
         self._sync = ParamSync(self._plan, self.rank, group, broadcast_fp16, self.comm)

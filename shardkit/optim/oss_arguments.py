@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from typing import Optional
 
 import torch
 
@@ -16,6 +17,7 @@ from shardkit import distributed
 
 __all__ = ["drop_deprecated_fairscale_kwargs", "check_optimizer_class", "check_takeover_arguments",
            "normalize_param_groups", "check_same_model_on_every_rank", "trainable_signature",
+           "optimizer_settings",
            "groups_of", "constructor_kwargs"]
 
 # FairScale OSS arguments that no longer do anything there either; accepted and ignored.
@@ -116,21 +118,52 @@ SAME_MODEL_ADVICE = ("build OSS over the same model, in the same order, with the
 
 
 def check_same_model_on_every_rank(groups: list[dict], group, caller: str = "OSS",
-                                   advice: str = SAME_MODEL_ADVICE) -> None:
+                                   advice: str = SAME_MODEL_ADVICE,
+                                   settings: Optional[dict] = None) -> None:
     """One small all-gather: every rank must partition the same parameters, the same items of
     the same param groups with the same shapes, or the sync would write one parameter's values
     into another (silently when their shapes match: two layers of one width, one frozen on
-    each rank) or abort inside the collective library. ``caller`` and ``advice`` word the
-    ValueError, raised on every rank alike. Communication: the trainable items' indices and
-    shapes of every rank, once."""
-    mine = trainable_signature(groups)
+    each rank) or abort inside the collective library. With ``settings`` (``{name: text}``,
+    from :func:`optimizer_settings`), every rank must also hold the same ones, or each shard
+    would be stepped by another rule and the replicas drift apart silently. ``caller`` and
+    ``advice`` word the ValueError, raised on every rank alike. Communication: the trainable
+    items' indices and shapes (and the settings) of every rank, once."""
+    mine = (trainable_signature(groups), settings or {})
     every = distributed.all_gather_object(mine, group=group)
     me = distributed.get_rank(group)
-    for r, theirs in enumerate(every):
-        if theirs != mine:
+    for r, (theirs, _) in enumerate(every):
+        if theirs != mine[0]:
             raise ValueError(f"{caller}: rank {r} of the group has different trainable parameters "
-                             f"from rank {me}: {_first_difference(theirs, mine, r, me)}; every "
+                             f"from rank {me}: {_first_difference(theirs, mine[0], r, me)}; every "
                              f"rank must {advice}")
+    first = every[0][1]
+    for r, (_, theirs) in enumerate(every[1:], start=1):  # the same text on every rank
+        names = sorted(set(theirs) | set(first))
+        differing = [k for k in names if theirs.get(k) != first.get(k)]
+        if differing:
+            k = differing[0]
+            raise ValueError(f"{caller}: {k} is {first.get(k)} on rank 0 of the group and "
+                             f"{theirs.get(k)} on rank {r}; every rank must build {caller} with "
+                             f"the same optimizer class and hyper-parameters")
+
+
+def optimizer_settings(optim: type, defaults: dict, groups: list[dict]) -> dict:
+    """``{name: text}`` of what steps every shard: the optimizer class, its constructor
+    arguments and each param group's own hyper-parameters (as ``repr``, so that tensors and
+    floats compare exactly; an object's address is left out). Costs nothing."""
+    settings = {"optim": f"{optim.__module__}.{optim.__qualname__}"}
+    settings.update({k: _stable_repr(v) for k, v in defaults.items()})
+    for i, g in enumerate(groups):
+        settings.update({f"param_groups[{i}][{k!r}]": _stable_repr(v) for k, v in g.items()
+                         if k != "params"})
+    return settings
+
+
+def _stable_repr(value) -> str:
+    """``repr(value)``, but only the type for an object whose repr holds its address (a
+    function, a plain object), which differs between processes for the same thing."""
+    text = repr(value)
+    return f"<{type(value).__qualname__}>" if " at 0x" in text else text
 
 
 def trainable_signature(groups: list[dict]) -> list[list[tuple]]:

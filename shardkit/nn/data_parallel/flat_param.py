@@ -81,6 +81,15 @@ def gathered_param_bytes() -> GatheredParamBytes:
     return _GATHERED
 
 
+def check_one_dtype(params) -> None:
+    """ValueError unless the unit's ``params`` share one dtype (one flat buffer). Local."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(f"FullyShardedDataParallel: one unit's parameters must share a "
+                         f"dtype; found {sorted(str(d) for d in dtypes)}. Wrap the "
+                         f"differently-typed submodules as their own units")
+
+
 class FlatParamShard:
     """The parameters of one unit: their flat shard, the gather into compute views, and the
     reduce-scatter of their gradients.
@@ -121,12 +130,8 @@ class FlatParamShard:
         # gradients are divided by ``predivide`` before the reduce-scatter and by
         # ``postdivide`` after; together by N x replicas, the mean over the data-parallel ranks
         self.predivide, self.postdivide = float(self.world_size * self.replicas), 1.0
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) > 1:
-            raise ValueError(f"FullyShardedDataParallel: one unit's parameters must share a "
-                             f"dtype; found {sorted(str(d) for d in dtypes)}. Wrap the "
-                             f"differently-typed submodules as their own units")
-        self.master_dtype = dtypes.pop() if dtypes else torch.float32
+        check_one_dtype(self.params)
+        self.master_dtype = self.params[0].dtype if self.params else torch.float32
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.compute_device = compute_device
@@ -493,6 +498,25 @@ class FlatParamShard:
         counts = side[:-2].tolist()
         return [here or c > 0 for here, c in zip(used_here, counts)]
 
+    def _reduction_can_overflow(self) -> bool:
+        """Whether the reduce-scatter itself can make an inf that no rank's gradients held
+        (so the side flag misses it): in fp16, from gradients of a wider dtype (cast down),
+        or with ``predivide`` below the number of ranks (a sum outgrows its addends)."""
+        if self.reduce_dtype != torch.float16:
+            return False
+        return self.compute_dtype != torch.float16 or \
+            self.predivide < self.world_size * self.replicas
+
+    def _overflow_in_reduction(self, reduced: torch.Tensor) -> torch.Tensor:
+        """0, or NaN on every rank when any rank's reduced shard holds an inf or NaN: one
+        all-reduce of one element over the reduce group (only where
+        :meth:`_reduction_can_overflow`)."""
+        flag = torch.zeros((), dtype=torch.float32, device=reduced.device)
+        if reduced.numel():  # x 0: 0, or NaN for an inf / NaN, without a host sync
+            flag = (torch.stack(torch.aminmax(reduced)) * 0).sum().float()
+        skdist.all_reduce(flag, group=self.reduce_group)
+        return flag
+
     def _spread_non_finite(self, views: list, flag: torch.Tensor) -> None:
         """Make an inf or NaN that any rank's gradients of the unit held visible on every
         rank: ``flag`` (reduced side value) is NaN then, and is added to the first element of
@@ -524,7 +548,10 @@ class FlatParamShard:
         steps it alike (decay, moments). The use counts of :meth:`start_reduce` tell the two
         apart (under qgZ they come through the lossless transport). (torch's FSDP1 gives zeros
         in both cases.) An inf or NaN in any rank's gradients of the unit reaches every rank's
-        shard (:meth:`_spread_non_finite`), so a loss scaler skips the step everywhere.
+        shard (:meth:`_spread_non_finite`), so a loss scaler skips the step everywhere; so does
+        one that an fp16 reduce-scatter made itself (gradients wider than fp16, or
+        ``predivide`` below the number of ranks): one more all-reduce of one element per unit
+        then, in those configurations only.
 
         Hooks the user registered with ``p.register_post_accumulate_grad_hook`` (an optimizer
         step inside backward) run once the reduced shard is in ``p.grad``, as under torch's
@@ -549,7 +576,10 @@ class FlatParamShard:
         stepped = [(p, view) for p, view, used_somewhere
                    in zip(self.params, self.shard_views(grad_shard), used)
                    if p.requires_grad and used_somewhere]
-        self._spread_non_finite([view for _, view in stepped], side[-2])
+        flag = side[-2]
+        if self._reduction_can_overflow():
+            flag = flag + self._overflow_in_reduction(out[:self.shard_numel]).to(flag.device)
+        self._spread_non_finite([view for _, view in stepped], flag)
         for p, view in stepped:
             if p.grad is None:
                 p.grad = view

@@ -103,6 +103,35 @@ def resolve_fairscale_options(*, move_params_to_cpu: bool, module_device: torch.
         allow_reset_parameters=allow_reset_parameters)
 
 
+def check_same_unit_on_every_rank(groups, module, params, **settings) -> None:
+    """One small all-gather per group of the unit that has several ranks (the shard group,
+    and the replica group of hybrid / NO_SHARD strategies): every rank must wrap the same
+    parameters (names, shapes, dtypes) with the same ``settings`` (the arguments that shape
+    the unit's collectives: strategy, precision, quantization, transport). Otherwise the ranks
+    gather and reduce buffers of different sizes or dtypes, and gloo aborts every process
+    ("Received data size doesn't match expected size"). The ValueError names the first
+    difference between the group's rank 0 and the first rank that differs from it, the same
+    text on every rank. Communication: names, shapes and settings, once per unit."""
+    mine = {name: repr(value) for name, value in settings.items()}
+    names = {id(p): name for name, p in module.named_parameters()}
+    for p in params:
+        mine[f"parameter {names.get(id(p), '?')}"] = f"{tuple(p.shape)} {p.dtype}"
+    replicas = () if groups.replicate is None else (groups.replicate,)
+    for group in (groups.shard, *replicas):  # shard group None: the default group
+        if skdist.get_world_size(group) < 2:
+            continue
+        every = skdist.all_gather_object(mine, group=group)
+        for r, theirs in enumerate(every[1:], start=1):
+            keys = sorted(set(theirs) | set(every[0]))
+            differing = [k for k in keys if theirs.get(k) != every[0].get(k)]
+            if differing:
+                k = differing[0]
+                raise ValueError(f"FullyShardedDataParallel: {k} is "
+                                 f"{every[0].get(k, '(absent)')} on rank 0 of the group and "
+                                 f"{theirs.get(k, '(absent)')} on rank {r}; every rank must "
+                                 f"wrap the same module with the same arguments")
+
+
 def check_divide_factor(call: str, name: str, value) -> float:
     """A gradient divide factor (argument ``name`` of ``call``): a positive finite number."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not \

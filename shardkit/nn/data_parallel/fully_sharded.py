@@ -22,7 +22,9 @@ being computed (its gathered parameters) and, with prefetch, the next one. Commu
 step per rank: ``3Ψ(N-1)/N`` elements with ``reshard_after_forward=True`` (all-gather in forward,
 again in backward, reduce-scatter; the root unit is not re-gathered for backward), ``2Ψ(N-1)/N``
 with ``False``; the reduce-scatters add ``(P+2)(N-1)`` elements per unit of P parameter tensors
-(use counts, an overflow flag and a tag, see the warning below).
+(use counts, an overflow flag and a tag, see the warning below). Construction checks, with
+one small object all-gather per unit (and per replica group), that every rank wraps the same
+parameters with the same arguments: a ValueError on every rank otherwise.
 
 An inf or NaN in any rank's gradients of a unit reaches every rank's gradient shard of that
 unit, so ``torch.amp.GradScaler`` (which checks only this rank's gradients) skips an overflowing
@@ -107,10 +109,11 @@ from torch.utils._pytree import tree_map
 
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes,
-                                                  gathered_param_bytes)
+                                                  check_one_dtype, gathered_param_bytes)
 from shardkit.nn.data_parallel.fsdp_arguments import (check_bool, check_compute_device,
                                                       check_divide_factor,
                                                       check_reduce_scatter_group,
+                                                      check_same_unit_on_every_rank,
                                                       resolve_cpu_offload,
                                                       resolve_fairscale_options, shard_devices)
 from shardkit.nn.data_parallel.fsdp_state_dict import (FSDPStateDictMixin, add_wrapper_prefix,
@@ -297,6 +300,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         skdist.require_initialized("FullyShardedDataParallel")
         skdist.check_group(process_group, "FullyShardedDataParallel", "process_group",
                            pair_ok=True)
+        skdist.check_member(process_group, "FullyShardedDataParallel", "process_group")
         policy = resolve_mixed_precision(mixed_precision, compute_dtype, buffer_dtype,
                                          fp32_reduce_scatter)
         _refuse_batchnorm_with_other_buffer_dtype(module, policy)
@@ -331,12 +335,18 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self.quantize_weights = quantize_weights
         self.quantize_gradients = quantize_gradients
         self._set_fairscale_options(options, reduce_group)
+        params, locations = _collect_unit_params(module)
+        check_one_dtype(params)
+        check_same_unit_on_every_rank(
+            groups, module, params, sharding_strategy=strategy.name,
+            reshard_after_forward=reshard_after_forward, mixed_precision=policy,
+            hpz_partition_size=hpz_partition_size, quantize_weights=quantize_weights,
+            quantize_gradients=quantize_gradients, comm=type(transport).__name__)
         transport.prepare(groups.shard)
         separate_reduce = reduce_group if reduce_group is not groups.shard else None
         for group in (groups.replicate, groups.hpz, separate_reduce):
             if group is not None:
                 transport.prepare(group)
-        params, locations = _collect_unit_params(module)
         if sync_module_states:
             _sync_unit_states(module, params, groups, transport)
         self._buffer_dtypes = _cast_unit_buffers(module, policy.buffer_cast_dtype())
@@ -1173,6 +1183,21 @@ def _check_wrappable(module) -> None:
         raise ValueError(f"FullyShardedDataParallel: this {type(module).__name__} is already "
                          f"wrapped by another FullyShardedDataParallel; wrap each module once "
                          f"(use that instance, or build a fresh module)")
+    _refuse_other_data_parallel(module)
+
+
+def _refuse_other_data_parallel(module: nn.Module) -> None:
+    """A ShardedDataParallel or torch DDP inside the unit would reduce gradients of parameters
+    that FSDP flattens and shards itself. Inner FSDP units are fine (nesting). Local."""
+    from shardkit.nn.data_parallel.sharded_ddp import ShardedDataParallel
+
+    others = (ShardedDataParallel, nn.parallel.DistributedDataParallel)
+    for name, sub in module.named_modules():
+        if isinstance(sub, others):
+            where = "module" if not name else f"module.{name}"
+            raise ValueError(f"FullyShardedDataParallel(module=...): {where} is already a "
+                             f"{type(sub).__name__}, which reduces gradients itself; wrap the "
+                             f"plain module (FSDP reduces its gradients)")
 
 
 def _unit_modules(module: nn.Module) -> Iterator[nn.Module]:
@@ -1314,11 +1339,15 @@ def _cast_unit_buffers(module: nn.Module, dtype: Optional[torch.dtype]) -> list:
 
 def _refuse_batchnorm_with_other_buffer_dtype(module: nn.Module,
                                               policy: MixedPrecisionPolicy) -> None:
-    """Under mixed precision with ``buffer_dtype`` other than the compute dtype, a BatchNorm
-    whose weight this unit gathers would meet running statistics of another dtype, which
-    torch's ``batch_norm`` refuses at the first forward ("expected scalar type BFloat16 but
-    found Float"): say so here, with the ways out. Local, before any collective."""
-    if not policy.enabled or policy.buffer_cast_dtype() == policy.param_dtype:
+    """With ``buffer_dtype`` other than the compute dtype (the parameters' own dtype without
+    mixed precision), a BatchNorm whose weight this unit gathers would meet running statistics
+    of another dtype, which torch's ``batch_norm`` refuses at the first forward ("expected
+    scalar type Float but found BFloat16"): say so here, with the ways out. Local, before any
+    collective."""
+    buffers = policy.buffer_cast_dtype()
+    params = [p for p in module.parameters() if p.is_floating_point()]
+    compute = policy.compute_dtype(params[0].dtype if params else torch.float32)
+    if buffers is None or buffers == compute:
         return
     for m in _unit_modules(module):
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.weight is not None \
@@ -1326,11 +1355,11 @@ def _refuse_batchnorm_with_other_buffer_dtype(module: nn.Module,
             raise ValueError(
                 f"FullyShardedDataParallel(compute_dtype={policy.param_dtype}, buffer_dtype="
                 f"{policy.buffer_dtype}): this unit holds a {type(m).__name__}, whose weight "
-                f"would be gathered in {policy.param_dtype} beside running statistics in "
-                f"{policy.buffer_dtype}, which torch's batch_norm refuses. Give the BatchNorm "
+                f"would be gathered in {compute} beside running statistics in "
+                f"{buffers}, which torch's batch_norm refuses. Give the BatchNorm "
                 f"layers their own full-precision units first (model = auto_wrap_bn(model), "
                 f"FairScale's way), or leave buffer_dtype unset (statistics in "
-                f"{policy.param_dtype})")
+                f"{compute})")
 
 
 def _keep_unit_storage() -> None:

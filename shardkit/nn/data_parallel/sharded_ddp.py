@@ -114,6 +114,9 @@ class ShardedDataParallel(nn.Module):
     backward, re-planned once in the order rank 0's gradients really arrived (as torch DDP
     does); a bucket that completes early waits for the ones planned before it.
 
+    Construction checks, in one small all-gather, that every rank wraps the same module with
+    the same arguments (a ValueError on every rank otherwise).
+
     .. warning:: Construction, :meth:`refresh_trainable`, forward (with ``broadcast_buffers``),
         backward and :meth:`reduce` issue collectives: call them on every rank of the group.
     """
@@ -130,6 +133,7 @@ class ShardedDataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"ShardedDataParallel(module=...): expected an nn.Module, got "
                             f"{type(module).__name__}")
+        args.check_not_data_parallel(module)
         optimizers = args.as_oss_list(sharded_optimizer)
         args.check_reduce_buffer_size(reduce_buffer_size)
         args.check_bool_flags(broadcast_buffers=broadcast_buffers,
@@ -144,7 +148,6 @@ class ShardedDataParallel(nn.Module):
         self.reduce_fp16 = reduce_fp16
         self.comm = resolve_transport(comm, "ShardedDataParallel")
         self.process_group = args.common_group(process_group, optimizers)
-        self.comm.prepare(self.process_group)
         args.check_optimizer_params_in_module(module, optimizers)
 
         device_types = args.device_types(module)
@@ -186,6 +189,15 @@ class ShardedDataParallel(nn.Module):
         self._trainable: list = []            # trainable params, registration order
         self._owner_of: dict = {}
         self._observed: Optional[list] = None  # grads' arrival order, until the order is settled
+        self._check_step_in_backward(step_in_backward)
+        self._owners_of(self._trainable_params())  # every trainable parameter has an owner
+        # the last local check is above: the ranks now compare what they were given
+        args.check_same_wrapping_on_every_rank(
+            module, self.process_group, broadcast_buffers=broadcast_buffers,
+            sync_models_at_startup=sync_models_at_startup, reduce_buffer_size=reduce_buffer_size,
+            reduce_fp16=reduce_fp16, comm=type(self.comm).__name__,
+            max_inflight_bytes=max_inflight_bytes, step_in_backward=step_in_backward)
+        self.comm.prepare(self.process_group)
         self.step_in_backward = self._prepare_step_in_backward(step_in_backward)
         self._steps_after: list[list] = []    # reduce bucket -> (optimizer, sync bucket)s
 
@@ -567,17 +579,21 @@ class ShardedDataParallel(nn.Module):
             self._backward_active = False
             self._syncing = False
 
+    def _check_step_in_backward(self, step_in_backward) -> None:
+        """A bool, and with ``True`` optimizers that update each parameter alone. Local."""
+        if not isinstance(step_in_backward, bool):
+            raise TypeError(f"ShardedDataParallel(step_in_backward={step_in_backward!r}): "
+                            f"expected True or False")
+        for optimizer in self.sharded_optimizers if step_in_backward else ():
+            optimizer._check_steps_per_parameter("ShardedDataParallel(step_in_backward=True)")
+
     def _prepare_step_in_backward(self, step_in_backward: bool) -> bool:
         """Give the optimizers' parameter sync a process group of its own (so that steps
         started whenever a reduction lands cannot interleave with the reductions' order) and
         let the next forward wait for it per module. Collective over the group's ranks."""
-        if not isinstance(step_in_backward, bool):
-            raise TypeError(f"ShardedDataParallel(step_in_backward={step_in_backward!r}): "
-                            f"expected True or False")
+        self._check_step_in_backward(step_in_backward)
         if not step_in_backward:
             return False
-        for optimizer in self.sharded_optimizers:
-            optimizer._check_steps_per_parameter("ShardedDataParallel(step_in_backward=True)")
         if self.world_size == 1:
             return True
         sync_group = skdist.group_of_same_ranks(self.process_group)

@@ -28,6 +28,24 @@ def as_oss_list(sharded_optimizer) -> list:
     return optimizers
 
 
+def check_not_data_parallel(module: nn.Module) -> None:
+    """ValueError when ``module`` is, or holds, a data-parallel wrapper (ShardedDataParallel,
+    FullyShardedDataParallel, torch DDP): the outer wrapper would average gradients that the
+    inner one already reduced (an inner ShardedDataParallel: wrong updates and more traffic),
+    or average different ranks' FSDP shards with each other. Local; no communication."""
+    from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
+    from shardkit.nn.data_parallel.sharded_ddp import ShardedDataParallel
+
+    wrappers = (ShardedDataParallel, FullyShardedDataParallel,
+                nn.parallel.DistributedDataParallel)
+    for name, sub in module.named_modules():
+        if isinstance(sub, wrappers):
+            where = "module" if not name else f"module.{name}"
+            raise ValueError(f"ShardedDataParallel(module=...): {where} is already a "
+                             f"{type(sub).__name__}; its gradients are reduced there. Wrap "
+                             f"the plain module once, with one data-parallel wrapper")
+
+
 def device_types(module: nn.Module) -> list[str]:
     """The device type of the module's parameters; ``ValueError`` when they mix types."""
     types = sorted({p.device.type for p in module.parameters()})
@@ -78,6 +96,28 @@ def common_group(process_group, optimizers):
         raise ValueError(f"ShardedDataParallel(process_group=<ranks {given}>): the optimizer's "
                          f"group has ranks {ranks[0]}; pass the optimizer's group (or None)")
     return process_group
+
+
+def check_same_wrapping_on_every_rank(module: nn.Module, group, **settings) -> None:
+    """One small all-gather at construction: every rank must wrap the same module (parameter
+    and buffer names, shapes, dtypes) with the same ``settings`` (the arguments that shape the
+    collectives: bucket size, communication dtype, buffer broadcasts, ...). Otherwise the ranks
+    issue collectives of different sizes, and gloo aborts every process ("Received data size
+    doesn't match expected size"). The ValueError names the first difference between rank 0
+    and the first rank that differs from it, the same text on every rank. Communication: the
+    names, shapes and settings of every rank, once."""
+    mine = {name: repr(value) for name, value in settings.items()}
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        mine[f"module.{name}"] = f"{tuple(t.shape)} {t.dtype}"
+    every = skdist.all_gather_object(mine, group=group)
+    for r, theirs in enumerate(every[1:], start=1):
+        names = sorted(set(theirs) | set(every[0]))
+        differing = [k for k in names if theirs.get(k) != every[0].get(k)]
+        if differing:
+            k = differing[0]
+            raise ValueError(f"ShardedDataParallel: {k} is {every[0].get(k, '(absent)')} on rank 0 "
+                             f"of the group and {theirs.get(k, '(absent)')} on rank {r}; every "
+                             f"rank must wrap the same module with the same arguments")
 
 
 def check_optimizer_params_in_module(module: nn.Module, optimizers) -> None:

@@ -122,6 +122,9 @@ def _check_arguments(logits, target, ignore_index, label_smoothing) -> None:
         raise ValueError(f"vocab_parallel_cross_entropy: target shape {tuple(target.shape)} must "
                          f"equal the logits' shape without the vocabulary dimension, "
                          f"{tuple(logits.shape[:-1])}")
+    if not logits.dtype.is_floating_point:
+        raise TypeError(f"vocab_parallel_cross_entropy: logits dtype {logits.dtype} must be a "
+                        f"floating-point type (float32, bfloat16, float16)")
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
         raise TypeError(f"vocab_parallel_cross_entropy: target dtype {target.dtype} must be an "
                         f"integer type (word indices)")
