@@ -9,6 +9,8 @@ the process group, so all ranks skip together and back the scale off together.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from shardkit import distributed as skdist
@@ -47,8 +49,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
     ``ShardedDataParallel`` each rank holds only the gradients it owns) its ``update()`` would
     move the ranks' scales apart, so ``OSS.step`` raises a RuntimeError on every rank naming
     this class. ``FullyShardedDataParallel`` carries an overflow in any rank's gradients of a
-    unit into every rank's shard of it, so torch's scaler agrees there too; this class works
-    with it as well (its all-reduce then only confirms).
+    unit, or one its fp16 reduce-scatter makes, into every rank's shard of it, so torch's
+    scaler agrees there too; this class works with it as well (its all-reduce then only
+    confirms). A gradient made inf by hand after ``backward`` on some ranks only is seen by
+    this class alone.
 
     Usage::
 
@@ -70,10 +74,15 @@ class ShardedGradScaler(torch.amp.GradScaler):
         backoff_factor, growth_interval = options["backoff_factor"], options["growth_interval"]
         enabled = options["enabled"]
         skdist.check_group(options["process_group"], "ShardedGradScaler", "process_group")
+        if not isinstance(enabled, bool):
+            raise TypeError(f"ShardedGradScaler(enabled={enabled!r}): expected True or False")
         _check_positive("init_scale", init_scale)
-        _check_positive("growth_interval", growth_interval)
+        _check_positive_int("growth_interval", growth_interval)
+        _check_number("growth_factor", growth_factor)
+        _check_number("backoff_factor", backoff_factor)
         if enabled and not growth_factor > 1.0:
-            raise ValueError(f"ShardedGradScaler(growth_factor={growth_factor!r}): must be > 1.0")
+            raise ValueError(f"ShardedGradScaler(growth_factor={growth_factor!r}): must be a "
+                             f"finite number > 1.0")
         if enabled and not 0.0 < backoff_factor < 1.0:
             raise ValueError(f"ShardedGradScaler(backoff_factor={backoff_factor!r}): must be in "
                              f"(0, 1)")
@@ -144,6 +153,21 @@ def _device_name(device) -> str:
                     f"init_scale first)")
 
 
+def _check_number(name: str, value) -> None:
+    """A finite int or float (not a bool): torch's scaler would take an inf or a string here
+    and fail, or scale by inf, only at the first ``update()``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value):
+        raise ValueError(f"ShardedGradScaler({name}={value!r}): must be a finite number")
+
+
 def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"ShardedGradScaler({name}={value!r}): must be a positive number")
+    _check_number(name, value)
+    if not value > 0:
+        raise ValueError(f"ShardedGradScaler({name}={value!r}): must be a finite number > 0")
+
+
+def _check_positive_int(name: str, value) -> None:
+    # torch's update() passes growth_interval to an op that takes an int only
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ShardedGradScaler({name}={value!r}): must be an integer >= 1")

@@ -66,6 +66,11 @@ class DynamicLossScaler:
             raise ValueError(f"DynamicLossScaler(scale_factor={scale_factor!r}): must be > 1")
         _require_positive_int("scale_window", scale_window)
         _require_positive_int("hysteresis", hysteresis)
+        if init_scale < min_scale:
+            raise ValueError(f"loss scaler: init_scale={init_scale!r} is below min_scale="
+                             f"{min_scale!r}; the scale must start at or above its floor (in a "
+                             f"DeepSpeed config: 2 ** fp16.initial_scale_power >= "
+                             f"fp16.min_loss_scale)")
         self.cur_scale = float(init_scale)
         self.scale_window = int(scale_window)
         self.hysteresis = int(hysteresis)
@@ -137,9 +142,15 @@ class DynamicLossScaler:
                 "raise_error_at_min_scale": self.raise_error_at_min_scale}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume from :meth:`state_dict` (keys it lacks keep their current values); an
+        unknown key raises ``KeyError`` before anything is changed. Local."""
+        valid = self.state_dict()
+        for key in state:
+            if key not in valid:
+                raise KeyError(f"DynamicLossScaler.load_state_dict: unknown key {key!r}; valid "
+                               f"keys are {sorted(valid)} (a torch GradScaler's state has "
+                               f"'scale' and '_growth_tracker' instead)")
         for key, value in state.items():
-            if not hasattr(self, key):
-                raise KeyError(f"DynamicLossScaler.load_state_dict: unknown key {key!r}")
             setattr(self, key, value)
 
     def __repr__(self) -> str:
