@@ -39,7 +39,8 @@ __all__ = [
     "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
     "recv", "isend",
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
-    "broadcast_object", "all_gather_object", "broadcast_tensors_from_rank0", "any_rank",
+    "broadcast_object", "all_gather_object", "first_disagreement",
+    "broadcast_tensors_from_rank0", "any_rank",
     "CommCounter", "CommRecord", "ReduceOp", "destroy", "set_debug_collectives",
     "ranks_per_node", "node_of", "spans_nodes", "node_groups", "groups_of_nodes",
     "ranks_by_node", "check_equal_nodes", "node_layout_known",
@@ -1120,6 +1121,20 @@ def broadcast_object(obj, src: int = 0, group=None):
     with reporting_broken_links("broadcast_object", group):
         dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def first_disagreement(mine: dict, group=None) -> Optional[tuple]:
+    """Whether the ranks of ``group`` hold the same ``mine`` (``{name: text}``): ``None`` when
+    they do, else ``(name, rank 0's text, rank, that rank's text)`` for the first name (sorted)
+    on which the first rank differing from the group's rank 0 differs, the same tuple on every
+    rank (a missing name reads ``"(absent)"``), so that every rank raises the same error.
+    Communication: one object all-gather of ``mine``."""
+    every = all_gather_object(mine, group=group)
+    for r, theirs in enumerate(every[1:], start=1):
+        for name in sorted(set(theirs) | set(every[0])):
+            if theirs.get(name) != every[0].get(name):
+                return (name, every[0].get(name, "(absent)"), r, theirs.get(name, "(absent)"))
+    return None
 
 
 def all_gather_object(obj, group=None) -> list:

@@ -1,11 +1,14 @@
 """Attribute lookup that falls through a wrapper to the module it wraps (FairScale's and
-DeepSpeed's wrappers behave so: ``ddp.config`` reads the model's ``config``)."""
+DeepSpeed's wrappers behave so: ``ddp.config`` reads the model's ``config``), and finding a
+wrapper already inside a module."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch.nn as nn
 
-__all__ = ["attribute_through"]
+__all__ = ["attribute_through", "wrapper_inside"]
 
 
 def attribute_through(wrapper: nn.Module, name: str, child: str):
@@ -19,3 +22,13 @@ def attribute_through(wrapper: nn.Module, name: str, child: str):
         if wrapped is None:
             raise
         return getattr(wrapped, name)
+
+
+def wrapper_inside(module: nn.Module, kinds: tuple) -> Optional[tuple[str, nn.Module]]:
+    """The first submodule of ``module`` (``module`` itself included) that is one of
+    ``kinds``, as ``(where, submodule)`` with ``where`` "module" or "module.<name>";
+    ``None`` when there is none. Local; one walk over the modules."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, kinds):
+            return ("module" if not name else f"module.{name}"), sub
+    return None

@@ -120,16 +120,12 @@ def check_same_unit_on_every_rank(groups, module, params, **settings) -> None:
     for group in (groups.shard, *replicas):  # shard group None: the default group
         if skdist.get_world_size(group) < 2:
             continue
-        every = skdist.all_gather_object(mine, group=group)
-        for r, theirs in enumerate(every[1:], start=1):
-            keys = sorted(set(theirs) | set(every[0]))
-            differing = [k for k in keys if theirs.get(k) != every[0].get(k)]
-            if differing:
-                k = differing[0]
-                raise ValueError(f"FullyShardedDataParallel: {k} is "
-                                 f"{every[0].get(k, '(absent)')} on rank 0 of the group and "
-                                 f"{theirs.get(k, '(absent)')} on rank {r}; every rank must "
-                                 f"wrap the same module with the same arguments")
+        found = skdist.first_disagreement(mine, group)
+        if found is not None:
+            name, first, r, theirs = found
+            raise ValueError(f"FullyShardedDataParallel: {name} is {first} on rank 0 of the "
+                             f"group and {theirs} on rank {r}; every rank must wrap the same "
+                             f"module with the same arguments")
 
 
 def check_divide_factor(call: str, name: str, value) -> float:

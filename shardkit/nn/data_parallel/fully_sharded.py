@@ -128,7 +128,7 @@ from shardkit.nn.wrap import auto_wrap_bn  # noqa: F401 - FairScale's FSDP modul
 from shardkit.quantized_transport import quantized_transport_for
 from shardkit.utils.grad_norm import (check_clip_arguments, clip_grad_norm_across_ranks,
                                       count_once_over_tensor_parallel)
-from shardkit.utils.wrapped_attributes import attribute_through
+from shardkit.utils.wrapped_attributes import attribute_through, wrapper_inside
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "ShardingStrategy",
            "TrainingState", "get_fsdp_instances", "gathered_param_bytes", "GatheredParamBytes"]
@@ -1191,13 +1191,12 @@ def _refuse_other_data_parallel(module: nn.Module) -> None:
     that FSDP flattens and shards itself. Inner FSDP units are fine (nesting). Local."""
     from shardkit.nn.data_parallel.sharded_ddp import ShardedDataParallel
 
-    others = (ShardedDataParallel, nn.parallel.DistributedDataParallel)
-    for name, sub in module.named_modules():
-        if isinstance(sub, others):
-            where = "module" if not name else f"module.{name}"
-            raise ValueError(f"FullyShardedDataParallel(module=...): {where} is already a "
-                             f"{type(sub).__name__}, which reduces gradients itself; wrap the "
-                             f"plain module (FSDP reduces its gradients)")
+    found = wrapper_inside(module, (ShardedDataParallel, nn.parallel.DistributedDataParallel))
+    if found is not None:
+        where, inner = found
+        raise ValueError(f"FullyShardedDataParallel(module=...): {where} is already a "
+                         f"{type(inner).__name__}, which reduces gradients itself; wrap the "
+                         f"plain module (FSDP reduces its gradients)")
 
 
 def _unit_modules(module: nn.Module) -> Iterator[nn.Module]:

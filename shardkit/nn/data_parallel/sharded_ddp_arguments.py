@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from shardkit import distributed as skdist
+from shardkit.utils.wrapped_attributes import wrapper_inside
 
 
 def as_oss_list(sharded_optimizer) -> list:
@@ -36,14 +37,13 @@ def check_not_data_parallel(module: nn.Module) -> None:
     from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
     from shardkit.nn.data_parallel.sharded_ddp import ShardedDataParallel
 
-    wrappers = (ShardedDataParallel, FullyShardedDataParallel,
-                nn.parallel.DistributedDataParallel)
-    for name, sub in module.named_modules():
-        if isinstance(sub, wrappers):
-            where = "module" if not name else f"module.{name}"
-            raise ValueError(f"ShardedDataParallel(module=...): {where} is already a "
-                             f"{type(sub).__name__}; its gradients are reduced there. Wrap "
-                             f"the plain module once, with one data-parallel wrapper")
+    found = wrapper_inside(module, (ShardedDataParallel, FullyShardedDataParallel,
+                                    nn.parallel.DistributedDataParallel))
+    if found is not None:
+        where, inner = found
+        raise ValueError(f"ShardedDataParallel(module=...): {where} is already a "
+                         f"{type(inner).__name__}; its gradients are reduced there. Wrap "
+                         f"the plain module once, with one data-parallel wrapper")
 
 
 def device_types(module: nn.Module) -> list[str]:
@@ -109,15 +109,12 @@ def check_same_wrapping_on_every_rank(module: nn.Module, group, **settings) -> N
     mine = {name: repr(value) for name, value in settings.items()}
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         mine[f"module.{name}"] = f"{tuple(t.shape)} {t.dtype}"
-    every = skdist.all_gather_object(mine, group=group)
-    for r, theirs in enumerate(every[1:], start=1):
-        names = sorted(set(theirs) | set(every[0]))
-        differing = [k for k in names if theirs.get(k) != every[0].get(k)]
-        if differing:
-            k = differing[0]
-            raise ValueError(f"ShardedDataParallel: {k} is {every[0].get(k, '(absent)')} on rank 0 "
-                             f"of the group and {theirs.get(k, '(absent)')} on rank {r}; every "
-                             f"rank must wrap the same module with the same arguments")
+    found = skdist.first_disagreement(mine, group)
+    if found is not None:
+        name, first, r, theirs = found
+        raise ValueError(f"ShardedDataParallel: {name} is {first} on rank 0 of the group and "
+                         f"{theirs} on rank {r}; every rank must wrap the same module with the "
+                         f"same arguments")
 
 
 def check_optimizer_params_in_module(module: nn.Module, optimizers) -> None:
