@@ -1125,13 +1125,14 @@ def broadcast_object(obj, src: int = 0, group=None):
 
 def first_disagreement(mine: dict, group=None) -> Optional[tuple]:
     """Whether the ranks of ``group`` hold the same ``mine`` (``{name: text}``): ``None`` when
-    they do, else ``(name, rank 0's text, rank, that rank's text)`` for the first name (sorted)
-    on which the first rank differing from the group's rank 0 differs, the same tuple on every
-    rank (a missing name reads ``"(absent)"``), so that every rank raises the same error.
+    they do, else ``(name, rank 0's text, rank, that rank's text)`` for the first name (in rank
+    0's order, then the others' sorted) on which the first rank differing from rank 0
+    differs, the same tuple on every rank (a missing name reads ``"(absent)"``), so that every
+    rank raises the same error.
     Communication: one object all-gather of ``mine``."""
     every = all_gather_object(mine, group=group)
     for r, theirs in enumerate(every[1:], start=1):
-        for name in sorted(set(theirs) | set(every[0])):
+        for name in [*every[0], *sorted(set(theirs) - set(every[0]))]:
             if theirs.get(name) != every[0].get(name):
                 return (name, every[0].get(name, "(absent)"), r, theirs.get(name, "(absent)"))
     return None

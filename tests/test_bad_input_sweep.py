@@ -176,8 +176,12 @@ _PROBES = {
         lambda mo, r: SDP(mo[0], mo[1], reduce_buffer_size=[0, 2 ** 20][r]), ValueError,
         ["reduce_buffer_size is 0 on rank 0", "1048576 on rank 1"], 1),
     "FSDP model, ranks differ": (None, lambda _, r: FSDP(_mlp(4 + r)), ValueError,
-                                 ["parameter 0.bias is (4,)", "(5,) torch.float32 on rank 1"],
+                                 ["parameter 0.weight is (4, 4)", "(5, 4) torch.float32 on rank 1"],
                                  1),
+    # before: NO_SHARD's one-rank groups were created on rank 0 only: a hang
+    "FSDP sharding_strategy, ranks differ": (
+        None, lambda _, r: FSDP(_mlp(4), sharding_strategy=["NO_SHARD", "FULL_SHARD"][r]),
+        ValueError, ["sharding_strategy is 'NO_SHARD' on rank 0", "'FULL_SHARD' on rank 1"], 1),
     "FSDP mixed_precision, ranks differ": (
         None, lambda _, r: FSDP(_mlp(4), mixed_precision=bool(r)), ValueError,
         ["mixed_precision is", "param_dtype=torch.float16", "on rank 1"], 1),

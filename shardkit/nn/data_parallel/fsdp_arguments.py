@@ -103,9 +103,10 @@ def resolve_fairscale_options(*, move_params_to_cpu: bool, module_device: torch.
         allow_reset_parameters=allow_reset_parameters)
 
 
-def check_same_unit_on_every_rank(groups, module, params, **settings) -> None:
-    """One small all-gather per group of the unit that has several ranks (the shard group,
-    and the replica group of hybrid / NO_SHARD strategies): every rank must wrap the same
+def check_same_unit_on_every_rank(process_groups: list, module, params, **settings) -> None:
+    """One small all-gather per group of ``process_groups`` that has several ranks (the
+    ``process_group`` given, ``None``: the default group; both groups of a (shard, replicate)
+    pair), before any sub-group is created from them: every rank must wrap the same
     parameters (names, shapes, dtypes) with the same ``settings`` (the arguments that shape
     the unit's collectives: strategy, precision, quantization, transport). Otherwise the ranks
     gather and reduce buffers of different sizes or dtypes, and gloo aborts every process
@@ -116,8 +117,7 @@ def check_same_unit_on_every_rank(groups, module, params, **settings) -> None:
     names = {id(p): name for name, p in module.named_parameters()}
     for p in params:
         mine[f"parameter {names.get(id(p), '?')}"] = f"{tuple(p.shape)} {p.dtype}"
-    replicas = () if groups.replicate is None else (groups.replicate,)
-    for group in (groups.shard, *replicas):  # shard group None: the default group
+    for group in process_groups:
         if skdist.get_world_size(group) < 2:
             continue
         found = skdist.first_disagreement(mine, group)

@@ -120,7 +120,8 @@ from shardkit.nn.data_parallel.fsdp_state_dict import (FSDPStateDictMixin, add_w
                                                        clean_name)
 from shardkit.nn.data_parallel.mixed_precision import (MixedPrecisionPolicy,
                                                        resolve_mixed_precision)
-from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, check_quantization,
+from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, check_group_arguments,
+                                                         check_quantization,
                                                          groups_of_mesh, resolve_groups,
                                                          resolve_sharding_strategy)
 from shardkit.nn.data_parallel.training_state import TrainingState, check_state
@@ -310,6 +311,17 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 raise ValueError("FullyShardedDataParallel: pass process_group or device_mesh, "
                                  "not both")
             process_group = groups_of_mesh(device_mesh, strategy)
+        check_group_arguments(strategy, process_group, hpz_partition_size)
+        params, locations = _collect_unit_params(module)
+        check_one_dtype(params)
+        # before resolve_groups, whose sub-groups (hybrid, hpZ, NO_SHARD) are collectives that
+        # ranks with other strategies would not join
+        check_same_unit_on_every_rank(
+            list(process_group) if isinstance(process_group, tuple) else [process_group],
+            module, params, sharding_strategy=strategy.name,
+            reshard_after_forward=reshard_after_forward, mixed_precision=policy,
+            hpz_partition_size=hpz_partition_size, quantize_weights=quantize_weights,
+            quantize_gradients=quantize_gradients, comm=type(transport).__name__)
         groups = resolve_groups(strategy, process_group, hpz_partition_size)
         reduce_group = check_reduce_scatter_group(process_group_reduce_scatter, groups.shard,
                                                   strategy)
@@ -335,13 +347,6 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self.quantize_weights = quantize_weights
         self.quantize_gradients = quantize_gradients
         self._set_fairscale_options(options, reduce_group)
-        params, locations = _collect_unit_params(module)
-        check_one_dtype(params)
-        check_same_unit_on_every_rank(
-            groups, module, params, sharding_strategy=strategy.name,
-            reshard_after_forward=reshard_after_forward, mixed_precision=policy,
-            hpz_partition_size=hpz_partition_size, quantize_weights=quantize_weights,
-            quantize_gradients=quantize_gradients, comm=type(transport).__name__)
         transport.prepare(groups.shard)
         separate_reduce = reduce_group if reduce_group is not groups.shard else None
         for group in (groups.replicate, groups.hpz, separate_reduce):

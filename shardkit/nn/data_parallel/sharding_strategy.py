@@ -41,6 +41,7 @@ from typing import Optional
 from shardkit import distributed as skdist
 
 __all__ = ["ShardingStrategy", "UnitGroups", "resolve_sharding_strategy", "resolve_groups",
+           "check_group_arguments",
            "groups_of_mesh", "check_quantization"]
 
 
@@ -234,12 +235,11 @@ def groups_of_mesh(device_mesh, strategy: ShardingStrategy):
     return device_mesh.get_group(0)
 
 
-def resolve_groups(strategy: ShardingStrategy, process_group,
-                   hpz_partition_size: int = 1) -> UnitGroups:
-    """The :class:`UnitGroups` of ``strategy`` over ``process_group`` (a group, ``None`` for the
-    world, or for hybrid strategies a pair ``(intra_node, inter_node)``). Checks happen before
-    any group is created; creating NO_SHARD's, hpZ's or node_groups()'s groups is collective
-    on the world the first time, cached after."""
+def check_group_arguments(strategy: ShardingStrategy, process_group,
+                          hpz_partition_size: int = 1) -> None:
+    """The checks of :func:`resolve_groups` that need no communication: ``hpz_partition_size``
+    (an int >= 1, FULL_SHARD only, dividing the group's size) and a pair of groups for the
+    hybrid strategies only. Local."""
     if not isinstance(hpz_partition_size, int) or isinstance(hpz_partition_size, bool) \
             or hpz_partition_size < 1:
         raise ValueError(f"FullyShardedDataParallel(hpz_partition_size={hpz_partition_size!r}): "
@@ -249,13 +249,29 @@ def resolve_groups(strategy: ShardingStrategy, process_group,
                          f"sharding_strategy={strategy.name}): hpZ keeps a secondary partition "
                          f"between a resharding forward and backward; use FULL_SHARD")
     if strategy.is_hybrid:
-        intra, inter = (skdist.node_groups() if process_group is None
-                        else _check_pair(process_group))
-        return UnitGroups(intra, inter if skdist.get_world_size(inter) > 1 else None)
+        return
     if isinstance(process_group, tuple):
         raise ValueError(f"FullyShardedDataParallel(process_group=<pair>, sharding_strategy="
                          f"{strategy.name}): a pair of groups is for HYBRID_SHARD / "
                          f"_HYBRID_SHARD_ZERO2; pass one group (or None) for {strategy.name}")
+    size = skdist.get_world_size(process_group)
+    if hpz_partition_size > 1 and size % hpz_partition_size:
+        raise ValueError(f"FullyShardedDataParallel(hpz_partition_size={hpz_partition_size}): "
+                         f"must divide the process group's size {size} (e.g. the ranks per "
+                         f"node, {skdist.ranks_per_node()})")
+
+
+def resolve_groups(strategy: ShardingStrategy, process_group,
+                   hpz_partition_size: int = 1) -> UnitGroups:
+    """The :class:`UnitGroups` of ``strategy`` over ``process_group`` (a group, ``None`` for the
+    world, or for hybrid strategies a pair ``(intra_node, inter_node)``). Checks happen before
+    any group is created (:func:`check_group_arguments`); creating NO_SHARD's, hpZ's or
+    node_groups()'s groups is collective on the world the first time, cached after."""
+    check_group_arguments(strategy, process_group, hpz_partition_size)
+    if strategy.is_hybrid:
+        intra, inter = (skdist.node_groups() if process_group is None
+                        else _check_pair(process_group))
+        return UnitGroups(intra, inter if skdist.get_world_size(inter) > 1 else None)
     if strategy is ShardingStrategy.NO_SHARD:
         if skdist.get_world_size(process_group) == 1:
             return UnitGroups(_self_group())
@@ -265,11 +281,6 @@ def resolve_groups(strategy: ShardingStrategy, process_group,
         return UnitGroups(_self_group(), process_group)
     if hpz_partition_size == 1:
         return UnitGroups(process_group)
-    size = skdist.get_world_size(process_group)
-    if size % hpz_partition_size:
-        raise ValueError(f"FullyShardedDataParallel(hpz_partition_size={hpz_partition_size}): "
-                         f"must divide the process group's size {size} (e.g. the ranks per "
-                         f"node, {skdist.ranks_per_node()})")
     if process_group is None and hpz_partition_size == skdist.ranks_per_node():
         return UnitGroups(None, None, skdist.node_groups()[0])
     # (a block of the whole group is a named group too: None would read as "no hpZ")
