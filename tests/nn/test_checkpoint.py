@@ -17,6 +17,7 @@ from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe, Schedu
                               split_sequential)
 from shardkit.testing import world_fixture
 from tests.utils.compare import max_diff
+from tests.utils.saved_tensors import saved_bytes
 
 world2 = world_fixture(2)
 
@@ -91,18 +92,6 @@ def test_disable_checkpointing_and_no_grad_run_plain():
     assert probe.seen == [(False, False), (False, False)]
 
 
-def _saved_bytes(fn):
-    total = [0]
-
-    def pack(t):
-        total[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return total[0], out
-
-
 def test_saved_activation_memory_goes_down():
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU())
@@ -110,8 +99,8 @@ def test_saved_activation_memory_goes_down():
     plain = nn.Sequential(*copy.deepcopy(blocks))
     ckpt = nn.Sequential(*[checkpoint_wrapper(b) for b in blocks])
     x = torch.randn(32, 64, requires_grad=True)
-    plain_bytes, out_plain = _saved_bytes(lambda: plain(x))
-    ckpt_bytes, out_ckpt = _saved_bytes(lambda: ckpt(x))
+    plain_bytes, out_plain = saved_bytes(lambda: plain(x))
+    ckpt_bytes, out_ckpt = saved_bytes(lambda: ckpt(x))
     assert ckpt_bytes == 4 * 32 * 64 * 4  # each region keeps only its input
     assert plain_bytes >= 4 * 4 * 32 * 64 * 4  # >= four activations saved per block
     out_plain.sum().backward()

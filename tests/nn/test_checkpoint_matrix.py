@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from shardkit import distributed as dist
 from shardkit.nn.checkpoint import checkpoint_wrapper
 from shardkit.testing import world_fixture
+from tests.utils.saved_tensors import saved_bytes
 
 world2 = world_fixture(2)
 world4 = world_fixture(4)
@@ -77,18 +78,6 @@ def _local_batch(step: int):
     x, y = _global_batch(step, dist.get_world_size())
     n, rank = len(x) // dist.get_world_size(), dist.get_rank()
     return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-
-
-def _saved_bytes(fn):
-    total = [0]
-
-    def pack(t):
-        total[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return total[0], out
 
 
 def _checkpoint_blocks(blocks, every: int) -> None:
@@ -149,7 +138,7 @@ def _train(case: dict, checkpointed: bool, steps: int = 2) -> list:
     for step in range(steps):
         x, y = _local_batch(step)
         optimizer.zero_grad()
-        saved, out = _saved_bytes(lambda: model(x))
+        saved, out = saved_bytes(lambda: model(x))
         loss = F.mse_loss(out.float(), y)
         model.eval()  # an evaluation callback between forward and backward
         loss.backward()
