@@ -39,7 +39,7 @@ __all__ = [
     "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
     "recv", "isend",
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
-    "broadcast_object", "all_gather_object", "first_disagreement",
+    "broadcast_object", "all_gather_object", "first_disagreement", "first_difference",
     "broadcast_tensors_from_rank0", "any_rank",
     "CommCounter", "CommRecord", "ReduceOp", "destroy", "set_debug_collectives",
     "ranks_per_node", "node_of", "spans_nodes", "node_groups", "groups_of_nodes",
@@ -1130,7 +1130,12 @@ def first_disagreement(mine: dict, group=None) -> Optional[tuple]:
     differs, the same tuple on every rank (a missing name reads ``"(absent)"``), so that every
     rank raises the same error.
     Communication: one object all-gather of ``mine``."""
-    every = all_gather_object(mine, group=group)
+    return first_difference(all_gather_object(mine, group=group))
+
+
+def first_difference(every: list) -> Optional[tuple]:
+    """:func:`first_disagreement` on dicts already gathered (``every[r]``: rank ``r``'s), for a
+    caller whose own all-gather carried them. Local."""
     for r, theirs in enumerate(every[1:], start=1):
         for name in [*every[0], *sorted(set(theirs) - set(every[0]))]:
             if theirs.get(name) != every[0].get(name):

@@ -136,15 +136,12 @@ def check_same_model_on_every_rank(groups: list[dict], group, caller: str = "OSS
             raise ValueError(f"{caller}: rank {r} of the group has different trainable parameters "
                              f"from rank {me}: {_first_difference(theirs, mine[0], r, me)}; every "
                              f"rank must {advice}")
-    first = every[0][1]
-    for r, (_, theirs) in enumerate(every[1:], start=1):  # the same text on every rank
-        names = sorted(set(theirs) | set(first))
-        differing = [k for k in names if theirs.get(k) != first.get(k)]
-        if differing:
-            k = differing[0]
-            raise ValueError(f"{caller}: {k} is {first.get(k)} on rank 0 of the group and "
-                             f"{theirs.get(k)} on rank {r}; every rank must build {caller} with "
-                             f"the same optimizer class and hyper-parameters")
+    found = distributed.first_difference([s for _, s in every])  # the same on every rank
+    if found is not None:
+        name, first, r, theirs = found
+        raise ValueError(f"{caller}: {name} is {first} on rank 0 of the group and {theirs} on "
+                         f"rank {r}; every rank must build {caller} with the same optimizer "
+                         f"class and hyper-parameters")
 
 
 def optimizer_settings(optim: type, defaults: dict, groups: list[dict]) -> dict:
