@@ -64,7 +64,7 @@ from shardkit.config import ConfigError, EngineConfig, load_config
 from shardkit.engine_accessors import DeepSpeedAccessors
 from shardkit.model_parallel_unit import (ModelParallelGroups, checkpoint_location,
                                           model_parallel_groups, mp_rank_name,
-                                          write_latest, write_tensor_parallel_layout)
+                                          write_tensor_parallel_layout)
 from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
 from shardkit.recipes import Composition, OptimizerRecipe, compose, why_not_steppable_on_shards
 from shardkit.utils.wrapped_attributes import attribute_through
@@ -722,6 +722,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         was."""
         from shardkit.checkpoint import CheckpointError
         from shardkit.checkpoint.engine_state import save_engine_checkpoint
+        from shardkit.checkpoint.sharded import write_latest_tag
         from shardkit.nn.model_parallel.full_state import split_specs
         tag = f"global_step{self.global_steps}" if tag is None else tag
         path, error = os.path.join(save_dir, tag), None
@@ -733,7 +734,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         except Exception as e:  # the other groups must learn of it rather than go on
             error = e
         if error is None and save_latest and distributed.get_rank() == 0:
-            error = write_latest(save_dir, tag)
+            try:
+                write_latest_tag(save_dir, tag)
+            except OSError as e:
+                error = e
         if distributed.any_rank(error is not None):
             raise CheckpointError(f"save_checkpoint({save_dir!r}, tag={tag!r}) failed"
                                   f"{f': {error}' if error else ' on another rank'}; "

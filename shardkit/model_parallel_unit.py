@@ -22,7 +22,7 @@ from shardkit.config import ConfigError
 from shardkit.utils.grad_norm import tensor_parallel_groups
 
 __all__ = ["MPU_METHODS", "ModelParallelGroups", "model_parallel_groups", "mp_rank_name",
-           "write_latest", "checkpoint_location", "TENSOR_PARALLEL_LAYOUT",
+           "checkpoint_location", "TENSOR_PARALLEL_LAYOUT",
            "write_tensor_parallel_layout", "read_tensor_parallel_layout"]
 
 # in a tensor-parallel checkpoint's TAG directory: how the mp_rank_XX slices join
@@ -166,21 +166,6 @@ def _refuse_pipeline_stages(stages: int, source: str) -> None:
 def mp_rank_name(tensor_rank: int) -> str:
     """The directory of one tensor-parallel rank's slices inside a checkpoint tag."""
     return f"mp_rank_{tensor_rank:02d}"
-
-
-def write_latest(save_dir: str, tag: str) -> Optional[Exception]:
-    """Point ``save_dir/latest`` at ``tag`` through a file renamed into place; returns the
-    error instead of raising."""
-    pending = os.path.join(save_dir, ".latest.tmp")
-    try:
-        with open(pending, "w") as f:
-            f.write(tag)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pending, os.path.join(save_dir, "latest"))
-        return None
-    except OSError as error:
-        return error
 
 
 def _saved_tensor_parallel_size(path: str) -> int:

@@ -54,9 +54,9 @@ from shardkit.checkpoint.resharding import (ParamLayout, copy_rows_into, join_ro
                                             join_row_state)
 
 __all__ = ["FORMAT", "CheckpointError", "RankShard", "LoadedCheckpoint", "RowsWanted",
-           "commit_checkpoint", "agreement_device", "read_latest_tag", "read_checkpoint",
-           "rank_file_name", "resolve_checkpoint_dir", "check_tag", "load_checkpoint_file",
-           "file_digest", "plain_numbers", "check_loads_back"]
+           "commit_checkpoint", "agreement_device", "read_latest_tag", "write_latest_tag",
+           "read_checkpoint", "rank_file_name", "resolve_checkpoint_dir", "check_tag",
+           "load_checkpoint_file", "file_digest", "plain_numbers", "check_loads_back"]
 
 FORMAT = "shardkit-resharding-v1"
 LATEST = "latest"
@@ -272,12 +272,18 @@ def _publish(save_dir, tag, staging, final, metadata, engine_payload, save_lates
     else:
         os.replace(staging, final)
     if save_latest:
-        pending = os.path.join(save_dir, f".{LATEST}.tmp")
-        with open(pending, "w") as f:
-            f.write(tag)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(pending, os.path.join(save_dir, LATEST))
+        write_latest_tag(save_dir, tag)
+
+
+def write_latest_tag(save_dir: str, tag: str) -> None:
+    """Point ``save_dir/latest`` at ``tag``: written to a temporary file, synced, renamed into
+    place, so a crash leaves the old ``latest`` or the new one. Raises ``OSError``."""
+    pending = os.path.join(save_dir, f".{LATEST}.tmp")
+    with open(pending, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pending, os.path.join(save_dir, LATEST))
 
 
 def _collect_digests(staging: str, world_size: int) -> dict:
