@@ -716,11 +716,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                                          client_state, save_latest: bool) -> str:
         """Each tensor-parallel rank's data-parallel group writes a complete resharding
         checkpoint of its slices into ``save_dir/TAG/mp_rank_XX`` (as DeepSpeed's
-        ``mp_rank_XX`` files); once every group has committed (one more one-element
-        all-reduce over the world), rank 0 points ``save_dir/latest`` at ``TAG``. A failure in
-        any group raises :class:`CheckpointError` on every rank and leaves ``latest`` as it
-        was."""
-        from shardkit.checkpoint import CheckpointError
+        ``mp_rank_XX`` files); once every group has committed (one one-element all-reduce
+        over the world), rank 0 points ``save_dir/latest`` at ``TAG`` (one more, to agree that
+        it could). A failure in any group raises :class:`CheckpointError` on every rank and
+        leaves ``latest`` as it was."""
         from shardkit.checkpoint.engine_state import save_engine_checkpoint
         from shardkit.checkpoint.sharded import write_latest_tag
         from shardkit.nn.model_parallel.full_state import split_specs
@@ -733,16 +732,24 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 write_tensor_parallel_layout(path, self.mp_world_size, split_specs(self.module))
         except Exception as e:  # the other groups must learn of it rather than go on
             error = e
-        if error is None and save_latest and distributed.get_rank() == 0:
+        self._agree_on_save(error, save_dir, tag)  # every group saved: only now move latest
+        if save_latest and distributed.get_rank() == 0:
             try:
                 write_latest_tag(save_dir, tag)
             except OSError as e:
                 error = e
+        self._agree_on_save(error, save_dir, tag)
+        return path
+
+    @staticmethod
+    def _agree_on_save(error: Optional[BaseException], save_dir: str, tag: str) -> None:
+        """:class:`CheckpointError` on every rank when ``error`` happened on any (one
+        one-element all-reduce over the world)."""
+        from shardkit.checkpoint import CheckpointError
         if distributed.any_rank(error is not None):
             raise CheckpointError(f"save_checkpoint({save_dir!r}, tag={tag!r}) failed"
                                   f"{f': {error}' if error else ' on another rank'}; "
                                   f"'latest' still names the previous checkpoint") from error
-        return path
 
     def _validate_tag(self, tag: Optional[str], client_state=None) -> None:
         """What every rank must agree on before a save writes anything: rank 0's

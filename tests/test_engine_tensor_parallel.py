@@ -261,6 +261,35 @@ def test_checkpoint_keeps_each_tensor_parallel_ranks_slices(world4, world2, tmp_
         assert r["collectives_before_size_error"] == 0
 
 
+def _one_group_fails(save_dir: str) -> str:
+    """Save tag "a", then tag "b" with tensor-parallel rank 1's group failing to write."""
+    from unittest import mock
+
+    from shardkit.checkpoint import CheckpointError
+    engine, *_ = shardkit.initialize(model=_tp_model(), config=_config(1), mpu=mp.initialize)
+    _train(engine, 1)
+    engine.save_checkpoint(save_dir, tag="a")
+    failing = mock.patch("shardkit.checkpoint.engine_state.save_engine_checkpoint",
+                         side_effect=OSError("disk full"))
+    try:
+        if mp.get_model_parallel_rank() == 1:
+            failing.start()
+        engine.save_checkpoint(save_dir, tag="b")
+        return "saved"
+    except CheckpointError as error:
+        return str(error)
+    finally:
+        if mp.get_model_parallel_rank() == 1:
+            failing.stop()
+
+
+def test_latest_moves_only_once_every_tensor_parallel_group_saved(world4, tmp_path):
+    # before: rank 0 (whose group had saved) moved `latest` to "b" while the other group failed
+    for message in world4.run(_with_model_parallel, _one_group_fails, str(tmp_path)):
+        assert "'latest' still names the previous checkpoint" in message, message
+    assert (tmp_path / "latest").read_text() == "a"
+
+
 # ----------------------------------------------------------------------------- errors
 
 
