@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -169,11 +168,11 @@ def mp_rank_name(tensor_rank: int) -> str:
 
 
 def _saved_tensor_parallel_size(path: str) -> int:
-    """How many tensor-parallel ranks wrote the checkpoint at ``path`` (``TAG`` directory):
-    its ``mp_rank_XX`` directories, 1 for a checkpoint written without tensor parallelism."""
-    if not os.path.isdir(path):
-        return 1
-    return sum(1 for d in os.listdir(path) if re.fullmatch(r"mp_rank_\d\d", d)) or 1
+    """How many tensor-parallel ranks wrote the checkpoint at ``path`` (``TAG`` directory): the
+    size its ``tensor_parallel.json`` records, 1 for a checkpoint written without tensor
+    parallelism."""
+    layout = read_tensor_parallel_layout(path)
+    return 1 if layout is None else layout[0]
 
 
 def checkpoint_location(load_dir: str, tag: Optional[str],
