@@ -365,20 +365,26 @@ def _stage0(model, recipe, process_group, count_comm, psi, reduce_dtype,
     ddp = torch_ddp(model, process_group, count_comm, reduce_dtype, find_unused)
     optimizer = recipe.instance or recipe.build(recipe.param_groups or _trainable(model))
     params = _trainable(model)
-    return Composition(0, ddp, optimizer, ddp.no_sync, functools.partial(_clip_replicated, params),
+    return Composition(0, ddp, optimizer, ddp.no_sync, _replicated_clip(params),
                        _zero_grads(optimizer), psi)
+
+
+def _replicated_clip(params: list) -> Callable:
+    """``clip(max_norm)`` for gradients every rank of the data-parallel group holds in full,
+    chosen once: with tensor-parallel layers (DDP over the data-parallel group) the unsplit
+    model's norm, each slice and each replicated weight counted once
+    (:func:`shardkit.nn.model_parallel.clip_grad_norm`: one more all-reduce of one element,
+    over the tensor-parallel group); else :func:`_clip_replicated`."""
+    from shardkit.utils.grad_norm import tensor_parallel_groups
+    if tensor_parallel_groups(params, "compose(stage=0) clipping") is not None:
+        from shardkit.nn.model_parallel import clip_grad_norm
+        return functools.partial(clip_grad_norm, params)
+    return functools.partial(_clip_replicated, params)
 
 
 def _clip_replicated(params: list, max_norm: float) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` over gradients every rank holds in full; ``max_norm=inf``
-    only measures (no pass that multiplies by 1). With tensor-parallel layers (DDP over the
-    data-parallel group) the norm is the unsplit model's, each slice and each replicated
-    weight counted once (:func:`shardkit.nn.model_parallel.clip_grad_norm`: one more
-    all-reduce of one element, over the tensor-parallel group)."""
-    from shardkit.utils.grad_norm import tensor_parallel_groups
-    if tensor_parallel_groups(params, "compose(stage=0) clipping") is not None:
-        from shardkit.nn.model_parallel import clip_grad_norm
-        return clip_grad_norm(params, max_norm)
+    only measures (no pass that multiplies by 1)."""
     if math.isinf(max_norm):
         return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
