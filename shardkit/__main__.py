@@ -20,7 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"demo": "shardkit.demo", "plan": "shardkit.plan", "cluster": "shardkit.cluster",
                 "consolidate": "shardkit.checkpoint.consolidate"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        parser = argparse.ArgumentParser(prog="python -m shardkit")
+        parser = argparse.ArgumentParser(
+            prog="python -m shardkit", description=__doc__.split("\n\n", 1)[1].strip(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog="`python -m shardkit COMMAND --help` shows a command's options.")
         parser.add_argument("command", choices=sorted(commands))
         if not argv or argv[0] in ("-h", "--help"):
             parser.print_help()

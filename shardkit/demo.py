@@ -282,11 +282,25 @@ def validate(args) -> DemoRequest:
     if args.batch < 1 or args.batch % args.world_size:
         raise DemoError(f"--batch {args.batch} (the global batch) must be a positive multiple "
                         f"of --world-size {args.world_size}")
-    if args.timeout <= 0:
-        raise DemoError(f"--timeout {args.timeout} must be positive")
+    if not 0 < args.timeout < float("inf"):
+        raise DemoError(f"--timeout {args.timeout} must be a positive, finite number of seconds")
     out = args.out or os.path.join("out", time.strftime("demo-%Y%m%d-%H%M%S"))
+    _check_writable_folder(out)
     return DemoRequest(args.world_size, args.steps, args.model, args.batch,
                        parse_runs(args.runs), out, args.seed, args.timeout)
+
+
+def _check_writable_folder(out: str) -> None:
+    """``--out`` must be a folder, or a path whose nearest existing ancestor is a folder this
+    user can write (it is created at launch); checked without creating anything."""
+    path = os.path.abspath(out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise DemoError(f"--out {out!r} is a file, not a folder; give a folder for the figures")
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise DemoError(f"--out {out!r} cannot be created: {path!r} is not a folder this user "
+                        f"can write; give a folder this user can write")
 
 
 def unavailable_reason(spec: RunSpec, world_size: int, cfg: GPTConfig) -> Optional[str]:
@@ -518,6 +532,11 @@ def main(argv: Optional[list] = None) -> int:
         skipped = {n: why for n in req.runs
                    if (why := unavailable_reason(RUN_BY_NAME[n], req.world_size,
                                                  MODELS[req.model]))}
+        try:  # the one side effect before the launch, so that a bad --out fails here
+            os.makedirs(req.out, exist_ok=True)
+        except OSError as e:
+            raise DemoError(f"--out {req.out!r} cannot be created ({e.strerror or e}); give a "
+                            f"folder this user can write") from None
     except DemoError as e:
         print(f"python -m shardkit demo: {e}", file=sys.stderr)
         return 2

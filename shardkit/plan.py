@@ -22,6 +22,12 @@ parameters (tied weights once) and finds the largest FSDP unit under a wrap poli
 ``transformer_auto_wrap_policy``; or ``--min-num-params``: like ``default_auto_wrap_policy``);
 with ``--gpu-memory`` it recommends the lowest stage whose model states, transient buffer and
 activations fit. The activation estimate is documented in :func:`estimate_activation_bytes`.
+With ``--model`` the rows are what the most loaded rank really holds
+(:func:`shardkit.plan_model.rank_layout`): frozen parameters keep weights only (no gradient, no
+optimizer state; at stage 3 a unit that trains at all keeps a gradient shard for all of its
+parameters), stages 1-2 the owner of the most elements under OSS's whole-parameter partition,
+stage 3 FSDP's rows padded to a multiple of N; ``formula_model_states`` (JSON) keeps the ZeRO
+formula. ``tests/test_plan_matrix.py`` checks both against storages and ``CommCounter``.
 
 Costs: no communication, no process group; ``--model`` builds the model once on the CPU.
 """
@@ -30,13 +36,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from shardkit.plan_model import (ModelSummary, PlanError, estimate_activation_bytes,
-                                 load_factory_module, summarize_model)
+from shardkit.plan_model import (ModelSummary, PlanError, RankLayout, estimate_activation_bytes,
+                                 load_factory_module, rank_layout, summarize_model)
 
 __all__ = ["Precision", "StageMemory", "ModelSummary", "precision_for", "zero_model_state_bytes",
            "zero_comm_elements_per_step", "pipeline_comm_elements", "zeropp_traffic",
@@ -81,18 +88,34 @@ FP32_ADAMW = precision_for("adamw", mixed_precision=False)
 
 
 def zero_model_state_bytes(params: float, world_size: int, stage: int,
-                           precision: Precision) -> float:
-    """Per-rank bytes of weights + grads + optimizer state for ZeRO ``stage`` (DESIGN.md)."""
+                           precision: Precision, trainable: Optional[float] = None,
+                           grad_unit_params: Optional[float] = None,
+                           largest_owned: Optional[float] = None) -> float:
+    """Per-rank bytes of weights + grads + optimizer state for ZeRO ``stage`` (DESIGN.md).
+
+    ``trainable`` (Ψ_t, default Ψ): the parameters that train. Frozen ones hold weights only:
+    no gradient, no optimizer state, so Ψ_t replaces Ψ in the G and K terms. Stage 3 is the
+    exception for gradients: FSDP keeps a gradient shard for every parameter of a unit that
+    trains at all, ``grad_unit_params`` (Ψ_g, default Ψ_t). With every parameter trainable
+    these are the table's formulas. Not counted: torch's per-tensor ``step`` count (4 bytes
+    per trainable tensor for Adam/AdamW) and FSDP's padding (use the padded Ψ for it).
+
+    ``largest_owned`` (stages 1-2): the trainable elements the most loaded rank owns under
+    OSS's whole-parameter partition (:func:`shardkit.plan_model.rank_layout`), which replaces
+    the ideal Ψ_t/N: the figure of that rank, the one that must fit."""
     if stage not in STAGES:
         raise PlanError(f"stage {stage!r} is unknown; valid stages are {list(STAGES)}")
     w, g, k, n = precision.weights, precision.grads, precision.optimizer, world_size
+    t = params if trainable is None else trainable
     if stage == 0:
-        return (w + g + k) * params
+        return w * params + (g + k) * t
+    owned = t / n if largest_owned is None else largest_owned
     if stage == 1:
-        return (w + g) * params + k * params / n
+        return w * params + g * t + k * owned
     if stage == 2:
-        return w * params + (g + k) * params / n
-    return (w + g + k) * params / n
+        return w * params + (g + k) * owned
+    grads = t if grad_unit_params is None else grad_unit_params
+    return (w * params + g * grads + k * t) / n
 
 
 def zero_formula_text(stage: int) -> str:
@@ -102,7 +125,8 @@ def zero_formula_text(stage: int) -> str:
 
 def zero_comm_elements_per_step(params: float, world_size: int, stage: int,
                                 padded_params: Optional[float] = None,
-                                root_params: float = 0.0) -> float:
+                                root_params: float = 0.0, trainable: Optional[float] = None,
+                                grad_unit_params: Optional[float] = None) -> float:
     """Elements one rank puts on the wire per step with shardkit's stage wrappers
     (:func:`shardkit.recipes.compose`), ring convention of :mod:`shardkit.distributed`:
 
@@ -116,12 +140,23 @@ def zero_comm_elements_per_step(params: float, world_size: int, stage: int,
       forward into backward).
 
     ``padded_params`` (Ψ', default Ψ) is what the wrapper's flat buffers hold, padding included.
+
+    Frozen parameters: stages 0-2 reduce and re-sync only the ``trainable`` ones (Ψ_t, default
+    Ψ; Ψ' then stands for their padded count); stage 3 gathers every parameter and
+    reduce-scatters the units that train at all, ``grad_unit_params`` (Ψ_g, default Ψ_t, or Ψ'
+    when ``padded_params`` is given and every parameter trains). Not counted: the few side
+    elements per parameter (presence flags, use counts) that ride on the reductions.
     """
     if stage not in STAGES:
         raise PlanError(f"stage {stage!r} is unknown; valid stages are {list(STAGES)}")
-    padded = params if padded_params is None else padded_params
-    elements = {0: 2 * params, 1: 2 * params + padded, 2: params + padded,
-                3: 3 * padded - root_params}[stage]
+    t = params if trainable is None else trainable
+    padded = (params if stage == 3 else t) if padded_params is None else padded_params
+    if stage == 3:
+        reduced = (padded if trainable is None else t) if grad_unit_params is None \
+            else grad_unit_params
+        elements = 2 * padded - root_params + reduced
+    else:
+        elements = {0: 2 * t, 1: 2 * t + padded, 2: t + padded}[stage]
     return elements * (world_size - 1) / world_size
 
 
@@ -145,18 +180,22 @@ QWZ_BYTES = 1 + 4 / 256
 QGZ_BYTES = 0.5 + 4 / 256
 
 
-def zeropp_traffic(params: float, world_size: int, precision: Precision) -> dict[str, float]:
+def zeropp_traffic(params: float, world_size: int, precision: Precision,
+                   root_params: float = 0.0) -> dict[str, float]:
     """Bytes one rank puts on the wire per stage-3 step for each communication option of FSDP:
     ``fp32`` (plain: two all-gathers of W-byte weights, one reduce-scatter of G-byte
     gradients, each ``Ψ(N-1)/N`` elements), ``qwZ`` (int8 weight gathers), ``qgZ`` (int4
-    gradient reduce-scatter) and ``qwZ+qgZ``. Ignores the up to one block of padding per
-    unit's segment and the root unit's single gather (both small for large models)."""
+    gradient reduce-scatter) and ``qwZ+qgZ``. The root unit's ``root_params`` are gathered
+    once (kept from forward into backward), as :func:`link_traffic` counts them. Ignores the
+    up to one block of padding per unit's segment (small for large models)."""
     elements = params * (world_size - 1) / world_size
+    gathered = (2 * params - root_params) * (world_size - 1) / world_size
     gathers = {False: precision.weights, True: QWZ_BYTES}
     reduce = {False: precision.grads, True: QGZ_BYTES}
     options = {"fp32": (False, False), "qwZ": (True, False), "qgZ": (False, True),
                "qwZ+qgZ": (True, True)}
-    return {name: elements * (2 * gathers[qw] + reduce[qg]) for name, (qw, qg) in options.items()}
+    return {name: gathered * gathers[qw] + elements * reduce[qg]
+            for name, (qw, qg) in options.items()}
 
 
 @dataclass(frozen=True)
@@ -273,6 +312,7 @@ class StageMemory:
     transient: float
     activations: float
     comm_per_step: float = 0.0
+    formula_model_states: Optional[float] = None  # the ZeRO formula (ideal balance, no padding)
 
     @property
     def total(self) -> float:
@@ -285,23 +325,61 @@ def transient_bytes(stage: int, precision: Precision, params: float,
     if summary is None:
         return 0.0
     if stage == 2:
-        return min(DEFAULT_REDUCE_BUCKET_BYTES, params * precision.grads)
+        return min(DEFAULT_REDUCE_BUCKET_BYTES, _trainable(params, summary) * precision.grads)
     if stage == 3:  # the gathered unit's weights and its full gradient before reduce-scatter
         return summary.largest_unit_params * (precision.weights + precision.grads)
     return 0.0
 
 
+def _trainable(params: float, summary: Optional[ModelSummary]) -> float:
+    """Ψ_t: the summary's trainable count, else ``params`` (everything trains)."""
+    if summary is None or summary.trainable_params < 0:
+        return params
+    return summary.trainable_params
+
+
+def _grad_unit_params(params: float, summary: Optional[ModelSummary]) -> float:
+    if summary is None or summary.grad_unit_params < 0:
+        return _trainable(params, summary)
+    return summary.grad_unit_params
+
+
 def stage_table(params: float, world_size: int, precision: Precision,
                 stages=STAGES, summary: Optional[ModelSummary] = None,
-                activations: float = 0.0) -> list[StageMemory]:
-    """The plan's rows: per-rank memory of each stage in ``stages``."""
-    return [StageMemory(stage=s, wrapper=STAGE_WRAPPERS[s], formula=zero_formula_text(s),
-                        model_states=zero_model_state_bytes(params, world_size, s, precision),
-                        transient=transient_bytes(s, precision, params, summary),
-                        activations=activations,
-                        comm_per_step=precision.grads * zero_comm_elements_per_step(
-                            params, world_size, s))
-            for s in stages]
+                activations: float = 0.0,
+                layout: Optional[RankLayout] = None) -> list[StageMemory]:
+    """The plan's rows: per-rank memory of each stage in ``stages``. With a model
+    ``summary``: its frozen parameters hold weights only, and stage 3's traffic gathers the
+    root unit once (as :func:`link_traffic` and the demo count it). With its ``layout`` at
+    ``world_size`` (:func:`shardkit.plan_model.rank_layout`), ``model_states`` is the most
+    loaded rank's: OSS's whole-parameter owners at stages 1-2, FSDP's padded rows at stage 3
+    (``formula_model_states`` keeps the ZeRO formula)."""
+    trainable = _trainable(params, summary)
+    grad_units = _grad_unit_params(params, summary)
+    root = summary.root_unit_params if summary is not None else 0.0
+    rows = []
+    for s in stages:
+        formula = zero_model_state_bytes(params, world_size, s, precision, trainable,
+                                         grad_units)
+        states, wire = formula, zero_comm_elements_per_step(
+            params, world_size, s, root_params=root if s == 3 else 0.0, trainable=trainable,
+            grad_unit_params=grad_units)
+        if layout is not None and s in (1, 2):
+            states = zero_model_state_bytes(params, world_size, s, precision, trainable,
+                                            largest_owned=max(layout.oss_numel_per_rank))
+        elif layout is not None and s == 3:
+            states = zero_model_state_bytes(layout.padded_params, world_size, 3, precision,
+                                            layout.padded_trainable, layout.padded_grad_units)
+            wire = zero_comm_elements_per_step(
+                params, world_size, 3, padded_params=layout.padded_params,
+                root_params=layout.padded_root, trainable=trainable,
+                grad_unit_params=layout.padded_grad_units)
+        rows.append(StageMemory(stage=s, wrapper=STAGE_WRAPPERS[s],
+                                formula=zero_formula_text(s), model_states=states,
+                                transient=transient_bytes(s, precision, params, summary),
+                                activations=activations, comm_per_step=precision.grads * wire,
+                                formula_model_states=formula))
+    return rows
 
 
 def recommend_stage(rows: list[StageMemory], budget: float) -> Optional[StageMemory]:
@@ -325,7 +403,7 @@ def parse_size(text: str, what: str) -> float:
     """``"7.5e9"``, ``"7.5B"``, ``"350M"``, ``"80GB"``, ``"40GiB"`` -> a positive number."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     suffix = m.group(2).lower() if m else None
-    if not m or suffix not in _SIZE_SUFFIX or float(m.group(1)) <= 0:
+    if not m or suffix not in _SIZE_SUFFIX or not 0 < float(m.group(1)) < 1e300:
         raise PlanError(f"{what} {text!r} is not a positive number; write e.g. 7.5e9, 350M, "
                         f"7.5B, 80GB or 40GiB")
     return float(m.group(1)) * _SIZE_SUFFIX[suffix]
@@ -425,8 +503,20 @@ def validate(args) -> PlanRequest:
                                             or args.world_size % args.ranks_per_node):
         raise PlanError(f"--ranks-per-node {args.ranks_per_node} must be a positive divisor of "
                         f"--world-size {args.world_size} (the same number of ranks per node)")
-    if args.batch < 1 or args.seq_len < 0:
-        raise PlanError(f"--batch {args.batch} must be >= 1 and --seq-len {args.seq_len} >= 0")
+    if args.batch < 1:
+        raise PlanError(f"--batch {args.batch} must be at least 1 (sequences per rank)")
+    if args.seq_len < 0:
+        raise PlanError(f"--seq-len {args.seq_len} must be 0 (no activation estimate) or more")
+    if args.model is None:
+        given = [flag for flag, value in (("--wrap-block", args.wrap_block),
+                                          ("--min-num-params", args.min_num_params),
+                                          ("--seq-len", args.seq_len or None),
+                                          ("--unfused-attention", args.unfused_attention or None))
+                 if value is not None]
+        if given:
+            raise PlanError(f"{', '.join(given)} describe{'s' if len(given) == 1 else ''} a "
+                            f"real model: give --model pkg.module:factory with "
+                            f"{'it' if len(given) == 1 else 'them'} (--params counts only)")
     return PlanRequest(
         params=parse_size(args.params, "--params") if args.params is not None else None,
         model=args.model, world_size=args.world_size,
@@ -440,24 +530,30 @@ def validate(args) -> PlanRequest:
 
 def make_plan(req: PlanRequest) -> dict:
     """The plan as plain data: inputs, model summary, rows and recommendation."""
-    summary = None
+    summary = layout = None
     params = req.params
     if req.model is not None:
-        summary = summarize_model(load_factory_module(req.model), req.wrap_block,
-                                  req.min_num_params)
+        model = load_factory_module(req.model)
+        summary = summarize_model(model, req.wrap_block, req.min_num_params)
         params = summary.params
+        if not params:
+            raise PlanError(f"--model {req.model!r}: the module has no parameters; nothing to "
+                            f"plan")
+        layout = rank_layout(model, req.world_size, req.wrap_block, req.min_num_params)
     activations = 0.0
     if summary is not None and req.seq_len:
         activations = estimate_activation_bytes(summary, req.batch, req.seq_len,
                                                 req.precision.weights == 2, req.fused_attention)
-    rows = stage_table(params, req.world_size, req.precision, req.stages, summary, activations)
+    rows = stage_table(params, req.world_size, req.precision, req.stages, summary, activations,
+                       layout)
     best = recommend_stage(rows, req.gpu_memory) if req.gpu_memory else None
     return {
         "params": params, "world_size": req.world_size, "precision": asdict(req.precision),
         "model": req.model, "summary": asdict(summary) if summary else None,
         "activations_bytes": activations, "gpu_memory_bytes": req.gpu_memory,
         "rows": [dict(asdict(r), total=r.total) for r in rows],
-        "stage3_traffic": zeropp_traffic(params, req.world_size, req.precision)
+        "stage3_traffic": zeropp_traffic(params, req.world_size, req.precision,
+                                         summary.root_unit_params if summary else 0.0)
         if 3 in req.stages else None,
         "recommended_stage": best.stage if best else None,
         "ranks_per_node": req.ranks_per_node or req.world_size,
@@ -504,7 +600,10 @@ def render_plan(plan: dict) -> str:
              f"(W={pr['weights']}, G={pr['grads']}, K={pr['optimizer']} bytes per parameter)"]
     summary = plan["summary"]
     if summary:
-        lines.append(f"model {plan['model']}: {summary['params']:,} parameters, "
+        trainable = summary.get("trainable_params", -1)
+        frozen = (f" ({summary['params'] - trainable:,} frozen: weights only)"
+                  if 0 <= trainable < summary["params"] else "")
+        lines.append(f"model {plan['model']}: {summary['params']:,} parameters{frozen}, "
                      f"{summary['num_units']} FSDP units, the largest "
                      f"{summary['largest_unit_params']:,} parameters")
     show_extra = summary is not None
@@ -529,6 +628,10 @@ def render_plan(plan: dict) -> str:
             + ("" if name == "fp32" else f" ({b / plain:.2f}x)") for name, b in traffic.items()))
     if plan.get("stage3_link_traffic"):
         lines += render_link_traffic(plan)
+    if show_extra:
+        lines.append("model states with --model: the most loaded rank (OSS owns whole "
+                     "parameters at stages 1-2, FSDP pads each parameter's rows to a multiple "
+                     "of N at stage 3; frozen parameters hold weights only)")
     if show_extra and not plan["activations_bytes"]:
         lines.append("activations not estimated: give --seq-len (and --batch) and --wrap-block "
                      "naming the transformer block class")
@@ -558,11 +661,21 @@ def write_plan_chart(plan: dict, path: str) -> str:
     return write_bar_chart(path, title, groups)
 
 
+def _check_chart_path(path: str) -> None:
+    """``--chart``'s folder must exist and be writable (checked before any work)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not path or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise PlanError(f"--chart {path!r}: the folder {folder!r} does not exist or is not "
+                        f"writable; give a .png path in an existing folder")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``python -m shardkit plan``; returns the exit code (2 on bad input)."""
     from shardkit.utils.charts import ChartError
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if args.chart is not None:
+            _check_chart_path(args.chart)
         plan = make_plan(validate(args))
     except PlanError as e:
         print(f"python -m shardkit plan: {e}", file=sys.stderr)
@@ -571,7 +684,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.chart:
         try:
             line = write_plan_chart(plan, args.chart)
-        except ChartError as e:
+        except (ChartError, OSError) as e:
             print(f"python -m shardkit plan: --chart {args.chart}: {e}", file=sys.stderr)
             return 2
         if not args.json:

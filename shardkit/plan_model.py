@@ -10,8 +10,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["PlanError", "ModelSummary", "load_factory_module", "fsdp_unit_sizes",
-           "summarize_model", "estimate_activation_bytes"]
+__all__ = ["PlanError", "ModelSummary", "RankLayout", "load_factory_module", "fsdp_unit_sizes",
+           "rank_layout", "summarize_model", "estimate_activation_bytes"]
 
 
 class PlanError(ValueError):
@@ -31,6 +31,11 @@ class ModelSummary:
     heads: int
     vocab: int
     root_unit_params: int = 0  # parameters left to the root unit (gathered once per step)
+    # Parameters that train (``requires_grad``; -1: not counted, read as ``params``), and the
+    # parameters of the FSDP units holding at least one of them: FSDP keeps a gradient shard
+    # (and reduce-scatters it) for every parameter of such a unit, frozen ones included.
+    trainable_params: int = -1
+    grad_unit_params: int = -1
 
 
 def load_factory_module(spec: str):
@@ -49,7 +54,11 @@ def load_factory_module(spec: str):
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise PlanError(f"--model {spec!r}: {module_path!r} has no callable {attr!r}")
-    model = factory()
+    try:
+        model = factory()
+    except Exception as e:  # the factory is the user's code: one line, not a traceback
+        raise PlanError(f"--model {spec!r}: {attr}() raised {type(e).__name__}: {e} (the "
+                        f"factory is called with no arguments)") from None
     if not isinstance(model, nn.Module):
         raise PlanError(f"--model {spec!r}: {attr}() returned {type(model).__name__}, "
                         f"not an nn.Module")
@@ -65,16 +74,33 @@ def fsdp_unit_sizes(model, wrap_block: Optional[str] = None,
     it number at least ``min_num_params`` (children are wrapped first). The root unit holds
     whatever remains. A parameter shared between units counts in the first one that owns it.
     """
+    return [sum(p.numel() for p in unit)
+            for unit in _fsdp_unit_params(model, wrap_block, min_num_params)]
+
+
+def _fsdp_units(model, wrap_block: Optional[str] = None,
+                min_num_params: Optional[int] = None) -> list[tuple[int, int]]:
+    """``(parameters, trainable parameters)`` of each unit of :func:`fsdp_unit_sizes`."""
+    return [(sum(p.numel() for p in unit), sum(p.numel() for p in unit if p.requires_grad))
+            for unit in _fsdp_unit_params(model, wrap_block, min_num_params)]
+
+
+def _fsdp_unit_params(model, wrap_block: Optional[str] = None,
+                      min_num_params: Optional[int] = None) -> list[list]:
+    """The distinct parameters of each unit of :func:`fsdp_unit_sizes`, root unit last."""
     claimed: set[int] = set()
-    units: list[int] = []
+    units: list[list] = []
+
+    def unclaimed(module) -> list:
+        return [p for p in _distinct(module.parameters()) if id(p) not in claimed]
 
     def unclaimed_numel(module) -> int:
-        return sum(p.numel() for p in _distinct(module.parameters()) if id(p) not in claimed)
+        return sum(p.numel() for p in unclaimed(module))
 
     def claim(module) -> None:
-        size = unclaimed_numel(module)
+        held = unclaimed(module)
         claimed.update(id(p) for p in module.parameters())
-        units.append(size)
+        units.append(held)
 
     def visit(module) -> None:
         for child in module.children():
@@ -85,8 +111,53 @@ def fsdp_unit_sizes(model, wrap_block: Optional[str] = None,
                 claim(child)
 
     visit(model)
-    units.append(unclaimed_numel(model))
+    units.append(unclaimed(model))
     return units
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """What the wrappers really hold at ``world_size`` ranks, from the model's shapes (no
+    communication, no wrapper built):
+
+    - ``padded_params``, ``padded_trainable``, ``padded_grad_units``, ``padded_root``: stage 3's
+      Ψ', Ψ'_t, Ψ'_g and root unit with FSDP's padding (each parameter cut into ``world_size``
+      dim-0 blocks of ``ceil(rows / N)`` rows);
+    - ``oss_numel_per_rank``: trainable elements each rank owns under OSS's whole-parameter
+      partition (stages 1-2; :func:`shardkit.optim.partition.plan_ownership`, the one
+      ownership algorithm), whose largest entry can exceed Ψ_t/N by up to one parameter.
+    """
+
+    world_size: int
+    padded_params: int
+    padded_trainable: int
+    padded_grad_units: int
+    padded_root: int
+    oss_numel_per_rank: tuple
+
+
+def rank_layout(model, world_size: int, wrap_block: Optional[str] = None,
+                min_num_params: Optional[int] = None) -> RankLayout:
+    """The :class:`RankLayout` of ``model`` at ``world_size`` ranks (stage 3 units as
+    :func:`fsdp_unit_sizes` finds them). Costs a pass over the parameters' shapes."""
+    from shardkit.checkpoint.resharding import ParamLayout
+    from shardkit.optim.partition import plan_ownership
+
+    def padded(p) -> int:
+        return ParamLayout(p.shape, world_size).chunk_numel * world_size
+
+    units = _fsdp_unit_params(model, wrap_block, min_num_params)
+    trainable = [p for p in _distinct(model.parameters()) if p.requires_grad]
+    owned = plan_ownership([trainable], world_size).partition.numel_per_rank() \
+        if trainable else [0] * world_size
+    return RankLayout(
+        world_size=world_size,
+        padded_params=sum(padded(p) for unit in units for p in unit),
+        padded_trainable=sum(padded(p) for unit in units for p in unit if p.requires_grad),
+        padded_grad_units=sum(padded(p) for unit in units
+                              if any(q.requires_grad for q in unit) for p in unit),
+        padded_root=sum(padded(p) for p in units[-1]),
+        oss_numel_per_rank=tuple(owned))
 
 
 def _distinct(params):
@@ -109,7 +180,8 @@ def summarize_model(model, wrap_block: Optional[str] = None,
         found = sorted({type(m).__name__ for m in model.modules()})
         raise PlanError(f"--wrap-block {wrap_block!r} matches no submodule; the model's module "
                         f"classes are {', '.join(found)}")
-    units = fsdp_unit_sizes(model, wrap_block, min_num_params)
+    unit_counts = _fsdp_units(model, wrap_block, min_num_params)
+    units = [size for size, _ in unit_counts]
     blocks = [m for m in model.modules() if wrap_block and type(m).__name__ == wrap_block]
     hidden = heads = 0
     if blocks:
@@ -125,7 +197,10 @@ def summarize_model(model, wrap_block: Optional[str] = None,
                         largest_unit_params=max(units), num_units=len(units),
                         num_blocks=len(blocks), hidden=hidden, heads=heads,
                         vocab=max(embeddings) if embeddings else 0,
-                        root_unit_params=units[-1])
+                        root_unit_params=units[-1],
+                        trainable_params=count_params(p for p in model.parameters()
+                                                      if p.requires_grad),
+                        grad_unit_params=sum(size for size, trained in unit_counts if trained))
 
 
 def estimate_activation_bytes(summary: ModelSummary, batch: int, seq_len: int,
