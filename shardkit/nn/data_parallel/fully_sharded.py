@@ -157,9 +157,17 @@ def _tensors_in(output) -> Iterator[torch.Tensor]:
             stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
 
 
+_EAGER_HOOK_REASON = (
+    "shardkit FullyShardedDataParallel's hooks gather and reduce-scatter parameters and run "
+    "eagerly, so torch.compile breaks the graph at each FSDP unit's hooks: fullgraph=True cannot "
+    "compile a model holding FSDP units; compile the blocks inside the units instead "
+    "(block.compile(fullgraph=True) before wrapping), or the whole model without fullgraph")
+
+
 def _eager(hook):
-    """``hook`` never traced by torch.compile (Dynamo calls it as plain Python)."""
-    return torch._dynamo.disable(hook, recursive=True)
+    """``hook`` never traced by torch.compile (Dynamo calls it as plain Python). The reason
+    is what Dynamo prints for the graph break (and, under ``fullgraph=True``, in its error)."""
+    return torch._dynamo.disable(hook, recursive=True, reason=_EAGER_HOOK_REASON)
 
 
 _MANAGED_PARAMS: dict[int, weakref.ref] = {}  # id -> parameter, for "already sharded" checks
