@@ -25,7 +25,7 @@ import torch
 
 __all__ = ["choose_fused", "all_fp32", "with_fused_choice", "without_fused_choice",
            "build_local_optimizer", "steps_each_parameter_alone", "step_only", "fused_sgd_calls",
-           "fused_first_steps_collide", "whole_step"]
+           "fused_first_steps_collide", "whole_step", "runs_on_whole_model", "agreed_closure"]
 
 # Optimizers whose step treats each parameter independently (state per parameter, nothing
 # shared across the group). Only these are stepped bucket by bucket.
@@ -37,6 +37,57 @@ _PER_PARAMETER_OPTIMIZERS = frozenset({
 # torch optimizers with a fused multi-tensor kernel on CPU and CUDA.
 _FUSED_OPTIMIZERS = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
                                torch.optim.Adagrad})
+
+
+def runs_on_whole_model(optim_class: type) -> bool:
+    """Whether OSS must run ``optim_class`` over every parameter on every rank instead of over
+    this rank's shard: LBFGS (and subclasses), whose one state (the curvature history, kept under
+    its first parameter) and whose line search are over the flattened model, so that a step over
+    a shard is another algorithm, and whose closure is called a data-dependent number of times
+    (ranks stepping their own shards called it a different number of times and hung in the
+    closure's collectives, or mixed gradients taken at different points and diverged)."""
+    return isinstance(optim_class, type) and issubclass(optim_class, torch.optim.LBFGS)
+
+
+def agreed_closure(closure: Callable, params: list, group, world_size: int,
+                   what: str) -> Callable:
+    """``closure`` for an optimizer run on the whole model on every rank (see
+    :func:`runs_on_whole_model`): its loss is averaged over the ranks (the loss of the global
+    batch, as DDP's averaged gradients are its gradients), so that every rank takes the same
+    decisions (convergence tests, line search) and calls the closure as often as the others.
+    The ranks must also hold gradients of the same parameters (every reduced gradient, as under
+    DDP): checked in the same all-reduce, a RuntimeError on every rank otherwise (under
+    ShardedDataParallel only the owners keep them). Communication: one all-reduce of
+    ``1 + len(params)`` float64 elements (the loss, then which parameters hold a gradient) per
+    call of the closure."""
+    from shardkit import distributed
+
+    def closure_on_every_rank():
+        with torch.enable_grad():
+            loss = closure()
+        value = float(loss.detach() if torch.is_tensor(loss) else loss) if loss is not None \
+            else 0.0
+        # the loss, then a 1 for each parameter holding a gradient: summed over the ranks, each
+        # flag must be 0 or world_size (every rank holds that gradient, or none does)
+        agreed = torch.tensor([value] + [float(p.grad is not None) for p in params],
+                              dtype=torch.float64)
+        distributed.all_reduce(agreed, group=group)
+        total, flags = agreed[0].item(), agreed[1:]
+        mixed = ((flags != 0) & (flags != world_size)).nonzero().flatten().tolist()
+        if mixed:
+            held = sum(1 for p in params if p.grad is not None)
+            raise RuntimeError(
+                f"{what}: runs over the whole model on every rank (it steps the flattened "
+                f"model, not a shard), so every rank must hold every reduced gradient, as under "
+                f"DistributedDataParallel; {len(mixed)} of {len(params)} parameters (the first "
+                f"is parameter {mixed[0]}) have a gradient on some ranks only, this rank holds "
+                f"{held} (under ShardedDataParallel only the owners keep them: use "
+                f"DistributedDataParallel, or a per-parameter optimizer)")
+        if loss is None:
+            return None
+        mean = torch.tensor(total / world_size, dtype=torch.float64)
+        return mean.to(loss.dtype) if torch.is_tensor(loss) else type(loss)(mean.item())
+    return closure_on_every_rank
 
 
 def choose_fused(optim_class: type, kwargs: dict, groups: list[dict]) -> bool:

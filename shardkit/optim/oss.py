@@ -23,7 +23,8 @@ from shardkit.checkpoint.optimizer_state import (check_full_state_dict,
                                                  consolidate_optimizer_state, load_into_optimizer,
                                                  state_by_param)
 from shardkit.optim import oss_arguments as args
-from shardkit.optim.local_step import (all_fp32, build_local_optimizer, choose_fused,
+from shardkit.optim.local_step import (agreed_closure, all_fp32, build_local_optimizer,
+                                       choose_fused, runs_on_whole_model,
                                        steps_each_parameter_alone, step_only, whole_step,
                                        with_fused_choice, without_fused_choice)
 from shardkit.optim.param_sync import ParamSync, broadcast_wire_dtype
@@ -89,6 +90,9 @@ class OSS(torch.optim.Optimizer):
     all-reduce of one element (one more over the tensor-parallel group for a model with
     tensor-parallel layers). Construction, :meth:`add_param_group` and :meth:`refresh_trainable`:
     one small all-gather of the trainable parameters' indices and shapes (every rank must agree).
+    LBFGS is the exception: its history and line search span the whole flattened model, so
+    every rank holds all of its state (``2·history_size·Ψ`` elements, not sharded) and steps
+    every parameter; see :meth:`step`.
 
     Implementation: for ``SGD``, ``Adam``, ``AdamW`` and ``Adagrad`` given with ``fused`` and
     ``foreach`` unset, over fp32 parameters, the local step runs torch's own fused kernel (the
@@ -134,6 +138,8 @@ class OSS(torch.optim.Optimizer):
         self.bucket_numel = bucket_numel
         self._optim_class, self._optim_kwargs = optim, ctor_kwargs
         self.fused = choose_fused(optim, ctor_kwargs, groups)
+        # LBFGS: run over every parameter on every rank (see local_step.runs_on_whole_model)
+        self._whole_model = runs_on_whole_model(optim)
         self._ready = False
         self._stepped_in_backward: Optional[set] = None  # buckets stepped by ShardedDDP's backward
         self._found_inf_agreed = False  # ShardedGradScaler combined this step's inf/nan flags
@@ -252,8 +258,12 @@ class OSS(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable] = None, **kwargs):
         """Step the owned parameters that have a gradient, then re-sync every parameter from
         its owner. ``closure`` and the keyword arguments go to the local optimizer's ``step``,
-        as in FairScale (so LBFGS works; an optimizer that calls the closure several times
-        does so on every rank, which must then run the same number of forward passes).
+        as in FairScale. LBFGS (whose curvature and line search span the whole flattened
+        model) is not sharded: every rank holds its state and steps every parameter with the
+        same gradients, so it steps exactly as one process would; its closure's loss is
+        averaged over the ranks (one all-reduce of one element per parameter and one more per
+        call, which also checks that every rank holds every reduced gradient, as under DDP), so
+        every rank calls the closure equally often. The loss returned is then that average.
 
         Without a closure, an optimizer that updates each parameter alone (SGD, Adam, AdamW,
         ...) is stepped bucket by bucket, each bucket's all-gather overlapping the stepping of
@@ -284,10 +294,24 @@ class OSS(torch.optim.Optimizer):
         if closure is None and self._sync.buckets and steps_each_parameter_alone(self.optim):
             self._sync.step_and_sync(lambda params: step_only(self.optim, params, kwargs))
         else:
+            if self._whole_model:
+                closure = self._closure_on_every_rank(closure)
             loss = whole_step(self.optim, closure, kwargs)
             self._sync.sync_all()
         self._pull_hyperparameters()
         return loss
+
+    def _closure_on_every_rank(self, closure: Optional[Callable]) -> Callable:
+        """The closure an optimizer run over the whole model (LBFGS) gets: every rank evaluates
+        it at the same parameters and sees the same (averaged) loss, so the ranks step alike."""
+        name = self._optim_class.__name__
+        if not callable(closure):
+            raise ValueError(f"OSS.step(closure={closure!r}): {name} re-evaluates the model "
+                             f"during its step and needs a closure (a callable that clears the "
+                             f"gradients, runs forward and backward and returns the loss)")
+        params = [p for g in self.optim.param_groups for p in g["params"]]
+        return agreed_closure(closure, params, self.group, self.world_size,
+                              f"OSS(optim={name}).step")
 
     # ------------------------------------------------------------------ loss scaling
 
@@ -389,7 +413,10 @@ class OSS(torch.optim.Optimizer):
         every_param = [p for group in self.param_groups for p in group["params"]]
         counted, also_over = count_once_over_tensor_parallel(
             every_param, owned, "OSS.clip_grad_norm", data_groups=(self.group,))
-        return clip_grad_norm_across_ranks([p.grad for p in owned], max_norm, norm_type,
+        # an optimizer run over the whole model (LBFGS) reads every gradient: scale them all
+        scaled = owned if not self._whole_model else [
+            p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
+        return clip_grad_norm_across_ranks([p.grad for p in scaled], max_norm, norm_type,
                                            self.group, device=self._default_device,
                                            measured=[p.grad for p in counted],
                                            also_over=also_over)
@@ -414,6 +441,11 @@ class OSS(torch.optim.Optimizer):
                 raise ValueError(f"OSS.add_param_group: parameter {i} (shape {tuple(p.shape)}) "
                                  f"is already in another param group; each parameter may be in "
                                  f"one group only")
+        # the optimizer's own checks (LBFGS takes one param group only) before anything changes
+        # or any collective starts: a trial over the groups' hyper-parameters, no parameters
+        self._build_local_optimizer([{**_hyper(g), "params": []}
+                                     for g in self.param_groups + [new]],
+                                    caller="OSS.add_param_group")
         self._check_every_rank_agrees(self.param_groups + [new], "OSS.add_param_group")
         super().add_param_group(new)
         self._repartition()
@@ -444,7 +476,10 @@ class OSS(torch.optim.Optimizer):
         self._consolidated = None
         index_of = {id(p): i for i, p in
                     enumerate(p for g in self.param_groups for p in g["params"])}
-        local = {index_of[id(p)]: s for p, s in {**self._parked_state, **self.optim.state}.items()}
+        held = {**self._parked_state, **self.optim.state}
+        if self._whole_model and self.rank != 0:  # every rank holds the same state: send one
+            held = {}
+        local = {index_of[id(p)]: s for p, s in held.items()}
         groups = [{**_hyper(g), "params": [index_of[id(p)] for p in g["params"]]}
                   for g in self.param_groups]
         self._consolidated = consolidate_optimizer_state(local, groups, self.rank,
@@ -479,11 +514,12 @@ class OSS(torch.optim.Optimizer):
         self._consolidated = None
         for group, saved in zip(self.param_groups, saved_groups):
             group.update(_hyper(saved))
-        owned = {id(p) for p in self._owned_params()}
-        self._load_local_state({p: s for p, (_, s) in found.items() if id(p) in owned})
+        local = {id(p) for g in self.optim.param_groups for p in g["params"]}
+        self._load_local_state({p: s for p, (_, s) in found.items() if id(p) in local})
         # state of parameters frozen here: parked on one rank, picked by index
         self._parked_state = {p: s for p, (key, s) in found.items()
-                              if p not in self.partition and key % self.world_size == self.rank}
+                              if id(p) not in local and p not in self.partition
+                              and key % self.world_size == self.rank}
 
     # ------------------------------------------------------------------ overlapped sync
 
@@ -567,14 +603,17 @@ class OSS(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ mechanism
 
-    def _build_local_optimizer(self, groups: list[dict]) -> torch.optim.Optimizer:
+    def _build_local_optimizer(self, groups: list[dict],
+                               caller: Optional[str] = None) -> torch.optim.Optimizer:
         owned = {id(p) for params in self.partition.params_of(self.rank) for p in params}
+        if self._whole_model:  # every parameter, frozen ones too, as the plain optimizer has
+            owned = {id(p) for g in groups for p in g["params"]}
         try:
             return build_local_optimizer(self._optim_class, self._optim_kwargs, groups, owned,
                                          self.fused)
         except (ValueError, TypeError) as error:  # torch's check of a hyper-parameter
             kind = ValueError if isinstance(error, ValueError) else TypeError
-            raise kind(f"OSS(optim={self._optim_class.__name__}): the optimizer "
+            raise kind(f"{caller or 'OSS'}(optim={self._optim_class.__name__}): the optimizer "
                        f"refused its arguments: {error}") from error
 
     def _load_local_state(self, state: dict) -> None:
@@ -634,6 +673,13 @@ class OSS(torch.optim.Optimizer):
             return
         held = {**self._parked_state, **self.optim.state}
         new = plan.partition
+        if self._whole_model:  # every rank keeps the whole state: nothing moves
+            self._plan = plan
+            self._sync.relayout(plan)
+            self.optim = self._build_local_optimizer(self.param_groups)
+            self._load_local_state(held)
+            self._consolidated = None
+            return
         arriving = send_state_to_new_owners(new, held, self.rank, self.group)
         kept = {p: s for p, s in held.items() if p in new and new.owner(p) == self.rank}
         # Note: the state of a parameter that left the partition (frozen) stays parked on its

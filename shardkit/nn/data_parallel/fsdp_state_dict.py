@@ -327,6 +327,11 @@ class FSDPStateDictMixin:
         if not isinstance(recipient_rank, int) or not 0 <= recipient_rank < self.world_size:
             raise ValueError(f"gather_full_optim_state_dict(recipient_rank={recipient_rank!r}): "
                              f"valid ranks are 0..{self.world_size - 1}")
+        if isinstance(optim, torch.optim.LBFGS):  # its state is over the flattened shard
+            raise TypeError("gather_full_optim_state_dict: LBFGS keeps one state over the "
+                            "flattened parameters, here this rank's shards, not one per "
+                            "parameter; FullyShardedDataParallel does not support LBFGS (use "
+                            "DistributedDataParallel with OSS, which runs it on the whole model)")
         self._mark_units_in_their_own_world()
         ordered = [p for g in optim.param_groups for p in g["params"]]
         names = {id(p): n for n, p in self.named_parameters()}
