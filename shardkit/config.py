@@ -10,7 +10,8 @@ error at the same point and none is left waiting.
 Keys that change behaviour:
     train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
     optimizer.{type, params}, scheduler.{type (WarmupLR, WarmupDecayLR, WarmupCosineLR,
-    OneCycle), params}, gradient_clipping, steps_per_print,
+    OneCycle), params}, gradient_clipping, steps_per_print, gradient_allreduce_op ("mean",
+    the default, or "sum": gradients summed over the data-parallel ranks; stages 0-2),
     zero_optimization.{stage, reduce_bucket_size (elements, as in DeepSpeed), reduce_scatter
     (stage 1, default true as in DeepSpeed: each gradient is averaged onto its owner only, so
     stage 1 moves 2Ψ(N-1)/N a step; false: torch DDP's all-reduce, 3Ψ(N-1)/N),
@@ -156,13 +157,15 @@ SCHEDULER_PARAMS = {
         "warmup_type": _choice("log", "log", "linear"), "last_batch_iteration": _int(-1, -1),
     },
     "OneCycle": {
-        "cycle_min_lr": _num(None, 0), "cycle_max_lr": _num(None, 0),
+        # a number, or one per param group (DeepSpeed's "float or list")
+        "cycle_min_lr": _num_or_list(None), "cycle_max_lr": _num_or_list(None),
         "decay_lr_rate": _num(0.0, 0), "cycle_first_step_size": _int(2000, 1),
-        "cycle_second_step_size": _nullable(_int(None, 1)),
+        # 0: no falling half (DeepSpeed accepts it)
+        "cycle_second_step_size": _nullable(_int(None, 0)),
         "cycle_first_stair_count": _int(0, 0),
         "cycle_second_stair_count": _nullable(_int(None, 0)),
         "decay_step_size": _int(0, 0), "cycle_momentum": _bool(True),
-        "cycle_min_mom": _num(0.8, 0), "cycle_max_mom": _num(0.9, 0),
+        "cycle_min_mom": _num_or_list(0.8), "cycle_max_mom": _num_or_list(0.9),
         "decay_mom_rate": _num(0.0, 0), "last_batch_iteration": _int(-1, -1),
     },
 }
@@ -246,6 +249,8 @@ SCHEMA: dict = {
     "steps_per_print": _int(10, 1),
     "wall_clock_breakdown": _bool(), "memory_breakdown": _bool(), "dump_state": _bool(),
     "prescale_gradients": _bool(), "gradient_predivide_factor": _num(1.0, 0, strict=True),
+    # how the data-parallel gradients are combined: averaged ("mean", the default) or summed
+    "gradient_allreduce_op": _choice("mean", "mean", "sum", case_insensitive=True),
     "zero_allow_untested_optimizer": _bool(),
     # the training_data loader keeps a last, smaller micro-batch unless this is true
     "dataloader_drop_last": _bool(),
@@ -372,6 +377,8 @@ class EngineConfig:
     warnings: tuple = ()
     dataloader_drop_last: bool = False
     checkpoint_tag_validation: str = "warn"  # "warn", "ignore" or "fail"
+    # gradient_allreduce_op: "mean" (averaged over the data-parallel ranks) or "sum"
+    gradient_allreduce_op: str = "mean"
 
 
 # ----------------------------------------------------------------------------- validation
@@ -398,6 +405,10 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
                           f"ranks per node)")
     precision = _precision_config(checked["fp16"], checked["bf16"])
     comm_dtype = _communication_dtype(checked["communication_data_type"], zero)
+    allreduce_op = checked["gradient_allreduce_op"].lower()
+    if allreduce_op == "sum" and zero.stage == 3:  # DeepSpeed refuses it there too
+        raise ConfigError("gradient_allreduce_op='sum' is not supported with "
+                          "zero_optimization.stage=3; use 'mean' (the default) or stages 0-2")
     return EngineConfig(
         train_batch_size=train, train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=gas, data_parallel_size=data_parallel_size,
@@ -408,7 +419,8 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
         steps_per_print=checked["steps_per_print"], communication_dtype=comm_dtype, raw=raw,
         checked=checked, warnings=tuple(notes),
         dataloader_drop_last=checked["dataloader_drop_last"],
-        checkpoint_tag_validation=checked["checkpoint"]["tag_validation"].lower())
+        checkpoint_tag_validation=checked["checkpoint"]["tag_validation"].lower(),
+        gradient_allreduce_op=allreduce_op)
 
 
 def _communication_dtype(value: Optional[str], zero: ZeroConfig) -> Optional[str]:
@@ -596,12 +608,15 @@ def _scheduler_spec(section) -> Optional[SchedulerSpec]:
             if params[key] > 1:
                 raise ConfigError(f"scheduler.params.{key}={params[key]!r} is out of range; "
                                   f"valid values: a number in [0, 1]")
-        if params["total_num_steps"] <= max(2, params["warmup_num_steps"]):
+        # equal: no decay window, the lr drops to cos_min_ratio right after the warm-up
+        if params["total_num_steps"] < max(2, params["warmup_num_steps"]):
             raise ConfigError(f"scheduler.params.total_num_steps={params['total_num_steps']} "
-                              f"must exceed warmup_num_steps={params['warmup_num_steps']}")
+                              f"must be at least warmup_num_steps="
+                              f"{max(2, params['warmup_num_steps'])}")
     if kind == "OneCycle":
         for key in ("cycle_min_mom", "cycle_max_mom"):  # Adam's beta1
-            if not params[key] < 1:
+            values = params[key] if isinstance(params[key], list) else [params[key]]
+            if not all(v < 1 for v in values):
                 raise ConfigError(f"scheduler.params.{key}={params[key]!r} is out of range; "
                                   f"valid values: a number in [0, 1) (it becomes Adam's beta1)")
     return SchedulerSpec(kind, params)

@@ -302,6 +302,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         self._no_sync_depth = 0  # how many engine.no_sync() contexts are open
         # the boundary backward ran inside engine.no_sync(): its gradients were never averaged
         self._boundary_unreduced = False
+        # the class name of the optimizer the script passed (None: built from the config)
+        self.client_optimizer_name: Optional[str] = None
 
     def __getattr__(self, name: str):
         # DeepSpeed's engine forwards unknown attributes to the model (engine.config_class,
@@ -560,8 +562,11 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             self.skipped_steps += 1
             self._last_grad_norm = None
         else:
-            if self.loss_scaler is not None and self.loss_scale != 1.0:
-                self._unscale_gradients(1.0 / self.loss_scale)
+            factor = 1.0 / self.loss_scale if self.loss_scaler is not None else 1.0
+            if self.config.gradient_allreduce_op == "sum":  # the reduction averaged them
+                factor *= self.dp_world_size
+            if factor != 1.0:
+                self._unscale_gradients(factor)
             if self.config.gradient_clipping > 0 or self._measures_grad_norm:
                 norm = self.composition.clip_grad_norm(self.config.gradient_clipping or math.inf)
                 self._last_grad_norm = None if norm is None else torch.as_tensor(norm).detach()
@@ -695,13 +700,18 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         Returns the checkpoint directory (when ``async_save``, where it will be once written).
         """
         from shardkit.checkpoint.engine_state import save_engine_checkpoint
+        if not isinstance(save_dir, (str, os.PathLike)) or not os.fspath(save_dir):
+            raise ValueError(f"engine.save_checkpoint(save_dir={save_dir!r}): expected a "
+                             f"non-empty directory path (a str or os.PathLike); nothing was "
+                             f"written")
+        save_dir = os.fspath(save_dir)
         self.wait_for_checkpoint()
         tag = None if tag is None else str(tag)  # DeepSpeed's: an epoch or a loss names a tag
         if self.model_parallel is not None and async_save:
             raise ValueError(
                 f"engine.save_checkpoint(async_save=True): not with tensor parallelism "
                 f"(tensor-parallel size {self.mp_world_size}); save with async_save=False")
-        self._validate_tag(tag, client_state)
+        tag = self._validate_tag(tag, client_state)
         if self.model_parallel is not None:
             return self._save_tensor_parallel_checkpoint(save_dir, tag, client_state,
                                                          save_latest)
@@ -751,32 +761,38 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                                   f"{f': {error}' if error else ' on another rank'}; "
                                   f"'latest' still names the previous checkpoint") from error
 
-    def _validate_tag(self, tag: Optional[str], client_state=None) -> None:
+    def _validate_tag(self, tag: Optional[str], client_state=None) -> Optional[str]:
         """What every rank must agree on before a save writes anything: rank 0's
         ``client_state`` loads back (else a ``TypeError`` on every rank), and the config's
         ``checkpoint.tag_validation``: unless ``"ignore"``, the tag is compared across ranks
-        and a difference warns, or with ``"fail"`` raises on every rank. Communication: one
-        small all-gather (a broadcast of rank 0's verdict with ``"ignore"``); none at world 1."""
+        and a difference raises on every rank with ``"fail"``, or with ``"warn"`` warns. Returns
+        the tag to save under: rank 0's on every rank (with ``"warn"`` and ``"ignore"`` the
+        save goes on, as in DeepSpeed, into one checkpoint that loads, rather than a share of
+        it in each rank's own directory). Communication: one small all-gather (a broadcast of
+        rank 0's verdict and tag with ``"ignore"``); none at world 1."""
         mode = self.config.checkpoint_tag_validation
         problem = _client_state_problem(client_state) if distributed.get_rank() == 0 else None
-        single = distributed.get_world_size() == 1
-        if single or mode == "ignore":
-            if not single:
-                problem = distributed.broadcast_object(problem, src=0)
+        if distributed.get_world_size() == 1:
             _raise_client_state_problem(problem)
-            return
+            return tag
+        if mode == "ignore":
+            problem, tag = distributed.broadcast_object((problem, tag), src=0)
+            _raise_client_state_problem(problem)
+            return tag
         gathered = distributed.all_gather_object((tag, problem))
         _raise_client_state_problem(gathered[0][1])
         tags = [t for t, _ in gathered]
         if len(set(tags)) == 1:
-            return
-        message = (f"save_checkpoint: the ranks passed different tags {tags}; each rank would "
-                   f"write into its own directory")
+            return tag
+        message = f"save_checkpoint: the ranks passed different tags {tags}"
         if mode == "fail":
             from shardkit.checkpoint import CheckpointError
-            raise CheckpointError(message + " (checkpoint.tag_validation='Fail')")
+            raise CheckpointError(message + "; each rank would write into its own directory "
+                                  "(checkpoint.tag_validation='Fail'); nothing was written")
         if distributed.get_rank() == 0:
-            logger.warning(message)
+            logger.warning("%s; every rank saves under rank 0's tag %r "
+                           "(checkpoint.tag_validation='Warn')", message, tags[0])
+        return tags[0]
 
     def wait_for_checkpoint(self) -> Optional[str]:
         """Wait for this engine's asynchronous save, if one is under way; return its directory
@@ -1021,6 +1037,8 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     scheduler = _build_scheduler(cfg, lr_scheduler, composition.optimizer)
     engine = ShardedEngine(model, composition, cfg, scheduler, state_names, trainable, frozen,
                            parallel)
+    # DeepSpeed's optimizer_name() names the client's optimizer class when it passed one
+    engine.client_optimizer_name = None if cfg.optimizer is not None else recipe.cls.__name__
     loader = None if training_data is None else \
         _data_loader(training_data, cfg, collate_fn, parallel)
     if resume_from is not None:
@@ -1035,13 +1053,30 @@ def _config_source(config, config_params, args):
     if config is not None and config_params is not None:
         raise ConfigError("initialize: config and config_params are aliases; pass only one")
     given = config if config is not None else config_params
-    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    from_args = _config_from_args(args)
     if given is not None and from_args is not None:
         raise ConfigError(
             f"initialize: a config was given both as args.deepspeed_config={from_args!r} "
             f"(--deepspeed_config) and as config=...; pass only one (drop the command-line "
             f"flag or the config argument)")
     return given if given is not None else from_args
+
+
+def _config_from_args(args):
+    """``args.deepspeed_config``, or DeepSpeed's deprecated ``args.deepscale_config`` (read with
+    a warning, as DeepSpeed does; both set is a :class:`ConfigError`)."""
+    if args is None:
+        return None
+    current = getattr(args, "deepspeed_config", None)
+    old = getattr(args, "deepscale_config", None)
+    if old is None:
+        return current
+    if current is not None:
+        raise ConfigError(f"initialize: args has both deepspeed_config={current!r} and the "
+                          f"deprecated deepscale_config={old!r}; pass only --deepspeed_config")
+    logger.warning("args.deepscale_config (--deepscale_config) is deprecated, as in DeepSpeed; "
+                   "use --deepspeed_config")
+    return old
 
 
 def _resume(engine: ShardedEngine, load_dir: str) -> None:

@@ -25,8 +25,12 @@ class DeepSpeedAccessors:
         return self.config.checked.get("zero_optimization", {})
 
     def optimizer_name(self) -> Optional[str]:
-        """The config's ``optimizer.type`` (``None`` when the script passed its own)."""
-        return None if self.config.optimizer is None else self.config.optimizer.type
+        """The config's ``optimizer.type``, or, as in DeepSpeed, the class name of the optimizer
+        the script passed (``"AdamW"`` for ``optimizer=torch.optim.AdamW(...)`` or a callable
+        building one)."""
+        if self.config.optimizer is not None:
+            return self.config.optimizer.type
+        return getattr(self, "client_optimizer_name", None)
 
     def optimizer_params(self) -> Optional[dict]:
         """The config's ``optimizer.params`` as written (``None`` without the section)."""

@@ -246,10 +246,13 @@ def _set_scheduled_values(scheduler, optimizer) -> None:
     if last_lrs is None:
         return
     for group, lr in zip(optimizer.param_groups, last_lrs()):
-        group["lr"] = lr
-    if getattr(scheduler, "cycle_momentum", False) and hasattr(scheduler, "momentum_at"):
-        beta1 = scheduler.momentum_at(scheduler.last_batch_iteration)
-        for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):  # a tensor lr keeps its identity
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+    if getattr(scheduler, "cycle_momentum", False) and hasattr(scheduler, "momenta_at"):
+        momenta = scheduler.momenta_at(scheduler.last_batch_iteration)
+        for group, beta1 in zip(optimizer.param_groups, momenta):  # one per group
             group["betas"] = (beta1, group["betas"][1])
 
 

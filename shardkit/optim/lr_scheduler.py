@@ -28,6 +28,7 @@ import logging
 import math
 from typing import Optional, Sequence, Union
 
+import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 __all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "WARMUP_TYPES"]
@@ -63,7 +64,7 @@ class _IterationSchedule(LRScheduler):
         self._step_count = getattr(self, "_step_count", 0) + 1
         lrs = self.get_lr()
         for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
+            _set_lr(group, lr)
         self._last_lr = list(lrs)
 
     def get_lr(self) -> list[float]:
@@ -212,7 +213,8 @@ class WarmupCosineLR(_DeepSpeedSchedule):
 
     Args:
         optimizer: any torch optimizer; its current lrs are the peak lrs.
-        total_num_steps: length of the whole schedule (> ``warmup_num_steps``).
+        total_num_steps: length of the whole schedule (>= ``warmup_num_steps``; equal: the
+            ratio drops to ``cos_min_ratio`` right after the warm-up, as in DeepSpeed).
         warmup_min_ratio: starting ratio of the warm-up.
         warmup_num_steps: warm-up length (at least 2 is used).
         cos_min_ratio: final ratio at ``total_num_steps``.
@@ -231,13 +233,13 @@ class WarmupCosineLR(_DeepSpeedSchedule):
                              ("cos_min_ratio", cos_min_ratio)):
             if not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
                 raise ValueError(f"{name}({label}={ratio!r}): must be a number in [0, 1]")
-        if total_num_steps <= max(2, warmup_num_steps):
-            raise ValueError(f"{name}(total_num_steps={total_num_steps}): must exceed "
+        if total_num_steps < max(2, warmup_num_steps):
+            raise ValueError(f"{name}(total_num_steps={total_num_steps}): must be at least "
                              f"warmup_num_steps={max(2, warmup_num_steps)}")
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.cos_min_ratio = float(cos_min_ratio)
-        self.org_lrs = [float(group["lr"]) for group in optimizer.param_groups]
+        self.org_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # tensors too
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
 
     def ratio_at(self, iteration: int) -> float:
@@ -248,7 +250,8 @@ class WarmupCosineLR(_DeepSpeedSchedule):
             rise = self._warmup_fraction(iteration)
             return self.warmup_min_ratio + rise * (1.0 - self.warmup_min_ratio)
         step_into_decay = iteration - self.warmup_num_steps + 1
-        decay_span = self.total_num_steps - self.warmup_num_steps
+        # total_num_steps == warmup_num_steps: no decay window, the floor right after warm-up
+        decay_span = max(1, self.total_num_steps - self.warmup_num_steps)
         progress = min(1.0, step_into_decay / decay_span)  # held at the floor past the end
         cosine = (1 + math.cos(math.pi * progress)) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
@@ -260,86 +263,108 @@ class WarmupCosineLR(_DeepSpeedSchedule):
 
 class OneCycle(_IterationSchedule):
     """DeepSpeed's 1Cycle: the lr climbs from ``cycle_min_lr`` to ``cycle_max_lr`` and comes
-    back, then optionally decays; Adam's ``beta1`` moves the opposite way.
+    back, then optionally decays; Adam's ``beta1`` moves the other way.
 
-    With ``S1 = cycle_first_step_size``, ``S2 = cycle_second_step_size`` (default ``S1``) and
-    ``n = iteration + 1``, during the cycle (iteration < ``S1 + S2``) the lr is
-    ``min + (max - min) * f`` with ``f = n / S1`` while ``n <= S1``, else
-    ``(S1 + S2 - n) / S2``. After it, the lr is
-    ``cycle_min_lr / (1 + decay_lr_rate * k / decay_step_size)`` with ``k = iteration - S1 - S2
-    + 1`` (held at ``cycle_min_lr`` when either is 0). The optimizer holds ``cycle_min_lr``
-    from construction until the first :meth:`step`, as in DeepSpeed.
+    With ``S1 = cycle_first_step_size``, ``S2 = cycle_second_step_size`` (default ``S1``; 0:
+    no falling half), ``T = S1 + S2`` and ``c = (iteration + 1) mod T``, during the cycle
+    (iteration < ``T``) the lr is ``min + (max - min) * f`` with ``f = c / S1`` while
+    ``c <= S1``, else ``(T - c) / S2``. A stair count ``k > 0`` for a half
+    (``cycle_first_stair_count``; ``cycle_second_stair_count``, default the first's) holds
+    the lr flat in ``k`` stairs over that half: ``f`` becomes ``floor(f * k) / k``, computed
+    from the whole step counts (so ``k`` equal to the half's length is the continuous
+    schedule). After the cycle the lr is ``cycle_min_lr / (1 + decay_lr_rate * j /
+    decay_step_size)`` with ``j = iteration - T + 1`` (held at ``cycle_min_lr`` when either is
+    0). The optimizer holds ``cycle_min_lr`` from construction until the first :meth:`step`, as
+    in DeepSpeed.
 
     Momentum (``cycle_momentum``, the default): ``beta1 = max_mom - (max_mom - min_mom) * f``
-    during the cycle, ``cycle_max_mom * (1 + decay_mom_rate * k / decay_step_size)`` after it,
+    during the cycle, ``cycle_max_mom * (1 + decay_mom_rate * j / decay_step_size)`` after it,
     ``cycle_min_mom`` before the first step. Only optimizers with ``betas`` (Adam, AdamW) have
     their momentum cycled; with any other (SGD) a warning says it stays fixed, as DeepSpeed
     does. Unlike DeepSpeed, which sets ``beta2`` to 0.99 whenever it cycles ``beta1``, each
-    group keeps its own ``beta2``. ``cycle_first_stair_count`` and
-    ``cycle_second_stair_count`` are accepted and, as in DeepSpeed, change nothing.
+    group keeps its own ``beta2``.
 
     Args:
         optimizer: any torch optimizer (OSS included).
-        cycle_min_lr, cycle_max_lr: the cycle's bounds (every param group).
+        cycle_min_lr, cycle_max_lr: the cycle's bounds: a number, or one per param group.
         decay_lr_rate: lr decay after the cycle (0: none).
         cycle_first_step_size: iterations of the rising half (>= 1).
-        cycle_second_step_size: iterations of the falling half (``None``: the first's).
-        cycle_first_stair_count, cycle_second_stair_count: DeepSpeed's, without effect.
+        cycle_second_step_size: iterations of the falling half (>= 0; ``None``: the first's).
+        cycle_first_stair_count, cycle_second_stair_count: stairs per half (0: continuous).
         decay_step_size: iterations per decay interval after the cycle (0: no decay).
         cycle_momentum: cycle ``beta1`` between ``cycle_min_mom`` and ``cycle_max_mom``.
-        cycle_min_mom, cycle_max_mom: the momentum bounds.
+        cycle_min_mom, cycle_max_mom: the momentum bounds: a number, or one per param group.
         decay_mom_rate: momentum growth rate after the cycle (0: held at ``cycle_max_mom``).
         last_batch_iteration: resume position (-1: start).
 
     Memory: a few floats per param group. Communication: none.
     """
 
-    def __init__(self, optimizer, cycle_min_lr: float, cycle_max_lr: float,
+    def __init__(self, optimizer, cycle_min_lr: Union[Number, Sequence[Number]],
+                 cycle_max_lr: Union[Number, Sequence[Number]],
                  decay_lr_rate: float = 0.0, cycle_first_step_size: int = 2000,
                  cycle_second_step_size: Optional[int] = None,
                  cycle_first_stair_count: int = 0,
                  cycle_second_stair_count: Optional[int] = None, decay_step_size: int = 0,
-                 cycle_momentum: bool = True, cycle_min_mom: float = 0.8,
-                 cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0,
-                 last_batch_iteration: int = -1):
+                 cycle_momentum: bool = True,
+                 cycle_min_mom: Union[Number, Sequence[Number]] = 0.8,
+                 cycle_max_mom: Union[Number, Sequence[Number]] = 0.9,
+                 decay_mom_rate: float = 0.0, last_batch_iteration: int = -1):
         name = type(self).__name__
-        for label, value in (("cycle_first_step_size", cycle_first_step_size),
-                             ("cycle_second_step_size", cycle_second_step_size)):
+        for label, value, least in (("cycle_first_step_size", cycle_first_step_size, 1),
+                                    ("cycle_second_step_size", cycle_second_step_size, 0),
+                                    ("cycle_first_stair_count", cycle_first_stair_count, 0),
+                                    ("cycle_second_stair_count", cycle_second_stair_count, 0)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"{name}({label}={value!r}): must be an integer >= 1")
-        for label, value in (("cycle_min_lr", cycle_min_lr), ("cycle_max_lr", cycle_max_lr),
-                             ("decay_lr_rate", decay_lr_rate),
+                                      or value < least):
+                raise ValueError(f"{name}({label}={value!r}): must be an integer >= {least}")
+        for label, value in (("decay_lr_rate", decay_lr_rate),
                              ("decay_step_size", decay_step_size),
                              ("decay_mom_rate", decay_mom_rate)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name}({label}={value!r}): must be a number >= 0")
-        for label, value in (("cycle_min_mom", cycle_min_mom), ("cycle_max_mom", cycle_max_mom)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or not 0 <= value < 1:
-                raise ValueError(f"{name}({label}={value!r}): must be a number in [0, 1) (it "
-                                 f"becomes Adam's beta1)")
+        self.optimizer = optimizer
+        self.min_lrs = self._bounds(cycle_min_lr, "cycle_min_lr", None)
+        self.max_lrs = self._bounds(cycle_max_lr, "cycle_max_lr", None)
+        self.min_moms = self._bounds(cycle_min_mom, "cycle_min_mom", 1.0)
+        self.max_moms = self._bounds(cycle_max_mom, "cycle_max_mom", 1.0)
         self.first_step_size = float(cycle_first_step_size)
-        self.second_step_size = float(cycle_second_step_size or cycle_first_step_size)
+        self.second_step_size = float(cycle_first_step_size if cycle_second_step_size is None
+                                      else cycle_second_step_size)
         self.total_size = self.first_step_size + self.second_step_size
         self.first_stair_count = cycle_first_stair_count
-        self.second_stair_count = cycle_second_stair_count
+        self.second_stair_count = (cycle_first_stair_count if cycle_second_stair_count is None
+                                   else cycle_second_stair_count)
         self.decay_step_size = decay_step_size
         self.decay_lr_rate = float(decay_lr_rate)
         self.decay_mom_rate = float(decay_mom_rate)
-        groups = len(optimizer.param_groups)
-        self.min_lrs = [float(cycle_min_lr)] * groups
-        self.max_lrs = [float(cycle_max_lr)] * groups
-        self.min_mom, self.max_mom = float(cycle_min_mom), float(cycle_max_mom)
         self.cycle_momentum = bool(cycle_momentum) and _cycles_betas(optimizer, name)
         super().__init__(optimizer, last_batch_iteration)
 
+    def _bounds(self, value, label: str, below: Optional[float]) -> list[float]:
+        """``value`` (a number, or a list with one per param group) as one float per group,
+        each >= 0 (and < ``below`` when given: Adam's beta1 must stay under 1)."""
+        values = value if isinstance(value, (list, tuple)) else [value]
+        valid = (f"a number in [0, {below:g})" if below is not None else "a number >= 0") + \
+            " or a list of them, one per param group"
+        if not values or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0
+                             or (below is not None and not v < below) for v in values):
+            raise ValueError(f"{type(self).__name__}({label}={value!r}): must be {valid}")
+        return self._per_group(value, label)
+
+    _per_group = _DeepSpeedSchedule._per_group
+
     def _cycle_fraction(self, iteration: int) -> float:
-        """0 at the cycle's start, 1 at its peak (after ``S1`` steps), 0 again at its end."""
-        done = iteration + 1
-        if done <= self.first_step_size:
-            return done / self.first_step_size
-        return (self.total_size - done) / self.second_step_size
+        """0 at the cycle's start, 1 at its peak (after ``S1`` steps), 0 again at its end;
+        in stairs where a stair count is set."""
+        position = (iteration + 1) % self.total_size
+        rising = position <= self.first_step_size
+        span = self.first_step_size if rising else self.second_step_size
+        done = position if rising else self.total_size - position
+        stairs = self.first_stair_count if rising else self.second_stair_count
+        if stairs > 0:
+            return math.floor(done * stairs / span) / stairs
+        return done / span
 
     def _decay_intervals(self, iteration: int) -> float:
         """Decay intervals since the cycle ended (0 with no decay configured)."""
@@ -356,22 +381,40 @@ class OneCycle(_IterationSchedule):
         return [lo / (1 + self.decay_lr_rate * self._decay_intervals(iteration))
                 for lo in self.min_lrs]
 
-    def momentum_at(self, iteration: int) -> float:
-        """``beta1`` at ``iteration`` (every param group)."""
+    def momenta_at(self, iteration: int) -> list[float]:
+        """Each param group's ``beta1`` at ``iteration``."""
         if iteration < 0:
-            return self.min_mom
+            return list(self.min_moms)
         if iteration < self.total_size:
-            return self.max_mom - (self.max_mom - self.min_mom) * self._cycle_fraction(iteration)
-        return self.max_mom * (1 + self.decay_mom_rate * self._decay_intervals(iteration))
+            f = self._cycle_fraction(iteration)
+            return [hi - (hi - lo) * f for lo, hi in zip(self.min_moms, self.max_moms)]
+        growth = 1 + self.decay_mom_rate * self._decay_intervals(iteration)
+        return [hi * growth for hi in self.max_moms]
+
+    def momentum_at(self, iteration: int) -> float:
+        """The first param group's ``beta1`` at ``iteration`` (:meth:`momenta_at`: every
+        group's)."""
+        return self.momenta_at(iteration)[0]
 
     def step(self, batch_iteration: Optional[int] = None) -> None:
         """Advance one step (or jump to ``batch_iteration``, DeepSpeed's name here); set each
         group's lr and, when cycling momentum, its ``beta1``."""
         super().step(batch_iteration)
         if self.cycle_momentum:
-            beta1 = self.momentum_at(self.last_batch_iteration)
-            for group in self.optimizer.param_groups:
+            for group, beta1 in zip(self.optimizer.param_groups,
+                                    self.momenta_at(self.last_batch_iteration)):
                 group["betas"] = (beta1, group["betas"][1])
+
+
+def _set_lr(group: dict, lr: float) -> None:
+    """Write ``lr`` into ``group``; a tensor lr (torch's ``lr=torch.tensor(...)``, e.g. for a
+    captured graph) is filled in place, so the caller's tensor keeps its identity, shape and
+    dtype, as DeepSpeed's schedulers do."""
+    current = group["lr"]
+    if isinstance(current, torch.Tensor):
+        current.fill_(lr)
+    else:
+        group["lr"] = lr
 
 
 def _cycles_betas(optimizer, name: str) -> bool:
