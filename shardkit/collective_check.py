@@ -4,12 +4,12 @@ Ranks that disagree about which collective comes next (a data-dependent branch, 
 a different number of times on one rank, a rank that skips a step) hang, or worse, exchange the
 wrong tensors without an error. With the debug mode on, every collective that goes through
 :mod:`shardkit.distributed` is preceded by a check: the ranks of its group exchange a fingerprint
-of the call (op, per-group sequence number, shape, dtype, the group's ranks, and the call site,
-which is reported but not compared) and, if any two differ, every rank raises
-:class:`CollectiveMismatchError` naming each rank's op and call site, before the real collective
-runs. Turn it on with ``SHARDKIT_DEBUG_COLLECTIVES=1`` in the environment or
-:func:`set_debug_collectives` (``shardkit.distributed.set_debug_collectives`` is the same
-function).
+of the call (op, per-group sequence number, shape, dtype, a digest of the group's ranks, and the
+call site, which is reported but not compared, shortened to fit the fixed-size fingerprint)
+and, if any two differ, every rank raises :class:`CollectiveMismatchError` naming each rank's
+op and call site, before the real collective runs. Turn it on with
+``SHARDKIT_DEBUG_COLLECTIVES=1`` in the environment or :func:`set_debug_collectives`
+(``shardkit.distributed.set_debug_collectives`` is the same function).
 
 Cost: off by default, then one boolean test per collective. On: one extra all-gather of
 ``FINGERPRINT_BYTES`` bytes per rank on the collective's own group before each collective (a
@@ -26,6 +26,7 @@ checkpoint's) has its own.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["set_debug_collectives", "debug_collectives_enabled", "CollectiveMismatchError",
-           "check_collective", "FINGERPRINT_BYTES"]
+           "check_collective", "FINGERPRINT_BYTES", "encode_fingerprint"]
 
 FINGERPRINT_BYTES = 512
 # Only these are checked: every rank of the group takes part in them.
@@ -114,12 +115,15 @@ def check_collective(op: str, shape: Optional[tuple], dtype: Optional[torch.dtyp
     if not (dist.is_available() and dist.is_initialized()):
         return
     ranks = _group_key(group)
-    key = getattr(group, "group_name", None) or "default"
+    # Note: None and dist.group.WORLD are one group, so one count (two counts read as a
+    # mismatch when one rank passed None and another WORLD to the same collective).
+    key = "default" if group is None or group is dist.group.WORLD else \
+        (getattr(group, "group_name", None) or f"ranks {ranks}")
     seq = _sequence.get(key, 0)
     _sequence[key] = seq + 1
     mine = {"op": op, "seq": seq, "shape": None if shape is None else list(shape),
             "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
-            "ranks": list(ranks), "rank": dist.get_rank(), "site": _call_site()}
+            "ranks": _ranks_digest(ranks), "rank": dist.get_rank(), "site": _call_site()}
     _state.busy = True
     try:
         everyone = _exchange(mine, group, len(ranks))
@@ -136,12 +140,40 @@ def check_collective(op: str, shape: Optional[tuple], dtype: Optional[torch.dtyp
         + "\n".join(lines))
 
 
+def _ranks_digest(ranks: tuple) -> str:
+    """The group's ranks in a few bytes (their number, first and last, and a hash of the list):
+    a list of every rank would not fit in :data:`FINGERPRINT_BYTES` for a large group."""
+    text = ",".join(map(str, ranks))
+    return f"{len(ranks)}:{ranks[0]}-{ranks[-1]}:{hashlib.sha1(text.encode()).hexdigest()[:12]}"
+
+
+def encode_fingerprint(fingerprint: dict) -> bytes:
+    """``fingerprint`` as JSON of at most :data:`FINGERPRINT_BYTES` bytes that decodes back with
+    every compared field whole: only the reported call site is shortened (keeping its end), and
+    a shape too long to fit is replaced by its digest. UTF-8, so a call site under a non-ASCII
+    path costs its bytes, not six per character."""
+    fingerprint = dict(fingerprint)
+    raw = json.dumps(fingerprint, ensure_ascii=False).encode()
+    if len(raw) > FINGERPRINT_BYTES and fingerprint.get("shape") is not None \
+            and len(json.dumps(fingerprint["shape"])) > FINGERPRINT_BYTES // 4:
+        digest = hashlib.sha1(json.dumps(fingerprint["shape"]).encode()).hexdigest()[:12]
+        fingerprint["shape"] = f"{len(fingerprint['shape'])} dims, sha1 {digest}"
+        raw = json.dumps(fingerprint, ensure_ascii=False).encode()
+    site = str(fingerprint.get("site", "")).encode()
+    while len(raw) > FINGERPRINT_BYTES and site:
+        # keep the site's last bytes (its file, line and function), cut on a character boundary
+        site = site[len(raw) - FINGERPRINT_BYTES + 3:].decode(errors="ignore").encode()
+        fingerprint["site"] = "..." + site.decode()
+        raw = json.dumps(fingerprint, ensure_ascii=False).encode()
+    if len(raw) > FINGERPRINT_BYTES:  # only a caller's own oversized fields get here
+        raise ValueError(f"collective fingerprint of {len(raw)} bytes does not fit in "
+                         f"{FINGERPRINT_BYTES}: {raw[:120]!r}...")
+    return raw
+
+
 def _exchange(fingerprint: dict, group, n: int) -> list[dict]:
     """One all-gather of a fixed-size encoded fingerprint per rank."""
-    raw = json.dumps(fingerprint).encode()
-    if len(raw) > FINGERPRINT_BYTES:  # a very deep path: shorten the reported site only
-        fingerprint = dict(fingerprint, site=fingerprint["site"][-(FINGERPRINT_BYTES // 2):])
-        raw = json.dumps(fingerprint).encode()[:FINGERPRINT_BYTES]
+    raw = encode_fingerprint(fingerprint)
     from shardkit.distributed import _all_gather_tensor  # torch's, uncounted and unchecked
     device = _device_for(group)
     mine = torch.zeros(FINGERPRINT_BYTES, dtype=torch.uint8)
@@ -150,11 +182,11 @@ def _exchange(fingerprint: dict, group, n: int) -> list[dict]:
     _all_gather_tensor(out, mine.to(device), group=group)
     out = out.cpu().view(n, FINGERPRINT_BYTES)
     decoded = []
-    for row in out:
+    for index, row in enumerate(out):
         text = bytes(row.tolist()).rstrip(b"\0").decode(errors="replace")
         try:
             decoded.append(json.loads(text))
-        except json.JSONDecodeError:
-            decoded.append({"op": "?", "seq": -1, "shape": None, "dtype": None, "ranks": [],
-                            "rank": "?", "site": text[:120]})
+        except json.JSONDecodeError:  # never equal to a decoded one, nor to another broken one
+            decoded.append({"op": "?", "seq": -1 - index, "shape": None, "dtype": None,
+                            "ranks": [], "rank": "?", "site": text[:120]})
     return decoded

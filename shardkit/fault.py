@@ -24,9 +24,12 @@ healthy collective — a large all-gather on a loaded machine — is never mista
   the watchdog's verdict when it looks like a communication failure, so the gloo error is
   reported as the lost rank; any other exception is reported at once, as usual.
 - A rank that finishes marks itself done (at exit, or :meth:`PeerWatchdog.stop`); peers stop
-  watching it. A rank stopping on an uncaught exception that is not a communication error
-  marks itself failed, with the exception's type and message, and its peers declare it lost
-  at their next beat (within ``timeout_s / 8``).
+  watching it. The store's host (rank 0 outside torchrun's agent store) then waits, at most two
+  beats, for its peers to read that before its process (and the store) ends; a peer whose store
+  host finished stops watching quietly instead of taking the vanished store for a death. A
+  rank stopping on an uncaught exception that is not a communication error marks itself
+  failed, with the exception's type and message, and its peers declare it lost at their next
+  beat (within ``timeout_s / 8``).
 
 Cost: one thread per rank; per beat, one small write and ``N - 1`` reads on the store (about
 ``8N`` store requests per rank per ``timeout_s``; rank 0 or torchrun's agent serves them). No
@@ -153,6 +156,12 @@ class PeerWatchdog:
                     self._retire()
                     return  # a clean shutdown, or a destroy_process_group, raced with this beat
                 who = self._store_host_rank
+                if who is not None and who != self.rank and who not in seen:
+                    # Note: the host finished (it marked itself done, and waited for this rank
+                    # to read that, see _linger_as_host); its store ends with its process.
+                    # Nothing is left to watch, and this rank may still have local work to do.
+                    self._retire()
+                    return
                 if who is None or who == self.rank:
                     self._declare(None, f"the rendezvous store stopped answering ({e})")
                 else:
@@ -231,8 +240,26 @@ class PeerWatchdog:
         self._thread.join(timeout=5 * self.interval_s + 1)
         try:
             self._store.set(self._key(self.rank), value)
+            if self._store_host_rank == self.rank:
+                self._linger_as_host()
         except Exception:
             pass
+
+    def _linger_as_host(self) -> None:
+        """The rank hosting the store (outside torchrun's agent store: rank 0) stays until every
+        peer has read its last word or stopped too, at most two beats: its store ends with its
+        process, and a peer that had not yet read "done" (or "failed") would take the vanished
+        store for this rank's death and stop a healthy job. Costs: nothing when the peers stop
+        together with it; else up to two beats (``timeout_s / 4``) at exit."""
+        deadline = time.monotonic() + 2 * self.interval_s + 0.5
+        peers = [self._key(r) for r in range(self.world_size) if r != self.rank]
+        while time.monotonic() < deadline:
+            if self._store.check([self._verdict_key]):
+                return  # a peer already judged; it is stopping
+            values = [self._store.get(k) if self._store.check([k]) else None for k in peers]
+            if all(v is not None and (v == _DONE or v.startswith(_FAILED)) for v in values):
+                return
+            time.sleep(min(0.05, self.interval_s))
 
 
 def _exit_naming_the_rank(rank: Optional[int], message: str) -> None:

@@ -310,8 +310,17 @@ def read_latest_tag(load_dir: str) -> Optional[str]:
     path = os.path.join(load_dir, LATEST)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return f.read().strip()
+    try:
+        with open(path) as f:
+            tag = f.read().strip()
+        check_tag(tag)
+    except (OSError, UnicodeDecodeError, CheckpointError) as e:
+        # Note: save_checkpoint writes only plain tags; anything else (empty, '../x', binary)
+        # was damaged or edited, and must not send the loader to another directory.
+        detail = e if not isinstance(e, CheckpointError) else f"it holds {tag[:80]!r}"
+        raise CheckpointError(f"{path}: not the name of a checkpoint in {load_dir} ({detail}); "
+                              f"fix or remove it, or load with an explicit tag") from None
+    return tag
 
 
 def resolve_checkpoint_dir(load_dir: str, tag: Optional[str]) -> Optional[str]:
@@ -353,7 +362,42 @@ def read_metadata(path: str) -> dict:
     if metadata.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {metadata.get('format')!r}; this shardkit reads "
                               f"{FORMAT!r}")
+    _check_metadata_fields(file, metadata)
     return metadata
+
+
+def _is_count(value, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _check_metadata_fields(file: str, metadata: dict) -> None:
+    """A :class:`CheckpointError` naming ``file``, the field, its value and what is valid when
+    a field the readers use has the wrong type (an edited or damaged ``metadata.json`` that is
+    still JSON: the metadata itself carries no checksum), rather than a ``KeyError`` or
+    ``TypeError`` from deep inside the reader. Local."""
+    def bad(field_name: str, expected: str) -> CheckpointError:
+        value = repr(metadata.get(field_name, "(absent)"))
+        return CheckpointError(f"{file}: field {field_name!r} is {value[:120]}; expected "
+                               f"{expected}; the checkpoint's metadata is damaged or was edited")
+
+    if not _is_count(metadata.get("world_size"), 1):
+        raise bad("world_size", "the number of ranks that wrote the checkpoint (an int >= 1)")
+    names = metadata.get("param_names")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise bad("param_names", "a list of tensor names (strings)")
+    for counter in ("global_steps", "skipped_steps", "zero_stage"):
+        if counter in metadata and not _is_count(metadata[counter]):
+            raise bad(counter, "an int >= 0")
+    files = metadata.get("files", {})
+    if not isinstance(files, dict) or not all(
+            isinstance(d, dict) and _is_count(d.get("bytes"))
+            and isinstance(d.get("sha256"), str) for d in files.values()):
+        raise bad("files", 'a {file name: {"bytes": int, "sha256": hex string}} object')
+    rows = metadata.get("row_sharded", {})
+    if not isinstance(rows, dict) or not all(
+            isinstance(shape, list) and all(_is_count(n) for n in shape)
+            for shape in rows.values()):
+        raise bad("row_sharded", "a {tensor name: full shape (a list of ints)} object")
 
 
 def read_checkpoint(path: str, with_optimizer: bool = True,
