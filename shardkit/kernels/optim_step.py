@@ -95,7 +95,9 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
     Memory traffic: 28 bytes per fp32 parameter (read p, g, m, v; write p, m, v); +4 with
     ``grad_scale`` (grad written back), +2 per element of ``low_precision_out``. No extra memory
-    except, on CPU, an fp32 copy of a low-precision ``grad``. No communication.
+    on Triton (float64 parameters take torch's ops there); on CPU, a copy of a ``grad`` of
+    another dtype than the parameter's, and fp32 copies of a 16-bit parameter's buffers when its
+    ``grad`` has another dtype. No communication.
     """
     _check_adamw("adamw_step", param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, amsgrad,
                  low_precision_out, grad_scale, found_inf)
@@ -105,7 +107,7 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     hyper = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
                  weight_decay=float(weight_decay), maximize=bool(maximize),
                  amsgrad=bool(amsgrad))
-    if backend_for(param, grad) == "triton":
+    if backend_for(param, grad) == "triton" and _triton_ok(param):
         from shardkit.kernels import triton_optim
         triton_optim.adamw(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step=step,
                            decoupled=decoupled, grad_scale=grad_scale, found_inf=found_inf,
@@ -125,17 +127,55 @@ def _skipped_on_cpu(found_inf: Optional[torch.Tensor]) -> bool:
     return found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf.item())
 
 
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _needs_fp32(param: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether the CPU path must run on fp32 copies: a 16-bit parameter whose gradient has
+    another dtype. torch's fused kernels take the gradient in the parameter's dtype, and casting
+    an fp32 (or the other 16-bit) gradient to it would round it, or overflow it to inf (an fp32
+    gradient scaled by 65536), before the update; the Triton kernels read it as it is."""
+    return param.dtype in _LOW and grad.dtype != param.dtype
+
+
+def _triton_ok(param: torch.Tensor) -> bool:
+    """The Triton optimizer kernels compute in fp32; float64 parameters take torch's ops."""
+    return param.dtype != torch.float64
+
+
 def _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *, decoupled,
                  grad_scale, found_inf, **hyper) -> None:
-    """torch's fused Adam(W) over lists: one C++ call, one pass over memory per tensor."""
+    """torch's fused Adam(W) over lists: one C++ call, one pass over memory per tensor.
+    A 16-bit parameter with a gradient of another dtype is updated through fp32 copies of its
+    buffers (see :func:`_needs_fp32`): the same fp32 arithmetic, rounded once, as Triton's."""
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
     device = params[0].device
     step_tensors = [_step_tensor(s, device) for s in steps]
-    casts = [g if g.dtype == p.dtype else g.to(p.dtype) for p, g in zip(params, grads)]
-    fused(list(params), casts, list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
-          list(step_tensors), grad_scale=grad_scale, found_inf=found_inf, **hyper)
+    amsgrad = bool(max_exp_avg_sqs)
+    work_p, work_g, work_m, work_v, work_x = [], [], [], [], []
+    widened = []  # (originals, fp32 copies) of the parameters updated through fp32
+    for i, (p, g) in enumerate(zip(params, grads)):
+        originals = [p, exp_avgs[i], exp_avg_sqs[i]] + ([max_exp_avg_sqs[i]] if amsgrad else [])
+        if _needs_fp32(p, g):
+            copies = [t.float() for t in originals]
+            g = g.float()
+            widened.append((originals, copies))
+        else:
+            copies = originals
+            g = g if g.dtype == p.dtype else g.to(p.dtype)
+        work_p.append(copies[0])
+        work_g.append(g)
+        work_m.append(copies[1])
+        work_v.append(copies[2])
+        if amsgrad:
+            work_x.append(copies[3])
+    fused(work_p, work_g, work_m, work_v, work_x, list(step_tensors), grad_scale=grad_scale,
+          found_inf=found_inf, **hyper)
+    for originals, copies in widened:
+        for original, copy in zip(originals, copies):
+            original.copy_(copy)
     if grad_scale is not None:
-        for g, cast in zip(grads, casts):
+        for g, cast in zip(grads, work_g):
             if cast is not g:  # keep the contract: grad holds the unscaled gradient
                 g.copy_(cast)
 
@@ -217,13 +257,26 @@ def adamw_step_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
                  weight_decay=float(weight_decay), maximize=bool(maximize),
                  amsgrad=bool(amsgrad))
     if backend_for(*params) == "triton":
-        from shardkit.kernels import triton_optim
-        triton_optim.adamw_many(params, grads, exp_avgs, exp_avg_sqs, maxes, steps=steps,
-                                decoupled=decoupled, grad_scale=grad_scale,
-                                found_inf=found_inf, **hyper)
-        return
+        # float64 tensors take torch's ops (the kernels compute in fp32), the rest Triton
+        kept = [i for i, p in enumerate(params) if _triton_ok(p)]
+        doubles = [i for i, p in enumerate(params) if not _triton_ok(p)]
+        if kept:
+            from shardkit.kernels import triton_optim
+            triton_optim.adamw_many(*_pick(kept, params, grads, exp_avgs, exp_avg_sqs, maxes),
+                                    steps=[steps[i] for i in kept], decoupled=decoupled,
+                                    grad_scale=grad_scale, found_inf=found_inf, **hyper)
+        if not doubles:
+            return
+        params, grads, exp_avgs, exp_avg_sqs, maxes = _pick(doubles, params, grads, exp_avgs,
+                                                            exp_avg_sqs, maxes)
+        steps = [steps[i] for i in doubles]
     _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, maxes, steps, decoupled=decoupled,
                  grad_scale=grad_scale, found_inf=found_inf, **hyper)
+
+
+def _pick(indices, *lists):
+    """The entries ``indices`` of each list (an empty list stays empty)."""
+    return tuple([seq[i] for i in indices] if seq else [] for seq in lists)
 
 
 def sgd_step(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[torch.Tensor],
@@ -251,15 +304,23 @@ def sgd_step(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[
     hyper = dict(lr=float(lr), momentum=float(momentum), dampening=float(dampening),
                  weight_decay=float(weight_decay), nesterov=bool(nesterov),
                  maximize=bool(maximize))
-    if backend_for(param, grad) == "triton":
+    if backend_for(param, grad) == "triton" and _triton_ok(param):
         from shardkit.kernels import triton_optim
         triton_optim.sgd(param, grad, momentum_buffer if momentum else None,
                          first_step=first_step, grad_scale=grad_scale, found_inf=found_inf,
                          **hyper)
         return
-    g = grad if grad.dtype == param.dtype else grad.to(param.dtype)
-    torch._fused_sgd_([param], [g], [momentum_buffer] if momentum else [],
-                      is_first_step=bool(first_step), grad_scale=grad_scale,
-                      found_inf=found_inf, **hyper)
+    # torch's CPU fused SGD (2.13) updates fp16/bf16 buffers wrongly (momentum and weight
+    # decay): 16-bit parameters on CPU, like mixed dtypes (see _needs_fp32), go through fp32
+    # copies, which is the Triton kernel's arithmetic, rounded once.
+    widen = _needs_fp32(param, grad) or (param.dtype in _LOW and param.device.type == "cpu")
+    originals = [param] + ([momentum_buffer] if momentum else [])
+    work = [t.float() for t in originals] if widen else originals
+    g = grad.float() if widen else grad if grad.dtype == param.dtype else grad.to(param.dtype)
+    torch._fused_sgd_(work[:1], [g], work[1:], is_first_step=bool(first_step),
+                      grad_scale=grad_scale, found_inf=found_inf, **hyper)
+    if widen:
+        for original, copy in zip(originals, work):
+            original.copy_(copy)
     if grad_scale is not None and g is not grad:
         grad.copy_(g)

@@ -55,8 +55,9 @@ def _check_chunks(numels, chunk_numels, world_size):
 
 
 # the element types the Triton packing kernels are built for; other dtypes (integers, bool,
-# fp8, complex) are plain copies and take the torch path on every device
-_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# fp8, complex) are plain copies and take the torch path on every device. float64 takes it too:
+# the kernels scale in fp32 and widen through fp32, which would round fp64 values twice.
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _triton_packs(*tensors: torch.Tensor) -> bool:
@@ -110,12 +111,14 @@ def _scaled_copy(dst: torch.Tensor, src: torch.Tensor, scale: float) -> None:
     """``dst = src * scale`` in one pass, computed in the wider of the two dtypes."""
     if scale == 1.0:
         dst.copy_(src)
+    elif dst.dtype.itemsize > src.dtype.itemsize:
+        # the widening copy is exact; then one product in dst's dtype (torch.mul(src, out=dst)
+        # would multiply in src's dtype first)
+        dst.copy_(src).mul_(scale)
     elif src.dtype == dst.dtype or src.dtype in (torch.float32, torch.float64):
         torch.mul(src, scale, out=dst)
     # Below, torch.mul would round the product to src's 16-bit dtype before the cast to dst's
     # dtype rounds again; round once, like the Triton kernel.
-    elif dst.dtype.itemsize > src.dtype.itemsize:
-        dst.copy_(src).mul_(scale)  # the widening copy is exact
     else:  # fp16 <-> bf16: through an fp32 temporary
         torch.mul(src.float(), scale, out=dst)
 

@@ -193,3 +193,53 @@ def test_adamw_step_many_unscales_and_skips(backend, skip):
                                decoupled=True)[0] for old, true in zip(before, true_grads)]
         for p, expected in zip(params, ref):
             assert_close(p, expected, "param")
+
+
+@pytest.mark.parametrize("param_dtype,grad_dtype", [(torch.float16, torch.float32),
+                                                    (torch.bfloat16, torch.float16),
+                                                    (torch.float64, torch.float64)])
+def test_adamw_step_param_and_grad_dtype_mixes(backend, param_dtype, grad_dtype):
+    """Regression: the CPU path cast an fp32 gradient scaled by 65536 to the fp16 parameter's
+    dtype (inf, then nan parameters); the Triton path updated float64 parameters in fp32."""
+    gen = torch.Generator().manual_seed(3)
+    n = 300
+    compute = torch.float64 if param_dtype == torch.float64 else torch.float32
+    p = torch.randn(n, generator=gen, dtype=torch.float64).to(param_dtype)
+    m, v = torch.zeros(n, dtype=param_dtype), torch.zeros(n, dtype=param_dtype)
+    true_grad = (torch.randn(n, generator=gen, dtype=torch.float64) / 3).to(grad_dtype)
+    grad = (true_grad.to(compute) * 65536).to(grad_dtype)
+    expected = reference_adamw(p, m, v, None, g=true_grad, step=1, lr=0.1, beta1=0.9,
+                               beta2=0.999, eps=1e-8, weight_decay=0.01, maximize=False,
+                               amsgrad=False, decoupled=True)
+    if compute == torch.float64:  # float64 math: torch.optim.AdamW's own step
+        ref_p = p.clone().requires_grad_()
+        ref_p.grad = true_grad.clone()
+        opt = torch.optim.AdamW([ref_p], lr=0.1, foreach=False)
+        opt.step()
+        state = opt.state[ref_p]
+        expected = (ref_p.detach(), state["exp_avg"], state["exp_avg_sq"])
+    adamw_step(p, grad, m, v, step=1, lr=0.1, grad_scale=torch.tensor(65536.0))
+    assert torch.equal(grad, true_grad), "grad must hold the unscaled gradient"
+    tol = 1e-12 if param_dtype == torch.float64 else 0
+    for actual, ref in zip((p, m, v), expected):
+        torch.testing.assert_close(actual, ref.to(param_dtype), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_sgd_step_low_and_double_precision_params(backend, dtype):
+    """Regression: torch's CPU fused SGD updated fp16/bf16 momentum buffers wrongly, and the
+    Triton path updated float64 parameters in fp32."""
+    gen = torch.Generator().manual_seed(5)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    p, g, buf = (torch.randn(300, generator=gen, dtype=torch.float64).to(dtype)
+                 for _ in range(3))
+    expected_p, expected_buf = reference_sgd(p, g, buf, lr=0.1, momentum=0.9, dampening=0.0,
+                                             weight_decay=0.1, nesterov=False, maximize=False,
+                                             first_step=False)
+    if compute == torch.float32:  # the kernels' arithmetic: fp32, rounded once
+        b32 = 0.9 * buf.float() + (g.float() + 0.1 * p.float())
+        expected_p, expected_buf = p.float() - 0.1 * b32, b32
+    sgd_step(p, g, buf, lr=0.1, momentum=0.9, weight_decay=0.1)
+    tol = 1e-12 if dtype == torch.float64 else 0
+    torch.testing.assert_close(buf, expected_buf.to(dtype), rtol=tol, atol=tol)
+    torch.testing.assert_close(p, expected_p.to(dtype), rtol=tol, atol=tol)

@@ -117,3 +117,16 @@ def test_non_float_dtypes_round_trip_on_every_backend(backend, dtype):
     for t, b in zip(as_bytes, back):
         b = b.view(torch.uint8) if dtype == torch.float8_e4m3fn else b
         assert torch.equal(b, t)
+
+
+def test_pack_float64_and_widening_scale_in_the_wider_dtype(backend):
+    """Regression: the Triton kernels scaled float64 sources in fp32 (and narrowed them to bf16
+    through fp32, rounding twice); the CPU path scaled fp32 sources for an fp64 buffer in fp32."""
+    gen = torch.Generator().manual_seed(11)
+    src64 = torch.randn(2049, generator=gen, dtype=torch.float64)
+    for out_dtype in (torch.float64, torch.float32, torch.bfloat16):
+        packed = pack_rank_major([src64], 3, scale=1 / 3, dtype=out_dtype)
+        assert torch.equal(packed[:2049], (src64 * (1 / 3)).to(out_dtype)), out_dtype
+    src32 = torch.randn(1000, generator=gen)
+    packed = pack_rank_major([src32], 2, scale=1 / 3, dtype=torch.float64)
+    assert torch.equal(packed, src32.double() * (1 / 3))
