@@ -165,6 +165,8 @@ def _watch_forever(pending: "queue.SimpleQueue[CommHandle]") -> None:
             handle._arrived.set()
         if handle._future is not None:
             _complete(handle._future, handle)
+        # drop the last handle and work (their buffers) before blocking for the next one
+        handle = work = None
 
 
 def _complete(future: torch.futures.Future, handle: CommHandle) -> None:

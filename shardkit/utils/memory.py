@@ -14,12 +14,14 @@ they are not model state, but they are memory the wrapper costs.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
 import torch
 
-__all__ = ["ModelStateBytes", "model_state_bytes", "tensor_storage_bytes"]
+__all__ = ["ModelStateBytes", "model_state_bytes", "tensor_storage_bytes", "live_tensors",
+           "live_storage_bytes", "LiveStorageTracker"]
 
 CATEGORIES = ("params", "grads", "optimizer")
 
@@ -132,3 +134,124 @@ def model_state_bytes(module: Optional[torch.nn.Module] = None,
         seen.add(key)
         totals[category] += key[2]
     return ModelStateBytes(**totals)
+
+
+def live_tensors() -> list[torch.Tensor]:
+    """Every tensor the Python garbage collector can reach now (after a full collection).
+
+    Tensors held only by C++ (what autograd saved for a backward, a storage a tensor hook's
+    closure keeps) are not Python objects; :class:`LiveStorageTracker` also sees those.
+    """
+    gc.collect()
+    found = []
+    for obj in gc.get_objects():
+        try:
+            if issubclass(type(obj), torch.Tensor) and obj.device.type != "meta":
+                found.append(obj)
+        except Exception:  # an object whose __class__ lookup fails (half-torn-down proxies)
+            continue
+    return found
+
+
+def live_storage_bytes() -> int:
+    """Bytes of the distinct storages behind every tensor Python can reach (see
+    :func:`live_tensors`)."""
+    return tensor_storage_bytes(live_tensors())
+
+
+class LiveStorageTracker:
+    """Weak references to every storage alive when it starts and every storage an operator
+    creates while it is active, so that :meth:`live_bytes` counts the bytes still alive
+    (including storages only C++ holds: autograd's saved tensors, hooks' captures) without
+    keeping any of them alive.
+
+    Used as a context manager (a ``TorchDispatchMode`` sees each operator's outputs)::
+
+        with LiveStorageTracker(sample_every_op=True) as tracker:
+            train_step()
+        tracker.peak_bytes, tracker.live_bytes()
+
+    ``sample_every_op``: measure after every operator and keep the largest value in
+    :attr:`peak_bytes` (slow: use it for one step); :meth:`sample` records a value on demand
+    (from module hooks, say). :attr:`peak_phase` is the :attr:`phase` label the caller had set
+    when the peak was seen. Storages resized in place (FSDP frees a gathered unit with
+    ``resize_(0)``) are counted at their current size.
+    """
+
+    def __init__(self, sample_every_op: bool = False):
+        self.sample_every_op = sample_every_op
+        self.peak_bytes = 0
+        self.phase: Optional[str] = None  # a label the caller sets ("forward", "step", ...)
+        self.peak_phase: Optional[str] = None  # the label in force when the peak was seen
+        self._refs: dict = {}
+        self._mode = None
+
+    # ------------------------------------------------------------------ registry
+    def _register(self, t) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+            return
+        cdata = storage._weak_ref()
+        if cdata in self._refs:
+            torch.UntypedStorage._free_weak_ref(cdata)
+            return
+        self._refs[cdata] = True
+
+    def _release(self, cdata) -> None:
+        del self._refs[cdata]
+        torch.UntypedStorage._free_weak_ref(cdata)
+
+    def live_bytes(self) -> int:
+        """Bytes of the tracked storages still alive (storages that died are dropped)."""
+        total = 0
+        for cdata in list(self._refs):
+            if torch.UntypedStorage._expired(cdata):
+                self._release(cdata)
+                continue
+            total += torch.UntypedStorage._new_with_weak_ptr(cdata).nbytes()
+        return total
+
+    def sample(self) -> int:
+        """Measure now, fold the value into :attr:`peak_bytes` and return it."""
+        now = self.live_bytes()
+        if now > self.peak_bytes:
+            self.peak_bytes, self.peak_phase = now, self.phase
+        return now
+
+    def reset_peak(self) -> None:
+        self.peak_bytes, self.peak_phase = self.live_bytes(), self.phase
+
+    # ------------------------------------------------------------------ mode
+    def __enter__(self) -> "LiveStorageTracker":
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_flatten(out)[0]:
+                    tracker._register(t)
+                if tracker.sample_every_op:
+                    tracker.sample()
+                return out
+
+        for t in live_tensors():
+            self._register(t)
+        self.peak_bytes = self.live_bytes()
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        self._mode = None
+
+    def close(self) -> None:
+        """Drop every weak reference (the tracker measures nothing afterwards)."""
+        for cdata in list(self._refs):
+            self._release(cdata)
