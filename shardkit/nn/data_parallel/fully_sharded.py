@@ -1128,11 +1128,28 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                                "unit; call it on the root (outermost) instance")
         max_norm, norm_type = check_clip_arguments("clip_grad_norm_", max_norm, norm_type)
         self._check_idle("clip_grad_norm_")
+        self._refuse_unreduced_grads("clip_grad_norm_")
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         measured, also_over = self._gradients_counted_once()
         return clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.process_group,
                                            comm_device=self._comm_device(),
                                            measured=measured, also_over=also_over)
+
+    def _refuse_unreduced_grads(self, what: str) -> None:
+        """Raise if backwards inside :meth:`no_sync` left gradients that no synchronising
+        backward has reduced yet: they are held unsharded outside ``.grad``, so a norm would
+        miss them (it read 0.0). Every rank ran the same backwards, so every rank raises here,
+        before any collective. Local."""
+        held = [unit for unit in self.sharded_units()
+                if unit._shard is not None and unit._shard.has_full_grad()]
+        if held:
+            names = sorted({unit._shard.label[1] for unit in held})
+            raise RuntimeError(
+                f"FullyShardedDataParallel.{what}(): the gradients of {len(held)} unit(s) "
+                f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) were accumulated "
+                f"inside no_sync() and are not reduced yet; run the last backward of the "
+                f"accumulation cycle outside no_sync() (it reduces everything), or call "
+                f"model.zero_grad() to discard them")
 
     def _gradients_counted_once(self) -> tuple:
         """``(measured, also_over)`` for :func:`clip_grad_norm_across_ranks`: which of this
