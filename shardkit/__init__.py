@@ -7,7 +7,7 @@ pipeline schedules, Megatron-style tensor-parallel layers, and a DeepSpeed-style
 
 __version__ = "0.1.0"
 
-__all__ = ["initialize", "__version__"]
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "__version__"]
 
 
 def __getattr__(name):
@@ -15,4 +15,7 @@ def __getattr__(name):
     if name == "initialize":
         from shardkit.engine import initialize
         return initialize
+    if name in ("add_config_arguments", "init_distributed"):  # DeepSpeed's script helpers
+        from shardkit import deepspeed_compat
+        return getattr(deepspeed_compat, name)
     raise AttributeError(f"module 'shardkit' has no attribute {name!r}")

@@ -61,6 +61,7 @@ import torch.nn as nn
 
 from shardkit import distributed
 from shardkit.config import ConfigError, EngineConfig, load_config
+from shardkit.deepspeed_compat import ensure_process_group
 from shardkit.engine_accessors import DeepSpeedAccessors
 from shardkit.model_parallel_unit import (ModelParallelGroups, checkpoint_location,
                                           model_parallel_groups, mp_rank_name,
@@ -1016,7 +1017,7 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
             distributed_port, int) or not 0 < distributed_port < 65536):
         raise ConfigError(f"initialize(distributed_port={distributed_port!r}): expected a port "
                           f"number in 1-65535")
-    _ensure_process_group(distributed_port)
+    ensure_process_group(distributed_port)
     from shardkit import fault
     fault.watch_peers(peer_timeout_s)
     if distributed.get_rank() == 0:
@@ -1105,20 +1106,6 @@ def _data_parallel_world_size() -> int:
     if distributed.is_initialized():
         return distributed.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _ensure_process_group(port=None) -> None:
-    """Join torchrun's group (its environment names the rendezvous; ``port`` fills in a
-    missing ``MASTER_PORT``, as DeepSpeed's ``distributed_port``); outside torchrun start a
-    one-rank group (:func:`shardkit.distributed.init_single_process`)."""
-    if distributed.is_initialized():
-        return
-    if port is not None and "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(port)
-    if "RANK" in os.environ:
-        distributed.init_distributed()
-    else:
-        distributed.init_single_process()
 
 
 def _build_scheduler(cfg: EngineConfig, lr_scheduler, optimizer):

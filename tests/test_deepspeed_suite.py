@@ -698,3 +698,62 @@ def test_scheduler_lr_is_the_engine_lr(world1, stage):
     for kind, pairs in world1.run(_scheduler_and_engine_agree, stage)[0].items():
         for scheduled, held in pairs:
             assert scheduled == pytest.approx(held), kind
+
+
+# ----------------------------------------------------------------------------- script helpers
+
+
+def test_add_config_arguments_gives_deepspeeds_options():
+    parser = shardkit.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
+    assert (args.deepspeed, args.deepspeed_config, args.deepscale, args.deepscale_config) == \
+        (True, "ds.json", False, None)
+    assert parser.parse_args([]).deepspeed_config is None
+    with pytest.raises(argparse.ArgumentError):  # the script already defines it: argparse's
+        shardkit.add_config_arguments(parser)
+    with pytest.raises(TypeError, match="ArgumentParser"):
+        shardkit.add_config_arguments({"deepspeed_config": "ds.json"})
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"rank": 1}, "rank="), ({"world_size": 2}, "world_size="),
+    ({"init_method": "tcp://x:1"}, "init_method="), ({"timeout": 30}, "timedelta")])
+def test_init_distributed_refuses_what_torchrun_decides(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        shardkit.init_distributed(**kwargs)
+
+
+def _deepspeed_script(tmp):
+    """A DeepSpeed script's lines with ``import shardkit as deepspeed``: options, init,
+    initialize(args=...) from the config file, a few steps; returns the final weights."""
+    import datetime
+    deepspeed = shardkit
+    world, rank = distributed.get_world_size(), distributed.get_rank()
+    path = os.path.join(tmp, "ds_config.json")
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(_adam_config(train_batch_size=2 * world), f)
+    distributed.barrier()
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", path])
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=60))
+    deepspeed.init_distributed()  # idempotent, as DeepSpeed's
+    out = {}
+    try:
+        deepspeed.init_distributed(dist_backend="nccl")
+    except RuntimeError as error:
+        out["other_backend"] = str(error)
+    model = _model()
+    engine, *_ = deepspeed.initialize(args=args, model=model,
+                                      model_parameters=model.parameters())
+    _train(engine, 2, rank)
+    out["weights"] = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    out["moved"] = max_diff(out["weights"], _model().state_dict())
+    return out
+
+
+def test_a_deepspeed_script_runs_with_the_import_changed(world2, tmp_path):
+    a, b = world2.run(_deepspeed_script, str(tmp_path))
+    assert "already runs backend 'gloo'" in a["other_backend"]
+    assert max_diff(a["weights"], b["weights"]) == 0.0  # ranks agree after training
+    assert a["moved"] > 0.0
