@@ -7,7 +7,10 @@ pipeline schedules, Megatron-style tensor-parallel layers, and a DeepSpeed-style
 
 __version__ = "0.1.0"
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "__version__"]
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "comm", "get_accelerator",
+           "__version__"]
+
+_SUBPACKAGES = ("nn", "optim", "distributed", "checkpoint", "utils", "kernels", "accelerator")
 
 
 def __getattr__(name):
@@ -15,7 +18,10 @@ def __getattr__(name):
     if name == "initialize":
         from shardkit.engine import initialize
         return initialize
-    if name in ("add_config_arguments", "init_distributed"):  # DeepSpeed's script helpers
-        from shardkit import deepspeed_compat
+    if name in ("add_config_arguments", "init_distributed", "comm", "get_accelerator"):
+        from shardkit import deepspeed_compat  # DeepSpeed's script helpers
         return getattr(deepspeed_compat, name)
+    if name in _SUBPACKAGES:  # `import shardkit; shardkit.nn.Pipe(...)`, as with FairScale
+        import importlib
+        return importlib.import_module(f"shardkit.{name}")
     raise AttributeError(f"module 'shardkit' has no attribute {name!r}")

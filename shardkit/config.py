@@ -245,6 +245,12 @@ SCHEMA: dict = {
     },
     "bf16": {"enabled": _bool(), "check_grad_overflow": _bool(True),
              "immediate_grad_update": _bool()},
+    # DeepSpeed's torch.autocast switch over fp32 weights: shardkit's "bf16" / "fp16" sections
+    # already run the forward that way, so the section is accepted while off
+    "torch_autocast": {"enabled": _off("torch_autocast section",
+                                       'use "bf16": {"enabled": true} (or "fp16"), which '
+                                       'runs the forward under torch.autocast over fp32 weights'),
+                       "dtype": _str(), "lower_precision_safe_modules": Field((list,), [])},
     "gradient_clipping": _num(0.0, 0),
     "steps_per_print": _int(10, 1),
     "wall_clock_breakdown": _bool(), "memory_breakdown": _bool(), "dump_state": _bool(),

@@ -14,11 +14,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import types
 from typing import Optional
 
-from shardkit import distributed
 
-__all__ = ["add_config_arguments", "init_distributed", "ensure_process_group"]
+from shardkit import distributed
+from shardkit.accelerator import get_accelerator  # noqa: F401 - DeepSpeed's name here too
+
+__all__ = ["add_config_arguments", "init_distributed", "ensure_process_group",
+           "get_accelerator", "comm"]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -88,3 +92,27 @@ def ensure_process_group(port: Optional[int] = None, backend: Optional[str] = No
         distributed.init_distributed(backend, timeout_s=timeout_s)  # idempotent
         return
     distributed.init_single_process(backend)
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+# DeepSpeed's ``deepspeed.comm``: torch.distributed's calls, through shardkit.distributed (so
+# CommCounter counts them)
+comm = types.ModuleType("shardkit.comm", "DeepSpeed's deepspeed.comm over shardkit.distributed")
+comm.init_distributed = init_distributed
+comm.is_initialized = distributed.is_initialized
+comm.get_rank = distributed.get_rank
+comm.get_world_size = distributed.get_world_size
+comm.get_global_rank = distributed.get_global_rank
+comm.get_local_rank = _local_rank
+comm.new_group = distributed.new_group
+comm.barrier = distributed.barrier
+comm.all_reduce = distributed.all_reduce
+comm.broadcast = distributed.broadcast
+comm.all_gather = distributed.all_gather
+comm.all_gather_into_tensor = distributed.all_gather_into_tensor
+comm.reduce = distributed.reduce
+comm.reduce_scatter_tensor = distributed.reduce_scatter_tensor
+comm.ReduceOp = distributed.ReduceOp

@@ -111,8 +111,11 @@ def _check_arguments(model, optimizer, lr_scheduler, cfg: EngineConfig) -> None:
         raise TypeError(f"initialize(model=...): expected a torch.nn.Module, got "
                         f"{type(model).__name__}")
     if cfg.optimizer is not None and optimizer is not None:
-        raise ConfigError("initialize: both an optimizer object (optimizer=...) and a config "
-                          "'optimizer' section were given; pass exactly one of them")
+        raise ConfigError(
+            f"initialize: both an optimizer object (optimizer=<{type(optimizer).__name__}>) and "
+            f"a config 'optimizer' section (type {cfg.optimizer.torch_class}) were given; pass "
+            f"exactly one of them (DeepSpeed would use the object and ignore the section: to "
+            f"keep that behaviour, delete the config's 'optimizer' section)")
     if cfg.optimizer is None and optimizer is None:
         raise ConfigError("initialize: no optimizer; pass optimizer=<torch optimizer> or add an "
                           "'optimizer': {'type': 'AdamW', 'params': {'lr': ...}} section to the "
@@ -305,6 +308,16 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         self._boundary_unreduced = False
         # the class name of the optimizer the script passed (None: built from the config)
         self.client_optimizer_name: Optional[str] = None
+        # engine forwards since the last backward: none means the script called the model
+        # itself (DeepSpeed's GAN example), so torch DDP's hooks were never armed (stages 0-1)
+        self._forwards_since_backward = 0
+        # a boundary backward already reduced gradients in this step (several per step)
+        self._reduced_since_step = False
+        # engine forwards and backwards since the last step(): a boundary step after none of
+        # the latter means the script ran loss.backward() itself (DeepSpeed's PyTorch-style
+        # backward): no loss scale was applied, and at stages 0-1 nothing was reduced unless
+        # the forward ran through DDP
+        self._forwards_since_step = self._backwards_since_step = 0
 
     def __getattr__(self, name: str):
         # DeepSpeed's engine forwards unknown attributes to the model (engine.config_class,
@@ -488,6 +501,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
 
     # -- training
     def forward(self, *args, **kwargs):
+        self._forwards_since_backward += 1
+        self._forwards_since_step += 1
         with self._precision_context(), self._reduction_context():
             return self.wrapped(*args, **kwargs)
 
@@ -506,8 +521,19 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             raise ValueError(f"engine.backward(scale_wrt_gas={scale_wrt_gas!r}): expected True "
                              f"or False")
         self._count_loss(loss)
+        self._backwards_since_step += 1
+        reducing = self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0
         if self.is_gradient_accumulation_boundary():
             self._boundary_unreduced = self._no_sync_depth > 0
+        # stages 0-1 (torch DDP): a loss computed by calling the model itself bypassed DDP's
+        # forward, so DDP reduces nothing; DeepSpeed averages the gradients in backward anyway
+        by_hand = reducing and self._forwards_since_backward == 0 \
+            and isinstance(self.wrapped, nn.parallel.DistributedDataParallel)
+        self._forwards_since_backward = 0
+        # stage 1 reduces each gradient onto its owner and zeroes the others', which a second
+        # reduction in the same step would halve: reduce only the new gradients, add the old
+        kept = self._set_aside_reduced_gradients() if reducing and self._reduced_since_step \
+            and self._reduces_to_owners() else None
         divisor = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
         factor = self.loss_scale / divisor
         scaled = loss.float() * factor if factor != 1.0 else loss
@@ -516,7 +542,60 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 scaled.backward(retain_graph=retain_graph)
             except RuntimeError as error:
                 raise _explained_backward_error(error, self.config.zero) from error
+        if by_hand:
+            self._average_gradients_by_hand()
+        if kept is not None:
+            for param, grad in kept:
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
+        self._reduced_since_step = self._reduced_since_step or reducing
         return loss / divisor if divisor != 1 else loss
+
+    def _reduces_to_owners(self) -> bool:
+        return self.composition.stage == 1 and self.config.zero.reduce_to_owners
+
+    def _ddp_parameters(self) -> list:
+        return [p for p in self.wrapped.module.parameters() if p.requires_grad]
+
+    def _set_aside_reduced_gradients(self) -> list:
+        """``(param, copy of its grad)`` for the gradients an earlier backward of this step
+        reduced; the gradients are then zeroed in place (they are views of DDP's buckets), so
+        the next reduction sees only the new ones. Memory: one copy of the gradients, only on
+        a second reducing backward in a step."""
+        kept = []
+        for param in self._ddp_parameters():
+            if param.grad is not None:
+                kept.append((param, param.grad.clone()))
+                param.grad.zero_()
+        return kept
+
+    def _average_gradients_by_hand(self) -> None:
+        """Average every trainable parameter's gradient over the data-parallel group, as DDP
+        would have (absent ones count as zero, and stay ``None`` where every rank's is): one
+        all-reduce of a flat buffer of Ψ elements, every rank the same parameters in the same
+        order, so ranks whose forward left different parameters unused still agree. Costs
+        DDP's all-reduce traffic (in fp32 even under communication_data_type) and one
+        temporary Ψ-element buffer."""
+        params = self._ddp_parameters()
+        group = self.wrapped.process_group
+        if not params or distributed.get_world_size(group) == 1:
+            return
+        dtype = params[0].grad.dtype if params[0].grad is not None else params[0].dtype
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p, dtype=dtype))
+                          .reshape(-1).to(dtype) for p in params])
+        distributed.all_reduce(flat, group=group)
+        flat.div_(distributed.get_world_size(group))
+        offset = 0
+        for param in params:
+            view = flat[offset:offset + param.numel()].view_as(param)
+            offset += param.numel()
+            if param.grad is None:
+                if view.any():  # another rank's forward used it; nobody's did: stays None
+                    param.grad = view.to(param.dtype).clone()
+            else:
+                param.grad.copy_(view)
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """At the accumulation boundary: (fp16) agree on overflow, unscale, clip, step the
@@ -525,11 +604,16 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
             raise ValueError(f"engine.step(lr_kwargs={lr_kwargs!r}): expected a dict of keyword "
                              f"arguments for lr_scheduler.step(), or None")
+        torch_backward = self._backwards_since_step == 0
         if self.is_gradient_accumulation_boundary():
             self._refuse_unreduced_step()
-            self._optimizer_step(lr_kwargs or {})
+            if torch_backward and self._forwards_since_step == 0 and self._no_sync_depth == 0 \
+                    and isinstance(self.wrapped, nn.parallel.DistributedDataParallel):
+                self._average_gradients_by_hand()  # model called and loss.backward() by hand
+            self._optimizer_step(lr_kwargs or {}, loss_scaled=not torch_backward)
             self.global_steps += 1
             self._maybe_print()
+        self._forwards_since_step = self._backwards_since_step = 0
         self.micro_steps += 1
 
     def _refuse_unreduced_step(self) -> None:
@@ -554,7 +638,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         No communication."""
         self.composition.zero_grad(set_to_none=set_to_none)
 
-    def _optimizer_step(self, lr_kwargs: dict) -> None:
+    def _optimizer_step(self, lr_kwargs: dict, loss_scaled: bool = True) -> None:
         overflow = self._agreed_overflow() if self.config.precision.check_grad_overflow \
             else False
         scale_before = self.loss_scale
@@ -563,7 +647,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             self.skipped_steps += 1
             self._last_grad_norm = None
         else:
-            factor = 1.0 / self.loss_scale if self.loss_scaler is not None else 1.0
+            factor = 1.0 / self.loss_scale if self.loss_scaler is not None and loss_scaled \
+                else 1.0
             if self.config.gradient_allreduce_op == "sum":  # the reduction averaged them
                 factor *= self.dp_world_size
             if factor != 1.0:
@@ -582,6 +667,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                         "%g -> %g", self.global_steps + 1, self.config.precision.dtype,
                         scale_before, self.loss_scale)
         self._boundary_unreduced = False
+        self._reduced_since_step = False
         self.zero_grad()
 
     def _local_gradients(self) -> list[torch.Tensor]:
@@ -794,6 +880,11 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             logger.warning("%s; every rank saves under rank 0's tag %r "
                            "(checkpoint.tag_validation='Warn')", message, tags[0])
         return tags[0]
+
+    def destroy(self) -> None:
+        """DeepSpeed's end-of-training call: finish a pending asynchronous save. The wrappers
+        hold no other resources (no hooks or threads outlive the engine). No communication."""
+        self.wait_for_checkpoint()
 
     def wait_for_checkpoint(self) -> Optional[str]:
         """Wait for this engine's asynchronous save, if one is under way; return its directory

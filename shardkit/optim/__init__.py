@@ -8,6 +8,7 @@ _EXPORTS = {
     "ParameterPartition": "shardkit.optim.partition",
     "FusedAdamW": "shardkit.optim.fused",
     "ShardedGradScaler": "shardkit.optim.grad_scaler",
+    "GradScaler": "shardkit.optim.grad_scaler",
     "DynamicLossScaler": "shardkit.optim.loss_scaler",
     "WarmupLR": "shardkit.optim.lr_scheduler",
     "WarmupDecayLR": "shardkit.optim.lr_scheduler",

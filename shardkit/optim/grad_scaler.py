@@ -16,7 +16,40 @@ import torch
 from shardkit import distributed as skdist
 from shardkit.optim.oss import OSS, STEPPED_WITH_SCALED_GRADS
 
-__all__ = ["ShardedGradScaler"]
+__all__ = ["GradScaler", "ShardedGradScaler"]
+
+
+class GradScaler(torch.amp.GradScaler):
+    """FairScale's ``fairscale.optim.GradScaler``: torch's scaler that also unscales 16-bit
+    gradients (pure fp16 training; torch's refuses them), for one process or replicated
+    gradients (torch DDP, or OSS, which combines the inf/nan flags itself). Under
+    ``ShardedDataParallel`` use :class:`ShardedGradScaler`.
+
+    Args: FairScale's (and ``torch.cuda.amp.GradScaler``'s) order, ``init_scale`` first
+    (defaults 2**16, 2.0, 0.5, 2000, True); ``device`` by name only (default ``"cuda"`` when
+    CUDA is available, else ``"cpu"``, where FairScale's would disable itself). No
+    communication of its own.
+    """
+
+    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000, enabled=True, *, device=None):
+        if not isinstance(enabled, bool):
+            raise TypeError(f"GradScaler(enabled={enabled!r}): expected True or False")
+        _check_positive("init_scale", init_scale, "GradScaler")
+        _check_positive_int("growth_interval", growth_interval, "GradScaler")
+        _check_number("growth_factor", growth_factor, "GradScaler")
+        _check_number("backoff_factor", backoff_factor, "GradScaler")
+        if enabled and not growth_factor > 1.0:
+            raise ValueError(f"GradScaler(growth_factor={growth_factor!r}): must be a finite "
+                             f"number > 1.0")
+        if enabled and not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"GradScaler(backoff_factor={backoff_factor!r}): must be in (0, 1)")
+        super().__init__(_device_name(device, "GradScaler"), init_scale=init_scale,
+                         growth_factor=growth_factor, backoff_factor=backoff_factor,
+                         growth_interval=growth_interval, enabled=enabled)
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -141,33 +174,34 @@ def _named_arguments(args: tuple, kwargs: dict) -> dict:
     return named
 
 
-def _device_name(device) -> str:
+def _device_name(device, owner: str = "ShardedGradScaler") -> str:
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if isinstance(device, torch.device):
         return device.type
     if isinstance(device, str):
         return torch.device(device).type
-    raise TypeError(f"ShardedGradScaler(device={device!r}): expected 'cuda', 'cpu' or a "
-                    f"torch.device (positionally, a number first means FairScale's order: "
-                    f"init_scale first)")
+    note = (" (positionally, a number first means FairScale's order: init_scale first)"
+            if owner == "ShardedGradScaler" else "")
+    raise TypeError(f"{owner}(device={device!r}): expected 'cuda', 'cpu' or a "
+                    f"torch.device{note}")
 
 
-def _check_number(name: str, value) -> None:
+def _check_number(name: str, value, owner: str = "ShardedGradScaler") -> None:
     """A finite int or float (not a bool): torch's scaler would take an inf or a string here
     and fail, or scale by inf, only at the first ``update()``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
             not math.isfinite(value):
-        raise ValueError(f"ShardedGradScaler({name}={value!r}): must be a finite number")
+        raise ValueError(f"{owner}({name}={value!r}): must be a finite number")
 
 
-def _check_positive(name: str, value) -> None:
-    _check_number(name, value)
+def _check_positive(name: str, value, owner: str = "ShardedGradScaler") -> None:
+    _check_number(name, value, owner)
     if not value > 0:
-        raise ValueError(f"ShardedGradScaler({name}={value!r}): must be a finite number > 0")
+        raise ValueError(f"{owner}({name}={value!r}): must be a finite number > 0")
 
 
-def _check_positive_int(name: str, value) -> None:
+def _check_positive_int(name: str, value, owner: str = "ShardedGradScaler") -> None:
     # torch's update() passes growth_interval to an op that takes an int only
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"ShardedGradScaler({name}={value!r}): must be an integer >= 1")
+        raise ValueError(f"{owner}({name}={value!r}): must be an integer >= 1")

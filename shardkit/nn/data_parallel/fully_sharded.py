@@ -1205,7 +1205,10 @@ def _check_wrappable(module) -> None:
     if isinstance(module, FullyShardedDataParallel):
         raise ValueError("FullyShardedDataParallel(module): module is already a "
                          "FullyShardedDataParallel; wrap each module once (use the existing "
-                         "instance)")
+                         "instance). auto_wrap returns the root already wrapped when its "
+                         "policy selects the root (a size policy on a model of at least "
+                         "min_num_params, as FairScale's FSDP(auto_wrap(model)) benchmark): "
+                         "use that result as the root")
     if not isinstance(module, nn.Module):
         raise ValueError(f"FullyShardedDataParallel(module={type(module).__name__}): expected "
                          f"a torch.nn.Module")

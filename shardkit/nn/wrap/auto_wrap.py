@@ -171,6 +171,7 @@ def enable_wrap(wrapper_cls: Optional[type] = None, auto_wrap_policy: Optional[C
     if not callable(wrapper_cls):
         raise ValueError(f"enable_wrap(wrapper_cls={wrapper_cls!r}): expected a wrapper class")
     _check_policy(auto_wrap_policy, "enable_wrap")
+    _check_wrapper_kwargs(wrapper_cls, wrapper_kwargs, "enable_wrap")
     _wrap_contexts.append((wrapper_cls, dict(wrapper_kwargs), auto_wrap_policy))
     try:
         yield
@@ -182,6 +183,36 @@ def _check_policy(policy, what: str) -> None:
     if policy is not None and not callable(policy):
         raise ValueError(f"{what}(auto_wrap_policy={policy!r}): expected a callable "
                          f"policy(module=, recurse=, unwrapped_params=)")
+
+
+# the size policy's arguments, which FairScale's tutorial passes to auto_wrap itself
+_POLICY_ARGUMENTS = ("min_num_params", "force_leaf_modules", "exclude_wrap_modules")
+
+
+def _check_wrapper_kwargs(wrapper_cls, kwargs: dict, what: str) -> None:
+    """Raise a TypeError naming a keyword argument ``wrapper_cls`` does not take, before any
+    module is wrapped: otherwise it surfaces only when the policy first selects a module, and
+    never when it selects none (``auto_wrap(model, min_num_params=...)`` wrapped nothing)."""
+    if not kwargs:
+        return
+    try:
+        params = inspect.signature(wrapper_cls).parameters
+    except (TypeError, ValueError):  # no signature to read: let the wrapper judge
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    valid = [n for n, p in params.items()
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    name = getattr(wrapper_cls, "__name__", repr(wrapper_cls))
+    for key in kwargs:
+        if key in valid[1:]:  # the first one is the module itself
+            continue
+        if key in _POLICY_ARGUMENTS:
+            raise TypeError(f"{what}({key}=...): {key} is an argument of the size policy, not "
+                            f"of {name}; pass auto_wrap_policy=functools.partial("
+                            f"default_auto_wrap_policy, {key}=...)")
+        raise TypeError(f"{what}({key}=...): not an argument of {name}; valid ones are "
+                        f"{', '.join(valid[1:])}")
 
 
 def _current_wrapper() -> Optional[tuple[type, dict, Optional[Callable]]]:
@@ -206,6 +237,7 @@ def wrap(module: nn.Module, **wrap_overrides) -> nn.Module:
     if current is None:
         return module
     cls, kwargs, _ = current
+    _check_wrapper_kwargs(cls, wrap_overrides, "wrap")
     return _wrap_one(module, cls, kwargs, wrap_overrides)
 
 
@@ -239,6 +271,7 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
         from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
         current = (FullyShardedDataParallel, {}, None)
     wrapper_cls, context_kwargs, context_policy = current
+    _check_wrapper_kwargs(wrapper_cls, wrapper_kwargs, "auto_wrap")
     policy = auto_wrap_policy or context_policy or default_auto_wrap_policy
     wrap_one = functools.partial(_wrap_one, wrapper_cls=wrapper_cls,
                                  context_kwargs=context_kwargs, overrides=wrapper_kwargs)
