@@ -111,6 +111,13 @@ class CommHandle:
             return self._arrived.is_set()
         return all(w.is_completed() for w in self._works)
 
+    def polls(self) -> bool:
+        """Whether :meth:`is_completed` is a true poll: the handle is done, or still holds
+        works of its own. One whose result comes from a closure that waits for something else
+        (a shared-memory ring, a reduce-scatter behind padding) reads completed from the
+        start."""
+        return self._done or bool(self._works)
+
     def _wait_works(self) -> None:
         # Note: a gloo send/receive may be waited for only once (a second wait blocks forever),
         # so a watched handle leaves the waiting to the watcher thread.

@@ -109,7 +109,8 @@ class BucketReduction:
     ``launch`` packs (gradients pre-divided by the world size, cast to the communication
     dtype), issues the collective(s) and returns at once; ``finish`` waits and returns, for
     the parameters this rank owns, ``(param, reduced gradient or None)``. Memory while in
-    flight: the packed buffer (about the bucket's size); after ``finish`` only this rank's
+    flight: the packed buffer (about the bucket's size) and the transport's scratch (on gloo
+    ``N-1`` receive buffers of this rank's segment); after ``finish`` only this rank's
     segment stays alive, as the storage of its reduced gradients.
     """
 
@@ -142,19 +143,30 @@ class BucketReduction:
         sources.append(torch.tensor(present, dtype=out.dtype, device=device))
         pack_rank_major(sources, 1, scale=1.0 / layout.world_size, dtype=out.dtype, out=out)
 
-    def launch(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        """Pack ``grads`` (one per ``layout.params``, ``None``: no gradient on this rank) and
-        issue the asynchronous reduction; the caller may drop the gradients afterwards."""
+    def launch(self, grads: list) -> None:
+        """Pack ``grads`` (a list, one per ``layout.params``, ``None``: no gradient on this
+        rank) and issue the asynchronous reduction. The list's entries are set to ``None`` as
+        they are packed, so that a gradient the caller no longer holds elsewhere is freed as
+        soon as it is copied (the bucket's transient is then about one bucket plus one
+        segment, not two buckets)."""
         raise NotImplementedError
 
     def tensors_in_flight(self) -> list[torch.Tensor]:
-        """Buffers alive until :meth:`finish` (reported as gradient memory)."""
+        """Buffers alive until :meth:`finish` (reported as gradient memory; the transport's
+        receive buffers, ``N-1`` of this rank's segment on gloo, are not among them)."""
         return list(self._in_flight)
 
     def is_complete(self) -> bool:
         """Whether the reduction has arrived (a poll that never blocks; :meth:`finish` still
         takes the result). Call :meth:`watch` after :meth:`launch` for a true poll on gloo."""
         return all(handle.is_completed() for handle in self._handles)
+
+    def has_arrived(self) -> bool:
+        """Whether the reduction is known to have arrived, so that :meth:`finish` will not
+        block: :meth:`is_complete`, but ``False`` for an operation whose handle cannot tell
+        (one that finishes inside its closure, as a shared-memory ring or a reduce-scatter
+        behind padding does: their ``is_completed()`` reads ``True`` from the start)."""
+        return all(handle.polls() and handle.is_completed() for handle in self._handles)
 
     def watch(self) -> None:
         """Let :meth:`is_complete` see the arrival of operations that complete only when waited
@@ -229,6 +241,8 @@ class ReduceToOwners(BucketReduction):
                 continue
             buf = torch.empty(numel, dtype=layout.comm_dtype, device=device)
             self._pack_segment(r, grads, buf)
+            for i in layout.by_owner[r]:
+                grads[i] = None  # packed: the copy in ``buf`` is what travels
             segments.append(buf)
         self._in_flight = [s for s in segments if s is not None]
         handle = self.transport.reduce_to_owners(segments, self.group)
@@ -243,6 +257,11 @@ class _OwnSegment:
 
     def is_completed(self) -> bool:
         return self._handle.is_completed()
+
+    def polls(self) -> bool:
+        """:meth:`shardkit.transport.CommHandle.polls`: trusting a handle that cannot poll
+        would make every reduction synchronous."""
+        return self._handle.polls()
 
     def watch(self) -> None:
         self._handle.watch()

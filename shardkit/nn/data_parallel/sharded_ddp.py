@@ -29,9 +29,13 @@ from shardkit.utils.wrapped_attributes import attribute_through
 __all__ = ["ShardedDataParallel"]
 
 # Bytes of packed buckets whose reduction may be in flight at once during backward; beyond that
-# the oldest is waited for. A byte budget, not a bucket count: on a slow link many small buckets
-# may be in flight without blocking backward, while the transient memory stays bounded.
-DEFAULT_MAX_INFLIGHT_BYTES = 2 ** 26
+# the oldest is waited for. A byte budget, not a bucket count: many small buckets may be in
+# flight without blocking backward, while the transient memory stays bounded. ``None`` (the
+# default) is two of the largest bucket (reduce_buffer_size, or a parameter larger than it):
+# the peak during backward then stays at the rank's share of the gradients plus about two
+# buckets (it was 64 MiB, which let every bucket of a small model stay in flight on the rank
+# ahead, holding about all of the model's gradients).
+DEFAULT_MAX_INFLIGHT_BYTES = None
 
 
 class ShardedDataParallel(nn.Module):
@@ -57,8 +61,11 @@ class ShardedDataParallel(nn.Module):
         comm: the :class:`~shardkit.transport.Transport` that reduces the buckets (default: the
             process group's own collectives; not in FairScale's signature).
         max_inflight_bytes: bytes of packed buckets whose reduction may be in flight while
-            backward goes on; past it backward waits for the oldest (not in FairScale's
-            signature).
+            backward goes on; past it backward waits for the oldest (reductions that have
+            arrived are finished, and their buffers freed, at the next gradient without
+            waiting). ``None`` (default): two of the largest bucket, ``2 * max(
+            reduce_buffer_size, largest gradient)``; ``0``: one.
+            Not in FairScale's signature.
         step_in_backward: step the optimizers during backward: as soon as the gradients of
             one of OSS's sync buckets are reduced, its owner steps it and starts its
             all-gather, which the next forward waits for module by module; ``optimizer.step()``
@@ -86,9 +93,19 @@ class ShardedDataParallel(nn.Module):
 
     Cost per rank (Ψ parameters, N ranks; DESIGN.md stage 2): gradient bytes after backward
     4Ψ/N in fp32, the rank's owned share (whole parameters, so up to one parameter more) plus
-    one flag per owned parameter; during backward, packed buckets in flight up to
-    ``max_inflight_bytes`` (64 MiB by default; at least one bucket) and a set of the
-    parameters whose gradient has arrived (one id each).
+    one flag per owned parameter. During backward, beyond the activations (B: the largest
+    bucket, ``reduce_buffer_size`` or one parameter larger than it): the reduced gradients
+    this rank owns so far (up to 4Ψ/N), the local gradients of the next buckets (about one
+    bucket once the order is settled), the packed buckets in flight (up to
+    ``max_inflight_bytes``, two buckets by default, and at least one, plus the one being
+    packed, whose gradients are freed one owner's segment at a time as they are copied) and
+    the transport's receive buffers for them (gloo: ``N-1`` copies of this rank's segment of
+    each). A reduction that has arrived is finished at the next gradient, freeing its buffers.
+    Measured (tests/nn/test_sharded_ddp_peak_memory.py; GPT and MLP, 2 and 4 gloo ranks) the
+    peak stays below the backward's own activation peak plus 4Ψ/N plus 0.6 B at 2 ranks and
+    2.7 B at 4. A model in one bucket (the default 8 MiB bucket for a small model) peaks at
+    its packed bucket plus the receive buffers, 4Ψ + 4Ψ(N-1)/N. Also a set of the parameters
+    whose gradient has arrived (one id each).
     Communication per step: the gradient reduction, (N-1)/N·Ψ elements in the DESIGN
     convention (plus the padding of reduce-scattered buckets, at most ``balance_tolerance``),
     plus OSS's parameter sync, (N-1)/N·Ψ: 2Ψ(N-1)/N together. ``broadcast_buffers`` adds the
@@ -125,7 +142,7 @@ class ShardedDataParallel(nn.Module):
                  broadcast_buffers: bool = True, sync_models_at_startup: bool = True,
                  reduce_buffer_size: int = 2 ** 23, auto_refresh_trainable: bool = True,
                  reduce_fp16: Union[bool, torch.dtype] = False, comm=None,
-                 max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+                 max_inflight_bytes: Optional[int] = DEFAULT_MAX_INFLIGHT_BYTES,
                  step_in_backward: bool = False, warn_on_trainable_params_changed: bool = True):
         super().__init__()
         skdist.require_initialized("ShardedDataParallel")
@@ -140,11 +157,12 @@ class ShardedDataParallel(nn.Module):
                               sync_models_at_startup=sync_models_at_startup,
                               auto_refresh_trainable=auto_refresh_trainable,
                               warn_on_trainable_params_changed=warn_on_trainable_params_changed)
-        if not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 0:
-            raise ValueError(f"ShardedDataParallel(max_inflight_bytes={max_inflight_bytes!r}): "
-                             f"must be an int >= 0 (bytes; 0 keeps one bucket in flight at most)")
-        self.max_inflight_bytes = max_inflight_bytes
         self._comm_dtype = args.comm_dtype_from(reduce_fp16)
+        largest = max((p.numel() * (p.element_size() if self._comm_dtype is None else
+                                    self._comm_dtype.itemsize)
+                       for p in module.parameters() if p.requires_grad), default=0)
+        self.max_inflight_bytes = args.max_inflight_bytes_from(max_inflight_bytes,
+                                                               reduce_buffer_size, largest)
         self.reduce_fp16 = reduce_fp16
         self.comm = resolve_transport(comm, "ShardedDataParallel")
         self.process_group = args.common_group(process_group, optimizers)
@@ -501,11 +519,7 @@ class ShardedDataParallel(nn.Module):
         self._ready_count[index] += 1
         while self._next_launch < len(self._buckets) and self._bucket_complete(self._next_launch):
             self._launch(self._next_launch)
-        if self._steps_after:
-            # finished strictly oldest first, so that the steps (and the all-gathers they
-            # start) come in the same order on every rank, whenever the reductions land
-            while self._in_flight and self._in_flight[0].is_complete():
-                self._finish(self._in_flight.popleft())
+        self._finish_arrived()
 
     def _refuse_second_gradient(self, p: torch.Tensor) -> None:
         """A gradient accumulated twice into ``p`` in one backward (a parameter used inside a
@@ -527,14 +541,32 @@ class ShardedDataParallel(nn.Module):
     def _launch(self, index: int) -> None:
         layout = self._buckets[index]
         reduction = ReduceToOwners(layout, self.process_group, self.rank, self.comm)
-        reduction.launch([p.grad for p in layout.params])
-        if self._steps_after:
-            reduction.watch()
+        grads = [p.grad for p in layout.params]
         for p in layout.params:
             p.grad = None
+        # the only references left are the list's: launch drops each gradient once packed
+        reduction.launch(grads)
+        del grads
+        # Note: watched, so that is_complete() is a true poll on gloo (whose sends and
+        # receives complete only when waited for): each reduction that has arrived is finished
+        # at the next gradient, freeing its packed buffer and the transport's receive buffers
+        # then rather than at the end of backward (they were all of the model's gradients).
+        reduction.watch()
         self._in_flight.append(reduction)
         self._next_launch = index + 1
+        self._finish_arrived()
         while len(self._in_flight) > 1 and self._inflight_bytes() > self.max_inflight_bytes:
+            self._finish(self._in_flight.popleft())
+
+    def _finish_arrived(self) -> None:
+        """Finish the reductions that have arrived, strictly oldest first (so that, with
+        ``step_in_backward``, the steps and the all-gathers they start come in the same order
+        on every rank, whenever the reductions land). Issues no collective, and never blocks
+        except with ``step_in_backward`` on a transport whose handles cannot poll (shared
+        memory), where each reduction is finished, and its bucket stepped, right away."""
+        arrived = BucketReduction.is_complete if self._steps_after else \
+            BucketReduction.has_arrived
+        while self._in_flight and arrived(self._in_flight[0]):
             self._finish(self._in_flight.popleft())
 
     def _inflight_bytes(self) -> int:

@@ -62,6 +62,21 @@ def check_reduce_buffer_size(size) -> None:
                          f"bytes >= 0 (0: one parameter per bucket)")
 
 
+def max_inflight_bytes_from(value, reduce_buffer_size: int, largest_grad_bytes: int = 0) -> int:
+    """``max_inflight_bytes`` checked and resolved: ``None`` (the default) is two of the
+    largest bucket, ``2 * max(reduce_buffer_size, largest_grad_bytes)`` (a parameter larger
+    than ``reduce_buffer_size`` is a bucket of its own; with ``reduce_buffer_size=0`` small
+    parameters' reductions then still overlap); otherwise an int of bytes >= 0. ValueError
+    naming the argument otherwise (local, before any collective)."""
+    if value is None:
+        return 2 * max(reduce_buffer_size, largest_grad_bytes)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"ShardedDataParallel(max_inflight_bytes={value!r}): must be None (two "
+                         f"of the largest bucket) or an int >= 0 (bytes; 0 keeps one bucket in "
+                         f"flight at most)")
+    return value
+
+
 def check_bool_flags(**flags) -> None:
     """TypeError naming the first flag that is not ``True`` or ``False`` (a string such as
     ``"no"`` would otherwise read as true and silently turn the option on)."""
