@@ -35,11 +35,12 @@ __all__ = [
     "init_distributed", "init_single_process", "is_initialized", "require_initialized",
     "get_rank", "get_world_size",
     "get_global_rank", "new_group", "resolved_group", "timeout_of", "all_reduce",
-    "reduce_scatter_tensor",
+    "all_reduce_as_one", "reduce_scatter_tensor",
     "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
     "recv", "isend",
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
     "broadcast_object", "all_gather_object", "first_disagreement", "first_difference",
+    "raise_on_disagreement",
     "broadcast_tensors_from_rank0", "any_rank",
     "CommCounter", "CommRecord", "ReduceOp", "destroy", "set_debug_collectives",
     "ranks_per_node", "node_of", "spans_nodes", "node_groups", "groups_of_nodes",
@@ -864,6 +865,23 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+def all_reduce_as_one(tensors: Sequence[torch.Tensor], group=None, divide_by: int = 1) -> None:
+    """All-reduce (sum) ``tensors`` in place as one flat buffer, then divide by ``divide_by``
+    (e.g. the world size, for an average): one collective instead of one per tensor. Memory: a
+    temporary of their total size (dtypes promoted as ``torch.cat`` does). Wire: one
+    :func:`all_reduce` of their total bytes. Nothing is sent for an empty list."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    all_reduce(flat, group=group)
+    if divide_by != 1:
+        flat.div_(divide_by)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                           group=None, async_op: bool = False):
     """Reduce ``input`` (``n`` equal rank-major chunks) and leave chunk ``rank`` in ``output``.
@@ -1131,6 +1149,18 @@ def first_disagreement(mine: dict, group=None) -> Optional[tuple]:
     rank raises the same error.
     Communication: one object all-gather of ``mine``."""
     return first_difference(all_gather_object(mine, group=group))
+
+
+def raise_on_disagreement(mine: dict, group, who: str, rule: str) -> None:
+    """Raise, on every rank and with the same text, ``ValueError("{who}: {name} is {rank 0's}
+    on rank 0 of the group and {theirs} on rank {r}; {rule}")`` unless every rank of ``group``
+    holds the same ``mine`` (see :func:`first_disagreement`). Communication: one object
+    all-gather of ``mine``."""
+    found = first_disagreement(mine, group)
+    if found is not None:
+        name, first, r, theirs = found
+        raise ValueError(f"{who}: {name} is {first} on rank 0 of the group and {theirs} on rank "
+                         f"{r}; {rule}")
 
 
 def first_difference(every: list) -> Optional[tuple]:

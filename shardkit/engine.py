@@ -583,19 +583,15 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if not params or distributed.get_world_size(group) == 1:
             return
         dtype = params[0].grad.dtype if params[0].grad is not None else params[0].dtype
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p, dtype=dtype))
-                          .reshape(-1).to(dtype) for p in params])
-        distributed.all_reduce(flat, group=group)
-        flat.div_(distributed.get_world_size(group))
-        offset = 0
-        for param in params:
-            view = flat[offset:offset + param.numel()].view_as(param)
-            offset += param.numel()
+        work = [p.grad.to(dtype) if p.grad is not None else torch.zeros_like(p, dtype=dtype)
+                for p in params]
+        distributed.all_reduce_as_one(work, group, divide_by=distributed.get_world_size(group))
+        for param, averaged in zip(params, work):
             if param.grad is None:
-                if view.any():  # another rank's forward used it; nobody's did: stays None
-                    param.grad = view.to(param.dtype).clone()
-            else:
-                param.grad.copy_(view)
+                if averaged.any():  # another rank's forward used it; nobody's did: stays None
+                    param.grad = averaged.to(param.dtype)
+            elif averaged is not param.grad:  # reduced in another dtype
+                param.grad.copy_(averaged)
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """At the accumulation boundary: (fp16) agree on overflow, unscale, clip, step the

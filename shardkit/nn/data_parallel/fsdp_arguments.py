@@ -120,12 +120,9 @@ def check_same_unit_on_every_rank(process_groups: list, module, params, **settin
     for group in process_groups:
         if skdist.get_world_size(group) < 2:
             continue
-        found = skdist.first_disagreement(mine, group)
-        if found is not None:
-            name, first, r, theirs = found
-            raise ValueError(f"FullyShardedDataParallel: {name} is {first} on rank 0 of the "
-                             f"group and {theirs} on rank {r}; every rank must wrap the same "
-                             f"module with the same arguments")
+        skdist.raise_on_disagreement(mine, group, "FullyShardedDataParallel",
+                                     "every rank must wrap the same module with the same "
+                                     "arguments")
 
 
 def check_divide_factor(call: str, name: str, value) -> float:

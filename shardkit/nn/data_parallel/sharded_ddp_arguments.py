@@ -124,12 +124,8 @@ def check_same_wrapping_on_every_rank(module: nn.Module, group, **settings) -> N
     mine = {name: repr(value) for name, value in settings.items()}
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         mine[f"module.{name}"] = f"{tuple(t.shape)} {t.dtype}"
-    found = skdist.first_disagreement(mine, group)
-    if found is not None:
-        name, first, r, theirs = found
-        raise ValueError(f"ShardedDataParallel: {name} is {first} on rank 0 of the group and "
-                         f"{theirs} on rank {r}; every rank must wrap the same module with the "
-                         f"same arguments")
+    skdist.raise_on_disagreement(mine, group, "ShardedDataParallel",
+                                 "every rank must wrap the same module with the same arguments")
 
 
 def check_optimizer_params_in_module(module: nn.Module, optimizers) -> None:

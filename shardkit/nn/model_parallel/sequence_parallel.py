@@ -53,10 +53,5 @@ def reduce_sequence_parallel_grads(module: nn.Module) -> int:
     group = groups_of(module.modules(), "reduce_sequence_parallel_grads").tensor
     if not grads or distributed.get_world_size(group) == 1:
         return sum(g.numel() for g in grads)
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    distributed.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-    return flat.numel()
+    distributed.all_reduce_as_one(grads, group)
+    return sum(g.numel() for g in grads)

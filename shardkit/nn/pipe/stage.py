@@ -290,15 +290,10 @@ class PipelineStage:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         dtype = params[0].grad.dtype if params else torch.float32
-        flat = torch.cat([p.grad.reshape(-1) for p in params]
-                         + [torch.tensor([float(failed)], dtype=dtype)])
-        dist.all_reduce(flat, group=group)
-        flat.div_(dist.get_world_size(group))
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
-        return bool(flat[-1] > 0)
+        flag = torch.tensor([float(failed)], dtype=dtype)
+        dist.all_reduce_as_one([p.grad for p in params] + [flag], group,
+                               divide_by=dist.get_world_size(group))
+        return bool(flag[0] > 0)
 
     def __repr__(self) -> str:
         return (f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, "
