@@ -17,13 +17,13 @@ import gc
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shardkit
 from shardkit import distributed
 from shardkit.models import GPT, Block, GPTConfig, synthetic_batch
 from shardkit.optim import OSS
+from shardkit.recipes import token_cross_entropy
 from shardkit.testing import world_fixture
 from shardkit.utils.memory import LiveStorageTracker, model_state_bytes
 
@@ -36,10 +36,6 @@ world2 = world_fixture(2)
 
 
 # ---------------------------------------------------------------------- rank-side helpers
-
-
-def _loss(logits, target):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
 def _batch(step):
@@ -61,7 +57,7 @@ def _engine(model, stage, bf16=False):
 
     def step(i):
         idx, tgt = _batch(i)
-        engine.backward(_loss(engine(idx), tgt))
+        engine.backward(token_cross_entropy(engine(idx), tgt))
         engine.step()
     return engine, opt, step
 
@@ -91,7 +87,7 @@ def _build(kind):
 
     def step(i):
         idx, tgt = _batch(i)
-        _loss(wrapped(idx), tgt).backward()
+        token_cross_entropy(wrapped(idx), tgt).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return wrapped, opt, step

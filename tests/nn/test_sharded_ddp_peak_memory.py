@@ -22,6 +22,7 @@ from shardkit import distributed
 from shardkit.models import GPT, GPTConfig, MLP, synthetic_batch
 from shardkit.nn.data_parallel import ShardedDataParallel
 from shardkit.optim import OSS
+from shardkit.recipes import token_cross_entropy
 from shardkit.testing import world_fixture
 from shardkit.utils.memory import LiveStorageTracker
 
@@ -39,17 +40,13 @@ world2 = world_fixture(2)
 # ---------------------------------------------------------------------- rank-side helpers
 
 
-def _gpt_loss(logits, target):
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
-
-
 def _model_and_data(kind):
     rank, world = distributed.get_rank(), distributed.get_world_size()
     if kind == "gpt":
         def data(step):
             idx, tgt = synthetic_batch(CFG, MICRO * world, step)
             return idx[rank * MICRO:(rank + 1) * MICRO], tgt[rank * MICRO:(rank + 1) * MICRO]
-        return GPT(CFG, seed=0), data, _gpt_loss
+        return GPT(CFG, seed=0), data, token_cross_entropy
 
     def data(step):
         gen = torch.Generator().manual_seed(100 * step + rank)
