@@ -16,7 +16,11 @@ Cost: off by default, then one boolean test per collective. On: one extra all-ga
 synchronous round trip, so it also serialises asynchronous collectives), plus a stack walk;
 ``benchmarks/bench_collective_check.py`` measures it.
 
-Limits: point-to-point ops (send/recv) are not checked (only two ranks take part, in orders
+Collectives that :mod:`shardkit.transport` builds from point-to-point sends (its all-gathers,
+reduce-scatters and reduces on gloo) are checked as the collective they stand for, with its
+logical shape (the all-gather's output, the reduce-scatter's input) and dtype, once per batch.
+
+Limits: plain point-to-point ops (send/recv) are not checked (only two ranks take part, in orders
 that legitimately differ between pipeline stages); a rank that never reaches a collective of
 the group (it waits in another group, or died) is not a mismatch but a hang, which the
 process-group timeout or :mod:`shardkit.fault`'s watchdog reports. Sequence numbers are kept per

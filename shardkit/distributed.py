@@ -790,15 +790,19 @@ def groups_of_nodes(ranks: Sequence[int], per_node: Optional[int] = None) -> tup
 
 
 def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtype] = None,
-            kind: Optional[str] = None, counted: bool = True, checked: bool = True) -> None:
+            kind: Optional[str] = None, counted: bool = True, checked: bool = True,
+            checked_shape: Optional[tuple] = None) -> None:
     """Every collective wrapper calls this just before issuing its op: the collective debug
     mode (:mod:`shardkit.collective_check`, off by default) checks that every rank is about to
-    issue the same op, then each active :class:`CommCounter` records it."""
+    issue the same op (with ``full``'s shape and dtype; for a byte count, ``checked_shape``
+    and ``dtype`` when given), then each active :class:`CommCounter` records it."""
     if checked and collective_check._enabled:
-        tensor = full if isinstance(full, torch.Tensor) else None
-        collective_check.check_collective(
-            op, None if tensor is None else tuple(tensor.shape),
-            None if tensor is None else tensor.dtype, group)
+        if isinstance(full, torch.Tensor):
+            shape, checked_dtype = tuple(full.shape), full.dtype
+        else:
+            shape = None if checked_shape is None else tuple(checked_shape)
+            checked_dtype = None if checked_shape is None else dtype
+        collective_check.check_collective(op, shape, checked_dtype, group)
     if not (counted and comm_counter.counting()):
         return
     n = get_world_size(group)
@@ -995,7 +999,8 @@ _FIRST_OPS_GROUP = object()  # batch_isend_irecv's default: record on the first 
 
 
 def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None,
-                      group=_FIRST_OPS_GROUP, logical_bytes: Optional[int] = None) -> list:
+                      group=_FIRST_OPS_GROUP, logical_bytes: Optional[int] = None,
+                      logical_shape: Optional[tuple] = None) -> list:
     """Issue several sends/receives together (avoids ordering deadlocks); returns work handles.
     Each tensor travels as one message, and every receive is posted before the first send (see
     the notes below). The ops may use different process groups (a transport's lanes).
@@ -1007,7 +1012,13 @@ def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None,
     ``logical_bytes`` (with ``counted_as``): the collective's full logical size ``S`` (all-gather
     output, reduce input), recorded under ``counted_as``'s own convention, the same on every
     rank, instead of what this rank's sends move (which differs between ranks when the
-    segments are uneven)."""
+    segments are uneven).
+
+    ``logical_shape`` (with ``counted_as``): the shape of the collective's logical tensor, the
+    same on every rank (e.g. the all-gather's output); the collective debug mode
+    (:mod:`shardkit.collective_check`) then compares it and the first op's dtype across the
+    ranks before anything is sent, as it does for torch's own collectives. Without it only the
+    op name is compared: a batch's own sizes legitimately differ between ranks."""
     for p in ops:  # all of them before the first is recorded or issued
         if p.op not in ("send", "recv"):
             raise ValueError(f"P2POp.op={p.op!r}; valid values are 'send' and 'recv'")
@@ -1026,9 +1037,11 @@ def batch_isend_irecv(ops: Sequence[P2POp], counted_as: Optional[str] = None,
         record_group = ops[0].group if group is _FIRST_OPS_GROUP else group
         dtype = ops[0].tensor.dtype
         if logical_bytes is not None:
-            _record(counted_as, int(logical_bytes), record_group, dtype=dtype)
+            _record(counted_as, int(logical_bytes), record_group, dtype=dtype,
+                    checked_shape=logical_shape)
         else:
-            _record(counted_as, sent, record_group, kind="send", dtype=dtype)
+            _record(counted_as, sent, record_group, kind="send", dtype=dtype,
+                    checked_shape=logical_shape)
     if not torch_ops:
         return []
     # Note: gloo moves a message only once the receiver has announced the matching receive

@@ -399,8 +399,8 @@ class ProcessGroupTransport(Transport):
         if segments[rank].data_ptr() != input.data_ptr():
             segments[rank].copy_(input)
         ops = _own_segment_to_every_peer(list(segments), rank, group)
-        return CommHandle(_issue(ops, "all_gather", group), lambda: output,
-                          completes_when_waited=True)
+        return CommHandle(_issue(ops, "all_gather", group, shape=(output.numel(),)),
+                          lambda: output, completes_when_waited=True)
 
     @_reports_broken_links
     def all_gather_chunks(self, fulls, chunks, group):
@@ -423,7 +423,9 @@ class ProcessGroupTransport(Transport):
                                for peer in peers)
                 else:
                     ops.append(_p2p("recv", full[lo:hi], rank, r, group))
-        return CommHandle(_issue(ops, "all_gather", group), completes_when_waited=True)
+        shape = (sum(full.numel() for full in fulls),)
+        return CommHandle(_issue(ops, "all_gather", group, shape=shape),
+                          completes_when_waited=True)
 
     @_reports_broken_links
     def all_gather_segments(self, output, sizes, group):
@@ -435,8 +437,9 @@ class ProcessGroupTransport(Transport):
         ops = _own_segment_to_every_peer(segment_views(output, sizes, n), rank, group)
         # counted as (N-1)/N of the output on every rank, as the broadcasts elsewhere count
         nbytes = output.numel() * output.element_size()
-        return CommHandle(_issue(ops, "all_gather", group, logical_bytes=nbytes), lambda: output,
-                          completes_when_waited=True)
+        return CommHandle(_issue(ops, "all_gather", group, logical_bytes=nbytes,
+                                 shape=(output.numel(),)),
+                          lambda: output, completes_when_waited=True)
 
     @_reports_broken_links
     def reduce_scatter(self, input, group):
@@ -467,7 +470,7 @@ class ProcessGroupTransport(Transport):
             for part in ordered[2:]:
                 total.add_(part)
             return total
-        return CommHandle(_issue(ops, "reduce_scatter", group), finish,
+        return CommHandle(_issue(ops, "reduce_scatter", group, shape=(input.numel(),)), finish,
                           completes_when_waited=True)
 
     @_reports_broken_links
@@ -511,7 +514,7 @@ class ProcessGroupTransport(Transport):
                 if scale != 1.0:
                     mine.mul_(scale)
             return total
-        return CommHandle(_issue(ops, "reduce_scatter", group), finish,
+        return CommHandle(_issue(ops, "reduce_scatter", group, shape=(n * segment,)), finish,
                           completes_when_waited=True)
 
     @_reports_broken_links
@@ -548,8 +551,8 @@ class ProcessGroupTransport(Transport):
         # a rooted op: counted as (N-1)/N of the whole bucket on every rank (DESIGN.md)
         ref = next(s for s in segments if s is not None)
         nbytes = sum(sizes) * ref.element_size()
-        return CommHandle(_issue(ops, "reduce", group, logical_bytes=nbytes), finish,
-                          completes_when_waited=True)
+        return CommHandle(_issue(ops, "reduce", group, logical_bytes=nbytes,
+                                 shape=(sum(sizes),)), finish, completes_when_waited=True)
 
     @_reports_broken_links
     def broadcast(self, tensor, src, group):
@@ -654,12 +657,14 @@ def _p2p(op: str, tensor: torch.Tensor, rank: int, peer: int, group) -> skdist.P
     return skdist.P2POp(op, tensor, skdist.get_global_rank(group, peer), _lane(group, src < dst))
 
 
-def _issue(ops: list, counted_as: str, group, logical_bytes: Optional[int] = None) -> list:
+def _issue(ops: list, counted_as: str, group, logical_bytes: Optional[int] = None,
+           shape: Optional[tuple] = None) -> list:
     """Post ``ops`` (receives first), recorded as one ``counted_as`` on ``group``: of
     ``logical_bytes`` (the op's full size, counted by DESIGN.md's convention) when given, else
-    of the bytes the sends move."""
+    of the bytes the sends move. ``shape``: the collective's logical shape, alike on every rank
+    (what the collective debug mode compares, with the ops' dtype)."""
     return skdist.batch_isend_irecv(ops, counted_as=counted_as, group=group,
-                                    logical_bytes=logical_bytes)
+                                    logical_bytes=logical_bytes, logical_shape=shape)
 
 
 def _uses_point_to_point(group) -> bool:

@@ -98,3 +98,73 @@ def test_environment_variable_turns_the_mode_on():
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, timeout=120)
         assert out.stdout.strip() == expected, out.stderr
+
+
+# The default transport builds its collectives from point-to-point sends on gloo; the debug
+# mode compares their logical shape and dtype too (a batch's own send sizes legitimately differ).
+
+def _transport_mismatch(case):
+    from shardkit.transport import ProcessGroupTransport
+    comm = ProcessGroupTransport()
+    rank = distributed.get_rank()
+    extra = 2 * rank  # rank 1's tensors are larger than rank 0's
+
+    def body():
+        if case == "all_gather":
+            comm.all_gather(torch.empty(2 * (4 + extra)), torch.ones(4 + extra), None).wait()
+        elif case == "all_gather_chunks":
+            fulls = [torch.empty(6 + extra), torch.empty(4)]
+            comm.all_gather_chunks(fulls, [torch.ones(3 + extra // 2), torch.ones(2)],
+                                   None).wait()
+        elif case == "reduce_scatter":
+            comm.reduce_scatter(torch.ones(4 + extra), None).wait()
+        elif case == "reduce_scatter_chunks":
+            comm.reduce_scatter_chunks([torch.ones(6 + extra)], [3 + extra // 2], None).wait()
+        elif case == "reduce_to_owners":
+            comm.reduce_to_owners([torch.ones(3), torch.ones(3 + extra)], None).wait()
+        elif case == "dtype":
+            dtype = torch.float32 if rank == 0 else torch.float64
+            comm.all_gather(torch.empty(8, dtype=dtype), torch.ones(4, dtype=dtype), None).wait()
+        return "no error"
+    return _with_debug(body)
+
+
+def test_transport_collectives_of_different_sizes_are_caught_before_any_send(world2):
+    expected = {"all_gather": ("all_gather(shape=[8]", "all_gather(shape=[12]"),
+                "all_gather_chunks": ("all_gather(shape=[10]", "all_gather(shape=[12]"),
+                "reduce_scatter": ("reduce_scatter(shape=[4]", "reduce_scatter(shape=[6]"),
+                "reduce_scatter_chunks": ("reduce_scatter(shape=[6]",
+                                          "reduce_scatter(shape=[8]"),
+                "reduce_to_owners": ("reduce(shape=[6]", "reduce(shape=[8]"),
+                "dtype": ("all_gather(shape=[8], dtype=float32)",
+                          "all_gather(shape=[8], dtype=float64)")}
+    for case, (rank0, rank1) in expected.items():
+        for message in world2.run(_transport_mismatch, case):
+            assert f"rank 0: {rank0}" in message, (case, message)
+            assert f"rank 1: {rank1}" in message, (case, message)
+    # every check ran before its sends: the world is still in step
+    assert world2.run(_matching_program) == [_expected_matching()] * 2
+
+
+def _transport_matching():
+    from shardkit.transport import ProcessGroupTransport
+    comm = ProcessGroupTransport()
+    rank = distributed.get_rank()
+
+    def body():
+        out = comm.all_gather(torch.empty(6), torch.full((3,), float(rank)), None).wait()
+        fulls = [torch.empty(5), torch.empty(2)]  # uneven: rank 1 sends 2 of its 3, and 1
+        comm.all_gather_chunks(fulls, [torch.full((3,), float(rank)),
+                                       torch.full((1,), float(rank))], None).wait()
+        reduced = comm.reduce_scatter_chunks([torch.arange(5.0)], [3], None, scale=0.5).wait()
+        owned = comm.reduce_to_owners([torch.ones(2), torch.ones(3)], None).wait()
+        return out.tolist(), [f.tolist() for f in fulls], reduced.tolist(), owned.tolist()
+    return _with_debug(body)
+
+
+def test_matching_transport_collectives_pass_the_check_with_uneven_chunks(world2):
+    results = world2.run(_transport_matching)
+    assert results[0] == ([0.0] * 3 + [1.0] * 3, [[0.0] * 3 + [1.0] * 2, [0.0, 1.0]],
+                          [0.0, 1.0, 2.0], [2.0, 2.0])
+    assert results[1][:2] == results[0][:2]
+    assert results[1][2] == [3.0, 4.0, 0.0] and results[1][3] == [2.0, 2.0, 2.0]
