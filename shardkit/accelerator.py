@@ -51,7 +51,7 @@ class Accelerator:
 
     def is_available(self) -> bool:
         """Always True: the CPU always is, and CUDA is chosen only when torch sees a GPU."""
-        return True  # the CPU always is; "cuda" is chosen only when torch sees a GPU
+        return True
 
     def device_count(self) -> int:
         """How many devices this process sees (1 on the CPU)."""
