@@ -62,11 +62,21 @@ class OSS(torch.optim.Optimizer):
             dicts become OSS's own (the same objects), so a learning rate changed through it,
             or by a scheduler built on it, is the one OSS steps with; do not step it yourself.
         optim: the ``torch.optim.Optimizer`` subclass run on the local shard (default SGD,
-            as in FairScale).
+            as in FairScale). As in FairScale, anything called as
+            ``optim(param_groups, **defaults)`` also works: ``functools.partial`` of an
+            optimizer class (its keywords join ``defaults``), or a factory function returning
+            an optimizer over the param groups it is given (then OSS does not choose torch's
+            fused kernel for it, and an LBFGS must be given as the class).
         group: the data-parallel process group (default: the whole world).
+        broadcast_buffer_size: FairScale's argument, accepted in its place (the fourth) and
+            ignored with a DeprecationWarning (shardkit sizes its sync buckets itself; see
+            ``bucket_numel``); an int. A bool or dtype in the fourth place is
+            ``broadcast_fp16`` (the order of shardkit's DESIGN.md).
         broadcast_fp16: send the updated parameters in fp16 (``True``) or in the dtype given
             (``torch.bfloat16``: fp32's range, a coarser mantissa); halves the sync, the other
             ranks' copies of a parameter are then rounded, the owner's stays exact.
+        force_broadcast_object: FairScale's argument, accepted in its place (the sixth) and
+            ignored with a DeprecationWarning; a bool.
         bucket_numel: target elements per rank in one sync bucket (default: a 16 MiB fp32
             bucket in all, see :func:`~shardkit.optim.partition.default_bucket_numel`).
         comm: the :class:`~shardkit.transport.Transport` that carries the parameter sync
@@ -108,19 +118,31 @@ class OSS(torch.optim.Optimizer):
        and ``refresh_trainable`` are collective: call them on every rank of ``group``.
     """
 
-    def __init__(self, params, optim: type = torch.optim.SGD, group=None,
+    def __init__(self, params, optim: Union[type, Callable] = torch.optim.SGD, group=None,
+                 broadcast_buffer_size=args.NOT_GIVEN,
                  broadcast_fp16: Union[bool, torch.dtype] = False,
+                 force_broadcast_object=args.NOT_GIVEN, *,
                  bucket_numel: Optional[int] = None, comm=None, **defaults):
+        # FairScale's positional order: its no-op arguments keep their places, so that
+        # OSS(params, SGD, group, 2**20, True) means there what it meant in FairScale; a bool or
+        # dtype fourth is broadcast_fp16 (DESIGN.md's order)
+        broadcast_buffer_size, broadcast_fp16 = args.place_broadcast_fp16(broadcast_buffer_size,
+                                                                          broadcast_fp16)
+        args.check_deprecated_fairscale_arguments(broadcast_buffer_size, force_broadcast_object,
+                                                  defaults)
         args.drop_deprecated_fairscale_kwargs(defaults)
         existing = params if isinstance(params, torch.optim.Optimizer) else None
+        self._optim_is_factory = False
         if existing is not None:
             args.check_takeover_arguments(existing, optim, defaults, isinstance(existing, OSS))
             optim, groups = type(existing), args.groups_of(existing)
             ctor_kwargs = args.constructor_kwargs(optim, existing.defaults)
         else:
-            args.check_optimizer_class(optim)
+            optim, bound, self._optim_is_factory = args.resolve_optimizer(optim)
+            defaults = {**bound, **defaults}
             groups = args.normalize_param_groups(params)
-            ctor_kwargs = args.without_fixed_defaults(optim, defaults)
+            ctor_kwargs = dict(defaults) if self._optim_is_factory else \
+                args.without_fixed_defaults(optim, defaults)
         broadcast_wire_dtype(broadcast_fp16)  # a clear error for a bad value, before any op
         if bucket_numel is not None and (not isinstance(bucket_numel, int) or bucket_numel < 1):
             raise ValueError(f"OSS(bucket_numel={bucket_numel!r}): must be a positive int or None")
@@ -137,7 +159,8 @@ class OSS(torch.optim.Optimizer):
         self._broadcast_fp16 = broadcast_fp16
         self.bucket_numel = bucket_numel
         self._optim_class, self._optim_kwargs = optim, ctor_kwargs
-        self.fused = choose_fused(optim, ctor_kwargs, groups)
+        # a factory builds what it builds: no fused-kernel choice is written into it
+        self.fused = not self._optim_is_factory and choose_fused(optim, ctor_kwargs, groups)
         # LBFGS: run over every parameter on every rank (see local_step.runs_on_whole_model)
         self._whole_model = runs_on_whole_model(optim)
         self._ready = False
@@ -304,7 +327,7 @@ class OSS(torch.optim.Optimizer):
     def _closure_on_every_rank(self, closure: Optional[Callable]) -> Callable:
         """The closure an optimizer run over the whole model (LBFGS) gets: every rank evaluates
         it at the same parameters and sees the same (averaged) loss, so the ranks step alike."""
-        name = self._optim_class.__name__
+        name = args.optimizer_name(self._optim_class)
         if not callable(closure):
             raise ValueError(f"OSS.step(closure={closure!r}): {name} re-evaluates the model "
                              f"during its step and needs a closure (a callable that clears the "
@@ -609,12 +632,15 @@ class OSS(torch.optim.Optimizer):
         if self._whole_model:  # every parameter, frozen ones too, as the plain optimizer has
             owned = {id(p) for g in groups for p in g["params"]}
         try:
-            return build_local_optimizer(self._optim_class, self._optim_kwargs, groups, owned,
-                                         self.fused)
+            built = build_local_optimizer(self._optim_class, self._optim_kwargs, groups, owned,
+                                          self.fused)
         except (ValueError, TypeError) as error:  # torch's check of a hyper-parameter
             kind = ValueError if isinstance(error, ValueError) else TypeError
-            raise kind(f"{caller or 'OSS'}(optim={self._optim_class.__name__}): the optimizer "
-                       f"refused its arguments: {error}") from error
+            raise kind(f"{caller or 'OSS'}(optim={args.optimizer_name(self._optim_class)}): "
+                       f"the optimizer refused its arguments: {error}") from error
+        if self._optim_is_factory:
+            args.check_built_optimizer(self._optim_class, built, caller or "OSS")
+        return built
 
     def _load_local_state(self, state: dict) -> None:
         """Give the local optimizer ``{owned param: state}`` and the public hyper-parameters."""

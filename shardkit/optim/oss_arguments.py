@@ -7,6 +7,7 @@ input fails on every rank alike with an error naming the argument, its value and
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from typing import Optional
@@ -15,13 +16,56 @@ import torch
 
 from shardkit import distributed
 
-__all__ = ["drop_deprecated_fairscale_kwargs", "check_optimizer_class", "check_takeover_arguments",
+__all__ = ["NOT_GIVEN", "place_broadcast_fp16", "check_deprecated_fairscale_arguments",
+           "resolve_optimizer", "optimizer_name", "check_built_optimizer",
+           "drop_deprecated_fairscale_kwargs", "check_optimizer_class", "check_takeover_arguments",
            "normalize_param_groups", "check_same_model_on_every_rank", "trainable_signature",
-           "optimizer_settings",
-           "groups_of", "constructor_kwargs"]
+           "optimizer_settings", "groups_of", "constructor_kwargs"]
 
 # FairScale OSS arguments that no longer do anything there either; accepted and ignored.
 _DEPRECATED_FAIRSCALE_KWARGS = ("broadcast_buffer_size", "force_broadcast_object")
+
+
+class _NotGiven:
+    """The default of FairScale's ignored arguments, so that only an explicit one warns."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+NOT_GIVEN = _NotGiven()
+
+
+def place_broadcast_fp16(fourth, fifth) -> tuple:
+    """``(broadcast_buffer_size, broadcast_fp16)`` from OSS's 4th and 5th arguments. FairScale
+    puts its ignored int ``broadcast_buffer_size`` fourth and ``broadcast_fp16`` fifth;
+    shardkit's DESIGN.md lists ``broadcast_fp16`` fourth. The two never look alike (an int
+    against a bool or a dtype), so a bool or a dtype in the 4th place is ``broadcast_fp16``; one
+    in both places is a TypeError."""
+    if not isinstance(fourth, (bool, torch.dtype)):
+        return fourth, fifth
+    if fifth is not False:
+        raise TypeError(f"OSS(..., {fourth!r}, {fifth!r}): broadcast_fp16 given twice (4th "
+                        f"argument as in shardkit's signature, 5th as in FairScale's); give it "
+                        f"once, by name: broadcast_fp16={fourth!r}")
+    return NOT_GIVEN, fourth
+
+
+def check_deprecated_fairscale_arguments(broadcast_buffer_size, force_broadcast_object,
+                                         defaults: dict) -> None:
+    """FairScale's ``broadcast_buffer_size`` (4th) and ``force_broadcast_object`` (6th), given
+    by place or by name: checked (an int, a bool) and moved into ``defaults``, where
+    :func:`drop_deprecated_fairscale_kwargs` warns about them and drops them."""
+    if broadcast_buffer_size is not NOT_GIVEN:
+        if isinstance(broadcast_buffer_size, bool) or not isinstance(broadcast_buffer_size, int):
+            raise TypeError(f"OSS(broadcast_buffer_size={broadcast_buffer_size!r}): FairScale's "
+                            f"argument, an int (accepted and ignored)")
+        defaults["broadcast_buffer_size"] = broadcast_buffer_size
+    if force_broadcast_object is not NOT_GIVEN:
+        if not isinstance(force_broadcast_object, bool):
+            raise TypeError(f"OSS(force_broadcast_object={force_broadcast_object!r}): FairScale's "
+                            f"sixth argument, True or False (accepted and ignored)")
+        defaults["force_broadcast_object"] = force_broadcast_object
 
 
 def drop_deprecated_fairscale_kwargs(defaults: dict) -> None:
@@ -44,6 +88,52 @@ def check_optimizer_class(optim) -> None:
     if not (isinstance(optim, type) and issubclass(optim, torch.optim.Optimizer)):
         raise TypeError(f"OSS(optim={optim!r}): must be a torch.optim.Optimizer subclass such as "
                         f"torch.optim.AdamW or torch.optim.SGD (the class, not an instance)")
+
+
+def resolve_optimizer(optim) -> tuple:
+    """``(optim, defaults from it, is_factory)`` for what FairScale accepted as ``optim``:
+    anything it could call as ``optim(param_groups, **defaults)``.
+
+    - a ``torch.optim.Optimizer`` subclass: itself;
+    - ``functools.partial(OptimizerClass, key=value, ...)``: the class, its keywords as defaults
+      (the call's own keyword arguments win, as with the partial); positional arguments are
+      refused (they would take the place of the parameters);
+    - any other callable (a factory function, ClassyVision's trampoline): kept as a factory,
+      called with this rank's param groups and the defaults; what it returns is checked when
+      OSS builds the local optimizer.
+
+    An optimizer instance, or something not callable, is a TypeError naming ``optim``."""
+    if isinstance(optim, type) or isinstance(optim, torch.optim.Optimizer) \
+            or not callable(optim):
+        check_optimizer_class(optim)
+        return optim, {}, False
+    if isinstance(optim, functools.partial) and isinstance(optim.func, type) \
+            and issubclass(optim.func, torch.optim.Optimizer):
+        if optim.args:
+            raise TypeError(f"OSS(optim={optim!r}): a functools.partial of an optimizer class "
+                            f"may bind keyword arguments only; its positional arguments would "
+                            f"take the parameters' place (OSS passes each rank's param groups)")
+        return optim.func, dict(optim.keywords), False
+    return optim, {}, True
+
+
+def optimizer_name(optim) -> str:
+    """A short name for ``optim`` (a class or a factory) in error messages."""
+    return getattr(optim, "__name__", None) or repr(optim)
+
+
+def check_built_optimizer(optim, built, caller: str):
+    """What a factory returned must be a ``torch.optim.Optimizer``; an LBFGS must be given as
+    the class (OSS runs it over the whole model, and must know before building it)."""
+    if not isinstance(built, torch.optim.Optimizer):
+        raise TypeError(f"{caller}(optim={optimizer_name(optim)}): the factory returned "
+                        f"{type(built).__name__}; it must return a torch.optim.Optimizer built "
+                        f"over the param groups it is given")
+    if isinstance(built, torch.optim.LBFGS):
+        raise TypeError(f"{caller}(optim={optimizer_name(optim)}): the factory built an LBFGS, "
+                        f"which OSS runs over the whole model on every rank; pass "
+                        f"optim=torch.optim.LBFGS (the class) instead")
+    return built
 
 
 def check_takeover_arguments(existing, optim, defaults, already_sharded: bool) -> None:
@@ -148,7 +238,8 @@ def optimizer_settings(optim: type, defaults: dict, groups: list[dict]) -> dict:
     """``{name: text}`` of what steps every shard: the optimizer class, its constructor
     arguments and each param group's own hyper-parameters (as ``repr``, so that tensors and
     floats compare exactly; an object's address is left out). Costs nothing."""
-    settings = {"optim": f"{optim.__module__}.{optim.__qualname__}"}
+    name = getattr(optim, "__qualname__", None) or type(optim).__qualname__
+    settings = {"optim": f"{getattr(optim, '__module__', '')}.{name}"}
     settings.update({k: _stable_repr(v) for k, v in defaults.items()})
     for i, g in enumerate(groups):
         settings.update({f"param_groups[{i}][{k!r}]": _stable_repr(v) for k, v in g.items()
