@@ -51,6 +51,12 @@ def local_metadata(world_size: int, rank: int, shapes: dict, buffer_names: Seque
 
 def _check_pairs(shard_weights, shard_metadata, what: str) -> list[tuple[dict, dict]]:
     """Every rank's ``(weights, metadata)``, sorted by rank, checked to form one whole world."""
+    for argument, given, method in (("shard_weights", shard_weights, "local_state_dict()"),
+                                    ("shard_metadata", shard_metadata,
+                                     "local_metadata_dict()")):
+        if isinstance(given, (dict, str, bytes)) or not hasattr(given, "__iter__"):
+            raise TypeError(f"{what}({argument}={type(given).__name__}): expected a list with "
+                            f"every rank's {method} (one rank's dict is not enough)")
     weights, metas = list(shard_weights), list(shard_metadata)
     if not weights or len(weights) != len(metas):
         raise ValueError(f"{what}: got {len(weights)} state dicts and {len(metas)} "
@@ -73,6 +79,23 @@ def _check_pairs(shard_weights, shard_metadata, what: str) -> list[tuple[dict, d
                          f"{sorted({m['world_size'] for m in metas})}); exactly one pair per "
                          f"rank of the saving world is needed")
     return sorted(zip(weights, metas), key=lambda pair: pair[1]["rank"])
+
+
+def _joined_rows(pairs: Sequence[tuple], key: str, layout: ParamLayout, what: str) -> torch.Tensor:
+    """The full tensor ``key`` from every rank's row block (``pairs`` sorted by rank), each
+    block checked to have the shape this layout gives a rank's shard: a block of another
+    shape (a dict of another model or world size under the same name) would otherwise be
+    joined silently into a tensor with shifted rows. Local."""
+    expected = tuple(layout.shard_shape)
+    for weights, meta in pairs:
+        block = weights[key]
+        if not torch.is_tensor(block) or tuple(block.shape) != expected:
+            got = tuple(block.shape) if torch.is_tensor(block) else type(block).__name__
+            raise ValueError(f"{what}: rank {meta['rank']}'s {key!r} has shape {got}; a rank "
+                             f"of a world of {layout.world_size} holds {expected} of the full "
+                             f"{tuple(layout.shape)} (is that dict from another model or "
+                             f"world size?)")
+    return unshard_rows([w[key] for w, _ in pairs], layout)
 
 
 def _refuse_own_group_params(metas: Sequence[dict], what: str) -> None:
@@ -111,7 +134,7 @@ def consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers
     for key, value in pairs[0][0].items():
         if key in shapes and key not in missing:
             layout = ParamLayout(torch.Size(shapes[key]), world)
-            out[key] = unshard_rows([w[key] for w, _ in pairs], layout)
+            out[key] = _joined_rows(pairs, key, layout, "consolidate_shard_weights")
         elif key not in shapes and with_module_buffers:  # buffers: the same on every rank
             out[key] = value
     if missing and strict:
@@ -156,8 +179,8 @@ def reshard_local_state_dicts(state_dict, metadata, world_size: int, rank: int) 
     out = OrderedDict()
     for key, value in pairs[0][0].items():
         if key in shapes:
-            full = unshard_rows([w[key] for w, _ in pairs],
-                                ParamLayout(torch.Size(shapes[key]), old_world))
+            full = _joined_rows(pairs, key, ParamLayout(torch.Size(shapes[key]), old_world),
+                                "load_local_state_dict")
             value = shard_rows(full, ParamLayout(torch.Size(shapes[key]), world_size), rank)
         out[key] = value
     return out

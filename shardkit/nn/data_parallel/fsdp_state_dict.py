@@ -245,14 +245,27 @@ class FSDPStateDictMixin:
                 and not (gathered_state_only and u.no_broadcast_optim_state)
                 for p, lay in zip(u._shard.params, u._shard.layouts)}
 
-    def local_state_dict(self) -> OrderedDict:
+    def local_state_dict(self, *args, destination=None, prefix: str = "",
+                         keep_vars: bool = False) -> OrderedDict:
         """This rank's shards (padded rows, cloned) and the buffers in their original dtype (as
         :meth:`state_dict` and FairScale give them, also under mixed precision), under the
         original keys: tensors only. Save :meth:`local_metadata_dict` beside it to reshard or
-        consolidate. No communication; memory: one shard copy."""
+        consolidate. No communication; memory: one shard copy.
+
+        ``nn.Module.state_dict``'s arguments are taken, as FairScale forwards them (also
+        positionally: ``destination, prefix, keep_vars``), so a subclass whose ``state_dict``
+        returns ``local_state_dict(*args, **kwargs)`` works inside a plain module's
+        ``state_dict()``: keys get ``prefix``, ``destination`` is filled and returned, and
+        ``keep_vars=True`` gives the shards themselves (not cloned)."""
+        destination, prefix, keep_vars = _state_dict_arguments(
+            "local_state_dict", args, destination, prefix, keep_vars)
         with self._buffers_in_original_dtype():
-            return OrderedDict((clean_name(k), v.clone())
-                               for k, v in _structural_state_dict(self).items())
+            local = _structural_state_dict(self, keep_vars=keep_vars)
+        if destination is None:
+            destination = OrderedDict()
+        for k, v in local.items():
+            destination[prefix + clean_name(k)] = v if keep_vars else v.clone()
+        return destination
 
     def local_metadata_dict(self) -> dict:
         """World size, rank, each sharded parameter's full shape and the buffer keys: what
@@ -327,6 +340,7 @@ class FSDPStateDictMixin:
         if not isinstance(recipient_rank, int) or not 0 <= recipient_rank < self.world_size:
             raise ValueError(f"gather_full_optim_state_dict(recipient_rank={recipient_rank!r}): "
                              f"valid ranks are 0..{self.world_size - 1}")
+        _check_optimizer_of(self, optim, "gather_full_optim_state_dict")
         if isinstance(optim, torch.optim.LBFGS):  # its state is over the flattened shard
             raise TypeError("gather_full_optim_state_dict: LBFGS keeps one state over the "
                             "flattened parameters, here this rank's shards, not one per "
@@ -435,6 +449,44 @@ class FSDPStateDictMixin:
         for unit in self.sharded_units():
             if unit.world_size == 1 < self.world_size and unit.replicate_group is None:
                 unit.no_broadcast_optim_state = True
+
+
+def _state_dict_arguments(call: str, args: tuple, destination, prefix, keep_vars) -> tuple:
+    """``(destination, prefix, keep_vars)`` from ``nn.Module.state_dict``'s deprecated
+    positional form or its keywords, checked. Local."""
+    if len(args) > 3:
+        raise TypeError(f"{call}() takes at most 3 positional arguments (destination, prefix, "
+                        f"keep_vars), got {len(args)}")
+    given = dict(zip(("destination", "prefix", "keep_vars"), args))
+    destination = given.get("destination", destination)
+    prefix = given.get("prefix", prefix)
+    keep_vars = given.get("keep_vars", keep_vars)
+    if destination is not None and not isinstance(destination, dict):
+        raise TypeError(f"{call}(destination={type(destination).__name__}): expected a dict "
+                        f"(an OrderedDict) or None")
+    if not isinstance(prefix, str):
+        raise TypeError(f"{call}(prefix={prefix!r}): expected a str")
+    if not isinstance(keep_vars, bool):
+        raise TypeError(f"{call}(keep_vars={keep_vars!r}): expected True or False")
+    return destination, prefix, keep_vars
+
+
+def _check_optimizer_of(model, optim, call: str) -> None:
+    """A clear error, on every rank alike and before any collective, for something that is
+    not a torch optimizer, or an optimizer none of whose parameters belong to ``model`` (built
+    over another model: its state would be returned as if it were this model's). Parameters
+    outside the model beside some of its own are allowed: their state is kept whole. Local."""
+    if not isinstance(optim, torch.optim.Optimizer):
+        raise TypeError(f"{call}(optim={type(optim).__name__}): expected the torch.optim."
+                        f"Optimizer built over this model's parameters (for a saved state "
+                        f"dict, use get_shard_from_optim_state_dict)")
+    ordered = [p for g in optim.param_groups for p in g["params"]]
+    mine = {id(p) for p in model.parameters()}
+    if ordered and not any(id(p) in mine for p in ordered):
+        raise ValueError(f"{call}(optim={type(optim).__name__}): none of the optimizer's "
+                         f"{len(ordered)} parameters belongs to this FullyShardedDataParallel "
+                         f"model; pass the optimizer built over this model's "
+                         f"parameters")
 
 
 def _refuse_other_shards(model, optim: torch.optim.Optimizer, osd) -> None:

@@ -47,7 +47,9 @@ class ShardedDataParallel(nn.Module):
             ``module``; together they must cover every trainable parameter.
         process_group: the data-parallel group (default: the optimizers' group; if given, it must
             contain the same ranks as theirs).
-        broadcast_buffers: broadcast rank 0's module buffers at every forward (by ``comm``).
+        broadcast_buffers: broadcast rank 0's module buffers at the start of forward (by
+            ``comm``), as torch DDP: skipped when the previous forward ran inside
+            :meth:`no_sync` or without grad, so once per accumulation window.
         sync_models_at_startup: broadcast rank 0's parameters and buffers at wrap time (by
             ``comm``, like every collective of this wrapper).
         reduce_buffer_size: bucket size in bytes (in the communication dtype); ``0`` reduces
@@ -109,7 +111,7 @@ class ShardedDataParallel(nn.Module):
     Communication per step: the gradient reduction, (N-1)/N·Ψ elements in the DESIGN
     convention (plus the padding of reduce-scattered buckets, at most ``balance_tolerance``),
     plus OSS's parameter sync, (N-1)/N·Ψ: 2Ψ(N-1)/N together. ``broadcast_buffers`` adds the
-    module's buffers once per forward.
+    module's buffers once per step (at the first forward after a reducing one, as torch DDP).
 
     Usage::
 
@@ -229,7 +231,9 @@ class ShardedDataParallel(nn.Module):
 
     def forward(self, *inputs, **kwargs):
         """Run the module; first re-plan if the trainable set changed (``auto_refresh_trainable``)
-        and broadcast rank 0's buffers (``broadcast_buffers``)."""
+        and broadcast rank 0's buffers (``broadcast_buffers``; as torch DDP, only when the
+        previous forward was a reducing one, grad enabled and outside :meth:`no_sync`, or
+        :meth:`reduce` ran since)."""
         if self._backward_active:
             self._forget_aborted_backward()
         if self._sync_enabled:
@@ -240,9 +244,14 @@ class ShardedDataParallel(nn.Module):
                 self.refresh_trainable()
             else:
                 self._warn_stale_plan()
-        if self.broadcast_buffers:
+        if self.broadcast_buffers and self.require_forward_param_sync:
             self.sync_buffers()
-        return self.module(*inputs, **kwargs)
+        output = self.module(*inputs, **kwargs)
+        # torch DDP's rule: the next forward broadcasts the buffers only if this one may lead
+        # to a reducing backward (grad enabled, outside no_sync()), so an accumulation window
+        # broadcasts once, at its first micro-batch, as DistributedDataParallel does
+        self.require_forward_param_sync = torch.is_grad_enabled() and self._sync_enabled
+        return output
 
     def _warn_stale_plan(self) -> None:
         """Once per change: with ``auto_refresh_trainable=False`` a parameter that became
@@ -303,6 +312,7 @@ class ShardedDataParallel(nn.Module):
         if self._backward_active:
             raise RuntimeError("ShardedDataParallel.reduce() was called during backward; call "
                                "it after backward, before optimizer.step()")
+        self.require_forward_param_sync = True  # the window ends: the next forward broadcasts
         if self.world_size == 1:
             return
         if self._plan_is_stale():
