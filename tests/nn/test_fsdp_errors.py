@@ -120,6 +120,13 @@ def _error_cases():
     results["summon_with_grads"] = _raises(
         lambda: model.summon_full_params(with_grads=True).__enter__(), ValueError,
         "with_grads=True")
+    # FairScale's second positional argument is volatile, torch's writeback: opposite meanings
+    results["summon_positional"] = _raises(
+        lambda: model.summon_full_params(True, True).__enter__(), TypeError,
+        "volatile=", "writeback=", "by keyword")
+    results["summon_recurse_not_bool"] = _raises(
+        lambda: model.summon_full_params(recurse="yes").__enter__(), ValueError,
+        "recurse='yes'", "True or False")
     for name, copy_it in (("deepcopy", copy.deepcopy), ("torch_save", _torch_save),
                           ("pickle", pickle.dumps)):
         results[name] = _raises(lambda: copy_it(model), TypeError, "cannot be pickled or copied",

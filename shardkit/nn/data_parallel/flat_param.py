@@ -31,6 +31,8 @@ partition (``Ψ_u/h``, compute dtype) from the forward free to the backward gath
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -79,6 +81,28 @@ _GATHERED = GatheredParamBytes()
 def gathered_param_bytes() -> GatheredParamBytes:
     """The process-wide :class:`GatheredParamBytes` counter."""
     return _GATHERED
+
+
+def outside_autocast(method):
+    """Run ``method`` with the caller's autocast turned off.
+
+    A unit's own tensor work (packing shards for the all-gather, casting and packing
+    gradients for the reduce-scatter, unpacking, writing back) runs inside the user's forward,
+    and inside backward when ``loss.backward()`` is called in the autocast block, as
+    FairScale's tests do. Autocast must not reach it: it would retype ``torch.cat`` and the
+    arithmetic on the packed buffers, and on CPU it refuses a 16-bit dtype other than its
+    own ("Unexpected floating ScalarType in at::autocast::prioritize": fp16 units under
+    ``torch.autocast("cpu")``'s bf16). Costs two flag reads when autocast is off."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        if not on:
+            return method(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for device in on:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            return method(*args, **kwargs)
+    return run
 
 
 def check_one_dtype(params) -> None:
@@ -219,6 +243,7 @@ class FlatParamShard:
                     view.copy_(p.data.reshape(view.shape))
                 p.data = view
 
+    @outside_autocast
     def start_gather(self, prefetch: bool = False, from_secondary: bool = False) -> None:
         """Issue the unit's all-gather asynchronously (no-op when gathered or in flight).
 
@@ -251,6 +276,7 @@ class FlatParamShard:
         # a unit dropped while gathered (a model discarded after a forward) counts off too
         self._uncount = weakref.finalize(self.full, _GATHERED.sub, self.full_bytes)
 
+    @outside_autocast
     def finish_gather(self) -> None:
         """Wait for (or issue and wait for) the all-gather; ``full`` then holds the unit."""
         if self.gathered:
@@ -309,6 +335,7 @@ class FlatParamShard:
         after a forward that no backward followed): the kept ``full`` is then stale."""
         return _fingerprint(self.flat_shard) != self._kept_from
 
+    @outside_autocast
     def free_full(self, keep_secondary: bool = False) -> None:
         """Release the gathered parameters (storage resized to 0: memory really goes down).
 
@@ -348,6 +375,7 @@ class FlatParamShard:
         ``no_sync``). Local."""
         self._grad_pieces, self._used = None, None
 
+    @outside_autocast
     def abandon_reduce(self) -> None:
         """Wait for a reduce-scatter still in flight (every rank issued it) and drop its
         result, with any held gradients: what a backward that raised left behind. Local
@@ -360,6 +388,7 @@ class FlatParamShard:
         self._pending_reduce, self._reducing_used = None, None
         self.drop_unreduced_grads()
 
+    @outside_autocast
     def add_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Add one use's gradients (``None``: none reached that parameter) to what the unit
         holds, without declaring them complete."""
@@ -382,6 +411,7 @@ class FlatParamShard:
         default, ``N x replicas`` and 1, gives the mean). Local."""
         self.predivide, self.postdivide = float(pre), float(post)
 
+    @outside_autocast
     def start_reduce(self) -> None:
         """Reduce-scatter the unit's gradients (divided by ``predivide``, by default ``N x
         replicas``, in the reduce dtype) into this rank's shard, async. They live until the
@@ -477,6 +507,7 @@ class FlatParamShard:
         exact = _EXACT_INTEGERS.get(self.reduce_dtype, _EXACT_INTEGERS_OTHERWISE)
         return min(_MAX_TAGS, exact // (self.world_size * self.replicas))
 
+    @outside_autocast
     def replicate_reduce(self) -> None:
         """With replicas: wait for the reduce-scatter and issue the all-reduce of its result
         over ``replicate_group`` (async; no-op otherwise or when already issued)."""
@@ -535,6 +566,7 @@ class FlatParamShard:
             if view.numel():
                 view[:1].add_(flag.to(view.dtype))
 
+    @outside_autocast
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter (and the replicas' all-reduce) and add the result to
         the trainable shards' ``.grad``.
@@ -589,6 +621,7 @@ class FlatParamShard:
 
     # ------------------------------------------------------------------ full master copies
 
+    @outside_autocast
     def gather_master(self) -> list[torch.Tensor]:
         """Every parameter unsharded in the master dtype on the storage device (new tensors).
 
@@ -604,6 +637,7 @@ class FlatParamShard:
         unpack_rank_major(out, self.world_size, fulls, chunk_numels=self.chunk_numels)
         return fulls
 
+    @outside_autocast
     def write_back(self, fulls: Sequence[torch.Tensor]) -> None:
         """Copy this rank's rows of full-size tensors into the shards (no communication)."""
         with torch.no_grad():

@@ -1006,7 +1006,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                                    f"backward; call it between steps")
 
     @contextlib.contextmanager
-    def summon_full_params(self, recurse: bool = True, *, volatile: Optional[bool] = None,
+    def summon_full_params(self, recurse: bool = True, *positional,
+                           volatile: Optional[bool] = None,
                            writeback: Optional[bool] = None, rank0_only: bool = False,
                            offload_to_cpu: bool = False, with_grads: bool = False):
         """Inside the block every parameter holds its full fp32 value (``module.weight`` has the
@@ -1034,6 +1035,12 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         ``rank0_only``, in CPU memory with ``offload_to_cpu``). Communication: one all-gather
         per unit not yet summoned. All ranks must enter it.
         """
+        if positional:
+            raise TypeError("summon_full_params(recurse, ...): pass volatile= (FairScale's: True "
+                            "drops edits) or writeback= (torch's: False drops edits) by keyword; "
+                            "a second positional argument means opposite things in the two")
+        if not isinstance(recurse, bool):
+            raise ValueError(f"summon_full_params(recurse={recurse!r}): must be True or False")
         writeback = _resolve_writeback(volatile, writeback)
         rank0_only = _check_summon_options(writeback, rank0_only, offload_to_cpu, with_grads)
         keep_full = not rank0_only or self._is_first_rank()
@@ -1096,6 +1103,19 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                                f"{type(self.module).__name__} has no reset_parameters()")
         with self.summon_full_params(recurse=True):
             reset()
+
+    def append_shared_param(self, p: nn.Parameter) -> None:
+        """FairScale's way of tying a parameter of another unit to this one (with
+        ``flatten_parameters=False``) is not supported: ``NotImplementedError`` naming the
+        alternative, raised locally (no collective). A parameter shared by two units is
+        refused when the second unit is built; wrap the lowest module that holds every use of
+        the parameter as one unit, where the tie trains as in one process."""
+        raise NotImplementedError(
+            "FullyShardedDataParallel.append_shared_param(): a parameter shared by two "
+            "units is not supported (FairScale's flatten_parameters=False tie). Wrap the "
+            "lowest module that holds every use of the parameter as one unit (for example "
+            "leave the layers that share it unwrapped inside the root): the tie then trains "
+            "as in one process")
 
     def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
         """Divide the gradients by ``pre`` before the reduce-scatter and by ``post`` after
