@@ -16,6 +16,7 @@ bytes; ``fp16/bf16_allreduce_hook`` half of it; ``quantized_allreduce_hook`` abo
 """
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -151,6 +152,22 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
     transport (``comm=``: on gloo, sends of each owner's share straight to it). Memory: a
     packed copy of the bucket while in flight, plus what the transport receives. Wire per
     bucket: the bytes of the other ranks' shares (no padding).
+
+    Several reduced backwards without zeroing in between (accumulation without ``no_sync``,
+    or gradients kept across a step) add up as under DDP's all-reduce: the owner's gradient
+    reads its earlier average plus the new one. Only the owner holds the earlier average, so
+    it carries it: the first time autograd accumulates into such a gradient again (a pre-hook
+    on the parameter's gradient accumulator; with no new local gradient, when the bucket is
+    reduced) it is multiplied by ``N`` in place, and the reduction's division by ``N`` gives
+    it back whole: ``carried + mean(new)``. Whatever the owner's ``.grad`` holds then counts
+    as carried, so ``zero_grad()`` (to zero or to None) between backwards starts afresh (a
+    tensor put in an owner's ``.grad`` by hand counts as held by the owner only; DDP's
+    all-reduce would average it over the ranks). No extra memory and no extra collective:
+    one in-place multiply of the owner's reduced gradients (``Ψ/N`` elements) per backward
+    that follows a reduction without the gradients set to None, and a Python pre-hook call
+    per parameter per backward. Until that next reduction, an owner's gradient read after
+    such a backward inside ``no_sync`` reads ``N x carried + local``. With a 16-bit ``dtype``
+    the carried part travels in it too, as it does under DDP's 16-bit hooks.
     """
     wire = None
     if isinstance(optimizer, OwnersHookState):
@@ -158,13 +175,21 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
     group = optimizer.group
     n, rank = skdist.get_world_size(group), skdist.get_rank(group)
     buffer = bucket.buffer()
-    slices = _slices_by_owner(optimizer.partition, bucket)
+    layout = _layout_by_owner(optimizer.partition, bucket)
+    carry = _carry_of(optimizer, n) if n > 1 else None
+    if carry is not None:
+        carry.watch([p for p, *_ in layout])
+        carry.scale_unaccumulated(layout, buffer)
+    slices: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    for _, owner, offset, numel in layout:
+        slices[owner].append((offset, numel))
     segments = []
     for owned in slices:
         sources = [buffer[offset:offset + numel] for offset, numel in owned]
         segments.append(pack_rank_major(sources, 1, scale=1.0 / n, dtype=wire or buffer.dtype)
                         if sources else None)
     handle = optimizer.comm.reduce_to_owners(segments, group)
+    landed = [p for p, owner, _, numel in layout if owner == rank and numel]
 
     def land(fut) -> torch.Tensor:
         summed = fut.value()
@@ -174,9 +199,82 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
             if numel:  # a rank owning only zero-element parameters receives nothing (None)
                 buffer[offset:offset + numel].copy_(summed[start:start + numel])
                 start += numel
+        if carry is not None:
+            carry.arm(landed)
         return buffer
 
     return handle.as_future().then(land)
+
+
+class _Carry:
+    """Per OSS optimizer: the parameters whose gradient holds an average this rank's hook
+    landed (as their owner) and that no backward has accumulated into since. The next
+    accumulation into one of them first multiplies its gradient by ``N`` (see
+    :func:`reduce_to_owners_hook`). Holds each watched parameter's gradient accumulator, as
+    DDP does, so that its pre-hook stays registered (and so the parameters, as OSS does)."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self._armed: dict[int, torch.Tensor] = {}  # keyed by id: tensors compare elementwise
+        self._accumulators: dict[int, object] = {}
+        self._lock = threading.Lock()
+
+    def watch(self, params) -> None:
+        for p in params:
+            if id(p) not in self._accumulators:
+                with torch.enable_grad():  # backward runs with grad mode off
+                    accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+                accumulator.register_prehook(self._before_accumulating(p))
+                self._accumulators[id(p)] = accumulator
+
+    def _before_accumulating(self, p: torch.Tensor):
+        # Note: the accumulator outlives this object where DDP holds it; the pre-hook then
+        # finds its carry gone and does nothing.
+        carry, armed, key = weakref.ref(self), self._armed, id(p)
+
+        def prehook(grad_outputs):
+            if key in armed:  # a read under the GIL; the pop below decides
+                live = carry()
+                if live is not None:
+                    live._scale_if_armed(p)
+            return None
+        return prehook
+
+    def _disarm(self, p: torch.Tensor) -> bool:
+        with self._lock:
+            return self._armed.pop(id(p), None) is not None
+
+    def _scale_if_armed(self, p: torch.Tensor) -> None:
+        if self._disarm(p) and p.grad is not None:
+            with torch.no_grad():
+                p.grad.mul_(self.n)
+
+    def scale_unaccumulated(self, layout, buffer: torch.Tensor) -> None:
+        """Before a reduction: a carried gradient nothing accumulated into this backward (the
+        parameter unused, find_unused_parameters) sits in the bucket as it is; scale it there."""
+        if not self._armed:
+            return
+        carried = [(offset, numel) for p, _, offset, numel in layout if self._disarm(p)]
+        with torch.no_grad():
+            for offset, numel in carried:
+                buffer[offset:offset + numel].mul_(self.n)
+
+    def arm(self, params) -> None:
+        with self._lock:
+            for p in params:
+                self._armed[id(p)] = p
+
+
+_CARRIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_CARRIES_LOCK = threading.Lock()
+
+
+def _carry_of(optimizer, n: int) -> _Carry:
+    with _CARRIES_LOCK:
+        carry = _CARRIES.get(optimizer)
+        if carry is None or carry.n != n:
+            carry = _CARRIES[optimizer] = _Carry(n)
+        return carry
 
 
 def step_oss_in_ddp_backward(ddp, optimizer) -> None:
@@ -193,9 +291,11 @@ def step_oss_in_ddp_backward(ddp, optimizer) -> None:
 
     Needs ``gradient_as_bucket_view=True`` (the step reads the gradients in DDP's buckets)
     and an optimizer that updates each parameter alone; gradients cannot be clipped before the
-    update and accumulation must use ``ddp.no_sync()``. Creates a process group over the same
-    ranks for the all-gathers (:func:`shardkit.distributed.group_of_same_ranks`). Wire and
-    memory: :func:`reduce_to_owners_hook`'s plus OSS's parameter sync, ``2Ψ(N-1)/N`` a step.
+    update and accumulation must use ``ddp.no_sync()``: a second backward outside it before
+    ``optimizer.step()`` raises a RuntimeError on every rank before its first reduction (it
+    would step again). Creates a process group over the same ranks for the all-gathers
+    (:func:`shardkit.distributed.group_of_same_ranks`). Wire and memory:
+    :func:`reduce_to_owners_hook`'s plus OSS's parameter sync, ``2Ψ(N-1)/N`` a step.
     """
     if not getattr(ddp, "gradient_as_bucket_view", False):
         raise ValueError("step_oss_in_ddp_backward(ddp=...): build DistributedDataParallel with "
@@ -221,6 +321,15 @@ class _StepWhenReduced:
         self._lock = threading.Lock()
 
     def begin_backward(self) -> None:
+        if self.optimizer._stepped_in_backward is not None:
+            # every rank, at DDP's first bucket, before this backward's first reduction
+            raise RuntimeError(
+                "step_oss_in_ddp_backward: this backward would reduce the gradients again, but "
+                "the last reduced backward already stepped the parameters and "
+                "optimizer.step() has not been called since; a second step would apply the "
+                "first backward's gradients twice. Call optimizer.step() (and zero_grad()) "
+                "after each backward outside no_sync(), and accumulate micro-batches inside "
+                "ddp.no_sync()")
         if self._planned_for is not self.optimizer.partition:
             buckets = self.optimizer._sync_bucket_params()
             self._bucket_of = {id(p): i for i, params in enumerate(buckets) for p in params}
@@ -259,10 +368,10 @@ def _reduce_to_owners_and_step_hook(state: _StepWhenReduced, bucket):
     return reduced.then(step_what_is_complete)
 
 
-def _slices_by_owner(partition, bucket) -> list[list[tuple[int, int]]]:
-    """Per rank, ``(offset, numel)`` in the bucket's buffer of each gradient it owns."""
+def _layout_by_owner(partition, bucket) -> list[tuple[torch.Tensor, int, int, int]]:
+    """``(param, owner, offset, numel)`` of each gradient in the bucket's buffer."""
     buffer = bucket.buffer()
-    slices: list[list[tuple[int, int]]] = [[] for _ in range(partition.world_size)]
+    layout = []
     base, size = buffer.data_ptr(), buffer.element_size()
     for p, grad in zip(bucket.parameters(), bucket.gradients()):
         if p not in partition:
@@ -270,5 +379,5 @@ def _slices_by_owner(partition, bucket) -> list[list[tuple[int, int]]]:
                              f"{tuple(p.shape)} is not in the OSS optimizer given as the hook's "
                              f"state; build OSS over ddp.parameters()")
         offset = (grad.data_ptr() - base) // size
-        slices[partition.owner(p)].append((offset, grad.numel()))
-    return slices
+        layout.append((p, partition.owner(p), offset, grad.numel()))
+    return layout

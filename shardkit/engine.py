@@ -18,8 +18,10 @@ stage  wrappers                                 params grads optimizer communica
 (*) At stage 1 each gradient is averaged onto its OSS owner only
 (``zero_optimization.reduce_scatter``, default true as in DeepSpeed;
 :func:`shardkit.comm_hooks.reduce_to_owners_hook`): a rank's gradients of parameters it does
-not own read zero after backward. ``"reduce_scatter": false`` keeps torch DDP's all-reduce
-(every rank holds the averaged gradients; ``3Ψ(N-1)/N``).
+not own read zero after backward, and several reducing backwards in one step add up on the
+owner as under the all-reduce (the hook carries the owner's earlier average).
+``"reduce_scatter": false`` keeps torch DDP's all-reduce (every rank holds the averaged
+gradients; ``3Ψ(N-1)/N``).
 
 ``zero_optimization.zero_hpz_partition_size=h`` (stage 3, DeepSpeed's hpZ) gives every FSDP unit
 ``hpz_partition_size=h``: backward gathers inside blocks of ``h`` ranks (a node), leaving
@@ -311,8 +313,6 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         # engine forwards since the last backward: none means the script called the model
         # itself (DeepSpeed's GAN example), so torch DDP's hooks were never armed (stages 0-1)
         self._forwards_since_backward = 0
-        # a boundary backward already reduced gradients in this step (several per step)
-        self._reduced_since_step = False
         # engine forwards and backwards since the last step(): a boundary step after none of
         # the latter means the script ran loss.backward() itself (DeepSpeed's PyTorch-style
         # backward): no loss scale was applied, and at stages 0-1 nothing was reduced unless
@@ -530,10 +530,6 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         by_hand = reducing and self._forwards_since_backward == 0 \
             and isinstance(self.wrapped, nn.parallel.DistributedDataParallel)
         self._forwards_since_backward = 0
-        # stage 1 reduces each gradient onto its owner and zeroes the others', which a second
-        # reduction in the same step would halve: reduce only the new gradients, add the old
-        kept = self._set_aside_reduced_gradients() if reducing and self._reduced_since_step \
-            and self._reduces_to_owners() else None
         divisor = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
         factor = self.loss_scale / divisor
         scaled = loss.float() * factor if factor != 1.0 else loss
@@ -544,32 +540,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 raise _explained_backward_error(error, self.config.zero) from error
         if by_hand:
             self._average_gradients_by_hand()
-        if kept is not None:
-            for param, grad in kept:
-                if param.grad is None:
-                    param.grad = grad
-                else:
-                    param.grad.add_(grad)
-        self._reduced_since_step = self._reduced_since_step or reducing
         return loss / divisor if divisor != 1 else loss
-
-    def _reduces_to_owners(self) -> bool:
-        return self.composition.stage == 1 and self.config.zero.reduce_to_owners
 
     def _ddp_parameters(self) -> list:
         return [p for p in self.wrapped.module.parameters() if p.requires_grad]
-
-    def _set_aside_reduced_gradients(self) -> list:
-        """``(param, copy of its grad)`` for the gradients an earlier backward of this step
-        reduced; the gradients are then zeroed in place (they are views of DDP's buckets), so
-        the next reduction sees only the new ones. Memory: one copy of the gradients, only on
-        a second reducing backward in a step."""
-        kept = []
-        for param in self._ddp_parameters():
-            if param.grad is not None:
-                kept.append((param, param.grad.clone()))
-                param.grad.zero_()
-        return kept
 
     def _average_gradients_by_hand(self) -> None:
         """Average every trainable parameter's gradient over the data-parallel group, as DDP
@@ -663,7 +637,6 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                         "%g -> %g", self.global_steps + 1, self.config.precision.dtype,
                         scale_before, self.loss_scale)
         self._boundary_unreduced = False
-        self._reduced_since_step = False
         self.zero_grad()
 
     def _local_gradients(self) -> list[torch.Tensor]:

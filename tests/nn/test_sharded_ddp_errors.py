@@ -390,6 +390,10 @@ def _check_step_in_backward_refusals():
         wrapped.reduce()
     except RuntimeError as e:
         errors["reduce"] = str(e)
+    try:  # a second reducing backward would step the owners again
+        wrapped(x).sum().backward()
+    except RuntimeError as e:
+        errors["second backward"] = str(e)
     oss.step()  # nothing left to do
     scaler = ShardedGradScaler("cpu", init_scale=4.0)
     oss.zero_grad()
@@ -420,6 +424,7 @@ def test_step_in_backward_refuses_clipping_closures_and_loss_scaling(world2):
         assert "already stepped" in errors["clip"], errors
         assert "call optimizer.step() bare" in errors["closure"], errors
         assert "already stepped on the last reduction" in errors["reduce"], errors
+        assert "would step them again" in errors["second backward"], errors
         assert "step_in_backward=False to use loss scaling" in errors["scaler"], errors
         assert "step_in_backward=False to use loss scaling" in errors["torch scaler"], errors
         assert same_weights

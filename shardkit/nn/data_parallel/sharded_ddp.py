@@ -502,6 +502,14 @@ class ShardedDataParallel(nn.Module):
         """With ``step_in_backward``: the optimizers start a step whose buckets the landing
         reductions complete."""
         if self._steps_after:
+            if any(o._stepped_in_backward is not None for o in self.sharded_optimizers):
+                # every rank alike, before this backward reduces anything
+                raise RuntimeError(
+                    "ShardedDataParallel(step_in_backward=True): the owners already stepped on "
+                    "the last reduction and optimizer.step() has not been called since; another "
+                    "backward outside no_sync() would step them again. Call optimizer.step() "
+                    "(and zero_grad()) after each reducing backward, and accumulate "
+                    "micro-batches inside no_sync()")
             for optimizer in self.sharded_optimizers:
                 optimizer._begin_step_in_backward()
 
