@@ -18,7 +18,9 @@ from shardkit.nn.model_parallel import initialize
 from shardkit.nn.model_parallel.cross_entropy import vocab_parallel_cross_entropy
 from shardkit.nn.model_parallel.grad_norm import clip_grad_norm
 from shardkit.nn.model_parallel.initialize import (
-    ParallelLayout, destroy_model_parallel, get_data_parallel_group, get_data_parallel_rank,
+    ParallelLayout, destroy_model_parallel, get_context_parallel_group,
+    get_context_parallel_rank, get_context_parallel_ranks, get_context_parallel_world_size,
+    get_data_parallel_group, get_data_parallel_rank,
     get_data_parallel_ranks, get_data_parallel_world_size, get_model_parallel_group,
     get_model_parallel_rank, get_model_parallel_ranks, get_model_parallel_src_rank,
     get_model_parallel_world_size, get_parallel_layout, get_pipeline_parallel_group,

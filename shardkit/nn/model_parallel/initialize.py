@@ -18,6 +18,7 @@ creates the groups once, on every rank, and the getters read them back.
 from __future__ import annotations
 
 import datetime
+import numbers
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,6 +33,8 @@ __all__ = [
     "get_data_parallel_ranks",
     "get_pipeline_parallel_group", "get_pipeline_parallel_rank",
     "get_pipeline_parallel_world_size", "get_pipeline_parallel_ranks",
+    "get_context_parallel_group", "get_context_parallel_rank",
+    "get_context_parallel_world_size", "get_context_parallel_ranks",
 ]
 
 
@@ -98,6 +101,8 @@ class _Groups:
     pipeline_ranks: tuple
     data: object
     data_ranks: tuple
+    # FairScale's context-parallel group: only size 1 is provided, this rank alone
+    context: object = None
 
     @property
     def tensor_rank(self) -> int:
@@ -138,12 +143,15 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1
             parallelism) is provided.
         model_parallel_backend, pipeline_backend, ddp_backend: the backend of the tensor-,
             pipeline- and data-parallel groups (default: the default group's), as FairScale.
-        cp_backend: accepted for FairScale's signature (no context-parallel group is built).
+        cp_backend: accepted for FairScale's signature; the context-parallel group
+            (:func:`get_context_parallel_group`) is this rank alone, on the default backend.
         timeout: a ``datetime.timedelta`` for every group created (default: torch's).
 
     Costs one all-gather of the sizes (so that ranks passing different ones fail instead of
     waiting for each other), then ``world/tp + world/pp + world/dp`` group creations (store
-    rendezvous, no tensor traffic); no model memory. Must be called on every rank.
+    rendezvous, no tensor traffic), plus, the first time in a world, one group of each rank
+    alone (the context-parallel groups); no model memory. Must be called on every rank.
+    Sizes may be Python or NumPy integers.
 
     Raises:
         RuntimeError: torch.distributed is not initialised, or the groups already exist.
@@ -163,6 +171,7 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1
         raise RuntimeError(
             f"initialize_model_parallel: groups already exist ({_GROUPS.layout}); call "
             f"destroy_model_parallel() first")
+    model_parallel_size, pipeline_length = _as_int(model_parallel_size), _as_int(pipeline_length)
     _check_same_sizes_on_every_rank(model_parallel_size, pipeline_length)
     layout = ParallelLayout(distributed.get_world_size(), model_parallel_size, pipeline_length)
     rank = distributed.get_rank()
@@ -174,7 +183,16 @@ def initialize_model_parallel(model_parallel_size: int, pipeline_length: int = 1
             group = distributed.new_group(ranks, backend=backend_of[kind], timeout_s=timeout_s)
             if rank in ranks:
                 found[kind] = (group, tuple(ranks))
-    _GROUPS = _Groups(layout, *found["tensor"], *found["pipeline"], *found["data"])
+    context = distributed.single_rank_group()  # collective the first time, then cached
+    _GROUPS = _Groups(layout, *found["tensor"], *found["pipeline"], *found["data"], context)
+
+
+def _as_int(size):
+    """A NumPy or other integral size as a Python int (FairScale takes ``int(...)`` of it);
+    anything else unchanged, for :class:`ParallelLayout` to refuse by name."""
+    if isinstance(size, numbers.Integral) and not isinstance(size, bool):
+        return int(size)
+    return size
 
 
 def _check_same_sizes_on_every_rank(model_parallel_size, pipeline_length) -> None:
@@ -328,3 +346,27 @@ def get_pipeline_parallel_world_size() -> int:
 def get_pipeline_parallel_rank() -> int:
     """This rank's stage index."""
     return _groups("get_pipeline_parallel_rank()").pipeline_ranks.index(distributed.get_rank())
+
+
+def get_context_parallel_group():
+    """FairScale's context-parallel group: this rank alone (only ``context_parallel_size=1``
+    is provided)."""
+    return _groups("get_context_parallel_group()").context
+
+
+def get_context_parallel_ranks() -> list[int]:
+    """Global ranks of this rank's context-parallel group: ``[this rank]``."""
+    _groups("get_context_parallel_ranks()")
+    return [distributed.get_rank()]
+
+
+def get_context_parallel_world_size() -> int:
+    """Ranks in the context-parallel group: 1."""
+    _groups("get_context_parallel_world_size()")
+    return 1
+
+
+def get_context_parallel_rank() -> int:
+    """This rank's index in its context-parallel group: 0."""
+    _groups("get_context_parallel_rank()")
+    return 0

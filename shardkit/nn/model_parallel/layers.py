@@ -306,6 +306,49 @@ def _master(shape: tuple[int, ...], init_method: InitMethod) -> torch.Tensor:
     return weight
 
 
+@torch.no_grad()
+def _initialize_affine_weight(weight: torch.Tensor, out_features: int, in_features: int,
+                              per_partition_size: int, partition_dim: int,
+                              init_method: InitMethod, stride: int = 1,
+                              return_master_weight: bool = False) -> Optional[torch.Tensor]:
+    """FairScale's helper: fill ``weight`` (this rank's ``per_partition_size`` slice along
+    ``partition_dim``, 0 for a column-parallel ``[out, in]`` weight, 1 for a row-parallel one)
+    with its part of a full ``[out_features, in_features]`` master weight initialised by
+    ``init_method`` from the default generator, as the layers do. With ``stride > 1`` the rank
+    keeps blocks ``rank, rank + n, ...`` of ``stride * n``. Returns the master weight when
+    ``return_master_weight`` (``weight`` itself at tensor-parallel size 1, as FairScale), else
+    ``None``. Uses the current tensor-parallel group's size and rank; no communication. Memory:
+    the full master weight while it runs.
+
+    Raises ``ValueError`` (before drawing anything) when ``per_partition_size`` times the
+    tensor-parallel size is not the master weight's size along ``partition_dim``, or when
+    ``weight`` does not have the slice's shape.
+    """
+    groups = current_groups("_initialize_affine_weight")
+    world = len(groups.tensor_ranks)
+    if partition_dim not in (0, 1):
+        raise ValueError(f"_initialize_affine_weight: partition_dim={partition_dim!r}; it must "
+                         f"be 0 (column-parallel) or 1 (row-parallel)")
+    full = (out_features, in_features)
+    if per_partition_size * world != full[partition_dim]:
+        raise ValueError(f"_initialize_affine_weight: per_partition_size={per_partition_size} "
+                         f"× tensor-parallel size {world} != {full[partition_dim]}, the master "
+                         f"weight's size along partition_dim={partition_dim}")
+    local = list(full)
+    local[partition_dim] = per_partition_size
+    if tuple(weight.shape) != tuple(local):
+        raise ValueError(f"_initialize_affine_weight: weight has shape {tuple(weight.shape)}; "
+                         f"this rank's slice of the [{out_features}, {in_features}] master "
+                         f"weight is {tuple(local)}")
+    if world == 1:
+        init_method(weight)
+        return weight if return_master_weight else None
+    master = torch.empty(full, dtype=weight.dtype)
+    init_method(master)
+    weight.copy_(shard_of(master, groups.tensor_rank, world, partition_dim, stride))
+    return master if return_master_weight else None
+
+
 class ColumnParallelLinear(TensorParallelModule):
     """``y = x A^T + b`` with ``A`` split by rows (output features) over the tensor-parallel group.
 
@@ -563,6 +606,11 @@ class VocabParallelEmbedding(TensorParallelModule):
         self.weight = self._param_from_master("weight", master)
         self.master_weight = master if keep_master_weight_for_test else None
 
+    @property
+    def num_embeddings_per_partition(self) -> int:
+        """Rows held by this rank, ``num_embeddings / n`` (FairScale's attribute)."""
+        return self.vocab_end_index - self.vocab_start_index
+
     def _local_padding_idx(self) -> Optional[int]:
         if self.padding_idx is None:
             return None
@@ -659,6 +707,11 @@ class ParallelEmbedding(TensorParallelModule):
         local = F.embedding(idx, self.weight, self.padding_idx, None, self.norm_type,
                             self.scale_grad_by_freq, self.sparse)
         return gather_from_model_parallel_region(local, group=self.tp_group)
+
+    @property
+    def embedding_dim_per_partition(self) -> int:
+        """Columns held by this rank, ``embedding_dim / n`` (FairScale's attribute)."""
+        return self.embedding_dim // self.tp_size
 
     @torch.no_grad()
     def _renormalise_rows(self, idx: torch.Tensor) -> None:

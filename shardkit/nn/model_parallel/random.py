@@ -31,7 +31,9 @@ from shardkit.nn.model_parallel.initialize import get_model_parallel_rank
 __all__ = ["RNGStatesTracker", "get_model_parallel_rng_tracker", "model_parallel_manual_seed",
            "MODEL_PARALLEL_RNG", "MODEL_PARALLEL_SEED_OFFSET",
            # FairScale's (and Megatron's) names for the same objects
-           "CudaRNGStatesTracker", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed"]
+           "CudaRNGStatesTracker", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
+           "checkpoint"]
+# FairScale's private helper ``_set_cuda_rng_state`` is provided too (see its docstring).
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 # Keeps the tensor-parallel streams away from the default stream's seed.
@@ -119,6 +121,22 @@ class RNGStatesTracker:
 _TRACKER = RNGStatesTracker()
 
 
+def _set_cuda_rng_state(new_state: torch.Tensor, device=-1) -> None:
+    """FairScale's helper (its tests and Megatron-derived recomputation code call it): set the
+    state of ``device``'s CUDA generator (``-1``: the current device; an int index, a string or a
+    ``torch.device``). Without CUDA a ``RuntimeError`` that names ``torch.set_rng_state``, the
+    CPU generator's equivalent. No communication."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("_set_cuda_rng_state: CUDA is not available; set the CPU generator's "
+                           "state with torch.set_rng_state(state) (shardkit's tracker forks the "
+                           "CPU and CUDA generators together)")
+    if device == -1:
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif isinstance(device, (int, str)):
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    torch.cuda.set_rng_state(new_state, device)
+
+
 def get_model_parallel_rng_tracker() -> RNGStatesTracker:
     """The process-wide tracker holding the model-parallel stream."""
     return _TRACKER
@@ -154,3 +172,19 @@ def model_parallel_manual_seed(seed: int) -> None:
     torch.manual_seed(seed)
     _TRACKER.reset()
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + tensor_rank)
+
+
+def checkpoint(function, *args):
+    """FairScale's (Megatron's) activation checkpointing of ``function(*args)``: the output
+    now, the activations recomputed in backward, with the default generators and the
+    model-parallel tracker's streams replayed as they were at the first forward, so dropout
+    inside ``tracker.fork()`` draws the same masks in the recomputation; the recomputation
+    consumes no randomness of the training that follows. shardkit's
+    :func:`~shardkit.nn.checkpoint.checkpointed_call` (non-reentrant: gradients also reach
+    parameters when no input requires grad; FairScale's reentrant one needs an input that
+    does). Memory: ``args`` are kept until backward instead of the region's activations.
+    No communication of its own (``function``'s collectives run again in the recomputation).
+    """
+    from shardkit.nn.checkpoint.checkpoint_activations import checkpointed_call
+
+    return checkpointed_call(function, *args)

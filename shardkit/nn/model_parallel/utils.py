@@ -1,6 +1,12 @@
 """Small shape helpers shared by the tensor-parallel modules: exact division with a clear error,
 splitting or joining a tensor along one dimension into tensor-parallel shards, and the range
-check of word indices."""
+check of word indices.
+
+FairScale's (and Megatron's) helpers of ``fairscale.nn.model_parallel.utils`` are here under
+their names, for model code that imports them: :func:`ensure_divisibility`,
+:func:`divide_and_check_no_remainder`, :func:`split_tensor_along_last_dim` and
+:class:`VocabUtility`. An inexact division is a ``ValueError`` naming both numbers (FairScale:
+an ``AssertionError``)."""
 
 from __future__ import annotations
 
@@ -8,7 +14,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["divide", "split_along_dim", "shard_of", "join_shards", "check_indices"]
+__all__ = ["divide", "split_along_dim", "shard_of", "join_shards", "check_indices",
+           # FairScale's names
+           "ensure_divisibility", "divide_and_check_no_remainder", "split_tensor_along_last_dim",
+           "VocabUtility"]
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -61,3 +70,52 @@ def check_indices(indices: torch.Tensor, size: int, what: str, size_name: str = 
         torch._assert_async(~bad.any(), f"{what}: an index is outside {allowed}")
     elif bad.any():
         raise IndexError(f"{what} {indices[bad][0].item()} is outside {allowed}")
+
+
+# ----------------------------------------------------------------------------- FairScale's names
+
+
+def ensure_divisibility(numerator: int, denominator: int) -> None:
+    """Raise ``ValueError`` unless ``numerator`` is a multiple of ``denominator`` (FairScale's
+    helper; it asserted). No communication."""
+    divide(numerator, denominator, "ensure_divisibility: numerator")
+
+
+def divide_and_check_no_remainder(numerator: int, denominator: int) -> int:
+    """``numerator // denominator``; ``ValueError`` when it is not exact (FairScale's helper)."""
+    return divide(numerator, denominator, "divide_and_check_no_remainder: numerator")
+
+
+def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
+                                contiguous_split_chunks: bool = False) -> tuple[torch.Tensor, ...]:
+    """``num_partitions`` equal chunks of ``tensor``'s last dimension (views, as ``torch.split``
+    gives them, unless ``contiguous_split_chunks``), e.g. a fused q/k/v activation into q, k and
+    v. ``ValueError`` when the last dimension does not divide. FairScale's and Megatron's helper.
+    """
+    size = divide(tensor.shape[-1], num_partitions,
+                  f"split_tensor_along_last_dim(num_partitions={num_partitions}): the last "
+                  f"dimension of the tensor of shape {tuple(tensor.shape)}")
+    chunks = torch.split(tensor, size, dim=-1)
+    if contiguous_split_chunks:
+        return tuple(chunk.contiguous() for chunk in chunks)
+    return tuple(chunks)
+
+
+class VocabUtility:
+    """The ``[first, last)`` word indices that tensor-parallel ``rank`` of ``world_size`` holds
+    of a vocabulary split into equal contiguous ranges (what :class:`VocabParallelEmbedding` and
+    :func:`vocab_parallel_cross_entropy` use). FairScale's helper."""
+
+    @staticmethod
+    def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,
+                                                  world_size: int) -> tuple[int, int]:
+        first = rank * per_partition_vocab_size
+        return first, first + per_partition_vocab_size
+
+    @staticmethod
+    def vocab_range_from_global_vocab_size(global_vocab_size: int, rank: int,
+                                           world_size: int) -> tuple[int, int]:
+        per_partition = divide(global_vocab_size, world_size,
+                               "VocabUtility: global_vocab_size")
+        return VocabUtility.vocab_range_from_per_partition_vocab_size(per_partition, rank,
+                                                                      world_size)
