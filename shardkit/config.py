@@ -35,8 +35,9 @@ Keys accepted for compatibility with DeepSpeed configs, validated, without effec
     gradient_predivide_factor,
     zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer, dump_state,
     zero_optimization.log_trace_cache_warnings; data_types.grad_accum_dtype when
-    "fp32" (what the engine does); sparse_gradients and fp16.fp16_master_weights_and_grads
-    when false; and, while
+    "fp32" (what the engine does); sparse_gradients at stage 0 (torch DDP reduces sparse
+    embedding gradients) or when false; fp16.fp16_master_weights_and_grads when false; and,
+    while
     switched off, the sections amp, activation_checkpointing,
     tensorboard, wandb, csv_monitor, comms_logger and flops_profiler. A value these do not
     accept is an error that names what to use instead.
@@ -206,6 +207,8 @@ _LOG_INSTEAD = "log from the training loop (engine.get_lr(), the loss), or remov
 
 _OFFLOAD_COMMON = {"device": _choice("none", "none", "cpu"), "pin_memory": _bool(),
                    "buffer_count": _int(4, 1), "fast_init": _bool(), "ratio": _num(1.0, 0)}
+# DeepSpeed's NVMe pipelining switches of offload_optimizer: tuning only, no effect on CPU offload
+_OFFLOAD_PIPELINE = {"pipeline_read": _bool(), "pipeline_write": _bool()}
 
 SCHEMA: dict = {
     "train_batch_size": _int(None, 1),
@@ -216,7 +219,7 @@ SCHEMA: dict = {
     "scheduler": {"type": _choice(None, *SCHEDULER_PARAMS), "params": "per scheduler type"},
     "zero_optimization": {
         "stage": _int(0, 0, 3),
-        "offload_optimizer": dict(_OFFLOAD_COMMON),
+        "offload_optimizer": {**_OFFLOAD_COMMON, **_OFFLOAD_PIPELINE},
         "offload_param": {**_OFFLOAD_COMMON, "buffer_size": _num(1e8, 0),
                           "max_in_cpu": _num(1e9, 0)},
         "reduce_bucket_size": _num(None, 0, strict=True),
@@ -231,6 +234,11 @@ SCHEMA: dict = {
         "stage3_gather_fp16_weights_on_model_save": _bool(),
         "elastic_checkpoint": _bool(), "ignore_unused_parameters": _bool(True),
         "load_from_fp32_weights": _bool(True), "cpu_offload": _bool(),
+        "cpu_offload_param": _bool(),  # DeepSpeed's deprecated offload_param.device='cpu'
+        "stage3_model_persistence_threshold": _num(None, 0),
+        "pipeline_loading_checkpoint": _off("zero_optimization.pipeline_loading_checkpoint",
+                                            "load a pipeline's checkpoint with "
+                                            "engine.load_checkpoint"),
         "zero_quantized_weights": _bool(), "zero_quantized_gradients": _bool(),
         "zero_hpz_partition_size": _int(1, 1),
         "log_trace_cache_warnings": _bool(),  # logging only
@@ -260,7 +268,8 @@ SCHEMA: dict = {
     "zero_allow_untested_optimizer": _bool(),
     # the training_data loader keeps a last, smaller micro-batch unless this is true
     "dataloader_drop_last": _bool(),
-    "sparse_gradients": _off("sparse_gradients", "gradients are reduced dense"),
+    # DeepSpeed's sparse all-reduce of sparse embedding gradients: torch DDP's, at stage 0
+    "sparse_gradients": _bool(),
     # whether every rank passed the same tag to save_checkpoint: warn, fail, or do not check
     "checkpoint": {"tag_validation": _choice("Warn", "Ignore", "Warn", "Fail",
                                              case_insensitive=True)},
@@ -412,6 +421,11 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
     precision = _precision_config(checked["fp16"], checked["bf16"])
     comm_dtype = _communication_dtype(checked["communication_data_type"], zero)
     allreduce_op = checked["gradient_allreduce_op"].lower()
+    if checked["sparse_gradients"] and zero.stage != 0:
+        raise ConfigError(f"sparse_gradients=true needs zero_optimization.stage=0 (torch DDP "
+                          f"reduces the sparse gradients of embeddings built with sparse=True); "
+                          f"stage {zero.stage} reduces gradients dense: set sparse_gradients "
+                          f"false and build the embeddings with sparse=False")
     if allreduce_op == "sum" and zero.stage == 3:  # DeepSpeed refuses it there too
         raise ConfigError("gradient_allreduce_op='sum' is not supported with "
                           "zero_optimization.stage=3; use 'mean' (the default) or stages 0-2")
@@ -464,6 +478,32 @@ def _read(config) -> dict:
 # DeepSpeed's older spellings it still reads, with the current key they mean
 _OLD_NAMES = {"bfloat16": "bf16"}
 
+# zero_optimization keys DeepSpeed reads under two names (its field name and the stage3_ alias);
+# the schema has the stage3_ one
+_ZERO_ALIASES = {name: f"stage3_{name}" for name in (
+    "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+    "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save")}
+
+
+def _zero_with_current_names(zero) -> object:
+    """``zero_optimization`` with DeepSpeed's field names renamed to their ``stage3_`` aliases
+    (``prefetch_bucket_size`` -> ``stage3_prefetch_bucket_size``, as DeepSpeed's pydantic
+    config reads either) and ``offload_param`` / ``offload_optimizer`` set to ``null`` dropped
+    (DeepSpeed: not configured). Both names of one key is an error naming them."""
+    if not isinstance(zero, Mapping):
+        return zero
+    out = dict(zero)
+    for name, alias in _ZERO_ALIASES.items():
+        if name in out:
+            if alias in out:
+                raise ConfigError(f"zero_optimization has both {name!r} and {alias!r} (two "
+                                  f"names DeepSpeed reads for one setting); keep one")
+            out[alias] = out.pop(name)
+    for section in ("offload_param", "offload_optimizer"):
+        if section in out and out[section] is None:
+            del out[section]
+    return out
+
 
 def _with_current_names(raw: dict) -> dict:
     """``raw`` with DeepSpeed's older top-level spellings renamed (``bfloat16`` -> ``bf16``);
@@ -471,6 +511,8 @@ def _with_current_names(raw: dict) -> dict:
     out = dict(raw)
     if isinstance(out.get("zero_optimization"), bool):  # DeepSpeed's oldest form: on = stage 1
         out["zero_optimization"] = {"stage": 1 if out["zero_optimization"] else 0}
+    if "zero_optimization" in out:
+        out["zero_optimization"] = _zero_with_current_names(out["zero_optimization"])
     for old, new in _OLD_NAMES.items():
         if old in out:
             if new in out:
@@ -640,7 +682,10 @@ def _breakdown_notes(checked: dict) -> list[str]:
 def _zero_config(section: dict) -> tuple[ZeroConfig, list[str]]:
     notes = []
     stage = section["stage"]
-    param_device = section["offload_param"]["device"]
+    param_device = "cpu" if section["cpu_offload_param"] else section["offload_param"]["device"]
+    if section["cpu_offload_param"]:
+        notes.append("zero_optimization.cpu_offload_param is deprecated in DeepSpeed; treated "
+                     "as offload_param.device='cpu'")
     if section["cpu_offload"]:
         notes.append("zero_optimization.cpu_offload is deprecated in DeepSpeed; treated as "
                      "offload_optimizer.device='cpu'")

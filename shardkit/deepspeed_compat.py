@@ -17,6 +17,7 @@ import os
 import types
 from typing import Optional
 
+import torch
 
 from shardkit import distributed
 from shardkit.accelerator import get_accelerator  # noqa: F401 - DeepSpeed's name here too
@@ -116,3 +117,14 @@ comm.all_gather_into_tensor = distributed.all_gather_into_tensor
 comm.reduce = distributed.reduce
 comm.reduce_scatter_tensor = distributed.reduce_scatter_tensor
 comm.ReduceOp = distributed.ReduceOp
+# DeepSpeed's inference path all-reduces in place through its own kernel where it has one;
+# through torch's collective it is the same sum
+comm.inference_all_reduce = distributed.all_reduce
+comm.all_to_all_single = distributed.all_to_all_single
+comm.send = distributed.send
+comm.recv = distributed.recv
+comm.isend = distributed.isend
+comm.irecv = distributed.irecv
+comm.all_gather_object = distributed.all_gather_object
+comm.is_available = torch.distributed.is_available
+comm.get_backend = distributed.backend_of

@@ -142,6 +142,24 @@ def _check_arguments(model, optimizer, lr_scheduler, cfg: EngineConfig) -> None:
         raise ConfigError(f"initialize(optimizer=...) at zero_optimization.stage=3: {problem}")
 
 
+def _check_sparse_modules(model: nn.Module, cfg: EngineConfig) -> None:
+    """Embeddings with ``sparse=True`` give sparse gradients, which torch DDP reduces (stage 0,
+    as DeepSpeed's ``sparse_gradients``) but OSS's owner reduction, ShardedDataParallel's
+    buckets and FSDP's flat shards cannot: a :class:`ConfigError` naming the modules at stages
+    1-3, on every rank before any collective. Local."""
+    if cfg.zero.stage == 0:
+        return
+    sparse = [name or type(model).__name__ for name, module in model.named_modules()
+              if isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+              and getattr(module, "sparse", False)]
+    if sparse:
+        raise ConfigError(
+            f"initialize: zero_optimization.stage={cfg.zero.stage} cannot reduce sparse "
+            f"gradients, and the embedding module(s) {sparse[:4]} were built with sparse=True; "
+            f"build them with sparse=False (dense gradients), or use zero_optimization.stage=0 "
+            f"(torch DDP reduces sparse gradients)")
+
+
 def _param_group_count(recipe: OptimizerRecipe) -> int:
     """How many param groups the optimizer built from ``recipe`` will have (OSS and FSDP keep
     the user's grouping at every stage)."""
@@ -549,17 +567,27 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         """Average every trainable parameter's gradient over the data-parallel group, as DDP
         would have (absent ones count as zero, and stay ``None`` where every rank's is): one
         all-reduce of a flat buffer of Ψ elements, every rank the same parameters in the same
-        order, so ranks whose forward left different parameters unused still agree. Costs
-        DDP's all-reduce traffic (in fp32 even under communication_data_type) and one
-        temporary Ψ-element buffer."""
+        order, so ranks whose forward left different parameters unused still agree. The buffer
+        travels in ``communication_data_type`` when the config sets one (fp16/bf16: each
+        gradient divided by the group size in fp32 first, then cast, as torch's fp16/bf16
+        compression hooks and the wrappers' own 16-bit reductions do), else in the gradients'
+        dtype. Costs DDP's all-reduce traffic (half of it in 16 bits) and one temporary
+        Ψ-element buffer."""
         params = self._ddp_parameters()
         group = self.wrapped.process_group
-        if not params or distributed.get_world_size(group) == 1:
+        size = distributed.get_world_size(group)
+        if not params or size == 1:
             return
-        dtype = params[0].grad.dtype if params[0].grad is not None else params[0].dtype
-        work = [p.grad.to(dtype) if p.grad is not None else torch.zeros_like(p, dtype=dtype)
-                for p in params]
-        distributed.all_reduce_as_one(work, group, divide_by=distributed.get_world_size(group))
+        wire = _HALF_DTYPES.get(self.config.communication_dtype)
+        if wire is None:
+            dtype = params[0].grad.dtype if params[0].grad is not None else params[0].dtype
+            work = [p.grad.to(dtype) if p.grad is not None else torch.zeros_like(p, dtype=dtype)
+                    for p in params]
+            distributed.all_reduce_as_one(work, group, divide_by=size)
+        else:
+            work = [(p.grad.float() / size).to(wire) if p.grad is not None
+                    else torch.zeros_like(p, dtype=wire) for p in params]
+            distributed.all_reduce_as_one(work, group)
         for param, averaged in zip(params, work):
             if param.grad is None:
                 if averaged.any():  # another rank's forward used it; nobody's did: stays None
@@ -730,6 +758,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
 
     def save_checkpoint(self, save_dir: str, tag: Optional[str] = None,
                         client_state: Optional[dict] = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False,
                         async_save: bool = False) -> str:
         """Write a resharding checkpoint under ``save_dir/tag`` (default ``global_step<N>``) and
         point ``save_dir/latest`` at it, atomically. Must be called on every rank.
@@ -753,9 +782,18 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         other object (an ``argparse.Namespace``, a NumPy scalar) is a ``TypeError`` on every rank
         naming its key, before anything is written, rather than a checkpoint that cannot be
         resumed from.
+        ``exclude_frozen_parameters=True`` (DeepSpeed's, in its position) leaves the parameters
+        that do not require grad out of the saved weights (a fine-tuned adapter's checkpoint
+        without the frozen base); loading it keeps the model's own values of those parameters
+        (and needs no ``load_module_strict=False``).
+
         Returns the checkpoint directory (when ``async_save``, where it will be once written).
         """
         from shardkit.checkpoint.engine_state import save_engine_checkpoint
+        if not isinstance(exclude_frozen_parameters, bool):
+            raise ValueError(f"engine.save_checkpoint(exclude_frozen_parameters="
+                             f"{exclude_frozen_parameters!r}): expected True or False; nothing "
+                             f"was written")
         if not isinstance(save_dir, (str, os.PathLike)) or not os.fspath(save_dir):
             raise ValueError(f"engine.save_checkpoint(save_dir={save_dir!r}): expected a "
                              f"non-empty directory path (a str or os.PathLike); nothing was "
@@ -770,16 +808,18 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         tag = self._validate_tag(tag, client_state)
         if self.model_parallel is not None:
             return self._save_tensor_parallel_checkpoint(save_dir, tag, client_state,
-                                                         save_latest)
+                                                         save_latest, exclude_frozen_parameters)
         result = save_engine_checkpoint(self, save_dir, tag, client_state, save_latest,
-                                        async_save=async_save)
+                                        async_save=async_save,
+                                        exclude_frozen_parameters=exclude_frozen_parameters)
         if not async_save:
             return result
         self._pending_save = result
         return result.path
 
     def _save_tensor_parallel_checkpoint(self, save_dir: str, tag: Optional[str],
-                                         client_state, save_latest: bool) -> str:
+                                         client_state, save_latest: bool,
+                                         exclude_frozen_parameters: bool = False) -> str:
         """Each tensor-parallel rank's data-parallel group writes a complete resharding
         checkpoint of its slices into ``save_dir/TAG/mp_rank_XX`` (as DeepSpeed's
         ``mp_rank_XX`` files); once every group has committed (one one-element all-reduce
@@ -793,7 +833,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         path, error = os.path.join(save_dir, tag), None
         try:
             save_engine_checkpoint(self, path, mp_rank_name(self.model_parallel.tensor_rank),
-                                   client_state, save_latest=False)
+                                   client_state, save_latest=False,
+                                   exclude_frozen_parameters=exclude_frozen_parameters)
             if distributed.get_rank() == 0:  # how to join the slices offline (consolidate)
                 write_tensor_parallel_layout(path, self.mp_world_size, split_specs(self.module))
         except Exception as e:  # the other groups must learn of it rather than go on
@@ -1071,6 +1112,7 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     world = parallel.data_size if parallel is not None else _data_parallel_world_size()
     cfg = load_config(config, world)
     _check_arguments(model, optimizer, lr_scheduler, cfg)
+    _check_sparse_modules(model, cfg)
     if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
         raise TypeError(f"initialize(resume_from={resume_from!r}): expected a directory path")
     if distributed_port is not None and (isinstance(distributed_port, bool) or not isinstance(

@@ -150,9 +150,9 @@ class DeepSpeedAccessors:
         return self.config.dataloader_drop_last
 
     def sparse_gradients_enabled(self) -> bool:
-        """Always ``False``: gradients are reduced dense (a ``sparse_gradients`` section is
-        refused)."""
-        return False
+        """The config's ``sparse_gradients`` (accepted at stage 0 only, where torch DDP reduces
+        the sparse gradients of ``sparse=True`` embeddings)."""
+        return bool(self.config.checked.get("sparse_gradients", False))
 
     def amp_enabled(self) -> bool:
         """Always ``False``: apex AMP is not supported (use ``fp16`` or ``bf16``)."""

@@ -49,15 +49,19 @@ logger = logging.getLogger("shardkit")
 
 def save_engine_checkpoint(engine, save_dir: str, tag: Optional[str],
                            client_state: Optional[dict], save_latest: bool = True,
-                           async_save: bool = False):
+                           async_save: bool = False, exclude_frozen_parameters: bool = False):
     """Save ``engine`` (see ``ShardedEngine.save_checkpoint``). Returns the checkpoint
     directory, or with ``async_save`` an :class:`~shardkit.checkpoint.async_save.AsyncSave`
-    whose background thread writes the host copies made here."""
+    whose background thread writes the host copies made here. ``exclude_frozen_parameters``
+    (DeepSpeed's) leaves the parameters that do not require grad out of the saved weights; the
+    metadata lists them, and loading such a checkpoint keeps the model's own values for them."""
     tag = f"global_step{engine.global_steps}" if tag is None else tag
     check_tag(tag)  # before the stage-3 gathers: a bad tag fails on every rank, no traffic
     shard, metadata, payload, error = RankShard(), None, None, None
     try:
-        shard, metadata, payload = _checkpoint_parts(engine, tag, client_state)
+        shard, metadata, payload = _checkpoint_parts(
+            engine, tag, client_state,
+            _frozen_state_names(engine) if exclude_frozen_parameters else frozenset())
         if async_save:
             payload = copy.deepcopy(payload)  # the training loop goes on changing the originals
     except Exception as e:  # e.g. rank 0's scheduler state: raised on every rank by the commit
@@ -80,14 +84,29 @@ def _rank_and_world(engine) -> tuple[int, int]:
     return distributed.get_rank(group), distributed.get_world_size(group)
 
 
-def _checkpoint_parts(engine, tag: str, client_state: Optional[dict]):
+def _frozen_state_names(engine) -> frozenset:
+    """The unwrapped model's ``state_dict`` keys that hold a parameter not requiring grad (a
+    tied alias of one included). Stage 3: the names recorded before wrapping. Local."""
+    if engine.zero_stage == 3:
+        return frozenset(engine.frozen_param_names)
+    return frozenset(k for k, v in engine.module.state_dict(keep_vars=True).items()
+                     if isinstance(v, torch.nn.Parameter) and not v.requires_grad)
+
+
+def _checkpoint_parts(engine, tag: str, client_state: Optional[dict],
+                      excluded: frozenset = frozenset()):
     """This rank's :class:`RankShard`, and on rank 0 the metadata and the engine payload
-    (``None`` elsewhere), the payload checked to load back with ``weights_only=True``. Local:
-    no communication (a failure here is agreed on by the commit's first all-reduce)."""
+    (``None`` elsewhere), the payload checked to load back with ``weights_only=True``; the
+    ``excluded`` state names (frozen parameters) are left out. Local: no communication (a
+    failure here is agreed on by the commit's first all-reduce)."""
     if engine.zero_stage == 3:
         shard, groups, row_sharded = _row_sharded_shard(engine)
     else:
         (shard, groups), row_sharded = _replicated_param_shard(engine), {}
+    if excluded:
+        shard.params = {k: v for k, v in shard.params.items() if k not in excluded}
+        shard.row_blocks = {k: v for k, v in shard.row_blocks.items() if k not in excluded}
+        row_sharded = {k: v for k, v in row_sharded.items() if k not in excluded}
     shard.optim = plain_numbers(shard.optim)
     shard.rng = rng_state()
     rank, world = _rank_and_world(engine)
@@ -97,7 +116,8 @@ def _checkpoint_parts(engine, tag: str, client_state: Optional[dict]):
         "format": FORMAT, "tag": tag, "world_size": world,
         "zero_stage": engine.zero_stage, "global_steps": engine.global_steps,
         "skipped_steps": engine.skipped_steps,
-        "param_names": sorted(engine.module_state_names()),
+        "param_names": sorted(set(engine.module_state_names()) - excluded),
+        "excluded_frozen": sorted(excluded),
         "row_sharded": row_sharded,
         "optimizer_class": type(_inner_optimizer_class(engine)).__name__,
         "precision": engine.config.precision.dtype,
@@ -218,7 +238,7 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     if ckpt is None:
         logger.warning("load_checkpoint: no 'latest' file in %s; nothing loaded", load_dir)
         return None, None
-    _load_model(engine, ckpt.params)
+    _load_model(engine, _with_excluded_kept(engine, ckpt))
     if load_optimizer_states:
         _load_optimizer(engine, ckpt.optim, ckpt.engine["param_groups"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None \
@@ -330,8 +350,22 @@ def _count_over_ranks(*flags: bool) -> list[int]:
     return [int(c) for c in counts.tolist()]
 
 
+def _with_excluded_kept(engine, ckpt) -> dict:
+    """``ckpt``'s weights, plus this model's own values of the frozen parameters the save left
+    out (``exclude_frozen_parameters=True``): stage 3 this rank's row blocks, else the full
+    tensors. Local."""
+    excluded = set(ckpt.metadata.get("excluded_frozen", ())) - set(ckpt.params)
+    if not excluded:
+        return ckpt.params
+    source = engine.wrapped.local_state_dict() if engine.zero_stage == 3 \
+        else engine.module.state_dict()
+    return {**{k: v for k, v in source.items() if k in excluded}, **ckpt.params}
+
+
 def _check_names(engine, ckpt) -> None:
     expected = set(engine.module_state_names())
+    # frozen parameters a save with exclude_frozen_parameters=True left out keep their values
+    expected -= set(ckpt.metadata.get("excluded_frozen", ()))
     saved = set(ckpt.metadata["param_names"])
     if expected != saved:
         raise CheckpointError(
