@@ -10,7 +10,9 @@ __version__ = "0.1.0"
 __all__ = ["initialize", "add_config_arguments", "init_distributed", "comm", "get_accelerator",
            "__version__"]
 
-_SUBPACKAGES = ("nn", "optim", "distributed", "checkpoint", "utils", "kernels", "accelerator")
+# zero: DeepSpeed's deepspeed.zero (GatheredParameters, Init)
+_SUBPACKAGES = ("nn", "optim", "distributed", "checkpoint", "utils", "kernels", "accelerator",
+                "zero")
 
 
 def __getattr__(name):

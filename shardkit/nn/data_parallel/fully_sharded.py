@@ -171,6 +171,7 @@ def _eager(hook):
 
 
 _MANAGED_PARAMS: dict[int, weakref.ref] = {}  # id -> parameter, for "already sharded" checks
+_UNIT_OF: dict[int, tuple] = {}  # id -> (parameter, its unit), both weakly: see unit_holding
 _WRAPPED_MODULES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
@@ -371,6 +372,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             self._shard.set_divide_factors(self.gradient_predivide_factor,
                                            self.gradient_postdivide_factor)
             _MANAGED_PARAMS.update((id(p), weakref.ref(p)) for p in params)
+            _UNIT_OF.update((id(p), (weakref.ref(p), weakref.ref(self))) for p in params)
         _WRAPPED_MODULES.add(module)
         _mark_fsdp_managed(module)
         module.register_state_dict_pre_hook(_refusing_shards_as_full_state(self))
@@ -1208,6 +1210,15 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+
+
+def unit_holding(param: torch.Tensor) -> Optional[FullyShardedDataParallel]:
+    """The live FSDP unit whose shard holds ``param`` (a sharded parameter), else ``None``.
+    Local; a dictionary lookup."""
+    entry = _UNIT_OF.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
 
 
 def get_fsdp_instances(module: nn.Module, skip_empty: bool = False) -> list:

@@ -1,0 +1,216 @@
+"""DeepSpeed's ``deepspeed.zero`` names for ``import shardkit as deepspeed`` scripts:
+:class:`GatheredParameters` (full values of ZeRO-3 parameters inside a block) and
+:class:`Init` (a context around model construction).
+
+shardkit shards at :func:`shardkit.initialize` (stage 3: FSDP cuts each parameter into row
+blocks in place), not while the model is built, so :class:`Init` builds the model whole: it is
+accepted so scripts run, and says once what that costs (the full fp32 model, ``4Ψ`` bytes, on
+every rank until ``initialize``). ``enabled=False`` is silent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterable, Optional
+
+import torch
+
+from shardkit import distributed
+from shardkit.checkpoint.resharding import shard_rows
+
+__all__ = ["GatheredParameters", "Init", "register_external_parameter",
+           "unregister_external_parameter"]
+
+logger = logging.getLogger("shardkit")
+
+_INIT_NOTED = False
+
+
+class Init:
+    """DeepSpeed's ``deepspeed.zero.Init(module=None, data_parallel_group=None, ...,
+    config_dict_or_path=None, enabled=True, dtype=None, ...)``: every argument is accepted
+    (DeepSpeed's keywords) and none changes what is built.
+
+    The model is built unpartitioned: each rank holds all ``Ψ`` parameters (``4Ψ`` bytes in
+    fp32) from construction until ``shardkit.initialize`` at stage 3 shards them (one
+    broadcast of the model from rank 0, ``sync_module_states``). A model that does not fit
+    whole in one rank's memory therefore cannot be built this way; build it on the ``meta``
+    device or smaller, or use ``shardkit.nn.wrap`` yourself. Logged once per process (info
+    level, the ``shardkit`` logger) when enabled. Usable as a context or a decorator. No
+    communication."""
+
+    def __init__(self, module: Optional[torch.nn.Module] = None, *args, enabled: bool = True,
+                 **kwargs: Any):
+        if not isinstance(enabled, bool):
+            raise ValueError(f"zero.Init(enabled={enabled!r}): expected True or False")
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise ValueError(f"zero.Init(module={module!r}): expected an nn.Module or None")
+        self.enabled = enabled
+        self.module = module
+        if enabled and module is not None:
+            self._note()
+
+    def __enter__(self) -> "Init":
+        if self.enabled:
+            self._note()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+    def __call__(self, fn):
+        def run(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+        return run
+
+    @staticmethod
+    def _note() -> None:
+        global _INIT_NOTED
+        if _INIT_NOTED:
+            return
+        _INIT_NOTED = True
+        logger.info("shardkit.zero.Init: the model is built unpartitioned (all parameters on "
+                    "every rank, 4 bytes each in fp32); shardkit.initialize shards it at ZeRO "
+                    "stage 3. DeepSpeed partitions during construction instead")
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """DeepSpeed's hint that ``module``'s forward uses ``parameter`` of another module.
+    Nothing to do here: an FSDP unit gathers what its forward touches. Local."""
+
+
+def unregister_external_parameter(module: torch.nn.Module,
+                                  parameter: torch.nn.Parameter) -> None:
+    """Undo :func:`register_external_parameter` (nothing to undo). Local."""
+
+
+class GatheredParameters:
+    """DeepSpeed's ``deepspeed.zero.GatheredParameters(params, modifier_rank=None,
+    fwd_module=None, enabled=True)``: inside the block, ZeRO-3-sharded parameters among
+    ``params`` (one parameter or an iterable) hold their full fp32 values.
+
+    ``modifier_rank=None``: edits are dropped on exit (each rank keeps its rows as they were).
+    ``modifier_rank=r`` (a rank of the parameters' data-parallel group): on exit the values of
+    ``params`` on rank ``r`` are broadcast and each rank keeps its rows of them, so ``r``'s
+    edits reach every rank and the others' are dropped. Edits to other parameters of the same
+    FSDP unit, and every edit when the block raises, are dropped.
+
+    Parameters that are not sharded (stages 0-2, tensors of no engine, a frozen model outside
+    FSDP) are left alone, as DeepSpeed leaves them: at stages 0-2 the block does nothing, and
+    an edit must then be made on every rank. ``enabled=False`` does nothing. ``fwd_module`` is
+    accepted (DeepSpeed registers external parameters with it; FSDP needs no such hint).
+
+    Memory: the full fp32 value of each FSDP unit that holds one of ``params`` (a unit is
+    gathered whole; :meth:`FullyShardedDataParallel.summon_full_params` with
+    ``recurse=False``). Communication: one all-gather per such unit on entry, and with
+    ``modifier_rank`` one broadcast of each sharded parameter on exit. Every rank of the group
+    must enter it with the same parameters (as in DeepSpeed). Bad arguments raise on every
+    rank before any collective.
+    """
+
+    def __init__(self, params, modifier_rank: Optional[int] = None, fwd_module=None,
+                 enabled: bool = True):
+        if not isinstance(enabled, bool):
+            raise ValueError(f"GatheredParameters(enabled={enabled!r}): expected True or False")
+        if modifier_rank is not None and (isinstance(modifier_rank, bool)
+                                          or not isinstance(modifier_rank, int)
+                                          or modifier_rank < 0):
+            raise ValueError(f"GatheredParameters(modifier_rank={modifier_rank!r}): expected "
+                             f"None or a rank of the data-parallel group (an int >= 0)")
+        self.params = _as_param_list(params)
+        self.modifier_rank = modifier_rank
+        self.fwd_module = fwd_module
+        self.enabled = enabled
+        self._stack: Optional[contextlib.ExitStack] = None
+        self._sharded: list = []
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        self._sharded = _sharded_locations(self.params)
+        units = []
+        for loc in self._sharded:
+            if not any(u is loc.unit for u in units):
+                units.append(loc.unit)
+        if self.modifier_rank is not None:
+            _check_modifier(self.modifier_rank, units)
+        stack = contextlib.ExitStack()
+        try:
+            for unit in units:
+                # edits are written back here, for the given parameters only (__exit__)
+                stack.enter_context(unit.summon_full_params(recurse=False, writeback=False))
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._stack is None:
+            return False
+        stack, self._stack = self._stack, None
+        with stack:  # leaving it re-points every parameter at its (updated) rows
+            if self.modifier_rank is not None and exc_type is None:
+                for loc in self._sharded:
+                    shard = loc.shard
+                    full = loc.param.data
+                    src = distributed.get_global_rank(shard.group, self.modifier_rank)
+                    distributed.broadcast(full, src=src, group=shard.group)
+                    rows = shard.shard_views(shard.flat_shard)[loc.index]
+                    with torch.no_grad():
+                        rows.copy_(shard_rows(full, loc.layout, shard.rank).to(rows.dtype))
+        return False
+
+
+def _as_param_list(params) -> list:
+    if params is None:
+        return []
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, dict):
+        raise ValueError("GatheredParameters(params=...): expected a parameter or an iterable "
+                         "of parameters (e.g. module.parameters()), got a dict")
+    try:
+        items = list(params)
+    except TypeError:
+        raise ValueError(f"GatheredParameters(params=...): expected a parameter or an iterable "
+                         f"of parameters, got {type(params).__name__}") from None
+    for item in items:
+        if not isinstance(item, torch.Tensor):
+            raise ValueError(f"GatheredParameters(params=...): expected parameters, got an "
+                             f"item of type {type(item).__name__}")
+    return items
+
+
+def _sharded_locations(params: Iterable) -> list:
+    """The :class:`~shardkit.utils.tensor_fragment.ParamLocation` of each FSDP-sharded
+    parameter among ``params`` (others skipped), each parameter once. Local."""
+    from shardkit.utils.tensor_fragment import locate_parameter
+    found, seen = [], set()
+    for p in params:
+        if not isinstance(p, torch.nn.Parameter) or id(p) in seen:
+            continue
+        seen.add(id(p))
+        try:
+            loc = locate_parameter(p, "GatheredParameters")
+        except ValueError:
+            continue  # not a parameter shardkit shards: left alone, as in DeepSpeed
+        if loc.unit is not None:
+            found.append(loc)
+    return found
+
+
+def _check_modifier(rank: int, units: list) -> None:
+    for unit in units:
+        shard = unit._shard
+        size = distributed.get_world_size(shard.group)
+        if rank >= size:
+            raise ValueError(f"GatheredParameters(modifier_rank={rank}): the parameters' "
+                             f"data-parallel group has {size} ranks (0-{size - 1})")
+        if shard.replicate_group is not None:
+            raise ValueError(f"GatheredParameters(modifier_rank={rank}): not supported for "
+                             f"hybrid-sharded units (the replicas would need a second "
+                             f"broadcast); edit inside FullyShardedDataParallel."
+                             f"summon_full_params on every rank instead")
