@@ -9,9 +9,14 @@ error at the same point and none is left waiting.
 
 Keys that change behaviour:
     train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps,
-    optimizer.{type, params}, scheduler.{type (WarmupLR, WarmupDecayLR, WarmupCosineLR,
-    OneCycle), params}, gradient_clipping, steps_per_print, gradient_allreduce_op ("mean",
-    the default, or "sum": gradients summed over the data-parallel ranks; stages 0-2),
+    optimizer.{type (Adam, AdamW, SGD, Adagrad with torch.optim.Adagrad's names, and, as
+    DeepSpeed's getattr(torch.optim, type) fallback, RMSprop, Adamax, NAdam, RAdam, Adadelta,
+    ASGD, Rprop and Adafactor (stages 0-2), their params checked against the constructor;
+    DeepSpeed's Lamb, 1-bit/0-1 optimizers, Lion, mup's Mu* and Muon are refused by name:
+    pass such an optimizer object instead), params}, scheduler.{type (WarmupLR,
+    WarmupDecayLR, WarmupCosineLR, OneCycle), params}, gradient_clipping, steps_per_print,
+    gradient_allreduce_op ("mean", the default, or "sum": gradients summed over the
+    data-parallel ranks; stages 0-2),
     zero_optimization.{stage, reduce_bucket_size (elements, as in DeepSpeed), reduce_scatter
     (stage 1, default true as in DeepSpeed: each gradient is averaged onto its owner only, so
     stage 1 moves 2Ψ(N-1)/N a step; false: torch DDP's all-reduce, 3Ψ(N-1)/N),
@@ -34,12 +39,17 @@ Keys accepted for compatibility with DeepSpeed configs, validated, without effec
     memory_breakdown (when true, a note says no breakdown is printed), prescale_gradients,
     gradient_predivide_factor,
     zero_allow_untested_optimizer, zero_force_ds_cpu_optimizer, dump_state,
-    zero_optimization.log_trace_cache_warnings; data_types.grad_accum_dtype when
+    zero_optimization.log_trace_cache_warnings, offload_*.nvme_path (while the device is not
+    "nvme", which is refused naming NVMe: CPU offload is provided), the aio section (NVMe I/O
+    tuning), optimizer.legacy_fusion, compression_training (DeepSpeed compresses only a model
+    passed through init_compression, not provided here; a note says so when a technique is
+    enabled); data_types.grad_accum_dtype when
     "fp32" (what the engine does); sparse_gradients at stage 0 (torch DDP reduces sparse
     embedding gradients) or when false; fp16.fp16_master_weights_and_grads when false; and,
     while
     switched off, the sections amp, activation_checkpointing,
-    tensorboard, wandb, csv_monitor, comms_logger and flops_profiler. A value these do not
+    tensorboard, wandb, csv_monitor, comms_logger, flops_profiler, data_efficiency,
+    curriculum_learning and elasticity. A value these do not
     accept is an error that names what to use instead.
 DeepSpeed's older section name ``bfloat16`` is read as ``bf16``, and its oldest form
 ``"zero_optimization": true`` as stage 1 (``false``: stage 0).
@@ -139,8 +149,37 @@ _SGD_PARAMS = {
     "lr": _num(1e-3, 0), "momentum": _num(0.0, 0), "dampening": _num(0.0, 0),
     "weight_decay": _num(0.0, 0), "nesterov": _bool(),
 }
-OPTIMIZER_PARAMS = {"adam": _ADAM_PARAMS, "adamw": _ADAM_PARAMS, "sgd": _SGD_PARAMS}
-OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD")
+# torch.optim.Adagrad's names and defaults (DeepSpeed passes params to it as written; its CPU
+# Adagrad, used with offload_optimizer, is the same update with lr_decay and
+# initial_accumulator_value 0)
+_ADAGRAD_PARAMS = {
+    "lr": _num(1e-2, 0), "lr_decay": _num(0.0, 0), "weight_decay": _num(0.0, 0),
+    "initial_accumulator_value": _num(0.0, 0), "eps": _num(1e-10, 0), "maximize": _bool(),
+}
+OPTIMIZER_PARAMS = {"adam": _ADAM_PARAMS, "adamw": _ADAM_PARAMS, "sgd": _SGD_PARAMS,
+                    "adagrad": _ADAGRAD_PARAMS}
+# DeepSpeed builds any other name as getattr(torch.optim, type)(params, **params): these
+# torch.optim classes are built the same way, their params checked against the constructor.
+# Each updates every element on its own, so ZeRO's shards step exactly as the whole tensor
+# does; Adafactor factors 2-D moments over whole rows and columns, so it runs at stages 0-2
+# (whole parameters) only.
+TORCH_OPTIMIZER_TYPES = ("RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop",
+                         "Adafactor")
+OPTIMIZER_TYPES = ("Adam", "AdamW", "SGD", "Adagrad") + TORCH_OPTIMIZER_TYPES
+# DeepSpeed's optimizer names shardkit does not build, with what each is
+_NOT_PROVIDED_OPTIMIZERS = {
+    "lamb": "DeepSpeed's FusedLamb, a CUDA kernel",
+    "onebitadam": "DeepSpeed's 1-bit Adam, with compressed communication",
+    "zerooneadam": "DeepSpeed's 0/1 Adam, with compressed communication",
+    "onebitlamb": "DeepSpeed's 1-bit LAMB, with compressed communication",
+    "lion": "DeepSpeed's FusedLion / CPU Lion; torch has no Lion",
+    "muadam": "the mup package's MuAdam",
+    "muadamw": "the mup package's MuAdamW",
+    "musgd": "the mup package's MuSGD",
+    "muon": "DeepSpeed's MuonWithAuxAdam: Muon on parameters marked use_muon, Adam on the rest",
+    "lbfgs": "torch.optim.LBFGS, whose step needs a closure that engine.step() does not pass",
+    "sparseadam": "torch.optim.SparseAdam, which needs every gradient sparse",
+}
 
 _WARMUP = {
     "warmup_min_lr": _num_or_list(0.0), "warmup_max_lr": _num_or_list(0.001),
@@ -205,8 +244,11 @@ _COMM_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "f
 
 _LOG_INSTEAD = "log from the training loop (engine.get_lr(), the loss), or remove the section"
 
+# device "nvme" is refused by _refuse_nvme (before this schema) naming what to use; nvme_path
+# is accepted while the device is "cpu" or "none" (DeepSpeed reads it for NVMe only)
 _OFFLOAD_COMMON = {"device": _choice("none", "none", "cpu"), "pin_memory": _bool(),
-                   "buffer_count": _int(4, 1), "fast_init": _bool(), "ratio": _num(1.0, 0)}
+                   "buffer_count": _int(4, 1), "fast_init": _bool(), "ratio": _num(1.0, 0),
+                   "nvme_path": Field((str, type(None)), None)}
 # DeepSpeed's NVMe pipelining switches of offload_optimizer: tuning only, no effect on CPU offload
 _OFFLOAD_PIPELINE = {"pipeline_read": _bool(), "pipeline_write": _bool()}
 
@@ -214,8 +256,10 @@ SCHEMA: dict = {
     "train_batch_size": _int(None, 1),
     "train_micro_batch_size_per_gpu": _int(None, 1),
     "gradient_accumulation_steps": _int(None, 1),
-    "optimizer": {"type": _choice(None, *OPTIMIZER_TYPES, case_insensitive=True),
-                  "params": "per optimizer type"},
+    # checked by _optimizer_spec: one of OPTIMIZER_TYPES (any case), and a clear refusal of
+    # DeepSpeed's names shardkit does not build
+    "optimizer": {"type": _str(), "params": "per optimizer type",
+                  "legacy_fusion": _bool()},  # DeepSpeed's old fused fp16 optimizer switch
     "scheduler": {"type": _choice(None, *SCHEDULER_PARAMS), "params": "per scheduler type"},
     "zero_optimization": {
         "stage": _int(0, 0, 3),
@@ -306,6 +350,38 @@ SCHEMA: dict = {
     "flops_profiler": _monitor("FLOPS profiler", "use torch.profiler", profile_step=_int(1, 1),
                                module_depth=_int(-1, -1), top_modules=_int(1, 1),
                                detailed=_bool(True), output_file=Field((str, type(None)))),
+    # DeepSpeed's async-I/O tuning for NVMe offload, which shardkit refuses: no effect
+    "aio": {"block_size": _int(1048576, 1), "queue_depth": _int(8, 1),
+            "intra_op_parallelism": _int(1, 1), "thread_count": _int(1, 1),
+            "single_submit": _bool(), "overlap_events": _bool(True), "use_gds": _bool()},
+    # DeepSpeed's curriculum data sampling and random-LTD: the inner sections are read only
+    # while data_efficiency.enabled is true (refused), so they pass unchecked while it is off
+    "data_efficiency": {"enabled": _off("data_efficiency (curriculum data sampling, "
+                                        "random-LTD)", "order or trim the data in your own "
+                                        "loader, or remove the section"),
+                        "seed": _int(1234), "data_sampling": "read only when enabled",
+                        "data_routing": "read only when enabled"},
+    # DeepSpeed's older curriculum switch: with it on, its engine passes a curriculum_seqlen
+    # to the model's forward
+    "curriculum_learning": {"enabled": _off("curriculum_learning (legacy curriculum "
+                                            "sequence lengths)", "trim the sequences in your "
+                                            "own loader, or remove the section"),
+                            **{key: "read only when enabled" for key in (
+                                "curriculum_type", "min_difficulty", "max_difficulty",
+                                "schedule_type", "schedule_config")}},
+    # DeepSpeed compresses only a model passed through deepspeed.compression's init_compression
+    # (not provided here); on any other model its engine trains uncompressed, as shardkit does
+    "compression_training": Field((dict,), {}),
+    # DeepSpeed's elastic batch size (chosen from the GPU count): accepted while off
+    "elasticity": {"enabled": _off("elasticity (batch size chosen from the GPU count)",
+                                   "set train_batch_size or train_micro_batch_size_per_gpu for "
+                                   "the world size you launch"),
+                   "max_train_batch_size": _int(2000, 1),
+                   "micro_batch_sizes": Field((list,), [2, 4, 6]),
+                   "min_gpus": _int(1, 1), "max_gpus": _int(10000, 1), "min_time": _int(0, 0),
+                   "version": _num(0.2, 0), "prefer_larger_batch": _bool(True),
+                   "ignore_non_elastic_batch_info": _bool(), "num_gpus_per_node": _int(1, 1),
+                   "model_parallel_size": _int(1, 1)},
 }
 
 
@@ -413,7 +489,7 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
                                             checked["gradient_accumulation_steps"],
                                             data_parallel_size)
     zero, notes = _zero_config(checked["zero_optimization"])
-    notes += _breakdown_notes(checked)
+    notes += _breakdown_notes(checked) + _compression_notes(checked["compression_training"])
     if data_parallel_size % zero.hpz_partition_size:
         raise ConfigError(f"zero_optimization.zero_hpz_partition_size={zero.hpz_partition_size} "
                           f"must divide the data-parallel size {data_parallel_size} (use the "
@@ -429,10 +505,16 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
     if allreduce_op == "sum" and zero.stage == 3:  # DeepSpeed refuses it there too
         raise ConfigError("gradient_allreduce_op='sum' is not supported with "
                           "zero_optimization.stage=3; use 'mean' (the default) or stages 0-2")
+    optimizer = _optimizer_spec(raw.get("optimizer"))
+    if optimizer is not None and optimizer.torch_class == "Adafactor" and zero.stage == 3:
+        raise ConfigError("optimizer.type='Adafactor' needs zero_optimization.stage 0-2: it "
+                          "factors each 2-D moment over whole rows and columns, and stage 3 "
+                          "shards every parameter's rows over the ranks, so its step would not "
+                          "match one process's; use stage 2 (or an elementwise optimizer)")
     return EngineConfig(
         train_batch_size=train, train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=gas, data_parallel_size=data_parallel_size,
-        optimizer=_optimizer_spec(raw.get("optimizer")),
+        optimizer=optimizer,
         scheduler=_scheduler_spec(raw.get("scheduler")),
         zero=zero, precision=precision,
         gradient_clipping=float(checked["gradient_clipping"]),
@@ -502,7 +584,21 @@ def _zero_with_current_names(zero) -> object:
     for section in ("offload_param", "offload_optimizer"):
         if section in out and out[section] is None:
             del out[section]
+        _refuse_nvme(out.get(section), f"zero_optimization.{section}")
     return out
+
+
+def _refuse_nvme(section, path: str) -> None:
+    """DeepSpeed's ZeRO-Infinity offload to NVMe: a clear refusal naming what shardkit offers
+    (CPU offload), not the schema's generic not-a-valid-choice."""
+    if isinstance(section, Mapping) and isinstance(section.get("device"), str) \
+            and section["device"].lower() == "nvme":
+        where = section.get("nvme_path")
+        raise ConfigError(
+            f"{path}.device='nvme'{f' (nvme_path={where!r})' if where else ''}: offload to "
+            f"NVMe (DeepSpeed's ZeRO-Infinity swapping) is not provided by shardkit; "
+            f"device='cpu' is (stage 3: parameters and optimizer state kept in CPU memory), "
+            f"or 'none'")
 
 
 def _with_current_names(raw: dict) -> dict:
@@ -611,12 +707,28 @@ def _optimizer_spec(section) -> Optional[OptimizerSpec]:
         return None
     if section.get("type") is None:
         raise ConfigError(f"optimizer.type is missing; valid types: {list(OPTIMIZER_TYPES)}")
-    kind = section["type"].lower()
+    name = section["type"]
+    kind = name.lower()
+    if kind in _NOT_PROVIDED_OPTIMIZERS:
+        raise ConfigError(
+            f"optimizer.type={name!r} ({_NOT_PROVIDED_OPTIMIZERS[kind]}) is not provided by "
+            f"shardkit; build the optimizer yourself (e.g. your own {name} implementation) and "
+            f"pass it as initialize(optimizer=<the object, or a callable params -> optimizer>), "
+            f"deleting the config's 'optimizer' section; types shardkit builds from the config: "
+            f"{list(OPTIMIZER_TYPES)}")
+    canonical = {t.lower(): t for t in OPTIMIZER_TYPES}
+    if kind not in canonical:
+        close = difflib.get_close_matches(name, OPTIMIZER_TYPES, n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"optimizer.type={name!r} is not a valid choice{hint}; valid values: "
+                          f"one of {list(OPTIMIZER_TYPES)} (any case)")
     if isinstance(section.get("params"), Mapping) and "max_grad_norm" in section["params"]:
         # DeepSpeed refuses it too; difflib would point at an unrelated key
         raise ConfigError(f"optimizer.params.max_grad_norm={section['params']['max_grad_norm']!r}"
                           f" is not an optimizer parameter; clip with the top-level "
                           f"\"gradient_clipping\": <max norm> instead")
+    if canonical[kind] in TORCH_OPTIMIZER_TYPES:
+        return _torch_optimizer_spec(name, canonical[kind], section.get("params", {}))
     params = _check_section(section.get("params", {}), OPTIMIZER_PARAMS[kind], "optimizer.params")
     given = set(section.get("params", {}))
     if kind == "sgd":
@@ -626,6 +738,8 @@ def _optimizer_spec(section) -> Optional[OptimizerSpec]:
             raise ConfigError("optimizer.params.nesterov=true needs momentum > 0 and "
                               "dampening = 0")
         return OptimizerSpec("SGD", "SGD", kwargs)
+    if kind == "adagrad":
+        return OptimizerSpec(name, "Adagrad", params)
     # DeepSpeed's "Adam" is AdamW unless adam_w_mode is false.
     decoupled = kind == "adamw" or params["adam_w_mode"]
     if not params["bias_correction"]:
@@ -638,6 +752,38 @@ def _optimizer_spec(section) -> Optional[OptimizerSpec]:
         # (FusedAdam, DeepSpeedCPUAdam) defaults to 0, as the schema does
         kwargs["weight_decay"] = 0.01
     return OptimizerSpec(section["type"], "AdamW" if decoupled else "Adam", kwargs)
+
+
+def _torch_optimizer_spec(name: str, cls_name: str, params) -> OptimizerSpec:
+    """DeepSpeed's fallback, ``getattr(torch.optim, type)(params, **params)``: the keys are
+    checked against the constructor's arguments and the values by building the class once
+    over a one-element tensor (torch's own range checks), so a bad value is a ConfigError
+    here, before any collective."""
+    import inspect
+
+    import torch
+    cls = getattr(torch.optim, cls_name)
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"optimizer.params: expected a JSON object (dict), got "
+                          f"{type(params).__name__} {params!r}")
+    accepted = [arg for arg in inspect.signature(cls.__init__).parameters
+                if arg not in ("self", "params")]
+    for key in params:
+        if key not in accepted:
+            close = difflib.get_close_matches(str(key), accepted, n=1, cutoff=0.5)
+            hint = f"; did you mean 'optimizer.params.{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key 'optimizer.params.{key}' for optimizer.type="
+                              f"{name!r}{hint} Valid keys: the arguments of torch.optim."
+                              f"{cls_name}: {accepted}")
+    kwargs = dict(params)
+    if "betas" in kwargs and isinstance(kwargs["betas"], list):
+        kwargs["betas"] = tuple(kwargs["betas"])
+    try:
+        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except (ValueError, TypeError, RuntimeError) as error:
+        raise ConfigError(f"optimizer.params={dict(params)!r} for optimizer.type={name!r}: "
+                          f"torch.optim.{cls_name} refuses them: {error}") from None
+    return OptimizerSpec(name, cls_name, kwargs)
 
 
 def _scheduler_spec(section) -> Optional[SchedulerSpec]:
@@ -677,6 +823,21 @@ def _breakdown_notes(checked: dict) -> list[str]:
                "memory_breakdown": "use shardkit.utils.memory.model_state_bytes"}
     return [f"{key}=true has no effect in shardkit (no breakdown is printed); {hint}"
             for key, hint in instead.items() if checked[key]]
+
+
+def _compression_notes(section: dict) -> list[str]:
+    """A ``compression_training`` technique switched on: DeepSpeed applies it only to a model
+    passed through ``deepspeed.compression.compress.init_compression``, which shardkit does not
+    provide, so rank 0 says the model trains uncompressed."""
+    def any_enabled(node) -> bool:
+        if isinstance(node, Mapping):
+            return node.get("enabled") is True or any(any_enabled(v) for v in node.values())
+        return False
+    if not any_enabled(section):
+        return []
+    return ["compression_training has no effect in shardkit: DeepSpeed compresses only a model "
+            "passed through deepspeed.compression's init_compression, which shardkit does not "
+            "provide; the model trains uncompressed"]
 
 
 def _zero_config(section: dict) -> tuple[ZeroConfig, list[str]]:

@@ -336,6 +336,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         # backward): no loss scale was applied, and at stages 0-1 nothing was reduced unless
         # the forward ran through DDP
         self._forwards_since_step = self._backwards_since_step = 0
+        from shardkit.utils.tensor_fragment import register_engine
+        register_engine(self)  # deepspeed.utils.safe_* find the engine of a parameter
 
     def __getattr__(self, name: str):
         # DeepSpeed's engine forwards unknown attributes to the model (engine.config_class,
@@ -572,26 +574,32 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         gradient divided by the group size in fp32 first, then cast, as torch's fp16/bf16
         compression hooks and the wrappers' own 16-bit reductions do), else in the gradients'
         dtype. Costs DDP's all-reduce traffic (half of it in 16 bits) and one temporary
-        Ψ-element buffer."""
+        Ψ-element buffer. A sparse gradient (an embedding with ``sparse=True``, stage 0)
+        travels dense in that buffer and comes back sparse over the rows it touches on some
+        rank."""
         params = self._ddp_parameters()
         group = self.wrapped.process_group
         size = distributed.get_world_size(group)
         if not params or size == 1:
             return
         wire = _HALF_DTYPES.get(self.config.communication_dtype)
+        grads = [None if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad
+                 for p in params]
         if wire is None:
-            dtype = params[0].grad.dtype if params[0].grad is not None else params[0].dtype
-            work = [p.grad.to(dtype) if p.grad is not None else torch.zeros_like(p, dtype=dtype)
-                    for p in params]
+            dtype = grads[0].dtype if grads[0] is not None else params[0].dtype
+            work = [g.to(dtype) if g is not None else torch.zeros_like(p, dtype=dtype)
+                    for p, g in zip(params, grads)]
             distributed.all_reduce_as_one(work, group, divide_by=size)
         else:
-            work = [(p.grad.float() / size).to(wire) if p.grad is not None
-                    else torch.zeros_like(p, dtype=wire) for p in params]
+            work = [(g.float() / size).to(wire) if g is not None
+                    else torch.zeros_like(p, dtype=wire) for p, g in zip(params, grads)]
             distributed.all_reduce_as_one(work, group)
         for param, averaged in zip(params, work):
             if param.grad is None:
                 if averaged.any():  # another rank's forward used it; nobody's did: stays None
                     param.grad = averaged.to(param.dtype)
+            elif param.grad.is_sparse:
+                param.grad = averaged.to(param.grad.dtype).to_sparse(param.grad.sparse_dim())
             elif averaged is not param.grad:  # reduced in another dtype
                 param.grad.copy_(averaged)
 
@@ -652,7 +660,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             if factor != 1.0:
                 self._unscale_gradients(factor)
             if self.config.gradient_clipping > 0 or self._measures_grad_norm:
-                norm = self.composition.clip_grad_norm(self.config.gradient_clipping or math.inf)
+                norm = self._clip_grad_norm(self.config.gradient_clipping or math.inf)
                 self._last_grad_norm = None if norm is None else torch.as_tensor(norm).detach()
             self.optimizer.step()
             if self.lr_scheduler is not None:
@@ -672,8 +680,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 if p.grad is not None]
 
     def _agreed_overflow(self) -> bool:
-        """Inf/nan in any rank's gradients, all-reduced so every rank decides the same."""
-        grads = self._local_gradients()
+        """Inf/nan in any rank's gradients, all-reduced so every rank decides the same. A sparse
+        gradient (an embedding with ``sparse=True``, stage 0) is checked on its coalesced
+        values, the entries it adds to the weight."""
+        grads = [_sparse_values(g) for g in self._local_gradients()]
         overflow = bool(grads) and not bool(
             torch.stack([torch.isfinite(g).all() for g in grads]).all())
         device = grads[0].device if grads else torch.device("cpu")
@@ -681,8 +691,32 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
 
     def _unscale_gradients(self, inv_scale: float) -> None:
         grads = self._local_gradients()
-        if grads:
-            torch._foreach_mul_(grads, inv_scale)
+        dense = [g for g in grads if not g.is_sparse]
+        if dense:
+            torch._foreach_mul_(dense, inv_scale)
+        for grad in grads:
+            if grad.is_sparse:
+                grad.mul_(inv_scale)
+
+    def _clip_grad_norm(self, max_norm: float):
+        """The composition's clip (``max_norm=inf``: measure only), except with sparse
+        gradients (stage 0, every rank holds the averaged ones), which torch's
+        ``clip_grad_norm_`` cannot take: the 2-norm over the dense gradients and the sparse
+        ones' coalesced values, and torch's clip coefficient ``max_norm / (norm + 1e-6)``
+        (at most 1) applied to both. No communication."""
+        grads = self._local_gradients()
+        if self.composition.stage != 0 or not any(g.is_sparse for g in grads):
+            return self.composition.clip_grad_norm(max_norm)
+        squares = [torch.linalg.vector_norm(_sparse_values(g).float()) ** 2 for g in grads]
+        total = torch.stack(squares).sum().sqrt()
+        if not math.isinf(max_norm):
+            coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for grad in grads:
+                if grad.is_sparse:
+                    grad.mul_(coefficient.to(grad.dtype).item())
+                else:
+                    grad.mul_(coefficient.to(grad.dtype))
+        return total
 
     # -- contexts
     def _precision_context(self):
@@ -965,6 +999,12 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
 
 
 _DDP_READY_TWICE = "Expected to mark a variable ready only once"
+
+
+def _sparse_values(grad: torch.Tensor) -> torch.Tensor:
+    """A dense gradient itself; a sparse one's coalesced values (repeated indices summed, as
+    they are added to the weight)."""
+    return grad.coalesce().values() if grad.is_sparse else grad
 
 
 def _explained_backward_error(error: RuntimeError, zero) -> RuntimeError:
