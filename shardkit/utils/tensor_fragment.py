@@ -397,6 +397,16 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter,
     return _gather_rows(loc, value)
 
 
+def _refuse_missing_state(verdict: int, loc, optim_state_key: str, what: str, state) -> None:
+    """A setter's ValueError for state not built yet (before the first step) or an unknown
+    key; nothing for :data:`_OK`."""
+    if verdict == _ABSENT:
+        raise ValueError(f"{what}: the optimizer holds no state for this parameter yet; it is "
+                         f"built by the first engine.step()")
+    if verdict == _UNKNOWN_KEY:
+        raise _unknown_key_error(loc, optim_state_key, what, state)
+
+
 def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor,
                                   optim_state_key: str) -> None:
     """Set the optimizer state ``optim_state_key`` of ``param`` to the full ``value`` (the
@@ -418,11 +428,7 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
     else:
         state = loc.optimizer.state.get(param)
         verdict, target = _elementwise(state, optim_state_key, param.shape)
-    if verdict == _ABSENT:
-        raise ValueError(f"{what}: the optimizer holds no state for this parameter yet; it is "
-                         f"built by the first engine.step()")
-    if verdict == _UNKNOWN_KEY:
-        raise _unknown_key_error(loc, optim_state_key, what, state)
+    _refuse_missing_state(verdict, loc, optim_state_key, what, state)
     if target is None:  # a stage 1-2 rank that does not own it
         return
     if loc.unit is not None:
@@ -514,10 +520,6 @@ def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tenso
     _check_optimizer(loc, what)
     state = loc.optimizer.state.get(param)
     verdict, target = _elementwise(state, optim_state_key, param.shape)
-    if verdict == _ABSENT:
-        raise ValueError(f"{what}: the optimizer holds no state for this parameter yet; it is "
-                         f"built by the first engine.step()")
-    if verdict == _UNKNOWN_KEY:
-        raise _unknown_key_error(loc, optim_state_key, what, state)
+    _refuse_missing_state(verdict, loc, optim_state_key, what, state)
     with torch.no_grad():
         target.copy_(value.detach().to(target.device, target.dtype))
