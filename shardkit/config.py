@@ -575,12 +575,9 @@ def _zero_with_current_names(zero) -> object:
     if not isinstance(zero, Mapping):
         return zero
     out = dict(zero)
-    for name, alias in _ZERO_ALIASES.items():
-        if name in out:
-            if alias in out:
-                raise ConfigError(f"zero_optimization has both {name!r} and {alias!r} (two "
-                                  f"names DeepSpeed reads for one setting); keep one")
-            out[alias] = out.pop(name)
+    _rename_keys(out, _ZERO_ALIASES, lambda name, alias: (
+        f"zero_optimization has both {name!r} and {alias!r} (two names DeepSpeed reads for one "
+        f"setting); keep one"))
     for section in ("offload_param", "offload_optimizer"):
         if section in out and out[section] is None:
             del out[section]
@@ -609,13 +606,20 @@ def _with_current_names(raw: dict) -> dict:
         out["zero_optimization"] = {"stage": 1 if out["zero_optimization"] else 0}
     if "zero_optimization" in out:
         out["zero_optimization"] = _zero_with_current_names(out["zero_optimization"])
-    for old, new in _OLD_NAMES.items():
+    _rename_keys(out, _OLD_NAMES, lambda old, new: (
+        f"config has both {old!r} and {new!r} (DeepSpeed's older and current names of one "
+        f"section); keep {new!r}"))
+    return out
+
+
+def _rename_keys(out: dict, names: Mapping, both_given) -> None:
+    """Rename in place each key of ``names`` found in ``out`` to its value; a ConfigError with
+    ``both_given(old, new)`` when both spellings are there."""
+    for old, new in names.items():
         if old in out:
             if new in out:
-                raise ConfigError(f"config has both {old!r} and {new!r} (DeepSpeed's older and "
-                                  f"current names of one section); keep {new!r}")
+                raise ConfigError(both_given(old, new))
             out[new] = out.pop(old)
-    return out
 
 
 def _check_section(section, schema: dict, path: str) -> dict:
