@@ -567,7 +567,8 @@ _layout: Optional[tuple] = None  # (the default group it was gathered in, node i
 
 
 def _forget_topology() -> None:
-    """Drop the gathered layout and the groups cached for topology. They hold the default
+    """Drop the gathered layout, the groups cached for topology and the single-rank groups
+    (:func:`single_rank_group`). They hold the default
     group and its node groups: a group still referenced outlives ``destroy_process_group``
     with its gloo connections open, and is torn down at interpreter exit instead, when the
     ranks no longer wait for each other (gloo then aborted a rank now and then: "terminate
@@ -575,6 +576,7 @@ def _forget_topology() -> None:
     global _node_groups, _layout
     _node_groups = _layout = None
     _spanning.clear()
+    _SINGLE_RANK_GROUPS.clear()  # they hold the default group too (single_rank_group)
 
 
 def _node_identity() -> tuple:
