@@ -51,7 +51,7 @@ from shardkit.models import GPT
 __all__ = ["OptimizerRecipe", "adamw", "Composition", "TrainingSetup", "STAGES", "compose",
            "torch_ddp", "default_wrap_policy", "repeated_block_classes", "compose_pipeline",
            "gpt_as_sequential", "balance_by_params", "pipeline_chunks", "token_cross_entropy",
-           "count_params", "why_not_steppable_on_shards"]
+           "count_params", "why_not_steppable_on_shards", "why_not_on_row_shards"]
 
 STAGES = (0, 1, 2, 3)
 
@@ -274,17 +274,47 @@ def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_num
         raise ValueError(f"compose(stage=0, comm={type(comm).__name__}): stage 0 is torch DDP "
                          f"alone, which uses its process group; comm= is the transport of "
                          f"shardkit's wrappers (stages 1-3)")
-    problem = stage == 3 and optimizer.instance is not None \
-        and why_not_steppable_on_shards(optimizer.instance)
+    problem = stage == 3 and (why_not_steppable_on_shards(optimizer.instance)
+                              if optimizer.instance is not None
+                              else why_not_on_row_shards(optimizer.cls))
     if problem:
         raise ValueError(f"compose(stage=3): {problem}")
+
+
+# What each of these optimizers reads across a whole tensor, which a row shard does not hold.
+_WHOLE_TENSOR_OPTIMIZERS = {
+    "Adafactor": "factors each matrix's second moment over whole rows and columns",
+    "Muon": "orthogonalizes each whole matrix",
+    "LBFGS": "keeps one history over the flattened parameters and re-evaluates a closure a "
+             "number of times that depends on those values",
+}
+
+
+def why_not_on_row_shards(optimizer_class: type) -> Optional[str]:
+    """Why stage 3 cannot step an optimizer of ``optimizer_class`` on FSDP's row shards
+    (``None``: it can): one that reads a whole tensor (Adafactor, Muon) or the whole model
+    (LBFGS) would compute another update from each rank's rows than one process computes.
+    Local; a look at the class."""
+    for name, what in _WHOLE_TENSOR_OPTIMIZERS.items():
+        cls = getattr(torch.optim, name, None)
+        if cls is not None and isinstance(optimizer_class, type) and \
+                issubclass(optimizer_class, cls):
+            return (f"{optimizer_class.__name__} {what}; FSDP (stage 3) gives each rank only "
+                    f"its rows of every parameter, so the update would differ from one "
+                    f"process's: use stages 0-2 (OSS keeps whole parameters) or another "
+                    f"optimizer")
+    return None
 
 
 def why_not_steppable_on_shards(optimizer: torch.optim.Optimizer) -> Optional[str]:
     """Why stage 3 cannot step ``optimizer``, built over the model before wrapping (``None``:
     it can). FSDP shards each parameter in place (the same ``Parameter`` objects keep their
     dim-0 rows), so the optimizer's groups already hold the shards; only state it holds
-    already, full-size tensors, cannot follow."""
+    already, full-size tensors, cannot follow, and an optimizer that reads whole tensors
+    (:func:`why_not_on_row_shards`) cannot step rows."""
+    whole = why_not_on_row_shards(type(optimizer))
+    if whole:
+        return whole
     if optimizer.state:
         return (f"the {type(optimizer).__name__} given already holds state for "
                 f"{len(optimizer.state)} parameters, full-size where FSDP keeps row shards; "

@@ -94,6 +94,21 @@ def test_optimizer_must_be_a_recipe():
     assert recipe.instance is opt
 
 
+@pytest.mark.parametrize("name", ["Adafactor", "Muon", "LBFGS"])
+def test_stage3_refuses_optimizers_that_read_whole_tensors(name):
+    """Adafactor's factored moments, Muon's orthogonalization and LBFGS's history read whole
+    tensors (or the whole model); on FSDP's row shards each rank's update would differ from
+    one process's. Refused before any wrapper is built, as a recipe and as an object; stages
+    0-2 (whole parameters) take them."""
+    cls = getattr(torch.optim, name)
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=f"compose\\(stage=3\\): {name} .*use stages 0-2"):
+        recipes.compose(model, 3, recipes.OptimizerRecipe(cls, {"lr": 0.1}))
+    with pytest.raises(ValueError, match=f"{name} .*only its rows"):
+        recipes.compose(model, 3, recipes.OptimizerRecipe.of(cls([model.weight], lr=0.1)))
+    assert recipes.why_not_on_row_shards(torch.optim.AdamW) is None
+
+
 SINGLE_PROCESS = """
 import json, os, sys, torch
 import shardkit
