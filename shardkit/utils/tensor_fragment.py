@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -59,7 +59,7 @@ __all__ = ["safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_ful
 _OK, _ABSENT, _UNKNOWN_KEY = 0, 1, 2
 
 _ENGINES: "weakref.WeakSet" = weakref.WeakSet()
-# id(param) -> (weakref to param, weakref to its engine or None, weakref to its FSDP unit or None)
+# id(param) -> (weakref to param, weakref to the engine whose model holds it)
 _CACHE: dict = {}
 
 
@@ -113,18 +113,6 @@ class ParamLocation:
         return any(p is self.param for g in self.optimizer.param_groups for p in g["params"])
 
 
-def _find_unit(param, roots: Iterable) -> tuple:
-    for root in roots:
-        for unit in root.sharded_units():
-            shard = unit._shard
-            if shard is None:
-                continue
-            for index, p in enumerate(shard.params):
-                if p is param:
-                    return unit, index
-    return None, -1
-
-
 def _owning_engine(param):
     for engine in list(_ENGINES):
         if any(p is param for p in engine.module.parameters()):
@@ -132,10 +120,26 @@ def _owning_engine(param):
     return None
 
 
-def _hand_wrapped_unit(param):
+def _unit_of(param) -> tuple:
+    """``(unit, index in its shard)`` of a parameter an FSDP unit shards (an engine's at stage
+    3, or one wrapped by hand), else ``(None, -1)``. A dictionary lookup."""
     from shardkit.nn.data_parallel.fully_sharded import unit_holding
     unit = unit_holding(param)
-    return (None, -1) if unit is None else _find_unit(param, [unit])
+    if unit is None or unit._shard is None:
+        return None, -1
+    return unit, next(i for i, p in enumerate(unit._shard.params) if p is param)
+
+
+def _engine_of(param):
+    """The live engine whose model holds ``param``, else ``None``; a found one is remembered
+    per parameter (otherwise every registered engine's parameters are walked)."""
+    hit = _CACHE.get(id(param))
+    if hit is not None and hit[0]() is param and hit[1]() is not None:
+        return hit[1]()
+    engine = _owning_engine(param)
+    if engine is not None:
+        _CACHE[id(param)] = (weakref.ref(param), weakref.ref(engine))
+    return engine
 
 
 def locate_parameter(param, what: str) -> ParamLocation:
@@ -144,36 +148,18 @@ def locate_parameter(param, what: str) -> ParamLocation:
     if not isinstance(param, torch.nn.Parameter):
         raise ValueError(f"{what}(param=...): expected a torch.nn.Parameter of the engine's model "
                          f"(engine.module.parameters()), got {_describe(param)}")
-    hit = _CACHE.get(id(param))
-    if hit is not None and hit[0]() is param:
-        engine = hit[1]() if hit[1] is not None else None
-        unit = hit[2]() if hit[2] is not None else None
-        if (hit[1] is None or engine is not None) and (hit[2] is None or unit is not None):
-            return _location(param, engine, unit)
-    engine = _owning_engine(param)
-    unit = None
-    if engine is not None and engine.zero_stage == 3:
-        unit, _ = _find_unit(param, [engine.wrapped])
-    elif engine is None:
-        unit, _ = _hand_wrapped_unit(param)
-        if unit is None:
-            raise ValueError(
-                f"{what}(param=...): the {_describe(param)} is not a parameter of a model "
-                f"built by shardkit.initialize (engine.module.parameters()) nor of a model "
-                f"wrapped in shardkit's FullyShardedDataParallel; pass one of the engine's "
-                f"model's parameters")
-    _CACHE[id(param)] = (weakref.ref(param),
-                         None if engine is None else weakref.ref(engine),
-                         None if unit is None else weakref.ref(unit))
-    return _location(param, engine, unit)
-
-
-def _location(param, engine, unit) -> ParamLocation:
+    engine = _engine_of(param)
+    unit, index = _unit_of(param) if engine is None or engine.zero_stage == 3 else (None, -1)
+    if engine is None and unit is None:
+        raise ValueError(
+            f"{what}(param=...): the {_describe(param)} is not a parameter of a model "
+            f"built by shardkit.initialize (engine.module.parameters()) nor of a model "
+            f"wrapped in shardkit's FullyShardedDataParallel; pass one of the engine's "
+            f"model's parameters")
+    optimizer = None if engine is None else engine.optimizer
     if unit is not None:
-        _, index = _find_unit(param, [unit])
-        optimizer = None if engine is None else engine.optimizer
         return ParamLocation(param, 3, engine, unit, index, optimizer)
-    return ParamLocation(param, engine.zero_stage, engine, None, -1, engine.optimizer)
+    return ParamLocation(param, engine.zero_stage, engine, None, -1, optimizer)
 
 
 def _describe(obj) -> str:
