@@ -42,7 +42,7 @@ __all__ = [
     "broadcast_object", "all_gather_object", "first_disagreement", "first_difference",
     "raise_on_disagreement",
     "broadcast_tensors_from_rank0", "any_rank",
-    "CommCounter", "CommRecord", "ReduceOp", "destroy", "set_debug_collectives",
+    "CommCounter", "CommRecord", "ReduceOp", "destroy", "set_debug_collectives", "GroupCache",
     "ranks_per_node", "node_of", "spans_nodes", "node_groups", "groups_of_nodes",
     "ranks_by_node", "check_equal_nodes", "node_layout_known",
     "CollectiveError", "reporting_broken_links",
@@ -524,6 +524,32 @@ def _align_group_counts(group) -> None:
 # id(default group) -> (the default group, this rank's one-member group); the default group is
 # held so that its id stays its own after a destroy_process_group and a new init
 _SINGLE_RANK_GROUPS: dict = {}
+_GROUP_CACHES: list = []  # every GroupCache, emptied by destroy()
+
+
+class GroupCache(dict):
+    """A dict in which a module keeps process groups (or what holds them) that it built for
+    the current world, keyed as it likes (e.g. by ranks). Read it through :meth:`current`: the
+    cache is emptied whenever the default group is no longer the one it was filled under
+    (torch's ``destroy_process_group`` and a new init in the same process), and by
+    :func:`destroy`, so a group of a torn-down world is never handed out again. Local."""
+
+    def __init__(self):
+        super().__init__()
+        self._world = None
+        _GROUP_CACHES.append(self)
+
+    def current(self) -> "GroupCache":
+        """This cache, emptied first if the world it was filled in is gone."""
+        world = dist.group.WORLD if is_initialized() else None
+        if world is not self._world:
+            self.clear()
+            self._world = world
+        return self
+
+    def forget(self) -> None:
+        self.clear()
+        self._world = None
 
 
 def single_rank_group():
@@ -567,8 +593,8 @@ _layout: Optional[tuple] = None  # (the default group it was gathered in, node i
 
 
 def _forget_topology() -> None:
-    """Drop the gathered layout, the groups cached for topology and the single-rank groups
-    (:func:`single_rank_group`). They hold the default
+    """Drop the gathered layout, the groups cached for topology, the single-rank groups
+    (:func:`single_rank_group`) and every :class:`GroupCache`. They hold the default
     group and its node groups: a group still referenced outlives ``destroy_process_group``
     with its gloo connections open, and is torn down at interpreter exit instead, when the
     ranks no longer wait for each other (gloo then aborted a rank now and then: "terminate
@@ -577,6 +603,8 @@ def _forget_topology() -> None:
     _node_groups = _layout = None
     _spanning.clear()
     _SINGLE_RANK_GROUPS.clear()  # they hold the default group too (single_rank_group)
+    for cache in _GROUP_CACHES:
+        cache.forget()
 
 
 def _node_identity() -> tuple:

@@ -76,7 +76,8 @@ from shardkit.transport import CommHandle, Transport, resolve_transport, warn_on
 __all__ = ["QuantizedTransport", "quantized_transport_for"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_NODE_GROUPS: dict = {}  # (group ranks, its ranks by node) -> (intra, inter, order) or None
+# (group ranks, its ranks by node) -> (intra, inter, order) or None
+_NODE_GROUPS = skdist.GroupCache()
 _SHARED: dict = {}  # see quantized_transport_for
 
 
@@ -197,8 +198,9 @@ class QuantizedTransport(Transport):
         if members is None:
             return None
         key = (tuple(ranks), tuple(tuple(node) for node in members))
-        if key in _NODE_GROUPS:
-            return _NODE_GROUPS[key]
+        cached = _NODE_GROUPS.current()
+        if key in cached:
+            return cached[key]
         if not create:
             raise RuntimeError("QuantizedTransport: prepare(group) was not called for this "
                                "process group; every wrapper calls it at construction")
@@ -214,7 +216,7 @@ class QuantizedTransport(Transport):
             intra, inter = skdist.groups_of_nodes(
                 ranks, None if self.ranks_per_node is None else len(members[0]))
             result = (intra, inter, node_send_order(members, ranks))
-        _NODE_GROUPS[key] = result
+        cached[key] = result
         return result
 
     def describe(self, group=None) -> str:

@@ -27,17 +27,18 @@ from shardkit import distributed
 
 __all__ = ["AsyncSave", "checkpoint_group"]
 
-_group = None
+_groups = distributed.GroupCache()  # "world" -> the gloo group of this world's saves
 _pending: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()
 
 
 def checkpoint_group():
     """The gloo group over every rank that background saves commit on (created on first use;
     a collective: every rank must reach the first asynchronous save)."""
-    global _group
-    if _group is None:
-        _group = distributed.new_group(range(distributed.get_world_size()), backend="gloo")
-    return _group
+    cached = _groups.current()
+    if "world" not in cached:
+        cached["world"] = distributed.new_group(range(distributed.get_world_size()),
+                                                backend="gloo")
+    return cached["world"]
 
 
 class AsyncSave:

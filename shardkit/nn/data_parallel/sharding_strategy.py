@@ -131,7 +131,7 @@ class UnitGroups:
     hpz: object = None
 
 
-_cached_groups: dict = {}  # tuple of global ranks -> process group
+_cached_groups = skdist.GroupCache()  # tuple of global ranks -> process group
 
 
 def _group_of_blocks(ranks: list[int], block: int, mine: int):
@@ -139,10 +139,11 @@ def _group_of_blocks(ranks: list[int], block: int, mine: int):
     ``mine``. Collective on the world the first time (every block is created on every rank, as
     torch requires), cached after."""
     blocks = [tuple(ranks[i:i + block]) for i in range(0, len(ranks), block)]
+    cached = _cached_groups.current()
     for b in blocks:
-        if b not in _cached_groups:
-            _cached_groups[b] = skdist.new_group(b)
-    return next(_cached_groups[b] for b in blocks if mine in b)
+        if b not in cached:
+            cached[b] = skdist.new_group(b)
+    return next(cached[b] for b in blocks if mine in b)
 
 
 def _self_group():
