@@ -97,7 +97,9 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample, *, timeout: 
     communication.
     """
     if any(p.grad is not None for p in module.parameters()):
-        raise ValueError("balance_by_time(module=...): some parameter already has a gradient; "
+        raise ValueError("balance_by_time(module=...): some parameter already has gradient "
+                         "(the timed backward passes would add to a parameter that already has a "
+                         "gradient); "
                          "call module.zero_grad(set_to_none=True) first")
     device = _sample_device(sample, device)
     _time_layers(module, sample, device)  # warm-up, not counted

@@ -19,7 +19,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from shardkit.nn.checkpoint import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "commit_deferred_batch_norms"]
+__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "commit_deferred_batch_norms",
+           "discard_deferred_batch_norms"]
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -83,6 +84,12 @@ class DeferredBatchNorm(_BatchNorm):
                   else self.momentum)
         self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
         self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+        self.discard()
+
+    @torch.no_grad()
+    def discard(self) -> None:
+        """Forget the micro-batches tracked since the last commit (a mini-batch whose forward
+        failed part-way must not leak into the next one's statistics)."""
         self.sum.zero_()
         self.sum_squares.zero_()
         self.count = 0
@@ -123,3 +130,10 @@ def commit_deferred_batch_norms(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, DeferredBatchNorm):
             m.commit()
+
+
+def discard_deferred_batch_norms(module: nn.Module) -> None:
+    """Call :meth:`DeferredBatchNorm.discard` on every deferred batch norm under ``module``."""
+    for m in module.modules():
+        if isinstance(m, DeferredBatchNorm):
+            m.discard()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from typing import Sequence
 
@@ -27,8 +28,21 @@ def check_unique_layers(module: nn.Sequential, what: str) -> None:
             seen[id(layer)] = name
 
 
-def check_balance(module: nn.Sequential, balance: Sequence[int], what: str) -> list[int]:
+def _as_int(value):
+    """``value`` as a Python int when it is an integer (numpy and 0-dim torch integers too, as
+    FairScale takes them), else None; bools are not integers here."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def check_balance(module: nn.Sequential, balance: Sequence[int], what: str,
+                  hint: str = "") -> list[int]:
     """Return ``balance`` as a list after checking it cuts ``module`` into non-empty stages.
+    ``hint`` (e.g. where to find a balance helper) ends every message about ``balance``.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``.
@@ -40,17 +54,19 @@ def check_balance(module: nn.Sequential, balance: Sequence[int], what: str) -> l
                         f"nn.Sequential to be partitioned (its layers are cut into stages by "
                         f"`balance`)")
     check_unique_layers(module, what)
+    hint = f" ({hint})" if hint else ""
     try:
         parts = list(balance)
     except TypeError:
         raise TypeError(f"{what}(balance={balance!r}): expected a list of positive ints, one per "
-                        f"stage") from None
-    if not parts or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in parts):
-        raise ValueError(f"{what}(balance={parts!r}): expected a non-empty list of positive "
-                         f"ints, one per stage")
+                        f"stage{hint}") from None
+    given, parts = parts, [_as_int(b) for b in parts]
+    if not parts or any(b is None or b < 1 for b in parts):
+        raise ValueError(f"{what}(balance={given!r}): expected a non-empty list of positive "
+                         f"ints, one per stage{hint}")
     if sum(parts) != len(module):
         raise ValueError(f"{what}(balance={parts!r}): the parts sum to {sum(parts)} but the "
-                         f"Sequential has {len(module)} layers; they must be equal")
+                         f"Sequential has {len(module)} layers; they must be equal{hint}")
     return parts
 
 

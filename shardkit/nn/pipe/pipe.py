@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 from shardkit.nn.checkpoint import checkpointed_call
-from shardkit.nn.pipe.batchnorm import commit_deferred_batch_norms, convert_deferred_batch_norm
+from shardkit.nn.pipe.batchnorm import (commit_deferred_batch_norms, convert_deferred_batch_norm,
+                                        discard_deferred_batch_norms)
 from shardkit.nn.pipe.microbatch import (as_tuple, batch_size, join_microbatches,
                                          split_microbatches)
 from shardkit.nn.pipe.partition import check_balance, split_sequential
@@ -71,12 +72,16 @@ def _coerce_chunks(chunks) -> int:
     return count
 
 
+_BALANCE_HINT = ("shardkit.nn.pipe.balance.balance_by_time or balance_by_size can propose "
+                 "one")
+
+
 def _check_pipe_balance(module: nn.Sequential, balance) -> list[int]:
     """``check_balance``, except that an empty Sequential with ``balance=[]`` is allowed."""
     if isinstance(module, nn.Sequential) and len(module) == 0 and \
             isinstance(balance, (list, tuple)) and len(balance) == 0:
         return []
-    return check_balance(module, balance, "Pipe")
+    return check_balance(module, balance, "Pipe", hint=_BALANCE_HINT)
 
 
 def _check_no_parameter_on_two_devices(stages: list, devices: list) -> None:
@@ -86,8 +91,9 @@ def _check_no_parameter_on_two_devices(stages: list, devices: list) -> None:
         for p in stage.parameters():
             i = first_seen.setdefault(id(p), j)
             if devices[i] != devices[j]:
-                raise ValueError(f"Pipe: a parameter of shape {tuple(p.shape)} is shared by "
-                                 f"partitions {i} ({devices[i]}) and {j} ({devices[j]}); shared "
+                raise ValueError(f"Pipe: module with duplicate parameters on distinct devices is "
+                                 f"not supported: a parameter of shape {tuple(p.shape)} is shared "
+                                 f"by partitions {i} ({devices[i]}) and {j} ({devices[j]}); shared "
                                  f"parameters must sit on one device (adjust balance or devices)")
 
 
@@ -103,6 +109,11 @@ def _check_partition_output(out, j: int, last: bool) -> None:
         raise TypeError("Pipe: the last partition returned a 0-dim tensor; Pipe concatenates "
                         "the micro-batches' outputs along dim 0, so each output needs a batch "
                         "dimension (compute a scalar loss outside the Pipe)")
+
+
+def _version(t: torch.Tensor):
+    """A tensor's in-place version counter (None for inference tensors, which have none)."""
+    return None if t.is_inference() else t._version
 
 
 def _moving_denied(call: str) -> TypeError:
@@ -138,9 +149,13 @@ class Pipe(nn.Module):
             micro-batch per sample.
         checkpoint: taken as ``str(checkpoint)``: ``"always"`` (recompute every micro-batch in
             backward), ``"except_last"`` (all but the last, whose backward comes first) or
-            ``"never"``. Only in training mode with grad enabled.
+            ``"never"``. Only in training mode with grad enabled. A checkpointed partition
+            that changes its input in place (``nn.ReLU(inplace=True)`` first) is a
+            ``RuntimeError`` at forward naming the partition (the recomputation would read the
+            changed value).
         deferred_batch_norm: replace BatchNorms by :class:`DeferredBatchNorm`, whose running
-            statistics are updated once per mini-batch, as if it were unsplit.
+            statistics are updated once per mini-batch, as if it were unsplit (a forward that
+            raises leaves them as they were).
 
     Memory: each device holds its partition's parameters; activations of the micro-batches
     in flight, and for checkpointed micro-batches only each partition's inputs. Communication:
@@ -166,9 +181,8 @@ class Pipe(nn.Module):
             raise ValueError(f"Pipe(checkpoint={checkpoint!r}): checkpoint is not one of "
                              f"'always', 'except_last', or 'never'")
         if balance is None:
-            raise ValueError("Pipe(balance=None): balance is required, a list with the number of "
-                             "layers of each partition (shardkit.nn.pipe.balance.balance_by_time "
-                             "or balance_by_size can propose one)")
+            raise ValueError(f"Pipe(balance=None): balance is required, a list with the number "
+                             f"of layers of each partition ({_BALANCE_HINT})")
         parts = _check_pipe_balance(module, balance)
         devices = _default_devices(len(parts)) if devices is None else \
             [torch.device(d) for d in devices]
@@ -242,13 +256,18 @@ class Pipe(nn.Module):
         skips = [SkipTracker() for _ in batches]
         packed = [packed] * len(batches)  # whether micro-batch i's activation is a tuple
         stop = self._checkpoint_stop(len(batches))
-        for tick in clock_cycles(len(batches), len(self.partitions)):
-            for i, j in tick:
-                out = self._run_partition(j, activations[i], packed[i], skips[i],
-                                          checkpointed=i < stop)
-                _check_partition_output(out, j, last=j == len(self.partitions) - 1)
-                packed[i] = not isinstance(out, torch.Tensor)
-                activations[i] = as_tuple(out)
+        try:
+            for tick in clock_cycles(len(batches), len(self.partitions)):
+                for i, j in tick:
+                    out = self._run_partition(j, activations[i], packed[i], skips[i],
+                                              checkpointed=i < stop)
+                    _check_partition_output(out, j, last=j == len(self.partitions) - 1)
+                    packed[i] = not isinstance(out, torch.Tensor)
+                    activations[i] = as_tuple(out)
+        except BaseException:
+            if self.deferred_batch_norm:  # the failed batch must not reach the next one's stats
+                discard_deferred_batch_norms(self)
+            raise
         if self.deferred_batch_norm and self.training:
             commit_deferred_batch_norms(self)
         return join_microbatches(activations, single=not packed[-1])
@@ -265,6 +284,22 @@ class Pipe(nn.Module):
             skips.replaying = True
             return out
 
-        if checkpointed:
+        if not checkpointed:
+            return run(*inputs)
+        versions = [_version(t) for t in inputs]
+        try:
             return checkpointed_call(run, *inputs, modules=(partition,))
-        return run(*inputs)
+        except RuntimeError as error:
+            changed = [k for k, (t, v) in enumerate(zip(inputs, versions))
+                       if v is not None and _version(t) != v]
+            if not changed:
+                raise
+            name, layer = next(iter(partition.named_children()))
+            raise RuntimeError(
+                f"Pipe(checkpoint={self.checkpoint!r}): partition {j} (first layer {name!r}: "
+                f"{type(layer).__name__}) "
+                f"changed its input{'s' if len(changed) > 1 else ''} {changed} in place (e.g. "
+                f"nn.ReLU(inplace=True) or `x += ...` at the start of the partition); its "
+                f"recomputation in backward would start from the changed value. Make that "
+                f"operation out of place, move the cut (balance={self.balance}), or use "
+                f"checkpoint='never'") from error

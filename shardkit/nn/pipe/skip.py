@@ -17,8 +17,10 @@ one::
             return f3(x) + skip
 
 The decorated class is a subclass of the original (same parameters and ``state_dict`` keys)
-whose ``forward`` drives the generator. Outside a :class:`~shardkit.nn.Pipe` the stashed tensors
-go through a per-thread table, so the Sequential runs as an ordinary module; inside a Pipe each
+whose ``forward`` drives the generator; a FairScale checkpoint, whose skippable layers hold the
+original as ``.module`` (keys ``<layer>.module.<name>``), loads too. Outside a
+:class:`~shardkit.nn.Pipe` the stashed tensors go through a per-thread table, so the Sequential
+runs as an ordinary module; inside a Pipe each
 micro-batch has its own table and a popped tensor is moved to the popping partition's device.
 Two copies of a layer that use the same names are told apart with a :class:`Namespace`
 (``layer.isolate(ns)``). :func:`verify_skippables` checks a Sequential's stashes and pops pair up.
@@ -208,6 +210,21 @@ class Skippable(nn.Module):
                                f"class declares @skippable({verb}={sorted(declared)})")
 
 
+def _accept_fairscale_keys(layer: nn.Module, state_dict: dict, prefix: str) -> None:
+    """FairScale's skippable wraps the original module as ``.module``, so its checkpoints hold
+    ``<prefix>module.<name>``; here the layer *is* the original module (``<prefix><name>``).
+    Rename such keys in the (private) dict being loaded, unless the layer has a child or
+    parameter called ``module`` itself or the key is already there."""
+    wrapped = prefix + "module."
+    if "module" in layer._modules or "module" in layer._parameters or \
+            "module" in layer._buffers:
+        return
+    for key in [k for k in state_dict if k.startswith(wrapped)]:
+        own = prefix + key[len(wrapped):]
+        if own not in state_dict:
+            state_dict[own] = state_dict.pop(key)
+
+
 def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()):  # noqa: F811 - FairScale
     """Class decorator declaring the skip names a layer stashes and pops.
 
@@ -231,7 +248,12 @@ def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()):  # noqa: F811
         def __repr__(self):  # FairScale's form: @skippable(<the module's own repr>)
             return f"@skippable({cls.__repr__(self)})"
 
+        def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+            _accept_fairscale_keys(self, state_dict, prefix)
+            return cls._load_from_state_dict(self, state_dict, prefix, *args, **kwargs)
+
         body = {"forward": forward, "__repr__": __repr__,
+                "_load_from_state_dict": _load_from_state_dict,
                 "stashable_names": stash_names, "poppable_names": pop_names,
                 "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                 "__doc__": cls.__doc__}
