@@ -153,6 +153,7 @@ class PlanSchedule:
         self._training_steps = 0
         self._checked = False
         self._signature = None  # the first stage's last batch_signature
+        self._losses_arg, self._kwargs_arg = None, {}  # this step's losses list and kwargs
 
     plans_from_measured_costs = False
 
@@ -229,21 +230,29 @@ class PlanSchedule:
         return problems
 
     # ------------------------------------------------------------------ one step
-    def step(self, *inputs: torch.Tensor, target: Optional[torch.Tensor] = None):
+    def step(self, *inputs: torch.Tensor, target: Optional[torch.Tensor] = None,
+             losses: Optional[list] = None, **kwargs):
         """Forward and backward of one mini-batch; returns the mean micro-batch loss (detached)
         on the rank running the last stage, ``None`` elsewhere. Gradients accumulate in
         ``.grad`` of the stages' parameters (and are averaged over each stage's
         ``data_parallel_group``). Batch tensors that require grad get their gradient too, at
         the end of the step, as from one process's backward (so do the weights that built them).
 
-        Under ``torch.no_grad()`` the step only runs forward: it returns the loss the same way
-        and leaves ``.grad`` and the data-parallel reduction alone, so evaluation steps may come
-        between training steps. Enter it on every rank: on the first step ranks that disagree
-        get the same error; later, the grad mode of the rank running the first stage holds for
-        all. The batch may change size or shape between steps as long as ``chunks`` divides its
-        size (the shape headers then go again). With one stage per rank (GPipe, 1F1B, ZB-H1) a
-        stage's output shapes may also change with the data, when micro-batch 0's change too
-        (that stage announces the new shapes).
+        As in ``torch.distributed.pipelining``: ``losses``, a list, receives each micro-batch's
+        loss (detached, before the division by ``chunks``) on the rank running the last stage
+        (other ranks leave it alone); keyword arguments given to a rank's ``step`` go to the
+        modules of that rank's stages beside their input (``module(x, mask=mask_i)``), tensors
+        split along dim 0 into ``chunks`` equal parts (they need no gradient), other values
+        passed to every micro-batch as they are.
+
+        Under ``torch.no_grad()`` (or through :meth:`eval`) the step only runs forward: it
+        returns the loss the same way and leaves ``.grad`` and the data-parallel reduction
+        alone, so evaluation steps may come between training steps. Enter it on every rank: on
+        the first step ranks that disagree get the same error; later, the grad mode of the rank
+        running the first stage holds for all. The batch may change size or shape between
+        steps as long as ``chunks`` divides its size (the shape headers then go again). With
+        one stage per rank (GPipe, 1F1B, ZB-H1) a stage's output shapes may also change with
+        the data, when micro-batch 0's change too (that stage announces the new shapes).
 
         Raises:
             ValueError: on every rank, naming the stage, the micro-batch, what was expected and
@@ -263,12 +272,23 @@ class PlanSchedule:
                 error inside a stage (a peer died) propagates at once, and so does a backward
                 raising inside a ShardedDataParallel or FSDP stage that has replicas (their
                 gradient reduction is already under way)."""
+        self._losses_arg, self._kwargs_arg = losses, kwargs
         if not self._checked:
             self._check_first_step(inputs, target)
         self._prepare_step()  # before _start_step, which waits for micro-batch 0 off rank 0
         grad = self._start_step(inputs, target)
         with torch.set_grad_enabled(grad):
             return self._run_step(inputs, target, grad)
+
+    def eval(self, *inputs: torch.Tensor, target: Optional[torch.Tensor] = None,
+             losses: Optional[list] = None, **kwargs):
+        """Forward only (:meth:`step` under ``torch.no_grad()``), as
+        ``torch.distributed.pipelining``'s ``eval``: the mean micro-batch loss on the rank
+        running the last stage (``losses`` filled as by :meth:`step`), ``None`` elsewhere;
+        ``.grad`` is left alone. Call it on every rank of the pipeline. Dropout and
+        batch norm follow the modules' own ``train()``/``eval()`` mode, as in one process."""
+        with torch.no_grad():
+            return self.step(*inputs, target=target, losses=losses, **kwargs)
 
     def _start_step(self, inputs, target) -> bool:
         """Learn the step's :class:`~shardkit.nn.pipe.p2p.StepState` (made here on group rank 0,
@@ -292,11 +312,14 @@ class PlanSchedule:
         return state.grad
 
     def _first_stage_state(self, inputs, target, grad: bool) -> StepState:
-        if self._batch_problems(inputs):
+        if self._batch_problems(inputs) or \
+                _kwargs_problems(type(self).__name__, self._kwargs_arg, self.chunks):
             return StepState(StepState.BAD, grad)
         if self.num_stages - 1 in self.stages and self._target_problems(target):
             return StepState(StepState.BAD, grad)  # ZBV: the last stage sees the batch too
-        signature = batch_signature(inputs, grad)
+        names = sorted(self._kwargs_arg)
+        signature = batch_signature(inputs + tuple(self._kwargs_arg[k] for k in names), grad), \
+            tuple(names)
         if signature == self._signature:
             return StepState(StepState.SAME, grad)
         self._signature = signature
@@ -325,6 +348,12 @@ class PlanSchedule:
         last = self.num_stages - 1
         self._inputs = split_microbatches(inputs, self.chunks, "step") if 0 in self.stages \
             else None
+        kwargs_problems = _kwargs_problems(type(self).__name__, self._kwargs_arg, self.chunks)
+        if kwargs_problems:  # rank 0's are caught before the step; a later rank's fail it
+            self._fail(kwargs_problems[0])
+            self._kwargs = None
+        else:
+            self._kwargs = _split_kwargs(self._kwargs_arg, self.chunks)
         self._target = target
         seconds = {kind: 0.0 for kind in ("F", "B", "W", "BW")}
         if self._ties:
@@ -360,7 +389,8 @@ class PlanSchedule:
         with dist.reporting_broken_links("pipeline sends in flight at the end of the step",
                                          self.group):
             self.links.pending.wait()
-        self._inputs = self._target = self._targets = self._sinks = None
+        self._inputs = self._target = self._targets = self._sinks = self._kwargs = None
+        self._kwargs_arg = {}
         if failed:  # the same error on every rank (one small object all-gather)
             self._forget_shapes()
             cause, self._fault_cause = self._fault_cause, None  # its frames hold tensors
@@ -368,7 +398,11 @@ class PlanSchedule:
         # here, not at the next step's start: ranks other than 0 then wait for micro-batch 0
         if grad and self._training_steps == _REPLAN_AT and self.plans_from_measured_costs:
             self._replan()
-        return torch.stack(self._losses).mean() if last in self.stages else None
+        if last not in self.stages:
+            return None
+        if self._losses_arg is not None:
+            self._losses_arg[:] = self._losses
+        return torch.stack(self._losses).mean()
 
     def _forget_shapes(self) -> None:
         """After a failed step (on every rank alike): the next step starts as the first did,
@@ -474,8 +508,9 @@ class PlanSchedule:
         errors (a peer died or is out of step) propagate at once."""
         module = self.stages[s].module
         try:
+            kwargs = self._kwargs[i] if self._kwargs else {}
             with module.no_sync() if is_torch_ddp(module) else contextlib.nullcontext():
-                return module(activation)
+                return module(activation, **kwargs)
         except COMMUNICATION_ERRORS:
             raise
         except Exception as error:
@@ -628,6 +663,7 @@ class PlanSchedule:
         name, problems = type(self).__name__, list(self._problems)
         if 0 in self.stages:
             problems += self._batch_problems(inputs)
+        problems += _kwargs_problems(name, self._kwargs_arg, self.chunks)
         last = self.num_stages - 1
         if last in self.stages:
             if self.loss_fn is None:
@@ -639,6 +675,10 @@ class PlanSchedule:
     def _target_problems(self, target) -> list[str]:
         """What is wrong with the last stage's target on its own (split along dim 0 like the
         batch, but its rows need not equal the batch's: a flattened target is fine)."""
+        losses = getattr(self, "_losses_arg", None)
+        if losses is not None and not isinstance(losses, list):
+            return [f"losses={type(losses).__name__}: expected a list (it receives each "
+                    f"micro-batch's loss) or None"]
         if target is None:
             return [f"the last stage needs the target: call {type(self).__name__}.step(..., "
                     f"target=...)"]
@@ -661,6 +701,36 @@ class PlanSchedule:
     def _check_first_step(self, inputs, target) -> None:
         self._check_agreement(inputs, target)
         self._checked = True
+
+
+def _kwargs_problems(name: str, kwargs: dict, chunks: int) -> list[str]:
+    """What makes a rank's keyword arguments unusable: a tensor of more than 0 dims is split
+    along dim 0 into ``chunks`` equal parts; none may require grad (only the batch's
+    positional tensors get their gradient back)."""
+    problems = []
+    for key, value in kwargs.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue
+        if value.shape[0] % chunks:
+            problems.append(f"{name}.step({key}=...): a tensor passed by keyword is split along "
+                            f"dim 0 into chunks={chunks} equal micro-batches, but it has "
+                            f"{value.shape[0]} rows; pass a multiple of {chunks} rows (or a "
+                            f"0-dim tensor or a non-tensor, given to every micro-batch as it is)")
+        elif value.requires_grad:
+            problems.append(f"{name}.step({key}=...): a tensor passed by keyword must not "
+                            f"require grad (only the positional inputs get their gradient "
+                            f"back); pass it positionally or detach it")
+    return problems
+
+
+def _split_kwargs(kwargs: dict, chunks: int) -> Optional[list]:
+    """Per micro-batch, the stages' keyword arguments: tensors with a batch dimension cut
+    into ``chunks`` views along dim 0, other values as they are. ``None`` without any."""
+    if not kwargs:
+        return None
+    pieces = {key: torch.tensor_split(value, chunks) if isinstance(value, torch.Tensor)
+              and value.dim() > 0 else [value] * chunks for key, value in kwargs.items()}
+    return [{key: parts[i] for key, parts in pieces.items()} for i in range(chunks)]
 
 
 def last_messages(plan: PipelinePlan) -> dict:
@@ -766,8 +836,11 @@ class Schedule1F1B(PlanSchedule):
 
 def _one_stage(schedule, stage):
     if not isinstance(stage, PipelineStage):
+        several = (f"; {type(schedule).__name__} runs one stage per rank (pass the stage "
+                   f"itself), ScheduleInterleaved1F1B and ScheduleZBV take a list of several"
+                   if isinstance(stage, (list, tuple)) else "")
         raise TypeError(f"{type(schedule).__name__}(stage={type(stage).__name__}): expected a "
-                        f"PipelineStage")
+                        f"PipelineStage{several}")
     if stage.num_stages != stage.group_size:
         raise ValueError(f"{type(schedule).__name__}(stage=...): runs one stage per rank, but "
                          f"the pipeline has {stage.num_stages} stages on {stage.group_size} "
