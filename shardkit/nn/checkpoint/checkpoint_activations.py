@@ -415,7 +415,7 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
         raise TypeError(f"checkpoint_wrapper(module={type(module).__name__}): "
                         f"expected a torch.nn.Module")
     offload_to_cpu = bool(offload_to_cpu)
-    if hasattr(module, "_shardkit_unwrapped_forward"):
+    if is_checkpoint_wrapped(module):
         module._shardkit_offload_to_cpu = offload_to_cpu
         return module
     # A forward set on the instance (not the class's) is kept as it is.
@@ -428,7 +428,11 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
 
 def is_checkpoint_wrapped(module: nn.Module) -> bool:
     """Whether :func:`checkpoint_wrapper` made ``module``'s forward a checkpointed region."""
-    return hasattr(module, "_shardkit_unwrapped_forward")
+    # Note: the module's own attributes only. A wrapper that forwards attribute lookups to the
+    # module it holds (an FSDP unit) would otherwise look checkpointed when its inner module
+    # is, and checkpoint_wrapper(unit) would leave the unit's forward (its all-gather) out of
+    # any region and set offload_to_cpu where nothing reads it.
+    return "_shardkit_unwrapped_forward" in vars(module)
 
 
 def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 from typing import Any, Callable, Iterable, Optional
 
 import torch.nn as nn
@@ -163,13 +164,27 @@ def enable_wrap(wrapper_cls: Optional[type] = None, auto_wrap_policy: Optional[C
     """Inside the block, :func:`wrap` and :func:`auto_wrap` wrap with
     ``wrapper_cls(module, **wrapper_kwargs)`` (default: FullyShardedDataParallel), and
     :func:`auto_wrap` without a policy of its own uses ``auto_wrap_policy`` (default:
-    :func:`default_auto_wrap_policy`). Contexts nest: the innermost one applies (FairScale
-    refuses nesting)."""
+    :func:`default_auto_wrap_policy`). ``wrapper_cls`` may also be a ``functools.partial`` of
+    a class or a factory ``f(module, **kwargs)``. Contexts nest: the innermost one applies
+    (FairScale refuses nesting). FairScale's ``move_module_cuda_half=True`` is a ValueError
+    (cast the model before wrapping it); ``False``, its default, is accepted."""
     if wrapper_cls is None:
         from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
         wrapper_cls = FullyShardedDataParallel
     if not callable(wrapper_cls):
         raise ValueError(f"enable_wrap(wrapper_cls={wrapper_cls!r}): expected a wrapper class")
+    if _looks_like_policy(wrapper_cls):
+        raise ValueError(f"enable_wrap(wrapper_cls={wrapper_cls!r}): this is a wrap policy (it "
+                         f"takes recurse=), not a wrapper; FairScale's first positional "
+                         f"argument is the policy, shardkit's is wrapper_cls: pass "
+                         f"auto_wrap_policy=... by keyword")
+    # FairScale's flag for wrap() (never a wrapper argument): False is its default, True asks
+    # wrap() to call module.cuda().half() first, which shardkit leaves to the caller.
+    if wrapper_kwargs.pop("move_module_cuda_half", False):
+        raise ValueError("enable_wrap(move_module_cuda_half=True): not supported; move and cast "
+                         "the model before wrapping it (model.cuda().half(), or "
+                         "model.to(device, dtype)); FSDP's mixed_precision=True computes in "
+                         "fp16 from fp32 shards")
     _check_policy(auto_wrap_policy, "enable_wrap")
     _check_wrapper_kwargs(wrapper_cls, wrapper_kwargs, "enable_wrap")
     _wrap_contexts.append((wrapper_cls, dict(wrapper_kwargs), auto_wrap_policy))
@@ -177,6 +192,16 @@ def enable_wrap(wrapper_cls: Optional[type] = None, auto_wrap_policy: Optional[C
         yield
     finally:
         _wrap_contexts.pop()
+
+
+def _looks_like_policy(candidate) -> bool:
+    """A callable (not a class) whose signature names ``recurse``: a wrap policy."""
+    if isinstance(candidate, type) or isinstance(_wrapper_type(candidate), type):
+        return False
+    try:
+        return "recurse" in inspect.signature(candidate).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _check_policy(policy, what: str) -> None:
@@ -226,7 +251,15 @@ def _wrap_one(module: nn.Module, wrapper_cls, context_kwargs: dict, overrides: d
     if not isinstance(own, dict):
         raise ValueError(f"{type(module).__name__}.wrapper_config={own!r}: expected a dict of "
                          f"wrapper keyword arguments")
-    return wrapper_cls(module, **{**context_kwargs, **own, **overrides})
+    wrapped = wrapper_cls(module, **{**context_kwargs, **own, **overrides})
+    if isinstance(wrapped, nn.Module) and wrapped is not module:
+        _built_by_wrap.add(wrapped)
+    return wrapped
+
+
+# every wrapper wrap()/auto_wrap() built, so that a later auto_wrap leaves it alone even when
+# the context's wrapper_cls is a factory function (no class to test against)
+_built_by_wrap: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def wrap(module: nn.Module, **wrap_overrides) -> nn.Module:
@@ -259,7 +292,9 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
     :func:`default_auto_wrap_policy`. It is called as ``policy(module=, recurse=,
     unwrapped_params=, module_is_root=)``; ``module_is_root`` only when its signature names it
     (or takes ``**kwargs``), and torch's ``nonwrapped_numel=`` when it names that instead.
-    Modules already wrapped are left as they are, and so is a module whose parameter is also
+    Modules already wrapped (instances of the wrapper class, FSDP units, wrappers built by an
+    earlier :func:`wrap`/:func:`auto_wrap`) are left as they are, their parameters counted as
+    wrapped (FairScale asserts there are none), and so is a module whose parameter is also
     used outside it (a tied embedding or head): the enclosing unit takes it, so that a size
     policy on a model with tied weights still gives a valid wrapping.
     """
@@ -275,9 +310,25 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
     policy = auto_wrap_policy or context_policy or default_auto_wrap_policy
     wrap_one = functools.partial(_wrap_one, wrapper_cls=wrapper_cls,
                                  context_kwargs=context_kwargs, overrides=wrapper_kwargs)
-    wrapped, _ = _recursive_wrap(module, _policy_caller(policy), wrapper_cls, wrap_one,
-                                 is_root=True, owners=_registering_modules(module))
+    wrapped, _ = _recursive_wrap(module, _policy_caller(policy), _wrapper_type(wrapper_cls),
+                                 wrap_one, is_root=True, owners=_registering_modules(module))
     return wrapped
+
+
+def _wrapper_type(wrapper_cls) -> Optional[type]:
+    """The class ``wrapper_cls`` builds where that can be known: the class itself, or the one
+    a ``functools.partial`` of it calls; None for any other factory callable."""
+    while isinstance(wrapper_cls, functools.partial):
+        wrapper_cls = wrapper_cls.func
+    return wrapper_cls if isinstance(wrapper_cls, type) else None
+
+
+def _already_wrapped(module: nn.Module, wrapper_type: Optional[type]) -> bool:
+    """An instance of the wrapper class, any FSDP unit (shardkit's or torch's: both hold
+    their module as ``_fsdp_wrapped_module``) whatever wrapper the context builds, or a wrapper
+    that wrap()/auto_wrap() built before."""
+    return (wrapper_type is not None and isinstance(module, wrapper_type)) or \
+        "_fsdp_wrapped_module" in module._modules or module in _built_by_wrap
 
 
 def auto_wrap_bn(module: nn.Module, single_rank_pg: bool = False, process_group=None,
@@ -362,17 +413,20 @@ def _policy_caller(policy: Callable) -> Callable[[nn.Module, bool, int, bool], b
     return call
 
 
-def _recursive_wrap(module: nn.Module, policy, wrapper_cls, wrap_one, is_root: bool,
-                    owners: dict):
+def _recursive_wrap(module: nn.Module, policy, wrapper_type: Optional[type], wrap_one,
+                    is_root: bool, owners: dict):
     """Returns (module or its wrapper, number of its parameters now inside wrappers)."""
-    if isinstance(module, wrapper_cls):
-        return module, 0
     total = sum(p.numel() for p in module.parameters())
+    if _already_wrapped(module, wrapper_type):
+        # Note: its parameters are already inside a wrapper, so they do not count towards
+        # the enclosing modules' unwrapped parameters (counted as unwrapped, a parent with
+        # few parameters of its own was wrapped by a size policy).
+        return module, total
     if not policy(module, True, total, is_root):
         return module, 0
     wrapped_numel = 0
     for name, child in list(module.named_children()):
-        new_child, numel = _recursive_wrap(child, policy, wrapper_cls, wrap_one, False, owners)
+        new_child, numel = _recursive_wrap(child, policy, wrapper_type, wrap_one, False, owners)
         if new_child is not child:
             setattr(module, name, new_child)
         wrapped_numel += numel
