@@ -336,6 +336,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         # backward): no loss scale was applied, and at stages 0-1 nothing was reduced unless
         # the forward ran through DDP
         self._forwards_since_step = self._backwards_since_step = 0
+        # stages 0-1 under torch DDP without find_unused_parameters: the trainable parameters
+        # a gradient reached in the current reducing backward (see _refuse_unused_parameters)
+        self._grads_arrived: Optional[set] = self._watch_gradient_arrivals()
         from shardkit.utils.tensor_fragment import register_engine
         register_engine(self)  # deepspeed.utils.safe_* find the engine of a parameter
 
@@ -553,14 +556,68 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         divisor = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
         factor = self.loss_scale / divisor
         scaled = loss.float() * factor if factor != 1.0 else loss
+        watching = reducing and not by_hand and self._grads_arrived is not None
+        if watching:
+            self._grads_arrived.clear()
         with self._reduction_context():
             try:
                 scaled.backward(retain_graph=retain_graph)
             except RuntimeError as error:
                 raise _explained_backward_error(error, self.config.zero) from error
+        if watching:
+            self._refuse_unused_parameters()
         if by_hand:
             self._average_gradients_by_hand()
         return loss / divisor if divisor != 1 else loss
+
+    def _watch_gradient_arrivals(self) -> Optional[set]:
+        """Under torch DDP without ``find_unused_parameters`` (stages 0-1 with
+        ``"ignore_unused_parameters": false``; not with DDP's ``static_graph``, which allows
+        unused parameters) over more than one rank: a set that a hook on
+        each trainable parameter fills with the parameter's id when its gradient is
+        accumulated, so that :meth:`_refuse_unused_parameters` can tell after a reducing
+        backward whether DDP's reduction finished. ``None`` elsewhere (nothing registered).
+        Costs one Python call per parameter and backward; no communication."""
+        ddp = self.wrapped
+        if not isinstance(ddp, nn.parallel.DistributedDataParallel) \
+                or getattr(ddp, "find_unused_parameters", True) \
+                or getattr(ddp, "static_graph", False) \
+                or distributed.get_world_size(ddp.process_group) == 1:
+            return None
+        arrived: set = set()
+        ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+        for name, param in ddp.module.named_parameters():
+            if param.requires_grad and name not in ignored:
+                param.register_post_accumulate_grad_hook(
+                    lambda p, arrived=arrived: arrived.add(id(p)))
+        return arrived
+
+    def _refuse_unused_parameters(self) -> None:
+        """After a reducing backward under torch DDP without ``find_unused_parameters``:
+        raise, before the step and before any further collective, when a trainable parameter
+        got no gradient on this rank. DDP then never reduced that parameter's bucket (its
+        error would come only at the next forward, after a step on this rank's own gradients
+        of the whole bucket). Ranks where every parameter got one go on; the ones that raise
+        end the job there. No communication."""
+        ddp = self.wrapped
+        ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+        missing = [name for name, p in ddp.module.named_parameters()
+                   if p.requires_grad and name not in ignored
+                   and id(p) not in self._grads_arrived]
+        if not missing:
+            return
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6
+                                          else "")
+        raise RuntimeError(
+            f"engine.backward: zero_optimization.stage={self.config.zero.stage} with "
+            f"\"ignore_unused_parameters\": false runs torch DDP without "
+            f"find_unused_parameters, so every trainable parameter must get a gradient in each "
+            f"reducing backward on every rank, but on rank {distributed.get_rank()} "
+            f"{len(missing)} got none ({shown}; e.g. a head the loss does not use, or an "
+            f"expert that received no tokens on this rank): DDP left their gradient buckets "
+            f"unreduced and a step would apply this rank's own gradients. Set "
+            f"\"ignore_unused_parameters\": true in zero_optimization (the default), freeze "
+            f"those parameters (requires_grad=False) before initialize, or use stage 2 or 3")
 
     def _ddp_parameters(self) -> list:
         return [p for p in self.wrapped.module.parameters() if p.requires_grad]

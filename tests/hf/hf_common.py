@@ -54,3 +54,77 @@ def tiny_t5(seed: int = 0):
 def batch(step: int, n: int = 4):
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+
+def bert_pretraining(seed: int = 0):
+    """A 2-layer BERT with both pre-training heads (masked LM tied to the word embeddings, and
+    the pooler + next-sentence head), no dropout, eager attention."""
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=32,
+                                  max_position_embeddings=SEQ, type_vocab_size=2,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                  pad_token_id=0)
+    cfg._attn_implementation = "eager"
+    return transformers.BertForPreTraining(cfg)
+
+
+def mixtral(seed: int = 0):
+    """A 2-layer Mixtral, top-2 of 4 experts (stored as 3-D tensors), router aux loss on."""
+    torch.manual_seed(seed)
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=16,
+                                     num_hidden_layers=2, num_attention_heads=2,
+                                     num_key_value_heads=1, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=SEQ,
+                                     output_router_logits=True, router_aux_loss_coef=0.1,
+                                     router_jitter_noise=0.0, bos_token_id=0, eos_token_id=0,
+                                     pad_token_id=None)
+    cfg._attn_implementation = "eager"
+    model = transformers.MixtralForCausalLM(cfg)
+    model.config.use_cache = False
+    return model
+
+
+def qwen2_moe(seed: int = 0):
+    """A 2-layer Qwen2-MoE: layer 0 dense (``mlp_only_layers``), layer 1 top-2 of 4 experts
+    (3-D tensors) beside a shared expert with its sigmoid gate; router aux loss on."""
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                                      moe_intermediate_size=8,
+                                      shared_expert_intermediate_size=16,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, num_experts=4,
+                                      num_experts_per_tok=2, mlp_only_layers=[0],
+                                      max_position_embeddings=SEQ, output_router_logits=True,
+                                      router_aux_loss_coef=0.1, bos_token_id=0,
+                                      eos_token_id=0, pad_token_id=None)
+    cfg._attn_implementation = "eager"
+    model = transformers.Qwen2MoeForCausalLM(cfg)
+    model.config.use_cache = False
+    return model
+
+
+def switch_transformers(seed: int = 0):
+    """A 2+2-layer Switch Transformer, every other layer a top-1 mixture of 8 experts, each
+    expert its own module (an expert without tokens on a rank has no gradient there)."""
+    torch.manual_seed(seed)
+    cfg = transformers.SwitchTransformersConfig(
+        vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, expert_capacity=64, num_layers=2,
+        num_decoder_layers=2, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
+        num_heads=2, num_experts=8, router_jitter_noise=0.0, dropout_rate=0.0,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    cfg._attn_implementation = "eager"
+    model = transformers.SwitchTransformersForConditionalGeneration(cfg)
+    model.config.use_cache = False
+    return model
+
+
+def vit(seed: int = 0):
+    """A 2-layer ViT classifier on 8x8 RGB images (4x4 conv patches, a cls token)."""
+    torch.manual_seed(seed)
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16,
+                                 num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=32, num_labels=5, hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "eager"
+    return transformers.ViTForImageClassification(cfg)

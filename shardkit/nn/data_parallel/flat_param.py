@@ -42,6 +42,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from shardkit import distributed as skdist
 from shardkit.checkpoint.resharding import ParamLayout, shard_rows, unshard_rows
+from shardkit.collective_check import CollectiveMismatchError
 from shardkit.kernels import unpack_rank_major
 from shardkit.transport import Transport
 from shardkit.utils.weak_hooks import weakly_bound
@@ -171,6 +172,7 @@ class FlatParamShard:
             self.hpz_rank = skdist.get_rank(hpz_group)
         self.flat_shard = self._shard_into_flat_buffer()
         self._on_grad_ready = on_grad_ready
+        self.exposed_in_task = -1  # see expose()
         self._grad_pieces: Optional[list] = None  # backward's gradient, one tensor per parameter
         self._used: Optional[list] = None  # per parameter: whether a gradient reached it here
         self._reducing_used: Optional[list] = None  # the same, for the reduce in flight
@@ -267,7 +269,11 @@ class FlatParamShard:
             chunks, group = send.split(self.chunk_numels), self.group
             transport = self.transport
         self._allocate_full()
-        handle = transport.all_gather_chunks(self.full.data.split(self.numels), chunks, group)
+        try:
+            handle = transport.all_gather_chunks(self.full.data.split(self.numels), chunks,
+                                                 group)
+        except CollectiveMismatchError as error:  # raised on every rank, before the gather
+            raise CollectiveMismatchError(_gather_out_of_step(self.label[1], error)) from error
         self._pending_gather = (handle, send, prefetch)
 
     def _allocate_full(self) -> None:
@@ -302,6 +308,10 @@ class FlatParamShard:
             for module, name in locs:
                 module.__dict__[name] = view
         self._exposed = True
+        # the autograd graph task these views were made in (-1: outside any backward, a
+        # forward); a reentrant checkpoint's backward is a task of its own (see
+        # FullyShardedDataParallel._on_grad_ready)
+        self.exposed_in_task = torch._C._current_graph_task_id()
 
     def _params_for_the_graph(self) -> list:
         """The trainable parameters :class:`_PiecesOfFull` takes as inputs: not those with a
@@ -744,6 +754,19 @@ def _fingerprint(flat: torch.Tensor) -> int:
     bits = flat.detach().reshape(-1).view(_BITS_OF_SIZE[flat.element_size()])
     total = torch.int64 if bits.dtype == torch.int64 else torch.int32
     return int(bits.sum(dtype=total))
+
+
+def _gather_out_of_step(unit: str, error: Exception) -> str:
+    """The collective debug mode's mismatch, seen at a unit's gather, with what it means for
+    FSDP and how to fix it."""
+    return (f"FullyShardedDataParallel: the ranks' parameter all-gathers are out of step at "
+            f"unit {unit!r}: every rank must run the same FSDP units in each forward, and a "
+            f"unit whose forward runs on some ranks only (a mixture-of-experts expert that "
+            f"received no tokens on a rank, a conditional submodule) leaves them unmatched. "
+            f"Make the module that chooses (the whole MoE layer or transformer block) the "
+            f"unit instead, e.g. auto_wrap(model, no_split_modules_policy(model)) or "
+            f"transformer_auto_wrap_policy({{Block}}); with a size-based policy add the "
+            f"experts' class to exclude_wrap_modules. {error}")
 
 
 def gathered_param_edges(roots: Sequence[torch.Tensor]) -> dict:

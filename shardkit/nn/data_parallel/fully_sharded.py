@@ -81,7 +81,10 @@ given (e.g. :class:`~shardkit.shm_transport.SharedMemoryTransport` for ranks on 
    with a reduce-scatter (the default ``reshard_after_forward=True``) makes gloo abort both
    processes ("Is there a distributed collective mismatch in your code?"; measured, where
    before one rank hung and the other trained on); gathers paired with another unit's of the
-   same size are not detected (wrong weights until a later mismatch, or a hang). Inside
+   same size are not detected (wrong weights until a later mismatch, or a hang); with
+   ``SHARDKIT_DEBUG_COLLECTIVES=1`` every rank raises at the first unmatched gather, naming
+   the unit and the fix (measured: a size-based policy that made each expert of a Hugging
+   Face Switch Transformer a unit). Inside
    a unit, parameters may go unused on some ranks (their gradient there counts as zero, and
    every rank gets its shard of the mean, zeros included, as in one process) or on all
    (their ``.grad`` stays ``None``, as in one process): the reduce-scatter also carries one
@@ -394,6 +397,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._backward_order: list = []
         self._orders_final = False
         self._final_callback_queued = False
+        self._backward_task = -1  # root: the autograd graph task of the running backward
         self._backward_builds_graph = False  # root: the running backward has create_graph=True
         self._replicas_pending: list = []  # root: shards whose replica all-reduce is not issued
         # Note: torch.compile of the wrapped block. The hooks sit on the wrapped module (so
@@ -836,20 +840,29 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
     def _queue_final_callback(self) -> None:
         if not self._final_callback_queued:
             self._final_callback_queued = True
+            self._backward_task = torch._C._current_graph_task_id()
             # the engine runs a backward's hooks with grad mode on exactly when create_graph=True
             self._backward_builds_graph = torch.is_grad_enabled()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _on_grad_ready(self, shard: FlatParamShard) -> None:
         """All of this unit's gradient has arrived: reduce-scatter it (async) unless
-        inside ``no_sync``, and free the gathered parameters."""
-        if torch._C._current_graph_task_id() != -1:
+        inside ``no_sync``, and free the gathered parameters. Not yet inside a reentrant
+        activation checkpoint's backward (a graph task of its own) that delivered gradients
+        through parameters exposed elsewhere (in the forward): the outer backward may still
+        use them (a layer norm of a checkpointed block held by an enclosing unit, the
+        embedding beside it); the gradients stay held, and the outer backward's delivery, or
+        the root's end of backward, reduces them all in one reduce-scatter."""
+        task = torch._C._current_graph_task_id()
+        if task != -1:
             # Note: a backward may reach the unit's parameters without passing its outputs'
             # hooks (a loss from a value the module stored, such as an MoE router's
             # ``self.aux_loss``, backpropagated alone): the root's end-of-backward must still
             # run, or the reduce-scatter just issued is never waited for and the gradient
             # lands in .grad one step late
             self._root._queue_final_callback()
+            if task != self._root._backward_task and shard.exposed_in_task != task:
+                return  # a reentrant checkpoint's backward: held for later (see above)
         self.training_state = TrainingState.BACKWARD_POST
         if self._require_backward_grad_sync:
             root = self._root
