@@ -52,6 +52,13 @@ def default_auto_wrap_policy(module: nn.Module = None, recurse: bool = None,
             ``default_auto_wrap_policy.EXCLUDE_WRAP_MODULES``, ``{nn.ModuleList,
             nn.ModuleDict}``). Both defaults are read at each call, so editing the sets works.
         skip_params_check_for_root: wrap the root (``module_is_root=True``) whatever its size.
+
+    A size policy looks at sizes only: in a mixture-of-experts model whose experts are modules
+    of their own (Hugging Face's Switch Transformers), each expert may become a unit, and an
+    expert that receives no tokens on some rank skips its unit's collectives there (the ranks
+    fall out of step). Add the experts' class to ``exclude_wrap_modules`` (beside the default
+    ``nn.ModuleList`` and ``nn.ModuleDict``: the argument replaces the defaults), or wrap with
+    :func:`no_split_modules_policy` of the model.
     """
     numel = unwrapped_params if unwrapped_params is not None else nonwrapped_numel
     if module is None or recurse is None or numel is None:
