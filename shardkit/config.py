@@ -49,7 +49,8 @@ Keys accepted for compatibility with DeepSpeed configs, validated, without effec
     while
     switched off, the sections amp, activation_checkpointing,
     tensorboard, wandb, csv_monitor, comms_logger, flops_profiler, data_efficiency,
-    curriculum_learning and elasticity. A value these do not
+    curriculum_learning, elasticity and autotuning, and checkpoint.load_universal,
+    use_node_local_storage and parallel_write.pipeline_stage. A value these do not
     accept is an error that names what to use instead.
 DeepSpeed's older section name ``bfloat16`` is read as ``bf16``, and its oldest form
 ``"zero_optimization": true`` as stage 1 (``false``: stage 0).
@@ -316,7 +317,18 @@ SCHEMA: dict = {
     "sparse_gradients": _bool(),
     # whether every rank passed the same tag to save_checkpoint: warn, fail, or do not check
     "checkpoint": {"tag_validation": _choice("Warn", "Ignore", "Warn", "Fail",
-                                             case_insensitive=True)},
+                                             case_insensitive=True),
+                   # shardkit's checkpoints load at any world size as they are: DeepSpeed's
+                   # universal format (made by its ds_to_universal converter) is not needed
+                   "load_universal": _off("checkpoint.load_universal (its converted universal "
+                                          "checkpoints)", "shardkit's own checkpoints load at "
+                                          "any world size without conversion"),
+                   "use_node_local_storage": _off("checkpoint.use_node_local_storage (a "
+                                                  "checkpoint split over the nodes' own disks)",
+                                                  "save to a directory every rank can read"),
+                   "parallel_write": {"pipeline_stage": _off(
+                       "checkpoint.parallel_write.pipeline_stage", "every rank writes its own "
+                       "shard files already")}},
     "zero_force_ds_cpu_optimizer": _bool(True),
     # the dtype gradients are reduced in (None: fp32, the engine's gradient dtype)
     "communication_data_type": Field((str, type(None)), None,
@@ -372,6 +384,18 @@ SCHEMA: dict = {
     # DeepSpeed compresses only a model passed through deepspeed.compression's init_compression
     # (not provided here); on any other model its engine trains uncompressed, as shardkit does
     "compression_training": Field((dict,), {}),
+    # DeepSpeed's autotuner runs from its launcher (`deepspeed --autotuning`), never from
+    # inside the engine: its section is accepted while off, the tuning keys unread
+    "autotuning": {"enabled": _off("autotuning", "choose micro-batch sizes and ZeRO stage by "
+                                   "hand, e.g. with python -m shardkit plan"),
+                   **{key: "read only when enabled" for key in (
+                       "fast", "results_dir", "exps_dir", "overwrite", "start_profile_step",
+                       "end_profile_step", "metric_path", "metric", "model_info",
+                       "model_info_path", "tuner_type", "tuner_early_stopping",
+                       "tuner_num_trials", "arg_mappings", "max_train_batch_size",
+                       "min_train_batch_size", "max_train_micro_batch_size_per_gpu",
+                       "min_train_micro_batch_size_per_gpu", "num_tuning_micro_batch_sizes",
+                       "mp_size")}},
     # DeepSpeed's elastic batch size (chosen from the GPU count): accepted while off
     "elasticity": {"enabled": _off("elasticity (batch size chosen from the GPU count)",
                                    "set train_batch_size or train_micro_batch_size_per_gpu for "

@@ -203,6 +203,11 @@ def test_sections_without_effect_accepted_while_off():
             "shared_parameters": {"enabled": False}}},
         "elasticity": {"enabled": False, "max_train_batch_size": 64,
                        "micro_batch_sizes": [1, 2], "min_gpus": 1, "max_gpus": 8},
+        "checkpoint": {"tag_validation": "Fail", "load_universal": False,
+                       "use_node_local_storage": False,
+                       "parallel_write": {"pipeline_stage": False}},
+        "autotuning": {"enabled": False, "fast": True, "metric": "throughput",
+                       "arg_mappings": {"train_micro_batch_size_per_gpu": "--mbs"}},
     }, 1)
     assert cfg.warnings == ()
     noted = load_config({"train_batch_size": 1, "compression_training": {
@@ -219,6 +224,25 @@ def test_sections_switched_on_are_refused(section, words):
         load_config({"train_batch_size": 1, section: {"enabled": True}}, 1)
     message = str(info.value)
     assert f"{section}.enabled=True is not supported" in message and words in message
+
+
+@pytest.mark.parametrize("checkpoint,key,words", [
+    ({"load_universal": True}, "load_universal", "any world size without conversion"),
+    ({"use_node_local_storage": True}, "use_node_local_storage", "every rank can read"),
+    ({"parallel_write": {"pipeline_stage": True}}, "parallel_write.pipeline_stage",
+     "its own shard files")])
+def test_checkpoint_switches_deepspeed_has_are_refused_when_on(checkpoint, key, words):
+    with pytest.raises(ConfigError) as info:
+        load_config({"train_batch_size": 1, "checkpoint": checkpoint}, 1)
+    message = str(info.value)
+    assert f"checkpoint.{key}=True is not supported" in message and words in message
+
+
+def test_autotuning_is_refused_when_on_and_its_keys_are_still_checked():
+    with pytest.raises(ConfigError, match="autotuning.enabled=True is not supported"):
+        load_config({"train_batch_size": 1, "autotuning": {"enabled": True}}, 1)
+    with pytest.raises(ConfigError, match="unknown config key 'autotuning.tuner_typ'"):
+        load_config({"train_batch_size": 1, "autotuning": {"tuner_typ": "gridsearch"}}, 1)
 
 
 # ------------------------------------------------------------- sparse gradients at stage 0
