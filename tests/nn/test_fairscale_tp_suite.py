@@ -494,10 +494,12 @@ def _check_checkpoint(p, tp):
         return F.dropout(row(h), 0.3)
 
     runs = []
-    for checkpointed in (False, True):
+    calls = (block, lambda inp: mp_random.checkpoint(block, inp),
+             lambda inp: mp_random.CheckpointFunction.apply(block, inp))  # FairScale's spelling
+    for call in calls:
         mp_random.model_parallel_cuda_manual_seed(21)
         xi = x.clone().requires_grad_()
-        out = mp_random.checkpoint(block, xi) if checkpointed else block(xi)
+        out = call(xi)
         torch.rand(3)  # both streams move on before the backward
         with tracker.fork():
             torch.rand(3)
@@ -508,12 +510,15 @@ def _check_checkpoint(p, tp):
         for t in (col.weight, col.bias, row.weight, row.bias):
             t.grad = None
         runs.append((out, grads, after, torch.rand(4)))
-    (out, grads, after, default), (out_c, grads_c, after_c, default_c) = runs
-    p.close("checkpoint output", out_c, out, 0)
-    for name, a, b in zip(("x", "column weight", "column bias", "row weight"), grads_c, grads):
-        p.close(f"checkpoint grad {name}", a, b, 1e-6)
-    p.close("model-parallel stream after backward", after_c, after, 0)
-    p.close("default stream after backward", default_c, default, 0)
+    (out, grads, after, default) = runs[0]
+    for how, (out_c, grads_c, after_c, default_c) in zip(("checkpoint", "CheckpointFunction"),
+                                                         runs[1:]):
+        p.close(f"{how} output", out_c, out, 0)
+        for name, a, b in zip(("x", "column weight", "column bias", "row weight"), grads_c,
+                              grads):
+            p.close(f"{how} grad {name}", a, b, 1e-6)
+        p.close(f"{how}: model-parallel stream after backward", after_c, after, 0)
+        p.close(f"{how}: default stream after backward", default_c, default, 0)
     tracker.reset()
 
 

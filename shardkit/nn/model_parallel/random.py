@@ -32,7 +32,7 @@ __all__ = ["RNGStatesTracker", "get_model_parallel_rng_tracker", "model_parallel
            "MODEL_PARALLEL_RNG", "MODEL_PARALLEL_SEED_OFFSET",
            # FairScale's (and Megatron's) names for the same objects
            "CudaRNGStatesTracker", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
-           "checkpoint"]
+           "checkpoint", "CheckpointFunction"]
 # FairScale's private helper ``_set_cuda_rng_state`` is provided too (see its docstring).
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -188,3 +188,23 @@ def checkpoint(function, *args):
     from shardkit.nn.checkpoint.checkpoint_activations import checkpointed_call
 
     return checkpointed_call(function, *args)
+
+
+class CheckpointFunction:
+    """FairScale's (Megatron's) spelling of :func:`checkpoint`:
+    ``CheckpointFunction.apply(function, *args)`` is ``checkpoint(function, *args)``, same
+    outputs, gradients, replayed generators, memory and communication. FairScale's is a
+    reentrant ``torch.autograd.Function``; this one is not a Function (it cannot be
+    subclassed to change ``forward``/``backward``), and, being non-reentrant, it also sends
+    gradients to parameters when no input requires grad."""
+
+    def __init__(self):
+        raise TypeError("CheckpointFunction is not instantiated: call "
+                        "CheckpointFunction.apply(function, *args)")
+
+    @staticmethod
+    def apply(function, *args):
+        if not callable(function):
+            raise TypeError(f"CheckpointFunction.apply(function={function!r}): expected the "
+                            f"callable to checkpoint first, then its arguments")
+        return checkpoint(function, *args)
