@@ -14,16 +14,34 @@ from shardkit import demo, plan, recipes
 from shardkit.models import GPT
 
 
+_REFUSAL = [sys.executable, "-m", "shardkit", "demo", "--world-size", "64"]
+
+
 @pytest.fixture(scope="module")
 def tiny_demo(tmp_path_factory):
-    """One demo launch for the whole module: world 2, small model, 3 steps."""
+    """One demo launch for the whole module: world 2, small model, 3 steps. The command-line
+    refusal's process runs beside it (both are mostly imports); its result is kept for
+    ``test_command_line_refusal_has_no_traceback`` in ``tiny_demo_refusal``."""
     out = tmp_path_factory.mktemp("demo")
-    proc = subprocess.run([sys.executable, "-m", "shardkit", "demo", "--world-size", "2",
-                           "--steps", "3", "--model", "small", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    refusal = subprocess.Popen(_REFUSAL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "shardkit", "demo", "--world-size", "2",
+                               "--steps", "3", "--model", "small", "--out", str(out)],
+                              capture_output=True, text=True, timeout=600)
+        stdout, stderr = refusal.communicate(timeout=120)
+    finally:
+        if refusal.poll() is None:
+            refusal.kill()
+            refusal.communicate()
+    _refusal_result.append(subprocess.CompletedProcess(_REFUSAL, refusal.returncode, stdout,
+                                                       stderr))
     with open(out / "demo.json") as f:
         report = json.load(f)
     return proc, report, out
+
+
+_refusal_result = []  # the refusal run beside tiny_demo, when that fixture ran
 
 
 def _rows(report, status="ok"):
@@ -113,8 +131,8 @@ def test_bad_input_exits_2_before_launching(capsys, argv, message):
 
 
 def test_command_line_refusal_has_no_traceback():
-    proc = subprocess.run([sys.executable, "-m", "shardkit", "demo", "--world-size", "64"],
-                          capture_output=True, text=True, timeout=120)
+    proc = _refusal_result[0] if _refusal_result else \
+        subprocess.run(_REFUSAL, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "larger than this machine allows" in proc.stderr and "Traceback" not in proc.stderr
 

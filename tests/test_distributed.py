@@ -1,6 +1,7 @@
 """shardkit.distributed: collective wrappers give torch's results, CommCounter follows the byte
 convention of DESIGN.md, init_distributed reads torchrun's environment and fails clearly."""
 
+import json
 import os
 import signal
 import subprocess
@@ -274,24 +275,54 @@ except Exception as e:
 print("ok")
 """
 
+# The refusals below come before any process group exists, so one process (one torch import)
+# checks them all, each in the environment of its case, and reports what each would have
+# exited with (3 and the error, or 0 and "ok") as _INIT_SNIPPET would.
+_INIT_CASES_SNIPPET = """
+import json, os, sys
+from shardkit.distributed import init_distributed
+results, base = {}, dict(os.environ)
+for name, (env, arg) in json.loads(sys.argv[1]).items():
+    os.environ.clear()
+    os.environ.update(base, **env)
+    try:
+        eval("init_distributed(" + arg + ")")
+    except Exception as e:
+        results[name] = (3, type(e).__name__ + ": " + str(e))
+    else:
+        results[name] = (0, "ok")
+print(json.dumps(results))
+"""
 
-def _run_init(env_overrides, arg=""):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    env.update(env_overrides)
-    proc = subprocess.run([sys.executable, "-c", _INIT_SNIPPET.format(arg=arg)], env=env,
-                          capture_output=True, text=True, timeout=60)
-    return proc.returncode, proc.stdout + proc.stderr
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+_INIT_CASES = {
+    "no_env": ({}, ""),
+    "unknown_backend": ({}, "backend='tcpfoo'"),
+    "world_size_zero": ({"RANK": "0", "WORLD_SIZE": "0", "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": "29999"}, ""),
+    "bad_rank": ({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": "29999"}, ""),
+}
 
 
-def test_init_without_torchrun_env_names_the_missing_variables():
-    rc, out = _run_init({})
+@pytest.fixture(scope="module")
+def init_refusals():
+    """``{case: (exit status, output)}`` of ``init_distributed`` in each of ``_INIT_CASES``."""
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
+    proc = subprocess.run([sys.executable, "-c", _INIT_CASES_SNIPPET, json.dumps(_INIT_CASES)],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {name: tuple(got) for name, got in json.loads(proc.stdout.splitlines()[-1]).items()}
+
+
+def test_init_without_torchrun_env_names_the_missing_variables(init_refusals):
+    rc, out = init_refusals["no_env"]
     assert rc == 3
     assert "RANK" in out and "WORLD_SIZE" in out and "MASTER_ADDR" in out and "torchrun" in out
 
 
-def test_init_unknown_backend():
-    rc, out = _run_init({}, arg="backend='tcpfoo'")
+def test_init_unknown_backend(init_refusals):
+    rc, out = init_refusals["unknown_backend"]
     assert rc == 3 and "tcpfoo" in out and "gloo" in out
 
 
@@ -303,15 +334,13 @@ def test_init_bad_timeout_names_the_argument(value):
         skd.init_distributed(timeout_s=value)
 
 
-def test_init_world_size_zero():
-    rc, out = _run_init({"RANK": "0", "WORLD_SIZE": "0", "MASTER_ADDR": "127.0.0.1",
-                         "MASTER_PORT": "29999"})
+def test_init_world_size_zero(init_refusals):
+    rc, out = init_refusals["world_size_zero"]
     assert rc == 3 and "WORLD_SIZE=0" in out
 
 
-def test_init_bad_rank_value():
-    rc, out = _run_init({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                         "MASTER_PORT": "29999"})
+def test_init_bad_rank_value(init_refusals):
+    rc, out = init_refusals["bad_rank"]
     assert rc == 3 and "RANK='x'" in out
 
 
@@ -401,7 +430,7 @@ print("done", d.get_rank(), flush=True)
 """
 
 
-def _torchrun_script(tmp_path, mode, hang_after_s: float = 300.0):
+def _start_torchrun_script(tmp_path, mode):
     """torchrun with 2 ranks on _EXIT_SCRIPT. ``--standalone``: the agent binds a free port
     itself (a port picked here and bound by torchrun seconds later could be taken meanwhile
     by another job's socket on a busy machine: EADDRINUSE, exit status 1). Torchrun runs in
@@ -413,8 +442,11 @@ def _torchrun_script(tmp_path, mode, hang_after_s: float = 300.0):
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", str(script), mode]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
+
+
+def _finish_torchrun_script(proc, mode, hang_after_s: float = 300.0):
     try:
         out, err = proc.communicate(timeout=hang_after_s)
     except subprocess.TimeoutExpired:
@@ -422,7 +454,11 @@ def _torchrun_script(tmp_path, mode, hang_after_s: float = 300.0):
         out, err = proc.communicate()
         pytest.fail(f"torchrun ({mode}) still ran after {hang_after_s:g} s (a hang):\n"
                     f"{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _torchrun_script(tmp_path, mode, hang_after_s: float = 300.0):
+    return _finish_torchrun_script(_start_torchrun_script(tmp_path, mode), mode, hang_after_s)
 
 
 def test_script_that_never_calls_destroy_exits_cleanly(tmp_path):
@@ -430,12 +466,20 @@ def test_script_that_never_calls_destroy_exits_cleanly(tmp_path):
     # It came back about once in 25 runs: shardkit's gathered node layout held the default
     # group, so the teardown left it alive (connections open) until interpreter exit, where the
     # ranks no longer wait for each other. Checked directly: the teardown releases the group.
-    for _ in range(3):
-        proc = _torchrun_script(tmp_path, "plain")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "terminate called" not in proc.stderr
-        assert proc.stdout.count("done") == 2, proc.stdout  # both ranks ran to the end
-        assert proc.stdout.count("group released True") == 2, proc.stdout
+    # Three runs, side by side (each is mostly torch imports).
+    procs = [_start_torchrun_script(tmp_path, "plain") for _ in range(3)]
+    try:
+        for started in procs:
+            proc = _finish_torchrun_script(started, "plain")
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert "terminate called" not in proc.stderr
+            assert proc.stdout.count("done") == 2, proc.stdout  # both ranks ran to the end
+            assert proc.stdout.count("group released True") == 2, proc.stdout
+    finally:
+        for started in procs:
+            if started.poll() is None:
+                os.killpg(started.pid, signal.SIGKILL)
+                started.communicate()
 
 
 def test_rank_that_raises_fails_the_run_without_hanging(tmp_path):

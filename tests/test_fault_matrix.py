@@ -178,6 +178,10 @@ class _Case:
             p.start()
         self.deadline = time.time() + 60  # a guard; survivors leave after about PEER_TIMEOUT_S
 
+    def exited(self) -> bool:
+        """Every rank has ended, or the guard has run out."""
+        return time.time() > self.deadline or not any(p.is_alive() for p in self.procs)
+
     def finish(self) -> "_Case":
         """Wait for every rank (killing what outlives the guard)."""
         for p in self.procs:
@@ -204,58 +208,85 @@ class _Case:
         assert consolidate_checkpoint(self.save_dir)  # loads, checksums verified
 
 
-def _run_case(tmp_path, wrapper, phase, world=2, victim=1):
-    _Case(tmp_path, wrapper, phase, world, victim).finish().check()
+# Cases run side by side, up to this many rank processes at a time: most of a case is its
+# survivors waiting PEER_TIMEOUT_S for the watchdog, which many cases can do together (each case
+# is a world of its own). A new case starts as soon as one finishes, not batch by batch.
+CONCURRENT_RANKS = 8
+
+# test name -> the (wrapper, phase, world, victim) of one of its cases, from its parameters
+_CASE_OF = {
+    "test_rank_killed_world2": lambda p: (p["wrapper"], p["phase"], 2, 1),
+    "test_rank_killed_during_async_checkpoint_write":
+        lambda p: ("initialize", "async_checkpoint_write", 2, 1),
+    "test_rank_killed_world4": lambda p: (p["wrapper"], p["phase"], 4, p["victim"]),
+    "test_rank_stopping_on_an_exception_is_named_at_once":
+        lambda p: (p["wrapper"], "raises", 2, 1),
+}
 
 
-# Cases run this many at a time: most of a case is its survivor waiting PEER_TIMEOUT_S for the
-# watchdog, which several cases can do together (each case is a world of its own).
-CONCURRENT_CASES = 4
+def _key_of(item):
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return _CASE_OF[item.originalname](params)
 
 
 @pytest.fixture(scope="module")
-def world2_cases(request, tmp_path_factory):
-    """The selected ``test_rank_killed_world2`` cases, launched ``CONCURRENT_CASES`` at a time:
-    ``{(wrapper, phase): finished _Case}``."""
-    wanted = [(item.callspec.params["wrapper"], item.callspec.params["phase"])
-              for item in request.session.items
-              if getattr(item, "originalname", None) == "test_rank_killed_world2"
-              and item.module.__name__ == __name__]
-    done = {}
-    for start in range(0, len(wanted), CONCURRENT_CASES):
-        batch = {(w, p): _Case(tmp_path_factory.mktemp(f"{w}-{p}"), w, p)
-                 for w, p in wanted[start:start + CONCURRENT_CASES]}
-        done.update((key, case.finish()) for key, case in batch.items())
+def launched_cases(request, tmp_path_factory):
+    """Every selected case of this module's kill tests, run ``CONCURRENT_RANKS`` rank processes
+    at a time: ``{(wrapper, phase, world, victim): finished _Case}``."""
+    wanted = [_key_of(item) for item in request.session.items
+              if item.module.__name__ == __name__
+              and getattr(item, "originalname", None) in _CASE_OF]
+    pending, running, done = list(dict.fromkeys(wanted)), {}, {}
+    try:
+        while pending or running:
+            busy = sum(case.world for case in running.values())
+            while pending and (not running or busy + pending[0][2] <= CONCURRENT_RANKS):
+                key = pending.pop(0)
+                w, p, n, v = key
+                running[key] = _Case(tmp_path_factory.mktemp(f"{w}-{p}-{n}-{v}"), w, p, n, v)
+                busy += n
+            for key, case in list(running.items()):
+                if case.exited():
+                    done[key] = running.pop(key).finish()
+            time.sleep(0.05)
+    finally:  # on an error here, leave no rank behind
+        for case in running.values():
+            case.deadline = 0.0
+            case.finish()
     return done
+
+
+def _case(launched_cases, tmp_path, wrapper, phase, world=2, victim=1) -> _Case:
+    case = launched_cases.get((wrapper, phase, world, victim))
+    if case is None:  # selected in a way the fixture did not see: run it alone
+        case = _Case(tmp_path, wrapper, phase, world, victim).finish()
+    return case
 
 
 @pytest.mark.parametrize("phase", PHASES)
 @pytest.mark.parametrize("wrapper", WRAPPERS)
-def test_rank_killed_world2(world2_cases, tmp_path, wrapper, phase):
-    case = world2_cases.get((wrapper, phase))
-    if case is None:  # selected in a way the fixture did not see: run it alone
-        case = _Case(tmp_path, wrapper, phase).finish()
-    case.check()
+def test_rank_killed_world2(launched_cases, tmp_path, wrapper, phase):
+    _case(launched_cases, tmp_path, wrapper, phase).check()
 
 
-def test_rank_killed_during_async_checkpoint_write(tmp_path):
-    _run_case(tmp_path, "initialize", "async_checkpoint_write")
+def test_rank_killed_during_async_checkpoint_write(launched_cases, tmp_path):
+    _case(launched_cases, tmp_path, "initialize", "async_checkpoint_write").check()
 
 
 @pytest.mark.parametrize("wrapper,phase,victim", [("fsdp", "backward", 2),
                                                   ("initialize", "checkpoint_write", 3),
                                                   ("ddp_oss", "optimizer_step", 0)])
-def test_rank_killed_world4(tmp_path, wrapper, phase, victim):
-    _run_case(tmp_path, wrapper, phase, world=4, victim=victim)
+def test_rank_killed_world4(launched_cases, tmp_path, wrapper, phase, victim):
+    _case(launched_cases, tmp_path, wrapper, phase, world=4, victim=victim).check()
 
 
 @pytest.mark.parametrize("wrapper", ["fsdp", "initialize"])
-def test_rank_stopping_on_an_exception_is_named_at_once(tmp_path, wrapper):
+def test_rank_stopping_on_an_exception_is_named_at_once(launched_cases, tmp_path, wrapper):
     """The victim raises instead of dying: it exits 1 with its traceback, and every survivor
     names it and its error within a beat, rather than waiting PEER_TIMEOUT_S to report an
     anonymous "connection closed" (or taking it for finished)."""
     from shardkit.fault import PEER_LOST_EXIT_CODE
-    case = _Case(tmp_path, wrapper, "raises").finish()
+    case = _case(launched_cases, tmp_path, wrapper, "raises")
     assert case.codes[1] == 1 and "ValueError: bad batch" in case.outputs[1], case.outputs[1]
     assert case.codes[0] == PEER_LOST_EXIT_CODE, (case.codes, case.outputs[0])
     assert "rank 1 of 2 is lost: it stopped on an uncaught ValueError: bad batch on this " \

@@ -7,6 +7,7 @@ A job restarted at another world size (the checkpoint reshards) matches to the t
 different reduction order."""
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -54,7 +55,7 @@ if rank == 0:
 '''
 
 
-def _torchrun(tmp_path, name, world, total, kill_at, stage, save_dir, restarts):
+def _start_torchrun(tmp_path, name, world, total, kill_at, stage, save_dir, restarts):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     out = str(tmp_path / f"{name}.pt")
@@ -69,29 +70,55 @@ def _torchrun(tmp_path, name, world, total, kill_at, stage, save_dir, restarts):
            "--max-restarts", str(restarts), "--monitor-interval", "0.2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
            str(script), save_dir, out, str(total), str(kill_at), str(stage)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     return proc, out
+
+
+def _finish(started, timeout=300):
+    proc, out = started
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), out
 
 
 def test_killed_rank_restarts_and_finishes_bit_identical(tmp_path):
     total, stage = 6, 3
-    ref, ref_out = _torchrun(tmp_path, "reference", 2, total, -1, stage,
-                             str(tmp_path / "ref-ckpt"), 0)
+    # The three jobs that do not depend on each other run side by side (each is mostly torch
+    # imports); only the job resized to world 1 needs the dead job's checkpoint first.
+    started = {
+        "reference": _start_torchrun(tmp_path, "reference", 2, total, -1, stage,
+                                     str(tmp_path / "ref-ckpt"), 0),
+        # Killed during step 3 (after the save at step 2): torchrun restarts both ranks once.
+        "restarted": _start_torchrun(tmp_path, "restarted", 2, total, 3, stage,
+                                     str(tmp_path / "ckpt"), 1),
+        # Killed with no restart left; the job comes back at world size 1 and reshards.
+        "dead": _start_torchrun(tmp_path, "dead", 2, total, 3, stage,
+                                str(tmp_path / "ckpt-w"), 0),
+    }
+    try:
+        dead, _ = _finish(started.pop("dead"))
+        assert dead.returncode != 0
+        resized, resized_out = _finish(_start_torchrun(tmp_path, "resized", 1, total, -1, stage,
+                                                       str(tmp_path / "ckpt-w"), 0))
+        ref, ref_out = _finish(started.pop("reference"))
+        run, run_out = _finish(started.pop("restarted"))
+    finally:
+        for proc, _ in started.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+
     assert ref.returncode == 0, _errors(ref)
     reference = torch.load(ref_out, weights_only=True)
 
-    # Killed during step 3 (after the save at step 2): torchrun restarts both ranks once.
-    run, run_out = _torchrun(tmp_path, "restarted", 2, total, 3, stage,
-                             str(tmp_path / "ckpt"), 1)
     assert run.returncode == 0, _errors(run)
     assert "attempt 1 rank 0: starting at step 2" in run.stdout, run.stdout
     assert max_diff(torch.load(run_out, weights_only=True), reference) == 0.0
 
-    # Killed with no restart left; the job comes back at world size 1 and reshards.
-    dead, _ = _torchrun(tmp_path, "dead", 2, total, 3, stage, str(tmp_path / "ckpt-w"), 0)
-    assert dead.returncode != 0
-    resized, resized_out = _torchrun(tmp_path, "resized", 1, total, -1, stage,
-                                     str(tmp_path / "ckpt-w"), 0)
     assert resized.returncode == 0, _errors(resized)
     assert "attempt 0 rank 0: starting at step 2" in resized.stdout, resized.stdout
     assert max_diff(torch.load(resized_out, weights_only=True), reference) <= 1e-5
