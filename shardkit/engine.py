@@ -60,6 +60,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit import distributed
 from shardkit.config import ConfigError, EngineConfig, load_config
@@ -76,6 +77,9 @@ __all__ = ["initialize", "ShardedEngine"]
 
 # the config's names of the 16-bit dtypes (precision and communication_data_type)
 _HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# parameter -> the gradient-arrival hook of the latest engine built over it (a new engine over
+# the same model replaces it rather than adding one more; see _watch_gradient_arrivals)
+_ARRIVAL_HOOKS = WeakIdKeyDictionary()
 
 logger = logging.getLogger("shardkit")
 
@@ -577,7 +581,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         each trainable parameter fills with the parameter's id when its gradient is
         accumulated, so that :meth:`_refuse_unused_parameters` can tell after a reducing
         backward whether DDP's reduction finished. ``None`` elsewhere (nothing registered).
-        Costs one Python call per parameter and backward; no communication."""
+        A later engine over the same model replaces these hooks (they never pile up). Costs
+        one Python call per parameter and backward; no communication."""
         ddp = self.wrapped
         if not isinstance(ddp, nn.parallel.DistributedDataParallel) \
                 or getattr(ddp, "find_unused_parameters", True) \
@@ -586,10 +591,15 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             return None
         arrived: set = set()
         ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+        self._arrival_hooks = {}  # name -> this engine's hook on the parameter
         for name, param in ddp.module.named_parameters():
             if param.requires_grad and name not in ignored:
-                param.register_post_accumulate_grad_hook(
-                    lambda p, arrived=arrived: arrived.add(id(p)))
+                earlier = _ARRIVAL_HOOKS.pop(param, None)
+                if earlier is not None:  # an earlier engine's: this one takes over
+                    earlier.remove()
+                _ARRIVAL_HOOKS[param] = self._arrival_hooks[name] = \
+                    param.register_post_accumulate_grad_hook(
+                        lambda p, arrived=arrived: arrived.add(id(p)))
         return arrived
 
     def _refuse_unused_parameters(self) -> None:
@@ -597,13 +607,27 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         raise, before the step and before any further collective, when a trainable parameter
         got no gradient on this rank. DDP then never reduced that parameter's bucket (its
         error would come only at the next forward, after a step on this rank's own gradients
-        of the whole bucket). Ranks where every parameter got one go on; the ones that raise
-        end the job there. No communication."""
+        of the whole bucket). A rank where every parameter got one is meanwhile still inside
+        backward, where DDP waits for the buckets this rank never started reducing, until this
+        process exits or the group times out. A parameter made trainable after ``initialize``
+        is refused as such (DDP built its reducer without it and never averages its
+        gradient). No communication."""
         ddp = self.wrapped
         ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
-        missing = [name for name, p in ddp.module.named_parameters()
-                   if p.requires_grad and name not in ignored
-                   and id(p) not in self._grads_arrived]
+        trainable = [(name, p) for name, p in ddp.module.named_parameters()
+                     if p.requires_grad and name not in ignored]
+        late = [name for name, _ in trainable if name not in self._arrival_hooks]
+        # a later engine over the same model took a parameter's hook over: not ours to judge
+        trainable = [(name, p) for name, p in trainable if name not in late
+                     and _ARRIVAL_HOOKS.get(p) is self._arrival_hooks[name]]
+        if late:
+            raise RuntimeError(
+                f"engine.backward: {', '.join(late[:6])}"
+                f"{f' and {len(late) - 6} more' if len(late) > 6 else ''} became trainable "
+                f"after shardkit.initialize; torch DDP (stage {self.config.zero.stage}) built "
+                f"its reducer then and never averages their gradients across ranks: set "
+                f"requires_grad before initialize")
+        missing = [name for name, p in trainable if id(p) not in self._grads_arrived]
         if not missing:
             return
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6

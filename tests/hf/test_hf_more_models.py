@@ -392,3 +392,39 @@ def test_fsdp_unit_per_expert_is_a_clear_error_in_debug_mode(world2):
         assert kind == "CollectiveMismatchError", message
         assert "parameter all-gathers are out of step at unit" in message, message
         assert "no_split_modules_policy(model)" in message and "exclude_wrap_modules" in message
+
+
+def _arrival_check_corners(stage):
+    """The unused-parameter check of stages 0-1 (``"ignore_unused_parameters": false``): a
+    parameter made trainable after ``initialize`` is named as such (DDP never averages it), and
+    engines built again over the same model replace the check's hooks instead of adding some."""
+    world = distributed.get_world_size()
+    model = bert_pretraining()
+    config = _engine_config(stage, world, ignore_unused_parameters=False)
+    weight = model.cls.predictions.transform.dense.weight
+    hooks = []
+    for _ in range(3):
+        shardkit.initialize(model=model, config=config)
+        hooks.append(len(weight._post_accumulate_grad_hooks or {}))
+    model.bert.pooler.requires_grad_(False)
+    model.cls.seq_relationship.requires_grad_(False)
+    engine, _, _, _ = shardkit.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=config)
+    model.bert.pooler.requires_grad_(True)  # after initialize: DDP's reducer has not got it
+    rank, per = distributed.get_rank(), ROWS // world
+    try:
+        engine.backward(_loss(engine, _rows(_mlm_batch(0), rank * per, (rank + 1) * per)))
+        message = "no error"
+    except RuntimeError as error:
+        message = str(error)
+    return hooks, message
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_unused_parameter_check_names_late_trainable_parameters_and_keeps_one_hook(
+        world2, stage):
+    for hooks, message in world2.run(_arrival_check_corners, stage):
+        assert hooks == [1, 1, 1], hooks
+        assert "bert.pooler.dense.weight, bert.pooler.dense.bias became trainable after " \
+            "shardkit.initialize" in message, message
