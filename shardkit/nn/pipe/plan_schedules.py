@@ -273,12 +273,15 @@ class PlanSchedule:
                 raising inside a ShardedDataParallel or FSDP stage that has replicas (their
                 gradient reduction is already under way)."""
         self._losses_arg, self._kwargs_arg = losses, kwargs
-        if not self._checked:
-            self._check_first_step(inputs, target)
-        self._prepare_step()  # before _start_step, which waits for micro-batch 0 off rank 0
-        grad = self._start_step(inputs, target)
-        with torch.set_grad_enabled(grad):
-            return self._run_step(inputs, target, grad)
+        try:
+            if not self._checked:
+                self._check_first_step(inputs, target)
+            self._prepare_step()  # before _start_step, which waits for micro-batch 0 off rank 0
+            grad = self._start_step(inputs, target)
+            with torch.set_grad_enabled(grad):
+                return self._run_step(inputs, target, grad)
+        finally:  # the caller's list and tensors are not kept past the step, even a failed one
+            self._losses_arg, self._kwargs_arg = None, {}
 
     def eval(self, *inputs: torch.Tensor, target: Optional[torch.Tensor] = None,
              losses: Optional[list] = None, **kwargs):
@@ -390,7 +393,6 @@ class PlanSchedule:
                                          self.group):
             self.links.pending.wait()
         self._inputs = self._target = self._targets = self._sinks = self._kwargs = None
-        self._kwargs_arg = {}
         if failed:  # the same error on every rank (one small object all-gather)
             self._forget_shapes()
             cause, self._fault_cause = self._fault_cause, None  # its frames hold tensors
