@@ -671,3 +671,75 @@ def test_fsdp_wrap_and_auto_wrap_as_fairscale(world2):
         assert out["leaf"] == (
             "W[Sequential(W[Linear],MultiheadAttention(NonDynamicallyQuantizableLinear))]", True)
         assert out["already"] == "Sequential(W[Linear],Linear)"
+
+
+# ------------------------------------------------------------------ second-reading findings
+
+def test_patch_batchnorm_twice_or_after_a_failed_forward_keeps_tracking():
+    """Patched twice, or after a no-grad forward that raised, a BatchNorm still updates its
+    running statistics in grad-mode forwards (its flag is never saved as False)."""
+    from shardkit.nn.checkpoint.checkpoint_utils import patch_batchnorm
+
+    def moves(bn):
+        before = bn.running_mean.clone()
+        bn(torch.randn(4, 3) + 5)
+        return not torch.equal(before, bn.running_mean) and bn.track_running_stats
+
+    twice = nn.BatchNorm1d(3)
+    patch_batchnorm(twice)
+    patch_batchnorm(twice)
+    with torch.no_grad():
+        twice(torch.randn(4, 3))
+    assert twice.track_running_stats and moves(twice)
+    for then_no_grad in (False, True):
+        failed = nn.BatchNorm1d(3)
+        patch_batchnorm(failed)
+        with torch.no_grad(), pytest.raises(RuntimeError):
+            failed(torch.randn(4, 5))  # wrong width
+        if then_no_grad:
+            with torch.no_grad():
+                failed(torch.randn(4, 3))
+        assert moves(failed)
+
+
+def test_checkpoint_wrapper_of_a_compiled_wrapped_module_keeps_it_working():
+    """``torch.compile(checkpoint_wrapper(m))`` is already wrapped: wrapping it again changes
+    nothing and it still trains (it replaced the inner module's saved forward)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, requires_grad=True)
+    plain = nn.Linear(3, 3)
+    compiled = torch.compile(checkpoint_wrapper(copy.deepcopy(plain)), backend="eager")
+    assert is_checkpoint_wrapped(compiled)
+    checkpoint_wrapper(compiled)
+    compiled(x).sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    plain(x).sum().backward()
+    assert torch.allclose(x.grad, want)
+
+
+def test_auto_wrap_looks_inside_a_wrapper_another_kind_of_wrap_built():
+    """A wrapper an earlier ``wrap()`` built under another wrapper class does not count as
+    already wrapped for this one: the block inside still gets its own unit (as in FairScale)."""
+    class Tag(nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    class Unit(nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.inner = module
+
+    class Block(nn.Sequential):
+        pass
+
+    model = nn.Sequential(Block(nn.Linear(4, 4)), Block(nn.Linear(4, 4)))
+    with enable_wrap(wrapper_cls=Tag):
+        model[0] = wrap(model[0])
+    with enable_wrap(wrapper_cls=Unit):
+        model = auto_wrap(model, transformer_auto_wrap_policy({Block}))
+        again = auto_wrap(model, transformer_auto_wrap_policy({Block}))
+    assert isinstance(model[0], Tag) and isinstance(model[0].module, Unit)
+    assert isinstance(model[1], Unit)
+    assert again[1] is model[1] and not isinstance(model[1].inner, Unit)  # not twice

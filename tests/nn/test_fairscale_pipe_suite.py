@@ -1090,3 +1090,38 @@ def test_a_fairscale_checkpoint_with_skippable_layers_loads():
     for (k, p), q in zip(target.state_dict().items(), source.state_dict().values()):
         assert torch.equal(p, q), k
     target.load_state_dict(source.state_dict())  # shardkit's own keys still load
+
+
+def test_a_fairscale_checkpoint_loads_into_a_skippable_whose_child_is_called_module():
+    """FairScale's keys of a skippable layer whose own child is called ``module`` read
+    ``<layer>.module.module.<name>``; they load strictly, and so do shardkit's own."""
+    @skippable(stash=["s"])
+    class Stasher(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            yield stash("s", x)
+            return self.lin(x)
+
+    @skippable(pop=["s"])
+    class Popper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+
+        def forward(self, x):
+            s = yield pop("s")
+            return self.module(x) + s
+
+    torch.manual_seed(0)
+    source = nn.Sequential(Stasher(), Popper())
+    fairscale_keys = {f"{k.split('.', 1)[0]}.module.{k.split('.', 1)[1]}": v
+                      for k, v in source.state_dict().items()}
+    assert "1.module.module.weight" in fairscale_keys
+    target = nn.Sequential(Stasher(), Popper())
+    target.load_state_dict(fairscale_keys)  # strict
+    for (k, p), q in zip(target.state_dict().items(), source.state_dict().values()):
+        assert torch.equal(p, q), k
+    target.load_state_dict(source.state_dict())

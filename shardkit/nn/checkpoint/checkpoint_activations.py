@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import threading
 import types
 import warnings
@@ -432,6 +433,12 @@ def is_checkpoint_wrapped(module: nn.Module) -> bool:
     # module it holds (an FSDP unit) would otherwise look checkpointed when its inner module
     # is, and checkpoint_wrapper(unit) would leave the unit's forward (its all-gather) out of
     # any region and set offload_to_cpu where nothing reads it.
+    # A torch.compile'd module (OptimizedModule) forwards attribute writes to the module it
+    # compiled, so it is wrapped exactly when that one is. (No compiled module exists before
+    # dynamo is imported; looking it up here would import it, seconds, on the first call.)
+    compiled = sys.modules.get("torch._dynamo.eval_frame")
+    if compiled is not None and isinstance(module, compiled.OptimizedModule):
+        module = module._orig_mod
     return "_shardkit_unwrapped_forward" in vars(module)
 
 

@@ -19,6 +19,14 @@ __all__ = ["patch_batchnorm"]
 
 
 def _stop_tracking_without_grad(bn: _BatchNorm, inputs) -> None:
+    if hasattr(bn, "_track_running_stats_backup"):
+        # a second patch's hook in this forward (the first one saved the flag), or a
+        # forward that raised before _resume_tracking ran: never save False over the flag
+        if not torch.is_grad_enabled():
+            return
+        bn.track_running_stats = bn._track_running_stats_backup
+        del bn._track_running_stats_backup
+        return
     if torch.is_grad_enabled():
         return
     bn._track_running_stats_backup = bn.track_running_stats

@@ -213,13 +213,16 @@ class Skippable(nn.Module):
 def _accept_fairscale_keys(layer: nn.Module, state_dict: dict, prefix: str) -> None:
     """FairScale's skippable wraps the original module as ``.module``, so its checkpoints hold
     ``<prefix>module.<name>``; here the layer *is* the original module (``<prefix><name>``).
-    Rename such keys in the (private) dict being loaded, unless the layer has a child or
-    parameter called ``module`` itself or the key is already there."""
+    Rename such keys in the (private) dict being loaded, except keys the layer has itself (its
+    own child called ``module``, whose FairScale keys read ``<prefix>module.module.<name>``)
+    and keys whose renamed form is already there."""
     wrapped = prefix + "module."
-    if "module" in layer._modules or "module" in layer._parameters or \
-            "module" in layer._buffers:
-        return
-    for key in [k for k in state_dict if k.startswith(wrapped)]:
+    # a key the layer itself has (its own child called `module`) is kept; FairScale's
+    # spelling of that child's keys is `<prefix>module.module.<name>`
+    own_keys = {prefix + name for name, _ in (
+        *layer.named_parameters(remove_duplicate=False),
+        *layer.named_buffers(remove_duplicate=False))}
+    for key in [k for k in state_dict if k.startswith(wrapped) and k not in own_keys]:
         own = prefix + key[len(wrapped):]
         if own not in state_dict:
             state_dict[own] = state_dict.pop(key)

@@ -260,13 +260,19 @@ def _wrap_one(module: nn.Module, wrapper_cls, context_kwargs: dict, overrides: d
                          f"wrapper keyword arguments")
     wrapped = wrapper_cls(module, **{**context_kwargs, **own, **overrides})
     if isinstance(wrapped, nn.Module) and wrapped is not module:
-        _built_by_wrap.add(wrapped)
+        _built_by_wrap[wrapped] = _wrapper_key(wrapper_cls)
     return wrapped
 
 
-# every wrapper wrap()/auto_wrap() built, so that a later auto_wrap leaves it alone even when
-# the context's wrapper_cls is a factory function (no class to test against)
-_built_by_wrap: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+# every wrapper wrap()/auto_wrap() built -> its kind (_wrapper_key), so that a later auto_wrap
+# with the same kind leaves it alone even when wrapper_cls is a factory function (no class to
+# test against), while one with another kind looks inside it
+_built_by_wrap: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+def _wrapper_key(wrapper_cls):
+    """What identifies a wrapper kind: its class where known, else the factory itself."""
+    return _wrapper_type(wrapper_cls) or wrapper_cls
 
 
 def wrap(module: nn.Module, **wrap_overrides) -> nn.Module:
@@ -317,7 +323,7 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
     policy = auto_wrap_policy or context_policy or default_auto_wrap_policy
     wrap_one = functools.partial(_wrap_one, wrapper_cls=wrapper_cls,
                                  context_kwargs=context_kwargs, overrides=wrapper_kwargs)
-    wrapped, _ = _recursive_wrap(module, _policy_caller(policy), _wrapper_type(wrapper_cls),
+    wrapped, _ = _recursive_wrap(module, _policy_caller(policy), _wrapper_key(wrapper_cls),
                                  wrap_one, is_root=True, owners=_registering_modules(module))
     return wrapped
 
@@ -330,12 +336,12 @@ def _wrapper_type(wrapper_cls) -> Optional[type]:
     return wrapper_cls if isinstance(wrapper_cls, type) else None
 
 
-def _already_wrapped(module: nn.Module, wrapper_type: Optional[type]) -> bool:
+def _already_wrapped(module: nn.Module, wrapper_kind) -> bool:
     """An instance of the wrapper class, any FSDP unit (shardkit's or torch's: both hold
     their module as ``_fsdp_wrapped_module``) whatever wrapper the context builds, or a wrapper
-    that wrap()/auto_wrap() built before."""
-    return (wrapper_type is not None and isinstance(module, wrapper_type)) or \
-        "_fsdp_wrapped_module" in module._modules or module in _built_by_wrap
+    of the same kind (:func:`_wrapper_key`) that wrap()/auto_wrap() built before."""
+    return (isinstance(wrapper_kind, type) and isinstance(module, wrapper_kind)) or \
+        "_fsdp_wrapped_module" in module._modules or _built_by_wrap.get(module) is wrapper_kind
 
 
 def auto_wrap_bn(module: nn.Module, single_rank_pg: bool = False, process_group=None,
@@ -420,11 +426,11 @@ def _policy_caller(policy: Callable) -> Callable[[nn.Module, bool, int, bool], b
     return call
 
 
-def _recursive_wrap(module: nn.Module, policy, wrapper_type: Optional[type], wrap_one,
-                    is_root: bool, owners: dict):
+def _recursive_wrap(module: nn.Module, policy, wrapper_kind, wrap_one, is_root: bool,
+                    owners: dict):
     """Returns (module or its wrapper, number of its parameters now inside wrappers)."""
     total = sum(p.numel() for p in module.parameters())
-    if _already_wrapped(module, wrapper_type):
+    if _already_wrapped(module, wrapper_kind):
         # Note: its parameters are already inside a wrapper, so they do not count towards
         # the enclosing modules' unwrapped parameters (counted as unwrapped, a parent with
         # few parameters of its own was wrapped by a size policy).
@@ -433,7 +439,7 @@ def _recursive_wrap(module: nn.Module, policy, wrapper_type: Optional[type], wra
         return module, 0
     wrapped_numel = 0
     for name, child in list(module.named_children()):
-        new_child, numel = _recursive_wrap(child, policy, wrapper_type, wrap_one, False, owners)
+        new_child, numel = _recursive_wrap(child, policy, wrapper_kind, wrap_one, False, owners)
         if new_child is not child:
             setattr(module, name, new_child)
         wrapped_numel += numel
