@@ -548,6 +548,7 @@ class GroupCache(dict):
         return self
 
     def forget(self) -> None:
+        """Empty the cache and the world it was filled in (what :func:`destroy` does)."""
         self.clear()
         self._world = None
 
