@@ -528,6 +528,9 @@ def test_enable_wrap_nesting_and_errors():
     with pytest.raises(ValueError, match="move_module_cuda_half=True.*before wrapping"):
         with enable_wrap(wrapper_cls=Tag, move_module_cuda_half=True):
             pass
+    with pytest.raises(ValueError, match="move_module_cuda_half='yes'.*only False"):
+        with enable_wrap(wrapper_cls=Tag, move_module_cuda_half="yes"):
+            pass
     with enable_wrap(wrapper_cls=Strict, move_module_cuda_half=False):
         assert isinstance(wrap(nn.Linear(2, 2)), Strict)  # FairScale's default, accepted
     with pytest.raises(TypeError, match="bogus.*not an argument of Strict.*process_group"):

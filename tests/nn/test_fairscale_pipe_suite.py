@@ -108,7 +108,10 @@ def test_balance_errors_recommend_the_balance_helpers():
     # FairScale: every balance error recommends fairscale.nn.pipe.balance.
     cases = [(nn.Sequential(), None), (nn.Sequential(), [1]),
              (nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)), [1]),
-             (nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)), [0, 2])]
+             (nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)), [0, 2]),
+             # a bool (or bool tensor) is no layer count, though index() takes a bool tensor
+             (nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)), [torch.tensor(True)] * 2),
+             (nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)), [True, True])]
     for module, balance in cases:
         with pytest.raises(ValueError, match="shardkit.nn.pipe.balance"):
             Pipe(module, balance)

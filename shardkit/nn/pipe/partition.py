@@ -6,6 +6,7 @@ import operator
 from collections import OrderedDict
 from typing import Sequence
 
+import torch
 import torch.nn as nn
 
 __all__ = ["split_sequential", "check_balance", "check_unique_layers", "shared_parameters"]
@@ -30,8 +31,8 @@ def check_unique_layers(module: nn.Sequential, what: str) -> None:
 
 def _as_int(value):
     """``value`` as a Python int when it is an integer (numpy and 0-dim torch integers too, as
-    FairScale takes them), else None; bools are not integers here."""
-    if isinstance(value, bool):
+    FairScale takes them), else None; bools are not integers here (nor bool tensors)."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
         return None
     try:
         return operator.index(value)

@@ -187,11 +187,12 @@ def enable_wrap(wrapper_cls: Optional[type] = None, auto_wrap_policy: Optional[C
                          f"auto_wrap_policy=... by keyword")
     # FairScale's flag for wrap() (never a wrapper argument): False is its default, True asks
     # wrap() to call module.cuda().half() first, which shardkit leaves to the caller.
-    if wrapper_kwargs.pop("move_module_cuda_half", False):
-        raise ValueError("enable_wrap(move_module_cuda_half=True): not supported; move and cast "
-                         "the model before wrapping it (model.cuda().half(), or "
-                         "model.to(device, dtype)); FSDP's mixed_precision=True computes in "
-                         "fp16 from fp32 shards")
+    cuda_half = wrapper_kwargs.pop("move_module_cuda_half", False)
+    if cuda_half is not False:
+        raise ValueError(f"enable_wrap(move_module_cuda_half={cuda_half!r}): only False (its "
+                         f"default) is supported; move and cast the model before wrapping it "
+                         f"(model.cuda().half(), or model.to(device, dtype)); FSDP's "
+                         f"mixed_precision=True computes in fp16 from fp32 shards")
     _check_policy(auto_wrap_policy, "enable_wrap")
     _check_wrapper_kwargs(wrapper_cls, wrapper_kwargs, "enable_wrap")
     _wrap_contexts.append((wrapper_cls, dict(wrapper_kwargs), auto_wrap_policy))
