@@ -590,17 +590,23 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 or distributed.get_world_size(ddp.process_group) == 1:
             return None
         arrived: set = set()
-        ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
         self._arrival_hooks = {}  # name -> this engine's hook on the parameter
-        for name, param in ddp.module.named_parameters():
-            if param.requires_grad and name not in ignored:
-                earlier = _ARRIVAL_HOOKS.pop(param, None)
-                if earlier is not None:  # an earlier engine's: this one takes over
-                    earlier.remove()
-                _ARRIVAL_HOOKS[param] = self._arrival_hooks[name] = \
-                    param.register_post_accumulate_grad_hook(
-                        lambda p, arrived=arrived: arrived.add(id(p)))
+        for name, param in self._ddp_reduced_parameters():
+            earlier = _ARRIVAL_HOOKS.pop(param, None)
+            if earlier is not None:  # an earlier engine's: this one takes over
+                earlier.remove()
+            _ARRIVAL_HOOKS[param] = self._arrival_hooks[name] = \
+                param.register_post_accumulate_grad_hook(
+                    lambda p, arrived=arrived: arrived.add(id(p)))
         return arrived
+
+    def _ddp_reduced_parameters(self) -> list:
+        """``(name, parameter)`` for every parameter torch DDP reduces now: trainable and
+        not in its ``parameters_to_ignore``."""
+        ddp = self.wrapped
+        ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+        return [(name, p) for name, p in ddp.module.named_parameters()
+                if p.requires_grad and name not in ignored]
 
     def _refuse_unused_parameters(self) -> None:
         """After a reducing backward under torch DDP without ``find_unused_parameters``:
@@ -612,10 +618,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         process exits or the group times out. A parameter made trainable after ``initialize``
         is refused as such (DDP built its reducer without it and never averages its
         gradient). No communication."""
-        ddp = self.wrapped
-        ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
-        trainable = [(name, p) for name, p in ddp.module.named_parameters()
-                     if p.requires_grad and name not in ignored]
+        trainable = self._ddp_reduced_parameters()
         late = [name for name, _ in trainable if name not in self._arrival_hooks]
         # a later engine over the same model took a parameter's hook over: not ours to judge
         trainable = [(name, p) for name, p in trainable if name not in late

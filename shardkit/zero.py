@@ -17,7 +17,6 @@ from typing import Any, Iterable, Optional
 import torch
 
 from shardkit import distributed
-from shardkit.checkpoint.resharding import shard_rows
 
 __all__ = ["GatheredParameters", "Init", "register_external_parameter",
            "unregister_external_parameter"]
@@ -153,14 +152,13 @@ class GatheredParameters:
         stack, self._stack = self._stack, None
         with stack:  # leaving it re-points every parameter at its (updated) rows
             if self.modifier_rank is not None and exc_type is None:
+                from shardkit.utils.tensor_fragment import write_rows
                 for loc in self._sharded:
                     shard = loc.shard
                     full = loc.param.data
                     src = distributed.get_global_rank(shard.group, self.modifier_rank)
                     distributed.broadcast(full, src=src, group=shard.group)
-                    rows = shard.shard_views(shard.flat_shard)[loc.index]
-                    with torch.no_grad():
-                        rows.copy_(shard_rows(full, loc.layout, shard.rank).to(rows.dtype))
+                    write_rows(loc, shard.shard_views(shard.flat_shard)[loc.index], full)
         return False
 
 

@@ -205,7 +205,10 @@ def _gather_rows(loc: ParamLocation, rows: torch.Tensor) -> torch.Tensor:
     return unshard_rows(list(out.chunk(shard.world_size)), loc.layout)
 
 
-def _write_rows(loc: ParamLocation, target: torch.Tensor, value: torch.Tensor) -> None:
+def write_rows(loc: ParamLocation, target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy this rank's row block of the full ``value`` into ``target`` (a stage-3
+    parameter's rows, its gradient's, or an optimizer state's), in ``target``'s device and
+    dtype. Local."""
     from shardkit.checkpoint.resharding import shard_rows
     with torch.no_grad():
         target.copy_(shard_rows(value.detach().to(target.device, target.dtype), loc.layout,
@@ -284,7 +287,7 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
         with torch.no_grad():
             param.data.copy_(value.detach().to(param.device, param.dtype))
     else:
-        _write_rows(loc, param.data, value)
+        write_rows(loc, param.data, value)
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -324,7 +327,7 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     if loc.unit is not None:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        _write_rows(loc, param.grad, value)
+        write_rows(loc, param.grad, value)
         return
     if loc.stage == 2 and loc.oss is not None and loc.trainable and not loc.is_owner:
         return
@@ -418,7 +421,7 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
     if target is None:  # a stage 1-2 rank that does not own it
         return
     if loc.unit is not None:
-        _write_rows(loc, target, value)
+        write_rows(loc, target, value)
     else:
         with torch.no_grad():
             target.copy_(value.detach().to(target.device, target.dtype))

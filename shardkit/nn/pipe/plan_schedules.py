@@ -677,7 +677,7 @@ class PlanSchedule:
     def _target_problems(self, target) -> list[str]:
         """What is wrong with the last stage's target on its own (split along dim 0 like the
         batch, but its rows need not equal the batch's: a flattened target is fine)."""
-        losses = getattr(self, "_losses_arg", None)
+        losses = self._losses_arg
         if losses is not None and not isinstance(losses, list):
             return [f"losses={type(losses).__name__}: expected a list (it receives each "
                     f"micro-batch's loss) or None"]
