@@ -31,7 +31,13 @@ Keys that change behaviour:
     DeepSpeed: a step whose gradients hold inf/nan is skipped, scheduler included)},
     dataloader_drop_last (default false: the training_data loader keeps a last, smaller
     micro-batch), checkpoint.tag_validation ("Warn", the default, "Fail" or "Ignore": whether
-    save_checkpoint compares the ranks' tags).
+    save_checkpoint compares the ranks' tags),
+    activation_checkpointing.{partition_activations, contiguous_memory_optimization (needs
+    partition_activations and number_checkpoints), cpu_checkpointing, number_checkpoints,
+    synchronize_checkpoint_boundary, profile}: checked here and kept as
+    EngineConfig.activation_checkpointing; as in DeepSpeed, the engine does not apply them:
+    shardkit.checkpointing.configure(mpu, deepspeed_config=<this config, or engine.config>)
+    does, and shardkit.checkpointing.checkpoint(fn, *args) uses them.
 Keys accepted for compatibility with DeepSpeed configs, validated, without effect here:
     the other zero_optimization tuning knobs (allgather_bucket_size, overlap_comm,
     contiguous_gradients, reduce_scatter at stages 2-3, stage3_* ...), offload *.pin_memory /
@@ -47,7 +53,7 @@ Keys accepted for compatibility with DeepSpeed configs, validated, without effec
     "fp32" (what the engine does); sparse_gradients at stage 0 (torch DDP reduces sparse
     embedding gradients) or when false; fp16.fp16_master_weights_and_grads when false; and,
     while
-    switched off, the sections amp, activation_checkpointing,
+    switched off, the sections amp,
     tensorboard, wandb, csv_monitor, comms_logger, flops_profiler, data_efficiency,
     curriculum_learning, elasticity and autotuning, and checkpoint.load_universal,
     use_node_local_storage and parallel_write.pipeline_stage. A value these do not
@@ -66,7 +72,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
 
 __all__ = ["ConfigError", "EngineConfig", "OptimizerSpec", "SchedulerSpec", "ZeroConfig",
-           "PrecisionConfig", "load_config", "resolve_batch_sizes", "SCHEMA"]
+           "PrecisionConfig", "ActivationCheckpointingConfig", "activation_checkpointing_config",
+           "load_config", "resolve_batch_sizes", "SCHEMA"]
 
 
 class ConfigError(ValueError):
@@ -341,13 +348,14 @@ SCHEMA: dict = {
     # DeepSpeed sections with no effect on training, accepted while switched off
     "amp": {"enabled": _off("apex AMP section", 'use "fp16" or "bf16" instead'),
             "opt_level": _str()},
+    # DeepSpeed's deepspeed.checkpointing options, read by shardkit.checkpointing.configure
+    # (cross-checks in activation_checkpointing_config)
     "activation_checkpointing": {
-        **{flag: _off(f"activation_checkpointing.{flag}", "wrap blocks with "
-                      "shardkit.nn.checkpoint.checkpoint_wrapper(module, offload_to_cpu=...)")
-           for flag in ("partition_activations", "cpu_checkpointing",
-                        "contiguous_memory_optimization", "synchronize_checkpoint_boundary",
-                        "profile")},
-        "number_checkpoints": Field((int, type(None)), None),
+        "partition_activations": _bool(), "contiguous_memory_optimization": _bool(),
+        "cpu_checkpointing": _bool(),
+        "number_checkpoints": Field((int, type(None)), None, lambda v: v is None or v >= 1,
+                                    "a positive integer or null"),
+        "synchronize_checkpoint_boundary": _bool(), "profile": _bool(),
     },
     "tensorboard": _monitor("TensorBoard monitor", _LOG_INSTEAD, output_path=_str(""),
                             job_name=_str("")),
@@ -470,6 +478,19 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """DeepSpeed's ``activation_checkpointing`` section, checked: what
+    :func:`shardkit.checkpointing.configure` applies (DeepSpeed's names and defaults)."""
+
+    partition_activations: bool = False
+    contiguous_memory_optimization: bool = False
+    cpu_checkpointing: bool = False
+    number_checkpoints: Optional[int] = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything :func:`shardkit.initialize` needs, validated and with defaults filled in."""
 
@@ -494,6 +515,9 @@ class EngineConfig:
     checkpoint_tag_validation: str = "warn"  # "warn", "ignore" or "fail"
     # gradient_allreduce_op: "mean" (averaged over the data-parallel ranks) or "sum"
     gradient_allreduce_op: str = "mean"
+    # the activation_checkpointing section, for shardkit.checkpointing.configure
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -519,6 +543,7 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
                           f"must divide the data-parallel size {data_parallel_size} (use the "
                           f"ranks per node)")
     precision = _precision_config(checked["fp16"], checked["bf16"])
+    activation = _activation_checkpointing_checked(checked["activation_checkpointing"])
     comm_dtype = _communication_dtype(checked["communication_data_type"], zero)
     allreduce_op = checked["gradient_allreduce_op"].lower()
     if checked["sparse_gradients"] and zero.stage != 0:
@@ -546,7 +571,42 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
         checked=checked, warnings=tuple(notes),
         dataloader_drop_last=checked["dataloader_drop_last"],
         checkpoint_tag_validation=checked["checkpoint"]["tag_validation"].lower(),
-        gradient_allreduce_op=allreduce_op)
+        gradient_allreduce_op=allreduce_op, activation_checkpointing=activation)
+
+
+def activation_checkpointing_config(config) -> ActivationCheckpointingConfig:
+    """The ``activation_checkpointing`` section of ``config`` (a DeepSpeed config dict, a JSON
+    file path, or an :class:`EngineConfig`), checked; DeepSpeed's defaults when it is absent.
+
+    Only that section is read (the rest is :func:`load_config`'s business), so a full training
+    config works as it is. Raises :class:`ConfigError` naming the key: an unknown key (with the
+    closest valid one), a wrong type, ``number_checkpoints`` below 1,
+    ``contiguous_memory_optimization`` without ``partition_activations`` or without
+    ``number_checkpoints``. Pure: no collectives.
+    """
+    if isinstance(config, EngineConfig):
+        return config.activation_checkpointing
+    raw = _read(config)
+    section = raw.get("activation_checkpointing", {})
+    checked = _check_section(section, SCHEMA["activation_checkpointing"],
+                             "activation_checkpointing")
+    return _activation_checkpointing_checked(checked)
+
+
+def _activation_checkpointing_checked(checked: dict) -> ActivationCheckpointingConfig:
+    """The cross-key rules DeepSpeed asserts in ``configure``, as ConfigErrors."""
+    where = "activation_checkpointing"
+    if checked["contiguous_memory_optimization"]:
+        if not checked["partition_activations"]:
+            raise ConfigError(f"{where}.contiguous_memory_optimization=true needs "
+                              f"{where}.partition_activations=true (the contiguous buffers hold "
+                              f"the partitioned inputs); set partition_activations true or "
+                              f"contiguous_memory_optimization false")
+        if checked["number_checkpoints"] is None:
+            raise ConfigError(f"{where}.contiguous_memory_optimization=true needs "
+                              f"{where}.number_checkpoints (a positive integer: the checkpoints "
+                              f"one forward stores, which sizes the buffers)")
+    return ActivationCheckpointingConfig(**checked)
 
 
 def _communication_dtype(value: Optional[str], zero: ZeroConfig) -> Optional[str]:

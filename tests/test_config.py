@@ -133,9 +133,10 @@ def test_batch_triple(train, micro, gas, world, expected):
      ["'bfloat16' and 'bf16'"]),
     ({"train_batch_size": 8, "bfloat16": {"enable": True}}, ["bf16.enable"]),
     # DeepSpeed sections shardkit accepts only switched off: on, each names what to use instead
-    ({"train_batch_size": 8, "activation_checkpointing": {"partition_activations": True}},
-     ["activation_checkpointing.partition_activations=True is not supported",
-      "shardkit.nn.checkpoint.checkpoint_wrapper"]),
+    ({"train_batch_size": 8, "activation_checkpointing": {"contiguous_memory_optimization": True,
+                                                          "number_checkpoints": 2}},
+     ["activation_checkpointing.contiguous_memory_optimization=true needs",
+      "partition_activations=true"]),
     ({"train_batch_size": 8, "tensorboard": {"enabled": True, "output_path": "runs"}},
      ["tensorboard.enabled=True is not supported", "TensorBoard"]),
     ({"train_batch_size": 8, "comms_logger": {"enabled": True}},

@@ -1,0 +1,493 @@
+"""DeepSpeed's ``deepspeed.checkpointing``: activation checkpointing for Megatron-style models.
+
+Usage, as with DeepSpeed (``mpu``: an object with ``get_model_parallel_{rank,world_size,group}``
+or ``get_tensor_model_parallel_*``, e.g. ``shardkit.nn.model_parallel.initialize``; ``None``:
+shardkit's own tensor-parallel groups when they exist)::
+
+    import shardkit
+    shardkit.checkpointing.configure(mpu, deepspeed_config="ds_config.json")
+    for block in blocks:
+        hidden = shardkit.checkpointing.checkpoint(block, hidden, mask)
+
+:func:`checkpoint` runs ``function`` without keeping its activations and runs it again in the
+backward, with the CPU generator, the CUDA one (when CUDA exists) and the model-parallel
+tracker's streams (:func:`get_cuda_rng_tracker`) set back to their state at the first forward,
+so dropout draws the same masks. It is reentrant (a ``torch.autograd.Function``), as
+DeepSpeed's is: an output requires grad only when a tensor input does, so checkpoint a region
+whose input requires grad, or use :func:`non_reentrant_checkpoint`.
+
+Memory, per call: the tensor arguments (not the region's activations) stay until the backward.
+
+- ``partition_activations``: each floating-point tensor argument whose element count divides
+  by the tensor-parallel size ``tp`` is kept as this rank's contiguous ``1/tp`` slice (a copy);
+  the others are kept whole (DeepSpeed asserts on them). The caller's tensor is left as it is
+  (DeepSpeed swaps its ``.data`` for an empty one): it is freed when the caller drops it, as in
+  ``hidden = checkpoint(block, hidden)``. Communication: one all-gather per partitioned
+  argument before the recomputation, ``(tp-1)/tp`` of its bytes on the wire per rank
+  (``shardkit.distributed``, so :class:`~shardkit.distributed.CommCounter` counts it); none in
+  the forward.
+- ``cpu_checkpointing`` (``checkpoint_in_cpu``): the kept arguments live in CPU memory and are
+  copied back to their device for the recomputation; on a CPU run this changes nothing.
+- ``contiguous_memory_optimization``: the partitions are copied into one preallocated buffer per
+  argument position holding ``number_checkpoints`` partitions (all checkpoints of one forward
+  must have the same partition sizes and dtypes there); the buffers are dropped at the first
+  backward and by :func:`reset` (call it after forwards without a backward, e.g. evaluation
+  under grad mode).
+- ``synchronize_checkpoint_boundary``: ``torch.cuda.synchronize()`` around each forward and
+  recomputation (nothing without CUDA); ``profile``: each forward's and recomputation's time is
+  logged at INFO on the ``shardkit.checkpointing`` logger.
+
+Without grad mode (evaluation) :func:`checkpoint` just calls ``function``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+from shardkit.config import (ActivationCheckpointingConfig, ConfigError,
+                             activation_checkpointing_config)
+from shardkit.nn.model_parallel.random import (MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET,
+                                               get_cuda_rng_tracker,
+                                               model_parallel_cuda_manual_seed as _mp_seed)
+
+__all__ = ["configure", "is_configured", "reset", "checkpoint", "non_reentrant_checkpoint",
+           "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
+           "partition_activations_in_checkpoint", "set_num_layers", "get_config"]
+
+logger = logging.getLogger("shardkit.checkpointing")
+
+
+@dataclass
+class _State:
+    options: ActivationCheckpointingConfig
+    configured: bool = False
+    mpu: Any = None
+    mp_rank: int = 0
+    mp_size: int = 1
+    mp_group: Any = None
+
+
+_STATE = _State(ActivationCheckpointingConfig())
+# contiguous_memory_optimization: per argument position, [buffer, partitions written]
+_BUFFERS: list = []
+
+# DeepSpeed's module globals, readable under their names (set them with configure)
+_DEEPSPEED_NAMES = {
+    "PARTITION_ACTIVATIONS": lambda: _STATE.options.partition_activations,
+    "CONTIGUOUS_CHECKPOINTING": lambda: _STATE.options.contiguous_memory_optimization,
+    "CPU_CHECKPOINT": lambda: _STATE.options.cpu_checkpointing,
+    "SYNCHRONIZE": lambda: _STATE.options.synchronize_checkpoint_boundary,
+    "PROFILE_TIME": lambda: _STATE.options.profile,
+    "num_layers": lambda: _STATE.options.number_checkpoints,
+    "mpu": lambda: _STATE.mpu, "mp_rank": lambda: _STATE.mp_rank,
+    "mp_size": lambda: _STATE.mp_size, "mp_group": lambda: _STATE.mp_group,
+    "deepspeed_checkpointing_enabled": lambda: _STATE.configured,
+}
+
+
+def __getattr__(name):
+    if name in _DEEPSPEED_NAMES:
+        return _DEEPSPEED_NAMES[name]()
+    raise AttributeError(f"module 'shardkit.checkpointing' has no attribute {name!r}")
+
+
+# ----------------------------------------------------------------------------- configuration
+
+_OVERRIDES = {  # configure()'s argument -> the config key it overrides
+    "partition_activations": "partition_activations",
+    "contiguous_checkpointing": "contiguous_memory_optimization",
+    "num_checkpoints": "number_checkpoints",
+    "checkpoint_in_cpu": "cpu_checkpointing",
+    "synchronize": "synchronize_checkpoint_boundary",
+    "profile": "profile",
+}
+
+
+def configure(mpu_=None, deepspeed_config=None, partition_activations=None,
+              contiguous_checkpointing=None, num_checkpoints=None, checkpoint_in_cpu=None,
+              synchronize=None, profile=None) -> None:
+    """Set the options :func:`checkpoint` uses (DeepSpeed's ``deepspeed.checkpointing.configure``).
+
+    Args:
+        mpu_: the model-parallel unit: an object with ``get_tensor_model_parallel_{rank,
+            world_size,group}`` or ``get_model_parallel_{rank,world_size,group}`` (DeepSpeed's
+            rule). ``None``: the one given before, else shardkit's own tensor-parallel groups
+            (``shardkit.nn.model_parallel.initialize_model_parallel``) when they exist.
+        deepspeed_config: a DeepSpeed config (dict, JSON file path, or ``engine.config``); only
+            its ``activation_checkpointing`` section is read and checked.
+        partition_activations, contiguous_checkpointing, num_checkpoints, checkpoint_in_cpu,
+        synchronize, profile: override the config's ``partition_activations``,
+        ``contiguous_memory_optimization``, ``number_checkpoints``, ``cpu_checkpointing``,
+        ``synchronize_checkpoint_boundary``, ``profile``. Options given neither way are off
+        (each call starts from DeepSpeed's defaults).
+
+    Raises:
+        ConfigError (a ValueError) naming the key: a bad config or argument value,
+            ``contiguous_checkpointing`` without ``partition_activations`` or
+            ``num_checkpoints``, ``partition_activations`` with no model-parallel group (no
+            ``mpu_`` and no shardkit tensor-parallel groups: nothing to partition over).
+        TypeError: ``mpu_`` lacks the methods above.
+
+    With a tensor-parallel size of 1, ``partition_activations`` is accepted and keeps every
+    input whole (DeepSpeed does the same), so one config serves every tensor-parallel size.
+    Local: no collectives; the previous configuration stays when it raises.
+    """
+    options = (ActivationCheckpointingConfig() if deepspeed_config is None
+               else activation_checkpointing_config(deepspeed_config))
+    given = dict(partition_activations=partition_activations,
+                 contiguous_checkpointing=contiguous_checkpointing,
+                 num_checkpoints=num_checkpoints, checkpoint_in_cpu=checkpoint_in_cpu,
+                 synchronize=synchronize, profile=profile)
+    changes = {}
+    for argument, value in given.items():
+        if value is None:
+            continue
+        key = _OVERRIDES[argument]
+        if argument == "num_checkpoints":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"configure(num_checkpoints={value!r}): must be a positive "
+                                  f"int (activation_checkpointing.{key})")
+        elif not isinstance(value, bool):
+            raise ConfigError(f"configure({argument}={value!r}): must be True, False or None "
+                              f"(activation_checkpointing.{key})")
+        changes[key] = value
+    options = replace(options, **changes)
+    _check_combination(options)
+    mpu = _STATE.mpu if mpu_ is None else mpu_
+    rank, size, group = _model_parallel(mpu)
+    if options.partition_activations and group is None and size == 1 and mpu is None:
+        raise ConfigError(
+            "configure: partition_activations=True (activation_checkpointing."
+            "partition_activations) needs a model-parallel group to split the inputs over: pass "
+            "mpu_ (e.g. shardkit.nn.model_parallel.initialize) or call shardkit.nn."
+            "model_parallel.initialize_model_parallel(tp) first; or set it false")
+    _BUFFERS.clear()
+    _STATE.options, _STATE.configured, _STATE.mpu = options, True, mpu
+    _STATE.mp_rank, _STATE.mp_size, _STATE.mp_group = rank, size, group
+
+
+def _check_combination(options: ActivationCheckpointingConfig) -> None:
+    if options.contiguous_memory_optimization and not options.partition_activations:
+        raise ConfigError("contiguous_checkpointing=True (activation_checkpointing."
+                          "contiguous_memory_optimization) needs partition_activations=True: "
+                          "the contiguous buffers hold the partitioned inputs")
+    if options.contiguous_memory_optimization and options.number_checkpoints is None:
+        raise ConfigError("contiguous_checkpointing=True (activation_checkpointing."
+                          "contiguous_memory_optimization) needs num_checkpoints "
+                          "(activation_checkpointing.number_checkpoints): the checkpoints one "
+                          "forward stores, which sizes the buffers")
+
+
+def _model_parallel(mpu) -> tuple:
+    """(rank, size, group) of the tensor-parallel group: from ``mpu``, else shardkit's own
+    groups when initialized, else (0, 1, None)."""
+    if mpu is None:
+        from shardkit.nn.model_parallel import initialize as shardkit_mpu
+        if not shardkit_mpu.model_parallel_is_initialized():
+            return 0, 1, None
+        mpu = shardkit_mpu
+    for prefix in ("get_tensor_model_parallel_", "get_model_parallel_"):
+        if all(callable(getattr(mpu, prefix + s, None)) for s in ("rank", "world_size", "group")):
+            return (getattr(mpu, prefix + "rank")(), getattr(mpu, prefix + "world_size")(),
+                    getattr(mpu, prefix + "group")())
+    raise TypeError(f"configure(mpu_={mpu!r}): expected an object with get_model_parallel_rank/"
+                    f"world_size/group (or get_tensor_model_parallel_*), such as "
+                    f"shardkit.nn.model_parallel.initialize, or None")
+
+
+def is_configured() -> bool:
+    """True once :func:`configure` has run (DeepSpeed's name)."""
+    return _STATE.configured
+
+
+def get_config() -> ActivationCheckpointingConfig:
+    """The options in force (DeepSpeed's defaults before :func:`configure`)."""
+    return _STATE.options
+
+
+def reset() -> None:
+    """Drop the contiguous buffers (``contiguous_memory_optimization``): needed after forwards
+    that had no backward (which drops them otherwise). Partitions still held by pending
+    backwards stay alive until those run. The configuration is kept."""
+    _BUFFERS.clear()
+
+
+def partition_activations_in_checkpoint(partition_activation: bool) -> None:
+    """DeepSpeed's switch for ``partition_activations`` alone (same checks as configure)."""
+    if not isinstance(partition_activation, bool):
+        raise ConfigError(f"partition_activations_in_checkpoint({partition_activation!r}): "
+                          f"must be True or False")
+    options = replace(_STATE.options, partition_activations=partition_activation)
+    _check_combination(options)
+    if partition_activation and _STATE.mp_group is None and _STATE.mpu is None:
+        rank, size, group = _model_parallel(None)
+        if group is None:
+            raise ConfigError("partition_activations_in_checkpoint(True): no model-parallel "
+                              "group; call configure(mpu_, ...) or initialize_model_parallel")
+        _STATE.mp_rank, _STATE.mp_size, _STATE.mp_group = rank, size, group
+    _STATE.options = options
+
+
+def set_num_layers(nlayers: int) -> None:
+    """DeepSpeed's setter of ``number_checkpoints``."""
+    if isinstance(nlayers, bool) or not isinstance(nlayers, int) or nlayers < 1:
+        raise ConfigError(f"set_num_layers({nlayers!r}): must be a positive int "
+                          f"(activation_checkpointing.number_checkpoints)")
+    _BUFFERS.clear()
+    _STATE.options = replace(_STATE.options, number_checkpoints=nlayers)
+
+
+def model_parallel_cuda_manual_seed(seed: int) -> None:
+    """Seed the default generators with ``seed`` and the tracker's model-parallel stream with
+    ``seed + 2718 + tensor-parallel rank`` (DeepSpeed's and Megatron's rule). The rank comes
+    from the ``mpu_`` given to :func:`configure`, else from shardkit's tensor-parallel groups.
+    Seeds the CPU generator too, so it works without CUDA. No communication."""
+    if _STATE.mpu is None:
+        _mp_seed(seed)
+        return
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"model_parallel_cuda_manual_seed(seed={seed!r}): seed must be an int")
+    torch.manual_seed(seed)
+    tracker = get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + _STATE.mp_rank)
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+
+def _rng_states() -> tuple:
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda, get_cuda_rng_tracker().get_states()
+
+
+def _set_rng_states(states: tuple) -> None:
+    cpu, cuda, tracker = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+    get_cuda_rng_tracker().set_states(tracker)
+
+
+@contextlib.contextmanager
+def _boundary(what: str):
+    """``synchronize_checkpoint_boundary`` and ``profile`` around a forward or recomputation."""
+    options = _STATE.options
+    sync = options.synchronize_checkpoint_boundary and torch.cuda.is_available()
+    if sync:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    yield
+    if sync:
+        torch.cuda.synchronize()
+    if options.profile:
+        logger.info("activation checkpoint %s: %.3f ms", what,
+                    (time.perf_counter() - start) * 1e3)
+
+
+def _partitioned(arg, options, size: int) -> bool:
+    """DeepSpeed's rule (floating point, not marked ``no_checkpointing``), and an element count
+    that divides by the tensor-parallel size (DeepSpeed asserts otherwise; kept whole here)."""
+    return (options.partition_activations and size > 1 and arg.is_floating_point()
+            and not getattr(arg, "no_checkpointing", False) and arg.numel() > 0
+            and arg.numel() % size == 0)
+
+
+def _contiguous_slot(position: int, part: torch.Tensor, options) -> torch.Tensor:
+    """``part`` copied into the next free slot of position ``position``'s buffer."""
+    count = options.number_checkpoints
+    while len(_BUFFERS) <= position:
+        _BUFFERS.append(None)
+    entry = _BUFFERS[position]
+    if entry is None:
+        entry = _BUFFERS[position] = [torch.empty(count * part.numel(), dtype=part.dtype,
+                                                  device=part.device), 0]
+    buffer, used = entry
+    if buffer.dtype != part.dtype or buffer.numel() != count * part.numel():
+        raise RuntimeError(
+            f"checkpoint: contiguous_memory_optimization needs the partitioned input #{position} "
+            f"of every checkpoint of a forward to have one size and dtype; this one has "
+            f"{part.numel()} elements of {part.dtype}, the buffer holds "
+            f"{buffer.numel() // count} of {buffer.dtype} (call reset() between models)")
+    if used == count:
+        raise RuntimeError(
+            f"checkpoint: more than number_checkpoints={count} checkpoints in one forward "
+            f"(activation_checkpointing.number_checkpoints); raise it, or call reset() after "
+            f"forwards that had no backward")
+    # a view through a fresh ``.data`` alias: its own version counter, so writing the next slot
+    # does not look like an in-place change of this one (saved for backward)
+    slot = buffer.data[used * part.numel():(used + 1) * part.numel()]
+    slot.copy_(part)
+    entry[1] = used + 1
+    return slot
+
+
+class _CheckpointFunction(torch.autograd.Function):
+    """The reentrant checkpoint: ``forward(ctx, run_function, layout, *tensors)``."""
+
+    @staticmethod
+    def forward(ctx, run_function, layout, *tensors):
+        options, size, rank = _STATE.options, _STATE.mp_size, _STATE.mp_rank
+        ctx.run_function, ctx.layout, ctx.group = run_function, layout, _STATE.mp_group
+        kept, ctx.how = [], []  # how: (kind, shape, device, requires_grad) per tensor
+        position = 0
+        for arg in tensors:
+            how = ("whole", arg.shape, arg.device, arg.requires_grad)
+            if _partitioned(arg, options, size):
+                share = arg.numel() // size
+                part = arg.detach().contiguous().view(-1).narrow(0, share * rank, share)
+                moved = options.cpu_checkpointing and part.device.type != "cpu"
+                if moved:  # a copy of the slice alone
+                    part = part.to("cpu")
+                if options.contiguous_memory_optimization:
+                    part = _contiguous_slot(position, part, options)
+                elif not moved:  # a view of arg (or of its contiguous copy): keep the slice only
+                    part = part.clone()
+                position += 1
+                kept.append(part)
+                how = ("part",) + how[1:]
+            elif options.cpu_checkpointing and arg.device.type != "cpu":
+                kept.append(arg.detach().to("cpu"))
+            else:
+                kept.append(arg)
+            ctx.how.append(how)
+        ctx.rng = _rng_states()  # after the partitioning, whose errors precede any collective
+        with _boundary("forward"), torch.no_grad():
+            outputs = run_function(*layout.merge(tensors))
+        ctx.save_for_backward(*kept)
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        tensor_outs = [o for o in outs if torch.is_tensor(o)]
+        ctx.mark_non_differentiable(*[o for o in tensor_outs if not o.is_floating_point()])
+        return tuple(tensor_outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError("shardkit.checkpointing.checkpoint is reentrant and does not work "
+                               "with torch.autograd.grad(); use .backward(), or "
+                               "non_reentrant_checkpoint")
+        if _STATE.options.contiguous_memory_optimization:
+            _BUFFERS.clear()  # the partitions saved below stay alive through ctx
+        from shardkit import distributed
+        inputs = []
+        for saved, (kind, shape, device, requires_grad) in zip(ctx.saved_tensors, ctx.how):
+            if kind == "part":
+                part = saved.to(device)
+                full = torch.empty(part.numel() * _group_size(ctx.group), dtype=part.dtype,
+                                   device=device)
+                distributed.all_gather_into_tensor(full, part, group=ctx.group)
+                value = full.view(shape)
+            else:
+                value = saved.to(device)
+            value = value.detach()
+            value.requires_grad_(requires_grad)
+            inputs.append(value)
+        outside = _rng_states()
+        _set_rng_states(ctx.rng)
+        try:
+            with _boundary("recomputation"), torch.enable_grad():
+                outputs = ctx.run_function(*ctx.layout.merge(inputs))
+        finally:
+            _set_rng_states(outside)
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip([o for o in outs if torch.is_tensor(o)], grads)
+                 if o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None) + tuple(t.grad if t.requires_grad else None for t in inputs)
+
+
+def _group_size(group) -> int:
+    from shardkit import distributed
+    return distributed.get_world_size(group)
+
+
+class _Layout:
+    """Where the tensors sit among a call's arguments (or a function's outputs)."""
+
+    def __init__(self, values):
+        self.flags = tuple(torch.is_tensor(v) for v in values)
+        self.others = tuple(v for v in values if not torch.is_tensor(v))
+
+    def merge(self, tensors) -> tuple:
+        tensors, others = iter(tensors), iter(self.others)
+        return tuple(next(tensors) if flag else next(others) for flag in self.flags)
+
+
+def _with_keywords(function: Callable, args: tuple, kwargs: dict) -> tuple:
+    """``function`` taking its keyword arguments positionally after ``args``."""
+    if not kwargs:
+        return function, args
+    keys, count = tuple(kwargs), len(args)
+
+    def call(*values):
+        return function(*values[:count], **dict(zip(keys, values[count:])))
+
+    return call, args + tuple(kwargs.values())
+
+
+def checkpoint(function: Callable, *args, **kwargs):
+    """``function(*args, **kwargs)``, its activations recomputed in the backward
+    (DeepSpeed's ``deepspeed.checkpointing.checkpoint``; see the module docstring for the
+    options and their memory and communication).
+
+    Returns what ``function`` returns: a tensor, or a tuple whose non-tensor items come back
+    as they are. As in DeepSpeed, outputs that are not floating point are not differentiable,
+    every floating-point output requires grad when a tensor input does (whether or not it
+    would without checkpointing; a gradient sent to one that does not need it in the
+    recomputation is dropped), and nothing requires grad when no tensor input does (use
+    :func:`non_reentrant_checkpoint` there). ``torch.autograd.grad`` through it is a
+    RuntimeError (reentrant). Tensor arguments must not be changed in place before the backward
+    (torch's "modified by an inplace operation" error). Without grad mode, ``function`` simply
+    runs.
+    """
+    if not callable(function):
+        raise TypeError(f"checkpoint(function={function!r}): expected the callable to "
+                        f"checkpoint first, then its arguments")
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    function, args = _with_keywords(function, args, kwargs)
+    layout = _Layout(args)
+    tensors = [a for a in args if torch.is_tensor(a)]
+    holder = {}
+
+    def run(*values):  # keeps the first forward's outputs (their non-tensor items) for below
+        out = function(*values)
+        if "done" not in holder:
+            holder["out"], holder["done"] = out, True
+        return out
+
+    results = iter(_CheckpointFunction.apply(run, layout, *tensors))
+    first = holder.pop("out")
+    if not isinstance(first, tuple):
+        return next(results)
+    return tuple(next(results) if torch.is_tensor(v) else v for v in first)
+
+
+def non_reentrant_checkpoint(function: Callable, *args, **kwargs):
+    """The same contract through torch's non-reentrant checkpoint (DeepSpeed's
+    ``non_reentrant_checkpoint``): outputs require grad exactly as without checkpointing,
+    gradients reach parameters when no input requires grad, ``torch.autograd.grad`` works, and
+    the RNG streams (CPU, CUDA, the tracker's) are replayed. ``cpu_checkpointing`` keeps the
+    tensor arguments on CPU until the recomputation. ``partition_activations`` is refused
+    (a RuntimeError naming it): torch's recomputation reads the caller's whole inputs, so no
+    memory would be saved; use :func:`checkpoint`. Communication: none of its own."""
+    if not callable(function):
+        raise TypeError(f"non_reentrant_checkpoint(function={function!r}): expected the "
+                        f"callable to checkpoint first, then its arguments")
+    options = _STATE.options
+    if options.partition_activations and _STATE.mp_size > 1:
+        raise RuntimeError("non_reentrant_checkpoint: partition_activations=True "
+                           "(activation_checkpointing.partition_activations) is not supported "
+                           "here: torch's non-reentrant recomputation keeps the whole inputs; "
+                           "use shardkit.checkpointing.checkpoint, or set it false")
+    from shardkit.nn.checkpoint.checkpoint_activations import checkpointed_call
+    with _boundary("forward"):
+        return checkpointed_call(function, *args, offload_to_cpu=options.cpu_checkpointing,
+                                 **kwargs)
