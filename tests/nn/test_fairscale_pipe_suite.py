@@ -18,8 +18,10 @@ Not re-expressed (FairScale internals shardkit has no equivalent for):
 
 Deliberate differences (README, FairScale section) checked as such: ``Pipe.forward(a, b)`` is
 the tuple ``(a, b)``; a tuple input whose tensors disagree on the batch size is refused; an
-in-place change of a checkpointed partition's input is a RuntimeError at forward (FairScale:
-a leaf error in backward, or silently wrong gradients); the partition outputs require grad
+in-place change of a checkpointed partition's input is a RuntimeError at forward when a gradient
+flows through the partition (FairScale: a leaf error in backward, or silently wrong gradients),
+and runs as the plain Sequential when none does (FairScale's xfail "inplace on not requires
+grad"); the partition outputs require grad
 exactly when they would without Pipe.
 """
 
@@ -447,19 +449,21 @@ def test_transparency_and_sgd_parity(chunks, checkpoint):
 
 def test_inplace_changes_of_a_checkpointed_partition_input_are_refused_at_forward():
     # FairScale: a leaf error in backward (first case) or nothing / wrong gradients (xfails).
+    # Refused where a gradient flows through the partition, so its recomputation would run.
     model = Pipe(nn.Sequential(nn.Linear(1, 1), nn.ReLU(inplace=True)), [1, 1], devices=CPU2,
                  checkpoint="always")
     with pytest.raises(RuntimeError, match=r"partition 1 \(first layer '1': ReLU\) changed its "
                                            r"input \[0\] in place.*checkpoint='never'"):
         model(torch.rand(1))
-    # The first layer, with micro-batches checkpointed (FairScale: silently re-applied).
-    model = Pipe(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(1, 1)), [1, 1], devices=CPU2,
-                 chunks=2)
-    with pytest.raises(RuntimeError, match="partition 0 .*balance=\\[1, 1\\]"):
+    # The first layer of a partition with parameters, micro-batches checkpointed (FairScale:
+    # silently re-applied in the recomputation, right only because relu_ is idempotent).
+    model = Pipe(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(1, 1), nn.Linear(1, 1)), [2, 1],
+                 devices=CPU2, chunks=2)
+    with pytest.raises(RuntimeError, match="partition 0 .*balance=\\[2, 1\\]"):
         model(torch.rand(2, 1))
     model.eval()  # no checkpointing: the plain Sequential's behaviour
     x = torch.randn(2, 1)
-    expected = model[1](x.clamp_min(0))
+    expected = model[2](model[1](x.clamp_min(0)))
     assert torch.equal(model(x), expected)
 
     class M(nn.Module):
@@ -475,6 +479,45 @@ def test_inplace_changes_of_a_checkpointed_partition_input_are_refused_at_forwar
     bar = torch.tensor([1.0])
     Pipe(nn.Sequential(M()), [1], devices=["cpu"], checkpoint="never")((foo, bar)).backward()
     assert foo.grad.item() == 2.0
+
+
+@pytest.mark.parametrize("checkpoint,chunks", [("always", 1), ("always", 4),
+                                               ("except_last", 3), ("never", 4)])
+def test_inplace_first_layer_on_a_batch_needing_no_grad_trains_like_sequential(checkpoint,
+                                                                               chunks):
+    # FairScale's test_inplace_on_not_requires_grad: an in-place first layer on a batch that
+    # needs no gradient, alone in its partition, is never recomputed: it runs (FairScale too).
+    # With several micro-batches (any checkpoint mode) each is a tensor of its own: views of
+    # the batch share its version counter, and relu_ on micro-batch i + 1 made autograd refuse
+    # the backward of micro-batch i ("modified by an inplace operation").
+    torch.manual_seed(0)
+    layers = [nn.ReLU(inplace=True), nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2)]
+    ref = nn.Sequential(*copy.deepcopy(layers))
+    model = Pipe(nn.Sequential(*layers), [1, 2, 1], devices=["cpu"] * 3, chunks=chunks,
+                 checkpoint=checkpoint)
+    opt, ref_opt = optim.SGD(model.parameters(), lr=0.1), optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(12, 3)
+        before = x.clone()
+        ref_out = ref(x.clone())
+        out = model(x)
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+        # one micro-batch: the batch itself changed in place, as under the plain Sequential;
+        # several: each micro-batch is a copy, the batch is left as it was
+        assert torch.equal(x, before.clamp_min(0) if chunks == 1 else before)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        out.square().sum().backward()
+        ref_out.square().sum().backward()
+        opt.step()
+        ref_opt.step()
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # a Pipe of the in-place layer alone: its output needs no gradient, as in the Sequential
+    alone = Pipe(nn.Sequential(nn.ReLU(inplace=True)), [1], devices=["cpu"], checkpoint="always")
+    x = torch.randn(4)
+    y = alone(x)
+    assert torch.equal(y, x) and (y >= 0).all() and not y.requires_grad
 
 
 # --------------------------------------------------------------------------- test_bugs.py

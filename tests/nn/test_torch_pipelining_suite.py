@@ -552,3 +552,248 @@ def test_split_backward_equals_one_backward_on_tied_norm_embedding_frozen(input_
             torch.testing.assert_close(q.grad, ref[name], rtol=1e-5, atol=1e-6)
         else:
             assert q.grad is None, name
+
+
+# ------------------------------------------------- torch's scale_grads, return_outputs, loss_kwargs
+def _sum_mse(output, target):
+    return F.mse_loss(output, target, reduction="sum")
+
+
+def _run_scaling(case) -> dict:
+    """Two training steps of ``case`` (schedule, scale_grads, reduction) beside one process
+    that computes each micro-batch's loss and backpropagates their mean (``scale_grads``) or
+    their sum, as torch's schedules do; the worst relative differences on this rank."""
+    cls, per_rank, placement = SCHEDULES[case["schedule"]]
+    p = dist.get_world_size()
+    rank, n, m = dist.get_rank(), p * per_rank, case["chunks"]
+    mine = [s for s in range(n) if stage_rank(s, n, p, placement) == rank]
+    modules, ref = _stages("mlp", n), _stages("mlp", n)
+    loss_fn = F.mse_loss if case["reduction"] == "mean" else _sum_mse
+    stages = [PipelineStage(modules[s], s, n, placement=placement) for s in mine]
+    schedule = cls(stages[0] if per_rank == 1 else stages, m, loss_fn,
+                   scale_grads=case["scale_grads"])
+    opt = torch.optim.SGD([q for s in mine for q in modules[s].parameters()], lr=0.01)
+    ref_opt = torch.optim.SGD([q for mod in ref for q in mod.parameters()], lr=0.01)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+
+    def rel(a, b):
+        return ((a - b).abs().max() / (1 + b.abs().max())).item()
+
+    for seed in (1, 2):
+        x, y = _batch("mlp", seed, 2 * m)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        out = schedule.step(*(x,) if 0 in mine else (), target=y if n - 1 in mine else None)
+        h_losses = []  # one process, micro-batch by micro-batch
+        for xi, yi in zip(torch.tensor_split(x, m), torch.tensor_split(y, m)):
+            h = xi
+            for module in ref:
+                h = module(h)
+            h_losses.append(loss_fn(h, yi))
+        total = torch.stack(h_losses)
+        expected = total.mean() if case["scale_grads"] else total.sum()
+        expected.backward()
+        if n - 1 in mine:
+            worst["loss"] = max(worst["loss"], rel(out, expected.detach()))
+        else:
+            assert out is None
+        for s in mine:
+            for a, b in zip(modules[s].parameters(), ref[s].parameters()):
+                worst["grad"] = max(worst["grad"], rel(a.grad, b.grad))
+        opt.step()
+        ref_opt.step()
+        for s in mine:
+            for a, b in zip(modules[s].parameters(), ref[s].parameters()):
+                worst["param"] = max(worst["param"], rel(a, b))
+    return worst
+
+
+def _run_scaling_cases(cases):
+    return [_run_scaling(case) for case in cases]
+
+
+def _check_scaling(world, p):
+    cases = [dict(schedule=s, scale_grads=scale, reduction=reduction, chunks=2 * p)
+             for s in SCHEDULES for scale in (True, False) for reduction in ("mean", "sum")]
+    results = world.run(_run_scaling_cases, cases)
+    for k, case in enumerate(cases):
+        for rank, r in enumerate(res[k] for res in results):
+            for what, value in r.items():
+                assert value < 2e-6, (case, rank, what, value)
+
+
+def test_scale_grads_trains_like_torch_meaning_world2(world2):
+    _check_scaling(world2, 2)
+
+
+def test_scale_grads_trains_like_torch_meaning_world4(world4):
+    _check_scaling(world4, 4)
+
+
+class _TwoHeads(nn.Module):
+    """A last stage returning a tuple (what ``return_outputs=True`` merges item by item)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h, torch.tanh(h)
+
+
+def _weighted_loss(output, target, weight=1.0, reduction="mean"):
+    return weight * F.mse_loss(output[0], target, reduction=reduction)
+
+
+def _run_return_outputs(schedule_name: str) -> dict:
+    """torch's ``step(..., return_outputs=..., loss_kwargs=...)``: the last stage's merged
+    outputs (or ``None``), and ``loss_fn`` called with ``loss_kwargs``, beside one process."""
+    cls, per_rank, placement = SCHEDULES[schedule_name]
+    p = dist.get_world_size()
+    rank, n, m = dist.get_rank(), p * per_rank, 4
+    mine = [s for s in range(n) if stage_rank(s, n, p, placement) == rank]
+    torch.manual_seed(0)
+    modules = [nn.Linear(D, D) for _ in range(n - 1)] + [_TwoHeads()]
+    torch.manual_seed(0)
+    ref = [nn.Linear(D, D) for _ in range(n - 1)] + [_TwoHeads()]
+    stages = [PipelineStage(modules[s], s, n, placement=placement) for s in mine]
+    schedule = cls(stages[0] if per_rank == 1 else stages, m, _weighted_loss)
+    x, y = _batch("mlp", 3, 2 * m)
+    loss_kwargs = {"weight": 0.5, "reduction": "sum"}
+    first, last = 0 in mine, n - 1 in mine
+    found = {}
+    for key, value in (("merged", True), ("none", False), ("default", None)):
+        for module in modules:
+            module.zero_grad()
+        losses = []
+        out = schedule.step(*(x,) if first else (), target=y if last else None, losses=losses,
+                            return_outputs=value, loss_kwargs=loss_kwargs)
+        found[key] = out
+        found[key + "_losses"] = losses
+        found[key + "_grads"] = [q.grad.clone() for s in mine for q in modules[s].parameters()]
+    h = x
+    for module in ref:
+        h = module(h)
+    chunk_losses = [_weighted_loss((a,), b, **loss_kwargs)
+                    for a, b in zip(torch.tensor_split(h[0], m), torch.tensor_split(y, m))]
+    (sum(chunk_losses) / m).backward()
+    expected_grads = [q.grad for s in mine for q in ref[s].parameters()]
+    result = {"last": last, "types": {k: type(found[k]).__name__ for k in
+                                      ("merged", "none", "default")}}
+    result["grads"] = all(torch.allclose(a, b, atol=1e-5) for key in ("merged", "none", "default")
+                          for a, b in zip(found[key + "_grads"], expected_grads))
+    if last:
+        merged = found["merged"]
+        result["outputs"] = isinstance(merged, tuple) and len(merged) == 2 and all(
+            torch.allclose(a, b.detach(), atol=1e-6) and not a.requires_grad
+            for a, b in zip(merged, h))
+        stacked = torch.stack(chunk_losses).detach()
+        result["losses"] = all(torch.allclose(torch.stack(found[k + "_losses"]), stacked,
+                                              atol=1e-5) for k in ("merged", "none", "default"))
+        result["loss"] = torch.allclose(found["default"], stacked.mean(), atol=1e-5)
+    return result
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBV"])
+def test_step_return_outputs_and_loss_kwargs_as_torch(world2, schedule):
+    results = world2.run(_run_return_outputs, schedule)
+    assert sum(r["last"] for r in results) == 1
+    for r in results:
+        assert r["grads"], r
+        if r["last"]:
+            assert r["types"] == {"merged": "tuple", "none": "NoneType", "default": "Tensor"}, r
+            assert r["outputs"] and r["losses"] and r["loss"], r
+        else:
+            assert r["types"] == {"merged": "NoneType", "none": "NoneType",
+                                  "default": "NoneType"}, r
+
+
+def _bad_option(what: str):
+    """A torch-style option with a value shardkit cannot use, on one rank: the same clear error
+    on every rank, on the first step and on a later one; and a bad scale_grads at construction."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    if what == "scale_grads":
+        return [_error_of(lambda: Schedule1F1B(PipelineStage(nn.Linear(D, D), rank, p), 2,
+                                               F.mse_loss, scale_grads=1))]
+    schedule = _pipeline([nn.Linear(D, D) for _ in range(p)], chunks=2, cls=Schedule1F1B)
+    x, y = torch.randn(4, D), torch.randn(4, D)
+    args = (x,) if rank == 0 else ()
+    good = {"target": y} if rank == p - 1 else {}
+    bad = dict(good)
+    if what == "return_outputs" and rank == 0:
+        bad["return_outputs"] = "yes"
+    elif what == "loss_kwargs" and rank == p - 1:
+        bad["loss_kwargs"] = [("reduction", "sum")]
+    elif what == "scalar_output":
+        schedule = _pipeline([nn.Linear(D, D) for _ in range(p - 1)] + [_Scalar()], chunks=2,
+                             cls=Schedule1F1B)
+        bad["return_outputs"] = True
+    found = [_error_of(lambda: schedule.step(*args, **bad))]
+    if what != "scalar_output":
+        found.append(_error_of(lambda: schedule.step(*args, **good)))
+        found.append(_error_of(lambda: schedule.step(*args, **bad)))
+    return found
+
+
+class _Scalar(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, 1)
+
+    def forward(self, x):
+        return self.lin(x).sum()
+
+
+@pytest.mark.parametrize("what,name,words", [
+    ("return_outputs", "ValueError", "step(return_outputs='yes'): expected True"),
+    ("loss_kwargs", "ValueError", "step(loss_kwargs=list): expected a dict"),
+    ("scalar_output", "ValueError", "step(return_outputs=True) concatenates"),
+    ("scale_grads", "TypeError", "Schedule1F1B(scale_grads=1): expected True"),
+])
+def test_bad_torch_style_options_fail_clearly_on_every_rank(world2, what, name, words):
+    results = world2.run(_bad_option, what)
+    for k in range(len(results[0])):
+        errors = {r[k] for r in results}
+        assert len(errors) == 1, results
+        error = errors.pop()
+        if k == 1:
+            assert error is None  # the good step between ran
+            continue
+        assert error[0] == name and words in error[1], error
+
+
+def _run_inplace_first_layer(schedule_name: str) -> float:
+    """A first stage starting with ``nn.ReLU(inplace=True)`` on a batch needing no gradient
+    (several micro-batches, views of one batch before), beside one process: the worst gradient
+    difference on this rank."""
+    cls, per_rank, placement = SCHEDULES[schedule_name]
+    p = dist.get_world_size()
+    rank, n, m = dist.get_rank(), p * per_rank, 4
+    mine = [s for s in range(n) if stage_rank(s, n, p, placement) == rank]
+
+    def build():
+        torch.manual_seed(0)
+        return [nn.Sequential(nn.ReLU(inplace=True), nn.Linear(D, D))] + \
+            [nn.Linear(D, D) for _ in range(n - 1)]
+
+    modules, ref = build(), build()
+    stages = [PipelineStage(modules[s], s, n, placement=placement) for s in mine]
+    schedule = cls(stages[0] if per_rank == 1 else stages, m, F.mse_loss)
+    x, y = _batch("mlp", 4, 2 * m)
+    schedule.step(*(x.clone(),) if 0 in mine else (), target=y if n - 1 in mine else None)
+    h = x.clone()  # one process, the whole batch (equal micro-batches: the same mean loss)
+    for module in ref:
+        h = module(h)
+    F.mse_loss(h, y).backward()
+    return max((a.grad - b.grad).abs().max().item() for s in mine
+               for a, b in zip(modules[s].parameters(), ref[s].parameters()))
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "ZB-H1", "Interleaved1F1B"])
+def test_an_inplace_first_layer_on_the_batch_trains_like_one_process(world2, schedule):
+    # was: "its backward raised RuntimeError: one of the variables needed for gradient
+    # computation has been modified by an inplace operation" (micro-batch views of one batch
+    # share its version counter)
+    assert max(world2.run(_run_inplace_first_layer, schedule)) < 2e-6

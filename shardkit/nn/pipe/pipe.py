@@ -42,10 +42,12 @@ class _MicrobatchSkips(SkipTracker):
         self.shared = shared
         self.device = device
         self.replaying = False
+        self.stashed_grad = False  # whether the first forward stashed a tensor needing grad
 
     def save(self, key, tensor):
         if not self.replaying:
             self.shared.save(key, tensor)
+            self.stashed_grad |= isinstance(tensor, torch.Tensor) and tensor.requires_grad
 
     def load(self, key):
         if not self.replaying:
@@ -116,6 +118,30 @@ def _version(t: torch.Tensor):
     return None if t.is_inference() else t._version
 
 
+def _own_microbatch(t: torch.Tensor, device: torch.device, count: int) -> torch.Tensor:
+    """Micro-batch ``t`` (a view of the batch) on ``device``, as a tensor of its own when it
+    needs no gradient and there are several micro-batches in a step that records for
+    backward: views share the batch's in-place version counter, so a first layer working in
+    place on micro-batch ``i + 1`` (``nn.ReLU(inplace=True)``) would make autograd refuse the
+    backward of micro-batch ``i``, whose input it saved, although its values never changed.
+    Costs one copy of the batch; the caller's batch is then left as it was."""
+    moved = t.to(device)
+    if count > 1 and torch.is_grad_enabled() and not t.requires_grad and moved is t:
+        return t.clone()
+    return moved
+
+
+def _needs_backward(partition: nn.Module, inputs: tuple, out, skips: _MicrobatchSkips) -> bool:
+    """Whether a partition's forward may have recorded anything for backward, i.e. whether its
+    checkpoint could ever be recomputed: some input, parameter, popped or stashed skip tensor
+    or output requires grad. When none does, autograd holds nothing of the region."""
+    outputs = as_tuple(out) if isinstance(out, (torch.Tensor, tuple, list)) else ()
+    tensors = (*inputs, *outputs, *skips.tensors.values())
+    return skips.stashed_grad or any(isinstance(t, torch.Tensor) and t.requires_grad
+                                     for t in tensors) or \
+        any(p.requires_grad for p in partition.parameters())
+
+
 def _moving_denied(call: str) -> TypeError:
     return TypeError(f"Pipe.{call}: denied, Pipe places each partition on its own device "
                      f"(devices=...); build the Pipe with the devices you want instead")
@@ -151,8 +177,11 @@ class Pipe(nn.Module):
             backward), ``"except_last"`` (all but the last, whose backward comes first) or
             ``"never"``. Only in training mode with grad enabled. A checkpointed partition
             that changes its input in place (``nn.ReLU(inplace=True)`` first) is a
-            ``RuntimeError`` at forward naming the partition (the recomputation would read the
-            changed value).
+            ``RuntimeError`` at forward naming the partition when a gradient flows through it
+            (an input, parameter or skip tensor requires grad): its recomputation would read
+            the changed value. One through which no gradient flows (an in-place first layer
+            alone in its partition, on a batch that needs no gradient) is never recomputed
+            and runs as in the plain Sequential.
         deferred_batch_norm: replace BatchNorms by :class:`DeferredBatchNorm`, whose running
             statistics are updated once per mini-batch, as if it were unsplit (a forward that
             raises leaves them as they were).
@@ -252,7 +281,8 @@ class Pipe(nn.Module):
             return original
         size = batch_size(inputs, "Pipe.forward")
         batches = split_microbatches(inputs, min(self.chunks, size), "Pipe.forward")
-        activations = [tuple(t.to(self.devices[0]) for t in mb) for mb in batches]
+        activations = [tuple(_own_microbatch(t, self.devices[0], len(batches)) for t in mb)
+                       for mb in batches]
         skips = [SkipTracker() for _ in batches]
         packed = [packed] * len(batches)  # whether micro-batch i's activation is a tuple
         stop = self._checkpoint_stop(len(batches))
@@ -278,9 +308,13 @@ class Pipe(nn.Module):
         inputs = tuple(t.to(device) for t in inputs)
         skips = _MicrobatchSkips(shared_skips, device)
 
+        produced = []  # the first forward's output
+
         def run(*args):
             with use_skip_tracker(skips):
                 out = partition(args if packed else args[0])
+            if not skips.replaying:
+                produced.append(out)
             skips.replaying = True
             return out
 
@@ -288,12 +322,18 @@ class Pipe(nn.Module):
             return run(*inputs)
         versions = [_version(t) for t in inputs]
         try:
-            return checkpointed_call(run, *inputs, modules=(partition,))
+            out = checkpointed_call(run, *inputs, modules=(partition,))
+            produced.clear()  # run() lives until backward: it must not keep the output alive
+            return out
         except RuntimeError as error:
             changed = [k for k, (t, v) in enumerate(zip(inputs, versions))
                        if v is not None and _version(t) != v]
             if not changed:
                 raise
+            if produced and not _needs_backward(partition, inputs, produced[0], skips):
+                # nothing of the region can be recomputed (no gradient flows through it), so
+                # the changed input is never read again: the plain Sequential's result
+                return produced.pop()
             name, layer = next(iter(partition.named_children()))
             raise RuntimeError(
                 f"Pipe(checkpoint={self.checkpoint!r}): partition {j} (first layer {name!r}: "

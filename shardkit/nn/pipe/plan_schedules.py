@@ -30,7 +30,9 @@ FSDP is refused when backward is split.
 
 Loss and micro-batches: the batch is split into ``chunks`` equal micro-batches (an uneven split
 is an error: a mean loss over unequal micro-batches would weight rows unequally); each
-micro-batch's loss is divided by ``chunks`` before its backward. Call ``optimizer.zero_grad()``
+micro-batch's loss is divided by ``chunks`` before its backward (``scale_grads=True``, the
+default, as in ``torch.distributed.pipelining``; with ``scale_grads=False`` it is not, and the
+gradients are those of the sum of the micro-batch losses). Call ``optimizer.zero_grad()``
 before and ``optimizer.step()`` after :meth:`PlanSchedule.step` on every rank, over the
 parameters of all the rank's stages.
 """
@@ -86,6 +88,12 @@ class PlanSchedule:
             which keeps every micro-batch anyway; the number of pipeline ranks otherwise). What
             waits is not in ``activation_memory`` (which counts tensors saved by autograd); pass
             ``1`` where the schedule's activation bound must hold exactly.
+        scale_grads: torch's meaning: ``True`` (default) divides the gradients by ``chunks``
+            (each micro-batch's loss is divided before its backward), so a ``loss_fn`` that
+            averages over its micro-batch gives the gradients of the batch mean, and
+            :meth:`step` returns the mean micro-batch loss; ``False`` leaves them unscaled (the
+            gradients of the sum of the micro-batch losses, for a ``loss_fn`` that sums, or a
+            caller that scales itself), and :meth:`step` returns that sum.
 
     After a step, ``peak_live_microbatches`` is the most (stage, micro-batch) pairs whose
     activations were alive at once on this rank (from F until BW or W), and ``busy_seconds``
@@ -113,8 +121,13 @@ class PlanSchedule:
     """
 
     def __init__(self, stages, chunks: int, loss_fn: Optional[Callable] = None,
-                 track_activation_memory: bool = False, weight_grad_merge: Optional[int] = None):
+                 track_activation_memory: bool = False, weight_grad_merge: Optional[int] = None,
+                 scale_grads: bool = True):
         name = type(self).__name__
+        if not isinstance(scale_grads, bool):
+            raise TypeError(f"{name}(scale_grads={scale_grads!r}): expected True (gradients "
+                            f"divided by chunks, the mean of the micro-batch losses) or False "
+                            f"(their sum; the caller scales)")
         if weight_grad_merge is not None and (isinstance(weight_grad_merge, bool) or not isinstance(
                 weight_grad_merge, int) or weight_grad_merge < 1):
             raise ValueError(f"{name}(weight_grad_merge={weight_grad_merge!r}): expected a "
@@ -135,7 +148,7 @@ class PlanSchedule:
         self.num_ranks, self.num_stages = first.group_size, first.num_stages
         self.plan: PipelinePlan = self.build_plan(self.num_ranks, chunks)
         self.stages = {s.stage_index: s for s in stages}
-        self.chunks, self.loss_fn = chunks, loss_fn
+        self.chunks, self.loss_fn, self.scale_grads = chunks, loss_fn, scale_grads
         self._problems = self._stage_problems(stages)
         self.links = TaggedLinks(self.group, self.num_stages, chunks,
                                  reannounce=self.num_stages == self.num_ranks)
@@ -154,6 +167,8 @@ class PlanSchedule:
         self._checked = False
         self._signature = None  # the first stage's last batch_signature
         self._losses_arg, self._kwargs_arg = None, {}  # this step's losses list and kwargs
+        self._return_outputs, self._loss_kwargs = None, None  # and its torch-style options
+        self._outputs: list = []  # the last stage's outputs, kept under return_outputs=True
 
     plans_from_measured_costs = False
 
@@ -231,9 +246,11 @@ class PlanSchedule:
 
     # ------------------------------------------------------------------ one step
     def step(self, *inputs: torch.Tensor, target: Optional[torch.Tensor] = None,
-             losses: Optional[list] = None, **kwargs):
-        """Forward and backward of one mini-batch; returns the mean micro-batch loss (detached)
-        on the rank running the last stage, ``None`` elsewhere. Gradients accumulate in
+             losses: Optional[list] = None, return_outputs: Optional[bool] = None,
+             loss_kwargs: Optional[dict] = None, **kwargs):
+        """Forward and backward of one mini-batch; returns the mean micro-batch loss (detached;
+        their sum under ``scale_grads=False``) on the rank running the last stage, ``None``
+        elsewhere. Gradients accumulate in
         ``.grad`` of the stages' parameters (and are averaged over each stage's
         ``data_parallel_group``). Batch tensors that require grad get their gradient too, at
         the end of the step, as from one process's backward (so do the weights that built them).
@@ -243,7 +260,13 @@ class PlanSchedule:
         (other ranks leave it alone); keyword arguments given to a rank's ``step`` go to the
         modules of that rank's stages beside their input (``module(x, mask=mask_i)``), tensors
         split along dim 0 into ``chunks`` equal parts (they need no gradient), other values
-        passed to every micro-batch as they are.
+        passed to every micro-batch as they are. ``loss_kwargs``, a dict, goes to every call of
+        ``loss_fn(output, target, **loss_kwargs)`` as it is (not split). ``return_outputs``:
+        left unset, :meth:`step` returns the loss as above; ``True`` returns instead, as
+        torch's schedules do, the last stage's outputs of every micro-batch (detached),
+        concatenated along dim 0 (a tuple output: each of its tensors concatenated), on the
+        rank running the last stage; ``False`` returns ``None`` there (the loss is still in
+        ``losses``). Other ranks return ``None`` in every case.
 
         Under ``torch.no_grad()`` (or through :meth:`eval`) the step only runs forward: it
         returns the loss the same way and leaves ``.grad`` and the data-parallel reduction
@@ -273,6 +296,7 @@ class PlanSchedule:
                 raising inside a ShardedDataParallel or FSDP stage that has replicas (their
                 gradient reduction is already under way)."""
         self._losses_arg, self._kwargs_arg = losses, kwargs
+        self._return_outputs, self._loss_kwargs = return_outputs, loss_kwargs
         try:
             if not self._checked:
                 self._check_first_step(inputs, target)
@@ -282,16 +306,20 @@ class PlanSchedule:
                 return self._run_step(inputs, target, grad)
         finally:  # the caller's list and tensors are not kept past the step, even a failed one
             self._losses_arg, self._kwargs_arg = None, {}
+            self._return_outputs, self._loss_kwargs, self._outputs = None, None, []
 
     def eval(self, *inputs: torch.Tensor, target: Optional[torch.Tensor] = None,
-             losses: Optional[list] = None, **kwargs):
+             losses: Optional[list] = None, return_outputs: Optional[bool] = None,
+             loss_kwargs: Optional[dict] = None, **kwargs):
         """Forward only (:meth:`step` under ``torch.no_grad()``), as
         ``torch.distributed.pipelining``'s ``eval``: the mean micro-batch loss on the rank
         running the last stage (``losses`` filled as by :meth:`step`), ``None`` elsewhere;
-        ``.grad`` is left alone. Call it on every rank of the pipeline. Dropout and
-        batch norm follow the modules' own ``train()``/``eval()`` mode, as in one process."""
+        ``.grad`` is left alone; ``return_outputs`` and ``loss_kwargs`` as in :meth:`step`.
+        Call it on every rank of the pipeline. Dropout and batch norm follow the modules' own
+        ``train()``/``eval()`` mode, as in one process."""
         with torch.no_grad():
-            return self.step(*inputs, target=target, losses=losses, **kwargs)
+            return self.step(*inputs, target=target, losses=losses,
+                             return_outputs=return_outputs, loss_kwargs=loss_kwargs, **kwargs)
 
     def _start_step(self, inputs, target) -> bool:
         """Learn the step's :class:`~shardkit.nn.pipe.p2p.StepState` (made here on group rank 0,
@@ -315,8 +343,7 @@ class PlanSchedule:
         return state.grad
 
     def _first_stage_state(self, inputs, target, grad: bool) -> StepState:
-        if self._batch_problems(inputs) or \
-                _kwargs_problems(type(self).__name__, self._kwargs_arg, self.chunks):
+        if self._batch_problems(inputs) or self._call_problems():
             return StepState(StepState.BAD, grad)
         if self.num_stages - 1 in self.stages and self._target_problems(target):
             return StepState(StepState.BAD, grad)  # ZBV: the last stage sees the batch too
@@ -351,7 +378,14 @@ class PlanSchedule:
         last = self.num_stages - 1
         self._inputs = split_microbatches(inputs, self.chunks, "step") if 0 in self.stages \
             else None
-        kwargs_problems = _kwargs_problems(type(self).__name__, self._kwargs_arg, self.chunks)
+        if self._inputs is not None and grad and self.chunks > 1:
+            # views share the batch's in-place version counter: a first layer working in place
+            # (nn.ReLU(inplace=True)) on micro-batch i + 1 would make autograd refuse the
+            # backward of micro-batch i, whose input it saved. One copy of the batch; tensors
+            # requiring grad stay views (their gradient goes back to the batch).
+            self._inputs = [tuple(t if t.requires_grad else t.clone() for t in mb)
+                            for mb in self._inputs]
+        kwargs_problems = self._call_problems()
         if kwargs_problems:  # rank 0's are caught before the step; a later rank's fail it
             self._fail(kwargs_problems[0])
             self._kwargs = None
@@ -404,7 +438,25 @@ class PlanSchedule:
             return None
         if self._losses_arg is not None:
             self._losses_arg[:] = self._losses
-        return torch.stack(self._losses).mean()
+        if self._return_outputs is not None:
+            return _merge_outputs(self._outputs) if self._return_outputs else None
+        total = torch.stack(self._losses)
+        return total.mean() if self.scale_grads else total.sum()
+
+    def _keep_output(self, s: int, i: int, output) -> None:
+        """Keep the last stage's output of micro-batch ``i`` (detached) for ``return_outputs``;
+        one that cannot be concatenated along dim 0 fails the step on every rank."""
+        values = list(output) if isinstance(output, (tuple, list)) else [output]
+        if not values or not all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
+            kinds = [f"{type(v).__name__}" if not isinstance(v, torch.Tensor) else
+                     "0-dim tensor" if v.dim() == 0 else "tensor" for v in values]
+            self._fail_at(s, i, f"step(return_outputs=True) concatenates the last stage's "
+                                f"outputs along dim 0, but it returned {kinds}; return a tensor "
+                                f"or a tuple of tensors with a batch dimension, or leave "
+                                f"return_outputs unset (step returns the loss)")
+            return
+        self._outputs.append(tuple(v.detach() for v in values) if isinstance(
+            output, (tuple, list)) else values[0].detach())
 
     def _forget_shapes(self) -> None:
         """After a failed step (on every rank alike): the next step starts as the first did,
@@ -484,7 +536,12 @@ class PlanSchedule:
         if s == last:
             if loss is not None:
                 self._losses.append(loss.detach())
-            roots = [loss / self.chunks] if loss is not None and loss.requires_grad else []
+            if loss is not None and loss.requires_grad:
+                roots = [loss / self.chunks if self.scale_grads else loss]
+            else:
+                roots = []
+            if self._return_outputs:
+                self._keep_output(s, i, output)
         else:
             outputs, problem = output_tensors(output)
             if problem:
@@ -535,7 +592,7 @@ class PlanSchedule:
         backward would sum the elements, not average them), fails the step on every rank
         instead of leaving the others waiting."""
         try:
-            loss = self.loss_fn(output, self._targets[i])
+            loss = self.loss_fn(output, self._targets[i], **(self._loss_kwargs or {}))
         except Exception as error:  # re-raised on every rank at the end of the step
             self._fail_at_last_stage(i, f"loss_fn raised {type(error).__name__}: {error}",
                                      error)
@@ -544,8 +601,8 @@ class PlanSchedule:
             found = f"a tensor of shape {tuple(loss.shape)}" if isinstance(
                 loss, torch.Tensor) else f"a {type(loss).__name__}"
             self._fail_at_last_stage(i, f"loss_fn returned {found}; expected a one-element "
-                                        f"tensor (the micro-batch's mean loss, e.g. "
-                                        f"reduction='mean')")
+                                        f"tensor (the micro-batch's loss, e.g. "
+                                        f"reduction='mean', or 'sum' with scale_grads=False)")
             return None
         return loss
 
@@ -665,13 +722,29 @@ class PlanSchedule:
         name, problems = type(self).__name__, list(self._problems)
         if 0 in self.stages:
             problems += self._batch_problems(inputs)
-        problems += _kwargs_problems(name, self._kwargs_arg, self.chunks)
+        problems += self._call_problems()
         last = self.num_stages - 1
         if last in self.stages:
             if self.loss_fn is None:
                 problems.append(f"the last stage needs {name}(..., loss_fn=...)")
             where = f"stage {last} (the last): " if len(self.stages) > 1 else ""
             problems += [where + p for p in self._target_problems(target)]
+        return problems
+
+    def _call_problems(self) -> list[str]:
+        """What is wrong with this rank's keyword arguments to :meth:`step` (on any rank)."""
+        name = type(self).__name__
+        problems = _kwargs_problems(name, self._kwargs_arg, self.chunks)
+        if self._return_outputs is not None and not isinstance(self._return_outputs, bool):
+            problems.append(f"{name}.step(return_outputs={self._return_outputs!r}): expected "
+                            f"True (the last stage returns its merged outputs), False (it "
+                            f"returns None) or None (the default: it returns the loss)")
+        loss_kwargs = self._loss_kwargs
+        if loss_kwargs is not None and (not isinstance(loss_kwargs, dict) or not all(
+                isinstance(k, str) for k in loss_kwargs)):
+            problems.append(f"{name}.step(loss_kwargs={type(loss_kwargs).__name__}): expected a "
+                            f"dict of keyword arguments for loss_fn(output, target, **"
+                            f"loss_kwargs), with str keys, or None")
         return problems
 
     def _target_problems(self, target) -> list[str]:
@@ -723,6 +796,13 @@ def _kwargs_problems(name: str, kwargs: dict, chunks: int) -> list[str]:
                             f"require grad (only the positional inputs get their gradient "
                             f"back); pass it positionally or detach it")
     return problems
+
+
+def _merge_outputs(outputs: list):
+    """The micro-batches' outputs (tensors, or tuples of tensors) concatenated along dim 0."""
+    if isinstance(outputs[0], tuple):
+        return tuple(torch.cat(parts) for parts in zip(*outputs))
+    return torch.cat(outputs)
 
 
 def _split_kwargs(kwargs: dict, chunks: int) -> Optional[list]:
@@ -796,14 +876,14 @@ class ScheduleGPipe(PlanSchedule):
 
     def __init__(self, stage: PipelineStage, chunks: int, loss_fn: Optional[Callable] = None,
                  track_activation_memory: bool = False, batch_weight_grads: Optional[bool] = None,
-                 weight_grad_merge: Optional[int] = None):
+                 weight_grad_merge: Optional[int] = None, scale_grads: bool = True):
         if batch_weight_grads not in (None, True, False):
             raise ValueError(f"ScheduleGPipe(batch_weight_grads={batch_weight_grads!r}): "
                              f"expected None (automatic), True or False")
         if batch_weight_grads is False and weight_grad_merge is None:
             weight_grad_merge = 1
         super().__init__(_one_stage(self, stage), chunks, loss_fn, track_activation_memory,
-                         weight_grad_merge)
+                         weight_grad_merge, scale_grads)
 
     def default_merge(self) -> int:
         return self.chunks
@@ -826,9 +906,10 @@ class Schedule1F1B(PlanSchedule):
     _who = "stage"
 
     def __init__(self, stage: PipelineStage, chunks: int, loss_fn: Optional[Callable] = None,
-                 track_activation_memory: bool = False, weight_grad_merge: Optional[int] = None):
+                 track_activation_memory: bool = False, weight_grad_merge: Optional[int] = None,
+                 scale_grads: bool = True):
         super().__init__(_one_stage(self, stage), chunks, loss_fn, track_activation_memory,
-                         weight_grad_merge)
+                         weight_grad_merge, scale_grads)
 
     def build_plan(self, num_ranks, chunks, costs=None):
         if self.num_stages != num_ranks:
