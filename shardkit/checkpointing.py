@@ -22,8 +22,11 @@ Memory, per call: the tensor arguments (not the region's activations) stay until
   by the tensor-parallel size ``tp`` is kept as this rank's contiguous ``1/tp`` slice (a copy);
   the others are kept whole (DeepSpeed asserts on them). The caller's tensor is left as it is
   (DeepSpeed swaps its ``.data`` for an empty one): it is freed when the caller drops it, as in
-  ``hidden = checkpoint(block, hidden)``. Communication: one all-gather per partitioned
-  argument before the recomputation, ``(tp-1)/tp`` of its bytes on the wire per rank
+  ``hidden = checkpoint(block, hidden)``. A partitioned argument must be the same on every
+  tensor-parallel rank (replicated activations, as between Megatron blocks): it is rebuilt from
+  the ranks' slices, so a rank-specific one (a ``ColumnParallelLinear`` output with
+  ``gather_output=False``) would come back wrong, as in DeepSpeed. Communication: one
+  all-gather per partitioned argument before the recomputation, ``(tp-1)/tp`` of its bytes on the wire per rank
   (``shardkit.distributed``, so :class:`~shardkit.distributed.CommCounter` counts it); none in
   the forward.
 - ``cpu_checkpointing`` (``checkpoint_in_cpu``): the kept arguments live in CPU memory and are
@@ -361,7 +364,7 @@ class _CheckpointFunction(torch.autograd.Function):
         with _boundary("forward"), torch.no_grad():
             outputs = run_function(*layout.merge(tensors))
         ctx.save_for_backward(*kept)
-        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
         tensor_outs = [o for o in outs if torch.is_tensor(o)]
         ctx.mark_non_differentiable(*[o for o in tensor_outs if not o.is_floating_point()])
         return tuple(tensor_outs)
@@ -370,8 +373,11 @@ class _CheckpointFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         if not torch.autograd._is_checkpoint_valid():
             raise RuntimeError("shardkit.checkpointing.checkpoint is reentrant and does not work "
-                               "with torch.autograd.grad(); use .backward(), or "
-                               "non_reentrant_checkpoint")
+                               "with torch.autograd.grad() or backward(inputs=...), which "
+                               "shardkit's multi-process pipeline schedules use to split each "
+                               "stage's backward into input and weight gradients; use "
+                               "shardkit.checkpointing.non_reentrant_checkpoint there (or call "
+                               ".backward() yourself)")
         if _STATE.options.contiguous_memory_optimization:
             _BUFFERS.clear()  # the partitions saved below stay alive through ctx
         from shardkit import distributed
@@ -395,7 +401,7 @@ class _CheckpointFunction(torch.autograd.Function):
                 outputs = ctx.run_function(*ctx.layout.merge(inputs))
         finally:
             _set_rng_states(outside)
-        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
         pairs = [(o, g) for o, g in zip([o for o in outs if torch.is_tensor(o)], grads)
                  if o.requires_grad]
         if pairs:
@@ -438,7 +444,8 @@ def checkpoint(function: Callable, *args, **kwargs):
     options and their memory and communication).
 
     Returns what ``function`` returns: a tensor, or a tuple whose non-tensor items come back
-    as they are. As in DeepSpeed, outputs that are not floating point are not differentiable,
+    as they are (a list comes back as a tuple, as in DeepSpeed; any other return value is a
+    TypeError). As in DeepSpeed, outputs that are not floating point are not differentiable,
     every floating-point output requires grad when a tensor input does (whether or not it
     would without checkpointing; a gradient sent to one that does not need it in the
     recomputation is dropped), and nothing requires grad when no tensor input does (use
@@ -452,6 +459,7 @@ def checkpoint(function: Callable, *args, **kwargs):
                         f"checkpoint first, then its arguments")
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
+    given = function
     function, args = _with_keywords(function, args, kwargs)
     layout = _Layout(args)
     tensors = [a for a in args if torch.is_tensor(a)]
@@ -465,8 +473,12 @@ def checkpoint(function: Callable, *args, **kwargs):
 
     results = iter(_CheckpointFunction.apply(run, layout, *tensors))
     first = holder.pop("out")
-    if not isinstance(first, tuple):
+    if torch.is_tensor(first):
         return next(results)
+    if not isinstance(first, (tuple, list)):
+        raise TypeError(f"checkpoint(function={given!r}): it returned a "
+                        f"{type(first).__name__}; expected a tensor, or a tuple or list "
+                        f"(returned as a tuple, as DeepSpeed does)")
     return tuple(next(results) if torch.is_tensor(v) else v for v in first)
 
 

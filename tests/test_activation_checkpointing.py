@@ -215,6 +215,28 @@ def test_keyword_arguments_and_inputs_without_grad():
     assert shift.grad is None
 
 
+def test_list_output_comes_back_as_a_tuple_with_gradients_as_deepspeed():
+    # was a bare StopIteration (DeepSpeed returns the list's items as a tuple)
+    w, x = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    out = ck.checkpoint(lambda t: [t * w, (t * w).sin(), 7], x)
+    assert isinstance(out, tuple) and out[2] == 7
+    (out[0].sum() + out[1].sum()).backward()
+    ref_w, ref_x = w.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+    ((ref_x * ref_w).sum() + (ref_x * ref_w).sin().sum()).backward()
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    torch.testing.assert_close(w.grad, ref_w.grad)
+
+
+@pytest.mark.parametrize("value", [None, 3, {"h": 1}])
+def test_output_neither_tensor_nor_tuple_is_a_clear_type_error(value):
+    # was a bare StopIteration, which map() and generators end on silently
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(TypeError, match=f"returned a {type(value).__name__}; expected a tensor"):
+        ck.checkpoint(lambda t: value, x)
+    with pytest.raises(TypeError):
+        list(map(lambda f: ck.checkpoint(f, x), [lambda t: value]))
+
+
 def test_reentrant_needs_an_input_that_requires_grad_as_deepspeeds():
     """No input requires grad: the reentrant output does not either (DeepSpeed's behaviour);
     the non-reentrant one still sends gradients to the parameters."""

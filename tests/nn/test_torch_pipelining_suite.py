@@ -797,3 +797,30 @@ def test_an_inplace_first_layer_on_the_batch_trains_like_one_process(world2, sch
     # computation has been modified by an inplace operation" (micro-batch views of one batch
     # share its version counter)
     assert max(world2.run(_run_inplace_first_layer, schedule)) < 2e-6
+
+
+class _ReentrantBlock(nn.Linear):
+    """A stage whose forward is a DeepSpeed-style (reentrant) activation checkpoint."""
+
+    def forward(self, x):
+        from shardkit import checkpointing
+
+        return checkpointing.checkpoint(super().forward, x)
+
+
+def _reentrant_checkpoint_in_a_stage():
+    rank, p = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    modules = [nn.Linear(D, D)] + [_ReentrantBlock(D, D) for _ in range(p - 1)]
+    schedule = _pipeline(modules, chunks=2, cls=Schedule1F1B)
+    x, y = torch.randn(4, D), torch.randn(4, D)
+    return _error_of(lambda: schedule.step(*(x,) if rank == 0 else (),
+                                           **({"target": y} if rank == p - 1 else {})))
+
+
+def test_reentrant_activation_checkpoint_in_a_stage_names_the_way_out(world2):
+    # the schedules split each backward (torch.autograd.grad): the reentrant checkpoint's
+    # error must say so and name non_reentrant_checkpoint (it said "use .backward()")
+    for name, message in world2.run(_reentrant_checkpoint_in_a_stage):
+        assert name == "ValueError", message
+        assert "pipeline schedules" in message and "non_reentrant_checkpoint" in message, message
