@@ -26,9 +26,9 @@ Memory, per call: the tensor arguments (not the region's activations) stay until
   tensor-parallel rank (replicated activations, as between Megatron blocks): it is rebuilt from
   the ranks' slices, so a rank-specific one (a ``ColumnParallelLinear`` output with
   ``gather_output=False``) would come back wrong, as in DeepSpeed. Communication: one
-  all-gather per partitioned argument before the recomputation, ``(tp-1)/tp`` of its bytes on the wire per rank
-  (``shardkit.distributed``, so :class:`~shardkit.distributed.CommCounter` counts it); none in
-  the forward.
+  all-gather per partitioned argument before the recomputation, ``(tp-1)/tp`` of its bytes on
+  the wire per rank (``shardkit.distributed``, so :class:`~shardkit.distributed.CommCounter`
+  counts it); none in the forward.
 - ``cpu_checkpointing`` (``checkpoint_in_cpu``): the kept arguments live in CPU memory and are
   copied back to their device for the recomputation; on a CPU run this changes nothing.
 - ``contiguous_memory_optimization``: the partitions are copied into one preallocated buffer per
