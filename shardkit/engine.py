@@ -70,7 +70,8 @@ from shardkit.model_parallel_unit import (ModelParallelGroups, checkpoint_locati
                                           model_parallel_groups, mp_rank_name,
                                           write_tensor_parallel_layout)
 from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
-from shardkit.recipes import Composition, OptimizerRecipe, compose, why_not_steppable_on_shards
+from shardkit.recipes import (Composition, OptimizerRecipe, compose, why_not_on_row_shards,
+                              why_not_steppable_on_shards)
 from shardkit.utils.wrapped_attributes import attribute_through
 
 __all__ = ["initialize", "ShardedEngine"]
@@ -95,10 +96,28 @@ def _optimizer_recipe(cfg: EngineConfig, optimizer, model_parameters, model) -> 
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
         params = model_parameters if model_parameters is not None else \
             [p for p in model.parameters() if p.requires_grad]
-        optimizer = optimizer(params)
+        optimizer = _built_by_callable(optimizer, params, cfg)
         if cfg.zero.stage == 3 and optimizer.state:
             return _recipe_rebuilt_on_shards(optimizer)
     return OptimizerRecipe.of(optimizer)
+
+
+def _built_by_callable(factory, params, cfg: EngineConfig) -> torch.optim.Optimizer:
+    """The optimizer the caller's ``callable(params)`` builds, checked as a passed instance is
+    (:func:`_check_arguments`): a torch optimizer, and at stage 3 one that can step FSDP's row
+    shards (state it built already is no reason to refuse: it is rebuilt over the shards, see
+    :func:`_recipe_rebuilt_on_shards`). The same :class:`ConfigError` on every rank, before
+    any wrapper exists or any collective starts. Local."""
+    built = factory(params)
+    if not isinstance(built, torch.optim.Optimizer):
+        raise TypeError(f"initialize(optimizer=<callable>): the callable must return a "
+                        f"torch.optim.Optimizer built over the params it is given, it returned "
+                        f"{type(built).__name__}")
+    problem = cfg.zero.stage == 3 and why_not_on_row_shards(type(built))
+    if problem:
+        raise ConfigError(f"initialize(optimizer=<callable>) at zero_optimization.stage=3: "
+                          f"{problem}")
+    return built
 
 
 def _recipe_rebuilt_on_shards(optimizer: torch.optim.Optimizer) -> OptimizerRecipe:
@@ -191,8 +210,9 @@ def _check_scheduler_lists(cfg: EngineConfig, recipe: OptimizerRecipe) -> None:
 
 
 def _names_by_trainability(model: nn.Module) -> tuple[list[str], list[str]]:
-    """``(trainable parameter names, frozen parameter names)`` of ``model``."""
-    named = list(model.named_parameters())
+    """``(trainable parameter names, frozen parameter names)`` of ``model``, every name of a
+    tied parameter (its aliases share its ``requires_grad``)."""
+    named = list(model.named_parameters(remove_duplicate=False))
     return ([n for n, p in named if p.requires_grad], [n for n, p in named if not p.requires_grad])
 
 

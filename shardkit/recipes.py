@@ -206,6 +206,7 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
                      reduce_to_owners=reduce_to_owners)
     reduce_dtype = _checked_reduce_dtype(reduce_dtype, stage, mixed_precision,
                                          quantize_gradients, step_in_backward)
+    _refuse_sparse_gradients(model, stage)
     if find_unused_parameters not in (False, True) or (find_unused_parameters and stage > 1):
         raise ValueError(f"compose(stage={stage}, find_unused_parameters="
                          f"{find_unused_parameters!r}): a bool, for stages 0-1 (torch DDP); "
@@ -279,6 +280,30 @@ def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_num
                               else why_not_on_row_shards(optimizer.cls))
     if problem:
         raise ValueError(f"compose(stage=3): {problem}")
+
+
+def _refuse_sparse_gradients(model: nn.Module, stage: int) -> None:
+    """Stages 1-3 do not take sparse gradients (``nn.Embedding``/``nn.EmbeddingBag`` built with
+    ``sparse=True``), as ``initialize`` refuses them there: stage 1's reduce-to-owners hook,
+    ShardedDataParallel's buckets and FSDP's flat shards handle dense tensors only (stages
+    2-3 failed in backward with "reshape is not implemented for sparse tensors"). A
+    ValueError naming the first such trainable parameter, on every rank, before any wrapper
+    exists. Local."""
+    if stage == 0:
+        return
+    for prefix, module in model.named_modules():
+        if not isinstance(module, (nn.Embedding, nn.EmbeddingBag)) \
+                or not getattr(module, "sparse", False):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if param.requires_grad:
+                full = f"{prefix}.{name}" if prefix else name
+                raise ValueError(
+                    f"compose(stage={stage}): parameter {full!r} ({type(module).__name__} "
+                    f"built with sparse=True) gets sparse gradients, which stages 1-3 cannot "
+                    f"reduce (OSS, ShardedDataParallel and FSDP take dense gradients); build "
+                    f"it with sparse=False, or use stage 0 (torch DDP reduces sparse "
+                    f"gradients)")
 
 
 # What each of these optimizers reads across a whole tensor, which a row shard does not hold.
@@ -414,10 +439,23 @@ def _replicated_clip(params: list) -> Callable:
 
 def _clip_replicated(params: list, max_norm: float) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` over gradients every rank holds in full; ``max_norm=inf``
-    only measures (no pass that multiplies by 1)."""
-    if math.isinf(max_norm):
-        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    only measures (no pass that multiplies by 1). Sparse gradients (``nn.Embedding(sparse=
+    True)``, which torch DDP reduces at stage 0), which torch's norm cannot take, count with
+    their coalesced values (repeated rows summed, as they are added to the weight), so the
+    norm and the clipped gradients are those of the same gradients held dense. Local."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(g.is_sparse for g in grads):
+        if math.isinf(max_norm):
+            return torch.nn.utils.get_total_norm(grads)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    total = torch.nn.utils.get_total_norm(
+        [g.coalesce().values() if g.is_sparse else g for g in grads])
+    if not math.isinf(max_norm):  # torch's coefficient, at most 1
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            for grad in grads:
+                grad.mul_(coefficient.item() if grad.is_sparse else coefficient.to(grad.device))
+    return total
 
 
 def _stage1(model, oss, process_group, count_comm, psi, reduce_to_owners,

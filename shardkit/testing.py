@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -47,6 +48,8 @@ __all__ = ["World", "WorldError", "free_port", "patched_environ", "world_fixture
            "run_cluster", "process_context"]
 
 _DEFAULT_TIMEOUT = float(os.environ.get("SHARDKIT_TEST_TIMEOUT", "240"))
+# seconds the other ranks get to finish once one has failed (World's failure_grace_s)
+_FAILURE_GRACE_S = 5.0
 
 
 class WorldError(AssertionError):
@@ -153,12 +156,22 @@ class World:
             (``LOCAL_WORLD_SIZE``, ``LOCAL_RANK``, ``GROUP_RANK``), so that topology-aware code
             and ``CommCounter``'s per-link split see several nodes; every rank still runs on
             this machine (:func:`run_cluster` gives real separate nodes). Default: one node.
+        failure_grace_s: once a rank has failed in a :meth:`run`, how many more seconds the
+            others get to finish (and report their results or errors) before they are taken
+            for hung, their stacks dumped and the world torn down (a positive number; default
+            5). Raise it when a test body's other ranks do long work that does not wait on the
+            failed rank; lower it to fail faster.
     """
 
     def __init__(self, world_size: int, timeout: float = _DEFAULT_TIMEOUT, threads: int = 1,
-                 env: Optional[dict] = None, ranks_per_node: Optional[int] = None):
+                 env: Optional[dict] = None, ranks_per_node: Optional[int] = None,
+                 failure_grace_s: float = _FAILURE_GRACE_S):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"World(world_size={world_size!r}): must be an int >= 1")
+        if isinstance(failure_grace_s, bool) or not isinstance(failure_grace_s, (int, float)) \
+                or not 0 < failure_grace_s < math.inf:
+            raise ValueError(f"World(failure_grace_s={failure_grace_s!r}): must be a positive, "
+                             f"finite number of seconds (default {_FAILURE_GRACE_S})")
         per_node = world_size if ranks_per_node is None else ranks_per_node
         if not isinstance(per_node, int) or per_node < 1 or world_size % per_node:
             raise ValueError(f"World(ranks_per_node={ranks_per_node!r}): must be an int >= 1 "
@@ -168,6 +181,7 @@ class World:
         self.timeout = timeout
         self.threads = threads
         self.env = dict(env or {})
+        self.failure_grace_s = float(failure_grace_s)
         self._procs: list = []
 
     # -- life cycle
@@ -244,7 +258,7 @@ class World:
             else:
                 (results if ok else failures)[rank] = value
             if failures:  # the others may be waiting on the failed rank: a short grace period
-                deadline = min(deadline, time.time() + 5.0)
+                deadline = min(deadline, time.time() + self.failure_grace_s)
         if len(results) == self.world_size:
             return [results[r] for r in range(self.world_size)]
         self._fail(fn, results, failures)

@@ -294,6 +294,7 @@ def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
             _check_shapes(engine, ckpt)  # before anything is written: a mismatch changes nothing
             if with_optimizer:
                 _check_optimizer_class(engine, ckpt)
+                _check_optimizer_state(engine, ckpt)
     except Exception as e:  # raised on every rank below
         error = e
     failed, found = _count_over_ranks(error is not None, ckpt is not None)
@@ -424,6 +425,13 @@ def _load_optimizer(engine, optim_by_name: dict, saved_groups: list) -> None:
     """Give the optimizer a torch-format state dict in its own parameter order: at stages
     0-2 of full tensors (OSS keeps its owned part), at stage 3 of this rank's row blocks, as
     read (its optimizer's parameters are those blocks)."""
+    engine.optimizer.load_state_dict(_state_dict_in_order(engine, optim_by_name,
+                                                          saved_groups)[0])
+
+
+def _state_dict_in_order(engine, optim_by_name: dict, saved_groups: list) -> tuple:
+    """``(torch-format state dict, parameter names in its index order)`` for the engine's
+    optimizer (see :func:`_load_optimizer`). Local, no copy."""
     source = engine.wrapped if engine.zero_stage == 3 else engine.module
     name_of = {id(p): n for n, p in source.named_parameters()}
     order = [name_of[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
@@ -431,7 +439,23 @@ def _load_optimizer(engine, optim_by_name: dict, saved_groups: list) -> None:
     for g in engine.optimizer.param_groups:
         groups.append(list(range(start, start + len(g["params"]))))
         start += len(g["params"])
-    engine.optimizer.load_state_dict(_torch_format(optim_by_name, order, groups, saved_groups))
+    return _torch_format(optim_by_name, order, groups, saved_groups), order
+
+
+def _check_optimizer_state(engine, ckpt) -> None:
+    """Stages 1-2: the optimizer state this rank kept (its OSS share) must load into its OSS
+    (:meth:`shardkit.optim.OSS.check_state_dict`: each state tensor's size, each parameter's
+    state keys against those its optimizer keeps). Checked before the agreement, so that a
+    bad key makes every rank raise before anything is written: the rank that kept that
+    state names the parameter and the key, the others that a rank failed. Local."""
+    check = getattr(engine.optimizer, "check_state_dict", None)
+    if engine.zero_stage not in (1, 2) or check is None:
+        return
+    state_dict, order = _state_dict_in_order(engine, ckpt.optim, ckpt.engine["param_groups"])
+    try:
+        check(state_dict, labels=order)
+    except ValueError as error:
+        raise CheckpointError(f"load_checkpoint({ckpt.path}): {error}") from error
 
 
 def _torch_format(optim_by_name: dict, order: list, groups: list, saved_groups: list) -> dict:

@@ -13,6 +13,7 @@ only ties the concerns together; each lives in its own module:
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable, Optional, Union
 
 import torch
@@ -439,10 +440,26 @@ class OSS(torch.optim.Optimizer):
         # an optimizer run over the whole model (LBFGS) reads every gradient: scale them all
         scaled = owned if not self._whole_model else [
             p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-        return clip_grad_norm_across_ranks([p.grad for p in scaled], max_norm, norm_type,
-                                           self.group, device=self._default_device,
-                                           measured=[p.grad for p in counted],
-                                           also_over=also_over)
+        grads = [p.grad for p in scaled]
+        if not any(g.is_sparse for g in grads):
+            return clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.group,
+                                               device=self._default_device,
+                                               measured=[p.grad for p in counted],
+                                               also_over=also_over)
+        # sparse gradients (nn.Embedding(sparse=True)), which torch's norms cannot read and an
+        # in-place multiply of a detached copy does not reach: measured by their coalesced
+        # values (the same collectives as on ranks without any), scaled here
+        total = clip_grad_norm_across_ranks(
+            [g for g in grads if not g.is_sparse], math.inf, norm_type, self.group,
+            device=self._default_device, also_over=also_over,
+            measured=[p.grad.coalesce().values() if p.grad.is_sparse else p.grad
+                      for p in counted])
+        if not math.isinf(max_norm):
+            coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for grad in grads:
+                grad.mul_(coefficient.item() if grad.is_sparse
+                          else coefficient.to(grad.device, grad.dtype))
+        return total
 
     # ------------------------------------------------------------------ param groups
 
@@ -529,11 +546,13 @@ class OSS(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full torch-format optimizer state dict, saved at any world size or by a plain
         torch optimizer; keep only the state of the parameters this rank owns. No communication.
+
+        Checked first, for every parameter on every rank (:meth:`check_state_dict`), so that
+        a bad dict raises the same ``ValueError`` everywhere and changes nothing: its groups
+        and sizes, and, for torch's and shardkit's optimizers, each parameter's state keys
+        (one the optimizer does not keep, or one its step reads that is missing).
         """
-        caller = "OSS.load_state_dict"
-        saved_groups = check_full_state_dict(caller, state_dict, self.param_groups)
-        found = {p: (key, checked_elementwise_state(caller, p, key, s))
-                 for p, (key, s) in state_by_param(state_dict, self.param_groups).items()}
+        saved_groups, found = self._checked_state(state_dict)
         self._consolidated = None
         for group, saved in zip(self.param_groups, saved_groups):
             group.update(_hyper(saved))
@@ -543,6 +562,40 @@ class OSS(torch.optim.Optimizer):
         self._parked_state = {p: s for p, (key, s) in found.items()
                               if id(p) not in local and p not in self.partition
                               and key % self.world_size == self.rank}
+
+    def check_state_dict(self, state_dict: dict, labels: Optional[list] = None) -> None:
+        """Raise the ``ValueError`` :meth:`load_state_dict` would raise for ``state_dict``
+        (its shape against the param groups, each state tensor's size, each parameter's state
+        keys against those the optimizer keeps), changing nothing. ``labels``: what to call the
+        parameter saved at index ``i`` in messages (``labels[i]``, e.g. its name; default
+        ``i``). For a caller that holds only part of a state dict and must agree with the
+        other ranks before loading (an engine checkpoint). Local, no communication."""
+        self._checked_state(state_dict, labels)
+
+    def _checked_state(self, state_dict: dict, labels: Optional[list] = None) -> tuple:
+        """``(saved param groups, {param: (saved index, state)})`` of a checked full state dict
+        (:meth:`check_state_dict`). Every parameter's saved state is checked on every rank,
+        owned or not, so that every rank raises the same ValueError before anything changes.
+        Local; one tiny trial step per kind of parameter (the keys' check)."""
+        caller = "OSS.load_state_dict"
+        saved_groups = check_full_state_dict(caller, state_dict, self.param_groups)
+        found = {p: (key, checked_elementwise_state(caller, p, key, s))
+                 for p, (key, s) in state_by_param(state_dict, self.param_groups).items()}
+        if self._whole_model:  # LBFGS: one state over the whole model, not per parameter
+            return saved_groups, found
+        known: dict = {}
+        for group, saved in zip(self.param_groups, saved_groups):
+            hyper = self._local_hyper({**group, **_hyper(saved)})
+            for p in group["params"]:
+                if p not in found:
+                    continue
+                index, state = found[p]
+                label = index if labels is None else labels[index]
+                problem = args.state_key_problem(caller, type(self.optim), hyper, p, label,
+                                                 state, known)
+                if problem:
+                    raise ValueError(problem)
+        return saved_groups, found
 
     # ------------------------------------------------------------------ overlapped sync
 

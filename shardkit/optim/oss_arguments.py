@@ -20,7 +20,7 @@ __all__ = ["NOT_GIVEN", "place_broadcast_fp16", "check_deprecated_fairscale_argu
            "resolve_optimizer", "optimizer_name", "check_built_optimizer",
            "drop_deprecated_fairscale_kwargs", "check_optimizer_class", "check_takeover_arguments",
            "normalize_param_groups", "check_same_model_on_every_rank", "trainable_signature",
-           "optimizer_settings", "groups_of", "constructor_kwargs"]
+           "optimizer_settings", "groups_of", "constructor_kwargs", "state_key_problem"]
 
 # FairScale OSS arguments that no longer do anything there either; accepted and ignored.
 _DEPRECATED_FAIRSCALE_KWARGS = ("broadcast_buffer_size", "force_broadcast_object")
@@ -338,3 +338,63 @@ def without_fixed_defaults(optim: type, defaults: dict) -> dict:
         return dict(defaults)
     return {k: v for k, v in defaults.items()
             if k in accepted or k not in fixed or fixed[k] != v}
+
+
+# ----------------------------------------------------------------------------- loaded state
+
+
+def state_key_problem(caller: str, optim_cls: type, hyper: dict, param: torch.Tensor, index,
+                      state: dict, known: dict) -> Optional[str]:
+    """Why the saved per-parameter ``state`` (of the parameter saved at ``index``) cannot be
+    loaded into an ``optim_cls`` stepping ``param`` with the group hyper-parameters ``hyper``
+    (``None``: it can): a key the optimizer does not keep (another optimizer's, an edited
+    dict), or one its step reads that is missing (without this check its owner alone failed
+    at the next step, with a ``KeyError``, while the other ranks waited in the parameter
+    sync). The keys an optimizer keeps are those a throwaway one of the same class and
+    hyper-parameters holds after stepping a one-element stand-in of ``param``'s dimensions,
+    dtype and device (:func:`_kept_state_keys`; cached in ``known``). Only torch's and
+    shardkit's optimizer classes are checked (another class may add keys later on); one run
+    over the whole model (LBFGS) keeps no per-parameter state. Local."""
+    kept = _kept_state_keys(optim_cls, hyper, param, known)
+    if kept is None:
+        return None
+    unknown, missing = sorted(set(state) - kept), sorted(kept - set(state))
+    if not unknown and not missing:
+        return None
+    what = "; ".join(part for part in (
+        f"key(s) {unknown} that {optim_cls.__name__} does not keep" if unknown else "",
+        f"no {missing}, which {optim_cls.__name__}'s step reads" if missing else "") if part)
+    return (f"{caller}: the saved state of parameter {index!r} (shape {tuple(param.shape)}) has "
+            f"{what} (it holds {sorted(state)}, {optim_cls.__name__} with these "
+            f"hyper-parameters keeps {sorted(kept)}); the state dict is from another optimizer "
+            f"or other settings; the optimizer was left unchanged")
+
+
+def _kept_state_keys(optim_cls: type, hyper: dict, param: torch.Tensor,
+                     known: dict) -> Optional[frozenset]:
+    """The per-parameter state keys ``optim_cls`` keeps with ``hyper`` for a parameter like
+    ``param``; ``None`` when that cannot be told (see :func:`state_key_problem`). One step of a
+    throwaway optimizer over a one-element tensor per (hyper-parameters, dimensions, dtype,
+    device), under ``torch.no_grad``; the global RNG is left as it was."""
+    module = getattr(optim_cls, "__module__", "") or ""
+    if not isinstance(optim_cls, type) or issubclass(optim_cls, torch.optim.LBFGS) \
+            or not module.startswith(("torch.optim", "shardkit.optim")):
+        return None
+    key = (optim_cls, _stable_repr(sorted(hyper.items())), param.dim(), param.dtype,
+           param.device)
+    if key not in known:
+        known[key] = _step_stand_in(optim_cls, hyper, param)
+    return known[key]
+
+
+def _step_stand_in(optim_cls: type, hyper: dict, param: torch.Tensor) -> Optional[frozenset]:
+    stand_in = torch.nn.Parameter(torch.zeros((1,) * param.dim(), dtype=param.dtype,
+                                              device=param.device))
+    stand_in.grad = torch.zeros_like(stand_in)
+    with torch.random.fork_rng(devices=[]):
+        try:
+            optimizer = optim_cls([{**hyper, "params": [stand_in]}])
+            optimizer.step()
+        except Exception:  # a class that needs more (a closure, sparse gradients): not checked
+            return None
+    return frozenset(optimizer.state.get(stand_in, {}))

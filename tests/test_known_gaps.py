@@ -1,0 +1,330 @@
+"""Four small gaps, each with the behaviour it has now:
+
+1. ``initialize(optimizer=<callable>)`` at stage 3 refuses an optimizer that needs whole
+   tensors (LBFGS) with the ConfigError a passed instance gets, on every rank, before any
+   collective.
+2. Gradient clipping of replicated gradients (``compose(stage=0)``) and OSS's clipping take
+   sparse gradients (``nn.Embedding(sparse=True)``) as torch's ``clip_grad_norm_`` takes the
+   same gradients held dense; ``compose`` refuses sparse embeddings at stages 1-3, naming the
+   parameter, before any wrapper exists.
+3. ``OSS.load_state_dict`` (stages 1-2) refuses per-parameter state with a key the optimizer
+   does not keep, or without one its step reads, on every rank before anything changes
+   (before: the load passed, and at the next step the owner alone raised a KeyError while
+   the others waited in the parameter sync).
+4. ``World(failure_grace_s=...)``: how long the other ranks get once one has failed.
+
+One world of 2 gloo ranks for the module.
+"""
+
+import math
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardkit
+from shardkit import distributed
+from shardkit.comm_counter import CommCounter
+from shardkit.optim import OSS
+from shardkit.recipes import OptimizerRecipe, _clip_replicated, compose
+from shardkit.testing import World, WorldError, world_fixture
+
+world2 = world_fixture(2)
+
+STAGE3 = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+
+
+class _SparseNet(nn.Module):
+    def __init__(self, sparse: bool = True):
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = nn.Embedding(12, 4, sparse=sparse)
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, ids):
+        return self.lin(self.emb(ids))
+
+
+def _dense_twin(model: _SparseNet) -> _SparseNet:
+    twin = _SparseNet(sparse=False)
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+def _outcome(fn):
+    try:
+        return ("ok", fn())
+    except Exception as error:
+        return (type(error).__name__, str(error))
+
+
+# ---------------------------------------------------------------- 1. stage-3 callable optimizer
+
+
+def _stage3_optimizers():
+    outcomes = {}
+    with CommCounter() as comm:
+        for kind, optimizer in (
+                ("instance", lambda model: torch.optim.LBFGS(model.parameters(), lr=0.1)),
+                ("callable", lambda model: lambda params: torch.optim.LBFGS(params, lr=0.1)),
+                ("subclass", lambda model: lambda params: type(
+                    "MyLBFGS", (torch.optim.LBFGS,), {})(params, lr=0.1)),
+                ("not_an_optimizer", lambda model: lambda params: [params])):
+            model = _mlp()
+            outcomes[kind] = _outcome(lambda: shardkit.initialize(
+                model, optimizer=optimizer(model), config=STAGE3, peer_timeout_s=0))
+        calls = len(comm.calls)
+    # a callable whose optimizer built state (Adagrad's sums) is rebuilt over the shards
+    engine, optimizer, _, _ = shardkit.initialize(
+        _mlp(), optimizer=lambda params: torch.optim.Adagrad(params, lr=0.1), config=STAGE3,
+        peer_timeout_s=0)
+    return outcomes, calls, type(optimizer).__name__
+
+
+def test_stage3_callable_optimizer_refused_like_an_instance(world2):
+    for outcomes, calls, adagrad in world2.run(_stage3_optimizers):
+        assert calls == 0  # every refusal came before any collective
+        kind, instance_message = outcomes["instance"]
+        assert kind == "ConfigError", outcomes["instance"]
+        problem = instance_message.split("zero_optimization.stage=3: ", 1)[1]
+        for case, name in (("callable", "LBFGS"), ("subclass", "MyLBFGS")):
+            kind, message = outcomes[case]
+            assert kind == "ConfigError", outcomes[case]
+            assert message.startswith(
+                "initialize(optimizer=<callable>) at zero_optimization.stage=3: "), message
+            assert name in message and "stages 0-2" in message, message
+        assert outcomes["callable"][1].endswith(problem)
+        kind, message = outcomes["not_an_optimizer"]
+        assert kind == "TypeError" and "optimizer=<callable>" in message and "list" in message
+        assert adagrad == "Adagrad"
+
+
+# ---------------------------------------------------------------- 2. sparse gradients, clipping
+
+
+def _sparse_step_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    F.mse_loss(model(ids), torch.linspace(-1, 1, ids.numel() * 3).reshape(-1, 3)).backward()
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e3, math.inf])
+def test_clip_replicated_sparse_matches_torch_on_dense(max_norm):
+    model = _SparseNet()
+    twin = _dense_twin(model)
+    ids = torch.tensor([1, 4, 1, 7, 4, 1])  # repeated rows: an uncoalesced sparse gradient
+    _sparse_step_grads(model, ids)
+    _sparse_step_grads(twin, ids)
+    assert model.emb.weight.grad.is_sparse and not model.emb.weight.grad.is_coalesced()
+    norm = _clip_replicated(list(model.parameters()), max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(list(twin.parameters()), max_norm)
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad.to_dense(), q.grad, rtol=1e-6, atol=1e-9)
+
+
+def _sparse_parity(stage_or_oss, max_norm, steps=3):
+    """Train the sparse model (stage 0 through compose, DDP averaging each rank's ids; or OSS
+    alone, every rank on the whole batch) against one process training its dense twin on the
+    whole batch with torch's clip_grad_norm_; the largest norm and parameter differences."""
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    model = _SparseNet()
+    oracle = _dense_twin(model)
+    ref = torch.optim.SGD(oracle.parameters(), lr=0.5, momentum=0.9)
+    if stage_or_oss == "oss":
+        opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.5, momentum=0.9)
+        run, clip = model, opt.clip_grad_norm
+    else:
+        composition = compose(model, 0, OptimizerRecipe(torch.optim.SGD,
+                                                        {"lr": 0.5, "momentum": 0.9}))
+        run, opt, clip = composition.wrapped, composition.optimizer, \
+            composition.clip_grad_norm
+    worst_norm = worst_param = 0.0
+    for step in range(steps):
+        ids = torch.randint(0, 12, (4 * world,), generator=torch.Generator().manual_seed(step))
+        target = torch.randn(4 * world, 3, generator=torch.Generator().manual_seed(50 + step))
+        mine = slice(None) if stage_or_oss == "oss" else slice(4 * rank, 4 * rank + 4)
+        opt.zero_grad()
+        F.mse_loss(run(ids[mine]), target[mine]).backward()
+        assert model.emb.weight.grad.is_sparse
+        norm = clip(max_norm)
+        ref.zero_grad()
+        F.mse_loss(oracle(ids), target).backward()
+        expected = torch.nn.utils.clip_grad_norm_(oracle.parameters(), max_norm)
+        opt.step()
+        ref.step()
+        worst_norm = max(worst_norm, abs(float(norm) - float(expected)))
+        worst_param = max(worst_param, max((p - q).abs().max().item() for p, q in
+                                           zip(model.parameters(), oracle.parameters())))
+    return worst_norm, worst_param
+
+
+def _refused_sparse_stages():
+    out = {}
+    with CommCounter() as comm:
+        for stage in (1, 2, 3):
+            out[stage] = _outcome(lambda: compose(
+                _SparseNet(), stage, OptimizerRecipe(torch.optim.SGD, {"lr": 0.1})))
+    return out, len(comm.calls)
+
+
+@pytest.mark.parametrize("where", [0, "oss"])
+def test_sparse_gradients_clip_like_torch(world2, where):
+    for max_norm in (0.05, math.inf):
+        for worst_norm, worst_param in world2.run(_sparse_parity, where, max_norm):
+            assert worst_norm < 1e-5 and worst_param < 1e-5, \
+                (where, max_norm, worst_norm, worst_param)
+
+
+def test_compose_refuses_sparse_embeddings_at_stages_1_to_3(world2):
+    for out, calls in world2.run(_refused_sparse_stages):
+        assert calls == 0
+        for stage, (kind, message) in out.items():
+            assert kind == "ValueError", (stage, kind, message)
+            assert message.startswith(f"compose(stage={stage}): parameter 'emb.weight'")
+            assert "sparse=True" in message and "stage 0" in message
+
+
+# ---------------------------------------------------------------- 3. OSS.load_state_dict keys
+
+
+def _adamw_full_state():
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    return opt.state_dict()
+
+
+def _local_state(oss):
+    return {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+            for i, s in oss.optim.state_dict()["state"].items()}
+
+
+def _same_state(a, b):
+    return a.keys() == b.keys() and all(
+        a[i].keys() == b[i].keys() and all(torch.equal(torch.as_tensor(a[i][k]),
+                                                       torch.as_tensor(b[i][k])) for k in a[i])
+        for i in a)
+
+
+def _load_bad_state(index, edit):
+    model = _mlp()
+    oss = OSS(model.parameters(), optim=torch.optim.AdamW, lr=0.1)
+    model(torch.ones(3, 4)).sum().backward()
+    oss.step()
+    before, lrs = _local_state(oss), [g["lr"] for g in oss.param_groups]
+    full = _adamw_full_state()
+    full["param_groups"][0]["lr"] = 0.5
+    if edit == "extra":
+        full["state"][index]["foo"] = torch.zeros(1)
+    else:
+        del full["state"][index]["exp_avg"]
+    owner = oss.param_to_rank[list(model.parameters())[index]]
+    checked = _outcome(lambda: oss.check_state_dict(full, labels=["a", "b", "c", "d"]))
+    loaded = _outcome(lambda: oss.load_state_dict(full))
+    unchanged = _same_state(before, _local_state(oss)) and lrs == [g["lr"]
+                                                                   for g in oss.param_groups]
+    model(torch.ones(3, 4)).sum().backward()
+    oss.step()  # every rank still steps together (nothing was half-loaded)
+    oss.load_state_dict(_adamw_full_state())  # the unedited dict loads
+    keys = sorted({k for s in oss.optim.state.values() for k in s})
+    return owner, checked, loaded, unchanged, keys == ["exp_avg", "exp_avg_sq", "step"]
+
+
+@pytest.mark.parametrize("edit", ["extra", "missing"])
+def test_oss_load_refuses_unknown_or_missing_state_keys(world2, edit):
+    owners = set()
+    for index in (0, 3):  # owned by different ranks
+        results = world2.run(_load_bad_state, index, edit)
+        owners.add(results[0][0])
+        messages = {r[2][1] for r in results}
+        assert len(messages) == 1, messages  # the same error on every rank
+        for owner, checked, loaded, unchanged, good_loaded in results:
+            assert loaded[0] == "ValueError", loaded
+            message = loaded[1]
+            assert message.startswith(f"OSS.load_state_dict: the saved state of parameter "
+                                      f"{index} "), message
+            key = "['foo'] that AdamW does not keep" if edit == "extra" else \
+                "no ['exp_avg'], which AdamW's step reads"
+            assert key in message and "the optimizer was left unchanged" in message, message
+            assert checked[0] == "ValueError" and f"parameter {'abcd'[index]!r}" in checked[1]
+            assert unchanged and good_loaded
+    assert owners == {0, 1}
+
+
+def _engine_load_bad_state(stage, edit, directory):
+    config = {"train_micro_batch_size_per_gpu": 3, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}
+    engine, opt, _, _ = shardkit.initialize(_mlp(), config=config, peer_timeout_s=0)
+    x = torch.ones(3, 4)
+    engine.backward(engine(x).sum())
+    engine.step()
+    weight = engine.module[0].weight
+    owner = opt.param_to_rank[weight]
+    if distributed.get_rank() == owner:  # the saved state of '0.weight' is edited
+        if edit == "extra":
+            opt.optim.state[weight]["foo"] = torch.zeros(1)
+        else:
+            del opt.optim.state[weight]["exp_avg"]
+    engine.save_checkpoint(directory, tag="edited")
+    fresh, _, _, _ = shardkit.initialize(_mlp(), config=config, peer_timeout_s=0)
+    before = [p.detach().clone() for p in fresh.module.parameters()]
+    loaded = _outcome(lambda: fresh.load_checkpoint(directory, tag="edited"))
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, fresh.module.parameters()))
+    fresh.backward(fresh(x).sum())
+    fresh.step()  # every rank still steps together
+    return owner, loaded, unchanged
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_engine_load_refuses_edited_optimizer_state_on_every_rank(world2, tmp_path, stage):
+    for edit in ("extra", "missing"):
+        results = world2.run(_engine_load_bad_state, stage, edit, str(tmp_path / edit))
+        for rank, (owner, (kind, message), unchanged) in enumerate(results):
+            assert kind == "CheckpointError" and unchanged, (rank, kind, message)
+            if rank == owner:
+                assert "parameter '0.weight'" in message and \
+                    ("'foo'" if edit == "extra" else "'exp_avg'") in message, message
+            else:
+                assert "failed on 1 other rank(s)" in message and "nothing was loaded" in \
+                    message, message
+
+
+# ---------------------------------------------------------------- 4. World(failure_grace_s)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, True, "5", None, math.nan, math.inf])
+def test_world_failure_grace_s_is_validated(bad):
+    with pytest.raises(ValueError, match=r"World\(failure_grace_s=.*positive"):
+        World(2, failure_grace_s=bad)
+
+
+def test_world_failure_grace_s_default():
+    assert World(2).failure_grace_s == 5.0 and World(1, failure_grace_s=2).failure_grace_s == 2.0
+
+
+def _fail_or_finish_late(seconds):
+    if distributed.get_rank() == 1:
+        raise RuntimeError("rank 1 fails at once")
+    time.sleep(seconds)
+    return "finished late"
+
+
+def test_world_failure_grace_s_bounds_the_wait(world2):
+    try:
+        for grace, rank0_reported in ((20.0, "--- rank 0 returned:\n'finished late'"),
+                                      (0.2, "--- rank 0 did not finish")):
+            world2.failure_grace_s = grace
+            with pytest.raises(WorldError) as failed:
+                world2.run(_fail_or_finish_late, 2.0)
+            assert rank0_reported in str(failed.value), str(failed.value)
+            assert "rank 1 fails at once" in str(failed.value)
+    finally:
+        world2.failure_grace_s = 5.0
