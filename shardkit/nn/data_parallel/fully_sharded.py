@@ -964,6 +964,28 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             for u, flag in zip(units, previous):
                 u._require_backward_grad_sync = flag
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag, which training scripts set instead of entering :meth:`no_sync`
+        (nanoGPT: ``model.require_backward_grad_sync = (micro_step == last)``): ``False``
+        inside ``no_sync``. Setting it on the root applies it to every unit, as ``no_sync``
+        does until set back: with ``False`` the following backward passes accumulate
+        locally, the first with ``True`` reduce-scatters the sum. Set it alike on every rank.
+        Local; a non-bool is a TypeError, and so is setting it on an inner unit."""
+        return self._require_backward_grad_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"FullyShardedDataParallel.require_backward_grad_sync = {value!r}: "
+                            f"expected True or False")
+        if self._is_root is False:
+            raise RuntimeError("require_backward_grad_sync was set on an inner "
+                               "FullyShardedDataParallel unit; set it on the root (outermost) "
+                               "instance, which applies it to every unit")
+        for unit in self.sharded_units():
+            unit._require_backward_grad_sync = value
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``, which also drops what backwards inside :meth:`no_sync`
         accumulated and no synchronising backward has reduced yet (held unsharded, outside
