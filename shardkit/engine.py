@@ -56,6 +56,7 @@ import math
 import os
 import re
 import time
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -81,6 +82,9 @@ _HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # parameter -> the gradient-arrival hook of the latest engine built over it (a new engine over
 # the same model replaces it rather than adding one more; see _watch_gradient_arrivals)
 _ARRIVAL_HOOKS = WeakIdKeyDictionary()
+# optimizer -> weak reference to the latest engine built over it, read by the one step pre-hook
+# each optimizer gets (see _guard_direct_steps)
+_STEP_OWNERS = WeakIdKeyDictionary()
 
 logger = logging.getLogger("shardkit")
 
@@ -216,6 +220,39 @@ def _names_by_trainability(model: nn.Module) -> tuple[list[str], list[str]]:
     return ([n for n, p in named if p.requires_grad], [n for n, p in named if not p.requires_grad])
 
 
+def _guard_direct_steps(engine) -> None:
+    """Make ``engine.optimizer.step()`` called by the script (not by ``engine.step()``) a
+    RuntimeError while ``gradient_accumulation_steps > 1``: the engine reduces gradients only in
+    the boundary micro-batch's ``engine.backward`` and counts micro-batches in ``engine.step()``,
+    so a loop of ``loss.backward()`` and ``optimizer.step()`` (nanoGPT's) never reduces and
+    would step on each rank's own gradients, silently. Raised on every rank that steps, before
+    the optimizer's collectives. One pre-hook per optimizer, reading the latest engine built
+    over it (a weak reference: the hook keeps no engine alive). With one micro-batch per step,
+    calling the optimizer directly keeps working as before."""
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    if optimizer not in _STEP_OWNERS:
+        optimizer.register_step_pre_hook(_refuse_direct_step)
+    _STEP_OWNERS[optimizer] = weakref.ref(engine)
+
+
+def _refuse_direct_step(optimizer, args, kwargs) -> None:
+    owner = _STEP_OWNERS.get(optimizer)
+    engine = owner() if owner is not None else None
+    if engine is None or engine._engine_stepping:
+        return None
+    steps = engine.config.gradient_accumulation_steps
+    if steps == 1:
+        return None
+    raise RuntimeError(
+        f"engine.optimizer.step() was called directly with gradient_accumulation_steps={steps}: "
+        f"the engine averages gradients over the ranks only in engine.backward(loss) of the "
+        f"accumulation boundary and counts micro-batches in engine.step(), so this step would "
+        f"apply this rank's own gradients; call engine.backward(loss) and engine.step() for "
+        f"every micro-batch (engine.step() runs the optimizer at the boundary)")
+
+
 def _write_atomically(state: dict, path: str) -> Optional[str]:
     """``torch.save`` of ``state`` (on CPU) to ``path`` through a temporary file renamed into
     place; returns the error's text instead of raising, and leaves no temporary behind."""
@@ -328,6 +365,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         self.config = cfg
         self.composition = composition
         self.optimizer = composition.optimizer
+        self._engine_stepping = False  # inside _optimizer_step's optimizer.step()
+        _guard_direct_steps(self)
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = _loss_scaler(cfg)
         self.global_steps = 0
@@ -766,7 +805,11 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             if self.config.gradient_clipping > 0 or self._measures_grad_norm:
                 norm = self._clip_grad_norm(self.config.gradient_clipping or math.inf)
                 self._last_grad_norm = None if norm is None else torch.as_tensor(norm).detach()
-            self.optimizer.step()
+            self._engine_stepping = True
+            try:
+                self.optimizer.step()
+            finally:
+                self._engine_stepping = False
             if self.lr_scheduler is not None:
                 _note_step_taken_for(self.lr_scheduler)
                 self.lr_scheduler.step(**lr_kwargs)
