@@ -824,3 +824,41 @@ def test_reentrant_activation_checkpoint_in_a_stage_names_the_way_out(world2):
     for name, message in world2.run(_reentrant_checkpoint_in_a_stage):
         assert name == "ValueError", message
         assert "pipeline schedules" in message and "non_reentrant_checkpoint" in message, message
+
+
+def _torch_constructor_options():
+    """torch's constructor options at their defaults are accepted by every schedule; another
+    value is a ValueError naming the option, an unknown name a TypeError."""
+    p, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for name, (cls, per_rank, placement) in SCHEDULES.items():
+        n = p * per_rank
+        mine = [s for s in range(n) if stage_rank(s, n, p, placement) == rank]
+
+        def build(**options):
+            stages = [PipelineStage(nn.Linear(D, D), s, n, placement=placement) for s in mine]
+            return cls(stages[0] if per_rank == 1 else stages, 2 * p, F.mse_loss, **options)
+
+        build(args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None,
+              scale_grads=True)
+        outcomes = []
+        for options in ({"args_chunk_spec": (0,)}, {"output_merge_spec": {"x": 1}},
+                        {"backward_requires_autograd": False}, {"chunk_spec": None}):
+            try:
+                build(**options)
+                outcomes.append(None)
+            except (TypeError, ValueError) as error:
+                outcomes.append((type(error).__name__, str(error)))
+        out[name] = outcomes
+    return out
+
+
+def test_torch_constructor_options_at_defaults_accepted_others_named(world2):
+    for out in world2.run(_torch_constructor_options):
+        for name, (spec, merge, autograd, unknown) in out.items():
+            assert spec[0] == "ValueError" and "args_chunk_spec=(0,)" in spec[1], spec
+            assert "split every tensor argument along dim 0" in spec[1], spec
+            assert merge[0] == "ValueError" and "output_merge_spec" in merge[1], merge
+            assert autograd[0] == "ValueError" and "backward_requires_autograd" in autograd[1]
+            assert unknown == ("TypeError", f"{SCHEDULES[name][0].__name__}.__init__() got an "
+                                            f"unexpected keyword argument 'chunk_spec'"), unknown

@@ -94,6 +94,10 @@ class PlanSchedule:
             :meth:`step` returns the mean micro-batch loss; ``False`` leaves them unscaled (the
             gradients of the sum of the micro-batch losses, for a ``loss_fn`` that sums, or a
             caller that scales itself), and :meth:`step` returns that sum.
+        args_chunk_spec, kwargs_chunk_spec, output_merge_spec, use_full_backward,
+            backward_requires_autograd, defer_pp_recv: torch's options, accepted at torch's
+            defaults (what shardkit does: tensors split along dim 0 into equal chunks,
+            outputs concatenated along dim 0); another value is a ValueError naming it.
 
     After a step, ``peak_live_microbatches`` is the most (stage, micro-batch) pairs whose
     activations were alive at once on this rank (from F until BW or W), and ``busy_seconds``
@@ -122,8 +126,9 @@ class PlanSchedule:
 
     def __init__(self, stages, chunks: int, loss_fn: Optional[Callable] = None,
                  track_activation_memory: bool = False, weight_grad_merge: Optional[int] = None,
-                 scale_grads: bool = True):
+                 scale_grads: bool = True, **torch_options):
         name = type(self).__name__
+        _check_torch_options(name, torch_options)
         if not isinstance(scale_grads, bool):
             raise TypeError(f"{name}(scale_grads={scale_grads!r}): expected True (gradients "
                             f"divided by chunks, the mean of the micro-batch losses) or False "
@@ -876,14 +881,15 @@ class ScheduleGPipe(PlanSchedule):
 
     def __init__(self, stage: PipelineStage, chunks: int, loss_fn: Optional[Callable] = None,
                  track_activation_memory: bool = False, batch_weight_grads: Optional[bool] = None,
-                 weight_grad_merge: Optional[int] = None, scale_grads: bool = True):
+                 weight_grad_merge: Optional[int] = None, scale_grads: bool = True,
+                 **torch_options):
         if batch_weight_grads not in (None, True, False):
             raise ValueError(f"ScheduleGPipe(batch_weight_grads={batch_weight_grads!r}): "
                              f"expected None (automatic), True or False")
         if batch_weight_grads is False and weight_grad_merge is None:
             weight_grad_merge = 1
         super().__init__(_one_stage(self, stage), chunks, loss_fn, track_activation_memory,
-                         weight_grad_merge, scale_grads)
+                         weight_grad_merge, scale_grads, **torch_options)
 
     def default_merge(self) -> int:
         return self.chunks
@@ -907,9 +913,9 @@ class Schedule1F1B(PlanSchedule):
 
     def __init__(self, stage: PipelineStage, chunks: int, loss_fn: Optional[Callable] = None,
                  track_activation_memory: bool = False, weight_grad_merge: Optional[int] = None,
-                 scale_grads: bool = True):
+                 scale_grads: bool = True, **torch_options):
         super().__init__(_one_stage(self, stage), chunks, loss_fn, track_activation_memory,
-                         weight_grad_merge, scale_grads)
+                         weight_grad_merge, scale_grads, **torch_options)
 
     def build_plan(self, num_ranks, chunks, costs=None):
         if self.num_stages != num_ranks:
@@ -991,6 +997,32 @@ class ScheduleZBV(PlanSchedule):
         if self.num_stages != 2 * num_ranks:
             return _unrunnable(self, "two stages per rank")
         return zbv_plan(num_ranks, chunks, costs)
+
+
+# torch.distributed.pipelining's constructor options, with the values that mean what shardkit
+# does (tensors split along dim 0 into equal chunks, outputs concatenated along dim 0 by
+# step(return_outputs=True), the split backward run by the schedule itself)
+_TORCH_DEFAULTS = {"args_chunk_spec": None, "kwargs_chunk_spec": None, "output_merge_spec": None,
+                   "use_full_backward": None, "backward_requires_autograd": True,
+                   "defer_pp_recv": False}
+
+
+def _check_torch_options(name: str, options: dict) -> None:
+    """Accept torch's schedule options at their defaults (code written for torch's schedules
+    often spells them out); refuse any other value by name, and unknown names as Python would.
+    Local, before any collective."""
+    for option, value in options.items():
+        if option not in _TORCH_DEFAULTS:
+            raise TypeError(f"{name}.__init__() got an unexpected keyword argument {option!r}")
+        default = _TORCH_DEFAULTS[option]
+        if value is default or (default is not None and value == default
+                                and isinstance(value, bool)):
+            continue
+        raise ValueError(
+            f"{name}({option}={value!r}): shardkit's schedules take only torch's default "
+            f"({default!r}): they split every tensor argument along dim 0 into equal chunks, "
+            f"concatenate the last stage's outputs along dim 0 (step(return_outputs=True)) and "
+            f"run the backward themselves; split or merge other dimensions in the stage module")
 
 
 def _unrunnable(schedule: PlanSchedule, need: str) -> PipelinePlan:
