@@ -12,7 +12,7 @@ __all__ = ["initialize", "add_config_arguments", "init_distributed", "comm", "ge
 
 # zero: DeepSpeed's deepspeed.zero (GatheredParameters, Init)
 _SUBPACKAGES = ("nn", "optim", "distributed", "checkpoint", "utils", "kernels", "accelerator",
-                "zero", "checkpointing")
+                "zero", "checkpointing", "ops")
 
 
 def __getattr__(name):

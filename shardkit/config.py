@@ -40,7 +40,14 @@ Keys that change behaviour:
     does, and shardkit.checkpointing.checkpoint(fn, *args) uses them.
 Keys accepted for compatibility with DeepSpeed configs, validated, without effect here:
     the other zero_optimization tuning knobs (allgather_bucket_size, overlap_comm,
-    contiguous_gradients, reduce_scatter at stages 2-3, stage3_* ...), offload *.pin_memory /
+    contiguous_gradients, reduce_scatter at stages 2-3, stage3_* ..., memory_efficient_linear:
+    DeepSpeed's stage-3 linear saving less for backward, same values),
+    zero_optimization.zero_quantized_nontrainable_weights when false (true, int8 frozen
+    weights, would change the forward: refused), the hybrid_engine section (enabled, max_out_tokens,
+    inference_tp_size, release_inference_cache, pin_parameters, tp_gather_partition_size,
+    enable_cuda_graph: DeepSpeed's RLHF generation speed-up; training is the same, and when
+    enabled a note says engine.generate is the model's own generate, without DeepSpeed's
+    inference kernels or tensor-parallel generation), offload *.pin_memory /
     buffer_*, fp16.auto_cast, bf16.immediate_grad_update, wall_clock_breakdown and
     memory_breakdown (when true, a note says no breakdown is printed), prescale_gradients,
     gradient_predivide_factor,
@@ -294,6 +301,14 @@ SCHEMA: dict = {
         "zero_quantized_weights": _bool(), "zero_quantized_gradients": _bool(),
         "zero_hpz_partition_size": _int(1, 1),
         "log_trace_cache_warnings": _bool(),  # logging only
+        # DeepSpeed's stage-3 linear that saves less for backward: same values and gradients
+        "memory_efficient_linear": _bool(True),
+        # ZeRO++'s int8 copy of frozen weights (DeepSpeed-Chat's mixed-precision LoRA): the
+        # forward would read quantized base weights, so training would change; refused when on
+        "zero_quantized_nontrainable_weights": _off(
+            "zero_optimization.zero_quantized_nontrainable_weights (frozen weights kept in "
+            "int8)", "frozen weights stay in the model's dtype; zero_quantized_weights "
+            "quantizes only the stage-3 all-gathers"),
     },
     "fp16": {
         "enabled": _bool(), "auto_cast": _bool(), "loss_scale": _num(0.0, 0),
@@ -357,6 +372,12 @@ SCHEMA: dict = {
                                     "a positive integer or null"),
         "synchronize_checkpoint_boundary": _bool(), "profile": _bool(),
     },
+    # DeepSpeed's RLHF generation engine (inference kernels and tensor-parallel generation
+    # inside engine.generate): training is unchanged by it; see _hybrid_engine_notes
+    "hybrid_engine": {"enabled": _bool(), "max_out_tokens": _int(512, 1),
+                      "inference_tp_size": _int(1, 1), "release_inference_cache": _bool(),
+                      "pin_parameters": _bool(True), "tp_gather_partition_size": _int(8, 1),
+                      "enable_cuda_graph": _bool()},
     "tensorboard": _monitor("TensorBoard monitor", _LOG_INSTEAD, output_path=_str(""),
                             job_name=_str("")),
     "wandb": _monitor("Weights & Biases monitor", _LOG_INSTEAD, group=_str(), team=_str(),
@@ -538,6 +559,7 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
                                             data_parallel_size)
     zero, notes = _zero_config(checked["zero_optimization"])
     notes += _breakdown_notes(checked) + _compression_notes(checked["compression_training"])
+    notes += _hybrid_engine_notes(checked["hybrid_engine"])
     if data_parallel_size % zero.hpz_partition_size:
         raise ConfigError(f"zero_optimization.zero_hpz_partition_size={zero.hpz_partition_size} "
                           f"must divide the data-parallel size {data_parallel_size} (use the "
@@ -911,6 +933,20 @@ def _breakdown_notes(checked: dict) -> list[str]:
                "memory_breakdown": "use shardkit.utils.memory.model_state_bytes"}
     return [f"{key}=true has no effect in shardkit (no breakdown is printed); {hint}"
             for key, hint in instead.items() if checked[key]]
+
+
+def _hybrid_engine_notes(section: dict) -> list[str]:
+    """``hybrid_engine.enabled``: DeepSpeed then swaps in its hybrid engine, whose training
+    path is the ordinary engine's and whose ``generate`` runs the model through inference
+    kernels (tensor-parallel over ``inference_tp_size`` ranks). The training is the same here;
+    ``engine.generate(...)`` is the model's own ``generate`` (the engine forwards it; at stage
+    3 each FSDP unit is gathered per forward), so rank 0 says so once."""
+    if not section["enabled"]:
+        return []
+    return ["hybrid_engine.enabled=true: training is unchanged; engine.generate(...) runs the "
+            "model's own generate() (no DeepSpeed inference kernels, no inference_tp_size "
+            "split, no CUDA graphs), so generation is slower than DeepSpeed's but gives the "
+            "model's own outputs"]
 
 
 def _compression_notes(section: dict) -> list[str]:

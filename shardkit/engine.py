@@ -404,6 +404,11 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         self._grads_arrived: Optional[set] = self._watch_gradient_arrivals()
         from shardkit.utils.tensor_fragment import register_engine
         register_engine(self)  # deepspeed.utils.safe_* find the engine of a parameter
+        if composition.stage == 3:  # DeepSpeed's ds_id / ds_status / ds_shape on the shards
+            from shardkit.zero import expose_ds_attributes
+            expose_ds_attributes(model)
+        # DeepSpeed's throughput timer (DeepSpeed-Chat ticks its epoch count)
+        self.tput_timer = ThroughputTimer(cfg.train_batch_size)
 
     def __getattr__(self, name: str):
         # DeepSpeed's engine forwards unknown attributes to the model (engine.config_class,
@@ -587,6 +592,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
 
     # -- training
     def forward(self, *args, **kwargs):
+        self.tput_timer.start()
         self._forwards_since_backward += 1
         self._forwards_since_step += 1
         with self._precision_context(), self._reduction_context():
@@ -760,6 +766,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                     and isinstance(self.wrapped, nn.parallel.DistributedDataParallel):
                 self._average_gradients_by_hand()  # model called and loss.backward() by hand
             self._optimizer_step(lr_kwargs or {}, loss_scaled=not torch_backward)
+            self.tput_timer.stop(global_step=True)
             self.global_steps += 1
             self._maybe_print()
         self._forwards_since_step = self._backwards_since_step = 0
@@ -1230,6 +1237,44 @@ def _loss_scaler(cfg: EngineConfig):
 
 
 # ----------------------------------------------------------------------------- initialize
+
+
+class ThroughputTimer:
+    """DeepSpeed's ``engine.tput_timer``, as scripts read it: the engine calls :meth:`start`
+    at the first forward of each optimizer step and :meth:`stop` at its ``step()``;
+    :meth:`avg_samples_per_sec` is the samples of the measured optimizer steps (``batch_size``
+    each, the engine's ``train_batch_size`` at the time) over the wall time measured;
+    ``update_epoch_count()`` counts epochs (``epoch_count``, DeepSpeed-Chat ticks it). Host
+    clock only: no device synchronisation, no communication."""
+
+    def __init__(self, batch_size: int = 1):
+        self.batch_size = batch_size
+        self.epoch_count = 0
+        self.global_step_count = 0
+        self.total_elapsed_time = 0.0
+        self.total_samples = 0
+        self._started: Optional[float] = None
+
+    def update_epoch_count(self) -> None:
+        self.epoch_count += 1
+
+    def start(self) -> None:
+        if self._started is None:
+            self._started = time.perf_counter()
+
+    def stop(self, global_step: bool = False, report_speed: bool = True) -> None:
+        if self._started is None or not global_step:
+            return
+        self.total_elapsed_time += time.perf_counter() - self._started
+        self.global_step_count += 1
+        self.total_samples += self.batch_size
+        self._started = None
+
+    def avg_samples_per_sec(self) -> float:
+        """Samples per second over the measured optimizer steps (0.0 before the first)."""
+        if self.total_elapsed_time <= 0:
+            return 0.0
+        return self.total_samples / self.total_elapsed_time
 
 
 def initialize(model: nn.Module, optimizer=None, model_parameters=None, training_data=None,

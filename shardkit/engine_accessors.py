@@ -197,6 +197,7 @@ class DeepSpeedAccessors:
                                           train_micro_batch_size_per_gpu=micro,
                                           gradient_accumulation_steps=gas)
         self.micro_steps = self.global_steps * gas  # the next boundary after gas micro-batches
+        self.tput_timer.batch_size = train
 
 
 def _params_of(section: Any) -> Optional[dict]:

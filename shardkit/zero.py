@@ -6,11 +6,18 @@ shardkit shards at :func:`shardkit.initialize` (stage 3: FSDP cuts each paramete
 blocks in place), not while the model is built, so :class:`Init` builds the model whole: it is
 accepted so scripts run, and says once what that costs (the full fp32 model, ``4Ψ`` bytes, on
 every rank until ``initialize``). ``enabled=False`` is silent.
+
+:class:`ZeroParamStatus` stands for ``deepspeed.runtime.zero.partition_parameters.
+ZeroParamStatus``, and :func:`expose_ds_attributes` gives stage-3 parameters DeepSpeed's
+``ds_id`` / ``ds_status`` / ``ds_shape`` / ``ds_numel``, which scripts test to pick the
+parameters to gather (DeepSpeed-Chat's ``save_zero_three_model`` and ``moving_average``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import itertools
 import logging
 from typing import Any, Iterable, Optional
 
@@ -19,7 +26,48 @@ import torch
 from shardkit import distributed
 
 __all__ = ["GatheredParameters", "Init", "register_external_parameter",
-           "unregister_external_parameter"]
+           "unregister_external_parameter", "ZeroParamStatus", "expose_ds_attributes"]
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's ``deepspeed.runtime.zero.partition_parameters.ZeroParamStatus``: whether a
+    ZeRO-3 parameter holds its full value (``AVAILABLE``, inside :class:`GatheredParameters`)
+    or only this rank's rows (``NOT_AVAILABLE``). ``INFLIGHT`` is never set here (FSDP's
+    gathers finish before a parameter is seen)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+_DS_IDS = itertools.count()
+
+
+def expose_ds_attributes(module: torch.nn.Module) -> int:
+    """Give each FSDP-sharded parameter of ``module`` DeepSpeed's ZeRO-3 attributes, which
+    DeepSpeed scripts test to find sharded parameters (DeepSpeed-Chat's
+    ``save_zero_three_model`` and ``moving_average`` gather exactly the parameters with
+    ``ds_id`` whose ``ds_status`` is ``NOT_AVAILABLE``): ``ds_id`` (an int unique in the
+    process), ``ds_shape`` / ``ds_numel`` (the full parameter's shape and element count) and
+    ``ds_status`` (``ZeroParamStatus.NOT_AVAILABLE``; :class:`GatheredParameters` sets
+    ``AVAILABLE`` inside its block). Parameters FSDP does not shard are left without them,
+    as DeepSpeed's stages 0-2 leave them. Idempotent; returns how many parameters carry the
+    attributes. Local: a walk of the parameters, no communication."""
+    from shardkit.utils.tensor_fragment import _unit_of
+    marked = 0
+    for param in module.parameters():
+        unit, index = _unit_of(param)
+        if unit is None:
+            continue
+        if not hasattr(param, "ds_id"):
+            layout = unit._shard.layouts[index]
+            param.ds_id = next(_DS_IDS)
+            param.ds_shape = tuple(layout.shape)
+            param.ds_numel = layout.numel
+            param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        marked += 1
+    return marked
+
 
 logger = logging.getLogger("shardkit")
 
@@ -144,12 +192,14 @@ class GatheredParameters:
             stack.close()
             raise
         self._stack = stack
+        _set_status(self._sharded, ZeroParamStatus.AVAILABLE)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if self._stack is None:
             return False
         stack, self._stack = self._stack, None
+        _set_status(self._sharded, ZeroParamStatus.NOT_AVAILABLE)
         with stack:  # leaving it re-points every parameter at its (updated) rows
             if self.modifier_rank is not None and exc_type is None:
                 from shardkit.utils.tensor_fragment import write_rows
@@ -160,6 +210,13 @@ class GatheredParameters:
                     distributed.broadcast(full, src=src, group=shard.group)
                     write_rows(loc, shard.shard_views(shard.flat_shard)[loc.index], full)
         return False
+
+
+def _set_status(locations: list, status: ZeroParamStatus) -> None:
+    """``ds_status`` of each located parameter that carries DeepSpeed's attributes."""
+    for loc in locations:
+        if hasattr(loc.param, "ds_status"):
+            loc.param.ds_status = status
 
 
 def _as_param_list(params) -> list:

@@ -179,16 +179,24 @@ class FusedAdamW(torch.optim.Optimizer):
             flat.steps[live] += 1.0
         counts = flat.steps.tolist()
         steps = [int(counts[i]) for i in live]
-        beta1, beta2 = group["betas"]
-        adamw_step_many(params, grads, [views["exp_avg"][i] for i in live],
-                        [views["exp_avg_sq"][i] for i in live], steps=steps, lr=group["lr"],
-                        beta1=beta1, beta2=beta2, eps=group["eps"],
-                        weight_decay=group["weight_decay"], maximize=group["maximize"],
-                        amsgrad=group["amsgrad"],
-                        max_exp_avg_sqs=[views["max_exp_avg_sq"][i] for i in live]
-                        if group["amsgrad"] else None, validate=False)
+        self._update(group, params, grads, [views["exp_avg"][i] for i in live],
+                     [views["exp_avg_sq"][i] for i in live],
+                     [views["max_exp_avg_sq"][i] for i in live] if group["amsgrad"] else None,
+                     steps)
         for p, stepped in strided:
             p.copy_(stepped)
+
+    def _update(self, group: dict, params: list, grads: list, exp_avgs: list,
+                exp_avg_sqs: list, max_exp_avg_sqs, steps: list) -> None:
+        """The update of one bucket's contiguous tensors (``steps[i]``: tensor ``i``'s step
+        number after it): AdamW through the kernels' dispatch. Subclasses with other rules
+        (:mod:`shardkit.ops.adam`) replace this and keep the flat state."""
+        beta1, beta2 = group["betas"]
+        adamw_step_many(params, grads, exp_avgs, exp_avg_sqs, steps=steps, lr=group["lr"],
+                        beta1=beta1, beta2=beta2, eps=group["eps"],
+                        weight_decay=group["weight_decay"], maximize=group["maximize"],
+                        amsgrad=group["amsgrad"], max_exp_avg_sqs=max_exp_avg_sqs,
+                        validate=False)
 
 
 def _bind_to_views(state: dict, views: dict, i: int) -> None:

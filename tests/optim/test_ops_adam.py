@@ -1,0 +1,152 @@
+"""``shardkit.ops.adam``: DeepSpeed's ``FusedAdam`` and ``DeepSpeedCPUAdam`` against torch.
+
+``adam_w_mode`` / ``adamw_mode`` true steps exactly as ``torch.optim.AdamW``, false as
+``torch.optim.Adam`` (weight decay as L2 on the gradient); ``bias_correction=False`` as the
+uncorrected update written out below. Hypothesis chooses the hyper-parameters, shapes, the
+param-group split and the steps; one process.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from shardkit.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+HYPER = dict(
+    lr=st.floats(1e-4, 1e-1), beta1=st.floats(0.0, 0.99), beta2=st.floats(0.5, 0.9999),
+    eps=st.sampled_from([1e-8, 1e-6, 1e-3]), weight_decay=st.floats(0.0, 0.5),
+    steps=st.integers(1, 4), sizes=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    seed=st.integers(0, 2 ** 16), cpu=st.booleans())
+
+
+def _params(sizes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen) for n in sizes]
+
+
+def _run(make, values, grads):
+    params = [torch.nn.Parameter(v.clone()) for v in values]
+    # two groups when there are several tensors: the second without decay, another lr
+    groups = [{"params": params[:1]}]
+    if len(params) > 1:
+        groups.append({"params": params[1:], "weight_decay": 0.0, "lr": 3e-3})
+    opt = make(groups)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+        opt.zero_grad()
+    return params, opt
+
+
+def _grads(sizes, steps, seed):
+    gen = torch.Generator().manual_seed(seed + 1)
+    return [[torch.randn(n, generator=gen) for n in sizes] for _ in range(steps)]
+
+
+def _ours(cpu, **kw):
+    mode = kw.pop("decoupled")
+    if cpu:
+        return lambda groups: DeepSpeedCPUAdam(groups, adamw_mode=mode, **kw)
+    return lambda groups: FusedAdam(groups, adam_w_mode=mode, **kw)
+
+
+@settings(max_examples=40, deadline=None)
+@given(decoupled=st.booleans(), **HYPER)
+def test_matches_torch_adam_and_adamw(decoupled, lr, beta1, beta2, eps, weight_decay, steps,
+                                      sizes, seed, cpu):
+    values, grads = _params(sizes, seed), _grads(sizes, steps, seed)
+    kw = dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+    ours, opt = _run(_ours(cpu, decoupled=decoupled, **kw), values, grads)
+    torch_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    theirs, ref = _run(lambda groups: torch_cls(groups, **kw), values, grads)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # torch's state-dict format: it loads into torch's optimizer and back
+    ref.load_state_dict(opt.state_dict())
+    for p in ref.state:
+        assert set(ref.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def _uncorrected(values, grads, lr, beta1, beta2, eps, weight_decay, decoupled):
+    """Adam without bias correction, written out (DeepSpeed's bias_correction=False)."""
+    out = []
+    for i, v in enumerate(values):
+        p, m, s = v.clone().double(), torch.zeros_like(v).double(), torch.zeros_like(v).double()
+        group_lr, decay = (lr, weight_decay) if i == 0 else (3e-3, 0.0)
+        for step_grads in grads:
+            g = step_grads[i].double()
+            if decoupled:
+                p = p * (1 - group_lr * decay)
+            else:
+                g = g + decay * p
+            m = beta1 * m + (1 - beta1) * g
+            s = beta2 * s + (1 - beta2) * g * g
+            p = p - group_lr * m / (s.sqrt() + eps)
+        out.append(p.float())
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(decoupled=st.booleans(), **HYPER)
+def test_without_bias_correction(decoupled, lr, beta1, beta2, eps, weight_decay, steps, sizes,
+                                 seed, cpu):
+    values, grads = _params(sizes, seed), _grads(sizes, steps, seed)
+    kw = dict(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+    ours, _ = _run(_ours(cpu, decoupled=decoupled, bias_correction=False, **kw), values, grads)
+    expected = _uncorrected(values, grads, lr, beta1, beta2, eps, weight_decay, decoupled)
+    for a, b in zip(ours, expected):
+        torch.testing.assert_close(a.detach(), b, rtol=1e-4, atol=1e-5)
+
+
+def test_defaults_and_zero_grad():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = FusedAdam([p])
+    group = opt.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == \
+        (1e-3, (0.9, 0.999), 1e-8, 0.0)
+    assert group["adam_w_mode"] and group["bias_correction"]
+    p.grad = torch.ones(3)
+    opt.zero_grad()
+    assert p.grad is None  # set_grad_none=True
+    opt = FusedAdam([p], set_grad_none=False)
+    p.grad = torch.ones(3)
+    opt.zero_grad()
+    assert p.grad is not None and not p.grad.any()
+    cpu = DeepSpeedCPUAdam([p])
+    assert cpu.param_groups[0]["adamw_mode"] and cpu.param_groups[0]["fp32_optimizer_states"]
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p: FusedAdam(p, amsgrad=True), r"FusedAdam\(amsgrad=True\)"),
+    (lambda p: DeepSpeedCPUAdam(p, amsgrad=True), r"DeepSpeedCPUAdam\(amsgrad=True\)"),
+])
+def test_amsgrad_refused(make, words):
+    with pytest.raises(RuntimeError, match=words):
+        make([torch.nn.Parameter(torch.ones(2))])
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(lr=-1.0), r"lr=-1\.0"), (dict(betas=(0.9, 1.0)), r"betas=\(0\.9, 1\.0\)"),
+    (dict(eps=0.0), r"eps=0\.0"), (dict(weight_decay=-0.1), r"weight_decay=-0\.1"),
+    (dict(adam_w_mode=1), r"adam_w_mode=1"), (dict(bias_correction="no"), "bias_correction"),
+])
+def test_bad_hyper_parameters_name_the_argument(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        FusedAdam([torch.nn.Parameter(torch.ones(2))], **kwargs)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = FusedAdam([p])
+    with pytest.raises(ValueError, match=words):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))], **kwargs})
+    assert len(opt.param_groups) == 1
+
+
+def test_cpu_adam_fp32_states_over_16_bit_parameters_refused():
+    half = [torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))]
+    with pytest.raises(ValueError, match="fp32_optimizer_states=True"):
+        DeepSpeedCPUAdam(half)
+    opt = DeepSpeedCPUAdam(half, fp32_optimizer_states=False, lr=0.1)
+    half[0].grad = torch.ones(2, dtype=torch.bfloat16)
+    opt.step()
+    assert opt.state[half[0]]["exp_avg"].dtype == torch.bfloat16
+    assert (half[0] < 1).all()
