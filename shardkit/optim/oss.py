@@ -590,7 +590,8 @@ class OSS(torch.optim.Optimizer):
                 if p not in found:
                     continue
                 index, state = found[p]
-                label = index if labels is None else labels[index]
+                label = labels[index] if labels is not None and index < len(labels) \
+                    else index
                 problem = args.state_key_problem(caller, type(self.optim), hyper, p, label,
                                                  state, known)
                 if problem:

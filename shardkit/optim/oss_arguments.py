@@ -355,10 +355,16 @@ def state_key_problem(caller: str, optim_cls: type, hyper: dict, param: torch.Te
     dtype and device (:func:`_kept_state_keys`; cached in ``known``). Only torch's and
     shardkit's optimizer classes are checked (another class may add keys later on); one run
     over the whole model (LBFGS) keeps no per-parameter state. Local."""
+    # a key saved as None holds nothing (torch <= 2.1's SGD saved momentum_buffer=None without
+    # momentum), and a state that holds nothing (an entry a read of ``optimizer.state[p]``
+    # made) is started afresh by torch's and shardkit's optimizers, as if it were not saved
+    held = {k for k, v in state.items() if v is not None}
+    if not held:
+        return None
     kept = _kept_state_keys(optim_cls, hyper, param, known)
     if kept is None:
         return None
-    unknown, missing = sorted(set(state) - kept), sorted(kept - set(state))
+    unknown, missing = sorted(held - kept), sorted(kept - set(state))
     if not unknown and not missing:
         return None
     what = "; ".join(part for part in (
@@ -380,8 +386,12 @@ def _kept_state_keys(optim_cls: type, hyper: dict, param: torch.Tensor,
     if not isinstance(optim_cls, type) or issubclass(optim_cls, torch.optim.LBFGS) \
             or not module.startswith(("torch.optim", "shardkit.optim")):
         return None
-    key = (optim_cls, _stable_repr(sorted(hyper.items())), param.dim(), param.dtype,
-           param.device)
+    # torch's parameter names (a group built from named_parameters()) are no hyper-parameter:
+    # one name per parameter of the group, written out for each would cost N^2
+    hyper = {k: v for k, v in hyper.items() if k != "param_names"}
+    # each value on its own: one whose repr holds an address must not blur the others
+    key = (optim_cls, tuple((k, _stable_repr(v)) for k, v in sorted(hyper.items())),
+           param.dim(), param.dtype, param.device)
     if key not in known:
         known[key] = _step_stand_in(optim_cls, hyper, param)
     return known[key]
@@ -394,7 +404,10 @@ def _step_stand_in(optim_cls: type, hyper: dict, param: torch.Tensor) -> Optiona
     with torch.random.fork_rng(devices=[]):
         try:
             optimizer = optim_cls([{**hyper, "params": [stand_in]}])
-            optimizer.step()
+            step = type(optimizer).step
+            # torch's hooked step runs the global step hooks (a user's logging, EMA...) and
+            # profiler marks: the trial runs the step under it, which none of them sees
+            (step.__wrapped__ if getattr(step, "hooked", False) else step)(optimizer)
         except Exception:  # a class that needs more (a closure, sparse gradients): not checked
             return None
     return frozenset(optimizer.state.get(stand_in, {}))
