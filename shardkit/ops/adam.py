@@ -62,6 +62,15 @@ class _DeepSpeedAdam(FusedAdamW):
     def _check_params(self, group: dict) -> None:
         """Per-class checks of a group's parameters (none here)."""
 
+    def __setstate__(self, state: dict) -> None:
+        # torch's load_state_dict replaces each group by the saved one: a torch Adam/AdamW
+        # state dict (or the other class's, adamw_mode vs adam_w_mode) lacks DeepSpeed's keys,
+        # which then come from this optimizer's constructor, as torch's own optimizers do
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
     def zero_grad(self, set_to_none=None) -> None:
         """DeepSpeed's ``zero_grad()``: gradients become ``None`` when the group's
         ``set_grad_none`` is true (the default), else zeros; an explicit ``set_to_none``
@@ -92,14 +101,20 @@ class _DeepSpeedAdam(FusedAdamW):
             return
         lr, decay, eps = group["lr"], group["weight_decay"], group["eps"]
         for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-            g = g.to(p.dtype)
+            # fp16/bf16 computed in fp32, as DeepSpeed's kernel: in fp16, eps=1e-8 rounds to 0
+            # and an element with a zero gradient became 0/0 = NaN (fp32/fp64: no copies)
+            wide = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+            p32, m32, v32, g = p.to(wide), m.to(wide), v.to(wide), g.to(wide)
             if decay and decoupled:
-                p.mul_(1.0 - lr * decay)
+                p32.mul_(1.0 - lr * decay)
             elif decay:
-                g = g.add(p, alpha=decay)
-            m.lerp_(g, 1.0 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-            p.addcdiv_(m, v.sqrt().add_(eps), value=-lr)
+                g = g.add(p32, alpha=decay)
+            m32.lerp_(g, 1.0 - beta1)
+            v32.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+            p32.addcdiv_(m32, v32.sqrt().add_(eps), value=-lr)
+            for low, high in ((p, p32), (m, m32), (v, v32)):
+                if low is not high:
+                    low.copy_(high)
 
 
 class FusedAdam(_DeepSpeedAdam):

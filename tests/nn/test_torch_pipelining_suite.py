@@ -862,3 +862,30 @@ def test_torch_constructor_options_at_defaults_accepted_others_named(world2):
             assert autograd[0] == "ValueError" and "backward_requires_autograd" in autograd[1]
             assert unknown == ("TypeError", f"{SCHEDULES[name][0].__name__}.__init__() got an "
                                             f"unexpected keyword argument 'chunk_spec'"), unknown
+
+
+def _torch_positional_spec():
+    """torch's 4th positional argument (args_chunk_spec) reached track_activation_memory and
+    was silently taken as True: the batch split along dim 0, not the dim the spec named."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec
+    p, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for name, (cls, per_rank, placement) in SCHEDULES.items():
+        n = p * per_rank
+        mine = [s for s in range(n) if stage_rank(s, n, p, placement) == rank]
+        stages = [PipelineStage(nn.Linear(D, D), s, n, placement=placement) for s in mine]
+        try:
+            cls(stages[0] if per_rank == 1 else stages, 2 * p, F.mse_loss, (TensorChunkSpec(1),))
+            out[name] = None
+        except (TypeError, ValueError) as error:
+            out[name] = (type(error).__name__, str(error))
+    return out
+
+
+def test_torch_chunk_spec_passed_by_position_is_refused(world2):
+    for out in world2.run(_torch_positional_spec):
+        for name, outcome in out.items():
+            assert outcome is not None, f"{name} accepted args_chunk_spec by position"
+            kind, message = outcome
+            assert kind == "TypeError" and "track_activation_memory" in message, outcome
+            assert "args_chunk_spec" in message and "by keyword" in message, outcome

@@ -6,6 +6,8 @@ uncorrected update written out below. Hypothesis chooses the hyper-parameters, s
 param-group split and the steps; one process.
 """
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -150,3 +152,62 @@ def test_cpu_adam_fp32_states_over_16_bit_parameters_refused():
     opt.step()
     assert opt.state[half[0]]["exp_avg"].dtype == torch.bfloat16
     assert (half[0] < 1).all()
+
+
+def _continue(opt, params, grads):
+    for g in grads:
+        for p, gi in zip(params, g):
+            p.grad = gi.clone()
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("source, target", [
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+     lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1)),
+    (lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1),
+     lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1, adam_w_mode=False)),
+    (lambda ps: DeepSpeedCPUAdam(ps, lr=1e-2, weight_decay=0.1),
+     lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1)),
+    (lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1, adam_w_mode=False),
+     lambda ps: DeepSpeedCPUAdam(ps, lr=1e-2, weight_decay=0.1, adamw_mode=False)),
+], ids=["AdamW->FusedAdam", "Adam->FusedAdam(L2)", "CPUAdam->FusedAdam", "FusedAdam->CPUAdam"])
+def test_state_dict_of_torch_adam_or_the_other_class_loads_and_trains_on(source, target):
+    """A state dict whose groups lack this class's keys (torch's Adam/AdamW, or adamw_mode vs
+    adam_w_mode) loads, and stepping on matches the source optimizer stepping on (was a
+    KeyError 'adam_w_mode' at the first step after loading)."""
+    values, grads = _params([5, 3], 7), _grads([5, 3], 4, 7)
+    params = [torch.nn.Parameter(v.clone()) for v in values]
+    first = source(params)
+    _continue(first, params, grads[:2])
+    saved = copy.deepcopy(first.state_dict())
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    second = target(twins)
+    second.load_state_dict(saved)
+    expected = _continue(first, params, grads[2:])
+    got = _continue(second, twins, grads[2:])
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [FusedAdam, lambda ps, **kw: DeepSpeedCPUAdam(
+    ps, fp32_optimizer_states=False, **kw)], ids=["FusedAdam", "DeepSpeedCPUAdam"])
+def test_no_bias_correction_over_fp16_parameters_computes_in_fp32(make):
+    """bias_correction=False over fp16 parameters: eps=1e-8 is 0 in fp16, and an element with
+    a zero gradient became 0/0 = NaN (and a tiny one inf); DeepSpeed's kernel computes in
+    fp32. The first step equals the fp32 step rounded to fp16; later ones stay finite (the
+    moments are kept in fp16, as DeepSpeed keeps them, so they drift from fp32's)."""
+    start = torch.randn(64, generator=torch.Generator().manual_seed(0)).half()
+    grads = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 1e-2
+    grads[:, 0] = 0.0
+    half = torch.nn.Parameter(start.clone())
+    full = torch.nn.Parameter(start.float())
+    opts = [make([half], lr=1e-3, bias_correction=False, weight_decay=0.1),
+            make([full], lr=1e-3, bias_correction=False, weight_decay=0.1)]
+    for step, g in enumerate(grads):
+        half.grad, full.grad = g.half(), g.half().float()
+        for opt in opts:
+            opt.step()
+        assert torch.isfinite(half).all(), f"step {step + 1}: {half}"
+        if step == 0:
+            assert torch.equal(half.detach(), full.detach().half())

@@ -129,6 +129,13 @@ class PlanSchedule:
                  scale_grads: bool = True, **torch_options):
         name = type(self).__name__
         _check_torch_options(name, torch_options)
+        if not isinstance(track_activation_memory, bool):
+            # torch's 4th positional argument is args_chunk_spec (output_merge_spec in
+            # ScheduleLoopedBFS): a torch call passing it by position lands here
+            raise TypeError(f"{name}(track_activation_memory={track_activation_memory!r}): "
+                            f"expected True or False; torch's schedules take args_chunk_spec "
+                            f"in this position, so pass torch's options by keyword "
+                            f"(args_chunk_spec=..., output_merge_spec=...)")
         if not isinstance(scale_grads, bool):
             raise TypeError(f"{name}(scale_grads={scale_grads!r}): expected True (gradients "
                             f"divided by chunks, the mean of the micro-batch losses) or False "
