@@ -38,6 +38,17 @@ model-parallel unit): the table's wrappers then run over the data-parallel group
 and the tensor-parallel ranks add one one-element all-reduce a step for the gradient norm
 (:func:`initialize`).
 
+Without any optimizer (no ``optimizer=`` and no config ``optimizer`` section: DeepSpeed's
+reference, reward and EMA engines, "ZeRO-3 inference") ``initialize`` returns a forward-only
+engine, ``optimizer`` and ``lr_scheduler`` ``None``: stage 3 shards the parameters with FSDP
+(``4Ψ/N`` bytes of fp32 parameters per rank, no gradients, no optimizer state; each forward
+all-gathers the units it runs); stages 0-2 have nothing to shard without an optimizer and keep
+the model whole (``4Ψ``, rank 0's weights broadcast once, forwards local). ``fp16``/``bf16``
+run the forward under ``torch.autocast`` as with an optimizer. ``engine.backward`` and
+``engine.step`` are a RuntimeError on every rank before any collective, as DeepSpeed asserts;
+``module_state_dict``, ``save_16bit_model`` and ``save_checkpoint``/``load_checkpoint``
+(weights, counters and RNG; a training checkpoint loads its weights) work.
+
 Usage::
 
     engine, optimizer, _, scheduler = shardkit.initialize(model=model, config="ds_config.json")
@@ -85,6 +96,9 @@ _ARRIVAL_HOOKS = WeakIdKeyDictionary()
 # optimizer -> weak reference to the latest engine built over it, read by the one step pre-hook
 # each optimizer gets (see _guard_direct_steps)
 _STEP_OWNERS = WeakIdKeyDictionary()
+# optimizer -> how many engine.step() calls are inside its step() now (any engine over it, not
+# only the latest: an earlier engine over a shared optimizer steps it legitimately too)
+_ENGINE_STEPPING = WeakIdKeyDictionary()
 
 logger = logging.getLogger("shardkit")
 
@@ -92,7 +106,11 @@ logger = logging.getLogger("shardkit")
 # ----------------------------------------------------------------------------- optimizer recipe
 
 
-def _optimizer_recipe(cfg: EngineConfig, optimizer, model_parameters, model) -> OptimizerRecipe:
+def _optimizer_recipe(cfg: EngineConfig, optimizer, model_parameters,
+                      model) -> Optional[OptimizerRecipe]:
+    """How to build the optimizer; ``None`` without one (a forward-only engine)."""
+    if cfg.optimizer is None and optimizer is None:
+        return None
     if cfg.optimizer is not None:
         groups = None if model_parameters is None else list(model_parameters)
         return OptimizerRecipe(getattr(torch.optim, cfg.optimizer.torch_class),
@@ -146,9 +164,7 @@ def _check_arguments(model, optimizer, lr_scheduler, cfg: EngineConfig) -> None:
             f"exactly one of them (DeepSpeed would use the object and ignore the section: to "
             f"keep that behaviour, delete the config's 'optimizer' section)")
     if cfg.optimizer is None and optimizer is None:
-        raise ConfigError("initialize: no optimizer; pass optimizer=<torch optimizer> or add an "
-                          "'optimizer': {'type': 'AdamW', 'params': {'lr': ...}} section to the "
-                          "config")
+        _check_forward_only(lr_scheduler, cfg)
     if optimizer is not None and not (isinstance(optimizer, torch.optim.Optimizer)
                                       or callable(optimizer)):
         raise TypeError(f"initialize(optimizer=...): expected a torch.optim.Optimizer or a "
@@ -169,12 +185,28 @@ def _check_arguments(model, optimizer, lr_scheduler, cfg: EngineConfig) -> None:
         raise ConfigError(f"initialize(optimizer=...) at zero_optimization.stage=3: {problem}")
 
 
-def _check_sparse_modules(model: nn.Module, cfg: EngineConfig) -> None:
+def _check_forward_only(lr_scheduler, cfg: EngineConfig) -> None:
+    """An engine without an optimizer (forward only) has nothing for a scheduler to drive: a
+    config ``scheduler`` section or ``lr_scheduler=...`` is a :class:`ConfigError` on every
+    rank before any collective (DeepSpeed would build the scheduler on a missing optimizer)."""
+    given = "a config 'scheduler' section (type " + cfg.scheduler.type + ")" \
+        if cfg.scheduler is not None else \
+        f"lr_scheduler=<{type(lr_scheduler).__name__}>" if lr_scheduler is not None else None
+    if given is not None:
+        raise ConfigError(
+            f"initialize: {given} was given without an optimizer (no optimizer=... and no "
+            f"config 'optimizer' section); a scheduler drives an optimizer's learning rate. "
+            f"Pass an optimizer to train, or drop the scheduler for a forward-only engine "
+            f"(reference/reward/EMA model, inference)")
+
+
+def _check_sparse_modules(model: nn.Module, cfg: EngineConfig, optimizer=None) -> None:
     """Embeddings with ``sparse=True`` give sparse gradients, which torch DDP reduces (stage 0,
     as DeepSpeed's ``sparse_gradients``) but OSS's owner reduction, ShardedDataParallel's
     buckets and FSDP's flat shards cannot: a :class:`ConfigError` naming the modules at stages
-    1-3, on every rank before any collective. Local."""
-    if cfg.zero.stage == 0:
+    1-3, on every rank before any collective (forward only, stages 1-2 keep the model whole
+    and reduce nothing: accepted). Local."""
+    if cfg.zero.stage == 0 or (cfg.zero.stage < 3 and _forward_only(cfg, optimizer)):
         return
     sparse = [name or type(model).__name__ for name, module in model.named_modules()
               if isinstance(module, (nn.Embedding, nn.EmbeddingBag))
@@ -185,6 +217,11 @@ def _check_sparse_modules(model: nn.Module, cfg: EngineConfig) -> None:
             f"gradients, and the embedding module(s) {sparse[:4]} were built with sparse=True; "
             f"build them with sparse=False (dense gradients), or use zero_optimization.stage=0 "
             f"(torch DDP reduces sparse gradients)")
+
+
+def _forward_only(cfg: EngineConfig, optimizer) -> bool:
+    """No optimizer object and no config ``optimizer`` section: a forward-only engine."""
+    return cfg.optimizer is None and optimizer is None
 
 
 def _param_group_count(recipe: OptimizerRecipe) -> int:
@@ -240,7 +277,7 @@ def _guard_direct_steps(engine) -> None:
 def _refuse_direct_step(optimizer, args, kwargs) -> None:
     owner = _STEP_OWNERS.get(optimizer)
     engine = owner() if owner is not None else None
-    if engine is None or engine._engine_stepping:
+    if engine is None or _ENGINE_STEPPING.get(optimizer, 0) > 0:
         return None
     steps = engine.config.gradient_accumulation_steps
     if steps == 1:
@@ -287,7 +324,7 @@ def _is_scheduler_instance(lr_scheduler) -> bool:
 # ----------------------------------------------------------------------------- composition
 
 
-def compose_from_config(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineConfig,
+def compose_from_config(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg: EngineConfig,
                         wrap_policy: Optional[Callable] = None,
                         process_group=None) -> Composition:
     """The stage's wrappers, built by :func:`shardkit.recipes.compose` from the config's
@@ -296,6 +333,9 @@ def compose_from_config(model: nn.Module, recipe: OptimizerRecipe, cfg: EngineCo
     (fp32) gradients, so the size is converted here, once."""
     zero = cfg.zero
     kwargs: dict = {}
+    if recipe is None and zero.stage < 3:  # forward only: the model whole, nothing reduced
+        return compose(model, zero.stage, None, count_ddp_comm=False,
+                       process_group=process_group)
     if zero.stage in (0, 1):
         kwargs["find_unused_parameters"] = zero.ignore_unused_parameters
     if zero.stage == 1:
@@ -333,7 +373,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
     Attributes:
         module: the user's model (at stage 3 its blocks are FSDP units).
         wrapped: the outermost wrapper (DDP, ShardedDataParallel or FSDP).
-        optimizer, lr_scheduler, loss_scaler: the composed parts (``None`` when unused).
+        optimizer, lr_scheduler, loss_scaler: the composed parts (``None`` when unused;
+            ``optimizer`` is ``None`` for a forward-only engine, built without one: then
+            ``backward`` and ``step`` raise, see the module docstring).
         global_steps: optimizer steps taken (skipped fp16 steps included, as in DeepSpeed).
         micro_steps, skipped_steps: micro-batches seen; steps skipped on overflow.
 
@@ -461,7 +503,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         return list(self._state_names)
 
     def get_lr(self) -> list[float]:
-        """The learning rate of each optimizer parameter group."""
+        """The learning rate of each optimizer parameter group (``[]`` without an optimizer,
+        as DeepSpeed returns)."""
+        if self.optimizer is None:
+            return []
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def gradient_clipping(self) -> float:
@@ -554,7 +599,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 self.config.gradient_accumulation_steps)
 
     def get_mom(self) -> list:
-        """Each parameter group's momentum: Adam's ``betas``, else SGD's ``momentum``."""
+        """Each parameter group's momentum: Adam's ``betas``, else SGD's ``momentum`` (``[]``
+        without an optimizer, as DeepSpeed returns)."""
+        if self.optimizer is None:
+            return []
         return [group["betas"] if "betas" in group else group.get("momentum")
                 for group in self.optimizer.param_groups]
 
@@ -605,7 +653,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         (DeepSpeed's, for a loss the script already divided, as Hugging Face's Trainer does)
         skips the division. Returns what DeepSpeed returns: the loss divided as the gradients
         were (``loss / gradient_accumulation_steps`` unless ``scale_wrt_gas=False``).
-        No memory or communication beyond the backward's own."""
+        No memory or communication beyond the backward's own. Without an optimizer: a
+        RuntimeError on every rank, before any collective (see :meth:`_refuse_without_optimizer`).
+        """
+        self._refuse_without_optimizer("backward(loss)")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward(loss): expected a scalar tensor, got "
                              f"{loss if not isinstance(loss, torch.Tensor) else loss.shape}")
@@ -755,7 +806,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """At the accumulation boundary: (fp16) agree on overflow, unscale, clip, step the
         optimizer and scheduler (``scheduler.step(**lr_kwargs)``, DeepSpeed's argument), update
-        the loss scale, zero gradients. Elsewhere: count."""
+        the loss scale, zero gradients. Elsewhere: count. Without an optimizer: a RuntimeError
+        on every rank, before any collective."""
+        self._refuse_without_optimizer("step()")
         if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
             raise ValueError(f"engine.step(lr_kwargs={lr_kwargs!r}): expected a dict of keyword "
                              f"arguments for lr_scheduler.step(), or None")
@@ -771,6 +824,21 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             self._maybe_print()
         self._forwards_since_step = self._backwards_since_step = 0
         self.micro_steps += 1
+
+    def _refuse_without_optimizer(self, call: str) -> None:
+        """DeepSpeed asserts "must provide optimizer during init in order to use backward"
+        (and ``step``): an engine built without an optimizer runs forward only. Its gradients
+        would have no one to step them, and at stages 0-2 the model is not wrapped for a
+        gradient reduction at all, so training through it is refused rather than half-done.
+        Local, so every rank raises it before any collective."""
+        if self.optimizer is not None:
+            return
+        raise RuntimeError(
+            f"engine.{call}: this engine has no optimizer (shardkit.initialize was called "
+            f"without optimizer=... and without a config 'optimizer' section), so it runs "
+            f"forward only, as DeepSpeed's does (a reference, reward or EMA model, inference); "
+            f"to train it, pass optimizer=<torch optimizer> or add an 'optimizer' section to "
+            f"the config")
 
     def _refuse_unreduced_step(self) -> None:
         """DeepSpeed's rule, checked on every rank before any collective: a boundary step must
@@ -812,11 +880,14 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             if self.config.gradient_clipping > 0 or self._measures_grad_norm:
                 norm = self._clip_grad_norm(self.config.gradient_clipping or math.inf)
                 self._last_grad_norm = None if norm is None else torch.as_tensor(norm).detach()
+            optimizer = self.optimizer
             self._engine_stepping = True
+            _ENGINE_STEPPING[optimizer] = _ENGINE_STEPPING.get(optimizer, 0) + 1
             try:
-                self.optimizer.step()
+                optimizer.step()
             finally:
                 self._engine_stepping = False
+                _ENGINE_STEPPING[optimizer] -= 1
             if self.lr_scheduler is not None:
                 _note_step_taken_for(self.lr_scheduler)
                 self.lr_scheduler.step(**lr_kwargs)
@@ -997,9 +1068,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if self.model_parallel is not None:
             return self._save_tensor_parallel_checkpoint(save_dir, tag, client_state,
                                                          save_latest, exclude_frozen_parameters)
-        result = save_engine_checkpoint(self, save_dir, tag, client_state, save_latest,
-                                        async_save=async_save,
-                                        exclude_frozen_parameters=exclude_frozen_parameters)
+        with self._optimizer_state_for_checkpoint():
+            result = save_engine_checkpoint(self, save_dir, tag, client_state, save_latest,
+                                            async_save=async_save,
+                                            exclude_frozen_parameters=exclude_frozen_parameters)
         if not async_save:
             return result
         self._pending_save = result
@@ -1020,9 +1092,11 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         tag = f"global_step{self.global_steps}" if tag is None else tag
         path, error = os.path.join(save_dir, tag), None
         try:
-            save_engine_checkpoint(self, path, mp_rank_name(self.model_parallel.tensor_rank),
-                                   client_state, save_latest=False,
-                                   exclude_frozen_parameters=exclude_frozen_parameters)
+            with self._optimizer_state_for_checkpoint():
+                save_engine_checkpoint(self, path,
+                                       mp_rank_name(self.model_parallel.tensor_rank),
+                                       client_state, save_latest=False,
+                                       exclude_frozen_parameters=exclude_frozen_parameters)
             if distributed.get_rank() == 0:  # how to join the slices offline (consolidate)
                 write_tensor_parallel_layout(path, self.mp_world_size, split_specs(self.module))
         except Exception as e:  # the other groups must learn of it rather than go on
@@ -1035,6 +1109,22 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 error = e
         self._agree_on_save(error, save_dir, tag)
         return path
+
+    @contextlib.contextmanager
+    def _optimizer_state_for_checkpoint(self):
+        """Without an optimizer, the checkpoint writer sees an empty one (no param groups, no
+        state) for the duration of the save, so a forward-only engine writes its weights,
+        counters and RNG only (what DeepSpeed's writes: the model states, optimizer ``None``);
+        its metadata names the optimizer class ``NoOptimizer``. Local; the shares are copied
+        before this returns (an asynchronous save writes copies)."""
+        if self.optimizer is not None:
+            yield
+            return
+        self.optimizer = NoOptimizer()
+        try:
+            yield
+        finally:
+            self.optimizer = None
 
     @staticmethod
     def _agree_on_save(error: Optional[BaseException], save_dir: str, tag: str) -> None:
@@ -1105,6 +1195,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         ``load_module_only=True`` is DeepSpeed's warm start: the weights only; the step
         counters (``global_steps``, ``skipped_steps``), the loss scale, the scheduler and this
         process's RNG stay as they are (a fine-tuning run starts at step 0).
+        Without an optimizer (a forward-only engine) the optimizer state is never read: a
+        training run's checkpoint gives a reference model its weights.
         Memory, on each rank's CPU while loading: stages 0-2, the full fp32 weights and the
         optimizer state this rank's optimizer keeps (stages 1-2: its OSS share; stage 0: the
         whole); stage 3, only this rank's row blocks of both (``1/N``)."""
@@ -1122,7 +1214,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         kept = self._training_position() if load_module_only else None
         result = load_engine_checkpoint(self, load_dir, tag,
                                         load_optimizer_states=load_optimizer_states
-                                        and not load_module_only,
+                                        and not load_module_only and self.optimizer is not None,
                                         load_lr_scheduler_states=load_lr_scheduler_states
                                         and not load_module_only)
         if kept is not None:
@@ -1150,6 +1242,15 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         set_rng_state(kept["rng"])
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(kept["loss_scaler"])
+
+
+class NoOptimizer:
+    """What the checkpoint writer sees of a forward-only engine's optimizer: no param groups,
+    no state (see :meth:`ShardedEngine._optimizer_state_for_checkpoint`)."""
+
+    def __init__(self):
+        self.param_groups: list = []
+        self.state: dict = {}
 
 
 _DDP_READY_TWICE = "Expected to mark a variable ready only once"
@@ -1286,7 +1387,8 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     Args:
         model: the ``nn.Module`` to train (on its target device).
         optimizer: a torch optimizer or ``callable(params) -> optimizer``; exclusive with a
-            config ``optimizer`` section.
+            config ``optimizer`` section. Neither: a forward-only engine (module docstring),
+            returned with ``optimizer`` and ``lr_scheduler`` ``None``.
         model_parameters: parameters or param groups for a config-built optimizer (default:
             every trainable parameter), at every stage (FSDP shards the same parameter objects
             in place).
@@ -1344,7 +1446,7 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     world = parallel.data_size if parallel is not None else _data_parallel_world_size()
     cfg = load_config(config, world)
     _check_arguments(model, optimizer, lr_scheduler, cfg)
-    _check_sparse_modules(model, cfg)
+    _check_sparse_modules(model, cfg, optimizer)
     if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
         raise TypeError(f"initialize(resume_from={resume_from!r}): expected a directory path")
     if distributed_port is not None and (isinstance(distributed_port, bool) or not isinstance(
@@ -1373,7 +1475,8 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     engine = ShardedEngine(model, composition, cfg, scheduler, state_names, trainable, frozen,
                            parallel)
     # DeepSpeed's optimizer_name() names the client's optimizer class when it passed one
-    engine.client_optimizer_name = None if cfg.optimizer is not None else recipe.cls.__name__
+    engine.client_optimizer_name = None if cfg.optimizer is not None or recipe is None \
+        else recipe.cls.__name__
     loader = None if training_data is None else \
         _data_loader(training_data, cfg, collate_fn, parallel)
     if resume_from is not None:

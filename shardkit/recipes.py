@@ -17,6 +17,12 @@ stage                  wrappers                               per-rank model sta
 pipeline               one stage per rank, 1F1B               16Ψ_stage
 =====================  =====================================  ==================================
 
+Without an optimizer (``optimizer=None``: a reference, reward or EMA model that only runs
+forward, DeepSpeed's optimizer-less ``initialize``) there are no gradients to reduce and no
+optimizer state to shard: stages 0-2 keep the model whole and unwrapped (``4Ψ``, rank 0's
+weights and buffers broadcast once), stage 3 shards its parameters with FSDP as above
+(``4Ψ/N``), and the composition's ``optimizer`` is ``None``.
+
 Memory and traffic formulas live in :mod:`shardkit.plan` (``zero_model_state_bytes``,
 ``zero_comm_elements_per_step``); this module only builds. Stages 1-3 step with torch's fused
 kernel where the optimizer has one and the recipe leaves ``fused``/``foreach`` unset (OSS's
@@ -36,6 +42,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -120,7 +127,7 @@ class Composition:
 
     stage: int
     wrapped: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: Optional[torch.optim.Optimizer]
     no_sync: Callable[[], Any]
     clip_grad_norm: Callable[[float], Any]
     zero_grad: Callable[..., None]
@@ -129,6 +136,11 @@ class Composition:
     def training_setup(self, loss_fn: Callable) -> TrainingSetup:
         """The plain step over this composition: zero grads, forward, ``loss_fn(output,
         target)``, backward, optimizer step."""
+        if self.optimizer is None:
+            raise ValueError(f"Composition.training_setup: this stage-{self.stage} composition "
+                             f"was built without an optimizer (compose(..., optimizer=None): "
+                             f"forward only); compose it with an OptimizerRecipe to train")
+
         def step(inputs, target):
             self.zero_grad()
             loss = loss_fn(self.wrapped(inputs), target)
@@ -141,7 +153,7 @@ class Composition:
 # ----------------------------------------------------------------------------- composing
 
 
-def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
+def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], *,
             wrap_policy: Optional[Callable] = None, offload: bool = False, comm=None,
             process_group=None, reduce_bucket_bytes: Optional[int] = None,
             sync_bucket_numel: Optional[int] = None,
@@ -154,6 +166,14 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
             find_unused_parameters: bool = False) -> Composition:
     """Wrap ``model`` for ZeRO ``stage`` (0-3, table in the module docstring) and build its
     optimizer from ``optimizer``.
+
+    ``optimizer=None`` composes a forward-only model (module docstring): stages 0-2 return the
+    model itself, its parameters and buffers broadcast from the group's rank 0 (one broadcast
+    of ``4Ψ`` bytes), with no gradient reduction; stage 3 wraps it in FSDP as with an optimizer.
+    The OSS options (``overlap_param_sync``, ``step_in_backward``, ``reduce_to_owners``,
+    ``sync_bucket_numel``) then have nothing to act on and are a ValueError; the gradient
+    reduction's (``reduce_bucket_bytes``, ``reduce_dtype`` at stages 0-2,
+    ``find_unused_parameters``, ``count_ddp_comm``) are ignored.
 
     Args:
         wrap_policy: stage 3: which submodules become FSDP units (an ``auto_wrap`` policy);
@@ -206,12 +226,15 @@ def compose(model: nn.Module, stage: int, optimizer: OptimizerRecipe, *,
                      reduce_to_owners=reduce_to_owners)
     reduce_dtype = _checked_reduce_dtype(reduce_dtype, stage, mixed_precision,
                                          quantize_gradients, step_in_backward)
-    _refuse_sparse_gradients(model, stage)
+    # forward only at stages 0-2: the model stays whole and no gradient is ever reduced
+    _refuse_sparse_gradients(model, 0 if optimizer is None and stage < 3 else stage)
     if find_unused_parameters not in (False, True) or (find_unused_parameters and stage > 1):
         raise ValueError(f"compose(stage={stage}, find_unused_parameters="
                          f"{find_unused_parameters!r}): a bool, for stages 0-1 (torch DDP); "
                          f"stages 2-3 reduce per parameter and need no search for unused ones")
     psi = count_params(model.parameters())
+    if optimizer is None and stage < 3:
+        return _forward_only(model, stage, process_group, psi)
     if stage == 0:
         return _stage0(model, optimizer, process_group, count_ddp_comm, psi, reduce_dtype,
                        find_unused_parameters)
@@ -250,7 +273,17 @@ def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_num
     """Refuse what :func:`compose` cannot build, before any wrapper exists."""
     if stage not in STAGES:
         raise ValueError(f"compose(stage={stage!r}): valid stages are {list(STAGES)}")
-    if not isinstance(optimizer, OptimizerRecipe):
+    if optimizer is None:
+        oss_only = [name for name, value in (("overlap_param_sync", overlap_param_sync),
+                                             ("step_in_backward", step_in_backward),
+                                             ("reduce_to_owners", reduce_to_owners),
+                                             ("sync_bucket_numel", sync_bucket_numel))
+                    if value not in (None, False)]
+        if oss_only:
+            raise ValueError(f"compose(stage={stage}, optimizer=None): {', '.join(oss_only)} "
+                             f"act(s) on OSS, which a composition without an optimizer does "
+                             f"not build; leave them unset or pass an OptimizerRecipe")
+    elif not isinstance(optimizer, OptimizerRecipe):
         raise TypeError(f"compose(optimizer={type(optimizer).__name__}): expected an "
                         f"OptimizerRecipe, e.g. recipes.adamw(lr=1e-3) or "
                         f"OptimizerRecipe.of(torch_optimizer)")
@@ -275,9 +308,9 @@ def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_num
         raise ValueError(f"compose(stage=0, comm={type(comm).__name__}): stage 0 is torch DDP "
                          f"alone, which uses its process group; comm= is the transport of "
                          f"shardkit's wrappers (stages 1-3)")
-    problem = stage == 3 and (why_not_steppable_on_shards(optimizer.instance)
-                              if optimizer.instance is not None
-                              else why_not_on_row_shards(optimizer.cls))
+    problem = stage == 3 and optimizer is not None and (
+        why_not_steppable_on_shards(optimizer.instance) if optimizer.instance is not None
+        else why_not_on_row_shards(optimizer.cls))
     if problem:
         raise ValueError(f"compose(stage=3): {problem}")
 
@@ -414,6 +447,18 @@ def _oss(model: nn.Module, recipe: OptimizerRecipe, comm, process_group, bucket_
                bucket_numel=bucket_numel, **recipe.defaults)
 
 
+def _forward_only(model: nn.Module, stage: int, process_group, psi: int) -> Composition:
+    """Stages 0-2 without an optimizer: the model itself, whole (no gradients are reduced and
+    there is no optimizer state to shard), starting from the group's rank-0 weights and
+    buffers as every stage does. Communication: one broadcast of the parameters and buffers
+    (``4Ψ`` bytes in fp32); memory: the model, nothing more."""
+    tensors = list(model.parameters()) + [b for b in model.buffers() if b is not None]
+    distributed.broadcast_tensors_from_rank0(tensors, group=process_group)
+    params = _trainable(model)
+    return Composition(stage, model, None, contextlib.nullcontext, _replicated_clip(params),
+                       _zero_grads(model), psi)
+
+
 def _stage0(model, recipe, process_group, count_comm, psi, reduce_dtype,
             find_unused: bool) -> Composition:
     """torch DDP and a replicated optimizer."""
@@ -496,6 +541,9 @@ def _stage3(model, recipe, policy, fsdp_kwargs, psi) -> Composition:
     wrapped = auto_wrap(model, auto_wrap_policy=policy, **fsdp_kwargs)
     if not isinstance(wrapped, FSDP):  # the policy may have wrapped the root already
         wrapped = FSDP(wrapped, **fsdp_kwargs)
+    if recipe is None:  # forward only: the shards, no optimizer
+        return Composition(3, wrapped, None, wrapped.no_sync, wrapped.clip_grad_norm_,
+                           _zero_grads(wrapped), psi)
     optimizer = _build_on_shards(recipe, [p for p in wrapped.parameters() if p.requires_grad])
     return Composition(3, wrapped, optimizer, wrapped.no_sync, wrapped.clip_grad_norm_,
                        _zero_grads(wrapped, optimizer), psi)

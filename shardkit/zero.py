@@ -138,7 +138,11 @@ class GatheredParameters:
     fwd_module=None, enabled=True)``: inside the block, ZeRO-3-sharded parameters among
     ``params`` (one parameter or an iterable) hold their full fp32 values.
 
-    ``modifier_rank=None``: edits are dropped on exit (each rank keeps its rows as they were).
+    ``modifier_rank=None``: on exit each rank keeps its own rows of the values ``params`` hold
+    then (no communication), so an edit that every rank makes alike persists, as it does at
+    stages 0-2 (DeepSpeed-Chat's ``moving_average`` into a stage-3 EMA model, whose edits
+    DeepSpeed drops silently); an edit made on some ranks only leaves the model inconsistent,
+    as at stages 0-2: use ``modifier_rank`` for those.
     ``modifier_rank=r`` (a rank of the parameters' data-parallel group): on exit the values of
     ``params`` on rank ``r`` are broadcast and each rank keeps its rows of them, so ``r``'s
     edits reach every rank and the others' are dropped. Edits to other parameters of the same
@@ -201,13 +205,14 @@ class GatheredParameters:
         stack, self._stack = self._stack, None
         _set_status(self._sharded, ZeroParamStatus.NOT_AVAILABLE)
         with stack:  # leaving it re-points every parameter at its (updated) rows
-            if self.modifier_rank is not None and exc_type is None:
+            if exc_type is None:
                 from shardkit.utils.tensor_fragment import write_rows
                 for loc in self._sharded:
                     shard = loc.shard
                     full = loc.param.data
-                    src = distributed.get_global_rank(shard.group, self.modifier_rank)
-                    distributed.broadcast(full, src=src, group=shard.group)
+                    if self.modifier_rank is not None:
+                        src = distributed.get_global_rank(shard.group, self.modifier_rank)
+                        distributed.broadcast(full, src=src, group=shard.group)
                     write_rows(loc, shard.shard_views(shard.flat_shard)[loc.index], full)
         return False
 

@@ -587,7 +587,7 @@ def test_tag_validation_modes(world2, tmp_path):
         assert out["FAIL-dir"] == []
         assert out["WARN"] == "saved" and out["IGNORE"] == "saved"
         # one loadable checkpoint, under rank 0's tag (not a share in each rank's directory)
-        assert out["WARN-dir"] == ["latest", "tag-0"] == out["IGNORE-dir"]
+        assert out["WARN-dir"] == ["latest", "tag-0", "zero_to_fp32.py"] == out["IGNORE-dir"]
         assert out["WARN-loaded"] == out["IGNORE-loaded"] == "tag-0"
 
 
@@ -641,7 +641,7 @@ def test_save_load_edge_cases(world2, tmp_path, stage):
         assert out["immediate"] == "global_step0"
         assert out["same"] == 0.0 and out["latest"] == "global_step1"
         assert out["steps"] == 1 and out["export"] == ["torch.bfloat16"]
-        assert out["middle"] == ["global_step0", "latest", "model.pt"]
+        assert out["middle"] == ["global_step0", "latest", "model.pt", "zero_to_fp32.py"]
 
 
 def _one_cycle_groups_resume(tmp):

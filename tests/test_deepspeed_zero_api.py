@@ -169,7 +169,7 @@ def _check_training(stage, precision, offload, frozen, reduce_scatter=True):
 def _check_gathered_parameters(stage):
     """Inside GatheredParameters every parameter holds its full value; rank 0's edit (with
     modifier_rank=0) reaches every rank and trains on like the same edit in one process; with
-    modifier_rank=None edits are dropped."""
+    modifier_rank=None an edit made alike on every rank is kept, at every stage."""
     from shardkit.utils import safe_get_full_fp32_param
     run = _Run(stage)
     rank = distributed.get_rank()
@@ -200,10 +200,9 @@ def _check_gathered_parameters(stage):
         for p, r in zip(params, refs):
             run.note("gathered all", p.detach().clone(), r.detach())
         with torch.no_grad():
-            run.engine.module.second.weight.add_(1.0)  # dropped on exit (modifier_rank=None)
-    if stage < 3:
-        with torch.no_grad():
-            run.engine.module.second.weight.sub_(1.0)
+            run.engine.module.second.weight.add_(1.0)  # the same edit on every rank: kept
+    with torch.no_grad():  # at every stage (stage 3: each rank's rows of it)
+        run.engine.module.second.weight.sub_(1.0)
     with shardkit.zero.GatheredParameters(params, enabled=False):
         pass
     for _ in range(2):

@@ -768,7 +768,7 @@ def test_deepspeed_script_habits(world2, stage, tmp_path):
         assert r["tag"] == "custom attribute", r
         assert r["path"] == r["loaded"] == "3", r
         assert "different tags" in r["mismatched"], r
-        assert r["written"] == ["3", "latest"], r
+        assert r["written"] == ["3", "latest", "zero_to_fp32.py"], r
         assert r["old_switch_stage"] == 1, r
 
 
@@ -866,7 +866,11 @@ BAD_CONFIGS = {
     "negative lr": ({"train_batch_size": 8, "optimizer": {"type": "AdamW",
                                                           "params": {"lr": -1e-3}}},
                     "optimizer.params.lr=-0.001"),
-    "missing optimizer": ({"train_batch_size": 8}, "no optimizer"),
+    # without an optimizer initialize builds a forward-only engine; a scheduler has nothing
+    # to drive there (tests/test_engine_without_optimizer.py)
+    "scheduler without optimizer": ({"train_batch_size": 8,
+                                     "scheduler": {"type": "WarmupLR", "params": {}}},
+                                    "was given without an optimizer"),
     # one lr per param group, and Linear's parameters make one group: refused before the
     # wrappers' first broadcast, naming the key (was a ValueError from WarmupLR after it)
     "scheduler list": ({"train_batch_size": 8, "optimizer": {"type": "SGD"},

@@ -416,3 +416,38 @@ def test_world_failure_grace_s_bounds_the_wait(world2):
             assert "rank 1 fails at once" in str(failed.value)
     finally:
         world2.failure_grace_s = 5.0
+
+
+def _engines_sharing_an_optimizer():
+    """Two engines over one client optimizer (stage 0): each engine's own step() runs it,
+    whichever engine was built last and whatever its accumulation; a direct call is still
+    refused by the latest engine's setting."""
+    rank = distributed.get_rank()
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for first_gas, second_gas in ((1, 2), (2, 2)):
+        model = _mlp()
+        client = torch.optim.SGD(model.parameters(), lr=0.1)
+        config = {"train_micro_batch_size_per_gpu": 4}
+        first, _, _, _ = shardkit.initialize(model, optimizer=client, config=dict(
+            config, gradient_accumulation_steps=first_gas), peer_timeout_s=0)
+        second, _, _, _ = shardkit.initialize(model, optimizer=client, config=dict(
+            config, gradient_accumulation_steps=second_gas), peer_timeout_s=0)
+
+        def first_loop():
+            for _ in range(first_gas):
+                first.backward(first(x).sum())
+                first.step()
+            return first.global_steps
+        out[(first_gas, second_gas)] = _outcome(first_loop)
+        second(x).sum().backward()
+        out[(first_gas, second_gas, "direct")] = _outcome(client.step)[0]
+        client.zero_grad()
+    return out
+
+
+def test_an_earlier_engine_over_a_shared_optimizer_still_steps(world2):
+    for out in world2.run(_engines_sharing_an_optimizer):
+        for pair in ((1, 2), (2, 2)):
+            assert out[pair] == ("ok", 1), out[pair]
+            assert out[pair + ("direct",)] == "RuntimeError", out

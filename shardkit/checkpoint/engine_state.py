@@ -66,14 +66,27 @@ def save_engine_checkpoint(engine, save_dir: str, tag: Optional[str],
             payload = copy.deepcopy(payload)  # the training loop goes on changing the originals
     except Exception as e:  # e.g. rank 0's scheduler state: raised on every rank by the commit
         error = e
+    script_dir = _recovery_script_dir(engine, save_dir)
     if not async_save:
         return commit_checkpoint(save_dir, tag, shard, metadata, payload, save_latest,
                                  group=getattr(engine, "checkpoint_group", None),
-                                 prepare_error=error)
+                                 prepare_error=error, recovery_script_dir=script_dir)
     from shardkit.checkpoint.async_save import AsyncSave, checkpoint_group
     group = checkpoint_group()
     return AsyncSave(os.path.join(save_dir, tag), lambda: commit_checkpoint(
-        save_dir, tag, shard, metadata, payload, save_latest, group=group, prepare_error=error))
+        save_dir, tag, shard, metadata, payload, save_latest, group=group, prepare_error=error,
+        recovery_script_dir=script_dir))
+
+
+def _recovery_script_dir(engine, save_dir: str) -> Optional[str]:
+    """Where this rank writes DeepSpeed's ``zero_to_fp32.py``: beside ``latest``, on global
+    rank 0 only (``None`` elsewhere). Under tensor parallelism the engine saves each
+    ``mp_rank_XX`` part with ``save_dir`` = ``DIR/TAG``: the script goes to ``DIR``."""
+    if distributed.get_rank() != 0:
+        return None
+    if getattr(engine, "model_parallel", None) is not None:
+        return os.path.dirname(os.path.abspath(save_dir))
+    return save_dir
 
 
 def _rank_and_world(engine) -> tuple[int, int]:
@@ -118,6 +131,9 @@ def _checkpoint_parts(engine, tag: str, client_state: Optional[dict],
         "skipped_steps": engine.skipped_steps,
         "param_names": sorted(set(engine.module_state_names()) - excluded),
         "excluded_frozen": sorted(excluded),
+        # zero_to_fp32: which names were frozen, and which share one tensor (alias -> name)
+        "frozen": sorted(_frozen_state_names(engine)),
+        "tied": _tied_state_names(engine, excluded),
         "row_sharded": row_sharded,
         "optimizer_class": type(_inner_optimizer_class(engine)).__name__,
         "precision": engine.config.precision.dtype,
@@ -130,6 +146,19 @@ def _checkpoint_parts(engine, tag: str, client_state: Optional[dict],
     check_loads_back(payload, "engine.save_checkpoint")
     payload["client_state"] = client_state or {}  # checked by the engine, before any traffic
     return shard, metadata, payload
+
+
+def _tied_state_names(engine, excluded: frozenset) -> dict:
+    """``{alias: name}`` for every ``state_dict`` key of the unwrapped model that holds the
+    same tensor as an earlier key (tied weights), the excluded names left out. Local."""
+    source = engine.wrapped.local_state_dict(keep_vars=True) if engine.zero_stage == 3 \
+        else engine.module.state_dict(keep_vars=True)
+    first, tied = {}, {}
+    for name, value in source.items():
+        name_of = first.setdefault(id(value), name)
+        if name_of != name and name not in excluded and name_of not in excluded:
+            tied[name] = name_of
+    return tied
 
 
 def _inner_optimizer_class(engine):

@@ -3,6 +3,7 @@
 Layout (``DIR`` is the save directory, ``TAG`` one checkpoint)::
 
     DIR/latest                 text: the tag of the newest complete checkpoint
+    DIR/zero_to_fp32.py        engine saves: DeepSpeed's recovery script (shardkit.utils)
     DIR/TAG/metadata.json      rank 0: format, world size, stage, counters, who holds which name
     DIR/TAG/engine.pt          rank 0: optimizer param groups, scheduler, loss scaler, client state
     DIR/TAG/rank_00003.pt      rank 3: {"params": {name: fp32}, "optim": {name: state},
@@ -139,7 +140,8 @@ def _write_rank_file_and_digest(path: str, shard: RankShard) -> None:
 def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
                       metadata: Optional[dict], engine_payload: Optional[dict],
                       save_latest: bool = True, group=None,
-                      prepare_error: Optional[BaseException] = None) -> str:
+                      prepare_error: Optional[BaseException] = None,
+                      recovery_script_dir: Optional[str] = None) -> str:
     """Write this rank's shard and, on rank 0, the metadata; then publish atomically.
 
     Must be called on every rank (``metadata``/``engine_payload`` are used on rank 0 only),
@@ -150,6 +152,9 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     failure), on ``group`` (default: the default group; an asynchronous save passes its own,
     so that its agreement never interleaves with the training loop's collectives). Raises
     :class:`CheckpointError` on every rank if any rank failed; ``latest`` is then untouched.
+    ``recovery_script_dir`` (the engine's, on the rank that writes it): rank 0 writes
+    DeepSpeed's ``zero_to_fp32.py`` there while publishing, before ``latest`` moves; failing
+    to is a failed save like any other.
     """
     check_tag(tag)
     rank = distributed.get_rank(group)  # files are numbered within the group that writes them
@@ -167,7 +172,7 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     error = None
     if rank == 0:
         error = _attempt(lambda: _publish(save_dir, tag, staging, final, metadata,
-                                          engine_payload, save_latest))
+                                          engine_payload, save_latest, recovery_script_dir))
     _agree_or_raise(error, f"publishing {final}", staging, group)
     distributed.barrier(group)
     return final
@@ -254,7 +259,11 @@ def _agree_or_raise(error: Optional[BaseException], what: str, staging: str,
                           f"previous checkpoint") from error
 
 
-def _publish(save_dir, tag, staging, final, metadata, engine_payload, save_latest) -> None:
+def _publish(save_dir, tag, staging, final, metadata, engine_payload, save_latest,
+             recovery_script_dir=None) -> None:
+    if recovery_script_dir is not None:
+        from shardkit.utils.zero_to_fp32 import write_recovery_script
+        write_recovery_script(recovery_script_dir)
     engine_path = os.path.join(staging, ENGINE_FILE)
     torch.save(engine_payload, engine_path)
     _fsync(engine_path)
@@ -297,12 +306,17 @@ def _collect_digests(staging: str, world_size: int) -> dict:
     return files
 
 
+RECOVERY_SCRIPT = "zero_to_fp32.py"  # written beside ``latest`` by engine saves (DeepSpeed's)
+
+
 def check_tag(tag: str) -> None:
-    """Raise :class:`CheckpointError` unless ``tag`` is a plain directory name."""
+    """Raise :class:`CheckpointError` unless ``tag`` is a plain directory name (not ``latest``
+    nor the recovery script's name, the files beside the tags)."""
     if not isinstance(tag, str) or not tag or tag.startswith(".") or os.sep in tag \
-            or tag == LATEST:
+            or tag in (LATEST, RECOVERY_SCRIPT):
         raise CheckpointError(f"checkpoint tag={tag!r}: must be a non-empty name without "
-                              f"'{os.sep}', not starting with '.', and not {LATEST!r}")
+                              f"'{os.sep}', not starting with '.', and neither {LATEST!r} nor "
+                              f"{RECOVERY_SCRIPT!r}")
 
 
 def read_latest_tag(load_dir: str) -> Optional[str]:

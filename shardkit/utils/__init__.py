@@ -14,4 +14,11 @@ _EXPORTS = {name: _FRAGMENT for name in (
 
 __all__ = list(_EXPORTS)
 
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+_exported = lazy_exports(__name__, _EXPORTS)
+
+
+def __getattr__(name):
+    if name == "zero_to_fp32":  # deepspeed.utils.zero_to_fp32 under `import shardkit as deepspeed`
+        import importlib
+        return importlib.import_module("shardkit.utils.zero_to_fp32")
+    return _exported(name)

@@ -428,6 +428,10 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
 
 
 def _check_optimizer(loc: ParamLocation, what: str) -> None:
+    if loc.optimizer is None and loc.engine is not None:
+        raise ValueError(f"{what}(param=...): the parameter's engine has no optimizer "
+                         f"(shardkit.initialize was called without one: a forward-only "
+                         f"engine), so there is no optimizer state to read or write")
     if loc.optimizer is None:
         raise ValueError(f"{what}(param=...): the parameter belongs to a model wrapped in "
                          f"FullyShardedDataParallel by hand, whose optimizer this API cannot "

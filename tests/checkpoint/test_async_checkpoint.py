@@ -107,4 +107,4 @@ def _failed_async_save(save_dir):
 def test_failed_background_write_raises_at_the_next_save_and_keeps_latest(world2, tmp_path):
     for r in world2.run(_failed_async_save, str(tmp_path / "ckpt")):
         assert r["error"] is not None and "'latest' still names the previous" in r["error"]
-        assert r["latest"] == "good" and r["listing"] == ["good", "latest"]
+        assert r["latest"] == "good" and r["listing"] == ["good", "latest", "zero_to_fp32.py"]
