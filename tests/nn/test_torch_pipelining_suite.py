@@ -630,18 +630,6 @@ def test_scale_grads_trains_like_torch_meaning_world4(world4):
     _check_scaling(world4, 4)
 
 
-class _TwoHeads(nn.Module):
-    """A last stage returning a tuple (what ``return_outputs=True`` merges item by item)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(D, D)
-
-    def forward(self, x):
-        h = self.lin(x)
-        return h, torch.tanh(h)
-
-
 def _weighted_loss(output, target, weight=1.0, reduction="mean"):
     return weight * F.mse_loss(output[0], target, reduction=reduction)
 
@@ -654,9 +642,9 @@ def _run_return_outputs(schedule_name: str) -> dict:
     rank, n, m = dist.get_rank(), p * per_rank, 4
     mine = [s for s in range(n) if stage_rank(s, n, p, placement) == rank]
     torch.manual_seed(0)
-    modules = [nn.Linear(D, D) for _ in range(n - 1)] + [_TwoHeads()]
+    modules = [nn.Linear(D, D) for _ in range(n - 1)] + [_Fork()]  # a tuple: merged item by item
     torch.manual_seed(0)
-    ref = [nn.Linear(D, D) for _ in range(n - 1)] + [_TwoHeads()]
+    ref = [nn.Linear(D, D) for _ in range(n - 1)] + [_Fork()]
     stages = [PipelineStage(modules[s], s, n, placement=placement) for s in mine]
     schedule = cls(stages[0] if per_rank == 1 else stages, m, _weighted_loss)
     x, y = _batch("mlp", 3, 2 * m)
