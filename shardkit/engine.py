@@ -459,6 +459,24 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
 
     # -- properties DeepSpeed users reach for
     @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag on the wrapped model (torch DDP, ShardedDataParallel or FSDP), for
+        scripts written for torch DDP that accumulate with ``model.require_backward_grad_sync
+        = (micro_step == last)`` and call ``loss.backward()`` themselves (nanoGPT): ``False``
+        makes the following backward passes accumulate locally, as :meth:`no_sync` does. With
+        ``gradient_accumulation_steps`` above 1 the engine decides this itself (and such a
+        script's ``optimizer.step()`` is refused). Set it alike on every rank. Local."""
+        return bool(getattr(self.wrapped, "require_backward_grad_sync", True))
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"engine.require_backward_grad_sync = {value!r}: expected True or "
+                            f"False")
+        if hasattr(self.wrapped, "require_backward_grad_sync"):
+            self.wrapped.require_backward_grad_sync = value
+
+    @property
     def zero_stage(self) -> int:
         """The ZeRO stage the config chose (0-3)."""
         return self.composition.stage

@@ -1,4 +1,4 @@
-"""Four small gaps, each with the behaviour it has now:
+"""Five small gaps, each with the behaviour it has now:
 
 1. ``initialize(optimizer=<callable>)`` at stage 3 refuses an optimizer that needs whole
    tensors (LBFGS) with the ConfigError a passed instance gets, on every rank, before any
@@ -12,6 +12,9 @@
    (before: the load passed, and at the next step the owner alone raised a KeyError while
    the others waited in the parameter sync).
 4. ``World(failure_grace_s=...)``: how long the other ranks get once one has failed.
+5. ``engine.optimizer.step()`` called by the script with ``gradient_accumulation_steps > 1``
+   (nanoGPT's loop over an engine, which never reduces) is a RuntimeError on every rank;
+   ``engine.require_backward_grad_sync`` reaches the wrapped model.
 
 One world of 2 gloo ranks for the module.
 """
@@ -451,3 +454,100 @@ def test_an_earlier_engine_over_a_shared_optimizer_still_steps(world2):
         for pair in ((1, 2), (2, 2)):
             assert out[pair] == ("ok", 1), out[pair]
             assert out[pair + ("direct",)] == "RuntimeError", out
+
+
+# ---------------------------------------------------------------- 5. optimizer stepped directly
+
+
+def _direct_steps():
+    """A nanoGPT-style loop (``loss.backward()``, ``optimizer.step()``) over an engine: refused
+    with accumulation, before any collective; fine with one micro-batch per step; the engine's
+    own loop unaffected; a second engine over the same optimizer takes the guard over."""
+    rank = distributed.get_rank()
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for stage in (0, 1, 3):
+        config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3,
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                  "zero_optimization": {"stage": stage}}
+        engine, optimizer, _, _ = shardkit.initialize(_mlp(), config=config, peer_timeout_s=0)
+        engine(x).sum().backward()
+        with CommCounter() as comm:
+            out[(stage, "direct")] = _outcome(optimizer.step)
+        out[(stage, "calls")] = len(comm.calls)
+        engine.zero_grad()
+        for _ in range(3):  # the engine's own loop still steps at the boundary
+            engine.backward(engine(x).sum())
+            engine.step()
+        out[(stage, "engine_steps")] = engine.global_steps
+        single = dict(config, gradient_accumulation_steps=1)
+        engine, optimizer, _, _ = shardkit.initialize(_mlp(), config=single, peer_timeout_s=0)
+        engine(x).sum().backward()
+        out[(stage, "single")] = _outcome(optimizer.step)
+    model = _mlp()
+    client = torch.optim.SGD(model.parameters(), lr=0.1)
+    accumulating = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    first, _, _, _ = shardkit.initialize(model, optimizer=client, config=accumulating,
+                                         peer_timeout_s=0)
+    second, _, _, _ = shardkit.initialize(model, optimizer=client, config=dict(
+        accumulating, gradient_accumulation_steps=1), peer_timeout_s=0)
+    second(x).sum().backward()
+    out["second_engine"] = _outcome(second.optimizer.step)  # the latest engine's setting rules
+    return out
+
+
+def test_optimizer_stepped_directly_with_accumulation_is_refused(world2):
+    for out in world2.run(_direct_steps):
+        for stage in (0, 1, 3):
+            kind, message = out[(stage, "direct")]
+            assert kind == "RuntimeError", out[(stage, "direct")]
+            assert "gradient_accumulation_steps=3" in message and "engine.step()" in message
+            assert out[(stage, "calls")] == 0  # refused before the optimizer's collectives
+            assert out[(stage, "engine_steps")] == 1
+            assert out[(stage, "single")][0] == "ok", out[(stage, "single")]
+        assert out["second_engine"][0] == "ok", out["second_engine"]
+
+
+def _engine_flag_accumulation():
+    """nanoGPT's accumulation over an engine with one micro-batch per step: the flag set on
+    the engine reaches the wrapped model, so the first two backward passes reduce nothing and
+    the result equals the engine reducing every pass."""
+    rank = distributed.get_rank()
+    xs = [torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * rank + i))
+          for i in range(3)]
+    out = {}
+    for stage in (0, 1, 2, 3):
+        config = {"train_micro_batch_size_per_gpu": 4,
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                  "zero_optimization": {"stage": stage}}
+        results = []
+        for use_flag in (True, False):
+            engine, optimizer, _, _ = shardkit.initialize(_mlp(), config=config,
+                                                          peer_timeout_s=0)
+            with CommCounter() as comm:
+                for i, x in enumerate(xs):
+                    if use_flag:
+                        engine.require_backward_grad_sync = i == len(xs) - 1
+                        if i == 0:  # what the wrapped model (torch DDP at stages 0-1) reads
+                            out[(stage, "wrapped")] = engine.wrapped.require_backward_grad_sync
+                    (engine(x).sum() / len(xs)).backward()
+            optimizer.step()
+            results.append((comm.bytes, [p.detach().clone() for p in engine.parameters()],
+                            engine.require_backward_grad_sync))
+        (flag_bytes, flag_params, flag_end), (all_bytes, all_params, _) = results
+        out[stage] = ((flag_bytes, all_bytes), flag_end,
+                      max((a - b).abs().max().item() for a, b in zip(flag_params, all_params)))
+    engine, _, _, _ = shardkit.initialize(_mlp(), config=config, peer_timeout_s=0)
+    out["bad"] = _outcome(lambda: setattr(engine, "require_backward_grad_sync", 1))
+    return out
+
+
+def test_engine_require_backward_grad_sync_accumulates_like_no_sync(world2):
+    for out in world2.run(_engine_flag_accumulation):
+        for stage in (0, 1, 2, 3):
+            fewer_bytes, flag_end, diff = out[stage]
+            assert out[(stage, "wrapped")] is False and flag_end is True and diff < 1e-6, \
+                (stage, out[stage])
+            if stage > 0:  # torch DDP's own all-reduce at stage 0 bypasses CommCounter
+                assert fewer_bytes[0] < fewer_bytes[1], (stage, fewer_bytes)
+        assert out["bad"][0] == "TypeError" and "require_backward_grad_sync" in out["bad"][1]
