@@ -1116,7 +1116,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                                        client_state, save_latest=False,
                                        exclude_frozen_parameters=exclude_frozen_parameters)
             if distributed.get_rank() == 0:  # how to join the slices offline (consolidate)
-                write_tensor_parallel_layout(path, self.mp_world_size, split_specs(self.module))
+                # stage 3: the model's own state_dict() is refused (FSDP row shards), the
+                # split of each key was read unwrapped by initialize
+                specs = self.tp_split_specs if self.zero_stage == 3 else split_specs(self.module)
+                write_tensor_parallel_layout(path, self.mp_world_size, specs)
         except Exception as e:  # the other groups must learn of it rather than go on
             error = e
         self._agree_on_save(error, save_dir, tag)  # every group saved: only now move latest
@@ -1487,11 +1490,15 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     _check_scheduler_lists(cfg, recipe)
     state_names = list(model.state_dict().keys())
     trainable, frozen = _names_by_trainability(model)  # before wrapping renames them
+    # the tensor-parallel split of each key, read unwrapped (stage 3 then refuses the model's
+    # own state_dict()) for the checkpoints' layout file
+    tp_specs = None if parallel is None else _tp_split_specs(model)
     composition = compose_from_config(model, recipe, cfg, wrap_policy,
                                       None if parallel is None else parallel.data_group)
     scheduler = _build_scheduler(cfg, lr_scheduler, composition.optimizer)
     engine = ShardedEngine(model, composition, cfg, scheduler, state_names, trainable, frozen,
                            parallel)
+    engine.tp_split_specs = tp_specs
     # DeepSpeed's optimizer_name() names the client's optimizer class when it passed one
     engine.client_optimizer_name = None if cfg.optimizer is not None or recipe is None \
         else recipe.cls.__name__
@@ -1500,6 +1507,11 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     if resume_from is not None:
         _resume(engine, os.fspath(resume_from))
     return engine, composition.optimizer, loader, scheduler
+
+
+def _tp_split_specs(model: nn.Module) -> dict:
+    from shardkit.nn.model_parallel.full_state import split_specs
+    return split_specs(model)
 
 
 def _config_source(config, config_params, args):

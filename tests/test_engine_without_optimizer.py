@@ -21,6 +21,7 @@ import torch
 
 import shardkit
 from shardkit import distributed
+from shardkit.checkpoint.sharded import CheckpointError
 from shardkit.config import ConfigError
 from shardkit.testing import MLP, world_fixture
 from shardkit.utils.memory import model_state_bytes
@@ -199,6 +200,11 @@ def _checkpoints(stage, tmp):
     ref_weights = ref.module_state_dict()
     out["from_actor"] = max(_diff(ref_weights[k], v) for k, v in actor_weights.items())
     out["ref_steps"] = ref.global_steps
+    try:  # the reference's checkpoint has no optimizer state: the error says how to load it
+        actor.load_checkpoint(os.path.join(tmp, "ckpt"))
+        out["optimizer_states"] = "no error"
+    except CheckpointError as error:
+        out["optimizer_states"] = str(error)
     actor.load_checkpoint(os.path.join(tmp, "ckpt"), load_optimizer_states=False)
     back = actor.module_state_dict()
     out["actor_from_ref"] = max(_diff(back[k], v) for k, v in oracle.state_dict().items())
@@ -319,6 +325,9 @@ def test_weights_round_trip(world2, stage, tmp_path):
         assert r["reloaded"] < TOL, r
         assert r["from_actor"] < TOL and r["ref_steps"] == 1, r
         assert r["actor_from_ref"] < TOL, r
+        message = r["optimizer_states"]
+        assert "without an optimizer" in message and "load_optimizer_states=False" in message \
+            and "use NoOptimizer" not in message, message
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

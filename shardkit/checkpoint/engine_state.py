@@ -431,6 +431,12 @@ def _check_optimizer_class(engine, ckpt) -> None:
     replace the engine's, whose step would then miss its own hyper-parameters). Local."""
     saved = ckpt.metadata.get("optimizer_class")
     mine = type(_inner_optimizer_class(engine)).__name__
+    if saved == "NoOptimizer" and mine != saved:
+        raise CheckpointError(
+            f"load_checkpoint({ckpt.path}): the checkpoint was saved by an engine without an "
+            f"optimizer (forward only) and holds no optimizer state for this engine's {mine}; "
+            f"load its weights with load_checkpoint(..., load_optimizer_states=False) (or "
+            f"load_module_only=True); nothing was loaded")
     if saved is not None and saved != mine:
         raise CheckpointError(
             f"load_checkpoint({ckpt.path}): the optimizer state was saved by {saved}, this "

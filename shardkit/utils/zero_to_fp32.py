@@ -239,11 +239,13 @@ def parse_shard_size(max_shard_size: Union[int, str, None]) -> Optional[int]:
         return max_shard_size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(max_shard_size),
                          re.IGNORECASE) if isinstance(max_shard_size, str) else None
-    if match is None or float(match.group(1)) <= 0:
+    size = None if match is None else \
+        int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+    if size is None or size <= 0:  # "0.5B" is 0 bytes: one tensor per file, silently
         raise ValueError(f"max_shard_size={max_shard_size!r}: expected a positive number of "
                          f"bytes (an int) or a size such as '5GB', '500MB', '2GiB', or None "
                          f"for one file (a checkpoint tag goes by keyword: tag=...)")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+    return size
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -359,6 +361,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir=None,
     if len(shards) == 1:
         path = os.path.join(output, weights)
         _write_file(state, path, safe)
+        _remove_stale_weights(output, [path])
         return [path]
     written, weight_map = [], {}
     for i, names in enumerate(shards, 1):
@@ -373,7 +376,25 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir=None,
         f.write(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                            indent=2, sort_keys=True) + "\n")
     os.replace(pending, index)
+    _remove_stale_weights(output, written + [index])
     return written + [index]
+
+
+# what Hugging Face's from_pretrained reads in a directory (safetensors first, then the
+# single file before its index): an earlier conversion's files would be loaded instead of ours
+_WEIGHT_FILES = re.compile(r"(pytorch_model(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index"
+                           r"\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors"
+                           r"\.index\.json)")
+
+
+def _remove_stale_weights(output: str, written: list) -> None:
+    """Delete the weight files and indexes an earlier conversion left in ``output`` that this
+    one did not write (after ours are in place), so ``from_pretrained`` reads ours."""
+    keep = {os.path.basename(path) for path in written}
+    for name in os.listdir(output):
+        if name not in keep and _WEIGHT_FILES.fullmatch(name) \
+                and os.path.isfile(os.path.join(output, name)):
+            os.remove(os.path.join(output, name))
 
 
 # ----------------------------------------------------------------------------- CLI

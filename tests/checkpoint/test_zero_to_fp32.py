@@ -261,6 +261,24 @@ def test_safetensors_shards_read_by_hugging_face(saved, tmp_path):
     _assert_equal(model.state_dict(), result["ref"])
 
 
+def test_a_conversion_into_a_used_directory_leaves_only_its_own_weights(saved, tmp_path):
+    """Hugging Face reads model.safetensors before pytorch_model.bin, and a single file before
+    an index: weights an earlier conversion left in the directory must not stay beside ours."""
+    pytest.importorskip("safetensors")
+    save_dir, result = saved[3]
+    out = tmp_path / "out"
+    runs = [dict(safe_serialization=True), dict(), dict(max_shard_size="3KB"),
+            dict(max_shard_size="3KB", safe_serialization=True), dict()]
+    for kwargs in runs:
+        written = convert_zero_checkpoint_to_fp32_state_dict(save_dir, str(out), **kwargs)
+        assert sorted(os.listdir(out)) == sorted(os.path.basename(w) for w in written), kwargs
+    (out / "config.json").write_text("{}")  # not a weight file: kept
+    convert_zero_checkpoint_to_fp32_state_dict(save_dir, str(out), safe_serialization=True)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    with pytest.raises(ValueError, match="max_shard_size='0.5B'"):  # 0 bytes
+        convert_zero_checkpoint_to_fp32_state_dict(save_dir, str(out), max_shard_size="0.5B")
+
+
 def test_bad_inputs_are_clear_errors(saved, tmp_path):
     save_dir, _ = saved[1]
     with pytest.raises(FileNotFoundError, match="nowhere.*not a directory"):
