@@ -38,7 +38,8 @@ Memory, per call: the tensor arguments (not the region's activations) stay until
   under grad mode).
 - ``synchronize_checkpoint_boundary``: ``torch.cuda.synchronize()`` around each forward and
   recomputation (nothing without CUDA); ``profile``: each forward's and recomputation's time is
-  logged at INFO on the ``shardkit.checkpointing`` logger.
+  logged at INFO on the ``shardkit.checkpointing`` logger (:func:`non_reentrant_checkpoint`:
+  the forward only).
 
 Without grad mode (evaluation) :func:`checkpoint` just calls ``function``.
 """
@@ -141,8 +142,12 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations=None,
     input whole (DeepSpeed does the same), so one config serves every tensor-parallel size.
     Local: no collectives; the previous configuration stays when it raises.
     """
-    options = (ActivationCheckpointingConfig() if deepspeed_config is None
-               else activation_checkpointing_config(deepspeed_config))
+    try:
+        options = (ActivationCheckpointingConfig() if deepspeed_config is None
+                   else activation_checkpointing_config(deepspeed_config))
+    except ConfigError as error:
+        raise ConfigError(f"configure(deepspeed_config=...): {error} (a dict, a JSON file "
+                          f"path or engine.config)") from None
     given = dict(partition_activations=partition_activations,
                  contiguous_checkpointing=contiguous_checkpointing,
                  num_checkpoints=num_checkpoints, checkpoint_in_cpu=checkpoint_in_cpu,
@@ -487,9 +492,10 @@ def non_reentrant_checkpoint(function: Callable, *args, **kwargs):
     ``non_reentrant_checkpoint``): outputs require grad exactly as without checkpointing,
     gradients reach parameters when no input requires grad, ``torch.autograd.grad`` works, and
     the RNG streams (CPU, CUDA, the tracker's) are replayed. ``cpu_checkpointing`` keeps the
-    tensor arguments on CPU until the recomputation. ``partition_activations`` is refused
-    (a RuntimeError naming it): torch's recomputation reads the caller's whole inputs, so no
-    memory would be saved; use :func:`checkpoint`. Communication: none of its own."""
+    tensor arguments on CPU until the recomputation. ``partition_activations`` with a
+    tensor-parallel size above 1 is refused (a RuntimeError naming it): torch's recomputation
+    reads the caller's whole inputs, so no memory would be saved; use :func:`checkpoint`.
+    Communication: none of its own."""
     if not callable(function):
         raise TypeError(f"non_reentrant_checkpoint(function={function!r}): expected the "
                         f"callable to checkpoint first, then its arguments")

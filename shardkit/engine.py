@@ -210,7 +210,8 @@ def _check_sparse_modules(model: nn.Module, cfg: EngineConfig, optimizer=None) -
         return
     sparse = [name or type(model).__name__ for name, module in model.named_modules()
               if isinstance(module, (nn.Embedding, nn.EmbeddingBag))
-              and getattr(module, "sparse", False)]
+              and getattr(module, "sparse", False)
+              and any(p.requires_grad for p in module.parameters(recurse=False))]
     if sparse:
         raise ConfigError(
             f"initialize: zero_optimization.stage={cfg.zero.stage} cannot reduce sparse "
@@ -407,7 +408,6 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         self.config = cfg
         self.composition = composition
         self.optimizer = composition.optimizer
-        self._engine_stepping = False  # inside _optimizer_step's optimizer.step()
         _guard_direct_steps(self)
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = _loss_scaler(cfg)
@@ -464,8 +464,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         scripts written for torch DDP that accumulate with ``model.require_backward_grad_sync
         = (micro_step == last)`` and call ``loss.backward()`` themselves (nanoGPT): ``False``
         makes the following backward passes accumulate locally, as :meth:`no_sync` does. With
-        ``gradient_accumulation_steps`` above 1 the engine decides this itself (and such a
-        script's ``optimizer.step()`` is refused). Set it alike on every rank. Local."""
+        ``gradient_accumulation_steps`` above 1 such a script's ``optimizer.step()`` is
+        refused, and a boundary ``engine.step()`` after an ``engine.backward`` run with it
+        ``False`` is refused, as inside :meth:`no_sync`. Set it alike on every rank. Local."""
         return bool(getattr(self.wrapped, "require_backward_grad_sync", True))
 
     @require_backward_grad_sync.setter
@@ -683,9 +684,11 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                              f"or False")
         self._count_loss(loss)
         self._backwards_since_step += 1
-        reducing = self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0
+        # a torch-DDP script's require_backward_grad_sync = False turns the reduction off too
+        unsynced = self._no_sync_depth > 0 or not self.require_backward_grad_sync
+        reducing = self.is_gradient_accumulation_boundary() and not unsynced
         if self.is_gradient_accumulation_boundary():
-            self._boundary_unreduced = self._no_sync_depth > 0
+            self._boundary_unreduced = unsynced
         # stages 0-1 (torch DDP): a loss computed by calling the model itself bypassed DDP's
         # forward, so DDP reduces nothing; DeepSpeed averages the gradients in backward anyway
         by_hand = reducing and self._forwards_since_backward == 0 \
@@ -871,9 +874,11 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if self._boundary_unreduced:
             raise RuntimeError(
                 "engine.step(): the accumulation boundary's engine.backward(loss) ran inside "
-                "engine.no_sync(), so its gradients were never averaged over the ranks and the "
-                "step would apply this rank's own; run the last backward of each accumulation "
-                "window outside no_sync() (it reduces everything accumulated before it)")
+                "engine.no_sync() or with engine.require_backward_grad_sync = False, so its "
+                "gradients were never averaged over the ranks and the step would apply this "
+                "rank's own; run the last backward of each accumulation window outside "
+                "no_sync() with require_backward_grad_sync True (it reduces everything "
+                "accumulated before it)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every wrapped parameter (``None`` by default, as torch).
@@ -899,12 +904,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 norm = self._clip_grad_norm(self.config.gradient_clipping or math.inf)
                 self._last_grad_norm = None if norm is None else torch.as_tensor(norm).detach()
             optimizer = self.optimizer
-            self._engine_stepping = True
             _ENGINE_STEPPING[optimizer] = _ENGINE_STEPPING.get(optimizer, 0) + 1
             try:
                 optimizer.step()
             finally:
-                self._engine_stepping = False
                 _ENGINE_STEPPING[optimizer] -= 1
             if self.lr_scheduler is not None:
                 _note_step_taken_for(self.lr_scheduler)
@@ -1366,8 +1369,11 @@ class ThroughputTimer:
     at the first forward of each optimizer step and :meth:`stop` at its ``step()``;
     :meth:`avg_samples_per_sec` is the samples of the measured optimizer steps (``batch_size``
     each, the engine's ``train_batch_size`` at the time) over the wall time measured;
-    ``update_epoch_count()`` counts epochs (``epoch_count``, DeepSpeed-Chat ticks it). Host
-    clock only: no device synchronisation, no communication."""
+    ``update_epoch_count()`` counts epochs (``epoch_count``, DeepSpeed-Chat ticks it). A
+    forward outside training (evaluation between two steps) counts in the step's time, as the
+    timer starts at the first forward after a step. ``stop(report_speed=...)`` is accepted for
+    DeepSpeed's signature and ignored (nothing is logged). Host clock only: no device
+    synchronisation, no communication."""
 
     def __init__(self, batch_size: int = 1):
         self.batch_size = batch_size

@@ -227,7 +227,8 @@ def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], 
     reduce_dtype = _checked_reduce_dtype(reduce_dtype, stage, mixed_precision,
                                          quantize_gradients, step_in_backward)
     # forward only at stages 0-2: the model stays whole and no gradient is ever reduced
-    _refuse_sparse_gradients(model, 0 if optimizer is None and stage < 3 else stage)
+    if optimizer is not None or stage == 3:
+        _refuse_sparse_gradients(model, stage)
     if find_unused_parameters not in (False, True) or (find_unused_parameters and stage > 1):
         raise ValueError(f"compose(stage={stage}, find_unused_parameters="
                          f"{find_unused_parameters!r}): a bool, for stages 0-1 (torch DDP); "

@@ -551,3 +551,22 @@ def test_engine_require_backward_grad_sync_accumulates_like_no_sync(world2):
             if stage > 0:  # torch DDP's own all-reduce at stage 0 bypasses CommCounter
                 assert fewer_bytes[0] < fewer_bytes[1], (stage, fewer_bytes)
         assert out["bad"][0] == "TypeError" and "require_backward_grad_sync" in out["bad"][1]
+
+
+def _flag_off_then_step(stage):
+    model = _mlp()
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, _, _, _ = shardkit.initialize(model=model, config=config, peer_timeout_s=0)
+    engine.require_backward_grad_sync = False  # left off at the accumulation boundary
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(distributed.get_rank()))
+    engine.backward(engine(x).sum())
+    return _outcome(engine.step)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_boundary_step_after_require_backward_grad_sync_false_is_refused(world2, stage):
+    """engine.step() after a boundary backward the flag kept from reducing: refused on every
+    rank, as after no_sync() (stage 0 stepped each rank on its own gradients, silently)."""
+    for kind, message in world2.run(_flag_off_then_step, stage):
+        assert kind == "RuntimeError" and "require_backward_grad_sync" in message, message

@@ -71,6 +71,13 @@ class _DeepSpeedAdam(FusedAdamW):
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, with each saved group's hyper-parameters checked as the constructor's are
+        (``amsgrad=True``, which this step would ignore, is refused) before anything changes."""
+        for saved in state_dict.get("param_groups", []):
+            _check(type(self).__name__, {**self.defaults, **saved})
+        super().load_state_dict(state_dict)
+
     def zero_grad(self, set_to_none=None) -> None:
         """DeepSpeed's ``zero_grad()``: gradients become ``None`` when the group's
         ``set_grad_none`` is true (the default), else zeros; an explicit ``set_to_none``
@@ -150,6 +157,8 @@ class DeepSpeedCPUAdam(_DeepSpeedAdam):
         RuntimeError: ``amsgrad=True`` (DeepSpeed ignores it and runs Adam).
         ValueError: bad hyper-parameters (as :class:`FusedAdam`), or fp16/bf16 parameters with
             ``fp32_optimizer_states=True`` (the moments here follow the parameters' dtype).
+
+    Memory: 8 bytes of state per fp32 parameter (two moments); no communication.
     """
 
     _MODE = "adamw_mode"
@@ -181,8 +190,8 @@ def _check(name: str, group: dict) -> None:
     """DeepSpeed's hyper-parameters of one group, checked before anything is built."""
     if group.get("amsgrad"):
         raise RuntimeError(f"{name}(amsgrad={group['amsgrad']!r}): the AMSGrad variant is not "
-                           f"supported (as in DeepSpeed); use torch.optim.Adam(amsgrad=True) "
-                           f"or amsgrad=False")
+                           f"supported (DeepSpeed's FusedAdam refuses it; its CPU Adam ignores "
+                           f"it); use torch.optim.Adam(amsgrad=True) or amsgrad=False")
     lr = group["lr"]
     if isinstance(lr, (bool, torch.Tensor)) or not isinstance(lr, (int, float)) \
             or not lr >= 0 or not math.isfinite(lr):

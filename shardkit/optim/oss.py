@@ -409,7 +409,9 @@ class OSS(torch.optim.Optimizer):
         when every rank holds the full reduced gradients (DDP) and when only the owners do
         (ShardedDDP); one all-reduce of one element. Only the owned gradients (the ones the
         step reads) are scaled. ``filter_params_fn`` (FairScale's argument) receives the list of
-        this rank's owned parameters and returns the ones to measure and clip.
+        this rank's owned parameters and returns the ones to measure and clip. Sparse gradients
+        (``nn.Embedding(sparse=True)``) count by their coalesced values and are scaled too (one
+        host sync).
 
         Tensor parallelism (OSS over the data-parallel group of a model built from
         ``shardkit.nn.model_parallel`` layers): read from the parameters' marks, split weights
@@ -454,7 +456,7 @@ class OSS(torch.optim.Optimizer):
             device=self._default_device, also_over=also_over,
             measured=[p.grad.coalesce().values() if p.grad.is_sparse else p.grad
                       for p in counted])
-        if not math.isinf(max_norm):
+        if not math.isinf(max_norm):  # clip_grad_norm_across_ranks's coefficient
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             for grad in grads:
                 grad.mul_(coefficient.item() if grad.is_sparse

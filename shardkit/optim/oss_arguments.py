@@ -384,7 +384,7 @@ def _kept_state_keys(optim_cls: type, hyper: dict, param: torch.Tensor,
     device), under ``torch.no_grad``; the global RNG is left as it was."""
     module = getattr(optim_cls, "__module__", "") or ""
     if not isinstance(optim_cls, type) or issubclass(optim_cls, torch.optim.LBFGS) \
-            or not module.startswith(("torch.optim", "shardkit.optim")):
+            or not module.startswith(("torch.optim", "shardkit.optim", "shardkit.ops")):
         return None
     # torch's parameter names (a group built from named_parameters()) are no hyper-parameter:
     # one name per parameter of the group, written out for each would cost N^2
@@ -401,7 +401,7 @@ def _step_stand_in(optim_cls: type, hyper: dict, param: torch.Tensor) -> Optiona
     stand_in = torch.nn.Parameter(torch.zeros((1,) * param.dim(), dtype=param.dtype,
                                               device=param.device))
     stand_in.grad = torch.zeros_like(stand_in)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
         try:
             optimizer = optim_cls([{**hyper, "params": [stand_in]}])
             step = type(optimizer).step

@@ -254,19 +254,21 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 def _split_into_shards(state: dict, limit: Optional[int]) -> list:
     """Lists of names, in order, each list's tensors at most ``limit`` bytes (a larger tensor
-    alone in its own), as Hugging Face cuts ``save_pretrained`` shards; a tied alias is counted
-    once, in the shard of the name it shares a tensor with when that fits."""
+    alone in its own), as Hugging Face cuts ``save_pretrained`` shards; a tied alias goes in the
+    shard of the name it shares a tensor with and is counted once."""
     if limit is None:
         return [list(state)]
-    shards, current, size, seen = [], [], 0, {}
+    shards, current, size, shard_of = [], [], 0, {}
     for name, tensor in state.items():
-        nbytes = 0 if id(tensor) in seen else _nbytes(tensor)
-        seen.setdefault(id(tensor), name)
-        if current and size + nbytes > limit:
+        if id(tensor) in shard_of:  # a tied alias: in its name's shard, counted there once
+            shard_of[id(tensor)].append(name)
+            continue
+        if current and size + _nbytes(tensor) > limit:
             shards.append(current)
             current, size = [], 0
         current.append(name)
-        size += nbytes
+        shard_of[id(tensor)] = current
+        size += _nbytes(tensor)
     if current:
         shards.append(current)
     return shards
@@ -346,6 +348,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir=None,
     limit = None if one_file else limit
     if safe:
         _safetensors_save()  # before reading a checkpoint that could not be written
+    tag = _resolve_tag(checkpoint_dir, tag, caller)  # errors name this function
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag,
                                                      exclude_frozen_parameters)
     if one_file:

@@ -317,3 +317,12 @@ def test_script_write_failure_fails_the_save(world2, tmp_path):
         assert r["error"] and ("read-only" in r["error"] or "on another rank" in r["error"])
         assert "'latest' still names the previous" in r["error"]
         assert r["latest"] == "good" and r["listing"] == ["good", "latest", "zero_to_fp32.py"]
+
+
+def test_tied_alias_is_written_in_its_names_shard():
+    """A tied alias goes into the shard of the name it shares a tensor with (it went into the
+    current shard, which then stored the tensor again past max_shard_size)."""
+    from shardkit.utils import zero_to_fp32
+    a, b = torch.zeros(100), torch.zeros(100)
+    shards = zero_to_fp32._split_into_shards({"a": a, "b": b, "c": a}, 400)
+    assert shards == [["a", "c"], ["b"]]

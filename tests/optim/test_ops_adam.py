@@ -211,3 +211,32 @@ def test_no_bias_correction_over_fp16_parameters_computes_in_fp32(make):
         assert torch.isfinite(half).all(), f"step {step + 1}: {half}"
         if step == 0:
             assert torch.equal(half.detach(), full.detach().half())
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, DeepSpeedCPUAdam])
+def test_amsgrad_state_dict_refused_before_anything_changes(cls):
+    """A torch Adam(amsgrad=True) state dict: the step here would ignore max_exp_avg_sq and
+    run plain Adam, so loading it is refused as the constructor refuses amsgrad."""
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 0.5)
+    source = torch.optim.Adam([p], lr=0.1, amsgrad=True)
+    source.step()
+    opt = cls([p], lr=0.2)
+    with pytest.raises(RuntimeError, match=r"amsgrad=True"):
+        opt.load_state_dict(source.state_dict())
+    assert opt.param_groups[0]["lr"] == 0.2 and not opt.state
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, DeepSpeedCPUAdam])
+def test_state_key_check_covers_deepspeed_adam(cls):
+    """OSS's and load_checkpoint's state-key check knows these classes' keys (it skipped
+    them: their module is shardkit.ops)."""
+    from shardkit.optim.oss_arguments import state_key_problem
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    hyper = {k: v for k, v in cls([p]).defaults.items()}
+    bad = {"momentum_buffer": torch.zeros(2, 2)}
+    problem = state_key_problem("OSS.load_state_dict", cls, hyper, p, 0, bad, {})
+    assert problem and "momentum_buffer" in problem and "exp_avg" in problem, problem
+    good = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2, 2),
+            "exp_avg_sq": torch.zeros(2, 2)}
+    assert state_key_problem("OSS.load_state_dict", cls, hyper, p, 0, good, {}) is None

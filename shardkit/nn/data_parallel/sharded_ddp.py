@@ -282,15 +282,15 @@ class ShardedDataParallel(nn.Module):
 
     @property
     def require_backward_grad_sync(self) -> bool:
-        """torch DDP's flag: ``False`` inside :meth:`no_sync` (gradients stay local)."""
+        """torch DDP's flag: ``False`` inside :meth:`no_sync` (gradients stay local). Settable
+        as torch DDP's (nanoGPT's accumulation: ``model.require_backward_grad_sync =
+        (micro_step == last)``): ``False`` makes the following backward passes accumulate
+        locally, as inside :meth:`no_sync`; the first backward with ``True`` reduces the sum.
+        Set it alike on every rank. Local; a non-bool is a TypeError."""
         return self._sync_enabled
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        """Set as torch DDP's (nanoGPT's accumulation: ``model.require_backward_grad_sync =
-        (micro_step == last)``): ``False`` makes the following backward passes accumulate
-        locally, as inside :meth:`no_sync`; the first backward with ``True`` reduces the sum.
-        Set it alike on every rank. Local; a non-bool is a TypeError."""
         if not isinstance(value, bool):
             raise TypeError(f"ShardedDataParallel.require_backward_grad_sync = {value!r}: "
                             f"expected True or False")

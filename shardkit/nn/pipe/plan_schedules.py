@@ -324,7 +324,7 @@ class PlanSchedule:
              losses: Optional[list] = None, return_outputs: Optional[bool] = None,
              loss_kwargs: Optional[dict] = None, **kwargs):
         """Forward only (:meth:`step` under ``torch.no_grad()``), as
-        ``torch.distributed.pipelining``'s ``eval``: the mean micro-batch loss on the rank
+        ``torch.distributed.pipelining``'s ``eval``: the loss :meth:`step` returns on the rank
         running the last stage (``losses`` filled as by :meth:`step`), ``None`` elsewhere;
         ``.grad`` is left alone; ``return_outputs`` and ``loss_kwargs`` as in :meth:`step`.
         Call it on every rank of the pipeline. Dropout and batch norm follow the modules' own
