@@ -13,7 +13,6 @@ only ties the concerns together; each lives in its own module:
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Iterable, Optional, Union
 
 import torch
@@ -442,26 +441,10 @@ class OSS(torch.optim.Optimizer):
         # an optimizer run over the whole model (LBFGS) reads every gradient: scale them all
         scaled = owned if not self._whole_model else [
             p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-        grads = [p.grad for p in scaled]
-        if not any(g.is_sparse for g in grads):
-            return clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.group,
-                                               device=self._default_device,
-                                               measured=[p.grad for p in counted],
-                                               also_over=also_over)
-        # sparse gradients (nn.Embedding(sparse=True)), which torch's norms cannot read and an
-        # in-place multiply of a detached copy does not reach: measured by their coalesced
-        # values (the same collectives as on ranks without any), scaled here
-        total = clip_grad_norm_across_ranks(
-            [g for g in grads if not g.is_sparse], math.inf, norm_type, self.group,
-            device=self._default_device, also_over=also_over,
-            measured=[p.grad.coalesce().values() if p.grad.is_sparse else p.grad
-                      for p in counted])
-        if not math.isinf(max_norm):  # clip_grad_norm_across_ranks's coefficient
-            coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for grad in grads:
-                grad.mul_(coefficient.item() if grad.is_sparse
-                          else coefficient.to(grad.device, grad.dtype))
-        return total
+        return clip_grad_norm_across_ranks([p.grad for p in scaled], max_norm, norm_type,
+                                           self.group, device=self._default_device,
+                                           measured=[p.grad for p in counted],
+                                           also_over=also_over)
 
     # ------------------------------------------------------------------ param groups
 

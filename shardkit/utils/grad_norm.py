@@ -124,11 +124,19 @@ def clip_grad_norm_across_ranks(grads: Sequence[torch.Tensor], max_norm: float, 
     :func:`check_clip_arguments` first. Communication: one all-reduce of one element over
     ``group`` and each of ``also_over`` (collective: every rank calls it, with or without
     gradients). Memory: one scalar per gradient.
+
+    Sparse gradients (``nn.Embedding(sparse=True)``), which torch's norms cannot read, count by
+    their coalesced values (repeated rows summed, as they are added to the weight) and are
+    scaled in place themselves (one host sync for the coefficient).
     """
     # a zero-element gradient adds nothing to any norm (and has no maximum: skipping it keeps
-    # the infinity norm from failing on its owner alone, which would leave the others waiting)
-    grads = [g.detach() for g in grads if g.numel()]
-    counted = grads if measured is None else [g.detach() for g in measured if g.numel()]
+    # the infinity norm from failing on its owner alone, which would leave the others waiting);
+    # a sparse gradient is kept as it is: an in-place multiply of a detached copy would not
+    # reach it
+    grads = [g if g.is_sparse else g.detach() for g in grads if g.numel()]
+    counted = grads if measured is None else list(measured)
+    counted = [g.coalesce().values() if g.is_sparse else g.detach() for g in counted]
+    counted = [g for g in counted if g.numel()]
     device = grads[0].device if grads else (device or torch.device("cpu"))
     if math.isinf(norm_type):
         local = (torch.stack([g.abs().max().float() for g in counted]).max()
@@ -149,5 +157,5 @@ def clip_grad_norm_across_ranks(grads: Sequence[torch.Tensor], max_norm: float, 
         return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        g.mul_(coef.to(g.device, g.dtype))
+        g.mul_(coef.item() if g.is_sparse else coef.to(g.device, g.dtype))
     return total
