@@ -56,6 +56,7 @@ import torch
 
 from shardkit.config import (ActivationCheckpointingConfig, ConfigError,
                              activation_checkpointing_config)
+from shardkit.nn.checkpoint.checkpoint_activations import _keywords_as_positions
 from shardkit.nn.model_parallel.random import (MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET,
                                                get_cuda_rng_tracker,
                                                model_parallel_cuda_manual_seed as _mp_seed)
@@ -431,18 +432,6 @@ class _Layout:
         return tuple(next(tensors) if flag else next(others) for flag in self.flags)
 
 
-def _with_keywords(function: Callable, args: tuple, kwargs: dict) -> tuple:
-    """``function`` taking its keyword arguments positionally after ``args``."""
-    if not kwargs:
-        return function, args
-    keys, count = tuple(kwargs), len(args)
-
-    def call(*values):
-        return function(*values[:count], **dict(zip(keys, values[count:])))
-
-    return call, args + tuple(kwargs.values())
-
-
 def checkpoint(function: Callable, *args, **kwargs):
     """``function(*args, **kwargs)``, its activations recomputed in the backward
     (DeepSpeed's ``deepspeed.checkpointing.checkpoint``; see the module docstring for the
@@ -465,7 +454,7 @@ def checkpoint(function: Callable, *args, **kwargs):
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     given = function
-    function, args = _with_keywords(function, args, kwargs)
+    function, args = _keywords_as_positions(function, args, kwargs)
     layout = _Layout(args)
     tensors = [a for a in args if torch.is_tensor(a)]
     holder = {}

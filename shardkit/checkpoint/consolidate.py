@@ -145,12 +145,13 @@ def main(argv: Optional[list] = None) -> int:
     return 0
 
 
-def _save_atomically(state: dict, output: str) -> None:
-    """``torch.save`` into a temporary file beside ``output``, then rename it: a full disk or a
-    killed process never leaves a truncated ``output``."""
+def _save_atomically(state: dict, output: str, save=torch.save) -> None:
+    """``save(state, path)`` (``torch.save`` by default) into a temporary file beside
+    ``output``, then rename it: a full disk or a killed process never leaves a truncated
+    ``output``."""
     pending = f"{output}.tmp-{os.getpid()}"
     try:
-        torch.save(state, pending)
+        save(state, pending)
         os.replace(pending, output)
     finally:
         if os.path.exists(pending):

@@ -35,7 +35,7 @@ from typing import Optional, Union
 
 import torch
 
-from shardkit.checkpoint.consolidate import consolidate_checkpoint
+from shardkit.checkpoint.consolidate import _save_atomically, consolidate_checkpoint
 from shardkit.checkpoint.sharded import (LATEST, METADATA, RECOVERY_SCRIPT, CheckpointError,
                                          check_tag, read_latest_tag, read_metadata)
 
@@ -288,20 +288,15 @@ def _write_file(tensors: dict, path: str, safe: bool) -> None:
     """Write ``tensors`` to ``path`` through a temporary file renamed into place. safetensors
     refuses tensors that share memory: tied names get their own copies there (torch.save keeps
     one storage)."""
-    pending = f"{path}.tmp-{os.getpid()}"
-    try:
-        if safe:
-            seen, own = set(), {}
-            for name, tensor in tensors.items():
-                own[name] = tensor.contiguous() if id(tensor) not in seen else tensor.clone()
-                seen.add(id(tensor))
-            _safetensors_save()(own, pending, metadata={"format": "pt"})
-        else:
-            torch.save(tensors, pending)
-        os.replace(pending, path)
-    finally:
-        if os.path.exists(pending):
-            os.remove(pending)
+    if not safe:
+        _save_atomically(tensors, path)
+        return
+    seen, own = set(), {}
+    for name, tensor in tensors.items():
+        own[name] = tensor.contiguous() if id(tensor) not in seen else tensor.clone()
+        seen.add(id(tensor))
+    save_file = _safetensors_save()
+    _save_atomically(own, path, lambda state, f: save_file(state, f, metadata={"format": "pt"}))
 
 
 def _is_file_output(output: str) -> bool:

@@ -6,7 +6,8 @@ from typing import Sequence, Union
 
 import torch
 
-__all__ = ["as_tuple", "batch_size", "split_microbatches", "join_microbatches"]
+__all__ = ["as_tuple", "batch_size", "split_microbatches", "join_microbatches",
+           "own_microbatches"]
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -46,3 +47,21 @@ def join_microbatches(outputs: list[Tensors], single: bool):
     """Concatenate per-micro-batch outputs along dim 0 (one tensor when ``single``)."""
     joined = tuple(torch.cat(parts, dim=0) for parts in zip(*outputs))
     return joined[0] if single else joined
+
+
+def own_microbatches(batches: list, recording: bool, device=None) -> list:
+    """``batches`` (views of one batch, from :func:`split_microbatches`), moved to ``device``
+    (``None``: where they are), each tensor that needs no gradient made a tensor of its own
+    when there are several micro-batches in a step that records for backward: views share the
+    batch's in-place version counter, so a first layer working in place on micro-batch ``i +
+    1`` (``nn.ReLU(inplace=True)``) would make autograd refuse the backward of micro-batch
+    ``i``, whose input it saved, although its values never changed. Tensors requiring grad
+    stay views (their gradient goes back to the batch). Costs one copy of the batch; the
+    caller's batch is then left as it was."""
+    copy = recording and len(batches) > 1
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        moved = t if device is None else t.to(device)
+        return t.clone() if copy and not t.requires_grad and moved is t else moved
+
+    return [tuple(own(t) for t in mb) for mb in batches]

@@ -11,7 +11,7 @@ from shardkit.nn.checkpoint import checkpointed_call
 from shardkit.nn.pipe.batchnorm import (commit_deferred_batch_norms, convert_deferred_batch_norm,
                                         discard_deferred_batch_norms)
 from shardkit.nn.pipe.microbatch import (as_tuple, batch_size, join_microbatches,
-                                         split_microbatches)
+                                         own_microbatches, split_microbatches)
 from shardkit.nn.pipe.partition import check_balance, split_sequential
 from shardkit.nn.pipe.skip import SkipTracker, use_skip_tracker, verify_skippables
 
@@ -116,19 +116,6 @@ def _check_partition_output(out, j: int, last: bool) -> None:
 def _version(t: torch.Tensor):
     """A tensor's in-place version counter (None for inference tensors, which have none)."""
     return None if t.is_inference() else t._version
-
-
-def _own_microbatch(t: torch.Tensor, device: torch.device, count: int) -> torch.Tensor:
-    """Micro-batch ``t`` (a view of the batch) on ``device``, as a tensor of its own when it
-    needs no gradient and there are several micro-batches in a step that records for
-    backward: views share the batch's in-place version counter, so a first layer working in
-    place on micro-batch ``i + 1`` (``nn.ReLU(inplace=True)``) would make autograd refuse the
-    backward of micro-batch ``i``, whose input it saved, although its values never changed.
-    Costs one copy of the batch; the caller's batch is then left as it was."""
-    moved = t.to(device)
-    if count > 1 and torch.is_grad_enabled() and not t.requires_grad and moved is t:
-        return t.clone()
-    return moved
 
 
 def _needs_backward(partition: nn.Module, inputs: tuple, out, skips: _MicrobatchSkips) -> bool:
@@ -281,8 +268,7 @@ class Pipe(nn.Module):
             return original
         size = batch_size(inputs, "Pipe.forward")
         batches = split_microbatches(inputs, min(self.chunks, size), "Pipe.forward")
-        activations = [tuple(_own_microbatch(t, self.devices[0], len(batches)) for t in mb)
-                       for mb in batches]
+        activations = own_microbatches(batches, torch.is_grad_enabled(), self.devices[0])
         skips = [SkipTracker() for _ in batches]
         packed = [packed] * len(batches)  # whether micro-batch i's activation is a tuple
         stop = self._checkpoint_stop(len(batches))

@@ -46,7 +46,7 @@ from typing import Callable, Optional
 import torch
 
 from shardkit import distributed as dist
-from shardkit.nn.pipe.microbatch import batch_size, split_microbatches
+from shardkit.nn.pipe.microbatch import batch_size, own_microbatches, split_microbatches
 from shardkit.nn.pipe.p2p import (ACTIVATION, GRADIENT, StepState, TaggedLinks, batch_signature,
                                   output_tensors)
 from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan,
@@ -390,13 +390,8 @@ class PlanSchedule:
         last = self.num_stages - 1
         self._inputs = split_microbatches(inputs, self.chunks, "step") if 0 in self.stages \
             else None
-        if self._inputs is not None and grad and self.chunks > 1:
-            # views share the batch's in-place version counter: a first layer working in place
-            # (nn.ReLU(inplace=True)) on micro-batch i + 1 would make autograd refuse the
-            # backward of micro-batch i, whose input it saved. One copy of the batch; tensors
-            # requiring grad stay views (their gradient goes back to the batch).
-            self._inputs = [tuple(t if t.requires_grad else t.clone() for t in mb)
-                            for mb in self._inputs]
+        if self._inputs is not None:
+            self._inputs = own_microbatches(self._inputs, grad)
         kwargs_problems = self._call_problems()
         if kwargs_problems:  # rank 0's are caught before the step; a later rank's fail it
             self._fail(kwargs_problems[0])
