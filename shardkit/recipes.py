@@ -538,10 +538,13 @@ def _stage3(model, recipe, policy, fsdp_kwargs, psi) -> Composition:
     """FSDP around every unit the policy picks and around the root; the optimizer is built
     over FSDP's sharded parameters."""
     from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel.fsdp_state_dict import show_original_names
     from shardkit.nn.wrap import auto_wrap
     wrapped = auto_wrap(model, auto_wrap_policy=policy, **fsdp_kwargs)
     if not isinstance(wrapped, FSDP):  # the policy may have wrapped the root already
         wrapped = FSDP(wrapped, **fsdp_kwargs)
+    if not isinstance(model, FSDP):  # the engine's module: its names as before wrapping
+        show_original_names(model)
     if recipe is None:  # forward only: the shards, no optimizer
         return Composition(3, wrapped, None, wrapped.no_sync, wrapped.clip_grad_norm_,
                            _zero_grads(wrapped), psi)

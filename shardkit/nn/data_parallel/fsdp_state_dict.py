@@ -28,7 +28,7 @@ from shardkit.nn.data_parallel.fsdp_state_dict_type import (DEFAULT_SETTINGS, St
                                                             set_state_dict_type,
                                                             state_dict_type)
 
-__all__ = ["FSDPStateDictMixin", "add_wrapper_prefix", "clean_name"]
+__all__ = ["FSDPStateDictMixin", "add_wrapper_prefix", "clean_name", "show_original_names"]
 
 _WRAPPED_PREFIX = "_fsdp_wrapped_module."
 
@@ -36,6 +36,42 @@ _WRAPPED_PREFIX = "_fsdp_wrapped_module."
 def clean_name(name: str) -> str:
     """A parameter or buffer name without FSDP's wrapper prefixes (the unwrapped model's key)."""
     return name.replace(_WRAPPED_PREFIX, "")
+
+
+class _OriginalNames:
+    """Put before the class of a model whose submodules became FSDP units while the model
+    itself stayed the user's object (the stage-3 engine's ``engine.module``):
+    ``named_parameters`` and ``named_buffers`` give the names the model had before wrapping,
+    as the root FSDP's own do, so code written for DeepSpeed's stage 3 (which keeps the module
+    tree) keys its saved weights by them. The values are unchanged (this rank's shards)."""
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True):
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield clean_name(name), p
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True):
+        for name, b in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield clean_name(name), b
+
+
+_ORIGINAL_NAMES_CLASSES: dict = {}
+
+
+def show_original_names(model: nn.Module) -> None:
+    """Make ``model.named_parameters()``/``named_buffers()`` drop FSDP's wrapper prefixes, by
+    giving ``model`` a subclass of its own class (torch's ``fully_shard`` changes the class
+    the same way). The subclass keeps the class's name, so ``isinstance``, ``repr`` and Hugging
+    Face's ``architectures`` entry are as before. Local, no memory beyond the class."""
+    cls = type(model)
+    if issubclass(cls, _OriginalNames):
+        return
+    if cls not in _ORIGINAL_NAMES_CLASSES:
+        _ORIGINAL_NAMES_CLASSES[cls] = type(cls.__name__, (_OriginalNames, cls),
+                                            {"__module__": cls.__module__,
+                                             "__qualname__": cls.__qualname__})
+    model.__class__ = _ORIGINAL_NAMES_CLASSES[cls]
 
 
 class _StructuralKeys(threading.local):
