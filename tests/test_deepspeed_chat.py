@@ -476,6 +476,54 @@ def test_stage3_parameter_names_are_hf(world2):
         assert report["lookup"] and report["same_class"] == (True, True), report
 
 
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(8))
+        self.register_buffer("mask", torch.ones(8))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale * self.mask
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block() for _ in range(3)])  # repeated: the units
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _stage3_lookups():
+    torch.manual_seed(0)
+    model = _Net()
+    buffers = [n for n, _ in model.named_buffers()]
+    engine, *_ = deepspeed.initialize(model=model, config={
+        "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 3}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    inner = engine.module
+    found = []
+    for name, b in inner.named_buffers():
+        try:
+            found.append(inner.get_buffer(name) is b)
+        except AttributeError as e:
+            found.append(str(e))
+    return dict(buffers=(buffers, [n for n, _ in inner.named_buffers()]), found=found,
+                params=all(inner.get_parameter(n) is p for n, p in inner.named_parameters()))
+
+
+def test_stage3_names_resolve_with_get_buffer(world2):
+    """Members a unit's own module holds (blocks.0.mask) resolve by the names given."""
+    for report in world2.run(_stage3_lookups):
+        assert report["buffers"][1] == report["buffers"][0], report
+        assert report["found"] == [True] * 3 and report["params"], report
+
+
 @pytest.mark.parametrize("stage, offload", [(1, False), (2, True), (3, False)])
 def test_l2_mode_survives_every_stage(world2, stage, offload):
     """adam_w_mode=False (L2 decay) is kept where OSS rebuilds the optimizer and at stage 3."""

@@ -45,15 +45,29 @@ class _OriginalNames:
     as the root FSDP's own do, so code written for DeepSpeed's stage 3 (which keeps the module
     tree) keys its saved weights by them. The values are unchanged (this rank's shards)."""
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True):
-        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+    def named_parameters(self, *args, **kwargs):
+        for name, p in super().named_parameters(*args, **kwargs):
             yield clean_name(name), p
 
-    def named_buffers(self, prefix: str = "", recurse: bool = True,
-                      remove_duplicate: bool = True):
-        for name, b in super().named_buffers(prefix, recurse, remove_duplicate):
+    def named_buffers(self, *args, **kwargs):
+        for name, b in super().named_buffers(*args, **kwargs):
             yield clean_name(name), b
+
+    def get_parameter(self, target: str) -> nn.Parameter:
+        return super().get_parameter(self._wrapped_name(target, super().named_parameters))
+
+    def get_buffer(self, target: str) -> torch.Tensor:
+        """Also for a buffer of a unit's own module (``blocks.0.mask``): ``nn.Module``'s
+        lookup would stop at the unit, whose ``_buffers`` do not hold it."""
+        return super().get_buffer(self._wrapped_name(target, super().named_buffers))
+
+    @staticmethod
+    def _wrapped_name(target: str, named) -> str:
+        """The module path of ``target`` (a name this class gives) with FSDP's levels."""
+        if _WRAPPED_PREFIX in target:
+            return target
+        return next((name for name, _ in named(remove_duplicate=False)
+                     if clean_name(name) == target), target)
 
 
 _ORIGINAL_NAMES_CLASSES: dict = {}
