@@ -82,8 +82,8 @@ from shardkit.model_parallel_unit import (ModelParallelGroups, checkpoint_locati
                                           model_parallel_groups, mp_rank_name,
                                           write_tensor_parallel_layout)
 from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
-from shardkit.recipes import (Composition, OptimizerRecipe, compose, why_not_on_row_shards,
-                              why_not_steppable_on_shards)
+from shardkit.recipes import (Composition, OptimizerRecipe, compose, refuse_meta_tensors,
+                              why_not_on_row_shards, why_not_steppable_on_shards)
 from shardkit.utils.wrapped_attributes import attribute_through
 
 __all__ = ["initialize", "ShardedEngine"]
@@ -1474,6 +1474,8 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     cfg = load_config(config, world)
     _check_arguments(model, optimizer, lr_scheduler, cfg)
     _check_sparse_modules(model, cfg, optimizer)
+    refuse_meta_tensors(model, cfg.zero.stage,
+                        f"initialize: zero_optimization.stage={cfg.zero.stage}")
     if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
         raise TypeError(f"initialize(resume_from={resume_from!r}): expected a directory path")
     if distributed_port is not None and (isinstance(distributed_port, bool) or not isinstance(

@@ -31,6 +31,8 @@ the pipeline build the optimizer exactly as the recipe says. Every stage starts 
 weights and buffers, as DeepSpeed's engine does: torch DDP and ShardedDataParallel broadcast
 them when they wrap, and stage 3 passes FSDP ``sync_module_states=True`` (a one-time broadcast
 of the model), so ranks that initialised the model differently still train one model.
+A model built on the meta device is taken at stage 3 only (each FSDP unit materializes its
+own part as it is wrapped, see FSDP's ``param_init_fn``); stages 0-2 refuse it.
 
 Usage::
 
@@ -58,7 +60,8 @@ from shardkit.models import GPT
 __all__ = ["OptimizerRecipe", "adamw", "Composition", "TrainingSetup", "STAGES", "compose",
            "torch_ddp", "default_wrap_policy", "repeated_block_classes", "compose_pipeline",
            "gpt_as_sequential", "balance_by_params", "pipeline_chunks", "token_cross_entropy",
-           "count_params", "why_not_steppable_on_shards", "why_not_on_row_shards"]
+           "count_params", "why_not_steppable_on_shards", "why_not_on_row_shards",
+           "refuse_meta_tensors"]
 
 STAGES = (0, 1, 2, 3)
 
@@ -226,6 +229,7 @@ def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], 
                      reduce_to_owners=reduce_to_owners)
     reduce_dtype = _checked_reduce_dtype(reduce_dtype, stage, mixed_precision,
                                          quantize_gradients, step_in_backward)
+    refuse_meta_tensors(model, stage, f"compose(stage={stage})")
     # forward only at stages 0-2: the model stays whole and no gradient is ever reduced
     if optimizer is not None or stage == 3:
         _refuse_sparse_gradients(model, stage)
@@ -314,6 +318,28 @@ def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_num
         else why_not_on_row_shards(optimizer.cls))
     if problem:
         raise ValueError(f"compose(stage=3): {problem}")
+
+
+def refuse_meta_tensors(model: nn.Module, stage: int, where: str) -> None:
+    """Stages 0-2 keep the whole model on every rank and start from rank 0's values, so a
+    model built on the meta device (no storage, no values) cannot be composed there: a
+    ValueError naming the tensors on meta and the two ways out, raised locally (every rank
+    holds the same model) before any collective. Stage 3 takes it: each FSDP unit
+    materializes its own modules as it is wrapped (FSDP's ``param_init_fn``) and
+    ``sync_module_states`` gives every rank rank 0's values. ``where`` starts the message."""
+    if stage == 3:
+        return
+    meta = [f"parameter {name!r}" for name, p in model.named_parameters() if p.is_meta]
+    meta += [f"buffer {name!r}" for name, b in model.named_buffers() if b.is_meta]
+    if not meta:
+        return
+    more = f" and {len(meta) - 4} more" if len(meta) > 4 else ""
+    raise ValueError(
+        f"{where}: the model holds {', '.join(meta[:4])}{more} on the meta device "
+        f"(built under torch.device('meta')); stages 0-2 keep the whole model on every rank, "
+        f"so materialize it first (model.to_empty(device=...), then initialise it, e.g. each "
+        f"module's reset_parameters() or load_state_dict), or use stage 3, where each FSDP "
+        f"unit materializes its own part as it is wrapped (one unit's full size at a time)")
 
 
 def _refuse_sparse_gradients(model: nn.Module, stage: int) -> None:

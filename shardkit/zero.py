@@ -83,8 +83,14 @@ class Init:
     fp32) from construction until ``shardkit.initialize`` at stage 3 shards them (one
     broadcast of the model from rank 0, ``sync_module_states``). A model that does not fit
     whole in one rank's memory therefore cannot be built this way; build it on the ``meta``
-    device or smaller, or use ``shardkit.nn.wrap`` yourself. Logged once per process (info
-    level, the ``shardkit`` logger) when enabled. Usable as a context or a decorator. No
+    device instead (``with torch.device("meta"): model = Model()``) and pass it to
+    ``shardkit.initialize`` at stage 3 (or to ``FullyShardedDataParallel`` / ``auto_wrap``):
+    each FSDP unit materializes its own modules as it is wrapped (each module's
+    ``reset_parameters()``, or FSDP's ``param_init_fn``) and takes rank 0's values, so a rank
+    holds one unit's full parameters beside the shards already made; stages 0-2 refuse a meta
+    model (they keep it whole). Initial values then differ from an eagerly built model's
+    under the same seed (see ``param_init_fn``). Logged once per process (info level, the
+    ``shardkit`` logger) when enabled. Usable as a context or a decorator. No
     communication."""
 
     def __init__(self, module: Optional[torch.nn.Module] = None, *args, enabled: bool = True,
@@ -120,7 +126,9 @@ class Init:
         _INIT_NOTED = True
         logger.info("shardkit.zero.Init: the model is built unpartitioned (all parameters on "
                     "every rank, 4 bytes each in fp32); shardkit.initialize shards it at ZeRO "
-                    "stage 3. DeepSpeed partitions during construction instead")
+                    "stage 3. DeepSpeed partitions during construction instead; for a "
+                    "model too large for one rank, build it on the meta device and pass it "
+                    "to shardkit.initialize at stage 3 (materialized unit by unit)")
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:

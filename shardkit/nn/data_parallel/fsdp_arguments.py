@@ -31,6 +31,7 @@ Every check raises ``ValueError`` naming the argument before any collective. No 
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -41,7 +42,7 @@ from shardkit import distributed as skdist
 
 __all__ = ["FairScaleOptions", "resolve_fairscale_options", "resolve_cpu_offload",
            "check_reduce_scatter_group", "check_compute_device", "check_divide_factor",
-           "check_bool", "shard_devices"]
+           "check_bool", "shard_devices", "meta_init_device"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,20 @@ def check_compute_device(compute_device, actual: Optional[torch.device]) -> None
         raise ValueError(f"FullyShardedDataParallel(compute_device={compute_device!r}): this unit "
                          f"computes on {actual} (where its parameters are); move the module "
                          f"there first, or pass compute_device={str(actual)!r} or None")
+
+
+def meta_init_device(compute_device, module: torch.nn.Module) -> torch.device:
+    """Where a unit gives its meta tensors storage (``param_init_fn=None``): FairScale's
+    ``compute_device`` when given, else the device of the first of ``module``'s tensors that
+    is not on meta (an inner unit's shards), else the current CUDA device, else the CPU."""
+    if compute_device is not None:
+        return _as_device("compute_device", compute_device)
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if not t.is_meta:
+            return t.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def shard_devices(module_device: torch.device, move_params_to_cpu: bool) -> tuple:

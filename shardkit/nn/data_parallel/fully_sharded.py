@@ -100,6 +100,7 @@ given (e.g. :class:`~shardkit.shm_transport.SharedMemoryTransport` for ranks on 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import weakref
@@ -117,7 +118,7 @@ from shardkit.nn.data_parallel.fsdp_arguments import (check_bool, check_compute_
                                                       check_divide_factor,
                                                       check_reduce_scatter_group,
                                                       check_same_unit_on_every_rank,
-                                                      resolve_cpu_offload,
+                                                      meta_init_device, resolve_cpu_offload,
                                                       resolve_fairscale_options, shard_devices)
 from shardkit.nn.data_parallel.fsdp_state_dict import (FSDPStateDictMixin, add_wrapper_prefix,
                                                        clean_name)
@@ -251,6 +252,33 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             differently (unseeded initialisation) train one model (torch FSDP's argument; a
             one-time broadcast of the unit by ``comm``, ``Ψ_u(N-1)/N``). Off by default, as in
             FairScale: each rank's rows are then taken from its own copy.
+        param_init_fn: for a module built on the ``meta`` device (``with torch.device("meta"):
+            model = Model()``, for a model too large for one rank): torch FSDP's argument, a
+            ``callable(module)`` that materializes the module it is given. The unit
+            materializes its own modules as it is built: those reachable from ``module``
+            without entering inner units (which materialized theirs when they were built),
+            each that holds a parameter or buffer on ``meta``, parents before children
+            (breadth-first). With ``param_init_fn`` it is called on each such module, with
+            grad off, and must leave none of that module's tensors on ``meta`` (a ValueError
+            naming the tensor otherwise). Without it (``None``), each such module's meta
+            tensors get storage on the unit's compute device (``compute_device``, else the
+            device of the model's other tensors, else the current CUDA device, else the CPU)
+            and its ``reset_parameters()`` runs; a module without one is a ValueError naming
+            it and its tensors (torch raises an AttributeError there). Unlike torch's
+            ``to_empty``, materializing keeps each ``Parameter`` object (an optimizer built
+            over the meta model steps the shards) and a parameter shared by several modules
+            stays one parameter (a ``param_init_fn`` that replaced it in each holder gets the
+            last holder's tensor in all of them). Then the unit shards as usual; with
+            ``sync_module_states=True`` every rank takes rank 0's values. Memory: one unit's
+            full parameters at a time beside the shards already made, when units are built
+            innermost first (:func:`~shardkit.nn.wrap.auto_wrap`). The initial values differ
+            from an eagerly built model's under the same seed (as under torch's FSDP): the
+            random draws happen unit by unit, innermost first, each module's
+            ``reset_parameters()`` once more after its constructor's draws were skipped, and
+            a tied parameter is initialised by its last holder. Start the comparison from
+            the wrapped model's ``state_dict()``, not from an eager copy. Materializing after
+            wrapping (FSDP2's ``model.to_empty(device=...)``) is refused: pass the meta module
+            to FSDP instead. Local, no communication.
 
     FairScale's attributes hold the resolved values: ``compute_dtype``, ``buffer_dtype``,
     ``fp32_reduce_scatter`` and ``compute_device`` as well as the other arguments' names
@@ -283,8 +311,14 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                  force_input_to_fp32: bool = False, verbose: bool = False,
                  cpu_offload: bool = False, state_dict_on_rank_0_only: bool = False,
                  gradient_predivide_factor: Optional[float] = None,
-                 allow_reset_parameters: bool = False, sync_module_states: bool = False):
+                 allow_reset_parameters: bool = False, sync_module_states: bool = False,
+                 param_init_fn=None):
         _check_wrappable(module)
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise ValueError(f"FullyShardedDataParallel(param_init_fn={param_init_fn!r}): "
+                             f"must be a callable(module) that materializes a module built on "
+                             f"the meta device, or None (reset_parameters() of each such "
+                             f"module)")
         transport = quantized_transport_for(comm, quantize_weights, quantize_gradients)
         if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
             raise ValueError(f"FullyShardedDataParallel(reshard_after_forward="
@@ -299,6 +333,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                             ("sync_module_states", sync_module_states)):
             check_bool(name, value)
         move_params_to_cpu = resolve_cpu_offload(move_params_to_cpu, cpu_offload)
+        _materialize_meta_unit(module, param_init_fn, compute_device)
         first_param = next(module.parameters(), None)
         module_device = torch.device("cpu") if first_param is None else first_param.device
         options = resolve_fairscale_options(
@@ -491,11 +526,21 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         device of a unit's shards: the flat shard, its gathers and the optimizer state keep
         what the module had when wrapped, so such a change would be undone at the next gather
         while the buffers kept it. A call that changes nothing (``.to("cpu")`` on CPU,
-        ``.float()`` on fp32) passes. Local, no communication."""
+        ``.float()`` on fp32) passes. ``to_empty`` (FSDP2's way to materialize a meta model
+        after wrapping), here or from a module around this one, is refused too: it would
+        replace the shards with uninitialised memory. Local, no communication."""
+        if getattr(fn, "__qualname__", "").startswith("Module.to_empty."):
+            raise RuntimeError(_TO_EMPTY_AFTER_WRAPPING)
         for unit in self.sharded_units():
             if unit._shard is not None:
                 _refuse_changing_shards(unit._shard, fn)
         return super()._apply(fn, recurse)
+
+    def to_empty(self, *, device, recurse: bool = True) -> "FullyShardedDataParallel":
+        """Refused (``RuntimeError``, nothing changed): a unit materializes a module built on
+        the meta device when it is wrapped (``param_init_fn``), so its shards already hold
+        initialised values, which ``to_empty`` would replace with uninitialised memory."""
+        raise RuntimeError(_TO_EMPTY_AFTER_WRAPPING)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
@@ -1320,6 +1365,125 @@ def _named_unit_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
                                if not isinstance(c, FullyShardedDataParallel)]))
 
 
+def _modules_to_materialize(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` for ``module`` and the submodules reachable from it without
+    entering an FSDP unit, breadth-first (parents before children, torch FSDP's order)."""
+    found, queue, seen = [], collections.deque([("", module)]), {id(module)}
+    while queue:
+        name, m = queue.popleft()
+        found.append((name, m))
+        for child_name, child in m.named_children():
+            if id(child) not in seen and not isinstance(child, FullyShardedDataParallel):
+                seen.add(id(child))
+                queue.append((f"{name}.{child_name}" if name else child_name, child))
+    return found
+
+
+def _meta_tensors_of(m: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
+    """``(m._parameters or m._buffers, name, tensor)`` for ``m``'s own tensors on meta."""
+    return [(holder, key, t) for holder in (m._parameters, m._buffers)
+            for key, t in holder.items() if t is not None and t.is_meta]
+
+
+def _materialize_meta_unit(module: nn.Module, param_init_fn, compute_device) -> None:
+    """Give the unit's own modules that hold meta tensors real ones (see the ``param_init_fn``
+    argument): ``param_init_fn(m)``, or storage on the unit's device and
+    ``m.reset_parameters()``. Shared tensors stay shared and keep their objects. Nothing
+    happens (not even a device look-up) when no tensor is on meta. Local."""
+    modules = _modules_to_materialize(module)
+    holders: dict[int, tuple[torch.Tensor, list]] = {}
+    for _, m in modules:
+        for holder, key, t in _meta_tensors_of(m):
+            holders.setdefault(id(t), (t, []))[1].append((holder, key))
+    if not holders:
+        return
+    device = None
+    if param_init_fn is None:
+        _refuse_meta_without_reset(modules, module)
+        device = meta_init_device(compute_device, module)
+    with torch.no_grad():
+        for _, m in modules:
+            if not _meta_tensors_of(m):  # none of its own, or materialized through another
+                continue
+            if param_init_fn is not None:
+                param_init_fn(m)
+                continue
+            for _, key, t in _meta_tensors_of(m):
+                _fill_in_place(holders[id(t)], torch.empty_like(t, device=device))
+            m.reset_parameters()
+    for original, places in holders.values():
+        _keep_tie(original, places)
+    for name, m in modules:
+        left = _meta_tensors_of(m)
+        if left:
+            raise ValueError(
+                f"FullyShardedDataParallel(param_init_fn={param_init_fn!r}): "
+                f"{_described(name, m, module)} still holds {_listed(left)} on the meta device "
+                f"after param_init_fn ran on it; it must materialize every parameter and buffer "
+                f"of the module it is given (e.g. module.to_empty(device=..., recurse=False), "
+                f"then initialise them)")
+
+
+def _refuse_meta_without_reset(modules: list, unit_module: nn.Module) -> None:
+    """Before anything is materialized: a module that holds a meta tensor no module before it
+    holds (which would materialize it) and has no ``reset_parameters()`` is a ValueError."""
+    claimed = set()
+    for name, m in modules:
+        own = [entry for entry in _meta_tensors_of(m) if id(entry[2]) not in claimed]
+        if not callable(getattr(m, "reset_parameters", None)) and own:
+            raise ValueError(
+                f"FullyShardedDataParallel: {_described(name, m, unit_module)} holds "
+                f"{_listed(own)} on the meta device and has no reset_parameters() to "
+                f"initialise them; pass param_init_fn=<callable(module)> that materializes "
+                f"such a module (e.g. module.to_empty(device=..., recurse=False), then fill "
+                f"its tensors), give {type(m).__name__} a reset_parameters(), or build it "
+                f"off the meta device")
+        claimed.update(id(t) for _, _, t in own)
+
+
+def _described(name: str, m: nn.Module, unit_module: nn.Module) -> str:
+    if not name:
+        return f"the wrapped {type(m).__name__}"
+    return f"{name!r} ({type(m).__name__}) in the wrapped {type(unit_module).__name__}"
+
+
+def _listed(tensors: list) -> str:
+    kinds = [("parameter" if isinstance(t, nn.Parameter) else "buffer") + f" {key!r}"
+             for _, key, t in tensors]
+    return ", ".join(kinds)
+
+
+def _fill_in_place(entry: tuple, fresh: torch.Tensor) -> bool:
+    """Make the tensor ``entry[0]`` hold ``fresh``'s storage, keeping the object (and so ties,
+    attributes and an optimizer's references): True. Where torch cannot swap the two (a weak
+    reference to one), every holder in ``entry[1]`` gets ``fresh`` instead: False."""
+    original, places = entry
+    if isinstance(original, nn.Parameter) and not isinstance(fresh, nn.Parameter):
+        fresh = nn.Parameter(fresh, requires_grad=original.requires_grad)
+    fresh.__dict__.update(original.__dict__)
+    try:
+        torch.utils.swap_tensors(original, fresh)
+    except (RuntimeError, TypeError):
+        for holder, key in places:
+            holder[key] = fresh
+        return False
+    return True
+
+
+def _keep_tie(original: torch.Tensor, places: list) -> None:
+    """After ``param_init_fn`` (which may replace tensors, as ``to_empty`` does): the holders
+    of one meta tensor hold one materialized tensor again, the last holder's, in the original
+    object where torch can swap it. Holders still on meta are left for the check that
+    follows."""
+    held = [holder[key] for holder, key in places]
+    if all(t is original for t in held) or any(t is None or t.is_meta for t in held):
+        return
+    chosen = held[-1]
+    if chosen is original or _fill_in_place((original, places), chosen):
+        for holder, key in places:
+            holder[key] = original
+
+
 def _sync_unit_states(module: nn.Module, params: list, groups, transport) -> None:
     """Give every rank rank 0's values of the unit's parameters and of the buffers outside
     its inner units, by the unit's ``transport``: across the replicas first, so that each
@@ -1331,6 +1495,17 @@ def _sync_unit_states(module: nn.Module, params: list, groups, transport) -> Non
     skdist.broadcast_tensors_from_rank0(tensors, groups.shard, transport=transport)  # None: world
 
 
+_TO_EMPTY_AFTER_WRAPPING = (
+    "FullyShardedDataParallel: to_empty() after wrapping would replace the parameter shards "
+    "with uninitialised memory. A unit materializes a module built on the meta device when it "
+    "is wrapped: pass the meta module to FullyShardedDataParallel (or auto_wrap) as it is, "
+    "and each unit gives its meta tensors storage on its compute device and calls each "
+    "module's reset_parameters(), or param_init_fn=<callable(module)> for your own "
+    "initialisation (torch FSDP's argument); then drop the to_empty() call (FSDP2's flow). "
+    "To re-initialise a wrapped model, use model.apply(init_fn) (runs on the full "
+    "parameters) or reset_parameters() with allow_reset_parameters=True")
+
+
 def _refuse_changing_shards(shard: FlatParamShard, fn) -> None:
     """Raise unless ``fn`` (what ``nn.Module._apply`` applies to every tensor) keeps the
     shard's dtype and device; it is tried on an empty slice of the shard."""
@@ -1340,6 +1515,9 @@ def _refuse_changing_shards(shard: FlatParamShard, fn) -> None:
     before = (shard.flat_shard.dtype, shard.flat_shard.device)
     if (probe.dtype, probe.device) == before:
         return
+    if before[1].type == "meta":  # not made by this class (it materializes when wrapping)
+        raise RuntimeError(_TO_EMPTY_AFTER_WRAPPING.replace("to_empty()", f"moving to "
+                                                            f"{probe.device}", 1))
     raise RuntimeError(
         f"FullyShardedDataParallel: .to() / .half() / .cuda() (nn.Module._apply) after wrapping "
         f"would turn the parameter shards from {before[0]} on {before[1]} into {probe.dtype} on "
