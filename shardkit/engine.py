@@ -61,6 +61,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import math
@@ -361,6 +362,9 @@ def compose_from_config(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg
 # ----------------------------------------------------------------------------- engine
 
 
+_NO_FORWARD = object()
+
+
 class ShardedEngine(DeepSpeedAccessors, nn.Module):
     """The object ``initialize`` returns: call it, ``backward`` the loss, ``step``.
 
@@ -408,6 +412,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         self.config = cfg
         self.composition = composition
         self.optimizer = composition.optimizer
+        if self.optimizer is not None:  # DeepSpeed's optimizer.overflow before a first step
+            self.optimizer.overflow = False
         _guard_direct_steps(self)
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = _loss_scaler(cfg)
@@ -455,7 +461,37 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
     def __getattr__(self, name: str):
         # DeepSpeed's engine forwards unknown attributes to the model (engine.config_class,
         # a custom method of the user's model)
-        return attribute_through(self, name, "module")
+        value = attribute_through(self, name, "module")
+        composition = self.__dict__.get("composition")
+        if (composition is not None and composition.stage == 3 and name.startswith("forward")
+                and getattr(value, "__self__", None) is self.__dict__["_modules"].get("module")):
+            return functools.partial(self._forward_through_root, value)
+        return value
+
+    def _forward_through_root(self, method, *args, **kwargs):
+        """Stage 3: the model's ``forward_*`` method (DeepSpeed-Chat's ``forward_value``) run
+        as the root FSDP unit's forward (through the engine's forward, its precision context
+        included), so the root's parameters are gathered for it and their gradients reach the
+        shards. The method runs once in place of ``module.forward``, which it may call
+        itself. Costs what the engine's forward costs."""
+        module = self.module
+        before = module.__dict__.get("forward", _NO_FORWARD)
+
+        def restore():
+            if before is _NO_FORWARD:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = before
+
+        def run_method(*a, **k):
+            restore()
+            return method(*a, **k)
+
+        module.forward = run_method
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            restore()
 
     # -- properties DeepSpeed users reach for
     @property
@@ -890,6 +926,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             else False
         scale_before = self.loss_scale
         self._last_step_applied = not overflow
+        # DeepSpeed's ZeRO and fp16 optimizers' flag: did the last step overflow (skipped)
+        self.optimizer.overflow = overflow
         if overflow:
             self.skipped_steps += 1
             self._last_grad_norm = None

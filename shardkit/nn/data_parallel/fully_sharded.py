@@ -731,6 +731,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             self._shard.free_full(keep_secondary=grad_enabled)
         elif self._shard is not None:
             self._shard.remember_source()
+            self._kept_for_backward = grad_enabled
         if self.clear_autocast_cache:
             torch.clear_autocast_cache()
         if self.training_state is TrainingState.FORWARD:
@@ -764,9 +765,14 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             # kept since a forward that no backward followed: stale if a step came in between
             # (the root's check, as a forward would run it; frees the changed units)
             root._drop_stale_kept_units()
-        if self._shard.gathered:
+        grad_enabled = torch.is_grad_enabled()
+        # kept gathered by a no_grad call: no backward of the unit follows to reduce-scatter
+        # the gradients such a call would compute, so they would be dropped silently
+        kept_without_backward = self._shard.kept_from_forward and \
+            not getattr(self, "_kept_for_backward", False)
+        if self._shard.gathered and not (grad_enabled and kept_without_backward):
             return
-        if torch.is_grad_enabled():
+        if grad_enabled:
             raise RuntimeError(
                 f"FullyShardedDataParallel: a {type(module).__name__} holding parameters of an "
                 f"FSDP unit ran outside that unit's forward, with gradients enabled, while the "
@@ -775,6 +781,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._shard.start_gather()
         self._shard.finish_gather()
         self._shard.remember_source()
+        self._kept_for_backward = False
         self._shard.expose()
 
     def _drop_stale_kept_units(self) -> None:
