@@ -29,6 +29,7 @@ region may be recomputed any number of times (``backward(retain_graph=True)`` th
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import inspect
 import sys
@@ -46,7 +47,27 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from shardkit.nn.model_parallel.random import get_model_parallel_rng_tracker
 
 __all__ = ["checkpoint_wrapper", "disable_checkpointing", "is_checkpointing", "is_recomputing",
-           "checkpointed_call", "apply_activation_checkpointing", "is_checkpoint_wrapped"]
+           "checkpointed_call", "apply_activation_checkpointing", "is_checkpoint_wrapped",
+           "CheckpointImpl"]
+
+
+class CheckpointImpl(enum.Enum):
+    """torch's ``checkpoint_wrapper(checkpoint_impl=...)`` choices. shardkit's checkpointing is
+    non-reentrant (torch's default), so ``NO_REENTRANT`` is the one accepted."""
+
+    REENTRANT = enum.auto()
+    NO_REENTRANT = enum.auto()
+
+
+def _check_checkpoint_impl(checkpoint_impl) -> None:
+    """``NO_REENTRANT`` (this enum's or torch's member, by name) passes; anything else is a
+    ValueError naming the argument. Local."""
+    name = getattr(checkpoint_impl, "name", None)
+    if isinstance(checkpoint_impl, enum.Enum) and name == "NO_REENTRANT":
+        return
+    raise ValueError(f"checkpoint_wrapper(checkpoint_impl={checkpoint_impl!r}): shardkit's "
+                     f"activation checkpointing is non-reentrant only; pass "
+                     f"CheckpointImpl.NO_REENTRANT (torch's default) or leave it unset")
 
 
 class _CheckpointState(threading.local):
@@ -381,7 +402,9 @@ def _positional_names(fn: Callable) -> list:
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
-def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Module:
+def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False,
+                       checkpoint_impl: CheckpointImpl = CheckpointImpl.NO_REENTRANT
+                       ) -> nn.Module:
     """Make ``module`` activation-checkpointed in place and return it.
 
     The module keeps its class, parameters and ``state_dict`` keys; its forward runs as a
@@ -404,6 +427,8 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
         offload_to_cpu: keep the region's saved inputs on CPU between forward and backward
             (a device-to-host copy in forward, host-to-device in backward; no-op on CPU). Any
             truthy or falsy value, as in FairScale (``1``, ``"yes"``, ``None``...).
+        checkpoint_impl: torch's argument: ``CheckpointImpl.NO_REENTRANT`` (this module's or
+            torch's member), the only implementation here; ``REENTRANT`` is a ValueError.
 
     Memory: the module's activations are freed after forward, only its inputs are kept.
     Compute: one more forward per backward. Communication: none of its own.
@@ -415,6 +440,7 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Mo
     if not isinstance(module, nn.Module):
         raise TypeError(f"checkpoint_wrapper(module={type(module).__name__}): "
                         f"expected a torch.nn.Module")
+    _check_checkpoint_impl(checkpoint_impl)
     offload_to_cpu = bool(offload_to_cpu)
     if is_checkpoint_wrapped(module):
         module._shardkit_offload_to_cpu = offload_to_cpu
@@ -444,7 +470,9 @@ def is_checkpoint_wrapped(module: nn.Module) -> bool:
 
 def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,
                                    check_fn: Callable[[nn.Module], bool] = None,
-                                   offload_to_cpu: bool = False) -> nn.Module:
+                                   offload_to_cpu: bool = False, *,
+                                   checkpoint_wrapper_fn: Callable = None,
+                                   auto_wrap_policy: Callable = None) -> nn.Module:
     """Checkpoint (in place, with :func:`checkpoint_wrapper`) every submodule of ``model`` that
     ``policy`` would wrap, or for which ``check_fn(module)`` is true, and return ``model``.
 
@@ -457,12 +485,34 @@ def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,
     an FSDP unit's wrapped module, the unit itself is checkpointed, its all-gather included in
     the region and repeated by the recomputation).
 
+    torch's keywords work too: ``auto_wrap_policy=`` is ``policy``, and
+    ``checkpoint_wrapper_fn=`` (e.g. ``functools.partial(checkpoint_wrapper,
+    offload_to_cpu=False, checkpoint_impl=CheckpointImpl.NO_REENTRANT)``, the recipe of
+    pytorch/examples' FSDP T5) is called on each selected module instead of
+    :func:`checkpoint_wrapper`; a module it returns in place of the one given replaces it in
+    its parent, as torch does.
+
     Memory: each selected module keeps only its inputs between forward and backward. Compute:
     one extra forward per selected module per backward. Communication: none of its own.
 
     Raises ``ValueError`` when nothing is selected (a policy that matches nothing is a mistake
     that would otherwise silently cost the memory it was meant to save).
     """
+    if auto_wrap_policy is not None:
+        if policy is not None:
+            raise ValueError("apply_activation_checkpointing: give policy or auto_wrap_policy "
+                             "(torch's name for it), not both")
+        policy = auto_wrap_policy
+    if checkpoint_wrapper_fn is not None:
+        if not callable(checkpoint_wrapper_fn):
+            raise ValueError(f"apply_activation_checkpointing(checkpoint_wrapper_fn="
+                             f"{checkpoint_wrapper_fn!r}): expected a callable(module) -> "
+                             f"module, e.g. functools.partial(checkpoint_wrapper, ...)")
+        if offload_to_cpu:
+            raise ValueError("apply_activation_checkpointing(offload_to_cpu=True, "
+                             "checkpoint_wrapper_fn=...): pass offload_to_cpu to the wrapper "
+                             "function (functools.partial(checkpoint_wrapper, "
+                             "offload_to_cpu=True)), not both")
     if (policy is None) == (check_fn is None):
         raise ValueError(f"apply_activation_checkpointing(policy={policy!r}, check_fn="
                          f"{check_fn!r}): give exactly one of them")
@@ -482,17 +532,28 @@ def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,
     if not selected:
         raise ValueError(f"apply_activation_checkpointing: the policy selected no submodule of "
                          f"{type(model).__name__}")
-    for m in selected:
-        checkpoint_wrapper(m, offload_to_cpu=offload_to_cpu)
+    if checkpoint_wrapper_fn is None:
+        checkpoint_wrapper_fn = functools.partial(checkpoint_wrapper,
+                                                  offload_to_cpu=offload_to_cpu)
+    for parent, name, m in selected:
+        result = checkpoint_wrapper_fn(m)
+        if not isinstance(result, nn.Module):
+            raise ValueError(f"apply_activation_checkpointing(checkpoint_wrapper_fn="
+                             f"{checkpoint_wrapper_fn!r}): returned "
+                             f"{type(result).__name__} for {type(m).__name__}, expected a "
+                             f"module")
+        if result is not m:
+            setattr(parent, name, result)
     return model
 
 
 def _select(module: nn.Module, check_fn) -> list:
+    """``(parent, attribute name, module)`` of each selected submodule, outermost first."""
     chosen = []
-    for child in module.children():
+    for name, child in module.named_children():
         wrapped = getattr(child, "_fsdp_wrapped_module", None)  # an FSDP unit
         if check_fn(child) or (wrapped is not None and check_fn(wrapped)):
-            chosen.append(child)
+            chosen.append((module, name, child))
         else:
             chosen.extend(_select(child, check_fn))
     return chosen

@@ -63,7 +63,11 @@ class FairScaleOptions:
 
 
 def resolve_cpu_offload(move_params_to_cpu: bool, cpu_offload: bool) -> bool:
-    """``move_params_to_cpu`` or FairScale's older ``cpu_offload`` (which warns)."""
+    """``move_params_to_cpu`` or FairScale's older ``cpu_offload`` (which warns), or torch
+    FSDP1's ``CPUOffload(offload_params=...)`` there (no warning: torch's current name)."""
+    if type(cpu_offload).__name__ == "CPUOffload" and hasattr(cpu_offload, "offload_params"):
+        check_bool("cpu_offload=CPUOffload(offload_params", cpu_offload.offload_params)
+        return bool(move_params_to_cpu or cpu_offload.offload_params)
     check_bool("cpu_offload", cpu_offload)
     if cpu_offload:
         warnings.warn("FullyShardedDataParallel(cpu_offload=True) is FairScale's older name for "
@@ -231,3 +235,21 @@ def check_bool(name: str, value) -> None:
     """``FullyShardedDataParallel(name=value)`` must be True or False."""
     if not isinstance(value, bool):
         raise ValueError(f"FullyShardedDataParallel({name}={value!r}): must be True or False")
+
+
+def move_to_device_id(device_id, module: torch.nn.Module) -> None:
+    """torch FSDP1's ``device_id`` (a CUDA index, a device or a string; ``None``: leave the
+    module where it is): a module on the CPU is moved there before it is sharded, as torch
+    does; one already on another accelerator is a ValueError. Local."""
+    if device_id is None:
+        return
+    wanted = torch.device("cuda", device_id) if isinstance(device_id, int) and \
+        not isinstance(device_id, bool) else _as_device("device_id", device_id)
+    first = next(module.parameters(), None)
+    if first is None or first.is_meta or first.device == wanted:
+        return
+    if first.device.type == "cpu":
+        module.to(wanted)
+    elif first.device.type != wanted.type or wanted.index not in (None, first.device.index):
+        raise ValueError(f"FullyShardedDataParallel(device_id={device_id!r}): the module is on "
+                         f"{first.device}; move it to {wanted} first, or leave device_id unset")

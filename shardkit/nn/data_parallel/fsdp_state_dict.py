@@ -445,6 +445,44 @@ class FSDPStateDictMixin:
         return model.get_shard_from_optim_state_dict(full_optim_state_dict)
 
     @staticmethod
+    def scatter_full_optim_state_dict(full_optim_state_dict: Optional[dict], model,
+                                      optim_input=None, optim=None, group=None) -> dict:
+        """torch FSDP1's: the full optimizer state dict given on the first rank (rank 0 of the
+        group and of the replicas; e.g. :meth:`full_optim_state_dict`'s, loaded there alone)
+        is sent to every rank, which returns its part for ``optim.load_state_dict``. The
+        argument is ignored on the other ranks (``None`` there). A dict that is not a full
+        optimizer state dict raises the same ``ValueError`` on every rank. All ranks of the
+        model's group and replicas must call it. Communication: one object broadcast of the
+        full dict (and one across the replicas). Memory: the full state on every rank while it
+        is cut."""
+        _refuse_torch_only_arguments("scatter_full_optim_state_dict", optim_input=optim_input,
+                                     group=group)
+        payload = None
+        if model._is_first_rank():
+            try:
+                if full_optim_state_dict is None:
+                    raise ValueError("FSDP.scatter_full_optim_state_dict(full_optim_state_dict="
+                                     "None) on rank 0: rank 0 must pass the full optimizer "
+                                     "state dict (e.g. torch.load of the file "
+                                     "full_optim_state_dict saved); the other ranks may pass "
+                                     "None")
+                payload = ("ok", _keyed_by_ids(full_optim_state_dict,
+                                               "scatter_full_optim_state_dict"))
+            except ValueError as error:
+                payload = ("error", str(error))
+        if model.replicate_group is not None:
+            payload = skdist.broadcast_object(
+                payload, src=skdist.get_global_rank(model.replicate_group, 0),
+                group=model.replicate_group)
+        payload = skdist.broadcast_object(payload,
+                                          src=skdist.get_global_rank(model.process_group, 0),
+                                          group=model.process_group)
+        kind, value = payload
+        if kind == "error":
+            raise ValueError(value)
+        return model.get_shard_from_optim_state_dict(value)
+
+    @staticmethod
     def optim_state_dict(model, optim: torch.optim.Optimizer, optim_state_dict=None,
                          group=None) -> dict:
         """torch FSDP1's optimizer state under :meth:`state_dict_type`: ``FULL_STATE_DICT``

@@ -11,8 +11,11 @@ The same names work here: ``FULL_STATE_DICT`` is :meth:`FullyShardedDataParallel
 them on the group's first rank and ``{}`` elsewhere), ``LOCAL_STATE_DICT`` is
 :meth:`~FullyShardedDataParallel.local_state_dict` (this rank's padded rows; ``load_state_dict``
 then loads such a dict). ``SHARDED_STATE_DICT`` (torch's DTensor shards for
-``torch.distributed.checkpoint``) is refused with the alternatives. The settings are plain
-attributes of each unit: setting them costs nothing and communicates nothing.
+``torch.distributed.checkpoint``) is refused with the alternatives. torch's own
+``StateDictType`` members and ``*StateDictConfig`` objects are taken too (read by name and
+fields), so a script or config that keeps ``from torch.distributed.fsdp import StateDictType``
+works. The settings are plain attributes of each unit: setting them costs nothing and
+communicates nothing.
 """
 
 from __future__ import annotations
@@ -86,14 +89,47 @@ DEFAULT_SETTINGS = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDic
                                      OptimStateDictConfig())
 
 
+def _from_torch(kind, config, optim_config) -> tuple:
+    """torch FSDP1's own ``StateDictType`` member and config objects (``from
+    torch.distributed.fsdp import StateDictType, FullStateDictConfig``, left unchanged in a
+    script or config file that only switched the FSDP class) as this module's, read by name and
+    fields, as ``sharding_strategy`` reads torch's ``ShardingStrategy``. Anything else is
+    returned as given, for :func:`_check_settings` to judge. Local."""
+    if isinstance(kind, Enum) and not isinstance(kind, StateDictType) \
+            and type(kind).__name__ == "StateDictType" and kind.name in StateDictType.__members__:
+        kind = StateDictType[kind.name]
+    return kind, _config_from_torch(config, StateDictConfig), \
+        _config_from_torch(optim_config, OptimStateDictConfig)
+
+
+def _config_from_torch(config, base: type):
+    """A torch ``*StateDictConfig`` object as the same-named class here, with its
+    ``offload_to_cpu`` / ``rank0_only`` (torch's private fields are left out)."""
+    if config is None or isinstance(config, base) or \
+            not type(config).__module__.startswith("torch.distributed"):
+        return config
+    ours = {c.__name__: c for c in (StateDictConfig, FullStateDictConfig, LocalStateDictConfig,
+                                    ShardedStateDictConfig, OptimStateDictConfig,
+                                    FullOptimStateDictConfig)}
+    cls = ours.get(type(config).__name__)
+    if cls is None or not issubclass(cls, base):
+        return config
+    return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__
+                  if hasattr(config, name)})
+
+
 def _check_settings(kind, config, optim_config) -> StateDictSettings:
     """The settings as given, checked (a ``ValueError`` naming the argument otherwise)."""
+    kind, config, optim_config = _from_torch(kind, config, optim_config)
     if kind is StateDictType.SHARDED_STATE_DICT:
         raise ValueError("FSDP.state_dict_type(StateDictType.SHARDED_STATE_DICT) is not "
                          "supported (torch's DTensor shards for torch.distributed.checkpoint); "
-                         "use LOCAL_STATE_DICT and save local_metadata_dict() beside it "
-                         "(loadable at any world size with load_local_state_dict), or "
-                         "FULL_STATE_DICT")
+                         "use LOCAL_STATE_DICT and save it with torch.save, one file per rank, "
+                         "with local_metadata_dict() beside it (loadable at any world size "
+                         "with load_local_state_dict), or FULL_STATE_DICT. Not "
+                         "torch.distributed.checkpoint: LOCAL_STATE_DICT's values are plain "
+                         "tensors under the same keys on every rank, which it saves once, as "
+                         "if replicated")
     if not isinstance(kind, StateDictType):
         raise ValueError(f"FSDP.state_dict_type(state_dict_type={kind!r}): expected "
                          f"StateDictType.FULL_STATE_DICT or StateDictType.LOCAL_STATE_DICT "

@@ -118,7 +118,8 @@ from shardkit.nn.data_parallel.fsdp_arguments import (check_bool, check_compute_
                                                       check_divide_factor,
                                                       check_reduce_scatter_group,
                                                       check_same_unit_on_every_rank,
-                                                      meta_init_device, resolve_cpu_offload,
+                                                      meta_init_device, move_to_device_id,
+                                                      resolve_cpu_offload,
                                                       resolve_fairscale_options, shard_devices)
 from shardkit.nn.data_parallel.fsdp_state_dict import (FSDPStateDictMixin, add_wrapper_prefix,
                                                        clean_name)
@@ -279,6 +280,12 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             the wrapped model's ``state_dict()``, not from an eager copy. Materializing after
             wrapping (FSDP2's ``model.to_empty(device=...)``) is refused: pass the meta module
             to FSDP instead. Local, no communication.
+        auto_wrap_policy, device_id: torch FSDP1's. ``auto_wrap_policy`` first wraps every
+            submodule the policy selects in a unit of its own, with this call's other
+            arguments (:func:`~shardkit.nn.wrap.auto_wrap.wrap_below_root`; the root is this
+            unit whatever the policy says of it). ``device_id`` moves a module on the CPU to
+            that device before sharding (a module on another accelerator is a ValueError).
+            ``cpu_offload`` also takes torch's ``CPUOffload(offload_params=...)``.
 
     FairScale's attributes hold the resolved values: ``compute_dtype``, ``buffer_dtype``,
     ``fp32_reduce_scatter`` and ``compute_device`` as well as the other arguments' names
@@ -312,8 +319,15 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                  cpu_offload: bool = False, state_dict_on_rank_0_only: bool = False,
                  gradient_predivide_factor: Optional[float] = None,
                  allow_reset_parameters: bool = False, sync_module_states: bool = False,
-                 param_init_fn=None):
+                 param_init_fn=None, auto_wrap_policy=None, device_id=None):
         _check_wrappable(module)
+        move_to_device_id(device_id, module)
+        if auto_wrap_policy is not None:  # torch FSDP1: wrap the selected submodules first
+            # locals() here are exactly this call's arguments (nothing else is bound yet)
+            same = {k: v for k, v in locals().items()
+                    if k not in ("self", "module", "auto_wrap_policy", "__class__")}
+            from shardkit.nn.wrap.auto_wrap import wrap_below_root
+            module = wrap_below_root(module, auto_wrap_policy, type(self), **same)
         if param_init_fn is not None and not callable(param_init_fn):
             raise ValueError(f"FullyShardedDataParallel(param_init_fn={param_init_fn!r}): "
                              f"must be a callable(module) that materializes a module built on "

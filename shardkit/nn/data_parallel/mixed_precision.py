@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "resolve_mixed_precision"]
+__all__ = ["MixedPrecisionPolicy", "resolve_mixed_precision", "from_torch_mixed_precision"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -65,9 +65,15 @@ def resolve_mixed_precision(mixed_precision, compute_dtype: Optional[torch.dtype
                             fp32_reduce_scatter: bool) -> MixedPrecisionPolicy:
     """Turn FairScale's arguments into a :class:`MixedPrecisionPolicy`.
 
-    ``mixed_precision`` may be a bool or a ready policy. ``compute_dtype`` (default fp16 when
-    ``mixed_precision=True``, as in FairScale) also switches mixed precision on by itself.
+    ``mixed_precision`` may be a bool, ``None`` (torch's default: off), a ready policy or
+    torch FSDP1's ``torch.distributed.fsdp.MixedPrecision`` (see
+    :func:`from_torch_mixed_precision`).
+    ``compute_dtype`` (default fp16 when ``mixed_precision=True``, as in FairScale) also
+    switches mixed precision on by itself.
     """
+    if mixed_precision is None:  # torch FSDP1's default: no mixed precision
+        mixed_precision = False
+    mixed_precision = from_torch_mixed_precision(mixed_precision)
     if isinstance(mixed_precision, MixedPrecisionPolicy):
         if compute_dtype is not None or buffer_dtype is not None or fp32_reduce_scatter:
             raise ValueError("FullyShardedDataParallel: pass either mixed_precision="
@@ -76,7 +82,8 @@ def resolve_mixed_precision(mixed_precision, compute_dtype: Optional[torch.dtype
         return mixed_precision
     if not isinstance(mixed_precision, bool):
         raise ValueError(f"FullyShardedDataParallel(mixed_precision={mixed_precision!r}): "
-                         f"valid values are True, False or a MixedPrecisionPolicy")
+                         f"valid values are True, False, None, a MixedPrecisionPolicy or "
+                         f"torch.distributed.fsdp.MixedPrecision")
     if compute_dtype is not None and compute_dtype not in _COMPUTE_DTYPES:
         raise ValueError(f"FullyShardedDataParallel(compute_dtype={compute_dtype}): valid "
                          f"dtypes are {[str(d) for d in _COMPUTE_DTYPES]}")
@@ -90,3 +97,36 @@ def resolve_mixed_precision(mixed_precision, compute_dtype: Optional[torch.dtype
     return MixedPrecisionPolicy(param_dtype=param_dtype,
                                 reduce_dtype=torch.float32 if fp32_reduce_scatter else None,
                                 buffer_dtype=buffer_dtype)
+
+
+def from_torch_mixed_precision(policy):
+    """torch FSDP1's ``MixedPrecision`` object (``from torch.distributed.fsdp import
+    MixedPrecision``, as pytorch/examples' FSDP recipe builds its ``bfSixteen`` policies) as a
+    :class:`MixedPrecisionPolicy`; anything else is returned unchanged. Read by fields:
+
+    - ``param_dtype`` / ``reduce_dtype`` / ``buffer_dtype`` as they are, except that a policy
+      naming only ``reduce_dtype`` or ``buffer_dtype`` computes in fp32 (torch: the parameters'
+      dtype), and ``buffer_dtype=None`` keeps floating buffers in fp32 (torch leaves them as
+      they are; shardkit's ``None`` means ``param_dtype``).
+    - ``cast_forward_inputs`` or ``cast_root_forward_inputs`` (torch's default): inputs are
+      cast, at every unit (shardkit's rule).
+    - ``keep_low_precision_grads=True`` is a ValueError (the shards' gradients are kept in the
+      master dtype for the optimizer step).
+
+    Local, no communication."""
+    cls = type(policy)
+    if cls.__name__ != "MixedPrecision" or not cls.__module__.startswith("torch.distributed"):
+        return policy
+    if getattr(policy, "keep_low_precision_grads", False):
+        raise ValueError("FullyShardedDataParallel(mixed_precision=MixedPrecision("
+                         "keep_low_precision_grads=True)): not supported (gradient shards stay "
+                         "in the master dtype for the optimizer step); leave it False")
+    param, reduce, buffer = policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype
+    if param is None and (reduce is not None or buffer is not None):
+        param = torch.float32
+    if param is not None and buffer is None:
+        buffer = torch.float32
+    cast = bool(getattr(policy, "cast_forward_inputs", False)
+                or getattr(policy, "cast_root_forward_inputs", True))
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, buffer_dtype=buffer,
+                                cast_inputs=cast)

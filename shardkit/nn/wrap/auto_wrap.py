@@ -427,6 +427,33 @@ def _policy_caller(policy: Callable) -> Callable[[nn.Module, bool, int, bool], b
     return call
 
 
+def wrap_below_root(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls=None,
+                    **wrapper_kwargs) -> nn.Module:
+    """torch FSDP1's ``FSDP(module, auto_wrap_policy=policy, **kwargs)`` before its root is
+    built: every submodule the policy selects is wrapped with ``wrapper_cls(sub, **kwargs)``
+    (default FullyShardedDataParallel; the enclosing :func:`enable_wrap` context is not read),
+    and ``module`` itself never is, whatever the policy says about it (the caller's
+    constructor is its wrapper). Returns ``module``, changed in place. Local; each wrapper's own
+    costs apply."""
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"auto_wrap_policy: expected an nn.Module to wrap, got "
+                         f"{type(module).__name__}")
+    _check_policy(auto_wrap_policy, "FullyShardedDataParallel")
+    if wrapper_cls is None:
+        from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
+        wrapper_cls = FullyShardedDataParallel
+    _check_wrapper_kwargs(wrapper_cls, wrapper_kwargs, "FullyShardedDataParallel")
+    wrap_sub = functools.partial(_wrap_one, wrapper_cls=wrapper_cls, context_kwargs={},
+                                 overrides=wrapper_kwargs)
+
+    def wrap_one(m: nn.Module) -> nn.Module:
+        return m if m is module else wrap_sub(m)
+
+    _recursive_wrap(module, _policy_caller(auto_wrap_policy), _wrapper_key(wrapper_cls),
+                    wrap_one, is_root=True, owners=_registering_modules(module))
+    return module
+
+
 def _recursive_wrap(module: nn.Module, policy, wrapper_kind, wrap_one, is_root: bool,
                     owners: dict):
     """Returns (module or its wrapper, number of its parameters now inside wrappers)."""
