@@ -453,8 +453,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         from shardkit.utils.tensor_fragment import register_engine
         register_engine(self)  # deepspeed.utils.safe_* find the engine of a parameter
         if composition.stage == 3:  # DeepSpeed's ds_id / ds_status / ds_shape on the shards
-            from shardkit.zero import expose_ds_attributes
+            from shardkit.zero import expose_ds_attributes, placeholder_state_dict
             expose_ds_attributes(model)
+            placeholder_state_dict(model)
         # DeepSpeed's throughput timer (DeepSpeed-Chat ticks its epoch count)
         self.tput_timer = ThroughputTimer(cfg.train_batch_size)
 

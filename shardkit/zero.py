@@ -25,8 +25,11 @@ import torch
 
 from shardkit import distributed
 
+logger = logging.getLogger("shardkit")
+
 __all__ = ["GatheredParameters", "Init", "register_external_parameter",
-           "unregister_external_parameter", "ZeroParamStatus", "expose_ds_attributes"]
+           "unregister_external_parameter", "ZeroParamStatus", "expose_ds_attributes",
+           "placeholder_state_dict"]
 
 
 class ZeroParamStatus(enum.Enum):
@@ -69,7 +72,39 @@ def expose_ds_attributes(module: torch.nn.Module) -> int:
     return marked
 
 
-logger = logging.getLogger("shardkit")
+def placeholder_state_dict(module: torch.nn.Module) -> None:
+    """Make ``module.state_dict()`` (the stage-3 engine's model) behave as under DeepSpeed's
+    ZeRO-3: each parameter that holds only this rank's rows (``ds_status`` ``NOT_AVAILABLE``)
+    is an empty placeholder (``torch.empty(0)``, its dtype), buffers and the parameters
+    inside :class:`GatheredParameters` keep their values, and a warning says so once per
+    process. DeepSpeed-Chat's ``save_hf_format`` calls it on rank 0 alone at every stage, then
+    ``save_zero_three_model`` overwrites the weights file with the gathered values; without
+    this the first call stopped rank 0 while the others waited in the second's gathers. Full
+    values come from ``engine.module_state_dict()``, ``save_16bit_model`` or
+    :class:`GatheredParameters`. Local: no communication, and no memory beyond the dict."""
+    module._zero3_placeholder_state_dict = True  # read by FSDP's refusal of row shards
+    module.register_state_dict_post_hook(_empty_placeholders)
+
+
+def _empty_placeholders(module, state_dict, prefix, local_metadata) -> None:
+    params = {prefix + name: p for name, p in module.named_parameters(remove_duplicate=False)}
+    emptied = 0
+    for key in list(state_dict):
+        param = params.get(key)
+        if param is not None and getattr(param, "ds_status", None) is \
+                ZeroParamStatus.NOT_AVAILABLE:
+            state_dict[key] = torch.empty(0, dtype=param.dtype, device=param.device)
+            emptied += 1
+    global _PLACEHOLDERS_NOTED
+    if emptied and not _PLACEHOLDERS_NOTED:
+        _PLACEHOLDERS_NOTED = True
+        logger.warning(
+            "state_dict() of a ZeRO stage-3 model: %d sharded parameters are empty "
+            "placeholders, as in DeepSpeed; for their values use engine.module_state_dict(), "
+            "engine.save_16bit_model() or deepspeed.zero.GatheredParameters", emptied)
+
+
+_PLACEHOLDERS_NOTED = False
 
 _INIT_NOTED = False
 

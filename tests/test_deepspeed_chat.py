@@ -289,7 +289,7 @@ def _train_like_chat(stage, offload=False, dtype="fp32", checkpointing="before",
     report["eval_diff"] = max(report["eval_diff"], abs(eval_loss - reference_eval()))
     if save_dir is not None:
         print_rank_0("saving the final model ...", rank)
-        if rank == 0 and stage != 3:  # stage 3: see test_stage3_save_hf_format_on_rank_0
+        if rank == 0:  # stage 3: DeepSpeed's placeholders, overwritten just below
             save_hf_format(model, save_dir)
         if stage == 3:
             save_zero_three_model(model, rank, save_dir, zero_stage=stage)
@@ -574,24 +574,33 @@ def test_initialize_marks_stage3_parameters(world2):
 
 def _save_hf_format_stage3(save_dir):
     model = tiny_opt(lora=False)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     engine, *_ = deepspeed.initialize(model=model, optimizer=FusedAdam(model.parameters()),
                                       config=chat_config(False, "fp32", 3, micro=MICRO))
-    if torch.distributed.get_rank() == 0:
-        try:
-            save_hf_format(engine, save_dir)
-        except RuntimeError as error:
-            return str(error)
-    return None
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())[:1]):  # all ranks
+        first = next(iter(engine.module.state_dict().items()))
+    if torch.distributed.get_rank() != 0:
+        return None
+    save_hf_format(engine, save_dir)
+    saved = torch.load(os.path.join(save_dir, "pytorch_model.bin"), weights_only=True)
+    return dict(keys=sorted(saved) == sorted(shapes),
+                empty=sorted(k for k, v in saved.items() if v.numel() == 0),
+                params=sorted(n for n, _ in engine.module.named_parameters(
+                    remove_duplicate=False)),
+                config=os.path.exists(os.path.join(save_dir, "config.json")),
+                gathered=tuple(first[1].shape) == shapes[first[0]])
 
 
-def test_stage3_save_hf_format_on_rank_0_is_a_clear_local_error(world2, tmp_path):
-    """At stage 3 the unwrapped model's state_dict() on one rank is refused there, locally (its
-    parameters are row shards; DeepSpeed writes placeholders that save_zero_three_model later
-    overwrites): the message says what to call instead, and no rank waits."""
+def test_stage3_save_hf_format_on_rank_0_writes_placeholders(world2, tmp_path):
+    """At stage 3 the unwrapped model's state_dict() on rank 0 alone (DeepSpeed-Chat's
+    save_hf_format at every stage) gives DeepSpeed's empty placeholders for the sharded
+    parameters, the model's keys and its config, with no collective, so no rank waits; inside
+    GatheredParameters a parameter has its value. save_zero_three_model then writes the weights
+    (test_chat_training_matches_one_process)."""
     rank0, rank1 = world2.run(_save_hf_format_stage3, str(tmp_path))
     assert rank1 is None
-    assert "row shards here, not the model's weights" in rank0, rank0
-    assert "state_dict() on the FSDP wrapper" in rank0, rank0
+    assert rank0["keys"] and rank0["config"] and rank0["gathered"], rank0
+    assert rank0["empty"] == [n for n in rank0["params"]], rank0
 
 
 def _epoch_end():

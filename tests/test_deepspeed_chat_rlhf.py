@@ -501,8 +501,8 @@ def _run_step3(case, save_dir=None):
 
 def _save_like_main(case, actor, critic, ema, reference, rank, save_dir):
     """step 3 main.py's end: LoRA fused into the weights, then save_hf_format on rank 0 (at
-    stages 0-2; stage 3: see test_stage3_save_hf_format_on_rank_0_is_a_clear_local_error in
-    tests/test_deepspeed_chat.py) and save_zero_three_model at stage 3."""
+    stage 3 it writes DeepSpeed's empty placeholders and the config) and save_zero_three_model
+    at stage 3, which overwrites the weights file."""
     stage, critic_stage = case["actor_stage"], case["critic_stage"]
     convert_lora_to_linear_layer(actor)
     convert_lora_to_linear_layer(ema)
@@ -510,14 +510,8 @@ def _save_like_main(case, actor, critic, ema, reference, rank, save_dir):
         convert_lora_to_linear_layer(model)
     dirs = {name: os.path.join(save_dir, name) for name in ("actor", "critic", "actor_ema")}
     if rank == 0:
-        for name, engine, engine_stage in (("actor", actor, stage), ("critic", critic,
-                                                                     critic_stage),
-                                           ("actor_ema", ema, stage)):
-            if engine_stage != 3:
-                save_hf_format(engine, dirs[name])
-            else:  # the config.json save_hf_format writes beside the weights
-                os.makedirs(dirs[name], exist_ok=True)
-                engine.module.config.to_json_file(os.path.join(dirs[name], "config.json"))
+        for name, engine in (("actor", actor), ("critic", critic), ("actor_ema", ema)):
+            save_hf_format(engine, dirs[name])
     if stage == 3:
         save_zero_three_model(actor, rank, dirs["actor"], zero_stage=stage)
         save_zero_three_model(ema, rank, dirs["actor_ema"], zero_stage=stage)

@@ -1557,7 +1557,8 @@ def _refusing_shards_as_full_state(unit: "FullyShardedDataParallel"):
     def hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
         fsdp = unit_ref()
         if prefix or fsdp is None or fsdp._summoned or fsdp._shard is None \
-                or fsdp._shard.world_size == 1 or fsdp.training_state != TrainingState.IDLE:
+                or fsdp._shard.world_size == 1 or fsdp.training_state != TrainingState.IDLE \
+                or getattr(module, "_zero3_placeholder_state_dict", False):  # the engine's
             return
         raise RuntimeError(
             f"{type(module).__name__}.state_dict(): its parameters are FullyShardedDataParallel "
