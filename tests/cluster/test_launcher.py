@@ -2,7 +2,8 @@
 gives each node its own address, host name and /dev/shm, and leaves nothing behind on any exit
 path (a failing command, SIGTERM to the launcher)."""
 
-import io
+import functools
+import json
 import os
 import signal
 import subprocess
@@ -13,9 +14,40 @@ import pytest
 
 from shardkit import cluster
 from shardkit.testing import cluster_unavailable_reason, run_cluster
+from tests.utils import side_by_side
 
 _REASON = cluster_unavailable_reason()
 needs_cluster = pytest.mark.skipif(_REASON is not None, reason=str(_REASON))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# Each launch below mostly waits (torchrun start-ups, a node's ranks that sleep, the launcher's
+# grace after a failure), so the module-scoped ``launched`` fixture runs every selected one side
+# by side, a bounded number at a time (tests.utils.side_by_side); each test checks what its
+# launch observed, or runs it alone when the fixture did not launch it. A launch through
+# run_cluster() runs in a process of its own (_RUN_CLUSTER): the cluster's names carry the
+# launcher's pid, so launches from one process could not run at once.
+
+_RUN_CLUSTER = """
+import io, json, os, sys
+sys.path.insert(0, sys.argv[2])
+from shardkit import cluster
+kwargs = json.loads(sys.argv[1])
+out = io.StringIO()
+rc = cluster.run_cluster(out=out, **kwargs)
+print(json.dumps({"rc": rc, "out": out.getvalue(), "leftovers": cluster.leftovers(os.getpid())}))
+"""
+
+
+def _run_cluster_alone(environ, command, **kwargs):
+    """``run_cluster(command, out=StringIO(), **kwargs)`` in a process of its own (whose
+    environment is ``environ``): ``{"rc": its status, "out": its output, "leftovers":
+    cluster.leftovers() of that process once run_cluster returned}``."""
+    proc = subprocess.run([sys.executable, "-c", _RUN_CLUSTER, json.dumps(dict(
+        kwargs, command=command)), _ROOT], env=environ, capture_output=True, text=True,
+        timeout=kwargs.get("timeout", 120) + 60)
+    assert proc.returncode == 0 and proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
 
 # one shell line per rank: what it can see of its node (shm: files in /dev/shm other than the
 # node's own marks: a fresh tmpfs has none), then an exit status chosen by rank
@@ -52,32 +84,36 @@ def test_bad_arguments_are_clear():
             run_cluster(["x.py"], timeout=bad)
 
 
+def _probe_scenario(environ):
+    return _run_cluster_alone(environ, ["--no-python", "sh", "-c", _PROBE], nodes=2,
+                              nproc_per_node=2, link_rate="1gbit", timeout=120)
+
+
 @needs_cluster
-def test_nodes_are_separate_and_worst_status_returned_and_nothing_left():
-    out = io.StringIO()
-    rc = run_cluster(["--no-python", "sh", "-c", _PROBE], nodes=2, nproc_per_node=2,
-                     link_rate="1gbit", timeout=120, out=out)
-    lines = [line for line in out.getvalue().splitlines() if " probe " in line]
+def test_nodes_are_separate_and_worst_status_returned_and_nothing_left(launched):
+    got = side_by_side.result(launched, "probe", lambda: _probe_scenario(dict(os.environ)))
+    rc, out = got["rc"], got["out"]
+    lines = [line for line in out.splitlines() if " probe " in line]
     # rank 3 failed: its node's torchrun exits 1 (naming exit code 3), node 0's would hang at
     # torchrun's exit barrier and is stopped; the worst status wins
-    assert rc == 1, out.getvalue()
-    assert "exitcode  : 3" in out.getvalue()
+    assert rc == 1, out
+    assert "exitcode  : 3" in out
     assert sorted(lines) == sorted([
         "[node 0] probe rank=0 group=0 lws=2 host=node0 if=node0 shm=0",
         "[node 0] probe rank=1 group=0 lws=2 host=node0 if=node0 shm=0",
         "[node 1] probe rank=2 group=1 lws=2 host=node1 if=node1 shm=0",
         "[node 1] probe rank=3 group=1 lws=2 host=node1 if=node1 shm=0",
-    ]), out.getvalue()
-    assert cluster.leftovers(os.getpid()) == []
+    ]), out
+    assert got["leftovers"] == []  # of the process that called run_cluster
     assert not any(name.startswith("mark-") for name in os.listdir("/dev/shm"))
 
 
-def _start_sleeping_cluster(nodes=3):
+def _start_sleeping_cluster(environ, nodes=3):
     """A launcher process whose nodes all run `sleep`; returns it once every node sleeps."""
     launcher = subprocess.Popen(
         [sys.executable, "-m", "shardkit", "cluster", "--nodes", str(nodes), "--link-rate",
          "none", "--", "--no-python", "sleep", "120"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(environ))
     deadline = time.time() + 60
     while time.time() < deadline and launcher.poll() is None:
         if _count_sleeping(cluster.leftovers(launcher.pid)) == nodes:
@@ -100,32 +136,51 @@ def _count_sleeping(found: list) -> int:
     return count
 
 
-@needs_cluster
-@pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 128 + signal.SIGTERM),
-                                        (signal.SIGINT, 130)])
-def test_signal_to_launcher_removes_everything(sig, status):
-    launcher = _start_sleeping_cluster()
+def _signal_scenario(sig, environ):
+    launcher = _start_sleeping_cluster(environ)
     try:
-        assert any(f.startswith("namespace") for f in cluster.leftovers(launcher.pid))
+        got = {"while_running": cluster.leftovers(launcher.pid)}
         launcher.send_signal(sig)
-        assert launcher.wait(60) == status
+        got["status"] = launcher.wait(60)
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
-    assert cluster.leftovers(launcher.pid) == []
+    got["after"] = cluster.leftovers(launcher.pid)
+    return got
 
 
 @needs_cluster
-def test_what_a_killed_launcher_left_is_removed_by_the_next():
-    launcher = _start_sleeping_cluster(nodes=2)
+@pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 128 + signal.SIGTERM),
+                                        (signal.SIGINT, 130)])
+def test_signal_to_launcher_removes_everything(launched, sig, status):
+    got = side_by_side.result(launched, f"signal{int(sig)}",
+                              lambda: _signal_scenario(sig, dict(os.environ)))
+    assert any(f.startswith("namespace") for f in got["while_running"])
+    assert got["status"] == status
+    assert got["after"] == []
+
+
+def _killed_launcher_scenario(environ):
+    """Runs alone (no other launch starts meanwhile: each launch's remove_stale() would remove
+    what the killed launcher left before it is looked at)."""
+    launcher = _start_sleeping_cluster(environ, nodes=2)
     launcher.kill()  # SIGKILL: no clean-up runs
     launcher.wait()
-    assert cluster.leftovers(launcher.pid) != []
-    removed = cluster.remove_stale()  # what every launch does first
-    assert cluster.leftovers(launcher.pid) == []
-    prefix = cluster.name_prefix(launcher.pid)
-    assert {f"{prefix}n0", f"{prefix}n1"} <= set(removed)
+    got = {"pid": launcher.pid, "after_kill": cluster.leftovers(launcher.pid)}
+    got["removed"] = cluster.remove_stale()  # what every launch does first
+    got["after_removal"] = cluster.leftovers(launcher.pid)
+    return got
+
+
+@needs_cluster
+def test_what_a_killed_launcher_left_is_removed_by_the_next(launched):
+    got = side_by_side.result(launched, "killed_launcher",
+                              lambda: _killed_launcher_scenario(dict(os.environ)))
+    assert got["after_kill"] != []
+    assert got["after_removal"] == []
+    prefix = cluster.name_prefix(got["pid"])
+    assert {f"{prefix}n0", f"{prefix}n1"} <= set(got["removed"])
 
 
 # node 1's ranks fail at once; node 0's ranks report a few seconds later (as ranks waiting for
@@ -138,17 +193,22 @@ _LATE_REPORT = ("if [ $GROUP_RANK -eq 1 ]; then exit 3; fi; "
                 "sleep 10; echo reported rank=$RANK; exit 75")
 
 
+def _late_report_scenario(environ):
+    return _run_cluster_alone(environ, ["--no-python", "sh", "-c", _LATE_REPORT], nodes=2,
+                              nproc_per_node=2, link_rate="none", timeout=120)
+
+
 @needs_cluster
-def test_nodes_whose_ranks_still_run_may_report_after_another_node_fails():
+def test_nodes_whose_ranks_still_run_may_report_after_another_node_fails(launched):
     # before: node 0 was stopped 5 s after node 1 failed, and its ranks' report was lost
-    out = io.StringIO()
-    rc = run_cluster(["--no-python", "sh", "-c", _LATE_REPORT], nodes=2, nproc_per_node=2,
-                     link_rate="none", timeout=120, out=out)
-    assert rc == 1, out.getvalue()
-    assert "[node 0] reported rank=0" in out.getvalue(), out.getvalue()
-    assert "[node 0] reported rank=1" in out.getvalue(), out.getvalue()
-    assert "exitcode  : 75" in out.getvalue(), out.getvalue()
-    assert cluster.leftovers(os.getpid()) == []
+    got = side_by_side.result(launched, "late_report",
+                              lambda: _late_report_scenario(dict(os.environ)))
+    rc, out = got["rc"], got["out"]
+    assert rc == 1, out
+    assert "[node 0] reported rank=0" in out, out
+    assert "[node 0] reported rank=1" in out, out
+    assert "exitcode  : 75" in out, out
+    assert got["leftovers"] == []  # of the process that called run_cluster
 
 
 def test_launch_without_the_tools_is_a_clear_error(monkeypatch):
@@ -174,35 +234,86 @@ d.destroy()
 """
 
 
+_DROPS = {"groups": "", "groups_without_group_rank": "unset GROUP_RANK; "}
+
+
+def _groups_scenario(drop, environ):
+    env = dict(environ, PYTHONPATH=_ROOT, SHARDKIT_TEST_CODE=_GROUPS_BY_HOST)
+    cyclic = 'export RANK=$((LOCAL_RANK * GROUP_WORLD_SIZE + GROUP_RANK)); '
+    return _run_cluster_alone(environ, ["--no-python", "sh", "-c", cyclic + drop + 'exec "$0" -c '
+                                        '"$SHARDKIT_TEST_CODE"', sys.executable], nodes=2,
+                              nproc_per_node=2, link_rate="none", env=env, timeout=180)
+
+
 @needs_cluster
-def test_node_groups_follow_the_hosts_when_ranks_are_numbered_round_robin():
+def test_node_groups_follow_the_hosts_when_ranks_are_numbered_round_robin(launched):
     # srun --distribution=cyclic numbering: ranks 0 and 2 on node0, 1 and 3 on node1. Before,
     # ranks 1 and 2 raised and ranks 0 and 3 waited for them (a hang), or, without
     # GROUP_RANK, the "intra-node" group [0, 1] crossed the link
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=root, SHARDKIT_TEST_CODE=_GROUPS_BY_HOST)
-    cyclic = 'export RANK=$((LOCAL_RANK * GROUP_WORLD_SIZE + GROUP_RANK)); '
-    for drop in ("", "unset GROUP_RANK; "):
-        out = io.StringIO()
-        rc = run_cluster(["--no-python", "sh", "-c", cyclic + drop + 'exec "$0" -c '
-                          '"$SHARDKIT_TEST_CODE"', sys.executable], nodes=2, nproc_per_node=2,
-                         link_rate="none", env=env, timeout=180, out=out)
-        lines = sorted(line.split("] ", 1)[1] for line in out.getvalue().splitlines()
+    for name, drop in _DROPS.items():
+        got = side_by_side.result(launched, name,
+                                  lambda: _groups_scenario(drop, dict(os.environ)))
+        rc, out = got["rc"], got["out"]
+        lines = sorted(line.split("] ", 1)[1] for line in out.splitlines()
                        if "] topo " in line)
         assert rc == 0 and lines == [
             "topo rank=0 host=node0 intra=['node0', 'node0'] inter=['node0', 'node1']",
             "topo rank=1 host=node1 intra=['node1', 'node1'] inter=['node0', 'node1']",
             "topo rank=2 host=node0 intra=['node0', 'node0'] inter=['node0', 'node1']",
             "topo rank=3 host=node1 intra=['node1', 'node1'] inter=['node0', 'node1']",
-        ], (drop, out.getvalue()[-3000:])
+        ], (drop, out[-3000:])
+
+
+def _one_node_scenario(environ):
+    return _run_cluster_alone(environ, ["--no-python", "sh", "-c",
+                                        "echo one rank=$RANK host=$(hostname)"],
+                              nodes=1, nproc_per_node=1, link_rate="none", timeout=60)
 
 
 @needs_cluster
-def test_one_node_cluster_runs():
+def test_one_node_cluster_runs(launched):
     # before: `ip link add node0 type dummy` failed ("Unknown device type") on kernels without
     # the dummy module, so --nodes 1 never started
-    out = io.StringIO()
-    rc = run_cluster(["--no-python", "sh", "-c", "echo one rank=$RANK host=$(hostname)"],
-                     nodes=1, nproc_per_node=1, link_rate="none", timeout=60, out=out)
-    assert rc == 0 and "[node 0] one rank=0 host=node0" in out.getvalue(), out.getvalue()
-    assert cluster.leftovers(os.getpid()) == []
+    got = side_by_side.result(launched, "one_node", lambda: _one_node_scenario(dict(os.environ)))
+    rc, out = got["rc"], got["out"]
+    assert rc == 0 and "[node 0] one rank=0 host=node0" in out, out
+    assert got["leftovers"] == []  # of the process that called run_cluster
+
+
+# name: (weight: processes that import torch at once, scenario(environment)), the longest
+# waits first; the killed launcher runs alone (its weight is the capacity), before the others
+_CAPACITY = 10
+_SCENARIOS = {
+    "killed_launcher": (_CAPACITY, _killed_launcher_scenario),
+    "late_report": (2, _late_report_scenario),
+    "probe": (2, _probe_scenario),
+    **{name: (6, functools.partial(_groups_scenario, drop)) for name, drop in _DROPS.items()},
+    f"signal{int(signal.SIGTERM)}": (3, functools.partial(_signal_scenario, signal.SIGTERM)),
+    f"signal{int(signal.SIGINT)}": (3, functools.partial(_signal_scenario, signal.SIGINT)),
+    "one_node": (1, _one_node_scenario),
+}
+_SCENARIOS_OF_TEST = {
+    "test_nodes_are_separate_and_worst_status_returned_and_nothing_left": ["probe"],
+    "test_signal_to_launcher_removes_everything": lambda p: [f"signal{int(p['sig'])}"],
+    "test_what_a_killed_launcher_left_is_removed_by_the_next": ["killed_launcher"],
+    "test_nodes_whose_ranks_still_run_may_report_after_another_node_fails": ["late_report"],
+    "test_node_groups_follow_the_hosts_when_ranks_are_numbered_round_robin": list(_DROPS),
+    "test_one_node_cluster_runs": ["one_node"],
+}
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """Every launch (``_SCENARIOS``) that this module's selected tests need, started at once,
+    at most ``_CAPACITY`` weight at a time."""
+    wanted = side_by_side.selected_names(request, __name__, _SCENARIOS_OF_TEST)
+    if _REASON is not None or not wanted:
+        yield None
+        return
+    environ = dict(os.environ)
+    launched = side_by_side.SideBySide(
+        {name: (weight, functools.partial(scenario, environ))
+         for name, (weight, scenario) in _SCENARIOS.items() if name in wanted},
+        _CAPACITY).start()
+    yield launched
+    launched.wait_all()
