@@ -87,7 +87,9 @@ def placeholder_state_dict(module: torch.nn.Module) -> None:
 
 
 def _empty_placeholders(module, state_dict, prefix, local_metadata) -> None:
-    params = {prefix + name: p for name, p in module.named_parameters(remove_duplicate=False)}
+    if prefix:  # reached from a wrapper's own state dict (FSDP's local and full ones)
+        return
+    params = dict(module.named_parameters(remove_duplicate=False))
     emptied = 0
     for key in list(state_dict):
         param = params.get(key)

@@ -347,7 +347,14 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                             ("sync_module_states", sync_module_states)):
             check_bool(name, value)
         move_params_to_cpu = resolve_cpu_offload(move_params_to_cpu, cpu_offload)
-        _materialize_meta_unit(module, param_init_fn, compute_device)
+        # a rank that cannot materialize (say rank 1 built on meta without param_init_fn,
+        # rank 0 built for real) tells every rank at the unit's first collective below,
+        # instead of leaving the others waiting in it
+        meta_error: Optional[Exception] = None
+        try:
+            _materialize_meta_unit(module, param_init_fn, compute_device)
+        except Exception as error:  # param_init_fn is the user's code
+            meta_error = error
         first_param = next(module.parameters(), None)
         module_device = torch.device("cpu") if first_param is None else first_param.device
         options = resolve_fairscale_options(
@@ -377,12 +384,19 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         check_one_dtype(params)
         # before resolve_groups, whose sub-groups (hybrid, hpZ, NO_SHARD) are collectives that
         # ranks with other strategies would not join
-        check_same_unit_on_every_rank(
-            list(process_group) if isinstance(process_group, tuple) else [process_group],
-            module, params, sharding_strategy=strategy.name,
-            reshard_after_forward=reshard_after_forward, mixed_precision=policy,
-            hpz_partition_size=hpz_partition_size, quantize_weights=quantize_weights,
-            quantize_gradients=quantize_gradients, comm=type(transport).__name__)
+        try:
+            check_same_unit_on_every_rank(
+                list(process_group) if isinstance(process_group, tuple) else [process_group],
+                module, params, meta_materialization=_outcome(meta_error),
+                sharding_strategy=strategy.name,
+                reshard_after_forward=reshard_after_forward, mixed_precision=policy,
+                hpz_partition_size=hpz_partition_size, quantize_weights=quantize_weights,
+                quantize_gradients=quantize_gradients, comm=type(transport).__name__)
+        except ValueError:  # the others name it; the rank that failed raises its own error
+            if meta_error is None:
+                raise
+        if meta_error is not None:
+            raise meta_error
         groups = resolve_groups(strategy, process_group, hpz_partition_size)
         reduce_group = check_reduce_scatter_group(process_group_reduce_scatter, groups.shard,
                                                   strategy)
@@ -1445,6 +1459,12 @@ def _materialize_meta_unit(module: nn.Module, param_init_fn, compute_device) -> 
                 f"then initialise them)")
 
 
+def _outcome(error: Optional[Exception]) -> str:
+    """What a rank tells the others about materializing its meta tensors (the same ``"ok"``
+    whether it had none or materialized them)."""
+    return "ok" if error is None else f"failed ({type(error).__name__}: {error})"
+
+
 def _refuse_meta_without_reset(modules: list, unit_module: nn.Module) -> None:
     """Before anything is materialized: a module that holds a meta tensor no module before it
     holds (which would materialize it) and has no ``reset_parameters()`` is a ValueError."""
@@ -1530,12 +1550,15 @@ _TO_EMPTY_AFTER_WRAPPING = (
 def _refuse_changing_shards(shard: FlatParamShard, fn) -> None:
     """Raise unless ``fn`` (what ``nn.Module._apply`` applies to every tensor) keeps the
     shard's dtype and device; it is tried on an empty slice of the shard."""
-    probe = fn(shard.flat_shard[:0])
-    if not isinstance(probe, torch.Tensor):
+    given = shard.flat_shard[:0]
+    probe = fn(given)
+    if not isinstance(probe, torch.Tensor) or probe is given:  # .to()/.float() that change nothing
         return
     before = (shard.flat_shard.dtype, shard.flat_shard.device)
     if (probe.dtype, probe.device) == before:
-        return
+        # a new tensor of the same kind (to_empty's empty_like, a clone): it would replace
+        # the shard with other memory, whatever the function is called
+        raise RuntimeError(_TO_EMPTY_AFTER_WRAPPING)
     if before[1].type == "meta":  # not made by this class (it materializes when wrapping)
         raise RuntimeError(_TO_EMPTY_AFTER_WRAPPING.replace("to_empty()", f"moving to "
                                                             f"{probe.device}", 1))
