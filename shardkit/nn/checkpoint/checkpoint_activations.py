@@ -513,6 +513,7 @@ def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,
                              "checkpoint_wrapper_fn=...): pass offload_to_cpu to the wrapper "
                              "function (functools.partial(checkpoint_wrapper, "
                              "offload_to_cpu=True)), not both")
+        checkpoint_wrapper_fn = _from_torch_checkpoint_wrapper(checkpoint_wrapper_fn)
     if (policy is None) == (check_fn is None):
         raise ValueError(f"apply_activation_checkpointing(policy={policy!r}, check_fn="
                          f"{check_fn!r}): give exactly one of them")
@@ -545,6 +546,33 @@ def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,
         if result is not m:
             setattr(parent, name, result)
     return model
+
+
+def _from_torch_checkpoint_wrapper(fn: Callable) -> Callable:
+    """torch's ``checkpoint_wrapper`` (``torch.distributed.algorithms._checkpoint.
+    checkpoint_wrapper``), alone or in ``functools.partial`` as pytorch/examples' FSDP T5 recipe
+    passes it, as this module's :func:`checkpoint_wrapper` with the same ``checkpoint_impl`` and
+    ``offload_to_cpu``. torch's ``CheckpointWrapper`` would put an FSDP unit's gather inside
+    the checkpointed region, so that the recomputation in backward (the unit already gathered)
+    saves other tensors than the forward did. Other torch arguments (``checkpoint_fn``, the
+    checkpoint function's keywords) are a ValueError naming them. Anything else is returned
+    as given. Local."""
+    keywords, inner = {}, fn
+    while isinstance(inner, functools.partial):
+        if inner.args:
+            return fn
+        keywords = {**inner.keywords, **keywords}
+        inner = inner.func
+    if getattr(inner, "__name__", None) != "checkpoint_wrapper" or \
+            not getattr(inner, "__module__", "").startswith("torch.distributed"):
+        return fn
+    other = sorted(set(keywords) - {"checkpoint_impl", "offload_to_cpu"})
+    if other or keywords.get("checkpoint_fn") is not None:
+        raise ValueError(f"apply_activation_checkpointing(checkpoint_wrapper_fn=torch's "
+                         f"checkpoint_wrapper with {other}): shardkit's checkpoint_wrapper "
+                         f"takes checkpoint_impl and offload_to_cpu only; use "
+                         f"shardkit.nn.checkpoint.checkpoint_wrapper")
+    return functools.partial(checkpoint_wrapper, **keywords)
 
 
 def _select(module: nn.Module, check_fn) -> list:

@@ -243,8 +243,17 @@ def move_to_device_id(device_id, module: torch.nn.Module) -> None:
     does; one already on another accelerator is a ValueError. Local."""
     if device_id is None:
         return
-    wanted = torch.device("cuda", device_id) if isinstance(device_id, int) and \
-        not isinstance(device_id, bool) else _as_device("device_id", device_id)
+    if isinstance(device_id, int) and not isinstance(device_id, bool):
+        if device_id < 0:
+            raise ValueError(f"FullyShardedDataParallel(device_id={device_id}): a CUDA device "
+                             f"index must be 0 or more")
+        wanted = torch.device("cuda", device_id)
+    else:
+        wanted = _as_device("device_id", device_id)
+    if wanted.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"FullyShardedDataParallel(device_id={device_id!r}): CUDA is not "
+                         f"available on this machine; pass torch.device('cpu') or leave "
+                         f"device_id unset")
     first = next(module.parameters(), None)
     if first is None or first.is_meta or first.device == wanted:
         return

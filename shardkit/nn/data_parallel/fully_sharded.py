@@ -124,7 +124,8 @@ from shardkit.nn.data_parallel.fsdp_arguments import (check_bool, check_compute_
 from shardkit.nn.data_parallel.fsdp_state_dict import (FSDPStateDictMixin, add_wrapper_prefix,
                                                        clean_name)
 from shardkit.nn.data_parallel.mixed_precision import (MixedPrecisionPolicy,
-                                                       resolve_mixed_precision)
+                                                       resolve_mixed_precision,
+                                                       torch_full_precision_classes)
 from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, check_group_arguments,
                                                          check_quantization,
                                                          groups_of_mesh, resolve_groups,
@@ -327,7 +328,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             same = {k: v for k, v in locals().items()
                     if k not in ("self", "module", "auto_wrap_policy", "__class__")}
             from shardkit.nn.wrap.auto_wrap import wrap_below_root
-            module = wrap_below_root(module, auto_wrap_policy, type(self), **same)
+            module = wrap_below_root(
+                module, auto_wrap_policy, type(self),
+                full_precision_classes=torch_full_precision_classes(mixed_precision), **same)
         if param_init_fn is not None and not callable(param_init_fn):
             raise ValueError(f"FullyShardedDataParallel(param_init_fn={param_init_fn!r}): "
                              f"must be a callable(module) that materializes a module built on "

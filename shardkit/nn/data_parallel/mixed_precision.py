@@ -11,7 +11,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "resolve_mixed_precision", "from_torch_mixed_precision"]
+__all__ = ["MixedPrecisionPolicy", "resolve_mixed_precision", "from_torch_mixed_precision",
+           "torch_full_precision_classes"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -104,14 +105,16 @@ def from_torch_mixed_precision(policy):
     MixedPrecision``, as pytorch/examples' FSDP recipe builds its ``bfSixteen`` policies) as a
     :class:`MixedPrecisionPolicy`; anything else is returned unchanged. Read by fields:
 
-    - ``param_dtype`` / ``reduce_dtype`` / ``buffer_dtype`` as they are, except that a policy
-      naming only ``reduce_dtype`` or ``buffer_dtype`` computes in fp32 (torch: the parameters'
-      dtype), and ``buffer_dtype=None`` keeps floating buffers in fp32 (torch leaves them as
-      they are; shardkit's ``None`` means ``param_dtype``).
+    - ``param_dtype`` / ``reduce_dtype`` / ``buffer_dtype`` as they are (``param_dtype=None``:
+      computed in the parameters' own dtype, as torch), except that ``buffer_dtype=None``
+      keeps floating buffers in fp32 (torch leaves them as they are; shardkit's ``None`` means
+      ``param_dtype``).
     - ``cast_forward_inputs`` or ``cast_root_forward_inputs`` (torch's default): inputs are
       cast, at every unit (shardkit's rule).
     - ``keep_low_precision_grads=True`` is a ValueError (the shards' gradients are kept in the
       master dtype for the optimizer step).
+    - ``_module_classes_to_ignore`` (torch's default: BatchNorm) is read by the constructor's
+      ``auto_wrap_policy`` (see :func:`torch_full_precision_classes`), as in torch.
 
     Local, no communication."""
     cls = type(policy)
@@ -122,11 +125,20 @@ def from_torch_mixed_precision(policy):
                          "keep_low_precision_grads=True)): not supported (gradient shards stay "
                          "in the master dtype for the optimizer step); leave it False")
     param, reduce, buffer = policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype
-    if param is None and (reduce is not None or buffer is not None):
-        param = torch.float32
     if param is not None and buffer is None:
         buffer = torch.float32
     cast = bool(getattr(policy, "cast_forward_inputs", False)
                 or getattr(policy, "cast_root_forward_inputs", True))
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, buffer_dtype=buffer,
                                 cast_inputs=cast)
+
+
+def torch_full_precision_classes(policy) -> tuple:
+    """The module classes that torch FSDP1 gives units of their own in full precision when its
+    ``MixedPrecision`` comes with an ``auto_wrap_policy`` (``_module_classes_to_ignore``,
+    BatchNorm by default): their inputs are cast to fp32 and their outputs back. ``()`` for
+    anything but torch's ``MixedPrecision``. Local, no communication."""
+    cls = type(policy)
+    if cls.__name__ != "MixedPrecision" or not cls.__module__.startswith("torch.distributed"):
+        return ()
+    return tuple(getattr(policy, "_module_classes_to_ignore", ()) or ())

@@ -23,6 +23,7 @@ import inspect
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
+import torch
 import torch.nn as nn
 
 __all__ = ["auto_wrap", "enable_wrap", "wrap", "default_auto_wrap_policy",
@@ -427,14 +428,17 @@ def _policy_caller(policy: Callable) -> Callable[[nn.Module, bool, int, bool], b
     return call
 
 
-def wrap_below_root(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls=None,
-                    **wrapper_kwargs) -> nn.Module:
+def wrap_below_root(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls=None, *,
+                    full_precision_classes: tuple = (), **wrapper_kwargs) -> nn.Module:
     """torch FSDP1's ``FSDP(module, auto_wrap_policy=policy, **kwargs)`` before its root is
     built: every submodule the policy selects is wrapped with ``wrapper_cls(sub, **kwargs)``
     (default FullyShardedDataParallel; the enclosing :func:`enable_wrap` context is not read),
     and ``module`` itself never is, whatever the policy says about it (the caller's
-    constructor is its wrapper). Returns ``module``, changed in place. Local; each wrapper's own
-    costs apply."""
+    constructor is its wrapper). Every submodule of a ``full_precision_classes`` type (torch's
+    ``MixedPrecision._module_classes_to_ignore``) is also wrapped, with
+    ``mixed_precision=False``, its floating inputs cast to fp32 and its outputs back to the
+    input's dtype, as torch does. Returns ``module``, changed in place. Local; each wrapper's
+    own costs apply."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"auto_wrap_policy: expected an nn.Module to wrap, got "
                          f"{type(module).__name__}")
@@ -446,12 +450,49 @@ def wrap_below_root(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls=N
     wrap_sub = functools.partial(_wrap_one, wrapper_cls=wrapper_cls, context_kwargs={},
                                  overrides=wrapper_kwargs)
 
-    def wrap_one(m: nn.Module) -> nn.Module:
-        return m if m is module else wrap_sub(m)
+    classes = tuple(full_precision_classes)
+    policy = _policy_caller(auto_wrap_policy)
+    if classes:
+        selected = policy
 
-    _recursive_wrap(module, _policy_caller(auto_wrap_policy), _wrapper_key(wrapper_cls),
-                    wrap_one, is_root=True, owners=_registering_modules(module))
+        def policy(m: nn.Module, recurse: bool, numel: int, is_root: bool) -> bool:
+            return recurse or isinstance(m, classes) or selected(m, recurse, numel, is_root)
+
+    def wrap_one(m: nn.Module) -> nn.Module:
+        if m is module:
+            return m
+        if classes and isinstance(m, classes):
+            _cast_through_fp32(m)
+            return _wrap_one(m, wrapper_cls, {}, {**wrapper_kwargs, "mixed_precision": False})
+        return wrap_sub(m)
+
+    _recursive_wrap(module, policy, _wrapper_key(wrapper_cls), wrap_one, is_root=True,
+                    owners=_registering_modules(module))
     return module
+
+
+def _cast_through_fp32(module: nn.Module) -> None:
+    """Hooks that run ``module`` in fp32 inside a mixed-precision model: floating inputs are
+    cast to fp32 before its forward, and floating outputs back to the inputs' dtype after."""
+    seen = {}
+
+    def cast(dtype, t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+            seen.setdefault("dtype", t.dtype)
+            return t.to(dtype)
+        return t
+
+    def before(m, args):
+        seen.clear()
+        return torch.utils._pytree.tree_map(functools.partial(cast, torch.float32), args)
+
+    def after(m, args, output):
+        if "dtype" not in seen:
+            return output
+        return torch.utils._pytree.tree_map(functools.partial(cast, seen["dtype"]), output)
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
 
 
 def _recursive_wrap(module: nn.Module, policy, wrapper_kind, wrap_one, is_root: bool,
