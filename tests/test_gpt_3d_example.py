@@ -1,6 +1,10 @@
 """examples/gpt_3d.py under torchrun on CPU (world 4) matches single-process training with every
 pipeline schedule, each in a different tensor x pipeline x data layout and ZeRO stage; arguments
-that cannot run are refused before any communication, naming the flags."""
+that cannot run are refused before any communication, naming the flags.
+
+The launches that the selected tests need run in one torchrun job, one after the other
+(tests/utils/gpt_3d_launches.py calls the example's ``main`` with each command line): a job of
+its own per launch paid torchrun, four torch imports and the first step's warm-up each time."""
 
 import importlib.util
 import os
@@ -39,6 +43,9 @@ LAUNCHES = {
 }
 
 
+DRIVER = os.path.join(ROOT, "tests", "utils", "gpt_3d_launches.py")
+
+
 def _load_example():
     spec = importlib.util.spec_from_file_location("gpt_3d_example", SCRIPT)
     module = importlib.util.module_from_spec(spec)
@@ -46,34 +53,61 @@ def _load_example():
     return module
 
 
-def _torchrun(*args):
+def _torchrun(launches):
+    """One torchrun job (world 4) that runs the example's ``main`` with each launch's command
+    line in turn (tests/utils/gpt_3d_launches.py: torchrun, the torch imports and the first
+    step's warm-up are paid once); {launch: (exit status of its main, its stdout lines)}, and
+    the job itself."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1")
+    specs = [f"{launch}=" + " ".join(("--steps", str(STEPS), "--batch", "8", "--chunks", "2",
+                                      "--check", *LAUNCHES[launch][0])) for launch in launches]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-           "--master_port", str(free_port()), SCRIPT, *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+           "--master_port", str(free_port()), DRIVER, *specs]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    sections = {}
+    for launch in launches:
+        section = re.search(rf"^=== {re.escape(launch)} start\n(.*?)^=== {re.escape(launch)} "
+                            rf"exit (\d+)$", proc.stdout, re.S | re.M)
+        if section:
+            sections[launch] = (int(section.group(2)), section.group(1))
+    return sections, proc
+
+
+@pytest.fixture(scope="module")
+def launched(request):
+    """The launches that this session's selected tests of this module need, in one job."""
+    wanted = [item.callspec.params["launch"] for item in request.session.items
+              if getattr(getattr(item, "module", None), "__name__", None) == __name__
+              and getattr(item, "originalname", None)
+              == "test_every_schedule_matches_single_process_training"]
+    return _torchrun(list(dict.fromkeys(wanted)))
 
 
 @pytest.mark.parametrize("launch", list(LAUNCHES))
-def test_every_schedule_matches_single_process_training(launch):
+def test_every_schedule_matches_single_process_training(launch, launched):
     flags, trained = LAUNCHES[launch]
-    proc = _torchrun("--steps", str(STEPS), "--batch", "8", "--chunks", "2", "--check", *flags)
+    sections, proc = launched
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    steps = re.findall(r"step +\d+  loss ([0-9.]+)  single-process ([0-9.]+)", proc.stdout)
-    assert len(steps) == STEPS * len(trained), proc.stdout  # one rank prints
+    assert launch in sections, out[-4000:]  # its main ran to the end (or exited) on every rank
+    status, stdout = sections[launch]
+    assert status == 0, out[-4000:]
+    # the job itself ends cleanly unless another launch's main failed
+    assert proc.returncode == 0 or any(s for s, _ in sections.values()), out[-4000:]
+    steps = re.findall(r"step +\d+  loss ([0-9.]+)  single-process ([0-9.]+)", stdout)
+    assert len(steps) == STEPS * len(trained), stdout  # one rank prints
     checks = re.findall(r"check: (PASS|FAIL)  --schedule (\S+): (\d+) stages on 2 pipeline "
                         r"ranks; max \|loss - single-process loss\| over \d+ steps (\S+) "
-                        r"\(tolerance 1e-04\); (.*)", proc.stdout)
-    assert [name for _, name, *_ in checks] == list(trained), proc.stdout
+                        r"\(tolerance 1e-04\); (.*)", stdout)
+    assert [name for _, name, *_ in checks] == list(trained), stdout
     for verdict, name, stages, loss_difference, weights in checks:
-        assert (verdict, int(stages)) == ("PASS", trained[name]), proc.stdout
+        assert (verdict, int(stages)) == ("PASS", trained[name]), stdout
         assert float(loss_difference) <= 1e-4
         if "sgd" in flags:
             weight = re.match(r"max \|weight - single-process weight\| on every rank (\S+)",
                               weights)
-            assert weight and float(weight.group(1)) <= 1e-4, proc.stdout
+            assert weight and float(weight.group(1)) <= 1e-4, stdout
 
 
 def test_the_example_has_every_schedule_of_the_library():

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -55,12 +56,24 @@ if rank == 0:
 '''
 
 
-def _start_torchrun(tmp_path, name, world, total, kill_at, stage, save_dir, restarts):
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    out = str(tmp_path / f"{name}.pt")
+def _clean_env():
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+                        "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    env.update(OMP_NUM_THREADS="1")
+    return env
+
+
+def _script(tmp_path):
+    script = tmp_path / "train.py"
+    if not script.exists():
+        script.write_text(SCRIPT)
+    return str(script)
+
+
+def _start_torchrun(tmp_path, name, world, total, kill_at, stage, save_dir, restarts):
+    out = str(tmp_path / f"{name}.pt")
+    env = _clean_env()
     # Note: with torchrun's default (workers share the agent's c10d store across restarts), the
     # restarted ranks can read the killed attempt's gloo addresses from the store and fail with
     # "connectFullMesh ... Connection refused" (seen 1 run in 4 here). A store per attempt,
@@ -69,29 +82,59 @@ def _start_torchrun(tmp_path, name, world, total, kill_at, stage, save_dir, rest
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
            "--max-restarts", str(restarts), "--monitor-interval", "0.2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-           str(script), save_dir, out, str(total), str(kill_at), str(stage)]
+           _script(tmp_path), save_dir, out, str(total), str(kill_at), str(stage)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
-    return proc, out
+    return [proc], out
+
+
+def _start_ranks(tmp_path, name, world, total, stage, save_dir):
+    """A job that nothing kills, as ``world`` plain processes with the environment torchrun
+    gives its workers (rank 0 hosts the store): the same script and arithmetic, without an
+    agent process (torch and torchrun's imports: a third of a 2-rank job's CPU time here)."""
+    out = str(tmp_path / f"{name}.pt")
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = dict(_clean_env(), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port)
+        procs.append(subprocess.Popen(
+            [sys.executable, _script(tmp_path), save_dir, out, str(total), "-1", str(stage)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True))
+    return procs, out
 
 
 def _finish(started, timeout=300):
-    proc, out = started
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), out
+    """Wait for a job's processes; (its result: the worst exit status, the processes' output
+    joined, rank 0's first; the path of the weights it saves)."""
+    procs, out = started
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                if other.poll() is None:
+                    os.killpg(other.pid, signal.SIGKILL)
+            outputs.append(proc.communicate())
+    codes = [proc.returncode for proc in procs]
+    status = next((c for c in codes if c != 0), 0)
+    return subprocess.CompletedProcess([p.args for p in procs], status,
+                                       "".join(o for o, _ in outputs),
+                                       "".join(e for _, e in outputs)), out
 
 
 def test_killed_rank_restarts_and_finishes_bit_identical(tmp_path):
     total, stage = 6, 3
     # The three jobs that do not depend on each other run side by side (each is mostly torch
-    # imports); only the job resized to world 1 needs the dead job's checkpoint first.
+    # imports); only the job resized to world 1 needs the dead job's checkpoint first. The two
+    # that nothing kills (the reference and the resized job) run without torchrun's agent.
     started = {
-        "reference": _start_torchrun(tmp_path, "reference", 2, total, -1, stage,
-                                     str(tmp_path / "ref-ckpt"), 0),
+        "reference": _start_ranks(tmp_path, "reference", 2, total, stage,
+                                  str(tmp_path / "ref-ckpt")),
         # Killed during step 3 (after the save at step 2): torchrun restarts both ranks once.
         "restarted": _start_torchrun(tmp_path, "restarted", 2, total, 3, stage,
                                      str(tmp_path / "ckpt"), 1),
@@ -102,15 +145,16 @@ def test_killed_rank_restarts_and_finishes_bit_identical(tmp_path):
     try:
         dead, _ = _finish(started.pop("dead"))
         assert dead.returncode != 0
-        resized, resized_out = _finish(_start_torchrun(tmp_path, "resized", 1, total, -1, stage,
-                                                       str(tmp_path / "ckpt-w"), 0))
+        resized, resized_out = _finish(_start_ranks(tmp_path, "resized", 1, total, stage,
+                                                    str(tmp_path / "ckpt-w")))
         ref, ref_out = _finish(started.pop("reference"))
         run, run_out = _finish(started.pop("restarted"))
     finally:
-        for proc, _ in started.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
+        for procs, _ in started.values():
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.communicate()
 
     assert ref.returncode == 0, _errors(ref)
     reference = torch.load(ref_out, weights_only=True)

@@ -135,7 +135,7 @@ def test_initialize_every_zero_stage_matches_single_process(cluster_results):
     for v in _values(cluster_results, "initialize"):
         for stage, r in v.items():
             assert r["vs_oracle"] <= TOL and r["vs_hand"] <= 1e-6, (stage, r)
-            assert r["global_steps"] == 10 and r["comm_equal"], (stage, r)
+            assert r["global_steps"] == checks.STEPS and r["comm_equal"], (stage, r)
 
 
 def test_full_shard_puts_3m_on_spanning_groups(cluster_results):

@@ -9,6 +9,7 @@ what is new here is that ranks 0-1 and 2-3 are on different nodes, with their ow
 ``/dev/shm``, talking over a rate-limited link.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -25,6 +26,22 @@ from shardkit.models import GPT, GPTConfig, synthetic_batch
 CKPT_TINY = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=8)
 CKPT_GLOBAL_BATCH, CKPT_MICRO = 24, 2       # divides into 4 ranks (gas 3) and 3 ranks (gas 4)
 CKPT_STEPS_BEFORE, CKPT_STEPS_AFTER = 2, 3
+# Steps of the parity checks that reuse a one-machine test whose STEPS is 10 (OSS, ShardedDDP,
+# FSDP, initialize; those tests still take 10 steps on one machine). What two nodes add, the
+# link and the node groups, is in every step; 4 steps (test_fsdp_hybrid's parity takes 4 too)
+# still carry optimizer state, clipping and no_sync over several steps, and cost the launch
+# (4 ranks on 2 cores) about 40% of its time less than 10.
+STEPS = 4
+
+
+@contextlib.contextmanager
+def _steps(module):
+    """``module.STEPS`` is :data:`STEPS` inside the block (in this rank's process only)."""
+    saved, module.STEPS = module.STEPS, STEPS
+    try:
+        yield
+    finally:
+        module.STEPS = saved
 
 
 def _where():
@@ -47,12 +64,14 @@ def _where():
 
 def _oss_ddp():
     from tests.optim import test_oss_parity as oss
-    return oss._run_grid(["adamw", "adamw_clip_l2", "sgd_momentum"])
+    with _steps(oss):
+        return oss._run_grid(["adamw", "adamw_clip_l2", "sgd_momentum"])
 
 
 def _sharded_ddp_oss():
     from tests.nn import test_sharded_ddp as sddp
-    return sddp._run_grid(["plain", "no_sync_4_micro_batches", "two_param_groups"])
+    with _steps(sddp):
+        return sddp._run_grid(["plain", "no_sync_4_micro_batches", "two_param_groups"])
 
 
 def _overlapped_sync():
@@ -69,7 +88,8 @@ def _reduce_to_owners_hook():
 
 def _fsdp():
     from tests.nn import test_fsdp_parity as fsdp
-    return fsdp._parity_grid()
+    with _steps(fsdp):
+        return fsdp._parity_grid()
 
 
 def _pipeline_one_stage_per_node():
@@ -122,7 +142,8 @@ def _initialize_zero_stages():
     from tests import test_engine as engine
     out = {}
     for stage in (0, 1, 2, 3):
-        r = engine._parity(stage)
+        with _steps(engine):
+            r = engine._parity(stage)
         out[f"stage{stage}"] = {"vs_oracle": max(r["vs_oracle"]), "vs_hand": max(r["vs_hand"]),
                                 "global_steps": r["global_steps"],
                                 "comm_equal": r["comm"] == r["hand_comm"]}
