@@ -328,13 +328,20 @@ def _is_scheduler_instance(lr_scheduler) -> bool:
 
 def compose_from_config(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg: EngineConfig,
                         wrap_policy: Optional[Callable] = None,
-                        process_group=None) -> Composition:
+                        process_group=None, param_init_fn: Optional[Callable] = None
+                        ) -> Composition:
     """The stage's wrappers, built by :func:`shardkit.recipes.compose` from the config's
     choices, over ``process_group`` (the data-parallel group; ``None``: the world). DeepSpeed
     counts ``reduce_bucket_size`` in elements; ShardedDataParallel's bucket is in bytes of the
     (fp32) gradients, so the size is converted here, once."""
     zero = cfg.zero
     kwargs: dict = {}
+    if zero.stage == 3:
+        kwargs["param_init_fn"] = param_init_fn
+    elif param_init_fn is not None:
+        raise ValueError(f"initialize(param_init_fn=...): it materializes a model built on the "
+                         f"meta device unit by unit at ZeRO stage 3; this config has stage "
+                         f"{zero.stage}, which keeps the whole model on every rank")
     if recipe is None and zero.stage < 3:  # forward only: the model whole, nothing reduced
         return compose(model, zero.stage, None, count_ddp_comm=False,
                        process_group=process_group)
@@ -345,7 +352,7 @@ def compose_from_config(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg
     if zero.stage == 2 and zero.reduce_bucket_numel is not None:
         grad_bytes = next(model.parameters()).element_size()
         kwargs["reduce_bucket_bytes"] = zero.reduce_bucket_numel * grad_bytes
-    if zero.stage == 3:
+    if zero.stage == 3:  # the FSDP units' choices
         kwargs.update(wrap_policy=wrap_policy,
                       offload="cpu" in (zero.offload_param_device, zero.offload_optimizer_device),
                       quantize_weights=zero.quantized_weights,
@@ -1447,7 +1454,7 @@ class ThroughputTimer:
 def initialize(model: nn.Module, optimizer=None, model_parameters=None, training_data=None,
                lr_scheduler=None, config=None, config_params=None, args=None, mpu=None,
                dist_init_required=None, collate_fn=None, peer_timeout_s=None, resume_from=None,
-               wrap_policy=None, distributed_port=None):
+               wrap_policy=None, distributed_port=None, param_init_fn=None):
     """Compose shardkit's wrappers from a DeepSpeed config.
 
     Args:
@@ -1496,6 +1503,11 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         wrap_policy: stage 3: the ``auto_wrap`` policy choosing the FSDP units (default
             :func:`shardkit.recipes.default_wrap_policy`: HF's ``_no_split_modules``, else the
             repeated transformer blocks, else by parameter count).
+        param_init_fn: stage 3, a model built under ``torch.device("meta")``: FSDP's
+            ``param_init_fn`` (``callable(module)`` that materializes a module holding meta
+            tensors), for modules without ``reset_parameters()`` (Hugging Face's RMSNorm,
+            rotary embeddings); ``None``: each such module's ``reset_parameters()``. Every
+            rank then takes rank 0's values. At stages 0-2 a ValueError.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)``; ``dataloader`` is ``None`` without
@@ -1541,7 +1553,8 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     # own state_dict()) for the checkpoints' layout file
     tp_specs = None if parallel is None else _tp_split_specs(model)
     composition = compose_from_config(model, recipe, cfg, wrap_policy,
-                                      None if parallel is None else parallel.data_group)
+                                      None if parallel is None else parallel.data_group,
+                                      param_init_fn)
     scheduler = _build_scheduler(cfg, lr_scheduler, composition.optimizer)
     engine = ShardedEngine(model, composition, cfg, scheduler, state_names, trainable, frozen,
                            parallel)

@@ -166,7 +166,8 @@ def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], 
             mixed_precision=False, quantize_weights: bool = False,
             quantize_gradients: bool = False, hpz_partition_size: int = 1,
             reduce_dtype: Optional[torch.dtype] = None,
-            find_unused_parameters: bool = False) -> Composition:
+            find_unused_parameters: bool = False,
+            param_init_fn: Optional[Callable] = None) -> Composition:
     """Wrap ``model`` for ZeRO ``stage`` (0-3, table in the module docstring) and build its
     optimizer from ``optimizer``.
 
@@ -181,6 +182,9 @@ def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], 
     Args:
         wrap_policy: stage 3: which submodules become FSDP units (an ``auto_wrap`` policy);
             ``None`` uses :func:`default_wrap_policy` of the model.
+        param_init_fn: stage 3, a model built on the meta device: FSDP's ``param_init_fn``
+            (``callable(module)`` materializing a module that holds meta tensors; ``None``:
+            each such module's ``reset_parameters()``), run by every unit as it is wrapped.
         offload: stage 3: keep shards and optimizer state in CPU memory (``move_params_to_cpu``).
         comm: the transport of shardkit's wrappers (OSS, ShardedDataParallel, FSDP); ``None`` is
             the process group's own collectives. torch DDP's all-reduce never uses it.
@@ -220,6 +224,7 @@ def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], 
     initial broadcasts. Bad arguments raise before any of them.
     """
     _check_arguments(stage, optimizer, comm, wrap_policy=wrap_policy, offload=offload,
+                     param_init_fn=param_init_fn,
                      mixed_precision=mixed_precision, quantize_weights=quantize_weights,
                      quantize_gradients=quantize_gradients,
                      hpz_partition_size=hpz_partition_size,
@@ -259,7 +264,8 @@ def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], 
                            sharding_strategy=sharding_strategy, mixed_precision=mixed_precision,
                            quantize_weights=quantize_weights,
                            quantize_gradients=quantize_gradients,
-                           hpz_partition_size=hpz_partition_size, sync_module_states=True)
+                           hpz_partition_size=hpz_partition_size, sync_module_states=True,
+                           param_init_fn=param_init_fn)
         policy = wrap_policy or default_wrap_policy(model)
         return _stage3(model, optimizer, policy, fsdp_kwargs, psi)
     if overlap_param_sync and not step_in_backward:  # step_in_backward overlaps it already
@@ -270,7 +276,8 @@ def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], 
 # FSDP's options, with the values that leave them off.
 _FSDP_ONLY = {"wrap_policy": None, "offload": False, "mixed_precision": False,
               "reshard_after_forward": None, "sharding_strategy": None,
-              "quantize_weights": False, "quantize_gradients": False, "hpz_partition_size": 1}
+              "quantize_weights": False, "quantize_gradients": False, "hpz_partition_size": 1,
+              "param_init_fn": None}
 
 
 def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_numel,
@@ -339,7 +346,8 @@ def refuse_meta_tensors(model: nn.Module, stage: int, where: str) -> None:
         f"(built under torch.device('meta')); stages 0-2 keep the whole model on every rank, "
         f"so materialize it first (model.to_empty(device=...), then initialise it, e.g. each "
         f"module's reset_parameters() or load_state_dict), or use stage 3, where each FSDP "
-        f"unit materializes its own part as it is wrapped (one unit's full size at a time)")
+        f"unit materializes its own part as it is wrapped (one unit's full size at a time; "
+        f"param_init_fn= for modules without reset_parameters())")
 
 
 def _refuse_sparse_gradients(model: nn.Module, stage: int) -> None:

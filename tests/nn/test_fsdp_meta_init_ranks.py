@@ -184,3 +184,44 @@ def _new_memory_after_wrapping_refused() -> float:
 
 def test_new_memory_after_wrapping_is_refused_whatever_its_name(world2):
     assert world2.run(_new_memory_after_wrapping_refused) == [0.0, 0.0]
+
+
+def _engine_with_param_init_fn() -> dict:
+    """The llama-recipes pattern through initialize at stage 3: rank 0 real, rank 1 on meta,
+    param_init_fn for the Norm without reset_parameters(); every rank then holds rank 0's
+    model (buffers included) and trains like one process. At stage 1 the keyword is refused
+    on every rank before any collective."""
+    rank, world = skdist.get_rank(), skdist.get_world_size()
+    config = {"train_micro_batch_size_per_gpu": LOCAL_BATCH,
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+              "zero_optimization": {"stage": 3}}
+    engine, *_ = shardkit.initialize(model=_built(meta=rank != 0), config=config,
+                                     param_init_fn=_to_empty)
+    oracle = _built(meta=False)
+    start = max_diff(engine.module_state_dict(), oracle.state_dict())
+    buffers = max_diff(dict(engine.module.named_buffers()), dict(oracle.named_buffers()))
+    ref_opt = torch.optim.AdamW(oracle.parameters(), lr=LR, weight_decay=0.0)
+    worst = 0.0
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        idx = torch.randint(0, VOCAB, (LOCAL_BATCH * world, SEQ), generator=gen)
+        target = torch.randint(0, VOCAB, (LOCAL_BATCH * world, SEQ), generator=gen)
+        F.cross_entropy(oracle(idx).reshape(-1, VOCAB), target.reshape(-1)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        engine.backward(F.cross_entropy(engine(idx[mine]).reshape(-1, VOCAB),
+                                        target[mine].reshape(-1)))
+        engine.step()
+        worst = max(worst, max_diff(engine.module_state_dict(), oracle.state_dict()))
+    with pytest.raises(ValueError, match=r"param_init_fn.*stage 1") as caught:
+        shardkit.initialize(model=_built(meta=False), param_init_fn=_to_empty,
+                            config={**config, "zero_optimization": {"stage": 1}})
+    skdist.barrier()
+    return {"start": start, "buffers": buffers, "worst": worst, "stage1": str(caught.value)}
+
+
+def test_initialize_takes_param_init_fn_at_stage_3(world2):
+    for result in world2.run(_engine_with_param_init_fn):
+        assert result["start"] == 0.0 and result["buffers"] == 0.0, result
+        assert result["worst"] < 1e-5, result
