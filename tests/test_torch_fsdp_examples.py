@@ -310,22 +310,34 @@ def _scatter_without_dict() -> dict:
     return out
 
 
-def _sharded_state_dict_refused(folder: str) -> dict:
-    """checkpoint_handler.py's save_model_and_optimizer_sharded: SHARDED_STATE_DICT with
-    torch.distributed.checkpoint."""
+def _sharded_state_dict(folder: str) -> dict:
+    """checkpoint_handler.py's save_model_and_optimizer_sharded and load_model_sharded
+    (SHARDED_STATE_DICT with torch.distributed.checkpoint), the optimizer loaded back with
+    FSDP.optim_state_dict_to_load; one more step matches the saved run's."""
     import torch.distributed.checkpoint as dist_cp
+    from shardkit.checkpoint.dtensor_state import init_optimizer_state
+    world = skd.get_world_size()
     model, optimizer = _trained(steps=1)
-    out = {}
-    try:
-        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-            state_dict = {"model": model.state_dict(),
-                          "optim": FSDP.optim_state_dict(model, optimizer)}
-            dist_cp.save(state_dict, storage_writer=dist_cp.FileSystemWriter(folder))
-    except ValueError as error:
-        out["error"] = str(error)
-    alive = torch.ones(1)
-    dist.all_reduce(alive)  # no rank was left inside a collective
-    out["after"] = alive.item()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state_dict = {"model": model.state_dict(),
+                      "optim": FSDP.optim_state_dict(model, optimizer)}
+        dist_cp.save(state_dict, storage_writer=dist_cp.FileSystemWriter(folder))
+    dist.barrier()
+    fresh = _wrap(tiny_t5(3))
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=LR)
+    init_optimizer_state(fresh_optimizer)
+    with FSDP.state_dict_type(fresh, StateDictType.SHARDED_STATE_DICT):
+        checkpoint = {"model": fresh.state_dict(),
+                      "optim": FSDP.optim_state_dict(fresh, fresh_optimizer)}
+        dist_cp.load(checkpoint, storage_reader=dist_cp.FileSystemReader(folder))
+        fresh.load_state_dict(checkpoint["model"])
+        fresh_optimizer.load_state_dict(
+            FSDP.optim_state_dict_to_load(fresh, fresh_optimizer, checkpoint["optim"]))
+    out = {"loaded diff": _max_diff(_full_state(model), _full_state(fresh))}
+    batch = [_my_rows(_global_batch(1, world))]
+    _train_epoch(model, batch, optimizer)
+    _train_epoch(fresh, batch, fresh_optimizer)
+    out["step diff"] = _max_diff(_full_state(model), _full_state(fresh))
     return out
 
 
@@ -356,6 +368,38 @@ def _local_state_dict(folder: str, dcp: bool) -> dict:
         loaded = fresh.state_dict()
     return {"diff": _max_diff(saved, loaded),
             "full diff": _max_diff(_full_state(model), _full_state(fresh))}
+
+
+def _local_state_dict_through_dcp_refused(folder: str) -> dict:
+    """load/save_distributed_model_checkpoint's LOCAL_STATE_DICT with dist_cp: refused."""
+    import torch.distributed.checkpoint as dist_cp
+    model, _ = _trained(steps=1)
+    out = {}
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        try:
+            dist_cp.save(model.state_dict(),
+                         storage_writer=dist_cp.FileSystemWriter(folder + "/local"))
+        except dist_cp.api.CheckpointException as error:
+            out["save"] = str(error)
+        out["metadata written"] = os.path.exists(folder + "/local/.metadata")
+        # a checkpoint written from such plain tensors (as dcp wrote them before)
+        plain = {k: v.clone() for k, v in model.state_dict().items()}
+        dist_cp.save(plain, storage_writer=dist_cp.FileSystemWriter(folder + "/plain"))
+        fresh = _wrap(tiny_t5(3))
+        before = _full_state(fresh)
+        with FSDP.state_dict_type(fresh, StateDictType.LOCAL_STATE_DICT):
+            try:
+                state_dict = fresh.state_dict()
+                dist_cp.load(state_dict, storage_reader=dist_cp.FileSystemReader(
+                    folder + "/plain"))
+                fresh.load_state_dict(state_dict)
+            except dist_cp.api.CheckpointException as error:
+                out["load"] = str(error)
+    alive = torch.ones(1)
+    dist.all_reduce(alive)
+    out["after"] = alive.item()
+    out["unchanged"] = _max_diff(before, _full_state(fresh))
+    return out
 
 
 def _t5_training_call() -> dict:
@@ -489,13 +533,11 @@ def test_scatter_full_optim_state_dict_without_a_dict_on_rank0(world2):
         assert r["after"] == 2.0
 
 
-def test_sharded_state_dict_is_refused_before_any_collective(world2, tmp_path):
-    """save_model_and_optimizer_sharded: SHARDED_STATE_DICT is refused on every rank, naming
-    what to use instead and why not torch.distributed.checkpoint with LOCAL_STATE_DICT."""
-    for r in world2.run(_sharded_state_dict_refused, str(tmp_path)):
-        assert "SHARDED_STATE_DICT" in r["error"] and "LOCAL_STATE_DICT" in r["error"]
-        assert "torch.distributed.checkpoint" in r["error"] and "one file per rank" in r["error"]
-        assert r["after"] == 2.0
+def test_sharded_state_dict_with_distributed_checkpoint(world2, tmp_path):
+    """save_model_and_optimizer_sharded / load_model_sharded: SHARDED_STATE_DICT through
+    dist_cp; the resumed run continues exactly."""
+    for r in world2.run(_sharded_state_dict, str(tmp_path)):
+        assert r["loaded diff"] == 0.0 and r["step diff"] == 0.0, r
 
 
 def test_local_state_dict_one_file_per_rank(world2, tmp_path):
@@ -503,15 +545,18 @@ def test_local_state_dict_one_file_per_rank(world2, tmp_path):
         assert r["diff"] == 0.0 and r["full diff"] == 0.0, r
 
 
-@pytest.mark.xfail(strict=True, reason="shardkit bug: LOCAL_STATE_DICT's values are plain "
-                   "tensors (this rank's padded rows) under the same keys on every rank; "
-                   "torch.distributed.checkpoint takes plain tensors for replicated ones, "
-                   "writes each key once (from one rank) and every rank loads that copy, so "
-                   "ranks silently get other ranks' rows")
 def test_local_state_dict_with_distributed_checkpoint(world2, tmp_path):
-    """save/load_distributed_model_checkpoint: LOCAL_STATE_DICT through dist_cp."""
-    for r in world2.run(_local_state_dict, str(tmp_path), True):
-        assert r["diff"] == 0.0 and r["full diff"] == 0.0, r
+    """save/load_distributed_model_checkpoint: LOCAL_STATE_DICT through dist_cp. Its values are
+    plain tensors of each rank's padded rows (FairScale's contract, for torch.save), which dcp
+    would take for replicated tensors (one rank's rows written and loaded on every rank): a
+    documented limitation, refused on every rank with a message naming SHARDED_STATE_DICT,
+    before anything is written (save) or loaded (load of a checkpoint written from such plain
+    tensors); no rank is left in a collective."""
+    for r in world2.run(_local_state_dict_through_dcp_refused, str(tmp_path)):
+        for side in ("save", "load"):
+            assert "LOCAL_STATE_DICT" in r[side] and "SHARDED_STATE_DICT" in r[side], r
+            assert "ranks:dict_keys([0, 1])" in r[side], r
+        assert not r["metadata written"] and r["after"] == 2.0 and r["unchanged"] == 0.0, r
 
 
 def test_t5_training_constructor_call(world2):

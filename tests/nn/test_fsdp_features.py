@@ -845,7 +845,7 @@ def _torch_fsdp1_state_dict_options():
     out["zeroed"] = all(not v.any() for v in model.state_dict().values())
     out["after"] = FSDP.get_state_dict_type(model).state_dict_type.name
     try:
-        FSDP.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+        FSDP.set_state_dict_type(model, "SHARDED")
     except ValueError as error:
         out["sharded"] = str(error)
     return out

@@ -16,11 +16,13 @@ import torch.nn as nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from shardkit import distributed as skdist
+from shardkit.checkpoint.dtensor_state import (is_dtensor, refuse_in_dcp, rows_as_dtensor,
+                                               rows_from_value)
 from shardkit.checkpoint.fsdp_state import (consolidate_shard_weights,
                                             gather_full_optimizer_state, local_metadata,
                                             reshard_local_state_dicts,
                                             shard_full_optimizer_state)
-from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE
+from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE, per_element
 from shardkit.checkpoint.resharding import shape_mismatches
 from shardkit.nn.data_parallel.flat_param import ParamLayout
 from shardkit.nn.data_parallel.fsdp_state_dict_type import (DEFAULT_SETTINGS, StateDictType,
@@ -155,8 +157,10 @@ class FSDPStateDictMixin:
         released before the next unit is gathered, as FairScale does.
 
         Under ``FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT)`` it is
-        :meth:`local_state_dict` instead; a ``FullStateDictConfig`` there adds its
-        ``offload_to_cpu`` (CPU tensors) and ``rank0_only`` to the constructor's options.
+        :meth:`local_state_dict` instead (its shards refused by torch.distributed.checkpoint
+        with a clear error, which would otherwise take them for replicated tensors); under
+        ``SHARDED_STATE_DICT`` it is :meth:`sharded_state_dict`. A ``FullStateDictConfig`` adds
+        its ``offload_to_cpu`` (CPU tensors) and ``rank0_only`` to the constructor's options.
 
         Memory: one unit gathered at a time, plus the dict where it is returned (the full model,
         on ``state_dict_device``). Communication: one all-gather per unit.
@@ -168,9 +172,11 @@ class FSDPStateDictMixin:
                 _drop_wrapper_prefixes(result, prefix)
             return result
         config = self._state_dict_settings.state_dict_config
-        if self._state_dict_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
-            return OrderedDict((prefix + k, v.cpu() if config.offload_to_cpu else v)
-                               for k, v in self.local_state_dict().items())
+        kind = self._state_dict_settings.state_dict_type
+        if kind is StateDictType.LOCAL_STATE_DICT:
+            return self._local_state_dict_for_dcp(prefix, config.offload_to_cpu)
+        if kind is StateDictType.SHARDED_STATE_DICT:
+            return self.sharded_state_dict(prefix=prefix)
         rank0_only = self.state_dict_on_rank_0_only or getattr(config, "rank0_only", False)
         keep = not rank0_only or self._is_first_rank()
         with self._buffers_in_original_dtype():
@@ -221,6 +227,8 @@ class FSDPStateDictMixin:
         if self._state_dict_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
             self.load_local_state_dict(state_dict)  # strict: torch's error on any mismatch
             return _IncompatibleKeys([], [])
+        if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+            return self.load_sharded_state_dict(state_dict, strict=strict)
         self._refuse_mismatch_on_every_rank(
             self._shape_problems(state_dict) + (self._key_problems(state_dict) if strict else []))
         with self.summon_full_params(writeback=True):
@@ -285,6 +293,117 @@ class FSDPStateDictMixin:
         finally:
             for module, name, buf in changed:
                 module._buffers[name] = buf
+
+    # ------------------------------------------------------------------ sharded state dicts
+
+    def _sharded_params(self, call: str) -> dict:
+        """``{id(param): (layout, unit, shard view)}`` of every sharded parameter (the view of
+        the flat shard, also while the unit is gathered), after refusing units
+        whose shards are not cuts of one tensor over the ranks of the root's group and its
+        replicas (experts: the same name holds different values on different ranks, which a
+        DTensor cannot say). Local: the same answer on every rank."""
+        foreign = self._params_over_other_groups()
+        if foreign:
+            raise ValueError(f"FSDP.{call} under StateDictType.SHARDED_STATE_DICT: the "
+                             f"parameters {foreign[:3]} are sharded over other ranks than this "
+                             f"model's group (experts: each rank holds its own values under the "
+                             f"same name), which a DTensor of the model cannot describe; save "
+                             f"them with LOCAL_STATE_DICT (local_state_dict with "
+                             f"local_metadata_dict, one torch.save file per rank)")
+        return {id(p): (lay, u, view) for u in self.sharded_units() if u._shard is not None
+                for p, lay, view in zip(u._shard.params, u._shard.layouts,
+                                        u._shard.shard_views(u._shard.flat_shard))}
+
+    def sharded_state_dict(self, prefix: str = "") -> OrderedDict:
+        """torch FSDP1's ``SHARDED_STATE_DICT`` (what :meth:`state_dict` returns under
+        ``FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT)``), for
+        ``torch.distributed.checkpoint``: the keys of :meth:`state_dict` (original names), each
+        parameter a DTensor of its full shape with ``Shard(0)`` placement over its unit's shard
+        group (a 1-D mesh; replicas of hybrid sharding hold equal chunks, which dcp writes once),
+        whose local tensor is a view of this rank's real rows (padding dropped; with
+        ``ShardedStateDictConfig(offload_to_cpu=True)`` a CPU copy); buffers as plain
+        (replicated) tensors in their original dtype. dcp reshards such a checkpoint for any
+        world size on load. A 0-dim parameter (no rows to cut) is a plain tensor.
+
+        Memory: this rank's rows only, no full parameter is ever built (views; CPU copies with
+        ``offload_to_cpu``). Communication: none (a broadcast of each 0-dim parameter over its
+        unit's group, if any); dcp's own for save and load. All ranks must call it."""
+        sharded = self._sharded_params("state_dict")
+        offload = self._state_dict_settings.state_dict_config.offload_to_cpu
+        with self._buffers_in_original_dtype():
+            raw = _structural_state_dict(self, keep_vars=True)
+        params = dict(nn.Module.named_parameters(self, remove_duplicate=False))
+        out = OrderedDict()
+        for key, value in raw.items():
+            p = params.get(key)
+            entry = sharded.get(id(p)) if p is not None else None
+            if entry is None:
+                value = _detached(value)
+                out[prefix + clean_name(key)] = value.cpu() if offload and \
+                    torch.is_tensor(value) else value
+                continue
+            layout, unit, shard = entry
+            out[prefix + clean_name(key)] = _as_shards(shard.detach(), layout, unit, offload)
+        return out
+
+    def load_sharded_state_dict(self, state_dict, strict: bool = True):
+        """Load a dict shaped like :meth:`sharded_state_dict` (e.g. filled by
+        ``torch.distributed.checkpoint.load`` at any world size): each parameter's DTensor
+        holds this rank's rows, copied into the shard (plain full-shape tensors are cut too);
+        buffers are copied. Keys (with ``strict``), full shapes and each DTensor's rows are
+        checked first, on every rank alike: a mismatch raises torch's ``RuntimeError`` naming
+        the keys and loads nothing. Returns torch's missing/unexpected keys.
+
+        Memory: one copy of this rank's shards. No communication."""
+        sharded = self._sharded_params("load_state_dict")
+        raw = _structural_state_dict(self, keep_vars=True)
+        params = dict(nn.Module.named_parameters(self, remove_duplicate=False))
+        problems = self._shape_problems(state_dict) + \
+            (self._key_problems(state_dict) if strict else [])
+        local = OrderedDict()
+        if not problems:
+            for key in raw:
+                name = clean_name(key)
+                if name not in state_dict:
+                    continue
+                value = state_dict[name]
+                entry = sharded.get(id(params.get(key)))
+                if entry is None:
+                    local[name] = value.to_local() if is_dtensor(value) else value
+                    continue
+                try:
+                    local[name] = rows_from_value(value, entry[0], entry[1].rank,
+                                                  f"size mismatch for {name}", current=entry[2])
+                except ValueError as error:
+                    problems.append(str(error))
+            known = set(clean_name(k) for k in raw)
+            local.update((k, v) for k, v in state_dict.items() if k not in known)
+        if problems:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} "
+                               f"(SHARDED_STATE_DICT; nothing was loaded):\n\t"
+                               + "\n\t".join(problems))
+        result = nn.Module.load_state_dict(self, self._to_wrapped_keys(local), strict=strict)
+        return type(result)([clean_name(k) for k in result.missing_keys],
+                            [clean_name(k) for k in result.unexpected_keys])
+
+    def _local_state_dict_for_dcp(self, prefix: str, offload: bool) -> OrderedDict:
+        """:meth:`local_state_dict` (plain tensors, this rank's padded rows: FairScale's
+        contract, for ``torch.save`` one file per rank) with each sharded parameter's value
+        marked so that torch.distributed.checkpoint refuses it, on every rank and before
+        anything is written or loaded, naming ``SHARDED_STATE_DICT``
+        (:func:`~shardkit.checkpoint.dtensor_state.refuse_in_dcp`); without the mark dcp takes
+        it for a replicated tensor and silently loads one rank's rows everywhere. No
+        communication."""
+        sharded = {id(p) for u in self.sharded_units() if u._shard is not None
+                   for p in u._shard.params}
+        params = {clean_name(n): p for n, p in
+                  nn.Module.named_parameters(self, remove_duplicate=False)}
+        out = OrderedDict()
+        for key, value in self.local_state_dict().items():
+            value = value.cpu() if offload else value
+            out[prefix + key] = refuse_in_dcp(value, key) \
+                if id(params.get(key)) in sharded else value
+        return out
 
     # ------------------------------------------------------------------ local state dicts
 
@@ -488,13 +607,21 @@ class FSDPStateDictMixin:
         """torch FSDP1's optimizer state under :meth:`state_dict_type`: ``FULL_STATE_DICT``
         gives the full state keyed by parameter names (``{}`` off rank 0 with a
         ``FullOptimStateDictConfig(rank0_only=True)``), ``LOCAL_STATE_DICT`` this rank's
-        ``optim.state_dict()``. Load either with :meth:`optim_state_dict_to_load`. All ranks must
-        call it; costs as :meth:`gather_full_optim_state_dict` (full) or nothing (local)."""
+        ``optim.state_dict()``, ``SHARDED_STATE_DICT`` the state keyed by parameter names with
+        each per-element tensor (``exp_avg``...) a ``Shard(0)`` DTensor of this rank's rows, as
+        the parameters in :meth:`sharded_state_dict` (for torch.distributed.checkpoint; on the
+        loading side give a fresh optimizer its state first, e.g. with
+        :func:`shardkit.checkpoint.dtensor_state.init_optimizer_state`, so that ``dcp.load``
+        has tensors to fill). Load any of them with :meth:`optim_state_dict_to_load`. All ranks
+        must call it; costs as :meth:`gather_full_optim_state_dict` (full) or nothing (local,
+        sharded: views of the state, no full tensor)."""
         _refuse_torch_only_arguments("optim_state_dict", optim_state_dict=optim_state_dict,
                                      group=group)
         settings = model._state_dict_settings
         if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
             return optim.state_dict()
+        if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+            return _sharded_optim_state(model, optim)
         full = model._gather_full_optim_state(optim)
         if getattr(settings.optim_state_dict_config, "rank0_only", False) and model.rank != 0:
             return {}
@@ -506,14 +633,19 @@ class FSDPStateDictMixin:
                                  group=None) -> dict:
         """What ``optim.load_state_dict`` takes for :meth:`optim_state_dict` output (full,
         keyed by names, from any world size: this rank's rows are cut out; local: as given,
-        once its per-element state is checked to have this rank's shard shapes);
+        once its per-element state is checked to have this rank's shard shapes; sharded:
+        each DTensor's rows, e.g. after ``torch.distributed.checkpoint.load`` at any world
+        size, become this rank's padded shard);
         with ``load_directly=True`` it is loaded into ``optim`` and ``None`` returned. No
         communication."""
         _refuse_torch_only_arguments("optim_state_dict_to_load", group=group,
                                      is_named_optimizer=is_named_optimizer or None)
-        if model._state_dict_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+        kind = model._state_dict_settings.state_dict_type
+        if kind is StateDictType.LOCAL_STATE_DICT:
             _refuse_other_shards(model, optim, optim_state_dict)
             mine = optim_state_dict
+        elif kind is StateDictType.SHARDED_STATE_DICT:
+            mine = _sharded_optim_state_to_load(model, optim, optim_state_dict)
         else:
             mine = model.get_shard_from_optim_state_dict(_keyed_by_ids(optim_state_dict))
         if load_directly:
@@ -602,6 +734,82 @@ def _refuse_other_shards(model, optim: torch.optim.Optimizer, osd) -> None:
             f"shardkit.checkpoint.reshard_local_optim_state_dicts")
 
 
+def _optimizer_names(model, optim, call: str) -> list:
+    """The clean name of each of the optimizer's parameters, in its order; a ValueError for
+    one that is not the model's. Local."""
+    _check_optimizer_of(model, optim, call)
+    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    ordered = [p for g in optim.param_groups for p in g["params"]]
+    outside = [i for i, p in enumerate(ordered) if id(p) not in names]
+    if outside:
+        raise ValueError(f"FSDP.{call} (SHARDED_STATE_DICT): the optimizer's parameters "
+                         f"{outside[:5]} (in param-group order) are not parameters of this "
+                         f"model; their state cannot be keyed by a parameter name")
+    return [names[id(p)] for p in ordered]
+
+
+def _sharded_optim_state(model, optim: torch.optim.Optimizer) -> dict:
+    """:meth:`FSDPStateDictMixin.optim_state_dict` under ``SHARDED_STATE_DICT``: keyed by
+    names, per-element state of sharded parameters as DTensors of this rank's rows (0-dim ones
+    broadcast over their unit's group), the rest as given. No copy of a shard."""
+    names = _optimizer_names(model, optim, "optim_state_dict")
+    sharded = model._sharded_params("optim_state_dict")
+    ordered = [p for g in optim.param_groups for p in g["params"]]
+    offload = model._state_dict_settings.state_dict_config.offload_to_cpu
+    osd = optim.state_dict()
+    state = {}
+    for index in sorted(osd["state"]):
+        p = ordered[index]
+        entry = sharded.get(id(p))
+        values = {}
+        for key, value in osd["state"][index].items():
+            if entry is not None and per_element(key, value) and \
+                    tuple(value.shape) == tuple(entry[0].shard_shape):
+                value = _as_shards(value, entry[0], entry[1], offload)
+            values[key] = value
+        state[names[index]] = values
+    groups, start = [], 0
+    for g in osd["param_groups"]:
+        groups.append(dict(g, params=names[start:start + len(g["params"])]))
+        start += len(g["params"])
+    return {"state": state, "param_groups": groups}
+
+
+def _sharded_optim_state_to_load(model, optim: torch.optim.Optimizer, osd) -> dict:
+    """The inverse of :func:`_sharded_optim_state`: ``optim.load_state_dict``'s dict with each
+    per-element DTensor (or full-shape plain tensor) turned into this rank's padded rows. The
+    dict's parameter names must be the optimizer's, in its order. A ValueError naming the
+    parameter and the state key otherwise (nothing is loaded). Local; memory: one copy of
+    this rank's state."""
+    names = _optimizer_names(model, optim, "optim_state_dict_to_load")
+    ided = _keyed_by_ids(osd)
+    given = ided.get("param_names", [])
+    if given and list(given) != names:
+        raise ValueError(f"FSDP.optim_state_dict_to_load (SHARDED_STATE_DICT): the dict's "
+                         f"parameters {list(given)[:4]}... are not this optimizer's "
+                         f"{names[:4]}... (same names in the same param-group order); pass "
+                         f"FSDP.optim_state_dict(model, optim) of this model, e.g. filled by "
+                         f"torch.distributed.checkpoint.load")
+    sharded = model._sharded_params("optim_state_dict_to_load")
+    ordered = [p for g in optim.param_groups for p in g["params"]]
+    state = {}
+    for index, entry in ided["state"].items():
+        layout_unit = sharded.get(id(ordered[index])) if isinstance(index, int) and \
+            0 <= index < len(ordered) else None
+        values = {}
+        for key, value in entry.items():
+            if layout_unit is not None and torch.is_tensor(value) and per_element(key, value) \
+                    and (is_dtensor(value) or tuple(value.shape) == tuple(layout_unit[0].shape)):
+                value = rows_from_value(value, layout_unit[0], layout_unit[1].rank,
+                                        f"FSDP.optim_state_dict_to_load: state {key!r} of "
+                                        f"{names[index]}")
+            elif is_dtensor(value):
+                value = value.to_local()
+            values[key] = value
+        state[index] = values
+    return {"state": state, "param_groups": ided["param_groups"]}
+
+
 def _refuse_torch_only_arguments(call: str, **given) -> None:
     """torch FSDP1 arguments with no meaning here: a ValueError unless left unset."""
     for name, value in given.items():
@@ -642,6 +850,20 @@ def _keyed_by_ids(osd: dict, caller: str = "optim_state_dict_to_load") -> dict:
         start += len(g["params"])
     return {"state": {index[n]: entry for n, entry in osd["state"].items()},
             "param_groups": groups, "param_names": flat}
+
+
+def _as_shards(shard: torch.Tensor, layout: ParamLayout, unit, offload: bool):
+    """One parameter's (or its optimizer state's) padded block as
+    :meth:`~FSDPStateDictMixin.sharded_state_dict` gives it: a ``Shard(0)`` DTensor of this
+    rank's real rows; a 0-dim one (only the group's first rank holds it) as a plain tensor,
+    broadcast over the unit's group (all ranks must call it then)."""
+    if len(layout.shape):
+        return rows_as_dtensor(shard.cpu() if offload else shard, layout, unit.rank,
+                               unit.process_group)
+    value = shard.reshape(()).clone()
+    skdist.broadcast(value, src=skdist.get_global_rank(unit.process_group, 0),
+                     group=unit.process_group)
+    return value.cpu() if offload else value
 
 
 def _detached(value):

@@ -9,13 +9,16 @@ torch's FSDP1 users pick what ``model.state_dict()`` returns with::
 The same names work here: ``FULL_STATE_DICT`` is :meth:`FullyShardedDataParallel.state_dict`
 (full values, original keys; ``offload_to_cpu`` puts them in CPU memory, ``rank0_only`` returns
 them on the group's first rank and ``{}`` elsewhere), ``LOCAL_STATE_DICT`` is
-:meth:`~FullyShardedDataParallel.local_state_dict` (this rank's padded rows; ``load_state_dict``
-then loads such a dict). ``SHARDED_STATE_DICT`` (torch's DTensor shards for
-``torch.distributed.checkpoint``) is refused with the alternatives. torch's own
-``StateDictType`` members and ``*StateDictConfig`` objects are taken too (read by name and
-fields), so a script or config that keeps ``from torch.distributed.fsdp import StateDictType``
-works. The settings are plain attributes of each unit: setting them costs nothing and
-communicates nothing.
+:meth:`~FullyShardedDataParallel.local_state_dict` (this rank's padded rows as plain tensors;
+``load_state_dict`` then loads such a dict; for ``torch.save``, one file per rank:
+torch.distributed.checkpoint refuses them with a clear error), ``SHARDED_STATE_DICT`` gives
+each parameter as a ``Shard(0)`` DTensor of its full shape holding this rank's real rows, for
+``torch.distributed.checkpoint`` (which reshards them to any world size on load), with
+``FSDP.optim_state_dict`` giving the optimizer's per-element state the same way.
+torch's own ``StateDictType`` members and ``*StateDictConfig`` objects are taken too (read by
+name and fields), so a script or config that keeps ``from torch.distributed.fsdp import
+StateDictType`` works. The settings are plain attributes of each unit: setting them costs
+nothing and communicates nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import NamedTuple, Optional
 
 __all__ = ["StateDictType", "StateDictConfig", "FullStateDictConfig", "LocalStateDictConfig",
            "ShardedStateDictConfig", "OptimStateDictConfig", "FullOptimStateDictConfig",
+           "LocalOptimStateDictConfig", "ShardedOptimStateDictConfig",
            "StateDictSettings", "state_dict_type", "set_state_dict_type",
            "get_state_dict_type"]
 
@@ -60,13 +64,14 @@ class LocalStateDictConfig(StateDictConfig):
 
 @dataclass
 class ShardedStateDictConfig(StateDictConfig):
-    """Accepted for torch's signature; ``SHARDED_STATE_DICT`` itself is refused."""
+    """Settings of ``SHARDED_STATE_DICT`` (none beyond ``offload_to_cpu``: the DTensors' local
+    rows are then CPU copies)."""
 
 
 @dataclass
 class OptimStateDictConfig:
     """torch's optimizer-state setting; stored, and read back by :func:`get_state_dict_type`
-    (use :meth:`~FullyShardedDataParallel.gather_full_optim_state_dict` for the state)."""
+    (``FullOptimStateDictConfig.rank0_only`` is used by ``FSDP.optim_state_dict``)."""
 
     offload_to_cpu: bool = True
 
@@ -76,6 +81,16 @@ class FullOptimStateDictConfig(OptimStateDictConfig):
     rank0_only: bool = False
 
 
+@dataclass
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    """torch's name; the optimizer state under ``SHARDED_STATE_DICT`` is this rank's rows."""
+
+
 class StateDictSettings(NamedTuple):
     state_dict_type: StateDictType
     state_dict_config: StateDictConfig
@@ -83,7 +98,8 @@ class StateDictSettings(NamedTuple):
 
 
 _CONFIG_OF = {StateDictType.FULL_STATE_DICT: FullStateDictConfig,
-              StateDictType.LOCAL_STATE_DICT: LocalStateDictConfig}
+              StateDictType.LOCAL_STATE_DICT: LocalStateDictConfig,
+              StateDictType.SHARDED_STATE_DICT: ShardedStateDictConfig}
 
 DEFAULT_SETTINGS = StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
                                      OptimStateDictConfig())
@@ -110,7 +126,8 @@ def _config_from_torch(config, base: type):
         return config
     ours = {c.__name__: c for c in (StateDictConfig, FullStateDictConfig, LocalStateDictConfig,
                                     ShardedStateDictConfig, OptimStateDictConfig,
-                                    FullOptimStateDictConfig)}
+                                    FullOptimStateDictConfig, LocalOptimStateDictConfig,
+                                    ShardedOptimStateDictConfig)}
     cls = ours.get(type(config).__name__)
     if cls is None or not issubclass(cls, base):
         return config
@@ -121,18 +138,9 @@ def _config_from_torch(config, base: type):
 def _check_settings(kind, config, optim_config) -> StateDictSettings:
     """The settings as given, checked (a ``ValueError`` naming the argument otherwise)."""
     kind, config, optim_config = _from_torch(kind, config, optim_config)
-    if kind is StateDictType.SHARDED_STATE_DICT:
-        raise ValueError("FSDP.state_dict_type(StateDictType.SHARDED_STATE_DICT) is not "
-                         "supported (torch's DTensor shards for torch.distributed.checkpoint); "
-                         "use LOCAL_STATE_DICT and save it with torch.save, one file per rank, "
-                         "with local_metadata_dict() beside it (loadable at any world size "
-                         "with load_local_state_dict), or FULL_STATE_DICT. Not "
-                         "torch.distributed.checkpoint: LOCAL_STATE_DICT's values are plain "
-                         "tensors under the same keys on every rank, which it saves once, as "
-                         "if replicated")
     if not isinstance(kind, StateDictType):
         raise ValueError(f"FSDP.state_dict_type(state_dict_type={kind!r}): expected "
-                         f"StateDictType.FULL_STATE_DICT or StateDictType.LOCAL_STATE_DICT "
+                         f"StateDictType.FULL_STATE_DICT, LOCAL_STATE_DICT or SHARDED_STATE_DICT "
                          f"(shardkit.nn.data_parallel.StateDictType)")
     wanted = _CONFIG_OF[kind]
     config = wanted() if config is None else config

@@ -1,0 +1,185 @@
+"""FSDP's row blocks as ``torch.distributed.checkpoint`` (dcp) sees sharded tensors.
+
+FullyShardedDataParallel cuts each parameter on dim 0 into ``N`` blocks of ``ceil(rows / N)``
+rows, the last ones zero padded (:class:`~shardkit.checkpoint.resharding.ParamLayout`). That is
+exactly ``torch.chunk``'s cut, which a DTensor with ``Shard(0)`` placement uses for uneven sizes
+(rank ``r`` holds rows ``[r*c, min((r+1)*c, rows))``, the last ranks possibly none), so this
+rank's *real* rows (padding dropped) are its local tensor of a DTensor of the full shape over a
+1-D device mesh of the unit's shard group. The shape and stride are given to
+``DTensor.from_local``, so nothing is communicated and no full tensor is ever built. Ranks that
+hold the same rows (replicas of hybrid sharding) produce the same dcp chunk (same key, same
+offset), which dcp's save planner writes once.
+
+- :func:`rows_as_dtensor`: a padded row block as that DTensor (a view: no copy).
+- :func:`rows_from_value`: the inverse, checked: a DTensor (e.g. filled by ``dcp.load``) or a
+  full-shape plain tensor back to this rank's padded block.
+- :func:`refuse_in_dcp`: a plain padded block (``LOCAL_STATE_DICT``, FairScale's contract:
+  plain tensors of the shard's shape, for ``torch.save``) marked so that dcp refuses it with a
+  clear error instead of silently saving one rank's rows as if replicated. (dcp's load planner
+  compares a plain tensor's own size with the saved size, so a plain shard cannot be loaded as
+  a chunk of a larger tensor; torch FSDP1 gives ShardedTensors there, which would change the
+  shapes ``LOCAL_STATE_DICT`` users and tests rely on.)
+- :func:`init_optimizer_state`: torch's zero-step that gives a fresh optimizer its state
+  tensors, so that ``dcp.load`` has a state dict to load the saved state into.
+
+Everything here is local (no communication).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from shardkit.checkpoint.resharding import ParamLayout, shard_rows
+
+__all__ = ["device_mesh_of", "real_rows", "rows_as_dtensor", "rows_from_value",
+           "refuse_in_dcp", "init_optimizer_state", "is_dtensor"]
+
+_MESHES: dict = {}
+
+
+def is_dtensor(value) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(value, DTensor)
+
+
+def device_mesh_of(group, device_type: str):
+    """The 1-D ``DeviceMesh`` over ``group`` (``DeviceMesh.from_group``: no communication),
+    one per group and device type."""
+    from torch.distributed.device_mesh import DeviceMesh
+    import torch.distributed as dist
+    group = dist.group.WORLD if group is None else group
+    key = (id(group), device_type)
+    entry = _MESHES.get(key)
+    if entry is None or entry[0] is not group:
+        entry = _MESHES[key] = (group, DeviceMesh.from_group(group, device_type))
+    return entry[1]
+
+
+def real_rows(layout: ParamLayout, rank: int) -> tuple[int, int]:
+    """``(first row, number of rows)`` of the full tensor that ``rank``'s block holds (padding
+    excluded; torch.chunk's and DTensor ``Shard(0)``'s uneven cut)."""
+    start = min(rank * layout.rows_per_shard, layout.rows)
+    stop = min(start + layout.rows_per_shard, layout.rows)
+    return start, stop - start
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for size in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def rows_as_dtensor(block: torch.Tensor, layout: ParamLayout, rank: int, group):
+    """This rank's block (``layout.shard_shape``, padded) as a ``Shard(0)`` DTensor of
+    ``layout.shape`` over ``group``: its local tensor is a view of the block's real rows.
+    ``layout.shape`` must have at least one dimension (a 0-dim tensor cannot be row-sharded).
+    No communication, no copy."""
+    from torch.distributed.tensor import DTensor, Shard
+    if not len(layout.shape):
+        raise ValueError("rows_as_dtensor: a 0-dim tensor cannot be a Shard(0) DTensor")
+    _, count = real_rows(layout, rank)
+    local = block.reshape(-1, *layout.shape[1:])[:count]
+    mesh = device_mesh_of(group, local.device.type)
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                              shape=torch.Size(layout.shape),
+                              stride=_contiguous_stride(layout.shape))
+
+
+def rows_from_value(value, layout: ParamLayout, rank: int, what: str,
+                    current: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """This rank's padded block (``layout.shard_shape``) from ``value``: a DTensor of the full
+    shape whose local tensor is this rank's rows (what :func:`rows_as_dtensor` gives and
+    ``dcp.load`` fills), or a plain tensor of the full shape (its rows are cut). Padding rows
+    come from ``current`` (the block held now) or are zero. A ``ValueError`` naming ``what``
+    otherwise. Local; memory: one block."""
+    shape = tuple(layout.shape)
+    if not torch.is_tensor(value) or tuple(value.shape) != shape:
+        given = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+        raise ValueError(f"{what}: the given value has shape {given}, the model's is {shape}")
+    if not is_dtensor(value):
+        block = shard_rows(value.detach(), layout, rank)
+        return block if current is None else block.to(current.dtype)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    sizes, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
+                                                           value.placements)
+    first, count = real_rows(layout, rank)
+    expected = (count, *shape[1:])
+    if tuple(sizes) != expected or tuple(offsets) != (first,) + (0,) * (len(shape) - 1):
+        raise ValueError(f"{what}: the DTensor holds rows [{offsets[0] if len(offsets) else 0}, "
+                         f"+{sizes[0] if len(sizes) else 0}) here (placements "
+                         f"{tuple(value.placements)}), this rank's shard of the model is rows "
+                         f"[{first}, +{count}); load the checkpoint with "
+                         f"torch.distributed.checkpoint into the state dict the model gives "
+                         f"under StateDictType.SHARDED_STATE_DICT")
+    local = value.to_local()
+    if current is not None:
+        block = current.detach().clone()
+    else:
+        block = torch.zeros(layout.shard_shape, dtype=local.dtype, device=local.device)
+    block.reshape(-1, *shape[1:])[:count].copy_(local)
+    return block
+
+
+def refuse_in_dcp(block: torch.Tensor, name: str) -> torch.Tensor:
+    """Mark ``block`` (a plain tensor holding only this rank's rows of parameter ``name``, e.g.
+    a ``LOCAL_STATE_DICT`` value) so that torch.distributed.checkpoint refuses it instead of
+    taking it for a replicated tensor (it would write one rank's rows and load them on every
+    rank): its save and load planners call the ``__create_write_items__`` /
+    ``__create_chunk_list__`` hooks set here on the tensor object, which raise a
+    ``RuntimeError`` naming the way that works (not a ``ValueError``: dcp's load planner
+    replaces those with a message of its own); dcp raises it on every rank (as its
+    ``CheckpointException``) before anything is written or loaded. The tensor itself, its
+    shape and values are unchanged, ``torch.save`` writes it as a plain tensor (the hooks are
+    left out of its pickled state), and a copy (``clone``) is a plain tensor. Local."""
+    message = (f"torch.distributed.checkpoint cannot save or load {name!r} of a "
+               f"LOCAL_STATE_DICT: its values are plain tensors of this rank's padded rows "
+               f"under the same keys on every rank, which dcp would take for replicated "
+               f"tensors (one rank's rows written, loaded on every rank). For dcp use "
+               f"FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT) (DTensors, "
+               f"reshardable to any world size); keep LOCAL_STATE_DICT for torch.save, one file "
+               f"per rank, with local_metadata_dict() beside it")
+
+    def refuse(*_args):
+        raise RuntimeError(message)
+
+    block.__create_write_items__ = refuse
+    block.__create_chunk_list__ = refuse
+    block.__getstate__ = _no_python_state
+    return block
+
+
+def _no_python_state() -> dict:
+    """The pickled Python state of a tensor marked by :func:`refuse_in_dcp`: none, so that
+    ``torch.save`` writes it as a plain tensor (loadable with ``weights_only=True``)."""
+    return {}
+
+
+def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state tensors without changing any parameter (torch's
+    ``torch.distributed.checkpoint.state_dict`` does the same before loading): every trainable
+    parameter gets a zero gradient and one ``step()`` runs with ``lr`` 0; gradients are then
+    set to ``None``. Use it before ``FSDP.optim_state_dict(model, optim)`` on the loading side,
+    so that ``dcp.load`` finds the state tensors (``exp_avg``...) to load into; the loaded
+    state replaces everything the step created (``step`` included). Nothing is done when the
+    optimizer has state already or any parameter has a gradient. Local."""
+    if optim.state or any(p.grad is not None for g in optim.param_groups for p in g["params"]):
+        return
+    lrs = []
+    for group in optim.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        lrs.append(group.get("lr"))
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if torch.is_tensor(group["lr"]) else 0.0
+    try:
+        optim.step()
+    finally:
+        for group, lr in zip(optim.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+        optim.zero_grad(set_to_none=True)
