@@ -13,6 +13,9 @@
   full optimizer state dicts (gather, cut);
   :mod:`~shardkit.checkpoint.optimizer_state`: OSS's full torch-format optimizer state dict
   (consolidate, load).
+- :mod:`~shardkit.checkpoint.dtensor_state`: FSDP's row blocks as ``Shard(0)`` DTensors for
+  ``torch.distributed.checkpoint`` (``SHARDED_STATE_DICT``), and ``init_optimizer_state`` for a
+  fresh optimizer that ``dcp.load`` fills.
 """
 
 from shardkit._lazy import lazy_exports
@@ -25,6 +28,7 @@ _EXPORTS = {
     "consolidate_checkpoint": "shardkit.checkpoint.consolidate",
     "save_engine_checkpoint": "shardkit.checkpoint.engine_state",
     "load_engine_checkpoint": "shardkit.checkpoint.engine_state",
+    "init_optimizer_state": "shardkit.checkpoint.dtensor_state",
     "ParamLayout": "shardkit.checkpoint.resharding",
     "shard_rows": "shardkit.checkpoint.resharding",
     "unshard_rows": "shardkit.checkpoint.resharding",
