@@ -101,7 +101,6 @@ def _rank0_real_others_meta(**kwargs) -> FSDP:
 
 
 def _trains_from_rank0() -> dict:
-    rank, world = skdist.get_rank(), skdist.get_world_size()
     model = _rank0_real_others_meta(param_init_fn=_to_empty)
     oracle = _built(meta=False)  # what rank 0 built
     assert model.module.head.weight is model.module.embed.weight
@@ -109,20 +108,31 @@ def _trains_from_rank0() -> dict:
     buffers = max_diff(dict(model.named_buffers()), dict(oracle.named_buffers()))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(oracle.parameters(), lr=LR)
+
+    def step(loss):
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    worst = _train_beside(oracle, ref_opt, model, step, model.state_dict)
+    return {"start": start, "buffers": buffers, "worst": worst}
+
+
+def _train_beside(oracle, ref_opt, model, step, full_state) -> float:
+    """STEPS steps: the oracle on the global batch, ``model`` on this rank's part (``step``
+    takes its loss); the largest difference of ``full_state()`` from the oracle's."""
+    rank, world = skdist.get_rank(), skdist.get_world_size()
     worst = 0.0
-    for step in range(STEPS):
-        gen = torch.Generator().manual_seed(step)
+    for i in range(STEPS):
+        gen = torch.Generator().manual_seed(i)
         idx = torch.randint(0, VOCAB, (LOCAL_BATCH * world, SEQ), generator=gen)
         target = torch.randint(0, VOCAB, (LOCAL_BATCH * world, SEQ), generator=gen)
         F.cross_entropy(oracle(idx).reshape(-1, VOCAB), target.reshape(-1)).backward()
         ref_opt.step()
         ref_opt.zero_grad()
         mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-        F.cross_entropy(model(idx[mine]).reshape(-1, VOCAB), target[mine].reshape(-1)).backward()
-        opt.step()
-        opt.zero_grad()
-        worst = max(worst, max_diff(model.state_dict(), oracle.state_dict()))
-    return {"start": start, "buffers": buffers, "worst": worst}
+        step(F.cross_entropy(model(idx[mine]).reshape(-1, VOCAB), target[mine].reshape(-1)))
+        worst = max(worst, max_diff(full_state(), oracle.state_dict()))
+    return worst
 
 
 def _only_some_ranks_fail() -> dict:
@@ -191,7 +201,7 @@ def _engine_with_param_init_fn() -> dict:
     param_init_fn for the Norm without reset_parameters(); every rank then holds rank 0's
     model (buffers included) and trains like one process. At stage 1 the keyword is refused
     on every rank before any collective."""
-    rank, world = skdist.get_rank(), skdist.get_world_size()
+    rank = skdist.get_rank()
     config = {"train_micro_batch_size_per_gpu": LOCAL_BATCH,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
               "zero_optimization": {"stage": 3}}
@@ -201,19 +211,11 @@ def _engine_with_param_init_fn() -> dict:
     start = max_diff(engine.module_state_dict(), oracle.state_dict())
     buffers = max_diff(dict(engine.module.named_buffers()), dict(oracle.named_buffers()))
     ref_opt = torch.optim.AdamW(oracle.parameters(), lr=LR, weight_decay=0.0)
-    worst = 0.0
-    for step in range(STEPS):
-        gen = torch.Generator().manual_seed(step)
-        idx = torch.randint(0, VOCAB, (LOCAL_BATCH * world, SEQ), generator=gen)
-        target = torch.randint(0, VOCAB, (LOCAL_BATCH * world, SEQ), generator=gen)
-        F.cross_entropy(oracle(idx).reshape(-1, VOCAB), target.reshape(-1)).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        mine = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-        engine.backward(F.cross_entropy(engine(idx[mine]).reshape(-1, VOCAB),
-                                        target[mine].reshape(-1)))
+
+    def step(loss):
+        engine.backward(loss)
         engine.step()
-        worst = max(worst, max_diff(engine.module_state_dict(), oracle.state_dict()))
+    worst = _train_beside(oracle, ref_opt, engine, step, engine.module_state_dict)
     with pytest.raises(ValueError, match=r"param_init_fn.*stage 1") as caught:
         shardkit.initialize(model=_built(meta=False), param_init_fn=_to_empty,
                             config={**config, "zero_optimization": {"stage": 1}})
