@@ -10,7 +10,9 @@ every rank until ``initialize``). ``enabled=False`` is silent.
 :class:`ZeroParamStatus` stands for ``deepspeed.runtime.zero.partition_parameters.
 ZeroParamStatus``, and :func:`expose_ds_attributes` gives stage-3 parameters DeepSpeed's
 ``ds_id`` / ``ds_status`` / ``ds_shape`` / ``ds_numel``, which scripts test to pick the
-parameters to gather (DeepSpeed-Chat's ``save_zero_three_model`` and ``moving_average``).
+parameters to gather (DeepSpeed-Chat's ``save_zero_three_model`` and ``moving_average``);
+:func:`placeholder_state_dict` gives the stage-3 engine's model DeepSpeed's ``state_dict()``
+(empty placeholders for the sharded parameters, no communication).
 """
 
 from __future__ import annotations
