@@ -462,7 +462,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if composition.stage == 3:  # DeepSpeed's ds_id / ds_status / ds_shape on the shards
             from shardkit.zero import expose_ds_attributes, placeholder_state_dict
             expose_ds_attributes(model)
-            placeholder_state_dict(model)
+            placeholder_state_dict(model, self.wrapped)
         # DeepSpeed's throughput timer (DeepSpeed-Chat ticks its epoch count)
         self.tput_timer = ThroughputTimer(cfg.train_batch_size)
 
@@ -472,9 +472,28 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         value = attribute_through(self, name, "module")
         composition = self.__dict__.get("composition")
         if (composition is not None and composition.stage == 3 and name.startswith("forward")
-                and getattr(value, "__self__", None) is self.__dict__["_modules"].get("module")):
-            return functools.partial(self._forward_through_root, value)
+                and self._in_root_unit(getattr(value, "__self__", None))):
+            # the method's name, docstring and signature (inspect follows __wrapped__)
+            return functools.update_wrapper(
+                functools.partial(self._forward_through_root, value), value)
         return value
+
+    def _in_root_unit(self, owner) -> bool:
+        """Whether ``owner`` (what a method is bound to) is the model or a module of it outside
+        the nested FSDP units: a wrapper around the model (PEFT's ``PeftModel``,
+        ``torch.compile``'s ``OptimizedModule``) hands out its inner model's methods. Local."""
+        from shardkit.nn.data_parallel import FullyShardedDataParallel
+        module = self.__dict__["_modules"].get("module")
+        if not isinstance(owner, nn.Module) or module is None:
+            return False
+        stack = [module]
+        while stack:
+            current = stack.pop()
+            if current is owner:
+                return True
+            stack.extend(child for child in current.children()
+                         if not isinstance(child, FullyShardedDataParallel))
+        return False
 
     def _forward_through_root(self, method, *args, **kwargs):
         """Stage 3: the model's ``forward_*`` method (DeepSpeed-Chat's ``forward_value``) run

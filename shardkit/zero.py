@@ -21,6 +21,7 @@ import contextlib
 import enum
 import itertools
 import logging
+import weakref
 from typing import Any, Iterable, Optional
 
 import torch
@@ -74,7 +75,7 @@ def expose_ds_attributes(module: torch.nn.Module) -> int:
     return marked
 
 
-def placeholder_state_dict(module: torch.nn.Module) -> None:
+def placeholder_state_dict(module: torch.nn.Module, root=None) -> None:
     """Make ``module.state_dict()`` (the stage-3 engine's model) behave as under DeepSpeed's
     ZeRO-3: each parameter that holds only this rank's rows (``ds_status`` ``NOT_AVAILABLE``)
     is an empty placeholder (``torch.empty(0)``, its dtype), buffers and the parameters
@@ -83,20 +84,37 @@ def placeholder_state_dict(module: torch.nn.Module) -> None:
     ``save_zero_three_model`` overwrites the weights file with the gathered values; without
     this the first call stopped rank 0 while the others waited in the second's gathers. Full
     values come from ``engine.module_state_dict()``, ``save_16bit_model`` or
-    :class:`GatheredParameters`. Local: no communication, and no memory beyond the dict."""
+    :class:`GatheredParameters`; ``root`` (the FSDP root around ``module``): the parameters of
+    its units inside ``summon_full_params()`` keep their values. Local: no communication, and
+    no memory beyond the dict."""
     module._zero3_placeholder_state_dict = True  # read by FSDP's refusal of row shards
+    # the FSDP root around it: the parameters of its units inside summon_full_params() hold
+    # their full values, which state_dict() then gives (as before the placeholders)
+    module._zero3_fsdp_root = None if root is None else weakref.ref(root)
     module.register_state_dict_post_hook(_empty_placeholders)
+
+
+def _summoned_parameters(module: torch.nn.Module) -> set:
+    """``id`` of each parameter of ``module``'s FSDP units that are inside
+    ``summon_full_params()`` now. Local."""
+    ref = module.__dict__.get("_zero3_fsdp_root")
+    root = ref() if ref is not None else None
+    if not hasattr(root, "sharded_units"):
+        return set()
+    return {id(p) for unit in root.sharded_units()
+            if unit._summoned and unit._shard is not None for p in unit._shard.params}
 
 
 def _empty_placeholders(module, state_dict, prefix, local_metadata) -> None:
     if prefix:  # reached from a wrapper's own state dict (FSDP's local and full ones)
         return
     params = dict(module.named_parameters(remove_duplicate=False))
+    summoned = _summoned_parameters(module)
     emptied = 0
     for key in list(state_dict):
         param = params.get(key)
         if param is not None and getattr(param, "ds_status", None) is \
-                ZeroParamStatus.NOT_AVAILABLE:
+                ZeroParamStatus.NOT_AVAILABLE and id(param) not in summoned:
             state_dict[key] = torch.empty(0, dtype=param.dtype, device=param.device)
             emptied += 1
     global _PLACEHOLDERS_NOTED

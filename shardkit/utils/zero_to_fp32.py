@@ -203,6 +203,13 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir,
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{caller}(model={type(model).__name__}): expected the unwrapped "
                         f"torch.nn.Module the checkpoint was saved from")
+    if getattr(model, "_zero3_placeholder_state_dict", False):
+        raise RuntimeError(
+            f"{caller}(model={type(model).__name__}): this is a ZeRO stage-3 engine's model "
+            f"(engine.module), whose parameters are this rank's row shards and whose "
+            f"state_dict() holds empty placeholders; load the checkpoint into the engine with "
+            f"engine.load_checkpoint({os.fspath(checkpoint_dir)!r}), or pass a model built "
+            f"like it outside the engine")
     tag = _resolve_tag(checkpoint_dir, tag, caller)
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
     metadata = _checkpoint_metadata(os.fspath(checkpoint_dir), tag)

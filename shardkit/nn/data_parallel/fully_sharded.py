@@ -798,11 +798,21 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             root._drop_stale_kept_units()
         grad_enabled = torch.is_grad_enabled()
         # kept gathered by a no_grad call: no backward of the unit follows to reduce-scatter
-        # the gradients such a call would compute, so they would be dropped silently
+        # the gradients such a call would compute, so they would be dropped silently (a module
+        # whose parameters are all frozen computes none: it may run)
         kept_without_backward = self._shard.kept_from_forward and \
-            not getattr(self, "_kept_for_backward", False)
+            not getattr(self, "_kept_for_backward", False) and \
+            any(p.requires_grad for p in module.parameters())
         if self._shard.gathered and not (grad_enabled and kept_without_backward):
             return
+        if grad_enabled and self._shard.gathered:
+            raise RuntimeError(
+                f"FullyShardedDataParallel: a {type(module).__name__} holding parameters of an "
+                f"FSDP unit ran outside that unit's forward, with gradients enabled, while the "
+                f"unit is gathered only since a call under torch.no_grad() (e.g. generate()): "
+                f"no backward of the unit would reduce-scatter its gradients, so they would be "
+                f"dropped; call the unit (or the engine / outermost FSDP instance) for a "
+                f"gradient, or run this call under torch.no_grad() too")
         if grad_enabled:
             raise RuntimeError(
                 f"FullyShardedDataParallel: a {type(module).__name__} holding parameters of an "
