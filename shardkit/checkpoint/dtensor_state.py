@@ -124,7 +124,8 @@ def rows_from_value(value, layout: ParamLayout, rank: int, what: str,
     return block
 
 
-def refuse_in_dcp(block: torch.Tensor, name: str) -> torch.Tensor:
+def refuse_in_dcp(block: torch.Tensor, name: str,
+                  source: str = "a LOCAL_STATE_DICT") -> torch.Tensor:
     """Mark ``block`` (a plain tensor holding only this rank's rows of parameter ``name``, e.g.
     a ``LOCAL_STATE_DICT`` value) so that torch.distributed.checkpoint refuses it instead of
     taking it for a replicated tensor (it would write one rank's rows and load them on every
@@ -134,9 +135,10 @@ def refuse_in_dcp(block: torch.Tensor, name: str) -> torch.Tensor:
     replaces those with a message of its own); dcp raises it on every rank (as its
     ``CheckpointException``) before anything is written or loaded. The tensor itself, its
     shape and values are unchanged, ``torch.save`` writes it as a plain tensor (the hooks are
-    left out of its pickled state), and a copy (``clone``) is a plain tensor. Local."""
-    message = (f"torch.distributed.checkpoint cannot save or load {name!r} of a "
-               f"LOCAL_STATE_DICT: its values are plain tensors of this rank's padded rows "
+    left out of its pickled state), and a copy (``clone``) is a plain tensor. ``source``
+    says in the message where the value comes from. Local."""
+    message = (f"torch.distributed.checkpoint cannot save or load {name!r} of "
+               f"{source}: its values are plain tensors of this rank's padded rows "
                f"under the same keys on every rank, which dcp would take for replicated "
                f"tensors (one rank's rows written, loaded on every rank). For dcp use "
                f"FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT) (DTensors, "

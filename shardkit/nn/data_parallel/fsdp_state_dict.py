@@ -170,6 +170,10 @@ class FSDPStateDictMixin:
                                         keep_vars=keep_vars)
             if not _structural_keys.depth:
                 _drop_wrapper_prefixes(result, prefix)
+                _, given_prefix, given_keep_vars = _state_dict_arguments(
+                    "state_dict", args, destination, prefix, keep_vars)
+                if not self._summoned and not given_keep_vars:
+                    self._mark_own_shards_for_dcp(result, given_prefix)
             return result
         config = self._state_dict_settings.state_dict_config
         kind = self._state_dict_settings.state_dict_type
@@ -355,6 +359,7 @@ class FSDPStateDictMixin:
         the keys and loads nothing. Returns torch's missing/unexpected keys.
 
         Memory: one copy of this rank's shards. No communication."""
+        self._refuse_sharded_load_while_summoned()
         sharded = self._sharded_params("load_state_dict")
         raw = _structural_state_dict(self, keep_vars=True)
         params = dict(nn.Module.named_parameters(self, remove_duplicate=False))
@@ -385,6 +390,32 @@ class FSDPStateDictMixin:
         result = nn.Module.load_state_dict(self, self._to_wrapped_keys(local), strict=strict)
         return type(result)([clean_name(k) for k in result.missing_keys],
                             [clean_name(k) for k in result.unexpected_keys])
+
+    def _mark_own_shards_for_dcp(self, destination: OrderedDict, prefix: str) -> None:
+        """This unit reached from a plain module's ``state_dict()`` (``nn.Sequential(fsdp)``, a
+        trainer's wrapper) gives its shards under the original keys, as before; each is
+        marked so that torch.distributed.checkpoint refuses it on every rank instead of saving
+        one rank's rows as if replicated (:func:`refuse_in_dcp`). Local."""
+        if self._shard is None or self._shard.world_size == 1:
+            return
+        own = {id(p) for p in self._shard.params}
+        for name, p in nn.Module.named_parameters(self, remove_duplicate=False):
+            key = prefix + clean_name(name)
+            if id(p) in own and isinstance(destination.get(key), torch.Tensor):
+                destination[key] = refuse_in_dcp(
+                    destination[key], key, "an FSDP unit's shards reached from a plain "
+                    "module's state_dict() (call state_dict() on the FSDP instance itself "
+                    "for what its state_dict_type gives)")
+
+    def _refuse_sharded_load_while_summoned(self) -> None:
+        """Inside ``summon_full_params`` the parameters hold full values (written back over
+        the shards on exit): a ``SHARDED_STATE_DICT`` load there is refused, on every rank
+        alike (summoning is collective) and before anything is copied. Local."""
+        if any(u._summoned for u in self.sharded_units()):
+            raise RuntimeError("FSDP.load_state_dict under StateDictType.SHARDED_STATE_DICT "
+                               "inside summon_full_params(): the parameters are gathered "
+                               "there, not this rank's shards (nothing was loaded); load "
+                               "after the summon_full_params block")
 
     def _local_state_dict_for_dcp(self, prefix: str, offload: bool) -> OrderedDict:
         """:meth:`local_state_dict` (plain tensors, this rank's padded rows: FairScale's
@@ -619,7 +650,7 @@ class FSDPStateDictMixin:
                                      group=group)
         settings = model._state_dict_settings
         if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
-            return optim.state_dict()
+            return _mark_sharded_optim_state(optim, optim.state_dict())
         if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             return _sharded_optim_state(model, optim)
         full = model._gather_full_optim_state(optim)
@@ -746,6 +777,31 @@ def _optimizer_names(model, optim, call: str) -> list:
                          f"{outside[:5]} (in param-group order) are not parameters of this "
                          f"model; their state cannot be keyed by a parameter name")
     return [names[id(p)] for p in ordered]
+
+
+def _mark_sharded_optim_state(optim: torch.optim.Optimizer, osd: dict) -> dict:
+    """``osd`` (``optim.state_dict()`` over FSDP shards, ``LOCAL_STATE_DICT``'s optimizer
+    state) with each per-element state tensor of a parameter sharded over several ranks (this
+    rank's padded rows, under the same key on every rank) replaced by an alias (``detach``: no
+    copy) marked by :func:`~shardkit.checkpoint.dtensor_state.refuse_in_dcp`, so that
+    torch.distributed.checkpoint refuses it on every rank instead of saving one rank's rows as
+    if replicated. ``torch.save`` and ``optim.load_state_dict`` take it as before; the
+    optimizer's own tensors are not marked. Local."""
+    from shardkit.nn.data_parallel.fully_sharded import unit_holding
+    ordered = [p for g in optim.param_groups for p in g["params"]]
+    for index, entry in list(osd["state"].items()):
+        param = ordered[index] if isinstance(index, int) and 0 <= index < len(ordered) else None
+        unit = unit_holding(param) if param is not None else None
+        if unit is None or unit._shard is None or unit._shard.world_size == 1:
+            continue
+        layout = next(lay for q, lay in zip(unit._shard.params, unit._shard.layouts)
+                      if q is param)
+        osd["state"][index] = {  # a new dict: optim.state_dict() gives the live ones
+            key: refuse_in_dcp(value.detach(), f"state {key!r} of parameter {index}",
+                               "FSDP.optim_state_dict under LOCAL_STATE_DICT")
+            if per_element(key, value) and tuple(value.shape) == tuple(layout.shard_shape)
+            else value for key, value in entry.items()}
+    return osd
 
 
 def _sharded_optim_state(model, optim: torch.optim.Optimizer) -> dict:
