@@ -158,6 +158,19 @@ def test_torch_checkpoint_wrapper_fn_with_other_arguments_is_refused():
             check_fn=lambda m: isinstance(m, nn.Linear))
 
 
+@pytest.mark.parametrize("torch_wrapper", [True, False])
+def test_wrapper_in_torchs_positional_place_is_refused(torch_wrapper):
+    """torch's order ``apply_activation_checkpointing(model, checkpoint_wrapper_fn)``: here the
+    second place is the policy, and a wrapper there used to checkpoint every child silently."""
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as torch_module
+    from shardkit.nn.checkpoint import apply_activation_checkpointing, checkpoint_wrapper
+    wrapper = torch_module.checkpoint_wrapper if torch_wrapper else checkpoint_wrapper
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="checkpoint_wrapper_fn="):
+        apply_activation_checkpointing(model, functools.partial(wrapper))
+    assert all(type(m) is nn.Linear for m in model)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 @pytest.mark.parametrize("device_id", [0, "cuda", torch.device("cuda", 0), -1])
 def test_device_id_without_cuda_names_the_argument(device_id):

@@ -468,6 +468,13 @@ def is_checkpoint_wrapped(module: nn.Module) -> bool:
     return "_shardkit_unwrapped_forward" in vars(module)
 
 
+def _is_a_checkpoint_wrapper(fn) -> bool:
+    """Whether ``fn`` is shardkit's or torch's ``checkpoint_wrapper`` (or a partial of it)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) == "checkpoint_wrapper"
+
+
 def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,
                                    check_fn: Callable[[nn.Module], bool] = None,
                                    offload_to_cpu: bool = False, *,
@@ -498,6 +505,11 @@ def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,
     Raises ``ValueError`` when nothing is selected (a policy that matches nothing is a mistake
     that would otherwise silently cost the memory it was meant to save).
     """
+    if _is_a_checkpoint_wrapper(policy):  # torch's order: (model, checkpoint_wrapper_fn, ...)
+        raise ValueError("apply_activation_checkpointing(model, <a checkpoint wrapper>): the "
+                         "second argument here is the wrap policy (torch's is "
+                         "checkpoint_wrapper_fn); pass the wrapper as checkpoint_wrapper_fn=... "
+                         "and choose the modules with check_fn= or auto_wrap_policy=")
     if auto_wrap_policy is not None:
         if policy is not None:
             raise ValueError("apply_activation_checkpointing: give policy or auto_wrap_policy "
