@@ -188,8 +188,7 @@ def _save_load(tmp_dir, stage):
         engine, opt, step = _engine(GPT(CFG, seed=0), stage)
         for i in range(3):
             step(i)
-        gc.collect()
-        before = tracker.live_bytes()
+        before = _settled_live_bytes(tracker)
         engine.save_checkpoint(tmp_dir, tag="t")
         after_save = _settled_growth(tracker, before)
         engine.load_checkpoint(tmp_dir, tag="t")
@@ -233,4 +232,6 @@ def test_stage1_reduce_to_owners_leaves_nothing(world2):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_engine_save_load_keeps_no_copy(world2, tmp_path, stage):
     for rank, r in enumerate(world2.run(_save_load, str(tmp_path / f"s{stage}"), stage)):
-        assert r == {"after_save": 0, "after_load": 0, "after_step": 0}, (stage, rank, r)
+        # nothing kept; a 0-dim transient of the last step (a flag the completion watcher
+        # drops a moment later) may still be alive in the baseline, hence the few bytes below
+        assert all(-16 <= grown <= 0 for grown in r.values()), (stage, rank, r)
