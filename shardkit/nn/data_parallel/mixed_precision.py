@@ -117,8 +117,7 @@ def from_torch_mixed_precision(policy):
       ``auto_wrap_policy`` (see :func:`torch_full_precision_classes`), as in torch.
 
     Local, no communication."""
-    cls = type(policy)
-    if cls.__name__ != "MixedPrecision" or not cls.__module__.startswith("torch.distributed"):
+    if not _is_torch_mixed_precision(policy):
         return policy
     if getattr(policy, "keep_low_precision_grads", False):
         raise ValueError("FullyShardedDataParallel(mixed_precision=MixedPrecision("
@@ -138,7 +137,13 @@ def torch_full_precision_classes(policy) -> tuple:
     ``MixedPrecision`` comes with an ``auto_wrap_policy`` (``_module_classes_to_ignore``,
     BatchNorm by default): their inputs are cast to fp32 and their outputs back. ``()`` for
     anything but torch's ``MixedPrecision``. Local, no communication."""
-    cls = type(policy)
-    if cls.__name__ != "MixedPrecision" or not cls.__module__.startswith("torch.distributed"):
+    if not _is_torch_mixed_precision(policy):
         return ()
     return tuple(getattr(policy, "_module_classes_to_ignore", ()) or ())
+
+
+def _is_torch_mixed_precision(policy) -> bool:
+    """Whether ``policy`` is torch FSDP1's ``MixedPrecision`` (told by name and module, so
+    that torch's FSDP is not imported to check)."""
+    cls = type(policy)
+    return cls.__name__ == "MixedPrecision" and cls.__module__.startswith("torch.distributed")
