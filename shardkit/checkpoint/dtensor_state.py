@@ -31,9 +31,9 @@ from typing import Optional
 
 import torch
 
-from shardkit.checkpoint.resharding import ParamLayout, shard_rows
+from shardkit.checkpoint.resharding import ParamLayout, copy_rows_into, shard_rows
 
-__all__ = ["device_mesh_of", "real_rows", "rows_as_dtensor", "rows_from_value",
+__all__ = ["device_mesh_of", "rows_as_dtensor", "rows_from_value",
            "refuse_in_dcp", "init_optimizer_state", "is_dtensor"]
 
 _MESHES: dict = {}
@@ -57,14 +57,6 @@ def device_mesh_of(group, device_type: str):
     return entry[1]
 
 
-def real_rows(layout: ParamLayout, rank: int) -> tuple[int, int]:
-    """``(first row, number of rows)`` of the full tensor that ``rank``'s block holds (padding
-    excluded; torch.chunk's and DTensor ``Shard(0)``'s uneven cut)."""
-    start = min(rank * layout.rows_per_shard, layout.rows)
-    stop = min(start + layout.rows_per_shard, layout.rows)
-    return start, stop - start
-
-
 def _contiguous_stride(shape) -> tuple:
     stride, acc = [], 1
     for size in reversed(tuple(shape)):
@@ -81,7 +73,7 @@ def rows_as_dtensor(block: torch.Tensor, layout: ParamLayout, rank: int, group):
     from torch.distributed.tensor import DTensor, Shard
     if not len(layout.shape):
         raise ValueError("rows_as_dtensor: a 0-dim tensor cannot be a Shard(0) DTensor")
-    _, count = real_rows(layout, rank)
+    _, count = layout.real_rows(rank)
     local = block.reshape(-1, *layout.shape[1:])[:count]
     mesh = device_mesh_of(group, local.device.type)
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
@@ -106,7 +98,7 @@ def rows_from_value(value, layout: ParamLayout, rank: int, what: str,
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     sizes, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
                                                            value.placements)
-    first, count = real_rows(layout, rank)
+    first, count = layout.real_rows(rank)
     expected = (count, *shape[1:])
     if tuple(sizes) != expected or tuple(offsets) != (first,) + (0,) * (len(shape) - 1):
         raise ValueError(f"{what}: the DTensor holds rows [{offsets[0] if len(offsets) else 0}, "
@@ -120,7 +112,7 @@ def rows_from_value(value, layout: ParamLayout, rank: int, what: str,
         block = current.detach().clone()
     else:
         block = torch.zeros(layout.shard_shape, dtype=local.dtype, device=local.device)
-    block.reshape(-1, *shape[1:])[:count].copy_(local)
+    copy_rows_into(block, local, first, layout, rank)
     return block
 
 

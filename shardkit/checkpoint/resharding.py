@@ -53,6 +53,12 @@ class ParamLayout:
     def shard_shape(self) -> tuple:
         return (self.rows_per_shard, *self.shape[1:])
 
+    def real_rows(self, rank: int) -> tuple[int, int]:
+        """``(first row, number of rows)`` of the full tensor that ``rank``'s block holds
+        (padding excluded; torch.chunk's and DTensor ``Shard(0)``'s uneven cut)."""
+        start = min(rank * self.rows_per_shard, self.rows)
+        return start, min(start + self.rows_per_shard, self.rows) - start
+
 
 def shard_rows(full: torch.Tensor, layout: ParamLayout, rank: int) -> torch.Tensor:
     """Rank ``rank``'s row block of ``full`` (a new ``layout.shard_shape`` tensor, zero padded)."""
@@ -68,8 +74,8 @@ def copy_rows_into(block: torch.Tensor, piece: torch.Tensor, first_row: int,
     or another world's block of it). Rows of ``block`` outside ``piece`` are left as they are
     (padding stays zero). No allocation."""
     rows = piece.reshape(-1, *layout.shape[1:])
-    start = rank * layout.rows_per_shard
-    stop = min(start + layout.rows_per_shard, layout.rows)
+    start, count = layout.real_rows(rank)
+    stop = start + count
     low, high = max(start, first_row), min(stop, first_row + rows.shape[0])
     if high > low:
         block[low - start:high - start].copy_(rows[low - first_row:high - first_row])
