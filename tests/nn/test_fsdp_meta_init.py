@@ -144,6 +144,15 @@ def _oracle(state: dict):
     return oracle
 
 
+def _oracle_step(oracle, ref_opt, step: int, world: int) -> tuple:
+    """One step of the one-process model on the whole batch; this rank's part of the batch."""
+    idx, target = _batch(step, world)
+    _loss(oracle(idx), target).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    return _mine(idx), _mine(target)
+
+
 # ---------------------------------------------------------------------- rank bodies: parity
 
 
@@ -177,11 +186,8 @@ def _parity(variant: str) -> dict:
         model.parameters(), lr=LR)
     worst = 0.0
     for step in range(STEPS):
-        idx, target = _batch(step, world)
-        _loss(oracle(idx), target).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        _loss(model(_mine(idx)), _mine(target)).backward()
+        idx, target = _oracle_step(oracle, ref_opt, step, world)
+        _loss(model(idx), target).backward()
         opt.step()
         opt.zero_grad()
         worst = max(worst, max_diff(model.state_dict(), oracle.state_dict()))
@@ -268,11 +274,8 @@ def _engine_stage3(user_optimizer: bool) -> dict:
     ref_opt = torch.optim.AdamW(oracle.parameters(), lr=LR, eps=1e-6, weight_decay=0.01)
     worst = 0.0
     for step in range(STEPS):
-        idx, target = _batch(step, world)
-        _loss(oracle(idx), target).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        engine.backward(_loss(engine(_mine(idx)), _mine(target)))
+        idx, target = _oracle_step(oracle, ref_opt, step, world)
+        engine.backward(_loss(engine(idx), target))
         engine.step()
         worst = max(worst, max_diff(engine.wrapped.state_dict(), oracle.state_dict()))
     return {"spread": spread, "worst": worst}
