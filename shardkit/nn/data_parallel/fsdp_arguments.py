@@ -42,7 +42,7 @@ from shardkit import distributed as skdist
 
 __all__ = ["FairScaleOptions", "resolve_fairscale_options", "resolve_cpu_offload",
            "check_reduce_scatter_group", "check_compute_device", "check_divide_factor",
-           "check_bool", "shard_devices", "meta_init_device"]
+           "check_bool", "shard_devices", "meta_init_device", "check_torch_scheduling_options"]
 
 
 @dataclass(frozen=True)
@@ -262,3 +262,31 @@ def move_to_device_id(device_id, module: torch.nn.Module) -> None:
     elif first.device.type != wanted.type or wanted.index not in (None, first.device.index):
         raise ValueError(f"FullyShardedDataParallel(device_id={device_id!r}): the module is on "
                          f"{first.device}; move it to {wanted} first, or leave device_id unset")
+
+
+def check_torch_scheduling_options(use_orig_params, forward_prefetch, backward_prefetch,
+                                   limit_all_gathers) -> None:
+    """torch FSDP1's arguments that choose how its flat parameters are exposed and when its
+    collectives are issued, accepted so that a torch FSDP1 call runs unchanged:
+
+    - ``use_orig_params``: True or False. A unit here always exposes the original parameters
+      (its ``parameters()`` are the module's own, holding this rank's rows), which is what
+      torch's ``True`` gives; ``False`` changes nothing either (no flat parameter is exposed).
+    - ``forward_prefetch``, ``limit_all_gathers``: True or False; the units gather in the
+      order the root recorded, one unit ahead, whatever they say.
+    - ``backward_prefetch``: ``None`` or a member of torch's ``BackwardPrefetch``
+      (``BACKWARD_PRE``, ``BACKWARD_POST``); accepted, the backward gathers as it does.
+
+    A value of another kind is a ValueError naming the argument. Local."""
+    for name, value in (("use_orig_params", use_orig_params),
+                        ("forward_prefetch", forward_prefetch),
+                        ("limit_all_gathers", limit_all_gathers)):
+        check_bool(name, value)
+    if backward_prefetch is None:
+        return
+    name = getattr(backward_prefetch, "name", None)
+    if type(backward_prefetch).__name__ != "BackwardPrefetch" or \
+            name not in ("BACKWARD_PRE", "BACKWARD_POST"):
+        raise ValueError(f"FullyShardedDataParallel(backward_prefetch={backward_prefetch!r}): "
+                         f"expected None or torch's BackwardPrefetch.BACKWARD_PRE / "
+                         f"BackwardPrefetch.BACKWARD_POST")

@@ -103,6 +103,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import weakref
 from collections.abc import Mapping
 from typing import Iterator, Optional, Union
@@ -118,6 +119,7 @@ from shardkit.nn.data_parallel.fsdp_arguments import (check_bool, check_compute_
                                                       check_divide_factor,
                                                       check_reduce_scatter_group,
                                                       check_same_unit_on_every_rank,
+                                                      check_torch_scheduling_options,
                                                       meta_init_device, move_to_device_id,
                                                       resolve_cpu_offload,
                                                       resolve_fairscale_options, shard_devices)
@@ -261,8 +263,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             without entering inner units (which materialized theirs when they were built),
             each that holds a parameter or buffer on ``meta``, parents before children
             (breadth-first). With ``param_init_fn`` it is called on each such module, with
-            grad off, and must leave none of that module's tensors on ``meta`` (a ValueError
-            naming the tensor otherwise). Without it (``None``), each such module's meta
+            grad off; then, parents first, on each module above one it left on ``meta`` with
+            no inner unit below it (torch FSDP1 calls it on every module of the unit, so a
+            function that materializes and initialises the whole model when given its root
+            works under both). No tensor may stay on ``meta`` (a ValueError naming it
+            otherwise). Without it (``None``), each such module's meta
             tensors get storage on the unit's compute device (``compute_device``, else the
             device of the model's other tensors, else the current CUDA device, else the CPU)
             and its ``reset_parameters()`` runs; a module without one is a ValueError naming
@@ -287,6 +292,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             unit whatever the policy says of it). ``device_id`` moves a module on the CPU to
             that device before sharding (a module on another accelerator is a ValueError).
             ``cpu_offload`` also takes torch's ``CPUOffload(offload_params=...)``.
+        use_orig_params, forward_prefetch, backward_prefetch, limit_all_gathers: torch
+            FSDP1's, checked and accepted (:func:`.fsdp_arguments.check_torch_scheduling_options`):
+            the parameters are always the module's own (torch's ``use_orig_params=True``),
+            and the units prefetch one unit ahead whatever the others say.
 
     FairScale's attributes hold the resolved values: ``compute_dtype``, ``buffer_dtype``,
     ``fp32_reduce_scatter`` and ``compute_device`` as well as the other arguments' names
@@ -320,8 +329,12 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                  cpu_offload: bool = False, state_dict_on_rank_0_only: bool = False,
                  gradient_predivide_factor: Optional[float] = None,
                  allow_reset_parameters: bool = False, sync_module_states: bool = False,
-                 param_init_fn=None, auto_wrap_policy=None, device_id=None):
+                 param_init_fn=None, auto_wrap_policy=None, device_id=None,
+                 use_orig_params: bool = False, forward_prefetch: bool = False,
+                 backward_prefetch=None, limit_all_gathers: bool = True):
         _check_wrappable(module)
+        check_torch_scheduling_options(use_orig_params, forward_prefetch, backward_prefetch,
+                                       limit_all_gathers)
         move_to_device_id(device_id, module)
         if auto_wrap_policy is not None:  # torch FSDP1: wrap the selected submodules first
             # locals() here are exactly this call's arguments (nothing else is bound yet)
@@ -1263,9 +1276,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every shard's gradient so the global norm (over all ranks) is at most
-        ``max_norm``; returns that global norm (``torch.nn.utils.clip_grad_norm_`` semantics),
-        each gradient element counted once, also when units use different strategies (e.g.
-        ``NO_SHARD`` or hybrid units under a ``FULL_SHARD`` root, as torch FSDP1 allows).
+        ``max_norm``; returns that global norm (``torch.nn.utils.clip_grad_norm_`` semantics;
+        a 0-dim tensor in the widest dtype of the gradients, as torch FSDP1 returns it: bf16
+        for an all-bf16 model, computed in fp32), each gradient element counted once, also
+        when units use different strategies (e.g. ``NO_SHARD`` or hybrid units under a
+        ``FULL_SHARD`` root, as torch FSDP1 allows).
         Communication: one all-reduce of one element over the root's shard group; when some
         unit's replicas or shard group differ from the root's, one more over the root's replica
         group (if it has one); for a model with tensor-parallel layers (FSDP over the
@@ -1274,16 +1289,21 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         :func:`~shardkit.utils.grad_norm.count_once_over_tensor_parallel`). Call it on the root,
         on all ranks."""
         if self._is_root is False:
-            raise RuntimeError("clip_grad_norm_() was called on an inner FullyShardedDataParallel "
-                               "unit; call it on the root (outermost) instance")
+            raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP "
+                               "instance (torch FSDP1's words): it was called on an inner "
+                               "FullyShardedDataParallel unit; call it on the outermost one")
         max_norm, norm_type = check_clip_arguments("clip_grad_norm_", max_norm, norm_type)
         self._check_idle("clip_grad_norm_")
         self._refuse_unreduced_grads("clip_grad_norm_")
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         measured, also_over = self._gradients_counted_once()
-        return clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.process_group,
-                                           comm_device=self._comm_device(),
-                                           measured=measured, also_over=also_over)
+        total = clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.process_group,
+                                            comm_device=self._comm_device(),
+                                            measured=measured, also_over=also_over)
+        # torch FSDP1's dtype: the widest of the gradients' (computed in fp32 all the same)
+        widest = functools.reduce(torch.promote_types, [g.dtype for g in grads],
+                                  grads[0].dtype) if grads else total.dtype
+        return total.to(widest)
 
     def _refuse_unreduced_grads(self, what: str) -> None:
         """Raise if backwards inside :meth:`no_sync` left gradients that no synchronising
@@ -1459,6 +1479,10 @@ def _materialize_meta_unit(module: nn.Module, param_init_fn, compute_device) -> 
             for _, key, t in _meta_tensors_of(m):
                 _fill_in_place(holders[id(t)], torch.empty_like(t, device=device))
             m.reset_parameters()
+        if param_init_fn is not None:  # then the parents of what it left on meta
+            for _, m in modules:
+                if _materializes_children(m):
+                    param_init_fn(m)
     for original, places in holders.values():
         _keep_tie(original, places)
     for name, m in modules:
@@ -1470,6 +1494,28 @@ def _materialize_meta_unit(module: nn.Module, param_init_fn, compute_device) -> 
                 f"after param_init_fn ran on it; it must materialize every parameter and buffer "
                 f"of the module it is given (e.g. module.to_empty(device=..., recurse=False), "
                 f"then initialise them)")
+
+
+def _materializes_children(m: nn.Module) -> bool:
+    """Whether ``param_init_fn(m)`` runs in the second pass: ``m`` holds no meta tensor of its
+    own, a module below it in the unit still does after the first pass (``param_init_fn`` left
+    it on meta), and no inner FSDP unit lies below ``m``. torch FSDP1 calls ``param_init_fn``
+    on every module of the unit, parents first, so a function that materializes and
+    initialises a whole model from its root (``if isinstance(m, Net): m.to_empty(...);
+    m.init_weights()``) works there; it works here too. Never over an inner unit: a recursive
+    ``to_empty`` there would replace its shards with uninitialised memory (torch's does).
+    Local."""
+    if _meta_tensors_of(m):
+        return False
+    meta = False
+    stack = list(m.children())
+    while stack:
+        current = stack.pop()
+        if isinstance(current, FullyShardedDataParallel):
+            return False
+        meta = meta or bool(_meta_tensors_of(current))
+        stack.extend(current.children())
+    return meta
 
 
 def _outcome(error: Optional[Exception]) -> str:
@@ -1743,6 +1789,11 @@ def _resolve_writeback(volatile: Optional[bool], writeback: Optional[bool]) -> b
     return True if writeback is None else writeback
 
 
+class _NotSupported(ValueError, NotImplementedError):
+    """A combination of ``summon_full_params`` options that torch FSDP1 refuses with a
+    NotImplementedError: either ``except`` clause catches it."""
+
+
 def _check_summon_options(writeback: bool, rank0_only, offload_to_cpu, with_grads) -> bool:
     """torch FSDP1's ``summon_full_params`` options, checked before any gather."""
     for name, value in (("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu),
@@ -1750,13 +1801,13 @@ def _check_summon_options(writeback: bool, rank0_only, offload_to_cpu, with_grad
         if not isinstance(value, bool):
             raise ValueError(f"summon_full_params({name}={value!r}): must be True or False")
     if with_grads:
-        raise ValueError("summon_full_params(with_grads=True) is not supported: gradients stay "
-                         "this rank's shards in .grad (read them there, or gather them with "
-                         "the optimizer state)")
+        raise _NotSupported("summon_full_params(with_grads=True) is not supported: gradients "
+                            "stay this rank's shards in .grad (read them there, or gather them "
+                            "with the optimizer state)")
     if rank0_only and writeback:
-        raise ValueError("summon_full_params(rank0_only=True) needs writeback=False (as in "
-                         "torch's FSDP): the other ranks do not hold the full values, so edits "
-                         "could not be written back consistently")
+        raise _NotSupported("summon_full_params(rank0_only=True) needs writeback=False (as in "
+                            "torch's FSDP): the other ranks do not hold the full values, so "
+                            "edits could not be written back consistently")
     return rank0_only
 
 
