@@ -784,6 +784,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             for t in _tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(_eager(self._pre_backward_hook))
+                    # an output that is a view, then changed in place by the caller (HF
+                    # Wav2Vec2's hidden_states[~mask] = 0), sends its gradient to its base
+                    # through CopySlices: the view's own hook never runs, the base's does
+                    if t._base is not None and t._base.requires_grad:
+                        t._base.register_hook(_eager(self._pre_backward_hook))
         return output
 
     def _before_a_direct_call(self, module, args) -> None:

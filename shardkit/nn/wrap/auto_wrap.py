@@ -495,9 +495,19 @@ def _cast_through_fp32(module: nn.Module) -> None:
     module.register_forward_hook(after)
 
 
+# Modules that read their children's parameters as tensors instead of calling the children:
+# nn.MultiheadAttention hands ``out_proj.weight``/``.bias`` to F.multi_head_attention_forward
+# (and to its fused fast path), so an ``out_proj`` unit would never gather its shard.
+_READS_CHILDREN_DIRECTLY = (nn.MultiheadAttention,)
+
+
 def _recursive_wrap(module: nn.Module, policy, wrapper_kind, wrap_one, is_root: bool,
                     owners: dict):
-    """Returns (module or its wrapper, number of its parameters now inside wrappers)."""
+    """Returns (module or its wrapper, number of its parameters now inside wrappers).
+
+    The children of a module in ``_READS_CHILDREN_DIRECTLY`` are never wrapped, whatever the
+    policy says (``transformer_auto_wrap_policy({nn.Linear})`` would select
+    ``nn.MultiheadAttention.out_proj``): the module itself may still be a unit."""
     total = sum(p.numel() for p in module.parameters())
     if _already_wrapped(module, wrapper_kind):
         # Note: its parameters are already inside a wrapper, so they do not count towards
@@ -507,7 +517,8 @@ def _recursive_wrap(module: nn.Module, policy, wrapper_kind, wrap_one, is_root: 
     if not policy(module, True, total, is_root):
         return module, 0
     wrapped_numel = 0
-    for name, child in list(module.named_children()):
+    children = [] if isinstance(module, _READS_CHILDREN_DIRECTLY) else module.named_children()
+    for name, child in list(children):
         new_child, numel = _recursive_wrap(child, policy, wrapper_kind, wrap_one, False, owners)
         if new_child is not child:
             setattr(module, name, new_child)
