@@ -143,6 +143,30 @@ __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "Sharding
            "TrainingState", "get_fsdp_instances", "gathered_param_bytes", "GatheredParamBytes"]
 
 
+def _copy_what_aliases(output, shard, module: nn.Module):
+    """``output`` with each tensor that is a view of the unit's gathered parameters (a forward
+    that returns ``self.table[:n]``) replaced by a copy, since the gathered storage is about to
+    be freed (the view would read released memory). The same object when nothing aliases it
+    (the common case: one storage pointer compared per output tensor)."""
+    if not shard.gathered:
+        return output
+    ptr = shard.full.untyped_storage().data_ptr()
+
+    def aliases(t) -> bool:
+        return isinstance(t, torch.Tensor) and not t.is_nested and t.device == shard.full.device \
+            and t.untyped_storage().data_ptr() == ptr
+
+    if not any(aliases(t) for t in _tensors_in(output)):
+        return output
+    output = tree_map(lambda t: t.clone() if aliases(t) else t, output)
+    if any(aliases(t) for t in _tensors_in(output)):
+        raise RuntimeError(f"FullyShardedDataParallel: {type(module).__name__}.forward returned "
+                           f"a view of the unit's parameters inside a container that cannot be "
+                           f"rebuilt; return a copy (.clone()): the gathered parameters are "
+                           f"freed after forward")
+    return output
+
+
 def _tensors_in(output) -> Iterator[torch.Tensor]:
     """Every tensor in a forward's output, however nested: mappings (dict subclasses too, such
     as an ``OrderedDict`` subclass or a transformers ``ModelOutput``), lists, tuples
@@ -772,6 +796,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             return output
         keep_for_backward = grad_enabled and self._stays_gathered_for_backward()
         if self._shard is not None and not keep_for_backward:
+            output = _copy_what_aliases(output, self._shard, module)
             self._shard.free_full(keep_secondary=grad_enabled)
         elif self._shard is not None:
             self._shard.remember_source()
@@ -786,8 +811,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                     t.register_hook(_eager(self._pre_backward_hook))
                     # an output that is a view, then changed in place by the caller (HF
                     # Wav2Vec2's hidden_states[~mask] = 0), sends its gradient to its base
-                    # through CopySlices: the view's own hook never runs, the base's does
-                    if t._base is not None and t._base.requires_grad:
+                    # through CopySlices: the view's own hook never runs, the base's does. Not
+                    # on a leaf base (a parameter's slice): its hooks would outlive the graph
+                    if t._base is not None and t._base.grad_fn is not None:
                         t._base.register_hook(_eager(self._pre_backward_hook))
         return output
 

@@ -1,0 +1,95 @@
+"""An FSDP unit whose forward output shares storage with its own parameters, or is changed in
+place by its caller, trains as one process does.
+
+- A unit that returns a slice of its parameter (a learned position table, ``self.table[:n]``):
+  the gathered parameters are freed after forward, so such an output is copied first (before:
+  a segfault, reading released memory); the parameter itself gets no hook that outlives the step.
+- A unit's output that the caller changes in place (``h[mask] = 0``, as HF Wav2Vec2 does) still
+  gathers the unit for backward (also checked per model in ``tests/test_torch_blocks.py``).
+
+One world of 2 gloo ranks for the module.
+"""
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from shardkit import distributed as skdist
+from shardkit.nn import FullyShardedDataParallel as FSDP
+from shardkit.testing import world_fixture
+from tests.utils.compare import max_diff
+
+world2 = world_fixture(2)
+
+STEPS = 3
+
+
+class Table(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, n: int):
+        return self.table[:n]
+
+
+class Proj(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class Net(nn.Module):
+    """``pos`` returns a view of its parameter; ``proj``'s output is zeroed in place."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pos = Table()
+        self.proj = Proj()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        h = self.proj(x + self.pos(x.shape[1]))
+        h[:, :2] = 0  # in place on a unit's output
+        return self.head(h).sum()
+
+
+def _wrapped(model: Net) -> FSDP:
+    model.pos = FSDP(model.pos)
+    model.proj = FSDP(model.proj)
+    return FSDP(model)
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(step))
+
+
+def _train_like_one_process() -> dict:
+    rank, world = skdist.get_rank(), skdist.get_world_size()
+    oracle = Net()
+    model = _wrapped(copy.deepcopy(oracle))
+    ref_opt = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    worst = 0.0
+    for step in range(STEPS):
+        x = _batch(step)
+        (oracle(x) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model(x.chunk(world)[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        worst = max(worst, max_diff(model.state_dict(), oracle.state_dict()))
+    table = model.pos.module.table
+    return {"worst": worst, "hooks_on_table": len(table._backward_hooks or {})}
+
+
+def test_views_and_in_place_outputs_train_like_one_process(world2):
+    for result in world2.run(_train_like_one_process):
+        assert result["worst"] < 1e-6, result
+        assert result["hooks_on_table"] == 0, result
