@@ -174,6 +174,27 @@ def _root_init(module: nn.Module) -> None:
         module.init_weights()
 
 
+class _RootAndNormNet(_RootInitNet):
+    """_RootInitNet with a LayerNorm that the root's init_weights leaves alone: torch calls
+    param_init_fn on it after the root's call (which left it uninitialised by to_empty)."""
+
+    def __init__(self, device=None):
+        super().__init__(device)
+        self.norm = nn.LayerNorm(3, device=device)
+
+    def forward(self, x):
+        return self.norm(self.body(x))
+
+
+def _root_init_and_norms(module: nn.Module) -> None:
+    if isinstance(module, _RootAndNormNet):
+        module.to_empty(device="cpu")
+        module.init_weights()
+    elif isinstance(module, nn.LayerNorm):
+        module.to_empty(device="cpu", recurse=False)
+        module.reset_parameters()
+
+
 class _MyLinear(nn.Linear):
     """test_fsdp_meta.py's MyLinear: a reset_parameters that depends on the shape only."""
 
@@ -220,6 +241,8 @@ def _meta_runs() -> dict:
     rank = skd.get_rank()
     cases = {
         "root initialises its children": (_RootInitNet, {"param_init_fn": _root_init}),
+        "root initialises its children, LayerNorm per module": (
+            _RootAndNormNet, {"param_init_fn": _root_init_and_norms}),
         "MyModel, per-module param_init_fn, always_wrap": (
             _MyModel, {"param_init_fn": _init_with_reset_params,
                        "auto_wrap_policy": always_wrap_policy}),
@@ -238,7 +261,7 @@ def _meta_runs() -> dict:
             start = {k: v.clone() for k, v in model.state_dict().items()}
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
             gen = torch.Generator().manual_seed(rank)
-            x = torch.randn(4, 4 if cls is _RootInitNet else 2, generator=gen)
+            x = torch.randn(4, 4 if issubclass(cls, _RootInitNet) else 2, generator=gen)
             model(x).sum().backward()
             optimizer.step()
             after = {k: v.clone() for k, v in model.state_dict().items()}

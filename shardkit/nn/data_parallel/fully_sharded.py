@@ -288,9 +288,13 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             each that holds a parameter or buffer on ``meta``, parents before children
             (breadth-first). With ``param_init_fn`` it is called on each such module, with
             grad off; then, parents first, on each module above one it left on ``meta`` with
-            no inner unit below it (torch FSDP1 calls it on every module of the unit, so a
-            function that materializes and initialises the whole model when given its root
-            works under both). No tensor may stay on ``meta`` (a ValueError naming it
+            no inner unit below it, and again on each module below that such a call replaced
+            tensors of (a recursive ``to_empty``). So a function that materializes and
+            initialises the whole model when given its root and leaves the modules below
+            alone when given them works as under torch FSDP1 (which calls it on every module
+            of the unit, parents first); one that initialises a module both from its parent
+            and on its own keeps the module's own values here (children run first), the
+            parent's under torch. No tensor may stay on ``meta`` (a ValueError naming it
             otherwise). Without it (``None``), each such module's meta
             tensors get storage on the unit's compute device (``compute_device``, else the
             device of the model's other tensors, else the current CUDA device, else the CPU)
@@ -1513,7 +1517,15 @@ def _materialize_meta_unit(module: nn.Module, param_init_fn, compute_device) -> 
         if param_init_fn is not None:  # then the parents of what it left on meta
             for _, m in modules:
                 if _materializes_children(m):
+                    below = _modules_to_materialize(m)[1:]
+                    before = {id(d): _real_tensors_of(d) for _, d in below}
                     param_init_fn(m)
+                    # torch FSDP1 calls param_init_fn on every module below m after m: a module
+                    # whose tensors m's call replaced (a recursive to_empty) gets it again, as
+                    # there, instead of keeping uninitialised memory
+                    for _, d in below:
+                        if _replaced(before[id(d)], d):
+                            param_init_fn(d)
     for original, places in holders.values():
         _keep_tie(original, places)
     for name, m in modules:
@@ -1525,6 +1537,20 @@ def _materialize_meta_unit(module: nn.Module, param_init_fn, compute_device) -> 
                 f"after param_init_fn ran on it; it must materialize every parameter and buffer "
                 f"of the module it is given (e.g. module.to_empty(device=..., recurse=False), "
                 f"then initialise them)")
+
+
+def _real_tensors_of(m: nn.Module) -> list:
+    """``(holder, key, tensor, data_ptr)`` of ``m``'s own tensors off ``meta`` (the tensors
+    themselves are kept, so that a new one cannot reuse a freed one's id or storage). Local."""
+    return [(holder, key, t, t.data_ptr()) for holder in (m._parameters, m._buffers)
+            for key, t in holder.items() if t is not None and not t.is_meta]
+
+
+def _replaced(before: list, m: nn.Module) -> bool:
+    """Whether a call since ``before = _real_tensors_of(m)`` replaced one of ``m``'s real
+    tensors or gave it new storage (``to_empty``, with or without swap_tensors). Local."""
+    return any(holder.get(key) is not t or t.data_ptr() != ptr
+               for holder, key, t, ptr in before)
 
 
 def _materializes_children(m: nn.Module) -> bool:
