@@ -26,6 +26,9 @@ DESIGN.md, and its users pass them. Each one is honoured here, with FairScale's 
   each unit's gradients already go as one flat reduce-scatter, so the value is only checked.
 - ``verbose``: ``repr`` lists every setting.
 
+torch FSDP1's ``ignored_modules`` / ``ignored_states`` are resolved by
+:func:`resolve_ignored_states` (see there for their meaning here).
+
 Every check raises ``ValueError`` naming the argument before any collective. No communication.
 """
 
@@ -42,7 +45,8 @@ from shardkit import distributed as skdist
 
 __all__ = ["FairScaleOptions", "resolve_fairscale_options", "resolve_cpu_offload",
            "check_reduce_scatter_group", "check_compute_device", "check_divide_factor",
-           "check_bool", "shard_devices", "meta_init_device", "check_torch_scheduling_options"]
+           "check_bool", "shard_devices", "meta_init_device", "check_torch_scheduling_options",
+           "IgnoredStates", "resolve_ignored_states"]
 
 
 @dataclass(frozen=True)
@@ -290,3 +294,114 @@ def check_torch_scheduling_options(use_orig_params, forward_prefetch, backward_p
         raise ValueError(f"FullyShardedDataParallel(backward_prefetch={backward_prefetch!r}): "
                          f"expected None or torch's BackwardPrefetch.BACKWARD_PRE / "
                          f"BackwardPrefetch.BACKWARD_POST")
+
+
+@dataclass(frozen=True)
+class IgnoredStates:
+    """What one FSDP unit leaves alone (torch FSDP1's ``ignored_modules`` / ``ignored_states``):
+    ``modules``, every ignored module (those given and all their submodules); ``params``,
+    every ignored parameter (the modules' and those given). Identity, not equality, decides
+    membership (:meth:`has_module`, :meth:`has_param`)."""
+
+    modules: tuple = ()
+    params: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "_module_ids", frozenset(id(m) for m in self.modules))
+        object.__setattr__(self, "_param_ids", frozenset(id(p) for p in self.params))
+
+    def __bool__(self) -> bool:
+        return bool(self.modules or self.params)
+
+    def has_module(self, module) -> bool:
+        return id(module) in self._module_ids
+
+    def has_param(self, param) -> bool:
+        return id(param) in self._param_ids
+
+
+def resolve_ignored_states(module: torch.nn.Module, ignored_modules, ignored_states, *,
+                           is_unit, is_wrapped, is_sharded) -> IgnoredStates:
+    """Check torch FSDP1's ``ignored_modules`` / ``ignored_states`` of a unit wrapping
+    ``module`` and return what it ignores. The predicates say whether a module is an FSDP unit
+    (``is_unit``) or the module of one (``is_wrapped``), and whether a parameter is already a
+    unit's shard (``is_sharded``).
+
+    The ignored modules (those given and everything inside them) and parameters are not
+    sharded, gathered or reduced: each rank keeps them as ordinary full tensors, trains them
+    with its local gradient (synchronise them yourself, or freeze them) and finds them as they
+    are in every state dict. As in torch, at most one of the two arguments may be given;
+    ``ignored_states`` takes parameters or modules (all of one kind), ``ignored_modules``
+    modules. Refused (``ValueError`` naming the argument): both given; something that is not
+    an iterable of such objects (a single module or tensor included); an FSDP unit, or the
+    module of one, given or inside one given (ignore it before wrapping: torch refuses FSDP
+    modules there); the module being wrapped itself ignored, which would leave the unit
+    nothing (torch only warns that it is not well-supported); a parameter an inner unit
+    already shards. Local, before any collective."""
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError("FullyShardedDataParallel(ignored_modules=..., ignored_states=...): "
+                         "pass one of them, not both (torch FSDP1: \"Cannot pass both "
+                         "ignored_modules and ignored_states at the same time. Please just "
+                         "pass ignored_states.\"); ignored_states takes the same modules, or "
+                         "parameters")
+    name = "ignored_states" if ignored_states is not None else "ignored_modules"
+    given = ignored_states if ignored_states is not None else ignored_modules
+    valid = ("an iterable of torch.nn.Module or of torch.nn.Parameter (all of one kind)"
+             if name == "ignored_states" else "an iterable of torch.nn.Module")
+    if given is None:
+        return IgnoredStates()
+    if isinstance(given, torch.Tensor) or (isinstance(given, torch.nn.Module)
+                                           and not hasattr(type(given), "__iter__")):
+        raise ValueError(f"FullyShardedDataParallel({name}={type(given).__name__}): expected "
+                         f"{valid} (or None); put a single one in a list")
+    try:
+        items = list(given)
+    except TypeError:
+        raise ValueError(f"FullyShardedDataParallel({name}={given!r}): expected {valid} "
+                         f"(or None)") from None
+    kinds = {type(item) for item in items}
+    all_modules = all(isinstance(item, torch.nn.Module) for item in items)
+    all_params = name == "ignored_states" and \
+        all(isinstance(item, torch.nn.Parameter) for item in items)
+    if not (all_modules or all_params):
+        raise ValueError(f"FullyShardedDataParallel({name}=...): expected {valid}, got "
+                         f"elements of types {sorted(k.__name__ for k in kinds)}")
+    if all_params and items:
+        return _ignored_params_only(name, items, is_sharded)
+    modules: dict = {}
+    for given_module in items:
+        for sub_name, sub in given_module.named_modules():
+            if is_unit(sub) or is_wrapped(sub):
+                where = f"{sub_name!r} inside the {type(given_module).__name__} given" \
+                    if sub_name else f"{type(sub).__name__} given"
+                what = "a FullyShardedDataParallel unit" if is_unit(sub) else \
+                    "the module of a FullyShardedDataParallel unit"
+                raise ValueError(
+                    f"FullyShardedDataParallel({name}=...): the {where} is {what}; ignored "
+                    f"modules must be plain modules (torch: \"`ignored_modules` should not "
+                    f"include FSDP modules\"): pass the module before wrapping it, or do not "
+                    f"wrap what you ignore")
+            modules.setdefault(id(sub), sub)
+    if id(module) in modules:
+        raise ValueError(f"FullyShardedDataParallel({name}=...): the module being wrapped "
+                         f"({type(module).__name__}) is itself ignored (given, or inside a "
+                         f"module given), which leaves this unit nothing to shard; ignore some "
+                         f"of its submodules instead, or do not wrap it")
+    params: dict = {}
+    for m in modules.values():
+        for p in m._parameters.values():
+            if p is not None:
+                params.setdefault(id(p), p)
+    return IgnoredStates(tuple(modules.values()), tuple(params.values()))
+
+
+def _ignored_params_only(name: str, params: list, is_sharded) -> IgnoredStates:
+    for p in params:
+        if is_sharded(p):
+            raise ValueError(f"FullyShardedDataParallel({name}=...): a parameter of shape "
+                             f"{tuple(p.shape)} is already sharded by an inner "
+                             f"FullyShardedDataParallel unit; pass {name} to that unit (or to "
+                             f"the root with auto_wrap_policy, which hands it to the units it "
+                             f"builds)")
+    unique = {id(p): p for p in params}
+    return IgnoredStates((), tuple(unique.values()))

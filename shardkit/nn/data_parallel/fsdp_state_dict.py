@@ -242,14 +242,21 @@ class FSDPStateDictMixin:
 
     def full_shapes(self) -> dict:
         """The full (unsharded) shape of every tensor of :meth:`state_dict`, by its key:
-        parameters from their layouts, buffers as held. No communication, no gather."""
-        layouts = self._param_layouts()
-        shapes = {clean_name(name): tuple(layouts[id(p)].shape)
-                  for name, p in self.named_parameters(remove_duplicate=False)
-                  if id(p) in layouts}
+        sharded parameters from their layouts, the others (ignored: ``ignored_modules`` /
+        ``ignored_states``) and buffers as held. No communication, no gather."""
+        shapes = self._sharded_shapes()
+        for name, p in self.named_parameters(remove_duplicate=False):
+            shapes.setdefault(clean_name(name), tuple(p.shape))
         for name, buf in self.named_buffers():
             shapes.setdefault(clean_name(name), tuple(buf.shape))
         return shapes
+
+    def _sharded_shapes(self) -> dict:
+        """``{key: full shape}`` of the parameters that units shard. Local."""
+        layouts = self._param_layouts()
+        return {clean_name(name): tuple(layouts[id(p)].shape)
+                for name, p in self.named_parameters(remove_duplicate=False)
+                if id(p) in layouts}
 
     def _shape_problems(self, state_dict) -> list[str]:
         """torch's size-mismatch lines for the tensors whose shape is not the model's. Local."""
@@ -473,7 +480,8 @@ class FSDPStateDictMixin:
         tensors (plain Python values; the layout differs from FairScale's, the use is the same).
         No communication."""
         buffers = [clean_name(name) for name, _ in self.named_buffers()]
-        shapes = {k: v for k, v in self.full_shapes().items() if k not in buffers}
+        # ignored parameters are whole on every rank: kept like the buffers, from one rank
+        shapes = {k: v for k, v in self._sharded_shapes().items() if k not in buffers}
         replica = 0 if self.replicate_group is None else skdist.get_rank(self.replicate_group)
         return local_metadata(self.world_size, self.rank, shapes, buffers, replica=replica,
                               own_group_params=self._params_over_other_groups())

@@ -115,14 +115,16 @@ from torch.utils._pytree import tree_map
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes,
                                                   check_one_dtype, gathered_param_bytes)
-from shardkit.nn.data_parallel.fsdp_arguments import (check_bool, check_compute_device,
+from shardkit.nn.data_parallel.fsdp_arguments import (IgnoredStates, check_bool,
+                                                      check_compute_device,
                                                       check_divide_factor,
                                                       check_reduce_scatter_group,
                                                       check_same_unit_on_every_rank,
                                                       check_torch_scheduling_options,
                                                       meta_init_device, move_to_device_id,
                                                       resolve_cpu_offload,
-                                                      resolve_fairscale_options, shard_devices)
+                                                      resolve_fairscale_options,
+                                                      resolve_ignored_states, shard_devices)
 from shardkit.nn.data_parallel.fsdp_state_dict import (FSDPStateDictMixin, add_wrapper_prefix,
                                                        clean_name)
 from shardkit.nn.data_parallel.mixed_precision import (MixedPrecisionPolicy,
@@ -325,6 +327,21 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             the parameters are always the module's own (torch's ``use_orig_params=True``),
             and the units prefetch one unit ahead whatever the others say.
 
+        ignored_modules, ignored_states: torch FSDP1's (one of the two; ``ignored_states``
+            takes modules or parameters): the modules given and everything inside them, and
+            the parameters given, are left alone (:func:`.fsdp_arguments.resolve_ignored_states`
+            checks them): not sharded, gathered or reduced, so each rank keeps its own full
+            tensors and its local gradients (freeze them, or synchronise them yourself, e.g. an
+            all-reduce after backward); they are ordinary tensors in ``parameters()`` and every
+            state dict type (FULL, SHARDED, LOCAL, the optimizer's), and ``load_state_dict``
+            loads them. ``auto_wrap_policy`` wraps nothing inside them and does not count
+            their parameters; inner units it builds get the same argument. Their buffers are
+            not cast by ``buffer_dtype``; ``sync_module_states`` broadcasts their buffers but
+            not their parameters (as torch). ``clip_grad_norm_`` adds this rank's norm of their
+            gradients to the shards' reduced norm and clips them too (torch FSDP1's formula:
+            ranks whose ignored gradients differ get different norms). Ranks may ignore
+            different modules (each its own experts) as long as what the units shard agrees.
+
     FairScale's attributes hold the resolved values: ``compute_dtype``, ``buffer_dtype``,
     ``fp32_reduce_scatter`` and ``compute_device`` as well as the other arguments' names
     (``mixed_precision`` is a bool; the whole policy is ``mixed_precision_policy``).
@@ -359,19 +376,28 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                  allow_reset_parameters: bool = False, sync_module_states: bool = False,
                  param_init_fn=None, auto_wrap_policy=None, device_id=None,
                  use_orig_params: bool = False, forward_prefetch: bool = False,
-                 backward_prefetch=None, limit_all_gathers: bool = True):
+                 backward_prefetch=None, limit_all_gathers: bool = True,
+                 ignored_modules=None, ignored_states=None):
+        # locals() here are exactly this call's arguments (nothing else is bound yet)
+        same = {k: v for k, v in locals().items()
+                if k not in ("self", "module", "auto_wrap_policy", "__class__")}
         _check_wrappable(module)
+        ignored = resolve_ignored_states(module, ignored_modules, ignored_states,
+                                         is_unit=_is_unit, is_wrapped=_WRAPPED_MODULES.__contains__,
+                                         is_sharded=_is_managed)
+        _refuse_other_data_parallel(module, ignored)
+        if ignored_states is not None or ignored_modules is not None:  # for the inner units
+            key = "ignored_states" if ignored_states is not None else "ignored_modules"
+            same[key] = list(ignored.modules) if ignored.modules else list(ignored.params)
         check_torch_scheduling_options(use_orig_params, forward_prefetch, backward_prefetch,
                                        limit_all_gathers)
         move_to_device_id(device_id, module)
         if auto_wrap_policy is not None:  # torch FSDP1: wrap the selected submodules first
-            # locals() here are exactly this call's arguments (nothing else is bound yet)
-            same = {k: v for k, v in locals().items()
-                    if k not in ("self", "module", "auto_wrap_policy", "__class__")}
             from shardkit.nn.wrap.auto_wrap import wrap_below_root
-            module = wrap_below_root(
-                module, auto_wrap_policy, type(self),
-                full_precision_classes=torch_full_precision_classes(mixed_precision), **same)
+            with _ignored_modules_detached(module, ignored):
+                module = wrap_below_root(
+                    module, _policy_without_ignored(auto_wrap_policy, ignored), type(self),
+                    full_precision_classes=torch_full_precision_classes(mixed_precision), **same)
         if param_init_fn is not None and not callable(param_init_fn):
             raise ValueError(f"FullyShardedDataParallel(param_init_fn={param_init_fn!r}): "
                              f"must be a callable(module) that materializes a module built on "
@@ -396,10 +422,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         # instead of leaving the others waiting in it
         meta_error: Optional[Exception] = None
         try:
-            _materialize_meta_unit(module, param_init_fn, compute_device)
+            _materialize_meta_unit(module, param_init_fn, compute_device, ignored)
         except Exception as error:  # param_init_fn is the user's code
             meta_error = error
-        first_param = next(module.parameters(), None)
+        # the unit's own: an ignored parameter (another dtype, another device) says nothing
+        first_param = next((p for p in module.parameters() if not ignored.has_param(p)), None)
         module_device = torch.device("cpu") if first_param is None else first_param.device
         options = resolve_fairscale_options(
             move_params_to_cpu=move_params_to_cpu, module_device=module_device,
@@ -416,15 +443,15 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         skdist.check_member(process_group, "FullyShardedDataParallel", "process_group")
         policy = resolve_mixed_precision(mixed_precision, compute_dtype, buffer_dtype,
                                          fp32_reduce_scatter)
-        _refuse_batchnorm_with_other_buffer_dtype(module, policy)
-        _refuse_embedding_max_norm(module)
+        _refuse_batchnorm_with_other_buffer_dtype(module, policy, ignored)
+        _refuse_embedding_max_norm(module, ignored)
         if device_mesh is not None:
             if process_group is not None:
                 raise ValueError("FullyShardedDataParallel: pass process_group or device_mesh, "
                                  "not both")
             process_group = groups_of_mesh(device_mesh, strategy)
         check_group_arguments(strategy, process_group, hpz_partition_size)
-        params, locations = _collect_unit_params(module)
+        params, locations = _collect_unit_params(module, ignored)
         check_one_dtype(params)
         # before resolve_groups, whose sub-groups (hybrid, hpZ, NO_SHARD) are collectives that
         # ranks with other strategies would not join
@@ -435,7 +462,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 sharding_strategy=strategy.name,
                 reshard_after_forward=reshard_after_forward, mixed_precision=policy,
                 hpz_partition_size=hpz_partition_size, quantize_weights=quantize_weights,
-                quantize_gradients=quantize_gradients, comm=type(transport).__name__)
+                quantize_gradients=quantize_gradients, comm=type(transport).__name__,
+                sync_module_states=sync_module_states,
+                broadcast_buffers=_unit_buffers_described(module) if sync_module_states else [])
         except ValueError:  # the others name it; the rank that failed raises its own error
             if meta_error is None:
                 raise
@@ -449,6 +478,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             check_compute_device(compute_device, unit_compute_device)
         super().__init__()
         self._fsdp_wrapped_module = module
+        # torch FSDP1's attribute names: what this unit and the units inside it leave alone
+        self._ignored_modules = set(ignored.modules).union(
+            *(u._ignored_modules for u in _inner_units(module)))
+        self._ignored_params = set(ignored.params).union(
+            *(u._ignored_params for u in _inner_units(module)))
         self.sharding_strategy = strategy
         self.process_group = groups.shard  # what the shards are cut over
         self.replicate_group = groups.replicate
@@ -473,7 +507,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 transport.prepare(group)
         if sync_module_states:
             _sync_unit_states(module, params, groups, transport)
-        self._buffer_dtypes = _cast_unit_buffers(module, policy.buffer_cast_dtype())
+        self._buffer_dtypes = _cast_unit_buffers(module, policy.buffer_cast_dtype(), ignored)
         self._shard: Optional[FlatParamShard] = None
         if params:
             self._shard = _build_shard(params, locations, groups, policy,
@@ -1322,7 +1356,12 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         data-parallel group, 2D/3D parallelism), one more over the tensor-parallel group, so
         that split weights count once per slice and replicated ones once in all (see
         :func:`~shardkit.utils.grad_norm.count_once_over_tensor_parallel`). Call it on the root,
-        on all ranks."""
+        on all ranks.
+
+        Parameters no unit shards (``ignored_modules`` / ``ignored_states``) count as torch
+        FSDP1 counts them: this rank's gradients added to the all-reduced norm of the shards,
+        not summed over the ranks (equal gradients on every rank count once; if they differ,
+        so does the returned norm), and they are clipped with the same coefficient."""
         if self._is_root is False:
             raise RuntimeError("`clip_grad_norm_()` should only be called on the root FSDP "
                                "instance (torch FSDP1's words): it was called on an inner "
@@ -1330,11 +1369,23 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         max_norm, norm_type = check_clip_arguments("clip_grad_norm_", max_norm, norm_type)
         self._check_idle("clip_grad_norm_")
         self._refuse_unreduced_grads("clip_grad_norm_")
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        measured, also_over = self._gradients_counted_once()
-        total = clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.process_group,
-                                            comm_device=self._comm_device(),
-                                            measured=measured, also_over=also_over)
+        sharded = {id(p) for u in self.sharded_units() if u._shard is not None
+                   for p in u._shard.params}
+        grads = [p.grad for p in self.parameters() if p.grad is not None and id(p) in sharded]
+        unsharded = [p.grad for p in self.parameters()
+                     if p.grad is not None and id(p) not in sharded]
+        measured, also_over = self._gradients_counted_once(sharded)
+        if not unsharded:
+            total = clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.process_group,
+                                                comm_device=self._comm_device(),
+                                                measured=measured, also_over=also_over)
+        else:
+            total = clip_grad_norm_across_ranks(grads, float("inf"), norm_type,
+                                                self.process_group,
+                                                comm_device=self._comm_device(),
+                                                measured=measured, also_over=also_over)
+            total = _clip_with_local_grads(total, grads, unsharded, max_norm, norm_type)
+            grads = grads + unsharded
         # torch FSDP1's dtype: the widest of the gradients' (computed in fp32 all the same)
         widest = functools.reduce(torch.promote_types, [g.dtype for g in grads],
                                   grads[0].dtype) if grads else total.dtype
@@ -1356,7 +1407,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 f"accumulation cycle outside no_sync() (it reduces everything), or call "
                 f"model.zero_grad() to discard them")
 
-    def _gradients_counted_once(self) -> tuple:
+    def _gradients_counted_once(self, sharded: set) -> tuple:
         """``(measured, also_over)`` for :func:`clip_grad_norm_across_ranks`: which of this
         rank's gradients enter the norm and which groups the partial norm is summed over after
         the root's shard group, so that every gradient element is counted exactly once.
@@ -1368,7 +1419,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         the first rank of its replica group only, and the sum runs over the root's shard group
         and then its replica group. Tensor-parallel layers in the model then narrow the counted
         gradients and add the tensor-parallel group (``count_once_over_tensor_parallel``).
-        Local, no communication."""
+        ``sharded``: the ids of the parameters units shard (the others, ignored, are counted
+        apart). Local, no communication."""
         def ranks(group):
             return None if group is None else tuple(skdist.group_ranks(group))
 
@@ -1378,7 +1430,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         uniform = all(ranks(u.replicate_group) == root_replicas
                       and set(skdist.group_ranks(u.process_group)) <= root_shard for u in units)
         if uniform:
-            counted, also_over = self.params_with_grad, ()
+            counted = [p for p in self.params_with_grad if id(p) in sharded]
+            also_over = ()
         else:
             counted = [p for u in units
                        if u.replicate_group is None or skdist.get_rank(u.replicate_group) == 0
@@ -1393,6 +1446,34 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
 
 FSDP = FullyShardedDataParallel
+
+
+def _clip_with_local_grads(sharded_total: torch.Tensor, grads: list, local: list,
+                           max_norm: float, norm_type: float) -> torch.Tensor:
+    """torch FSDP1's total norm when some parameters are not sharded (ignored): the shards'
+    norm (already reduced over the ranks) combined with this rank's norm of the ``local``
+    gradients; then every gradient (``grads`` and ``local``) scaled by the clip coefficient.
+    Local."""
+    values = [g.coalesce().values() if g.is_sparse else g.detach() for g in local]
+    values = [v.float() for v in values if v.numel()]
+    total = sharded_total.float()
+    if values:
+        if torch.isinf(torch.tensor(norm_type)):
+            own = torch.stack([v.abs().max() for v in values]).max().to(total.device)
+            total = torch.maximum(total, own)
+        else:
+            own = torch.stack([torch.linalg.vector_norm(v, norm_type) ** norm_type
+                               for v in values]).sum().to(total.device)
+            total = (total ** norm_type + own) ** (1.0 / norm_type)
+    if max_norm == float("inf"):
+        return total
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in list(grads) + list(local):
+        if g.is_sparse:
+            g.mul_(coef.item())
+        else:
+            g.detach().mul_(coef.to(g.device, g.dtype))
+    return total
 
 
 def unit_holding(param: torch.Tensor) -> Optional[FullyShardedDataParallel]:
@@ -1430,15 +1511,21 @@ def _check_wrappable(module) -> None:
         raise ValueError(f"FullyShardedDataParallel: this {type(module).__name__} is already "
                          f"wrapped by another FullyShardedDataParallel; wrap each module once "
                          f"(use that instance, or build a fresh module)")
-    _refuse_other_data_parallel(module)
 
 
-def _refuse_other_data_parallel(module: nn.Module) -> None:
+def _refuse_other_data_parallel(module: nn.Module, ignored: IgnoredStates) -> None:
     """A ShardedDataParallel or torch DDP inside the unit would reduce gradients of parameters
-    that FSDP flattens and shards itself. Inner FSDP units are fine (nesting). Local."""
+    that FSDP flattens and shards itself. Inner FSDP units are fine (nesting), and so is one
+    inside an ignored module (``ignored_modules``: its own scheme syncs it). Local."""
     from shardkit.nn.data_parallel.sharded_ddp import ShardedDataParallel
 
-    found = wrapper_inside(module, (ShardedDataParallel, nn.parallel.DistributedDataParallel))
+    kinds = (ShardedDataParallel, nn.parallel.DistributedDataParallel)
+    if ignored:
+        found = next(((f"module.{name}" if name else "module", m)
+                      for name, m in _named_unit_modules(module, ignored)
+                      if isinstance(m, kinds)), None)
+    else:
+        found = wrapper_inside(module, kinds)
     if found is not None:
         where, inner = found
         raise ValueError(f"FullyShardedDataParallel(module=...): {where} is already a "
@@ -1446,15 +1533,73 @@ def _refuse_other_data_parallel(module: nn.Module) -> None:
                          f"plain module (FSDP reduces its gradients)")
 
 
-def _unit_modules(module: nn.Module) -> Iterator[nn.Module]:
-    """``module`` and its submodules, not descending into inner FSDP units."""
-    for _, m in _named_unit_modules(module):
+@contextlib.contextmanager
+def _ignored_modules_detached(module: nn.Module, ignored: IgnoredStates):
+    """While the constructor's ``auto_wrap_policy`` runs: the outermost ignored modules taken
+    out of their parents (``None`` children, which ``nn.Module``'s traversals skip), so that the
+    policy neither wraps them nor anything inside them, and does not count their parameters (as
+    torch FSDP1's auto-wrapping skips ignored modules); put back on exit, whatever happens.
+    Local."""
+    taken = []
+    if ignored.modules:
+        for parent in module.modules():
+            if ignored.has_module(parent):
+                continue
+            for name, child in list(parent._modules.items()):
+                if child is not None and ignored.has_module(child):
+                    taken.append((parent, name, child))
+                    parent._modules[name] = None
+    try:
+        yield
+    finally:
+        for parent, name, child in taken:
+            parent._modules[name] = child
+
+
+def _policy_without_ignored(policy, ignored: IgnoredStates):
+    """``policy`` told, as torch FSDP1's auto-wrapping tells it, the parameter counts without
+    the ignored parameters (``ignored_states=[params]``; ignored modules are taken out of the
+    tree meanwhile by :func:`_ignored_modules_detached`). ``policy`` itself without any."""
+    if not ignored.params:
+        return policy
+    from shardkit.nn.wrap.auto_wrap import _policy_caller
+    call = _policy_caller(policy)
+
+    def without_ignored(module, recurse, unwrapped_params, module_is_root=False):
+        left_out = sum(p.numel() for p in module.parameters() if ignored.has_param(p))
+        return call(module, recurse, unwrapped_params - left_out, module_is_root)
+
+    return without_ignored
+
+
+def _unit_buffers_described(module: nn.Module) -> list:
+    """Name, shape and dtype of each buffer ``sync_module_states`` broadcasts for the unit
+    (:func:`_sync_unit_states`: those of ignored modules too, as torch FSDP1 does), which every
+    rank must hold alike: ranks may ignore different modules (each its own experts, as torch
+    allows), but a broadcast of other sizes would abort gloo. Local."""
+    return [f"{clean_name(name)} {tuple(b.shape)} {b.dtype}"
+            for prefix, m in _named_unit_modules(module)
+            for key, b in m._buffers.items() if b is not None
+            for name in [f"{prefix}.{key}" if prefix else key]]
+
+
+def _is_unit(module) -> bool:
+    return isinstance(module, FullyShardedDataParallel)
+
+
+def _unit_modules(module: nn.Module,
+                  ignored: IgnoredStates = IgnoredStates()) -> Iterator[nn.Module]:
+    """``module`` and its submodules, not descending into inner FSDP units (nor, given
+    ``ignored``, into ignored modules)."""
+    for _, m in _named_unit_modules(module, ignored):
         yield m
 
 
-def _named_unit_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+def _named_unit_modules(module: nn.Module, ignored: IgnoredStates = IgnoredStates()
+                        ) -> Iterator[tuple[str, nn.Module]]:
     """``(qualified name, module)`` for ``module`` (name ``""``) and its submodules, not
-    descending into inner FSDP units; a module reached twice is yielded once."""
+    descending into inner FSDP units nor into the modules ``ignored`` holds; a module reached
+    twice is yielded once."""
     stack = [("", module)]
     seen = set()
     while stack:
@@ -1465,18 +1610,22 @@ def _named_unit_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
         yield name, m
         stack.extend(reversed([(f"{name}.{child}" if name else child, c)
                                for child, c in m.named_children()
-                               if not isinstance(c, FullyShardedDataParallel)]))
+                               if not isinstance(c, FullyShardedDataParallel)
+                               and not ignored.has_module(c)]))
 
 
-def _modules_to_materialize(module: nn.Module) -> list[tuple[str, nn.Module]]:
+def _modules_to_materialize(module: nn.Module, ignored: IgnoredStates = IgnoredStates()
+                            ) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)`` for ``module`` and the submodules reachable from it without
-    entering an FSDP unit, breadth-first (parents before children, torch FSDP's order)."""
+    entering an FSDP unit or an ignored module (torch FSDP1 leaves those as they are),
+    breadth-first (parents before children, torch FSDP's order)."""
     found, queue, seen = [], collections.deque([("", module)]), {id(module)}
     while queue:
         name, m = queue.popleft()
         found.append((name, m))
         for child_name, child in m.named_children():
-            if id(child) not in seen and not isinstance(child, FullyShardedDataParallel):
+            if id(child) not in seen and not isinstance(child, FullyShardedDataParallel) \
+                    and not ignored.has_module(child):
                 seen.add(id(child))
                 queue.append((f"{name}.{child_name}" if name else child_name, child))
     return found
@@ -1488,12 +1637,13 @@ def _meta_tensors_of(m: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
             for key, t in holder.items() if t is not None and t.is_meta]
 
 
-def _materialize_meta_unit(module: nn.Module, param_init_fn, compute_device) -> None:
+def _materialize_meta_unit(module: nn.Module, param_init_fn, compute_device,
+                           ignored: IgnoredStates = IgnoredStates()) -> None:
     """Give the unit's own modules that hold meta tensors real ones (see the ``param_init_fn``
     argument): ``param_init_fn(m)``, or storage on the unit's device and
     ``m.reset_parameters()``. Shared tensors stay shared and keep their objects. Nothing
     happens (not even a device look-up) when no tensor is on meta. Local."""
-    modules = _modules_to_materialize(module)
+    modules = _modules_to_materialize(module, ignored)
     holders: dict[int, tuple[torch.Tensor, list]] = {}
     for _, m in modules:
         for holder, key, t in _meta_tensors_of(m):
@@ -1727,13 +1877,14 @@ def _is_managed(p: nn.Parameter) -> bool:
     return ref is not None and ref() is p
 
 
-def _collect_unit_params(module: nn.Module):
-    """The unit's distinct parameters and, for each, every (module, name) that holds it."""
+def _collect_unit_params(module: nn.Module, ignored: IgnoredStates = IgnoredStates()):
+    """The unit's distinct parameters (not the ignored ones) and, for each, every
+    (module, name) that holds it."""
     params: list[nn.Parameter] = []
     locations: dict[int, list] = {}
-    for m in _unit_modules(module):
+    for m in _unit_modules(module, ignored):
         for name, p in m._parameters.items():
-            if p is None:
+            if p is None or ignored.has_param(p):
                 continue
             if _is_managed(p):
                 raise ValueError(
@@ -1761,12 +1912,14 @@ def _holders_inside(module: nn.Module, locations: list) -> list:
     return list(holders.values())
 
 
-def _cast_unit_buffers(module: nn.Module, dtype: Optional[torch.dtype]) -> list:
-    """Cast the unit's floating buffers to ``dtype``; return (module, name, original dtype)."""
+def _cast_unit_buffers(module: nn.Module, dtype: Optional[torch.dtype],
+                       ignored: IgnoredStates = IgnoredStates()) -> list:
+    """Cast the unit's floating buffers (not those of ignored modules, as in torch FSDP1) to
+    ``dtype``; return (module, name, original dtype)."""
     changed = []
     if dtype is None:
         return changed
-    for m in _unit_modules(module):
+    for m in _unit_modules(module, ignored):
         for name, buf in m._buffers.items():
             if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
                 changed.append((m, name, buf.dtype))
@@ -1774,8 +1927,8 @@ def _cast_unit_buffers(module: nn.Module, dtype: Optional[torch.dtype]) -> list:
     return changed
 
 
-def _refuse_batchnorm_with_other_buffer_dtype(module: nn.Module,
-                                              policy: MixedPrecisionPolicy) -> None:
+def _refuse_batchnorm_with_other_buffer_dtype(module: nn.Module, policy: MixedPrecisionPolicy,
+                                              ignored: IgnoredStates = IgnoredStates()) -> None:
     """With ``buffer_dtype`` other than the compute dtype (the parameters' own dtype without
     mixed precision), a BatchNorm whose weight this unit gathers would meet running statistics
     of another dtype, which torch's ``batch_norm`` refuses at the first forward ("expected
@@ -1786,7 +1939,7 @@ def _refuse_batchnorm_with_other_buffer_dtype(module: nn.Module,
     compute = policy.compute_dtype(params[0].dtype if params else torch.float32)
     if buffers is None or buffers == compute:
         return
-    for m in _unit_modules(module):
+    for m in _unit_modules(module, ignored):
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.weight is not None \
                 and m.running_mean is not None:
             raise ValueError(
@@ -1803,13 +1956,14 @@ def _keep_unit_storage() -> None:
     """What ``unit.flatten_parameters()`` runs for a wrapped RNN: nothing (see the property)."""
 
 
-def _refuse_embedding_max_norm(module: nn.Module) -> None:
+def _refuse_embedding_max_norm(module: nn.Module,
+                               ignored: IgnoredStates = IgnoredStates()) -> None:
     """An ``nn.Embedding(max_norm=...)`` renormalises the looked-up rows of its weight in place
     during forward. In a unit that weight is a view of the gathered (temporary) full
     parameter: autograd refuses the in-place write ("a view ... has been modified inplace"),
     and were it allowed, the write would be dropped at reshard, not reach the shard. Say so
     here, with the ways out. Local, before any collective."""
-    for name, m in _named_unit_modules(module):
+    for name, m in _named_unit_modules(module, ignored):
         if isinstance(m, nn.Embedding) and m.max_norm is not None:
             raise ValueError(
                 f"FullyShardedDataParallel: {name or 'the module'} is nn.Embedding(max_norm="

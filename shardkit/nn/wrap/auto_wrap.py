@@ -286,7 +286,25 @@ def wrap(module: nn.Module, **wrap_overrides) -> nn.Module:
         return module
     cls, kwargs, _ = current
     _check_wrapper_kwargs(cls, wrap_overrides, "wrap")
+    if _ignored_by({**kwargs, **wrap_overrides})[0].get(id(module)) is module:
+        return module  # torch FSDP1's ignored_modules: left as it is
     return _wrap_one(module, cls, kwargs, wrap_overrides)
+
+
+def _ignored_by(kwargs: dict) -> tuple[dict, dict]:
+    """``({id: module}, {id: parameter})`` that the wrapper kwargs' ``ignored_modules`` /
+    ``ignored_states`` leave alone (every submodule of an ignored module, and its parameters);
+    empty when neither is given or the value is not iterable (the wrapper's own checks name
+    that). Local."""
+    given = kwargs.get("ignored_modules") or kwargs.get("ignored_states") or ()
+    try:
+        given = list(given)
+    except TypeError:
+        return {}, {}
+    modules = {id(sub): sub for m in given if isinstance(m, nn.Module) for sub in m.modules()}
+    params = {id(p): p for p in given if isinstance(p, nn.Parameter)}
+    params.update((id(p), p) for m in modules.values() for p in m.parameters(recurse=False))
+    return modules, params
 
 
 def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
@@ -326,7 +344,8 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
     wrap_one = functools.partial(_wrap_one, wrapper_cls=wrapper_cls,
                                  context_kwargs=context_kwargs, overrides=wrapper_kwargs)
     wrapped, _ = _recursive_wrap(module, _policy_caller(policy), _wrapper_key(wrapper_cls),
-                                 wrap_one, is_root=True, owners=_registering_modules(module))
+                                 wrap_one, is_root=True, owners=_registering_modules(module),
+                                 ignored=_ignored_by({**context_kwargs, **wrapper_kwargs}))
     return wrapped
 
 
@@ -502,13 +521,15 @@ _READS_CHILDREN_DIRECTLY = (nn.MultiheadAttention,)
 
 
 def _recursive_wrap(module: nn.Module, policy, wrapper_kind, wrap_one, is_root: bool,
-                    owners: dict):
+                    owners: dict, ignored: tuple = ({}, {})):
     """Returns (module or its wrapper, number of its parameters now inside wrappers).
 
     The children of a module in ``_READS_CHILDREN_DIRECTLY`` are never wrapped, whatever the
     policy says (``transformer_auto_wrap_policy({nn.Linear})`` would select
     ``nn.MultiheadAttention.out_proj``): the module itself may still be a unit."""
-    total = sum(p.numel() for p in module.parameters())
+    if ignored[0].get(id(module)) is module:  # ignored_modules: not wrapped, nor counted
+        return module, 0
+    total = sum(p.numel() for p in module.parameters() if id(p) not in ignored[1])
     if _already_wrapped(module, wrapper_kind):
         # Note: its parameters are already inside a wrapper, so they do not count towards
         # the enclosing modules' unwrapped parameters (counted as unwrapped, a parent with
@@ -519,7 +540,8 @@ def _recursive_wrap(module: nn.Module, policy, wrapper_kind, wrap_one, is_root: 
     wrapped_numel = 0
     children = [] if isinstance(module, _READS_CHILDREN_DIRECTLY) else module.named_children()
     for name, child in list(children):
-        new_child, numel = _recursive_wrap(child, policy, wrapper_kind, wrap_one, False, owners)
+        new_child, numel = _recursive_wrap(child, policy, wrapper_kind, wrap_one, False, owners,
+                                           ignored)
         if new_child is not child:
             setattr(module, name, new_child)
         wrapped_numel += numel
