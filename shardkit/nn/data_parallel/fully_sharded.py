@@ -155,8 +155,10 @@ def _copy_what_aliases(output, shard, module: nn.Module):
     ptr = shard.full.untyped_storage().data_ptr()
 
     def aliases(t) -> bool:
-        return isinstance(t, torch.Tensor) and not t.is_nested and t.device == shard.full.device \
-            and t.untyped_storage().data_ptr() == ptr
+        # only strided tensors have a storage to compare (a sparse or mkldnn output raised
+        # NotImplementedError here); a nested tensor is a copy already
+        return isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested \
+            and t.device == shard.full.device and t.untyped_storage().data_ptr() == ptr
 
     if not any(aliases(t) for t in _tensors_in(output)):
         return output
@@ -833,8 +835,12 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                         t.register_hook(_refuse_backward_while_summoned)
             return output
         keep_for_backward = grad_enabled and self._stays_gathered_for_backward()
-        if self._shard is not None and not keep_for_backward:
+        if self._shard is not None:
+            # also when kept gathered (the root, reshard_after_forward=False): the end of
+            # backward, or the next forward after a step, frees ``full`` while the caller may
+            # still hold the output (read after backward: a segfault)
             output = _copy_what_aliases(output, self._shard, module)
+        if self._shard is not None and not keep_for_backward:
             self._shard.free_full(keep_secondary=grad_enabled)
         elif self._shard is not None:
             self._shard.remember_source()
