@@ -30,8 +30,9 @@ of its own, ``default_auto_wrap_policy(min_num_params=1)``; every ``nn.Linear`` 
 stages 0-3: 3 AdamW steps, each rank its half of the same global batch, compared after
 every step with one-process training (the loss of each rank's rows and every parameter and
 buffer, to 2e-5). The full state dict's keys are the plain model's own, and it loads strictly
-into a fresh plain model. For the encoders, the trained wrapped model in eval (the fast path)
-gives the plain trained model's output; the others' eval loss (``nn.MultiheadAttention``'s own
+into a fresh plain model. For the encoders, the trained wrapped model in eval gives the plain
+trained model's output (the plain model takes torch's fast path, and so do the wrappers that do
+not shard; FSDP's module hooks turn the fast path off, so its units run the slow path); the others' eval loss (``nn.MultiheadAttention``'s own
 fast path; spectral norm's stored vectors) is the plain trained model's.
 """
 
