@@ -8,6 +8,7 @@ state dicts, ``clip_grad_norm_`` and auto-wrapping; one process on the global ba
 oracle for training. One world of 2 gloo ranks for the module.
 """
 
+import copy
 import functools
 
 import pytest
@@ -171,10 +172,18 @@ def _against_torch_run(which: str) -> dict:
     full = cls.full_optim_state_dict(model, optim)
     if which == "shardkit":  # and loads back: every state, the ignored ones included
         fresh = torch.optim.Adam(model.parameters(), lr=0.01)
-        fresh.load_state_dict(cls.optim_state_dict_to_load(model, fresh, osd))
-        out["osd_reloaded"] = len(fresh.state) == len(optim.state) and all(
-            torch.equal(v, optim.state[p][k]) for p, st in fresh.state.items()
+        saved = copy.deepcopy(osd)  # the dict holds the live state tensors: load a copy
+        expected = {p: {k: v.clone() for k, v in st.items()} for p, st in optim.state.items()}
+        with torch.no_grad():
+            for state in optim.state.values():
+                state["exp_avg"].zero_()  # what must come back is the saved value, not this
+        fresh.load_state_dict(cls.optim_state_dict_to_load(model, fresh, saved))
+        out["osd_reloaded"] = len(fresh.state) == len(expected) and all(
+            torch.equal(v, expected[p][k]) for p, st in fresh.state.items()
             for k, v in st.items())
+        with torch.no_grad():
+            for p, state in optim.state.items():
+                state["exp_avg"].copy_(expected[p]["exp_avg"])
     names = [n.replace("_fsdp_wrapped_module.", "") for n, _ in model.named_parameters()]
     out["full_osd_tower"] = None if not full else {  # shardkit's keys: parameter ids
         key: state for k, state in full["state"].items()
@@ -418,3 +427,49 @@ def test_fsdp_unit_in_the_ignored_set_is_refused(world2):
             in messages[1]
         assert "the module of a FullyShardedDataParallel unit" in messages[2]
         assert "already sharded by an inner FullyShardedDataParallel unit" in messages[3]
+
+
+# ---------------------------------------------------------------------- review findings
+
+
+def _sync_buffers_in_policy_units_run() -> list:
+    """torch FSDP1 broadcasts every buffer under sync_module_states, those of ignored modules
+    inside units that auto_wrap_policy builds too."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    net = _net(batchnorm=True)
+    net.b = nn.Sequential(nn.BatchNorm1d(6), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    norm = net.b[0]
+    norm.running_mean.fill_(skd.get_rank() + 1.0)
+    FSDP(net, ignored_modules=[norm], auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}),
+         sync_module_states=True)
+    return norm.running_mean.tolist()
+
+
+def test_sync_module_states_reaches_ignored_buffers_inside_policy_units(world2):
+    means = world2.run(_sync_buffers_in_policy_units_run)
+    assert means[0] == means[1] == [1.0] * 6
+
+
+def _ignored_module_sharded_by_inner_unit_run() -> list:
+    messages = []
+    net = _net()
+    b0 = net.b[0]
+    net.b = FSDP(net.b)
+    try:
+        FSDP(net, ignored_modules=[b0])
+        messages.append("no error")
+    except ValueError as error:
+        messages.append(str(error))
+    net = _net()  # a generator given to enable_wrap reaches every unit it builds
+    b0 = net.b[0]
+    with enable_wrap(wrapper_cls=FSDP, ignored_modules=(m for m in [b0])):
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        FSDP(auto_wrap(net, ModuleWrapPolicy({nn.Sequential})), ignored_modules=[b0])
+    messages.append(tuple(b0.weight.shape))
+    return messages
+
+
+def test_ignored_module_already_sharded_is_refused_and_generators_reach_every_unit(world2):
+    for messages in world2.run(_ignored_module_sharded_by_inner_unit_run):
+        assert "already sharded by an inner FullyShardedDataParallel unit" in messages[0]
+        assert messages[1] == (6, 6)  # b.0 stays whole in the unit b

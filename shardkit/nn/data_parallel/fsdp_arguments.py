@@ -392,10 +392,13 @@ def resolve_ignored_states(module: torch.nn.Module, ignored_modules, ignored_sta
         for p in m._parameters.values():
             if p is not None:
                 params.setdefault(id(p), p)
+    _refuse_sharded(name, params.values(), is_sharded)
     return IgnoredStates(tuple(modules.values()), tuple(params.values()))
 
 
-def _ignored_params_only(name: str, params: list, is_sharded) -> IgnoredStates:
+def _refuse_sharded(name: str, params, is_sharded) -> None:
+    """An ignored parameter that an inner unit already shards would stay sharded and reduced
+    (the ignoring silently a no-op): refused, for modules as for parameters. Local."""
     for p in params:
         if is_sharded(p):
             raise ValueError(f"FullyShardedDataParallel({name}=...): a parameter of shape "
@@ -403,5 +406,9 @@ def _ignored_params_only(name: str, params: list, is_sharded) -> IgnoredStates:
                              f"FullyShardedDataParallel unit; pass {name} to that unit (or to "
                              f"the root with auto_wrap_policy, which hands it to the units it "
                              f"builds)")
+
+
+def _ignored_params_only(name: str, params: list, is_sharded) -> IgnoredStates:
+    _refuse_sharded(name, params, is_sharded)
     unique = {id(p): p for p in params}
     return IgnoredStates((), tuple(unique.values()))

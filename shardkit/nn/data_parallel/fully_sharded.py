@@ -466,7 +466,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 hpz_partition_size=hpz_partition_size, quantize_weights=quantize_weights,
                 quantize_gradients=quantize_gradients, comm=type(transport).__name__,
                 sync_module_states=sync_module_states,
-                broadcast_buffers=_unit_buffers_described(module) if sync_module_states else [])
+                broadcast_buffers=_unit_buffers_described(module, ignored)
+                if sync_module_states else [])
         except ValueError:  # the others name it; the rank that failed raises its own error
             if meta_error is None:
                 raise
@@ -508,7 +509,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             if group is not None:
                 transport.prepare(group)
         if sync_module_states:
-            _sync_unit_states(module, params, groups, transport)
+            _sync_unit_states(module, params, groups, transport,
+                              [b for _, b in _ignored_buffers_in_units(module, ignored)])
         self._buffer_dtypes = _cast_unit_buffers(module, policy.buffer_cast_dtype(), ignored)
         self._shard: Optional[FlatParamShard] = None
         if params:
@@ -1578,7 +1580,18 @@ def _policy_without_ignored(policy, ignored: IgnoredStates):
     return without_ignored
 
 
-def _unit_buffers_described(module: nn.Module) -> list:
+def _ignored_buffers_in_units(module: nn.Module, ignored: IgnoredStates) -> list:
+    """``(key, buffer)`` of the ignored modules inside the inner units that this constructor's
+    ``auto_wrap_policy`` built: they were detached meanwhile (:func:`_ignored_modules_detached`),
+    so no unit's ``sync_module_states`` saw their buffers, which torch FSDP1 broadcasts. Local."""
+    reached = {id(m) for m in _unit_modules(module)}
+    return [(f"{clean_name(name)}.{key}", b) for name, m in module.named_modules()
+            if ignored.has_module(m) and id(m) not in reached
+            for key, b in m._buffers.items() if b is not None]
+
+
+def _unit_buffers_described(module: nn.Module,
+                            ignored: IgnoredStates = IgnoredStates()) -> list:
     """Name, shape and dtype of each buffer ``sync_module_states`` broadcasts for the unit
     (:func:`_sync_unit_states`: those of ignored modules too, as torch FSDP1 does), which every
     rank must hold alike: ranks may ignore different modules (each its own experts, as torch
@@ -1586,7 +1599,9 @@ def _unit_buffers_described(module: nn.Module) -> list:
     return [f"{clean_name(name)} {tuple(b.shape)} {b.dtype}"
             for prefix, m in _named_unit_modules(module)
             for key, b in m._buffers.items() if b is not None
-            for name in [f"{prefix}.{key}" if prefix else key]]
+            for name in [f"{prefix}.{key}" if prefix else key]] + [
+        f"{name} {tuple(b.shape)} {b.dtype}"
+        for name, b in _ignored_buffers_in_units(module, ignored)]
 
 
 def _is_unit(module) -> bool:
@@ -1797,11 +1812,14 @@ def _keep_tie(original: torch.Tensor, places: list) -> None:
             holder[key] = original
 
 
-def _sync_unit_states(module: nn.Module, params: list, groups, transport) -> None:
+def _sync_unit_states(module: nn.Module, params: list, groups, transport,
+                      extra_buffers: list = ()) -> None:
     """Give every rank rank 0's values of the unit's parameters and of the buffers outside
-    its inner units, by the unit's ``transport``: across the replicas first, so that each
-    shard group's rank 0 holds global rank 0's values, then inside the shard group."""
+    its inner units (and ``extra_buffers``), by the unit's ``transport``: across the replicas
+    first, so that each shard group's rank 0 holds global rank 0's values, then inside the
+    shard group."""
     buffers = [b for m in _unit_modules(module) for b in m._buffers.values() if b is not None]
+    buffers += list(extra_buffers)
     tensors = list(params) + list({id(b): b for b in buffers}.values())
     if groups.replicate is not None:  # None: no replicas
         skdist.broadcast_tensors_from_rank0(tensors, groups.replicate, transport=transport)

@@ -17,6 +17,7 @@ never decides anything itself. Wrapping costs nothing here; the wrapper's own co
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import functools
 import inspect
@@ -196,7 +197,7 @@ def enable_wrap(wrapper_cls: Optional[type] = None, auto_wrap_policy: Optional[C
                          f"mixed_precision=True computes in fp16 from fp32 shards")
     _check_policy(auto_wrap_policy, "enable_wrap")
     _check_wrapper_kwargs(wrapper_cls, wrapper_kwargs, "enable_wrap")
-    _wrap_contexts.append((wrapper_cls, dict(wrapper_kwargs), auto_wrap_policy))
+    _wrap_contexts.append((wrapper_cls, _ignored_listed(wrapper_kwargs), auto_wrap_policy))
     try:
         yield
     finally:
@@ -291,6 +292,15 @@ def wrap(module: nn.Module, **wrap_overrides) -> nn.Module:
     return _wrap_one(module, cls, kwargs, wrap_overrides)
 
 
+def _ignored_listed(kwargs: dict) -> dict:
+    """``kwargs`` with an iterator given as ``ignored_modules`` / ``ignored_states`` made a
+    list, so that every unit built from them (and :func:`_ignored_by`) sees all of it, not
+    what an earlier one left. Local."""
+    return {key: list(value) if key in ("ignored_modules", "ignored_states")
+            and isinstance(value, collections.abc.Iterator) else value
+            for key, value in kwargs.items()}
+
+
 def _ignored_by(kwargs: dict) -> tuple[dict, dict]:
     """``({id: module}, {id: parameter})`` that the wrapper kwargs' ``ignored_modules`` /
     ``ignored_states`` leave alone (every submodule of an ignored module, and its parameters);
@@ -340,6 +350,7 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
         current = (FullyShardedDataParallel, {}, None)
     wrapper_cls, context_kwargs, context_policy = current
     _check_wrapper_kwargs(wrapper_cls, wrapper_kwargs, "auto_wrap")
+    wrapper_kwargs = _ignored_listed(wrapper_kwargs)
     policy = auto_wrap_policy or context_policy or default_auto_wrap_policy
     wrap_one = functools.partial(_wrap_one, wrapper_cls=wrapper_cls,
                                  context_kwargs=context_kwargs, overrides=wrapper_kwargs)
