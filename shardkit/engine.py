@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import io
 import logging
 import math
@@ -69,7 +70,7 @@ import os
 import re
 import time
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -83,8 +84,10 @@ from shardkit.model_parallel_unit import (ModelParallelGroups, checkpoint_locati
                                           model_parallel_groups, mp_rank_name,
                                           write_tensor_parallel_layout)
 from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
-from shardkit.recipes import (Composition, OptimizerRecipe, compose, refuse_meta_tensors,
-                              why_not_on_row_shards, why_not_steppable_on_shards)
+from shardkit.recipes import (Composition, OptimizerRecipe, agree_on_refusal,
+                              check_composable, compose, model_fingerprint,
+                              optimizer_fingerprint, refuse_meta_tensors, why_not_on_row_shards,
+                              why_not_steppable_on_shards)
 from shardkit.utils.wrapped_attributes import attribute_through
 
 __all__ = ["initialize", "ShardedEngine"]
@@ -328,12 +331,24 @@ def _is_scheduler_instance(lr_scheduler) -> bool:
 
 def compose_from_config(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg: EngineConfig,
                         wrap_policy: Optional[Callable] = None,
-                        process_group=None, param_init_fn: Optional[Callable] = None
-                        ) -> Composition:
+                        process_group=None, param_init_fn: Optional[Callable] = None,
+                        agree_across_ranks: bool = True) -> Composition:
     """The stage's wrappers, built by :func:`shardkit.recipes.compose` from the config's
     choices, over ``process_group`` (the data-parallel group; ``None``: the world). DeepSpeed
     counts ``reduce_bucket_size`` in elements; ShardedDataParallel's bucket is in bytes of the
-    (fp32) gradients, so the size is converted here, once."""
+    (fp32) gradients, so the size is converted here, once. ``agree_across_ranks``: compose's
+    (``False`` when the caller's ranks have agreed already, as :func:`initialize` does)."""
+    kwargs = _compose_arguments(model, recipe, cfg, wrap_policy, param_init_fn)
+    # The engine counts no torch-DDP traffic of its own: users wrap steps in CommCounter
+    # to see what the wrappers send, as they would without the engine.
+    return compose(model, cfg.zero.stage, recipe, count_ddp_comm=False,
+                   process_group=process_group, agree_across_ranks=agree_across_ranks, **kwargs)
+
+
+def _compose_arguments(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg: EngineConfig,
+                       wrap_policy: Optional[Callable], param_init_fn: Optional[Callable]) -> dict:
+    """:func:`shardkit.recipes.compose`'s keyword arguments for the config (beside the stage,
+    the recipe and the group); a ValueError for ``param_init_fn`` below stage 3. Local."""
     zero = cfg.zero
     kwargs: dict = {}
     if zero.stage == 3:
@@ -343,8 +358,7 @@ def compose_from_config(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg
                          f"meta device unit by unit at ZeRO stage 3; this config has stage "
                          f"{zero.stage}, which keeps the whole model on every rank")
     if recipe is None and zero.stage < 3:  # forward only: the model whole, nothing reduced
-        return compose(model, zero.stage, None, count_ddp_comm=False,
-                       process_group=process_group)
+        return kwargs
     if zero.stage in (0, 1):
         kwargs["find_unused_parameters"] = zero.ignore_unused_parameters
     if zero.stage == 1:
@@ -360,10 +374,40 @@ def compose_from_config(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg
                       hpz_partition_size=zero.hpz_partition_size)
     if cfg.communication_dtype is not None:
         kwargs["reduce_dtype"] = _HALF_DTYPES[cfg.communication_dtype]
-    # The engine counts no torch-DDP traffic of its own: users wrap steps in CommCounter
-    # to see what the wrappers send, as they would without the engine.
-    return compose(model, zero.stage, recipe, count_ddp_comm=False, process_group=process_group,
-                   **kwargs)
+    return kwargs
+
+
+def _checks_of_compose(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg: EngineConfig,
+                       wrap_policy: Optional[Callable], param_init_fn: Optional[Callable]) -> None:
+    """What :func:`shardkit.recipes.compose` would refuse for this config, raised here. Local."""
+    kwargs = _compose_arguments(model, recipe, cfg, wrap_policy, param_init_fn)
+    kwargs.pop("reduce_bucket_bytes", None)  # compose's own, not a check's
+    check_composable(model, cfg.zero.stage, recipe, **kwargs)
+
+
+# Config sections that only log or profile: a rank may name its own output there.
+_PER_RANK_SECTIONS = frozenset({"tensorboard", "wandb", "csv_monitor", "comms_logger",
+                                "flops_profiler", "wall_clock_breakdown", "steps_per_print",
+                                "autotuning"})
+
+
+def _flat_config(raw, prefix: str = "config") -> dict:
+    """``{"config.a.b": repr(value)}`` for every leaf of the config the caller gave, to compare
+    between ranks (lists as one leaf; long values shortened to a digest), without the
+    logging and profiling sections (:data:`_PER_RANK_SECTIONS`). Local."""
+    out: dict = {}
+    for key, value in (raw or {}).items():
+        if prefix == "config" and key in _PER_RANK_SECTIONS:
+            continue
+        name = f"{prefix}.{key}"
+        if isinstance(value, Mapping):
+            out.update(_flat_config(value, name))
+            continue
+        text = repr(value)
+        if len(text) > 120:
+            text = f"{text[:80]}... (sha1 {hashlib.sha1(text.encode()).hexdigest()[:12]})"
+        out[name] = text
+    return out
 
 
 # ----------------------------------------------------------------------------- engine
@@ -1532,29 +1576,65 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         ``(engine, optimizer, dataloader, lr_scheduler)``; ``dataloader`` is ``None`` without
         ``training_data``.
 
-    Everything about the config and the arguments is checked before any process-group
-    traffic, so a bad config raises the same :class:`~shardkit.config.ConfigError` on every
-    rank. Costs: those of the stage's wrappers (module docstring).
+    Everything about the config and the arguments is checked before any wrapper's
+    collective, and the ranks then agree on it: one small object all-gather over the world
+    (each rank's verdict, its config's keys, fingerprints of its model and optimizer; none in
+    a world of 1). So a refusal only some ranks reach (the llama-recipes pattern: the model on
+    the meta device on every rank but rank 0, at stages 0-2; sparse embeddings on one rank)
+    is raised on every rank, naming the refusing ranks and the first one's reason, and a
+    config, model or optimizer that differs between ranks is a ValueError naming the first
+    difference, instead of some ranks waiting in a collective. Costs: those of the stage's
+    wrappers (module docstring), and that exchange.
 
     .. warning:: collective: call it on every rank, with the same config.
     """
-    config = _config_source(config, config_params, args)
-    parallel = model_parallel_groups(model, mpu) if isinstance(model, nn.Module) else None
-    world = parallel.data_size if parallel is not None else _data_parallel_world_size()
-    cfg = load_config(config, world)
-    _check_arguments(model, optimizer, lr_scheduler, cfg)
-    _check_sparse_modules(model, cfg, optimizer)
-    refuse_meta_tensors(model, cfg.zero.stage,
-                        f"initialize: zero_optimization.stage={cfg.zero.stage}")
-    if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
-        raise TypeError(f"initialize(resume_from={resume_from!r}): expected a directory path")
     if distributed_port is not None and (isinstance(distributed_port, bool) or not isinstance(
             distributed_port, int) or not 0 < distributed_port < 65536):
         raise ConfigError(f"initialize(distributed_port={distributed_port!r}): expected a port "
                           f"number in 1-65535")
-    ensure_process_group(distributed_port)
+    # Every check below reads this rank's model, optimizer and config only; a refusal is
+    # kept until the ranks have agreed (one exchange, after the process group exists), so
+    # that a refusal only some ranks reach (a model on meta on all ranks but rank 0, sparse
+    # embeddings or a config that differ on one rank) is raised on every rank.
+    refusal = parallel = cfg = recipe = None
+    try:
+        config = _config_source(config, config_params, args)
+        parallel = model_parallel_groups(model, mpu) if isinstance(model, nn.Module) else None
+        world = parallel.data_size if parallel is not None else _data_parallel_world_size()
+        cfg = load_config(config, world)
+        _check_arguments(model, optimizer, lr_scheduler, cfg)
+        _check_sparse_modules(model, cfg, optimizer)
+        refuse_meta_tensors(model, cfg.zero.stage,
+                            f"initialize: zero_optimization.stage={cfg.zero.stage}")
+        if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
+            raise TypeError(f"initialize(resume_from={resume_from!r}): expected a directory "
+                            f"path")
+    except Exception as error:
+        refusal = error
+    if refusal is not None and not distributed.is_initialized() and "RANK" not in os.environ:
+        raise refusal  # one process and no group: no rank to tell
+    try:
+        ensure_process_group(distributed_port)
+    except Exception:
+        if refusal is not None:
+            raise refusal
+        raise
     from shardkit import fault
     fault.watch_peers(peer_timeout_s)
+    if refusal is None:
+        try:
+            recipe = _optimizer_recipe(cfg, optimizer, model_parameters, model)
+            _check_scheduler_lists(cfg, recipe)
+            _checks_of_compose(model, recipe, cfg, wrap_policy, param_init_fn)
+        except Exception as error:
+            refusal = error
+    compared = {} if refusal is not None else {
+        **_flat_config(cfg.raw), "optimizer": optimizer_fingerprint(recipe),
+        # tensor-parallel ranks hold other slices of the model: compared within compose's
+        # data-parallel group only then
+        **({"model": model_fingerprint(model)} if parallel is None else {})}
+    agree_on_refusal(refusal, None, "initialize", compared,
+                     "call initialize with the same model, optimizer and config on every rank")
     if distributed.get_rank() == 0:
         _ensure_log_handler()
         for note in cfg.warnings:
@@ -1564,8 +1644,6 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         logger.warning("zero_optimization.offload_optimizer: CPU offload is implemented at "
                        "stage 3 only (FSDP move_params_to_cpu); at stage %d the optimizer "
                        "state stays on the GPU", cfg.zero.stage)
-    recipe = _optimizer_recipe(cfg, optimizer, model_parameters, model)
-    _check_scheduler_lists(cfg, recipe)
     state_names = list(model.state_dict().keys())
     trainable, frozen = _names_by_trainability(model)  # before wrapping renames them
     # the tensor-parallel split of each key, read unwrapped (stage 3 then refuses the model's
@@ -1573,7 +1651,7 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     tp_specs = None if parallel is None else _tp_split_specs(model)
     composition = compose_from_config(model, recipe, cfg, wrap_policy,
                                       None if parallel is None else parallel.data_group,
-                                      param_init_fn)
+                                      param_init_fn, agree_across_ranks=False)
     scheduler = _build_scheduler(cfg, lr_scheduler, composition.optimizer)
     engine = ShardedEngine(model, composition, cfg, scheduler, state_names, trainable, frozen,
                            parallel)

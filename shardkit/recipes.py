@@ -32,7 +32,8 @@ weights and buffers, as DeepSpeed's engine does: torch DDP and ShardedDataParall
 them when they wrap, and stage 3 passes FSDP ``sync_module_states=True`` (a one-time broadcast
 of the model), so ranks that initialised the model differently still train one model.
 A model built on the meta device is taken at stage 3 only (each FSDP unit materializes its
-own part as it is wrapped, see FSDP's ``param_init_fn``); stages 0-2 refuse it.
+own part as it is wrapped, see FSDP's ``param_init_fn``); stages 0-2 refuse it, on every
+rank even when only some ranks built it on meta (rank 0 the real model, as llama-recipes does).
 
 Usage::
 
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
@@ -61,7 +63,8 @@ __all__ = ["OptimizerRecipe", "adamw", "Composition", "TrainingSetup", "STAGES",
            "torch_ddp", "default_wrap_policy", "repeated_block_classes", "compose_pipeline",
            "gpt_as_sequential", "balance_by_params", "pipeline_chunks", "token_cross_entropy",
            "count_params", "why_not_steppable_on_shards", "why_not_on_row_shards",
-           "refuse_meta_tensors"]
+           "refuse_meta_tensors", "check_composable", "agree_on_refusal", "model_fingerprint",
+           "optimizer_fingerprint"]
 
 STAGES = (0, 1, 2, 3)
 
@@ -167,7 +170,8 @@ def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], 
             quantize_gradients: bool = False, hpz_partition_size: int = 1,
             reduce_dtype: Optional[torch.dtype] = None,
             find_unused_parameters: bool = False,
-            param_init_fn: Optional[Callable] = None) -> Composition:
+            param_init_fn: Optional[Callable] = None,
+            agree_across_ranks: bool = True) -> Composition:
     """Wrap ``model`` for ZeRO ``stage`` (0-3, table in the module docstring) and build its
     optimizer from ``optimizer``.
 
@@ -220,28 +224,39 @@ def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], 
             checkpoint (``use_reentrant=True``): torch DDP then fails in backward with
             "Expected to mark a variable ready only once".
 
+        agree_across_ranks: ``True`` (default): before any wrapper exists, the ranks of
+            ``process_group`` exchange what each checked (:func:`agree_on_refusal`), so that a
+            refusal only some ranks raise (a model built on the meta device on all ranks but
+            rank 0, sparse embeddings on one rank) is raised on every rank, and ranks given a
+            different stage, optimizer or model are refused too, instead of some ranks
+            waiting in a wrapper's first collective. ``False``: the caller has done that
+            exchange already (:func:`shardkit.initialize`, over the world).
+
     Costs: those of the wrappers (module docstring); building issues each wrapper's
-    initial broadcasts. Bad arguments raise before any of them.
+    initial broadcasts. Bad arguments raise before any of them, on every rank: the agreement
+    is one small object all-gather over ``process_group`` (a few hundred bytes per rank; one
+    per group of a ``(shard, replicate)`` pair; a control message that ``CommCounter`` does
+    not count), none in a world of 1.
     """
-    _check_arguments(stage, optimizer, comm, wrap_policy=wrap_policy, offload=offload,
-                     param_init_fn=param_init_fn,
-                     mixed_precision=mixed_precision, quantize_weights=quantize_weights,
-                     quantize_gradients=quantize_gradients,
-                     hpz_partition_size=hpz_partition_size,
-                     reshard_after_forward=reshard_after_forward,
-                     sharding_strategy=sharding_strategy, overlap_param_sync=overlap_param_sync,
-                     sync_bucket_numel=sync_bucket_numel, step_in_backward=step_in_backward,
-                     reduce_to_owners=reduce_to_owners)
-    reduce_dtype = _checked_reduce_dtype(reduce_dtype, stage, mixed_precision,
-                                         quantize_gradients, step_in_backward)
-    refuse_meta_tensors(model, stage, f"compose(stage={stage})")
-    # forward only at stages 0-2: the model stays whole and no gradient is ever reduced
-    if optimizer is not None or stage == 3:
-        _refuse_sparse_gradients(model, stage)
-    if find_unused_parameters not in (False, True) or (find_unused_parameters and stage > 1):
-        raise ValueError(f"compose(stage={stage}, find_unused_parameters="
-                         f"{find_unused_parameters!r}): a bool, for stages 0-1 (torch DDP); "
-                         f"stages 2-3 reduce per parameter and need no search for unused ones")
+    refusal = None
+    try:
+        reduce_dtype = check_composable(
+            model, stage, optimizer, comm=comm, wrap_policy=wrap_policy, offload=offload,
+            param_init_fn=param_init_fn, mixed_precision=mixed_precision,
+            quantize_weights=quantize_weights, quantize_gradients=quantize_gradients,
+            hpz_partition_size=hpz_partition_size, reshard_after_forward=reshard_after_forward,
+            sharding_strategy=sharding_strategy, overlap_param_sync=overlap_param_sync,
+            sync_bucket_numel=sync_bucket_numel, step_in_backward=step_in_backward,
+            reduce_to_owners=reduce_to_owners, reduce_dtype=reduce_dtype,
+            find_unused_parameters=find_unused_parameters)
+    except Exception as error:  # every rank must learn of it before any wrapper collective
+        refusal = error
+    if agree_across_ranks:
+        agree_on_refusal(refusal, process_group, f"compose(stage={stage})", {} if refusal else
+                         {"stage": repr(stage), "optimizer": optimizer_fingerprint(optimizer),
+                          "model": model_fingerprint(model)})
+    elif refusal is not None:
+        raise refusal
     psi = count_params(model.parameters())
     if optimizer is None and stage < 3:
         return _forward_only(model, stage, process_group, psi)
@@ -327,11 +342,164 @@ def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_num
         raise ValueError(f"compose(stage=3): {problem}")
 
 
+def check_composable(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], *,
+                     comm=None, wrap_policy=None, offload=False, param_init_fn=None,
+                     mixed_precision=False, quantize_weights=False, quantize_gradients=False,
+                     hpz_partition_size=1, reshard_after_forward=None, sharding_strategy=None,
+                     overlap_param_sync=False, sync_bucket_numel=None, step_in_backward=False,
+                     reduce_to_owners=False, reduce_dtype=None,
+                     find_unused_parameters=False) -> Optional[torch.dtype]:
+    """Every refusal of :func:`compose` (same arguments), computed from this rank's model and
+    arguments only: raises what ``compose`` would raise before building, else returns the
+    gradient-reduction dtype it would use. :func:`shardkit.initialize` runs it before its
+    one agreement exchange. Local, no collective."""
+    _check_arguments(stage, optimizer, comm, wrap_policy=wrap_policy, offload=offload,
+                     param_init_fn=param_init_fn,
+                     mixed_precision=mixed_precision, quantize_weights=quantize_weights,
+                     quantize_gradients=quantize_gradients,
+                     hpz_partition_size=hpz_partition_size,
+                     reshard_after_forward=reshard_after_forward,
+                     sharding_strategy=sharding_strategy, overlap_param_sync=overlap_param_sync,
+                     sync_bucket_numel=sync_bucket_numel, step_in_backward=step_in_backward,
+                     reduce_to_owners=reduce_to_owners)
+    reduce_dtype = _checked_reduce_dtype(reduce_dtype, stage, mixed_precision,
+                                         quantize_gradients, step_in_backward)
+    refuse_meta_tensors(model, stage, f"compose(stage={stage})")
+    # forward only at stages 0-2: the model stays whole and no gradient is ever reduced
+    if optimizer is not None or stage == 3:
+        _refuse_sparse_gradients(model, stage)
+    if find_unused_parameters not in (False, True) or (find_unused_parameters and stage > 1):
+        raise ValueError(f"compose(stage={stage}, find_unused_parameters="
+                         f"{find_unused_parameters!r}): a bool, for stages 0-1 (torch DDP); "
+                         f"stages 2-3 reduce per parameter and need no search for unused ones")
+    return reduce_dtype
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A short text that two ranks holding the same model (parameter and buffer names,
+    shapes, dtypes, ``requires_grad``, embeddings built with ``sparse=True``) share: counts
+    to read and a digest of the rest. Where the tensors live (meta, CPU, GPU) is left out:
+    stage 3 takes a model on meta on some ranks. Local."""
+    digest = hashlib.sha1()
+    params = elements = trainable = buffers = 0
+    for name, p in model.named_parameters():
+        digest.update(f"{name} {tuple(p.shape)} {p.dtype} {p.requires_grad};".encode())
+        params, elements, trainable = params + 1, elements + p.numel(), \
+            trainable + int(p.requires_grad)
+    for name, b in model.named_buffers():
+        digest.update(f"buffer {name} {tuple(b.shape)} {b.dtype};".encode())
+        buffers += 1
+    sparse = [name for name, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and getattr(m, "sparse", False)]
+    digest.update(f"sparse {sparse}".encode())
+    return (f"{params} parameters ({elements} elements, {trainable} trainable), {buffers} "
+            f"buffers, {len(sparse)} sparse embedding(s), sha1 {digest.hexdigest()[:12]}")
+
+
+def optimizer_fingerprint(recipe: Optional[OptimizerRecipe]) -> str:
+    """A short text of what the optimizer ``recipe`` builds: its class, hyper-parameters and
+    the sizes of its param groups (with a digest of each group's settings). Local."""
+    if recipe is None:
+        return "none (forward only)"
+    if recipe.instance is not None:
+        groups = recipe.instance.param_groups
+    elif recipe.param_groups is not None:
+        groups = _as_group_dicts(recipe.param_groups)
+    else:
+        groups = [{"params": []}]
+    settings = [sorted((k, repr(v)) for k, v in g.items() if k != "params") for g in groups]
+    digest = hashlib.sha1(repr(settings).encode()).hexdigest()[:12]
+    defaults = ", ".join(f"{k}={v!r}" for k, v in sorted(recipe.defaults.items()))
+    if len(defaults) > 200:
+        defaults = defaults[:200] + "..."
+    layout = f"param groups of {[len(g['params']) for g in groups]} parameters" \
+        if recipe.param_groups is not None or recipe.instance is not None \
+        else "one param group over the trainable parameters"
+    return f"{recipe.cls.__name__}({defaults}), {layout}, settings sha1 {digest}"
+
+
+_ERROR_CLASSES = {"ValueError": ValueError, "TypeError": TypeError,
+                  "RuntimeError": RuntimeError, "NotImplementedError": NotImplementedError}
+
+
+def _error_class(name: str) -> type:
+    if name == "ConfigError":
+        from shardkit.config import ConfigError
+        return ConfigError
+    return _ERROR_CLASSES.get(name, RuntimeError)
+
+
+def _gather_uncounted(obj, group) -> list:
+    """torch's object all-gather over ``group``: a control message beside the wrappers'
+    traffic (like the collective debug mode's fingerprints), so ``CommCounter`` does not
+    count it and a refused composition still shows no traffic."""
+    import torch.distributed as dist
+    out = [None] * distributed.get_world_size(group)
+    with distributed.reporting_broken_links("the ranks' agreement before composing", group):
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def agree_on_refusal(refusal: Optional[BaseException], group, where: str,
+                     compared: Optional[dict] = None,
+                     rule: str = "every rank must compose the same model with the same stage "
+                                 "and optimizer") -> None:
+    """Make a refusal that only some ranks raised (``refusal``: this rank's error from its
+    local checks, or ``None``) the error of every rank of ``group``, before any wrapper
+    collective, so that no rank goes on into a collective the refusing ranks never join.
+
+    Every rank raises: this rank's own ``refusal`` unchanged when every rank refused with the
+    same text; else the first refusing rank's error (same class for ValueError, TypeError,
+    RuntimeError and ConfigError) followed by which ranks refused and which did not, the
+    same text on every rank. Without any refusal, ``compared`` (``{name: text}``: stage,
+    optimizer, model fingerprints, config keys) must be equal on every rank, else a
+    ValueError naming the first difference and ``rule``.
+
+    ``group``: a process group, ``None`` (the default group) or a ``(shard, replicate)``
+    pair, whose ranks must all call this. Communication: one object all-gather of this
+    rank's verdict and ``compared`` (a few hundred bytes) over ``group`` (over each group of
+    a pair, in turn: the second carries what the first gathered); none in a world of 1. A
+    control message, not counted by ``CommCounter``."""
+    groups = list(group) if isinstance(group, (tuple, list)) else [group]
+    groups = [g for g in groups if distributed.get_world_size(g) > 1]
+    if not groups:
+        if refusal is not None:
+            raise refusal
+        return
+    mine = {"rank": distributed.get_rank(), "compared": dict(compared or {}),
+            "refusal": None if refusal is None else (type(refusal).__name__, str(refusal))}
+    known = [mine]
+    for g in groups:
+        merged = {entry["rank"]: entry for entries in _gather_uncounted(known, g)
+                  for entry in entries}
+        known = [merged[r] for r in sorted(merged)]
+    refusing = [e for e in known if e["refusal"] is not None]
+    if refusing:
+        if refusal is not None and len(refusing) == len(known) and all(
+                e["refusal"] == mine["refusal"] for e in refusing):
+            raise refusal  # every rank refused alike: the error a world of 1 raises
+        first = refusing[0]
+        others = [e["rank"] for e in refusing[1:] if e["refusal"] != first["refusal"]]
+        fine = [e["rank"] for e in known if e["refusal"] is None]
+        note = f"; rank(s) {others} refused for other reasons" if others else ""
+        raise _error_class(first["refusal"][0])(
+            f"{first['refusal'][1]} [refused on rank(s) {[e['rank'] for e in refusing]}, not on "
+            f"rank(s) {fine}{note}; {where} raises it on every rank rather than let rank(s) "
+            f"{fine} wait in a collective the others never join]") from refusal
+    found = distributed.first_difference([e["compared"] for e in known])
+    if found is not None:
+        name, theirs0, index, theirs = found
+        raise ValueError(f"{where}: {name} is {theirs0} on rank {known[0]['rank']} and {theirs} "
+                         f"on rank {known[index]['rank']}; {rule}")
+
+
 def refuse_meta_tensors(model: nn.Module, stage: int, where: str) -> None:
     """Stages 0-2 keep the whole model on every rank and start from rank 0's values, so a
     model built on the meta device (no storage, no values) cannot be composed there: a
-    ValueError naming the tensors on meta and the two ways out, raised locally (every rank
-    holds the same model) before any collective. Stage 3 takes it: each FSDP unit
+    ValueError naming the tensors on meta and the two ways out. Local: :func:`compose` and
+    :func:`shardkit.initialize` then agree on it (:func:`agree_on_refusal`), so that with the
+    llama-recipes pattern (the real model on rank 0, meta elsewhere) every rank raises it
+    before any collective, not the meta ranks alone. Stage 3 takes it: each FSDP unit
     materializes its own modules as it is wrapped (FSDP's ``param_init_fn``) and
     ``sync_module_states`` gives every rank rank 0's values. ``where`` starts the message."""
     if stage == 3:

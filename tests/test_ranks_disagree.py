@@ -1,0 +1,233 @@
+"""Refusals that only some ranks reach, and ranks given different models, optimizers or configs.
+
+Each check of ``compose``/``initialize`` reads the rank's own model, optimizer and config. When
+they differ between ranks (the llama-recipes pattern builds the real model on rank 0 and a meta
+model elsewhere; a sparse embedding, a frozen layer, a learning rate or a config key on one rank
+only), the refusing ranks used to raise while the others went on into the wrappers' first
+collective and hung (or trained different replicas without a word). Now the ranks agree once,
+before any wrapper collective: every rank raises the same error naming the refusing ranks, or
+the first difference. ShardedDataParallel still trains like one process when requires_grad
+changes alike on every rank. One world of 2 gloo ranks; each body returns what every rank
+raised.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardkit
+from shardkit import distributed as skdist
+from shardkit import recipes
+from shardkit.nn.data_parallel import ShardedDataParallel
+from shardkit.optim import OSS
+from shardkit.testing import world_fixture
+
+world2 = world_fixture(2, timeout=90, failure_grace_s=20)
+
+
+def _mlp(width: int = 8) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 3))
+
+
+class _Embedded(nn.Module):
+    def __init__(self, sparse: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 4, sparse=sparse)
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(self.emb(x))
+
+
+def _raised(fn) -> str:
+    try:
+        fn()
+    except Exception as error:  # what this rank raised, for the test to compare across ranks
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _config(stage: int, lr: float = 0.1) -> dict:
+    return {"train_batch_size": 4, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "SGD", "params": {"lr": lr}}}
+
+
+# ---------------------------------------------------------------------- rank-side bodies
+
+
+def _meta_on_all_ranks_but_rank0() -> dict:
+    out = {}
+    for stage in (0, 1, 2):
+        def model():
+            if skdist.get_rank() == 0:
+                return _mlp()
+            with torch.device("meta"):
+                return _mlp()
+        m = model()
+        out[f"compose {stage}"] = _raised(lambda: recipes.compose(m, stage, recipes.adamw(lr=1e-2)))
+        m = model()
+        out[f"initialize {stage}"] = _raised(
+            lambda: shardkit.initialize(model=m, config=_config(stage)))
+    return out
+
+
+def _sparse_on_rank1_only() -> dict:
+    out = {}
+    sparse = skdist.get_rank() == 1
+    for stage in (1, 2, 3):
+        m = _Embedded(sparse)
+        out[f"compose {stage}"] = _raised(
+            lambda: recipes.compose(m, stage, recipes.OptimizerRecipe(torch.optim.SGD,
+                                                                      {"lr": 0.1})))
+    m = _Embedded(sparse)
+    out["initialize 2"] = _raised(lambda: shardkit.initialize(model=m, config=_config(2)))
+    return out
+
+
+def _one_rank_differs() -> dict:
+    """Nothing any rank refuses by itself: a wider layer, a frozen layer, another learning
+    rate, another stage, a config key on rank 1; a factory that fails on rank 1 only."""
+    r1 = skdist.get_rank() == 1
+    sgd = recipes.OptimizerRecipe(torch.optim.SGD, {"lr": 0.1})
+    out = {}
+    for stage in (0, 2, 3):
+        m = _mlp(9 if r1 else 8)
+        out[f"shape {stage}"] = _raised(lambda: recipes.compose(m, stage, sgd))
+        m = _mlp()
+        m[0].weight.requires_grad_(not r1)
+        out[f"frozen {stage}"] = _raised(lambda: recipes.compose(m, stage, sgd))
+        m = _mlp()
+        lr = recipes.OptimizerRecipe(torch.optim.SGD, {"lr": 0.5 if r1 else 0.1})
+        out[f"lr {stage}"] = _raised(lambda: recipes.compose(m, stage, lr))
+    m = _mlp()
+    out["stage"] = _raised(lambda: recipes.compose(m, 1 if r1 else 2, sgd))
+    m = _mlp()
+    out["config"] = _raised(lambda: shardkit.initialize(model=m, config=_config(
+        2, lr=0.5 if r1 else 0.1)))
+
+    def factory(params):
+        if r1:
+            raise ValueError("this factory refuses on rank 1")
+        return torch.optim.SGD(params, lr=0.1)
+    m = _mlp()
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": 2}}
+    out["factory"] = _raised(
+        lambda: shardkit.initialize(model=m, optimizer=factory, config=config))
+    return out
+
+
+def _agreeing_ranks_still_train() -> list:
+    """Same model and config everywhere: the agreement passes and a step runs."""
+    sums = []
+    for stage in (0, 1, 2, 3):
+        m = _mlp()
+        engine, *_ = shardkit.initialize(model=m, config=_config(stage))
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(skdist.get_rank()))
+        engine.backward(engine(x).sum())
+        engine.step()
+        with torch.no_grad():
+            if stage == 3:
+                with engine.wrapped.summon_full_params():
+                    sums.append(round(sum(p.sum().item() for p in engine.wrapped.parameters()), 5))
+            else:
+                sums.append(round(sum(p.sum().item() for p in m.parameters()), 5))
+    return sums
+
+
+def _sharded_ddp_trainable_change(where: str, auto: bool):
+    """Freeze the first layer before the second forward (on every rank). Returns what was
+    raised and the largest difference from a one-process oracle."""
+    model, oracle = _mlp(), _mlp()
+    optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    ref_optimizer = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    wrapped = ShardedDataParallel(model, optimizer, auto_refresh_trainable=auto)
+    rank, world = skdist.get_rank(), skdist.get_world_size()
+
+    def train():
+        for step in range(3):
+            batch = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(step))
+            if step == 1 and (where == "every rank" or rank == 1):
+                model[0].weight.requires_grad_(False)
+                oracle[0].weight.requires_grad_(False)
+                if not auto and where == "every rank":  # a collective: every rank calls it
+                    wrapped.refresh_trainable()
+            optimizer.zero_grad()
+            ref_optimizer.zero_grad()
+            wrapped(batch[2 * rank:2 * rank + 2]).sum().backward()
+            oracle(batch).sum().div(world).backward()
+            optimizer.step()
+            ref_optimizer.step()
+    raised = _raised(train)
+    pairs = zip(model.parameters(), oracle.parameters())
+    worst = max((p - q).abs().max().item() for p, q in pairs)
+    return raised, worst
+
+
+# ---------------------------------------------------------------------- tests
+
+
+def _same_on_every_rank(results: list) -> dict:
+    assert results[0] == results[1], results
+    return results[0]
+
+
+def test_meta_model_on_all_ranks_but_rank0_refused_on_every_rank(world2):
+    got = _same_on_every_rank(world2.run(_meta_on_all_ranks_but_rank0))
+    for name, error in got.items():
+        assert error.startswith("ValueError: "), (name, error)
+        assert "on the meta device" in error and "parameter '0.weight'" in error, (name, error)
+        assert "refused on rank(s) [1], not on rank(s) [0]" in error, (name, error)
+
+
+def test_sparse_embedding_on_one_rank_refused_on_every_rank(world2):
+    got = _same_on_every_rank(world2.run(_sparse_on_rank1_only))
+    for name, error in got.items():
+        assert error.startswith(("ValueError: ", "ConfigError: ")), (name, error)
+        assert "sparse=True" in error and "refused on rank(s) [1]" in error, (name, error)
+
+
+def test_model_optimizer_stage_or_config_differing_on_one_rank_named_on_every_rank(world2):
+    results = world2.run(_one_rank_differs)
+    got = results[0]
+    for name, error in got.items():
+        if name != "stage":  # each rank names its own stage in the message's first words
+            assert results[1][name] == error, (name, results)
+        assert error.startswith("ValueError: "), (name, error)
+    for stage in (0, 2, 3):
+        assert "model is 4 parameters (67 elements" in got[f"shape {stage}"]
+        assert "(75 elements" in got[f"shape {stage}"]
+        assert "4 trainable" in got[f"frozen {stage}"] and "3 trainable" in got[f"frozen {stage}"]
+        assert "optimizer is SGD(lr=0.1)" in got[f"lr {stage}"] and "SGD(lr=0.5)" in \
+            got[f"lr {stage}"]
+    assert "stage is 2 on rank 0 and 1 on rank 1" in results[0]["stage"]
+    assert "stage is 2 on rank 0 and 1 on rank 1" in results[1]["stage"]
+    assert "config.optimizer.params.lr is 0.1 on rank 0 and 0.5 on rank 1" in got["config"]
+    assert "this factory refuses on rank 1" in got["factory"]
+    assert "refused on rank(s) [1], not on rank(s) [0]" in got["factory"]
+
+
+def test_ranks_that_agree_compose_and_step_alike(world2):
+    sums = world2.run(_agreeing_ranks_still_train)
+    assert sums[0] == sums[1], sums
+
+
+@pytest.mark.parametrize("auto", [True, False])
+def test_sharded_ddp_requires_grad_changed_on_every_rank_matches_one_process(world2, auto):
+    for raised, worst in world2.run(_sharded_ddp_trainable_change, "every rank", auto):
+        assert raised == "no error"
+        assert worst < 1e-6, worst
+
+
+def test_world_of_one_raises_the_local_error_without_a_collective(monkeypatch):
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a world of 1 must not exchange anything")
+    monkeypatch.setattr(torch.distributed, "all_gather_object", no_collective)
+    monkeypatch.setattr(skdist, "all_gather_object", no_collective)
+    with torch.device("meta"):
+        model = _mlp()
+    with pytest.raises(ValueError, match=r"compose\(stage=1\): the model holds parameter "
+                                         r"'0.weight'.*meta device") as caught:
+        recipes.compose(model, 1, recipes.adamw(lr=1e-2))
+    assert "refused on rank" not in str(caught.value)
