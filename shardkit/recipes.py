@@ -368,6 +368,8 @@ def check_composable(model: nn.Module, stage: int, optimizer: Optional[Optimizer
     # forward only at stages 0-2: the model stays whole and no gradient is ever reduced
     if optimizer is not None or stage == 3:
         _refuse_sparse_gradients(model, stage)
+    if stage == 3:
+        _refuse_trainable_ignored(model)
     if find_unused_parameters not in (False, True) or (find_unused_parameters and stage > 1):
         raise ValueError(f"compose(stage={stage}, find_unused_parameters="
                          f"{find_unused_parameters!r}): a bool, for stages 0-1 (torch DDP); "
@@ -753,6 +755,22 @@ def _stage3(model, recipe, policy, fsdp_kwargs, psi) -> Composition:
     optimizer = _build_on_shards(recipe, [p for p in wrapped.parameters() if p.requires_grad])
     return Composition(3, wrapped, optimizer, wrapped.no_sync, wrapped.clip_grad_norm_,
                        _zero_grads(wrapped, optimizer), psi)
+
+
+def _refuse_trainable_ignored(model: nn.Module) -> None:
+    """A unit the caller built with torch FSDP1's ``ignored_modules`` / ``ignored_states``
+    leaves those gradients unreduced, so the engine's step would move each rank's copy apart,
+    silently: trainable ones are refused (frozen ones are fine). Stages 0-2 refuse FSDP
+    units altogether. Local."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    trainable = {id(p): p for u in model.modules() if isinstance(u, FSDP)
+                 for p in getattr(u, "_ignored_params", ()) if p.requires_grad}
+    if trainable:
+        raise ValueError(
+            f"compose(stage=3): the model holds FullyShardedDataParallel units built with "
+            f"ignored_modules/ignored_states whose {len(trainable)} trainable parameter(s) "
+            f"no wrapper reduces, so every rank would step its own copy; freeze them "
+            f"(requires_grad_(False)) or build those units without ignoring them")
 
 
 def _build_on_shards(recipe: OptimizerRecipe, params: list) -> torch.optim.Optimizer:

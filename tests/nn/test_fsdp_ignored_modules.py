@@ -473,3 +473,28 @@ def test_ignored_module_already_sharded_is_refused_and_generators_reach_every_un
     for messages in world2.run(_ignored_module_sharded_by_inner_unit_run):
         assert "already sharded by an inner FullyShardedDataParallel unit" in messages[0]
         assert messages[1] == (6, 6)  # b.0 stays whole in the unit b
+
+
+def _stage3_with_ignored_run() -> list:
+    import shardkit
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    out = []
+    for frozen in (False, True):
+        net = _net()
+        if frozen:
+            net.tower.requires_grad_(False)
+        try:
+            shardkit.initialize(model=FSDP(net, ignored_modules=[net.tower]), config=config)
+            out.append("built")
+        except ValueError as error:
+            out.append(str(error))
+    return out
+
+
+def test_stage3_refuses_trainable_ignored_parameters(world2):
+    """No wrapper of the engine reduces ignored gradients: trainable ones are refused on
+    every rank before any wrapper collective, frozen ones pass."""
+    for trainable, frozen in world2.run(_stage3_with_ignored_run):
+        assert "ignored_modules/ignored_states whose 2 trainable parameter(s)" in trainable
+        assert frozen == "built"
