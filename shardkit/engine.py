@@ -388,7 +388,10 @@ def _checks_of_compose(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg:
 # Config sections that only log or profile: a rank may name its own output there.
 _PER_RANK_SECTIONS = frozenset({"tensorboard", "wandb", "csv_monitor", "comms_logger",
                                 "flops_profiler", "wall_clock_breakdown", "steps_per_print",
-                                "autotuning"})
+                                "autotuning", "memory_breakdown", "dump_state"})
+# Leaf keys a rank may set to its own value anywhere in the config: accepted without effect
+# (offload to NVMe is refused; with device "cpu" a per-node or per-rank nvme_path is common).
+_PER_RANK_KEYS = frozenset({"nvme_path"})
 
 
 def _flat_config(raw, prefix: str = "config") -> dict:
@@ -398,6 +401,8 @@ def _flat_config(raw, prefix: str = "config") -> dict:
     out: dict = {}
     for key, value in (raw or {}).items():
         if prefix == "config" and key in _PER_RANK_SECTIONS:
+            continue
+        if key in _PER_RANK_KEYS:
             continue
         name = f"{prefix}.{key}"
         if isinstance(value, Mapping):
@@ -1630,11 +1635,15 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
             refusal = error
     compared = {} if refusal is not None else {
         **_flat_config(cfg.raw), "optimizer": optimizer_fingerprint(recipe),
-        # tensor-parallel ranks hold other slices of the model: compared within compose's
-        # data-parallel group only then
         **({"model": model_fingerprint(model)} if parallel is None else {})}
+    # tensor-parallel ranks hold other slices of the model: each rank's model is compared with
+    # those of the ranks at the same tensor-parallel rank (its data-parallel replicas) only
+    among = None if parallel is None or refusal is not None else (
+        f"tensor-parallel rank {parallel.tensor_ranks.index(distributed.get_rank())}",
+        {"model": model_fingerprint(model)})
     agree_on_refusal(refusal, None, "initialize", compared,
-                     "call initialize with the same model, optimizer and config on every rank")
+                     "call initialize with the same model, optimizer and config on every rank",
+                     among=among)
     if distributed.get_rank() == 0:
         _ensure_log_handler()
         for note in cfg.warnings:

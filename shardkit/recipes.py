@@ -417,18 +417,26 @@ def optimizer_fingerprint(recipe: Optional[OptimizerRecipe]) -> str:
     layout = f"param groups of {[len(g['params']) for g in groups]} parameters" \
         if recipe.param_groups is not None or recipe.instance is not None \
         else "one param group over the trainable parameters"
-    return f"{recipe.cls.__name__}({defaults}), {layout}, settings sha1 {digest}"
+    # an optimizer that stepped on one rank only (stage 0 steps it replicated: Adam's moments
+    # and step count would differ between the replicas)
+    state = "" if recipe.instance is None else \
+        f", state for {len(recipe.instance.state)} parameters"
+    return f"{recipe.cls.__name__}({defaults}), {layout}{state}, settings sha1 {digest}"
 
 
-_ERROR_CLASSES = {"ValueError": ValueError, "TypeError": TypeError,
-                  "RuntimeError": RuntimeError, "NotImplementedError": NotImplementedError}
-
-
-def _error_class(name: str) -> type:
-    if name == "ConfigError":
-        from shardkit.config import ConfigError
-        return ConfigError
-    return _ERROR_CLASSES.get(name, RuntimeError)
+def _error_class(where: tuple) -> type:
+    """The class of the refusal ``(module, qualname)`` where this rank has it loaded already
+    (builtins, ConfigError, the user's own classes in the modules it imported; nothing is
+    imported here), else RuntimeError."""
+    import sys
+    module, qualname = where
+    try:
+        found = sys.modules[module]
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except Exception:  # a class local to a function or to one rank's code
+        return RuntimeError
+    return found if isinstance(found, type) and issubclass(found, Exception) else RuntimeError
 
 
 def _gather_uncounted(obj, group) -> list:
@@ -445,17 +453,20 @@ def _gather_uncounted(obj, group) -> list:
 def agree_on_refusal(refusal: Optional[BaseException], group, where: str,
                      compared: Optional[dict] = None,
                      rule: str = "every rank must compose the same model with the same stage "
-                                 "and optimizer") -> None:
+                                 "and optimizer",
+                     among: Optional[tuple] = None) -> None:
     """Make a refusal that only some ranks raised (``refusal``: this rank's error from its
     local checks, or ``None``) the error of every rank of ``group``, before any wrapper
     collective, so that no rank goes on into a collective the refusing ranks never join.
 
     Every rank raises: this rank's own ``refusal`` unchanged when every rank refused with the
-    same text; else the first refusing rank's error (same class for ValueError, TypeError,
-    RuntimeError and ConfigError) followed by which ranks refused and which did not, the
+    same text; else the first refusing rank's error (same class wherever that class is loaded
+    on the rank, else RuntimeError) followed by which ranks refused and which did not, the
     same text on every rank. Without any refusal, ``compared`` (``{name: text}``: stage,
     optimizer, model fingerprints, config keys) must be equal on every rank, else a
-    ValueError naming the first difference and ``rule``.
+    ValueError naming the first difference and ``rule``; ``among`` (``(label, {name: text})``,
+    optional) is compared only between the ranks that give the same label (a tensor-parallel
+    rank's model with its data-parallel replicas').
 
     ``group``: a process group, ``None`` (the default group) or a ``(shard, replicate)``
     pair, whose ranks must all call this. Communication: one object all-gather of this
@@ -469,7 +480,9 @@ def agree_on_refusal(refusal: Optional[BaseException], group, where: str,
             raise refusal
         return
     mine = {"rank": distributed.get_rank(), "compared": dict(compared or {}),
-            "refusal": None if refusal is None else (type(refusal).__name__, str(refusal))}
+            "among": among,
+            "refusal": None if refusal is None else (
+                (type(refusal).__module__, type(refusal).__qualname__), str(refusal))}
     known = [mine]
     for g in groups:
         merged = {entry["rank"]: entry for entries in _gather_uncounted(known, g)
@@ -484,15 +497,24 @@ def agree_on_refusal(refusal: Optional[BaseException], group, where: str,
         others = [e["rank"] for e in refusing[1:] if e["refusal"] != first["refusal"]]
         fine = [e["rank"] for e in known if e["refusal"] is None]
         note = f"; rank(s) {others} refused for other reasons" if others else ""
-        raise _error_class(first["refusal"][0])(
-            f"{first['refusal'][1]} [refused on rank(s) {[e['rank'] for e in refusing]}, not on "
-            f"rank(s) {fine}{note}; {where} raises it on every rank rather than let rank(s) "
-            f"{fine} wait in a collective the others never join]") from refusal
-    found = distributed.first_difference([e["compared"] for e in known])
-    if found is not None:
-        name, theirs0, index, theirs = found
-        raise ValueError(f"{where}: {name} is {theirs0} on rank {known[0]['rank']} and {theirs} "
-                         f"on rank {known[index]['rank']}; {rule}")
+        text = (f"{first['refusal'][1]} [refused on rank(s) {[e['rank'] for e in refusing]}, "
+                f"not on rank(s) {fine}{note}; {where} raises it on every rank rather than let "
+                f"rank(s) {fine} wait in a collective the others never join]")
+        try:
+            error = _error_class(first["refusal"][0])(text)
+        except Exception:  # a class whose constructor takes other arguments
+            error = RuntimeError(text)
+        raise error from refusal
+    sets = [known] + [[e for e in known if e["among"] and e["among"][0] == label]
+                      for label in sorted({e["among"][0] for e in known if e["among"]})]
+    for index_set, entries in enumerate(sets):
+        found = distributed.first_difference(
+            [e["compared"] if index_set == 0 else e["among"][1] for e in entries])
+        if found is not None:
+            name, theirs0, index, theirs = found
+            label = "" if index_set == 0 else f" ({entries[0]['among'][0]})"
+            raise ValueError(f"{where}: {name}{label} is {theirs0} on rank {entries[0]['rank']} "
+                             f"and {theirs} on rank {entries[index]['rank']}; {rule}")
 
 
 def refuse_meta_tensors(model: nn.Module, stage: int, where: str) -> None:

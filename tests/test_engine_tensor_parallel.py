@@ -378,3 +378,31 @@ def test_stage3_tensor_parallel_checkpoints_save_and_recover(world4, tmp_path):
         recovered = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / name))
         assert sorted(recovered) == sorted(result["expected"]), name
         assert all(torch.equal(recovered[k], v) for k, v in result["expected"].items()), name
+
+
+# ----------------------------------------------------------------------------- rank agreement
+
+
+def _one_replica_differs() -> dict:
+    """Rank 3 (tensor-parallel rank 1 of the second replica) freezes a bias its replica rank 1
+    trains: every rank raises the same error naming the difference, at each stage."""
+    out = {}
+    for stage in (0, 2, 3):
+        model = _tp_model()
+        if distributed.get_rank() == 3:
+            model[2].bias.requires_grad_(False)
+        try:
+            shardkit.initialize(model=model, config=_config(stage), mpu=mp.initialize)
+            out[stage] = "built"
+        except ValueError as error:
+            out[stage] = str(error)
+    return out
+
+
+def test_replicas_of_a_tensor_parallel_rank_must_hold_the_same_model(world4):
+    results = world4.run(_with_model_parallel, _one_replica_differs)
+    for stage in (0, 2, 3):
+        texts = {r[stage] for r in results}
+        assert len(texts) == 1, texts
+        text = texts.pop()
+        assert "model (tensor-parallel rank 1)" in text and "rank 3" in text, text

@@ -118,6 +118,39 @@ def _one_rank_differs() -> dict:
     return out
 
 
+class _Refused(Exception):
+    """A user's own error class: every rank must raise this class, not a RuntimeError."""
+
+
+def _error_classes_kept_and_per_rank_keys() -> dict:
+    """What a refusal on rank 1 only raises on both ranks (its own class: a KeyError from the
+    user's optimizer factory, the user's own exception class); an optimizer that stepped on
+    rank 1 only, at stage 0 (replicated: the replicas would diverge); a config that differs
+    only in a per-rank key (``nvme_path``), which passes."""
+    r1 = skdist.get_rank() == 1
+    out = {}
+    for name, error in (("key", KeyError("no such group")), ("own", _Refused("user's own"))):
+        def factory(params, error=error):
+            if r1:
+                raise error
+            return torch.optim.SGD(params, lr=0.1)
+        config = {"train_batch_size": 4, "zero_optimization": {"stage": 2}}
+        out[name] = _raised(
+            lambda: shardkit.initialize(model=_mlp(), optimizer=factory, config=config))
+    m = _mlp()
+    adam = torch.optim.Adam(m.parameters(), lr=0.1)
+    if r1:
+        m(torch.randn(2, 4)).sum().backward()
+        adam.step()
+        adam.zero_grad()
+    out["stepped"] = _raised(lambda: recipes.compose(m, 0, recipes.OptimizerRecipe.of(adam)))
+    config = _config(2)
+    config["zero_optimization"]["offload_optimizer"] = {
+        "device": "cpu", "nvme_path": f"/local_nvme/rank{skdist.get_rank()}"}
+    out["nvme_path"] = _raised(lambda: shardkit.initialize(model=_mlp(), config=config))
+    return out
+
+
 def _agreeing_ranks_still_train() -> list:
     """Same model and config everywhere: the agreement passes and a step runs."""
     sums = []
@@ -206,6 +239,17 @@ def test_model_optimizer_stage_or_config_differing_on_one_rank_named_on_every_ra
     assert "config.optimizer.params.lr is 0.1 on rank 0 and 0.5 on rank 1" in got["config"]
     assert "this factory refuses on rank 1" in got["factory"]
     assert "refused on rank(s) [1], not on rank(s) [0]" in got["factory"]
+
+
+def test_error_class_kept_stepped_optimizer_refused_per_rank_paths_taken(world2):
+    results = world2.run(_error_classes_kept_and_per_rank_keys)
+    assert results[0] == results[1], results
+    got = results[0]
+    assert got["key"].startswith("KeyError: ") and "no such group" in got["key"], got
+    assert got["own"].startswith("_Refused: ") and "user's own" in got["own"], got
+    assert got["stepped"].startswith("ValueError: ") and "state for 4 parameters" in \
+        got["stepped"] and "state for 0 parameters" in got["stepped"], got
+    assert got["nvme_path"] == "no error", got
 
 
 def test_ranks_that_agree_compose_and_step_alike(world2):
