@@ -86,7 +86,9 @@ def placeholder_state_dict(module: torch.nn.Module, root=None) -> None:
     values come from ``engine.module_state_dict()``, ``save_16bit_model`` or
     :class:`GatheredParameters`; ``root`` (the FSDP root around ``module``): the parameters of
     its units inside ``summon_full_params()`` keep their values. Local: no communication, and
-    no memory beyond the dict."""
+    no memory beyond the dict. (The units inside ``module`` have ``root`` built around them, so
+    ``module.state_dict()`` reaches them as inner units, which give their shards without a
+    gather; only an outermost unit held by a plain module gathers, as in torch FSDP1.)"""
     module._zero3_placeholder_state_dict = True  # read by FSDP's refusal of row shards
     # the FSDP root around it: the parameters of its units inside summon_full_params() hold
     # their full values, which state_dict() then gives (as before the placeholders)

@@ -1,9 +1,12 @@
 """torch.distributed.checkpoint (dcp) with FSDP reached in ways other than ``fsdp.state_dict()``.
 
 - An FSDP root inside a plain module (``nn.Sequential(fsdp)``, a trainer's wrapper): the plain
-  module's ``state_dict()`` gives the units' padded shards under the original keys (no
-  collective), which dcp refuses on every rank instead of saving one rank's rows as if
-  replicated; ``torch.save`` of it still works.
+  module's ``state_dict()`` follows the unit's ``state_dict_type`` as torch FSDP1 does:
+  ``SHARDED_STATE_DICT`` DTensors, which dcp saves and loads back into a fresh model (another
+  seed) through the plain module; ``FULL_STATE_DICT`` full tensors, which dcp saves too;
+  ``LOCAL_STATE_DICT`` the padded shards, which dcp refuses on every rank instead of saving one
+  rank's rows as if replicated; ``torch.save`` of the default (full) dict loads into the
+  unwrapped model.
 - A ``SHARDED_STATE_DICT`` load inside ``summon_full_params`` (the parameters hold full values
   there) is refused on every rank, naming it, with nothing loaded (buffers included).
 - The optimizer's per-element state of sharded parameters as ``FSDP.optim_state_dict`` gives it
@@ -71,7 +74,8 @@ def _plain_parent(folder: str) -> dict:
     outer = _outer(1)
     _train(outer, torch.optim.SGD(outer.parameters(), lr=0.1))
     out = {}
-    for kind in (StateDictType.SHARDED_STATE_DICT, StateDictType.FULL_STATE_DICT):
+    for kind in (StateDictType.SHARDED_STATE_DICT, StateDictType.FULL_STATE_DICT,
+                 StateDictType.LOCAL_STATE_DICT):
         with FSDP.state_dict_type(outer, kind):
             state = outer.state_dict()
             try:
@@ -80,11 +84,19 @@ def _plain_parent(folder: str) -> dict:
             except dcp.api.CheckpointException as error:
                 out[kind.name] = str(error)
         out[kind.name + " metadata"] = os.path.exists(f"{folder}/{kind.name}/.metadata")
+    fresh = _outer(5)
+    with FSDP.state_dict_type(fresh, StateDictType.SHARDED_STATE_DICT):
+        state = fresh.state_dict()
+        dcp.load(state, storage_reader=dcp.FileSystemReader(f"{folder}/SHARDED_STATE_DICT"))
+        fresh.load_state_dict(state)
+    out["dcp round trip"] = _diff(_full(fresh[0]), _full(outer[0]))
     buffer = io.BytesIO()
     torch.save(outer.state_dict(), buffer)
     buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)
-    out["torch.save"] = sorted(loaded) == sorted(outer.state_dict())
+    plain = _Net()
+    plain.load_state_dict({k[len("0."):]: v for k, v in
+                           torch.load(buffer, weights_only=True).items()})
+    out["torch.save"] = _diff(plain.state_dict(), _full(outer[0]))
     return out
 
 
@@ -138,12 +150,14 @@ def _load_inside_summon(_folder: str) -> dict:
     return out
 
 
-def test_fsdp_inside_a_plain_module_is_refused_by_dcp(world2, tmp_path):
+def test_fsdp_inside_a_plain_module_follows_its_state_dict_type_in_dcp(world2, tmp_path):
     for r in world2.run(_plain_parent, str(tmp_path)):
         for kind in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
-            assert "cannot save or load" in r[kind] and "plain module" in r[kind], r
-            assert not r[kind + " metadata"], r
-        assert r["torch.save"], r
+            assert r[kind] == "saved" and r[kind + " metadata"], r
+        assert "cannot save or load" in r["LOCAL_STATE_DICT"], r
+        assert "SHARDED_STATE_DICT" in r["LOCAL_STATE_DICT"], r
+        assert not r["LOCAL_STATE_DICT metadata"], r
+        assert r["dcp round trip"] == 0.0 and r["torch.save"] == 0.0, r
 
 
 def test_local_optim_state_refused_by_dcp(world2, tmp_path):

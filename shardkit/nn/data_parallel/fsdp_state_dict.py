@@ -99,14 +99,22 @@ class _StructuralKeys(threading.local):
 _structural_keys = _StructuralKeys()
 
 
+@contextlib.contextmanager
+def _own_walk():
+    """Inside: nn.Module's recursion reaching a unit is FSDP's own (its structural walk or its
+    own ``load_state_dict``), not a plain parent's. Local."""
+    _structural_keys.depth += 1
+    try:
+        yield
+    finally:
+        _structural_keys.depth -= 1
+
+
 def _structural_state_dict(module: nn.Module, keep_vars: bool = False) -> OrderedDict:
     """``nn.Module.state_dict`` of ``module`` keyed by module paths, inner units' wrapper
     prefixes included (what ``nn.Module.load_state_dict`` matches against). Local."""
-    _structural_keys.depth += 1
-    try:
+    with _own_walk():
         return nn.Module.state_dict(module, keep_vars=keep_vars)
-    finally:
-        _structural_keys.depth -= 1
 
 
 def _drop_wrapper_prefixes(destination: OrderedDict, prefix: str) -> None:
@@ -162,16 +170,44 @@ class FSDPStateDictMixin:
         ``SHARDED_STATE_DICT`` it is :meth:`sharded_state_dict`. A ``FullStateDictConfig`` adds
         its ``offload_to_cpu`` (CPU tensors) and ``rank0_only`` to the constructor's options.
 
+        **Reached from a plain parent.** When a module that is not an FSDP unit holds this unit
+        (``model.encoder = FSDP(model.encoder)``, torch's ``checkpoint_wrapper(FSDP(model))``,
+        a trainer's wrapper), the parent's ``state_dict()`` reaches this method through
+        ``nn.Module``'s recursion (``destination=``, ``prefix=``); as in torch FSDP1 and
+        FairScale, the unit then writes what its ``state_dict_type`` gives into the parent's
+        dict, under the parent's prefix and the original names (no ``_fsdp_wrapped_module.``):
+        ``FULL_STATE_DICT`` (the default) the full unpadded tensors of this unit and its inner
+        units, gathered one unit at a time, with ``FullStateDictConfig``'s ``offload_to_cpu``
+        and ``rank0_only`` (other ranks: the unit's keys are left out, the parent's own stay,
+        as in torch); ``SHARDED_STATE_DICT`` the DTensors of :meth:`sharded_state_dict`;
+        ``LOCAL_STATE_DICT`` this rank's padded rows (refused by torch.distributed.checkpoint).
+        With ``keep_vars=True`` the sharded parameters are full detached tensors too, as in
+        torch FSDP1 (the shards themselves are ``local_state_dict(keep_vars=True)``); the
+        other parameters are the module's own ``Parameter`` objects and the buffers are as
+        without it (the module's own, in their original dtype). So every rank must call
+        the parent's ``state_dict()``: a rank calling it alone waits in the first all-gather
+        (not detectable without a collective, as in torch). Memory and communication are those
+        of this method: one unit gathered at a time and one all-gather per unit (FULL), none
+        beyond views (SHARDED, LOCAL). An inner unit (one with an enclosing unit, e.g. a block
+        of the ZeRO stage-3 engine's model) gives its shards as before, without communication.
+
         Memory: one unit gathered at a time, plus the dict where it is returned (the full model,
         on ``state_dict_device``). Communication: one all-gather per unit.
         """
-        if args or destination is not None:  # nn.Module's recursion into an inner unit
+        if args or destination is not None:  # nn.Module's recursion into this unit
+            given_destination, given_prefix, given_keep_vars = _state_dict_arguments(
+                "state_dict", args, destination, prefix, keep_vars)
+            if self._reached_from_plain_parent() and self._state_dict_settings.state_dict_type \
+                    is not StateDictType.LOCAL_STATE_DICT:
+                if given_destination is None:
+                    given_destination = OrderedDict()
+                    given_destination._metadata = OrderedDict()
+                return self._state_dict_into_parent(given_destination, given_prefix,
+                                                    given_keep_vars)
             result = super().state_dict(*args, destination=destination, prefix=prefix,
                                         keep_vars=keep_vars)
             if not _structural_keys.depth:
                 _drop_wrapper_prefixes(result, prefix)
-                _, given_prefix, given_keep_vars = _state_dict_arguments(
-                    "state_dict", args, destination, prefix, keep_vars)
                 if not self._summoned and not given_keep_vars:
                     self._mark_own_shards_for_dcp(result, given_prefix)
             return result
@@ -181,15 +217,45 @@ class FSDPStateDictMixin:
             return self._local_state_dict_for_dcp(prefix, config.offload_to_cpu)
         if kind is StateDictType.SHARDED_STATE_DICT:
             return self.sharded_state_dict(prefix=prefix)
+        return self._full_state(prefix)[0]
+
+    def _full_state(self, prefix: str, keep_vars: bool = False) -> tuple:
+        """``(full state dict or {} where rank0_only leaves it out, the structural dict)``:
+        :meth:`state_dict` under ``FULL_STATE_DICT``. With ``keep_vars`` the parameters that are
+        not sharded are the module's own and the buffers are not detached. One all-gather per
+        unit."""
+        config = self._state_dict_settings.state_dict_config
         rank0_only = self.state_dict_on_rank_0_only or getattr(config, "rank0_only", False)
         keep = not rank0_only or self._is_first_rank()
         with self._buffers_in_original_dtype():
             raw = _structural_state_dict(self, keep_vars=True)  # shard views; buffers as saved
         values = self._full_params_unit_by_unit(raw, keep)
         if not keep:
-            return OrderedDict()
+            return OrderedDict(), raw
         return OrderedDict((prefix + clean_name(k), self._on_state_dict_device(
-            values[k] if k in values else _detached(v))) for k, v in raw.items())
+            values[k] if k in values else v if keep_vars else _detached(v)))
+            for k, v in raw.items()), raw
+
+    def _reached_from_plain_parent(self) -> bool:
+        """Whether nn.Module's recursion reached this unit from a module that is not a unit:
+        outside FSDP's own walks, not summoned, and no unit built around it. Local."""
+        return not _structural_keys.depth and not self._summoned and self._outermost() is self
+
+    def _state_dict_into_parent(self, destination: dict, prefix: str, keep_vars: bool) -> dict:
+        """:meth:`state_dict`'s part when a plain parent's ``state_dict()`` reaches this unit:
+        what its ``state_dict_type`` gives (FULL or SHARDED) written into ``destination`` under
+        ``prefix``, with the modules' ``_metadata`` (versions) under the original names."""
+        if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+            values, raw = self._sharded_state(prefix)
+        else:
+            values, raw = self._full_state(prefix, keep_vars)
+        destination.update(values)
+        metadata = getattr(destination, "_metadata", None)
+        for key, value in (getattr(raw, "_metadata", {}).items() if metadata is not None
+                           else ()):
+            name = prefix + key if key else prefix[:-1]
+            metadata[clean_name(name + ".")[:-1]] = value  # the wrapped module's wins
+        return destination
 
     def _full_params_unit_by_unit(self, raw: dict, keep: bool) -> dict:
         """``{state-dict key: full parameter}`` for the parameter keys of ``raw``, each unit
@@ -235,10 +301,90 @@ class FSDPStateDictMixin:
             return self.load_sharded_state_dict(state_dict, strict=strict)
         self._refuse_mismatch_on_every_rank(
             self._shape_problems(state_dict) + (self._key_problems(state_dict) if strict else []))
-        with self.summon_full_params(writeback=True):
+        with self.summon_full_params(writeback=True), _own_walk():
             result = super().load_state_dict(self._to_wrapped_keys(state_dict), strict=strict)
         return type(result)([clean_name(k) for k in result.missing_keys],
                             [clean_name(k) for k in result.unexpected_keys])
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        """nn.Module's load of this unit. Reached from a plain parent's ``load_state_dict``
+        (see :meth:`state_dict`) under ``FULL_STATE_DICT`` or ``SHARDED_STATE_DICT``, the
+        unit's part of the dict (full tensors, or DTensors) is first cut to this rank's rows
+        for this unit and its inner units, and its keys are checked as torch checks them, under
+        the original names: a size mismatch, a missing or an unexpected key is reported as
+        ``nn.Module.load_state_dict`` reports it (its ``RuntimeError`` with ``strict``, the
+        returned keys otherwise), the mismatching tensor left as it was. Under
+        ``LOCAL_STATE_DICT`` the values are this rank's shards, loaded as given. No
+        communication (each rank cuts its own rows), so every rank loads what it is given;
+        memory: one block per parameter."""
+        if self._reached_from_plain_parent() and self._state_dict_settings.state_dict_type \
+                is not StateDictType.LOCAL_STATE_DICT:
+            if local_metadata.get("assign_to_params_buffers", False):
+                raise ValueError("load_state_dict(assign=True) of a module holding a "
+                                 "FullyShardedDataParallel unit is not supported: its "
+                                 "parameters must stay views of their shards")
+            self._cut_rows_for_load(state_dict, prefix, strict, missing_keys, unexpected_keys,
+                                    error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def _cut_rows_for_load(self, state_dict, prefix: str, strict: bool, missing_keys: list,
+                           unexpected_keys: list, error_msgs: list) -> None:
+        """In place, in the unit's part of a plain parent's dict (nn.Module's copy): each
+        sharded parameter's full tensor or DTensor becomes this rank's padded block; keys are
+        checked under the original names (missing keys get the value held now and unexpected
+        ones are dropped, both reported here, so that nn.Module does not report them again
+        under the wrapped names). Local."""
+        settings = self._state_dict_settings.state_dict_type
+        sharded = self._sharded_params("load_state_dict") \
+            if settings is StateDictType.SHARDED_STATE_DICT else \
+            {id(p): (lay, u, view) for u in self.sharded_units() if u._shard is not None
+             for p, lay, view in zip(u._shard.params, u._shard.layouts,
+                                     u._shard.shard_views(u._shard.flat_shard))}
+        raw = _structural_state_dict(self, keep_vars=True)
+        params = dict(nn.Module.named_parameters(self, remove_duplicate=False))
+        expected = OrderedDict((prefix + clean_name(k), k) for k in raw)
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            name = prefix + clean_name(key[len(prefix):])
+            if name != key:
+                state_dict[name] = state_dict.pop(key)
+            if name not in expected:
+                if strict:
+                    unexpected_keys.append(_reported(name))
+                del state_dict[name]
+        for name, key in expected.items():
+            current = raw[key]
+            if name not in state_dict:
+                if strict:
+                    missing_keys.append(_reported(name))
+                state_dict[name] = current  # nn.Module copies it onto itself
+                continue
+            value = state_dict[name]
+            entry = sharded.get(id(params[key])) if key in params else None
+            if entry is None:
+                if torch.is_tensor(value) and torch.is_tensor(current) and \
+                        value.shape != current.shape:
+                    error_msgs.append(_size_mismatch(_reported(name), value.shape,
+                                                     current.shape))
+                    state_dict[name] = current
+                elif is_dtensor(value):
+                    state_dict[name] = value.to_local()
+                continue
+            layout, unit, view = entry
+            shape = torch.Size(layout.shape)
+            if not torch.is_tensor(value) or value.shape != shape:
+                given = value.shape if torch.is_tensor(value) else type(value).__name__
+                error_msgs.append(_size_mismatch(_reported(name), given, shape))
+                state_dict[name] = current
+                continue
+            try:
+                state_dict[name] = rows_from_value(value, layout, unit.rank,
+                                                   f"size mismatch for {_reported(name)}",
+                                                   current=view)
+            except ValueError as error:
+                error_msgs.append(str(error))
+                state_dict[name] = current
 
     def full_shapes(self) -> dict:
         """The full (unsharded) shape of every tensor of :meth:`state_dict`, by its key:
@@ -339,6 +485,10 @@ class FSDPStateDictMixin:
         Memory: this rank's rows only, no full parameter is ever built (views; CPU copies with
         ``offload_to_cpu``). Communication: none (a broadcast of each 0-dim parameter over its
         unit's group, if any); dcp's own for save and load. All ranks must call it."""
+        return self._sharded_state(prefix)[0]
+
+    def _sharded_state(self, prefix: str) -> tuple:
+        """``(sharded_state_dict(prefix), the structural dict)``."""
         sharded = self._sharded_params("state_dict")
         offload = self._state_dict_settings.state_dict_config.offload_to_cpu
         with self._buffers_in_original_dtype():
@@ -355,7 +505,7 @@ class FSDPStateDictMixin:
                 continue
             layout, unit, shard = entry
             out[prefix + clean_name(key)] = _as_shards(shard.detach(), layout, unit, offload)
-        return out
+        return out, raw
 
     def load_sharded_state_dict(self, state_dict, strict: bool = True):
         """Load a dict shaped like :meth:`sharded_state_dict` (e.g. filled by
@@ -394,15 +544,18 @@ class FSDPStateDictMixin:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} "
                                f"(SHARDED_STATE_DICT; nothing was loaded):\n\t"
                                + "\n\t".join(problems))
-        result = nn.Module.load_state_dict(self, self._to_wrapped_keys(local), strict=strict)
+        with _own_walk():
+            result = nn.Module.load_state_dict(self, self._to_wrapped_keys(local),
+                                               strict=strict)
         return type(result)([clean_name(k) for k in result.missing_keys],
                             [clean_name(k) for k in result.unexpected_keys])
 
     def _mark_own_shards_for_dcp(self, destination: OrderedDict, prefix: str) -> None:
-        """This unit reached from a plain module's ``state_dict()`` (``nn.Sequential(fsdp)``, a
-        trainer's wrapper) gives its shards under the original keys, as before; each is
-        marked so that torch.distributed.checkpoint refuses it on every rank instead of saving
-        one rank's rows as if replicated (:func:`refuse_in_dcp`). Local."""
+        """This unit reached from a plain module's ``state_dict()`` under
+        ``LOCAL_STATE_DICT``, or an inner unit reached from a plain module inside its enclosing
+        unit (``root.module.block.state_dict()``), gives its shards under the original keys;
+        each is marked so that torch.distributed.checkpoint refuses it on every rank instead of
+        saving one rank's rows as if replicated (:func:`refuse_in_dcp`). Local."""
         if self._shard is None or self._shard.world_size == 1:
             return
         own = {id(p) for p in self._shard.params}
@@ -411,8 +564,8 @@ class FSDPStateDictMixin:
             if id(p) in own and isinstance(destination.get(key), torch.Tensor):
                 destination[key] = refuse_in_dcp(
                     destination[key], key, "an FSDP unit's shards reached from a plain "
-                    "module's state_dict() (call state_dict() on the FSDP instance itself "
-                    "for what its state_dict_type gives)")
+                    "module's state_dict() (LOCAL_STATE_DICT, or a unit inside another: "
+                    "call state_dict() on the outermost FSDP unit or a module holding it)")
 
     def _refuse_sharded_load_while_summoned(self) -> None:
         """Inside ``summon_full_params`` the parameters hold full values (written back over
@@ -507,7 +660,8 @@ class FSDPStateDictMixin:
         No communication."""
         local = reshard_local_state_dicts(state_dict, metadata, self.world_size, self.rank)
         self._refuse_local_mismatch(local)
-        nn.Module.load_state_dict(self, self._to_wrapped_keys(local), strict=True)
+        with _own_walk():
+            nn.Module.load_state_dict(self, self._to_wrapped_keys(local), strict=True)
 
     def _refuse_local_mismatch(self, local: dict) -> None:
         """torch's strict-load RuntimeError under :meth:`local_state_dict`'s keys (not FSDP's
@@ -928,6 +1082,18 @@ def _as_shards(shard: torch.Tensor, layout: ParamLayout, unit, offload: bool):
     skdist.broadcast(value, src=skdist.get_global_rank(unit.process_group, 0),
                      group=unit.process_group)
     return value.cpu() if offload else value
+
+
+def _reported(name: str) -> str:
+    """A key as torch FSDP1 reports it in load errors: without the unit's wrapper prefix nor
+    torch's ``checkpoint_wrapper`` one (whose hooks drop it from state dicts)."""
+    return clean_name(name).replace("_checkpoint_wrapped_module.", "")
+
+
+def _size_mismatch(name: str, given, mine) -> str:
+    """nn.Module.load_state_dict's line for a tensor whose shape is not the model's."""
+    return (f"size mismatch for {name}: copying a param with shape {given} from checkpoint, "
+            f"the shape in current model is {mine}.")
 
 
 def _detached(value):

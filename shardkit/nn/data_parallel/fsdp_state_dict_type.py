@@ -15,6 +15,11 @@ torch.distributed.checkpoint refuses them with a clear error), ``SHARDED_STATE_D
 each parameter as a ``Shard(0)`` DTensor of its full shape holding this rank's real rows, for
 ``torch.distributed.checkpoint`` (which reshards them to any world size on load), with
 ``FSDP.optim_state_dict`` giving the optimizer's per-element state the same way.
+The settings also hold where a plain module holds the units (``model.encoder =
+FSDP(model.encoder)``, torch's ``checkpoint_wrapper(FSDP(model))``): ``FSDP.state_dict_type(
+model, ...)`` sets every unit in ``model``, and ``model.state_dict()`` / ``load_state_dict()``
+then give and take, for each outermost unit, what its settings say (full tensors by default,
+so every rank must call them), as under torch FSDP1.
 torch's own ``StateDictType`` members and ``*StateDictConfig`` objects are taken too (read by
 name and fields), so a script or config that keeps ``from torch.distributed.fsdp import
 StateDictType`` works. The settings are plain attributes of each unit: setting them costs
