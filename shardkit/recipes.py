@@ -775,6 +775,10 @@ def _stage3(model, recipe, policy, fsdp_kwargs, psi) -> Composition:
         return Composition(3, wrapped, None, wrapped.no_sync, wrapped.clip_grad_norm_,
                            _zero_grads(wrapped), psi)
     optimizer = _build_on_shards(recipe, [p for p in wrapped.parameters() if p.requires_grad])
+    # torch's own get_state_dict takes this optimizer's shard state for replicated tensors:
+    # marked (per instance) so that dcp.save refuses it instead of writing one rank's rows
+    from shardkit.checkpoint.torch_state_dict import mark_sharded_state_for_dcp
+    mark_sharded_state_for_dcp(optimizer)
     return Composition(3, wrapped, optimizer, wrapped.no_sync, wrapped.clip_grad_norm_,
                        _zero_grads(wrapped, optimizer), psi)
 

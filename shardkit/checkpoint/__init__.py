@@ -16,6 +16,9 @@
 - :mod:`~shardkit.checkpoint.dtensor_state`: FSDP's row blocks as ``Shard(0)`` DTensors for
   ``torch.distributed.checkpoint`` (``SHARDED_STATE_DICT``), and ``init_optimizer_state`` for a
   fresh optimizer that ``dcp.load`` fills.
+- :mod:`~shardkit.checkpoint.torch_state_dict` (also as ``shardkit.checkpoint.state_dict``):
+  torch's ``get_state_dict`` / ``set_state_dict`` family and ``StateDictOptions`` over
+  shardkit's FSDP (DTensors for dcp, or full tensors), and ``mark_sharded_state_for_dcp``.
 """
 
 from shardkit._lazy import lazy_exports
@@ -36,6 +39,14 @@ _EXPORTS = {
     "reshard_local_state_dicts": "shardkit.checkpoint.fsdp_state",
     "reshard_local_optim_state_dicts": "shardkit.checkpoint.fsdp_state",
     "consolidate_optimizer_state": "shardkit.checkpoint.optimizer_state",
+    "StateDictOptions": "shardkit.checkpoint.torch_state_dict",
+    "get_model_state_dict": "shardkit.checkpoint.torch_state_dict",
+    "get_optimizer_state_dict": "shardkit.checkpoint.torch_state_dict",
+    "get_state_dict": "shardkit.checkpoint.torch_state_dict",
+    "set_model_state_dict": "shardkit.checkpoint.torch_state_dict",
+    "set_optimizer_state_dict": "shardkit.checkpoint.torch_state_dict",
+    "set_state_dict": "shardkit.checkpoint.torch_state_dict",
+    "mark_sharded_state_for_dcp": "shardkit.checkpoint.torch_state_dict",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,431 @@
+"""torch's ``torch.distributed.checkpoint.state_dict`` API over shardkit's wrappers.
+
+``from shardkit.checkpoint import get_state_dict, set_state_dict, StateDictOptions`` (and
+``get_model_state_dict``, ``get_optimizer_state_dict``, ``set_model_state_dict``,
+``set_optimizer_state_dict``) take torch's arguments, torch's ``StateDictOptions`` included,
+so a script that saves with torch.distributed.checkpoint (dcp) changes its import only.
+
+Over a model that holds shardkit ``FullyShardedDataParallel`` units (its root one of them):
+
+- default options: ``SHARDED_STATE_DICT``. The model's parameters and the optimizer's
+  per-element state (``exp_avg``...) are ``Shard(0)`` DTensors of this rank's rows, keyed by
+  the parameters' FQNs (the names of the unwrapped model, as torch gives them), so ``dcp.save``
+  writes each row once and ``dcp.load`` reshards to any world size. A fresh optimizer is
+  given its state tensors first, as torch does (one ``step()`` with zero gradients and ``lr``
+  0, :func:`~shardkit.checkpoint.dtensor_state.init_optimizer_state`), so that ``dcp.load``
+  has tensors to fill. No communication, no copy of a shard.
+- ``full_state_dict=True``: full tensors (FSDP's ``FULL_STATE_DICT`` and its gathered
+  optimizer state, keyed by FQN), on every rank; with ``cpu_offload=True`` on rank 0 only
+  (``{}`` elsewhere), as torch does. Loadable into a single-process model and
+  ``torch.optim`` optimizer, and back at any world size.
+- ``set_*``: either kind of dict, from any world size (DTensors filled by ``dcp.load``, or
+  full tensors whose rows are cut here); ``broadcast_from_rank0=True`` (with
+  ``full_state_dict=True``): only rank 0's dicts are read, and sent to every rank (one
+  object broadcast over the world: the full dict is in every rank's memory while it is cut).
+
+Over a plain module or torch ``DistributedDataParallel`` (replicated parameters, a plain
+optimizer) torch's own functions are correct and are called as given; so is the model state
+of a ``ShardedDataParallel`` (keyed as its unwrapped module). An OSS optimizer (ZeRO-1/2) is
+refused with an error naming its checkpoint path (``consolidate_state_dict`` then
+``state_dict()``, or the engine's checkpoints): each parameter's state lives on its owner
+rank only, which torch's functions do not know.
+
+Why not torch's own functions over shardkit FSDP: they do not recognise it, take
+``optim.state_dict()`` (this rank's padded rows, as plain tensors under the same key on
+every rank) for replicated state, and ``dcp.save`` would write one rank's rows for all.
+:func:`mark_sharded_state_for_dcp` (registered by ``shardkit.recipes.compose`` at stage 3
+and so by ``shardkit.initialize``) makes that fail clearly instead; an optimizer a user
+builds over a plain ``FullyShardedDataParallel`` is never seen by shardkit: call
+:func:`mark_sharded_state_for_dcp` on it, or use these functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+__all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict",
+           "get_state_dict", "set_model_state_dict", "set_optimizer_state_dict",
+           "set_state_dict", "mark_sharded_state_for_dcp"]
+
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+_HOOKED = "_shardkit_dcp_marking_hook"
+
+
+# ----------------------------------------------------------------------- arguments
+
+
+def _checked_options(options, call: str) -> StateDictOptions:
+    """``options`` (torch's ``StateDictOptions``; ``None``: its defaults) checked locally, so
+    that every rank raises the same ``ValueError`` before any collective."""
+    if options is None:
+        return StateDictOptions()
+    if not isinstance(options, StateDictOptions):
+        raise TypeError(f"{call}(options={type(options).__name__}): expected "
+                        f"torch.distributed.checkpoint.state_dict.StateDictOptions (also "
+                        f"shardkit.checkpoint.StateDictOptions) or None")
+    for field in fields(StateDictOptions):
+        value = getattr(options, field.name)
+        if field.name == "dsd_fqn_modifiers":
+            if value != "_fqn_modifiers":
+                raise ValueError(f"{call}(options=StateDictOptions(dsd_fqn_modifiers="
+                                 f"{value!r})): shardkit's wrappers keep the unwrapped model's "
+                                 f"names; only the default '_fqn_modifiers' is valid")
+        elif not isinstance(value, bool):
+            raise ValueError(f"{call}(options=StateDictOptions({field.name}={value!r})): must "
+                             f"be True or False")
+    if options.broadcast_from_rank0 and not options.full_state_dict:
+        raise ValueError(f"{call}(options=StateDictOptions(broadcast_from_rank0=True, "
+                         f"full_state_dict=False)): broadcast_from_rank0 sends rank 0's full "
+                         f"state dict; set full_state_dict=True too")
+    return options
+
+
+def _checked_optimizers(optimizers, call: str) -> tuple:
+    optims = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else \
+        tuple(optimizers) if isinstance(optimizers, (list, tuple)) else None
+    if not optims or not all(isinstance(o, torch.optim.Optimizer) for o in optims):
+        raise TypeError(f"{call}(optimizers={type(optimizers).__name__}): expected a "
+                        f"torch.optim.Optimizer or a non-empty list/tuple of them")
+    return optims
+
+
+def _fsdp_root(model: nn.Module, call: str, optims: tuple = (), submodules=None):
+    """The shardkit FSDP root of ``model`` (``None``: no shardkit wrapper involved, torch's
+    functions apply). Clear errors for OSS / ShardedDataParallel and for options or layouts
+    this module cannot serve. Local."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import ShardedDataParallel
+    from shardkit.optim import OSS
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{call}(model={type(model).__name__}): expected a torch.nn.Module")
+    if (isinstance(model, ShardedDataParallel) and optims) or \
+            any(isinstance(o, OSS) for o in optims):
+        raise ValueError(
+            f"{call}: OSS / ShardedDataParallel (ZeRO-1/2) keep each parameter's optimizer "
+            f"state on its owner rank only, which this API does not handle; save the model's "
+            f"state_dict() (replicated) and, for the optimizer, optim.consolidate_state_dict"
+            f"(recipient_rank=0) then optim.state_dict() on rank 0 (torch format, loads at any "
+            f"world size with OSS.load_state_dict), or use shardkit.initialize's "
+            f"engine.save_checkpoint / load_checkpoint")
+    if isinstance(getattr(model, "wrapped", None), FSDP) and not isinstance(model, FSDP):
+        model = model.wrapped  # a shardkit.initialize engine at stage 3: its FSDP root
+    units = [m for m in model.modules() if isinstance(m, FSDP)]
+    if not units:
+        return None
+    if not isinstance(model, FSDP):
+        raise ValueError(f"{call}(model={type(model).__name__}): the model holds "
+                         f"FullyShardedDataParallel units but its root is not one; pass the "
+                         f"root FullyShardedDataParallel (compose's composition.wrapped, or "
+                         f"the shardkit.initialize engine itself), or wrap the root too")
+    if submodules is not None:
+        raise ValueError(f"{call}(submodules=...): not supported over FullyShardedDataParallel "
+                         f"(deprecated in torch too); filter the returned state dict by key "
+                         f"instead")
+    return model
+
+
+def _replicated(model: nn.Module) -> nn.Module:
+    """A ShardedDataParallel's module (its parameters are whole and the same on every rank, so
+    torch's functions serve its model state, keyed as the unwrapped model's); others as
+    given."""
+    from shardkit.nn.data_parallel import ShardedDataParallel
+    return model.module if isinstance(model, ShardedDataParallel) else model
+
+
+def _fqns_of(model, optim: torch.optim.Optimizer) -> list:
+    from shardkit.nn.data_parallel.fsdp_state_dict import clean_name
+    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    return [names.get(id(p)) for g in optim.param_groups for p in g["params"]]
+
+
+# ----------------------------------------------------------------------- get
+
+
+def _model_state(model, options: StateDictOptions) -> dict:
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel.fsdp_state_dict_type import (
+        FullStateDictConfig, ShardedStateDictConfig, StateDictType)
+    if options.full_state_dict:
+        kind = StateDictType.FULL_STATE_DICT
+        config = FullStateDictConfig(offload_to_cpu=options.cpu_offload,
+                                     rank0_only=options.cpu_offload)
+    else:
+        kind = StateDictType.SHARDED_STATE_DICT
+        config = ShardedStateDictConfig(offload_to_cpu=options.cpu_offload)
+    with FSDP.state_dict_type(model, kind, config):
+        state = model.state_dict()
+    if options.ignore_frozen_params and state:
+        frozen = {n for n, p in zip(_clean_names(model), model.parameters())
+                  if not p.requires_grad}
+        state = type(state)((k, v) for k, v in state.items() if k not in frozen)
+    return state
+
+
+def _clean_names(model) -> list:
+    from shardkit.nn.data_parallel.fsdp_state_dict import clean_name
+    return [clean_name(n) for n, _ in model.named_parameters()]
+
+
+def _optim_state(model, optims: tuple, options: StateDictOptions) -> dict:
+    from shardkit.checkpoint.dtensor_state import init_optimizer_state
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel.fsdp_state_dict_type import (
+        FullOptimStateDictConfig, FullStateDictConfig, ShardedOptimStateDictConfig,
+        ShardedStateDictConfig, StateDictType)
+    for optim in optims:
+        outside = [i for i, n in enumerate(_fqns_of(model, optim)) if n is None]
+        if outside:
+            raise ValueError(f"get_optimizer_state_dict: the optimizer's parameters "
+                             f"{outside[:5]} (in param-group order) are not parameters of the "
+                             f"model; pass the optimizer built over this model's parameters")
+    if options.full_state_dict:
+        kind = StateDictType.FULL_STATE_DICT
+        config = FullStateDictConfig(offload_to_cpu=options.cpu_offload)
+        optim_config = FullOptimStateDictConfig(offload_to_cpu=options.cpu_offload,
+                                                rank0_only=options.cpu_offload)
+    else:
+        kind = StateDictType.SHARDED_STATE_DICT
+        config = ShardedStateDictConfig(offload_to_cpu=options.cpu_offload)
+        optim_config = ShardedOptimStateDictConfig(offload_to_cpu=options.cpu_offload)
+    merged = {"state": {}, "param_groups": []}
+    for optim in optims:
+        init_optimizer_state(optim)  # torch's _init_optim_state: a fresh optimizer's tensors
+        with FSDP.state_dict_type(model, kind, config, optim_config):
+            osd = FSDP.optim_state_dict(model, optim)
+        if not osd:  # rank0_only, off rank 0
+            continue
+        merged["state"].update(osd["state"])
+        merged["param_groups"].extend(osd["param_groups"])
+    if not merged["param_groups"]:
+        return {}
+    if options.cpu_offload:
+        merged["state"] = {k: {s: v.cpu() if torch.is_tensor(v) else v for s, v in e.items()}
+                           for k, e in merged["state"].items()}
+    return merged
+
+
+def get_model_state_dict(model: nn.Module, *, submodules: Optional[set] = None,
+                         options: Optional[StateDictOptions] = None) -> dict:
+    """torch's ``get_model_state_dict`` (see the module docstring for shardkit FSDP). All
+    ranks must call it (full: collective; sharded: local)."""
+    options = _checked_options(options, "get_model_state_dict")
+    root = _fsdp_root(model, "get_model_state_dict", submodules=submodules)
+    if root is None:
+        from torch.distributed.checkpoint import state_dict as tsd
+        return tsd.get_model_state_dict(_replicated(model), submodules=submodules,
+                                        options=options)
+    return _model_state(root, options)
+
+
+def get_optimizer_state_dict(model: nn.Module,
+                             optimizers: Union[torch.optim.Optimizer, Iterable],
+                             *, submodules: Optional[set] = None,
+                             options: Optional[StateDictOptions] = None) -> dict:
+    """torch's ``get_optimizer_state_dict``: ``{"state": {fqn: {...}}, "param_groups": [...,
+    "params": [fqns]]}`` (see the module docstring for shardkit FSDP). A fresh optimizer is
+    given its state first (as torch does). All ranks must call it."""
+    options = _checked_options(options, "get_optimizer_state_dict")
+    optims = _checked_optimizers(optimizers, "get_optimizer_state_dict")
+    root = _fsdp_root(model, "get_optimizer_state_dict", optims, submodules)
+    if options.flatten_optimizer_state_dict and root is not None:
+        raise ValueError("get_optimizer_state_dict(options=StateDictOptions("
+                         "flatten_optimizer_state_dict=True)): not supported over "
+                         "FullyShardedDataParallel; leave it False (the nested dict "
+                         "reshards with dcp as it is)")
+    if root is None:
+        from torch.distributed.checkpoint import state_dict as tsd
+        return tsd.get_optimizer_state_dict(model, optimizers, submodules=submodules,
+                                            options=options)
+    return _optim_state(root, optims, options)
+
+
+def get_state_dict(model: nn.Module, optimizers: Union[torch.optim.Optimizer, Iterable],
+                   *, submodules: Optional[set] = None,
+                   options: Optional[StateDictOptions] = None) -> tuple:
+    """torch's ``get_state_dict``: ``(model_state_dict, optimizer_state_dict)``."""
+    options = _checked_options(options, "get_state_dict")
+    optims = _checked_optimizers(optimizers, "get_state_dict")
+    root = _fsdp_root(model, "get_state_dict", optims, submodules)
+    if root is None:
+        from torch.distributed.checkpoint import state_dict as tsd
+        return tsd.get_state_dict(model, optimizers, submodules=submodules, options=options)
+    return (get_model_state_dict(root, options=options),
+            get_optimizer_state_dict(root, optims, options=options))
+
+
+# ----------------------------------------------------------------------- set
+
+
+def _from_rank0(state: dict, call: str, what: str) -> dict:
+    """Rank 0's ``state`` on every rank (one object broadcast over the world)."""
+    from shardkit import distributed as skdist
+    payload = state if skdist.get_rank() == 0 else None
+    if skdist.get_rank() == 0 and not isinstance(state, dict):
+        payload = TypeError(f"{call}({what}={type(state).__name__}) on rank 0 with "
+                            f"broadcast_from_rank0=True: rank 0 must pass the full state dict")
+    payload = skdist.broadcast_object(payload, src=0)
+    if isinstance(payload, Exception):
+        raise payload
+    return payload
+
+
+def _load_model(model, state: dict, options: StateDictOptions):
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel.fsdp_state_dict_type import StateDictType
+    if not isinstance(state, dict):
+        raise TypeError(f"set_model_state_dict(model_state_dict={type(state).__name__}): "
+                        f"expected a dict (from get_model_state_dict, e.g. filled by dcp.load)")
+    sharded = any(_is_dtensor(v) for v in state.values())
+    kind = StateDictType.SHARDED_STATE_DICT if sharded else StateDictType.FULL_STATE_DICT
+    with FSDP.state_dict_type(model, kind):
+        return model.load_state_dict(state, strict=options.strict)
+
+
+def _is_dtensor(value) -> bool:
+    from shardkit.checkpoint.dtensor_state import is_dtensor
+    return is_dtensor(value)
+
+
+def _split_by_optimizer(model, optims: tuple, osd) -> list:
+    """The part of a merged, FQN-keyed optimizer state dict each optimizer takes."""
+    if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
+        raise ValueError("set_optimizer_state_dict(optim_state_dict=...): expected a dict with "
+                         "'state' and 'param_groups' (from get_optimizer_state_dict, e.g. "
+                         "filled by dcp.load)")
+    if len(optims) == 1:
+        return [osd]
+    parts = []
+    for optim in optims:
+        mine = set(_fqns_of(model, optim))
+        groups = [g for g in osd["param_groups"] if set(g["params"]) <= mine]
+        parts.append({"state": {k: v for k, v in osd["state"].items() if k in mine},
+                      "param_groups": groups})
+    return parts
+
+
+def _load_optims(model, optims: tuple, osd, options: StateDictOptions) -> None:
+    from shardkit.checkpoint.dtensor_state import init_optimizer_state
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel.fsdp_state_dict_type import StateDictType
+    parts = _split_by_optimizer(model, optims, osd)
+    mine = []
+    for optim, part in zip(optims, parts):
+        sharded = any(_is_dtensor(v) for e in part["state"].values() for v in e.values())
+        kind = StateDictType.SHARDED_STATE_DICT if sharded else StateDictType.FULL_STATE_DICT
+        with FSDP.state_dict_type(model, kind):
+            mine.append(FSDP.optim_state_dict_to_load(model, optim, part))
+    for optim, loaded in zip(optims, mine):  # every part checked before any is loaded
+        init_optimizer_state(optim)
+        optim.load_state_dict(loaded)
+
+
+def set_model_state_dict(model: nn.Module, model_state_dict: dict, *,
+                         options: Optional[StateDictOptions] = None):
+    """torch's ``set_model_state_dict``: DTensors (e.g. filled by dcp.load) or full tensors,
+    from any world size; returns torch's ``_IncompatibleKeys``. All ranks must call it."""
+    options = _checked_options(options, "set_model_state_dict")
+    root = _fsdp_root(model, "set_model_state_dict")
+    if root is None:
+        from torch.distributed.checkpoint import state_dict as tsd
+        return tsd.set_model_state_dict(_replicated(model), model_state_dict, options=options)
+    if options.broadcast_from_rank0:
+        model_state_dict = _from_rank0(model_state_dict, "set_model_state_dict",
+                                       "model_state_dict")
+    return _load_model(root, model_state_dict, options)
+
+
+def set_optimizer_state_dict(model: nn.Module,
+                             optimizers: Union[torch.optim.Optimizer, Iterable],
+                             optim_state_dict: dict, *,
+                             options: Optional[StateDictOptions] = None) -> None:
+    """torch's ``set_optimizer_state_dict``: the dict of :func:`get_optimizer_state_dict`
+    (DTensors filled by dcp.load, or full tensors) from any world size. Checked before
+    anything is loaded. All ranks must call it."""
+    options = _checked_options(options, "set_optimizer_state_dict")
+    optims = _checked_optimizers(optimizers, "set_optimizer_state_dict")
+    root = _fsdp_root(model, "set_optimizer_state_dict", optims)
+    if root is None:
+        from torch.distributed.checkpoint import state_dict as tsd
+        return tsd.set_optimizer_state_dict(model, optimizers, optim_state_dict,
+                                            options=options)
+    if options.broadcast_from_rank0:
+        optim_state_dict = _from_rank0(optim_state_dict, "set_optimizer_state_dict",
+                                       "optim_state_dict")
+    _load_optims(root, optims, optim_state_dict, options)
+    return None
+
+
+def set_state_dict(model: nn.Module, optimizers: Union[torch.optim.Optimizer, Iterable], *,
+                   model_state_dict: dict, optim_state_dict: dict,
+                   options: Optional[StateDictOptions] = None):
+    """torch's ``set_state_dict``: the model, then the optimizers; returns the model's
+    ``_IncompatibleKeys``. All ranks must call it."""
+    options = _checked_options(options, "set_state_dict")
+    optims = _checked_optimizers(optimizers, "set_state_dict")
+    root = _fsdp_root(model, "set_state_dict", optims)
+    if root is None:
+        from torch.distributed.checkpoint import state_dict as tsd
+        return tsd.set_state_dict(model, optimizers, model_state_dict=model_state_dict,
+                                  optim_state_dict=optim_state_dict, options=options)
+    keys = set_model_state_dict(root, model_state_dict, options=options)
+    set_optimizer_state_dict(root, optims, optim_state_dict, options=options)
+    return keys
+
+
+# ----------------------------------------------------------------------- torch's own functions
+
+
+def mark_sharded_state_for_dcp(optim: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Register, on this optimizer instance only, a ``state_dict`` post-hook that marks the
+    per-element state of parameters sharded by a shardkit FSDP unit over several ranks
+    (``optim.state_dict()``: this rank's padded rows, plain tensors under the same key on every
+    rank) with :func:`~shardkit.checkpoint.dtensor_state.refuse_in_dcp`. torch's own
+    ``get_state_dict`` passes those tensors on, and ``dcp.save`` then refuses them on every
+    rank before anything is written, naming ``shardkit.checkpoint.get_state_dict``, instead of
+    writing one rank's rows as if replicated. ``torch.save`` and ``load_state_dict`` are
+    unaffected (the marked values are aliases, ``detach``: no copy). Idempotent; returns
+    ``optim``. Cost per ``state_dict()`` call: one dictionary lookup per parameter and one
+    alias per marked tensor. Local."""
+    if getattr(optim, _HOOKED, False):
+        return optim
+    optim.register_state_dict_post_hook(_mark_state)
+    setattr(optim, _HOOKED, True)
+    return optim
+
+
+def _mark_state(optim: torch.optim.Optimizer, osd: dict) -> dict:
+    from shardkit.checkpoint.dtensor_state import refuse_in_dcp
+    from shardkit.checkpoint.optimizer_state import per_element
+    from shardkit.nn.data_parallel.fully_sharded import unit_holding
+    ordered = [p for g in optim.param_groups for p in g["params"]]
+    state = osd.get("state", {})
+    shapes: dict = {}  # id(param) -> its shard shape, one pass per unit met
+    for index, entry in list(state.items()):
+        param = ordered[index] if isinstance(index, int) and 0 <= index < len(ordered) else None
+        if param is not None and id(param) not in shapes:
+            unit = unit_holding(param)
+            shard = getattr(unit, "_shard", None)
+            if shard is None or shard.world_size == 1:
+                continue
+            shapes.update((id(q), tuple(lay.shard_shape))
+                          for q, lay in zip(shard.params, shard.layouts))
+        shape = shapes.get(id(param))
+        if shape is None:
+            continue
+        state[index] = {  # a new dict: optim.state_dict() gives the live ones
+            key: refuse_in_dcp(value.detach(), f"state {key!r} of parameter {index}",
+                               _SOURCE)
+            if per_element(key, value) and tuple(value.shape) == shape else value
+            for key, value in entry.items()}
+    return osd
+
+
+_SOURCE = ("optim.state_dict() over FullyShardedDataParallel shards (e.g. via torch's "
+           "torch.distributed.checkpoint.state_dict.get_state_dict, which does not know "
+           "shardkit's FSDP; use shardkit.checkpoint.get_state_dict / set_state_dict, same "
+           "arguments)")
