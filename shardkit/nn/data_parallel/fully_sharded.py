@@ -396,10 +396,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         move_to_device_id(device_id, module)
         if auto_wrap_policy is not None:  # torch FSDP1: wrap the selected submodules first
             from shardkit.nn.wrap.auto_wrap import wrap_below_root
-            with _ignored_modules_detached(module, ignored):
-                module = wrap_below_root(
-                    module, _policy_without_ignored(auto_wrap_policy, ignored), type(self),
-                    full_precision_classes=torch_full_precision_classes(mixed_precision), **same)
+            module = wrap_below_root(  # it leaves the ignored modules and parameters out
+                module, auto_wrap_policy, type(self),
+                full_precision_classes=torch_full_precision_classes(mixed_precision), **same)
         if param_init_fn is not None and not callable(param_init_fn):
             raise ValueError(f"FullyShardedDataParallel(param_init_fn={param_init_fn!r}): "
                              f"must be a callable(module) that materializes a module built on "
@@ -466,7 +465,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 hpz_partition_size=hpz_partition_size, quantize_weights=quantize_weights,
                 quantize_gradients=quantize_gradients, comm=type(transport).__name__,
                 sync_module_states=sync_module_states,
-                broadcast_buffers=_unit_buffers_described(module, ignored)
+                broadcast_buffers=_unit_buffers_described(module)
                 if sync_module_states else [])
         except ValueError:  # the others name it; the rank that failed raises its own error
             if meta_error is None:
@@ -509,8 +508,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             if group is not None:
                 transport.prepare(group)
         if sync_module_states:
-            _sync_unit_states(module, params, groups, transport,
-                              [b for _, b in _ignored_buffers_in_units(module, ignored)])
+            _sync_unit_states(module, params, groups, transport)
         self._buffer_dtypes = _cast_unit_buffers(module, policy.buffer_cast_dtype(), ignored)
         self._shard: Optional[FlatParamShard] = None
         if params:
@@ -1541,57 +1539,7 @@ def _refuse_other_data_parallel(module: nn.Module, ignored: IgnoredStates) -> No
                          f"plain module (FSDP reduces its gradients)")
 
 
-@contextlib.contextmanager
-def _ignored_modules_detached(module: nn.Module, ignored: IgnoredStates):
-    """While the constructor's ``auto_wrap_policy`` runs: the outermost ignored modules taken
-    out of their parents (``None`` children, which ``nn.Module``'s traversals skip), so that the
-    policy neither wraps them nor anything inside them, and does not count their parameters (as
-    torch FSDP1's auto-wrapping skips ignored modules); put back on exit, whatever happens.
-    Local."""
-    taken = []
-    if ignored.modules:
-        for parent in module.modules():
-            if ignored.has_module(parent):
-                continue
-            for name, child in list(parent._modules.items()):
-                if child is not None and ignored.has_module(child):
-                    taken.append((parent, name, child))
-                    parent._modules[name] = None
-    try:
-        yield
-    finally:
-        for parent, name, child in taken:
-            parent._modules[name] = child
-
-
-def _policy_without_ignored(policy, ignored: IgnoredStates):
-    """``policy`` told, as torch FSDP1's auto-wrapping tells it, the parameter counts without
-    the ignored parameters (``ignored_states=[params]``; ignored modules are taken out of the
-    tree meanwhile by :func:`_ignored_modules_detached`). ``policy`` itself without any."""
-    if not ignored.params:
-        return policy
-    from shardkit.nn.wrap.auto_wrap import _policy_caller
-    call = _policy_caller(policy)
-
-    def without_ignored(module, recurse, unwrapped_params, module_is_root=False):
-        left_out = sum(p.numel() for p in module.parameters() if ignored.has_param(p))
-        return call(module, recurse, unwrapped_params - left_out, module_is_root)
-
-    return without_ignored
-
-
-def _ignored_buffers_in_units(module: nn.Module, ignored: IgnoredStates) -> list:
-    """``(key, buffer)`` of the ignored modules inside the inner units that this constructor's
-    ``auto_wrap_policy`` built: they were detached meanwhile (:func:`_ignored_modules_detached`),
-    so no unit's ``sync_module_states`` saw their buffers, which torch FSDP1 broadcasts. Local."""
-    reached = {id(m) for m in _unit_modules(module)}
-    return [(f"{clean_name(name)}.{key}", b) for name, m in module.named_modules()
-            if ignored.has_module(m) and id(m) not in reached
-            for key, b in m._buffers.items() if b is not None]
-
-
-def _unit_buffers_described(module: nn.Module,
-                            ignored: IgnoredStates = IgnoredStates()) -> list:
+def _unit_buffers_described(module: nn.Module) -> list:
     """Name, shape and dtype of each buffer ``sync_module_states`` broadcasts for the unit
     (:func:`_sync_unit_states`: those of ignored modules too, as torch FSDP1 does), which every
     rank must hold alike: ranks may ignore different modules (each its own experts, as torch
@@ -1599,9 +1547,7 @@ def _unit_buffers_described(module: nn.Module,
     return [f"{clean_name(name)} {tuple(b.shape)} {b.dtype}"
             for prefix, m in _named_unit_modules(module)
             for key, b in m._buffers.items() if b is not None
-            for name in [f"{prefix}.{key}" if prefix else key]] + [
-        f"{name} {tuple(b.shape)} {b.dtype}"
-        for name, b in _ignored_buffers_in_units(module, ignored)]
+            for name in [f"{prefix}.{key}" if prefix else key]]
 
 
 def _is_unit(module) -> bool:
@@ -1812,14 +1758,12 @@ def _keep_tie(original: torch.Tensor, places: list) -> None:
             holder[key] = original
 
 
-def _sync_unit_states(module: nn.Module, params: list, groups, transport,
-                      extra_buffers: list = ()) -> None:
+def _sync_unit_states(module: nn.Module, params: list, groups, transport) -> None:
     """Give every rank rank 0's values of the unit's parameters and of the buffers outside
-    its inner units (and ``extra_buffers``), by the unit's ``transport``: across the replicas
-    first, so that each shard group's rank 0 holds global rank 0's values, then inside the
-    shard group."""
+    its inner units (ignored modules' too: an ignored module inside an inner unit is that
+    unit's), by the unit's ``transport``: across the replicas first, so that each shard
+    group's rank 0 holds global rank 0's values, then inside the shard group."""
     buffers = [b for m in _unit_modules(module) for b in m._buffers.values() if b is not None]
-    buffers += list(extra_buffers)
     tensors = list(params) + list({id(b): b for b in buffers}.values())
     if groups.replicate is not None:  # None: no replicas
         skdist.broadcast_tensors_from_rank0(tensors, groups.replicate, transport=transport)

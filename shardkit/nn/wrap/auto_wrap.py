@@ -467,8 +467,10 @@ def wrap_below_root(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls=N
     constructor is its wrapper). Every submodule of a ``full_precision_classes`` type (torch's
     ``MixedPrecision._module_classes_to_ignore``) is also wrapped, with
     ``mixed_precision=False``, its floating inputs cast to fp32 and its outputs back to the
-    input's dtype, as torch does. Returns ``module``, changed in place. Local; each wrapper's
-    own costs apply."""
+    input's dtype, as torch does. The modules and parameters that ``wrapper_kwargs``'
+    ``ignored_modules`` / ``ignored_states`` name are left out: nothing inside an ignored
+    module is wrapped and ignored parameters are not counted (torch FSDP1's auto-wrapping).
+    Returns ``module``, changed in place. Local; each wrapper's own costs apply."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"auto_wrap_policy: expected an nn.Module to wrap, got "
                          f"{type(module).__name__}")
@@ -497,7 +499,7 @@ def wrap_below_root(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls=N
         return wrap_sub(m)
 
     _recursive_wrap(module, policy, _wrapper_key(wrapper_cls), wrap_one, is_root=True,
-                    owners=_registering_modules(module))
+                    owners=_registering_modules(module), ignored=_ignored_by(wrapper_kwargs))
     return module
 
 
