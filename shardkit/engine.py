@@ -459,7 +459,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         self.module = model
         self.model_parallel = model_parallel
         # Names of the unwrapped model, recorded before wrapping (FSDP renames and flattens).
-        self._state_names = list(state_names or model.state_dict().keys())
+        self._state_names = list(state_names or _state_names_of(model))
         trainable, frozen = _names_by_trainability(model)
         self.trainable_param_names = list(
             trainable if trainable_param_names is None else trainable_param_names)
@@ -1653,7 +1653,7 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         logger.warning("zero_optimization.offload_optimizer: CPU offload is implemented at "
                        "stage 3 only (FSDP move_params_to_cpu); at stage %d the optimizer "
                        "state stays on the GPU", cfg.zero.stage)
-    state_names = list(model.state_dict().keys())
+    state_names = _state_names_of(model)
     trainable, frozen = _names_by_trainability(model)  # before wrapping renames them
     # the tensor-parallel split of each key, read unwrapped (stage 3 then refuses the model's
     # own state_dict()) for the checkpoints' layout file
@@ -1760,3 +1760,16 @@ def _data_loader(dataset, cfg: EngineConfig, collate_fn,
     sampler = DistributedSampler(dataset, num_replicas=replicas, rank=index)
     return DataLoader(dataset, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
                       collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
+
+
+def _state_names_of(model: torch.nn.Module) -> list:
+    """The keys of ``model.state_dict()`` without gathering: FSDP units the user built inside
+    ``model`` (outermost ones, held by plain modules) give a full state dict by default, one
+    all-gather per unit and the full model in memory; under ``LOCAL_STATE_DICT`` they give
+    their shards under the same keys. Local."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+    from shardkit.nn.data_parallel.fsdp_state_dict_type import StateDictType
+    if not any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        return list(model.state_dict().keys())
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        return list(model.state_dict().keys())

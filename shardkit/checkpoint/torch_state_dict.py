@@ -112,6 +112,9 @@ def _fsdp_root(model: nn.Module, call: str, optims: tuple = (), submodules=None)
             f"(recipient_rank=0) then optim.state_dict() on rank 0 (torch format, loads at any "
             f"world size with OSS.load_state_dict), or use shardkit.initialize's "
             f"engine.save_checkpoint / load_checkpoint")
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module) and \
+            type(model).__name__ == "OptimizedModule":
+        model = model._orig_mod  # torch.compile(root): torch's functions drop it too
     if isinstance(getattr(model, "wrapped", None), FSDP) and not isinstance(model, FSDP):
         model = model.wrapped  # a shardkit.initialize engine at stage 3: its FSDP root
     units = [m for m in model.modules() if isinstance(m, FSDP)]
@@ -195,6 +198,7 @@ def _optim_state(model, optims: tuple, options: StateDictOptions) -> dict:
     merged = {"state": {}, "param_groups": []}
     for optim in optims:
         init_optimizer_state(optim)  # torch's _init_optim_state: a fresh optimizer's tensors
+        _refuse_factored_state(optim, "get_optimizer_state_dict")
         with FSDP.state_dict_type(model, kind, config, optim_config):
             osd = FSDP.optim_state_dict(model, optim)
         if not osd:  # rank0_only, off rank 0
@@ -207,6 +211,28 @@ def _optim_state(model, optims: tuple, options: StateDictOptions) -> dict:
         merged["state"] = {k: {s: v.cpu() if torch.is_tensor(v) else v for s, v in e.items()}
                            for k, e in merged["state"].items()}
     return merged
+
+
+def _refuse_factored_state(optim: torch.optim.Optimizer, call: str) -> None:
+    """A ValueError (the same on every rank: shard shapes are padded alike) when the state of a
+    parameter sharded over several ranks holds a tensor of one dimension or more that is not
+    shaped as the shard (Adafactor's ``row_var``/``col_var``): it is computed from this rank's
+    rows only, so neither a DTensor of rows nor a replicated tensor describes it. Local."""
+    from shardkit.nn.data_parallel.fully_sharded import unit_holding
+    for group in optim.param_groups:
+        for param in group["params"]:
+            shard = getattr(unit_holding(param), "_shard", None)
+            if shard is None or shard.world_size == 1 or param not in optim.state:
+                continue
+            shape = next(tuple(lay.shard_shape) for q, lay in zip(shard.params, shard.layouts)
+                         if q is param)
+            for key, value in optim.state[param].items():
+                if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != shape:
+                    raise ValueError(
+                        f"{call}: optimizer state {key!r} of a parameter sharded by "
+                        f"FullyShardedDataParallel has shape {tuple(value.shape)}, not the "
+                        f"shard's {shape} (e.g. Adafactor's factored moments): it is computed "
+                        f"from this rank's rows only and cannot be saved as one tensor")
 
 
 def get_model_state_dict(model: nn.Module, *, submodules: Optional[set] = None,
@@ -420,7 +446,7 @@ def _mark_state(optim: torch.optim.Optimizer, osd: dict) -> dict:
         state[index] = {  # a new dict: optim.state_dict() gives the live ones
             key: refuse_in_dcp(value.detach(), f"state {key!r} of parameter {index}",
                                _SOURCE)
-            if per_element(key, value) and tuple(value.shape) == shape else value
+            if per_element(key, value) else value  # any shape: rank-local rows
             for key, value in entry.items()}
     return osd
 

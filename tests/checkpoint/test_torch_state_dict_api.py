@@ -374,3 +374,30 @@ def test_frozen_params_and_sharded_ddp_model_state(world2, tmp_path):
         assert keys == ["0.bias", "0.weight", "2.bias", "2.weight"]
         assert refused is not None and "consolidate_state_dict" in refused
         assert diff == 0.0
+
+
+def factored_and_compiled() -> dict:
+    """Adafactor's factored moments (computed from this rank's rows, shaped like neither the
+    shard nor the parameter) are refused, not saved as replicated; a ``torch.compile``d FSDP
+    root is taken as the root (torch's functions drop ``_orig_mod`` too)."""
+    from shardkit.checkpoint import get_model_state_dict, get_optimizer_state_dict
+    torch.manual_seed(0)
+    model = _fsdp(0)
+    adafactor = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    x, y = _batch(0, 1)
+    nn.functional.mse_loss(model(x), y).backward()
+    adafactor.step()
+    out = {}
+    try:
+        get_optimizer_state_dict(model, adafactor)
+        out["adafactor"] = None
+    except ValueError as error:
+        out["adafactor"] = str(error)
+    out["compiled"] = sorted(get_model_state_dict(torch.compile(_fsdp(0))))
+    return out
+
+
+def test_factored_state_refused_and_compiled_root_taken(world2):
+    for result in world2.run(factored_and_compiled):
+        assert "(e.g. Adafactor's factored moments)" in result["adafactor"], result
+        assert result["compiled"] == ["0.bias", "0.weight", "2.bias", "2.weight"], result

@@ -283,3 +283,32 @@ def test_local_and_sharded_types_set_on_the_plain_parent(world2, arrangement):
         assert r["sharded values"] == 0.0, r
         assert r["sharded load"] == "<All keys matched successfully>", r
         assert r["sharded round trip"] == 0.0, r
+
+
+def _initialize_over_user_units() -> int:
+    """``shardkit.initialize`` at stage 3 over a plain module holding the user's own units reads
+    the model's key names; it must not gather every unit for that (the plain parent's
+    ``state_dict()`` is FULL by default: the whole model on every rank at start-up)."""
+    import shardkit
+    from shardkit.nn.data_parallel.fsdp_state_dict import FSDPStateDictMixin
+    calls = []
+    original = FSDPStateDictMixin._full_params_unit_by_unit
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    FSDPStateDictMixin._full_params_unit_by_unit = counted
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[FSDP(nn.Linear(6, 6)) for _ in range(4)])
+        shardkit.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    finally:
+        FSDPStateDictMixin._full_params_unit_by_unit = original
+    return len(calls)
+
+
+def test_initialize_reads_key_names_without_gathering(world2):
+    assert world2.run(_initialize_over_user_units) == [0, 0]
