@@ -1217,12 +1217,17 @@ def first_difference(every: list) -> Optional[tuple]:
     return None
 
 
-def all_gather_object(obj, group=None) -> list:
-    """Gather one picklable object from every rank of ``group``; returns the list."""
+def all_gather_object(obj, group=None, counted: bool = True,
+                      operation: str = "all_gather_object") -> list:
+    """Gather one picklable object from every rank of ``group``; returns the list.
+    ``counted=False``: a control message beside the wrappers' traffic (the ranks' start-up
+    agreement), which ``CommCounter`` does not count; ``operation`` names it in a broken-link
+    error."""
     _check_call("all_gather_object", group)
     out = [None] * get_world_size(group)
-    nbytes = len(pickle.dumps(obj)) * len(out) if comm_counter.counting() else 0
-    _record("all_gather", nbytes, group)
-    with reporting_broken_links("all_gather_object", group):
+    if counted:
+        nbytes = len(pickle.dumps(obj)) * len(out) if comm_counter.counting() else 0
+        _record("all_gather", nbytes, group)
+    with reporting_broken_links(operation, group):
         dist.all_gather_object(out, obj, group=group)
     return out

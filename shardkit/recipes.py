@@ -439,17 +439,6 @@ def _error_class(where: tuple) -> type:
     return found if isinstance(found, type) and issubclass(found, Exception) else RuntimeError
 
 
-def _gather_uncounted(obj, group) -> list:
-    """torch's object all-gather over ``group``: a control message beside the wrappers'
-    traffic (like the collective debug mode's fingerprints), so ``CommCounter`` does not
-    count it and a refused composition still shows no traffic."""
-    import torch.distributed as dist
-    out = [None] * distributed.get_world_size(group)
-    with distributed.reporting_broken_links("the ranks' agreement before composing", group):
-        dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 def agree_on_refusal(refusal: Optional[BaseException], group, where: str,
                      compared: Optional[dict] = None,
                      rule: str = "every rank must compose the same model with the same stage "
@@ -485,8 +474,9 @@ def agree_on_refusal(refusal: Optional[BaseException], group, where: str,
                 (type(refusal).__module__, type(refusal).__qualname__), str(refusal))}
     known = [mine]
     for g in groups:
-        merged = {entry["rank"]: entry for entries in _gather_uncounted(known, g)
-                  for entry in entries}
+        gathered = distributed.all_gather_object(
+            known, g, counted=False, operation="the ranks' agreement before composing")
+        merged = {entry["rank"]: entry for entries in gathered for entry in entries}
         known = [merged[r] for r in sorted(merged)]
     refusing = [e for e in known if e["refusal"] is not None]
     if refusing:
@@ -789,13 +779,17 @@ def _refuse_trainable_ignored(model: nn.Module) -> None:
     silently: trainable ones are refused (frozen ones are fine). Stages 0-2 refuse FSDP
     units altogether. Local."""
     from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
-    trainable = {id(p): p for u in model.modules() if isinstance(u, FSDP)
-                 for p in getattr(u, "_ignored_params", ()) if p.requires_grad}
+    from shardkit.nn.data_parallel.fsdp_state_dict import clean_name
+    ignored = {id(p) for u in model.modules() if isinstance(u, FSDP)
+               for p in getattr(u, "_ignored_params", ())}
+    trainable = [clean_name(n) for n, p in model.named_parameters()
+                 if id(p) in ignored and p.requires_grad]
     if trainable:
         raise ValueError(
             f"compose(stage=3): the model holds FullyShardedDataParallel units built with "
             f"ignored_modules/ignored_states whose {len(trainable)} trainable parameter(s) "
-            f"no wrapper reduces, so every rank would step its own copy; freeze them "
+            f"({', '.join(trainable[:5])}{', ...' if len(trainable) > 5 else ''}) no wrapper "
+            f"reduces, so every rank would step its own copy; freeze them "
             f"(requires_grad_(False)) or build those units without ignoring them")
 
 

@@ -13,7 +13,8 @@ Over a model that holds shardkit ``FullyShardedDataParallel`` units (its root on
   writes each row once and ``dcp.load`` reshards to any world size. A fresh optimizer is
   given its state tensors first, as torch does (one ``step()`` with zero gradients and ``lr``
   0, :func:`~shardkit.checkpoint.dtensor_state.init_optimizer_state`), so that ``dcp.load``
-  has tensors to fill. No communication, no copy of a shard.
+  has tensors to fill. No gather and no copy of a shard (a broadcast of each 0-dim
+  parameter, as :meth:`FullyShardedDataParallel.sharded_state_dict` does).
 - ``full_state_dict=True``: full tensors (FSDP's ``FULL_STATE_DICT`` and its gathered
   optimizer state, keyed by FQN), on every rank; with ``cpu_offload=True`` on rank 0 only
   (``{}`` elsewhere), as torch does. Loadable into a single-process model and
@@ -46,12 +47,11 @@ from typing import Iterable, Optional, Union
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 __all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict",
            "get_state_dict", "set_model_state_dict", "set_optimizer_state_dict",
            "set_state_dict", "mark_sharded_state_for_dcp"]
-
-from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 _HOOKED = "_shardkit_dcp_marking_hook"
 
@@ -149,52 +149,43 @@ def _fqns_of(model, optim: torch.optim.Optimizer) -> list:
 # ----------------------------------------------------------------------- get
 
 
+def _fsdp_settings(options: StateDictOptions) -> tuple:
+    """``(StateDictType, model config, optimizer config)`` for torch's ``options``: FULL
+    (rank 0 only with ``cpu_offload``, as torch) or SHARDED. Local."""
+    from shardkit.nn.data_parallel.fsdp_state_dict_type import (
+        FullOptimStateDictConfig, FullStateDictConfig, ShardedOptimStateDictConfig,
+        ShardedStateDictConfig, StateDictType)
+    offload = options.cpu_offload
+    if options.full_state_dict:
+        return (StateDictType.FULL_STATE_DICT,
+                FullStateDictConfig(offload_to_cpu=offload, rank0_only=offload),
+                FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=offload))
+    return (StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=offload),
+            ShardedOptimStateDictConfig(offload_to_cpu=offload))
+
+
 def _model_state(model, options: StateDictOptions) -> dict:
     from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
-    from shardkit.nn.data_parallel.fsdp_state_dict_type import (
-        FullStateDictConfig, ShardedStateDictConfig, StateDictType)
-    if options.full_state_dict:
-        kind = StateDictType.FULL_STATE_DICT
-        config = FullStateDictConfig(offload_to_cpu=options.cpu_offload,
-                                     rank0_only=options.cpu_offload)
-    else:
-        kind = StateDictType.SHARDED_STATE_DICT
-        config = ShardedStateDictConfig(offload_to_cpu=options.cpu_offload)
+    from shardkit.nn.data_parallel.fsdp_state_dict import clean_name
+    kind, config, _ = _fsdp_settings(options)
     with FSDP.state_dict_type(model, kind, config):
         state = model.state_dict()
     if options.ignore_frozen_params and state:
-        frozen = {n for n, p in zip(_clean_names(model), model.parameters())
-                  if not p.requires_grad}
+        frozen = {clean_name(n) for n, p in model.named_parameters() if not p.requires_grad}
         state = type(state)((k, v) for k, v in state.items() if k not in frozen)
     return state
-
-
-def _clean_names(model) -> list:
-    from shardkit.nn.data_parallel.fsdp_state_dict import clean_name
-    return [clean_name(n) for n, _ in model.named_parameters()]
 
 
 def _optim_state(model, optims: tuple, options: StateDictOptions) -> dict:
     from shardkit.checkpoint.dtensor_state import init_optimizer_state
     from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
-    from shardkit.nn.data_parallel.fsdp_state_dict_type import (
-        FullOptimStateDictConfig, FullStateDictConfig, ShardedOptimStateDictConfig,
-        ShardedStateDictConfig, StateDictType)
     for optim in optims:
         outside = [i for i, n in enumerate(_fqns_of(model, optim)) if n is None]
         if outside:
             raise ValueError(f"get_optimizer_state_dict: the optimizer's parameters "
                              f"{outside[:5]} (in param-group order) are not parameters of the "
                              f"model; pass the optimizer built over this model's parameters")
-    if options.full_state_dict:
-        kind = StateDictType.FULL_STATE_DICT
-        config = FullStateDictConfig(offload_to_cpu=options.cpu_offload)
-        optim_config = FullOptimStateDictConfig(offload_to_cpu=options.cpu_offload,
-                                                rank0_only=options.cpu_offload)
-    else:
-        kind = StateDictType.SHARDED_STATE_DICT
-        config = ShardedStateDictConfig(offload_to_cpu=options.cpu_offload)
-        optim_config = ShardedOptimStateDictConfig(offload_to_cpu=options.cpu_offload)
+    kind, config, optim_config = _fsdp_settings(options)
     merged = {"state": {}, "param_groups": []}
     for optim in optims:
         init_optimizer_state(optim)  # torch's _init_optim_state: a fresh optimizer's tensors

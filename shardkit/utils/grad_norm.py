@@ -110,7 +110,8 @@ def clip_grad_norm_across_ranks(grads: Sequence[torch.Tensor], max_norm: float, 
                                 group=None, device: Optional[torch.device] = None,
                                 comm_device: Optional[torch.device] = None,
                                 measured: Optional[Sequence[torch.Tensor]] = None,
-                                also_over: Sequence = ()) -> torch.Tensor:
+                                also_over: Sequence = (),
+                                local_only: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """Scale ``grads`` (this rank's part of the model's gradients; every element counted on
     exactly one rank) so that the global ``norm_type``-norm is at most ``max_norm``; return that
     global norm (a 0-d tensor on the gradients' device, or ``device`` when there are none).
@@ -118,7 +119,9 @@ def clip_grad_norm_across_ranks(grads: Sequence[torch.Tensor], max_norm: float, 
 
     ``measured``: the gradients this rank counts in the norm when not all of ``grads`` (a
     replica another rank counts is scaled here but not measured); ``also_over``: more groups
-    the partial norm is reduced over after ``group`` (tensor- and pipeline-parallel groups).
+    the partial norm is reduced over after ``group`` (tensor- and pipeline-parallel groups);
+    ``local_only``: gradients whose norm this rank adds after the reductions, not summed over
+    the ranks, and that are scaled too (torch FSDP1's count of parameters no unit shards).
     ``comm_device``: where the one-element all-reduce runs (default: the gradients' device; FSDP
     passes its communication device for CPU-offloaded gradients under NCCL). Call
     :func:`check_clip_arguments` first. Communication: one all-reduce of one element over
@@ -134,28 +137,37 @@ def clip_grad_norm_across_ranks(grads: Sequence[torch.Tensor], max_norm: float, 
     # a sparse gradient is kept as it is: an in-place multiply of a detached copy would not
     # reach it
     grads = [g if g.is_sparse else g.detach() for g in grads if g.numel()]
+    local_only = [g if g.is_sparse else g.detach() for g in local_only if g.numel()]
     counted = grads if measured is None else list(measured)
-    counted = [g.coalesce().values() if g.is_sparse else g.detach() for g in counted]
-    counted = [g for g in counted if g.numel()]
     device = grads[0].device if grads else (device or torch.device("cpu"))
-    if math.isinf(norm_type):
-        local = (torch.stack([g.abs().max().float() for g in counted]).max()
-                 if counted else torch.zeros((), device=device))
-        op = distributed.ReduceOp.MAX
-    else:
-        local = (torch.stack([torch.linalg.vector_norm(g.float(), norm_type) ** norm_type
-                              for g in counted]).sum()
-                 if counted else torch.zeros((), device=device))
-        op = distributed.ReduceOp.SUM
-    total = local.reshape(1).to(comm_device or device, copy=True)
+    total = _norm_term(counted, norm_type, device).reshape(1).to(comm_device or device, copy=True)
+    op = distributed.ReduceOp.MAX if math.isinf(norm_type) else distributed.ReduceOp.SUM
     for over in (group, *also_over):
         distributed.all_reduce(total, op=op, group=over)
     total = total[0].to(device)
+    if local_only:
+        own = _norm_term(local_only, norm_type, device)
+        total = torch.maximum(total, own) if math.isinf(norm_type) else total + own
     if not math.isinf(norm_type):
         total = total ** (1.0 / norm_type)
     if math.isinf(max_norm):  # measuring only: no pass over the gradients
         return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
+    for g in grads + local_only:
         g.mul_(coef.item() if g.is_sparse else coef.to(g.device, g.dtype))
     return total
+
+
+def _norm_term(grads: Sequence[torch.Tensor], norm_type: float,
+               device: torch.device) -> torch.Tensor:
+    """This rank's part of the ``norm_type``-norm of ``grads`` before the root: the sum of
+    ``|g|^p`` (the largest ``|g|`` for the infinity norm), in fp32 on ``device``; sparse
+    gradients by their coalesced values. Local."""
+    values = [g.coalesce().values() if g.is_sparse else g.detach() for g in grads]
+    values = [v for v in values if v.numel()]
+    if not values:
+        return torch.zeros((), device=device)
+    if math.isinf(norm_type):
+        return torch.stack([v.abs().max().float() for v in values]).max().to(device)
+    return torch.stack([torch.linalg.vector_norm(v.float(), norm_type) ** norm_type
+                        for v in values]).sum().to(device)

@@ -498,3 +498,32 @@ def test_stage3_refuses_trainable_ignored_parameters(world2):
     for trainable, frozen in world2.run(_stage3_with_ignored_run):
         assert "ignored_modules/ignored_states whose 2 trainable parameter(s)" in trainable
         assert frozen == "built"
+
+
+class _MetaA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        with torch.device("meta"):
+            self.a = nn.Linear(4, 4)
+        self.tower = nn.Linear(4, 4)
+
+
+def _param_init_fn_calls() -> list:
+    """A param_init_fn that materializes the model from its root, with the tower ignored."""
+    calls = []
+
+    def init_fn(m):
+        calls.append(m)
+        if isinstance(m, _MetaA):
+            m.to_empty(device="cpu")  # recursive, as scripts written for torch FSDP1 do
+            m.a.reset_parameters()
+
+    net = _MetaA()
+    FSDP(net, ignored_modules=[net.tower], param_init_fn=init_fn)
+    return [type(m).__name__ + (" (ignored)" if m is net.tower else "") for m in calls]
+
+
+def test_param_init_fn_never_called_on_an_ignored_module(world2):
+    """torch FSDP1 leaves ignored modules out of the modules param_init_fn is given."""
+    for calls in world2.run(_param_init_fn_calls):
+        assert "Linear (ignored)" not in calls and "_MetaA" in calls, calls

@@ -319,6 +319,18 @@ class IgnoredStates:
     def has_param(self, param) -> bool:
         return id(param) in self._param_ids
 
+    @classmethod
+    def of(cls, given) -> "IgnoredStates":
+        """What ``given`` (modules and/or parameters, as ``ignored_modules`` /
+        ``ignored_states`` take them) leaves alone: every module inside the modules given,
+        their parameters, and the parameters given. Unchecked (:func:`resolve_ignored_states`
+        checks). Local."""
+        modules = {id(sub): sub for m in given if isinstance(m, torch.nn.Module)
+                   for sub in m.modules()}
+        params = {id(p): p for p in given if isinstance(p, torch.nn.Parameter)}
+        params.update((id(p), p) for m in modules.values() for p in m.parameters(recurse=False))
+        return cls(tuple(modules.values()), tuple(params.values()))
+
 
 def resolve_ignored_states(module: torch.nn.Module, ignored_modules, ignored_states, *,
                            is_unit, is_wrapped, is_sharded) -> IgnoredStates:
@@ -366,10 +378,22 @@ def resolve_ignored_states(module: torch.nn.Module, ignored_modules, ignored_sta
     if not (all_modules or all_params):
         raise ValueError(f"FullyShardedDataParallel({name}=...): expected {valid}, got "
                          f"elements of types {sorted(k.__name__ for k in kinds)}")
-    if all_params and items:
-        return _ignored_params_only(name, items, is_sharded)
-    modules: dict = {}
-    for given_module in items:
+    if not (all_params and items):
+        _refuse_units(name, items, is_unit, is_wrapped)
+    ignored = IgnoredStates.of(items)
+    if ignored.has_module(module):
+        raise ValueError(f"FullyShardedDataParallel({name}=...): the module being wrapped "
+                         f"({type(module).__name__}) is itself ignored (given, or inside a "
+                         f"module given), which leaves this unit nothing to shard; ignore some "
+                         f"of its submodules instead, or do not wrap it")
+    _refuse_sharded(name, ignored.params, is_sharded)
+    return ignored
+
+
+def _refuse_units(name: str, modules: list, is_unit, is_wrapped) -> None:
+    """An FSDP unit, or the module of one, among the ``modules`` given or inside one of them:
+    refused as torch refuses FSDP modules there. Local."""
+    for given_module in modules:
         for sub_name, sub in given_module.named_modules():
             if is_unit(sub) or is_wrapped(sub):
                 where = f"{sub_name!r} inside the {type(given_module).__name__} given" \
@@ -381,19 +405,6 @@ def resolve_ignored_states(module: torch.nn.Module, ignored_modules, ignored_sta
                     f"modules must be plain modules (torch: \"`ignored_modules` should not "
                     f"include FSDP modules\"): pass the module before wrapping it, or do not "
                     f"wrap what you ignore")
-            modules.setdefault(id(sub), sub)
-    if id(module) in modules:
-        raise ValueError(f"FullyShardedDataParallel({name}=...): the module being wrapped "
-                         f"({type(module).__name__}) is itself ignored (given, or inside a "
-                         f"module given), which leaves this unit nothing to shard; ignore some "
-                         f"of its submodules instead, or do not wrap it")
-    params: dict = {}
-    for m in modules.values():
-        for p in m._parameters.values():
-            if p is not None:
-                params.setdefault(id(p), p)
-    _refuse_sharded(name, params.values(), is_sharded)
-    return IgnoredStates(tuple(modules.values()), tuple(params.values()))
 
 
 def _refuse_sharded(name: str, params, is_sharded) -> None:
@@ -406,9 +417,3 @@ def _refuse_sharded(name: str, params, is_sharded) -> None:
                              f"FullyShardedDataParallel unit; pass {name} to that unit (or to "
                              f"the root with auto_wrap_policy, which hands it to the units it "
                              f"builds)")
-
-
-def _ignored_params_only(name: str, params: list, is_sharded) -> IgnoredStates:
-    _refuse_sharded(name, params, is_sharded)
-    unique = {id(p): p for p in params}
-    return IgnoredStates((), tuple(unique.values()))

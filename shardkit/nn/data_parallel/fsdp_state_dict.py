@@ -338,10 +338,7 @@ class FSDPStateDictMixin:
         under the wrapped names). Local."""
         settings = self._state_dict_settings.state_dict_type
         sharded = self._sharded_params("load_state_dict") \
-            if settings is StateDictType.SHARDED_STATE_DICT else \
-            {id(p): (lay, u, view) for u in self.sharded_units() if u._shard is not None
-             for p, lay, view in zip(u._shard.params, u._shard.layouts,
-                                     u._shard.shard_views(u._shard.flat_shard))}
+            if settings is StateDictType.SHARDED_STATE_DICT else self._shard_entries()
         raw = _structural_state_dict(self, keep_vars=True)
         params = dict(nn.Module.named_parameters(self, remove_duplicate=False))
         expected = OrderedDict((prefix + clean_name(k), k) for k in raw)
@@ -467,6 +464,11 @@ class FSDPStateDictMixin:
                              f"same name), which a DTensor of the model cannot describe; save "
                              f"them with LOCAL_STATE_DICT (local_state_dict with "
                              f"local_metadata_dict, one torch.save file per rank)")
+        return self._shard_entries()
+
+    def _shard_entries(self) -> dict:
+        """``{id(param): (layout, unit, shard view)}`` of every sharded parameter of this unit
+        and the units inside it. Local."""
         return {id(p): (lay, u, view) for u in self.sharded_units() if u._shard is not None
                 for p, lay, view in zip(u._shard.params, u._shard.layouts,
                                         u._shard.shard_views(u._shard.flat_shard))}

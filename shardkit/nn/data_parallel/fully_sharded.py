@@ -1381,17 +1381,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         unsharded = [p.grad for p in self.parameters()
                      if p.grad is not None and id(p) not in sharded]
         measured, also_over = self._gradients_counted_once(sharded)
-        if not unsharded:
-            total = clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.process_group,
-                                                comm_device=self._comm_device(),
-                                                measured=measured, also_over=also_over)
-        else:
-            total = clip_grad_norm_across_ranks(grads, float("inf"), norm_type,
-                                                self.process_group,
-                                                comm_device=self._comm_device(),
-                                                measured=measured, also_over=also_over)
-            total = _clip_with_local_grads(total, grads, unsharded, max_norm, norm_type)
-            grads = grads + unsharded
+        total = clip_grad_norm_across_ranks(grads, max_norm, norm_type, self.process_group,
+                                            comm_device=self._comm_device(),
+                                            measured=measured, also_over=also_over,
+                                            local_only=unsharded)
+        grads = grads + unsharded
         # torch FSDP1's dtype: the widest of the gradients' (computed in fp32 all the same)
         widest = functools.reduce(torch.promote_types, [g.dtype for g in grads],
                                   grads[0].dtype) if grads else total.dtype
@@ -1452,34 +1446,6 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
 
 FSDP = FullyShardedDataParallel
-
-
-def _clip_with_local_grads(sharded_total: torch.Tensor, grads: list, local: list,
-                           max_norm: float, norm_type: float) -> torch.Tensor:
-    """torch FSDP1's total norm when some parameters are not sharded (ignored): the shards'
-    norm (already reduced over the ranks) combined with this rank's norm of the ``local``
-    gradients; then every gradient (``grads`` and ``local``) scaled by the clip coefficient.
-    Local."""
-    values = [g.coalesce().values() if g.is_sparse else g.detach() for g in local]
-    values = [v.float() for v in values if v.numel()]
-    total = sharded_total.float()
-    if values:
-        if torch.isinf(torch.tensor(norm_type)):
-            own = torch.stack([v.abs().max() for v in values]).max().to(total.device)
-            total = torch.maximum(total, own)
-        else:
-            own = torch.stack([torch.linalg.vector_norm(v, norm_type) ** norm_type
-                               for v in values]).sum().to(total.device)
-            total = (total ** norm_type + own) ** (1.0 / norm_type)
-    if max_norm == float("inf"):
-        return total
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in list(grads) + list(local):
-        if g.is_sparse:
-            g.mul_(coef.item())
-        else:
-            g.detach().mul_(coef.to(g.device, g.dtype))
-    return total
 
 
 def unit_holding(param: torch.Tensor) -> Optional[FullyShardedDataParallel]:
@@ -1545,7 +1511,7 @@ def _unit_buffers_described(module: nn.Module) -> list:
     rank must hold alike: ranks may ignore different modules (each its own experts, as torch
     allows), but a broadcast of other sizes would abort gloo. Local."""
     return [f"{clean_name(name)} {tuple(b.shape)} {b.dtype}"
-            for prefix, m in _named_unit_modules(module)
+            for prefix, m in _named_unit_modules(module, IgnoredStates())
             for key, b in m._buffers.items() if b is not None
             for name in [f"{prefix}.{key}" if prefix else key]]
 
@@ -1555,14 +1521,14 @@ def _is_unit(module) -> bool:
 
 
 def _unit_modules(module: nn.Module,
-                  ignored: IgnoredStates = IgnoredStates()) -> Iterator[nn.Module]:
+                  ignored: IgnoredStates) -> Iterator[nn.Module]:
     """``module`` and its submodules, not descending into inner FSDP units (nor, given
     ``ignored``, into ignored modules)."""
     for _, m in _named_unit_modules(module, ignored):
         yield m
 
 
-def _named_unit_modules(module: nn.Module, ignored: IgnoredStates = IgnoredStates()
+def _named_unit_modules(module: nn.Module, ignored: IgnoredStates
                         ) -> Iterator[tuple[str, nn.Module]]:
     """``(qualified name, module)`` for ``module`` (name ``""``) and its submodules, not
     descending into inner FSDP units nor into the modules ``ignored`` holds; a module reached
@@ -1581,7 +1547,7 @@ def _named_unit_modules(module: nn.Module, ignored: IgnoredStates = IgnoredState
                                and not ignored.has_module(c)]))
 
 
-def _modules_to_materialize(module: nn.Module, ignored: IgnoredStates = IgnoredStates()
+def _modules_to_materialize(module: nn.Module, ignored: IgnoredStates
                             ) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)`` for ``module`` and the submodules reachable from it without
     entering an FSDP unit or an ignored module (torch FSDP1 leaves those as they are),
@@ -1605,7 +1571,7 @@ def _meta_tensors_of(m: nn.Module) -> list[tuple[dict, str, torch.Tensor]]:
 
 
 def _materialize_meta_unit(module: nn.Module, param_init_fn, compute_device,
-                           ignored: IgnoredStates = IgnoredStates()) -> None:
+                           ignored: IgnoredStates) -> None:
     """Give the unit's own modules that hold meta tensors real ones (see the ``param_init_fn``
     argument): ``param_init_fn(m)``, or storage on the unit's device and
     ``m.reset_parameters()``. Shared tensors stay shared and keep their objects. Nothing
@@ -1633,8 +1599,8 @@ def _materialize_meta_unit(module: nn.Module, param_init_fn, compute_device,
             m.reset_parameters()
         if param_init_fn is not None:  # then the parents of what it left on meta
             for _, m in modules:
-                if _materializes_children(m):
-                    below = _modules_to_materialize(m)[1:]
+                if _materializes_children(m, ignored):
+                    below = _modules_to_materialize(m, ignored)[1:]
                     before = {id(d): _real_tensors_of(d) for _, d in below}
                     param_init_fn(m)
                     # torch FSDP1 calls param_init_fn on every module below m after m: a module
@@ -1670,7 +1636,7 @@ def _replaced(before: list, m: nn.Module) -> bool:
                for holder, key, t, ptr in before)
 
 
-def _materializes_children(m: nn.Module) -> bool:
+def _materializes_children(m: nn.Module, ignored: IgnoredStates) -> bool:
     """Whether ``param_init_fn(m)`` runs in the second pass: ``m`` holds no meta tensor of its
     own, a module below it in the unit still does after the first pass (``param_init_fn`` left
     it on meta), and no inner FSDP unit lies below ``m``. torch FSDP1 calls ``param_init_fn``
@@ -1682,13 +1648,13 @@ def _materializes_children(m: nn.Module) -> bool:
     if _meta_tensors_of(m):
         return False
     meta = False
-    stack = list(m.children())
+    stack = [c for c in m.children() if not ignored.has_module(c)]
     while stack:
         current = stack.pop()
         if isinstance(current, FullyShardedDataParallel):
             return False
         meta = meta or bool(_meta_tensors_of(current))
-        stack.extend(current.children())
+        stack.extend(c for c in current.children() if not ignored.has_module(c))
     return meta
 
 
@@ -1763,7 +1729,9 @@ def _sync_unit_states(module: nn.Module, params: list, groups, transport) -> Non
     its inner units (ignored modules' too: an ignored module inside an inner unit is that
     unit's), by the unit's ``transport``: across the replicas first, so that each shard
     group's rank 0 holds global rank 0's values, then inside the shard group."""
-    buffers = [b for m in _unit_modules(module) for b in m._buffers.values() if b is not None]
+    # ignored modules' buffers too (torch FSDP1 broadcasts them)
+    buffers = [b for m in _unit_modules(module, IgnoredStates())
+               for b in m._buffers.values() if b is not None]
     tensors = list(params) + list({id(b): b for b in buffers}.values())
     if groups.replicate is not None:  # None: no replicas
         skdist.broadcast_tensors_from_rank0(tensors, groups.replicate, transport=transport)
@@ -1845,7 +1813,7 @@ def _is_managed(p: nn.Parameter) -> bool:
     return ref is not None and ref() is p
 
 
-def _collect_unit_params(module: nn.Module, ignored: IgnoredStates = IgnoredStates()):
+def _collect_unit_params(module: nn.Module, ignored: IgnoredStates):
     """The unit's distinct parameters (not the ignored ones) and, for each, every
     (module, name) that holds it."""
     params: list[nn.Parameter] = []
@@ -1881,7 +1849,7 @@ def _holders_inside(module: nn.Module, locations: list) -> list:
 
 
 def _cast_unit_buffers(module: nn.Module, dtype: Optional[torch.dtype],
-                       ignored: IgnoredStates = IgnoredStates()) -> list:
+                       ignored: IgnoredStates) -> list:
     """Cast the unit's floating buffers (not those of ignored modules, as in torch FSDP1) to
     ``dtype``; return (module, name, original dtype)."""
     changed = []
@@ -1896,7 +1864,7 @@ def _cast_unit_buffers(module: nn.Module, dtype: Optional[torch.dtype],
 
 
 def _refuse_batchnorm_with_other_buffer_dtype(module: nn.Module, policy: MixedPrecisionPolicy,
-                                              ignored: IgnoredStates = IgnoredStates()) -> None:
+                                              ignored: IgnoredStates) -> None:
     """With ``buffer_dtype`` other than the compute dtype (the parameters' own dtype without
     mixed precision), a BatchNorm whose weight this unit gathers would meet running statistics
     of another dtype, which torch's ``batch_norm`` refuses at the first forward ("expected
@@ -1925,7 +1893,7 @@ def _keep_unit_storage() -> None:
 
 
 def _refuse_embedding_max_norm(module: nn.Module,
-                               ignored: IgnoredStates = IgnoredStates()) -> None:
+                               ignored: IgnoredStates) -> None:
     """An ``nn.Embedding(max_norm=...)`` renormalises the looked-up rows of its weight in place
     during forward. In a unit that weight is a view of the gathered (temporary) full
     parameter: autograd refuses the in-place write ("a view ... has been modified inplace"),

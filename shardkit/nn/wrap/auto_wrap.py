@@ -287,7 +287,7 @@ def wrap(module: nn.Module, **wrap_overrides) -> nn.Module:
         return module
     cls, kwargs, _ = current
     _check_wrapper_kwargs(cls, wrap_overrides, "wrap")
-    if _ignored_by({**kwargs, **wrap_overrides})[0].get(id(module)) is module:
+    if _ignored_by({**kwargs, **wrap_overrides}).has_module(module):
         return module  # torch FSDP1's ignored_modules: left as it is
     return _wrap_one(module, cls, kwargs, wrap_overrides)
 
@@ -301,20 +301,16 @@ def _ignored_listed(kwargs: dict) -> dict:
             for key, value in kwargs.items()}
 
 
-def _ignored_by(kwargs: dict) -> tuple[dict, dict]:
-    """``({id: module}, {id: parameter})`` that the wrapper kwargs' ``ignored_modules`` /
-    ``ignored_states`` leave alone (every submodule of an ignored module, and its parameters);
-    empty when neither is given or the value is not iterable (the wrapper's own checks name
-    that). Local."""
+def _ignored_by(kwargs: dict):
+    """The :class:`~shardkit.nn.data_parallel.fsdp_arguments.IgnoredStates` that the wrapper
+    kwargs' ``ignored_modules`` / ``ignored_states`` leave alone; empty when neither is given
+    or the value is not iterable (the wrapper's own checks name that). Local."""
+    from shardkit.nn.data_parallel.fsdp_arguments import IgnoredStates
     given = kwargs.get("ignored_modules") or kwargs.get("ignored_states") or ()
     try:
-        given = list(given)
+        return IgnoredStates.of(list(given))
     except TypeError:
-        return {}, {}
-    modules = {id(sub): sub for m in given if isinstance(m, nn.Module) for sub in m.modules()}
-    params = {id(p): p for p in given if isinstance(p, nn.Parameter)}
-    params.update((id(p), p) for m in modules.values() for p in m.parameters(recurse=False))
-    return modules, params
+        return IgnoredStates()
 
 
 def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
@@ -534,15 +530,16 @@ _READS_CHILDREN_DIRECTLY = (nn.MultiheadAttention,)
 
 
 def _recursive_wrap(module: nn.Module, policy, wrapper_kind, wrap_one, is_root: bool,
-                    owners: dict, ignored: tuple = ({}, {})):
+                    owners: dict, ignored=None):
     """Returns (module or its wrapper, number of its parameters now inside wrappers).
 
     The children of a module in ``_READS_CHILDREN_DIRECTLY`` are never wrapped, whatever the
     policy says (``transformer_auto_wrap_policy({nn.Linear})`` would select
     ``nn.MultiheadAttention.out_proj``): the module itself may still be a unit."""
-    if ignored[0].get(id(module)) is module:  # ignored_modules: not wrapped, nor counted
+    if ignored is not None and ignored.has_module(module):  # not wrapped, nor counted
         return module, 0
-    total = sum(p.numel() for p in module.parameters() if id(p) not in ignored[1])
+    total = sum(p.numel() for p in module.parameters()
+                if ignored is None or not ignored.has_param(p))
     if _already_wrapped(module, wrapper_kind):
         # Note: its parameters are already inside a wrapper, so they do not count towards
         # the enclosing modules' unwrapped parameters (counted as unwrapped, a parent with
