@@ -36,7 +36,7 @@ import torch
 from shardkit.nn.wrap import no_split_module_classes
 from shardkit.testing import world_fixture
 from tests.hf.hf_common import transformers as T
-from tests.test_torch_blocks import all_cases, check_case
+from tests.utils.wrapper_matrix import all_cases, check_case
 
 VOCAB, SEQ, HIDDEN, ROWS = 61, 8, 16, 4
 EOS, PAD = 2, 1
