@@ -487,9 +487,14 @@ def agree_on_refusal(refusal: Optional[BaseException], group, where: str,
         others = [e["rank"] for e in refusing[1:] if e["refusal"] != first["refusal"]]
         fine = [e["rank"] for e in known if e["refusal"] is None]
         note = f"; rank(s) {others} refused for other reasons" if others else ""
-        text = (f"{first['refusal'][1]} [refused on rank(s) {[e['rank'] for e in refusing]}, "
-                f"not on rank(s) {fine}{note}; {where} raises it on every rank rather than let "
-                f"rank(s) {fine} wait in a collective the others never join]")
+        if fine:
+            text = (f"{first['refusal'][1]} [refused on rank(s) "
+                    f"{[e['rank'] for e in refusing]}, not on rank(s) {fine}{note}; {where} "
+                    f"raises it on every rank rather than let rank(s) {fine} wait in a "
+                    f"collective the others never join]")
+        else:  # every rank refused, not all for the same reason: the first rank's, everywhere
+            text = (f"{first['refusal'][1]} [rank {first['rank']}'s refusal; every rank "
+                    f"refused{note}; {where} raises the same error on every rank]")
         try:
             error = _error_class(first["refusal"][0])(text)
         except Exception:  # a class whose constructor takes other arguments

@@ -137,6 +137,12 @@ def _error_classes_kept_and_per_rank_keys() -> dict:
         config = {"train_batch_size": 4, "zero_optimization": {"stage": 2}}
         out[name] = _raised(
             lambda: shardkit.initialize(model=_mlp(), optimizer=factory, config=config))
+
+    def every_rank_refuses(params):
+        raise ValueError(f"rank {skdist.get_rank()} says no")
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": 2}}
+    out["all refuse"] = _raised(lambda: shardkit.initialize(
+        model=_mlp(), optimizer=every_rank_refuses, config=config))
     m = _mlp()
     adam = torch.optim.Adam(m.parameters(), lr=0.1)
     if r1:
@@ -250,6 +256,9 @@ def test_error_class_kept_stepped_optimizer_refused_per_rank_paths_taken(world2)
     assert got["stepped"].startswith("ValueError: ") and "state for 4 parameters" in \
         got["stepped"] and "state for 0 parameters" in got["stepped"], got
     assert got["nvme_path"] == "no error", got
+    assert got["all refuse"] == ("ValueError: rank 0 says no [rank 0's refusal; every rank "
+                                 "refused; rank(s) [1] refused for other reasons; initialize "
+                                 "raises the same error on every rank]"), got
 
 
 def test_ranks_that_agree_compose_and_step_alike(world2):
