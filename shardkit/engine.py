@@ -86,8 +86,8 @@ from shardkit.model_parallel_unit import (ModelParallelGroups, checkpoint_locati
 from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
 from shardkit.recipes import (Composition, OptimizerRecipe, agree_on_refusal,
                               check_composable, compose, model_fingerprint,
-                              optimizer_fingerprint, refuse_meta_tensors, why_not_on_row_shards,
-                              why_not_steppable_on_shards)
+                              optimizer_fingerprint, refuse_meta_tensors, stable_repr,
+                              why_not_on_row_shards, why_not_steppable_on_shards)
 from shardkit.utils.wrapped_attributes import attribute_through
 
 __all__ = ["initialize", "ShardedEngine"]
@@ -408,7 +408,7 @@ def _flat_config(raw, prefix: str = "config") -> dict:
         if isinstance(value, Mapping):
             out.update(_flat_config(value, name))
             continue
-        text = repr(value)
+        text = stable_repr(value)
         if len(text) > 120:
             text = f"{text[:80]}... (sha1 {hashlib.sha1(text.encode()).hexdigest()[:12]})"
         out[name] = text

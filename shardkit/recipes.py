@@ -49,6 +49,7 @@ import contextlib
 import functools
 import hashlib
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -64,7 +65,7 @@ __all__ = ["OptimizerRecipe", "adamw", "Composition", "TrainingSetup", "STAGES",
            "gpt_as_sequential", "balance_by_params", "pipeline_chunks", "token_cross_entropy",
            "count_params", "why_not_steppable_on_shards", "why_not_on_row_shards",
            "refuse_meta_tensors", "check_composable", "agree_on_refusal", "model_fingerprint",
-           "optimizer_fingerprint"]
+           "optimizer_fingerprint", "stable_repr"]
 
 STAGES = (0, 1, 2, 3)
 
@@ -398,6 +399,16 @@ def model_fingerprint(model: nn.Module) -> str:
             f"buffers, {len(sparse)} sparse embedding(s), sha1 {digest.hexdigest()[:12]}")
 
 
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
+def stable_repr(value) -> str:
+    """``repr(value)`` without memory addresses (``<Foo object at 0x7f...>``, a function's
+    repr), which differ between processes holding equal values: what the ranks compare at
+    start-up. Local."""
+    return _ADDRESS.sub("0x?", repr(value))
+
+
 def optimizer_fingerprint(recipe: Optional[OptimizerRecipe]) -> str:
     """A short text of what the optimizer ``recipe`` builds: its class, hyper-parameters and
     the sizes of its param groups (with a digest of each group's settings). Local."""
@@ -409,9 +420,10 @@ def optimizer_fingerprint(recipe: Optional[OptimizerRecipe]) -> str:
         groups = _as_group_dicts(recipe.param_groups)
     else:
         groups = [{"params": []}]
-    settings = [sorted((k, repr(v)) for k, v in g.items() if k != "params") for g in groups]
+    settings = [sorted((k, stable_repr(v)) for k, v in g.items() if k != "params")
+                for g in groups]
     digest = hashlib.sha1(repr(settings).encode()).hexdigest()[:12]
-    defaults = ", ".join(f"{k}={v!r}" for k, v in sorted(recipe.defaults.items()))
+    defaults = ", ".join(f"{k}={stable_repr(v)}" for k, v in sorted(recipe.defaults.items()))
     if len(defaults) > 200:
         defaults = defaults[:200] + "..."
     layout = f"param groups of {[len(g['params']) for g in groups]} parameters" \

@@ -284,3 +284,24 @@ def test_world_of_one_raises_the_local_error_without_a_collective(monkeypatch):
                                          r"'0.weight'.*meta device") as caught:
         recipes.compose(model, 1, recipes.adamw(lr=1e-2))
     assert "refused on rank" not in str(caught.value)
+
+
+class _Clipper:
+    """A setting object with Python's default repr (its memory address), different in every
+    torchrun process even when the settings are equal."""
+
+
+def test_fingerprints_leave_memory_addresses_out():
+    """Two processes holding equal settings compare equal: the fingerprints drop ``0x...``
+    addresses (objects with the default repr, functions), which torchrun's processes do not
+    share (forked World ranks often do, so this is checked here, in one process)."""
+    one, two = _Clipper(), _Clipper()
+    assert repr(one) != repr(two)
+    model = _mlp()
+    recipes_of = [recipes.OptimizerRecipe(torch.optim.SGD, {"lr": 0.1}, param_groups=[
+        {"params": list(model.parameters()), "clipper": clipper}]) for clipper in (one, two)]
+    fingerprints = {recipes.optimizer_fingerprint(recipe) for recipe in recipes_of}
+    assert len(fingerprints) == 1, fingerprints
+    assert recipes.stable_repr(one) == recipes.stable_repr(two)
+    from shardkit.engine import _flat_config
+    assert _flat_config({"x": {"hook": one}}) == _flat_config({"x": {"hook": two}})
