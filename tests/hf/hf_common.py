@@ -14,6 +14,17 @@ import transformers  # noqa: E402
 VOCAB, SEQ = 61, 8
 
 
+def eager_model(cls, cfg, seed: int):
+    """``cls(cfg)`` built under ``seed``, with eager attention and no key/value cache (what
+    the parity checks compare against one process)."""
+    torch.manual_seed(seed)
+    cfg._attn_implementation = "eager"
+    model = cls(cfg)
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    return model
+
+
 def gpt2_config(tied: bool = True):
     return transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2,
                                    n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

@@ -55,7 +55,7 @@ from shardkit.nn import FullyShardedDataParallel as FSDP, ShardedDataParallel
 from shardkit.nn.wrap import auto_wrap, no_split_module_classes
 from shardkit.optim import OSS
 from shardkit.testing import world_fixture
-from tests.hf.hf_common import transformers as T
+from tests.hf.hf_common import eager_model, transformers as T
 
 STEPS, LR, EPS, ROWS = 3, 1e-2, 1e-4, 4
 VOCAB, SEQ, HIDDEN = 160, 16, 32
@@ -66,21 +66,13 @@ world2 = world_fixture(2)
 
 # ----------------------------------------------------------------------------- models
 
-def _eager(cfg, cls, seed):
-    torch.manual_seed(seed)
-    cfg._attn_implementation = "eager"
-    model = cls(cfg)
-    model.config.use_cache = False
-    return model
-
-
 def opt(seed=0):
     cfg = T.OPTConfig(vocab_size=VOCAB, hidden_size=HIDDEN, word_embed_proj_dim=HIDDEN // 2,
                       num_hidden_layers=2, ffn_dim=64, num_attention_heads=2,
                       max_position_embeddings=SEQ, do_layer_norm_before=False, dropout=0.0,
                       attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
                       pad_token_id=PAD, bos_token_id=2, eos_token_id=2)
-    return _eager(cfg, T.OPTForCausalLM, seed)
+    return eager_model(T.OPTForCausalLM, cfg, seed)
 
 
 def gpt_neox(seed=0):
@@ -89,14 +81,14 @@ def gpt_neox(seed=0):
                           max_position_embeddings=SEQ, use_parallel_residual=True,
                           tie_word_embeddings=False, attention_dropout=0.0, hidden_dropout=0.0,
                           bos_token_id=0, eos_token_id=0)
-    return _eager(cfg, T.GPTNeoXForCausalLM, seed)
+    return eager_model(T.GPTNeoXForCausalLM, cfg, seed)
 
 
 def bloom(seed=0):
     cfg = T.BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=2, n_head=2,
                         hidden_dropout=0.0, attention_dropout=0.0, bos_token_id=0,
                         eos_token_id=0, pad_token_id=None)
-    return _eager(cfg, T.BloomForCausalLM, seed)
+    return eager_model(T.BloomForCausalLM, cfg, seed)
 
 
 def phi(seed=0):
@@ -104,7 +96,7 @@ def phi(seed=0):
                       num_hidden_layers=2, num_attention_heads=2, partial_rotary_factor=0.5,
                       max_position_embeddings=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
                       attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=None)
-    return _eager(cfg, T.PhiForCausalLM, seed)
+    return eager_model(T.PhiForCausalLM, cfg, seed)
 
 
 def phi3(seed=0):
@@ -113,7 +105,7 @@ def phi3(seed=0):
                        partial_rotary_factor=0.5, max_position_embeddings=SEQ,
                        original_max_position_embeddings=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
                        attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=None)
-    return _eager(cfg, T.Phi3ForCausalLM, seed)
+    return eager_model(T.Phi3ForCausalLM, cfg, seed)
 
 
 def gemma2(seed=0):
@@ -123,7 +115,7 @@ def gemma2(seed=0):
                          attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                          query_pre_attn_scalar=16, tie_word_embeddings=True, bos_token_id=0,
                          eos_token_id=0, pad_token_id=None)
-    return _eager(cfg, T.Gemma2ForCausalLM, seed)
+    return eager_model(T.Gemma2ForCausalLM, cfg, seed)
 
 
 def mistral(seed=0):
@@ -131,7 +123,7 @@ def mistral(seed=0):
                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                           max_position_embeddings=SEQ, sliding_window=8, bos_token_id=0,
                           eos_token_id=0, pad_token_id=None)
-    return _eager(cfg, T.MistralForCausalLM, seed)
+    return eager_model(T.MistralForCausalLM, cfg, seed)
 
 
 def bart(seed=0):
@@ -142,7 +134,7 @@ def bart(seed=0):
                        encoder_layerdrop=0.0, decoder_layerdrop=0.0, pad_token_id=PAD,
                        bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
                        forced_eos_token_id=None)
-    return _eager(cfg, T.BartForConditionalGeneration, seed)
+    return eager_model(T.BartForConditionalGeneration, cfg, seed)
 
 
 def roberta(seed=0):
@@ -151,7 +143,7 @@ def roberta(seed=0):
                           max_position_embeddings=SEQ + PAD + 1, type_vocab_size=1,
                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                           pad_token_id=PAD)
-    return _eager(cfg, T.RobertaForMaskedLM, seed)
+    return eager_model(T.RobertaForMaskedLM, cfg, seed)
 
 
 def distilbert(seed=0):
@@ -161,7 +153,7 @@ def distilbert(seed=0):
                              hidden_dim=64, max_position_embeddings=SEQ,
                              sinusoidal_pos_embds=True, dropout=0.0, attention_dropout=0.0,
                              pad_token_id=PAD)
-    model = _eager(cfg, T.DistilBertForMaskedLM, seed)
+    model = eager_model(T.DistilBertForMaskedLM, cfg, seed)
     model.distilbert.embeddings.position_embeddings.requires_grad_(False)
     return model
 

@@ -35,7 +35,7 @@ import torch
 
 from shardkit.nn.wrap import no_split_module_classes
 from shardkit.testing import world_fixture
-from tests.hf.hf_common import transformers as T
+from tests.hf.hf_common import eager_model, transformers as T
 from tests.utils.wrapper_matrix import all_cases, check_case
 
 VOCAB, SEQ, HIDDEN, ROWS = 61, 8, 16, 4
@@ -46,15 +46,6 @@ world2 = world_fixture(2)
 
 # ----------------------------------------------------------------------------- models
 
-def _seeded(cls, cfg, seed):
-    torch.manual_seed(seed)
-    cfg._attn_implementation = "eager"
-    model = cls(cfg)
-    if hasattr(model.config, "use_cache"):
-        model.config.use_cache = False
-    return model
-
-
 def clip(seed=0):
     cfg = T.CLIPConfig(
         text_config=dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32,
@@ -64,7 +55,7 @@ def clip(seed=0):
         vision_config=dict(hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=2,
                            num_attention_heads=2, image_size=8, patch_size=4, num_channels=3),
         projection_dim=8)
-    return _seeded(T.CLIPModel, cfg, seed)
+    return eager_model(T.CLIPModel, cfg, seed)
 
 
 def whisper(seed=0):
@@ -75,7 +66,7 @@ def whisper(seed=0):
         dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=PAD,
         bos_token_id=0, eos_token_id=EOS, decoder_start_token_id=0, suppress_tokens=None,
         begin_suppress_tokens=None)
-    return _seeded(T.WhisperForConditionalGeneration, cfg, seed)
+    return eager_model(T.WhisperForConditionalGeneration, cfg, seed)
 
 
 def wav2vec2(seed=0, **extra):
@@ -86,14 +77,14 @@ def wav2vec2(seed=0, **extra):
         attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
         final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, mask_feature_prob=0.0,
         ctc_loss_reduction="mean", pad_token_id=0, **extra)
-    return _seeded(T.Wav2Vec2ForCTC, cfg, seed)
+    return eager_model(T.Wav2Vec2ForCTC, cfg, seed)
 
 
 def mamba(seed=0):
     cfg = T.MambaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, state_size=4,
                         num_hidden_layers=2, expand=2, conv_kernel=4, time_step_rank=4,
                         bos_token_id=0, eos_token_id=EOS, pad_token_id=PAD)
-    return _seeded(T.MambaForCausalLM, cfg, seed)
+    return eager_model(T.MambaForCausalLM, cfg, seed)
 
 
 def wav2vec2_stable(seed=0):
