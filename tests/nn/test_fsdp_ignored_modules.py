@@ -426,7 +426,8 @@ def test_fsdp_unit_in_the_ignored_set_is_refused(world2):
         assert "the FullyShardedDataParallel given is a FullyShardedDataParallel unit" \
             in messages[1]
         assert "the module of a FullyShardedDataParallel unit" in messages[2]
-        assert "already sharded by an inner FullyShardedDataParallel unit" in messages[3]
+        assert "parameter 'b.0.weight' is already sharded by an inner " \
+            "FullyShardedDataParallel unit" in messages[3]
 
 
 # ---------------------------------------------------------------------- review findings
@@ -471,7 +472,8 @@ def _ignored_module_sharded_by_inner_unit_run() -> list:
 
 def test_ignored_module_already_sharded_is_refused_and_generators_reach_every_unit(world2):
     for messages in world2.run(_ignored_module_sharded_by_inner_unit_run):
-        assert "already sharded by an inner FullyShardedDataParallel unit" in messages[0]
+        assert "parameter 'b.0.weight' is already sharded by an inner " \
+            "FullyShardedDataParallel unit" in messages[0]
         assert messages[1] == (6, 6)  # b.0 stays whole in the unit b
 
 

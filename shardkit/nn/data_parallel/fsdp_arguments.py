@@ -386,7 +386,7 @@ def resolve_ignored_states(module: torch.nn.Module, ignored_modules, ignored_sta
                          f"({type(module).__name__}) is itself ignored (given, or inside a "
                          f"module given), which leaves this unit nothing to shard; ignore some "
                          f"of its submodules instead, or do not wrap it")
-    _refuse_sharded(name, ignored.params, is_sharded)
+    _refuse_sharded(name, ignored.params, is_sharded, module)
     return ignored
 
 
@@ -407,13 +407,16 @@ def _refuse_units(name: str, modules: list, is_unit, is_wrapped) -> None:
                     f"wrap what you ignore")
 
 
-def _refuse_sharded(name: str, params, is_sharded) -> None:
+def _refuse_sharded(name: str, params, is_sharded, module: torch.nn.Module) -> None:
     """An ignored parameter that an inner unit already shards would stay sharded and reduced
-    (the ignoring silently a no-op): refused, for modules as for parameters. Local."""
-    for p in params:
-        if is_sharded(p):
-            raise ValueError(f"FullyShardedDataParallel({name}=...): a parameter of shape "
-                             f"{tuple(p.shape)} is already sharded by an inner "
-                             f"FullyShardedDataParallel unit; pass {name} to that unit (or to "
-                             f"the root with auto_wrap_policy, which hands it to the units it "
-                             f"builds)")
+    (the ignoring silently a no-op): refused, for modules as for parameters, naming it as
+    ``module`` names it. Local."""
+    sharded = next((p for p in params if is_sharded(p)), None)
+    if sharded is not None:
+        where = next((n.replace("_fsdp_wrapped_module.", "") for n, q in
+                      module.named_parameters(remove_duplicate=False) if q is sharded), "?")
+        raise ValueError(f"FullyShardedDataParallel({name}=...): parameter {where!r} is "
+                         f"already sharded by an inner "
+                         f"FullyShardedDataParallel unit; pass {name} to that unit (or to "
+                         f"the root with auto_wrap_policy, which hands it to the units it "
+                         f"builds)")
