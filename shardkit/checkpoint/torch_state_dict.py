@@ -209,21 +209,20 @@ def _refuse_factored_state(optim: torch.optim.Optimizer, call: str) -> None:
     parameter sharded over several ranks holds a tensor of one dimension or more that is not
     shaped as the shard (Adafactor's ``row_var``/``col_var``): it is computed from this rank's
     rows only, so neither a DTensor of rows nor a replicated tensor describes it. Local."""
-    from shardkit.nn.data_parallel.fully_sharded import unit_holding
-    for group in optim.param_groups:
-        for param in group["params"]:
-            shard = getattr(unit_holding(param), "_shard", None)
-            if shard is None or shard.world_size == 1 or param not in optim.state:
-                continue
-            shape = next(tuple(lay.shard_shape) for q, lay in zip(shard.params, shard.layouts)
-                         if q is param)
-            for key, value in optim.state[param].items():
-                if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != shape:
-                    raise ValueError(
-                        f"{call}: optimizer state {key!r} of a parameter sharded by "
-                        f"FullyShardedDataParallel has shape {tuple(value.shape)}, not the "
-                        f"shard's {shape} (e.g. Adafactor's factored moments): it is computed "
-                        f"from this rank's rows only and cannot be saved as one tensor")
+    from shardkit.nn.data_parallel.fsdp_state_dict import shard_shapes
+    params = [p for g in optim.param_groups for p in g["params"]]
+    shapes = shard_shapes(params)
+    for param in params:
+        shape = shapes.get(id(param))
+        if shape is None or param not in optim.state:
+            continue
+        for key, value in optim.state[param].items():
+            if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != shape:
+                raise ValueError(
+                    f"{call}: optimizer state {key!r} of a parameter sharded by "
+                    f"FullyShardedDataParallel has shape {tuple(value.shape)}, not the "
+                    f"shard's {shape} (e.g. Adafactor's factored moments): it is computed "
+                    f"from this rank's rows only and cannot be saved as one tensor")
 
 
 def get_model_state_dict(model: nn.Module, *, submodules: Optional[set] = None,
@@ -416,30 +415,8 @@ def mark_sharded_state_for_dcp(optim: torch.optim.Optimizer) -> torch.optim.Opti
 
 
 def _mark_state(optim: torch.optim.Optimizer, osd: dict) -> dict:
-    from shardkit.checkpoint.dtensor_state import refuse_in_dcp
-    from shardkit.checkpoint.optimizer_state import per_element
-    from shardkit.nn.data_parallel.fully_sharded import unit_holding
-    ordered = [p for g in optim.param_groups for p in g["params"]]
-    state = osd.get("state", {})
-    shapes: dict = {}  # id(param) -> its shard shape, one pass per unit met
-    for index, entry in list(state.items()):
-        param = ordered[index] if isinstance(index, int) and 0 <= index < len(ordered) else None
-        if param is not None and id(param) not in shapes:
-            unit = unit_holding(param)
-            shard = getattr(unit, "_shard", None)
-            if shard is None or shard.world_size == 1:
-                continue
-            shapes.update((id(q), tuple(lay.shard_shape))
-                          for q, lay in zip(shard.params, shard.layouts))
-        shape = shapes.get(id(param))
-        if shape is None:
-            continue
-        state[index] = {  # a new dict: optim.state_dict() gives the live ones
-            key: refuse_in_dcp(value.detach(), f"state {key!r} of parameter {index}",
-                               _SOURCE)
-            if per_element(key, value) else value  # any shape: rank-local rows
-            for key, value in entry.items()}
-    return osd
+    from shardkit.nn.data_parallel.fsdp_state_dict import mark_rank_local_state
+    return mark_rank_local_state(optim, osd, _SOURCE, shard_shaped_only=False)
 
 
 _SOURCE = ("optim.state_dict() over FullyShardedDataParallel shards (e.g. via torch's "

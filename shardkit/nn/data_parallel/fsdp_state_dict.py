@@ -814,7 +814,9 @@ class FSDPStateDictMixin:
                                      group=group)
         settings = model._state_dict_settings
         if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
-            return _mark_sharded_optim_state(optim, optim.state_dict())
+            return mark_rank_local_state(optim, optim.state_dict(),
+                                         "FSDP.optim_state_dict under LOCAL_STATE_DICT",
+                                         shard_shaped_only=True)
         if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             return _sharded_optim_state(model, optim)
         full = model._gather_full_optim_state(optim)
@@ -943,28 +945,47 @@ def _optimizer_names(model, optim, call: str) -> list:
     return [names[id(p)] for p in ordered]
 
 
-def _mark_sharded_optim_state(optim: torch.optim.Optimizer, osd: dict) -> dict:
-    """``osd`` (``optim.state_dict()`` over FSDP shards, ``LOCAL_STATE_DICT``'s optimizer
-    state) with each per-element state tensor of a parameter sharded over several ranks (this
-    rank's padded rows, under the same key on every rank) replaced by an alias (``detach``: no
-    copy) marked by :func:`~shardkit.checkpoint.dtensor_state.refuse_in_dcp`, so that
-    torch.distributed.checkpoint refuses it on every rank instead of saving one rank's rows as
-    if replicated. ``torch.save`` and ``optim.load_state_dict`` take it as before; the
-    optimizer's own tensors are not marked. Local."""
+def shard_shapes(params) -> dict:
+    """``{id(param): padded shard shape}`` for the parameters among ``params`` that an FSDP unit
+    shards over several ranks (and the other parameters of those units): their optimizer
+    state holds this rank's rows only. Local; one pass per unit met."""
     from shardkit.nn.data_parallel.fully_sharded import unit_holding
-    ordered = [p for g in optim.param_groups for p in g["params"]]
-    for index, entry in list(osd["state"].items()):
-        param = ordered[index] if isinstance(index, int) and 0 <= index < len(ordered) else None
-        unit = unit_holding(param) if param is not None else None
-        if unit is None or unit._shard is None or unit._shard.world_size == 1:
+    shapes: dict = {}
+    seen: set = set()
+    for param in params:
+        if id(param) in shapes or id(param) in seen:
             continue
-        layout = next(lay for q, lay in zip(unit._shard.params, unit._shard.layouts)
-                      if q is param)
-        osd["state"][index] = {  # a new dict: optim.state_dict() gives the live ones
-            key: refuse_in_dcp(value.detach(), f"state {key!r} of parameter {index}",
-                               "FSDP.optim_state_dict under LOCAL_STATE_DICT")
-            if per_element(key, value) and tuple(value.shape) == tuple(layout.shard_shape)
-            else value for key, value in entry.items()}
+        seen.add(id(param))
+        shard = getattr(unit_holding(param), "_shard", None)
+        if shard is not None and shard.world_size > 1:
+            shapes.update((id(q), tuple(lay.shard_shape))
+                          for q, lay in zip(shard.params, shard.layouts))
+    return shapes
+
+
+def mark_rank_local_state(optim: torch.optim.Optimizer, osd: dict, source: str,
+                          shard_shaped_only: bool) -> dict:
+    """``osd`` (``optim.state_dict()``) with each per-element state tensor of a parameter
+    sharded over several ranks (this rank's padded rows, under the same key on every rank)
+    replaced by an alias (``detach``: no copy) marked by
+    :func:`~shardkit.checkpoint.dtensor_state.refuse_in_dcp` (its message naming ``source``),
+    so that torch.distributed.checkpoint refuses it on every rank instead of saving one rank's
+    rows as if replicated; with ``shard_shaped_only``, only tensors shaped like the shard.
+    ``torch.save`` and ``optim.load_state_dict`` take it as before; the optimizer's own tensors
+    are not marked. Local."""
+    ordered = [p for g in optim.param_groups for p in g["params"]]
+    shapes = shard_shapes(ordered)
+    state = osd.get("state", {})
+    for index, entry in list(state.items()):
+        param = ordered[index] if isinstance(index, int) and 0 <= index < len(ordered) else None
+        shape = shapes.get(id(param)) if param is not None else None
+        if shape is None:
+            continue
+        state[index] = {  # a new dict: optim.state_dict() gives the live ones
+            key: refuse_in_dcp(value.detach(), f"state {key!r} of parameter {index}", source)
+            if per_element(key, value) and (not shard_shaped_only
+                                            or tuple(value.shape) == shape) else value
+            for key, value in entry.items()}
     return osd
 
 
