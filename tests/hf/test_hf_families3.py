@@ -46,21 +46,19 @@ import os
 
 import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shardkit
 from shardkit import distributed
 from shardkit.checkpoint.consolidate import consolidate_checkpoint
-from shardkit.nn import FullyShardedDataParallel as FSDP, ShardedDataParallel
-from shardkit.nn.wrap import auto_wrap, no_split_module_classes
-from shardkit.optim import OSS
+from shardkit.nn import FullyShardedDataParallel as FSDP
+from shardkit.nn.wrap import no_split_module_classes
 from shardkit.testing import world_fixture
 from tests.hf.hf_common import eager_model, transformers as T
+from tests.utils.wrapper_matrix import (ROWS, STEPS, TOL, engine_config, max_diff, oracle,
+                                        rows_of, snapshot, wrapped)
 
-STEPS, LR, EPS, ROWS = 3, 1e-2, 1e-4, 4
 VOCAB, SEQ, HIDDEN = 160, 16, 32
 PAD, MASK_ID = 1, 3
-TOL = 2e-5
 world2 = world_fixture(2)
 
 
@@ -231,48 +229,7 @@ def _batch(name, step):
     return _seq2seq_batch(step) if name.startswith("bart") else _text_batch(step)
 
 
-def _rows(batch, start, stop):
-    return {k: v[start:stop] for k, v in batch.items()}
-
-
-def _state(state_or_module):
-    state = state_or_module.state_dict() if isinstance(state_or_module, torch.nn.Module) \
-        else state_or_module
-    return {k: v.detach().clone() for k, v in state.items()}
-
-
-def _max_diff(state, want):
-    assert set(state) == set(want), sorted(set(state) ^ set(want))
-    return max(float((state[k] - want[k]).abs().max()) for k in want)
-
-
-def _adamw(params):
-    return torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=0.01)
-
-
 # ----------------------------------------------------------------------------- training
-
-def _oracle(name, world):
-    model = MODELS[name]()
-    opt_ = _adamw(model.parameters())
-    per, history, losses = ROWS // world, [], []
-    for step in range(STEPS):
-        batch = _batch(name, step)
-        parts = [model(**_rows(batch, r * per, (r + 1) * per)).loss for r in range(world)]
-        losses.append([float(p) for p in parts])
-        (sum(parts) / world).backward()
-        opt_.step()
-        opt_.zero_grad()
-        history.append(_state(model))
-    return history, losses
-
-
-def _engine_config(stage, world):
-    return {"train_batch_size": ROWS, "train_micro_batch_size_per_gpu": ROWS // world,
-            "steps_per_print": 10 ** 6, "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "eps": EPS,
-                                                      "weight_decay": 0.01}}}
-
 
 def _layers_policy(model, with_embeddings):
     """The family's layer classes (``_no_split_modules``; DistilBERT declares none: its
@@ -286,38 +243,6 @@ def _layers_policy(model, with_embeddings):
     def policy(module=None, recurse=None, unwrapped_params=None, **_):
         return True if recurse else (isinstance(module, classes) or id(module) in extra)
     return policy
-
-
-def _wrapped(model, wrapper, world):
-    """(step(rows) -> loss, full state dict(), object to save_pretrained on)."""
-    if wrapper.startswith("stage"):
-        stage = int(wrapper[5])
-        engine, _, _, _ = shardkit.initialize(model=model, config=_engine_config(stage, world))
-
-        def engine_step(rows):
-            loss = engine(**rows).loss
-            engine.backward(loss)
-            engine.step()
-            return float(loss)
-        full = engine.wrapped.state_dict if stage == 3 else engine.module.state_dict
-        return engine_step, full, engine.module
-    if wrapper.startswith("fsdp"):
-        net = auto_wrap(model, _layers_policy(model, wrapper == "fsdp_emb"))
-        net = net if isinstance(net, FSDP) else FSDP(net)
-        opt_, full = _adamw(net.parameters()), net.state_dict
-    else:
-        opt_ = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LR, eps=EPS,
-                   weight_decay=0.01)
-        net = DDP(model) if wrapper == "oss_ddp" else ShardedDataParallel(model, opt_)
-        full = model.state_dict
-
-    def step(rows):
-        loss = net(**rows).loss
-        loss.backward()
-        opt_.step()
-        opt_.zero_grad()
-        return float(loss)
-    return step, full, net
 
 
 WRAPPERS = ["oss_ddp", "sharded_ddp", "fsdp", "fsdp_emb", "stage0", "stage1", "stage2",
@@ -339,18 +264,32 @@ CASES = [(m, w) for m in MODELS for w in _wrappers_of(m)]
 KNOWN = {}
 
 
-def _run_case(name, wrapper, oracle, oracle_losses, save_dir):
+def _loss(output):
+    return output.loss
+
+
+# the FSDP wrappers' auto_wrap policies, built from the model
+POLICIES = {"fsdp": lambda model: _layers_policy(model, False),
+            "fsdp_emb": lambda model: _layers_policy(model, True)}
+
+
+def _oracle(name, world):
+    history, losses, _ = oracle(MODELS[name], lambda step: _batch(name, step), _loss, world)
+    return history, losses
+
+
+def _run_case(name, wrapper, history, losses, save_dir):
     rank, world = distributed.get_rank(), distributed.get_world_size()
-    step, full, saver = _wrapped(MODELS[name](), wrapper, world)
+    step, full, saver = wrapped(MODELS[name](), wrapper, None, world, _loss, policies=POLICIES)
     per, diffs, loss_diffs = ROWS // world, [], []
     for s in range(STEPS):
-        loss = step(_rows(_batch(name, s), rank * per, (rank + 1) * per))
-        loss_diffs.append(abs(loss - oracle_losses[s][rank]))
-        diffs.append(_max_diff(_state(full()), oracle[s]))
+        loss = step(rows_of(_batch(name, s), rank * per, (rank + 1) * per))
+        loss_diffs.append(abs(loss - losses[s][rank]))
+        diffs.append(max_diff(snapshot(full()), history[s]))
     state = full()
     fresh = MODELS[name](seed=123)
     fresh.load_state_dict(state, strict=True)  # the full state dict loads strictly
-    loaded = _max_diff(_state(fresh), oracle[-1])
+    loaded = max_diff(snapshot(fresh), history[-1])
     if save_dir is not None and rank == 0:
         saver.save_pretrained(save_dir, state_dict=state)
     return diffs, loss_diffs, loaded
@@ -363,7 +302,7 @@ def _all_cases(root):
         base = _base(name)
         if base not in oracles:  # checkpointing changes no number: one oracle per family
             oracles[base] = _oracle(base, world)
-            moved = _max_diff(oracles[base][0][-1], _state(MODELS[base]()))
+            moved = max_diff(oracles[base][0][-1], snapshot(MODELS[base]()))
             out[base] = (oracles[base][0][-1], moved)
         history, losses = oracles[base]
         for wrapper in _wrappers_of(name):
@@ -404,7 +343,7 @@ def test_family_trains_like_one_process_on_every_rank(results, case):
 def test_save_pretrained_through_the_wrapper_round_trips_with_ties(results, name, wrapper):
     root, per_rank = results
     loaded = type(MODELS[name]()).from_pretrained(os.path.join(root, f"{name}-{wrapper}"))
-    assert _max_diff(_state(loaded), per_rank[0][name][0]) <= TOL
+    assert max_diff(snapshot(loaded), per_rank[0][name][0]) <= TOL
     params = dict(loaded.named_parameters(remove_duplicate=False))
     tied = TIED.get(name, [])
     assert all(params[n] is params[tied[0]] for n in tied), tied
@@ -436,11 +375,6 @@ def test_tied_embedding_in_a_unit_of_its_own_is_refused(world2, name):
 
 # ----------------------------------------------------------------------------- frozen ties
 
-FROZEN_TIE_BUG = ("engine.frozen_param_names comes from model.named_parameters(), which "
-                  "lists a tied parameter under its first name only: the exclusion misses the "
-                  "aliases (shardkit/engine.py _names_by_trainability)")
-
-
 def _excluded_frozen(root):
     """BART with its shared embedding frozen (one parameter, four names) at every stage: one
     step, then ``save_checkpoint`` and ``save_16bit_model`` with
@@ -450,8 +384,8 @@ def _excluded_frozen(root):
     per, out = ROWS // world, {}
     for stage in range(4):
         engine, _, _, _ = shardkit.initialize(model=bart_frozen_embeddings(),
-                                              config=_engine_config(stage, world))
-        rows = _rows(_batch("bart", 0), rank * per, (rank + 1) * per)
+                                              config=engine_config(stage, world))
+        rows = rows_of(_batch("bart", 0), rank * per, (rank + 1) * per)
         engine.backward(engine(**rows).loss)
         engine.step()
         path = os.path.join(root, f"stage{stage}")

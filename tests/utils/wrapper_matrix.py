@@ -79,8 +79,10 @@ def engine_config(stage, world):
                                                       "weight_decay": 0.01}}}
 
 
-def wrapped(model, wrapper, blocks, world, loss_of):
-    """(step(rows) -> loss, full state dict(), the wrapped model to call)."""
+def wrapped(model, wrapper, blocks, world, loss_of, policies=None):
+    """(step(rows) -> loss, full state dict(), the wrapped model to call). ``policies``: FSDP
+    wrapper names mapped to ``f(model)`` giving that wrapper's auto_wrap policy (beside the
+    built-in ``fsdp*`` wrappers)."""
     if wrapper.startswith("stage"):
         stage = int(wrapper[5])
         engine, _, _, _ = shardkit.initialize(model=model, config=engine_config(stage, world))
@@ -93,7 +95,9 @@ def wrapped(model, wrapper, blocks, world, loss_of):
         full = engine.wrapped.state_dict if stage == 3 else engine.module.state_dict
         return engine_step, full, engine
     if wrapper.startswith("fsdp"):
-        if wrapper == "fsdp_blocks":
+        if policies and wrapper in policies:
+            net = auto_wrap(model, policies[wrapper](model))
+        elif wrapper == "fsdp_blocks":
             net = auto_wrap(model, transformer_auto_wrap_policy(set(blocks)))
         elif wrapper == "fsdp_size":  # every module with a parameter its own unit
             net = auto_wrap(model, functools.partial(default_auto_wrap_policy,
