@@ -12,6 +12,10 @@ torch optimizer) exactly as that optimizer's own would (FairScale's tests compar
 Set ``group["fused"] = False`` to step that group with torch's default loop from the next step
 on, or pass ``fused=False`` to OSS.
 
+The local optimizer's ``step`` is called without torch's step-hook wrapper: global step hooks
+(``torch.optim.optimizer.register_optimizer_step_pre_hook``/``_post_hook``) and hooks on the OSS
+run once per OSS step, as for a plain optimizer, not once more per sync bucket.
+
 A step is taken whole, or, for optimizers that update each parameter independently, bucket by
 bucket: stepping the parameters of bucket ``k`` only, then starting its all-gather while bucket
 ``k+1`` is stepped (:meth:`~shardkit.optim.param_sync.ParamSync.step_and_sync`).
@@ -19,6 +23,7 @@ bucket: stepping the parameters of bucket ``k`` only, then starting its all-gath
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -196,7 +201,7 @@ def _step_narrowed(optimizer: torch.optim.Optimizer, params: list[torch.Tensor],
     for g in optimizer.param_groups:
         g["params"] = [p for p in g["params"] if id(p) in keep]
     try:
-        optimizer.step(**step_kwargs)
+        _unhooked_step(optimizer)(**step_kwargs)
     finally:
         for g, group_params in zip(optimizer.param_groups, saved):
             g["params"] = group_params
@@ -216,8 +221,22 @@ def whole_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable],
                   step_kwargs)
         return loss
     if closure is not None:
-        return optimizer.step(closure=_with_grad(closure), **step_kwargs)
-    return optimizer.step(**step_kwargs)
+        return _unhooked_step(optimizer)(closure=_with_grad(closure), **step_kwargs)
+    return _unhooked_step(optimizer)(**step_kwargs)
+
+
+def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable:
+    """``optimizer.step`` without the wrapper torch's ``Optimizer`` puts around every
+    subclass's ``step`` (the global and per-instance step hooks, a profiler mark).
+
+    Note: the local optimizer is OSS's implementation: the OSS's own ``step`` runs those hooks
+    once per step, as a plain optimizer's does. Through the wrapper, a hook registered with
+    ``torch.optim.optimizer.register_optimizer_step_post_hook`` (a step counter, an EMA update)
+    also ran for the local optimizer, once per sync bucket: several times per step."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        return functools.partial(step.__wrapped__, optimizer)
+    return optimizer.step
 
 
 def _with_grad(closure: Callable) -> Callable:

@@ -460,6 +460,12 @@ class OSS(torch.optim.Optimizer):
                             f"expected a dict with a 'params' key (and optional "
                             f"hyper-parameters such as 'lr')")
         new = args.normalize_param_groups([param_group])[0]
+        named = "param_names" in self.param_groups[0]
+        if ("param_names" in new) != named:
+            raise ValueError(f"OSS.add_param_group: the new group's parameters are given "
+                             f"{'without' if named else 'with'} names and the optimizer's "
+                             f"{'with' if named else 'without'} (torch's rule: every group "
+                             f"named, e.g. from named_parameters(), or none)")
         known = {id(p) for g in self.param_groups for p in g["params"]}
         for i, p in enumerate(new["params"]):
             if id(p) in known:
@@ -491,6 +497,9 @@ class OSS(torch.optim.Optimizer):
         every rank), one shard at a time, on CPU; :meth:`state_dict` then returns it until the
         next :meth:`step` or :meth:`load_state_dict`.
 
+        Hooks registered with ``register_state_dict_pre_hook`` run here, on every rank,
+        before the state is gathered (this is where the dict is built).
+
         Communication: each rank's state once (``KΨ/N`` bytes per rank) plus small metadata.
         """
         self._sync.wait()
@@ -498,6 +507,8 @@ class OSS(torch.optim.Optimizer):
             raise ValueError(f"OSS.consolidate_state_dict(recipient_rank={recipient_rank!r}): "
                              f"must be a rank of the group in [0, {self.world_size}) or -1 "
                              f"(every rank)")
+        for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            pre_hook(self)
         self._consolidated = None
         index_of = {id(p): i for i, p in
                     enumerate(p for g in self.param_groups for p in g["params"])}
@@ -515,7 +526,10 @@ class OSS(torch.optim.Optimizer):
         """The full optimizer state in torch's format (global parameter indices; loadable into
         a plain single-process optimizer of the same type), after :meth:`consolidate_state_dict`.
         ``all_ranks=True`` (FairScale's argument) consolidates on every rank first: then it is
-        collective, and costs what ``consolidate_state_dict(-1)`` does.
+        collective, and costs what ``consolidate_state_dict(-1)`` does. Hooks registered
+        with ``register_state_dict_post_hook`` run on what is returned, as in torch (each
+        call gets its own copy of the dict and its param groups, so a hook that edits it in
+        place does not change the consolidated state).
         """
         if not isinstance(all_ranks, bool):
             raise ValueError(f"OSS.state_dict(all_ranks={all_ranks!r}): must be True or False")
@@ -526,7 +540,17 @@ class OSS(torch.optim.Optimizer):
                 f"OSS.state_dict() on rank {self.rank}: no consolidated state here. Call "
                 f"optimizer.consolidate_state_dict(recipient_rank) on every rank first (after the "
                 f"last step), then state_dict() on the recipient (or recipient_rank=-1 for all)")
-        return self._consolidated
+        post_hooks = list(self._optimizer_state_dict_post_hooks.values())
+        if not post_hooks:
+            return self._consolidated
+        state_dict = {**self._consolidated,
+                      "state": dict(self._consolidated["state"]),
+                      "param_groups": [dict(g) for g in self._consolidated["param_groups"]]}
+        for post_hook in post_hooks:
+            returned = post_hook(self, state_dict)
+            if returned is not None:
+                state_dict = returned
+        return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full torch-format optimizer state dict, saved at any world size or by a plain
@@ -536,7 +560,16 @@ class OSS(torch.optim.Optimizer):
         a bad dict raises the same ``ValueError`` everywhere and changes nothing: its groups
         and sizes, and, for torch's and shardkit's optimizers, each parameter's state keys
         (one the optimizer does not keep, or one its step reads that is missing).
+
+        As in torch, hooks registered with ``register_load_state_dict_pre_hook`` first get
+        (a shallow copy of) ``state_dict`` and may return a replacement, and those registered
+        with ``register_load_state_dict_post_hook`` run once it is loaded.
         """
+        state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
+        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            returned = pre_hook(self, state_dict)
+            if returned is not None:
+                state_dict = returned
         saved_groups, found = self._checked_state(state_dict)
         self._consolidated = None
         for group, saved in zip(self.param_groups, saved_groups):
@@ -547,6 +580,8 @@ class OSS(torch.optim.Optimizer):
         self._parked_state = {p: s for p, (key, s) in found.items()
                               if id(p) not in local and p not in self.partition
                               and key % self.world_size == self.rank}
+        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            post_hook(self)
 
     def check_state_dict(self, state_dict: dict, labels: Optional[list] = None) -> None:
         """Raise the ``ValueError`` :meth:`load_state_dict` would raise for ``state_dict``

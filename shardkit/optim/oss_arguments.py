@@ -174,10 +174,11 @@ def normalize_param_groups(params) -> list[dict]:
         ps = item["params"]
         _refuse_set(f"OSS: param group {g}'s 'params'", ps)
         ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        ps = _names_taken_out(item, ps, g, groups)
         for i, p in enumerate(ps):
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"OSS: param group {g} item {i} is a {type(p).__name__}; expected "
-                                f"a torch.Tensor (named parameters are not supported)")
+                                f"a torch.Tensor or a (name, tensor) pair")
             if not p.is_leaf:
                 raise ValueError(f"OSS: param group {g} item {i} is not a leaf tensor; an "
                                  f"optimizer can only update leaf tensors")
@@ -189,6 +190,35 @@ def normalize_param_groups(params) -> list[dict]:
         item["params"] = ps
         groups.append(item)
     return groups
+
+
+def _is_named(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) \
+        and isinstance(x[1], torch.Tensor)
+
+
+def _names_taken_out(item: dict, ps: list, g: int, earlier: list) -> list:
+    """A group given as ``(name, parameter)`` pairs (``model.named_parameters()``, which torch's
+    optimizers take): its tensors, with the names written into ``item["param_names"]``, as
+    torch's ``add_param_group`` does. Groups must all be named or all unnamed (torch's rule)."""
+    named = [_is_named(x) for x in ps]
+    if not any(named):
+        names = None
+    elif not all(named):
+        raise ValueError(f"OSS: param group {g} mixes (name, tensor) pairs and bare tensors; "
+                         f"give all of a group's parameters with names or all without")
+    else:
+        names = [n for n, _ in ps]
+        ps = [p for _, p in ps]
+    for e, other in enumerate(earlier):
+        if ("param_names" in other) != (names is not None or "param_names" in item):
+            raise ValueError(f"OSS: param group {g} is given "
+                             f"{'with' if names is not None else 'without'} parameter names and "
+                             f"param group {e} {'with' if 'param_names' in other else 'without'};"
+                             f" give every group's parameters with names or all without")
+    if names is not None:
+        item["param_names"] = names
+    return ps
 
 
 def _refuse_set(what: str, params) -> None:

@@ -139,6 +139,10 @@ class BucketReduction:
             present.append(g is not None)
             if g is None:  # no gradient on this rank: it contributes zeros
                 g = torch.zeros(layout.params[i].numel(), dtype=out.dtype, device=device)
+            elif g.layout != torch.strided:
+                # nn.Embedding(sparse=True): reduced densely, the owner gets a dense gradient
+                # (one dense copy of that parameter's gradient while it is packed)
+                g = g.to_dense()
             sources.append(g)
         sources.append(torch.tensor(present, dtype=out.dtype, device=device))
         pack_rank_major(sources, 1, scale=1.0 / layout.world_size, dtype=out.dtype, out=out)

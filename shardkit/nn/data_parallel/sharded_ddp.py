@@ -91,7 +91,9 @@ class ShardedDataParallel(nn.Module):
     supported (inside :meth:`no_sync` it is fine). So does a gradient accumulated twice into
     one parameter in one backward (used inside a reentrant checkpoint and outside it), as torch
     DDP does: its bucket may already be reduced (inside :meth:`no_sync`, then :meth:`reduce`,
-    it is fine).
+    it is fine). Sparse gradients (``nn.Embedding(sparse=True)``) are reduced densely: the
+    owner receives a dense gradient (the same update for SGD; an OSS over ``SparseAdam``,
+    which takes sparse gradients only, is refused at construction).
 
     Cost per rank (Ψ parameters, N ranks; DESIGN.md stage 2): gradient bytes after backward
     4Ψ/N in fp32, the rank's owned share (whole parameters, so up to one parameter more) plus

@@ -26,6 +26,13 @@ def as_oss_list(sharded_optimizer) -> list:
             raise TypeError(f"ShardedDataParallel({where}=<{type(o).__module__}."
                             f"{type(o).__name__}>): expected shardkit.optim.OSS (wrap it: "
                             f"OSS(optimizer)); gradient sharding needs the OSS partition")
+        if isinstance(o.optim, torch.optim.SparseAdam):
+            where = "sharded_optimizer" if len(optimizers) == 1 else f"sharded_optimizer[{i}]"
+            raise ValueError(f"ShardedDataParallel({where}=OSS(optim=SparseAdam)): SparseAdam "
+                             f"takes sparse gradients only, and ShardedDataParallel reduces "
+                             f"every gradient densely (a sparse one reaches its owner dense); "
+                             f"use OSS under DistributedDataParallel for SparseAdam, or a "
+                             f"dense optimizer (Adam, AdamW)")
     return optimizers
 
 

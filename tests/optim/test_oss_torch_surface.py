@@ -1,0 +1,227 @@
+"""OSS and ShardedDataParallel against what a torch user relies on (one world of 2 ranks).
+
+Regressions:
+- hooks registered on OSS with ``register_state_dict_pre_hook``/``_post_hook`` and
+  ``register_load_state_dict_pre_hook``/``_post_hook`` (torch.optim.Optimizer's) were silently
+  never called: OSS overrides ``state_dict``/``load_state_dict``;
+- ``ShardedDataParallel`` over a model with ``nn.Embedding(sparse=True)`` crashed in backward
+  ("reshape is not implemented for sparse tensors") where torch DDP trains it; sparse
+  gradients are now reduced densely (same SGD update as one process), and an OSS over
+  ``SparseAdam`` (sparse gradients only) is refused at construction;
+- ``OSS(model.named_parameters(), ...)`` (named parameters, which torch's optimizers take and
+  record as ``param_names``) raised TypeError; ``OSS(AdamW(model.named_parameters()))`` worked;
+- a global step hook (``torch.optim.optimizer.register_optimizer_step_post_hook``: a step
+  counter, an EMA update) ran once for the OSS and once more per sync bucket for its local
+  optimizer: 4 times per step with 3 buckets.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardkit import distributed
+from shardkit.nn.data_parallel import ShardedDataParallel
+from shardkit.optim import OSS
+from shardkit.testing import world_fixture
+from tests.utils.compare import max_diff
+
+TOL = 1e-5
+
+world2 = world_fixture(2, timeout=120)
+
+
+# ---------------------------------------------------------------------- rank-side bodies
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _hooks_on(optimizer, log: list) -> None:
+    """Torch's four state-dict hooks, logging their calls; the post-hook adds a key to the
+    dict it returns, the load pre-hook returns a copy whose learning rates are 0.5."""
+    optimizer.register_state_dict_pre_hook(lambda o: log.append("sd_pre"))
+
+    def post(o, state_dict):
+        log.append("sd_post")
+        return {**state_dict, "extra": 7}
+    optimizer.register_state_dict_post_hook(post)
+
+    def load_pre(o, state_dict):
+        log.append("load_pre")
+        groups = [{**g, "lr": 0.5} for g in state_dict["param_groups"]]
+        return {**state_dict, "param_groups": groups}
+    optimizer.register_load_state_dict_pre_hook(load_pre)
+    optimizer.register_load_state_dict_post_hook(lambda o: log.append("load_post"))
+
+
+def _state_dict_hooks() -> dict:
+    model, oracle = _mlp(), _mlp()
+    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=0.01)
+    plain = torch.optim.AdamW(oracle.parameters(), lr=0.01)
+    log, plain_log = [], []
+    _hooks_on(opt, log)
+    _hooks_on(plain, plain_log)
+    x, y = torch.randn(4, 5), torch.randn(4, 3)
+    for m, o in ((model, opt), (oracle, plain)):
+        F.mse_loss(m(x), y).backward()
+        o.step()
+    opt.consolidate_state_dict(recipient_rank=-1)
+    saved = opt.state_dict()
+    again = opt.state_dict()  # the post-hook's edit must not pile up in OSS's consolidated copy
+    again_is_copy = again is not saved and "extra" not in opt._consolidated
+    plain_saved = plain.state_dict()
+    opt.load_state_dict(saved)
+    plain.load_state_dict(plain_saved)
+    return {"log": log, "plain_log": plain_log, "extra": saved.get("extra"),
+            "plain_extra": plain_saved.get("extra"),
+            "again_is_copy": again_is_copy,
+            "lrs": [g["lr"] for g in opt.param_groups] + [g["lr"] for g in opt.optim.param_groups],
+            "plain_lrs": [g["lr"] for g in plain.param_groups]}
+
+
+def _sparse_net():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Embedding(30, 4, sparse=True), nn.Linear(4, 2))
+
+
+def _sparse_embedding_parity(accumulate_in_no_sync: bool) -> float:
+    """SGD with momentum over an ``nn.Embedding(sparse=True)`` under ShardedDDP (one bucket
+    per parameter), against one process on the global batch, every step."""
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    oracle, net = _sparse_net(), _sparse_net()
+    hyper = dict(lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(oracle.parameters(), **hyper)
+    opt = OSS(net.parameters(), optim=torch.optim.SGD, **hyper)
+    model = ShardedDataParallel(net, opt, reduce_buffer_size=0)
+    micro = 2 if accumulate_in_no_sync else 1
+    worst = 0.0
+    for step in range(4):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randint(0, 30, (world, micro, 6), generator=gen)
+        y = torch.randn(world, micro, 6, 2, generator=gen)
+        ref_opt.zero_grad()
+        for r in range(world):
+            for i in range(micro):
+                (F.mse_loss(oracle(x[r, i]), y[r, i]) / (world * micro)).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        for i in range(micro):
+            last = i == micro - 1
+            with (model.no_sync() if not last else torch.enable_grad()):
+                (F.mse_loss(model(x[rank, i]), y[rank, i]) / micro).backward()
+        opt.step()
+        worst = max(worst, max_diff(net, oracle))
+    return worst
+
+
+def _sparse_adam_refused() -> str:
+    net = _sparse_net()
+    opt = OSS(net.parameters(), optim=torch.optim.SparseAdam, lr=0.1)
+    try:
+        ShardedDataParallel(net, opt)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def _sparse_checks() -> dict:
+    return {"plain": _sparse_embedding_parity(False),
+            "no_sync": _sparse_embedding_parity(True),
+            "sparse_adam": _sparse_adam_refused()}
+
+
+def _named_parameters() -> dict:
+    """OSS built from ``named_parameters()`` (two named groups) under ShardedDDP, against
+    torch's AdamW built alike: every step, the consolidated param groups (``param_names``
+    included), and torch's rule that groups are all named or none."""
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    oracle, net = _mlp(), _mlp()
+
+    def groups(m):
+        named = list(m.named_parameters())
+        return [{"params": [(n, p) for n, p in named if n.endswith("weight")]},
+                {"params": [(n, p) for n, p in named if n.endswith("bias")], "lr": 0.02}]
+    ref_opt = torch.optim.AdamW(groups(oracle), lr=0.01)
+    opt = OSS(groups(net), optim=torch.optim.AdamW, lr=0.01)
+    model = ShardedDataParallel(net, opt)
+    worst = 0.0
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(world, 4, 5, generator=gen), torch.randn(world, 4, 3, generator=gen)
+        ref_opt.zero_grad()
+        sum(F.mse_loss(oracle(x[r]), y[r]) for r in range(world)).div(world).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        F.mse_loss(model(x[rank]), y[rank]).backward()
+        opt.step()
+        worst = max(worst, max_diff(net, oracle))
+    opt.consolidate_state_dict(recipient_rank=-1)
+    errors = []
+    for bad in ([("w", nn.Parameter(torch.zeros(2))), nn.Parameter(torch.zeros(2))],
+                [{"params": [("w", nn.Parameter(torch.zeros(2)))]},
+                 {"params": [nn.Parameter(torch.zeros(2))]}]):
+        try:
+            OSS(bad, optim=torch.optim.SGD, lr=0.1)
+            errors.append("no error")
+        except ValueError as error:
+            errors.append(str(error))
+    saved, ref_saved = opt.state_dict(), ref_opt.state_dict()
+    return {"worst": worst, "errors": errors,
+            "groups_equal": saved["param_groups"] == ref_saved["param_groups"],
+            "names": opt.param_groups[1]["param_names"]}
+
+
+def _global_step_hooks() -> dict:
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    opt = OSS(net.parameters(), optim=torch.optim.AdamW, lr=0.01, bucket_numel=4096)
+    seen = []
+    handles = [register_optimizer_step_pre_hook(lambda o, a, k: seen.append("pre")),
+               register_optimizer_step_post_hook(lambda o, a, k: seen.append("post"))]
+    try:
+        for _ in range(2):
+            net(torch.randn(2, 64)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {"seen": seen, "buckets": opt.num_buckets}
+
+
+# ---------------------------------------------------------------------- tests
+
+
+def test_state_dict_hooks_run_as_on_a_torch_optimizer(world2):
+    for r in world2.run(_state_dict_hooks):
+        # two state_dict() calls, one consolidation: the pre-hook runs where the dict is built
+        assert r["log"] == ["sd_pre", "sd_post", "sd_post", "load_pre", "load_post"]
+        assert r["plain_log"] == ["sd_pre", "sd_post", "load_pre", "load_post"]
+        assert r["extra"] == r["plain_extra"] == 7
+        assert r["again_is_copy"]
+        assert r["lrs"] == [0.5, 0.5] and r["plain_lrs"] == [0.5]
+
+
+def test_sparse_embedding_under_sharded_ddp_matches_one_process(world2):
+    for r in world2.run(_sparse_checks):
+        assert r["plain"] <= TOL, r
+        assert r["no_sync"] <= TOL, r
+        assert "SparseAdam" in r["sparse_adam"] and "sharded_optimizer" in r["sparse_adam"]
+
+
+def test_named_parameters_as_torch_takes_them(world2):
+    for r in world2.run(_named_parameters):
+        assert r["worst"] <= TOL, r
+        assert r["groups_equal"] and r["names"] == ["0.bias", "2.bias"]
+        assert "mixes (name, tensor) pairs and bare tensors" in r["errors"][0]
+        assert "param group 1 is given without parameter names" in r["errors"][1]
+
+
+def test_global_step_hooks_run_once_per_step(world2):
+    for r in world2.run(_global_step_hooks):
+        assert r["buckets"] > 1, r  # the case that fired once per bucket
+        assert r["seen"] == ["pre", "post"] * 2, r
