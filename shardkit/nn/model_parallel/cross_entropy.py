@@ -33,7 +33,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         per_rank = logits.shape[-1]
         vocab = per_rank * distributed.get_world_size(group)
         start = distributed.get_rank(group) * per_rank
-        logits = logits.float()
+        # fp16/bf16 in fp32; float64 stays float64, as F.cross_entropy (and gradcheck) need
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
 
         row_max = logits.max(dim=-1).values
         distributed.all_reduce(row_max, op=distributed.ReduceOp.MAX, group=group)
@@ -96,8 +97,9 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
             ``tp_group`` (default: the current :func:`get_model_parallel_group`; pass the
             layer's when a model of another tensor-parallel size was set up since).
 
-    Returns the loss per token, shape ``[...]``, in fp32 (take ``.mean()`` yourself; with
-    ignored tokens, divide by the number of kept ones). Communication: two all-reduces over
+    Returns the loss per token, shape ``[...]``, in fp32, or float64 for float64 logits (the
+    dtype it is computed in; take ``.mean()`` yourself; with ignored tokens, divide by the
+    number of kept ones). Communication: two all-reduces over
     the tensor-parallel group of ``3 * tokens`` floats in all (``4 * tokens`` with label
     smoothing); no gathering of logits.
     """

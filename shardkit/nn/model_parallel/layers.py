@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from shardkit import distributed
 from shardkit.nn.model_parallel.initialize import current_groups, model_parallel_is_initialized
 from shardkit.nn.model_parallel.mappings import (
-    SEQUENCE_DIM, copy_to_model_parallel_region, gather_from_model_parallel_region,
+    SEQUENCE_DIM, _copy_to_region_of_own_linear, gather_from_model_parallel_region,
     gather_from_sequence_parallel_region, reduce_from_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_model_parallel_region)
 from shardkit.nn.model_parallel.sequence_parallel import mark_sequence_parallel
@@ -419,7 +419,7 @@ class ColumnParallelLinear(TensorParallelModule):
             _check_sequence_dim("ColumnParallelLinear", x.dim(), self.sequence_dim)
             x = gather_from_sequence_parallel_region(x, self.sequence_dim, group=self.tp_group)
         else:
-            x = copy_to_model_parallel_region(x, group=self.tp_group)
+            x = _copy_to_region_of_own_linear(x, self.tp_group)
         y = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
         if self.gather_output:
             y = self._gather_out_features(y)

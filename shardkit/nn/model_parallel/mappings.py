@@ -12,9 +12,12 @@ function                                          forward               backward
 ``scatter_to_model_parallel_region`` (last dim)   keep own slice        all-gather
 ``gather_from_model_parallel_region`` (last dim)  all-gather            keep own slice
 ``scatter_to_sequence_parallel_region``           keep own slice        all-gather
-``gather_from_sequence_parallel_region``          all-gather            reduce-scatter
+``gather_from_sequence_parallel_region``          all-gather            reduce-scatter (1)
 ``reduce_scatter_to_sequence_parallel_region``    reduce-scatter        all-gather
 ================================================  ====================  ====================
+
+(1) keep own slice, no communication, with ``tensor_parallel_output_grad=False`` (Megatron-LM's
+flag, for a gathered activation that feeds a computation replicated on every rank).
 
 ``stride`` (scatter/gather of the last dimension only) matches a strided weight split (see
 :func:`~shardkit.nn.model_parallel.utils.shard_of`): rank ``r`` keeps blocks ``r, r + n, ...``
@@ -29,6 +32,8 @@ Every collective goes through :mod:`shardkit.distributed` on the tensor-parallel
 """
 
 from __future__ import annotations
+
+import numbers
 
 import torch
 
@@ -103,18 +108,46 @@ def _last(x: torch.Tensor) -> int:
     return x.dim() - 1
 
 
+def _check_dim(what: str, x: torch.Tensor, dim) -> None:
+    """Raise before any collective unless ``dim`` is an int dimension of ``x`` (a bool, such as
+    Megatron-LM's positional ``tensor_parallel_output_grad``, or a process group passed in
+    its place, is refused). No communication."""
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"{what}: dim={dim!r} ({type(dim).__name__}); it must be an int, the "
+                        f"sequence dimension (pass group= and tensor_parallel_output_grad= by "
+                        f"keyword)")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{what}: dim={dim} is not a dimension of the activation of shape "
+                         f"{tuple(x.shape)}")
+
+
+def _check_stride(what: str, stride) -> None:
+    """Raise before any collective unless ``stride`` is an int >= 1 (``TypeError`` for a
+    process group passed in its place). No communication."""
+    if isinstance(stride, bool) or not isinstance(stride, numbers.Integral):
+        raise TypeError(f"{what}: stride={stride!r} ({type(stride).__name__}); it must be an "
+                        f"int >= 1 (pass group= by keyword)")
+    if stride < 1:
+        raise ValueError(f"{what}: stride={stride}; it must be an int >= 1")
+
+
 # ----------------------------------------------------------------------------- tensor regions
 
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, grad_is_private):
+        ctx.group, ctx.grad_is_private = group, grad_is_private
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        # The incoming gradient may be shared: an add's backward hands the same tensor to both
+        # of its inputs, so an all-reduce in place would change the other input's gradient too.
+        # Only a layer whose own F.linear consumed the output (a fresh gradient) skips the copy.
+        if not ctx.grad_is_private and distributed.get_world_size(_group(ctx.group)) > 1:
+            grad = grad.clone(memory_format=torch.contiguous_format)
+        return _all_reduce(grad, ctx.group), None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
@@ -150,8 +183,15 @@ class _GatherFromRegion(torch.autograd.Function):
 
 
 def copy_to_model_parallel_region(x: torch.Tensor, *, group=None) -> torch.Tensor:
-    """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward."""
-    return _CopyToRegion.apply(x, group)
+    """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward
+    (of a copy of it: the gradient that reaches the output may also be another tensor's)."""
+    return _CopyToRegion.apply(x, group, False)
+
+
+def _copy_to_region_of_own_linear(x: torch.Tensor, group) -> torch.Tensor:
+    """:func:`copy_to_model_parallel_region` for a layer that feeds the output only to its own
+    ``F.linear``, whose input gradient is a fresh tensor: all-reduced in place, no copy."""
+    return _CopyToRegion.apply(x, group, True)
 
 
 def reduce_from_model_parallel_region(x: torch.Tensor, *, group=None) -> torch.Tensor:
@@ -164,6 +204,7 @@ def scatter_to_model_parallel_region(x: torch.Tensor, stride: int = 1, *,
                                      group=None) -> torch.Tensor:
     """Keep this rank's slice of the last dimension (its ``stride`` blocks, as ``shard_of``);
     backward all-gathers the gradient."""
+    _check_stride("scatter_to_model_parallel_region", stride)
     return _ScatterToRegion.apply(x, stride, group)
 
 
@@ -171,6 +212,7 @@ def gather_from_model_parallel_region(x: torch.Tensor, stride: int = 1, *,
                                       group=None) -> torch.Tensor:
     """Concatenate every rank's slice along the last dimension (interleaving ``stride`` blocks
     per rank, the inverse of ``shard_of``); backward keeps own slice."""
+    _check_stride("gather_from_model_parallel_region", stride)
     return _GatherFromRegion.apply(x, stride, group)
 
 
@@ -190,15 +232,20 @@ class _ScatterToSequence(torch.autograd.Function):
 
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, group):
+    def forward(ctx, x, dim, group, tensor_parallel_output_grad):
         ctx.dim, ctx.group = dim, group
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
         return _all_gather(x, dim, 1, group)
 
     @staticmethod
     def backward(ctx, grad):
+        if not ctx.tensor_parallel_output_grad:
+            # the gathered activation fed a computation replicated on every rank: each rank
+            # already holds the whole gradient, so it keeps its own slice
+            return _keep_own_slice(grad, ctx.dim, 1, ctx.group), None, None, None
         # The gathered activation feeds a column-parallel layer, whose input gradient is a
         # partial sum on each rank: summing and re-splitting is one reduce-scatter.
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -215,17 +262,29 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 def scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUENCE_DIM, *,
                                         group=None) -> torch.Tensor:
     """Keep this rank's slice of the sequence dimension; backward all-gathers the gradient."""
+    _check_dim("scatter_to_sequence_parallel_region", x, dim)
     return _ScatterToSequence.apply(x, dim, group)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUENCE_DIM, *,
-                                         group=None) -> torch.Tensor:
-    """All-gather the sequence shards (forward); reduce-scatter the gradient (backward)."""
-    return _GatherFromSequence.apply(x, dim, group)
+                                         group=None,
+                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+    """All-gather the sequence shards (forward); reduce-scatter the gradient (backward).
+
+    ``tensor_parallel_output_grad`` (Megatron-LM's flag): ``True`` when the gathered activation
+    feeds a tensor-parallel computation (a column-parallel layer), so each rank's gradient is a
+    partial sum; ``False`` when it feeds one replicated on every rank (each rank's gradient is
+    already whole): backward then keeps this rank's slice, with no communication."""
+    _check_dim("gather_from_sequence_parallel_region", x, dim)
+    if not isinstance(tensor_parallel_output_grad, bool):
+        raise TypeError(f"gather_from_sequence_parallel_region: tensor_parallel_output_grad="
+                        f"{tensor_parallel_output_grad!r}; it must be a bool, True or False")
+    return _GatherFromSequence.apply(x, dim, group, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUENCE_DIM, *,
                                                group=None) -> torch.Tensor:
     """Sum partial results and keep this rank's sequence slice (reduce-scatter); backward
     all-gathers the gradient."""
+    _check_dim("reduce_scatter_to_sequence_parallel_region", x, dim)
     return _ReduceScatterToSequence.apply(x, dim, group)

@@ -22,6 +22,7 @@ Memory: one generator state per stream (a few KB); no communication.
 from __future__ import annotations
 
 import contextlib
+import numbers
 from typing import Iterator
 
 import torch
@@ -56,6 +57,38 @@ class _GeneratorState:
         if self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda)
 
+    def packed(self) -> torch.Tensor:
+        """One uint8 tensor: the CPU state, then the CUDA state when there is one (a plain
+        tensor, as Megatron's and FairScale's trackers give, so a checkpoint holding it loads
+        under ``torch.load(weights_only=True)``)."""
+        return self.cpu.clone() if self.cuda is None else torch.cat([self.cpu, self.cuda.cpu()])
+
+    @classmethod
+    def unpacked(cls, name: str, value) -> "_GeneratorState":
+        """The state ``value`` holds: a :meth:`packed` tensor (or one from an earlier
+        ``get_states``). TypeError / ValueError naming stream ``name`` for anything else."""
+        if isinstance(value, _GeneratorState):
+            return value
+        cpu_bytes = torch.get_rng_state().numel()
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or \
+                value.dim() != 1 or value.numel() < cpu_bytes:
+            raise TypeError(f"RNGStatesTracker.set_states: stream {name!r} holds "
+                            f"{_described(value)}; expected the uint8 tensor get_states() gave "
+                            f"(at least {cpu_bytes} bytes: the CPU generator's state, then the "
+                            f"CUDA generator's)")
+        value = value.cpu()
+        rest = value[cpu_bytes:]
+        if rest.numel() and not torch.cuda.is_available():
+            raise ValueError(f"RNGStatesTracker.set_states: stream {name!r} holds a CUDA "
+                             f"generator state, and this process has no CUDA")
+        return cls(value[:cpu_bytes].clone(), rest.clone() if rest.numel() else None)
+
+
+def _described(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
 
 class RNGStatesTracker:
     """Named generator states that can be swapped in for a block with :meth:`fork`.
@@ -68,6 +101,8 @@ class RNGStatesTracker:
     def __init__(self):
         self._states: dict[str, _GeneratorState] = {}
         self._seeds: set[int] = set()
+        # the open forks, outermost first: [stream name, the generators' state at its entry]
+        self._open: list[list] = []
 
     def reset(self) -> None:
         """Forget every stream."""
@@ -79,16 +114,28 @@ class RNGStatesTracker:
         return list(self._states)
 
     def get_states(self) -> dict:
-        """A new dict of the streams' current states (opaque values for :meth:`set_states`),
-        e.g. to replay the same draws in an activation recomputation."""
-        return dict(self._states)
+        """A new dict of the streams' current states, each a uint8 tensor (the CPU generator's
+        state, then the CUDA generator's when CUDA is present) for :meth:`set_states`: e.g. to
+        replay the same draws in an activation recomputation, or to save in a checkpoint as
+        Megatron does (plain tensors: ``torch.load(weights_only=True)`` reads them). Inside a
+        :meth:`fork`, that stream's state is where its draws have got to, not where the fork
+        started."""
+        return {name: self._live(name).packed() for name in self._states}
 
     def set_states(self, states: dict) -> None:
-        """Replace the streams' states by ``states`` from :meth:`get_states`."""
-        self._states = dict(states)
+        """Replace the streams' states by ``states`` from :meth:`get_states` (checked first:
+        a value that is not such a tensor is a TypeError naming its stream, and nothing
+        changes)."""
+        if not isinstance(states, dict):
+            raise TypeError(f"RNGStatesTracker.set_states(states={_described(states)}): "
+                            f"expected the dict get_states() gave")
+        self._states = {name: _GeneratorState.unpacked(name, value)
+                        for name, value in states.items()}
 
     def add(self, name: str, seed: int) -> None:
-        """Start stream ``name`` from ``seed`` (both must be new to this tracker)."""
+        """Start stream ``name`` from ``seed`` (both must be new to this tracker; the seed a
+        Python or NumPy integer)."""
+        seed = _as_seed("RNGStatesTracker.add", seed)
         if name in self._states:
             raise ValueError(f"RNGStatesTracker.add: stream name={name!r} already exists; "
                              f"existing streams are {self.names()}")
@@ -105,17 +152,57 @@ class RNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
-        """Draw from stream ``name`` inside the block; the default stream is left untouched."""
+        """Draw from stream ``name`` inside the block; the default stream is left untouched.
+        A fork of a stream that is already forked (a layer that forks, called inside a fork of
+        the same stream) goes on from where that stream's draws have got to, rather than
+        repeating them."""
         if name not in self._states:
             raise KeyError(f"RNGStatesTracker.fork: no stream named {name!r} (streams: "
                            f"{self.names()}); call model_parallel_manual_seed(seed) first")
-        outside = _GeneratorState.capture()
-        self._states[name].restore()
+        start = self._live(name)
+        self._open.append([name, _GeneratorState.capture()])
+        start.restore()
         try:
             yield
         finally:
-            self._states[name] = _GeneratorState.capture()
-            outside.restore()
+            # the state to go back to is read at exit: a nested fork of an outer stream may
+            # have moved it on (see _set_live)
+            _, outside = self._open.pop()
+            if not self._set_live(name, _GeneratorState.capture()):
+                outside.restore()
+
+    def _live(self, name: str) -> _GeneratorState:
+        """Where stream ``name``'s draws have got to: the generators' state if its fork is the
+        innermost open one, the state at the entry of the next fork if an outer one is open,
+        else the saved state."""
+        for i in range(len(self._open) - 1, -1, -1):
+            if self._open[i][0] == name:
+                if i == len(self._open) - 1:
+                    return _GeneratorState.capture()
+                return self._open[i + 1][1]
+        return self._states[name]
+
+    def _set_live(self, name: str, state: _GeneratorState) -> bool:
+        """Record ``state`` as where stream ``name`` has got to (see :meth:`_live`); True when
+        that stream's fork is the innermost open one, so the generators now continue it."""
+        for i in range(len(self._open) - 1, -1, -1):
+            if self._open[i][0] == name:
+                if i == len(self._open) - 1:
+                    state.restore()
+                    return True
+                self._open[i + 1][1] = state
+                return False
+        self._states[name] = state
+        return False
+
+
+def _as_seed(what: str, seed) -> int:
+    """``seed`` as a Python int (a NumPy integer too, as ``torch.manual_seed`` takes it);
+    ``TypeError`` naming ``what`` for anything else (a bool, a float, a string)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{what}(seed={seed!r}): seed must be an int ({type(seed).__name__} "
+                        f"given)")
+    return int(seed)
 
 
 _TRACKER = RNGStatesTracker()
@@ -166,8 +253,7 @@ def model_parallel_manual_seed(seed: int) -> None:
     Data-parallel replicas get the same streams (they hold the same shards); give pipeline
     stages or replicas different seeds yourself if you want them to differ.
     """
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"model_parallel_manual_seed(seed={seed!r}): seed must be an int")
+    seed = _as_seed("model_parallel_manual_seed", seed)
     tensor_rank = get_model_parallel_rank()
     torch.manual_seed(seed)
     _TRACKER.reset()
