@@ -14,7 +14,9 @@ on, or pass ``fused=False`` to OSS.
 
 The local optimizer's ``step`` is called without torch's step-hook wrapper: global step hooks
 (``torch.optim.optimizer.register_optimizer_step_pre_hook``/``_post_hook``) and hooks on the OSS
-run once per OSS step, as for a plain optimizer, not once more per sync bucket.
+run once per OSS step, as for a plain optimizer, not once more per sync bucket. Hooks registered
+on the local optimizer itself (by an ``optim=`` factory) still run around each of its calls, and
+a ``step`` replaced on that instance is still the one called.
 
 A step is taken whole, or, for optimizers that update each parameter independently, bucket by
 bucket: stepping the parameters of bucket ``k`` only, then starting its all-gather while bucket
@@ -137,12 +139,21 @@ def build_local_optimizer(optim_class: type, kwargs: dict, groups: list[dict], o
     """The optimizer over this rank's parameters: one group per public group (same
     hyper-parameters, only the parameters whose ``id`` is in ``owned``). Memory: the state of
     the owned parameters only, allocated lazily by the optimizer's first step."""
-    local_groups = [{**with_fused_choice({k: v for k, v in g.items() if k != "params"}, fused),
-                     "params": [p for p in g["params"] if id(p) in owned]} for g in groups]
+    local_groups = [_local_group(g, owned, fused) for g in groups]
     kwargs = dict(kwargs)
     if fused:
         kwargs["fused"] = True
     return optim_class(local_groups, **kwargs)
+
+
+def _local_group(group: dict, owned: set, fused: bool) -> dict:
+    """``group`` narrowed to the owned parameters (and their names, for a named group)."""
+    keep = [i for i, p in enumerate(group["params"]) if id(p) in owned]
+    local = with_fused_choice({k: v for k, v in group.items() if k != "params"}, fused)
+    if "param_names" in local:
+        local["param_names"] = [group["param_names"][i] for i in keep]
+    local["params"] = [group["params"][i] for i in keep]
+    return local
 
 
 def steps_each_parameter_alone(optimizer: torch.optim.Optimizer) -> bool:
@@ -233,10 +244,27 @@ def _unhooked_step(optimizer: torch.optim.Optimizer) -> Callable:
     once per step, as a plain optimizer's does. Through the wrapper, a hook registered with
     ``torch.optim.optimizer.register_optimizer_step_post_hook`` (a step counter, an EMA update)
     also ran for the local optimizer, once per sync bucket: several times per step."""
+    if "step" in vars(optimizer):  # replaced on the instance (a factory's wrapper): honour it
+        return optimizer.step
     step = type(optimizer).step
-    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
-        return functools.partial(step.__wrapped__, optimizer)
-    return optimizer.step
+    if not (getattr(step, "hooked", False) and hasattr(step, "__wrapped__")):
+        return optimizer.step
+    raw = functools.partial(step.__wrapped__, optimizer)
+    pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+    if not pre and not post:
+        return raw
+
+    def with_own_hooks(*args, **kwargs):  # the instance's hooks, as torch's wrapper runs them
+        full = (optimizer, *args)
+        for hook in list(pre.values()):
+            result = hook(optimizer, full, kwargs)
+            if result is not None:
+                full, kwargs = result
+        out = step.__wrapped__(*full, **kwargs)
+        for hook in list(post.values()):
+            hook(optimizer, full, kwargs)
+        return out
+    return with_own_hooks
 
 
 def _with_grad(closure: Callable) -> Callable:

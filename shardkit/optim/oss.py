@@ -243,7 +243,7 @@ class OSS(torch.optim.Optimizer):
     def partition_parameters(self) -> list[list[dict]]:
         """Per rank, its param groups (hyper-parameters and the parameters it owns), FairScale's
         layout. Costs nothing."""
-        return [[{**_hyper(g), "params": owned}
+        return [[{**_hyper(g), **_names_of(g, owned), "params": owned}
                  for g, owned in zip(self.param_groups, self._owned_per_group(r))]
                 for r in range(self.world_size)]
 
@@ -528,8 +528,9 @@ class OSS(torch.optim.Optimizer):
         ``all_ranks=True`` (FairScale's argument) consolidates on every rank first: then it is
         collective, and costs what ``consolidate_state_dict(-1)`` does. Hooks registered
         with ``register_state_dict_post_hook`` run on what is returned, as in torch (each
-        call gets its own copy of the dict and its param groups, so a hook that edits it in
-        place does not change the consolidated state).
+        call gets its own copy of the dict, its param groups and each parameter's state dict,
+        so a hook that replaces or adds entries there does not change the consolidated
+        state; tensors are shared, so an in-place tensor op does).
         """
         if not isinstance(all_ranks, bool):
             raise ValueError(f"OSS.state_dict(all_ranks={all_ranks!r}): must be True or False")
@@ -544,7 +545,7 @@ class OSS(torch.optim.Optimizer):
         if not post_hooks:
             return self._consolidated
         state_dict = {**self._consolidated,
-                      "state": dict(self._consolidated["state"]),
+                      "state": {k: dict(s) for k, s in self._consolidated["state"].items()},
                       "param_groups": [dict(g) for g in self._consolidated["param_groups"]]}
         for post_hook in post_hooks:
             returned = post_hook(self, state_dict)
@@ -747,7 +748,8 @@ class OSS(torch.optim.Optimizer):
     def _local_hyper(self, group: dict) -> dict:
         """A public group's hyper-parameters as the local optimizer runs them (with OSS's
         fused-kernel choice written in where the group leaves the implementation to torch)."""
-        return with_fused_choice(_hyper(group), self.fused)
+        # Note: no param_names: the local groups name their own (owned) parameters only
+        return with_fused_choice(_hyper(group, names=False), self.fused)
 
     def _push_hyperparameters(self) -> None:
         for group, local in zip(self.param_groups, self.optim.param_groups):
@@ -755,7 +757,7 @@ class OSS(torch.optim.Optimizer):
 
     def _pull_hyperparameters(self) -> None:
         for group, local in zip(self.param_groups, self.optim.param_groups):
-            group.update(without_fused_choice(_hyper(local), self.fused))
+            group.update(without_fused_choice(_hyper(local, names=False), self.fused))
 
     def _check_every_rank_agrees(self, groups: list[dict], caller: str) -> None:
         """Before re-partitioning: every rank must see the same trainable parameters, or each
@@ -801,8 +803,17 @@ def _unscale_grads(params: list[torch.Tensor], grad_scale: torch.Tensor) -> None
             p.grad.mul_(inv_scale.to(p.grad.device))
 
 
-def _hyper(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
+def _hyper(group: dict, names: bool = True) -> dict:
+    return {k: v for k, v in group.items()
+            if k != "params" and (names or k != "param_names")}
+
+
+def _names_of(group: dict, params: list) -> dict:
+    """``{"param_names": ...}`` of ``params`` (a subset of ``group``'s), if the group is named."""
+    if "param_names" not in group:
+        return {}
+    name_of = {id(p): n for p, n in zip(group["params"], group["param_names"])}
+    return {"param_names": [name_of[id(p)] for p in params]}
 
 
 def _trainable(groups: Iterable[dict]) -> list[list[torch.Tensor]]:

@@ -225,3 +225,39 @@ def test_global_step_hooks_run_once_per_step(world2):
     for r in world2.run(_global_step_hooks):
         assert r["buckets"] > 1, r  # the case that fired once per bucket
         assert r["seen"] == ["pre", "post"] * 2, r
+
+
+def _local_optimizer_own_hooks_and_names() -> dict:
+    """Hooks and a step wrapper a factory puts on the local optimizer it builds still run (only
+    torch's global hooks are left to the OSS); the local groups name their own parameters."""
+    calls, wrapped = [], []
+
+    def make(groups, **kw):
+        o = torch.optim.AdamW(groups, **kw)
+        o.register_step_post_hook(lambda opt, a, k: calls.append(1))
+        inner = o.step
+
+        def step(*a, **k):
+            wrapped.append(1)
+            return inner(*a, **k)
+        o.step = step
+        return o
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    opt = OSS(net.named_parameters(), optim=make, lr=0.01, bucket_numel=4096)
+    net(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    names = dict(net.named_parameters())
+    local = opt.optim.param_groups[0]
+    opt.add_param_group({"params": [("extra", nn.Parameter(torch.zeros(3)))]})
+    return {"calls": len(calls), "wrapped": len(wrapped),
+            "names_match": [names[n] is p for n, p in zip(local["param_names"], local["params"])],
+            "public_names": len(opt.param_groups[0]["param_names"]),
+            "added": [len(g["param_names"]) == len(g["params"]) for g in opt.optim.param_groups]}
+
+
+def test_local_optimizer_keeps_its_own_hooks_and_names(world2):
+    for r in world2.run(_local_optimizer_own_hooks_and_names):
+        assert r["calls"] >= 1 and r["wrapped"] >= 1, r
+        assert r["names_match"] and all(r["names_match"]), r
+        assert r["public_names"] == 12 and all(r["added"]), r
