@@ -19,7 +19,8 @@ Keys that change behaviour:
     data-parallel ranks; stages 0-2),
     zero_optimization.{stage, reduce_bucket_size (elements, as in DeepSpeed), reduce_scatter
     (stage 1, default true as in DeepSpeed: each gradient is averaged onto its owner only, so
-    stage 1 moves 2Ψ(N-1)/N a step; false: torch DDP's all-reduce, 3Ψ(N-1)/N),
+    stage 1 moves 2Ψ(N-1)/N a step; false, or an optimizer leaving some trainable parameters
+    out: torch DDP's all-reduce, 3Ψ(N-1)/N),
     offload_param.device (stage 3), offload_optimizer.device, zero_quantized_weights and
     zero_quantized_gradients (stage 3: FSDP's quantize_weights / quantize_gradients, ZeRO++),
     zero_hpz_partition_size (stage 3: FSDP's hpz_partition_size), ignore_unused_parameters
@@ -65,6 +66,8 @@ Keys accepted for compatibility with DeepSpeed configs, validated, without effec
     curriculum_learning, elasticity and autotuning, and checkpoint.load_universal,
     use_node_local_storage and parallel_write.pipeline_stage. A value these do not
     accept is an error that names what to use instead.
+Hugging Face's ``"auto"`` placeholders (its Trainer fills them in before DeepSpeed reads
+the config) are refused in one ConfigError naming every such key.
 DeepSpeed's older section name ``bfloat16`` is read as ``bf16``, and its oldest form
 ``"zero_optimization": true`` as stage 1 (``false``: stage 0).
 """
@@ -552,6 +555,7 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
     Pure: no collectives, no global state.
     """
     raw = _with_current_names(_read(config))
+    _refuse_auto_values(raw)
     checked = _check_section(raw, SCHEMA, "")
     train, micro, gas = resolve_batch_sizes(checked["train_batch_size"],
                                             checked["train_micro_batch_size_per_gpu"],
@@ -594,6 +598,38 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
         dataloader_drop_last=checked["dataloader_drop_last"],
         checkpoint_tag_validation=checked["checkpoint"]["tag_validation"].lower(),
         gradient_allreduce_op=allreduce_op, activation_checkpointing=activation)
+
+
+def _auto_paths(node, schema, path: str) -> list[str]:
+    """Dotted paths of the ``"auto"`` values in ``node`` where the schema takes no string
+    (a ``params`` section, checked by its owner, takes none either; the parts read only when
+    a section is enabled, and ``compression_training``, are not read here)."""
+    if isinstance(schema, Field) and dict in schema.types or \
+            isinstance(schema, str) and schema.startswith("read only"):
+        return []
+    if isinstance(node, Mapping):
+        found = []
+        for key, value in node.items():
+            where = f"{path}.{key}" if path else str(key)
+            inner = schema.get(key) if isinstance(schema, dict) else None
+            found += _auto_paths(value, inner, where)
+        return found
+    takes_str = isinstance(schema, Field) and str in schema.types
+    return [path] if isinstance(node, str) and node.lower() == "auto" and not takes_str else []
+
+
+def _refuse_auto_values(raw: dict) -> None:
+    """Hugging Face's Trainer writes ``"auto"`` in DeepSpeed configs and fills each one in from
+    its own arguments before DeepSpeed reads the config; passed to :func:`load_config` as it
+    is, every such key is named in one error (DeepSpeed fails on the first with a TypeError)."""
+    autos = _auto_paths(raw, SCHEMA, "")
+    if autos:
+        raise ConfigError(f"config values \"auto\" at {autos}: \"auto\" is a placeholder that "
+                          f"Hugging Face's Trainer fills in from its TrainingArguments before "
+                          f"DeepSpeed reads the config; shardkit.initialize reads the config "
+                          f"itself, so give the value of each (e.g. train_micro_batch_size_per_"
+                          f"gpu: your per-device batch size, optimizer.params.lr: your learning "
+                          f"rate), or delete the key for its default")
 
 
 def activation_checkpointing_config(config) -> ActivationCheckpointingConfig:
@@ -1007,6 +1043,13 @@ def _precision_config(fp16: dict, bf16: dict) -> PrecisionConfig:
         if bf16["enabled"]:
             return PrecisionConfig(dtype="bf16", check_grad_overflow=bf16["check_grad_overflow"])
         return PrecisionConfig(dtype="fp32")
+    if not fp16["loss_scale"] and 2.0 ** fp16["initial_scale_power"] < fp16["min_loss_scale"]:
+        # the dynamic scale would start below its own floor (DynamicLossScaler refuses it)
+        raise ConfigError(f"fp16.initial_scale_power={fp16['initial_scale_power']} starts the "
+                          f"loss scale at {2.0 ** fp16['initial_scale_power']:g}, below "
+                          f"fp16.min_loss_scale={fp16['min_loss_scale']!r}; raise "
+                          f"initial_scale_power or lower min_loss_scale (2 ** initial_scale_power "
+                          f">= min_loss_scale)")
     return PrecisionConfig(
         dtype="fp16", check_grad_overflow=True, static_loss_scale=float(fp16["loss_scale"]),
         initial_scale_power=fp16["initial_scale_power"],

@@ -21,7 +21,13 @@ stage  wrappers                                 params grads optimizer communica
 not own read zero after backward, and several reducing backwards in one step add up on the
 owner as under the all-reduce (the hook carries the owner's earlier average).
 ``"reduce_scatter": false`` keeps torch DDP's all-reduce (every rank holds the averaged
-gradients; ``3Ψ(N-1)/N``).
+gradients; ``3Ψ(N-1)/N``), and so does an optimizer that leaves some trainable parameters
+out (``model_parameters=`` a subset, as DeepSpeed allows: those get gradients and are never
+stepped; rank 0 says so once). At stage 2 such an optimizer is a ConfigError before any
+collective (freeze those parameters instead); stages 0 and 3 train it as DeepSpeed does. At
+every stage ``gradient_clipping`` and ``get_global_grad_norm()`` take the norm over the
+parameters the optimizer steps, as DeepSpeed's ZeRO stages do, and ``engine.step()`` clears the
+gradients of the trainable parameters it leaves out (they never accumulate).
 
 ``zero_optimization.zero_hpz_partition_size=h`` (stage 3, DeepSpeed's hpZ) gives every FSDP unit
 ``hpz_partition_size=h``: backward gathers inside blocks of ``h`` ranks (a node), leaving
@@ -176,13 +182,27 @@ def _check_arguments(model, optimizer, lr_scheduler, cfg: EngineConfig) -> None:
     if cfg.scheduler is not None and lr_scheduler is not None:
         raise ConfigError("initialize: both lr_scheduler=... and a config 'scheduler' section "
                           "were given; pass exactly one of them")
+    if lr_scheduler is not None and not _is_scheduler_instance(lr_scheduler) \
+            and not callable(lr_scheduler):
+        raise TypeError(f"initialize(lr_scheduler={lr_scheduler!r}): expected a scheduler (an "
+                        f"object with step() and state_dict()) or a callable(optimizer) -> "
+                        f"scheduler")
     if _is_scheduler_instance(lr_scheduler) \
             and getattr(lr_scheduler, "optimizer", None) is not optimizer:
-        raise ConfigError(
-            f"initialize(lr_scheduler=<{type(lr_scheduler).__name__}>): the scheduler is not "
-            f"attached to the optimizer passed as optimizer=... (the one the engine steps); "
-            f"build it on that optimizer, or pass a callable, e.g. "
-            f"lr_scheduler=lambda opt: {type(lr_scheduler).__name__}(opt, ...)")
+        name = type(lr_scheduler).__name__
+        if isinstance(optimizer, torch.optim.Optimizer):
+            problem = ("the scheduler is not attached to the optimizer passed as optimizer=... "
+                       "(the one the engine steps); build it on that optimizer, or pass a "
+                       "callable")
+        else:  # the optimizer does not exist yet: built by initialize
+            source = "the callable optimizer=..." if optimizer is not None \
+                else "the config's 'optimizer' section"
+            problem = (f"the scheduler is not attached to the optimizer the engine steps, "
+                       f"which initialize builds (from {source}), so no scheduler object can "
+                       f"be attached to it beforehand; pass a callable that initialize calls "
+                       f"with it")
+        raise ConfigError(f"initialize(lr_scheduler=<{name}>): {problem}, e.g. "
+                          f"lr_scheduler=lambda opt: {name}(opt, ...)")
     problem = cfg.zero.stage == 3 and isinstance(optimizer, torch.optim.Optimizer) \
         and why_not_steppable_on_shards(optimizer)
     if problem:
@@ -361,8 +381,19 @@ def _compose_arguments(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg:
         return kwargs
     if zero.stage in (0, 1):
         kwargs["find_unused_parameters"] = zero.ignore_unused_parameters
+    left_out = _left_out_of_optimizer(model, recipe)
     if zero.stage == 1:
-        kwargs["reduce_to_owners"] = zero.reduce_to_owners
+        # the owners' hook needs every reduced gradient in OSS's partition: with some trainable
+        # parameters outside the optimizer, torch DDP's all-reduce (see initialize's note)
+        kwargs["reduce_to_owners"] = zero.reduce_to_owners and not left_out
+    if zero.stage == 2 and left_out:
+        raise ConfigError(
+            f"initialize: zero_optimization.stage=2 reduces each gradient onto the rank whose "
+            f"optimizer shard steps it, so every trainable parameter must be in the optimizer, "
+            f"and {_shown(left_out)} are not (model_parameters=... or the optimizer's param "
+            f"groups leave them out); set requires_grad=False on them before initialize (they "
+            f"are not trained either way), add them to the optimizer, or use "
+            f"zero_optimization.stage 0, 1 or 3")
     if zero.stage == 2 and zero.reduce_bucket_numel is not None:
         grad_bytes = next(model.parameters()).element_size()
         kwargs["reduce_bucket_bytes"] = zero.reduce_bucket_numel * grad_bytes
@@ -375,6 +406,32 @@ def _compose_arguments(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg:
     if cfg.communication_dtype is not None:
         kwargs["reduce_dtype"] = _HALF_DTYPES[cfg.communication_dtype]
     return kwargs
+
+
+def _left_out_of_optimizer(model: nn.Module, recipe: Optional[OptimizerRecipe]) -> list[str]:
+    """Names of ``model``'s trainable parameters that the optimizer built from ``recipe`` does
+    not step (``model_parameters=...`` or a passed optimizer covering only some of them, as
+    DeepSpeed allows: the others get gradients and are never updated); ``[]`` when it steps
+    them all or there is no optimizer. Local."""
+    if recipe is None:
+        return []
+    groups = recipe.instance.param_groups if recipe.instance is not None \
+        else recipe.param_groups
+    if groups is None:  # every trainable parameter
+        return []
+    stepped = set()
+    for group in groups:
+        params = group["params"] if isinstance(group, Mapping) else group
+        params = [params] if isinstance(params, torch.Tensor) else params
+        stepped.update(id(p) for p in params)
+    return [name for name, p in model.named_parameters()
+            if p.requires_grad and id(p) not in stepped]
+
+
+def _shown(names: list[str], limit: int = 6) -> str:
+    """``names`` for a message: the first ``limit``, then how many more."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{names[:limit]}{more}"
 
 
 def _checks_of_compose(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg: EngineConfig,
@@ -439,6 +496,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             ``backward`` and ``step`` raise, see the module docstring).
         global_steps: optimizer steps taken (skipped fp16 steps included, as in DeepSpeed).
         micro_steps, skipped_steps: micro-batches seen; steps skipped on overflow.
+        training_dataloader, collate_fn: the loader ``initialize(training_data=...)`` built
+            (``None`` without one) and its ``collate_fn`` (:meth:`deepspeed_io`'s default).
 
     DeepSpeed's accessors: ``zero_optimization_stage()``, ``zero_optimization()``,
     ``gradient_accumulation_steps()``, ``train_batch_size()``,
@@ -447,7 +506,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
     ``fp16_enabled()``, ``bfloat16_enabled()``, ``steps_per_print()``, ``loss_scale``,
     ``global_samples``, ``global_rank``, ``local_rank``, ``world_size``, ``dp_world_size``,
     ``mp_world_size``, ``device``; and ``no_sync()``, ``set_gradient_accumulation_boundary()``,
-    ``save_fp16_model()`` (the older name of ``save_16bit_model``).
+    ``deepspeed_io()``, ``save_fp16_model()`` (the older name of ``save_16bit_model``).
     """
 
     def __init__(self, model: nn.Module, composition: Composition, cfg: EngineConfig,
@@ -470,6 +529,12 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         self.optimizer = composition.optimizer
         if self.optimizer is not None:  # DeepSpeed's optimizer.overflow before a first step
             self.optimizer.overflow = False
+        # trainable parameters the optimizer does not step (model_parameters=... a subset):
+        # their gradients are cleared at every step, before clipping (see _optimizer_step)
+        stepped = set() if self.optimizer is None else {
+            id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        self._left_out = [p for p in model.parameters()
+                          if p.requires_grad and id(p) not in stepped] if stepped else []
         _guard_direct_steps(self)
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = _loss_scaler(cfg)
@@ -518,7 +583,17 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
     def __getattr__(self, name: str):
         # DeepSpeed's engine forwards unknown attributes to the model (engine.config_class,
         # a custom method of the user's model)
-        value = attribute_through(self, name, "module")
+        try:
+            value = attribute_through(self, name, "module")
+        except AttributeError as error:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or not str(error).endswith(f"has no attribute '{name}'"):
+                raise
+            # name the engine the script asked, not only the model the lookup fell through to
+            raise AttributeError(
+                f"'{type(self).__name__}' object has no attribute '{name}', nor has its module "
+                f"(a {type(module).__name__}); shardkit's engine has the DeepSpeed engine "
+                f"methods listed in help(shardkit.engine.ShardedEngine)") from None
         composition = self.__dict__.get("composition")
         if (composition is not None and composition.stage == 3 and name.startswith("forward")
                 and self._in_root_unit(getattr(value, "__self__", None))):
@@ -958,6 +1033,40 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         self._forwards_since_step = self._backwards_since_step = 0
         self.micro_steps += 1
 
+    def deepspeed_io(self, dataset, batch_size: Optional[int] = None, route: str = "train",
+                     pin_memory: bool = True, data_sampler=None, collate_fn=None,
+                     num_local_io_workers: Optional[int] = None):
+        """DeepSpeed's loader factory (what ``initialize(training_data=...)`` returns, and
+        what scripts call for their evaluation data): a ``torch.utils.data.DataLoader`` over
+        this data-parallel rank's share of ``dataset`` (a ``DistributedSampler`` over the
+        data-parallel ranks; the tensor-parallel ranks of a replica read the same samples),
+        ``batch_size`` samples a batch (default ``train_micro_batch_size_per_gpu``), the
+        config's ``dataloader_drop_last``. As in DeepSpeed, ``route`` ``"eval"`` and
+        ``"predict"`` read in order (``shuffle=False``), ``"train"`` and ``"encode"`` shuffled
+        (the sampler's seed, the same order each epoch unless ``loader.sampler.set_epoch``);
+        ``data_sampler`` replaces the sampler; ``collate_fn`` defaults to the one given to
+        ``initialize``. ``pin_memory`` applies with CUDA only; ``num_local_io_workers`` is
+        the loader's ``num_workers`` (default 0: loading in this process, where DeepSpeed
+        starts 2 workers). A bad argument is a ValueError naming it. Local: no
+        communication."""
+        _check_dataset(dataset, "engine.deepspeed_io(dataset=", data_sampler)
+        if route not in _IO_ROUTES:
+            raise ValueError(f"engine.deepspeed_io(route={route!r}): valid routes are "
+                             f"{list(_IO_ROUTES)}")
+        if batch_size is not None and (isinstance(batch_size, bool)
+                                       or not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"engine.deepspeed_io(batch_size={batch_size!r}): expected an "
+                             f"integer >= 1, or None for train_micro_batch_size_per_gpu")
+        workers = 0 if num_local_io_workers is None else num_local_io_workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ValueError(f"engine.deepspeed_io(num_local_io_workers="
+                             f"{num_local_io_workers!r}): expected an integer >= 0 or None")
+        return _data_loader(dataset, self.config, collate_fn or self.__dict__.get("collate_fn"),
+                            self.model_parallel, batch_size=batch_size,
+                            shuffle=route not in ("eval", "predict"), sampler=data_sampler,
+                            pin_memory=bool(pin_memory) and torch.cuda.is_available(),
+                            num_workers=workers)
+
     def _refuse_without_optimizer(self, call: str) -> None:
         """DeepSpeed asserts "must provide optimizer during init in order to use backward"
         (and ``step``): an engine built without an optimizer runs forward only. Its gradients
@@ -998,6 +1107,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         self.composition.zero_grad(set_to_none=set_to_none)
 
     def _optimizer_step(self, lr_kwargs: dict, loss_scaled: bool = True) -> None:
+        for param in self._left_out:  # never stepped: kept out of the clip, never accumulated
+            param.grad = None
         overflow = self._agreed_overflow() if self.config.precision.check_grad_overflow \
             else False
         scale_before = self.loss_scale
@@ -1534,7 +1645,8 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
             every trainable parameter), at every stage (FSDP shards the same parameter objects
             in place).
         training_data: a ``torch.utils.data.Dataset``; a ``DataLoader`` with a
-            ``DistributedSampler`` and the micro-batch size is returned for it.
+            ``DistributedSampler`` and the micro-batch size is returned for it
+            (:meth:`ShardedEngine.deepspeed_io`; also ``engine.training_dataloader``).
         lr_scheduler: a scheduler or ``callable(optimizer) -> scheduler``; exclusive with a
             config ``scheduler`` section.
         config: a dict or the path of a JSON file (``config_params`` is an alias; without
@@ -1611,6 +1723,8 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         _check_sparse_modules(model, cfg, optimizer)
         refuse_meta_tensors(model, cfg.zero.stage,
                             f"initialize: zero_optimization.stage={cfg.zero.stage}")
+        if training_data is not None:
+            _check_dataset(training_data, "initialize(training_data=")
         if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
             raise TypeError(f"initialize(resume_from={resume_from!r}): expected a directory "
                             f"path")
@@ -1653,6 +1767,14 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         logger.warning("zero_optimization.offload_optimizer: CPU offload is implemented at "
                        "stage 3 only (FSDP move_params_to_cpu); at stage %d the optimizer "
                        "state stays on the GPU", cfg.zero.stage)
+    left_out = _left_out_of_optimizer(model, recipe)
+    if left_out and cfg.zero.stage == 1 and cfg.zero.reduce_to_owners \
+            and distributed.get_rank() == 0:
+        logger.warning("zero_optimization.reduce_scatter at stage 1: the optimizer leaves the "
+                       "trainable parameter(s) %s out (they get gradients and are never "
+                       "stepped), so gradients are all-reduced by torch DDP (3Ψ(N-1)/N a step) "
+                       "rather than averaged onto their owners; set requires_grad=False on "
+                       "them to keep the owners' reduction", _shown(left_out))
     state_names = _state_names_of(model)
     trainable, frozen = _names_by_trainability(model)  # before wrapping renames them
     # the tensor-parallel split of each key, read unwrapped (stage 3 then refuses the model's
@@ -1668,8 +1790,9 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     # DeepSpeed's optimizer_name() names the client's optimizer class when it passed one
     engine.client_optimizer_name = None if cfg.optimizer is not None or recipe is None \
         else recipe.cls.__name__
-    loader = None if training_data is None else \
-        _data_loader(training_data, cfg, collate_fn, parallel)
+    engine.collate_fn = collate_fn  # DeepSpeed's: deepspeed_io's default
+    loader = None if training_data is None else engine.deepspeed_io(training_data)
+    engine.training_dataloader = loader
     if resume_from is not None:
         _resume(engine, os.fspath(resume_from))
     return engine, composition.optimizer, loader, scheduler
@@ -1746,20 +1869,53 @@ def _build_scheduler(cfg: EngineConfig, lr_scheduler, optimizer):
         from shardkit.optim import lr_scheduler as schedules
         return getattr(schedules, cfg.scheduler.type)(optimizer, **cfg.scheduler.kwargs)
     if lr_scheduler is not None and not _is_scheduler_instance(lr_scheduler):
-        return lr_scheduler(optimizer)
+        built = lr_scheduler(optimizer)
+        if not callable(getattr(built, "step", None)):
+            raise TypeError(f"initialize(lr_scheduler=<callable>): the callable must return a "
+                            f"scheduler (an object with step()) built on the optimizer it is "
+                            f"given, it returned {type(built).__name__}")
+        return built
     return lr_scheduler
 
 
 def _data_loader(dataset, cfg: EngineConfig, collate_fn,
-                 parallel: Optional[ModelParallelGroups] = None):
+                 parallel: Optional[ModelParallelGroups] = None, batch_size: Optional[int] = None,
+                 shuffle: bool = True, sampler=None, pin_memory: bool = False,
+                 num_workers: int = 0):
     """The micro-batch loader over this rank's share of ``dataset``: split over the
-    data-parallel ranks, so the tensor-parallel ranks of one replica read the same samples."""
+    data-parallel ranks (a ``DistributedSampler``, shuffled with its seed unless ``shuffle``
+    is false; ``sampler`` replaces it), so the tensor-parallel ranks of one replica read the
+    same samples. ``batch_size``: default the config's micro-batch size."""
     from torch.utils.data import DataLoader, DistributedSampler
     replicas, index = ((distributed.get_world_size(), distributed.get_rank()) if parallel is None
                        else (parallel.data_size, parallel.data_rank))
-    sampler = DistributedSampler(dataset, num_replicas=replicas, rank=index)
-    return DataLoader(dataset, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
-                      collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
+    if sampler is None:
+        sampler = DistributedSampler(dataset, num_replicas=replicas, rank=index, shuffle=shuffle)
+    return DataLoader(dataset, batch_size=batch_size or cfg.train_micro_batch_size_per_gpu,
+                      sampler=sampler, collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last,
+                      pin_memory=pin_memory, num_workers=num_workers)
+
+
+def _check_dataset(dataset, where: str, sampler=None) -> None:
+    """A ValueError (``where`` names the argument) unless ``dataset`` can be split over the
+    data-parallel ranks by a sampler: a map-style ``Dataset`` or a sequence of samples; an
+    ``IterableDataset`` only with the caller's own ``sampler``. Local."""
+    from torch.utils.data import Dataset, IterableDataset
+    if isinstance(dataset, IterableDataset):
+        if sampler is None:
+            raise ValueError(f"{where}<{type(dataset).__name__}>): an IterableDataset cannot be "
+                             f"split over the data-parallel ranks by a sampler; give each rank "
+                             f"its own share (e.g. from engine.global_rank) and build a "
+                             f"DataLoader over it")
+    elif not isinstance(dataset, Dataset) and not (hasattr(dataset, "__len__")
+                                                   and hasattr(dataset, "__getitem__")):
+        raise ValueError(f"{where}<{type(dataset).__name__}>): expected a "
+                         f"torch.utils.data.Dataset (or a sequence of samples)")
+
+
+# DeepSpeed's deepspeed_io routes (deepspeed.runtime.constants.ROUTE_*): "eval" and "predict"
+# read the data in order, "train" and "encode" shuffled
+_IO_ROUTES = ("train", "eval", "predict", "encode")
 
 
 def _state_names_of(model: torch.nn.Module) -> list:
