@@ -60,6 +60,7 @@ from shardkit.nn.checkpoint.checkpoint_activations import _keywords_as_positions
 from shardkit.nn.model_parallel.random import (MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET,
                                                get_cuda_rng_tracker,
                                                model_parallel_cuda_manual_seed as _mp_seed)
+from shardkit.nn.model_parallel.random import _as_seed
 
 __all__ = ["configure", "is_configured", "reset", "checkpoint", "non_reentrant_checkpoint",
            "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
@@ -260,8 +261,7 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     if _STATE.mpu is None:
         _mp_seed(seed)
         return
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"model_parallel_cuda_manual_seed(seed={seed!r}): seed must be an int")
+    seed = _as_seed("model_parallel_cuda_manual_seed", seed)  # a NumPy integer too
     torch.manual_seed(seed)
     tracker = get_cuda_rng_tracker()
     tracker.reset()
@@ -273,15 +273,16 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
 
 def _rng_states() -> tuple:
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    return torch.get_rng_state(), cuda, get_cuda_rng_tracker().get_states()
+    # the tracker's replay point: its streams and the forks open now (a fork of one of them
+    # inside the region goes on with it, in the recomputation as in the first forward)
+    return torch.get_rng_state(), cuda, get_cuda_rng_tracker()._replay_point()
 
 
-def _set_rng_states(states: tuple) -> None:
-    cpu, cuda, tracker = states
+def _set_generators(states: tuple) -> None:
+    cpu, cuda = states[:2]
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda)
-    get_cuda_rng_tracker().set_states(tracker)
 
 
 @contextlib.contextmanager
@@ -401,12 +402,13 @@ class _CheckpointFunction(torch.autograd.Function):
             value.requires_grad_(requires_grad)
             inputs.append(value)
         outside = _rng_states()
-        _set_rng_states(ctx.rng)
+        _set_generators(ctx.rng)
         try:
-            with _boundary("recomputation"), torch.enable_grad():
+            with get_cuda_rng_tracker()._replaying(ctx.rng[2]), _boundary("recomputation"), \
+                    torch.enable_grad():
                 outputs = ctx.run_function(*ctx.layout.merge(inputs))
         finally:
-            _set_rng_states(outside)
+            _set_generators(outside)
         outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
         pairs = [(o, g) for o, g in zip([o for o in outs if torch.is_tensor(o)], grads)
                  if o.requires_grad]

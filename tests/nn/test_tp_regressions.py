@@ -261,3 +261,60 @@ def test_tracker_states_are_plain_tensors_a_weights_only_load_reads(tmp_path):
     fresh.set_states(torch.load(tmp_path / "rng.pt", weights_only=True)["rng_tracker_states"])
     with fresh.fork("s"):
         assert torch.equal(torch.rand(8)[4:], got)
+
+
+def _checkpointed_region_drawing_after_its_fork_inside_a_fork(kind: str) -> bool:
+    """A checkpointed region that forks the model-parallel stream and then draws outside its
+    fork, run inside a fork of that stream: the recomputation draws what the first forward drew
+    (its draws after the inner fork go on with the outer fork's stream, then as in the first
+    forward), so the gradients equal the uncheckpointed ones."""
+    import shardkit.checkpointing as ds
+
+    _setup()
+    tracker = mp.get_model_parallel_rng_tracker()
+
+    def region(x):
+        with tracker.fork():
+            h = F.dropout(x, 0.5)
+        return F.dropout(h, 0.3)
+
+    wrap = {"mp": checkpoint, "ds": ds.checkpoint, "ds-nr": ds.non_reentrant_checkpoint}[kind]
+    grads = []
+    for checkpointed in (False, True):
+        mp.model_parallel_manual_seed(11)
+        x = torch.ones(256, requires_grad=True)
+        with tracker.fork():
+            y = wrap(region, x) if checkpointed else region(x)
+        (y * torch.arange(256.0)).sum().backward()
+        grads.append(x.grad)
+    return torch.equal(*grads)
+
+
+@pytest.mark.parametrize("kind", ["mp", "ds", "ds-nr"])
+def test_checkpointed_region_inside_a_fork_replays_draws_after_its_own_fork(world2, kind):
+    assert world2.run(_checkpointed_region_drawing_after_its_fork_inside_a_fork, kind) == \
+        [True, True]
+
+
+def test_a_state_that_is_no_generator_state_is_refused_and_forks_stay_usable():
+    """A uint8 tensor of the right size that torch cannot load (a corrupt checkpoint) is refused
+    by set_states; a fork whose entry fails leaves no fork open behind it."""
+    tracker = RNGStatesTracker()
+    tracker.add("s", 1)
+    with pytest.raises(ValueError, match="stream 's' holds no valid CPU generator state"):
+        tracker.set_states({"s": torch.zeros(torch.get_rng_state().numel(), dtype=torch.uint8)})
+    tracker._states["s"].cpu = torch.zeros_like(tracker._states["s"].cpu)  # past the check
+    with pytest.raises(RuntimeError, match="mt19937"):
+        with tracker.fork("s"):
+            pass
+    tracker.add("t", 2)
+    alone = RNGStatesTracker()
+    alone.add("t", 2)
+    with alone.fork("t"):
+        want = torch.rand(3)
+    torch.manual_seed(0)
+    with tracker.fork("t"):  # draws stream t, not the default stream (no fork left open)
+        got = torch.rand(3)
+    after = torch.rand(1)
+    torch.manual_seed(0)
+    assert torch.equal(got, want) and torch.equal(after, torch.rand(1))

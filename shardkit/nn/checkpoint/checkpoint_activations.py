@@ -167,13 +167,10 @@ def _rng_streams_replayed(rng_streams: dict) -> Iterator[None]:
     # Tensor-parallel dropout draws inside tracker.fork(): replay the streams as they were at
     # the first forward (torch restores only the default generator), then resume the current
     # ones so the recomputation consumes no randomness of the training that follows.
-    tracker = get_model_parallel_rng_tracker()
-    current = tracker.get_states()
-    tracker.set_states(rng_streams)
-    try:
+    # The forks open at the first forward are open again (a fork of one of them inside the
+    # region goes on with it, as it did then).
+    with get_model_parallel_rng_tracker()._replaying(rng_streams):
         yield
-    finally:
-        tracker.set_states(current)
 
 
 class _EachEntryAnew:
@@ -198,7 +195,7 @@ class _EachEntryAnew:
 def _contexts(modules: tuple[nn.Module, ...]):
     def forward_and_recompute_contexts():
         # called by torch_checkpoint right before the region's first forward
-        rng_streams = get_model_parallel_rng_tracker().get_states()
+        rng_streams = get_model_parallel_rng_tracker()._replay_point()
         modes = _training_modes(modules)
         return (_counting("checkpointing"),
                 _EachEntryAnew(lambda: _recomputing(modules, rng_streams, modes)))

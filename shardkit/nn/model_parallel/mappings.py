@@ -113,9 +113,10 @@ def _check_dim(what: str, x: torch.Tensor, dim) -> None:
     Megatron-LM's positional ``tensor_parallel_output_grad``, or a process group passed in
     its place, is refused). No communication."""
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        keywords = "group= and tensor_parallel_output_grad=" if what.startswith("gather") \
+            else "group="
         raise TypeError(f"{what}: dim={dim!r} ({type(dim).__name__}); it must be an int, the "
-                        f"sequence dimension (pass group= and tensor_parallel_output_grad= by "
-                        f"keyword)")
+                        f"sequence dimension (pass {keywords} by keyword)")
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"{what}: dim={dim} is not a dimension of the activation of shape "
                          f"{tuple(x.shape)}")

@@ -81,7 +81,18 @@ class _GeneratorState:
         if rest.numel() and not torch.cuda.is_available():
             raise ValueError(f"RNGStatesTracker.set_states: stream {name!r} holds a CUDA "
                              f"generator state, and this process has no CUDA")
-        return cls(value[:cpu_bytes].clone(), rest.clone() if rest.numel() else None)
+        if not rest.numel() and torch.cuda.is_available():
+            # without one, a fork would leave the CUDA generator on the default stream: the
+            # same dropout masks on every tensor-parallel rank, drawn again after the fork
+            raise ValueError(f"RNGStatesTracker.set_states: stream {name!r} holds no CUDA "
+                             f"generator state (saved without CUDA), and this process has CUDA")
+        cpu = value[:cpu_bytes].clone()
+        try:  # checked here, so that set_states refuses it and changes nothing
+            torch.Generator().set_state(cpu)
+        except RuntimeError as error:
+            raise ValueError(f"RNGStatesTracker.set_states: stream {name!r} holds no valid CPU "
+                             f"generator state ({error})") from None
+        return cls(cpu, rest.clone() if rest.numel() else None)
 
 
 def _described(value) -> str:
@@ -160,8 +171,9 @@ class RNGStatesTracker:
             raise KeyError(f"RNGStatesTracker.fork: no stream named {name!r} (streams: "
                            f"{self.names()}); call model_parallel_manual_seed(seed) first")
         start = self._live(name)
-        self._open.append([name, _GeneratorState.capture()])
-        start.restore()
+        outside = _GeneratorState.capture()
+        start.restore()  # may raise (a bad state given to set_states): nothing is open yet
+        self._open.append([name, outside])
         try:
             yield
         finally:
@@ -170,6 +182,23 @@ class RNGStatesTracker:
             _, outside = self._open.pop()
             if not self._set_live(name, _GeneratorState.capture()):
                 outside.restore()
+
+    def _replay_point(self) -> tuple:
+        """What a recomputation of the code that runs from here needs in order to draw what
+        it drew (see :meth:`_replaying`): the saved states and the open forks."""
+        return dict(self._states), [list(entry) for entry in self._open]
+
+    @contextlib.contextmanager
+    def _replaying(self, point: tuple) -> Iterator[None]:
+        """Run the block as if at ``point`` (from :meth:`_replay_point`): the forks open then are
+        open again, so a nested fork of one of them goes on with it as in the first forward.
+        The caller restores the generators themselves; the tracker is put back at exit."""
+        saved = self._states, self._open
+        self._states, self._open = dict(point[0]), [list(entry) for entry in point[1]]
+        try:
+            yield
+        finally:
+            self._states, self._open = saved
 
     def _live(self, name: str) -> _GeneratorState:
         """Where stream ``name``'s draws have got to: the generators' state if its fork is the
