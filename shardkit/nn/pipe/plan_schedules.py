@@ -74,7 +74,8 @@ class PlanSchedule:
     Args:
         stages: this rank's stage, or its stages (a list, as the schedule's placement needs).
         chunks: micro-batches per step; must divide the batch size.
-        loss_fn: ``loss_fn(output, target) -> scalar`` on the rank running the last stage.
+        loss_fn: ``loss_fn(output, target) -> scalar`` on the rank running the last stage
+            (``None``: forward-only steps with ``return_outputs=True`` only).
         track_activation_memory: measure the bytes saved for backward on this rank
             (``self.activation_memory``).
         weight_grad_merge: at most how many micro-batches' matrix-product weight gradients
@@ -278,7 +279,10 @@ class PlanSchedule:
         torch's schedules do, the last stage's outputs of every micro-batch (detached),
         concatenated along dim 0 (a tuple output: each of its tensors concatenated), on the
         rank running the last stage; ``False`` returns ``None`` there (the loss is still in
-        ``losses``). Other ranks return ``None`` in every case.
+        ``losses``). Other ranks return ``None`` in every case. A forward-only step with
+        ``return_outputs=True`` needs no ``target`` and no ``loss_fn`` (inference, as with
+        torch's schedules built without ``loss_fn``): without either, no loss is computed and
+        ``losses`` is left empty.
 
         Under ``torch.no_grad()`` (or through :meth:`eval`) the step only runs forward: it
         returns the loss the same way and leaves ``.grad`` and the data-parallel reduction
@@ -326,7 +330,8 @@ class PlanSchedule:
         """Forward only (:meth:`step` under ``torch.no_grad()``), as
         ``torch.distributed.pipelining``'s ``eval``: the loss :meth:`step` returns on the rank
         running the last stage (``losses`` filled as by :meth:`step`), ``None`` elsewhere;
-        ``.grad`` is left alone; ``return_outputs`` and ``loss_kwargs`` as in :meth:`step`.
+        ``.grad`` is left alone; ``return_outputs`` and ``loss_kwargs`` as in :meth:`step`
+        (``eval(x, return_outputs=True)`` runs inference without target or ``loss_fn``).
         Call it on every rank of the pipeline. Dropout and batch norm follow the modules' own
         ``train()``/``eval()`` mode, as in one process."""
         with torch.no_grad():
@@ -498,6 +503,8 @@ class PlanSchedule:
             if problems:
                 self._fail_at_last_stage(index, problems[0])
                 self._targets = []
+            elif self._outputs_only(self._target):
+                self._targets = [None] * self.chunks  # no loss this step
             elif isinstance(self._target, torch.Tensor):
                 self._targets = [t[0] for t in split_microbatches((self._target,), self.chunks,
                                                                   "target")]
@@ -536,14 +543,15 @@ class PlanSchedule:
         metering = meter.recording(stage.parameters()) if meter else contextlib.nullcontext()
         with metering, self._busy():
             output = self._forward(s, i, activation if packed else activation[0])
-            loss = self._loss(output, i) if s == last and output is not _FAILED else None
+            loss = self._loss(output, i) if s == last and output is not _FAILED \
+                and not self._outputs_only(self._target) else None
         if output is _FAILED:
             self._skip_forward(s, i, activation)
             return
         if s == last:
             if loss is not None:
                 self._losses.append(loss.detach())
-            if loss is not None and loss.requires_grad:
+            if loss is not None and loss.requires_grad and torch.is_grad_enabled():
                 roots = [loss / self.chunks if self.scale_grads else loss]
             else:
                 roots = []
@@ -555,6 +563,10 @@ class PlanSchedule:
                 self._fail_at(s, i, problem)
                 self._skip_forward(s, i, activation)
                 return
+            if not torch.is_grad_enabled():  # a forward-only step records nothing: an output
+                # that is a leaf requiring grad (the batch or a parameter passed on) must not
+                # ask the next stage for a gradient, nor be backpropagated here
+                outputs = tuple(o.detach() for o in outputs)
             packed_out = not isinstance(output, torch.Tensor)
             roots = [o for o in outputs if o.requires_grad]
             if self._remote(s + 1) is None:
@@ -732,7 +744,7 @@ class PlanSchedule:
         problems += self._call_problems()
         last = self.num_stages - 1
         if last in self.stages:
-            if self.loss_fn is None:
+            if self.loss_fn is None and not self._outputs_only(target):
                 problems.append(f"the last stage needs {name}(..., loss_fn=...)")
             where = f"stage {last} (the last): " if len(self.stages) > 1 else ""
             problems += [where + p for p in self._target_problems(target)]
@@ -754,6 +766,13 @@ class PlanSchedule:
                             f"loss_kwargs), with str keys, or None")
         return problems
 
+    def _outputs_only(self, target) -> bool:
+        """Whether the last stage computes no loss this step: a forward-only step asked for its
+        outputs (``return_outputs=True``) without a ``loss_fn`` or without a ``target``, as
+        torch's inference with a schedule built without ``loss_fn``."""
+        return self._return_outputs is True and not torch.is_grad_enabled() and (
+            self.loss_fn is None or target is None)
+
     def _target_problems(self, target) -> list[str]:
         """What is wrong with the last stage's target on its own (split along dim 0 like the
         batch, but its rows need not equal the batch's: a flattened target is fine)."""
@@ -761,6 +780,8 @@ class PlanSchedule:
         if losses is not None and not isinstance(losses, list):
             return [f"losses={type(losses).__name__}: expected a list (it receives each "
                     f"micro-batch's loss) or None"]
+        if self._outputs_only(target):
+            return []  # no loss this step: the target is not used
         if target is None:
             return [f"the last stage needs the target: call {type(self).__name__}.step(..., "
                     f"target=...)"]

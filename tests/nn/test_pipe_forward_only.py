@@ -1,0 +1,165 @@
+"""Pipeline schedules in corners a demanding user reaches: a forward-only step (``eval`` or
+``torch.no_grad()``) whose stage output is a tensor requiring grad that no op recorded (the
+batch passed on, a parameter returned as it is), between training steps, on every schedule."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardkit import distributed as dist
+from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                              ScheduleInterleaved1F1B, ScheduleZBV, ScheduleZeroBubble)
+from shardkit.nn.pipe.stage import stage_rank
+from shardkit.testing import world_fixture
+
+D = 6
+world2 = world_fixture(2, timeout=90)
+
+# name -> (schedule class, stages per rank, placement)
+SCHEDULES = {"GPipe": (ScheduleGPipe, 1, "loop"), "1F1B": (Schedule1F1B, 1, "loop"),
+             "ZB-H1": (ScheduleZeroBubble, 1, "loop"),
+             "Interleaved1F1B": (ScheduleInterleaved1F1B, 2, "loop"),
+             "ZBV": (ScheduleZBV, 2, "v")}
+
+
+class _PassOn(nn.Module):
+    """Returns its new hidden state and, beside it, its input as it is (a residual stream
+    handed on; on the first stage, the batch itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        if isinstance(x, tuple):
+            x = x[0] + x[1]
+        return torch.tanh(self.lin(x)), x
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, parts):
+        return self.lin(parts[0] * parts[1])
+
+
+def _modules(n: int) -> list:
+    torch.manual_seed(0)
+    return [_PassOn() for _ in range(n - 1)] + [_Head()]
+
+
+def _oracle(modules, x, y, chunks: int, backward: bool) -> list:
+    losses = []
+    for xi, yi in zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks)):
+        h = xi
+        for module in modules:
+            h = module(h)
+        losses.append(F.mse_loss(h, yi))
+    if backward:
+        (sum(losses) / chunks).backward()
+    return [loss.detach() for loss in losses]
+
+
+def _train_eval_train(schedule_name: str) -> dict:
+    """Train, evaluate (``eval``, then a step under ``torch.no_grad()``) with a batch that
+    requires grad, train again; beside one process. The worst loss / gradient difference,
+    and whether the forward-only steps left ``.grad`` as it was."""
+    cls, per_rank, placement = SCHEDULES[schedule_name]
+    p, rank = dist.get_world_size(), dist.get_rank()
+    n, chunks = p * per_rank, 2
+    mine = [s for s in range(n) if stage_rank(s, n, p, placement) == rank]
+    modules, ref = _modules(n), _modules(n)
+    stages = [PipelineStage(modules[s], s, n, placement=placement) for s in mine]
+    schedule = cls(stages[0] if per_rank == 1 else stages, chunks, F.mse_loss)
+    first, last = 0 in mine, n - 1 in mine
+    worst, untouched = 0.0, True
+    for step, mode in enumerate(("train", "eval", "no_grad", "train")):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, D, generator=g).requires_grad_()
+        y = torch.randn(4, D, generator=g)
+        x_ref = x.detach().clone().requires_grad_()
+        training = mode == "train"
+        if training:
+            for module in modules + ref:
+                module.zero_grad()
+        before = [q.grad.clone() for s in mine for q in modules[s].parameters()
+                  if q.grad is not None]
+        args, losses = ((x,) if first else ()), []
+        with torch.set_grad_enabled(mode != "no_grad"):
+            run = schedule.eval if mode == "eval" else schedule.step
+            out = run(*args, target=y if last else None, losses=losses)
+            expected = _oracle(ref, x_ref, y, chunks, backward=training)
+        if last:
+            worst = max([worst, abs(out.item() - torch.stack(expected).mean().item())]
+                        + [abs(a.item() - b.item()) for a, b in zip(losses, expected)])
+        if training:
+            pairs = [(a.grad, b.grad) for s in mine
+                     for a, b in zip(modules[s].parameters(), ref[s].parameters())]
+            if first:
+                pairs.append((x.grad, x_ref.grad))
+            worst = max([worst] + [(a - b).abs().max().item() for a, b in pairs])
+        else:
+            after = [q.grad for s in mine for q in modules[s].parameters() if q.grad is not None]
+            untouched &= len(before) == len(after) and all(
+                torch.equal(a, b) for a, b in zip(before, after))
+            untouched &= x.grad is None
+    return {"worst": worst, "untouched": untouched}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_forward_only_step_with_a_leaf_output_requiring_grad(world2, schedule):
+    """A forward-only step whose first stage hands on the batch itself, which requires grad:
+    the step used to backpropagate into that leaf on the first rank after the other ranks had
+    finished, fail there alone and hang in the error's all-gather. It must record nothing,
+    leave ``.grad`` alone, and training must go on matching one process."""
+    for result in world2.run(_train_eval_train, schedule):
+        assert result["worst"] < 1e-5, result
+        assert result["untouched"], result
+
+
+def _inference(schedule_name: str) -> dict:
+    """torch's inference with a schedule: built without ``loss_fn``, ``eval(x,
+    return_outputs=True)`` with no target; then a schedule with a ``loss_fn``, evaluated
+    without a target under ``torch.no_grad()``. The worst difference from one process's
+    outputs, and what the last stage's ``losses`` received."""
+    cls, per_rank, placement = SCHEDULES[schedule_name]
+    p, rank = dist.get_world_size(), dist.get_rank()
+    n, chunks = p * per_rank, 2
+    mine = [s for s in range(n) if stage_rank(s, n, p, placement) == rank]
+    modules, ref = _modules(n), _modules(n)
+    stages = [PipelineStage(modules[s], s, n, placement=placement) for s in mine]
+    first, last = 0 in mine, n - 1 in mine
+    worst, received = 0.0, []
+    for loss_fn in (None, F.mse_loss):
+        schedule = cls(stages[0] if per_rank == 1 else stages, chunks, loss_fn)
+        x = torch.randn(4, D, generator=torch.Generator().manual_seed(len(received)))
+        losses = []
+        with torch.no_grad():
+            if loss_fn is None:
+                out = schedule.eval(*((x,) if first else ()), losses=losses,
+                                    return_outputs=True)
+            else:
+                out = schedule.step(*((x,) if first else ()), losses=losses,
+                                    return_outputs=True)
+            h = x
+            for module in ref:
+                h = module(h)
+        if last:
+            worst = max(worst, (out - h).abs().max().item())
+        else:
+            assert out is None
+        received.append(len(losses))
+    return {"worst": worst, "losses": received}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_inference_without_target_or_loss_fn_returns_the_outputs(world2, schedule):
+    """``eval(x, return_outputs=True)`` on a schedule built without ``loss_fn`` (torch's
+    inference), and a forward-only step without a target, return the last stage's outputs
+    (they were refused: 'the last stage needs loss_fn / the target')."""
+    for result in world2.run(_inference, schedule):
+        assert result["worst"] < 1e-6, result
+        assert result["losses"] == [0, 0], result
