@@ -69,16 +69,27 @@ def rows_as_dtensor(block: torch.Tensor, layout: ParamLayout, rank: int, group):
     """This rank's block (``layout.shard_shape``, padded) as a ``Shard(0)`` DTensor of
     ``layout.shape`` over ``group``: its local tensor is a view of the block's real rows.
     ``layout.shape`` must have at least one dimension (a 0-dim tensor cannot be row-sharded).
-    No communication, no copy."""
+    No communication, no copy.
+
+    The DTensor itself has storage offset 0 even where its local tensor starts inside a
+    unit's flat shard (every parameter but the unit's first): torch gives a wrapper DTensor
+    its local tensor's offset, so its ``data_ptr()`` would be non-zero on an empty storage and
+    ``copy.deepcopy`` / ``torch.save`` of it would fail ("invalid python storage")."""
     from torch.distributed.tensor import DTensor, Shard
     if not len(layout.shape):
         raise ValueError("rows_as_dtensor: a 0-dim tensor cannot be a Shard(0) DTensor")
     _, count = layout.real_rows(rank)
     local = block.reshape(-1, *layout.shape[1:])[:count]
     mesh = device_mesh_of(group, local.device.type)
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
-                              shape=torch.Size(layout.shape),
-                              stride=_contiguous_stride(layout.shape))
+    # built around a same-shape view at offset 0 of the same storage, then given the real rows
+    stand_in = local.as_strided(local.shape, local.stride(), 0) if local.storage_offset() \
+        else local
+    value = DTensor.from_local(stand_in, mesh, [Shard(0)], run_check=False,
+                               shape=torch.Size(layout.shape),
+                               stride=_contiguous_stride(layout.shape))
+    if stand_in is not local:
+        value._local_tensor = local
+    return value
 
 
 def rows_from_value(value, layout: ParamLayout, rank: int, what: str,

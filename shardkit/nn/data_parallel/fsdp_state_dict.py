@@ -133,6 +133,17 @@ def _drop_wrapper_prefixes(destination: OrderedDict, prefix: str) -> None:
             metadata[clean_name(key + ".")[:-1]] = metadata.pop(key)  # the wrapped module's
 
 
+def _clean_metadata(raw: dict, prefix: str) -> OrderedDict:
+    """The ``_metadata`` (module versions, as ``nn.Module.state_dict`` keeps it beside the
+    tensors) of the structural dict ``raw`` under the original module names with ``prefix``:
+    a unit's wrapped module's entry wins over the unit's own. Local."""
+    metadata = OrderedDict()
+    for key, value in getattr(raw, "_metadata", {}).items():
+        name = prefix + key if key else prefix[:-1]
+        metadata[clean_name(name + ".")[:-1]] = value
+    return metadata
+
+
 def add_wrapper_prefix(state_dict, prefix: str, *_) -> None:
     """A ``load_state_dict`` pre-hook of every unit, the inverse of
     :func:`_drop_wrapper_prefixes`: keys under ``prefix`` without the unit's wrapper prefix
@@ -191,6 +202,12 @@ class FSDPStateDictMixin:
         beyond views (SHARDED, LOCAL). An inner unit (one with an enclosing unit, e.g. a block
         of the ZeRO stage-3 engine's model) gives its shards as before, without communication.
 
+        Every kind carries ``_metadata`` (the modules' versions) under the original module
+        names, as ``nn.Module.state_dict`` does, and FSDP's own loads hand it on, so a module's
+        ``_load_from_state_dict`` that converts older formats sees the saved version (not yet
+        where a plain parent's ``load_state_dict`` reaches a unit: the modules inside the unit
+        see no version there).
+
         Memory: one unit gathered at a time, plus the dict where it is returned (the full model,
         on ``state_dict_device``). Communication: one all-gather per unit.
         """
@@ -232,9 +249,11 @@ class FSDPStateDictMixin:
         values = self._full_params_unit_by_unit(raw, keep)
         if not keep:
             return OrderedDict(), raw
-        return OrderedDict((prefix + clean_name(k), self._on_state_dict_device(
+        full = OrderedDict((prefix + clean_name(k), self._on_state_dict_device(
             values[k] if k in values else v if keep_vars else _detached(v)))
-            for k, v in raw.items()), raw
+            for k, v in raw.items())
+        full._metadata = _clean_metadata(raw, prefix)
+        return full, raw
 
     def _reached_from_plain_parent(self) -> bool:
         """Whether nn.Module's recursion reached this unit from a module that is not a unit:
@@ -430,9 +449,21 @@ class FSDPStateDictMixin:
         raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} "
                            f"(nothing was loaded):\n\t{detail}")
 
-    def _to_wrapped_keys(self, state_dict) -> OrderedDict:
-        wrapped = {clean_name(k): k for k in _structural_state_dict(self, keep_vars=True)}
-        return OrderedDict((wrapped.get(k, k), v) for k, v in state_dict.items())
+    def _to_wrapped_keys(self, state_dict, metadata=None) -> OrderedDict:
+        """``state_dict`` (original keys) under the module paths ``nn.Module`` loads from; its
+        ``_metadata`` (or ``metadata``: module versions under the original names) goes along
+        under those paths, so that a module's ``_load_from_state_dict`` sees the version it
+        was saved with, as in the unwrapped model. Local."""
+        raw = _structural_state_dict(self, keep_vars=True)
+        wrapped = {clean_name(k): k for k in raw}
+        result = OrderedDict((wrapped.get(k, k), v) for k, v in state_dict.items())
+        metadata = getattr(state_dict, "_metadata", None) if metadata is None else metadata
+        if isinstance(metadata, dict):
+            result._metadata = OrderedDict(
+                (path, metadata[name]) for path, name in
+                ((path, clean_name(path + ".")[:-1]) for path in getattr(raw, "_metadata", {}))
+                if name in metadata)
+        return result
 
     @contextlib.contextmanager
     def _buffers_in_original_dtype(self):
@@ -507,6 +538,7 @@ class FSDPStateDictMixin:
                 continue
             layout, unit, shard = entry
             out[prefix + clean_name(key)] = _as_shards(shard.detach(), layout, unit, offload)
+        out._metadata = _clean_metadata(raw, prefix)
         return out, raw
 
     def load_sharded_state_dict(self, state_dict, strict: bool = True):
@@ -547,8 +579,9 @@ class FSDPStateDictMixin:
                                f"(SHARDED_STATE_DICT; nothing was loaded):\n\t"
                                + "\n\t".join(problems))
         with _own_walk():
-            result = nn.Module.load_state_dict(self, self._to_wrapped_keys(local),
-                                               strict=strict)
+            result = nn.Module.load_state_dict(
+                self, self._to_wrapped_keys(local, getattr(state_dict, "_metadata", None)),
+                strict=strict)
         return type(result)([clean_name(k) for k in result.missing_keys],
                             [clean_name(k) for k in result.unexpected_keys])
 
@@ -592,7 +625,10 @@ class FSDPStateDictMixin:
         params = {clean_name(n): p for n, p in
                   nn.Module.named_parameters(self, remove_duplicate=False)}
         out = OrderedDict()
-        for key, value in self.local_state_dict().items():
+        local = self.local_state_dict()
+        out._metadata = OrderedDict((prefix + k if k else prefix[:-1], v)
+                                    for k, v in local._metadata.items())
+        for key, value in local.items():
             value = value.cpu() if offload else value
             out[prefix + key] = refuse_in_dcp(value, key) \
                 if id(params.get(key)) in sharded else value
@@ -611,8 +647,9 @@ class FSDPStateDictMixin:
                          keep_vars: bool = False) -> OrderedDict:
         """This rank's shards (padded rows, cloned) and the buffers in their original dtype (as
         :meth:`state_dict` and FairScale give them, also under mixed precision), under the
-        original keys: tensors only. Save :meth:`local_metadata_dict` beside it to reshard or
-        consolidate. No communication; memory: one shard copy.
+        original keys; a module's extra state (``get_extra_state``) as it gives it. Save
+        :meth:`local_metadata_dict` beside it to reshard or consolidate. No communication;
+        memory: one shard copy.
 
         ``nn.Module.state_dict``'s arguments are taken, as FairScale forwards them (also
         positionally: ``destination, prefix, keep_vars``), so a subclass whose ``state_dict``
@@ -625,8 +662,13 @@ class FSDPStateDictMixin:
             local = _structural_state_dict(self, keep_vars=keep_vars)
         if destination is None:
             destination = OrderedDict()
+            destination._metadata = OrderedDict()
+        if isinstance(getattr(destination, "_metadata", None), dict):
+            destination._metadata.update(_clean_metadata(local, prefix))
         for k, v in local.items():
-            destination[prefix + clean_name(k)] = v if keep_vars else v.clone()
+            # a module's extra state (get_extra_state) is passed on as nn.Module gives it
+            destination[prefix + clean_name(k)] = v.clone() if torch.is_tensor(v) and \
+                not keep_vars else v
         return destination
 
     def local_metadata_dict(self) -> dict:
@@ -662,8 +704,12 @@ class FSDPStateDictMixin:
         No communication."""
         local = reshard_local_state_dicts(state_dict, metadata, self.world_size, self.rank)
         self._refuse_local_mismatch(local)
+        first = state_dict[0] if isinstance(state_dict, (list, tuple)) and state_dict \
+            else state_dict
         with _own_walk():
-            nn.Module.load_state_dict(self, self._to_wrapped_keys(local), strict=True)
+            nn.Module.load_state_dict(
+                self, self._to_wrapped_keys(local, getattr(first, "_metadata", None)),
+                strict=True)
 
     def _refuse_local_mismatch(self, local: dict) -> None:
         """torch's strict-load RuntimeError under :meth:`local_state_dict`'s keys (not FSDP's

@@ -1,0 +1,183 @@
+"""State dicts of FSDP as users keep, copy and save them.
+
+- ``best = copy.deepcopy(model.state_dict())`` under ``SHARDED_STATE_DICT``, and ``torch.save``
+  / ``torch.load(weights_only=True)`` of it: the DTensors of every parameter but a unit's first
+  (local tensors inside the flat shard) used to fail inside torch ("invalid python storage").
+- ``LOCAL_STATE_DICT`` (and ``local_state_dict()``) of a model with a module's extra state
+  (``get_extra_state``) used to crash (``'dict' object has no attribute 'clone'``).
+- Module versions (``_metadata``, which a module's ``_load_from_state_dict`` reads to convert
+  checkpoints of an older format) were dropped by FSDP's state dicts and by its loads: a
+  current checkpoint went through the old-format conversion, silently (here a transpose).
+
+One World(2) for the module.
+"""
+
+import copy
+import io
+
+import torch
+import torch.nn as nn
+
+from shardkit.testing import world_fixture
+
+world2 = world_fixture(2)
+
+
+# ---------------------------------------------------------------------- rank-side helpers
+
+
+class _Counted(nn.Module):
+    """A Linear with extra state (as TransformerEngine's modules keep their fp8 metadata)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+        self.counter = 3
+
+    def get_extra_state(self):
+        return {"counter": self.counter}
+
+    def set_extra_state(self, state):
+        self.counter = state["counter"]
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(6, 7)    # 7 rows over 2 ranks: padded
+        self.l2 = nn.Linear(7, 5)
+        self.ex = _Counted()
+        self.register_buffer("offset", torch.arange(5.0))
+
+    def forward(self, x):
+        return self.ex(self.l2(torch.tanh(self.l1(x)))) + self.offset
+
+
+def _model(seed: int):
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    torch.manual_seed(seed)
+    net = _Net()
+    net.l1 = FSDP(net.l1)
+    return FSDP(net)
+
+
+def _diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a if torch.is_tensor(a[k]))
+
+
+def _bump(model) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+
+
+def _sharded_copies_restore():
+    """deepcopy and torch.save round trips of a SHARDED_STATE_DICT; largest difference to the
+    full state at the time of the copy after loading the copy back."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import StateDictType
+    model = _model(0)
+    reference = model.state_dict()
+    diffs = []
+    for how in ("deepcopy", "torch.save"):
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            kept = model.state_dict()
+        if how == "deepcopy":
+            kept = copy.deepcopy(kept)
+        else:
+            buffer = io.BytesIO()
+            torch.save(kept, buffer)
+            buffer.seek(0)
+            kept = torch.load(buffer, weights_only=True)
+        _bump(model)
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            model.load_state_dict(kept)
+        diffs.append(_diff(reference, model.state_dict()))
+    return diffs
+
+
+def _local_state_with_extra_state():
+    """LOCAL_STATE_DICT of a model holding a module's extra state: the extra state as the
+    module gives it, and a load into another model restores tensors and extra state."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import StateDictType
+    model = _model(0)
+    model.ex.counter = 9
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        local = model.state_dict()
+    other = _model(1)
+    with FSDP.state_dict_type(other, StateDictType.LOCAL_STATE_DICT):
+        other.load_state_dict(local)
+    diff = _diff(model.state_dict(), other.state_dict())
+    return local["ex._extra_state"], other.ex.counter, diff
+
+
+class _Migrating(nn.Module):
+    """Version 2 stores ``weight`` as (out, in); a checkpoint without a version (version 1)
+    stored it transposed and is converted on load, as libraries convert old formats."""
+
+    _version = 2
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+        if local_metadata.get("version", 1) < 2 and prefix + "weight" in state_dict:
+            state_dict[prefix + "weight"] = state_dict[prefix + "weight"].t()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+def _versions_kept():
+    """A plain model's state dict into FSDP and FSDP's (full, sharded, local) back into a
+    plain model or FSDP: the differences to the saved weights (0: no conversion applied)."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import StateDictType
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(4, 4), _Migrating())
+
+    saved = build(0).state_dict()
+    model = build(1)
+    model[1] = FSDP(model[1])
+    model = FSDP(model)
+    model.load_state_dict(saved)
+    diffs = [_diff(saved, model.state_dict())]
+    plain = build(2)
+    plain.load_state_dict(model.state_dict())
+    diffs.append(_diff(saved, plain.state_dict()))
+    for kind in (StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT):
+        with FSDP.state_dict_type(model, kind):
+            kept = model.state_dict()
+            if kind is StateDictType.LOCAL_STATE_DICT:  # copies (SHARDED: views)
+                kept = copy.deepcopy(kept)
+                _bump(model)
+            model.load_state_dict(kept)
+        diffs.append(_diff(saved, model.state_dict()))
+    return diffs
+
+
+# ---------------------------------------------------------------------- tests
+
+
+def test_sharded_state_dict_deepcopies_and_torch_saves(world2):
+    for diffs in world2.run(_sharded_copies_restore):
+        assert diffs == [0.0, 0.0]
+
+
+def test_local_state_dict_keeps_a_modules_extra_state(world2):
+    for extra, counter, diff in world2.run(_local_state_with_extra_state):
+        assert extra == {"counter": 9} and counter == 9
+        assert diff == 0.0
+
+
+def test_module_versions_go_through_fsdp_state_dicts(world2):
+    for diffs in world2.run(_versions_kept):
+        assert diffs == [0.0] * 4
