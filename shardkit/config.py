@@ -611,6 +611,8 @@ def _auto_paths(node, schema, path: str) -> list[str]:
         found = []
         for key, value in node.items():
             where = f"{path}.{key}" if path else str(key)
+            if isinstance(schema, dict) and key not in schema:
+                continue  # an unknown key: named by its own error, not as an "auto"
             inner = schema.get(key) if isinstance(schema, dict) else None
             found += _auto_paths(value, inner, where)
         return found

@@ -122,7 +122,9 @@ def _optimizer_recipe(cfg: EngineConfig, optimizer, model_parameters,
     if cfg.optimizer is None and optimizer is None:
         return None
     if cfg.optimizer is not None:
-        groups = None if model_parameters is None else list(model_parameters)
+        groups = None if model_parameters is None else [
+            dict(g, params=list(g["params"])) if isinstance(g, Mapping)
+            and not isinstance(g["params"], torch.Tensor) else g for g in model_parameters]
         return OptimizerRecipe(getattr(torch.optim, cfg.optimizer.torch_class),
                                dict(cfg.optimizer.kwargs), groups)
     if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
@@ -423,7 +425,8 @@ def _left_out_of_optimizer(model: nn.Module, recipe: Optional[OptimizerRecipe]) 
     for group in groups:
         params = group["params"] if isinstance(group, Mapping) else group
         params = [params] if isinstance(params, torch.Tensor) else params
-        stepped.update(id(p) for p in params)
+        # torch's optimizers also take (name, parameter) pairs (model.named_parameters())
+        stepped.update(id(p[1] if isinstance(p, tuple) else p) for p in params)
     return [name for name, p in model.named_parameters()
             if p.requires_grad and id(p) not in stepped]
 
@@ -529,12 +532,6 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         self.optimizer = composition.optimizer
         if self.optimizer is not None:  # DeepSpeed's optimizer.overflow before a first step
             self.optimizer.overflow = False
-        # trainable parameters the optimizer does not step (model_parameters=... a subset):
-        # their gradients are cleared at every step, before clipping (see _optimizer_step)
-        stepped = set() if self.optimizer is None else {
-            id(p) for group in self.optimizer.param_groups for p in group["params"]}
-        self._left_out = [p for p in model.parameters()
-                          if p.requires_grad and id(p) not in stepped] if stepped else []
         _guard_direct_steps(self)
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = _loss_scaler(cfg)
@@ -587,7 +584,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             value = attribute_through(self, name, "module")
         except AttributeError as error:
             module = self.__dict__.get("_modules", {}).get("module")
-            if module is None or not str(error).endswith(f"has no attribute '{name}'"):
+            if module is None or not str(error).endswith(f"has no attribute '{name}'") \
+                    or hasattr(type(module), name):  # a property of the module that raised
                 raise
             # name the engine the script asked, not only the model the lookup fell through to
             raise AttributeError(
@@ -1061,7 +1059,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ValueError(f"engine.deepspeed_io(num_local_io_workers="
                              f"{num_local_io_workers!r}): expected an integer >= 0 or None")
-        return _data_loader(dataset, self.config, collate_fn or self.__dict__.get("collate_fn"),
+        if collate_fn is None:
+            collate_fn = self.__dict__.get("collate_fn")
+        return _data_loader(dataset, self.config, collate_fn,
                             self.model_parallel, batch_size=batch_size,
                             shuffle=route not in ("eval", "predict"), sampler=data_sampler,
                             pin_memory=bool(pin_memory) and torch.cuda.is_available(),
@@ -1107,7 +1107,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         self.composition.zero_grad(set_to_none=set_to_none)
 
     def _optimizer_step(self, lr_kwargs: dict, loss_scaled: bool = True) -> None:
-        for param in self._left_out:  # never stepped: kept out of the clip, never accumulated
+        for param in self._left_out():  # never stepped: kept out of the clip, never accumulated
             param.grad = None
         overflow = self._agreed_overflow() if self.config.precision.check_grad_overflow \
             else False
@@ -1145,6 +1145,13 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                         scale_before, self.loss_scale)
         self._boundary_unreduced = False
         self.zero_grad()
+
+    def _left_out(self) -> list:
+        """Trainable parameters the optimizer does not step now (``model_parameters=...`` a
+        subset): read at each step, so that parameters added later by
+        ``optimizer.add_param_group`` (or unfrozen later) are counted as they are then."""
+        stepped = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+        return [p for p in self.module.parameters() if p.requires_grad and id(p) not in stepped]
 
     def _local_gradients(self) -> list[torch.Tensor]:
         return [p.grad for group in self.optimizer.param_groups for p in group["params"]
@@ -1433,13 +1440,15 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                         load_module_strict: bool = True,
                         load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False):
+                        load_module_only: bool = False, custom_load_fn=None):
         """Restore model, optimizer, scheduler, loss scaler, counters and RNG from a checkpoint
         written at any world size and ZeRO stage. Returns ``(path, client_state)``, or
         ``(None, None)`` when ``load_dir`` holds no checkpoint. Must be called on every rank.
 
         The arguments are DeepSpeed's, in its order; ``load_module_strict=False`` (loading a
-        checkpoint of another model) is refused with a ``ValueError`` before anything is read.
+        checkpoint of another model) is refused with a ``ValueError`` before anything is read,
+        and so is a ``custom_load_fn`` (DeepSpeed's hook that loads the module's weights in
+        place of ``load_state_dict``).
 
         ``load_module_only=True`` is DeepSpeed's warm start: the weights only; the step
         counters (``global_steps``, ``skipped_steps``), the loss scale, the scheduler and this
@@ -1457,6 +1466,11 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 f"part of a checkpoint, write its weights with `python -m shardkit consolidate "
                 f"DIR model.pt`, load them with model.load_state_dict(..., strict=False) before "
                 f"shardkit.initialize")
+        if custom_load_fn is not None:
+            raise ValueError(
+                "engine.load_checkpoint(custom_load_fn=...): not supported; write the "
+                "checkpoint's weights with `python -m shardkit consolidate DIR model.pt` and "
+                "load them into the model with your function before shardkit.initialize")
         self.wait_for_checkpoint()
         tag = None if tag is None else str(tag)
         load_dir, tag = checkpoint_location(load_dir, tag, self.model_parallel)
@@ -1790,7 +1804,9 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     # DeepSpeed's optimizer_name() names the client's optimizer class when it passed one
     engine.client_optimizer_name = None if cfg.optimizer is not None or recipe is None \
         else recipe.cls.__name__
-    engine.collate_fn = collate_fn  # DeepSpeed's: deepspeed_io's default
+    # DeepSpeed's: deepspeed_io's default; in __dict__, so that a callable nn.Module is not
+    # registered as a submodule of the engine (and deepspeed_io's default still finds it)
+    engine.__dict__["collate_fn"] = collate_fn
     loader = None if training_data is None else engine.deepspeed_io(training_data)
     engine.training_dataloader = loader
     if resume_from is not None:
@@ -1898,15 +1914,15 @@ def _data_loader(dataset, cfg: EngineConfig, collate_fn,
 
 def _check_dataset(dataset, where: str, sampler=None) -> None:
     """A ValueError (``where`` names the argument) unless ``dataset`` can be split over the
-    data-parallel ranks by a sampler: a map-style ``Dataset`` or a sequence of samples; an
-    ``IterableDataset`` only with the caller's own ``sampler``. Local."""
+    data-parallel ranks by a sampler: a map-style ``Dataset`` or a sequence of samples (not an
+    ``IterableDataset``: torch's ``DataLoader`` refuses any sampler with one). Local."""
     from torch.utils.data import Dataset, IterableDataset
     if isinstance(dataset, IterableDataset):
-        if sampler is None:
-            raise ValueError(f"{where}<{type(dataset).__name__}>): an IterableDataset cannot be "
-                             f"split over the data-parallel ranks by a sampler; give each rank "
-                             f"its own share (e.g. from engine.global_rank) and build a "
-                             f"DataLoader over it")
+        raise ValueError(f"{where}<{type(dataset).__name__}>): an IterableDataset cannot be "
+                         f"split over the data-parallel ranks by a sampler (torch's DataLoader "
+                         f"takes no sampler with one, data_sampler= included); give each rank "
+                         f"its own share (e.g. from engine.global_rank) and build a "
+                         f"DataLoader over it")
     elif not isinstance(dataset, Dataset) and not (hasattr(dataset, "__len__")
                                                    and hasattr(dataset, "__getitem__")):
         raise ValueError(f"{where}<{type(dataset).__name__}>): expected a "

@@ -750,6 +750,15 @@ def _stage1(model, oss, process_group, count_comm, psi, reduce_to_owners,
         step_oss_in_ddp_backward(ddp, oss)
     elif reduce_to_owners:
         from shardkit.comm_hooks import OwnersHookState, reduce_to_owners_hook
+        stepped = {id(p) for group in oss.param_groups for p in group["params"]}
+        outside = [n for n, p in model.named_parameters()
+                   if p.requires_grad and id(p) not in stepped]
+        if outside:  # the hook would fail in backward, inside DDP's reduction
+            raise ValueError(f"compose(stage=1, reduce_to_owners=True): trainable parameter(s) "
+                             f"{outside[:6]} are in no param group of the optimizer; the owners' "
+                             f"reduction needs every reduced gradient in OSS's partition: pass "
+                             f"reduce_to_owners=False (torch DDP's all-reduce), add them to the "
+                             f"optimizer, or set requires_grad=False on them")
         ddp.register_comm_hook(OwnersHookState(oss, reduce_dtype), reduce_to_owners_hook)
     return Composition(1, ddp, oss, ddp.no_sync, oss.clip_grad_norm, _zero_grads(oss), psi)
 

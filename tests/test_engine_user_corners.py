@@ -117,6 +117,10 @@ def _data_loaders():
         shardkit.initialize(model=_model(), config=config, training_data=_Stream())
     except ValueError as error:
         errors.append(str(error))
+    try:  # DeepSpeed's argument, refused before anything is read (it was a TypeError)
+        engine.load_checkpoint("/nonexistent", custom_load_fn=lambda src, dst: None)
+    except ValueError as error:
+        errors.append(str(error))
     return (engine.training_dataloader is loader, len(loader),
             [batch["index"] for batch in evaluation], errors)
 
@@ -131,6 +135,7 @@ def test_deepspeed_io_and_training_dataloader(world2):
         assert "batch_size=0" in errors[1]
         assert "'ShardedEngine' object has no attribute 'no_such_method'" in errors[2]
         assert "initialize(training_data=<_Stream>): an IterableDataset" in errors[3]
+        assert "load_checkpoint(custom_load_fn=...): not supported" in errors[4]
     # route "eval": in order, each rank its DistributedSampler share (no shuffle)
     assert shares == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 0]]
 
@@ -185,3 +190,69 @@ def test_lr_scheduler_refusals_say_what_to_pass(world2):
         # it was "'int' object is not callable", after the wrappers were built
         for message in (number, number_beside_object):
             assert "initialize(lr_scheduler=5): expected a scheduler" in message
+
+
+def _left_out_then_added(stage: int):
+    """The body left out of the optimizer at initialize, added later by add_param_group
+    (gradual unfreezing): it trains from then on (the left-out list is read at each step)."""
+    rank = distributed.get_rank()
+    model = _model()
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+              "steps_per_print": 1000}
+    engine, optimizer, *_ = shardkit.initialize(
+        model=model, config=config, optimizer=torch.optim.SGD(model[4].parameters(), lr=0.1))
+    start = engine.module_state_dict()["0.weight"].clone()
+    optimizer.add_param_group({"params": [model[0].weight, model[0].bias]})
+    x, y = _batch(0, distributed.get_world_size())
+    engine.backward(F.mse_loss(engine(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]))
+    engine.step()
+    return (engine.module_state_dict()["0.weight"] - start).abs().max().item()
+
+
+def test_parameters_added_to_the_optimizer_later_train(world2):
+    for stage in (0, 1, 3):
+        for moved in world2.run(_left_out_then_added, stage):
+            assert moved > 0, stage  # it was cleared at every step: never trained
+
+
+def _named_groups(stage: int):
+    model = _model()
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+              "steps_per_print": 1000, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = shardkit.initialize(model=model, config=config,
+                                     model_parameters=[{"params": model.named_parameters()}])
+    return engine.composition.stage
+
+
+def test_named_parameters_in_param_groups_leave_nothing_out(world2):
+    # torch's optimizers take (name, parameter) pairs: they were all read as left out
+    # (stage 2 refused, stage 1 fell back to the all-reduce; a generator was consumed)
+    for stage in (1, 2):
+        assert world2.run(_named_groups, stage) == [stage, stage]
+
+
+class _Times10(nn.Module):
+    def forward(self, items):
+        return _collate(items)["x"] * 10
+
+
+def _module_collate():
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, _, loader, _ = shardkit.initialize(model=_model(), config=config,
+                                               training_data=_Numbers(), collate_fn=_Times10())
+    try:
+        engine.deepspeed_io(_Stream(), data_sampler=torch.utils.data.SequentialSampler(range(4)))
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    evaluation = engine.deepspeed_io(_Numbers(), route="eval")
+    return (next(iter(evaluation))[:, 0].tolist(), "collate_fn" in engine._modules, refused,
+            next(iter(loader)).abs().max().item() % 10)
+
+
+def test_collate_fn_module_and_iterable_dataset_with_sampler(world2):
+    for first, registered, refused, remainder in world2.run(_module_collate):
+        assert not registered and remainder == 0
+        assert first in ([0.0, 20.0], [10.0, 30.0])  # eval: in order, the collate module's
+        assert "engine.deepspeed_io(dataset=<_Stream>): an IterableDataset" in refused
