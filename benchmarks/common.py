@@ -214,12 +214,14 @@ class Sizes:
     pipeline), ``padded`` the same as the wrapper lays them out (its flat buffers' padding
     included; ``psi`` for torch), ``root`` the parameters outside every unit (gathered once
     per step by ZeRO-3 wrappers, which keep the root unsharded from forward into backward),
-    ``boundary`` the elements one pipeline boundary carries per step."""
+    ``boundary`` the elements one pipeline boundary carries per step, ``chunks`` its
+    micro-batches per step (each gradient message carries one presence flag)."""
 
     psi: int
     padded: int
     root: int
     boundary: int
+    chunks: int = 1
 
 
 def _zero(stage: int, padded: bool = True):
@@ -237,7 +239,8 @@ TRAFFIC = {
     "all_reduce+all_gather": _zero(1),                        # OSS in DDP
     "reduce+all_gather": _zero(2),                            # ShardedDDP + OSS, FSDP2 no reshard
     "zero3": _zero(3),                                        # gather fwd + bwd, reduce-scatter
-    "pipeline": lambda s, rank, world: plan.pipeline_comm_elements(s.boundary, rank, world),
+    "pipeline": lambda s, rank, world: plan.pipeline_comm_elements(s.boundary, rank, world,
+                                                                   chunks=s.chunks),
 }
 
 # Per-rank model-state bytes (fp32 AdamW), by shardkit.plan's formulas.
@@ -391,7 +394,8 @@ def _sizes(workload: Workload, root: int, setup: TrainingSetup, config: Config,
         root = units[0].padded_numel
     elif config.library == "shardkit" and config.stage in ("1", "2"):
         padded = states["params"] // 4  # OSS's flat buffers are the parameters' storage
-    return Sizes(psi, padded, root, workload.global_batch * workload.boundary_numel)
+    return Sizes(psi, padded, root, workload.global_batch * workload.boundary_numel,
+                 recipes.pipeline_chunks(workload.global_batch, distributed.get_world_size()))
 
 
 @dataclass

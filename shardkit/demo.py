@@ -397,7 +397,8 @@ def formula_figures(spec: RunSpec, params: int, world: int, rank: int,
     if spec.stage is None:  # pipeline: a whole (W+G+K) copy of its own stage
         boundary = global_batch * cfg.seq_len * cfg.d_model  # activations per step
         return zero_model_state_bytes(params, 1, 0, FP32_ADAMW), \
-            pipeline_comm_elements(boundary, rank, world) * 4
+            pipeline_comm_elements(boundary, rank, world,
+                                   chunks=pipeline_chunks(global_batch, world)) * 4
     state = zero_model_state_bytes(params, world, spec.stage, FP32_ADAMW)
     root = root_params(cfg) if spec.stage == 3 else 0
     return state, zero_comm_elements_per_step(params, world, spec.stage, root_params=root) * 4

@@ -160,18 +160,22 @@ def zero_comm_elements_per_step(params: float, world_size: int, stage: int,
     return elements * (world_size - 1) / world_size
 
 
-def pipeline_comm_elements(boundary_numel: float, rank: int, world_size: int) -> float:
+def pipeline_comm_elements(boundary_numel: float, rank: int, world_size: int,
+                           chunks: int = 1, grad_tensors: int = 1) -> float:
     """Elements pipeline rank ``rank`` of ``world_size`` sends per step: ``boundary_numel``
     (one step's activations crossing one stage boundary) forward to the next stage, with the
     step state (``StepState.BITS`` elements riding on micro-batch 0), and the same number of
-    gradients back to the previous one; the last message each way carries the step's verdict
-    (``VERDICT_ELEMENTS``), and the training step ends with the final verdict settled through
-    rank 0 (``SETTLE_ELEMENTS`` from every other rank to rank 0 and from rank 0 to each)."""
-    from shardkit.nn.pipe.p2p import SETTLE_ELEMENTS, VERDICT_ELEMENTS, StepState
+    gradients back to the previous one, each of the ``chunks`` gradient messages with one
+    presence flag per tensor (``GRADIENT_FLAGS`` for each of ``grad_tensors``, the tensors of
+    one micro-batch's activation that require grad); the last message each way carries the
+    step's verdict (``VERDICT_ELEMENTS``), and the training step ends with the final verdict
+    settled through rank 0 (``SETTLE_ELEMENTS`` from every other rank to rank 0 and from rank 0
+    to each)."""
+    from shardkit.nn.pipe.p2p import GRADIENT_FLAGS, SETTLE_ELEMENTS, VERDICT_ELEMENTS, StepState
     forward, backward = rank < world_size - 1, rank > 0
     settle = SETTLE_ELEMENTS * ((world_size - 1) if rank == 0 else 1) if world_size > 1 else 0
     return (forward + backward) * (boundary_numel + VERDICT_ELEMENTS) \
-        + forward * StepState.BITS + settle
+        + forward * StepState.BITS + backward * chunks * grad_tensors * GRADIENT_FLAGS + settle
 
 
 # Bytes per element of ZeRO++'s quantized transfers with blocks of 256 and fp32 scales

@@ -11,8 +11,10 @@ from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                               ScheduleInterleaved1F1B, ScheduleZBV, ScheduleZeroBubble,
                               split_sequential)
 from shardkit.models import GPT, GPTConfig, synthetic_batch
-from shardkit.nn.pipe.p2p import SETTLE_ELEMENTS, VERDICT_ELEMENTS, StepState
+from shardkit.nn.pipe.p2p import (GRADIENT_FLAGS, SETTLE_ELEMENTS, VERDICT_ELEMENTS,
+                                  StepState)
 from shardkit.nn.pipe.stage import stage_rank
+from shardkit.plan import pipeline_comm_elements
 from shardkit.recipes import gpt_as_sequential, token_cross_entropy
 from shardkit.testing import world_fixture
 
@@ -175,15 +177,18 @@ def test_1f1b_keeps_at_most_num_stages_microbatches_alive(world2):
         assert gpipe_left == 0 and ofob_left == 0  # everything released by backward
     # bytes on the wire per step: each stage sends one activation (or its gradient) per
     # micro-batch: 64 rows x 16 features x 4 bytes in all, no shape headers after the first step;
-    # stage 0's micro-batch 0 carries the step state, 3 more float32 elements, and the last
-    # message each way the step's verdict, 1 more, in the same sends; at the end of a training
-    # step rank 1 tells rank 0 its verdict and rank 0 tells it the outcome, one element each way
+    # stage 0's micro-batch 0 carries the step state, 3 more float32 elements, each of stage
+    # 1's 8 gradient messages one presence flag, and the last message each way the step's
+    # verdict, 1 more, in the same sends; at the end of a training step rank 1 tells rank 0 its
+    # verdict and rank 0 tells it the outcome, one element each way (shardkit.plan's formula)
     for name in ("ScheduleGPipe", "Schedule1F1B"):
         for rank in range(2):
             _, _, _, send_bytes, send_calls = results[rank][name]
             state_bytes = StepState.BITS * 4 if rank == 0 else 0
-            assert send_bytes == 64 * WIDTH * 4 + state_bytes + VERDICT_ELEMENTS * 4 \
-                + SETTLE_ELEMENTS * 4
+            flag_bytes = 8 * GRADIENT_FLAGS * 4 if rank == 1 else 0
+            assert send_bytes == 64 * WIDTH * 4 + state_bytes + flag_bytes \
+                + VERDICT_ELEMENTS * 4 + SETTLE_ELEMENTS * 4
+            assert send_bytes == pipeline_comm_elements(64 * WIDTH, rank, 2, chunks=8) * 4
             assert send_calls == 8 + 1
 
 
@@ -917,3 +922,20 @@ def test_tied_weight_frozen_on_one_rank_only_is_one_clear_error(world2):
     assert errors[0] == errors[1], errors
     assert "frozen (requires_grad=False) on group rank 1 and trainable on group rank 0" \
         in errors[0], errors[0]
+
+
+def _unused_outputs_all_schedules():
+    from tests.nn.test_pipe_forward_only import SCHEDULES as FORK_SCHEDULES, _unused_outputs
+
+    return {name: _unused_outputs(name) for name in FORK_SCHEDULES}
+
+
+def test_an_output_the_next_stage_does_not_use_gets_no_gradient_on_four_ranks(world4):
+    """Four ranks (eight stages under the interleaved schedule and ZBV), every schedule: a
+    stage output that later stages ignore or detach on some micro-batches leaves ``.grad``
+    ``None`` where one process does, and training matches one process (see
+    tests/nn/test_pipe_forward_only.py for two ranks)."""
+    for rank, results in enumerate(world4.run(_unused_outputs_all_schedules)):
+        for name, result in results.items():
+            assert result["one_sided"] == [], (rank, name, result)
+            assert result["worst"] < 1e-5, (rank, name, result)

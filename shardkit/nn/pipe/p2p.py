@@ -5,7 +5,10 @@ Shapes are sent when they are new: the first time micro-batch ``i`` goes forward
 header (:class:`ActivationMeta`: dtype, requires_grad, shape of each tensor) precedes the data;
 afterwards both sides reuse the cached description, so the receiver can post its receive before
 the sender is ready (the data lands while the receiver computes). Gradients need no header: a
-stage knows the shapes of the outputs it sent.
+stage knows the shapes of the outputs it sent. Each gradient tensor comes with a presence flag
+(``GRADIENT_FLAGS`` element on the message's tail): a stage whose backward did not reach one of
+its inputs (the stage ignored or detached it) sends zeros flagged absent, and the stage before
+leaves that output out of its backward, as one process's backward never reaches it.
 
 Whether the cached descriptions still hold is decided by the rank of the first stage, the only
 one that sees the batch, and passed down the ranks every step as a :class:`StepState` (see
@@ -38,7 +41,7 @@ from shardkit import distributed as dist
 
 __all__ = ["TensorMeta", "ActivationMeta", "StepState", "batch_signature", "PendingSends",
            "TaggedLinks", "output_tensors", "describe", "VERDICT_ELEMENTS", "SETTLE_ELEMENTS",
-           "VOID"]
+           "GRADIENT_FLAGS", "VOID"]
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
@@ -46,6 +49,7 @@ ACTIVATION, GRADIENT, HEADER, LEAD, VERDICT, SETTLE, TIE = range(7)  # kinds, pa
 MAX_TENSORS = 16
 LEAD_WINDOW = 4  # micro-batches a receiver posts before it knows the step state
 VERDICT_ELEMENTS = 1  # the verdict's elements on the last message across a boundary, each way
+GRADIENT_FLAGS = 1  # elements per gradient tensor saying whether it is present (1) or absent (0)
 SETTLE_ELEMENTS = 1  # float32 elements of a training step's final verdict, to and from rank 0
 
 
@@ -169,6 +173,10 @@ class TaggedLinks:
     inputs that need no gradient) is replaced by a one-byte message. A stage's last send in
     each direction comes after its last receive from that side, so the verdict reaches every
     rank by the end of its action list, whichever stage found the problem.
+
+    Note: every gradient message's tail starts with one presence flag per tensor
+    (``GRADIENT_FLAGS`` elements each, 1 present, 0 absent: sent as zeros), before the verdict
+    where the message carries it; :meth:`take_gradient` gives ``None`` for an absent one.
     """
 
     def __init__(self, group, num_stages: int, chunks: int, reannounce: bool = False):
@@ -426,15 +434,26 @@ class TaggedLinks:
 
     # ------------------------------------------------------------------ gradients
     def send_gradient(self, boundary, index, grads, peer) -> None:
+        """Send the gradients of micro-batch ``index``'s output back over ``boundary``: one
+        entry per output tensor sent requiring grad, ``None`` where this stage's backward gave
+        it no gradient (it was not used, or detached). Each tensor goes with a presence flag
+        (``GRADIENT_FLAGS`` elements per tensor on the message's tail, before the verdict), an
+        absent one as zeros of its shape, so the receiver leaves out what one process's
+        backward would never reach."""
         verdict = self._verdict(GRADIENT, boundary, index)
         if grads:
-            self._send(GRADIENT, boundary, index, grads, peer, verdict)
+            likes = [m for m in self.metas[(boundary, index)].tensors if m.requires_grad]
+            flags = [int(g is not None) for g in grads]
+            data = [g if g is not None else torch.zeros(m.shape, dtype=m.dtype)
+                    for g, m in zip(grads, likes)]
+            self._send(GRADIENT, boundary, index, data, peer, flags + verdict)
         elif verdict:
             self._send(VERDICT, boundary, index, [torch.tensor(verdict, dtype=torch.uint8)], peer)
 
     def post_gradient(self, boundary, index, peer) -> None:
         """Post the receive of the gradient of micro-batch ``index``'s output over ``boundary``:
-        one tensor for each output tensor sent requiring grad, in the shapes sent."""
+        one tensor for each output tensor sent requiring grad, in the shapes sent, and their
+        presence flags."""
         key = (GRADIENT, boundary, index)
         if key in self.posted:
             return
@@ -442,21 +461,24 @@ class TaggedLinks:
         carries = self._carries(GRADIENT, boundary, index)
         if likes:
             buffers, works, tail = self._receive(GRADIENT, boundary, index, likes,
-                                                 int(carries), peer)
+                                                 GRADIENT_FLAGS * len(likes) + int(carries),
+                                                 peer)
         elif carries:
             buffers = []
             _, works, tail = self._receive(VERDICT, boundary, index,
                                            [TensorMeta(torch.uint8, (0,), False)], 1, peer)
         else:
             buffers, works, tail = [], [], None
-        self.posted[key] = (buffers, works, tail if carries else None)
+        self.posted[key] = (buffers, works, tail)
 
     def take_gradient(self, boundary, index, peer) -> list:
+        """The gradients :meth:`send_gradient` sent, ``None`` where absent."""
         self.post_gradient(boundary, index, peer)
-        buffers, works, verdict = self.posted.pop((GRADIENT, boundary, index))
+        buffers, works, tail = self.posted.pop((GRADIENT, boundary, index))
         self._wait(works, GRADIENT, boundary, index, peer)
-        self._learn(verdict)
-        return buffers
+        flags = tail[:GRADIENT_FLAGS * len(buffers)].tolist() if buffers else []
+        self._learn(tail if self._carries(GRADIENT, boundary, index) else None)
+        return [b if flag else None for b, flag in zip(buffers, flags)]
 
 
 def output_tensors(output) -> tuple[Optional[tuple], Optional[str]]:

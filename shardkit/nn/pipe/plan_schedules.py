@@ -106,10 +106,13 @@ class PlanSchedule:
 
     Memory and communication: see the subclasses; each activation crosses each stage boundary
     that spans two ranks once forward and its gradient once back; micro-batch 0 from group
-    rank ``r`` to ``r + 1`` carries three more elements, the step state, and the last message
-    across each such boundary one more each way, the verdict (``VERDICT_ELEMENTS``; a one-byte
-    message of its own where that gradient message has no tensors, as under
-    ``torch.no_grad()``). The shape headers (a few int64 per micro-batch and boundary) go
+    rank ``r`` to ``r + 1`` carries three more elements, the step state, each gradient message
+    one more per tensor, whether that gradient is present (``GRADIENT_FLAGS``: an output the
+    next stage ignored or detached gets none, and is left out of this stage's backward as in one
+    process), and the last message across each such boundary one more each way, the verdict
+    (``VERDICT_ELEMENTS``; a one-byte message of its own where that gradient message has no
+    tensors, as under ``torch.no_grad()``); :func:`shardkit.plan.pipeline_comm_elements`
+    counts them. The shape headers (a few int64 per micro-batch and boundary) go
     again only on a step whose batch shapes, grad mode or data-dependent output shapes changed.
     A step that fails part-way costs one small object all-gather more.
 
@@ -630,20 +633,36 @@ class PlanSchedule:
         self._alive += 1
         self.peak_live_microbatches = max(self.peak_live_microbatches, self._alive)
 
-    def _output_grads(self, s: int, i: int) -> Optional[list]:
+    def _output_grads(self, s: int, i: int, roots: list) -> tuple[list, Optional[list]]:
+        """The roots of stage ``s``'s backward on micro-batch ``i`` that get a gradient, and
+        those gradients (``None``: the last stage's loss, ones). An output the next stage gave
+        no gradient (it ignored or detached that tensor) is left out, as one process's backward
+        never reaches it: the parameters only it depends on keep ``.grad`` ``None``, and with
+        no gradient at all there is no backward. A stage whose module reduces gradients inside
+        backward (ShardedDataParallel, FSDP) takes zeros for it instead, so that every replica
+        runs the same backward and its reductions match."""
         if s == self.num_stages - 1:
-            return None
+            return roots, None
         if self._remote(s + 1) is None:
-            return self._handoff.pop(("B", s, i))
-        return self.links.take_gradient(s, i, self._remote(s + 1))
+            grads = self._handoff.pop(("B", s, i))
+        else:
+            grads = self.links.take_gradient(s, i, self._remote(s + 1))
+        pairs = list(zip(roots, grads))
+        if self._reducing[s] or self._whole_backward[s]:
+            return [r for r, _ in pairs], [g if g is not None else torch.zeros_like(r)
+                                           for r, g in pairs]
+        pairs = [(r, g) for r, g in pairs if g is not None]
+        return [r for r, _ in pairs], [g for _, g in pairs]
 
     def _send_input_grads(self, s: int, i: int, activation, grads) -> None:
+        """Hand the gradients of stage ``s``'s inputs back (one per input requiring grad,
+        ``None`` where the backward did not reach it: the previous stage leaves that output
+        out of its backward)."""
         if s == 0:
             self._batch_grads += [(a, g) for a, g in zip(activation, grads)
                                   if a.requires_grad and g is not None]
             return
-        wanted = [(a, g) for a, g in zip(activation, grads) if a.requires_grad]
-        grads = [g if g is not None else torch.zeros_like(a) for a, g in wanted]
+        grads = [g for a, g in zip(activation, grads) if a.requires_grad]
         if self._remote(s - 1) is None:
             self._handoff[("B", s - 1, i)] = grads
         else:
@@ -656,7 +675,7 @@ class PlanSchedule:
             return
         # gradient hooks (data-parallel wrappers, FSDP) see one plain backward per micro-batch
         activation, roots = self._live.pop((s, i))
-        grads = self._output_grads(s, i)
+        roots, grads = self._output_grads(s, i, roots)
         failed = roots and self._backward(
             s, i, lambda: torch.autograd.backward(roots, grads)) is _FAILED
         # stage 0: the plain backward has already reached the batch tensors themselves
@@ -667,7 +686,7 @@ class PlanSchedule:
 
     def _run_B(self, s: int, i: int) -> None:
         activation, roots = self._live.pop((s, i))
-        grads = self._output_grads(s, i)
+        roots, grads = self._output_grads(s, i, roots)
         result = self._backward(s, i, lambda: backward_input(
             roots, grads, activation, self._sinks[s].weight_targets(roots))) if roots else None
         if result is None or result is _FAILED:
@@ -744,8 +763,6 @@ class PlanSchedule:
         problems += self._call_problems()
         last = self.num_stages - 1
         if last in self.stages:
-            if self.loss_fn is None and not self._outputs_only(target):
-                problems.append(f"the last stage needs {name}(..., loss_fn=...)")
             where = f"stage {last} (the last): " if len(self.stages) > 1 else ""
             problems += [where + p for p in self._target_problems(target)]
         return problems
@@ -782,14 +799,19 @@ class PlanSchedule:
                     f"micro-batch's loss) or None"]
         if self._outputs_only(target):
             return []  # no loss this step: the target is not used
+        name, problems = type(self).__name__, []
+        if self.loss_fn is None:  # checked every step: an inference step may have come first
+            problems.append(f"the last stage needs {name}(..., loss_fn=...) (without one, only "
+                            f"a forward-only step with return_outputs=True runs: "
+                            f"{name}.eval(x, return_outputs=True))")
         if target is None:
-            return [f"the last stage needs the target: call {type(self).__name__}.step(..., "
-                    f"target=...)"]
-        if isinstance(target, torch.Tensor) and (target.dim() == 0
-                                                 or target.shape[0] % self.chunks):
-            return [f"target of shape {tuple(target.shape)} cannot be split into "
-                    f"chunks={self.chunks} equal micro-batches along dim 0"]
-        return []
+            problems.append(f"the last stage needs the target: call {name}.step(..., "
+                            f"target=...)")
+        elif isinstance(target, torch.Tensor) and (target.dim() == 0
+                                                   or target.shape[0] % self.chunks):
+            problems.append(f"target of shape {tuple(target.shape)} cannot be split into "
+                            f"chunks={self.chunks} equal micro-batches along dim 0")
+        return problems
 
     def _check_agreement(self, inputs, target) -> None:
         check_schedule_agreement(type(self).__name__, self.chunks,

@@ -191,9 +191,10 @@ class PipelineStage:
 
     Memory: this stage's parameters and gradients only; activations as the schedule keeps
     them. Communication per step: each micro-batch's activations sent forward once and their
-    gradients sent back once (``send`` counts their bytes), plus one all-reduce of this stage's
-    gradients and one element more (whether the step failed in some pipeline), ``2(d-1)/d`` of
-    their bytes, with a data-parallel group of ``d`` ranks.
+    gradients sent back once, each gradient tensor with one element more saying whether it is
+    present (``send`` counts their bytes; see :func:`shardkit.plan.pipeline_comm_elements`),
+    plus one all-reduce of this stage's gradients and one element more (whether the step failed
+    in some pipeline), ``2(d-1)/d`` of their bytes, with a data-parallel group of ``d`` ranks.
 
     Tied weights (a parameter :func:`split_sequential` put in two stages, as a GPT's token
     embedding and output head): when another rank runs the other stage, each rank holds a copy
