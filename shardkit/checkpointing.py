@@ -12,9 +12,12 @@ shardkit's own tensor-parallel groups when they exist)::
 :func:`checkpoint` runs ``function`` without keeping its activations and runs it again in the
 backward, with the CPU generator, the CUDA one (when CUDA exists) and the model-parallel
 tracker's streams (:func:`get_cuda_rng_tracker`) set back to their state at the first forward,
-so dropout draws the same masks. It is reentrant (a ``torch.autograd.Function``), as
-DeepSpeed's is: an output requires grad only when a tensor input does, so checkpoint a region
-whose input requires grad, or use :func:`non_reentrant_checkpoint`.
+so dropout draws the same masks, and under the ``torch.autocast`` contexts the forward ran
+under (shardkit's bf16/fp16 engines run the forward under autocast and the backward outside
+it), so the recomputed activations are the forward's. It is reentrant (a
+``torch.autograd.Function``), as DeepSpeed's is: an output requires grad only when a tensor
+input does, so checkpoint a region whose input requires grad, or use
+:func:`non_reentrant_checkpoint`.
 
 Memory, per call: the tensor arguments (not the region's activations) stay until the backward.
 
@@ -278,6 +281,29 @@ def _rng_states() -> tuple:
     return torch.get_rng_state(), cuda, get_cuda_rng_tracker()._replay_point()
 
 
+def _autocast_states() -> tuple:
+    """``(device_type, dtype, cache_enabled)`` of each autocast context in force (CPU, and
+    CUDA when it exists), for the recomputation to run under the same ones as the forward."""
+    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    return tuple((device, torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled())
+                 for device in devices if torch.is_autocast_enabled(device))
+
+
+def _autocast_contexts(states: tuple) -> contextlib.ExitStack:
+    """The forward's autocast contexts (:func:`_autocast_states`), entered again; any other
+    in force now (a backward run under autocast) is switched off, as torch's checkpoint does."""
+    stack = contextlib.ExitStack()
+    kept = {device for device, _, _ in states}
+    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+    for device in devices:
+        if device not in kept and torch.is_autocast_enabled(device):
+            stack.enter_context(torch.autocast(device_type=device, enabled=False))
+    for device, dtype, cache in states:
+        stack.enter_context(torch.autocast(device_type=device, dtype=dtype,
+                                           cache_enabled=cache))
+    return stack
+
+
 def _set_generators(states: tuple) -> None:
     cpu, cuda = states[:2]
     torch.set_rng_state(cpu)
@@ -368,6 +394,7 @@ class _CheckpointFunction(torch.autograd.Function):
                 kept.append(arg)
             ctx.how.append(how)
         ctx.rng = _rng_states()  # after the partitioning, whose errors precede any collective
+        ctx.autocast = _autocast_states()  # torch.autocast (shardkit's bf16/fp16 engines)
         with _boundary("forward"), torch.no_grad():
             outputs = run_function(*layout.merge(tensors))
         ctx.save_for_backward(*kept)
@@ -405,7 +432,7 @@ class _CheckpointFunction(torch.autograd.Function):
         _set_generators(ctx.rng)
         try:
             with get_cuda_rng_tracker()._replaying(ctx.rng[2]), _boundary("recomputation"), \
-                    torch.enable_grad():
+                    torch.enable_grad(), _autocast_contexts(ctx.autocast):
                 outputs = ctx.run_function(*ctx.layout.merge(inputs))
         finally:
             _set_generators(outside)

@@ -99,32 +99,176 @@ def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-# DeepSpeed's ``deepspeed.comm``: torch.distributed's calls, through shardkit.distributed (so
-# CommCounter counts them)
+class _Done:
+    """The handle of a collective that finished before it was returned (``async_op=True``
+    where the call ran synchronously): ``wait()`` returns at once."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _get_global_rank(group=None, group_rank: int = 0) -> int:
+    """DeepSpeed's ``get_global_rank(group=None, group_rank=0)``. Local."""
+    return distributed.get_global_rank(group, group_rank)
+
+
+def _get_world_group():
+    """DeepSpeed's ``get_world_group()``: the default group (``torch.distributed.group.WORLD``).
+    Local."""
+    return distributed.resolved_group(None)
+
+
+def _get_all_ranks_from_group(group=None) -> list:
+    """DeepSpeed's ``get_all_ranks_from_group(group=None)``: the group's global ranks, in
+    group-rank order. Local."""
+    return distributed.group_ranks(group)
+
+
+def _barrier(group=None, async_op: bool = False, device_ids=None):
+    """DeepSpeed's ``barrier(group=None, async_op=False, device_ids=None)``: a blocking barrier
+    (``device_ids`` is NCCL's hint, not needed); with ``async_op`` a finished handle."""
+    distributed.barrier(group)
+    return _Done() if async_op else None
+
+
+def _all_gather(tensor_list, tensor, group=None, async_op: bool = False):
+    """DeepSpeed's (torch's) ``all_gather(tensor_list, tensor, group=None, async_op=False)``."""
+    return distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+
+def _all_gather_into_tensor(output_tensor, tensor, group=None, async_op: bool = False):
+    """DeepSpeed's ``all_gather_into_tensor(output_tensor, tensor, group=None,
+    async_op=False)``."""
+    return distributed.all_gather_into_tensor(output_tensor, tensor, group=group,
+                                              async_op=async_op)
+
+
+def _reduce_scatter_tensor(output_tensor, tensor, op=distributed.ReduceOp.SUM, group=None,
+                           async_op: bool = False):
+    """DeepSpeed's ``reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=None,
+    async_op=False)``."""
+    return distributed.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group,
+                                             async_op=async_op)
+
+
+def _splits(sizes, tensor, n: int, argument: str) -> list:
+    """Row counts per rank along dim 0 (``None``: equal), checked against ``tensor``."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if sizes is None:
+        if rows % n:
+            raise ValueError(f"all_to_all_single({argument}=None): {rows} rows do not split "
+                             f"equally over {n} ranks; give {argument}")
+        return [rows // n] * n
+    sizes = list(sizes)
+    if len(sizes) != n or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
+                                  for k in sizes) or sum(sizes) != rows:
+        raise ValueError(f"all_to_all_single({argument}={sizes!r}): expected {n} ints >= 0 "
+                         f"(one per rank of the group) summing to the tensor's {rows} rows "
+                         f"(dim 0)")
+    return sizes
+
+
+def _all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes=None,
+                       group=None, async_op: bool = False):
+    """DeepSpeed's ``all_to_all_single(output, tensor, output_split_sizes=None,
+    input_split_sizes=None, group=None, async_op=False)``: rows (dim 0) ``input_split_sizes[j]``
+    go to rank ``j``, rows from rank ``j`` land in ``output_split_sizes[j]``. Equal splits: one
+    all-to-all. Unequal ones: one all-reduce of one int (the largest split over the ranks),
+    then one all-to-all of the splits padded to it (its padding on the wire too); the handle
+    is then a finished one."""
+    if output_split_sizes is None and input_split_sizes is None:
+        return distributed.all_to_all_single(output, tensor, group=group, async_op=async_op)
+    n = distributed.get_world_size(group)
+    sends = _splits(input_split_sizes, tensor, n, "input_split_sizes")
+    takes = _splits(output_split_sizes, output, n, "output_split_sizes")
+    if tensor.shape[1:] != output.shape[1:] or tensor.dtype != output.dtype:
+        raise ValueError(f"all_to_all_single: the tensor {tuple(tensor.shape)} {tensor.dtype} "
+                         f"and the output {tuple(output.shape)} {output.dtype} must have one "
+                         f"dtype and the same sizes beyond dim 0")
+    if sends == [sends[0]] * n and takes == sends:
+        return distributed.all_to_all_single(output, tensor, group=group, async_op=async_op)
+    widest = torch.tensor([max(sends + takes)], dtype=torch.int64, device=tensor.device)
+    distributed.all_reduce(widest, op=distributed.ReduceOp.MAX, group=group)
+    width = int(widest.item())
+    padded = tensor.new_zeros((n * width,) + tuple(tensor.shape[1:]))
+    for j, chunk in enumerate(torch.split(tensor, sends)):
+        padded[j * width:j * width + sends[j]] = chunk
+    received = torch.empty_like(padded)
+    distributed.all_to_all_single(received, padded, group=group)
+    for j, chunk in enumerate(torch.split(output, takes)):
+        chunk.copy_(received[j * width:j * width + takes[j]])
+    return _Done() if async_op else None
+
+
+def _all_gather_object(object_list, obj, group=None) -> None:
+    """DeepSpeed's (torch's) ``all_gather_object(object_list, obj, group=None)``: fills
+    ``object_list`` (one slot per rank of the group) with every rank's ``obj``."""
+    n = distributed.get_world_size(group)
+    if not isinstance(object_list, list) or len(object_list) != n:
+        raise ValueError(f"all_gather_object(object_list=...): expected a list of {n} slots "
+                         f"(one per rank of the group), got {type(object_list).__name__}"
+                         + (f" of {len(object_list)}" if isinstance(object_list, list) else ""))
+    object_list[:] = distributed.all_gather_object(obj, group=group)
+
+
+def _broadcast_object_list(object_list, src, group=None, device=None) -> None:
+    """DeepSpeed's (torch's) ``broadcast_object_list(object_list, src, group=None,
+    device=None)``: every rank's ``object_list`` takes rank ``src``'s items (lists of the
+    same length on every rank)."""
+    if not isinstance(object_list, list):
+        raise ValueError(f"broadcast_object_list(object_list=...): expected a list, got "
+                         f"{type(object_list).__name__}")
+    sent = distributed.broadcast_object(list(object_list), src=src, group=group)
+    if len(sent) != len(object_list):
+        raise ValueError(f"broadcast_object_list: rank {src} sent {len(sent)} objects, this "
+                         f"rank's list has {len(object_list)} slots")
+    object_list[:] = sent
+
+
+def _destroy_process_group(group=None) -> None:
+    """DeepSpeed's ``destroy_process_group(group=None)``: the default group only (after a
+    barrier, :func:`shardkit.distributed.destroy`)."""
+    if group is not None and group is not distributed.resolved_group(None):
+        raise ValueError("destroy_process_group(group=...): shardkit destroys the default "
+                         "group only (group=None); a subgroup goes with it")
+    distributed.destroy()
+
+
+# DeepSpeed's ``deepspeed.comm``: torch.distributed's calls under DeepSpeed's signatures (its
+# argument names and defaults), through shardkit.distributed (so CommCounter counts them)
 comm = types.ModuleType("shardkit.comm", "DeepSpeed's deepspeed.comm over shardkit.distributed")
 comm.init_distributed = init_distributed
 comm.is_initialized = distributed.is_initialized
 comm.get_rank = distributed.get_rank
 comm.get_world_size = distributed.get_world_size
-comm.get_global_rank = distributed.get_global_rank
+comm.get_global_rank = _get_global_rank
+comm.get_world_group = _get_world_group
+comm.get_all_ranks_from_group = _get_all_ranks_from_group
+comm.destroy_process_group = _destroy_process_group
 comm.get_local_rank = _local_rank
 comm.new_group = distributed.new_group
-comm.barrier = distributed.barrier
+comm.barrier = _barrier
 comm.all_reduce = distributed.all_reduce
 comm.broadcast = distributed.broadcast
-comm.all_gather = distributed.all_gather
-comm.all_gather_into_tensor = distributed.all_gather_into_tensor
+comm.all_gather = _all_gather
+comm.all_gather_into_tensor = _all_gather_into_tensor
+comm.has_all_gather_into_tensor = lambda: True
 comm.reduce = distributed.reduce
-comm.reduce_scatter_tensor = distributed.reduce_scatter_tensor
+comm.reduce_scatter_tensor = _reduce_scatter_tensor
+comm.has_reduce_scatter_tensor = lambda: True
 comm.ReduceOp = distributed.ReduceOp
 # DeepSpeed's inference path all-reduces in place through its own kernel where it has one;
 # through torch's collective it is the same sum
 comm.inference_all_reduce = distributed.all_reduce
-comm.all_to_all_single = distributed.all_to_all_single
+comm.all_to_all_single = _all_to_all_single
 comm.send = distributed.send
 comm.recv = distributed.recv
 comm.isend = distributed.isend
 comm.irecv = distributed.irecv
-comm.all_gather_object = distributed.all_gather_object
+comm.all_gather_object = _all_gather_object
+comm.broadcast_object_list = _broadcast_object_list
 comm.is_available = torch.distributed.is_available
 comm.get_backend = distributed.backend_of

@@ -1,0 +1,113 @@
+"""Corners of DeepSpeed compatibility outside the engine (``import shardkit as deepspeed``):
+``deepspeed.checkpointing``, ``deepspeed.ops.adam``, ``deepspeed.zero``, ``deepspeed.utils``.
+
+Each check compares with the un-wrapped computation (one process, fp32 or the same autocast)
+or with DeepSpeed's documented behaviour; one process, and one world of 2 gloo ranks.
+"""
+
+import torch
+import torch.nn as nn
+
+from shardkit import checkpointing as ck
+from shardkit.testing import world_fixture
+
+world2 = world_fixture(2)
+
+
+def _block():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+
+def _grads(block, call, autocast_forward, autocast_backward):
+    """Input and parameter gradients of ``call(block, x)`` with the forward (and, apart, the
+    backward) under CPU bf16 autocast, as shardkit's bf16 engine runs them."""
+    block.zero_grad()
+    x = torch.linspace(-2, 2, 32).reshape(4, 8).requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_forward):
+        out = call(block, x)
+        loss = out.float().pow(2).sum()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_backward):
+        loss.backward()
+    return out.dtype, [x.grad.clone()] + [p.grad.clone() for p in block.parameters()]
+
+
+def test_checkpoint_recomputes_under_the_forwards_autocast():
+    """The recomputation runs under the autocast the forward ran under (and not under one the
+    backward runs under), so the gradients equal those of the un-checkpointed call exactly.
+    Before the fix it ran in fp32: the gradients differed by about 1e-2, and a region whose
+    input is another's bf16 output (a bf16 engine's chained blocks) failed in the backward
+    with "mat1 and mat2 must have the same dtype"."""
+    block = _block()
+
+    def chained(b, x):  # the second region's input is the first's bf16 output (before the
+        return ck.checkpoint(b[2], ck.checkpoint(b[:2], x))  # fix: a dtype error, recomputed)
+
+    for forward, backward in ((True, False), (False, True), (True, True)):
+        plain_dtype, plain = _grads(block, lambda b, x: b(x), forward, backward)
+        for call in (ck.checkpoint, chained):
+            dtype, got = _grads(block, call, forward, backward)
+            assert dtype == plain_dtype == (torch.bfloat16 if forward else torch.float32)
+            for a, b in zip(got, plain):
+                assert a.dtype == b.dtype
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------- deepspeed.comm
+
+
+def _comm_as_deepspeed_calls_it():
+    """``import shardkit.comm as dist`` called with DeepSpeed's signatures (argument names,
+    defaults, torch's list-filling object collectives); every result checked on this rank."""
+    import shardkit.comm as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert dist.has_all_gather_into_tensor() and dist.has_reduce_scatter_tensor()
+    assert dist.get_global_rank(None) == 0 and dist.get_global_rank(group_rank=1) == 1
+    assert dist.get_all_ranks_from_group(dist.get_world_group()) == list(range(world))
+    out = torch.zeros(2 * world)
+    dist.all_gather_into_tensor(output_tensor=out, tensor=torch.full((2,), float(rank)))
+    assert out.tolist() == [float(r) for r in range(world) for _ in range(2)]
+    part = torch.zeros(2)
+    dist.reduce_scatter_tensor(output_tensor=part, tensor=torch.arange(2.0 * world),
+                               op=dist.ReduceOp.SUM)
+    assert part.tolist() == [world * (2.0 * rank + k) for k in range(2)]
+    slots = [torch.zeros(1) for _ in range(world)]
+    dist.all_gather(tensor_list=slots, tensor=torch.tensor([float(rank)]))
+    assert [s.item() for s in slots] == [float(r) for r in range(world)]
+    # uneven all-to-all: rank r sends r + 1 + j rows of width 2 to rank j
+    sends = [rank + 1 + j for j in range(world)]
+    takes = [r + 1 + rank for r in range(world)]
+    rows = torch.arange(2.0 * sum(sends)).reshape(-1, 2) + 100 * rank
+    got = torch.zeros(sum(takes), 2)
+    dist.all_to_all_single(got, rows, output_split_sizes=takes, input_split_sizes=sends)
+    want = []
+    for r in range(world):
+        theirs = [r + 1 + j for j in range(world)]
+        start = sum(theirs[:rank])
+        want.append(torch.arange(2.0 * sum(theirs)).reshape(-1, 2)[start:start + theirs[rank]]
+                    + 100 * r)
+    assert torch.equal(got, torch.cat(want))
+    objects = [None] * world
+    dist.all_gather_object(objects, {"rank": rank})
+    assert objects == [{"rank": r} for r in range(world)]
+    sent = [rank, "from"]
+    dist.broadcast_object_list(sent, src=world - 1)
+    assert sent == [world - 1, "from"]
+    dist.barrier(group=None, async_op=True, device_ids=None).wait()
+    bad = []
+    for call in (lambda: dist.all_gather_object([None], rank),
+                 lambda: dist.all_to_all_single(got, rows, input_split_sizes=[1])):
+        try:
+            call()
+        except ValueError as error:
+            bad.append(str(error).split("(")[0])
+    return bad
+
+
+def test_comm_takes_deepspeeds_signatures(world2):
+    """Before the fix: TypeError on DeepSpeed's keyword names (output_tensor=, tensor_list=,
+    output_split_sizes=), on barrier(async_op=), get_global_rank(group), and
+    all_gather_object(object_list, obj); AttributeError on has_all_gather_into_tensor,
+    get_world_group, get_all_ranks_from_group, broadcast_object_list."""
+    bad = world2.run(_comm_as_deepspeed_calls_it)
+    assert bad == [["all_gather_object", "all_to_all_single"]] * 2
