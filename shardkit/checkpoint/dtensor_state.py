@@ -71,24 +71,29 @@ def rows_as_dtensor(block: torch.Tensor, layout: ParamLayout, rank: int, group):
     ``layout.shape`` must have at least one dimension (a 0-dim tensor cannot be row-sharded).
     No communication, no copy.
 
-    The DTensor itself has storage offset 0 even where its local tensor starts inside a
-    unit's flat shard (every parameter but the unit's first): torch gives a wrapper DTensor
-    its local tensor's offset, so its ``data_ptr()`` would be non-zero on an empty storage and
-    ``copy.deepcopy`` / ``torch.save`` of it would fail ("invalid python storage")."""
+    Where the rows start inside a unit's flat shard (every parameter but the unit's first),
+    the local tensor is a tensor at offset 0 of a slice of the shard's storage (the same
+    memory: ``dcp.load`` writes into the shard): torch gives a wrapper DTensor its local
+    tensor's offset, which on the wrapper's empty storage made ``copy.deepcopy`` /
+    ``torch.save`` fail ("invalid python storage"); a local tensor swapped in after
+    construction breaks ``torch.compile``."""
     from torch.distributed.tensor import DTensor, Shard
     if not len(layout.shape):
         raise ValueError("rows_as_dtensor: a 0-dim tensor cannot be a Shard(0) DTensor")
     _, count = layout.real_rows(rank)
     local = block.reshape(-1, *layout.shape[1:])[:count]
     mesh = device_mesh_of(group, local.device.type)
-    # built around a same-shape view at offset 0 of the same storage, then given the real rows
-    stand_in = local.as_strided(local.shape, local.stride(), 0) if local.storage_offset() \
-        else local
-    value = DTensor.from_local(stand_in, mesh, [Shard(0)], run_check=False,
+    if local.storage_offset():
+        # the same memory as a tensor of its own storage at offset 0 (a slice of the block's
+        # storage, which keeps that alive): torch gives a wrapper DTensor its local tensor's
+        # offset, which would be invalid on the wrapper's empty storage
+        start = local.storage_offset() * local.element_size()
+        piece = local.untyped_storage()[start:start + local.numel() * local.element_size()]
+        local = torch.empty(0, dtype=local.dtype, device=local.device).set_(
+            piece, 0, local.shape, local.stride())
+    value = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                shape=torch.Size(layout.shape),
                                stride=_contiguous_stride(layout.shape))
-    if stand_in is not local:
-        value._local_tensor = local
     return value
 
 

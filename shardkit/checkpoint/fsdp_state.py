@@ -137,6 +137,8 @@ def consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers
             out[key] = _joined_rows(pairs, key, layout, "consolidate_shard_weights")
         elif key not in shapes and with_module_buffers:  # buffers: the same on every rank
             out[key] = value
+    if isinstance(getattr(pairs[0][0], "_metadata", None), dict):  # module versions
+        out._metadata = OrderedDict(pairs[0][0]._metadata)
     if missing and strict:
         raise KeyError(f"consolidate_shard_weights(strict=True): parameter(s) {missing} are in "
                        f"the metadata but missing from some rank's weights; pass strict=False "

@@ -181,3 +181,102 @@ def test_local_state_dict_keeps_a_modules_extra_state(world2):
 def test_module_versions_go_through_fsdp_state_dicts(world2):
     for diffs in world2.run(_versions_kept):
         assert diffs == [0.0] * 4
+
+
+def _old_batchnorm_checkpoints():
+    """A BatchNorm checkpoint of version 1 (no ``num_batches_tracked``) loads strictly into
+    FSDP under every kind, as into the plain model (BatchNorm adds the key itself)."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import StateDictType
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+
+    def wrapped(seed):
+        model = build(seed)
+        model[1] = FSDP(model[1])
+        return FSDP(model)
+
+    def old(sd):
+        sd = copy.deepcopy(sd)
+        del sd["1.num_batches_tracked"]
+        sd._metadata["1"] = {"version": 1}
+        return sd
+
+    saved = old(build(0).state_dict())
+    plain = build(1)
+    plain.load_state_dict(copy.deepcopy(saved))
+    model = wrapped(1)
+    model.load_state_dict(saved)
+    diffs = [_diff(plain.state_dict(), model.state_dict())]
+    for kind in (StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT):
+        with FSDP.state_dict_type(model, kind):
+            model.load_state_dict(old(model.state_dict()))
+        diffs.append(_diff(plain.state_dict(), model.state_dict()))
+    return diffs
+
+
+def _consolidated_keeps_versions():
+    """consolidate_shard_weights of every rank's local_state_dict keeps the module versions,
+    so the plain model loads it without converting it again."""
+    import torch.distributed as dist
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(4, 4), _Migrating())
+
+    saved = build(0).state_dict()
+    model = build(1)
+    model[1] = FSDP(model[1])
+    model = FSDP(model)
+    model.load_state_dict(saved)
+    weights, metas = [None, None], [None, None]
+    dist.all_gather_object(weights, model.local_state_dict())
+    dist.all_gather_object(metas, model.local_metadata_dict())
+    plain = build(2)
+    plain.load_state_dict(FSDP.consolidate_shard_weights(weights, metas))
+    return _diff(saved, plain.state_dict())
+
+
+def _local_offload_with_extra_state():
+    from torch.distributed.fsdp import LocalStateDictConfig
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import StateDictType
+    model = _model(0)
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT,
+                              LocalStateDictConfig(offload_to_cpu=True)):
+        local = model.state_dict()
+    return local["ex._extra_state"]
+
+
+def test_old_batchnorm_checkpoints_load_as_in_one_process(world2):
+    for diffs in world2.run(_old_batchnorm_checkpoints):
+        assert diffs == [0.0] * 3
+
+
+def test_consolidated_local_state_keeps_module_versions(world2):
+    assert world2.run(_consolidated_keeps_versions) == [0.0, 0.0]
+
+
+def test_local_state_dict_offloaded_with_extra_state(world2):
+    assert world2.run(_local_offload_with_extra_state) == [{"counter": 3}] * 2
+
+
+def _sharded_values_compile():
+    """torch.compile of an op on every DTensor of a SHARDED_STATE_DICT (rows inside a flat
+    shard included) gives the eager result."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import StateDictType
+    model = _model(0)
+    full = model.state_dict()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = model.state_dict()
+    double = torch.compile(lambda t: t * 2 + 1, backend="aot_eager")
+    return [k for k, v in sharded.items() if hasattr(v, "full_tensor")
+            and not torch.equal(double(v).full_tensor(), full[k] * 2 + 1)]
+
+
+def test_sharded_state_dict_values_compile(world2):
+    assert world2.run(_sharded_values_compile) == [[], []]

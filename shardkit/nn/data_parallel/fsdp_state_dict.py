@@ -7,6 +7,7 @@ formats and the resharding are in :mod:`shardkit.checkpoint`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections import OrderedDict
 from typing import Optional
@@ -23,7 +24,6 @@ from shardkit.checkpoint.fsdp_state import (consolidate_shard_weights,
                                             reshard_local_state_dicts,
                                             shard_full_optimizer_state)
 from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE, per_element
-from shardkit.checkpoint.resharding import shape_mismatches
 from shardkit.nn.data_parallel.flat_param import ParamLayout
 from shardkit.nn.data_parallel.fsdp_state_dict_type import (DEFAULT_SETTINGS, StateDictType,
                                                             get_state_dict_type,
@@ -153,6 +153,148 @@ def add_wrapper_prefix(state_dict, prefix: str, *_) -> None:
     inner = prefix + _WRAPPED_PREFIX
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+class _StandIn(torch.Tensor):
+    """What a load finds in a module's ``_parameters`` / ``_buffers`` while FSDP runs
+    ``nn.Module``'s load over its units (:func:`_load_walk`): a tensor with the shape the
+    dict's value must have (a sharded parameter's full shape) and no storage, whose ``copy_``
+    hands the value, after every load pre-hook and version conversion of the modules, to
+    ``sink``. Any other use of its data fails."""
+
+    @staticmethod
+    def __new__(cls, shape, dtype, sink):
+        stand_in = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype,
+                                                       device=sink.args[0].device)
+        stand_in._sink = sink
+        stand_in._real = sink.args[0]
+        return stand_in
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_ and isinstance(args[0], _StandIn):
+            args[0]._sink(args[1])
+            return args[0]
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"{func} on a tensor being loaded by FullyShardedDataParallel's "
+                           f"load_state_dict (only copy_ is defined while it loads)")
+
+
+@contextlib.contextmanager
+def _standing_in(root: nn.Module, prefix: str, sharded: dict, check: bool, problems: list):
+    """Inside: every parameter and persistent buffer of ``root``'s modules is a
+    :class:`_StandIn` (a sharded parameter with its full shape, the others with theirs); its
+    ``copy_`` takes this rank's rows of a sharded parameter's value (a full tensor or a
+    DTensor, :func:`rows_from_value`) and a DTensor's local tensor otherwise, and copies them
+    into the real tensor, or with ``check`` only checks the rows (a ``ValueError``'s text
+    appended to ``problems``) and copies nothing; no module's extra state is set then either.
+    Everything is put back on exit. Local."""
+    swapped, shadowed = [], []
+    try:
+        for path, module in root.named_modules(prefix=prefix[:-1]):
+            stores = [(module._parameters, ()),
+                      (module._buffers, module._non_persistent_buffers_set)]
+            for store, skipped in stores:
+                for name, real in list(store.items()):
+                    if real is None or name in skipped:
+                        continue
+                    entry = sharded.get(id(real)) if store is module._parameters else None
+                    shape = torch.Size(entry[0].shape) if entry is not None else real.shape
+                    what = f"size mismatch for {_reported(path + '.' + name if path else name)}"
+                    sink = functools.partial(_take_value, real, entry, check, problems, what)
+                    swapped.append((store, name, real))
+                    store[name] = _StandIn(shape, real.dtype, sink)
+            if check and type(module).set_extra_state is not nn.Module.set_extra_state:
+                shadowed.append((module, module.__dict__.get("set_extra_state")))
+                module.__dict__["set_extra_state"] = _keep_extra_state
+        yield
+    finally:
+        for store, name, real in reversed(swapped):
+            store[name] = real
+        for module, before in shadowed:
+            if before is None:
+                module.__dict__.pop("set_extra_state", None)
+            else:
+                module.__dict__["set_extra_state"] = before
+
+
+def _keep_extra_state(state) -> None:
+    """A module's ``set_extra_state`` while a load is only checked: nothing is set."""
+
+
+def _take_value(real: torch.Tensor, entry, check: bool, problems: list, what: str,
+                value) -> None:
+    """:class:`_StandIn`'s ``copy_`` (see :func:`_standing_in`); ``entry`` is
+    ``(layout, unit, shard view)`` of a sharded parameter, ``None`` for another tensor."""
+    if isinstance(value, _StandIn):  # a conversion handing a module's own value on
+        if value._real is real:  # (BatchNorm's num_batches_tracked): nothing to copy
+            return
+        value = value._real
+    if entry is not None and (not check or is_dtensor(value)):
+        layout, unit, view = entry
+        try:
+            value = rows_from_value(value, layout, unit.rank, what, current=view)
+        except ValueError as error:
+            if not check:
+                raise
+            problems.append(str(error))
+            return
+    elif is_dtensor(value):
+        value = value.to_local()
+    if not check:
+        real.copy_(value)
+
+
+def _load_walk(root: nn.Module, state_dict, prefix: str, metadata: Optional[dict],
+               sharded: dict, check: bool, problems: list) -> tuple:
+    """``nn.Module.load_state_dict``'s walk over ``root`` (given under ``prefix``): each
+    module's ``_load_from_state_dict`` (its load pre-hooks and version conversions, e.g. an
+    old BatchNorm's missing ``num_batches_tracked``, then the copy) on its part of a copy of
+    ``state_dict`` (module paths with FSDP's wrapper prefixes), the versions from ``metadata``
+    (by module path), under :func:`_standing_in` (``check``: nothing is copied). Returns
+    ``(missing, unexpected, error lines, the modules in the order torch runs their load
+    post-hooks)``; the post-hooks are not run. Local."""
+    missing, unexpected, errors, order = [], [], [], []
+
+    def load(module, local, path):
+        local_metadata = {} if metadata is None else metadata.get(path[:-1], {})
+        module._load_from_state_dict(local, path, local_metadata, True, missing, unexpected,
+                                     errors)
+        for name, child in module._modules.items():
+            if child is not None:
+                inner = path + name + "."
+                load(child, {k: v for k, v in local.items() if k.startswith(inner)}, inner)
+        order.append(module)
+
+    for module in root.modules():  # left by a walk that stopped (see _SkipLoad)
+        if isinstance(module.__dict__.get("_load_from_state_dict"), _SkipLoad):
+            del module.__dict__["_load_from_state_dict"]
+    with _own_walk(), _standing_in(root, prefix, sharded, check, problems):
+        load(root, OrderedDict(state_dict), prefix)
+    return missing, unexpected, errors, order
+
+
+def _run_load_post_hooks(modules: list, missing: list, unexpected: list) -> None:
+    """The load post-hooks of ``modules`` (in that order), as ``nn.Module.load_state_dict``
+    runs them: each may change the missing / unexpected lists in place."""
+    keys = _IncompatibleKeys(missing, unexpected)
+    for module in modules:
+        for hook in list(module._load_state_dict_post_hooks.values()):
+            if hook(module, keys) is not None:
+                raise AssertionError("Hooks registered with ``register_load_state_dict_post_"
+                                     "hook`` are not expected to return new values, if "
+                                     "incompatible_keys need to be modified, it should be "
+                                     "done inplace.")
+
+
+def _key_lines(missing: list, unexpected: list) -> list:
+    """torch's strict-load lines for these (already reported) keys."""
+    return [f"{what} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + "."
+            for what, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys]
 
 
 class FSDPStateDictMixin:
@@ -305,102 +447,90 @@ class FSDPStateDictMixin:
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state dict (e.g. from the unwrapped model or :meth:`state_dict`): each
-        rank keeps its rows. Keys and shapes are checked first: a mismatch (with ``strict``,
-        a missing or unexpected key) on any rank raises on every rank, naming the keys as
-        :meth:`state_dict` has them, and loads nothing; with ``strict=False`` the returned
-        missing/unexpected keys use those names too. All ranks must call it.
+        rank keeps its rows. It takes what the unwrapped model takes: the modules' load
+        pre-hooks (``register_load_state_dict_pre_hook``, e.g. renaming a checkpoint's old keys)
+        and version conversions (``_metadata``: an old BatchNorm's missing
+        ``num_batches_tracked``) run before the keys are judged. Keys and shapes are checked
+        first, in a dry run of ``nn.Module``'s load that copies nothing: a mismatch (with
+        ``strict``, a missing or unexpected key) on any rank raises on every rank, naming the
+        keys as :meth:`state_dict` has them, and loads nothing; with ``strict=False`` the
+        returned missing/unexpected keys use those names too. All ranks must call it.
         Communication: a one-element all-reduce, then one all-gather per unit."""
         if assign:
             raise ValueError("FullyShardedDataParallel.load_state_dict(assign=True) is not "
                              "supported: parameters must stay views of their shards")
         if self._state_dict_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
-            self.load_local_state_dict(state_dict)  # strict: torch's error on any mismatch
-            return _IncompatibleKeys([], [])
+            return self._load_local(state_dict, None, strict)
         if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             return self.load_sharded_state_dict(state_dict, strict=strict)
-        self._refuse_mismatch_on_every_rank(
-            self._shape_problems(state_dict) + (self._key_problems(state_dict) if strict else []))
+        wrapped = self._to_wrapped_keys(state_dict)
+        rows: list = []
+        try:
+            missing, unexpected, errors, _ = _load_walk(
+                self, wrapped, "", getattr(wrapped, "_metadata", None), self._shard_entries(),
+                True, rows)
+            problems = _load_problems(missing, unexpected, errors, strict) + rows
+        except Exception as error:  # e.g. a pre-hook's: raised on every rank, not only here
+            problems = [f"checking the state dict (a dry run of the load, pre-hooks included) "
+                        f"raised {type(error).__name__}: {error}"]
+        self._refuse_mismatch_on_every_rank(problems)
         with self.summon_full_params(writeback=True), _own_walk():
-            result = super().load_state_dict(self._to_wrapped_keys(state_dict), strict=strict)
-        return type(result)([clean_name(k) for k in result.missing_keys],
-                            [clean_name(k) for k in result.unexpected_keys])
+            result = super().load_state_dict(wrapped, strict=strict)
+        return type(result)([_reported(k) for k in result.missing_keys],
+                            [_reported(k) for k in result.unexpected_keys])
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
         """nn.Module's load of this unit. Reached from a plain parent's ``load_state_dict``
-        (see :meth:`state_dict`) under ``FULL_STATE_DICT`` or ``SHARDED_STATE_DICT``, the
-        unit's part of the dict (full tensors, or DTensors) is first cut to this rank's rows
-        for this unit and its inner units, and its keys are checked as torch checks them, under
-        the original names: a size mismatch, a missing or an unexpected key is reported as
-        ``nn.Module.load_state_dict`` reports it (its ``RuntimeError`` with ``strict``, the
-        returned keys otherwise), the mismatching tensor left as it was. Under
-        ``LOCAL_STATE_DICT`` the values are this rank's shards, loaded as given. No
-        communication (each rank cuts its own rows), so every rank loads what it is given;
-        memory: one block per parameter."""
-        if self._reached_from_plain_parent() and self._state_dict_settings.state_dict_type \
-                is not StateDictType.LOCAL_STATE_DICT:
+        (see :meth:`state_dict`) under ``FULL_STATE_DICT`` or ``SHARDED_STATE_DICT``, the unit
+        loads its part of the dict (full tensors, or DTensors) itself, as ``nn.Module`` would
+        load it into the unwrapped modules: each module's load pre-hooks and version
+        conversions run on the full values, then each sharded parameter takes this rank's rows
+        of what they left. Keys are reported as torch reports them, under the original names:
+        a size mismatch, a missing or an unexpected key (``nn.Module.load_state_dict``'s
+        ``RuntimeError`` with ``strict``, the returned keys otherwise), the mismatching tensor
+        left as it was. Under ``LOCAL_STATE_DICT`` the values are this rank's shards, loaded
+        as given, the keys reported the same way. Of the ``_metadata`` versions, the modules
+        inside the unit see only the wrapped module's (a plain parent's walk hands the unit
+        nothing more); the others see none, which torch's modules read as their oldest format
+        (a BatchNorm then fills in a missing ``num_batches_tracked``, as the unwrapped model
+        does). No communication (each rank cuts its own rows), so every rank loads what it is
+        given; memory: one block per parameter."""
+        if self._reached_from_plain_parent():
             if local_metadata.get("assign_to_params_buffers", False):
                 raise ValueError("load_state_dict(assign=True) of a module holding a "
                                  "FullyShardedDataParallel unit is not supported: its "
                                  "parameters must stay views of their shards")
-            self._cut_rows_for_load(state_dict, prefix, strict, missing_keys, unexpected_keys,
-                                    error_msgs)
+            self._load_from_plain_parent(state_dict, prefix, local_metadata, missing_keys,
+                                         unexpected_keys, error_msgs)
+            return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
-    def _cut_rows_for_load(self, state_dict, prefix: str, strict: bool, missing_keys: list,
-                           unexpected_keys: list, error_msgs: list) -> None:
-        """In place, in the unit's part of a plain parent's dict (nn.Module's copy): each
-        sharded parameter's full tensor or DTensor becomes this rank's padded block; keys are
-        checked under the original names (missing keys get the value held now and unexpected
-        ones are dropped, both reported here, so that nn.Module does not report them again
-        under the wrapped names). Local."""
-        settings = self._state_dict_settings.state_dict_type
-        sharded = self._sharded_params("load_state_dict") \
-            if settings is StateDictType.SHARDED_STATE_DICT else self._shard_entries()
-        raw = _structural_state_dict(self, keep_vars=True)
-        params = dict(nn.Module.named_parameters(self, remove_duplicate=False))
-        expected = OrderedDict((prefix + clean_name(k), k) for k in raw)
-        for key in [k for k in state_dict if k.startswith(prefix)]:
-            name = prefix + clean_name(key[len(prefix):])
-            if name != key:
-                state_dict[name] = state_dict.pop(key)
-            if name not in expected:
-                if strict:
-                    unexpected_keys.append(_reported(name))
-                del state_dict[name]
-        for name, key in expected.items():
-            current = raw[key]
-            if name not in state_dict:
-                if strict:
-                    missing_keys.append(_reported(name))
-                state_dict[name] = current  # nn.Module copies it onto itself
-                continue
-            value = state_dict[name]
-            entry = sharded.get(id(params[key])) if key in params else None
-            if entry is None:
-                if torch.is_tensor(value) and torch.is_tensor(current) and \
-                        value.shape != current.shape:
-                    error_msgs.append(_size_mismatch(_reported(name), value.shape,
-                                                     current.shape))
-                    state_dict[name] = current
-                elif is_dtensor(value):
-                    state_dict[name] = value.to_local()
-                continue
-            layout, unit, view = entry
-            shape = torch.Size(layout.shape)
-            if not torch.is_tensor(value) or value.shape != shape:
-                given = value.shape if torch.is_tensor(value) else type(value).__name__
-                error_msgs.append(_size_mismatch(_reported(name), given, shape))
-                state_dict[name] = current
-                continue
-            try:
-                state_dict[name] = rows_from_value(value, layout, unit.rank,
-                                                   f"size mismatch for {_reported(name)}",
-                                                   current=view)
-            except ValueError as error:
-                error_msgs.append(str(error))
-                state_dict[name] = current
+    def _load_from_plain_parent(self, state_dict, prefix: str, local_metadata: dict,
+                                missing_keys: list, unexpected_keys: list,
+                                error_msgs: list) -> None:
+        """:meth:`_load_from_state_dict`'s part when a plain parent's load reaches this unit:
+        ``nn.Module``'s walk over the unit's modules (:func:`_load_walk`) loads them; the
+        parent's walk, which goes on into the same modules, then skips their loads (each
+        module's ``_load_from_state_dict`` once per visit) and runs their load post-hooks.
+        Local."""
+        kind = self._state_dict_settings.state_dict_type
+        sharded = {} if kind is StateDictType.LOCAL_STATE_DICT else \
+            self._sharded_params("load_state_dict") if kind is StateDictType.SHARDED_STATE_DICT \
+            else self._shard_entries()
+        missing, unexpected, errors, order = _load_walk(
+            self, state_dict, prefix,
+            {prefix[:-1]: local_metadata, prefix + _WRAPPED_PREFIX[:-1]: local_metadata},
+            sharded, False, [])
+        missing_keys.extend(_reported(k) for k in missing)
+        unexpected_keys.extend(_reported(k) for k in unexpected)
+        error_msgs.extend(_reported(line) for line in errors)
+        visits: dict = {}
+        for module in order[:-1]:  # the last one is this unit
+            visits[id(module)] = (module, visits.get(id(module), (None, 0))[1] + 1)
+        for module, count in visits.values():
+            module.__dict__["_load_from_state_dict"] = _SkipLoad(module, count)
 
     def full_shapes(self) -> dict:
         """The full (unsharded) shape of every tensor of :meth:`state_dict`, by its key:
@@ -419,22 +549,6 @@ class FSDPStateDictMixin:
         return {clean_name(name): tuple(layouts[id(p)].shape)
                 for name, p in self.named_parameters(remove_duplicate=False)
                 if id(p) in layouts}
-
-    def _shape_problems(self, state_dict) -> list[str]:
-        """torch's size-mismatch lines for the tensors whose shape is not the model's. Local."""
-        return [f"size mismatch for {name}: copying a param with shape {given} from "
-                f"checkpoint, the shape in current model is {mine}."
-                for name, given, mine in shape_mismatches(state_dict, self.full_shapes())]
-
-    def _key_problems(self, state_dict) -> list[str]:
-        """torch's missing/unexpected-key lines under the keys of :meth:`state_dict` (not FSDP's
-        wrapped names). Local."""
-        expected = [clean_name(k) for k in _structural_state_dict(self, keep_vars=True)]
-        missing = [k for k in expected if k not in state_dict]
-        known = set(expected)
-        unexpected = [k for k in state_dict if k not in known]
-        return [f"{what} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + "."
-                for what, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys]
 
     def _refuse_mismatch_on_every_rank(self, problems: list[str]) -> None:
         """torch's RuntimeError, raised on every rank of the group before the gather and before
@@ -545,45 +659,35 @@ class FSDPStateDictMixin:
         """Load a dict shaped like :meth:`sharded_state_dict` (e.g. filled by
         ``torch.distributed.checkpoint.load`` at any world size): each parameter's DTensor
         holds this rank's rows, copied into the shard (plain full-shape tensors are cut too);
-        buffers are copied. Keys (with ``strict``), full shapes and each DTensor's rows are
-        checked first, on every rank alike: a mismatch raises torch's ``RuntimeError`` naming
-        the keys and loads nothing. Returns torch's missing/unexpected keys.
+        buffers are copied. The modules' load pre-hooks and version conversions run first, as
+        in the unwrapped model (see :meth:`load_state_dict`). Keys (with ``strict``), full
+        shapes and each DTensor's rows are checked first, in a dry run that copies nothing, on
+        every rank alike: a mismatch raises torch's ``RuntimeError`` naming the keys and loads
+        nothing. Returns torch's missing/unexpected keys.
 
-        Memory: one copy of this rank's shards. No communication."""
+        Memory: one block of this rank's rows at a time (twice: checked, then copied). No
+        communication."""
         self._refuse_sharded_load_while_summoned()
         sharded = self._sharded_params("load_state_dict")
-        raw = _structural_state_dict(self, keep_vars=True)
-        params = dict(nn.Module.named_parameters(self, remove_duplicate=False))
-        problems = self._shape_problems(state_dict) + \
-            (self._key_problems(state_dict) if strict else [])
-        local = OrderedDict()
-        if not problems:
-            for key in raw:
-                name = clean_name(key)
-                if name not in state_dict:
-                    continue
-                value = state_dict[name]
-                entry = sharded.get(id(params.get(key)))
-                if entry is None:
-                    local[name] = value.to_local() if is_dtensor(value) else value
-                    continue
-                try:
-                    local[name] = rows_from_value(value, entry[0], entry[1].rank,
-                                                  f"size mismatch for {name}", current=entry[2])
-                except ValueError as error:
-                    problems.append(str(error))
-            known = set(clean_name(k) for k in raw)
-            local.update((k, v) for k, v in state_dict.items() if k not in known)
+        wrapped = self._to_wrapped_keys(state_dict, getattr(state_dict, "_metadata", None))
+        metadata = getattr(wrapped, "_metadata", None)
+        rows: list = []
+        missing, unexpected, errors, _ = _load_walk(self, wrapped, "", metadata, sharded, True,
+                                                    rows)
+        problems = _load_problems(missing, unexpected, errors, strict) + rows
         if problems:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} "
                                f"(SHARDED_STATE_DICT; nothing was loaded):\n\t"
                                + "\n\t".join(problems))
-        with _own_walk():
-            result = nn.Module.load_state_dict(
-                self, self._to_wrapped_keys(local, getattr(state_dict, "_metadata", None)),
-                strict=strict)
-        return type(result)([clean_name(k) for k in result.missing_keys],
-                            [clean_name(k) for k in result.unexpected_keys])
+        missing, unexpected, errors, order = _load_walk(self, wrapped, "", metadata, sharded,
+                                                        False, [])
+        _run_load_post_hooks(order, missing, unexpected)
+        problems = _load_problems(missing, unexpected, errors, strict)
+        if problems:  # a post-hook's doing
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} "
+                               f"(SHARDED_STATE_DICT):\n\t" + "\n\t".join(problems))
+        return _IncompatibleKeys([_reported(k) for k in missing],
+                                 [_reported(k) for k in unexpected])
 
     def _mark_own_shards_for_dcp(self, destination: OrderedDict, prefix: str) -> None:
         """This unit reached from a plain module's ``state_dict()`` under
@@ -629,7 +733,7 @@ class FSDPStateDictMixin:
         out._metadata = OrderedDict((prefix + k if k else prefix[:-1], v)
                                     for k, v in local._metadata.items())
         for key, value in local.items():
-            value = value.cpu() if offload else value
+            value = value.cpu() if offload and torch.is_tensor(value) else value
             out[prefix + key] = refuse_in_dcp(value, key) \
                 if id(params.get(key)) in sharded else value
         return out
@@ -699,23 +803,32 @@ class FSDPStateDictMixin:
         """Load :meth:`local_state_dict` output. Pass this rank's own dict when the world size
         is unchanged, or the list of every rank's dicts with ``metadata=`` the list of their
         :meth:`local_metadata_dict` (any world size, any sharding strategy: replicas' copies of
-        a shard are skipped) to reshard: each rank re-slices its rows. Keys and shard shapes
-        are checked before anything is written (a mismatch loads nothing).
-        No communication."""
+        a shard are skipped) to reshard: each rank re-slices its rows. The modules' load
+        pre-hooks and version conversions run as in the unwrapped model (see
+        :meth:`load_state_dict`); keys and shard shapes are checked before anything is written
+        (a mismatch loads nothing). No communication."""
+        self._load_local(state_dict, metadata, strict=True)
+
+    def _load_local(self, state_dict, metadata, strict: bool):
+        """:meth:`load_local_state_dict`, with ``strict`` as ``load_state_dict`` takes it under
+        ``LOCAL_STATE_DICT``; returns torch's missing/unexpected keys (original names)."""
         local = reshard_local_state_dicts(state_dict, metadata, self.world_size, self.rank)
-        self._refuse_local_mismatch(local)
         first = state_dict[0] if isinstance(state_dict, (list, tuple)) and state_dict \
             else state_dict
+        wrapped = self._to_wrapped_keys(local, getattr(first, "_metadata", None))
+        self._refuse_local_mismatch(local, wrapped, strict)
         with _own_walk():
-            nn.Module.load_state_dict(
-                self, self._to_wrapped_keys(local, getattr(first, "_metadata", None)),
-                strict=True)
+            result = nn.Module.load_state_dict(self, wrapped, strict=strict)
+        return type(result)([_reported(k) for k in result.missing_keys],
+                            [_reported(k) for k in result.unexpected_keys])
 
-    def _refuse_local_mismatch(self, local: dict) -> None:
+    def _refuse_local_mismatch(self, local: dict, wrapped: dict, strict: bool) -> None:
         """torch's strict-load RuntimeError under :meth:`local_state_dict`'s keys (not FSDP's
-        wrapped names), raised before any shard is written: torch's own load first copies every
-        tensor that fits, so a dict of another model used to leave this one half overwritten.
-        Local: every rank given dicts of another model raises alike, no communication."""
+        wrapped names), raised before any shard is written (a dry run of the load: the
+        modules' pre-hooks and conversions run, nothing is copied): torch's own load first
+        copies every tensor that fits, so a dict of another model used to leave this one half
+        overwritten. Local: every rank given dicts of another model raises alike, no
+        communication."""
         mine = {clean_name(k): v for k, v in _structural_state_dict(self, keep_vars=True).items()}
         full = self.full_shapes()
         sizes = [f"size mismatch for {k}: the dict's shard has shape {tuple(v.shape)}, this "
@@ -723,11 +836,14 @@ class FSDPStateDictMixin:
                  f"{tuple(mine[k].shape)}"
                  for k, v in local.items() if k in mine and torch.is_tensor(v)
                  and torch.is_tensor(mine[k]) and tuple(v.shape) != tuple(mine[k].shape)]
-        if sizes:
+        missing, unexpected, errors, _ = _load_walk(
+            self, wrapped, "", getattr(wrapped, "_metadata", None), {}, True, [])
+        problems = _load_problems(missing, unexpected, [] if sizes else errors, strict)
+        if sizes or any(line.startswith("size mismatch") for line in errors):
             sizes.append("a local state dict loads only at the world size that saved it; to "
                          "reshard, pass the list of every rank's dicts and "
                          "metadata=[their local_metadata_dict()]")
-        problems = self._key_problems(local) + sizes
+        problems += sizes
         if problems:
             raise RuntimeError(f"Error(s) in loading local_state_dict for {type(self).__name__} "
                                f"(nothing was loaded):\n\t" + "\n\t".join(problems))
@@ -1159,12 +1275,28 @@ def _reported(name: str) -> str:
     return clean_name(name).replace("_checkpoint_wrapped_module.", "")
 
 
-def _size_mismatch(name: str, given, mine) -> str:
-    """nn.Module.load_state_dict's line for a tensor whose shape is not the model's."""
-    return (f"size mismatch for {name}: copying a param with shape {given} from checkpoint, "
-            f"the shape in current model is {mine}.")
-
-
 def _detached(value):
     """A state-dict value as ``keep_vars=False`` gives it (extra state stays as it is)."""
     return value.detach() if torch.is_tensor(value) else value
+
+
+def _load_problems(missing: list, unexpected: list, errors: list, strict: bool) -> list:
+    """torch's load error lines (missing/unexpected keys with ``strict``, then the others)
+    under the names :meth:`FSDPStateDictMixin.state_dict` gives."""
+    lines = _key_lines([_reported(k) for k in missing],
+                       [_reported(k) for k in unexpected]) if strict else []
+    return lines + [_reported(line) for line in errors]
+
+
+class _SkipLoad:
+    """A module's ``_load_from_state_dict`` for the next ``count`` calls (then the class's
+    again): a unit reached from a plain parent has loaded the module already, and the
+    parent's walk, going on into it, must not load it again."""
+
+    def __init__(self, module: nn.Module, count: int):
+        self.module, self.count = module, count
+
+    def __call__(self, *args, **kwargs) -> None:
+        self.count -= 1
+        if self.count <= 0 and self.module.__dict__.get("_load_from_state_dict") is self:
+            del self.module.__dict__["_load_from_state_dict"]

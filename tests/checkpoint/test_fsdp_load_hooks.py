@@ -1,0 +1,267 @@
+"""FSDP takes the checkpoints the unwrapped model takes.
+
+A module's load pre-hook that renames a checkpoint's old keys (``register_load_state_dict_pre_
+hook`` / ``_register_load_state_dict_pre_hook``, as Hugging Face and timm map old names) and an
+old-version BatchNorm dict without ``num_batches_tracked`` (``_metadata`` version 1, as
+torchvision's old weights) both load into the plain model; FSDP's own key check used to run
+before those hooks and refuse them. Checked for the root unit, an inner unit and a plain parent
+holding a unit, under FULL, SHARDED and LOCAL state dicts, strict and not: the same missing /
+unexpected keys as the plain model, then training parity with the plain model that loaded the
+same dict (every rank, several steps). A bad dict still raises on every rank and loads nothing.
+One World(2).
+"""
+
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardkit import distributed as skd
+from shardkit.testing import world_fixture
+
+world2 = world_fixture(2, timeout=240)
+
+WHERE = ["root", "inner", "plain parent"]
+KINDS = ["FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"]
+OLD_NAMES = (("head.", "fc."), ("block.lin.", "block.old_lin."))
+STEPS = 2
+
+
+def _rename(state_dict, prefix: str, old: str, new: str) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix + old)]:
+        state_dict[prefix + new + key[len(prefix + old):]] = state_dict.pop(key)
+
+
+class _Block(nn.Module):
+    """7 rows over 2 ranks (padded shards); its old checkpoints call ``lin`` ``old_lin``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 7)
+        self.bn = nn.BatchNorm1d(7)
+        self._register_load_state_dict_pre_hook(
+            lambda sd, prefix, *_: _rename(sd, prefix, "old_lin.", "lin."))
+
+    def forward(self, x):
+        return self.bn(torch.tanh(self.lin(x)))
+
+
+class _Net(nn.Module):
+    """Its old checkpoints call ``head`` ``fc`` (the public hook, with the module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(4, 5)
+        self.block = _Block()
+        self.head = nn.Linear(7, 3)
+        self.register_load_state_dict_pre_hook(
+            lambda module, sd, prefix, *_: _rename(sd, prefix, "fc.", "head."))
+
+    def forward(self, x):
+        return self.head(self.block(self.emb(x)))
+
+
+def _as_old(state: dict) -> OrderedDict:
+    """``state`` as an old checkpoint: old names, no num_batches_tracked, BatchNorm version 1."""
+    old = OrderedDict()
+    for key, value in state.items():
+        if key.endswith("num_batches_tracked"):
+            continue
+        for new, before in OLD_NAMES:
+            key = key.replace(new, before) if key.startswith(new) else key
+        old[key] = value
+    old._metadata = OrderedDict((k, dict(v)) for k, v in state._metadata.items())
+    old._metadata["block.bn"]["version"] = 1
+    return old
+
+
+def _build(where: str, seed: int):
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    torch.manual_seed(seed)
+    net = _Net()
+    with torch.no_grad():  # running stats that a load visibly changes
+        net.block.bn.running_mean.uniform_(-1, 1)
+        net.block.bn.running_var.uniform_(0.5, 2)
+    if where == "root":
+        return FSDP(net)
+    net.block = FSDP(net.block)
+    return FSDP(net) if where == "inner" else net
+
+
+def _state_type(model, kind: str):
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import StateDictType
+    return FSDP.state_dict_type(model, StateDictType[kind])
+
+
+def _old_dict(where: str, kind: str) -> OrderedDict:
+    """An old checkpoint of the model built with seed 7, in ``kind`` (LOCAL: this rank's)."""
+    source = _build(where, seed=7)
+    with _state_type(source, kind):
+        return _as_old(source.state_dict())
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    if list(a) != list(b):
+        return float("inf")
+    pairs = zip(a.values(), b.values())
+    return max((x.double() - y.double()).abs().max().item() for x, y in pairs)
+
+
+def _full(model) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _outside_units(model) -> list:
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    if isinstance(model, FSDP):
+        return []
+    inside = {id(p) for m in model.modules() if isinstance(m, FSDP) for p in m.parameters()}
+    return [p for p in model.parameters() if id(p) not in inside]
+
+
+def _trains_like_plain(model, plain) -> list:
+    """Largest difference of the full state dicts after the load and each SGD step (each rank
+    its half of the global batch; BatchNorm on its running stats, as loaded; a plain parent's
+    own parameters' gradients averaged over the ranks)."""
+    rank, world = skd.get_rank(), skd.get_world_size()
+    diffs = [_max_diff(_full(model), plain.state_dict())]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1)
+    model.eval()
+    plain.eval()
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4 * world, 4, generator=gen), torch.randn(4 * world, 3, generator=gen)
+        opt.zero_grad()
+        ref.zero_grad()
+        half = slice(4 * rank, 4 * rank + 4)
+        nn.functional.mse_loss(model(x[half]), y[half]).backward()
+        nn.functional.mse_loss(plain(x), y).backward()
+        for p in _outside_units(model):  # a plain parent's own parameters: averaged as DDP
+            torch.distributed.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        ref.step()
+        diffs.append(_max_diff(_full(model), plain.state_dict()))
+    return diffs
+
+
+def _loads_old_dicts(where: str, kind: str) -> dict:
+    out = {}
+    for strict in (True, False):
+        plain = _Net()
+        full_old = _as_old(_build("root", seed=7).state_dict())
+        expected = plain.load_state_dict(full_old, strict=strict)
+        model = _build(where, seed=0)
+        old = _old_dict(where, kind)
+        with _state_type(model, kind):
+            result = model.load_state_dict(old, strict=strict)
+        out[strict] = {"result": (result.missing_keys, result.unexpected_keys),
+                       "expected": (expected.missing_keys, expected.unexpected_keys),
+                       "num_batches_tracked": int(_full(model)["block.bn.num_batches_tracked"]),
+                       "diffs": _trains_like_plain(model, plain)}
+    return out
+
+
+def _refuses_bad_dicts(where: str, kind: str) -> dict:
+    """An old dict with a mis-shaped renamed tensor, and (strict) one with an unknown key and a
+    missing one, refused after the hooks ran (original names), nothing loaded; with
+    strict=False the missing/unexpected keys are the plain model's."""
+    out = {}
+    good = _old_dict(where, kind)
+    bad_shape = OrderedDict(good)
+    bad_shape._metadata = good._metadata
+    bad_shape["fc.weight"] = torch.zeros(3, 9)
+    bad_keys = OrderedDict((k, v) for k, v in good.items() if k != "block.old_lin.bias")
+    bad_keys._metadata = good._metadata
+    bad_keys["block.old_lin.extra"] = torch.zeros(2)
+    for name, bad, strict in (("shape", bad_shape, True), ("keys", bad_keys, True),
+                              ("keys non-strict", bad_keys, False)):
+        model = _build(where, seed=0)
+        before = _full(model)
+        try:
+            with _state_type(model, kind):
+                result = model.load_state_dict(bad, strict=strict)
+            out[name] = (sorted(result.missing_keys), sorted(result.unexpected_keys))
+        except RuntimeError as error:
+            out[name] = str(error)
+        out[name + " changed"] = _max_diff(_full(model), before)
+    plain = _Net()
+    full_bad = _as_old(_build("root", seed=7).state_dict())
+    del full_bad["block.old_lin.bias"]
+    full_bad["block.old_lin.extra"] = torch.zeros(2)
+    expected = plain.load_state_dict(full_bad, strict=False)
+    out["plain non-strict"] = (sorted(expected.missing_keys), sorted(expected.unexpected_keys))
+    return out
+
+
+def _bad_on_one_rank() -> dict:
+    """FULL at the root: the dict is bad on rank 1 only (after its hooks), or a pre-hook raises
+    there: both ranks raise (no rank left waiting), neither loads anything."""
+    model = _build("root", seed=0)
+    before = _full(model)
+    old = _old_dict("root", "FULL_STATE_DICT")
+    if skd.get_rank() == 1:
+        old["fc.bias"] = torch.zeros(4)
+    try:
+        model.load_state_dict(old)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    out = {"error": error, "changed": _max_diff(_full(model), before)}
+    old = _old_dict("root", "FULL_STATE_DICT")  # a pre-hook raising on rank 1 only
+    model.module.block.register_load_state_dict_pre_hook(_refuse_poison)
+    if skd.get_rank() == 1:
+        old["block.poison"] = torch.zeros(1)
+    try:
+        model.load_state_dict(old)
+        out["hook error"] = None
+    except RuntimeError as e:
+        out["hook error"] = str(e)
+    out["hook changed"] = _max_diff(_full(model), before)
+    return out
+
+
+def _refuse_poison(module, state_dict, prefix, *_) -> None:
+    if prefix + "poison" in state_dict:
+        raise KeyError(f"{prefix}poison: not a checkpoint of this model")
+
+
+def _run(fn, *args):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("where", WHERE)
+def test_old_checkpoints_load_and_train_like_the_plain_model(world2, where, kind):
+    for rank, r in enumerate(world2.run(_run, _loads_old_dicts, where, kind)):
+        for strict, mine in r.items():
+            assert mine["result"] == mine["expected"] == ([], []), (rank, strict, mine)
+            assert mine["num_batches_tracked"] == 0, (rank, strict, mine)  # filled by BatchNorm
+            assert max(mine["diffs"]) < 1e-5, (rank, strict, mine["diffs"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("where", WHERE)
+def test_bad_old_checkpoints_are_refused_under_the_original_names(world2, where, kind):
+    for rank, r in enumerate(world2.run(_run, _refuses_bad_dicts, where, kind)):
+        assert isinstance(r["shape"], str) and "size mismatch for head.weight" in r["shape"], r
+        assert isinstance(r["keys"], str), r
+        assert 'Missing key(s) in state_dict: "block.lin.bias"' in r["keys"], r["keys"]
+        assert 'Unexpected key(s) in state_dict: "block.lin.extra"' in r["keys"], r["keys"]
+        assert "_fsdp_wrapped_module" not in r["keys"] + r["shape"], r
+        assert r["keys non-strict"] == r["plain non-strict"], r
+        if where != "plain parent":  # torch's own walk copies what fits: so does a plain parent
+            assert r["shape changed"] == r["keys changed"] == 0.0, (rank, r)
+
+
+def test_a_dict_bad_on_one_rank_is_refused_on_every_rank(world2):
+    for r in world2.run(_run, _bad_on_one_rank):
+        assert r["error"] is not None and "nothing was loaded" in r["error"], r
+        assert r["hook error"] is not None and "nothing was loaded" in r["hook error"], r
+        assert r["changed"] == r["hook changed"] == 0.0, r
