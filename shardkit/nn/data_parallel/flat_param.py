@@ -174,6 +174,9 @@ class FlatParamShard:
         self._on_grad_ready = on_grad_ready
         self.exposed_in_task = -1  # see expose()
         self._grad_pieces: Optional[list] = None  # backward's gradient, one tensor per parameter
+        # this backward's gradients of the parameters with the user's tensor hooks, held until
+        # every use of the unit delivered (see run_tensor_hooks)
+        self._hooked_pieces: Optional[list] = None
         self._used: Optional[list] = None  # per parameter: whether a gradient reached it here
         self._reducing_used: Optional[list] = None  # the same, for the reduce in flight
         # (tag, name) of the unit, set by the root: see _check_every_rank_reduced_this
@@ -317,7 +320,9 @@ class FlatParamShard:
         """The trainable parameters :class:`_PiecesOfFull` takes as inputs: not those with a
         tensor hook of the user's (``register_hook``, ``register_post_accumulate_grad_hook``),
         which autograd would call with ``None`` at the parameter's (empty) accumulation; this
-        unit calls post-accumulate-grad hooks itself, with the reduced shard."""
+        unit calls them itself: tensor hooks with the local full gradient before the
+        reduce-scatter (:meth:`run_tensor_hooks`), post-accumulate-grad hooks with the reduced
+        shard."""
         return [p for p in self.params if p.requires_grad and not _has_tensor_hooks(p)]
 
     def hide(self) -> None:
@@ -376,14 +381,60 @@ class FlatParamShard:
 
     def receive_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Backward's gradient of every parameter of the unit (``None``: none reached it), added
-        to what an earlier backward inside ``no_sync`` left; then ``on_grad_ready``."""
-        self.add_grads(grads)
+        to what an earlier backward inside ``no_sync`` left, after the user's tensor hooks
+        (:meth:`run_tensor_hooks`); then ``on_grad_ready``."""
+        self.add_grads(self.hold_for_tensor_hooks(list(grads)))
+        self.run_tensor_hooks()
         self._on_grad_ready(self)
 
     def drop_unreduced_grads(self) -> None:
         """Forget the gradients held for a later reduce-scatter (accumulated inside
         ``no_sync``). Local."""
-        self._grad_pieces, self._used = None, None
+        self._grad_pieces, self._used, self._hooked_pieces = None, None, None
+
+    def hold_for_tensor_hooks(self, grads: list) -> list:
+        """Take out of one use's ``grads`` those of parameters with tensor hooks of the user's
+        (``p.register_hook``) and hold them, summed over the uses, for :meth:`run_tensor_hooks`;
+        the others are returned (``None`` in the held places). Local."""
+        hooked = [_has_backward_hooks(p) and g is not None for p, g in zip(self.params, grads)]
+        if not any(hooked):
+            return grads
+        if self._hooked_pieces is None:
+            self._hooked_pieces = [None] * len(self.params)
+        for i, held in enumerate(hooked):
+            if held:
+                known = self._hooked_pieces[i]
+                self._hooked_pieces[i] = grads[i] if known is None else known + grads[i]
+        return [None if held else g for held, g in zip(hooked, grads)]
+
+    @outside_autocast
+    def run_tensor_hooks(self) -> None:
+        """Call the user's tensor hooks (``p.register_hook``) of each parameter whose gradient
+        :meth:`hold_for_tensor_hooks` held, once per backward, with this rank's whole gradient
+        of the parameter in its full shape (every use of the unit summed, compute dtype), before
+        the reduce-scatter: what they see under torch DDP (the local gradient, before the
+        all-reduce). A hook's return value, if not ``None``, replaces the gradient, as in
+        autograd. Autograd itself never calls them: the module computes with views of the
+        gathered ``full``, not with the parameter. Local."""
+        held, self._hooked_pieces = self._hooked_pieces, None
+        if held is None:
+            return
+        out = []
+        for p, lay, g in zip(self.params, self.layouts, held):
+            if g is not None:
+                g = g.view(lay.shape)
+                for hook in list(p._backward_hooks.values()):
+                    result = hook(g)
+                    if result is not None:
+                        if not isinstance(result, torch.Tensor) or result.shape != g.shape:
+                            raise RuntimeError(  # autograd's check, in its words
+                                f"hook {getattr(hook, '__name__', hook)!r} has changed the "
+                                f"size of value: expected a tensor of shape "
+                                f"{tuple(g.shape)}, got {_shape_of(result)}")
+                        g = result
+                g = g.reshape(-1)
+            out.append(g)
+        self.add_grads(out)
 
     @outside_autocast
     def abandon_reduce(self) -> None:
@@ -413,6 +464,7 @@ class FlatParamShard:
 
     def _every_use_delivered(self, uses: torch.Tensor) -> None:
         uses.grad = None
+        self.run_tensor_hooks()
         if self._grad_pieces is not None:
             self._on_grad_ready(self)
 
@@ -659,6 +711,9 @@ class FlatParamShard:
         yield "params", self.full
         for grad in self._grad_pieces or ():
             yield "grads", grad
+        for grad in self._hooked_pieces or ():
+            if grad is not None:
+                yield "grads", grad
         if self._secondary is not None:
             yield "params", self._secondary
 
@@ -689,16 +744,24 @@ class _PiecesOfFull(torch.autograd.Function):
         if shard is None:  # the model is gone: nothing to hand the gradients to
             return (None,) * (3 + ctx.params_given)
         wanted = _params_this_backward_wants(shard, ctx.in_graph)
-        shard.add_grads([None if g is None or not want else g.reshape(-1)
-                         for g, want in zip(grads, wanted)])
+        shard.add_grads(shard.hold_for_tensor_hooks(
+            [None if g is None or not want else g.reshape(-1) for g, want in zip(grads, wanted)]))
         # the unit's hook on ``uses`` follows (unless ``inputs=`` leaves it out: then the
         # root's end of backward reduces what the unit holds)
         return (None, torch.zeros_like(shard._uses), None) + (None,) * ctx.params_given
 
 
 def _has_tensor_hooks(p: nn.Parameter) -> bool:
-    return bool(getattr(p, "_backward_hooks", None)) or \
-        bool(getattr(p, "_post_accumulate_grad_hooks", None))
+    return _has_backward_hooks(p) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+def _shape_of(value) -> str:
+    return str(tuple(value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _has_backward_hooks(p: nn.Parameter) -> bool:
+    """Whether ``p`` has tensor hooks of the user's (``p.register_hook``)."""
+    return bool(getattr(p, "_backward_hooks", None))
 
 
 def _params_this_backward_wants(shard: FlatParamShard, in_graph: set) -> list:

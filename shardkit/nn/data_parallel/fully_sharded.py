@@ -51,6 +51,10 @@ they run before the unit frees them), but as views whose ``.grad`` is ``None``; 
 itself they run after the unit freed them and see ``unit.module.weight`` as this rank's row
 shard, and ``.grad`` as it was before this backward: the reduced gradient reaches ``.grad``
 only at the root's end of backward. Read gradients there or in a post-accumulate-grad hook.
+Tensor hooks on a parameter (``p.register_hook(fn)``: gradient masks of pruned weights, logging
+hooks) run once per backward on this rank's whole gradient of the parameter (full shape, every
+use of the unit summed, compute dtype) before the reduce-scatter, as under torch DDP (the local
+gradient, before the all-reduce); a returned tensor replaces the gradient.
 ``loss.backward(inputs=params)`` fills the ``.grad`` of exactly those parameters (not those with
 a tensor hook of the user's, which autograd would call with ``None``); ``torch.autograd.grad``
 over a unit's parameters is refused (they are row shards). ``.to()``/``.half()``/
@@ -95,7 +99,10 @@ given (e.g. :class:`~shardkit.shm_transport.SharedMemoryTransport` for ranks on 
    reaches the unit's outputs: one that reaches a unit freed after its forward only through a
    value the module kept (an MoE layer's ``self.aux_loss`` backpropagated alone) gets its
    gradients, but fails if that path needs the unit's weights (an input gradient through them);
-   give such a unit ``reshard_after_forward=False``.
+   give such a unit ``reshard_after_forward=False``. A unit whose output holds an object FSDP
+   cannot look into (neither a tensor, mapping, list, tuple nor dataclass: a
+   ``torch.distributions.Normal`` from an actor network) stays gathered from its forward until
+   its backward, as with ``reshard_after_forward=False`` (``Ψ_u`` more memory meanwhile).
 """
 
 from __future__ import annotations
@@ -191,6 +198,38 @@ def _tensors_in(output) -> Iterator[torch.Tensor]:
             stack.extend(item)
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):
             stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+
+
+_PLAIN_VALUES = (int, float, complex, bool, str, bytes, torch.dtype, torch.device,
+                 type(None), type(Ellipsis), slice)
+
+
+def _hides_tensors(output) -> bool:
+    """Whether a forward's output holds an object :func:`_tensors_in` cannot look into
+    (neither a tensor, a mapping, a list, a tuple, a dataclass nor a plain value: a
+    ``torch.distributions`` object an actor network returns, a class of one's own), which may
+    hold tensors computed from the unit's parameters: no pre-backward hook can be put on them,
+    so the unit stays gathered from its forward to its backward (without it, the backward
+    through its weights read freed storage: "setStorage: ... out of bounds for storage of size
+    0"). Local; one walk over the output's containers."""
+    seen: set = set()
+    stack = [output]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (torch.Tensor,) + _PLAIN_VALUES):
+            continue
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+        else:
+            return True
+    return False
 
 
 _EAGER_HOOK_REASON = (
@@ -628,6 +667,17 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
     def forward(self, *args, **kwargs):
         return self._fsdp_wrapped_module(*args, **kwargs)
 
+    def __getitem__(self, key):
+        """Indexing reaches the wrapped module (``FSDP(nn.Sequential(...))[0]``, ``[-1]``,
+        ``[1:]``), as in FairScale and torch FSDP1; a ``TypeError`` when that module is not
+        subscriptable. Local."""
+        module = self._fsdp_wrapped_module
+        if not hasattr(type(module), "__getitem__"):
+            raise TypeError(f"'{type(self).__name__}' object is not subscriptable: indexing "
+                            f"reaches the wrapped module (an nn.Sequential, nn.ModuleList, ...), "
+                            f"and {type(module).__name__} is not subscriptable")
+        return module[key]
+
     def _apply(self, fn, recurse: bool = True):
         """``nn.Module._apply`` (behind ``.to()``, ``.half()``, ``.cuda()``, ``.float()``),
         refused with a clear error, before anything changes, when it would change the dtype or
@@ -834,7 +884,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                     if t.requires_grad:
                         t.register_hook(_refuse_backward_while_summoned)
             return output
-        keep_for_backward = grad_enabled and self._stays_gathered_for_backward()
+        keep_for_backward = grad_enabled and (self._stays_gathered_for_backward() or (
+            self._shard is not None and _hides_tensors(output)))
         if self._shard is not None:
             # also when kept gathered (the root, reshard_after_forward=False): the end of
             # backward, or the next forward after a step, frees ``full`` while the caller may
@@ -1112,9 +1163,13 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         """Reduce-scatter, in unit order, the gradients that earlier backwards inside
         ``no_sync`` accumulated in units this (synchronising) backward did not reach (a branch
         taken in an earlier micro-batch only); they would otherwise be dropped. Every rank takes
-        the same branches (as FSDP requires of every unit's use), so the calls match."""
+        the same branches (as FSDP requires of every unit's use), so the calls match. The
+        gradients held for the user's tensor hooks of a unit whose uses were not all delivered
+        (``backward(inputs=...)`` leaving the unit's count out) go through the hooks first."""
         for unit in self.sharded_units():
             shard = unit._shard
+            if shard is not None:
+                shard.run_tensor_hooks()
             if shard is not None and shard.has_full_grad() and unit._require_backward_grad_sync:
                 shard.start_reduce()
 

@@ -1,0 +1,195 @@
+"""FSDP corner cases a user of torch DDP / FSDP relies on, each against one process (fp32, step
+by step, every rank): tensor hooks on parameters (``p.register_hook``, e.g. a pruning mask on
+the gradient); a unit whose output is an object FSDP cannot look into (a
+``torch.distributions.Normal`` from an actor network); indexing a wrapped ``nn.Sequential``
+(FairScale's and torch FSDP1's ``__getitem__``)."""
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardkit import distributed as skdist
+from shardkit.nn.data_parallel.flat_param import gathered_param_bytes
+from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+from shardkit.testing import world_fixture
+from tests.utils.compare import max_diff
+
+world2 = world_fixture(2)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    n, r = skdist.get_world_size(), skdist.get_rank()
+    per = t.shape[0] // n
+    return t[r * per:(r + 1) * per]
+
+
+def _batch(step: int, n: int = 8, width: int = 6):
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(n, width, generator=gen), torch.randn(n, width, generator=gen)
+
+
+def _full_diff(model, oracle) -> float:
+    full = model.state_dict()
+    return max(max_diff(full[k], v) for k, v in oracle.state_dict().items())
+
+
+class _SharedBlock(nn.Module):
+    """An input layer, a block applied twice (one unit used twice per backward), a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.block = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(2):
+            h = torch.tanh(self.block(h))
+        return self.head(h)
+
+
+def _tensor_hooks_on_parameters(when: str):
+    torch.manual_seed(0)
+    oracle = _SharedBlock()
+    source = copy.deepcopy(oracle)
+    mask = (torch.arange(36).view(6, 6) % 3 != 0).float()  # a pruning mask, rows differ
+    calls = {"oracle": [], "fsdp": []}
+
+    def hook_on(model, who):
+        def masked(grad):
+            calls[who].append(tuple(grad.shape))
+            return grad * mask
+        model.block.weight.register_hook(masked)
+        model.head.bias.register_hook(lambda g: calls[who].append(tuple(g.shape)))  # logs only
+
+    hook_on(oracle, "oracle")
+    if when == "before":
+        hook_on(source, "fsdp")
+    source.block = FSDP(source.block)
+    model = FSDP(source)
+    if when == "after":
+        hook_on(model.module, "fsdp")
+    o_opt = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
+    m_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    diffs = []
+    for step in range(3):
+        x, y = _batch(step)
+        F.mse_loss(oracle(x), y).backward()
+        o_opt.step()
+        o_opt.zero_grad()
+        # two micro-batches, the first inside no_sync: hooks run once per backward
+        for i, (xs, ys) in enumerate(zip(_local(x).chunk(2), _local(y).chunk(2))):
+            ctx = model.no_sync() if i == 0 else torch.enable_grad()
+            with ctx:
+                (F.mse_loss(model(xs), ys) / 2).backward()
+        m_opt.step()
+        m_opt.zero_grad()
+        diffs.append(_full_diff(model, oracle))
+    # a hook returning another shape is refused, as autograd refuses it
+    calls["fsdp"], trained = [], calls["fsdp"]
+    model.module.block.module.weight.register_hook(lambda g: g.sum())
+    x, y = _batch(0)
+    try:
+        F.mse_loss(model(_local(x)), _local(y)).backward()
+        calls["bad_hook"] = "no error"
+    except RuntimeError as error:
+        calls["bad_hook"] = str(error)
+    model.zero_grad()
+    calls["fsdp"] = trained
+    return diffs, calls
+
+
+def test_tensor_hooks_on_parameters_run_like_ddp(world2):
+    """Regression: hooks registered with ``p.register_hook`` on a sharded parameter were
+    never called (the module computes with views of the gathered buffer), so a gradient mask
+    was silently dropped and training diverged from one process."""
+    for when in ("before", "after"):
+        for diffs, calls in world2.run(_tensor_hooks_on_parameters, when):
+            assert max(diffs) < 1e-6, (when, diffs)
+            # once per backward with the full-shape gradient: 1 backward per step in one
+            # process, 2 (micro-batches) under FSDP
+            assert calls["oracle"] == [(6,), (6, 6)] * 3, calls
+            assert sorted(calls["fsdp"]) == sorted([(6,), (6, 6)] * 6), (when, calls)
+            assert "has changed the size of value" in calls["bad_hook"], calls["bad_hook"]
+
+
+class _Actor(nn.Module):
+    """A trunk, then a policy head unit returning a ``torch.distributions.Normal``."""
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mu = nn.Linear(6, 6)
+            self.log_std = nn.Parameter(torch.full((6,), -0.5))
+
+        def forward(self, h):
+            return torch.distributions.Normal(self.mu(h), self.log_std.exp())
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(6, 6)  # needs the head's weights for its input gradient
+        self.head = _Actor.Head()
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.trunk(x)))
+
+
+def _unit_returning_a_distribution(reshard: bool):
+    torch.manual_seed(0)
+    oracle = _Actor()
+    source = copy.deepcopy(oracle)
+    source.head = FSDP(source.head, reshard_after_forward=reshard)
+    model = FSDP(source)
+    o_opt = torch.optim.Adam(oracle.parameters(), lr=0.01)
+    m_opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    diffs, left_gathered = [], []
+    for step in range(3):
+        x, action = _batch(step)
+        (-oracle(x).log_prob(action).mean()).backward()
+        o_opt.step()
+        o_opt.zero_grad()
+        (-model(_local(x)).log_prob(_local(action)).mean()).backward()
+        left_gathered.append(gathered_param_bytes().live)
+        m_opt.step()
+        m_opt.zero_grad()
+        diffs.append(_full_diff(model, oracle))
+    with torch.no_grad():  # a rollout: nothing kept for a backward
+        model(_local(x))
+    return diffs, left_gathered
+
+
+def test_a_unit_returning_a_distribution_trains(world2):
+    """Regression: an inner unit whose forward returned a ``torch.distributions`` object freed
+    its parameters after forward without a pre-backward hook (no tensor it could see), so the
+    backward through its weights failed ("setStorage: ... out of bounds for storage of size
+    0")."""
+    for reshard in (True, False):
+        for diffs, left_gathered in world2.run(_unit_returning_a_distribution, reshard):
+            assert max(diffs) < 1e-6, (reshard, diffs)
+            assert left_gathered == [0, 0, 0], left_gathered  # backward freed every unit
+
+
+def _indexing_a_wrapped_sequential():
+    inner = FSDP(nn.Linear(6, 6))
+    model = FSDP(nn.Sequential(inner, nn.ReLU(), nn.Linear(6, 6)))
+    out = {"first": model[0] is inner, "last": isinstance(model[-1], nn.Linear),
+           "slice": isinstance(model[1:], nn.Sequential) and len(model[1:]) == 2,
+           "children": [type(c).__name__ for c in model]}
+    try:
+        FSDP(nn.Linear(6, 6))[0]
+    except TypeError as error:
+        out["not_subscriptable"] = str(error)
+    return out
+
+
+def test_indexing_a_wrapped_sequential_reaches_its_layers(world2):
+    """Regression: ``FSDP(nn.Sequential(...))[0]`` (FairScale's and torch FSDP1's
+    ``__getitem__``, e.g. ``model[-1]`` for the head) raised "'FullyShardedDataParallel'
+    object is not subscriptable"."""
+    for r in world2.run(_indexing_a_wrapped_sequential):
+        assert r["first"] and r["last"] and r["slice"], r
+        assert r["children"] == ["FullyShardedDataParallel", "ReLU", "Linear"], r
+        assert "Linear is not subscriptable" in r["not_subscriptable"], r
