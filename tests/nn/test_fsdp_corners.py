@@ -193,3 +193,20 @@ def test_indexing_a_wrapped_sequential_reaches_its_layers(world2):
         assert r["first"] and r["last"] and r["slice"], r
         assert r["children"] == ["FullyShardedDataParallel", "ReLU", "Linear"], r
         assert "Linear is not subscriptable" in r["not_subscriptable"], r
+
+
+def _torch_fsdp1_tree_names():
+    inner = FSDP(nn.Linear(6, 6))
+    model = nn.Sequential(FSDP(nn.Sequential(inner, nn.ReLU())), FSDP(nn.Linear(6, 6)))
+    roots = FSDP.fsdp_modules(model, root_only=True)
+    return {"all": len(FSDP.fsdp_modules(model)),
+            "roots": [r is model[i] for i, r in enumerate(roots)],
+            "is_root": [model[0].check_is_root(), inner.check_is_root(),
+                        model[1].check_is_root()]}
+
+
+def test_torch_fsdp1_fsdp_modules_and_check_is_root(world2):
+    """torch FSDP1's ``FSDP.fsdp_modules(module, root_only=)`` and ``check_is_root()`` (they
+    were AttributeErrors)."""
+    for r in world2.run(_torch_fsdp1_tree_names):
+        assert r == {"all": 3, "roots": [True, True], "is_root": [True, False, True]}, r

@@ -715,6 +715,24 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         """This unit and every FSDP unit nested in it, outermost first."""
         return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
 
+    @staticmethod
+    def fsdp_modules(module: nn.Module,
+                     root_only: bool = False) -> list["FullyShardedDataParallel"]:
+        """torch FSDP1's: the FSDP units in ``module`` (``module`` itself included), in
+        ``module.modules()`` order; with ``root_only``, only those inside no other unit (the
+        roots of their trees). Local."""
+        units = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if not root_only:
+            return units
+        inner = {id(u) for unit in units for u in unit.sharded_units() if u is not unit}
+        return [u for u in units if id(u) not in inner]
+
+    def check_is_root(self) -> bool:
+        """torch FSDP1's: whether this unit is the root of its tree, the outermost unit, whose
+        forward runs the others (torch decides it at the first forward; here the wrapping
+        does). Local."""
+        return self._outermost() is self
+
     @property
     def padded_numel(self) -> int:
         """Elements this unit all-gathers (and reduce-scatters) per collective: ``N x shard``."""
