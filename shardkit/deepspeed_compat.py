@@ -175,24 +175,53 @@ def _all_to_all_single(output, tensor, output_split_sizes=None, input_split_size
                        group=None, async_op: bool = False):
     """DeepSpeed's ``all_to_all_single(output, tensor, output_split_sizes=None,
     input_split_sizes=None, group=None, async_op=False)``: rows (dim 0) ``input_split_sizes[j]``
-    go to rank ``j``, rows from rank ``j`` land in ``output_split_sizes[j]``. Equal splits: one
-    all-to-all. Unequal ones: one all-reduce of one int (the largest split over the ranks),
-    then one all-to-all of the splits padded to it (its padding on the wire too); the handle
-    is then a finished one."""
+    go to rank ``j``, rows from rank ``j`` land in ``output_split_sizes[j]``. No split sizes
+    (on any rank of the group: every rank passes split sizes or none does): one all-to-all.
+    With split sizes: one all-gather of every rank's split sizes (``2n`` ints), checked on
+    every rank (a bad or inconsistent split raises the same ValueError on every rank, before
+    any data moves), then one all-to-all: of the splits as given when they are all equal, else
+    of the splits padded to the largest (its padding on the wire too), the handle then a
+    finished one."""
     if output_split_sizes is None and input_split_sizes is None:
         return distributed.all_to_all_single(output, tensor, group=group, async_op=async_op)
+    if distributed._not_a_member(group):  # torch skips the op there
+        return _Done() if async_op else None
     n = distributed.get_world_size(group)
-    sends = _splits(input_split_sizes, tensor, n, "input_split_sizes")
-    takes = _splits(output_split_sizes, output, n, "output_split_sizes")
-    if tensor.shape[1:] != output.shape[1:] or tensor.dtype != output.dtype:
-        raise ValueError(f"all_to_all_single: the tensor {tuple(tensor.shape)} {tensor.dtype} "
-                         f"and the output {tuple(output.shape)} {output.dtype} must have one "
-                         f"dtype and the same sizes beyond dim 0")
-    if sends == [sends[0]] * n and takes == sends:
+    problem = None
+    try:
+        sends = _splits(input_split_sizes, tensor, n, "input_split_sizes")
+        takes = _splits(output_split_sizes, output, n, "output_split_sizes")
+        if tensor.shape[1:] != output.shape[1:] or tensor.dtype != output.dtype:
+            raise ValueError(f"all_to_all_single: the tensor {tuple(tensor.shape)} "
+                             f"{tensor.dtype} and the output {tuple(output.shape)} "
+                             f"{output.dtype} must have one dtype and the same sizes beyond "
+                             f"dim 0")
+    except ValueError as error:
+        problem, sends, takes = error, [0] * n, [0] * n
+    # every rank's [ok, sends, takes]: every rank then decides (and raises) alike
+    mine = torch.tensor([int(problem is None)] + sends + takes, dtype=torch.int64,
+                        device=tensor.device)
+    every = torch.empty(n * mine.numel(), dtype=torch.int64, device=tensor.device)
+    distributed.all_gather_into_tensor(every, mine, group=group)
+    every = every.view(n, 2 * n + 1).tolist()
+    if problem is not None:
+        raise problem
+    failed = [r for r in range(n) if not every[r][0]]
+    if failed:
+        raise ValueError(f"all_to_all_single: group rank(s) {failed} were given split sizes "
+                         f"or tensors that do not fit (their ValueError says which); nothing "
+                         f"was exchanged")
+    sent = [row[1:n + 1] for row in every]
+    for i in range(n):
+        for j in range(n):
+            if sent[i][j] != every[j][n + 1 + i]:
+                raise ValueError(
+                    f"all_to_all_single: group rank {i} sends {sent[i][j]} rows to group rank "
+                    f"{j} (its input_split_sizes[{j}]), which expects {every[j][n + 1 + i]} "
+                    f"(its output_split_sizes[{i}]); nothing was exchanged")
+    width = max(max(row) for row in sent)
+    if all(k == width for row in sent for k in row):
         return distributed.all_to_all_single(output, tensor, group=group, async_op=async_op)
-    widest = torch.tensor([max(sends + takes)], dtype=torch.int64, device=tensor.device)
-    distributed.all_reduce(widest, op=distributed.ReduceOp.MAX, group=group)
-    width = int(widest.item())
     padded = tensor.new_zeros((n * width,) + tuple(tensor.shape[1:]))
     for j, chunk in enumerate(torch.split(tensor, sends)):
         padded[j * width:j * width + sends[j]] = chunk
@@ -205,13 +234,21 @@ def _all_to_all_single(output, tensor, output_split_sizes=None, input_split_size
 
 def _all_gather_object(object_list, obj, group=None) -> None:
     """DeepSpeed's (torch's) ``all_gather_object(object_list, obj, group=None)``: fills
-    ``object_list`` (one slot per rank of the group) with every rank's ``obj``."""
+    ``object_list`` (one slot per rank of the group) with every rank's ``obj``. A rank outside
+    ``group`` returns at once, as torch's does. A list of the wrong length on any rank raises
+    the same ValueError on every rank, after the one all-gather (which carries each rank's
+    list length with its object), so no rank is left waiting."""
+    if distributed._not_a_member(group):
+        return
     n = distributed.get_world_size(group)
-    if not isinstance(object_list, list) or len(object_list) != n:
+    slots = len(object_list) if isinstance(object_list, list) else None
+    every = distributed.all_gather_object((slots, obj), group=group)
+    wrong = [(r, k) for r, (k, _) in enumerate(every) if k != n]
+    if wrong:
         raise ValueError(f"all_gather_object(object_list=...): expected a list of {n} slots "
-                         f"(one per rank of the group), got {type(object_list).__name__}"
-                         + (f" of {len(object_list)}" if isinstance(object_list, list) else ""))
-    object_list[:] = distributed.all_gather_object(obj, group=group)
+                         f"(one per rank of the group) on every rank; (group rank, slots): "
+                         f"{wrong} (None: not a list)")
+    object_list[:] = [o for _, o in every]
 
 
 def _broadcast_object_list(object_list, src, group=None, device=None) -> None:

@@ -111,3 +111,45 @@ def test_comm_takes_deepspeeds_signatures(world2):
     get_world_group, get_all_ranks_from_group, broadcast_object_list."""
     bad = world2.run(_comm_as_deepspeed_calls_it)
     assert bad == [["all_gather_object", "all_to_all_single"]] * 2
+
+
+def _uneven_where_one_rank_is_even():
+    """Group rank 0's splits are all equal (1 row each way), rank 1's are not: every rank must
+    take the same path (a rank deciding alone took the one-all-to-all path while the other
+    all-reduced first: a hang)."""
+    import shardkit.comm as dist
+    rank = dist.get_rank()
+    sends, takes = ([1, 1], [1, 1]) if rank == 0 else ([1, 2], [1, 2])
+    rows = torch.arange(float(sum(sends))).reshape(-1, 1) + 100 * rank
+    got = torch.full((sum(takes), 1), -1.0)
+    dist.all_to_all_single(got, rows, output_split_sizes=takes, input_split_sizes=sends)
+    return got.flatten().tolist()
+
+
+def _bad_on_one_rank():
+    """Bad split sizes on one rank, a list of the wrong length on one rank, and splits the
+    ranks disagree on: a ValueError on every rank, none left waiting."""
+    import shardkit.comm as dist
+    rank = dist.get_rank()
+    rows, got = torch.arange(3.0).reshape(-1, 1), torch.zeros(3, 1)
+    calls = (
+        lambda: dist.all_to_all_single(got, rows, output_split_sizes=[1, 2],
+                                       input_split_sizes=[1, 2] if rank else [3]),
+        lambda: dist.all_gather_object([None] * (3 if rank == 0 else 2), rank),
+        lambda: dist.all_to_all_single(got, rows, output_split_sizes=[1, 2],
+                                       input_split_sizes=[2, 1] if rank == 0 else [1, 2]),
+    )
+    raised = []
+    for call in calls:
+        try:
+            call()
+            raised.append(None)
+        except ValueError as error:
+            raised.append(str(error).split("(")[0].split(":")[0])
+    return raised
+
+
+def test_comm_splits_and_lists_agree_on_every_rank(world2):
+    assert world2.run(_uneven_where_one_rank_is_even) == [[0.0, 100.0], [1.0, 101.0, 102.0]]
+    assert world2.run(_bad_on_one_rank) == [["all_to_all_single", "all_gather_object",
+                                            "all_to_all_single"]] * 2
