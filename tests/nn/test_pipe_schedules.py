@@ -128,6 +128,7 @@ def _check_two_stages_two_data_parallel():
     with dist.CommCounter() as comm:
         losses, _ = _train_pipeline(Schedule1F1B, stage, 2, STEPS, rows=half)
     grad_bytes = sum(p.numel() * 4 for p in module.parameters())
+    grad_bytes += 4 * sum(1 for _ in module.parameters())  # a presence element per parameter
     reduce_bytes = comm.by_op.get("all_reduce", 0) / STEPS
     return _max_param_diff(module, ref_stage), losses, ref_losses, reduce_bytes, grad_bytes
 
@@ -136,7 +137,7 @@ def test_two_stages_times_two_data_parallel(world4):
     results = world4.run(_check_two_stages_two_data_parallel)
     for rank, (param_diff, losses, ref_losses, reduce_bytes, grad_bytes) in enumerate(results):
         assert param_diff <= 1e-5, (rank, param_diff)
-        # one flat all-reduce: the gradients and one element, the step's verdict
+        # one flat all-reduce: the gradients, their presence elements and the step's verdict
         assert reduce_bytes == pytest.approx(2 * (2 - 1) / 2 * (grad_bytes + 4))
     # the two pipelines' half-batch losses average to the full-batch loss
     last0, last1 = results[1][1], results[3][1]

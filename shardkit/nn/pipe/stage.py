@@ -193,8 +193,9 @@ class PipelineStage:
     them. Communication per step: each micro-batch's activations sent forward once and their
     gradients sent back once, each gradient tensor with one element more saying whether it is
     present (``send`` counts their bytes; see :func:`shardkit.plan.pipeline_comm_elements`),
-    plus one all-reduce of this stage's gradients and one element more (whether the step failed
-    in some pipeline), ``2(d-1)/d`` of their bytes, with a data-parallel group of ``d`` ranks.
+    plus one all-reduce of this stage's gradients, one element more (whether the step failed
+    in some pipeline) and one per trainable parameter (whether it got a gradient), ``2(d-1)/d``
+    of their bytes, with a data-parallel group of ``d`` ranks.
 
     Tied weights (a parameter :func:`split_sequential` put in two stages, as a GPT's token
     embedding and output head): when another rank runs the other stage, each rank holds a copy
@@ -278,8 +279,9 @@ class PipelineStage:
         No-op (returns ``failed``) without a data-parallel group or with a group of one rank,
         and inside a torch ``DistributedDataParallel`` stage module's ``no_sync()`` (its
         gradients accumulate locally until a step outside it averages them all, as under
-        DDP). Parameters that require grad but got none are treated as zero gradients (and
-        then hold them).
+        DDP). Parameters that require grad but got none on some replicas are treated as zero
+        gradients there; one that got none on every replica keeps ``.grad`` ``None``, as under
+        torch DDP (one presence element per parameter rides on the all-reduce).
         """
         group = self.data_parallel_group
         if group is None or dist.get_world_size(group) == 1:
@@ -287,14 +289,18 @@ class PipelineStage:
         if is_torch_ddp(self.module) and not self.module.require_backward_grad_sync:
             return failed
         params = [p for p in self.module.parameters() if p.requires_grad]
+        present = [float(p.grad is not None) for p in params]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         dtype = params[0].grad.dtype if params else torch.float32
-        flag = torch.tensor([float(failed)], dtype=dtype)
-        dist.all_reduce_as_one([p.grad for p in params] + [flag], group,
+        tail = torch.tensor([float(failed)] + present, dtype=dtype)
+        dist.all_reduce_as_one([p.grad for p in params] + [tail], group,
                                divide_by=dist.get_world_size(group))
-        return bool(flag[0] > 0)
+        for p, seen in zip(params, tail[1:].tolist()):
+            if seen == 0:  # no replica gave it a gradient: None, as torch DDP leaves it
+                p.grad = None
+        return bool(tail[0] > 0)
 
     def __repr__(self) -> str:
         return (f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, "
