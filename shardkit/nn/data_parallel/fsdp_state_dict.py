@@ -175,6 +175,12 @@ class _StandIn(torch.Tensor):
         if func is torch.Tensor.copy_ and isinstance(args[0], _StandIn):
             args[0]._sink(args[1])
             return args[0]
+        if func is torch.Tensor.resize_ and isinstance(args[0], _StandIn):
+            # a module sizing a buffer for the value it is given (torch's FakeQuantize and
+            # observers call resize_ before the copy): to its own size, a no-op
+            sizes = args[1:] if len(args) > 2 or isinstance(args[1], int) else args[1]
+            if torch.Size(sizes) == args[0].shape:
+                return args[0]
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
 
@@ -519,7 +525,7 @@ class FSDPStateDictMixin:
         sharded = {} if kind is StateDictType.LOCAL_STATE_DICT else \
             self._sharded_params("load_state_dict") if kind is StateDictType.SHARDED_STATE_DICT \
             else self._shard_entries()
-        missing, unexpected, errors, order = _load_walk(
+        missing, unexpected, errors, _ = _load_walk(
             self, state_dict, prefix,
             {prefix[:-1]: local_metadata, prefix + _WRAPPED_PREFIX[:-1]: local_metadata},
             sharded, False, [])
@@ -527,10 +533,16 @@ class FSDPStateDictMixin:
         unexpected_keys.extend(_reported(k) for k in unexpected)
         error_msgs.extend(_reported(line) for line in errors)
         visits: dict = {}
-        for module in order[:-1]:  # the last one is this unit
-            visits[id(module)] = (module, visits.get(id(module), (None, 0))[1] + 1)
-        for module, count in visits.values():
-            module.__dict__["_load_from_state_dict"] = _SkipLoad(module, count)
+
+        def visit(module, path):
+            for name, child in module._modules.items():
+                if child is not None:
+                    inner = path + name + "."
+                    visits.setdefault(id(child), (child, []))[1].append(inner)
+                    visit(child, inner)
+        visit(self, prefix)  # the modules the parent's walk goes on into, with their prefixes
+        for module, prefixes in visits.values():
+            module.__dict__["_load_from_state_dict"] = _SkipLoad(module, prefixes)
 
     def full_shapes(self) -> dict:
         """The full (unsharded) shape of every tensor of :meth:`state_dict`, by its key:
@@ -1289,14 +1301,20 @@ def _load_problems(missing: list, unexpected: list, errors: list, strict: bool) 
 
 
 class _SkipLoad:
-    """A module's ``_load_from_state_dict`` for the next ``count`` calls (then the class's
-    again): a unit reached from a plain parent has loaded the module already, and the
-    parent's walk, going on into it, must not load it again."""
+    """A module's ``_load_from_state_dict`` while a plain parent's walk goes on into a unit
+    that has loaded the module already: the calls at the ``prefixes`` that walk reaches it
+    under are skipped (then the class's method is back); any other call (a walk that stopped
+    left this behind, and the module is loaded on its own) removes it and loads."""
 
-    def __init__(self, module: nn.Module, count: int):
-        self.module, self.count = module, count
+    def __init__(self, module: nn.Module, prefixes: list):
+        self.module, self.prefixes = module, list(prefixes)
 
-    def __call__(self, *args, **kwargs) -> None:
-        self.count -= 1
-        if self.count <= 0 and self.module.__dict__.get("_load_from_state_dict") is self:
+    def __call__(self, state_dict, prefix, *args, **kwargs) -> None:
+        skip = prefix in self.prefixes
+        if skip:
+            self.prefixes.remove(prefix)
+        if (not skip or not self.prefixes) and \
+                self.module.__dict__.get("_load_from_state_dict") is self:
             del self.module.__dict__["_load_from_state_dict"]
+        if not skip:
+            self.module._load_from_state_dict(state_dict, prefix, *args, **kwargs)
