@@ -265,3 +265,127 @@ def test_a_dict_bad_on_one_rank_is_refused_on_every_rank(world2):
         assert r["error"] is not None and "nothing was loaded" in r["error"], r
         assert r["hook error"] is not None and "nothing was loaded" in r["hook error"], r
         assert r["changed"] == r["hook changed"] == 0.0, r
+
+
+# ---------------------------------------------------------------- each hook once per load
+# FSDP's loads used to walk the modules' loads twice (a dry run, then the load): a pre-hook
+# that upgrades an old checkpoint in place divided twice, and hooks were counted twice.
+
+CALLS: list = []
+
+
+class _Upgraded(nn.Module):
+    """Its version-1 checkpoints hold ``lin.weight`` doubled: a pre-hook halves it in place (as
+    some converters do); every pre- and post-hook call is counted in ``CALLS``."""
+
+    _version = 2
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 7)
+        self._register_load_state_dict_pre_hook(self._upgrade)
+        self.register_load_state_dict_post_hook(lambda *_: CALLS.append("post"))
+
+    def _upgrade(self, state_dict, prefix, local_metadata, *_):
+        CALLS.append("pre")
+        if local_metadata.get("version", 2) < 2 and prefix + "lin.weight" in state_dict:
+            state_dict[prefix + "lin.weight"].div_(2)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _HookNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(4, 5)
+        self.block = _Upgraded()
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.head(self.block(self.emb(x)))
+
+
+class _QNet(nn.Module):
+    """torch's FakeQuantize: its ``_load_from_state_dict`` resizes scale / zero_point."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(4, 5)
+        self.block = nn.Sequential(nn.Linear(5, 7), torch.ao.quantization.FakeQuantize())
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.head(self.block(self.emb(x)))
+
+
+def _wrap(net, where: str):
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    if where == "root":
+        return FSDP(net)
+    net.block = FSDP(net.block)
+    return FSDP(net) if where == "inner" else net
+
+
+def _as_version_1(state: dict) -> dict:
+    """``state`` as an old checkpoint of :class:`_HookNet`: ``block.lin.weight`` doubled."""
+    old = OrderedDict((k, v * 2 if k == "block.lin.weight" else v) for k, v in state.items())
+    old._metadata = OrderedDict((k, dict(v)) for k, v in state._metadata.items())
+    old._metadata["block"]["version"] = 1
+    return old
+
+
+def _hooks_run_once(where: str, kind: str) -> dict:
+    torch.manual_seed(7)
+    source = _HookNet()
+    full = source.state_dict()
+    full_old = _as_version_1(full)  # a new lin.weight: the hook halves it, not ``full``'s
+    source = _wrap(source, where)
+    with _state_type(source, kind):
+        old = _as_version_1(source.state_dict())
+    torch.manual_seed(0)
+    plain = _HookNet()
+    CALLS.clear()
+    plain.load_state_dict(full_old)
+    expected_calls = list(CALLS)
+    torch.manual_seed(0)
+    model = _wrap(_HookNet(), where)
+    CALLS.clear()
+    with _state_type(model, kind):
+        model.load_state_dict(old)
+    out = {"calls": list(CALLS), "expected calls": expected_calls,
+           "diff": _max_diff(_full(model), plain.state_dict())}
+    if kind == "FULL_STATE_DICT" and where != "plain parent":  # into the summoned parameters
+        torch.manual_seed(0)
+        model = _wrap(_HookNet(), where)
+        CALLS.clear()
+        with model.summon_full_params(writeback=True):
+            model.load_state_dict(_as_version_1(full))
+        out["summoned calls"] = list(CALLS)
+        out["summoned diff"] = _max_diff(_full(model), plain.state_dict())
+    # torch's FakeQuantize (resize_ in its load) after a forward: the model takes its own dict
+    torch.manual_seed(3)
+    source = _wrap(_QNet(), where)
+    source(torch.randn(6, 4, generator=torch.Generator().manual_seed(1)))
+    with _state_type(source, kind):
+        saved = source.state_dict()
+    torch.manual_seed(4)
+    model = _wrap(_QNet(), where)
+    with _state_type(model, kind):
+        result = model.load_state_dict(saved)
+    out["fake quantize"] = (result.missing_keys, result.unexpected_keys)
+    out["fake quantize diff"] = _max_diff(_full(model), _full(source))
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("where", WHERE)
+def test_each_load_hook_runs_once_as_in_torch(world2, where, kind):
+    for rank, r in enumerate(world2.run(_run, _hooks_run_once, where, kind)):
+        assert r["expected calls"] == ["pre", "post"], r
+        assert r["calls"] == r["expected calls"], (rank, r)
+        assert r["diff"] < 1e-6, (rank, r)  # the in-place upgrade halved the weight once
+        assert r.get("summoned calls", ["pre", "post"]) == ["pre", "post"], (rank, r)
+        assert r.get("summoned diff", 0.0) < 1e-6, (rank, r)
+        assert r["fake quantize"] == ([], []), (rank, r)
+        assert r["fake quantize diff"] == 0.0, (rank, r)

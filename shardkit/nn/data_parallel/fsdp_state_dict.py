@@ -191,14 +191,14 @@ class _StandIn(torch.Tensor):
 
 
 @contextlib.contextmanager
-def _standing_in(root: nn.Module, prefix: str, sharded: dict, check: bool, problems: list):
+def _standing_in(root: nn.Module, prefix: str, sharded: dict, problems: list, records: list):
     """Inside: every parameter and persistent buffer of ``root``'s modules is a
     :class:`_StandIn` (a sharded parameter with its full shape, the others with theirs); its
-    ``copy_`` takes this rank's rows of a sharded parameter's value (a full tensor or a
-    DTensor, :func:`rows_from_value`) and a DTensor's local tensor otherwise, and copies them
-    into the real tensor, or with ``check`` only checks the rows (a ``ValueError``'s text
-    appended to ``problems``) and copies nothing; no module's extra state is set then either.
-    Everything is put back on exit. Local."""
+    ``copy_`` checks the value (a DTensor's rows against this rank's shard, a ``ValueError``'s
+    text appended to ``problems``) and appends ``(real tensor, shard entry or None, what,
+    value)`` to ``records``, copying nothing; a module's ``set_extra_state`` appends
+    ``(module, state)`` instead of setting it. :func:`_apply_records` then loads them in that
+    order. Everything is put back on exit. Local."""
     swapped, shadowed = [], []
     try:
         for path, module in root.named_modules(prefix=prefix[:-1]):
@@ -211,12 +211,13 @@ def _standing_in(root: nn.Module, prefix: str, sharded: dict, check: bool, probl
                     entry = sharded.get(id(real)) if store is module._parameters else None
                     shape = torch.Size(entry[0].shape) if entry is not None else real.shape
                     what = f"size mismatch for {_reported(path + '.' + name if path else name)}"
-                    sink = functools.partial(_take_value, real, entry, check, problems, what)
+                    sink = functools.partial(_take_value, real, entry, problems, records, what)
                     swapped.append((store, name, real))
                     store[name] = _StandIn(shape, real.dtype, sink)
-            if check and type(module).set_extra_state is not nn.Module.set_extra_state:
+            if type(module).set_extra_state is not nn.Module.set_extra_state:
                 shadowed.append((module, module.__dict__.get("set_extra_state")))
-                module.__dict__["set_extra_state"] = _keep_extra_state
+                module.__dict__["set_extra_state"] = functools.partial(
+                    _record_extra_state, module, records)
         yield
     finally:
         for store, name, real in reversed(swapped):
@@ -228,43 +229,65 @@ def _standing_in(root: nn.Module, prefix: str, sharded: dict, check: bool, probl
                 module.__dict__["set_extra_state"] = before
 
 
-def _keep_extra_state(state) -> None:
-    """A module's ``set_extra_state`` while a load is only checked: nothing is set."""
+def _record_extra_state(module: nn.Module, records: list, state) -> None:
+    """A module's ``set_extra_state`` while a load is walked: recorded, set later."""
+    records.append((module, state))
 
 
-def _take_value(real: torch.Tensor, entry, check: bool, problems: list, what: str,
+def _take_value(real: torch.Tensor, entry, problems: list, records: list, what: str,
                 value) -> None:
     """:class:`_StandIn`'s ``copy_`` (see :func:`_standing_in`); ``entry`` is
-    ``(layout, unit, shard view)`` of a sharded parameter, ``None`` for another tensor."""
+    ``(layout, unit, shard view)`` of a sharded parameter, ``None`` for another tensor. The
+    value itself is recorded (a reference: the dict's tensor or what a hook made of it), not
+    its rows: those are cut one block at a time when it is applied."""
     if isinstance(value, _StandIn):  # a conversion handing a module's own value on
         if value._real is real:  # (BatchNorm's num_batches_tracked): nothing to copy
             return
-        value = value._real
-    if entry is not None and (not check or is_dtensor(value)):
+        value = value._real  # read when applied, after the copies recorded before it
+    if entry is not None and is_dtensor(value):
         layout, unit, view = entry
         try:
-            value = rows_from_value(value, layout, unit.rank, what, current=view)
+            rows_from_value(value, layout, unit.rank, what, current=view)
         except ValueError as error:
-            if not check:
-                raise
             problems.append(str(error))
             return
-    elif is_dtensor(value):
-        value = value.to_local()
-    if not check:
-        real.copy_(value)
+    records.append((real, entry, what, value))
+
+
+def _apply_records(records: list) -> None:
+    """Load what a walk (:func:`_load_walk`) recorded, in the order the modules gave it, as
+    their ``_load_from_state_dict`` would have: each sharded parameter takes this rank's rows
+    of its value (one block at a time; inside ``summon_full_params`` the parameter holds the
+    full value, so the full value, written back on exit as the summon says), the other
+    tensors the value (a DTensor's local tensor), each module's extra state is set. No hook
+    runs here. Local."""
+    with torch.no_grad():
+        for record in records:
+            if len(record) == 2:
+                module, state = record
+                module.set_extra_state(state)
+                continue
+            real, entry, what, value = record
+            if entry is not None and not entry[1]._summoned:
+                layout, unit, view = entry
+                value = rows_from_value(value, layout, unit.rank, what, current=view)
+            elif is_dtensor(value):
+                value = value.to_local()
+            real.copy_(value)
 
 
 def _load_walk(root: nn.Module, state_dict, prefix: str, metadata: Optional[dict],
-               sharded: dict, check: bool, problems: list) -> tuple:
+               sharded: dict, problems: list) -> tuple:
     """``nn.Module.load_state_dict``'s walk over ``root`` (given under ``prefix``): each
     module's ``_load_from_state_dict`` (its load pre-hooks and version conversions, e.g. an
     old BatchNorm's missing ``num_batches_tracked``, then the copy) on its part of a copy of
     ``state_dict`` (module paths with FSDP's wrapper prefixes), the versions from ``metadata``
-    (by module path), under :func:`_standing_in` (``check``: nothing is copied). Returns
-    ``(missing, unexpected, error lines, the modules in the order torch runs their load
-    post-hooks)``; the post-hooks are not run. Local."""
-    missing, unexpected, errors, order = [], [], [], []
+    (by module path), under :func:`_standing_in`: nothing is copied, the values are recorded
+    (problems with a DTensor's rows appended to ``problems``). Each module's pre-hooks and
+    ``_load_from_state_dict`` run once, here. Returns ``(missing, unexpected, error lines,
+    the modules in the order torch runs their load post-hooks, the records for
+    :func:`_apply_records`)``; the post-hooks are not run. Local."""
+    missing, unexpected, errors, order, records = [], [], [], [], []
 
     def load(module, local, path):
         local_metadata = {} if metadata is None else metadata.get(path[:-1], {})
@@ -279,9 +302,9 @@ def _load_walk(root: nn.Module, state_dict, prefix: str, metadata: Optional[dict
     for module in root.modules():  # left by a walk that stopped (see _SkipLoad)
         if isinstance(module.__dict__.get("_load_from_state_dict"), _SkipLoad):
             del module.__dict__["_load_from_state_dict"]
-    with _own_walk(), _standing_in(root, prefix, sharded, check, problems):
+    with _own_walk(), _standing_in(root, prefix, sharded, problems, records):
         load(root, OrderedDict(state_dict), prefix)
-    return missing, unexpected, errors, order
+    return missing, unexpected, errors, order, records
 
 
 def _run_load_post_hooks(modules: list, missing: list, unexpected: list) -> None:
@@ -456,12 +479,17 @@ class FSDPStateDictMixin:
         rank keeps its rows. It takes what the unwrapped model takes: the modules' load
         pre-hooks (``register_load_state_dict_pre_hook``, e.g. renaming a checkpoint's old keys)
         and version conversions (``_metadata``: an old BatchNorm's missing
-        ``num_batches_tracked``) run before the keys are judged. Keys and shapes are checked
-        first, in a dry run of ``nn.Module``'s load that copies nothing: a mismatch (with
-        ``strict``, a missing or unexpected key) on any rank raises on every rank, naming the
-        keys as :meth:`state_dict` has them, and loads nothing; with ``strict=False`` the
-        returned missing/unexpected keys use those names too. All ranks must call it.
-        Communication: a one-element all-reduce, then one all-gather per unit."""
+        ``num_batches_tracked``) run before the keys are judged. ``nn.Module``'s load walk
+        runs once, as in torch (each pre-hook and ``_load_from_state_dict`` once, so a hook
+        may convert the dict's tensors in place), copying nothing: it records the values the
+        modules would copy (references, no copies) and checks keys and shapes; a mismatch
+        (with ``strict``, a missing or unexpected key) on any rank raises on every rank, naming
+        the keys as :meth:`state_dict` has them, and loads nothing. Then each rank copies its
+        rows of the recorded values, sets the recorded extra states and runs the load
+        post-hooks; with ``strict=False`` the returned missing/unexpected keys use the names of
+        :meth:`state_dict` too. All ranks must call it. Communication: a one-element
+        all-reduce; memory: one block of this rank's rows at a time (no full parameter is
+        gathered)."""
         if assign:
             raise ValueError("FullyShardedDataParallel.load_state_dict(assign=True) is not "
                              "supported: parameters must stay views of their shards")
@@ -472,18 +500,22 @@ class FSDPStateDictMixin:
         wrapped = self._to_wrapped_keys(state_dict)
         rows: list = []
         try:
-            missing, unexpected, errors, _ = _load_walk(
+            missing, unexpected, errors, order, records = _load_walk(
                 self, wrapped, "", getattr(wrapped, "_metadata", None), self._shard_entries(),
-                True, rows)
+                rows)
             problems = _load_problems(missing, unexpected, errors, strict) + rows
         except Exception as error:  # e.g. a pre-hook's: raised on every rank, not only here
-            problems = [f"checking the state dict (a dry run of the load, pre-hooks included) "
-                        f"raised {type(error).__name__}: {error}"]
+            problems = [f"checking the state dict (the modules' load walk, pre-hooks "
+                        f"included) raised {type(error).__name__}: {error}"]
         self._refuse_mismatch_on_every_rank(problems)
-        with self.summon_full_params(writeback=True), _own_walk():
-            result = super().load_state_dict(wrapped, strict=strict)
-        return type(result)([_reported(k) for k in result.missing_keys],
-                            [_reported(k) for k in result.unexpected_keys])
+        _apply_records(records)
+        _run_load_post_hooks(order, missing, unexpected)
+        problems = _load_problems(missing, unexpected, errors, strict)
+        if problems:  # a post-hook's doing
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}:"
+                               f"\n\t" + "\n\t".join(problems))
+        return _IncompatibleKeys([_reported(k) for k in missing],
+                                 [_reported(k) for k in unexpected])
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
@@ -517,7 +549,8 @@ class FSDPStateDictMixin:
                                 missing_keys: list, unexpected_keys: list,
                                 error_msgs: list) -> None:
         """:meth:`_load_from_state_dict`'s part when a plain parent's load reaches this unit:
-        ``nn.Module``'s walk over the unit's modules (:func:`_load_walk`) loads them; the
+        ``nn.Module``'s walk over the unit's modules (:func:`_load_walk`, each pre-hook once)
+        records their values, which are then copied (what fits, as torch's walk copies); the
         parent's walk, which goes on into the same modules, then skips their loads (each
         module's ``_load_from_state_dict`` once per visit) and runs their load post-hooks.
         Local."""
@@ -525,13 +558,15 @@ class FSDPStateDictMixin:
         sharded = {} if kind is StateDictType.LOCAL_STATE_DICT else \
             self._sharded_params("load_state_dict") if kind is StateDictType.SHARDED_STATE_DICT \
             else self._shard_entries()
-        missing, unexpected, errors, _ = _load_walk(
+        rows: list = []
+        missing, unexpected, errors, _, records = _load_walk(
             self, state_dict, prefix,
             {prefix[:-1]: local_metadata, prefix + _WRAPPED_PREFIX[:-1]: local_metadata},
-            sharded, False, [])
+            sharded, rows)
+        _apply_records(records)  # what fits is copied, as nn.Module's own walk does
         missing_keys.extend(_reported(k) for k in missing)
         unexpected_keys.extend(_reported(k) for k in unexpected)
-        error_msgs.extend(_reported(line) for line in errors)
+        error_msgs.extend(_reported(line) for line in errors + rows)
         visits: dict = {}
 
         def visit(module, path):
@@ -673,9 +708,11 @@ class FSDPStateDictMixin:
         holds this rank's rows, copied into the shard (plain full-shape tensors are cut too);
         buffers are copied. The modules' load pre-hooks and version conversions run first, as
         in the unwrapped model (see :meth:`load_state_dict`). Keys (with ``strict``), full
-        shapes and each DTensor's rows are checked first, in a dry run that copies nothing, on
-        every rank alike: a mismatch raises torch's ``RuntimeError`` naming the keys and loads
-        nothing. Returns torch's missing/unexpected keys.
+        shapes and each DTensor's rows are checked first, while ``nn.Module``'s load walk
+        (run once: each pre-hook once) records the values and copies nothing, on every rank
+        alike: a mismatch raises torch's ``RuntimeError`` naming the keys and loads nothing.
+        Then the recorded values are copied and the load post-hooks run. Returns torch's
+        missing/unexpected keys.
 
         Memory: one block of this rank's rows at a time (twice: checked, then copied). No
         communication."""
@@ -684,15 +721,14 @@ class FSDPStateDictMixin:
         wrapped = self._to_wrapped_keys(state_dict, getattr(state_dict, "_metadata", None))
         metadata = getattr(wrapped, "_metadata", None)
         rows: list = []
-        missing, unexpected, errors, _ = _load_walk(self, wrapped, "", metadata, sharded, True,
-                                                    rows)
+        missing, unexpected, errors, order, records = _load_walk(self, wrapped, "", metadata,
+                                                                 sharded, rows)
         problems = _load_problems(missing, unexpected, errors, strict) + rows
         if problems:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} "
                                f"(SHARDED_STATE_DICT; nothing was loaded):\n\t"
                                + "\n\t".join(problems))
-        missing, unexpected, errors, order = _load_walk(self, wrapped, "", metadata, sharded,
-                                                        False, [])
+        _apply_records(records)
         _run_load_post_hooks(order, missing, unexpected)
         problems = _load_problems(missing, unexpected, errors, strict)
         if problems:  # a post-hook's doing
@@ -828,19 +864,25 @@ class FSDPStateDictMixin:
         first = state_dict[0] if isinstance(state_dict, (list, tuple)) and state_dict \
             else state_dict
         wrapped = self._to_wrapped_keys(local, getattr(first, "_metadata", None))
-        self._refuse_local_mismatch(local, wrapped, strict)
-        with _own_walk():
-            result = nn.Module.load_state_dict(self, wrapped, strict=strict)
-        return type(result)([_reported(k) for k in result.missing_keys],
-                            [_reported(k) for k in result.unexpected_keys])
+        missing, unexpected, errors, order, records = self._refuse_local_mismatch(
+            local, wrapped, strict)
+        _apply_records(records)
+        _run_load_post_hooks(order, missing, unexpected)
+        problems = _load_problems(missing, unexpected, errors, strict)
+        if problems:  # a post-hook's doing
+            raise RuntimeError(f"Error(s) in loading local_state_dict for {type(self).__name__}"
+                               f":\n\t" + "\n\t".join(problems))
+        return _IncompatibleKeys([_reported(k) for k in missing],
+                                 [_reported(k) for k in unexpected])
 
-    def _refuse_local_mismatch(self, local: dict, wrapped: dict, strict: bool) -> None:
+    def _refuse_local_mismatch(self, local: dict, wrapped: dict, strict: bool) -> tuple:
         """torch's strict-load RuntimeError under :meth:`local_state_dict`'s keys (not FSDP's
-        wrapped names), raised before any shard is written (a dry run of the load: the
-        modules' pre-hooks and conversions run, nothing is copied): torch's own load first
-        copies every tensor that fits, so a dict of another model used to leave this one half
-        overwritten. Local: every rank given dicts of another model raises alike, no
-        communication."""
+        wrapped names), raised before any shard is written (the modules' load walk, their
+        pre-hooks and conversions included, records the values and copies nothing): torch's
+        own load first copies every tensor that fits, so a dict of another model used to leave
+        this one half overwritten. Returns :func:`_load_walk`'s result for
+        :func:`_apply_records`. Local: every rank given dicts of another model raises alike,
+        no communication."""
         mine = {clean_name(k): v for k, v in _structural_state_dict(self, keep_vars=True).items()}
         full = self.full_shapes()
         sizes = [f"size mismatch for {k}: the dict's shard has shape {tuple(v.shape)}, this "
@@ -848,8 +890,8 @@ class FSDPStateDictMixin:
                  f"{tuple(mine[k].shape)}"
                  for k, v in local.items() if k in mine and torch.is_tensor(v)
                  and torch.is_tensor(mine[k]) and tuple(v.shape) != tuple(mine[k].shape)]
-        missing, unexpected, errors, _ = _load_walk(
-            self, wrapped, "", getattr(wrapped, "_metadata", None), {}, True, [])
+        walked = _load_walk(self, wrapped, "", getattr(wrapped, "_metadata", None), {}, [])
+        missing, unexpected, errors = walked[:3]
         problems = _load_problems(missing, unexpected, [] if sizes else errors, strict)
         if sizes or any(line.startswith("size mismatch") for line in errors):
             sizes.append("a local state dict loads only at the world size that saved it; to "
@@ -859,6 +901,7 @@ class FSDPStateDictMixin:
         if problems:
             raise RuntimeError(f"Error(s) in loading local_state_dict for {type(self).__name__} "
                                f"(nothing was loaded):\n\t" + "\n\t".join(problems))
+        return walked
 
     # ------------------------------------------------------------------ optimizer state
 
