@@ -210,3 +210,102 @@ def test_torch_fsdp1_fsdp_modules_and_check_is_root(world2):
     were AttributeErrors)."""
     for r in world2.run(_torch_fsdp1_tree_names):
         assert r == {"all": 3, "roots": [True, True], "is_root": [True, False, True]}, r
+
+
+def _hook_registered_between_forward_and_backward():
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(FSDP(nn.Linear(6, 6)), nn.Tanh(), nn.Linear(6, 6)))
+    x, y = _batch(0)
+    out = model(_local(x))
+    model.module[0].module.weight.register_hook(lambda g: g * 2)  # after the forward
+    try:
+        F.mse_loss(out, _local(y)).backward()
+        return "no error"
+    except RuntimeError as error:
+        return str(error)
+
+
+def test_a_hook_registered_after_the_forward_is_refused_clearly(world2):
+    """Autograd calls a hook registered after the forward with ``None`` at the sharded
+    parameter's empty accumulation (a mask hook failed with "unsupported operand type(s) for
+    *: 'NoneType'"): refused, naming what to do."""
+    for message in world2.run(_hook_registered_between_forward_and_backward):
+        assert "before the forward" in message, message
+
+
+def _distribution_head_reshards(alias: bool):
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mu = nn.Linear(6, 6)
+            self.std = nn.Parameter(torch.full((6,), 0.7))
+
+        def forward(self, h):
+            scale = self.std if alias else self.std * 1.0
+            return torch.distributions.Normal(self.mu(h), scale)
+
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(6, 6), FSDP(Head())))
+    head = model.module[1]._shard
+    x, action = _batch(0)
+    dist = model(_local(x))
+    kept = head.gathered
+    (-dist.log_prob(_local(action)).mean()).backward()
+    return kept, head.gathered
+
+
+def test_a_distribution_head_reshards_after_forward_unless_it_holds_its_weights(world2):
+    """Tensors inside an object of the output (a ``Normal``'s ``loc``/``scale``) get the
+    pre-backward gather, so the unit reshards after forward as usual; only a view of the
+    gathered weights inside it keeps the unit gathered until backward."""
+    for alias in (False, True):
+        for kept, left in world2.run(_distribution_head_reshards, alias):
+            assert kept == alias and not left, (alias, kept, left)
+
+
+def _iterating_a_wrapped_module_dict():
+    model = FSDP(nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2)}))
+    return list(model), "a" in model
+
+
+def test_iterating_a_wrapped_module_dict(world2):
+    for keys, found in world2.run(_iterating_a_wrapped_module_dict):
+        assert keys == ["a", "b"] and found
+
+
+def _nonlinear_hooks_against_ddp(inplace: bool):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    base = _SharedBlock()
+    d_src, f_src = copy.deepcopy(base), copy.deepcopy(base)
+
+    def clip(grad):  # nonlinear: tells the local gradient from the reduced one
+        if inplace:
+            grad.clamp_(-0.02, 0.02)
+            return None
+        return grad.clamp(-0.02, 0.02)
+
+    for m in (d_src, f_src):
+        m.block.weight.register_hook(clip)
+        m.inp.weight.register_hook(clip)
+    ddp = DDP(d_src)
+    f_src.block = FSDP(f_src.block)
+    fsdp = FSDP(f_src)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ddp, fsdp)]
+    diffs = []
+    for step in range(3):
+        x, y = _batch(step)
+        for model, opt in zip((ddp, fsdp), opts):
+            for i, (xs, ys) in enumerate(zip(_local(x).chunk(2), _local(y).chunk(2))):
+                with model.no_sync() if i == 0 else torch.enable_grad():
+                    (F.mse_loss(model(xs), ys) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        diffs.append(_full_diff(fsdp, ddp.module))
+    return diffs
+
+
+def test_nonlinear_tensor_hooks_see_the_local_gradient_as_under_ddp(world2):
+    for inplace in (False, True):
+        for diffs in world2.run(_nonlinear_hooks_against_ddp, inplace):
+            assert max(diffs) < 1e-6, (inplace, diffs)

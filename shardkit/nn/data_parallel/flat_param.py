@@ -432,7 +432,7 @@ class FlatParamShard:
                                 f"size of value: expected a tensor of shape "
                                 f"{tuple(g.shape)}, got {_shape_of(result)}")
                         g = result
-                g = g.reshape(-1)
+                g = g.reshape(-1).to(self.compute_dtype)  # a hook's fp32 result under bf16
             out.append(g)
         self.add_grads(out)
 
@@ -458,8 +458,11 @@ class FlatParamShard:
             grads = [torch.zeros(n, dtype=self.compute_dtype, device=self.compute_device)
                      if g is None else g for g, n in zip(grads, self.numels)]
         else:
+            # a slot no gradient reached yet holds zeros: take the new gradient (no sum)
+            merged = [held if g is None else (held + g if used else g)
+                      for held, g, used in zip(self._grad_pieces, grads, self._used)]
             self._used = [u or g is not None for u, g in zip(self._used, grads)]
-            grads = [held if g is None else held + g for held, g in zip(self._grad_pieces, grads)]
+            grads = merged
         self._grad_pieces = grads
 
     def _every_use_delivered(self, uses: torch.Tensor) -> None:
@@ -743,6 +746,16 @@ class _PiecesOfFull(torch.autograd.Function):
         shard = ctx.shard()
         if shard is None:  # the model is gone: nothing to hand the gradients to
             return (None,) * (3 + ctx.params_given)
+        late = [i for i, p in enumerate(shard.params)
+                if id(p) in ctx.in_graph and _has_backward_hooks(p)]
+        if late:  # autograd also calls them, with None, at the parameter's empty accumulation
+            raise RuntimeError(
+                f"FullyShardedDataParallel: a tensor hook (register_hook) was registered on "
+                f"{_where(shard.locations[late[0]])} of unit {shard.label[1]!r} after the "
+                f"forward this "
+                f"backward runs through; FSDP calls such hooks itself with the local full "
+                f"gradient only when they exist at the forward. Register the hook before the "
+                f"forward (once, e.g. right after wrapping)")
         wanted = _params_this_backward_wants(shard, ctx.in_graph)
         shard.add_grads(shard.hold_for_tensor_hooks(
             [None if g is None or not want else g.reshape(-1) for g, want in zip(grads, wanted)]))
@@ -753,6 +766,10 @@ class _PiecesOfFull(torch.autograd.Function):
 
 def _has_tensor_hooks(p: nn.Parameter) -> bool:
     return _has_backward_hooks(p) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
+
+
+def _where(locations: list) -> str:
+    return ", ".join(f"{type(m).__name__}.{name}" for m, name in locations) or "a parameter"
 
 
 def _shape_of(value) -> str:

@@ -99,10 +99,12 @@ given (e.g. :class:`~shardkit.shm_transport.SharedMemoryTransport` for ranks on 
    reaches the unit's outputs: one that reaches a unit freed after its forward only through a
    value the module kept (an MoE layer's ``self.aux_loss`` backpropagated alone) gets its
    gradients, but fails if that path needs the unit's weights (an input gradient through them);
-   give such a unit ``reshard_after_forward=False``. A unit whose output holds an object FSDP
-   cannot look into (neither a tensor, mapping, list, tuple nor dataclass: a
-   ``torch.distributions.Normal`` from an actor network) stays gathered from its forward until
-   its backward, as with ``reshard_after_forward=False`` (``Ψ_u`` more memory meanwhile).
+   give such a unit ``reshard_after_forward=False``. Tensors held in the attributes of objects
+   in a unit's output (a ``torch.distributions.Normal`` from an actor network) get the unit's
+   pre-backward gather like any output tensor; a unit whose output holds an object FSDP
+   cannot look into (no ``__dict__``), or such an object holding a view of the gathered
+   parameters, stays gathered from its forward until its backward, as with
+   ``reshard_after_forward=False`` (``Ψ_u`` more memory meanwhile).
 """
 
 from __future__ import annotations
@@ -110,7 +112,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import enum
 import functools
+import sys
 import weakref
 from collections.abc import Mapping
 from typing import Iterator, Optional, Union
@@ -201,35 +205,48 @@ def _tensors_in(output) -> Iterator[torch.Tensor]:
 
 
 _PLAIN_VALUES = (int, float, complex, bool, str, bytes, torch.dtype, torch.device,
-                 type(None), type(Ellipsis), slice)
+                 type(None), type(Ellipsis), slice, enum.Enum)
 
 
-def _hides_tensors(output) -> bool:
-    """Whether a forward's output holds an object :func:`_tensors_in` cannot look into
-    (neither a tensor, a mapping, a list, a tuple, a dataclass nor a plain value: a
-    ``torch.distributions`` object an actor network returns, a class of one's own), which may
-    hold tensors computed from the unit's parameters: no pre-backward hook can be put on them,
-    so the unit stays gathered from its forward to its backward (without it, the backward
-    through its weights read freed storage: "setStorage: ... out of bounds for storage of size
-    0"). Local; one walk over the output's containers."""
+def _tensors_in_objects(output) -> tuple[list, bool]:
+    """The tensors :func:`_tensors_in` does not reach: those held in the attributes
+    (``vars()``) of the objects in a forward's output (a ``torch.distributions.Normal``'s
+    ``loc`` and ``scale``, a transformers ``Cache``'s keys and values, a class of one's own),
+    however nested; and whether some object could not be looked into (no ``__dict__``: a C
+    extension's object, an ``nn.Module``), which may hold tensors computed from the unit's
+    parameters out of FSDP's sight. Plain values (numbers, strings, enums, numpy arrays of
+    numbers) hold none. Local; one walk over the output."""
+    found: list = []
+    opaque = False
     seen: set = set()
-    stack = [output]
+    stack = [(output, False)]
     while stack:
-        item = stack.pop()
-        if isinstance(item, (torch.Tensor,) + _PLAIN_VALUES):
+        item, inside = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if inside:
+                found.append(item)
             continue
-        if id(item) in seen:
+        if isinstance(item, (type,) + _PLAIN_VALUES) or _is_numpy_value(item) or \
+                id(item) in seen:
             continue
         seen.add(id(item))
         if isinstance(item, Mapping):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
+            stack.extend((v, inside) for v in item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend((v, inside) for v in item)
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-            stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+            stack.extend((getattr(item, f.name), inside) for f in dataclasses.fields(item))
+        elif isinstance(item, nn.Module) or not hasattr(item, "__dict__"):
+            opaque = True
         else:
-            return True
-    return False
+            stack.extend((v, True) for v in vars(item).values())
+    return found, opaque
+
+
+def _is_numpy_value(item) -> bool:
+    np = sys.modules.get("numpy")  # never imported for this
+    return np is not None and isinstance(item, (np.generic, np.ndarray)) and \
+        getattr(item, "dtype", None) != object
 
 
 _EAGER_HOOK_REASON = (
@@ -678,6 +695,15 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                             f"and {type(module).__name__} is not subscriptable")
         return module[key]
 
+    def __iter__(self):
+        """Iterating reaches the wrapped module (``for layer in FSDP(nn.Sequential(...))``,
+        ``"key" in FSDP(nn.ModuleDict(...))``); a ``TypeError`` when it is not iterable."""
+        module = self._fsdp_wrapped_module
+        if not hasattr(type(module), "__iter__"):
+            raise TypeError(f"'{type(self).__name__}' object is not iterable: iteration reaches "
+                            f"the wrapped module, and {type(module).__name__} is not iterable")
+        return iter(module)
+
     def _apply(self, fn, recurse: bool = True):
         """``nn.Module._apply`` (behind ``.to()``, ``.half()``, ``.cuda()``, ``.float()``),
         refused with a clear error, before anything changes, when it would change the dtype or
@@ -902,8 +928,14 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                     if t.requires_grad:
                         t.register_hook(_refuse_backward_while_summoned)
             return output
-        keep_for_backward = grad_enabled and (self._stays_gathered_for_backward() or (
-            self._shard is not None and _hides_tensors(output)))
+        hidden, opaque = _tensors_in_objects(output) if grad_enabled and \
+            self._shard is not None else ([], False)
+        # an object FSDP cannot look into, or one holding a view of the gathered parameters
+        # (freed after forward), keeps the unit gathered until its backward
+        keep_for_backward = grad_enabled and (self._stays_gathered_for_backward() or opaque or (
+            bool(hidden) and self._shard.gathered and any(
+                t.untyped_storage().data_ptr() == self._shard.full.untyped_storage().data_ptr()
+                for t in hidden if t.layout == torch.strided and not t.is_nested)))
         if self._shard is not None:
             # also when kept gathered (the root, reshard_after_forward=False): the end of
             # backward, or the next forward after a step, frees ``full`` while the caller may
@@ -919,7 +951,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if self.training_state is TrainingState.FORWARD:
             self.training_state = TrainingState.IDLE
         if grad_enabled:
-            for t in _tensors_in(output):
+            for t in [*_tensors_in(output), *hidden]:
                 if t.requires_grad:
                     t.register_hook(_eager(self._pre_backward_hook))
                     # an output that is a view, then changed in place by the caller (HF
