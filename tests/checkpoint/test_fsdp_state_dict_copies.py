@@ -140,17 +140,9 @@ def _versions_kept():
     from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
     from shardkit.nn.data_parallel import StateDictType
 
-    def build(seed):
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(4, 4), _Migrating())
-
-    saved = build(0).state_dict()
-    model = build(1)
-    model[1] = FSDP(model[1])
-    model = FSDP(model)
-    model.load_state_dict(saved)
+    saved, model = _migrating_model_loaded()
     diffs = [_diff(saved, model.state_dict())]
-    plain = build(2)
+    plain = _migrating_model(2)
     plain.load_state_dict(model.state_dict())
     diffs.append(_diff(saved, plain.state_dict()))
     for kind in (StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT):
@@ -162,6 +154,23 @@ def _versions_kept():
             model.load_state_dict(kept)
         diffs.append(_diff(saved, model.state_dict()))
     return diffs
+
+
+def _migrating_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 4), _Migrating())
+
+
+def _migrating_model_loaded() -> tuple:
+    """(a plain model's state dict, another model wrapped in FSDP with its ``_Migrating``
+    module a unit of its own, loaded from that dict)."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    saved = _migrating_model(0).state_dict()
+    model = _migrating_model(1)
+    model[1] = FSDP(model[1])
+    model = FSDP(model)
+    model.load_state_dict(saved)
+    return saved, model
 
 
 # ---------------------------------------------------------------------- tests
@@ -223,19 +232,11 @@ def _consolidated_keeps_versions():
     import torch.distributed as dist
     from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
 
-    def build(seed):
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(4, 4), _Migrating())
-
-    saved = build(0).state_dict()
-    model = build(1)
-    model[1] = FSDP(model[1])
-    model = FSDP(model)
-    model.load_state_dict(saved)
+    saved, model = _migrating_model_loaded()
     weights, metas = [None, None], [None, None]
     dist.all_gather_object(weights, model.local_state_dict())
     dist.all_gather_object(metas, model.local_metadata_dict())
-    plain = build(2)
+    plain = _migrating_model(2)
     plain.load_state_dict(FSDP.consolidate_shard_weights(weights, metas))
     return _diff(saved, plain.state_dict())
 

@@ -65,17 +65,26 @@ def _oracle(modules, x, y, chunks: int, backward: bool) -> list:
     return [loss.detach() for loss in losses]
 
 
+def _my_stages(schedule_name: str, build) -> tuple:
+    """This rank's part of a pipeline of ``build(n)``'s modules placed as the schedule places
+    them: (the schedule class, the stage argument it takes, this rank's stage indices, the
+    modules, the number of stages)."""
+    cls, per_rank, placement = SCHEDULES[schedule_name]
+    p, rank = dist.get_world_size(), dist.get_rank()
+    n = p * per_rank
+    mine = [s for s in range(n) if stage_rank(s, n, p, placement) == rank]
+    modules = build(n)
+    stages = [PipelineStage(modules[s], s, n, placement=placement) for s in mine]
+    return cls, stages[0] if per_rank == 1 else stages, mine, modules, n
+
+
 def _train_eval_train(schedule_name: str) -> dict:
     """Train, evaluate (``eval``, then a step under ``torch.no_grad()``) with a batch that
     requires grad, train again; beside one process. The worst loss / gradient difference,
     and whether the forward-only steps left ``.grad`` as it was."""
-    cls, per_rank, placement = SCHEDULES[schedule_name]
-    p, rank = dist.get_world_size(), dist.get_rank()
-    n, chunks = p * per_rank, 2
-    mine = [s for s in range(n) if stage_rank(s, n, p, placement) == rank]
-    modules, ref = _modules(n), _modules(n)
-    stages = [PipelineStage(modules[s], s, n, placement=placement) for s in mine]
-    schedule = cls(stages[0] if per_rank == 1 else stages, chunks, F.mse_loss)
+    cls, staged, mine, modules, n = _my_stages(schedule_name, _modules)
+    ref, chunks = _modules(n), 2
+    schedule = cls(staged, chunks, F.mse_loss)
     first, last = 0 in mine, n - 1 in mine
     worst, untouched = 0.0, True
     for step, mode in enumerate(("train", "eval", "no_grad", "train")):
@@ -127,16 +136,12 @@ def _inference(schedule_name: str) -> dict:
     return_outputs=True)`` with no target; then a schedule with a ``loss_fn``, evaluated
     without a target under ``torch.no_grad()``. The worst difference from one process's
     outputs, and what the last stage's ``losses`` received."""
-    cls, per_rank, placement = SCHEDULES[schedule_name]
-    p, rank = dist.get_world_size(), dist.get_rank()
-    n, chunks = p * per_rank, 2
-    mine = [s for s in range(n) if stage_rank(s, n, p, placement) == rank]
-    modules, ref = _modules(n), _modules(n)
-    stages = [PipelineStage(modules[s], s, n, placement=placement) for s in mine]
+    cls, staged, mine, modules, n = _my_stages(schedule_name, _modules)
+    ref, chunks = _modules(n), 2
     first, last = 0 in mine, n - 1 in mine
     worst, received = 0.0, []
     for loss_fn in (None, F.mse_loss):
-        schedule = cls(stages[0] if per_rank == 1 else stages, chunks, loss_fn)
+        schedule = cls(staged, chunks, loss_fn)
         x = torch.randn(4, D, generator=torch.Generator().manual_seed(len(received)))
         losses = []
         with torch.no_grad():
@@ -213,13 +218,9 @@ def _unused_outputs(schedule_name: str) -> dict:
     stage's outputs (``ROUTES``; the batch requires grad on odd steps), beside one process: the
     worst gradient / parameter / batch-gradient difference, and where ``.grad`` is ``None`` on
     one side only."""
-    cls, per_rank, placement = SCHEDULES[schedule_name]
-    p, rank = dist.get_world_size(), dist.get_rank()
-    n, chunks = p * per_rank, 4
-    mine = [s for s in range(n) if stage_rank(s, n, p, placement) == rank]
-    modules, ref = _fork_modules(n), _fork_modules(n)
-    stages = [PipelineStage(modules[s], s, n, placement=placement) for s in mine]
-    schedule = cls(stages[0] if per_rank == 1 else stages, chunks, F.mse_loss)
+    cls, staged, mine, modules, n = _my_stages(schedule_name, _fork_modules)
+    ref, chunks = _fork_modules(n), 4
+    schedule = cls(staged, chunks, F.mse_loss)
     opt = torch.optim.AdamW([q for s in mine for q in modules[s].parameters()], lr=0.1,
                             weight_decay=0.1)
     ref_opt = torch.optim.AdamW([q for m in ref for q in m.parameters()], lr=0.1,
@@ -275,13 +276,8 @@ def test_an_output_the_next_stage_does_not_use_gets_no_gradient(world2, schedule
 def _train_after_inference(schedule_name: str) -> list:
     """A schedule built without ``loss_fn`` runs inference, then is asked to train (with and
     without a target): the same clear error on every rank, naming ``loss_fn``."""
-    cls, per_rank, placement = SCHEDULES[schedule_name]
-    p, rank = dist.get_world_size(), dist.get_rank()
-    n = p * per_rank
-    mine = [s for s in range(n) if stage_rank(s, n, p, placement) == rank]
-    modules = _modules(n)
-    stages = [PipelineStage(modules[s], s, n, placement=placement) for s in mine]
-    schedule = cls(stages[0] if per_rank == 1 else stages, 2)
+    cls, staged, mine, modules, n = _my_stages(schedule_name, _modules)
+    schedule = cls(staged, 2)
     first, last = 0 in mine, n - 1 in mine
     x, y = torch.randn(4, D), torch.randn(4, D)
     args = (x,) if first else ()

@@ -320,6 +320,20 @@ def _run_load_post_hooks(modules: list, missing: list, unexpected: list) -> None
                                      "done inplace.")
 
 
+def _finish_load(owner: nn.Module, records: list, order: list, missing: list, unexpected: list,
+                 errors: list, strict: bool, kind: str = "") -> _IncompatibleKeys:
+    """After a checked walk: write its ``records``, run the load post-hooks of ``order``, and
+    return torch's incompatible keys under the original names (a problem a post-hook made is
+    torch's ``RuntimeError``; ``kind`` follows the owner's class name in it). Local."""
+    _apply_records(records)
+    _run_load_post_hooks(order, missing, unexpected)
+    problems = _load_problems(missing, unexpected, errors, strict)
+    if problems:  # a post-hook's doing
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(owner).__name__}{kind}:"
+                           f"\n\t" + "\n\t".join(problems))
+    return _IncompatibleKeys([_reported(k) for k in missing], [_reported(k) for k in unexpected])
+
+
 def _key_lines(missing: list, unexpected: list) -> list:
     """torch's strict-load lines for these (already reported) keys."""
     return [f"{what} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + "."
@@ -508,14 +522,7 @@ class FSDPStateDictMixin:
             problems = [f"checking the state dict (the modules' load walk, pre-hooks "
                         f"included) raised {type(error).__name__}: {error}"]
         self._refuse_mismatch_on_every_rank(problems)
-        _apply_records(records)
-        _run_load_post_hooks(order, missing, unexpected)
-        problems = _load_problems(missing, unexpected, errors, strict)
-        if problems:  # a post-hook's doing
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}:"
-                               f"\n\t" + "\n\t".join(problems))
-        return _IncompatibleKeys([_reported(k) for k in missing],
-                                 [_reported(k) for k in unexpected])
+        return _finish_load(self, records, order, missing, unexpected, errors, strict)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
@@ -728,14 +735,8 @@ class FSDPStateDictMixin:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} "
                                f"(SHARDED_STATE_DICT; nothing was loaded):\n\t"
                                + "\n\t".join(problems))
-        _apply_records(records)
-        _run_load_post_hooks(order, missing, unexpected)
-        problems = _load_problems(missing, unexpected, errors, strict)
-        if problems:  # a post-hook's doing
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} "
-                               f"(SHARDED_STATE_DICT):\n\t" + "\n\t".join(problems))
-        return _IncompatibleKeys([_reported(k) for k in missing],
-                                 [_reported(k) for k in unexpected])
+        return _finish_load(self, records, order, missing, unexpected, errors, strict,
+                            " (SHARDED_STATE_DICT)")
 
     def _mark_own_shards_for_dcp(self, destination: OrderedDict, prefix: str) -> None:
         """This unit reached from a plain module's ``state_dict()`` under
