@@ -109,9 +109,11 @@ def test_pipeline_one_stage_per_node_matches_single_process(cluster_results):
     for rank, v in enumerate(values):
         for name, r in v.items():
             assert r["param_diff"] <= TOL, (rank, name, r["param_diff"])
-            # each stage's gradient all-reduce stays inside the node: 2(2-1)/2 x its bytes
-            # and the 4-byte element saying whether the step failed in some pipeline
-            assert r["intra_per_step"] == pytest.approx(r["grad_bytes"] + 4), (rank, name)
+            # each stage's gradient all-reduce stays inside the node: 2(2-1)/2 x its bytes,
+            # the 4-byte element saying whether the step failed in some pipeline and one
+            # 4-byte presence element per trainable parameter
+            assert r["intra_per_step"] == pytest.approx(
+                r["grad_bytes"] + 4 + 4 * r["param_tensors"]), (rank, name)
             # activations forward and gradients backward cross the link (the sender counts)
             assert r["inter_per_step"] > 0, (rank, name)
     for name in values[0]:  # the two pipelines' half-batch losses average to the oracle's

@@ -116,6 +116,7 @@ def _pipeline_one_stage_per_node():
             "param_diff": pipe._max_param_diff(module, ref_stage), "losses": losses,
             "ref_losses": ref_losses,
             "grad_bytes": sum(p.numel() * 4 for p in module.parameters()),
+            "param_tensors": sum(1 for p in module.parameters() if p.requires_grad),
             "intra_per_step": comm.intra_node_bytes / pipe.STEPS,
             "inter_per_step": comm.inter_node_bytes / pipe.STEPS}
     return out
