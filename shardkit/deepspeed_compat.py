@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import types
 from typing import Optional
@@ -276,6 +277,22 @@ def _destroy_process_group(group=None) -> None:
 
 # DeepSpeed's ``deepspeed.comm``: torch.distributed's calls under DeepSpeed's signatures (its
 # argument names and defaults), through shardkit.distributed (so CommCounter counts them)
+# DeepSpeed's timed collectives also take these (its communication logger's); shardkit counts
+# communication with CommCounter instead
+_PROFILING_KEYWORDS = ("prof", "log_name", "debug")
+
+
+def _takes_profiling_keywords(fn):
+    """``fn`` also taking DeepSpeed's profiling keywords (``prof=``, ``log_name=``,
+    ``debug=``) by keyword, accepted and ignored."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        for key in _PROFILING_KEYWORDS:
+            kwargs.pop(key, None)
+        return fn(*args, **kwargs)
+    return call
+
+
 comm = types.ModuleType("shardkit.comm", "DeepSpeed's deepspeed.comm over shardkit.distributed")
 comm.init_distributed = init_distributed
 comm.is_initialized = distributed.is_initialized
@@ -307,5 +324,9 @@ comm.isend = distributed.isend
 comm.irecv = distributed.irecv
 comm.all_gather_object = _all_gather_object
 comm.broadcast_object_list = _broadcast_object_list
+for _name in ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+              "reduce", "reduce_scatter_tensor", "inference_all_reduce", "all_to_all_single",
+              "send", "recv", "isend", "irecv"):
+    setattr(comm, _name, _takes_profiling_keywords(getattr(comm, _name)))
 comm.is_available = torch.distributed.is_available
 comm.get_backend = distributed.backend_of

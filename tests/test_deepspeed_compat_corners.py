@@ -94,6 +94,12 @@ def _comm_as_deepspeed_calls_it():
     dist.broadcast_object_list(sent, src=world - 1)
     assert sent == [world - 1, "from"]
     dist.barrier(group=None, async_op=True, device_ids=None).wait()
+    # DeepSpeed's profiling keywords of its timed collectives, accepted and ignored
+    total = torch.ones(3)
+    dist.all_reduce(total, prof=True, log_name="grads", debug="train_step")
+    assert total.tolist() == [float(world)] * 3
+    dist.broadcast(total, src=0, log_name="sync")
+    dist.barrier(prof=False, log_name="barrier")
     bad = []
     for call in (lambda: dist.all_gather_object([None], rank),
                  lambda: dist.all_to_all_single(got, rows, input_split_sizes=[1])):
@@ -108,7 +114,8 @@ def test_comm_takes_deepspeeds_signatures(world2):
     """Before the fix: TypeError on DeepSpeed's keyword names (output_tensor=, tensor_list=,
     output_split_sizes=), on barrier(async_op=), get_global_rank(group), and
     all_gather_object(object_list, obj); AttributeError on has_all_gather_into_tensor,
-    get_world_group, get_all_ranks_from_group, broadcast_object_list."""
+    get_world_group, get_all_ranks_from_group, broadcast_object_list; TypeError on the
+    profiling keywords (prof=, log_name=, debug=) of DeepSpeed's timed collectives."""
     bad = world2.run(_comm_as_deepspeed_calls_it)
     assert bad == [["all_gather_object", "all_to_all_single"]] * 2
 
