@@ -47,19 +47,26 @@ class _Block(nn.Module):
         return self.bn(torch.tanh(self.lin(x)))
 
 
-class _Net(nn.Module):
-    """Its old checkpoints call ``head`` ``fc`` (the public hook, with the module)."""
+class _Trunk(nn.Module):
+    """``emb`` (4 -> 5), ``make_block()`` (5 -> 7), ``head`` (7 -> 3), built in that order."""
 
-    def __init__(self):
+    def __init__(self, make_block):
         super().__init__()
         self.emb = nn.Linear(4, 5)
-        self.block = _Block()
+        self.block = make_block()
         self.head = nn.Linear(7, 3)
-        self.register_load_state_dict_pre_hook(
-            lambda module, sd, prefix, *_: _rename(sd, prefix, "fc.", "head."))
 
     def forward(self, x):
         return self.head(self.block(self.emb(x)))
+
+
+class _Net(_Trunk):
+    """Its old checkpoints call ``head`` ``fc`` (the public hook, with the module)."""
+
+    def __init__(self):
+        super().__init__(_Block)
+        self.register_load_state_dict_pre_hook(
+            lambda module, sd, prefix, *_: _rename(sd, prefix, "fc.", "head."))
 
 
 def _as_old(state: dict) -> OrderedDict:
@@ -295,28 +302,16 @@ class _Upgraded(nn.Module):
         return torch.tanh(self.lin(x))
 
 
-class _HookNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Linear(4, 5)
-        self.block = _Upgraded()
-        self.head = nn.Linear(7, 3)
-
-    def forward(self, x):
-        return self.head(self.block(self.emb(x)))
+def _HookNet() -> _Trunk:
+    """A trunk whose block is :class:`_Upgraded`."""
+    return _Trunk(_Upgraded)
 
 
-class _QNet(nn.Module):
-    """torch's FakeQuantize: its ``_load_from_state_dict`` resizes scale / zero_point."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Linear(4, 5)
-        self.block = nn.Sequential(nn.Linear(5, 7), torch.ao.quantization.FakeQuantize())
-        self.head = nn.Linear(7, 3)
-
-    def forward(self, x):
-        return self.head(self.block(self.emb(x)))
+def _QNet() -> _Trunk:
+    """torch's FakeQuantize in the block: its ``_load_from_state_dict`` resizes scale /
+    zero_point."""
+    return _Trunk(lambda: nn.Sequential(nn.Linear(5, 7),
+                                        torch.ao.quantization.FakeQuantize()))
 
 
 def _wrap(net, where: str):

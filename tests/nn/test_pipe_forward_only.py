@@ -10,19 +10,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardkit import distributed as dist
-from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                              ScheduleInterleaved1F1B, ScheduleZBV, ScheduleZeroBubble)
+from shardkit.nn.pipe import PipelineStage
 from shardkit.nn.pipe.stage import stage_rank
 from shardkit.testing import world_fixture
+from tests.nn.test_torch_pipelining_suite import SCHEDULES  # name -> (class, per rank, placement)
 
 D = 6
 world2 = world_fixture(2, timeout=90)
-
-# name -> (schedule class, stages per rank, placement)
-SCHEDULES = {"GPipe": (ScheduleGPipe, 1, "loop"), "1F1B": (Schedule1F1B, 1, "loop"),
-             "ZB-H1": (ScheduleZeroBubble, 1, "loop"),
-             "Interleaved1F1B": (ScheduleInterleaved1F1B, 2, "loop"),
-             "ZBV": (ScheduleZBV, 2, "v")}
 
 
 class _PassOn(nn.Module):

@@ -321,15 +321,17 @@ def _run_load_post_hooks(modules: list, missing: list, unexpected: list) -> None
 
 
 def _finish_load(owner: nn.Module, records: list, order: list, missing: list, unexpected: list,
-                 errors: list, strict: bool, kind: str = "") -> _IncompatibleKeys:
+                 errors: list, strict: bool, kind: str = "",
+                 what: str = "state_dict") -> _IncompatibleKeys:
     """After a checked walk: write its ``records``, run the load post-hooks of ``order``, and
     return torch's incompatible keys under the original names (a problem a post-hook made is
-    torch's ``RuntimeError``; ``kind`` follows the owner's class name in it). Local."""
+    torch's ``RuntimeError`` for loading ``what``; ``kind`` follows the owner's class name in
+    it). Local."""
     _apply_records(records)
     _run_load_post_hooks(order, missing, unexpected)
     problems = _load_problems(missing, unexpected, errors, strict)
     if problems:  # a post-hook's doing
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(owner).__name__}{kind}:"
+        raise RuntimeError(f"Error(s) in loading {what} for {type(owner).__name__}{kind}:"
                            f"\n\t" + "\n\t".join(problems))
     return _IncompatibleKeys([_reported(k) for k in missing], [_reported(k) for k in unexpected])
 
@@ -867,14 +869,8 @@ class FSDPStateDictMixin:
         wrapped = self._to_wrapped_keys(local, getattr(first, "_metadata", None))
         missing, unexpected, errors, order, records = self._refuse_local_mismatch(
             local, wrapped, strict)
-        _apply_records(records)
-        _run_load_post_hooks(order, missing, unexpected)
-        problems = _load_problems(missing, unexpected, errors, strict)
-        if problems:  # a post-hook's doing
-            raise RuntimeError(f"Error(s) in loading local_state_dict for {type(self).__name__}"
-                               f":\n\t" + "\n\t".join(problems))
-        return _IncompatibleKeys([_reported(k) for k in missing],
-                                 [_reported(k) for k in unexpected])
+        return _finish_load(self, records, order, missing, unexpected, errors, strict,
+                            what="local_state_dict")
 
     def _refuse_local_mismatch(self, local: dict, wrapped: dict, strict: bool) -> tuple:
         """torch's strict-load RuntimeError under :meth:`local_state_dict`'s keys (not FSDP's

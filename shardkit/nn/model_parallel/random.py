@@ -200,28 +200,33 @@ class RNGStatesTracker:
         finally:
             self._states, self._open = saved
 
+    def _innermost_fork_of(self, name: str):
+        """Index in the open forks of stream ``name``'s innermost fork, ``None`` if none."""
+        for i in range(len(self._open) - 1, -1, -1):
+            if self._open[i][0] == name:
+                return i
+        return None
+
     def _live(self, name: str) -> _GeneratorState:
         """Where stream ``name``'s draws have got to: the generators' state if its fork is the
         innermost open one, the state at the entry of the next fork if an outer one is open,
         else the saved state."""
-        for i in range(len(self._open) - 1, -1, -1):
-            if self._open[i][0] == name:
-                if i == len(self._open) - 1:
-                    return _GeneratorState.capture()
-                return self._open[i + 1][1]
-        return self._states[name]
+        i = self._innermost_fork_of(name)
+        if i is None:
+            return self._states[name]
+        return _GeneratorState.capture() if i == len(self._open) - 1 else self._open[i + 1][1]
 
     def _set_live(self, name: str, state: _GeneratorState) -> bool:
         """Record ``state`` as where stream ``name`` has got to (see :meth:`_live`); True when
         that stream's fork is the innermost open one, so the generators now continue it."""
-        for i in range(len(self._open) - 1, -1, -1):
-            if self._open[i][0] == name:
-                if i == len(self._open) - 1:
-                    state.restore()
-                    return True
-                self._open[i + 1][1] = state
-                return False
-        self._states[name] = state
+        i = self._innermost_fork_of(name)
+        if i is None:
+            self._states[name] = state
+            return False
+        if i == len(self._open) - 1:
+            state.restore()
+            return True
+        self._open[i + 1][1] = state
         return False
 
 
