@@ -212,23 +212,23 @@ def _bad_on_one_rank() -> dict:
     old = _old_dict("root", "FULL_STATE_DICT")
     if skd.get_rank() == 1:
         old["fc.bias"] = torch.zeros(4)
-    try:
-        model.load_state_dict(old)
-        error = None
-    except RuntimeError as e:
-        error = str(e)
-    out = {"error": error, "changed": _max_diff(_full(model), before)}
+    out = {"error": _load_error(model, old), "changed": _max_diff(_full(model), before)}
     old = _old_dict("root", "FULL_STATE_DICT")  # a pre-hook raising on rank 1 only
     model.module.block.register_load_state_dict_pre_hook(_refuse_poison)
     if skd.get_rank() == 1:
         old["block.poison"] = torch.zeros(1)
-    try:
-        model.load_state_dict(old)
-        out["hook error"] = None
-    except RuntimeError as e:
-        out["hook error"] = str(e)
+    out["hook error"] = _load_error(model, old)
     out["hook changed"] = _max_diff(_full(model), before)
     return out
+
+
+def _load_error(model, state_dict):
+    """The RuntimeError's text of ``model.load_state_dict(state_dict)``, ``None`` if it loads."""
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as error:
+        return str(error)
+    return None
 
 
 def _refuse_poison(module, state_dict, prefix, *_) -> None:
