@@ -88,7 +88,8 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
     ``param``, ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq``) are contiguous buffers of one
     shape and dtype; ``grad`` has their shape, any float dtype (fp32/bf16/fp16).
-    ``step`` is the step number after this update (1 on the first step). ``grad_scale``: the
+    ``step`` is the step number after this update (1 on the first step): a number, or a
+    one-element tensor as torch keeps ``state["step"]`` (read on the host). ``grad_scale``: the
     gradient is divided by it first (and left unscaled in ``grad``); ``found_inf`` (nonzero):
     nothing is updated. ``low_precision_out``: a bf16/fp16 buffer that receives the updated
     parameters in the same pass (on CPU a second pass; on a CPU skip it is left untouched).
@@ -102,6 +103,7 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     _check_adamw("adamw_step", param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, amsgrad,
                  low_precision_out, grad_scale, found_inf)
     _check_hyper("adamw_step", lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    step = _step_number("adamw_step", "step", step)
     if step < 1:
         raise ValueError(f"adamw_step: step={step}; it counts from 1")
     hyper = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
@@ -118,6 +120,22 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                  grad_scale=grad_scale, found_inf=found_inf, **hyper)
     if low_precision_out is not None and not _skipped_on_cpu(found_inf):
         low_precision_out.copy_(param)
+
+
+def _step_number(name: str, key: str, step):
+    """``step`` as a Python number. Taken: an int or float, or a one-element tensor (torch's
+    optimizers keep ``state["step"]`` as one; read on the host, on CUDA a synchronisation): the
+    Triton launch needs the bias corrections as host numbers."""
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1 or step.dtype == torch.bool or step.is_complex():
+            raise ValueError(f"{name}: {key} is a {step.dtype} tensor of {step.numel()} "
+                             f"elements; valid values are numbers >= 1 or one-element real "
+                             f"tensors holding one")
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, (int, float)):
+        raise ValueError(f"{name}: {key}={step!r}; valid values are numbers >= 1 or one-element "
+                         f"real tensors holding one")
+    return step
 
 
 def _skipped_on_cpu(found_inf: Optional[torch.Tensor]) -> bool:
@@ -219,7 +237,8 @@ def adamw_step_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
                     found_inf: Optional[torch.Tensor] = None, validate: bool = True) -> None:
     """:func:`adamw_step` over lists of tensors (e.g. one param group) in one kernel launch.
 
-    ``steps[i]`` is tensor ``i``'s step number after this update. Each tensor ``i`` follows the
+    ``steps[i]`` is tensor ``i``'s step number after this update (a number, or a one-element
+    tensor as torch keeps ``state["step"]``). Each tensor ``i`` follows the
     rules of :func:`adamw_step`; all share one device. ``validate=False`` skips the per-tensor
     checks (about 1 µs per tensor) for callers that built the state buffers themselves and take
     params and grads from autograd. Memory traffic: 28 B per fp32 parameter, as the flat step;
@@ -236,6 +255,8 @@ def adamw_step_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
                              f"{len(params)} params")
     if not params:
         return
+    if any(type(s) is not int for s in steps):
+        steps = [_step_number("adamw_step_many", f"steps[{i}]", s) for i, s in enumerate(steps)]
     device = params[0].device
     maxes = list(max_exp_avg_sqs) if amsgrad else []
     plainly_valid = not validate or (

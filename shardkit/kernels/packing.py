@@ -91,6 +91,10 @@ def pack_rank_major(tensors: Sequence[torch.Tensor], world_size: int, *, scale: 
     chunks = _check_chunks(numels, chunk_numels, world_size)
     seg = sum(chunks)
     dtype = dtype or tensors[0].dtype
+    if scale != 1.0 and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"pack_rank_major: scale={scale!r} with the packed dtype {dtype}; a "
+                         f"scale needs a floating dtype (pass dtype=torch.float32, or scale=1.0 "
+                         f"to copy {dtype} values as they are)")
     if out is None:
         out = torch.empty(world_size * seg, dtype=dtype, device=device)
     else:

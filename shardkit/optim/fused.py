@@ -66,7 +66,11 @@ class FusedAdamW(torch.optim.Optimizer):
         params: parameters or param-group dicts, as for any torch optimizer. A parameter that
             is not contiguous (a transposed view, a ``channels_last`` convolution weight) is
             stepped through a contiguous copy: one more read and write of it per step.
-        lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``.
+        lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``; ``lr`` may
+            be a one-element tensor, as torch's (a scheduler fills it in place), read on the
+            host at each step (on CUDA a synchronisation per param group).
+        foreach, fused: accepted, as torch's, and ignored (the step is always fused);
+            ``capturable`` and ``differentiable`` must stay False (a ValueError otherwise).
 
     Example::
 
@@ -76,7 +80,12 @@ class FusedAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False,
-                 maximize: bool = False):
+                 maximize: bool = False, *, foreach=None, capturable: bool = False,
+                 differentiable: bool = False, fused=None):
+        for name, value in (("capturable", capturable), ("differentiable", differentiable)):
+            if value:
+                raise ValueError(f"FusedAdamW: {name}={value!r} is not supported (the step runs "
+                                 f"outside autograd and CUDA graphs); leave it False")
         _check_hyper_parameters(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize)
@@ -88,6 +97,12 @@ class FusedAdamW(torch.optim.Optimizer):
         # state and param_groups: the flat buffers are rebuilt from the state on the next step
         super().__setstate__(state)
         self._flat = {}
+        # a state dict saved without these keys (an older torch Adam/AdamW, DeepSpeed's
+        # FusedAdam) ran without the variant: False, as torch.optim.AdamW fills them in
+        for group in self.param_groups:
+            for key in ("amsgrad", "maximize"):
+                if key in self.defaults:
+                    group.setdefault(key, False)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (as torch), checking its hyper-parameters."""
@@ -233,8 +248,12 @@ def _by_device_dtype(group: dict) -> list:
 
 
 def _check_hyper_parameters(lr, betas, eps, weight_decay) -> None:
-    if isinstance(lr, torch.Tensor) or not lr >= 0.0:
-        raise ValueError(f"FusedAdamW: lr={lr!r}; valid values are floats >= 0")
+    if isinstance(lr, torch.Tensor) and (lr.numel() != 1 or not lr.is_floating_point()):
+        raise ValueError(f"FusedAdamW: lr is a {lr.dtype} tensor of {lr.numel()} elements; "
+                         f"valid values are floats >= 0 or a one-element float tensor")
+    if not lr >= 0.0:
+        raise ValueError(f"FusedAdamW: lr={lr!r}; valid values are floats >= 0 (or a "
+                         f"one-element float tensor holding one)")
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"FusedAdamW: betas={tuple(betas)!r}; valid values are two floats in "
                          f"[0, 1)")

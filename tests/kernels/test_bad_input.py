@@ -34,6 +34,7 @@ ADAMW_CASES = [
     (dict(grad=torch.zeros(8, dtype=torch.int32)), {}, "grad is torch.int32"),
     ({}, dict(amsgrad=True), "amsgrad=True needs max_exp_avg_sq"),
     ({}, dict(step=0), "step=0; it counts from 1"),
+    ({}, dict(step=torch.tensor([1.0, 2.0])), "step is a torch.float32 tensor of 2 elements"),
     ({}, dict(lr=-1.0), "lr=-1.0"),
     ({}, dict(beta2=1.0), "beta2=1.0; valid range is [0, 1)"),
     ({}, dict(grad_scale=torch.ones(2)), "grad_scale must be a one-element tensor"),
@@ -100,6 +101,14 @@ def test_packing_rejects_bad_layouts(backend):
         unpack_rank_major(torch.empty(15), 2, t)
     with pytest.raises(ValueError, match=r"chunk_numels\[0\]=2 is smaller than outs\[0\]"):
         unpack_shard(torch.empty(4), [torch.empty(3), torch.empty(1)], [2, 2])
+    ints = [torch.arange(5), torch.arange(3)]
+    out = torch.full((10,), -1)
+    with pytest.raises(ValueError, match=r"scale=0.5 with the packed dtype torch.int64; a scale "
+                                         r"needs a floating dtype"):
+        pack_rank_major(ints, 2, scale=0.5, out=out)
+    assert (out == -1).all()  # refused before anything was written
+    assert pack_rank_major(ints, 2, scale=0.5, dtype=torch.float32).tolist() == [
+        0.0, 0.5, 1.0, 0.0, 0.5, 1.5, 2.0, 0.0, 1.0, 0.0]
 
 
 def _escaped(message):

@@ -172,6 +172,23 @@ def test_empty_buffers_are_a_no_op(backend):
     sgd_step(e, e.clone(), e.clone(), lr=0.1, momentum=0.9)
 
 
+def test_step_given_as_torchs_step_tensor_counts_as_its_value(backend):
+    """``step=state["step"]`` (torch keeps it as a float32 or int64 scalar tensor) steps as
+    the number it holds, on both backends (the Triton launch took the tensor for a pointer)."""
+    gen = torch.Generator().manual_seed(3)
+    start = [torch.randn(50, generator=gen) for _ in range(2)] + [
+        torch.rand(50, generator=gen) for _ in range(2)]
+    expected = [t.clone() for t in start]
+    adamw_step(*expected, step=3, lr=0.1)
+    for step in (torch.tensor(3.0), torch.tensor(3)):
+        one, many = [t.clone() for t in start], [[t.clone()] for t in start]
+        adamw_step(*one, step=step, lr=0.1)
+        adamw_step_many(*many, steps=[step], lr=0.1)
+        for got in (one, [t[0] for t in many]):
+            for actual, want in zip(got, expected):
+                assert torch.equal(actual, want)
+
+
 @pytest.mark.parametrize("skip", [False, True])
 def test_adamw_step_many_unscales_and_skips(backend, skip):
     gen = torch.Generator().manual_seed(7)

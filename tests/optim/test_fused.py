@@ -117,6 +117,33 @@ def test_state_dict_round_trip_adamw_fused_adamw(backend):
     assert all(back.state[p]["step"].item() == 8 for p in ref.parameters())
 
 
+def test_state_dict_without_variant_keys_and_with_int_steps_loads_as_torch():
+    """A state dict saved by an optimizer that has no ``amsgrad`` / ``maximize`` (DeepSpeed's
+    FusedAdam, an older torch Adam) and keeps ``step`` as a Python number: torch.optim.AdamW
+    loads it (the variants off, the steps made tensors) and trains on; so does FusedAdamW."""
+    kw = dict(lr=3e-3, weight_decay=0.05)
+    ref, model = MLP(32, 3, out=8, seed=1), MLP(32, 3, out=8, seed=1)
+    first = torch.optim.AdamW(ref.parameters(), **kw)
+    train(ref, first, 3)
+    model.load_state_dict(ref.state_dict())
+    sd = copy.deepcopy(first.state_dict())
+    for group in sd["param_groups"]:
+        for key in ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                    "decoupled_weight_decay"):
+            del group[key]
+    for state in sd["state"].values():
+        state["step"] = int(state["step"])
+    ref_opt = torch.optim.AdamW(ref.parameters(), **kw)
+    ref_opt.load_state_dict(copy.deepcopy(sd))
+    opt = FusedAdamW(model.parameters(), **kw)
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["amsgrad"] is False and opt.param_groups[0]["maximize"] is False
+    train(ref, ref_opt, 3, start=3)
+    train(model, opt, 3, start=3)
+    assert max_param_diff(ref, model) < 1e-6
+    assert all(float(opt.state[p]["step"]) == 6 for p in model.parameters())
+
+
 def test_skips_params_without_grads_and_zero_grad():
     model = GPT(CFG, seed=2)
     unused = torch.nn.Parameter(torch.randn(7))
@@ -163,10 +190,32 @@ def test_add_param_group_later():
     (dict(betas=(0.9, 1.0)), r"betas=\(0.9, 1.0\); valid values are two floats in \[0, 1\)"),
     (dict(eps=-1e-8), "eps=-1e-08"),
     (dict(weight_decay=-0.1), "weight_decay=-0.1"),
+    (dict(lr=torch.tensor([1e-3, 1e-3])), "lr is a torch.float32 tensor of 2 elements; valid"),
+    (dict(lr=torch.tensor(-1.0)), "valid values are floats >= 0"),
+    (dict(capturable=True), "capturable=True is not supported"),
+    (dict(differentiable=True), "differentiable=True is not supported"),
 ])
 def test_bad_hyper_parameters(kwargs, message):
     with pytest.raises(ValueError, match=message):
         FusedAdamW([torch.nn.Parameter(torch.randn(3))], **kwargs)
+
+
+def test_tensor_lr_under_a_scheduler_and_torchs_keywords_match_torch_adamw(backend):
+    """``torch.optim.AdamW(params, lr=torch.tensor(...), fused=True)`` with a scheduler that
+    fills the tensor in place: FusedAdamW takes the same arguments and steps the same."""
+    ref, model = MLP(32, 3, out=8, seed=1), MLP(32, 3, out=8, seed=1)
+    ref_opt = torch.optim.AdamW(param_groups(ref), lr=torch.tensor(3e-3), weight_decay=0.05,
+                                foreach=False)
+    opt = FusedAdamW(param_groups(model), lr=torch.tensor(3e-3), weight_decay=0.05,
+                     foreach=None, fused=True, capturable=False, differentiable=False)
+    scheds = [torch.optim.lr_scheduler.ExponentialLR(o, 0.5) for o in (ref_opt, opt)]
+    for step in range(4):
+        for m, o, sched in zip((ref, model), (ref_opt, opt), scheds):
+            train(m, o, 1, start=step)
+            sched.step()
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(3e-3 / 16)
+    assert max_param_diff(ref, model) < 1e-6
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
