@@ -233,6 +233,53 @@ def _all_to_all_single(output, tensor, output_split_sizes=None, input_split_size
     return _Done() if async_op else None
 
 
+def _all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False):
+    """DeepSpeed's (torch's) ``all_to_all(output_tensor_list, input_tensor_list, group=None,
+    async_op=False)``: ``input_tensor_list[j]`` goes to group rank ``j``, group rank ``j``'s
+    item for this rank lands in ``output_tensor_list[j]`` (items of any sizes, one dtype).
+    Runs as :func:`all_to_all_single` of the lists flattened (their sizes as split sizes: one
+    all-gather of the sizes, checked on every rank, then one all-to-all); with ``async_op`` a
+    finished handle. gloo has no list all-to-all of its own."""
+    what = "all_to_all"
+    if distributed._not_a_member(group):
+        return _Done() if async_op else None
+    n = distributed.get_world_size(group)
+    for name, items in (("output_tensor_list", output_tensor_list),
+                        ("input_tensor_list", input_tensor_list)):
+        if not isinstance(items, (list, tuple)) or len(items) != n or not all(
+                isinstance(t, torch.Tensor) for t in items):
+            raise ValueError(f"{what}({name}=...): expected a list of {n} tensors (one per rank "
+                             f"of the group), got {type(items).__name__}"
+                             + (f" of {len(items)}" if isinstance(items, (list, tuple)) else ""))
+    dtypes = {t.dtype for t in (*output_tensor_list, *input_tensor_list)}
+    if len(dtypes) > 1:
+        raise ValueError(f"{what}: the tensors of both lists must have one dtype, got "
+                         f"{sorted(str(d) for d in dtypes)}")
+    sends = torch.cat([t.reshape(-1) for t in input_tensor_list])
+    got = sends.new_empty(sum(t.numel() for t in output_tensor_list))
+    _all_to_all_single(got, sends, output_split_sizes=[t.numel() for t in output_tensor_list],
+                       input_split_sizes=[t.numel() for t in input_tensor_list], group=group)
+    sizes = [t.numel() for t in output_tensor_list]
+    for out, part in zip(output_tensor_list, torch.split(got, sizes)):
+        out.copy_(part.view(out.shape))
+    return _Done() if async_op else None
+
+
+def _allgather_fn(output_tensor, input_tensor, group=None, async_op: bool = False, debug=None):
+    """DeepSpeed's ``allgather_fn(output_tensor, input_tensor, group=None, async_op=False)``:
+    :func:`all_gather_into_tensor` (the flat all-gather, which torch always has here)."""
+    return distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                              async_op=async_op)
+
+
+def _reduce_scatter_fn(output_tensor, tensor, op=distributed.ReduceOp.SUM, group=None,
+                       async_op: bool = False, prof: bool = False, debug=None):
+    """DeepSpeed's ``reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None,
+    async_op=False)``: :func:`reduce_scatter_tensor`."""
+    return distributed.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group,
+                                             async_op=async_op)
+
+
 def _all_gather_object(object_list, obj, group=None) -> None:
     """DeepSpeed's (torch's) ``all_gather_object(object_list, obj, group=None)``: fills
     ``object_list`` (one slot per rank of the group) with every rank's ``obj``. A rank outside
@@ -255,14 +302,25 @@ def _all_gather_object(object_list, obj, group=None) -> None:
 def _broadcast_object_list(object_list, src, group=None, device=None) -> None:
     """DeepSpeed's (torch's) ``broadcast_object_list(object_list, src, group=None,
     device=None)``: every rank's ``object_list`` takes rank ``src``'s items (lists of the
-    same length on every rank)."""
+    same length on every rank). After the object broadcast, one small all-gather (two ints a
+    rank, not counted; on ``device``, else the CUDA device under NCCL, else the CPU) checks
+    the lengths, so a list of another length than ``src``'s on any rank raises a ValueError
+    on every rank (``src`` included) and every list is left as it was."""
     if not isinstance(object_list, list):
         raise ValueError(f"broadcast_object_list(object_list=...): expected a list, got "
                          f"{type(object_list).__name__}")
     sent = distributed.broadcast_object(list(object_list), src=src, group=group)
+    if distributed._not_a_member(group):
+        return
+    problem = None
     if len(sent) != len(object_list):
-        raise ValueError(f"broadcast_object_list: rank {src} sent {len(sent)} objects, this "
-                         f"rank's list has {len(object_list)} slots")
+        problem = (f"broadcast_object_list(object_list=...): rank {src} sent {len(sent)} "
+                   f"objects, this rank's list has {len(object_list)} slots")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if distributed.backend_of(group) == "nccl" else torch.device("cpu")
+    distributed._agree_on_root("broadcast_object_list", "src", src, problem, group, device,
+                               outcome="no list was changed")
     object_list[:] = sent
 
 
@@ -324,9 +382,25 @@ comm.isend = distributed.isend
 comm.irecv = distributed.irecv
 comm.all_gather_object = _all_gather_object
 comm.broadcast_object_list = _broadcast_object_list
+# torch's rooted and list collectives and the coalesced ones of DeepSpeed's comm
+comm.gather = distributed.gather
+comm.scatter = distributed.scatter
+comm.monitored_barrier = distributed.monitored_barrier
+comm.all_reduce_coalesced = distributed.all_reduce_coalesced
+comm.has_all_reduce_coalesced = lambda: True
+comm.all_gather_coalesced = distributed.all_gather_coalesced
+# DeepSpeed's backend answers whether it can coalesce ops under torch's coalescing manager;
+# shardkit.comm offers none (its coalesced collectives pack into one buffer instead)
+comm.has_coalescing_manager = lambda: False
+comm.reduce_scatter = distributed.reduce_scatter
+comm.all_to_all = _all_to_all
+comm.allgather_fn = _allgather_fn
+comm.reduce_scatter_fn = _reduce_scatter_fn
 for _name in ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
               "reduce", "reduce_scatter_tensor", "inference_all_reduce", "all_to_all_single",
-              "send", "recv", "isend", "irecv"):
+              "send", "recv", "isend", "irecv", "gather", "scatter", "monitored_barrier",
+              "all_reduce_coalesced", "reduce_scatter", "reduce_scatter_fn",
+              "all_gather_object"):
     setattr(comm, _name, _takes_profiling_keywords(getattr(comm, _name)))
 comm.is_available = torch.distributed.is_available
 comm.get_backend = distributed.backend_of

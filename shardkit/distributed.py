@@ -39,6 +39,8 @@ __all__ = [
     "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
     "recv", "isend",
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
+    "monitored_barrier", "gather", "scatter", "all_reduce_coalesced", "all_gather_coalesced",
+    "reduce_scatter",
     "broadcast_object", "all_gather_object", "first_disagreement", "first_difference",
     "raise_on_disagreement",
     "broadcast_tensors_from_rank0", "any_rank",
@@ -919,7 +921,8 @@ def all_reduce_as_one(tensors: Sequence[torch.Tensor], group=None, divide_by: in
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                           group=None, async_op: bool = False):
-    """Reduce ``input`` (``n`` equal rank-major chunks) and leave chunk ``rank`` in ``output``.
+    """Reduce ``input`` (``n`` equal rank-major chunks: the outputs concatenated or stacked
+    along dim 0, as torch's) and leave chunk ``rank`` in ``output``.
 
     Wire: ``(n-1)/n`` of the input's bytes. Raises ``ValueError`` when the sizes disagree.
     """
@@ -929,18 +932,31 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
         raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements; it must be "
                          f"world size {n} x output's {output.numel()} = {output.numel() * n}")
     _record("reduce_scatter", input, group)
+    output, input = _flat_when_contiguous(output, input)
     return _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
+def _flat_when_contiguous(output: torch.Tensor, input: torch.Tensor) -> tuple:
+    """``output`` and ``input`` as flat views when both are contiguous (rank-major chunks
+    are then the same elements), so that torch's stacked form (``n x`` the shard's shape,
+    which gloo refuses: "invalid tensor size", "Check failed: outputShape[0] * worldSize")
+    works as the concatenated one does."""
+    if output.is_contiguous() and input.is_contiguous():
+        return output.view(-1), input.view(-1)
+    return output, input
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
                            async_op: bool = False):
-    """Gather every rank's ``input`` into ``output`` (rank-major). Wire: ``(n-1)/n`` of output."""
+    """Gather every rank's ``input`` into ``output`` (rank-major: the inputs concatenated or
+    stacked along dim 0, as torch's). Wire: ``(n-1)/n`` of output."""
     _check_call("all_gather_into_tensor", group, output, input)
     n = get_world_size(group)
     if output.numel() != input.numel() * n:
         raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements; it must "
                          f"be world size {n} x input's {input.numel()} = {input.numel() * n}")
     _record("all_gather", output, group)
+    output, input = _flat_when_contiguous(output, input)
     return _all_gather_tensor(output, input, group=group, async_op=async_op)
 
 
@@ -988,31 +1004,49 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
-    """Blocking send to global rank ``dst``. Wire: the tensor's bytes."""
+    """Blocking send to global rank ``dst`` (a non-contiguous tensor as a contiguous copy,
+    where torch refuses it: "input tensor has to be contiguous"). Wire: the tensor's
+    bytes."""
     _check_call("send", group, tensor, dst=dst)
     _record("send", tensor, group)
-    dist.send(tensor, dst=dst, group=group, tag=tag)
+    dist.send(tensor.contiguous(), dst=dst, group=group, tag=tag)
 
 
-def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0) -> None:
-    """Blocking receive from global rank ``src``. Wire: 0 (the sender counts it)."""
-    _check_call("recv", group, tensor, src=src)
+def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0) -> int:
+    """Blocking receive from global rank ``src`` (``None``: from whichever rank of ``group``
+    sends first, as torch's). Returns the sender's global rank (-1 on a rank outside
+    ``group``, where nothing is received). A non-contiguous ``tensor`` receives through a
+    contiguous temporary. Wire: 0 (the sender counts it)."""
+    _check_call("recv", group, tensor, **({} if src is None else {"src": src}))
     _record("recv", tensor, group)
-    dist.recv(tensor, src=src, group=group, tag=tag)
+    if tensor.is_contiguous():
+        return dist.recv(tensor, src=src, group=group, tag=tag)
+    landing = tensor.contiguous()
+    sender = dist.recv(landing, src=src, group=group, tag=tag)
+    tensor.copy_(landing)
+    return sender
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0):
-    """Asynchronous send to global rank ``dst``; returns a work handle. Wire: its bytes."""
+    """Asynchronous send to global rank ``dst`` (a non-contiguous tensor as a contiguous
+    copy, taken now); returns a work handle. Wire: its bytes."""
     _check_call("isend", group, tensor, dst=dst)
     _record("send", tensor, group)
-    return dist.isend(tensor, dst=dst, group=group, tag=tag)
+    return dist.isend(tensor.contiguous(), dst=dst, group=group, tag=tag)
 
 
-def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0):
-    """Asynchronous receive from global rank ``src``; returns a work handle. Wire: 0."""
-    _check_call("irecv", group, tensor, src=src)
+def irecv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0):
+    """Asynchronous receive from global rank ``src`` (``None``: from any rank of ``group``;
+    the handle's ``_source_rank()`` then names the sender's group rank, as torch's); returns
+    a work handle (for a non-contiguous ``tensor``, one whose ``wait()`` copies the message
+    in from a contiguous temporary). Wire: 0."""
+    _check_call("irecv", group, tensor, **({} if src is None else {"src": src}))
     _record("recv", tensor, group)
-    return dist.irecv(tensor, src=src, group=group, tag=tag)
+    if tensor.is_contiguous():
+        return dist.irecv(tensor, src=src, group=group, tag=tag)
+    landing = tensor.contiguous()
+    return _ThenCopy([dist.irecv(landing, src=src, group=group, tag=tag)],
+                     lambda: tensor.copy_(landing))
 
 
 @dataclass
@@ -1117,6 +1151,313 @@ def barrier(group=None) -> None:
     _record("barrier", 0, group)
     with reporting_broken_links("barrier", group):
         dist.barrier(group=group)
+
+
+def monitored_barrier(group=None, timeout: Optional[datetime.timedelta] = None,
+                      wait_all_ranks: bool = False) -> None:
+    """torch's ``monitored_barrier``: a barrier (gloo only) that names the ranks that did not
+    reach it within ``timeout`` (a positive ``timedelta``; ``None``: the group's timeout), all
+    of them with ``wait_all_ranks``, else the first. Wire: 0 counted bytes.
+
+    Raises:
+        ValueError: a ``timeout`` that is not a positive ``timedelta``, or a group whose
+            backend is not gloo (torch implements it for gloo only); on every rank alike,
+            before anything is sent.
+    """
+    what = "shardkit.distributed.monitored_barrier"
+    _check_call("monitored_barrier", group)
+    if timeout is not None and (not isinstance(timeout, datetime.timedelta)
+                                or timeout.total_seconds() <= 0):
+        raise ValueError(f"{what}(timeout={timeout!r}): expected a positive datetime.timedelta "
+                         f"or None (the group's timeout)")
+    if _not_a_member(group):
+        return
+    if backend_of(group) != "gloo":
+        raise ValueError(f"{what}(group=...): the group's backend is {backend_of(group)!r}; "
+                         f"torch implements monitored_barrier for gloo only (use barrier, or a "
+                         f"gloo group from new_group(ranks, backend='gloo'))")
+    _record("barrier", 0, group)
+    dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+
+
+class _Finished:
+    """The handle of work that finished before it was returned: ``wait()`` returns at once."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _ThenCopy:
+    """The handle of torch works ``works`` whose result lands in a temporary: ``wait()`` (or
+    an ``is_completed()`` that finds them all done) waits for them, then runs ``finish`` (which
+    copies the result into the caller's tensors) once."""
+
+    def __init__(self, works, finish):
+        self._works = [w for w in works if w is not None]
+        self._finish = finish
+
+    def wait(self, timeout=None) -> bool:
+        for work in self._works:
+            work.wait()
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        if self._finish is not None and all(w.is_completed() for w in self._works):
+            self.wait()
+        return self._finish is None
+
+
+def _handle(works, finish, async_op: bool):
+    """``works`` (with ``finish`` after them) as one handle when ``async_op``, else waited."""
+    handle = _ThenCopy(works, finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _agree_on_root(what: str, root_name: str, root, problem: Optional[str], group,
+                   device, outcome: str = "nothing was sent") -> None:
+    """Around a rooted collective whose arguments only some ranks can check (the root's list,
+    before a gather; the lengths, after an object broadcast): one all-gather of ``[ok, root]``
+    from every rank of ``group`` (two int64s a rank, on ``device``; a control message that
+    :class:`CommCounter` does not count), after which every rank raises a ValueError when any
+    rank found ``problem`` (that rank's own text; ``outcome`` tells the others what
+    happened) or the ranks name different roots, so no rank goes on alone."""
+    n = get_world_size(group)
+    mine = torch.tensor([int(problem is None), root if problem is None else -1],
+                        dtype=torch.int64, device=device)
+    every = torch.empty(2 * n, dtype=torch.int64, device=device)
+    _record("all_gather", every, group, counted=False)
+    with reporting_broken_links(f"{what.rsplit('.', 1)[-1]} (argument check)", group):
+        _all_gather_tensor(every, mine, group=group)
+    rows = every.view(n, 2).tolist()
+    if problem is not None:
+        raise ValueError(problem)
+    failed = [r for r, (ok, _) in enumerate(rows) if not ok]
+    if failed:
+        raise ValueError(f"{what}: group rank(s) {failed} were given arguments that do not "
+                         f"fit (their ValueError says which); {outcome}")
+    roots = [r for _, r in rows]
+    if len(set(roots)) > 1:
+        raise ValueError(f"{what}({root_name}=...): the ranks of the group name different "
+                         f"roots, {root_name} per group rank: {roots}; every rank must pass "
+                         f"the same {root_name}")
+
+
+def _rooted_problem(what: str, root_name: str, root, list_name: str, items, tensor, at_root,
+                    group) -> Optional[str]:
+    """What is wrong with a gather's or scatter's ``root`` and list on this rank (``None``:
+    nothing). The root takes a list of one tensor per rank of the group, each of
+    ``tensor``'s shape and dtype; the other ranks take ``None`` (or an empty list), as
+    torch's."""
+    try:
+        _check_peer(what, root_name, root, group)
+    except ValueError as error:
+        return str(error)
+    n = get_world_size(group)
+    if not at_root(root):
+        if items is None or (isinstance(items, (list, tuple)) and not items):
+            return None
+        return (f"{what}({list_name}=...): given on global rank {get_rank()}, which is not the "
+                f"{root_name} ({root}); pass {list_name}=None on every rank but "
+                f"{root_name}, as torch requires")
+    want = f"a list of {n} tensors (one per rank of the group) of shape " \
+           f"{tuple(tensor.shape)} and dtype {tensor.dtype}, like the tensor's"
+    if not isinstance(items, (list, tuple)) or len(items) != n:
+        got = type(items).__name__ if not isinstance(items, (list, tuple)) else \
+            f"{len(items)} items"
+        return f"{what}({list_name}=...): on the {root_name} ({root}) expected {want}; got {got}"
+    for i, item in enumerate(items):
+        if not isinstance(item, torch.Tensor) or item.shape != tensor.shape \
+                or item.dtype != tensor.dtype:
+            got = type(item).__name__ if not isinstance(item, torch.Tensor) else \
+                f"{tuple(item.shape)} {item.dtype}"
+            return f"{what}({list_name}[{i}]=...): expected {want}; got {got}"
+    return None
+
+
+def gather(tensor: torch.Tensor, gather_list: Optional[list] = None, dst: int = 0, group=None,
+           async_op: bool = False):
+    """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst`` (there a
+    list of one tensor per rank of the group, in group-rank order, each of ``tensor``'s shape
+    and dtype; ``None`` on the other ranks), as torch's ``gather``. Returns a work handle
+    with ``async_op`` (``None`` on a rank outside ``group``, which takes no part).
+
+    Before it, one all-gather of two ints per rank (not counted) checks ``dst`` and the list
+    on every rank, so that a bad argument on any rank raises a ValueError on every rank and
+    none is left waiting. Wire: each other rank sends its tensor to ``dst``; counted as
+    ``gather``, ``(n-1)/n`` of the tensor's bytes on every rank (rooted ops averaged over the
+    ranks)."""
+    _check_call("gather", group, tensor)
+    if _not_a_member(group):
+        return None
+    what = "shardkit.distributed.gather"
+    problem = _rooted_problem(what, "dst", dst, "gather_list", gather_list, tensor,
+                              lambda root: get_rank() == root, group)
+    _agree_on_root(what, "dst", dst, problem, group, tensor.device)
+    _record("gather", tensor, group, kind="reduce")
+    with reporting_broken_links("gather", group):
+        return dist.gather(tensor, list(gather_list) if get_rank() == dst else None, dst=dst,
+                           group=group, async_op=async_op)
+
+
+def scatter(tensor: torch.Tensor, scatter_list: Optional[list] = None, src: int = 0,
+            group=None, async_op: bool = False):
+    """Scatter ``scatter_list`` from global rank ``src`` (there a list of one tensor per rank
+    of the group, in group-rank order, each of ``tensor``'s shape and dtype; ``None`` on the
+    other ranks): every rank receives its item into ``tensor``, as torch's ``scatter``.
+    Returns a work handle with ``async_op`` (``None`` on a rank outside ``group``).
+
+    Before it, one all-gather of two ints per rank (not counted) checks ``src`` and the list
+    on every rank, as :func:`gather` does. Wire: ``src`` sends each other rank its item;
+    counted as ``scatter``, ``(n-1)/n`` of the tensor's bytes on every rank (rooted ops
+    averaged over the ranks)."""
+    _check_call("scatter", group, tensor)
+    if _not_a_member(group):
+        return None
+    what = "shardkit.distributed.scatter"
+    problem = _rooted_problem(what, "src", src, "scatter_list", scatter_list, tensor,
+                              lambda root: get_rank() == root, group)
+    _agree_on_root(what, "src", src, problem, group, tensor.device)
+    _record("scatter", tensor, group, kind="broadcast")
+    # Note: gloo scatters a non-contiguous item's storage as if it were contiguous (the
+    # columns of a matrix arrived as the wrong elements, silently), hence the copies
+    items = [t.contiguous() for t in scatter_list] if get_rank() == src else None
+    with reporting_broken_links("scatter", group):
+        return dist.scatter(tensor, items, src=src, group=group, async_op=async_op)
+
+
+def _tensor_list(what: str, argument: str, items) -> list:
+    """``items`` as a list of tensors, or a clear TypeError naming ``argument``."""
+    if not isinstance(items, (list, tuple)) or not all(isinstance(t, torch.Tensor)
+                                                       for t in items):
+        raise TypeError(f"{what}({argument}=...): expected a list of torch.Tensors, got "
+                        f"{type(items).__name__}"
+                        + (" holding other objects" if isinstance(items, (list, tuple)) else ""))
+    return list(items)
+
+
+def _by_dtype(indices_and_tensors) -> list:
+    """``[(i, tensor)]`` in lists of one device and dtype, in order of first appearance."""
+    buckets: dict = {}
+    for i, t in indices_and_tensors:
+        buckets.setdefault((t.device, t.dtype), []).append((i, t))
+    return list(buckets.values())
+
+
+def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op=ReduceOp.SUM, group=None,
+                         async_op: bool = False):
+    """All-reduce every tensor of ``tensors`` in place with ``op``, as torch's (and
+    DeepSpeed's) ``all_reduce_coalesced``: the tensors of one device and dtype travel as one
+    flat buffer, so one :func:`all_reduce` per dtype (any shapes, any mix of dtypes). Memory:
+    a flat temporary per dtype. With ``async_op`` a handle whose ``wait()`` copies the sums
+    back. Wire: ``2(n-1)/n`` of the tensors' bytes, counted as ``all_reduce``."""
+    what = "shardkit.distributed.all_reduce_coalesced"
+    tensors = _tensor_list(what, "tensors", tensors)
+    _check_call("all_reduce_coalesced", group, *tensors, reduce_op=op)
+    if _not_a_member(group):
+        return _Finished() if async_op else None
+    works, copies = [], []
+    for bucket in _by_dtype(enumerate(tensors)):
+        flat = torch.cat([t.reshape(-1) for _, t in bucket])
+        works.append(all_reduce(flat, op=op, group=group, async_op=True))
+        copies.append((flat, [t for _, t in bucket]))
+
+    def finish():
+        for flat, targets in copies:
+            offset = 0
+            for t in targets:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+    return _handle(works, finish, async_op)
+
+
+def all_gather_coalesced(output_tensors: Sequence[torch.Tensor],
+                         input_tensors: Sequence[torch.Tensor], group=None,
+                         async_op: bool = False):
+    """DeepSpeed's ``all_gather_coalesced(output_tensors, input_tensors, group=None,
+    async_op=False)``: for each ``i``, every rank's ``input_tensors[i]`` gathered rank-major
+    into ``output_tensors[i]`` (``n`` times its elements), as :func:`all_gather_into_tensor`
+    per pair; the inputs of one device and dtype travel as one flat buffer, so one all-gather
+    per dtype. Memory: flat temporaries of the inputs and outputs. With ``async_op`` a handle
+    whose ``wait()`` copies the gathered values out. Wire: ``(n-1)/n`` of the outputs' bytes,
+    counted as ``all_gather``.
+
+    Raises:
+        ValueError: lists of different lengths, or an output that is not ``n`` times its
+            input (naming the index), before anything is sent.
+    """
+    what = "shardkit.distributed.all_gather_coalesced"
+    outputs = _tensor_list(what, "output_tensors", output_tensors)
+    inputs = _tensor_list(what, "input_tensors", input_tensors)
+    _check_call("all_gather_coalesced", group, *outputs, *inputs)
+    if _not_a_member(group):
+        return _Finished() if async_op else None
+    n = get_world_size(group)
+    if len(outputs) != len(inputs):
+        raise ValueError(f"{what}: {len(outputs)} output_tensors and {len(inputs)} "
+                         f"input_tensors; expected one output per input")
+    for i, (out, inp) in enumerate(zip(outputs, inputs)):
+        if out.numel() != n * inp.numel() or out.dtype != inp.dtype:
+            raise ValueError(f"{what}(output_tensors[{i}]=...): {out.numel()} elements of "
+                             f"{out.dtype}; expected world size {n} x input_tensors[{i}]'s "
+                             f"{inp.numel()} = {n * inp.numel()} elements of {inp.dtype}")
+    works, copies = [], []
+    for bucket in _by_dtype(enumerate(inputs)):
+        flat_in = torch.cat([t.reshape(-1) for _, t in bucket])
+        flat_out = flat_in.new_empty(n * flat_in.numel())
+        works.append(all_gather_into_tensor(flat_out, flat_in, group=group, async_op=True))
+        copies.append((flat_out.view(n, -1), [i for i, _ in bucket]))
+
+    def finish():
+        for gathered, indices in copies:
+            offset = 0
+            for i in indices:
+                size = inputs[i].numel()
+                outputs[i].copy_(gathered[:, offset:offset + size].reshape(outputs[i].shape))
+                offset += size
+    return _handle(works, finish, async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op=ReduceOp.SUM,
+                   group=None, async_op: bool = False):
+    """List form of reduce-scatter, as torch's: ``input_list`` holds one tensor per rank of
+    the group (each of ``output``'s elements and dtype); ``output`` receives the reduction
+    (``op``) of every rank's ``input_list[rank]``. Runs as one :func:`reduce_scatter_tensor`
+    over the list packed into a flat temporary. Wire: ``(n-1)/n`` of the list's bytes,
+    counted as ``reduce_scatter``.
+
+    Raises:
+        ValueError: a list whose length is not the group's size, or an item that does not
+            match ``output`` (naming it), before anything is sent.
+    """
+    what = "shardkit.distributed.reduce_scatter"
+    inputs = _tensor_list(what, "input_list", input_list)
+    _check_call("reduce_scatter", group, output, *inputs, reduce_op=op)
+    if _not_a_member(group):
+        return _Finished() if async_op else None
+    n = get_world_size(group)
+    if len(inputs) != n:
+        raise ValueError(f"{what}(input_list=...): expected a list of {n} tensors (one per rank "
+                         f"of the group), got {len(inputs)}")
+    for i, t in enumerate(inputs):
+        if t.numel() != output.numel() or t.dtype != output.dtype:
+            raise ValueError(f"{what}(input_list[{i}]=...): {t.numel()} elements of {t.dtype}; "
+                             f"expected the output's {output.numel()} elements of "
+                             f"{output.dtype}")
+    flat = torch.cat([t.reshape(-1) for t in inputs])
+    result = output if output.is_contiguous() else \
+        torch.empty_like(output, memory_format=torch.contiguous_format)
+    work = reduce_scatter_tensor(result, flat, op=op, group=group, async_op=True)
+    finish = None if result is output else (lambda: output.copy_(result))
+    return _handle([work], finish, async_op)
 
 
 def any_rank(flag: bool, group=None, device=None) -> bool:

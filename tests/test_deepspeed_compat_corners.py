@@ -160,3 +160,137 @@ def test_comm_splits_and_lists_agree_on_every_rank(world2):
     assert world2.run(_uneven_where_one_rank_is_even) == [[0.0, 100.0], [1.0, 101.0, 102.0]]
     assert world2.run(_bad_on_one_rank) == [["all_to_all_single", "all_gather_object",
                                             "all_to_all_single"]] * 2
+
+
+def _comm_rooted_list_and_coalesced():
+    """DeepSpeed's gather/scatter, recv from any source, monitored_barrier and the coalesced
+    and list collectives, each against the values one process computes, with CommCounter's
+    records."""
+    import datetime
+
+    import shardkit.comm as dist
+    from shardkit.distributed import CommCounter
+    rank, n = dist.get_rank(), dist.get_world_size()
+    mine = torch.arange(6.0).reshape(2, 3) + 10 * rank
+    slots = [torch.zeros(2, 3) for _ in range(n)] if rank == n - 1 else None
+    with CommCounter() as gathered:  # the argument check's all-gather is not counted
+        dist.gather(mine, gather_list=slots, dst=n - 1, async_op=True, log_name="g").wait()
+    assert gathered.by_op == {"gather": (n - 1) / n * 24} and gathered.calls == 1
+    if slots is not None:
+        assert all(torch.equal(s, torch.arange(6.0).reshape(2, 3) + 10 * r)
+                   for r, s in enumerate(slots))
+    got = torch.zeros(3)
+    dist.scatter(got, [torch.full((3,), 5.0 + r) for r in range(n)] if rank == 1 else None,
+                 src=1)
+    assert got.tolist() == [5.0 + rank] * 3
+    if rank == 0:  # from any source: the sender's rank comes back
+        box = torch.zeros(2)
+        assert dist.recv(box) == 1 and box.tolist() == [1.0, 2.0]
+        work = dist.irecv(box, src=None)
+        work.wait()
+        assert box.tolist() == [3.0, 4.0]
+    elif rank == 1:
+        dist.send(torch.tensor([1.0, 2.0]), 0)
+        dist.isend(torch.tensor([3.0, 4.0]), dst=0).wait()
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=60), wait_all_ranks=True)
+    # coalesced: mixed dtypes and shapes, one all-reduce per dtype, the sums copied back
+    a, b, c = (torch.full((2, 2), rank + 1.0), torch.arange(3) + rank,
+               torch.full((3,), 0.5 * rank))
+    with CommCounter() as reduced:
+        dist.all_reduce_coalesced([a, b, c], async_op=True).wait()
+    total = n * (n + 1) / 2
+    assert a.tolist() == [[total] * 2] * 2
+    assert b.tolist() == [n * k + total - n for k in range(3)]
+    assert c.tolist() == [0.5 * (total - n)] * 3 and reduced.calls_by_op == {"all_reduce": 2}
+    assert dist.has_all_reduce_coalesced() and not dist.has_coalescing_manager()
+    outs = [torch.zeros(n, 2), torch.zeros(3 * n, dtype=torch.int64)]
+    dist.all_gather_coalesced(outs, [torch.full((2,), float(rank)), torch.arange(3) + rank])
+    assert outs[0].tolist() == [[float(r)] * 2 for r in range(n)]
+    assert outs[1].tolist() == [k + r for r in range(n) for k in range(3)]
+    part = torch.zeros(2)
+    dist.reduce_scatter(part, [torch.full((2,), 10.0 * r + rank) for r in range(n)])
+    assert part.tolist() == [10.0 * rank * n + total - n] * 2
+    flat = torch.zeros(2 * n)
+    dist.allgather_fn(flat, torch.full((2,), float(rank)), group=None, async_op=False)
+    dist.reduce_scatter_fn(part, torch.ones(2 * n), op=dist.ReduceOp.SUM, prof=False)
+    assert flat.tolist() == [float(r) for r in range(n) for _ in range(2)]
+    assert part.tolist() == [float(n)] * 2
+    # list all-to-all, items of different sizes: rank r sends r + 1 elements to each rank
+    outs = [torch.zeros(r + 1) for r in range(n)]
+    dist.all_to_all(outs, [torch.full((rank + 1,), 100.0 * rank + j) for j in range(n)])
+    assert [o.tolist() for o in outs] == [[100.0 * r + rank] * (r + 1) for r in range(n)]
+    objects = [None] * n
+    dist.all_gather_object(objects, rank, log_name="ranks", prof=False)
+    return objects
+
+
+def _comm_bad_on_one_rank():
+    """A gather list of the wrong length on the destination only, a scatter list on a rank
+    that is not the source, an object list of another length than the source's: a
+    ValueError on every rank (before, gather and scatter raised on one rank and left the
+    others waiting; broadcast_object_list raised on the receivers and let the source go on)."""
+    import shardkit.comm as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    one = torch.ones(2)
+    calls = (
+        lambda: dist.gather(one, [torch.zeros(2)] * (n - 1) if rank == 0 else None, dst=0),
+        lambda: dist.scatter(one, None if rank == 0 else [one] * n, src=0),
+        lambda: dist.gather(one, [torch.zeros(2)] * n, dst=n),
+        lambda: dist.broadcast_object_list(["a"] if rank == 0 else ["a", "b"], src=0),
+    )
+    raised = []
+    for call in calls:
+        try:
+            call()
+            raised.append(None)
+        except ValueError as error:
+            raised.append(str(error).split("(")[0].split(":")[0])
+    return raised
+
+
+def test_comm_rooted_list_and_coalesced_collectives(world2):
+    """Before: AttributeError on gather, scatter, monitored_barrier, all_reduce_coalesced,
+    all_gather_coalesced, reduce_scatter, all_to_all, allgather_fn, reduce_scatter_fn; recv
+    and irecv without src refused; all_gather_object(log_name=) a TypeError."""
+    assert world2.run(_comm_rooted_list_and_coalesced) == [[0, 1]] * 2
+    assert world2.run(_comm_bad_on_one_rank) == [["shardkit.distributed.gather",
+                                                  "shardkit.distributed.scatter",
+                                                  "shardkit.distributed.gather",
+                                                  "broadcast_object_list"]] * 2
+
+
+def _comm_layouts_torch_accepts():
+    """Tensor layouts torch's documentation accepts: the stacked form of the flat collectives
+    (``n x`` the shard's shape), a scatter list of column blocks (non-contiguous views), a
+    transposed tensor sent and received point to point."""
+    import shardkit.comm as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    stacked = torch.zeros(n, 2, 3)
+    dist.all_gather_into_tensor(stacked, torch.arange(6.0).reshape(2, 3) + rank)
+    assert torch.equal(stacked, torch.stack([torch.arange(6.0).reshape(2, 3) + r
+                                             for r in range(n)]))
+    part = torch.zeros(2, 3)
+    dist.reduce_scatter_tensor(part, torch.arange(6.0 * n).reshape(n, 2, 3))
+    assert torch.equal(part, n * torch.arange(6.0 * n).reshape(n, 2, 3)[rank])
+    matrix = torch.arange(6.0 * n).reshape(3, 2 * n)
+    got = torch.zeros(3, 2)
+    dist.scatter(got, list(matrix.chunk(n, dim=1)) if rank == 0 else None, src=0)
+    assert torch.equal(got, matrix.chunk(n, dim=1)[rank])  # before: other elements, silently
+    if rank == 0:
+        dist.send(matrix.t(), dst=1)
+        dist.isend(matrix.t() + 1, dst=1).wait()
+    elif rank == 1:
+        landing = torch.zeros(3, 2 * n).t()
+        dist.recv(landing, src=0)
+        assert torch.equal(landing, matrix.t())
+        dist.irecv(landing, src=0).wait()
+        assert torch.equal(landing, matrix.t() + 1)
+    return True
+
+
+def test_comm_takes_the_layouts_torch_documents(world2):
+    """Before: gloo refused the stacked forms (RuntimeError "invalid tensor size", "Check
+    failed: outputShape[0] * worldSize == inputShape[0]"), the scatter delivered the wrong
+    elements, and a transposed send and receive failed ("input tensor has to be
+    contiguous")."""
+    assert world2.run(_comm_layouts_torch_accepts) == [True, True]
