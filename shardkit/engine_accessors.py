@@ -1,6 +1,7 @@
 """DeepSpeed's engine accessors that report the config (``engine.zero_overlap_comm()``,
 ``engine.optimizer_name()``...) and its two batch-size setters, for scripts written against
-``deepspeed.DeepSpeedEngine``.
+``deepspeed.DeepSpeedEngine``; and the check that the gradients held are the reduced ones,
+for DeepSpeed's ``safe_*_grad`` functions (:mod:`shardkit.utils.tensor_fragment`).
 
 Each reads :class:`shardkit.config.EngineConfig` (DeepSpeed's defaults filled in); a knob
 shardkit accepts but does not act on (``overlap_comm``, ``allgather_bucket_size``...) is reported
@@ -18,7 +19,9 @@ __all__ = ["DeepSpeedAccessors"]
 class DeepSpeedAccessors:
     """Mixed into :class:`shardkit.engine.ShardedEngine`; needs ``self.config`` (an
     :class:`~shardkit.config.EngineConfig`), ``self.global_steps``, ``self.micro_steps``,
-    ``self.global_samples``, ``self.dp_world_size`` and ``self._boundary_override``."""
+    ``self.global_samples``, ``self.dp_world_size``, ``self._boundary_override``, and for
+    :meth:`_check_full_grads_readable` ``self._backwards_since_step`` and
+    ``self._boundary_unreduced``."""
 
     # -- the config's sections, as DeepSpeed reports them
     def _zero_section(self) -> dict:
@@ -157,6 +160,43 @@ class DeepSpeedAccessors:
     def amp_enabled(self) -> bool:
         """Always ``False``: apex AMP is not supported (use ``fp16`` or ``bf16``)."""
         return False
+
+    # -- when the gradients are the reduced ones (DeepSpeed's safe_*_grad functions)
+    def _check_full_grads_readable(self, what: str) -> None:
+        """ValueError, naming ``what`` (the caller), unless the gradients this engine holds are
+        the reduced ones: after the ``engine.backward(loss)`` of an accumulation window's last
+        micro-batch and before its ``engine.step()`` (or with nothing accumulated since the last
+        optimizer step, where every gradient is ``None``). In the middle of a window each rank
+        holds its own partial sums (stage 3: none at all), so a full gradient read or written
+        there would be wrong; DeepSpeed raises there too ("Gradients are only available
+        immediately after backward and before engine step"). The micro-batch counters are the
+        same on every rank, so every rank raises alike, before any collective. Local."""
+        gas = self.config.gradient_accumulation_steps
+        backward_since_step = self._backwards_since_step > 0
+        if backward_since_step and self.is_gradient_accumulation_boundary():
+            if not self._boundary_unreduced:
+                return
+            raise ValueError(f"{what}: the accumulation boundary's engine.backward(loss) ran "
+                             f"inside engine.no_sync() (or with require_backward_grad_sync = "
+                             f"False), so the gradients are this rank's own, not averaged over "
+                             f"the ranks; run the window's last backward outside no_sync()")
+        if backward_since_step:
+            partial = True
+        elif self._boundary_override is None:  # counting micro-batches: is a window open?
+            partial = self.micro_steps % gas != 0
+        else:
+            partial = False
+        if partial:
+            done = self.micro_steps % gas + (1 if backward_since_step else 0)
+            where = (f"after micro-batch {done} of {gas} of a gradient accumulation window"
+                     if self._boundary_override is None else
+                     "inside a gradient accumulation window (set_gradient_accumulation_"
+                     "boundary(False))")
+            raise ValueError(f"{what}: called {where}, where each rank holds its own partial "
+                             f"gradients (stage 3: none), not the averaged ones; the full "
+                             f"gradient exists only after the engine.backward(loss) of the "
+                             f"window's last micro-batch (engine.is_gradient_accumulation_"
+                             f"boundary() True) and before engine.step(), as in DeepSpeed")
 
     # -- DeepSpeed's batch-size setters
     def set_train_batch_size(self, train_batch_size: int) -> None:

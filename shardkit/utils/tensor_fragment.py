@@ -28,6 +28,11 @@ stage 3) are raised on every rank before any collective. Where only the OSS owne
 answer (is there a gradient, an optimizer state, this key?), the owner broadcasts a one-element
 verdict first, so every rank returns ``None`` together or raises the same error together.
 
+Gradients (``safe_get/set_full_grad``, ``safe_get/set_local_grad``) exist only at an engine's
+accumulation boundary: after the ``engine.backward(loss)`` of the window's last micro-batch and
+before ``engine.step()``, as in DeepSpeed. In the middle of a window they raise ``ValueError``
+(each rank would hold its own partial sum).
+
 Gradients are what the engine holds between the accumulation boundary's ``engine.backward``
 and ``engine.step`` (which clears them): averaged over the ranks, divided by the accumulation
 steps, and, under fp16, multiplied by the loss scale, as DeepSpeed's are.
@@ -299,6 +304,7 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     broadcast from it. Stage 3: one all-gather of the row blocks. Every rank must call it at
     stages 1-3."""
     loc = locate_parameter(param, "safe_get_full_grad")
+    _check_grads_reduced(loc, "safe_get_full_grad")
     if loc.unit is not None:
         if param.grad is None:  # FSDP reduces every unit's gradients on every rank alike
             return None
@@ -309,6 +315,13 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     if _agreed_owner_verdict(loc, _OK if grad is not None else _ABSENT) == _ABSENT:
         return None
     return _from_owner(loc, grad)
+
+
+def _check_grads_reduced(loc: ParamLocation, what: str) -> None:
+    """ValueError in the middle of an engine's accumulation window, where the gradients are
+    each rank's partial sums (see ``engine._check_full_grads_readable``). Local."""
+    if loc.engine is not None:
+        loc.engine._check_full_grads_readable(what)
 
 
 def _grad_on_owner_only(loc: ParamLocation) -> bool:
@@ -324,6 +337,7 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     what = "safe_set_full_grad"
     loc = locate_parameter(param, what)
     _check_value(value, _full_shape(loc), what)
+    _check_grads_reduced(loc, what)
     if loc.unit is not None:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
@@ -471,15 +485,16 @@ def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) ->
 def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """This rank's row block of the reduced gradient (fp32 copy), ``None`` without one.
     Stage 3 only; local."""
-    _stage3_only(param, "safe_get_local_grad")
+    _check_grads_reduced(_stage3_only(param, "safe_get_local_grad"), "safe_get_local_grad")
     return None if param.grad is None else param.grad.detach().float().clone()
 
 
 def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Overwrite this rank's row block of the gradient. Stage 3 only; local."""
     what = "safe_set_local_grad"
-    _stage3_only(param, what)
+    loc = _stage3_only(param, what)
     _check_value(value, param.shape, what)
+    _check_grads_reduced(loc, what)
     with torch.no_grad():
         if param.grad is None:
             param.grad = value.detach().to(param.device, param.dtype).clone()

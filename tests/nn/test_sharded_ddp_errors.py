@@ -496,3 +496,52 @@ def test_parameter_added_outside_the_module_is_refused(world2):
             assert "param_groups[1]['params'][0] (shape ()) is not a parameter of the wrapped " \
                    "module (its gradient would never be averaged)" in message, message
             assert collectives == 0
+
+
+def _requires_grad_changed_on_one_rank():
+    """``requires_grad`` changed on rank 1 only: the forward (auto_refresh_trainable) and
+    ``reduce()`` raise on every rank alike instead of one rank re-planning alone and the other
+    hanging in its collectives; nothing is re-planned, so once the flag is restored training
+    goes on in step on every rank."""
+    rank = skdist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    oss = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    ddp = ShardedDataParallel(model, oss)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except (ValueError, RuntimeError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+
+    ddp(x).sum().backward()
+    oss.step()
+    oss.zero_grad()
+    model[1].weight.requires_grad_(rank != 1)
+    attempt("forward", lambda: ddp(x))
+    model[1].weight.requires_grad_(True)
+    with ddp.no_sync():
+        ddp(x).sum().backward()
+    model[2].bias.requires_grad_(rank != 1)
+    attempt("reduce", ddp.reduce)
+    model[2].bias.requires_grad_(True)
+    ddp.reduce()
+    oss.step()
+    weights = skdist.all_gather_object([p.detach().clone() for p in model.parameters()])
+    out["in_step"] = all(torch.equal(a, b) for a, b in zip(*weights))
+    return out
+
+
+def test_requires_grad_changed_on_one_rank_raises_on_every_rank(world2):
+    first, second = world2.run(_requires_grad_changed_on_one_rank)
+    assert first == second, (first, second)
+    assert first["forward"].startswith("ValueError: ShardedDataParallel: parameter '1.weight'"
+                                       ".requires_grad is True on rank 0 of the group and False "
+                                       "on rank 1; change requires_grad identically"), first
+    assert first["reduce"].startswith("RuntimeError: ShardedDataParallel.reduce(): the "
+                                      "trainable parameters changed"), first
+    assert first["in_step"]

@@ -12,7 +12,10 @@ Regressions:
   record as ``param_names``) raised TypeError; ``OSS(AdamW(model.named_parameters()))`` worked;
 - a global step hook (``torch.optim.optimizer.register_optimizer_step_post_hook``: a step
   counter, an EMA update) ran once for the OSS and once more per sync bucket for its local
-  optimizer: 4 times per step with 3 buckets.
+  optimizer: 4 times per step with 3 buckets;
+- the engine had no way to tell DeepSpeed's ``safe_*_grad`` functions that its gradients were
+  partial (mid accumulation window: each rank's own sums at stages 0-2, none at stage 3); its
+  check now raises there on every rank, as DeepSpeed does.
 """
 
 import torch
@@ -261,3 +264,48 @@ def test_local_optimizer_keeps_its_own_hooks_and_names(world2):
         assert r["calls"] >= 1 and r["wrapped"] >= 1, r
         assert r["names_match"] and all(r["names_match"]), r
         assert r["public_names"] == 12 and all(r["added"]), r
+
+
+def _grads_readable_only_at_the_boundary() -> dict:
+    """The engine's check behind DeepSpeed's ``safe_*_grad`` functions: in the middle of an
+    accumulation window each rank holds its own partial gradients (stage 2: the owner's local
+    sum, which ``safe_get_full_grad`` broadcast as if averaged; stage 3: none), so the check
+    raises there, on every rank alike, and passes at the boundary and after the step."""
+    import shardkit
+    out = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                  "zero_optimization": {"stage": stage}}
+        engine, *_ = shardkit.initialize(model=nn.Sequential(nn.Linear(4, 4)), config=config)
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(distributed.get_rank()))
+        seen = []
+
+        def check():
+            try:
+                engine._check_full_grads_readable("safe_get_full_grad")
+                seen.append(None)
+            except ValueError as e:
+                seen.append(str(e))
+        check()                          # nothing accumulated
+        engine.backward(engine(x).sum())
+        check()                          # after micro-batch 1 of 2
+        engine.step()
+        check()                          # before micro-batch 2's backward
+        engine.backward(engine(x).sum())
+        check()                          # the boundary: reduced
+        engine.step()
+        check()                          # stepped: nothing accumulated
+        out[stage] = seen
+    return out
+
+
+def test_full_gradients_are_readable_only_at_the_accumulation_boundary(world2):
+    first, second = world2.run(_grads_readable_only_at_the_boundary)
+    assert first == second
+    for stage, seen in first.items():
+        assert seen[0] is None and seen[3] is None and seen[4] is None, (stage, seen)
+        assert seen[1].startswith("safe_get_full_grad: called after micro-batch 1 of 2 of a "
+                                  "gradient accumulation window"), (stage, seen)
+        assert seen[2] == seen[1], (stage, seen)

@@ -56,6 +56,11 @@ class ShardedDataParallel(nn.Module):
             each parameter on its own.
         auto_refresh_trainable: notice at forward when ``requires_grad`` changed (or an OSS
             re-partitioned) and re-plan the buckets; otherwise call :meth:`refresh_trainable`.
+            The ranks agree on it: the first forward with grad enabled after each reduction
+            (and a forward that finds a change) all-gathers one element per rank (a wait for
+            the device on CUDA), so a change made between steps on some ranks only raises the
+            same ValueError on every rank (naming the parameter) instead of hanging them; a
+            change inside an accumulation window must then be made on every rank.
         warn_on_trainable_params_changed: with ``auto_refresh_trainable=False``, warn once per
             change when forward finds the buckets planned for other trainable parameters.
         reduce_fp16: gradients travel in fp16 (``True``) or in the dtype given
@@ -113,7 +118,9 @@ class ShardedDataParallel(nn.Module):
     Communication per step: the gradient reduction, (N-1)/N·Ψ elements in the DESIGN
     convention (plus the padding of reduce-scattered buckets, at most ``balance_tolerance``),
     plus OSS's parameter sync, (N-1)/N·Ψ: 2Ψ(N-1)/N together. ``broadcast_buffers`` adds the
-    module's buffers once per step (at the first forward after a reducing one, as torch DDP).
+    module's buffers once per step (at the first forward after a reducing one, as torch DDP);
+    one element per rank all-gathered at the first forward of a step (``auto_refresh_
+    trainable``) and per :meth:`reduce`, plus the ``requires_grad`` flags when one changed.
 
     Usage::
 
@@ -138,8 +145,9 @@ class ShardedDataParallel(nn.Module):
     Construction checks, in one small all-gather, that every rank wraps the same module with
     the same arguments (a ValueError on every rank otherwise).
 
-    .. warning:: Construction, :meth:`refresh_trainable`, forward (with ``broadcast_buffers``),
-        backward and :meth:`reduce` issue collectives: call them on every rank of the group.
+    .. warning:: Construction, :meth:`refresh_trainable`, forward (with ``broadcast_buffers``,
+        or a step's first with grad enabled and ``auto_refresh_trainable``), backward and
+        :meth:`reduce` issue collectives: call them on every rank of the group.
     """
 
     def __init__(self, module: nn.Module, sharded_optimizer, process_group=None,
@@ -201,6 +209,7 @@ class ShardedDataParallel(nn.Module):
         self._bucket_of: dict = {}            # param -> bucket index
         self._planned_with: tuple = ((), ())  # (requires_grad flags, partitions) of the plan
         self._sync_enabled = True
+        self._window_open = False             # a grad-enabled forward ran since the last reduction
         self._backward_active = False
         self._syncing = False
         self._ready_count: list[int] = []
@@ -232,19 +241,25 @@ class ShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ public surface
 
     def forward(self, *inputs, **kwargs):
-        """Run the module; first re-plan if the trainable set changed (``auto_refresh_trainable``)
-        and broadcast rank 0's buffers (``broadcast_buffers``; as torch DDP, only when the
-        previous forward was a reducing one, grad enabled and outside :meth:`no_sync`, or
-        :meth:`reduce` ran since)."""
+        """Run the module; first re-plan if the trainable set changed on any rank
+        (``auto_refresh_trainable``: one element per rank all-gathered at a step's first
+        forward with grad enabled) and broadcast rank 0's buffers (``broadcast_buffers``; as
+        torch DDP, only when the previous forward was a reducing one, grad enabled and outside
+        :meth:`no_sync`, or :meth:`reduce` ran since)."""
         if self._backward_active:
             self._forget_aborted_backward()
         if self._sync_enabled:
             self._check_grads_do_not_require_grad(
                 p.grad for p in self._trainable if p.grad is not None)
-        if torch.is_grad_enabled() and self._plan_is_stale():
+        if torch.is_grad_enabled():
             if self.auto_refresh_trainable:
-                self.refresh_trainable()
-            else:
+                # agreed at the window's first forward (one per rank and step, even where the
+                # ranks run different numbers of forwards), or at once where it changed here
+                stale = self._plan_is_stale()
+                if (stale or not self._window_open) and self._plan_is_stale_on_any_rank(stale):
+                    self._refresh_if_every_rank_agrees()
+                self._window_open = True
+            elif self._plan_is_stale():
                 self._warn_stale_plan()
         if self.broadcast_buffers and self.require_forward_param_sync:
             self.sync_buffers()
@@ -254,6 +269,33 @@ class ShardedDataParallel(nn.Module):
         # broadcasts once, at its first micro-batch, as DistributedDataParallel does
         self.require_forward_param_sync = torch.is_grad_enabled() and self._sync_enabled
         return output
+
+    def _plan_is_stale_on_any_rank(self, stale: bool) -> bool:
+        """Whether ``requires_grad`` (or an OSS partition) changed on any rank since the plan
+        (``stale``: on this one): one element per rank all-gathered over the group (a wait for
+        the device on CUDA), so that a change on some ranks only is noticed by all of them
+        rather than hanging the others. An all-gather: no gradient goes to every rank."""
+        if stale:  # a parameter added to an OSS outside the module: refused before any collective
+            args.check_optimizer_params_in_module(self.module, self.sharded_optimizers)
+        if self.world_size == 1:
+            return stale
+        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        mine = torch.tensor([1.0 if stale else 0.0], device=device)
+        every = torch.empty(self.world_size, device=device)
+        skdist.all_gather_into_tensor(every, mine, group=self.process_group)
+        return bool(every.max().item() > 0)
+
+    def _refresh_if_every_rank_agrees(self) -> None:
+        """Re-plan after a change noticed on some rank, once every rank has the same
+        ``requires_grad`` flags: otherwise a ValueError naming the first parameter that differs,
+        the same on every rank, and nothing re-planned. One object all-gather (the flags)."""
+        flags = {f"parameter {name!r}.requires_grad": p.requires_grad
+                 for name, p in self.module.named_parameters()}
+        skdist.raise_on_disagreement(
+            flags, self.process_group, "ShardedDataParallel",
+            "change requires_grad identically on every rank before the forward (the ranks "
+            "would reduce different gradients); the buckets were not re-planned")
+        self.refresh_trainable()
 
     def _warn_stale_plan(self) -> None:
         """Once per change: with ``auto_refresh_trainable=False`` a parameter that became
@@ -328,10 +370,12 @@ class ShardedDataParallel(nn.Module):
         self.require_forward_param_sync = True  # the window ends: the next forward broadcasts
         if self.world_size == 1:
             return
-        if self._plan_is_stale():
+        self._window_open = False
+        # agreed (one element): a change on one rank only must not leave the others reducing
+        if self._plan_is_stale_on_any_rank(self._plan_is_stale()):
             raise RuntimeError("ShardedDataParallel.reduce(): the trainable parameters changed "
-                               "since the last forward; run a forward first (or call "
-                               "refresh_trainable() on every rank)")
+                               "since the last forward (on this rank or another); run a "
+                               "forward first (or call refresh_trainable() on every rank)")
         if self._steps_after and any(o._stepped_in_backward is not None
                                      for o in self.sharded_optimizers):
             raise RuntimeError("ShardedDataParallel.reduce(): with step_in_backward=True the "
@@ -616,6 +660,7 @@ class ShardedDataParallel(nn.Module):
     def _end_backward(self) -> None:
         try:
             if self._syncing:
+                self._window_open = False
                 self._launch_rest_and_wait()
                 if self._observed is not None:
                     self._settle_bucket_order()
