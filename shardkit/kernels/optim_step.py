@@ -12,6 +12,8 @@ Backends (see :func:`shardkit.kernels.backend_for`): Triton kernels on CUDA (one
 
 from __future__ import annotations
 
+import math
+import numbers
 from itertools import chain
 from typing import Optional, Sequence
 
@@ -132,10 +134,12 @@ def _step_number(name: str, key: str, step):
                              f"elements; valid values are numbers >= 1 or one-element real "
                              f"tensors holding one")
         step = step.item()
-    if isinstance(step, bool) or not isinstance(step, (int, float)):
+    # numbers.Real: Python and NumPy scalars (np.int64 from a saved array), as before
+    if isinstance(step, bool) or not isinstance(step, numbers.Real) \
+            or not math.isfinite(step):
         raise ValueError(f"{name}: {key}={step!r}; valid values are numbers >= 1 or one-element "
                          f"real tensors holding one")
-    return step
+    return int(step) if isinstance(step, numbers.Integral) else float(step)
 
 
 def _skipped_on_cpu(found_inf: Optional[torch.Tensor]) -> bool:
@@ -255,7 +259,7 @@ def adamw_step_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
                              f"{len(params)} params")
     if not params:
         return
-    if any(type(s) is not int for s in steps):
+    if set(map(type, steps)) != {int}:  # the common case, a list of ints, in one C pass
         steps = [_step_number("adamw_step_many", f"steps[{i}]", s) for i, s in enumerate(steps)]
     device = params[0].device
     maxes = list(max_exp_avg_sqs) if amsgrad else []

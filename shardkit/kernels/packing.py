@@ -77,7 +77,9 @@ def pack_rank_major(tensors: Sequence[torch.Tensor], world_size: int, *, scale: 
                     dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None,
                     chunk_numels: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Copy ``tensors`` into one flat rank-major buffer, multiplied by ``scale`` and cast to
-    ``dtype`` (default: the first tensor's) in the same pass. Padding is zeros.
+    ``dtype`` (default: the first tensor's) in the same pass. Padding is zeros. With an
+    integer or bool ``dtype``, ``scale`` must be 1 (or a Python int, for integer data): a
+    ValueError before anything is written.
 
     Memory: one buffer of ``world_size * sum(chunk_numels)`` elements (or ``out``). Traffic:
     each element read once and written once (Triton: one launch per source dtype; CPU: one
@@ -91,7 +93,10 @@ def pack_rank_major(tensors: Sequence[torch.Tensor], world_size: int, *, scale: 
     chunks = _check_chunks(numels, chunk_numels, world_size)
     seg = sum(chunks)
     dtype = dtype or tensors[0].dtype
-    if scale != 1.0 and not (dtype.is_floating_point or dtype.is_complex):
+    if scale != 1.0 and not (dtype.is_floating_point or dtype.is_complex) and not (
+            type(scale) is int and not any(t.is_floating_point() or t.is_complex()
+                                           for t in tensors)):
+        # an int scale of int data is exact (it was taken before); anything else is not
         raise ValueError(f"pack_rank_major: scale={scale!r} with the packed dtype {dtype}; a "
                          f"scale needs a floating dtype (pass dtype=torch.float32, or scale=1.0 "
                          f"to copy {dtype} values as they are)")

@@ -68,7 +68,7 @@ class FusedAdamW(torch.optim.Optimizer):
             stepped through a contiguous copy: one more read and write of it per step.
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``; ``lr`` may
             be a one-element tensor, as torch's (a scheduler fills it in place), read on the
-            host at each step (on CUDA a synchronisation per param group).
+            host at each step (on CUDA a synchronisation per param group and device/dtype).
         foreach, fused: accepted, as torch's, and ignored (the step is always fused);
             ``capturable`` and ``differentiable`` must stay False (a ValueError otherwise).
 
@@ -103,6 +103,18 @@ class FusedAdamW(torch.optim.Optimizer):
             for key in ("amsgrad", "maximize"):
                 if key in self.defaults:
                     group.setdefault(key, False)
+            # DeepSpeed's FusedAdam before per-parameter steps kept one ``group["step"]`` (its
+            # own loader falls back to it); a state with moments and no step at all would
+            # silently restart the bias correction at step 1 (torch raises KeyError)
+            for p in group["params"]:
+                p_state = self.state.get(p)
+                if p_state and "step" not in p_state and "exp_avg" in p_state:
+                    if "step" not in group:
+                        raise ValueError(f"FusedAdamW: the state of a parameter of shape "
+                                         f"{tuple(p.shape)} has moments but no 'step' (nor "
+                                         f"has its param group); cannot resume its bias "
+                                         f"correction")
+                    p_state["step"] = torch.tensor(float(group["step"]))
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a group (as torch), checking its hyper-parameters."""
@@ -207,7 +219,9 @@ class FusedAdamW(torch.optim.Optimizer):
         number after it): AdamW through the kernels' dispatch. Subclasses with other rules
         (:mod:`shardkit.ops.adam`) replace this and keep the flat state."""
         beta1, beta2 = group["betas"]
-        adamw_step_many(params, grads, exp_avgs, exp_avg_sqs, steps=steps, lr=group["lr"],
+        lr = group["lr"]  # a tensor lr read once (the check and the launch both read it)
+        adamw_step_many(params, grads, exp_avgs, exp_avg_sqs, steps=steps,
+                        lr=float(lr) if isinstance(lr, torch.Tensor) else lr,
                         beta1=beta1, beta2=beta2, eps=group["eps"],
                         weight_decay=group["weight_decay"], maximize=group["maximize"],
                         amsgrad=group["amsgrad"], max_exp_avg_sqs=max_exp_avg_sqs,

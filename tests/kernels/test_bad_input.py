@@ -34,6 +34,7 @@ ADAMW_CASES = [
     (dict(grad=torch.zeros(8, dtype=torch.int32)), {}, "grad is torch.int32"),
     ({}, dict(amsgrad=True), "amsgrad=True needs max_exp_avg_sq"),
     ({}, dict(step=0), "step=0; it counts from 1"),
+    ({}, dict(step=float("nan")), "step=nan; valid values are numbers >= 1"),
     ({}, dict(step=torch.tensor([1.0, 2.0])), "step is a torch.float32 tensor of 2 elements"),
     ({}, dict(lr=-1.0), "lr=-1.0"),
     ({}, dict(beta2=1.0), "beta2=1.0; valid range is [0, 1)"),
@@ -107,6 +108,7 @@ def test_packing_rejects_bad_layouts(backend):
                                          r"needs a floating dtype"):
         pack_rank_major(ints, 2, scale=0.5, out=out)
     assert (out == -1).all()  # refused before anything was written
+    assert pack_rank_major(ints, 2, scale=2).tolist() == [0, 2, 4, 0, 2, 6, 8, 0, 4, 0]
     assert pack_rank_major(ints, 2, scale=0.5, dtype=torch.float32).tolist() == [
         0.0, 0.5, 1.0, 0.0, 0.5, 1.5, 2.0, 0.0, 1.0, 0.0]
 

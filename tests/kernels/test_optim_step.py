@@ -180,7 +180,8 @@ def test_step_given_as_torchs_step_tensor_counts_as_its_value(backend):
         torch.rand(50, generator=gen) for _ in range(2)]
     expected = [t.clone() for t in start]
     adamw_step(*expected, step=3, lr=0.1)
-    for step in (torch.tensor(3.0), torch.tensor(3)):
+    import numpy as np
+    for step in (torch.tensor(3.0), torch.tensor(3), np.int64(3), 3.0):
         one, many = [t.clone() for t in start], [[t.clone()] for t in start]
         adamw_step(*one, step=step, lr=0.1)
         adamw_step_many(*many, steps=[step], lr=0.1)

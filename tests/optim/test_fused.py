@@ -144,6 +144,32 @@ def test_state_dict_without_variant_keys_and_with_int_steps_loads_as_torch():
     assert all(float(opt.state[p]["step"]) == 6 for p in model.parameters())
 
 
+def test_state_dict_with_deepspeeds_group_step_resumes_the_bias_correction():
+    """DeepSpeed's FusedAdam before per-parameter steps saved ``group["step"]`` only: the
+    parameters resume from it (as DeepSpeed's loader does), not from step 1."""
+    ref, model = MLP(32, 3, out=8, seed=1), MLP(32, 3, out=8, seed=1)
+    first = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.0)
+    train(ref, first, 5)
+    model.load_state_dict(ref.state_dict())
+    sd = copy.deepcopy(first.state_dict())
+    for group in sd["param_groups"]:
+        for key in ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+                    "decoupled_weight_decay"):
+            del group[key]
+        group["step"] = 5
+    for state in sd["state"].values():
+        del state["step"]
+    opt = FusedAdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    opt.load_state_dict(copy.deepcopy(sd))
+    train(ref, first, 2, start=5)
+    train(model, opt, 2, start=5)
+    assert max_param_diff(ref, model) < 1e-6
+    for group in sd["param_groups"]:
+        del group["step"]
+    with pytest.raises(ValueError, match="has moments but no 'step'"):
+        FusedAdamW(model.parameters()).load_state_dict(sd)
+
+
 def test_skips_params_without_grads_and_zero_grad():
     model = GPT(CFG, seed=2)
     unused = torch.nn.Parameter(torch.randn(7))
