@@ -302,7 +302,7 @@ def _all_gather_object(object_list, obj, group=None) -> None:
 def _broadcast_object_list(object_list, src, group=None, device=None) -> None:
     """DeepSpeed's (torch's) ``broadcast_object_list(object_list, src, group=None,
     device=None)``: every rank's ``object_list`` takes rank ``src``'s items (lists of the
-    same length on every rank). After the object broadcast, one small all-gather (two ints a
+    same length on every rank). After the object broadcast, one small all-gather (four ints a
     rank, not counted; on ``device``, else the CUDA device under NCCL, else the CPU) checks
     the lengths, so a list of another length than ``src``'s on any rank raises a ValueError
     on every rank (``src`` included) and every list is left as it was."""

@@ -21,6 +21,7 @@ import numbers
 import os
 import sys
 import pickle
+import zlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -932,16 +933,19 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
         raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements; it must be "
                          f"world size {n} x output's {output.numel()} = {output.numel() * n}")
     _record("reduce_scatter", input, group)
-    output, input = _flat_when_contiguous(output, input)
+    output, input = _flat_when_contiguous(output, input, gathering=False)
     return _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
-def _flat_when_contiguous(output: torch.Tensor, input: torch.Tensor) -> tuple:
-    """``output`` and ``input`` as flat views when both are contiguous (rank-major chunks
-    are then the same elements), so that torch's stacked form (``n x`` the shard's shape,
-    which gloo refuses: "invalid tensor size", "Check failed: outputShape[0] * worldSize")
-    works as the concatenated one does."""
-    if output.is_contiguous() and input.is_contiguous():
+def _flat_when_contiguous(output: torch.Tensor, input: torch.Tensor,
+                          gathering: bool) -> tuple:
+    """torch's stacked form (the full tensor ``n x`` the shard's shape, which gloo refuses:
+    "invalid tensor size", "Check failed: outputShape[0] * worldSize") as flat views when both
+    tensors are contiguous (rank-major chunks are then the same elements). Any other pair,
+    the concatenated form included, goes to torch unchanged, so existing callers' tensors,
+    work handles and futures are exactly what they were."""
+    full, shard = (output, input) if gathering else (input, output)
+    if full.dim() == shard.dim() + 1 and output.is_contiguous() and input.is_contiguous():
         return output.view(-1), input.view(-1)
     return output, input
 
@@ -956,7 +960,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
         raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements; it must "
                          f"be world size {n} x input's {input.numel()} = {input.numel() * n}")
     _record("all_gather", output, group)
-    output, input = _flat_when_contiguous(output, input)
+    output, input = _flat_when_contiguous(output, input, gathering=True)
     return _all_gather_tensor(output, input, group=group, async_op=async_op)
 
 
@@ -1212,6 +1216,10 @@ class _ThenCopy:
             self.wait()
         return self._finish is None
 
+    def _source_rank(self) -> int:
+        """The sender's group rank, for an any-source receive (one work), as torch's."""
+        return self._works[-1]._source_rank()
+
 
 def _handle(works, finish, async_op: bool):
     """``works`` (with ``finish`` after them) as one handle when ``async_op``, else waited."""
@@ -1223,32 +1231,41 @@ def _handle(works, finish, async_op: bool):
 
 
 def _agree_on_root(what: str, root_name: str, root, problem: Optional[str], group,
-                   device, outcome: str = "nothing was sent") -> None:
+                   device, outcome: str = "nothing was sent",
+                   tensor: Optional[torch.Tensor] = None) -> None:
     """Around a rooted collective whose arguments only some ranks can check (the root's list,
-    before a gather; the lengths, after an object broadcast): one all-gather of ``[ok, root]``
-    from every rank of ``group`` (two int64s a rank, on ``device``; a control message that
+    before a gather; the lengths, after an object broadcast): one all-gather of ``[ok, root,
+    numel, dtype]`` from every rank of ``group`` (four int64s a rank, on ``device``; a control message that
     :class:`CommCounter` does not count), after which every rank raises a ValueError when any
     rank found ``problem`` (that rank's own text; ``outcome`` tells the others what
-    happened) or the ranks name different roots, so no rank goes on alone."""
+    happened), the ranks name different roots, or (given ``tensor``) their tensors differ in
+    size or dtype, so no rank goes on alone (gloo aborts the root's process on a gather of
+    another size, and a scatter into a larger tensor leaves its tail stale, silently)."""
     n = get_world_size(group)
-    mine = torch.tensor([int(problem is None), root if problem is None else -1],
-                        dtype=torch.int64, device=device)
-    every = torch.empty(2 * n, dtype=torch.int64, device=device)
+    numel, dtype_code = (-1, -1) if tensor is None else \
+        (tensor.numel(), zlib.crc32(str(tensor.dtype).encode()))
+    mine = torch.tensor([int(problem is None), root if problem is None else -1, numel,
+                         dtype_code], dtype=torch.int64, device=device)
+    every = torch.empty(4 * n, dtype=torch.int64, device=device)
     _record("all_gather", every, group, counted=False)
     with reporting_broken_links(f"{what.rsplit('.', 1)[-1]} (argument check)", group):
         _all_gather_tensor(every, mine, group=group)
-    rows = every.view(n, 2).tolist()
+    rows = every.view(n, 4).tolist()
     if problem is not None:
         raise ValueError(problem)
-    failed = [r for r, (ok, _) in enumerate(rows) if not ok]
+    failed = [r for r, (ok, *_) in enumerate(rows) if not ok]
     if failed:
         raise ValueError(f"{what}: group rank(s) {failed} were given arguments that do not "
                          f"fit (their ValueError says which); {outcome}")
-    roots = [r for _, r in rows]
+    roots = [r for _, r, *_ in rows]
     if len(set(roots)) > 1:
         raise ValueError(f"{what}({root_name}=...): the ranks of the group name different "
                          f"roots, {root_name} per group rank: {roots}; every rank must pass "
                          f"the same {root_name}")
+    if tensor is not None and len({tuple(row[2:]) for row in rows}) > 1:
+        raise ValueError(f"{what}(tensor=...): the ranks' tensors differ in size or dtype "
+                         f"(elements per group rank: {[row[2] for row in rows]}); every rank's "
+                         f"tensor must match the {root_name}'s list items; {outcome}")
 
 
 def _rooted_problem(what: str, root_name: str, root, list_name: str, items, tensor, at_root,
@@ -1290,8 +1307,8 @@ def gather(tensor: torch.Tensor, gather_list: Optional[list] = None, dst: int = 
     and dtype; ``None`` on the other ranks), as torch's ``gather``. Returns a work handle
     with ``async_op`` (``None`` on a rank outside ``group``, which takes no part).
 
-    Before it, one all-gather of two ints per rank (not counted) checks ``dst`` and the list
-    on every rank, so that a bad argument on any rank raises a ValueError on every rank and
+    Before it, one all-gather of four ints per rank (not counted) checks ``dst``, the list
+    and every rank's tensor size and dtype on every rank, so that a bad argument on any rank raises a ValueError on every rank and
     none is left waiting. Wire: each other rank sends its tensor to ``dst``; counted as
     ``gather``, ``(n-1)/n`` of the tensor's bytes on every rank (rooted ops averaged over the
     ranks)."""
@@ -1301,7 +1318,7 @@ def gather(tensor: torch.Tensor, gather_list: Optional[list] = None, dst: int = 
     what = "shardkit.distributed.gather"
     problem = _rooted_problem(what, "dst", dst, "gather_list", gather_list, tensor,
                               lambda root: get_rank() == root, group)
-    _agree_on_root(what, "dst", dst, problem, group, tensor.device)
+    _agree_on_root(what, "dst", dst, problem, group, tensor.device, tensor=tensor)
     _record("gather", tensor, group, kind="reduce")
     with reporting_broken_links("gather", group):
         return dist.gather(tensor, list(gather_list) if get_rank() == dst else None, dst=dst,
@@ -1315,8 +1332,8 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[list] = None, src: int 
     other ranks): every rank receives its item into ``tensor``, as torch's ``scatter``.
     Returns a work handle with ``async_op`` (``None`` on a rank outside ``group``).
 
-    Before it, one all-gather of two ints per rank (not counted) checks ``src`` and the list
-    on every rank, as :func:`gather` does. Wire: ``src`` sends each other rank its item;
+    Before it, one all-gather of four ints per rank (not counted) checks ``src``, the list
+    and every rank's tensor size and dtype on every rank, as :func:`gather` does. Wire: ``src`` sends each other rank its item;
     counted as ``scatter``, ``(n-1)/n`` of the tensor's bytes on every rank (rooted ops
     averaged over the ranks)."""
     _check_call("scatter", group, tensor)
@@ -1325,13 +1342,21 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[list] = None, src: int 
     what = "shardkit.distributed.scatter"
     problem = _rooted_problem(what, "src", src, "scatter_list", scatter_list, tensor,
                               lambda root: get_rank() == root, group)
-    _agree_on_root(what, "src", src, problem, group, tensor.device)
+    _agree_on_root(what, "src", src, problem, group, tensor.device, tensor=tensor)
     _record("scatter", tensor, group, kind="broadcast")
     # Note: gloo scatters a non-contiguous item's storage as if it were contiguous (the
     # columns of a matrix arrived as the wrong elements, silently), hence the copies
+    # (and receives into the storage of a non-contiguous output as if it were contiguous)
     items = [t.contiguous() for t in scatter_list] if get_rank() == src else None
+    landing = tensor if tensor.is_contiguous() else tensor.contiguous()
     with reporting_broken_links("scatter", group):
-        return dist.scatter(tensor, items, src=src, group=group, async_op=async_op)
+        work = dist.scatter(landing, items, src=src, group=group, async_op=async_op)
+        if landing is tensor:
+            return work
+        if not async_op:
+            tensor.copy_(landing)
+            return None
+    return _ThenCopy([work], lambda: tensor.copy_(landing))
 
 
 def _tensor_list(what: str, argument: str, items) -> list:

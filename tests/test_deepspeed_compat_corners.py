@@ -294,3 +294,40 @@ def test_comm_takes_the_layouts_torch_documents(world2):
     elements, and a transposed send and receive failed ("input tensor has to be
     contiguous")."""
     assert world2.run(_comm_layouts_torch_accepts) == [True, True]
+
+
+def _comm_review_corners():
+    """A scatter into a transposed tensor; a gather and a scatter whose tensor has another
+    size on a non-root rank only; the sender of an any-source receive into a transposed
+    tensor; the concatenated all-gather's future holding the caller's tensor shape."""
+    import shardkit.comm as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    got = torch.zeros(2, 3).t()
+    dist.scatter(got, [torch.arange(6.0).reshape(3, 2) + r for r in range(n)]
+                 if rank == 0 else None, src=0)
+    assert torch.equal(got, torch.arange(6.0).reshape(3, 2) + rank)  # before: other elements
+    raised = []
+    for call in (lambda: dist.gather(torch.ones(3 if rank == 1 else 2),
+                                     [torch.zeros(2)] * n if rank == 0 else None, dst=0),
+                 lambda: dist.scatter(torch.zeros(3 if rank == 1 else 2),
+                                      [torch.ones(2)] * n if rank == 0 else None, src=0)):
+        try:  # before: gloo aborted rank 0's process; the scatter left a stale tail
+            call()
+        except ValueError as error:
+            raised.append("differ in size" in str(error))
+    assert raised == [True, True]
+    if rank == 0:
+        box = torch.zeros(2, 3).t()
+        work = dist.irecv(box, src=None)
+        work.wait()
+        assert work._source_rank() == 1  # before: AttributeError
+    elif rank == 1:
+        dist.send(torch.ones(3, 2), 0)
+    out = torch.zeros(2 * n, 3)
+    work = dist.all_gather_into_tensor(out, torch.ones(2, 3), async_op=True)
+    assert work.get_future().wait()[0].dim() == 2  # before: a flat view
+    return True
+
+
+def test_comm_review_corners(world2):
+    assert world2.run(_comm_review_corners) == [True, True]
