@@ -276,3 +276,89 @@ def test_data_parallel_group_beside_a_reducing_wrapper_is_refused(world4):
     for error in world4.run(_refused_double_reduction, "ddp_hook"):
         assert error is not None and "communication hook (fp16_compress_hook)" in error and \
             "without register_comm_hook" in error, error
+
+
+def _adamw_stage(part, wrapper, replicas):
+    from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
+    from shardkit.optim import OSS
+
+    options = dict(lr=0.1, weight_decay=0.1)
+    if wrapper == "fsdp":
+        module = FullyShardedDataParallel(part, process_group=replicas)
+        return module, torch.optim.AdamW(module.parameters(), **options)
+    opt = OSS(part.parameters(), optim=torch.optim.AdamW, group=replicas, **options)
+    return ShardedDataParallel(part, opt, process_group=replicas), opt
+
+
+def _unused_outputs_under(wrapper, schedule_name, routes):
+    """AdamW (weight decay) on ``_Fork`` / ``_Join`` stages under ShardedDDP or FSDP, 2
+    pipelines x 2 ranks, whose next stage ignores or detaches some outputs (``routes``: per
+    step, each pipeline's ``use`` per micro-batch, see ``_route``), beside one process on the
+    whole batch: the worst |weight - reference| after each step."""
+    from tests.nn.test_pipe_forward_only import _fork_modules
+    from tests.nn.test_torch_pipelining_suite import SCHEDULES as TORCH_SCHEDULES
+
+    rank, chunks, rows = dist.get_rank(), 2, 8
+    pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replica_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pipeline, pipe_rank = rank // 2, rank % 2
+    cls, per_rank, placement = TORCH_SCHEDULES[schedule_name]
+    n = 2 * per_rank
+    mine = [s for s in range(n) if stage_rank(s, n, 2, placement) == pipe_rank]
+    ref, parts = _fork_modules(n), _fork_modules(n)
+    modules, opts, stages = {}, [], []
+    for s in mine:
+        modules[s], opt = _adamw_stage(parts[s], wrapper, replica_groups[pipe_rank])
+        opts.append(opt)
+        stages.append(PipelineStage(modules[s], s, n, group=pipelines[pipeline],
+                                    placement=placement))
+    schedule = cls(stages[0] if per_rank == 1 else stages, chunks, F.mse_loss)
+    ref_opt = torch.optim.AdamW([q for m in ref for q in m.parameters()], lr=0.1,
+                                weight_decay=0.1)
+    half = slice(pipeline * rows // 2, (pipeline + 1) * rows // 2)
+    worst = 0.0
+    for step, route in enumerate(routes):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(rows, ref[0].a.in_features, generator=g), \
+            torch.randn(rows, ref[0].a.in_features, generator=g)
+        use = torch.tensor(route[0] + route[1]).repeat_interleave(rows // 2 // chunks)
+        for opt in opts:
+            opt.zero_grad()
+        ref_opt.zero_grad()
+        schedule.step(*((x[half],) if 0 in mine else ()),
+                      target=y[half] if n - 1 in mine else None, use=use[half])
+        loss = 0
+        for xi, yi, ui in zip(x.tensor_split(2 * chunks), y.tensor_split(2 * chunks),
+                              use.tensor_split(2 * chunks)):
+            h = xi
+            for module in ref:
+                h = module(h, ui)
+            loss = loss + F.mse_loss(h, yi) / (2 * chunks)
+        loss.backward()
+        for opt in opts:
+            opt.step()
+        ref_opt.step()
+        worst = max([worst] + [(a - b).abs().max().item() for s in mine for a, b in zip(
+            _full_params(modules[s], parts[s]), ref[s].parameters())])
+    return worst
+
+
+# per step, (pipeline 0's, pipeline 1's) ``use`` per micro-batch: 0 the second output unused,
+# 1 both used, 2 the first unused, 4 the second detached; the same in both pipelines or not
+_PARTLY_UNUSED = [[[0, 0], [0, 0]], [[0, 1], [0, 2]], [[0, 0], [1, 1]], [[2, 4], [2, 4]]]
+
+
+def test_an_output_no_later_stage_uses_gets_no_gradient_under_sharded_ddp_and_fsdp(world4):
+    """A ShardedDDP or FSDP stage backpropagated zeros for an output the next stage ignored, so
+    AdamW decayed and moved the weights only that output depends on (one process: ``.grad``
+    ``None``, unchanged), in both pipelines. The output is now left out wherever the stage's
+    reductions stay those of its replicas (plain backward), and an FSDP stage's split W hands
+    its units only the gradients real output gradients reached, outputs unused on every
+    micro-batch (3) included."""
+    cases = [("sharded_ddp", "GPipe"), ("sharded_ddp", "ZB-H1"), ("fsdp", "1F1B"),
+             ("fsdp", "ZB-H1"), ("fsdp", "ZBV")]
+    for wrapper, name in cases:
+        routes = _PARTLY_UNUSED + ([[[3, 3], [3, 3]]] if name in ("ZB-H1", "ZBV") and
+                                   wrapper == "fsdp" else [])
+        for rank, worst in enumerate(world4.run(_unused_outputs_under, wrapper, name, routes)):
+            assert worst < 1e-5, (wrapper, name, rank, worst)

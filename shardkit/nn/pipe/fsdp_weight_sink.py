@@ -38,14 +38,22 @@ resharding), one reduce-scatter per micro-batch, plus one all-gather per micro-b
 whose W reads weights. Every data-parallel rank of a stage runs the same plan over the same
 graph, so the collectives are issued in the same order everywhere.
 
-Limit: activation checkpointing inside a unit is not supported under a split backward (B's
-recomputation builds views the W edges, found before B, do not name).
+An output of the stage that the next stage gave no gradient (it did not use it) still gets
+zeros in B, so that the plan stays the replicas'; W hands the units only the gradients that the
+real output gradients reached (:meth:`ShardedGradientSink.weight_targets`), so a parameter no
+replica's backward reached keeps ``.grad`` ``None``, as in one process.
+
+Limits: activation checkpointing inside a unit is not supported under a split backward (B's
+recomputation builds views the W edges, found before B, do not name). The stage's graph itself
+must have the same shape on every replica: a stage whose forward ignores its input on one
+replica only (B then reaches no unit there, and no gather or free runs) leaves the replicas'
+collectives unpaired.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -75,12 +83,21 @@ class ShardedGradientSink:
     def __init__(self):
         self._owners: dict = {}    # GradientEdge -> (shard, index), for the waiting W passes
         self._touched: dict = {}   # shards that got gradients this step, in order
+        self._unreached: set = set()  # edges only zero output gradients reached (see W)
 
-    def weight_targets(self, roots: Sequence[torch.Tensor]) -> list:
+    def weight_targets(self, roots: Sequence[torch.Tensor],
+                       real: Optional[Sequence[torch.Tensor]] = None) -> list:
         """The gradient edges B hands to W: every trainable parameter view the micro-batch's
-        graph below ``roots`` used."""
+        graph below ``roots`` used. ``real``: the roots whose output gradient is real when
+        the others were given zeros (an output the next stage did not use): W computes every
+        edge, so that each replica runs the same plan, but hands the units only the gradients
+        of the views ``real`` reach, as one process's backward would (the others count as
+        not reached: ``.grad`` ``None`` where no replica reached them)."""
         edges = gathered_param_edges(roots)
         self._owners.update(edges)
+        if real is not None:
+            reached = gathered_param_edges(real)
+            self._unreached.update(e for e in edges if e not in reached)
         return list(edges)
 
     def run(self, weight_pass: WeightGradPass) -> None:
@@ -110,7 +127,8 @@ class ShardedGradientSink:
         for edge in (p for _, params, _ in groups for p in params):
             shard, index = self._owners.pop(edge)
             slots = by_shard.setdefault(shard, [None] * len(shard.params))
-            g = grads.get(edge)
+            g = None if edge in self._unreached else grads.get(edge)
+            self._unreached.discard(edge)
             if g is not None:
                 g = g.reshape(-1)  # the unit takes flat gradients, as its split's backward gives
                 slots[index] = g if slots[index] is None else slots[index] + g
@@ -135,6 +153,7 @@ class ShardedGradientSink:
             shard.finish_reduce()
             shard.free_full()
         self._touched, self._owners = {}, {}  # edges of parameters no W reached
+        self._unreached = set()
 
 
 def stage_is_fully_sharded(module: torch.nn.Module) -> bool:

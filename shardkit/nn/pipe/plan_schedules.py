@@ -44,8 +44,10 @@ import itertools
 from typing import Callable, Optional
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from shardkit import distributed as dist
+from shardkit.nn.data_parallel.flat_param import gathered_param_edges
 from shardkit.nn.pipe.microbatch import batch_size, own_microbatches, split_microbatches
 from shardkit.nn.pipe.p2p import (ACTIVATION, GRADIENT, StepState, TaggedLinks, batch_signature,
                                   output_tensors)
@@ -633,26 +635,48 @@ class PlanSchedule:
         self._alive += 1
         self.peak_live_microbatches = max(self.peak_live_microbatches, self._alive)
 
-    def _output_grads(self, s: int, i: int, roots: list) -> tuple[list, Optional[list]]:
-        """The roots of stage ``s``'s backward on micro-batch ``i`` that get a gradient, and
-        those gradients (``None``: the last stage's loss, ones). An output the next stage gave
-        no gradient (it ignored or detached that tensor) is left out, as one process's backward
-        never reaches it: the parameters only it depends on keep ``.grad`` ``None``, and with
-        no gradient at all there is no backward. A stage whose module reduces gradients inside
-        backward (ShardedDataParallel, FSDP) takes zeros for it instead, so that every replica
-        runs the same backward and its reductions match."""
+    def _output_grads(self, s: int, i: int, roots: list,
+                      split: bool = False) -> tuple[list, Optional[list], Optional[list]]:
+        """The roots of stage ``s``'s backward on micro-batch ``i`` that get a gradient, those
+        gradients (``None``: the last stage's loss, ones), and ``None``, or the roots whose
+        gradient is real when some fed are zeros. An output the next stage gave no gradient
+        (it ignored or detached that tensor) is left out, as one process's backward never
+        reaches it: the parameters only it depends on keep ``.grad`` ``None``, and with no
+        gradient at all there is no backward.
+
+        A stage whose module reduces gradients inside backward (ShardedDataParallel, FSDP) must
+        issue the same reductions as its replicas, whose next stages may have used that output:
+        it leaves the output out when the backward still reaches the same reducing units
+        (ShardedDDP: some trainable parameter; FSDP: the same units), and otherwise takes zeros
+        for it (those parameters then get zeros, which is one process's gradient wherever a
+        replica gave them one). An FSDP stage's B (``split``) always takes zeros, so that every
+        replica runs the same B and W plan: its W hands the units only the gradients the real
+        ones reached (:class:`ShardedGradientSink`). The caller reports the input gradients
+        only the real roots reach (:func:`_reached`)."""
         if s == self.num_stages - 1:
-            return roots, None
+            return roots, None, None
         if self._remote(s + 1) is None:
             grads = self._handoff.pop(("B", s, i))
         else:
             grads = self.links.take_gradient(s, i, self._remote(s + 1))
         pairs = list(zip(roots, grads))
-        if self._reducing[s] or self._whole_backward[s]:
+        real = [(r, g) for r, g in pairs if g is not None]
+        if len(real) < len(pairs) and self._feeds_zeros(s, roots, [r for r, _ in real], split):
             return [r for r, _ in pairs], [g if g is not None else torch.zeros_like(r)
-                                           for r, g in pairs]
-        pairs = [(r, g) for r, g in pairs if g is not None]
-        return [r for r, _ in pairs], [g for _, g in pairs]
+                                           for r, g in pairs], [r for r, _ in real]
+        return [r for r, _ in real], [g for _, g in real], None
+
+    def _feeds_zeros(self, s: int, roots: list, real: list, split: bool) -> bool:
+        """Whether stage ``s`` must backpropagate zeros for its roots without a gradient (see
+        :meth:`_output_grads`). Walks the micro-batch's graph; local."""
+        if self._whole_backward[s] and split:
+            return True
+        if not self._reducing[s]:
+            return False
+        if self._whole_backward[s]:
+            return _fsdp_units_reached(roots) != _fsdp_units_reached(real)
+        params = {id(p) for p in self.stages[s].module.parameters() if p.requires_grad}
+        return _reaches_a_parameter(roots, params) != _reaches_a_parameter(real, params)
 
     def _send_input_grads(self, s: int, i: int, activation, grads) -> None:
         """Hand the gradients of stage ``s``'s inputs back (one per input requiring grad,
@@ -675,23 +699,25 @@ class PlanSchedule:
             return
         # gradient hooks (data-parallel wrappers, FSDP) see one plain backward per micro-batch
         activation, roots = self._live.pop((s, i))
-        roots, grads = self._output_grads(s, i, roots)
+        roots, grads, real = self._output_grads(s, i, roots)
         failed = roots and self._backward(
             s, i, lambda: torch.autograd.backward(roots, grads)) is _FAILED
         # stage 0: the plain backward has already reached the batch tensors themselves
         input_grads = [None] * len(activation) if failed or s == 0 else \
-            [a.grad for a in activation]
+            _reached(real, activation, [a.grad for a in activation])
         self._send_input_grads(s, i, activation, input_grads)
         self._alive -= 1
 
     def _run_B(self, s: int, i: int) -> None:
         activation, roots = self._live.pop((s, i))
-        roots, grads = self._output_grads(s, i, roots)
+        roots, grads, real = self._output_grads(s, i, roots, split=True)
         result = self._backward(s, i, lambda: backward_input(
-            roots, grads, activation, self._sinks[s].weight_targets(roots))) if roots else None
+            roots, grads, activation, self._sinks[s].weight_targets(roots, real))) \
+            if roots else None
         if result is None or result is _FAILED:
             result = [None] * len(activation), None
         input_grads, self._weights[(s, i)] = result
+        input_grads = _reached(real, activation, input_grads)
         self._send_input_grads(s, i, activation, input_grads)
 
     def _run_W(self, s: int, i: int) -> None:
@@ -757,7 +783,7 @@ class PlanSchedule:
         return []
 
     def _local_problems(self, inputs, target) -> list[str]:
-        name, problems = type(self).__name__, list(self._problems)
+        problems = list(self._problems)
         if 0 in self.stages:
             problems += self._batch_problems(inputs)
         problems += self._call_problems()
@@ -887,6 +913,40 @@ def _one_tie_per_weight(stages: list) -> list:
         for tie in stage.ties:
             ties[id(tie.param)] = tie
     return list(ties.values())
+
+
+def _graph_nodes(roots: list) -> set:
+    """The autograd nodes below ``roots`` (theirs included)."""
+    stack = [get_gradient_edge(r).node for r in roots if r.requires_grad]
+    seen = set(stack)
+    while stack:
+        for child, _ in stack.pop().next_functions:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append(child)
+    return seen
+
+
+def _reaches_a_parameter(roots: list, params: set) -> bool:
+    """Whether a backward from ``roots`` accumulates into a parameter whose ``id`` is in
+    ``params``."""
+    return any(id(getattr(n, "variable", None)) in params for n in _graph_nodes(roots))
+
+
+def _fsdp_units_reached(roots: list) -> set:
+    """The FSDP units whose gathered parameters the graph below ``roots`` used."""
+    return {id(shard) for shard, _ in gathered_param_edges(roots).values()}
+
+
+def _reached(real: Optional[list], tensors, grads: list) -> list:
+    """``grads`` of ``tensors``, ``None`` where a backward from the ``real`` roots alone
+    (``None``: every root was real) would not reach the tensor (zeros fed for the others
+    reached it)."""
+    if real is None:
+        return list(grads)
+    nodes = _graph_nodes(real)
+    return [g if g is not None and isinstance(t, torch.Tensor) and t.requires_grad
+            and get_gradient_edge(t).node in nodes else None for t, g in zip(tensors, grads)]
 
 
 def _reduces_during_backward(stage: PipelineStage) -> bool:

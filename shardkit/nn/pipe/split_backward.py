@@ -457,8 +457,9 @@ class GradientSink:
         self._totals: dict = {}
         self._products: list = []  # (weight, bias, x, g) of the waiting micro-batches
 
-    def weight_targets(self, roots: Sequence[torch.Tensor]) -> list:
-        """The parameters B hands to W (the stage's trainable parameters; ``roots`` unused)."""
+    def weight_targets(self, roots: Sequence[torch.Tensor], real=None) -> list:
+        """The parameters B hands to W (the stage's trainable parameters; ``roots`` and
+        ``real`` unused)."""
         return self.params
 
     def run(self, weight_pass: WeightGradPass) -> None:
