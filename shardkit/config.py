@@ -14,7 +14,8 @@ Keys that change behaviour:
     ASGD, Rprop and Adafactor (stages 0-2), their params checked against the constructor;
     DeepSpeed's Lamb, 1-bit/0-1 optimizers, Lion, mup's Mu* and Muon are refused by name:
     pass such an optimizer object instead), params}, scheduler.{type (WarmupLR,
-    WarmupDecayLR, WarmupCosineLR, OneCycle), params}, gradient_clipping, steps_per_print,
+    WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest), params}, gradient_clipping,
+    steps_per_print,
     gradient_allreduce_op ("mean", the default, or "sum": gradients summed over the
     data-parallel ranks; stages 0-2),
     zero_optimization.{stage, reduce_bucket_size (elements, as in DeepSpeed), reduce_scatter
@@ -225,6 +226,11 @@ SCHEDULER_PARAMS = {
         "decay_step_size": _int(0, 0), "cycle_momentum": _bool(True),
         "cycle_min_mom": _num_or_list(0.8), "cycle_max_mom": _num_or_list(0.9),
         "decay_mom_rate": _num(0.0, 0), "last_batch_iteration": _int(-1, -1),
+    },
+    "LRRangeTest": {
+        "lr_range_test_min_lr": _num_or_list(0.001), "lr_range_test_step_size": _int(2000, 1),
+        "lr_range_test_step_rate": _num(1.0, 0), "lr_range_test_staircase": _bool(),
+        "last_batch_iteration": _int(-1, -1),
     },
 }
 REQUIRED_SCHEDULER_PARAMS = {"WarmupDecayLR": ("total_num_steps",),

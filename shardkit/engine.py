@@ -34,7 +34,10 @@ gradients of the trainable parameters it leaves out (they never accumulate).
 ``2Ψ(N-1)/N`` on links between blocks, for ``Ψ/h`` more memory per resharded unit.
 
 Master weights and optimizer state are always fp32; ``fp16``/``bf16`` run the forward and
-backward under ``torch.autocast`` (CPU or CUDA), fp16 with a :class:`DynamicLossScaler`. A step
+backward under ``torch.autocast`` (CPU or CUDA), fp16 with a :class:`DynamicLossScaler`. A
+model passed in fp16 or bf16 to train that way has its 16-bit parameters and buffers cast to
+fp32 first (the same ``Parameter`` objects; rank 0 says so), as DeepSpeed keeps fp32 master
+weights whatever the model's dtype. A step
 whose gradients hold inf/nan is skipped under fp16, and under bf16 unless
 ``bf16.check_grad_overflow`` is false (DeepSpeed's default, true); the decision is all-reduced
 (one element) so every rank skips together.
@@ -1018,6 +1021,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
             raise ValueError(f"engine.step(lr_kwargs={lr_kwargs!r}): expected a dict of keyword "
                              f"arguments for lr_scheduler.step(), or None")
+        if self.lr_scheduler is not None:
+            _check_lr_kwargs(self.lr_scheduler, lr_kwargs or {})
         torch_backward = self._backwards_since_step == 0
         if self.is_gradient_accumulation_boundary():
             self._refuse_unreduced_step()
@@ -1776,6 +1781,14 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         _ensure_log_handler()
         for note in cfg.warnings:
             logger.warning(note)
+    if recipe is not None and cfg.precision.dtype != "fp32":
+        cast = _keep_fp32_master_weights(model, recipe)
+        if cast and distributed.get_rank() == 0:
+            logger.warning("%s training: %d 16-bit parameters and buffers of the model were cast "
+                           "to fp32 master weights (the forward still runs in %s under autocast), "
+                           "as DeepSpeed keeps fp32 master weights; stepping 16-bit weights "
+                           "would lose small updates", cfg.precision.dtype, cast,
+                           cfg.precision.dtype)
     if cfg.zero.stage < 3 and cfg.zero.offload_optimizer_device == "cpu" \
             and next(model.parameters()).is_cuda and distributed.get_rank() == 0:
         logger.warning("zero_optimization.offload_optimizer: CPU offload is implemented at "
@@ -1812,6 +1825,62 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     if resume_from is not None:
         _resume(engine, os.fspath(resume_from))
     return engine, composition.optimizer, loader, scheduler
+
+
+def _check_lr_kwargs(scheduler, lr_kwargs: dict) -> None:
+    """``engine.step(lr_kwargs=...)``: a ValueError naming the scheduler's ``step`` parameters
+    when it would not take them (an unknown keyword, or one it requires missing: torch's
+    ``ReduceLROnPlateau`` needs ``lr_kwargs={"metrics": ...}``), raised on every rank before
+    the optimizer steps (the scheduler's own TypeError came after the optimizer had stepped,
+    so calling ``step()`` again stepped it twice). Local."""
+    import inspect
+    try:
+        signature = inspect.signature(scheduler.step)
+    except (TypeError, ValueError):  # no signature to read: let the call itself decide
+        return
+    try:
+        signature.bind(**lr_kwargs)
+    except TypeError as error:
+        raise ValueError(f"engine.step(lr_kwargs={lr_kwargs!r}): {type(scheduler).__name__}."
+                         f"step({', '.join(signature.parameters)}) does not take them "
+                         f"({error})") from None
+
+
+def _keep_fp32_master_weights(model: nn.Module, recipe: OptimizerRecipe) -> int:
+    """fp16/bf16 training of a model whose weights are 16-bit (``from_pretrained(torch_dtype=
+    torch.bfloat16)``, ``model.half()``): its fp16/bf16 parameters (the same ``Parameter``
+    objects), their gradients, its fp16/bf16 buffers and any state the optimizer already holds
+    for those parameters become fp32, so that the master weights and the optimizer state are
+    fp32 and the forward runs in 16 bits under autocast, exactly as for an fp32 model
+    (DeepSpeed keeps fp32 master weights whatever the model's dtype). Stepping the 16-bit
+    weights themselves loses every update below half a unit in the last place (bf16 Adam at
+    lr 1e-4 barely moves) and Adam's eps underflows in fp16 (the weights became inf).
+    Returns how many tensors were cast (0 for a model holding FSDP units the user wrapped:
+    their shards are left as they are). Memory: those tensors double. Local."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        return 0
+    half = (torch.float16, torch.bfloat16)
+    state = recipe.instance.state if recipe.instance is not None else {}
+    cast = 0
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dtype not in half:
+                continue
+            grad, param.grad = param.grad, None
+            param.data = param.data.float()
+            if grad is not None:
+                param.grad = grad.float()
+            for key, value in (state.get(param) or {}).items():
+                if isinstance(value, torch.Tensor) and value.dtype in half:
+                    state[param][key] = value.float()
+            cast += 1
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.dtype in half:
+                    module._buffers[name] = buffer.float()
+                    cast += 1
+    return cast
 
 
 def _tp_split_specs(model: nn.Module) -> dict:

@@ -1,7 +1,8 @@
 """shardkit.initialize corners a DeepSpeed user reaches: an optimizer over only some of the
 trainable parameters (stages 1 and 2), ``engine.deepspeed_io`` and ``engine.training_dataloader``,
-the engine's own AttributeError, an fp16 loss scale starting below its floor and Hugging Face's
-"auto" values.
+the engine's own AttributeError, an fp16 loss scale starting below its floor, Hugging Face's
+"auto" values, a model handed over in fp16/bf16 (fp32 master weights) and ``lr_kwargs`` the
+scheduler does not take.
 
 One world of 2 gloo ranks for the module; each check trains a few steps against one process.
 """
@@ -256,3 +257,97 @@ def test_collate_fn_module_and_iterable_dataset_with_sampler(world2):
         assert not registered and remainder == 0
         assert first in ([0.0, 20.0], [10.0, 30.0])  # eval: in order, the collate module's
         assert "engine.deepspeed_io(dataset=<_Stream>): an IterableDataset" in refused
+
+
+def _sixteen_bit_model(stage: int, precision: str, how: str):
+    """A model handed over in fp16/bf16 (``from_pretrained(torch_dtype=...)``) trained with
+    that precision: against one process stepping fp32 master weights under autocast, the way
+    DeepSpeed trains it. Returns the largest difference and the parameters' dtypes."""
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    reference = _model()
+    with torch.no_grad():  # the values a 16-bit checkpoint holds
+        for p in reference.parameters():
+            p.copy_(p.to(half).float())
+    model = _model().to(half)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+              "steps_per_print": 1000, precision: {"enabled": True}}
+    kwargs = {"optimizer": torch.optim.Adam(model.parameters(), lr=1e-4)} if how == "object" \
+        else {}
+    if how == "config":
+        config["optimizer"] = {"type": "Adam", "params": {"lr": 1e-4, "adam_w_mode": False}}
+    engine, *_ = shardkit.initialize(model=model, config=config, **kwargs)
+    oracle = torch.optim.Adam(reference.parameters(), lr=1e-4)
+    scale = engine.loss_scale
+    for step in range(3):
+        x, y = _batch(step, world)
+        engine.backward(F.mse_loss(engine(x[2 * rank:2 * rank + 2]).float(),
+                                   y[2 * rank:2 * rank + 2]))
+        engine.step()
+        with torch.autocast("cpu", dtype=half):
+            out = reference(x)
+        (F.mse_loss(out.float(), y) * scale).backward()
+        for p in reference.parameters():
+            p.grad /= scale
+        oracle.step()
+        oracle.zero_grad()
+    full = engine.module_state_dict()
+    diff = max((full[k].float() - v).abs().max().item() for k, v in reference.state_dict().items())
+    return diff, sorted({str(p.dtype) for p in model.parameters()}), engine.skipped_steps
+
+
+def test_a_16_bit_model_trains_on_fp32_master_weights(world2):
+    # the 16-bit weights were stepped in place: bf16 lost the lr-1e-4 updates (3.0e-4 off
+    # after 3 steps), fp16 Adam's eps underflowed and the weights became inf (the next steps
+    # skipped); now 9e-7 (bf16: the ranks' halves of the batch round apart)
+    for stage, precision, how in ((0, "bf16", "object"), (3, "bf16", "config"),
+                                  (2, "fp16", "config"), (1, "fp16", "object")):
+        for diff, dtypes, skipped in world2.run(_sixteen_bit_model, stage, precision, how):
+            assert dtypes == ["torch.float32"] and skipped == 0, (stage, precision, dtypes)
+            assert diff < 1e-5, (stage, precision, how, diff)
+
+
+def _bad_lr_kwargs():
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+              "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05,
+                                                           "warmup_num_steps": 4}}}
+    engine, *_ = shardkit.initialize(model=_model(), config=config)
+    start = engine.module_state_dict()["0.weight"].clone()
+    x, y = _batch(0, world)
+    engine.backward(F.mse_loss(engine(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]))
+    try:
+        engine.step(lr_kwargs={"epoch": 3})
+        refused = "accepted"
+    except ValueError as error:
+        refused = str(error)
+    unchanged = torch.equal(engine.module_state_dict()["0.weight"], start)
+    engine.step(lr_kwargs={"last_batch_iteration": 3})  # the same step, with a valid argument
+    moved = not torch.equal(engine.module_state_dict()["0.weight"], start)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau, *_ = shardkit.initialize(
+        model=model, optimizer=optimizer, config={"train_micro_batch_size_per_gpu": 2},
+        lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer))
+    plateau.backward(F.mse_loss(plateau(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]))
+    try:
+        plateau.step()  # torch's ReduceLROnPlateau needs lr_kwargs={"metrics": ...}
+        missing = "accepted"
+    except ValueError as error:
+        missing = str(error)
+    plateau.step(lr_kwargs={"metrics": 1.0})
+    return refused, unchanged, moved, engine.global_steps, engine.get_lr(), missing, \
+        plateau.global_steps
+
+
+def test_lr_kwargs_the_scheduler_does_not_take_are_refused_before_the_step(world2):
+    # the scheduler's TypeError came after the optimizer had stepped (a retry stepped twice)
+    for refused, unchanged, moved, steps, lrs, missing, plateau_steps in \
+            world2.run(_bad_lr_kwargs):
+        assert "engine.step(lr_kwargs={'epoch': 3})" in refused, refused
+        assert "WarmupLR.step(last_batch_iteration)" in refused, refused
+        assert unchanged and moved and steps == 1 and lrs == [pytest.approx(0.1)]
+        assert "ReduceLROnPlateau.step(metrics, epoch)" in missing, missing
+        assert "'metrics'" in missing and plateau_steps == 1, missing

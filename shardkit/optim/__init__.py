@@ -14,6 +14,7 @@ _EXPORTS = {
     "WarmupDecayLR": "shardkit.optim.lr_scheduler",
     "WarmupCosineLR": "shardkit.optim.lr_scheduler",
     "OneCycle": "shardkit.optim.lr_scheduler",
+    "LRRangeTest": "shardkit.optim.lr_scheduler",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -33,7 +33,9 @@ class DynamicLossScaler:
     - **No overflow**: with ``consecutive_hysteresis`` the budget is restored to ``hysteresis``
       at once. The scale is multiplied by ``scale_factor`` on each step that completes a
       multiple of ``scale_window`` clean steps since the last overflow (or the start), as torch's
-      ``GradScaler`` does with ``growth_interval``; growing also restores the hysteresis budget.
+      ``GradScaler`` does with ``growth_interval`` and DeepSpeed did up to 0.17.0 (since 0.17.1
+      it grows one clean step later, on the ``scale_window + 1``-th); growing also restores
+      the hysteresis budget.
 
     Args:
         init_scale: starting scale (DeepSpeed: ``2 ** initial_scale_power``).
@@ -124,7 +126,7 @@ class DynamicLossScaler:
         if self.consecutive_hysteresis:
             self.cur_hysteresis = self.hysteresis
         # this step included: the scale grows on the step that completes a whole window of
-        # clean steps (DeepSpeed's rule, and torch GradScaler's growth_interval)
+        # clean steps (torch GradScaler's growth_interval; DeepSpeed's rule up to 0.17.0)
         clean_steps = self.cur_iter - self.last_overflow_iter
         if clean_steps % self.scale_window == 0:
             if not self.consecutive_hysteresis:

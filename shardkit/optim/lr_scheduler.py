@@ -11,6 +11,8 @@ Same parameter names and the same numbers as ``deepspeed.runtime.lr_schedules`` 
   ``warmup_min_ratio`` to 1, then a cosine down to ``cos_min_ratio`` at ``total_num_steps``.
 - :class:`OneCycle`: a triangle from ``cycle_min_lr`` up to ``cycle_max_lr`` and back (Adam's
   ``beta1`` moving the other way), then an optional decay below ``cycle_min_lr``.
+- :class:`LRRangeTest`: the learning-rate range test, growing the lr linearly (or in stairs)
+  from ``lr_range_test_min_lr`` to find the largest one that still trains.
 
 As in DeepSpeed, ``last_batch_iteration`` counts scheduler steps: it is -1 after construction
 (the optimizer then holds the schedule's starting lr) and ``k`` after ``k + 1`` calls to
@@ -31,7 +33,8 @@ from typing import Optional, Sequence, Union
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "WARMUP_TYPES"]
+__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest",
+           "WARMUP_TYPES"]
 
 WARMUP_TYPES = ("log", "linear")
 Number = Union[int, float]
@@ -135,9 +138,9 @@ class WarmupLR(_DeepSpeedSchedule):
     At iteration ``i < warmup_num_steps`` the lr is ``min + (max - min) * g(i)`` with
     ``g = log(i + 1) / log(warmup_num_steps)`` (``log``) or ``i / warmup_num_steps``
     (``linear``); afterwards ``warmup_max_lr``. ``warmup_max_lr=None`` (the default) warms each
-    param group up to the lr it holds when the schedule is built. DeepSpeed's default is a
-    fixed 0.001 instead, whatever lr the optimizer was given: pass ``warmup_max_lr=0.001`` to
-    get its schedule.
+    param group up to the lr it holds when the schedule is built, as DeepSpeed does since
+    0.17.2 (earlier releases, and its docstring still, used a fixed 0.001 whatever lr the
+    optimizer was given: pass ``warmup_max_lr=0.001`` for their schedule).
 
     Args:
         optimizer: any torch optimizer (OSS included).
@@ -404,6 +407,60 @@ class OneCycle(_IterationSchedule):
             for group, beta1 in zip(self.optimizer.param_groups,
                                     self.momenta_at(self.last_batch_iteration)):
                 group["betas"] = (beta1, group["betas"][1])
+
+
+class LRRangeTest(_IterationSchedule):
+    """DeepSpeed's learning-rate range test: the lr grows from ``lr_range_test_min_lr`` by
+    ``lr_range_test_step_rate`` times it every ``lr_range_test_step_size`` iterations, to find
+    the largest lr that still trains (the bounds of a :class:`OneCycle`).
+
+    At iteration ``i`` the lr is ``min_lr * (1 + step_rate * k)`` with ``k = (i + 1) /
+    step_size``, or ``floor((i + 1) / step_size)`` with ``lr_range_test_staircase`` (the lr
+    then holds for ``step_size`` iterations at a time). The optimizer holds ``min_lr`` from
+    construction until the first :meth:`step`, as in DeepSpeed.
+
+    Args:
+        optimizer: any torch optimizer (OSS included).
+        lr_range_test_min_lr: the starting lr: a number, or one per param group.
+        lr_range_test_step_size: iterations per growth interval (>= 1).
+        lr_range_test_step_rate: growth per interval, in multiples of the starting lr (>= 0).
+        lr_range_test_staircase: grow in stairs rather than continuously.
+        last_batch_iteration: resume position (-1: start).
+
+    Memory: one float per param group. Communication: none.
+    """
+
+    def __init__(self, optimizer, lr_range_test_min_lr: Union[Number, Sequence[Number]] = 1e-3,
+                 lr_range_test_step_size: int = 2000, lr_range_test_step_rate: float = 1.0,
+                 lr_range_test_staircase: bool = False, last_batch_iteration: int = -1):
+        name = type(self).__name__
+        if isinstance(lr_range_test_step_size, bool) \
+                or not isinstance(lr_range_test_step_size, int) or lr_range_test_step_size < 1:
+            raise ValueError(f"{name}(lr_range_test_step_size={lr_range_test_step_size!r}): "
+                             f"must be an integer >= 1")
+        if isinstance(lr_range_test_step_rate, bool) \
+                or not isinstance(lr_range_test_step_rate, (int, float)) \
+                or not math.isfinite(lr_range_test_step_rate) or lr_range_test_step_rate < 0:
+            raise ValueError(f"{name}(lr_range_test_step_rate={lr_range_test_step_rate!r}): "
+                             f"must be a finite number >= 0")
+        if not isinstance(lr_range_test_staircase, bool):
+            raise ValueError(f"{name}(lr_range_test_staircase={lr_range_test_staircase!r}): "
+                             f"expected True or False")
+        self.optimizer = optimizer
+        self.min_lrs = self._bounds(lr_range_test_min_lr, "lr_range_test_min_lr", None)
+        self.step_size = lr_range_test_step_size
+        self.step_rate = float(lr_range_test_step_rate)
+        self.staircase = lr_range_test_staircase
+        super().__init__(optimizer, last_batch_iteration)
+
+    _per_group = _DeepSpeedSchedule._per_group
+    _bounds = OneCycle._bounds
+
+    def lrs_at(self, iteration: int) -> list[float]:
+        intervals = (iteration + 1) / self.step_size
+        if self.staircase:
+            intervals = math.floor(intervals)
+        return [lr * (1 + self.step_rate * intervals) for lr in self.min_lrs]
 
 
 def _set_lr(group: dict, lr: float) -> None:

@@ -185,3 +185,28 @@ def test_one_cycle_resumes_and_leaves_sgd_momentum_alone(caplog):
     assert resumed.optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
     with pytest.raises(ValueError, match="cycle_first_step_size=0"):
         OneCycle(_optimizer(), 0.0, 1.0, cycle_first_step_size=0)
+
+
+@pytest.mark.parametrize("staircase", [False, True])
+def test_lr_range_test_matches_deepspeed_formula_and_builds_from_a_config(staircase):
+    # DeepSpeed's scheduler.type "LRRangeTest" was refused as "not a valid choice"
+    from shardkit.config import load_config
+    from shardkit.engine import _build_scheduler
+    from shardkit.optim.lr_scheduler import LRRangeTest
+    config = load_config({"train_batch_size": 1, "scheduler": {"type": "LRRangeTest", "params": {
+        "lr_range_test_min_lr": [0.01, 0.02], "lr_range_test_step_size": 3,
+        "lr_range_test_step_rate": 2.0, "lr_range_test_staircase": staircase}}}, 1)
+    s = _build_scheduler(config, None, _optimizer(groups=2))
+    assert isinstance(s, LRRangeTest)
+    # min_lr * (1 + rate * (i + 1) / size), floored intervals in the staircase; min_lr at first
+    ks = [0] + [math.floor((i + 1) / 3) if staircase else (i + 1) / 3 for i in range(7)]
+    assert _lrs(s, 8) == pytest.approx([0.01 * (1 + 2.0 * k) for k in ks])
+    k = 2 if staircase else 8 / 3  # iteration 7 after 8 steps
+    assert s.optimizer.param_groups[1]["lr"] == pytest.approx(0.02 * (1 + 2.0 * k))
+    resumed = LRRangeTest(_optimizer(groups=2), [0.01, 0.02], 3, 2.0, staircase)
+    resumed.load_state_dict(s.state_dict())
+    s.step()
+    resumed.step()
+    assert resumed.get_last_lr() == pytest.approx(s.get_last_lr())
+    with pytest.raises(ValueError, match="lr_range_test_step_size=0"):
+        LRRangeTest(_optimizer(), lr_range_test_step_size=0)
