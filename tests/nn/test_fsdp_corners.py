@@ -2,7 +2,9 @@
 by step, every rank): tensor hooks on parameters (``p.register_hook``, e.g. a pruning mask on
 the gradient); a unit whose output is an object FSDP cannot look into (a
 ``torch.distributions.Normal`` from an actor network); indexing a wrapped ``nn.Sequential``
-(FairScale's and torch FSDP1's ``__getitem__``)."""
+(FairScale's and torch FSDP1's ``__getitem__``); a parent reading a unit's parameters in its
+forward (a tied output projection, a ``cls_token``); a unit run both plainly and inside a
+reentrant activation checkpoint."""
 
 import copy
 
@@ -309,3 +311,136 @@ def test_nonlinear_tensor_hooks_see_the_local_gradient_as_under_ddp(world2):
     for inplace in (False, True):
         for diffs in world2.run(_nonlinear_hooks_against_ddp, inplace):
             assert max(diffs) < 1e-6, (inplace, diffs)
+
+
+class _ReadsItsUnit(nn.Module):
+    """A parent whose forward reads an inner unit's parameters without calling it: a one-row
+    ``cls`` parameter added to every position, and the unit's weight as a tied output
+    projection (GPT's ``F.linear(h, self.wte.weight)``)."""
+
+    class Embed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(6, 6)
+            self.cls = nn.Parameter(torch.randn(1, 6))
+
+        def forward(self, x):
+            return self.proj(x)
+
+    def __init__(self, checkpointed: bool = False):
+        super().__init__()
+        self.embed = _ReadsItsUnit.Embed()
+        self.mid = nn.Linear(6, 6)
+        self.checkpointed = checkpointed  # the cls read inside a reentrant checkpoint
+
+    def add_cls(self, h):
+        return h + self.embed.cls
+
+    def forward(self, x):
+        with torch.no_grad():  # a read without gradients first (a logged norm)
+            self.cls_norm = self.embed.cls.norm()
+        h = self.embed(x + self.embed.cls)  # read with gradients before the unit runs
+        if self.checkpointed:
+            h = torch.utils.checkpoint.checkpoint(self.add_cls, h, use_reentrant=True)
+        else:
+            h = self.add_cls(h)
+        return F.linear(torch.tanh(self.mid(h)), self.embed.proj.weight)
+
+
+def _parent_reading_a_unit(reshard: bool, checkpointed: bool):
+    torch.manual_seed(0)
+    oracle = _ReadsItsUnit()
+    source = _ReadsItsUnit(checkpointed)
+    source.load_state_dict(oracle.state_dict())
+    source.embed = FSDP(source.embed, reshard_after_forward=reshard)
+    model = FSDP(source)
+    o_opt = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
+    m_opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    diffs = []
+    for step in range(3):
+        x, y = _batch(step)
+        F.mse_loss(oracle(x), y).backward()
+        o_opt.step()
+        o_opt.zero_grad()
+        try:
+            F.mse_loss(model(_local(x)), _local(y)).backward()
+        except RuntimeError as error:  # before: a shape error (this rank's rows of the weight)
+            return [str(error)], None, None
+        m_opt.step()
+        m_opt.zero_grad()
+        diffs.append(_full_diff(model, oracle))
+    left_after_backward = [u._shard.gathered for u in model.sharded_units()]
+    x, _ = _batch(9)
+    with torch.no_grad():
+        evaluated = max_diff(model(_local(x)), oracle(_local(x)))
+    left_after_backward += [u._shard.gathered for u in model.sharded_units()]
+    model.reshard()
+    return diffs, evaluated, left_after_backward
+
+
+def test_a_parent_reading_a_units_parameters_gets_the_whole_parameters(world2):
+    """Regression: a parent's forward reading an inner unit's parameters without calling the
+    unit (``self.embed.cls``, ``F.linear(h, self.embed.proj.weight)``) read this rank's row
+    block: a shape error for the weight, and for the one-row ``cls`` the right shape with
+    zero padding on rank 1, silently (also when read again by a reentrant checkpoint's
+    recomputation in backward). The unit is now gathered for the read."""
+    for reshard, checkpointed in ((True, False), (False, False), (True, True)):
+        for diffs, evaluated, left in world2.run(_parent_reading_a_unit, reshard, checkpointed):
+            assert not isinstance(diffs[0], str) and max(diffs) < 1e-6, (reshard, diffs)
+            assert evaluated < 1e-6, evaluated
+            # backward freed what the read gathered, and so did the end of the no_grad forward
+            assert left == [False] * 4, left
+
+
+class _PlainAndCheckpointed(nn.Module):
+    """A unit run plainly and, in the same forward, inside a reentrant activation checkpoint
+    (a block shared by two layers, one of them checkpointed), in either order."""
+
+    def __init__(self, order: str):
+        super().__init__()
+        self.inp = nn.Linear(6, 6)
+        self.block = nn.Linear(6, 6)
+        self.order = order
+
+    def forward(self, x, checkpointed: bool = True):
+        def again(h):
+            if not checkpointed:
+                return self.block(h)
+            return torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True)
+        h = self.inp(x)
+        if self.order == "plain first":
+            return again(torch.tanh(self.block(h)))
+        return self.block(torch.tanh(again(h)))
+
+
+def _plain_and_checkpointed(order: str):
+    torch.manual_seed(0)
+    oracle = _PlainAndCheckpointed(order)
+    source = copy.deepcopy(oracle)
+    source.block = FSDP(source.block)
+    model = FSDP(source)
+    o_opt = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    m_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    diffs = []
+    for step in range(3):
+        x, y = _batch(step)
+        F.mse_loss(oracle(x, checkpointed=False), y).backward()
+        o_opt.step()
+        o_opt.zero_grad()
+        try:
+            F.mse_loss(model(_local(x)), _local(y)).backward()
+        except RuntimeError as error:
+            return [str(error)]
+        m_opt.step()
+        m_opt.zero_grad()
+        diffs.append(_full_diff(model, oracle))
+    return diffs
+
+
+def test_a_unit_run_plainly_and_in_a_reentrant_checkpoint(world2):
+    """Regression: the checkpoint's backward (a graph task of its own) gathered, reduced and
+    freed the unit and marked its pre-backward done, so the plain use's backward found its
+    weights freed ("setStorage: ... out of bounds for storage of size 0")."""
+    for order in ("plain first", "checkpointed first"):
+        for diffs in world2.run(_plain_and_checkpointed, order):
+            assert not isinstance(diffs[0], str) and max(diffs) < 1e-6, (order, diffs)

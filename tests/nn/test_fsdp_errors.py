@@ -8,6 +8,7 @@ import pickle
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.utils.prune  # noqa: F401 - torch.nn.utils.prune below
 
 from shardkit.models import MLP
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
@@ -66,6 +67,23 @@ def _error_cases():
     outer[0] = FSDP(outer[0])
     results["shared_across_units"] = _raises(lambda: FSDP(outer), ValueError,
                                              "already sharded", "lowest module")
+
+    # a weight tied to a module outside the unit, no FSDP root: the outside module read this
+    # rank's rows (a shape error, silently wrong for a one-row parameter); refused at the
+    # first forward, on every rank, before any collective
+    tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, bias=False))
+    tied[1].weight = tied[0].weight
+    tied[0] = FSDP(tied[0])
+    results["tied_outside_the_unit"] = _raises(
+        lambda: tied(torch.randn(2, 4)), RuntimeError, "Sequential.1.weight",
+        "outside every FSDP unit", "must stay inside one unit")
+    # torch.nn.utils.prune after wrapping: the mask had the shard's shape and the forward
+    # failed with "The expanded size of the tensor (2) must match the existing size (4)"
+    pruned = FSDP(nn.Linear(4, 4))
+    torch.nn.utils.prune.l1_unstructured(pruned.module, "weight", amount=0.5)
+    results["pruned_after_wrapping"] = _raises(
+        lambda: pruned(torch.randn(2, 4)), RuntimeError, "Linear.weight", "after wrapping",
+        "torch.nn.utils.prune", "before wrapping")
 
     model = wrap_gpt(build_gpt())
     optim = make_optimizer(model)

@@ -192,7 +192,12 @@ class FlatParamShard:
         self._pending_gather = None
         self._pending_reduce = None
         self._exposed = False
+        self.exposed_with_grad = False  # the exposed views have autograd history (expose)
         self._kept_from: Optional[int] = None  # fingerprint of the shard a kept ``full`` is of
+        # read outside the unit's forward, with gradients, by a parent in the root's forward:
+        # the unit stays gathered until freed (its backward), see FullyShardedDataParallel
+        # ._read_in_the_roots_forward
+        self.held_for_a_read = False
 
     # ------------------------------------------------------------------ construction
 
@@ -241,6 +246,9 @@ class FlatParamShard:
         parameter's ``.data`` (e.g. ``load_state_dict(assign=True)``): copy it back in."""
         for p, view, lay, locs in zip(self.params, self.shard_views(self.flat_shard),
                                       self.layouts, self.locations):
+            for module, name in locs:
+                if module._parameters.get(name) is not p:
+                    raise RuntimeError(_removed_after_wrapping(module, name, lay))
             if p.data.data_ptr() != view.data_ptr() or p.data.shape != view.shape:
                 if p.data.numel() != view.numel():
                     raise RuntimeError(_resized_after_wrapping(p, lay, locs))
@@ -311,6 +319,7 @@ class FlatParamShard:
             for module, name in locs:
                 module.__dict__[name] = view
         self._exposed = True
+        self.exposed_with_grad = any(trainable) and torch.is_grad_enabled()
         # the autograd graph task these views were made in (-1: outside any backward, a
         # forward); a reentrant checkpoint's backward is a task of its own (see
         # FullyShardedDataParallel._on_grad_ready)
@@ -373,6 +382,7 @@ class FlatParamShard:
             self._uncount()  # _GATHERED.sub, once
             self.gathered = False
         self._kept_from = None
+        self.held_for_a_read = False
 
     # ------------------------------------------------------------------ reduce-scatter
 
@@ -817,6 +827,21 @@ def _resized_after_wrapping(p: nn.Parameter, layout, locations: list) -> str:
             f"{tuple(p.data.shape)} after wrapping; FSDP sharded it with shape "
             f"{tuple(layout.shape)}. Change a parameter's size (e.g. Hugging Face's "
             f"resize_token_embeddings) before wrapping the model in FSDP")
+
+
+def _removed_after_wrapping(module: nn.Module, name: str, layout) -> str:
+    """What went wrong when a sharded parameter is no longer registered where FSDP found it
+    (``torch.nn.utils.prune`` on a wrapped module re-registers ``weight`` as ``weight_orig``,
+    with a mask of the row shard's shape; ``module.weight = nn.Parameter(...)``)."""
+    now = module._parameters.get(name)
+    what = ("removed (torch.nn.utils.prune re-registers it as "
+            f"{name}_orig, with a mask of this rank's row shard)" if now is None
+            else "replaced by another parameter")
+    return (f"FullyShardedDataParallel: {type(module).__name__}.{name} (shape "
+            f"{tuple(layout.shape)}) was {what} after wrapping; FSDP shards the parameter it "
+            f"found when the unit was built. Prune, replace or re-register parameters before "
+            f"wrapping the model in FSDP (a pruned module trains under FSDP: the mask is a "
+            f"buffer, the pruning hook sees the gathered weight)")
 
 
 _BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

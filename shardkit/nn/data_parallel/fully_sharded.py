@@ -55,6 +55,11 @@ Tensor hooks on a parameter (``p.register_hook(fn)``: gradient masks of pruned w
 hooks) run once per backward on this rank's whole gradient of the parameter (full shape, every
 use of the unit summed, compute dtype) before the reduce-scatter, as under torch DDP (the local
 gradient, before the all-reduce); a returned tensor replaces the gradient.
+A parent reading a unit's parameters in the root's forward without calling the unit
+(``F.linear(h, self.embed.weight)``, ``h + self.embed.cls``, ``self.embed.proj.weight``) gets
+them gathered, as in one process, and the unit stays gathered until its backward; a module
+outside every unit that holds one of a unit's parameters (a weight tied across the unit's
+boundary, no FSDP root around both) is refused at the first forward.
 ``loss.backward(inputs=params)`` fills the ``.grad`` of exactly those parameters (not those with
 a tensor hook of the user's, which autograd would call with ``None``); ``torch.autograd.grad``
 over a unit's parameters is refused (they are row shards). ``.to()``/``.half()``/
@@ -579,6 +584,12 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         _mark_fsdp_managed(module)
         module.register_state_dict_pre_hook(_refusing_shards_as_full_state(self))
         self._register_load_state_dict_pre_hook(add_wrapper_prefix)
+        # ids of the wrapped module's children holding some of this unit's parameters (their
+        # reads through the unit in the root's forward gather it: _read_in_the_roots_forward)
+        own = {id(p) for p in params}
+        self._children_holding_params = {
+            id(c) for c in module.children()
+            if not _is_unit(c) and any(id(p) in own for p in c.parameters())}
         self._enclosing: Optional[weakref.ref] = None  # the unit built around this one
         for inner in _inner_units(module):
             inner._is_root = False
@@ -588,6 +599,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._root: Optional[FullyShardedDataParallel] = None
         self._require_backward_grad_sync = True
         self._pre_backward_done = False
+        self._pre_backward_task = -1  # the graph task that set _pre_backward_done
         self._summoned = False  # inside summon_full_params: parameters hold full values
         self._gathers_before_hooks_of: set = set()  # ids of modules (see _gather_for_hooks)
         self.training_state = TrainingState.IDLE
@@ -599,6 +611,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._backward_task = -1  # root: the autograd graph task of the running backward
         self._backward_builds_graph = False  # root: the running backward has create_graph=True
         self._replicas_pending: list = []  # root: shards whose replica all-reduce is not issued
+        # root: units gathered by a read under no_grad in this forward (_read_in_the_roots_forward)
+        self._read_without_grad: list = []
         # Note: torch.compile of the wrapped block. The hooks sit on the wrapped module (so
         # that ``root.loss(...)``, reached through ``__getattr__``, still gathers), which puts
         # them inside a compiled ``block.compile()``; Dynamo runs them eagerly, outside the
@@ -669,7 +683,66 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._flatten_parameters_flag = value
 
     def __getattr__(self, name: str):
-        return attribute_through(self, name, "_fsdp_wrapped_module")
+        value = attribute_through(self, name, "_fsdp_wrapped_module")
+        shard = self.__dict__.get("_shard")
+        if shard is None:
+            return value
+        if isinstance(value, nn.Parameter) or (isinstance(value, nn.Module) and id(value) in
+                                               self.__dict__.get("_children_holding_params", ())):
+            return self._read_in_the_roots_forward(name, value)
+        if isinstance(value, torch.Tensor) and shard._exposed and not shard.exposed_with_grad \
+                and shard.full.requires_grad and torch.is_grad_enabled():
+            # exposed by a read under no_grad earlier in this forward: views without history
+            return self._read_in_the_roots_forward(name, value)
+        return value
+
+    def _read_in_the_roots_forward(self, name: str, value):
+        """``unit.weight`` read outside the unit's own forward but inside its root's (a parent's
+        tied output projection ``F.linear(h, self.embed.weight)``, a position embedding or
+        ``cls_token`` a parent adds), or ``unit.sub`` for a submodule holding some of the
+        unit's parameters (``self.embed.proj.weight``): the unit is gathered and exposed as
+        if it were computing, so the parent computes with the whole parameter (before, it
+        read this rank's row block: a shape error, or, for a parameter of one row, the right
+        shape and zero padding rows on every rank but 0; a call ``self.embed.proj(x)`` then
+        runs on the gathered weights too). With gradients enabled the view's gradient joins
+        the unit's reduce-scatter, and the unit stays gathered until its backward (``Ψ_u``
+        more memory meanwhile, as with ``reshard_after_forward=False``); under ``no_grad`` it
+        is freed at the end of the root's forward (outputs that are views of it are copied
+        first, as a unit's own outputs are). Every other read (between steps: an optimizer's
+        parameter list, inspecting the shard) gets the sharded parameter, as before. Reads
+        that do not pass through the unit (``unit.module.weight``, a reference to the inner
+        module kept before wrapping) are not seen; a module outside every unit holding one
+        of its parameters is refused at the first forward
+        (:func:`_refuse_parameters_held_outside`). A read in a forward recomputed during
+        backward (a reentrant checkpoint of the parent's code) gathers too. Communication:
+        one all-gather of the unit unless it is gathered already. Local otherwise."""
+        root = self._root
+        shard = self._shard
+        if root is None or self._summoned or root._summoned or torch.compiler.is_compiling():
+            return value
+        grad = torch.is_grad_enabled()
+        # a forward recomputed in backward (a reentrant activation checkpoint around the
+        # parent's code) reads it again, with gradients: gathered too, freed at the end of
+        # backward at the latest
+        recompute = grad and root._final_callback_queued \
+            and torch._C._current_graph_task_id() != -1
+        if (root.training_state is not TrainingState.FORWARD and not recompute) \
+                or (isinstance(value, nn.Parameter)
+                    and not any(p is value for p in shard.params)):
+            return value
+        if not shard.gathered:
+            shard.start_gather()
+            shard.finish_gather()
+        if not shard._exposed or (grad and not shard.exposed_with_grad):
+            shard.expose()
+        if not grad:
+            if not shard.held_for_a_read and all(u is not self for u in root._read_without_grad):
+                root._read_without_grad.append(self)  # freed at the end of the root's forward
+        elif not shard.held_for_a_read:
+            shard.held_for_a_read = True
+            shard.remember_source()
+            self._kept_for_backward = True
+        return getattr(self._fsdp_wrapped_module, name)
 
     def __getstate__(self):
         # A copy would keep hooks bound to the original unit and fail later with a shape error
@@ -833,6 +906,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
     def _lazy_init_root(self) -> None:
         if self._is_root is not None:
             return
+        _refuse_parameters_held_outside(self)  # before anything is set: raised at each forward
         self._is_root = True
         for unit in self.sharded_units():
             object.__setattr__(unit, "_root", self)  # not a submodule: no cycle in the tree
@@ -931,16 +1005,22 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         hidden, opaque = _tensors_in_objects(output) if grad_enabled and \
             self._shard is not None else ([], False)
         # an object FSDP cannot look into, or one holding a view of the gathered parameters
-        # (freed after forward), keeps the unit gathered until its backward
-        keep_for_backward = grad_enabled and (self._stays_gathered_for_backward() or opaque or (
-            bool(hidden) and self._shard.gathered and any(
-                t.untyped_storage().data_ptr() == self._shard.full.untyped_storage().data_ptr()
-                for t in hidden if t.layout == torch.strided and not t.is_nested)))
+        # (freed after forward), or a parent's read of its parameters (see
+        # _read_in_the_roots_forward), keeps the unit gathered until its backward
+        held_for_a_read = self._shard is not None and self._shard.held_for_a_read
+        keep_for_backward = grad_enabled and (
+            self._stays_gathered_for_backward() or opaque or held_for_a_read or (
+                bool(hidden) and self._shard.gathered and any(
+                    t.untyped_storage().data_ptr()
+                    == self._shard.full.untyped_storage().data_ptr()
+                    for t in hidden if t.layout == torch.strided and not t.is_nested)))
         if self._shard is not None:
             # also when kept gathered (the root, reshard_after_forward=False): the end of
             # backward, or the next forward after a step, frees ``full`` while the caller may
             # still hold the output (read after backward: a segfault)
             output = _copy_what_aliases(output, self._shard, module)
+        if self._is_root and self._read_without_grad:
+            output = self._free_units_read_without_grad(output)
         if self._shard is not None and not keep_for_backward:
             self._shard.free_full(keep_secondary=grad_enabled)
         elif self._shard is not None:
@@ -960,6 +1040,17 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                     # on a leaf base (a parameter's slice): its hooks would outlive the graph
                     if t._base is not None and t._base.grad_fn is not None:
                         t._base.register_hook(_eager(self._pre_backward_hook))
+        return output
+
+    def _free_units_read_without_grad(self, output):
+        """Root, at the end of its forward: free the units that a read under ``no_grad``
+        gathered (:meth:`_read_in_the_roots_forward`), unless a read with gradients since
+        keeps them for backward; ``output`` with its views of them copied. Local."""
+        read, self._read_without_grad = self._read_without_grad, []
+        for unit in read:
+            if unit._shard.gathered and not unit._shard.held_for_a_read:
+                output = _copy_what_aliases(output, unit._shard, unit.module)
+                unit._shard.free_full()
         return output
 
     def _before_a_direct_call(self, module, args) -> None:
@@ -1105,9 +1196,16 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
     def _pre_backward_hook(self, grad):
         root = self._root
         root._queue_final_callback()
-        if self._pre_backward_done:
+        task = torch._C._current_graph_task_id()
+        # done already, unless in another graph task and freed since: a unit run once plainly
+        # and once inside a reentrant checkpoint, whose backward (a task of its own) gathered,
+        # reduced and freed it; the plain use's backward, later in the outer task, needs its
+        # weights again (before: "setStorage: ... out of bounds for storage of size 0")
+        if self._pre_backward_done and (self._shard is None or self._shard.gathered
+                                        or self._pre_backward_task == task):
             return grad
         self._pre_backward_done = True
+        self._pre_backward_task = task
         self.training_state = TrainingState.BACKWARD_PRE
         if not root._orders_final and self not in root._backward_order:
             root._backward_order.append(self)
@@ -1571,6 +1669,61 @@ def get_fsdp_instances(module: nn.Module, skip_empty: bool = False) -> list:
 
 
 # ---------------------------------------------------------------------- construction helpers
+
+
+def _plain_modules_running_around(root: FullyShardedDataParallel) -> list:
+    """The modules whose forward is running around ``root``'s, outermost last, found on the
+    Python call stack (``nn.Module._call_impl`` frames); the FSDP units among them and their
+    contents excluded. Local; one walk over the stack."""
+    call_impl = getattr(nn.Module._call_impl, "__code__", None)
+    found: list = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is call_impl:
+            m = frame.f_locals.get("self")
+            if isinstance(m, nn.Module) and not isinstance(m, FullyShardedDataParallel) \
+                    and all(m is not f for f in found):
+                found.append(m)
+        frame = frame.f_back
+    return found
+
+
+def _refuse_parameters_held_outside(root: FullyShardedDataParallel) -> None:
+    """At a root's first forward: a ``RuntimeError`` when a module outside every unit, in the
+    plain module whose forward calls the root, holds one of the units' parameters (a weight
+    tied to a module outside the unit: ``parent.head.weight = parent.child.weight`` with only
+    ``parent.child`` wrapped). That module would compute with this rank's row block (a shape
+    error, or, for a parameter of one row, zero padding on every rank but 0, silently), and
+    its gradient would never be reduced. Every rank has the same modules, so every rank raises,
+    before any collective. Local; one walk over the outermost caller's modules."""
+    callers = _plain_modules_running_around(root)
+    if not callers:
+        return
+    sharded = {}
+    for unit in root.sharded_units():
+        if unit._shard is not None:
+            for p, lay in zip(unit._shard.params, unit._shard.layouts):
+                sharded[id(p)] = (unit, lay)
+    inside = {id(m) for m in root.modules()}
+    outer = callers[-1]
+    for name, m in outer.named_modules():
+        if id(m) in inside:
+            continue
+        for attr, p in m._parameters.items():
+            if p is None or id(p) not in sharded:
+                continue
+            unit, lay = sharded[id(p)]
+            where = f"{name}.{attr}" if name else attr
+            raise RuntimeError(
+                f"FullyShardedDataParallel: {type(outer).__name__}.{where} "
+                f"({type(m).__name__}, outside every FSDP unit) is a parameter of shape "
+                f"{tuple(lay.shape)} that the unit around {type(unit.module).__name__} shards: "
+                f"outside the unit it holds this rank's rows {tuple(p.shape)} (wrong values, "
+                f"and a gradient never reduced). A parameter tied between modules must stay "
+                f"inside one unit: wrap the module holding every use of it "
+                f"({type(outer).__name__}, or the lowest module holding both) with "
+                f"FullyShardedDataParallel, without wrapping {type(unit.module).__name__} on its "
+                f"own, or untie the parameter")
 
 
 def _check_wrappable(module) -> None:
