@@ -94,7 +94,7 @@ def _warn_if_no_saving(op: str, layout: QuantLayout, dtype: torch.dtype) -> None
 
 
 def _check_bits(name: str, value, valid) -> int:
-    if isinstance(value, bool) or value not in valid:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in valid:
         raise ValueError(f"QuantizedTransport({name}={value!r}): valid values are {list(valid)}")
     return value
 

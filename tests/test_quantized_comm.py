@@ -201,7 +201,9 @@ def _check_errors_and_nonfinite():
                  lambda: node_groups(3),
                  lambda: quantized_reduce_scatter_hierarchical(
                      [torch.randn(8)], groups()["node"][0], groups()["across"][0],
-                     group=groups()["node"][0])):
+                     group=groups()["node"][0]),
+                 # a float number of bits (was taken: float byte counts, a TypeError later)
+                 lambda: quantized_reduce_scatter([torch.randn(8)], bits=8.0)):
         with skdist.CommCounter() as comm:
             with pytest.raises(ValueError) as info:
                 call()
@@ -227,3 +229,4 @@ def test_bad_input_raises_before_sending_and_inf_arrives_as_nan(world4):
     assert "chunk_numels sum to 3" in messages[4] and "output[0] is torch.int32" in messages[5]
     assert "ranks_per_node=3; it must be a positive divisor of the group's 4 ranks" in messages[6]
     assert "group holds 2 ranks, but intra_group x inter_group hold 2 x 2" in messages[7]
+    assert "bits=8.0; valid values are [4, 8]" in messages[8]

@@ -74,7 +74,7 @@ class QuantLayout:
     def __post_init__(self):
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size={self.world_size!r}; it must be an int >= 1")
-        if self.bits not in QMAX:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in QMAX:
             raise ValueError(f"bits={self.bits!r}; valid values are {sorted(QMAX)}")
         if (not isinstance(self.block, int) or self.block < 8 or self.block > 8192
                 or self.block & (self.block - 1)):

@@ -135,3 +135,97 @@ def test_policy_resolution():
         resolve_mixed_precision(True, torch.int8, None, False)
     with pytest.raises(ValueError, match="not both"):
         resolve_mixed_precision(MixedPrecisionPolicy(torch.bfloat16), torch.float16, None, False)
+
+
+class _PositionalNet(nn.Module):
+    """A floating buffer added to activations between two Linears of one unit."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = nn.Linear(8, 8)
+        self.l2 = nn.Linear(8, 4)
+        self.register_buffer("pos", torch.randn(8))
+
+    def forward(self, x):
+        return self.l2(self.l1(x) + self.pos)
+
+
+class _NormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return self.bn(self.l1(x))
+
+
+def _bf16_model_under_torch_policy(which: str) -> dict:
+    """A model in bf16 (buffers too) under torch's MixedPrecision(param_dtype=bf16,
+    reduce_dtype=bf16), buffer_dtype left None: torch leaves the buffers as they are (and
+    shardkit takes the call as torch's, cpu_offload=None included)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import MixedPrecision
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    rank, out = skdist.get_rank(), {}
+    for cls in (_PositionalNet, _NormNet):
+        module = cls().to(torch.bfloat16)
+        model = TorchFSDP(module, mixed_precision=policy, cpu_offload=None,
+                          device_id=torch.device("cpu")) \
+            if which == "torch" else FSDP(module, mixed_precision=policy, cpu_offload=None)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(2):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            loss = model(x.to(torch.bfloat16)).float().pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        buffers = {n.replace("_fsdp_wrapped_module.", ""): b.dtype
+                   for n, b in model.named_buffers()}
+        out[cls.__name__] = {"losses": losses, "buffers": buffers,
+                             "state_dict": {k: v.dtype for k, v in model.state_dict().items()}}
+    return out
+
+
+def test_torch_policy_leaves_buffers_in_their_own_dtype_as_torch(world2):
+    # Regression: buffer_dtype=None of torch's MixedPrecision was read as fp32, so a bf16
+    # model's buffers were cast up: its BatchNorm was refused ("buffer_dtype=torch.float32")
+    # and a buffer added to activations made the next Linear fail (Float and BFloat16)
+    theirs = world2.run(_bf16_model_under_torch_policy, "torch")
+    ours = world2.run(_bf16_model_under_torch_policy, "shardkit")
+    for mine, torch_run in zip(ours, theirs):
+        for net, got in mine.items():
+            want = torch_run[net]
+            assert got["buffers"] == want["buffers"], (net, got, want)
+            assert got["state_dict"] == want["state_dict"], (net, got, want)
+            # the second step differs only by the rounding of the bf16 gradient reduction
+            assert got["losses"] == pytest.approx(want["losses"], rel=2e-3), (net, got, want)
+    assert ours[0]["_NormNet"]["buffers"]["bn.running_mean"] == torch.bfloat16
+
+
+def test_compute_dtype_torch_policy_and_cpu_offload_resolution():
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision
+
+    from shardkit.nn.data_parallel.fsdp_arguments import resolve_cpu_offload
+    from shardkit.nn.data_parallel.mixed_precision import resolve_mixed_precision
+
+    # torch FSDP1's default cpu_offload=None (was "must be True or False")
+    assert resolve_cpu_offload(False, None) is False and resolve_cpu_offload(True, None) is True
+    assert resolve_cpu_offload(False, CPUOffload(offload_params=True)) is True
+
+    # an explicit fp64 compute dtype is honoured (it was silently dropped: fp32 compute)
+    assert resolve_mixed_precision(False, torch.float64, None, False).param_dtype == \
+        torch.float64
+    assert not resolve_mixed_precision(False, torch.float32, None, False).enabled
+    with pytest.raises(ValueError, match=r"FullyShardedDataParallel\(buffer_dtype=torch.int8"):
+        resolve_mixed_precision(False, None, torch.int8, False)
+    kept = resolve_mixed_precision(MixedPrecision(param_dtype=torch.bfloat16), None, None, False)
+    assert kept.buffer_cast_dtype() is None and kept.param_dtype == torch.bfloat16
+    cast = MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.float16)
+    assert resolve_mixed_precision(cast, None, None, False).buffer_cast_dtype() == torch.float16
+    with pytest.raises(ValueError, match="keep_buffer_dtypes=True"):
+        MixedPrecisionPolicy(buffer_dtype=torch.float32, keep_buffer_dtypes=True)

@@ -339,6 +339,9 @@ def test_bad_arguments_raise_before_any_collective():
             QuantizedTransport(block=block)
     with pytest.raises(ValueError, match="gradient_bits=2"):
         QuantizedTransport(gradient_bits=2)
+    # a float number of bits was taken and failed at the first gather (float byte counts)
+    with pytest.raises(ValueError, match=r"weight_bits=8.0\): valid values are \[8, 4\]"):
+        QuantizedTransport(weight_bits=8.0)
     with pytest.raises(ValueError, match="ranks_per_node=0"):
         QuantizedTransport(ranks_per_node=0)
     with pytest.raises(ValueError, match="already a QuantizedTransport"):

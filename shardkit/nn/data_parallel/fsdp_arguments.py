@@ -68,7 +68,10 @@ class FairScaleOptions:
 
 def resolve_cpu_offload(move_params_to_cpu: bool, cpu_offload: bool) -> bool:
     """``move_params_to_cpu`` or FairScale's older ``cpu_offload`` (which warns), or torch
-    FSDP1's ``CPUOffload(offload_params=...)`` there (no warning: torch's current name)."""
+    FSDP1's ``CPUOffload(offload_params=...)`` there (no warning: torch's current name), or
+    ``None`` (torch FSDP1's default: no offload)."""
+    if cpu_offload is None:
+        return bool(move_params_to_cpu)
     if type(cpu_offload).__name__ == "CPUOffload" and hasattr(cpu_offload, "offload_params"):
         check_bool("cpu_offload=CPUOffload(offload_params", cpu_offload.offload_params)
         return bool(move_params_to_cpu or cpu_offload.offload_params)

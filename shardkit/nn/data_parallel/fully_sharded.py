@@ -312,7 +312,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         move_params_to_cpu: keep the shards (and so the optimizer state) in CPU memory, pinned
             when CUDA exists, copying them to the GPU for compute. On a CPU-only machine it
             changes nothing.
-        compute_dtype: dtype of gathered parameters and compute; bf16/fp16 enable mixed precision.
+        compute_dtype: dtype of gathered parameters and compute; any dtype but fp32 (bf16,
+            fp16, fp64) enables mixed precision.
         buffer_dtype: dtype floating-point buffers are kept in (default: ``compute_dtype``).
         comm: the :class:`~shardkit.transport.Transport` for the unit's all-gathers and
             reduce-scatters (default: the process group's own collectives; not in FairScale's
@@ -636,7 +637,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         ``fp32_reduce_scatter`` (gradients reduced in fp32 under mixed precision) and
         ``compute_device``."""
         self.compute_dtype = policy.compute_dtype(master)
-        self.buffer_dtype = policy.buffer_cast_dtype() or self.compute_dtype
+        self.buffer_dtype = policy.buffer_cast_dtype() or (
+            master if policy.keep_buffer_dtypes else self.compute_dtype)
         self.fp32_reduce_scatter = policy.enabled and \
             policy.gradient_reduce_dtype(master) == torch.float32
         self.compute_device = compute_device
@@ -2128,22 +2130,26 @@ def _refuse_batchnorm_with_other_buffer_dtype(module: nn.Module, policy: MixedPr
     of another dtype, which torch's ``batch_norm`` refuses at the first forward ("expected
     scalar type Float but found BFloat16"): say so here, with the ways out. Local, before any
     collective."""
-    buffers = policy.buffer_cast_dtype()
+    cast = policy.buffer_cast_dtype()
     params = [p for p in module.parameters() if p.is_floating_point()]
     compute = policy.compute_dtype(params[0].dtype if params else torch.float32)
-    if buffers is None or buffers == compute:
+    if cast == compute or (cast is None and not policy.keep_buffer_dtypes):
         return
     for m in _unit_modules(module, ignored):
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.weight is not None \
                 and m.running_mean is not None:
+            buffers = cast or m.running_mean.dtype  # torch's policy: buffers keep their dtype
+            if buffers == compute:
+                continue
             raise ValueError(
                 f"FullyShardedDataParallel(compute_dtype={policy.param_dtype}, buffer_dtype="
                 f"{policy.buffer_dtype}): this unit holds a {type(m).__name__}, whose weight "
                 f"would be gathered in {compute} beside running statistics in "
                 f"{buffers}, which torch's batch_norm refuses. Give the BatchNorm "
                 f"layers their own full-precision units first (model = auto_wrap_bn(model), "
-                f"FairScale's way), or leave buffer_dtype unset (statistics in "
-                f"{compute})")
+                f"FairScale's way), or "
+                + (f"pass buffer_dtype={compute}" if cast is None else "leave buffer_dtype unset")
+                + f" (statistics in {compute})")
 
 
 def _keep_unit_storage() -> None:

@@ -14,7 +14,6 @@ import torch
 __all__ = ["MixedPrecisionPolicy", "resolve_mixed_precision", "from_torch_mixed_precision",
            "torch_full_precision_classes"]
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 _COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -32,12 +31,15 @@ class MixedPrecisionPolicy:
             fp32 doubles reduce-scatter bytes against bf16 but sums exactly.
         buffer_dtype: dtype floating-point buffers are kept in (``None``: ``param_dtype``).
         cast_inputs: cast floating-point forward inputs to ``param_dtype``.
+        keep_buffer_dtypes: leave every buffer in the dtype the module gave it (torch FSDP1's
+            ``MixedPrecision(buffer_dtype=None)``); only with ``buffer_dtype=None``.
     """
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     buffer_dtype: Optional[torch.dtype] = None
     cast_inputs: bool = True
+    keep_buffer_dtypes: bool = False
 
     def __post_init__(self):
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
@@ -45,6 +47,10 @@ class MixedPrecisionPolicy:
             if value is not None and value not in _COMPUTE_DTYPES:
                 raise ValueError(f"MixedPrecisionPolicy({name}={value}): valid dtypes are "
                                  f"{[str(d) for d in _COMPUTE_DTYPES]} or None")
+        if self.keep_buffer_dtypes and self.buffer_dtype is not None:
+            raise ValueError(f"MixedPrecisionPolicy(buffer_dtype={self.buffer_dtype}, "
+                             f"keep_buffer_dtypes=True): the buffers either keep their own "
+                             f"dtypes or are cast to buffer_dtype; pass one of the two")
 
     @property
     def enabled(self) -> bool:
@@ -58,6 +64,9 @@ class MixedPrecisionPolicy:
         return self.reduce_dtype or self.compute_dtype(master)
 
     def buffer_cast_dtype(self) -> Optional[torch.dtype]:
+        """The dtype floating buffers are cast to; ``None``: they keep their own."""
+        if self.keep_buffer_dtypes:
+            return None
         return self.buffer_dtype or self.param_dtype
 
 
@@ -70,7 +79,8 @@ def resolve_mixed_precision(mixed_precision, compute_dtype: Optional[torch.dtype
     torch FSDP1's ``torch.distributed.fsdp.MixedPrecision`` (see
     :func:`from_torch_mixed_precision`).
     ``compute_dtype`` (default fp16 when ``mixed_precision=True``, as in FairScale) also
-    switches mixed precision on by itself.
+    switches mixed precision on by itself, unless it is fp32 (then the parameters compute in
+    their own dtype): ``torch.float64`` gathers and computes an fp32 model in fp64.
     """
     if mixed_precision is None:  # torch FSDP1's default: no mixed precision
         mixed_precision = False
@@ -85,10 +95,11 @@ def resolve_mixed_precision(mixed_precision, compute_dtype: Optional[torch.dtype
         raise ValueError(f"FullyShardedDataParallel(mixed_precision={mixed_precision!r}): "
                          f"valid values are True, False, None, a MixedPrecisionPolicy or "
                          f"torch.distributed.fsdp.MixedPrecision")
-    if compute_dtype is not None and compute_dtype not in _COMPUTE_DTYPES:
-        raise ValueError(f"FullyShardedDataParallel(compute_dtype={compute_dtype}): valid "
-                         f"dtypes are {[str(d) for d in _COMPUTE_DTYPES]}")
-    enabled = mixed_precision or compute_dtype in _LOW_PRECISION
+    for name, value in (("compute_dtype", compute_dtype), ("buffer_dtype", buffer_dtype)):
+        if value is not None and value not in _COMPUTE_DTYPES:
+            raise ValueError(f"FullyShardedDataParallel({name}={value}): valid dtypes are "
+                             f"{[str(d) for d in _COMPUTE_DTYPES]} or None")
+    enabled = mixed_precision or (compute_dtype is not None and compute_dtype != torch.float32)
     if not enabled:
         if fp32_reduce_scatter:
             raise ValueError("FullyShardedDataParallel(fp32_reduce_scatter=True) needs mixed "
@@ -106,9 +117,9 @@ def from_torch_mixed_precision(policy):
     :class:`MixedPrecisionPolicy`; anything else is returned unchanged. Read by fields:
 
     - ``param_dtype`` / ``reduce_dtype`` / ``buffer_dtype`` as they are (``param_dtype=None``:
-      computed in the parameters' own dtype, as torch), except that ``buffer_dtype=None``
-      keeps floating buffers in fp32 (torch leaves them as they are; shardkit's ``None`` means
-      ``param_dtype``).
+      computed in the parameters' own dtype, as torch); ``buffer_dtype=None`` leaves every
+      buffer in its own dtype, as torch (``keep_buffer_dtypes=True``: an fp32 model's buffers
+      stay fp32, a bf16 model's stay bf16; shardkit's own ``None`` means ``param_dtype``).
     - ``cast_forward_inputs`` or ``cast_root_forward_inputs`` (torch's default): inputs are
       cast, at every unit (shardkit's rule).
     - ``keep_low_precision_grads=True`` is a ValueError (the shards' gradients are kept in the
@@ -124,12 +135,10 @@ def from_torch_mixed_precision(policy):
                          "keep_low_precision_grads=True)): not supported (gradient shards stay "
                          "in the master dtype for the optimizer step); leave it False")
     param, reduce, buffer = policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype
-    if param is not None and buffer is None:
-        buffer = torch.float32
     cast = bool(getattr(policy, "cast_forward_inputs", False)
                 or getattr(policy, "cast_root_forward_inputs", True))
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, buffer_dtype=buffer,
-                                cast_inputs=cast)
+                                cast_inputs=cast, keep_buffer_dtypes=buffer is None)
 
 
 def torch_full_precision_classes(policy) -> tuple:
