@@ -35,13 +35,17 @@ Why not torch's own functions over shardkit FSDP: they do not recognise it, take
 ``optim.state_dict()`` (this rank's padded rows, as plain tensors under the same key on
 every rank) for replicated state, and ``dcp.save`` would write one rank's rows for all.
 :func:`mark_sharded_state_for_dcp` (registered by ``shardkit.recipes.compose`` at stage 3
-and so by ``shardkit.initialize``) makes that fail clearly instead; an optimizer a user
-builds over a plain ``FullyShardedDataParallel`` is never seen by shardkit: call
-:func:`mark_sharded_state_for_dcp` on it, or use these functions.
+and so by ``shardkit.initialize``) makes that fail clearly instead. An optimizer a user
+builds over a plain ``FullyShardedDataParallel`` gets it when it is passed to torch's
+functions (FSDP's ``_fqn_modifiers``, the hook they call on the model's modules, finds it:
+:func:`mark_optimizers_of_torch_call`), and torch's functions with
+``full_state_dict=True`` over it, which would return this rank's rows as the full state,
+raise a ``ValueError`` naming these functions.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import fields
 from typing import Iterable, Optional, Union
 
@@ -412,6 +416,49 @@ def mark_sharded_state_for_dcp(optim: torch.optim.Optimizer) -> torch.optim.Opti
     optim.register_state_dict_post_hook(_mark_state)
     setattr(optim, _HOOKED, True)
     return optim
+
+
+def mark_optimizers_of_torch_call() -> None:
+    """Called by a shardkit FSDP unit's ``_fqn_modifiers`` (the hook torch's
+    ``torch.distributed.checkpoint.state_dict`` functions call on each module of the model
+    they are given, first while checking their arguments): the optimizers passed to that
+    call (``get_state_dict(model, optim)``, ``get_optimizer_state_dict``...), found in the
+    frame of torch's argument check, get :func:`mark_sharded_state_for_dcp`, so that the
+    optimizer state torch's functions return for an optimizer a user built over shardkit FSDP
+    (this rank's rows as plain tensors) is refused by ``dcp.save`` on every rank instead of
+    being written as if replicated. Nothing happens outside such a call (or where torch's
+    internals differ: then as before). Local: the hook is on those optimizer instances only."""
+    try:
+        from torch.distributed.checkpoint import state_dict as torch_dsd
+        code = torch_dsd._verify_options.__code__
+    except (ImportError, AttributeError):
+        return
+    frame = sys._getframe(1)
+    for _ in range(64):  # torch's check -> its model walk (nested generators) -> the hook
+        if frame is None:
+            return
+        if frame.f_code is code:
+            optims = [o for o in frame.f_locals.get("optims") or ()
+                      if isinstance(o, torch.optim.Optimizer)]
+            options = frame.f_locals.get("options")
+            if getattr(options, "full_state_dict", False) and any(map(_over_shards, optims)):
+                raise ValueError(
+                    "torch.distributed.checkpoint.state_dict's functions with "
+                    "StateDictOptions(full_state_dict=True) over an optimizer of shardkit "
+                    "FullyShardedDataParallel parameters: torch's take its state (this rank's "
+                    "rows) for full tensors; use shardkit.checkpoint.get_state_dict / "
+                    "set_state_dict (same arguments), which gather and cut the rows")
+            for optim in optims:
+                mark_sharded_state_for_dcp(optim)
+            return
+        frame = frame.f_back
+
+
+def _over_shards(optim: torch.optim.Optimizer) -> bool:
+    """Whether some of ``optim``'s parameters are sharded by shardkit FSDP over several
+    ranks. Local."""
+    from shardkit.nn.data_parallel.fsdp_state_dict import shard_shapes
+    return bool(shard_shapes([p for g in optim.param_groups for p in g["params"]]))
 
 
 def _mark_state(optim: torch.optim.Optimizer, osd: dict) -> dict:

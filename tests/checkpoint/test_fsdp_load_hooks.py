@@ -204,28 +204,37 @@ def _refuses_bad_dicts(where: str, kind: str) -> dict:
     return out
 
 
-def _bad_on_one_rank() -> dict:
-    """FULL at the root: the dict is bad on rank 1 only (after its hooks), or a pre-hook raises
-    there: both ranks raise (no rank left waiting), neither loads anything."""
+def _bad_on_one_rank(kind: str) -> dict:
+    """At the root: the dict is bad on rank 1 only (after its hooks: a mis-shaped tensor, a
+    missing key), or a pre-hook raises there: both ranks raise (no rank left waiting), rank 0
+    naming rank 1 and the key, neither loads anything. SHARDED and LOCAL loads used to check
+    each rank's own dict only: rank 0 loaded, rank 1 did not, and the ranks diverged."""
     model = _build("root", seed=0)
     before = _full(model)
-    old = _old_dict("root", "FULL_STATE_DICT")
-    if skd.get_rank() == 1:
-        old["fc.bias"] = torch.zeros(4)
-    out = {"error": _load_error(model, old), "changed": _max_diff(_full(model), before)}
-    old = _old_dict("root", "FULL_STATE_DICT")  # a pre-hook raising on rank 1 only
+    out = {}
+    for case in ("shape", "missing"):
+        old = _old_dict("root", kind)
+        if skd.get_rank() == 1 and case == "shape":
+            old["fc.bias"] = torch.zeros(4)
+        elif skd.get_rank() == 1:
+            del old["fc.bias"]
+        out[case] = _load_error(model, old, kind)
+        out[case + " changed"] = _max_diff(_full(model), before)
+    old = _old_dict("root", kind)  # a pre-hook raising on rank 1 only
     model.module.block.register_load_state_dict_pre_hook(_refuse_poison)
     if skd.get_rank() == 1:
         old["block.poison"] = torch.zeros(1)
-    out["hook error"] = _load_error(model, old)
+    out["hook"] = _load_error(model, old, kind)
     out["hook changed"] = _max_diff(_full(model), before)
     return out
 
 
-def _load_error(model, state_dict):
-    """The RuntimeError's text of ``model.load_state_dict(state_dict)``, ``None`` if it loads."""
+def _load_error(model, state_dict, kind: str = "FULL_STATE_DICT"):
+    """The RuntimeError's text of ``model.load_state_dict(state_dict)`` under ``kind``,
+    ``None`` if it loads."""
     try:
-        model.load_state_dict(state_dict)
+        with _state_type(model, kind):
+            model.load_state_dict(state_dict)
     except RuntimeError as error:
         return str(error)
     return None
@@ -267,11 +276,16 @@ def test_bad_old_checkpoints_are_refused_under_the_original_names(world2, where,
             assert r["shape changed"] == r["keys changed"] == 0.0, (rank, r)
 
 
-def test_a_dict_bad_on_one_rank_is_refused_on_every_rank(world2):
-    for r in world2.run(_run, _bad_on_one_rank):
-        assert r["error"] is not None and "nothing was loaded" in r["error"], r
-        assert r["hook error"] is not None and "nothing was loaded" in r["hook error"], r
-        assert r["changed"] == r["hook changed"] == 0.0, r
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_dict_bad_on_one_rank_is_refused_on_every_rank(world2, kind):
+    for rank, r in enumerate(world2.run(_run, _bad_on_one_rank, kind)):
+        for case, key in (("shape", "size mismatch for head.bias"),
+                          ("missing", 'Missing key(s) in state_dict: "head.bias"'),
+                          ("hook", "block.poison")):
+            assert r[case] is not None and "nothing was loaded" in r[case], (rank, case, r)
+            assert key in r[case], (rank, case, r[case])
+            assert rank == 1 or "on rank 1: " in r[case], (case, r[case])  # rank 0 names it
+            assert r[case + " changed"] == 0.0, (rank, case, r)
 
 
 # ---------------------------------------------------------------- each hook once per load
@@ -384,3 +398,93 @@ def test_each_load_hook_runs_once_as_in_torch(world2, where, kind):
         assert r.get("summoned diff", 0.0) < 1e-6, (rank, r)
         assert r["fake quantize"] == ([], []), (rank, r)
         assert r["fake quantize diff"] == 0.0, (rank, r)
+
+
+# ---------------------------------------------------------------- torch features inside a load
+
+
+class _FillsFromCurrent(nn.Module):
+    """Its pre-hook keeps the current value of what an older checkpoint lacks: the buffer
+    ``stat`` (computed from the module's tensor) and, given ``with_param``, the parameter
+    ``scale`` (sharded by FSDP)."""
+
+    def __init__(self, with_param: bool):
+        super().__init__()
+        self.lin = nn.Linear(5, 7)
+        self.scale = nn.Parameter(torch.rand(7))
+        self.register_buffer("stat", torch.rand(7))
+        self.with_param = with_param
+        self._register_load_state_dict_pre_hook(self._keep_current)
+
+    def _keep_current(self, state_dict, prefix, *_):
+        state_dict.setdefault(prefix + "stat", self.stat * 1)
+        if self.with_param:
+            state_dict.setdefault(prefix + "scale", self.scale.detach().clone())
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * self.scale + self.stat
+
+
+def _torch_features_in_loads() -> dict:
+    """For every place and kind: (1) a load with torch.__future__'s
+    swap_module_params_on_conversion on (it used to fail: torch swapped FSDP's stand-ins)
+    gives the source's weights, and leaves the setting on; (2) a pre-hook filling a missing
+    key from the module's current buffer (it used to fail: any read of a module's tensor
+    raised) loads what the plain model loads; reading a parameter FSDP shards is a clear error
+    naming it, except under LOCAL (the shard is the value) and inside summon_full_params."""
+    out = {}
+    for where in WHERE:
+        for kind in KINDS:
+            torch.manual_seed(0)
+            source = _wrap(_Trunk(lambda: _FillsFromCurrent(False)), where)
+            with _state_type(source, kind):
+                saved = source.state_dict()
+            torch.manual_seed(1)
+            model = _wrap(_Trunk(lambda: _FillsFromCurrent(False)), where)
+            torch.__future__.set_swap_module_params_on_conversion(True)
+            try:
+                with _state_type(model, kind):
+                    model.load_state_dict(saved)
+                out[where, kind, "swap"] = _max_diff(_full(model), _full(source))
+                out[where, kind, "swap kept"] = \
+                    torch.__future__.get_swap_module_params_on_conversion()
+            finally:
+                torch.__future__.set_swap_module_params_on_conversion(False)
+            for with_param in (False, True):
+                torch.manual_seed(2)
+                plain = _Trunk(lambda: _FillsFromCurrent(with_param))
+                torch.manual_seed(2)
+                model = _wrap(_Trunk(lambda: _FillsFromCurrent(with_param)), where)
+                dropped = ("block.stat", "block.scale") if with_param else ("block.stat",)
+                kept = OrderedDict((k, v) for k, v in saved.items() if k not in dropped)
+                kept._metadata = saved._metadata
+                plain.load_state_dict({k: v for k, v in _full(source).items()
+                                       if k not in dropped})
+                try:
+                    with _state_type(model, kind):
+                        model.load_state_dict(kept)
+                    out[where, kind, with_param] = _max_diff(_full(model), plain.state_dict())
+                except RuntimeError as error:
+                    out[where, kind, with_param] = str(error)
+    torch.manual_seed(2)
+    model = _wrap(_Trunk(lambda: _FillsFromCurrent(True)), "root")
+    with model.summon_full_params(writeback=True):  # the full values: the hook reads them
+        model.load_state_dict({k: v for k, v in _full(source).items() if k not in dropped})
+    out["summoned"] = _max_diff(_full(model), plain.state_dict())
+    return out
+
+
+def test_loads_take_torch_swap_setting_and_hooks_reading_current_values(world2):
+    for rank, r in enumerate(world2.run(_run, _torch_features_in_loads)):
+        for where in WHERE:
+            for kind in KINDS:
+                assert r[where, kind, "swap"] < 1e-7, (rank, where, kind, r)
+                assert r[where, kind, "swap kept"] is True, (rank, where, kind)
+                assert r[where, kind, False] == 0.0, (rank, where, kind, r)
+                mine = r[where, kind, True]
+                if kind == "LOCAL_STATE_DICT":
+                    assert mine == 0.0, (rank, where, kind, mine)
+                else:
+                    assert isinstance(mine, str) and "block.scale" in mine \
+                        and "summon_full_params" in mine, (rank, where, kind, mine)
+        assert r["summoned"] == 0.0, (rank, r)

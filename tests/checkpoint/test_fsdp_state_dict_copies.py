@@ -281,3 +281,72 @@ def _sharded_values_compile():
 
 def test_sharded_state_dict_values_compile(world2):
     assert world2.run(_sharded_values_compile) == [[], []]
+
+
+def _torch_dsd_over_a_users_optimizer(path: str) -> dict:
+    """torch's own get_state_dict over shardkit FSDP and an Adam the user built over it (never
+    seen by shardkit): dcp.save of its optimizer state (this rank's rows as plain tensors)
+    used to write rank 0's rows as if replicated; it is refused on every rank, nothing
+    written. With full_state_dict=True those rows were returned as the full state: refused
+    before any collective. The model's keys are the unwrapped model's."""
+    import os
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    model = _model(0)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 6)).sum().backward()
+    optim.step()
+    out = {}
+    try:
+        get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+        out["full"] = "accepted"
+    except ValueError as error:
+        out["full"] = str(error)
+    model_state, optim_state = get_state_dict(model, optim)
+    out["keys"] = sorted(model_state) == sorted(_model(0).state_dict())
+    try:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+        out["save"] = "saved"
+    except dcp.api.CheckpointException as error:  # on every rank
+        out["save"] = repr(error)
+    out["written"] = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    return out
+
+
+def test_torch_get_state_dict_over_a_users_optimizer_is_refused_by_dcp(world2, tmp_path):
+    for rank, r in enumerate(world2.run(_torch_dsd_over_a_users_optimizer, str(tmp_path))):
+        assert "shardkit.checkpoint.get_state_dict" in r["full"], (rank, r)
+        assert r["keys"], (rank, r)
+        assert "shardkit.checkpoint.get_state_dict" in r["save"], (rank, r)
+        assert r["written"] == [], (rank, r)
+
+
+def _versions_under_a_plain_parent() -> list:
+    """A plain parent holding a unit whose ``_Migrating`` module sits below the unit's wrapped
+    module: the parent's load_state_dict used to hand that module no version (torch's walk
+    gives the unit its own entry only), so a current checkpoint was converted as an old one
+    (transposed), silently. Differences to the saved weights, under each kind."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import StateDictType
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), _Migrating()))
+        model[1] = FSDP(model[1])
+        return model
+
+    source = build(0)
+    diffs = []
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
+        with FSDP.state_dict_type(source[1], StateDictType[kind]):
+            saved = source.state_dict()
+        model = build(1)
+        with FSDP.state_dict_type(model[1], StateDictType[kind]):
+            model.load_state_dict(saved)
+        diffs.append(_diff(source.state_dict(), model.state_dict()))
+    return diffs
+
+
+def test_module_versions_reach_modules_inside_a_unit_under_a_plain_parent(world2):
+    for diffs in world2.run(_versions_under_a_plain_parent):
+        assert diffs == [0.0] * 3, diffs

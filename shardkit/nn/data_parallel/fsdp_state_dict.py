@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 from collections import OrderedDict
 from typing import Optional
@@ -163,11 +164,13 @@ class _StandIn(torch.Tensor):
     ``sink``. Any other use of its data fails."""
 
     @staticmethod
-    def __new__(cls, shape, dtype, sink):
+    def __new__(cls, shape, dtype, sink, name: str = "", sharded: bool = False):
         stand_in = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype,
                                                        device=sink.args[0].device)
         stand_in._sink = sink
         stand_in._real = sink.args[0]
+        stand_in._name = name
+        stand_in._sharded = sharded  # a sharded parameter's rows: not the value it stands for
         return stand_in
 
     @classmethod
@@ -186,8 +189,26 @@ class _StandIn(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise RuntimeError(f"{func} on a tensor being loaded by FullyShardedDataParallel's "
-                           f"load_state_dict (only copy_ is defined while it loads)")
+        """A read of the module's tensor (a load pre-hook filling a missing key from the
+        module's current value, a conversion computing with it) reads the tensor the module
+        holds (its value before this load), where it has the shape the module shows: a
+        buffer, a parameter no unit shards, a summoned one, a shard under LOCAL_STATE_DICT.
+        A write, or a read of a sharded parameter (its full value is spread over the ranks),
+        is a clear RuntimeError."""
+        stand_ins = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                     if isinstance(a, _StandIn)]
+        sharded = [a._name for a in stand_ins if a._sharded]
+        if func._schema.is_mutable or sharded:
+            reason = "changes it" if func._schema.is_mutable else \
+                f"reads {sharded[0]}, a parameter FSDP shards (this rank holds some of its rows)"
+            raise RuntimeError(f"{func} {reason} while FullyShardedDataParallel's load_state_dict"
+                               f" walks the modules' loads: there a load pre-hook or "
+                               f"_load_from_state_dict may read the current values of buffers "
+                               f"and of parameters not sharded, and the shape, dtype and device "
+                               f"of any; copy_ is the load itself (to read a sharded parameter's "
+                               f"full value, load inside summon_full_params())")
+        unwrapped = torch.utils._pytree.tree_map_only(_StandIn, lambda a: a._real, (args, kwargs))
+        return func(*unwrapped[0], **(unwrapped[1] or {}))
 
 
 @contextlib.contextmanager
@@ -213,7 +234,9 @@ def _standing_in(root: nn.Module, prefix: str, sharded: dict, problems: list, re
                     what = f"size mismatch for {_reported(path + '.' + name if path else name)}"
                     sink = functools.partial(_take_value, real, entry, problems, records, what)
                     swapped.append((store, name, real))
-                    store[name] = _StandIn(shape, real.dtype, sink)
+                    store[name] = _StandIn(shape, real.dtype, sink, _reported(
+                        path + '.' + name if path else name),
+                        entry is not None and not entry[1]._summoned)
             if type(module).set_extra_state is not nn.Module.set_extra_state:
                 shadowed.append((module, module.__dict__.get("set_extra_state")))
                 module.__dict__["set_extra_state"] = functools.partial(
@@ -302,9 +325,40 @@ def _load_walk(root: nn.Module, state_dict, prefix: str, metadata: Optional[dict
     for module in root.modules():  # left by a walk that stopped (see _SkipLoad)
         if isinstance(module.__dict__.get("_load_from_state_dict"), _SkipLoad):
             del module.__dict__["_load_from_state_dict"]
-    with _own_walk(), _standing_in(root, prefix, sharded, problems, records):
+    with _own_walk(), _copying_not_swapping(), \
+            _standing_in(root, prefix, sharded, problems, records):
         load(root, OrderedDict(state_dict), prefix)
     return missing, unexpected, errors, order, records
+
+
+@contextlib.contextmanager
+def _copying_not_swapping():
+    """Inside: ``torch.__future__``'s swap_module_params_on_conversion is off, so that the
+    modules' ``_load_from_state_dict`` hand each value to its :class:`_StandIn`'s ``copy_``
+    (with it on, torch swaps a new tensor in for the module's, which a sharded parameter, a
+    view of its unit's flat shard, cannot take): the values are copied into the shards, as
+    without it. Set back on exit (the setting is process-wide)."""
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(False)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+
+
+def _metadata_of_torch_load() -> Optional[dict]:
+    """The ``_metadata`` (module versions by module path) of the dict that the innermost
+    ``nn.Module.load_state_dict`` on the call stack loads (its walk hands each module its own
+    entry only: a unit reached from a plain parent finds the versions of the modules inside
+    it here); ``None`` outside one or without versions. Local."""
+    code = nn.Module.load_state_dict.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            metadata = frame.f_locals.get("metadata")
+            return metadata if isinstance(metadata, dict) else None
+        frame = frame.f_back
+    return None
 
 
 def _run_load_post_hooks(modules: list, missing: list, unexpected: list) -> None:
@@ -340,6 +394,25 @@ def _key_lines(missing: list, unexpected: list) -> list:
     """torch's strict-load lines for these (already reported) keys."""
     return [f"{what} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + "."
             for what, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys]
+
+
+def _lines_of_every_rank(mine: list, every: list, shown: int = 8) -> list:
+    """The lines of a load refused on every rank: this rank's problems, then those of each
+    other rank that failed (``every``: ``(global rank, problems)`` of every rank), the ranks
+    whose problems are this rank's own named once; at most ``shown`` other ranks listed."""
+    me = skdist.get_rank()
+    same = [r for r, theirs in sorted(every) if r != me and theirs and theirs == mine]
+    other = [(r, theirs) for r, theirs in sorted(every) if r != me and theirs and theirs != mine]
+    lines = list(mine) if mine else [
+        f"the state dict given on another rank of the group does not match (this rank's "
+        f"does; failed on rank(s) {[r for r, _ in other]})"]
+    if same:
+        lines.append(f"(the same on rank(s) {same})")
+    for r, theirs in other[:shown]:
+        lines += [f"on rank {r}: {line}" for line in theirs]
+    if len(other) > shown:
+        lines.append(f"... and on {len(other) - shown} more rank(s)")
+    return lines
 
 
 class FSDPStateDictMixin:
@@ -391,9 +464,8 @@ class FSDPStateDictMixin:
 
         Every kind carries ``_metadata`` (the modules' versions) under the original module
         names, as ``nn.Module.state_dict`` does, and FSDP's own loads hand it on, so a module's
-        ``_load_from_state_dict`` that converts older formats sees the saved version (not yet
-        where a plain parent's ``load_state_dict`` reaches a unit: the modules inside the unit
-        see no version there).
+        ``_load_from_state_dict`` that converts older formats sees the saved version (also
+        where a plain parent's ``nn.Module.load_state_dict`` reaches a unit).
 
         Memory: one unit gathered at a time, plus the dict where it is returned (the full model,
         on ``state_dict_device``). Communication: one all-gather per unit.
@@ -513,18 +585,41 @@ class FSDPStateDictMixin:
             return self._load_local(state_dict, None, strict)
         if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             return self.load_sharded_state_dict(state_dict, strict=strict)
-        wrapped = self._to_wrapped_keys(state_dict)
-        rows: list = []
-        try:
-            missing, unexpected, errors, order, records = _load_walk(
-                self, wrapped, "", getattr(wrapped, "_metadata", None), self._shard_entries(),
-                rows)
-            problems = _load_problems(missing, unexpected, errors, strict) + rows
-        except Exception as error:  # e.g. a pre-hook's: raised on every rank, not only here
-            problems = [f"checking the state dict (the modules' load walk, pre-hooks "
-                        f"included) raised {type(error).__name__}: {error}"]
-        self._refuse_mismatch_on_every_rank(problems)
+        missing, unexpected, errors, order, records = self._walk_agreed(
+            lambda: self._checked_walk(self._to_wrapped_keys(state_dict), self._shard_entries(),
+                                       strict), "state_dict", "")
         return _finish_load(self, records, order, missing, unexpected, errors, strict)
+
+    def _checked_walk(self, wrapped: dict, sharded: dict, strict: bool) -> tuple:
+        """``(problems, _load_walk's result)`` for ``wrapped`` (module paths). Local."""
+        rows: list = []
+        walked = _load_walk(self, wrapped, "", getattr(wrapped, "_metadata", None), sharded,
+                            rows)
+        return _load_problems(*walked[:3], strict) + rows, walked
+
+    def _walk_agreed(self, check, what: str, kind: str, own_errors=()) -> tuple:
+        """``check()``'s walk (it returns ``(problems, walk)``, see :meth:`_checked_walk`) once
+        every rank of the group and of its replicas found no problem; else the same
+        RuntimeError on every rank, naming the ranks that failed and their problems, nothing
+        written on any rank (:meth:`_refuse_mismatch_on_every_rank`). An exception of
+        ``check`` (a pre-hook's, a dict that is not one) is this rank's problem, so no rank is
+        left waiting; one in ``own_errors`` (filled by ``check``: an argument's error) is
+        raised as itself on its rank, after the agreement. Communication: a one-element
+        all-reduce (per group)."""
+        own = None
+        try:
+            problems, walked = check()
+        except Exception as error:  # e.g. a pre-hook's: raised on every rank, not only here
+            own = error if any(error is e for e in own_errors) else None
+            problems, walked = [f"checking the {what} (the modules' load walk, pre-hooks "
+                                f"included) raised {type(error).__name__}: {error}"], None
+        try:
+            self._refuse_mismatch_on_every_rank(problems, what, kind)
+        except RuntimeError as agreed:
+            if own is not None:
+                raise own from agreed
+            raise
+        return walked
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs) -> None:
@@ -537,12 +632,14 @@ class FSDPStateDictMixin:
         a size mismatch, a missing or an unexpected key (``nn.Module.load_state_dict``'s
         ``RuntimeError`` with ``strict``, the returned keys otherwise), the mismatching tensor
         left as it was. Under ``LOCAL_STATE_DICT`` the values are this rank's shards, loaded
-        as given, the keys reported the same way. Of the ``_metadata`` versions, the modules
-        inside the unit see only the wrapped module's (a plain parent's walk hands the unit
-        nothing more); the others see none, which torch's modules read as their oldest format
-        (a BatchNorm then fills in a missing ``num_batches_tracked``, as the unwrapped model
-        does). No communication (each rank cuts its own rows), so every rank loads what it is
-        given; memory: one block per parameter."""
+        as given, the keys reported the same way. The modules inside the unit see their saved
+        ``_metadata`` versions, read from the dict of the ``nn.Module.load_state_dict`` that
+        reached the unit (its walk hands the unit its own entry only); reached by another
+        loader (one that walks the modules itself), only the unit and its wrapped module see
+        theirs, the others none, which torch's modules read as their oldest format (a
+        BatchNorm then fills in a missing ``num_batches_tracked``). No communication (each
+        rank cuts its own rows), so every rank loads what it is given; memory: one block per
+        parameter."""
         if self._reached_from_plain_parent():
             if local_metadata.get("assign_to_params_buffers", False):
                 raise ValueError("load_state_dict(assign=True) of a module holding a "
@@ -568,10 +665,14 @@ class FSDPStateDictMixin:
             self._sharded_params("load_state_dict") if kind is StateDictType.SHARDED_STATE_DICT \
             else self._shard_entries()
         rows: list = []
-        missing, unexpected, errors, _, records = _load_walk(
-            self, state_dict, prefix,
-            {prefix[:-1]: local_metadata, prefix + _WRAPPED_PREFIX[:-1]: local_metadata},
-            sharded, rows)
+        versions = {prefix[:-1]: local_metadata, prefix + _WRAPPED_PREFIX[:-1]: local_metadata}
+        saved = _metadata_of_torch_load()
+        for path, _ in self.named_modules(prefix=prefix[:-1]) if saved else ():
+            found = saved.get(path, saved.get(clean_name(path + ".")[:-1]))
+            if isinstance(found, dict):
+                versions.setdefault(path, found)
+        missing, unexpected, errors, _, records = _load_walk(self, state_dict, prefix, versions,
+                                                             sharded, rows)
         _apply_records(records)  # what fits is copied, as nn.Module's own walk does
         missing_keys.extend(_reported(k) for k in missing)
         unexpected_keys.extend(_reported(k) for k in unexpected)
@@ -587,6 +688,21 @@ class FSDPStateDictMixin:
         visit(self, prefix)  # the modules the parent's walk goes on into, with their prefixes
         for module, prefixes in visits.values():
             module.__dict__["_load_from_state_dict"] = _SkipLoad(module, prefixes)
+
+    def _fqn_modifiers(self) -> dict:
+        """torch's ``torch.distributed.checkpoint.state_dict`` hook (``StateDictOptions.
+        dsd_fqn_modifiers``): the names under this unit (``{name: "_fsdp_wrapped_module"}``) sit
+        one level down, so torch's FQNs are the unwrapped model's, as :meth:`state_dict`'s
+        keys. torch's functions call it while checking their arguments: the optimizers they
+        were given are then marked (:func:`~shardkit.checkpoint.torch_state_dict.
+        mark_optimizers_of_torch_call`), so that ``dcp.save`` refuses their state, this rank's
+        rows, instead of writing one rank's rows as if replicated. Local."""
+        from shardkit.checkpoint.torch_state_dict import mark_optimizers_of_torch_call
+        mark_optimizers_of_torch_call()
+        inner = self._fsdp_wrapped_module
+        hidden = _WRAPPED_PREFIX[:-1]
+        names = [*inner._modules, *inner._parameters, *inner._buffers]
+        return {name: hidden for name in names} or {"": hidden}
 
     def full_shapes(self) -> dict:
         """The full (unsharded) shape of every tensor of :meth:`state_dict`, by its key:
@@ -606,18 +722,31 @@ class FSDPStateDictMixin:
                 for name, p in self.named_parameters(remove_duplicate=False)
                 if id(p) in layouts}
 
-    def _refuse_mismatch_on_every_rank(self, problems: list[str]) -> None:
-        """torch's RuntimeError, raised on every rank of the group before the gather and before
-        any shard is written (torch's own load first copies the tensors that fit), also when
-        only some ranks were given a mismatching dict (``{}`` where a ``rank0_only`` dict was
-        not loaded). Communication: one one-element all-reduce over the group."""
-        failed = skdist.any_rank(bool(problems), self.process_group, device=self._comm_device())
+    def _refuse_mismatch_on_every_rank(self, problems: list[str], what: str = "state_dict",
+                                       kind: str = "") -> None:
+        """torch's RuntimeError, raised on every rank of the group and of its replicas before
+        anything is written on any rank (torch's own load first copies the tensors that fit),
+        also when only some ranks were given a mismatching dict (``{}`` where a ``rank0_only``
+        dict was not loaded, one rank's file of another model): the error lists this rank's
+        problems and names each other rank that failed with its own (global ranks). ``what``
+        and ``kind`` as in :func:`_finish_load`. Communication: a one-element all-reduce over
+        the group (and one over the replicas); on failure, an object all-gather of the
+        problems."""
+        groups = [self.process_group] + ([self.replicate_group]
+                                         if self.replicate_group is not None else [])
+        failed = bool(problems)
+        for group in groups:
+            failed = skdist.any_rank(failed, group, device=self._comm_device())
         if not failed:
             return
-        detail = "\n\t".join(problems) if problems else \
-            "the state dict given on another rank of the group does not match (see its error)"
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} "
-                           f"(nothing was loaded):\n\t{detail}")
+        every = [(skdist.get_rank(), list(problems))]
+        for group in groups:
+            every = [entry for part in skdist.all_gather_object(
+                every, group=group, counted=False, operation="load_state_dict's agreement")
+                for entry in part]
+        raise RuntimeError(f"Error(s) in loading {what} for {type(self).__name__}"
+                           f"{kind[:-1] + '; ' if kind else ' ('}nothing was loaded):\n\t"
+                           + "\n\t".join(_lines_of_every_rank(problems, every)))
 
     def _to_wrapped_keys(self, state_dict, metadata=None) -> OrderedDict:
         """``state_dict`` (original keys) under the module paths ``nn.Module`` loads from; its
@@ -718,25 +847,20 @@ class FSDPStateDictMixin:
         buffers are copied. The modules' load pre-hooks and version conversions run first, as
         in the unwrapped model (see :meth:`load_state_dict`). Keys (with ``strict``), full
         shapes and each DTensor's rows are checked first, while ``nn.Module``'s load walk
-        (run once: each pre-hook once) records the values and copies nothing, on every rank
-        alike: a mismatch raises torch's ``RuntimeError`` naming the keys and loads nothing.
-        Then the recorded values are copied and the load post-hooks run. Returns torch's
-        missing/unexpected keys.
+        (run once: each pre-hook once) records the values and copies nothing: a mismatch on
+        any rank (also one rank's dict only) raises torch's ``RuntimeError`` on every rank of
+        the group and its replicas, naming the keys and the ranks that failed, and nothing
+        is loaded on any rank. Then the recorded values are copied and the load post-hooks
+        run. Returns torch's missing/unexpected keys. All ranks must call it.
 
-        Memory: one block of this rank's rows at a time (twice: checked, then copied). No
-        communication."""
+        Memory: one block of this rank's rows at a time (twice: checked, then copied).
+        Communication: a one-element all-reduce (the ranks' agreement)."""
         self._refuse_sharded_load_while_summoned()
         sharded = self._sharded_params("load_state_dict")
-        wrapped = self._to_wrapped_keys(state_dict, getattr(state_dict, "_metadata", None))
-        metadata = getattr(wrapped, "_metadata", None)
-        rows: list = []
-        missing, unexpected, errors, order, records = _load_walk(self, wrapped, "", metadata,
-                                                                 sharded, rows)
-        problems = _load_problems(missing, unexpected, errors, strict) + rows
-        if problems:
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__} "
-                               f"(SHARDED_STATE_DICT; nothing was loaded):\n\t"
-                               + "\n\t".join(problems))
+        missing, unexpected, errors, order, records = self._walk_agreed(
+            lambda: self._checked_walk(self._to_wrapped_keys(
+                state_dict, getattr(state_dict, "_metadata", None)), sharded, strict),
+            "state_dict", " (SHARDED_STATE_DICT)")
         return _finish_load(self, records, order, missing, unexpected, errors, strict,
                             " (SHARDED_STATE_DICT)")
 
@@ -856,30 +980,40 @@ class FSDPStateDictMixin:
         :meth:`local_metadata_dict` (any world size, any sharding strategy: replicas' copies of
         a shard are skipped) to reshard: each rank re-slices its rows. The modules' load
         pre-hooks and version conversions run as in the unwrapped model (see
-        :meth:`load_state_dict`); keys and shard shapes are checked before anything is written
-        (a mismatch loads nothing). No communication."""
+        :meth:`load_state_dict`); keys and shard shapes are checked on every rank before
+        anything is written: a mismatch on any rank (also one rank's dict only) raises on every
+        rank, naming the ranks that failed, and nothing is loaded on any rank. All ranks must
+        call it. Communication: a one-element all-reduce (the ranks' agreement)."""
         self._load_local(state_dict, metadata, strict=True)
 
     def _load_local(self, state_dict, metadata, strict: bool):
         """:meth:`load_local_state_dict`, with ``strict`` as ``load_state_dict`` takes it under
         ``LOCAL_STATE_DICT``; returns torch's missing/unexpected keys (original names)."""
-        local = reshard_local_state_dicts(state_dict, metadata, self.world_size, self.rank)
-        first = state_dict[0] if isinstance(state_dict, (list, tuple)) and state_dict \
-            else state_dict
-        wrapped = self._to_wrapped_keys(local, getattr(first, "_metadata", None))
-        missing, unexpected, errors, order, records = self._refuse_local_mismatch(
-            local, wrapped, strict)
+        arguments: list = []  # their errors are raised as they are (ValueError, TypeError)
+
+        def check():
+            try:
+                local = reshard_local_state_dicts(state_dict, metadata, self.world_size,
+                                                  self.rank)
+            except (TypeError, ValueError) as error:
+                arguments.append(error)
+                raise
+            first = state_dict[0] if isinstance(state_dict, (list, tuple)) and state_dict \
+                else state_dict
+            wrapped = self._to_wrapped_keys(local, getattr(first, "_metadata", None))
+            return self._local_mismatch(local, wrapped, strict)
+
+        missing, unexpected, errors, order, records = self._walk_agreed(
+            check, "local_state_dict", "", own_errors=arguments)
         return _finish_load(self, records, order, missing, unexpected, errors, strict,
                             what="local_state_dict")
 
-    def _refuse_local_mismatch(self, local: dict, wrapped: dict, strict: bool) -> tuple:
-        """torch's strict-load RuntimeError under :meth:`local_state_dict`'s keys (not FSDP's
-        wrapped names), raised before any shard is written (the modules' load walk, their
-        pre-hooks and conversions included, records the values and copies nothing): torch's
-        own load first copies every tensor that fits, so a dict of another model used to leave
-        this one half overwritten. Returns :func:`_load_walk`'s result for
-        :func:`_apply_records`. Local: every rank given dicts of another model raises alike,
-        no communication."""
+    def _local_mismatch(self, local: dict, wrapped: dict, strict: bool) -> tuple:
+        """``(problems, _load_walk's result)`` of a local load: torch's strict-load lines under
+        :meth:`local_state_dict`'s keys (not FSDP's wrapped names) and each shard of another
+        shape, found while the modules' load walk (their pre-hooks and conversions included)
+        records the values and copies nothing: torch's own load first copies every tensor
+        that fits, so a dict of another model used to leave this one half overwritten. Local."""
         mine = {clean_name(k): v for k, v in _structural_state_dict(self, keep_vars=True).items()}
         full = self.full_shapes()
         sizes = [f"size mismatch for {k}: the dict's shard has shape {tuple(v.shape)}, this "
@@ -894,11 +1028,7 @@ class FSDPStateDictMixin:
             sizes.append("a local state dict loads only at the world size that saved it; to "
                          "reshard, pass the list of every rank's dicts and "
                          "metadata=[their local_metadata_dict()]")
-        problems += sizes
-        if problems:
-            raise RuntimeError(f"Error(s) in loading local_state_dict for {type(self).__name__} "
-                               f"(nothing was loaded):\n\t" + "\n\t".join(problems))
-        return walked
+        return problems + sizes, walked
 
     # ------------------------------------------------------------------ optimizer state
 
