@@ -28,10 +28,12 @@ stage 3) are raised on every rank before any collective. Where only the OSS owne
 answer (is there a gradient, an optimizer state, this key?), the owner broadcasts a one-element
 verdict first, so every rank returns ``None`` together or raises the same error together.
 
-Gradients (``safe_get/set_full_grad``, ``safe_get/set_local_grad``) exist only at an engine's
-accumulation boundary: after the ``engine.backward(loss)`` of the window's last micro-batch and
-before ``engine.step()``, as in DeepSpeed. In the middle of a window they raise ``ValueError``
-(each rank would hold its own partial sum).
+Gradients (``safe_get/set_full_grad``, ``safe_get/set_local_grad``) exist at stages 1-3 only at
+an engine's accumulation boundary: after the ``engine.backward(loss)`` of the window's last
+micro-batch and before ``engine.step()``. In the middle of a window they raise ``ValueError``
+(each rank would hold its own partial sum). DeepSpeed raises there at stage 2 only: at stages 0-1
+it returns each rank's local ``param.grad`` (stage 0 here does the same), at stage 3 the reduced
+partial sum of the micro-batches so far, which shardkit's stage 3 does not keep.
 
 Gradients are what the engine holds between the accumulation boundary's ``engine.backward``
 and ``engine.step`` (which clears them): averaged over the ranks, divided by the accumulation
@@ -318,9 +320,11 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
 
 
 def _check_grads_reduced(loc: ParamLocation, what: str) -> None:
-    """ValueError in the middle of an engine's accumulation window, where the gradients are
-    each rank's partial sums (see ``engine._check_full_grads_readable``). Local."""
-    if loc.engine is not None:
+    """ValueError in the middle of an engine's accumulation window at stages 1-3, where the
+    gradients are each rank's partial sums (see ``engine._check_full_grads_readable``). Stage 0
+    returns each rank's own ``.grad`` there, as DeepSpeed's ``safe_get_full_grad`` does (it
+    returns ``param.grad`` whenever there is one). Local."""
+    if loc.engine is not None and loc.engine.zero_stage > 0:
         loc.engine._check_full_grads_readable(what)
 
 

@@ -545,3 +545,35 @@ def test_requires_grad_changed_on_one_rank_raises_on_every_rank(world2):
     assert first["reduce"].startswith("RuntimeError: ShardedDataParallel.reduce(): the "
                                       "trainable parameters changed"), first
     assert first["in_step"]
+
+
+def _rank0_evaluates_alone():
+    """Rank 0 alone runs evaluation forwards with grad enabled (module.eval(), as after
+    DeepSpeed's ``engine.eval()``), before the first step, between backward and step and after
+    the last step: no collective, so the ranks stay in step (the agreement on the trainable set
+    is made at training forwards only)."""
+    rank = skdist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    oss = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    ddp = ShardedDataParallel(model, oss)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+
+    def evaluate():
+        if rank == 0:
+            ddp.eval()
+            ddp(x).sum().item()
+            ddp.train()
+    evaluate()
+    for _ in range(2):
+        ddp(x).sum().backward()
+        evaluate()
+        oss.step()
+        oss.zero_grad()
+    evaluate()
+    weights = skdist.all_gather_object([p.detach().clone() for p in model.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*weights))
+
+
+def test_one_rank_evaluating_with_grad_enabled_does_not_hang(world2):
+    assert world2.run(_rank0_evaluates_alone) == [True, True]

@@ -309,3 +309,66 @@ def test_full_gradients_are_readable_only_at_the_accumulation_boundary(world2):
         assert seen[1].startswith("safe_get_full_grad: called after micro-batch 1 of 2 of a "
                                   "gradient accumulation window"), (stage, seen)
         assert seen[2] == seen[1], (stage, seen)
+
+
+def _stage0_mid_window_reads_local_grad() -> list:
+    """Stage 0 in the middle of a window: each rank's own accumulated ``.grad``, as DeepSpeed's
+    ``safe_get_full_grad`` returns ``param.grad`` (no ZeRO: reduced only at the boundary)."""
+    import shardkit
+    from shardkit.utils.tensor_fragment import safe_get_full_grad
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": 0}}
+    torch.manual_seed(0)
+    engine, *_ = shardkit.initialize(model=nn.Sequential(nn.Linear(4, 4)), config=config)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(distributed.get_rank()))
+    engine.backward(engine(x).sum())
+    weight = engine.module[0].weight
+    return [torch.equal(safe_get_full_grad(weight), weight.grad)]
+
+
+def test_stage0_mid_window_reads_return_the_local_grad(world2):
+    assert world2.run(_stage0_mid_window_reads_local_grad) == [[True], [True]]
+
+
+def _public_grad_functions_mid_window() -> dict:
+    """Through the public functions (the test above calls the engine's check directly): each
+    of them raises mid-window at stages 1-3 and works at the boundary."""
+    import shardkit
+    from shardkit.utils import tensor_fragment as tf
+    out = {}
+    for stage in (1, 2, 3):
+        config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                  "zero_optimization": {"stage": stage}}
+        torch.manual_seed(0)
+        engine, *_ = shardkit.initialize(model=nn.Sequential(nn.Linear(4, 4)), config=config)
+        x = torch.randn(2, 4, generator=torch.Generator().manual_seed(distributed.get_rank()))
+        weight = engine.module[0].weight
+        calls = {"get_full": lambda: tf.safe_get_full_grad(weight),
+                 "set_full": lambda: tf.safe_set_full_grad(weight, torch.zeros(4, 4))}
+        if stage == 3:
+            local = tf.safe_get_local_fp32_param(weight)
+            calls["get_local"] = lambda: tf.safe_get_local_grad(weight)
+            calls["set_local"] = lambda: tf.safe_set_local_grad(weight, torch.zeros_like(local))
+        engine.backward(engine(x).sum())
+        mid = {}
+        for name, call in calls.items():
+            try:
+                call()
+                mid[name] = None
+            except ValueError as e:
+                mid[name] = str(e).split(":")[0]
+        engine.step()
+        engine.backward(engine(x).sum())
+        boundary = {name: call() is None or True for name, call in calls.items()}
+        out[stage] = (mid, boundary)
+    return out
+
+
+def test_public_grad_functions_raise_mid_window(world2):
+    first, second = world2.run(_public_grad_functions_mid_window)
+    assert first == second
+    for stage, (mid, boundary) in first.items():
+        assert all(v is not None and v.startswith("safe_") for v in mid.values()), (stage, mid)
+        assert all(boundary.values()), (stage, boundary)

@@ -56,11 +56,13 @@ class ShardedDataParallel(nn.Module):
             each parameter on its own.
         auto_refresh_trainable: notice at forward when ``requires_grad`` changed (or an OSS
             re-partitioned) and re-plan the buckets; otherwise call :meth:`refresh_trainable`.
-            The ranks agree on it: the first forward with grad enabled after each reduction
-            (and a forward that finds a change) all-gathers one element per rank (a wait for
-            the device on CUDA), so a change made between steps on some ranks only raises the
-            same ValueError on every rank (naming the parameter) instead of hanging them; a
-            change inside an accumulation window must then be made on every rank.
+            The ranks agree on it: the first forward in training mode with grad enabled
+            after each reduction (and a forward that finds a change) all-gathers one element
+            per rank (a wait for the device on CUDA), so a change made between steps on some
+            ranks only raises the same ValueError on every rank (naming the parameter) instead
+            of hanging them; a change inside an accumulation window must then be made on every
+            rank. Every rank must therefore run that forward: a forward that one rank runs alone
+            (validation, logging) belongs under ``torch.no_grad()`` or ``module.eval()``.
         warn_on_trainable_params_changed: with ``auto_refresh_trainable=False``, warn once per
             change when forward finds the buckets planned for other trainable parameters.
         reduce_fp16: gradients travel in fp16 (``True``) or in the dtype given
@@ -252,9 +254,16 @@ class ShardedDataParallel(nn.Module):
             self._check_grads_do_not_require_grad(
                 p.grad for p in self._trainable if p.grad is not None)
         if torch.is_grad_enabled():
-            if self.auto_refresh_trainable:
-                # agreed at the window's first forward (one per rank and step, even where the
-                # ranks run different numbers of forwards), or at once where it changed here
+            if self.auto_refresh_trainable and not self.training:
+                # an evaluation forward (module.eval()), which one rank may run alone (rank 0
+                # validating, grad left enabled as DeepSpeed's engine leaves it): no collective
+                # unless the plan is stale here, as before the agreement was added
+                if self._plan_is_stale():
+                    self.refresh_trainable()
+            elif self.auto_refresh_trainable:
+                # agreed at the window's first training forward (one per rank and step, even
+                # where the ranks run different numbers of forwards), or at once where it
+                # changed here
                 stale = self._plan_is_stale()
                 if (stale or not self._window_open) and self._plan_is_stale_on_any_rank(stale):
                     self._refresh_if_every_rank_agrees()
