@@ -1021,10 +1021,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
             raise ValueError(f"engine.step(lr_kwargs={lr_kwargs!r}): expected a dict of keyword "
                              f"arguments for lr_scheduler.step(), or None")
-        if self.lr_scheduler is not None:
-            _check_lr_kwargs(self.lr_scheduler, lr_kwargs or {})
         torch_backward = self._backwards_since_step == 0
         if self.is_gradient_accumulation_boundary():
+            if self.lr_scheduler is not None:  # the scheduler steps at the boundary only
+                _check_lr_kwargs(self.lr_scheduler, lr_kwargs or {})
             self._refuse_unreduced_step()
             if torch_backward and self._forwards_since_step == 0 and self._no_sync_depth == 0 \
                     and isinstance(self.wrapped, nn.parallel.DistributedDataParallel):
@@ -1830,9 +1830,11 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
 def _check_lr_kwargs(scheduler, lr_kwargs: dict) -> None:
     """``engine.step(lr_kwargs=...)``: a ValueError naming the scheduler's ``step`` parameters
     when it would not take them (an unknown keyword, or one it requires missing: torch's
-    ``ReduceLROnPlateau`` needs ``lr_kwargs={"metrics": ...}``), raised on every rank before
-    the optimizer steps (the scheduler's own TypeError came after the optimizer had stepped,
-    so calling ``step()`` again stepped it twice). Local."""
+    ``ReduceLROnPlateau`` needs ``lr_kwargs={"metrics": ...}``), raised at an accumulation
+    boundary before the optimizer steps (the scheduler's own TypeError came after the
+    optimizer had stepped, so calling ``step()`` again stepped it twice). Local: every rank
+    must pass the same keywords (a rank refused alone leaves the others waiting in the
+    step's collectives)."""
     import inspect
     try:
         signature = inspect.signature(scheduler.step)
@@ -1855,6 +1857,8 @@ def _keep_fp32_master_weights(model: nn.Module, recipe: OptimizerRecipe) -> int:
     (DeepSpeed keeps fp32 master weights whatever the model's dtype). Stepping the 16-bit
     weights themselves loses every update below half a unit in the last place (bf16 Adam at
     lr 1e-4 barely moves) and Adam's eps underflows in fp16 (the weights became inf).
+    Frozen parameters (``requires_grad=False``: a LoRA base model) stay 16-bit, as in
+    DeepSpeed (whose fp32 masters are the optimizer's); unfreeze before ``initialize``.
     Returns how many tensors were cast (0 for a model holding FSDP units the user wrapped:
     their shards are left as they are). Memory: those tensors double. Local."""
     from shardkit.nn.data_parallel import FullyShardedDataParallel
@@ -1865,8 +1869,8 @@ def _keep_fp32_master_weights(model: nn.Module, recipe: OptimizerRecipe) -> int:
     cast = 0
     with torch.no_grad():
         for param in model.parameters():
-            if param.dtype not in half:
-                continue
+            if param.dtype not in half or not param.requires_grad:
+                continue  # a frozen weight is never stepped: fp32 would only double it
             grad, param.grad = param.grad, None
             param.data = param.data.float()
             if grad is not None:

@@ -296,6 +296,26 @@ def _sixteen_bit_model(stage: int, precision: str, how: str):
     return diff, sorted({str(p.dtype) for p in model.parameters()}), engine.skipped_steps
 
 
+def _frozen_16_bit_base(stage: int):
+    """A LoRA-style model: a frozen bf16 body, a trainable bf16 head. Only the head (what the
+    optimizer steps) becomes fp32; the frozen body keeps its 16-bit memory, as in DeepSpeed."""
+    model = _model().to(torch.bfloat16)
+    for p in model[:4].parameters():
+        p.requires_grad_(False)
+    shardkit.initialize(model=model, model_parameters=list(model[4].parameters()),
+                        config={"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                                "zero_optimization": {"stage": stage}, "steps_per_print": 1000,
+                                "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}})
+    return sorted({str(p.dtype) for p in model[:4].parameters()}), \
+        sorted({str(p.dtype) for p in model[4].parameters()})
+
+
+def test_a_frozen_16_bit_body_stays_16_bit(world2):
+    for stage in (0, 3):
+        for frozen, trained in world2.run(_frozen_16_bit_base, stage):
+            assert frozen == ["torch.bfloat16"] and trained == ["torch.float32"], stage
+
+
 def test_a_16_bit_model_trains_on_fp32_master_weights(world2):
     # the 16-bit weights were stepped in place: bf16 lost the lr-1e-4 updates (3.0e-4 off
     # after 3 steps), fp16 Adam's eps underflowed and the weights became inf (the next steps
@@ -338,8 +358,20 @@ def _bad_lr_kwargs():
     except ValueError as error:
         missing = str(error)
     plateau.step(lr_kwargs={"metrics": 1.0})
+    # with accumulation the scheduler steps at the boundary only: the micro-steps before it
+    # take no lr_kwargs (DeepSpeed ignores them there)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    accumulating, *_ = shardkit.initialize(
+        model=model, optimizer=optimizer, config={"train_micro_batch_size_per_gpu": 2,
+                                                  "gradient_accumulation_steps": 2},
+        lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer))
+    for micro in range(2):
+        accumulating.backward(F.mse_loss(accumulating(x[2 * rank:2 * rank + 2]),
+                                         y[2 * rank:2 * rank + 2]))
+        accumulating.step(lr_kwargs={"metrics": 1.0} if micro == 1 else None)
     return refused, unchanged, moved, engine.global_steps, engine.get_lr(), missing, \
-        plateau.global_steps
+        plateau.global_steps + accumulating.global_steps - 1
 
 
 def test_lr_kwargs_the_scheduler_does_not_take_are_refused_before_the_step(world2):

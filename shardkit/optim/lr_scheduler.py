@@ -456,6 +456,10 @@ class LRRangeTest(_IterationSchedule):
     _per_group = _DeepSpeedSchedule._per_group
     _bounds = OneCycle._bounds
 
+    def step(self, batch_iteration: Optional[int] = None) -> None:
+        """Advance one step (or jump to ``batch_iteration``, DeepSpeed's name here)."""
+        super().step(batch_iteration)
+
     def lrs_at(self, iteration: int) -> list[float]:
         intervals = (iteration + 1) / self.step_size
         if self.staircase:

@@ -210,3 +210,6 @@ def test_lr_range_test_matches_deepspeed_formula_and_builds_from_a_config(stairc
     assert resumed.get_last_lr() == pytest.approx(s.get_last_lr())
     with pytest.raises(ValueError, match="lr_range_test_step_size=0"):
         LRRangeTest(_optimizer(), lr_range_test_step_size=0)
+    resumed.step(batch_iteration=10)  # DeepSpeed's keyword for LRRangeTest.step
+    k = 11 // 3 if staircase else 11 / 3
+    assert resumed.get_last_lr() == pytest.approx([0.01 * (1 + 2.0 * k), 0.02 * (1 + 2.0 * k)])
