@@ -285,17 +285,18 @@ def _adamw_stage(part, wrapper, replicas):
     options = dict(lr=0.1, weight_decay=0.1)
     if wrapper == "fsdp":
         module = FullyShardedDataParallel(part, process_group=replicas)
-        return module, torch.optim.AdamW(module.parameters(), **options)
-    opt = OSS(part.parameters(), optim=torch.optim.AdamW, group=replicas, **options)
+        return module, torch.optim.AdamW(
+            [p for p in module.parameters() if p.requires_grad], **options)
+    opt = OSS([p for p in part.parameters() if p.requires_grad], optim=torch.optim.AdamW,
+              group=replicas, **options)
     return ShardedDataParallel(part, opt, process_group=replicas), opt
 
 
-def _unused_outputs_under(wrapper, schedule_name, routes):
+def _unused_outputs_under(wrapper, schedule_name, routes, kind="fork", nested=False):
     """AdamW (weight decay) on ``_Fork`` / ``_Join`` stages under ShardedDDP or FSDP, 2
     pipelines x 2 ranks, whose next stage ignores or detaches some outputs (``routes``: per
     step, each pipeline's ``use`` per micro-batch, see ``_route``), beside one process on the
     whole batch: the worst |weight - reference| after each step."""
-    from tests.nn.test_pipe_forward_only import _fork_modules
     from tests.nn.test_torch_pipelining_suite import SCHEDULES as TORCH_SCHEDULES
 
     rank, chunks, rows = dist.get_rank(), 2, 8
@@ -305,22 +306,27 @@ def _unused_outputs_under(wrapper, schedule_name, routes):
     cls, per_rank, placement = TORCH_SCHEDULES[schedule_name]
     n = 2 * per_rank
     mine = [s for s in range(n) if stage_rank(s, n, 2, placement) == pipe_rank]
-    ref, parts = _fork_modules(n), _fork_modules(n)
+    ref, parts = _stage_modules(kind, n), _stage_modules(kind, n)
     modules, opts, stages = {}, [], []
     for s in mine:
+        if nested:  # one FSDP unit per child, under the stage's root unit
+            from shardkit.nn.data_parallel import FullyShardedDataParallel
+            for name, child in list(parts[s].named_children()):
+                setattr(parts[s], name, FullyShardedDataParallel(
+                    child, process_group=replica_groups[pipe_rank]))
         modules[s], opt = _adamw_stage(parts[s], wrapper, replica_groups[pipe_rank])
         opts.append(opt)
         stages.append(PipelineStage(modules[s], s, n, group=pipelines[pipeline],
                                     placement=placement))
     schedule = cls(stages[0] if per_rank == 1 else stages, chunks, F.mse_loss)
-    ref_opt = torch.optim.AdamW([q for m in ref for q in m.parameters()], lr=0.1,
-                                weight_decay=0.1)
+    ref_opt = torch.optim.AdamW([q for m in ref for q in m.parameters() if q.requires_grad],
+                                lr=0.1, weight_decay=0.1)
     half = slice(pipeline * rows // 2, (pipeline + 1) * rows // 2)
     worst = 0.0
     for step, route in enumerate(routes):
         g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(rows, ref[0].a.in_features, generator=g), \
-            torch.randn(rows, ref[0].a.in_features, generator=g)
+        x, y = torch.randn(rows, ref[-1].lin.in_features, generator=g), \
+            torch.randn(rows, ref[-1].lin.in_features, generator=g)
         use = torch.tensor(route[0] + route[1]).repeat_interleave(rows // 2 // chunks)
         for opt in opts:
             opt.zero_grad()
@@ -343,6 +349,46 @@ def _unused_outputs_under(wrapper, schedule_name, routes):
     return worst
 
 
+class _FrozenFork(torch.nn.Module):
+    """``(tanh(t(h)), f(t(h)))`` with ``f`` frozen: under FSDP ``f``'s unit has no gradient
+    but a backward reaching its output gathers it (input gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.nn.test_pipe_forward_only import D
+        self.t, self.f = torch.nn.Linear(D, D), torch.nn.Linear(D, D)
+        self.f.requires_grad_(False)
+
+    def forward(self, x, use):
+        from tests.nn.test_pipe_forward_only import _route
+        h = self.t(_route(x, use))
+        return torch.tanh(h), self.f(h)
+
+
+class _Crossed(torch.nn.Module):
+    """``(c1(c2(h)), c2(c1(h)))``: both outputs reach both units, in opposite orders."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.nn.test_pipe_forward_only import D
+        self.c1, self.c2 = torch.nn.Linear(D, D), torch.nn.Linear(D, D)
+
+    def forward(self, x, use):
+        from tests.nn.test_pipe_forward_only import _route
+        h = _route(x, use)
+        return torch.tanh(self.c1(torch.tanh(self.c2(h)))), self.c2(torch.tanh(self.c1(h)))
+
+
+def _stage_modules(kind, n):
+    from tests.nn.test_pipe_forward_only import _fork_modules, _Join
+
+    if kind == "fork":
+        return _fork_modules(n)
+    torch.manual_seed(0)
+    return [{"frozen": _FrozenFork, "crossed": _Crossed}[kind]() for _ in range(n - 1)] + \
+        [_Join()]
+
+
 # per step, (pipeline 0's, pipeline 1's) ``use`` per micro-batch: 0 the second output unused,
 # 1 both used, 2 the first unused, 4 the second detached; the same in both pipelines or not
 _PARTLY_UNUSED = [[[0, 0], [0, 0]], [[0, 1], [0, 2]], [[0, 0], [1, 1]], [[2, 4], [2, 4]]]
@@ -362,3 +408,18 @@ def test_an_output_no_later_stage_uses_gets_no_gradient_under_sharded_ddp_and_fs
                                    wrapper == "fsdp" else [])
         for rank, worst in enumerate(world4.run(_unused_outputs_under, wrapper, name, routes)):
             assert worst < 1e-5, (wrapper, name, rank, worst)
+
+
+def test_fsdp_units_replicas_reach_alike_whatever_output_is_used(world4):
+    """Nested FSDP units (plain backward: GPipe, 1F1B) whose replicas use different outputs:
+    a frozen unit that only the unused output's backward gathers (one replica gathered it, the
+    other not: gloo aborted), and two units both outputs reach in opposite orders (the
+    reduce-scatters paired different units). Every replica now runs the whole graph (zeros for
+    the unused output, whose views get None), and matches one process; an output no replica
+    uses leaves its weights alone."""
+    routes = {"frozen": [[[0, 0], [1, 1]], [[1, 1], [0, 0]], [[0, 1], [1, 0]], [[0, 0], [0, 0]]],
+              "crossed": [[[0, 0], [2, 2]], [[2, 2], [0, 0]], [[0, 2], [2, 0]], [[3, 3], [0, 0]]]}
+    for kind, name in [("frozen", "GPipe"), ("crossed", "1F1B")]:
+        for rank, worst in enumerate(world4.run(_unused_outputs_under, "fsdp", name,
+                                                routes[kind], kind, True)):
+            assert worst < 1e-5, (kind, name, rank, worst)

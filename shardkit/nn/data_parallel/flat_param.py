@@ -767,8 +767,10 @@ class _PiecesOfFull(torch.autograd.Function):
                 f"gradient only when they exist at the forward. Register the hook before the "
                 f"forward (once, e.g. right after wrapping)")
         wanted = _params_this_backward_wants(shard, ctx.in_graph)
+        zeros_only = _ZEROS_ONLY.get(ctx, ())  # views only a zero output gradient reached
         shard.add_grads(shard.hold_for_tensor_hooks(
-            [None if g is None or not want else g.reshape(-1) for g, want in zip(grads, wanted)]))
+            [None if g is None or not want or i in zeros_only else g.reshape(-1)
+             for i, (g, want) in enumerate(zip(grads, wanted))]))
         # the unit's hook on ``uses`` follows (unless ``inputs=`` leaves it out: then the
         # root's end of backward reduces what the unit holds)
         return (None, torch.zeros_like(shard._uses), None) + (None,) * ctx.params_given
@@ -872,6 +874,34 @@ def _gather_out_of_step(unit: str, error: Exception) -> str:
             f"unit instead, e.g. auto_wrap(model, no_split_modules_policy(model)) or "
             f"transformer_auto_wrap_policy({{Block}}); with a size-based policy add the "
             f"experts' class to exclude_wrap_modules. {error}")
+
+
+# pieces node -> output indices whose gradient, in the running backward, comes only from zeros
+# fed for outputs no later stage used (see :func:`zeros_only_views`)
+_ZEROS_ONLY: dict = {}
+
+
+@contextlib.contextmanager
+def zeros_only_views(roots: Sequence[torch.Tensor], real: Sequence[torch.Tensor]):
+    """Inside the block, a plain backward from ``roots`` hands the units ``None`` (not
+    reached) for the parameter views that only the roots outside ``real`` reach (they were
+    given zero gradients so that every replica runs the same graph, hence the same gathers and
+    reduce-scatters, in the same order): ``.grad`` stays ``None`` where no replica reached the
+    parameter, as in one process. Walks the graph twice; local."""
+    reached = set(gathered_param_edges(real))
+    marked = {}
+    for edge, (shard, index) in gathered_param_edges(roots).items():
+        if edge not in reached:
+            pieces = next(child for child, i in edge.node.next_functions
+                          if child is not None and getattr(type(child), "_forward_cls", None)
+                          is _PiecesOfFull)
+            marked.setdefault(pieces, set()).add(index)
+    _ZEROS_ONLY.update(marked)
+    try:
+        yield
+    finally:
+        for pieces in marked:
+            _ZEROS_ONLY.pop(pieces, None)
 
 
 def gathered_param_edges(roots: Sequence[torch.Tensor]) -> dict:

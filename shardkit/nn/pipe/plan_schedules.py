@@ -47,7 +47,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from shardkit import distributed as dist
-from shardkit.nn.data_parallel.flat_param import gathered_param_edges
+from shardkit.nn.data_parallel.flat_param import zeros_only_views
 from shardkit.nn.pipe.microbatch import batch_size, own_microbatches, split_microbatches
 from shardkit.nn.pipe.p2p import (ACTIVATION, GRADIENT, StepState, TaggedLinks, batch_signature,
                                   output_tensors)
@@ -646,13 +646,14 @@ class PlanSchedule:
 
         A stage whose module reduces gradients inside backward (ShardedDataParallel, FSDP) must
         issue the same reductions as its replicas, whose next stages may have used that output:
-        it leaves the output out when the backward still reaches the same reducing units
-        (ShardedDDP: some trainable parameter; FSDP: the same units), and otherwise takes zeros
-        for it (those parameters then get zeros, which is one process's gradient wherever a
-        replica gave them one). An FSDP stage's B (``split``) always takes zeros, so that every
-        replica runs the same B and W plan: its W hands the units only the gradients the real
-        ones reached (:class:`ShardedGradientSink`). The caller reports the input gradients
-        only the real roots reach (:func:`_reached`)."""
+        a ShardedDDP stage leaves the output out when the backward still reaches some trainable
+        parameter, and otherwise takes zeros for it (those parameters then get zeros, which is
+        one process's gradient wherever a replica gave them one). An FSDP stage always takes
+        zeros, so that every replica gathers and reduce-scatters the same units in the same
+        order (a frozen unit only that output reaches gathers; units both outputs reach may be
+        reached in another order): its units get ``None`` for the views only the zeros reached
+        (:func:`zeros_only_views`; under B and W, :class:`ShardedGradientSink`). The caller
+        reports the input gradients only the real roots reach (:func:`_reached`)."""
         if s == self.num_stages - 1:
             return roots, None, None
         if self._remote(s + 1) is None:
@@ -669,12 +670,13 @@ class PlanSchedule:
     def _feeds_zeros(self, s: int, roots: list, real: list, split: bool) -> bool:
         """Whether stage ``s`` must backpropagate zeros for its roots without a gradient (see
         :meth:`_output_grads`). Walks the micro-batch's graph; local."""
-        if self._whole_backward[s] and split:
+        if self._whole_backward[s] and (split or self._reducing[s]):
+            # FSDP: the replicas' gathers and reduce-scatters follow the graph's units in the
+            # order backward reaches them (a frozen unit gathers too), so every replica runs the
+            # whole graph; the views only zeros reach get None (zeros_only_views, or W)
             return True
         if not self._reducing[s]:
             return False
-        if self._whole_backward[s]:
-            return _fsdp_units_reached(roots) != _fsdp_units_reached(real)
         params = {id(p) for p in self.stages[s].module.parameters() if p.requires_grad}
         return _reaches_a_parameter(roots, params) != _reaches_a_parameter(real, params)
 
@@ -700,8 +702,13 @@ class PlanSchedule:
         # gradient hooks (data-parallel wrappers, FSDP) see one plain backward per micro-batch
         activation, roots = self._live.pop((s, i))
         roots, grads, real = self._output_grads(s, i, roots)
-        failed = roots and self._backward(
-            s, i, lambda: torch.autograd.backward(roots, grads)) is _FAILED
+        views = zeros_only_views(roots, real) if real is not None and self._whole_backward[s] \
+            else contextlib.nullcontext()
+
+        def run():
+            with views:
+                torch.autograd.backward(roots, grads)
+        failed = roots and self._backward(s, i, run) is _FAILED
         # stage 0: the plain backward has already reached the batch tensors themselves
         input_grads = [None] * len(activation) if failed or s == 0 else \
             _reached(real, activation, [a.grad for a in activation])
@@ -931,11 +938,6 @@ def _reaches_a_parameter(roots: list, params: set) -> bool:
     """Whether a backward from ``roots`` accumulates into a parameter whose ``id`` is in
     ``params``."""
     return any(id(getattr(n, "variable", None)) in params for n in _graph_nodes(roots))
-
-
-def _fsdp_units_reached(roots: list) -> set:
-    """The FSDP units whose gathered parameters the graph below ``roots`` used."""
-    return {id(shard) for shard, _ in gathered_param_edges(roots).values()}
 
 
 def _reached(real: Optional[list], tensors, grads: list) -> list:
