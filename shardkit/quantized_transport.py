@@ -62,6 +62,7 @@ inner transport, or to the flat exchange) and warns once per process and reason.
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Optional
 
@@ -94,9 +95,9 @@ def _warn_if_no_saving(op: str, layout: QuantLayout, dtype: torch.dtype) -> None
 
 
 def _check_bits(name: str, value, valid) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value not in valid:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value not in valid:
         raise ValueError(f"QuantizedTransport({name}={value!r}): valid values are {list(valid)}")
-    return value
+    return int(value)  # numpy integers too (a numpy array's element, a config parsed by numpy)
 
 
 def _check_block(block) -> int:

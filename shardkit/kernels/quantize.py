@@ -32,6 +32,7 @@ Blocks never straddle two segments, so the segment a rank receives is decoded on
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -74,8 +75,10 @@ class QuantLayout:
     def __post_init__(self):
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size={self.world_size!r}; it must be an int >= 1")
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in QMAX:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, numbers.Integral) \
+                or self.bits not in QMAX:
             raise ValueError(f"bits={self.bits!r}; valid values are {sorted(QMAX)}")
+        object.__setattr__(self, "bits", int(self.bits))  # a numpy integer as a Python int
         if (not isinstance(self.block, int) or self.block < 8 or self.block > 8192
                 or self.block & (self.block - 1)):
             raise ValueError(f"block={self.block!r}; it must be a power of two from 8 to 8192")

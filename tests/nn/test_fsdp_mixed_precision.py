@@ -229,3 +229,37 @@ def test_compute_dtype_torch_policy_and_cpu_offload_resolution():
     assert resolve_mixed_precision(cast, None, None, False).buffer_cast_dtype() == torch.float16
     with pytest.raises(ValueError, match="keep_buffer_dtypes=True"):
         MixedPrecisionPolicy(buffer_dtype=torch.float32, keep_buffer_dtypes=True)
+
+
+def _forward_inside_summon(kwargs: dict) -> list:
+    module = _NormNet()
+    model = FSDP(module, **kwargs)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(skdist.get_rank()))
+    model(x).float().pow(2).mean().backward()
+    with torch.no_grad(), model.summon_full_params():
+        inside = model(x)
+        buffer_inside = model.module.bn.running_mean.dtype
+    model(x)  # the buffers are back in the compute dtype afterwards
+    return [inside.dtype, buffer_inside, model.module.bn.running_mean.dtype]
+
+
+def test_forward_inside_summon_full_params_with_buffers_cast(world2):
+    # Regression: BatchNorm statistics stayed in the compute dtype beside the summoned fp32
+    # weight ("expected scalar type Float but found BFloat16"/"... Double")
+    for dtype in (torch.bfloat16, torch.float64):
+        for r in world2.run(_forward_inside_summon, {"compute_dtype": dtype}):
+            assert r == [torch.float32, torch.float32, dtype]
+
+
+def _torch_policy_bn_message() -> str:
+    from torch.distributed.fsdp import MixedPrecision
+    with pytest.raises(ValueError) as info:
+        FSDP(_NormNet(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    return str(info.value)
+
+
+def test_torch_policy_batchnorm_refusal_names_torchs_arguments(world2):
+    message = world2.run(_torch_policy_bn_message)[0]
+    assert "MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=None)" in message
+    assert "auto_wrap_policy" in message
+    assert "MixedPrecision(..., buffer_dtype=torch.bfloat16)" in message

@@ -342,6 +342,11 @@ def test_bad_arguments_raise_before_any_collective():
     # a float number of bits was taken and failed at the first gather (float byte counts)
     with pytest.raises(ValueError, match=r"weight_bits=8.0\): valid values are \[8, 4\]"):
         QuantizedTransport(weight_bits=8.0)
+    # a numpy integer is an integer (it was taken before the float check, and must still be)
+    import numpy as np
+    assert QuantizedTransport(weight_bits=np.int64(4), gradient_bits=np.int32(8)).weight_bits \
+        == 4
+    assert type(QuantizedTransport(weight_bits=np.int64(4)).weight_bits) is int
     with pytest.raises(ValueError, match="ranks_per_node=0"):
         QuantizedTransport(ranks_per_node=0)
     with pytest.raises(ValueError, match="already a QuantizedTransport"):

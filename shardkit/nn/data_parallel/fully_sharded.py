@@ -1480,6 +1480,14 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         exposed = [s for s in shards if s._exposed]
         for shard in exposed:
             shard.hide()
+        # buffers cast to the compute dtype go back to their own dtype beside the fp32 values
+        # (a forward in the block: BatchNorm statistics must match its summoned weight)
+        recast = []
+        for unit in units:
+            for module, name, dtype in unit._buffer_dtypes:
+                buf = module._buffers[name]
+                recast.append((module, name, buf.dtype))
+                module._buffers[name] = buf.to(dtype)
         gathered = False
         try:
             for shard in shards:  # one unit's full copy at a time on the compute device
@@ -1489,6 +1497,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             gathered = True
             yield
         finally:
+            for module, name, dtype in recast:
+                module._buffers[name] = module._buffers[name].to(dtype)
             for unit in units:
                 unit._summoned = False
                 unit.training_state = TrainingState.IDLE
@@ -2141,15 +2151,22 @@ def _refuse_batchnorm_with_other_buffer_dtype(module: nn.Module, policy: MixedPr
             buffers = cast or m.running_mean.dtype  # torch's policy: buffers keep their dtype
             if buffers == compute:
                 continue
+            if policy.keep_buffer_dtypes:  # torch's MixedPrecision(buffer_dtype=None)
+                call = (f"FullyShardedDataParallel(mixed_precision=MixedPrecision(param_dtype="
+                        f"{policy.param_dtype}, buffer_dtype=None))")
+                torch_way = (f"give this FSDP an auto_wrap_policy (torch's way: each BatchNorm "
+                             f"gets a full-precision unit of its own), or pass MixedPrecision("
+                             f"..., buffer_dtype={compute})")
+            else:
+                call = (f"FullyShardedDataParallel(compute_dtype={policy.param_dtype}, "
+                        f"buffer_dtype={policy.buffer_dtype})")
+                torch_way = "leave buffer_dtype unset"
             raise ValueError(
-                f"FullyShardedDataParallel(compute_dtype={policy.param_dtype}, buffer_dtype="
-                f"{policy.buffer_dtype}): this unit holds a {type(m).__name__}, whose weight "
-                f"would be gathered in {compute} beside running statistics in "
-                f"{buffers}, which torch's batch_norm refuses. Give the BatchNorm "
-                f"layers their own full-precision units first (model = auto_wrap_bn(model), "
-                f"FairScale's way), or "
-                + (f"pass buffer_dtype={compute}" if cast is None else "leave buffer_dtype unset")
-                + f" (statistics in {compute})")
+                f"{call}: this unit holds a {type(m).__name__}, whose weight would be gathered "
+                f"in {compute} beside running statistics in {buffers}, which torch's "
+                f"batch_norm refuses. Give the BatchNorm layers their own full-precision units "
+                f"first (model = auto_wrap_bn(model), FairScale's way), or {torch_way} "
+                f"(statistics in {compute})")
 
 
 def _keep_unit_storage() -> None:
