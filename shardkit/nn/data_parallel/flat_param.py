@@ -837,7 +837,8 @@ def _removed_after_wrapping(module: nn.Module, name: str, layout) -> str:
     with a mask of the row shard's shape; ``module.weight = nn.Parameter(...)``)."""
     now = module._parameters.get(name)
     what = ("removed (torch.nn.utils.prune re-registers it as "
-            f"{name}_orig, with a mask of this rank's row shard)" if now is None
+            f"{name}_orig, with a mask of this rank's row shard; torch.nn.utils.parametrize as "
+            f"parametrizations.{name}.original; or deleted)" if now is None
             else "replaced by another parameter")
     return (f"FullyShardedDataParallel: {type(module).__name__}.{name} (shape "
             f"{tuple(layout.shape)}) was {what} after wrapping; FSDP shards the parameter it "

@@ -59,7 +59,13 @@ A parent reading a unit's parameters in the root's forward without calling the u
 (``F.linear(h, self.embed.weight)``, ``h + self.embed.cls``, ``self.embed.proj.weight``) gets
 them gathered, as in one process, and the unit stays gathered until its backward; a module
 outside every unit that holds one of a unit's parameters (a weight tied across the unit's
-boundary, no FSDP root around both) is refused at the first forward.
+boundary, no FSDP root around both) is refused at the first forward when that forward runs
+inside the forward of a plain module holding both (a tie reached from plain code, outside any
+module's forward, is not seen). Such a read is a collective (an all-gather of the unit, and
+the unit then skips its backward gather): every rank must make it, a read on one rank only
+(``if rank == 0: print(self.block.weight.norm())`` in a forward) pairs the collectives of
+different units across ranks (gloo aborts the job, or the ranks hang); log such values on
+every rank, or after the step inside ``summon_full_params``.
 ``loss.backward(inputs=params)`` fills the ``.grad`` of exactly those parameters (not those with
 a tensor hook of the user's, which autograd would call with ``None``); ``torch.autograd.grad``
 over a unit's parameters is refused (they are row shards). ``.to()``/``.half()``/
@@ -716,7 +722,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         module kept before wrapping) are not seen; a module outside every unit holding one
         of its parameters is refused at the first forward
         (:func:`_refuse_parameters_held_outside`). A read in a forward recomputed during
-        backward (a reentrant checkpoint of the parent's code) gathers too. Communication:
+        backward (a reentrant checkpoint of the parent's code) gathers too. A collective: every
+        rank must make the same reads (see the module docstring). Communication:
         one all-gather of the unit unless it is gathered already. Local otherwise."""
         root = self._root
         shard = self._shard
