@@ -164,6 +164,56 @@ def test_a_module_whose_parameter_is_used_outside_it_is_left_to_the_enclosing_un
     assert [type(t.module) for t in _tags(model)] == [nn.Linear, nn.Linear]
 
 
+def test_a_module_registered_under_two_names_is_left_to_the_enclosing_unit():
+    """T5/BART register one embedding as ``shared`` and ``encoder.embed_tokens``; a module may
+    also sit under two names of one parent. Wrapped where first met, it stayed unwrapped (or got
+    a second wrapper) at the other name: FSDP then refused the model."""
+    class Encoder(nn.Module):
+        def __init__(self, embed_tokens):
+            super().__init__()
+            self.embed_tokens = embed_tokens
+            self.layer = nn.Linear(8, 8)
+
+    class Seq2Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = nn.Embedding(40, 8)
+            self.encoder = Encoder(self.shared)
+            block = nn.Linear(8, 8)
+            self.first, self.again = block, block
+
+    policy = functools.partial(default_auto_wrap_policy, min_num_params=50)
+    with enable_wrap(wrapper_cls=Tag):
+        root = auto_wrap(Seq2Seq(), policy)
+    model = root.module if isinstance(root, Tag) else root  # the root takes what is shared
+    assert model.encoder.embed_tokens is model.shared and model.first is model.again
+    assert isinstance(model.shared, nn.Embedding) and isinstance(model.first, nn.Linear)
+    assert [type(t.module) for t in _tags(root)] == [Seq2Seq, nn.Linear]  # + encoder.layer
+
+
+def test_torch_custom_policy_selects_with_per_module_kwargs():
+    """torch's CustomPolicy(lambda_fn) (not callable itself) was refused as "expected a
+    callable"; its lambda_fn may answer a dict of wrapper kwargs for that module."""
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    from shardkit.nn.checkpoint import apply_activation_checkpointing, is_checkpoint_wrapped
+    model = GPT(CFG)
+    policy = CustomPolicy(lambda m: {"flag": 2} if m is model.ln_f else isinstance(m, Block))
+    with enable_wrap(wrapper_cls=Tag, flag=1):
+        wrapped = auto_wrap(model, policy)
+    assert [(type(t.module), t.kwargs) for t in _tags(wrapped)] == \
+        [(Block, {"flag": 1})] * CFG.n_layer + [(nn.LayerNorm, {"flag": 2})]
+    model = GPT(CFG)
+    offloads = {"offload_to_cpu": True}
+    apply_activation_checkpointing(model, auto_wrap_policy=CustomPolicy(
+        lambda m: offloads if isinstance(m, Block) else False))
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    assert all(is_checkpoint_wrapped(b) and b._shardkit_offload_to_cpu for b in blocks)
+    with enable_wrap(wrapper_cls=Tag), \
+            pytest.raises(ValueError, match="lambda_fn returned 1 .*True, False or a dict"):
+        auto_wrap(GPT(CFG), CustomPolicy(lambda m: 1))
+
+
 def test_bad_policy_arguments():
     with pytest.raises(ValueError, match="transformer_layer_cls"):
         transformer_auto_wrap_policy({"Block"})
@@ -171,6 +221,21 @@ def test_bad_policy_arguments():
         auto_wrap(nn.Linear(2, 2), auto_wrap_policy=3)
     with pytest.raises(ValueError, match="min_num_params"):
         default_auto_wrap_policy(nn.Linear(2, 2))
+    # these were bare TypeErrors ("'>=' not supported", "'type' object is not iterable")
+    with pytest.raises(ValueError, match="transformer_layer_cls=Linear"):
+        transformer_auto_wrap_policy(nn.Linear(2, 2))
+    for bad, words in [({"min_num_params": "1e6"}, "min_num_params='1e6'.*a number"),
+                       ({"force_leaf_modules": {"MultiheadAttention"}}, "force_leaf_modules="),
+                       ({"exclude_wrap_modules": [nn.Linear(2, 2)]}, "exclude_wrap_modules=")]:
+        policy = functools.partial(default_auto_wrap_policy, **{"min_num_params": 1, **bad})
+        with enable_wrap(wrapper_cls=Tag), pytest.raises(ValueError, match=words):
+            auto_wrap(nn.Sequential(nn.Linear(2, 2)), policy)
+    # one class alone is accepted as the set of it
+    policy = functools.partial(default_auto_wrap_policy, min_num_params=1,
+                               exclude_wrap_modules=nn.Sequential,
+                               force_leaf_modules=nn.MultiheadAttention)
+    with enable_wrap(wrapper_cls=Tag):
+        assert isinstance(auto_wrap(nn.Sequential(nn.Linear(2, 2)), policy)[0], Tag)
 
 
 def _default_wrapper_is_fsdp():

@@ -489,7 +489,9 @@ def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,
     an FSDP unit's wrapped module, the unit itself is checkpointed, its all-gather included in
     the region and repeated by the recomputation).
 
-    torch's keywords work too: ``auto_wrap_policy=`` is ``policy``, and
+    torch's keywords work too: ``auto_wrap_policy=`` is ``policy`` (torch's
+    ``CustomPolicy(fn)`` included: a dict that ``fn`` returns is passed to the wrapper function
+    as keyword arguments, e.g. ``{"offload_to_cpu": True}``), and
     ``checkpoint_wrapper_fn=`` (e.g. ``functools.partial(checkpoint_wrapper,
     offload_to_cpu=False, checkpoint_impl=CheckpointImpl.NO_REENTRANT)``, the recipe of
     pytorch/examples' FSDP T5) is called on each selected module instead of
@@ -526,12 +528,13 @@ def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,
     if (policy is None) == (check_fn is None):
         raise ValueError(f"apply_activation_checkpointing(policy={policy!r}, check_fn="
                          f"{check_fn!r}): give exactly one of them")
+    from shardkit.nn.wrap.auto_wrap import _custom_policy_lambda, _policy_caller
     for name, value in (("policy", policy), ("check_fn", check_fn)):
-        if value is not None and not callable(value):
+        if value is not None and not callable(value) and _custom_policy_lambda(value) is None:
             raise ValueError(f"apply_activation_checkpointing({name}={value!r}): expected a "
                              f"callable")
+    call = None
     if check_fn is None:
-        from shardkit.nn.wrap.auto_wrap import _policy_caller
         call = _policy_caller(policy)
 
         def check_fn(m: nn.Module) -> bool:
@@ -546,7 +549,10 @@ def apply_activation_checkpointing(model: nn.Module, policy: Callable = None,
         checkpoint_wrapper_fn = functools.partial(checkpoint_wrapper,
                                                   offload_to_cpu=offload_to_cpu)
     for parent, name, m in selected:
-        result = checkpoint_wrapper_fn(m)
+        # torch's CustomPolicy may answer a dict: keyword arguments for the wrapper function
+        own = getattr(call, "kwargs", {})
+        own = own.get(id(m)) or own.get(id(getattr(m, "_fsdp_wrapped_module", m))) or {}
+        result = checkpoint_wrapper_fn(m, **own)
         if not isinstance(result, nn.Module):
             raise ValueError(f"apply_activation_checkpointing(checkpoint_wrapper_fn="
                              f"{checkpoint_wrapper_fn!r}): returned "

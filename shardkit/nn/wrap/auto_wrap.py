@@ -67,15 +67,34 @@ def default_auto_wrap_policy(module: nn.Module = None, recurse: bool = None,
         raise ValueError("default_auto_wrap_policy(module=, recurse=, unwrapped_params=): all "
                          "three are needed; to set min_num_params use functools.partial("
                          "default_auto_wrap_policy, min_num_params=...)")
+    if isinstance(min_num_params, bool) or not isinstance(min_num_params, (int, float)):
+        raise ValueError(f"default_auto_wrap_policy(min_num_params={min_num_params!r}): "
+                         f"expected a number of parameters, e.g. int(1e8)")
     large = numel >= min_num_params
     if recurse:
         leaf = default_auto_wrap_policy.FORCE_LEAF_MODULES if force_leaf_modules is None \
             else force_leaf_modules
-        return large and not isinstance(module, tuple(leaf))
+        return large and not isinstance(module, _module_classes(leaf, "force_leaf_modules"))
     excluded = default_auto_wrap_policy.EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None \
         else exclude_wrap_modules
     root_forced = bool(module_is_root) and skip_params_check_for_root
-    return (large or root_forced) and not isinstance(module, tuple(excluded))
+    return (large or root_forced) and \
+        not isinstance(module, _module_classes(excluded, "exclude_wrap_modules"))
+
+
+def _module_classes(classes, name: str) -> tuple:
+    """``classes`` (one nn.Module subclass, or an iterable of them) as a tuple; anything else
+    (class names, module instances) is a ValueError naming the size policy's argument."""
+    if isinstance(classes, type):
+        classes = (classes,)
+    try:
+        classes = tuple(classes)
+    except TypeError:
+        classes = (classes,)
+    if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise ValueError(f"default_auto_wrap_policy({name}={classes!r}): expected a set of "
+                         f"nn.Module subclasses, e.g. {{nn.MultiheadAttention}}")
+    return classes
 
 
 default_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}
@@ -158,7 +177,10 @@ def _as_class_tuple(transformer_layer_cls) -> tuple:
     elif transformer_layer_cls is None:
         classes = ()
     else:
-        classes = tuple(transformer_layer_cls)
+        try:
+            classes = tuple(transformer_layer_cls)
+        except TypeError:  # one module instance, a number...: named below
+            classes = (transformer_layer_cls,)
     bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
     if not classes or bad:
         raise ValueError(f"transformer_auto_wrap_policy(transformer_layer_cls="
@@ -214,8 +236,15 @@ def _looks_like_policy(candidate) -> bool:
         return False
 
 
+def _custom_policy_lambda(policy) -> Optional[Callable]:
+    """The ``lambda_fn`` of torch's ``CustomPolicy(lambda_fn)`` (a policy object that is not
+    callable itself), else None. Local."""
+    lambda_fn = getattr(policy, "_lambda_fn", None)
+    return None if callable(policy) or not callable(lambda_fn) else lambda_fn
+
+
 def _check_policy(policy, what: str) -> None:
-    if policy is not None and not callable(policy):
+    if policy is not None and not callable(policy) and _custom_policy_lambda(policy) is None:
         raise ValueError(f"{what}(auto_wrap_policy={policy!r}): expected a callable "
                          f"policy(module=, recurse=, unwrapped_params=)")
 
@@ -331,11 +360,16 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
     :func:`default_auto_wrap_policy`. It is called as ``policy(module=, recurse=,
     unwrapped_params=, module_is_root=)``; ``module_is_root`` only when its signature names it
     (or takes ``**kwargs``), and torch's ``nonwrapped_numel=`` when it names that instead.
+    torch's policy objects work too: ``ModuleWrapPolicy({Block})``, and ``CustomPolicy(fn)``,
+    which selects every module (the root included) for which ``fn(module)`` is True or a
+    dict, that dict overriding the wrapper's keyword arguments for that module.
     Modules already wrapped (instances of the wrapper class, FSDP units, wrappers built by an
     earlier :func:`wrap`/:func:`auto_wrap`) are left as they are, their parameters counted as
     wrapped (FairScale asserts there are none), and so is a module whose parameter is also
-    used outside it (a tied embedding or head): the enclosing unit takes it, so that a size
-    policy on a model with tied weights still gives a valid wrapping.
+    used outside it (a tied embedding or head) or that is registered under several names
+    (T5's ``shared`` embedding, also ``encoder.embed_tokens``): the enclosing unit takes it,
+    so that a size policy on a model with tied weights or shared modules still gives a valid
+    wrapping.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"auto_wrap(module={type(module).__name__}): expected an nn.Module")
@@ -348,9 +382,13 @@ def auto_wrap(module: nn.Module, auto_wrap_policy: Optional[Callable] = None,
     _check_wrapper_kwargs(wrapper_cls, wrapper_kwargs, "auto_wrap")
     wrapper_kwargs = _ignored_listed(wrapper_kwargs)
     policy = auto_wrap_policy or context_policy or default_auto_wrap_policy
-    wrap_one = functools.partial(_wrap_one, wrapper_cls=wrapper_cls,
-                                 context_kwargs=context_kwargs, overrides=wrapper_kwargs)
-    wrapped, _ = _recursive_wrap(module, _policy_caller(policy), _wrapper_key(wrapper_cls),
+    call = _policy_caller(policy)
+
+    def wrap_one(m: nn.Module) -> nn.Module:
+        own = _policy_kwargs(call, m, wrapper_cls, "CustomPolicy")
+        return _wrap_one(m, wrapper_cls, context_kwargs, {**wrapper_kwargs, **own})
+
+    wrapped, _ = _recursive_wrap(module, call, _wrapper_key(wrapper_cls),
                                  wrap_one, is_root=True, owners=_registering_modules(module),
                                  ignored=_ignored_by({**context_kwargs, **wrapper_kwargs}))
     return wrapped
@@ -414,30 +452,43 @@ def auto_wrap_bn(module: nn.Module, single_rank_pg: bool = False, process_group=
         return auto_wrap(module)
 
 
-def _registering_modules(root: nn.Module) -> dict[int, set[int]]:
-    """``{id(parameter): ids of the modules under root that register it}``: a parameter with
-    several (a tied embedding and output head) is shared."""
-    owners: dict[int, set[int]] = {}
-    for m in root.modules():
+def _registering_modules(root: nn.Module) -> dict:
+    """``{id(parameter or module): the paths under root where it is registered}``: a
+    parameter registered at several paths (a tied embedding and output head) or a module
+    registered at several (T5's ``shared`` embedding, also ``encoder.embed_tokens``) is
+    shared. Paths are dotted module names, ``""`` for the root."""
+    owners: dict = {}
+    for path, m in root.named_modules(remove_duplicate=False):
+        owners.setdefault(("module", id(m)), set()).add(path)
         for p in m._parameters.values():
             if p is not None:
-                owners.setdefault(id(p), set()).add(id(m))
+                owners.setdefault(id(p), set()).add(path)
     return owners
 
 
-def _shares_parameters_outside(module: nn.Module, owners: dict) -> bool:
-    """Whether a parameter under ``module`` is also registered by a module outside it.
+def _shares_parameters_outside(module: nn.Module, owners: dict, path: str) -> bool:
+    """Whether a parameter or submodule of ``module`` (which sits at ``path``) is also
+    registered somewhere outside it.
 
     Note: such a module cannot be a unit of its own (a unit shards what it holds, and the other
-    user would read the shard), so auto_wrap leaves it to the enclosing unit, which holds every
-    use: a tied embedding and head end up in the unit that contains both."""
-    inside = {id(m) for m in module.modules()}
-    return any(not owners.get(id(p), set()) <= inside for p in module.parameters())
+    user would read the shard; a module reachable by two paths would be wrapped at each), so
+    auto_wrap leaves it to the enclosing unit, which holds every use: a tied embedding and head
+    end up in the unit that contains both."""
+    def inside(q: str) -> bool:
+        return not path or q == path or q.startswith(path + ".")
+
+    keys = [("module", id(m)) for m in module.modules()] + [id(p) for p in module.parameters()]
+    return not all(inside(q) for key in keys for q in owners.get(key, ()))
 
 
 def _policy_caller(policy: Callable) -> Callable[[nn.Module, bool, int, bool], bool]:
     """Call a policy with whichever keywords it takes (parameter count: FairScale's
-    ``unwrapped_params`` or torch's ``nonwrapped_numel``; ``module_is_root`` if named)."""
+    ``unwrapped_params`` or torch's ``nonwrapped_numel``; ``module_is_root`` if named).
+    torch's ``CustomPolicy(lambda_fn)`` looks inside every module and selects those for which
+    ``lambda_fn(module)`` is True or a non-empty dict (see :func:`_policy_kwargs`)."""
+    lambda_fn = _custom_policy_lambda(policy)
+    if lambda_fn is not None:
+        return _CustomPolicyCaller(lambda_fn)
     try:
         params = inspect.signature(policy).parameters
     except (TypeError, ValueError):
@@ -452,6 +503,37 @@ def _policy_caller(policy: Callable) -> Callable[[nn.Module, bool, int, bool], b
         return bool(policy(module=m, recurse=recurse, **{key: numel}, **extra))
 
     return call
+
+
+class _CustomPolicyCaller:
+    """torch's ``CustomPolicy``: its ``lambda_fn`` answers True/False, or a dict of wrapper
+    keyword arguments that override the others for that module (remembered for
+    :func:`_policy_kwargs`). Local."""
+
+    def __init__(self, lambda_fn: Callable):
+        self.lambda_fn = lambda_fn
+        self.kwargs: dict[int, dict] = {}
+
+    def __call__(self, m: nn.Module, recurse: bool, numel: int, is_root: bool) -> bool:
+        if recurse:
+            return True
+        answer = self.lambda_fn(m)
+        if not isinstance(answer, (bool, dict)):
+            raise ValueError(f"CustomPolicy: its lambda_fn returned {answer!r} for a "
+                             f"{type(m).__name__}; expected True, False or a dict of wrapper "
+                             f"keyword arguments")
+        self.kwargs[id(m)] = answer if isinstance(answer, dict) else {}
+        return bool(answer)
+
+
+def _policy_kwargs(caller: Callable, module: nn.Module, wrapper_cls, what: str) -> dict:
+    """The wrapper keyword arguments a ``CustomPolicy`` gave ``module`` (``{}`` for any other
+    policy), checked against ``wrapper_cls``. Local."""
+    if not isinstance(caller, _CustomPolicyCaller):
+        return {}
+    kwargs = caller.kwargs.get(id(module), {})
+    _check_wrapper_kwargs(wrapper_cls, kwargs, what)
+    return kwargs
 
 
 def wrap_below_root(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls=None, *,
@@ -475,11 +557,13 @@ def wrap_below_root(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls=N
         from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel
         wrapper_cls = FullyShardedDataParallel
     _check_wrapper_kwargs(wrapper_cls, wrapper_kwargs, "FullyShardedDataParallel")
-    wrap_sub = functools.partial(_wrap_one, wrapper_cls=wrapper_cls, context_kwargs={},
-                                 overrides=wrapper_kwargs)
-
     classes = tuple(full_precision_classes)
-    policy = _policy_caller(auto_wrap_policy)
+    policy = call = _policy_caller(auto_wrap_policy)
+
+    def wrap_sub(m: nn.Module) -> nn.Module:
+        own = _policy_kwargs(call, m, wrapper_cls, "CustomPolicy")
+        return _wrap_one(m, wrapper_cls, {}, {**wrapper_kwargs, **own})
+
     if classes:
         selected = policy
 
@@ -530,7 +614,7 @@ _READS_CHILDREN_DIRECTLY = (nn.MultiheadAttention,)
 
 
 def _recursive_wrap(module: nn.Module, policy, wrapper_kind, wrap_one, is_root: bool,
-                    owners: dict, ignored=None):
+                    owners: dict, ignored=None, path: str = ""):
     """Returns (module or its wrapper, number of its parameters now inside wrappers).
 
     The children of a module in ``_READS_CHILDREN_DIRECTLY`` are never wrapped, whatever the
@@ -551,11 +635,11 @@ def _recursive_wrap(module: nn.Module, policy, wrapper_kind, wrap_one, is_root: 
     children = [] if isinstance(module, _READS_CHILDREN_DIRECTLY) else module.named_children()
     for name, child in list(children):
         new_child, numel = _recursive_wrap(child, policy, wrapper_kind, wrap_one, False, owners,
-                                           ignored)
+                                           ignored, f"{path}.{name}" if path else name)
         if new_child is not child:
             setattr(module, name, new_child)
         wrapped_numel += numel
     if policy(module, False, total - wrapped_numel, is_root) and (
-            is_root or not _shares_parameters_outside(module, owners)):
+            is_root or not _shares_parameters_outside(module, owners, path)):
         return wrap_one(module), total
     return module, wrapped_numel
