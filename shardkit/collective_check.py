@@ -25,7 +25,7 @@ that legitimately differ between pipeline stages); a rank that never reaches a c
 the group (it waits in another group, or died) is not a mismatch but a hang, which the
 process-group timeout or :mod:`shardkit.fault`'s watchdog reports. Sequence numbers are kept per
 process group (its ``group_name``), so a group used from another thread (an asynchronous
-checkpoint's) has its own.
+checkpoint's) has its own; they start again at 0 with each new default process group.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ CHECKED_OPS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_a
 
 _enabled = os.environ.get("SHARDKIT_DEBUG_COLLECTIVES", "0") not in ("", "0", "false", "False")
 _sequence: dict[str, int] = {}
+_sequence_world = None  # the default group the counts in _sequence belong to
 _state = threading.local()  # re-entry guard: the check's own all-gather is not checked
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SKIP_FILES = {os.path.join(_HERE, "distributed.py"), os.path.abspath(__file__)}
@@ -118,6 +119,13 @@ def check_collective(op: str, shape: Optional[tuple], dtype: Optional[torch.dtyp
         return
     if not (dist.is_available() and dist.is_initialized()):
         return
+    global _sequence_world
+    if dist.group.WORLD is not _sequence_world:
+        # Note: a new default group (after destroy_process_group and init_distributed, e.g.
+        # re-forming the job around a replacement process) starts every count at 0 on every
+        # rank; carrying on the old world's counts reads as a mismatch on every collective.
+        _sequence.clear()
+        _sequence_world = dist.group.WORLD
     ranks = _group_key(group)
     # Note: None and dist.group.WORLD are one group, so one count (two counts read as a
     # mismatch when one rank passed None and another WORLD to the same collective).

@@ -22,7 +22,11 @@ healthy collective — a large all-gather on a loaded machine — is never mista
   thread may be blocked inside a C++ collective where no Python exception can reach it. An
   uncaught exception in the main thread (``sys.excepthook``) first waits up to ``timeout_s`` for
   the watchdog's verdict when it looks like a communication failure, so the gloo error is
-  reported as the lost rank; any other exception is reported at once, as usual.
+  reported as the lost rank; any other exception is reported at once, as usual. A peer that
+  finished (marked itself done) within ``timeout_s`` before such a failure is named at once
+  instead: the ranks ran different numbers of steps or collectives. With no verdict at all (a
+  peer stalled past the process-group timeout: it still beats), the rank says so and marks
+  itself failed, so that its peers stop too (within a beat) instead of waiting on.
 - A rank that finishes marks itself done (at exit, or :meth:`PeerWatchdog.stop`); peers stop
   watching it. The store's host (rank 0 outside torchrun's agent store) then waits, at most two
   beats, for its peers to read that before its process (and the store) ends; a peer whose store
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import math
 import os
 import sys
 import threading
@@ -74,9 +79,13 @@ def _default_timeout() -> float:
     if value is None:
         return DEFAULT_TIMEOUT_S
     try:
-        return float(value)
+        seconds = float(value)
     except ValueError:
-        raise ValueError(f"SHARDKIT_PEER_TIMEOUT={value!r}: expected a number of seconds") from None
+        seconds = float("nan")
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"SHARDKIT_PEER_TIMEOUT={value!r}: expected a finite number of seconds "
+                         f">= 0 (0 turns the watchdog off)")
+    return seconds
 
 
 class PeerWatchdog:
@@ -94,6 +103,8 @@ class PeerWatchdog:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.lost: Optional[tuple] = None
+        # peers that marked themselves done -> when this thread read it (time.monotonic())
+        self.finished: dict = {}
         self._on_lost = on_lost or _exit_naming_the_rank
         self._verdict = threading.Event()
         self._stopped = threading.Event()
@@ -140,6 +151,7 @@ class PeerWatchdog:
                         else None
                     if value == _DONE:
                         del seen[r]
+                        self.finished[r] = now
                     elif value is not None and value.startswith(_FAILED):
                         self._declare(r, f"it stopped on an uncaught "
                                          f"{value[len(_FAILED):].decode(errors='replace')}")
@@ -222,6 +234,53 @@ class PeerWatchdog:
             self._verdict.wait(wait)
         return self.lost
 
+    def explain_communication_error(self, error: BaseException) -> None:
+        """What the uncaught-exception hook does with a communication ``error`` of this rank.
+
+        Waits (as :meth:`wait_for_verdict`) for a lost peer to be named, which ends the process.
+        A peer that finished instead (it marked itself done, e.g. its script ended after fewer
+        steps than this rank's) cannot be lost; it is named at once, since this rank was still
+        in a collective with it. With neither, no peer died: a peer is stalled past the
+        process-group timeout, or the ranks issued different collectives. Either way this rank
+        then marks itself failed with ``error`` (its peers stop within a beat, naming it,
+        instead of taking it for finished or waiting in their next collective) and returns; the
+        caller reports ``error`` as usual."""
+        start = time.monotonic()
+        deadline = start + self.timeout_s + 4 * self.interval_s + 1.0
+
+        def just_finished():
+            # Note: a peer that finished long before (a rank outside the sub-group whose
+            # collective broke) is not the cause; one that finished within the timeout is.
+            return sorted(r for r, t in list(self.finished.items())
+                          if t >= start - self.timeout_s)
+
+        while not self._verdict.is_set() and not just_finished() \
+                and time.monotonic() < deadline and self._thread.is_alive():
+            self._verdict.wait(min(0.05, self.interval_s))
+        if self._verdict.is_set():
+            return  # the default on_lost already ended the process; a custom one was run
+        finished = just_finished()
+        if finished:
+            names = ", ".join(map(str, finished))
+            note = (f"shardkit: rank(s) {names} of {self.world_size} finished (marked done: "
+                    f"the script ended or called stop_watching()) while rank {self.rank} was "
+                    f"still in a collective with them: the ranks ran different numbers of steps "
+                    f"or collectives (a loop that ends early on some ranks?). "
+                    f"SHARDKIT_DEBUG_COLLECTIVES=1 names each rank's collectives.")
+        else:
+            note = (f"shardkit: rank {self.rank} of {self.world_size}: a collective failed and no "
+                    f"peer was lost within {self.timeout_s:g} s (every peer still beats): a peer "
+                    f"is stalled longer than the process-group timeout (init_distributed("
+                    f"timeout_s=...)), or the ranks issued different collectives "
+                    f"(SHARDKIT_DEBUG_COLLECTIVES=1 names each rank's collectives). "
+                    f"Rank {self.rank} stops; its peers are told.")
+        try:
+            sys.stderr.write(note + "\n")
+            sys.stderr.flush()
+        except Exception:
+            pass
+        self.fail(error)
+
     def stop(self) -> None:
         """Stop beating and tell the peers this rank finished (it is no longer watched)."""
         self._stop_with(_DONE.decode())
@@ -271,7 +330,14 @@ def _exit_naming_the_rank(rank: Optional[int], message: str) -> None:
 
 
 def looks_like_communication_error(error: BaseException) -> bool:
-    """True for the errors a dead peer causes (gloo/NCCL connection errors, timeouts)."""
+    """True for the errors a dead peer causes (gloo/NCCL connection errors, timeouts).
+
+    Never for :class:`~shardkit.collective_check.CollectiveMismatchError`: every rank raises it
+    at once, with its own explanation, and its call sites (user paths such as
+    ``/data/store/train.py``) must not read as a connection failure."""
+    from shardkit.collective_check import CollectiveMismatchError
+    if isinstance(error, CollectiveMismatchError):
+        return False
     if isinstance(error, getattr(dist, "DistError", ())):
         return True
     text = f"{type(error).__name__} {error}".lower()
@@ -284,7 +350,9 @@ def _excepthook(previous):
         watchdog = _watchdog
         if watchdog is not None and exc is not None:
             if _chain_has_comm_error(exc):
-                watchdog.wait_for_verdict()  # exits the process if a peer is lost
+                # exits the process if a peer is lost; else names a finished peer, or says
+                # that none died, and tells the peers this rank stops
+                watchdog.explain_communication_error(exc)
             else:  # this rank's own failure: the peers name it at once
                 watchdog.fail(exc)
         previous(exc_type, exc, tb)
@@ -292,8 +360,11 @@ def _excepthook(previous):
 
 
 def _chain_has_comm_error(exc: BaseException) -> bool:
+    from shardkit.collective_check import CollectiveMismatchError
     seen = 0
     while exc is not None and seen < 8:
+        if isinstance(exc, CollectiveMismatchError):
+            return False  # explained on every rank; raised from the check's own mismatch
         if looks_like_communication_error(exc):
             return True
         exc = exc.__cause__ or exc.__context__
@@ -318,9 +389,12 @@ def watch_peers(timeout_s: Optional[float] = None,
     ``init_distributed`` starts one for the new group. Costs: see the module docstring.
     """
     global _watchdog
+    if isinstance(timeout_s, bool):  # float(True) would be a 1 s timeout
+        raise TypeError(f"watch_peers(timeout_s={timeout_s!r}): expected a number of seconds")
     timeout_s = _default_timeout() if timeout_s is None else float(timeout_s)
-    if timeout_s < 0:
-        raise ValueError(f"watch_peers(timeout_s={timeout_s}): must be >= 0 (0 turns it off)")
+    if not (timeout_s >= 0 and math.isfinite(timeout_s)):  # nan, inf: no clock could fire
+        raise ValueError(f"watch_peers(timeout_s={timeout_s}): must be >= 0 and finite, in "
+                         f"seconds (0 turns it off)")
     if timeout_s == 0:
         return None
     if not (dist.is_available() and dist.is_initialized()):

@@ -22,6 +22,8 @@ PEER_TIMEOUT_S = 4.0  # 2 s saw healthy ranks starved that long on a loaded 2-co
 WRAPPERS = ("ddp_oss", "sharded_ddp", "fsdp", "pipeline", "initialize")
 PHASES = ("forward", "backward", "optimizer_step", "checkpoint_write")
 VICTIM_STEP = 1
+STALL_PG_TIMEOUT_S = 10.0  # the process-group timeout of the stalling case
+STALL_S = 40.0  # how long its victim stalls: longer than the case's guard can wait
 
 
 def _model():
@@ -132,7 +134,9 @@ def _rank_main(wrapper, phase, victim, rank, world, port, save_dir, log_path):
                        "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
     from shardkit import distributed, fault
-    distributed.init_distributed(backend="gloo", timeout_s=60)
+    # the stalling case needs a process-group timeout shorter than the stall
+    distributed.init_distributed(backend="gloo",
+                                 timeout_s=STALL_PG_TIMEOUT_S if phase == "stalls" else 60)
     fault.watch_peers(PEER_TIMEOUT_S)
     try:
         build = _Build(wrapper, rank, world)
@@ -147,6 +151,15 @@ def _rank_main(wrapper, phase, victim, rank, world, port, save_dir, log_path):
             build.step(VICTIM_STEP)
             build.engine.save_checkpoint(save_dir, tag="after", async_save=True)
             build.step(VICTIM_STEP + 1)
+        elif phase in ("leaves_early", "stalls") and rank == victim:
+            build.step(VICTIM_STEP)
+            if phase == "leaves_early":  # its loop ends a step early; its script ends
+                fault.stop_watching()  # what the watchdog's atexit hook does
+                os._exit(0)
+            time.sleep(STALL_S)  # longer than the process-group timeout
+            build.step(VICTIM_STEP + 1)
+            sys.stderr.write("the stalled rank was not told\n")
+            os._exit(0)
         else:
             for i in range(VICTIM_STEP, VICTIM_STEP + 3):
                 build.step(i)
@@ -221,6 +234,10 @@ _CASE_OF = {
     "test_rank_killed_world4": lambda p: (p["wrapper"], p["phase"], 4, p["victim"]),
     "test_rank_stopping_on_an_exception_is_named_at_once":
         lambda p: (p["wrapper"], "raises", 2, 1),
+    "test_rank_leaving_the_loop_early_is_named_at_once":
+        lambda p: (p["wrapper"], "leaves_early", 2, 1),
+    "test_rank_stalled_past_the_group_timeout_is_told_to_stop":
+        lambda p: ("ddp_oss", "stalls", 2, 1),
 }
 
 
@@ -293,6 +310,33 @@ def test_rank_stopping_on_an_exception_is_named_at_once(launched_cases, tmp_path
            "rank" in case.outputs[0], case.outputs[0]
 
 
+@pytest.mark.parametrize("wrapper", ["ddp_oss", "sharded_ddp"])
+def test_rank_leaving_the_loop_early_is_named_at_once(launched_cases, tmp_path, wrapper):
+    """The victim runs one step fewer and its script ends (it marks itself done). The survivor,
+    inside a collective with it, used to wait out the peer timeout and then print only gloo's
+    anonymous "Connection closed by peer" (the finished rank is no longer watched)."""
+    case = _case(launched_cases, tmp_path, wrapper, "leaves_early")
+    assert case.codes == [1, 0], (case.codes, case.outputs)
+    assert "rank(s) 1 of 2 finished (marked done" in case.outputs[0], case.outputs[0]
+    assert "different numbers of steps or collectives" in case.outputs[0], case.outputs[0]
+
+
+def test_rank_stalled_past_the_group_timeout_is_told_to_stop(launched_cases, tmp_path):
+    """The victim sleeps past the process-group timeout (it still beats, so it is not lost).
+    The survivor's collective times out: it says no peer died, and marks itself failed, so the
+    stalled rank stops within a beat naming it. Before, the survivor printed only gloo's
+    timeout, and the stalled rank slept on (and, in a script whose atexit marks the survivor
+    done, went on into a broken collective)."""
+    from shardkit.fault import PEER_LOST_EXIT_CODE
+    case = _case(launched_cases, tmp_path, "ddp_oss", "stalls")
+    assert case.codes == [1, PEER_LOST_EXIT_CODE], (case.codes, case.outputs)
+    assert "a collective failed and no peer was lost within 4 s" in case.outputs[0], \
+        case.outputs[0]
+    assert "rank 0 of 2 is lost: it stopped on an uncaught" in case.outputs[1], case.outputs[1]
+    assert "Timed out" in case.outputs[1], case.outputs[1]
+    assert "not told" not in case.outputs[1]
+
+
 def _watchdog_across_a_new_default_group():
     """watch_peers(), then torch's destroy_process_group() and a new init_distributed() on a
     fresh port; a few beats later the ranks still run, and watch_peers() watches anew."""
@@ -329,6 +373,15 @@ def test_watch_peers_bad_input_is_clear(monkeypatch):
     monkeypatch.setenv("SHARDKIT_PEER_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="SHARDKIT_PEER_TIMEOUT='soon'"):
         fault.watch_peers()
+    # these used to reach the watchdog: a timedelta error (nan, inf), or a 1 s timeout (True)
+    for never in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"must be >= 0 and finite, in seconds"):
+            fault.watch_peers(never)
+    with pytest.raises(TypeError, match=r"watch_peers\(timeout_s=True\): expected a number"):
+        fault.watch_peers(True)
+    monkeypatch.setenv("SHARDKIT_PEER_TIMEOUT", "inf")
+    with pytest.raises(ValueError, match="SHARDKIT_PEER_TIMEOUT='inf': expected a finite"):
+        fault.watch_peers()
 
 
 def test_communication_errors_are_told_from_bugs():
@@ -339,6 +392,18 @@ def test_communication_errors_are_told_from_bugs():
                              "they could arrive"))
     assert not comm(ValueError("mat1 and mat2 shapes cannot be multiplied"))
     assert not comm(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    # a collective mismatch is explained on every rank at once; a user path holding "store"
+    # or "peer" used to make the hook wait out the peer timeout for a verdict that never came
+    from shardkit.collective_check import CollectiveMismatchError
+    from shardkit.fault import _chain_has_comm_error
+    mismatch = CollectiveMismatchError("collective mismatch in the group of ranks [0, 1]:\n  "
+                                       "rank 0: all_reduce(shape=[1]) #3 at /srv/datastore/"
+                                       "peer_train.py:9 in main")
+    assert not comm(mismatch)
+    try:
+        raise CollectiveMismatchError("FullyShardedDataParallel: out of step") from mismatch
+    except CollectiveMismatchError as outer:
+        assert not _chain_has_comm_error(outer)
 
 
 def test_several_silent_peers_name_the_longest_silent_and_list_the_others():

@@ -204,6 +204,27 @@ def _sharded_ddp_trainable_change(where: str, auto: bool):
     return raised, worst
 
 
+def _debug_mode_in_a_new_default_group() -> str:
+    """The job re-formed in process (destroy_process_group, init_distributed on a new port)
+    around a replacement rank 1 (a fresh process: no collectives counted), debug mode on."""
+    import os
+    import torch.distributed as dist
+    from shardkit import collective_check
+    from shardkit.testing import free_port
+    collective_check.set_debug_collectives(True)
+    try:
+        skdist.barrier()  # counted in the first world
+        port = skdist.broadcast_object(free_port() if skdist.get_rank() == 0 else None, src=0)
+        if skdist.get_rank() == 1:
+            collective_check._sequence.clear()  # what a replacement process starts with
+        dist.destroy_process_group()
+        os.environ["MASTER_PORT"] = str(port)
+        skdist.init_distributed(backend="gloo")
+        return _raised(lambda: skdist.all_reduce(torch.ones(2)))
+    finally:
+        collective_check.set_debug_collectives(False)
+
+
 # ---------------------------------------------------------------------- tests
 
 
@@ -305,3 +326,10 @@ def test_fingerprints_leave_memory_addresses_out():
     assert recipes.stable_repr(one) == recipes.stable_repr(two)
     from shardkit.engine import _flat_config
     assert _flat_config({"x": {"hook": one}}) == _flat_config({"x": {"hook": two}})
+
+
+def test_debug_mode_counts_start_again_in_a_new_default_group(world2):
+    """Sequence numbers used to carry on from the destroyed default group: a rank that joined
+    the re-formed job fresh was "out of step" on every collective (a false
+    CollectiveMismatchError on every rank)."""
+    assert world2.run(_debug_mode_in_a_new_default_group) == ["no error"] * 2
