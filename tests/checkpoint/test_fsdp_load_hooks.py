@@ -276,7 +276,7 @@ def test_bad_old_checkpoints_are_refused_under_the_original_names(world2, where,
             assert r["shape changed"] == r["keys changed"] == 0.0, (rank, r)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
 def test_a_dict_bad_on_one_rank_is_refused_on_every_rank(world2, kind):
     for rank, r in enumerate(world2.run(_run, _bad_on_one_rank, kind)):
         for case, key in (("shape", "size mismatch for head.bias"),
@@ -488,3 +488,57 @@ def test_loads_take_torch_swap_setting_and_hooks_reading_current_values(world2):
                     assert isinstance(mine, str) and "block.scale" in mine \
                         and "summon_full_params" in mine, (rank, where, kind, mine)
         assert r["summoned"] == 0.0, (rank, r)
+
+
+def _local_reload_on_one_rank_and_shape_reads() -> dict:
+    """A LOCAL load on rank 0 alone (FairScale / torch FSDP1: local) loads there and leaves the
+    next collective alone; a pre-hook filling a missing key with ``zeros_like`` of a sharded
+    parameter loads what the plain model loads; a pre-hook's exception is the cause of the
+    agreed error on its rank."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    out = {}
+    model = _build("root", seed=0)
+    saved = {k: v.clone() for k, v in model.local_state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    if skd.get_rank() == 0:
+        model.load_local_state_dict(saved)
+    flag = torch.ones(1)
+    skd.all_reduce(flag)
+    out["flag"] = flag.item()
+    mine = {k: v for k, v in model.local_state_dict().items() if torch.is_tensor(v)}
+    out["local diff"] = max((mine[k] - saved[k]).abs().max().item() for k in mine)
+
+    def fill(module, sd, prefix, *_):
+        sd.setdefault(prefix + "bias", torch.zeros_like(module.bias))
+
+    def build(wrap):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 7), nn.Linear(7, 3))
+        m[0].register_load_state_dict_pre_hook(fill)
+        return FSDP(nn.Sequential(FSDP(m[0]), m[1])) if wrap else m
+    sd = build(False).state_dict()
+    sd.pop("0.bias")
+    plain, wrapped = build(False), build(True)
+    plain.load_state_dict(sd)
+    wrapped.load_state_dict(sd)
+    out["zeros_like"] = _max_diff(_full(wrapped), plain.state_dict())
+    model = _build("root", seed=0)
+    model.module.block.register_load_state_dict_pre_hook(_refuse_poison)
+    old = _old_dict("root", "FULL_STATE_DICT")
+    old["block.poison"] = torch.zeros(1)
+    try:
+        model.load_state_dict(old)
+    except RuntimeError as error:
+        out["cause"] = type(error.__cause__).__name__
+    return out
+
+
+def test_local_load_on_one_rank_and_shape_reads_in_pre_hooks(world2):
+    for rank, r in enumerate(world2.run(_run, _local_reload_on_one_rank_and_shape_reads)):
+        assert r["flag"] == 2.0, (rank, r)
+        assert r["local diff"] == (0.0 if rank == 0 else r["local diff"]) and \
+            (rank == 0 or r["local diff"] > 0.5), (rank, r)
+        assert r["zeros_like"] == 0.0, (rank, r)
+        assert r["cause"] == "KeyError", (rank, r)

@@ -156,6 +156,11 @@ def add_wrapper_prefix(state_dict, prefix: str, *_) -> None:
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
+_SHAPE_ONLY = {torch.ops.aten.zeros_like, torch.ops.aten.ones_like, torch.ops.aten.empty_like,
+               torch.ops.aten.full_like, torch.ops.aten.new_zeros, torch.ops.aten.new_ones,
+               torch.ops.aten.new_empty, torch.ops.aten.new_full}
+
+
 class _StandIn(torch.Tensor):
     """What a load finds in a module's ``_parameters`` / ``_buffers`` while FSDP runs
     ``nn.Module``'s load over its units (:func:`_load_walk`): a tensor with the shape the
@@ -195,6 +200,12 @@ class _StandIn(torch.Tensor):
         buffer, a parameter no unit shards, a summoned one, a shard under LOCAL_STATE_DICT.
         A write, or a read of a sharded parameter (its full value is spread over the ranks),
         is a clear RuntimeError."""
+        if func.overloadpacket in _SHAPE_ONLY and isinstance(args[0], _StandIn):
+            # zeros_like(module.bias), module.weight.new_zeros(...): only the shape, dtype and
+            # device of the template are read (a stride-0 stub of them, no memory)
+            stub = torch.empty((), dtype=args[0].dtype, device=args[0].device).expand(
+                args[0].shape)
+            return func(stub, *args[1:], **(kwargs or {}))
         stand_ins = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
                      if isinstance(a, _StandIn)]
         sharded = [a._name for a in stand_ins if a._sharded]
@@ -597,19 +608,30 @@ class FSDPStateDictMixin:
                             rows)
         return _load_problems(*walked[:3], strict) + rows, walked
 
-    def _walk_agreed(self, check, what: str, kind: str, own_errors=()) -> tuple:
+    def _walk_agreed(self, check, what: str, kind: str, own_errors=(),
+                     collective: bool = True) -> tuple:
         """``check()``'s walk (it returns ``(problems, walk)``, see :meth:`_checked_walk`) once
         every rank of the group and of its replicas found no problem; else the same
         RuntimeError on every rank, naming the ranks that failed and their problems, nothing
         written on any rank (:meth:`_refuse_mismatch_on_every_rank`). An exception of
         ``check`` (a pre-hook's, a dict that is not one) is this rank's problem, so no rank is
         left waiting; one in ``own_errors`` (filled by ``check``: an argument's error) is
-        raised as itself on its rank, after the agreement. Communication: a one-element
-        all-reduce (per group)."""
-        own = None
+        raised as itself on its rank, after the agreement; the agreed error of a rank whose
+        ``check`` raised has that exception as its ``__cause__``. ``collective=False``: this
+        rank's problems only, no communication (a LOCAL load, local in FairScale and torch
+        FSDP1). Communication: a one-element all-reduce (per group)."""
+        if not collective:  # as before: this rank's dict, this rank's error
+            problems, walked = check()
+            if problems:
+                raise RuntimeError(f"Error(s) in loading {what} for {type(self).__name__}"
+                                   f"{kind[:-1] + '; ' if kind else ' ('}nothing was loaded):"
+                                   f"\n\t" + "\n\t".join(problems))
+            return walked
+        own = cause = None
         try:
             problems, walked = check()
         except Exception as error:  # e.g. a pre-hook's: raised on every rank, not only here
+            cause = error
             own = error if any(error is e for e in own_errors) else None
             problems, walked = [f"checking the {what} (the modules' load walk, pre-hooks "
                                 f"included) raised {type(error).__name__}: {error}"], None
@@ -618,6 +640,8 @@ class FSDPStateDictMixin:
         except RuntimeError as agreed:
             if own is not None:
                 raise own from agreed
+            if cause is not None:  # keep the hook's traceback on the rank that raised it
+                raise agreed from cause
             raise
         return walked
 
@@ -980,10 +1004,10 @@ class FSDPStateDictMixin:
         :meth:`local_metadata_dict` (any world size, any sharding strategy: replicas' copies of
         a shard are skipped) to reshard: each rank re-slices its rows. The modules' load
         pre-hooks and version conversions run as in the unwrapped model (see
-        :meth:`load_state_dict`); keys and shard shapes are checked on every rank before
-        anything is written: a mismatch on any rank (also one rank's dict only) raises on every
-        rank, naming the ranks that failed, and nothing is loaded on any rank. All ranks must
-        call it. Communication: a one-element all-reduce (the ranks' agreement)."""
+        :meth:`load_state_dict`); keys and shard shapes are checked before
+        anything is written on that rank (a mismatch loads nothing there). No communication,
+        as in FairScale and torch FSDP1: a rank may reload its own shards alone; a dict bad
+        on one rank raises on that rank only."""
         self._load_local(state_dict, metadata, strict=True)
 
     def _load_local(self, state_dict, metadata, strict: bool):
@@ -1004,7 +1028,7 @@ class FSDPStateDictMixin:
             return self._local_mismatch(local, wrapped, strict)
 
         missing, unexpected, errors, order, records = self._walk_agreed(
-            check, "local_state_dict", "", own_errors=arguments)
+            check, "local_state_dict", "", own_errors=arguments, collective=False)
         return _finish_load(self, records, order, missing, unexpected, errors, strict,
                             what="local_state_dict")
 
