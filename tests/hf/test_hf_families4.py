@@ -246,14 +246,10 @@ def results(world2):
     return world2.run(_all)
 
 
-# real shardkit bugs found by this module: (model, wrapper) -> reason (xfail strict)
-READS_CHILD = ("the model reads a child's weight without calling the child (CLIP's "
-               "position_embedding.weight.shape, Mamba's conv1d.weight handed to "
-               "causal_conv1d_fn); a size policy makes that child a unit of its own, whose "
-               "weight is its shard there. Wrap these models by block (no_split_modules_policy)")
-KNOWN = {("clip", "fsdp_size"): READS_CHILD,
-         ("clip_locked_vision", "fsdp_size"): READS_CHILD,
-         ("clip_gc", "fsdp_size"): READS_CHILD, ("mamba", "fsdp_size"): READS_CHILD}
+# real shardkit bugs found by this module: (model, wrapper) -> reason (xfail strict). Empty
+# since parents' reads of a unit's weight gather it (CLIP's position_embedding.weight.shape,
+# Mamba's conv1d.weight handed to causal_conv1d_fn under a size policy used to read the shard)
+KNOWN: dict = {}
 
 
 def _marked(case):
