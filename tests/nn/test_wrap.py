@@ -191,6 +191,20 @@ def test_a_module_registered_under_two_names_is_left_to_the_enclosing_unit():
     assert [type(t.module) for t in _tags(root)] == [Seq2Seq, nn.Linear]  # + encoder.layer
 
 
+def test_the_blocks_under_an_aliased_module_list_are_still_units():
+    """``self.layers = self.blocks`` (an alias) registers the ModuleList twice, not its
+    blocks: each block is wrapped in its one parent, which both names see (as torch does)."""
+    block_numel = sum(p.numel() for p in Block(CFG).parameters())
+    for policy in (transformer_auto_wrap_policy({Block}),
+                   functools.partial(default_auto_wrap_policy, min_num_params=block_numel)):
+        model = GPT(CFG)
+        model.layers = model.blocks
+        with enable_wrap(wrapper_cls=Tag):
+            wrapped = auto_wrap(model, policy)
+        inner = wrapped.module if isinstance(wrapped, Tag) else wrapped
+        assert inner.layers is inner.blocks and all(isinstance(b, Tag) for b in inner.blocks)
+
+
 def test_torch_custom_policy_selects_with_per_module_kwargs():
     """torch's CustomPolicy(lambda_fn) (not callable itself) was refused as "expected a
     callable"; its lambda_fn may answer a dict of wrapper kwargs for that module."""
@@ -230,6 +244,11 @@ def test_bad_policy_arguments():
         policy = functools.partial(default_auto_wrap_policy, **{"min_num_params": 1, **bad})
         with enable_wrap(wrapper_cls=Tag), pytest.raises(ValueError, match=words):
             auto_wrap(nn.Sequential(nn.Linear(2, 2)), policy)
+    # NumPy integers are numbers of parameters (they worked before the argument check)
+    import numpy as np
+    with enable_wrap(wrapper_cls=Tag):
+        assert isinstance(auto_wrap(nn.Sequential(nn.Linear(2, 2)), functools.partial(
+            default_auto_wrap_policy, min_num_params=np.int64(1)))[0], Tag)
     # one class alone is accepted as the set of it
     policy = functools.partial(default_auto_wrap_policy, min_num_params=1,
                                exclude_wrap_modules=nn.Sequential,

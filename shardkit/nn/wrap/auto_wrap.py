@@ -21,6 +21,7 @@ import collections.abc
 import contextlib
 import functools
 import inspect
+import numbers
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
@@ -67,7 +68,7 @@ def default_auto_wrap_policy(module: nn.Module = None, recurse: bool = None,
         raise ValueError("default_auto_wrap_policy(module=, recurse=, unwrapped_params=): all "
                          "three are needed; to set min_num_params use functools.partial("
                          "default_auto_wrap_policy, min_num_params=...)")
-    if isinstance(min_num_params, bool) or not isinstance(min_num_params, (int, float)):
+    if isinstance(min_num_params, bool) or not isinstance(min_num_params, numbers.Real):
         raise ValueError(f"default_auto_wrap_policy(min_num_params={min_num_params!r}): "
                          f"expected a number of parameters, e.g. int(1e8)")
     large = numel >= min_num_params
@@ -85,14 +86,15 @@ def default_auto_wrap_policy(module: nn.Module = None, recurse: bool = None,
 def _module_classes(classes, name: str) -> tuple:
     """``classes`` (one nn.Module subclass, or an iterable of them) as a tuple; anything else
     (class names, module instances) is a ValueError naming the size policy's argument."""
+    given = classes
     if isinstance(classes, type):
         classes = (classes,)
     try:
-        classes = tuple(classes)
+        classes = tuple(classes) if not isinstance(classes, str) else (classes,)
     except TypeError:
         classes = (classes,)
     if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-        raise ValueError(f"default_auto_wrap_policy({name}={classes!r}): expected a set of "
+        raise ValueError(f"default_auto_wrap_policy({name}={given!r}): expected a set of "
                          f"nn.Module subclasses, e.g. {{nn.MultiheadAttention}}")
     return classes
 
@@ -453,32 +455,37 @@ def auto_wrap_bn(module: nn.Module, single_rank_pg: bool = False, process_group=
 
 
 def _registering_modules(root: nn.Module) -> dict:
-    """``{id(parameter or module): the paths under root where it is registered}``: a
-    parameter registered at several paths (a tied embedding and output head) or a module
-    registered at several (T5's ``shared`` embedding, also ``encoder.embed_tokens``) is
-    shared. Paths are dotted module names, ``""`` for the root."""
+    """``{id(parameter) or ("module", id(module)): the (id(parent), name) registrations of it
+    under root}``: a parameter registered by several modules (a tied embedding and output
+    head) or a module registered under several names (T5's ``shared`` embedding, also
+    ``encoder.embed_tokens``) is shared. A module below a shared one is registered once (by
+    its own parent), so it may still be wrapped: the wrapper replaces it in that one parent,
+    which every alias of the shared module sees."""
     owners: dict = {}
-    for path, m in root.named_modules(remove_duplicate=False):
-        owners.setdefault(("module", id(m)), set()).add(path)
-        for p in m._parameters.values():
+    for m in root.modules():
+        for name, child in m._modules.items():
+            if child is not None:
+                owners.setdefault(("module", id(child)), set()).add((id(m), name))
+        for name, p in m._parameters.items():
             if p is not None:
-                owners.setdefault(id(p), set()).add(path)
+                owners.setdefault(id(p), set()).add((id(m), name))
     return owners
 
 
-def _shares_parameters_outside(module: nn.Module, owners: dict, path: str) -> bool:
-    """Whether a parameter or submodule of ``module`` (which sits at ``path``) is also
-    registered somewhere outside it.
+def _shares_parameters_outside(module: nn.Module, owners: dict) -> bool:
+    """Whether ``module`` is registered under several names, or a parameter or submodule of
+    it is also registered by a module outside it.
 
     Note: such a module cannot be a unit of its own (a unit shards what it holds, and the other
-    user would read the shard; a module reachable by two paths would be wrapped at each), so
-    auto_wrap leaves it to the enclosing unit, which holds every use: a tied embedding and head
-    end up in the unit that contains both."""
-    def inside(q: str) -> bool:
-        return not path or q == path or q.startswith(path + ".")
-
-    keys = [("module", id(m)) for m in module.modules()] + [id(p) for p in module.parameters()]
-    return not all(inside(q) for key in keys for q in owners.get(key, ()))
+    user would read the shard; a module registered under two names would be wrapped at one
+    only), so auto_wrap leaves it to the enclosing unit, which holds every use: a tied
+    embedding and head end up in the unit that contains both."""
+    if len(owners.get(("module", id(module)), ())) > 1:
+        return True
+    inside = {id(m) for m in module.modules()}
+    keys = [("module", id(m)) for m in module.modules() if m is not module] + \
+        [id(p) for p in module.parameters()]
+    return any(parent not in inside for key in keys for parent, _ in owners.get(key, ()))
 
 
 def _policy_caller(policy: Callable) -> Callable[[nn.Module, bool, int, bool], bool]:
@@ -614,7 +621,7 @@ _READS_CHILDREN_DIRECTLY = (nn.MultiheadAttention,)
 
 
 def _recursive_wrap(module: nn.Module, policy, wrapper_kind, wrap_one, is_root: bool,
-                    owners: dict, ignored=None, path: str = ""):
+                    owners: dict, ignored=None):
     """Returns (module or its wrapper, number of its parameters now inside wrappers).
 
     The children of a module in ``_READS_CHILDREN_DIRECTLY`` are never wrapped, whatever the
@@ -635,11 +642,11 @@ def _recursive_wrap(module: nn.Module, policy, wrapper_kind, wrap_one, is_root: 
     children = [] if isinstance(module, _READS_CHILDREN_DIRECTLY) else module.named_children()
     for name, child in list(children):
         new_child, numel = _recursive_wrap(child, policy, wrapper_kind, wrap_one, False, owners,
-                                           ignored, f"{path}.{name}" if path else name)
+                                           ignored)
         if new_child is not child:
             setattr(module, name, new_child)
         wrapped_numel += numel
     if policy(module, False, total - wrapped_numel, is_root) and (
-            is_root or not _shares_parameters_outside(module, owners, path)):
+            is_root or not _shares_parameters_outside(module, owners)):
         return wrap_one(module), total
     return module, wrapped_numel
