@@ -22,11 +22,13 @@ healthy collective — a large all-gather on a loaded machine — is never mista
   thread may be blocked inside a C++ collective where no Python exception can reach it. An
   uncaught exception in the main thread (``sys.excepthook``) first waits up to ``timeout_s`` for
   the watchdog's verdict when it looks like a communication failure, so the gloo error is
-  reported as the lost rank; any other exception is reported at once, as usual. A peer that
-  finished (marked itself done) within ``timeout_s`` before such a failure is named at once
-  instead: the ranks ran different numbers of steps or collectives. With no verdict at all (a
-  peer stalled past the process-group timeout: it still beats), the rank says so and marks
-  itself failed, so that its peers stop too (within a beat) instead of waiting on.
+  reported as the lost rank; any other exception is reported at once, as usual. When that
+  failure is the backend's own (gloo/NCCL/c10d, or shardkit's ``CollectiveError``) and every
+  other peer finished (marked itself done) within ``timeout_s`` before it, the finished peers
+  are named at once: the ranks ran different numbers of steps or collectives. With no verdict
+  at all (a peer stalled past the process-group timeout: it still beats), the rank says so and
+  leaves a "gave up" mark, not a failure: a peer still working (a long save with no
+  collectives) is not stopped, and names this rank when its own next collective fails.
 - A rank that finishes marks itself done (at exit, or :meth:`PeerWatchdog.stop`); peers stop
   watching it. The store's host (rank 0 outside torchrun's agent store) then waits, at most two
   beats, for its peers to read that before its process (and the store) ends; a peer whose store
@@ -67,6 +69,10 @@ PEER_LOST_EXIT_CODE = 75  # EX_TEMPFAIL: the job may succeed when restarted
 DEFAULT_TIMEOUT_S = 60.0
 _DONE = b"done"
 _FAILED = b"failed|"  # followed by the exception's type and message
+# a rank whose collective failed with no peer lost: peers note it (no verdict: they may be busy
+# with legitimate local work) and name it when their own next collective fails
+_GAVE_UP = b"gave-up|"
+_BACKEND_WORDS = ("gloo", "nccl", "c10d", "processgroup")
 _COMM_ERROR_WORDS = ("connection", "gloo", "nccl", "closed", "reset", "timed out", "timeout",
                      "broken pipe", "peer", "socket", "store", "exited before", "shared-memory")
 
@@ -105,6 +111,8 @@ class PeerWatchdog:
         self.lost: Optional[tuple] = None
         # peers that marked themselves done -> when this thread read it (time.monotonic())
         self.finished: dict = {}
+        # peers whose collective failed with no peer lost -> their error (see explain_...)
+        self.gave_up: dict = {}
         self._on_lost = on_lost or _exit_naming_the_rank
         self._verdict = threading.Event()
         self._stopped = threading.Event()
@@ -152,6 +160,9 @@ class PeerWatchdog:
                     if value == _DONE:
                         del seen[r]
                         self.finished[r] = now
+                    elif value is not None and value.startswith(_GAVE_UP):
+                        del seen[r]  # it is leaving; not a verdict (see explain_...)
+                        self.gave_up[r] = value[len(_GAVE_UP):].decode(errors="replace")
                     elif value is not None and value.startswith(_FAILED):
                         self._declare(r, f"it stopped on an uncaught "
                                          f"{value[len(_FAILED):].decode(errors='replace')}")
@@ -254,12 +265,34 @@ class PeerWatchdog:
             return sorted(r for r, t in list(self.finished.items())
                           if t >= start - self.timeout_s)
 
-        while not self._verdict.is_set() and not just_finished() \
+        def answered():
+            # Note: a finished peer is named at once only when no peer that could still die
+            # is left; else a peer that finished normally (outside the failed sub-group) would
+            # be blamed for a death the watchdog is about to name.
+            if self.gave_up:
+                return True
+            done = set(self.finished)
+            return bool(just_finished()) and len(done) == self.world_size - 1
+
+        while not self._verdict.is_set() and not answered() \
                 and time.monotonic() < deadline and self._thread.is_alive():
             self._verdict.wait(min(0.05, self.interval_s))
         if self._verdict.is_set():
             return  # the default on_lost already ended the process; a custom one was run
         finished = just_finished()
+        if self.gave_up:
+            r, why = sorted(self.gave_up.items())[0]
+            note = (f"shardkit: rank {r} of {self.world_size} stopped after its own collective "
+                    f"failed with no peer lost ({why}): this rank was still working (a long "
+                    f"save, eval, or a stall) past the process-group timeout.")
+            try:
+                sys.stderr.write(note + "\n")
+                sys.stderr.flush()
+            except Exception:
+                pass
+            return
+        if not finished and time.monotonic() < deadline:
+            return  # not watching (stopped, or its group destroyed): nothing is known
         if finished:
             names = ", ".join(map(str, finished))
             note = (f"shardkit: rank(s) {names} of {self.world_size} finished (marked done: "
@@ -273,13 +306,19 @@ class PeerWatchdog:
                     f"is stalled longer than the process-group timeout (init_distributed("
                     f"timeout_s=...)), or the ranks issued different collectives "
                     f"(SHARDKIT_DEBUG_COLLECTIVES=1 names each rank's collectives). "
-                    f"Rank {self.rank} stops; its peers are told.")
+                    f"Rank {self.rank} stops; its peers are told when they next communicate.")
         try:
             sys.stderr.write(note + "\n")
             sys.stderr.flush()
         except Exception:
             pass
-        self.fail(error)
+        if finished:
+            self.fail(error)
+        else:
+            # Note: not fail(): a peer may be doing legitimate local work (a rank-0 save) longer
+            # than this rank's process-group timeout; a verdict would os._exit it mid-write.
+            text = f"{type(error).__name__}: {error}".replace("\n", " ")[:300]
+            self._stop_with(_GAVE_UP.decode() + text)
 
     def stop(self) -> None:
         """Stop beating and tell the peers this rank finished (it is no longer watched)."""
@@ -316,7 +355,8 @@ class PeerWatchdog:
             if self._store.check([self._verdict_key]):
                 return  # a peer already judged; it is stopping
             values = [self._store.get(k) if self._store.check([k]) else None for k in peers]
-            if all(v is not None and (v == _DONE or v.startswith(_FAILED)) for v in values):
+            if all(v is not None and (v == _DONE or v.startswith((_FAILED, _GAVE_UP)))
+                   for v in values):
                 return
             time.sleep(min(0.05, self.interval_s))
 
@@ -348,24 +388,42 @@ def looks_like_communication_error(error: BaseException) -> bool:
 def _excepthook(previous):
     def hook(exc_type, exc, tb):
         watchdog = _watchdog
-        if watchdog is not None and exc is not None:
-            if _chain_has_comm_error(exc):
+        if watchdog is not None and exc is not None \
+                and not getattr(exc, "_shardkit_explained", False):
+            try:
+                exc._shardkit_explained = True  # a hook wrapped twice explains once
+            except Exception:
+                pass
+            if _chain_has_comm_error(exc, strict=True):
                 # exits the process if a peer is lost; else names a finished peer, or says
                 # that none died, and tells the peers this rank stops
                 watchdog.explain_communication_error(exc)
+            elif _chain_has_comm_error(exc):  # only its words look like one: no diagnosis
+                watchdog.wait_for_verdict()  # exits the process if a peer is lost
+                watchdog.fail(exc)
             else:  # this rank's own failure: the peers name it at once
                 watchdog.fail(exc)
         previous(exc_type, exc, tb)
     return hook
 
 
-def _chain_has_comm_error(exc: BaseException) -> bool:
+def _is_backend_error(error: BaseException) -> bool:
+    """A collective's own failure (torch's DistError, shardkit's CollectiveError, a gloo/NCCL
+    RuntimeError), not a user error whose text happens to hold "store" or "peer"."""
+    from shardkit.distributed import CollectiveError
+    if isinstance(error, (CollectiveError, getattr(dist, "DistError", ()))):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(w in text for w in _BACKEND_WORDS)
+
+
+def _chain_has_comm_error(exc: BaseException, strict: bool = False) -> bool:
     from shardkit.collective_check import CollectiveMismatchError
     seen = 0
     while exc is not None and seen < 8:
         if isinstance(exc, CollectiveMismatchError):
             return False  # explained on every rank; raised from the check's own mismatch
-        if looks_like_communication_error(exc):
+        if _is_backend_error(exc) if strict else looks_like_communication_error(exc):
             return True
         exc = exc.__cause__ or exc.__context__
         seen += 1
