@@ -492,6 +492,9 @@ def _bad_input_messages() -> dict:
         "embedding_dim": _refusal(lambda: mp.VocabParallelEmbedding(4 * tp, -1)),
         "init_method": _refusal(lambda: mp.RowParallelLinear(4 * tp, 4,
                                                              init_method="xavier_normal_")),
+        # used to build, then fail in forward with a bare view() shape error
+        "d_model": _refusal(lambda: TensorParallelGPT(GPTConfig(
+            vocab_size=4 * tp, n_layer=1, n_head=4, d_model=18, seq_len=4))),
     }
 
 
@@ -533,6 +536,8 @@ EXPECTED_MESSAGES = {
     "embedding_dim": "ValueError: VocabParallelEmbedding: embedding_dim=-1; it must be an int >= 0",
     "init_method": "TypeError: RowParallelLinear: init_method='xavier_normal_' is not callable; "
                    "pass an in-place initialiser such as torch.nn.init.xavier_normal_",
+    "d_model": "ValueError: TensorParallelAttention: GPTConfig d_model=18 is not divisible by "
+               "n_head=4",
 }
 
 
@@ -799,10 +804,40 @@ def world4_matrix() -> dict:
     }
 
 
+def padded_gpt_loss(tp: int) -> dict:
+    """TensorParallelGPT's loss and gradients with padded targets (-100, the ignore_index of
+    F.cross_entropy) against the reference GPT's, with and without sequence parallelism."""
+    cfg = GPTConfig(vocab_size=16, n_layer=1, n_head=4, d_model=8, seq_len=8)
+    idx, target = synthetic_batch(cfg, 2, 0)
+    target[0, 5:] = -100
+    target[1, 7] = -100
+    ref = GPT(cfg)
+    want = ref.loss(idx, target)
+    want.backward()
+    want_grads = dict(ref.named_parameters())
+    diffs = {}
+    for sp in (False, True):
+        mp.initialize_model_parallel(tp)
+        try:
+            model = TensorParallelGPT(cfg, sequence_parallel=sp)
+            load_full_model_state_dict(model, from_reference_state_dict(ref.state_dict(), cfg))
+            got = model.loss(idx, target)
+            got.backward()
+            model.reduce_sequence_parallel_grads()
+            for p in model.parameters():
+                p.data = p.grad  # full_model_state_dict then joins the gradients
+            grads = to_reference_state_dict(full_model_state_dict(model), cfg)
+        finally:
+            mp.destroy_model_parallel()
+        diffs[f"sp={sp} loss"] = _loss_diff(got, want)
+        diffs[f"sp={sp} grads"] = max(_rel_diff(g, want_grads[k].grad) for k, g in grads.items())
+    return diffs
+
+
 def small_world_matrix(tp: int, cases: int) -> dict:
     return {"linear": linear_matrix(tp, cases, MATRIX_SEED + 100 + tp),
             "embedding": embedding_matrix(tp, cases, MATRIX_SEED + 200 + tp),
-            "bad_input": bad_input(tp)}
+            "bad_input": bad_input(tp), "padded_gpt_loss": padded_gpt_loss(tp)}
 
 
 # ----------------------------------------------------------------------------- tests
@@ -839,6 +874,12 @@ def test_small_worlds_match_too(matrix1, matrix2):
     for res in matrix1 + matrix2:
         _check_linear_results(res["linear"])
         _check_embedding_results(res["embedding"])
+
+
+def test_gpt_loss_ignores_padded_targets_as_the_reference(matrix1, matrix2):
+    for res in matrix1 + matrix2:
+        diffs = res["padded_gpt_loss"]
+        assert all(d <= TOL[torch.float32] for d in diffs.values()), diffs
 
 
 def test_misuse_is_a_clear_error_before_any_collective(matrix1, matrix2, matrix4):

@@ -83,6 +83,9 @@ class TensorParallelAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, sequence_parallel: bool = False):
         super().__init__()
         tp = get_model_parallel_world_size()
+        if cfg.d_model % cfg.n_head:  # as the reference GPT: else a shape error in forward
+            raise ValueError(f"TensorParallelAttention: GPTConfig d_model={cfg.d_model} is not "
+                             f"divisible by n_head={cfg.n_head}; use a multiple of n_head")
         self.local_heads = divide(cfg.n_head, tp, f"GPTConfig.n_head over tensor-parallel size "
                                                   f"{tp}: n_head")
         self.head_dim = cfg.d_model // cfg.n_head
@@ -181,18 +184,24 @@ class GPTHead(nn.Module):
 
 
 def gpt_loss(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, *,
-             group=None) -> torch.Tensor:
-    """Mean next-token cross-entropy of vocabulary-split logits (a pipeline ``loss_fn``);
-    ``group``: the head's ``tp_group`` (default: the current tensor-parallel group)."""
-    return vocab_parallel_cross_entropy(vocab_parallel_logits, target, group=group).mean()
+             group=None, ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token cross-entropy of vocabulary-split logits (a pipeline ``loss_fn``), as
+    ``F.cross_entropy`` (:meth:`shardkit.models.GPT.loss`) takes it: targets equal to
+    ``ignore_index`` (padding) count neither in the sum nor in the number of tokens it is
+    divided by (all ignored: ``nan``, as torch). ``group``: the head's ``tp_group`` (default:
+    the current tensor-parallel group)."""
+    losses = vocab_parallel_cross_entropy(vocab_parallel_logits, target, ignore_index,
+                                          group=group)
+    return losses.sum() / (target != ignore_index).sum().to(losses.dtype)
 
 
 class TensorParallelGPT(nn.Sequential):
     """:class:`shardkit.models.GPT` with Megatron-split layers (untied weights only).
 
     Args:
-        cfg: the model's shape; ``n_head``, ``vocab_size`` and ``4 * d_model`` must divide by the
-            tensor-parallel size (and ``seq_len`` too with ``sequence_parallel``).
+        cfg: the model's shape; ``d_model`` must divide by ``n_head``, and ``n_head``,
+            ``vocab_size`` and ``4 * d_model`` by the tensor-parallel size (and the input's
+            sequence length too with ``sequence_parallel``); ``ValueError`` otherwise.
         sequence_parallel: keep LayerNorm/dropout/residual activations split along the sequence.
             Call :meth:`reduce_sequence_parallel_grads` after backward.
 
@@ -200,6 +209,11 @@ class TensorParallelGPT(nn.Sequential):
     ``sequence_parallel`` the sequence-split residual branch) draws from the model-parallel RNG
     stream: at tensor-parallel size > 1 call :func:`model_parallel_manual_seed` first (a
     ``RuntimeError`` before any collective otherwise), as FairScale and Megatron require.
+    To checkpoint activations of blocks with dropout, use
+    :func:`shardkit.nn.model_parallel.random.checkpoint` or :mod:`shardkit.nn.checkpoint`, which
+    replay that stream in the recomputation: ``torch.utils.checkpoint`` (and torch's
+    ``checkpoint_wrapper`` applied by hand) replays only the default generators, so the
+    recomputed masks differ from the forward's and the gradients are wrong.
 
     ``forward(idx)`` returns vocabulary-split logits; ``loss(idx, target)`` the mean
     cross-entropy. Initialisation follows each layer's master-weight rule; load
