@@ -481,3 +481,90 @@ def test_balance_by_size_with_batchnorm_leaves_running_stats_alone():
     balance = balance_by_size(2, model, torch.randn(8, 16), chunks=2)
     assert sum(balance) == len(model) and len(balance) == 2
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@skippable(stash=["skip"])
+class _StashScaled(nn.Module):
+    """Stashes a tensor computed from its own ``width``-sized parameter, and returns a function
+    of it (so the layer's backward frees the graph the stashed tensor hangs from)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((width,), 1.0 / width))
+
+    def forward(self, x):
+        scaled = x * self.scale.sum()
+        yield stash("skip", scaled)
+        return torch.tanh(scaled)
+
+
+def test_balance_helpers_profile_skip_connections_layer_by_layer(monkeypatch):
+    """A popped skip tensor reaches the profiled layer detached, as its input does: before,
+    balance_by_time's backward of the popping layer ran into the stashing layer's freed graph
+    (RuntimeError, leaving the stash in the thread's table) and balance_by_size charged the
+    popping layer with the stashing layer's parameter and input."""
+    from shardkit.nn.pipe import balance
+    from shardkit.nn.pipe.skip import _tracker
+    costs = []
+    real_cost = balance.balance_cost
+    monkeypatch.setattr(balance, "balance_cost", lambda c, n: costs.append(c) or real_cost(c, n))
+    x = torch.randn(8, 6)
+    for width in (10, 10000):
+        torch.manual_seed(0)
+        model = nn.Sequential(_StashScaled(width), nn.Linear(6, 6), PopAndAdd(), nn.Linear(6, 2))
+        proposed = balance.balance_by_time(2, model, x, timeout=0.0)
+        assert len(proposed) == 2 and sum(proposed) == 4 and not _tracker.current.tensors
+        assert all(p.grad is None for p in model.parameters())
+        balance.balance_by_size(2, model, x, param_scale=0.0)
+        assert not _tracker.current.tensors
+    by_size_narrow, by_size_wide = costs[1], costs[3]
+    assert by_size_narrow[2] == by_size_wide[2]  # the popping layer's own activations only
+
+
+def test_empty_batch_runs_like_the_sequential_and_no_input_is_a_type_error():
+    """A batch of 0 samples (FairScale cuts it into empty micro-batches) runs as one empty
+    micro-batch; before, it failed in torch.tensor_split. ``pipe()`` named no input; before,
+    an IndexError."""
+    ref = _sequential()
+    x = torch.randn(0, 12)
+    ref(x).sum().backward()
+    for checkpoint in ("always", "except_last", "never"):
+        pipe = Pipe(copy.deepcopy(ref), [3, 4], chunks=4, checkpoint=checkpoint)
+        pipe.zero_grad()
+        out = pipe(x)
+        assert out.shape == (0, 3)
+        out.sum().backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(ref.parameters(),
+                                                               pipe.parameters()))
+        assert pipe.eval()(x).shape == (0, 3)
+    both = Pipe(nn.Sequential(TwoInputs()), [1], chunks=4)((x, x))
+    assert isinstance(both, tuple) and [t.shape for t in both] == [(0, 12), (0, 12)]
+    with pytest.raises(TypeError, match="Pipe.forward: expected a tensor or a tuple of "
+                                        "tensors, got no input"):
+        pipe()
+
+
+def test_deferred_batch_norm_keeps_the_batch_norms_parameters():
+    """deferred_batch_norm=True holds the BatchNorms' own tensors, as FairScale's conversion:
+    an optimizer built before the Pipe trains them, a frozen one stays frozen and a float64
+    model stays float64. Before, the conversion made float32 copies that required grad: a
+    float64 model failed ("mixed dtype") and the copies were not in the optimizer."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 6),
+                        nn.BatchNorm1d(6), nn.Linear(6, 2)).double()
+    ref[1].requires_grad_(False)
+    model = copy.deepcopy(ref)
+    frozen_weight = model[1].weight
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (ref, model)]
+    pipe = Pipe(model, [3, 3], chunks=1, deferred_batch_norm=True)
+    assert pipe[1].weight is frozen_weight and not frozen_weight.requires_grad
+    for _ in range(3):
+        x = torch.randn(8, 6, dtype=torch.float64)
+        for m, opt in zip((ref, pipe), optimizers):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    ref_state = list(ref.state_dict().values())
+    assert max_diff(ref_state, list(pipe.state_dict().values())) <= 1e-12
+    assert all(v.dtype == torch.float64
+               for v in pipe.state_dict().values() if v.is_floating_point())

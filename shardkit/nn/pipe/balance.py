@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from shardkit.nn.pipe.microbatch import as_tuple, batch_size
+from shardkit.nn.pipe.skip import SkipTracker, use_skip_tracker
 
 __all__ = ["balance_by_time", "balance_by_size", "balance_cost"]
 
@@ -67,6 +68,19 @@ def _layer_copies(module: nn.Sequential, device: torch.device):
         yield copy.deepcopy(layer).to(device).train()
 
 
+class _LayerwiseSkips(SkipTracker):
+    """The skip table of one profiling pass: a popped tensor reaches its layer detached (keeping
+    ``requires_grad``), as each layer's input does, so a layer's backward and graph stay its own
+    and never reach the stashing layer's (already freed) graph; private to the pass, so a pass
+    that fails leaves nothing behind for the caller's next forward."""
+
+    def load(self, key):
+        tensor = super().load(key)
+        if isinstance(tensor, torch.Tensor):
+            return tensor.detach().requires_grad_(tensor.requires_grad)
+        return tensor
+
+
 def _detached(inputs: tuple, device: torch.device) -> tuple:
     return tuple(t.detach().to(device).requires_grad_(t.is_floating_point()) for t in inputs)
 
@@ -84,7 +98,8 @@ def balance_by_time(partitions: int, module: nn.Sequential, sample, *, timeout: 
                     device: Optional[Device] = None) -> list[int]:
     """A ``balance`` from the forward + backward time of each layer on ``sample``.
 
-    Every layer is timed on a copy, fed the previous layer's (detached) output; the sample's
+    Every layer is timed on a copy, fed the previous layer's (detached) output and skip
+    tensors (:mod:`~shardkit.nn.pipe.skip`, detached as well); the sample's
     tensors keep their own ``requires_grad`` (as in FairScale: a sample that needs no gradient
     times no gradient with respect to the input). One untimed pass first absorbs one-time
     costs (autograd's first backward, lazy initialisation), then the timed loop repeats until
@@ -118,17 +133,18 @@ def _time_layers(module: nn.Sequential, sample, device: torch.device) -> list[fl
                    for t in as_tuple(sample))
     packed = not isinstance(sample, torch.Tensor)
     times = []
-    for layer in _layer_copies(module, device):
-        inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)
-        _synchronize(device)
-        tick = time.perf_counter()
-        outputs, packed = _call(layer, inputs, packed)
-        grads = [t for t in outputs if t.requires_grad]
-        if grads:
-            torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
-        _synchronize(device)
-        times.append(time.perf_counter() - tick)
-        inputs = outputs
+    with use_skip_tracker(_LayerwiseSkips()):
+        for layer in _layer_copies(module, device):
+            inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in inputs)
+            _synchronize(device)
+            tick = time.perf_counter()
+            outputs, packed = _call(layer, inputs, packed)
+            grads = [t for t in outputs if t.requires_grad]
+            if grads:
+                torch.autograd.backward(grads, [torch.ones_like(t) for t in grads])
+            _synchronize(device)
+            times.append(time.perf_counter() - tick)
+            inputs = outputs
     return times
 
 
@@ -199,8 +215,9 @@ def balance_by_size(partitions: int, module: nn.Sequential, input, *, chunks: in
     inputs, packed = _detached(tuple(t[:rows] for t in inputs), device), \
         not isinstance(input, torch.Tensor)
     sizes = []
-    for layer in _layer_copies(module, device):
-        inputs, packed, activation = _saved_bytes(layer, _detached(inputs, device), packed)
-        weights = sum(p.numel() * p.element_size() for p in layer.parameters())
-        sizes.append(activation * scale + weights * param_scale)
+    with use_skip_tracker(_LayerwiseSkips()):
+        for layer in _layer_copies(module, device):
+            inputs, packed, activation = _saved_bytes(layer, _detached(inputs, device), packed)
+            weights = sum(p.numel() * p.element_size() for p in layer.parameters())
+            sizes.append(activation * scale + weights * param_scale)
     return balance_cost(sizes, partitions)

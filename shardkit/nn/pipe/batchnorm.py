@@ -97,11 +97,19 @@ class DeferredBatchNorm(_BatchNorm):
 
     @classmethod
     def from_batch_norm(cls, bn: _BatchNorm, chunks: Optional[int] = None) -> "DeferredBatchNorm":
-        """A deferred copy of ``bn`` with its parameters and running statistics."""
+        """A deferred batch norm in place of ``bn``, holding ``bn``'s own parameters and
+        running statistics (the same tensors, as FairScale's conversion does): their dtype,
+        device and ``requires_grad`` (a frozen BatchNorm stays frozen) are kept, and an
+        optimizer built over the model before the conversion still updates them."""
         deferred = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, chunks)
-        deferred.load_state_dict(bn.state_dict())
+        if bn.affine:
+            deferred.weight, deferred.bias = bn.weight, bn.bias
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            setattr(deferred, name, getattr(bn, name))
         device = bn.running_mean.device
-        return deferred.to(device).train(bn.training)
+        deferred.sum, deferred.sum_squares = deferred.sum.to(device), \
+            deferred.sum_squares.to(device)
+        return deferred.train(bn.training)
 
     @classmethod
     def convert_deferred_batch_norm(cls, module: nn.Module, chunks: int = 1) -> nn.Module:

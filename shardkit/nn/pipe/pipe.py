@@ -169,9 +169,10 @@ class Pipe(nn.Module):
             the changed value. One through which no gradient flows (an in-place first layer
             alone in its partition, on a batch that needs no gradient) is never recomputed
             and runs as in the plain Sequential.
-        deferred_batch_norm: replace BatchNorms by :class:`DeferredBatchNorm`, whose running
-            statistics are updated once per mini-batch, as if it were unsplit (a forward that
-            raises leaves them as they were).
+        deferred_batch_norm: replace BatchNorms by :class:`DeferredBatchNorm` (holding the
+            BatchNorms' own parameters and buffers, as FairScale's), whose running statistics
+            are updated once per mini-batch, as if it were unsplit (a forward that raises
+            leaves them as they were).
 
     Memory: each device holds its partition's parameters; activations of the micro-batches
     in flight, and for checkpointed micro-batches only each partition's inputs. Communication:
@@ -256,7 +257,10 @@ class Pipe(nn.Module):
         (several positional tensors are taken as that tuple). As in ``nn.Sequential``, each
         layer gets its predecessor's output (a tensor or a tuple) as its one argument. A batch
         smaller than ``chunks`` runs as that many micro-batches of one sample; an empty Pipe
-        returns its input."""
+        returns its input; an empty batch (dim 0 of size 0) runs as one empty micro-batch."""
+        if not inputs:
+            raise TypeError("Pipe.forward: expected a tensor or a tuple of tensors, got no "
+                            "input")
         packed = len(inputs) > 1 or isinstance(inputs[0], (tuple, list))
         original = inputs if len(inputs) > 1 else inputs[0]
         inputs = as_tuple(inputs[0]) if len(inputs) == 1 and \
@@ -267,7 +271,8 @@ class Pipe(nn.Module):
         if not self.partitions:
             return original
         size = batch_size(inputs, "Pipe.forward")
-        batches = split_microbatches(inputs, min(self.chunks, size), "Pipe.forward")
+        batches = split_microbatches(inputs, min(self.chunks, size), "Pipe.forward") if size \
+            else [inputs]
         activations = own_microbatches(batches, torch.is_grad_enabled(), self.devices[0])
         skips = [SkipTracker() for _ in batches]
         packed = [packed] * len(batches)  # whether micro-batch i's activation is a tuple
