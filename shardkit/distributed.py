@@ -1235,12 +1235,13 @@ def _agree_on_root(what: str, root_name: str, root, problem: Optional[str], grou
                    tensor: Optional[torch.Tensor] = None) -> None:
     """Around a rooted collective whose arguments only some ranks can check (the root's list,
     before a gather; the lengths, after an object broadcast): one all-gather of ``[ok, root,
-    numel, dtype]`` from every rank of ``group`` (four int64s a rank, on ``device``; a control message that
-    :class:`CommCounter` does not count), after which every rank raises a ValueError when any
-    rank found ``problem`` (that rank's own text; ``outcome`` tells the others what
-    happened), the ranks name different roots, or (given ``tensor``) their tensors differ in
-    size or dtype, so no rank goes on alone (gloo aborts the root's process on a gather of
-    another size, and a scatter into a larger tensor leaves its tail stale, silently)."""
+    numel, dtype]`` from every rank of ``group`` (four int64s a rank, on ``device``; a control
+    message that :class:`CommCounter` does not count), after which every rank raises a
+    ValueError when any rank found ``problem`` (that rank's own text; ``outcome`` tells the
+    others what happened), the ranks name different roots, or (given ``tensor``) their
+    tensors differ in size or dtype, so no rank goes on alone (gloo aborts the root's process
+    on a gather of another size, and a scatter into a larger tensor leaves its tail stale,
+    silently)."""
     n = get_world_size(group)
     numel, dtype_code = (-1, -1) if tensor is None else \
         (tensor.numel(), zlib.crc32(str(tensor.dtype).encode()))
@@ -1308,10 +1309,10 @@ def gather(tensor: torch.Tensor, gather_list: Optional[list] = None, dst: int = 
     with ``async_op`` (``None`` on a rank outside ``group``, which takes no part).
 
     Before it, one all-gather of four ints per rank (not counted) checks ``dst``, the list
-    and every rank's tensor size and dtype on every rank, so that a bad argument on any rank raises a ValueError on every rank and
-    none is left waiting. Wire: each other rank sends its tensor to ``dst``; counted as
-    ``gather``, ``(n-1)/n`` of the tensor's bytes on every rank (rooted ops averaged over the
-    ranks)."""
+    and every rank's tensor size and dtype on every rank, so that a bad argument on any rank
+    raises a ValueError on every rank and none is left waiting. Wire: each other rank sends
+    its tensor to ``dst``; counted as ``gather``, ``(n-1)/n`` of the tensor's bytes on every
+    rank (rooted ops averaged over the ranks)."""
     _check_call("gather", group, tensor)
     if _not_a_member(group):
         return None
@@ -1333,9 +1334,9 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[list] = None, src: int 
     Returns a work handle with ``async_op`` (``None`` on a rank outside ``group``).
 
     Before it, one all-gather of four ints per rank (not counted) checks ``src``, the list
-    and every rank's tensor size and dtype on every rank, as :func:`gather` does. Wire: ``src`` sends each other rank its item;
-    counted as ``scatter``, ``(n-1)/n`` of the tensor's bytes on every rank (rooted ops
-    averaged over the ranks)."""
+    and every rank's tensor size and dtype on every rank, as :func:`gather` does. Wire:
+    ``src`` sends each other rank its item; counted as ``scatter``, ``(n-1)/n`` of the
+    tensor's bytes on every rank (rooted ops averaged over the ranks)."""
     _check_call("scatter", group, tensor)
     if _not_a_member(group):
         return None

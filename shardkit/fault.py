@@ -285,11 +285,7 @@ class PeerWatchdog:
             note = (f"shardkit: rank {r} of {self.world_size} stopped after its own collective "
                     f"failed with no peer lost ({why}): this rank was still working (a long "
                     f"save, eval, or a stall) past the process-group timeout.")
-            try:
-                sys.stderr.write(note + "\n")
-                sys.stderr.flush()
-            except Exception:
-                pass
+            _say(note)
             return
         if not finished and time.monotonic() < deadline:
             return  # not watching (stopped, or its group destroyed): nothing is known
@@ -307,11 +303,7 @@ class PeerWatchdog:
                     f"timeout_s=...)), or the ranks issued different collectives "
                     f"(SHARDKIT_DEBUG_COLLECTIVES=1 names each rank's collectives). "
                     f"Rank {self.rank} stops; its peers are told when they next communicate.")
-        try:
-            sys.stderr.write(note + "\n")
-            sys.stderr.flush()
-        except Exception:
-            pass
+        _say(note)
         if finished:
             self.fail(error)
         else:
@@ -359,6 +351,15 @@ class PeerWatchdog:
                    for v in values):
                 return
             time.sleep(min(0.05, self.interval_s))
+
+
+def _say(note: str) -> None:
+    """Write ``note`` to stderr, never raising (stderr may be closed at exit)."""
+    try:
+        sys.stderr.write(note + "\n")
+        sys.stderr.flush()
+    except Exception:
+        pass
 
 
 def _exit_naming_the_rank(rank: Optional[int], message: str) -> None:
