@@ -84,7 +84,8 @@ class CommCounter:
     name, whatever order the launcher numbered the ranks in; see
     :func:`shardkit.distributed.spans_nodes`).
 
-    Counters nest: an op issued inside two counters is recorded once in each. Asynchronous
+    Counters nest: an op issued inside two counters is recorded once in each, and once in a
+    counter entered again inside its own block (``with comm:`` in a helper). Asynchronous
     ops are recorded once, when issued. Costs nothing on the wire.
     """
 
@@ -176,7 +177,8 @@ def counting() -> bool:
 
 
 def add_record(record: CommRecord) -> None:
-    """Append ``record`` to every active counter."""
+    """Append ``record`` to every active counter, once to each (a counter entered again
+    inside its own block is still one counter)."""
     with _counter_lock:
-        for counter in _active_counters:
+        for counter in dict.fromkeys(_active_counters):
             counter.calls.append(record)

@@ -226,3 +226,36 @@ def test_chart_draws_every_stage_with_its_figures(capsys, tmp_path):
     assert states == pytest.approx([plan.zero_model_state_bytes(7.5e9, 64, s, mixed) / 1e9
                                     for s in range(4)])
     assert states[0] == pytest.approx(120.0) and states[3] == pytest.approx(1.875)
+
+
+def test_model_state_bytes_of_sparse_gradients_and_meta_parameters():
+    # a sparse gradient (nn.Embedding(sparse=True), as DDP trains it) is its index and value
+    # storages; this used to raise NotImplementedError ("Cannot access storage of
+    # SparseTensorImpl")
+    emb = nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 2, 2])).sum().backward()
+    optimizer = torch.optim.SparseAdam(emb.parameters())
+    optimizer.step()
+    got = model_state_bytes(emb, optimizer)
+    assert got.params == 10 * 4 * 4
+    assert got.grads == 3 * 8 + 3 * 4 * 4  # uncoalesced: 3 int64 indices, 3 rows of values
+    assert got.optimizer == 2 * 10 * 4 * 4  # two dense moments (SparseAdam's step is an int)
+    # a model on the meta device (before FSDP's param_init_fn) holds nothing; parameters of
+    # equal sizes used to be merged as one storage (all at address 0) and counted
+    with torch.device("meta"):
+        deferred = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(4, 4))
+    assert model_state_bytes(deferred).total == 0
+
+
+def test_comm_counter_entered_twice_records_each_op_once():
+    # a helper that opens ``with comm:`` on the caller's counter used to record every op of
+    # its block twice in that counter
+    from shardkit.comm_counter import CommCounter, CommRecord, add_record
+    record = CommRecord(op="all_reduce", numel=4, dtype=torch.float32, bytes=16.0, group_size=2)
+    outer, comm = CommCounter(), CommCounter()
+    with outer, comm:
+        with comm:
+            add_record(record)
+        add_record(record)
+    assert len(comm.calls) == 2 and comm.bytes == 32.0 and comm.calls_by_op == {"all_reduce": 2}
+    assert len(outer.calls) == 2

@@ -3,7 +3,9 @@
 :func:`model_state_bytes` answers "how many bytes of parameters, gradients and optimizer state
 does this rank really hold?" by walking the module and the optimizer and summing the sizes of
 the distinct storages behind those tensors. A storage shared by several tensors (tied weights,
-views into one flat buffer) is counted once, in the first category that reaches it. Wrappers
+views into one flat buffer) is counted once, in the first category that reaches it; a sparse
+tensor (an embedding's sparse gradient) counts its index and value storages, a tensor on the
+``meta`` device nothing (it holds no memory). Wrappers
 that hold model state outside ``module.parameters()`` (gradient buckets, flat parameter
 buffers) report it through a ``model_state_tensors()`` method yielding ``(category, tensor)``
 pairs, which this function picks up on the module and every submodule. Buffers a wrapper's
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["ModelStateBytes", "model_state_bytes", "tensor_storage_bytes", "live_tensors",
            "live_storage_bytes", "LiveStorageTracker"]
@@ -49,19 +52,42 @@ class ModelStateBytes:
                 "total": self.total}
 
 
-def _storage_key(t: torch.Tensor):
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
+def _storage_keys(t: torch.Tensor) -> list:
+    """``(device, data pointer, bytes)`` of each storage that holds ``t``'s data: one for a
+    dense tensor; its index and value tensors' for a sparse one (a sparse gradient, say); its
+    inner tensors' for a wrapper subclass that has no storage of its own (``DTensor``: its
+    local shard); none for a ``meta`` tensor, which holds no memory."""
+    if t.device.type == "meta":
+        return []
+    parts = _SPARSE_PARTS.get(t.layout)
+    if parts is not None:
+        return [key for name in parts for key in _storage_keys(getattr(t, name)())]
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        inner = [getattr(t, name) for name in names]  # DTensor also names its device mesh
+        return [key for x in inner if isinstance(x, torch.Tensor) for key in _storage_keys(x)]
     s = t.untyped_storage()
-    return (t.device, s.data_ptr(), s.nbytes())
+    return [(t.device, s.data_ptr(), s.nbytes())]
 
 
 def tensor_storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (each storage counted once)."""
+    """Bytes of the distinct storages behind ``tensors`` (each storage counted once; sparse
+    tensors by their index and value storages, ``meta`` tensors as 0)."""
     seen = {}
     for t in tensors:
         if isinstance(t, torch.Tensor):
-            key = _storage_key(t)
-            if key[2] and key not in seen:
-                seen[key] = key[2]
+            for key in _storage_keys(t):
+                if key[2] and key not in seen:
+                    seen[key] = key[2]
     return sum(seen.values())
 
 
@@ -128,11 +154,11 @@ def model_state_bytes(module: Optional[torch.nn.Module] = None,
     totals = dict.fromkeys(CATEGORIES + ("transport",), 0)
     seen = set()
     for category, t in pairs:
-        key = _storage_key(t)
-        if key[2] == 0 or key in seen:
-            continue
-        seen.add(key)
-        totals[category] += key[2]
+        for key in _storage_keys(t):
+            if key[2] == 0 or key in seen:
+                continue
+            seen.add(key)
+            totals[category] += key[2]
     return ModelStateBytes(**totals)
 
 
