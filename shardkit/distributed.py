@@ -1542,13 +1542,16 @@ def _chunks_by_dtype(tensors: Sequence[torch.Tensor], chunk_bytes: int):
 
 
 def broadcast_object(obj, src: int = 0, group=None):
-    """Broadcast a picklable object from global rank ``src``; returns it on every rank."""
+    """Broadcast a picklable object from global rank ``src``; returns it on every rank.
+    Counted by :class:`CommCounter` on every rank as a broadcast of the pickled object's
+    bytes, as a tensor broadcast is."""
     _check_call("broadcast_object", group, src=src)
     box = [obj]
-    counted = comm_counter.counting() and get_rank() == src
-    _record("broadcast", len(pickle.dumps(obj)) if counted else 0, group, counted=counted)
+    _record("broadcast", 0, group, counted=False)  # the debug mode's check, before the op
     with reporting_broken_links("broadcast_object", group):
         dist.broadcast_object_list(box, src=src, group=group)
+    if comm_counter.counting():  # every rank counts the payload, as for a tensor broadcast
+        _record("broadcast", len(pickle.dumps(box[0])), group, checked=False)
     return box[0]
 
 
@@ -1589,12 +1592,15 @@ def all_gather_object(obj, group=None, counted: bool = True,
     """Gather one picklable object from every rank of ``group``; returns the list.
     ``counted=False``: a control message beside the wrappers' traffic (the ranks' start-up
     agreement), which ``CommCounter`` does not count; ``operation`` names it in a broken-link
-    error."""
+    error. Counted as ``n`` times the largest pickled object on every rank alike (torch pads
+    every rank's bytes to the largest)."""
     _check_call("all_gather_object", group)
     out = [None] * get_world_size(group)
     if counted:
-        nbytes = len(pickle.dumps(obj)) * len(out) if comm_counter.counting() else 0
-        _record("all_gather", nbytes, group)
+        _record("all_gather", 0, group, counted=False)  # the debug mode's check, before the op
     with reporting_broken_links(operation, group):
         dist.all_gather_object(out, obj, group=group)
+    if counted and comm_counter.counting():
+        _record("all_gather", max(len(pickle.dumps(o)) for o in out) * len(out), group,
+                checked=False)
     return out

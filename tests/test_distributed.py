@@ -154,11 +154,20 @@ def _comm_counter_convention():
             skd.all_reduce(torch.ones(32, dtype=torch.bfloat16))
         got["bf16"] = (c.bytes, c.calls[0].dtype, c.calls[0].numel)
     got["outer"] = (outer.bytes, len(outer.calls), outer.calls_by_op)
+    # object collectives: counted alike on every rank (before: the broadcast on its source
+    # only, the all-gather as each rank's own pickle size times n)
+    with CommCounter() as c:
+        skd.broadcast_object("x" * (40 if rank == 0 else 3), src=0)
+    got["broadcast_object"] = (len(c.calls), c.bytes)
+    with CommCounter() as c:
+        skd.all_gather_object("y" * (10 * (rank + 1)))
+    got["all_gather_object"] = (len(c.calls), c.bytes)
     return got, S, n
 
 
 def test_comm_counter_convention(world):
-    for got, S, n in world.run(_comm_counter_convention):
+    every = world.run(_comm_counter_convention)
+    for got, S, n in every:
         ring = (n - 1) / n
         assert got["all_reduce"] == pytest.approx(2 * ring * S)
         for op in ("all_gather", "reduce_scatter", "broadcast", "reduce"):
@@ -177,6 +186,10 @@ def test_comm_counter_convention(world):
         assert outer_bytes == pytest.approx(inner)
         assert outer_calls == 7 + (2 if n > 1 else 0)
         assert by_op["all_reduce"] == 3
+    for op in ("broadcast_object", "all_gather_object"):
+        counts = [got[op] for got, _, _ in every]
+        assert counts[0][0] == 1 and all(c == counts[0] for c in counts), (op, counts)
+        assert counts[0][1] > 0 or len(counts) == 1, (op, counts)
 
 
 def _raise_on_rank_one():
