@@ -568,3 +568,26 @@ def test_deferred_batch_norm_keeps_the_batch_norms_parameters():
     assert max_diff(ref_state, list(pipe.state_dict().values())) <= 1e-12
     assert all(v.dtype == torch.float64
                for v in pipe.state_dict().values() if v.is_floating_point())
+
+
+def test_deferred_batch_norm_counts_an_empty_batch_and_refuses_what_it_would_drop():
+    """An empty batch counts in num_batches_tracked, as in the Sequential (momentum=None
+    averages over it); a BatchNorm subclass with state of its own is refused, not dropped."""
+    from shardkit.nn.pipe import DeferredBatchNorm
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6, momentum=None), nn.Linear(6, 2))
+    pipe = Pipe(copy.deepcopy(ref), [2, 1], chunks=2, deferred_batch_norm=True)
+    for x in (torch.randn(0, 6), torch.randn(8, 6) + 3):
+        ref(x)
+        pipe(x)
+    assert max_diff(list(ref.state_dict().values()), list(pipe.state_dict().values())) <= 1e-6
+
+    class Scaled(nn.BatchNorm1d):
+        def __init__(self, n):
+            super().__init__(n)
+            self.extra = nn.Parameter(torch.ones(n))
+
+    with pytest.raises(ValueError, match="extra"):
+        Pipe(nn.Sequential(nn.Linear(6, 6), Scaled(6)), [2], deferred_batch_norm=True)
+    with pytest.raises(ValueError, match="no running statistics"):
+        DeferredBatchNorm.from_batch_norm(nn.BatchNorm1d(6, track_running_stats=False))

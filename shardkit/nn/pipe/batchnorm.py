@@ -73,8 +73,14 @@ class DeferredBatchNorm(_BatchNorm):
 
     @torch.no_grad()
     def commit(self) -> None:
-        """Fold the tracked micro-batches into the running statistics and start afresh."""
+        """Fold the tracked micro-batches into the running statistics and start afresh. A
+        mini-batch of empty micro-batches only counts in ``num_batches_tracked``, as torch's
+        BatchNorm does with an empty batch."""
+        if self.tracked_chunks == 0:
+            return
         if self.count == 0:
+            self.num_batches_tracked += 1
+            self.discard()
             return
         mean = self.sum / self.count
         var = (self.sum_squares / self.count - mean.square()).clamp_min(0)
@@ -100,7 +106,24 @@ class DeferredBatchNorm(_BatchNorm):
         """A deferred batch norm in place of ``bn``, holding ``bn``'s own parameters and
         running statistics (the same tensors, as FairScale's conversion does): their dtype,
         device and ``requires_grad`` (a frozen BatchNorm stays frozen) are kept, and an
-        optimizer built over the model before the conversion still updates them."""
+        optimizer built over the model before the conversion still updates them. A BatchNorm
+        without running statistics, an uninitialised lazy one, or a subclass with parameters,
+        buffers or submodules of its own (they would be dropped) is a ``ValueError``."""
+        name = type(bn).__name__
+        if not bn.track_running_stats or bn.running_mean is None:
+            raise ValueError(f"DeferredBatchNorm.from_batch_norm({name}): it has no running "
+                             f"statistics (track_running_stats=False); there is nothing to defer")
+        if isinstance(bn, nn.modules.lazy.LazyModuleMixin) and bn.has_uninitialized_params():
+            raise ValueError(f"DeferredBatchNorm.from_batch_norm({name}): its parameters are "
+                             f"not initialised yet; run one forward before converting")
+        own = {"weight", "bias", "running_mean", "running_var", "num_batches_tracked"} | (
+            {"sum", "sum_squares"} if isinstance(bn, DeferredBatchNorm) else set())
+        extra = sorted((set(bn._parameters) | set(bn._buffers)) - own) + sorted(bn._modules)
+        if extra:
+            raise ValueError(f"DeferredBatchNorm.from_batch_norm({name}): it holds {extra} "
+                             f"besides a BatchNorm's parameters and buffers, which a "
+                             f"DeferredBatchNorm would drop; convert it yourself or leave "
+                             f"deferred_batch_norm off")
         deferred = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, chunks)
         if bn.affine:
             deferred.weight, deferred.bias = bn.weight, bn.bias
