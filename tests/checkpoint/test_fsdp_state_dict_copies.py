@@ -350,3 +350,55 @@ def _versions_under_a_plain_parent() -> list:
 def test_module_versions_reach_modules_inside_a_unit_under_a_plain_parent(world2):
     for diffs in world2.run(_versions_under_a_plain_parent):
         assert diffs == [0.0] * 3, diffs
+
+
+def _optim_dicts_bad_on_one_rank() -> dict:
+    """FSDP.optim_state_dict_to_load given a dict that fits on rank 0 but not on rank 1 (state
+    missing for one parameter, a plain tensor of neither the full nor the shard shape, ``{}``
+    where a ``rank0_only`` full dict was not loaded): rank 1 used to raise (or load silently)
+    while rank 0 went on to its next collective and hung."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
+
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import StateDictType
+    model = _model(0)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(3, 6)).sum().backward()
+    optim.step()
+    before = copy.deepcopy(optim.state_dict())
+    rank, out = dist.get_rank(), {}
+    for kind in ("local", "sharded", "full"):
+        if kind == "full":
+            settings = (StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
+                        FullOptimStateDictConfig(rank0_only=True))
+        else:
+            settings = (getattr(StateDictType, f"{kind.upper()}_STATE_DICT"),)
+        with FSDP.state_dict_type(model, *settings):
+            osd = FSDP.optim_state_dict(model, optim)
+            if rank == 1 and kind == "local":
+                del osd["state"][0]
+            elif rank == 1 and kind == "sharded":
+                osd["state"]["l1.weight"]["exp_avg"] = torch.zeros(2, 6)
+            try:
+                FSDP.optim_state_dict_to_load(model, optim, osd, load_directly=True)
+                out[kind] = "loaded"
+            except ValueError as error:
+                out[kind] = str(error)
+    alive = torch.ones(1)
+    dist.all_reduce(alive)
+    out["alive"] = alive.item()
+    out["unchanged"] = all(
+        torch.equal(v, before["state"][i][k]) for i, s in optim.state_dict()["state"].items()
+        for k, v in s.items())
+    return out
+
+
+def test_optim_state_dict_bad_on_one_rank_raises_on_every_rank(world2):
+    for out in world2.run(_optim_dicts_bad_on_one_rank):
+        assert out["alive"] == 2.0 and out["unchanged"], out
+        assert "on rank 1: parameter l1.weight has state []" in out["local"], out
+        assert "on rank 1:" in out["sharded"] and "'exp_avg' of l1.weight has shape (2, 6)" \
+            in out["sharded"], out
+        assert "on rank 1:" in out["full"] and "expected a full optimizer state dict" \
+            in out["full"], out

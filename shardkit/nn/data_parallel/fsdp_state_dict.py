@@ -10,6 +10,7 @@ import contextlib
 import functools
 import sys
 import threading
+import zlib
 from collections import OrderedDict
 from typing import Optional
 
@@ -1201,18 +1202,30 @@ class FSDPStateDictMixin:
         once its per-element state is checked to have this rank's shard shapes; sharded:
         each DTensor's rows, e.g. after ``torch.distributed.checkpoint.load`` at any world
         size, become this rank's padded shard);
-        with ``load_directly=True`` it is loaded into ``optim`` and ``None`` returned. No
-        communication."""
+        with ``load_directly=True`` it is loaded into ``optim`` and ``None`` returned. A dict
+        that does not fit (another model's or optimizer's, another rank's shapes, param groups
+        that differ, ``{}`` where a ``rank0_only`` dict was not loaded) or whose parameters
+        have state on some ranks of the group but not on others (one rank's file from another
+        checkpoint) raises the same ``ValueError`` on every rank of the group and of its
+        replicas, naming each rank that failed and its problem, before anything is loaded
+        (collective, as torch FSDP1's). Communication: a three-element all-reduce per group;
+        on failure, an object all-gather of the problems."""
         _refuse_torch_only_arguments("optim_state_dict_to_load", group=group,
                                      is_named_optimizer=is_named_optimizer or None)
         kind = model._state_dict_settings.state_dict_type
-        if kind is StateDictType.LOCAL_STATE_DICT:
-            _refuse_other_shards(model, optim, optim_state_dict)
-            mine = optim_state_dict
-        elif kind is StateDictType.SHARDED_STATE_DICT:
-            mine = _sharded_optim_state_to_load(model, optim, optim_state_dict)
-        else:
-            mine = model.get_shard_from_optim_state_dict(_keyed_by_ids(optim_state_dict))
+        mine = cause = None
+        try:
+            if kind is StateDictType.LOCAL_STATE_DICT:
+                _refuse_other_shards(model, optim, optim_state_dict)
+                mine = optim_state_dict
+            elif kind is StateDictType.SHARDED_STATE_DICT:
+                mine = _sharded_optim_state_to_load(model, optim, optim_state_dict)
+            else:
+                mine = model.get_shard_from_optim_state_dict(_keyed_by_ids(optim_state_dict))
+            _check_loadable_groups(optim, mine)
+        except (ValueError, TypeError, KeyError, IndexError) as error:
+            cause = error
+        _agree_on_optim_load(model, optim, mine, cause, kind)
         if load_directly:
             optim.load_state_dict(mine)
             return None
@@ -1386,7 +1399,8 @@ def _sharded_optim_state(model, optim: torch.optim.Optimizer) -> dict:
 
 def _sharded_optim_state_to_load(model, optim: torch.optim.Optimizer, osd) -> dict:
     """The inverse of :func:`_sharded_optim_state`: ``optim.load_state_dict``'s dict with each
-    per-element DTensor (or full-shape plain tensor) turned into this rank's padded rows. The
+    per-element DTensor (or full-shape plain tensor) turned into this rank's padded rows (a
+    plain tensor in this rank's padded shard shape is kept; any other shape is refused). The
     dict's parameter names must be the optimizer's, in its order. A ValueError naming the
     parameter and the state key otherwise (nothing is loaded). Local; memory: one copy of
     this rank's state."""
@@ -1414,9 +1428,83 @@ def _sharded_optim_state_to_load(model, optim: torch.optim.Optimizer, osd) -> di
                                         f"{names[index]}")
             elif is_dtensor(value):
                 value = value.to_local()
+            elif layout_unit is not None and torch.is_tensor(value) and per_element(key, value) \
+                    and tuple(value.shape) != tuple(layout_unit[0].shard_shape):
+                raise ValueError(f"FSDP.optim_state_dict_to_load (SHARDED_STATE_DICT): state "
+                                 f"{key!r} of {names[index]} has shape {tuple(value.shape)}; "
+                                 f"expected a DTensor, the full shape "
+                                 f"{tuple(layout_unit[0].shape)} or this rank's shard "
+                                 f"{tuple(layout_unit[0].shard_shape)}")
             values[key] = value
         state[index] = values
     return {"state": state, "param_groups": ided["param_groups"]}
+
+
+def _check_loadable_groups(optim: torch.optim.Optimizer, osd) -> None:
+    """torch's ``load_state_dict`` checks of the param groups (their number, each one's
+    size), made before the ranks agree, as a ValueError naming what differs. Local."""
+    if not isinstance(osd, dict) or not isinstance(osd.get("param_groups"), list) \
+            or not isinstance(osd.get("state"), dict):
+        raise ValueError("expected an optimizer state dict with 'state' and 'param_groups'")
+    saved = [len(g.get("params", ())) if isinstance(g, dict) else None
+             for g in osd["param_groups"]]
+    mine = [len(g["params"]) for g in optim.param_groups]
+    if saved != mine:
+        raise ValueError(f"the dict's param groups hold {saved} parameters, this optimizer's "
+                         f"{mine}; build the optimizer's param groups as when it was saved")
+
+
+def _state_keys(model, optim: torch.optim.Optimizer, osd: dict) -> list:
+    """``(name, state keys)`` in ``osd`` (``optim.load_state_dict``'s id-keyed dict) of each
+    parameter sharded over the model's own group: alike on every rank for the dicts one run
+    saved (units over other groups, e.g. experts, may differ). Local."""
+    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    groups = model._param_unit_attr("process_group")
+    ordered = [p for g in optim.param_groups for p in g["params"]]
+    return [(names.get(id(p), str(i)), sorted(map(str, osd["state"].get(i) or {})))
+            for i, p in enumerate(ordered) if groups.get(id(p)) is model.process_group]
+
+
+def _agree_on_optim_load(model, optim: torch.optim.Optimizer, mine: Optional[dict],
+                         cause: Optional[BaseException], kind) -> None:
+    """:meth:`FSDPStateDictMixin.optim_state_dict_to_load`'s agreement: returns when no rank
+    of the model's group and replicas failed (``cause``) and the ranks' dicts give the same
+    parameters state (same keys); else the same ValueError on every rank, naming the ranks
+    that failed and their problems (this rank's own error as its ``__cause__``).
+    Communication: a three-element all-reduce per group; on failure, an object all-gather."""
+    groups = [model.process_group] + ([model.replicate_group]
+                                      if model.replicate_group is not None else [])
+    keys = _state_keys(model, optim, mine) if cause is None else None
+    signature = zlib.crc32(repr(keys).encode()) if keys is not None else 0
+    votes = torch.tensor([int(cause is not None), signature, -signature], dtype=torch.int64,
+                         device=model._comm_device())
+    for group in groups:
+        skdist.all_reduce(votes, op=torch.distributed.ReduceOp.MAX, group=group)
+    failed, high, low = votes.tolist()
+    if not failed and high == -low:
+        return
+    problem = f"{type(cause).__name__}: {cause}" if cause is not None else None
+    every = [(skdist.get_rank(), problem, keys)]
+    for group in groups:
+        every = [entry for part in skdist.all_gather_object(
+            every, group=group, counted=False, operation="optim_state_dict_to_load's agreement")
+            for entry in part]
+    every.sort(key=lambda e: e[0])
+    lines = [f"on rank {r}: {p}" for r, p, _ in every if p is not None]
+    if not lines:  # every rank's dict fits, but they give different parameters state
+        first, reference = every[0][0], every[0][2]
+        for r, _, theirs in every[1:]:
+            odd = [(n, k, ref) for (n, k), (_, ref) in zip(theirs, reference) if k != ref]
+            if odd:
+                n, k, ref = odd[0]
+                hint = ("give every rank the same full dict"
+                        if kind is StateDictType.FULL_STATE_DICT else
+                        "each rank must load the dict it saved in one run")
+                lines.append(f"on rank {r}: parameter {n} has state {k}, on rank {first} "
+                             f"{ref}; {hint}")
+    raise ValueError(f"FSDP.optim_state_dict_to_load ({getattr(kind, 'name', kind)}): the "
+                     f"optimizer state dict does not fit on {len(lines)} rank(s), nothing was "
+                     f"loaded on any rank:\n\t" + "\n\t".join(lines)) from cause
 
 
 def _refuse_torch_only_arguments(call: str, **given) -> None:
