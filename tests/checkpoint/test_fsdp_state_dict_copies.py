@@ -402,3 +402,38 @@ def test_optim_state_dict_bad_on_one_rank_raises_on_every_rank(world2):
             in out["sharded"], out
         assert "on rank 1:" in out["full"] and "expected a full optimizer state dict" \
             in out["full"], out
+
+
+def _optim_dicts_other_shapes_and_malformed() -> dict:
+    """Adafactor's factored state (row_var (rows, 1), col_var (1, cols): not per-element)
+    round-trips under SHARDED_STATE_DICT; a malformed state entry on rank 1 only (a list, an
+    AttributeError inside) raises on every rank instead of hanging rank 0."""
+    import torch.distributed as dist
+
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import StateDictType
+    model = _model(0)
+    optim = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    model(torch.randn(3, 6)).sum().backward()
+    optim.step()
+    out = {}
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        FSDP.optim_state_dict_to_load(model, optim, FSDP.optim_state_dict(model, optim),
+                                      load_directly=True)
+        out["adafactor"] = "loaded"
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        osd = FSDP.optim_state_dict(model, optim)
+        if dist.get_rank() == 1:
+            osd["state"][0] = [1, 2]
+        try:
+            FSDP.optim_state_dict_to_load(model, optim, osd, load_directly=True)
+            out["malformed"] = "loaded"
+        except ValueError as error:
+            out["malformed"] = str(error)
+    return out
+
+
+def test_optim_state_dict_other_shapes_load_and_malformed_raises_on_every_rank(world2):
+    for out in world2.run(_optim_dicts_other_shapes_and_malformed):
+        assert out["adafactor"] == "loaded", out
+        assert "on rank 1: AttributeError" in out["malformed"], out

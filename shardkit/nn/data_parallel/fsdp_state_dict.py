@@ -1213,7 +1213,7 @@ class FSDPStateDictMixin:
         _refuse_torch_only_arguments("optim_state_dict_to_load", group=group,
                                      is_named_optimizer=is_named_optimizer or None)
         kind = model._state_dict_settings.state_dict_type
-        mine = cause = None
+        mine = cause = keys = None
         try:
             if kind is StateDictType.LOCAL_STATE_DICT:
                 _refuse_other_shards(model, optim, optim_state_dict)
@@ -1223,9 +1223,10 @@ class FSDPStateDictMixin:
             else:
                 mine = model.get_shard_from_optim_state_dict(_keyed_by_ids(optim_state_dict))
             _check_loadable_groups(optim, mine)
-        except (ValueError, TypeError, KeyError, IndexError) as error:
-            cause = error
-        _agree_on_optim_load(model, optim, mine, cause, kind)
+            keys = _state_keys(model, optim, mine)
+        except Exception as error:  # any local failure (e.g. AttributeError of a malformed
+            cause = error           # entry) must reach the agreement, or the others hang
+        _agree_on_optim_load(model, optim, keys, cause, kind)
         if load_directly:
             optim.load_state_dict(mine)
             return None
@@ -1428,8 +1429,11 @@ def _sharded_optim_state_to_load(model, optim: torch.optim.Optimizer, osd) -> di
                                         f"{names[index]}")
             elif is_dtensor(value):
                 value = value.to_local()
-            elif layout_unit is not None and torch.is_tensor(value) and per_element(key, value) \
+            elif layout_unit is not None and torch.is_tensor(value) and key in ELEMENTWISE_STATE \
+                    and value.dim() > 0 \
                     and tuple(value.shape) != tuple(layout_unit[0].shard_shape):
+                # only the known per-element moments: other tensors (Adafactor's row_var
+                # (rows, 1) / col_var (1, cols)) are rank-local state kept as saved
                 raise ValueError(f"FSDP.optim_state_dict_to_load (SHARDED_STATE_DICT): state "
                                  f"{key!r} of {names[index]} has shape {tuple(value.shape)}; "
                                  f"expected a DTensor, the full shape "
@@ -1461,11 +1465,16 @@ def _state_keys(model, optim: torch.optim.Optimizer, osd: dict) -> list:
     names = {id(p): clean_name(n) for n, p in model.named_parameters()}
     groups = model._param_unit_attr("process_group")
     ordered = [p for g in optim.param_groups for p in g["params"]]
-    return [(names.get(id(p), str(i)), sorted(map(str, osd["state"].get(i) or {})))
+    def keys_of(i, entry):
+        if entry is not None and not isinstance(entry, dict):
+            raise ValueError(f"the state of parameter {i} is a {type(entry).__name__}, "
+                             f"expected a dict of state keys")
+        return sorted(map(str, entry or {}))
+    return [(names.get(id(p), str(i)), keys_of(i, osd["state"].get(i)))
             for i, p in enumerate(ordered) if groups.get(id(p)) is model.process_group]
 
 
-def _agree_on_optim_load(model, optim: torch.optim.Optimizer, mine: Optional[dict],
+def _agree_on_optim_load(model, optim: torch.optim.Optimizer, keys: Optional[list],
                          cause: Optional[BaseException], kind) -> None:
     """:meth:`FSDPStateDictMixin.optim_state_dict_to_load`'s agreement: returns when no rank
     of the model's group and replicas failed (``cause``) and the ranks' dicts give the same
@@ -1474,7 +1483,6 @@ def _agree_on_optim_load(model, optim: torch.optim.Optimizer, mine: Optional[dic
     Communication: a three-element all-reduce per group; on failure, an object all-gather."""
     groups = [model.process_group] + ([model.replicate_group]
                                       if model.replicate_group is not None else [])
-    keys = _state_keys(model, optim, mine) if cause is None else None
     signature = zlib.crc32(repr(keys).encode()) if keys is not None else 0
     votes = torch.tensor([int(cause is not None), signature, -signature], dtype=torch.int64,
                          device=model._comm_device())
