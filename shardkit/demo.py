@@ -282,6 +282,9 @@ def validate(args) -> DemoRequest:
     if args.batch < 1 or args.batch % args.world_size:
         raise DemoError(f"--batch {args.batch} (the global batch) must be a positive multiple "
                         f"of --world-size {args.world_size}")
+    if not -2**63 <= args.seed < 2**64:  # torch.Generator.manual_seed's range
+        raise DemoError(f"--seed {args.seed} is out of range; valid seeds are integers from "
+                        f"-2**63 to 2**64 - 1")
     if not 0 < args.timeout < float("inf"):
         raise DemoError(f"--timeout {args.timeout} must be a positive, finite number of seconds")
     out = args.out or os.path.join("out", time.strftime("demo-%Y%m%d-%H%M%S"))

@@ -123,6 +123,7 @@ def _demo(capsys, *argv):
     (["--runs", "ddp,7"], "'7' is not a known run or stage"),
     (["--world-size", "2", "--batch", "3"], "--batch 3"),
     (["--steps", "0"], "--steps 0"),
+    (["--seed", str(2**64)], "--seed 18446744073709551616 is out of range"),
 ])
 def test_bad_input_exits_2_before_launching(capsys, argv, message):
     code, out, err = _demo(capsys, *argv)
