@@ -503,7 +503,10 @@ class OSS(torch.optim.Optimizer):
         Communication: each rank's state once (``KΨ/N`` bytes per rank) plus small metadata.
         """
         self._sync.wait()
-        if not isinstance(recipient_rank, int) or not -1 <= recipient_rank < self.world_size:
+        # Note: a bool is refused, not read as rank 0 or 1 (True, meant as "every rank" as in
+        # state_dict(all_ranks=True), hung in the gather)
+        if isinstance(recipient_rank, bool) or not isinstance(recipient_rank, int) \
+                or not -1 <= recipient_rank < self.world_size:
             raise ValueError(f"OSS.consolidate_state_dict(recipient_rank={recipient_rank!r}): "
                              f"must be a rank of the group in [0, {self.world_size}) or -1 "
                              f"(every rank)")
@@ -512,7 +515,7 @@ class OSS(torch.optim.Optimizer):
         self._consolidated = None
         index_of = {id(p): i for i, p in
                     enumerate(p for g in self.param_groups for p in g["params"])}
-        held = {**self._parked_state, **self.optim.state}
+        held = self._held_state()
         if self._whole_model and self.rank != 0:  # every rank holds the same state: send one
             held = {}
         local = {index_of[id(p)]: s for p, s in held.items()}
@@ -721,6 +724,18 @@ class OSS(torch.optim.Optimizer):
         """Give the local optimizer ``{owned param: state}`` and the public hyper-parameters."""
         load_into_optimizer(self.optim, state, [self._local_hyper(g) for g in self.param_groups])
 
+    def _held_state(self) -> dict:
+        """``{param: state}`` this rank really holds: its local optimizer's parameters' and the
+        parked state of frozen ones.
+
+        Note: the local optimizer's ``state`` is torch's defaultdict, so a user who reads
+        ``optimizer.state[p]`` for a parameter another rank owns (logging every parameter's
+        ``exp_avg``) adds an empty entry here. Sent on a re-partition, it overwrote the
+        owner's real state (Adam restarted from step 0 after ``refresh_trainable``)."""
+        local = {id(p) for g in self.optim.param_groups for p in g["params"]}
+        return {**self._parked_state,
+                **{p: s for p, s in self.optim.state.items() if id(p) in local}}
+
     def _owned_per_group(self, rank: int) -> list[list[torch.Tensor]]:
         return [[p for p in g["params"] if p in self.partition and self.partition.owner(p) == rank]
                 for g in self.param_groups]
@@ -773,7 +788,7 @@ class OSS(torch.optim.Optimizer):
         plan = plan_ownership(_trainable(self.param_groups), self.world_size, self.bucket_numel)
         if plan.same_as(self._plan):
             return
-        held = {**self._parked_state, **self.optim.state}
+        held = self._held_state()
         new = plan.partition
         if self._whole_model:  # every rank keeps the whole state: nothing moves
             self._plan = plan

@@ -5,7 +5,8 @@
 - plain torch.optim.AdamW state dict -> OSS -> consolidated back: identical, and both continue
   identically (as does OSS(existing AdamW with state));
 - state_dict() without consolidating, or on a rank that is not the recipient, or after a step:
-  clear error; a state dict with the wrong number of parameters: clear error;
+  clear error; consolidate_state_dict(True) (meant as "every rank") is refused, where it
+  hung; a state dict with the wrong number of parameters: clear error;
 - add_param_group and refresh_trainable move optimizer state to the new owner (parity with a
   plain optimizer going through the same changes).
 """
@@ -177,6 +178,7 @@ def _state_dict_errors():
     opt.step()
     catch("stale_after_step", opt.state_dict)
     catch("bad_recipient", lambda: opt.consolidate_state_dict(recipient_rank=5))
+    catch("bool_recipient", lambda: opt.consolidate_state_dict(True))  # not rank 1
     # a bare list of parameters (torch refuses it too): named as such, not as a bad item
     catch("add_group_not_dict", lambda: opt.add_param_group(list(model.parameters())[:1]))
     plain = torch.optim.AdamW(MLP(WIDTH, 3, out=4, seed=3).parameters())
@@ -215,6 +217,7 @@ def test_state_dict_errors_are_clear(world2):
     assert "not_recipient" not in rank1
     assert "consolidate_state_dict" in rank1["stale_after_step"]
     assert "recipient_rank=5" in rank0["bad_recipient"]
+    assert "recipient_rank=True): must be a rank" in rank0["bool_recipient"]
     assert rank0["add_group_not_dict"] == (
         "TypeError: OSS.add_param_group(param_group=<list>): expected a dict with a 'params' "
         "key (and optional hyper-parameters such as 'lr')")

@@ -15,8 +15,13 @@ Regressions:
   optimizer: 4 times per step with 3 buckets;
 - the engine had no way to tell DeepSpeed's ``safe_*_grad`` functions that its gradients were
   partial (mid accumulation window: each rank's own sums at stages 0-2, none at stage 3); its
-  check now raises there on every rank, as DeepSpeed does.
+  check now raises there on every rank, as DeepSpeed does;
+- reading ``optimizer.state[p]`` for a parameter another rank owns (logging every parameter's
+  ``exp_avg``) left an empty entry in the local optimizer's defaultdict, which a later
+  ``refresh_trainable`` sent to the owner over its real state: Adam restarted from step 0.
 """
+
+import copy
 
 import torch
 import torch.nn as nn
@@ -372,3 +377,32 @@ def test_public_grad_functions_raise_mid_window(world2):
     for stage, (mid, boundary) in first.items():
         assert all(v is not None and v.startswith("safe_") for v in mid.values()), (stage, mid)
         assert all(boundary.values()), (stage, boundary)
+
+
+def _state_read_for_every_param_then_refresh() -> dict:
+    """A user reads Adam's state of every parameter (owned here or not), then freezes one layer
+    and calls refresh_trainable: training goes on exactly as one process's Adam does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3))
+    oracle = copy.deepcopy(model)
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.01)
+    plain = torch.optim.Adam(oracle.parameters(), lr=0.01)
+    worst = 0.0
+    for step in range(5):
+        x, y = torch.randn(4, 5), torch.randn(4, 3)  # the same on every rank (same seed)
+        for m, o in ((model, opt), (oracle, plain)):
+            o.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            o.step()
+        [opt.state[p].get("exp_avg") for p in model.parameters()]
+        if step == 1:
+            for net in (model, oracle):
+                net[4].weight.requires_grad_(False)
+            opt.refresh_trainable()
+        worst = max(worst, max_diff(model, oracle))
+    return {"worst": worst}
+
+
+def test_reading_state_of_unowned_params_keeps_owner_state(world2):
+    for r in world2.run(_state_read_for_every_param_then_refresh):
+        assert r["worst"] <= TOL, r
