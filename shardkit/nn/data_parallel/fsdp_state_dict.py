@@ -1465,6 +1465,7 @@ def _state_keys(model, optim: torch.optim.Optimizer, osd: dict) -> list:
     names = {id(p): clean_name(n) for n, p in model.named_parameters()}
     groups = model._param_unit_attr("process_group")
     ordered = [p for g in optim.param_groups for p in g["params"]]
+
     def keys_of(i, entry):
         if entry is not None and not isinstance(entry, dict):
             raise ValueError(f"the state of parameter {i} is a {type(entry).__name__}, "
