@@ -45,13 +45,14 @@ raise a ``ValueError`` naming these functions.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import fields
 from typing import Iterable, Optional, Union
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+from shardkit.utils.call_stack import frames_running
 
 __all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict",
            "get_state_dict", "set_model_state_dict", "set_optimizer_state_dict",
@@ -433,25 +434,22 @@ def mark_optimizers_of_torch_call() -> None:
         code = torch_dsd._verify_options.__code__
     except (ImportError, AttributeError):
         return
-    frame = sys._getframe(1)
-    for _ in range(64):  # torch's check -> its model walk (nested generators) -> the hook
-        if frame is None:
-            return
-        if frame.f_code is code:
-            optims = [o for o in frame.f_locals.get("optims") or ()
-                      if isinstance(o, torch.optim.Optimizer)]
-            options = frame.f_locals.get("options")
-            if getattr(options, "full_state_dict", False) and any(map(_over_shards, optims)):
-                raise ValueError(
-                    "torch.distributed.checkpoint.state_dict's functions with "
-                    "StateDictOptions(full_state_dict=True) over an optimizer of shardkit "
-                    "FullyShardedDataParallel parameters: torch's take its state (this rank's "
-                    "rows) for full tensors; use shardkit.checkpoint.get_state_dict / "
-                    "set_state_dict (same arguments), which gather and cut the rows")
-            for optim in optims:
-                mark_sharded_state_for_dcp(optim)
-            return
-        frame = frame.f_back
+    # torch's check -> its model walk (nested generators) -> the hook: within 64 frames
+    frames = frames_running(code, depth=64)
+    if not frames:
+        return
+    optims = [o for o in frames[0].f_locals.get("optims") or ()
+              if isinstance(o, torch.optim.Optimizer)]
+    options = frames[0].f_locals.get("options")
+    if getattr(options, "full_state_dict", False) and any(map(_over_shards, optims)):
+        raise ValueError(
+            "torch.distributed.checkpoint.state_dict's functions with "
+            "StateDictOptions(full_state_dict=True) over an optimizer of shardkit "
+            "FullyShardedDataParallel parameters: torch's take its state (this rank's "
+            "rows) for full tensors; use shardkit.checkpoint.get_state_dict / "
+            "set_state_dict (same arguments), which gather and cut the rows")
+    for optim in optims:
+        mark_sharded_state_for_dcp(optim)
 
 
 def _over_shards(optim: torch.optim.Optimizer) -> bool:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import threading
 import zlib
 from collections import OrderedDict
@@ -31,6 +30,7 @@ from shardkit.nn.data_parallel.fsdp_state_dict_type import (DEFAULT_SETTINGS, St
                                                             get_state_dict_type,
                                                             set_state_dict_type,
                                                             state_dict_type)
+from shardkit.utils.call_stack import frames_running
 
 __all__ = ["FSDPStateDictMixin", "add_wrapper_prefix", "clean_name", "show_original_names"]
 
@@ -363,14 +363,11 @@ def _metadata_of_torch_load() -> Optional[dict]:
     ``nn.Module.load_state_dict`` on the call stack loads (its walk hands each module its own
     entry only: a unit reached from a plain parent finds the versions of the modules inside
     it here); ``None`` outside one or without versions. Local."""
-    code = nn.Module.load_state_dict.__code__
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            metadata = frame.f_locals.get("metadata")
-            return metadata if isinstance(metadata, dict) else None
-        frame = frame.f_back
-    return None
+    frames = frames_running(nn.Module.load_state_dict.__code__)
+    if not frames:
+        return None
+    metadata = frames[0].f_locals.get("metadata")
+    return metadata if isinstance(metadata, dict) else None
 
 
 def _run_load_post_hooks(modules: list, missing: list, unexpected: list) -> None:

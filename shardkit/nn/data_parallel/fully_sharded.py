@@ -159,6 +159,7 @@ from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, check
 from shardkit.nn.data_parallel.training_state import TrainingState, check_state
 from shardkit.nn.wrap import auto_wrap_bn  # noqa: F401 - FairScale's FSDP module has it
 from shardkit.quantized_transport import quantized_transport_for
+from shardkit.utils.call_stack import frames_running
 from shardkit.utils.grad_norm import (check_clip_arguments, clip_grad_norm_across_ranks,
                                       count_once_over_tensor_parallel)
 from shardkit.utils.wrapped_attributes import attribute_through, wrapper_inside
@@ -1694,16 +1695,12 @@ def _plain_modules_running_around(root: FullyShardedDataParallel) -> list:
     """The modules whose forward is running around ``root``'s, outermost last, found on the
     Python call stack (``nn.Module._call_impl`` frames); the FSDP units among them and their
     contents excluded. Local; one walk over the stack."""
-    call_impl = getattr(nn.Module._call_impl, "__code__", None)
     found: list = []
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is call_impl:
-            m = frame.f_locals.get("self")
-            if isinstance(m, nn.Module) and not isinstance(m, FullyShardedDataParallel) \
-                    and all(m is not f for f in found):
-                found.append(m)
-        frame = frame.f_back
+    for frame in frames_running(getattr(nn.Module._call_impl, "__code__", None)):
+        m = frame.f_locals.get("self")
+        if isinstance(m, nn.Module) and not isinstance(m, FullyShardedDataParallel) \
+                and all(m is not f for f in found):
+            found.append(m)
     return found
 
 
