@@ -100,15 +100,9 @@ def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-class _Done:
-    """The handle of a collective that finished before it was returned (``async_op=True``
-    where the call ran synchronously): ``wait()`` returns at once."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
+# the handle of a collective that finished before it was returned (``async_op=True`` where
+# the call ran synchronously)
+_Done = distributed._Finished
 
 
 def _get_global_rank(group=None, group_rank: int = 0) -> int:

@@ -133,6 +133,19 @@ def _uneven_where_one_rank_is_even():
     return got.flatten().tolist()
 
 
+def _error_heads(calls) -> list:
+    """Run each call; ``None`` where it returned, else the head of its ValueError (the text
+    before its first "(" or ":"), for comparing across ranks."""
+    raised = []
+    for call in calls:
+        try:
+            call()
+            raised.append(None)
+        except ValueError as error:
+            raised.append(str(error).split("(")[0].split(":")[0])
+    return raised
+
+
 def _bad_on_one_rank():
     """Bad split sizes on one rank, a list of the wrong length on one rank, and splits the
     ranks disagree on: a ValueError on every rank, none left waiting."""
@@ -146,14 +159,7 @@ def _bad_on_one_rank():
         lambda: dist.all_to_all_single(got, rows, output_split_sizes=[1, 2],
                                        input_split_sizes=[2, 1] if rank == 0 else [1, 2]),
     )
-    raised = []
-    for call in calls:
-        try:
-            call()
-            raised.append(None)
-        except ValueError as error:
-            raised.append(str(error).split("(")[0].split(":")[0])
-    return raised
+    return _error_heads(calls)
 
 
 def test_comm_splits_and_lists_agree_on_every_rank(world2):
@@ -238,14 +244,7 @@ def _comm_bad_on_one_rank():
         lambda: dist.gather(one, [torch.zeros(2)] * n, dst=n),
         lambda: dist.broadcast_object_list(["a"] if rank == 0 else ["a", "b"], src=0),
     )
-    raised = []
-    for call in calls:
-        try:
-            call()
-            raised.append(None)
-        except ValueError as error:
-            raised.append(str(error).split("(")[0].split(":")[0])
-    return raised
+    return _error_heads(calls)
 
 
 def test_comm_rooted_list_and_coalesced_collectives(world2):
