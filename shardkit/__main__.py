@@ -1,6 +1,7 @@
 """``python -m shardkit COMMAND``: the command-line entry points.
 
 Commands:
+    bench        shardkit's wrappers against torch's, timed in one run (source checkout only)
     cluster      run a torchrun job on a simulated multi-node cluster (network namespaces)
     consolidate  write a plain fp32 state_dict from a shardkit.initialize checkpoint
     demo         multi-process CPU training that shows what each wrapper saves and costs
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"demo": "shardkit.demo", "plan": "shardkit.plan", "cluster": "shardkit.cluster",
-                "consolidate": "shardkit.checkpoint.consolidate"}
+                "consolidate": "shardkit.checkpoint.consolidate", "bench": "benchmarks.run"}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         parser = argparse.ArgumentParser(
             prog="python -m shardkit", description=__doc__.split("\n\n", 1)[1].strip(),
@@ -33,7 +34,21 @@ def main(argv: list[str] | None = None) -> int:
               f"{sorted(commands)}", file=sys.stderr)
         return 2
     import importlib
+    if argv[0] == "bench" and not _benchmarks_importable():
+        print("python -m shardkit bench: the benchmarks ship with shardkit's source checkout, "
+              "not with the installed package; run it from the repository root (where "
+              "benchmarks/run.py is), e.g. `python -m shardkit bench --quick`", file=sys.stderr)
+        return 2
     return importlib.import_module(commands[argv[0]]).main(argv[1:])
+
+
+def _benchmarks_importable() -> bool:
+    """Whether ``benchmarks.run`` (the repository's benchmark runner) can be imported here."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec("benchmarks.run") is not None
+    except ModuleNotFoundError:
+        return False
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ states at their formulas, a configuration that cannot be built reported on its o
 ratios paired round by round. No timing is asserted."""
 
 import dataclasses
+import os
 
 import pytest
 
@@ -66,3 +67,19 @@ def test_rows_are_paired_with_their_baselines_round_by_round(measured):
     per_rank_times = [p["shardkit_oss"]["round_times_s"] for p in measured]
     slowest = [max(ts) * 1e3 for ts in zip(*per_rank_times)]
     assert oss["round_ms"] == pytest.approx(slowest)  # a step lasts as long as the slowest rank
+
+
+def test_shardkit_bench_command_runs_this_runner(capsys, tmp_path):
+    """DESIGN.md's `python -m shardkit bench` is benchmarks.run from a source checkout, and a
+    clear exit 2 where the benchmarks are not importable (an installed package)."""
+    import subprocess
+    import sys
+    from shardkit.__main__ import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0 and "--repeats" in capsys.readouterr().out
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-m", "shardkit", "bench", "--quick"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "source checkout" in proc.stderr and "Traceback" not in proc.stderr
