@@ -364,9 +364,9 @@ def compose_from_config(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg
     (fp32) gradients, so the size is converted here, once. ``agree_across_ranks``: compose's
     (``False`` when the caller's ranks have agreed already, as :func:`initialize` does)."""
     kwargs = _compose_arguments(model, recipe, cfg, wrap_policy, param_init_fn)
-    # The engine counts no torch-DDP traffic of its own: users wrap steps in CommCounter
-    # to see what the wrappers send, as they would without the engine.
-    return compose(model, cfg.zero.stage, recipe, count_ddp_comm=False,
+    # torch DDP's all-reduce (stages 0-1) goes through shardkit's averaging hook, so that a
+    # CommCounter around a step shows the stage's bytes (DESIGN.md's per-stage formulas).
+    return compose(model, cfg.zero.stage, recipe, count_ddp_comm=True,
                    process_group=process_group, agree_across_ranks=agree_across_ranks, **kwargs)
 
 

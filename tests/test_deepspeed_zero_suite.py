@@ -331,6 +331,15 @@ def _by_hand_average_dtype(stage, comm_dtype):
     return dict(counter.by_op), numel, max_diff(grads, expected), sorted(grads)
 
 
+def _engine_step_bytes(stage, reduce_scatter):
+    """The bytes a CommCounter sees around one engine step (engine(x), backward, step), by op,
+    and the parameter count."""
+    engine = _engine(stage, zero_optimization={"stage": stage, "reduce_scatter": reduce_scatter})
+    with distributed.CommCounter() as counter:
+        _train_step(engine, 0)
+    return dict(counter.by_op), sum(p.numel() for p in engine.module.parameters())
+
+
 def _exclude_frozen(stage, tmp):
     """Gap (b): save_checkpoint(exclude_frozen_parameters=True) leaves the frozen parameters
     out; loading it restores the trained ones and keeps the loading model's frozen values."""
@@ -466,6 +475,18 @@ def test_sparse_embedding_gradients(world2, tmp_path, stage):
             assert outcome == "error"
             assert value.startswith("ConfigError") and "sparse=True" in value \
                 and "['embedding']" in value, value
+
+
+@pytest.mark.parametrize("stage, reduce_scatter", [(0, True), (1, False)])
+def test_engine_step_counts_torch_ddps_all_reduce(world2, stage, reduce_scatter):
+    """DESIGN.md: CommCounter shows each stage's bytes. Under initialize, torch DDP's
+    all-reduce (stage 0, and stage 1 with reduce_scatter false) used to be uncounted (0 bytes
+    at stage 0). fp32 gradients: 2(N-1)/N of 4 bytes per parameter; stage 1 adds OSS's
+    one-element inf/nan flag to the all-reduce and its parameter all-gather."""
+    for by_op, numel in world2.run(_engine_step_bytes, stage, reduce_scatter):
+        extra = 0 if stage == 0 else 1
+        assert by_op.get("all_reduce") == pytest.approx(2 * (2 - 1) / 2 * 4 * (numel + extra))
+        assert by_op.get("all_gather", 0) == pytest.approx(0 if stage == 0 else 4 * numel / 2)
 
 
 @pytest.mark.parametrize("stage, comm_dtype", [(0, "bf16"), (1, "bf16"), (0, "fp16"),
