@@ -559,11 +559,24 @@ def make_plan(req: PlanRequest) -> dict:
         "stage3_traffic": zeropp_traffic(params, req.world_size, req.precision,
                                          summary.root_unit_params if summary else 0.0)
         if 3 in req.stages else None,
+        "stage1_owners_traffic": stage1_owners_traffic(params, req.world_size, req.precision,
+                                                       summary) if 1 in req.stages else None,
         "recommended_stage": best.stage if best else None,
         "ranks_per_node": req.ranks_per_node or req.world_size,
         "stage3_link_traffic": _link_traffic_data(req, params, summary)
         if 3 in req.stages else None,
     }
+
+
+def stage1_owners_traffic(params: float, world_size: int, precision: Precision,
+                          summary: Optional[ModelSummary] = None) -> float:
+    """Stage 1's wire bytes per step per rank with
+    :func:`shardkit.comm_hooks.reduce_to_owners_hook` (what :func:`shardkit.initialize` builds
+    under DeepSpeed's default ``zero_optimization.reduce_scatter: true``): each gradient
+    averaged onto its owner only, ``Ψ(N-1)/N``, plus the owners' parameter sync ``Ψ(N-1)/N``:
+    stage 2's ``2Ψ(N-1)/N``, against plain OSS + DDP's ``3Ψ(N-1)/N``."""
+    return precision.grads * zero_comm_elements_per_step(
+        params, world_size, 2, trainable=_trainable(params, summary))
 
 
 def _link_traffic_data(req: PlanRequest, params: float, summary: Optional[ModelSummary]):
@@ -623,6 +636,10 @@ def render_plan(plan: dict) -> str:
             line += (f"{format_bytes(r['transient']):>14}{format_bytes(r['activations']):>15}"
                      f"{format_bytes(r['total']):>12}")
         lines.append(line)
+    if plan.get("stage1_owners_traffic") is not None:
+        lines.append(f"stage 1 wire/step with reduce_to_owners_hook (what initialize builds "
+                     f"under zero_optimization.reduce_scatter: true, DeepSpeed's default): "
+                     f"{format_bytes(plan['stage1_owners_traffic'])}")
     traffic = plan.get("stage3_traffic")
     if traffic:
         plain = traffic["fp32"]
