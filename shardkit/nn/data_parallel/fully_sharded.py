@@ -393,6 +393,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             unit whatever the policy says of it). ``device_id`` moves a module on the CPU to
             that device before sharding (a module on another accelerator is a ValueError).
             ``cpu_offload`` also takes torch's ``CPUOffload(offload_params=...)``.
+            A unit computing on the CPU that holds a ``torch.nn.SyncBatchNorm`` is a
+            ValueError naming it (torch's SyncBatchNorm trains on CUDA/XPU tensors only, and
+            torch DDP refuses it on the CPU too): keep ``nn.BatchNorm*d`` on the CPU.
         use_orig_params, forward_prefetch, backward_prefetch, limit_all_gathers: torch
             FSDP1's, checked and accepted (:func:`.fsdp_arguments.check_torch_scheduling_options`):
             the parameters are always the module's own (torch's ``use_orig_params=True``),
@@ -515,6 +518,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                                          fp32_reduce_scatter)
         _refuse_batchnorm_with_other_buffer_dtype(module, policy, ignored)
         _refuse_embedding_max_norm(module, ignored)
+        _refuse_sync_batchnorm_on_cpu(module, ignored,
+                                      shard_devices(module_device, move_params_to_cpu)[0])
         if device_mesh is not None:
             if process_group is not None:
                 raise ValueError("FullyShardedDataParallel: pass process_group or device_mesh, "
@@ -2193,6 +2198,27 @@ def _refuse_embedding_max_norm(module: nn.Module,
                 f"reach the shard. Build the embedding with max_norm=None (and, if you need "
                 f"the bound, renormalise the rows yourself under torch.no_grad() in "
                 f"summon_full_params(), or clamp the looked-up vectors' norms in forward)")
+
+
+def _refuse_sync_batchnorm_on_cpu(module: nn.Module, ignored: IgnoredStates,
+                                  compute_device: torch.device) -> None:
+    """torch's ``SyncBatchNorm`` synchronises statistics for CUDA/XPU (or PrivateUse1) inputs
+    only: its training forward raises on CPU tensors, even with one rank (torch DDP refuses
+    such a module when it wraps it). A unit computing on the CPU refuses one of its own
+    SyncBatchNorm layers here, naming it, rather than at the first forward (after this unit's
+    all-gather). Local, before any collective."""
+    if compute_device.type != "cpu":
+        return
+    for name, m in _named_unit_modules(module, ignored):
+        if isinstance(m, nn.SyncBatchNorm):
+            raise ValueError(
+                f"FullyShardedDataParallel: {name or 'the wrapped module'} is a "
+                f"torch.nn.SyncBatchNorm in a unit computing on the CPU, and torch's "
+                f"SyncBatchNorm only runs on "
+                f"CUDA/XPU tensors in training (torch DDP refuses it on a CPU module too). On "
+                f"the CPU keep the plain nn.BatchNorm layers (leave out "
+                f"SyncBatchNorm.convert_sync_batchnorm), or put the module on its GPU before "
+                f"wrapping")
 
 
 def _build_shard(params, locations, groups, policy: MixedPrecisionPolicy,

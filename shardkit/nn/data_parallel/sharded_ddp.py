@@ -38,11 +38,31 @@ __all__ = ["ShardedDataParallel"]
 DEFAULT_MAX_INFLIGHT_BYTES = None
 
 
+def _refuse_sync_batchnorm_on_cpu(module: nn.Module, device_type: str) -> None:
+    """torch's ``SyncBatchNorm`` synchronises statistics for CUDA/XPU (or PrivateUse1) inputs
+    only: its training forward raises on CPU tensors, even with one rank, and torch DDP refuses
+    such a module when it wraps it. Refuse it here too, naming the layer, rather than at the
+    first forward. Local, before any collective."""
+    if device_type != "cpu":
+        return
+    for name, m in module.named_modules():
+        if isinstance(m, nn.SyncBatchNorm):
+            raise ValueError(
+                f"ShardedDataParallel(module=...): {name or 'the module'} is a "
+                f"torch.nn.SyncBatchNorm on the CPU, and torch's SyncBatchNorm only runs on "
+                f"CUDA/XPU tensors in training (torch DDP refuses it on a CPU module too). "
+                f"On the CPU keep the plain nn.BatchNorm layers (leave out "
+                f"SyncBatchNorm.convert_sync_batchnorm), or move the module to its GPU before "
+                f"wrapping")
+
+
 class ShardedDataParallel(nn.Module):
     """Data parallelism with sharded gradients (ZeRO-2), to be used with one or more ``OSS``.
 
     Args:
-        module: the model; every rank wraps the same architecture.
+        module: the model; every rank wraps the same architecture. A module on the CPU
+            holding a ``torch.nn.SyncBatchNorm`` is a ValueError, as under torch DDP (torch's
+            SyncBatchNorm trains on CUDA/XPU tensors only): keep ``nn.BatchNorm*d`` there.
         sharded_optimizer: an :class:`~shardkit.optim.OSS`, or a list of them, over parameters of
             ``module``; together they must cover every trainable parameter.
         process_group: the data-parallel group (default: the optimizers' group; if given, it must
@@ -183,6 +203,7 @@ class ShardedDataParallel(nn.Module):
         args.check_optimizer_params_in_module(module, optimizers)
 
         device_types = args.device_types(module)
+        _refuse_sync_batchnorm_on_cpu(module, device_types[0] if device_types else "cpu")
         self.module = module
         self.sharded_optimizers = optimizers
         # Attributes torch DDP exposes and training frameworks read (FairScale sets them too).
