@@ -37,7 +37,14 @@ def counted_allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.
     all_reduce`, so that :class:`CommCounter` sees DDP's traffic (torch's own hook bypasses
     shardkit). Wire: ``2(N-1)/N`` of the bucket's bytes."""
     buffer = bucket.buffer()
-    buffer.div_(skdist.get_world_size(process_group))
+    n = skdist.get_world_size(process_group)
+    buffer.div_(n)
+    if buffer.is_sparse:  # (nn.Embedding(sparse=True)): gloo/NCCL all-gather indices and values
+        indices, values = buffer._indices(), buffer._values()
+        sent = indices.numel() * indices.element_size() + values.numel() * values.element_size()
+        skdist._record("all_gather", n * sent, process_group, dtype=torch.uint8)
+        work = torch.distributed.all_reduce(buffer, group=process_group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
     work = skdist.all_reduce(buffer, group=process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 

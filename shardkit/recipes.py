@@ -630,10 +630,38 @@ def torch_ddp(model: nn.Module, process_group=None, count_comm: bool = True,
     ddp = DistributedDataParallel(model, device_ids=ids, process_group=process_group,
                                   gradient_as_bucket_view=True,
                                   find_unused_parameters=find_unused_parameters)
-    if count_comm or reduce_dtype is not None:
+    if reduce_dtype is not None:
         from shardkit.comm_hooks import allreduce_hook_for
         ddp.register_comm_hook(process_group, allreduce_hook_for(reduce_dtype))
+    elif count_comm:
+        from shardkit.comm_hooks import counted_allreduce_hook
+        _register_replaceable_hook(ddp, process_group, counted_allreduce_hook)
     return ddp
+
+
+def _register_replaceable_hook(ddp, state, hook) -> None:
+    """Register ``hook`` (the counting one, which the caller did not ask for) so that the
+    caller's own first ``ddp.register_comm_hook(state, hook)`` (PowerSGD, fp16 compression)
+    replaces it, as it would on a DDP built without it; torch's reducer takes one hook only,
+    and a second registration of the caller's is torch's error as before."""
+    slot = {"state": state, "hook": hook, "replaced": False}
+
+    def dispatch(_, bucket):
+        return slot["hook"](slot["state"], bucket)
+
+    dispatch.__name__ = getattr(hook, "__name__", "dispatch")
+    ddp.register_comm_hook(None, dispatch)
+    torch_register = ddp.register_comm_hook
+
+    def register_comm_hook(state, hook):
+        if slot["replaced"]:
+            return torch_register(state, hook)  # torch's "can only be called once"
+        ddp._check_comm_hook(hook)
+        slot.update(state=state, hook=hook, replaced=True)
+        ddp._comm_hooks[:] = [(hook, state)]
+
+    register_comm_hook.__doc__ = type(ddp).register_comm_hook.__doc__
+    ddp.register_comm_hook = register_comm_hook
 
 
 _REDUCE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

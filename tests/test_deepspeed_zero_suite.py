@@ -489,6 +489,28 @@ def test_engine_step_counts_torch_ddps_all_reduce(world2, stage, reduce_scatter)
         assert by_op.get("all_gather", 0) == pytest.approx(0 if stage == 0 else 4 * numel / 2)
 
 
+def _users_comm_hook(stage):
+    """A script's own DDP hook registered on the engine's DDP after initialize (PowerSGD, fp16
+    compression) replaces the engine's counting hook, as on a DDP built without it."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    engine = _engine(stage, zero_optimization={"stage": stage, "reduce_scatter": False})
+    seen = []
+
+    def hook(state, bucket):
+        seen.append(bucket.buffer().numel())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    engine.wrapped.register_comm_hook(None, hook)
+    _train_step(engine, 0)
+    return sum(seen), sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_users_comm_hook_replaces_the_counting_one(world2, stage):
+    for seen, numel in world2.run(_users_comm_hook, stage):
+        assert seen == numel
+
+
 @pytest.mark.parametrize("stage, comm_dtype", [(0, "bf16"), (1, "bf16"), (0, "fp16"),
                                                (1, None)])
 def test_by_hand_average_travels_in_communication_data_type(world2, stage, comm_dtype):

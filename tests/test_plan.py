@@ -39,7 +39,7 @@ def test_zero_paper_example_to_printed_precision(capsys):
     assert _stage_figures(out) == {0: "120.0 GB", 1: "31.4 GB", 2: "16.6 GB", 3: "1.9 GB"}
     assert "K=12" in out
     assert "stage 1 wire/step with reduce_to_owners_hook (what initialize builds under " \
-        "zero_optimization.reduce_scatter: true, DeepSpeed's default): 29.5 GB" in out
+        "zero_optimization.reduce_scatter: true, DeepSpeed's default): 59.1 GB" in out
 
 
 def test_json_figures_are_the_formulas(capsys):
@@ -53,8 +53,9 @@ def test_json_figures_are_the_formulas(capsys):
     wire = {r["stage"]: r["comm_per_step"] for r in json.loads(out)["rows"]}
     assert wire == pytest.approx({0: 2 * 2 * psi * (n - 1) / n, 1: 2 * 3 * psi * (n - 1) / n,
                                   2: 2 * 2 * psi * (n - 1) / n, 3: 2 * 3 * psi * (n - 1) / n})
-    # initialize's stage 1 (reduce_scatter: true) reduces onto the owners: stage 2's bytes
-    assert json.loads(out)["stage1_owners_traffic"] == pytest.approx(2 * 2 * psi * (n - 1) / n)
+    # initialize's stage 1 (reduce_scatter: true) reduces onto the owners: stage 2's elements,
+    # in fp32 (initialize keeps fp32 weights and gradients under fp16/bf16)
+    assert json.loads(out)["stage1_owners_traffic"] == pytest.approx(4 * 2 * psi * (n - 1) / n)
 
 
 def test_fp32_and_sgd_bytes_per_parameter():

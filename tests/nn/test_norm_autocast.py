@@ -113,3 +113,31 @@ def test_sync_batchnorm_on_cpu_is_refused_at_wrap_time(world2):
             for part in ("CPU", "CUDA/XPU", "nn.BatchNorm", "convert_sync_batchnorm"):
                 assert part in message, (rank, name, part, message)
             assert trained[name], (rank, name)
+
+
+def _eval_only_sync_batchnorm():
+    """A frozen SyncBatchNorm backbone kept in eval mode (torch's plain batch norm on the CPU)
+    trains under every wrapper; one switched to training after wrapping is refused at the
+    forward, naming it, before any collective."""
+    out = {}
+    for name, (wrap, _) in WRAPPERS.items():
+        model = _cnn(sync=True)
+        backbone = nn.Sequential(model[0], model[1])
+        backbone.requires_grad_(False)
+        model.eval()
+        model[4].train()
+        wrapped = wrap(model)
+        wrapped(torch.randn(2, 3, 6, 6)).sum().backward()
+        backbone[1][1].train()
+        try:
+            wrapped(torch.randn(2, 3, 6, 6))
+            out[name] = "trained"
+        except ValueError as error:
+            out[name] = str(error)
+    return out
+
+
+def test_eval_only_sync_batchnorm_is_accepted(world2):
+    for out in world2.run(_eval_only_sync_batchnorm):
+        for name, message in out.items():
+            assert "1.1 is a torch.nn.SyncBatchNorm in training mode" in message, (name, message)

@@ -125,6 +125,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import itertools
 import sys
 import weakref
 from collections.abc import Mapping
@@ -393,9 +394,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             unit whatever the policy says of it). ``device_id`` moves a module on the CPU to
             that device before sharding (a module on another accelerator is a ValueError).
             ``cpu_offload`` also takes torch's ``CPUOffload(offload_params=...)``.
-            A unit computing on the CPU that holds a ``torch.nn.SyncBatchNorm`` is a
-            ValueError naming it (torch's SyncBatchNorm trains on CUDA/XPU tensors only, and
-            torch DDP refuses it on the CPU too): keep ``nn.BatchNorm*d`` on the CPU.
+            A unit computing on the CPU that holds a ``torch.nn.SyncBatchNorm`` in training
+            mode is a ValueError naming it (torch's SyncBatchNorm trains on CUDA/XPU tensors
+            only); one in eval mode is accepted (torch runs a plain batch norm), and refused
+            at the root's forward, before any gather, if it is training by then.
         use_orig_params, forward_prefetch, backward_prefetch, limit_all_gathers: torch
             FSDP1's, checked and accepted (:func:`.fsdp_arguments.check_torch_scheduling_options`):
             the parameters are always the module's own (torch's ``use_orig_params=True``),
@@ -984,6 +986,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if not in_backward:
             self.training_state = TrainingState.FORWARD
         if self is root and not in_backward:
+            _refuse_training_sync_batchnorm(self, "FullyShardedDataParallel")
             root._drop_stale_kept_units()
             root._gather_before_users_backward_pre_hooks()
         if not root._orders_final and self not in root._forward_order:
@@ -2210,7 +2213,9 @@ def _refuse_sync_batchnorm_on_cpu(module: nn.Module, ignored: IgnoredStates,
     if compute_device.type != "cpu":
         return
     for name, m in _named_unit_modules(module, ignored):
-        if isinstance(m, nn.SyncBatchNorm):
+        # one in eval mode (a frozen backbone, an inference engine) runs torch's plain batch
+        # norm on the CPU; one switched to training later is refused at the root's forward
+        if isinstance(m, nn.SyncBatchNorm) and m.training:
             raise ValueError(
                 f"FullyShardedDataParallel: {name or 'the wrapped module'} is a "
                 f"torch.nn.SyncBatchNorm in a unit computing on the CPU, and torch's "
@@ -2219,6 +2224,29 @@ def _refuse_sync_batchnorm_on_cpu(module: nn.Module, ignored: IgnoredStates,
                 f"the CPU keep the plain nn.BatchNorm layers (leave out "
                 f"SyncBatchNorm.convert_sync_batchnorm), or put the module on its GPU before "
                 f"wrapping")
+
+
+def _refuse_training_sync_batchnorm(root: nn.Module, wrapper: str,
+                                    holder: Optional[nn.Module] = None) -> None:
+    """At a training forward, before any collective: a ``torch.nn.SyncBatchNorm`` anywhere
+    under ``root`` (ignored modules included) that is in training mode and computes on the CPU
+    would raise inside torch (after the units' gathers); raise here, naming it. The layers are
+    found once and kept on ``holder`` (default ``root``), the wrapper. Local."""
+    holder = root if holder is None else holder
+    layers = holder.__dict__.get("_sync_batchnorm_layers")
+    if layers is None:
+        layers = [(".".join(p for p in name.split(".") if p != "_fsdp_wrapped_module"), m)
+                  for name, m in root.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+        holder.__dict__["_sync_batchnorm_layers"] = layers
+    for name, m in layers:
+        if m.training and any(t.device.type == "cpu" for t in
+                              itertools.chain(m.parameters(), m.buffers())):
+            raise ValueError(
+                f"{wrapper}: {name} is a torch.nn.SyncBatchNorm in training mode on the CPU, "
+                f"and torch's SyncBatchNorm only runs on CUDA/XPU tensors in training (in eval "
+                f"mode it is a plain batch norm). On the CPU keep the plain nn.BatchNorm layers "
+                f"(leave out SyncBatchNorm.convert_sync_batchnorm), keep this one in eval mode, "
+                f"or put the module on its GPU")
 
 
 def _build_shard(params, locations, groups, policy: MixedPrecisionPolicy,

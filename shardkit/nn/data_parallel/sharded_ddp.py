@@ -46,7 +46,9 @@ def _refuse_sync_batchnorm_on_cpu(module: nn.Module, device_type: str) -> None:
     if device_type != "cpu":
         return
     for name, m in module.named_modules():
-        if isinstance(m, nn.SyncBatchNorm):
+        # one in eval mode runs torch's plain batch norm on the CPU; one switched to training
+        # later is refused at forward (ShardedDataParallel.forward)
+        if isinstance(m, nn.SyncBatchNorm) and m.training:
             raise ValueError(
                 f"ShardedDataParallel(module=...): {name or 'the module'} is a "
                 f"torch.nn.SyncBatchNorm on the CPU, and torch's SyncBatchNorm only runs on "
@@ -61,8 +63,9 @@ class ShardedDataParallel(nn.Module):
 
     Args:
         module: the model; every rank wraps the same architecture. A module on the CPU
-            holding a ``torch.nn.SyncBatchNorm`` is a ValueError, as under torch DDP (torch's
+            holding a ``torch.nn.SyncBatchNorm`` in training mode is a ValueError (torch's
             SyncBatchNorm trains on CUDA/XPU tensors only): keep ``nn.BatchNorm*d`` there.
+            One in eval mode is accepted, and refused at forward if it is training by then.
         sharded_optimizer: an :class:`~shardkit.optim.OSS`, or a list of them, over parameters of
             ``module``; together they must cover every trainable parameter.
         process_group: the data-parallel group (default: the optimizers' group; if given, it must
@@ -269,6 +272,8 @@ class ShardedDataParallel(nn.Module):
         forward with grad enabled) and broadcast rank 0's buffers (``broadcast_buffers``; as
         torch DDP, only when the previous forward was a reducing one, grad enabled and outside
         :meth:`no_sync`, or :meth:`reduce` ran since)."""
+        from shardkit.nn.data_parallel.fully_sharded import _refuse_training_sync_batchnorm
+        _refuse_training_sync_batchnorm(self.module, "ShardedDataParallel", self)
         if self._backward_active:
             self._forget_aborted_backward()
         if self._sync_enabled:
