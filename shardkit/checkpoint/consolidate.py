@@ -126,7 +126,7 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     try:
         state = consolidate_checkpoint(args.checkpoint_dir, args.tag)
-        numel = sum(t.numel() for t in state.values())
+        numel = sum(t.numel() for t in state.values() if isinstance(t, torch.Tensor))
         if args.hf_config is not None:
             model = save_hf_pretrained(state, args.hf_config, args.output, args.hf_model_class)
             print(f"consolidate: wrote {type(model).__name__} ({len(state)} tensors, {numel} "

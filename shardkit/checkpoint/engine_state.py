@@ -26,6 +26,7 @@ import copy
 import logging
 import os
 import random
+import zlib
 from typing import Optional
 
 import torch
@@ -42,6 +43,8 @@ from shardkit.optim.partition import ParameterPartition
 __all__ = ["save_engine_checkpoint", "load_engine_checkpoint", "rng_state", "set_rng_state"]
 
 logger = logging.getLogger("shardkit")
+
+_EXTRA_STATE = "_extra_state"  # the state_dict key of a module's get_extra_state(), as torch's
 
 
 # ----------------------------------------------------------------------------- save
@@ -260,7 +263,7 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     stage 0 the full fp32 model and optimizer state, stages 1-2 the full fp32 model and its OSS
     share of the optimizer state, stage 3 only its row blocks (``1/N`` of the fp32 model and of
     the optimizer state, plus padding), the file being read memory-mapped. Communication: one
-    two-element all-reduce (every rank agrees it read the checkpoint before any loads), then
+    four-element all-reduce (every rank agrees it read the checkpoint before any loads), then
     what loading into the wrappers costs (stage 3: nothing; stages 0-2: see the optimizer's
     ``load_state_dict``)."""
     ckpt = _read_and_check_on_every_rank(engine, load_dir, tag, load_optimizer_states)
@@ -310,8 +313,10 @@ def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
     """The checked checkpoint (``None`` when ``load_dir`` has none), read by every rank, which
     then agree before any loads: a rank that cannot read it, or finds none while others do (a
     directory that is not shared, a damaged file one node sees), makes every rank raise a
-    :class:`CheckpointError` rather than go on with other weights or wait in a collective.
-    Communication: one two-element all-reduce."""
+    :class:`CheckpointError` rather than go on with other weights or wait in a collective; so
+    do ranks that read different checkpoints (another ``tag`` passed on some rank, a node-local
+    ``latest`` that names another tag), which would each load their own weights and steps.
+    Communication: one four-element all-reduce."""
     ckpt, error = None, None
     try:
         path = resolve_checkpoint_dir(load_dir, tag)
@@ -326,19 +331,42 @@ def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
                 _check_optimizer_state(engine, ckpt)
     except Exception as e:  # raised on every rank below
         error = e
-    failed, found = _count_over_ranks(error is not None, ckpt is not None)
+    which = _checkpoint_identity(engine, ckpt) if ckpt is not None else None
+    code = 0 if which is None else zlib.crc32(which.encode()) & 0xFFFF
+    failed, found, codes, squares = _count_over_ranks(
+        error is not None, ckpt is not None, code, code * code)
     if error is not None:
         raise error
     if failed:
         raise CheckpointError(f"load_checkpoint({load_dir!r}, tag={tag!r}) failed on {failed} "
                               f"other rank(s) (see their errors); nothing was loaded")
-    if 0 < found < distributed.get_world_size():
+    world = distributed.get_world_size()
+    if 0 < found < world:
         raise CheckpointError(
             f"load_checkpoint({load_dir!r}, tag={tag!r}): {found} of "
-            f"{distributed.get_world_size()} ranks found a checkpoint there, "
+            f"{world} ranks found a checkpoint there, "
             f"{'this one' if ckpt is not None else 'not this one'}; every rank must see the "
             f"same directory (a filesystem shared by the nodes); nothing was loaded")
+    if found and squares * world != codes * codes:  # equal codes on every rank, and only then
+        raise CheckpointError(
+            f"load_checkpoint({load_dir!r}, tag={tag!r}): the ranks resolved different "
+            f"checkpoints (this rank: {which}); pass the same tag on every rank (and let "
+            f"every rank read the same 'latest'); nothing was loaded")
     return ckpt
+
+
+def _checkpoint_identity(engine, ckpt) -> str:
+    """What every rank loading one checkpoint has in common: its tag (under tensor
+    parallelism the ``TAG`` above the ``mp_rank_XX`` parts; a re-save's retired copy under the
+    tag's own name) and the saved step counters. Names only, not paths: nodes may mount the
+    shared directory at other paths. Local."""
+    path = os.path.normpath(ckpt.path)
+    if getattr(engine, "model_parallel", None) is not None:
+        path = os.path.dirname(path)
+    name = os.path.basename(path)
+    name = name[len(".old-"):] if name.startswith(".old-") else name
+    return (f"tag {name!r} at global step {ckpt.metadata['global_steps']} "
+            f"({ckpt.metadata.get('skipped_steps', 0)} skipped)")
 
 
 def _optimizer_state_kept_here(engine):
@@ -374,8 +402,11 @@ def _rows_kept_here(engine):
     return lambda name: (layouts[name], rank) if name in layouts else None
 
 
-def _count_over_ranks(*flags: bool) -> list[int]:
-    counts = torch.tensor([float(f) for f in flags], device=agreement_device())
+def _count_over_ranks(*flags) -> list[int]:
+    """The sums over the world of small integers (flags and 16-bit codes, and their squares:
+    exact in float64 up to 2**21 ranks)."""
+    counts = torch.tensor([float(f) for f in flags], dtype=torch.float64,
+                          device=agreement_device())
     distributed.all_reduce(counts)
     return [int(c) for c in counts.tolist()]
 
@@ -406,10 +437,13 @@ def _check_names(engine, ckpt) -> None:
 
 def _model_shapes(engine) -> dict:
     """The full shape of every tensor in the unwrapped model's ``state_dict``, by name (stage 3:
-    FSDP's :meth:`full_shapes`, no gather). No communication."""
+    FSDP's :meth:`full_shapes`, no gather). A module's ``_extra_state`` (``get_extra_state``:
+    any object, or a tensor of serialized bytes whose length varies) is left out, as torch's
+    ``load_state_dict`` hands it to ``set_extra_state`` unchecked. No communication."""
     if engine.zero_stage == 3:
         return engine.wrapped.full_shapes()
-    return {name: tuple(v.shape) for name, v in engine.module.state_dict().items()}
+    return {name: tuple(v.shape) for name, v in engine.module.state_dict().items()
+            if isinstance(v, torch.Tensor) and not name.endswith(_EXTRA_STATE)}
 
 
 def _check_shapes(engine, ckpt) -> None:

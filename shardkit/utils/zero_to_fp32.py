@@ -255,7 +255,10 @@ def parse_shard_size(max_shard_size: Union[int, str, None]) -> Optional[int]:
     return size
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
+def _nbytes(tensor) -> int:
+    """A tensor's bytes; 0 for a module's extra state that is not a tensor (a dict)."""
+    if not isinstance(tensor, torch.Tensor):
+        return 0
     return tensor.numel() * tensor.element_size()
 
 
@@ -327,7 +330,10 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir=None,
     ending in ``.bin``/``.pt``/``.pth``/``.safetensors`` that is not a directory, or
     ``output_file=`` (DeepSpeed's earlier keyword), is one file with the whole state dict
     (safetensors for a ``.safetensors`` name). Each file is written to a temporary name and
-    renamed, the index last. Nothing is written when the checkpoint cannot be read."""
+    renamed, the index last; shards are renamed only once all are written, after removing an
+    earlier conversion's index of the same name, so a failed or killed conversion never leaves
+    an index over a mix of its shards and an earlier conversion's. Nothing is written when the
+    checkpoint cannot be read."""
     caller = "convert_zero_checkpoint_to_fp32_state_dict"
     if (output_dir is None) == (output_file is None):
         raise TypeError(f"{caller}: give the output directory (output_dir=) or file "
@@ -353,6 +359,12 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir=None,
     tag = _resolve_tag(checkpoint_dir, tag, caller)  # errors name this function
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag,
                                                      exclude_frozen_parameters)
+    objects = [k for k, v in state.items() if not isinstance(v, torch.Tensor)]
+    if safe and objects:
+        raise ValueError(f"{caller}: safetensors holds tensors only, and the checkpoint's "
+                         f"{objects[:4]} are modules' extra state (get_extra_state) of other "
+                         f"types; write torch.save files (safe_serialization=False, a .bin "
+                         f"name); nothing was written")
     if one_file:
         parent = os.path.dirname(output)
         if parent:
@@ -368,14 +380,26 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir=None,
         _write_file(state, path, safe)
         _remove_stale_weights(output, [path])
         return [path]
-    written, weight_map = [], {}
-    for i, names in enumerate(shards, 1):
-        file = f"{stem}-{i:05d}-of-{len(shards):05d}{ext}"
-        _write_file({n: state[n] for n in names}, os.path.join(output, file), safe)
-        written.append(os.path.join(output, file))
-        weight_map.update((n, file) for n in names)
-    total = sum(_nbytes(t) for t in {id(t): t for t in state.values()}.values())
+    written, weight_map, staged = [], {}, {}
     index = os.path.join(output, f"{weights}.index.json")
+    try:  # every shard under a temporary name first: a failure leaves the old files as they were
+        for i, names in enumerate(shards, 1):
+            file = f"{stem}-{i:05d}-of-{len(shards):05d}{ext}"
+            staged[file] = os.path.join(output, f".{file}.pending-{os.getpid()}")
+            _write_file({n: state[n] for n in names}, staged[file], safe)
+            weight_map.update((n, file) for n in names)
+        # an earlier conversion's index would name our shards among its own (same names):
+        # gone before they move in, so a process killed among the renames leaves no index
+        if os.path.exists(index):
+            os.remove(index)
+        for file, path in staged.items():
+            os.replace(path, os.path.join(output, file))
+            written.append(os.path.join(output, file))
+    finally:
+        for path in staged.values():
+            if os.path.exists(path):
+                os.remove(path)
+    total = sum(_nbytes(t) for t in {id(t): t for t in state.values()}.values())
     pending = f"{index}.tmp-{os.getpid()}"
     with open(pending, "w", encoding="utf-8") as f:
         f.write(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},

@@ -359,3 +359,188 @@ def test_fp16_engine_resumes_its_skips_scale_and_schedule_at_another_stage(
             for got, want in zip(r, reference):
                 assert got["counters"] == want["counters"], (s, t)
                 assert max_diff(got["state"], want["state"]) <= TOL, (s, t)
+
+
+# ------------------------------------------------------ the engine, ranks that disagree
+
+
+def _load_where_ranks_disagree(save_dir):
+    """Two checkpoints (tags a and b); rank 1 asks for another tag than rank 0, then reads a
+    node-local copy whose ``latest`` names the other one. Returns, per attempt, the error and
+    whether anything of the engine changed."""
+    import shutil
+    engine = _engine(0, 0)
+    _engine_steps(engine, 0, 1)
+    engine.save_checkpoint(save_dir, tag="a")
+    _engine_steps(engine, 1, 1)
+    engine.save_checkpoint(save_dir, tag="b")
+    rank = distributed.get_rank()
+    local = f"{save_dir}-node{rank}"
+    if rank == 1:
+        shutil.copytree(save_dir, local)
+        with open(f"{local}/latest", "w") as f:
+            f.write("a")
+    distributed.barrier()
+    fresh = _engine(0, 99)
+    before = {k: v.clone() for k, v in fresh.module.state_dict().items()}
+    results = {}
+    for what, load_dir, tag in (("tag", save_dir, "ab"[rank]),
+                                ("latest", local if rank == 1 else save_dir, None)):
+        try:
+            fresh.load_checkpoint(load_dir, tag=tag)
+            results[what] = "loaded"
+        except shardkit.checkpoint.CheckpointError as error:
+            results[what] = str(error)
+    results["unchanged"] = max_diff(fresh.module.state_dict(), before) == 0 \
+        and fresh.global_steps == 0
+    return results
+
+
+def test_ranks_that_resolve_different_checkpoints_load_nothing(world2, tmp_path):
+    # Before: rank 0 loaded tag a (global step 1) and rank 1 tag b (step 2), each its own
+    # weights and counters, silently: the replicas then trained apart.
+    for rank, r in enumerate(world2.run(_load_where_ranks_disagree, str(tmp_path / "ckpt"))):
+        assert r["unchanged"], r
+        for what in ("tag", "latest"):
+            assert "the ranks resolved different checkpoints" in r[what], (what, r)
+        assert f"tag {'ab'[rank]!r} at global step {1 + rank}" in r["tag"], r
+        assert f"tag {'ba'[rank]!r}" in r["latest"], r
+
+
+# ------------------------------------------------------ zero_to_fp32 into a used directory
+
+
+def _two_tags(save_dir):
+    """Tag a, then tag b one fp32 SGD step later."""
+    model = Net(0)
+    engine, *_ = shardkit.initialize(model=model, config={
+        "train_batch_size": GLOBAL_BATCH, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.save_checkpoint(save_dir, tag="a")
+    x, y = _batch(0)
+    engine.backward(F.mse_loss(engine(x), y))
+    engine.step()
+    engine.save_checkpoint(save_dir, tag="b")
+
+
+def test_failed_sharded_conversion_leaves_the_earlier_one_whole(world1, tmp_path, monkeypatch):
+    # Before: the disk filled up while the second shard of tag b was written over tag a's
+    # conversion: b's first shard, a's other shards and a's index loaded as one model.
+    import json
+    import os
+    from shardkit.utils import zero_to_fp32
+    save_dir, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    world1.run(_two_tags, save_dir)
+    want = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="a")
+    assert max_diff(want, zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+        save_dir, tag="b")) > 0
+    first = zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(
+        save_dir, out, max_shard_size=100, tag="a")
+    assert len(first) > 3, first  # an index and at least three shards
+    write, calls = zero_to_fp32._write_file, []
+
+    def disk_full_at_the_second_shard(tensors, path, safe):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        write(tensors, path, safe)
+
+    monkeypatch.setattr(zero_to_fp32, "_write_file", disk_full_at_the_second_shard)
+    try:
+        zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(save_dir, out,
+                                                                max_shard_size=100, tag="b")
+        raise AssertionError("the conversion did not fail")
+    except OSError:
+        pass
+    assert sorted(os.listdir(out)) == sorted(os.path.basename(p) for p in first)
+    with open(os.path.join(out, "pytorch_model.bin.index.json")) as f:
+        files = set(json.load(f)["weight_map"].values())
+    got = {}
+    for file in sorted(files):
+        got.update(torch.load(os.path.join(out, file), weights_only=True))
+    assert set(got) == set(want) and max_diff(got, want) == 0
+
+
+# ------------------------------------------------------ a module's extra state
+
+
+class _Counting(nn.Linear):
+    """A layer with ``get_extra_state`` (a dict, not a tensor): how many forwards it ran."""
+
+    def __init__(self):
+        super().__init__(6, 5)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+    def get_extra_state(self):
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state):
+        self.calls = state["calls"]
+
+
+def _extra_state_round_trip(save_dir):
+    """Saved at stage 1, loaded at stages 0 and 2: the weights and the extra state."""
+    config = {"train_batch_size": GLOBAL_BATCH, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}}
+
+    def build(stage, seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(_Counting(), nn.Tanh(), nn.Linear(5, 5))
+        return shardkit.initialize(model=model, config={
+            **config, "zero_optimization": {"stage": stage}})[0], model
+
+    engine, model = build(1, 0)
+    x, y = _batch(0)
+    engine.backward(F.mse_loss(engine(x), y))
+    engine.step()
+    engine.save_checkpoint(save_dir)
+    results = []
+    for stage in (0, 2):
+        other, other_model = build(stage, 1)
+        try:
+            other.load_checkpoint(save_dir)
+        except Exception as error:  # noqa: BLE001 - reported to the test
+            results.append(f"{type(error).__name__}: {error}")
+            continue
+        tensors = [(k, v) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)]
+        got = other_model.state_dict()
+        results.append((other_model[0].calls, max_diff({k: got[k] for k, _ in tensors},
+                                                       dict(tensors))))
+    return results
+
+
+def test_module_extra_state_loads_at_every_stage_and_converts(world2, tmp_path):
+    # Before: load_checkpoint at stages 0-2 raised "AttributeError: 'dict' object has no
+    # attribute 'shape'" on every rank for a model with get_extra_state (saving worked), and
+    # convert_zero_checkpoint_to_fp32_state_dict / `python -m shardkit consolidate` raised
+    # "'dict' object has no attribute 'numel'".
+    import os
+    from shardkit.checkpoint.consolidate import main as consolidate
+    from shardkit.utils import zero_to_fp32
+    save_dir = str(tmp_path / "ckpt")
+    for r in world2.run(_extra_state_round_trip, save_dir):
+        assert r == [(1, 0.0), (1, 0.0)], r
+    want = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(save_dir)
+    assert want["0._extra_state"] == {"calls": 1}
+    for kwargs in ({}, {"max_shard_size": 64}):
+        out = str(tmp_path / f"hf{len(kwargs)}")
+        zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(save_dir, out, **kwargs)
+        got = {}
+        for file in os.listdir(out):
+            if file.endswith(".bin"):
+                got.update(torch.load(os.path.join(out, file), weights_only=True))
+        assert got.keys() == want.keys() and got["0._extra_state"] == {"calls": 1}, kwargs
+    try:
+        zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict(save_dir, str(tmp_path / "st"),
+                                                                safe_serialization=True)
+        refusal = "accepted"
+    except ValueError as error:
+        refusal = str(error)
+    assert "['0._extra_state']" in refusal and not os.path.exists(tmp_path / "st"), refusal
+    assert consolidate([save_dir, str(tmp_path / "model.pt")]) == 0
+    model = nn.Sequential(_Counting(), nn.Tanh(), nn.Linear(5, 5))
+    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    assert model[0].calls == 1
