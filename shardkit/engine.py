@@ -1487,8 +1487,6 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                                         and not load_module_only)
         if kept is not None:
             self._restore_training_position(kept)
-        else:  # the loaded steps count at this run's batch size
-            self._samples_before_resize = self._steps_before_resize = 0
         return result
 
     def _training_position(self) -> dict:
@@ -1497,6 +1495,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         from shardkit.checkpoint.engine_state import rng_state
         return {"global_steps": self.global_steps, "skipped_steps": self.skipped_steps,
                 "micro_steps": self.micro_steps, "rng": rng_state(),
+                "resized_at": (self._samples_before_resize, self._steps_before_resize),
                 "loss_scaler": None if self.loss_scaler is None
                 else self.loss_scaler.state_dict()}
 
@@ -1507,6 +1506,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         self.global_steps = kept["global_steps"]
         self.skipped_steps = kept["skipped_steps"]
         self.micro_steps = kept["micro_steps"]
+        self._samples_before_resize, self._steps_before_resize = kept["resized_at"]
         set_rng_state(kept["rng"])
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(kept["loss_scaler"])
@@ -1782,7 +1782,7 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         for note in cfg.warnings:
             logger.warning(note)
     if recipe is not None and cfg.precision.dtype != "fp32":
-        cast = _keep_fp32_master_weights(model, recipe)
+        cast = _keep_fp32_master_weights(model, recipe, cfg.zero.stage)
         if cast and distributed.get_rank() == 0:
             logger.warning("%s training: %d 16-bit parameters and buffers of the model were cast "
                            "to fp32 master weights (the forward still runs in %s under autocast), "
@@ -1848,7 +1848,7 @@ def _check_lr_kwargs(scheduler, lr_kwargs: dict) -> None:
                          f"({error})") from None
 
 
-def _keep_fp32_master_weights(model: nn.Module, recipe: OptimizerRecipe) -> int:
+def _keep_fp32_master_weights(model: nn.Module, recipe: OptimizerRecipe, stage: int) -> int:
     """fp16/bf16 training of a model whose weights are 16-bit (``from_pretrained(torch_dtype=
     torch.bfloat16)``, ``model.half()``): its fp16/bf16 parameters (the same ``Parameter``
     objects), their gradients, its fp16/bf16 buffers and any state the optimizer already holds
@@ -1858,7 +1858,9 @@ def _keep_fp32_master_weights(model: nn.Module, recipe: OptimizerRecipe) -> int:
     weights themselves loses every update below half a unit in the last place (bf16 Adam at
     lr 1e-4 barely moves) and Adam's eps underflows in fp16 (the weights became inf).
     Frozen parameters (``requires_grad=False``: a LoRA base model) stay 16-bit, as in
-    DeepSpeed (whose fp32 masters are the optimizer's); unfreeze before ``initialize``.
+    DeepSpeed (whose fp32 masters are the optimizer's); unfreeze before ``initialize``. At
+    stage 3 they become fp32 too when any trainable one does: an FSDP unit holds one dtype (its
+    shards keep ``1/N`` of them, so the frozen weights cost ``2·Ψ_frozen/N`` more bytes per rank).
     Returns how many tensors were cast (0 for a model holding FSDP units the user wrapped:
     their shards are left as they are). Memory: those tensors double. Local."""
     from shardkit.nn.data_parallel import FullyShardedDataParallel
@@ -1867,9 +1869,11 @@ def _keep_fp32_master_weights(model: nn.Module, recipe: OptimizerRecipe) -> int:
     half = (torch.float16, torch.bfloat16)
     state = recipe.instance.state if recipe.instance is not None else {}
     cast = 0
+    frozen_too = stage == 3 and any(p.dtype in half and p.requires_grad
+                                    for p in model.parameters())
     with torch.no_grad():
         for param in model.parameters():
-            if param.dtype not in half or not param.requires_grad:
+            if param.dtype not in half or not (param.requires_grad or frozen_too):
                 continue  # a frozen weight is never stepped: fp32 would only double it
             grad, param.grad = param.grad, None
             param.data = param.data.float()

@@ -310,10 +310,37 @@ def _frozen_16_bit_base(stage: int):
         sorted({str(p.dtype) for p in model[4].parameters()})
 
 
+def _frozen_and_trained_in_one_unit(stage: int):
+    """Stage 3: a frozen bf16 weight beside a trainable bias in one FSDP unit (BitFit; a LoRA
+    block is the same) trains, and so the frozen weights become fp32 too: a unit holds one
+    dtype. Before, initialize raised FSDP's "one unit's parameters must share a dtype"."""
+    model = _model().to(torch.bfloat16)
+    for layer in (model[0], model[2], model[4]):
+        layer.weight.requires_grad_(False)
+    engine, *_ = shardkit.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config={"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                "zero_optimization": {"stage": stage}, "steps_per_print": 1000,
+                "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    x, y = _batch(0, world)
+    before = engine.module_state_dict()
+    engine.backward(F.mse_loss(engine(x[2 * rank:2 * rank + 2]).float(),
+                               y[2 * rank:2 * rank + 2]))
+    engine.step()
+    after = engine.module_state_dict()
+    return sorted({str(v.dtype) for v in after.values()}), \
+        [k for k in before if not torch.equal(before[k], after[k])]
+
+
 def test_a_frozen_16_bit_body_stays_16_bit(world2):
+    # below stage 3; at stage 3 an FSDP unit holds one dtype, so frozen weights are fp32 too
     for stage in (0, 3):
         for frozen, trained in world2.run(_frozen_16_bit_base, stage):
-            assert frozen == ["torch.bfloat16"] and trained == ["torch.float32"], stage
+            expected = "torch.float32" if stage == 3 else "torch.bfloat16"
+            assert frozen == [expected] and trained == ["torch.float32"], stage
+    for dtypes, moved in world2.run(_frozen_and_trained_in_one_unit, 3):
+        assert dtypes == ["torch.float32"] and moved == ["0.bias", "2.bias", "4.bias"], moved
 
 
 def test_a_16_bit_model_trains_on_fp32_master_weights(world2):

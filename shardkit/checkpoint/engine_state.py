@@ -131,7 +131,7 @@ def _checkpoint_parts(engine, tag: str, client_state: Optional[dict],
     metadata = {
         "format": FORMAT, "tag": tag, "world_size": world,
         "zero_stage": engine.zero_stage, "global_steps": engine.global_steps,
-        "skipped_steps": engine.skipped_steps,
+        "skipped_steps": engine.skipped_steps, "global_samples": engine.global_samples,
         "param_names": sorted(set(engine.module_state_names()) - excluded),
         "excluded_frozen": sorted(excluded),
         # zero_to_fp32: which names were frozen, and which share one tensor (alias -> name)
@@ -283,6 +283,12 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     engine.global_steps = int(ckpt.metadata["global_steps"])
     engine.skipped_steps = int(ckpt.metadata.get("skipped_steps", 0))
     engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    # DeepSpeed's: the samples as counted when saved (a run that changed its batch size);
+    # the steps after this one count at this run's batch size. Older checkpoints: steps x batch
+    samples = ckpt.metadata.get("global_samples")
+    engine._steps_before_resize = engine.global_steps
+    engine._samples_before_resize = int(samples) if samples is not None \
+        else engine.global_steps * engine.config.train_batch_size
     saved_world = ckpt.metadata["world_size"]
     set_rng_state(ckpt.rng_by_rank[_rank_and_world(engine)[0] % saved_world])
     return ckpt.path, ckpt.engine["client_state"]

@@ -544,3 +544,31 @@ def test_module_extra_state_loads_at_every_stage_and_converts(world2, tmp_path):
     model = nn.Sequential(_Counting(), nn.Tanh(), nn.Linear(5, 5))
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
     assert model[0].calls == 1
+
+
+def _samples_after_a_batch_size_change(save_dir):
+    """Two steps at batch 8, one at 16 (set_train_batch_size), saved; loaded into a fresh
+    engine (batch 8), then one more step; and a warm start (load_module_only) of a fresh one."""
+    engine = _engine(1, 0)
+    _engine_steps(engine, 0, 2)
+    engine.set_train_batch_size(2 * GLOBAL_BATCH)
+    x, y = _batch(2)
+    for _ in range(engine.gradient_accumulation_steps()):
+        engine.backward(F.mse_loss(engine(x[:2]).float(), y[:2]))
+        engine.step()
+    saved = engine.global_samples
+    engine.save_checkpoint(save_dir)
+    resumed = _engine(1, 99)
+    resumed.load_checkpoint(save_dir)
+    loaded = resumed.global_samples
+    _engine_steps(resumed, 3, 1)
+    warm = _engine(1, 99)
+    warm.load_checkpoint(save_dir, load_module_only=True)
+    return saved, loaded, resumed.global_samples, warm.global_samples
+
+
+def test_global_samples_resume_as_saved_after_a_batch_size_change(world2, tmp_path):
+    # Before: the loaded engine counted every saved step at its own batch size (24, not 32),
+    # where DeepSpeed restores the checkpoint's global_samples.
+    for r in world2.run(_samples_after_a_batch_size_change, str(tmp_path / "ckpt")):
+        assert r == (32, 32, 40, 0), r
