@@ -141,12 +141,24 @@ def _all_gather_into_tensor(output_tensor, tensor, group=None, async_op: bool = 
                                               async_op=async_op)
 
 
+def _polled(work, group):
+    """An async reduce-scatter's handle whose ``is_completed()`` is a true poll: gloo's work
+    reads ``False`` forever, even after ``wait()`` (a loop polling it never ended), so on
+    gloo a background thread waits for it (``wait()`` then returns ``True``). Other backends'
+    works as they are."""
+    if work is None or not distributed._completes_when_waited(group):
+        return work
+    return distributed._ThenCopy([work], None, watched=True)
+
+
 def _reduce_scatter_tensor(output_tensor, tensor, op=distributed.ReduceOp.SUM, group=None,
                            async_op: bool = False):
     """DeepSpeed's ``reduce_scatter_tensor(output_tensor, tensor, op=ReduceOp.SUM, group=None,
-    async_op=False)``."""
-    return distributed.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group,
+    async_op=False)`` (with ``async_op`` on gloo a handle whose ``is_completed()`` polls, as
+    torch's gloo work's does not)."""
+    work = distributed.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group,
                                              async_op=async_op)
+    return _polled(work, group) if async_op else work
 
 
 def _splits(sizes, tensor, n: int, argument: str) -> list:
@@ -172,47 +184,55 @@ def _all_to_all_single(output, tensor, output_split_sizes=None, input_split_size
     input_split_sizes=None, group=None, async_op=False)``: rows (dim 0) ``input_split_sizes[j]``
     go to rank ``j``, rows from rank ``j`` land in ``output_split_sizes[j]``. No split sizes
     (on any rank of the group: every rank passes split sizes or none does): one all-to-all.
-    With split sizes: one all-gather of every rank's split sizes (``2n`` ints), checked on
-    every rank (a bad or inconsistent split raises the same ValueError on every rank, before
-    any data moves), then one all-to-all: of the splits as given when they are all equal, else
-    of the splits padded to the largest (its padding on the wire too), the handle then a
-    finished one."""
+    With split sizes: one all-gather of every rank's split sizes and dtype (``2n + 2`` int64s a
+    rank, ``8n(2n + 2)`` bytes gathered, not counted by CommCounter), checked on every rank
+    (a bad or inconsistent split, or a dtype that differs between ranks, raises the same
+    ValueError on every rank, before any data moves), then one all-to-all: of the splits as
+    given when they are all equal, else of the splits padded to the largest (its padding on
+    the wire too), the handle then a finished one."""
     if output_split_sizes is None and input_split_sizes is None:
         return distributed.all_to_all_single(output, tensor, group=group, async_op=async_op)
+    return _all_to_all_split(output, tensor, output_split_sizes, input_split_sizes, group,
+                             async_op, "all_to_all_single")
+
+
+def _all_to_all_split(output, tensor, output_split_sizes, input_split_sizes, group,
+                      async_op: bool, what: str, problem: Optional[Exception] = None):
+    """:func:`_all_to_all_single` with split sizes; ``problem``: what the caller already
+    found wrong on this rank (raised here after the agreement, so no rank is left
+    waiting)."""
     if distributed._not_a_member(group):  # torch skips the op there
         return _Done() if async_op else None
     n = distributed.get_world_size(group)
-    problem = None
-    try:
-        sends = _splits(input_split_sizes, tensor, n, "input_split_sizes")
-        takes = _splits(output_split_sizes, output, n, "output_split_sizes")
-        if tensor.shape[1:] != output.shape[1:] or tensor.dtype != output.dtype:
-            raise ValueError(f"all_to_all_single: the tensor {tuple(tensor.shape)} "
-                             f"{tensor.dtype} and the output {tuple(output.shape)} "
-                             f"{output.dtype} must have one dtype and the same sizes beyond "
-                             f"dim 0")
-    except ValueError as error:
-        problem, sends, takes = error, [0] * n, [0] * n
-    # every rank's [ok, sends, takes]: every rank then decides (and raises) alike
-    mine = torch.tensor([int(problem is None)] + sends + takes, dtype=torch.int64,
-                        device=tensor.device)
-    every = torch.empty(n * mine.numel(), dtype=torch.int64, device=tensor.device)
-    distributed.all_gather_into_tensor(every, mine, group=group)
-    every = every.view(n, 2 * n + 1).tolist()
-    if problem is not None:
-        raise problem
-    failed = [r for r in range(n) if not every[r][0]]
-    if failed:
-        raise ValueError(f"all_to_all_single: group rank(s) {failed} were given split sizes "
-                         f"or tensors that do not fit (their ValueError says which); nothing "
-                         f"was exchanged")
-    sent = [row[1:n + 1] for row in every]
+    sends, takes = [0] * n, [0] * n
+    if problem is None:
+        try:
+            sends = _splits(input_split_sizes, tensor, n, "input_split_sizes")
+            takes = _splits(output_split_sizes, output, n, "output_split_sizes")
+            if tensor.shape[1:] != output.shape[1:] or tensor.dtype != output.dtype:
+                raise ValueError(f"all_to_all_single: the tensor {tuple(tensor.shape)} "
+                                 f"{tensor.dtype} and the output {tuple(output.shape)} "
+                                 f"{output.dtype} must have one dtype and the same sizes "
+                                 f"beyond dim 0")
+        except ValueError as error:
+            problem, sends, takes = error, [0] * n, [0] * n
+    # every rank's [ok, sends, takes, dtype]: every rank then decides (and raises) alike
+    device = distributed._control_device(group, tensor)
+    code = distributed._dtype_code(tensor.dtype) if isinstance(tensor, torch.Tensor) else -1
+    every = distributed._agree_on_call(what, problem, sends + takes + [code], group, device,
+                                       outcome="nothing was exchanged")
+    codes = [row[2 * n] for row in every]
+    if len(set(codes)) > 1:
+        raise ValueError(f"{what}: the ranks' tensors differ in dtype (per group rank: "
+                         f"{[distributed._dtype_name(c) for c in codes]}); every rank must "
+                         f"exchange one dtype; nothing was exchanged")
+    sent = [row[:n] for row in every]
     for i in range(n):
         for j in range(n):
-            if sent[i][j] != every[j][n + 1 + i]:
+            if sent[i][j] != every[j][n + i]:
                 raise ValueError(
-                    f"all_to_all_single: group rank {i} sends {sent[i][j]} rows to group rank "
-                    f"{j} (its input_split_sizes[{j}]), which expects {every[j][n + 1 + i]} "
+                    f"{what}: group rank {i} sends {sent[i][j]} rows to group rank "
+                    f"{j} (its input_split_sizes[{j}]), which expects {every[j][n + i]} "
                     f"(its output_split_sizes[{i}]); nothing was exchanged")
     width = max(max(row) for row in sent)
     if all(k == width for row in sent for k in row):
@@ -232,27 +252,39 @@ def _all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: boo
     async_op=False)``: ``input_tensor_list[j]`` goes to group rank ``j``, group rank ``j``'s
     item for this rank lands in ``output_tensor_list[j]`` (items of any sizes, one dtype).
     Runs as :func:`all_to_all_single` of the lists flattened (their sizes as split sizes: one
-    all-gather of the sizes, checked on every rank, then one all-to-all); with ``async_op`` a
-    finished handle. gloo has no list all-to-all of its own."""
+    all-gather of the sizes, ``2n + 2`` int64s a rank, not counted by CommCounter, checked on
+    every rank, then one all-to-all); with ``async_op`` a finished handle. A list of the
+    wrong length or of mixed dtypes on one rank raises a ValueError on every rank (that
+    rank's names the list), before any data moves. gloo has no list all-to-all of its own."""
     what = "all_to_all"
+    distributed._check_call(what, group)
     if distributed._not_a_member(group):
         return _Done() if async_op else None
     n = distributed.get_world_size(group)
+    problem = None
     for name, items in (("output_tensor_list", output_tensor_list),
                         ("input_tensor_list", input_tensor_list)):
-        if not isinstance(items, (list, tuple)) or len(items) != n or not all(
-                isinstance(t, torch.Tensor) for t in items):
-            raise ValueError(f"{what}({name}=...): expected a list of {n} tensors (one per rank "
-                             f"of the group), got {type(items).__name__}"
-                             + (f" of {len(items)}" if isinstance(items, (list, tuple)) else ""))
-    dtypes = {t.dtype for t in (*output_tensor_list, *input_tensor_list)}
-    if len(dtypes) > 1:
-        raise ValueError(f"{what}: the tensors of both lists must have one dtype, got "
-                         f"{sorted(str(d) for d in dtypes)}")
+        if problem is None and (not isinstance(items, (list, tuple)) or len(items) != n or not all(
+                isinstance(t, torch.Tensor) for t in items)):
+            problem = ValueError(
+                f"{what}({name}=...): expected a list of {n} tensors (one per rank of the "
+                f"group), got {type(items).__name__}"
+                + (f" of {len(items)}" if isinstance(items, (list, tuple)) else ""))
+    if problem is None:
+        dtypes = {t.dtype for t in (*output_tensor_list, *input_tensor_list)}
+        if len(dtypes) > 1:
+            problem = ValueError(f"{what}: the tensors of both lists must have one dtype, got "
+                                 f"{sorted(str(d) for d in dtypes)}")
+    if problem is not None:  # the agreement's all-gather still runs, so no rank waits
+        lists = [items for items in (input_tensor_list, output_tensor_list)
+                 if isinstance(items, (list, tuple))]
+        empty = torch.empty(0, device=distributed._control_device(
+            group, *(t for items in lists for t in items)))
+        _all_to_all_split(empty, empty, [0] * n, [0] * n, group, False, what, problem)
     sends = torch.cat([t.reshape(-1) for t in input_tensor_list])
     got = sends.new_empty(sum(t.numel() for t in output_tensor_list))
-    _all_to_all_single(got, sends, output_split_sizes=[t.numel() for t in output_tensor_list],
-                       input_split_sizes=[t.numel() for t in input_tensor_list], group=group)
+    _all_to_all_split(got, sends, [t.numel() for t in output_tensor_list],
+                      [t.numel() for t in input_tensor_list], group, False, what)
     sizes = [t.numel() for t in output_tensor_list]
     for out, part in zip(output_tensor_list, torch.split(got, sizes)):
         out.copy_(part.view(out.shape))
@@ -270,8 +302,7 @@ def _reduce_scatter_fn(output_tensor, tensor, op=distributed.ReduceOp.SUM, group
                        async_op: bool = False, prof: bool = False, debug=None):
     """DeepSpeed's ``reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None,
     async_op=False)``: :func:`reduce_scatter_tensor`."""
-    return distributed.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group,
-                                             async_op=async_op)
+    return _reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
 def _all_gather_object(object_list, obj, group=None) -> None:
@@ -329,20 +360,186 @@ def _destroy_process_group(group=None) -> None:
 
 # DeepSpeed's ``deepspeed.comm``: torch.distributed's calls under DeepSpeed's signatures (its
 # argument names and defaults), through shardkit.distributed (so CommCounter counts them)
-# DeepSpeed's timed collectives also take these (its communication logger's); shardkit counts
-# communication with CommCounter instead
+# DeepSpeed's timed collectives also take these (its communication logger's): shardkit's
+# logger (configure / log_summary below) reads prof= and log_name=
 _PROFILING_KEYWORDS = ("prof", "log_name", "debug")
 
 
-def _takes_profiling_keywords(fn):
-    """``fn`` also taking DeepSpeed's profiling keywords (``prof=``, ``log_name=``,
-    ``debug=``) by keyword, accepted and ignored."""
+class _CommsLog:
+    """DeepSpeed's communication logger over :class:`shardkit.distributed.CommCounter`: the
+    same switches (``enabled``, ``prof_all``, ``prof_ops``, ``verbose``, ``debug``), the
+    records CommCounter makes (op name, logical size, bus bytes), no latencies."""
+
+    def __init__(self):
+        self.enabled, self.prof_all, self.prof_ops = False, True, []
+        self.verbose = self.debug = False
+        self.counter = distributed.CommCounter()
+        self._entered = False
+
+    def sync(self) -> None:
+        """Count every collective of this process while ``enabled`` and ``prof_all``."""
+        want = self.enabled and self.prof_all
+        if want and not self._entered:
+            self.counter.__enter__()
+        elif self._entered and not want:
+            self.counter.__exit__(None, None, None)
+        self._entered = want
+
+    def selects(self, prof, log_name) -> bool:
+        """Whether a call with ``prof=`` / ``log_name=`` is logged on its own (prof_all off:
+        DeepSpeed logs it when ``prof`` is true or ``log_name`` is in ``prof_ops``)."""
+        return self.enabled and not self.prof_all and (bool(prof) or log_name in self.prof_ops)
+
+
+_comms_log = _CommsLog()
+
+
+def _takes_profiling_keywords(fn, log_name: str):
+    """``fn`` also taking DeepSpeed's profiling keywords by keyword: ``prof=`` and
+    ``log_name=`` (default ``log_name``, DeepSpeed's for this call) choose, as DeepSpeed's do,
+    whether the call is logged when the logger is on with ``prof_all`` off; ``debug=`` is
+    accepted and ignored."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        for key in _PROFILING_KEYWORDS:
-            kwargs.pop(key, None)
-        return fn(*args, **kwargs)
+        prof = kwargs.pop("prof", False)
+        name = kwargs.pop("log_name", log_name)
+        kwargs.pop("debug", None)
+        if not _comms_log.selects(prof, name):
+            return fn(*args, **kwargs)
+        with distributed.CommCounter() as counter:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _comms_log.counter.calls.extend(counter.calls)
     return call
+
+
+def _configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None,
+               verbose=None, debug=None) -> None:
+    """DeepSpeed's ``deepspeed.comm.configure(deepspeed_config=None, enabled=None,
+    prof_all=None, prof_ops=None, verbose=None, debug=None)``: switch the communication
+    logger that :func:`_log_summary` reports. ``deepspeed_config``: a DeepSpeed-style config
+    (a dict, or an object with DeepSpeed's ``comms_config``) whose ``comms_logger`` section
+    sets the switches first (``enabled`` as written there, default false); the keywords then
+    override them. While enabled, ``prof_all=True`` (the default) logs every collective this
+    process issues through shardkit (the wrappers' included); ``prof_all=False`` logs the
+    ``shardkit.comm`` calls given ``prof=True`` or a ``log_name`` in ``prof_ops`` (their
+    default names are DeepSpeed's: ``"all_reduce"``, ``"all_gather_into_tensor"``, ...).
+    What is logged is what :class:`shardkit.distributed.CommCounter` records: op name,
+    message size (the elements recorded times their size: a collective's full logical size
+    for shardkit.comm's calls; for a transport that moves bytes itself, what it moved) and
+    bus bytes; no latencies (shardkit does not time collectives).
+    ``verbose`` and ``debug`` are kept and change nothing. Local; no communication.
+
+    Raises:
+        ValueError: a switch of the wrong type, or a ``comms_logger`` section that is not a
+            JSON object.
+    """
+    section = None
+    if isinstance(deepspeed_config, dict):
+        section = deepspeed_config.get("comms_logger")
+    elif deepspeed_config is not None:
+        comms = getattr(deepspeed_config, "comms_config", deepspeed_config)
+        section = getattr(comms, "comms_logger", None)
+        if section is not None and not isinstance(section, dict):
+            section = {key: getattr(section, key) for key in
+                       ("enabled", "prof_all", "prof_ops", "verbose", "debug")
+                       if hasattr(section, key)}
+    if section is not None and not isinstance(section, dict):
+        raise ValueError(f"configure(deepspeed_config=...): its comms_logger section is "
+                         f"{type(section).__name__}; expected a JSON object such as "
+                         f'{{"enabled": true, "prof_all": true}}')
+    settings = dict(section or {})
+    given = {"enabled": enabled, "prof_all": prof_all, "prof_ops": prof_ops,
+             "verbose": verbose, "debug": debug}
+    settings.update({key: value for key, value in given.items() if value is not None})
+    for key, value in settings.items():
+        if key not in given:
+            continue  # DeepSpeed's section has no other keys; shardkit's config checks them
+        valid = isinstance(value, list) and all(isinstance(v, str) for v in value) \
+            if key == "prof_ops" else isinstance(value, bool)
+        if not valid:
+            want = "a list of log names (str)" if key == "prof_ops" else "True or False"
+            raise ValueError(f"configure({key}={value!r}): expected {want}")
+        setattr(_comms_log, key, list(value) if key == "prof_ops" else value)
+    _comms_log.sync()
+
+
+def _summary() -> dict:
+    """``{op: {message bytes: {count, msg_size_bytes, msg_size_str, total_bus_bytes}}}``."""
+    summary: dict = {}
+    for record in _comms_log.counter.calls:
+        size = record.numel * distributed.comm_counter.element_size(record.dtype)
+        entry = summary.setdefault(record.op, {}).setdefault(size, {
+            "count": 0, "msg_size_bytes": size, "msg_size_str": _size_words(size),
+            "total_bus_bytes": 0.0})
+        entry["count"] += 1
+        entry["total_bus_bytes"] += record.bytes
+    return summary
+
+
+def _size_words(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.2f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1024
+    return ""
+
+
+def _log_summary(show_straggler: bool = False, return_dict: bool = False):
+    """DeepSpeed's ``deepspeed.comm.log_summary(show_straggler=False, return_dict=False)``:
+    rank 0 prints, per op and message size, the number of calls the logger saw (see
+    :func:`_configure`) and their bus bytes under CommCounter's convention (DeepSpeed's
+    latency and bandwidth columns are not measured: shardkit does not time collectives);
+    with ``return_dict`` every rank returns its own ``{"summary": {op: {msg_size: {"count",
+    "msg_size_bytes", "msg_size_str", "total_bus_bytes"}}}, "straggler_analysis": None,
+    "metadata": {"world_size", "rank", "timestamp"}}``. ``show_straggler`` needs latencies:
+    accepted, and its analysis is ``None`` (with a warning). Local; no communication (no
+    barriers: nothing is timed)."""
+    import datetime as _datetime
+    import warnings
+    if show_straggler:
+        warnings.warn("log_summary(show_straggler=True): shardkit's communication logger "
+                      "records no latencies, so there is no straggler analysis (None)",
+                      stacklevel=2)
+    summary = _summary()
+    rank = distributed.get_rank()
+    if rank == 0:
+        lines = [f"{'Comm. Op':<24}{'Message Size':>16}{'Count':>10}{'Bus bytes (total)':>20}"]
+        for op, sizes in summary.items():
+            lines.append(op)
+            for size, entry in sorted(sizes.items()):
+                lines.append(f"{'':<24}{entry['msg_size_str']:>16}{entry['count']:>10}"
+                             f"{entry['total_bus_bytes']:>20.0f}")
+        if not summary:
+            lines.append("(no communication logged: deepspeed.comm.configure(enabled=True) "
+                         "or a config with comms_logger.enabled=true turns the logger on)")
+        print("\n".join(lines), flush=True)
+    if not return_dict:
+        return None
+    return {"summary": summary, "straggler_analysis": None,
+            "metadata": {"world_size": distributed.get_world_size(), "rank": rank,
+                         "timestamp": _datetime.datetime.now().isoformat()}}
+
+
+def _reset_log() -> None:
+    """DeepSpeed's ``reset_log()``: forget what the logger recorded (it keeps logging)."""
+    _comms_log.counter.reset()
+
+
+def _has_comm_data() -> bool:
+    """DeepSpeed's ``has_comm_data()``: whether the logger recorded any collective."""
+    return bool(_comms_log.counter.calls)
+
+
+def _get_comm_operation_count() -> int:
+    """DeepSpeed's ``get_comm_operation_count()``: collectives the logger recorded."""
+    return len(_comms_log.counter.calls)
+
+
+def _get_logged_comm_ops() -> list:
+    """DeepSpeed's ``get_logged_comm_ops()``: the op names logged, in order of first call."""
+    return list(dict.fromkeys(r.op for r in _comms_log.counter.calls))
 
 
 comm = types.ModuleType("shardkit.comm", "DeepSpeed's deepspeed.comm over shardkit.distributed")
@@ -390,11 +587,20 @@ comm.reduce_scatter = distributed.reduce_scatter
 comm.all_to_all = _all_to_all
 comm.allgather_fn = _allgather_fn
 comm.reduce_scatter_fn = _reduce_scatter_fn
+# DeepSpeed's default log_name of each timed call (its op's name, but for these two)
+_LOG_NAMES = {"inference_all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce"}
 for _name in ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
               "reduce", "reduce_scatter_tensor", "inference_all_reduce", "all_to_all_single",
               "send", "recv", "isend", "irecv", "gather", "scatter", "monitored_barrier",
               "all_reduce_coalesced", "reduce_scatter", "reduce_scatter_fn",
-              "all_gather_object"):
-    setattr(comm, _name, _takes_profiling_keywords(getattr(comm, _name)))
+              "all_gather_object", "all_to_all", "all_gather_coalesced", "allgather_fn"):
+    setattr(comm, _name, _takes_profiling_keywords(getattr(comm, _name),
+                                                   _LOG_NAMES.get(_name, _name)))
+comm.configure = _configure
+comm.log_summary = _log_summary
+comm.reset_log = _reset_log
+comm.has_comm_data = _has_comm_data
+comm.get_comm_operation_count = _get_comm_operation_count
+comm.get_logged_comm_ops = _get_logged_comm_ops
 comm.is_available = torch.distributed.is_available
 comm.get_backend = distributed.backend_of

@@ -966,16 +966,50 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
 
 def all_gather(tensors: list[torch.Tensor], tensor: torch.Tensor, group=None,
                async_op: bool = False):
-    """List form of all-gather (tensors may differ in size across calls, not across ranks)."""
+    """List form of all-gather, as torch's: ``tensors[j]`` (one tensor per rank of the group)
+    receives group rank ``j``'s ``tensor`` (its elements and dtype; on gloo also its shape,
+    as gloo requires; sizes may differ between calls, and between ranks only where the
+    backend allows it). Returns a work handle with ``async_op`` (``None`` on a rank outside
+    ``group``, which takes no part).
+
+    Before it, one all-gather of four int64s a rank (``32n`` bytes for ``n`` ranks, not
+    counted by :class:`CommCounter`) checks every rank's list (length, and that each
+    ``tensors[j]`` fits group rank ``j``'s tensor) on every rank, so that a bad list on one
+    rank raises a ValueError on every rank, naming the rank, and none is left waiting.
+    Wire: ``(n-1)/n`` of the gathered bytes, counted as ``all_gather``."""
     _check_call("all_gather", group, tensor)
+    if _not_a_member(group):
+        return None
+    what = "shardkit.distributed.all_gather"
     n = get_world_size(group)
     count = len(tensors) if isinstance(tensors, (list, tuple)) else None
-    if count != n and not _not_a_member(group):
-        raise ValueError(f"shardkit.distributed.all_gather(tensors=...): expected a list of "
-                         f"{n} tensors (one per rank of the group), got "
-                         f"{type(tensors).__name__ if count is None else count}")
+    problem, slots = None, -1
+    if count != n or not all(isinstance(t, torch.Tensor) for t in tensors):
+        got = type(tensors).__name__ if count is None else f"{count}" + (
+            "" if count != n else " items, not all tensors")
+        problem = (f"{what}(tensors=...): expected a list of {n} tensors (one per rank of the "
+                   f"group) on every rank, got {got}")
+    else:
+        slots = _signature((t.numel(), _dtype_code(t.dtype)) for t in tensors)
+        if backend_of(group) == "gloo":
+            for j, t in enumerate(tensors):
+                if t.shape != tensor.shape or t.dtype != tensor.dtype:
+                    problem = (f"{what}(tensors[{j}]=...): {tuple(t.shape)} {t.dtype}; gloo "
+                               f"needs every item of the shape and dtype of the tensor, "
+                               f"{tuple(tensor.shape)} {tensor.dtype}")
+                    break
+    rows = _agree_on_call(what, problem, [tensor.numel(), _dtype_code(tensor.dtype), slots],
+                          group, tensor.device)
+    expected = _signature((numel, code) for numel, code, _ in rows)
+    misfit = [r for r, (*_, sig) in enumerate(rows) if sig != expected]
+    if misfit:
+        sizes = [(numel, _dtype_name(code)) for numel, code, _ in rows]
+        raise ValueError(f"{what}(tensors=...): on group rank(s) {misfit}, tensors[j] does not "
+                         f"hold group rank j's tensor (elements and dtype per group rank: "
+                         f"{sizes}); every rank's tensors[j] must; nothing was sent")
     _record("all_gather", tensor.numel() * tensor.element_size() * n, group)
-    return dist.all_gather(tensors, tensor, group=group, async_op=async_op)
+    # a tuple too (torch takes lists only): its tensors are filled in place all the same
+    return dist.all_gather(list(tensors), tensor, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
@@ -983,14 +1017,27 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
     """Split ``input`` into ``n`` equal rank-major chunks, send chunk ``j`` to rank ``j`` and
     receive every rank's chunk for this rank into ``output`` (rank-major). Wire: ``(n-1)/n`` of
     the input's bytes, recorded under ``counted_as`` (a transport that builds a reduce-scatter
-    from it records ``"reduce_scatter"``: the same bytes, the op the caller asked for)."""
+    from it records ``"reduce_scatter"``: the same bytes, the op the caller asked for). A
+    non-contiguous ``input`` is sent as a contiguous copy, and a non-contiguous ``output``
+    receives through a contiguous temporary (with ``async_op``, the handle's ``wait()``
+    copies it in)."""
     _check_call("all_to_all_single", group, output, input)
     n = get_world_size(group)
     if input.numel() != output.numel() or input.numel() % n:
         raise ValueError(f"all_to_all_single: input has {input.numel()} elements and output "
                          f"{output.numel()}; they must be equal and divisible by world size {n}")
     _record(counted_as, input, group, kind="all_to_all")
-    return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+    # Note: gloo receives into a non-contiguous output's storage as if it were contiguous
+    # (a transposed output got other elements, silently), and refuses a non-contiguous
+    # input ("Tensors must be contiguous"): both go through contiguous copies
+    landing = output if output.is_contiguous() else output.contiguous()
+    work = dist.all_to_all_single(landing, input.contiguous(), group=group, async_op=async_op)
+    if landing is output:
+        return work
+    if not async_op:
+        output.copy_(landing)
+        return None
+    return _ThenCopy([work], lambda: output.copy_(landing))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
@@ -1197,37 +1244,116 @@ class _Finished:
 class _ThenCopy:
     """The handle of torch works ``works`` whose result lands in a temporary: ``wait()`` (or
     an ``is_completed()`` that finds them all done) waits for them, then runs ``finish`` (which
-    copies the result into the caller's tensors) once."""
+    copies the result into the caller's tensors) once; later calls return at once (a gloo
+    receive waited for twice blocks forever). ``watched``: the works report completion only
+    when waited for (gloo's reduce-scatter: its ``is_completed()`` reads ``False`` even after
+    ``wait()``), so a background thread waits for them and ``is_completed()`` polls that."""
 
-    def __init__(self, works, finish):
+    def __init__(self, works, finish, watched: bool = False):
         self._works = [w for w in works if w is not None]
         self._finish = finish
+        self._done = False
+        self._watcher = None
+        if watched and self._works:
+            from shardkit.transport import CommHandle  # it builds on this module
+            self._watcher = CommHandle(self._works, completes_when_waited=True)
+            self._watcher.watch()
 
     def wait(self, timeout=None) -> bool:
-        for work in self._works:
-            work.wait()
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
+        if not self._done:
+            if self._watcher is not None:
+                self._watcher.wait()
+            else:
+                for work in self._works:
+                    work.wait()
+            if self._finish is not None:
+                finish, self._finish = self._finish, None
+                finish()
+            self._done = True
         return True
 
     def is_completed(self) -> bool:
-        if self._finish is not None and all(w.is_completed() for w in self._works):
-            self.wait()
-        return self._finish is None
+        if not self._done:
+            arrived = self._watcher.is_completed() if self._watcher is not None else \
+                all(w.is_completed() for w in self._works)
+            if arrived:
+                self.wait()
+        return self._done
 
     def _source_rank(self) -> int:
         """The sender's group rank, for an any-source receive (one work), as torch's."""
         return self._works[-1]._source_rank()
 
 
-def _handle(works, finish, async_op: bool):
-    """``works`` (with ``finish`` after them) as one handle when ``async_op``, else waited."""
-    handle = _ThenCopy(works, finish)
+def _completes_when_waited(group) -> bool:
+    """Whether ``group``'s reduce-scatter works report completion only when waited for
+    (gloo's)."""
+    return backend_of(group) == "gloo"
+
+
+def _handle(works, finish, async_op: bool, watched: bool = False):
+    """``works`` (with ``finish`` after them) as one handle when ``async_op`` (``watched``:
+    see :class:`_ThenCopy`), else waited."""
+    handle = _ThenCopy(works, finish, watched=watched and async_op)
     if async_op:
         return handle
     handle.wait()
     return None
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """A number naming ``dtype`` alike on every rank (for the argument agreements)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+def _dtype_name(code: int) -> str:
+    """The dtype :func:`_dtype_code` gave ``code`` (for error messages)."""
+    for value in vars(torch).values():
+        if isinstance(value, torch.dtype) and _dtype_code(value) == code:
+            return str(value)
+    return f"dtype #{code}"
+
+
+def _signature(pairs) -> int:
+    """A number naming a list of ``(elements, dtype code)`` alike on every rank."""
+    return zlib.crc32(repr([(int(k), int(c)) for k, c in pairs]).encode())
+
+
+def _control_device(group, *tensors) -> torch.device:
+    """Where a control message of ``group`` lives: the first tensor's device, else the CUDA
+    device under NCCL, else the CPU. Local."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cuda", torch.cuda.current_device()) \
+        if backend_of(group) == "nccl" else torch.device("cpu")
+
+
+def _agree_on_call(what: str, problem, facts: Sequence[int], group, device,
+                   outcome: str = "nothing was sent") -> list:
+    """Before a collective whose arguments one rank alone may get wrong: one all-gather of
+    ``[ok, *facts]`` from every rank of ``group`` (``1 + len(facts)`` int64s a rank, on
+    ``device``; a control message that :class:`CommCounter` does not count). ``problem`` (a
+    message or an exception; ``None``: nothing wrong here) is raised on this rank, and every
+    other rank raises a ValueError naming the group ranks that had one (``outcome`` tells
+    them what happened), so no rank goes on alone. Returns every rank's ``facts`` (group-rank
+    order), for checks the caller makes alike on every rank."""
+    n = get_world_size(group)
+    width = 1 + len(facts)
+    row = [1, *(int(f) for f in facts)] if problem is None else [0] + [-1] * len(facts)
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    every = torch.empty(width * n, dtype=torch.int64, device=device)
+    _record("all_gather", every, group, counted=False)
+    with reporting_broken_links(f"{what.rsplit('.', 1)[-1]} (argument check)", group):
+        _all_gather_tensor(every, mine, group=group)
+    rows = every.view(n, width).tolist()
+    if problem is not None:
+        raise problem if isinstance(problem, BaseException) else ValueError(problem)
+    failed = [r for r, (ok, *_) in enumerate(rows) if not ok]
+    if failed:
+        raise ValueError(f"{what}: group rank(s) {failed} were given arguments that do not "
+                         f"fit (their ValueError says which); {outcome}")
+    return [facts_of_rank for _, *facts_of_rank in rows]
 
 
 def _agree_on_root(what: str, root_name: str, root, problem: Optional[str], group,
@@ -1236,36 +1362,24 @@ def _agree_on_root(what: str, root_name: str, root, problem: Optional[str], grou
     """Around a rooted collective whose arguments only some ranks can check (the root's list,
     before a gather; the lengths, after an object broadcast): one all-gather of ``[ok, root,
     numel, dtype]`` from every rank of ``group`` (four int64s a rank, on ``device``; a control
-    message that :class:`CommCounter` does not count), after which every rank raises a
-    ValueError when any rank found ``problem`` (that rank's own text; ``outcome`` tells the
-    others what happened), the ranks name different roots, or (given ``tensor``) their
-    tensors differ in size or dtype, so no rank goes on alone (gloo aborts the root's process
-    on a gather of another size, and a scatter into a larger tensor leaves its tail stale,
-    silently)."""
-    n = get_world_size(group)
+    message that :class:`CommCounter` does not count, see :func:`_agree_on_call`), after which
+    every rank raises a ValueError when any rank found ``problem`` (that rank's own text;
+    ``outcome`` tells the others what happened), the ranks name different roots, or (given
+    ``tensor``) their tensors differ in size or dtype, so no rank goes on alone (gloo aborts
+    the root's process on a gather of another size, and a scatter into a larger tensor leaves
+    its tail stale, silently)."""
     numel, dtype_code = (-1, -1) if tensor is None else \
-        (tensor.numel(), zlib.crc32(str(tensor.dtype).encode()))
-    mine = torch.tensor([int(problem is None), root if problem is None else -1, numel,
-                         dtype_code], dtype=torch.int64, device=device)
-    every = torch.empty(4 * n, dtype=torch.int64, device=device)
-    _record("all_gather", every, group, counted=False)
-    with reporting_broken_links(f"{what.rsplit('.', 1)[-1]} (argument check)", group):
-        _all_gather_tensor(every, mine, group=group)
-    rows = every.view(n, 4).tolist()
-    if problem is not None:
-        raise ValueError(problem)
-    failed = [r for r, (ok, *_) in enumerate(rows) if not ok]
-    if failed:
-        raise ValueError(f"{what}: group rank(s) {failed} were given arguments that do not "
-                         f"fit (their ValueError says which); {outcome}")
-    roots = [r for _, r, *_ in rows]
+        (tensor.numel(), _dtype_code(tensor.dtype))
+    rows = _agree_on_call(what, problem, [root if problem is None else -1, numel, dtype_code],
+                          group, device, outcome)
+    roots = [r for r, *_ in rows]
     if len(set(roots)) > 1:
         raise ValueError(f"{what}({root_name}=...): the ranks of the group name different "
                          f"roots, {root_name} per group rank: {roots}; every rank must pass "
                          f"the same {root_name}")
-    if tensor is not None and len({tuple(row[2:]) for row in rows}) > 1:
+    if tensor is not None and len({tuple(row[1:]) for row in rows}) > 1:
         raise ValueError(f"{what}(tensor=...): the ranks' tensors differ in size or dtype "
-                         f"(elements per group rank: {[row[2] for row in rows]}); every rank's "
+                         f"(elements per group rank: {[row[1] for row in rows]}); every rank's "
                          f"tensor must match the {root_name}'s list items; {outcome}")
 
 
@@ -1416,25 +1530,50 @@ def all_gather_coalesced(output_tensors: Sequence[torch.Tensor],
     whose ``wait()`` copies the gathered values out. Wire: ``(n-1)/n`` of the outputs' bytes,
     counted as ``all_gather``.
 
+    Before it, one all-gather of three int64s a rank (``24n`` bytes for ``n`` ranks, not
+    counted by :class:`CommCounter`) checks every rank's lists on every rank: a bad list on
+    one rank, or inputs whose number, elements or dtypes differ between ranks (gloo aborts
+    on a flat buffer of another size; one of the same size is gathered into the wrong
+    outputs, silently), raise a ValueError on every rank, naming the rank.
+
     Raises:
+        TypeError: a list that is not a list of tensors (on that rank; a ValueError on the
+            others).
         ValueError: lists of different lengths, or an output that is not ``n`` times its
-            input (naming the index), before anything is sent.
+            input (naming the index), or lists that differ between ranks, before anything is
+            sent.
     """
     what = "shardkit.distributed.all_gather_coalesced"
-    outputs = _tensor_list(what, "output_tensors", output_tensors)
-    inputs = _tensor_list(what, "input_tensors", input_tensors)
-    _check_call("all_gather_coalesced", group, *outputs, *inputs)
+    _check_call("all_gather_coalesced", group)
     if _not_a_member(group):
         return _Finished() if async_op else None
     n = get_world_size(group)
-    if len(outputs) != len(inputs):
-        raise ValueError(f"{what}: {len(outputs)} output_tensors and {len(inputs)} "
-                         f"input_tensors; expected one output per input")
-    for i, (out, inp) in enumerate(zip(outputs, inputs)):
-        if out.numel() != n * inp.numel() or out.dtype != inp.dtype:
-            raise ValueError(f"{what}(output_tensors[{i}]=...): {out.numel()} elements of "
-                             f"{out.dtype}; expected world size {n} x input_tensors[{i}]'s "
-                             f"{inp.numel()} = {n * inp.numel()} elements of {inp.dtype}")
+    problem, outputs, inputs = None, [], []
+    try:
+        outputs = _tensor_list(what, "output_tensors", output_tensors)
+        inputs = _tensor_list(what, "input_tensors", input_tensors)
+        _check_call("all_gather_coalesced", group, *outputs, *inputs)
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{what}: {len(outputs)} output_tensors and {len(inputs)} "
+                             f"input_tensors; expected one output per input")
+        for i, (out, inp) in enumerate(zip(outputs, inputs)):
+            if out.numel() != n * inp.numel() or out.dtype != inp.dtype:
+                raise ValueError(f"{what}(output_tensors[{i}]=...): {out.numel()} elements "
+                                 f"of {out.dtype}; expected world size {n} x "
+                                 f"input_tensors[{i}]'s {inp.numel()} = {n * inp.numel()} "
+                                 f"elements of {inp.dtype}")
+    except (TypeError, ValueError) as error:
+        problem = error
+    device = _control_device(group, *inputs)
+    sizes = [(t.numel(), _dtype_code(t.dtype)) for t in inputs]
+    rows = _agree_on_call(what, problem, [len(inputs), _signature(sizes)], group, device)
+    differ = [r for r, row in enumerate(rows) if row != rows[0]]
+    if differ:
+        raise ValueError(f"{what}(input_tensors=...): group rank(s) {differ} pass other inputs "
+                         f"than group rank 0 (number of inputs per group rank: "
+                         f"{[k for k, _ in rows]}; elements or dtypes differ where those "
+                         f"agree); every rank must pass as many inputs, of the same elements "
+                         f"and dtypes in the same order; nothing was sent")
     works, copies = [], []
     for bucket in _by_dtype(enumerate(inputs)):
         flat_in = torch.cat([t.reshape(-1) for _, t in bucket])
@@ -1460,30 +1599,56 @@ def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op=
     over the list packed into a flat temporary. Wire: ``(n-1)/n`` of the list's bytes,
     counted as ``reduce_scatter``.
 
+    Before it, one all-gather of four int64s a rank (``32n`` bytes for ``n`` ranks, not
+    counted by :class:`CommCounter`) checks every rank's arguments on every rank: a bad list
+    on one rank, or outputs of other elements or dtype, or another ``op``, on some ranks
+    (gloo aborts on the first, and reduces with each rank's own op, silently, on the last),
+    raise a ValueError on every rank, naming the rank.
+
     Raises:
-        ValueError: a list whose length is not the group's size, or an item that does not
-            match ``output`` (naming it), before anything is sent.
+        TypeError: ``input_list`` not a list of tensors (on that rank; a ValueError on the
+            others).
+        ValueError: a list whose length is not the group's size, an item that does not
+            match ``output`` (naming it), or arguments that differ between ranks, before
+            anything is sent.
     """
     what = "shardkit.distributed.reduce_scatter"
-    inputs = _tensor_list(what, "input_list", input_list)
-    _check_call("reduce_scatter", group, output, *inputs, reduce_op=op)
+    _check_call("reduce_scatter", group, output, reduce_op=op)
     if _not_a_member(group):
         return _Finished() if async_op else None
     n = get_world_size(group)
-    if len(inputs) != n:
-        raise ValueError(f"{what}(input_list=...): expected a list of {n} tensors (one per rank "
-                         f"of the group), got {len(inputs)}")
-    for i, t in enumerate(inputs):
-        if t.numel() != output.numel() or t.dtype != output.dtype:
-            raise ValueError(f"{what}(input_list[{i}]=...): {t.numel()} elements of {t.dtype}; "
-                             f"expected the output's {output.numel()} elements of "
-                             f"{output.dtype}")
+    problem, inputs = None, []
+    try:
+        inputs = _tensor_list(what, "input_list", input_list)
+        _check_call("reduce_scatter", group, output, *inputs, reduce_op=op)
+        if len(inputs) != n:
+            raise ValueError(f"{what}(input_list=...): expected a list of {n} tensors (one per "
+                             f"rank of the group), got {len(inputs)}")
+        for i, t in enumerate(inputs):
+            if t.numel() != output.numel() or t.dtype != output.dtype:
+                raise ValueError(f"{what}(input_list[{i}]=...): {t.numel()} elements of "
+                                 f"{t.dtype}; expected the output's {output.numel()} elements "
+                                 f"of {output.dtype}")
+    except (TypeError, ValueError) as error:
+        problem = error
+    # an op torch builds at run time (premul_sum) has no name that every rank shares
+    op_code = int(op) if isinstance(op, ReduceOp.RedOpType) else -1
+    rows = _agree_on_call(what, problem, [output.numel(), _dtype_code(output.dtype), op_code],
+                          group, output.device)
+    if len({tuple(row) for row in rows}) > 1:
+        described = [(k, _dtype_name(code), str(ReduceOp.RedOpType(o)) if o >= 0 else "?")
+                     for k, code, o in rows]
+        raise ValueError(f"{what}: the ranks' outputs or ops differ ((elements, dtype, op) per "
+                         f"group rank: {described}); every rank must pass an output of the same "
+                         f"elements and dtype, and the same op; nothing was sent")
     flat = torch.cat([t.reshape(-1) for t in inputs])
     result = output if output.is_contiguous() else \
         torch.empty_like(output, memory_format=torch.contiguous_format)
-    work = reduce_scatter_tensor(result, flat, op=op, group=group, async_op=True)
+    # flat, whatever the output's shape (gloo refuses an output of more dims than one beside
+    # the flat input: "Check failed: outputShape[0] * worldSize == inputShape[0]")
+    work = reduce_scatter_tensor(result.view(-1), flat, op=op, group=group, async_op=True)
     finish = None if result is output else (lambda: output.copy_(result))
-    return _handle([work], finish, async_op)
+    return _handle([work], finish, async_op, watched=_completes_when_waited(group))
 
 
 def any_rank(flag: bool, group=None, device=None) -> bool:

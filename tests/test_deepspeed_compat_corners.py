@@ -330,3 +330,170 @@ def _comm_review_corners():
 
 def test_comm_review_corners(world2):
     assert world2.run(_comm_review_corners) == [True, True]
+
+
+def _comm_lists_bad_on_one_rank():
+    """A list of the wrong length on one rank only (all_gather, reduce_scatter, all_to_all,
+    all_gather_coalesced), lists whose elements, dtypes or op differ between ranks: the same
+    kind of ValueError on every rank, before any data moves, and the world still works."""
+    import shardkit.comm as dist
+    from shardkit.distributed import CommCounter
+    rank, n = dist.get_rank(), dist.get_world_size()
+    one, zero = torch.ones(2), torch.zeros(2)
+    odd = 3 if rank == 1 else 2  # elements on this rank
+    calls = (
+        lambda: dist.all_gather([zero] * (n + rank), one),
+        lambda: dist.all_gather([torch.zeros(odd)] * n, one),
+        lambda: dist.reduce_scatter(zero, [one] * (n - rank)),
+        lambda: dist.reduce_scatter(torch.zeros(odd), [torch.ones(odd)] * n),
+        lambda: dist.reduce_scatter(zero, [one] * n,
+                                    op=dist.ReduceOp.MAX if rank else dist.ReduceOp.SUM),
+        lambda: dist.all_to_all([zero] * (n + rank), [one] * n),
+        lambda: dist.all_to_all_single(zero, one.double() if rank else one, [1] * n, [1] * n),
+        lambda: dist.all_gather_coalesced([torch.zeros(2 * n)] * (1 + rank), [one] * (1 + rank)),
+        lambda: dist.all_gather_coalesced([torch.zeros(odd * n)], [torch.ones(odd)]),
+        lambda: dist.all_gather_coalesced([torch.zeros(2 * n + rank)], [one]),
+    )
+    heads = [head and head.rsplit(".", 1)[-1] for head in _error_heads(calls)]
+    slots = [torch.zeros(2) for _ in range(n)]
+    with CommCounter() as counted:  # the argument check's all-gather is not counted
+        dist.all_gather(slots, torch.full((2,), float(rank)))
+    assert counted.calls_by_op == {"all_gather": 1} and counted.bytes == (n - 1) / n * 8 * n
+    assert [s.tolist() for s in slots] == [[float(r)] * 2 for r in range(n)]
+    return heads
+
+
+def test_comm_list_arguments_agree_on_every_rank(world2):
+    """Before: the other rank hung in the collective, or gloo aborted a process ("Received
+    data size doesn't match expected size"), or (all_gather_coalesced of one size) the
+    gather went on."""
+    assert world2.run(_comm_lists_bad_on_one_rank) == [
+        ["all_gather", "all_gather", "reduce_scatter", "reduce_scatter", "reduce_scatter",
+         "all_to_all", "all_to_all_single", "all_gather_coalesced", "all_gather_coalesced",
+         "all_gather_coalesced"]] * 2
+
+
+def _comm_logger_as_deepspeed_scripts_use_it():
+    """deepspeed.comm.configure / log_summary / reset_log and prof= / log_name= on the
+    collectives: the per-op counts and bus bytes are CommCounter's; rank 0 alone prints."""
+    import contextlib
+    import io
+
+    import shardkit.comm as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    t, out = torch.ones(4), torch.zeros(4 * n)
+    try:
+        dist.configure(enabled=True)  # prof_all: every collective
+        dist.all_reduce(t)
+        dist.all_reduce(t, prof=True, log_name="grads")
+        dist.all_gather_into_tensor(out, torch.ones(4))
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            stats = dist.log_summary(return_dict=True)
+        summary = {op: {size: (e["count"], e["total_bus_bytes"]) for size, e in sizes.items()}
+                   for op, sizes in stats["summary"].items()}
+        assert summary == {"all_reduce": {16: (2, 2 * 2 * (n - 1) / n * 16)},
+                           "all_gather": {16 * n: (1, (n - 1) / n * 16 * n)}}
+        assert ("Count" in printed.getvalue()) == (rank == 0)
+        assert dist.get_logged_comm_ops() == ["all_reduce", "all_gather"]
+        dist.reset_log()
+        assert not dist.has_comm_data()
+        # prof_all off: the calls given prof=True or a log_name in prof_ops (DeepSpeed's
+        # default log_name is the call's name)
+        dist.configure(prof_all=False, prof_ops=["all_gather_into_tensor", "sync"])
+        dist.all_reduce(t)
+        dist.all_reduce(t, prof=True)
+        dist.all_gather_into_tensor(out, torch.ones(4))
+        dist.broadcast(t, 0, log_name="sync")
+        dist.broadcast(t, 0)
+        logged = dist.get_logged_comm_ops(), dist.get_comm_operation_count()
+        dist.configure({"comms_logger": {"enabled": False}})
+        dist.all_reduce(t)
+    finally:
+        dist.configure(enabled=False, prof_all=True, prof_ops=[])
+        count = dist.get_comm_operation_count()
+        dist.reset_log()
+    return logged, count
+
+
+def test_comm_logger_reports_what_commcounter_counts(world2):
+    """Before: AttributeError on deepspeed.comm.configure, log_summary, reset_log,
+    has_comm_data, get_comm_operation_count and get_logged_comm_ops."""
+    assert world2.run(_comm_logger_as_deepspeed_scripts_use_it) == [
+        ((["all_reduce", "all_gather", "broadcast"], 3), 3)] * 2
+
+
+def _comm_layouts_of_the_list_and_split_forms():
+    """reduce_scatter's list form into a 2-D output, all_to_all_single (with and without
+    split sizes) into a transposed output and from a transposed input, against the values
+    one process computes."""
+    import shardkit.comm as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    part = torch.zeros(2, 3)
+    dist.reduce_scatter(part, [torch.arange(6.0).reshape(2, 3) + j for j in range(n)])
+    assert torch.equal(part, n * (torch.arange(6.0).reshape(2, 3) + rank))  # before: gloo's
+    # "Check failed: outputShape[0] * worldSize == inputShape[0]"
+    rows = [torch.arange(4.0 * n).reshape(2 * n, 2) + 100 * r for r in range(n)]
+    want = torch.cat([rows[r][2 * rank:2 * rank + 2] for r in range(n)])
+    for splits in (None, [2] * n):
+        got = torch.zeros(2, 2 * n).t()
+        dist.all_to_all_single(got, rows[rank], splits, splits)
+        assert torch.equal(got, want)  # before: other elements, silently
+        got = torch.zeros(2 * n, 2)
+        dist.all_to_all_single(got, rows[rank].t().contiguous().t(), splits, splits)
+        assert torch.equal(got, want)  # before: "Tensors must be contiguous"
+    got = torch.zeros(2, 2 * n).t()
+    dist.all_to_all_single(got, rows[rank], async_op=True).wait()
+    assert torch.equal(got, want)
+    return True
+
+
+def test_comm_list_and_split_forms_take_any_layout(world2):
+    assert world2.run(_comm_layouts_of_the_list_and_split_forms) == [True, True]
+
+
+def _poll(handle, seconds: float = 30.0) -> bool:
+    """Poll ``handle.is_completed()`` as a user's overlap loop does; ``False`` if it never
+    reads ``True`` within ``seconds`` (then the handle is waited for)."""
+    import time
+    deadline = time.monotonic() + seconds
+    while not handle.is_completed():
+        if time.monotonic() > deadline:
+            handle.wait()
+            return False
+        time.sleep(0.005)
+    return handle.wait() is True and handle.is_completed()
+
+
+def _comm_async_handles_poll_and_wait_once():
+    """Async handles of the reduce-scatters polled with is_completed() (rank 1 joins late, so
+    rank 0's handle cannot have completed at once), and a receive into a transposed tensor
+    waited for twice."""
+    import time
+
+    import shardkit.comm as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if rank == 1:
+        time.sleep(0.3)
+    out = torch.zeros(2)
+    handle = dist.reduce_scatter(out, [torch.full((2,), 1.0 + j) for j in range(n)],
+                                 async_op=True)
+    early = handle.is_completed() if rank == 0 else False  # before: True at once
+    polled = [_poll(handle)]
+    assert out.tolist() == [n * (1.0 + rank)] * 2
+    for call in (dist.reduce_scatter_tensor, dist.reduce_scatter_fn):
+        polled.append(_poll(call(out, torch.ones(2 * n), async_op=True)))  # before: never
+        assert out.tolist() == [float(n)] * 2
+    if rank == 0:
+        box = torch.zeros(3, 2).t()
+        work = dist.irecv(box, src=1)
+        work.wait()
+        work.wait()  # before: blocked forever (gloo's receive waited for twice)
+        assert torch.equal(box, torch.ones(2, 3))
+    elif rank == 1:
+        dist.send(torch.ones(2, 3), 0)
+    return early, polled
+
+
+def test_comm_async_handles_poll_and_wait_once(world2):
+    assert world2.run(_comm_async_handles_poll_and_wait_once) == [(False, [True] * 3)] * 2
