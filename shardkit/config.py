@@ -63,10 +63,11 @@ Keys accepted for compatibility with DeepSpeed configs, validated, without effec
     embedding gradients) or when false; fp16.fp16_master_weights_and_grads when false; and,
     while
     switched off, the sections amp,
-    tensorboard, wandb, csv_monitor, comms_logger, flops_profiler, data_efficiency,
+    tensorboard, wandb, csv_monitor, flops_profiler, data_efficiency,
     curriculum_learning, elasticity and autotuning, and checkpoint.load_universal,
     use_node_local_storage and parallel_write.pipeline_stage. A value these do not
-    accept is an error that names what to use instead.
+    accept is an error that names what to use instead. comms_logger is read by
+    ``initialize`` (``shardkit.comm.configure``: counts and bus bytes per op, no latencies).
 Hugging Face's ``"auto"`` placeholders (its Trainer fills them in before DeepSpeed reads
 the config) are refused in one ConfigError naming every such key.
 DeepSpeed's older section name ``bfloat16`` is read as ``bf16``, and its oldest form
@@ -393,10 +394,9 @@ SCHEMA: dict = {
                       project=_str("deepspeed")),
     "csv_monitor": _monitor("CSV monitor", _LOG_INSTEAD, output_path=_str(""),
                             job_name=_str("")),
-    "comms_logger": _monitor("communication logger", "count bytes by op with "
-                             "shardkit.distributed.CommCounter()", verbose=_bool(),
-                             prof_all=_bool(True), debug=_bool(),
-                             prof_ops=Field((list,), [])),
+    # read by initialize: shardkit.comm.configure (counts and bus bytes per op, no latencies)
+    "comms_logger": {"enabled": _bool(), "verbose": _bool(), "prof_all": _bool(True),
+                     "debug": _bool(), "prof_ops": Field((list,), [])},
     "flops_profiler": _monitor("FLOPS profiler", "use torch.profiler", profile_step=_int(1, 1),
                                module_depth=_int(-1, -1), top_modules=_int(1, 1),
                                detailed=_bool(True), output_file=Field((str, type(None)))),

@@ -1781,6 +1781,9 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         _ensure_log_handler()
         for note in cfg.warnings:
             logger.warning(note)
+    if "comms_logger" in cfg.raw:  # DeepSpeed's engine configures deepspeed.comm from it
+        from shardkit.deepspeed_compat import comm
+        comm.configure(cfg.raw)
     if recipe is not None and cfg.precision.dtype != "fp32":
         cast = _keep_fp32_master_weights(model, recipe, cfg.zero.stage)
         if cast and distributed.get_rank() == 0:

@@ -139,8 +139,6 @@ def test_batch_triple(train, micro, gas, world, expected):
       "partition_activations=true"]),
     ({"train_batch_size": 8, "tensorboard": {"enabled": True, "output_path": "runs"}},
      ["tensorboard.enabled=True is not supported", "TensorBoard"]),
-    ({"train_batch_size": 8, "comms_logger": {"enabled": True}},
-     ["comms_logger.enabled=True", "CommCounter"]),
     ({"train_batch_size": 8, "flops_profiler": {"enabled": True}}, ["torch.profiler"]),
     ({"train_batch_size": 8, "wandb": {"enabled": False, "projekt": "x"}},
      ["wandb.projekt", "did you mean 'wandb.project'"]),

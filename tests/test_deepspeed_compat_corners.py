@@ -423,6 +423,28 @@ def test_comm_logger_reports_what_commcounter_counts(world2):
         ((["all_reduce", "all_gather", "broadcast"], 3), 3)] * 2
 
 
+def _comm_logger_from_the_config():
+    """initialize(config={"comms_logger": {"enabled": true}}) switches the logger on, as
+    DeepSpeed's engine does (the section was refused); its step's reduction is logged."""
+    import shardkit
+    import shardkit.comm as dist
+    try:
+        engine, *_ = shardkit.initialize(model=torch.nn.Linear(4, 2), config={
+            "train_micro_batch_size_per_gpu": 1, "comms_logger": {"enabled": True},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        engine.backward(engine(torch.ones(1, 4)).sum())
+        engine.step()
+        return dist.get_logged_comm_ops()
+    finally:
+        dist.configure(enabled=False, prof_all=True, prof_ops=[])
+        dist.reset_log()
+
+
+def test_comm_logger_switched_on_by_initializes_config(world2):
+    for logged in world2.run(_comm_logger_from_the_config):
+        assert "all_reduce" in logged, logged
+
+
 def _comm_layouts_of_the_list_and_split_forms():
     """reduce_scatter's list form into a 2-D output, all_to_all_single (with and without
     split sizes) into a transposed output and from a transposed input, against the values
