@@ -403,6 +403,9 @@ def test_each_load_hook_runs_once_as_in_torch(world2, where, kind):
 # ---------------------------------------------------------------- torch features inside a load
 
 
+_SWAP_SEEN: list = []  # the swap setting as _FillsFromCurrent's pre-hook saw it
+
+
 class _FillsFromCurrent(nn.Module):
     """Its pre-hook keeps the current value of what an older checkpoint lacks: the buffer
     ``stat`` (computed from the module's tensor) and, given ``with_param``, the parameter
@@ -417,6 +420,7 @@ class _FillsFromCurrent(nn.Module):
         self._register_load_state_dict_pre_hook(self._keep_current)
 
     def _keep_current(self, state_dict, prefix, *_):
+        _SWAP_SEEN.append(torch.__future__.get_swap_module_params_on_conversion())
         state_dict.setdefault(prefix + "stat", self.stat * 1)
         if self.with_param:
             state_dict.setdefault(prefix + "scale", self.scale.detach().clone())
@@ -428,10 +432,12 @@ class _FillsFromCurrent(nn.Module):
 def _torch_features_in_loads() -> dict:
     """For every place and kind: (1) a load with torch.__future__'s
     swap_module_params_on_conversion on (it used to fail: torch swapped FSDP's stand-ins)
-    gives the source's weights, and leaves the setting on; (2) a pre-hook filling a missing
-    key from the module's current buffer (it used to fail: any read of a module's tensor
-    raised) loads what the plain model loads; reading a parameter FSDP shards is a clear error
-    naming it, except under LOCAL (the shard is the value) and inside summon_full_params."""
+    gives the source's weights, leaves the setting on and never turns it off meanwhile (a
+    pre-hook, or another thread, used to see it off during the load); (2) a pre-hook
+    filling a missing key from the module's current buffer (it used to fail: any read of a
+    module's tensor raised) loads what the plain model loads; reading a parameter FSDP
+    shards is a clear error naming it, except under LOCAL (the shard is the value) and
+    inside summon_full_params."""
     out = {}
     for where in WHERE:
         for kind in KINDS:
@@ -443,8 +449,10 @@ def _torch_features_in_loads() -> dict:
             model = _wrap(_Trunk(lambda: _FillsFromCurrent(False)), where)
             torch.__future__.set_swap_module_params_on_conversion(True)
             try:
+                _SWAP_SEEN.clear()
                 with _state_type(model, kind):
                     model.load_state_dict(saved)
+                out[where, kind, "swap seen"] = list(set(_SWAP_SEEN))
                 out[where, kind, "swap"] = _max_diff(_full(model), _full(source))
                 out[where, kind, "swap kept"] = \
                     torch.__future__.get_swap_module_params_on_conversion()
@@ -480,6 +488,7 @@ def test_loads_take_torch_swap_setting_and_hooks_reading_current_values(world2):
             for kind in KINDS:
                 assert r[where, kind, "swap"] < 1e-7, (rank, where, kind, r)
                 assert r[where, kind, "swap kept"] is True, (rank, where, kind)
+                assert r[where, kind, "swap seen"] == [True], (rank, where, kind, r)
                 assert r[where, kind, False] == 0.0, (rank, where, kind, r)
                 mine = r[where, kind, True]
                 if kind == "LOCAL_STATE_DICT":

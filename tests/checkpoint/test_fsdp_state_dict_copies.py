@@ -354,9 +354,12 @@ def test_module_versions_reach_modules_inside_a_unit_under_a_plain_parent(world2
 
 def _optim_dicts_bad_on_one_rank() -> dict:
     """FSDP.optim_state_dict_to_load given a dict that fits on rank 0 but not on rank 1 (state
-    missing for one parameter, a plain tensor of neither the full nor the shard shape, ``{}``
-    where a ``rank0_only`` full dict was not loaded): rank 1 used to raise (or load silently)
-    while rank 0 went on to its next collective and hung."""
+    missing for one parameter, a plain tensor of neither the full nor the shard shape): rank 1
+    used to raise (or load silently) while rank 0 went on to its next collective and hung.
+    Under FULL_STATE_DICT with ``FullOptimStateDictConfig(rank0_only=True)`` only rank 0's
+    dict counts, as in torch FSDP1: ``{}`` on rank 1 used to be refused; rank 0's ``{}`` is
+    refused naming rank 0 only. A dict missing a parameter's state on rank 0 only used to be
+    blamed on rank 1 (rank 0's dict was taken as the reference)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
 
@@ -368,20 +371,26 @@ def _optim_dicts_bad_on_one_rank() -> dict:
     optim.step()
     before = copy.deepcopy(optim.state_dict())
     rank, out = dist.get_rank(), {}
-    for kind in ("local", "sharded", "full"):
-        if kind == "full":
+    fresh = torch.optim.Adam(model.parameters(), lr=0.01)
+    for kind in ("local", "sharded", "full", "full rank 0", "full unequal"):
+        if kind.startswith("full"):
             settings = (StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
-                        FullOptimStateDictConfig(rank0_only=True))
+                        FullOptimStateDictConfig(rank0_only=kind != "full unequal"))
         else:
             settings = (getattr(StateDictType, f"{kind.upper()}_STATE_DICT"),)
         with FSDP.state_dict_type(model, *settings):
             osd = FSDP.optim_state_dict(model, optim)
+            target = fresh if kind == "full" else optim
             if rank == 1 and kind == "local":
                 del osd["state"][0]
             elif rank == 1 and kind == "sharded":
                 osd["state"]["l1.weight"]["exp_avg"] = torch.zeros(2, 6)
+            elif rank == 0 and kind == "full rank 0":
+                osd = {}
+            elif rank == 0 and kind == "full unequal":
+                del osd["state"]["l1.bias"]
             try:
-                FSDP.optim_state_dict_to_load(model, optim, osd, load_directly=True)
+                FSDP.optim_state_dict_to_load(model, target, osd, load_directly=True)
                 out[kind] = "loaded"
             except ValueError as error:
                 out[kind] = str(error)
@@ -391,6 +400,9 @@ def _optim_dicts_bad_on_one_rank() -> dict:
     out["unchanged"] = all(
         torch.equal(v, before["state"][i][k]) for i, s in optim.state_dict()["state"].items()
         for k, v in s.items())
+    got = fresh.state_dict()["state"]  # rank 0's dict, each rank's rows
+    out["rank0_only loaded"] = sorted(got) == sorted(before["state"]) and all(
+        torch.equal(v, got[i][k]) for i, s in before["state"].items() for k, v in s.items())
     return out
 
 
@@ -400,8 +412,11 @@ def test_optim_state_dict_bad_on_one_rank_raises_on_every_rank(world2):
         assert "on rank 1: parameter l1.weight has state []" in out["local"], out
         assert "on rank 1:" in out["sharded"] and "'exp_avg' of l1.weight has shape (2, 6)" \
             in out["sharded"], out
-        assert "on rank 1:" in out["full"] and "expected a full optimizer state dict" \
-            in out["full"], out
+        assert out["full"] == "loaded" and out["rank0_only loaded"], out
+        assert "on rank 0:" in out["full rank 0"] and "on rank 1" not in out["full rank 0"] \
+            and "expected a full optimizer state dict" in out["full rank 0"], out
+        assert "on rank 0: parameter l1.bias has state []" in out["full unequal"] \
+            and "on rank 1:" not in out["full unequal"], out
 
 
 def _optim_dicts_other_shapes_and_malformed() -> dict:
@@ -437,3 +452,213 @@ def test_optim_state_dict_other_shapes_load_and_malformed_raises_on_every_rank(w
     for out in world2.run(_optim_dicts_other_shapes_and_malformed):
         assert out["adafactor"] == "loaded", out
         assert "on rank 1: AttributeError" in out["malformed"], out
+
+
+def _rekeyed_optim_state() -> dict:
+    """torch FSDP1's ``FSDP.rekey_optim_state_dict`` (was missing: AttributeError) between a
+    plain optimizer's id-keyed dict and the name-keyed one, with a frozen parameter (the
+    optimizer's ids are not ``model.parameters()``' positions): the plain state goes into the
+    wrapped model's optimizer and comes back equal."""
+    from torch.distributed.fsdp import OptimStateKeyType
+
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+
+    def build():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+        net[0].bias.requires_grad_(False)
+        return net
+
+    plain = build()
+    plain_optim = torch.optim.Adam([p for p in plain.parameters() if p.requires_grad], lr=0.01)
+    plain(torch.randn(4, 6)).sum().backward()
+    plain_optim.step()
+    saved = plain_optim.state_dict()
+    by_name = FSDP.rekey_optim_state_dict(saved, OptimStateKeyType.PARAM_NAME, plain,
+                                          optim=plain_optim)
+    net = build()
+    net[2] = FSDP(net[2])
+    model = FSDP(net)
+    model.load_state_dict(plain.state_dict())
+    optim = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    optim.load_state_dict(FSDP.shard_full_optim_state_dict(by_name, model))
+    full = FSDP.full_optim_state_dict(model, optim, rank0_only=False)
+    back = FSDP.rekey_optim_state_dict(
+        FSDP.rekey_optim_state_dict(full, OptimStateKeyType.PARAM_NAME, model, optim=optim),
+        OptimStateKeyType.PARAM_ID, plain, optim=plain_optim)
+    try:
+        FSDP.rekey_optim_state_dict(saved, "PARAM_INDEX", plain)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return {"names": sorted(by_name["state"]), "groups": back["param_groups"][0]["params"],
+            "equal": all(torch.equal(v, back["state"][i][k])
+                         for i, s in saved["state"].items() for k, v in s.items()),
+            "refused": refused}
+
+
+def test_rekey_optim_state_dict_round_trips_through_a_wrapped_model(world2):
+    for out in world2.run(_rekeyed_optim_state):
+        assert out["names"] == ["0.weight", "2.bias", "2.weight"], out
+        assert out["groups"] == [0, 1, 2] and out["equal"], out
+        assert "optim_state_key_type='PARAM_INDEX'" in out["refused"], out
+
+
+def _optimizer_with_outside_params() -> dict:
+    """An optimizer over the model's parameters and two outside it (a temperature): under
+    FULL_STATE_DICT ``FSDP.optim_state_dict`` used to key both ``None`` (one's state silently
+    kept for both) and its load failed with ``invalid literal for int()``; it is refused by
+    name before gathering, as under SHARDED, and ``full_optim_state_dict`` /
+    ``shard_full_optim_state_dict`` (ids) carry the outside state."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    model = _model(0)
+    outside = [nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(2, 2))]
+    optim = torch.optim.Adam([{"params": list(model.parameters())},
+                              {"params": outside, "lr": 0.1}], lr=0.01)
+    ((model(torch.randn(3, 6)) * outside[0]).sum() + outside[1].sum()).backward()
+    optim.step()
+    out = {"n": len(list(model.parameters()))}
+    try:
+        FSDP.optim_state_dict(model, optim)
+        out["full"] = "saved"
+    except ValueError as error:
+        out["full"] = str(error)
+    saved = optim.state_dict()
+    optim.load_state_dict(FSDP.shard_full_optim_state_dict(
+        FSDP.full_optim_state_dict(model, optim, rank0_only=False), model))
+    out["ids"] = all(torch.equal(v, optim.state_dict()["state"][i][k])
+                     for i, s in saved["state"].items() for k, v in s.items())
+    named = {"state": {}, "param_groups": [{"params": ["l1.weight", None]}]}
+    try:
+        FSDP.shard_full_optim_state_dict(named, model)
+    except ValueError as error:
+        out["mixed"] = str(error)
+    return out
+
+
+def test_optimizer_with_parameters_outside_the_model(world2):
+    for out in world2.run(_optimizer_with_outside_params):
+        n = out["n"]
+        assert f"parameters [{n}, {n + 1}] (in param-group order) are not parameters of this " \
+            "model" in out["full"], out
+        assert out["ids"], out
+        assert "mix parameter names and other keys ([None]" in out["mixed"], out
+
+
+def _rank0_only_with_experts() -> dict:
+    """A model with an expert (a unit over a group of its own rank): a full optimizer state
+    dict on rank 0 alone cannot hold the other rank's expert state. ``optim_state_dict`` under
+    ``rank0_only`` used to drop it silently, and rank 0's dict loaded everywhere would give
+    rank 1 rank 0's expert state: refused by name, on every rank, before any collective."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullOptimStateDictConfig
+
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import StateDictType
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    torch.manual_seed(dist.get_rank())
+    net = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+    net[1] = FSDP(net[1], process_group=groups[dist.get_rank()])
+    model = FSDP(net)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(3, 6)).sum().backward()
+    optim.step()
+    out = {}
+    for call in ("save", "load", "full", "scatter"):
+        try:
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, None,
+                                      FullOptimStateDictConfig(rank0_only=True)):
+                if call == "save":
+                    FSDP.optim_state_dict(model, optim)
+                elif call == "load":
+                    FSDP.optim_state_dict_to_load(model, optim, {})
+                elif call == "full":
+                    FSDP.full_optim_state_dict(model, optim)
+                else:
+                    FSDP.scatter_full_optim_state_dict(None, model)
+            out[call] = "no error"
+        except ValueError as error:
+            out[call] = str(error)
+    return out
+
+
+def test_rank0_only_optimizer_state_of_a_model_with_experts_is_refused(world2):
+    for out in world2.run(_rank0_only_with_experts):
+        for call, error in out.items():
+            assert "the parameters ['1.weight', '1.bias'] are sharded over other ranks" \
+                in error and "rank0_only=False" in error, (call, error)
+
+
+def _named_dict_in_another_order() -> dict:
+    """A full optimizer state dict keyed by names whose param group lists the names in another
+    order than the optimizer's (sorted, as torch's ``rekey_optim_state_dict`` writes them):
+    ``optim_state_dict_to_load`` and ``shard_full_optim_state_dict(..., optim=)`` used to give
+    each parameter the state at its position (another parameter's), where torch FSDP1 matches
+    names; now each gets its own."""
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig
+
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import StateDictType
+    model = _model(0)
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(3, 6)).pow(2).sum().backward()
+    optim.step()
+    saved = copy.deepcopy(optim.state_dict())
+    out = {}
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
+                              FullOptimStateDictConfig()):
+        named = FSDP.optim_state_dict(model, optim)
+    named["param_groups"][0]["params"] = sorted(named["param_groups"][0]["params"])
+    for how in ("to_load", "shard"):
+        fresh = torch.optim.Adam(model.parameters(), lr=0.01)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            fresh.load_state_dict(
+                FSDP.optim_state_dict_to_load(model, fresh, named) if how == "to_load" else
+                FSDP.shard_full_optim_state_dict(named, model, optim=fresh))
+        got = fresh.state_dict()["state"]
+        out[how] = all(got[i][k].shape == v.shape and torch.equal(got[i][k], v)
+                       for i, s in saved["state"].items() for k, v in s.items())
+    return out
+
+
+def test_named_optimizer_state_loads_by_name_in_any_order(world2):
+    for out in world2.run(_named_dict_in_another_order):
+        assert out == {"to_load": True, "shard": True}, out
+
+
+def _optimizer_state_through_a_plain_parent() -> dict:
+    """torch FSDP1's optimizer-state functions take a plain module holding the units (here
+    beside a Linear no unit holds): they raised AttributeError ('Sequential' object has no
+    attribute '_state_dict_settings'). Each kind round-trips, keyed by the module's names."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import StateDictType
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 3))
+    model[0] = FSDP(model[0])
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(3, 6)).pow(2).sum().backward()
+    optim.step()
+    saved = copy.deepcopy(optim.state_dict())
+    out = {}
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT", "ids"):
+        fresh = torch.optim.Adam(model.parameters(), lr=0.01)
+        if kind == "ids":
+            fresh.load_state_dict(FSDP.shard_full_optim_state_dict(
+                FSDP.full_optim_state_dict(model, optim, rank0_only=False), model))
+        else:
+            with FSDP.state_dict_type(model, getattr(StateDictType, kind)):
+                osd = FSDP.optim_state_dict(model, optim)
+                out[kind, "keys"] = sorted(map(str, osd["state"]))
+                FSDP.optim_state_dict_to_load(model, fresh, osd, load_directly=True)
+        got = fresh.state_dict()["state"]
+        out[kind] = all(torch.equal(got[i][k], v)
+                        for i, s in saved["state"].items() for k, v in s.items())
+    return out
+
+
+def test_optimizer_state_functions_take_a_plain_module_holding_units(world2):
+    for out in world2.run(_optimizer_state_through_a_plain_parent):
+        names = ["0.bias", "0.weight", "2.bias", "2.weight"]
+        assert out["FULL_STATE_DICT", "keys"] == names == out["SHARDED_STATE_DICT", "keys"], out
+        assert all(out[k] for k in ("FULL_STATE_DICT", "SHARDED_STATE_DICT",
+                                    "LOCAL_STATE_DICT", "ids")), out

@@ -19,6 +19,7 @@ _EXPORTS = {
     "OptimStateDictConfig": "shardkit.nn.data_parallel.fsdp_state_dict_type",
     "FullOptimStateDictConfig": "shardkit.nn.data_parallel.fsdp_state_dict_type",
     "StateDictSettings": "shardkit.nn.data_parallel.fsdp_state_dict_type",
+    "OptimStateKeyType": "shardkit.nn.data_parallel.fsdp_state_dict_type",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -167,7 +167,9 @@ class _StandIn(torch.Tensor):
     ``nn.Module``'s load over its units (:func:`_load_walk`): a tensor with the shape the
     dict's value must have (a sharded parameter's full shape) and no storage, whose ``copy_``
     hands the value, after every load pre-hook and version conversion of the modules, to
-    ``sink``. Any other use of its data fails."""
+    ``sink`` (so does its ``module_load``, which torch calls instead when
+    ``torch.__future__.set_swap_module_params_on_conversion(True)`` is set: no process-wide
+    setting is changed by the walk). Any other use of its data fails."""
 
     @staticmethod
     def __new__(cls, shape, dtype, sink, name: str = "", sharded: bool = False):
@@ -184,6 +186,19 @@ class _StandIn(torch.Tensor):
         if func is torch.Tensor.copy_ and isinstance(args[0], _StandIn):
             args[0]._sink(args[1])
             return args[0]
+        if func is torch.Tensor.module_load and isinstance(args[0], _StandIn):
+            # torch.__future__'s swap_module_params_on_conversion on: nn.Module's load asks
+            # the module's tensor for the value to swap in; the value is handed to ``sink``
+            # (as by copy_) and a fresh stand-in is swapped in, which the walk's end discards
+            # (the setting, process-wide, is left as the user set it)
+            if (kwargs or {}).get("assign", args[2] if len(args) > 2 else False):
+                raise RuntimeError("load_state_dict(assign=True) is not supported by "
+                                   "FullyShardedDataParallel: its parameters stay views of "
+                                   "their shards")
+            stand_in = args[0]
+            stand_in._sink(args[1])
+            return _StandIn(stand_in.shape, stand_in.dtype, stand_in._sink, stand_in._name,
+                            stand_in._sharded)
         if func is torch.Tensor.resize_ and isinstance(args[0], _StandIn):
             # a module sizing a buffer for the value it is given (torch's FakeQuantize and
             # observers call resize_ before the copy): to its own size, a no-op
@@ -337,25 +352,9 @@ def _load_walk(root: nn.Module, state_dict, prefix: str, metadata: Optional[dict
     for module in root.modules():  # left by a walk that stopped (see _SkipLoad)
         if isinstance(module.__dict__.get("_load_from_state_dict"), _SkipLoad):
             del module.__dict__["_load_from_state_dict"]
-    with _own_walk(), _copying_not_swapping(), \
-            _standing_in(root, prefix, sharded, problems, records):
+    with _own_walk(), _standing_in(root, prefix, sharded, problems, records):
         load(root, OrderedDict(state_dict), prefix)
     return missing, unexpected, errors, order, records
-
-
-@contextlib.contextmanager
-def _copying_not_swapping():
-    """Inside: ``torch.__future__``'s swap_module_params_on_conversion is off, so that the
-    modules' ``_load_from_state_dict`` hand each value to its :class:`_StandIn`'s ``copy_``
-    (with it on, torch swaps a new tensor in for the module's, which a sharded parameter, a
-    view of its unit's flat shard, cannot take): the values are copied into the shards, as
-    without it. Set back on exit (the setting is process-wide)."""
-    swapping = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(False)
-    try:
-        yield
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(swapping)
 
 
 def _metadata_of_torch_load() -> Optional[dict]:
@@ -1108,20 +1107,32 @@ class FSDPStateDictMixin:
         """torch FSDP1's name for :meth:`gather_full_optim_state_dict` (parameter ids as keys):
         the full state on rank 0 (``{}`` elsewhere) or, with ``rank0_only=False``, on every
         rank. ``optim_input`` and ``group`` must be left unset (the model's own group is used).
-        All ranks must call it; costs as :meth:`gather_full_optim_state_dict`."""
+        ``rank0_only=True`` is refused for a model with parameters sharded over other groups
+        (experts: the other ranks' state would be dropped). All ranks must call it; costs as
+        :meth:`gather_full_optim_state_dict`."""
+        model = _as_root(model, "full_optim_state_dict")
         _refuse_torch_only_arguments("full_optim_state_dict", optim_input=optim_input,
                                      group=group)
         if not isinstance(rank0_only, bool):
             raise ValueError(f"full_optim_state_dict(rank0_only={rank0_only!r}): must be True "
                              f"or False")
+        if rank0_only:
+            _refuse_experts_on_one_rank(model, "full_optim_state_dict(rank0_only=True)")
         full = model._gather_full_optim_state(optim)
         return full if not rank0_only or model.rank == 0 else {}
 
     @staticmethod
     def shard_full_optim_state_dict(full_optim_state_dict: dict, model, optim_input=None,
                                     optim=None) -> dict:
-        """torch FSDP1's name for :meth:`get_shard_from_optim_state_dict`. No communication."""
+        """torch FSDP1's name for :meth:`get_shard_from_optim_state_dict`; given ``optim``, a
+        dict keyed by names is matched to its parameters by name (as torch does), whatever
+        order its param groups list them in. No communication."""
+        model = _as_root(model, "shard_full_optim_state_dict")
         _refuse_torch_only_arguments("shard_full_optim_state_dict", optim_input=optim_input)
+        if optim is not None:
+            _check_optimizer_of(model, optim, "shard_full_optim_state_dict")
+            full_optim_state_dict = _in_optimizer_order(model, optim, _keyed_by_ids(
+                full_optim_state_dict, "shard_full_optim_state_dict"))
         return model.get_shard_from_optim_state_dict(full_optim_state_dict)
 
     @staticmethod
@@ -1129,45 +1140,89 @@ class FSDPStateDictMixin:
                                       optim_input=None, optim=None, group=None) -> dict:
         """torch FSDP1's: the full optimizer state dict given on the first rank (rank 0 of the
         group and of the replicas; e.g. :meth:`full_optim_state_dict`'s, loaded there alone)
-        is sent to every rank, which returns its part for ``optim.load_state_dict``. The
+        is sent to every rank, which returns its part for ``optim.load_state_dict`` (given
+        ``optim``, a dict keyed by names is matched to its parameters by name). The
         argument is ignored on the other ranks (``None`` there). A dict that is not a full
-        optimizer state dict raises the same ``ValueError`` on every rank. All ranks of the
+        optimizer state dict raises the same ``ValueError`` on every rank; so does a model
+        with parameters sharded over other groups (experts), before any collective. All ranks of the
         model's group and replicas must call it. Communication: one object broadcast of the
         full dict (and one across the replicas). Memory: the full state on every rank while it
         is cut."""
+        model = _as_root(model, "scatter_full_optim_state_dict")
         _refuse_torch_only_arguments("scatter_full_optim_state_dict", optim_input=optim_input,
                                      group=group)
-        payload = None
-        if model._is_first_rank():
-            try:
-                if full_optim_state_dict is None:
-                    raise ValueError("FSDP.scatter_full_optim_state_dict(full_optim_state_dict="
-                                     "None) on rank 0: rank 0 must pass the full optimizer "
-                                     "state dict (e.g. torch.load of the file "
-                                     "full_optim_state_dict saved); the other ranks may pass "
-                                     "None")
-                payload = ("ok", _keyed_by_ids(full_optim_state_dict,
-                                               "scatter_full_optim_state_dict"))
-            except ValueError as error:
-                payload = ("error", str(error))
-        if model.replicate_group is not None:
-            payload = skdist.broadcast_object(
-                payload, src=skdist.get_global_rank(model.replicate_group, 0),
-                group=model.replicate_group)
-        payload = skdist.broadcast_object(payload,
-                                          src=skdist.get_global_rank(model.process_group, 0),
-                                          group=model.process_group)
-        kind, value = payload
+        _refuse_experts_on_one_rank(model, "scatter_full_optim_state_dict")
+        if optim is not None:
+            _check_optimizer_of(model, optim, "scatter_full_optim_state_dict")
+        kind, value = _from_first_rank(model, full_optim_state_dict,
+                                       "scatter_full_optim_state_dict", "full_optim_state_dict")
         if kind == "error":
             raise ValueError(value)
-        return model.get_shard_from_optim_state_dict(value)
+        return model.get_shard_from_optim_state_dict(_in_optimizer_order(model, optim, value))
+
+    @staticmethod
+    def rekey_optim_state_dict(optim_state_dict: dict, optim_state_key_type, model,
+                               optim_input=None, optim=None) -> dict:
+        """torch FSDP1's: ``optim_state_dict`` (full: from :meth:`full_optim_state_dict`, or a
+        plain optimizer's ``state_dict()``) keyed the other way, ``optim_state_key_type``
+        (:class:`~shardkit.nn.data_parallel.fsdp_state_dict_type.OptimStateKeyType` or torch's)
+        ``PARAM_NAME`` (by the unwrapped model's parameter names) or ``PARAM_ID`` (by index, as
+        ``optim.load_state_dict`` takes it). The indices are the order of ``optim``'s param
+        groups when it is given, else of ``model.parameters()``; ``model`` may be the FSDP
+        model or the unwrapped one. A dict already keyed that way is returned as it is; else a
+        new dict with ``state`` and ``param_groups`` (their ``params`` in the same order), the
+        tensors not copied. ``optim_input`` must be left unset. Local."""
+        _refuse_torch_only_arguments("rekey_optim_state_dict", optim_input=optim_input)
+        key_type = getattr(optim_state_key_type, "name", optim_state_key_type)
+        if key_type not in ("PARAM_NAME", "PARAM_ID"):
+            raise ValueError(f"FSDP.rekey_optim_state_dict(optim_state_key_type="
+                             f"{optim_state_key_type!r}): expected OptimStateKeyType.PARAM_NAME "
+                             f"or OptimStateKeyType.PARAM_ID")
+        if not isinstance(optim_state_dict, dict) or not isinstance(
+                optim_state_dict.get("state"), dict) or not isinstance(
+                optim_state_dict.get("param_groups"), list):
+            raise ValueError("FSDP.rekey_optim_state_dict(optim_state_dict=...): expected an "
+                             "optimizer state dict (a dict with 'state' and 'param_groups')")
+        flat = [k for g in optim_state_dict["param_groups"] for k in g.get("params", ())]
+        keys = flat + list(optim_state_dict["state"])
+        by_name = [isinstance(k, str) for k in keys]
+        by_id = [isinstance(k, int) and not isinstance(k, bool) for k in keys]
+        if not (all(by_name) or all(by_id)):
+            raise ValueError(f"FSDP.rekey_optim_state_dict: the dict's parameter keys mix "
+                             f"names and ids, or are neither ({keys[:6]}...)")
+        if (key_type == "PARAM_NAME") == all(by_name) and keys:
+            return optim_state_dict
+        if optim is not None:
+            _check_optimizer_of(model, optim, "rekey_optim_state_dict")
+            params = [p for g in optim.param_groups for p in g["params"]]
+        else:
+            params = list(model.parameters())
+        known = {id(p): clean_name(n) for n, p in model.named_parameters()}
+        outside = [i for i, p in enumerate(params) if id(p) not in known]
+        if outside:
+            raise ValueError(f"FSDP.rekey_optim_state_dict: the optimizer's parameters "
+                             f"{outside[:5]} (in param-group order) are not parameters of the "
+                             f"model; pass the model the optimizer was built over")
+        names = [known[id(p)] for p in params]
+        to_key = dict(enumerate(names)) if key_type == "PARAM_NAME" else \
+            {n: i for i, n in enumerate(names)}
+        unknown = [k for k in keys if k not in to_key]
+        if unknown:
+            raise ValueError(f"FSDP.rekey_optim_state_dict: the dict's parameters "
+                             f"{unknown[:5]} are not among the {len(names)} "
+                             f"{'indices' if key_type == 'PARAM_NAME' else 'names'} of "
+                             f"{'the optimizer' if optim is not None else 'model.parameters()'}")
+        return {"state": {to_key[k]: v for k, v in optim_state_dict["state"].items()},
+                "param_groups": [dict(g, params=[to_key[k] for k in g.get("params", ())])
+                                 for g in optim_state_dict["param_groups"]]}
 
     @staticmethod
     def optim_state_dict(model, optim: torch.optim.Optimizer, optim_state_dict=None,
                          group=None) -> dict:
         """torch FSDP1's optimizer state under :meth:`state_dict_type`: ``FULL_STATE_DICT``
         gives the full state keyed by parameter names (``{}`` off rank 0 with a
-        ``FullOptimStateDictConfig(rank0_only=True)``), ``LOCAL_STATE_DICT`` this rank's
+        ``FullOptimStateDictConfig(rank0_only=True)``, refused for a model with experts, whose
+        state differs between groups), ``LOCAL_STATE_DICT`` this rank's
         ``optim.state_dict()``, ``SHARDED_STATE_DICT`` the state keyed by parameter names with
         each per-element tensor (``exp_avg``...) a ``Shard(0)`` DTensor of this rank's rows, as
         the parameters in :meth:`sharded_state_dict` (for torch.distributed.checkpoint; on the
@@ -1176,6 +1231,7 @@ class FSDPStateDictMixin:
         has tensors to fill). Load any of them with :meth:`optim_state_dict_to_load`. All ranks
         must call it; costs as :meth:`gather_full_optim_state_dict` (full) or nothing (local,
         sharded: views of the state, no full tensor)."""
+        model = _as_root(model, "optim_state_dict")
         _refuse_torch_only_arguments("optim_state_dict", optim_state_dict=optim_state_dict,
                                      group=group)
         settings = model._state_dict_settings
@@ -1185,6 +1241,9 @@ class FSDPStateDictMixin:
                                          shard_shaped_only=True)
         if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             return _sharded_optim_state(model, optim)
+        _optimizer_names(model, optim, "optim_state_dict", "FULL_STATE_DICT")  # before gathering
+        if getattr(settings.optim_state_dict_config, "rank0_only", False):
+            _refuse_experts_on_one_rank(model, "optim_state_dict (FULL_STATE_DICT, rank0_only)")
         full = model._gather_full_optim_state(optim)
         if getattr(settings.optim_state_dict_config, "rank0_only", False) and model.rank != 0:
             return {}
@@ -1195,35 +1254,58 @@ class FSDPStateDictMixin:
                                  is_named_optimizer: bool = False, load_directly: bool = False,
                                  group=None) -> dict:
         """What ``optim.load_state_dict`` takes for :meth:`optim_state_dict` output (full,
-        keyed by names, from any world size: this rank's rows are cut out; local: as given,
+        keyed by names, from any world size, matched to ``optim``'s parameters by name whatever
+        order its param groups list them in: this rank's rows are cut out; local: as given,
         once its per-element state is checked to have this rank's shard shapes; sharded:
         each DTensor's rows, e.g. after ``torch.distributed.checkpoint.load`` at any world
         size, become this rank's padded shard);
-        with ``load_directly=True`` it is loaded into ``optim`` and ``None`` returned. A dict
-        that does not fit (another model's or optimizer's, another rank's shapes, param groups
-        that differ, ``{}`` where a ``rank0_only`` dict was not loaded) or whose parameters
-        have state on some ranks of the group but not on others (one rank's file from another
-        checkpoint) raises the same ``ValueError`` on every rank of the group and of its
-        replicas, naming each rank that failed and its problem, before anything is loaded
-        (collective, as torch FSDP1's). Communication: a three-element all-reduce per group;
-        on failure, an object all-gather of the problems."""
+        with ``load_directly=True`` it is loaded into ``optim`` and ``None`` returned. Under
+        ``FULL_STATE_DICT`` with ``FullOptimStateDictConfig(rank0_only=True)``, as in torch
+        FSDP1, only the first rank (rank 0 of the group and of the replicas) needs the dict
+        (e.g. loaded there alone): it is sent to the other ranks, whose argument (``{}``,
+        ``None``) is ignored (refused, before any collective, for a model with parameters
+        sharded over other groups, experts: one rank's dict cannot hold every group's). A
+        dict that does not fit (another model's or optimizer's, another rank's shapes, param
+        groups that differ, ``{}`` where every rank must give the dict) or whose parameters
+        have other state keys on some ranks than on others (one rank's file from another
+        checkpoint) raises the same ``ValueError`` on every rank
+        of the group and of its replicas, naming each rank that failed and its problem (ranks
+        whose state keys differ from the others': where no majority of the ranks agrees, each
+        side), before anything is loaded (collective, as torch FSDP1's). Communication: a
+        three-element all-reduce per group; on failure, an object all-gather of the problems;
+        with ``rank0_only``, one object broadcast of the full dict beforehand (memory: the
+        full state on every rank while it is cut, as :meth:`scatter_full_optim_state_dict`)."""
+        model = _as_root(model, "optim_state_dict_to_load")
         _refuse_torch_only_arguments("optim_state_dict_to_load", group=group,
                                      is_named_optimizer=is_named_optimizer or None)
-        kind = model._state_dict_settings.state_dict_type
-        mine = cause = keys = None
+        settings = model._state_dict_settings
+        kind = settings.state_dict_type
+        mine = cause = keys = sent = None
+        if kind is StateDictType.FULL_STATE_DICT and \
+                getattr(settings.optim_state_dict_config, "rank0_only", False):
+            _refuse_experts_on_one_rank(model, "optim_state_dict_to_load (FULL_STATE_DICT, "
+                                               "rank0_only)")
+            sent = _from_first_rank(model, optim_state_dict, "optim_state_dict_to_load",
+                                    "optim_state_dict")
         try:
             if kind is StateDictType.LOCAL_STATE_DICT:
                 _refuse_other_shards(model, optim, optim_state_dict)
                 mine = optim_state_dict
             elif kind is StateDictType.SHARDED_STATE_DICT:
                 mine = _sharded_optim_state_to_load(model, optim, optim_state_dict)
+            elif sent is not None and sent[0] == "error":  # the first rank's dict, its failure
+                if model._is_first_rank():                 # (the others have none to check)
+                    raise ValueError(sent[1])
             else:
-                mine = model.get_shard_from_optim_state_dict(_keyed_by_ids(optim_state_dict))
-            _check_loadable_groups(optim, mine)
-            keys = _state_keys(model, optim, mine)
+                mine = model.get_shard_from_optim_state_dict(_in_optimizer_order(
+                    model, optim, sent[1] if sent is not None else
+                    _keyed_by_ids(optim_state_dict)))
+            if mine is not None:
+                _check_loadable_groups(optim, mine)
+                keys = _state_keys(model, optim, mine)
         except Exception as error:  # any local failure (e.g. AttributeError of a malformed
             cause = error           # entry) must reach the agreement, or the others hang
-        _agree_on_optim_load(model, optim, keys, cause, kind)
+        _agree_on_optim_load(model, optim, keys, cause, kind, sent is not None)
         if load_directly:
             optim.load_state_dict(mine)
             return None
@@ -1245,6 +1327,68 @@ class FSDPStateDictMixin:
         for unit in self.sharded_units():
             if unit.world_size == 1 < self.world_size and unit.replicate_group is None:
                 unit.no_broadcast_optim_state = True
+
+
+class _PlainRoot:
+    """A plain module holding FSDP units (``model.encoder = FSDP(model.encoder)``, torch's
+    ``checkpoint_wrapper(FSDP(model))``) seen as one FSDP root by the optimizer-state functions
+    (``FSDP.optim_state_dict(model, optim)`` and the others take such a model in torch FSDP1):
+    its parameter names are the module's (without FSDP's wrapper prefixes), its units are
+    every unit inside, and its group, replicas, rank and settings are those its outermost units
+    share. The mixin's optimizer-state methods run on it unchanged. Local."""
+
+    def __init__(self, module: nn.Module, roots: list):
+        self._module, self._roots = module, roots
+        first = roots[0]
+        self.process_group, self.replicate_group = first.process_group, first.replicate_group
+        self.rank, self.world_size = first.rank, first.world_size
+        self._state_dict_settings = first._state_dict_settings
+
+    def sharded_units(self) -> list:
+        return [u for root in self._roots for u in root.sharded_units()]
+
+    def named_parameters(self, *args, **kwargs):
+        for name, param in self._module.named_parameters(*args, **kwargs):
+            yield clean_name(name), param
+
+    def parameters(self, *args, **kwargs):
+        return self._module.parameters(*args, **kwargs)
+
+    def _comm_device(self) -> torch.device:
+        return self._roots[0]._comm_device()
+
+
+for _method in ("_is_first_rank", "_gather_full_optim_state", "gather_full_optim_state_dict",
+                "get_shard_from_optim_state_dict", "_param_layouts", "_param_unit_attr",
+                "_mark_units_in_their_own_world", "_params_over_other_groups", "_sharded_params",
+                "_shard_entries"):  # the mixin's own, on the plain root's units
+    setattr(_PlainRoot, _method, getattr(FSDPStateDictMixin, _method))
+
+
+def _as_root(model, call: str):
+    """``model`` itself when it is an FSDP unit, else a :class:`_PlainRoot` over the outermost
+    units it holds, which must share their group and replicas; a clear error otherwise (no
+    unit, units over different groups), before any collective. Local."""
+    if isinstance(model, FSDPStateDictMixin):
+        return model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"FSDP.{call}(model={type(model).__name__}): expected the "
+                        f"FullyShardedDataParallel model, or a module holding its units")
+    units = [m for m in model.modules() if isinstance(m, FSDPStateDictMixin)]
+    inner = {id(u) for unit in units for u in unit.sharded_units() if u is not unit}
+    roots = [u for u in units if id(u) not in inner]
+    if not roots:
+        raise ValueError(f"FSDP.{call}(model={type(model).__name__}): the model holds no "
+                         f"FullyShardedDataParallel unit; pass the wrapped model")
+    ranks = {(tuple(skdist.group_ranks(r.process_group)),
+              tuple(skdist.group_ranks(r.replicate_group)) if r.replicate_group is not None
+              else None) for r in roots}
+    if len(ranks) > 1:
+        raise ValueError(f"FSDP.{call}(model={type(model).__name__}): its outermost "
+                         f"FullyShardedDataParallel units are sharded over different groups "
+                         f"({sorted(ranks, key=str)[:3]}); pass each unit with the optimizer "
+                         f"over its parameters")
+    return _PlainRoot(model, roots)
 
 
 def _state_dict_arguments(call: str, args: tuple, destination, prefix, keep_vars) -> tuple:
@@ -1310,17 +1454,20 @@ def _refuse_other_shards(model, optim: torch.optim.Optimizer, osd) -> None:
             f"shardkit.checkpoint.reshard_local_optim_state_dicts")
 
 
-def _optimizer_names(model, optim, call: str) -> list:
+def _optimizer_names(model, optim, call: str, kind: str = "SHARDED_STATE_DICT") -> list:
     """The clean name of each of the optimizer's parameters, in its order; a ValueError for
-    one that is not the model's. Local."""
+    one that is not the model's (under ``FULL_STATE_DICT`` several such would all be keyed
+    ``None``, one's state kept for all). Local."""
     _check_optimizer_of(model, optim, call)
     names = {id(p): clean_name(n) for n, p in model.named_parameters()}
     ordered = [p for g in optim.param_groups for p in g["params"]]
     outside = [i for i, p in enumerate(ordered) if id(p) not in names]
     if outside:
-        raise ValueError(f"FSDP.{call} (SHARDED_STATE_DICT): the optimizer's parameters "
+        raise ValueError(f"FSDP.{call} ({kind}): the optimizer's parameters "
                          f"{outside[:5]} (in param-group order) are not parameters of this "
-                         f"model; their state cannot be keyed by a parameter name")
+                         f"model; their state cannot be keyed by a parameter name (keep them "
+                         f"in an optimizer of their own, or use FSDP.full_optim_state_dict / "
+                         f"shard_full_optim_state_dict, keyed by the optimizer's ids)")
     return [names[id(p)] for p in ordered]
 
 
@@ -1473,12 +1620,15 @@ def _state_keys(model, optim: torch.optim.Optimizer, osd: dict) -> list:
 
 
 def _agree_on_optim_load(model, optim: torch.optim.Optimizer, keys: Optional[list],
-                         cause: Optional[BaseException], kind) -> None:
+                         cause: Optional[BaseException], kind,
+                         sent_from_first: bool = False) -> None:
     """:meth:`FSDPStateDictMixin.optim_state_dict_to_load`'s agreement: returns when no rank
     of the model's group and replicas failed (``cause``) and the ranks' dicts give the same
     parameters state (same keys); else the same ValueError on every rank, naming the ranks
-    that failed and their problems (this rank's own error as its ``__cause__``).
-    Communication: a three-element all-reduce per group; on failure, an object all-gather."""
+    that failed and their problems (this rank's own error as its ``__cause__``; ranks with
+    the same problem on one line; ``sent_from_first``: the dict was the first rank's, sent to
+    every rank). Communication: a three-element all-reduce per group; on failure, an object
+    all-gather."""
     groups = [model.process_group] + ([model.replicate_group]
                                       if model.replicate_group is not None else [])
     signature = zlib.crc32(repr(keys).encode()) if keys is not None else 0
@@ -1490,27 +1640,70 @@ def _agree_on_optim_load(model, optim: torch.optim.Optimizer, keys: Optional[lis
     if not failed and high == -low:
         return
     problem = f"{type(cause).__name__}: {cause}" if cause is not None else None
-    every = [(skdist.get_rank(), problem, keys)]
+    ordered = [p for g in optim.param_groups for p in g["params"]]
+    held = {"state": {i: optim.state[p] for i, p in enumerate(ordered) if p in optim.state}}
+    every = [(skdist.get_rank(), problem, keys, _state_keys(model, optim, held))]
     for group in groups:
         every = [entry for part in skdist.all_gather_object(
             every, group=group, counted=False, operation="optim_state_dict_to_load's agreement")
             for entry in part]
     every.sort(key=lambda e: e[0])
-    lines = [f"on rank {r}: {p}" for r, p, _ in every if p is not None]
+    failing: dict = {}  # a problem several ranks share (a rank0_only dict's) is told once
+    for r, p, _, _ in every:
+        if p is not None:
+            failing.setdefault(p, []).append(r)
+    lines = [f"on rank {ranks[0]}: {p}" if len(ranks) == 1 else f"on ranks {ranks}: {p}"
+             for p, ranks in failing.items()]
+    blamed = sum(map(len, failing.values()))
+    if lines and sent_from_first:
+        lines.append("(rank0_only: every rank cut its rows from the dict given on the first "
+                     "rank, the others' were ignored)")
     if not lines:  # every rank's dict fits, but they give different parameters state
-        first, reference = every[0][0], every[0][2]
-        for r, _, theirs in every[1:]:
-            odd = [(n, k, ref) for (n, k), (_, ref) in zip(theirs, reference) if k != ref]
-            if odd:
-                n, k, ref = odd[0]
-                hint = ("give every rank the same full dict"
-                        if kind is StateDictType.FULL_STATE_DICT else
-                        "each rank must load the dict it saved in one run")
-                lines.append(f"on rank {r}: parameter {n} has state {k}, on rank {first} "
-                             f"{ref}; {hint}")
+        hint = ("give every rank the same full dict" if kind is StateDictType.FULL_STATE_DICT
+                else "each rank must load the dict it saved in one run")
+        lines, blamed = _state_disagreement(every, hint)
     raise ValueError(f"FSDP.optim_state_dict_to_load ({getattr(kind, 'name', kind)}): the "
-                     f"optimizer state dict does not fit on {len(lines)} rank(s), nothing was "
-                     f"loaded on any rank:\n\t" + "\n\t".join(lines)) from cause
+                     f"optimizer state dict "
+                     f"{f'does not fit on {blamed} rank(s)' if blamed else 'differs between ranks'}"
+                     f", nothing was loaded on any rank:\n\t" + "\n\t".join(lines)) from cause
+
+
+def _state_disagreement(every: list, hint: str) -> tuple:
+    """``(lines, number of ranks blamed)`` for ranks whose dicts fit but give a parameter
+    different state keys (``every``: ``(rank, None, [(name, keys)], [(name, the optimizer's
+    own keys)])`` of every rank, in rank order), at the first parameter they differ on. The
+    keys most ranks give are taken as right; without a majority (two ranks), those the
+    optimizer already holds for the parameter, else those of the ranks that give it some
+    state; failing all, each side is named and no rank blamed. Local."""
+    own = dict(every[0][3])
+    sizes = {len(theirs) for _, _, theirs, _ in every}
+    if len(sizes) > 1:
+        return [f"the ranks' dicts give state for different numbers of parameters "
+                f"({[len(theirs) for _, _, theirs, _ in every]} on ranks "
+                f"{[r for r, _, _, _ in every]}); {hint}"], 0
+    for position, (name, _) in enumerate(every[0][2]):
+        sides: dict = {}
+        for r, _, theirs, _ in every:
+            sides.setdefault(tuple(theirs[position][1]), []).append(r)
+        if len(sides) == 1:
+            continue
+        counts = sorted((len(ranks) for ranks in sides.values()), reverse=True)
+        right = None
+        if counts[0] > counts[1]:
+            right = max(sides, key=lambda k: len(sides[k]))
+        elif own.get(name) and tuple(own[name]) in sides:
+            right = tuple(own[name])
+        elif len(sides) == 2 and () in sides:
+            right = next(k for k in sides if k)
+        if right is None:
+            told = "; ".join(f"{list(k)} on rank(s) {ranks}" for k, ranks in sides.items())
+            return [f"parameter {name} has state {told} (the ranks were given different "
+                    f"dicts); {hint}"], 0
+        wrong = [(ranks, k) for k, ranks in sides.items() if k != right]
+        return [f"on rank {r}: parameter {name} has state {list(k)}, on rank(s) "
+                f"{sides[right]} {list(right)}; {hint}" for ranks, k in wrong for r in ranks], \
+            sum(len(ranks) for ranks, _ in wrong)
+    return [f"the ranks' dicts differ; {hint}"], 0
 
 
 def _refuse_torch_only_arguments(call: str, **given) -> None:
@@ -1520,6 +1713,80 @@ def _refuse_torch_only_arguments(call: str, **given) -> None:
             raise ValueError(f"FSDP.{call}({name}=...): not supported by shardkit's FSDP (the "
                              f"model's own process group and its optimizer's param groups are "
                              f"used); leave it unset")
+
+
+def _refuse_experts_on_one_rank(model, call: str) -> None:
+    """A ValueError, on every rank alike and before any collective, where a full optimizer
+    state dict kept or given on the first rank alone (``rank0_only``, scatter) would stand for
+    every rank while parameters sharded over other groups (experts) hold different state on
+    other ranks under the same names: their state would be dropped (saving) or rank 0's
+    loaded everywhere (loading). Local."""
+    foreign = model._params_over_other_groups()
+    if foreign:
+        raise ValueError(f"FSDP.{call}: the parameters {foreign[:3]} are sharded over other "
+                         f"ranks than the model's group (experts: each group holds its own "
+                         f"values under the same name), so one rank's full optimizer state "
+                         f"dict cannot stand for every rank; give every rank its own full dict "
+                         f"(FullOptimStateDictConfig(rank0_only=False), one file per rank) or "
+                         f"use LOCAL_STATE_DICT")
+
+
+def _from_first_rank(model, osd, caller: str, argument: str) -> tuple:
+    """The full optimizer state dict ``osd`` given on the model's first rank (rank 0 of its
+    group and of the replicas), on every rank of the group and replicas, keyed by ids:
+    ``("ok", dict)``, or ``("error", text)`` where it is not one (checked on that rank, before
+    it is sent); ``osd`` is ignored on the other ranks, as torch FSDP1 ignores it under
+    ``rank0_only``. Communication: one object broadcast of the dict over the group (and one
+    across the replicas); memory: the full state on every rank."""
+    payload = None
+    if model._is_first_rank():
+        try:
+            if osd is None:
+                raise ValueError(f"FSDP.{caller}({argument}=None) on rank 0: rank 0 must pass "
+                                 f"the full optimizer state dict (e.g. torch.load of the saved "
+                                 f"file); the other ranks may pass None or {{}}")
+            payload = ("ok", _keyed_by_ids(osd, caller))
+        except Exception as error:  # sent, so that no rank waits for a dict never sent
+            payload = ("error", f"{type(error).__name__}: {error}"
+                       if not isinstance(error, ValueError) else str(error))
+    if model.replicate_group is not None:
+        payload = skdist.broadcast_object(
+            payload, src=skdist.get_global_rank(model.replicate_group, 0),
+            group=model.replicate_group)
+    return skdist.broadcast_object(payload, src=skdist.get_global_rank(model.process_group, 0),
+                                   group=model.process_group)
+
+
+def _in_optimizer_order(model, optim: Optional[torch.optim.Optimizer], ided: dict) -> dict:
+    """``ided`` (:func:`_keyed_by_ids` of a dict keyed by names) renumbered so that each param
+    group lists its parameters in ``optim``'s order for that group, as ``optim.load_state_dict``
+    matches them by position: a dict keyed by names may list a group's names in any order
+    (torch's ``rekey_optim_state_dict`` sorts them), and torch FSDP1 matches them by name.
+    Unchanged without ``optim`` or ``"param_names"``, or where a group's names are not
+    exactly those of the optimizer's group (then the usual checks judge it). Local."""
+    names = ided.get("param_names") if isinstance(ided, dict) else None
+    if optim is None or names is None or len(ided["param_groups"]) != len(optim.param_groups):
+        return ided
+    known = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    renumbered, start = {}, 0
+    for group, own in zip(ided["param_groups"], optim.param_groups):
+        mine = [known.get(id(p)) for p in own["params"]]
+        theirs = [names[i] for i in group["params"]]
+        if None in mine or len(set(mine)) != len(mine) or sorted(map(str, theirs)) != \
+                sorted(mine):
+            return ided
+        position = {n: start + j for j, n in enumerate(mine)}
+        renumbered.update((i, position[names[i]]) for i in group["params"])
+        start += len(mine)
+    if all(i == j for i, j in renumbered.items()):
+        return ided
+    ordered = list(names)
+    for i, j in renumbered.items():
+        ordered[j] = names[i]
+    return dict(ided, state={renumbered[i]: v for i, v in ided["state"].items()},
+                param_groups=[dict(g, params=sorted(renumbered[i] for i in g["params"]))
+                              for g in ided["param_groups"]],
+                param_names=ordered)
 
 
 def _keyed_by_names(full: dict) -> dict:
@@ -1540,6 +1807,12 @@ def _keyed_by_ids(osd: dict, caller: str = "optim_state_dict_to_load") -> dict:
                          f"saved checkpoint")
     flat = [n for g in osd["param_groups"] for n in g["params"]]
     if not all(isinstance(n, str) for n in flat):
+        named = [n for n in flat if isinstance(n, str)]
+        if named:
+            others = [n for n in flat if not isinstance(n, str)]
+            raise ValueError(f"FSDP.{caller}(...): the dict's param groups mix parameter "
+                             f"names and other keys ({others[:3]} beside {named[:3]}); expected "
+                             f"all names (FSDP.optim_state_dict) or all ids (optim.state_dict())")
         return osd
     index = {n: i for i, n in enumerate(flat)}
     unlisted = sorted(str(n) for n in osd["state"] if n not in index)

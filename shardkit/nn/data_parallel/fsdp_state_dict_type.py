@@ -36,8 +36,8 @@ from typing import NamedTuple, Optional
 __all__ = ["StateDictType", "StateDictConfig", "FullStateDictConfig", "LocalStateDictConfig",
            "ShardedStateDictConfig", "OptimStateDictConfig", "FullOptimStateDictConfig",
            "LocalOptimStateDictConfig", "ShardedOptimStateDictConfig",
-           "StateDictSettings", "state_dict_type", "set_state_dict_type",
-           "get_state_dict_type"]
+           "StateDictSettings", "OptimStateKeyType", "state_dict_type",
+           "set_state_dict_type", "get_state_dict_type"]
 
 
 class StateDictType(Enum):
@@ -46,6 +46,15 @@ class StateDictType(Enum):
     FULL_STATE_DICT = auto()
     LOCAL_STATE_DICT = auto()
     SHARDED_STATE_DICT = auto()
+
+
+class OptimStateKeyType(Enum):
+    """How :meth:`FullyShardedDataParallel.rekey_optim_state_dict` keys an optimizer state dict
+    (torch FSDP1's names; torch's own members are taken too): by parameter name or by the
+    parameter's index in the optimizer's param groups (``optim.state_dict()``'s ids)."""
+
+    PARAM_NAME = auto()
+    PARAM_ID = auto()
 
 
 @dataclass
@@ -76,7 +85,8 @@ class ShardedStateDictConfig(StateDictConfig):
 @dataclass
 class OptimStateDictConfig:
     """torch's optimizer-state setting; stored, and read back by :func:`get_state_dict_type`
-    (``FullOptimStateDictConfig.rank0_only`` is used by ``FSDP.optim_state_dict``)."""
+    (``FullOptimStateDictConfig.rank0_only`` is used by ``FSDP.optim_state_dict`` and
+    ``FSDP.optim_state_dict_to_load``)."""
 
     offload_to_cpu: bool = True
 
