@@ -21,8 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.nn.init as init
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from shardkit import distributed
+from shardkit import checkpointing as ds_checkpointing, distributed
 from shardkit.nn.model_parallel import initialize as mpu
 from shardkit.nn.model_parallel import layers, random as mp_random, utils as mp_utils
 from shardkit.nn.model_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -477,10 +478,11 @@ def _check_random(p, tp):
 
 
 def _check_checkpoint(p, tp):
-    """FairScale's ``model_parallel.random.checkpoint(function, *args)``: a block with dropout
-    on split activations (inside ``fork()``) and on replicated ones gives the gradients of the
-    plain run, though both streams move on between the forward and the backward; afterwards
-    both streams are where the plain run left them."""
+    """FairScale's ``model_parallel.random.checkpoint(function, *args)``, and
+    ``torch.utils.checkpoint`` (reentrant or not): a block with dropout on split activations
+    (inside ``fork()``) and on replicated ones gives the gradients of the plain run, though both
+    streams move on between the forward and the backward; afterwards both streams are where the
+    plain run left them."""
     tracker = mp_random.get_cuda_rng_tracker()
     torch.manual_seed(8)
     col = layers.ColumnParallelLinear(6, 4 * tp, gather_output=False)
@@ -495,7 +497,14 @@ def _check_checkpoint(p, tp):
 
     runs = []
     calls = (block, lambda inp: mp_random.checkpoint(block, inp),
-             lambda inp: mp_random.CheckpointFunction.apply(block, inp))  # FairScale's spelling
+             lambda inp: mp_random.CheckpointFunction.apply(block, inp),  # FairScale's spelling
+             # torch's own, both kinds: the tracker replays its streams there too
+             lambda inp: torch_checkpoint(block, inp, use_reentrant=True),
+             lambda inp: torch_checkpoint(block, inp, use_reentrant=False),
+             # nested: the inner region's first forward runs again inside the outer's
+             # recomputation, and its own recomputation replays what it recorded then
+             lambda inp: torch_checkpoint(lambda i: ds_checkpointing.checkpoint(block, i), inp,
+                                          use_reentrant=True))
     for call in calls:
         mp_random.model_parallel_cuda_manual_seed(21)
         xi = x.clone().requires_grad_()
@@ -511,8 +520,9 @@ def _check_checkpoint(p, tp):
             t.grad = None
         runs.append((out, grads, after, torch.rand(4)))
     (out, grads, after, default) = runs[0]
-    for how, (out_c, grads_c, after_c, default_c) in zip(("checkpoint", "CheckpointFunction"),
-                                                         runs[1:]):
+    hows = ("checkpoint", "CheckpointFunction", "torch reentrant", "torch non-reentrant",
+            "torch reentrant around deepspeed checkpointing")
+    for how, (out_c, grads_c, after_c, default_c) in zip(hows, runs[1:]):
         p.close(f"{how} output", out_c, out, 0)
         for name, a, b in zip(("x", "column weight", "column bias", "row weight"), grads_c,
                               grads):

@@ -1194,6 +1194,52 @@ def test_full_model_state_dict_through_ddp_fsdp_and_shared_layers(world4):
                                       "b.weight": (8, 4), "b.bias": (8,)}
 
 
+def _sync_module_states_of_ranks_seeded_apart():
+    """Every rank seeds with its own rank (a common mistake): after sync_module_states the
+    replicated tensors (the position embedding) agree over the tensor-parallel group, every
+    rank's unsplit model is the same, and 3 steps match one process started from it. Then a
+    module that differs on one rank is a ValueError on every rank, before any broadcast."""
+    mp.initialize_model_parallel(2)
+    try:
+        torch.manual_seed(10 + distributed.get_rank())
+        model = TensorParallelGPT(GPT_CFG)
+        received = mp.sync_module_states(model)
+        full = full_model_state_dict(model)
+        flat = torch.cat([v.reshape(-1) for v in full.values()])
+        spread = [flat.clone(), flat.clone()]
+        distributed.all_reduce(spread[0], op=torch.distributed.ReduceOp.MAX)
+        distributed.all_reduce(spread[1], op=torch.distributed.ReduceOp.MIN)
+        ref = GPT(GPT_CFG, seed=0)
+        ref.load_state_dict(to_reference_state_dict(full, GPT_CFG))
+        opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+        for step in range(3):
+            idx, target = synthetic_batch(GPT_CFG, GLOBAL_BATCH, step)
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                m.loss(idx, target).backward()
+                o.step()
+        out = {"received": received, "spread": _maxdiff(spread[0], spread[1]),
+               "param_diff": _param_diff(full_model_state_dict(model), ref)}
+        other = nn.Sequential(mp.ColumnParallelLinear(4, 8), nn.LayerNorm(8))
+        if distributed.get_rank() == 1:
+            other.register_buffer("extra", torch.zeros(2))
+        try:
+            mp.sync_module_states(other)
+        except ValueError as e:
+            out["error"] = str(e)
+        return out
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_sync_module_states_makes_ranks_seeded_apart_one_model(world4):
+    res = world4.run(_sync_module_states_of_ranks_seeded_apart)
+    for rank, r in enumerate(res):
+        assert r["spread"] == 0.0 and r["param_diff"] <= TOL, r
+        assert (r["received"] > 0) == (rank > 0), r
+        assert "sync_module_states" in r["error"] and "data-parallel ranks [1, 3]" in r["error"], r
+
+
 # ----------------------------------------------------------------------------- gradient clipping
 
 MAX_NORM = 0.5

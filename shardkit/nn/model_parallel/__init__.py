@@ -16,6 +16,7 @@ Usage::
 
 from shardkit.nn.model_parallel import initialize
 from shardkit.nn.model_parallel.cross_entropy import vocab_parallel_cross_entropy
+from shardkit.nn.model_parallel.full_state import sync_module_states
 from shardkit.nn.model_parallel.grad_norm import clip_grad_norm
 from shardkit.nn.model_parallel.initialize import (
     ParallelLayout, destroy_model_parallel, get_context_parallel_group,
@@ -51,5 +52,5 @@ __all__ = [
     "vocab_parallel_cross_entropy", "clip_grad_norm",
     "RNGStatesTracker", "get_model_parallel_rng_tracker", "model_parallel_manual_seed",
     "CudaRNGStatesTracker", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
-    "mark_sequence_parallel", "reduce_sequence_parallel_grads",
+    "mark_sequence_parallel", "reduce_sequence_parallel_grads", "sync_module_states",
 ]

@@ -15,10 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from shardkit import distributed
 from shardkit.nn.data_parallel.fsdp_state_dict import clean_name
+from shardkit.nn.model_parallel.initialize import groups_of
 from shardkit.nn.model_parallel.layers import TensorParallelModule
 
-__all__ = ["full_model_state_dict", "load_full_model_state_dict", "split_specs"]
+__all__ = ["full_model_state_dict", "load_full_model_state_dict", "split_specs",
+           "sync_module_states"]
 
 
 # torch's checkpoint_wrapper: in module names, not in state_dict keys (as FSDP's prefix)
@@ -92,3 +95,92 @@ def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Ten
                              f"{tuple(tensor.shape)}; the unsplit model's is {tuple(expected)}")
         local[key] = tensor if module is None else module._split(tensor, pname)
     model.load_state_dict(local)
+
+
+@torch.no_grad()
+def sync_module_states(module: nn.Module) -> int:
+    """Make every rank hold the same model, as torch FSDP's ``sync_module_states=True`` does
+    for its group: each tensor (parameter or buffer) of ``module`` takes the values of data-
+    parallel rank 0's copy of it, then each tensor replicated across the tensor-parallel group
+    (LayerNorms, ``RowParallelLinear``'s bias, ordinary layers, buffers) takes the values of
+    tensor-parallel rank 0's. A split parameter keeps this tensor-parallel rank's slice: the
+    slices together are one full weight (``full_weight()``, :func:`full_model_state_dict`),
+    though ranks seeded differently drew them from different master weights.
+
+    For ranks that built the model under different seeds (``torch.manual_seed(rank)``):
+    without it, the copies of a replicated layer differ between tensor-parallel ranks and train
+    apart silently (torch DDP and ``initialize(mpu=...)`` sync the data-parallel group only).
+    Call on every rank of the world, after building the model and before wrapping or training
+    it. The groups are those ``module``'s tensor-parallel layers were built with (else the
+    current ones).
+
+    Returns the number of elements this rank received (0 at world size 1).
+
+    Raises:
+        ValueError: before any communication, for a module sharded by FSDP (shardkit's or
+            torch's); on every rank, before any broadcast, when the ranks of a data-parallel
+            group do not hold the same tensors (names, shapes, dtypes, devices), or those of a
+            tensor-parallel group the same replicated ones, naming the first difference (one
+            object all-gather of those lists over the world, uncounted).
+
+    Memory: one flat chunk of up to 16 MiB at a time. Wire (``CommCounter``, broadcasts):
+    ``(d-1)/d`` of the local tensors' bytes over the data-parallel group of size ``d``, and
+    ``(t-1)/t`` of the replicated tensors' bytes over the tensor-parallel group of size ``t``.
+    """
+    sharded = next((name for name, m in module.named_modules()
+                    if type(m).__name__ == "FullyShardedDataParallel"
+                    or any(type(p).__name__ == "DTensor" for p in m.parameters(recurse=False))),
+                   None)
+    if sharded is not None:
+        raise ValueError(f"sync_module_states: module {sharded or '(the root)'!r} is sharded "
+                         f"by FSDP, whose ranks hold different shards on purpose; call it on the "
+                         f"model before wrapping (FSDP's own sync_module_states=True syncs its "
+                         f"group)")
+    groups = groups_of(module.modules(), "sync_module_states")
+    split = {id(getattr(m, name)) for m in module.modules() if isinstance(m, TensorParallelModule)
+             for name, spec in m._shard_dims.items()
+             if spec is not None and getattr(m, name, None) is not None}
+    named = {}
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        named.setdefault(id(tensor), (name, tensor))  # a shared tensor once
+    tensors = list(named.values())
+    replicated = [(n, t) for n, t in tensors if id(t) not in split]
+    _check_same_tensors(groups, tensors, replicated)
+    received = 0
+    for group, chosen in ((groups.data, tensors), (groups.tensor, replicated)):
+        if distributed.get_world_size(group) < 2:
+            continue
+        distributed.broadcast_tensors_from_rank0([t for _, t in chosen], group)
+        if distributed.get_rank(group) != 0:
+            received += sum(t.numel() for _, t in chosen)
+    return received
+
+
+def _signature(named: list) -> list:
+    return [(n, tuple(t.shape), str(t.dtype), t.device.type) for n, t in named]
+
+
+def _check_same_tensors(groups, tensors: list, replicated: list) -> None:
+    """ValueError on every rank unless the ranks of each data-parallel group hold the same
+    tensors (names, shapes, dtypes, devices) and those of each tensor-parallel group the same
+    replicated ones: a broadcast of differing tensors would fail on some ranks and leave the
+    others waiting. One object all-gather over the whole world (pipeline stages hold other
+    modules, so each group is compared within itself), so that every rank decides alike."""
+    if distributed.get_world_size() < 2:
+        return
+    mine = (tuple(groups.data_ranks), tuple(groups.tensor_ranks), _signature(tensors),
+            _signature(replicated))
+    every = distributed.all_gather_object(mine, counted=False, operation="sync_module_states")
+    for what, ranks_at, sig_at in (("data-parallel", 0, 2), ("tensor-parallel", 1, 3)):
+        for rank, theirs in enumerate(every):
+            ranks = theirs[ranks_at]
+            first = every[ranks[0]]
+            if theirs[sig_at] == first[sig_at]:
+                continue
+            diff = next((f"{a} on rank {ranks[0]}, {b} on rank {rank}"
+                         for a, b in zip(first[sig_at], theirs[sig_at]) if a != b),
+                        f"{len(first[sig_at])} tensors on rank {ranks[0]}, "
+                        f"{len(theirs[sig_at])} on rank {rank}")
+            raise ValueError(f"sync_module_states: the modules of {what} ranks {list(ranks)} "
+                             f"hold different tensors (first difference: {diff}); build the "
+                             f"same model on every rank of a group")

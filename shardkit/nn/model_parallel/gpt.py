@@ -209,11 +209,11 @@ class TensorParallelGPT(nn.Sequential):
     ``sequence_parallel`` the sequence-split residual branch) draws from the model-parallel RNG
     stream: at tensor-parallel size > 1 call :func:`model_parallel_manual_seed` first (a
     ``RuntimeError`` before any collective otherwise), as FairScale and Megatron require.
-    To checkpoint activations of blocks with dropout, use
-    :func:`shardkit.nn.model_parallel.random.checkpoint` or :mod:`shardkit.nn.checkpoint`, which
-    replay that stream in the recomputation: ``torch.utils.checkpoint`` (and torch's
-    ``checkpoint_wrapper`` applied by hand) replays only the default generators, so the
-    recomputed masks differ from the forward's and the gradients are wrong.
+    Activation checkpointing of blocks with dropout replays that stream in the recomputation
+    (the same masks, the gradients of the plain run) under
+    :func:`shardkit.nn.model_parallel.random.checkpoint`, :mod:`shardkit.nn.checkpoint` and
+    ``torch.utils.checkpoint`` (reentrant or not, torch's ``checkpoint_wrapper`` too) with its
+    default ``preserve_rng_state=True`` (``False`` replays no generator: other masks).
 
     ``forward(idx)`` returns vocabulary-split logits; ``loss(idx, target)`` the mean
     cross-entropy. Initialisation follows each layer's master-weight rule; load

@@ -16,13 +16,22 @@ Usage::
     with get_model_parallel_rng_tracker().fork():
         h = dropout(h_shard)                    # a different mask on each tensor-parallel rank
 
-Memory: one generator state per stream (a few KB); no communication.
+Activation checkpointing replays both streams: the recomputation of a region of
+:func:`checkpoint`, :mod:`shardkit.nn.checkpoint` or ``torch.utils.checkpoint`` (reentrant or
+not, with ``preserve_rng_state=True``, its default) draws the first forward's dropout masks, and
+leaves the streams where it found them.
+
+Memory: one generator state per stream (a few KB; per ``torch.utils.checkpoint`` region that
+forks, one more copy of the streams until the region's graph is freed); no communication.
+Each ``fork()`` walks the Python call stack once to find ``torch.utils.checkpoint`` regions.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import numbers
+import sys
 from typing import Iterator
 
 import torch
@@ -114,6 +123,8 @@ class RNGStatesTracker:
         self._seeds: set[int] = set()
         # the open forks, outermost first: [stream name, the generators' state at its entry]
         self._open: list[list] = []
+        # the torch.utils.checkpoint recomputations whose copies of the streams are swapped in
+        self._recomputing: list[tuple] = []
 
     def reset(self) -> None:
         """Forget every stream."""
@@ -166,27 +177,92 @@ class RNGStatesTracker:
         """Draw from stream ``name`` inside the block; the default stream is left untouched.
         A fork of a stream that is already forked (a layer that forks, called inside a fork of
         the same stream) goes on from where that stream's draws have got to, rather than
-        repeating them."""
+        repeating them. Inside a region of ``torch.utils.checkpoint`` (reentrant or not, with
+        ``preserve_rng_state=True``, its default) the recomputation's forks draw what the first
+        forward's drew, and the recomputation leaves the streams where it found them."""
         if name not in self._states:
             raise KeyError(f"RNGStatesTracker.fork: no stream named {name!r} (streams: "
                            f"{self.names()}); call model_parallel_manual_seed(seed) first")
-        start = self._live(name)
-        outside = _GeneratorState.capture()
-        start.restore()  # may raise (a bad state given to set_states): nothing is open yet
-        self._open.append([name, outside])
+        replay = self._torch_checkpoint_replay(name)
         try:
-            yield
+            start = self._live(name)
+            outside = _GeneratorState.capture()
+            start.restore()  # may raise (a bad state given to set_states): nothing is open yet
+            self._open.append([name, outside])
+            try:
+                yield
+            finally:
+                # the state to go back to is read at exit: a nested fork of an outer stream may
+                # have moved it on (see _set_live)
+                _, outside = self._open.pop()
+                if not self._set_live(name, _GeneratorState.capture()):
+                    outside.restore()
         finally:
-            # the state to go back to is read at exit: a nested fork of an outer stream may
-            # have moved it on (see _set_live)
-            _, outside = self._open.pop()
-            if not self._set_live(name, _GeneratorState.capture()):
-                outside.restore()
+            if replay is not None:
+                replay()
+
+    def _torch_checkpoint_replay(self, name: str):
+        """Make ``torch.utils.checkpoint`` replay the streams (it restores only the default
+        generators). Each first forward of one of its regions that encloses this fork records
+        the streams as they were at the region's entry (:meth:`_replay_point`; nothing forks
+        between the entry and the region's first fork, so its first fork sees them unchanged);
+        inside that region's recomputation the streams are swapped for the recomputation's own
+        copy of them, started from that record and kept per backward pass, so its forks draw
+        the first forward's masks and the streams outside stay where they were. Returns the
+        call that swaps the streams back at the fork's exit, ``None`` when nothing was swapped."""
+        regions = _torch_checkpoint_regions()
+        if not regions:
+            return None
+        pending, inner = self._pending_recompute(regions)
+        swap_back = None
+        if pending is not None and name in pending[2]:
+            key, copies, states, open_forks = pending
+            saved = self._states, self._open
+            self._states, self._open = states, open_forks
+            self._recomputing.append(key)
+
+            def leave():
+                self._recomputing.pop()
+                copies[key[1]] = self._states, self._open
+                self._states, self._open = saved
+
+            swap_back = leave
+        for kind, region, preserved in regions[:inner]:  # first forwards (inside that one)
+            if not hasattr(region, _REPLAY_POINT):
+                setattr(region, _REPLAY_POINT, self._replay_point() if preserved else None)
+        return swap_back
+
+    def _pending_recompute(self, regions: list) -> tuple:
+        """``(pending, inner)``: ``inner`` the index in ``regions`` of the innermost
+        ``torch.utils.checkpoint`` recomputation running (``len(regions)`` if none);
+        ``pending`` its ``(key, copies, states, open forks)`` to swap in, or ``None`` when there
+        is none, its first forward recorded nothing, or it is swapped in already or a
+        :meth:`_replaying` entered inside it replays the streams itself."""
+        inner = next((i for i, (kind, _, _) in enumerate(regions) if kind == "recompute"),
+                     len(regions))
+        if inner == len(regions):
+            return None, inner
+        _, region, graph = regions[inner]
+        point = getattr(region, _REPLAY_POINT, None)
+        key = (id(region), graph)
+        if point is None or (self._recomputing and self._recomputing[-1] in
+                             (key, ("replaying", key))):
+            return None, inner
+        copies = getattr(region, _REPLAY_COPIES, None)
+        if copies is None:
+            copies = {}
+            setattr(region, _REPLAY_COPIES, copies)
+        states, open_forks = copies.get(graph) or (
+            dict(point[0]), [list(entry) for entry in point[1]])
+        return (key, copies, states, open_forks), inner
 
     def _replay_point(self) -> tuple:
         """What a recomputation of the code that runs from here needs in order to draw what
-        it drew (see :meth:`_replaying`): the saved states and the open forks."""
-        return dict(self._states), [list(entry) for entry in self._open]
+        it drew (see :meth:`_replaying`): the saved states and the open forks (inside a
+        ``torch.utils.checkpoint`` recomputation, those it replays)."""
+        pending, _ = self._pending_recompute(_torch_checkpoint_regions())
+        states, open_forks = (self._states, self._open) if pending is None else pending[2:]
+        return dict(states), [list(entry) for entry in open_forks]
 
     @contextlib.contextmanager
     def _replaying(self, point: tuple) -> Iterator[None]:
@@ -195,9 +271,15 @@ class RNGStatesTracker:
         The caller restores the generators themselves; the tracker is put back at exit."""
         saved = self._states, self._open
         self._states, self._open = dict(point[0]), [list(entry) for entry in point[1]]
+        # a torch.utils.checkpoint recomputation running around this one leaves it alone
+        regions = _torch_checkpoint_regions()
+        inner = next((r for r in regions if r[0] == "recompute"), None)
+        self._recomputing.append(("replaying", None if inner is None else
+                                  (id(inner[1]), inner[2])))
         try:
             yield
         finally:
+            self._recomputing.pop()
             self._states, self._open = saved
 
     def _innermost_fork_of(self, name: str):
@@ -228,6 +310,88 @@ class RNGStatesTracker:
             return True
         self._open[i + 1][1] = state
         return False
+
+
+# Attributes set on a torch.utils.checkpoint region (its autograd ctx or its _CheckpointFrame).
+_REPLAY_POINT = "_shardkit_rng_replay_point"
+_REPLAY_COPIES = "_shardkit_rng_replay_copies"
+_TORCH_CHECKPOINT_CODES: dict | None = None
+
+
+def _torch_checkpoint_codes() -> dict:
+    """The code objects of torch.utils.checkpoint that run around a region's first forward and
+    its recomputation (empty where this torch version's differ: no replay, torch's own
+    behaviour)."""
+    global _TORCH_CHECKPOINT_CODES
+    if _TORCH_CHECKPOINT_CODES is None:
+        codes = {}
+        try:
+            import torch.utils.checkpoint as tuc
+
+            codes[inspect.unwrap(tuc.checkpoint).__code__] = "checkpoint"
+            codes[tuc.CheckpointFunction.forward.__code__] = "reentrant forward"
+            codes[tuc.CheckpointFunction.backward.__code__] = "reentrant backward"
+            for const in tuc._checkpoint_hook.__init__.__code__.co_consts:
+                if getattr(const, "co_name", None) == "unpack_hook":
+                    codes[const] = "unpack"
+                elif getattr(const, "co_name", None) == "pack_hook":
+                    codes[const] = "pack"
+        except (ImportError, AttributeError):
+            codes = {}
+        _TORCH_CHECKPOINT_CODES = codes
+    return _TORCH_CHECKPOINT_CODES
+
+
+def _torch_checkpoint_regions() -> list[tuple]:
+    """The torch.utils.checkpoint regions running around the caller, innermost first: a first
+    forward as ``("forward", region, preserve_rng_state)``, a recomputation as
+    ``("recompute", region, graph task)``; ``region`` is the same object in both (the reentrant
+    Function's ctx, or the non-reentrant _CheckpointFrame). Local; one walk over the stack."""
+    codes = _torch_checkpoint_codes()
+    if not codes:
+        return []
+    found = []
+    try:  # a non-reentrant first forward run by hooks (torch's composable checkpoint)
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, RuntimeError):
+        hooks = None
+    if hooks is not None and codes.get(getattr(hooks[0], "__code__", None)) == "pack":
+        cells = dict(zip(hooks[0].__code__.co_freevars, hooks[0].__closure__ or ()))
+        if "frame" in cells:
+            region = cells["frame"].cell_contents
+            found.append(("forward", region, _preserves(region)))
+    frame = sys._getframe(2)
+    while frame is not None:
+        kind = codes.get(frame.f_code)
+        if kind is not None:
+            local = frame.f_locals
+            if kind == "checkpoint":
+                gen = local.get("gen")
+                inner = getattr(gen, "gi_frame", None)
+                if inner is not None and "new_frame" in inner.f_locals:
+                    region = inner.f_locals["new_frame"]
+                    if not any(region is r for _, r, _ in found):
+                        found.append(("forward", region,
+                                      bool(inner.f_locals.get("preserve_rng_state"))))
+            elif kind == "reentrant forward":
+                found.append(("forward", local["ctx"], bool(local.get("preserve_rng_state"))))
+            elif kind == "reentrant backward":
+                found.append(("recompute", local["ctx"], torch._C._current_graph_task_id()))
+            elif kind == "unpack" and "frame" in local and "gid" in local:
+                found.append(("recompute", local["frame"], local["gid"]))
+        frame = frame.f_back
+    return found
+
+
+def _preserves(region) -> bool:
+    """Whether non-reentrant region ``region`` (a _CheckpointFrame) replays the default
+    generators: its recompute function closes over ``preserve_rng_state``."""
+    fn = getattr(region, "recompute_fn", None)
+    code = getattr(fn, "__code__", None)
+    if code is None or not fn.__closure__:
+        return False
+    cells = dict(zip(code.co_freevars, fn.__closure__))
+    return "preserve_rng_state" in cells and bool(cells["preserve_rng_state"].cell_contents)
 
 
 def _as_seed(what: str, seed) -> int:
