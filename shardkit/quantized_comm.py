@@ -64,6 +64,29 @@ def _check_op(op: str) -> None:
         raise ValueError(f"op={op!r}; valid values are {list(_OPS)}")
 
 
+def _checked_tensors(what: str, tensors) -> list[torch.Tensor]:
+    """``tensors`` as a non-empty list of tensors, else a ValueError naming ``what``. Local."""
+    listed = _as_list(tensors)
+    if not listed or not all(isinstance(t, torch.Tensor) for t in listed):
+        raise ValueError(f"{what}(tensors={_shown(tensors)}): must be a tensor or a non-empty "
+                         f"sequence of tensors (the gradients, or one flat rank-major buffer)")
+    return listed
+
+
+def _shown(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {[type(v).__name__ for v in value][:4]}"
+    return repr(value)
+
+
+def _check_groups(what: str, **groups) -> None:
+    """Each group a ProcessGroup holding this rank (or None where allowed), else a clear
+    TypeError / ValueError naming ``what(argument=...)`` before anything is sent. Local."""
+    for argument, group in groups.items():
+        skdist.check_group(group, what, argument)
+        skdist.check_member(group, what, argument)
+
+
 def quantized_all_gather(output: Union[torch.Tensor, Sequence[torch.Tensor]],
                          shard: torch.Tensor, group=None, *, bits: int = 8,
                          block: int = DEFAULT_BLOCK, scale_dtype: torch.dtype = torch.float32,
@@ -86,6 +109,7 @@ def quantized_all_gather(output: Union[torch.Tensor, Sequence[torch.Tensor]],
     quantized buffer (``N x segment bytes``) until dequantized; no full-precision temporary on
     Triton. Returns ``output`` (a tensor) or ``None`` (a list), or the pending handle.
     """
+    _check_groups("quantized_all_gather", group=group)
     outs = _as_list(output)
     n = skdist.get_world_size(group)
     flat_shard = shard.reshape(-1)
@@ -148,7 +172,8 @@ def quantized_reduce_scatter(tensors: Union[torch.Tensor, Sequence[torch.Tensor]
     result. Error: within the sum of the other ``N-1`` ranks' half scales.
     """
     _check_op(op)
-    tensors = _as_list(tensors)
+    tensors = _checked_tensors("quantized_reduce_scatter", tensors)
+    _check_groups("quantized_reduce_scatter", group=group)
     n = skdist.get_world_size(group)
     layout = quant_layout([t.numel() for t in tensors], n, bits=bits, block=block,
                           scale_dtype=scale_dtype, chunk_numels=chunk_numels)
@@ -259,7 +284,9 @@ def quantized_reduce_scatter_hierarchical(tensors: Union[torch.Tensor, Sequence[
     Returns this rank's reduced shard (``S`` elements, ``out`` if given).
     """
     _check_op(op)
-    tensors = _as_list(tensors)
+    tensors = _checked_tensors("quantized_reduce_scatter_hierarchical", tensors)
+    _check_groups("quantized_reduce_scatter_hierarchical", intra_group=intra_group,
+                  inter_group=inter_group, group=group)
     n, k = skdist.get_world_size(intra_group), skdist.get_world_size(inter_group)
     kwargs = dict(bits=bits, block=block, scale_dtype=scale_dtype, op=op, out=out)
     if k == 1 or n == 1:

@@ -203,9 +203,15 @@ def _check_errors_and_nonfinite():
                      [torch.randn(8)], groups()["node"][0], groups()["across"][0],
                      group=groups()["node"][0]),
                  # a float number of bits (was taken: float byte counts, a TypeError later)
-                 lambda: quantized_reduce_scatter([torch.randn(8)], bits=8.0)):
+                 lambda: quantized_reduce_scatter([torch.randn(8)], bits=8.0),
+                 # nothing to reduce (was an IndexError), a list of ranks for a group (was
+                 # "'list' object has no attribute 'size'")
+                 lambda: quantized_reduce_scatter([]),
+                 lambda: quantized_reduce_scatter([torch.randn(8)], [0, 1]),
+                 lambda: quantized_reduce_scatter_hierarchical(
+                     [torch.randn(8)], groups()["node"][0], [0, 2])):
         with skdist.CommCounter() as comm:
-            with pytest.raises(ValueError) as info:
+            with pytest.raises((ValueError, TypeError)) as info:
                 call()
         assert comm.calls == 0, "raised before any collective"
         messages.append(str(info.value))
@@ -230,3 +236,8 @@ def test_bad_input_raises_before_sending_and_inf_arrives_as_nan(world4):
     assert "ranks_per_node=3; it must be a positive divisor of the group's 4 ranks" in messages[6]
     assert "group holds 2 ranks, but intra_group x inter_group hold 2 x 2" in messages[7]
     assert "bits=8.0; valid values are [4, 8]" in messages[8]
+    assert "quantized_reduce_scatter(tensors=list of []): must be a tensor or a non-empty" \
+        in messages[9]
+    assert "quantized_reduce_scatter(group=[0, 1]): must be a torch.distributed " \
+        "ProcessGroup" in messages[10]
+    assert "quantized_reduce_scatter_hierarchical(inter_group=[0, 2])" in messages[11]

@@ -268,9 +268,10 @@ def test_clear_errors_before_any_collective(nodes2x2):
         assert "share only this rank" in r["hybrid_same_group"]
         assert "use FULL_SHARD" in r["hpz_with_hybrid"]
         assert "must divide" in r["hpz_not_dividing"]
+        assert "(valid values: 1, 2, 4;" in r["hpz_not_dividing"], r  # before: none named
         assert "hpz_partition_size=0" in r["hpz_zero"]
-        assert "expected a 2-D torch DeviceMesh (replicate, shard), got ndim=1" in \
-            r["mesh_1d_for_hybrid"]
+        assert "expected a 2-D torch DeviceMesh (replicate, shard), got ndim=1; a 1-D mesh is " \
+            "for FULL_SHARD" in r["mesh_1d_for_hybrid"]
         assert "not both" in r["mesh_and_group"]
 
 
@@ -492,3 +493,38 @@ def _hpz_over_the_whole_group():
 def test_hpz_partition_of_the_whole_group(nodes2x2):
     for r in nodes2x2.run(_hpz_over_the_whole_group):
         assert r["hpz_on"] == {True} and r["diff"] <= 1e-5, r
+
+
+def _hybrid_over_one_stage_of_a_mesh():
+    """Pipeline x HSDP: a 3-D mesh (pp, replicate, shard); stage 0 (ranks 0, 1) wraps its part
+    with HYBRID_SHARD over its ``mesh["replicate", "shard"]``, stage 1 (ranks 2, 3) with
+    FULL_SHARD over its ``mesh["shard"]``. Each stage trains in step with one process on the
+    stage's global batch. Before: stage 0 waited forever in a grid check over the whole world
+    that stage 1 never joined (torch's HSDP needs only the mesh's ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "replicate", "shard"))
+    stage, local = divmod(skdist.get_rank(), 2)
+    reference = MLP(WIDTH, 2, seed=stage)
+    kwargs = ({"sharding_strategy": S.HYBRID_SHARD, "device_mesh": mesh["replicate", "shard"]}
+              if stage == 0 else {"device_mesh": mesh["replicate"]})
+    model = FSDP(MLP(WIDTH, 2, seed=stage), **kwargs)
+    ref_optim, optim = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model))
+    worst = 0.0
+    for step in range(2):
+        x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(10 * stage + step))
+        reference(x).pow(2).mean().backward()
+        model(x[2 * local:2 * local + 2]).pow(2).mean().backward()
+        for m, o in ((reference, ref_optim), (model, optim)):
+            o.step()
+            o.zero_grad()
+        full = model.state_dict()
+        worst = max(worst, max((full[k] - v).abs().max().item()
+                               for k, v in reference.state_dict().items()))
+    return {"worst": worst, "strategy": model.sharding_strategy.name}
+
+
+def test_hybrid_over_a_sub_mesh_needs_only_its_ranks(nodes2x2):
+    results = nodes2x2.run(_hybrid_over_one_stage_of_a_mesh)
+    assert [r["strategy"] for r in results] == ["HYBRID_SHARD"] * 2 + ["FULL_SHARD"] * 2
+    for r in results:
+        assert r["worst"] <= 1e-6, results

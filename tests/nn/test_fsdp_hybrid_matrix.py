@@ -407,3 +407,34 @@ def test_quantization_on_no_shard_is_a_clear_error_before_any_collective(nodes2x
             for name in ("quantize_weights", "quantize_gradients"):
                 assert (f"{name}=True" in message) == (name in options), message
             assert "FULL_SHARD" in message and "HYBRID_SHARD" in message, message
+
+
+def _quantizing_hybrid_over_shard_groups_of_one():
+    """HYBRID_SHARD over a (4, 1) mesh (one rank per shard group, like one rank per node)
+    with qwZ + qgZ: nothing is quantized (its gradient all-reduce across the replicas is
+    exact), which is now said once; over the (2, 2) mesh the options compress and nothing is
+    said. Before: silence, and every byte in full precision."""
+    import warnings
+    from torch.distributed.device_mesh import init_device_mesh
+    out = {}
+    for shape in ((2, 2), (4, 1)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = FSDP(MLP(WIDTH, 1, seed=1), sharding_strategy=S.HYBRID_SHARD,
+                         device_mesh=mesh, quantize_weights=True, quantize_gradients=True)
+        with CommCounter() as comm:
+            model(torch.randn(2, WIDTH)).pow(2).mean().backward()
+        out[shape] = {"warnings": [str(w.message) for w in caught
+                                   if "shard group has one rank" in str(w.message)],
+                      "uint8": sum(c.bytes for c in comm.calls if c.dtype == torch.uint8)}
+    return out
+
+
+def test_quantizing_hybrid_over_shard_groups_of_one_rank_warns(nodes2x2):
+    for r in nodes2x2.run(_quantizing_hybrid_over_shard_groups_of_one):
+        assert r[(2, 2)]["warnings"] == [] and r[(2, 2)]["uint8"] > 0, r
+        assert r[(4, 1)]["uint8"] == 0, r
+        [message] = r[(4, 1)]["warnings"]
+        assert "sharding_strategy=HYBRID_SHARD" in message, message
+        assert "quantize_weights=True, quantize_gradients=True" in message, message

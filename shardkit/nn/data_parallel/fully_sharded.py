@@ -156,7 +156,8 @@ from shardkit.nn.data_parallel.mixed_precision import (MixedPrecisionPolicy,
 from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, check_group_arguments,
                                                          check_quantization,
                                                          groups_of_mesh, resolve_groups,
-                                                         resolve_sharding_strategy)
+                                                         resolve_sharding_strategy,
+                                                         warn_quantization_without_effect)
 from shardkit.nn.data_parallel.training_state import TrainingState, check_state
 from shardkit.nn.wrap import auto_wrap_bn  # noqa: F401 - FairScale's FSDP module has it
 from shardkit.quantized_transport import quantized_transport_for
@@ -337,7 +338,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             Either option wraps ``comm`` (or the default transport) in one shared
             :class:`~shardkit.quantized_transport.QuantizedTransport`; a ``comm`` that already
             is one together with either option is an error, and so is either option with
-            ``NO_SHARD`` (it gathers nothing and all-reduces its gradients exactly). Not in
+            ``NO_SHARD`` (it gathers nothing and all-reduces its gradients exactly); a hybrid
+            strategy whose shard group has one rank (one rank per node) is in the same case and
+            says so with a one-time warning. Under the hybrid strategies the gradient all-reduce
+            across the replicas stays exact. Not in
             FairScale's signature; inner units get them through ``enable_wrap`` like the other
             arguments.
         process_group_reduce_scatter, disable_reshard_on_root, move_grads_to_cpu,
@@ -549,6 +553,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if meta_error is not None:
             raise meta_error
         groups = resolve_groups(strategy, process_group, hpz_partition_size)
+        warn_quantization_without_effect(strategy, groups.shard, transport, quantize_weights,
+                                         quantize_gradients)
         reduce_group = check_reduce_scatter_group(process_group_reduce_scatter, groups.shard,
                                                   strategy)
         unit_compute_device = shard_devices(module_device, move_params_to_cpu)[0]

@@ -39,10 +39,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from shardkit import distributed as skdist
+from shardkit.transport import warn_once
 
 __all__ = ["ShardingStrategy", "UnitGroups", "resolve_sharding_strategy", "resolve_groups",
            "check_group_arguments",
-           "groups_of_mesh", "check_quantization"]
+           "groups_of_mesh", "check_quantization", "warn_quantization_without_effect"]
 
 
 class ShardingStrategy(enum.Enum):
@@ -122,6 +123,33 @@ def check_quantization(strategy: ShardingStrategy, quantize_weights, quantize_gr
                          f"leave them off")
 
 
+def warn_quantization_without_effect(strategy: ShardingStrategy, shard_group, transport,
+                                     quantize_weights=False, quantize_gradients=False) -> None:
+    """Warn once per process when a hybrid strategy's shard group has one rank (one rank per
+    node, or a ``(k, 1)`` mesh) and qwZ / qgZ are on (the options, or a ``transport`` that
+    quantizes): such a unit gathers nothing and reduce-scatters nothing, and its gradient
+    all-reduce across the replicas stays exact, so they change no byte. A warning, not an
+    error: the same script quantizes on nodes of several ranks. Local."""
+    if not strategy.is_hybrid or skdist.get_world_size(shard_group) != 1:
+        return
+    weights, gradients = (getattr(transport, name, False) for name in ("weights", "gradients"))
+    if not (weights or gradients):
+        return
+    if quantize_weights or quantize_gradients:
+        asked = ", ".join(f"{name}=True" for name, on in (("quantize_weights", quantize_weights),
+                                                          ("quantize_gradients",
+                                                           quantize_gradients)) if on)
+    else:
+        asked = f"comm={type(transport).__name__}(weights={weights}, gradients={gradients})"
+    warn_once(f"hybrid-shard-of-one-{strategy.name}",
+              f"FullyShardedDataParallel(sharding_strategy={strategy.name}, {asked}): the shard "
+              f"group has one rank (one rank per node), so there is no weight all-gather (qwZ) "
+              f"nor gradient reduce-scatter (qgZ) to quantize; the gradient all-reduce across "
+              f"the replicas stays exact and every byte is sent in full precision. Shard over "
+              f"several ranks per node (a (replicate, shard) mesh with shard > 1), or use "
+              f"FULL_SHARD, whose qgZ reduces hierarchically across nodes", stacklevel=4)
+
+
 @dataclass(frozen=True)
 class UnitGroups:
     """The groups one unit communicates over (module docstring)."""
@@ -173,7 +201,9 @@ def _check_grid(intra: tuple, inter: tuple) -> None:
     that hold the same shard (the same place in their shard groups). Otherwise replicas would
     average different shards, or the ranks would wait on each other's collectives. One object
     all-gather over the world the first time a pair is seen (cached), so a mismatch, even on
-    one rank, is the same ValueError on every rank instead of a hang."""
+    one rank, is the same ValueError on every rank instead of a hang; every rank of the world
+    must then build its hybrid units over new pairs alike (a 2-D ``device_mesh`` needs no
+    check: :func:`groups_of_mesh`)."""
     if (intra, inter) in _checked_grids:
         return
     problems = _grid_problems(skdist.all_gather_object((intra, inter)))
@@ -223,16 +253,35 @@ def _grid_problems(pairs: list) -> list[str]:
 def groups_of_mesh(device_mesh, strategy: ShardingStrategy):
     """``process_group`` from a torch ``DeviceMesh`` (its groups already exist): a 2-D mesh
     ``(replicate, shard)`` for hybrid strategies gives ``(shard group, replicate group)``, as
-    torch FSDP1 reads it; a 1-D mesh for the others gives its one group."""
+    torch FSDP1 reads it; a 1-D mesh for the others gives its one group.
+
+    A 2-D mesh is a grid by construction (every rank of it built the same mesh), so its pair
+    skips :func:`_check_grid`'s all-gather over the world: a mesh that covers part of the world
+    (one pipeline stage's ``mesh["replicate", "shard"]``) needs only its own ranks, as under
+    torch. Local, no communication."""
     ndim = getattr(device_mesh, "ndim", None)
     wanted = 2 if strategy.is_hybrid else 1
     if ndim != wanted:
+        if ndim is None:
+            hint = ("; it is not a DeviceMesh (process groups go in process_group=, a pair "
+                    "(intra_node, inter_node) for the hybrid strategies)")
+        elif ndim == 2:
+            hint = ("; a 2-D (replicate, shard) mesh is for HYBRID_SHARD / _HYBRID_SHARD_ZERO2 "
+                    "(torch fully_shard's HSDP)")
+        elif wanted == 2 and ndim == 1:
+            hint = ("; a 1-D mesh is for FULL_SHARD, SHARD_GRAD_OP or NO_SHARD")
+        else:
+            hint = ("; slice it to the dimensions it shards over, e.g. "
+                    "mesh[\"replicate\", \"shard\"]")
         raise ValueError(f"FullyShardedDataParallel(device_mesh={device_mesh!r}, "
                          f"sharding_strategy={strategy.name}): expected a {wanted}-D "
                          f"torch DeviceMesh" + (" (replicate, shard)" if wanted == 2 else "")
-                         + f", got ndim={ndim}")
+                         + f", got ndim={ndim}" + hint)
     if wanted == 2:
-        return device_mesh.get_group(1), device_mesh.get_group(0)
+        shard, replicate = device_mesh.get_group(1), device_mesh.get_group(0)
+        _checked_grids.add((tuple(skdist.group_ranks(shard)),
+                            tuple(skdist.group_ranks(replicate))))
+        return shard, replicate
     return device_mesh.get_group(0)
 
 
@@ -257,9 +306,10 @@ def check_group_arguments(strategy: ShardingStrategy, process_group,
                          f"_HYBRID_SHARD_ZERO2; pass one group (or None) for {strategy.name}")
     size = skdist.get_world_size(process_group)
     if hpz_partition_size > 1 and size % hpz_partition_size:
+        valid = ", ".join(str(d) for d in range(1, size + 1) if size % d == 0)
         raise ValueError(f"FullyShardedDataParallel(hpz_partition_size={hpz_partition_size}): "
-                         f"must divide the process group's size {size} (e.g. the ranks per "
-                         f"node, {skdist.ranks_per_node()})")
+                         f"must divide the process group's size {size} (valid values: {valid}; "
+                         f"usually the ranks per node, {skdist.ranks_per_node()})")
 
 
 def resolve_groups(strategy: ShardingStrategy, process_group,
