@@ -1785,7 +1785,7 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         from shardkit.deepspeed_compat import comm
         comm.configure(cfg.raw)
     if recipe is not None and cfg.precision.dtype != "fp32":
-        cast = _keep_fp32_master_weights(model, recipe, cfg.zero.stage)
+        cast = _keep_fp32_master_weights(model, recipe, cfg.zero.stage, wrap_policy)
         if cast and distributed.get_rank() == 0:
             logger.warning("%s training: %d 16-bit parameters and buffers of the model were cast "
                            "to fp32 master weights (the forward still runs in %s under autocast), "
@@ -1851,7 +1851,8 @@ def _check_lr_kwargs(scheduler, lr_kwargs: dict) -> None:
                          f"({error})") from None
 
 
-def _keep_fp32_master_weights(model: nn.Module, recipe: OptimizerRecipe, stage: int) -> int:
+def _keep_fp32_master_weights(model: nn.Module, recipe: OptimizerRecipe, stage: int,
+                              wrap_policy: Optional[Callable] = None) -> int:
     """fp16/bf16 training of a model whose weights are 16-bit (``from_pretrained(torch_dtype=
     torch.bfloat16)``, ``model.half()``): its fp16/bf16 parameters (the same ``Parameter``
     objects), their gradients, its fp16/bf16 buffers and any state the optimizer already holds
@@ -1862,8 +1863,9 @@ def _keep_fp32_master_weights(model: nn.Module, recipe: OptimizerRecipe, stage: 
     lr 1e-4 barely moves) and Adam's eps underflows in fp16 (the weights became inf).
     Frozen parameters (``requires_grad=False``: a LoRA base model) stay 16-bit, as in
     DeepSpeed (whose fp32 masters are the optimizer's); unfreeze before ``initialize``. At
-    stage 3 they become fp32 too when any trainable one does: an FSDP unit holds one dtype (its
-    shards keep ``1/N`` of them, so the frozen weights cost ``2·Ψ_frozen/N`` more bytes per rank).
+    stage 3 those in an FSDP unit that also holds fp32 parameters become fp32 too: a unit holds
+    one dtype (its shards keep ``1/N`` of them, so they cost ``2·Ψ/N`` more bytes per rank);
+    units of frozen 16-bit parameters only keep them 16-bit.
     Returns how many tensors were cast (0 for a model holding FSDP units the user wrapped:
     their shards are left as they are). Memory: those tensors double. Local."""
     from shardkit.nn.data_parallel import FullyShardedDataParallel
@@ -1872,11 +1874,9 @@ def _keep_fp32_master_weights(model: nn.Module, recipe: OptimizerRecipe, stage: 
     half = (torch.float16, torch.bfloat16)
     state = recipe.instance.state if recipe.instance is not None else {}
     cast = 0
-    frozen_too = stage == 3 and any(p.dtype in half and p.requires_grad
-                                    for p in model.parameters())
     with torch.no_grad():
         for param in model.parameters():
-            if param.dtype not in half or not (param.requires_grad or frozen_too):
+            if param.dtype not in half or not param.requires_grad:
                 continue  # a frozen weight is never stepped: fp32 would only double it
             grad, param.grad = param.grad, None
             param.data = param.data.float()
@@ -1886,11 +1886,47 @@ def _keep_fp32_master_weights(model: nn.Module, recipe: OptimizerRecipe, stage: 
                 if isinstance(value, torch.Tensor) and value.dtype in half:
                     state[param][key] = value.float()
             cast += 1
+        if stage == 3:
+            cast += _one_dtype_per_unit(model, wrap_policy)
         for module in model.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.dtype in half:
                     module._buffers[name] = buffer.float()
                     cast += 1
+    return cast
+
+
+def _one_dtype_per_unit(model: nn.Module, wrap_policy: Optional[Callable]) -> int:
+    """Stage 3: the 16-bit (frozen) parameters of each FSDP unit that the wrap policy will
+    build and that also holds fp32 ones (fp32 master weights, or adapters kept in fp32 as
+    PEFT does) become fp32: a unit holds one dtype. A unit of 16-bit parameters only (a
+    frozen encoder) keeps them 16-bit. The units are found by a dry run of ``auto_wrap``
+    with the same policy (nothing is wrapped). Returns how many were cast. Local."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+    from shardkit.nn.wrap.auto_wrap import (_policy_caller, _recursive_wrap,
+                                            _registering_modules, _wrapper_key)
+    from shardkit.recipes import default_wrap_policy
+    policy = wrap_policy or default_wrap_policy(model)
+    roots: list = []
+
+    def record(module: nn.Module) -> nn.Module:
+        roots.append(module)
+        return module
+
+    _recursive_wrap(model, _policy_caller(policy), _wrapper_key(FullyShardedDataParallel),
+                    record, True, _registering_modules(model))
+    if not roots or roots[-1] is not model:
+        roots.append(model)  # compose wraps the root last
+    half, taken, cast = (torch.float16, torch.bfloat16), set(), 0
+    for root in roots:  # bottom-up: a unit's own parameters are those no inner unit took
+        own = [p for p in root.parameters() if id(p) not in taken]
+        taken.update(id(p) for p in own)
+        if len({p.dtype for p in own}) < 2:
+            continue
+        for param in own:
+            if param.dtype in half:
+                param.data = param.data.float()
+                cast += 1
     return cast
 
 

@@ -310,13 +310,15 @@ def _frozen_16_bit_base(stage: int):
         sorted({str(p.dtype) for p in model[4].parameters()})
 
 
-def _frozen_and_trained_in_one_unit(stage: int):
+def _frozen_and_trained_in_one_unit(stage: int, adapters_fp32: bool = False):
     """Stage 3: a frozen bf16 weight beside a trainable bias in one FSDP unit (BitFit; a LoRA
     block is the same) trains, and so the frozen weights become fp32 too: a unit holds one
     dtype. Before, initialize raised FSDP's "one unit's parameters must share a dtype"."""
     model = _model().to(torch.bfloat16)
     for layer in (model[0], model[2], model[4]):
         layer.weight.requires_grad_(False)
+        if adapters_fp32:  # PEFT keeps its adapters fp32 beside a 16-bit base
+            layer.bias.data = layer.bias.data.float()
     engine, *_ = shardkit.initialize(
         model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
         config={"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
@@ -334,12 +336,14 @@ def _frozen_and_trained_in_one_unit(stage: int):
 
 
 def test_a_frozen_16_bit_body_stays_16_bit(world2):
-    # below stage 3; at stage 3 an FSDP unit holds one dtype, so frozen weights are fp32 too
+    # at stage 3 too while the frozen weights have units of their own; only a unit that
+    # mixes them with fp32 ones (an FSDP unit holds one dtype) makes them fp32
     for stage in (0, 3):
         for frozen, trained in world2.run(_frozen_16_bit_base, stage):
-            expected = "torch.float32" if stage == 3 else "torch.bfloat16"
-            assert frozen == [expected] and trained == ["torch.float32"], stage
+            assert frozen == ["torch.bfloat16"] and trained == ["torch.float32"], stage
     for dtypes, moved in world2.run(_frozen_and_trained_in_one_unit, 3):
+        assert dtypes == ["torch.float32"] and moved == ["0.bias", "2.bias", "4.bias"], moved
+    for dtypes, moved in world2.run(_frozen_and_trained_in_one_unit, 3, adapters_fp32=True):
         assert dtypes == ["torch.float32"] and moved == ["0.bias", "2.bias", "4.bias"], moved
 
 

@@ -263,7 +263,7 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     stage 0 the full fp32 model and optimizer state, stages 1-2 the full fp32 model and its OSS
     share of the optimizer state, stage 3 only its row blocks (``1/N`` of the fp32 model and of
     the optimizer state, plus padding), the file being read memory-mapped. Communication: one
-    four-element all-reduce (every rank agrees it read the checkpoint before any loads), then
+    six-element all-reduce (every rank agrees it read the checkpoint before any loads), then
     what loading into the wrappers costs (stage 3: nothing; stages 0-2: see the optimizer's
     ``load_state_dict``)."""
     ckpt = _read_and_check_on_every_rank(engine, load_dir, tag, load_optimizer_states)
@@ -322,7 +322,7 @@ def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
     :class:`CheckpointError` rather than go on with other weights or wait in a collective; so
     do ranks that read different checkpoints (another ``tag`` passed on some rank, a node-local
     ``latest`` that names another tag), which would each load their own weights and steps.
-    Communication: one four-element all-reduce."""
+    Communication: one six-element all-reduce."""
     ckpt, error = None, None
     try:
         path = resolve_checkpoint_dir(load_dir, tag)
@@ -338,9 +338,10 @@ def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
     except Exception as e:  # raised on every rank below
         error = e
     which = _checkpoint_identity(engine, ckpt) if ckpt is not None else None
-    code = 0 if which is None else zlib.crc32(which.encode()) & 0xFFFF
-    failed, found, codes, squares = _count_over_ranks(
-        error is not None, ckpt is not None, code, code * code)
+    crc = 0 if which is None else zlib.crc32(which.encode())
+    low, high = crc & 0xFFFF, crc >> 16  # two 16-bit halves: sums of squares stay exact
+    failed, found, lows, low_squares, highs, high_squares = _count_over_ranks(
+        error is not None, ckpt is not None, low, low * low, high, high * high)
     if error is not None:
         raise error
     if failed:
@@ -353,7 +354,8 @@ def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
             f"{world} ranks found a checkpoint there, "
             f"{'this one' if ckpt is not None else 'not this one'}; every rank must see the "
             f"same directory (a filesystem shared by the nodes); nothing was loaded")
-    if found and squares * world != codes * codes:  # equal codes on every rank, and only then
+    if found and (low_squares * world != lows * lows  # equal codes on every rank, and only then
+                  or high_squares * world != highs * highs):
         raise CheckpointError(
             f"load_checkpoint({load_dir!r}, tag={tag!r}): the ranks resolved different "
             f"checkpoints (this rank: {which}); pass the same tag on every rank (and let "
@@ -447,7 +449,8 @@ def _model_shapes(engine) -> dict:
     any object, or a tensor of serialized bytes whose length varies) is left out, as torch's
     ``load_state_dict`` hands it to ``set_extra_state`` unchecked. No communication."""
     if engine.zero_stage == 3:
-        return engine.wrapped.full_shapes()
+        return {name: shape for name, shape in engine.wrapped.full_shapes().items()
+                if not name.endswith(_EXTRA_STATE)}
     return {name: tuple(v.shape) for name, v in engine.module.state_dict().items()
             if isinstance(v, torch.Tensor) and not name.endswith(_EXTRA_STATE)}
 

@@ -399,7 +399,7 @@ def _check_metadata_fields(file: str, metadata: dict) -> None:
     names = metadata.get("param_names")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise bad("param_names", "a list of tensor names (strings)")
-    for counter in ("global_steps", "skipped_steps", "zero_stage"):
+    for counter in ("global_steps", "skipped_steps", "zero_stage", "global_samples"):
         if counter in metadata and not _is_count(metadata[counter]):
             raise bad(counter, "an int >= 0")
     files = metadata.get("files", {})

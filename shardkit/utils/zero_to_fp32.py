@@ -416,12 +416,18 @@ _WEIGHT_FILES = re.compile(r"(pytorch_model(-\d{5}-of-\d{5})?\.bin|pytorch_model
                            r"\.index\.json)")
 
 
+_STAGED = re.compile(r"\.(.+)\.pending-\d+(\.tmp-\d+)?")
+
+
 def _remove_stale_weights(output: str, written: list) -> None:
     """Delete the weight files and indexes an earlier conversion left in ``output`` that this
     one did not write (after ours are in place), so ``from_pretrained`` reads ours."""
     keep = {os.path.basename(path) for path in written}
     for name in os.listdir(output):
-        if name not in keep and _WEIGHT_FILES.fullmatch(name) \
+        # and the shards a killed conversion staged (.NAME.pending-PID[.tmp-PID]), full size
+        staged = _STAGED.fullmatch(name)
+        if name not in keep and (_WEIGHT_FILES.fullmatch(name) or (
+                staged and _WEIGHT_FILES.fullmatch(staged.group(1)))) \
                 and os.path.isfile(os.path.join(output, name)):
             os.remove(os.path.join(output, name))
 

@@ -572,3 +572,70 @@ def test_global_samples_resume_as_saved_after_a_batch_size_change(world2, tmp_pa
     # where DeepSpeed restores the checkpoint's global_samples.
     for r in world2.run(_samples_after_a_batch_size_change, str(tmp_path / "ckpt")):
         assert r == (32, 32, 40, 0), r
+
+
+def _load_where_16_bit_codes_collide(save_dir):
+    """Tags global_step21000 and global_step146000 (a save every 500 steps) share the low 16
+    bits of their identity's crc32; rank 1 asks for the other one."""
+    engine = _engine(0, 0)
+    for steps in (21000, 146000):
+        engine.global_steps = steps
+        engine.save_checkpoint(save_dir)
+    fresh = _engine(0, 99)
+    try:
+        fresh.load_checkpoint(save_dir, tag=["global_step146000", "global_step21000"][
+            distributed.get_rank()])
+        return "loaded"
+    except shardkit.checkpoint.CheckpointError as error:
+        return str(error)
+
+
+def test_ranks_whose_checkpoints_share_16_bits_of_code_load_nothing(world2, tmp_path):
+    # Before: a 16-bit code: both ranks loaded, each its own checkpoint (1 pair in 65536).
+    for r in world2.run(_load_where_16_bit_codes_collide, str(tmp_path / "ckpt")):
+        assert "the ranks resolved different checkpoints" in r, r
+
+
+class _Serialized(nn.Linear):
+    """``get_extra_state`` as Transformer Engine's: a uint8 tensor whose length varies."""
+
+    def __init__(self):
+        super().__init__(6, 5)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+    def get_extra_state(self):
+        return torch.zeros(self.calls, dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        self.calls = state.numel()
+
+
+def _tensor_extra_state_at_stage_3(save_dir):
+    def build(stage, seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(_Serialized(), nn.Tanh(), nn.Linear(5, 5))
+        return shardkit.initialize(model=model, config={
+            "train_batch_size": GLOBAL_BATCH, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}})[0], model
+    engine, _ = build(3, 0)
+    x, y = _batch(0)
+    engine.backward(F.mse_loss(engine(x[:4]), y[:4]))
+    engine.step()
+    engine.save_checkpoint(save_dir)
+    calls = []
+    for stage in (3, 1):
+        other, model = build(stage, 1)
+        other.load_checkpoint(save_dir)
+        calls.append(model[0].calls)
+    return calls
+
+
+def test_tensor_extra_state_of_another_length_loads_at_stage_3(world2, tmp_path):
+    # Before: FSDP's local load refused "size mismatch for 0._extra_state" (its length is
+    # the serialized state's, not a shape to check; torch's load_state_dict does not).
+    for r in world2.run(_tensor_extra_state_at_stage_3, str(tmp_path / "ckpt")):
+        assert r == [1, 1], r

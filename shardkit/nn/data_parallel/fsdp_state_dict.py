@@ -1041,7 +1041,9 @@ class FSDPStateDictMixin:
                  f"rank's shard of it (full shape {tuple(full.get(k, mine[k].shape))}) has "
                  f"{tuple(mine[k].shape)}"
                  for k, v in local.items() if k in mine and torch.is_tensor(v)
-                 and torch.is_tensor(mine[k]) and tuple(v.shape) != tuple(mine[k].shape)]
+                 and torch.is_tensor(mine[k]) and tuple(v.shape) != tuple(mine[k].shape)
+                 # get_extra_state: set_extra_state takes it unchecked, as torch's load does
+                 and not k.endswith("_extra_state")]
         walked = _load_walk(self, wrapped, "", getattr(wrapped, "_metadata", None), {}, [])
         missing, unexpected, errors = walked[:3]
         problems = _load_problems(missing, unexpected, [] if sizes else errors, strict)
