@@ -12,6 +12,7 @@ plain ``python train.py``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import os
@@ -141,12 +142,12 @@ def _all_gather_into_tensor(output_tensor, tensor, group=None, async_op: bool = 
                                               async_op=async_op)
 
 
-def _polled(work, group):
+def _polled(work, group, device=None):
     """An async reduce-scatter's handle whose ``is_completed()`` is a true poll: gloo's work
     reads ``False`` forever, even after ``wait()`` (a loop polling it never ended), so on
     gloo a background thread waits for it (``wait()`` then returns ``True``). Other backends'
     works as they are."""
-    if work is None or not distributed._completes_when_waited(group):
+    if work is None or not distributed._completes_when_waited(group, device):
         return work
     return distributed._ThenCopy([work], None, watched=True)
 
@@ -158,7 +159,7 @@ def _reduce_scatter_tensor(output_tensor, tensor, op=distributed.ReduceOp.SUM, g
     torch's gloo work's does not)."""
     work = distributed.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group,
                                              async_op=async_op)
-    return _polled(work, group) if async_op else work
+    return _polled(work, group, output_tensor.device) if async_op else work
 
 
 def _splits(sizes, tensor, n: int, argument: str) -> list:
@@ -386,9 +387,24 @@ class _CommsLog:
         self._entered = want
 
     def selects(self, prof, log_name) -> bool:
-        """Whether a call with ``prof=`` / ``log_name=`` is logged on its own (prof_all off:
-        DeepSpeed logs it when ``prof`` is true or ``log_name`` is in ``prof_ops``)."""
-        return self.enabled and not self.prof_all and (bool(prof) or log_name in self.prof_ops)
+        """Whether a call with ``prof=`` / ``log_name=`` is logged (DeepSpeed's rule: every
+        call under ``prof_all``, else when ``prof`` is true or ``log_name`` is in
+        ``prof_ops``)."""
+        return self.enabled and (self.prof_all or bool(prof) or log_name in self.prof_ops)
+
+    def take(self, records, log_name: str, selected: bool) -> None:
+        """Log a ``shardkit.comm`` call's ``records`` under its ``log_name``, as DeepSpeed
+        keys its summary (``prof_all`` already counted them under CommCounter's op names:
+        those are replaced); an all-gather's message size is its input's, as DeepSpeed's."""
+        calls, k = self.counter.calls, len(records)
+        if k and self._entered and len(calls) >= k and \
+                all(a is b for a, b in zip(calls[-k:], records)):
+            del calls[-k:]
+        if selected:
+            calls.extend(dataclasses.replace(
+                r, op=log_name,
+                numel=r.numel // r.group_size if r.op == "all_gather" else r.numel)
+                for r in records)
 
 
 _comms_log = _CommsLog()
@@ -404,13 +420,13 @@ def _takes_profiling_keywords(fn, log_name: str):
         prof = kwargs.pop("prof", False)
         name = kwargs.pop("log_name", log_name)
         kwargs.pop("debug", None)
-        if not _comms_log.selects(prof, name):
+        if not _comms_log.enabled:
             return fn(*args, **kwargs)
         with distributed.CommCounter() as counter:
             try:
                 return fn(*args, **kwargs)
             finally:
-                _comms_log.counter.calls.extend(counter.calls)
+                _comms_log.take(counter.calls, name, _comms_log.selects(prof, name))
     return call
 
 
@@ -425,10 +441,12 @@ def _configure(deepspeed_config=None, enabled=None, prof_all=None, prof_ops=None
     process issues through shardkit (the wrappers' included); ``prof_all=False`` logs the
     ``shardkit.comm`` calls given ``prof=True`` or a ``log_name`` in ``prof_ops`` (their
     default names are DeepSpeed's: ``"all_reduce"``, ``"all_gather_into_tensor"``, ...).
-    What is logged is what :class:`shardkit.distributed.CommCounter` records: op name,
-    message size (the elements recorded times their size: a collective's full logical size
-    for shardkit.comm's calls; for a transport that moves bytes itself, what it moved) and
-    bus bytes; no latencies (shardkit does not time collectives).
+    What is logged is what :class:`shardkit.distributed.CommCounter` records, keyed as
+    DeepSpeed keys it: a ``shardkit.comm`` call under its ``log_name`` with DeepSpeed's
+    message size (the tensor argument's bytes: an all-gather's input), other collectives
+    (the wrappers') under CommCounter's op name and logical size (for a transport that
+    moves bytes itself, what it moved); bus bytes; no latencies (shardkit does not time
+    collectives).
     ``verbose`` and ``debug`` are kept and change nothing. Local; no communication.
 
     Raises:
@@ -587,8 +605,12 @@ comm.reduce_scatter = distributed.reduce_scatter
 comm.all_to_all = _all_to_all
 comm.allgather_fn = _allgather_fn
 comm.reduce_scatter_fn = _reduce_scatter_fn
-# DeepSpeed's default log_name of each timed call (its op's name, but for these two)
-_LOG_NAMES = {"inference_all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce"}
+# DeepSpeed's default log_name of each timed call (its op's name, but for these)
+_LOG_NAMES = {"inference_all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
+              # DeepSpeed's logs the timed call inside: all_gather_into_tensor /
+              # reduce_scatter_tensor under their own default names
+              "allgather_fn": "all_gather_into_tensor",
+              "reduce_scatter_fn": "reduce_scatter_tensor"}
 for _name in ("barrier", "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor",
               "reduce", "reduce_scatter_tensor", "inference_all_reduce", "all_to_all_single",
               "send", "recv", "isend", "irecv", "gather", "scatter", "monitored_barrier",

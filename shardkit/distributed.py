@@ -977,29 +977,33 @@ def all_gather(tensors: list[torch.Tensor], tensor: torch.Tensor, group=None,
     ``tensors[j]`` fits group rank ``j``'s tensor) on every rank, so that a bad list on one
     rank raises a ValueError on every rank, naming the rank, and none is left waiting.
     Wire: ``(n-1)/n`` of the gathered bytes, counted as ``all_gather``."""
-    _check_call("all_gather", group, tensor)
+    _check_call("all_gather", group)
     if _not_a_member(group):
+        _check_call("all_gather", group, tensor)
         return None
     what = "shardkit.distributed.all_gather"
     n = get_world_size(group)
     count = len(tensors) if isinstance(tensors, (list, tuple)) else None
     problem, slots = None, -1
-    if count != n or not all(isinstance(t, torch.Tensor) for t in tensors):
+    if not isinstance(tensor, torch.Tensor):  # raised after the agreement, so no rank waits
+        problem = TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    elif count != n or not all(isinstance(t, torch.Tensor) for t in tensors):
         got = type(tensors).__name__ if count is None else f"{count}" + (
             "" if count != n else " items, not all tensors")
         problem = (f"{what}(tensors=...): expected a list of {n} tensors (one per rank of the "
                    f"group) on every rank, got {got}")
     else:
         slots = _signature((t.numel(), _dtype_code(t.dtype)) for t in tensors)
-        if backend_of(group) == "gloo":
+        if _gloo_carries(group, tensor.device):
             for j, t in enumerate(tensors):
                 if t.shape != tensor.shape or t.dtype != tensor.dtype:
                     problem = (f"{what}(tensors[{j}]=...): {tuple(t.shape)} {t.dtype}; gloo "
                                f"needs every item of the shape and dtype of the tensor, "
                                f"{tuple(tensor.shape)} {tensor.dtype}")
                     break
-    rows = _agree_on_call(what, problem, [tensor.numel(), _dtype_code(tensor.dtype), slots],
-                          group, tensor.device)
+    facts = [-1, -1, -1] if problem is not None else \
+        [tensor.numel(), _dtype_code(tensor.dtype), slots]
+    rows = _agree_on_call(what, problem, facts, group, _control_device(group, tensor))
     expected = _signature((numel, code) for numel, code, _ in rows)
     misfit = [r for r, (*_, sig) in enumerate(rows) if sig != expected]
     if misfit:
@@ -1261,11 +1265,11 @@ class _ThenCopy:
 
     def wait(self, timeout=None) -> bool:
         if not self._done:
-            if self._watcher is not None:
-                self._watcher.wait()
-            else:
-                for work in self._works:
-                    work.wait()
+            # the works themselves, not the watcher: its one thread waits for every watched
+            # handle in turn, and one stuck ahead of these (a dropped receive never sent)
+            # would hold this wait too (a collective's work may be waited for twice)
+            for work in self._works:
+                work.wait()
             if self._finish is not None:
                 finish, self._finish = self._finish, None
                 finish()
@@ -1285,10 +1289,28 @@ class _ThenCopy:
         return self._works[-1]._source_rank()
 
 
-def _completes_when_waited(group) -> bool:
-    """Whether ``group``'s reduce-scatter works report completion only when waited for
-    (gloo's)."""
-    return backend_of(group) == "gloo"
+def _gloo_carries(group, device=None) -> bool:
+    """Whether gloo carries ``group``'s collectives of tensors on ``device`` (default: the
+    CPU): a ``"gloo"`` group, and torch's default and per-device ones for the devices gloo
+    serves there (``init_process_group()`` with no backend reads ``"undefined"``;
+    ``"cpu:gloo,cuda:nccl"``). Local."""
+    name = backend_of(group)
+    if name == "gloo":
+        return True
+    if name == "none" or _not_a_member(group):
+        return False
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        kind = torch.device(device).type if device is not None else "cpu"
+        return "Gloo" in type(pg._get_backend(torch.device(kind))).__name__
+    except Exception:  # noqa: BLE001 - no backend for that device: not gloo
+        return False
+
+
+def _completes_when_waited(group, device=None) -> bool:
+    """Whether ``group``'s reduce-scatter works (of tensors on ``device``) report completion
+    only when waited for (gloo's)."""
+    return _gloo_carries(group, device)
 
 
 def _handle(works, finish, async_op: bool, watched: bool = False):
@@ -1613,12 +1635,14 @@ def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op=
             anything is sent.
     """
     what = "shardkit.distributed.reduce_scatter"
-    _check_call("reduce_scatter", group, output, reduce_op=op)
+    _check_call("reduce_scatter", group)
     if _not_a_member(group):
+        _check_call("reduce_scatter", group, output, reduce_op=op)
         return _Finished() if async_op else None
     n = get_world_size(group)
     problem, inputs = None, []
     try:
+        _check_call("reduce_scatter", group, output, reduce_op=op)
         inputs = _tensor_list(what, "input_list", input_list)
         _check_call("reduce_scatter", group, output, *inputs, reduce_op=op)
         if len(inputs) != n:
@@ -1633,8 +1657,9 @@ def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op=
         problem = error
     # an op torch builds at run time (premul_sum) has no name that every rank shares
     op_code = int(op) if isinstance(op, ReduceOp.RedOpType) else -1
-    rows = _agree_on_call(what, problem, [output.numel(), _dtype_code(output.dtype), op_code],
-                          group, output.device)
+    facts = [-1, -1, -1] if problem is not None else \
+        [output.numel(), _dtype_code(output.dtype), op_code]
+    rows = _agree_on_call(what, problem, facts, group, _control_device(group, output))
     if len({tuple(row) for row in rows}) > 1:
         described = [(k, _dtype_name(code), str(ReduceOp.RedOpType(o)) if o >= 0 else "?")
                      for k, code, o in rows]
@@ -1648,7 +1673,8 @@ def reduce_scatter(output: torch.Tensor, input_list: Sequence[torch.Tensor], op=
     # the flat input: "Check failed: outputShape[0] * worldSize == inputShape[0]")
     work = reduce_scatter_tensor(result.view(-1), flat, op=op, group=group, async_op=True)
     finish = None if result is output else (lambda: output.copy_(result))
-    return _handle([work], finish, async_op, watched=_completes_when_waited(group))
+    return _handle([work], finish, async_op,
+                   watched=_completes_when_waited(group, output.device))
 
 
 def any_rank(flag: bool, group=None, device=None) -> bool:

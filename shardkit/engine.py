@@ -1781,9 +1781,15 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         _ensure_log_handler()
         for note in cfg.warnings:
             logger.warning(note)
-    if "comms_logger" in cfg.raw:  # DeepSpeed's engine configures deepspeed.comm from it
+    section = cfg.raw.get("comms_logger")
+    if isinstance(section, dict) and section.get("enabled"):
+        # DeepSpeed's engine configures deepspeed.comm from it, and only when enabled (a
+        # disabled section leaves a logger the script configured as it was); the section's
+        # unwritten switches take DeepSpeed's defaults, not what an earlier configure() set
         from shardkit.deepspeed_compat import comm
-        comm.configure(cfg.raw)
+        comm.configure(enabled=True, prof_all=section.get("prof_all", True),
+                       prof_ops=list(section.get("prof_ops", [])),
+                       verbose=section.get("verbose", False), debug=section.get("debug", False))
     if recipe is not None and cfg.precision.dtype != "fp32":
         cast = _keep_fp32_master_weights(model, recipe, cfg.zero.stage, wrap_policy)
         if cast and distributed.get_rank() == 0:

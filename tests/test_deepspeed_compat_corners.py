@@ -392,10 +392,12 @@ def _comm_logger_as_deepspeed_scripts_use_it():
             stats = dist.log_summary(return_dict=True)
         summary = {op: {size: (e["count"], e["total_bus_bytes"]) for size, e in sizes.items()}
                    for op, sizes in stats["summary"].items()}
-        assert summary == {"all_reduce": {16: (2, 2 * 2 * (n - 1) / n * 16)},
-                           "all_gather": {16 * n: (1, (n - 1) / n * 16 * n)}}
+        # keyed as DeepSpeed's: by log_name, an all-gather by its input's size
+        assert summary == {"all_reduce": {16: (1, 2 * (n - 1) / n * 16)},
+                           "grads": {16: (1, 2 * (n - 1) / n * 16)},
+                           "all_gather_into_tensor": {16: (1, (n - 1) / n * 16 * n)}}
         assert ("Count" in printed.getvalue()) == (rank == 0)
-        assert dist.get_logged_comm_ops() == ["all_reduce", "all_gather"]
+        assert dist.get_logged_comm_ops() == ["all_reduce", "grads", "all_gather_into_tensor"]
         dist.reset_log()
         assert not dist.has_comm_data()
         # prof_all off: the calls given prof=True or a log_name in prof_ops (DeepSpeed's
@@ -420,7 +422,7 @@ def test_comm_logger_reports_what_commcounter_counts(world2):
     """Before: AttributeError on deepspeed.comm.configure, log_summary, reset_log,
     has_comm_data, get_comm_operation_count and get_logged_comm_ops."""
     assert world2.run(_comm_logger_as_deepspeed_scripts_use_it) == [
-        ((["all_reduce", "all_gather", "broadcast"], 3), 3)] * 2
+        ((["all_reduce", "all_gather_into_tensor", "sync"], 3), 3)] * 2
 
 
 def _comm_logger_from_the_config():
@@ -488,9 +490,10 @@ def _poll(handle, seconds: float = 30.0) -> bool:
 
 
 def _comm_async_handles_poll_and_wait_once():
-    """Async handles of the reduce-scatters polled with is_completed() (rank 1 joins late, so
-    rank 0's handle cannot have completed at once), and a receive into a transposed tensor
-    waited for twice."""
+    """Async handles of the reduce-scatters polled with is_completed() (rank 1 joins late:
+    reduce_scatter_tensor has no argument agreement, so rank 0's handle cannot have completed
+    at once; the list form's agreement would let rank 1 catch up), and a receive into a
+    transposed tensor waited for twice."""
     import time
 
     import shardkit.comm as dist
@@ -498,14 +501,15 @@ def _comm_async_handles_poll_and_wait_once():
     if rank == 1:
         time.sleep(0.3)
     out = torch.zeros(2)
-    handle = dist.reduce_scatter(out, [torch.full((2,), 1.0 + j) for j in range(n)],
-                                 async_op=True)
-    early = handle.is_completed() if rank == 0 else False  # before: True at once
-    polled = [_poll(handle)]
+    handle = dist.reduce_scatter_tensor(out, torch.ones(2 * n), async_op=True)
+    early = handle.is_completed() if rank == 0 else False
+    polled = [_poll(handle)]  # before: never
+    assert out.tolist() == [float(n)] * 2
+    polled.append(_poll(dist.reduce_scatter(out, [torch.full((2,), 1.0 + j) for j in range(n)],
+                                            async_op=True)))  # before: True at once
     assert out.tolist() == [n * (1.0 + rank)] * 2
-    for call in (dist.reduce_scatter_tensor, dist.reduce_scatter_fn):
-        polled.append(_poll(call(out, torch.ones(2 * n), async_op=True)))  # before: never
-        assert out.tolist() == [float(n)] * 2
+    polled.append(_poll(dist.reduce_scatter_fn(out, torch.ones(2 * n), async_op=True)))
+    assert out.tolist() == [float(n)] * 2
     if rank == 0:
         box = torch.zeros(3, 2).t()
         work = dist.irecv(box, src=1)
@@ -519,3 +523,26 @@ def _comm_async_handles_poll_and_wait_once():
 
 def test_comm_async_handles_poll_and_wait_once(world2):
     assert world2.run(_comm_async_handles_poll_and_wait_once) == [(False, [True] * 3)] * 2
+
+
+def _comm_bad_tensor_or_op_on_one_rank():
+    """A non-tensor (all_gather) or an op that is not a ReduceOp (reduce_scatter) on one rank
+    only: an error on every rank, none left waiting in the agreement."""
+    import shardkit.comm as dist
+    rank, n = dist.get_rank(), dist.get_world_size()
+    raised = []
+    for call in (lambda: dist.all_gather([torch.zeros(2)] * n, [1.0] if rank else torch.ones(2)),
+                 lambda: dist.reduce_scatter(torch.zeros(2), [torch.ones(2)] * n,
+                                             op="sum" if rank else dist.ReduceOp.SUM)):
+        try:
+            call()
+            raised.append(None)
+        except (TypeError, ValueError) as error:
+            raised.append(type(error).__name__)
+    return raised
+
+
+def test_comm_bad_tensor_or_op_on_one_rank_raises_everywhere(world2):
+    """Before: rank 0 waited in the argument agreement's all-gather (gloo's 30 min timeout)."""
+    assert world2.run(_comm_bad_tensor_or_op_on_one_rank) == [
+        ["ValueError", "ValueError"], ["TypeError", "TypeError"]]
