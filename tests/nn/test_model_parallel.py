@@ -1240,6 +1240,32 @@ def test_sync_module_states_makes_ranks_seeded_apart_one_model(world4):
         assert "sync_module_states" in r["error"] and "data-parallel ranks [1, 3]" in r["error"], r
 
 
+def _sync_module_states_refused_on_one_rank():
+    """One rank's module holds an FSDP unit (refused there before the broadcasts): every rank
+    raises, none waits for the others."""
+    mp.initialize_model_parallel(2)
+    try:
+        model = nn.Sequential(mp.ColumnParallelLinear(4, 8), nn.LayerNorm(8))
+        if distributed.get_rank() == 3:
+            from shardkit.nn.data_parallel import FullyShardedDataParallel
+            model[1] = FullyShardedDataParallel(model[1],
+                                                process_group=torch.distributed.new_group([3]))
+        else:
+            torch.distributed.new_group([3])  # new_group is collective over the world
+        try:
+            mp.sync_module_states(model)
+        except ValueError as e:
+            return str(e)
+        return None
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_sync_module_states_refused_on_one_rank_raises_on_every_rank(world4):
+    for rank, error in enumerate(world4.run(_sync_module_states_refused_on_one_rank)):
+        assert error is not None and "sharded by FSDP" in error, (rank, error)
+
+
 # ----------------------------------------------------------------------------- gradient clipping
 
 MAX_NORM = 0.5

@@ -131,12 +131,19 @@ def sync_module_states(module: nn.Module) -> int:
                     if type(m).__name__ == "FullyShardedDataParallel"
                     or any(type(p).__name__ == "DTensor" for p in m.parameters(recurse=False))),
                    None)
+    problem = None  # found here: every rank must hear of it, or the others wait forever
     if sharded is not None:
-        raise ValueError(f"sync_module_states: module {sharded or '(the root)'!r} is sharded "
-                         f"by FSDP, whose ranks hold different shards on purpose; call it on the "
-                         f"model before wrapping (FSDP's own sync_module_states=True syncs its "
-                         f"group)")
-    groups = groups_of(module.modules(), "sync_module_states")
+        problem = ValueError(f"sync_module_states: module {sharded or '(the root)'!r} is "
+                             f"sharded by FSDP, whose ranks hold different shards on purpose; "
+                             f"call it on the model before wrapping (FSDP's own "
+                             f"sync_module_states=True syncs its group)")
+    else:
+        try:
+            groups = groups_of(module.modules(), "sync_module_states")
+        except (ValueError, RuntimeError) as error:
+            problem = error
+    if problem is not None:
+        _raise_everywhere(problem)
     split = {id(getattr(m, name)) for m in module.modules() if isinstance(m, TensorParallelModule)
              for name, spec in m._shard_dims.items()
              if spec is not None and getattr(m, name, None) is not None}
@@ -145,6 +152,7 @@ def sync_module_states(module: nn.Module) -> int:
         named.setdefault(id(tensor), (name, tensor))  # a shared tensor once
     tensors = list(named.values())
     replicated = [(n, t) for n, t in tensors if id(t) not in split]
+    _raise_everywhere(None)
     _check_same_tensors(groups, tensors, replicated)
     received = 0
     for group, chosen in ((groups.data, tensors), (groups.tensor, replicated)):
@@ -154,6 +162,23 @@ def sync_module_states(module: nn.Module) -> int:
         if distributed.get_rank(group) != 0:
             received += sum(t.numel() for _, t in chosen)
     return received
+
+
+def _raise_everywhere(problem) -> None:
+    """Raise on every rank when any rank found ``problem`` on its own (one object all-gather
+    over the world, uncounted); alone, raise it here."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or \
+            distributed.get_world_size() < 2:
+        if problem is not None:
+            raise problem
+        return
+    every = distributed.all_gather_object(None if problem is None else str(problem),
+                                          counted=False, operation="sync_module_states")
+    if problem is not None:
+        raise problem
+    rank = next((r for r, p in enumerate(every) if p is not None), None)
+    if rank is not None:
+        raise ValueError(f"sync_module_states: rank {rank} refused its module: {every[rank]}")
 
 
 def _signature(named: list) -> list:

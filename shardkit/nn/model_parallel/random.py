@@ -32,6 +32,7 @@ import contextlib
 import inspect
 import numbers
 import sys
+import threading
 from typing import Iterator
 
 import torch
@@ -119,12 +120,52 @@ class RNGStatesTracker:
     """
 
     def __init__(self):
-        self._states: dict[str, _GeneratorState] = {}
+        self._shared_states: dict[str, _GeneratorState] = {}
+        # per thread: its open forks, its recomputations, and the copy of the streams a
+        # recomputation swapped in (threads that fork at once must not see each other's)
+        self._local = threading.local()
         self._seeds: set[int] = set()
         # the open forks, outermost first: [stream name, the generators' state at its entry]
-        self._open: list[list] = []
         # the torch.utils.checkpoint recomputations whose copies of the streams are swapped in
-        self._recomputing: list[tuple] = []
+
+    def _thread(self):
+        local = self._local
+        if not hasattr(local, "open"):
+            local.open, local.recomputing, local.states = [], [], None
+        return local
+
+    @property
+    def _states(self) -> dict:
+        local = self._thread()
+        return self._shared_states if local.states is None else local.states
+
+    @_states.setter
+    def _states(self, value: dict) -> None:
+        local = self._thread()
+        if local.states is None:
+            self._shared_states = value
+        else:
+            local.states = value
+
+    @property
+    def _open(self) -> list:
+        return self._thread().open
+
+    @property
+    def _recomputing(self) -> list:
+        return self._thread().recomputing
+
+    def _swap(self, states: dict, open_forks: list) -> tuple:
+        """Swap this thread's view of the streams for ``states`` and ``open_forks``; returns
+        what :meth:`_unswap` puts back."""
+        local = self._thread()
+        saved = local.states, local.open
+        local.states, local.open = states, open_forks
+        return saved
+
+    def _unswap(self, saved: tuple) -> None:
+        local = self._thread()
+        local.states, local.open = saved
 
     def reset(self) -> None:
         """Forget every stream."""
@@ -217,14 +258,13 @@ class RNGStatesTracker:
         swap_back = None
         if pending is not None and name in pending[2]:
             key, copies, states, open_forks = pending
-            saved = self._states, self._open
-            self._states, self._open = states, open_forks
+            saved = self._swap(states, open_forks)
             self._recomputing.append(key)
 
             def leave():
                 self._recomputing.pop()
                 copies[key[1]] = self._states, self._open
-                self._states, self._open = saved
+                self._unswap(saved)
 
             swap_back = leave
         for kind, region, preserved in regions[:inner]:  # first forwards (inside that one)
@@ -269,8 +309,7 @@ class RNGStatesTracker:
         """Run the block as if at ``point`` (from :meth:`_replay_point`): the forks open then are
         open again, so a nested fork of one of them goes on with it as in the first forward.
         The caller restores the generators themselves; the tracker is put back at exit."""
-        saved = self._states, self._open
-        self._states, self._open = dict(point[0]), [list(entry) for entry in point[1]]
+        saved = self._swap(dict(point[0]), [list(entry) for entry in point[1]])
         # a torch.utils.checkpoint recomputation running around this one leaves it alone
         regions = _torch_checkpoint_regions()
         inner = next((r for r in regions if r[0] == "recompute"), None)
@@ -280,7 +319,7 @@ class RNGStatesTracker:
             yield
         finally:
             self._recomputing.pop()
-            self._states, self._open = saved
+            self._unswap(saved)
 
     def _innermost_fork_of(self, name: str):
         """Index in the open forks of stream ``name``'s innermost fork, ``None`` if none."""
@@ -331,6 +370,12 @@ def _torch_checkpoint_codes() -> dict:
             codes[inspect.unwrap(tuc.checkpoint).__code__] = "checkpoint"
             codes[tuc.CheckpointFunction.forward.__code__] = "reentrant forward"
             codes[tuc.CheckpointFunction.backward.__code__] = "reentrant backward"
+            try:  # torch's composable checkpoint keeps its generator on the module's state
+                from torch.distributed._composable import checkpoint as composable
+
+                codes[torch.nn.Module._call_impl.__code__] = ("module", composable.state)
+            except (ImportError, AttributeError):
+                pass
             for const in tuc._checkpoint_hook.__init__.__code__.co_consts:
                 if getattr(const, "co_name", None) == "unpack_hook":
                     codes[const] = "unpack"
@@ -373,6 +418,16 @@ def _torch_checkpoint_regions() -> list[tuple]:
                     if not any(region is r for _, r, _ in found):
                         found.append(("forward", region,
                                       bool(inner.f_locals.get("preserve_rng_state"))))
+            elif isinstance(kind, tuple):  # a module call: is it a composable region?
+                try:
+                    state = kind[1](local["self"])
+                except Exception:
+                    state = None
+                inner = getattr(getattr(state, "_ac_generator", None), "gi_frame", None)
+                if inner is not None and "new_frame" in inner.f_locals:
+                    region = inner.f_locals["new_frame"]
+                    if not any(region is r for _, r, _ in found):
+                        found.append(("forward", region, _preserves(region)))
             elif kind == "reentrant forward":
                 found.append(("forward", local["ctx"], bool(local.get("preserve_rng_state"))))
             elif kind == "reentrant backward":
