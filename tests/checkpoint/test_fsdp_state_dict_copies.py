@@ -662,3 +662,69 @@ def test_optimizer_state_functions_take_a_plain_module_holding_units(world2):
         assert out["FULL_STATE_DICT", "keys"] == names == out["SHARDED_STATE_DICT", "keys"], out
         assert all(out[k] for k in ("FULL_STATE_DICT", "SHARDED_STATE_DICT",
                                     "LOCAL_STATE_DICT", "ids")), out
+
+
+def test_rekey_to_ids_sorts_each_group_as_torch():
+    """A dict keyed by names in another order than the optimizer's (torch's rekey sorts the
+    names) rekeyed to ids loads each parameter's own state into a plain optimizer (the ids
+    were listed in the names' order, which optim.load_state_dict pairs by position)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import OptimStateKeyType
+
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    optim = torch.optim.Adam(net.parameters(), lr=0.1)
+    net(torch.randn(3, 4)).pow(2).sum().backward()
+    optim.step()
+    by_name = TorchFSDP.rekey_optim_state_dict(optim.state_dict(), OptimStateKeyType.PARAM_NAME,
+                                               net, optim=optim)
+    fresh = torch.optim.Adam(net.parameters(), lr=0.1)
+    fresh.load_state_dict(FSDP.rekey_optim_state_dict(by_name, OptimStateKeyType.PARAM_ID, net,
+                                                      optim=optim))
+    for p in net.parameters():
+        assert torch.equal(fresh.state[p]["exp_avg"], optim.state[p]["exp_avg"])
+
+
+def _named_dict_in_other_groups() -> dict:
+    """Names listed in other param groups than the optimizer's (same sizes): loaded each
+    parameter another's state silently (torch FSDP1 fails an assertion); and a rank0_only
+    dict that cannot be pickled on rank 0: rank 0 raised, rank 1 hung in the broadcast."""
+    from torch.distributed.fsdp import FullOptimStateDictConfig
+
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    from shardkit.nn.data_parallel import StateDictType
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    p = dict(model.named_parameters())
+
+    def adam():
+        return torch.optim.Adam([{"params": [p["0.weight"], p["0.bias"]]},
+                                 {"params": [p["1.weight"], p["1.bias"]], "lr": 0.1}], lr=0.01)
+    optim = adam()
+    model(torch.randn(3, 4)).pow(2).sum().backward()
+    optim.step()
+    out = {}
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, None,
+                              FullOptimStateDictConfig(rank0_only=True)):
+        osd = FSDP.optim_state_dict(model, optim)
+        if osd:
+            moved = copy.deepcopy(osd)
+            moved["param_groups"][0]["params"] = ["1.weight", "0.bias"]
+            moved["param_groups"][1]["params"] = ["0.weight", "1.bias"]
+            osd["param_groups"][0]["schedule"] = lambda step: 0.1
+        else:
+            moved = {}
+        for case, given in (("moved", moved), ("unpicklable", osd)):
+            try:
+                FSDP.optim_state_dict_to_load(model, adam(), given, load_directly=True)
+                out[case] = "loaded"
+            except ValueError as error:
+                out[case] = str(error)
+    return out
+
+
+def test_named_dict_in_other_groups_and_unpicklable_dict_are_refused(world2):
+    for out in world2.run(_named_dict_in_other_groups):
+        assert "its parameters are in other param groups" in out["moved"], out
+        assert "on rank 0:" in out["unpicklable"] and "pickle" in out["unpicklable"], out

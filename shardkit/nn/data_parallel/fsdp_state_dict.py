@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import pickle
 import threading
 import zlib
 from collections import OrderedDict
@@ -1172,8 +1173,9 @@ class FSDPStateDictMixin:
         ``optim.load_state_dict`` takes it). The indices are the order of ``optim``'s param
         groups when it is given, else of ``model.parameters()``; ``model`` may be the FSDP
         model or the unwrapped one. A dict already keyed that way is returned as it is; else a
-        new dict with ``state`` and ``param_groups`` (their ``params`` in the same order), the
-        tensors not copied. ``optim_input`` must be left unset. Local."""
+        new dict with ``state`` and ``param_groups`` (names in the dict's order; ids sorted, as
+        torch's, since ``optim.load_state_dict`` pairs them with its parameters by position),
+        the tensors not copied. ``optim_input`` must be left unset. Local."""
         _refuse_torch_only_arguments("rekey_optim_state_dict", optim_input=optim_input)
         key_type = getattr(optim_state_key_type, "name", optim_state_key_type)
         if key_type not in ("PARAM_NAME", "PARAM_ID"):
@@ -1214,8 +1216,12 @@ class FSDPStateDictMixin:
                              f"{unknown[:5]} are not among the {len(names)} "
                              f"{'indices' if key_type == 'PARAM_NAME' else 'names'} of "
                              f"{'the optimizer' if optim is not None else 'model.parameters()'}")
+
+        def listed(group):  # ids sorted, as torch's: optim.load_state_dict matches positions
+            keyed = [to_key[k] for k in group.get("params", ())]
+            return keyed if key_type == "PARAM_NAME" else sorted(keyed)
         return {"state": {to_key[k]: v for k, v in optim_state_dict["state"].items()},
-                "param_groups": [dict(g, params=[to_key[k] for k in g.get("params", ())])
+                "param_groups": [dict(g, params=listed(g))
                                  for g in optim_state_dict["param_groups"]]}
 
     @staticmethod
@@ -1275,8 +1281,9 @@ class FSDPStateDictMixin:
         whose state keys differ from the others': where no majority of the ranks agrees, each
         side), before anything is loaded (collective, as torch FSDP1's). Communication: a
         three-element all-reduce per group; on failure, an object all-gather of the problems;
-        with ``rank0_only``, one object broadcast of the full dict beforehand (memory: the
-        full state on every rank while it is cut, as :meth:`scatter_full_optim_state_dict`)."""
+        with ``rank0_only``, one object broadcast of the full dict beforehand (memory: its
+        pickled bytes and the full state on every rank at once while it is cut, 2-3 times the
+        full optimizer state, where torch FSDP1 sends one tensor at a time)."""
         model = _as_root(model, "optim_state_dict_to_load")
         _refuse_torch_only_arguments("optim_state_dict_to_load", group=group,
                                      is_named_optimizer=is_named_optimizer or None)
@@ -1739,7 +1746,9 @@ def _from_first_rank(model, osd, caller: str, argument: str) -> tuple:
     ``("ok", dict)``, or ``("error", text)`` where it is not one (checked on that rank, before
     it is sent); ``osd`` is ignored on the other ranks, as torch FSDP1 ignores it under
     ``rank0_only``. Communication: one object broadcast of the dict over the group (and one
-    across the replicas); memory: the full state on every rank."""
+    across the replicas); memory: the pickled dict and the dict itself on every rank at once
+    (measured: 2-3 times the full optimizer state on a non-first rank; torch FSDP1 broadcasts
+    one tensor at a time)."""
     payload = None
     if model._is_first_rank():
         try:
@@ -1748,6 +1757,7 @@ def _from_first_rank(model, osd, caller: str, argument: str) -> tuple:
                                  f"the full optimizer state dict (e.g. torch.load of the saved "
                                  f"file); the other ranks may pass None or {{}}")
             payload = ("ok", _keyed_by_ids(osd, caller))
+            pickle.Pickler(_Discarded()).dump(payload)  # fails here, not inside the broadcast
         except Exception as error:  # sent, so that no rank waits for a dict never sent
             payload = ("error", f"{type(error).__name__}: {error}"
                        if not isinstance(error, ValueError) else str(error))
@@ -1757,6 +1767,15 @@ def _from_first_rank(model, osd, caller: str, argument: str) -> tuple:
             group=model.replicate_group)
     return skdist.broadcast_object(payload, src=skdist.get_global_rank(model.process_group, 0),
                                    group=model.process_group)
+
+
+class _Discarded:
+    """A file that keeps nothing: pickling into it checks that an object can be sent, without
+    holding its bytes."""
+
+    @staticmethod
+    def write(data) -> int:
+        return len(data)
 
 
 def _in_optimizer_order(model, optim: Optional[torch.optim.Optimizer], ided: dict) -> dict:
@@ -1770,12 +1789,20 @@ def _in_optimizer_order(model, optim: Optional[torch.optim.Optimizer], ided: dic
     if optim is None or names is None or len(ided["param_groups"]) != len(optim.param_groups):
         return ided
     known = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    every = [known.get(id(p)) for own in optim.param_groups for p in own["params"]]
+    same_names = None not in every and sorted(map(str, names)) == sorted(every)
     renumbered, start = {}, 0
-    for group, own in zip(ided["param_groups"], optim.param_groups):
+    for index, (group, own) in enumerate(zip(ided["param_groups"], optim.param_groups)):
         mine = [known.get(id(p)) for p in own["params"]]
         theirs = [names[i] for i in group["params"]]
         if None in mine or len(set(mine)) != len(mine) or sorted(map(str, theirs)) != \
                 sorted(mine):
+            if same_names and len(set(every)) == len(every):  # same parameters, other groups
+                raise ValueError(f"the dict's param group {index} lists "
+                                 f"{sorted(map(str, theirs))[:5]}, the optimizer's "
+                                 f"{sorted(mine)[:5]}: its parameters are in other param "
+                                 f"groups than when it was saved; build the optimizer's param "
+                                 f"groups as then")
             return ided
         position = {n: start + j for j, n in enumerate(mine)}
         renumbered.update((i, position[names[i]]) for i in group["params"])
