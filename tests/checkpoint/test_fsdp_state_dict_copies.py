@@ -18,6 +18,7 @@ import io
 import torch
 import torch.nn as nn
 
+from shardkit import distributed
 from shardkit.testing import world_fixture
 
 world2 = world_fixture(2)
@@ -403,6 +404,22 @@ def _optim_dicts_bad_on_one_rank() -> dict:
     got = fresh.state_dict()["state"]  # rank 0's dict, each rank's rows
     out["rank0_only loaded"] = sorted(got) == sorted(before["state"]) and all(
         torch.equal(v, got[i][k]) for i, s in before["state"].items() for k, v in s.items())
+    # rank 0's dict with every tensor sent by its own broadcast (a real model's moments), not
+    # inside the pickled skeleton (this model's are all small)
+    from shardkit.nn.data_parallel import fsdp_state_dict
+    threshold, fsdp_state_dict._PICKLED_NUMEL = fsdp_state_dict._PICKLED_NUMEL, 1
+    try:
+        one_by_one = torch.optim.Adam(model.parameters(), lr=0.01)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
+                                  FullOptimStateDictConfig(rank0_only=True)):
+            osd = FSDP.optim_state_dict(model, optim)  # a collective; {} off rank 0 (rank0_only)
+            with distributed.CommCounter() as counter:
+                FSDP.optim_state_dict_to_load(model, one_by_one, osd, load_directly=True)
+    finally:
+        fsdp_state_dict._PICKLED_NUMEL = threshold
+    got = one_by_one.state_dict()["state"]
+    out["sent one by one"] = counter.calls_by_op.get("broadcast", 0) - 3 * len(got), all(
+        torch.equal(v, got[i][k]) for i, s in before["state"].items() for k, v in s.items())
     return out
 
 
@@ -413,6 +430,8 @@ def test_optim_state_dict_bad_on_one_rank_raises_on_every_rank(world2):
         assert "on rank 1:" in out["sharded"] and "'exp_avg' of l1.weight has shape (2, 6)" \
             in out["sharded"], out
         assert out["full"] == "loaded" and out["rank0_only loaded"], out
+        # one broadcast of the skeleton, then each parameter's exp_avg, exp_avg_sq and step
+        assert out["sent one by one"] == (1, True), out
         assert "on rank 0:" in out["full rank 0"] and "on rank 1" not in out["full rank 0"] \
             and "expected a full optimizer state dict" in out["full rank 0"], out
         assert "on rank 0: parameter l1.bias has state []" in out["full unequal"] \
