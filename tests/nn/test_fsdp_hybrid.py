@@ -528,3 +528,43 @@ def test_hybrid_over_a_sub_mesh_needs_only_its_ranks(nodes2x2):
     assert [r["strategy"] for r in results] == ["HYBRID_SHARD"] * 2 + ["FULL_SHARD"] * 2
     for r in results:
         assert r["worst"] <= 1e-6, results
+
+
+def _mesh_from_groups_that_are_not_its_grid():
+    """DeviceMesh.from_group takes any groups: here the replicate groups (0, 3), (1, 2) join
+    ranks that hold different shards of (0, 1), (2, 3). Refused on every rank (it trained
+    silently wrong, 0.04 off, while the same pair in process_group= was refused)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    r = skdist.get_rank()
+    made = {t: skdist.new_group(list(t)) for t in [(0, 1), (2, 3), (0, 3), (1, 2)]}
+    intra, inter = made[(0, 1) if r < 2 else (2, 3)], made[(0, 3) if r in (0, 3) else (1, 2)]
+    mesh = DeviceMesh.from_group([inter, intra], "cpu", mesh=[[0, 1], [2, 3]],
+                                 mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(ValueError) as info:
+        FSDP(MLP(WIDTH, 1, seed=0), sharding_strategy=S.HYBRID_SHARD, device_mesh=mesh)
+    return str(info.value)
+
+
+def test_mesh_whose_groups_are_not_its_grid_is_refused(nodes2x2):
+    for message in nodes2x2.run(_mesh_from_groups_that_are_not_its_grid):
+        assert "row and column through this rank" in message, message
+
+
+def _explicit_pair_after_a_stage_mesh():
+    """Stage 0 wraps over its sub-mesh, stage 1 with FULL_SHARD; then every rank wraps over an
+    explicit pair of its stage's groups, together. Before: stage 0 had recorded its pair as
+    checked and skipped the world-wide check that stage 1 waited in (a hang)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("pp", "replicate", "shard"))
+    sub = mesh["replicate", "shard"]
+    if skdist.get_rank() < 2:
+        FSDP(MLP(WIDTH, 1, seed=0), sharding_strategy=S.HYBRID_SHARD, device_mesh=sub)
+    else:
+        FSDP(MLP(WIDTH, 1, seed=0), device_mesh=mesh["replicate"])
+    model = FSDP(MLP(WIDTH, 1, seed=0), sharding_strategy=S.HYBRID_SHARD,
+                 process_group=(sub.get_group(1), sub.get_group(0)))
+    return skdist.group_ranks(model.replicate_group)
+
+
+def test_explicit_pair_after_a_stage_mesh(nodes2x2):
+    assert nodes2x2.run(_explicit_pair_after_a_stage_mesh) == [[0, 1]] * 2 + [[2, 3]] * 2

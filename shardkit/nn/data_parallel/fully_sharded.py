@@ -340,7 +340,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             is one together with either option is an error, and so is either option with
             ``NO_SHARD`` (it gathers nothing and all-reduces its gradients exactly); a hybrid
             strategy whose shard group has one rank (one rank per node) is in the same case and
-            says so with a one-time warning. Under the hybrid strategies the gradient all-reduce
+            says so with a RuntimeWarning. Under the hybrid strategies the gradient all-reduce
             across the replicas stays exact. Not in
             FairScale's signature; inner units get them through ``enable_wrap`` like the other
             arguments.
@@ -545,6 +545,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 hpz_partition_size=hpz_partition_size, quantize_weights=quantize_weights,
                 quantize_gradients=quantize_gradients, comm=type(transport).__name__,
                 sync_module_states=sync_module_states,
+                **({} if device_mesh is None else {"device_mesh": device_mesh.mesh.tolist()}),
                 broadcast_buffers=_unit_buffers_described(module)
                 if sync_module_states else [])
         except ValueError:  # the others name it; the rank that failed raises its own error

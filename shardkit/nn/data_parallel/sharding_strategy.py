@@ -38,8 +38,9 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
+import warnings
+
 from shardkit import distributed as skdist
-from shardkit.transport import warn_once
 
 __all__ = ["ShardingStrategy", "UnitGroups", "resolve_sharding_strategy", "resolve_groups",
            "check_group_arguments",
@@ -125,7 +126,8 @@ def check_quantization(strategy: ShardingStrategy, quantize_weights, quantize_gr
 
 def warn_quantization_without_effect(strategy: ShardingStrategy, shard_group, transport,
                                      quantize_weights=False, quantize_gradients=False) -> None:
-    """Warn once per process when a hybrid strategy's shard group has one rank (one rank per
+    """Warn (a RuntimeWarning, as often as the warning filters say: by default once per
+    calling line) when a hybrid strategy's shard group has one rank (one rank per
     node, or a ``(k, 1)`` mesh) and qwZ / qgZ are on (the options, or a ``transport`` that
     quantizes): such a unit gathers nothing and reduce-scatters nothing, and its gradient
     all-reduce across the replicas stays exact, so they change no byte. A warning, not an
@@ -141,13 +143,13 @@ def warn_quantization_without_effect(strategy: ShardingStrategy, shard_group, tr
                                                            quantize_gradients)) if on)
     else:
         asked = f"comm={type(transport).__name__}(weights={weights}, gradients={gradients})"
-    warn_once(f"hybrid-shard-of-one-{strategy.name}",
-              f"FullyShardedDataParallel(sharding_strategy={strategy.name}, {asked}): the shard "
-              f"group has one rank (one rank per node), so there is no weight all-gather (qwZ) "
-              f"nor gradient reduce-scatter (qgZ) to quantize; the gradient all-reduce across "
-              f"the replicas stays exact and every byte is sent in full precision. Shard over "
-              f"several ranks per node (a (replicate, shard) mesh with shard > 1), or use "
-              f"FULL_SHARD, whose qgZ reduces hierarchically across nodes", stacklevel=4)
+    warnings.warn(f"FullyShardedDataParallel(sharding_strategy={strategy.name}, {asked}): the "
+                  f"shard group has one rank (one rank per node), so there is no weight "
+                  f"all-gather (qwZ) nor gradient reduce-scatter (qgZ) to quantize; the gradient "
+                  f"all-reduce across the replicas stays exact and every byte is sent in full "
+                  f"precision. Shard over several ranks per node (a (replicate, shard) mesh with "
+                  f"shard > 1), or use FULL_SHARD, whose qgZ reduces hierarchically across "
+                  f"nodes", RuntimeWarning, stacklevel=3)
 
 
 @dataclass(frozen=True)
@@ -186,12 +188,22 @@ def _check_pair(pair) -> tuple:
                          f"takes a pair (intra_node_group, inter_node_group) or None (the "
                          f"groups of shardkit.distributed.node_groups())")
     intra, inter = pair
+    if isinstance(pair, MeshPair):  # checked against its mesh by groups_of_mesh
+        return intra, inter
     intra_ranks, inter_ranks = tuple(skdist.group_ranks(intra)), tuple(skdist.group_ranks(inter))
     _check_grid(intra_ranks, inter_ranks)
     return intra, inter
 
 
-_checked_grids: set = set()  # (intra ranks, inter ranks) pairs every rank agreed on
+class MeshPair(tuple):
+    """The (shard, replicate) pair of a 2-D DeviceMesh, checked against the mesh by
+    :func:`groups_of_mesh`: it skips :func:`_check_grid`'s world-wide gather without recording
+    anything, so an explicit pair stays checked (or cached) alike on every rank."""
+
+
+# (intra ranks, inter ranks) pairs every rank of the current world agreed on (emptied with
+# the world, so a pair of a torn-down world is checked again)
+_checked_grids = skdist.GroupCache()
 
 
 def _check_grid(intra: tuple, inter: tuple) -> None:
@@ -204,7 +216,7 @@ def _check_grid(intra: tuple, inter: tuple) -> None:
     one rank, is the same ValueError on every rank instead of a hang; every rank of the world
     must then build its hybrid units over new pairs alike (a 2-D ``device_mesh`` needs no
     check: :func:`groups_of_mesh`)."""
-    if (intra, inter) in _checked_grids:
+    if (intra, inter) in _checked_grids.current():
         return
     problems = _grid_problems(skdist.all_gather_object((intra, inter)))
     if problems:
@@ -213,7 +225,7 @@ def _check_grid(intra: tuple, inter: tuple) -> None:
                          "ranks per node:\n  " + "\n  ".join(problems[:6])
                          + "\nBuild the pairs from shardkit.distributed.node_groups() or a 2-D "
                          "torch DeviceMesh")
-    _checked_grids.add((intra, inter))
+    _checked_grids.current()[(intra, inter)] = True
 
 
 def _pair_problem(r: int, intra: tuple, inter: tuple) -> Optional[str]:
@@ -255,10 +267,12 @@ def groups_of_mesh(device_mesh, strategy: ShardingStrategy):
     ``(replicate, shard)`` for hybrid strategies gives ``(shard group, replicate group)``, as
     torch FSDP1 reads it; a 1-D mesh for the others gives its one group.
 
-    A 2-D mesh is a grid by construction (every rank of it built the same mesh), so its pair
-    skips :func:`_check_grid`'s all-gather over the world: a mesh that covers part of the world
-    (one pipeline stage's ``mesh["replicate", "shard"]``) needs only its own ranks, as under
-    torch. Local, no communication."""
+    A 2-D mesh's pair skips :func:`_check_grid`'s all-gather over the world, so a mesh that
+    covers part of the world (one pipeline stage's ``mesh["replicate", "shard"]``) needs only
+    its own ranks, as under torch. Its groups must be its mesh tensor's row and column through
+    this rank (``DeviceMesh.from_group`` takes any groups): checked here, locally; that the
+    ranks hold the same mesh tensor is checked with the unit's arguments (over its own groups).
+    Local, no communication."""
     ndim = getattr(device_mesh, "ndim", None)
     wanted = 2 if strategy.is_hybrid else 1
     if ndim != wanted:
@@ -272,17 +286,33 @@ def groups_of_mesh(device_mesh, strategy: ShardingStrategy):
             hint = ("; a 1-D mesh is for FULL_SHARD, SHARD_GRAD_OP or NO_SHARD")
         else:
             hint = ("; slice it to the dimensions it shards over, e.g. "
-                    "mesh[\"replicate\", \"shard\"]")
+                    + ('mesh["replicate", "shard"]' if wanted == 2 else 'mesh["shard"]'))
         raise ValueError(f"FullyShardedDataParallel(device_mesh={device_mesh!r}, "
                          f"sharding_strategy={strategy.name}): expected a {wanted}-D "
                          f"torch DeviceMesh" + (" (replicate, shard)" if wanted == 2 else "")
                          + f", got ndim={ndim}" + hint)
     if wanted == 2:
         shard, replicate = device_mesh.get_group(1), device_mesh.get_group(0)
-        _checked_grids.add((tuple(skdist.group_ranks(shard)),
-                            tuple(skdist.group_ranks(replicate))))
-        return shard, replicate
+        _check_mesh_groups(device_mesh, shard, replicate, strategy)
+        return MeshPair((shard, replicate))
     return device_mesh.get_group(0)
+
+
+def _check_mesh_groups(device_mesh, shard, replicate, strategy: ShardingStrategy) -> None:
+    """The mesh's shard group must be its row through this rank and its replicate group its
+    column (a mesh from ``DeviceMesh.from_group`` may hold other groups: replicas would then
+    average different shards, silently). Local."""
+    grid, me = device_mesh.mesh.tolist(), skdist.get_rank()
+    where = [(i, row.index(me)) for i, row in enumerate(grid) if me in row]
+    have = (skdist.group_ranks(shard), skdist.group_ranks(replicate))
+    want = (grid[where[0][0]], [row[where[0][1]] for row in grid]) if where else None
+    if have != want:
+        raise ValueError(f"FullyShardedDataParallel(device_mesh=..., sharding_strategy="
+                         f"{strategy.name}): on global rank {me} the mesh {grid} has shard "
+                         f"group {have[0]} and replicate group {have[1]}, but its row and column "
+                         f"through this rank are {want and list(want)}; build the mesh with "
+                         f"init_device_mesh or give DeviceMesh.from_group the groups of its "
+                         f"mesh's columns (replicate) and rows (shard)")
 
 
 def check_group_arguments(strategy: ShardingStrategy, process_group,
