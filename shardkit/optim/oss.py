@@ -527,7 +527,9 @@ class OSS(torch.optim.Optimizer):
 
     def state_dict(self, all_ranks: bool = False) -> dict:
         """The full optimizer state in torch's format (global parameter indices; loadable into
-        a plain single-process optimizer of the same type), after :meth:`consolidate_state_dict`.
+        a plain single-process optimizer of the same type), after :meth:`consolidate_state_dict`:
+        the state gathered then, with the param groups' hyper-parameters as they are now (as
+        torch and FairScale read them; a scheduler may have stepped since).
         ``all_ranks=True`` (FairScale's argument) consolidates on every rank first: then it is
         collective, and costs what ``consolidate_state_dict(-1)`` does. Hooks registered
         with ``register_state_dict_post_hook`` run on what is returned, as in torch (each
@@ -544,12 +546,16 @@ class OSS(torch.optim.Optimizer):
                 f"OSS.state_dict() on rank {self.rank}: no consolidated state here. Call "
                 f"optimizer.consolidate_state_dict(recipient_rank) on every rank first (after the "
                 f"last step), then state_dict() on the recipient (or recipient_rank=-1 for all)")
+        # the hyper-parameters as they are now, as torch and FairScale give them: a scheduler
+        # may have stepped, or a learning rate been set, since consolidate_state_dict
+        current = {**self._consolidated,
+                   "param_groups": [{**_hyper(g), "params": saved["params"]} for g, saved in
+                                    zip(self.param_groups, self._consolidated["param_groups"])]}
         post_hooks = list(self._optimizer_state_dict_post_hooks.values())
         if not post_hooks:
-            return self._consolidated
-        state_dict = {**self._consolidated,
-                      "state": {k: dict(s) for k, s in self._consolidated["state"].items()},
-                      "param_groups": [dict(g) for g in self._consolidated["param_groups"]]}
+            return current
+        state_dict = {**current,
+                      "state": {k: dict(s) for k, s in current["state"].items()}}
         for post_hook in post_hooks:
             returned = post_hook(self, state_dict)
             if returned is not None:
@@ -627,10 +633,14 @@ class OSS(torch.optim.Optimizer):
     def overlap_sync_with(self, module: torch.nn.Module) -> None:
         """Let the parameter sync of each :meth:`step` run on while ``module``'s next forward
         starts: each submodule waits, in a forward pre-hook, only for the buckets that hold its
-        own parameters, the way FSDP prefetches. ``module.state_dict()``,
-        ``module.load_state_dict()`` and every OSS method that reads or writes parameters wait
-        for the whole sync first; so does :meth:`wait_for_sync`, which code that reads
-        parameters outside ``module``'s forward (a metric on ``p`` directly) must call.
+        own parameters, the way FSDP prefetches (layers unfrozen or added to the optimizer
+        later included). ``state_dict()`` and ``load_state_dict()`` of ``module`` or of any
+        submodule (``ddp.module.state_dict()``) and every OSS method that reads or writes
+        parameters wait for the whole sync first; so does :meth:`wait_for_sync`, which code
+        that reads parameters outside ``module``'s forward must call first (a metric on ``p``
+        directly, ``copy.deepcopy(model)``, ``model.to(...)`` / ``model.double()``, building
+        ``DistributedDataParallel``: a conversion or copy made while the sync is in flight
+        keeps the stale values).
         Costs nothing on the wire (the same all-gathers, later); the buckets' buffers are the
         parameters' own storage, so it holds no extra memory. Local, no collective.
 

@@ -368,14 +368,18 @@ class ParamSync:
     def overlap_with(self, module: torch.nn.Module) -> None:
         """From now on leave the all-gathers of :meth:`step_and_sync` running: each submodule of
         ``module`` waits, in a forward pre-hook, only for the buckets holding its own
-        parameters; ``module.state_dict()`` and ``module.load_state_dict()`` wait for all."""
-        known = {id(p) for p in self._plan.partition.all_params()}
+        parameters; ``state_dict()`` and ``load_state_dict()`` of ``module`` or of any of its
+        submodules (``ddp.module.state_dict()``) wait for all."""
+        # Note: every submodule with parameters gets its hook, frozen or not yet optimized
+        # ones too, and the buckets are looked up when it runs: a layer unfrozen
+        # (refresh_trainable) or added (add_param_group) later re-lays the buckets out, and
+        # a hook chosen from the partition of the moment read its stale values.
         for sub in module.modules():
-            own = [p for p in sub.parameters(recurse=False) if id(p) in known]
+            own = list(sub.parameters(recurse=False))
             if own:
                 sub.register_forward_pre_hook(self._waiter_for(own))
-        module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait())
-        module.register_load_state_dict_pre_hook(lambda *args, **kwargs: self.wait())
+            sub.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait())
+            sub.register_load_state_dict_pre_hook(lambda *args, **kwargs: self.wait())
         self._defer = True
 
     def _waiter_for(self, params: list[torch.Tensor]):

@@ -18,7 +18,14 @@ Regressions:
   check now raises there on every rank, as DeepSpeed does;
 - reading ``optimizer.state[p]`` for a parameter another rank owns (logging every parameter's
   ``exp_avg``) left an empty entry in the local optimizer's defaultdict, which a later
-  ``refresh_trainable`` sent to the owner over its real state: Adam restarted from step 0.
+  ``refresh_trainable`` sent to the owner over its real state: Adam restarted from step 0;
+- ``overlap_sync_with(model)``: a layer unfrozen (``refresh_trainable``) or added
+  (``add_param_group``) afterwards had no forward pre-hook, so the forward after each step read
+  its stale copy while its all-gather was still in flight; and ``ddp.module.state_dict()`` (or a
+  submodule's) after ``overlap_sync_with(ddp)`` returned stale parameters;
+- ``state_dict()`` gave the hyper-parameters of the ``consolidate_state_dict()`` call: a
+  scheduler stepped in between saved the previous learning rate (torch and FairScale read the
+  groups when ``state_dict()`` is called).
 """
 
 import copy
@@ -26,6 +33,7 @@ import copy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shardkit import distributed
 from shardkit.nn.data_parallel import ShardedDataParallel
@@ -406,3 +414,76 @@ def _state_read_for_every_param_then_refresh() -> dict:
 def test_reading_state_of_unowned_params_keeps_owner_state(world2):
     for r in world2.run(_state_read_for_every_param_then_refresh):
         assert r["worst"] <= TOL, r
+
+
+def _overlap_reads_after_relayout() -> dict:
+    """``overlap_sync_with(model)`` then layers joining the partition later: the forward after a
+    step sees the synced parameters (the 16-bit wire lands at the wait only, so a missed wait
+    is seen deterministically); a submodule's and ``ddp.module``'s state_dict wait too."""
+    out = {}
+    for change in ("refresh_trainable", "add_param_group", "ddp_module_state_dict"):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(4)])
+        params = list(model.parameters())
+        if change == "refresh_trainable":
+            model[0].requires_grad_(False)
+        opt = OSS(params[2:] if change == "add_param_group" else params, optim=torch.optim.SGD,
+                  lr=0.1, bucket_numel=64, broadcast_fp16=torch.bfloat16)
+        ddp = DDP(model)
+        opt.overlap_sync_with(ddp if change == "ddp_module_state_dict" else model)
+        if change == "refresh_trainable":
+            model[0].requires_grad_(True)
+            opt.refresh_trainable()
+        elif change == "add_param_group":
+            opt.add_param_group({"params": params[:2]})
+        ddp = DDP(model)
+        x = torch.randn(2, 8)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        with torch.no_grad():
+            if change == "ddp_module_state_dict":
+                seen = [v.clone() for v in ddp.module.state_dict().values()] + \
+                    [v.clone() for v in model[0].state_dict().values()]
+            else:
+                seen = [model(x)]
+            opt.wait_for_sync()
+            if change == "ddp_module_state_dict":
+                synced = list(model.state_dict().values()) + list(model[0].state_dict().values())
+            else:
+                synced = [model(x)]
+        out[change] = max((a - b).abs().max().item() for a, b in zip(seen, synced))
+        out[change + "_buckets"] = opt.num_buckets
+    return out
+
+
+def test_overlapped_sync_is_awaited_after_relayout_and_by_submodule_state_dicts(world2):
+    for r in world2.run(_overlap_reads_after_relayout):
+        assert r["refresh_trainable_buckets"] == r["add_param_group_buckets"] == 2, r
+        assert r["refresh_trainable"] == 0.0, r
+        assert r["add_param_group"] == 0.0, r
+        assert r["ddp_module_state_dict"] == 0.0, r
+
+
+def _state_dict_reads_current_hyperparameters() -> dict:
+    """consolidate_state_dict, then the scheduler steps, then state_dict (a checkpoint callback's
+    order): the saved learning rate is the current one, as a plain optimizer's state_dict has."""
+    out = {}
+    for name in ("oss", "plain"):
+        torch.manual_seed(0)
+        model = _mlp()
+        opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=0.1) if name == "oss" \
+            else torch.optim.AdamW(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+        F.mse_loss(model(torch.randn(4, 5)), torch.randn(4, 3)).backward()
+        opt.step()
+        if name == "oss":
+            opt.consolidate_state_dict(recipient_rank=-1)
+        sched.step()
+        out[name] = opt.state_dict()["param_groups"][0]["lr"]
+    return out
+
+
+def test_state_dict_reads_hyperparameters_when_called(world2):
+    for r in world2.run(_state_dict_reads_current_hyperparameters):
+        assert r["oss"] == r["plain"] == 0.05, r
