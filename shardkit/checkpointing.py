@@ -14,7 +14,11 @@ backward, with the CPU generator, the CUDA one (when CUDA exists) and the model-
 tracker's streams (:func:`get_cuda_rng_tracker`) set back to their state at the first forward,
 so dropout draws the same masks, and under the ``torch.autocast`` contexts the forward ran
 under (shardkit's bf16/fp16 engines run the forward under autocast and the backward outside
-it), so the recomputed activations are the forward's. It is reentrant (a
+it), so the recomputed activations are the forward's. The recomputation runs each module the
+forward called in the train/eval mode the forward saw (``model.eval()`` between forward and
+backward changes nothing) and puts back the running statistics of each BatchNorm it runs, so
+they are updated once per step, as without checkpointing (DeepSpeed: other dropout masks and
+two updates). It is reentrant (a
 ``torch.autograd.Function``), as DeepSpeed's is: an output requires grad only when a tensor
 input does, so checkpoint a region whose input requires grad, or use
 :func:`non_reentrant_checkpoint`.
@@ -59,7 +63,13 @@ import torch
 
 from shardkit.config import (ActivationCheckpointingConfig, ConfigError,
                              activation_checkpointing_config)
-from shardkit.nn.checkpoint.checkpoint_activations import _keywords_as_positions
+from shardkit.nn.checkpoint.checkpoint_activations import (_as_in_forward,
+                                                           _check_inputs_unchanged,
+                                                           _keywords_as_positions,
+                                                           _modes_recorded,
+                                                           _nested_checked_at_recompute,
+                                                           _nested_tensors, _region_name,
+                                                           _run_norm_stats_restored)
 from shardkit.nn.model_parallel.random import (MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET,
                                                get_cuda_rng_tracker,
                                                model_parallel_cuda_manual_seed as _mp_seed)
@@ -395,7 +405,8 @@ class _CheckpointFunction(torch.autograd.Function):
             ctx.how.append(how)
         ctx.rng = _rng_states()  # after the partitioning, whose errors precede any collective
         ctx.autocast = _autocast_states()  # torch.autocast (shardkit's bf16/fp16 engines)
-        with _boundary("forward"), torch.no_grad():
+        ctx.modes = []  # the modules it calls and their train/eval flags, for the recompute
+        with _boundary("forward"), torch.no_grad(), _modes_recorded(ctx.modes):
             outputs = run_function(*layout.merge(tensors))
         ctx.save_for_backward(*kept)
         outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
@@ -432,7 +443,8 @@ class _CheckpointFunction(torch.autograd.Function):
         _set_generators(ctx.rng)
         try:
             with get_cuda_rng_tracker()._replaying(ctx.rng[2]), _boundary("recomputation"), \
-                    torch.enable_grad(), _autocast_contexts(ctx.autocast):
+                    torch.enable_grad(), _autocast_contexts(ctx.autocast), \
+                    _as_in_forward(ctx.modes), _run_norm_stats_restored():
                 outputs = ctx.run_function(*ctx.layout.merge(inputs))
         finally:
             _set_generators(outside)
@@ -474,8 +486,10 @@ def checkpoint(function: Callable, *args, **kwargs):
     recomputation is dropped), and nothing requires grad when no tensor input does (use
     :func:`non_reentrant_checkpoint` there). ``torch.autograd.grad`` through it is a
     RuntimeError (reentrant). Tensor arguments must not be changed in place before the backward
-    (torch's "modified by an inplace operation" error). Without grad mode, ``function`` simply
-    runs.
+    (torch's "modified by an inplace operation" error), nor tensors inside list, tuple and dict
+    arguments, by ``function`` or before the backward (a RuntimeError naming the argument and
+    the key; DeepSpeed recomputes from the changed values). Without grad mode, ``function``
+    simply runs.
     """
     if not callable(function):
         raise TypeError(f"checkpoint(function={function!r}): expected the callable to "
@@ -483,6 +497,9 @@ def checkpoint(function: Callable, *args, **kwargs):
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     given = function
+    nested = _nested_tensors(given, args, kwargs)  # inside list/tuple/dict arguments
+    if nested:
+        function = _nested_checked_at_recompute(function, nested, _region_name(given, ()))
     function, args = _keywords_as_positions(function, args, kwargs)
     layout = _Layout(args)
     tensors = [a for a in args if torch.is_tensor(a)]
@@ -496,6 +513,8 @@ def checkpoint(function: Callable, *args, **kwargs):
 
     results = iter(_CheckpointFunction.apply(run, layout, *tensors))
     first = holder.pop("out")
+    _check_inputs_unchanged(_region_name(given, ()), [t for t, _, _ in nested],
+                            [v for _, v, _ in nested], [label for _, _, label in nested])
     if torch.is_tensor(first):
         return next(results)
     if not isinstance(first, (tuple, list)):

@@ -7,6 +7,7 @@ tensor-parallel cases run in one world of 2 ranks (tp=2): partitioned inputs giv
 gradients as whole ones, keep half the bytes, and all-gather (tp-1)/tp of them per recompute.
 """
 
+import copy
 import json
 
 import pytest
@@ -199,6 +200,71 @@ def test_dropout_replays_default_and_tracker_streams(how):
         _match(plain, got)
     finally:
         tracker.set_states(states)
+
+
+@pytest.mark.parametrize("how", HOWS, ids=["reentrant", "non_reentrant"])
+def test_batchnorm_statistics_updated_once_per_step(how):
+    """The recomputation left BatchNorm's running statistics updated a second time
+    (num_batches_tracked 2 per step), for a module and for a function closing over one."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.BatchNorm1d(HIDDEN),
+                          nn.Dropout(0.3), nn.Linear(HIDDEN, HIDDEN))
+    x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    for region in (lambda m: m, lambda m: (lambda t: m[3](m[2](m[1](m[0](t)))))):
+        runs = []
+        for checkpointed in (False, True):
+            m, inp = copy.deepcopy(block), _clone(x)
+            for step in range(2):
+                torch.manual_seed(step)
+                out = how(region(m), inp) if checkpointed else m(inp)
+                out.pow(2).sum().backward()
+            runs.append([inp.grad] + [p.grad for p in m.parameters()] + list(m.buffers()))
+        assert runs[1][-1].item() == 2  # num_batches_tracked: one update per step
+        for a, b in zip(*runs):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", HOWS, ids=["reentrant", "non_reentrant"])
+def test_eval_between_forward_and_backward_recomputes_in_train_mode(how):
+    """An evaluation callback's model.eval() before the backward made the recomputation run
+    dropout in eval mode: silently other gradients (reentrant), a CheckpointError
+    (non-reentrant)."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Dropout(0.5), nn.Linear(HIDDEN, HIDDEN))
+    for region in (lambda m: m, lambda m: (lambda t: m[2](m[1](m[0](t))))):
+        grads = []
+        for checkpointed in (False, True):
+            m, x = copy.deepcopy(block), _x()
+            torch.manual_seed(1)
+            out = how(region(m), x) if checkpointed else m(x)
+            m.eval()
+            out.sum().backward()
+            assert not m[1].training  # the caller's eval() stays
+            grads.append([x.grad] + [p.grad for p in m.parameters()])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", HOWS, ids=["reentrant", "non_reentrant"])
+def test_tensors_inside_container_arguments_changed_in_place_are_refused(how):
+    # were read again by the recomputation: silently other gradients
+    lin = nn.Linear(HIDDEN, HIDDEN)
+
+    def block(x, extra, *, scale):
+        return lin(x) * extra["mask"] * scale[0]
+
+    mask, scale = torch.rand(HIDDEN), [torch.rand(HIDDEN)]
+    out = how(block, _x(), {"mask": mask}, scale=scale)
+    scale[0].mul_(2)
+    with pytest.raises(RuntimeError, match=r"block's input 'scale'\[0\] \(a tensor inside"):
+        out.sum().backward()
+
+    def changing(x, extra):
+        extra["mask"].add_(1)
+        return lin(x) * extra["mask"]
+
+    with pytest.raises(RuntimeError, match=r"changed its input 'extra'\['mask'\] in place"):
+        how(changing, _x(), {"mask": mask})
 
 
 def test_keyword_arguments_and_inputs_without_grad():

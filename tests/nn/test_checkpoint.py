@@ -134,6 +134,38 @@ def test_bad_input():
         checkpoint_wrapper(lambda x: x)
 
 
+class DictInput(nn.Module):
+    def __init__(self, change_in_forward: bool):
+        super().__init__()
+        self.lin, self.change = nn.Linear(4, 4), change_in_forward
+
+    def forward(self, batch):
+        out = self.lin(batch["x"] * 1) + batch["rest"][0]
+        if self.change:
+            batch["x"].add_(1)
+        return out
+
+
+def test_tensors_inside_container_arguments_changed_in_place_are_refused():
+    # were kept by reference and read again by the recomputation: silently other gradients
+    x, rest = torch.randn(3, 4), torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"changed its input 'batch'\['x'\] in place"):
+        checkpoint_wrapper(DictInput(True))({"x": x, "rest": [rest]})
+    model = checkpoint_wrapper(DictInput(False))
+    out = model({"x": x, "rest": [rest]})
+    x.mul_(0)  # the caller reuses its buffer before the backward
+    with pytest.raises(RuntimeError, match=r"input 'batch'\['x'\] \(a tensor inside"):
+        out.sum().backward()
+    plain = DictInput(False)
+    plain.load_state_dict(model.state_dict())
+    grads = []
+    for m in (model, plain):  # unchanged: the plain module's gradients, nested tensor's too
+        r = rest.detach().clone().requires_grad_()
+        m({"x": torch.ones(3, 4), "rest": [r]}).pow(2).sum().backward()
+        grads.append([p.grad for p in m.parameters()] + [r.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @pytest.mark.parametrize("value, offload", [(1, True), ("yes", True), (None, False), (0, False),
                                             ([], False)])
 def test_offload_to_cpu_takes_any_truthy_or_falsy_value(value, offload):
@@ -311,3 +343,82 @@ def _pipeline_with_checkpointed_blocks_parity():
 def test_pipeline_schedules_with_checkpointed_blocks_match_single_process(world2):
     for per_schedule in world2.run(_pipeline_with_checkpointed_blocks_parity):
         assert max(per_schedule.values()) <= 1e-5, per_schedule
+
+
+def _own_tracker():
+    from shardkit.nn.model_parallel import random as mp_random
+    tracker = mp_random.get_model_parallel_rng_tracker()
+    torch.manual_seed(5)
+    tracker.reset()
+    tracker.add(mp_random.MODEL_PARALLEL_RNG, 1005)
+    return tracker
+
+
+def _forked_dropout_grad(model):
+    tracker = _own_tracker()
+    x = torch.randn(4, 8, requires_grad=True)
+    out = model(x)
+    torch.rand(3)
+    with tracker.fork():
+        torch.rand(3)
+    out.sum().backward()
+    return x.grad
+
+
+def test_nested_composable_checkpoint_replays_the_model_parallel_stream():
+    """torch's composable checkpoint on a block and on its parent: the parent's recomputation
+    draws the first forward's masks (the parent was found only through the top saved-tensor
+    hook, which is the inner block's: gradients off by up to 5)."""
+    from torch.distributed._composable import checkpoint as composable
+    from shardkit.nn.model_parallel import random as mp_random
+    tracker = mp_random.get_model_parallel_rng_tracker()
+
+    class Inner(nn.Module):
+        def forward(self, x):
+            with tracker.fork():
+                return F.dropout(x * 2, 0.5).sin()
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Inner()
+
+        def forward(self, x):
+            return torch.tanh(self.inner(x) * 2)
+
+    ref = _forked_dropout_grad(Outer())
+    model = Outer()
+    composable(model.inner)
+    composable(model)
+    assert torch.equal(_forked_dropout_grad(model), ref)
+    tracker.reset()
+
+
+def test_threads_checkpointing_at_once_leave_the_tracker_whole():
+    """Two threads running torch.utils.checkpoint recomputations: one thread's swap of the
+    streams does not take the other's open forks (IndexError, forks left open forever)."""
+    import threading
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+    tracker = _own_tracker()
+
+    def block(x):
+        with tracker.fork():
+            return F.dropout(x, 0.5).sin()
+
+    errors = []
+
+    def work():
+        try:
+            for _ in range(50):
+                x = torch.randn(4, 8, requires_grad=True)
+                torch_checkpoint(block, x, use_reentrant=False).sum().backward()
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and tracker._open == [] and tracker._recomputing == []
+    tracker.reset()

@@ -136,11 +136,48 @@ def _as_in_forward(modes: list[tuple[nn.Module, bool]]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _modes_recorded(modes: list) -> Iterator[None]:
+    """Append to ``modes`` each module called (in this thread) inside the block, with its
+    ``training`` flag at its first call, for :func:`_as_in_forward` to replay.
+
+    Note: a region given as a function (``non_reentrant_checkpoint(fn, x)``, the reentrant
+    ``shardkit.checkpointing.checkpoint``) names no modules; when ``model.eval()`` ran between
+    its forward and its backward, its recomputation ran Dropout in eval mode: torch's
+    "different number of tensors" CheckpointError, or, reentrant, silently other gradients.
+    A process-wide forward pre-hook, live only during the first forward, acting only for
+    this thread."""
+    thread, seen = threading.get_ident(), set()
+
+    def before_call(module, inputs):
+        if id(module) not in seen and threading.get_ident() == thread:
+            seen.add(id(module))
+            modes.append((module, module.training))
+
+    handle = nn.modules.module.register_module_forward_pre_hook(before_call)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def _first_forward(modes: list, record: bool) -> Iterator[None]:
+    """The context of a region's first forward: :func:`is_checkpointing` is True, and with
+    ``record`` the modules it calls are added to ``modes``."""
+    with _counting("checkpointing"), \
+            (_modes_recorded(modes) if record else contextlib.nullcontext()):
+        yield
+
+
+@contextlib.contextmanager
 def _recomputing(modules: tuple[nn.Module, ...], rng_streams: dict,
                  modes: list[tuple[nn.Module, bool]]) -> Iterator[None]:
     """The recomputation replays the first forward: same train/eval flags, same RNG streams
     (torch replays the default generator itself); its BatchNorm updates are undone."""
+    # a region given as a function names no modules: the BatchNorms it calls are found as
+    # they run
     with _as_in_forward(modes), _stats_restored(modules), \
+            (contextlib.nullcontext() if modules else _run_norm_stats_restored()), \
             _rng_streams_replayed(rng_streams), _counting("recomputing"):
         yield
 
@@ -151,15 +188,50 @@ def _stats_restored(modules: tuple[nn.Module, ...]) -> Iterator[None]:
     # Note: the recomputation must save the same tensors as the first forward, so BatchNorm
     # runs unchanged and its running statistics are put back afterwards. Writing through
     # ``.data`` keeps the version counters of tensors the recomputed graph saved unchanged.
-    stats = [(buf, buf.clone()) for m in modules for bn in m.modules()
-             if isinstance(bn, _BatchNorm) and bn.training and bn.track_running_stats
-             for buf in (bn.running_mean, bn.running_var, bn.num_batches_tracked)
-             if buf is not None]
+    stats = [pair for m in modules for bn in m.modules() if isinstance(bn, _BatchNorm)
+             for pair in _running_stats(bn)]
     try:
         yield
     finally:
         for buf, saved in stats:
             buf.data.copy_(saved)
+
+
+def _running_stats(bn: _BatchNorm) -> list:
+    """``(buffer, copy)`` of the running statistics a training-mode forward of ``bn`` updates."""
+    if not (bn.training and bn.track_running_stats):
+        return []
+    return [(buf, buf.clone()) for buf in (bn.running_mean, bn.running_var,
+                                           bn.num_batches_tracked) if buf is not None]
+
+
+@contextlib.contextmanager
+def _run_norm_stats_restored() -> Iterator[None]:
+    """Running statistics of every BatchNorm called (as a module) in this thread inside the
+    block put back, at exit, as they were before its first call there.
+
+    Note: a region given as a function (``non_reentrant_checkpoint(fn, x)``, the reentrant
+    ``shardkit.checkpointing.checkpoint``, a closure over layers) names no modules, so
+    :func:`_stats_restored` cannot find its BatchNorms; without this the recomputation
+    updated their statistics a second time each step (``num_batches_tracked`` counting two per
+    step, running means drifting from those of the same training without checkpointing).
+    A process-wide forward pre-hook, live only during the recomputation, acting only for this
+    thread."""
+    thread, saved = threading.get_ident(), {}
+
+    def before_call(module, inputs):
+        if isinstance(module, _BatchNorm) and id(module) not in saved and \
+                threading.get_ident() == thread:
+            saved[id(module)] = _running_stats(module)
+
+    handle = nn.modules.module.register_module_forward_pre_hook(before_call)
+    try:
+        yield
+    finally:
+        handle.remove()
+        for stats in saved.values():
+            for buf, value in stats:
+                buf.data.copy_(value)
 
 
 @contextlib.contextmanager
@@ -197,7 +269,8 @@ def _contexts(modules: tuple[nn.Module, ...]):
         # called by torch_checkpoint right before the region's first forward
         rng_streams = get_model_parallel_rng_tracker()._replay_point()
         modes = _training_modes(modules)
-        return (_counting("checkpointing"),
+        # a region given as a function names no modules: those it calls are recorded
+        return (_first_forward(modes, record=not modules),
                 _EachEntryAnew(lambda: _recomputing(modules, rng_streams, modes)))
 
     return forward_and_recompute_contexts
@@ -265,18 +338,22 @@ def checkpointed_call(fn: Callable, *args, modules: tuple[nn.Module, ...] = (),
                       offload_to_cpu: bool = False, **kwargs):
     """Run ``fn(*args, **kwargs)`` as a non-reentrant checkpointed region and return its output.
 
-    ``modules`` are the modules ``fn`` runs (their BatchNorm running statistics are restored
-    after the recomputation). With ``offload_to_cpu`` the tensor inputs kept for the
-    recomputation are held on CPU and copied back to their device inside the region. Without
-    grad mode, or inside :func:`disable_checkpointing`, ``fn`` simply runs. Under
-    ``torch.compile`` the region is compiled as torch's own non-reentrant checkpoint: the
-    recomputation happens in the compiled backward, and the flags (:func:`is_checkpointing`,
-    :func:`is_recomputing`) stay False there.
+    ``modules`` are the modules ``fn`` runs: they are recomputed in the train/eval mode of the
+    first forward and their BatchNorm running statistics are restored after the
+    recomputation; with no ``modules``, the same holds for each module ``fn`` calls. With
+    ``offload_to_cpu`` the tensor inputs kept for the recomputation are held on CPU and copied
+    back to their device inside the region (tensors inside list, tuple or dict arguments stay
+    where they are). Without grad mode, or inside :func:`disable_checkpointing`, ``fn`` simply
+    runs. Under ``torch.compile`` the region is compiled as torch's own non-reentrant
+    checkpoint: the recomputation happens in the compiled backward, and the flags
+    (:func:`is_checkpointing`, :func:`is_recomputing`) stay False there.
 
     Tensor arguments, positional or keyword, must not be changed in place, by ``fn`` (a
     ``RuntimeError`` naming the argument right after the forward) or before the backward
     (torch's "modified by an inplace operation" error in backward), as the recomputation reads
-    them again. Memory: the tensor arguments stay referenced until the backward.
+    them again; so must tensors inside list, tuple and dict arguments (a ``RuntimeError``
+    naming the argument and the key, right after the forward or at the recomputation).
+    Memory: the tensor arguments stay referenced until the backward.
     """
     if not (_state.enabled and torch.is_grad_enabled()):
         return fn(*args, **kwargs)
@@ -293,11 +370,73 @@ def checkpointed_call(fn: Callable, *args, modules: tuple[nn.Module, ...] = (),
     if offload_to_cpu:
         region, inputs = _offloaded(region, inputs)
     versions = [_version(t) for t in inputs]
+    name = _region_name(fn, modules)
+    nested = _nested_tensors(fn, args, kwargs)
+    if nested:
+        region = _nested_checked_at_recompute(region, nested, name)
     out = torch_checkpoint(region, *inputs, use_reentrant=False, preserve_rng_state=True,
                            context_fn=_contexts(modules))
-    _check_inputs_unchanged(_region_name(fn, modules), inputs, versions,
-                            _input_labels(fn, args, kwargs))
+    _check_inputs_unchanged(name, inputs + tuple(t for t, _, _ in nested),
+                            versions + [v for _, v, _ in nested],
+                            _input_labels(fn, args, kwargs) + [label for _, _, label in nested])
     return out
+
+
+def _nested_tensors(fn: Callable, args: tuple, kwargs: dict) -> list:
+    """``(tensor, version, label)`` of each tensor held inside a list, tuple or dict argument
+    (at any depth), e.g. ``forward(self, batch)`` with ``batch = {"x": tensor}``.
+
+    Note: torch's checkpoint keeps such tensors by reference and checks nothing: one changed
+    in place, by the forward or by the caller before the backward, silently fed the
+    recomputation other values (other gradients), where a tensor argument is refused."""
+    names = _positional_names(fn)
+    labelled = [(f"{names[i]!r}" if i < len(names) else f"#{i}", a) for i, a in enumerate(args)]
+    labelled += [(f"{k!r}", v) for k, v in kwargs.items()]
+    found, seen = [], set()
+    for label, value in labelled:
+        if not isinstance(value, torch.Tensor):
+            _collect_nested(value, label, found, seen)
+    return found
+
+
+def _collect_nested(value: Any, label: str, found: list, seen: set) -> None:
+    if isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    else:
+        return
+    if id(value) in seen:  # a container met twice (or holding itself)
+        return
+    seen.add(id(value))
+    for key, item in items:
+        where = f"{label}[{key!r}]"
+        if isinstance(item, torch.Tensor):
+            if _version(item) is not None:
+                found.append((item, item._version, where))
+        else:
+            _collect_nested(item, where, found, seen)
+
+
+def _nested_checked_at_recompute(region: Callable, nested: list, name: str) -> Callable:
+    """``region`` refusing to be recomputed (a ``RuntimeError`` naming the tensor) once a
+    tensor of ``nested`` (:func:`_nested_tensors`) has changed in place since the forward."""
+    recomputing = [False]  # the first call is the forward
+
+    def checked(*args, **kwargs):
+        if recomputing[0]:
+            changed = [label for t, v, label in nested if t._version != v]
+            if changed:
+                raise RuntimeError(
+                    f"activation checkpointing: {name}'s input {', '.join(changed)} (a tensor "
+                    f"inside a list, tuple or dict argument) was changed in place between the "
+                    f"forward and the backward; the recomputation would read the changed value "
+                    f"and give other gradients. Change a copy (.clone()) instead, or do not "
+                    f"checkpoint {name}")
+        recomputing[0] = True
+        return region(*args, **kwargs)
+
+    return checked
 
 
 def _version(value: Any):
@@ -413,7 +552,9 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False,
     through it several times. Tensor arguments, positional or keyword, are what the
     recomputation starts from: a forward that changes one in place (``nn.ReLU(inplace=True)``
     as the first layer) raises a ``RuntimeError`` naming it, and one changed by the caller
-    before backward is refused by torch in backward, as plain autograd refuses it.
+    before backward is refused by torch in backward, as plain autograd refuses it; the same
+    holds, with shardkit's ``RuntimeError`` naming the key, for tensors inside list, tuple and
+    dict arguments.
     A key/value cache object handed to a checkpointed forward (a Hugging Face layer's ``cache``,
     ``past_key_values``, ``layer_past``) is replaced by ``None`` with a warning, as transformers'
     own checkpointing does: the forward fills it in place, so the recomputation would not see
