@@ -125,7 +125,6 @@ import contextlib
 import dataclasses
 import enum
 import functools
-import itertools
 import sys
 import weakref
 from collections.abc import Mapping
@@ -158,6 +157,8 @@ from shardkit.nn.data_parallel.sharding_strategy import (ShardingStrategy, check
                                                          groups_of_mesh, resolve_groups,
                                                          resolve_sharding_strategy,
                                                          warn_quantization_without_effect)
+from shardkit.nn.data_parallel.sync_batchnorm import (refuse_training_sync_batchnorm,
+                                                      sync_batchnorm_layers)
 from shardkit.nn.data_parallel.training_state import TrainingState, check_state
 from shardkit.nn.wrap import auto_wrap_bn  # noqa: F401 - FairScale's FSDP module has it
 from shardkit.quantized_transport import quantized_transport_for
@@ -524,8 +525,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                                          fp32_reduce_scatter)
         _refuse_batchnorm_with_other_buffer_dtype(module, policy, ignored)
         _refuse_embedding_max_norm(module, ignored)
-        _refuse_sync_batchnorm_on_cpu(module, ignored,
-                                      shard_devices(module_device, move_params_to_cpu)[0])
+        refuse_training_sync_batchnorm(_named_unit_modules(module, ignored),
+                                       "FullyShardedDataParallel",
+                                       shard_devices(module_device, move_params_to_cpu)[0])
         if device_mesh is not None:
             if process_group is not None:
                 raise ValueError("FullyShardedDataParallel: pass process_group or device_mesh, "
@@ -993,7 +995,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if not in_backward:
             self.training_state = TrainingState.FORWARD
         if self is root and not in_backward:
-            _refuse_training_sync_batchnorm(self, "FullyShardedDataParallel")
+            refuse_training_sync_batchnorm(sync_batchnorm_layers(self, self),
+                                           "FullyShardedDataParallel", self._comm_device())
             root._drop_stale_kept_units()
             root._gather_before_users_backward_pre_hooks()
         if not root._orders_final and self not in root._forward_order:
@@ -2208,52 +2211,6 @@ def _refuse_embedding_max_norm(module: nn.Module,
                 f"reach the shard. Build the embedding with max_norm=None (and, if you need "
                 f"the bound, renormalise the rows yourself under torch.no_grad() in "
                 f"summon_full_params(), or clamp the looked-up vectors' norms in forward)")
-
-
-def _refuse_sync_batchnorm_on_cpu(module: nn.Module, ignored: IgnoredStates,
-                                  compute_device: torch.device) -> None:
-    """torch's ``SyncBatchNorm`` synchronises statistics for CUDA/XPU (or PrivateUse1) inputs
-    only: its training forward raises on CPU tensors, even with one rank (torch DDP refuses
-    such a module when it wraps it). A unit computing on the CPU refuses one of its own
-    SyncBatchNorm layers here, naming it, rather than at the first forward (after this unit's
-    all-gather). Local, before any collective."""
-    if compute_device.type != "cpu":
-        return
-    for name, m in _named_unit_modules(module, ignored):
-        # one in eval mode (a frozen backbone, an inference engine) runs torch's plain batch
-        # norm on the CPU; one switched to training later is refused at the root's forward
-        if isinstance(m, nn.SyncBatchNorm) and m.training:
-            raise ValueError(
-                f"FullyShardedDataParallel: {name or 'the wrapped module'} is a "
-                f"torch.nn.SyncBatchNorm in a unit computing on the CPU, and torch's "
-                f"SyncBatchNorm only runs on "
-                f"CUDA/XPU tensors in training (torch DDP refuses it on a CPU module too). On "
-                f"the CPU keep the plain nn.BatchNorm layers (leave out "
-                f"SyncBatchNorm.convert_sync_batchnorm), or put the module on its GPU before "
-                f"wrapping")
-
-
-def _refuse_training_sync_batchnorm(root: nn.Module, wrapper: str,
-                                    holder: Optional[nn.Module] = None) -> None:
-    """At a training forward, before any collective: a ``torch.nn.SyncBatchNorm`` anywhere
-    under ``root`` (ignored modules included) that is in training mode and computes on the CPU
-    would raise inside torch (after the units' gathers); raise here, naming it. The layers are
-    found once and kept on ``holder`` (default ``root``), the wrapper. Local."""
-    holder = root if holder is None else holder
-    layers = holder.__dict__.get("_sync_batchnorm_layers")
-    if layers is None:
-        layers = [(".".join(p for p in name.split(".") if p != "_fsdp_wrapped_module"), m)
-                  for name, m in root.named_modules() if isinstance(m, nn.SyncBatchNorm)]
-        holder.__dict__["_sync_batchnorm_layers"] = layers
-    for name, m in layers:
-        if m.training and any(t.device.type == "cpu" for t in
-                              itertools.chain(m.parameters(), m.buffers())):
-            raise ValueError(
-                f"{wrapper}: {name} is a torch.nn.SyncBatchNorm in training mode on the CPU, "
-                f"and torch's SyncBatchNorm only runs on CUDA/XPU tensors in training (in eval "
-                f"mode it is a plain batch norm). On the CPU keep the plain nn.BatchNorm layers "
-                f"(leave out SyncBatchNorm.convert_sync_batchnorm), keep this one in eval mode, "
-                f"or put the module on its GPU")
 
 
 def _build_shard(params, locations, groups, policy: MixedPrecisionPolicy,

@@ -22,6 +22,8 @@ from shardkit import distributed as skdist
 from shardkit.nn.data_parallel import sharded_ddp_arguments as args
 from shardkit.nn.data_parallel.gradient_bucket import (BucketLayout, BucketReduction,
                                                        ReduceToOwners, plan_buckets)
+from shardkit.nn.data_parallel.sync_batchnorm import (refuse_training_sync_batchnorm,
+                                                      sync_batchnorm_layers)
 from shardkit.transport import resolve_transport
 from shardkit.utils.weak_hooks import weakly_bound
 from shardkit.utils.wrapped_attributes import attribute_through
@@ -36,26 +38,6 @@ __all__ = ["ShardedDataParallel"]
 # buckets (it was 64 MiB, which let every bucket of a small model stay in flight on the rank
 # ahead, holding about all of the model's gradients).
 DEFAULT_MAX_INFLIGHT_BYTES = None
-
-
-def _refuse_sync_batchnorm_on_cpu(module: nn.Module, device_type: str) -> None:
-    """torch's ``SyncBatchNorm`` synchronises statistics for CUDA/XPU (or PrivateUse1) inputs
-    only: its training forward raises on CPU tensors, even with one rank, and torch DDP refuses
-    such a module when it wraps it. Refuse it here too, naming the layer, rather than at the
-    first forward. Local, before any collective."""
-    if device_type != "cpu":
-        return
-    for name, m in module.named_modules():
-        # one in eval mode runs torch's plain batch norm on the CPU; one switched to training
-        # later is refused at forward (ShardedDataParallel.forward)
-        if isinstance(m, nn.SyncBatchNorm) and m.training:
-            raise ValueError(
-                f"ShardedDataParallel(module=...): {name or 'the module'} is a "
-                f"torch.nn.SyncBatchNorm on the CPU, and torch's SyncBatchNorm only runs on "
-                f"CUDA/XPU tensors in training (torch DDP refuses it on a CPU module too). "
-                f"On the CPU keep the plain nn.BatchNorm layers (leave out "
-                f"SyncBatchNorm.convert_sync_batchnorm), or move the module to its GPU before "
-                f"wrapping")
 
 
 class ShardedDataParallel(nn.Module):
@@ -206,7 +188,8 @@ class ShardedDataParallel(nn.Module):
         args.check_optimizer_params_in_module(module, optimizers)
 
         device_types = args.device_types(module)
-        _refuse_sync_batchnorm_on_cpu(module, device_types[0] if device_types else "cpu")
+        refuse_training_sync_batchnorm(module.named_modules(), "ShardedDataParallel(module=...)",
+                                       torch.device(device_types[0] if device_types else "cpu"))
         self.module = module
         self.sharded_optimizers = optimizers
         # Attributes torch DDP exposes and training frameworks read (FairScale sets them too).
@@ -272,8 +255,8 @@ class ShardedDataParallel(nn.Module):
         forward with grad enabled) and broadcast rank 0's buffers (``broadcast_buffers``; as
         torch DDP, only when the previous forward was a reducing one, grad enabled and outside
         :meth:`no_sync`, or :meth:`reduce` ran since)."""
-        from shardkit.nn.data_parallel.fully_sharded import _refuse_training_sync_batchnorm
-        _refuse_training_sync_batchnorm(self.module, "ShardedDataParallel", self)
+        refuse_training_sync_batchnorm(sync_batchnorm_layers(self, self.module),
+                                       "ShardedDataParallel", torch.device(self.device_type))
         if self._backward_active:
             self._forget_aborted_backward()
         if self._sync_enabled:
