@@ -1036,12 +1036,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
     # input ("Tensors must be contiguous"): both go through contiguous copies
     landing = output if output.is_contiguous() else output.contiguous()
     work = dist.all_to_all_single(landing, input.contiguous(), group=group, async_op=async_op)
-    if landing is output:
-        return work
-    if not async_op:
-        output.copy_(landing)
-        return None
-    return _ThenCopy([work], lambda: output.copy_(landing))
+    return _landed(work, landing, output, async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
@@ -1488,12 +1483,19 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[list] = None, src: int 
     landing = tensor if tensor.is_contiguous() else tensor.contiguous()
     with reporting_broken_links("scatter", group):
         work = dist.scatter(landing, items, src=src, group=group, async_op=async_op)
-        if landing is tensor:
-            return work
-        if not async_op:
-            tensor.copy_(landing)
-            return None
-    return _ThenCopy([work], lambda: tensor.copy_(landing))
+    return _landed(work, landing, tensor, async_op)
+
+
+def _landed(work, landing: torch.Tensor, target: torch.Tensor, async_op: bool):
+    """The result of a collective ``work`` that received into ``landing``: ``target`` itself
+    (the work's handle, or ``None``), or a contiguous stand-in for a non-contiguous ``target``
+    (copied into it now, or by the returned handle's ``wait()`` with ``async_op``)."""
+    if landing is target:
+        return work
+    if not async_op:
+        target.copy_(landing)
+        return None
+    return _ThenCopy([work], lambda: target.copy_(landing))
 
 
 def _tensor_list(what: str, argument: str, items) -> list:
