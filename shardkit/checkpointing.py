@@ -487,8 +487,9 @@ def checkpoint(function: Callable, *args, **kwargs):
     :func:`non_reentrant_checkpoint` there). ``torch.autograd.grad`` through it is a
     RuntimeError (reentrant). Tensor arguments must not be changed in place before the backward
     (torch's "modified by an inplace operation" error), nor tensors inside list, tuple and dict
-    arguments, by ``function`` or before the backward (a RuntimeError naming the argument and
-    the key; DeepSpeed recomputes from the changed values). Without grad mode, ``function``
+    arguments, by ``function`` or before the backward, changed in place or replaced in their
+    list or dict (a RuntimeError naming the argument and the key; DeepSpeed recomputes from
+    the changed values). Without grad mode, ``function``
     simply runs.
     """
     if not callable(function):
@@ -513,8 +514,7 @@ def checkpoint(function: Callable, *args, **kwargs):
 
     results = iter(_CheckpointFunction.apply(run, layout, *tensors))
     first = holder.pop("out")
-    _check_inputs_unchanged(_region_name(given, ()), [t for t, _, _ in nested],
-                            [v for _, v, _ in nested], [label for _, _, label in nested])
+    _check_inputs_unchanged(_region_name(given, ()), [], [], [], nested)
     if torch.is_tensor(first):
         return next(results)
     if not isinstance(first, (tuple, list)):

@@ -267,6 +267,30 @@ def test_tensors_inside_container_arguments_changed_in_place_are_refused(how):
         how(changing, _x(), {"mask": mask})
 
 
+@pytest.mark.parametrize("how", HOWS, ids=["reentrant", "non_reentrant"])
+def test_tensors_inside_container_arguments_replaced_are_refused(how):
+    """A slot of a list or dict argument given another tensor (by the forward, or by the
+    caller before the backward) was read again by the recomputation: silently other
+    gradients, e.g. layers passing one state dict along (`state["h"] = layer(state["h"])`)."""
+    lin = nn.Linear(HIDDEN, HIDDEN)
+
+    def reads(x, batch):
+        return lin(x) * batch["mask"]
+
+    batch = {"mask": torch.rand(HIDDEN)}
+    out = how(reads, _x(), batch)
+    batch["mask"] = torch.rand(HIDDEN)  # the caller reuses its dict
+    with pytest.raises(RuntimeError, match=r"reads's input 'batch'\['mask'\] \(a tensor inside"):
+        (out[0] if isinstance(out, tuple) else out).sum().backward()
+
+    def replaces(state):
+        state["h"] = lin(state["h"]).tanh()
+        return state["h"]
+
+    with pytest.raises(RuntimeError, match=r"changed its input 'state'\['h'\]"):
+        how(replaces, {"h": _x()})
+
+
 def test_keyword_arguments_and_inputs_without_grad():
     def function(value, scale, *, shift, offset):
         return value * scale + shift + offset

@@ -166,6 +166,16 @@ def test_tensors_inside_container_arguments_changed_in_place_are_refused():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_tensors_inside_container_arguments_replaced_are_refused():
+    # the recomputation read the caller's new tensor: silently other gradients
+    rest = torch.randn(3, 4, requires_grad=True)
+    batch = {"x": torch.randn(3, 4), "rest": [rest]}
+    out = checkpoint_wrapper(DictInput(False))(batch)
+    batch["x"] = torch.zeros(3, 4)
+    with pytest.raises(RuntimeError, match=r"input 'batch'\['x'\] \(a tensor inside"):
+        out.sum().backward()
+
+
 @pytest.mark.parametrize("value, offload", [(1, True), ("yes", True), (None, False), (0, False),
                                             ([], False)])
 def test_offload_to_cpu_takes_any_truthy_or_falsy_value(value, offload):

@@ -319,17 +319,21 @@ def _region_name(fn: Callable, modules: tuple[nn.Module, ...]) -> str:
     return getattr(fn, "__qualname__", type(fn).__name__)
 
 
-def _check_inputs_unchanged(name: str, tensors: tuple, versions: list, labels: list) -> None:
+def _check_inputs_unchanged(name: str, tensors: tuple, versions: list, labels: list,
+                            nested: "_NestedInputs" = None) -> None:
     """Raise if the first forward changed one of the region's input tensors in place: the
     recomputation would start from the changed value (torch refuses it later, in backward, with
     "modified by an inplace operation" pointing at neither the module nor the argument)."""
     changed = [label for t, v, label in zip(tensors, versions, labels)
                if v is not None and t._version != v]
+    if nested:
+        changed += nested.changed()
     if changed:
         raise RuntimeError(
             f"activation checkpointing: {name}.forward changed its input "
             f"{', '.join(changed)} in place (e.g. nn.ReLU(inplace=True) as its first layer, or "
-            f"`x += ...`); the recomputation in backward would start from the changed value. "
+            f"`x += ...`), or replaced it inside a list or dict argument (`batch['x'] = ...`); "
+            f"the recomputation in backward would start from the changed value. "
             f"Make that in-place operation out of place, or do not checkpoint {name} "
             f"(checkpoint_wrapper, or a Pipe partition starting with it)")
 
@@ -351,8 +355,9 @@ def checkpointed_call(fn: Callable, *args, modules: tuple[nn.Module, ...] = (),
     Tensor arguments, positional or keyword, must not be changed in place, by ``fn`` (a
     ``RuntimeError`` naming the argument right after the forward) or before the backward
     (torch's "modified by an inplace operation" error in backward), as the recomputation reads
-    them again; so must tensors inside list, tuple and dict arguments (a ``RuntimeError``
-    naming the argument and the key, right after the forward or at the recomputation).
+    them again; so must tensors inside list, tuple and dict arguments, nor be replaced there
+    (a ``RuntimeError`` naming the argument and the key, right after the forward or at the
+    recomputation).
     Memory: the tensor arguments stay referenced until the backward.
     """
     if not (_state.enabled and torch.is_grad_enabled()):
@@ -376,63 +381,105 @@ def checkpointed_call(fn: Callable, *args, modules: tuple[nn.Module, ...] = (),
         region = _nested_checked_at_recompute(region, nested, name)
     out = torch_checkpoint(region, *inputs, use_reentrant=False, preserve_rng_state=True,
                            context_fn=_contexts(modules))
-    _check_inputs_unchanged(name, inputs + tuple(t for t, _, _ in nested),
-                            versions + [v for _, v, _ in nested],
-                            _input_labels(fn, args, kwargs) + [label for _, _, label in nested])
+    _check_inputs_unchanged(name, inputs, versions, _input_labels(fn, args, kwargs),
+                            nested)
     return out
 
 
-def _nested_tensors(fn: Callable, args: tuple, kwargs: dict) -> list:
-    """``(tensor, version, label)`` of each tensor held inside a list, tuple or dict argument
-    (at any depth), e.g. ``forward(self, batch)`` with ``batch = {"x": tensor}``.
+class _NestedInputs:
+    """Where the tensors inside a call's list, tuple and dict arguments sit (at any depth):
+    each slot ``(container, key, item)`` holding a tensor or a container, and each tensor's
+    in-place version counter, as at the call.
 
     Note: torch's checkpoint keeps such tensors by reference and checks nothing: one changed
-    in place, by the forward or by the caller before the backward, silently fed the
-    recomputation other values (other gradients), where a tensor argument is refused."""
+    in place, or a slot given another object (``batch["x"] = batch["x"].clone().add_(1)``,
+    by the forward or by the caller before the backward), silently fed the recomputation
+    other values (other gradients), where a tensor argument is refused."""
+
+    __slots__ = ("slots", "versions")
+
+    def __init__(self, slots: list, versions: list):
+        self.slots, self.versions = slots, versions
+
+    def __bool__(self) -> bool:
+        return bool(self.versions)
+
+    def changed(self) -> list:
+        """The labels of the tensors changed in place and of the slots now holding another
+        object (or gone)."""
+        changed = [_path_label(path) for t, v, path in self.versions if t._version != v]
+        for container, key, item, path in self.slots:
+            try:
+                same = container[key] is item
+            except (KeyError, IndexError, TypeError):
+                same = False
+            if not same:
+                changed.append(_path_label(path))
+        return changed
+
+
+_CONTAINERS = (list, tuple, dict)
+
+
+def _path_label(path: tuple) -> str:
+    return path[0] + "".join(f"[{key!r}]" for key in path[1:])
+
+
+def _nested_tensors(fn: Callable, args: tuple, kwargs: dict) -> _NestedInputs:
+    """The tensors held inside the list, tuple and dict arguments of ``fn(*args, **kwargs)``
+    (:class:`_NestedInputs`; false when there are none), e.g. ``forward(self, batch)`` with
+    ``batch = {"x": tensor}``. Iterative (any depth); items that are neither tensors nor
+    containers (a list of token ids) cost one type check each."""
+    roots = [(a, i, None) for i, a in enumerate(args) if isinstance(a, _CONTAINERS)]
+    roots += [(v, k, None) for k, v in kwargs.items() if isinstance(v, _CONTAINERS)]
+    if not roots:
+        return _NestedInputs([], [])
     names = _positional_names(fn)
-    labelled = [(f"{names[i]!r}" if i < len(names) else f"#{i}", a) for i, a in enumerate(args)]
-    labelled += [(f"{k!r}", v) for k, v in kwargs.items()]
-    found, seen = [], set()
-    for label, value in labelled:
-        if not isinstance(value, torch.Tensor):
-            _collect_nested(value, label, found, seen)
-    return found
+    stack = [(value, (f"{names[key]!r}" if key < len(names) else f"#{key}",)
+              if isinstance(key, int) else (f"{key!r}",)) for value, key, _ in reversed(roots)]
+    slots, versions, seen = [], [], set()
+    while stack:
+        value, path = stack.pop()
+        if id(value) in seen:  # a container met twice (or holding itself)
+            continue
+        seen.add(id(value))
+        mutable = not isinstance(value, tuple)
+        children = []
+        for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+            if isinstance(item, torch.Tensor):
+                if item.is_inference():
+                    continue
+                versions.append((item, item._version, path + (key,)))
+            elif isinstance(item, _CONTAINERS):
+                children.append((item, path + (key,)))
+            else:
+                continue
+            if mutable:
+                slots.append((value, key, item, path + (key,)))
+        stack.extend(reversed(children))
+    if not versions:
+        return _NestedInputs([], [])
+    return _NestedInputs(slots, versions)
 
 
-def _collect_nested(value: Any, label: str, found: list, seen: set) -> None:
-    if isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    elif isinstance(value, dict):
-        items = value.items()
-    else:
-        return
-    if id(value) in seen:  # a container met twice (or holding itself)
-        return
-    seen.add(id(value))
-    for key, item in items:
-        where = f"{label}[{key!r}]"
-        if isinstance(item, torch.Tensor):
-            if _version(item) is not None:
-                found.append((item, item._version, where))
-        else:
-            _collect_nested(item, where, found, seen)
-
-
-def _nested_checked_at_recompute(region: Callable, nested: list, name: str) -> Callable:
+def _nested_checked_at_recompute(region: Callable, nested: _NestedInputs,
+                                 name: str) -> Callable:
     """``region`` refusing to be recomputed (a ``RuntimeError`` naming the tensor) once a
-    tensor of ``nested`` (:func:`_nested_tensors`) has changed in place since the forward."""
+    tensor of ``nested`` (:func:`_nested_tensors`) has changed in place, or its slot has been
+    given another object, since the forward."""
     recomputing = [False]  # the first call is the forward
 
     def checked(*args, **kwargs):
         if recomputing[0]:
-            changed = [label for t, v, label in nested if t._version != v]
+            changed = nested.changed()
             if changed:
                 raise RuntimeError(
                     f"activation checkpointing: {name}'s input {', '.join(changed)} (a tensor "
-                    f"inside a list, tuple or dict argument) was changed in place between the "
-                    f"forward and the backward; the recomputation would read the changed value "
-                    f"and give other gradients. Change a copy (.clone()) instead, or do not "
-                    f"checkpoint {name}")
+                    f"inside a list, tuple or dict argument) was changed in place or replaced "
+                    f"between the forward and the backward; the recomputation would read the "
+                    f"new value and give other gradients. Give the region a new container "
+                    f"(or a copy of the tensor) instead of changing the one it was given, or "
+                    f"do not checkpoint {name}")
         recomputing[0] = True
         return region(*args, **kwargs)
 
@@ -554,7 +601,7 @@ def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False,
     as the first layer) raises a ``RuntimeError`` naming it, and one changed by the caller
     before backward is refused by torch in backward, as plain autograd refuses it; the same
     holds, with shardkit's ``RuntimeError`` naming the key, for tensors inside list, tuple and
-    dict arguments.
+    dict arguments, changed in place or replaced in their container.
     A key/value cache object handed to a checkpointed forward (a Hugging Face layer's ``cache``,
     ``past_key_values``, ``layer_past``) is replaced by ``None`` with a warning, as transformers'
     own checkpointing does: the forward fills it in place, so the recomputation would not see
