@@ -640,7 +640,10 @@ class OSS(torch.optim.Optimizer):
         that reads parameters outside ``module``'s forward must call first (a metric on ``p``
         directly, ``copy.deepcopy(model)``, ``model.to(...)`` / ``model.double()``, building
         ``DistributedDataParallel``: a conversion or copy made while the sync is in flight
-        keeps the stale values).
+        keeps the stale values). A submodule attached to ``module`` after this call has no
+        hook: call ``overlap_sync_with(module)`` again (only the new submodules get hooks).
+        Each hook costs a look-up of its own parameters per forward; the hooks hold the
+        optimizer weakly (they do nothing once it is gone) and pickle as no-ops.
         Costs nothing on the wire (the same all-gathers, later); the buckets' buffers are the
         parameters' own storage, so it holds no extra memory. Local, no collective.
 

@@ -31,6 +31,7 @@ bucket on average over the ranks.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -268,8 +269,13 @@ class ParamSync:
         return len(self._pending)
 
     def _build(self) -> list[list[FlatParamBucket]]:
-        return build_buckets(self._plan, self.rank, self.group, self.broadcast_fp16,
-                             self.transport)
+        buckets = build_buckets(self._plan, self.rank, self.group, self.broadcast_fp16,
+                                self.transport)
+        # which bucket holds each parameter: a forward pre-hook looks its own up in O(its
+        # parameters), not by scanning every pending bucket's slots (O(modules x params))
+        self._bucket_of = {id(p): b for per_kind in buckets for b in per_kind
+                           for p, _ in b.slots}
+        return buckets
 
     def relayout(self, plan: OwnershipPlan) -> None:
         """Give every parameter its own storage back, then lay the buckets of ``plan`` out
@@ -374,25 +380,59 @@ class ParamSync:
         # ones too, and the buckets are looked up when it runs: a layer unfrozen
         # (refresh_trainable) or added (add_param_group) later re-lays the buckets out, and
         # a hook chosen from the partition of the moment read its stale values.
+        hooked = self.__dict__.setdefault("_hooked", weakref.WeakSet())
         for sub in module.modules():
+            if sub in hooked:  # a second call on the same module adds no second set of hooks
+                continue
+            hooked.add(sub)
             own = list(sub.parameters(recurse=False))
             if own:
-                sub.register_forward_pre_hook(self._waiter_for(own))
-            sub.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait())
-            sub.register_load_state_dict_pre_hook(lambda *args, **kwargs: self.wait())
+                sub.register_forward_pre_hook(_SyncWaiter(self, own))
+            sub.register_state_dict_pre_hook(_SyncWaiter(self))
+            sub.register_load_state_dict_pre_hook(_SyncWaiter(self))
         self._defer = True
 
-    def _waiter_for(self, params: list[torch.Tensor]):
-        wanted = {id(p) for p in params}
+    def wait_for_params(self, param_ids) -> None:
+        """Finish the all-gathers in flight of the buckets holding the parameters whose
+        ``id`` is in ``param_ids`` (the others keep running). Local."""
+        if not self._pending:
+            return
+        mine = {self._bucket_of.get(i) for i in param_ids}
+        mine.discard(None)
+        if not mine:
+            return
+        keep = []
+        for b in self._pending:
+            if b in mine:
+                b.finish_gather()
+            else:
+                keep.append(b)
+        self._pending = keep
 
-        def wait_for_own_buckets(_module, _args):
-            if not self._pending:
-                return
-            keep = []
-            for b in self._pending:
-                if any(id(p) in wanted for p, _ in b.slots):
-                    b.finish_gather()
-                else:
-                    keep.append(b)
-            self._pending = keep
-        return wait_for_own_buckets
+
+class _SyncWaiter:
+    """The hook :meth:`ParamSync.overlap_with` puts on a module: waits for the buckets holding
+    ``params`` (a forward pre-hook) or for every bucket (``params=None``: state_dict and
+    load_state_dict pre-hooks). Holds the ParamSync weakly, so that a model outliving its
+    optimizer does not keep the old buckets' buffers alive; pickles as a hook that does nothing
+    (``torch.save(module)`` of a hooked module), and ``copy.deepcopy`` keeps it as it is."""
+
+    def __init__(self, sync: Optional[ParamSync], params: Optional[list] = None):
+        self._sync = weakref.ref(sync) if sync is not None else (lambda: None)
+        self._wanted = None if params is None else frozenset(id(p) for p in params)
+
+    def __call__(self, *args, **kwargs) -> None:
+        sync = self._sync()
+        if sync is None or not sync._pending:
+            return None
+        if self._wanted is None:
+            sync.wait()
+        else:
+            sync.wait_for_params(self._wanted)
+        return None
+
+    def __deepcopy__(self, memo) -> "_SyncWaiter":
+        return self
+
+    def __reduce__(self):
+        return (_SyncWaiter, (None,))
