@@ -125,10 +125,12 @@ class RNGStatesTracker:
         # recomputation swapped in (threads that fork at once must not see each other's)
         self._local = threading.local()
         self._seeds: set[int] = set()
-        # the open forks, outermost first: [stream name, the generators' state at its entry]
-        # the torch.utils.checkpoint recomputations whose copies of the streams are swapped in
 
     def _thread(self):
+        """This thread's ``open`` forks (outermost first: [stream name, the generators' state
+        at its entry]), the ``torch.utils.checkpoint`` recomputations whose copies of the
+        streams are swapped in (``recomputing``), and those copies (``states``; ``None``: the
+        shared streams)."""
         local = self._local
         if not hasattr(local, "open"):
             local.open, local.recomputing, local.states = [], [], None
