@@ -512,7 +512,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
     ``fp16_enabled()``, ``bfloat16_enabled()``, ``steps_per_print()``, ``loss_scale``,
     ``global_samples``, ``global_rank``, ``local_rank``, ``world_size``, ``dp_world_size``,
     ``mp_world_size``, ``device``; and ``no_sync()``, ``set_gradient_accumulation_boundary()``,
-    ``deepspeed_io()``, ``save_fp16_model()`` (the older name of ``save_16bit_model``).
+    ``deepspeed_io()``, ``module_state_dict()``, ``load_module_state_dict()``,
+    ``save_fp16_model()`` (the older name of ``save_16bit_model``).
     """
 
     def __init__(self, model: nn.Module, composition: Composition, cfg: EngineConfig,
@@ -692,18 +693,94 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         """The fp16 loss scale now (1.0 without fp16 loss scaling)."""
         return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
 
-    def module_state_dict(self) -> dict:
+    def module_state_dict(self, destination: Optional[dict] = None, prefix: str = "",
+                          keep_vars: bool = False, exclude_frozen_parameters: bool = False) -> dict:
         """The unwrapped model's full fp32 ``state_dict`` (stage 3: gathered by FSDP, a
         collective on every rank; memory: the full model on each rank). Under tensor
         parallelism the unsplit model's (:func:`shardkit.nn.model_parallel.full_state.
         full_model_state_dict`: one all-gather per split parameter over the tensor-parallel
-        group, on every rank)."""
+        group, on every rank). DeepSpeed's arguments: ``prefix`` goes before every key,
+        ``destination`` (a dict) receives the entries and is returned, ``keep_vars`` is
+        ``nn.Module.state_dict``'s at stages 0-2 without tensor parallelism (elsewhere the
+        values are gathered copies whatever it says), ``exclude_frozen_parameters`` leaves out
+        the parameters that do not require grad. A bad argument is a ValueError on every rank
+        before any collective."""
+        if destination is not None and not isinstance(destination, dict):
+            raise ValueError(f"engine.module_state_dict(destination={type(destination).__name__}"
+                             f"): expected a dict (it receives the entries) or None")
+        if not isinstance(prefix, str):
+            raise ValueError(f"engine.module_state_dict(prefix={prefix!r}): expected a str")
+        for name, value in (("keep_vars", keep_vars),
+                            ("exclude_frozen_parameters", exclude_frozen_parameters)):
+            if not isinstance(value, bool):
+                raise ValueError(f"engine.module_state_dict({name}={value!r}): expected True "
+                                 f"or False")
+        excluded = frozenset()
+        if exclude_frozen_parameters:
+            from shardkit.checkpoint.engine_state import _frozen_state_names
+            excluded = _frozen_state_names(self)
         if self.model_parallel is not None:
             from shardkit.nn.model_parallel.full_state import full_model_state_dict
-            return full_model_state_dict(self.wrapped if self.zero_stage == 3 else self.module)
-        if self.zero_stage == 3:
-            return self.wrapped.state_dict()
-        return self.module.state_dict()
+            state = full_model_state_dict(self.wrapped if self.zero_stage == 3 else self.module)
+        elif self.zero_stage == 3:
+            state = self.wrapped.state_dict()
+        else:
+            state = self.module.state_dict(keep_vars=keep_vars)
+        out = destination if destination is not None else type(state)()
+        for key, value in state.items():
+            if key not in excluded:
+                out[prefix + key] = value
+        return out
+
+    def load_module_state_dict(self, checkpoint: dict, strict: bool = True,
+                               custom_load_fn: Optional[Callable] = None,
+                               fetch_z3_params: bool = False, z3_params_to_fetch=None,
+                               allowed_missing_keys=None):
+        """DeepSpeed's: load ``checkpoint["module"]`` (a full ``state_dict`` of the unwrapped
+        model, as :meth:`module_state_dict` returns) into the model on every rank: at stage 3
+        each rank keeps its shard of every tensor, under tensor parallelism its slices.
+        ``strict`` is torch's; ``allowed_missing_keys`` (an iterable of keys) may be missing
+        from a strict load. ``custom_load_fn(src=state, dst=engine.module)`` replaces the load
+        at stages 0-2 (stage 3: a ValueError, the module holds shards there).
+        ``fetch_z3_params`` / ``z3_params_to_fetch`` are accepted and have no effect (the load
+        already writes whole tensors). Keys are checked on every rank before any collective: a
+        missing or unexpected key under ``strict`` is a RuntimeError naming them. Collective at
+        stage 3 (FSDP's load) and under tensor parallelism; memory: the state given."""
+        del fetch_z3_params, z3_params_to_fetch  # DeepSpeed's ZeRO-3 gather: nothing to do
+        if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("module"), dict):
+            raise ValueError("engine.load_module_state_dict(checkpoint=...): expected a dict "
+                             "whose 'module' entry is the model's state_dict (DeepSpeed's "
+                             "layout, e.g. {'module': engine.module_state_dict()})")
+        if not isinstance(strict, bool):
+            raise ValueError(f"engine.load_module_state_dict(strict={strict!r}): expected True "
+                             f"or False")
+        state = checkpoint["module"]
+        if custom_load_fn is not None:
+            if self.zero_stage == 3:
+                raise ValueError("engine.load_module_state_dict(custom_load_fn=...): not "
+                                 "supported at zero_optimization.stage=3, where engine.module "
+                                 "holds parameter shards; load a full state_dict without it")
+            custom_load_fn(src=state, dst=self.module)
+            return None
+        allowed = set(allowed_missing_keys or ())
+        own = set(self.module_state_names())
+        missing = sorted(own - set(state) - allowed)
+        unexpected = sorted(set(state) - own)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"engine.load_module_state_dict: the checkpoint's module state "
+                               f"does not match the model: missing keys {missing[:8]}"
+                               f"{' ...' if len(missing) > 8 else ''}, unexpected keys "
+                               f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        if self.model_parallel is not None:
+            from shardkit.nn.model_parallel.full_state import load_full_model_state_dict
+            if set(state) != own:
+                raise RuntimeError("engine.load_module_state_dict: under tensor parallelism "
+                                   "the module state must hold exactly the model's keys")
+            load_full_model_state_dict(self.wrapped if self.zero_stage == 3 else self.module,
+                                       state)
+            return None
+        target = self.wrapped if self.zero_stage == 3 else self.module
+        return target.load_state_dict(state, strict=strict and not allowed)
 
     def module_state_names(self) -> list[str]:
         """The ``state_dict`` keys of the unwrapped model (what a checkpoint stores)."""
@@ -733,8 +810,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         return self.zero_stage > 0 or self.config.precision.dtype != "fp32"
 
     def was_step_applied(self) -> bool:
-        """Whether the last accumulation boundary stepped the optimizer (``False`` when inf/nan
-        gradients skipped it under fp16 or bf16, and before the first boundary)."""
+        """Whether the latest ``step()`` stepped the optimizer, as in DeepSpeed: ``False``
+        after a ``step()`` inside an accumulation window (no update), when inf/nan gradients
+        skipped the boundary's step under fp16 or bf16, and before the first ``step()``."""
         return self._last_step_applied
 
     @property
@@ -1033,6 +1111,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             self.tput_timer.stop(global_step=True)
             self.global_steps += 1
             self._maybe_print()
+        else:
+            self._last_step_applied = False  # DeepSpeed: a step inside the window applies nothing
         self._forwards_since_step = self._backwards_since_step = 0
         self.micro_steps += 1
 
@@ -1253,10 +1333,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if not isinstance(save_filename, str) or not save_filename or os.sep in save_filename:
             raise ValueError(f"engine.save_16bit_model(save_filename={save_filename!r}): must be "
                              f"a file name (no directory part)")
-        state = self.module_state_dict()
-        if exclude_frozen_parameters:
-            frozen = set(self.frozen_param_names)
-            state = {k: v for k, v in state.items() if k not in frozen}
+        state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
         dtype = self._autocast_dtype
         if dtype is not None:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}

@@ -1,8 +1,9 @@
 """shardkit.initialize corners a DeepSpeed user reaches: an optimizer over only some of the
 trainable parameters (stages 1 and 2), ``engine.deepspeed_io`` and ``engine.training_dataloader``,
 the engine's own AttributeError, an fp16 loss scale starting below its floor, Hugging Face's
-"auto" values, a model handed over in fp16/bf16 (fp32 master weights) and ``lr_kwargs`` the
-scheduler does not take.
+"auto" values, a model handed over in fp16/bf16 (fp32 master weights), ``lr_kwargs`` the
+scheduler does not take, DeepSpeed's ``module_state_dict`` arguments, ``load_module_state_dict``
+and ``was_step_applied`` inside an accumulation window.
 
 One world of 2 gloo ranks for the module; each check trains a few steps against one process.
 """
@@ -414,3 +415,60 @@ def test_lr_kwargs_the_scheduler_does_not_take_are_refused_before_the_step(world
         assert unchanged and moved and steps == 1 and lrs == [pytest.approx(0.1)]
         assert "ReduceLROnPlateau.step(metrics, epoch)" in missing, missing
         assert "'metrics'" in missing and plateau_steps == 1, missing
+
+
+def _module_state_round_trip(stage: int):
+    """DeepSpeed's ``was_step_applied()`` after each ``step()`` of a 2-micro-batch window,
+    ``module_state_dict(prefix=, exclude_frozen_parameters=)`` and
+    ``load_module_state_dict({"module": ...})``: the engine trains a step, is loaded back
+    to its starting weights, and then trains like one process from those."""
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    model, reference = _model(), _model()
+    model[0].bias.requires_grad_(False)
+    reference[0].bias.requires_grad_(False)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
+    engine, *_ = shardkit.initialize(
+        model=model, optimizer=torch.optim.SGD([p for p in model.parameters()
+                                                if p.requires_grad], lr=0.1), config=config)
+    oracle = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1)
+    start = {k: v.clone() for k, v in engine.module_state_dict().items()}
+    keys = (sorted(engine.module_state_dict(prefix="model.")),
+            sorted(engine.module_state_dict(exclude_frozen_parameters=True)))
+    applied = []
+    for step in range(3):
+        if step == 1:  # back to the start: the one process never took step 0
+            engine.load_module_state_dict({"module": start})
+        batches = [_batch(2 * step + k, world) for k in range(2)]
+        for x, y in batches:
+            engine.backward(F.mse_loss(engine(x[2 * rank:2 * rank + 2]),
+                                       y[2 * rank:2 * rank + 2]))
+            engine.step()
+            applied.append(engine.was_step_applied())
+        if step:
+            oracle.zero_grad()
+            (sum(F.mse_loss(reference(x), y) for x, y in batches) / 2).backward()
+            oracle.step()
+    try:
+        engine.load_module_state_dict({"module": {"0.weight": start["0.weight"]}})
+        refused = "accepted"
+    except RuntimeError as error:
+        refused = str(error)
+    full = engine.module_state_dict()
+    diff = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    return applied, keys, diff, refused
+
+
+def test_module_state_dict_arguments_load_and_was_step_applied(world2):
+    # module_state_dict() took no DeepSpeed arguments (TypeError), load_module_state_dict was
+    # missing (AttributeError), and was_step_applied() stayed True after the step() of a
+    # micro-batch inside the window, which DeepSpeed reports False (no update)
+    names = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    for stage in (0, 1, 2, 3):
+        for applied, (prefixed, unfrozen), diff, refused in \
+                world2.run(_module_state_round_trip, stage):
+            assert applied == [False, True] * 3, (stage, applied)
+            assert prefixed == sorted("model." + k for k in names), prefixed
+            assert unfrozen == sorted(k for k in names if k != "0.bias"), unfrozen
+            assert diff < 1e-6, (stage, diff)
+            assert "missing keys ['0.bias', '2.bias'" in refused, refused
