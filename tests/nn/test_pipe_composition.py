@@ -292,11 +292,14 @@ def _adamw_stage(part, wrapper, replicas):
     return ShardedDataParallel(part, opt, process_group=replicas), opt
 
 
-def _unused_outputs_under(wrapper, schedule_name, routes, kind="fork", nested=False):
+def _unused_outputs_under(wrapper, schedule_name, routes, kind="fork", nested=False,
+                          batch_grad=False):
     """AdamW (weight decay) on ``_Fork`` / ``_Join`` stages under ShardedDDP or FSDP, 2
     pipelines x 2 ranks, whose next stage ignores or detaches some outputs (``routes``: per
     step, each pipeline's ``use`` per micro-batch, see ``_route``), beside one process on the
-    whole batch: the worst |weight - reference| after each step."""
+    whole batch: the worst |weight - reference| after each step. With ``batch_grad``, each
+    pipeline's batch requires grad, and the worst |its .grad - the reference's| is returned
+    instead (``inf`` where it is ``None`` on one side only)."""
     from tests.nn.test_torch_pipelining_suite import SCHEDULES as TORCH_SCHEDULES
 
     rank, chunks, rows = dist.get_rank(), 2, 8
@@ -322,7 +325,7 @@ def _unused_outputs_under(wrapper, schedule_name, routes, kind="fork", nested=Fa
     ref_opt = torch.optim.AdamW([q for m in ref for q in m.parameters() if q.requires_grad],
                                 lr=0.1, weight_decay=0.1)
     half = slice(pipeline * rows // 2, (pipeline + 1) * rows // 2)
-    worst = 0.0
+    worst, batch_worst = 0.0, 0.0
     for step, route in enumerate(routes):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(rows, ref[-1].lin.in_features, generator=g), \
@@ -331,22 +334,31 @@ def _unused_outputs_under(wrapper, schedule_name, routes, kind="fork", nested=Fa
         for opt in opts:
             opt.zero_grad()
         ref_opt.zero_grad()
-        schedule.step(*((x[half],) if 0 in mine else ()),
+        mine_x = x[half].clone().requires_grad_(batch_grad)
+        halves = [h.clone().requires_grad_(batch_grad) for h in x.tensor_split(2)]
+        schedule.step(*((mine_x,) if 0 in mine else ()),
                       target=y[half] if n - 1 in mine else None, use=use[half])
         loss = 0
-        for xi, yi, ui in zip(x.tensor_split(2 * chunks), y.tensor_split(2 * chunks),
+        for xi, yi, ui in zip([xi for h in halves for xi in h.tensor_split(chunks)],
+                              y.tensor_split(2 * chunks),
                               use.tensor_split(2 * chunks)):
             h = xi
             for module in ref:
                 h = module(h, ui)
             loss = loss + F.mse_loss(h, yi) / (2 * chunks)
         loss.backward()
+        if batch_grad and 0 in mine:
+            # one process on this pipeline's half alone: its mean loss, twice the reference's
+            got, want = mine_x.grad, halves[pipeline].grad
+            want = None if want is None else 2 * want
+            batch_worst = max(batch_worst, float("inf") if (got is None) != (want is None)
+                              else 0.0 if got is None else (got - want).abs().max().item())
         for opt in opts:
             opt.step()
         ref_opt.step()
         worst = max([worst] + [(a - b).abs().max().item() for s in mine for a, b in zip(
             _full_params(modules[s], parts[s]), ref[s].parameters())])
-    return worst
+    return batch_worst if batch_grad else worst
 
 
 class _FrozenFork(torch.nn.Module):
@@ -423,3 +435,29 @@ def test_fsdp_units_replicas_reach_alike_whatever_output_is_used(world4):
         for rank, worst in enumerate(world4.run(_unused_outputs_under, "fsdp", name,
                                                 routes[kind], kind, True)):
             assert worst < 1e-5, (kind, name, rank, worst)
+
+
+def test_a_batch_no_later_stage_uses_keeps_grad_none_under_sharded_ddp_and_fsdp(world4):
+    """A first stage under ShardedDDP or FSDP backpropagates zeros for an output the next
+    stage ignored (its replicas' reductions must pair), and under GPipe / 1F1B that plain
+    backward ran into the batch itself: a batch requiring grad that no later stage used got
+    ``.grad`` zeros (one process: ``None``). Now only real output gradients reach it."""
+    # last: no replica uses stage 0's outputs (ShardedDDP's stage then gets zeros, not None)
+    routes = [[[3, 1], [1, 3]], [[3, 3], [1, 1]], [[3, 3], [3, 3]]]
+    for wrapper, name in [("sharded_ddp", "GPipe"), ("fsdp", "1F1B")]:
+        for rank, worst in enumerate(world4.run(_unused_outputs_under, wrapper, name, routes,
+                                                batch_grad=True)):
+            assert worst < 1e-5, (wrapper, name, rank, worst)
+
+
+def test_fsdp_zero_bubble_last_stage_ignoring_its_input_on_one_replica_only(world4):
+    """ZB-H1 under FSDP whose last stage ignores its input in one pipeline and uses it in the
+    other (``use`` 3 against 1 or 2): its B reached no unit there, so FSDP's hooks neither
+    gathered nor freed, and the root unit stayed gathered from its forward; the next forward's
+    check of kept units (an all-reduce) met the other replica's all-gather, a hang. Such a B
+    now walks the units as the other replica's did; flat and nested units match one process."""
+    routes = [[[3, 3], [1, 1]], [[1, 3], [3, 1]], [[0, 3], [3, 2]]]
+    for nested in (False, True):
+        for rank, worst in enumerate(world4.run(_unused_outputs_under, "fsdp", "ZB-H1", routes,
+                                                "fork", nested)):
+            assert worst < 1e-5, (nested, rank, worst)

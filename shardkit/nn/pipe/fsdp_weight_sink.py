@@ -44,10 +44,14 @@ real output gradients reached (:meth:`ShardedGradientSink.weight_targets`), so a
 replica's backward reached keeps ``.grad`` ``None``, as in one process.
 
 Limits: activation checkpointing inside a unit is not supported under a split backward (B's
-recomputation builds views the W edges, found before B, do not name). The stage's graph itself
-must have the same shape on every replica: a stage whose forward ignores its input on one
-replica only (B then reaches no unit there, and no gather or free runs) leaves the replicas'
-collectives unpaired.
+recomputation builds views the W edges, found before B, do not name). A stage whose forward
+ignores its input on one replica only reaches no unit in B there: B then walks the graph to the
+units anyway (:func:`walk_units_without_input`), so that its gathers and frees are those of a
+replica whose B went through the units (a last stage ignoring its input trains as in one
+process, flat or nested units). Otherwise the stage's graph must have the same shape on every
+replica: W gathers the units whose weights its frontier reads, and that frontier follows the
+path to the input (seen: a ZBV middle stage with two outputs, ignoring its input on one replica
+only, still leaves FSDP's collectives unpaired).
 """
 
 from __future__ import annotations
@@ -60,7 +64,8 @@ import torch
 from shardkit.nn.data_parallel.flat_param import gathered_param_edges
 from shardkit.nn.pipe.split_backward import WeightGradPass
 
-__all__ = ["ShardedGradientSink", "stage_is_fully_sharded", "params_outside_fsdp"]
+__all__ = ["ShardedGradientSink", "stage_is_fully_sharded", "params_outside_fsdp",
+           "end_unreached_backward", "walk_units_without_input"]
 
 # Ops whose gradient for the parameter's side reads only the other operand (the input side).
 _FRONTIER_WITHOUT_WEIGHTS = frozenset({"AddmmBackward0", "MmBackward0", "EmbeddingBackward0",
@@ -154,6 +159,37 @@ class ShardedGradientSink:
             shard.free_full()
         self._touched, self._owners = {}, {}  # edges of parameters no W reached
         self._unreached = set()
+
+
+def walk_units_without_input(roots: Sequence[torch.Tensor], grads: Optional[Sequence]) -> None:
+    """B of a stage wrapped in FSDP whose input B did not reach (the stage ignored it on this
+    replica, used it on another): walk the graph from ``roots`` to the units' gathered views
+    anyway, discarding what it computes, so that FSDP's hooks gather (and free) the units
+    the way a replica whose B went through them did; otherwise that replica waits in
+    gathers this one never issues. The split's nodes are not run: nothing is
+    reduce-scattered (W does that). Costs one more backward through the stage, on such a
+    replica only."""
+    edges = list(gathered_param_edges(roots))
+    if edges:
+        torch.autograd.grad(list(roots), edges, grads, retain_graph=True, allow_unused=True)
+
+
+def end_unreached_backward(module: torch.nn.Module) -> None:
+    """After B of a stage wrapped in FSDP: close, as FSDP's end-of-backward callback does, a
+    B that reached none of a root unit's hooks (the stage ignored its input on this replica,
+    so B ran no node) while units stay gathered from a forward. A replica whose B reached
+    them freed them there; without this one kept them, and its next forward's check of
+    units kept since a forward (an all-reduce) met the other replica's all-gather: a hang.
+    Local: nothing is in flight after B."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+
+    for root in module.modules():
+        if not isinstance(root, FullyShardedDataParallel) or root._is_root is not True:
+            continue
+        if not root._final_callback_queued and any(
+                u._shard is not None and u._shard.kept_from_forward
+                for u in root.sharded_units()):
+            root._finish_backward()
 
 
 def stage_is_fully_sharded(module: torch.nn.Module) -> bool:

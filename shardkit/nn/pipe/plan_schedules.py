@@ -55,8 +55,9 @@ from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan,
                                    interleaved_1f1b_plan, one_f_one_b_plan, zb_h1_plan, zbv_plan)
 from shardkit.nn.pipe.schedules import (COMMUNICATION_ERRORS, ActivationMemoryMeter, busy_time,
                                         check_schedule_agreement, raise_step_failure)
-from shardkit.nn.pipe.fsdp_weight_sink import (ShardedGradientSink, params_outside_fsdp,
-                                               stage_is_fully_sharded)
+from shardkit.nn.pipe.fsdp_weight_sink import (ShardedGradientSink, end_unreached_backward,
+                                               params_outside_fsdp, stage_is_fully_sharded,
+                                               walk_units_without_input)
 from shardkit.nn.pipe.split_backward import GradientSink, backward_input
 from shardkit.nn.pipe.stage import PipelineStage, is_torch_ddp
 from shardkit.nn.pipe.ties import TiedWeights
@@ -534,7 +535,7 @@ class PlanSchedule:
     def _run_F(self, s: int, i: int) -> None:
         stage, last = self.stages[s], self.num_stages - 1
         if s == 0:
-            activation, packed = self._inputs[i], len(self._inputs[i]) > 1
+            activation, packed = self._stage_input(i), len(self._inputs[i]) > 1
         elif self._remote(s - 1) is None:
             activation, packed = self._handoff.pop(("F", s - 1, i))
         else:
@@ -584,6 +585,19 @@ class PlanSchedule:
                     self._fail(problem)
                     roots = []
         self._keep_live(s, i, activation, roots)
+
+    def _stage_input(self, i: int) -> tuple:
+        """The first stage's input for micro-batch ``i``: the batch's views, except that under
+        a stage that may backpropagate zeros for an output no later stage used (ShardedDDP,
+        FSDP: see :meth:`_output_grads`) the views requiring grad are replaced by detached
+        leaves, so those zeros stop there: the batch gets only the gradients real output
+        gradients reach (:func:`_reached`), handed back at the step's end as from B, and
+        ``None`` where none does, as in one process."""
+        views = self._inputs[i]
+        if not (self._reducing[0] or self._whole_backward[0]) or not torch.is_grad_enabled() \
+                or not any(v.requires_grad for v in views):
+            return views
+        return tuple(v.detach().requires_grad_() if v.requires_grad else v for v in views)
 
     def _forward(self, s: int, i: int, activation):
         """Stage ``s``'s module on micro-batch ``i``; an exception there fails the step on
@@ -684,8 +698,8 @@ class PlanSchedule:
         """Hand the gradients of stage ``s``'s inputs back (one per input requiring grad,
         ``None`` where the backward did not reach it: the previous stage leaves that output
         out of its backward)."""
-        if s == 0:
-            self._batch_grads += [(a, g) for a, g in zip(activation, grads)
+        if s == 0:  # to the batch's views (the stage may have run on leaves standing in)
+            self._batch_grads += [(a, g) for a, g in zip(self._inputs[i], grads)
                                   if a.requires_grad and g is not None]
             return
         grads = [g for a, g in zip(activation, grads) if a.requires_grad]
@@ -709,8 +723,9 @@ class PlanSchedule:
             with views:
                 torch.autograd.backward(roots, grads)
         failed = roots and self._backward(s, i, run) is _FAILED
-        # stage 0: the plain backward has already reached the batch tensors themselves
-        input_grads = [None] * len(activation) if failed or s == 0 else \
+        # stage 0 on the batch's own views: the plain backward has already reached the batch
+        input_grads = [None] * len(activation) if failed or \
+            s == 0 and activation is self._inputs[i] else \
             _reached(real, activation, [a.grad for a in activation])
         self._send_input_grads(s, i, activation, input_grads)
         self._alive -= 1
@@ -721,6 +736,12 @@ class PlanSchedule:
         result = self._backward(s, i, lambda: backward_input(
             roots, grads, activation, self._sinks[s].weight_targets(roots, real))) \
             if roots else None
+        if self._whole_backward[s] and roots and result is not _FAILED and any(
+                a.requires_grad for a in activation) and (
+                result is None or all(g is None for g in result[0])):
+            # the stage ignored its input here: its replicas' B may have gone through the units
+            self._backward(s, i, lambda: walk_units_without_input(roots, grads))
+            end_unreached_backward(self.stages[s].module)
         if result is None or result is _FAILED:
             result = [None] * len(activation), None
         input_grads, self._weights[(s, i)] = result
