@@ -350,3 +350,38 @@ def _discarded_wrappers_are_collected():
 def test_discarded_wrappers_are_collected(world2):
     for alive in world2.run(_discarded_wrappers_are_collected):
         assert alive == {0: [False] * 3, 2: [False] * 3}, alive
+
+
+def _user_post_accumulate_hooks_see_local_gradients():
+    """Post-accumulate-grad hooks the user registers on the parameters after wrapping (gradient
+    logging, per-parameter clipping) find ``p.grad``, this rank's local gradient, as under torch
+    DDP and in one process: the bucket a gradient completes is launched only after them (they
+    found ``None`` on the last parameter of each bucket, on every parameter with
+    ``reduce_buffer_size=0``). The step still matches the oracle."""
+    rank, world_size = skdist.get_rank(), skdist.get_world_size()
+    out = {}
+    for size in (0, 2 ** 23):
+        ref, model = Net(), Net()
+        local = Net()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
+        optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=1e-2)
+        wrapped = ShardedDataParallel(model, optimizer, reduce_buffer_size=size)
+        seen = {}
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda q, name=name: seen.__setitem__(
+                    name, None if q.grad is None else q.grad.detach().clone()))
+        x, y = _batch(0, rank)
+        F.mse_loss(local(x), y).backward()
+        _reference_step(ref, ref_opt, {}, 0, world_size)
+        F.mse_loss(wrapped(x), y).backward()
+        optimizer.step()
+        out[size] = (max(float("inf") if seen.get(n) is None else (seen[n] - p.grad).abs().max()
+                         for n, p in local.named_parameters()), max_diff(ref, model))
+    return out
+
+
+def test_user_post_accumulate_hooks_see_local_gradients(world2):
+    for out in world2.run(_user_post_accumulate_hooks_see_local_gradients):
+        for size, (hook_diff, worst) in out.items():
+            assert hook_diff <= 1e-6 and worst <= TOLERANCE, (size, hook_diff, worst)

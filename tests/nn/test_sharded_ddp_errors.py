@@ -501,8 +501,9 @@ def test_parameter_added_outside_the_module_is_refused(world2):
 def _requires_grad_changed_on_one_rank():
     """``requires_grad`` changed on rank 1 only: the forward (auto_refresh_trainable) and
     ``reduce()`` raise on every rank alike instead of one rank re-planning alone and the other
-    hanging in its collectives; nothing is re-planned, so once the flag is restored training
-    goes on in step on every rank."""
+    hanging in its collectives, also inside an accumulation window (the reducing backward and
+    ``reduce()`` agree with the rank that agreed at its forward); nothing is re-planned, so
+    once the flag is restored training goes on in step on every rank."""
     rank = skdist.get_rank()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
@@ -531,6 +532,35 @@ def _requires_grad_changed_on_one_rank():
     model[2].bias.requires_grad_(True)
     ddp.reduce()
     oss.step()
+    oss.zero_grad()
+    # inside an accumulation window (after a no_sync() backward) on rank 1 only: rank 1 agrees
+    # at its forward, rank 0 at the start of its reducing backward, or at reduce() (hung)
+    for end in ("backward", "reduce"):
+        with ddp.no_sync():
+            ddp(x).sum().backward()
+        model[1].bias.requires_grad_(rank != 1)
+
+        def finish_window():
+            loss = ddp(x).sum()
+            if end == "reduce":
+                with ddp.no_sync():
+                    loss.backward()
+                ddp.reduce()
+            else:
+                loss.backward()
+        attempt(f"window_{end}", finish_window)
+        model[1].bias.requires_grad_(True)
+        ddp.zero_grad()
+    # frozen inside a window on every rank while holding the window's gradient: one process
+    # would still step it with that gradient; ShardedDDP would neither reduce nor step it
+    with ddp.no_sync():
+        ddp(x).sum().backward()
+    model[0].weight.requires_grad_(False)
+    attempt("frozen_holding_grad", lambda: ddp(x))
+    model[0].weight.requires_grad_(True)
+    ddp.zero_grad()
+    ddp(x).sum().backward()
+    oss.step()
     weights = skdist.all_gather_object([p.detach().clone() for p in model.parameters()])
     out["in_step"] = all(torch.equal(a, b) for a, b in zip(*weights))
     return out
@@ -544,6 +574,13 @@ def test_requires_grad_changed_on_one_rank_raises_on_every_rank(world2):
                                        "on rank 1; change requires_grad identically"), first
     assert first["reduce"].startswith("RuntimeError: ShardedDataParallel.reduce(): the "
                                       "trainable parameters changed"), first
+    for end in ("backward", "reduce"):
+        assert first[f"window_{end}"].startswith(
+            "ValueError: ShardedDataParallel: parameter '1.bias'.requires_grad is True on rank 0 "
+            "of the group and False on rank 1; change requires_grad identically"), first
+    assert first["frozen_holding_grad"].startswith(
+        "ValueError: ShardedDataParallel: requires_grad turned False on ['0.weight'] inside an "
+        "accumulation window"), first
     assert first["in_step"]
 
 

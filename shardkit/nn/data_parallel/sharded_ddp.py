@@ -1,10 +1,11 @@
 """ShardedDataParallel: gradient sharding (ZeRO stage 2) for modules trained with OSS.
 
-During backward, each gradient is packed into a bucket as soon as autograd has accumulated it;
-a full bucket is reduced straight onto the ranks that own its parameters (the ownership of the
-OSS optimizers' public :class:`~shardkit.optim.partition.ParameterPartition`), and every rank
-drops the gradients it does not own right away. Each rank therefore holds only its share of the
-gradients, OSS steps that share, and OSS re-synchronises the parameters.
+During backward, each gradient is packed into a bucket once autograd has accumulated it (and
+run its post-accumulate-grad hooks: the bucket a gradient completes leaves as the next one
+arrives); a full bucket is reduced straight onto the ranks that own its parameters (the
+ownership of the OSS optimizers' public :class:`~shardkit.optim.partition.ParameterPartition`),
+and every rank drops the gradients it does not own right away. Each rank therefore holds only
+its share of the gradients, OSS steps that share, and OSS re-synchronises the parameters.
 """
 
 from __future__ import annotations
@@ -65,8 +66,13 @@ class ShardedDataParallel(nn.Module):
             after each reduction (and a forward that finds a change) all-gathers one element
             per rank (a wait for the device on CUDA), so a change made between steps on some
             ranks only raises the same ValueError on every rank (naming the parameter) instead
-            of hanging them; a change inside an accumulation window must then be made on every
-            rank. Every rank must therefore run that forward: a forward that one rank runs alone
+            of hanging them. So does the start of each reducing backward (before any bucket
+            is sent) and :meth:`reduce`, one element per rank more: a change inside an
+            accumulation window (after a :meth:`no_sync` backward) on some ranks only raises
+            on every rank too; made on every rank at the same forward, it is re-planned there,
+            except that freezing a parameter that holds a gradient accumulated in the window
+            is a ValueError (that gradient would be neither reduced nor stepped).
+            Every rank must therefore run that forward: a forward that one rank runs alone
             (validation, logging) belongs under ``torch.no_grad()`` or ``module.eval()``.
         warn_on_trainable_params_changed: with ``auto_refresh_trainable=False``, warn once per
             change when forward finds the buckets planned for other trainable parameters.
@@ -126,8 +132,9 @@ class ShardedDataParallel(nn.Module):
     convention (plus the padding of reduce-scattered buckets, at most ``balance_tolerance``),
     plus OSS's parameter sync, (N-1)/N·Ψ: 2Ψ(N-1)/N together. ``broadcast_buffers`` adds the
     module's buffers once per step (at the first forward after a reducing one, as torch DDP);
-    one element per rank all-gathered at the first forward of a step (``auto_refresh_
-    trainable``) and per :meth:`reduce`, plus the ``requires_grad`` flags when one changed.
+    one element per rank all-gathered at the first forward of a step and at the start of a
+    reducing backward (``auto_refresh_trainable``), and per :meth:`reduce`, plus the
+    ``requires_grad`` flags when one changed.
 
     Usage::
 
@@ -274,8 +281,10 @@ class ShardedDataParallel(nn.Module):
                 # where the ranks run different numbers of forwards), or at once where it
                 # changed here
                 stale = self._plan_is_stale()
-                if (stale or not self._window_open) and self._plan_is_stale_on_any_rank(stale):
-                    self._refresh_if_every_rank_agrees()
+                drops = stale and self._window_open and self._drops_local_grads()
+                if (stale or not self._window_open) and self._plan_is_stale_on_any_rank(
+                        stale, _AT_FORWARD, drops):
+                    self.refresh_trainable()
                 self._window_open = True
             elif self._plan_is_stale():
                 self._warn_stale_plan()
@@ -288,32 +297,67 @@ class ShardedDataParallel(nn.Module):
         self.require_forward_param_sync = torch.is_grad_enabled() and self._sync_enabled
         return output
 
-    def _plan_is_stale_on_any_rank(self, stale: bool) -> bool:
+    def _plan_is_stale_on_any_rank(self, stale: bool, site: int,
+                                   drops_grads: bool = False) -> bool:
         """Whether ``requires_grad`` (or an OSS partition) changed on any rank since the plan
         (``stale``: on this one): one element per rank all-gathered over the group (a wait for
         the device on CUDA), so that a change on some ranks only is noticed by all of them
-        rather than hanging the others. An all-gather: no gradient goes to every rank."""
+        rather than hanging the others. An all-gather: no gradient goes to every rank.
+
+        Each element also says where its rank is (``site``: a forward, the start of a reducing
+        backward, :meth:`reduce`). Where some rank found a change, every rank then compares
+        the ``requires_grad`` flags (one object all-gather): a ValueError naming the first
+        parameter that differs, the same on every rank. Ranks found at different sites (a
+        change inside an accumulation window on some ranks only: one rank agreeing at a
+        forward, the others at the end of the window) raise a RuntimeError on every rank even
+        when their flags agree by then, and so does a parameter frozen inside a window while it
+        holds a gradient accumulated there (``drops_grads`` on some rank): it would be neither
+        reduced nor stepped, where one process steps it (a ValueError naming it). Every rank
+        decides from the same gathered values, so every rank issues the same collectives and
+        none is left waiting. Nothing is re-planned here: ``True`` (a change, agreed by every
+        rank at the same site) leaves that to the caller."""
         if stale:  # a parameter added to an OSS outside the module: refused before any collective
             args.check_optimizer_params_in_module(self.module, self.sharded_optimizers)
         if self.world_size == 1:
             return stale
         device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
-        mine = torch.tensor([1.0 if stale else 0.0], device=device)
+        mine = torch.tensor([float(8 * drops_grads + 2 * site + stale)], device=device)
         every = torch.empty(self.world_size, device=device)
         skdist.all_gather_into_tensor(every, mine, group=self.process_group)
-        return bool(every.max().item() > 0)
-
-    def _refresh_if_every_rank_agrees(self) -> None:
-        """Re-plan after a change noticed on some rank, once every rank has the same
-        ``requires_grad`` flags: otherwise a ValueError naming the first parameter that differs,
-        the same on every rank, and nothing re-planned. One object all-gather (the flags)."""
+        codes = [int(c) for c in every.tolist()]
+        if not any(c & 1 for c in codes):
+            return False
+        self._window_open = False  # every rank agrees again at its next training forward
+        sites = {(c >> 1) & 3 for c in codes}
+        if sites == {_AT_REDUCE}:
+            return True  # reduce() refuses it (as before: no re-plan inside reduce)
         flags = {f"parameter {name!r}.requires_grad": p.requires_grad
                  for name, p in self.module.named_parameters()}
         skdist.raise_on_disagreement(
             flags, self.process_group, "ShardedDataParallel",
-            "change requires_grad identically on every rank before the forward (the ranks "
+            "change requires_grad identically on every rank, between steps (the ranks "
             "would reduce different gradients); the buckets were not re-planned")
-        self.refresh_trainable()
+        if len(sites) > 1:
+            raise RuntimeError(
+                "ShardedDataParallel: requires_grad changed inside an accumulation window "
+                "(after a no_sync() backward) on some ranks and not at the same forward on "
+                "the others; change requires_grad between steps (after the reducing backward "
+                "or reduce()), identically on every rank; the buckets were not re-planned")
+        if any(c & 8 for c in codes):
+            frozen = [name for name, q in self.module.named_parameters()
+                      if q in self._owner_of and not q.requires_grad]
+            raise ValueError(
+                f"ShardedDataParallel: requires_grad turned False on {frozen} inside an "
+                f"accumulation window, after a no_sync() backward gave them gradients: those "
+                f"would be neither reduced nor stepped (one process steps them). Freeze "
+                f"between steps (after the reducing backward, or after zero_grad()); the "
+                f"buckets were not re-planned")
+        return True
+
+    def _drops_local_grads(self) -> bool:
+        """Whether a parameter of the plan, now frozen, holds a gradient (local, accumulated
+        inside the window). Local."""
+        return any(not p.requires_grad and p.grad is not None for p in self._trainable)
 
     def _warn_stale_plan(self) -> None:
         """Once per change: with ``auto_refresh_trainable=False`` a parameter that became
@@ -390,7 +434,7 @@ class ShardedDataParallel(nn.Module):
             return
         self._window_open = False
         # agreed (one element): a change on one rank only must not leave the others reducing
-        if self._plan_is_stale_on_any_rank(self._plan_is_stale()):
+        if self._plan_is_stale_on_any_rank(self._plan_is_stale(), _AT_REDUCE):
             raise RuntimeError("ShardedDataParallel.reduce(): the trainable parameters changed "
                                "since the last forward (on this rank or another); run a "
                                "forward first (or call refresh_trainable() on every rank)")
@@ -558,9 +602,16 @@ class ShardedDataParallel(nn.Module):
             self._check_grads_do_not_require_grad((grad,))
         if not self._backward_active:
             self._begin_backward()
+        elif self._syncing:
+            self._launch_complete()
         return None
 
     def _begin_backward(self) -> None:
+        if self._sync_enabled and self.world_size > 1 and self.auto_refresh_trainable:
+            # a reducing backward: agreed before any bucket is launched, so that a change of
+            # requires_grad inside the accumulation window on some ranks only (agreed there at
+            # a forward) raises on every rank instead of pairing with these reductions
+            self._plan_is_stale_on_any_rank(self._plan_is_stale(), _AT_BACKWARD)
         self._backward_active = True
         self._scale_carried_grads()
         self._syncing = self._sync_enabled
@@ -610,9 +661,17 @@ class ShardedDataParallel(nn.Module):
             self._refuse_second_gradient(p)
         self._arrived.add(id(p))
         self._ready_count[index] += 1
+        # Note: the bucket this gradient completes is launched at the next gradient's arrival
+        # (or at the end of backward), not here: post-accumulate-grad hooks that the user
+        # registered after wrapping run after this one and must still find p.grad, the local
+        # gradient, as under torch DDP (launching drops it)
+        self._finish_arrived()
+
+    def _launch_complete(self) -> None:
+        """Launch, in plan order, the buckets whose gradients have all arrived (and whose
+        post-accumulate-grad hooks have all run: called as the next gradient arrives)."""
         while self._next_launch < len(self._buckets) and self._bucket_complete(self._next_launch):
             self._launch(self._next_launch)
-        self._finish_arrived()
 
     def _refuse_second_gradient(self, p: torch.Tensor) -> None:
         """A gradient accumulated twice into ``p`` in one backward (a parameter used inside a
@@ -729,6 +788,9 @@ class ShardedDataParallel(nn.Module):
 
 
 # ---------------------------------------------------------------------- helpers
+
+# Where a rank agrees on the trainable set (ShardedDataParallel._plan_is_stale_on_any_rank).
+_AT_FORWARD, _AT_BACKWARD, _AT_REDUCE = 0, 1, 2
 
 
 def _same_signature(a: tuple, b: Optional[tuple]) -> bool:
