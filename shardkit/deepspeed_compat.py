@@ -343,8 +343,7 @@ def _broadcast_object_list(object_list, src, group=None, device=None) -> None:
         problem = (f"broadcast_object_list(object_list=...): rank {src} sent {len(sent)} "
                    f"objects, this rank's list has {len(object_list)} slots")
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if distributed.backend_of(group) == "nccl" else torch.device("cpu")
+        device = distributed._control_device(group)
     distributed._agree_on_root("broadcast_object_list", "src", src, problem, group, device,
                                outcome="no list was changed")
     object_list[:] = sent

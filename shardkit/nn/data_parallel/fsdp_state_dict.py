@@ -1760,10 +1760,8 @@ def _from_first_rank(model, osd, caller: str, argument: str) -> tuple:
                                  f"the full optimizer state dict (e.g. torch.load of the saved "
                                  f"file); the other ranks may pass None or {{}}")
             payload = ("ok", _keyed_by_ids(osd, caller))
-            pickle.Pickler(_Discarded()).dump(payload)  # fails here, not inside the broadcast
         except Exception as error:  # sent, so that no rank waits for a dict never sent
-            payload = ("error", f"{type(error).__name__}: {error}"
-                       if not isinstance(error, ValueError) else str(error))
+            payload = _as_error(error)
     device = model._comm_device()
     if model.replicate_group is not None:
         payload = _broadcast_state(payload, model.replicate_group, device)
@@ -1804,7 +1802,7 @@ def _broadcast_state(payload, group, device: torch.device):
 
     src = skdist.get_global_rank(group, 0)
     sending = skdist.get_rank(group) == 0
-    skeleton = strip(payload) if sending else None
+    skeleton = _sendable(strip(payload)) if sending else None
     skeleton = skdist.broadcast_object(skeleton, src=src, group=group)
     if not (isinstance(skeleton, tuple) and skeleton and skeleton[0] == "ok"):
         return skeleton
@@ -1831,6 +1829,25 @@ def _broadcast_state(payload, group, device: torch.device):
 def _same_sequence(like, items: list):
     """``items`` as a sequence of ``like``'s type (a named tuple takes them positionally)."""
     return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
+
+
+def _as_error(error: BaseException) -> tuple:
+    """``("error", text)`` for a problem found on the sending rank (a ValueError's own text,
+    else its type and text), sent in place of the dict."""
+    return ("error", str(error) if isinstance(error, ValueError)
+            else f"{type(error).__name__}: {error}")
+
+
+def _sendable(skeleton):
+    """``skeleton``, or :func:`_as_error` of why it cannot be pickled (a lambda in a param
+    group): found here, on the sender, rather than inside the broadcast that the other ranks
+    would wait in. One pickling pass of the skeleton into nothing (its large tensors travel
+    apart and are not pickled)."""
+    try:
+        pickle.Pickler(_Discarded()).dump(skeleton)
+    except Exception as error:
+        return _as_error(error)
+    return skeleton
 
 
 class _Discarded:
