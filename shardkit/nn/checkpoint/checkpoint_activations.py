@@ -144,14 +144,28 @@ def _modes_recorded(modes: list) -> Iterator[None]:
     ``shardkit.checkpointing.checkpoint``) names no modules; when ``model.eval()`` ran between
     its forward and its backward, its recomputation ran Dropout in eval mode: torch's
     "different number of tensors" CheckpointError, or, reentrant, silently other gradients.
-    A process-wide forward pre-hook, live only during the first forward, acting only for
-    this thread."""
-    thread, seen = threading.get_ident(), set()
+    Live only during the first forward (:func:`_each_module_called_here`)."""
+    seen = set()
 
-    def before_call(module, inputs):
-        if id(module) not in seen and threading.get_ident() == thread:
+    def record(module):
+        if id(module) not in seen:
             seen.add(id(module))
             modes.append((module, module.training))
+
+    with _each_module_called_here(record):
+        yield
+
+
+@contextlib.contextmanager
+def _each_module_called_here(callback: Callable[[nn.Module], None]) -> Iterator[None]:
+    """``callback(module)`` before each module call made in this thread inside the block: a
+    process-wide forward pre-hook, live only inside it, that calls from other threads (a
+    second model training beside this one) pass through untouched."""
+    thread = threading.get_ident()
+
+    def before_call(module, inputs):
+        if threading.get_ident() == thread:
+            callback(module)
 
     handle = nn.modules.module.register_module_forward_pre_hook(before_call)
     try:
@@ -215,20 +229,17 @@ def _run_norm_stats_restored() -> Iterator[None]:
     :func:`_stats_restored` cannot find its BatchNorms; without this the recomputation
     updated their statistics a second time each step (``num_batches_tracked`` counting two per
     step, running means drifting from those of the same training without checkpointing).
-    A process-wide forward pre-hook, live only during the recomputation, acting only for this
-    thread."""
-    thread, saved = threading.get_ident(), {}
+    Live only during the recomputation (:func:`_each_module_called_here`)."""
+    saved = {}
 
-    def before_call(module, inputs):
-        if isinstance(module, _BatchNorm) and id(module) not in saved and \
-                threading.get_ident() == thread:
+    def save(module):
+        if isinstance(module, _BatchNorm) and id(module) not in saved:
             saved[id(module)] = _running_stats(module)
 
-    handle = nn.modules.module.register_module_forward_pre_hook(before_call)
     try:
-        yield
+        with _each_module_called_here(save):
+            yield
     finally:
-        handle.remove()
         for stats in saved.values():
             for buf, value in stats:
                 buf.data.copy_(value)
