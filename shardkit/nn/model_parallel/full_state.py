@@ -142,8 +142,7 @@ def sync_module_states(module: nn.Module) -> int:
             groups = groups_of(module.modules(), "sync_module_states")
         except (ValueError, RuntimeError) as error:
             problem = error
-    if problem is not None:
-        _raise_everywhere(problem)
+    _raise_everywhere(problem)  # every rank, a problem found here or not
     split = {id(getattr(m, name)) for m in module.modules() if isinstance(m, TensorParallelModule)
              for name, spec in m._shard_dims.items()
              if spec is not None and getattr(m, name, None) is not None}
@@ -152,7 +151,6 @@ def sync_module_states(module: nn.Module) -> int:
         named.setdefault(id(tensor), (name, tensor))  # a shared tensor once
     tensors = list(named.values())
     replicated = [(n, t) for n, t in tensors if id(t) not in split]
-    _raise_everywhere(None)
     _check_same_tensors(groups, tensors, replicated)
     received = 0
     for group, chosen in ((groups.data, tensors), (groups.tensor, replicated)):
