@@ -14,7 +14,11 @@ Keys that change behaviour:
     ASGD, Rprop and Adafactor (stages 0-2), their params checked against the constructor;
     DeepSpeed's Lamb, 1-bit/0-1 optimizers, Lion, mup's Mu* and Muon are refused by name:
     pass such an optimizer object instead), params}, scheduler.{type (WarmupLR,
-    WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest), params}, gradient_clipping,
+    WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, and, as DeepSpeed's
+    getattr(torch.optim.lr_scheduler, type) fallback, StepLR, MultiStepLR, ConstantLR,
+    LinearLR, ExponentialLR, PolynomialLR, CosineAnnealingLR, CosineAnnealingWarmRestarts,
+    CyclicLR, OneCycleLR and ReduceLROnPlateau, their params checked against the constructor),
+    params}, gradient_clipping,
     steps_per_print,
     gradient_allreduce_op ("mean", the default, or "sum": gradients summed over the
     data-parallel ranks; stages 0-2),
@@ -237,6 +241,19 @@ SCHEDULER_PARAMS = {
 REQUIRED_SCHEDULER_PARAMS = {"WarmupDecayLR": ("total_num_steps",),
                              "WarmupCosineLR": ("total_num_steps",),
                              "OneCycle": ("cycle_min_lr", "cycle_max_lr")}
+# DeepSpeed builds any other scheduler.type as torch.optim.lr_scheduler.<type>(optimizer,
+# **params) (its engine's _scheduler_from_config): the torch schedulers a JSON config can
+# describe. Their params are checked against the constructor here, and their values by
+# building one beside the optimizer in initialize, before any collective.
+TORCH_SCHEDULER_TYPES = ("StepLR", "MultiStepLR", "ConstantLR", "LinearLR", "ExponentialLR",
+                         "PolynomialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts",
+                         "CyclicLR", "OneCycleLR", "ReduceLROnPlateau")
+SCHEDULER_TYPES = tuple(SCHEDULER_PARAMS) + TORCH_SCHEDULER_TYPES
+# torch schedulers built from Python objects, which a JSON config cannot hold
+_SCHEDULERS_OF_OBJECTS = {"LambdaLR": "a function of the step",
+                          "MultiplicativeLR": "a function of the step",
+                          "SequentialLR": "other scheduler objects",
+                          "ChainedScheduler": "other scheduler objects"}
 
 
 def _off(feature: str, instead: str) -> Field:
@@ -285,7 +302,8 @@ SCHEMA: dict = {
     # DeepSpeed's names shardkit does not build
     "optimizer": {"type": _str(), "params": "per optimizer type",
                   "legacy_fusion": _bool()},  # DeepSpeed's old fused fp16 optimizer switch
-    "scheduler": {"type": _choice(None, *SCHEDULER_PARAMS), "params": "per scheduler type"},
+    # checked by _scheduler_spec: one of SCHEDULER_TYPES
+    "scheduler": {"type": _str(), "params": "per scheduler type"},
     "zero_optimization": {
         "stage": _int(0, 0, 3),
         "offload_optimizer": {**_OFFLOAD_COMMON, **_OFFLOAD_PIPELINE},
@@ -462,10 +480,21 @@ class OptimizerSpec:
 
 @dataclass(frozen=True)
 class SchedulerSpec:
-    """A :mod:`shardkit.optim.lr_scheduler` class name and its keyword arguments."""
+    """A scheduler class name, :mod:`shardkit.optim.lr_scheduler`'s (DeepSpeed's schedules) or
+    one of :data:`TORCH_SCHEDULER_TYPES` (``torch.optim.lr_scheduler``'s), and its keyword
+    arguments."""
 
     type: str
     kwargs: Mapping[str, Any]
+
+    def build(self, optimizer):
+        """The scheduler over ``optimizer``, as DeepSpeed builds it from the config."""
+        import torch
+
+        from shardkit.optim import lr_scheduler as deepspeed_schedules
+        module = torch.optim.lr_scheduler if self.type in TORCH_SCHEDULER_TYPES \
+            else deepspeed_schedules
+        return getattr(module, self.type)(optimizer, **self.kwargs)
 
 
 @dataclass(frozen=True)
@@ -945,7 +974,20 @@ def _scheduler_spec(section) -> Optional[SchedulerSpec]:
         return None
     kind = section.get("type")
     if kind is None:
-        raise ConfigError(f"scheduler.type is missing; valid types: {list(SCHEDULER_PARAMS)}")
+        raise ConfigError(f"scheduler.type is missing; valid types: {list(SCHEDULER_TYPES)}")
+    if kind in _SCHEDULERS_OF_OBJECTS:
+        raise ConfigError(f"scheduler.type={kind!r}: torch.optim.lr_scheduler.{kind} is built "
+                          f"from {_SCHEDULERS_OF_OBJECTS[kind]}, which a JSON config cannot "
+                          f"hold; delete the config's 'scheduler' section and pass "
+                          f"initialize(lr_scheduler=lambda optimizer: {kind}(optimizer, ...))")
+    if kind not in SCHEDULER_TYPES:
+        close = difflib.get_close_matches(str(kind), SCHEDULER_TYPES, n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"scheduler.type={kind!r} is not a valid choice{hint}; valid values: "
+                          f"one of {list(SCHEDULER_PARAMS)} (DeepSpeed's) or "
+                          f"{list(TORCH_SCHEDULER_TYPES)} (torch.optim.lr_scheduler's)")
+    if kind in TORCH_SCHEDULER_TYPES:
+        return _torch_scheduler_spec(kind, section.get("params", {}))
     given = section.get("params", {})
     params = _check_section(given, SCHEDULER_PARAMS[kind], "scheduler.params")
     for key in REQUIRED_SCHEDULER_PARAMS.get(kind, ()):
@@ -968,6 +1010,30 @@ def _scheduler_spec(section) -> Optional[SchedulerSpec]:
                 raise ConfigError(f"scheduler.params.{key}={params[key]!r} is out of range; "
                                   f"valid values: a number in [0, 1) (it becomes Adam's beta1)")
     return SchedulerSpec(kind, params)
+
+
+def _torch_scheduler_spec(kind: str, params) -> SchedulerSpec:
+    """DeepSpeed's fallback, ``getattr(torch.optim.lr_scheduler, type)(optimizer, **params)``:
+    the keys are checked against the constructor's arguments here; the values are checked by
+    ``initialize``, which builds the scheduler once beside the optimizer before any
+    collective (torch's own checks need the optimizer's param groups)."""
+    import inspect
+
+    import torch
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"scheduler.params: expected a JSON object (dict), got "
+                          f"{type(params).__name__} {params!r}")
+    cls = getattr(torch.optim.lr_scheduler, kind)
+    accepted = [arg for arg in inspect.signature(cls.__init__).parameters
+                if arg not in ("self", "optimizer")]
+    for key in params:
+        if key not in accepted:
+            close = difflib.get_close_matches(str(key), accepted, n=1, cutoff=0.5)
+            hint = f"; did you mean 'scheduler.params.{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key 'scheduler.params.{key}' for scheduler.type="
+                              f"{kind!r}{hint} Valid keys: the arguments of torch.optim."
+                              f"lr_scheduler.{kind}: {accepted}")
+    return SchedulerSpec(kind, dict(params))
 
 
 def _breakdown_notes(checked: dict) -> list[str]:

@@ -70,6 +70,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import io
@@ -78,6 +79,7 @@ import math
 import os
 import re
 import time
+import warnings
 import weakref
 from typing import Callable, Mapping, Optional
 
@@ -86,7 +88,7 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit import distributed
-from shardkit.config import ConfigError, EngineConfig, load_config
+from shardkit.config import TORCH_SCHEDULER_TYPES, ConfigError, EngineConfig, load_config
 from shardkit.deepspeed_compat import ensure_process_group
 from shardkit.engine_accessors import DeepSpeedAccessors
 from shardkit.model_parallel_unit import (ModelParallelGroups, checkpoint_location,
@@ -265,19 +267,53 @@ def _param_group_count(recipe: OptimizerRecipe) -> int:
     return 1
 
 
-def _check_scheduler_lists(cfg: EngineConfig, recipe: OptimizerRecipe) -> None:
+def _check_config_scheduler(cfg: EngineConfig, recipe: OptimizerRecipe) -> None:
     """A per-group list in the config's ``scheduler.params`` (``warmup_min_lr``,
-    ``warmup_max_lr``) must have one value per param group: checked before any collective, so
-    every rank raises the same :class:`ConfigError` naming the key. Local, no memory."""
+    ``warmup_max_lr``) must have one value per param group, and a torch scheduler (whose values
+    torch checks only when it is built over an optimizer: ``OneCycleLR`` without
+    ``total_steps``, ``CyclicLR`` cycling a momentum the optimizer lacks) must build over the
+    optimizer's param groups: checked before any collective (the latter by building it over a
+    stand-in of the optimizer and stepping it once), so every rank raises the same
+    :class:`ConfigError` naming the section. Local; memory: one element per param group."""
     if cfg.scheduler is None:
         return
     groups = _param_group_count(recipe)
-    for key, value in cfg.scheduler.kwargs.items():
-        if isinstance(value, (list, tuple)) and len(value) != groups:
-            raise ConfigError(
-                f"scheduler.params.{key}={list(value)!r}: one value per optimizer param group "
-                f"is needed and the optimizer has {groups} group(s); give a list of {groups} "
-                f"or a single number")
+    if cfg.scheduler.type not in TORCH_SCHEDULER_TYPES:  # DeepSpeed's: values checked already
+        for key, value in cfg.scheduler.kwargs.items():
+            if isinstance(value, (list, tuple)) and len(value) != groups:
+                raise ConfigError(
+                    f"scheduler.params.{key}={list(value)!r}: one value per optimizer param "
+                    f"group is needed and the optimizer has {groups} group(s); give a list of "
+                    f"{groups} or a single number")
+        return
+    try:
+        with warnings.catch_warnings():  # torch's warnings come once, from the real one
+            warnings.simplefilter("ignore")
+            # and stepped once: some values fail only in step (StepLR's step_size=0)
+            cfg.scheduler.build(_stand_in_optimizer(recipe)).step(
+                **({"metrics": 0.0} if cfg.scheduler.type == "ReduceLROnPlateau" else {}))
+    except (ValueError, TypeError, KeyError, ArithmeticError) as error:
+        raise ConfigError(f"scheduler.type={cfg.scheduler.type!r} with scheduler.params="
+                          f"{dict(cfg.scheduler.kwargs)!r} cannot be built over the optimizer "
+                          f"({recipe.cls.__name__}, {groups} param group(s)): {error}") from None
+
+
+def _stand_in_optimizer(recipe: OptimizerRecipe) -> torch.optim.Optimizer:
+    """An optimizer with the param groups ``recipe`` builds (their hyper-parameters copied,
+    tensors included) over one one-element tensor each: a scheduler built on it runs its own
+    checks without touching the real optimizer's lrs or momenta."""
+    if recipe.instance is not None:
+        defaults, groups = recipe.instance.defaults, recipe.instance.param_groups
+    else:
+        defaults = recipe.defaults
+        given = recipe.param_groups
+        groups = given if given and all(isinstance(g, Mapping) for g in given) else [{}]
+    settings = [copy.deepcopy({k: v for k, v in group.items() if k != "params"})
+                for group in groups]
+    return torch.optim.Optimizer(
+        [{**copy.deepcopy(dict(defaults)), **values,
+          "params": [torch.zeros(1, requires_grad=True)]} for values in settings],
+        copy.deepcopy(dict(defaults)))
 
 
 def _names_by_trainability(model: nn.Module) -> tuple[list[str], list[str]]:
@@ -499,7 +535,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         wrapped: the outermost wrapper (DDP, ShardedDataParallel or FSDP).
         optimizer, lr_scheduler, loss_scaler: the composed parts (``None`` when unused;
             ``optimizer`` is ``None`` for a forward-only engine, built without one: then
-            ``backward`` and ``step`` raise, see the module docstring).
+            ``backward`` and ``step`` raise, see the module docstring). As on DeepSpeed's
+            optimizers, ``optimizer.loss_scale`` and ``optimizer.cur_scale`` hold the loss scale.
         global_steps: optimizer steps taken (skipped fp16 steps included, as in DeepSpeed).
         micro_steps, skipped_steps: micro-batches seen; steps skipped on overflow.
         training_dataloader, collate_fn: the loader ``initialize(training_data=...)`` built
@@ -539,6 +576,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         _guard_direct_steps(self)
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = _loss_scaler(cfg)
+        self._publish_loss_scale()
         self.global_steps = 0
         self.micro_steps = 0
         self.skipped_steps = 0
@@ -692,6 +730,14 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
     def loss_scale(self) -> float:
         """The fp16 loss scale now (1.0 without fp16 loss scaling)."""
         return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+
+    def _publish_loss_scale(self) -> None:
+        """DeepSpeed's fp16 and ZeRO optimizers carry the loss scale as ``optimizer.cur_scale``
+        and ``optimizer.loss_scale``, which training scripts log (DeiT's and BEiT's
+        ``get_loss_scale_for_deepspeed(model)`` reads ``model.optimizer.loss_scale``, else
+        ``cur_scale``): set on the engine's optimizer whenever the scale may change. Local."""
+        if self.optimizer is not None:
+            self.optimizer.cur_scale = self.optimizer.loss_scale = self.loss_scale
 
     def module_state_dict(self, destination: Optional[dict] = None, prefix: str = "",
                           keep_vars: bool = False, exclude_frozen_parameters: bool = False) -> dict:
@@ -1224,6 +1270,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 self.lr_scheduler.step(**lr_kwargs)
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)
+            self._publish_loss_scale()
         if overflow and distributed.get_rank() == 0:
             logger.info("step %d: %s gradients overflowed (inf/nan); step skipped, loss scale "
                         "%g -> %g", self.global_steps + 1, self.config.precision.dtype,
@@ -1564,6 +1611,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                                         and not load_module_only)
         if kept is not None:
             self._restore_training_position(kept)
+        self._publish_loss_scale()
         return result
 
     def _training_position(self) -> dict:
@@ -1839,7 +1887,7 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
     if refusal is None:
         try:
             recipe = _optimizer_recipe(cfg, optimizer, model_parameters, model)
-            _check_scheduler_lists(cfg, recipe)
+            _check_config_scheduler(cfg, recipe)
             _checks_of_compose(model, recipe, cfg, wrap_policy, param_init_fn)
         except Exception as error:
             refusal = error
@@ -2081,8 +2129,7 @@ def _data_parallel_world_size() -> int:
 
 def _build_scheduler(cfg: EngineConfig, lr_scheduler, optimizer):
     if cfg.scheduler is not None:
-        from shardkit.optim import lr_scheduler as schedules
-        return getattr(schedules, cfg.scheduler.type)(optimizer, **cfg.scheduler.kwargs)
+        return cfg.scheduler.build(optimizer)
     if lr_scheduler is not None and not _is_scheduler_instance(lr_scheduler):
         built = lr_scheduler(optimizer)
         if not callable(getattr(built, "step", None)):

@@ -1,0 +1,138 @@
+"""DeepSpeed configs whose ``scheduler.type`` names a ``torch.optim.lr_scheduler`` class
+(DeepSpeed builds ``getattr(torch.optim.lr_scheduler, type)(optimizer, **params)``), and the
+loss scale that DeepSpeed's optimizers carry as ``optimizer.loss_scale`` / ``cur_scale``.
+
+One world of 2 gloo ranks for the module; the lrs are compared with torch's scheduler on a
+plain optimizer, step by step.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardkit
+from shardkit import distributed
+from shardkit.config import ConfigError, load_config
+from shardkit.testing import world_fixture
+
+world2 = world_fixture(2)
+
+STEPS = 6
+TORCH_SCHEDULES = [("CosineAnnealingLR", {"T_max": 4, "eta_min": 0.001}),
+                   ("OneCycleLR", {"max_lr": 0.05, "total_steps": 10}),
+                   ("StepLR", {"step_size": 2, "gamma": 0.5})]
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _config(stage: int, **sections) -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "Adam", "params": {"lr": 0.01}}, **sections}
+
+
+def _train(engine, steps: int, overflow_at=()) -> list:
+    """Each step's lrs and beta1s after ``engine.step()``; inf in rank 0's loss at
+    ``overflow_at``."""
+    seen = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(10 * step + distributed.get_rank())
+        loss = engine(torch.randn(2, 4, generator=gen)).float().pow(2).mean()
+        if step in overflow_at and distributed.get_rank() == 0:
+            loss = loss * float("inf")
+        engine.backward(loss)
+        engine.step()
+        seen.append((engine.get_lr(), [betas[0] for betas in engine.get_mom()]))
+    return seen
+
+
+def _torch_schedule(name: str, params: dict) -> list:
+    optimizer = torch.optim.Adam([nn.Parameter(torch.zeros(1))], lr=0.01)
+    scheduler = getattr(torch.optim.lr_scheduler, name)(optimizer, **params)
+    seen = []
+    for _ in range(STEPS):
+        optimizer.step()
+        scheduler.step()
+        seen.append(([g["lr"] for g in optimizer.param_groups],
+                     [g["betas"][0] for g in optimizer.param_groups]))
+    return seen
+
+
+def _torch_schedulers_from_config(stage: int):
+    out = []
+    for name, params in TORCH_SCHEDULES:
+        engine, _, _, scheduler = shardkit.initialize(
+            model=_model(), config=_config(stage, scheduler={"type": name, "params": params}))
+        out.append((name, type(scheduler).__name__, _train(engine, STEPS)))
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_config_scheduler_may_be_a_torch_scheduler(world2, stage):
+    # it was a ConfigError "scheduler.type='CosineAnnealingLR' is not a valid choice", where
+    # DeepSpeed builds torch.optim.lr_scheduler.CosineAnnealingLR from the config
+    for name, built, seen in world2.run(_torch_schedulers_from_config, stage)[0]:
+        assert built == name
+        expected = _torch_schedule(name, dict(TORCH_SCHEDULES)[name])
+        for (lrs, moms), (lrs_ref, moms_ref) in zip(seen, expected):
+            assert lrs == pytest.approx(lrs_ref, rel=1e-12) and moms == pytest.approx(moms_ref)
+
+
+def test_torch_scheduler_keys_are_checked_with_the_config():
+    base = {"train_batch_size": 2}
+    cfg = load_config({**base, "scheduler": {"type": "StepLR", "params": {"step_size": 3}}}, 1)
+    assert (cfg.scheduler.type, dict(cfg.scheduler.kwargs)) == ("StepLR", {"step_size": 3})
+    with pytest.raises(ConfigError, match=r"'scheduler.params.step_sise'.*did you mean "
+                                          r"'scheduler.params.step_size'"):
+        load_config({**base, "scheduler": {"type": "StepLR", "params": {"step_sise": 3}}}, 1)
+    with pytest.raises(ConfigError, match=r"LambdaLR is built from a function.*"
+                                          r"initialize\(lr_scheduler="):
+        load_config({**base, "scheduler": {"type": "LambdaLR", "params": {}}}, 1)
+    with pytest.raises(ConfigError, match="did you mean 'CosineAnnealingLR'"):
+        load_config({**base, "scheduler": {"type": "CosineAnnealingLr"}}, 1)
+
+
+def _bad_torch_scheduler_values():
+    out = []
+    for optimizer, name, params in (("Adam", "OneCycleLR", {"max_lr": 0.05}),
+                                    ("Adagrad", "CyclicLR", {"base_lr": 0.001, "max_lr": 0.01}),
+                                    ("Adam", "StepLR", {"step_size": 0})):
+        config = _config(1, scheduler={"type": name, "params": params})
+        config["optimizer"]["type"] = optimizer
+        try:
+            shardkit.initialize(model=_model(), config=config)
+            out.append("built")
+        except ConfigError as error:
+            out.append(str(error))
+    return out
+
+
+def test_torch_scheduler_values_are_refused_before_training(world2):
+    # values torch checks only over an optimizer (or in step) fail in initialize, every rank
+    one_cycle, cyclic, step_lr = world2.run(_bad_torch_scheduler_values)[1]
+    assert "scheduler.type='OneCycleLR'" in one_cycle and "total_steps" in one_cycle
+    assert "(Adagrad, 1 param group(s))" in cyclic and "momentum" in cyclic
+    assert "scheduler.type='StepLR'" in step_lr and "step_size': 0" in step_lr
+
+
+def _optimizer_loss_scale(stage: int):
+    config = _config(stage, fp16={"enabled": True, "initial_scale_power": 8, "hysteresis": 1})
+    engine, optimizer, _, _ = shardkit.initialize(model=_model(), config=config)
+    seen = [(optimizer.loss_scale, optimizer.cur_scale)]
+    _train(engine, 2, overflow_at=(1,))
+    seen.append((optimizer.loss_scale, optimizer.cur_scale, engine.loss_scale))
+    plain, plain_optimizer, _, _ = shardkit.initialize(model=_model(), config=_config(stage))
+    seen.append(plain_optimizer.loss_scale)
+    return seen
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_optimizer_carries_the_loss_scale_as_deepspeeds_does(world2, stage):
+    # DeiT/BEiT's get_loss_scale_for_deepspeed(model) reads model.optimizer.loss_scale (else
+    # cur_scale): an AttributeError here
+    start, after_overflow, plain = world2.run(_optimizer_loss_scale, stage)[0]
+    assert start == (256.0, 256.0)
+    assert after_overflow == (128.0, 128.0, 128.0)
+    assert plain == 1.0
