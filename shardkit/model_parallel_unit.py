@@ -167,28 +167,56 @@ def mp_rank_name(tensor_rank: int) -> str:
     return f"mp_rank_{tensor_rank:02d}"
 
 
-def _saved_tensor_parallel_size(path: str) -> int:
-    """How many tensor-parallel ranks wrote the checkpoint at ``path`` (``TAG`` directory): the
-    size its ``tensor_parallel.json`` records, 1 for a checkpoint written without tensor
-    parallelism."""
-    layout = read_tensor_parallel_layout(path)
-    return 1 if layout is None else layout[0]
+def _saved_tensor_parallel_size(tag_dir: str) -> Optional[int]:
+    """How many tensor-parallel ranks wrote the checkpoint in ``tag_dir`` (``TAG`` directory):
+    the size its ``tensor_parallel.json`` records, 1 for a checkpoint written without tensor
+    parallelism (its ``metadata.json`` directly in ``tag_dir``), ``None`` when ``tag_dir`` holds
+    neither (no such tag, or an interrupted save). Local."""
+    from shardkit.checkpoint.sharded import METADATA
+    layout = read_tensor_parallel_layout(tag_dir)
+    if layout is not None:
+        return layout[0]
+    return 1 if os.path.isfile(os.path.join(tag_dir, METADATA)) else None
+
+
+def _why_no_checkpoint(load_dir: str, tag_dir: str) -> str:
+    """Why ``tag_dir`` holds no checkpoint that a tensor-parallel engine can read: it does not
+    exist (naming the tags ``load_dir`` holds), it holds ``mp_rank_XX`` slices without the
+    layout file written after them, or neither. Local."""
+    if not os.path.isdir(tag_dir):
+        tags = sorted(d for d in os.listdir(load_dir)
+                      if _saved_tensor_parallel_size(os.path.join(load_dir, d)) is not None) \
+            if os.path.isdir(load_dir) else []
+        return f"{tag_dir} does not exist; tags present: {tags}"
+    if any(d.startswith("mp_rank_") for d in os.listdir(tag_dir)):
+        return (f"{tag_dir} holds mp_rank_XX slices but no {TENSOR_PARALLEL_LAYOUT}, which the "
+                f"save writes after them: the save was interrupted; load another tag")
+    return f"{tag_dir} is not a shardkit checkpoint (no {TENSOR_PARALLEL_LAYOUT}, no metadata)"
 
 
 def checkpoint_location(load_dir: str, tag: Optional[str],
                         parallel: Optional[ModelParallelGroups]):
     """``(directory, tag)`` to hand the checkpoint reader: ``(load_dir, tag)`` without tensor
     parallelism, ``(load_dir/TAG, mp_rank_XX)`` with it; unchanged when ``load_dir`` has no
-    ``latest`` to follow (the reader agrees over the ranks that there is none). A checkpoint
-    written at another tensor-parallel size is a :class:`CheckpointError` naming both sizes
-    (the same on every rank: they read the same directory); no communication."""
+    ``latest`` to follow (the reader agrees over the ranks that there is none). No
+    communication.
+
+    Raises :class:`CheckpointError` (the same on every rank: they read the same directory) for
+    a checkpoint written at another tensor-parallel size, naming both sizes, and, under tensor
+    parallelism, for a tag that holds no complete checkpoint, saying why (no such tag, naming
+    those present; an interrupted save). Without tensor parallelism the reader names the
+    latter itself."""
     from shardkit.checkpoint import CheckpointError, read_latest_tag
     resolved = tag if tag is not None else read_latest_tag(load_dir)
     if resolved is None:
         return load_dir, tag
-    saved = _saved_tensor_parallel_size(os.path.join(load_dir, resolved))
+    tag_dir = os.path.join(load_dir, resolved)
+    saved = _saved_tensor_parallel_size(tag_dir)
     mine = 1 if parallel is None else parallel.tensor_size
-    if saved != mine:
+    if saved is None and parallel is not None:
+        raise CheckpointError(f"load_checkpoint({load_dir!r}, tag={resolved!r}): "
+                              f"{_why_no_checkpoint(load_dir, tag_dir)}; nothing was loaded")
+    if saved is not None and saved != mine:
         raise CheckpointError(
             f"load_checkpoint({load_dir!r}, tag={resolved!r}): the checkpoint was saved at "
             f"tensor-parallel size {saved}, this engine runs tensor-parallel size {mine}; "
@@ -198,7 +226,7 @@ def checkpoint_location(load_dir: str, tag: Optional[str],
             f"initialize; nothing was loaded")
     if parallel is None:
         return load_dir, tag
-    return os.path.join(load_dir, resolved), mp_rank_name(parallel.tensor_rank)
+    return tag_dir, mp_rank_name(parallel.tensor_rank)
 
 
 def write_tensor_parallel_layout(tag_dir: str, size: int, splits: dict) -> None:

@@ -540,7 +540,11 @@ class RowParallelLinear(TensorParallelModule):
             # the parameter itself, not a copy: the caller's add must put its gradient on
             # the parameter reduce_sequence_parallel_grads sums (marked sequence_parallel)
             return y, self.bias
-        return y + self.bias if self.bias is not None else y
+        if self.bias is None:
+            return y
+        # in the output's dtype, as nn.Linear adds it: under autocast an fp32 bias would
+        # otherwise promote the bf16/fp16 output (twice the activation memory downstream)
+        return y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} ({self.input_size_per_partition} on this rank), "
