@@ -6,10 +6,13 @@ gradients to the split of ``full`` (one node per unit and forward), whose backwa
 the unit, which reduce-scatters them and frees ``full``. Under a split backward:
 
 - **F** is FSDP's forward, unchanged (gather, compute, free unless the unit is the root).
-- **B** asks autograd for the stage input's gradient only. FSDP's pre-backward hooks on the
-  units' outputs gather each unit as the gradient reaches it (B needs the weights: ``dX = dY W``).
-  The split nodes lie on the parameters' side, so B never runs them: no reduce-scatter. FSDP's
-  end-of-backward callback frees every unit of the stage when B ends.
+- **B** asks autograd for the stage input's gradient and for the gradients arriving at each
+  parameter's first use that reads data (``backward_input(..., split_at_parameters=True)``:
+  the ``Addmm`` of a ``Linear``, wherever it lies, on the path to the input or not). FSDP's
+  pre-backward hooks on the units' outputs gather each unit as the gradient reaches it (B
+  needs the weights: ``dX = dY W``). The split nodes lie on the parameters' side, so B never
+  runs them: no reduce-scatter. FSDP's end-of-backward callback frees every unit of the stage
+  when B ends.
 - **W** asks autograd for the gradients at the split nodes' outputs
   (:func:`~shardkit.nn.data_parallel.flat_param.gathered_param_edges`), without running them,
   and :class:`ShardedGradientSink` hands each unit the micro-batch's gradients of all its
@@ -20,9 +23,16 @@ the unit, which reduce-scatters them and frees ``full``. Under a split backward:
 Weights in W. Most weight gradients read only the layer's input and output gradient (``g^T x`` of
 a linear layer, an embedding's rows, the bias's sum): such a W runs while the unit stays sharded.
 Where an op of W is not known to be of that kind (a ``LayerNorm``'s ``native_layer_norm_backward``
-reads its weight's storage; an op nonlinear in its weight; the whole backward of a first stage,
-whose input needs no gradient), the units of that autograd call are gathered for it
-(:meth:`FlatParamShard.start_gather`) and freed after the unit's last such call in this W.
+reads its weight's storage; an op nonlinear in its weight; a product of two parameters), the units
+of that autograd call are gathered for it (:meth:`FlatParamShard.start_gather`) and freed after
+the unit's last such call in this W.
+
+Note: W's ops, and so its gathers and reduce-scatters, depend on the parameters' uses only, never
+on the path to the stage input, because B stops at those uses (``split_at_parameters``). So the
+replicas of a stage run the same collectives when the stage ignores its input (or some of it) on
+one replica and uses it on another, or when the input needs a gradient on one replica only; had
+W started where the parameters' paths meet the input path, a replica whose stage ignored its
+input would have run its whole backward in W (gathering for it) and the other not.
 
 Memory, per stage: between B and W nothing is gathered (FSDP's end-of-backward callback frees the
 stage's units when B ends; a root unit is gathered again by the next F, as without split). During
@@ -44,14 +54,9 @@ real output gradients reached (:meth:`ShardedGradientSink.weight_targets`), so a
 replica's backward reached keeps ``.grad`` ``None``, as in one process.
 
 Limits: activation checkpointing inside a unit is not supported under a split backward (B's
-recomputation builds views the W edges, found before B, do not name). A stage whose forward
-ignores its input on one replica only reaches no unit in B there: B then walks the graph to the
-units anyway (:func:`walk_units_without_input`), so that its gathers and frees are those of a
-replica whose B went through the units (a last stage ignoring its input trains as in one
-process, flat or nested units). Otherwise the stage's graph must have the same shape on every
-replica: W gathers the units whose weights its frontier reads, and that frontier follows the
-path to the input (seen: a ZBV middle stage with two outputs, ignoring its input on one replica
-only, still leaves FSDP's collectives unpaired).
+recomputation builds views the W edges, found before B, do not name). The units a stage's
+forward runs, and the ops using each parameter, must be the same on every replica (as FSDP
+itself requires); what reaches the stage input may differ.
 """
 
 from __future__ import annotations
@@ -62,18 +67,16 @@ from typing import Optional, Sequence
 import torch
 
 from shardkit.nn.data_parallel.flat_param import gathered_param_edges
-from shardkit.nn.pipe.split_backward import WeightGradPass
+from shardkit.nn.pipe.split_backward import PASS_THROUGH, WeightGradPass
 
-__all__ = ["ShardedGradientSink", "stage_is_fully_sharded", "params_outside_fsdp",
-           "end_unreached_backward", "walk_units_without_input"]
+__all__ = ["ShardedGradientSink", "stage_is_fully_sharded", "params_outside_fsdp"]
 
 # Ops whose gradient for the parameter's side reads only the other operand (the input side).
 _FRONTIER_WITHOUT_WEIGHTS = frozenset({"AddmmBackward0", "MmBackward0", "EmbeddingBackward0",
                                        "AddBackward0", "SubBackward0", "MulBackward0"})
-# Nodes on the parameter's side that move a gradient without reading any data.
-_PASS_THROUGH = frozenset({"ViewBackward0", "TBackward0", "UnsafeViewBackward0",
-                           "ExpandBackward0", "ReshapeAliasBackward0", "ToCopyBackward0",
-                           "AccumulateGrad", "_PiecesOfFullBackward"})
+# Of those, the products, with the positions of their two factors among their inputs: each
+# factor's gradient reads the other, a weight when both are parameters.
+_FACTORS = {"AddmmBackward0": (1, 2), "MmBackward0": (0, 1), "MulBackward0": (0, 1)}
 
 
 class ShardedGradientSink:
@@ -116,7 +119,10 @@ class ShardedGradientSink:
         @contextlib.contextmanager
         def around(k):
             for shard in needs[k]:
-                if not shard.gathered and shard not in gathered_here:
+                # also when gathered here for an earlier call: that call may have run a unit
+                # output's hook (W started at the op producing it, a LayerNorm ending the
+                # unit), whose end-of-backward callback freed the stage's units
+                if not shard.gathered:
                     shard.start_gather()
                     shard.finish_gather()
                     gathered_here.add(shard)
@@ -142,8 +148,8 @@ class ShardedGradientSink:
             self._touched[shard] = None
 
     def _shards_needing_weights(self, frontier, params, below) -> list:
-        reads = any(type(n).__name__ not in _FRONTIER_WITHOUT_WEIGHTS for n in frontier) or \
-            any(type(n).__name__ not in _PASS_THROUGH for n in below)
+        reads = any(_reads_weights(n, below) for n in frontier) or \
+            any(type(n).__name__ not in PASS_THROUGH for n in below)
         if not reads:
             return []
         return list(dict.fromkeys(self._owners[p][0] for p in params))
@@ -161,35 +167,15 @@ class ShardedGradientSink:
         self._unreached = set()
 
 
-def walk_units_without_input(roots: Sequence[torch.Tensor], grads: Optional[Sequence]) -> None:
-    """B of a stage wrapped in FSDP whose input B did not reach (the stage ignored it on this
-    replica, used it on another): walk the graph from ``roots`` to the units' gathered views
-    anyway, discarding what it computes, so that FSDP's hooks gather (and free) the units
-    the way a replica whose B went through them did; otherwise that replica waits in
-    gathers this one never issues. The split's nodes are not run: nothing is
-    reduce-scattered (W does that). Costs one more backward through the stage, on such a
-    replica only."""
-    edges = list(gathered_param_edges(roots))
-    if edges:
-        torch.autograd.grad(list(roots), edges, grads, retain_graph=True, allow_unused=True)
-
-
-def end_unreached_backward(module: torch.nn.Module) -> None:
-    """After B of a stage wrapped in FSDP: close, as FSDP's end-of-backward callback does, a
-    B that reached none of a root unit's hooks (the stage ignored its input on this replica,
-    so B ran no node) while units stay gathered from a forward. A replica whose B reached
-    them freed them there; without this one kept them, and its next forward's check of
-    units kept since a forward (an all-reduce) met the other replica's all-gather: a hang.
-    Local: nothing is in flight after B."""
-    from shardkit.nn.data_parallel import FullyShardedDataParallel
-
-    for root in module.modules():
-        if not isinstance(root, FullyShardedDataParallel) or root._is_root is not True:
-            continue
-        if not root._final_callback_queued and any(
-                u._shard is not None and u._shard.kept_from_forward
-                for u in root.sharded_units()):
-            root._finish_backward()
+def _reads_weights(node, below: set) -> bool:
+    """Whether W's run of frontier ``node`` (its parameter-side gradients) reads a weight: an
+    op not known to read only its other operand, or a product whose two factors are both on
+    the parameters' side (in ``below``)."""
+    kind = type(node).__name__
+    if kind not in _FRONTIER_WITHOUT_WEIGHTS:
+        return True
+    factors = [node.next_functions[k][0] for k in _FACTORS.get(kind, ())]
+    return bool(factors) and all(f is not None and f in below for f in factors)
 
 
 def stage_is_fully_sharded(module: torch.nn.Module) -> bool:

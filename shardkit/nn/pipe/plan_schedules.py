@@ -55,9 +55,8 @@ from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan,
                                    interleaved_1f1b_plan, one_f_one_b_plan, zb_h1_plan, zbv_plan)
 from shardkit.nn.pipe.schedules import (COMMUNICATION_ERRORS, ActivationMemoryMeter, busy_time,
                                         check_schedule_agreement, raise_step_failure)
-from shardkit.nn.pipe.fsdp_weight_sink import (ShardedGradientSink, end_unreached_backward,
-                                               params_outside_fsdp, stage_is_fully_sharded,
-                                               walk_units_without_input)
+from shardkit.nn.pipe.fsdp_weight_sink import (ShardedGradientSink, params_outside_fsdp,
+                                               stage_is_fully_sharded)
 from shardkit.nn.pipe.split_backward import GradientSink, backward_input
 from shardkit.nn.pipe.stage import PipelineStage, is_torch_ddp
 from shardkit.nn.pipe.ties import TiedWeights
@@ -734,14 +733,8 @@ class PlanSchedule:
         activation, roots = self._live.pop((s, i))
         roots, grads, real = self._output_grads(s, i, roots, split=True)
         result = self._backward(s, i, lambda: backward_input(
-            roots, grads, activation, self._sinks[s].weight_targets(roots, real))) \
-            if roots else None
-        if self._whole_backward[s] and roots and result is not _FAILED and any(
-                a.requires_grad for a in activation) and (
-                result is None or all(g is None for g in result[0])):
-            # the stage ignored its input here: its replicas' B may have gone through the units
-            self._backward(s, i, lambda: walk_units_without_input(roots, grads))
-            end_unreached_backward(self.stages[s].module)
+            roots, grads, activation, self._sinks[s].weight_targets(roots, real),
+            split_at_parameters=self._whole_backward[s])) if roots else None
         if result is None or result is _FAILED:
             result = [None] * len(activation), None
         input_grads, self._weights[(s, i)] = result

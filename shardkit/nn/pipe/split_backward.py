@@ -51,11 +51,17 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-__all__ = ["backward_input", "WeightGradPass", "GradientSink", "ENOUGH_ROWS"]
+__all__ = ["backward_input", "WeightGradPass", "GradientSink", "ENOUGH_ROWS", "PASS_THROUGH"]
 
 # Rows from which one micro-batch's weight-gradient product runs about as fast per row alone as
 # merged with others (CPU, one thread, d = 512-2048: 13-15 us a row from 128 rows, 31 at 8)
 ENOUGH_ROWS = 128
+
+# Nodes that move a gradient between a parameter and its first real use without reading data
+# (views, transposes, casts, the parameter's own node, FSDP's split of its gathered buffer).
+PASS_THROUGH = frozenset({"ViewBackward0", "TBackward0", "UnsafeViewBackward0",
+                          "ExpandBackward0", "ReshapeAliasBackward0", "ToCopyBackward0",
+                          "AccumulateGrad", "_PiecesOfFullBackward"})
 
 
 def _grad_node(t) -> Optional[Node]:
@@ -367,13 +373,23 @@ def _root_gradients(root_edges: list, grads: list, frontier: set, input_side: se
 
 
 def backward_input(roots: Sequence[torch.Tensor], grads: Optional[Sequence], inputs: Sequence,
-                   params: Sequence[torch.Tensor]) -> tuple[list, WeightGradPass]:
+                   params: Sequence[torch.Tensor], split_at_parameters: bool = False
+                   ) -> tuple[list, WeightGradPass]:
     """B: the gradients of ``inputs`` (``None`` where an input does not require grad or is not
     reached) for ``roots`` with gradients ``grads`` (``None``: ones, for a loss), and the W pass
     that computes ``params``' gradients later. Parameters that do not require grad are skipped.
     A parameter may also be given as a ``GradientEdge`` (an output of a node whose gradient W
     returns, keyed by the edge, without running the node): how FSDP's gathered views are
     named, whose leaf is the unit's flat buffer rather than the parameter.
+
+    ``split_at_parameters``: W starts at each parameter's first use that reads data (the
+    ``Addmm`` of a ``Linear``, past views and transposes: :func:`_data_users`) wherever that
+    use lies, not at the first node on the path to ``inputs``; B walks everything above those
+    uses, whether or not the path leads to an input. The split then depends on the
+    parameters' uses alone, not on which inputs this graph reaches: what FSDP stages need,
+    whose replicas must run the same W (the same gathers) when one replica's stage ignores its
+    input (or its input needs no gradient: a first stage) and another's does not. B then also
+    walks branches that do not lead to an input, which W walks otherwise.
     """
     roots = [r for r in roots if r.requires_grad]
     if grads is None:
@@ -392,6 +408,10 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Optional[Sequence], inp
             candidates[node] = found
     # products count as inputs: the path to them is B's, so their output gradient is known
     input_side = _reaching({_grad_node(inputs[i]) for i in wanted} | set(candidates), parents)
+    # under split_at_parameters, the parameters' data users too: B reaches those off the
+    # input path by asking autograd for the gradients arriving at them
+    users = _data_users(params, parents) - input_side if split_at_parameters else set()
+    input_side |= _reaching(users, parents)
     groups = _weight_groups(params, parents, input_side, set(root_nodes))
     products, generic = [], []
     for frontier, members in groups:
@@ -408,10 +428,14 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Optional[Sequence], inp
     captured = [node for node in frontier if node in candidates]
     recorded: dict = {}
     handles = [node.register_prehook(lambda g, node=node: recorded.__setitem__(node, g))
-               for node in frontier if node in input_side and node not in candidates]
+               for node in frontier if node in input_side and node not in candidates
+               and node not in users]
+    # the outputs of the data users off the input path that the graph uses: B stops there
+    arrivals = [GradientEdge(node, k) for node in users if node in frontier
+                for k in _used_outputs(node, parents, root_edges)]
     result: list = [None] * len(inputs)
     try:
-        targets = [inputs[i] for i in wanted] + [GradientEdge(n, 0) for n in captured]
+        targets = [inputs[i] for i in wanted] + [GradientEdge(n, 0) for n in captured] + arrivals
         if targets:
             got = torch.autograd.grad(roots, targets, grads, retain_graph=True,
                                       allow_unused=True)
@@ -419,11 +443,50 @@ def backward_input(roots: Sequence[torch.Tensor], grads: Optional[Sequence], inp
                 result[i] = g
             for node, g in zip(captured, got[len(wanted):]):
                 recorded[node] = (g,)
+            _record_arrivals(recorded, arrivals, got[len(wanted) + len(captured):])
     finally:
         for handle in handles:
             handle.remove()
     root_grads = _root_gradients(root_edges, grads, frontier, input_side)
     return result, WeightGradPass(generic, recorded, root_grads, products, input_side)
+
+
+def _data_users(params: list, parents: dict) -> set:
+    """The first nodes above each parameter that read data (past :data:`PASS_THROUGH` nodes):
+    where the parameter's gradient is computed from an activation or its gradient."""
+    users: set = set()
+    for p in params:
+        if _grad_node(p) not in parents:
+            continue  # not used by this graph
+        stack, seen = list(_first_users(p, parents)), set()
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if type(node).__name__ in PASS_THROUGH:
+                stack.extend(parents[node])
+            else:
+                users.add(node)
+    return users
+
+
+def _used_outputs(node: Node, parents: dict, root_edges: list) -> list:
+    """The forward outputs of ``node`` that some node above it, or a root, uses."""
+    used = {k for parent in parents[node] for child, k in parent.next_functions
+            if child is node}
+    used.update(e.output_nr for e in root_edges if e.node is node)
+    return sorted(used)
+
+
+def _record_arrivals(recorded: dict, edges: list, grads: Sequence) -> None:
+    """``recorded[node]``: the gradients autograd gave at ``edges`` (outputs of ``node``), in
+    the tuple form a pre-hook records (``None`` at outputs without one)."""
+    for edge, g in zip(edges, grads):
+        slots = list(recorded.get(edge.node, ()))
+        slots += [None] * (edge.output_nr + 1 - len(slots))
+        slots[edge.output_nr] = g
+        recorded[edge.node] = tuple(slots)
 
 
 class GradientSink:
