@@ -248,7 +248,7 @@ class FlatParamShard:
                                       self.layouts, self.locations):
             for module, name in locs:
                 if module._parameters.get(name) is not p:
-                    raise RuntimeError(_removed_after_wrapping(module, name, lay))
+                    raise RuntimeError(removed_after_wrapping(module, name, lay))
             if p.data.data_ptr() != view.data_ptr() or p.data.shape != view.shape:
                 if p.data.numel() != view.numel():
                     raise RuntimeError(_resized_after_wrapping(p, lay, locs))
@@ -831,7 +831,7 @@ def _resized_after_wrapping(p: nn.Parameter, layout, locations: list) -> str:
             f"resize_token_embeddings) before wrapping the model in FSDP")
 
 
-def _removed_after_wrapping(module: nn.Module, name: str, layout) -> str:
+def removed_after_wrapping(module: nn.Module, name: str, layout) -> str:
     """What went wrong when a sharded parameter is no longer registered where FSDP found it
     (``torch.nn.utils.prune`` on a wrapped module re-registers ``weight`` as ``weight_orig``,
     with a mask of the row shard's shape; ``module.weight = nn.Parameter(...)``)."""

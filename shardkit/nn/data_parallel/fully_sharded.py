@@ -70,7 +70,10 @@ every rank, or after the step inside ``summon_full_params``.
 a tensor hook of the user's, which autograd would call with ``None``); ``torch.autograd.grad``
 over a unit's parameters is refused (they are row shards). ``.to()``/``.half()``/
 ``.cuda()`` after wrapping that would change the shards' dtype or device raise (cast or move
-the module before wrapping; ``compute_dtype`` for low-precision compute).
+the module before wrapping; ``compute_dtype`` for low-precision compute). So does the next
+forward after a parameter was registered inside a unit after wrapping (an adapter, a bias, a
+tie to another unit's parameter): nothing would shard or reduce it, and each rank would train
+its own copy (see :meth:`FullyShardedDataParallel._refuse_parameters_registered_after_wrapping`).
 
 ``sharding_strategy`` picks FairScale / torch FSDP1's strategies (:mod:`.sharding_strategy`
 has each one's groups and spanning-link bytes): ``HYBRID_SHARD`` shards inside a node and
@@ -122,6 +125,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import enum
 import functools
@@ -136,7 +140,8 @@ from torch.utils._pytree import tree_map
 
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes,
-                                                  check_one_dtype, gathered_param_bytes)
+                                                  check_one_dtype, gathered_param_bytes,
+                                                  removed_after_wrapping)
 from shardkit.nn.data_parallel.fsdp_arguments import (IgnoredStates, check_bool,
                                                       check_compute_device,
                                                       check_divide_factor,
@@ -276,6 +281,21 @@ def _eager(hook):
     is what Dynamo prints for the graph break (and, under ``fullgraph=True``, in its error)."""
     return torch._dynamo.disable(hook, recursive=True, reason=_EAGER_HOOK_REASON)
 
+
+# Note: parameters registered after wrapping. A parameter registered on a module inside a unit
+# after the unit was built (an adapter or head added to a wrapped model) is not sharded: it
+# would train on each rank's own gradient, never reduced, and the ranks' copies drift apart
+# silently. torch calls a global hook at every registration; it only counts them, so that a
+# root looks through its units' modules again (at its next forward) only when some
+# registration happened since its last look.
+_PARAMETER_REGISTRATIONS = [0]
+
+
+def _count_parameter_registration(module: nn.Module, name: str, param) -> None:
+    _PARAMETER_REGISTRATIONS[0] += 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_count_parameter_registration)
 
 _MANAGED_PARAMS: dict[int, weakref.ref] = {}  # id -> parameter, for "already sharded" checks
 _UNIT_OF: dict[int, tuple] = {}  # id -> (parameter, its unit), both weakly: see unit_holding
@@ -622,6 +642,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._is_root: Optional[bool] = None
         self._root: Optional[FullyShardedDataParallel] = None
         self._require_backward_grad_sync = True
+        # root: _PARAMETER_REGISTRATIONS when its units' modules were last found to hold only
+        # their own parameters (see _refuse_parameters_registered_after_wrapping)
+        self._registrations_checked = -1
         self._pre_backward_done = False
         self._pre_backward_task = -1  # the graph task that set _pre_backward_done
         self._summoned = False  # inside summon_full_params: parameters hold full values
@@ -992,6 +1015,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             return args, kwargs
         root._recover_from_a_failed_backward()
         in_backward = root._final_callback_queued  # a recompute (activation checkpointing)
+        if self is root and not in_backward:
+            root._refuse_parameters_registered_after_wrapping()
         if not in_backward:
             self.training_state = TrainingState.FORWARD
         if self is root and not in_backward:
@@ -1009,10 +1034,29 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         policy = self.mixed_precision_policy
         if policy.enabled and policy.cast_inputs:
             dtype = policy.param_dtype
-            args, kwargs = tree_map(lambda t: _cast_floating(t, dtype), (args, kwargs))
+            args, kwargs = _map_tensors(lambda t: _cast_floating(t, dtype), (args, kwargs))
         elif self.force_input_to_fp32 and not policy.enabled:
-            args, kwargs = tree_map(_widen_to_fp32, (args, kwargs))
+            args, kwargs = _map_tensors(_widen_to_fp32, (args, kwargs))
         return args, kwargs
+
+    def _refuse_parameters_registered_after_wrapping(self) -> None:
+        """Root, as a forward starts (before any collective): a ``RuntimeError`` when a module
+        inside one of its units holds a parameter that the unit did not find there when it was
+        built: one registered after wrapping (``block.adapter = nn.Parameter(...)``, a bias
+        set on a layer built without one), which nothing would shard or reduce, so each rank
+        would train its own copy; or a unit's parameter registered at a new place (a tie made
+        after wrapping), which would read this rank's rows there. Parameters of ignored
+        modules (``ignored_modules`` / ``ignored_states``) are the user's and pass. Every rank
+        makes the same registrations, so every rank raises. Cost: nothing unless some
+        parameter was registered (anywhere in the process) since the last forward, then one
+        walk over the units' modules."""
+        if self._registrations_checked == _PARAMETER_REGISTRATIONS[0]:
+            return
+        for unit in self.sharded_units():
+            found = _parameter_registered_after_wrapping(unit)
+            if found is not None:
+                raise RuntimeError(_registered_after_wrapping(self, unit, *found))
+        self._registrations_checked = _PARAMETER_REGISTRATIONS[0]
 
     def _run_post_forward_last(self, module: nn.Module) -> None:
         """Move the unit's post-forward hook behind the forward hooks registered after it, so
@@ -1474,6 +1518,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         summoned (``recurse=False``) gather as usual, except under mixed precision, where the
         forward needs every unit summoned. A backward through it is refused.
 
+        Called as torch FSDP1's static method on a module that is not a unit itself
+        (``FSDP.summon_full_params(model)`` with FSDP units inside a plain ``model``), it
+        summons every outermost unit inside ``model`` with the same options.
+
         torch FSDP1's options: ``rank0_only=True`` gives the full values on the group's first
         rank only (the others keep their shards inside the block; it needs ``writeback=False``,
         as in torch: the other ranks could not write edits back); ``offload_to_cpu=True`` holds
@@ -1492,6 +1540,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             raise ValueError(f"summon_full_params(recurse={recurse!r}): must be True or False")
         writeback = _resolve_writeback(volatile, writeback)
         rank0_only = _check_summon_options(writeback, rank0_only, offload_to_cpu, with_grads)
+        if not isinstance(self, FullyShardedDataParallel):  # FSDP.summon_full_params(model)
+            with _summon_units_inside(self, recurse=recurse, writeback=writeback,
+                                      rank0_only=rank0_only, offload_to_cpu=offload_to_cpu):
+                yield
+            return
         keep_full = not rank0_only or self._is_first_rank()
         self._check_idle("summon_full_params")
         units = [u for u in (self.sharded_units() if recurse else [self]) if not u._summoned]
@@ -1758,6 +1811,48 @@ def _refuse_parameters_held_outside(root: FullyShardedDataParallel) -> None:
                 f"({type(outer).__name__}, or the lowest module holding both) with "
                 f"FullyShardedDataParallel, without wrapping {type(unit.module).__name__} on its "
                 f"own, or untie the parameter")
+
+
+def _parameter_registered_after_wrapping(unit: FullyShardedDataParallel) -> Optional[tuple]:
+    """``(name, module, attribute)`` of the first parameter held by a module of ``unit`` (not
+    inside an inner unit or an ignored module) where the unit did not record it when it was
+    built, else ``None``. Local."""
+    shard = unit._shard
+    recorded = set() if shard is None else \
+        {(id(m), attr) for places in shard.locations for m, attr in places}
+    ignored = IgnoredStates(tuple(unit._ignored_modules), tuple(unit._ignored_params))
+    for name, m in _named_unit_modules(unit.module, ignored):
+        for attr, p in m._parameters.items():
+            if p is not None and (id(m), attr) not in recorded and not ignored.has_param(p):
+                return name, m, attr
+    return None
+
+
+def _registered_after_wrapping(root: FullyShardedDataParallel, unit: FullyShardedDataParallel,
+                               name: str, module: nn.Module, attr: str) -> str:
+    """The error for a parameter :func:`_parameter_registered_after_wrapping` found."""
+    p = module._parameters[attr]
+    owner = unit_holding(p)
+    if owner is not None:  # a unit's parameter moved (prune's weight_orig) or tied anew
+        index = next(i for i, q in enumerate(owner._shard.params) if q is p)
+        for holder, key in owner._shard.locations[index]:
+            if holder._parameters.get(key) is not p:
+                return removed_after_wrapping(holder, key, owner._shard.layouts[index])
+    unit_name = next((clean_name(n) for n, m in root.named_modules() if m is unit), "")
+    where = ".".join(part for part in (unit_name, name, attr) if part)
+    if owner is not None:
+        return (f"FullyShardedDataParallel: {where} ({type(module).__name__}.{attr}) was set "
+                f"after wrapping to a parameter that an FSDP unit shards (this rank's rows, "
+                f"shape {tuple(p.shape)}): it would compute with those rows and its gradient "
+                f"there would never be reduced. Tie parameters before wrapping, inside the "
+                f"module that one unit wraps")
+    return (f"FullyShardedDataParallel: {where} ({type(module).__name__}.{attr}, shape "
+            f"{tuple(p.shape)}) was registered after wrapping, inside the unit around "
+            f"{type(unit.module).__name__}, which shards only the parameters it found when it "
+            f"was built: this one would stay whole on every rank and train on this rank's "
+            f"gradient alone, never reduced, so the ranks' copies would drift apart. Register "
+            f"parameters before wrapping the model in FSDP (add adapters or heads, then wrap), "
+            f"or pass the module holding it in ignored_modules and synchronise it yourself")
 
 
 def _check_wrappable(module) -> None:
@@ -2261,6 +2356,22 @@ def _check_summon_options(writeback: bool, rank0_only, offload_to_cpu, with_grad
     return rank0_only
 
 
+@contextlib.contextmanager
+def _summon_units_inside(module, **options):
+    """``summon_full_params(**options)`` of every outermost FSDP unit inside ``module``, a
+    module that is not a unit (torch FSDP1's static call on a plain model holding units).
+    Nothing to summon is fine, as in torch; something that is not an ``nn.Module`` is a
+    ValueError."""
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"FullyShardedDataParallel.summon_full_params(module="
+                         f"{type(module).__name__}): expected an FSDP unit or an nn.Module "
+                         f"holding FSDP units")
+    with contextlib.ExitStack() as stack:
+        for unit in FullyShardedDataParallel.fsdp_modules(module, root_only=True):
+            stack.enter_context(unit.summon_full_params(**options))
+        yield
+
+
 def _check_summoned_alike(root: "FullyShardedDataParallel") -> None:
     """Under mixed precision a forward must not mix summoned units (fp32 masters) with
     gathered ones (compute dtype): their activations would meet parameters of the other
@@ -2278,6 +2389,43 @@ def _refuse_backward_while_summoned(grad):
                        "summon_full_params() is not supported (its gradients would have the full "
                        "shapes, not the shards'); run forward and backward outside the block, or "
                        "the forward under torch.no_grad()")
+
+
+def _map_tensors(fn, value):
+    """``tree_map(fn, value)`` that also reaches the tensors in dataclass instances (a batch
+    object ``Batch(x=..., mask=...)`` passed to forward), which torch's pytree takes for
+    leaves: FairScale and torch FSDP1 cast a forward's inputs inside dataclasses too. A
+    dataclass whose values ``fn`` left alone is returned as it is; otherwise a shallow copy
+    holding the new values (the caller's object is not changed, and its ``__init__`` /
+    ``__post_init__`` do not run again). Local."""
+    def leaf(item):
+        if isinstance(item, torch.Tensor):
+            return fn(item)
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            return _dataclass_mapped(item, lambda v: _map_tensors(fn, v))
+        return item
+
+    return tree_map(leaf, value)
+
+
+def _dataclass_mapped(obj, fn):
+    """``obj`` with each field's value replaced by ``fn(value)``, as a shallow copy (frozen
+    dataclasses too); ``obj`` itself when no value is a new object. Fields not set (an
+    ``init=False`` field without a default) are left out."""
+    unset = object()
+    changed = {}
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name, unset)
+        if value is not unset:
+            mapped = fn(value)
+            if mapped is not value:
+                changed[field.name] = mapped
+    if not changed:
+        return obj
+    result = copy.copy(obj)
+    for name, value in changed.items():
+        object.__setattr__(result, name, value)
+    return result
 
 
 def _widen_to_fp32(t):
