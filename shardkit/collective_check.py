@@ -104,10 +104,10 @@ def _group_key(group) -> tuple:
 
 
 def _device_for(group) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """Where the fingerprints travel: :func:`shardkit.distributed._control_device`'s choice
+    (CUDA under NCCL, else the CPU), as every control message of shardkit."""
+    from shardkit import distributed  # it imports this module
+    return distributed._control_device(group)
 
 
 def check_collective(op: str, shape: Optional[tuple], dtype: Optional[torch.dtype],

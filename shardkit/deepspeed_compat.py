@@ -236,13 +236,15 @@ def _all_to_all_split(output, tensor, output_split_sizes, input_split_sizes, gro
                     f"{j} (its input_split_sizes[{j}]), which expects {every[j][n + i]} "
                     f"(its output_split_sizes[{i}]); nothing was exchanged")
     width = max(max(row) for row in sent)
+    # the ranks agreed above: the exchange itself needs no second agreement
     if all(k == width for row in sent for k in row):
-        return distributed.all_to_all_single(output, tensor, group=group, async_op=async_op)
+        return distributed.all_to_all_single(output, tensor, group=group, async_op=async_op,
+                                             check_ranks=False)
     padded = tensor.new_zeros((n * width,) + tuple(tensor.shape[1:]))
     for j, chunk in enumerate(torch.split(tensor, sends)):
         padded[j * width:j * width + sends[j]] = chunk
     received = torch.empty_like(padded)
-    distributed.all_to_all_single(received, padded, group=group)
+    distributed.all_to_all_single(received, padded, group=group, check_ranks=False)
     for j, chunk in enumerate(torch.split(output, takes)):
         chunk.copy_(received[j * width:j * width + takes[j]])
     return _Done() if async_op else None

@@ -829,7 +829,10 @@ def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtyp
     """Every collective wrapper calls this just before issuing its op: the collective debug
     mode (:mod:`shardkit.collective_check`, off by default) checks that every rank is about to
     issue the same op (with ``full``'s shape and dtype; for a byte count, ``checked_shape``
-    and ``dtype`` when given), then each active :class:`CommCounter` records it."""
+    and ``dtype`` when given), then each active :class:`CommCounter` records it. A rank
+    outside ``group`` records nothing: torch skips the op there, so nothing is sent."""
+    if _not_a_member(group):
+        return
     if checked and collective_check._enabled:
         if isinstance(full, torch.Tensor):
             shape, checked_dtype = tuple(full.shape), full.dtype
@@ -864,10 +867,7 @@ def _check_call(name: str, group, *tensors, reduce_op=None, **peers) -> None:
     rank out of range, so peers are checked here. A rank outside ``group`` is not checked
     further: torch skips the op there. Local; no communication."""
     what = f"shardkit.distributed.{name}"
-    if not is_initialized():
-        raise RuntimeError(f"{what} needs a process group: call "
-                           f"shardkit.distributed.init_distributed() (under torchrun) or "
-                           f"torch.distributed.init_process_group(...) first")
+    _require_process_group(what)
     check_group(group, what)
     for tensor in tensors:
         if not isinstance(tensor, torch.Tensor):
@@ -879,6 +879,14 @@ def _check_call(name: str, group, *tensors, reduce_op=None, **peers) -> None:
         return
     for argument, peer in peers.items():
         _check_peer(what, argument, peer, group)
+
+
+def _require_process_group(what: str) -> None:
+    """Raise a RuntimeError naming the collective ``what`` when no process group exists."""
+    if not is_initialized():
+        raise RuntimeError(f"{what} needs a process group: call "
+                           f"shardkit.distributed.init_distributed() (under torchrun) or "
+                           f"torch.distributed.init_process_group(...) first")
 
 
 def _check_peer(what: str, argument: str, peer, group) -> None:
@@ -926,10 +934,11 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     along dim 0, as torch's) and leave chunk ``rank`` in ``output``.
 
     Wire: ``(n-1)/n`` of the input's bytes. Raises ``ValueError`` when the sizes disagree.
+    A rank outside ``group`` takes no part (torch skips the op there; ``None`` comes back).
     """
     _check_call("reduce_scatter_tensor", group, output, input, reduce_op=op)
     n = get_world_size(group)
-    if input.numel() != output.numel() * n:
+    if input.numel() != output.numel() * n and not _not_a_member(group):
         raise ValueError(f"reduce_scatter_tensor: input has {input.numel()} elements; it must be "
                          f"world size {n} x output's {output.numel()} = {output.numel() * n}")
     _record("reduce_scatter", input, group)
@@ -953,10 +962,11 @@ def _flat_when_contiguous(output: torch.Tensor, input: torch.Tensor,
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None,
                            async_op: bool = False):
     """Gather every rank's ``input`` into ``output`` (rank-major: the inputs concatenated or
-    stacked along dim 0, as torch's). Wire: ``(n-1)/n`` of output."""
+    stacked along dim 0, as torch's). Wire: ``(n-1)/n`` of output. A rank outside ``group``
+    takes no part (torch skips the op there; ``None`` comes back)."""
     _check_call("all_gather_into_tensor", group, output, input)
     n = get_world_size(group)
-    if output.numel() != input.numel() * n:
+    if output.numel() != input.numel() * n and not _not_a_member(group):
         raise ValueError(f"all_gather_into_tensor: output has {output.numel()} elements; it must "
                          f"be world size {n} x input's {input.numel()} = {input.numel() * n}")
     _record("all_gather", output, group)
@@ -1017,19 +1027,34 @@ def all_gather(tensors: list[torch.Tensor], tensor: torch.Tensor, group=None,
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
-                      async_op: bool = False, counted_as: str = "all_to_all"):
+                      async_op: bool = False, counted_as: str = "all_to_all",
+                      check_ranks: bool = True):
     """Split ``input`` into ``n`` equal rank-major chunks, send chunk ``j`` to rank ``j`` and
     receive every rank's chunk for this rank into ``output`` (rank-major). Wire: ``(n-1)/n`` of
     the input's bytes, recorded under ``counted_as`` (a transport that builds a reduce-scatter
     from it records ``"reduce_scatter"``: the same bytes, the op the caller asked for). A
     non-contiguous ``input`` is sent as a contiguous copy, and a non-contiguous ``output``
     receives through a contiguous temporary (with ``async_op``, the handle's ``wait()``
-    copies it in)."""
+    copies it in).
+
+    Before it (``check_ranks``, the default), one all-gather of ``2n + 2`` int64s a rank
+    (``8n(2n + 2)`` bytes, not counted by :class:`CommCounter`) compares every rank's call
+    on every rank: sizes that do not fit on one rank, tensors whose elements or dtype differ
+    between ranks, or ranks that passed split sizes to ``shardkit.comm.all_to_all_single``
+    while this one passed none (that call's own agreement meets this one) raise a ValueError
+    on every rank before any data moves, where gloo hung or aborted. ``check_ranks=False``:
+    for a caller whose sizes every rank derives alike (a transport), no agreement."""
     _check_call("all_to_all_single", group, output, input)
     n = get_world_size(group)
+    problem = None
     if input.numel() != output.numel() or input.numel() % n:
-        raise ValueError(f"all_to_all_single: input has {input.numel()} elements and output "
-                         f"{output.numel()}; they must be equal and divisible by world size {n}")
+        problem = ValueError(f"all_to_all_single: input has {input.numel()} elements and "
+                             f"output {output.numel()}; they must be equal and divisible by "
+                             f"world size {n}")
+    if check_ranks and not _not_a_member(group):
+        _agree_on_equal_chunks(problem, input, group)
+    elif problem is not None:
+        raise problem
     _record(counted_as, input, group, kind="all_to_all")
     # Note: gloo receives into a non-contiguous output's storage as if it were contiguous
     # (a transposed output got other elements, silently), and refuses a non-contiguous
@@ -1037,6 +1062,45 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
     landing = output if output.is_contiguous() else output.contiguous()
     work = dist.all_to_all_single(landing, input.contiguous(), group=group, async_op=async_op)
     return _landed(work, landing, output, async_op)
+
+
+# Note: an all-to-all with split sizes (shardkit.comm's) agrees first on rows of
+# ``[ok, input_split_sizes (n), output_split_sizes (n), dtype]``; a plain all-to-all sends a
+# row of that width too, so that where some ranks pass split sizes and others none, the two
+# agreements meet (instead of an agreement meeting the data exchange: a hang). A plain row
+# reads ``ok = 0`` to the split form (whose ranks then raise, naming the plain ranks) and
+# carries ``_EQUAL_CHUNKS`` where the split form carries its first split size.
+_EQUAL_CHUNKS = -2
+
+
+def _agree_on_equal_chunks(problem: Optional[Exception], input: torch.Tensor, group) -> None:
+    """:func:`all_to_all_single`'s agreement (see the note above): raise ``problem`` here,
+    and a ValueError on every other rank, where any rank's call does not fit the others'."""
+    what = "all_to_all_single"
+    n = get_world_size(group)
+    facts = [_EQUAL_CHUNKS, input.numel(), _dtype_code(input.dtype)] if problem is None \
+        else [-1, -1, -1]
+    row = [0, *facts] + [_EQUAL_CHUNKS if problem is None else -1] * (2 * n - 2)
+    rows = _gather_rows(what, row, group, _control_device(group, input))
+    if problem is not None:
+        raise problem
+    plain = [r for r, (ok, kind, *_) in enumerate(rows) if not ok and kind == _EQUAL_CHUNKS]
+    failed = [r for r, (ok, *_) in enumerate(rows) if not ok and r not in plain]
+    split = [r for r, (ok, *_) in enumerate(rows) if ok]
+    if failed:
+        raise ValueError(f"{what}: group rank(s) {failed} were given arguments that do not "
+                         f"fit (their ValueError says which); nothing was exchanged")
+    if split:
+        raise ValueError(f"{what}: group rank(s) {split} passed split sizes "
+                         f"(output_split_sizes / input_split_sizes) and group rank(s) {plain} "
+                         f"passed none; every rank of the group must pass split sizes, or "
+                         f"none; nothing was exchanged")
+    sizes = [(numel, code) for _, _, numel, code, *_ in rows]
+    if len(set(sizes)) > 1:
+        described = [(numel, _dtype_name(code)) for numel, code in sizes]
+        raise ValueError(f"{what}: the ranks' tensors differ ((elements, dtype) per group "
+                         f"rank: {described}); every rank must exchange as many elements of "
+                         f"one dtype; nothing was exchanged")
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False):
@@ -1205,14 +1269,19 @@ def barrier(group=None) -> None:
 
 def monitored_barrier(group=None, timeout: Optional[datetime.timedelta] = None,
                       wait_all_ranks: bool = False) -> None:
-    """torch's ``monitored_barrier``: a barrier (gloo only) that names the ranks that did not
-    reach it within ``timeout`` (a positive ``timedelta``; ``None``: the group's timeout), all
-    of them with ``wait_all_ranks``, else the first. Wire: 0 counted bytes.
+    """torch's ``monitored_barrier``: a barrier (on gloo) that names the ranks that did not
+    reach it within ``timeout`` (a positive ``timedelta``; ``None``: the group's own timeout,
+    where torch's would wait its 30-minute default), all of them with ``wait_all_ranks``, else
+    the first. Any group whose CPU tensors gloo carries takes it: a ``"gloo"`` group, and
+    torch's default and per-device groups (``init_process_group()`` without a backend reads
+    ``"undefined"``; ``"cpu:gloo,cuda:nccl"``), which torch's function refuses by their name
+    although their process group runs it (on the CPU, as torch's does). Wire: 0 counted
+    bytes.
 
     Raises:
-        ValueError: a ``timeout`` that is not a positive ``timedelta``, or a group whose
-            backend is not gloo (torch implements it for gloo only); on every rank alike,
-            before anything is sent.
+        ValueError: a ``timeout`` that is not a positive ``timedelta``, or a group whose CPU
+            tensors gloo does not carry (torch implements it for gloo only); on every rank
+            alike, before anything is sent.
     """
     what = "shardkit.distributed.monitored_barrier"
     _check_call("monitored_barrier", group)
@@ -1222,12 +1291,16 @@ def monitored_barrier(group=None, timeout: Optional[datetime.timedelta] = None,
                          f"or None (the group's timeout)")
     if _not_a_member(group):
         return
-    if backend_of(group) != "gloo":
+    if not _gloo_carries(group):
         raise ValueError(f"{what}(group=...): the group's backend is {backend_of(group)!r}; "
                          f"torch implements monitored_barrier for gloo only (use barrier, or a "
                          f"gloo group from new_group(ranks, backend='gloo'))")
+    if timeout is None:
+        seconds = timeout_of(group)
+        timeout = dist.default_pg_timeout if seconds is None else \
+            datetime.timedelta(seconds=seconds)
     _record("barrier", 0, group)
-    dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+    resolved_group(group).monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
 
 
 class _Finished:
@@ -1331,14 +1404,21 @@ def _dtype_name(code: int) -> str:
     return f"dtype #{code}"
 
 
+def _op_name(code: int) -> str:
+    """The ReduceOp an argument agreement carried as ``code`` (``-1``: one built at run
+    time), for error messages."""
+    return str(ReduceOp.RedOpType(code)).rsplit(".", 1)[-1] if code >= 0 else "?"
+
+
 def _signature(pairs) -> int:
     """A number naming a list of ``(elements, dtype code)`` alike on every rank."""
     return zlib.crc32(repr([(int(k), int(c)) for k, c in pairs]).encode())
 
 
 def _control_device(group, *tensors) -> torch.device:
-    """Where a control message of ``group`` lives: the first tensor's device, else the CUDA
-    device under NCCL, else the CPU. Local."""
+    """Where a control message of ``group`` lives: the first tensor's device, else this
+    process's CUDA device for an NCCL group (NCCL carries CUDA tensors only), else the CPU
+    (a mixed group such as ``"cpu:gloo,cuda:nccl"`` carries CPU tensors on gloo). Local."""
     for t in tensors:
         if isinstance(t, torch.Tensor):
             return t.device
@@ -1355,15 +1435,8 @@ def _agree_on_call(what: str, problem, facts: Sequence[int], group, device,
     other rank raises a ValueError naming the group ranks that had one (``outcome`` tells
     them what happened), so no rank goes on alone. Returns every rank's ``facts`` (group-rank
     order), for checks the caller makes alike on every rank."""
-    n = get_world_size(group)
-    width = 1 + len(facts)
     row = [1, *(int(f) for f in facts)] if problem is None else [0] + [-1] * len(facts)
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
-    every = torch.empty(width * n, dtype=torch.int64, device=device)
-    _record("all_gather", every, group, counted=False)
-    with reporting_broken_links(f"{what.rsplit('.', 1)[-1]} (argument check)", group):
-        _all_gather_tensor(every, mine, group=group)
-    rows = every.view(n, width).tolist()
+    rows = _gather_rows(what, row, group, device)
     if problem is not None:
         raise problem if isinstance(problem, BaseException) else ValueError(problem)
     failed = [r for r, (ok, *_) in enumerate(rows) if not ok]
@@ -1371,6 +1444,19 @@ def _agree_on_call(what: str, problem, facts: Sequence[int], group, device,
         raise ValueError(f"{what}: group rank(s) {failed} were given arguments that do not "
                          f"fit (their ValueError says which); {outcome}")
     return [facts_of_rank for _, *facts_of_rank in rows]
+
+
+def _gather_rows(what: str, row: Sequence[int], group, device) -> list:
+    """Every rank's ``row`` (int64s, of one length on every rank) in group-rank order: one
+    all-gather on ``device``, a control message that :class:`CommCounter` does not count."""
+    _require_process_group(what)
+    n = get_world_size(group)
+    mine = torch.tensor(list(row), dtype=torch.int64, device=device)
+    every = torch.empty(len(row) * n, dtype=torch.int64, device=device)
+    _record("all_gather", every, group, counted=False)
+    with reporting_broken_links(f"{what.rsplit('.', 1)[-1]} (argument check)", group):
+        _all_gather_tensor(every, mine, group=group)
+    return every.view(n, len(row)).tolist()
 
 
 def _agree_on_root(what: str, root_name: str, root, problem: Optional[str], group,
@@ -1522,12 +1608,45 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op=ReduceOp.SUM, group
     DeepSpeed's) ``all_reduce_coalesced``: the tensors of one device and dtype travel as one
     flat buffer, so one :func:`all_reduce` per dtype (any shapes, any mix of dtypes). Memory:
     a flat temporary per dtype. With ``async_op`` a handle whose ``wait()`` copies the sums
-    back. Wire: ``2(n-1)/n`` of the tensors' bytes, counted as ``all_reduce``."""
+    back. Wire: ``2(n-1)/n`` of the tensors' bytes, counted as ``all_reduce``.
+
+    Before it, one all-gather of four int64s a rank (``32n`` bytes for ``n`` ranks, not
+    counted by :class:`CommCounter`) checks every rank's list on every rank: a bad list on
+    one rank, or lists whose number of tensors, elements or dtypes (in order), or ops, differ
+    between ranks (gloo aborts on flat buffers of different sizes; buffers of one size are
+    summed across the wrong tensors, silently), raise a ValueError on every rank, naming the
+    ranks, before anything is sent.
+
+    Raises:
+        TypeError: ``tensors`` not a list of tensors, or ``op`` not a ReduceOp (on that rank;
+            a ValueError on the others).
+        ValueError: lists or ops that differ between ranks.
+    """
     what = "shardkit.distributed.all_reduce_coalesced"
-    tensors = _tensor_list(what, "tensors", tensors)
-    _check_call("all_reduce_coalesced", group, *tensors, reduce_op=op)
+    _check_call("all_reduce_coalesced", group)
     if _not_a_member(group):
+        _check_call("all_reduce_coalesced", group, *_tensor_list(what, "tensors", tensors),
+                    reduce_op=op)
         return _Finished() if async_op else None
+    problem = None
+    try:
+        tensors = _tensor_list(what, "tensors", tensors)
+        _check_call("all_reduce_coalesced", group, *tensors, reduce_op=op)
+    except (TypeError, ValueError) as error:
+        problem, tensors = error, []
+    # an op torch builds at run time (premul_sum) has no name that every rank shares
+    op_code = int(op) if isinstance(op, ReduceOp.RedOpType) else -1
+    sizes = [(t.numel(), _dtype_code(t.dtype)) for t in tensors]
+    rows = _agree_on_call(what, problem, [len(tensors), _signature(sizes), op_code], group,
+                          _control_device(group, *tensors))
+    differ = [r for r, row in enumerate(rows) if row != rows[0]]
+    if differ:
+        raise ValueError(
+            f"{what}(tensors=...): group rank(s) {differ} pass other tensors or another op than "
+            f"group rank 0 (number of tensors per group rank: {[k for k, *_ in rows]}; ops: "
+            f"{[_op_name(o) for *_, o in rows]}; elements or dtypes differ where those agree); "
+            f"every rank must pass as many tensors, of the same elements and dtypes in the same "
+            f"order, and the same op; nothing was sent")
     works, copies = [], []
     for bucket in _by_dtype(enumerate(tensors)):
         flat = torch.cat([t.reshape(-1) for _, t in bucket])

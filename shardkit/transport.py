@@ -380,7 +380,7 @@ class ProcessGroupTransport(Transport):
     def prepare(self, group) -> None:
         """On gloo with several ranks, open ``group``'s lanes (see the note above
         :data:`_LANES`): collective over its ranks, once per process and group."""
-        if _uses_point_to_point(group):
+        if _uses_point_to_point(group, _lanes_device()):
             _open_lanes(group)
 
     def describe(self, group=None) -> str:
@@ -392,7 +392,7 @@ class ProcessGroupTransport(Transport):
         if output.numel() != n * input.numel():
             raise ValueError(f"all_gather: output has {output.numel()} elements; it must be "
                              f"world size {n} x input's {input.numel()}")
-        if not _uses_point_to_point(group):
+        if not _uses_point_to_point(group, output.device):
             return CommHandle([skdist.all_gather_into_tensor(output, input, group=group,
                                                              async_op=True)], lambda: output)
         segments = output.view(n, -1)
@@ -404,7 +404,7 @@ class ProcessGroupTransport(Transport):
 
     @_reports_broken_links
     def all_gather_chunks(self, fulls, chunks, group):
-        if not _uses_point_to_point(group):
+        if not _uses_point_to_point(group, chunks[0].device if chunks else None):
             return super().all_gather_chunks(fulls, chunks, group)
         # Note: on gloo each rank sends the valid part of its chunk of every tensor straight
         # into the peers' full tensors: no scratch buffer, no unpacking copy, no padding sent.
@@ -429,7 +429,7 @@ class ProcessGroupTransport(Transport):
 
     @_reports_broken_links
     def all_gather_segments(self, output, sizes, group):
-        if not _uses_point_to_point(group) or len(set(sizes)) == 1:
+        if not _uses_point_to_point(group, output.device) or len(set(sizes)) == 1:
             return super().all_gather_segments(output, sizes, group)
         # Note: on gloo each rank sends its segment straight into every peer's output and
         # receives theirs in place: exactly the unpadded bytes, one batch.
@@ -448,7 +448,7 @@ class ProcessGroupTransport(Transport):
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, not divisible "
                              f"by world size {n}")
         segment = input.numel() // n
-        if not _uses_point_to_point(group):
+        if not _uses_point_to_point(group, input.device):
             out = torch.empty(segment, dtype=input.dtype, device=input.device)
             work = skdist.reduce_scatter_tensor(out, input, group=group, async_op=True)
             return CommHandle([work], lambda: out)
@@ -476,7 +476,8 @@ class ProcessGroupTransport(Transport):
     @_reports_broken_links
     def reduce_scatter_chunks(self, tensors, chunk_numels, group, *, scale=1.0, dtype=None):
         dtype = dtype or (tensors[0].dtype if tensors else None)
-        if not tensors or not _uses_point_to_point(group) or dtype.itemsize < 4 or \
+        if not tensors or not _uses_point_to_point(group, tensors[0].device) or \
+                dtype.itemsize < 4 or \
                 any(t.dtype != dtype or not t.is_contiguous() for t in tensors):
             return super().reduce_scatter_chunks(tensors, chunk_numels, group, scale=scale,
                                                  dtype=dtype)
@@ -524,7 +525,8 @@ class ProcessGroupTransport(Transport):
         # receives: exactly (N-1)/N of the bucket per rank. gloo's own reduce moved about twice
         # that between two nodes (measured on the simulated cluster).
         sizes = [0 if s is None else s.numel() for s in segments]
-        if not _uses_point_to_point(group):
+        ref = next(s for s in segments if s is not None)
+        if not _uses_point_to_point(group, ref.device):
             if max(sizes) * len(sizes) <= 1.1 * sum(sizes):
                 return super().reduce_to_owners(segments, group)
             works = [skdist.reduce(s, dst=skdist.get_global_rank(group, r), group=group,
@@ -549,7 +551,6 @@ class ProcessGroupTransport(Transport):
                 mine.add_(buf)
             return mine
         # a rooted op: counted as (N-1)/N of the whole bucket on every rank (DESIGN.md)
-        ref = next(s for s in segments if s is not None)
         nbytes = sum(sizes) * ref.element_size()
         return CommHandle(_issue(ops, "reduce", group, logical_bytes=nbytes,
                                  shape=(sum(sizes),)), finish, completes_when_waited=True)
@@ -566,8 +567,10 @@ class ProcessGroupTransport(Transport):
 
     @_reports_broken_links
     def all_to_all(self, output, input, group):
-        return CommHandle([skdist.all_to_all_single(output, input, group=group, async_op=True)],
-                          lambda: output)
+        # the wrappers' sizes come from one partition on every rank: no argument agreement
+        work = skdist.all_to_all_single(output, input, group=group, async_op=True,
+                                        check_ranks=False)
+        return CommHandle([work], lambda: output)
 
 
 def segment_views(output: torch.Tensor, sizes: Sequence[int], n: int) -> list[torch.Tensor]:
@@ -668,10 +671,20 @@ def _issue(ops: list, counted_as: str, group, logical_bytes: Optional[int] = Non
                                     logical_bytes=logical_bytes, logical_shape=shape)
 
 
-def _uses_point_to_point(group) -> bool:
-    """gloo's all-gather copies its output through a temporary and its reduce-scatter runs
-    synchronously in the caller (measured 2-4x slower than sends of the same bytes here)."""
-    return skdist.backend_of(group) == "gloo" and skdist.get_world_size(group) > 1
+def _uses_point_to_point(group, device: Optional[torch.device] = None) -> bool:
+    """Whether ``group``'s operations on tensors of ``device`` (default: the CPU) run as
+    sends and receives: where gloo carries them (a ``"gloo"`` group, and torch's default and
+    per-device groups, ``"undefined"`` or ``"cpu:gloo,cuda:nccl"``, for CPU tensors), with
+    several ranks. gloo's all-gather copies its output through a temporary and its
+    reduce-scatter runs synchronously in the caller (measured 2-4x slower than sends of the
+    same bytes here), and its works report completion only when waited for."""
+    return skdist.get_world_size(group) > 1 and skdist._gloo_carries(group, device)
+
+
+def _lanes_device() -> torch.device:
+    """The device whose tensors the wrappers of this process exchange, for choosing at
+    :meth:`ProcessGroupTransport.prepare` whether lanes pay (CUDA where there is one)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _padded_chunk(flat: torch.Tensor, r: int, c: int) -> torch.Tensor:

@@ -240,10 +240,11 @@ def _attempt(action) -> Optional[BaseException]:
 
 def agreement_device(group=None) -> Optional[torch.device]:
     """Where a one-element agreement all-reduce over ``group`` must live: this process's CUDA
-    device for an NCCL group (NCCL reduces CUDA tensors only), else the CPU (``None``)."""
-    if distributed.backend_of(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return None
+    device for an NCCL group (NCCL reduces CUDA tensors only), else the CPU, read ``None``
+    (the default device of ``torch.tensor``). The choice is
+    :func:`shardkit.distributed._control_device`'s, for every control message alike."""
+    device = distributed._control_device(group)
+    return None if device.type == "cpu" else device
 
 
 def _agree_or_raise(error: Optional[BaseException], what: str, staging: str,
