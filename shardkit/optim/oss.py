@@ -168,6 +168,7 @@ class OSS(torch.optim.Optimizer):
         self._found_inf_agreed = False  # ShardedGradScaler combined this step's inf/nan flags
         self._consolidated: Optional[dict] = None
         self._parked_state: dict = {}  # state of frozen parameters last owned here
+        self._sparse_refusals: dict = {}  # optimizer settings -> refusal of sparse gradients
         args.check_no_shared_storage(groups, self.world_size)
         # local (no collective), so that bad hyper-parameters fail before any collective starts
         self._plan = plan_ownership(_trainable(groups), self.world_size, bucket_numel)
@@ -300,6 +301,9 @@ class OSS(torch.optim.Optimizer):
         shard that overflowed on some ranks only, as under ``ShardedDataParallel``) raise a
         RuntimeError on every rank, since its ``update()`` would move the loss scales apart.
 
+        A sparse gradient the optimizer refuses (Adam over ``nn.Embedding(sparse=True)``) is a
+        RuntimeError on every rank that holds it (under DDP, all), before any collective.
+
         Communication: ``Ψ(N-1)/N`` elements in all, one all-gather per bucket.
         """
         found_inf_agreed, self._found_inf_agreed = self._found_inf_agreed, False
@@ -307,6 +311,7 @@ class OSS(torch.optim.Optimizer):
             return self._finish_step_begun_in_backward(closure, kwargs)
         self._check_trainable_covered()
         self._sync.wait()
+        self._check_sparse_gradients_steppable()
         if "found_inf" in self.__dict__ and self._skip_scaled_step(found_inf_agreed):
             return None
         self._consolidated = None
@@ -323,6 +328,29 @@ class OSS(torch.optim.Optimizer):
             self._sync.sync_all()
         self._pull_hyperparameters()
         return loss
+
+    def _check_sparse_gradients_steppable(self) -> None:
+        """Raise a RuntimeError, before any collective, when a partitioned parameter holds a
+        sparse gradient that the optimizer refuses (Adam, AdamW... over an
+        ``nn.Embedding(sparse=True)``; see :func:`.oss_arguments.sparse_gradient_problem`).
+        Every rank that holds the gradient raises (under DDP: every rank); only the owner's
+        step raised before, and the other ranks waited in the parameter sync until the
+        collective timed out. Local: one look at each gradient's layout, and a cached trial
+        step the first time sparse gradients meet some optimizer settings."""
+        for g, group in enumerate(self.param_groups):
+            sparse = [(i, p) for i, p in enumerate(group["params"])
+                      if p.grad is not None and p.grad.is_sparse and p in self.partition]
+            if not sparse:
+                continue
+            hyper = _hyper(group, names=False)
+            for i, p in sparse:
+                name = f" ({group['param_names'][i]!r})" if "param_names" in group else ""
+                problem = args.sparse_gradient_problem(
+                    "OSS.step", type(self.optim), hyper, p,
+                    f"parameter {i}{name} of param group {g}", self._sparse_refusals)
+                if problem:
+                    self._forget_scaler_handoff()
+                    raise RuntimeError(problem)
 
     def _closure_on_every_rank(self, closure: Optional[Callable]) -> Callable:
         """The closure an optimizer run over the whole model (LBFGS) gets: every rank evaluates
@@ -358,8 +386,7 @@ class OSS(torch.optim.Optimizer):
         inf/nan); otherwise unscale the gradients the scaler left scaled and return False."""
         ranks_with_inf = self._count_ranks_that_found_inf(found_inf_agreed)
         if 0 < ranks_with_inf < self.world_size:
-            for name in ("grad_scale", "found_inf"):  # the scaler deletes them only if step returns
-                self.__dict__.pop(name, None)
+            self._forget_scaler_handoff()
             raise RuntimeError(
                 f"OSS.step: the GradScaler found inf/nan gradients on {ranks_with_inf} of "
                 f"{self.world_size} ranks only: torch.amp.GradScaler checks the gradients this "
@@ -373,6 +400,12 @@ class OSS(torch.optim.Optimizer):
         if grad_scale is not None:  # torch's scaler leaves unscaling to an optimizer like this
             _unscale_grads([p for g in self.param_groups for p in g["params"]], grad_scale)
         return False
+
+    def _forget_scaler_handoff(self) -> None:
+        """Drop the ``grad_scale`` / ``found_inf`` a GradScaler set for this step, before
+        ``step`` raises: the scaler deletes them only if ``step`` returns."""
+        for name in ("grad_scale", "found_inf"):
+            self.__dict__.pop(name, None)
 
     def _count_ranks_that_found_inf(self, found_inf_agreed: bool) -> int:
         """How many ranks of the group found inf/nan: one all-reduce of one element, unless the
@@ -698,8 +731,7 @@ class OSS(torch.optim.Optimizer):
     def _refuse_loss_scaling(self) -> None:
         if "found_inf" not in self.__dict__:
             return
-        for name in ("grad_scale", "found_inf"):  # the scaler deletes them only if step returns
-            self.__dict__.pop(name, None)
+        self._forget_scaler_handoff()
         raise RuntimeError("OSS.step: called by a GradScaler, but " + STEPPED_WITH_SCALED_GRADS)
 
     def _finish_step_begun_in_backward(self, closure, kwargs):

@@ -20,7 +20,8 @@ __all__ = ["NOT_GIVEN", "place_broadcast_fp16", "check_deprecated_fairscale_argu
            "resolve_optimizer", "optimizer_name", "check_built_optimizer",
            "drop_deprecated_fairscale_kwargs", "check_optimizer_class", "check_takeover_arguments",
            "normalize_param_groups", "check_same_model_on_every_rank", "trainable_signature",
-           "optimizer_settings", "groups_of", "constructor_kwargs", "state_key_problem"]
+           "optimizer_settings", "groups_of", "constructor_kwargs", "state_key_problem",
+           "sparse_gradient_problem"]
 
 # FairScale OSS arguments that no longer do anything there either; accepted and ignored.
 _DEPRECATED_FAIRSCALE_KWARGS = ("broadcast_buffer_size", "force_broadcast_object")
@@ -431,13 +432,77 @@ def _step_stand_in(optim_cls: type, hyper: dict, param: torch.Tensor) -> Optiona
     stand_in = torch.nn.Parameter(torch.zeros((1,) * param.dim(), dtype=param.dtype,
                                               device=param.device))
     stand_in.grad = torch.zeros_like(stand_in)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        try:
-            optimizer = optim_cls([{**hyper, "params": [stand_in]}])
-            step = type(optimizer).step
-            # torch's hooked step runs the global step hooks (a user's logging, EMA...) and
-            # profiler marks: the trial runs the step under it, which none of them sees
-            (step.__wrapped__ if getattr(step, "hooked", False) else step)(optimizer)
-        except Exception:  # a class that needs more (a closure, sparse gradients): not checked
-            return None
+    try:
+        optimizer = _stepped_throwaway(optim_cls, hyper, stand_in)
+    except Exception:  # a class that needs more (a closure, sparse gradients): not checked
+        return None
     return frozenset(optimizer.state.get(stand_in, {}))
+
+
+def _stepped_throwaway(optim_cls: type, hyper: dict,
+                       stand_in: torch.nn.Parameter) -> torch.optim.Optimizer:
+    """A throwaway ``optim_cls`` over ``stand_in`` (its ``.grad`` set) after one step, under
+    ``torch.no_grad``; the global RNG is left as it was. Raises what the step raises."""
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        optimizer = optim_cls([{**hyper, "params": [stand_in]}])
+        step = type(optimizer).step
+        # torch's hooked step runs the global step hooks (a user's logging, EMA...) and
+        # profiler marks: the trial runs the step under it, which none of them sees
+        (step.__wrapped__ if getattr(step, "hooked", False) else step)(optimizer)
+    return optimizer
+
+
+def sparse_gradient_problem(caller: str, optim_cls: type, hyper: dict, param: torch.Tensor,
+                            label: str, known: dict) -> Optional[str]:
+    """Why ``optim_cls`` with the group hyper-parameters ``hyper`` cannot step the sparse
+    gradient ``param`` holds (``nn.Embedding(sparse=True)``; ``label`` says where the parameter
+    is), or ``None`` when it can or that cannot be told.
+
+    Every rank that holds the gradient can ask this before the step (under DDP, all of them),
+    so that all raise alike; otherwise only the owner's optimizer (Adam, AdamW...) failed and
+    the other ranks waited in the parameter sync until the collective timed out. Told by a
+    throwaway optimizer of the same class and settings stepping a two-element stand-in of
+    ``param``'s dimensions once with a dense gradient (which must work, or nothing is told)
+    and once with a sparse one; only torch's and shardkit's classes are tried (another class's
+    step may do more than update its parameters). Cached in ``known`` by the settings that
+    choose an implementation (``foreach``, ``fused``, ``differentiable``...: the values that
+    are None, a bool or a string), not by the numbers a scheduler changes every step. Local."""
+    module = getattr(optim_cls, "__module__", "") or ""
+    if not isinstance(optim_cls, type) or param.dim() == 0 \
+            or not module.startswith(("torch.optim", "shardkit.optim", "shardkit.ops")):
+        return None
+    hyper = {k: v for k, v in hyper.items() if k != "param_names"}
+    switches = tuple((k, v) for k, v in sorted(hyper.items())
+                     if v is None or isinstance(v, (bool, str)))
+    key = ("sparse", optim_cls, switches, param.dim(), param.dtype, param.device)
+    if key not in known:
+        known[key] = _sparse_step_refusal(optim_cls, hyper, param)
+    refusal = known[key]
+    if refusal is None:
+        return None
+    return (f"{caller}: {label} (shape {tuple(param.shape)}) has a sparse gradient "
+            f"(nn.Embedding(sparse=True)?), which {optim_cls.__name__} with these settings "
+            f"does not step ({refusal}); use an optimizer that takes sparse gradients for it "
+            f"(torch.optim.SGD, Adagrad, SparseAdam) or build the embedding with sparse=False. "
+            f"No parameter was stepped")
+
+
+def _sparse_step_refusal(optim_cls: type, hyper: dict, param: torch.Tensor) -> Optional[str]:
+    """The error ``optim_cls`` raises stepping a sparse gradient of a parameter like ``param``
+    where it steps a dense one; ``None`` when it steps both, or fails on both."""
+    shape = (2,) + (1,) * (param.dim() - 1)
+
+    def stand_in(sparse: bool) -> torch.nn.Parameter:
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=param.dtype, device=param.device))
+        grad = torch.ones_like(p)
+        p.grad = grad.to_sparse() if sparse else grad
+        return p
+    try:
+        _stepped_throwaway(optim_cls, hyper, stand_in(sparse=False))
+    except Exception:  # noqa: BLE001 - it needs more than a gradient (a closure...): not told
+        return None
+    try:
+        _stepped_throwaway(optim_cls, hyper, stand_in(sparse=True))
+    except Exception as error:  # noqa: BLE001 - the optimizer's own refusal, quoted
+        return f"{type(error).__name__}: {error}"
+    return None
