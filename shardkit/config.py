@@ -17,8 +17,8 @@ Keys that change behaviour:
     WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, and, as DeepSpeed's
     getattr(torch.optim.lr_scheduler, type) fallback, StepLR, MultiStepLR, ConstantLR,
     LinearLR, ExponentialLR, PolynomialLR, CosineAnnealingLR, CosineAnnealingWarmRestarts,
-    CyclicLR, OneCycleLR and ReduceLROnPlateau, their params checked against the constructor),
-    params}, gradient_clipping,
+    CyclicLR, OneCycleLR and ReduceLROnPlateau, their params and the JSON types of their values
+    checked against the constructor), params}, gradient_clipping,
     steps_per_print,
     gradient_allreduce_op ("mean", the default, or "sum": gradients summed over the
     data-parallel ranks; stages 0-2),
@@ -83,6 +83,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
@@ -1014,9 +1015,11 @@ def _scheduler_spec(section) -> Optional[SchedulerSpec]:
 
 def _torch_scheduler_spec(kind: str, params) -> SchedulerSpec:
     """DeepSpeed's fallback, ``getattr(torch.optim.lr_scheduler, type)(optimizer, **params)``:
-    the keys are checked against the constructor's arguments here; the values are checked by
-    ``initialize``, which builds the scheduler once beside the optimizer before any
-    collective (torch's own checks need the optimizer's param groups)."""
+    the keys are checked against the constructor's arguments here, and each value's JSON type
+    against the argument's annotation (torch compares or multiplies most values only at some
+    later step: ``gamma: "0.5"`` failed mid-training, ``milestones: ["2"]`` never decayed);
+    the values are checked by ``initialize``, which builds the scheduler once beside the
+    optimizer before any collective (torch's own checks need the optimizer's param groups)."""
     import inspect
 
     import torch
@@ -1024,16 +1027,79 @@ def _torch_scheduler_spec(kind: str, params) -> SchedulerSpec:
         raise ConfigError(f"scheduler.params: expected a JSON object (dict), got "
                           f"{type(params).__name__} {params!r}")
     cls = getattr(torch.optim.lr_scheduler, kind)
-    accepted = [arg for arg in inspect.signature(cls.__init__).parameters
-                if arg not in ("self", "optimizer")]
-    for key in params:
+    arguments = {name: arg for name, arg in inspect.signature(cls.__init__).parameters.items()
+                 if name not in ("self", "optimizer")}
+    accepted = list(arguments)
+    for key, value in params.items():
         if key not in accepted:
             close = difflib.get_close_matches(str(key), accepted, n=1, cutoff=0.5)
             hint = f"; did you mean 'scheduler.params.{close[0]}'?" if close else ""
             raise ConfigError(f"unknown config key 'scheduler.params.{key}' for scheduler.type="
                               f"{kind!r}{hint} Valid keys: the arguments of torch.optim."
                               f"lr_scheduler.{kind}: {accepted}")
+        _check_torch_argument(kind, key, value, arguments[key].annotation)
     return SchedulerSpec(kind, dict(params))
+
+
+def _check_torch_argument(kind: str, key: str, value, annotation) -> None:
+    """A :class:`ConfigError` naming ``scheduler.params.<key>`` when the JSON ``value`` cannot be
+    the torch scheduler's argument annotated ``annotation`` (torch's text, e.g. ``"float |
+    list[float]"``): a number where a number is expected (an int or a float alike, as torch
+    computes with either; a bool is no number), a bool for a bool, one of a ``Literal``'s
+    strings, a list of such for a ``list``/``Iterable``, null for ``None``; a function
+    (``Callable``) cannot come from JSON. An annotation this does not read accepts anything:
+    torch's own checks decide."""
+    if not isinstance(annotation, str) or _fits_annotation(value, annotation):
+        return
+    if "Callable" in annotation:
+        raise ConfigError(f"scheduler.params.{key}={value!r} for scheduler.type={kind!r}: torch."
+                          f"optim.lr_scheduler.{kind} takes a function there, which a JSON config "
+                          f"cannot hold; delete the config's 'scheduler' section and pass "
+                          f"initialize(lr_scheduler=lambda optimizer: {kind}(optimizer, ...))")
+    raise ConfigError(f"scheduler.params.{key}={value!r} is not valid for scheduler.type="
+                      f"{kind!r}: a {type(value).__name__}, where torch.optim.lr_scheduler."
+                      f"{kind} expects {annotation} (int and float: a JSON number)")
+
+
+def _fits_annotation(value, annotation: str) -> bool:
+    """Whether the JSON ``value`` fits the annotation text ``annotation`` (see
+    :func:`_check_torch_argument`); an unread form fits anything."""
+    annotation = annotation.strip()
+    options = _split_top_level(annotation, "|")
+    if len(options) > 1:
+        return any(_fits_annotation(value, option) for option in options)
+    outer, _, inner = annotation.partition("[")
+    inner = inner[:-1] if inner.endswith("]") else inner
+    if outer in ("int", "float"):
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if outer in ("bool", "str"):
+        return isinstance(value, bool if outer == "bool" else str)
+    if outer == "None":
+        return value is None
+    if outer in ("Union", "Optional"):
+        options = _split_top_level(inner, ",") + (["None"] if outer == "Optional" else [])
+        return any(_fits_annotation(value, option) for option in options)
+    if outer in ("list", "List", "Iterable", "Sequence"):
+        return isinstance(value, (list, tuple)) and all(_fits_annotation(v, inner)
+                                                        for v in value)
+    if outer == "Literal":
+        import ast
+        return value in ast.literal_eval(f"[{inner}]")
+    if outer.startswith("Callable"):
+        return value is None
+    return True
+
+
+def _split_top_level(text: str, separator: str) -> list[str]:
+    """``text`` split at each ``separator`` outside brackets (``"a[b, c], d"`` at ``","``:
+    ``["a[b, c]", " d"]``)."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == separator and depth == 0:
+            parts.append(text[start:index])
+            start = index + 1
+    return parts + [text[start:]]
 
 
 def _breakdown_notes(checked: dict) -> list[str]:

@@ -536,7 +536,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         optimizer, lr_scheduler, loss_scaler: the composed parts (``None`` when unused;
             ``optimizer`` is ``None`` for a forward-only engine, built without one: then
             ``backward`` and ``step`` raise, see the module docstring). As on DeepSpeed's
-            optimizers, ``optimizer.loss_scale`` and ``optimizer.cur_scale`` hold the loss scale.
+            optimizers, ``optimizer.loss_scale`` and ``optimizer.cur_scale`` hold the loss scale
+            (unless the optimizer's class defines that name itself).
         global_steps: optimizer steps taken (skipped fp16 steps included, as in DeepSpeed).
         micro_steps, skipped_steps: micro-batches seen; steps skipped on overflow.
         training_dataloader, collate_fn: the loader ``initialize(training_data=...)`` built
@@ -735,9 +736,14 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         """DeepSpeed's fp16 and ZeRO optimizers carry the loss scale as ``optimizer.cur_scale``
         and ``optimizer.loss_scale``, which training scripts log (DeiT's and BEiT's
         ``get_loss_scale_for_deepspeed(model)`` reads ``model.optimizer.loss_scale``, else
-        ``cur_scale``): set on the engine's optimizer whenever the scale may change. Local."""
-        if self.optimizer is not None:
-            self.optimizer.cur_scale = self.optimizer.loss_scale = self.loss_scale
+        ``cur_scale``): set on the engine's optimizer whenever the scale may change. A name the
+        optimizer's class defines itself (a read-only property, a method) is its own and left
+        as it is: setting it raised AttributeError in initialize, or shadowed the method. Local."""
+        if self.optimizer is None:
+            return
+        for name in ("loss_scale", "cur_scale"):
+            if not hasattr(type(self.optimizer), name):
+                setattr(self.optimizer, name, self.loss_scale)
 
     def module_state_dict(self, destination: Optional[dict] = None, prefix: str = "",
                           keep_vars: bool = False, exclude_frozen_parameters: bool = False) -> dict:

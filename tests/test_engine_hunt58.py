@@ -136,3 +136,65 @@ def test_optimizer_carries_the_loss_scale_as_deepspeeds_does(world2, stage):
     assert start == (256.0, 256.0)
     assert after_overflow == (128.0, 128.0, 128.0)
     assert plain == 1.0
+
+
+def test_torch_scheduler_value_types_are_checked_with_the_config():
+    # torch uses most values only at some later step: gamma "0.5" raised a TypeError at step 2
+    # (after the optimizer had stepped), milestones ["2"] / total_iters "2" silently never
+    # decayed or restored the lr, three_phase "false" ran three phases
+    base = {"train_batch_size": 2}
+    refused = [("StepLR", {"step_size": 2, "gamma": "0.5"}, "gamma"),
+               ("MultiStepLR", {"milestones": ["2"]}, "milestones"),
+               ("ConstantLR", {"factor": 0.5, "total_iters": "2"}, "total_iters"),
+               ("ReduceLROnPlateau", {"cooldown": "1"}, "cooldown"),
+               ("OneCycleLR", {"max_lr": 0.05, "three_phase": "false"}, "three_phase"),
+               ("StepLR", {"step_size": True}, "step_size")]
+    for kind, params, key in refused:
+        with pytest.raises(ConfigError, match=rf"scheduler.params.{key}=.* is not valid for "
+                                              rf"scheduler.type='{kind}'"):
+            load_config({**base, "scheduler": {"type": kind, "params": params}}, 1)
+    with pytest.raises(ConfigError, match=r"scheduler.params.scale_fn='x'.*takes a function"):
+        load_config({**base, "scheduler": {"type": "CyclicLR", "params": {
+            "base_lr": 0.001, "max_lr": 0.01, "scale_fn": "x"}}}, 1)
+    accepted = [("CosineAnnealingLR", {"T_max": 4.0}), ("MultiStepLR", {"milestones": [2, 4]}),
+                ("ReduceLROnPlateau", {"mode": "max", "min_lr": [0.0, 1e-6]}),
+                ("CyclicLR", {"base_lr": [0.001], "max_lr": 0.01, "step_size_down": None,
+                              "mode": "exp_range", "cycle_momentum": False}),
+                ("OneCycleLR", {"max_lr": 0.05, "total_steps": 10, "three_phase": True})]
+    for kind, params in accepted:
+        cfg = load_config({**base, "scheduler": {"type": kind, "params": params}}, 1)
+        assert dict(cfg.scheduler.kwargs) == params
+
+
+class _AdamWithOwnLossScale(torch.optim.Adam):
+    """An optimizer whose class defines ``loss_scale`` (read-only) and ``cur_scale`` (a method),
+    as mixed-precision optimizers of other libraries do."""
+
+    @property
+    def loss_scale(self):
+        return 42.0
+
+    def cur_scale(self):
+        return "own"
+
+
+def _own_loss_scale_kept():
+    config = {k: v for k, v in _config(0, fp16={"enabled": True, "initial_scale_power": 8})
+              .items() if k != "optimizer"}
+    seen = []
+    for stage in (0, 3):
+        model = _model()
+        config["zero_optimization"] = {"stage": stage}
+        engine, optimizer, _, _ = shardkit.initialize(
+            model=model, optimizer=_AdamWithOwnLossScale(model.parameters(), lr=0.01),
+            config=config)
+        _train(engine, 1)
+        seen.append((optimizer.loss_scale, optimizer.cur_scale(), engine.loss_scale))
+    return seen
+
+
+def test_optimizer_defining_its_own_loss_scale_keeps_it(world2):
+    # setting optimizer.loss_scale raised "property 'loss_scale' ... has no setter" in
+    # initialize at stages 0 and 3 (after the wrappers' collectives), and a float shadowed the
+    # optimizer's cur_scale() method
+    assert world2.run(_own_loss_scale_kept)[0] == [(42.0, "own", 256.0)] * 2
