@@ -5,9 +5,10 @@ beside them) and full optimizer state dicts (gathered from the shards, cut back 
 ``FSDP.local_state_dict()`` holds each parameter's row block (see
 :mod:`shardkit.checkpoint.resharding`); ``FSDP.local_metadata_dict()`` the facts needed to join
 the blocks again. These functions take plain arguments (state dicts, metadata, this rank) and
-never communicate, except :func:`gather_full_optimizer_state` (one all-gather per state tensor,
-through :mod:`shardkit.distributed`). Dicts written before the metadata had its own method
-carry it inside, under :data:`LOCAL_META_KEY`, and still load.
+never communicate, except :func:`gather_full_optimizer_state` (one all-gather, or one gather
+to the recipient, per state tensor, through :mod:`shardkit.distributed`). Dicts written
+before the metadata had its own method carry it inside, under :data:`LOCAL_META_KEY`, and still
+load.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from shardkit.checkpoint.resharding import ParamLayout, shard_rows, unshard_rows
 __all__ = ["LOCAL_META_KEY", "LOCAL_FORMAT", "local_metadata", "consolidate_shard_weights",
            "reshard_local_state_dicts", "reshard_local_optim_state_dicts",
            "gather_full_optimizer_state",
-           "shard_full_optimizer_state", "unshard_optimizer_state", "shard_optimizer_state"]
+           "shard_full_optimizer_state", "unshard_optimizer_state", "shard_optimizer_state",
+           "copied_part"]
 
 # Where local_state_dict() kept its metadata before local_metadata_dict() existed; such
 # checkpoints still load.
@@ -291,12 +293,39 @@ def unshard_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor],
             "param_names": list(names)}
 
 
+def _send_rows_only(osd: dict, ordered: Sequence[torch.Tensor], layouts: dict,
+                    send_rows: Callable[[torch.Tensor, torch.Tensor, ParamLayout], None]) -> None:
+    """:func:`unshard_optimizer_state`'s walk on a rank that receives nothing: each
+    shard-shaped tensor goes to ``send_rows``, in the same order; nothing is copied or kept."""
+    for index, p in enumerate(ordered):
+        layout = layouts.get(id(p))
+        for value in osd["state"].get(index, {}).values():
+            if layout is not None and isinstance(value, torch.Tensor) and value.shape == p.shape:
+                send_rows(value, p, layout)
+
+
+def copied_part(value, cut: Optional[tuple]):
+    """A full optimizer state dict's ``value`` as a rank keeps it: ``cut`` ``(layout, rank)``:
+    that rank's row block of it (a new tensor); ``None``: a copy of the whole tensor; other
+    values as they are.
+
+    Note: copies, never views of the argument: torch's load_state_dict keeps the tensors it is
+    given, so an optimizer loaded from another one's live state dict would otherwise step the
+    other's ``step`` counters and moments in place."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return shard_rows(value, *cut) if cut is not None else value.clone()
+
+
 def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tensor]],
-                          layouts: dict, rank: int, param_ranks: Optional[dict] = None) -> dict:
+                          layouts: dict, rank: int, param_ranks: Optional[dict] = None,
+                          take: Callable = copied_part) -> dict:
     """This rank's part of a full optimizer state dict: every tensor of its parameter's full
     shape is cut to ``rank``'s rows (``param_ranks``: ``id(param)`` -> this rank's index in the
     group that parameter is sharded over, where that is not ``rank``); ``ordered[i]`` is the
-    parameter of state index ``i``."""
+    parameter of state index ``i``. Each value is kept as ``take(value, cut)`` gives it
+    (default :func:`copied_part`; ``cut``: ``(layout, rank)`` or ``None``), so that a caller
+    whose tensors are yet to arrive can plan the cuts on stand-ins of their shapes."""
     param_ranks = param_ranks or {}
     if not isinstance(full_osd, dict) or any(k not in full_osd
                                              for k in ("state", "param_groups")):
@@ -308,15 +337,11 @@ def shard_optimizer_state(full_osd: dict, ordered: Sequence[Optional[torch.Tenso
         p = ordered[int(index)] if int(index) < len(ordered) else None
         layout = layouts.get(id(p)) if p is not None else None
         _check_full_shape(index, entry, layout)
-        # Note: copies, never views of the argument: torch's load_state_dict keeps the tensors
-        # it is given, so an optimizer loaded from another one's live state dict would
-        # otherwise step the other's ``step`` counters and moments in place.
         # a 0-dim parameter's full shape is also that of Adam's ``step``: only per-element
         # state is cut then (the shard is 1-D, the step must stay 0-dim)
-        state[index] = {k: (shard_rows(v, layout, param_ranks.get(id(p), rank)).clone()
-                            if layout is not None and per_element(k, v)
-                            and tuple(v.shape) == tuple(layout.shape)
-                            else v.clone() if isinstance(v, torch.Tensor) else v)
+        cut = (layout, param_ranks.get(id(p), rank)) if layout is not None else None
+        state[index] = {k: take(v, cut if cut is not None and per_element(k, v)
+                                and tuple(v.shape) == tuple(layout.shape) else None)
                         for k, v in entry.items()}
     return {"state": state, "param_groups": copy.deepcopy(full_osd["param_groups"])}
 
@@ -342,34 +367,51 @@ def _check_full_shape(index, entry: dict, layout: Optional[ParamLayout]) -> None
 def gather_full_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor], layouts: dict,
                                 names: Sequence[Optional[str]], group=None,
                                 comm_device: Optional[torch.device] = None,
-                                param_groups: Optional[dict] = None) -> dict:
-    """:func:`unshard_optimizer_state` with every shard-shaped tensor all-gathered over its
+                                param_groups: Optional[dict] = None,
+                                recipient: Optional[int] = None) -> Optional[dict]:
+    """:func:`unshard_optimizer_state` with every shard-shaped tensor gathered over its
     parameter's group (``param_groups``: ``id(param)`` -> the group it is sharded over, e.g. an
     expert unit's own group; default ``group``), on ``comm_device`` (default the tensor's
-    device). Communication: one all-gather per state tensor (``Ψ·K/4`` elements in all).
-    Memory: the full optimizer state. Collective: every rank of ``group`` calls it with the
-    same parameters."""
+    device): to every rank (``recipient=None``: one all-gather per state tensor), or to the
+    global rank ``recipient`` alone (one gather per state tensor; ``None`` is returned on the
+    other ranks, which keep nothing: a group without the recipient gathers nothing).
+    Communication: ``Ψ·K/4`` elements in all. Memory: the full optimizer state where it is
+    returned; elsewhere nothing beyond the shards. Collective: every rank of ``group`` calls
+    it with the same parameters and ``recipient``."""
     param_groups = param_groups or {}
+    receiving = recipient is None or distributed.get_rank() == recipient
 
     def gather_rows(shard: torch.Tensor, param: torch.Tensor,
-                    layout: ParamLayout) -> torch.Tensor:
+                    layout: ParamLayout) -> Optional[torch.Tensor]:
         rows_group = param_groups.get(id(param), group)
         world_size = distributed.get_world_size(rows_group)
         device = comm_device or shard.device
-        gathered = torch.empty(shard.numel() * world_size, dtype=shard.dtype, device=device)
-        distributed.all_gather_into_tensor(gathered, shard.detach().reshape(-1).to(device),
-                                           group=rows_group)
+        rows = shard.detach().reshape(-1).to(device)
+        gathered = torch.empty(shard.numel() * world_size, dtype=shard.dtype,
+                               device=device) if receiving else None
+        if recipient is None:
+            distributed.all_gather_into_tensor(gathered, rows, group=rows_group)
+        elif recipient in distributed.group_ranks(rows_group):
+            distributed.gather(rows, list(gathered.chunk(world_size)) if receiving else None,
+                               dst=recipient, group=rows_group)
+        if gathered is None:
+            return None
         return unshard_rows(list(gathered.to(shard.device).chunk(world_size)), layout)
 
+    if not receiving:
+        _send_rows_only(osd, ordered, layouts, gather_rows)
+        return None
     return unshard_optimizer_state(osd, ordered, layouts, names, gather_rows)
 
 
 def shard_full_optimizer_state(full_osd: dict, named_params: Sequence[tuple], layouts: dict,
-                               rank: int, param_ranks: Optional[dict] = None) -> dict:
+                               rank: int, param_ranks: Optional[dict] = None,
+                               take: Callable = copied_part) -> dict:
     """:func:`shard_optimizer_state` of a full dict whose state indices follow its
     ``"param_names"`` when it has them (matched against ``named_params``, ``(name, param)``
     pairs), else the order of ``named_params``, corrected by shape (see
-    :func:`_matched_by_shape`). No communication."""
+    :func:`_matched_by_shape`); each value kept as ``take`` gives it (see
+    :func:`shard_optimizer_state`). No communication."""
     names = full_osd.get("param_names") if isinstance(full_osd, dict) else None
     if names is None:
         params = _optimized_params(full_osd, [p for _, p in named_params])
@@ -378,7 +420,7 @@ def shard_full_optimizer_state(full_osd: dict, named_params: Sequence[tuple], la
         by_name = dict(named_params)
         _refuse_unknown_names(full_osd, names, by_name)
         ordered = [by_name.get(n) for n in names]
-    return shard_optimizer_state(full_osd, ordered, layouts, rank, param_ranks)
+    return shard_optimizer_state(full_osd, ordered, layouts, rank, param_ranks, take)
 
 
 def _refuse_unknown_names(full_osd: dict, names: Sequence[Optional[str]], by_name: dict) -> None:

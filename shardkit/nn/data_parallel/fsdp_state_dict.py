@@ -21,7 +21,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from shardkit import distributed as skdist
 from shardkit.checkpoint.dtensor_state import (is_dtensor, refuse_in_dcp, rows_as_dtensor,
                                                rows_from_value)
-from shardkit.checkpoint.fsdp_state import (consolidate_shard_weights,
+from shardkit.checkpoint.fsdp_state import (consolidate_shard_weights, copied_part,
                                             gather_full_optimizer_state, local_metadata,
                                             reshard_local_state_dicts,
                                             shard_full_optimizer_state)
@@ -1066,18 +1066,47 @@ class FSDPStateDictMixin:
         alone in a world of one, e.g. an expert) are not gathered: their parameters' state is
         the recipient's own, listed under ``"uncollected_local_ids"`` for the caller to fill in.
 
-        Communication: one all-gather per state tensor (``Ψ·K/4`` elements in all). Memory: the
-        full optimizer state on every rank while gathering. All ranks must call it.
+        Communication: a two-element all-reduce (the ranks' recipients), then one gather per
+        state tensor to the recipient (``Ψ·K/4`` elements in all). Memory: the full optimizer
+        state on the recipient only (one tensor at a time arrives); the other ranks send
+        their shards and keep nothing. Ranks naming different recipients (each its own, to
+        have the dict everywhere, which FairScale's all-gather allowed) get one all-gather
+        per state tensor instead, and the full state on every rank. All ranks must call it.
         """
         if not isinstance(recipient_rank, int) or not 0 <= recipient_rank < self.world_size:
             raise ValueError(f"gather_full_optim_state_dict(recipient_rank={recipient_rank!r}): "
                              f"valid ranks are 0..{self.world_size - 1}")
-        _check_optimizer_of(self, optim, "gather_full_optim_state_dict")
+        full = self._gathered_optim_state(optim, "gather_full_optim_state_dict",
+                                          self._agreed_recipient(recipient_rank))
+        return full if self.rank == recipient_rank else None
+
+    def _agreed_recipient(self, recipient_rank: int) -> Optional[int]:
+        """The global rank of ``recipient_rank`` (a rank of this unit's group) where every rank
+        of the group names it, else ``None`` (every rank is to gather). A two-element
+        all-reduce over the group."""
+        named = torch.tensor([recipient_rank, -recipient_rank], dtype=torch.int64,
+                             device=self._comm_device())
+        skdist.all_reduce(named, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+        highest, lowest = named.tolist()
+        if highest != -lowest:
+            return None
+        return skdist.get_global_rank(self.process_group, recipient_rank)
+
+    def _gathered_optim_state(self, optim: torch.optim.Optimizer, call: str,
+                              recipient: Optional[int], take_part: bool = True
+                              ) -> Optional[dict]:
+        """:meth:`gather_full_optim_state_dict`'s dict on the global rank ``recipient`` (on
+        every rank with ``None``: one all-gather per state tensor), ``None`` elsewhere;
+        without ``take_part`` (a replica whose groups do not hold the recipient), only the
+        checks."""
+        _check_optimizer_of(self, optim, call)
         if isinstance(optim, torch.optim.LBFGS):  # its state is over the flattened shard
-            raise TypeError("gather_full_optim_state_dict: LBFGS keeps one state over the "
+            raise TypeError(f"{call}: LBFGS keeps one state over the "
                             "flattened parameters, here this rank's shards, not one per "
                             "parameter; FullyShardedDataParallel does not support LBFGS (use "
                             "DistributedDataParallel with OSS, which runs it on the whole model)")
+        if not take_part:
+            return None
         self._mark_units_in_their_own_world()
         ordered = [p for g in optim.param_groups for p in g["params"]]
         names = {id(p): n for n, p in self.named_parameters()}
@@ -1085,11 +1114,14 @@ class FSDPStateDictMixin:
         full = gather_full_optimizer_state(optim.state_dict(), ordered, gathered,
                                            [names.get(id(p)) for p in ordered],
                                            self.process_group, self._comm_device(),
-                                           param_groups=self._param_unit_attr("process_group"))
+                                           param_groups=self._param_unit_attr("process_group"),
+                                           recipient=recipient)
+        if full is None:
+            return None
         sharded = self._param_layouts()
         full["uncollected_local_ids"] = [i for i, p in enumerate(ordered)
                                          if id(p) in sharded and id(p) not in gathered]
-        return full if self.rank == recipient_rank else None
+        return full
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict) -> dict:
         """This rank's part of a full optimizer state dict (from
@@ -1097,10 +1129,15 @@ class FSDPStateDictMixin:
         ``FSDP.optim_state_dict``, or a single-process optimizer over the unwrapped model):
         every full-shape tensor is cut to this rank's rows. Load the result with
         ``optim.load_state_dict``. No communication."""
-        full = _keyed_by_ids(full_optim_state_dict, "get_shard_from_optim_state_dict")
+        return self._shard_of_full(_keyed_by_ids(full_optim_state_dict,
+                                                 "get_shard_from_optim_state_dict"))
+
+    def _shard_of_full(self, full: dict, take=copied_part) -> dict:
+        """:meth:`get_shard_from_optim_state_dict` of an id-keyed dict, each value kept as
+        ``take(value, cut)`` gives it (see :func:`shard_optimizer_state`)."""
         return shard_full_optimizer_state(full, list(self.named_parameters()),
                                           self._param_layouts(), self.rank,
-                                          param_ranks=self._param_unit_attr("rank"))
+                                          param_ranks=self._param_unit_attr("rank"), take=take)
 
     # torch FSDP1's optimizer-state functions (static: ``FSDP.optim_state_dict(model, optim)``)
 
@@ -1108,11 +1145,15 @@ class FSDPStateDictMixin:
     def full_optim_state_dict(model, optim: torch.optim.Optimizer, optim_input=None,
                               rank0_only: bool = True, group=None) -> dict:
         """torch FSDP1's name for :meth:`gather_full_optim_state_dict` (parameter ids as keys):
-        the full state on rank 0 (``{}`` elsewhere) or, with ``rank0_only=False``, on every
-        rank. ``optim_input`` and ``group`` must be left unset (the model's own group is used).
-        ``rank0_only=True`` is refused for a model with parameters sharded over other groups
-        (experts: the other ranks' state would be dropped). All ranks must call it; costs as
-        :meth:`gather_full_optim_state_dict`."""
+        the full state on rank 0 (the model's first rank: ``{}`` elsewhere, also on the other
+        replicas' rank 0 under hybrid sharding or NO_SHARD, as torch FSDP1's) or, with
+        ``rank0_only=False``, on every rank. ``optim_input`` and ``group`` must be left unset
+        (the model's own group is used). ``rank0_only=True`` is refused for a model with
+        parameters sharded over other groups (experts: the other ranks' state would be
+        dropped). All ranks must call it.
+        Communication: one gather per state tensor to rank 0 (``rank0_only=False``: one
+        all-gather). Memory: the full state where it is returned; the other ranks keep
+        nothing beyond their shards."""
         model = _as_root(model, "full_optim_state_dict")
         _refuse_torch_only_arguments("full_optim_state_dict", optim_input=optim_input,
                                      group=group)
@@ -1121,8 +1162,9 @@ class FSDPStateDictMixin:
                              f"or False")
         if rank0_only:
             _refuse_experts_on_one_rank(model, "full_optim_state_dict(rank0_only=True)")
-        full = model._gather_full_optim_state(optim)
-        return full if not rank0_only or model.rank == 0 else {}
+        if rank0_only:
+            return model._rank0_only_optim_state(optim, "full_optim_state_dict")
+        return model._gathered_optim_state(optim, "full_optim_state_dict", None)
 
     @staticmethod
     def shard_full_optim_state_dict(full_optim_state_dict: dict, model, optim_input=None,
@@ -1150,18 +1192,26 @@ class FSDPStateDictMixin:
         with parameters sharded over other groups (experts), before any collective. All ranks of the
         model's group and replicas must call it. Communication: the full dict's skeleton by one
         object broadcast and its large tensors one broadcast each (and the same across the
-        replicas). Memory: the full state on every rank while it is cut."""
+        replicas), each rank cutting its rows from each as it arrives. Memory: this rank's
+        part plus one full tensor in flight."""
         model = _as_root(model, "scatter_full_optim_state_dict")
         _refuse_torch_only_arguments("scatter_full_optim_state_dict", optim_input=optim_input,
                                      group=group)
         _refuse_experts_on_one_rank(model, "scatter_full_optim_state_dict")
         if optim is not None:
             _check_optimizer_of(model, optim, "scatter_full_optim_state_dict")
-        kind, value = _from_first_rank(model, full_optim_state_dict,
-                                       "scatter_full_optim_state_dict", "full_optim_state_dict")
-        if kind == "error":
-            raise ValueError(value)
-        return model.get_shard_from_optim_state_dict(_in_optimizer_order(model, optim, value))
+        sent = _from_first_rank(model, full_optim_state_dict, "scatter_full_optim_state_dict",
+                                "full_optim_state_dict")
+        if sent.kind == "error":
+            raise ValueError(sent.value)
+        try:  # the cuts planned on stand-ins, then the tensors received one at a time
+            mine = model._shard_of_full(_in_optimizer_order(model, optim, sent.value),
+                                        take=sent.tensors.take)
+        except Exception:
+            sent.tensors.fill(None)  # the other ranks are sending: receive before raising
+            raise
+        sent.tensors.fill(mine)
+        return mine
 
     @staticmethod
     def rekey_optim_state_dict(optim_state_dict: dict, optim_state_key_type, model,
@@ -1237,8 +1287,9 @@ class FSDPStateDictMixin:
         loading side give a fresh optimizer its state first, e.g. with
         :func:`shardkit.checkpoint.dtensor_state.init_optimizer_state`, so that ``dcp.load``
         has tensors to fill). Load any of them with :meth:`optim_state_dict_to_load`. All ranks
-        must call it; costs as :meth:`gather_full_optim_state_dict` (full) or nothing (local,
-        sharded: views of the state, no full tensor)."""
+        must call it; costs as :meth:`full_optim_state_dict` (full: with ``rank0_only``, the
+        full state on rank 0 alone) or nothing (local, sharded: views of the state, no full
+        tensor)."""
         model = _as_root(model, "optim_state_dict")
         _refuse_torch_only_arguments("optim_state_dict", optim_state_dict=optim_state_dict,
                                      group=group)
@@ -1250,12 +1301,12 @@ class FSDPStateDictMixin:
         if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             return _sharded_optim_state(model, optim)
         _optimizer_names(model, optim, "optim_state_dict", "FULL_STATE_DICT")  # before gathering
-        if getattr(settings.optim_state_dict_config, "rank0_only", False):
+        rank0_only = getattr(settings.optim_state_dict_config, "rank0_only", False)
+        if rank0_only:
             _refuse_experts_on_one_rank(model, "optim_state_dict (FULL_STATE_DICT, rank0_only)")
-        full = model._gather_full_optim_state(optim)
-        if getattr(settings.optim_state_dict_config, "rank0_only", False) and model.rank != 0:
-            return {}
-        return _keyed_by_names(full)
+        full = model._rank0_only_optim_state(optim, "optim_state_dict") if rank0_only else \
+            model._gathered_optim_state(optim, "optim_state_dict", None)
+        return _keyed_by_names(full) if full else {}
 
     @staticmethod
     def optim_state_dict_to_load(model, optim: torch.optim.Optimizer, optim_state_dict: dict,
@@ -1282,8 +1333,9 @@ class FSDPStateDictMixin:
         side), before anything is loaded (collective, as torch FSDP1's). Communication: a
         three-element all-reduce per group; on failure, an object all-gather of the problems;
         with ``rank0_only``, the full dict from rank 0 beforehand, its skeleton by one object
-        broadcast and its large tensors one broadcast each (memory: the full state on every
-        rank while it is cut, where torch FSDP1 keeps one tensor in flight)."""
+        broadcast and its large tensors one broadcast each, each rank cutting its rows from
+        each as it arrives (memory: this rank's part plus one full tensor in flight, as torch
+        FSDP1's)."""
         model = _as_root(model, "optim_state_dict_to_load")
         _refuse_torch_only_arguments("optim_state_dict_to_load", group=group,
                                      is_named_optimizer=is_named_optimizer or None)
@@ -1302,27 +1354,40 @@ class FSDPStateDictMixin:
                 mine = optim_state_dict
             elif kind is StateDictType.SHARDED_STATE_DICT:
                 mine = _sharded_optim_state_to_load(model, optim, optim_state_dict)
-            elif sent is not None and sent[0] == "error":  # the first rank's dict, its failure
-                if model._is_first_rank():                 # (the others have none to check)
-                    raise ValueError(sent[1])
+            elif sent is not None and sent.kind == "error":  # the first rank's dict's failure
+                if model._is_first_rank():                   # (the others have none to check)
+                    raise ValueError(sent.value)
+            elif sent is not None:  # the cuts planned on stand-ins; the tensors arrive below
+                mine = model._shard_of_full(_in_optimizer_order(model, optim, sent.value),
+                                            take=sent.tensors.take)
             else:
                 mine = model.get_shard_from_optim_state_dict(_in_optimizer_order(
-                    model, optim, sent[1] if sent is not None else
-                    _keyed_by_ids(optim_state_dict)))
+                    model, optim, _keyed_by_ids(optim_state_dict)))
             if mine is not None:
                 _check_loadable_groups(optim, mine)
                 keys = _state_keys(model, optim, mine)
         except Exception as error:  # any local failure (e.g. AttributeError of a malformed
             cause = error           # entry) must reach the agreement, or the others hang
+            mine = None
+        if sent is not None and sent.tensors is not None:  # on every rank, also a failed one
+            sent.tensors.fill(mine)
         _agree_on_optim_load(model, optim, keys, cause, kind, sent is not None)
         if load_directly:
             optim.load_state_dict(mine)
             return None
         return mine
 
-    def _gather_full_optim_state(self, optim: torch.optim.Optimizer) -> dict:
-        """:meth:`gather_full_optim_state_dict`'s dict on every rank (it is built on all)."""
-        return self.gather_full_optim_state_dict(optim, recipient_rank=self.rank)
+    def _rank0_only_optim_state(self, optim: torch.optim.Optimizer, call: str) -> dict:
+        """``rank0_only``'s full optimizer state: on the model's first rank (rank 0 of its group
+        in the first replica, the rank the loads take the dict from, as torch FSDP1's global
+        rank 0), ``{}`` elsewhere. The other replicas (hybrid sharding, NO_SHARD), whose
+        state is the same, gather nothing. Parameters over other groups (experts) are
+        refused before (:func:`_refuse_experts_on_one_rank`)."""
+        replica = 0 if self.replicate_group is None else skdist.get_rank(self.replicate_group)
+        full = self._gathered_optim_state(optim, call,
+                                          skdist.get_global_rank(self.process_group, 0),
+                                          take_part=replica == 0)
+        return {} if full is None else full
 
     def _param_unit_attr(self, attr: str) -> dict:
         """``id(param) -> getattr(unit, attr)`` for every sharded parameter, from the unit that
@@ -1367,7 +1432,9 @@ class _PlainRoot:
         return self._roots[0]._comm_device()
 
 
-for _method in ("_is_first_rank", "_gather_full_optim_state", "gather_full_optim_state_dict",
+for _method in ("_is_first_rank", "_rank0_only_optim_state", "_gathered_optim_state",
+                "_agreed_recipient",
+                "gather_full_optim_state_dict", "_shard_of_full",
                 "get_shard_from_optim_state_dict", "_param_layouts", "_param_unit_attr",
                 "_mark_units_in_their_own_world", "_params_over_other_groups", "_sharded_params",
                 "_shard_entries"):  # the mixin's own, on the plain root's units
@@ -1740,32 +1807,50 @@ def _refuse_experts_on_one_rank(model, call: str) -> None:
                          f"use LOCAL_STATE_DICT")
 
 
-def _from_first_rank(model, osd, caller: str, argument: str) -> tuple:
+def _from_first_rank(model, osd, caller: str, argument: str) -> "_FirstRanksDict":
     """The full optimizer state dict ``osd`` given on the model's first rank (rank 0 of its
-    group and of the replicas), on every rank of the group and replicas, keyed by ids:
-    ``("ok", dict)``, or ``("error", text)`` where it is not one (checked on that rank, before
-    it is sent); ``osd`` is ignored on the other ranks, as torch FSDP1 ignores it under
-    ``rank0_only``. Communication: over the group (and first across the replicas) one object
-    broadcast of the dict's skeleton (its structure and its small tensors, under
-    :data:`_PICKLED_NUMEL` elements), then one broadcast per larger tensor; memory: the full
-    state once on every rank, no pickled copy beside it (measured at world 2 for Adam over
-    8 x Linear(1024), a 67 MB state: +104 MB at the peak on rank 1 with the shards it keeps,
-    against +192 MB when the dict travelled as one pickled object; torch FSDP1 keeps only one
-    tensor in flight)."""
-    payload = None
+    group and of the replicas), as every rank of the group and replicas holds it before its
+    large tensors arrive: keyed by ids, each state tensor of at least :data:`_PICKLED_NUMEL`
+    elements a stand-in that :class:`_StreamedTensors` brings later, one at a time; or the
+    text of why it is not such a dict (checked on that rank, before it is sent). ``osd`` is
+    ignored on the other ranks, as torch FSDP1 ignores it under ``rank0_only``.
+    Communication: over the replicas, then over the group, one object broadcast of the
+    dict's skeleton (its structure and its small tensors). Memory: the skeleton."""
+    payload, own = None, []
     if model._is_first_rank():
         try:
             if osd is None:
                 raise ValueError(f"FSDP.{caller}({argument}=None) on rank 0: rank 0 must pass "
                                  f"the full optimizer state dict (e.g. torch.load of the saved "
                                  f"file); the other ranks may pass None or {{}}")
-            payload = ("ok", _keyed_by_ids(osd, caller))
+            payload = _sendable(("ok", _without_large_tensors(_keyed_by_ids(osd, caller),
+                                                              own)))
         except Exception as error:  # sent, so that no rank waits for a dict never sent
             payload = _as_error(error)
-    device = model._comm_device()
-    if model.replicate_group is not None:
-        payload = _broadcast_state(payload, model.replicate_group, device)
-    return _broadcast_state(payload, model.process_group, device)
+    hops = []  # (group, its source, whether this rank sends) where the dict travels
+    replicas = [model.replicate_group] if model.replicate_group is not None else []
+    for group in replicas + [model.process_group]:
+        src, sending = skdist.get_global_rank(group, 0), skdist.get_rank(group) == 0
+        payload = skdist.broadcast_object(payload if sending else None, src=src, group=group)
+        if _is_dict_sent(payload):
+            hops.append((group, src, sending))
+    if not _is_dict_sent(payload):
+        return _FirstRanksDict("error", payload[1], None)
+    tensors = _StreamedTensors(own, hops, model._comm_device())
+    return _FirstRanksDict("ok", tensors.with_stand_ins(payload[1]), tensors)
+
+
+def _is_dict_sent(payload) -> bool:
+    return isinstance(payload, tuple) and len(payload) == 2 and payload[0] == "ok"
+
+
+class _FirstRanksDict(NamedTuple):
+    """:func:`_from_first_rank`'s answer: ``kind`` ``"ok"``, ``value`` the dict (with
+    stand-ins) and ``tensors`` what brings its large tensors; or ``"error"`` and its text."""
+
+    kind: str
+    value: object
+    tensors: Optional["_StreamedTensors"]
 
 
 # tensors of fewer elements travel inside the pickled skeleton (a step count, a small bias's
@@ -1782,53 +1867,95 @@ class _Sent(NamedTuple):
     on_cpu: bool
 
 
-def _broadcast_state(payload, group, device: torch.device):
-    """``payload`` (``("ok", dict)``, ``("error", text)`` or ``None``) from ``group``'s rank 0
-    to every rank of ``group``: the skeleton by one object broadcast, then each tensor of at
-    least :data:`_PICKLED_NUMEL` elements by its own broadcast on ``device`` (received ones
-    are kept on the CPU where the sender's was)."""
-    large: list = []
-
+def _without_large_tensors(ided: dict, large: list) -> dict:
+    """``ided`` with each tensor of its state entries of at least :data:`_PICKLED_NUMEL`
+    elements replaced by a :class:`_Sent` (the tensor appended to ``large``)."""
     def strip(value):
         if torch.is_tensor(value) and value.numel() >= _PICKLED_NUMEL:
             large.append(value)
             return _Sent(len(large) - 1, tuple(value.shape), value.dtype,
                          value.device.type == "cpu")
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)) and not isinstance(value, _Sent):
-            return _same_sequence(value, [strip(v) for v in value])
         return value
-
-    src = skdist.get_global_rank(group, 0)
-    sending = skdist.get_rank(group) == 0
-    skeleton = _sendable(strip(payload)) if sending else None
-    skeleton = skdist.broadcast_object(skeleton, src=src, group=group)
-    if not (isinstance(skeleton, tuple) and skeleton and skeleton[0] == "ok"):
-        return skeleton
-    received: dict = {}
-
-    def fill(value):
-        if isinstance(value, _Sent):
-            if value.index not in received:
-                tensor = large[value.index].detach().to(device).contiguous() if sending else \
-                    torch.empty(value.shape, dtype=value.dtype, device=device)
-                skdist.broadcast(tensor, src=src, group=group)
-                received[value.index] = large[value.index] if sending else \
-                    (tensor.cpu() if value.on_cpu else tensor)
-            return received[value.index]
-        if isinstance(value, dict):
-            return {k: fill(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return _same_sequence(value, [fill(v) for v in value])
-        return value
-
-    return fill(skeleton)
+    state = {i: {k: strip(v) for k, v in entry.items()} if isinstance(entry, dict) else entry
+             for i, entry in ided["state"].items()}
+    return dict(ided, state=state)
 
 
-def _same_sequence(like, items: list):
-    """``items`` as a sequence of ``like``'s type (a named tuple takes them positionally)."""
-    return type(like)(*items) if hasattr(like, "_fields") else type(like)(items)
+class _Pending(NamedTuple):
+    """The part (``cut``: ``(layout, rank)``, or ``None`` for the whole) a rank keeps of the
+    large tensor ``index``, which has not arrived yet."""
+
+    index: int
+    cut: Optional[tuple]
+
+
+class _StreamedTensors:
+    """The first rank's large state tensors, received on every rank one at a time.
+
+    While they travel, a meta tensor of each one's shape and dtype stands in the dict
+    (:meth:`with_stand_ins`), so that the dict's checks and the matching of its entries to
+    this rank's parameters run on shapes alone; :meth:`take` (the ``take`` of
+    :func:`~shardkit.checkpoint.fsdp_state.shard_optimizer_state`) records the part of each a
+    rank keeps, and :meth:`fill` then broadcasts them in the first rank's order (over the
+    replicas, then over the group), each rank cutting its part out of each tensor as it
+    arrives and dropping the rest.
+
+    Note: every rank broadcasts every tensor, in that order, whatever it keeps (also a rank
+    whose own checks failed): the order comes from the skeleton all ranks share, so no rank
+    waits on a broadcast another skips. Memory: this rank's parts plus one full tensor in
+    flight (as torch FSDP1's), where the whole dict used to arrive before any was cut."""
+
+    def __init__(self, own: list, hops: list, device: torch.device):
+        self._own, self._hops, self._device = own, hops, device
+        self._sent: list = []
+        self._index: dict = {}
+
+    def with_stand_ins(self, skeleton: dict) -> dict:
+        """``skeleton`` with each :class:`_Sent` of its state a meta tensor standing in."""
+        def stand_in(value):
+            if not isinstance(value, _Sent):
+                return value
+            tensor = torch.empty(value.shape, dtype=value.dtype, device="meta")
+            self._index[id(tensor)] = len(self._sent)
+            self._sent.append(value)
+            return tensor
+        state = {i: {k: stand_in(v) for k, v in entry.items()} if isinstance(entry, dict)
+                 else entry for i, entry in skeleton["state"].items()}
+        return dict(skeleton, state=state)
+
+    def take(self, value, cut: Optional[tuple]):
+        """A :class:`_Pending` for a stand-in, else :func:`copied_part`."""
+        index = self._index.get(id(value)) if torch.is_tensor(value) else None
+        return copied_part(value, cut) if index is None else _Pending(index, cut)
+
+    def fill(self, part: Optional[dict]) -> None:
+        """Receive every tensor (all ranks must call it; ``part`` ``None`` on a rank that
+        keeps nothing) and put in place of each :class:`_Pending` of ``part``'s state its
+        part of the tensor."""
+        wanted: dict = {}
+        for entry in (part or {}).get("state", {}).values():
+            for key, value in entry.items():
+                if isinstance(value, _Pending):
+                    wanted.setdefault(value.index, []).append((entry, key, value.cut))
+        for index in range(len(self._sent)):
+            tensor = self._received(index)
+            for entry, key, cut in wanted.pop(index, ()):
+                entry[key] = copied_part(tensor, cut)
+            del tensor
+
+    def _received(self, index: int) -> torch.Tensor:
+        """Tensor ``index``, after this rank passed it on (or received it) on each hop."""
+        sent = self._sent[index]
+        tensor = self._own[sent.index] if self._own else None
+        for group, src, sending in self._hops:
+            if sending:
+                skdist.broadcast(tensor.detach().to(self._device).contiguous(), src=src,
+                                 group=group)
+            else:
+                landing = torch.empty(sent.shape, dtype=sent.dtype, device=self._device)
+                skdist.broadcast(landing, src=src, group=group)
+                tensor = landing.cpu() if sent.on_cpu else landing
+        return tensor
 
 
 def _as_error(error: BaseException) -> tuple:
