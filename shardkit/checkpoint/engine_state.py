@@ -26,6 +26,7 @@ import copy
 import logging
 import os
 import random
+import warnings
 import zlib
 from typing import Optional
 
@@ -295,7 +296,8 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
 
 
 def _set_scheduled_values(scheduler, optimizer) -> None:
-    """The optimizer's lrs (and OneCycle's ``beta1``) at the scheduler's loaded position.
+    """The optimizer's lrs (and the cycled momentum, ``beta1``, of OneCycle and of torch's
+    ``OneCycleLR`` / ``CyclicLR``) at the scheduler's loaded position.
 
     Without the optimizer's state its param groups still hold the values a fresh schedule
     starts from (WarmupLR's ``warmup_min_lr``, WarmupCosineLR's 0), so the first step after
@@ -308,10 +310,19 @@ def _set_scheduled_values(scheduler, optimizer) -> None:
             group["lr"].fill_(lr)
         else:
             group["lr"] = lr
-    if getattr(scheduler, "cycle_momentum", False) and hasattr(scheduler, "momenta_at"):
+    if not getattr(scheduler, "cycle_momentum", False):
+        return
+    if hasattr(scheduler, "momenta_at"):
         momenta = scheduler.momenta_at(scheduler.last_batch_iteration)
         for group, beta1 in zip(optimizer.param_groups, momenta):  # one per group
             group["betas"] = (beta1, group["betas"][1])
+    elif isinstance(scheduler, (torch.optim.lr_scheduler.OneCycleLR,
+                                torch.optim.lr_scheduler.CyclicLR)):
+        # torch's compute the momentum of their position in get_lr() and set it on the
+        # param groups as they do (its lrs are dropped: set above)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "use get_last_lr()": meant for other callers
+            scheduler.get_lr()
 
 
 def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
