@@ -1,4 +1,5 @@
-"""Pieces shared by the Triton kernels: the torch → Triton dtype table and a rounding cast.
+"""Pieces shared by the Triton kernels: the torch → Triton dtype table, an exact widening to fp32
+and a rounding cast.
 
 Imported only by the ``triton_*`` kernel modules (lazily, after ``TRITON_INTERPRET`` is set).
 """
@@ -11,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["TL_DTYPES", "cast_to", "interpreter_block", "host_table", "cached_table"]
+__all__ = ["TL_DTYPES", "cast_to", "widen", "interpreter_block", "host_table", "cached_table"]
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
              torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}
@@ -75,17 +76,36 @@ def cached_table(key: tuple, build, dtype: torch.dtype, device: torch.device) ->
 
 
 @triton.jit
+def widen(x):
+    """``x`` as fp32, exactly.
+
+    Note: a bf16 ``x`` is widened through its bits (they are the top half of the fp32 value):
+    Triton's interpreter converts bf16 subnormals to fp32 wrongly (garbage or zero, not the
+    value), while GPUs widen exactly; the shift gives the same bits on both, so the interpreter
+    tests check what the GPU computes.
+    """
+    if x.dtype == tl.bfloat16:
+        bits = (x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def cast_to(x, DTYPE: tl.constexpr):
     """``x`` cast to ``DTYPE``, rounding to nearest even like torch.
 
-    Note: the bf16 case is spelled out on the bits because Triton's interpreter truncates
-    fp32 → bf16 while GPUs (and torch) round to nearest even; doing the rounding ourselves
-    gives the same bits on both, so the interpreter tests check what the GPU computes.
+    Note: the bf16 cases are spelled out on the bits because Triton's interpreter truncates
+    fp32 → bf16 while GPUs (and torch) round to nearest even, and mangles bf16 subnormals (see
+    :func:`widen`); doing the rounding ourselves gives the same bits on both, so the
+    interpreter tests check what the GPU computes.
     """
     if DTYPE == tl.bfloat16:
-        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = widen(x).to(tl.uint32, bitcast=True)
         rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
         rounded = tl.where(x != x, bits >> 16, rounded)  # keep NaNs NaN
         return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    elif x.dtype == tl.bfloat16:
+        return widen(x).to(DTYPE)
     else:
         return x.to(DTYPE)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from shardkit.kernels.triton_common import (TL_DTYPES, cached_table, cast_to, host_table,
-                                            interpreter_block)
+                                            interpreter_block, widen)
 
 __all__ = ["adamw", "adamw_many", "sgd", "BLOCK"]
 
@@ -69,13 +69,13 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, lp_ptr, offs, mask, step_
                  DECOUPLED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_LP: tl.constexpr):
     """Load one block, update it, store it back (``mask`` selects the live elements)."""
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p = widen(tl.load(p_ptr + offs, mask=mask, other=0.0))
+    g = widen(tl.load(g_ptr + offs, mask=mask, other=0.0))
+    m = widen(tl.load(m_ptr + offs, mask=mask, other=0.0))
+    v = widen(tl.load(v_ptr + offs, mask=mask, other=0.0))
     vmax = v
     if AMSGRAD:
-        vmax = tl.load(vmax_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        vmax = widen(tl.load(vmax_ptr + offs, mask=mask, other=0.0))
     if HAS_SCALE:
         # torch's fused AdamW leaves the unscaled gradient in the grad buffer; so do we.
         g = g / tl.load(scale_ptr)
@@ -132,8 +132,8 @@ def _sgd_flat_kernel(p_ptr, g_ptr, buf_ptr, n, lr, momentum, dampening, weight_d
                      HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = _live_mask(offs, n, found_inf_ptr, HAS_INF)
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p = widen(tl.load(p_ptr + offs, mask=mask, other=0.0))
+    g = widen(tl.load(g_ptr + offs, mask=mask, other=0.0))
     if HAS_SCALE:
         g = g / tl.load(scale_ptr)
         tl.store(g_ptr + offs, cast_to(g, g_ptr.dtype.element_ty), mask=mask)
@@ -144,7 +144,7 @@ def _sgd_flat_kernel(p_ptr, g_ptr, buf_ptr, n, lr, momentum, dampening, weight_d
         if FIRST_STEP:
             buf = g
         else:
-            buf = tl.load(buf_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            buf = widen(tl.load(buf_ptr + offs, mask=mask, other=0.0))
             buf = momentum * buf + (1.0 - dampening) * g
         tl.store(buf_ptr + offs, cast_to(buf, buf_ptr.dtype.element_ty), mask=mask)
         if NESTEROV:

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from shardkit.kernels.triton_common import (TL_DTYPES, cached_table, cast_to, host_table,
-                                            interpreter_block)
+                                            interpreter_block, widen)
 
 __all__ = ["pack", "unpack", "BLOCK"]
 
@@ -50,7 +50,7 @@ def _pack_kernel(table, block_tensor, block_rank, block_start, out_ptr, seg_nume
     src = tl.load(row).to(tl.pointer_type(SRC_DTYPE))
     x = tl.load(src + k, mask=live & (k < numel), other=0.0)
     if HAS_SCALE:
-        x = x.to(tl.float32) * scale
+        x = widen(x) * scale
     tl.store(out_ptr + packed, cast_to(x, out_ptr.dtype.element_ty), mask=live)
 
 

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from shardkit.kernels.quantize import QMAX
 from shardkit.kernels.triton_common import (TL_DTYPES, cached_table, cast_to, host_table,
-                                            interpreter_block)
+                                            interpreter_block, widen)
 
 __all__ = ["quantize_pack", "dequantize_unpack", "dequantize_sum", "TILE"]
 
@@ -60,7 +60,7 @@ def _gather(table, t_first, t_last, rank, pos, live, DTYPE: tl.constexpr):
     for t in range(t_first, t_last + 1):
         row, k, mask = _slot(table, t, rank, pos, live)
         src = tl.load(row).to(tl.pointer_type(DTYPE))
-        x += tl.load(src + k, mask=mask, other=0.0).to(tl.float32)
+        x += widen(tl.load(src + k, mask=mask, other=0.0))
     return x
 
 

@@ -57,10 +57,11 @@ class FusedAdamW(torch.optim.Optimizer):
     assigned to ``state[p][key]`` is used from the next step on, and ``copy.deepcopy`` or
     ``torch.save`` of the optimizer gives one that trains on.
 
-    Memory: ``K = 8`` bytes of fp32 optimizer state per parameter (12 with ``amsgrad``), allocated
-    for every parameter of a group on the group's first step (torch allocates per parameter on
-    its first gradient). Traffic: 28 B per fp32 parameter per step. No communication: wrap it in
-    :class:`shardkit.optim.OSS` to shard it.
+    Memory: ``K = 8`` bytes of fp32 optimizer state per parameter (12 with ``amsgrad``), as torch:
+    only for parameters that have had a gradient (frozen or unused ones cost nothing);
+    parameters whose first gradient comes after their group's first step get flat buffers of
+    their own (one more kernel launch per step). Traffic: 28 B per fp32 parameter per step.
+    No communication: wrap it in :class:`shardkit.optim.OSS` to shard it.
 
     Args:
         params: parameters or param-group dicts, as for any torch optimizer. A parameter that
@@ -148,19 +149,34 @@ class FusedAdamW(torch.optim.Optimizer):
         return loss
 
     def _flat_states(self, index: int, group: dict) -> list[_FlatState]:
-        """The group's flat state, rebuilt (the state cast and moved into new buffers, as
-        torch's ``load_state_dict`` would) if its parameters, their dtype or device, or
-        ``amsgrad`` changed."""
-        key = (tuple(map(id, group["params"])), bool(group["amsgrad"]))
-        cached = self._flat.get(index)
-        if cached is None or cached[0] != key or any(f.outdated() for f in cached[1]):
-            cached = self._flat[index] = (key, self._build_flat_states(group))
-        return cached[1]
+        """The flat state of the group's stepped parameters (:func:`_stepped_params`).
 
-    def _build_flat_states(self, group: dict) -> list[_FlatState]:
-        """Allocate the group's flat buffers; move any existing (loaded) state into them."""
+        Parameters stepped for the first time get buffers of their own beside the existing
+        ones (the state already there is not copied); any other change (a parameter removed
+        or cast, moved or resized, ``amsgrad`` switched) rebuilds them all, the state cast and
+        moved into new buffers as torch's ``load_state_dict`` would."""
+        stepped = _stepped_params(group["params"], self.state)
+        key = (tuple(map(id, stepped)), bool(group["amsgrad"]))
+        cached = self._flat.get(index)
+        if cached is None or cached[0][1] != key[1] or any(f.outdated() for f in cached[1]):
+            flats = self._build_flat_states(group, stepped)
+        elif cached[0] == key:
+            return cached[1]
+        else:
+            covered = {id(p) for f in cached[1] for p in f.params}
+            if covered <= set(key[0]):  # only newcomers: buffers of their own
+                newcomers = [p for p in stepped if id(p) not in covered]
+                flats = cached[1] + self._build_flat_states(group, newcomers)
+            else:
+                flats = self._build_flat_states(group, stepped)
+        self._flat[index] = (key, flats)
+        return flats
+
+    def _build_flat_states(self, group: dict, stepped: list) -> list[_FlatState]:
+        """Allocate flat buffers for the parameters ``stepped`` of ``group``, one per device
+        and dtype; move any existing (loaded or earlier) state into them."""
         buckets: dict[tuple, list] = {}
-        for p in _by_device_dtype(group):
+        for p in stepped:
             buckets.setdefault((p.device, p.dtype), []).append(p)
         flats = []
         for (device, dtype), params in buckets.items():
@@ -252,13 +268,12 @@ def _check_state_shape(param: torch.Tensor, key: str, value) -> None:
                          f"its state (del opt.state[p]) to start it afresh")
 
 
-def _by_device_dtype(group: dict) -> list:
-    """The group's parameters in the order of their flat buffers."""
-    params = group["params"]
-    order: dict[tuple, list] = {}
-    for p in params:
-        order.setdefault((p.device, p.dtype), []).append(p)
-    return [p for key in order for p in order[key]]
+def _stepped_params(params: list, state: dict) -> list:
+    """The parameters of ``params`` that get optimizer state, in order: those with a gradient
+    now or with state already (stepped before, or loaded). As in torch, a parameter that never
+    had a gradient (a frozen base model beside its adapters, an unused branch) costs no state
+    memory; its first gradient allocates its state then."""
+    return [p for p in params if p.grad is not None or state.get(p)]
 
 
 def _check_hyper_parameters(lr, betas, eps, weight_decay) -> None:
