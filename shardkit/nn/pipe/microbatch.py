@@ -1,13 +1,20 @@
-"""Splitting a mini-batch into micro-batches along dim 0, and joining outputs back."""
+"""Splitting a mini-batch into micro-batches along dim 0, and joining outputs back.
+
+Keyword arguments and the multi-process schedules' merged outputs are nested structures
+(tuples, lists, dicts) whose tensors are split or concatenated one by one, as
+``torch.distributed.pipelining`` does by default.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 __all__ = ["as_tuple", "batch_size", "split_microbatches", "join_microbatches",
-           "own_microbatches"]
+           "own_microbatches", "split_keyword_arguments", "keyword_argument_problems",
+           "keyword_signature", "mergeable_output_problem", "merge_outputs"]
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -65,3 +72,97 @@ def own_microbatches(batches: list, recording: bool, device=None) -> list:
         return t.clone() if copy and not t.requires_grad and moved is t else moved
 
     return [tuple(own(t) for t in mb) for mb in batches]
+
+
+def _has_batch_dim(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def split_keyword_arguments(kwargs: dict, chunks: int) -> Optional[list[dict]]:
+    """Per micro-batch, ``kwargs`` with every tensor that has a batch dimension cut into
+    ``chunks`` views along dim 0, inside tuples, lists and dicts too (as
+    ``torch.distributed.pipelining`` splits them); other values (0-dim tensors included) go to
+    every micro-batch as they are. ``None`` when there are none. Views, no copies."""
+    if not kwargs:
+        return None
+    leaves, spec = tree_flatten(kwargs)
+    pieces = [torch.tensor_split(v, chunks) if _has_batch_dim(v) else [v] * chunks
+              for v in leaves]
+    return [tree_unflatten([p[i] for p in pieces], spec) for i in range(chunks)]
+
+
+def _named_leaves(kwargs: dict) -> list[tuple[str, object]]:
+    """``(name, value)`` of every leaf of ``kwargs``, named as written: ``mask`` or
+    ``extra['shift'][0]``."""
+    named = []
+    for key, value in kwargs.items():
+        leaves, _ = tree_flatten_with_path(value)
+        named += [(f"{key}{keystr(path)}", leaf) for path, leaf in leaves]
+    return named
+
+
+def keyword_argument_problems(what: str, kwargs: dict, chunks: int) -> list[str]:
+    """What keeps :func:`split_keyword_arguments` from splitting ``kwargs`` as the batch: a
+    tensor with a batch dimension whose rows ``chunks`` does not divide, or one that requires
+    grad (only the positional inputs get their gradient back). ``what`` names the call
+    (``"ScheduleGPipe.step"``)."""
+    problems = []
+    for name, value in _named_leaves(kwargs):
+        if not _has_batch_dim(value):
+            continue
+        if value.shape[0] % chunks:
+            problems.append(f"{what}({name}=...): a tensor passed by keyword is split along "
+                            f"dim 0 into chunks={chunks} equal micro-batches, but it has "
+                            f"{value.shape[0]} rows; pass a multiple of {chunks} rows (or a "
+                            f"0-dim tensor or a non-tensor, given to every micro-batch as it is)")
+        elif value.requires_grad:
+            problems.append(f"{what}({name}=...): a tensor passed by keyword must not require "
+                            f"grad (only the positional inputs get their gradient back); pass "
+                            f"it positionally or detach it")
+    return problems
+
+
+_PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _leaf_signature(value):
+    if _has_batch_dim(value):
+        return value.dtype, tuple(value.shape), value.requires_grad
+    if isinstance(value, _PLAIN_VALUES):
+        return type(value), value
+    # a 0-dim tensor or another object: reading or comparing its value may cost a device
+    # sync or be undefined, and it may decide shapes (`x[:, :keep]`): never the same
+    return object()
+
+
+def keyword_signature(kwargs: dict) -> tuple:
+    """What a stage's output shapes may follow from in ``kwargs``: their structure, each
+    tensor's dtype, shape and ``requires_grad``, and each plain value (``None``, numbers,
+    strings) itself. Two signatures are equal (``==``) only when all of these are; one with a
+    0-dim tensor or another kind of object equals no other."""
+    leaves, spec = tree_flatten({key: kwargs[key] for key in sorted(kwargs)})
+    return spec, tuple(_leaf_signature(v) for v in leaves)
+
+
+def mergeable_output_problem(output, first) -> Optional[str]:
+    """Why :func:`merge_outputs` cannot concatenate ``output`` with micro-batch 0's output
+    ``first`` (``None``: ``output`` is micro-batch 0's): a leaf that is not a tensor with a
+    batch dimension, or another structure than ``first``'s. ``None`` when it can."""
+    leaves, spec = tree_flatten(output)
+    if not leaves or not all(_has_batch_dim(v) for v in leaves):
+        kinds = [type(v).__name__ if not isinstance(v, torch.Tensor) else "0-dim tensor"
+                 if v.dim() == 0 else "tensor" for v in leaves]
+        return (f"it returned {type(output).__name__} holding {kinds}; return a tensor, or "
+                f"tuples, lists or dicts of tensors with a batch dimension")
+    if first is not None and spec != tree_flatten(first)[1]:
+        return "its structure differs from micro-batch 0's output"
+    return None
+
+
+def merge_outputs(outputs: list):
+    """The micro-batches' outputs concatenated along dim 0, tensor by tensor, in the structure
+    of each output (a tensor, or tuples, lists and dicts of tensors), as
+    ``torch.distributed.pipelining``'s default ``merge_chunks``."""
+    flat = [tree_flatten(output)[0] for output in outputs]
+    return tree_unflatten([torch.cat(parts) for parts in zip(*flat)],
+                          tree_flatten(outputs[0])[1])

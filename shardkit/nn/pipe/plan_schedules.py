@@ -45,10 +45,14 @@ from typing import Callable, Optional
 
 import torch
 from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_map
 
 from shardkit import distributed as dist
 from shardkit.nn.data_parallel.flat_param import zeros_only_views
-from shardkit.nn.pipe.microbatch import batch_size, own_microbatches, split_microbatches
+from shardkit.nn.pipe.microbatch import (batch_size, keyword_argument_problems,
+                                         keyword_signature, merge_outputs,
+                                         mergeable_output_problem, own_microbatches,
+                                         split_keyword_arguments, split_microbatches)
 from shardkit.nn.pipe.p2p import (ACTIVATION, GRADIENT, StepState, TaggedLinks, batch_signature,
                                   output_tensors)
 from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan,
@@ -277,13 +281,16 @@ class PlanSchedule:
         loss (detached, before the division by ``chunks``) on the rank running the last stage
         (other ranks leave it alone); keyword arguments given to a rank's ``step`` go to the
         modules of that rank's stages beside their input (``module(x, mask=mask_i)``), tensors
-        split along dim 0 into ``chunks`` equal parts (they need no gradient), other values
-        passed to every micro-batch as they are. ``loss_kwargs``, a dict, goes to every call of
-        ``loss_fn(output, target, **loss_kwargs)`` as it is (not split). ``return_outputs``:
-        left unset, :meth:`step` returns the loss as above; ``True`` returns instead, as
-        torch's schedules do, the last stage's outputs of every micro-batch (detached),
-        concatenated along dim 0 (a tuple output: each of its tensors concatenated), on the
-        rank running the last stage; ``False`` returns ``None`` there (the loss is still in
+        split along dim 0 into ``chunks`` equal parts, inside tuples, lists and dicts too (they
+        need no gradient), other values passed to every micro-batch as they are (where the
+        first stage's rank gets other plain values than on the last step, or 0-dim tensors,
+        which may decide shapes, the shape headers go again). ``loss_kwargs``, a dict, goes to
+        every call of ``loss_fn(output, target, **loss_kwargs)`` as it is (not split).
+        ``return_outputs``: left unset, :meth:`step` returns the loss as above; ``True``
+        returns instead, as torch's schedules do, the last stage's outputs of every
+        micro-batch (detached), concatenated along dim 0 (tuples, lists and dicts of tensors:
+        each tensor concatenated, in the output's structure, as torch's ``merge_chunks``), on
+        the rank running the last stage; ``False`` returns ``None`` there (the loss is still in
         ``losses``). Other ranks return ``None`` in every case. A forward-only step with
         ``return_outputs=True`` needs no ``target`` and no ``loss_fn`` (inference, as with
         torch's schedules built without ``loss_fn``): without either, no loss is computed and
@@ -369,9 +376,7 @@ class PlanSchedule:
             return StepState(StepState.BAD, grad)
         if self.num_stages - 1 in self.stages and self._target_problems(target):
             return StepState(StepState.BAD, grad)  # ZBV: the last stage sees the batch too
-        names = sorted(self._kwargs_arg)
-        signature = batch_signature(inputs + tuple(self._kwargs_arg[k] for k in names), grad), \
-            tuple(names)
+        signature = batch_signature(inputs, grad), keyword_signature(self._kwargs_arg)
         if signature == self._signature:
             return StepState(StepState.SAME, grad)
         self._signature = signature
@@ -407,7 +412,7 @@ class PlanSchedule:
             self._fail(kwargs_problems[0])
             self._kwargs = None
         else:
-            self._kwargs = _split_kwargs(self._kwargs_arg, self.chunks)
+            self._kwargs = split_keyword_arguments(self._kwargs_arg, self.chunks)
         self._target = target
         seconds = {kind: 0.0 for kind in ("F", "B", "W", "BW")}
         if self._ties:
@@ -456,24 +461,20 @@ class PlanSchedule:
         if self._losses_arg is not None:
             self._losses_arg[:] = self._losses
         if self._return_outputs is not None:
-            return _merge_outputs(self._outputs) if self._return_outputs else None
+            return merge_outputs(self._outputs) if self._return_outputs else None
         total = torch.stack(self._losses)
         return total.mean() if self.scale_grads else total.sum()
 
     def _keep_output(self, s: int, i: int, output) -> None:
         """Keep the last stage's output of micro-batch ``i`` (detached) for ``return_outputs``;
         one that cannot be concatenated along dim 0 fails the step on every rank."""
-        values = list(output) if isinstance(output, (tuple, list)) else [output]
-        if not values or not all(isinstance(v, torch.Tensor) and v.dim() > 0 for v in values):
-            kinds = [f"{type(v).__name__}" if not isinstance(v, torch.Tensor) else
-                     "0-dim tensor" if v.dim() == 0 else "tensor" for v in values]
+        problem = mergeable_output_problem(output, self._outputs[0] if self._outputs else None)
+        if problem:
             self._fail_at(s, i, f"step(return_outputs=True) concatenates the last stage's "
-                                f"outputs along dim 0, but it returned {kinds}; return a tensor "
-                                f"or a tuple of tensors with a batch dimension, or leave "
-                                f"return_outputs unset (step returns the loss)")
+                                f"outputs along dim 0, but {problem}; or leave return_outputs "
+                                f"unset (step returns the loss)")
             return
-        self._outputs.append(tuple(v.detach() for v in values) if isinstance(
-            output, (tuple, list)) else values[0].detach())
+        self._outputs.append(tree_map(lambda t: t.detach(), output))
 
     def _forget_shapes(self) -> None:
         """After a failed step (on every rank alike): the next step starts as the first did,
@@ -817,7 +818,7 @@ class PlanSchedule:
     def _call_problems(self) -> list[str]:
         """What is wrong with this rank's keyword arguments to :meth:`step` (on any rank)."""
         name = type(self).__name__
-        problems = _kwargs_problems(name, self._kwargs_arg, self.chunks)
+        problems = keyword_argument_problems(f"{name}.step", self._kwargs_arg, self.chunks)
         if self._return_outputs is not None and not isinstance(self._return_outputs, bool):
             problems.append(f"{name}.step(return_outputs={self._return_outputs!r}): expected "
                             f"True (the last stage returns its merged outputs), False (it "
@@ -873,43 +874,6 @@ class PlanSchedule:
     def _check_first_step(self, inputs, target) -> None:
         self._check_agreement(inputs, target)
         self._checked = True
-
-
-def _kwargs_problems(name: str, kwargs: dict, chunks: int) -> list[str]:
-    """What makes a rank's keyword arguments unusable: a tensor of more than 0 dims is split
-    along dim 0 into ``chunks`` equal parts; none may require grad (only the batch's
-    positional tensors get their gradient back)."""
-    problems = []
-    for key, value in kwargs.items():
-        if not isinstance(value, torch.Tensor) or value.dim() == 0:
-            continue
-        if value.shape[0] % chunks:
-            problems.append(f"{name}.step({key}=...): a tensor passed by keyword is split along "
-                            f"dim 0 into chunks={chunks} equal micro-batches, but it has "
-                            f"{value.shape[0]} rows; pass a multiple of {chunks} rows (or a "
-                            f"0-dim tensor or a non-tensor, given to every micro-batch as it is)")
-        elif value.requires_grad:
-            problems.append(f"{name}.step({key}=...): a tensor passed by keyword must not "
-                            f"require grad (only the positional inputs get their gradient "
-                            f"back); pass it positionally or detach it")
-    return problems
-
-
-def _merge_outputs(outputs: list):
-    """The micro-batches' outputs (tensors, or tuples of tensors) concatenated along dim 0."""
-    if isinstance(outputs[0], tuple):
-        return tuple(torch.cat(parts) for parts in zip(*outputs))
-    return torch.cat(outputs)
-
-
-def _split_kwargs(kwargs: dict, chunks: int) -> Optional[list]:
-    """Per micro-batch, the stages' keyword arguments: tensors with a batch dimension cut
-    into ``chunks`` views along dim 0, other values as they are. ``None`` without any."""
-    if not kwargs:
-        return None
-    pieces = {key: torch.tensor_split(value, chunks) if isinstance(value, torch.Tensor)
-              and value.dim() > 0 else [value] * chunks for key, value in kwargs.items()}
-    return [{key: parts[i] for key, parts in pieces.items()} for i in range(chunks)]
 
 
 def last_messages(plan: PipelinePlan) -> dict:

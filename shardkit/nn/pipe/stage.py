@@ -82,6 +82,18 @@ def _tie_copies(module: nn.Module, stage_index: int, num_stages: int, group_size
     return cross_rank_copies(shared, stage_index, where, where(stage_index))
 
 
+def _check_group_argument(group) -> None:
+    """A device where the pipeline group goes: ``torch.distributed.pipelining``'s
+    ``PipelineStage(module, stage_index, num_stages, device)`` has the device in this place.
+    Local, before any collective."""
+    if isinstance(group, (torch.device, str, int)):
+        raise TypeError(f"PipelineStage(group={group!r}): expected the pipeline's process group "
+                        f"or None; torch.distributed.pipelining's PipelineStage takes a device "
+                        f"as its 4th argument, shardkit's takes the group (a stage runs where "
+                        f"its module's parameters are): drop the device, and pass a group by "
+                        f"keyword (group=...)")
+
+
 def _reduces_itself(module: nn.Module) -> bool:
     from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
 
@@ -174,7 +186,9 @@ class PipelineStage:
             argument, as in ``nn.Sequential``.
         stage_index: which stage this is; must equal this process's rank in ``group``.
         num_stages: number of stages; must equal the size of ``group``.
-        group: the pipeline's process group (``None``: the default group).
+        group: the pipeline's process group (``None``: the default group). torch's
+            ``PipelineStage`` takes a ``device`` in this place; a device (or a device string or
+            index) here is a ``TypeError`` saying so.
         data_parallel_group: optional group over which gradients are averaged every step;
             leave it ``None`` for a ShardedDataParallel or FullyShardedDataParallel stage
             module, which reduces its gradients itself (a ``ValueError`` otherwise).
@@ -219,6 +233,7 @@ class PipelineStage:
         if not isinstance(module, nn.Module):
             raise TypeError(f"PipelineStage(module={type(module).__name__}): expected an "
                             f"nn.Module")
+        _check_group_argument(group)
         group_rank, group_size = dist.get_rank(group), dist.get_world_size(group)
         if group_rank < 0:
             raise ValueError(f"PipelineStage(group=...): global rank {dist.get_rank()} is not "
