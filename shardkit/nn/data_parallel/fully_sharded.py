@@ -130,6 +130,7 @@ import dataclasses
 import enum
 import functools
 import sys
+import threading
 import weakref
 from collections.abc import Mapping
 from typing import Iterator, Optional, Union
@@ -296,6 +297,26 @@ def _count_parameter_registration(module: nn.Module, name: str, param) -> None:
 
 
 nn.modules.module.register_module_parameter_registration_hook(_count_parameter_registration)
+
+# ``paused``: this thread runs a backward pass whose units' gathers its caller manages
+# (see backward_hooks_paused)
+_BACKWARD_HOOKS = threading.local()
+
+
+@contextlib.contextmanager
+def backward_hooks_paused():
+    """Inside the block, the pre-backward hooks of every unit do nothing on this thread (no
+    gather, no end-of-backward callback): for a caller that runs a part of backward which
+    needs no unit's weights, or gathers the units it needs itself and frees them after (the
+    weight-gradient pass of a zero-bubble pipeline schedule,
+    :class:`~shardkit.nn.pipe.fsdp_weight_sink.ShardedGradientSink`). Local."""
+    before = getattr(_BACKWARD_HOOKS, "paused", False)
+    _BACKWARD_HOOKS.paused = True
+    try:
+        yield
+    finally:
+        _BACKWARD_HOOKS.paused = before
+
 
 _MANAGED_PARAMS: dict[int, weakref.ref] = {}  # id -> parameter, for "already sharded" checks
 _UNIT_OF: dict[int, tuple] = {}  # id -> (parameter, its unit), both weakly: see unit_holding
@@ -1262,10 +1283,13 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                                                   prepend=True)
 
     def _gather_for_hooks(self, module, grad_output) -> None:
-        if not self._summoned and self._root is not None:
+        if not self._summoned and self._root is not None and \
+                not getattr(_BACKWARD_HOOKS, "paused", False):
             self._pre_backward_hook(None)
 
     def _pre_backward_hook(self, grad):
+        if getattr(_BACKWARD_HOOKS, "paused", False):
+            return grad
         root = self._root
         root._queue_final_callback()
         task = torch._C._current_graph_task_id()

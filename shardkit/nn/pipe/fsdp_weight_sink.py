@@ -67,6 +67,7 @@ from typing import Optional, Sequence
 import torch
 
 from shardkit.nn.data_parallel.flat_param import gathered_param_edges
+from shardkit.nn.data_parallel.fully_sharded import backward_hooks_paused
 from shardkit.nn.pipe.split_backward import PASS_THROUGH, WeightGradPass
 
 __all__ = ["ShardedGradientSink", "stage_is_fully_sharded", "params_outside_fsdp"]
@@ -119,9 +120,6 @@ class ShardedGradientSink:
         @contextlib.contextmanager
         def around(k):
             for shard in needs[k]:
-                # also when gathered here for an earlier call: that call may have run a unit
-                # output's hook (W started at the op producing it, a LayerNorm ending the
-                # unit), whose end-of-backward callback freed the stage's units
                 if not shard.gathered:
                     shard.start_gather()
                     shard.finish_gather()
@@ -133,7 +131,10 @@ class ShardedGradientSink:
                     if last[shard] == k and shard in gathered_here:
                         shard.free_full()
 
-        grads = weight_pass.run(around_group=around)
+        # the units' own hooks would gather a unit whose output W starts at (the Addmm of a
+        # unit's last Linear), weights or not, and free every unit when an autograd call ends
+        with backward_hooks_paused():
+            grads = weight_pass.run(around_group=around)
         by_shard: dict = {}
         for edge in (p for _, params, _ in groups for p in params):
             shard, index = self._owners.pop(edge)
@@ -148,7 +149,9 @@ class ShardedGradientSink:
             self._touched[shard] = None
 
     def _shards_needing_weights(self, frontier, params, below) -> list:
-        reads = any(_reads_weights(n, below) for n in frontier) or \
+        # several frontier nodes: W walks the input path between them (a weight used twice,
+        # ``w @ tanh(w @ x)``), whose ops read weights (``dX = dY W``)
+        reads = len(frontier) > 1 or any(_reads_weights(n, below) for n in frontier) or \
             any(type(n).__name__ not in PASS_THROUGH for n in below)
         if not reads:
             return []
