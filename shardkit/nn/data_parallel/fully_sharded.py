@@ -130,7 +130,6 @@ import dataclasses
 import enum
 import functools
 import sys
-import threading
 import weakref
 from collections.abc import Mapping
 from typing import Iterator, Optional, Union
@@ -298,24 +297,25 @@ def _count_parameter_registration(module: nn.Module, name: str, param) -> None:
 
 nn.modules.module.register_module_parameter_registration_hook(_count_parameter_registration)
 
-# ``paused``: this thread runs a backward pass whose units' gathers its caller manages
-# (see backward_hooks_paused)
-_BACKWARD_HOOKS = threading.local()
+# How many backward_hooks_paused blocks are open. Not per thread: autograd runs the nodes of
+# CUDA tensors (and their hooks) on its own device threads, not on the thread that called it
+_BACKWARD_HOOKS_PAUSED = [0]
 
 
 @contextlib.contextmanager
 def backward_hooks_paused():
-    """Inside the block, the pre-backward hooks of every unit do nothing on this thread (no
-    gather, no end-of-backward callback): for a caller that runs a part of backward which
-    needs no unit's weights, or gathers the units it needs itself and frees them after (the
-    weight-gradient pass of a zero-bubble pipeline schedule,
-    :class:`~shardkit.nn.pipe.fsdp_weight_sink.ShardedGradientSink`). Local."""
-    before = getattr(_BACKWARD_HOOKS, "paused", False)
-    _BACKWARD_HOOKS.paused = True
+    """Inside the block, the pre-backward hooks of every unit do nothing (no gather, no
+    end-of-backward callback): for a caller that runs a part of backward which needs no unit's
+    weights, or gathers the units it needs itself and frees them after (the weight-gradient
+    pass of a zero-bubble pipeline schedule,
+    :class:`~shardkit.nn.pipe.fsdp_weight_sink.ShardedGradientSink`). It holds for the whole
+    process while open (autograd may run the hooks on its device threads), so no other
+    thread's FSDP backward may run meanwhile. Local."""
+    _BACKWARD_HOOKS_PAUSED[0] += 1
     try:
         yield
     finally:
-        _BACKWARD_HOOKS.paused = before
+        _BACKWARD_HOOKS_PAUSED[0] -= 1
 
 
 _MANAGED_PARAMS: dict[int, weakref.ref] = {}  # id -> parameter, for "already sharded" checks
@@ -1283,12 +1283,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                                                   prepend=True)
 
     def _gather_for_hooks(self, module, grad_output) -> None:
-        if not self._summoned and self._root is not None and \
-                not getattr(_BACKWARD_HOOKS, "paused", False):
+        if not self._summoned and self._root is not None and not _BACKWARD_HOOKS_PAUSED[0]:
             self._pre_backward_hook(None)
 
     def _pre_backward_hook(self, grad):
-        if getattr(_BACKWARD_HOOKS, "paused", False):
+        if _BACKWARD_HOOKS_PAUSED[0]:
             return grad
         root = self._root
         root._queue_final_callback()
