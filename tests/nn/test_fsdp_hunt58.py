@@ -183,3 +183,40 @@ def _static_summon_on_a_plain_model():
 def test_static_summon_full_params_on_a_plain_model(world2):
     for r in world2.run(_static_summon_on_a_plain_model):
         assert r == ((4, 4), (2, 4), True)
+
+
+def _registrations_after_the_last_check():
+    out = {}
+    # a head built before a forward (its parameters counted then) and attached inside the
+    # inner unit after it: the forward that followed trained it apart on each rank
+    model = _wrapped()
+    head = nn.Linear(6, 6)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, optim, 0)
+    model.module.block.module.append(head)
+    out["attached"] = _message_of(lambda: _step(model, optim, 1))
+    # a parameter set on the FSDP wrapper itself (the root's), used in the loss
+    model = _wrapped()
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, optim, 0)
+    model.scale = nn.Parameter(torch.ones(3))
+    out["on_wrapper"] = _message_of(lambda: _step(model, optim, 1, add=lambda: model.scale))
+    # an ignored_states parameter given a new value at its place (load_state_dict(assign=True)
+    # of the module holding it) stays the user's: training goes on with it
+    net = Net()
+    model = FSDP(net, ignored_states=[net.out.weight])
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(model, optim, 0)
+    net.out.load_state_dict({"weight": torch.full((3, 6), 0.25)}, strict=False, assign=True)
+    out["ignored_replaced"] = _message_of(lambda: _step(model, optim, 1))
+    out["ignored_value"] = net.out.weight.detach().clone()
+    return out
+
+
+def test_registrations_after_the_last_check_are_found(world2):
+    for r in world2.run(_registrations_after_the_last_check):
+        assert "block.3.weight" in r["attached"] and "after wrapping" in r["attached"], r
+        assert "scale" in r["on_wrapper"] and "after wrapping" in r["on_wrapper"], r
+        assert r["ignored_replaced"] == "no error", r["ignored_replaced"]
+        # not refused, and untouched by SGD: the new parameter is not in the optimizer
+        assert torch.equal(r["ignored_value"], torch.full((3, 6), 0.25))

@@ -285,17 +285,19 @@ def _eager(hook):
 # Note: parameters registered after wrapping. A parameter registered on a module inside a unit
 # after the unit was built (an adapter or head added to a wrapped model) is not sharded: it
 # would train on each rank's own gradient, never reduced, and the ranks' copies drift apart
-# silently. torch calls a global hook at every registration; it only counts them, so that a
-# root looks through its units' modules again (at its next forward) only when some
-# registration happened since its last look.
-_PARAMETER_REGISTRATIONS = [0]
+# silently. torch calls global hooks at every registration of a parameter and of a submodule
+# (a module built earlier, its parameters counted then, and attached to a unit later); they
+# only count them, so that a root looks through its units' modules again (at its next forward)
+# only when some registration happened since its last look.
+_REGISTRATIONS = [0]
 
 
-def _count_parameter_registration(module: nn.Module, name: str, param) -> None:
-    _PARAMETER_REGISTRATIONS[0] += 1
+def _count_registration(module: nn.Module, name: str, value) -> None:
+    _REGISTRATIONS[0] += 1
 
 
-nn.modules.module.register_module_parameter_registration_hook(_count_parameter_registration)
+nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+nn.modules.module.register_module_module_registration_hook(_count_registration)
 
 # How many backward_hooks_paused blocks are open. Not per thread: autograd runs the nodes of
 # CUDA tensors (and their hooks) on its own device threads, not on the thread that called it
@@ -611,6 +613,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             *(u._ignored_modules for u in _inner_units(module)))
         self._ignored_params = set(ignored.params).union(
             *(u._ignored_params for u in _inner_units(module)))
+        # (module, name) where this unit found an ignored parameter (ignored_states): the
+        # user's place, which may be given another parameter after wrapping
+        self._ignored_param_places = _ignored_param_places(module, ignored)
         self.sharding_strategy = strategy
         self.process_group = groups.shard  # what the shards are cut over
         self.replicate_group = groups.replicate
@@ -663,7 +668,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._is_root: Optional[bool] = None
         self._root: Optional[FullyShardedDataParallel] = None
         self._require_backward_grad_sync = True
-        # root: _PARAMETER_REGISTRATIONS when its units' modules were last found to hold only
+        # root: _REGISTRATIONS when its units' modules were last found to hold only
         # their own parameters (see _refuse_parameters_registered_after_wrapping)
         self._registrations_checked = -1
         self._pre_backward_done = False
@@ -1069,15 +1074,15 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         after wrapping), which would read this rank's rows there. Parameters of ignored
         modules (``ignored_modules`` / ``ignored_states``) are the user's and pass. Every rank
         makes the same registrations, so every rank raises. Cost: nothing unless some
-        parameter was registered (anywhere in the process) since the last forward, then one
-        walk over the units' modules."""
-        if self._registrations_checked == _PARAMETER_REGISTRATIONS[0]:
+        parameter or submodule was registered (anywhere in the process) since the last
+        forward, then one walk over the units' modules."""
+        if self._registrations_checked == _REGISTRATIONS[0]:
             return
         for unit in self.sharded_units():
             found = _parameter_registered_after_wrapping(unit)
             if found is not None:
                 raise RuntimeError(_registered_after_wrapping(self, unit, *found))
-        self._registrations_checked = _PARAMETER_REGISTRATIONS[0]
+        self._registrations_checked = _REGISTRATIONS[0]
 
     def _run_post_forward_last(self, module: nn.Module) -> None:
         """Move the unit's post-forward hook behind the forward hooks registered after it, so
@@ -1837,18 +1842,30 @@ def _refuse_parameters_held_outside(root: FullyShardedDataParallel) -> None:
 
 
 def _parameter_registered_after_wrapping(unit: FullyShardedDataParallel) -> Optional[tuple]:
-    """``(name, module, attribute)`` of the first parameter held by a module of ``unit`` (not
-    inside an inner unit or an ignored module) where the unit did not record it when it was
-    built, else ``None``. Local."""
+    """``(name, module, attribute)`` of the first parameter held by ``unit`` itself or by a
+    module of ``unit`` (not inside an inner unit or an ignored module) where the unit did not
+    record it when it was built (neither as its own nor as an ignored one), else ``None``.
+    Local."""
     shard = unit._shard
     recorded = set() if shard is None else \
         {(id(m), attr) for places in shard.locations for m, attr in places}
+    recorded.update((id(m), attr) for m, attr in unit._ignored_param_places)
     ignored = IgnoredStates(tuple(unit._ignored_modules), tuple(unit._ignored_params))
-    for name, m in _named_unit_modules(unit.module, ignored):
+    # the unit itself first: a parameter set on the wrapper (``fsdp_model.scale = ...``)
+    holders = [("", unit), *_named_unit_modules(unit.module, ignored)]
+    for name, m in holders:
         for attr, p in m._parameters.items():
             if p is not None and (id(m), attr) not in recorded and not ignored.has_param(p):
                 return name, m, attr
     return None
+
+
+def _ignored_param_places(module: nn.Module, ignored: IgnoredStates) -> list:
+    """``(module, name)`` of each ignored parameter held by a module of the unit wrapping
+    ``module`` (a parameter passed in ``ignored_states``; those of ignored modules are not
+    looked at). Local."""
+    return [(m, attr) for m in _unit_modules(module, ignored)
+            for attr, p in m._parameters.items() if p is not None and ignored.has_param(p)]
 
 
 def _registered_after_wrapping(root: FullyShardedDataParallel, unit: FullyShardedDataParallel,
