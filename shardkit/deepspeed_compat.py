@@ -170,13 +170,16 @@ def _splits(sizes, tensor, n: int, argument: str) -> list:
             raise ValueError(f"all_to_all_single({argument}=None): {rows} rows do not split "
                              f"equally over {n} ranks; give {argument}")
         return [rows // n] * n
-    sizes = list(sizes)
-    if len(sizes) != n or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
-                                  for k in sizes) or sum(sizes) != rows:
+    try:
+        listed = list(sizes)
+    except TypeError:  # not a sequence (an int, say): refused below like any other misfit
+        listed = []
+    if len(listed) != n or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
+                                   for k in listed) or sum(listed) != rows:
         raise ValueError(f"all_to_all_single({argument}={sizes!r}): expected {n} ints >= 0 "
                          f"(one per rank of the group) summing to the tensor's {rows} rows "
                          f"(dim 0)")
-    return sizes
+    return listed
 
 
 def _all_to_all_single(output, tensor, output_split_sizes=None, input_split_sizes=None,
@@ -197,6 +200,15 @@ def _all_to_all_single(output, tensor, output_split_sizes=None, input_split_size
                              async_op, "all_to_all_single")
 
 
+def _check_tensors(what: str, **tensors) -> None:
+    """Raise a TypeError naming the first of ``tensors`` (argument name: value) that is not a
+    torch.Tensor."""
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{what}({name}=...): expected a torch.Tensor, got "
+                            f"{type(value).__name__}")
+
+
 def _all_to_all_split(output, tensor, output_split_sizes, input_split_sizes, group,
                       async_op: bool, what: str, problem: Optional[Exception] = None):
     """:func:`_all_to_all_single` with split sizes; ``problem``: what the caller already
@@ -208,6 +220,7 @@ def _all_to_all_split(output, tensor, output_split_sizes, input_split_sizes, gro
     sends, takes = [0] * n, [0] * n
     if problem is None:
         try:
+            _check_tensors(what, tensor=tensor, output=output)
             sends = _splits(input_split_sizes, tensor, n, "input_split_sizes")
             takes = _splits(output_split_sizes, output, n, "output_split_sizes")
             if tensor.shape[1:] != output.shape[1:] or tensor.dtype != output.dtype:
@@ -215,7 +228,7 @@ def _all_to_all_split(output, tensor, output_split_sizes, input_split_sizes, gro
                                  f"{tensor.dtype} and the output {tuple(output.shape)} "
                                  f"{output.dtype} must have one dtype and the same sizes "
                                  f"beyond dim 0")
-        except ValueError as error:
+        except (TypeError, ValueError) as error:
             problem, sends, takes = error, [0] * n, [0] * n
     # every rank's [ok, sends, takes, dtype]: every rank then decides (and raises) alike
     device = distributed._control_device(group, tensor)

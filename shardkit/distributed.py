@@ -1039,19 +1039,20 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
 
     Before it (``check_ranks``, the default), one all-gather of ``2n + 2`` int64s a rank
     (``8n(2n + 2)`` bytes, not counted by :class:`CommCounter`) compares every rank's call
-    on every rank: sizes that do not fit on one rank, tensors whose elements or dtype differ
-    between ranks, or ranks that passed split sizes to ``shardkit.comm.all_to_all_single``
-    while this one passed none (that call's own agreement meets this one) raise a ValueError
-    on every rank before any data moves, where gloo hung or aborted. ``check_ranks=False``:
-    for a caller whose sizes every rank derives alike (a transport), no agreement."""
-    _check_call("all_to_all_single", group, output, input)
-    n = get_world_size(group)
-    problem = None
-    if input.numel() != output.numel() or input.numel() % n:
-        problem = ValueError(f"all_to_all_single: input has {input.numel()} elements and "
-                             f"output {output.numel()}; they must be equal and divisible by "
-                             f"world size {n}")
-    if check_ranks and not _not_a_member(group):
+    on every rank: on one rank a tensor that is not one, an output whose dtype is not the
+    input's or sizes that do not fit (a TypeError or ValueError there), tensors whose elements
+    or dtype differ between ranks, or ranks that passed split sizes to
+    ``shardkit.comm.all_to_all_single`` while this one passed none (that call's own agreement
+    meets this one) raise a ValueError on every rank before any data moves, where gloo hung
+    or aborted. ``check_ranks=False``: for a caller whose sizes every rank derives alike (a
+    transport), no agreement. A rank outside ``group`` takes no part (torch skips the op
+    there; ``None`` comes back)."""
+    _check_call("all_to_all_single", group)
+    if _not_a_member(group):
+        _check_call("all_to_all_single", group, output, input)
+        return dist.all_to_all_single(output, input, group=group, async_op=async_op)
+    problem = _all_to_all_problem(output, input, get_world_size(group))
+    if check_ranks:
         _agree_on_equal_chunks(problem, input, group)
     elif problem is not None:
         raise problem
@@ -1062,6 +1063,24 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
     landing = output if output.is_contiguous() else output.contiguous()
     work = dist.all_to_all_single(landing, input.contiguous(), group=group, async_op=async_op)
     return _landed(work, landing, output, async_op)
+
+
+def _all_to_all_problem(output, input, n: int) -> Optional[Exception]:
+    """What makes :func:`all_to_all_single`'s tensors unfit on this rank, for a world of
+    ``n`` (``None``: nothing), as the error to raise once the ranks have agreed. Local."""
+    what = "shardkit.distributed.all_to_all_single"
+    for name, tensor in (("output", output), ("input", input)):
+        if not isinstance(tensor, torch.Tensor):
+            return TypeError(f"{what}({name}=...): expected a torch.Tensor, got "
+                             f"{type(tensor).__name__}")
+    if output.dtype != input.dtype:
+        return ValueError(f"all_to_all_single: output is {output.dtype} and input "
+                          f"{input.dtype}; they must have one dtype")
+    if input.numel() != output.numel() or input.numel() % n:
+        return ValueError(f"all_to_all_single: input has {input.numel()} elements and "
+                          f"output {output.numel()}; they must be equal and divisible by "
+                          f"world size {n}")
+    return None
 
 
 # Note: an all-to-all with split sizes (shardkit.comm's) agrees first on rows of
@@ -1089,7 +1108,7 @@ def _agree_on_equal_chunks(problem: Optional[Exception], input: torch.Tensor, gr
     split = [r for r, (ok, *_) in enumerate(rows) if ok]
     if failed:
         raise ValueError(f"{what}: group rank(s) {failed} were given arguments that do not "
-                         f"fit (their ValueError says which); nothing was exchanged")
+                         f"fit (their error says which); nothing was exchanged")
     if split:
         raise ValueError(f"{what}: group rank(s) {split} passed split sizes "
                          f"(output_split_sizes / input_split_sizes) and group rank(s) {plain} "
@@ -1299,7 +1318,9 @@ def monitored_barrier(group=None, timeout: Optional[datetime.timedelta] = None,
         seconds = timeout_of(group)
         timeout = dist.default_pg_timeout if seconds is None else \
             datetime.timedelta(seconds=seconds)
-    _record("barrier", 0, group)
+    # not checked by the collective debug mode: its all-gather would meet an absent rank
+    # first, and time out without naming it, where this barrier is there to name it
+    _record("barrier", 0, group, checked=False)
     resolved_group(group).monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
 
 
@@ -1442,7 +1463,7 @@ def _agree_on_call(what: str, problem, facts: Sequence[int], group, device,
     failed = [r for r, (ok, *_) in enumerate(rows) if not ok]
     if failed:
         raise ValueError(f"{what}: group rank(s) {failed} were given arguments that do not "
-                         f"fit (their ValueError says which); {outcome}")
+                         f"fit (their error says which); {outcome}")
     return [facts_of_rank for _, *facts_of_rank in rows]
 
 
