@@ -1540,7 +1540,7 @@ def _rooted_problem(what: str, root_name: str, root, list_name: str, items, tens
 
 
 def gather(tensor: torch.Tensor, gather_list: Optional[list] = None, dst: int = 0, group=None,
-           async_op: bool = False):
+           async_op: bool = False, check_ranks: bool = True):
     """Gather every rank's ``tensor`` into ``gather_list`` on global rank ``dst`` (there a
     list of one tensor per rank of the group, in group-rank order, each of ``tensor``'s shape
     and dtype; ``None`` on the other ranks), as torch's ``gather``. Returns a work handle
@@ -1550,14 +1550,17 @@ def gather(tensor: torch.Tensor, gather_list: Optional[list] = None, dst: int = 
     and every rank's tensor size and dtype on every rank, so that a bad argument on any rank
     raises a ValueError on every rank and none is left waiting. Wire: each other rank sends
     its tensor to ``dst``; counted as ``gather``, ``(n-1)/n`` of the tensor's bytes on every
-    rank (rooted ops averaged over the ranks)."""
+    rank (rooted ops averaged over the ranks). ``check_ranks=False``: for a caller whose
+    arguments every rank derives alike (one gather per optimizer-state tensor), no
+    agreement."""
     _check_call("gather", group, tensor)
     if _not_a_member(group):
         return None
-    what = "shardkit.distributed.gather"
-    problem = _rooted_problem(what, "dst", dst, "gather_list", gather_list, tensor,
-                              lambda root: get_rank() == root, group)
-    _agree_on_root(what, "dst", dst, problem, group, tensor.device, tensor=tensor)
+    if check_ranks:
+        what = "shardkit.distributed.gather"
+        problem = _rooted_problem(what, "dst", dst, "gather_list", gather_list, tensor,
+                                  lambda root: get_rank() == root, group)
+        _agree_on_root(what, "dst", dst, problem, group, tensor.device, tensor=tensor)
     _record("gather", tensor, group, kind="reduce")
     with reporting_broken_links("gather", group):
         return dist.gather(tensor, list(gather_list) if get_rank() == dst else None, dst=dst,

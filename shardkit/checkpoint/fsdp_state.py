@@ -392,8 +392,9 @@ def gather_full_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor], layo
         if recipient is None:
             distributed.all_gather_into_tensor(gathered, rows, group=rows_group)
         elif recipient in distributed.group_ranks(rows_group):
+            # every rank derives the sizes from the same layouts: no agreement per tensor
             distributed.gather(rows, list(gathered.chunk(world_size)) if receiving else None,
-                               dst=recipient, group=rows_group)
+                               dst=recipient, group=rows_group, check_ranks=False)
         if gathered is None:
             return None
         return unshard_rows(list(gathered.to(shard.device).chunk(world_size)), layout)

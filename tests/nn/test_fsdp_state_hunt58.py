@@ -31,8 +31,8 @@ MB = 1 << 20
 LAYERS, WIDTH = 8, 1024          # Adam over 8.4M parameters: a 67 MB state, 4 MB tensors
 SLACK = 6 * MB                   # the interpreter's own allocations while a call runs
 
-pytestmark = pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
-                                reason="needs /proc/self/clear_refs to reset the peak RSS")
+needs_clear_refs = pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK),
+                                      reason="needs /proc/self/clear_refs to reset the peak RSS")
 
 
 # ---------------------------------------------------------------------- rank-side helpers
@@ -137,6 +137,7 @@ def _rank0_only_memory() -> dict:
     return out
 
 
+@needs_clear_refs
 def test_rank0_only_saves_and_loads_keep_the_full_state_off_other_ranks(world2):
     rank0, rank1 = world2.run(_rank0_only_memory)
     for out in (rank0, rank1):
@@ -182,3 +183,42 @@ def test_rank0_only_under_no_shard_gives_the_dict_to_rank_0_alone(world2):
     assert (rank1["keys"], rank1["full keys"]) == (0, 0), rank1
     for out in (rank0, rank1):
         assert out["loaded"] and out["own recipient"], out
+
+
+def _refused_on_one_rank() -> dict:
+    """``gather_full_optim_state_dict`` with an argument only rank 1 gets wrong (a recipient
+    out of range, an LBFGS optimizer): each call's error on this rank, then a good call's
+    result (the ranks are still in step)."""
+    import torch.distributed as dist
+
+    from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = FSDP(nn.Linear(4, 3))
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    out = {}
+    for case, args in (("recipient", (optim, 7 if rank == 1 else 0)),
+                       ("optimizer", (torch.optim.LBFGS(model.parameters()) if rank == 1
+                                      else optim, 0))):
+        try:
+            model.gather_full_optim_state_dict(*args)
+            out[case] = "no error"
+        except (TypeError, ValueError) as error:
+            out[case] = f"{type(error).__name__}: {error}"
+    full = model.gather_full_optim_state_dict(optim, recipient_rank=0)
+    out["then"] = None if full is None else sorted(full["state"])
+    return out
+
+
+def test_an_argument_refused_on_one_rank_raises_on_every_rank(world2):
+    """Rank 1 alone passing a bad ``recipient_rank`` or optimizer raised there while rank 0
+    waited in the gather (until the collective timed out)."""
+    rank0, rank1 = world2.run(_refused_on_one_rank)
+    assert "recipient_rank=7" in rank1["recipient"] and "0..1" in rank1["recipient"], rank1
+    assert rank1["optimizer"].startswith("TypeError") and "LBFGS" in rank1["optimizer"], rank1
+    for case in ("recipient", "optimizer"):
+        assert rank0[case].startswith("ValueError") and "group rank(s) [1]" in rank0[case], \
+            rank0
+    assert rank0["then"] == [0, 1] and rank1["then"] is None, (rank0["then"], rank1["then"])

@@ -1066,29 +1066,39 @@ class FSDPStateDictMixin:
         alone in a world of one, e.g. an expert) are not gathered: their parameters' state is
         the recipient's own, listed under ``"uncollected_local_ids"`` for the caller to fill in.
 
-        Communication: a two-element all-reduce (the ranks' recipients), then one gather per
-        state tensor to the recipient (``Ψ·K/4`` elements in all). Memory: the full optimizer
-        state on the recipient only (one tensor at a time arrives); the other ranks send
-        their shards and keep nothing. Ranks naming different recipients (each its own, to
-        have the dict everywhere, which FairScale's all-gather allowed) get one all-gather
-        per state tensor instead, and the full state on every rank. All ranks must call it.
+        Communication: the ranks' recipients compared (one all-gather of two integers a rank,
+        not counted), then one gather per state tensor to the recipient (``Ψ·K/4`` elements
+        in all). Memory: the full optimizer state on the recipient only (one tensor at a time
+        arrives); the other ranks send their shards and keep nothing. Ranks naming different
+        recipients (each its own, to have the dict everywhere, which FairScale's all-gather
+        allowed) get one all-gather per state tensor instead, and the full state on every
+        rank. A ``recipient_rank`` or ``optim`` refused on some ranks only raises on every rank
+        of the group, before any state moves. All ranks must call it.
         """
-        if not isinstance(recipient_rank, int) or not 0 <= recipient_rank < self.world_size:
-            raise ValueError(f"gather_full_optim_state_dict(recipient_rank={recipient_rank!r}): "
-                             f"valid ranks are 0..{self.world_size - 1}")
-        full = self._gathered_optim_state(optim, "gather_full_optim_state_dict",
-                                          self._agreed_recipient(recipient_rank))
+        call = "gather_full_optim_state_dict"
+        problem = None
+        try:  # checked here, so that a rank alone refusing its arguments leaves none waiting
+            if not isinstance(recipient_rank, int) or not 0 <= recipient_rank < self.world_size:
+                raise ValueError(f"{call}(recipient_rank={recipient_rank!r}): valid ranks are "
+                                 f"0..{self.world_size - 1}")
+            _check_gatherable(self, optim, call)
+        except (TypeError, ValueError) as error:
+            problem = error
+        full = self._gathered_optim_state(optim, call,
+                                          self._agreed_recipient(recipient_rank, problem, call))
         return full if self.rank == recipient_rank else None
 
-    def _agreed_recipient(self, recipient_rank: int) -> Optional[int]:
+    def _agreed_recipient(self, recipient_rank: int, problem: Optional[BaseException],
+                          call: str) -> Optional[int]:
         """The global rank of ``recipient_rank`` (a rank of this unit's group) where every rank
-        of the group names it, else ``None`` (every rank is to gather). A two-element
-        all-reduce over the group."""
-        named = torch.tensor([recipient_rank, -recipient_rank], dtype=torch.int64,
-                             device=self._comm_device())
-        skdist.all_reduce(named, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
-        highest, lowest = named.tolist()
-        if highest != -lowest:
+        of the group names it, else ``None`` (every rank is to gather). ``problem`` (what this
+        rank found wrong with its arguments) is raised here, and every other rank of the group
+        raises a ValueError naming the ranks that had one. One all-gather of two integers a
+        rank over the group (a control message, not counted)."""
+        named = skdist._agree_on_call(f"FSDP.{call}", problem, [recipient_rank],
+                                      self.process_group, self._comm_device(),
+                                      outcome="nothing was gathered")
+        if len({rank for rank, in named}) > 1:
             return None
         return skdist.get_global_rank(self.process_group, recipient_rank)
 
@@ -1099,12 +1109,7 @@ class FSDPStateDictMixin:
         every rank with ``None``: one all-gather per state tensor), ``None`` elsewhere;
         without ``take_part`` (a replica whose groups do not hold the recipient), only the
         checks."""
-        _check_optimizer_of(self, optim, call)
-        if isinstance(optim, torch.optim.LBFGS):  # its state is over the flattened shard
-            raise TypeError(f"{call}: LBFGS keeps one state over the "
-                            "flattened parameters, here this rank's shards, not one per "
-                            "parameter; FullyShardedDataParallel does not support LBFGS (use "
-                            "DistributedDataParallel with OSS, which runs it on the whole model)")
+        _check_gatherable(self, optim, call)
         if not take_part:
             return None
         self._mark_units_in_their_own_world()
@@ -1503,6 +1508,17 @@ def _check_optimizer_of(model, optim, call: str) -> None:
                          f"{len(ordered)} parameters belongs to this FullyShardedDataParallel "
                          f"model; pass the optimizer built over this model's "
                          f"parameters")
+
+
+def _check_gatherable(model, optim, call: str) -> None:
+    """:func:`_check_optimizer_of`, and a TypeError for LBFGS, whose state cannot be
+    unsharded. Local."""
+    _check_optimizer_of(model, optim, call)
+    if isinstance(optim, torch.optim.LBFGS):  # its state is over the flattened shard
+        raise TypeError(f"{call}: LBFGS keeps one state over the "
+                        "flattened parameters, here this rank's shards, not one per "
+                        "parameter; FullyShardedDataParallel does not support LBFGS (use "
+                        "DistributedDataParallel with OSS, which runs it on the whole model)")
 
 
 def _refuse_other_shards(model, optim: torch.optim.Optimizer, osd) -> None:
