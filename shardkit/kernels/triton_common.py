@@ -98,12 +98,16 @@ def cast_to(x, DTYPE: tl.constexpr):
     Note: the bf16 cases are spelled out on the bits because Triton's interpreter truncates
     fp32 → bf16 while GPUs (and torch) round to nearest even, and mangles bf16 subnormals (see
     :func:`widen`); doing the rounding ourselves gives the same bits on both, so the
-    interpreter tests check what the GPU computes.
+    interpreter tests check what the GPU computes. A bf16 ``x`` is kept bit for bit (NaN
+    payloads too, as torch's copy).
     """
     if DTYPE == tl.bfloat16:
-        bits = widen(x).to(tl.uint32, bitcast=True)
+        if x.dtype == tl.bfloat16:
+            return x
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
         rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
-        rounded = tl.where(x != x, bits >> 16, rounded)  # keep NaNs NaN
+        # torch's NaN for every NaN: the top half alone reads inf when the payload lies below
+        rounded = tl.where(x != x, 0x7FC0, rounded)
         return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     elif x.dtype == tl.bfloat16:
         return widen(x).to(DTYPE)

@@ -34,6 +34,11 @@ class _FlatState:
         self.steps = torch.zeros(len(self.params), dtype=torch.float32)
         self.views["step"] = list(self.steps.unbind(0))
 
+    @property
+    def numel(self) -> int:
+        """Elements of each buffer (the parameters' total)."""
+        return self.buffers["exp_avg"].numel()
+
     def outdated(self) -> bool:
         """Whether any parameter was cast, moved or resized since the buffers were built
         (a ``model.to(torch.bfloat16)`` or ``model.cuda()`` after a step, or a conversion of
@@ -60,7 +65,9 @@ class FusedAdamW(torch.optim.Optimizer):
     Memory: ``K = 8`` bytes of fp32 optimizer state per parameter (12 with ``amsgrad``), as torch:
     only for parameters that have had a gradient (frozen or unused ones cost nothing);
     parameters whose first gradient comes after their group's first step get flat buffers of
-    their own (one more kernel launch per step). Traffic: 28 B per fp32 parameter per step.
+    their own, merged with the newest earlier ones as they grow, so a group keeps a few buffers
+    (one launch each per step) however its parameters arrive. Traffic: 28 B per fp32 parameter
+    per step.
     No communication: wrap it in :class:`shardkit.optim.OSS` to shard it.
 
     Args:
@@ -152,9 +159,9 @@ class FusedAdamW(torch.optim.Optimizer):
         """The flat state of the group's stepped parameters (:func:`_stepped_params`).
 
         Parameters stepped for the first time get buffers of their own beside the existing
-        ones (the state already there is not copied); any other change (a parameter removed
-        or cast, moved or resized, ``amsgrad`` switched) rebuilds them all, the state cast and
-        moved into new buffers as torch's ``load_state_dict`` would."""
+        ones (:meth:`_add_newcomers`); any other change (a parameter removed or cast, moved or
+        resized, ``amsgrad`` switched) rebuilds them all, the state cast and moved into new
+        buffers as torch's ``load_state_dict`` would."""
         stepped = _stepped_params(group["params"], self.state)
         key = (tuple(map(id, stepped)), bool(group["amsgrad"]))
         cached = self._flat.get(index)
@@ -164,22 +171,47 @@ class FusedAdamW(torch.optim.Optimizer):
             return cached[1]
         else:
             covered = {id(p) for f in cached[1] for p in f.params}
-            if covered <= set(key[0]):  # only newcomers: buffers of their own
+            if covered <= set(key[0]):  # only newcomers
                 newcomers = [p for p in stepped if id(p) not in covered]
-                flats = cached[1] + self._build_flat_states(group, newcomers)
+                flats = self._add_newcomers(group, cached[1], newcomers)
             else:
                 flats = self._build_flat_states(group, stepped)
         self._flat[index] = (key, flats)
         return flats
 
+    def _add_newcomers(self, group: dict, flats: list[_FlatState],
+                       newcomers: list) -> list[_FlatState]:
+        """``flats`` plus buffers for ``newcomers`` (parameters stepped for the first time).
+
+        Note: each device and dtype's new buffer also takes in the newest existing buffers of
+        that device and dtype while they hold at most twice what it holds so far (their state
+        copied): buffers grow geometrically, so parameters whose first gradients come one at a
+        time (MoE experts routed to later, a head used from step N) keep a few buffers, hence a
+        few launches per step, not one more per arrival forever; each element is copied a
+        logarithmic number of times, and the large old buffers stay as they are.
+        """
+        kept = list(flats)
+        merged = []
+        for bucket in _by_device_dtype(newcomers).values():
+            size = sum(p.numel() for p in bucket)
+            absorbed = []
+            for flat in reversed(kept):
+                if (flat.device, flat.dtype) != (bucket[0].device, bucket[0].dtype):
+                    continue
+                if flat.numel > 2 * size:
+                    break
+                absorbed.insert(0, flat)
+                size += flat.numel
+            kept = [f for f in kept if all(f is not a for a in absorbed)]
+            params = [p for flat in absorbed for p in flat.params] + bucket
+            merged += self._build_flat_states(group, params)
+        return kept + merged
+
     def _build_flat_states(self, group: dict, stepped: list) -> list[_FlatState]:
         """Allocate flat buffers for the parameters ``stepped`` of ``group``, one per device
         and dtype; move any existing (loaded or earlier) state into them."""
-        buckets: dict[tuple, list] = {}
-        for p in stepped:
-            buckets.setdefault((p.device, p.dtype), []).append(p)
         flats = []
-        for (device, dtype), params in buckets.items():
+        for (device, dtype), params in _by_device_dtype(stepped).items():
             total = sum(p.numel() for p in params)
             keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
             flat = _FlatState(params, {key: torch.zeros(total, dtype=dtype, device=device)
@@ -266,6 +298,14 @@ def _check_state_shape(param: torch.Tensor, key: str, value) -> None:
                          f"{tuple(value.shape)}, the parameter {tuple(param.shape)} (resized "
                          f"after its first step, or a state dict of another model); clear "
                          f"its state (del opt.state[p]) to start it afresh")
+
+
+def _by_device_dtype(params: list) -> dict[tuple, list]:
+    """``params`` by ``(device, dtype)``, each list in the order of ``params``."""
+    buckets: dict[tuple, list] = {}
+    for p in params:
+        buckets.setdefault((p.device, p.dtype), []).append(p)
+    return buckets
 
 
 def _stepped_params(params: list, state: dict) -> list:
