@@ -611,6 +611,13 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         # stages 0-1 under torch DDP without find_unused_parameters: the trainable parameters
         # a gradient reached in the current reducing backward (see _refuse_unused_parameters)
         self._grads_arrived: Optional[set] = self._watch_gradient_arrivals()
+        # stages 0-2: the parameters the wrappers and the optimizer were built over (stage 3's
+        # FSDP refuses a changed parameter itself); weakly, so that a frozen one the script
+        # replaces is not kept alive here
+        self._params_at_initialize: Optional[dict] = None
+        if self.optimizer is not None and composition.stage < 3:
+            self._params_at_initialize = {name: (weakref.ref(p), p.shape)
+                                          for name, p in model.named_parameters()}
         from shardkit.utils.tensor_fragment import register_engine
         register_engine(self)  # deepspeed.utils.safe_* find the engine of a parameter
         if composition.stage == 3:  # DeepSpeed's ds_id / ds_status / ds_shape on the shards
@@ -978,10 +985,43 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
     # -- training
     def forward(self, *args, **kwargs):
         self.tput_timer.start()
+        self._refuse_parameters_changed_since_initialize()
         self._forwards_since_backward += 1
         self._forwards_since_step += 1
         with self._precision_context(), self._reduction_context():
             return self.wrapped(*args, **kwargs)
+
+    def _refuse_parameters_changed_since_initialize(self) -> None:
+        """Stages 0-2: a ValueError naming each trainable parameter of the model that was
+        replaced by a new Parameter object, resized, or registered after ``initialize``
+        (Hugging Face's ``resize_token_embeddings()`` or a new head called on
+        ``engine.module``): torch DDP (stages 0-1) failed in backward with autograd's "invalid
+        gradient" for a resized one and silently left a new one unaveraged and unstepped, as
+        ShardedDataParallel (stage 2) did. Checked at each forward before the wrapper's, on
+        every rank (each rank changing its model alike raises at the same forward, before any
+        collective). Local: one pass over the parameters."""
+        known = self._params_at_initialize
+        if known is None:
+            return
+        changed = []
+        for name, p in self.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            was = known.get(name)
+            if was is None:
+                changed.append(f"{name} (registered after initialize)")
+            elif was[0]() is not p:
+                changed.append(f"{name} (a new Parameter object, shape {tuple(p.shape)})")
+            elif p.shape != was[1]:
+                changed.append(f"{name} (resized from {tuple(was[1])} to {tuple(p.shape)})")
+        if changed:
+            raise ValueError(
+                f"engine forward: trainable parameter(s) {_shown(changed)} changed after "
+                f"shardkit.initialize (zero_optimization.stage={self.composition.stage}), whose "
+                f"optimizer and gradient reduction were built over the model as it was then "
+                f"(a new parameter would be neither averaged nor stepped, a resized one no "
+                f"longer fits the reduction buckets and optimizer state). Change the model "
+                f"(resize_token_embeddings, new heads or adapters) before shardkit.initialize")
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:

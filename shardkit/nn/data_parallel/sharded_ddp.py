@@ -223,7 +223,9 @@ class ShardedDataParallel(nn.Module):
         self._hooked: dict = {}               # param -> its two hook handles
         self._buckets: list[BucketLayout] = []
         self._bucket_of: dict = {}            # param -> bucket index
-        self._planned_with: tuple = ((), ())  # (requires_grad flags, partitions) of the plan
+        # (requires_grad flags, trainable parameters, partitions) of the plan
+        self._planned_with: tuple = ((), (), ())
+        self._planned_names: dict = {}        # name -> the trainable parameter planned under it
         self._sync_enabled = True
         self._window_open = False             # a grad-enabled forward ran since the last reduction
         self._backward_active = False
@@ -316,17 +318,24 @@ class ShardedDataParallel(nn.Module):
         decides from the same gathered values, so every rank issues the same collectives and
         none is left waiting. Nothing is re-planned here: ``True`` (a change, agreed by every
         rank at the same site) leaves that to the caller."""
-        if stale:  # a parameter added to an OSS outside the module: refused before any collective
+        replaced = self._replaced_parameters() if stale else []
+        if stale and not replaced:
+            # a parameter added to an OSS outside the module: refused before any collective
             args.check_optimizer_params_in_module(self.module, self.sharded_optimizers)
         if self.world_size == 1:
+            if replaced:
+                raise self._replaced_error(replaced)
             return stale
         device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
-        mine = torch.tensor([float(8 * drops_grads + 2 * site + stale)], device=device)
+        mine = torch.tensor([float(16 * bool(replaced) + 8 * drops_grads + 2 * site + stale)],
+                            device=device)
         every = torch.empty(self.world_size, device=device)
         skdist.all_gather_into_tensor(every, mine, group=self.process_group)
         codes = [int(c) for c in every.tolist()]
         if not any(c & 1 for c in codes):
             return False
+        if any(c & 16 for c in codes):
+            raise self._replaced_error(replaced)
         self._window_open = False  # every rank agrees again at its next training forward
         sites = {(c >> 1) & 3 for c in codes}
         if sites == {_AT_REDUCE}:
@@ -354,6 +363,28 @@ class ShardedDataParallel(nn.Module):
                 f"buckets were not re-planned")
         return True
 
+    def _replaced_parameters(self) -> list[str]:
+        """Names under which the module now holds another trainable Parameter object than
+        the one planned there (Hugging Face's ``resize_token_embeddings()`` builds a new
+        output layer when it is not tied to the input embedding; a head or adapter module
+        put in place of another). Local."""
+        return [name for name, p in self.module.named_parameters()
+                if p.requires_grad and self._planned_names.get(name, p) is not p]
+
+    def _replaced_error(self, names: list[str]) -> ValueError:
+        """The error every rank raises when some rank found :meth:`_replaced_parameters`
+        (``names``: this rank's, empty where only another rank replaced them)."""
+        where = f"parameter(s) {names} of the wrapped module were" if names else \
+            "on another rank, parameters of the wrapped module were"
+        return ValueError(
+            f"ShardedDataParallel: {where} replaced by new Parameter objects after "
+            f"ShardedDataParallel was built (e.g. Hugging Face's resize_token_embeddings() "
+            f"giving an untied output layer a new weight, or a module swapped for a new "
+            f"head or adapter): the OSS optimizers and the reduction buckets hold the old "
+            f"ones, so the new ones would be neither averaged nor stepped. Change the model "
+            f"first, then build OSS and ShardedDataParallel over it; the buckets were not "
+            f"re-planned")
+
     def _drops_local_grads(self) -> bool:
         """Whether a parameter of the plan, now frozen, holds a gradient (local, accumulated
         inside the window). Local."""
@@ -363,11 +394,11 @@ class ShardedDataParallel(nn.Module):
         """Once per change: with ``auto_refresh_trainable=False`` a parameter that became
         trainable has no reduction hook until :meth:`refresh_trainable`, so its gradient would
         stay local (FairScale warns alike)."""
-        flags, partitions = self._plan_signature()
-        if not self.warn_on_trainable_params_changed or _same_signature(
-                (flags, partitions), self._warned_for):
+        signature = self._plan_signature()
+        if not self.warn_on_trainable_params_changed or _same_signature(signature,
+                                                                        self._warned_for):
             return
-        self._warned_for = (flags, partitions)
+        self._warned_for = signature
         warnings.warn("ShardedDataParallel: the trainable parameters (or an OSS partition) "
                       "changed since the buckets were planned and auto_refresh_trainable=False; "
                       "call refresh_trainable() on every rank, or the gradients of newly "
@@ -483,8 +514,12 @@ class ShardedDataParallel(nn.Module):
         return [p for p in self.module.parameters() if p.requires_grad]
 
     def _plan_signature(self) -> tuple:
-        flags = tuple(p.requires_grad for p in self.module.parameters())
-        return flags, tuple(o.partition for o in self.sharded_optimizers)
+        params = tuple(self.module.parameters())
+        flags = tuple(p.requires_grad for p in params)
+        # the trainable parameter objects too: one replaced in place of another (same flag,
+        # same position) would otherwise keep the old plan, its gradient never reduced
+        trainable = tuple(p for p in params if p.requires_grad)
+        return flags, trainable, tuple(o.partition for o in self.sharded_optimizers)
 
     def _plan_is_stale(self) -> bool:
         # Partitions compare by identity: OSS replaces the object whenever ownership changes
@@ -493,6 +528,9 @@ class ShardedDataParallel(nn.Module):
 
     def _build_plan(self, refresh_optimizers: bool) -> None:
         if refresh_optimizers:
+            replaced = self._replaced_parameters()
+            if replaced:  # local, before any collective, as the check below
+                raise self._replaced_error(replaced)
             # a parameter added since (OSS.add_param_group) must be the module's too, as at
             # construction: no hook would ever average its gradient. Local, before any collective.
             args.check_optimizer_params_in_module(self.module, self.sharded_optimizers)
@@ -507,6 +545,8 @@ class ShardedDataParallel(nn.Module):
         self._plan_in_order(list(reversed(trainable)))
         self._observed = [] if self.world_size > 1 else None
         self._planned_with = self._plan_signature()
+        self._planned_names = {name: p for name, p in self.module.named_parameters()
+                               if p.requires_grad}
 
     def _plan_in_order(self, backward_order: list) -> None:
         self._buckets = plan_buckets(
@@ -794,6 +834,7 @@ _AT_FORWARD, _AT_BACKWARD, _AT_REDUCE = 0, 1, 2
 
 
 def _same_signature(a: tuple, b: Optional[tuple]) -> bool:
-    """Plan signatures ``(requires_grad flags, partitions)`` equal, partitions by identity."""
-    return b is not None and a[0] == b[0] and len(a[1]) == len(b[1]) and all(
-        x is y for x, y in zip(a[1], b[1]))
+    """Plan signatures ``(requires_grad flags, trainable parameters, partitions)`` equal,
+    parameters and partitions by identity."""
+    return b is not None and a[0] == b[0] and all(
+        len(x) == len(y) and all(u is v for u, v in zip(x, y)) for x, y in zip(a[1:], b[1:]))
