@@ -612,12 +612,13 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         # a gradient reached in the current reducing backward (see _refuse_unused_parameters)
         self._grads_arrived: Optional[set] = self._watch_gradient_arrivals()
         # stages 0-2: the parameters the wrappers and the optimizer were built over (stage 3's
-        # FSDP refuses a changed parameter itself); weakly, so that a frozen one the script
-        # replaces is not kept alive here
+        # FSDP refuses a changed parameter itself), by identity (a wrapper applied later, such
+        # as torch's activation checkpointing, renames them); weakly, so that a frozen one the
+        # script replaces is not kept alive here
         self._params_at_initialize: Optional[dict] = None
         if self.optimizer is not None and composition.stage < 3:
-            self._params_at_initialize = {name: (weakref.ref(p), p.shape)
-                                          for name, p in model.named_parameters()}
+            self._params_at_initialize = {id(p): (weakref.ref(p), p.shape)
+                                          for p in model.parameters()}
         from shardkit.utils.tensor_fragment import register_engine
         register_engine(self)  # deepspeed.utils.safe_* find the engine of a parameter
         if composition.stage == 3:  # DeepSpeed's ds_id / ds_status / ds_shape on the shards
@@ -1007,11 +1008,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         for name, p in self.module.named_parameters():
             if not p.requires_grad:
                 continue
-            was = known.get(name)
-            if was is None:
-                changed.append(f"{name} (registered after initialize)")
-            elif was[0]() is not p:
-                changed.append(f"{name} (a new Parameter object, shape {tuple(p.shape)})")
+            was = known.get(id(p))
+            if was is None or was[0]() is not p:
+                changed.append(f"{name} (a Parameter registered after initialize, shape "
+                               f"{tuple(p.shape)})")
             elif p.shape != was[1]:
                 changed.append(f"{name} (resized from {tuple(was[1])} to {tuple(p.shape)})")
         if changed:

@@ -105,9 +105,32 @@ def test_engine_refuses_parameters_changed_after_initialize(world2):
             assert f"zero_optimization.stage={stage}" in message, message
             assert "model.embed_tokens.weight (resized from (61, 16) to (70, 16))" in message, \
                 message
-            assert "lm_head.weight (a new Parameter object" in message, message
+            assert "lm_head.weight (a Parameter registered after initialize" in message, \
+                message
             assert "before shardkit.initialize" in message, message
             assert steps == 0
+
+
+def _engine_with_checkpointing_applied_after_initialize():
+    """A step after torch's activation checkpointing was applied to the decoder layers of
+    ``engine.module``: the parameters are the same objects under new names."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import \
+        apply_activation_checkpointing
+    config = {"train_micro_batch_size_per_gpu": ROWS, "steps_per_print": 10 ** 6,
+              "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "AdamW", "params": {"lr": LR}}}
+    engine, _, _, _ = shardkit.initialize(model=build("llama", tied=False), config=config)
+    apply_activation_checkpointing(
+        engine.module, check_fn=lambda m: type(m).__name__ == "LlamaDecoderLayer")
+    renamed = any("_checkpoint_wrapped_module" in n for n, _ in engine.module.named_parameters())
+    engine.backward(engine(**_rows(0)).loss)
+    engine.step()
+    return renamed, engine.global_steps
+
+
+def test_engine_takes_parameters_renamed_after_initialize(world2):
+    # the same Parameter objects under a wrapper's names are not changed parameters
+    assert world2.run(_engine_with_checkpointing_applied_after_initialize) == [(True, 1)] * 2
 
 
 # ------------------------------------------------ 16-bit engine training of a GQA/rotary model
