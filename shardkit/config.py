@@ -943,22 +943,9 @@ def _torch_optimizer_spec(name: str, cls_name: str, params) -> OptimizerSpec:
     checked against the constructor's arguments and the values by building the class once
     over a one-element tensor (torch's own range checks), so a bad value is a ConfigError
     here, before any collective."""
-    import inspect
-
     import torch
     cls = getattr(torch.optim, cls_name)
-    if not isinstance(params, Mapping):
-        raise ConfigError(f"optimizer.params: expected a JSON object (dict), got "
-                          f"{type(params).__name__} {params!r}")
-    accepted = [arg for arg in inspect.signature(cls.__init__).parameters
-                if arg not in ("self", "params")]
-    for key in params:
-        if key not in accepted:
-            close = difflib.get_close_matches(str(key), accepted, n=1, cutoff=0.5)
-            hint = f"; did you mean 'optimizer.params.{close[0]}'?" if close else ""
-            raise ConfigError(f"unknown config key 'optimizer.params.{key}' for optimizer.type="
-                              f"{name!r}{hint} Valid keys: the arguments of torch.optim."
-                              f"{cls_name}: {accepted}")
+    _constructor_arguments("optimizer", name, params, cls, f"torch.optim.{cls_name}")
     kwargs = dict(params)
     if "betas" in kwargs and isinstance(kwargs["betas"], list):
         kwargs["betas"] = tuple(kwargs["betas"])
@@ -1020,25 +1007,32 @@ def _torch_scheduler_spec(kind: str, params) -> SchedulerSpec:
     later step: ``gamma: "0.5"`` failed mid-training, ``milestones: ["2"]`` never decayed);
     the values are checked by ``initialize``, which builds the scheduler once beside the
     optimizer before any collective (torch's own checks need the optimizer's param groups)."""
-    import inspect
-
     import torch
-    if not isinstance(params, Mapping):
-        raise ConfigError(f"scheduler.params: expected a JSON object (dict), got "
-                          f"{type(params).__name__} {params!r}")
-    cls = getattr(torch.optim.lr_scheduler, kind)
-    arguments = {name: arg for name, arg in inspect.signature(cls.__init__).parameters.items()
-                 if name not in ("self", "optimizer")}
-    accepted = list(arguments)
+    arguments = _constructor_arguments("scheduler", kind, params,
+                                       getattr(torch.optim.lr_scheduler, kind),
+                                       f"torch.optim.lr_scheduler.{kind}")
     for key, value in params.items():
-        if key not in accepted:
-            close = difflib.get_close_matches(str(key), accepted, n=1, cutoff=0.5)
-            hint = f"; did you mean 'scheduler.params.{close[0]}'?" if close else ""
-            raise ConfigError(f"unknown config key 'scheduler.params.{key}' for scheduler.type="
-                              f"{kind!r}{hint} Valid keys: the arguments of torch.optim."
-                              f"lr_scheduler.{kind}: {accepted}")
         _check_torch_argument(kind, key, value, arguments[key].annotation)
     return SchedulerSpec(kind, dict(params))
+
+
+def _constructor_arguments(section: str, kind: str, params, cls, shown: str) -> dict:
+    """The arguments of ``cls``'s constructor after its first (the parameters, the optimizer)
+    by name, once every key of the config's ``<section>.params`` is one of them: else a
+    :class:`ConfigError` naming the key, the closest argument and all of them."""
+    import inspect
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{section}.params: expected a JSON object (dict), got "
+                          f"{type(params).__name__} {params!r}")
+    arguments = dict(list(inspect.signature(cls.__init__).parameters.items())[2:])
+    accepted = list(arguments)
+    for key in params:
+        if key not in accepted:
+            close = difflib.get_close_matches(str(key), accepted, n=1, cutoff=0.5)
+            hint = f"; did you mean '{section}.params.{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown config key '{section}.params.{key}' for {section}.type="
+                              f"{kind!r}{hint} Valid keys: the arguments of {shown}: {accepted}")
+    return arguments
 
 
 def _check_torch_argument(kind: str, key: str, value, annotation) -> None:
