@@ -1,7 +1,7 @@
 """DeepSpeed's dynamic loss scaler for fp16 training: skip on overflow, hysteresis, growth.
 
-The scaler is pure bookkeeping on the host: it holds one float and a few counters, allocates
-no tensors and issues no collectives. Whoever detects the overflow (the engine) must make the
+The scaler is bookkeeping on the host: it holds one float and a few counters, keeps no
+tensors and issues no collectives. Whoever detects the overflow (the engine) must make the
 decision identical on every rank (an all-reduce of one flag) before calling :meth:`update_scale`.
 """
 
@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
+from typing import Iterable
 
-__all__ = ["DynamicLossScaler", "LossScaleAtMinimumError"]
+import torch
+
+__all__ = ["DynamicLossScaler", "LossScaleAtMinimumError", "LossScaleAtMinimumWarning"]
 
 logger = logging.getLogger("shardkit")
 
@@ -19,7 +23,34 @@ class LossScaleAtMinimumError(RuntimeError):
     """The gradients overflowed with the loss scale already at ``min_scale``."""
 
 
-class DynamicLossScaler:
+class LossScaleAtMinimumWarning(UserWarning, RuntimeWarning):
+    """The gradients overflowed with the loss scale already at ``min_scale``; the step is
+    skipped and training goes on (``raise_error_at_min_scale=False``). Both a ``UserWarning``
+    (Python's default category) and a ``RuntimeWarning`` (what it reports), so filters and
+    ``pytest.warns`` written for either catch it."""
+
+
+class _ScaledBackward:
+    """DeepSpeed's loss-scaler calls around ``loss_scale``, shared by both scalers: scale a
+    loss, run its backward, look for inf/nan in this rank's gradients. Local, no collective:
+    to skip a step, combine :meth:`has_overflow_serial` over the ranks first."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale`` (DeepSpeed's ``scale_loss``)."""
+        return loss * self.loss_scale
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Backward of the scaled loss: the gradients come out multiplied by ``loss_scale``."""
+        self.scale_loss(loss).backward(retain_graph=retain_graph)
+
+    @staticmethod
+    def has_overflow_serial(params: Iterable[torch.Tensor]) -> bool:
+        """Whether any of ``params``' gradients on this rank holds an inf or a nan."""
+        return any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
+                   for p in params)
+
+
+class DynamicLossScaler(_ScaledBackward):
     """Multiply the loss by ``loss_scale``; shrink the scale on overflow, grow it when stable.
 
     The rules are DeepSpeed's (``deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler``), one
@@ -28,7 +59,8 @@ class DynamicLossScaler:
     - **Overflow** (inf/nan in the gradients): the step is skipped. If the hysteresis budget is
       down to 1, the scale is divided by ``scale_factor`` (never below ``min_scale``); otherwise
       the budget is decremented and the scale kept. An overflow with the scale already at
-      ``min_scale`` logs a warning and keeps skipping, or raises
+      ``min_scale`` warns (a :class:`LossScaleAtMinimumWarning` through :mod:`warnings`, and
+      a warning on the ``shardkit`` logger) and keeps skipping, or raises
       :class:`LossScaleAtMinimumError` when ``raise_error_at_min_scale``.
     - **No overflow**: with ``consecutive_hysteresis`` the budget is restored to ``hysteresis``
       at once. The scale is multiplied by ``scale_factor`` on each step that completes a
@@ -46,12 +78,15 @@ class DynamicLossScaler:
         scale_factor: growth / back-off factor (2).
         consecutive_hysteresis: restore the hysteresis budget after every clean step.
 
+    DeepSpeed's ``scale_loss(loss)``, ``backward(loss)`` and ``has_overflow_serial(params)``
+    (this rank's gradients only) are there too.
+
     Memory: a few Python numbers. Communication: none (the caller all-reduces the overflow flag).
 
     Usage::
 
         scaler = DynamicLossScaler(init_scale=2**16)
-        (loss * scaler.loss_scale).backward()
+        scaler.backward(loss)                       # (loss * scaler.loss_scale).backward()
         overflow = any_rank_has_inf_or_nan(grads)   # identical on every rank
         if not overflow:
             unscale(grads, 1 / scaler.loss_scale); optimizer.step()
@@ -114,8 +149,10 @@ class DynamicLossScaler:
                     f"DynamicLossScaler: gradients overflowed with the loss scale already at "
                     f"min_scale={self.min_scale:g}; the model diverges in fp16 (try bf16, a lower "
                     f"learning rate, or gradient clipping)")
-            logger.warning("loss scaler: overflow at the minimum loss scale %g; skipping step",
-                           self.min_scale)
+            message = (f"loss scaler: overflow at the minimum loss scale {self.min_scale:g}; "
+                       f"skipping step (raise_error_at_min_scale=True makes this an error)")
+            warnings.warn(message, LossScaleAtMinimumWarning, stacklevel=3)
+            logger.warning(message)
             return
         new_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
         logger.debug("loss scaler: overflow; scale %g -> %g",
@@ -160,7 +197,7 @@ class DynamicLossScaler:
                 f"{self.hysteresis}, window={self.scale_window}, iter={self.cur_iter})")
 
 
-class StaticLossScaler:
+class StaticLossScaler(_ScaledBackward):
     """A fixed loss scale (DeepSpeed's ``fp16.loss_scale > 0``): overflowing steps are skipped
     but the scale never changes. Same interface as :class:`DynamicLossScaler`; no memory, no
     communication."""
