@@ -36,6 +36,7 @@ import socket
 import tempfile
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Optional
 
 # re-exported
@@ -238,8 +239,16 @@ class World:
         """Call ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
 
         ``fn`` must be importable by the ranks (a module-level function). Raises
-        :class:`WorldError` with every failing or hung rank's traceback.
+        :class:`WorldError` with every failing or hung rank's traceback, and a TypeError at
+        once, sending nothing, when ``fn`` or its arguments cannot be pickled (the queues'
+        feeder thread would only print the error, and every rank would wait out the timeout).
         """
+        try:
+            ForkingPickler.dumps((fn, args, kwargs))
+        except Exception as error:  # noqa: BLE001 - whatever pickling raised, named here
+            raise TypeError(f"World.run({getattr(fn, '__qualname__', fn)!r}, ...): the function "
+                            f"or its arguments cannot be sent to the ranks ({error}); pass a "
+                            f"module-level function and picklable arguments") from error
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()
             self.start()

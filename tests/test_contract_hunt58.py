@@ -8,6 +8,7 @@
 """
 
 import logging
+import time
 import warnings
 
 import pytest
@@ -96,3 +97,13 @@ def test_backward_keeps_the_graph_when_asked():
     scaler.backward(loss, retain_graph=True)
     scaler.backward(loss)  # the graph survived the first backward
     torch.testing.assert_close(w.grad, torch.full((2,), 8.0))  # 2 x (2 x d(w^2)/dw)
+
+
+def test_world_run_refuses_a_function_it_cannot_send_at_once():
+    # the queues' feeder thread printed the pickling error and every rank waited out the
+    # world's timeout (200-240 s), reported as hung
+    from shardkit.testing import World
+    started = time.monotonic()
+    with pytest.raises(TypeError, match=r"World.run\(.*cannot be sent to the ranks"):
+        World(2).run(lambda: 1)
+    assert time.monotonic() - started < 5
