@@ -613,12 +613,14 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         self._grads_arrived: Optional[set] = self._watch_gradient_arrivals()
         # stages 0-2: the parameters the wrappers and the optimizer were built over (stage 3's
         # FSDP refuses a changed parameter itself), by identity (a wrapper applied later, such
-        # as torch's activation checkpointing, renames them); weakly, so that a frozen one the
-        # script replaces is not kept alive here
+        # as torch's activation checkpointing, renames them). Held strongly, so that an id here
+        # is never reused by a new parameter: a weak reference would make torch.utils.
+        # swap_tensors (load_state_dict and .to() under torch.__future__'s
+        # set_swap_module_params_on_conversion) refuse every parameter; one the script removes
+        # from the model is let go at the next forward (_forget_parameters_removed)
         self._params_at_initialize: Optional[dict] = None
         if self.optimizer is not None and composition.stage < 3:
-            self._params_at_initialize = {id(p): (weakref.ref(p), p.shape)
-                                          for p in model.parameters()}
+            self._params_at_initialize = {id(p): (p, p.shape) for p in model.parameters()}
         from shardkit.utils.tensor_fragment import register_engine
         register_engine(self)  # deepspeed.utils.safe_* find the engine of a parameter
         if composition.stage == 3:  # DeepSpeed's ds_id / ds_status / ds_shape on the shards
@@ -1004,16 +1006,19 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         known = self._params_at_initialize
         if known is None:
             return
-        changed = []
+        changed, still_there = [], 0
         for name, p in self.module.named_parameters():
+            was = known.get(id(p))  # the recorded parameter itself: held, its id is its own
+            still_there += was is not None
             if not p.requires_grad:
                 continue
-            was = known.get(id(p))
-            if was is None or was[0]() is not p:
+            if was is None:
                 changed.append(f"{name} (a Parameter registered after initialize, shape "
                                f"{tuple(p.shape)})")
             elif p.shape != was[1]:
                 changed.append(f"{name} (resized from {tuple(was[1])} to {tuple(p.shape)})")
+        if still_there < len(known):
+            self._forget_parameters_removed()
         if changed:
             raise ValueError(
                 f"engine forward: trainable parameter(s) {_shown(changed)} changed after "
@@ -1022,6 +1027,15 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 f"(a new parameter would be neither averaged nor stepped, a resized one no "
                 f"longer fits the reduction buckets and optimizer state). Change the model "
                 f"(resize_token_embeddings, new heads or adapters) before shardkit.initialize")
+
+    def _forget_parameters_removed(self) -> None:
+        """Drop the recorded parameters no longer in the model (a frozen embedding the script
+        replaced), so that they are not kept alive here; should one come back, it is then
+        refused as registered after ``initialize``."""
+        present = {id(p) for p in self.module.parameters()}
+        known = self._params_at_initialize
+        for key in [key for key in known if key not in present]:
+            del known[key]
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:

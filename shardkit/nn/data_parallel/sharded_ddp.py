@@ -367,9 +367,12 @@ class ShardedDataParallel(nn.Module):
         """Names under which the module now holds another trainable Parameter object than
         the one planned there (Hugging Face's ``resize_token_embeddings()`` builds a new
         output layer when it is not tied to the input embedding; a head or adapter module
-        put in place of another). Local."""
+        put in place of another). A planned parameter found under another planned one's name
+        (two layers swapped, a module moved) is not replaced: the plan is redone with it.
+        Local."""
+        planned = {id(p) for p in self._planned_names.values()}
         return [name for name, p in self.module.named_parameters()
-                if p.requires_grad and self._planned_names.get(name, p) is not p]
+                if p.requires_grad and name in self._planned_names and id(p) not in planned]
 
     def _replaced_error(self, names: list[str]) -> ValueError:
         """The error every rank raises when some rank found :meth:`_replaced_parameters`
