@@ -95,7 +95,8 @@ class OSS(torch.optim.Optimizer):
     gradients stay full, the parameters living in the flat sync buffers (``Ψ`` plus at most 3%
     of padding, none where one parameter outweighs the others' shares: see
     :mod:`shardkit.optim.param_sync`; the caller's parameters become views of them, in this
-    process's own memory). Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16
+    process's own memory); with ``broadcast_fp16``, during :meth:`step`, the 16-bit copies of
+    at most two buckets. Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16
     / bf16 with ``broadcast_fp16``), one all-gather per bucket. :meth:`clip_grad_norm`: one
     all-reduce of one element (one more over the tensor-parallel group for a model with
     tensor-parallel layers). Construction, :meth:`add_param_group` and :meth:`refresh_trainable`:

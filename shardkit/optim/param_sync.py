@@ -21,7 +21,8 @@ stepped, and (with :meth:`ParamSync.overlap_with`) lets the last all-gathers fin
 next forward.
 
 Memory: the buffers replace the parameters' own storage (``Ψ`` plus at most 3% of padding);
-with ``broadcast_fp16`` a transient 16-bit copy of each bucket in flight (``2Ψ`` bytes at most)
+with ``broadcast_fp16`` a transient 16-bit copy of each bucket in flight, at most
+:data:`WIRE_COPIES_IN_FLIGHT` buckets at a time (the oldest is finished before another starts),
 lives during the sync. Communication per step per rank: ``(N-1)/N · (Ψ + padding)`` elements
 in the parameters' dtype (fp16 with ``broadcast_fp16=True``, bf16 with
 ``broadcast_fp16=torch.bfloat16``: half the bytes of fp32), one all-gather per bucket; in an
@@ -42,6 +43,11 @@ from shardkit.optim.partition import MAX_PADDING_FRACTION, OwnershipPlan
 __all__ = ["ParamSync", "FlatParamBucket", "build_buckets", "broadcast_wire_dtype"]
 
 _WIRE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Buckets whose all-gather may be in flight at once with a 16-bit copy of their own (with
+# ``broadcast_fp16``): enough to overlap one bucket's all-gather with the next one's step, few
+# enough that the copies cost two buckets, not the model (before: every bucket's, ``2Ψ`` bytes)
+WIRE_COPIES_IN_FLIGHT = 2
 
 
 def broadcast_wire_dtype(broadcast_fp16: Union[bool, torch.dtype]) -> Optional[torch.dtype]:
@@ -159,6 +165,11 @@ class FlatParamBucket:
         self._handle = self.transport.all_gather_segments(wire, self.segment_numels,
                                                           self.group)
 
+    @property
+    def has_wire_copy(self) -> bool:
+        """Whether a 16-bit copy of the buffer is in flight (started, not finished)."""
+        return self._half is not None
+
     def finish_gather(self) -> None:
         """Wait for :meth:`start_gather`; with a 16-bit wire, widen the other ranks' segments
         into place."""
@@ -170,6 +181,20 @@ class FlatParamBucket:
                 if r != self.rank:
                     self._segment(self.buffer, r).copy_(self._segment(self._half, r))
             self._half = None
+
+
+def _room_for_the_wire_copy_of(bucket: FlatParamBucket, in_flight: list) -> list:
+    """``in_flight`` (buckets whose all-gather was started, oldest first) less the oldest
+    buckets holding a 16-bit wire copy, which are finished (waited for, widened into place,
+    their copy freed), so that ``bucket``'s gather, started next, keeps the copies in flight
+    within :data:`WIRE_COPIES_IN_FLIGHT`. Local."""
+    if bucket.wire_dtype is None:
+        return list(in_flight)
+    copies = [b for b in in_flight if b.has_wire_copy]
+    finished = copies[:max(0, len(copies) + 1 - WIRE_COPIES_IN_FLIGHT)]
+    for b in finished:
+        b.finish_gather()
+    return [b for b in in_flight if not any(b is f for f in finished)]
 
 
 def _is_dense(t: torch.Tensor) -> bool:
@@ -304,10 +329,12 @@ class ParamSync:
 
     def sync_all(self) -> None:
         """All-gather every bucket and wait (after a step that updated all owned parameters)."""
-        every = [b for buckets in self._buckets for b in buckets]
-        for b in every:
+        in_flight: list[FlatParamBucket] = []
+        for b in (b for buckets in self._buckets for b in buckets):
+            in_flight = _room_for_the_wire_copy_of(b, in_flight)
             b.start_gather()
-        for b in every:
+            in_flight.append(b)
+        for b in in_flight:
             b.finish_gather()
 
     def step_and_sync(self, step_only: Callable[[list], None]) -> None:
@@ -321,6 +348,7 @@ class ParamSync:
         for buckets in self._buckets:
             step_only([p for b in buckets for p in b.owned_params])
             for b in buckets:
+                in_flight = _room_for_the_wire_copy_of(b, in_flight)
                 b.start_gather()
                 in_flight.append(b)
         if self._defer:
@@ -346,8 +374,9 @@ class ParamSync:
         self._pending = [b for b in self._pending if b not in still_running]
         step_only([p for b in buckets for p in b.owned_params])
         for b in buckets:
+            self._pending = _room_for_the_wire_copy_of(b, self._pending)
             b.start_gather()
-        self._pending.extend(buckets)
+            self._pending.append(b)
         if not self._defer:
             self.wait()
 

@@ -14,7 +14,8 @@ gradient of each parameter as autograd produced it (no flat ``full.grad``: joini
 the unit's whole gradient); one transport operation
 (:meth:`shardkit.transport.Transport.reduce_scatter_chunks`) reduce-scatters them, divided by
 ``N``, into the shards' ``.grad`` (the process-group transport sends each rank its chunks
-straight from those gradients on gloo, and packs rank-major with ``pack_rank_major`` on NCCL).
+straight from those gradients on gloo, and packs rank-major with ``pack_rank_major`` on NCCL);
+the wrapper finishes it once the next unit's reduce-scatter is issued.
 
 Hybrid sharding adds a ``replicate_group``: the shards are identical on its ranks, and after the
 reduce-scatter the gradient shard is all-reduced over it (gradients are pre-divided by
@@ -173,6 +174,9 @@ class FlatParamShard:
         self.flat_shard = self._shard_into_flat_buffer()
         self._on_grad_ready = on_grad_ready
         self.exposed_in_task = -1  # see expose()
+        # the autograd nodes of the splits of ``full`` made by forwards, held weakly (they die
+        # with their graph): see forward_views_in_this_backward
+        self._forward_splits: list = []
         self._grad_pieces: Optional[list] = None  # backward's gradient, one tensor per parameter
         # this backward's gradients of the parameters with the user's tensor hooks, held until
         # every use of the unit delivered (see run_tensor_hooks)
@@ -314,6 +318,9 @@ class FlatParamShard:
         self.full.requires_grad_(any(trainable))
         pieces = _PiecesOfFull.apply(self.full, self._uses, self, *self._params_for_the_graph()) \
             if any(trainable) else self.full.detach().split(self.numels)
+        if pieces[0].grad_fn is not None and torch._C._current_graph_task_id() == -1:
+            self._forward_splits = [ref for ref in self._forward_splits if ref() is not None]
+            self._forward_splits.append(weakref.ref(pieces[0].grad_fn))
         for p_trains, piece, lay, locs in zip(trainable, pieces, self.layouts, self.locations):
             view = piece.view(lay.shape) if p_trains else piece.detach().view(lay.shape)
             for module, name in locs:
@@ -324,6 +331,14 @@ class FlatParamShard:
         # forward); a reentrant checkpoint's backward is a task of its own (see
         # FullyShardedDataParallel._on_grad_ready)
         self.exposed_in_task = torch._C._current_graph_task_id()
+
+    def forward_views_in_this_backward(self) -> bool:
+        """Called inside a backward: whether it will run the backward of a split of ``full``
+        that a forward made, i.e. whether the graph it runs used this unit's parameters
+        directly (not only through a reentrant activation checkpoint inside the unit, whose
+        recomputation reads them again in a backward of its own). Local, no communication."""
+        nodes = [node for node in (ref() for ref in self._forward_splits) if node is not None]
+        return any(torch._C._will_engine_execute_node(node) for node in nodes)
 
     def _params_for_the_graph(self) -> list:
         """The trainable parameters :class:`_PiecesOfFull` takes as inputs: not those with a

@@ -18,7 +18,9 @@ of ``N``), so any elementwise torch optimizer, ``FusedAdamW`` and schedulers wor
 an optimizer built before wrapping trains correctly. The mechanism is in :mod:`.flat_param`.
 
 Per-rank model state (fp32 Adam, Ψ parameters, N ranks): ``16Ψ/N`` + padding, plus the unit
-being computed (its gathered parameters) and, with prefetch, the next one. Communication per
+being computed (its gathered parameters) and, with prefetch, the next one; in backward also
+the unsharded gradients of at most two units (a unit's reduce-scatter is finished once the next
+unit's is issued; three under hybrid sharding, see ``_finish_reduces_in_flight``). Communication per
 step per rank: ``3Ψ(N-1)/N`` elements with ``reshard_after_forward=True`` (all-gather in forward,
 again in backward, reduce-scatter; the root unit is not re-gathered for backward), ``2Ψ(N-1)/N``
 with ``False``; the reduce-scatters add ``(P+2)(N-1)`` elements per unit of P parameter tensors
@@ -50,7 +52,8 @@ wrapped module they see its parameters gathered (full shapes; measured with torc
 they run before the unit frees them), but as views whose ``.grad`` is ``None``; on the FSDP unit
 itself they run after the unit freed them and see ``unit.module.weight`` as this rank's row
 shard, and ``.grad`` as it was before this backward: the reduced gradient reaches ``.grad``
-only at the root's end of backward. Read gradients there or in a post-accumulate-grad hook.
+once the next unit's reduce-scatter has been issued, or at the root's end of backward. Read
+gradients after backward or in a post-accumulate-grad hook.
 Tensor hooks on a parameter (``p.register_hook(fn)``: gradient masks of pruned weights, logging
 hooks) run once per backward on this rank's whole gradient of the parameter (full shape, every
 use of the unit summed, compute dtype) before the reduce-scatter, as under torch DDP (the local
@@ -673,6 +676,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._registrations_checked = -1
         self._pre_backward_done = False
         self._pre_backward_task = -1  # the graph task that set _pre_backward_done
+        # whether the running backward's own graph reads the parameters a forward exposed
+        # (None: not known yet in this backward); see _on_grad_ready
+        self._backward_reads_forward_views: Optional[bool] = None
         self._summoned = False  # inside summon_full_params: parameters hold full values
         self._gathers_before_hooks_of: set = set()  # ids of modules (see _gather_for_hooks)
         self.training_state = TrainingState.IDLE
@@ -684,6 +690,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._backward_task = -1  # root: the autograd graph task of the running backward
         self._backward_builds_graph = False  # root: the running backward has create_graph=True
         self._replicas_pending: list = []  # root: shards whose replica all-reduce is not issued
+        self._reduces_in_flight: list = []  # root: shards whose reduce-scatter is not finished
         # root: units gathered by a read under no_grad in this forward (_read_in_the_roots_forward)
         self._read_without_grad: list = []
         # Note: torch.compile of the wrapped block. The hooks sit on the wrapped module (so
@@ -1306,6 +1313,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             return grad
         self._pre_backward_done = True
         self._pre_backward_task = task
+        if task == root._backward_task and self._shard is not None:
+            self._backward_reads_forward_views = self._shard.forward_views_in_this_backward()
         self.training_state = TrainingState.BACKWARD_PRE
         if not root._orders_final and self not in root._backward_order:
             root._backward_order.append(self)
@@ -1327,13 +1336,15 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
     def _on_grad_ready(self, shard: FlatParamShard) -> None:
         """All of this unit's gradient has arrived: reduce-scatter it (async) unless
-        inside ``no_sync``, and free the gathered parameters. Not yet inside a reentrant
-        activation checkpoint's backward (a graph task of its own) that delivered gradients
-        through parameters exposed elsewhere (in the forward): the outer backward may still
-        use them (a layer norm of a checkpointed block held by an enclosing unit, the
-        embedding beside it); the gradients stay held, and the outer backward's delivery, or
-        the root's end of backward, reduces them all in one reduce-scatter."""
+        inside ``no_sync``, finish the reduce-scatter issued before it, and free the gathered
+        parameters. Not yet inside a reentrant activation checkpoint's backward (a graph task
+        of its own) that delivered gradients through parameters exposed elsewhere (in the
+        forward), unless the outer backward uses none of them: it may still use them (a layer
+        norm of a checkpointed block held by an enclosing unit, the embedding beside it); the
+        gradients stay held, and the outer backward's delivery, or the root's end of backward,
+        reduces them all in one reduce-scatter."""
         task = torch._C._current_graph_task_id()
+        recomputed_only = False
         if task != -1:
             # Note: a backward may reach the unit's parameters without passing its outputs'
             # hooks (a loss from a value the module stored, such as an MoE router's
@@ -1342,17 +1353,49 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             # lands in .grad one step late
             self._root._queue_final_callback()
             if task != self._root._backward_task and shard.exposed_in_task != task:
-                return  # a reentrant checkpoint's backward: held for later (see above)
+                # Note: a reentrant checkpoint inside the unit's own forward (``checkpoint(
+                # self.attn, x, use_reentrant=True)`` in a wrapped block) is the unit's only
+                # use when the outer backward, as it reached the unit's outputs, would run
+                # none of the splits its forwards made: its gradient is whole, reduce it now.
+                # Held until the root's end of backward, every unit stayed gathered and kept
+                # its unsharded gradient: twice the model, unsharded, at the peak.
+                if self._backward_reads_forward_views is not False:
+                    return  # a reentrant checkpoint's backward: held for later (see above)
+                recomputed_only = True
         self.training_state = TrainingState.BACKWARD_POST
         if self._require_backward_grad_sync:
             root = self._root
             # hybrid: the previous unit's reduce-scatter has had this unit's backward to
             # finish; its all-reduce across replicas now overlaps the rest of backward
-            for earlier in root._replicas_pending:
+            replicating = root._replicas_pending
+            for earlier in replicating:
                 earlier.replicate_reduce()
             shard.start_reduce()
+            root._finish_reduces_in_flight(keep=[shard, *replicating])
+            if not any(shard is s for s in root._reduces_in_flight):
+                root._reduces_in_flight.append(shard)
             root._replicas_pending = [shard] if shard.replicate_group is not None else []
         self._release_after_backward(shard)
+        if recomputed_only:  # a later use's backward (a block shared by two layers) gathers
+            self._pre_backward_done = False
+
+    def _finish_reduces_in_flight(self, keep: list) -> None:
+        """Root: finish the reduce-scatters in flight but those of the shards in ``keep``.
+
+        Note: a reduce-scatter holds its unit's whole gradient (``Ψ_u``, compute dtype) until
+        it completes. Left in flight until the end of backward, they added up to the whole
+        model's gradient, unsharded, at the backward's peak. Each unit's reduction is instead
+        finished once the next unit's has been issued (it overlapped that unit's backward), as
+        FSDP2 does: at most two units' gradients are held at once (three under hybrid
+        sharding, whose replica all-reduce gets a unit's backward of its own). They are
+        finished in the order they were issued, the same on every rank."""
+        kept = []
+        for shard in self._reduces_in_flight:
+            if any(shard is k for k in keep):
+                kept.append(shard)
+            else:
+                shard.finish_reduce()
+        self._reduces_in_flight = kept
 
     def _stays_gathered_for_backward(self) -> bool:
         """Whether the forward leaves this unit gathered for its backward: the root (unless
@@ -1391,20 +1434,23 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         """Root only, at the end of backward: wait for every reduce-scatter, hand the shards
         their gradients, free whatever is still gathered, close the first iteration's order."""
         self._reduce_units_left_out()
-        for unit in self.sharded_units():  # every replica all-reduce in flight before waiting
-            if unit._shard is not None:
-                unit._shard.replicate_reduce()
-        # innermost first: backward issued their reduce-scatters before the root's, so they
-        # are finished (and, when quantized, dequantized) while the root's is still in flight
+        for shard in self._reduces_in_flight:  # every replica all-reduce in flight first
+            shard.replicate_reduce()
+        # in the order they were issued, as every rank issued them: the first reduce-scatter
+        # paired with another unit's on some rank then raises on every rank (a rank waiting
+        # for one issued later would wait for a peer that raised: a hang)
+        self._finish_reduces_in_flight(keep=[])
         for unit in reversed(self.sharded_units()):
             if unit._shard is not None:
                 unit._shard.finish_reduce()
                 unit._release_after_backward(unit._shard)
             unit._pre_backward_done = False
+            unit._backward_reads_forward_views = None
             unit.training_state = TrainingState.IDLE
         self._final_callback_queued = False
         self._backward_builds_graph = False
         self._replicas_pending = []
+        self._reduces_in_flight = []
         self._orders_final = True
 
     def _reduce_units_left_out(self) -> None:
@@ -1420,6 +1466,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 shard.run_tensor_hooks()
             if shard is not None and shard.has_full_grad() and unit._require_backward_grad_sync:
                 shard.start_reduce()
+                self._finish_reduces_in_flight(keep=[shard])
+                self._reduces_in_flight.append(shard)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -1511,10 +1559,12 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 unit._shard.abandon_reduce()
                 unit._shard.free_full()
             unit._pre_backward_done = False
+            unit._backward_reads_forward_views = None
             unit.training_state = TrainingState.IDLE
         self._final_callback_queued = False
         self._backward_builds_graph = False
         self._replicas_pending = []
+        self._reduces_in_flight = []
 
     def _check_idle(self, what: str) -> None:
         root = self._root
