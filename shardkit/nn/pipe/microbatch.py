@@ -125,9 +125,11 @@ def keyword_argument_problems(what: str, kwargs: dict, chunks: int) -> list[str]
 _PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
-def _leaf_signature(value):
+def _leaf_signature(value, by_value: bool):
     if _has_batch_dim(value):
         return value.dtype, tuple(value.shape), value.requires_grad
+    if not by_value:
+        return type(value)
     if isinstance(value, _PLAIN_VALUES):
         return type(value), value
     # a 0-dim tensor or another object: reading or comparing its value may cost a device
@@ -135,27 +137,37 @@ def _leaf_signature(value):
     return object()
 
 
-def keyword_signature(kwargs: dict) -> tuple:
+def keyword_signature(kwargs: dict, by_value: bool = True) -> tuple:
     """What a stage's output shapes may follow from in ``kwargs``: their structure, each
     tensor's dtype, shape and ``requires_grad``, and each plain value (``None``, numbers,
     strings) itself. Two signatures are equal (``==``) only when all of these are; one with a
-    0-dim tensor or another kind of object equals no other."""
+    0-dim tensor or another kind of object equals no other. ``by_value=False`` (stages that
+    announce output shapes that change with the data themselves): each value's type instead
+    of the value, so such a signature stays equal from step to step."""
     leaves, spec = tree_flatten({key: kwargs[key] for key in sorted(kwargs)})
-    return spec, tuple(_leaf_signature(v) for v in leaves)
+    return spec, tuple(_leaf_signature(v, by_value) for v in leaves)
 
 
 def mergeable_output_problem(output, first) -> Optional[str]:
     """Why :func:`merge_outputs` cannot concatenate ``output`` with micro-batch 0's output
     ``first`` (``None``: ``output`` is micro-batch 0's): a leaf that is not a tensor with a
-    batch dimension, or another structure than ``first``'s. ``None`` when it can."""
+    batch dimension, another structure than ``first``'s, or a tensor whose dimensions after
+    the first differ from ``first``'s. ``None`` when it can."""
     leaves, spec = tree_flatten(output)
     if not leaves or not all(_has_batch_dim(v) for v in leaves):
         kinds = [type(v).__name__ if not isinstance(v, torch.Tensor) else "0-dim tensor"
                  if v.dim() == 0 else "tensor" for v in leaves]
         return (f"it returned {type(output).__name__} holding {kinds}; return a tensor, or "
                 f"tuples, lists or dicts of tensors with a batch dimension")
-    if first is not None and spec != tree_flatten(first)[1]:
+    if first is None:
+        return None
+    if spec != tree_flatten(first)[1]:
         return "its structure differs from micro-batch 0's output"
+    named = tree_flatten_with_path(output)[0]
+    for (path, leaf), earlier in zip(named, tree_flatten(first)[0]):
+        if leaf.shape[1:] != earlier.shape[1:]:
+            return (f"its tensor output{keystr(path)} has shape {tuple(leaf.shape)}, micro-batch "
+                    f"0's {tuple(earlier.shape)}: only dim 0 may differ")
     return None
 
 

@@ -317,6 +317,9 @@ class TaggedLinks:
         known = self.metas.get((boundary, index))
         if known is not None and known != meta:
             if not self._reannounce(boundary, index, peer):
+                # failed before the zeros go: they may carry the step's verdict (the last
+                # micro-batch), the only way a forward-only step tells the next rank
+                self.failed = True
                 self._send_data(boundary, index, [torch.zeros(m.shape, dtype=m.dtype)
                                                   for m in known.tensors], peer)
                 return self._changed_output(boundary, index, known, meta)

@@ -282,10 +282,12 @@ class PlanSchedule:
         (other ranks leave it alone); keyword arguments given to a rank's ``step`` go to the
         modules of that rank's stages beside their input (``module(x, mask=mask_i)``), tensors
         split along dim 0 into ``chunks`` equal parts, inside tuples, lists and dicts too (they
-        need no gradient), other values passed to every micro-batch as they are (where the
-        first stage's rank gets other plain values than on the last step, or 0-dim tensors,
-        which may decide shapes, the shape headers go again). ``loss_kwargs``, a dict, goes to
-        every call of ``loss_fn(output, target, **loss_kwargs)`` as it is (not split).
+        need no gradient), other values passed to every micro-batch as they are (with several
+        stages per rank, where the first stage's rank gets other plain values than on the last
+        step, or 0-dim tensors or other objects, which may decide shapes, the shape headers go
+        again; with one stage per rank a stage announces its changed shapes itself).
+        ``loss_kwargs``, a dict, goes to every call of ``loss_fn(output, target,
+        **loss_kwargs)`` as it is (not split).
         ``return_outputs``: left unset, :meth:`step` returns the loss as above; ``True``
         returns instead, as torch's schedules do, the last stage's outputs of every
         micro-batch (detached), concatenated along dim 0 (tuples, lists and dicts of tensors:
@@ -376,7 +378,10 @@ class PlanSchedule:
             return StepState(StepState.BAD, grad)
         if self.num_stages - 1 in self.stages and self._target_problems(target):
             return StepState(StepState.BAD, grad)  # ZBV: the last stage sees the batch too
-        signature = batch_signature(inputs, grad), keyword_signature(self._kwargs_arg)
+        # with one stage per rank a stage announces output shapes that change with a keyword
+        # value itself (micro-batch 0's change too): no need to send every header again
+        signature = batch_signature(inputs, grad), keyword_signature(
+            self._kwargs_arg, by_value=not self.links.reannounce)
         if signature == self._signature:
             return StepState(StepState.SAME, grad)
         self._signature = signature

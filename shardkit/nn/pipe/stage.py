@@ -6,6 +6,7 @@ from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardkit import distributed as dist
 from shardkit.nn.pipe.partition import shared_parameters
@@ -84,14 +85,19 @@ def _tie_copies(module: nn.Module, stage_index: int, num_stages: int, group_size
 
 def _check_group_argument(group) -> None:
     """A device where the pipeline group goes: ``torch.distributed.pipelining``'s
-    ``PipelineStage(module, stage_index, num_stages, device)`` has the device in this place.
-    Local, before any collective."""
+    ``PipelineStage(module, stage_index, num_stages, device)`` has the device in this place;
+    or a whole ``DeviceMesh`` (torch's ``group`` is a process group too). Local, before any
+    collective."""
     if isinstance(group, (torch.device, str, int)):
         raise TypeError(f"PipelineStage(group={group!r}): expected the pipeline's process group "
                         f"or None; torch.distributed.pipelining's PipelineStage takes a device "
                         f"as its 4th argument, shardkit's takes the group (a stage runs where "
                         f"its module's parameters are): drop the device, and pass a group by "
                         f"keyword (group=...)")
+    if isinstance(group, DeviceMesh):
+        raise TypeError(f"PipelineStage(group={group!r}): expected the pipeline's process group "
+                        f"or None, got a DeviceMesh; pass the process group of its pipeline "
+                        f"dimension, mesh.get_group(\"pp\") (as torch's PipelineStage takes)")
 
 
 def _reduces_itself(module: nn.Module) -> bool:
