@@ -1546,8 +1546,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         gradient reached ``.grad`` again. Outside any backward, put every unit back to idle:
         wait for the reduce-scatters in flight and drop their results and the gradients held
         (also what ``no_sync`` accumulated before: the failed backward may have added part of
-        its own to them), as ``zero_grad`` after the error does in one process; free the
-        gathered parameters. Only a flag is read otherwise.
+        its own to them); free the gathered parameters. Only a flag is read otherwise.
+        A unit whose reduce-scatter was finished before the error (once the next unit's was
+        issued) already added the failed backward's gradient to its shards' ``.grad``, as
+        autograd does in one process for the parameters it reached: call ``zero_grad`` after
+        the error to skip the batch, as in one process.
 
         Note: every rank must have raised in the same backward (as with any error inside a
         collective step); a rank whose backward finished while another's raised hangs in a
