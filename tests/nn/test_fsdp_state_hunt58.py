@@ -207,6 +207,15 @@ def _refused_on_one_rank() -> dict:
             out[case] = "no error"
         except (TypeError, ValueError) as error:
             out[case] = f"{type(error).__name__}: {error}"
+    lbfgs = torch.optim.LBFGS(model.parameters()) if rank == 1 else optim
+    for case, call in (("full_optim_state_dict", lambda: FSDP.full_optim_state_dict(model, lbfgs)),
+                       ("not rank0_only", lambda: FSDP.full_optim_state_dict(
+                           model, lbfgs, rank0_only=False))):
+        try:
+            call()
+            out[case] = "no error"
+        except (TypeError, ValueError) as error:
+            out[case] = f"{type(error).__name__}: {error}"
     full = model.gather_full_optim_state_dict(optim, recipient_rank=0)
     out["then"] = None if full is None else sorted(full["state"])
     return out
@@ -214,11 +223,13 @@ def _refused_on_one_rank() -> dict:
 
 def test_an_argument_refused_on_one_rank_raises_on_every_rank(world2):
     """Rank 1 alone passing a bad ``recipient_rank`` or optimizer raised there while rank 0
-    waited in the gather (until the collective timed out)."""
+    waited in the gather (until the collective timed out); so did torch FSDP1's
+    ``full_optim_state_dict`` given an LBFGS on rank 1 only."""
     rank0, rank1 = world2.run(_refused_on_one_rank)
     assert "recipient_rank=7" in rank1["recipient"] and "0..1" in rank1["recipient"], rank1
-    assert rank1["optimizer"].startswith("TypeError") and "LBFGS" in rank1["optimizer"], rank1
-    for case in ("recipient", "optimizer"):
+    for case in ("optimizer", "full_optim_state_dict", "not rank0_only"):
+        assert rank1[case].startswith("TypeError") and "LBFGS" in rank1[case], rank1
+    for case in ("recipient", "optimizer", "full_optim_state_dict", "not rank0_only"):
         assert rank0[case].startswith("ValueError") and "group rank(s) [1]" in rank0[case], \
             rank0
     assert rank0["then"] == [0, 1] and rank1["then"] is None, (rank0["then"], rank1["then"])

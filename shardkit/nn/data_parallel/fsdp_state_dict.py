@@ -1085,8 +1085,22 @@ class FSDPStateDictMixin:
         except (TypeError, ValueError) as error:
             problem = error
         full = self._gathered_optim_state(optim, call,
-                                          self._agreed_recipient(recipient_rank, problem, call))
+                                          self._agreed_recipient(recipient_rank, problem, call),
+                                          agreed=True)
         return full if self.rank == recipient_rank else None
+
+    def _agree_gatherable(self, optim: torch.optim.Optimizer, call: str) -> None:
+        """:func:`_check_gatherable` on every rank of the group: an optimizer refused on some
+        ranks only (another model's, LBFGS) raises there, and a ValueError naming those ranks
+        on the others, before any state moves (they waited in the gather). One all-gather of
+        one integer a rank over the group (a control message, not counted)."""
+        problem = None
+        try:
+            _check_gatherable(self, optim, call)
+        except (TypeError, ValueError) as error:
+            problem = error
+        skdist._agree_on_call(f"FSDP.{call}", problem, [], self.process_group,
+                              self._comm_device(), outcome="nothing was gathered")
 
     def _agreed_recipient(self, recipient_rank: int, problem: Optional[BaseException],
                           call: str) -> Optional[int]:
@@ -1103,13 +1117,17 @@ class FSDPStateDictMixin:
         return skdist.get_global_rank(self.process_group, recipient_rank)
 
     def _gathered_optim_state(self, optim: torch.optim.Optimizer, call: str,
-                              recipient: Optional[int], take_part: bool = True
-                              ) -> Optional[dict]:
+                              recipient: Optional[int], take_part: bool = True,
+                              agreed: bool = False) -> Optional[dict]:
         """:meth:`gather_full_optim_state_dict`'s dict on the global rank ``recipient`` (on
         every rank with ``None``: one all-gather per state tensor), ``None`` elsewhere;
         without ``take_part`` (a replica whose groups do not hold the recipient), only the
-        checks."""
-        _check_gatherable(self, optim, call)
+        checks. Unless the caller's ranks ``agreed`` on them already, the checks end in an
+        agreement over the group (:meth:`_agree_gatherable`)."""
+        if agreed:
+            _check_gatherable(self, optim, call)
+        else:
+            self._agree_gatherable(optim, call)
         if not take_part:
             return None
         self._mark_units_in_their_own_world()
@@ -1438,7 +1456,7 @@ class _PlainRoot:
 
 
 for _method in ("_is_first_rank", "_rank0_only_optim_state", "_gathered_optim_state",
-                "_agreed_recipient",
+                "_agreed_recipient", "_agree_gatherable",
                 "gather_full_optim_state_dict", "_shard_of_full",
                 "get_shard_from_optim_state_dict", "_param_layouts", "_param_unit_attr",
                 "_mark_units_in_their_own_world", "_params_over_other_groups", "_sharded_params",
