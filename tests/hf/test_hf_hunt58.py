@@ -89,6 +89,26 @@ def test_sharded_ddp_refuses_an_output_layer_replaced_after_wrapping(world2):
         assert diff < 1e-5, diff
 
 
+def _warning_without_auto_refresh():
+    """The warning a forward gives after resizing, with ``auto_refresh_trainable=False``."""
+    import warnings
+    model = build("llama", tied=False)
+    opt = OSS(model.parameters(), optim=torch.optim.AdamW, lr=LR)
+    net = ShardedDataParallel(model, opt, auto_refresh_trainable=False)
+    _resized(model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        net(**_rows(0))
+    return [str(w.message) for w in seen if "ShardedDataParallel" in str(w.message)]
+
+
+def test_sharded_ddp_without_auto_refresh_names_the_replaced_parameters(world2):
+    # it warned "call refresh_trainable()", which then refuses them, naming nothing
+    for messages in world2.run(_warning_without_auto_refresh):
+        assert len(messages) == 1 and "['lm_head.weight'] were replaced" in messages[0], \
+            messages
+
+
 def _engine_resized_after_initialize(stage):
     config = {"train_micro_batch_size_per_gpu": ROWS, "steps_per_print": 10 ** 6,
               "zero_optimization": {"stage": stage},

@@ -402,10 +402,15 @@ class ShardedDataParallel(nn.Module):
                                                                         self._warned_for):
             return
         self._warned_for = signature
+        replaced = self._replaced_parameters()
+        also = f"; parameter(s) {replaced} were replaced by new Parameter objects, which " \
+            f"refresh_trainable() refuses: build OSS and ShardedDataParallel over the changed " \
+            f"model" if replaced else ""
         warnings.warn("ShardedDataParallel: the trainable parameters (or an OSS partition) "
                       "changed since the buckets were planned and auto_refresh_trainable=False; "
                       "call refresh_trainable() on every rank, or the gradients of newly "
-                      "trainable parameters are not reduced", RuntimeWarning, stacklevel=3)
+                      f"trainable parameters are not reduced{also}", RuntimeWarning,
+                      stacklevel=3)
 
     def sync_buffers(self, blocking: bool = False) -> None:
         """Broadcast rank 0's module buffers (BatchNorm statistics...) to every rank, as
