@@ -90,7 +90,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from shardkit import distributed
 from shardkit.config import TORCH_SCHEDULER_TYPES, ConfigError, EngineConfig, load_config
 from shardkit.deepspeed_compat import ensure_process_group
-from shardkit.engine_accessors import DeepSpeedAccessors
+from shardkit.engine_accessors import DeepSpeedAccessors, LossScaleReading
 from shardkit.model_parallel_unit import (ModelParallelGroups, checkpoint_location,
                                           model_parallel_groups, mp_rank_name,
                                           write_tensor_parallel_layout)
@@ -738,9 +738,11 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         return self.config.train_micro_batch_size_per_gpu
 
     @property
-    def loss_scale(self) -> float:
-        """The fp16 loss scale now (1.0 without fp16 loss scaling)."""
-        return self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+    def loss_scale(self) -> LossScaleReading:
+        """The fp16 loss scale now (1.0 without fp16 loss scaling); a float that DeepSpeed
+        scripts may also call, ``engine.loss_scale()`` (:class:`LossScaleReading`)."""
+        scale = self.loss_scaler.loss_scale if self.loss_scaler is not None else 1.0
+        return LossScaleReading(scale)
 
     def _publish_loss_scale(self) -> None:
         """DeepSpeed's fp16 and ZeRO optimizers carry the loss scale as ``optimizer.cur_scale``

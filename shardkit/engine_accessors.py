@@ -13,7 +13,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-__all__ = ["DeepSpeedAccessors"]
+__all__ = ["DeepSpeedAccessors", "LossScaleReading"]
+
+
+class LossScaleReading(float):
+    """The engine's loss scale now, as a float that can also be called: shardkit's attribute
+    (``engine.loss_scale * 2``) and DeepSpeed's method (``engine.loss_scale()``, which
+    Megatron-DeepSpeed-style trainers call to log the scale) both read it. Unlike DeepSpeed,
+    whose method returns the config's ``fp16.loss_scale`` (0 when the scale is dynamic), the
+    call returns the scale in use. Costs nothing."""
+
+    def __call__(self) -> float:
+        return float(self)
 
 
 class DeepSpeedAccessors:

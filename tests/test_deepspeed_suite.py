@@ -373,6 +373,18 @@ def _fp16_overflow_sequences():
     return out
 
 
+def _loss_scale_read_both_ways():
+    """Megatron-DeepSpeed-style trainers log ``engine.loss_scale()`` (DeepSpeed's method);
+    shardkit's scripts read ``engine.loss_scale`` as a number."""
+    engine, *_ = shardkit.initialize(model=_model(), config=_adam_config(fp16={
+        "enabled": True, "loss_scale": 0, "initial_scale_power": 4, "hysteresis": 1}))
+    for p in engine.module.parameters():
+        p.grad = torch.full_like(p, float("inf"))
+    engine.step()  # an overflow halves the scale: the reading must follow it
+    return (engine.loss_scale(), engine.loss_scale * 2, float(engine.optimizer.loss_scale),
+            engine.optimizer.cur_scale())
+
+
 def _multi_output_backward():
     """DeepSpeed's TestTwoOutputModel: a model returning a tuple of losses; backward of their
     sum returns the sum divided by the accumulation steps."""
@@ -446,6 +458,12 @@ def test_fp16_overflow_sequences(world1):
     assert out[(1, 1.0)] == ([8, 4, 2, 1, 1, 1, 1, 1], 8, 8, False)
     assert out[(1, 2.0)][0] == [8, 4, 2, 2, 2, 2, 2, 2]
     assert out[(2, 1.0)][0] == [16, 8, 4, 2, 1, 1, 1, 1]
+
+
+def test_loss_scale_is_a_number_and_deepspeeds_method(world1):
+    called, doubled, on_optimizer, optimizer_called = world1.run(_loss_scale_read_both_ways)[0]
+    assert (called, doubled, on_optimizer, optimizer_called) == (8.0, 16.0, 8.0, 8.0)
+    assert type(called) is float
 
 
 def test_multi_output_model_backward_returns_the_divided_loss(world1):
