@@ -1442,10 +1442,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if not isinstance(save_filename, str) or not save_filename or os.sep in save_filename:
             raise ValueError(f"engine.save_16bit_model(save_filename={save_filename!r}): must be "
                              f"a file name (no directory part)")
-        state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
-        dtype = self._autocast_dtype
-        if dtype is not None:
-            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        state = self._16bit_state_dict(exclude_frozen_parameters)
         path = os.path.join(save_dir, save_filename)
         error = _write_atomically(state, path) if distributed.get_rank() == 0 else None
         if distributed.is_initialized():  # every rank learns the outcome: none waits on a failure
@@ -1453,6 +1450,23 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if error is not None:
             raise RuntimeError(f"engine.save_16bit_model: rank 0 could not write {path}: {error}")
         return True
+
+    def _16bit_state_dict(self, exclude_frozen_parameters: bool) -> dict:
+        """:meth:`module_state_dict` with floating tensors in the compute dtype."""
+        state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        dtype = self._autocast_dtype
+        if dtype is not None:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        return state
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> Optional[dict]:
+        """What :meth:`save_16bit_model` writes, returned instead: the full ``state_dict`` in the
+        compute dtype on rank 0, ``None`` on the other ranks (DeepSpeed's name, which HF
+        Accelerate-style save code calls at stage 3; any stage works here). Collective; the
+        memory and communication of :meth:`module_state_dict`."""
+        state = self._16bit_state_dict(exclude_frozen_parameters)
+        return state if distributed.get_rank() == 0 else None
 
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                         exclude_frozen_parameters: bool = False) -> bool:

@@ -113,6 +113,41 @@ class DeepSpeedAccessors:
         """``zero_optimization.ignore_unused_parameters``."""
         return self.config.zero.ignore_unused_parameters
 
+    def zero_max_live_parameters(self) -> int:
+        """``stage3_max_live_parameters`` as configured (reported; FSDP's prefetch holds one
+        unit ahead)."""
+        return int(self._stage3_knob("max_live_parameters", 1e9))
+
+    def zero_max_reuse_distance(self) -> int:
+        """``stage3_max_reuse_distance`` as configured (reported)."""
+        return int(self._stage3_knob("max_reuse_distance", 1e9))
+
+    def zero_prefetch_bucket_size(self) -> int:
+        """``stage3_prefetch_bucket_size`` as configured (reported)."""
+        return int(self._stage3_knob("prefetch_bucket_size", 5e7))
+
+    def zero_param_persistence_threshold(self) -> int:
+        """``stage3_param_persistence_threshold`` as configured (reported)."""
+        return int(self._stage3_knob("param_persistence_threshold", 1e5))
+
+    def zero_sub_group_size(self) -> int:
+        """``zero_optimization.sub_group_size`` as configured (reported)."""
+        return int(self._zero_section().get("sub_group_size", 1e9))
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """``stage3_gather_16bit_weights_on_model_save`` (or its older ``fp16`` spelling) as
+        configured. shardkit's :meth:`save_16bit_model` gathers the full model at stage 3
+        whatever it says (DeepSpeed writes nothing and returns ``False`` when it is off)."""
+        section = self._zero_section()
+        return bool(section.get("stage3_gather_16bit_weights_on_model_save",
+                                section.get("stage3_gather_fp16_weights_on_model_save", False)))
+
+    def _stage3_knob(self, name: str, default: float) -> float:
+        """A ``stage3_*`` knob under either of DeepSpeed's spellings (``max_live_parameters``
+        or ``stage3_max_live_parameters``); the config already renamed the short one."""
+        section = self._zero_section()
+        return section.get(f"stage3_{name}", section.get(name, default))
+
     def zero_hpz_partition_size(self) -> int:
         """ZeRO++ hpZ's partition size (1: off)."""
         return self.config.zero.hpz_partition_size

@@ -599,6 +599,35 @@ def test_checkpoint_options_at_every_stage(world2, tmp_path, stage):
             assert got["sched"] == (4 if sched_states else got["sched_before"]), key
 
 
+def _consolidated_16bit_state(save_dir, stage):
+    """HF-Accelerate-style stage-3 export: ``engine._zero3_consolidated_16bit_state_dict()``
+    gives rank 0 what ``save_16bit_model`` writes; the stage-3 knobs read as configured."""
+    engine, *_ = shardkit.initialize(model=_model(), config=_adam_config(
+        bf16={"enabled": True}, zero_optimization={
+            "stage": stage, "stage3_gather_16bit_weights_on_model_save": True,
+            "max_live_parameters": 1234, "stage3_prefetch_bucket_size": 4321}))
+    x, y = _batch(0, distributed.get_rank())
+    engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
+    engine.step()
+    state = engine._zero3_consolidated_16bit_state_dict()
+    engine.save_16bit_model(save_dir)
+    knobs = (engine.zero_gather_16bit_weights_on_model_save(), engine.zero_max_live_parameters(),
+             engine.zero_prefetch_bucket_size(), engine.zero_param_persistence_threshold())
+    if state is None:
+        return None, knobs
+    written = torch.load(os.path.join(save_dir, "pytorch_model.bin"))
+    return {k: (v.dtype, torch.equal(v, written[k])) for k, v in state.items()}, knobs
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_consolidated_16bit_state_dict_is_what_save_16bit_model_writes(world2, tmp_path, stage):
+    (state, knobs), (other, other_knobs) = world2.run(_consolidated_16bit_state, str(tmp_path),
+                                                      stage)
+    assert other is None and knobs == other_knobs == (True, 1234, 4321, 100000)
+    assert sorted(state) == sorted(_model().state_dict())
+    assert all(v == (torch.bfloat16, True) for v in state.values())
+
+
 def test_tag_validation_modes(world2, tmp_path):
     for out in world2.run(_tag_validation, str(tmp_path)):
         assert "Fail" in out["FAIL"] and "different tags" in out["FAIL"]
