@@ -39,6 +39,7 @@ from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard,
                                          commit_checkpoint, plain_numbers, read_checkpoint,
                                          resolve_checkpoint_dir)
 from shardkit.optim.local_step import without_fused_choice
+from shardkit.optim.lr_scheduler import _IterationSchedule
 from shardkit.optim.partition import ParameterPartition
 
 __all__ = ["save_engine_checkpoint", "load_engine_checkpoint", "rng_state", "set_rng_state"]
@@ -140,6 +141,7 @@ def _checkpoint_parts(engine, tag: str, client_state: Optional[dict],
         "tied": _tied_state_names(engine, excluded),
         "row_sharded": row_sharded,
         "optimizer_class": type(_inner_optimizer_class(engine)).__name__,
+        "scheduler_class": type(engine.lr_scheduler).__name__ if engine.lr_scheduler else None,
         "precision": engine.config.precision.dtype,
     }
     payload = plain_numbers({
@@ -253,8 +255,9 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
                            load_lr_scheduler_states: bool = True):
     """What ``engine.load_checkpoint`` does: read the tag's checkpoint (verified), check its
     tensor names and shapes against the engine's model (and, with the optimizer states, that
-    the same optimizer class saved them; a mismatch is a ``CheckpointError`` on every rank before
-    anything is written), load the weights, optionally the optimizer and
+    the same optimizer class saved them; with the scheduler's state, that a scheduler restoring
+    its whole state, as torch's do, gets its own class's; a mismatch is a ``CheckpointError`` on
+    every rank before anything is written), load the weights, optionally the optimizer and
     LR-scheduler state (resharded from any saved world size or stage), the loss scaler, the
     step counters and this rank's RNG state (with the scheduler's state but not the
     optimizer's, the optimizer's lrs are set to the loaded position's, as the uninterrupted
@@ -267,7 +270,8 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     six-element all-reduce (every rank agrees it read the checkpoint before any loads), then
     what loading into the wrappers costs (stage 3: nothing; stages 0-2: see the optimizer's
     ``load_state_dict``)."""
-    ckpt = _read_and_check_on_every_rank(engine, load_dir, tag, load_optimizer_states)
+    ckpt = _read_and_check_on_every_rank(engine, load_dir, tag, load_optimizer_states,
+                                         load_lr_scheduler_states)
     if ckpt is None:
         logger.warning("load_checkpoint: no 'latest' file in %s; nothing loaded", load_dir)
         return None, None
@@ -326,7 +330,7 @@ def _set_scheduled_values(scheduler, optimizer) -> None:
 
 
 def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
-                                  with_optimizer: bool):
+                                  with_optimizer: bool, with_scheduler: bool = False):
     """The checked checkpoint (``None`` when ``load_dir`` has none), read by every rank, which
     then agree before any loads: a rank that cannot read it, or finds none while others do (a
     directory that is not shared, a damaged file one node sees), makes every rank raise a
@@ -346,6 +350,8 @@ def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
             if with_optimizer:
                 _check_optimizer_class(engine, ckpt)
                 _check_optimizer_state(engine, ckpt)
+            if with_scheduler:
+                _check_scheduler_class(engine, ckpt)
     except Exception as e:  # raised on every rank below
         error = e
     which = _checkpoint_identity(engine, ckpt) if ckpt is not None else None
@@ -497,6 +503,24 @@ def _check_optimizer_class(engine, ckpt) -> None:
             f"engine's optimizer is {mine}; load the weights only with "
             f"load_checkpoint(..., load_optimizer_states=False) (or load_module_only=True), or "
             f"use {saved}; nothing was loaded")
+
+
+def _check_scheduler_class(engine, ckpt) -> None:
+    """A scheduler that restores its whole state (torch's, a script's own) loads only the
+    state its own class saved: torch's ``load_state_dict`` copies every saved attribute onto
+    the scheduler, so another class's state (WarmupLR's into StepLR) leaves a hybrid stepping
+    by neither schedule. shardkit's DeepSpeed schedules take the saved position only, from any
+    scheduler (as DeepSpeed's do), and are not checked. Local."""
+    saved = ckpt.metadata.get("scheduler_class")
+    scheduler = engine.lr_scheduler
+    if saved is None or scheduler is None or ckpt.engine["scheduler"] is None \
+            or isinstance(scheduler, _IterationSchedule) or type(scheduler).__name__ == saved:
+        return
+    raise CheckpointError(
+        f"load_checkpoint({ckpt.path}): the LR scheduler state was saved by {saved}, this "
+        f"engine's scheduler is {type(scheduler).__name__}, which cannot take it; start the "
+        f"new schedule fresh with load_checkpoint(..., load_lr_scheduler_states=False), or "
+        f"use {saved}; nothing was loaded")
 
 
 def _load_model(engine, params: dict) -> None:

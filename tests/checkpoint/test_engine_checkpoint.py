@@ -405,3 +405,49 @@ def test_stage3_load_keeps_only_this_ranks_rows_from_any_saved_stage_and_world(
                for name, shape in metadata["row_sharded"].items()}
     with pytest.raises(CheckpointError, match=r"'exp_avg' of pos_emb.weight has shape \(120,\)"):
         read_checkpoint(path, keep_rows=lambda name: (layouts[name], 1))
+
+
+def _scheduler_switched_on_resume(save_dir):
+    """A resumed run configured with another scheduler: torch's StepLR cannot take WarmupLR's
+    state (its load copies every saved attribute: a hybrid of both), so the load is refused on
+    every rank before anything changes; ``load_lr_scheduler_states=False`` starts the new one
+    fresh; shardkit's DeepSpeed schedules take the saved position from any (DeepSpeed's rule)."""
+    world = distributed.get_world_size()
+
+    def engine_with(schedule):
+        torch.manual_seed(distributed.get_rank())  # other weights than the saved ones
+        return shardkit.initialize(model=torch.nn.Linear(4, 2), config={
+            "train_batch_size": world, "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, "scheduler": schedule})[0]
+
+    saved = engine_with({"type": "WarmupLR", "params": {"warmup_max_lr": 0.1,
+                                                        "warmup_num_steps": 10}})
+    for _ in range(3):
+        saved.backward(saved(torch.ones(1, 4)).sum())
+        saved.step()
+    saved.save_checkpoint(save_dir)
+    step_lr = engine_with({"type": "StepLR", "params": {"step_size": 2}})
+    weight_before = step_lr.module.weight.detach().clone()
+    try:
+        step_lr.load_checkpoint(save_dir)
+        refusal = None
+    except CheckpointError as error:
+        refusal = str(error)
+    untouched = torch.equal(step_lr.module.weight, weight_before)
+    step_lr.load_checkpoint(save_dir, load_lr_scheduler_states=False)
+    fresh = (type(step_lr.lr_scheduler).__name__, step_lr.lr_scheduler.last_epoch,
+             sorted(vars(step_lr.lr_scheduler)) == sorted(vars(engine_with(
+                 {"type": "StepLR", "params": {"step_size": 2}}).lr_scheduler)))
+    cosine = engine_with({"type": "WarmupCosineLR",
+                          "params": {"total_num_steps": 20, "warmup_num_steps": 10}})
+    cosine.load_checkpoint(save_dir)
+    return refusal, untouched, fresh, cosine.lr_scheduler.last_batch_iteration
+
+
+def test_a_torch_scheduler_refuses_another_schedulers_state(world2, tmp_path):
+    for refusal, untouched, fresh, cosine_position in world2.run(
+            _scheduler_switched_on_resume, str(tmp_path)):
+        assert "saved by WarmupLR" in refusal and "StepLR" in refusal
+        assert "load_lr_scheduler_states=False" in refusal and untouched
+        assert fresh == ("StepLR", 0, True)
+        assert cosine_position == 2
