@@ -27,8 +27,9 @@ DOCUMENTED_SIGNATURES = [
     ("shardkit.nn.Pipe", {"devices": None, "chunks": 1, "checkpoint": "except_last"}),
     ("shardkit.nn.pipe.PipelineStage", {"module": _EMPTY, "stage_index": _EMPTY,
                                         "num_stages": _EMPTY, "group": None}),
-    ("shardkit.nn.pipe.ScheduleGPipe", {"stage": _EMPTY, "chunks": _EMPTY}),
-    ("shardkit.nn.pipe.Schedule1F1B", {"stage": _EMPTY, "chunks": _EMPTY}),
+    # chunks may instead come as torch's n_microbatches=: a default, still the 2nd argument
+    ("shardkit.nn.pipe.ScheduleGPipe", {"stage": _EMPTY, "chunks": None}),
+    ("shardkit.nn.pipe.Schedule1F1B", {"stage": _EMPTY, "chunks": None}),
     ("shardkit.nn.model_parallel.initialize.initialize_model_parallel",
      {"model_parallel_size": _EMPTY, "pipeline_length": 1}),
     ("shardkit.nn.model_parallel.layers.ColumnParallelLinear", {"bias": True,

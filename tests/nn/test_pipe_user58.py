@@ -157,19 +157,3 @@ def test_return_outputs_merges_a_dict_output_as_torch_does(world2):
     ``merge_chunks`` concatenates each tensor in the output's structure."""
     for name in ("GPipe", "ZBV"):
         assert max(world2.run(_merged_dict_outputs, name)) < 1e-6, name
-
-
-def _stage_given_a_device():
-    try:
-        PipelineStage(nn.Linear(D, D), dist.get_rank(), 2, torch.device("cpu"))
-    except TypeError as error:
-        return str(error)
-    return None
-
-
-def test_pipeline_stage_given_torchs_device_argument_names_it(world2):
-    """Before: torch's ``PipelineStage(module, i, n, device)`` put the device where shardkit
-    takes the group and failed with "Group cpu is not registered"."""
-    for message in world2.run(_stage_given_a_device):
-        assert message is not None and "PipelineStage(group=device(type='cpu'))" in message
-        assert "takes a device as its 4th argument" in message, message

@@ -14,6 +14,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 __all__ = ["as_tuple", "batch_size", "split_microbatches", "join_microbatches",
            "own_microbatches", "split_keyword_arguments", "keyword_argument_problems",
+           "keyword_chunk_dims", "positional_chunk_spec_problem",
            "keyword_signature", "mergeable_output_problem", "merge_outputs"]
 
 Tensors = tuple[torch.Tensor, ...]
@@ -78,48 +79,118 @@ def _has_batch_dim(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
-def split_keyword_arguments(kwargs: dict, chunks: int) -> Optional[list[dict]]:
+def keyword_chunk_dims(kwargs_chunk_spec, what: str) -> dict:
+    """torch's ``kwargs_chunk_spec`` (``{name: TensorChunkSpec(dim)}`` or ``{name:
+    _Replicate()}``, as ``TensorChunkSpec.from_dict`` builds) as ``{name: dim}``, ``None`` for
+    a keyword argument passed whole to every micro-batch. ``None`` (torch's default) is ``{}``:
+    every tensor with a batch dimension split along dim 0. Raises a ValueError naming an entry
+    that is neither (a nested spec included). Local."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+    if kwargs_chunk_spec is None:
+        return {}
+    if not isinstance(kwargs_chunk_spec, dict):
+        raise ValueError(f"{what}(kwargs_chunk_spec={kwargs_chunk_spec!r}): expected a dict "
+                         f"{{keyword: TensorChunkSpec(dim) or _Replicate()}} or None")
+    dims = {}
+    for name, spec in kwargs_chunk_spec.items():
+        if spec is _Replicate or isinstance(spec, _Replicate):
+            dims[name] = None
+        elif isinstance(spec, TensorChunkSpec) and isinstance(spec.split_dim, int) \
+                and spec.split_dim >= 0:
+            dims[name] = spec.split_dim
+        else:
+            raise ValueError(f"{what}(kwargs_chunk_spec={{{name!r}: {spec!r}}}): expected "
+                             f"TensorChunkSpec(dim) with dim >= 0 (the keyword's tensors split "
+                             f"along dim) or _Replicate() (passed whole to every micro-batch), "
+                             f"one per keyword")
+    return dims
+
+
+def _splits(value, dim: Optional[int]) -> bool:
+    return dim is not None and _has_batch_dim(value)
+
+
+def split_keyword_arguments(kwargs: dict, chunks: int, dims: Optional[dict] = None
+                            ) -> Optional[list[dict]]:
     """Per micro-batch, ``kwargs`` with every tensor that has a batch dimension cut into
     ``chunks`` views along dim 0, inside tuples, lists and dicts too (as
     ``torch.distributed.pipelining`` splits them); other values (0-dim tensors included) go to
-    every micro-batch as they are. ``None`` when there are none. Views, no copies."""
+    every micro-batch as they are. ``dims`` (:func:`keyword_chunk_dims`) names another
+    dimension for a keyword's tensors, or ``None`` to pass them whole. ``None`` when there are
+    no keyword arguments. Views, no copies."""
     if not kwargs:
         return None
-    leaves, spec = tree_flatten(kwargs)
-    pieces = [torch.tensor_split(v, chunks) if _has_batch_dim(v) else [v] * chunks
+    dims = dims or {}
+    per_key = {key: _split_value(value, chunks, dims.get(key, 0)) for key, value in kwargs.items()}
+    return [{key: parts[i] for key, parts in per_key.items()} for i in range(chunks)]
+
+
+def _split_value(value, chunks: int, dim: Optional[int]) -> list:
+    leaves, spec = tree_flatten(value)
+    pieces = [torch.tensor_split(v, chunks, dim) if _splits(v, dim) else [v] * chunks
               for v in leaves]
     return [tree_unflatten([p[i] for p in pieces], spec) for i in range(chunks)]
 
 
-def _named_leaves(kwargs: dict) -> list[tuple[str, object]]:
-    """``(name, value)`` of every leaf of ``kwargs``, named as written: ``mask`` or
+def _named_leaves(kwargs: dict) -> list[tuple[str, str, object]]:
+    """``(keyword, name, value)`` of every leaf of ``kwargs``, named as written: ``mask`` or
     ``extra['shift'][0]``."""
     named = []
     for key, value in kwargs.items():
         leaves, _ = tree_flatten_with_path(value)
-        named += [(f"{key}{keystr(path)}", leaf) for path, leaf in leaves]
+        named += [(key, f"{key}{keystr(path)}", leaf) for path, leaf in leaves]
     return named
 
 
-def keyword_argument_problems(what: str, kwargs: dict, chunks: int) -> list[str]:
+def keyword_argument_problems(what: str, kwargs: dict, chunks: int,
+                              dims: Optional[dict] = None) -> list[str]:
     """What keeps :func:`split_keyword_arguments` from splitting ``kwargs`` as the batch: a
-    tensor with a batch dimension whose rows ``chunks`` does not divide, or one that requires
-    grad (only the positional inputs get their gradient back). ``what`` names the call
-    (``"ScheduleGPipe.step"``)."""
-    problems = []
-    for name, value in _named_leaves(kwargs):
+    tensor with a batch dimension whose rows ``chunks`` does not divide (along the dimension
+    ``dims`` names), or one that requires grad (only the positional inputs get their gradient
+    back); a keyword ``dims`` names that ``kwargs`` (when there are any) lacks. ``what`` names
+    the call (``"ScheduleGPipe.step"``)."""
+    dims = dims or {}
+    missing = [key for key in dims if key not in kwargs]
+    problems = [f"{what}(...): kwargs_chunk_spec names {missing}, but the keyword arguments "
+                f"given are {sorted(kwargs)}; name the same keywords"] if kwargs and missing \
+        else []
+    for key, name, value in _named_leaves(kwargs):
         if not _has_batch_dim(value):
             continue
-        if value.shape[0] % chunks:
+        dim = dims.get(key, 0)
+        if dim is not None and value.dim() <= dim:
+            problems.append(f"{what}({name}=...): kwargs_chunk_spec splits it along dim {dim}, "
+                            f"but it has shape {tuple(value.shape)}")
+        elif dim is not None and value.shape[dim] % chunks:
             problems.append(f"{what}({name}=...): a tensor passed by keyword is split along "
-                            f"dim 0 into chunks={chunks} equal micro-batches, but it has "
-                            f"{value.shape[0]} rows; pass a multiple of {chunks} rows (or a "
-                            f"0-dim tensor or a non-tensor, given to every micro-batch as it is)")
+                            f"dim {dim} into chunks={chunks} equal micro-batches, but it has "
+                            f"{value.shape[dim]} there; pass a multiple of {chunks} (or a "
+                            f"0-dim tensor or a non-tensor, given to every micro-batch as it "
+                            f"is, or name it _Replicate() in kwargs_chunk_spec)")
         elif value.requires_grad:
             problems.append(f"{what}({name}=...): a tensor passed by keyword must not require "
                             f"grad (only the positional inputs get their gradient back); pass "
                             f"it positionally or detach it")
     return problems
+
+
+def positional_chunk_spec_problem(args_chunk_spec) -> Optional[str]:
+    """Why torch's ``args_chunk_spec`` does not describe what shardkit does with the batch
+    (every positional tensor split along dim 0): ``None`` for ``None`` or a tuple of
+    ``TensorChunkSpec(0)``. Local."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
+    if args_chunk_spec is None:
+        return None
+    leaves, _ = tree_flatten(args_chunk_spec)
+    if isinstance(args_chunk_spec, (tuple, list)) and leaves and all(
+            isinstance(spec, TensorChunkSpec) and spec.split_dim == 0 for spec in leaves):
+        return None
+    return ("shardkit's schedules split every tensor argument along dim 0 into equal chunks "
+            "(a tuple of TensorChunkSpec(0), or None); split along another dimension, or "
+            "pass a tensor whole to every micro-batch by keyword (kwargs_chunk_spec="
+            "{name: _Replicate()})")
 
 
 _PLAIN_VALUES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)

@@ -50,8 +50,9 @@ from torch.utils._pytree import tree_map
 from shardkit import distributed as dist
 from shardkit.nn.data_parallel.flat_param import zeros_only_views
 from shardkit.nn.pipe.microbatch import (batch_size, keyword_argument_problems,
-                                         keyword_signature, merge_outputs,
+                                         keyword_chunk_dims, keyword_signature, merge_outputs,
                                          mergeable_output_problem, own_microbatches,
+                                         positional_chunk_spec_problem,
                                          split_keyword_arguments, split_microbatches)
 from shardkit.nn.pipe.p2p import (ACTIVATION, GRADIENT, StepState, TaggedLinks, batch_signature,
                                   output_tensors)
@@ -79,7 +80,8 @@ class PlanSchedule:
 
     Args:
         stages: this rank's stage, or its stages (a list, as the schedule's placement needs).
-        chunks: micro-batches per step; must divide the batch size.
+        chunks: micro-batches per step; must divide the batch size. torch's keyword
+            ``n_microbatches=`` is taken in its place.
         loss_fn: ``loss_fn(output, target) -> scalar`` on the rank running the last stage
             (``None``: forward-only steps with ``return_outputs=True`` only).
         track_activation_memory: measure the bytes saved for backward on this rank
@@ -101,10 +103,17 @@ class PlanSchedule:
             :meth:`step` returns the mean micro-batch loss; ``False`` leaves them unscaled (the
             gradients of the sum of the micro-batch losses, for a ``loss_fn`` that sums, or a
             caller that scales itself), and :meth:`step` returns that sum.
-        args_chunk_spec, kwargs_chunk_spec, output_merge_spec, use_full_backward,
-            backward_requires_autograd, defer_pp_recv: torch's options, accepted at torch's
-            defaults (what shardkit does: tensors split along dim 0 into equal chunks,
-            outputs concatenated along dim 0); another value is a ValueError naming it.
+        kwargs_chunk_spec: torch's ``{keyword: TensorChunkSpec(dim) or _Replicate()}``
+            (``TensorChunkSpec.from_dict``): a keyword argument's tensors split along ``dim``
+            into ``chunks`` equal parts, or passed whole to every micro-batch; keywords it
+            does not name split along dim 0 (``None``, the default: all of them). A step
+            with keyword arguments that lack one it names fails on every rank.
+        args_chunk_spec: torch's; ``None`` or a tuple of ``TensorChunkSpec(0)`` (the batch is
+            split along dim 0); another value is a ValueError naming it.
+        output_merge_spec, use_full_backward, backward_requires_autograd, defer_pp_recv:
+            torch's options, accepted at torch's defaults (what shardkit does: outputs
+            concatenated along dim 0, the backward run by the schedule); another value is a
+            ValueError naming it.
 
     After a step, ``peak_live_microbatches`` is the most (stage, micro-batch) pairs whose
     activations were alive at once on this rank (from F until BW or W), and ``busy_seconds``
@@ -134,10 +143,13 @@ class PlanSchedule:
        reductions: give every pipeline usable batches.
     """
 
-    def __init__(self, stages, chunks: int, loss_fn: Optional[Callable] = None,
+    def __init__(self, stages, chunks: Optional[int] = None, loss_fn: Optional[Callable] = None,
                  track_activation_memory: bool = False, weight_grad_merge: Optional[int] = None,
                  scale_grads: bool = True, **torch_options):
         name = type(self).__name__
+        chunks = _microbatch_count(name, chunks, torch_options.pop("n_microbatches", None))
+        self._keyword_dims = keyword_chunk_dims(torch_options.pop("kwargs_chunk_spec", None),
+                                                name)
         _check_torch_options(name, torch_options)
         if not isinstance(track_activation_memory, bool):
             # torch's 4th positional argument is args_chunk_spec (output_merge_spec in
@@ -296,7 +308,9 @@ class PlanSchedule:
         ``losses``). Other ranks return ``None`` in every case. A forward-only step with
         ``return_outputs=True`` needs no ``target`` and no ``loss_fn`` (inference, as with
         torch's schedules built without ``loss_fn``): without either, no loss is computed and
-        ``losses`` is left empty.
+        ``losses`` is left empty. A forward-only step with neither a ``loss_fn`` nor a
+        ``target`` has no loss to return: with ``return_outputs`` unset it returns the
+        outputs, as torch's ``eval(x)`` does.
 
         Under ``torch.no_grad()`` (or through :meth:`eval`) the step only runs forward: it
         returns the loss the same way and leaves ``.grad`` and the data-parallel reduction
@@ -345,7 +359,9 @@ class PlanSchedule:
         ``torch.distributed.pipelining``'s ``eval``: the loss :meth:`step` returns on the rank
         running the last stage (``losses`` filled as by :meth:`step`), ``None`` elsewhere;
         ``.grad`` is left alone; ``return_outputs`` and ``loss_kwargs`` as in :meth:`step`
-        (``eval(x, return_outputs=True)`` runs inference without target or ``loss_fn``).
+        (``eval(x, return_outputs=True)`` runs inference without target or ``loss_fn``; on
+        a schedule built without ``loss_fn``, ``eval(x)`` returns the merged outputs, as
+        torch's).
         Call it on every rank of the pipeline. Dropout and batch norm follow the modules' own
         ``train()``/``eval()`` mode, as in one process."""
         with torch.no_grad():
@@ -417,8 +433,10 @@ class PlanSchedule:
             self._fail(kwargs_problems[0])
             self._kwargs = None
         else:
-            self._kwargs = split_keyword_arguments(self._kwargs_arg, self.chunks)
+            self._kwargs = split_keyword_arguments(self._kwargs_arg, self.chunks,
+                                                   self._keyword_dims)
         self._target = target
+        returns_outputs = self._returns_outputs(target)
         seconds = {kind: 0.0 for kind in ("F", "B", "W", "BW")}
         if self._ties:
             self._ties.sync_weights()  # the first step only
@@ -465,8 +483,10 @@ class PlanSchedule:
             return None
         if self._losses_arg is not None:
             self._losses_arg[:] = self._losses
-        if self._return_outputs is not None:
-            return merge_outputs(self._outputs) if self._return_outputs else None
+        if returns_outputs:
+            return merge_outputs(self._outputs)
+        if self._return_outputs is False:
+            return None
         total = torch.stack(self._losses)
         return total.mean() if self.scale_grads else total.sum()
 
@@ -566,7 +586,7 @@ class PlanSchedule:
                 roots = [loss / self.chunks if self.scale_grads else loss]
             else:
                 roots = []
-            if self._return_outputs:
+            if self._returns_outputs(self._target):
                 self._keep_output(s, i, output)
         else:
             outputs, problem = output_tensors(output)
@@ -616,7 +636,8 @@ class PlanSchedule:
         except COMMUNICATION_ERRORS:
             raise
         except Exception as error:
-            self._fail_at(s, i, f"its forward raised {type(error).__name__}: {error}", error)
+            self._fail_at(s, i, f"its forward raised {type(error).__name__}: {error}"
+                          + _packed_input_hint(activation, error), error)
             return _FAILED
 
     def _skip_forward(self, s: int, i: int, activation) -> None:
@@ -823,7 +844,8 @@ class PlanSchedule:
     def _call_problems(self) -> list[str]:
         """What is wrong with this rank's keyword arguments to :meth:`step` (on any rank)."""
         name = type(self).__name__
-        problems = keyword_argument_problems(f"{name}.step", self._kwargs_arg, self.chunks)
+        problems = keyword_argument_problems(f"{name}.step", self._kwargs_arg, self.chunks,
+                                             self._keyword_dims)
         if self._return_outputs is not None and not isinstance(self._return_outputs, bool):
             problems.append(f"{name}.step(return_outputs={self._return_outputs!r}): expected "
                             f"True (the last stage returns its merged outputs), False (it "
@@ -838,10 +860,19 @@ class PlanSchedule:
 
     def _outputs_only(self, target) -> bool:
         """Whether the last stage computes no loss this step: a forward-only step asked for its
-        outputs (``return_outputs=True``) without a ``loss_fn`` or without a ``target``, as
-        torch's inference with a schedule built without ``loss_fn``."""
-        return self._return_outputs is True and not torch.is_grad_enabled() and (
-            self.loss_fn is None or target is None)
+        outputs (``return_outputs=True``) without a ``loss_fn`` or without a ``target``, or
+        one with neither a ``loss_fn`` nor a ``target`` and ``return_outputs`` unset (there is
+        no loss to return: the outputs are returned, as torch's inference with a schedule
+        built without ``loss_fn``)."""
+        if torch.is_grad_enabled() or self._return_outputs is False:
+            return False
+        if self._return_outputs is None:
+            return self.loss_fn is None and target is None
+        return self.loss_fn is None or target is None
+
+    def _returns_outputs(self, target) -> bool:
+        """Whether this step returns the last stage's merged outputs rather than the loss."""
+        return self._return_outputs is True or self._outputs_only(target)
 
     def _target_problems(self, target) -> list[str]:
         """What is wrong with the last stage's target on its own (split along dim 0 like the
@@ -858,8 +889,10 @@ class PlanSchedule:
                             f"a forward-only step with return_outputs=True runs: "
                             f"{name}.eval(x, return_outputs=True))")
         if target is None:
+            outputs = "" if torch.is_grad_enabled() else \
+                " (or, for the outputs without a loss, return_outputs=True)"
             problems.append(f"the last stage needs the target: call {name}.step(..., "
-                            f"target=...)")
+                            f"target=...){outputs}")
         elif isinstance(target, torch.Tensor) and (target.dim() == 0
                                                    or target.shape[0] % self.chunks):
             problems.append(f"target of shape {tuple(target.shape)} cannot be split into "
@@ -934,6 +967,16 @@ def _reached(real: Optional[list], tensors, grads: list) -> list:
             and get_gradient_edge(t).node in nodes else None for t, g in zip(tensors, grads)]
 
 
+def _packed_input_hint(activation, error: Exception) -> str:
+    """What to do when a stage module given several tensors raised a TypeError (most likely
+    a ``forward(self, a, b)``): shardkit passes them as one tuple, where torch unpacks them."""
+    if not isinstance(activation, tuple) or not isinstance(error, TypeError):
+        return ""
+    return (f" (the stage's input is a tuple of {len(activation)} tensors, passed as one "
+            f"argument as in nn.Sequential, where torch.distributed.pipelining unpacks it: "
+            f"take one argument and unpack it in forward)")
+
+
 def _reduces_during_backward(stage: PipelineStage) -> bool:
     """Whether the stage module's own hooks reduce gradients over replicas inside backward
     (ShardedDataParallel, FSDP on more than one rank): a backward raising there cannot be
@@ -969,7 +1012,8 @@ class ScheduleGPipe(PlanSchedule):
 
     _who = "stage"
 
-    def __init__(self, stage: PipelineStage, chunks: int, loss_fn: Optional[Callable] = None,
+    def __init__(self, stage: PipelineStage, chunks: Optional[int] = None,
+                 loss_fn: Optional[Callable] = None,
                  track_activation_memory: bool = False, batch_weight_grads: Optional[bool] = None,
                  weight_grad_merge: Optional[int] = None, scale_grads: bool = True,
                  **torch_options):
@@ -1001,7 +1045,8 @@ class Schedule1F1B(PlanSchedule):
 
     _who = "stage"
 
-    def __init__(self, stage: PipelineStage, chunks: int, loss_fn: Optional[Callable] = None,
+    def __init__(self, stage: PipelineStage, chunks: Optional[int] = None,
+                 loss_fn: Optional[Callable] = None,
                  track_activation_memory: bool = False, weight_grad_merge: Optional[int] = None,
                  scale_grads: bool = True, **torch_options):
         super().__init__(_one_stage(self, stage), chunks, loss_fn, track_activation_memory,
@@ -1092,18 +1137,39 @@ class ScheduleZBV(PlanSchedule):
 # torch.distributed.pipelining's constructor options, with the values that mean what shardkit
 # does (tensors split along dim 0 into equal chunks, outputs concatenated along dim 0 by
 # step(return_outputs=True), the split backward run by the schedule itself)
-_TORCH_DEFAULTS = {"args_chunk_spec": None, "kwargs_chunk_spec": None, "output_merge_spec": None,
+_TORCH_DEFAULTS = {"args_chunk_spec": None, "output_merge_spec": None,
                    "use_full_backward": None, "backward_requires_autograd": True,
                    "defer_pp_recv": False}
 
 
+def _microbatch_count(name: str, chunks, n_microbatches):
+    """The micro-batches per step, given as ``chunks`` (shardkit's and FairScale's name) or
+    ``n_microbatches=`` (torch's). Local, before any collective."""
+    if n_microbatches is None:
+        if chunks is None:
+            raise TypeError(f"{name}() needs the number of micro-batches per step: chunks "
+                            f"(2nd argument) or n_microbatches=... (torch's name)")
+        return chunks
+    if chunks is not None:
+        raise TypeError(f"{name}(chunks={chunks!r}, n_microbatches={n_microbatches!r}): the "
+                        f"number of micro-batches is given twice (n_microbatches is torch's "
+                        f"name for chunks); pass it once")
+    return n_microbatches
+
+
 def _check_torch_options(name: str, options: dict) -> None:
     """Accept torch's schedule options at their defaults (code written for torch's schedules
-    often spells them out); refuse any other value by name, and unknown names as Python would.
-    Local, before any collective."""
+    often spells them out), and an ``args_chunk_spec`` that splits along dim 0 as shardkit does;
+    refuse any other value by name, and unknown names as Python would. Local, before any
+    collective."""
     for option, value in options.items():
         if option not in _TORCH_DEFAULTS:
             raise TypeError(f"{name}.__init__() got an unexpected keyword argument {option!r}")
+        if option == "args_chunk_spec":
+            problem = positional_chunk_spec_problem(value)
+            if problem:
+                raise ValueError(f"{name}(args_chunk_spec={value!r}): {problem}")
+            continue
         default = _TORCH_DEFAULTS[option]
         if value is default or (default is not None and value == default
                                 and isinstance(value, bool)):

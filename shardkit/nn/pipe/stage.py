@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterator, Optional
 
 import torch
+import torch.distributed
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -83,21 +85,77 @@ def _tie_copies(module: nn.Module, stage_index: int, num_stages: int, group_size
     return cross_rank_copies(shared, stage_index, where, where(stage_index))
 
 
-def _check_group_argument(group) -> None:
-    """A device where the pipeline group goes: ``torch.distributed.pipelining``'s
-    ``PipelineStage(module, stage_index, num_stages, device)`` has the device in this place;
-    or a whole ``DeviceMesh`` (torch's ``group`` is a process group too). Local, before any
-    collective."""
-    if isinstance(group, (torch.device, str, int)):
-        raise TypeError(f"PipelineStage(group={group!r}): expected the pipeline's process group "
-                        f"or None; torch.distributed.pipelining's PipelineStage takes a device "
-                        f"as its 4th argument, shardkit's takes the group (a stage runs where "
-                        f"its module's parameters are): drop the device, and pass a group by "
-                        f"keyword (group=...)")
+def _is_group(value) -> bool:
+    """A process group (or torch's marker for one this rank is not in), or a DeviceMesh."""
+    outside = torch.distributed.GroupMember.NON_GROUP_MEMBER  # new_group's value off its ranks
+    return isinstance(value, (torch.distributed.ProcessGroup, DeviceMesh)) or (
+        type(value) is type(outside) and value == outside)
+
+
+def _split_device_from_group(device, group):
+    """``(device, group)`` from the 4th positional argument and ``group=``: the 4th is torch's
+    ``device``; a process group there (shardkit's earlier ``PipelineStage(module, i, n,
+    group)``) is taken as ``group``. Local, before any collective."""
+    if _is_group(device):
+        if group is not None:
+            raise TypeError(f"PipelineStage(..., {device!r}, group={group!r}): got a process "
+                            f"group both as the 4th argument (torch's place for the device) and "
+                            f"by keyword; pass it once, by keyword")
+        device, group = None, device
     if isinstance(group, DeviceMesh):
         raise TypeError(f"PipelineStage(group={group!r}): expected the pipeline's process group "
                         f"or None, got a DeviceMesh; pass the process group of its pipeline "
                         f"dimension, mesh.get_group(\"pp\") (as torch's PipelineStage takes)")
+    dist.check_group(group, "PipelineStage")
+    return device, group
+
+
+def _device_problem(module: nn.Module, device) -> Optional[str]:
+    """What is wrong with torch's ``device`` argument: shardkit runs a stage where its module's
+    parameters and buffers are, so ``device`` must name where they are (as torch's
+    ``PipelineStage`` expects the module to be moved there first). Local."""
+    try:
+        wanted = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        return f"device={device!r} is not a device ({error})"
+    for name, tensor in itertools.chain(module.named_parameters(), module.named_buffers()):
+        here = tensor.device
+        if here.type != wanted.type or (wanted.index is not None and here.index != wanted.index):
+            return (f"device={str(wanted)!r}, but the stage module's {name!r} is on "
+                    f"{str(here)!r}; move the module there first (module.to(device)), as "
+                    f"torch's PipelineStage expects, or leave device out (a stage runs where "
+                    f"its module's parameters are)")
+    return None
+
+
+def _example_tensors_problems(examples: dict) -> list[str]:
+    """torch's ``input_args`` / ``output_args`` / ``input_grads`` / ``output_grads`` (example
+    tensors torch uses to skip its shape inference): shardkit announces shapes in the first
+    step's messages and needs none, so any tensor, tuple of tensors (``None`` among gradients)
+    or ``None`` is accepted and not kept; anything else is named. Local."""
+    problems = []
+    for name, value in examples.items():
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        allowed = (torch.Tensor, type(None)) if name.endswith("grads") else (torch.Tensor,)
+        if value is not None and not all(isinstance(v, allowed) for v in values):
+            kinds = [type(v).__name__ for v in values]
+            problems.append(f"{name}={kinds}: expected a tensor or a tuple of tensors (example "
+                            f"{name.split('_')[0]}s, which shardkit does not need: the first "
+                            f"step announces the shapes), or None")
+    return problems
+
+
+def _torch_only_problems(dw_builder, get_mesh) -> list[str]:
+    """torch options that change what a stage computes and that shardkit does not run. Local."""
+    problems = []
+    if dw_builder is not None:
+        problems.append(f"dw_builder={dw_builder!r}: shardkit's split-backward schedules "
+                        f"(ScheduleZeroBubble, ScheduleZBV) compute the weight gradients "
+                        f"themselves and would never call it; pass dw_builder=None")
+    if get_mesh is not None:
+        problems.append(f"get_mesh={get_mesh!r}: shardkit's stages send plain tensors, not "
+                        f"DTensors; pass get_mesh=None")
+    return problems
 
 
 def _reduces_itself(module: nn.Module) -> bool:
@@ -170,6 +228,13 @@ def _replica_group(module: nn.Module, data_parallel_group) -> tuple:
     return module.process_group, []
 
 
+def _module_device(module: nn.Module) -> torch.device:
+    """Where the stage module's first parameter (or buffer) is; CPU for one without any."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
 class PipelineStage:
     """Stage ``stage_index`` of a ``num_stages``-stage pipeline, run by this process.
 
@@ -192,9 +257,19 @@ class PipelineStage:
             argument, as in ``nn.Sequential``.
         stage_index: which stage this is; must equal this process's rank in ``group``.
         num_stages: number of stages; must equal the size of ``group``.
-        group: the pipeline's process group (``None``: the default group). torch's
-            ``PipelineStage`` takes a ``device`` in this place; a device (or a device string or
-            index) here is a ``TypeError`` saying so.
+        device: torch's 4th argument: where the stage runs (a ``torch.device``, a device
+            string or an index). The stage module must already be there (every parameter and
+            buffer; else a ``ValueError`` on every rank naming one that is not); ``None``:
+            where its parameters are. Kept as ``self.device``.
+        input_args, output_args, input_grads, output_grads: torch's example tensors, used
+            there to skip its shape inference; shardkit announces shapes in the first step's
+            messages, so they are checked to be tensors and not kept.
+        group: the pipeline's process group (``None``: the default group), by keyword as in
+            torch (``group=pp_group``); a process group as the 4th argument (shardkit's
+            earlier ``PipelineStage(module, i, n, group)``) is taken as ``group`` too.
+        dw_builder, get_mesh: torch's; only ``None`` (a ``ValueError`` otherwise: shardkit's
+            split-backward schedules compute the weight gradients themselves, and stages send
+            plain tensors, not DTensors).
         data_parallel_group: optional group over which gradients are averaged every step;
             leave it ``None`` for a ShardedDataParallel or FullyShardedDataParallel stage
             module, which reduces its gradients itself (a ``ValueError`` otherwise).
@@ -207,7 +282,7 @@ class PipelineStage:
             (default; stage ``s`` on group rank ``s % p``, for :class:`ScheduleInterleaved1F1B`)
             or ``"v"`` (``2p`` stages, rank ``r`` runs stages ``r`` and ``2p-1-r``, for
             :class:`ScheduleZBV`). Build one ``PipelineStage`` per stage the rank runs, in the
-            same order on every rank.
+            same order on every rank. ``data_parallel_group`` and ``placement`` go by keyword.
 
     Memory: this stage's parameters and gradients only; activations as the schedule keeps
     them. Communication per step: each micro-batch's activations sent forward once and their
@@ -233,13 +308,16 @@ class PipelineStage:
        mismatch or a tie across ranks: construct the stages on all ranks of the group.
     """
 
-    def __init__(self, module: nn.Module, stage_index: int, num_stages: int, group=None,
-                 data_parallel_group=None, placement: str = "loop"):
+    def __init__(self, module: nn.Module, stage_index: int, num_stages: int, device=None,
+                 input_args=None, output_args=None, output_grads=None, input_grads=None,
+                 group=None, dw_builder=None, get_mesh=None, *, data_parallel_group=None,
+                 placement: str = "loop"):
         dist.require_initialized("PipelineStage")
         if not isinstance(module, nn.Module):
             raise TypeError(f"PipelineStage(module={type(module).__name__}): expected an "
                             f"nn.Module")
-        _check_group_argument(group)
+        device, group = _split_device_from_group(device, group)
+        dist.check_group(data_parallel_group, "PipelineStage", "data_parallel_group")
         group_rank, group_size = dist.get_rank(group), dist.get_world_size(group)
         if group_rank < 0:
             raise ValueError(f"PipelineStage(group=...): global rank {dist.get_rank()} is not "
@@ -250,6 +328,12 @@ class PipelineStage:
         local += _double_reduction_problems(module, data_parallel_group)
         replicas, wrong = _replica_group(module, data_parallel_group)
         local += wrong
+        if device is not None:
+            local += [p for p in [_device_problem(module, device)] if p]
+        local += _example_tensors_problems({"input_args": input_args, "output_args": output_args,
+                                            "input_grads": input_grads,
+                                            "output_grads": output_grads})
+        local += _torch_only_problems(dw_builder, get_mesh)
         views = dist.all_gather_object((stage_index, num_stages, placement, local), group=group)
         problems = []
         for rank, (index, count, where, found) in enumerate(views):
@@ -261,6 +345,7 @@ class PipelineStage:
             raise ValueError("PipelineStage: the pipeline group's stages cannot run "
                              "together:\n  " + "\n  ".join(problems))
         self.module = module
+        self.device = torch.device(device) if device is not None else _module_device(module)
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.group = group
@@ -277,6 +362,16 @@ class PipelineStage:
         """The global rank that runs stage ``stage_index`` of this pipeline."""
         group_rank = stage_rank(stage_index, self.num_stages, self.group_size, self.placement)
         return dist.get_global_rank(self.group, group_rank)
+
+    @property
+    def submod(self) -> nn.Module:
+        """This stage's module (torch's name for :attr:`module`)."""
+        return self.module
+
+    @property
+    def group_rank(self) -> int:
+        """This process's rank in the pipeline group (torch's ``PipelineStage.group_rank``)."""
+        return stage_rank(self.stage_index, self.num_stages, self.group_size, self.placement)
 
     @property
     def is_first(self) -> bool:
