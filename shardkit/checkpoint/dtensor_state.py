@@ -175,7 +175,14 @@ def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
     set to ``None``. Use it before ``FSDP.optim_state_dict(model, optim)`` on the loading side,
     so that ``dcp.load`` finds the state tensors (``exp_avg``...) to load into; the loaded
     state replaces everything the step created (``step`` included). Nothing is done when the
-    optimizer has state already or any parameter has a gradient. Local."""
+    optimizer has state already or any parameter has a gradient. Local.
+
+    Note: the step runs without the optimizer's step hooks (torch's global ones and those on
+    the instance): it is no training step. A hook that counts steps or updates an EMA would
+    count it, and the hook a ``shardkit.initialize`` engine puts on its optimizer to refuse
+    direct steps under gradient accumulation refused it, so ``get_state_dict(engine,
+    engine.optimizer)`` failed before ``dcp.load`` with an error about a step the user never
+    took."""
     if optim.state or any(p.grad is not None for g in optim.param_groups for p in g["params"]):
         return
     lrs = []
@@ -187,9 +194,25 @@ def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
         if "lr" in group:
             group["lr"] = torch.tensor(0.0) if torch.is_tensor(group["lr"]) else 0.0
     try:
-        optim.step()
+        _step_without_hooks(optim)
     finally:
         for group, lr in zip(optim.param_groups, lrs):
             if lr is not None:
                 group["lr"] = lr
         optim.zero_grad(set_to_none=True)
+
+
+def _step_without_hooks(optim: torch.optim.Optimizer) -> None:
+    """``optim.step()`` without the wrapper torch puts around every optimizer's ``step`` (the
+    global and per-instance step hooks). A ``step`` replaced on the instance is called as it
+    is, except the one a torch ``LRScheduler`` puts there (it only notes that the optimizer
+    stepped before calling the class's ``step``). Local."""
+    replaced = vars(optim).get("step")
+    if replaced is not None and not getattr(replaced, "_wrapped_by_lr_sched", False):
+        optim.step()
+        return
+    step = type(optim).step
+    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        step.__wrapped__(optim)
+    else:
+        optim.step()

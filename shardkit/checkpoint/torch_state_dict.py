@@ -26,7 +26,9 @@ Over a model that holds shardkit ``FullyShardedDataParallel`` units (its root on
 
 Over a plain module or torch ``DistributedDataParallel`` (replicated parameters, a plain
 optimizer) torch's own functions are correct and are called as given; so is the model state
-of a ``ShardedDataParallel`` (keyed as its unwrapped module). An OSS optimizer (ZeRO-1/2) is
+of a ``ShardedDataParallel`` (keyed as its unwrapped module), and of a ``shardkit.initialize``
+engine at stages 0-2 (its ``engine.module``: the same names as at stage 3, so a dcp
+checkpoint moves between stages). An OSS optimizer (ZeRO-1/2) is
 refused with an error naming its checkpoint path (``consolidate_state_dict`` then
 ``state_dict()``, or the engine's checkpoints): each parameter's state lives on its owner
 rank only, which torch's functions do not know.
@@ -138,11 +140,31 @@ def _fsdp_root(model: nn.Module, call: str, optims: tuple = (), submodules=None)
 
 
 def _replicated(model: nn.Module) -> nn.Module:
-    """A ShardedDataParallel's module (its parameters are whole and the same on every rank, so
-    torch's functions serve its model state, keyed as the unwrapped model's); others as
-    given."""
+    """The module torch's functions are given where no shardkit FSDP is involved: a
+    ShardedDataParallel's module (its parameters are whole and the same on every rank, so
+    torch's functions serve its model state, keyed as the unwrapped model's), and a
+    ``shardkit.initialize`` engine's model (``engine.module``); others as given.
+
+    Note: an engine holds the model twice (``engine.module`` and, wrapped, ``engine.wrapped``):
+    through the engine itself every tensor came twice, under ``module.`` and ``wrapped.``
+    prefixes, so ``dcp.save`` wrote the model twice, and a checkpoint of stages 0-2 did not
+    load at stage 3 (unprefixed names, those of the FSDP root) nor the other way round."""
+    from shardkit.engine import ShardedEngine
     from shardkit.nn.data_parallel import ShardedDataParallel
-    return model.module if isinstance(model, ShardedDataParallel) else model
+    if isinstance(model, (ShardedDataParallel, ShardedEngine)):
+        return model.module
+    return model
+
+
+def _torch_optimizers(optims: tuple) -> tuple:
+    """``optims``, each given its state first where it has none (as torch's functions do), by
+    :func:`~shardkit.checkpoint.dtensor_state.init_optimizer_state`, whose step runs without
+    the step hooks: torch's own zero-lr ``step()`` ran them, and an engine's optimizer refuses
+    a direct step under gradient accumulation. Local."""
+    from shardkit.checkpoint.dtensor_state import init_optimizer_state
+    for optim in optims:
+        init_optimizer_state(optim)
+    return optims
 
 
 def _fqns_of(model, optim: torch.optim.Optimizer) -> list:
@@ -260,8 +282,8 @@ def get_optimizer_state_dict(model: nn.Module,
                          "reshards with dcp as it is)")
     if root is None:
         from torch.distributed.checkpoint import state_dict as tsd
-        return tsd.get_optimizer_state_dict(model, optimizers, submodules=submodules,
-                                            options=options)
+        return tsd.get_optimizer_state_dict(_replicated(model), _torch_optimizers(optims),
+                                            submodules=submodules, options=options)
     return _optim_state(root, optims, options)
 
 
@@ -274,7 +296,8 @@ def get_state_dict(model: nn.Module, optimizers: Union[torch.optim.Optimizer, It
     root = _fsdp_root(model, "get_state_dict", optims, submodules)
     if root is None:
         from torch.distributed.checkpoint import state_dict as tsd
-        return tsd.get_state_dict(model, optimizers, submodules=submodules, options=options)
+        return tsd.get_state_dict(_replicated(model), _torch_optimizers(optims),
+                                  submodules=submodules, options=options)
     return (get_model_state_dict(root, options=options),
             get_optimizer_state_dict(root, optims, options=options))
 
@@ -372,8 +395,8 @@ def set_optimizer_state_dict(model: nn.Module,
     root = _fsdp_root(model, "set_optimizer_state_dict", optims)
     if root is None:
         from torch.distributed.checkpoint import state_dict as tsd
-        return tsd.set_optimizer_state_dict(model, optimizers, optim_state_dict,
-                                            options=options)
+        return tsd.set_optimizer_state_dict(_replicated(model), _torch_optimizers(optims),
+                                            optim_state_dict, options=options)
     if options.broadcast_from_rank0:
         optim_state_dict = _from_rank0(optim_state_dict, "set_optimizer_state_dict",
                                        "optim_state_dict")
@@ -391,7 +414,8 @@ def set_state_dict(model: nn.Module, optimizers: Union[torch.optim.Optimizer, It
     root = _fsdp_root(model, "set_state_dict", optims)
     if root is None:
         from torch.distributed.checkpoint import state_dict as tsd
-        return tsd.set_state_dict(model, optimizers, model_state_dict=model_state_dict,
+        return tsd.set_state_dict(_replicated(model), _torch_optimizers(optims),
+                                  model_state_dict=model_state_dict,
                                   optim_state_dict=optim_state_dict, options=options)
     keys = set_model_state_dict(root, model_state_dict, options=options)
     set_optimizer_state_dict(root, optims, optim_state_dict, options=options)

@@ -216,8 +216,9 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir,
     own = model.state_dict()
     missing = sorted(set(own) - set(state) - set(metadata.get("excluded_frozen", [])))
     unexpected = sorted(set(state) - set(own))
-    shapes = sorted(f"{k}: checkpoint {tuple(v.shape)}, model {tuple(own[k].shape)}"
-                    for k, v in state.items() if k in own and v.shape != own[k].shape)
+    shapes = sorted(f"{k}: checkpoint {_kind(v)}, model {_kind(own[k])}"
+                    for k, v in state.items() if k in own and not _is_extra_state(k)
+                    and _kind(v) != _kind(own[k]))
     if missing or unexpected or shapes:
         raise RuntimeError(f"{caller}: the checkpoint in {os.fspath(checkpoint_dir)!r} does not "
                            f"match {type(model).__name__}: missing keys {missing[:8]}, "
@@ -226,6 +227,19 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir,
     model = model.cpu()
     model.load_state_dict(state, strict=False)
     return model
+
+
+def _kind(value):
+    """What a state dict entry is, for comparing a checkpoint with a model: a tensor's shape,
+    else its type's name."""
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _is_extra_state(key: str) -> bool:
+    """Whether ``key`` holds a module's ``get_extra_state()``: any object, tensors of any
+    shape included, that ``load_state_dict`` hands to ``set_extra_state`` unchecked (a dict
+    there made the shape check raise AttributeError)."""
+    return key.rsplit(".", 1)[-1] == "_extra_state"
 
 
 # ----------------------------------------------------------------------------- writing
