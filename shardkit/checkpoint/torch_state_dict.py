@@ -149,9 +149,9 @@ def _replicated(model: nn.Module) -> nn.Module:
     through the engine itself every tensor came twice, under ``module.`` and ``wrapped.``
     prefixes, so ``dcp.save`` wrote the model twice, and a checkpoint of stages 0-2 did not
     load at stage 3 (unprefixed names, those of the FSDP root) nor the other way round."""
-    from shardkit.engine import ShardedEngine
     from shardkit.nn.data_parallel import ShardedDataParallel
-    if isinstance(model, (ShardedDataParallel, ShardedEngine)):
+    from shardkit.utils.tensor_fragment import is_engine
+    if isinstance(model, ShardedDataParallel) or is_engine(model):
         return model.module
     return model
 

@@ -59,7 +59,7 @@ __all__ = ["safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_ful
            "safe_set_full_optimizer_state", "safe_get_local_fp32_param",
            "safe_set_local_fp32_param", "safe_get_local_grad", "safe_set_local_grad",
            "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
-           "safe_update_full_grad_vectorized", "register_engine", "locate_parameter",
+           "safe_update_full_grad_vectorized", "register_engine", "is_engine", "locate_parameter",
            "ParamLocation"]
 
 # verdicts an OSS owner broadcasts before the value
@@ -74,6 +74,15 @@ def register_engine(engine) -> None:
     """Make ``engine``'s parameters known to this API (every ``shardkit.initialize`` engine
     registers itself when built). Local; keeps only a weak reference."""
     _ENGINES.add(engine)
+
+
+def is_engine(obj) -> bool:
+    """Whether ``obj`` is a ``shardkit.initialize`` engine (one registered by
+    :func:`register_engine`), for mechanism modules that must not import the engine. Local."""
+    try:
+        return obj in _ENGINES
+    except TypeError:  # not weak-referenceable: no engine
+        return False
 
 
 @dataclass
