@@ -287,6 +287,7 @@ def quantized_reduce_scatter_hierarchical(tensors: Union[torch.Tensor, Sequence[
     tensors = _checked_tensors("quantized_reduce_scatter_hierarchical", tensors)
     _check_groups("quantized_reduce_scatter_hierarchical", intra_group=intra_group,
                   inter_group=inter_group, group=group)
+    _check_orthogonal(intra_group, inter_group)
     n, k = skdist.get_world_size(intra_group), skdist.get_world_size(inter_group)
     kwargs = dict(bits=bits, block=block, scale_dtype=scale_dtype, op=op, out=out)
     if k == 1 or n == 1:
@@ -308,6 +309,25 @@ def quantized_reduce_scatter_hierarchical(tensors: Union[torch.Tensor, Sequence[
     skdist.all_to_all_single(received, send, group=inter_group)
     return dequantize_sum(received, across, sources=k,
                           multiplier=1.0 / world if op == "mean" else 1.0, out=out)
+
+
+def _check_orthogonal(intra_group, inter_group) -> None:
+    """``intra_group`` and ``inter_group`` must cross at this rank only (a node and the column
+    of this rank's local index), and their ``n x k`` ranks fit in the world; else a ValueError
+    naming the groups, before anything is sent. Other groups (the world as ``inter_group``, two
+    overlapping nodes) cut the values for ``n x k`` ranks that do not exist and gave every
+    rank a wrong sum of the wrong size, silently. Local."""
+    me = skdist.get_rank()
+    intra, inter = skdist.group_ranks(intra_group), skdist.group_ranks(inter_group)
+    world = skdist.get_world_size()
+    shared = sorted(set(intra) & set(inter))
+    if shared != [me] or len(intra) * len(inter) > world:
+        raise ValueError(f"quantized_reduce_scatter_hierarchical: on rank {me} intra_group holds "
+                         f"ranks {intra} and inter_group {inter}; they must share only this "
+                         f"rank (shared: {shared}) and hold n x k <= {world} ranks of the world "
+                         f"(here {len(intra)} x {len(inter)}): a node's ranks and the ranks of "
+                         f"this rank's local index on every node, as "
+                         f"shardkit.quantized_comm.node_groups() returns them")
 
 
 def node_send_order(members: Sequence[Sequence[int]],
@@ -404,24 +424,54 @@ def node_groups(ranks_per_node: Optional[int] = None, group=None):
     Nodes are where the ranks really run (their ``GROUP_RANK`` or host, gathered by
     :func:`shardkit.distributed.init_distributed`), whatever order the launcher numbered them
     in; an explicit ``ranks_per_node`` instead cuts the ranks into consecutive blocks of that
-    many (node-major numbering taken as given). Creates ``k + n`` process groups (``k`` nodes of
-    ``n``); no tensor traffic (one small object all-gather over the world the first time if the
-    layout was not gathered yet).
+    many (node-major numbering taken as given). Over the world it creates ``k + n`` process
+    groups (``k`` nodes of ``n``) on every rank; over a sub-group (each rank passing its own
+    data-parallel group, several side by side) each member creates its own node's and column's
+    groups with the other members, after one small object all-gather over ``group``, and a rank
+    outside ``group`` gets ``(None, None)``. No tensor traffic (and one small object all-gather
+    over the world the first time if the layout was not gathered yet).
 
     Raises ValueError, on every rank and before any group is created, when ``ranks_per_node``
     does not divide the group or the group's ranks sit on nodes of unequal sizes.
 
-    .. warning:: a collective: call it on every rank, once (groups are costly).
+    .. warning:: a collective: call it on every rank of ``group`` (default: the world), once
+       (groups are costly).
     """
     ranks = skdist.group_ranks(group) if group is not None else list(
         range(skdist.get_world_size()))
     if ranks_per_node is None:
         members = skdist.ranks_by_node(ranks)
         skdist.check_equal_nodes(members, "node_groups")
-        return skdist.groups_of_nodes(ranks)
+        return _create_node_groups(members, ranks, group, None)
     if (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
             or ranks_per_node < 1 or len(ranks) % ranks_per_node):
         raise ValueError(f"node_groups: ranks_per_node={ranks_per_node!r}; it must be a "
                          f"positive divisor of the group's {len(ranks)} ranks, or None (the "
                          f"nodes the ranks run on)")
-    return skdist.groups_of_nodes(ranks, ranks_per_node)
+    members = [ranks[i:i + ranks_per_node] for i in range(0, len(ranks), ranks_per_node)]
+    return _create_node_groups(members, ranks, group, ranks_per_node)
+
+
+def _create_node_groups(members: list, ranks: list, group, per_node: Optional[int]) -> tuple:
+    """This rank's ``(intra, inter)`` process groups over the nodes ``members`` (global ranks,
+    equal sizes) of ``group``, whose global ranks are ``ranks``; ``per_node``: the caller's
+    ``ranks_per_node`` (``None``: the nodes the ranks run on). ``(None, None)`` on a rank
+    outside ``group``.
+
+    Over the whole world every rank creates every node's and every column's group (as torch's
+    ``new_group`` requires). Over a sub-group (several data-parallel groups side by side, each
+    rank building over its own) each rank creates only its own node's group, then its own
+    column's, among their members, once the sub-group's ranks agree on their count of
+    registered groups (torch names such a group from its ranks and that count); creating the
+    sub-group's groups as if for the world paired different ranks' ``new_group`` calls, and
+    the ranks hung. Collective over ``group``; no tensor traffic."""
+    if len(ranks) == skdist.get_world_size():
+        return skdist.groups_of_nodes(ranks, None if per_node is None else len(members[0]))
+    me = skdist.get_rank()
+    if me not in ranks:  # the members create their groups among themselves
+        return None, None
+    node = next(node for node in members if me in node)
+    column = sorted(other[node.index(me)] for other in members)
+    skdist._align_group_counts(group)
+    intra = skdist.new_group(sorted(node), members_only=True)
+    return intra, skdist.new_group(column, members_only=True)

@@ -71,7 +71,8 @@ import torch
 from shardkit import distributed as skdist
 from shardkit.kernels import (DEFAULT_BLOCK, QuantLayout, dequantize_sum, dequantize_unpack,
                               quant_layout, quantize_pack)
-from shardkit.quantized_comm import issue_reduce_scatter, node_send_order, pack_for_nodes
+from shardkit.quantized_comm import (_create_node_groups, issue_reduce_scatter,
+                                     node_send_order, pack_for_nodes)
 from shardkit.transport import CommHandle, Transport, resolve_transport, warn_once
 
 __all__ = ["QuantizedTransport", "quantized_transport_for"]
@@ -163,9 +164,10 @@ class QuantizedTransport(Transport):
 
     def prepare(self, group) -> None:
         """The inner transport's set-up, and the node groups of ``group`` when qgZ reduces
-        hierarchically (``k + n`` process groups, once per group per process; collective over
-        the world, and the first time it may gather the node layout, see
-        :func:`shardkit.distributed.ranks_by_node`)."""
+        hierarchically (once per group per process: for the world ``k + n`` process groups on
+        every rank; for a sub-group this rank's node and column, created by their members after
+        one small object all-gather over ``group``; the first time it may gather the node
+        layout, see :func:`shardkit.distributed.ranks_by_node`). Collective over ``group``."""
         self.inner.prepare(group)
         if self.gradients:
             self._node_groups(group, create=True)
@@ -214,8 +216,7 @@ class QuantizedTransport(Transport):
                       f"unequal sizes ({members}; {source}); qgZ falls back to one flat "
                       f"all-to-all over the group")
         elif len(members) > 1 and len(members[0]) > 1:  # one rank per node: flat is inter-node
-            intra, inter = skdist.groups_of_nodes(
-                ranks, None if self.ranks_per_node is None else len(members[0]))
+            intra, inter = _create_node_groups(members, ranks, group, self.ranks_per_node)
             result = (intra, inter, node_send_order(members, ranks))
         cached[key] = result
         return result

@@ -161,19 +161,35 @@ class UnitGroups:
     hpz: object = None
 
 
-_cached_groups = skdist.GroupCache()  # tuple of global ranks -> process group
+# (ranks cut into blocks, block size) -> this rank's block's process group
+_cached_groups = skdist.GroupCache()
 
 
-def _group_of_blocks(ranks: list[int], block: int, mine: int):
+def _group_of_blocks(ranks: list[int], block: int, mine: int, group=None):
     """The group of the ``block`` consecutive entries of ``ranks`` that holds global rank
-    ``mine``. Collective on the world the first time (every block is created on every rank, as
-    torch requires), cached after."""
-    blocks = [tuple(ranks[i:i + block]) for i in range(0, len(ranks), block)]
+    ``mine``; ``group`` is the process group of ``ranks`` (``None``: the world).
+
+    Over the whole world every rank creates every block (as torch's ``new_group`` requires).
+    Over a sub-group (FSDP on one of several data-parallel groups) only the ranks of ``ranks``
+    call this, so each creates only its own block, among the block's members, after the
+    group's members agreed on their count of registered groups (torch names such a group from
+    its ranks and that count): creating every block of this rank's sub-group world-wide paired
+    ``new_group`` calls for different ranks across the sub-groups, and every rank hung.
+    Collective over ``group`` the first time (one small object all-gather for a sub-group),
+    cached after (by ``ranks`` and ``block``, which every member passes alike)."""
+    key = (tuple(ranks), block)
     cached = _cached_groups.current()
-    for b in blocks:
-        if b not in cached:
-            cached[b] = skdist.new_group(b)
-    return next(cached[b] for b in blocks if mine in b)
+    if key in cached:
+        return cached[key]
+    blocks = [tuple(ranks[i:i + block]) for i in range(0, len(ranks), block)]
+    own = next(b for b in blocks if mine in b)
+    if len(ranks) == skdist.get_world_size():
+        created = [skdist.new_group(b) for b in blocks]
+        cached[key] = created[blocks.index(own)]
+    else:
+        skdist._align_group_counts(group)
+        cached[key] = skdist.new_group(own, members_only=True)
+    return cached[key]
 
 
 def _self_group():
@@ -347,7 +363,8 @@ def resolve_groups(strategy: ShardingStrategy, process_group,
     """The :class:`UnitGroups` of ``strategy`` over ``process_group`` (a group, ``None`` for the
     world, or for hybrid strategies a pair ``(intra_node, inter_node)``). Checks happen before
     any group is created (:func:`check_group_arguments`); creating NO_SHARD's, hpZ's or
-    node_groups()'s groups is collective on the world the first time, cached after."""
+    node_groups()'s groups is collective on the world the first time (hpZ's over a sub-group:
+    on that sub-group), cached after."""
     check_group_arguments(strategy, process_group, hpz_partition_size)
     if strategy.is_hybrid:
         intra, inter = (skdist.node_groups() if process_group is None
@@ -366,7 +383,7 @@ def resolve_groups(strategy: ShardingStrategy, process_group,
         return UnitGroups(None, None, skdist.node_groups()[0])
     # (a block of the whole group is a named group too: None would read as "no hpZ")
     hpz = _group_of_blocks(_node_by_node(skdist.group_ranks(process_group), hpz_partition_size),
-                           hpz_partition_size, skdist.get_rank())
+                           hpz_partition_size, skdist.get_rank(), process_group)
     return UnitGroups(process_group, None, hpz)
 
 
