@@ -120,6 +120,42 @@ def _structural_state_dict(module: nn.Module, keep_vars: bool = False) -> Ordere
         return nn.Module.state_dict(module, keep_vars=keep_vars)
 
 
+# torch's ``checkpoint_wrapper`` (CheckpointWrapper) holds its module under this name and
+# drops it from the keys of any state dict walked through it (its state-dict hook)
+_TORCH_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+
+
+def _parameters_by_key(module: nn.Module) -> dict:
+    """``{key: parameter}`` of ``module`` under the keys :func:`_structural_state_dict` gives
+    its parameters: module paths, with torch's ``checkpoint_wrapper`` level dropped as its
+    state-dict hook drops it (the path with it is kept too).
+
+    Note: matched by the paths alone, the parameters of a block wrapped by torch's
+    ``checkpoint_wrapper`` (inside a unit or around one) were found under no key, so the full
+    and sharded state dicts held this rank's padded rows under their names, silently (a
+    ``torch.save`` of a wrong model; a DCP checkpoint of one rank's rows as if replicated).
+    Local."""
+    keyed = {}
+    for name, param in nn.Module.named_parameters(module, remove_duplicate=False):
+        keyed[name] = param
+        keyed.setdefault(name.replace(_TORCH_CHECKPOINT_PREFIX, ""), param)
+    return keyed
+
+
+def _state_dict_key(name: str) -> str:
+    """The key the parameter or buffer ``name`` (a module path) has in the state dicts: no
+    FSDP wrapper level, no torch ``checkpoint_wrapper`` level (its hook drops it). Also the
+    key of its state in the name-keyed optimizer state dicts, as torch FSDP1 keys them, so
+    that a dict saved with activation checkpointing loads without it and the other way
+    round, and the name in :meth:`~FSDPStateDictMixin.local_metadata_dict`. Local."""
+    return clean_name(name).replace(_TORCH_CHECKPOINT_PREFIX, "")
+
+
+def _state_dict_keys(model) -> dict:
+    """``{id(param): _state_dict_key(name)}`` for the parameters of ``model``. Local."""
+    return {id(p): _state_dict_key(n) for n, p in model.named_parameters()}
+
+
 def _drop_wrapper_prefixes(destination: OrderedDict, prefix: str) -> None:
     """Rename, in place and in order, the keys (and ``_metadata`` entries) under ``prefix`` to
     their names without FSDP's wrapper prefixes: a plain module's ``state_dict()`` that reaches
@@ -548,7 +584,7 @@ class FSDPStateDictMixin:
         """``{state-dict key: full parameter}`` for the parameter keys of ``raw``, each unit
         summoned alone (``{}`` where ``keep`` is false: the gathers still run, collectively).
         Communication: one all-gather per unit."""
-        params = dict(nn.Module.named_parameters(self, remove_duplicate=False))
+        params = _parameters_by_key(self)
         keys_of: dict = {}
         for key in raw:
             if key in params:
@@ -732,15 +768,15 @@ class FSDPStateDictMixin:
         ``ignored_states``) and buffers as held. No communication, no gather."""
         shapes = self._sharded_shapes()
         for name, p in self.named_parameters(remove_duplicate=False):
-            shapes.setdefault(clean_name(name), tuple(p.shape))
+            shapes.setdefault(_state_dict_key(name), tuple(p.shape))
         for name, buf in self.named_buffers():
-            shapes.setdefault(clean_name(name), tuple(buf.shape))
+            shapes.setdefault(_state_dict_key(name), tuple(buf.shape))
         return shapes
 
     def _sharded_shapes(self) -> dict:
         """``{key: full shape}`` of the parameters that units shard. Local."""
         layouts = self._param_layouts()
-        return {clean_name(name): tuple(layouts[id(p)].shape)
+        return {_state_dict_key(name): tuple(layouts[id(p)].shape)
                 for name, p in self.named_parameters(remove_duplicate=False)
                 if id(p) in layouts}
 
@@ -805,10 +841,11 @@ class FSDPStateDictMixin:
     def _sharded_params(self, call: str) -> dict:
         """``{id(param): (layout, unit, shard view)}`` of every sharded parameter (the view of
         the flat shard, also while the unit is gathered), after refusing units
-        whose shards are not cuts of one tensor over the ranks of the root's group and its
-        replicas (experts: the same name holds different values on different ranks, which a
-        DTensor cannot say). Local: the same answer on every rank."""
-        foreign = self._params_over_other_groups()
+        whose parameters are not copied to as many ranks as the root's (experts: the same
+        name holds different values on different ranks, which a DTensor cannot say; a
+        NO_SHARD unit inside a FULL_SHARD one is a 1-rank cut of a replicated tensor, which
+        dcp writes once). Local: the same answer on every rank."""
+        foreign = self._params_holding_rank_own_values()
         if foreign:
             raise ValueError(f"FSDP.{call} under StateDictType.SHARDED_STATE_DICT: the "
                              f"parameters {foreign[:3]} are sharded over other ranks than this "
@@ -847,7 +884,7 @@ class FSDPStateDictMixin:
         offload = self._state_dict_settings.state_dict_config.offload_to_cpu
         with self._buffers_in_original_dtype():
             raw = _structural_state_dict(self, keep_vars=True)
-        params = dict(nn.Module.named_parameters(self, remove_duplicate=False))
+        params = _parameters_by_key(self)
         out = OrderedDict()
         for key, value in raw.items():
             p = params.get(key)
@@ -895,7 +932,7 @@ class FSDPStateDictMixin:
         if self._shard is None or self._shard.world_size == 1:
             return
         own = {id(p) for p in self._shard.params}
-        for name, p in nn.Module.named_parameters(self, remove_duplicate=False):
+        for name, p in _parameters_by_key(self).items():
             key = prefix + clean_name(name)
             if id(p) in own and isinstance(destination.get(key), torch.Tensor):
                 destination[key] = refuse_in_dcp(
@@ -923,8 +960,7 @@ class FSDPStateDictMixin:
         communication."""
         sharded = {id(p) for u in self.sharded_units() if u._shard is not None
                    for p in u._shard.params}
-        params = {clean_name(n): p for n, p in
-                  nn.Module.named_parameters(self, remove_duplicate=False)}
+        params = {clean_name(n): p for n, p in _parameters_by_key(self).items()}
         out = OrderedDict()
         local = self.local_state_dict()
         out._metadata = OrderedDict((prefix + k if k else prefix[:-1], v)
@@ -977,7 +1013,7 @@ class FSDPStateDictMixin:
         :meth:`consolidate_shard_weights` and :meth:`load_local_state_dict` need besides the
         tensors (plain Python values; the layout differs from FairScale's, the use is the same).
         No communication."""
-        buffers = [clean_name(name) for name, _ in self.named_buffers()]
+        buffers = [_state_dict_key(name) for name, _ in self.named_buffers()]
         # ignored parameters are whole on every rank: kept like the buffers, from one rank
         shapes = {k: v for k, v in self._sharded_shapes().items() if k not in buffers}
         replica = 0 if self.replicate_group is None else skdist.get_rank(self.replicate_group)
@@ -991,8 +1027,21 @@ class FSDPStateDictMixin:
         units = [u for u in self.sharded_units() if u.params
                  and skdist.group_ranks(u.process_group) != mine]
         foreign = {id(p) for u in units for p in u.params}
-        return [clean_name(name) for name, p in self.named_parameters(remove_duplicate=False)
+        return [_state_dict_key(name) for name, p in self.named_parameters(remove_duplicate=False)
                 if id(p) in foreign]
+
+    def _params_holding_rank_own_values(self) -> list[str]:
+        """Names of the parameters whose values differ between the model's ranks (experts:
+        units over a group of their own, not replicated on the other ranks). A unit whose
+        parameters are copied to as many ranks as the model's (its shard group times its
+        replicas: a NO_SHARD or HYBRID_SHARD unit inside a FULL_SHARD one) holds the same
+        values everywhere and is not one of them, although its groups differ from the
+        model's. No communication."""
+        span = _ranks_holding_a_copy(self)
+        own = {id(p) for u in self.sharded_units() if u.params
+               for p in u.params if _ranks_holding_a_copy(u) != span}
+        return [_state_dict_key(name) for name, p in self.named_parameters(remove_duplicate=False)
+                if id(p) in own]
 
     consolidate_shard_weights = staticmethod(consolidate_shard_weights)
 
@@ -1089,13 +1138,18 @@ class FSDPStateDictMixin:
                                           agreed=True)
         return full if self.rank == recipient_rank else None
 
-    def _agree_gatherable(self, optim: torch.optim.Optimizer, call: str) -> None:
+    def _agree_gatherable(self, optim: torch.optim.Optimizer, call: str,
+                          keyed_by_names: bool = False) -> None:
         """:func:`_check_gatherable` on every rank of the group: an optimizer refused on some
         ranks only (another model's, LBFGS) raises there, and a ValueError naming those ranks
-        on the others, before any state moves (they waited in the gather). One all-gather of
-        one integer a rank over the group (a control message, not counted)."""
+        on the others, before any state moves (they waited in the gather). With
+        ``keyed_by_names``, an optimizer holding parameters outside the model (whose state
+        cannot be keyed by a name, :func:`_optimizer_names`) is refused the same way. One
+        all-gather of one integer a rank over the group (a control message, not counted)."""
         problem = None
         try:
+            if keyed_by_names:
+                _optimizer_names(self, optim, call, "FULL_STATE_DICT")
             _check_gatherable(self, optim, call)
         except (TypeError, ValueError) as error:
             problem = error
@@ -1132,7 +1186,7 @@ class FSDPStateDictMixin:
             return None
         self._mark_units_in_their_own_world()
         ordered = [p for g in optim.param_groups for p in g["params"]]
-        names = {id(p): n for n, p in self.named_parameters()}
+        names = _state_dict_keys(self)
         gathered = self._param_layouts(gathered_state_only=True)
         full = gather_full_optimizer_state(optim.state_dict(), ordered, gathered,
                                            [names.get(id(p)) for p in ordered],
@@ -1158,7 +1212,11 @@ class FSDPStateDictMixin:
     def _shard_of_full(self, full: dict, take=copied_part) -> dict:
         """:meth:`get_shard_from_optim_state_dict` of an id-keyed dict, each value kept as
         ``take(value, cut)`` gives it (see :func:`shard_optimizer_state`)."""
-        return shard_full_optimizer_state(full, list(self.named_parameters()),
+        if isinstance(full.get("param_names"), list):  # also a dict saved with the levels
+            full = dict(full, param_names=[_state_dict_key(n) if isinstance(n, str) else n
+                                           for n in full["param_names"]])
+        return shard_full_optimizer_state(full, [(_state_dict_key(n), p) for n, p
+                                                 in self.named_parameters()],
                                           self._param_layouts(), self.rank,
                                           param_ranks=self._param_unit_attr("rank"), take=take)
 
@@ -1274,7 +1332,7 @@ class FSDPStateDictMixin:
             params = [p for g in optim.param_groups for p in g["params"]]
         else:
             params = list(model.parameters())
-        known = {id(p): clean_name(n) for n, p in model.named_parameters()}
+        known = _state_dict_keys(model)
         outside = [i for i, p in enumerate(params) if id(p) not in known]
         if outside:
             raise ValueError(f"FSDP.rekey_optim_state_dict: the optimizer's parameters "
@@ -1323,12 +1381,15 @@ class FSDPStateDictMixin:
                                          shard_shaped_only=True)
         if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             return _sharded_optim_state(model, optim)
-        _optimizer_names(model, optim, "optim_state_dict", "FULL_STATE_DICT")  # before gathering
         rank0_only = getattr(settings.optim_state_dict_config, "rank0_only", False)
         if rank0_only:
             _refuse_experts_on_one_rank(model, "optim_state_dict (FULL_STATE_DICT, rank0_only)")
-        full = model._rank0_only_optim_state(optim, "optim_state_dict") if rank0_only else \
-            model._gathered_optim_state(optim, "optim_state_dict", None)
+        # the names too are checked on every rank before any state moves: a rank alone
+        # refusing its optimizer left the others waiting in the gather
+        model._agree_gatherable(optim, "optim_state_dict", keyed_by_names=True)
+        full = model._rank0_only_optim_state(optim, "optim_state_dict", agreed=True) \
+            if rank0_only else \
+            model._gathered_optim_state(optim, "optim_state_dict", None, agreed=True)
         return _keyed_by_names(full) if full else {}
 
     @staticmethod
@@ -1400,16 +1461,18 @@ class FSDPStateDictMixin:
             return None
         return mine
 
-    def _rank0_only_optim_state(self, optim: torch.optim.Optimizer, call: str) -> dict:
+    def _rank0_only_optim_state(self, optim: torch.optim.Optimizer, call: str,
+                                agreed: bool = False) -> dict:
         """``rank0_only``'s full optimizer state: on the model's first rank (rank 0 of its group
         in the first replica, the rank the loads take the dict from, as torch FSDP1's global
         rank 0), ``{}`` elsewhere. The other replicas (hybrid sharding, NO_SHARD), whose
         state is the same, gather nothing. Parameters over other groups (experts) are
-        refused before (:func:`_refuse_experts_on_one_rank`)."""
+        refused before (:func:`_refuse_experts_on_one_rank`). ``agreed``: the caller's ranks
+        agreed on the optimizer already (:meth:`_agree_gatherable`)."""
         replica = 0 if self.replicate_group is None else skdist.get_rank(self.replicate_group)
         full = self._gathered_optim_state(optim, call,
                                           skdist.get_global_rank(self.process_group, 0),
-                                          take_part=replica == 0)
+                                          take_part=replica == 0, agreed=agreed)
         return {} if full is None else full
 
     def _param_unit_attr(self, attr: str) -> dict:
@@ -1455,19 +1518,22 @@ class _PlainRoot:
         return self._roots[0]._comm_device()
 
 
+# the mixin's own, on the plain root's units
 for _method in ("_is_first_rank", "_rank0_only_optim_state", "_gathered_optim_state",
                 "_agreed_recipient", "_agree_gatherable",
                 "gather_full_optim_state_dict", "_shard_of_full",
                 "get_shard_from_optim_state_dict", "_param_layouts", "_param_unit_attr",
                 "_mark_units_in_their_own_world", "_params_over_other_groups", "_sharded_params",
-                "_shard_entries"):  # the mixin's own, on the plain root's units
+                "_shard_entries", "_params_holding_rank_own_values"):
     setattr(_PlainRoot, _method, getattr(FSDPStateDictMixin, _method))
 
 
 def _as_root(model, call: str):
     """``model`` itself when it is an FSDP unit, else a :class:`_PlainRoot` over the outermost
-    units it holds, which must share their group and replicas; a clear error otherwise (no
-    unit, units over different groups), before any collective. Local."""
+    units it holds, which must share their group and replicas, or at least copy their
+    parameters to as many ranks (a NO_SHARD unit beside FULL_SHARD ones: the model's group is
+    then the widest unit's); a clear error otherwise (no unit, units over different groups),
+    before any collective. Local."""
     if isinstance(model, FSDPStateDictMixin):
         return model
     if not isinstance(model, nn.Module):
@@ -1482,7 +1548,10 @@ def _as_root(model, call: str):
     ranks = {(tuple(skdist.group_ranks(r.process_group)),
               tuple(skdist.group_ranks(r.replicate_group)) if r.replicate_group is not None
               else None) for r in roots}
-    if len(ranks) > 1:
+    if len(ranks) > 1 and len({_ranks_holding_a_copy(r) for r in roots}) == 1:
+        # the same values on as many ranks: the model's group is the widest unit's
+        roots = sorted(roots, key=lambda r: -r.world_size)
+    elif len(ranks) > 1:
         raise ValueError(f"FSDP.{call}(model={type(model).__name__}): its outermost "
                          f"FullyShardedDataParallel units are sharded over different groups "
                          f"({sorted(ranks, key=str)[:3]}); pass each unit with the optimizer "
@@ -1545,7 +1614,7 @@ def _refuse_other_shards(model, optim: torch.optim.Optimizer, osd) -> None:
     torch's ``load_state_dict`` takes it and the next ``step()`` fails on a size mismatch.
     Local, no copy."""
     ordered = [p for g in optim.param_groups for p in g["params"]]
-    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    names = _state_dict_keys(model)
     problems = []
     for index, entry in (osd.get("state", {}) if isinstance(osd, dict) else {}).items():
         p = ordered[index] if isinstance(index, int) and 0 <= index < len(ordered) else None
@@ -1569,7 +1638,7 @@ def _optimizer_names(model, optim, call: str, kind: str = "SHARDED_STATE_DICT") 
     one that is not the model's (under ``FULL_STATE_DICT`` several such would all be keyed
     ``None``, one's state kept for all). Local."""
     _check_optimizer_of(model, optim, call)
-    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    names = _state_dict_keys(model)
     ordered = [p for g in optim.param_groups for p in g["params"]]
     outside = [i for i, p in enumerate(ordered) if id(p) not in names]
     if outside:
@@ -1579,6 +1648,21 @@ def _optimizer_names(model, optim, call: str, kind: str = "SHARDED_STATE_DICT") 
                          f"in an optimizer of their own, or use FSDP.full_optim_state_dict / "
                          f"shard_full_optim_state_dict, keyed by the optimizer's ids)")
     return [names[id(p)] for p in ordered]
+
+
+def _optimizer_names_agreed(model, optim, call: str) -> list:
+    """:func:`_optimizer_names` on every rank of the model's group before a collective: an
+    optimizer refused on some ranks only raises there, and a ValueError naming those ranks on
+    the others (they waited in the broadcast of a 0-dim parameter's state). One all-gather of
+    one integer a rank over the group (a control message, not counted)."""
+    names, problem = None, None
+    try:
+        names = _optimizer_names(model, optim, call)
+    except (TypeError, ValueError) as error:
+        problem = error
+    skdist._agree_on_call(f"FSDP.{call}", problem, [], model.process_group,
+                          model._comm_device(), outcome="nothing was sent")
+    return names
 
 
 def shard_shapes(params) -> dict:
@@ -1628,9 +1712,13 @@ def mark_rank_local_state(optim: torch.optim.Optimizer, osd: dict, source: str,
 def _sharded_optim_state(model, optim: torch.optim.Optimizer) -> dict:
     """:meth:`FSDPStateDictMixin.optim_state_dict` under ``SHARDED_STATE_DICT``: keyed by
     names, per-element state of sharded parameters as DTensors of this rank's rows (0-dim ones
-    broadcast over their unit's group), the rest as given. No copy of a shard."""
-    names = _optimizer_names(model, optim, "optim_state_dict")
-    sharded = model._sharded_params("optim_state_dict")
+    broadcast over their unit's group), the rest as given. No copy of a shard. With 0-dim
+    parameters, the ranks first agree on the optimizer (one all-gather of one integer a rank,
+    not counted); no communication otherwise."""
+    sharded = model._sharded_params("optim_state_dict")  # alike on every rank
+    names = _optimizer_names_agreed(model, optim, "optim_state_dict") \
+        if any(not len(layout.shape) for layout, _, _ in sharded.values()) \
+        else _optimizer_names(model, optim, "optim_state_dict")
     ordered = [p for g in optim.param_groups for p in g["params"]]
     offload = model._state_dict_settings.state_dict_config.offload_to_cpu
     osd = optim.state_dict()
@@ -1716,7 +1804,7 @@ def _state_keys(model, optim: torch.optim.Optimizer, osd: dict) -> list:
     """``(name, state keys)`` in ``osd`` (``optim.load_state_dict``'s id-keyed dict) of each
     parameter sharded over the model's own group: alike on every rank for the dicts one run
     saved (units over other groups, e.g. experts, may differ). Local."""
-    names = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    names = _state_dict_keys(model)
     groups = model._param_unit_attr("process_group")
     ordered = [p for g in optim.param_groups for p in g["params"]]
 
@@ -1825,13 +1913,21 @@ def _refuse_torch_only_arguments(call: str, **given) -> None:
                              f"used); leave it unset")
 
 
+def _ranks_holding_a_copy(unit) -> int:
+    """How many ranks hold (a row block of) each of ``unit``'s parameters: its shard group's
+    size times its replicas' (NO_SHARD: 1 x every rank). Local."""
+    replicas = 1 if unit.replicate_group is None else \
+        skdist.get_world_size(unit.replicate_group)
+    return skdist.get_world_size(unit.process_group) * replicas
+
+
 def _refuse_experts_on_one_rank(model, call: str) -> None:
     """A ValueError, on every rank alike and before any collective, where a full optimizer
     state dict kept or given on the first rank alone (``rank0_only``, scatter) would stand for
     every rank while parameters sharded over other groups (experts) hold different state on
     other ranks under the same names: their state would be dropped (saving) or rank 0's
     loaded everywhere (loading). Local."""
-    foreign = model._params_over_other_groups()
+    foreign = model._params_holding_rank_own_values()
     if foreign:
         raise ValueError(f"FSDP.{call}: the parameters {foreign[:3]} are sharded over other "
                          f"ranks than the model's group (experts: each group holds its own "
@@ -2030,7 +2126,7 @@ def _in_optimizer_order(model, optim: Optional[torch.optim.Optimizer], ided: dic
     names = ided.get("param_names") if isinstance(ided, dict) else None
     if optim is None or names is None or len(ided["param_groups"]) != len(optim.param_groups):
         return ided
-    known = {id(p): clean_name(n) for n, p in model.named_parameters()}
+    known = _state_dict_keys(model)
     every = [known.get(id(p)) for own in optim.param_groups for p in own["params"]]
     same_names = None not in every and sorted(map(str, names)) == sorted(every)
     renumbered, start = {}, 0
@@ -2096,7 +2192,7 @@ def _keyed_by_ids(osd: dict, caller: str = "optim_state_dict_to_load") -> dict:
         groups.append(dict(g, params=list(range(start, start + len(g["params"])))))
         start += len(g["params"])
     return {"state": {index[n]: entry for n, entry in osd["state"].items()},
-            "param_groups": groups, "param_names": flat}
+            "param_groups": groups, "param_names": [_state_dict_key(n) for n in flat]}
 
 
 def _as_shards(shard: torch.Tensor, layout: ParamLayout, unit, offload: bool):
