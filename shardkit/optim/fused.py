@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,7 @@ class FusedAdamW(torch.optim.Optimizer):
         params: parameters or param-group dicts, as for any torch optimizer. A parameter that
             is not contiguous (a transposed view, a ``channels_last`` convolution weight) is
             stepped through a contiguous copy: one more read and write of it per step.
+            Complex parameters are stepped as their real views, as torch's AdamW does.
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``; ``lr`` may
             be a one-element tensor, as torch's (a scheduler fills it in place), read on the
             host at each step (on CUDA a synchronisation per param group and device/dtype).
@@ -134,6 +136,28 @@ class FusedAdamW(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+
+    def __getstate__(self) -> dict:
+        # pickle / copy.deepcopy of the optimizer: each parameter's state on its own storage
+        # (see state_dict), not a copy of the whole flat buffer per view
+        state = _compact_state(self.state, {p: p for p in self.state})
+        return {**super().__getstate__(), "state": defaultdict(dict, state)}
+
+    def state_dict(self) -> dict:
+        """torch's optimizer state dict (``torch.optim.AdamW``'s format and contents).
+
+        Each parameter's state tensors are on storage of their own and in the parameter's
+        memory layout, as torch's are: a view into the flat buffers would carry the whole
+        buffer wherever it is pickled (an object collective, ``pickle.dumps``, ``torch.save``
+        of part of the dict), N times over for N parameters, and a contiguous moment of a
+        transposed or channels_last parameter steps the wrong elements in torch's fused AdamW.
+        Cost: the state of parameters sharing a flat buffer is copied (K = 8 bytes per
+        parameter, 12 with ``amsgrad``, on the state's device) while the returned dict lives.
+        """
+        state_dict = super().state_dict()
+        state_dict["state"] = _compact_state(state_dict["state"],
+                                             _params_by_index(self.param_groups))
+        return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a ``torch.optim.AdamW`` or ``FusedAdamW`` state dict, copying the state into
@@ -254,10 +278,11 @@ class FusedAdamW(torch.optim.Optimizer):
             flat.steps[live] += 1.0
         counts = flat.steps.tolist()
         steps = [int(counts[i]) for i in live]
-        self._update(group, params, grads, [views["exp_avg"][i] for i in live],
-                     [views["exp_avg_sq"][i] for i in live],
-                     [views["max_exp_avg_sq"][i] for i in live] if group["amsgrad"] else None,
-                     steps)
+        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+        exp_avgs, exp_avg_sqs, *maxes = ([_as_real(views[key][i]) for i in live]
+                                         for key in keys)
+        self._update(group, [_as_real(p) for p in params], [_as_real(g) for g in grads],
+                     exp_avgs, exp_avg_sqs, maxes[0] if maxes else None, steps)
         for p, stepped in strided:
             p.copy_(stepped)
 
@@ -276,6 +301,13 @@ class FusedAdamW(torch.optim.Optimizer):
                         validate=False)
 
 
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real view (``(..., 2)``, no copy), as torch's AdamW steps
+    complex parameters: each real and imaginary part is one element of Adam; the kernels
+    take real dtypes only."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def _bind_to_views(state: dict, views: dict, i: int) -> None:
     """Make ``state`` (one parameter's) hold the flat views ``views[key][i]``, as torch's
     optimizer would see it: an entry the user cleared (``opt.state.clear()``, a fresh
@@ -290,6 +322,46 @@ def _bind_to_views(state: dict, views: dict, i: int) -> None:
         else:
             view.copy_(value)
         state[key] = view
+
+
+def _compact_state(state: dict, params: dict) -> dict:
+    """``state`` (parameter or index -> {key: value}) in new dicts, each tensor as torch's
+    AdamW keeps it (:func:`_as_torch_keeps`); ``params`` maps each key to its parameter."""
+    return {key: {name: _as_torch_keeps(value, params.get(key))
+                  for name, value in entries.items()}
+            for key, entries in state.items()}
+
+
+def _as_torch_keeps(value, param):
+    """``value`` on storage of its own and, for a moment, in ``param``'s memory layout (torch
+    allocates them with ``zeros_like(param)``), copied only where it is not already.
+
+    Note: the flat buffers' views are contiguous; torch's fused AdamW pairs the parameter's
+    and its state's memory element by element, so a contiguous moment loaded for a transposed
+    or channels_last parameter would update the wrong elements."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    own = value.untyped_storage().nbytes() == value.numel() * value.element_size()
+    layout = param is None or value.shape != param.shape or value.stride() == param.stride()
+    if own and layout:
+        return value
+    if param is None or value.shape != param.shape:
+        return value.clone(memory_format=torch.contiguous_format)
+    return torch.empty_like(param, dtype=value.dtype, device=value.device,
+                            memory_format=torch.preserve_format).copy_(value)
+
+
+def _params_by_index(groups: list[dict]) -> dict:
+    """``{index in a state dict: parameter}``, numbered as torch's ``state_dict`` numbers
+    them."""
+    params, seen, start = {}, set(), 0
+    for group in groups:
+        for index, p in enumerate(group["params"], start):
+            if id(p) not in seen:
+                seen.add(id(p))
+                params[index] = p
+        start += len(group["params"])
+    return params
 
 
 def _check_state_shape(param: torch.Tensor, key: str, value) -> None:
