@@ -169,7 +169,7 @@ class OSS(torch.optim.Optimizer):
         self._found_inf_agreed = False  # ShardedGradScaler combined this step's inf/nan flags
         self._consolidated: Optional[dict] = None
         self._parked_state: dict = {}  # state of frozen parameters last owned here
-        self._sparse_refusals: dict = {}  # optimizer settings -> refusal of sparse gradients
+        self._step_refusals: dict = {}  # optimizer settings -> the kinds of step it refuses
         args.check_no_shared_storage(groups, self.world_size)
         # local (no collective), so that bad hyper-parameters fail before any collective starts
         self._plan = plan_ownership(_trainable(groups), self.world_size, bucket_numel)
@@ -302,8 +302,10 @@ class OSS(torch.optim.Optimizer):
         shard that overflowed on some ranks only, as under ``ShardedDataParallel``) raise a
         RuntimeError on every rank, since its ``update()`` would move the loss scales apart.
 
-        A sparse gradient the optimizer refuses (Adam over ``nn.Embedding(sparse=True)``) is a
-        RuntimeError on every rank that holds it (under DDP, all), before any collective.
+        A gradient the optimizer refuses (Adam over ``nn.Embedding(sparse=True)``, a dense one
+        under ``SparseAdam``) is a RuntimeError on every rank that holds it (under DDP, all),
+        before any collective; so are settings that can step no parameter like one of the
+        partition (``capturable=True`` on CPU), on every rank.
 
         Communication: ``Ψ(N-1)/N`` elements in all, one all-gather per bucket.
         """
@@ -312,7 +314,7 @@ class OSS(torch.optim.Optimizer):
             return self._finish_step_begun_in_backward(closure, kwargs)
         self._check_trainable_covered()
         self._sync.wait()
-        self._check_sparse_gradients_steppable()
+        self._check_gradients_steppable()
         if "found_inf" in self.__dict__ and self._skip_scaled_step(found_inf_agreed):
             return None
         self._consolidated = None
@@ -330,25 +332,29 @@ class OSS(torch.optim.Optimizer):
         self._pull_hyperparameters()
         return loss
 
-    def _check_sparse_gradients_steppable(self) -> None:
-        """Raise a RuntimeError, before any collective, when a partitioned parameter holds a
-        sparse gradient that the optimizer refuses (Adam, AdamW... over an
-        ``nn.Embedding(sparse=True)``; see :func:`.oss_arguments.sparse_gradient_problem`).
-        Every rank that holds the gradient raises (under DDP: every rank); only the owner's
-        step raised before, and the other ranks waited in the parameter sync until the
-        collective timed out. Local: one look at each gradient's layout, and a cached trial
-        step the first time sparse gradients meet some optimizer settings."""
+    def _check_gradients_steppable(self, caller: str = "OSS.step",
+                                   with_gradients: bool = True) -> None:
+        """Raise a RuntimeError, before any collective, when the optimizer would refuse to step
+        a partitioned parameter on its owner: a sparse gradient Adam, AdamW... refuse
+        (``nn.Embedding(sparse=True)``), a dense one ``SparseAdam`` refuses, or settings that
+        step no parameter like it (``capturable=True`` on CPU). Every rank decides alike (see
+        :func:`.oss_arguments.gradient_step_problem`); only the owner's step raised before, and
+        the other ranks waited in the parameter sync until the collective timed out. Local:
+        one look at each parameter's gradient, and a cached trial step the first time some
+        optimizer settings meet some kind of parameter. LBFGS is stepped whole on every rank,
+        where a refusal is every rank's anyway. ``with_gradients=False``: the gradients are not
+        looked at (each parameter is taken as holding none)."""
+        if self._whole_model:
+            return
+        optim_cls = type(self.optim)
         for g, group in enumerate(self.param_groups):
-            sparse = [(i, p) for i, p in enumerate(group["params"])
-                      if p.grad is not None and p.grad.is_sparse and p in self.partition]
-            if not sparse:
-                continue
             hyper = _hyper(group, names=False)
-            for i, p in sparse:
+            for (*_, layout), (i, p) in _first_of_each_kind(group["params"], self.partition,
+                                                            with_gradients).items():
                 name = f" ({group['param_names'][i]!r})" if "param_names" in group else ""
-                problem = args.sparse_gradient_problem(
-                    "OSS.step", type(self.optim), hyper, p,
-                    f"parameter {i}{name} of param group {g}", self._sparse_refusals)
+                problem = args.gradient_step_problem(
+                    caller, optim_cls, hyper, p, f"parameter {i}{name} of param group {g}",
+                    layout, self._step_refusals)
                 if problem:
                     self._forget_scaler_handoff()
                     raise RuntimeError(problem)
@@ -440,11 +446,14 @@ class OSS(torch.optim.Optimizer):
 
         Each rank measures the gradients of the parameters it owns, so the result is right both
         when every rank holds the full reduced gradients (DDP) and when only the owners do
-        (ShardedDDP); one all-reduce of one element. Only the owned gradients (the ones the
-        step reads) are scaled. ``filter_params_fn`` (FairScale's argument) receives the list of
-        this rank's owned parameters and returns the ones to measure and clip. Sparse gradients
-        (``nn.Embedding(sparse=True)``) count by their coalesced values and are scaled too (one
-        host sync).
+        (ShardedDDP); one all-reduce of one element. Every gradient this rank holds is scaled
+        (under DDP, also those of parameters other ranks own: ``p.grad`` then reads as after
+        torch's ``clip_grad_norm_``; FairScale scaled the owned ones only), a pass over them
+        with no communication. ``filter_params_fn`` (FairScale's argument) receives the list
+        of this rank's owned parameters and returns the ones to measure and clip (and is given
+        the other parameters holding a gradient here, to choose the ones to clip). Sparse
+        gradients (``nn.Embedding(sparse=True)``) count by their coalesced values and are
+        scaled too (one host sync).
 
         Tensor parallelism (OSS over the data-parallel group of a model built from
         ``shardkit.nn.model_parallel`` layers): read from the parameters' marks, split weights
@@ -466,15 +475,23 @@ class OSS(torch.optim.Optimizer):
             raise TypeError(f"OSS.clip_grad_norm(filter_params_fn={filter_params_fn!r}): expected "
                             f"a callable taking and returning a list of parameters, or None")
         owned = self._owned_params()
+        every_param = [p for group in self.param_groups for p in group["params"]]
+        owned_ids = {id(p) for p in owned}
+        # (frozen parameters outside the partition are neither measured nor stepped: left as
+        # they are, unless the whole model is stepped)
+        others = [p for p in every_param if id(p) not in owned_ids and p.grad is not None
+                  and (p in self.partition or self._whole_model)]
         if filter_params_fn is not None:
             owned = list(filter_params_fn(owned))
+            others = list(filter_params_fn(others)) if others else []
         owned = [p for p in owned if p.grad is not None]
-        every_param = [p for group in self.param_groups for p in group["params"]]
         counted, also_over = count_once_over_tensor_parallel(
             every_param, owned, "OSS.clip_grad_norm", data_groups=(self.group,))
-        # an optimizer run over the whole model (LBFGS) reads every gradient: scale them all
-        scaled = owned if not self._whole_model else [
-            p for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
+        # Note: the gradients this rank holds for parameters others own (all of them under
+        # DDP) are scaled too, by the same factor on every rank, so that p.grad reads after
+        # clipping as after torch's clip_grad_norm_ (FairScale scaled the owned ones only);
+        # an optimizer run over the whole model (LBFGS) reads them all in its step
+        scaled = owned + [p for p in others if p.grad is not None]
         return clip_grad_norm_across_ranks([p.grad for p in scaled], max_norm, norm_type,
                                            self.group, device=self._default_device,
                                            measured=[p.grad for p in counted],
@@ -715,6 +732,10 @@ class OSS(torch.optim.Optimizer):
 
     def _begin_step_in_backward(self) -> None:
         self._check_trainable_covered()
+        # before this backward reduces anything the gradients are not final: only settings
+        # that step no parameter at all are told here (every rank alike)
+        self._check_gradients_steppable("ShardedDataParallel(step_in_backward=True) stepping OSS",
+                                        with_gradients=False)
         self._consolidated = None
         self._settle_fused_choice()
         self._push_hyperparameters()
@@ -875,6 +896,21 @@ def _names_of(group: dict, params: list) -> dict:
         return {}
     name_of = {id(p): n for p, n in zip(group["params"], group["param_names"])}
     return {"param_names": [name_of[id(p)] for p in params]}
+
+
+def _first_of_each_kind(params: list, partition: ParameterPartition,
+                        with_gradients: bool = True) -> dict:
+    """``{(dim, dtype, device, gradient layout): (index, parameter)}``: the first parameter of
+    ``params`` in ``partition`` of each kind an optimizer may step differently (layout:
+    ``"sparse"``, ``"dense"`` or ``None`` without a gradient, or for every parameter when not
+    ``with_gradients``)."""
+    kinds: dict = {}
+    for i, p in enumerate(params):
+        if p in partition:
+            layout = None if not with_gradients or p.grad is None else \
+                "sparse" if p.grad.is_sparse else "dense"
+            kinds.setdefault((p.dim(), p.dtype, p.device, layout), (i, p))
+    return kinds
 
 
 def _trainable(groups: Iterable[dict]) -> list[list[torch.Tensor]]:

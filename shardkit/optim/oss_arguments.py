@@ -21,7 +21,7 @@ __all__ = ["NOT_GIVEN", "place_broadcast_fp16", "check_deprecated_fairscale_argu
            "drop_deprecated_fairscale_kwargs", "check_optimizer_class", "check_takeover_arguments",
            "normalize_param_groups", "check_same_model_on_every_rank", "trainable_signature",
            "optimizer_settings", "groups_of", "constructor_kwargs", "state_key_problem",
-           "sparse_gradient_problem"]
+           "gradient_step_problem"]
 
 # FairScale OSS arguments that no longer do anything there either; accepted and ignored.
 _DEPRECATED_FAIRSCALE_KWARGS = ("broadcast_buffer_size", "force_broadcast_object")
@@ -443,7 +443,10 @@ def _stepped_throwaway(optim_cls: type, hyper: dict,
                        stand_in: torch.nn.Parameter) -> torch.optim.Optimizer:
     """A throwaway ``optim_cls`` over ``stand_in`` (its ``.grad`` set) after one step, under
     ``torch.no_grad``; the global RNG is left as it was. Raises what the step raises."""
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    # Note: what the throwaway step warns (Adagrad's sparse path warns once per process about
+    # sparse invariant checks) concerns no tensor of the caller's: silenced
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         optimizer = optim_cls([{**hyper, "params": [stand_in]}])
         step = type(optimizer).step
         # torch's hooked step runs the global step hooks (a user's logging, EMA...) and
@@ -452,57 +455,75 @@ def _stepped_throwaway(optim_cls: type, hyper: dict,
     return optimizer
 
 
-def sparse_gradient_problem(caller: str, optim_cls: type, hyper: dict, param: torch.Tensor,
-                            label: str, known: dict) -> Optional[str]:
-    """Why ``optim_cls`` with the group hyper-parameters ``hyper`` cannot step the sparse
-    gradient ``param`` holds (``nn.Embedding(sparse=True)``; ``label`` says where the parameter
-    is), or ``None`` when it can or that cannot be told.
+def gradient_step_problem(caller: str, optim_cls: type, hyper: dict, param: torch.Tensor,
+                          label: str, layout: Optional[str], known: dict) -> Optional[str]:
+    """Why ``optim_cls`` with the group hyper-parameters ``hyper`` cannot step ``param``
+    (``label`` says where the parameter is), or ``None`` when it can or that cannot be told.
+    ``layout`` is the gradient this rank holds for it: ``"sparse"``
+    (``nn.Embedding(sparse=True)``), ``"dense"``, or ``None`` (none here: under
+    ``ShardedDataParallel`` only the owner keeps it).
 
-    Every rank that holds the gradient can ask this before the step (under DDP, all of them),
-    so that all raise alike; otherwise only the owner's optimizer (Adam, AdamW...) failed and
-    the other ranks waited in the parameter sync until the collective timed out. Told by a
-    throwaway optimizer of the same class and settings stepping a two-element stand-in of
-    ``param``'s dimensions once with a dense gradient (which must work, or nothing is told)
-    and once with a sparse one; only torch's and shardkit's classes are tried (another class's
-    step may do more than update its parameters). Cached in ``known`` by the settings that
-    choose an implementation (``foreach``, ``fused``, ``differentiable``...: the values that
-    are None, a bool or a string), not by the numbers a scheduler changes every step. Local."""
+    - a sparse gradient is refused when the optimizer steps a dense one but not a sparse one
+      (Adam, AdamW, RMSprop...);
+    - a dense gradient is refused when the optimizer steps a sparse one but not a dense one
+      (``SparseAdam``);
+    - any parameter, with or without a gradient here, is refused when the optimizer can step
+      it with neither (``capturable=True`` on CPU); the owner, whatever it holds, finds the
+      same, so every rank decides alike even where only the owner holds the gradient.
+
+    Every rank can ask this before the step, so that all raise alike; otherwise only the
+    owner's optimizer failed and the other ranks waited in the parameter sync until the
+    collective timed out. Told by a throwaway optimizer of the same class and settings
+    stepping a two-element stand-in of ``param``'s dimensions, dtype and device once with a
+    dense gradient and once with a sparse one; only torch's and shardkit's classes are tried
+    (another class's step may do more than update its parameters), and LBFGS is not (it needs
+    a closure, and every rank steps the whole model anyway). Cached in ``known`` by the
+    settings that choose an implementation (``foreach``, ``fused``, ``capturable``...: the
+    values that are None, a bool or a string), not by the numbers a scheduler changes every
+    step. Local."""
     module = getattr(optim_cls, "__module__", "") or ""
     if not isinstance(optim_cls, type) or param.dim() == 0 \
+            or issubclass(optim_cls, torch.optim.LBFGS) \
             or not module.startswith(("torch.optim", "shardkit.optim", "shardkit.ops")):
         return None
     hyper = {k: v for k, v in hyper.items() if k != "param_names"}
     switches = tuple((k, v) for k, v in sorted(hyper.items())
                      if v is None or isinstance(v, (bool, str)))
-    key = ("sparse", optim_cls, switches, param.dim(), param.dtype, param.device)
+    key = ("layouts", optim_cls, switches, param.dim(), param.dtype, param.device)
     if key not in known:
-        known[key] = _sparse_step_refusal(optim_cls, hyper, param)
-    refusal = known[key]
-    if refusal is None:
-        return None
-    return (f"{caller}: {label} (shape {tuple(param.shape)}) has a sparse gradient "
-            f"(nn.Embedding(sparse=True)?), which {optim_cls.__name__} with these settings "
-            f"does not step ({refusal}); use an optimizer that takes sparse gradients for it "
-            f"(torch.optim.SGD, Adagrad, SparseAdam) or build the embedding with sparse=False. "
-            f"No parameter was stepped")
+        known[key] = {sparse: _step_refusal(optim_cls, hyper, param, sparse)
+                      for sparse in (False, True)}
+    dense_refusal, sparse_refusal = known[key][False], known[key][True]
+    if layout == "sparse" and dense_refusal is None and sparse_refusal is not None:
+        return (f"{caller}: {label} (shape {tuple(param.shape)}) has a sparse gradient "
+                f"(nn.Embedding(sparse=True)?), which {optim_cls.__name__} with these settings "
+                f"does not step ({sparse_refusal}); use an optimizer that takes sparse gradients "
+                f"for it (torch.optim.SGD, Adagrad, SparseAdam) or build the embedding with "
+                f"sparse=False. No parameter was stepped")
+    if layout == "dense" and dense_refusal is not None and sparse_refusal is None:
+        return (f"{caller}: {label} (shape {tuple(param.shape)}) has a dense gradient, which "
+                f"{optim_cls.__name__} with these settings does not step ({dense_refusal}); "
+                f"give it sparse gradients only (nn.Embedding(sparse=True)) or use another "
+                f"optimizer for it (torch.optim.Adam). No parameter was stepped")
+    if dense_refusal is not None and sparse_refusal is not None:
+        return (f"{caller}: {optim_cls.__name__} with these settings cannot step {label} "
+                f"(shape {tuple(param.shape)}, {param.dtype}, on {param.device}) with any "
+                f"gradient ({dense_refusal}); change the settings of its param group (e.g. "
+                f"capturable=False for parameters on CPU). No parameter was stepped")
+    return None
 
 
-def _sparse_step_refusal(optim_cls: type, hyper: dict, param: torch.Tensor) -> Optional[str]:
-    """The error ``optim_cls`` raises stepping a sparse gradient of a parameter like ``param``
-    where it steps a dense one; ``None`` when it steps both, or fails on both."""
+def _step_refusal(optim_cls: type, hyper: dict, param: torch.Tensor,
+                  sparse: bool) -> Optional[str]:
+    """The error ``optim_cls`` raises stepping a stand-in of ``param`` (two elements along its
+    first dimension, its dtype and device) with a gradient of ones, sparse or dense; ``None``
+    when the step works."""
     shape = (2,) + (1,) * (param.dim() - 1)
-
-    def stand_in(sparse: bool) -> torch.nn.Parameter:
-        p = torch.nn.Parameter(torch.zeros(shape, dtype=param.dtype, device=param.device))
-        grad = torch.ones_like(p)
-        p.grad = grad.to_sparse() if sparse else grad
-        return p
+    stand_in = torch.nn.Parameter(torch.zeros(shape, dtype=param.dtype, device=param.device))
+    grad = torch.ones_like(stand_in)
+    stand_in.grad = grad.to_sparse() if sparse else grad
     try:
-        _stepped_throwaway(optim_cls, hyper, stand_in(sparse=False))
-    except Exception:  # noqa: BLE001 - it needs more than a gradient (a closure...): not told
-        return None
-    try:
-        _stepped_throwaway(optim_cls, hyper, stand_in(sparse=True))
+        _stepped_throwaway(optim_cls, hyper, stand_in)
     except Exception as error:  # noqa: BLE001 - the optimizer's own refusal, quoted
         return f"{type(error).__name__}: {error}"
     return None

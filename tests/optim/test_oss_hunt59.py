@@ -1,0 +1,133 @@
+"""OSS as a torch / FairScale user meets it: refusals on every rank, and what ``p.grad`` holds
+after ``clip_grad_norm`` (one world of 2 ranks).
+
+Regressions:
+
+- a step the optimizer refuses (``SparseAdam`` given a dense gradient; ``Adam(capturable=True)``
+  over CPU parameters with ``foreach`` or ``fused=False`` given) raised on the owner only,
+  while a rank owning nothing waited in the parameter sync until the collective timed out;
+  ``Adam(capturable=True)`` left to OSS's choice of torch's fused kernel stepped silently,
+  where torch's Adam refuses it. Every rank now raises the same RuntimeError before any
+  collective (from backward under ``ShardedDataParallel(step_in_backward=True)``), with no
+  parameter changed;
+- ``clip_grad_norm`` scaled the gradients of the parameters each rank owns only: under DDP,
+  ``p.grad`` of the others read unclipped (and differently on each rank).
+"""
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardkit.nn.data_parallel import ShardedDataParallel
+from shardkit.optim import OSS
+from shardkit.testing import world_fixture
+
+# short: on the old code a rank waited in the sync until this ran out
+world2 = world_fixture(2, timeout=60)
+
+
+def _one_weight():
+    """One parameter in all: rank 1 owns nothing (it only waits in the sync)."""
+    torch.manual_seed(0)
+    return nn.Linear(4, 2, bias=False)
+
+
+def _refused_step(optim_cls, **hyper):
+    model = _one_weight()
+    opt = OSS(model.parameters(), optim=optim_cls, lr=0.1, **hyper)
+    before = model.weight.detach().clone()
+    F.mse_loss(model(torch.ones(3, 4)), torch.zeros(3, 2)).backward()
+    try:
+        opt.step()
+        message = None
+    except RuntimeError as error:
+        message = str(error)
+    return message, torch.equal(before, model.weight)
+
+
+def _sparse_adam_still_steps():
+    """SparseAdam over an embedding: a sparse gradient steps, and one with no gradient this
+    step (an unused embedding) is no refusal."""
+    torch.manual_seed(0)
+    used, unused = nn.Embedding(10, 3, sparse=True), nn.Embedding(10, 3, sparse=True)
+    oracle = copy.deepcopy(used)
+    opt = OSS(list(used.parameters()) + list(unused.parameters()),
+              optim=torch.optim.SparseAdam, lr=0.1)
+    ref = torch.optim.SparseAdam(oracle.parameters(), lr=0.1)
+    for m, o in ((used, opt), (oracle, ref)):
+        m(torch.tensor([1, 2, 2])).sum().backward()
+        o.step()
+    return float((used.weight - oracle.weight).abs().max())
+
+
+def _refused_in_backward():
+    """ShardedDataParallel(step_in_backward=True), whose backward steps the owners: the same
+    refusal from backward on every rank, nothing stepped, and training goes on once the
+    setting is fixed."""
+    model = _one_weight()
+    opt = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.1, capturable=True)
+    ddp = ShardedDataParallel(model, opt, step_in_backward=True)
+    before = model.weight.detach().clone()
+    try:
+        ddp(torch.ones(3, 4)).sum().backward()
+        message = None
+    except RuntimeError as error:
+        message = str(error)
+    unchanged = torch.equal(before, model.weight)
+    opt.param_groups[0]["capturable"] = False
+    opt.zero_grad()
+    ddp(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    return message, unchanged, not torch.equal(before, model.weight)
+
+
+def _refusals():
+    return {"sparse_adam_dense": _refused_step(torch.optim.SparseAdam),
+            "capturable": _refused_step(torch.optim.Adam, capturable=True),
+            "capturable_foreach": _refused_step(torch.optim.Adam, capturable=True,
+                                                foreach=False),
+            "sparse_adam_sparse": _sparse_adam_still_steps(),
+            "in_backward": _refused_in_backward()}
+
+
+def test_refused_steps_fail_on_every_rank_before_the_sync(world2):
+    for rank, r in enumerate(world2.run(_refusals)):
+        message, unchanged = r["sparse_adam_dense"]
+        assert message is not None and message.startswith(
+            "OSS.step: parameter 0 of param group 0 (shape (2, 4)) has a dense gradient, "
+            "which SparseAdam"), (rank, message)
+        assert unchanged, rank
+        for name in ("capturable", "capturable_foreach"):
+            message, unchanged = r[name]
+            assert message is not None and "Adam with these settings cannot step parameter 0" \
+                in message and "capturable=False" in message, (name, rank, message)
+            assert unchanged, (name, rank)
+        assert r["sparse_adam_sparse"] <= 1e-6
+        message, unchanged, stepped_after = r["in_backward"]
+        assert message is not None and message.startswith(
+            "ShardedDataParallel(step_in_backward=True) stepping OSS: Adam with these settings "
+            "cannot step parameter 0"), (rank, message)
+        assert unchanged and stepped_after, rank
+
+
+def _clipped_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    oracle = copy.deepcopy(model)
+    opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    x = torch.randn(8, 4)
+    for m in (model, oracle):
+        F.mse_loss(m(x), torch.zeros(8, 2)).backward()
+    norm = opt.clip_grad_norm(0.01)
+    expected = torch.nn.utils.clip_grad_norm_(oracle.parameters(), 0.01)
+    return (abs(float(norm - expected)),
+            max(float((a.grad - b.grad).abs().max())
+                for a, b in zip(model.parameters(), oracle.parameters())))
+
+
+def test_clip_grad_norm_scales_every_gradient_a_rank_holds(world2):
+    for norm_diff, grad_diff in world2.run(_clipped_gradients):
+        assert norm_diff <= 1e-5
+        assert grad_diff <= 1e-7  # owned or not, p.grad reads as after torch's clip_grad_norm_
