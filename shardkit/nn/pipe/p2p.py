@@ -75,11 +75,12 @@ class ActivationMeta:
     packed: bool
     void: bool = False  # no output: the stage failed this step (see ``VOID``)
 
-    def encode(self) -> torch.Tensor:
+    def encode(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """The header: int64 values on ``device`` (the links' device; CPU by default)."""
         values = [2 if self.void else int(self.packed), len(self.tensors)]
         for m in self.tensors:
             values += [_DTYPES.index(m.dtype), int(m.requires_grad), len(m.shape), *m.shape]
-        return torch.tensor(values, dtype=torch.int64)
+        return torch.tensor(values, dtype=torch.int64, device=device)
 
     @staticmethod
     def decode(values: list) -> "ActivationMeta":
@@ -177,10 +178,16 @@ class TaggedLinks:
     Note: every gradient message's tail starts with one presence flag per tensor
     (``GRADIENT_FLAGS`` elements each, 1 present, 0 absent: sent as zeros), before the verdict
     where the message carries it; :meth:`take_gradient` gives ``None`` for an absent one.
+
+    Note: every tensor the links create (receive buffers, zeros, headers, tails, the verdict
+    and settle messages) lives on ``device``, the device of this rank's stages (CPU by
+    default): NCCL sends and receives CUDA tensors only.
     """
 
-    def __init__(self, group, num_stages: int, chunks: int, reannounce: bool = False):
+    def __init__(self, group, num_stages: int, chunks: int, reannounce: bool = False,
+                 device=None):
         self.group, self.num_stages, self.chunks = group, num_stages, chunks
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         self.reannounce = reannounce  # a rank may turn SAME into NEW (one stage per rank)
         self.metas: dict = {}      # (boundary, micro-batch) -> ActivationMeta
         self.posted: dict = {}     # (kind, boundary, micro-batch) -> (buffers, works, verdict)
@@ -206,7 +213,8 @@ class TaggedLinks:
         """Send ``tensors``, ``tail`` (small ints) appended to the first one."""
         data = [t.detach().contiguous() for t in tensors]
         if tail:
-            data[0] = torch.cat([data[0].reshape(-1), torch.tensor(tail, dtype=data[0].dtype)])
+            data[0] = torch.cat([data[0].reshape(-1), torch.tensor(tail, dtype=data[0].dtype,
+                                                                   device=self.device)])
         with self._reporting("send", kind, boundary, index, peer):
             works = [dist.isend(t, peer, group=self.group,
                                 tag=self._tag(kind, boundary, index, n))
@@ -218,14 +226,18 @@ class TaggedLinks:
         elements after the first tensor: (buffers, works, those extra elements)."""
         first = likes[0]
         numel = math.prod(first.shape)
-        flat = torch.empty(numel + extra, dtype=first.dtype)
-        buffers = [flat[:numel].view(first.shape)] + [torch.empty(m.shape, dtype=m.dtype)
-                                                      for m in likes[1:]]
+        flat = torch.empty(numel + extra, dtype=first.dtype, device=self.device)
+        buffers = [flat[:numel].view(first.shape)] + [
+            torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in likes[1:]]
         with self._reporting("receive", kind, boundary, index, peer):
             works = [dist.irecv(b, peer, group=self.group,
                                 tag=self._tag(kind, boundary, index, n))
                      for n, b in enumerate([flat, *buffers[1:]])]
         return buffers, works, flat[numel:]
+
+    def _zeros(self, meta: TensorMeta) -> torch.Tensor:
+        """Zeros of ``meta``'s shape and dtype on the links' device."""
+        return torch.zeros(meta.shape, dtype=meta.dtype, device=self.device)
 
     def _reporting(self, verb: str, kind: int, boundary: int, index: int, peer: int):
         """A broken link (a neighbour that died) becomes a CollectiveError naming the message."""
@@ -287,7 +299,7 @@ class TaggedLinks:
 
     def _send_zero_window(self, boundary: int, state: StepState, peer: int) -> None:
         for index, meta in enumerate(self._lead_metas(boundary)):
-            zeros = [torch.zeros(m.shape, dtype=m.dtype) for m in meta.tensors]
+            zeros = [self._zeros(m) for m in meta.tensors]
             self._send_lead(boundary, index, zeros, state, peer)
 
     def _send_lead(self, boundary, index, tensors, state: StepState, peer) -> None:
@@ -320,8 +332,8 @@ class TaggedLinks:
                 # failed before the zeros go: they may carry the step's verdict (the last
                 # micro-batch), the only way a forward-only step tells the next rank
                 self.failed = True
-                self._send_data(boundary, index, [torch.zeros(m.shape, dtype=m.dtype)
-                                                  for m in known.tensors], peer)
+                self._send_data(boundary, index, [self._zeros(m) for m in known.tensors],
+                                peer)
                 return self._changed_output(boundary, index, known, meta)
             known = None
         if known is None:
@@ -337,15 +349,14 @@ class TaggedLinks:
         if known is None:
             self._announce(boundary, index, VOID, peer)
             known = VOID
-        self._send_data(boundary, index, [torch.zeros(m.shape, dtype=m.dtype)
-                                          for m in known.tensors], peer)
+        self._send_data(boundary, index, [self._zeros(m) for m in known.tensors], peer)
 
     def _announce(self, boundary, index, meta: ActivationMeta, peer) -> None:
         """Send ``meta`` as micro-batch ``index``'s header over ``boundary`` (its length, then
         the int64 description) and cache it on this side, as the receiver does."""
-        header = meta.encode()
-        self._send(HEADER, boundary, index,
-                   [torch.tensor([header.numel()], dtype=torch.int64), header], peer)
+        header = meta.encode(self.device)
+        length = torch.tensor([header.numel()], dtype=torch.int64, device=self.device)
+        self._send(HEADER, boundary, index, [length, header], peer)
         self.metas[(boundary, index)] = meta
 
     def _send_data(self, boundary, index, tensors, peer) -> None:
@@ -382,11 +393,12 @@ class TaggedLinks:
 
     def take_activation(self, boundary, index, peer) -> tuple:
         if (boundary, index) not in self.metas:
-            length = torch.empty(1, dtype=torch.int64)
+            length = torch.empty(1, dtype=torch.int64, device=self.device)
             with self._reporting("receive", HEADER, boundary, index, peer):
                 dist.recv(length, peer, group=self.group,
                           tag=self._tag(HEADER, boundary, index, 0))
-                header = torch.empty(int(length.item()), dtype=torch.int64)
+                header = torch.empty(int(length.item()), dtype=torch.int64,
+                                     device=self.device)
                 dist.recv(header, peer, group=self.group,
                           tag=self._tag(HEADER, boundary, index, 1))
             self.metas[(boundary, index)] = ActivationMeta.decode(header.tolist())
@@ -418,22 +430,26 @@ class TaggedLinks:
         me, first = dist.get_rank(self.group), ranks[0]
         tag = self._tag(SETTLE, 0, 0)
         if me == 0:
-            heard = [torch.zeros(SETTLE_ELEMENTS) for _ in ranks[1:]]
+            heard = [self._settle_flag(0.0) for _ in ranks[1:]]
             for peer, flag in zip(ranks[1:], heard):
                 with self._reporting("receive", SETTLE, 0, 0, peer):
                     work = dist.irecv(flag, peer, group=self.group, tag=tag)
                 self._wait([work], SETTLE, 0, 0, peer)
                 self._learn(flag)
-            outcome = torch.full((SETTLE_ELEMENTS,), float(self.failed))
+            outcome = self._settle_flag(float(self.failed))
             for peer in ranks[1:]:
                 self._send(SETTLE, 0, 0, [outcome], peer)
             return
-        self._send(SETTLE, 0, 0, [torch.full((SETTLE_ELEMENTS,), float(self.failed))], first)
-        outcome = torch.zeros(SETTLE_ELEMENTS)
+        self._send(SETTLE, 0, 0, [self._settle_flag(float(self.failed))], first)
+        outcome = self._settle_flag(0.0)
         with self._reporting("receive", SETTLE, 0, 0, first):
             work = dist.irecv(outcome, first, group=self.group, tag=tag)
         self._wait([work], SETTLE, 0, 0, first)
         self._learn(outcome)
+
+    def _settle_flag(self, value: float) -> torch.Tensor:
+        """A settle message (``SETTLE_ELEMENTS`` float32) holding ``value``."""
+        return torch.full((SETTLE_ELEMENTS,), value, device=self.device)
 
     # ------------------------------------------------------------------ gradients
     def send_gradient(self, boundary, index, grads, peer) -> None:
@@ -447,11 +463,11 @@ class TaggedLinks:
         if grads:
             likes = [m for m in self.metas[(boundary, index)].tensors if m.requires_grad]
             flags = [int(g is not None) for g in grads]
-            data = [g if g is not None else torch.zeros(m.shape, dtype=m.dtype)
-                    for g, m in zip(grads, likes)]
+            data = [g if g is not None else self._zeros(m) for g, m in zip(grads, likes)]
             self._send(GRADIENT, boundary, index, data, peer, flags + verdict)
         elif verdict:
-            self._send(VERDICT, boundary, index, [torch.tensor(verdict, dtype=torch.uint8)], peer)
+            self._send(VERDICT, boundary, index,
+                       [torch.tensor(verdict, dtype=torch.uint8, device=self.device)], peer)
 
     def post_gradient(self, boundary, index, peer) -> None:
         """Post the receive of the gradient of micro-batch ``index``'s output over ``boundary``:

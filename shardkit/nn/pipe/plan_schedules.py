@@ -185,7 +185,8 @@ class PlanSchedule:
         self.chunks, self.loss_fn, self.scale_grads = chunks, loss_fn, scale_grads
         self._problems = self._stage_problems(stages)
         self.links = TaggedLinks(self.group, self.num_stages, chunks,
-                                 reannounce=self.num_stages == self.num_ranks)
+                                 reannounce=self.num_stages == self.num_ranks,
+                                 device=first.device)
         self.links.carriers = last_messages(self.plan)
         self._group_ranks = [dist.get_global_rank(self.group, r) for r in range(self.num_ranks)]
         self.activation_memory = ActivationMemoryMeter() if track_activation_memory else None
@@ -256,6 +257,7 @@ class PlanSchedule:
                             f"{given}")
         if any(s.group is not self.group for s in stages):
             problems.append("the stages of one rank must share one pipeline group")
+        problems += _device_problems(stages)
         if self.plan.split_backward():
             from shardkit.nn.checkpoint import is_checkpoint_wrapped
 
@@ -965,6 +967,17 @@ def _reached(real: Optional[list], tensors, grads: list) -> list:
     nodes = _graph_nodes(real)
     return [g if g is not None and isinstance(t, torch.Tensor) and t.requires_grad
             and get_gradient_edge(t).node in nodes else None for t, g in zip(tensors, grads)]
+
+
+def _device_problems(stages: list) -> list[str]:
+    """A rank whose stages are on different devices: its pipeline messages (activations,
+    gradients, headers) are sent and received on one device, its stages'. Local."""
+    if len({stage.device for stage in stages}) < 2:
+        return []
+    where = ", ".join(f"stage {stage.stage_index} on {str(stage.device)!r}" for stage in stages)
+    return [f"the stages of one rank must be on one device (its pipeline messages are sent and "
+            f"received there), got {where}; move their modules to one device (module.to(...)) "
+            f"and pass it as each PipelineStage's device"]
 
 
 def _packed_input_hint(activation, error: Exception) -> str:

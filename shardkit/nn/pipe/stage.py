@@ -135,6 +135,13 @@ def _example_tensors_problems(examples: dict) -> list[str]:
     or ``None`` is accepted and not kept; anything else is named. Local."""
     problems = []
     for name, value in examples.items():
+        if _is_group(value) or isinstance(value, str):
+            # shardkit's earlier PipelineStage(module, i, n, group, data_parallel_group,
+            # placement) lands its 5th and 6th arguments here
+            problems.append(f"{name}={value!r}: expected example tensors (torch's argument in "
+                            f"this place); data_parallel_group and placement are "
+                            f"keyword-only: pass data_parallel_group=... / placement=...")
+            continue
         values = value if isinstance(value, (tuple, list)) else (value,)
         allowed = (torch.Tensor, type(None)) if name.endswith("grads") else (torch.Tensor,)
         if value is not None and not all(isinstance(v, allowed) for v in values):
@@ -228,11 +235,13 @@ def _replica_group(module: nn.Module, data_parallel_group) -> tuple:
     return module.process_group, []
 
 
-def _module_device(module: nn.Module) -> torch.device:
-    """Where the stage module's first parameter (or buffer) is; CPU for one without any."""
+def _stage_device(module: nn.Module, device) -> torch.device:
+    """Where the stage runs: where its module's first parameter (or buffer) is (``device``,
+    checked to match, may leave out the index: ``"cuda"``); for a module without any,
+    ``device``, else the CPU."""
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         return tensor.device
-    return torch.device("cpu")
+    return torch.device("cpu") if device is None else torch.device(device)
 
 
 class PipelineStage:
@@ -345,7 +354,7 @@ class PipelineStage:
             raise ValueError("PipelineStage: the pipeline group's stages cannot run "
                              "together:\n  " + "\n  ".join(problems))
         self.module = module
-        self.device = torch.device(device) if device is not None else _module_device(module)
+        self.device = _stage_device(module, device)
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.group = group
@@ -410,7 +419,8 @@ class PipelineStage:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         dtype = params[0].grad.dtype if params else torch.float32
-        tail = torch.tensor([float(failed)] + present, dtype=dtype)
+        # on the gradients' device: the all-reduce flattens them together (NCCL: CUDA only)
+        tail = torch.tensor([float(failed)] + present, dtype=dtype, device=self.device)
         dist.all_reduce_as_one([p.grad for p in params] + [tail], group,
                                divide_by=dist.get_world_size(group))
         for p, seen in zip(params, tail[1:].tolist()):
