@@ -601,16 +601,22 @@ def why_not_on_row_shards(optimizer_class: type) -> Optional[str]:
 def why_not_steppable_on_shards(optimizer: torch.optim.Optimizer) -> Optional[str]:
     """Why stage 3 cannot step ``optimizer``, built over the model before wrapping (``None``:
     it can). FSDP shards each parameter in place (the same ``Parameter`` objects keep their
-    dim-0 rows), so the optimizer's groups already hold the shards; only state it holds
-    already, full-size tensors, cannot follow, and an optimizer that reads whole tensors
-    (:func:`why_not_on_row_shards`) cannot step rows."""
+    dim-0 rows), so the optimizer's groups already hold the shards, and state it holds already
+    (Adagrad's sum from its constructor, steps taken before) is cut to the same rows
+    (:func:`_state_to_row_shards`); not state shaped unlike its parameter (neither its shape
+    nor 0-dim), which has no rows to cut, nor an optimizer that reads whole tensors
+    (:func:`why_not_on_row_shards`)."""
     whole = why_not_on_row_shards(type(optimizer))
     if whole:
         return whole
-    if optimizer.state:
-        return (f"the {type(optimizer).__name__} given already holds state for "
-                f"{len(optimizer.state)} parameters, full-size where FSDP keeps row shards; "
-                f"pass a fresh optimizer and restore its state from a checkpoint")
+    odd = [(key, tuple(value.shape)) for p, state in optimizer.state.items()
+           for key, value in state.items() if isinstance(value, torch.Tensor)
+           and value.dim() > 0 and value.shape != p.shape]
+    if odd:
+        return (f"the {type(optimizer).__name__} given already holds state shaped unlike its "
+                f"parameters (e.g. {odd[0][0]!r} of shape {odd[0][1]}), which FSDP's row "
+                f"shards cannot be cut from; pass a fresh optimizer (or a callable building "
+                f"one) and restore its state from a checkpoint")
     return None
 
 
@@ -861,6 +867,7 @@ def _build_on_shards(recipe: OptimizerRecipe, params: list) -> torch.optim.Optim
     loop."""
     from shardkit.optim.local_step import choose_fused, fused_first_steps_collide
     if recipe.instance is not None:
+        _state_to_row_shards(recipe.instance)
         return recipe.instance
     groups = _as_group_dicts(recipe.param_groups if recipe.param_groups is not None else params)
     defaults = dict(recipe.defaults)
@@ -868,6 +875,26 @@ def _build_on_shards(recipe: OptimizerRecipe, params: list) -> torch.optim.Optim
             and choose_fused(recipe.cls, defaults, groups)):
         defaults["fused"] = True
     return recipe.cls(groups, **defaults)
+
+
+def _state_to_row_shards(optimizer: torch.optim.Optimizer) -> None:
+    """State ``optimizer`` held before FSDP sharded its parameters in place (Adagrad's sum
+    from its constructor, moments of steps taken before ``initialize``): each tensor shaped
+    like its parameter's full tensor becomes this rank's row block of it (zero padded, where
+    the shard lives), as FSDP cut the parameter; 0-dim values (step counts) stay. Memory:
+    the full-size state is replaced by shards. Local."""
+    from shardkit.checkpoint.resharding import shard_rows
+    from shardkit.nn.data_parallel.fully_sharded import unit_holding
+    for p, state in optimizer.state.items():
+        unit = unit_holding(p)
+        if unit is None or unit._shard is None:
+            continue
+        shard = unit._shard
+        layout = shard.layouts[next(i for i, q in enumerate(shard.params) if q is p)]
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 \
+                    and value.shape == layout.shape:
+                state[key] = shard_rows(value, layout, shard.rank).to(p.device)
 
 
 def _as_group_dicts(params_or_groups) -> list[dict]:
