@@ -151,12 +151,15 @@ class FusedAdamW(torch.optim.Optimizer):
         buffer wherever it is pickled (an object collective, ``pickle.dumps``, ``torch.save``
         of part of the dict), N times over for N parameters, and a contiguous moment of a
         transposed or channels_last parameter steps the wrong elements in torch's fused AdamW.
-        Cost: the state of parameters sharing a flat buffer is copied (K = 8 bytes per
-        parameter, 12 with ``amsgrad``, on the state's device) while the returned dict lives.
+        They are copies taken at the call (unlike torch's, which alias the live state): steps
+        taken afterwards do not change them, so loading the dict later restores that point.
+        Cost: the state is copied (K = 8 bytes per parameter, 12 with ``amsgrad``, on the
+        state's device) while the returned dict lives.
         """
         state_dict = super().state_dict()
-        state_dict["state"] = _compact_state(state_dict["state"],
-                                             _params_by_index(self.param_groups))
+        state_dict["state"] = _compact_state(
+            state_dict["state"], _params_by_index(state_dict["param_groups"], self.param_groups),
+            always_copy=True)
         return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -324,26 +327,29 @@ def _bind_to_views(state: dict, views: dict, i: int) -> None:
         state[key] = view
 
 
-def _compact_state(state: dict, params: dict) -> dict:
+def _compact_state(state: dict, params: dict, always_copy: bool = False) -> dict:
     """``state`` (parameter or index -> {key: value}) in new dicts, each tensor as torch's
     AdamW keeps it (:func:`_as_torch_keeps`); ``params`` maps each key to its parameter."""
-    return {key: {name: _as_torch_keeps(value, params.get(key))
+    return {key: {name: _as_torch_keeps(value, params.get(key), always_copy)
                   for name, value in entries.items()}
             for key, entries in state.items()}
 
 
-def _as_torch_keeps(value, param):
+def _as_torch_keeps(value, param, always_copy: bool = False):
     """``value`` on storage of its own and, for a moment, in ``param``'s memory layout (torch
-    allocates them with ``zeros_like(param)``), copied only where it is not already.
+    allocates them with ``zeros_like(param)``): copied where it is not already, or always with
+    ``always_copy``.
 
     Note: the flat buffers' views are contiguous; torch's fused AdamW pairs the parameter's
     and its state's memory element by element, so a contiguous moment loaded for a transposed
-    or channels_last parameter would update the wrong elements."""
+    or channels_last parameter would update the wrong elements. A view that happens to own
+    its storage (the only parameter of its buffer) is still the live state: a state dict
+    copies it too, or its entries would mix live and copied values."""
     if not isinstance(value, torch.Tensor):
         return value
     own = value.untyped_storage().nbytes() == value.numel() * value.element_size()
     layout = param is None or value.shape != param.shape or value.stride() == param.stride()
-    if own and layout:
+    if own and layout and not always_copy:
         return value
     if param is None or value.shape != param.shape:
         return value.clone(memory_format=torch.contiguous_format)
@@ -351,17 +357,12 @@ def _as_torch_keeps(value, param):
                             memory_format=torch.preserve_format).copy_(value)
 
 
-def _params_by_index(groups: list[dict]) -> dict:
-    """``{index in a state dict: parameter}``, numbered as torch's ``state_dict`` numbers
-    them."""
-    params, seen, start = {}, set(), 0
-    for group in groups:
-        for index, p in enumerate(group["params"], start):
-            if id(p) not in seen:
-                seen.add(id(p))
-                params[index] = p
-        start += len(group["params"])
-    return params
+def _params_by_index(packed_groups: list[dict], groups: list[dict]) -> dict:
+    """``{index in a state dict: parameter}``, read from the state dict's own packed groups
+    (``packed_groups[g]["params"]`` numbers ``groups[g]["params"]``), so that it numbers
+    them as torch's ``state_dict`` did, a parameter repeated in a group included."""
+    return {index: p for packed, group in zip(packed_groups, groups)
+            for index, p in zip(packed["params"], group["params"])}
 
 
 def _check_state_shape(param: torch.Tensor, key: str, value) -> None:
