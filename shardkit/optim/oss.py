@@ -169,13 +169,20 @@ class OSS(torch.optim.Optimizer):
         self._found_inf_agreed = False  # ShardedGradScaler combined this step's inf/nan flags
         self._consolidated: Optional[dict] = None
         self._parked_state: dict = {}  # state of frozen parameters last owned here
+        # frozen parameters partitioned for the gradient they held (stepped as torch steps
+        # them); one made trainable again needs a refresh all the same (ShardedDDP's hooks)
+        self._frozen_members: set = set()
         self._step_refusals: dict = {}  # optimizer settings -> the kinds of step it refuses
         args.check_no_shared_storage(groups, self.world_size)
         # local (no collective), so that bad hyper-parameters fail before any collective starts
         self._plan = plan_ownership(_trainable(groups), self.world_size, bucket_numel)
         self.optim = self._build_local_optimizer(groups)
-        args.check_same_model_on_every_rank(
+        frozen_with_gradient = args.check_same_model_on_every_rank(
             groups, group, settings=args.optimizer_settings(optim, ctor_kwargs, groups))
+        if any(frozen_with_gradient):  # rare: known only now, after the agreement
+            self._frozen_members = _items_of(groups, frozen_with_gradient)
+            self._plan = self._plan_stepped(groups, frozen_with_gradient)
+            self.optim = self._build_local_optimizer(groups)
         self.comm.prepare(group)
         super().__init__(groups, without_fused_choice(dict(self.optim.defaults), self.fused))
         self._sync = ParamSync(self._plan, self.rank, group, broadcast_fp16, self.comm)
@@ -187,13 +194,14 @@ class OSS(torch.optim.Optimizer):
 
     @property
     def partition(self) -> ParameterPartition:
-        """The current immutable ownership of the trainable parameters (replaced, never mutated,
-        by :meth:`add_param_group` and :meth:`refresh_trainable`)."""
+        """The current immutable ownership of the parameters OSS steps: the trainable ones, and
+        the frozen ones that held a gradient when it was made (see :meth:`refresh_trainable`);
+        replaced, never mutated, by :meth:`add_param_group` and :meth:`refresh_trainable`."""
         return self._plan.partition
 
     @property
     def param_to_rank(self) -> dict:
-        """``{parameter: owning rank}`` for every trainable parameter."""
+        """``{parameter: owning rank}`` for every parameter of :attr:`partition`."""
         return self.partition.param_to_rank
 
     @property
@@ -450,10 +458,11 @@ class OSS(torch.optim.Optimizer):
         (under DDP, also those of parameters other ranks own: ``p.grad`` then reads as after
         torch's ``clip_grad_norm_``; FairScale scaled the owned ones only), a pass over them
         with no communication. ``filter_params_fn`` (FairScale's argument) receives the list
-        of this rank's owned parameters and returns the ones to measure and clip (and is given
-        the other parameters holding a gradient here, to choose the ones to clip). Sparse
-        gradients (``nn.Embedding(sparse=True)``) count by their coalesced values and are
-        scaled too (one host sync).
+        of this rank's owned parameters and returns the ones to measure; as in FairScale and
+        Megatron-LM, every gradient is scaled all the same (a filter that measures replicated
+        weights on one tensor-parallel rank only must not leave them unclipped on the others).
+        Sparse gradients (``nn.Embedding(sparse=True)``) count by their coalesced values and
+        are scaled too (one host sync).
 
         Tensor parallelism (OSS over the data-parallel group of a model built from
         ``shardkit.nn.model_parallel`` layers): read from the parameters' marks, split weights
@@ -481,17 +490,15 @@ class OSS(torch.optim.Optimizer):
         # they are, unless the whole model is stepped)
         others = [p for p in every_param if id(p) not in owned_ids and p.grad is not None
                   and (p in self.partition or self._whole_model)]
-        if filter_params_fn is not None:
-            owned = list(filter_params_fn(owned))
-            others = list(filter_params_fn(others)) if others else []
-        owned = [p for p in owned if p.grad is not None]
+        measured = owned if filter_params_fn is None else list(filter_params_fn(owned))
+        measured = [p for p in measured if p.grad is not None]
         counted, also_over = count_once_over_tensor_parallel(
-            every_param, owned, "OSS.clip_grad_norm", data_groups=(self.group,))
+            every_param, measured, "OSS.clip_grad_norm", data_groups=(self.group,))
         # Note: the gradients this rank holds for parameters others own (all of them under
         # DDP) are scaled too, by the same factor on every rank, so that p.grad reads after
         # clipping as after torch's clip_grad_norm_ (FairScale scaled the owned ones only);
         # an optimizer run over the whole model (LBFGS) reads them all in its step
-        scaled = owned + [p for p in others if p.grad is not None]
+        scaled = [p for p in owned if p.grad is not None] + others
         return clip_grad_norm_across_ranks([p.grad for p in scaled], max_norm, norm_type,
                                            self.group, device=self._default_device,
                                            measured=[p.grad for p in counted],
@@ -528,18 +535,25 @@ class OSS(torch.optim.Optimizer):
         self._build_local_optimizer([{**_hyper(g), "params": []}
                                      for g in self.param_groups + [new]],
                                     caller="OSS.add_param_group")
-        self._check_every_rank_agrees(self.param_groups + [new], "OSS.add_param_group")
+        frozen_with_gradient = self._check_every_rank_agrees(self.param_groups + [new],
+                                                             "OSS.add_param_group")
         super().add_param_group(new)
-        self._repartition()
+        self._repartition(frozen_with_gradient)
 
     def refresh_trainable(self) -> None:
         """Re-partition after ``requires_grad`` changed on some parameters (every rank alike).
         Communication: one small all-gather of the trainable parameters' indices and shapes
         (ranks that froze different parameters get a ValueError on every rank, not a hang or
         a silent mix-up of parameters); when ownership changes, moved state is also sent to
-        its new owner."""
-        self._check_every_rank_agrees(self.param_groups, "OSS.refresh_trainable")
-        self._repartition()
+        its new owner.
+
+        A frozen parameter that still holds a gradient on some rank (a tensor, e.g. zeroed by
+        ``zero_grad(set_to_none=False)``) stays in the partition and is stepped, as a torch
+        optimizer steps every parameter that has a gradient (weight decay and momentum still
+        move it); once its gradient is ``None`` on every rank, the next refresh drops it (a
+        frozen parameter without a gradient costs no optimizer state)."""
+        self._repartition(self._check_every_rank_agrees(self.param_groups,
+                                                        "OSS.refresh_trainable"))
 
     # ------------------------------------------------------------------ state dicts
 
@@ -820,7 +834,7 @@ class OSS(torch.optim.Optimizer):
     def _check_trainable_covered(self) -> None:
         for g, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
-                if p.requires_grad and p not in self.partition:
+                if p.requires_grad and (p not in self.partition or p in self._frozen_members):
                     raise RuntimeError(
                         f"OSS.step: parameter {i} of param group {g} (shape {tuple(p.shape)}) "
                         f"became trainable after the partition was made; call "
@@ -841,18 +855,31 @@ class OSS(torch.optim.Optimizer):
         for group, local in zip(self.param_groups, self.optim.param_groups):
             group.update(without_fused_choice(_hyper(local, names=False), self.fused))
 
-    def _check_every_rank_agrees(self, groups: list[dict], caller: str) -> None:
+    def _check_every_rank_agrees(self, groups: list[dict], caller: str) -> list[set]:
         """Before re-partitioning: every rank must see the same trainable parameters, or each
         would compute another partition (a hang in the state exchange, or one parameter's
-        values synced into another). Nothing is changed when they differ."""
+        values synced into another). Nothing is changed when they differ. Returns, per group,
+        the indices of the frozen parameters that hold a gradient on some rank."""
         self._sync.wait()
-        args.check_same_model_on_every_rank(
+        return args.check_same_model_on_every_rank(
             groups, self.group, caller,
             advice="change requires_grad, and add param groups, identically")
 
-    def _repartition(self) -> None:
+    def _plan_stepped(self, groups: list[dict], frozen_with_gradient: list[set]):
+        """The ownership plan of the parameters a torch optimizer over ``groups`` would step:
+        the trainable ones and the frozen ones in ``frozen_with_gradient`` (per group, item
+        indices agreed by every rank). Local."""
+        stepped = [[p for i, p in enumerate(g["params"]) if p.requires_grad or i in held]
+                   for g, held in zip(groups, frozen_with_gradient)]
+        return plan_ownership(stepped, self.world_size, self.bucket_numel)
+
+    def _repartition(self, frozen_with_gradient: list[set]) -> None:
+        """Re-plan the ownership (:meth:`_plan_stepped`), moving the optimizer state of the
+        parameters that change owner."""
         self._sync.wait()
-        plan = plan_ownership(_trainable(self.param_groups), self.world_size, self.bucket_numel)
+        # recorded even when the plan stays: a member made trainable again is no longer one
+        self._frozen_members = _items_of(self.param_groups, frozen_with_gradient)
+        plan = self._plan_stepped(self.param_groups, frozen_with_gradient)
         if plan.same_as(self._plan):
             return
         held = self._held_state()
@@ -911,6 +938,11 @@ def _first_of_each_kind(params: list, partition: ParameterPartition,
                 "sparse" if p.grad.is_sparse else "dense"
             kinds.setdefault((p.dim(), p.dtype, p.device, layout), (i, p))
     return kinds
+
+
+def _items_of(groups: list[dict], indices: list[set]) -> set:
+    """The parameters at ``indices`` (per group, item indices) of ``groups``."""
+    return {p for g, held in zip(groups, indices) for i, p in enumerate(g["params"]) if i in held}
 
 
 def _trainable(groups: Iterable[dict]) -> list[list[torch.Tensor]]:

@@ -20,6 +20,7 @@ __all__ = ["NOT_GIVEN", "place_broadcast_fp16", "check_deprecated_fairscale_argu
            "resolve_optimizer", "optimizer_name", "check_built_optimizer",
            "drop_deprecated_fairscale_kwargs", "check_optimizer_class", "check_takeover_arguments",
            "normalize_param_groups", "check_same_model_on_every_rank", "trainable_signature",
+           "frozen_with_gradient",
            "optimizer_settings", "groups_of", "constructor_kwargs", "state_key_problem",
            "gradient_step_problem"]
 
@@ -240,29 +241,35 @@ SAME_MODEL_ADVICE = ("build OSS over the same model, in the same order, with the
 
 def check_same_model_on_every_rank(groups: list[dict], group, caller: str = "OSS",
                                    advice: str = SAME_MODEL_ADVICE,
-                                   settings: Optional[dict] = None) -> None:
+                                   settings: Optional[dict] = None) -> list[set]:
     """One small all-gather: every rank must partition the same parameters, the same items of
     the same param groups with the same shapes, or the sync would write one parameter's values
     into another (silently when their shapes match: two layers of one width, one frozen on
     each rank) or abort inside the collective library. With ``settings`` (``{name: text}``,
     from :func:`optimizer_settings`), every rank must also hold the same ones, or each shard
     would be stepped by another rule and the replicas drift apart silently. ``caller`` and
-    ``advice`` word the ValueError, raised on every rank alike. Communication: the trainable
-    items' indices and shapes (and the settings) of every rank, once."""
-    mine = (trainable_signature(groups), settings or {})
+    ``advice`` word the ValueError, raised on every rank alike.
+
+    Returns, per param group, the set of item indices frozen (``requires_grad=False``) that
+    still hold a gradient on some rank (:func:`frozen_with_gradient`), the same on every rank:
+    torch's optimizers step them (a frozen layer's zeroed gradient still meets weight decay and
+    momentum), so OSS partitions them too. Communication: the trainable items' indices and
+    shapes (and the settings, and those frozen items' indices) of every rank, once."""
+    mine = (trainable_signature(groups), settings or {}, frozen_with_gradient(groups))
     every = distributed.all_gather_object(mine, group=group)
     me = distributed.get_rank(group)
-    for r, (theirs, _) in enumerate(every):
+    for r, (theirs, *_) in enumerate(every):
         if theirs != mine[0]:
             raise ValueError(f"{caller}: rank {r} of the group has different trainable parameters "
                              f"from rank {me}: {_first_difference(theirs, mine[0], r, me)}; every "
                              f"rank must {advice}")
-    found = distributed.first_difference([s for _, s in every])  # the same on every rank
+    found = distributed.first_difference([s for _, s, _ in every])  # the same on every rank
     if found is not None:
         name, first, r, theirs = found
         raise ValueError(f"{caller}: {name} is {first} on rank 0 of the group and {theirs} on "
                          f"rank {r}; every rank must build {caller} with the same optimizer "
                          f"class and hyper-parameters")
+    return [set().union(*(held[g] for _, _, held in every)) for g in range(len(groups))]
 
 
 def optimizer_settings(optim: type, defaults: dict, groups: list[dict]) -> dict:
@@ -289,6 +296,14 @@ def trainable_signature(groups: list[dict]) -> list[list[tuple]]:
     """Per param group, ``(item index, shape)`` of each parameter that requires grad: what
     every rank's partition is computed from. Costs nothing."""
     return [[(i, tuple(p.shape)) for i, p in enumerate(g["params"]) if p.requires_grad]
+            for g in groups]
+
+
+def frozen_with_gradient(groups: list[dict]) -> list[list[int]]:
+    """Per param group, the indices of the items that do not require grad but hold a gradient
+    (frozen after a backward, the gradient kept by ``zero_grad(set_to_none=False)``). Costs
+    nothing."""
+    return [[i for i, p in enumerate(g["params"]) if not p.requires_grad and p.grad is not None]
             for g in groups]
 
 

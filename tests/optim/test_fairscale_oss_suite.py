@@ -1173,8 +1173,11 @@ def test_broadcast_fp16(world):
 
 
 def test_refresh_trainable(world):
+    # 6 at the freeze too: the frozen weight still holds its last gradient at that refresh
+    # (zero_grad comes after it), and a torch optimizer steps every parameter holding one, so
+    # OSS keeps it in the partition until a refresh finds its gradient None on every rank
     for worst, partitions in world.run(check_refresh_trainable):
-        assert worst <= TOL and partitions == [5, 6]
+        assert worst <= TOL and partitions == [6, 6]
 
 
 def test_trainable_again_without_refresh_is_refused(world):
