@@ -430,15 +430,29 @@ def _not_a_member(group) -> bool:
 
 
 def destroy() -> None:
-    """Wait for every rank (a barrier), then destroy the default process group if it exists.
+    """Finish this process's asynchronous checkpoint saves, wait for every rank (a barrier),
+    then destroy the default process group if it exists. Raises the first failed save's error
+    (:func:`shardkit.checkpoint.async_save.wait_for_pending_saves`), after the group is gone.
 
     Note: without the barrier, a rank that finishes first can tear down gloo's connections while
     a peer is still completing the last collective, and gloo then aborts the process
-    ("terminate called without an active exception")."""
-    _forget_topology()
-    if is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    ("terminate called without an active exception"). torch's ``destroy_process_group()``
+    does not wait for the saves: one still being committed fails, reported only at exit."""
+    try:
+        _wait_for_pending_saves()
+    finally:
+        _forget_topology()
+        if is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _wait_for_pending_saves() -> None:
+    """:func:`~shardkit.checkpoint.async_save.wait_for_pending_saves`, where that module is
+    loaded (no asynchronous save can be under way otherwise)."""
+    saves = sys.modules.get("shardkit.checkpoint.async_save")
+    if saves is not None:
+        saves.wait_for_pending_saves()
 
 
 def get_rank(group=None) -> int:

@@ -4,13 +4,19 @@
 fp32 parameters and optimizer state are copied into CPU tensors (the same copies a synchronous
 save makes); a background thread then writes the rank file, checksums it and takes part in the
 atomic commit of :func:`~shardkit.checkpoint.sharded.commit_checkpoint`. The next
-``save_checkpoint``, ``load_checkpoint``, :meth:`AsyncSave.wait` or the end of the process
-waits for it and raises its error, if any. A crash or failure during the background write
+``save_checkpoint``, ``load_checkpoint``, :meth:`AsyncSave.wait`, :func:`wait_for_pending_saves`
+(which ``shardkit.distributed.destroy()`` calls first) or the end of the process waits for it
+and raises its error, if any. A crash or failure during the background write
 leaves ``latest`` naming the previous checkpoint, exactly as a synchronous save does.
 
 Note: the commit's barriers and agreement all-reduces run on a separate gloo process group
 (created once, at the first asynchronous save, on every rank), so they never interleave with the
 collectives the training loop issues on the default group meanwhile.
+
+Note: torch's ``torch.distributed.destroy_process_group()`` shuts the checkpoint group down
+under a save still being committed, which then fails (the end of the process can only report
+it). End a script with ``shardkit.distributed.destroy()``, or call
+:func:`wait_for_pending_saves` before torch's function.
 
 Costs: memory, one CPU copy of this rank's share of the model and optimizer state until the
 write ends; communication, that of a synchronous save, on the checkpoint group.
@@ -19,16 +25,19 @@ write ends; communication, that of a synchronous save, on the checkpoint group.
 from __future__ import annotations
 
 import atexit
+import itertools
+import sys
 import threading
 import weakref
 from typing import Callable, Optional
 
 from shardkit import distributed
 
-__all__ = ["AsyncSave", "checkpoint_group"]
+__all__ = ["AsyncSave", "checkpoint_group", "wait_for_pending_saves"]
 
 _groups = distributed.GroupCache()  # "world" -> the gloo group of this world's saves
 _pending: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()
+_started = itertools.count()  # orders the pending saves by their start
 
 
 def checkpoint_group():
@@ -51,6 +60,7 @@ class AsyncSave:
     def __init__(self, path: str, write: Callable[[], str]):
         self.path = path
         self._error: Optional[BaseException] = None
+        self._order = next(_started)
         self._thread = threading.Thread(target=self._run, args=(write,),
                                         name="shardkit-async-checkpoint", daemon=True)
         _pending.add(self)
@@ -77,14 +87,38 @@ class AsyncSave:
         return self.path
 
 
+def wait_for_pending_saves() -> list:
+    """Wait for every asynchronous save of this process still under way, oldest first; return
+    their checkpoint directories. Raises the first failed save's error once all have ended
+    (:class:`~shardkit.checkpoint.CheckpointError` when a save failed on any rank).
+
+    Call it on every rank while the process group still exists (each save's commit is a
+    collective); ``shardkit.distributed.destroy()`` does."""
+    first_error, paths = None, []
+    for save in sorted(_pending, key=lambda save: save._order):
+        try:
+            paths.append(save.wait())
+        except Exception as e:  # the later saves still finish before it is raised
+            first_error = first_error or e
+    if first_error is not None:
+        raise first_error
+    return paths
+
+
 def _wait_all_at_exit() -> None:
-    """A process that ends normally first finishes its background saves (before the process
-    group is torn down: this is registered after it, so it runs before)."""
-    for save in list(_pending):
+    """A process that ends normally first finishes its background saves. A failure can only be
+    reported here (the exit status is the script's own), on stderr."""
+    for save in sorted(_pending, key=lambda save: save._order):
         try:
             save.wait()
         except Exception as e:
-            print(f"[shardkit] asynchronous checkpoint save to {save.path} failed: {e}")
+            hint = "" if distributed.is_initialized() else (
+                " (the process group was destroyed while the save was being committed: end "
+                "the script with shardkit.distributed.destroy(), or call shardkit.checkpoint."
+                "async_save.wait_for_pending_saves() before torch.distributed."
+                "destroy_process_group())")
+            print(f"[shardkit] asynchronous checkpoint save to {save.path} failed: {e}{hint}",
+                  file=sys.stderr, flush=True)
 
 
 atexit.register(_wait_all_at_exit)

@@ -27,6 +27,7 @@ Everything here is local (no communication).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -203,16 +204,51 @@ def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
 
 
 def _step_without_hooks(optim: torch.optim.Optimizer) -> None:
-    """``optim.step()`` without the wrapper torch puts around every optimizer's ``step`` (the
-    global and per-instance step hooks). A ``step`` replaced on the instance is called as it
-    is, except the one a torch ``LRScheduler`` puts there (it only notes that the optimizer
-    stepped before calling the class's ``step``). Local."""
+    """``optim.step()`` with its step hooks (torch's global ones and the instance's) silenced
+    for ``optim`` only. A ``step`` replaced on the instance runs as it is, except the one a
+    torch ``LRScheduler`` puts there: it only notes that the optimizer stepped (which would
+    hide torch's warning about ``scheduler.step()`` before the first real ``optimizer.step()``),
+    so the class's ``step`` runs instead. Local.
+
+    Note: silencing the hooks, rather than calling the function torch's hook-running wrapper
+    wraps, also covers a subclass whose ``step`` calls ``super().step()``: that call goes
+    through the parent class's wrapper, which runs every hook again."""
     replaced = vars(optim).get("step")
-    if replaced is not None and not getattr(replaced, "_wrapped_by_lr_sched", False):
-        optim.step()
-        return
-    step = type(optim).step
-    if getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
-        step.__wrapped__(optim)
-    else:
-        optim.step()
+    with _step_hooks_silenced(optim):
+        if replaced is not None and getattr(replaced, "_wrapped_by_lr_sched", False):
+            type(optim).step(optim)
+        else:
+            optim.step()
+
+
+@contextlib.contextmanager
+def _step_hooks_silenced(optim: torch.optim.Optimizer):
+    """Inside: no step pre/post hook runs for ``optim``; the global hooks still run for every
+    other optimizer (another thread may be stepping one). The hook dicts are changed in place
+    and restored, so the handles that remove hooks keep working. Local."""
+    from torch.optim import optimizer as torch_optimizer
+    own = [optim._optimizer_step_pre_hooks, optim._optimizer_step_post_hooks]
+    shared = [torch_optimizer._global_optimizer_pre_hooks,
+              torch_optimizer._global_optimizer_post_hooks]
+    own_saved = [dict(hooks) for hooks in own]
+    shared_saved = [dict(hooks) for hooks in shared]
+    for hooks in own:
+        hooks.clear()
+    for hooks in shared:
+        for key, hook in list(hooks.items()):
+            hooks[key] = _skipping(hook, optim)
+    try:
+        yield
+    finally:
+        for hooks, before in zip(own, own_saved):
+            hooks.update(before)
+        for hooks, before in zip(shared, shared_saved):
+            for key in before.keys() & hooks.keys():  # one removed meanwhile stays removed
+                hooks[key] = before[key]
+
+
+def _skipping(hook, optim: torch.optim.Optimizer):
+    """``hook`` (a global step hook), not called for ``optim``."""
+    def call(stepping, args, kwargs):
+        return None if stepping is optim else hook(stepping, args, kwargs)
+    return call

@@ -26,6 +26,7 @@ import copy
 import logging
 import os
 import random
+import shutil
 import warnings
 import zlib
 from typing import Optional
@@ -37,7 +38,7 @@ from shardkit.checkpoint.resharding import ParamLayout
 from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard,
                                          agreement_device, check_loads_back, check_tag,
                                          commit_checkpoint, plain_numbers, read_checkpoint,
-                                         resolve_checkpoint_dir)
+                                         resolve_checkpoint_dir, staging_dir)
 from shardkit.optim.local_step import without_fused_choice
 from shardkit.optim.lr_scheduler import _IterationSchedule
 from shardkit.optim.partition import ParameterPartition
@@ -78,9 +79,28 @@ def save_engine_checkpoint(engine, save_dir: str, tag: Optional[str],
                                  prepare_error=error, recovery_script_dir=script_dir)
     from shardkit.checkpoint.async_save import AsyncSave, checkpoint_group
     group = checkpoint_group()
-    return AsyncSave(os.path.join(save_dir, tag), lambda: commit_checkpoint(
-        save_dir, tag, shard, metadata, payload, save_latest, group=group, prepare_error=error,
-        recovery_script_dir=script_dir))
+    makes_staging = distributed.get_rank(group) == 0  # read now: the group may be gone later
+    return AsyncSave(os.path.join(save_dir, tag), lambda: _committed_or_cleaned_up(
+        lambda: commit_checkpoint(save_dir, tag, shard, metadata, payload, save_latest,
+                                  group=group, prepare_error=error,
+                                  recovery_script_dir=script_dir),
+        staging_dir(save_dir, tag) if makes_staging else None))
+
+
+def _committed_or_cleaned_up(commit, staging: Optional[str]) -> str:
+    """``commit()``; where it fails outside the commit's own agreement (whose
+    :class:`CheckpointError` comes after the staging directory is removed), e.g. its process
+    group destroyed under it by ``torch.distributed.destroy_process_group()``, nothing was
+    published, and the rank that made ``staging`` (``None`` on the others) removes it rather
+    than leaving a full-size hidden copy behind."""
+    try:
+        return commit()
+    except CheckpointError:
+        raise
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def _recovery_script_dir(engine, save_dir: str) -> Optional[str]:

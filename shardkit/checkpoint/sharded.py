@@ -137,6 +137,11 @@ def _write_rank_file_and_digest(path: str, shard: RankShard) -> None:
         json.dump(file_digest(path), f)
 
 
+def staging_dir(save_dir: str, tag: str) -> str:
+    """The hidden directory the ranks write checkpoint ``tag`` into before it is published."""
+    return os.path.join(save_dir, f".tmp-{tag}")
+
+
 def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
                       metadata: Optional[dict], engine_payload: Optional[dict],
                       save_latest: bool = True, group=None,
@@ -159,7 +164,7 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     check_tag(tag)
     rank = distributed.get_rank(group)  # files are numbered within the group that writes them
     final = os.path.join(save_dir, tag)
-    staging = os.path.join(save_dir, f".tmp-{tag}")
+    staging = staging_dir(save_dir, tag)
     error = prepare_error
     if error is None and rank == 0:
         error = _attempt(lambda: _make_staging(save_dir, staging))

@@ -31,7 +31,9 @@ engine at stages 0-2 (its ``engine.module``: the same names as at stage 3, so a 
 checkpoint moves between stages). An OSS optimizer (ZeRO-1/2) is
 refused with an error naming its checkpoint path (``consolidate_state_dict`` then
 ``state_dict()``, or the engine's checkpoints): each parameter's state lives on its owner
-rank only, which torch's functions do not know.
+rank only, which torch's functions do not know. So is a model with tensor-parallel layers
+split over several ranks (each rank's slice would come under the parameter's one name, which
+dcp takes for a replicated tensor): ``engine.save_checkpoint`` keeps those slices apart.
 
 Why not torch's own functions over shardkit FSDP: they do not recognise it, take
 ``optim.state_dict()`` (this rank's padded rows, as plain tensors under the same key on
@@ -119,6 +121,7 @@ def _fsdp_root(model: nn.Module, call: str, optims: tuple = (), submodules=None)
             f"(recipient_rank=0) then optim.state_dict() on rank 0 (torch format, loads at any "
             f"world size with OSS.load_state_dict), or use shardkit.initialize's "
             f"engine.save_checkpoint / load_checkpoint")
+    _refuse_tensor_parallel(_replicated(model), call)
     while isinstance(getattr(model, "_orig_mod", None), nn.Module) and \
             type(model).__name__ == "OptimizedModule":
         model = model._orig_mod  # torch.compile(root): torch's functions drop it too
@@ -137,6 +140,24 @@ def _fsdp_root(model: nn.Module, call: str, optims: tuple = (), submodules=None)
                          f"(deprecated in torch too); filter the returned state dict by key "
                          f"instead")
     return model
+
+
+def _refuse_tensor_parallel(model: nn.Module, call: str) -> None:
+    """A ValueError, on every rank alike (no communication), for a model holding
+    tensor-parallel layers split over more than one rank: each rank's slice of a parameter
+    comes under the parameter's one name, so ``dcp.save`` would take them for replicated
+    tensors, write one rank's slice and load it into every rank's."""
+    from shardkit.nn.model_parallel.layers import TensorParallelModule
+    split = {name: m.tp_size for name, m in model.named_modules()
+             if isinstance(m, TensorParallelModule) and m.tp_size > 1}
+    if split:
+        raise ValueError(
+            f"{call}: the model holds tensor-parallel layers split over {max(split.values())} "
+            f"ranks ({list(split)[:4]}); their per-rank slices would be saved under the same "
+            f"names, which dcp takes for one replicated tensor. Use shardkit.initialize's "
+            f"engine.save_checkpoint / load_checkpoint (each tensor-parallel rank's slices in "
+            f"its own files), or shardkit.nn.model_parallel.full_state.full_model_state_dict "
+            f"for the unsplit model state")
 
 
 def _replicated(model: nn.Module) -> nn.Module:
@@ -412,6 +433,13 @@ def set_state_dict(model: nn.Module, optimizers: Union[torch.optim.Optimizer, It
     options = _checked_options(options, "set_state_dict")
     optims = _checked_optimizers(optimizers, "set_state_dict")
     root = _fsdp_root(model, "set_state_dict", optims)
+    if root is None and options.broadcast_from_rank0:
+        # torch's set_state_dict skips the model on a rank given an empty model_state_dict
+        # (optimizer only), so ranks other than 0, which may pass {}, left rank 0 waiting in
+        # its broadcast of the model's tensors; its two functions take part on every rank
+        keys = set_model_state_dict(model, model_state_dict, options=options)
+        set_optimizer_state_dict(model, optims, optim_state_dict, options=options)
+        return keys
     if root is None:
         from torch.distributed.checkpoint import state_dict as tsd
         return tsd.set_state_dict(_replicated(model), _torch_optimizers(optims),
