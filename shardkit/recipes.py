@@ -604,11 +604,22 @@ def why_not_steppable_on_shards(optimizer: torch.optim.Optimizer) -> Optional[st
     dim-0 rows), so the optimizer's groups already hold the shards, and state it holds already
     (Adagrad's sum from its constructor, steps taken before) is cut to the same rows
     (:func:`_state_to_row_shards`); not state shaped unlike its parameter (neither its shape
-    nor 0-dim), which has no rows to cut, nor an optimizer that reads whole tensors
-    (:func:`why_not_on_row_shards`)."""
+    nor 0-dim), which has no rows to cut, nor state of a 0-dim parameter (FSDP makes it one
+    row; its moments, 0-dim like the step count, cannot be told from it), nor an optimizer
+    that reads whole tensors (:func:`why_not_on_row_shards`)."""
     whole = why_not_on_row_shards(type(optimizer))
     if whole:
         return whole
+    scalar = next((keys for keys in ([key for key, value in state.items()
+                                      if isinstance(value, torch.Tensor)]
+                                     for p, state in optimizer.state.items() if p.dim() == 0)
+                   if keys), None)
+    if scalar:
+        return (f"the {type(optimizer).__name__} given already holds state {scalar} for a "
+                f"0-dim parameter, which FSDP shards as a 1-row tensor; its per-element "
+                f"state, 0-dim like a step count, cannot be told from one to be cut likewise; "
+                f"pass a fresh optimizer (or a callable building one) and restore its state "
+                f"from a checkpoint")
     odd = [(key, tuple(value.shape)) for p, state in optimizer.state.items()
            for key, value in state.items() if isinstance(value, torch.Tensor)
            and value.dim() > 0 and value.shape != p.shape]

@@ -708,6 +708,31 @@ def test_stage3_takes_an_optimizer_that_holds_state(world2, optimizer_class):
         assert state_numel <= full_numel // 2 + 16, (state_numel, full_numel)  # rows only
 
 
+def _stage3_with_state_of_a_0dim_parameter():
+    """Adagrad's constructor state for a 0-dim parameter (CLIP's logit scale): FSDP makes that
+    parameter a 1-row shard, but its state stays 0-dim like a step count, so it cannot be cut;
+    refused on every rank before any collective (it failed in the first step: "output with
+    shape [] doesn't match the broadcast shape [1]")."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    model.register_parameter("logit_scale", torch.nn.Parameter(torch.tensor(2.0)))
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1, initial_accumulator_value=0.1)
+    with distributed.CommCounter() as comm:
+        try:
+            shardkit.initialize(model=model, optimizer=optimizer, config={
+                "train_batch_size": 2 * distributed.get_world_size(),
+                "zero_optimization": {"stage": 3}})
+            error = "accepted"
+        except ConfigError as e:
+            error = str(e)
+    return error, len(comm.calls)
+
+
+def test_stage3_refuses_state_of_a_0dim_parameter(world2):
+    for error, calls in world2.run(_stage3_with_state_of_a_0dim_parameter):
+        assert "holds state ['step', 'sum'] for a 0-dim parameter" in error, error
+        assert "callable" in error and calls == 0, (error, calls)
+
+
 def _eager_state_optimizer_from_a_callable(stage):
     """Adagrad builds its state in its constructor: given as a callable, it trains at every
     stage like one process (stage 3 used to refuse it: "already holds state")."""

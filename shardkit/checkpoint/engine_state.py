@@ -162,6 +162,8 @@ def _checkpoint_parts(engine, tag: str, client_state: Optional[dict],
         "row_sharded": row_sharded,
         "optimizer_class": type(_inner_optimizer_class(engine)).__name__,
         "scheduler_class": type(engine.lr_scheduler).__name__ if engine.lr_scheduler else None,
+        "scheduler_structure": _scheduler_structure(engine.lr_scheduler)
+        if engine.lr_scheduler else None,
         "precision": engine.config.precision.dtype,
     }
     payload = plain_numbers({
@@ -529,18 +531,45 @@ def _check_scheduler_class(engine, ckpt) -> None:
     """A scheduler that restores its whole state (torch's, a script's own) loads only the
     state its own class saved: torch's ``load_state_dict`` copies every saved attribute onto
     the scheduler, so another class's state (WarmupLR's into StepLR) leaves a hybrid stepping
-    by neither schedule. shardkit's DeepSpeed schedules take the saved position only, from any
-    scheduler (as DeepSpeed's do), and are not checked. Local."""
+    by neither schedule. The same holds inside ``SequentialLR`` / ``ChainedScheduler``, which
+    load each saved inner state into the inner scheduler at its index: their inner classes
+    must match too (checkpoints without ``scheduler_structure`` are checked by class only).
+    shardkit's DeepSpeed schedules take the saved position only, from any scheduler (as
+    DeepSpeed's do), so only a saved state without a position (a script's own scheduler's)
+    is refused for them. Local."""
     saved = ckpt.metadata.get("scheduler_class")
-    scheduler = engine.lr_scheduler
-    if saved is None or scheduler is None or ckpt.engine["scheduler"] is None \
-            or isinstance(scheduler, _IterationSchedule) or type(scheduler).__name__ == saved:
+    scheduler, state = engine.lr_scheduler, ckpt.engine["scheduler"]
+    if saved is None or scheduler is None or state is None:
+        return
+    if isinstance(scheduler, _IterationSchedule):
+        if not {"last_batch_iteration", "last_epoch"} & set(state):
+            raise CheckpointError(
+                f"load_checkpoint({ckpt.path}): the LR scheduler state was saved by {saved} "
+                f"and holds no position ('last_batch_iteration' or 'last_epoch'; its keys: "
+                f"{sorted(state)[:8]}), which this engine's {type(scheduler).__name__} takes; "
+                f"start it fresh with load_checkpoint(..., load_lr_scheduler_states=False); "
+                f"nothing was loaded")
+        return
+    saved_structure = ckpt.metadata.get("scheduler_structure")
+    mine, theirs = (_scheduler_structure(scheduler), saved_structure) \
+        if saved_structure is not None else (type(scheduler).__name__, saved)
+    if mine == theirs:
         return
     raise CheckpointError(
-        f"load_checkpoint({ckpt.path}): the LR scheduler state was saved by {saved}, this "
-        f"engine's scheduler is {type(scheduler).__name__}, which cannot take it; start the "
-        f"new schedule fresh with load_checkpoint(..., load_lr_scheduler_states=False), or "
-        f"use {saved}; nothing was loaded")
+        f"load_checkpoint({ckpt.path}): the LR scheduler state was saved by {theirs}, this "
+        f"engine's scheduler is {mine}, which cannot take it; start the new schedule fresh "
+        f"with load_checkpoint(..., load_lr_scheduler_states=False), or use {theirs}; "
+        f"nothing was loaded")
+
+
+def _scheduler_structure(scheduler) -> str:
+    """The scheduler's class name, with the inner schedulers' structures in brackets for one
+    that loads saved inner states by index (``SequentialLR(LinearLR, StepLR)``). Local."""
+    inner = getattr(scheduler, "_schedulers", None)
+    name = type(scheduler).__name__
+    if not isinstance(inner, (list, tuple)):
+        return name
+    return f"{name}({', '.join(_scheduler_structure(s) for s in inner)})"
 
 
 def _load_model(engine, params: dict) -> None:

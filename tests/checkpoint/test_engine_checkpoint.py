@@ -451,3 +451,79 @@ def test_a_torch_scheduler_refuses_another_schedulers_state(world2, tmp_path):
         assert "load_lr_scheduler_states=False" in refusal and untouched
         assert fresh == ("StepLR", 0, True)
         assert cosine_position == 2
+
+
+def _composite_or_positionless_scheduler_state(save_dir):
+    """SequentialLR / ChainedScheduler load each saved inner state into the inner scheduler at
+    its index: other inner classes (LinearLR's state into ConstantLR, StepLR's into
+    ExponentialLR) became a hybrid, a longer saved list an IndexError after the weights were
+    loaded; a script's own scheduler's state without a position made WarmupLR raise KeyError
+    after the weights were loaded. Each is refused before anything loads."""
+    from torch.optim import lr_scheduler as torch_lr
+
+    class CountingSchedule:  # a script's own scheduler: step() and state_dict() only
+        def __init__(self, optimizer):
+            self.optimizer, self.count = optimizer, 0
+
+        def step(self):
+            self.count += 1
+
+        def state_dict(self):
+            return {"count": self.count}
+
+        def load_state_dict(self, state):
+            self.count = state["count"]
+
+    def sequential(optimizer, first, then):
+        return torch_lr.SequentialLR(optimizer, [first(optimizer), then(optimizer)], [3])
+
+    def linear_then_step(optimizer):
+        return sequential(optimizer, lambda o: torch_lr.LinearLR(o, 0.1, total_iters=3),
+                          lambda o: torch_lr.StepLR(o, 2))
+
+    def constant_then_exponential(optimizer):
+        return sequential(optimizer, lambda o: torch_lr.ConstantLR(o, 0.5, total_iters=3),
+                          lambda o: torch_lr.ExponentialLR(o, 0.5))
+
+    def warmup(optimizer):
+        from shardkit.optim.lr_scheduler import WarmupLR
+        return WarmupLR(optimizer, warmup_max_lr=0.1)
+
+    def engine_with(schedule):
+        torch.manual_seed(distributed.get_rank())
+        model = torch.nn.Linear(4, 2)
+        return shardkit.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            lr_scheduler=schedule, config={"train_batch_size": distributed.get_world_size(),
+                                           "steps_per_print": 1000})[0]
+
+    def counting(optimizer):
+        return CountingSchedule(optimizer)
+
+    outcomes = []
+    for saved_with, loaded_with in ((linear_then_step, constant_then_exponential),
+                                    (counting, warmup)):
+        saved = engine_with(saved_with)
+        for _ in range(4):
+            saved.backward(saved(torch.ones(1, 4)).sum())
+            saved.step()
+        path = os.path.join(save_dir, saved_with.__name__)
+        saved.save_checkpoint(path)
+        engine = engine_with(loaded_with)
+        weight_before = engine.module.weight.detach().clone()
+        try:
+            engine.load_checkpoint(path)
+            refusal = "accepted"
+        except CheckpointError as error:
+            refusal = str(error)
+        outcomes.append((refusal, torch.equal(engine.module.weight, weight_before)))
+    return outcomes
+
+
+def test_composite_and_positionless_scheduler_states_are_refused(world2, tmp_path):
+    for (composite, untouched), (positionless, untouched_too) in world2.run(
+            _composite_or_positionless_scheduler_state, str(tmp_path)):
+        assert "saved by SequentialLR(LinearLR, StepLR)" in composite, composite
+        assert "is SequentialLR(ConstantLR, ExponentialLR)" in composite and untouched
+        assert "saved by CountingSchedule and holds no position" in positionless, positionless
+        assert untouched_too
