@@ -193,9 +193,17 @@ def _group_of_blocks(ranks: list[int], block: int, mine: int, group=None):
 
 
 def _self_group():
-    """A group holding only this rank (NO_SHARD's shard group)."""
-    world, me = skdist.get_world_size(), skdist.get_rank()
-    return _group_of_blocks(list(range(world)), 1, me)
+    """A group holding only this rank (NO_SHARD's shard group), created by this rank alone the
+    first time, cached after. Local: no other rank joins, so NO_SHARD on one of several
+    data-parallel groups needs only that group's ranks. (Creating every rank's group on every
+    rank of the world advanced only the builders' count of world groups, which torch names
+    groups by: the next group created over the whole world got different names on the ranks,
+    and every rank hung.)"""
+    key = ("self", skdist.get_rank())
+    cached = _cached_groups.current()
+    if key not in cached:
+        cached[key] = skdist.new_group([skdist.get_rank()], members_only=True)
+    return cached[key]
 
 
 def _check_pair(pair) -> tuple:
@@ -206,42 +214,42 @@ def _check_pair(pair) -> tuple:
     intra, inter = pair
     if isinstance(pair, MeshPair):  # checked against its mesh by groups_of_mesh
         return intra, inter
-    intra_ranks, inter_ranks = tuple(skdist.group_ranks(intra)), tuple(skdist.group_ranks(inter))
-    _check_grid(intra_ranks, inter_ranks)
+    _check_grid(intra, inter)
     return intra, inter
 
 
 class MeshPair(tuple):
     """The (shard, replicate) pair of a 2-D DeviceMesh, checked against the mesh by
-    :func:`groups_of_mesh`: it skips :func:`_check_grid`'s world-wide gather without recording
-    anything, so an explicit pair stays checked (or cached) alike on every rank."""
+    :func:`groups_of_mesh` (locally), so it skips :func:`_check_grid`'s gathers."""
 
 
-# (intra ranks, inter ranks) pairs every rank of the current world agreed on (emptied with
-# the world, so a pair of a torn-down world is checked again)
-_checked_grids = skdist.GroupCache()
-
-
-def _check_grid(intra: tuple, inter: tuple) -> None:
-    """The ranks' pairs must form one grid of nodes x ranks per node: each rank in both of its
+def _check_grid(intra_group, inter_group) -> None:
+    """The ranks' pairs must form a grid of nodes x ranks per node: each rank in both of its
     groups and in no other rank of both, every member of a group naming the same group, the
-    shard groups (and the replica groups) all one size, and a replica group joining the ranks
-    that hold the same shard (the same place in their shard groups). Otherwise replicas would
-    average different shards, or the ranks would wait on each other's collectives. One object
-    all-gather over the world the first time a pair is seen (cached), so a mismatch, even on
-    one rank, is the same ValueError on every rank instead of a hang; every rank of the world
-    must then build its hybrid units over new pairs alike (a 2-D ``device_mesh`` needs no
-    check: :func:`groups_of_mesh`)."""
-    if (intra, inter) in _checked_grids.current():
-        return
-    problems = _grid_problems(skdist.all_gather_object((intra, inter)))
+    shard groups (and the replica groups) of the grid all one size, and a replica group
+    joining the ranks that hold the same shard (the same place in their shard groups).
+    Otherwise replicas would average different shards, or the ranks would wait on each
+    other's collectives.
+
+    Each rank gathers the pairs it sees over its own two groups, twice in turn (four small
+    object all-gathers, in the order of the unit's argument check), which reaches every rank
+    of its grid. So a mismatch, even on one rank, is a ValueError on every rank of the grid,
+    and grids side by side (one per pipeline stage) are checked by their own ranks only,
+    each whenever it builds a unit. Nothing is cached: a pair checked on some ranks but not
+    on others (a second model over other groups on some ranks) left the ranks that skipped
+    the check running while the others waited for them in it."""
+    me = skdist.get_rank()
+    seen = {me: (tuple(skdist.group_ranks(intra_group)), tuple(skdist.group_ranks(inter_group)))}
+    for group in (intra_group, inter_group, intra_group, inter_group):
+        for theirs in skdist.all_gather_object(seen, group=group):
+            seen.update(theirs)
+    problems = _grid_problems(seen)
     if problems:
         raise ValueError("FullyShardedDataParallel(process_group=(intra_node_group, "
                          "inter_node_group)): the ranks' pairs do not form one grid of nodes x "
                          "ranks per node:\n  " + "\n  ".join(problems[:6])
                          + "\nBuild the pairs from shardkit.distributed.node_groups() or a 2-D "
                          "torch DeviceMesh")
-    _checked_grids.current()[(intra, inter)] = True
 
 
 def _pair_problem(r: int, intra: tuple, inter: tuple) -> Optional[str]:
@@ -253,12 +261,20 @@ def _pair_problem(r: int, intra: tuple, inter: tuple) -> Optional[str]:
     return None
 
 
-def _grid_problems(pairs: list) -> list[str]:
-    """What keeps ``pairs`` (rank r's (intra ranks, inter ranks)) from forming one grid."""
-    problems = [p for r, pair in enumerate(pairs) for p in [_pair_problem(r, *pair)] if p]
+def _grid_problems(pairs: dict) -> list[str]:
+    """What keeps ``pairs`` (global rank r -> r's (intra ranks, inter ranks), for the ranks
+    seen) from forming a grid; a member of a group whose pair was not seen counts as a
+    problem (in a grid, every member of both groups of every rank seen is seen)."""
+    ranks = sorted(pairs)
+    problems = [p for r in ranks for p in [_pair_problem(r, *pairs[r])] if p]
     if problems:
         return problems
-    for r, (intra, inter) in enumerate(pairs):
+    unseen = sorted({m for r in ranks for group in pairs[r] for m in group} - set(pairs))
+    if unseen:
+        return [f"ranks {unseen} are in the groups of ranks {ranks} but build no unit over "
+                f"them (or over other groups)"]
+    for r in ranks:
+        intra, inter = pairs[r]
         for kind, group in (("intra", 0), ("inter", 1)):
             members = pairs[r][group]
             others = [m for m in members if pairs[m][group] != members]
@@ -271,7 +287,7 @@ def _grid_problems(pairs: list) -> list[str]:
             m = misplaced[0]
             problems.append(f"rank {r} (shard {place} of {list(intra)}) is a replica of rank {m} "
                             f"(shard {pairs[m][0].index(m)} of {list(pairs[m][0])})")
-    sizes = {len(intra) for intra, _ in pairs}, {len(inter) for _, inter in pairs}
+    sizes = ({len(pairs[r][0]) for r in ranks}, {len(pairs[r][1]) for r in ranks})
     if len(sizes[0]) > 1 or len(sizes[1]) > 1:
         problems.append(f"the groups differ in size (intra-node sizes {sorted(sizes[0])}, "
                         f"inter-node sizes {sorted(sizes[1])})")
@@ -283,10 +299,10 @@ def groups_of_mesh(device_mesh, strategy: ShardingStrategy):
     ``(replicate, shard)`` for hybrid strategies gives ``(shard group, replicate group)``, as
     torch FSDP1 reads it; a 1-D mesh for the others gives its one group.
 
-    A 2-D mesh's pair skips :func:`_check_grid`'s all-gather over the world, so a mesh that
-    covers part of the world (one pipeline stage's ``mesh["replicate", "shard"]``) needs only
-    its own ranks, as under torch. Its groups must be its mesh tensor's row and column through
-    this rank (``DeviceMesh.from_group`` takes any groups): checked here, locally; that the
+    A 2-D mesh's pair skips :func:`_check_grid`'s all-gathers (a mesh that covers part of the
+    world, one pipeline stage's ``mesh["replicate", "shard"]``, needs only its own ranks, as
+    under torch). Its groups must be its mesh tensor's row and column through this rank
+    (``DeviceMesh.from_group`` takes any groups): checked here, locally; that the
     ranks hold the same mesh tensor is checked with the unit's arguments (over its own groups).
     Local, no communication."""
     ndim = getattr(device_mesh, "ndim", None)
@@ -362,9 +378,10 @@ def resolve_groups(strategy: ShardingStrategy, process_group,
                    hpz_partition_size: int = 1) -> UnitGroups:
     """The :class:`UnitGroups` of ``strategy`` over ``process_group`` (a group, ``None`` for the
     world, or for hybrid strategies a pair ``(intra_node, inter_node)``). Checks happen before
-    any group is created (:func:`check_group_arguments`); creating NO_SHARD's, hpZ's or
-    node_groups()'s groups is collective on the world the first time (hpZ's over a sub-group:
-    on that sub-group), cached after."""
+    any group is created (:func:`check_group_arguments`). Creating hpZ's or node_groups()'s
+    groups is collective on the world the first time (hpZ's over a sub-group: on that
+    sub-group), cached after; NO_SHARD's group of this rank alone is local; an explicit hybrid
+    pair is checked over its own two groups (:func:`_check_grid`)."""
     check_group_arguments(strategy, process_group, hpz_partition_size)
     if strategy.is_hybrid:
         intra, inter = (skdist.node_groups() if process_group is None
