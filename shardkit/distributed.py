@@ -572,13 +572,18 @@ class GroupCache(dict):
 
 def single_rank_group():
     """A process group of this rank alone (FairScale's ``single_rank_pg``: nothing sharded or
-    reduced over it). The first call creates one such group per rank, so every rank must make
-    it together; later calls return the same group. Costs one gloo/NCCL group per rank."""
+    reduced over it), created by this rank alone on the first call (no other rank takes part,
+    so some ranks may call it and others not), the same group after. Costs one gloo/NCCL
+    group.
+
+    Note: made world-wide (every rank creating every rank's group), it advanced the count
+    torch names world groups by on the ranks that called it only, and the next group created
+    over the whole world got other names on other ranks: every rank hung."""
     world = dist.group.WORLD
     entry = _SINGLE_RANK_GROUPS.get(id(world))
     if entry is None or entry[0] is not world:
-        groups = [new_group([r]) for r in range(get_world_size())]
-        entry = _SINGLE_RANK_GROUPS[id(world)] = (world, groups[get_rank()])
+        entry = _SINGLE_RANK_GROUPS[id(world)] = (world, new_group([get_rank()],
+                                                                   members_only=True))
     return entry[1]
 
 

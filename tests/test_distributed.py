@@ -232,6 +232,24 @@ def test_cached_groups_follow_a_new_default_group(world):
         assert got == {"fresh": True, "registered": [list(range(n)), [rank]], "sum": n}, got
 
 
+def _single_rank_group_on_some_ranks_only():
+    """auto_wrap(single_rank_pg=True) on the ranks of one pipeline stage only, then a group
+    over the whole world: every rank must get the same group."""
+    if skd.get_rank() == 0:
+        single = skd.single_rank_group()
+        assert skd.group_ranks(single) == [0] and skd.single_rank_group() is single
+    everyone = skd.new_group(range(skd.get_world_size()))
+    total = torch.ones(1)
+    skd.all_reduce(total, group=everyone)
+    return total.item()
+
+
+def test_single_rank_group_made_on_some_ranks_only(world):
+    """It was made world-wide on the ranks that asked: the next world group hung them all."""
+    assert world.run(_single_rank_group_on_some_ranks_only) == [world.world_size] * \
+        world.world_size
+
+
 def test_failing_rank_reports_traceback_and_world_recovers():
     # rank 0 waits in all_reduce for rank 1 until killed: any grace reports it as hung
     with World(2, timeout=60, failure_grace_s=1.0) as w:
