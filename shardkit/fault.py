@@ -12,9 +12,11 @@ How it works (Note: a watchdog thread, not a short process-group timeout, so tha
 healthy collective — a large all-gather on a loaded machine — is never mistaken for a death):
 
 - Each rank runs a daemon thread that, every ``timeout_s / 8`` seconds, increments a counter
-  under ``shardkit/heartbeat/<attempt>/<rank>`` in the rendezvous TCP store (its own client
-  connection to ``MASTER_ADDR:MASTER_PORT``; ``<attempt>`` is torchrun's restart count, so a
-  restarted job never reads its predecessor's beats) and reads every peer's counter.
+  under ``shardkit/heartbeat/<attempt>/<rank>`` in the rendezvous store of the default
+  process group (its own client connection to that TCP store, whether ``env://``, torchrun or
+  ``tcp://host:port`` made it; a ``file://`` or other store is shared with the group;
+  ``<attempt>`` is torchrun's restart count, so a restarted job never reads its predecessor's
+  beats) and reads every peer's counter.
 - A peer whose counter has not moved for ``timeout_s`` (measured on this rank's own clock; no
   clock agreement needed) is lost. Outside torchrun rank 0 hosts the store, so when the store
   stops answering, rank 0 is lost.
@@ -118,12 +120,7 @@ class PeerWatchdog:
         self._stopped = threading.Event()
         self._world = dist.group.WORLD  # the default group it watches for
         self._prefix = per_attempt_store_key("shardkit/heartbeat") + "/"
-        self._store_host_rank = None if os.environ.get(
-            "TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0
-        self._store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                    is_master=False,
-                                    timeout=datetime.timedelta(seconds=max(timeout_s, 1.0)),
-                                    wait_for_workers=False)
+        self._store, self._store_host_rank = _connect_to_rendezvous(timeout_s)
         self._beat = 0
         self._store.set(self._key(self.rank), str(self._beat))
         self._thread = threading.Thread(target=self._run, name="shardkit-peer-watchdog",
@@ -351,6 +348,42 @@ class PeerWatchdog:
                    for v in values):
                 return
             time.sleep(min(0.05, self.interval_s))
+
+
+def _connect_to_rendezvous(timeout_s: float) -> tuple:
+    """``(store, host rank)``: the watchdog's own client of the TCP store the default group met
+    on, wherever its address came from (``env://``, torchrun, ``tcp://host:port``), and the rank
+    whose process hosts it (rank 0, or ``None`` under torchrun's agent store). Any other store
+    (``file://``, a store passed to ``init_process_group``) is used as it is, shared with the
+    group, and no rank hosts it."""
+    timeout = datetime.timedelta(seconds=max(timeout_s, 1.0))
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = _default_store()
+    tcp = store
+    while isinstance(tcp, dist.PrefixStore):
+        tcp = tcp.underlying_store
+    if isinstance(tcp, dist.TCPStore):
+        host, port = tcp.host, tcp.port
+    elif store is not None:
+        return store, None
+    else:  # no default store to read (a torch without the accessor): torchrun's variables
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        if host is None or port is None:
+            raise RuntimeError("watch_peers: cannot find the rendezvous store of the default "
+                               "process group (set MASTER_ADDR and MASTER_PORT)")
+        port = int(port)
+    client = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
+    return client, None if agent_hosts else 0
+
+
+def _default_store():
+    """The store the default process group was made with, or ``None`` where torch does not
+    say (a private accessor of torch's)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+        return _get_default_store()
+    except Exception:  # noqa: BLE001 - missing or renamed in this torch: fall back to env
+        return None
 
 
 def _say(note: str) -> None:

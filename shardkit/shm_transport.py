@@ -26,8 +26,10 @@ writes before them. Operations run in issue order on one background thread per g
 overlap with compute like the process group's asynchronous collectives.
 
 Failures: a rank waiting on a peer notices within half a second that the peer's process has
-exited and raises naming it; otherwise ``timeout_s`` bounds every wait. After an error the
-transport is broken and every later operation raises the same error.
+exited and raises naming it; otherwise ``timeout_s`` bounds every wait. Ranks that issued
+different collectives raise :class:`DivergedCollectivesError` (a
+:class:`~shardkit.collective_check.CollectiveMismatchError`). After an error the transport is
+broken and every later operation raises the same error.
 
 Memory: ``3 x N x part_bytes`` (default 2 MiB per part: 12 MiB at world 2) plus a page of
 control per group, for the life of the process, whatever the model's size; reported by
@@ -61,23 +63,35 @@ from typing import Callable, Optional
 import torch
 
 from shardkit import distributed as skdist
+from shardkit.collective_check import CollectiveMismatchError
 from shardkit.transport import (CommHandle, ProcessGroupTransport, Transport, segment_views,
                                 warn_once)
 
-__all__ = ["SharedMemoryTransport", "TransportError", "NUM_SLOTS"]
+__all__ = ["SharedMemoryTransport", "TransportError", "DivergedCollectivesError", "NUM_SLOTS"]
 
 NUM_SLOTS = 3
 _CONTROL_BYTES = 4096  # token page
 _HEADER_FIELDS = 5  # generation, op code, total bytes, dtype code, detail (see _Ring.submit)
 _OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "reduce")
+# the header's dtype codes are indices here: new dtypes go at the end
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-           torch.int32, torch.int8, torch.uint8, torch.bool)
+           torch.int32, torch.int8, torch.uint8, torch.bool, torch.int16, torch.complex64,
+           torch.complex128)
+_DATA_ALIGN = 64  # the slots start on a cache line, so any dtype (complex128: 16) views them
 _LIVENESS_PERIOD_S = 0.25
 _REDUCE_OPS = ("SUM", "MAX")  # the all-reduces it runs, coded in the header's detail
 
 
 class TransportError(RuntimeError):
     """A shared-memory collective failed: a peer exited, timed out, or issued another op."""
+
+
+class DivergedCollectivesError(TransportError, CollectiveMismatchError):
+    """The ranks of a group issued different shared-memory collectives (op, bytes, dtype,
+    source or layout). Every rank that reads the headers raises it, naming both ops, as the
+    collective debug mode's :class:`~shardkit.collective_check.CollectiveMismatchError` (which
+    it is): a bug in the program, not a lost peer, so :mod:`shardkit.fault` reports it at once
+    instead of first waiting for a peer to be declared lost."""
 
 
 class SharedMemoryTransport(Transport):
@@ -236,6 +250,9 @@ class SharedMemoryTransport(Transport):
             return self._fallback.all_reduce(tensor, group, op)
         if op != skdist.ReduceOp.SUM and op != skdist.ReduceOp.MAX:
             raise ValueError(f"SharedMemoryTransport.all_reduce(op={op}): SUM and MAX only")
+        if op == skdist.ReduceOp.MAX and tensor.is_complex():
+            raise ValueError(f"SharedMemoryTransport.all_reduce(op=MAX): a {tensor.dtype} tensor "
+                             f"has no order; use SUM or a real dtype")
         if not tensor.is_contiguous():
             raise ValueError(f"SharedMemoryTransport.all_reduce: the {tuple(tensor.shape)} "
                              f"tensor must be contiguous (it is reduced in place)")
@@ -350,17 +367,15 @@ class _Ring:
         self.memory = memory = torch.frombuffer(mapping, dtype=torch.uint8)
         self.timeout_s = timeout_s
         self._peers = peers
-        counters_at = _CONTROL_BYTES
-        headers_at = counters_at + 2 * NUM_SLOTS * n * 8
-        data_at = headers_at + NUM_SLOTS * n * _HEADER_FIELDS * 8
+        counters_at, headers_at, data_at = _offsets(n)
         self._atomics = atomics
         self._contexts: list = []
         self._arrived = [[self._counter(counters_at + ((0 * NUM_SLOTS + s) * n + r) * 8)
                           for r in range(n)] for s in range(NUM_SLOTS)]
         self._done = [[self._counter(counters_at + ((1 * NUM_SLOTS + s) * n + r) * 8)
                        for r in range(n)] for s in range(NUM_SLOTS)]
-        self._headers = memory[headers_at:data_at].view(torch.int64).view(
-            NUM_SLOTS, n, _HEADER_FIELDS)
+        self._headers = memory[headers_at:headers_at + NUM_SLOTS * n * _HEADER_FIELDS * 8].view(
+            torch.int64).view(NUM_SLOTS, n, _HEADER_FIELDS)
         self._data = memory[data_at:].view(NUM_SLOTS, n, part_bytes)
         self._next_gen = 1
         self._queue: "queue.Queue" = queue.Queue()
@@ -379,8 +394,7 @@ class _Ring:
 
     @staticmethod
     def total_bytes(n: int, part_bytes: int) -> int:
-        return (_CONTROL_BYTES + 2 * NUM_SLOTS * n * 8 + NUM_SLOTS * n * _HEADER_FIELDS * 8
-                + NUM_SLOTS * n * part_bytes)
+        return _offsets(n)[2] + NUM_SLOTS * n * part_bytes
 
     @classmethod
     def open(cls, group, part_bytes: int, timeout_s: float):
@@ -389,10 +403,7 @@ class _Ring:
         if n == 1:
             skdist.all_gather_object(None, group=group)
             return None, "a group of one rank has nothing to exchange"
-        try:
-            namespace = os.readlink("/proc/self/ns/pid")
-        except OSError:
-            namespace = None
+        namespace = _host_and_pid_namespace()
         everyone = skdist.all_gather_object((namespace, os.getpid()), group=group)
         size = cls.total_bytes(n, part_bytes)
         offer, fd, mapping, why = None, None, None, None
@@ -406,12 +417,18 @@ class _Ring:
                 if offer is None:
                     why = f"rank 0 could not create {size} bytes of anonymous shared memory"
         leader = skdist.get_global_rank(group, 0)
-        offer, why = skdist.broadcast_object((offer, why), src=leader, group=group)
-        if offer is not None and skdist.get_rank(group) != 0:
-            mapping = _attach(offer, size)
-        ok = skdist.all_gather_object(mapping is not None, group=group)
-        if fd is not None:
-            os.close(fd)  # every rank has its mapping (or gave up): the memory lives on in them
+        try:
+            offer, why = skdist.broadcast_object((offer, why), src=leader, group=group)
+            if offer is not None and skdist.get_rank(group) != 0:
+                mapping = _attach(offer, size)
+            ok = skdist.all_gather_object(mapping is not None, group=group)
+        except BaseException:  # a peer died during the set-up: keep neither fd nor mapping
+            if mapping is not None:
+                mapping.close()
+            raise
+        finally:
+            if fd is not None:  # every rank has its mapping (or gave up): it keeps the memory
+                os.close(fd)
         if offer is None or not all(ok):
             if mapping is not None:
                 mapping.close()
@@ -436,7 +453,7 @@ class _Ring:
         broadcast's source (rank + 1), an all-reduce's reduction, or a code of an unequal
         segment layout."""
         if self._error is not None:
-            raise TransportError(str(self._error))
+            raise _again(self._error)
         if dtype not in _DTYPES:
             raise TypeError(f"SharedMemoryTransport: dtype {dtype} is not supported; valid "
                             f"dtypes are {[str(d) for d in _DTYPES]}")
@@ -496,7 +513,7 @@ class _Ring:
             self._busy = True
             try:
                 if self._error is not None:
-                    raise TransportError(str(self._error))
+                    raise _again(self._error)
                 if start is not None:
                     start()
                 offsets = range(0, max(numel, 1), step)
@@ -530,7 +547,7 @@ class _Ring:
         rows = self._headers[s].tolist()
         for r, (their_gen, *theirs) in enumerate(rows):
             if their_gen != gen or tuple(theirs) != tuple(mine):
-                raise TransportError(
+                raise DivergedCollectivesError(
                     f"shared-memory collectives diverged at round {gen}: rank {self.rank} issued "
                     f"{_describe(mine)}, rank {r} issued {_describe(theirs)}; every rank must "
                     f"issue the same collectives in the same order")
@@ -557,6 +574,21 @@ class _Ring:
                 raise TransportError(
                     f"shared-memory collective on rank {self.rank}: rank(s) {late} did not "
                     f"{what} within {self.timeout_s:.0f} s (timeout_s sets the limit)")
+
+
+def _offsets(n: int) -> tuple[int, int, int]:
+    """Where a ring of ``n`` ranks keeps its counters, its headers and its slots: byte offsets
+    into the mapping, whose first page holds the token."""
+    counters_at = _CONTROL_BYTES
+    headers_at = counters_at + 2 * NUM_SLOTS * n * 8
+    data_at = headers_at + NUM_SLOTS * n * _HEADER_FIELDS * 8
+    return counters_at, headers_at, -(-data_at // _DATA_ALIGN) * _DATA_ALIGN
+
+
+def _again(error: TransportError) -> TransportError:
+    """A fresh error of ``error``'s class and words, for an operation issued after the transport
+    broke (the first error's traceback holds views of the slots)."""
+    return type(error)(str(error))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -621,6 +653,19 @@ def _attach(offer, size: int):
         mapping.close()
         return None
     return mapping
+
+
+def _host_and_pid_namespace() -> Optional[tuple[str, str]]:
+    """This process's kernel (its boot id) and pid namespace, or ``None`` where ``/proc`` does
+    not say. Ranks share memory through ``/proc/<pid>/fd`` only where both are equal: the
+    namespace alone is not enough, since every host's first pid namespace has the same
+    number."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return boot, os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def _alive(pid: Optional[int]) -> bool:
