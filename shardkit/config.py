@@ -330,6 +330,29 @@ SCHEMA: dict = {
         "zero_quantized_weights": _bool(), "zero_quantized_gradients": _bool(),
         "zero_hpz_partition_size": _int(1, 1),
         "log_trace_cache_warnings": _bool(),  # logging only
+        # DeepSpeed's performance switches of its own reduction and gathering code (how
+        # buckets are combined or fetched, module-hook granularity, debug checks): the values
+        # computed are the same; shardkit's wrappers bucket and gather their own way
+        "use_multi_rank_bucket_allreduce": _bool(True),
+        "stage3_module_granularity_threshold": _int(0, 0),
+        "stage3_use_all_reduce_for_fetch_params": _bool(),
+        "stage3_allgather_sequential": _bool(),
+        "override_module_apply": _bool(True), "enable_sanity_checks": _bool(),
+        "legacy_stage1": _bool(),
+        "cpu_offload_use_pin_memory": _nullable(_bool()),  # deprecated offload_*.pin_memory
+        # MiCS (parameters sharded within groups of mics_shard_size ranks) and LoCo-ZeRO++
+        # (error feedback on quantized gradients): accepted while off
+        "mics_shard_size": Field((int,), -1, lambda v: v == -1,
+                                 "-1 (shardkit does not implement DeepSpeed's MiCS; "
+                                 "zero_hpz_partition_size keeps a copy of the parameters "
+                                 "within each node instead)", refusal="is not supported"),
+        "mics_hierarchical_params_gather": _off("zero_optimization."
+                                                "mics_hierarchical_params_gather",
+                                                "MiCS is not provided"),
+        "zeropp_loco_param": Field((dict, type(None)), None, lambda v: v is None,
+                                   "null (shardkit does not implement LoCo-ZeRO++'s error "
+                                   "feedback; zero_quantized_gradients quantizes without it)",
+                                   refusal="is not supported"),
         # DeepSpeed's stage-3 linear that saves less for backward: same values and gradients
         "memory_efficient_linear": _bool(True),
         # ZeRO++'s int8 copy of frozen weights (DeepSpeed-Chat's mixed-precision LoRA): the
@@ -348,7 +371,14 @@ SCHEMA: dict = {
                                               "master weights and gradients stay fp32"),
     },
     "bf16": {"enabled": _bool(), "check_grad_overflow": _bool(True),
-             "immediate_grad_update": _bool()},
+             "immediate_grad_update": _bool(),
+             # DeepSpeed's low-precision ZeRO options (its bf16_master_weight example)
+             "bf16_master_weights_and_grads": _off("bf16.bf16_master_weights_and_grads",
+                                                   "master weights and gradients stay fp32; "
+                                                   "stage 3 shards them over the ranks"),
+             "bf16_optimizer_states": _off("bf16.bf16_optimizer_states",
+                                           "optimizer states stay fp32; stages 1-3 shard them "
+                                           "over the ranks")},
     # DeepSpeed's torch.autocast switch over fp32 weights: shardkit's "bf16" / "fp16" sections
     # already run the forward that way, so the section is accepted while off
     "torch_autocast": {"enabled": _off("torch_autocast section",
@@ -744,7 +774,8 @@ _OLD_NAMES = {"bfloat16": "bf16"}
 # the schema has the stage3_ one
 _ZERO_ALIASES = {name: f"stage3_{name}" for name in (
     "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
-    "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save")}
+    "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+    "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential")}
 
 
 def _zero_with_current_names(zero) -> object:

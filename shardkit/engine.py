@@ -357,15 +357,18 @@ def _refuse_direct_step(optimizer, args, kwargs) -> None:
 
 
 def _write_atomically(state: dict, path: str) -> Optional[str]:
-    """``torch.save`` of ``state`` (on CPU) to ``path`` through a temporary file renamed into
-    place; returns the error's text instead of raising, and leaves no temporary behind."""
+    """``torch.save`` of ``state`` (tensors on CPU; a module's ``get_extra_state()`` object
+    as it is, as torch's ``state_dict`` holds it) to ``path`` through a temporary file renamed
+    into place; returns the error's text instead of raising (any error: the caller's other
+    ranks wait to hear the outcome), and leaves no temporary behind."""
     staging = f"{path}.tmp{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        torch.save({k: v.detach().cpu() for k, v in state.items()}, staging)
+        torch.save({k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                    for k, v in state.items()}, staging)
         os.replace(staging, path)
         return None
-    except OSError as error:
+    except Exception as error:  # noqa: BLE001 - an unpicklable extra state too, not only I/O
         return f"{type(error).__name__}: {error}"
     finally:
         if os.path.exists(staging):
@@ -1452,11 +1455,13 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         return True
 
     def _16bit_state_dict(self, exclude_frozen_parameters: bool) -> dict:
-        """:meth:`module_state_dict` with floating tensors in the compute dtype."""
+        """:meth:`module_state_dict` with floating tensors in the compute dtype (other entries,
+        such as a module's ``get_extra_state()`` object, as they are)."""
         state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
         dtype = self._autocast_dtype
         if dtype is not None:
-            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+            state = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
+                     else v for k, v in state.items()}
         return state
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
