@@ -1655,10 +1655,13 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         written at any world size and ZeRO stage. Returns ``(path, client_state)``, or
         ``(None, None)`` when ``load_dir`` holds no checkpoint. Must be called on every rank.
 
-        The arguments are DeepSpeed's, in its order; ``load_module_strict=False`` (loading a
-        checkpoint of another model) is refused with a ``ValueError`` before anything is read,
-        and so is a ``custom_load_fn`` (DeepSpeed's hook that loads the module's weights in
-        place of ``load_state_dict``).
+        The arguments are DeepSpeed's, in its order. ``load_module_strict=False`` has torch's
+        ``strict=False`` meaning (Hugging Face's Trainer passes it to resume a PEFT model): the
+        model's tensors the checkpoint lacks keep their values, the checkpoint's tensors the
+        model lacks are ignored, shapes must still match; the optimizer state of a checkpoint
+        whose names differ is refused (``load_optimizer_states=False`` loads the rest). A
+        ``custom_load_fn`` (DeepSpeed's hook that loads the module's weights in place of
+        ``load_state_dict``) is refused with a ``ValueError`` before anything is read.
 
         ``load_module_only=True`` is DeepSpeed's warm start: the weights only; the step
         counters (``global_steps``, ``skipped_steps``), the loss scale, the scheduler and this
@@ -1669,13 +1672,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         optimizer state this rank's optimizer keeps (stages 1-2: its OSS share; stage 0: the
         whole); stage 3, only this rank's row blocks of both (``1/N``)."""
         from shardkit.checkpoint.engine_state import load_engine_checkpoint
-        if load_module_strict is not True:
-            raise ValueError(
-                f"engine.load_checkpoint(load_module_strict={load_module_strict!r}): only True "
-                f"is supported (the checkpoint's tensors must be the model's); to start from "
-                f"part of a checkpoint, write its weights with `python -m shardkit consolidate "
-                f"DIR model.pt`, load them with model.load_state_dict(..., strict=False) before "
-                f"shardkit.initialize")
+        if not isinstance(load_module_strict, bool):
+            raise ValueError(f"engine.load_checkpoint(load_module_strict="
+                             f"{load_module_strict!r}): expected True or False")
         if custom_load_fn is not None:
             raise ValueError(
                 "engine.load_checkpoint(custom_load_fn=...): not supported; write the "
@@ -1689,7 +1688,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                                         load_optimizer_states=load_optimizer_states
                                         and not load_module_only and self.optimizer is not None,
                                         load_lr_scheduler_states=load_lr_scheduler_states
-                                        and not load_module_only)
+                                        and not load_module_only, strict=load_module_strict)
         if kept is not None:
             self._restore_training_position(kept)
         self._publish_loss_scale()

@@ -274,7 +274,7 @@ def _cpu(value):
 
 def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
                            load_optimizer_states: bool = True,
-                           load_lr_scheduler_states: bool = True):
+                           load_lr_scheduler_states: bool = True, strict: bool = True):
     """What ``engine.load_checkpoint`` does: read the tag's checkpoint (verified), check its
     tensor names and shapes against the engine's model (and, with the optimizer states, that
     the same optimizer class saved them; with the scheduler's state, that a scheduler restoring
@@ -293,7 +293,7 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     what loading into the wrappers costs (stage 3: nothing; stages 0-2: see the optimizer's
     ``load_state_dict``)."""
     ckpt = _read_and_check_on_every_rank(engine, load_dir, tag, load_optimizer_states,
-                                         load_lr_scheduler_states)
+                                         load_lr_scheduler_states, strict)
     if ckpt is None:
         logger.warning("load_checkpoint: no 'latest' file in %s; nothing loaded", load_dir)
         return None, None
@@ -352,7 +352,8 @@ def _set_scheduled_values(scheduler, optimizer) -> None:
 
 
 def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
-                                  with_optimizer: bool, with_scheduler: bool = False):
+                                  with_optimizer: bool, with_scheduler: bool = False,
+                                  strict: bool = True):
     """The checked checkpoint (``None`` when ``load_dir`` has none), read by every rank, which
     then agree before any loads: a rank that cannot read it, or finds none while others do (a
     directory that is not shared, a damaged file one node sees), makes every rank raise a
@@ -367,7 +368,10 @@ def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
             ckpt = read_checkpoint(path, with_optimizer=with_optimizer,
                                    keep_optim=_optimizer_state_kept_here(engine),
                                    keep_rows=_rows_kept_here(engine))
-            _check_names(engine, ckpt)
+            if strict:
+                _check_names(engine, ckpt)
+            else:
+                _keep_common_names(engine, ckpt, with_optimizer)
             _check_shapes(engine, ckpt)  # before anything is written: a mismatch changes nothing
             if with_optimizer:
                 _check_optimizer_class(engine, ckpt)
@@ -480,6 +484,34 @@ def _check_names(engine, ckpt) -> None:
             f"load_checkpoint({ckpt.path}): the model does not match the checkpoint; missing "
             f"in the checkpoint: {sorted(expected - saved)[:5]}, unexpected: "
             f"{sorted(saved - expected)[:5]}")
+
+
+def _keep_common_names(engine, ckpt, with_optimizer: bool) -> None:
+    """``load_checkpoint(load_module_strict=False)`` (torch's ``strict=False``, which Hugging
+    Face's Trainer passes when resuming a PEFT model): the model's tensors the checkpoint lacks
+    keep their values (as the frozen ones a save left out), and the checkpoint's tensors the
+    model lacks are dropped; shapes of the common names are still checked. Optimizer state
+    saved for other names cannot be matched to this model's parameters: a
+    :class:`CheckpointError` naming ``load_optimizer_states=False``. Local."""
+    expected = set(engine.module_state_names())
+    saved = set(ckpt.metadata["param_names"]) | set(ckpt.metadata.get("excluded_frozen", ()))
+    missing, unexpected = sorted(expected - saved), sorted(saved - expected)
+    if not missing and not unexpected:
+        return
+    if with_optimizer:
+        raise CheckpointError(
+            f"load_checkpoint({ckpt.path}, load_module_strict=False): the model and the "
+            f"checkpoint differ (missing in the checkpoint: {missing[:5]}, unexpected: "
+            f"{unexpected[:5]}), so its optimizer state cannot be matched to this model's "
+            f"parameters; pass load_optimizer_states=False (or load_module_only=True); "
+            f"nothing was loaded")
+    for name in unexpected:
+        ckpt.params.pop(name, None)
+        ckpt.shapes.pop(name, None)
+    ckpt.metadata = {**ckpt.metadata,
+                     "param_names": sorted(set(ckpt.metadata["param_names"]) - set(unexpected)),
+                     "excluded_frozen": sorted(set(ckpt.metadata.get("excluded_frozen", ()))
+                                               | set(missing))}
 
 
 def _model_shapes(engine) -> dict:
