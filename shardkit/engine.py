@@ -386,8 +386,10 @@ def _note_step_taken_for(lr_scheduler) -> None:
 
 
 def _is_scheduler_instance(lr_scheduler) -> bool:
-    return lr_scheduler is not None and hasattr(lr_scheduler, "step") \
-        and hasattr(lr_scheduler, "state_dict")
+    """A built scheduler (``step`` and ``state_dict``); a scheduler class is a callable that
+    builds one from the optimizer, as DeepSpeed takes ``lr_scheduler=MyScheduler``."""
+    return lr_scheduler is not None and not isinstance(lr_scheduler, type) \
+        and hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "state_dict")
 
 
 # ----------------------------------------------------------------------------- composition

@@ -385,6 +385,24 @@ def _loss_scale_read_both_ways():
             engine.optimizer.cur_scale())
 
 
+class _HalvingSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """A script's own scheduler class, built from the optimizer alone."""
+
+    def __init__(self, optimizer):
+        super().__init__(optimizer, lambda step: 0.5 ** step)
+
+
+def _scheduler_class_as_the_callable():
+    """DeepSpeed takes ``lr_scheduler=`` as a callable of the optimizer: a class is one (it was
+    taken for a built scheduler and refused as "not attached to the optimizer")."""
+    engine, _, _, scheduler = shardkit.initialize(model=_model(), config=_adam_config(),
+                                                  lr_scheduler=_HalvingSchedule)
+    for p in engine.module.parameters():
+        p.grad = torch.zeros_like(p)
+    engine.step()
+    return type(scheduler).__name__, scheduler.optimizer is engine.optimizer, engine.get_lr()
+
+
 def _multi_output_backward():
     """DeepSpeed's TestTwoOutputModel: a model returning a tuple of losses; backward of their
     sum returns the sum divided by the accumulation steps."""
@@ -464,6 +482,12 @@ def test_loss_scale_is_a_number_and_deepspeeds_method(world1):
     called, doubled, on_optimizer, optimizer_called = world1.run(_loss_scale_read_both_ways)[0]
     assert (called, doubled, on_optimizer, optimizer_called) == (8.0, 16.0, 8.0, 8.0)
     assert type(called) is float
+
+
+def test_a_scheduler_class_is_taken_as_the_callable(world1):
+    name, attached, lrs = world1.run(_scheduler_class_as_the_callable)[0]
+    assert (name, attached) == ("_HalvingSchedule", True)
+    assert lrs == [pytest.approx(0.00015 * 0.5)]
 
 
 def test_multi_output_model_backward_returns_the_divided_loss(world1):
