@@ -489,22 +489,19 @@ def gradient_step_problem(caller: str, optim_cls: type, hyper: dict, param: torc
     Every rank can ask this before the step, so that all raise alike; otherwise only the
     owner's optimizer failed and the other ranks waited in the parameter sync until the
     collective timed out. Told by a throwaway optimizer of the same class and settings
-    stepping a two-element stand-in of ``param``'s dimensions, dtype and device once with a
-    dense gradient and once with a sparse one; only torch's and shardkit's classes are tried
-    (another class's step may do more than update its parameters), and LBFGS is not (it needs
-    a closure, and every rank steps the whole model anyway). Cached in ``known`` by the
-    settings that choose an implementation (``foreach``, ``fused``, ``capturable``...: the
-    values that are None, a bool or a string), not by the numbers a scheduler changes every
-    step. Local."""
+    stepping a two-element stand-in of ``param``'s dimensions (one for a 0-dim parameter),
+    dtype and device once with a dense gradient and once with a sparse one; only torch's and
+    shardkit's classes are tried (another class's step may do more than update its
+    parameters), and LBFGS is not (it needs a closure, and every rank steps the whole model
+    anyway). Cached in ``known`` by what chooses a code path (:func:`_step_path_key`:
+    ``foreach``, ``fused``, ``capturable``..., whether each number is zero, a tensor's kind),
+    not by the numbers a scheduler changes every step. Local."""
     module = getattr(optim_cls, "__module__", "") or ""
-    if not isinstance(optim_cls, type) or param.dim() == 0 \
-            or issubclass(optim_cls, torch.optim.LBFGS) \
+    if not isinstance(optim_cls, type) or issubclass(optim_cls, torch.optim.LBFGS) \
             or not module.startswith(("torch.optim", "shardkit.optim", "shardkit.ops")):
         return None
     hyper = {k: v for k, v in hyper.items() if k != "param_names"}
-    switches = tuple((k, v) for k, v in sorted(hyper.items())
-                     if v is None or isinstance(v, (bool, str)))
-    key = ("layouts", optim_cls, switches, param.dim(), param.dtype, param.device)
+    key = ("layouts", optim_cls, _step_path_key(hyper), param.dim(), param.dtype, param.device)
     if key not in known:
         known[key] = {sparse: _step_refusal(optim_cls, hyper, param, sparse)
                       for sparse in (False, True)}
@@ -528,12 +525,38 @@ def gradient_step_problem(caller: str, optim_cls: type, hyper: dict, param: torc
     return None
 
 
+def _step_path_key(hyper: dict) -> tuple:
+    """What of the hyper-parameters ``hyper`` may choose the code path of a step, and so
+    whether it is refused: the switches (None, a bool, a string), whether each number is zero
+    (Adagrad steps a sparse gradient with ``weight_decay=0`` only; momentum and weight decay
+    are branches), a tensor's dtype, device and dimensions (``lr`` as a tensor), element by
+    element in a tuple (``betas``). The same for every value a scheduler moves through, so a
+    cache keyed by it stays one entry per setting however many steps it serves."""
+    return tuple((k, _path_of(v)) for k, v in sorted(hyper.items()))
+
+
+def _path_of(value):
+    # Note: bool before int (True is an int)
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.device, value.dim())
+    if isinstance(value, (int, float)):
+        return "zero" if value == 0 else "nonzero"
+    if isinstance(value, (tuple, list)):
+        return tuple(_path_of(v) for v in value)
+    return f"<{type(value).__qualname__}>"
+
+
 def _step_refusal(optim_cls: type, hyper: dict, param: torch.Tensor,
                   sparse: bool) -> Optional[str]:
     """The error ``optim_cls`` raises stepping a stand-in of ``param`` (two elements along its
     first dimension, its dtype and device) with a gradient of ones, sparse or dense; ``None``
     when the step works."""
-    shape = (2,) + (1,) * (param.dim() - 1)
+    # Note: a 0-dim parameter (a learned scale) is stood in for by a 1-dim one, which the
+    # optimizers step alike: no sparse gradient has 0 dimensions, and left untold the owner
+    # alone raised (SparseAdam given a scalar's dense gradient) while the others hung
+    shape = (2,) + (1,) * (param.dim() - 1) if param.dim() else (2,)
     stand_in = torch.nn.Parameter(torch.zeros(shape, dtype=param.dtype, device=param.device))
     grad = torch.ones_like(stand_in)
     stand_in.grad = grad.to_sparse() if sparse else grad

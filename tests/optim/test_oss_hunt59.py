@@ -80,6 +80,7 @@ def _refused_in_backward():
     opt.zero_grad()
     ddp(torch.ones(3, 4)).sum().backward()
     opt.step()
+    opt.wait_for_sync()  # step_in_backward leaves the last all-gathers in flight
     return message, unchanged, not torch.equal(before, model.weight)
 
 
@@ -131,3 +132,70 @@ def test_clip_grad_norm_scales_every_gradient_a_rank_holds(world2):
     for norm_diff, grad_diff in world2.run(_clipped_gradients):
         assert norm_diff <= 1e-5
         assert grad_diff <= 1e-7  # owned or not, p.grad reads as after torch's clip_grad_norm_
+
+
+def _adagrad_groups(groups):
+    """Adagrad over one parameter per param group, ``groups`` giving each one's gradient
+    (``"dense"``: a linear weight's; ``"sparse"``: an ``nn.Embedding(sparse=True)`` weight's)
+    and weight decay; one step against torch's Adagrad: ``(None, largest difference)``, or
+    ``(the error, None)``."""
+    torch.manual_seed(0)
+    built = [{"params": [nn.Parameter(torch.randn(6, 3))], "weight_decay": wd}
+             for _, wd in groups]
+    ref_groups = copy.deepcopy(built)
+    opt = OSS(built, optim=torch.optim.Adagrad, lr=0.1)
+    ref = torch.optim.Adagrad(ref_groups, lr=0.1)
+    for o in (opt, ref):
+        for g, (layout, _) in zip(o.param_groups, groups):
+            p = g["params"][0]
+            p.grad = torch.full_like(p, 2.0) if layout == "dense" else torch.sparse_coo_tensor(
+                torch.tensor([[1, 4]]), torch.ones(2, 3), (6, 3))
+    try:
+        opt.step()
+    except RuntimeError as error:
+        return str(error), None
+    ref.step()
+    return None, max(float((a["params"][0] - b["params"][0]).abs().max())
+                     for a, b in zip(opt.param_groups, ref.param_groups))
+
+
+def _sparse_adam_with_a_scalar():
+    """SparseAdam over an embedding and a learned 0-dim scale (owned by rank 1), whose dense
+    gradient it refuses: the error, or None."""
+    torch.manual_seed(0)
+    embedding, scale = nn.Embedding(10, 3, sparse=True), nn.Parameter(torch.tensor(1.0))
+    opt = OSS([embedding.weight, scale], optim=torch.optim.SparseAdam, lr=0.1)
+    (embedding(torch.tensor([1, 2])) * scale).sum().backward()
+    try:
+        opt.step()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def _step_check_cases():
+    return {"decayed_dense_then_sparse": _adagrad_groups([("dense", 0.01), ("sparse", 0.0)]),
+            "sparse_then_decayed_sparse": _adagrad_groups([("sparse", 0.0), ("sparse", 0.1)]),
+            "sparse_adam_scalar": _sparse_adam_with_a_scalar()}
+
+
+def test_step_check_tells_param_groups_by_their_numbers_and_scalars(world2):
+    """Adagrad steps a sparse gradient with ``weight_decay=0`` only, the usual split being a
+    decayed group of dense weights and an undecayed one of sparse embeddings. The throwaway
+    check cached its answer by the switches alone (weight decay being a number): after a
+    decayed group of dense gradients, the undecayed embeddings were refused on every rank;
+    after an undecayed one, a decayed group of embeddings was not refused, and its owner
+    raised while the other rank hung in the sync. A 0-dim parameter was not checked at all:
+    SparseAdam given a learned scale's dense gradient raised on its owner alone."""
+    for rank, r in enumerate(world2.run(_step_check_cases)):
+        message, diff = r["decayed_dense_then_sparse"]
+        assert message is None and diff <= 1e-6, (rank, message, diff)
+        message, diff = r["sparse_then_decayed_sparse"]
+        assert message is not None and message.startswith(
+            "OSS.step: parameter 0 of param group 1 (shape (6, 3)) has a sparse gradient"), \
+            (rank, message)
+        assert "weight_decay" in message, (rank, message)
+        message = r["sparse_adam_scalar"]
+        assert message is not None and message.startswith(
+            "OSS.step: parameter 1 of param group 0 (shape ()) has a dense gradient, which "
+            "SparseAdam"), (rank, message)
