@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import pickle
+import re
 import threading
 import zlib
 from collections import OrderedDict
@@ -38,9 +39,17 @@ __all__ = ["FSDPStateDictMixin", "add_wrapper_prefix", "clean_name", "show_origi
 _WRAPPED_PREFIX = "_fsdp_wrapped_module."
 
 
+def _without_level(text: str, level: str) -> str:
+    """``text`` (a dotted name, or an error line holding some) without the module levels
+    called exactly ``level``: ``level.`` where no other letter, digit or ``_`` of a name comes
+    before it, as a wrapper's state-dict hook drops its prefix (a module called
+    ``my_fsdp_wrapped_module`` keeps its name). Local."""
+    return re.sub(r"(?<!\w)" + re.escape(level + "."), "", text)
+
+
 def clean_name(name: str) -> str:
     """A parameter or buffer name without FSDP's wrapper prefixes (the unwrapped model's key)."""
-    return name.replace(_WRAPPED_PREFIX, "")
+    return _without_level(name, _WRAPPED_PREFIX[:-1])
 
 
 class _OriginalNames:
@@ -138,7 +147,7 @@ def _parameters_by_key(module: nn.Module) -> dict:
     keyed = {}
     for name, param in nn.Module.named_parameters(module, remove_duplicate=False):
         keyed[name] = param
-        keyed.setdefault(name.replace(_TORCH_CHECKPOINT_PREFIX, ""), param)
+        keyed.setdefault(_without_level(name, _TORCH_CHECKPOINT_PREFIX[:-1]), param)
     return keyed
 
 
@@ -148,7 +157,7 @@ def _state_dict_key(name: str) -> str:
     key of its state in the name-keyed optimizer state dicts, as torch FSDP1 keys them, so
     that a dict saved with activation checkpointing loads without it and the other way
     round, and the name in :meth:`~FSDPStateDictMixin.local_metadata_dict`. Local."""
-    return clean_name(name).replace(_TORCH_CHECKPOINT_PREFIX, "")
+    return _without_level(clean_name(name), _TORCH_CHECKPOINT_PREFIX[:-1])
 
 
 def _state_dict_keys(model) -> dict:
@@ -1036,10 +1045,10 @@ class FSDPStateDictMixin:
         parameters are copied to as many ranks as the model's (its shard group times its
         replicas: a NO_SHARD or HYBRID_SHARD unit inside a FULL_SHARD one) holds the same
         values everywhere and is not one of them, although its groups differ from the
-        model's. No communication."""
-        span = _ranks_holding_a_copy(self)
+        model's. A unit over as many ranks but other ones (experts over one axis of a grid
+        whose other axis the model is over) is one of them. No communication."""
         own = {id(p) for u in self.sharded_units() if u.params
-               for p in u.params if _ranks_holding_a_copy(u) != span}
+               for p in u.params if not _copied_like(u, self)}
         return [_state_dict_key(name) for name, p in self.named_parameters(remove_duplicate=False)
                 if id(p) in own]
 
@@ -1270,17 +1279,26 @@ class FSDPStateDictMixin:
         ``optim``, a dict keyed by names is matched to its parameters by name). The
         argument is ignored on the other ranks (``None`` there). A dict that is not a full
         optimizer state dict raises the same ``ValueError`` on every rank; so does a model
-        with parameters sharded over other groups (experts), before any collective. All ranks of the
-        model's group and replicas must call it. Communication: the full dict's skeleton by one
-        object broadcast and its large tensors one broadcast each (and the same across the
+        with parameters sharded over other groups (experts), before any collective, and an
+        ``optim`` refused on some ranks only (another model's) raises there and a ValueError
+        naming them on the others, before the dict is sent. All ranks of the
+        model's group and replicas must call it. Communication: one all-gather of one integer a
+        rank over the replicas and one over the group (not counted), the full dict's skeleton
+        by one object broadcast and its large tensors one broadcast each (and the same across the
         replicas), each rank cutting its rows from each as it arrives. Memory: this rank's
         part plus one full tensor in flight."""
         model = _as_root(model, "scatter_full_optim_state_dict")
         _refuse_torch_only_arguments("scatter_full_optim_state_dict", optim_input=optim_input,
                                      group=group)
         _refuse_experts_on_one_rank(model, "scatter_full_optim_state_dict")
-        if optim is not None:
-            _check_optimizer_of(model, optim, "scatter_full_optim_state_dict")
+        problem = None
+        try:
+            if optim is not None:
+                _check_optimizer_of(model, optim, "scatter_full_optim_state_dict")
+        except (TypeError, ValueError) as error:
+            problem = error
+        # one rank's optimizer refused there alone left the others waiting in the broadcast
+        _agree_over_group_and_replicas(model, "scatter_full_optim_state_dict", problem)
         sent = _from_first_rank(model, full_optim_state_dict, "scatter_full_optim_state_dict",
                                 "full_optim_state_dict")
         if sent.kind == "error":
@@ -1531,9 +1549,9 @@ for _method in ("_is_first_rank", "_rank0_only_optim_state", "_gathered_optim_st
 def _as_root(model, call: str):
     """``model`` itself when it is an FSDP unit, else a :class:`_PlainRoot` over the outermost
     units it holds, which must share their group and replicas, or at least copy their
-    parameters to as many ranks (a NO_SHARD unit beside FULL_SHARD ones: the model's group is
-    then the widest unit's); a clear error otherwise (no unit, units over different groups),
-    before any collective. Local."""
+    parameters to the same ranks (:func:`_copied_like`; a NO_SHARD unit beside FULL_SHARD
+    ones: the model's group is then the widest unit's); a clear error otherwise (no unit,
+    units over different groups), before any collective. Local."""
     if isinstance(model, FSDPStateDictMixin):
         return model
     if not isinstance(model, nn.Module):
@@ -1548,8 +1566,9 @@ def _as_root(model, call: str):
     ranks = {(tuple(skdist.group_ranks(r.process_group)),
               tuple(skdist.group_ranks(r.replicate_group)) if r.replicate_group is not None
               else None) for r in roots}
-    if len(ranks) > 1 and len({_ranks_holding_a_copy(r) for r in roots}) == 1:
-        # the same values on as many ranks: the model's group is the widest unit's
+    widest = max(roots, key=lambda r: r.world_size)
+    if len(ranks) > 1 and all(_copied_like(r, widest) for r in roots):
+        # the same values on the same ranks: the model's group is the widest unit's
         roots = sorted(roots, key=lambda r: -r.world_size)
     elif len(ranks) > 1:
         raise ValueError(f"FSDP.{call}(model={type(model).__name__}): its outermost "
@@ -1921,6 +1940,32 @@ def _ranks_holding_a_copy(unit) -> int:
     return skdist.get_world_size(unit.process_group) * replicas
 
 
+def _ranks_known_to_hold_a_copy(unit) -> set:
+    """The global ranks of ``unit``'s shard group and of its replicas: those of the ranks
+    holding its parameters that this rank can name (all of them unless both groups have
+    several ranks). Local."""
+    ranks = set(skdist.group_ranks(unit.process_group))
+    if unit.replicate_group is not None:
+        ranks |= set(skdist.group_ranks(unit.replicate_group))
+    return ranks
+
+
+def _copied_like(unit, model) -> bool:
+    """Whether ``unit``'s parameters are held by the very ranks that hold ``model`` (so they
+    have the same values on all of them, as the model's own): as many ranks
+    (:func:`_ranks_holding_a_copy`), and, unless that is every rank, none this rank can name
+    outside the model's. A unit over as many ranks but other ones (model over ``[0, 1]``,
+    unit over ``[0, 2]``) holds other values on the model's other ranks. Where the model's
+    ranks cannot all be named here (hybrid over part of the world), the unit is taken for
+    one of its own unless its groups are the model's. Local: alike on every rank of a grid."""
+    span = _ranks_holding_a_copy(model)
+    if _ranks_holding_a_copy(unit) != span:
+        return False
+    if span == skdist.get_world_size():
+        return True
+    return _ranks_known_to_hold_a_copy(unit) <= _ranks_known_to_hold_a_copy(model)
+
+
 def _refuse_experts_on_one_rank(model, call: str) -> None:
     """A ValueError, on every rank alike and before any collective, where a full optimizer
     state dict kept or given on the first rank alone (``rank0_only``, scatter) would stand for
@@ -1935,6 +1980,25 @@ def _refuse_experts_on_one_rank(model, call: str) -> None:
                          f"dict cannot stand for every rank; give every rank its own full dict "
                          f"(FullOptimStateDictConfig(rank0_only=False), one file per rank) or "
                          f"use LOCAL_STATE_DICT")
+
+
+def _agree_over_group_and_replicas(model, call: str, problem) -> None:
+    """``problem`` (what this rank found wrong with its arguments, or ``None``) raised here,
+    and a ValueError naming the ranks that had one on every other rank of the model's group
+    and of its replicas, before anything is sent. Agreed over the replicas, then over the
+    group, a rank told of a problem in the first carrying it into the second, so that every
+    rank of the grid raises. One all-gather of one integer a rank over each (control
+    messages, not counted)."""
+    groups = ([model.replicate_group] if model.replicate_group is not None else []) + \
+        [model.process_group]
+    for group in groups:
+        try:
+            skdist._agree_on_call(f"FSDP.{call}", problem, [], group, model._comm_device(),
+                                  outcome="nothing was sent")
+        except (TypeError, ValueError) as error:
+            problem = error
+    if problem is not None:
+        raise problem
 
 
 def _from_first_rank(model, osd, caller: str, argument: str) -> "_FirstRanksDict":
@@ -2212,7 +2276,7 @@ def _as_shards(shard: torch.Tensor, layout: ParamLayout, unit, offload: bool):
 def _reported(name: str) -> str:
     """A key as torch FSDP1 reports it in load errors: without the unit's wrapper prefix nor
     torch's ``checkpoint_wrapper`` one (whose hooks drop it from state dicts)."""
-    return clean_name(name).replace("_checkpoint_wrapped_module.", "")
+    return _state_dict_key(name)
 
 
 def _detached(value):
