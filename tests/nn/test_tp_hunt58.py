@@ -70,6 +70,31 @@ def test_row_parallel_output_keeps_the_autocast_dtype_as_nn_linear(world2):
                                           "skipped_bias": torch.float32}, result
 
 
+def _full_state_of_a_module_named_like_a_wrapper_level() -> dict:
+    """``full_model_state_dict`` of a tensor-parallel layer inside a module merely named like
+    torch's wrapper level (``my_checkpoint_wrapped_module``): the split weight must be gathered
+    whole (the name was cut, the key not found, and this rank's slice returned)."""
+    from shardkit.nn.model_parallel.full_state import full_model_state_dict
+    if mp.model_parallel_is_initialized():
+        mp.destroy_model_parallel()
+    mp.initialize_model_parallel(TP)
+    try:
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.my_checkpoint_wrapped_module = mp.ColumnParallelLinear(8, 4 * TP,
+                                                                     gather_output=False)
+        full = full_model_state_dict(model)
+        return {k: tuple(v.shape) for k, v in full.items()}
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_full_state_keeps_names_merely_like_a_wrapper_level(world2):
+    for shapes in world2.run(_full_state_of_a_module_named_like_a_wrapper_level):
+        assert shapes == {"my_checkpoint_wrapped_module.weight": (4 * TP, 8),
+                          "my_checkpoint_wrapped_module.bias": (4 * TP,)}, shapes
+
+
 # ----------------------------------------------------------------------------- checkpoint tags
 
 

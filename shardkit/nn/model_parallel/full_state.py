@@ -16,16 +16,12 @@ import torch
 import torch.nn as nn
 
 from shardkit import distributed
-from shardkit.nn.data_parallel.fsdp_state_dict import clean_name
+from shardkit.nn.data_parallel.fsdp_state_dict import _state_dict_key
 from shardkit.nn.model_parallel.initialize import groups_of
 from shardkit.nn.model_parallel.layers import TensorParallelModule
 
 __all__ = ["full_model_state_dict", "load_full_model_state_dict", "split_specs",
            "sync_module_states"]
-
-
-# torch's checkpoint_wrapper: in module names, not in state_dict keys (as FSDP's prefix)
-_TORCH_CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 
 
 def _split_keys(model: nn.Module, keys) -> dict[str, tuple[TensorParallelModule, str]]:
@@ -36,7 +32,8 @@ def _split_keys(model: nn.Module, keys) -> dict[str, tuple[TensorParallelModule,
     for name, module in model.named_modules(remove_duplicate=False):
         if not isinstance(module, TensorParallelModule):
             continue
-        prefix = clean_name(name + ".").replace(_TORCH_CHECKPOINT_PREFIX, "") if name else ""
+        # (a module merely named like a wrapper level, my_checkpoint_wrapped_module, keeps it)
+        prefix = _state_dict_key(name + ".") if name else ""
         for pname, spec in module._shard_dims.items():
             if spec is not None and prefix + pname in keys:
                 by_key[prefix + pname] = (module, pname)
