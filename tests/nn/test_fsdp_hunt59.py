@@ -263,12 +263,14 @@ def _optimizer_refused_on_one_rank() -> dict:
     sharded = (scaled, torch.optim.Adam(scaled.parameters(), lr=0.1))
     scaled(torch.randn(2, 6)).sum().backward()
     sharded[1].step()
+    plain = _trained("plain units")  # no 0-dim parameter: dcp.save hung after a lone refusal
     out = {}
-    for kind, (model, optim) in (("FULL", full), ("SHARDED", sharded)):
+    for kind, (model, optim) in (("FULL", full), ("SHARDED", sharded),
+                                 ("SHARDED no 0-dim", plain)):
         if skdist.get_rank() == 1:  # a parameter outside the model, on this rank only
             optim.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
         try:
-            with FSDP.state_dict_type(model, StateDictType[f"{kind}_STATE_DICT"]):
+            with FSDP.state_dict_type(model, StateDictType[f"{kind.split()[0]}_STATE_DICT"]):
                 FSDP.optim_state_dict(model, optim)
             out[kind] = "no error"
         except ValueError as error:
@@ -284,7 +286,8 @@ def test_optim_state_dict_refusing_one_ranks_optimizer_raises_on_every_rank(worl
     in the broadcast of a 0-dim parameter's state (SHARDED), until the collective timed out.
     Now every rank raises, and the ranks stay in step."""
     rank0, rank1 = world2.run(_optimizer_refused_on_one_rank)
-    for kind, outcome in (("FULL", "nothing was gathered"), ("SHARDED", "nothing was sent")):
+    for kind, outcome in (("FULL", "nothing was gathered"), ("SHARDED", "nothing was sent"),
+                          ("SHARDED no 0-dim", "nothing was sent")):
         assert "are not parameters of this model" in rank1[kind], rank1
         assert "group rank(s) [1]" in rank0[kind] and outcome in rank0[kind], rank0
     assert rank0["then"] == rank1["then"] and len(rank0["then"]) == 12, (rank0, rank1)

@@ -1731,13 +1731,12 @@ def mark_rank_local_state(optim: torch.optim.Optimizer, osd: dict, source: str,
 def _sharded_optim_state(model, optim: torch.optim.Optimizer) -> dict:
     """:meth:`FSDPStateDictMixin.optim_state_dict` under ``SHARDED_STATE_DICT``: keyed by
     names, per-element state of sharded parameters as DTensors of this rank's rows (0-dim ones
-    broadcast over their unit's group), the rest as given. No copy of a shard. With 0-dim
-    parameters, the ranks first agree on the optimizer (one all-gather of one integer a rank,
-    not counted); no communication otherwise."""
+    broadcast over their unit's group), the rest as given. No copy of a shard. The ranks
+    first agree on the optimizer (one all-gather of one integer a rank, not counted): an
+    optimizer refused on one rank only left the others waiting in the broadcast of a 0-dim
+    parameter's state, or, without one, returning a dict that ``dcp.save`` then hung on."""
     sharded = model._sharded_params("optim_state_dict")  # alike on every rank
-    names = _optimizer_names_agreed(model, optim, "optim_state_dict") \
-        if any(not len(layout.shape) for layout, _, _ in sharded.values()) \
-        else _optimizer_names(model, optim, "optim_state_dict")
+    names = _optimizer_names_agreed(model, optim, "optim_state_dict")
     ordered = [p for g in optim.param_groups for p in g["params"]]
     offload = model._state_dict_settings.state_dict_config.offload_to_cpu
     osd = optim.state_dict()
