@@ -177,6 +177,29 @@ def test_a_step_lacking_a_keyword_the_chunk_spec_names_fails_on_every_rank(world
         assert message is not None and "kwargs_chunk_spec names ['mask']" in message, message
 
 
+def _ranks_splitting_a_keyword_differently():
+    """Rank 0 splits ``shift`` along dim 1, rank 1 passes it whole: a square ``shift`` fits
+    both, so each stage computed its micro-batches from other rows, silently. Now every rank
+    raises, naming both splits."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    stage = PipelineStage(_Shifted(), rank, 2, "cpu")
+    spec = {"shift": TensorChunkSpec(1) if rank == 0 else _Replicate()}
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=F.mse_loss, kwargs_chunk_spec=spec)
+    x, y, shift = torch.randn(4, D), torch.randn(4, D), torch.randn(D, D)
+    try:
+        schedule.step(x, shift=shift, **({"target": y} if rank == 1 else {}))
+        return None
+    except ValueError as error:
+        return str(error)
+
+
+def test_ranks_that_split_a_keyword_differently_fail_on_every_rank(world2):
+    for message in world2.run(_ranks_splitting_a_keyword_differently):
+        assert message is not None and "disagree on the schedule" in message, message
+        assert "{'shift': 1}" in message and "{'shift': None}" in message, message
+
+
 class _Fork(nn.Module):
     def __init__(self):
         super().__init__()

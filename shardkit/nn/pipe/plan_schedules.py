@@ -904,7 +904,7 @@ class PlanSchedule:
     def _check_agreement(self, inputs, target) -> None:
         check_schedule_agreement(type(self).__name__, self.chunks,
                                  self._local_problems(inputs, target), self.group, self._who,
-                                 self._tie_status())
+                                 self._tie_status(), self._keyword_dims)
 
     def _tie_status(self) -> dict:
         """``{key: requires_grad}`` of this rank's copies of weights tied across ranks."""

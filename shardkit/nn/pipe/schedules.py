@@ -108,23 +108,31 @@ def busy_time(schedule):
 
 
 def check_schedule_agreement(kind: str, chunks: int, local_problems: list, group,
-                             who: str, tie_status: Optional[dict] = None) -> None:
+                             who: str, tie_status: Optional[dict] = None,
+                             keyword_dims: Optional[dict] = None) -> None:
     """Before a schedule's first step (and a later step the first stage cannot run), every rank
-    of ``group`` shares what it runs, whether under ``torch.no_grad()``, and what is wrong with
-    its inputs (one small object all-gather); any problem, or ranks that disagree on the
-    schedule, is a ValueError on every rank naming each ``who`` (``"stage"``/``"rank"``).
-    ``tie_status``: ``{key: requires_grad}`` of this rank's copies of weights tied across
-    ranks (see :func:`~shardkit.nn.pipe.ties.frozen_copy_problems`)."""
+    of ``group`` shares what it runs, whether under ``torch.no_grad()``, how it splits keyword
+    arguments (``keyword_dims``: its ``kwargs_chunk_spec`` as ``{name: dim or None}``), and
+    what is wrong with its inputs (one small object all-gather); any problem, or ranks that
+    disagree on the schedule, is a ValueError on every rank naming each ``who``
+    (``"stage"``/``"rank"``). ``tie_status``: ``{key: requires_grad}`` of this rank's copies of
+    weights tied across ranks (see :func:`~shardkit.nn.pipe.ties.frozen_copy_problems`).
+
+    Note: ranks that split a keyword argument differently (dim 1 on one, whole on another)
+    computed each micro-batch from other rows, silently where the shapes still fit."""
     from shardkit.nn.pipe.ties import frozen_copy_problems
 
-    views = dist.all_gather_object((kind, chunks, torch.is_grad_enabled(), local_problems,
-                                    tie_status or {}), group=group)
+    split = tuple(sorted((keyword_dims or {}).items()))
+    views = dist.all_gather_object((kind, chunks, torch.is_grad_enabled(), split,
+                                    local_problems, tie_status or {}), group=group)
     problems = [f"{who} {rank}: {p}" for rank, (*_, ps, _) in enumerate(views) for p in ps]
-    problems += frozen_copy_problems([view[4] for view in views])
-    if len({view[:3] for view in views}) > 1:
+    problems += frozen_copy_problems([view[5] for view in views])
+    if len({view[:4] for view in views}) > 1:
         problems.append(f"the {who}s disagree on the schedule: " + ", ".join(
-            f"{who} {rank} runs {k}(chunks={c})" + ("" if grad else " under torch.no_grad()")
-            for rank, (k, c, grad, *_) in enumerate(views)))
+            f"{who} {rank} runs {k}(chunks={c}"
+            + (f", kwargs_chunk_spec dims {dict(dims)}" if dims else "") + ")"
+            + ("" if grad else " under torch.no_grad()")
+            for rank, (k, c, grad, dims, *_) in enumerate(views)))
     if problems:
         raise ValueError(f"{kind}.step: the pipeline cannot run this step:\n  "
                          + "\n  ".join(problems))
