@@ -150,8 +150,9 @@ def _betas() -> Field:
 
 def _nullable(spec: Field) -> Field:
     """``spec`` that also accepts ``null`` (its default then applies)."""
+    valid = spec.valid or " or ".join(t.__name__ for t in spec.types)  # a bare type: its name
     return Field(spec.types + (type(None),), spec.default,
-                 lambda v: v is None or spec.check(v), spec.valid + " or null")
+                 lambda v: v is None or spec.check is None or spec.check(v), f"{valid} or null")
 
 
 def _num_or_list(default, nullable: bool = False) -> Field:

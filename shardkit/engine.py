@@ -73,6 +73,7 @@ import contextlib
 import copy
 import functools
 import hashlib
+import inspect
 import io
 import logging
 import math
@@ -194,6 +195,8 @@ def _check_arguments(model, optimizer, lr_scheduler, cfg: EngineConfig) -> None:
         raise TypeError(f"initialize(lr_scheduler={lr_scheduler!r}): expected a scheduler (an "
                         f"object with step() and state_dict()) or a callable(optimizer) -> "
                         f"scheduler")
+    if lr_scheduler is not None and not _is_scheduler_instance(lr_scheduler):
+        _check_builds_from_the_optimizer(lr_scheduler)
     if _is_scheduler_instance(lr_scheduler) \
             and getattr(lr_scheduler, "optimizer", None) is not optimizer:
         name = type(lr_scheduler).__name__
@@ -383,6 +386,32 @@ def _note_step_taken_for(lr_scheduler) -> None:
     optimizer = getattr(lr_scheduler, "optimizer", None)
     if isinstance(optimizer, torch.optim.Optimizer):
         optimizer._opt_called = True
+
+
+def _is_floating_weight(name: str, value) -> bool:
+    """A floating parameter or buffer of a ``state_dict``, which the 16-bit export casts; not a
+    module's ``get_extra_state()`` object, even a float tensor (its own format, which
+    ``set_extra_state`` reads back, as DeepSpeed writes it)."""
+    return isinstance(value, torch.Tensor) and value.is_floating_point() \
+        and not name.endswith("_extra_state")
+
+
+def _check_builds_from_the_optimizer(lr_scheduler) -> None:
+    """A callable ``lr_scheduler=`` (a scheduler class, a factory) is called with the optimizer
+    alone, as DeepSpeed calls it: one whose signature needs more arguments is a ``TypeError``
+    naming it and the way to bind them, before anything is built. Local."""
+    try:
+        signature = inspect.signature(lr_scheduler)
+    except (TypeError, ValueError):  # a builtin without a signature: left to the call
+        return
+    try:
+        signature.bind(object())
+    except TypeError as error:
+        name = getattr(lr_scheduler, "__name__", type(lr_scheduler).__name__)
+        raise TypeError(f"initialize(lr_scheduler={name}): it is called with the optimizer "
+                        f"alone (as DeepSpeed calls it), but {name}{signature} cannot be "
+                        f"({error}); pass functools.partial({name}, <its other arguments>) or "
+                        f"a function of the optimizer") from None
 
 
 def _is_scheduler_instance(lr_scheduler) -> bool:
@@ -1462,8 +1491,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
         dtype = self._autocast_dtype
         if dtype is not None:
-            state = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point()
-                     else v for k, v in state.items()}
+            state = {k: v.to(dtype) if _is_floating_weight(k, v) else v
+                     for k, v in state.items()}
         return state
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
@@ -1660,8 +1689,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         The arguments are DeepSpeed's, in its order. ``load_module_strict=False`` has torch's
         ``strict=False`` meaning (Hugging Face's Trainer passes it to resume a PEFT model): the
         model's tensors the checkpoint lacks keep their values, the checkpoint's tensors the
-        model lacks are ignored, shapes must still match; the optimizer state of a checkpoint
-        whose names differ is refused (``load_optimizer_states=False`` loads the rest). A
+        model lacks are ignored, shapes must still match; the optimizer state loads when the
+        saving optimizer stepped the parameters this one steps (by name; buffers and frozen
+        parameters may differ), else it is refused (``load_optimizer_states=False`` loads the
+        rest). A
         ``custom_load_fn`` (DeepSpeed's hook that loads the module's weights in place of
         ``load_state_dict``) is refused with a ``ValueError`` before anything is read.
 

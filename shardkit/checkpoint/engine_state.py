@@ -471,7 +471,26 @@ def _with_excluded_kept(engine, ckpt) -> dict:
         return ckpt.params
     source = engine.wrapped.local_state_dict() if engine.zero_stage == 3 \
         else engine.module.state_dict()
-    return {**{k: v for k, v in source.items() if k in excluded}, **ckpt.params}
+    kept = {k: v for k, v in source.items() if k in excluded}
+    # a kept name of a parameter tied to a loaded one (one tensor, two names) would write the
+    # old value back over the loaded one: it takes the loaded value, as torch's load leaves it
+    for name, loaded in _tied_to_loaded(engine, kept, ckpt.params).items():
+        kept[name] = ckpt.params[loaded]
+    return {**kept, **ckpt.params}
+
+
+def _tied_to_loaded(engine, kept: dict, loaded: dict) -> dict:
+    """For each name in ``kept`` whose parameter is also the model's parameter under a name in
+    ``loaded`` (tied weights, as an embedding and its output layer), that name. Local."""
+    names_of: dict = {}
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    tied = {}
+    for names in names_of.values():
+        source = next((n for n in names if n in loaded), None)
+        if source is not None:
+            tied.update({n: source for n in names if n in kept})
+    return tied
 
 
 def _check_names(engine, ckpt) -> None:
@@ -491,20 +510,16 @@ def _keep_common_names(engine, ckpt, with_optimizer: bool) -> None:
     Face's Trainer passes when resuming a PEFT model): the model's tensors the checkpoint lacks
     keep their values (as the frozen ones a save left out), and the checkpoint's tensors the
     model lacks are dropped; shapes of the common names are still checked. Optimizer state
-    saved for other names cannot be matched to this model's parameters: a
-    :class:`CheckpointError` naming ``load_optimizer_states=False``. Local."""
+    is matched by the names of the parameters the optimizers step: when those differ it cannot
+    be loaded, a :class:`CheckpointError` naming ``load_optimizer_states=False`` (buffers or
+    frozen parameters that differ do not stop it). Local."""
     expected = set(engine.module_state_names())
     saved = set(ckpt.metadata["param_names"]) | set(ckpt.metadata.get("excluded_frozen", ()))
     missing, unexpected = sorted(expected - saved), sorted(saved - expected)
     if not missing and not unexpected:
         return
     if with_optimizer:
-        raise CheckpointError(
-            f"load_checkpoint({ckpt.path}, load_module_strict=False): the model and the "
-            f"checkpoint differ (missing in the checkpoint: {missing[:5]}, unexpected: "
-            f"{unexpected[:5]}), so its optimizer state cannot be matched to this model's "
-            f"parameters; pass load_optimizer_states=False (or load_module_only=True); "
-            f"nothing was loaded")
+        _check_same_optimized_names(engine, ckpt)
     for name in unexpected:
         ckpt.params.pop(name, None)
         ckpt.shapes.pop(name, None)
@@ -512,6 +527,20 @@ def _keep_common_names(engine, ckpt, with_optimizer: bool) -> None:
                      "param_names": sorted(set(ckpt.metadata["param_names"]) - set(unexpected)),
                      "excluded_frozen": sorted(set(ckpt.metadata.get("excluded_frozen", ()))
                                                | set(missing))}
+
+
+def _check_same_optimized_names(engine, ckpt) -> None:
+    """A :class:`CheckpointError` when the parameters the saving optimizer stepped (its param
+    groups, by name) are not this engine's optimizer's: its state cannot be matched. Local."""
+    mine = set(_optimizer_param_order(engine))
+    theirs = {name for group in ckpt.engine["param_groups"] for name in group["params"]}
+    if mine != theirs:
+        raise CheckpointError(
+            f"load_checkpoint({ckpt.path}, load_module_strict=False): the optimizer state is of "
+            f"other parameters than this engine's optimizer steps (missing in the checkpoint: "
+            f"{sorted(mine - theirs)[:5]}, unexpected: {sorted(theirs - mine)[:5]}), so it "
+            f"cannot be matched to them; pass load_optimizer_states=False (or "
+            f"load_module_only=True); nothing was loaded")
 
 
 def _model_shapes(engine) -> dict:
@@ -626,14 +655,20 @@ def _load_optimizer(engine, optim_by_name: dict, saved_groups: list) -> None:
 def _state_dict_in_order(engine, optim_by_name: dict, saved_groups: list) -> tuple:
     """``(torch-format state dict, parameter names in its index order)`` for the engine's
     optimizer (see :func:`_load_optimizer`). Local, no copy."""
-    source = engine.wrapped if engine.zero_stage == 3 else engine.module
-    name_of = {id(p): n for n, p in source.named_parameters()}
-    order = [name_of[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
+    order = _optimizer_param_order(engine)
     groups, start = [], 0
     for g in engine.optimizer.param_groups:
         groups.append(list(range(start, start + len(g["params"]))))
         start += len(g["params"])
     return _torch_format(optim_by_name, order, groups, saved_groups), order
+
+
+def _optimizer_param_order(engine) -> list:
+    """The names (the unwrapped model's) of the optimizer's parameters, group after group.
+    Local."""
+    source = engine.wrapped if engine.zero_stage == 3 else engine.module
+    name_of = {id(p): n for n, p in source.named_parameters()}
+    return [name_of[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
 
 
 def _check_optimizer_state(engine, ckpt) -> None:
