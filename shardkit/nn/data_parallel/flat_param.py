@@ -182,6 +182,9 @@ class FlatParamShard:
         # every use of the unit delivered (see run_tensor_hooks)
         self._hooked_pieces: Optional[list] = None
         self._used: Optional[list] = None  # per parameter: whether a gradient reached it here
+        # per parameter, as a backward inside no_sync left the held gradients: its ``.grad``
+        # (weakly) and that tensor's version (see seal_held_grads)
+        self._sealed: Optional[list] = None
         self._reducing_used: Optional[list] = None  # the same, for the reduce in flight
         # (tag, name) of the unit, set by the root: see _check_every_rank_reduced_this
         self.label: tuple[int, str] = (1, "a unit")
@@ -416,6 +419,47 @@ class FlatParamShard:
         """Forget the gradients held for a later reduce-scatter (accumulated inside
         ``no_sync``). Local."""
         self._grad_pieces, self._used, self._hooked_pieces = None, None, None
+        self._sealed = None
+
+    def seal_held_grads(self) -> None:
+        """At the end of a backward inside ``no_sync``, which leaves the unit's gradients held
+        (unsharded, outside ``.grad``) for a later reduce-scatter: give each trainable
+        parameter they reached a ``.grad`` where it has none (zeros of its shard, the rows the
+        reduced gradient is added to later) and note each such ``.grad`` and its version.
+
+        Note: in one process (and under DDP, FairScale's and torch's FSDP1) the accumulated
+        gradient is in ``.grad``, so ``optimizer.zero_grad()`` in the middle of an
+        accumulation cycle (a skipped micro-batch) discards it. Here it is held outside, and
+        the next synchronising backward added it to the new gradients: the step used
+        gradients the user had cleared. The noted ``.grad`` gone (``set_to_none``) or changed
+        in place (zeroed) tells :meth:`_drop_grads_cleared_since_sealed` to drop the held
+        gradient too. Memory: the shard's gradient (``Ψ_u/N``), which the reduce-scatter
+        allocates anyway. Local."""
+        if self._grad_pieces is None:
+            return
+        self._sealed = []
+        for p, used in zip(self.params, self._used):
+            if not (used and p.requires_grad):
+                self._sealed.append(None)
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._sealed.append((weakref.ref(p.grad), p.grad._version))
+
+    def _drop_grads_cleared_since_sealed(self) -> None:
+        """Drop each held gradient whose parameter's ``.grad`` was cleared since
+        :meth:`seal_held_grads` (``optimizer.zero_grad()``, with or without ``set_to_none``).
+        Local."""
+        sealed, self._sealed = self._sealed, None
+        if sealed is None or self._grad_pieces is None:
+            return
+        for i, (p, mark) in enumerate(zip(self.params, sealed)):
+            if mark is None:
+                continue
+            grad, version = mark
+            if p.grad is None or grad() is not p.grad or p.grad._version != version:
+                self._grad_pieces[i] = torch.zeros_like(self._grad_pieces[i])
+                self._used[i] = False
 
     def hold_for_tensor_hooks(self, grads: list) -> list:
         """Take out of one use's ``grads`` those of parameters with tensor hooks of the user's
@@ -478,6 +522,7 @@ class FlatParamShard:
     def add_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Add one use's gradients (``None``: none reached that parameter) to what the unit
         holds, without declaring them complete."""
+        self._drop_grads_cleared_since_sealed()
         if self._grad_pieces is None:
             self._used = [g is not None for g in grads]
             grads = [torch.zeros(n, dtype=self.compute_dtype, device=self.compute_device)
@@ -522,6 +567,7 @@ class FlatParamShard:
         """
         if self._pending_reduce is not None:
             self.finish_reduce()
+        self._drop_grads_cleared_since_sealed()
         grads, self._grad_pieces = self._grad_pieces, None
         used, self._used = self._used, None
         self._reducing_used = [True] * len(self.params) if used is None else used

@@ -39,7 +39,9 @@ reduce-scatters once. Units kept gathered by a forward that no backward followed
 every unit with ``reshard_after_forward=False``) are reused by the next forward unless their
 shard changed in between (an optimizer step), which the root checks as a forward starts (a
 checksum of the kept shards and a one-element all-reduce; nothing when no unit is kept, as after
-every backward). A backward with ``create_graph=True`` (a gradient penalty:
+every backward). Kept or not, a unit's ``module.weight`` outside its forward is the parameter
+(``backward(inputs=[model.emb.weight])`` and ``requires_grad_(False)`` reach it, as in one
+process). A backward with ``create_graph=True`` (a gradient penalty:
 ``torch.autograd.grad(out, x, create_graph=True)``, then a backward through the penalty) leaves
 the units it reached gathered for the backward through the graph it built, which frees them.
 
@@ -1055,6 +1057,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if self is root and not in_backward:
             refuse_training_sync_batchnorm(sync_batchnorm_layers(self, self),
                                            "FullyShardedDataParallel", self._comm_device())
+            root._free_units_left_by_an_unfinished_forward()
             root._drop_stale_kept_units()
             root._gather_before_users_backward_pre_hooks()
         if not root._orders_final and self not in root._forward_order:
@@ -1131,6 +1134,13 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         elif self._shard is not None:
             self._shard.remember_source()
             self._kept_for_backward = grad_enabled
+            # gathered, but ``module.weight`` reads the parameter again, as in one process: a
+            # view left there caught what the user did with it before the backward or the
+            # next forward (``backward(inputs=[model.emb.weight])`` filled the view's .grad,
+            # not the parameter's; a ``requires_grad_(False)`` after a forward without
+            # backward raised, as the view is no leaf). The graph holds its own views;
+            # the next forward, backward or read in the root's forward exposes them again.
+            self._shard.hide()
         if self.clear_autocast_cache:
             torch.clear_autocast_cache()
         if self.training_state is TrainingState.FORWARD:
@@ -1189,6 +1199,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             not getattr(self, "_kept_for_backward", False) and \
             any(p.requires_grad for p in module.parameters())
         if self._shard.gathered and not (grad_enabled and kept_without_backward):
+            if not self._shard._exposed:  # kept since a forward, hidden at its end
+                self._shard.expose()
             return
         if grad_enabled and self._shard.gathered:
             raise RuntimeError(
@@ -1209,6 +1221,26 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._shard.remember_source()
         self._kept_for_backward = False
         self._shard.expose()
+
+    def _free_units_left_by_an_unfinished_forward(self) -> None:
+        """Root only, as a forward starts: free the units an earlier forward gathered and never
+        finished with, those gathered (or with a gather in flight) that no forward, read or
+        backward kept (:meth:`FlatParamShard.remember_source`): a forward that raised
+        (an out-of-memory error or a bad batch the training loop caught and skipped) before
+        the unit's post-forward ran, or a prefetch that forward issued for a unit it did not
+        run (a skipped expert, under ``no_grad``, where no backward frees it). Their
+        ``full`` holds the weights of that forward; an optimizer step since left it stale,
+        and the next forward computed with it (a kept unit's staleness check knew nothing of
+        them). Units stuck in ``FORWARD`` go back to idle. Local: a wait for a gather every
+        rank issued, no communication."""
+        self._read_without_grad = []
+        for unit in self.sharded_units():
+            shard = unit._shard
+            if shard is not None and (shard.gathered or shard._pending_gather is not None) \
+                    and shard._kept_from is None:
+                shard.free_full()
+            if unit is not self and unit.training_state is TrainingState.FORWARD:
+                unit.training_state = TrainingState.IDLE
 
     def _drop_stale_kept_units(self) -> None:
         """Root only, as a forward starts: units kept gathered by an earlier forward that no
@@ -1375,6 +1407,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             if not any(shard is s for s in root._reduces_in_flight):
                 root._reduces_in_flight.append(shard)
             root._replicas_pending = [shard] if shard.replicate_group is not None else []
+        else:
+            shard.seal_held_grads()
         self._release_after_backward(shard)
         if recomputed_only:  # a later use's backward (a block shared by two layers) gathers
             self._pre_backward_done = False
@@ -1480,8 +1514,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         accumulation cycle (``Ψ_u`` more memory between micro-batches). Should a shard change
         in between (an optimizer step inside the block), the next forward gathers afresh.
 
-        ``model.zero_grad()`` discards what the block accumulated (:meth:`zero_grad`);
-        ``optimizer.zero_grad()`` clears only the shards' ``.grad``."""
+        ``model.zero_grad()`` and ``optimizer.zero_grad()`` discard what the block
+        accumulated, as in one process: after a backward inside the block, a trainable
+        parameter the gradients reached has a ``.grad`` (zeros of its shard if it had none;
+        the reduced gradient is added to it), and one whose ``.grad`` was cleared since
+        (set to ``None`` or zeroed) has its held gradient dropped."""
         if self._is_root is False:
             raise RuntimeError("no_sync() was called on an inner FullyShardedDataParallel unit; "
                                "call it on the root (outermost) instance, which applies it to "
@@ -1522,8 +1559,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         """``nn.Module.zero_grad``, which also drops what backwards inside :meth:`no_sync`
         accumulated and no synchronising backward has reduced yet (held unsharded, outside
         ``.grad``), as under torch's and FairScale's FSDP, where it sits in ``.grad``; without
-        it, those gradients would be added to the next step's. ``optimizer.zero_grad()`` sees
-        only the shards: call ``model.zero_grad()`` to discard a cycle half-way. Local."""
+        it, those gradients would be added to the next step's. ``optimizer.zero_grad()``
+        discards them too (see :meth:`no_sync`). Local."""
         if self._root is not None:
             self._root._recover_from_a_failed_backward()
         for unit in self.sharded_units():
