@@ -13,8 +13,9 @@ healthy collective — a large all-gather on a loaded machine — is never mista
 
 - Each rank runs a daemon thread that, every ``timeout_s / 8`` seconds, increments a counter
   under ``shardkit/heartbeat/<attempt>/<rank>`` in the rendezvous store of the default
-  process group (its own client connection to that TCP store, whether ``env://``, torchrun or
-  ``tcp://host:port`` made it; a ``file://`` or other store is shared with the group;
+  process group, under the group's key prefixes (its own client connection to that TCP store,
+  whether ``env://``, torchrun, ``tcp://host:port`` or ``store=`` made it; a ``file://`` or
+  other store is shared with the group;
   ``<attempt>`` is torchrun's restart count, so a restarted job never reads its predecessor's
   beats) and reads every peer's counter.
 - A peer whose counter has not moved for ``timeout_s`` (measured on this rank's own clock; no
@@ -352,18 +353,25 @@ class PeerWatchdog:
 
 def _connect_to_rendezvous(timeout_s: float) -> tuple:
     """``(store, host rank)``: the watchdog's own client of the TCP store the default group met
-    on, wherever its address came from (``env://``, torchrun, ``tcp://host:port``), and the rank
-    whose process hosts it (rank 0, or ``None`` under torchrun's agent store). Any other store
-    (``file://``, a store passed to ``init_process_group``) is used as it is, shared with the
+    on, wherever its address came from (``env://``, torchrun, ``tcp://host:port``, a TCPStore
+    passed as ``store=``), under the same key prefixes as the group, and the rank whose process
+    hosts it (rank 0, or ``None`` for torchrun's agent store). Any other store (``file://``, a
+    FileStore or HashStore passed to ``init_process_group``) is used as it is, shared with the
     group, and no rank hosts it."""
     timeout = datetime.timedelta(seconds=max(timeout_s, 1.0))
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = _default_store()
     tcp = store
     while isinstance(tcp, dist.PrefixStore):
         tcp = tcp.underlying_store
     if isinstance(tcp, dist.TCPStore):
         host, port = tcp.host, tcp.port
+        if hasattr(store, "clone"):
+            # Note: a clone is a connection of its own (a blocking wait of the group's never
+            # stalls a beat) under the group's key prefixes: jobs that share one server under
+            # PrefixStores must not read each other's heartbeats
+            client = store.clone()
+            client.set_timeout(timeout)
+            return client, None if _served_by_torchrun_agent(host, port) else 0
     elif store is not None:
         return store, None
     else:  # no default store to read (a torch without the accessor): torchrun's variables
@@ -373,7 +381,21 @@ def _connect_to_rendezvous(timeout_s: float) -> tuple:
                                "process group (set MASTER_ADDR and MASTER_PORT)")
         port = int(port)
     client = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
-    return client, None if agent_hosts else 0
+    return client, None if _served_by_torchrun_agent(host, port) else 0
+
+
+def _served_by_torchrun_agent(host: str, port: int) -> bool:
+    """Whether the TCP store at ``host:port`` is torchrun's agent store (which outlives every
+    rank), not one a rank hosts: under ``TORCHELASTIC_USE_AGENT_STORE`` the agent serves
+    ``MASTER_ADDR:MASTER_PORT`` only; a store passed to ``init_process_group(store=...)`` at
+    another address is hosted by rank 0 as anywhere else."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return False
+    try:
+        agent = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    except (KeyError, ValueError):
+        return False
+    return (host, int(port)) == agent
 
 
 def _default_store():
