@@ -116,6 +116,12 @@ def check_one_dtype(params) -> None:
                          f"differently-typed submodules as their own units")
 
 
+def _reads_as_zeroed(grad: torch.Tensor) -> bool:
+    """Whether ``grad`` is all ``+0.0``: zeroed (``zero_()``, ``fill_(0)``) since
+    :meth:`FlatParamShard.seal_held_grads` wrote its zeros as ``-0.0``, which a scaling keeps."""
+    return bool(((grad == 0) & ~torch.signbit(grad)).all())
+
+
 class FlatParamShard:
     """The parameters of one unit: their flat shard, the gather into compute views, and the
     reduce-scatter of their gradients.
@@ -434,7 +440,12 @@ class FlatParamShard:
         gradients the user had cleared. The noted ``.grad`` gone (``set_to_none``) or changed
         in place (zeroed) tells :meth:`_drop_grads_cleared_since_sealed` to drop the held
         gradient too. Memory: the shard's gradient (``Ψ_u/N``), which the reduce-scatter
-        allocates anyway. Local."""
+        allocates anyway.
+
+        Zeros are written as ``-0.0`` (equal to ``0.0`` everywhere, and the reduced gradient
+        added to them is exact): an in-place change that keeps them ``-0.0`` (a scaling, such
+        as a GradScaler-style unscale or ``clip_grad_norm_`` between micro-batches) is not a
+        clearing, while ``zero_()`` writes ``+0.0``. Local."""
         if self._grad_pieces is None:
             return
         self._sealed = []
@@ -443,13 +454,17 @@ class FlatParamShard:
                 self._sealed.append(None)
                 continue
             if p.grad is None:
-                p.grad = torch.zeros_like(p)
+                p.grad = torch.full_like(p, -0.0)
+            else:
+                with torch.no_grad():
+                    p.grad.masked_fill_(p.grad == 0, -0.0)
             self._sealed.append((weakref.ref(p.grad), p.grad._version))
 
     def _drop_grads_cleared_since_sealed(self) -> None:
         """Drop each held gradient whose parameter's ``.grad`` was cleared since
-        :meth:`seal_held_grads` (``optimizer.zero_grad()``, with or without ``set_to_none``).
-        Local."""
+        :meth:`seal_held_grads` (``optimizer.zero_grad()``, with or without ``set_to_none``),
+        not one merely scaled in place. Local; a device sync only for a ``.grad`` changed in
+        place since."""
         sealed, self._sealed = self._sealed, None
         if sealed is None or self._grad_pieces is None:
             return
@@ -457,7 +472,8 @@ class FlatParamShard:
             if mark is None:
                 continue
             grad, version = mark
-            if p.grad is None or grad() is not p.grad or p.grad._version != version:
+            if p.grad is None or grad() is not p.grad or \
+                    (p.grad._version != version and _reads_as_zeroed(p.grad)):
                 self._grad_pieces[i] = torch.zeros_like(self._grad_pieces[i])
                 self._used[i] = False
 
