@@ -1692,9 +1692,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         model lacks are ignored, shapes must still match; the optimizer state loads when the
         saving optimizer stepped the parameters this one steps (by name; buffers and frozen
         parameters may differ), else it is refused (``load_optimizer_states=False`` loads the
-        rest). A
-        ``custom_load_fn`` (DeepSpeed's hook that loads the module's weights in place of
-        ``load_state_dict``) is refused with a ``ValueError`` before anything is read.
+        rest). A ``custom_load_fn`` (DeepSpeed's hook that loads the module's weights in place
+        of ``load_state_dict``) is refused with a ``ValueError`` before anything is read.
 
         ``load_module_only=True`` is DeepSpeed's warm start: the weights only; the step
         counters (``global_steps``, ``skipped_steps``), the loss scale, the scheduler and this
