@@ -20,6 +20,7 @@ from shardkit import distributed as skdist
 from shardkit import quantized_comm
 from shardkit.models import MLP
 from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
+from shardkit.nn.data_parallel import ShardingStrategy
 from shardkit.testing import world_fixture
 
 world4 = world_fixture(4, timeout=90)
@@ -139,3 +140,94 @@ def test_node_groups_of_sub_groups_that_span_nodes(nodes2x4):
         total = sum(m + 1 for m in members)
         exact = [total * v for v in range(16 * place, 16 * (place + 1))]
         assert out == pytest.approx(exact, abs=0.02 * max(exact) + 1e-6), (rank, out)
+
+# ----------------------------------------------------------------------------- FSDP's own groups
+# NO_SHARD's group of one rank and explicit hybrid pairs, built by data-parallel groups side by
+# side (one per pipeline stage): NO_SHARD created every rank's one-rank group on the ranks that
+# built it only, so their count of world groups ran ahead and the next world group got other
+# names on other ranks (every rank hung); an explicit hybrid pair was checked by one object
+# all-gather over the whole world the first time a rank saw it (ranks whose pair was checked
+# skipped it while the others waited in it).
+
+
+def worst_gap_to_one_process(model, ranks, seed):
+    """Train ``model`` (FSDP over the data-parallel ranks ``ranks``, this rank's slice of each
+    batch) and a local copy on the whole batch; the largest parameter difference after."""
+    reference = MLP(WIDTH, 1, seed=seed)
+    per, place = BATCH // len(ranks), ranks.index(skdist.get_rank())
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(BATCH, WIDTH, generator=gen), torch.randn(BATCH, WIDTH, generator=gen)
+        F.mse_loss(model(x[place * per:(place + 1) * per]),
+                   y[place * per:(place + 1) * per]).backward()
+        F.mse_loss(reference(x), y).backward()
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    full = model.state_dict()
+    return max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+
+
+def _no_shard_on_one_sub_group_then_a_world_group():
+    """Only the first data-parallel group trains with NO_SHARD; then the whole world creates
+    a group and all-reduces over it."""
+    gap, group = None, sub_group(SPANNING)
+    if skdist.get_rank() in SPANNING[0]:
+        model = FSDP(MLP(WIDTH, 1, seed=3), process_group=group,
+                     sharding_strategy=ShardingStrategy.NO_SHARD)
+        gap = worst_gap_to_one_process(model, SPANNING[0], seed=3)
+    world = skdist.new_group(list(range(skdist.get_world_size())))
+    total = torch.ones(1)
+    skdist.all_reduce(total, group=world)
+    return gap, total.item()
+
+
+def test_no_shard_on_one_sub_group_leaves_world_groups_usable(nodes2x4):
+    results = nodes2x4.run(_no_shard_on_one_sub_group_then_a_world_group)
+    for rank, (gap, total) in enumerate(results):
+        assert total == 8.0, rank  # was: every rank hung creating the world group
+        if rank in SPANNING[0]:
+            assert gap <= 1e-6, (rank, gap)
+
+
+# two pipeline stages of 4 ranks, each a 2 x 2 grid: shard groups (rows) and replica groups
+ROWS = [[0, 1], [2, 3], [4, 5], [6, 7]]
+COLUMNS = [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+def _hybrid(pair, seed):
+    return FSDP(MLP(WIDTH, 1, seed=seed), sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                process_group=pair)
+
+
+def _stages_building_hybrid_units_apart():
+    """Both stages build a unit over their grid; then the second stage builds one over its
+    transposed grid (shard over the columns) while the first builds two more over its grid;
+    then in the first stage ranks 2 and 3 alone switch to the transposed pair."""
+    me = skdist.get_rank()
+    stage = me // 4
+    grid, transposed = (sub_group(ROWS), sub_group(COLUMNS)), (sub_group(COLUMNS), sub_group(ROWS))
+    _hybrid(grid, seed=1)
+    if stage == 0:
+        gaps = [worst_gap_to_one_process(_hybrid(grid, seed=s), list(range(4)), seed=s)
+                for s in (2, 3)]
+    else:
+        gaps = [worst_gap_to_one_process(_hybrid(transposed, seed=4), list(range(4, 8)),
+                                         seed=4)]
+    if stage == 1:
+        return gaps, None
+    try:
+        _hybrid(transposed if me in (2, 3) else grid, seed=5)
+        return gaps, None
+    except ValueError as error:
+        return gaps, str(error)
+
+
+def test_hybrid_pairs_are_checked_by_their_own_grid(nodes2x4):
+    for rank, (gaps, error) in enumerate(nodes2x4.run(_stages_building_hybrid_units_apart)):
+        assert gaps and max(gaps) <= 1e-6, (rank, gaps)  # was: every rank hung
+        if rank < 4:  # was: ranks 0 and 1 ran on, 2 and 3 waited in a check over the world
+            assert error is not None and "do not form one grid" in error, (rank, error)
+        else:
+            assert error is None, (rank, error)
