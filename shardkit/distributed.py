@@ -35,7 +35,8 @@ from shardkit.comm_counter import CommCounter, CommRecord  # re-exported: counti
 __all__ = [
     "init_distributed", "init_single_process", "is_initialized", "require_initialized",
     "get_rank", "get_world_size",
-    "get_global_rank", "new_group", "resolved_group", "timeout_of", "all_reduce",
+    "get_global_rank", "new_group", "new_groups_among_members", "resolved_group", "timeout_of",
+    "all_reduce",
     "all_reduce_as_one", "reduce_scatter_tensor",
     "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
     "recv", "isend",
@@ -510,6 +511,20 @@ def group_of_same_ranks(group, timeout_s: Optional[float] = None,
     # then names the call rather than only the store keys
     with reporting_broken_links(f"new_group(ranks={ranks})", group):
         return new_group(ranks, timeout_s=timeout_s, backend=backend, members_only=members_only)
+
+
+def new_groups_among_members(rank_lists: Sequence[Sequence[int]], group) -> list:
+    """Create the process groups over each of ``rank_lists`` (global ranks, every list holding
+    this rank) among their members only, for ranks that build groups inside a sub-group
+    ``group`` of the world (only ``group``'s members call this; the other ranks need not
+    know). Returns the groups in the order of ``rank_lists``.
+
+    The members of ``group`` first agree on their count of registered process groups (see
+    :func:`_align_group_counts`), as torch names a group created by its members from its ranks
+    and that count. Collective over ``group``: one small object all-gather, then the groups'
+    own set-up among their members."""
+    _align_group_counts(group)
+    return [new_group(ranks, members_only=True) for ranks in rank_lists]
 
 
 def _registered_group_count() -> Optional[int]:

@@ -472,6 +472,5 @@ def _create_node_groups(members: list, ranks: list, group, per_node: Optional[in
         return None, None
     node = next(node for node in members if me in node)
     column = sorted(other[node.index(me)] for other in members)
-    skdist._align_group_counts(group)
-    intra = skdist.new_group(sorted(node), members_only=True)
-    return intra, skdist.new_group(column, members_only=True)
+    intra, inter = skdist.new_groups_among_members([sorted(node), column], group)
+    return intra, inter

@@ -250,6 +250,36 @@ def test_single_rank_group_made_on_some_ranks_only(world):
         world.world_size
 
 
+def _groups_among_members_of_halves():
+    """Each half of the world builds a group among its members only, after rank 0 alone made a
+    group of itself (so the ranks' counts of registered groups differ), then a world group."""
+    n, rank = skd.get_world_size(), skd.get_rank()
+    halves = [list(range(n // 2)), list(range(n // 2, n))]
+    mine = next(h for h in halves if rank in h)
+    if rank == 0:
+        skd.single_rank_group()
+    half_groups = [skd.new_group(h) for h in halves]
+    half_group = half_groups[halves.index(mine)]
+    pair = skd.new_groups_among_members([mine, [rank]], half_group)
+    total = torch.ones(1)
+    skd.all_reduce(total, group=pair[0])
+    everyone = skd.new_group(range(n))
+    world_total = torch.ones(1)
+    skd.all_reduce(world_total, group=everyone)
+    return skd.group_ranks(pair[0]), skd.group_ranks(pair[1]), total.item(), world_total.item()
+
+
+def test_new_groups_among_members_of_a_sub_group(world):
+    """Two halves of the world each build their own groups among their members only, although
+    their counts of registered groups differ; a world group made after still matches."""
+    n = world.world_size
+    if n < 2:
+        pytest.skip("needs two halves")
+    for rank, got in enumerate(world.run(_groups_among_members_of_halves)):
+        half = list(range(n // 2)) if rank < n // 2 else list(range(n // 2, n))
+        assert got == (half, [rank], float(len(half)), float(n)), got
+
+
 def test_failing_rank_reports_traceback_and_world_recovers():
     # rank 0 waits in all_reduce for rank 1 until killed: any grace reports it as hung
     with World(2, timeout=60, failure_grace_s=1.0) as w:

@@ -187,8 +187,7 @@ def _group_of_blocks(ranks: list[int], block: int, mine: int, group=None):
         created = [skdist.new_group(b) for b in blocks]
         cached[key] = created[blocks.index(own)]
     else:
-        skdist._align_group_counts(group)
-        cached[key] = skdist.new_group(own, members_only=True)
+        cached[key], = skdist.new_groups_among_members([own], group)
     return cached[key]
 
 
