@@ -18,6 +18,24 @@ import torch.distributed as dist
 from shardkit.testing import free_port
 
 
+def _spawned_results(target, args_per_process: list) -> list:
+    """Run ``target(*args, results)`` in one spawned process per ``args_per_process`` entry
+    and return what they put on ``results`` (one item each), sorted; the processes are
+    joined, or killed after 30 s, whatever happens (the stores outlive them in the caller)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    processes = [ctx.Process(target=target, args=(*args, results)) for args in args_per_process]
+    for p in processes:
+        p.start()
+    try:
+        return sorted(results.get(timeout=90) for _ in processes)
+    finally:
+        for p in processes:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
 def _rank_outlives_the_store_host(rank: int, agent_port: int, own_port: int, results) -> None:
     """A rank of a job under torchrun's variables: first a group met on the agent's store
     (env://), then one met on a TCPStore rank 0 hosts (store=); rank 0 finishes first in the
@@ -51,20 +69,9 @@ def test_a_store_rank_0_hosts_is_not_taken_for_torchruns_agent_store():
     stopped it (on_lost(None, ...)); the agent's own store stays host-less as before."""
     agent_port, own_port = free_port(), free_port()
     agent = dist.TCPStore("127.0.0.1", agent_port, 2, True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    ranks = [ctx.Process(target=_rank_outlives_the_store_host,
-                         args=(r, agent_port, own_port, results)) for r in range(2)]
-    for p in ranks:
-        p.start()
-    try:
-        got = sorted(results.get(timeout=90) for _ in ranks)
-    finally:
-        for p in ranks:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-        del agent
+    got = _spawned_results(_rank_outlives_the_store_host,
+                           [(r, agent_port, own_port) for r in range(2)])
+    del agent
     assert got == [(0, [None, 0], []), (1, [None, 0], [])], got
 
 
@@ -94,18 +101,7 @@ def test_jobs_sharing_a_store_under_prefixes_do_not_read_each_others_heartbeats(
     own rank 1 and stopped (and job 1's beats would have hidden a death in job 0)."""
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, 4, True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    ranks = [ctx.Process(target=_rank_of_one_of_two_jobs, args=(job, r, port, results))
-             for job in range(2) for r in range(2)]
-    for p in ranks:
-        p.start()
-    try:
-        got = sorted(results.get(timeout=90) for _ in ranks)
-    finally:
-        for p in ranks:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-        del server
+    got = _spawned_results(_rank_of_one_of_two_jobs,
+                           [(job, r, port) for job in range(2) for r in range(2)])
+    del server
     assert got == [(0, 0, [1]), (0, 1, []), (1, 0, []), (1, 1, [])], got
