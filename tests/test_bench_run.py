@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from benchmarks import common, run
+from benchmarks import bench_phases, common, run
 from shardkit.testing import world_fixture
 
 world2 = world_fixture(2)
@@ -83,3 +83,22 @@ def test_shardkit_bench_command_runs_this_runner(capsys, tmp_path):
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "source checkout" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_phases_of_a_step_add_up_on_every_rank(world2):
+    """bench_phases: forward, backward and step timed on each rank, summing to the step."""
+    per_rank = world2.run(bench_phases.measure, "mlp", ["torch_ddp", "shardkit_oss"], 2, 1,
+                          True)
+    for results in per_rank:
+        assert set(results) == {"torch_ddp", "shardkit_oss"}
+        for phases in results.values():
+            assert all(phases[p] > 0 for p in bench_phases.PHASES), phases
+            parts = phases["forward"] + phases["backward"] + phases["step"]
+            assert parts == pytest.approx(phases["total"], rel=0.5), phases
+
+
+def test_phases_refuse_a_pipeline_configuration_naming_the_valid_ones(capsys):
+    with pytest.raises(SystemExit):
+        bench_phases.main(["--configs", "torch_pipelining"])
+    assert "not timed here; valid (data-parallel configurations): torch_ddp" in \
+        capsys.readouterr().err
