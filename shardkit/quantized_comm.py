@@ -36,6 +36,9 @@ __all__ = ["quantized_all_gather", "quantized_reduce_scatter",
            "wire_bytes", "hierarchical_wire_bytes"]
 
 _OPS = ("sum", "mean")
+# (intra, inter, group) object ids -> the objects, for pairs of groups every rank of the group
+# found valid, with their send order (see _agreed_send_order)
+_AGREED_GROUP_PAIRS = skdist.GroupCache()
 _VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -287,14 +290,13 @@ def quantized_reduce_scatter_hierarchical(tensors: Union[torch.Tensor, Sequence[
     tensors = _checked_tensors("quantized_reduce_scatter_hierarchical", tensors)
     _check_groups("quantized_reduce_scatter_hierarchical", intra_group=intra_group,
                   inter_group=inter_group, group=group)
-    _check_orthogonal(intra_group, inter_group)
+    order = _agreed_send_order(intra_group, inter_group, group)
     n, k = skdist.get_world_size(intra_group), skdist.get_world_size(inter_group)
     kwargs = dict(bits=bits, block=block, scale_dtype=scale_dtype, op=op, out=out)
     if k == 1 or n == 1:
         group = intra_group if k == 1 else inter_group
         return quantized_reduce_scatter(tensors, group, chunk_numels=chunk_numels, **kwargs)
     world = n * k
-    order = _order_of_given_groups(intra_group, inter_group, group)
     layout = quant_layout([t.numel() for t in tensors], world, bits=bits, block=block,
                           scale_dtype=scale_dtype, chunk_numels=chunk_numels)
     out = _result_buffer(out, layout.segment_numel, tensors[0].device)
@@ -309,6 +311,38 @@ def quantized_reduce_scatter_hierarchical(tensors: Union[torch.Tensor, Sequence[
     skdist.all_to_all_single(received, send, group=inter_group)
     return dequantize_sum(received, across, sources=k,
                           multiplier=1.0 / world if op == "mean" else 1.0, out=out)
+
+
+def _agreed_send_order(intra_group, inter_group, group) -> Optional[list[int]]:
+    """The checks of the groups (:func:`_check_orthogonal`, :func:`_order_of_given_groups`) on
+    every rank of ``group`` (the ranks the values are cut for; ``None``: the world), agreed the
+    first time a pair of groups is used, and the send order they give: a rank given wrong
+    groups raises its own error and the others a ValueError quoting it, instead of waiting in
+    the first all-to-all for a rank that left. Collective over ``group`` once per pair (one
+    small object all-gather); a dictionary lookup after."""
+    key = (id(intra_group), id(inter_group), id(skdist.resolved_group(group)),
+           skdist.node_layout_known())  # a layout gathered later may change the order
+    agreed = _AGREED_GROUP_PAIRS.current()
+    held = agreed.get(key)
+    if held is not None and held[0] is intra_group and held[1] is inter_group:
+        return held[2]
+    refusal = order = None
+    try:
+        _check_orthogonal(intra_group, inter_group)
+        if skdist.get_world_size(intra_group) > 1 and skdist.get_world_size(inter_group) > 1:
+            order = _order_of_given_groups(intra_group, inter_group, group)
+    except ValueError as error:
+        refusal = error
+    verdicts = skdist.all_gather_object(None if refusal is None else str(refusal), group=group)
+    if refusal is not None:
+        raise refusal
+    other = next((v for v in verdicts if v is not None), None)
+    if other is not None:
+        what = "quantized_reduce_scatter_hierarchical: "
+        raise ValueError(f"{what}another rank refused its groups, so no rank sends: "
+                         f"{other.removeprefix(what)}")
+    agreed[key] = (intra_group, inter_group, order, skdist.resolved_group(group))
+    return order
 
 
 def _check_orthogonal(intra_group, inter_group) -> None:

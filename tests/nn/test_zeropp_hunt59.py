@@ -106,6 +106,30 @@ def _hierarchical_with(inter_is_world: bool):
     return out.tolist()
 
 
+def _hierarchical_with_wrong_groups_on_rank_1():
+    """Rank 1 alone passes the world as its cross-node group; the others pass valid groups."""
+    pair = sub_group(PAIRS)
+    column = sub_group([[0, 2], [1, 3]])
+    world = sub_group([[0, 1, 2, 3]])
+    inter = world if skdist.get_rank() == 1 else column
+    try:
+        quantized_comm.quantized_reduce_scatter_hierarchical(torch.ones(64), pair, inter,
+                                                             bits=8, block=8)
+    except ValueError as error:
+        return str(error)
+    return "reduced"
+
+
+def test_wrong_groups_on_one_rank_are_refused_on_every_rank(world4):
+    """Before: rank 1 raised alone and the others waited in the all-to-all (a hang)."""
+    messages = world4.run(_hierarchical_with_wrong_groups_on_rank_1)
+    assert "on rank 1 intra_group holds ranks [0, 1]" in messages[1], messages
+    for rank in (0, 2, 3):
+        assert messages[rank].startswith("quantized_reduce_scatter_hierarchical: another rank "
+                                         "refused its groups, so no rank sends: on rank 1"), \
+            (rank, messages[rank])
+
+
 def test_hierarchical_groups_that_share_ranks_are_refused_on_every_rank(world4):
     for rank, message in enumerate(world4.run(_hierarchical_with, True)):
         assert isinstance(message, str), (rank, message)  # was: a wrong sum of 8 elements
