@@ -73,7 +73,9 @@ Keys accepted for compatibility with DeepSpeed configs, validated, without effec
     accept is an error that names what to use instead. comms_logger is read by
     ``initialize`` (``shardkit.comm.configure``: counts and bus bytes per op, no latencies).
 Hugging Face's ``"auto"`` placeholders (its Trainer fills them in before DeepSpeed reads
-the config) are refused in one ConfigError naming every such key.
+the config) are refused in one ConfigError naming every such key, except at
+zero_optimization's bucket sizes and stage-3 thresholds, where DeepSpeed reads ``"auto"`` as
+the default (OpenRLHF's configs rely on it) and so does shardkit.
 DeepSpeed's older section name ``bfloat16`` is read as ``bf16``, and its oldest form
 ``"zero_optimization": true`` as stage 1 (``false``: stage 0).
 """
@@ -610,6 +612,23 @@ class EngineConfig:
     activation_checkpointing: ActivationCheckpointingConfig = field(
         default_factory=ActivationCheckpointingConfig)
 
+    # DeepSpeed's engine.config is the config dict: scripts index it (OpenRLHF reads
+    # engine.config["zero_optimization"]["offload_optimizer"]["device"])
+    def __getitem__(self, key: str):
+        """The checked section or value ``key``, DeepSpeed's defaults filled in, the batch sizes
+        as resolved (``KeyError`` for a key the config schema does not have)."""
+        if key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                   "gradient_accumulation_steps"):
+            return getattr(self, key)
+        return self.checked[key]
+
+    def get(self, key: str, default=None):
+        """``self[key]``, or ``default`` for a key the config schema does not have."""
+        return self[key] if key in self else default
+
+    def __contains__(self, key) -> bool:
+        return key in self.checked
+
 
 # ----------------------------------------------------------------------------- validation
 
@@ -621,7 +640,7 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
     Raises :class:`ConfigError` naming the dotted key path, the value and what would be valid.
     Pure: no collectives, no global state.
     """
-    raw = _with_current_names(_read(config))
+    raw, auto_notes = _tuning_autos_as_defaults(_with_current_names(_read(config)))
     _refuse_auto_values(raw)
     checked = _check_section(raw, SCHEMA, "")
     train, micro, gas = resolve_batch_sizes(checked["train_batch_size"],
@@ -630,7 +649,7 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
                                             data_parallel_size)
     zero, notes = _zero_config(checked["zero_optimization"])
     notes += _breakdown_notes(checked) + _compression_notes(checked["compression_training"])
-    notes += _hybrid_engine_notes(checked["hybrid_engine"])
+    notes += _hybrid_engine_notes(checked["hybrid_engine"]) + auto_notes
     if data_parallel_size % zero.hpz_partition_size:
         raise ConfigError(f"zero_optimization.zero_hpz_partition_size={zero.hpz_partition_size} "
                           f"must divide the data-parallel size {data_parallel_size} (use the "
@@ -685,6 +704,33 @@ def _auto_paths(node, schema, path: str) -> list[str]:
         return found
     takes_str = isinstance(schema, Field) and str in schema.types
     return [path] if isinstance(node, str) and node.lower() == "auto" and not takes_str else []
+
+
+# zero_optimization's bucket sizes and stage-3 thresholds: tuning only (the values computed do
+# not depend on them). DeepSpeed reads the section through a non-strict pydantic model that
+# drops "auto" values, so each takes its default; OpenRLHF's configs pass them that way.
+_ZERO_TUNING_KEYS = ("reduce_bucket_size", "allgather_bucket_size", "sub_group_size",
+                     "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                     "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                     "stage3_model_persistence_threshold", "stage3_module_granularity_threshold")
+
+
+def _tuning_autos_as_defaults(raw: dict) -> tuple[dict, list[str]]:
+    """``raw`` without the ``"auto"`` values of :data:`_ZERO_TUNING_KEYS` (so they take
+    DeepSpeed's defaults, as in DeepSpeed), and a note naming them. Every other ``"auto"`` is
+    still refused by :func:`_refuse_auto_values`: a batch size, a learning rate or a switch
+    given as ``"auto"`` would change what is trained."""
+    zero = raw.get("zero_optimization")
+    if not isinstance(zero, Mapping):
+        return raw, []
+    autos = [key for key in _ZERO_TUNING_KEYS
+             if isinstance(zero.get(key), str) and zero[key].lower() == "auto"]
+    if not autos:
+        return raw, []
+    kept = {key: value for key, value in zero.items() if key not in autos}
+    note = (f"zero_optimization {autos}: \"auto\" reads as DeepSpeed's default (tuning "
+            f"knobs; DeepSpeed drops \"auto\" there too)")
+    return {**raw, "zero_optimization": kept}, [note]
 
 
 def _refuse_auto_values(raw: dict) -> None:
@@ -1018,11 +1064,8 @@ def _scheduler_spec(section) -> Optional[SchedulerSpec]:
             if params[key] > 1:
                 raise ConfigError(f"scheduler.params.{key}={params[key]!r} is out of range; "
                                   f"valid values: a number in [0, 1]")
-        # equal: no decay window, the lr drops to cos_min_ratio right after the warm-up
-        if params["total_num_steps"] < max(2, params["warmup_num_steps"]):
-            raise ConfigError(f"scheduler.params.total_num_steps={params['total_num_steps']} "
-                              f"must be at least warmup_num_steps="
-                              f"{max(2, params['warmup_num_steps'])}")
+        # total_num_steps <= warmup_num_steps is accepted as DeepSpeed accepts it (no decay
+        # window: the lr drops to cos_min_ratio after the warm-up); WarmupCosineLR warns
     if kind == "OneCycle":
         for key in ("cycle_min_mom", "cycle_max_mom"):  # Adam's beta1
             values = params[key] if isinstance(params[key], list) else [params[key]]

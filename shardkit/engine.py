@@ -343,6 +343,33 @@ def _guard_direct_steps(engine) -> None:
     _STEP_OWNERS[optimizer] = weakref.ref(engine)
 
 
+def _expose_offload_on_optimizer(engine) -> None:
+    """DeepSpeed's ZeRO optimizers have ``offload_states`` / ``reload_states``, and OpenRLHF
+    calls them there (``engine.optimizer.offload_states(include=...)``): set on the engine's
+    optimizer, forwarding to this engine (held weakly), unless the optimizer's class defines
+    the name itself. Costs nothing."""
+    optimizer = engine.optimizer
+    if optimizer is None:
+        return
+    owner = weakref.ref(engine)
+    for name in ("offload_states", "reload_states"):
+        if not hasattr(type(optimizer), name):
+            setattr(optimizer, name, _forwarded_to_engine(owner, name))
+
+
+def _forwarded_to_engine(owner: weakref.ref, name: str) -> Callable:
+    def forwarded(*args, **kwargs):
+        engine = owner()
+        if engine is None:
+            raise RuntimeError(f"optimizer.{name}(): the engine this optimizer was built into "
+                               f"no longer exists")
+        return getattr(engine, name)(*args, **kwargs)
+
+    forwarded.__name__ = name
+    forwarded.__doc__ = f"The engine's :meth:`ShardedEngine.{name}` (DeepSpeed's optimizer call)."
+    return forwarded
+
+
 def _refuse_direct_step(optimizer, args, kwargs) -> None:
     owner = _STEP_OWNERS.get(optimizer)
     engine = owner() if owner is not None else None
@@ -585,7 +612,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
     ``global_samples``, ``global_rank``, ``local_rank``, ``world_size``, ``dp_world_size``,
     ``mp_world_size``, ``device``; and ``no_sync()``, ``set_gradient_accumulation_boundary()``,
     ``deepspeed_io()``, ``module_state_dict()``, ``load_module_state_dict()``,
-    ``save_fp16_model()`` (the older name of ``save_16bit_model``).
+    ``save_fp16_model()`` (the older name of ``save_16bit_model``); between training and
+    generation (RLHF), ``empty_partition_cache()`` and ``offload_states()`` /
+    ``reload_states()``.
     """
 
     def __init__(self, model: nn.Module, composition: Composition, cfg: EngineConfig,
@@ -609,6 +638,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if self.optimizer is not None:  # DeepSpeed's optimizer.overflow before a first step
             self.optimizer.overflow = False
         _guard_direct_steps(self)
+        _expose_offload_on_optimizer(self)
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = _loss_scaler(cfg)
         self._publish_loss_scale()
@@ -626,6 +656,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         self._clock = time.perf_counter()
         self._steps_at_clock = 0
         self._pending_save = None  # an asynchronous save under way (checkpoint.async_save)
+        # offload_states(): {id(host copy): (host copy, device it came from)}; None: not offloaded
+        self._offloaded_optimizer_state: Optional[dict] = None
         self._last_grad_norm: Optional[torch.Tensor] = None  # read lazily: no device sync a step
         self._last_step_applied = False
         self._boundary_override: Optional[bool] = None
@@ -1238,6 +1270,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         the loss scale, zero gradients. Elsewhere: count. Without an optimizer: a RuntimeError
         on every rank, before any collective."""
         self._refuse_without_optimizer("step()")
+        self._refuse_offloaded_step()
         if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
             raise ValueError(f"engine.step(lr_kwargs={lr_kwargs!r}): expected a dict of keyword "
                              f"arguments for lr_scheduler.step(), or None")
@@ -1677,6 +1710,126 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         pending, self._pending_save = getattr(self, "_pending_save", None), None
         return pending.wait() if pending is not None else None
 
+    # -- DeepSpeed's memory controls, called between training and generation (RLHF loops)
+    def empty_partition_cache(self) -> None:
+        """Free the parameters stage 3 holds gathered outside a step (DeepSpeed's call after
+        generation): units a direct call under ``no_grad`` gathered (HF ``generate()`` on an
+        encoder-decoder), and units kept since a forward that no backward followed. The next
+        forward gathers them again. Stages 0-2 hold no gathered copies: nothing to free. Memory:
+        each such unit's full parameters go (storage released). Local, no communication; call it
+        on every rank between steps (during a backward it is a RuntimeError)."""
+        if self.composition.stage == 3 and hasattr(self.wrapped, "reshard"):
+            self.wrapped.reshard()
+
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Move this rank's optimizer state to host memory until :meth:`reload_states`
+        (DeepSpeed's call before an RLHF generation phase, whose memory it gives back; also
+        reachable as ``engine.optimizer.offload_states``, where OpenRLHF calls it).
+
+        ``include`` takes DeepSpeed's state names (``OffloadStateTypeEnum`` members or their
+        strings; ``None``: all). What each means here:
+
+        - ``"optim_states"``: the optimizer's state tensors (Adam's two moments, ``8Ψ/N``
+          bytes at stages 1-3, ``8Ψ`` at stage 0) move to host memory; ``step()`` is refused
+          until :meth:`reload_states`. Forwards still run.
+        - ``"hp_params"`` / ``"lp_params"``: shardkit keeps one copy of the weights, the fp32
+          parameters, which are both DeepSpeed's master and compute weights; those in host
+          memory already (a CPU run) stay, and on an accelerator naming them is a ValueError
+          (they are not moved: use ``zero_optimization.offload_param`` at stage 3, or leave
+          them out of ``include``). With ``include=None`` the states that cannot move stay,
+          with a warning naming them, and the optimizer state moves.
+        - ``"lp_grads"``: ``step()`` frees the gradients, so between steps there are none; held
+          on an accelerator (mid-accumulation) they are a ValueError.
+        - ``"contiguous_grad_buffer"``: stage 3 holds no gradient buffer between steps; at
+          stages 0-2 torch DDP's and ShardedDataParallel's reduce buckets stay allocated, so
+          on an accelerator naming it there is a ValueError.
+
+        ``device`` must be ``"cpu"`` (``"none"`` only warns, as in DeepSpeed; ``"nvme"`` is
+        refused). Every argument is checked before anything moves. Memory: the moved state's
+        device bytes are released (pinned host copies when ``pin_memory`` and CUDA). Local, no
+        communication; call it on every rank, between steps."""
+        self._refuse_without_optimizer("offload_states()")
+        states = _offload_request(include, device, pin_memory, non_blocking)
+        if states is None:
+            logger.warning("engine.offload_states(device='none'): nothing was moved")
+            return
+        if include is None:  # DeepSpeed's "everything": what shardkit can move, and a word
+            stuck = self._unmovable_states(states)
+            if stuck:
+                logger.warning("engine.offload_states(): %s stay on the device (see "
+                               "ShardedEngine.offload_states); the optimizer state moves", stuck)
+        else:
+            self._refuse_unmovable_states(states)
+        self.empty_partition_cache()
+        if "optim_states" in states:
+            self._offload_optimizer_state(pin_memory, non_blocking)
+
+    def _unmovable_states(self, states: tuple) -> list:
+        """The states of ``states`` that would stay on the accelerator (see
+        :meth:`offload_states`). Local."""
+        on_device = [p for p in self.wrapped.parameters() if p.device.type != "cpu"]
+        stuck = [name for name in ("hp_params", "lp_params") if name in states and on_device]
+        if "lp_grads" in states and any(p.grad is not None for p in on_device):
+            stuck.append("lp_grads")
+        if "contiguous_grad_buffer" in states and on_device and self.composition.stage < 3:
+            stuck.append("contiguous_grad_buffer")
+        return stuck
+
+    def _refuse_unmovable_states(self, states: tuple) -> None:
+        """A ValueError naming each state in ``states`` that would stay on the accelerator
+        (see :meth:`offload_states`). Local; the same on every rank of a run whose ranks hold
+        the same kind of device."""
+        stuck = self._unmovable_states(states)
+        if stuck:
+            on_device = next(p for p in self.wrapped.parameters() if p.device.type != "cpu")
+            raise ValueError(
+                f"engine.offload_states(include={list(states)!r}): {stuck} cannot be moved off "
+                f"{on_device.device}: shardkit's fp32 parameters are both the master and the "
+                f"compute weights (no separate copy to offload), gradients are held only until "
+                f"step(), and at stage {self.composition.stage} the gradient reduction's buckets "
+                f"stay allocated; offload include=['optim_states'] (zero_optimization."
+                f"offload_param moves stage 3's parameter shards to the CPU for good)")
+
+    def _offload_optimizer_state(self, pin_memory: bool, non_blocking: bool) -> None:
+        """Replace each optimizer state tensor by a host copy, remembering where it came from.
+        Leaves ``_offloaded_optimizer_state`` a dict on every rank (empty on a rank whose
+        shard holds no state yet), so that ``step()`` is refused on all ranks or none."""
+        moved = self._offloaded_optimizer_state or {}
+        for state in self.optimizer.state.values():
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and moved.get(id(value), (None,))[0] \
+                        is not value:
+                    host = _to_host(value, pin_memory, non_blocking)
+                    state[key] = host
+                    moved[id(host)] = (host, value.device)
+        self._offloaded_optimizer_state = moved
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Move the optimizer state :meth:`offload_states` moved back to the device it came
+        from (a state since replaced, by ``load_checkpoint``, stays as loaded), and allow
+        ``engine.step()`` again. Without a preceding offload: nothing to do. Memory: the
+        state's device bytes again. Local, no communication; call it on every rank."""
+        _check_flag("reload_states", "non_blocking", non_blocking)
+        moved, self._offloaded_optimizer_state = self._offloaded_optimizer_state, None
+        if moved is None:
+            return
+        for state in self.optimizer.state.values():
+            for key, value in list(state.items()):
+                host, origin = moved.get(id(value), (None, None))
+                if host is value:
+                    state[key] = value.to(origin, non_blocking=non_blocking)
+
+    def _refuse_offloaded_step(self) -> None:
+        """``step()`` between :meth:`offload_states` and :meth:`reload_states` would update
+        state that is not where the parameters are (on a GPU, a device mismatch inside the
+        optimizer; on a CPU run, a script that forgets the reload would break on a GPU): refused
+        on every rank, before any collective."""
+        if self._offloaded_optimizer_state is not None:
+            raise RuntimeError("engine.step(): the optimizer state was moved off the device by "
+                               "engine.offload_states(); call engine.reload_states() before "
+                               "the next step")
+
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
                         load_module_strict: bool = True,
                         load_optimizer_states: bool = True,
@@ -1747,6 +1900,59 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         set_rng_state(kept["rng"])
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(kept["loss_scaler"])
+
+
+# DeepSpeed's OffloadStateTypeEnum values (what each means here: ShardedEngine.offload_states)
+OFFLOAD_STATE_TYPES = ("optim_states", "hp_params", "lp_params", "lp_grads",
+                       "contiguous_grad_buffer")
+
+
+def _check_flag(call: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"engine.{call}({name}={value!r}): expected True or False")
+
+
+def _enum_value(value):
+    """A DeepSpeed ``str`` enum member (``OffloadDeviceEnum.cpu``) or a plain string, as the
+    string."""
+    return getattr(value, "value", value)
+
+
+def _offload_request(include, device, pin_memory, non_blocking) -> Optional[tuple]:
+    """The states ``offload_states`` is asked to move (``None``: ``device='none'``, nothing
+    to move), every argument checked before anything moves."""
+    _check_flag("offload_states", "pin_memory", pin_memory)
+    _check_flag("offload_states", "non_blocking", non_blocking)
+    device = _enum_value(device)
+    if device == "nvme":
+        raise ValueError("engine.offload_states(device='nvme'): NVMe is not supported for "
+                         "offloading states (as in DeepSpeed); use device='cpu'")
+    if device not in ("cpu", "none"):
+        raise ValueError(f"engine.offload_states(device={device!r}): valid devices are "
+                         f"'cpu' (or OffloadDeviceEnum.cpu) and 'none'")
+    if include is None:
+        names = OFFLOAD_STATE_TYPES
+    elif isinstance(include, (str, bytes)) or not hasattr(include, "__iter__"):
+        raise ValueError(f"engine.offload_states(include={include!r}): expected None or a "
+                         f"collection of state names, e.g. ['optim_states']")
+    else:
+        names = tuple(str(_enum_value(name)) for name in include)
+    unknown = [n for n in names if n not in OFFLOAD_STATE_TYPES]
+    if unknown:
+        raise ValueError(f"engine.offload_states(include={list(names)!r}): unknown state(s) "
+                         f"{unknown}; DeepSpeed's names are {list(OFFLOAD_STATE_TYPES)}")
+    return None if device == "none" else names
+
+
+def _to_host(tensor: torch.Tensor, pin_memory: bool, non_blocking: bool) -> torch.Tensor:
+    """``tensor`` in host memory (itself when it is there already), pinned when asked and
+    CUDA can pin."""
+    if tensor.device.type == "cpu":
+        return tensor
+    pin = pin_memory and torch.cuda.is_available()
+    host = torch.empty_like(tensor, device="cpu", pin_memory=pin)
+    host.copy_(tensor, non_blocking=non_blocking)
+    return host
 
 
 class NoOptimizer:

@@ -161,10 +161,11 @@ def test_hugging_face_auto_values_are_all_named_at_once():
     with pytest.raises(ConfigError) as caught:
         load_config(config, 2)
     message = str(caught.value)
-    for key in ("train_micro_batch_size_per_gpu", "gradient_clipping", "optimizer.params.lr",
-                "zero_optimization.reduce_bucket_size"):
+    for key in ("train_micro_batch_size_per_gpu", "gradient_clipping", "optimizer.params.lr"):
         assert f"'{key}'" in message, message
+    # a bucket size only tunes: "auto" takes DeepSpeed's default there, as in DeepSpeed
     assert "Hugging Face" in message and "tensorboard" not in message
+    assert "reduce_bucket_size" not in message
 
 
 def _scheduler_refusals():

@@ -216,8 +216,9 @@ class WarmupCosineLR(_DeepSpeedSchedule):
 
     Args:
         optimizer: any torch optimizer; its current lrs are the peak lrs.
-        total_num_steps: length of the whole schedule (>= ``warmup_num_steps``; equal: the
-            ratio drops to ``cos_min_ratio`` right after the warm-up, as in DeepSpeed).
+        total_num_steps: length of the whole schedule. At or below ``warmup_num_steps`` there
+            is no decay window: the warm-up runs its full length, then the ratio drops to
+            ``cos_min_ratio`` (below: a warning, as DeepSpeed gives).
         warmup_min_ratio: starting ratio of the warm-up.
         warmup_num_steps: warm-up length (at least 2 is used).
         cos_min_ratio: final ratio at ``total_num_steps``.
@@ -236,9 +237,11 @@ class WarmupCosineLR(_DeepSpeedSchedule):
                              ("cos_min_ratio", cos_min_ratio)):
             if not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
                 raise ValueError(f"{name}({label}={ratio!r}): must be a number in [0, 1]")
-        if total_num_steps < max(2, warmup_num_steps):
-            raise ValueError(f"{name}(total_num_steps={total_num_steps}): must be at least "
-                             f"warmup_num_steps={max(2, warmup_num_steps)}")
+        if isinstance(warmup_num_steps, int) and total_num_steps < max(2, warmup_num_steps):
+            # DeepSpeed warns and runs: the full warm-up, then cos_min_ratio (no decay window)
+            logger.warning("%s: total_num_steps %d is less than warmup_num_steps %d; the lr "
+                           "warms up over warmup_num_steps, then holds cos_min_ratio",
+                           name, total_num_steps, max(2, warmup_num_steps))
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = float(warmup_min_ratio)
         self.cos_min_ratio = float(cos_min_ratio)

@@ -104,7 +104,6 @@ def test_is_a_torch_lr_scheduler():
 @pytest.mark.parametrize("factory, needle", [
     (lambda o: WarmupLR(o, warmup_type="cubic"), "warmup_type='cubic'"),
     (lambda o: WarmupDecayLR(o, total_num_steps=0), "total_num_steps=0"),
-    (lambda o: WarmupCosineLR(o, total_num_steps=5, warmup_num_steps=10), "total_num_steps=5"),
     (lambda o: WarmupLR(o, warmup_min_lr=[0.1, 0.2]), "one value per param group"),
 ])
 def test_bad_arguments_are_named(factory, needle):
