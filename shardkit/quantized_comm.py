@@ -319,7 +319,8 @@ def _agreed_send_order(intra_group, inter_group, group) -> Optional[list[int]]:
     first time a pair of groups is used, and the send order they give: a rank given wrong
     groups raises its own error and the others a ValueError quoting it, instead of waiting in
     the first all-to-all for a rank that left. Collective over ``group`` once per pair (one
-    small object all-gather); a dictionary lookup after."""
+    small object all-gather, a control message ``CommCounter`` does not count); a dictionary
+    lookup after."""
     key = (id(intra_group), id(inter_group), id(skdist.resolved_group(group)),
            skdist.node_layout_known())  # a layout gathered later may change the order
     agreed = _AGREED_GROUP_PAIRS.current()
@@ -333,7 +334,8 @@ def _agreed_send_order(intra_group, inter_group, group) -> Optional[list[int]]:
             order = _order_of_given_groups(intra_group, inter_group, group)
     except ValueError as error:
         refusal = error
-    verdicts = skdist.all_gather_object(None if refusal is None else str(refusal), group=group)
+    verdicts = skdist.all_gather_object(None if refusal is None else str(refusal), group=group,
+                                        counted=False, operation="the groups' check")
     if refusal is not None:
         raise refusal
     other = next((v for v in verdicts if v is not None), None)
