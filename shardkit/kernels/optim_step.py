@@ -169,7 +169,9 @@ def _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *
                  grad_scale, found_inf, **hyper) -> None:
     """torch's fused Adam(W) over lists: one C++ call, one pass over memory per tensor.
     A 16-bit parameter with a gradient of another dtype is updated through fp32 copies of its
-    buffers (see :func:`_needs_fp32`): the same fp32 arithmetic, rounded once, as Triton's."""
+    buffers (see :func:`_needs_fp32`): the same fp32 arithmetic, rounded once, as Triton's.
+    With ``amsgrad`` the max is then made NaN where ``exp_avg_sq`` is, as torch.optim.AdamW's
+    (one more pass over the two buffers: 12 B per fp32 parameter)."""
     fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
     device = params[0].device
     step_tensors = [_step_tensor(s, device) for s in steps]
@@ -193,6 +195,11 @@ def _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *
             work_x.append(copies[3])
     fused(work_p, work_g, work_m, work_v, work_x, list(step_tensors), grad_scale=grad_scale,
           found_inf=found_inf, **hyper)
+    if amsgrad and not _skipped_on_cpu(found_inf):
+        # torch's fused kernels keep a stale finite max where exp_avg_sq became NaN (a NaN/inf
+        # gradient); torch.optim.AdamW's default loop (torch.maximum) and the Triton kernel
+        # leave NaN there. A no-op on every other element (the max is already >= exp_avg_sq).
+        torch._foreach_maximum_(work_x, work_v)
     for originals, copies in widened:
         for original, copy in zip(originals, copies):
             original.copy_(copy)

@@ -47,7 +47,9 @@ def _adamw_math(p, g, m, v, vmax, step_size, bc2_sqrt, lr, beta1, beta2, eps, we
     m = m + (1.0 - beta1) * (g - m)
     v = beta2 * v + (1.0 - beta2) * g * g
     if AMSGRAD:
-        vmax = tl.maximum(vmax, v)
+        # NaN-propagating, as torch.maximum in torch.optim.AdamW: a NaN/inf gradient leaves a
+        # NaN max (the default max keeps the stale finite one, as torch's fused kernels do)
+        vmax = tl.maximum(vmax, v, propagate_nan=tl.PropagateNan.ALL)
         denom = tl.sqrt(vmax) / bc2_sqrt + eps
     else:
         denom = tl.sqrt(v) / bc2_sqrt + eps

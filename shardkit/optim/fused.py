@@ -79,8 +79,17 @@ class FusedAdamW(torch.optim.Optimizer):
         lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``; ``lr`` may
             be a one-element tensor, as torch's (a scheduler fills it in place), read on the
             host at each step (on CUDA a synchronisation per param group and device/dtype).
-        foreach, fused: accepted, as torch's, and ignored (the step is always fused);
-            ``capturable`` and ``differentiable`` must stay False (a ValueError otherwise).
+        foreach, fused: accepted, as torch's, kept in the param groups and otherwise ignored
+            (the step is always fused); ``capturable`` and ``differentiable`` must stay False
+            (a ValueError otherwise). Each group carries every key of a torch AdamW group,
+            ``decoupled_weight_decay=True`` included: a group added with it False is stepped
+            as ``torch.optim.Adam`` (L2 weight decay), as torch's AdamW does; and as torch's,
+            ``load_state_dict`` sets it True in every group (a torch Adam checkpoint resumes
+            as AdamW).
+
+    A parameter listed twice in one group is stepped twice per step with one state (its
+    ``step`` counts both), as torch's AdamW does after its "duplicate parameters" warning; in
+    two groups it is refused, as torch refuses it.
 
     Example::
 
@@ -92,14 +101,13 @@ class FusedAdamW(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False,
                  maximize: bool = False, *, foreach=None, capturable: bool = False,
                  differentiable: bool = False, fused=None):
-        for name, value in (("capturable", capturable), ("differentiable", differentiable)):
-            if value:
-                raise ValueError(f"FusedAdamW: {name}={value!r} is not supported (the step runs "
-                                 f"outside autograd and CUDA graphs); leave it False")
-        _check_hyper_parameters(lr, betas, eps, weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        amsgrad=amsgrad, maximize=maximize)
-        self._flat: dict[int, tuple[tuple, list[_FlatState]]] = {}
+                        amsgrad=amsgrad, maximize=maximize, foreach=foreach,
+                        capturable=capturable, differentiable=differentiable, fused=fused,
+                        decoupled_weight_decay=True)
+        _check_modes(defaults)
+        _check_hyper_parameters(lr, betas, eps, weight_decay)
+        self._flat: dict[int, tuple[tuple, list[_FlatState], dict]] = {}
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict) -> None:
@@ -108,11 +116,16 @@ class FusedAdamW(torch.optim.Optimizer):
         super().__setstate__(state)
         self._flat = {}
         # a state dict saved without these keys (an older torch Adam/AdamW, DeepSpeed's
-        # FusedAdam) ran without the variant: False, as torch.optim.AdamW fills them in
+        # FusedAdam, FusedAdamW before it carried torch's keys) ran without the variant: the
+        # values torch.optim.AdamW fills in. The modes describe this optimizer, not the saved
+        # training state: a torch AdamW(capturable=True) checkpoint resumes here uncaptured
         for group in self.param_groups:
-            for key in ("amsgrad", "maximize"):
+            for key, value in _TORCH_GROUP_KEYS.items():
                 if key in self.defaults:
-                    group.setdefault(key, False)
+                    group.setdefault(key, value)
+            for key, value in _FIXED_GROUP_KEYS.items():
+                if key in self.defaults:
+                    group[key] = value
             # DeepSpeed's FusedAdam before per-parameter steps kept one ``group["step"]`` (its
             # own loader falls back to it); a state with moments and no step at all would
             # silently restart the bias correction at step 1 (torch raises KeyError)
@@ -131,6 +144,7 @@ class FusedAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         added = self.param_groups[-1]
         try:
+            _check_modes(added)
             _check_hyper_parameters(added["lr"], added["betas"], added["eps"],
                                     added["weight_decay"])
         except ValueError:
@@ -177,13 +191,16 @@ class FusedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        _refuse_sparse_gradients(type(self).__name__, self.param_groups)
         for index, group in enumerate(self.param_groups):
-            for flat in self._flat_states(index, group):
-                self._step_flat(group, flat)
+            flats, repeats = self._flat_states(index, group)
+            for flat in flats:
+                self._step_flat(group, flat, repeats)
         return loss
 
-    def _flat_states(self, index: int, group: dict) -> list[_FlatState]:
-        """The flat state of the group's stepped parameters (:func:`_stepped_params`).
+    def _flat_states(self, index: int, group: dict) -> tuple[list[_FlatState], dict]:
+        """The flat state of the group's stepped parameters (:func:`_stepped_params`), and
+        ``{id: count}`` of those listed more than once (each in the buffers once).
 
         Parameters stepped for the first time get buffers of their own beside the existing
         ones (:meth:`_add_newcomers`); any other change (a parameter removed or cast, moved or
@@ -192,10 +209,14 @@ class FusedAdamW(torch.optim.Optimizer):
         stepped = _stepped_params(group["params"], self.state)
         key = (tuple(map(id, stepped)), bool(group["amsgrad"]))
         cached = self._flat.get(index)
-        if cached is None or cached[0][1] != key[1] or any(f.outdated() for f in cached[1]):
+        stale = cached is None or cached[0][1] != key[1] or any(f.outdated() for f in cached[1])
+        if not stale and cached[0] == key:
+            return cached[1], cached[2]
+        repeats = _repeats(stepped)
+        if repeats:
+            stepped = list(dict.fromkeys(stepped))  # tensors hash by identity
+        if stale:
             flats = self._build_flat_states(group, stepped)
-        elif cached[0] == key:
-            return cached[1]
         else:
             covered = {id(p) for f in cached[1] for p in f.params}
             if covered <= set(key[0]):  # only newcomers
@@ -203,8 +224,8 @@ class FusedAdamW(torch.optim.Optimizer):
                 flats = self._add_newcomers(group, cached[1], newcomers)
             else:
                 flats = self._build_flat_states(group, stepped)
-        self._flat[index] = (key, flats)
-        return flats
+        self._flat[index] = (key, flats, repeats)
+        return flats, repeats
 
     def _add_newcomers(self, group: dict, flats: list[_FlatState],
                        newcomers: list) -> list[_FlatState]:
@@ -256,14 +277,12 @@ class FusedAdamW(torch.optim.Optimizer):
             flats.append(flat)
         return flats
 
-    def _step_flat(self, group: dict, flat: _FlatState) -> None:
-        if not any(p.grad is not None for p in flat.params):
-            return
+    def _step_flat(self, group: dict, flat: _FlatState, repeats: dict) -> None:
+        """Step the parameters of ``flat`` that have a gradient; one listed ``k`` times in the
+        group (``repeats``) is stepped ``k`` times, in ``k`` kernel calls (as torch's loop)."""
         live = [i for i, p in enumerate(flat.params) if p.grad is not None]
-        for i in live:
-            if flat.params[i].grad.is_sparse:
-                raise RuntimeError(f"FusedAdamW: parameter of shape {tuple(flat.params[i].shape)}"
-                                   f" has a sparse gradient; use torch.optim.SparseAdam")
+        if not live:
+            return
         views = flat.views
         params, grads, strided = [], [], []
         for i in live:
@@ -275,19 +294,30 @@ class FusedAdamW(torch.optim.Optimizer):
                 strided.append((p, p.contiguous()))
                 p = strided[-1][1]
             params.append(p)
-        if len(live) == len(flat.params):
+        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+        rounds = max(repeats.get(id(flat.params[i]), 1) for i in live) if repeats else 1
+        for round_ in range(rounds):  # every live parameter, then the repeated ones again
+            picked = range(len(live)) if round_ == 0 else \
+                [k for k, i in enumerate(live) if repeats.get(id(flat.params[i]), 1) > round_]
+            self._update_picked(group, flat, keys, [live[k] for k in picked],
+                                [params[k] for k in picked], [grads[k] for k in picked])
+        for p, stepped in strided:
+            p.copy_(stepped)
+
+    def _update_picked(self, group: dict, flat: _FlatState, keys: tuple, indices: list,
+                       params: list, grads: list) -> None:
+        """One update of ``flat.params[i]`` for ``i`` in ``indices`` (``params`` / ``grads``:
+        their contiguous tensors), their step counts advanced first."""
+        if len(indices) == len(flat.params):
             flat.steps.add_(1.0)
         else:
-            flat.steps[live] += 1.0
+            flat.steps[indices] += 1.0
         counts = flat.steps.tolist()
-        steps = [int(counts[i]) for i in live]
-        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-        exp_avgs, exp_avg_sqs, *maxes = ([_as_real(views[key][i]) for i in live]
+        steps = [int(counts[i]) for i in indices]
+        exp_avgs, exp_avg_sqs, *maxes = ([_as_real(flat.views[key][i]) for i in indices]
                                          for key in keys)
         self._update(group, [_as_real(p) for p in params], [_as_real(g) for g in grads],
                      exp_avgs, exp_avg_sqs, maxes[0] if maxes else None, steps)
-        for p, stepped in strided:
-            p.copy_(stepped)
 
     def _update(self, group: dict, params: list, grads: list, exp_avgs: list,
                 exp_avg_sqs: list, max_exp_avg_sqs, steps: list) -> None:
@@ -301,7 +331,7 @@ class FusedAdamW(torch.optim.Optimizer):
                         beta1=beta1, beta2=beta2, eps=group["eps"],
                         weight_decay=group["weight_decay"], maximize=group["maximize"],
                         amsgrad=group["amsgrad"], max_exp_avg_sqs=max_exp_avg_sqs,
-                        validate=False)
+                        decoupled=group.get("decoupled_weight_decay", True), validate=False)
 
 
 def _as_real(t: torch.Tensor) -> torch.Tensor:
@@ -387,6 +417,46 @@ def _stepped_params(params: list, state: dict) -> list:
     had a gradient (a frozen base model beside its adapters, an unused branch) costs no state
     memory; its first gradient allocates its state then."""
     return [p for p in params if p.grad is not None or state.get(p)]
+
+
+# keys of a torch.optim.AdamW group beside the hyper-parameters, with the values its
+# __setstate__ gives a state dict saved without them; and those it always sets
+_TORCH_GROUP_KEYS = dict(amsgrad=False, maximize=False, foreach=None, capturable=False,
+                         differentiable=False, fused=None)
+_FIXED_GROUP_KEYS = dict(capturable=False, differentiable=False, decoupled_weight_decay=True)
+
+
+def _check_modes(group: dict) -> None:
+    """torch AdamW's implementation switches, as this step can honour them."""
+    for name in ("capturable", "differentiable"):
+        if group.get(name):
+            raise ValueError(f"FusedAdamW: {name}={group[name]!r} is not supported (the step "
+                             f"runs outside autograd and CUDA graphs); leave it False")
+    if group.get("fused") and group.get("foreach"):
+        raise ValueError(f"FusedAdamW: fused={group['fused']!r} and foreach="
+                         f"{group['foreach']!r}; at most one of them may be True (as torch)")
+
+
+def _repeats(params: list) -> dict:
+    """``{id(p): count}`` of the parameters listed more than once in ``params`` (empty when
+    none is: the usual case costs one set)."""
+    if len(set(map(id, params))) == len(params):
+        return {}
+    counts: dict = {}
+    for p in params:
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    return {key: count for key, count in counts.items() if count > 1}
+
+
+def _refuse_sparse_gradients(name: str, groups: list) -> None:
+    """A RuntimeError, before anything is stepped, for a parameter with a sparse gradient."""
+    for group in groups:
+        for p in group["params"]:
+            grad = p.grad
+            if grad is not None and grad.is_sparse:
+                raise RuntimeError(f"{name}: parameter of shape {tuple(p.shape)} has a "
+                                   f"sparse gradient; AdamW needs dense gradients (use "
+                                   f"torch.optim.SparseAdam for sparse ones)")
 
 
 def _check_hyper_parameters(lr, betas, eps, weight_decay) -> None:
