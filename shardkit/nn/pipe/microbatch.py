@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import (keystr, tree_flatten, tree_flatten_with_path, tree_map,
+                                 tree_unflatten)
 
 __all__ = ["as_tuple", "batch_size", "split_microbatches", "join_microbatches",
            "own_microbatches", "split_keyword_arguments", "keyword_argument_problems",
@@ -79,14 +80,38 @@ def _has_batch_dim(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
-def keyword_chunk_dims(kwargs_chunk_spec, what: str) -> dict:
-    """torch's ``kwargs_chunk_spec`` (``{name: TensorChunkSpec(dim)}`` or ``{name:
-    _Replicate()}``, as ``TensorChunkSpec.from_dict`` builds) as ``{name: dim}``, ``None`` for
-    a keyword argument passed whole to every micro-batch. ``None`` (torch's default) is ``{}``:
-    every tensor with a batch dimension split along dim 0. Raises a ValueError naming an entry
-    that is neither (a nested spec included). Local."""
+def _is_dim_leaf(value) -> bool:
+    return value is None or isinstance(value, int)
+
+
+def _spec_dims(spec):
+    """One of torch's chunk specs as a split dimension: ``TensorChunkSpec(dim)`` as ``dim``
+    (negative counts from the end, as in ``torch.tensor_split``), ``_Replicate`` as ``None``;
+    anything else raises a TypeError. Nested tuples, lists and dicts of specs keep their
+    structure."""
     from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
+    if spec is _Replicate or isinstance(spec, _Replicate):
+        return None
+    if isinstance(spec, TensorChunkSpec) and isinstance(spec.split_dim, int) \
+            and not isinstance(spec.split_dim, bool):
+        return spec.split_dim
+    if isinstance(spec, (tuple, list)):
+        return [_spec_dims(s) for s in spec] if isinstance(spec, list) else \
+            tuple(_spec_dims(s) for s in spec)
+    if isinstance(spec, dict):
+        return {key: _spec_dims(s) for key, s in spec.items()}
+    raise TypeError(repr(spec))
+
+
+def keyword_chunk_dims(kwargs_chunk_spec, what: str) -> dict:
+    """torch's ``kwargs_chunk_spec`` (``{name: TensorChunkSpec(dim)}`` or ``{name:
+    _Replicate()}``, as ``TensorChunkSpec.from_dict`` builds, or for a keyword holding a
+    tuple, list or dict of tensors the same structure of specs) as ``{name: dims}``: ``dims``
+    an int (the split dimension, negative counting from the end), ``None`` (passed whole to
+    every micro-batch), or a tuple, list or dict of these matching the keyword's value.
+    ``None`` (torch's default) is ``{}``: every tensor with a batch dimension split along dim
+    0. Raises a ValueError naming an entry that is none of these. Local."""
     if kwargs_chunk_spec is None:
         return {}
     if not isinstance(kwargs_chunk_spec, dict):
@@ -94,17 +119,38 @@ def keyword_chunk_dims(kwargs_chunk_spec, what: str) -> dict:
                          f"{{keyword: TensorChunkSpec(dim) or _Replicate()}} or None")
     dims = {}
     for name, spec in kwargs_chunk_spec.items():
-        if spec is _Replicate or isinstance(spec, _Replicate):
-            dims[name] = None
-        elif isinstance(spec, TensorChunkSpec) and isinstance(spec.split_dim, int) \
-                and spec.split_dim >= 0:
-            dims[name] = spec.split_dim
-        else:
-            raise ValueError(f"{what}(kwargs_chunk_spec={{{name!r}: {spec!r}}}): expected "
-                             f"TensorChunkSpec(dim) with dim >= 0 (the keyword's tensors split "
-                             f"along dim) or _Replicate() (passed whole to every micro-batch), "
-                             f"one per keyword")
+        try:
+            dims[name] = _spec_dims(spec)
+        except TypeError as error:
+            raise ValueError(f"{what}(kwargs_chunk_spec={{{name!r}: {spec!r}}}): {error} is "
+                             f"not a chunk spec; expected TensorChunkSpec(dim) (the keyword's "
+                             f"tensors split along dim) or _Replicate() (passed whole to every "
+                             f"micro-batch), or a tuple, list or dict of them matching the "
+                             f"keyword's value") from None
     return dims
+
+
+def _leaf_dims(value, dims) -> Optional[list]:
+    """The split dimension of each leaf of ``value`` (in ``tree_flatten``'s order): one int or
+    ``None`` for all of them, or, where ``dims`` is a structure of them, the entry at each
+    leaf's place (tuples and lists by position, dicts by key); ``None`` when that structure
+    is not ``value``'s."""
+    if _is_dim_leaf(dims):
+        return [dims] * len(tree_flatten(value)[0])
+    if isinstance(value, (tuple, list)) and isinstance(dims, (tuple, list)) \
+            and len(value) == len(dims):
+        pairs = zip(value, dims)
+    elif isinstance(value, dict) and isinstance(dims, dict) and set(value) == set(dims):
+        pairs = ((v, dims[key]) for key, v in value.items())
+    else:
+        return None
+    found = []
+    for part, part_dims in pairs:
+        part_found = _leaf_dims(part, part_dims)
+        if part_found is None:
+            return None
+        found += part_found
+    return found
 
 
 def _splits(value, dim: Optional[int]) -> bool:
@@ -114,11 +160,12 @@ def _splits(value, dim: Optional[int]) -> bool:
 def split_keyword_arguments(kwargs: dict, chunks: int, dims: Optional[dict] = None
                             ) -> Optional[list[dict]]:
     """Per micro-batch, ``kwargs`` with every tensor that has a batch dimension cut into
-    ``chunks`` views along dim 0, inside tuples, lists and dicts too (as
+    ``chunks`` views along dim 0 (``torch.tensor_split``: the first ``rows % chunks`` parts
+    one row longer, like the batch), inside tuples, lists and dicts too (as
     ``torch.distributed.pipelining`` splits them); other values (0-dim tensors included) go to
     every micro-batch as they are. ``dims`` (:func:`keyword_chunk_dims`) names another
-    dimension for a keyword's tensors, or ``None`` to pass them whole. ``None`` when there are
-    no keyword arguments. Views, no copies."""
+    dimension for a keyword's tensors, or ``None`` to pass them whole, per keyword or per
+    leaf of its value. ``None`` when there are no keyword arguments. Views, no copies."""
     if not kwargs:
         return None
     dims = dims or {}
@@ -126,53 +173,66 @@ def split_keyword_arguments(kwargs: dict, chunks: int, dims: Optional[dict] = No
     return [{key: parts[i] for key, parts in per_key.items()} for i in range(chunks)]
 
 
-def _split_value(value, chunks: int, dim: Optional[int]) -> list:
+def _split_value(value, chunks: int, dims) -> list:
     leaves, spec = tree_flatten(value)
     pieces = [torch.tensor_split(v, chunks, dim) if _splits(v, dim) else [v] * chunks
-              for v in leaves]
+              for v, dim in zip(leaves, _leaf_dims(value, dims))]
     return [tree_unflatten([p[i] for p in pieces], spec) for i in range(chunks)]
-
-
-def _named_leaves(kwargs: dict) -> list[tuple[str, str, object]]:
-    """``(keyword, name, value)`` of every leaf of ``kwargs``, named as written: ``mask`` or
-    ``extra['shift'][0]``."""
-    named = []
-    for key, value in kwargs.items():
-        leaves, _ = tree_flatten_with_path(value)
-        named += [(key, f"{key}{keystr(path)}", leaf) for path, leaf in leaves]
-    return named
 
 
 def keyword_argument_problems(what: str, kwargs: dict, chunks: int,
                               dims: Optional[dict] = None) -> list[str]:
     """What keeps :func:`split_keyword_arguments` from splitting ``kwargs`` as the batch: a
-    tensor with a batch dimension whose rows ``chunks`` does not divide (along the dimension
-    ``dims`` names), or one that requires grad (only the positional inputs get their gradient
-    back); a keyword ``dims`` names that ``kwargs`` (when there are any) lacks. ``what`` names
-    the call (``"ScheduleGPipe.step"``)."""
+    tensor with a batch dimension with fewer rows than ``chunks`` (along the dimension ``dims``
+    names) or without that dimension, or one that requires grad (only the positional inputs
+    get their gradient back); a keyword ``dims`` names that ``kwargs`` (when there are any)
+    lacks, or whose value's structure is not that of its nested spec. ``what`` names the call
+    (``"ScheduleGPipe.step"``)."""
     dims = dims or {}
     missing = [key for key in dims if key not in kwargs]
     problems = [f"{what}(...): kwargs_chunk_spec names {missing}, but the keyword arguments "
                 f"given are {sorted(kwargs)}; name the same keywords"] if kwargs and missing \
         else []
-    for key, name, value in _named_leaves(kwargs):
-        if not _has_batch_dim(value):
+    for key, value in kwargs.items():
+        leaf_dims = _leaf_dims(value, dims.get(key, 0))
+        if leaf_dims is None:
+            problems.append(f"{what}({key}=...): kwargs_chunk_spec gives it a structure of "
+                            f"specs {dims[key]!r} that is not its value's "
+                            f"({_structure(value)}); give one spec per tensor, nested as "
+                            f"the value is, or one spec for all of them")
             continue
-        dim = dims.get(key, 0)
-        if dim is not None and value.dim() <= dim:
-            problems.append(f"{what}({name}=...): kwargs_chunk_spec splits it along dim {dim}, "
-                            f"but it has shape {tuple(value.shape)}")
-        elif dim is not None and value.shape[dim] % chunks:
-            problems.append(f"{what}({name}=...): a tensor passed by keyword is split along "
-                            f"dim {dim} into chunks={chunks} equal micro-batches, but it has "
-                            f"{value.shape[dim]} there; pass a multiple of {chunks} (or a "
-                            f"0-dim tensor or a non-tensor, given to every micro-batch as it "
-                            f"is, or name it _Replicate() in kwargs_chunk_spec)")
-        elif value.requires_grad:
-            problems.append(f"{what}({name}=...): a tensor passed by keyword must not require "
-                            f"grad (only the positional inputs get their gradient back); pass "
-                            f"it positionally or detach it")
+        for (path, leaf), dim in zip(tree_flatten_with_path(value)[0], leaf_dims):
+            problem = _keyword_leaf_problem(leaf, dim, chunks)
+            if problem:
+                problems.append(f"{what}({key}{keystr(path)}=...): {problem}")
     return problems
+
+
+def _structure(value) -> str:
+    """``value``'s nesting with each leaf named by its type (``{'a': Tensor, 'b': [int]}``)."""
+    return repr(tree_map(lambda v: _TypeName(type(v).__name__), value))
+
+
+class _TypeName(str):
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _keyword_leaf_problem(value, dim: Optional[int], chunks: int) -> Optional[str]:
+    if not _has_batch_dim(value):
+        return None
+    if dim is not None and not -value.dim() <= dim < value.dim():
+        return (f"kwargs_chunk_spec splits it along dim {dim}, but it has shape "
+                f"{tuple(value.shape)}")
+    if dim is not None and value.shape[dim] < chunks:
+        return (f"a tensor passed by keyword is split along dim {dim} into chunks={chunks} "
+                f"micro-batches, but it has {value.shape[dim]} there; pass at least {chunks} "
+                f"(or a 0-dim tensor or a non-tensor, given to every micro-batch as it is, or "
+                f"name it _Replicate() in kwargs_chunk_spec)")
+    if value.requires_grad:
+        return ("a tensor passed by keyword must not require grad (only the positional inputs "
+                "get their gradient back); pass it positionally or detach it")
+    return None
 
 
 def positional_chunk_spec_problem(args_chunk_spec) -> Optional[str]:

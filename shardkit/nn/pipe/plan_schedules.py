@@ -28,13 +28,16 @@ unit and micro-batch, or accumulation inside the unit's ``no_sync()``) and says 
 between B and W (nothing) and during W. A stage holding a ``checkpoint_wrapper`` module under
 FSDP is refused when backward is split.
 
-Loss and micro-batches: the batch is split into ``chunks`` equal micro-batches (an uneven split
-is an error: a mean loss over unequal micro-batches would weight rows unequally); each
-micro-batch's loss is divided by ``chunks`` before its backward (``scale_grads=True``, the
-default, as in ``torch.distributed.pipelining``; with ``scale_grads=False`` it is not, and the
-gradients are those of the sum of the micro-batch losses). Call ``optimizer.zero_grad()``
-before and ``optimizer.step()`` after :meth:`PlanSchedule.step` on every rank, over the
-parameters of all the rank's stages.
+Loss and micro-batches: the batch is split into ``chunks`` micro-batches along dim 0 as
+``torch.tensor_split`` does (as in ``torch.distributed.pipelining``: where ``chunks`` does not
+divide the batch, the first ones are one row longer); each micro-batch's loss is divided by
+``chunks`` before its backward (``scale_grads=True``, the default, as in torch), or, where the
+target's rows do not split evenly, by the target's rows over the micro-batch's, so that a
+``loss_fn`` averaging over its rows gives the batch mean's gradients, as one process does
+(torch divides by ``chunks`` there too, which weighs the rows of shorter micro-batches more);
+with ``scale_grads=False`` it is not divided, and the gradients are those of the sum of the
+micro-batch losses. Call ``optimizer.zero_grad()`` before and ``optimizer.step()`` after
+:meth:`PlanSchedule.step` on every rank, over the parameters of all the rank's stages.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from typing import Callable, Optional
 
 import torch
 from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from shardkit import distributed as dist
 from shardkit.nn.data_parallel.flat_param import zeros_only_views
@@ -80,8 +83,9 @@ class PlanSchedule:
 
     Args:
         stages: this rank's stage, or its stages (a list, as the schedule's placement needs).
-        chunks: micro-batches per step; must divide the batch size. torch's keyword
-            ``n_microbatches=`` is taken in its place.
+        chunks: micro-batches per step, at most the batch size (a batch it does not divide
+            splits unevenly, see above). torch's keyword ``n_microbatches=`` is taken in its
+            place.
         loss_fn: ``loss_fn(output, target) -> scalar`` on the rank running the last stage
             (``None``: forward-only steps with ``return_outputs=True`` only).
         track_activation_memory: measure the bytes saved for backward on this rank
@@ -100,14 +104,17 @@ class PlanSchedule:
         scale_grads: torch's meaning: ``True`` (default) divides the gradients by ``chunks``
             (each micro-batch's loss is divided before its backward), so a ``loss_fn`` that
             averages over its micro-batch gives the gradients of the batch mean, and
-            :meth:`step` returns the mean micro-batch loss; ``False`` leaves them unscaled (the
-            gradients of the sum of the micro-batch losses, for a ``loss_fn`` that sums, or a
-            caller that scales itself), and :meth:`step` returns that sum.
+            :meth:`step` returns the mean micro-batch loss (with an uneven split, each
+            micro-batch's weighted by its share of the target's rows); ``False`` leaves them
+            unscaled (the gradients of the sum of the micro-batch losses, for a ``loss_fn``
+            that sums, or a caller that scales itself), and :meth:`step` returns that sum.
         kwargs_chunk_spec: torch's ``{keyword: TensorChunkSpec(dim) or _Replicate()}``
             (``TensorChunkSpec.from_dict``): a keyword argument's tensors split along ``dim``
-            into ``chunks`` equal parts, or passed whole to every micro-batch; keywords it
-            does not name split along dim 0 (``None``, the default: all of them). A step
-            with keyword arguments that lack one it names fails on every rank.
+            (negative: counted from the end) into ``chunks`` parts as the batch is, or passed
+            whole to every micro-batch; for a keyword holding a tuple, list or dict of
+            tensors, one spec for all of them or the same structure of specs, one per tensor;
+            keywords it does not name split along dim 0 (``None``, the default: all of them).
+            A step with keyword arguments that lack one it names fails on every rank.
         args_chunk_spec: torch's; ``None`` or a tuple of ``TensorChunkSpec(0)`` (the batch is
             split along dim 0); another value is a ValueError naming it.
         output_merge_spec, use_full_backward, backward_requires_autograd, defer_pp_recv:
@@ -295,11 +302,12 @@ class PlanSchedule:
         loss (detached, before the division by ``chunks``) on the rank running the last stage
         (other ranks leave it alone); keyword arguments given to a rank's ``step`` go to the
         modules of that rank's stages beside their input (``module(x, mask=mask_i)``), tensors
-        split along dim 0 into ``chunks`` equal parts, inside tuples, lists and dicts too (they
-        need no gradient), other values passed to every micro-batch as they are (with several
-        stages per rank, where the first stage's rank gets other plain values than on the last
-        step, or 0-dim tensors or other objects, which may decide shapes, the shape headers go
-        again; with one stage per rank a stage announces its changed shapes itself).
+        split along dim 0 into ``chunks`` parts as the batch is, inside tuples, lists and dicts
+        too (they need no gradient), other values passed to every micro-batch as they are
+        (with several stages per rank, where the first stage's rank gets other plain values
+        than on the last step, or 0-dim tensors or other objects, which may decide shapes, the
+        shape headers go again; with one stage per rank a stage announces its changed shapes
+        itself).
         ``loss_kwargs``, a dict, goes to every call of ``loss_fn(output, target,
         **loss_kwargs)`` as it is (not split).
         ``return_outputs``: left unset, :meth:`step` returns the loss as above; ``True``
@@ -310,16 +318,16 @@ class PlanSchedule:
         ``losses``). Other ranks return ``None`` in every case. A forward-only step with
         ``return_outputs=True`` needs no ``target`` and no ``loss_fn`` (inference, as with
         torch's schedules built without ``loss_fn``): without either, no loss is computed and
-        ``losses`` is left empty. A forward-only step with neither a ``loss_fn`` nor a
-        ``target`` has no loss to return: with ``return_outputs`` unset it returns the
-        outputs, as torch's ``eval(x)`` does.
+        ``losses`` is left empty. A forward-only step without a ``target`` has no loss to
+        return: with ``return_outputs`` unset it returns the outputs, as torch's ``eval(x)``
+        does without ``loss_fn`` (with one, torch's raises a TypeError).
 
         Under ``torch.no_grad()`` (or through :meth:`eval`) the step only runs forward: it
         returns the loss the same way and leaves ``.grad`` and the data-parallel reduction
         alone, so evaluation steps may come between training steps. Enter it on every rank: on
         the first step ranks that disagree get the same error; later, the grad mode of the rank
         running the first stage holds for all. The batch may change size or shape between
-        steps as long as ``chunks`` divides its size (the shape headers then go again). With
+        steps as long as it has at least ``chunks`` rows (the shape headers then go again). With
         one stage per rank (GPipe, 1F1B, ZB-H1) a stage's output shapes may also change with
         the data, when micro-batch 0's change too (that stage announces the new shapes).
 
@@ -361,9 +369,9 @@ class PlanSchedule:
         ``torch.distributed.pipelining``'s ``eval``: the loss :meth:`step` returns on the rank
         running the last stage (``losses`` filled as by :meth:`step`), ``None`` elsewhere;
         ``.grad`` is left alone; ``return_outputs`` and ``loss_kwargs`` as in :meth:`step`
-        (``eval(x, return_outputs=True)`` runs inference without target or ``loss_fn``; on
-        a schedule built without ``loss_fn``, ``eval(x)`` returns the merged outputs, as
-        torch's).
+        (``eval(x, return_outputs=True)`` runs inference without target or ``loss_fn``;
+        ``eval(x)`` without a target returns the merged outputs, as torch's does on a
+        schedule built without ``loss_fn``).
         Call it on every rank of the pipeline. Dropout and batch norm follow the modules' own
         ``train()``/``eval()`` mode, as in one process."""
         with torch.no_grad():
@@ -413,6 +421,9 @@ class PlanSchedule:
         self._faults: list = []    # what this rank found wrong during the step (the first)
         self._fault_cause: Optional[BaseException] = None  # the exception behind it, if any
         self._targets: Optional[list] = None  # the target's micro-batches; [] if unusable
+        # what each micro-batch's loss is divided by under scale_grads: chunks, or the
+        # target's rows over the micro-batch's where chunks does not divide them
+        self._loss_divisors: list = [self.chunks] * self.chunks
         self._batch_grads: list = []  # (micro-batch view, its gradient) of inputs needing grad
         self.links.failed = False
         self._sinks = {s: ShardedGradientSink() if self._whole_backward[s] else
@@ -489,8 +500,19 @@ class PlanSchedule:
             return merge_outputs(self._outputs)
         if self._return_outputs is False:
             return None
+        return self._step_loss()
+
+    def _step_loss(self) -> torch.Tensor:
+        """The loss :meth:`step` returns: the micro-batch losses' sum (``scale_grads=False``),
+        else their mean, each weighted by its share of the target's rows where the split is
+        uneven (the batch mean of a ``loss_fn`` that averages over its rows, as in one
+        process)."""
         total = torch.stack(self._losses)
-        return total.mean() if self.scale_grads else total.sum()
+        if not self.scale_grads:
+            return total.sum()
+        if all(d == self.chunks for d in self._loss_divisors):
+            return total.mean()
+        return sum(loss / d for loss, d in zip(self._losses, self._loss_divisors))
 
     def _keep_output(self, s: int, i: int, output) -> None:
         """Keep the last stage's output of micro-batch ``i`` (detached) for ``return_outputs``;
@@ -541,6 +563,8 @@ class PlanSchedule:
             elif isinstance(self._target, torch.Tensor):
                 self._targets = [t[0] for t in split_microbatches((self._target,), self.chunks,
                                                                   "target")]
+                self._loss_divisors = [self._target.shape[0] / t.shape[0]
+                                       for t in self._targets]
             else:
                 self._targets = [self._target] * self.chunks
         return self._targets
@@ -585,7 +609,7 @@ class PlanSchedule:
             if loss is not None:
                 self._losses.append(loss.detach())
             if loss is not None and loss.requires_grad and torch.is_grad_enabled():
-                roots = [loss / self.chunks if self.scale_grads else loss]
+                roots = [loss / self._loss_divisors[i] if self.scale_grads else loss]
             else:
                 roots = []
             if self._returns_outputs(self._target):
@@ -660,8 +684,8 @@ class PlanSchedule:
         try:
             loss = self.loss_fn(output, self._targets[i], **(self._loss_kwargs or {}))
         except Exception as error:  # re-raised on every rank at the end of the step
-            self._fail_at_last_stage(i, f"loss_fn raised {type(error).__name__}: {error}",
-                                     error)
+            self._fail_at_last_stage(i, f"loss_fn raised {type(error).__name__}: {error}"
+                                     + self._target_rows_hint(output, i), error)
             return None
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             found = f"a tensor of shape {tuple(loss.shape)}" if isinstance(
@@ -671,6 +695,19 @@ class PlanSchedule:
                                         f"reduction='mean', or 'sum' with scale_grads=False)")
             return None
         return loss
+
+    def _target_rows_hint(self, output, i: int) -> str:
+        """Where micro-batch ``i``'s target and output disagree on dim 0 (the likely reason
+        ``loss_fn`` raised), how the target was cut."""
+        target = self._targets[i]
+        leaves = tree_flatten(output)[0]
+        if not isinstance(target, torch.Tensor) or not leaves or \
+                not isinstance(leaves[0], torch.Tensor) or leaves[0].dim() == 0 or \
+                leaves[0].shape[0] == target.shape[0]:
+            return ""
+        return (f" (its target has {target.shape[0]} rows, its output {leaves[0].shape[0]}: "
+                f"the target's {self._target.shape[0]} rows are cut into chunks={self.chunks} "
+                f"micro-batches along dim 0 with torch.tensor_split, as the batch is)")
 
     def _keep_live(self, s: int, i: int, activation, roots) -> None:
         self._live[(s, i)] = (activation, roots)
@@ -825,11 +862,6 @@ class PlanSchedule:
         if self.chunks > size:
             return [f"chunks={self.chunks} is larger than the batch size {size}; use "
                     f"chunks <= {size}"]
-        if size % self.chunks:
-            return [f"batch size {size} is not divisible by chunks={self.chunks}: the last "
-                    f"micro-batch would be smaller ({size % self.chunks} rows) and weigh as much "
-                    f"as the others in the mean loss; use a batch size that is a multiple of "
-                    f"{self.chunks}"]
         return []
 
     def _local_problems(self, inputs, target) -> list[str]:
@@ -863,13 +895,13 @@ class PlanSchedule:
     def _outputs_only(self, target) -> bool:
         """Whether the last stage computes no loss this step: a forward-only step asked for its
         outputs (``return_outputs=True``) without a ``loss_fn`` or without a ``target``, or
-        one with neither a ``loss_fn`` nor a ``target`` and ``return_outputs`` unset (there is
-        no loss to return: the outputs are returned, as torch's inference with a schedule
-        built without ``loss_fn``)."""
+        one without a ``target`` and ``return_outputs`` unset (there is no loss to return: the
+        outputs are returned, as torch's inference with a schedule built without
+        ``loss_fn``)."""
         if torch.is_grad_enabled() or self._return_outputs is False:
             return False
         if self._return_outputs is None:
-            return self.loss_fn is None and target is None
+            return target is None
         return self.loss_fn is None or target is None
 
     def _returns_outputs(self, target) -> bool:
@@ -878,7 +910,9 @@ class PlanSchedule:
 
     def _target_problems(self, target) -> list[str]:
         """What is wrong with the last stage's target on its own (split along dim 0 like the
-        batch, but its rows need not equal the batch's: a flattened target is fine)."""
+        batch, but its rows need not equal the batch's: a flattened target is fine where
+        ``chunks`` divides the batch; elsewhere both are cut as ``torch.tensor_split`` cuts
+        them, at rows that only match where the target has the batch's rows)."""
         losses = self._losses_arg
         if losses is not None and not isinstance(losses, list):
             return [f"losses={type(losses).__name__}: expected a list (it receives each "
@@ -896,9 +930,10 @@ class PlanSchedule:
             problems.append(f"the last stage needs the target: call {name}.step(..., "
                             f"target=...){outputs}")
         elif isinstance(target, torch.Tensor) and (target.dim() == 0
-                                                   or target.shape[0] % self.chunks):
+                                                   or target.shape[0] < self.chunks):
             problems.append(f"target of shape {tuple(target.shape)} cannot be split into "
-                            f"chunks={self.chunks} equal micro-batches along dim 0")
+                            f"chunks={self.chunks} micro-batches along dim 0 (it needs at "
+                            f"least {self.chunks} rows)")
         return problems
 
     def _check_agreement(self, inputs, target) -> None:

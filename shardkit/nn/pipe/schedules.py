@@ -112,11 +112,12 @@ def check_schedule_agreement(kind: str, chunks: int, local_problems: list, group
                              keyword_dims: Optional[dict] = None) -> None:
     """Before a schedule's first step (and a later step the first stage cannot run), every rank
     of ``group`` shares what it runs, whether under ``torch.no_grad()``, how it splits keyword
-    arguments (``keyword_dims``: its ``kwargs_chunk_spec`` as ``{name: dim or None}``), and
-    what is wrong with its inputs (one small object all-gather); any problem, or ranks that
-    disagree on the schedule, is a ValueError on every rank naming each ``who``
-    (``"stage"``/``"rank"``). ``tie_status``: ``{key: requires_grad}`` of this rank's copies of
-    weights tied across ranks (see :func:`~shardkit.nn.pipe.ties.frozen_copy_problems`).
+    arguments (``keyword_dims``: its ``kwargs_chunk_spec`` as ``{name: dim or None}``, or a
+    structure of these per keyword), and what is wrong with its inputs (one small object
+    all-gather); any problem, or ranks that disagree on the schedule, is a ValueError on every
+    rank naming each ``who`` (``"stage"``/``"rank"``). ``tie_status``: ``{key:
+    requires_grad}`` of this rank's copies of weights tied across ranks (see
+    :func:`~shardkit.nn.pipe.ties.frozen_copy_problems`).
 
     Note: ranks that split a keyword argument differently (dim 1 on one, whole on another)
     computed each micro-batch from other rows, silently where the shapes still fit."""
@@ -127,7 +128,7 @@ def check_schedule_agreement(kind: str, chunks: int, local_problems: list, group
                                     local_problems, tie_status or {}), group=group)
     problems = [f"{who} {rank}: {p}" for rank, (*_, ps, _) in enumerate(views) for p in ps]
     problems += frozen_copy_problems([view[5] for view in views])
-    if len({view[:4] for view in views}) > 1:
+    if len({repr(view[:4]) for view in views}) > 1:  # nested specs hold lists and dicts
         problems.append(f"the {who}s disagree on the schedule: " + ", ".join(
             f"{who} {rank} runs {k}(chunks={c}"
             + (f", kwargs_chunk_spec dims {dict(dims)}" if dims else "") + ")"
