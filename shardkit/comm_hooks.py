@@ -181,6 +181,7 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
         optimizer, wire = optimizer.optimizer, optimizer.dtype
     group = optimizer.group
     n, rank = skdist.get_world_size(group), skdist.get_rank(group)
+    _check_reducible_to_owners(optimizer, bucket, n)
     buffer = bucket.buffer()
     layout = _layout_by_owner(optimizer.partition, bucket)
     carry = _carry_of(optimizer, n) if n > 1 else None
@@ -373,6 +374,31 @@ def _reduce_to_owners_and_step_hook(state: _StepWhenReduced, bucket):
         return buffer
 
     return reduced.then(step_what_is_complete)
+
+
+def _check_reducible_to_owners(optimizer, bucket, world_size: int) -> None:
+    """Refuse, on every rank alike and before any transfer, what cannot be reduced onto owners:
+    over several ranks, an optimizer stepped over the whole model on every rank
+    (``OSS(optim=torch.optim.LBFGS)``: each rank's LBFGS would read zeros for the gradients it
+    does not own, and take another step than one process does, silently), and a sparse bucket
+    (``nn.Embedding(sparse=True)``: DDP hands it to the hook as one sparse tensor, which has no
+    per-parameter offsets)."""
+    if world_size > 1 and getattr(optimizer, "_whole_model", False):
+        raise ValueError(f"reduce_to_owners_hook: the OSS given as the hook's state runs "
+                         f"{type(optimizer.optim).__name__} over the whole model on every rank "
+                         f"(not sharded), which needs every averaged gradient on every rank; "
+                         f"reduced onto owners, the other ranks' gradients read zero and "
+                         f"each rank would step differently. Register no comm hook (DDP's "
+                         f"all-reduce) or "
+                         f"shardkit.comm_hooks.counted_allreduce_hook (shardkit.initialize at "
+                         f"ZeRO stage 1: zero_optimization.reduce_scatter=false), or use a "
+                         f"per-parameter optimizer (SGD, Adam, AdamW...)")
+    if bucket.buffer().is_sparse:
+        raise ValueError("reduce_to_owners_hook: DDP gave the hook a bucket of sparse gradients "
+                         "(nn.Embedding(sparse=True) or EmbeddingBag(sparse=True)), which cannot "
+                         "be split by owner; build the embedding with sparse=False, or use "
+                         "ShardedDataParallel (which reduces sparse gradients densely onto their "
+                         "owners) or DDP's own all-reduce")
 
 
 def _layout_by_owner(partition, bucket) -> list[tuple[torch.Tensor, int, int, int]]:

@@ -313,7 +313,13 @@ class OSS(torch.optim.Optimizer):
         A gradient the optimizer refuses (Adam over ``nn.Embedding(sparse=True)``, a dense one
         under ``SparseAdam``) is a RuntimeError on every rank that holds it (under DDP, all),
         before any collective; so are settings that can step no parameter like one of the
-        partition (``capturable=True`` on CPU), on every rank.
+        partition (``capturable=True`` on CPU), on every rank. A rank that holds no gradient
+        for that parameter cannot tell without a collective of its own (one per step), so
+        where gradients are not reduced at all (no DDP or ShardedDataParallel, the parameter
+        used in the owner's batch only) it waits in the parameter sync until the collective
+        times out; under DDP (with or without ``reduce_to_owners_hook``, which refuses sparse
+        gradients) and ``ShardedDataParallel`` (which reduces them densely) every rank decides
+        alike.
 
         Communication: ``Ψ(N-1)/N`` elements in all, one all-gather per bucket.
         """
@@ -405,7 +411,8 @@ class OSS(torch.optim.Optimizer):
             raise RuntimeError(
                 f"OSS.step: the GradScaler found inf/nan gradients on {ranks_with_inf} of "
                 f"{self.world_size} ranks only: torch.amp.GradScaler checks the gradients this "
-                f"rank holds (under ShardedDataParallel, only the ones it owns), so its update() "
+                f"rank holds (under ShardedDataParallel or DDP's reduce_to_owners_hook, only "
+                f"the ones it owns, the others' are zero or None), so its update() "
                 f"would back the loss scale off on those ranks only and the ranks would train "
                 f"with different scales. No rank stepped. Use shardkit.optim.ShardedGradScaler "
                 f"(the same arguments as torch.amp.GradScaler), whose check spans every rank")

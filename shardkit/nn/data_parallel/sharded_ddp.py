@@ -60,7 +60,8 @@ class ShardedDataParallel(nn.Module):
             ``comm``, like every collective of this wrapper).
         reduce_buffer_size: bucket size in bytes (in the communication dtype); ``0`` reduces
             each parameter on its own.
-        auto_refresh_trainable: notice at forward when ``requires_grad`` changed (or an OSS
+        auto_refresh_trainable: notice at forward when ``requires_grad`` changed (or the
+            dtype or device of a trainable parameter, ``ddp.double()``, or an OSS
             re-partitioned) and re-plan the buckets; otherwise call :meth:`refresh_trainable`.
             The ranks agree on it: the first forward in training mode with grad enabled
             after each reduction (and a forward that finds a change) all-gathers one element
@@ -340,12 +341,14 @@ class ShardedDataParallel(nn.Module):
         sites = {(c >> 1) & 3 for c in codes}
         if sites == {_AT_REDUCE}:
             return True  # reduce() refuses it (as before: no re-plan inside reduce)
-        flags = {f"parameter {name!r}.requires_grad": p.requires_grad
-                 for name, p in self.module.named_parameters()}
+        flags = {f"parameter {name!r}.{what}": value
+                 for name, p in self.module.named_parameters()
+                 for what, value in _planned_attributes(p)}
         skdist.raise_on_disagreement(
             flags, self.process_group, "ShardedDataParallel",
-            "change requires_grad identically on every rank, between steps (the ranks "
-            "would reduce different gradients); the buckets were not re-planned")
+            "change requires_grad identically on every rank (and cast parameters alike), "
+            "between steps (the ranks would reduce different gradients); the buckets were not "
+            "re-planned")
         if len(sites) > 1:
             raise RuntimeError(
                 "ShardedDataParallel: requires_grad changed inside an accumulation window "
@@ -406,10 +409,11 @@ class ShardedDataParallel(nn.Module):
         also = f"; parameter(s) {replaced} were replaced by new Parameter objects, which " \
             f"refresh_trainable() refuses: build OSS and ShardedDataParallel over the changed " \
             f"model" if replaced else ""
-        warnings.warn("ShardedDataParallel: the trainable parameters (or an OSS partition) "
-                      "changed since the buckets were planned and auto_refresh_trainable=False; "
-                      "call refresh_trainable() on every rank, or the gradients of newly "
-                      f"trainable parameters are not reduced{also}", RuntimeWarning,
+        warnings.warn("ShardedDataParallel: the trainable parameters (or their dtype, or an "
+                      "OSS partition) changed since the buckets were planned and "
+                      "auto_refresh_trainable=False; call refresh_trainable() on every rank, or "
+                      "the gradients of newly trainable parameters are not reduced (and those "
+                      f"of cast ones travel in the dtype planned){also}", RuntimeWarning,
                       stacklevel=3)
 
     def sync_buffers(self, blocking: bool = False) -> None:
@@ -523,7 +527,10 @@ class ShardedDataParallel(nn.Module):
 
     def _plan_signature(self) -> tuple:
         params = tuple(self.module.parameters())
-        flags = tuple(p.requires_grad for p in params)
+        # each trainable parameter's dtype and device too: the buckets pack the gradients in
+        # the dtype planned (a model cast to fp64 after wrapping had them reduced in fp32)
+        flags = tuple((p.requires_grad, p.dtype, p.device) if p.requires_grad else False
+                      for p in params)
         # the trainable parameter objects too: one replaced in place of another (same flag,
         # same position) would otherwise keep the old plan, its gradient never reduced
         trainable = tuple(p for p in params if p.requires_grad)
@@ -839,6 +846,15 @@ class ShardedDataParallel(nn.Module):
 
 # Where a rank agrees on the trainable set (ShardedDataParallel._plan_is_stale_on_any_rank).
 _AT_FORWARD, _AT_BACKWARD, _AT_REDUCE = 0, 1, 2
+
+
+def _planned_attributes(p: torch.Tensor) -> tuple:
+    """What of ``p`` the bucket plan depends on, as ``(attribute, value)`` pairs every rank
+    compares (the dtype and device type only for a trainable parameter, whose gradient
+    travels; each rank has its own device index)."""
+    if not p.requires_grad:
+        return (("requires_grad", False),)
+    return (("requires_grad", True), ("dtype", str(p.dtype)), ("device.type", p.device.type))
 
 
 def _same_signature(a: tuple, b: Optional[tuple]) -> bool:

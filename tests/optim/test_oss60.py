@@ -1,0 +1,159 @@
+"""OSS beside torch DDP with ``reduce_to_owners_hook``, as a torch / FairScale user meets it
+(one world of 2 gloo ranks).
+
+Regressions:
+
+- ``OSS(optim=torch.optim.LBFGS)`` with ``reduce_to_owners_hook``: LBFGS steps the whole model
+  on every rank, but each rank held the averaged gradients of the parameters it owns only
+  (zeros for the others), so every rank took another step than one process (0.16 off after
+  two steps) and the check of which parameters hold a gradient (zeros count as held) did not
+  notice. The hook now refuses it with a ValueError on every rank, before any transfer;
+- an ``nn.Embedding(sparse=True)`` under the hook failed with torch's "Cannot access data
+  pointer of Tensor that doesn't have storage"; it is now a ValueError saying what to do;
+- ``ShardedDataParallel`` kept the gradient buckets planned at wrap time after the model was
+  cast (``ddp.double()``), so fp64 gradients were reduced in fp32 (2e-9 off an fp64 oracle
+  after one step, where one process is exact); a cast now re-plans them at the next forward
+  (a cast on some ranks only is a ValueError on every rank naming the parameter).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from shardkit import distributed as skdist
+from shardkit.comm_hooks import OwnersHookState, reduce_to_owners_hook
+from shardkit.nn.data_parallel import ShardedDataParallel
+from shardkit.optim import OSS
+from shardkit.testing import world_fixture
+
+world2 = world_fixture(2, timeout=90)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch(rank: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except Exception as error:  # DDP re-raises what its comm hook raised
+        return type(error).__name__, str(error)
+    return None
+
+
+def _lbfgs_under_the_hook(state_kind: str):
+    """DDP + OSS(LBFGS) with the hook: refused on every rank before anything moves; the
+    parameters are unchanged and the ranks can go on communicating."""
+    model = _mlp()
+    before = copy.deepcopy(model)
+    ddp = DDP(model)
+    optimizer = OSS(ddp.parameters(), optim=torch.optim.LBFGS, lr=0.2, max_iter=3)
+    state = optimizer if state_kind == "plain" else OwnersHookState(optimizer, torch.bfloat16)
+    ddp.register_comm_hook(state, reduce_to_owners_hook)
+    x = _batch(skdist.get_rank())
+
+    def closure():
+        optimizer.zero_grad()
+        loss = ddp(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    error = _error_of(lambda: optimizer.step(closure))
+    unchanged = all(torch.equal(p, q) for p, q in zip(model.parameters(), before.parameters()))
+    still_talking = torch.ones(1)
+    skdist.all_reduce(still_talking)
+    return error, unchanged, still_talking.item()
+
+
+def _sparse_embedding_under_the_hook():
+    torch.manual_seed(0)
+    model = nn.Embedding(10, 3, sparse=True)
+    ddp = DDP(model)
+    optimizer = OSS(ddp.parameters(), optim=torch.optim.SGD, lr=0.1)
+    ddp.register_comm_hook(optimizer, reduce_to_owners_hook)
+    return _error_of(lambda: ddp(torch.tensor([1, 2, 2])).sum().backward())
+
+
+def _cast_after_wrapping():
+    """ShardedDataParallel + OSS(SGD with momentum), the model cast to fp64 after wrapping,
+    against one process in fp64 (the mean of the ranks' losses): the largest difference of the
+    weights over three steps."""
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    model = _mlp()
+    oracle = copy.deepcopy(model).double()
+    optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    ddp = ShardedDataParallel(model, optimizer, reduce_buffer_size=64)
+    ddp.double()
+    reference = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
+    worst = 0.0
+    for step in range(3):
+        xs = [_batch(10 * step + r).double() for r in range(n)]
+        optimizer.zero_grad()
+        ddp(xs[rank]).pow(2).mean().backward()
+        optimizer.step()
+        reference.zero_grad()
+        (sum(oracle(x).pow(2).mean() for x in xs) / n).backward()
+        reference.step()
+        worst = max(worst, max((p - q).abs().max().item()
+                               for p, q in zip(model.parameters(), oracle.parameters())))
+    return worst
+
+
+def _cast_on_one_rank_only():
+    model = _mlp()
+    optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    ddp = ShardedDataParallel(model, optimizer)
+    x = _batch(skdist.get_rank())
+    ddp(x).sum().backward()
+    optimizer.step()
+    if skdist.get_rank() == 1:
+        ddp.double()
+        x = x.double()
+    return _error_of(lambda: ddp(x).sum().backward())
+
+
+def _run_all():
+    return {"lbfgs": _lbfgs_under_the_hook("plain"),
+            "lbfgs_bf16": _lbfgs_under_the_hook("bf16"),
+            "sparse": _sparse_embedding_under_the_hook(),
+            "cast": _cast_after_wrapping(),
+            "cast_one_rank": _cast_on_one_rank_only()}
+
+
+@pytest.fixture(scope="module")
+def runs(world2):
+    return world2.run(_run_all)
+
+
+def test_reduce_to_owners_hook_refuses_what_it_cannot_reduce_onto_owners(runs):
+    for results in runs:
+        for case in ("lbfgs", "lbfgs_bf16"):
+            error, unchanged, total = results[case]
+            assert error is not None, f"{case}: LBFGS stepped with the owners' gradients only"
+            kind, message = error
+            assert kind == "ValueError", error
+            assert "reduce_to_owners_hook" in message and "LBFGS" in message, message
+            assert "counted_allreduce_hook" in message, message
+            assert unchanged, case
+            assert total == 2.0, case
+        kind, message = results["sparse"]
+        assert kind == "ValueError", results["sparse"]
+        assert "sparse=False" in message and "ShardedDataParallel" in message, message
+
+
+def test_sharded_ddp_reduces_in_the_dtype_the_model_was_cast_to(runs):
+    for results in runs:
+        # fp64 throughout: only the order of the sums differs from one process
+        assert results["cast"] <= 1e-14, results["cast"]
+        kind, message = results["cast_one_rank"]
+        assert kind == "ValueError", results["cast_one_rank"]
+        assert "'0.weight'.dtype is torch.float32 on rank 0" in message, message
+        assert "torch.float64 on rank 1" in message, message
