@@ -326,6 +326,15 @@ def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_num
         raise ValueError(f"compose(stage={stage}, reduce_to_owners=True): only stage 1 (OSS under "
                          f"torch DDP) takes DDP's reduce-to-owners hook; stage 2 always reduces "
                          f"to the owners")
+    from shardkit.optim.local_step import runs_on_whole_model
+    if optimizer is not None and (stage == 2 or reduce_to_owners) \
+            and runs_on_whole_model(optimizer.cls):
+        how = "ShardedDataParallel reduces" if stage == 2 else "reduce_to_owners reduces"
+        raise ValueError(f"compose(stage={stage}{', reduce_to_owners=True' if stage == 1 else ''}"
+                         f"): {optimizer.cls.__name__} steps the whole model on every rank (OSS "
+                         f"runs it unsharded), so every rank needs every averaged gradient, and "
+                         f"{how} each gradient onto its owner only: use stage 1 without "
+                         f"reduce_to_owners (torch DDP's all-reduce), or stage 0")
     if step_in_backward and stage not in (1, 2):
         raise ValueError(f"compose(stage={stage}, step_in_backward=True): only OSS (stages 1 "
                          f"and 2) steps the optimizer during backward")

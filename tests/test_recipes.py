@@ -94,6 +94,17 @@ def test_optimizer_must_be_a_recipe():
     assert recipe.instance is opt
 
 
+@pytest.mark.parametrize("stage, kwargs", [(2, {}), (1, {"reduce_to_owners": True})])
+def test_lbfgs_is_refused_where_gradients_reach_their_owners_only(stage, kwargs):
+    """OSS runs LBFGS on the whole model on every rank; ShardedDDP and the owners' hook leave
+    other ranks' gradients zero. Before: refused at the first step (stage 2) or backward (the
+    hook), after building; now by compose, before anything is built."""
+    lbfgs = recipes.OptimizerRecipe(torch.optim.LBFGS, {"lr": 0.1})
+    with pytest.raises(ValueError, match=r"LBFGS steps the whole model on every rank .* use "
+                                         r"stage 1 without reduce_to_owners"):
+        recipes.compose(nn.Linear(4, 4), stage, lbfgs, **kwargs)
+
+
 @pytest.mark.parametrize("name", ["Adafactor", "Muon", "LBFGS"])
 def test_stage3_refuses_optimizers_that_read_whole_tensors(name):
     """Adafactor's factored moments, Muon's orthogonalization and LBFGS's history read whole
