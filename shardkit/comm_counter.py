@@ -1,7 +1,9 @@
 """What :class:`CommCounter` counts: the records of the collectives issued inside a block.
 
 The mechanism that issues collectives (:mod:`shardkit.distributed`) reports each op here, just
-before issuing it, through :func:`add_record`; this module knows nothing of process groups. The
+before issuing it, through :func:`add_record`, and a transport that moves bytes outside the
+process group (shared memory) through :func:`add_collective`; this module knows nothing of
+process groups. The
 byte convention (ring algorithms, rooted ops averaged over the ranks) is in
 :mod:`shardkit.distributed`'s docstring and in :data:`WIRE_FACTOR`. Costs nothing on the wire;
 one small record per collective per active counter.
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["CommCounter", "CommRecord", "CallList", "WIRE_FACTOR", "element_size", "counting",
-           "add_record"]
+           "add_record", "add_collective"]
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,22 @@ WIRE_FACTOR = {
 def counting() -> bool:
     """True while at least one :class:`CommCounter` is active (recording can be skipped)."""
     return bool(_active_counters)
+
+
+def add_collective(op: str, nbytes: int, dtype: torch.dtype, group_size: int,
+                   spans_nodes: bool = False) -> None:
+    """Record, in every active counter, the collective ``op`` of a tensor whose full logical
+    size is ``nbytes`` bytes of ``dtype`` (all-gather output, reduce-scatter, all-to-all and
+    reduce input, broadcast tensor) on a group of ``group_size`` ranks, under
+    :data:`WIRE_FACTOR`'s convention: the bytes the process group's collective is counted
+    for, so that a transport moving the same bytes another way (shared memory) records the
+    same number on every rank, fractions of a byte included. Nothing is sent here."""
+    if not counting():
+        return
+    record = CommRecord(op=op, numel=nbytes // element_size(dtype), dtype=dtype,
+                        bytes=WIRE_FACTOR[op](group_size) * nbytes, group_size=group_size,
+                        spans_nodes=spans_nodes)
+    add_record(record)
 
 
 def add_record(record: CommRecord) -> None:

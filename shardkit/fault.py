@@ -14,13 +14,25 @@ healthy collective — a large all-gather on a loaded machine — is never mista
 - Each rank runs a daemon thread that, every ``timeout_s / 8`` seconds, increments a counter
   under ``shardkit/heartbeat/<attempt>/<rank>`` in the rendezvous store of the default
   process group, under the group's key prefixes (its own client connection to that TCP store,
-  whether ``env://``, torchrun, ``tcp://host:port`` or ``store=`` made it; a ``file://`` or
-  other store is shared with the group;
+  whether ``env://``, torchrun, ``tcp://host:port`` or ``store=`` made it; any other store
+  but a file store is used as it is, shared with the group;
   ``<attempt>`` is torchrun's restart count, so a restarted job never reads its predecessor's
   beats) and reads every peer's counter.
+- A ``FileStore`` (``file://``) appends every write to its file and never compacts it, so
+  beats there would grow the file without bound (about 50 bytes a beat a rank). Over a file
+  store each rank beats instead in a file of its own, rewritten in place, in a folder beside
+  the store's file (``<store file>.shardkit-heartbeat-<token>``, the token agreed once through
+  the store under the group's prefixes): ``N + 1`` small files whatever the run's length. The
+  last rank to finish removes the folder (a rank that was killed leaves it, as it leaves the
+  store's own file).
 - A peer whose counter has not moved for ``timeout_s`` (measured on this rank's own clock; no
-  clock agreement needed) is lost. Outside torchrun rank 0 hosts the store, so when the store
-  stops answering, rank 0 is lost.
+  clock agreement needed) is lost. The rank whose process serves a TCP store (found in
+  ``/proc``: the store's listening socket is one of its own; rank 0 under ``env://``, whichever
+  rank ``store=`` made the server, none for torchrun's agent store or a server outside the
+  job) says so in the store, so that when the store stops answering, that rank is lost (a
+  store no rank serves: the rendezvous is lost). Until every peer's first beat has been read
+  (and where ``/proc`` does not say), rank 0 is taken for the host outside torchrun's agent
+  store.
 - On a loss the thread prints the message and calls ``os._exit(PEER_LOST_EXIT_CODE)``: the main
   thread may be blocked inside a C++ collective where no Python exception can reach it. An
   uncaught exception in the main thread (``sys.excepthook``) first waits up to ``timeout_s`` for
@@ -56,10 +68,13 @@ import atexit
 import datetime
 import math
 import os
+import secrets
+import shutil
 import sys
 import threading
 import time
-from typing import Callable, Optional
+import urllib.parse
+from typing import Callable, NamedTuple, Optional
 
 import torch.distributed as dist
 
@@ -121,7 +136,17 @@ class PeerWatchdog:
         self._stopped = threading.Event()
         self._world = dist.group.WORLD  # the default group it watches for
         self._prefix = per_attempt_store_key("shardkit/heartbeat") + "/"
-        self._store, self._store_host_rank = _connect_to_rendezvous(timeout_s)
+        self._store, host = _connect_to_rendezvous(timeout_s, self._prefix)
+        # Note: the host's claim is written before its first beat, so a peer that has read
+        # every rank's first beat knows whether a rank claimed the store (see _learn_host)
+        self._store_host_rank = host.guess
+        self._host_known = host.serves is True or host is _NO_HOST
+        if host.serves:
+            self._store_host_rank = self.rank
+            self._store.set(self._host_key, str(self.rank))
+        elif host.serves is False and host.guess == self.rank:
+            self._store_host_rank = None  # this process serves no store
+        self._can_learn_host = host.serves is not None
         self._beat = 0
         self._store.set(self._key(self.rank), str(self._beat))
         self._thread = threading.Thread(target=self._run, name="shardkit-peer-watchdog",
@@ -134,6 +159,21 @@ class PeerWatchdog:
     @property
     def _verdict_key(self) -> str:
         return f"{self._prefix}lost"
+
+    @property
+    def _host_key(self) -> str:
+        return f"{self._prefix}host"
+
+    def _learn_host(self, seen: dict) -> None:
+        """Once every peer's first beat has been read: the rank that claimed the store
+        (see the module docstring), or none."""
+        if self._store.check([self._host_key]):
+            self._store_host_rank = int(self._store.get(self._host_key))
+            self._host_known = True
+        elif self._can_learn_host and all(value is not None for value, _ in seen.values()):
+            # (a peer no longer in ``seen`` finished, after its claim, if any, was written)
+            self._store_host_rank = None  # a server outside the job: it outlives the ranks
+            self._host_known = True
 
     # -- the thread
     def _run(self) -> None:
@@ -172,6 +212,8 @@ class PeerWatchdog:
                 if silent:
                     self._declare_silent(silent, seen, now)
                     return
+                if not self._host_known:
+                    self._learn_host(seen)
             except Exception as e:  # the store itself is gone
                 if self._stopped.wait(self.interval_s) or self.group_gone():
                     self._retire()
@@ -330,6 +372,9 @@ class PeerWatchdog:
             self._store.set(self._key(self.rank), value)
             if self._store_host_rank == self.rank:
                 self._linger_as_host()
+            if isinstance(self._store, _HeartbeatFiles):
+                peers = [self._key(r) for r in range(self.world_size) if r != self.rank]
+                self._store.remove_once_all_stopped(peers)
         except Exception:
             pass
 
@@ -351,29 +396,42 @@ class PeerWatchdog:
             time.sleep(min(0.05, self.interval_s))
 
 
-def _connect_to_rendezvous(timeout_s: float) -> tuple:
-    """``(store, host rank)``: the watchdog's own client of the TCP store the default group met
-    on, wherever its address came from (``env://``, torchrun, ``tcp://host:port``, a TCPStore
-    passed as ``store=``), under the same key prefixes as the group, and the rank whose process
-    hosts it (rank 0, or ``None`` for torchrun's agent store). Any other store (``file://``, a
-    FileStore or HashStore passed to ``init_process_group``) is used as it is, shared with the
-    group, and no rank hosts it."""
+class _StoreHost(NamedTuple):
+    """Who serves the watchdog's store, as far as this rank can tell at start-up."""
+
+    serves: Optional[bool]  # this process serves it (None: /proc does not say)
+    guess: Optional[int]  # the host rank assumed until the peers' claims are read
+
+
+_NO_HOST = _StoreHost(serves=False, guess=None)  # not a TCP store: no rank serves it
+
+
+def _connect_to_rendezvous(timeout_s: float, prefix: str) -> tuple:
+    """``(store, _StoreHost)``: the watchdog's own client of the TCP store the default group
+    met on, wherever its address came from (``env://``, torchrun, ``tcp://host:port``, a
+    TCPStore passed as ``store=``), under the same key prefixes as the group, and whether this
+    process serves it. A file store gets heartbeat files beside its file (see the module
+    docstring; ``prefix`` names the agreement on their folder). Any other store (a HashStore
+    passed to ``init_process_group``) is used as it is, shared with the group; no rank hosts
+    either."""
     timeout = datetime.timedelta(seconds=max(timeout_s, 1.0))
     store = _default_store()
-    tcp = store
-    while isinstance(tcp, dist.PrefixStore):
-        tcp = tcp.underlying_store
-    if isinstance(tcp, dist.TCPStore):
-        host, port = tcp.host, tcp.port
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    if isinstance(inner, dist.TCPStore):
+        host, port = inner.host, inner.port
         if hasattr(store, "clone"):
             # Note: a clone is a connection of its own (a blocking wait of the group's never
             # stalls a beat) under the group's key prefixes: jobs that share one server under
             # PrefixStores must not read each other's heartbeats
             client = store.clone()
             client.set_timeout(timeout)
-            return client, None if _served_by_torchrun_agent(host, port) else 0
+            return client, _store_host(host, port)
+    elif isinstance(inner, dist.FileStore):
+        return _HeartbeatFiles.beside(inner.path, store, prefix), _NO_HOST
     elif store is not None:
-        return store, None
+        return store, _NO_HOST
     else:  # no default store to read (a torch without the accessor): torchrun's variables
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if host is None or port is None:
@@ -381,7 +439,107 @@ def _connect_to_rendezvous(timeout_s: float) -> tuple:
                                "process group (set MASTER_ADDR and MASTER_PORT)")
         port = int(port)
     client = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
-    return client, None if _served_by_torchrun_agent(host, port) else 0
+    return client, _store_host(host, port)
+
+
+def _store_host(host: str, port: int) -> _StoreHost:
+    """Whether this process serves the TCP store at ``host:port``, and the host rank assumed
+    until the peers' claims are read: none for torchrun's agent store, else rank 0."""
+    return _StoreHost(serves=_this_process_listens_on(port),
+                      guess=None if _served_by_torchrun_agent(host, port) else 0)
+
+
+def _this_process_listens_on(port: int) -> Optional[bool]:
+    """Whether one of this process's sockets listens on TCP ``port`` (the store's server runs
+    in it); ``None`` where ``/proc`` does not say (another OS)."""
+    listening = set()  # socket inodes
+    tables = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        tables += 1
+        for row in rows:
+            fields = row.split()
+            # local address "HEX_IP:HEX_PORT", state 0A is LISTEN, the inode is field 9
+            if len(fields) > 9 and fields[3] == "0A" and \
+                    int(fields[1].rsplit(":", 1)[1], 16) == port:
+                listening.add(fields[9])
+    if not tables:
+        return None
+    try:
+        descriptors = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    for fd in descriptors:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed while listed
+            continue
+        if link.startswith("socket:[") and link[len("socket:["):-1] in listening:
+            return True
+    return False
+
+
+class _HeartbeatFiles:
+    """The few store calls the watchdog makes (``set``, ``get``, ``check``, ``compare_set``),
+    each key a small file in one folder, rewritten whole (a write to a temporary file, then a
+    rename), so that its size stays bounded however many beats a run takes; for a file store,
+    whose own file grows with every write (see the module docstring)."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        os.makedirs(folder, exist_ok=True)
+
+    @classmethod
+    def beside(cls, path: str, store, prefix: str) -> "_HeartbeatFiles":
+        """The folder of the group's heartbeats next to the file store at ``path``: its token
+        is agreed once through ``store`` (one write to the store's file per group and
+        attempt), under the group's prefixes, so that jobs sharing a file under PrefixStores
+        keep apart."""
+        token = store.compare_set(f"{prefix}files", "", secrets.token_hex(8)).decode()
+        return cls(f"{path}.shardkit-heartbeat-{token}")
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.folder, urllib.parse.quote(key, safe=""))
+
+    def set(self, key: str, value: str) -> None:
+        temporary = self._path(key) + f".{os.getpid()}.tmp"
+        with open(temporary, "wb") as f:
+            f.write(value.encode() if isinstance(value, str) else value)
+        os.replace(temporary, self._path(key))
+
+    def get(self, key: str) -> bytes:
+        with open(self._path(key), "rb") as f:
+            return f.read()
+
+    def check(self, keys: list) -> bool:
+        return all(os.path.exists(self._path(key)) for key in keys)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        """Write ``desired`` unless the key exists (``expected`` must be ``""``: the only use);
+        return the key's value. A hard link is created atomically or not at all."""
+        temporary = self._path(key) + f".{os.getpid()}.tmp"
+        with open(temporary, "wb") as f:
+            f.write(desired.encode())
+        try:
+            os.link(temporary, self._path(key))
+        except FileExistsError:
+            pass
+        finally:
+            os.remove(temporary)
+        return self.get(key)
+
+    def remove_once_all_stopped(self, peer_keys: list) -> None:
+        """Remove the folder when every peer has stopped too (it marked itself done, failed or
+        gave up, after its watchdog thread ended): this rank finished last."""
+        for key in peer_keys:
+            value = self.get(key) if self.check([key]) else None
+            if value is None or not (value == _DONE or value.startswith((_FAILED, _GAVE_UP))):
+                return
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _served_by_torchrun_agent(host: str, port: int) -> bool:

@@ -28,20 +28,27 @@ overlap with compute like the process group's asynchronous collectives.
 Failures: a rank waiting on a peer notices within half a second that the peer's process has
 exited and raises naming it; otherwise ``timeout_s`` bounds every wait. Ranks that issued
 different collectives raise :class:`DivergedCollectivesError` (a
-:class:`~shardkit.collective_check.CollectiveMismatchError`). After an error the transport is
-broken and every later operation raises the same error.
+:class:`~shardkit.collective_check.CollectiveMismatchError`). A call whose arguments are wrong
+on one rank (an output of another dtype or size than the input asks for, a source outside the
+group) raises its ValueError there before anything is written, and publishes the refusal in
+its next round, so that every peer raises a :class:`DivergedCollectivesError` naming that rank
+and the error at once, instead of waiting ``timeout_s`` for it; nothing is exchanged. After an
+error the transport is broken and every later operation raises the same error.
 
 Memory: ``3 x N x part_bytes`` (default 2 MiB per part: 12 MiB at world 2) plus a page of
 control per group, for the life of the process, whatever the model's size; reported by
 :meth:`footprint_tensors` and counted by ``model_state_bytes`` under ``"transport"``.
-Communication: none on the network; ``CommCounter`` records each op with the bytes this rank
-reads from its peers' slots, i.e. what a network transport would deliver to it: an all-gather
-``(N-1)/N`` of the output, a reduce-scatter or all-to-all ``(N-1)/N`` of the input, a
-reduce-to-owner ``N-1`` peers' copies of the rank's own segment, a broadcast the tensor on every
-rank but the source (0 there), an all-reduce ``N-1`` peers' copies of the tensor (each rank
-reads them all; the ring's ``2(N-1)/N`` is not this algorithm). For the all-gathers and
-reduce-scatters the wrappers use, that is exactly the ring formula, as with the process group.
-What it writes is less: one copy of its own part, which every peer reads.
+Communication: none on the network; ``CommCounter`` records each op with the bytes the ranks
+read from their peers' slots, i.e. what a network transport would deliver to them, under the
+process group's convention (DESIGN.md), so that the two transports record the same bytes for
+every op that moves the same bytes: an all-gather (equal or unequal segments) ``(N-1)/N`` of
+the output, a reduce-scatter or all-to-all ``(N-1)/N`` of the input, and the rooted ops
+averaged over the ranks, as the process group counts them: a broadcast ``(N-1)/N`` of the
+tensor (the ``N-1`` ranks but the source read it all), a reduce-to-owners ``(N-1)/N`` of all
+the segments (each owner reads ``N-1`` peers' copies of its own). An all-reduce records the
+``N-1`` peers' copies of the tensor each rank reads (the ring's ``2(N-1)/N`` is not this
+algorithm; at world 2 the two agree). What a rank writes is less: one copy of its own part,
+which every peer reads.
 
 When it cannot be used (ranks on different hosts or pid namespaces, no ``memfd_create``, a
 world of one), :meth:`prepare` warns once and the group's operations use the process group.
@@ -62,6 +69,7 @@ from typing import Callable, Optional
 
 import torch
 
+from shardkit import comm_counter
 from shardkit import distributed as skdist
 from shardkit.collective_check import CollectiveMismatchError
 from shardkit.transport import (CommHandle, ProcessGroupTransport, Transport, segment_views,
@@ -80,6 +88,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _DATA_ALIGN = 64  # the slots start on a cache line, so any dtype (complex128: 16) views them
 _LIVENESS_PERIOD_S = 0.25
 _REDUCE_OPS = ("SUM", "MAX")  # the all-reduces it runs, coded in the header's detail
+_REFUSED = -1  # a header's byte count: the rank refused its call; its part holds why
 
 
 class TransportError(RuntimeError):
@@ -170,11 +179,11 @@ class SharedMemoryTransport(Transport):
         if ring is None:
             return self._fallback.all_gather(output, input, group)
         n, rank = ring.world_size, ring.rank
-        if output.numel() != n * input.numel():
-            raise ValueError(f"all_gather: output has {output.numel()} elements; it must be "
-                             f"world size {n} x input's {input.numel()}")
+        _refuse_unless_fit(ring, "all_gather", output, input, n * input.numel(),
+                           f"world size {n} x input's {input.numel()}")
         numel = input.numel()
-        src, dst = input.reshape(-1), output.view(n, -1)
+        landing, land = _landing(output)
+        src, dst = input.reshape(-1), landing.view(n, -1)
 
         def write(part, lo, hi):
             part[:hi - lo].copy_(src[lo:hi])
@@ -187,9 +196,9 @@ class SharedMemoryTransport(Transport):
         def start():
             if dst[rank].data_ptr() != src.data_ptr():
                 dst[rank].copy_(src)
-        skdist.record_transfer("all_gather", _nbytes(input) * (n - 1), input.dtype, group)
+        _record(ring, "all_gather", _nbytes(output), input.dtype)
         return ring.submit("all_gather", input.dtype, numel, ring.chunk(input.dtype), write,
-                           read, result=lambda: output, start=start)
+                           read, result=land, start=start)
 
     def all_gather_segments(self, output, sizes, group):
         """Round by round, each rank writes the next part of its own segment (nothing once it
@@ -198,7 +207,10 @@ class SharedMemoryTransport(Transport):
         if ring is None:
             return self._fallback.all_gather_segments(output, sizes, group)
         n, rank = ring.world_size, ring.rank
-        views = segment_views(output, sizes, n)
+        try:
+            views = segment_views(output, sizes, n)
+        except ValueError as error:
+            ring.refuse("all_gather", error)
         own = views[rank]
 
         def write(part, lo, hi):
@@ -211,8 +223,8 @@ class SharedMemoryTransport(Transport):
                 end = min(hi, view.numel())
                 if r != rank and end > lo:
                     view[lo:end].copy_(parts[r][:end - lo])
-        skdist.record_transfer("all_gather", _nbytes(output) - _nbytes(own), output.dtype,
-                               group)
+        # every rank reads the output but its own segment: (N-1)/N of it, averaged over ranks
+        _record(ring, "all_gather", _nbytes(output), output.dtype)
         return ring.submit("all_gather", output.dtype, max(sizes), ring.chunk(output.dtype),
                            write, read, result=lambda: output, total=output.numel(),
                            detail=_layout_code(sizes))
@@ -223,8 +235,9 @@ class SharedMemoryTransport(Transport):
             return self._fallback.reduce_scatter(input, group)
         n, rank = ring.world_size, ring.rank
         if input.numel() % n:
-            raise ValueError(f"reduce_scatter: input has {input.numel()} elements, not divisible "
-                             f"by world size {n}")
+            ring.refuse("reduce_scatter", ValueError(
+                f"reduce_scatter: input has {input.numel()} elements, not divisible by world "
+                f"size {n}"))
         seg = input.numel() // n
         rows = input.reshape(n, seg)
         out = torch.empty(seg, dtype=input.dtype, device=input.device)
@@ -239,8 +252,7 @@ class SharedMemoryTransport(Transport):
             acc.copy_(parts[0][rank * k:(rank + 1) * k])
             for r in range(1, n):
                 acc.add_(parts[r][rank * k:(rank + 1) * k])
-        skdist.record_transfer("reduce_scatter", _nbytes(input) * (n - 1) // n, input.dtype,
-                               group)
+        _record(ring, "reduce_scatter", _nbytes(input), input.dtype)
         return ring.submit("reduce_scatter", input.dtype, seg, step, write, read,
                            result=lambda: out, total=input.numel())
 
@@ -249,15 +261,15 @@ class SharedMemoryTransport(Transport):
         if ring is None:
             return self._fallback.all_reduce(tensor, group, op)
         if op != skdist.ReduceOp.SUM and op != skdist.ReduceOp.MAX:
-            raise ValueError(f"SharedMemoryTransport.all_reduce(op={op}): SUM and MAX only")
+            ring.refuse("all_reduce", ValueError(
+                f"SharedMemoryTransport.all_reduce(op={op}): SUM and MAX only"))
         if op == skdist.ReduceOp.MAX and tensor.is_complex():
-            raise ValueError(f"SharedMemoryTransport.all_reduce(op=MAX): a {tensor.dtype} tensor "
-                             f"has no order; use SUM or a real dtype")
-        if not tensor.is_contiguous():
-            raise ValueError(f"SharedMemoryTransport.all_reduce: the {tuple(tensor.shape)} "
-                             f"tensor must be contiguous (it is reduced in place)")
+            ring.refuse("all_reduce", ValueError(
+                f"SharedMemoryTransport.all_reduce(op=MAX): a {tensor.dtype} tensor has no "
+                f"order; use SUM or a real dtype"))
         n = ring.world_size
-        flat = tensor.view(-1)
+        landing, land = _landing(tensor)
+        flat = landing.view(-1)
 
         def write(part, lo, hi):
             part[:hi - lo].copy_(flat[lo:hi])
@@ -272,7 +284,7 @@ class SharedMemoryTransport(Transport):
             flat[lo:hi].copy_(acc)
         skdist.record_transfer("all_reduce", _nbytes(tensor) * (n - 1), tensor.dtype, group)
         return ring.submit("all_reduce", tensor.dtype, flat.numel(), ring.chunk(tensor.dtype),
-                           write, read, result=lambda: tensor,
+                           write, read, result=land,
                            detail=_REDUCE_OPS.index(_reduce_op_name(op)) + 1)
 
     def broadcast(self, tensor, src, group):
@@ -281,9 +293,11 @@ class SharedMemoryTransport(Transport):
             return self._fallback.broadcast(tensor, src, group)
         members = [skdist.get_global_rank(group, r) for r in range(ring.world_size)]
         if src not in members:
-            raise ValueError(f"broadcast(src={src}): not a member of the group {members}")
+            ring.refuse("broadcast", ValueError(
+                f"broadcast(src={src}): not a member of the group {members}"))
         root = members.index(src)
-        flat = tensor.view(-1)
+        landing, land = _landing(tensor)
+        flat = landing.view(-1)
 
         def write(part, lo, hi):
             if ring.rank == root:
@@ -292,10 +306,10 @@ class SharedMemoryTransport(Transport):
         def read(parts, lo, hi):
             if ring.rank != root:
                 flat[lo:hi].copy_(parts[root][:hi - lo])
-        skdist.record_transfer("broadcast", 0 if ring.rank == root else _nbytes(tensor),
-                               tensor.dtype, group)
+        # the N-1 ranks but the source read it all: (N-1)/N of it, averaged over the ranks
+        _record(ring, "broadcast", _nbytes(tensor), tensor.dtype)
         return ring.submit("broadcast", tensor.dtype, flat.numel(), ring.chunk(tensor.dtype),
-                           write, read, result=lambda: tensor, detail=root + 1)
+                           write, read, result=land, detail=root + 1)
 
     def reduce_to_owners(self, segments, group):
         """Every rank writes its segments back to back once (no padding); owner ``r`` sums the
@@ -322,8 +336,9 @@ class SharedMemoryTransport(Transport):
             acc.copy_(parts[0][a - lo:b - lo])
             for r in range(1, n):
                 acc.add_(parts[r][a - lo:b - lo])
-        skdist.record_transfer("reduce", (n - 1) * mine * flat.element_size(), flat.dtype,
-                               group)
+        # each owner reads N-1 peers' copies of its segment: (N-1)/N of all the segments,
+        # averaged over the ranks
+        _record(ring, "reduce", _nbytes(flat), flat.dtype)
         return ring.submit("reduce", flat.dtype, flat.numel(), ring.chunk(flat.dtype), write,
                            read, result=lambda: out, detail=_layout_code(sizes))
 
@@ -332,11 +347,14 @@ class SharedMemoryTransport(Transport):
         if ring is None:
             return self._fallback.all_to_all(output, input, group)
         n, rank = ring.world_size, ring.rank
-        if input.numel() != output.numel() or input.numel() % n:
-            raise ValueError(f"all_to_all: input {input.numel()} and output {output.numel()} "
-                             f"elements must be equal and divisible by world size {n}")
+        _refuse_unless_fit(ring, "all_to_all", output, input, input.numel(), "the input's")
+        if input.numel() % n:
+            ring.refuse("all_to_all", ValueError(
+                f"all_to_all: input has {input.numel()} elements; they must be divisible by "
+                f"world size {n}"))
         seg = input.numel() // n
-        rows_in, rows_out = input.reshape(n, seg), output.view(n, seg)
+        landing, land = _landing(output)
+        rows_in, rows_out = input.reshape(n, seg), landing.view(n, seg)
         step = max(1, ring.chunk(input.dtype) // n)
 
         def write(part, lo, hi):
@@ -346,9 +364,47 @@ class SharedMemoryTransport(Transport):
             k = hi - lo
             for r in range(n):
                 rows_out[r, lo:hi].copy_(parts[r][rank * k:(rank + 1) * k])
-        skdist.record_transfer("all_to_all", _nbytes(input) * (n - 1) // n, input.dtype, group)
+        _record(ring, "all_to_all", _nbytes(input), input.dtype)
         return ring.submit("all_to_all", input.dtype, seg, step, write, read,
-                           result=lambda: output, total=input.numel())
+                           result=land, total=input.numel())
+
+
+def _refuse_unless_fit(ring: "_Ring", op: str, output: torch.Tensor, input: torch.Tensor,
+                       numel: int, what: str) -> None:
+    """Refuse ``op`` (see :meth:`_Ring.refuse`) unless ``output`` has ``input``'s dtype (torch's
+    collectives raise; a copy between the two would cast silently) and ``numel`` elements
+    (``what`` says how that number is made)."""
+    if output.dtype != input.dtype:
+        ring.refuse(op, ValueError(
+            f"{op}: output is {output.dtype} and input {input.dtype}; they must have one dtype "
+            f"(cast one of them first)"))
+    if output.numel() != numel:
+        ring.refuse(op, ValueError(
+            f"{op}: output has {output.numel()} elements and input {input.numel()}; the output "
+            f"must have {numel} ({what})"))
+
+
+def _landing(tensor: torch.Tensor) -> tuple:
+    """``(buffer, result)``: ``tensor`` itself when contiguous, else a contiguous copy that the
+    operation reads and writes, and ``result()`` copies back into ``tensor`` when the operation
+    is waited for (as the process group does for a non-contiguous tensor)."""
+    if tensor.is_contiguous():
+        return tensor, lambda: tensor
+    buffer = tensor.contiguous()
+
+    def result():
+        tensor.copy_(buffer)
+        return tensor
+    return buffer, result
+
+
+def _record(ring: "_Ring", op: str, nbytes: int, dtype: torch.dtype) -> None:
+    """Record ``op`` of a tensor whose full logical size is ``nbytes`` in every active
+    ``CommCounter``, as the process group's collective of that size is recorded (see the
+    module docstring)."""
+    if comm_counter.counting():
+        comm_counter.add_collective(op, nbytes, dtype, ring.world_size,
+                                    skdist.spans_nodes(ring.group))
 
 
 class _Ring:
@@ -455,8 +511,8 @@ class _Ring:
         if self._error is not None:
             raise _again(self._error)
         if dtype not in _DTYPES:
-            raise TypeError(f"SharedMemoryTransport: dtype {dtype} is not supported; valid "
-                            f"dtypes are {[str(d) for d in _DTYPES]}")
+            self.refuse(op, TypeError(f"SharedMemoryTransport: dtype {dtype} is not supported; "
+                                      f"valid dtypes are {[str(d) for d in _DTYPES]}"))
         done = threading.Event()
         box: dict = {}
         total_bytes = (total if total is not None else numel) * \
@@ -470,6 +526,17 @@ class _Ring:
                 raise box["error"]
             return result() if result is not None else None
         return CommHandle((), finish)
+
+    def refuse(self, op: str, error: Exception) -> None:
+        """Raise ``error``, this rank's reason to refuse its call of ``op``, after queueing a
+        round that publishes it: each peer then raises a :class:`DivergedCollectivesError`
+        naming this rank and ``error`` in that round, before it reads anything, instead of
+        waiting ``timeout_s`` for a round this rank would never run. The transport is broken
+        afterwards, on every rank, as after any error."""
+        if self._error is not None:
+            raise _again(self._error)
+        self._queue.put(_Refusal(op, f"{type(error).__name__}: {error}"))
+        raise error
 
     def _release_at_exit(self) -> None:
         # the atomics' views must be closed before they are collected (else each prints an
@@ -509,6 +576,9 @@ class _Ring:
             item = self._queue.get()
             if item is None:
                 return
+            if isinstance(item, _Refusal):
+                self._publish_refusal(item)
+                continue
             header, op, dtype, numel, step, write, read, start, done, box = item
             self._busy = True
             try:
@@ -543,8 +613,38 @@ class _Ring:
         read(parts, lo, hi)
         self._done[s][self.rank].store(gen)
 
+    def _publish_refusal(self, refusal: "_Refusal") -> None:
+        """One round whose header says "refused" and whose part holds why (see
+        :meth:`refuse`); this rank reads nothing and is broken afterwards."""
+        if self._error is not None:
+            return
+        error = DivergedCollectivesError(
+            f"shared-memory collectives stopped: rank {self.rank} refused its {refusal.op} "
+            f"({refusal.why})")
+        try:
+            gen = self._next_gen
+            self._next_gen += 1
+            s = gen % NUM_SLOTS
+            if gen > NUM_SLOTS:  # the peers may still read the slot's previous round
+                self._wait_all(self._done[s], gen - NUM_SLOTS, "release a slot")
+            why = refusal.why.encode(errors="replace")[:self.part_bytes]
+            self._data[s, self.rank][:len(why)].copy_(torch.tensor(list(why), dtype=torch.uint8))
+            header = (gen, _OPS.index(refusal.op) + 1, _REFUSED, 0, len(why))
+            self._headers[s, self.rank].copy_(torch.tensor(header, dtype=torch.int64))
+            self._arrived[s][self.rank].store(gen)
+        except TransportError as failed:  # a peer died first: that is the error to report
+            error = failed
+        self._error = error
+
     def _check_headers(self, s: int, gen: int, mine) -> None:
         rows = self._headers[s].tolist()
+        for r, (their_gen, code, nbytes, _dtype, length) in enumerate(rows):
+            if their_gen == gen and nbytes == _REFUSED:
+                why = bytes(self._data[s, r][:length].tolist()).decode(errors="replace")
+                theirs = _OPS[code - 1] if 1 <= code <= len(_OPS) else f"op #{code}"
+                raise DivergedCollectivesError(
+                    f"shared-memory {_describe(mine)} on rank {self.rank}: rank {r} refused its "
+                    f"{theirs} ({why}); nothing was exchanged")
         for r, (their_gen, *theirs) in enumerate(rows):
             if their_gen != gen or tuple(theirs) != tuple(mine):
                 raise DivergedCollectivesError(
@@ -574,6 +674,13 @@ class _Ring:
                 raise TransportError(
                     f"shared-memory collective on rank {self.rank}: rank(s) {late} did not "
                     f"{what} within {self.timeout_s:.0f} s (timeout_s sets the limit)")
+
+
+class _Refusal:
+    """A rank's refused call, queued for its worker to publish (see :meth:`_Ring.refuse`)."""
+
+    def __init__(self, op: str, why: str):
+        self.op, self.why = op, why
 
 
 def _offsets(n: int) -> tuple[int, int, int]:

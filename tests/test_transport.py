@@ -285,8 +285,10 @@ def test_bytes_recorded_are_what_moves(world2):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_shared_memory_counts_what_each_rank_receives(world2, world4, n):
-    """Shared memory records the bytes a rank reads from its peers' slots: for the all-gather,
-    reduce-scatter and all-to-all, the process group's (ring) bytes at every world size."""
+    """Shared memory records an op's bytes as the process group records the same op: for the
+    all-gather, reduce-scatter and all-to-all what a rank reads from its peers' slots (the
+    ring's bytes), for rooted ops and unequal gathers (N-1)/N of the tensor on every rank;
+    its all-reduce reads every peer's copy."""
     world = world2 if n == 2 else world4
     for rank, (shm, pg) in enumerate(zip(world.run(_every_op, "shared_memory"),
                                          world.run(_every_op, "process_group"))):
@@ -296,16 +298,17 @@ def test_shared_memory_counts_what_each_rank_receives(world2, world4, n):
             assert shm[f"all_gather_{dtype}"][2] == (n - 1) * 3001 * size
             assert shm[f"all_to_all_bytes_{dtype}"] == pg[f"all_to_all_bytes_{dtype}"] \
                 == (n - 1) * 700 * size
-            # every rank reads its N-1 peers' copies; a broadcast reaches all but the source
+            # every rank reads its N-1 peers' copies (not the ring's algorithm)
             assert shm[f"all_reduce_bytes_{dtype}"] == (n - 1) * 5000 * size
-            assert shm[f"broadcast_bytes_{dtype}"] == (0 if rank == n - 1 else 4099 * size)
-        mine = 0 if rank == 1 else 7 + 3 * rank  # rank 1 owns no segment
-        assert shm["reduce_to_owners_bytes"] == (n - 1) * mine * 4, (rank, shm)
-        # unequal segments: shared memory counts what the rank receives; the process group
-        # counts DESIGN.md's (N-1)/N of the output on every rank, whatever its own segment
+            # a rooted op: (N-1)/N on every rank, as the process group counts the same bytes
+            assert shm[f"broadcast_bytes_{dtype}"] == pg[f"broadcast_bytes_{dtype}"] \
+                == 4099 * size * (n - 1) / n
+        segments = [0 if r == 1 else 7 + 3 * r for r in range(n)]  # rank 1 owns no segment
+        assert shm["reduce_to_owners_bytes"] == pg["reduce_to_owners_bytes"] \
+            == 4 * sum(segments) * (n - 1) / n, (rank, shm)
+        # unequal segments: DESIGN.md's (N-1)/N of the output on every rank, on both
         sizes = shm["segments"][3]
-        assert shm["segments"][2] == 4 * (sum(sizes) - sizes[rank])
-        assert pg["segments"][2] == 4 * sum(sizes) * (n - 1) / n
+        assert shm["segments"][2] == pg["segments"][2] == 4 * sum(sizes) * (n - 1) / n
 
 
 @pytest.mark.parametrize("value", ["x", 0, -1.0, True])
