@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from shardkit import distributed as skdist
@@ -116,10 +118,79 @@ def check_one_dtype(params) -> None:
                          f"differently-typed submodules as their own units")
 
 
-def _reads_as_zeroed(grad: torch.Tensor) -> bool:
-    """Whether ``grad`` is all ``+0.0``: zeroed (``zero_()``, ``fill_(0)``) since
-    :meth:`FlatParamShard.seal_held_grads` wrote its zeros as ``-0.0``, which a scaling keeps."""
-    return bool(((grad == 0) & ~torch.signbit(grad)).all())
+def _reads_as_zeroed(grad: torch.Tensor) -> torch.Tensor:
+    """Whether ``grad`` is all ``+0.0`` (a 0-dim bool tensor): zeroed (``zero_()``,
+    ``fill_(0)``) since :meth:`FlatParamShard.seal_held_grads` wrote its zeros as ``-0.0``,
+    which a scaling keeps. An empty ``grad`` holds nothing to clear: False."""
+    if grad.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=grad.device)
+    return ((grad == 0) & ~torch.signbit(grad)).all()
+
+
+def _cleared_since_sealed(params: Sequence[nn.Parameter], sealed: Sequence) -> list[bool]:
+    """Per parameter, whether its ``.grad``, noted in ``sealed`` by
+    :meth:`FlatParamShard.seal_held_grads` (``None``: nothing held), was cleared since: set to
+    ``None``, replaced, or zeroed in place (not merely scaled).
+
+    Note: the values are read even where the version counter did not move: a zeroing through
+    ``.data`` (``p.grad.data.zero_()``, FairScale-era loops) bumps the counter of the
+    ``.data`` alias only. Local; one device sync for the whole unit."""
+    cleared = [mark is not None and (p.grad is None or mark[0]() is not p.grad)
+               for p, mark in zip(params, sealed)]
+    kept = [i for i, (mark, gone) in enumerate(zip(sealed, cleared))
+            if mark is not None and not gone]
+    if kept:
+        zeroed = torch.stack([_reads_as_zeroed(params[i].grad) for i in kept]).tolist()
+        for i, flag in zip(kept, zeroed):
+            cleared[i] = flag
+    return cleared
+
+
+# the units whose last backward ran inside ``no_sync`` (see seal_held_grads); the optimizer
+# step pre-hook below is registered once, the first time a unit holds such gradients
+_HOLDING_GRADS: "weakref.WeakSet[FlatParamShard]" = weakref.WeakSet()
+_STEP_HOOK: list = []
+
+
+def _watch_optimizer_steps_over_held_grads(shard: "FlatParamShard") -> None:
+    _HOLDING_GRADS.add(shard)
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(
+            _refuse_a_step_over_held_grads))
+
+
+def _refuse_a_step_over_held_grads(optimizer, args, kwargs) -> None:
+    """Every ``torch.optim.Optimizer.step`` (``GradScaler.step`` and OSS's inner step too),
+    before it changes anything: a ``RuntimeError`` when the optimizer holds a parameter whose
+    gradient a backward inside ``no_sync`` accumulated and no synchronising backward has
+    reduced yet.
+
+    Note: in one process (and in torch FSDP1, where the unsharded gradient sits in ``.grad``)
+    a step between the micro-batches of an accumulation cycle steps with what was
+    accumulated so far. Here that gradient is held unsharded outside ``.grad`` (which reads
+    as zeros of the shard until the reduce-scatter), so the step moved every parameter by
+    its weight decay and momentum alone, silently, and the held gradient then reached the
+    next step as well. Every rank ran the same backwards, so every rank raises. Costs a set
+    lookup when no unit holds such gradients; otherwise one pass over the optimizer's
+    parameters."""
+    for shard in list(_HOLDING_GRADS):
+        if shard._sealed is None or shard._grad_pieces is None:
+            _HOLDING_GRADS.discard(shard)
+    if not _HOLDING_GRADS:
+        return
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for shard in sorted(_HOLDING_GRADS, key=lambda unit: unit.label[0]):
+        held = [i for i in shard.params_with_held_grads() if id(shard.params[i]) in stepped]
+        if held:
+            raise RuntimeError(
+                f"FullyShardedDataParallel: {type(optimizer).__name__}.step() was called while "
+                f"unit {shard.label[1]!r} holds gradients accumulated inside no_sync() that no "
+                f"synchronising backward has reduced yet (of {_where(shard.locations[held[0]])}"
+                f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): they are held "
+                f"unsharded outside .grad, which reads as zeros of the shard until then, so "
+                f"the step would not see them. Run the last backward of the accumulation "
+                f"cycle outside no_sync() (or with require_backward_grad_sync = True) before "
+                f"stepping, or call optimizer.zero_grad() / model.zero_grad() to discard them")
 
 
 class FlatParamShard:
@@ -445,7 +516,10 @@ class FlatParamShard:
         Zeros are written as ``-0.0`` (equal to ``0.0`` everywhere, and the reduced gradient
         added to them is exact): an in-place change that keeps them ``-0.0`` (a scaling, such
         as a GradScaler-style unscale or ``clip_grad_norm_`` between micro-batches) is not a
-        clearing, while ``zero_()`` writes ``+0.0``. Local."""
+        clearing, while ``zero_()`` writes ``+0.0``. A scaling by a factor other than 1
+        cannot be told from one by 1 (zeros stay zeros) and does not reach the held
+        gradient: :meth:`_drop_grads_cleared_since_sealed` warns of it. Registers the
+        optimizer step check (see :func:`_refuse_a_step_over_held_grads`). Local."""
         if self._grad_pieces is None:
             return
         self._sealed = []
@@ -459,23 +533,34 @@ class FlatParamShard:
                 with torch.no_grad():
                     p.grad.masked_fill_(p.grad == 0, -0.0)
             self._sealed.append((weakref.ref(p.grad), p.grad._version))
+        _watch_optimizer_steps_over_held_grads(self)
+
+    def params_with_held_grads(self) -> list[int]:
+        """Indices of the parameters whose gradient a backward inside ``no_sync`` holds
+        (unreduced, outside ``.grad``) and whose ``.grad`` was not cleared since. Local; one
+        device sync."""
+        if self._sealed is None or self._grad_pieces is None:
+            return []
+        cleared = _cleared_since_sealed(self.params, self._sealed)
+        return [i for i, (mark, gone) in enumerate(zip(self._sealed, cleared))
+                if mark is not None and not gone]
 
     def _drop_grads_cleared_since_sealed(self) -> None:
         """Drop each held gradient whose parameter's ``.grad`` was cleared since
         :meth:`seal_held_grads` (``optimizer.zero_grad()``, with or without ``set_to_none``),
-        not one merely scaled in place. Local; a device sync only for a ``.grad`` changed in
-        place since."""
+        not one merely scaled in place. Local; one device sync."""
         sealed, self._sealed = self._sealed, None
         if sealed is None or self._grad_pieces is None:
             return
-        for i, (p, mark) in enumerate(zip(self.params, sealed)):
-            if mark is None:
-                continue
-            grad, version = mark
-            if p.grad is None or grad() is not p.grad or \
-                    (p.grad._version != version and _reads_as_zeroed(p.grad)):
+        cleared = _cleared_since_sealed(self.params, sealed)
+        for i, gone in enumerate(cleared):
+            if gone:
                 self._grad_pieces[i] = torch.zeros_like(self._grad_pieces[i])
                 self._used[i] = False
+        changed = [i for i, (p, mark, gone) in enumerate(zip(self.params, sealed, cleared))
+                   if mark is not None and not gone and p.grad._version != mark[1]]
+        if changed:
+            warnings.warn(_held_grads_changed_in_place(self, changed), stacklevel=2)
 
     def hold_for_tensor_hooks(self, grads: list) -> list:
         """Take out of one use's ``grads`` those of parameters with tensor hooks of the user's
@@ -790,6 +875,34 @@ class FlatParamShard:
         return fulls
 
     @outside_autocast
+    def gather_master_grads(self) -> list[Optional[torch.Tensor]]:
+        """Every parameter's gradient unsharded from the ranks' ``.grad`` shards (new tensors,
+        master dtype, storage device), ``None`` for a parameter no rank has a ``.grad`` of; a
+        rank without one where another has it counts zeros for its rows.
+
+        Wire: one all-gather of ``N x (shard + P)`` master-dtype elements (``P`` flags tell
+        which parameters have a ``.grad`` on each rank)."""
+        count = len(self.params)
+        send = torch.zeros(self.shard_numel + count, dtype=self.master_dtype,
+                           device=self.compute_device)
+        for i, (p, view) in enumerate(zip(self.params,
+                                          self.shard_views(send[:self.shard_numel]))):
+            if p.grad is not None:
+                view.copy_(p.grad.reshape(view.shape))
+                send[self.shard_numel + i] = 1
+        out = torch.empty(self.world_size * send.numel(), dtype=self.master_dtype,
+                          device=self.compute_device)
+        self.transport.all_gather(out, send, self.group).wait()
+        rows = out.view(self.world_size, -1).to(self.storage_device)
+        has_grad = (rows[:, self.shard_numel:] != 0).any(dim=0).tolist()
+        fulls, start = [], 0
+        for lay, numel, present in zip(self.layouts, self.chunk_numels, has_grad):
+            blocks = list(rows[:, start:start + numel])
+            fulls.append(unshard_rows(blocks, lay) if present else None)
+            start += numel
+        return fulls
+
+    @outside_autocast
     def write_back(self, fulls: Sequence[torch.Tensor]) -> None:
         """Copy this rank's rows of full-size tensors into the shards (no communication)."""
         with torch.no_grad():
@@ -939,6 +1052,19 @@ def _fingerprint(flat: torch.Tensor) -> int:
     bits = flat.detach().reshape(-1).view(_BITS_OF_SIZE[flat.element_size()])
     total = torch.int64 if bits.dtype == torch.int64 else torch.int32
     return int(bits.sum(dtype=total))
+
+
+def _held_grads_changed_in_place(shard: FlatParamShard, changed: list) -> str:
+    """The warning for ``.grad`` changed in place, not cleared, between backwards inside
+    ``no_sync`` (see :meth:`FlatParamShard.seal_held_grads`)."""
+    more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+    return (f"FullyShardedDataParallel: .grad of {_where(shard.locations[changed[0]])}{more} "
+            f"in unit {shard.label[1]!r} was changed in place between backwards inside "
+            f"no_sync() without being cleared (a scaling, clip_grad_norm_, an unscale): the "
+            f"gradient accumulated so far is held unsharded outside .grad (which reads as "
+            f"zeros of the shard) and was not changed with it; it is reduced as it was. Scale "
+            f"the loss instead, and clip or unscale once after the synchronising backward "
+            f"(model.clip_grad_norm_)")
 
 
 def _gather_out_of_step(unit: str, error: Exception) -> str:

@@ -278,7 +278,8 @@ def check_torch_scheduling_options(use_orig_params, forward_prefetch, backward_p
 
     - ``use_orig_params``: True or False. A unit here always exposes the original parameters
       (its ``parameters()`` are the module's own, holding this rank's rows), which is what
-      torch's ``True`` gives; ``False`` changes nothing either (no flat parameter is exposed).
+      torch's ``True`` gives; ``False`` changes nothing either (no flat parameter is exposed)
+      but that ``summon_full_params(with_grads=True)`` needs ``True``, as in torch.
     - ``forward_prefetch``, ``limit_all_gathers``: True or False; the units gather in the
       order the root recorded, one unit ahead, whatever they say.
     - ``backward_prefetch``: ``None`` or a member of torch's ``BackwardPrefetch``

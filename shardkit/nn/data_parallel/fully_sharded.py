@@ -146,7 +146,7 @@ from torch.utils._pytree import tree_map
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes,
                                                   check_one_dtype, gathered_param_bytes,
-                                                  removed_after_wrapping)
+                                                  removed_after_wrapping, shard_rows)
 from shardkit.nn.data_parallel.fsdp_arguments import (IgnoredStates, check_bool,
                                                       check_compute_device,
                                                       check_divide_factor,
@@ -454,7 +454,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         use_orig_params, forward_prefetch, backward_prefetch, limit_all_gathers: torch
             FSDP1's, checked and accepted (:func:`.fsdp_arguments.check_torch_scheduling_options`):
             the parameters are always the module's own (torch's ``use_orig_params=True``),
-            and the units prefetch one unit ahead whatever the others say.
+            and the units prefetch one unit ahead whatever the others say;
+            ``summon_full_params(with_grads=True)`` needs ``use_orig_params=True``, as in
+            torch.
 
         ignored_modules, ignored_states: torch FSDP1's (one of the two; ``ignored_states``
             takes modules or parameters): the modules given and everything inside them, and
@@ -682,6 +684,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         # (None: not known yet in this backward); see _on_grad_ready
         self._backward_reads_forward_views: Optional[bool] = None
         self._summoned = False  # inside summon_full_params: parameters hold full values
+        # torch FSDP1's flag: summon_full_params(with_grads=True) needs it, as in torch
+        self._use_orig_params = use_orig_params
         self._gathers_before_hooks_of: set = set()  # ids of modules (see _gather_for_hooks)
         self.training_state = TrainingState.IDLE
         # root-only iteration state (see "Note: prefetch order")
@@ -839,7 +843,27 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             "it")
 
     def forward(self, *args, **kwargs):
-        return self._fsdp_wrapped_module(*args, **kwargs)
+        try:
+            return self._fsdp_wrapped_module(*args, **kwargs)
+        except BaseException:
+            if self._is_root:
+                self._free_units_gathered_by_a_raised_forward()
+            raise
+
+    def _free_units_gathered_by_a_raised_forward(self) -> None:
+        """Root, when its forward raised (a bad batch, an out-of-memory error the training loop
+        catches and skips): free the units that forward gathered and left so (their
+        post-forward never ran), at once rather than at the next forward, which may never
+        come (the loop moves on to evaluation, or the caller keeps the model for inference
+        with another module): otherwise up to two units' full parameters, the root's
+        included, stay held. Not inside a backward (a recompute that raised: the backward's
+        own recovery handles it) nor inside ``summon_full_params``. Local: a wait for a gather
+        every rank issued, no communication."""
+        if self._final_callback_queued or self._summoned or \
+                torch._C._current_graph_task_id() != -1:
+            return
+        self._free_units_left_by_an_unfinished_forward()
+        self.training_state = TrainingState.IDLE
 
     def __getitem__(self, key):
         """Indexing reaches the wrapped module (``FSDP(nn.Sequential(...))[0]``, ``[-1]``,
@@ -1643,12 +1667,19 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         torch FSDP1's options: ``rank0_only=True`` gives the full values on the group's first
         rank only (the others keep their shards inside the block; it needs ``writeback=False``,
         as in torch: the other ranks could not write edits back); ``offload_to_cpu=True`` holds
-        the full values in CPU memory (edits are still written back). ``with_grads=True`` is
-        refused: gradients stay sharded in ``.grad``.
+        the full values in CPU memory (edits are still written back). ``with_grads=True``
+        also gives every parameter its full gradient in ``.grad`` (gathered from the ranks'
+        reduced shards; ``None`` where no rank has one); as in torch FSDP1 it needs units
+        built with ``use_orig_params=True`` (torch's NotImplementedError otherwise). Edits
+        to those gradients are written back into the shards' ``.grad`` on exit (with
+        ``writeback``; otherwise the shards' gradients are left as they were). It is refused
+        while backwards inside :meth:`no_sync` hold gradients not reduced yet (they are not
+        in ``.grad``).
 
         Memory: the full model (``recurse``) or this unit in master dtype (on rank 0 only with
-        ``rank0_only``, in CPU memory with ``offload_to_cpu``). Communication: one all-gather
-        per unit not yet summoned. All ranks must enter it.
+        ``rank0_only``, in CPU memory with ``offload_to_cpu``), twice with ``with_grads``.
+        Communication: one all-gather per unit not yet summoned, two with ``with_grads``. All
+        ranks must enter it.
         """
         if positional:
             raise TypeError("summon_full_params(recurse, ...): pass volatile= (FairScale's: True "
@@ -1660,12 +1691,16 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         rank0_only = _check_summon_options(writeback, rank0_only, offload_to_cpu, with_grads)
         if not isinstance(self, FullyShardedDataParallel):  # FSDP.summon_full_params(model)
             with _summon_units_inside(self, recurse=recurse, writeback=writeback,
-                                      rank0_only=rank0_only, offload_to_cpu=offload_to_cpu):
+                                      rank0_only=rank0_only, offload_to_cpu=offload_to_cpu,
+                                      with_grads=with_grads):
                 yield
             return
         keep_full = not rank0_only or self._is_first_rank()
         self._check_idle("summon_full_params")
         units = [u for u in (self.sharded_units() if recurse else [self]) if not u._summoned]
+        if with_grads:
+            _refuse_with_grads_without_orig_params(units)
+            self._refuse_unreduced_grads("summon_full_params")
         shards = [u._shard for u in units if u._shard is not None]
         for unit in units:
             unit._summoned = True
@@ -1686,11 +1721,16 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 recast.append((module, name, buf.dtype))
                 module._buffers[name] = buf.to(dtype)
         gathered = False
+        sharded_grads = {}  # id(param) -> its shard's .grad, kept aside for the block
         try:
             for shard in shards:  # one unit's full copy at a time on the compute device
                 full = shard.gather_master()
+                full_grads = shard.gather_master_grads() if with_grads else ()
                 for p, f in zip(shard.params, full if keep_full else ()):
                     p.data = f.cpu() if offload_to_cpu else f
+                for p, g in zip(shard.params, full_grads if keep_full else ()):
+                    sharded_grads[id(p)] = p.grad
+                    p.grad = None if g is None else (g.cpu() if offload_to_cpu else g)
             gathered = True
             yield
         finally:
@@ -1702,8 +1742,16 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             for shard in shards:
                 if writeback and gathered:
                     shard.write_back([p.data for p in shard.params])
+                full_grads = [p.grad for p in shard.params]
+                for p in shard.params:
+                    if id(p) in sharded_grads:
+                        p.grad = None  # full-shaped: reassigned once the shard is back
                 for p, view in zip(shard.params, shard.shard_views(shard.flat_shard)):
                     p.data = view
+                for p, lay, full_grad in zip(shard.params, shard.layouts, full_grads):
+                    if id(p) in sharded_grads:
+                        p.grad = _grad_after_summon(sharded_grads[id(p)], full_grad, lay,
+                                                    shard.rank, writeback and gathered)
             with torch.enable_grad():  # views with autograd history, as the forward left
                 for shard in exposed:
                     if shard.gathered:
@@ -2452,6 +2500,39 @@ def _build_shard(params, locations, groups, policy: MixedPrecisionPolicy,
                           reduce_group=reduce_group)
 
 
+def _refuse_with_grads_without_orig_params(units: list) -> None:
+    """torch FSDP1's NotImplementedError for ``summon_full_params(with_grads=True)`` on units
+    built without ``use_orig_params=True``, raised before any gather (every rank built the
+    same units)."""
+    without = [u for u in units if not u._use_orig_params]
+    if without:
+        raise _NotSupported(
+            f"summon_full_params(with_grads=True) is not supported without use_orig_params: "
+            f"{len(without)} of the {len(units)} units summoned were built with "
+            f"use_orig_params=False (the default); as in torch FSDP1, build them with "
+            f"FullyShardedDataParallel(..., use_orig_params=True) (an auto_wrap_policy passes "
+            f"it to every unit) to see full gradients in .grad inside the block, or read "
+            f"this rank's rows of the gradients in .grad outside it")
+
+
+def _grad_after_summon(sharded: Optional[torch.Tensor], full: Optional[torch.Tensor],
+                       layout, rank: int, writeback: bool) -> Optional[torch.Tensor]:
+    """A parameter's ``.grad`` after ``summon_full_params(with_grads=True)``: its shard's
+    gradient as it was (``sharded``), or with ``writeback`` this rank's rows of the full
+    gradient the block left (``full``; ``None`` if the block set it so), copied into
+    ``sharded`` when there is one (an optimizer holding it sees the edit). Local."""
+    if not writeback:
+        return sharded
+    if full is None:
+        return None
+    rows = shard_rows(full.detach(), layout, rank)
+    if sharded is None:
+        return rows
+    with torch.no_grad():
+        sharded.copy_(rows)
+    return sharded
+
+
 def _resolve_writeback(volatile: Optional[bool], writeback: Optional[bool]) -> bool:
     for name, value in (("volatile", volatile), ("writeback", writeback)):
         if value is not None and not isinstance(value, bool):
@@ -2475,10 +2556,6 @@ def _check_summon_options(writeback: bool, rank0_only, offload_to_cpu, with_grad
                         ("with_grads", with_grads)):
         if not isinstance(value, bool):
             raise ValueError(f"summon_full_params({name}={value!r}): must be True or False")
-    if with_grads:
-        raise _NotSupported("summon_full_params(with_grads=True) is not supported: gradients "
-                            "stay this rank's shards in .grad (read them there, or gather them "
-                            "with the optimizer state)")
     if rank0_only and writeback:
         raise _NotSupported("summon_full_params(rank0_only=True) needs writeback=False (as in "
                             "torch's FSDP): the other ranks do not hold the full values, so "
