@@ -177,7 +177,7 @@ def _bad_inputs():
     schedule, _ = _build("mlp", "ZeroBubble", 4)
     x, y = _mlp_batch(0)
     try:
-        schedule.step(x[:10], target=y[:10])
+        schedule.step(x[:3], target=y[:3])  # fewer rows than chunks (10 would be split)
         messages.append("no error")
     except ValueError as error:
         messages.append(str(error))
@@ -224,8 +224,8 @@ def _bad_inputs():
 
 def test_bad_input_raises_a_clear_error_on_every_rank(world2):
     uneven, works, interleaved, zbv, one_stage, fsdp, mixed = zip(*world2.run(_bad_inputs))
-    assert all("rank 0: batch size 10 is not divisible by chunks=4" in m for m in uneven)
-    assert all("rank 1: target of shape (10, 4) cannot be split into chunks=4 equal" in m
+    assert all("rank 0: chunks=4 is larger than the batch size 3" in m for m in uneven)
+    assert all("rank 1: target of shape (3, 4) cannot be split into chunks=4 micro-batches" in m
                for m in uneven)
     assert works == (False, True)
     assert all("chunks=5 on ranks=2 gives 2 rounds, which do not divide the chunks; use "

@@ -368,12 +368,12 @@ def _bad_step(what: str):
     x, y = torch.randn(4, D), torch.randn(4, D)
     args = (x,) if rank == 0 else ()
     kwargs = {"target": y} if rank == p - 1 else {}
-    if what == "uneven":
-        args = (torch.randn(5, D),) if rank == 0 else ()
+    if what == "too_few_rows":  # (rows chunks only fails to divide are split, as in torch)
+        args = (torch.randn(1, D),) if rank == 0 else ()
     elif what == "losses" and rank == p - 1:
         kwargs["losses"] = ()
     elif what == "kwarg_rows" and rank == p - 1:
-        kwargs["mask"] = torch.ones(3, D)
+        kwargs["mask"] = torch.ones(1, D)
     elif what == "kwarg_grad" and rank == 0:
         kwargs["mask"] = torch.ones(4, D, requires_grad=True)
     found = [_error_of(lambda: schedule.step(*args, **kwargs))]
@@ -441,7 +441,7 @@ def test_a_stage_output_that_changes_shape_or_dtype_fails_clearly(world2, schedu
 
 
 @pytest.mark.parametrize("what,words", [
-    ("uneven", "batch size 5 is not divisible by chunks=2"),
+    ("too_few_rows", "chunks=2 is larger than the batch size 1"),
     ("losses", "losses=tuple: expected a list"),
     ("kwarg_rows", "step(mask=...)"),
     ("kwarg_grad", "must not require grad"),
