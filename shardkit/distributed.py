@@ -437,8 +437,9 @@ def destroy() -> None:
 
     Note: without the barrier, a rank that finishes first can tear down gloo's connections while
     a peer is still completing the last collective, and gloo then aborts the process
-    ("terminate called without an active exception"). torch's ``destroy_process_group()``
-    does not wait for the saves: one still being committed fails, reported only at exit."""
+    ("terminate called without an active exception"). Once an asynchronous save has started,
+    torch's ``destroy_process_group()`` waits for the saves too
+    (:mod:`shardkit.checkpoint.async_save` wraps it), but without the barrier."""
     try:
         _wait_for_pending_saves()
     finally:

@@ -13,10 +13,14 @@ Note: the commit's barriers and agreement all-reduces run on a separate gloo pro
 (created once, at the first asynchronous save, on every rank), so they never interleave with the
 collectives the training loop issues on the default group meanwhile.
 
-Note: torch's ``torch.distributed.destroy_process_group()`` shuts the checkpoint group down
-under a save still being committed, which then fails (the end of the process can only report
-it). End a script with ``shardkit.distributed.destroy()``, or call
-:func:`wait_for_pending_saves` before torch's function.
+Note: torch's ``torch.distributed.destroy_process_group()`` would shut the checkpoint group
+down under a save still being committed. The first asynchronous save therefore makes torch's
+function (``torch.distributed.destroy_process_group`` and its ``distributed_c10d`` original)
+first wait for this process's pending saves, as ``shardkit.distributed.destroy()`` does, when
+it destroys every group (no argument) or the checkpoint group; a failed save is raised there
+once the groups are gone, so the script ends with an error rather than status 0. A name bound
+by ``from torch.distributed import destroy_process_group`` before that first save keeps torch's
+own function: call :func:`wait_for_pending_saves` before it.
 
 Costs: memory, one CPU copy of this rank's share of the model and optimizer state until the
 write ends; communication, that of a synchronous save, on the checkpoint group.
@@ -25,6 +29,7 @@ write ends; communication, that of a synchronous save, on the checkpoint group.
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import sys
 import threading
@@ -33,7 +38,7 @@ from typing import Callable, Optional
 
 from shardkit import distributed
 
-__all__ = ["AsyncSave", "checkpoint_group", "wait_for_pending_saves"]
+__all__ = ["AsyncSave", "checkpoint_group", "pending_save_paths", "wait_for_pending_saves"]
 
 _groups = distributed.GroupCache()  # "world" -> the gloo group of this world's saves
 _pending: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()
@@ -47,7 +52,36 @@ def checkpoint_group():
     if "world" not in cached:
         cached["world"] = distributed.new_group(range(distributed.get_world_size()),
                                                 backend="gloo")
+        _make_torch_destroy_wait_for_saves()
     return cached["world"]
+
+
+def _make_torch_destroy_wait_for_saves() -> None:
+    """Replace torch's ``destroy_process_group`` (where the users' scripts and torch's own
+    helpers look it up) by :func:`_waiting_destroy` of it, once per process."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+    for module in (dist, distributed_c10d):
+        if not getattr(module.destroy_process_group, "_waits_for_checkpoint_saves", False):
+            module.destroy_process_group = _waiting_destroy(module.destroy_process_group)
+
+
+def _waiting_destroy(destroy_process_group):
+    """torch's ``destroy_process_group(group=None)`` that first waits for the pending
+    asynchronous saves when it is about to destroy the group their commits run on (every
+    group, or the checkpoint group itself), then destroys, then raises the first failed
+    save's error (:func:`wait_for_pending_saves`). Other groups are destroyed at once."""
+    @functools.wraps(destroy_process_group)
+    def destroy(group=None):
+        if group is not None and group is not _groups.current().get("world"):
+            return destroy_process_group(group)
+        try:
+            wait_for_pending_saves()
+        finally:
+            destroy_process_group(group)
+
+    destroy._waits_for_checkpoint_saves = True
+    return destroy
 
 
 class AsyncSave:
@@ -87,6 +121,11 @@ class AsyncSave:
         return self.path
 
 
+def pending_save_paths() -> list:
+    """The checkpoint directories of this process's asynchronous saves not yet waited for."""
+    return [save.path for save in list(_pending)]
+
+
 def wait_for_pending_saves() -> list:
     """Wait for every asynchronous save of this process still under way, oldest first; return
     their checkpoint directories. Raises the first failed save's error once all have ended
@@ -114,9 +153,9 @@ def _wait_all_at_exit() -> None:
         except Exception as e:
             hint = "" if distributed.is_initialized() else (
                 " (the process group was destroyed while the save was being committed: end "
-                "the script with shardkit.distributed.destroy(), or call shardkit.checkpoint."
-                "async_save.wait_for_pending_saves() before torch.distributed."
-                "destroy_process_group())")
+                "the script with shardkit.distributed.destroy() or torch.distributed."
+                "destroy_process_group(), or call shardkit.checkpoint.async_save."
+                "wait_for_pending_saves() before a destroy_process_group imported by name)")
             print(f"[shardkit] asynchronous checkpoint save to {save.path} failed: {e}{hint}",
                   file=sys.stderr, flush=True)
 

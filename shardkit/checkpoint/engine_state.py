@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from shardkit import distributed
+from shardkit.checkpoint.fsdp_state import param_cut
 from shardkit.checkpoint.resharding import ParamLayout
 from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard,
                                          agreement_device, check_loads_back, check_tag,
@@ -447,10 +448,10 @@ def _rows_kept_here(engine):
             f"load_checkpoint: parameter(s) {meta['own_group_params'][:4]} belong to FSDP units "
             f"sharded over process groups of their own (experts), which an engine checkpoint "
             f"cannot reshard; nothing was loaded")
-    world, rank = meta["world_size"], meta["rank"]
-    layouts = {name: ParamLayout(torch.Size(shape), world)
+    cuts = {name: param_cut(meta, name)[:2] for name in meta["shapes"]}
+    layouts = {name: (ParamLayout(torch.Size(shape), cuts[name][0]), cuts[name][1])
                for name, shape in meta["shapes"].items()}
-    return lambda name: (layouts[name], rank) if name in layouts else None
+    return layouts.get
 
 
 def _count_over_ranks(*flags) -> list[int]:

@@ -23,7 +23,8 @@ from shardkit import distributed
 from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE, per_element
 from shardkit.checkpoint.resharding import ParamLayout, shard_rows, unshard_rows
 
-__all__ = ["LOCAL_META_KEY", "LOCAL_FORMAT", "local_metadata", "consolidate_shard_weights",
+__all__ = ["LOCAL_META_KEY", "LOCAL_FORMAT", "local_metadata", "param_cut",
+           "consolidate_shard_weights",
            "reshard_local_state_dicts", "reshard_local_optim_state_dicts",
            "gather_full_optimizer_state",
            "shard_full_optimizer_state", "unshard_optimizer_state", "shard_optimizer_state",
@@ -36,19 +37,33 @@ LOCAL_FORMAT = "shardkit-fsdp-local/1"
 
 
 def local_metadata(world_size: int, rank: int, shapes: dict, buffer_names: Sequence[str],
-                   replica: int = 0, own_group_params: Sequence[str] = ()) -> dict:
+                   replica: int = 0, own_group_params: Sequence[str] = (),
+                   cuts: Optional[dict] = None) -> dict:
     """What :func:`consolidate_shard_weights` and resharding need besides the tensors of a
     ``local_state_dict()``: the world size, this rank, each sharded parameter's full shape (its
     rows are cut in ``world_size`` blocks of ``ceil(rows / world_size)``, the last zero padded)
     and the buffer keys. ``replica``: this rank's index among the ranks holding the same shard
     (hybrid sharding, NO_SHARD; 0 otherwise): loaders use replica 0's dicts.
     ``own_group_params``: the parameters of units sharded over a group other than the root's
-    (experts): they cannot be consolidated or resharded (:func:`_check_pairs`). Plain Python
-    values (picklable, JSON-able)."""
+    (experts): they cannot be consolidated or resharded (:func:`_check_pairs`). ``cuts``:
+    ``{name: (shards, shard, replica)}`` of the parameters whose unit cuts them otherwise than
+    the root (a NO_SHARD unit: ``(1, 0, its rank among the copies)``, a hybrid unit under a
+    FULL_SHARD root), read by :func:`param_cut`. Plain Python values (picklable, JSON-able)."""
     return {"format": LOCAL_FORMAT, "world_size": int(world_size), "rank": int(rank),
             "replica": int(replica), "own_group_params": sorted(own_group_params),
             "shapes": {name: list(shape) for name, shape in shapes.items()},
-            "buffer_names": list(buffer_names)}
+            "buffer_names": list(buffer_names),
+            "cuts": {name: [int(n) for n in cut] for name, cut in (cuts or {}).items()}}
+
+
+def param_cut(meta: dict, name: str) -> tuple:
+    """``(shards, shard, replica)`` of parameter ``name`` in the local dict ``meta``
+    describes: into how many row blocks it is cut, which one that dict holds, and that dict's
+    index among the ranks holding a copy of the same block (0: the copy loaders use)."""
+    cut = meta.get("cuts", {}).get(name)
+    if cut is None:
+        return meta["world_size"], meta["rank"], meta.get("replica", 0)
+    return tuple(cut)
 
 
 def _check_pairs(shard_weights, shard_metadata, what: str) -> list[tuple[dict, dict]]:
@@ -67,27 +82,54 @@ def _check_pairs(shard_weights, shard_metadata, what: str) -> list[tuple[dict, d
     if bad:
         raise ValueError(f"{what}: shard_metadata[{bad[0]}] is not a local_metadata_dict() "
                          f"(a dict with 'world_size', 'rank' and 'shapes')")
-    if any(m.get("replica", 0) for m in metas):  # replicas' copies of replica 0's shards
-        kept = [(w, m) for w, m in zip(weights, metas) if not m.get("replica", 0)]
-        weights, metas = [w for w, _ in kept], [m for _, m in kept]
-        if not metas:
-            raise ValueError(f"{what}: every dict given is a replica's copy (replica > 0); "
-                             f"include the dicts of the ranks with replica 0")
     _refuse_own_group_params(metas, what)
-    world = metas[0]["world_size"]
-    ranks = sorted(m["rank"] for m in metas)
-    if ranks != list(range(world)) or any(m["world_size"] != world for m in metas):
+    # the root's shards, from its replica 0 (the other replicas' copies are skipped)
+    firsts = [m for m in metas if not m.get("replica", 0)]
+    if not firsts:
+        raise ValueError(f"{what}: every dict given is a replica's copy (replica > 0); "
+                         f"include the dicts of the ranks with replica 0")
+    world = firsts[0]["world_size"]
+    ranks = sorted(m["rank"] for m in firsts)
+    if ranks != list(range(world)) or any(m["world_size"] != world for m in firsts):
         raise ValueError(f"{what}: got the metadata of ranks {ranks} (world sizes "
-                         f"{sorted({m['world_size'] for m in metas})}); exactly one pair per "
+                         f"{sorted({m['world_size'] for m in firsts})}); exactly one pair per "
                          f"rank of the saving world is needed")
-    return sorted(zip(weights, metas), key=lambda pair: pair[1]["rank"])
+    # replica 0's rank 0 first: its buffers and its state other than row blocks are used
+    return sorted(zip(weights, metas), key=lambda pair: (pair[1].get("replica", 0),
+                                                         pair[1]["rank"]))
 
 
-def _joined_rows(pairs: Sequence[tuple], key: str, layout: ParamLayout, what: str) -> torch.Tensor:
-    """The full tensor ``key`` from every rank's row block (``pairs`` sorted by rank), each
-    block checked to have the shape this layout gives a rank's shard: a block of another
+def _block_holders(pairs: Sequence[tuple], key: str, what: str) -> tuple[list, int]:
+    """``(the pairs holding parameter key's row blocks 0, 1, ... in order, their number)``:
+    for each block, the dict of the first copy of it (:func:`param_cut`; units may cut their
+    parameters otherwise than the root: NO_SHARD, hybrid). A ValueError names the blocks
+    missing or given twice. Local."""
+    holders: dict = {}
+    counts = set()
+    for weights, meta in pairs:
+        shards, shard, replica = param_cut(meta, key)
+        if replica:
+            continue
+        counts.add(shards)
+        if shard in holders:
+            raise ValueError(f"{what}: two dicts (ranks {holders[shard][1]['rank']} and "
+                             f"{meta['rank']}) hold row block {shard} of {key!r}; the dicts "
+                             f"are not of one checkpoint")
+        holders[shard] = (weights, meta)
+    if len(counts) != 1 or sorted(holders) != list(range(next(iter(counts)))):
+        raise ValueError(f"{what}: {key!r} is cut into {sorted(counts)} row blocks, of which "
+                         f"the dicts given hold {sorted(holders)}; pass every rank's dicts "
+                         f"(each block once, with replica 0)")
+    return [holders[shard] for shard in sorted(holders)], next(iter(counts))
+
+
+def _joined_rows(pairs: Sequence[tuple], key: str, shape, what: str) -> torch.Tensor:
+    """The full tensor ``key`` of full ``shape`` from its row blocks (:func:`_block_holders`),
+    each block checked to have the shape its layout gives a rank's shard: a block of another
     shape (a dict of another model or world size under the same name) would otherwise be
     joined silently into a tensor with shifted rows. Local."""
+    pairs, shards = _block_holders(pairs, key, what)
+    layout = ParamLayout(torch.Size(shape), shards)
     expected = tuple(layout.shard_shape)
     for weights, meta in pairs:
         block = weights[key]
@@ -129,14 +171,12 @@ def consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers
     Memory: the full model once, plus one parameter's row blocks at a time.
     """
     pairs = _check_pairs(shard_weights, shard_metadata, "consolidate_shard_weights")
-    world = pairs[0][1]["world_size"]
     out = OrderedDict()
     shapes = pairs[0][1]["shapes"]
     missing = [k for k in shapes if any(k not in w for w, _ in pairs)]
     for key, value in pairs[0][0].items():
         if key in shapes and key not in missing:
-            layout = ParamLayout(torch.Size(shapes[key]), world)
-            out[key] = _joined_rows(pairs, key, layout, "consolidate_shard_weights")
+            out[key] = _joined_rows(pairs, key, shapes[key], "consolidate_shard_weights")
         elif key not in shapes and with_module_buffers:  # buffers: the same on every rank
             out[key] = value
     if isinstance(getattr(pairs[0][0], "_metadata", None), dict):  # module versions
@@ -148,12 +188,15 @@ def consolidate_shard_weights(shard_weights, shard_metadata, with_module_buffers
     return out
 
 
-def reshard_local_state_dicts(state_dict, metadata, world_size: int, rank: int) -> OrderedDict:
+def reshard_local_state_dicts(state_dict, metadata, world_size: int, rank: int,
+                              target: Optional[dict] = None) -> OrderedDict:
     """This rank's local state dict, from its own dict or from every old rank's dicts.
 
     ``metadata``: the ``local_metadata_dict()`` (or list of them) saved with the dicts, or
     ``None`` for this world's own dict. Dicts written before the metadata had its own method
-    carry it under ``LOCAL_META_KEY`` and load too.
+    carry it under ``LOCAL_META_KEY`` and load too. Each parameter is cut into ``world_size``
+    blocks and block ``rank`` kept, or as ``target`` (this rank's own
+    ``local_metadata_dict()``) cuts it (:func:`param_cut`: units of other strategies).
     """
     dicts = [state_dict] if isinstance(state_dict, dict) else list(state_dict)
     if metadata is None:
@@ -179,13 +222,14 @@ def reshard_local_state_dicts(state_dict, metadata, world_size: int, rank: int) 
                 f"reshard, pass the list of all {meta.get('world_size')} ranks' local state "
                 f"dicts and metadata")
     pairs = _check_pairs(dicts, metas, "load_local_state_dict")
-    old_world, shapes = pairs[0][1]["world_size"], pairs[0][1]["shapes"]
+    shapes = pairs[0][1]["shapes"]
     out = OrderedDict()
     for key, value in pairs[0][0].items():
         if key in shapes:
-            full = _joined_rows(pairs, key, ParamLayout(torch.Size(shapes[key]), old_world),
-                                "load_local_state_dict")
-            value = shard_rows(full, ParamLayout(torch.Size(shapes[key]), world_size), rank)
+            full = _joined_rows(pairs, key, shapes[key], "load_local_state_dict")
+            shards, shard = (world_size, rank) if target is None or key not in target.get(
+                "shapes", {}) else param_cut(target, key)[:2]
+            value = shard_rows(full, ParamLayout(torch.Size(shapes[key]), shards), shard)
         out[key] = value
     return out
 
@@ -214,21 +258,29 @@ def reshard_local_optim_state_dicts(optim_state_dicts, shard_metadata, module,
     saved = [osd for osd, _ in pairs]
     for r, osd in enumerate(saved):
         _check_same_groups(what, osd, optimizer, r)
-    old_world, shapes = pairs[0][1]["world_size"], pairs[0][1]["shapes"]
+    shapes = pairs[0][1]["shapes"]
     name_of = {id(p): n for n, p in module.named_parameters()}
     names = [name_of.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
     state = {}
     for index in sorted({int(i) for osd in saved for i in osd["state"]}):
         name = names[index] if index < len(names) else None
-        entries = [osd["state"].get(index, osd["state"].get(str(index))) for osd in saved]
+        entries = [_state_entry(osd, index) for osd in saved]
         if name in shapes:
-            state[index] = _joined_entry(what, name, entries,
-                                         ParamLayout(torch.Size(shapes[name]), old_world))
+            holders, shards = _block_holders(pairs, name, what)
+            state[index] = _joined_entry(what, name,
+                                         [_state_entry(osd, index) for osd, _ in holders],
+                                         ParamLayout(torch.Size(shapes[name]), shards))
         elif entries[0] is not None:
             state[index] = copy.deepcopy(entries[0])
     full = {"state": state, "param_groups": copy.deepcopy(saved[0]["param_groups"]),
             "param_names": names}
     return module.get_shard_from_optim_state_dict(full)
+
+
+def _state_entry(osd: dict, index: int) -> Optional[dict]:
+    """Parameter ``index``'s entry of a torch optimizer state dict (keyed by int or, after a
+    round trip through JSON-like storage, by str), ``None`` when it has none."""
+    return osd["state"].get(index, osd["state"].get(str(index)))
 
 
 def _check_same_groups(what: str, osd, optimizer, rank: int) -> None:

@@ -30,7 +30,11 @@ file is complete; rank 0 writes the metadata, renames the directory to ``DIR/TAG
 replaces ``DIR/latest`` with ``os.replace``. A save that fails or is killed at any point leaves
 ``latest`` naming the previous complete checkpoint; a failure on any one rank, from building its
 part (rank 0's scheduler state) to publishing, raises a :class:`CheckpointError` on every rank,
-none waiting in a collective for it. A shared filesystem is assumed across nodes.
+none waiting in a collective for it, and so does a rank dying mid-save on the ranks left (rank 0
+then removes the staging directory). What a killed save leaves (``.tmp-TAG``, or a retired
+``.old-TAG`` beside its published re-save: :func:`abandoned_saves`) is named by a warning when the
+directory is loaded, and removed by the next save of the whole world into it. A shared
+filesystem is assumed across nodes.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import pickle
 import re
 import shutil
 import sys
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -57,7 +62,8 @@ from shardkit.checkpoint.resharding import (ParamLayout, copy_rows_into, join_ro
 __all__ = ["FORMAT", "CheckpointError", "RankShard", "LoadedCheckpoint", "RowsWanted",
            "commit_checkpoint", "agreement_device", "read_latest_tag", "write_latest_tag",
            "read_checkpoint", "rank_file_name", "resolve_checkpoint_dir", "check_tag",
-           "load_checkpoint_file", "file_digest", "plain_numbers", "check_loads_back"]
+           "load_checkpoint_file", "file_digest", "plain_numbers", "check_loads_back",
+           "abandoned_saves"]
 
 FORMAT = "shardkit-resharding-v1"
 LATEST = "latest"
@@ -163,11 +169,33 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     """
     check_tag(tag)
     rank = distributed.get_rank(group)  # files are numbered within the group that writes them
+    staging = staging_dir(save_dir, tag)
+    published = []  # rank 0 notes here that it published (before the last agreement)
+    try:
+        return _commit(save_dir, tag, shard, metadata, engine_payload, save_latest, group,
+                       prepare_error, recovery_script_dir, rank, published)
+    except CheckpointError:
+        raise
+    except Exception as error:  # the agreement itself broke off: a rank died, a group went
+        if rank == 0 and not published:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(
+            f"save_checkpoint of {os.path.join(save_dir, tag)} failed: the ranks' agreement "
+            f"broke off ({type(error).__name__}: {str(error).splitlines()[0][:300]}), e.g. "
+            f"another rank died mid-save; "
+            + ("rank 0 had published it" if published else
+               "'latest' still names the previous checkpoint")) from error
+
+
+def _commit(save_dir, tag, shard, metadata, engine_payload, save_latest, group, prepare_error,
+            recovery_script_dir, rank, published) -> str:
+    """:func:`commit_checkpoint`'s agreements and writes."""
     final = os.path.join(save_dir, tag)
     staging = staging_dir(save_dir, tag)
     error = prepare_error
     if error is None and rank == 0:
-        error = _attempt(lambda: _make_staging(save_dir, staging))
+        whole_world = distributed.get_world_size(group) == distributed.get_world_size()
+        error = _attempt(lambda: _make_staging(save_dir, staging, whole_world))
     _agree_or_raise(error, "building this rank's part of the checkpoint"
                     if prepare_error is not None
                     else f"building each rank's part and creating {staging}", staging, group)
@@ -178,6 +206,8 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     if rank == 0:
         error = _attempt(lambda: _publish(save_dir, tag, staging, final, metadata,
                                           engine_payload, save_latest, recovery_script_dir))
+        if error is None:
+            published.append(final)
     _agree_or_raise(error, f"publishing {final}", staging, group)
     distributed.barrier(group)
     return final
@@ -227,12 +257,66 @@ def _load_back_error(obj) -> Optional[str]:
     return None
 
 
-def _make_staging(save_dir: str, staging: str) -> None:
+def _make_staging(save_dir: str, staging: str, whole_world: bool) -> None:
     """Rank 0: an empty staging directory (a ``save_dir`` that is a file or cannot be written
-    to fails here, and every rank then raises rather than waiting for rank 0)."""
+    to fails here, and every rank then raises rather than waiting for rank 0). A save by the
+    whole world also removes what crashed saves left in ``save_dir``
+    (:func:`abandoned_saves`), with a warning naming it."""
     os.makedirs(save_dir, exist_ok=True)
+    if whole_world:
+        _remove_abandoned_saves(save_dir)
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
+
+
+def abandoned_saves(save_dir: str) -> list:
+    """The directories in ``save_dir`` that a save killed before it ended left behind: a
+    staging directory ``.tmp-TAG`` (ranks' files, never published), and a retired copy
+    ``.old-TAG`` whose re-save did publish ``TAG`` (without ``TAG`` the retired copy is the
+    checkpoint, and is kept). The staging directories of this process's asynchronous saves
+    still under way are not among them. Sorted paths; reads the directory listing only."""
+    if not os.path.isdir(save_dir):
+        return []
+    under_way = _staging_dirs_of_pending_saves()
+    found = []
+    for name in sorted(os.listdir(save_dir)):
+        path = os.path.join(save_dir, name)
+        if not os.path.isdir(path) or os.path.normpath(path) in under_way:
+            continue
+        if name.startswith(".tmp-") or (
+                name.startswith(".old-")
+                and os.path.isfile(os.path.join(save_dir, name[len(".old-"):], METADATA))):
+            found.append(path)
+    return found
+
+
+def _staging_dirs_of_pending_saves() -> set:
+    """Normalized staging paths of this process's asynchronous saves not yet waited for."""
+    saves = sys.modules.get("shardkit.checkpoint.async_save")
+    if saves is None:
+        return set()
+    return {os.path.normpath(staging_dir(*os.path.split(os.path.normpath(path))))
+            for path in saves.pending_save_paths()}
+
+
+def _remove_abandoned_saves(save_dir: str) -> None:
+    """Remove :func:`abandoned_saves` of ``save_dir``, warning with their names.
+
+    Note: only a save by every rank of the world calls this, so no other save of this job can
+    be writing into ``save_dir`` meanwhile (a tensor-parallel save's groups stage their
+    ``mp_rank_XX`` parts side by side in one directory, and do not)."""
+    leftovers = abandoned_saves(save_dir)
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    if leftovers:
+        warnings.warn(f"save_checkpoint: removed {_names(leftovers)} from {save_dir}: what "
+                      f"earlier saves left when they were killed midway (never named by "
+                      f"'latest')", stacklevel=2)
+
+
+def _names(paths: list) -> str:
+    shown = ", ".join(os.path.basename(p) for p in paths[:4])
+    return shown + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
 
 
 def _attempt(action) -> Optional[BaseException]:
@@ -344,7 +428,10 @@ def read_latest_tag(load_dir: str) -> Optional[str]:
 
 
 def resolve_checkpoint_dir(load_dir: str, tag: Optional[str]) -> Optional[str]:
-    """The directory of ``tag`` (default: ``latest``), ``None`` when there is no checkpoint."""
+    """The directory of ``tag`` (default: ``latest``), ``None`` when there is no checkpoint.
+    On rank 0, a warning names what crashed saves left in ``load_dir`` (:func:`abandoned_saves`:
+    a newer save that never completed is not what is loaded)."""
+    _warn_of_abandoned_saves(load_dir)
     if tag is None:
         tag = read_latest_tag(load_dir)
         if tag is None:
@@ -360,6 +447,17 @@ def resolve_checkpoint_dir(load_dir: str, tag: Optional[str]) -> Optional[str]:
         raise CheckpointError(f"load_checkpoint: {path} has no {METADATA}; it is not a complete "
                               f"shardkit checkpoint")
     return path
+
+
+def _warn_of_abandoned_saves(load_dir: str) -> None:
+    if distributed.get_rank() != 0:
+        return
+    leftovers = abandoned_saves(load_dir)
+    if leftovers:
+        warnings.warn(f"load_checkpoint: {load_dir} holds {_names(leftovers)}: what saves left "
+                      f"when they were killed midway (not loaded; 'latest' and the "
+                      f"tags are complete checkpoints). The next save_checkpoint into it "
+                      f"removes them", stacklevel=3)
 
 
 def _tags(load_dir: str) -> list:

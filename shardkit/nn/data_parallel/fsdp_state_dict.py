@@ -1020,24 +1020,34 @@ class FSDPStateDictMixin:
     def local_metadata_dict(self) -> dict:
         """World size, rank, each sharded parameter's full shape and the buffer keys: what
         :meth:`consolidate_shard_weights` and :meth:`load_local_state_dict` need besides the
-        tensors (plain Python values; the layout differs from FairScale's, the use is the same).
-        No communication."""
+        tensors (plain Python values; the layout differs from FairScale's, the use is the same);
+        also how units of another strategy than this root's (NO_SHARD, hybrid) cut their
+        parameters, so that those consolidate and reshard too. No communication."""
         buffers = [_state_dict_key(name) for name, _ in self.named_buffers()]
         # ignored parameters are whole on every rank: kept like the buffers, from one rank
         shapes = {k: v for k, v in self._sharded_shapes().items() if k not in buffers}
         replica = 0 if self.replicate_group is None else skdist.get_rank(self.replicate_group)
         return local_metadata(self.world_size, self.rank, shapes, buffers, replica=replica,
-                              own_group_params=self._params_over_other_groups())
+                              own_group_params=self._params_holding_rank_own_values(),
+                              cuts=self._cuts_unlike_the_root(replica))
 
-    def _params_over_other_groups(self) -> list[str]:
-        """Names of the parameters whose unit shards them over other ranks than this unit's
-        group (experts). No communication."""
-        mine = skdist.group_ranks(self.process_group)
-        units = [u for u in self.sharded_units() if u.params
-                 and skdist.group_ranks(u.process_group) != mine]
-        foreign = {id(p) for u in units for p in u.params}
-        return [_state_dict_key(name) for name, p in self.named_parameters(remove_duplicate=False)
-                if id(p) in foreign]
+    def _cuts_unlike_the_root(self, replica: int) -> dict:
+        """``{key: (shards, shard, replica)}`` of the parameters whose unit cuts them otherwise
+        than this root (``self.world_size``, ``self.rank``, ``replica``): units of another
+        sharding strategy (a NO_SHARD unit keeps the whole tensor on every rank, one block and
+        as many copies as ranks) or over other groups. No communication."""
+        root = (self.world_size, self.rank, replica)
+        cut_of = {}
+        for u in self.sharded_units():
+            if u._shard is None:
+                continue
+            copy = 0 if u.replicate_group is None else skdist.get_rank(u.replicate_group)
+            for p, layout in zip(u._shard.params, u._shard.layouts):
+                cut = (layout.world_size, skdist.get_rank(u.process_group), copy)
+                if cut != root:
+                    cut_of[id(p)] = cut
+        return {_state_dict_key(name): cut_of[id(p)]
+                for name, p in self.named_parameters(remove_duplicate=False) if id(p) in cut_of}
 
     def _params_holding_rank_own_values(self) -> list[str]:
         """Names of the parameters whose values differ between the model's ranks (experts:
@@ -1074,7 +1084,7 @@ class FSDPStateDictMixin:
         def check():
             try:
                 local = reshard_local_state_dicts(state_dict, metadata, self.world_size,
-                                                  self.rank)
+                                                  self.rank, target=self.local_metadata_dict())
             except (TypeError, ValueError) as error:
                 arguments.append(error)
                 raise
@@ -1541,7 +1551,7 @@ for _method in ("_is_first_rank", "_rank0_only_optim_state", "_gathered_optim_st
                 "_agreed_recipient", "_agree_gatherable",
                 "gather_full_optim_state_dict", "_shard_of_full",
                 "get_shard_from_optim_state_dict", "_param_layouts", "_param_unit_attr",
-                "_mark_units_in_their_own_world", "_params_over_other_groups", "_sharded_params",
+                "_mark_units_in_their_own_world", "_sharded_params",
                 "_shard_entries", "_params_holding_rank_own_values"):
     setattr(_PlainRoot, _method, getattr(FSDPStateDictMixin, _method))
 
