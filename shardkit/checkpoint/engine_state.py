@@ -41,7 +41,7 @@ from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard,
                                          commit_checkpoint, plain_numbers, read_checkpoint,
                                          resolve_checkpoint_dir, staging_dir)
 from shardkit.optim.local_step import without_fused_choice
-from shardkit.optim.lr_scheduler import _IterationSchedule
+from shardkit.optim.lr_scheduler import loads_position_only
 from shardkit.optim.partition import ParameterPartition
 
 __all__ = ["save_engine_checkpoint", "load_engine_checkpoint", "rng_state", "set_rng_state"]
@@ -603,7 +603,7 @@ def _check_scheduler_class(engine, ckpt) -> None:
     scheduler, state = engine.lr_scheduler, ckpt.engine["scheduler"]
     if saved is None or scheduler is None or state is None:
         return
-    if isinstance(scheduler, _IterationSchedule):
+    if loads_position_only(scheduler):
         if not {"last_batch_iteration", "last_epoch"} & set(state):
             raise CheckpointError(
                 f"load_checkpoint({ckpt.path}): the LR scheduler state was saved by {saved} "

@@ -34,7 +34,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 __all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest",
-           "WARMUP_TYPES"]
+           "WARMUP_TYPES", "loads_position_only"]
 
 WARMUP_TYPES = ("log", "linear")
 Number = Union[int, float]
@@ -95,6 +95,13 @@ class _IterationSchedule(LRScheduler):
 
     def lrs_at(self, iteration: int) -> list[float]:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+def loads_position_only(scheduler) -> bool:
+    """Whether ``scheduler`` is one of this module's DeepSpeed schedules, whose
+    ``load_state_dict`` takes only the saved position (``last_batch_iteration`` or torch's
+    ``last_epoch``) from any scheduler's state, as DeepSpeed's do. Local."""
+    return isinstance(scheduler, _IterationSchedule)
 
 
 class _DeepSpeedSchedule(_IterationSchedule):
