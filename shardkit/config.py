@@ -629,6 +629,20 @@ class EngineConfig:
     def __contains__(self, key) -> bool:
         return key in self.checked
 
+    # without these, Python's old sequence protocol makes ``for key in engine.config`` and
+    # ``dict(engine.config)`` call ``self[0]``: a bare ``KeyError: 0``
+    def __iter__(self):
+        """The top-level keys, as iterating DeepSpeed's config dict gives."""
+        return iter(self.checked)
+
+    def keys(self):
+        """The top-level keys (so ``dict(engine.config)`` is the checked config as a dict)."""
+        return self.checked.keys()
+
+    def items(self):
+        """``(key, self[key])`` for each top-level key."""
+        return [(key, self[key]) for key in self]
+
 
 # ----------------------------------------------------------------------------- validation
 

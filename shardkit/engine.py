@@ -334,7 +334,9 @@ def _guard_direct_steps(engine) -> None:
     would step on each rank's own gradients, silently. Raised on every rank that steps, before
     the optimizer's collectives. One pre-hook per optimizer, reading the latest engine built
     over it (a weak reference: the hook keeps no engine alive). With one micro-batch per step,
-    calling the optimizer directly keeps working as before."""
+    calling the optimizer directly keeps working as before, except between
+    ``engine.offload_states()`` and ``engine.reload_states()``, where it is refused as
+    ``engine.step()`` is."""
     optimizer = engine.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
         return
@@ -354,20 +356,33 @@ def _expose_offload_on_optimizer(engine) -> None:
     owner = weakref.ref(engine)
     for name in ("offload_states", "reload_states"):
         if not hasattr(type(optimizer), name):
-            setattr(optimizer, name, _forwarded_to_engine(owner, name))
+            setattr(optimizer, name, _ForwardedToEngine(owner, name))
 
 
-def _forwarded_to_engine(owner: weakref.ref, name: str) -> Callable:
-    def forwarded(*args, **kwargs):
-        engine = owner()
+class _ForwardedToEngine:
+    """``optimizer.<name>(...)`` calling the engine's method of that name, through a weak
+    reference (the optimizer keeps no engine alive).
+
+    Note: an optimizer whose ``__getstate__`` keeps its ``__dict__`` pickles and copies this
+    too: the copy is bound to no engine (a copied or loaded optimizer is not the one the
+    engine steps, and an engine does not pickle), so calling it raises as when the engine is
+    gone. A plain closure here made ``pickle.dumps(optimizer)`` fail."""
+
+    def __init__(self, owner: Optional[weakref.ref], name: str):
+        self.owner, self.__name__ = owner, name
+        self.__doc__ = f"The engine's :meth:`ShardedEngine.{name}` (DeepSpeed's optimizer call)."
+
+    def __call__(self, *args, **kwargs):
+        engine = self.owner() if self.owner is not None else None
         if engine is None:
-            raise RuntimeError(f"optimizer.{name}(): the engine this optimizer was built into "
-                               f"no longer exists")
-        return getattr(engine, name)(*args, **kwargs)
+            raise RuntimeError(f"optimizer.{self.__name__}(): the engine this optimizer was "
+                               f"built into no longer exists, or this optimizer is a copy "
+                               f"(pickled or deep-copied) of the engine's; call "
+                               f"engine.{self.__name__}() on the engine")
+        return getattr(engine, self.__name__)(*args, **kwargs)
 
-    forwarded.__name__ = name
-    forwarded.__doc__ = f"The engine's :meth:`ShardedEngine.{name}` (DeepSpeed's optimizer call)."
-    return forwarded
+    def __reduce__(self):
+        return _ForwardedToEngine, (None, self.__name__)
 
 
 def _refuse_direct_step(optimizer, args, kwargs) -> None:
@@ -375,6 +390,12 @@ def _refuse_direct_step(optimizer, args, kwargs) -> None:
     engine = owner() if owner is not None else None
     if engine is None or _ENGINE_STEPPING.get(optimizer, 0) > 0:
         return None
+    if getattr(engine, "_offloaded_optimizer_state", None) is not None:
+        # as engine.step(): on a GPU torch's AdamW would count the step on its (host) step
+        # tensors, then fail on the moments, so the bias correction would drift by one
+        raise RuntimeError("engine.optimizer.step(): the optimizer state was moved off the "
+                           "device by engine.offload_states(); call engine.reload_states() "
+                           "before the next step")
     steps = engine.config.gradient_accumulation_steps
     if steps == 1:
         return None
@@ -1796,6 +1817,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         Leaves ``_offloaded_optimizer_state`` a dict on every rank (empty on a rank whose
         shard holds no state yet), so that ``step()`` is refused on all ranks or none."""
         moved = self._offloaded_optimizer_state or {}
+        copied = False
         for state in self.optimizer.state.values():
             for key, value in list(state.items()):
                 if isinstance(value, torch.Tensor) and moved.get(id(value), (None,))[0] \
@@ -1803,6 +1825,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                     host = _to_host(value, pin_memory, non_blocking)
                     state[key] = host
                     moved[id(host)] = (host, value.device)
+                    copied = copied or host is not value
+        if copied:
+            _release_flat_state_buffers(self.optimizer)
         self._offloaded_optimizer_state = moved
 
     def reload_states(self, non_blocking: bool = False) -> None:
@@ -1942,6 +1967,19 @@ def _offload_request(include, device, pin_memory, non_blocking) -> Optional[tupl
         raise ValueError(f"engine.offload_states(include={list(names)!r}): unknown state(s) "
                          f"{unknown}; DeepSpeed's names are {list(OFFLOAD_STATE_TYPES)}")
     return None if device == "none" else names
+
+
+def _release_flat_state_buffers(optimizer) -> None:
+    """Drop the flat buffers of a :class:`~shardkit.optim.fused.FusedAdamW` (also DeepSpeed's
+    ``FusedAdam``, and the one inside OSS) whose ``state`` was just replaced by host copies.
+    Its ``state[p]`` tensors are views into those buffers: without this, the buffers keep the
+    whole device state alive while it is "offloaded". Its next step rebuilds them from
+    ``state`` (the tensors :meth:`ShardedEngine.reload_states` put back), as after a
+    ``load_state_dict``. Local."""
+    from shardkit.optim.fused import FusedAdamW
+    inner = getattr(optimizer, "optim", optimizer)  # OSS: the local shard's optimizer
+    if isinstance(inner, FusedAdamW):
+        inner._flat.clear()
 
 
 def _to_host(tensor: torch.Tensor, pin_memory: bool, non_blocking: bool) -> torch.Tensor:
