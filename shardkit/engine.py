@@ -502,6 +502,8 @@ def _compose_arguments(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg:
                          f"{zero.stage}, which keeps the whole model on every rank")
     if recipe is None and zero.stage < 3:  # forward only: the model whole, nothing reduced
         return kwargs
+    if zero.stage == 3 and recipe is not None:
+        _refuse_sequence_parallel_at_stage3(model)
     if zero.stage in (0, 1):
         kwargs["find_unused_parameters"] = zero.ignore_unused_parameters
     left_out = _left_out_of_optimizer(model, recipe)
@@ -550,6 +552,22 @@ def _left_out_of_optimizer(model: nn.Module, recipe: Optional[OptimizerRecipe]) 
         stepped.update(id(p[1] if isinstance(p, tuple) else p) for p in params)
     return [name for name, p in model.named_parameters()
             if p.requires_grad and id(p) not in stepped]
+
+
+def _refuse_sequence_parallel_at_stage3(model: nn.Module) -> None:
+    """Stage 3 cannot sum the gradients of sequence-parallel parameters over the
+    tensor-parallel group (FSDP flattens them into its shards, whose gradients it reduces over
+    the data-parallel group only): a ConfigError naming them, rather than partial gradients.
+    Local."""
+    marked = [name for name, p in model.named_parameters()
+              if getattr(p, "sequence_parallel", False)]
+    if marked:
+        raise ConfigError(f"initialize: zero_optimization.stage=3 with sequence parallelism: "
+                          f"{_shown(marked)} are marked sequence_parallel, and their gradients "
+                          f"must be summed over the tensor-parallel group, which stage 3's "
+                          f"sharded gradients cannot be; use stage 0, 1 or 2 (the engine sums "
+                          f"them before each step), or build the layers without "
+                          f"sequence_parallel")
 
 
 def _shown(names: list[str], limit: int = 6) -> str:
@@ -646,6 +664,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         super().__init__()
         self.module = model
         self.model_parallel = model_parallel
+        # parameters of sequence-parallel regions: their gradients cover this tensor-parallel
+        # rank's part of the sequence until summed over the group (before each step)
+        self._sums_sequence_parallel_grads = composition.stage < 3 and any(
+            getattr(p, "sequence_parallel", False) for p in model.parameters())
         # Names of the unwrapped model, recorded before wrapping (FSDP renames and flattens).
         self._state_names = list(state_names or _state_names_of(model))
         trainable, frozen = _names_by_trainability(model)
@@ -1390,6 +1412,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
     def _optimizer_step(self, lr_kwargs: dict, loss_scaled: bool = True) -> None:
         for param in self._left_out():  # never stepped: kept out of the clip, never accumulated
             param.grad = None
+        if self._sums_sequence_parallel_grads:  # (not again where the script summed them)
+            from shardkit.nn.model_parallel import reduce_sequence_parallel_grads
+            reduce_sequence_parallel_grads(self.module, unless_summed=True)
         overflow = self._agreed_overflow() if self.config.precision.check_grad_overflow \
             else False
         scale_before = self.loss_scale

@@ -406,3 +406,83 @@ def test_replicas_of_a_tensor_parallel_rank_must_hold_the_same_model(world4):
         assert len(texts) == 1, texts
         text = texts.pop()
         assert "model (tensor-parallel rank 1)" in text and "rank 3" in text, text
+
+
+# ----------------------------------------------------------------------------- sequence parallel
+SEQ = 4
+
+
+def _sp_model(sequence_parallel: bool) -> nn.Module:
+    """The tensor-parallel model, with its activations outside the layers split along the
+    sequence (``[batch, seq, width]``, dim 1) when ``sequence_parallel``: then the LayerNorm
+    and the head run on this rank's part of the sequence and are marked."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        mp.ColumnParallelLinear(WIDTH, 2 * WIDTH, gather_output=False,
+                                sequence_parallel=sequence_parallel),
+        nn.GELU(), mp.RowParallelLinear(2 * WIDTH, WIDTH, input_is_parallel=True,
+                                        sequence_parallel=sequence_parallel),
+        nn.LayerNorm(WIDTH), nn.Linear(WIDTH, OUT))
+    if sequence_parallel:
+        mp.mark_sequence_parallel(model[3])
+        mp.mark_sequence_parallel(model[4])
+    return model
+
+
+def _sequence_parallel_runs() -> dict:
+    """Three engines at stages 0 and 2 over the same data: the model without sequence
+    parallelism, with it (the engine sums the marked gradients), and with it where the script
+    also sums them itself, as the layers' docs say (they must not be summed twice)."""
+    tp, n = mp.get_model_parallel_rank(), mp.get_model_parallel_world_size()
+    mine = slice(tp * SEQ // n, (tp + 1) * SEQ // n)
+    out = {}
+    for stage in (0, 2):
+        for kind in ("plain", "sequence_parallel", "summed_by_the_script_too"):
+            sp = kind != "plain"
+            engine, *_ = shardkit.initialize(model=_sp_model(sp), config=_config(stage),
+                                             mpu=mp.initialize)
+            for step in range(2):
+                g = torch.Generator().manual_seed(200 + step)
+                x = torch.randn(MICRO * GAS * DP, SEQ, WIDTH, generator=g)
+                y = torch.randn(MICRO * GAS * DP, SEQ, OUT, generator=g)
+                rows = slice(mp.get_data_parallel_rank() * MICRO * GAS,
+                             (mp.get_data_parallel_rank() + 1) * MICRO * GAS)
+                for xb, yb in zip(x[rows].split(MICRO), y[rows].split(MICRO)):
+                    if sp:  # this rank's part of the sequence; its share of the mean loss
+                        err = engine(xb[:, mine]) - yb[:, mine]
+                        loss = (err ** 2).sum() / yb.numel()
+                    else:
+                        loss = _loss(engine(xb), yb)
+                    engine.backward(loss)
+                    if kind == "summed_by_the_script_too" \
+                            and engine.is_gradient_accumulation_boundary():
+                        mp.reduce_sequence_parallel_grads(engine.module)
+                    engine.step()
+            out[(stage, kind)] = full_model_state_dict(engine.module)
+    return out
+
+
+def test_the_engine_sums_sequence_parallel_gradients_before_its_step(world4):
+    """Before: the marked parameters stepped with this rank's part of their gradient (0.036
+    off the model without sequence parallelism after 2 steps, silently)."""
+    for rank, runs in enumerate(world4.run(_with_model_parallel, _sequence_parallel_runs)):
+        for stage in (0, 2):
+            plain = runs[(stage, "plain")]
+            for kind in ("sequence_parallel", "summed_by_the_script_too"):
+                got = runs[(stage, kind)]
+                worst = max((got[k] - plain[k]).abs().max().item() for k in plain)
+                assert worst < TOL, (rank, stage, kind, worst)
+
+
+def _stage3_with_sequence_parallel() -> str:
+    try:
+        shardkit.initialize(model=_sp_model(True), config=_config(3), mpu=mp.initialize)
+    except ConfigError as error:
+        return str(error)
+    return "built"
+
+
+def test_stage3_refuses_sequence_parallel_parameters_on_every_rank(world4):
+    for message in world4.run(_with_model_parallel, _stage3_with_sequence_parallel):
+        assert "zero_optimization.stage=3 with sequence parallelism" in message, message
+        assert "'3.weight'" in message and "'4.bias'" in message, message

@@ -1,8 +1,9 @@
 """Megatron-style tensor parallelism: process groups for 3D parallelism, tensor-parallel layers,
 the autograd mappings between parallel regions, vocabulary-parallel cross-entropy, RNG streams,
-sequence parallelism and gradient clipping by the whole model's norm (``.grad_norm``).
-FairScale's module paths (``shardkit.nn.model_parallel.initialize``, ``.layers``, ``.mappings``,
-``.cross_entropy``, ``.random``); the common names are re-exported here.
+sequence parallelism, gradient clipping by the whole model's norm (``.grad_norm``) and the
+broadcast of a batch over the tensor-parallel group (``.data``). FairScale's module paths
+(``shardkit.nn.model_parallel.initialize``, ``.layers``, ``.mappings``, ``.cross_entropy``,
+``.random``, ``.data``); the common names are re-exported here.
 
 Usage::
 
@@ -16,6 +17,7 @@ Usage::
 
 from shardkit.nn.model_parallel import initialize
 from shardkit.nn.model_parallel.cross_entropy import vocab_parallel_cross_entropy
+from shardkit.nn.model_parallel.data import broadcast_data
 from shardkit.nn.model_parallel.full_state import sync_module_states
 from shardkit.nn.model_parallel.grad_norm import clip_grad_norm
 from shardkit.nn.model_parallel.initialize import (
@@ -49,7 +51,7 @@ __all__ = [
     "scatter_to_model_parallel_region", "gather_from_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
-    "vocab_parallel_cross_entropy", "clip_grad_norm",
+    "vocab_parallel_cross_entropy", "clip_grad_norm", "broadcast_data",
     "RNGStatesTracker", "get_model_parallel_rng_tracker", "model_parallel_manual_seed",
     "CudaRNGStatesTracker", "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed",
     "mark_sequence_parallel", "reduce_sequence_parallel_grads", "sync_module_states",

@@ -8,8 +8,10 @@ so it is computed on the shard and combined across ranks:
 - one all-reduce (max) of ``[tokens]`` floats,
 - one all-reduce (sum) of ``[2, tokens]`` floats (sum of exponentials and target logit together).
 
-Memory: the shard's softmax is kept for backward (``tokens * V/n`` floats, the size of the
-logits shard); the full ``tokens * V`` logits never exist. Backward needs no communication:
+Memory: forward allocates one fp32 buffer of the logits shard's size (``tokens * V/n``
+floats; fp64 for fp64 logits), which becomes the softmax kept for backward; backward adds one
+more for the gradient (and its fp16/bf16 copy for such logits). The full ``tokens * V`` logits
+never exist. Backward needs no communication:
 ``d loss / d logits = softmax - one_hot(target)``, restricted to the shard.
 """
 
@@ -33,23 +35,28 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         per_rank = logits.shape[-1]
         vocab = per_rank * distributed.get_world_size(group)
         start = distributed.get_rank(group) * per_rank
-        # fp16/bf16 in fp32; float64 stays float64, as F.cross_entropy (and gradcheck) need
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        # One working buffer of the shard's size, in fp32 (fp16/bf16 promoted; float64 stays
+        # float64, as F.cross_entropy and gradcheck need), that becomes the shifted logits, then
+        # their exponentials, then the softmax saved for backward: the caller's logits are left
+        # untouched and no second shard-sized buffer is made.
+        work = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
 
-        row_max = logits.max(dim=-1).values
+        row_max = work.max(dim=-1).values
         distributed.all_reduce(row_max, op=distributed.ReduceOp.MAX, group=group)
-        shifted = logits - row_max.unsqueeze(-1)
+        shifted = work.sub_(row_max.unsqueeze(-1))
 
         local_target = target - start
         ours = (local_target >= 0) & (local_target < per_rank)
         safe_target = local_target.masked_fill(~ours, 0)
         target_logit = shifted.gather(-1, safe_target.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(~ours, 0.0)
+        # the smoothed term needs the sum of the log-probabilities too (before exp_ below)
+        shifted_sum = shifted.sum(dim=-1) if label_smoothing else None
 
-        exp = shifted.exp()
+        exp = shifted.exp_()
         parts = [exp.sum(dim=-1), target_logit]
-        if label_smoothing:  # the smoothed term needs the sum of log-probabilities too
-            parts.append(shifted.sum(dim=-1))
+        if label_smoothing:
+            parts.append(shifted_sum)
         sums = torch.stack(parts)
         distributed.all_reduce(sums, group=group)
         log_sum_exp = sums[0].log()

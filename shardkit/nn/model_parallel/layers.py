@@ -24,7 +24,10 @@ Initialisation: each layer builds the **full** (master) weight on every rank, ap
 :func:`~shardkit.nn.model_parallel.random.model_parallel_manual_seed`), and keeps its slice; so
 the concatenation of the shards is exactly what ``init_method`` gives the unsplit weight after
 the same seed. The master weight is transient (its full size, during construction only) unless
-``keep_master_weight_for_test=True``. Biases start at zero.
+``keep_master_weight_for_test=True``. Biases start at zero. ``reset_parameters()`` draws them
+again the same way: a model built under ``torch.device("meta")``, then ``to_empty`` and each
+module's ``reset_parameters()`` in order, holds the eagerly built values (FSDP's default
+materialization of a meta model calls it too).
 
 Every layer communicates over the tensor-parallel group it was built in (``tp_group``), so it
 keeps working after :func:`destroy_model_parallel` or a new :func:`initialize_model_parallel`;
@@ -50,6 +53,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import pickle
 from typing import Callable, Optional, Union
 
 import torch
@@ -59,8 +63,8 @@ import torch.nn.functional as F
 from shardkit import distributed
 from shardkit.nn.model_parallel.initialize import current_groups, model_parallel_is_initialized
 from shardkit.nn.model_parallel.mappings import (
-    SEQUENCE_DIM, _copy_to_region_of_own_linear, gather_from_model_parallel_region,
-    gather_from_sequence_parallel_region, reduce_from_model_parallel_region,
+    SEQUENCE_DIM, _copy_to_region_of_own_linear, _reduce_from_region_of_own_output,
+    gather_from_model_parallel_region, gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_model_parallel_region)
 from shardkit.nn.model_parallel.sequence_parallel import mark_sequence_parallel
 from shardkit.nn.model_parallel.utils import check_indices, join_shards, shard_of
@@ -82,6 +86,9 @@ class TensorParallelModule(nn.Module):
     """
 
     _shard_dims: dict[str, Optional[tuple[int, int]]] = {}
+    # the in-place initialiser of the master weight; None for a layer unpickled without it
+    init_method: Optional[InitMethod] = None
+    master_weight: Optional[torch.Tensor] = None
 
     def __init__(self, what: str):
         super().__init__()
@@ -103,9 +110,13 @@ class TensorParallelModule(nn.Module):
 
     def __getstate__(self):
         """Pickling (``torch.save(model)``): the process groups stay behind, since they mean
-        nothing outside this process; :meth:`__setstate__` binds the loading process's."""
+        nothing outside this process; :meth:`__setstate__` binds the loading process's. So does
+        an ``init_method`` that cannot be pickled (a closure such as Megatron's
+        ``init_method_normal(0.02)``): the loaded layer then refuses :meth:`reset_parameters`."""
         state = self.__dict__.copy()
         state["tp_group"] = state["model_parallel_groups"] = None
+        if not _picklable(state.get("init_method")):
+            state["init_method"] = None
         return state
 
     def __setstate__(self, state):
@@ -122,6 +133,46 @@ class TensorParallelModule(nn.Module):
                         param.model_parallel_groups = groups
         if _refuse_unbound_layer not in self._forward_pre_hooks.values():
             self.register_forward_pre_hook(_refuse_unbound_layer)
+
+    def _draw_master(self, shape: tuple[int, ...],
+                     device: Optional[torch.device] = None) -> torch.Tensor:
+        """The full (master) initial weight of ``shape``: ``init_method`` applied to a new
+        tensor of the default dtype, drawn from ``device``'s default generator (default: the
+        default device). No communication; memory: the full weight."""
+        master = _master(shape, self.init_method, device)
+        self._fix_master(master)
+        return master
+
+    def _fix_master(self, master: torch.Tensor) -> None:
+        """Rows of the full initial weight that ``init_method`` must not decide (an
+        embedding's padding row); none here."""
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise the parameters again, as the constructor did: the full weight drawn with
+        ``init_method`` from the default generator (the weight's device's), this rank keeping
+        its slice; the bias zero. After the same seed on every tensor-parallel rank the slices
+        form the weight ``init_method`` gives the unsplit layer, the same values and the same
+        draws as constructing the layer, so that a model built under ``torch.device("meta")``,
+        then ``to_empty(device=...)`` and each module's ``reset_parameters()`` (torch FSDP's
+        and shardkit FSDP's default materialization), holds what an eagerly built one does.
+        In place: the parameter objects stay. No communication; memory: the full weight while
+        it runs (kept as ``master_weight`` with ``keep_master_weight_for_test``).
+
+        Raises ``RuntimeError`` for a layer loaded with ``torch.load`` whose ``init_method``
+        could not be pickled."""
+        if self.init_method is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.reset_parameters: this layer has no init_method (it was "
+                f"unpickled, and its init_method, a closure or lambda, could not be pickled); "
+                f"set layer.init_method to the initialiser first")
+        master = self._draw_master(self._full_shape("weight"), self.weight.device)
+        self.weight.copy_(self._split(master, "weight"))
+        bias = getattr(self, "bias", None)
+        if bias is not None:
+            bias.zero_()
+        if self.master_weight is not None:
+            self.master_weight = master
 
     def _mark(self, name: str, param: nn.Parameter) -> None:
         """Tag ``param`` with this layer's groups and, when split, Megatron's
@@ -300,10 +351,19 @@ def _skip_bias_add_repr(layer: nn.Module) -> str:
     return ", skip_bias_add=True" if layer.skip_bias_add else ""
 
 
-def _master(shape: tuple[int, ...], init_method: InitMethod) -> torch.Tensor:
-    weight = torch.empty(shape, dtype=torch.get_default_dtype())
+def _master(shape: tuple[int, ...], init_method: InitMethod,
+            device: Optional[torch.device] = None) -> torch.Tensor:
+    weight = torch.empty(shape, dtype=torch.get_default_dtype(), device=device)
     init_method(weight)
     return weight
+
+
+def _picklable(value) -> bool:
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - whatever pickling raised: it cannot travel
+        return False
+    return True
 
 
 @torch.no_grad()
@@ -405,7 +465,8 @@ class ColumnParallelLinear(TensorParallelModule):
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
-        master = _master((out_features, in_features), init_method)
+        self.init_method = init_method
+        master = self._draw_master((out_features, in_features))
         self.weight = self._param_from_master("weight", master)
         self.bias = (self._param_from_master("bias", torch.zeros(out_features)) if bias
                      else None)
@@ -507,7 +568,8 @@ class RowParallelLinear(TensorParallelModule):
         self.skip_bias_add = skip_bias_add
         self.sequence_parallel = sequence_parallel
         self.sequence_dim = sequence_dim
-        master = _master((out_features, in_features), init_method)
+        self.init_method = init_method
+        master = self._draw_master((out_features, in_features))
         self.weight = self._param_from_master("weight", master)
         self.bias = self._param_from_master("bias", torch.zeros(out_features)) if bias else None
         if self.bias is not None and sequence_parallel:
@@ -535,7 +597,7 @@ class RowParallelLinear(TensorParallelModule):
             y = reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim,
                                                            group=self.tp_group)
         else:
-            y = reduce_from_model_parallel_region(partial, group=self.tp_group)
+            y = _reduce_from_region_of_own_output(partial, self.tp_group)
         if self.skip_bias_add:
             # the parameter itself, not a copy: the caller's add must put its gradient on
             # the parameter reduce_sequence_parallel_grads sums (marked sequence_parallel)
@@ -544,7 +606,9 @@ class RowParallelLinear(TensorParallelModule):
             return y
         # in the output's dtype, as nn.Linear adds it: under autocast an fp32 bias would
         # otherwise promote the bf16/fp16 output (twice the activation memory downstream)
-        return y + self.bias.to(y.dtype)
+        # in place: y is the layer's own sum (or at size 1 its own F.linear output), which no
+        # backward reads
+        return y.add_(self.bias.to(y.dtype))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} ({self.input_size_per_partition} on this rank), "
@@ -604,11 +668,15 @@ class VocabParallelEmbedding(TensorParallelModule):
         per_rank = num_embeddings // self.tp_size
         self.vocab_start_index = self.tp_rank * per_rank
         self.vocab_end_index = self.vocab_start_index + per_rank
-        master = _master((num_embeddings, embedding_dim), init_method)
-        if self.padding_idx is not None:
-            master[self.padding_idx].zero_()
+        self.init_method = init_method
+        master = self._draw_master((num_embeddings, embedding_dim))
         self.weight = self._param_from_master("weight", master)
         self.master_weight = master if keep_master_weight_for_test else None
+
+    def _fix_master(self, master: torch.Tensor) -> None:
+        """The padding row starts at zero, as ``nn.Embedding``'s."""
+        if self.padding_idx is not None:
+            master[self.padding_idx].zero_()
 
     @property
     def num_embeddings_per_partition(self) -> int:
@@ -636,11 +704,12 @@ class VocabParallelEmbedding(TensorParallelModule):
                                         self.norm_type)
         partial = F.embedding(local, self.weight, self._local_padding_idx(), None,
                               self.norm_type, False, self.sparse)
-        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
+        # in place: F.embedding's backward does not read its output
+        partial = partial.masked_fill_(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim,
                                                               group=self.tp_group)
-        return reduce_from_model_parallel_region(partial, group=self.tp_group)
+        return _reduce_from_region_of_own_output(partial, self.tp_group)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start_index}, "
@@ -697,11 +766,15 @@ class ParallelEmbedding(TensorParallelModule):
         self.padding_idx = padding_idx % num_embeddings if padding_idx is not None else None
         self.max_norm, self.norm_type = max_norm, norm_type
         self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
-        master = _master((num_embeddings, embedding_dim), init_method)
-        if self.padding_idx is not None:
-            master[self.padding_idx].zero_()
+        self.init_method = init_method
+        master = self._draw_master((num_embeddings, embedding_dim))
         self.weight = self._param_from_master("weight", master)
         self.master_weight = master if keep_master_weight_for_test else None
+
+    def _fix_master(self, master: torch.Tensor) -> None:
+        """The padding row starts at zero, as ``nn.Embedding``'s."""
+        if self.padding_idx is not None:
+            master[self.padding_idx].zero_()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         # before renormalising: a negative id would index the weight from its end

@@ -59,6 +59,14 @@ def _group(group):
     return get_model_parallel_group() if group is None else group
 
 
+def _alone(group) -> bool:
+    """Whether the tensor-parallel group is this rank alone. Every mapping but the reduce (which
+    returns a copy) is then the identity both ways and hands back ``x`` itself, outside any
+    autograd function: in-place ops on the output work as at larger sizes (torch refuses them on
+    an input that a custom function returned as it was). No communication."""
+    return distributed.get_world_size(_group(group)) == 1
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     group = _group(group)
     if distributed.get_world_size(group) == 1:
@@ -98,7 +106,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     divide(x.shape[dim], n, f"dimension {dim} of the activation {tuple(x.shape)} "
                             f"reduce-scattered over {n} tensor-parallel ranks")
-    rank_major = torch.stack(x.chunk(n, dim=dim))  # [n, ...]: chunk r goes to rank r
+    # [n, ...]: chunk r goes to rank r (one copy at most; none along a leading dimension)
+    rank_major = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()
     out = torch.empty(rank_major.shape[1:], dtype=x.dtype, device=x.device)
     distributed.reduce_scatter_tensor(out.view(-1), rank_major.view(-1), group=group)
     return out
@@ -153,12 +162,16 @@ class _CopyToRegion(torch.autograd.Function):
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, x_is_private):
+        if x_is_private and x.is_contiguous():
+            # a layer's own partial result, which nothing else reads: summed where it lies
+            ctx.mark_dirty(x)
+            return _all_reduce(x, group)
         return _all_reduce(x.clone(), group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
@@ -186,19 +199,30 @@ class _GatherFromRegion(torch.autograd.Function):
 def copy_to_model_parallel_region(x: torch.Tensor, *, group=None) -> torch.Tensor:
     """Enter a tensor-parallel region: identity forward, all-reduce of the gradient backward
     (of a copy of it: the gradient that reaches the output may also be another tensor's)."""
+    if _alone(group):
+        return x
     return _CopyToRegion.apply(x, group, False)
 
 
 def _copy_to_region_of_own_linear(x: torch.Tensor, group) -> torch.Tensor:
     """:func:`copy_to_model_parallel_region` for a layer that feeds the output only to its own
     ``F.linear``, whose input gradient is a fresh tensor: all-reduced in place, no copy."""
+    if _alone(group):
+        return x
     return _CopyToRegion.apply(x, group, True)
 
 
 def reduce_from_model_parallel_region(x: torch.Tensor, *, group=None) -> torch.Tensor:
     """Leave a tensor-parallel region by summing partial results: all-reduce forward (on a copy;
     ``x`` is untouched), identity backward."""
-    return _ReduceFromRegion.apply(x, group)
+    return _ReduceFromRegion.apply(x, group, False)
+
+
+def _reduce_from_region_of_own_output(x: torch.Tensor, group) -> torch.Tensor:
+    """:func:`reduce_from_model_parallel_region` for a layer's own partial result ``x`` (the
+    output of its ``F.linear`` or ``F.embedding``, which their backward does not read and no
+    one else holds): all-reduced in place and returned, no copy of the activation."""
+    return _ReduceFromRegion.apply(x, group, True)
 
 
 def scatter_to_model_parallel_region(x: torch.Tensor, stride: int = 1, *,
@@ -206,6 +230,8 @@ def scatter_to_model_parallel_region(x: torch.Tensor, stride: int = 1, *,
     """Keep this rank's slice of the last dimension (its ``stride`` blocks, as ``shard_of``);
     backward all-gathers the gradient."""
     _check_stride("scatter_to_model_parallel_region", stride)
+    if _alone(group):
+        return x
     return _ScatterToRegion.apply(x, stride, group)
 
 
@@ -214,6 +240,8 @@ def gather_from_model_parallel_region(x: torch.Tensor, stride: int = 1, *,
     """Concatenate every rank's slice along the last dimension (interleaving ``stride`` blocks
     per rank, the inverse of ``shard_of``); backward keeps own slice."""
     _check_stride("gather_from_model_parallel_region", stride)
+    if _alone(group):
+        return x
     return _GatherFromRegion.apply(x, stride, group)
 
 
@@ -264,6 +292,8 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUENCE_DIM
                                         group=None) -> torch.Tensor:
     """Keep this rank's slice of the sequence dimension; backward all-gathers the gradient."""
     _check_dim("scatter_to_sequence_parallel_region", x, dim)
+    if _alone(group):
+        return x
     return _ScatterToSequence.apply(x, dim, group)
 
 
@@ -280,6 +310,8 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUENCE_DI
     if not isinstance(tensor_parallel_output_grad, bool):
         raise TypeError(f"gather_from_sequence_parallel_region: tensor_parallel_output_grad="
                         f"{tensor_parallel_output_grad!r}; it must be a bool, True or False")
+    if _alone(group):
+        return x
     return _GatherFromSequence.apply(x, dim, group, tensor_parallel_output_grad)
 
 
@@ -288,4 +320,6 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUE
     """Sum partial results and keep this rank's sequence slice (reduce-scatter); backward
     all-gathers the gradient."""
     _check_dim("reduce_scatter_to_sequence_parallel_region", x, dim)
+    if _alone(group):
+        return x
     return _ReduceScatterToSequence.apply(x, dim, group)

@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit import distributed
 from shardkit.nn.model_parallel.initialize import groups_of
+
+# gradient -> its version counter right after reduce_sequence_parallel_grads summed it: a later
+# accumulation into it (a backward) or a new gradient tensor makes it due again
+_SUMMED_AT = WeakIdKeyDictionary()
 
 __all__ = ["mark_sequence_parallel", "is_sequence_parallel", "sequence_parallel_parameters",
            "reduce_sequence_parallel_grads"]
@@ -42,16 +47,25 @@ def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if is_sequence_parallel(p)]
 
 
-def reduce_sequence_parallel_grads(module: nn.Module) -> int:
+def reduce_sequence_parallel_grads(module: nn.Module, unless_summed: bool = False) -> int:
     """Sum the gradients of ``module``'s sequence-parallel parameters over the tensor-parallel
     group (the one ``module``'s tensor-parallel layers were built with, else the current one),
     in one all-reduce. Call on every tensor-parallel rank after backward.
 
+    ``unless_summed``: do nothing when every one of those gradients is unchanged since this
+    function last summed it (what ``shardkit.initialize``'s engine passes before its step, so
+    that a script that calls this function itself is not summed twice). Local test, the same
+    on every tensor-parallel rank of an SPMD script.
+
     Returns the number of gradient elements reduced (0: nothing marked, no collective).
     """
     grads = [p.grad for p in sequence_parallel_parameters(module) if p.grad is not None]
+    if unless_summed and all(_SUMMED_AT.get(g) == g._version for g in grads):
+        return 0
     group = groups_of(module.modules(), "reduce_sequence_parallel_grads").tensor
     if not grads or distributed.get_world_size(group) == 1:
         return sum(g.numel() for g in grads)
     distributed.all_reduce_as_one(grads, group)
+    for g in grads:
+        _SUMMED_AT[g] = g._version
     return sum(g.numel() for g in grads)
