@@ -34,7 +34,8 @@ from shardkit.nn.data_parallel.fsdp_state_dict_type import (DEFAULT_SETTINGS, St
                                                             state_dict_type)
 from shardkit.utils.call_stack import frames_running
 
-__all__ = ["FSDPStateDictMixin", "add_wrapper_prefix", "clean_name", "show_original_names"]
+__all__ = ["FSDPStateDictMixin", "add_wrapper_prefix", "clean_name", "show_original_names",
+           "state_dict_key"]
 
 _WRAPPED_PREFIX = "_fsdp_wrapped_module."
 
@@ -151,7 +152,7 @@ def _parameters_by_key(module: nn.Module) -> dict:
     return keyed
 
 
-def _state_dict_key(name: str) -> str:
+def state_dict_key(name: str) -> str:
     """The key the parameter or buffer ``name`` (a module path) has in the state dicts: no
     FSDP wrapper level, no torch ``checkpoint_wrapper`` level (its hook drops it). Also the
     key of its state in the name-keyed optimizer state dicts, as torch FSDP1 keys them, so
@@ -161,8 +162,8 @@ def _state_dict_key(name: str) -> str:
 
 
 def _state_dict_keys(model) -> dict:
-    """``{id(param): _state_dict_key(name)}`` for the parameters of ``model``. Local."""
-    return {id(p): _state_dict_key(n) for n, p in model.named_parameters()}
+    """``{id(param): state_dict_key(name)}`` for the parameters of ``model``. Local."""
+    return {id(p): state_dict_key(n) for n, p in model.named_parameters()}
 
 
 def _drop_wrapper_prefixes(destination: OrderedDict, prefix: str) -> None:
@@ -777,15 +778,15 @@ class FSDPStateDictMixin:
         ``ignored_states``) and buffers as held. No communication, no gather."""
         shapes = self._sharded_shapes()
         for name, p in self.named_parameters(remove_duplicate=False):
-            shapes.setdefault(_state_dict_key(name), tuple(p.shape))
+            shapes.setdefault(state_dict_key(name), tuple(p.shape))
         for name, buf in self.named_buffers():
-            shapes.setdefault(_state_dict_key(name), tuple(buf.shape))
+            shapes.setdefault(state_dict_key(name), tuple(buf.shape))
         return shapes
 
     def _sharded_shapes(self) -> dict:
         """``{key: full shape}`` of the parameters that units shard. Local."""
         layouts = self._param_layouts()
-        return {_state_dict_key(name): tuple(layouts[id(p)].shape)
+        return {state_dict_key(name): tuple(layouts[id(p)].shape)
                 for name, p in self.named_parameters(remove_duplicate=False)
                 if id(p) in layouts}
 
@@ -1023,7 +1024,7 @@ class FSDPStateDictMixin:
         tensors (plain Python values; the layout differs from FairScale's, the use is the same);
         also how units of another strategy than this root's (NO_SHARD, hybrid) cut their
         parameters, so that those consolidate and reshard too. No communication."""
-        buffers = [_state_dict_key(name) for name, _ in self.named_buffers()]
+        buffers = [state_dict_key(name) for name, _ in self.named_buffers()]
         # ignored parameters are whole on every rank: kept like the buffers, from one rank
         shapes = {k: v for k, v in self._sharded_shapes().items() if k not in buffers}
         replica = 0 if self.replicate_group is None else skdist.get_rank(self.replicate_group)
@@ -1046,7 +1047,7 @@ class FSDPStateDictMixin:
                 cut = (layout.world_size, skdist.get_rank(u.process_group), copy)
                 if cut != root:
                     cut_of[id(p)] = cut
-        return {_state_dict_key(name): cut_of[id(p)]
+        return {state_dict_key(name): cut_of[id(p)]
                 for name, p in self.named_parameters(remove_duplicate=False) if id(p) in cut_of}
 
     def _params_holding_rank_own_values(self) -> list[str]:
@@ -1059,7 +1060,7 @@ class FSDPStateDictMixin:
         whose other axis the model is over) is one of them. No communication."""
         own = {id(p) for u in self.sharded_units() if u.params
                for p in u.params if not _copied_like(u, self)}
-        return [_state_dict_key(name) for name, p in self.named_parameters(remove_duplicate=False)
+        return [state_dict_key(name) for name, p in self.named_parameters(remove_duplicate=False)
                 if id(p) in own]
 
     consolidate_shard_weights = staticmethod(consolidate_shard_weights)
@@ -1232,9 +1233,9 @@ class FSDPStateDictMixin:
         """:meth:`get_shard_from_optim_state_dict` of an id-keyed dict, each value kept as
         ``take(value, cut)`` gives it (see :func:`shard_optimizer_state`)."""
         if isinstance(full.get("param_names"), list):  # also a dict saved with the levels
-            full = dict(full, param_names=[_state_dict_key(n) if isinstance(n, str) else n
+            full = dict(full, param_names=[state_dict_key(n) if isinstance(n, str) else n
                                            for n in full["param_names"]])
-        return shard_full_optimizer_state(full, [(_state_dict_key(n), p) for n, p
+        return shard_full_optimizer_state(full, [(state_dict_key(n), p) for n, p
                                                  in self.named_parameters()],
                                           self._param_layouts(), self.rank,
                                           param_ranks=self._param_unit_attr("rank"), take=take)
@@ -2265,7 +2266,7 @@ def _keyed_by_ids(osd: dict, caller: str = "optim_state_dict_to_load") -> dict:
         groups.append(dict(g, params=list(range(start, start + len(g["params"])))))
         start += len(g["params"])
     return {"state": {index[n]: entry for n, entry in osd["state"].items()},
-            "param_groups": groups, "param_names": [_state_dict_key(n) for n in flat]}
+            "param_groups": groups, "param_names": [state_dict_key(n) for n in flat]}
 
 
 def _as_shards(shard: torch.Tensor, layout: ParamLayout, unit, offload: bool):
@@ -2285,7 +2286,7 @@ def _as_shards(shard: torch.Tensor, layout: ParamLayout, unit, offload: bool):
 def _reported(name: str) -> str:
     """A key as torch FSDP1 reports it in load errors: without the unit's wrapper prefix nor
     torch's ``checkpoint_wrapper`` one (whose hooks drop it from state dicts)."""
-    return _state_dict_key(name)
+    return state_dict_key(name)
 
 
 def _detached(value):

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from shardkit import distributed
-from shardkit.nn.data_parallel.fsdp_state_dict import _state_dict_key
+from shardkit.nn.data_parallel.fsdp_state_dict import state_dict_key
 from shardkit.nn.model_parallel.initialize import groups_of
 from shardkit.nn.model_parallel.layers import TensorParallelModule
 
@@ -33,7 +33,7 @@ def _split_keys(model: nn.Module, keys) -> dict[str, tuple[TensorParallelModule,
         if not isinstance(module, TensorParallelModule):
             continue
         # (a module merely named like a wrapper level, my_checkpoint_wrapped_module, keeps it)
-        prefix = _state_dict_key(name + ".") if name else ""
+        prefix = state_dict_key(name + ".") if name else ""
         for pname, spec in module._shard_dims.items():
             if spec is not None and prefix + pname in keys:
                 by_key[prefix + pname] = (module, pname)
