@@ -535,6 +535,16 @@ class FlatParamShard:
             self._sealed.append((weakref.ref(p.grad), p.grad._version))
         _watch_optimizer_steps_over_held_grads(self)
 
+    def holds_unreduced_grads(self) -> bool:
+        """Whether gradients that backwards inside ``no_sync`` accumulated wait here for a
+        reduce-scatter and were not discarded since: a ``.grad`` cleared after the last such
+        backward (``optimizer.zero_grad()``, with or without ``set_to_none``) discards its
+        held gradient, as the next backward will (see :meth:`params_with_held_grads`).
+        Local; one device sync when some ``.grad`` is still in place."""
+        if self._grad_pieces is None:
+            return False
+        return self._sealed is None or bool(self.params_with_held_grads())
+
     def params_with_held_grads(self) -> list[int]:
         """Indices of the parameters whose gradient a backward inside ``no_sync`` holds
         (unreduced, outside ``.grad``) and whose ``.grad`` was not cleared since. Local; one

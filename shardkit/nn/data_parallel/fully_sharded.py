@@ -684,6 +684,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         # (None: not known yet in this backward); see _on_grad_ready
         self._backward_reads_forward_views: Optional[bool] = None
         self._summoned = False  # inside summon_full_params: parameters hold full values
+        self._summoned_grads = False  # ... and .grad the full gradients (with_grads=True)
         # torch FSDP1's flag: summon_full_params(with_grads=True) needs it, as in torch
         self._use_orig_params = use_orig_params
         self._gathers_before_hooks_of: set = set()  # ids of modules (see _gather_for_hooks)
@@ -1697,13 +1698,16 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             return
         keep_full = not rank0_only or self._is_first_rank()
         self._check_idle("summon_full_params")
-        units = [u for u in (self.sharded_units() if recurse else [self]) if not u._summoned]
+        scope = self.sharded_units() if recurse else [self]
+        units = [u for u in scope if not u._summoned]
         if with_grads:
             _refuse_with_grads_without_orig_params(units)
+            _refuse_with_grads_inside_a_summon_without(scope)
             self._refuse_unreduced_grads("summon_full_params")
         shards = [u._shard for u in units if u._shard is not None]
         for unit in units:
             unit._summoned = True
+            unit._summoned_grads = with_grads
             unit.training_state = TrainingState.SUMMON_FULL_PARAMS
         # a unit kept gathered since a forward (the root, reshard_after_forward=False) still
         # exposes its compute views as the module attributes: hide them for the block, or
@@ -1737,7 +1741,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             for module, name, dtype in recast:
                 module._buffers[name] = module._buffers[name].to(dtype)
             for unit in units:
-                unit._summoned = False
+                unit._summoned = unit._summoned_grads = False
                 unit.training_state = TrainingState.IDLE
             for shard in shards:
                 if writeback and gathered:
@@ -1854,10 +1858,12 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
     def _refuse_unreduced_grads(self, what: str) -> None:
         """Raise if backwards inside :meth:`no_sync` left gradients that no synchronising
         backward has reduced yet: they are held unsharded outside ``.grad``, so a norm would
-        miss them (it read 0.0). Every rank ran the same backwards, so every rank raises here,
-        before any collective. Local."""
+        miss them (it read 0.0). Those whose ``.grad`` was cleared since
+        (``optimizer.zero_grad()``) are discarded, as by ``optimizer.step()``'s check, and do
+        not count. Every rank ran the same backwards, so every rank raises here, before any
+        collective. Local; one device sync per unit holding such gradients."""
         held = [unit for unit in self.sharded_units()
-                if unit._shard is not None and unit._shard.has_full_grad()]
+                if unit._shard is not None and unit._shard.holds_unreduced_grads()]
         if held:
             names = sorted({unit._shard.label[1] for unit in held})
             raise RuntimeError(
@@ -2513,6 +2519,22 @@ def _refuse_with_grads_without_orig_params(units: list) -> None:
             f"FullyShardedDataParallel(..., use_orig_params=True) (an auto_wrap_policy passes "
             f"it to every unit) to see full gradients in .grad inside the block, or read "
             f"this rank's rows of the gradients in .grad outside it")
+
+
+def _refuse_with_grads_inside_a_summon_without(scope: list) -> None:
+    """``summon_full_params(with_grads=True)`` nested in a block that summoned some of the same
+    units without ``with_grads``: a nested block leaves units already summoned as they are, so
+    theirs would keep this rank's gradient shard in ``.grad`` beside the full parameter
+    instead of the full gradient asked for. Raised before any gather (every rank nests
+    alike)."""
+    plain = [u for u in scope if u._summoned and not u._summoned_grads]
+    if plain:
+        raise RuntimeError(
+            f"summon_full_params(with_grads=True) was called inside a summon_full_params() "
+            f"block that summoned {len(plain)} of its {len(scope)} units without with_grads: "
+            f"their parameters are already full and stay as that block left them, with this "
+            f"rank's shard of the gradient in .grad, not the full gradient; pass "
+            f"with_grads=True to the outer summon_full_params(), or call this one outside it")
 
 
 def _grad_after_summon(sharded: Optional[torch.Tensor], full: Optional[torch.Tensor],
