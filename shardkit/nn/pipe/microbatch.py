@@ -16,7 +16,8 @@ from torch.utils._pytree import (keystr, tree_flatten, tree_flatten_with_path, t
 __all__ = ["as_tuple", "batch_size", "split_microbatches", "join_microbatches",
            "own_microbatches", "split_keyword_arguments", "keyword_argument_problems",
            "keyword_chunk_dims", "positional_chunk_spec_problem",
-           "keyword_signature", "mergeable_output_problem", "merge_outputs"]
+           "keyword_signature", "mergeable_output_problem", "merge_outputs", "part_rows",
+           "splits_alike"]
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -181,12 +182,15 @@ def _split_value(value, chunks: int, dims) -> list:
 
 
 def keyword_argument_problems(what: str, kwargs: dict, chunks: int,
-                              dims: Optional[dict] = None) -> list[str]:
+                              dims: Optional[dict] = None,
+                              batch_rows: Optional[int] = None) -> list[str]:
     """What keeps :func:`split_keyword_arguments` from splitting ``kwargs`` as the batch: a
     tensor with a batch dimension with fewer rows than ``chunks`` (along the dimension ``dims``
     names) or without that dimension, or one that requires grad (only the positional inputs
     get their gradient back); a keyword ``dims`` names that ``kwargs`` (when there are any)
-    lacks, or whose value's structure is not that of its nested spec. ``what`` names the call
+    lacks, or whose value's structure is not that of its nested spec. Given the batch's rows
+    (``batch_rows``, known where the batch is), also a tensor whose micro-batches would not
+    hold the batch's micro-batches' rows (:func:`splits_alike`). ``what`` names the call
     (``"ScheduleGPipe.step"``)."""
     dims = dims or {}
     missing = [key for key in dims if key not in kwargs]
@@ -202,7 +206,7 @@ def keyword_argument_problems(what: str, kwargs: dict, chunks: int,
                             f"the value is, or one spec for all of them")
             continue
         for (path, leaf), dim in zip(tree_flatten_with_path(value)[0], leaf_dims):
-            problem = _keyword_leaf_problem(leaf, dim, chunks)
+            problem = _keyword_leaf_problem(leaf, dim, chunks, batch_rows)
             if problem:
                 problems.append(f"{what}({key}{keystr(path)}=...): {problem}")
     return problems
@@ -218,7 +222,22 @@ class _TypeName(str):
         return str(self)
 
 
-def _keyword_leaf_problem(value, dim: Optional[int], chunks: int) -> Optional[str]:
+def part_rows(rows: int, chunks: int) -> list[int]:
+    """The rows of each of ``chunks`` parts ``torch.tensor_split`` cuts ``rows`` into: the
+    first ``rows % chunks`` one longer."""
+    return [rows // chunks + (i < rows % chunks) for i in range(chunks)]
+
+
+def splits_alike(rows: int, batch_rows: int, chunks: int) -> bool:
+    """Whether ``rows`` cut into ``chunks`` parts give each micro-batch the same share as the
+    batch's ``batch_rows`` (part ``i`` holding ``rows / batch_rows`` rows per batch row, as
+    ``batch_rows`` itself, or any multiple of ``chunks`` where ``chunks`` divides the batch)."""
+    return all(part * batch_rows == batch_part * rows for part, batch_part in
+               zip(part_rows(rows, chunks), part_rows(batch_rows, chunks)))
+
+
+def _keyword_leaf_problem(value, dim: Optional[int], chunks: int,
+                          batch_rows: Optional[int] = None) -> Optional[str]:
     if not _has_batch_dim(value):
         return None
     if dim is not None and not -value.dim() <= dim < value.dim():
@@ -229,6 +248,13 @@ def _keyword_leaf_problem(value, dim: Optional[int], chunks: int) -> Optional[st
                 f"micro-batches, but it has {value.shape[dim]} there; pass at least {chunks} "
                 f"(or a 0-dim tensor or a non-tensor, given to every micro-batch as it is, or "
                 f"name it _Replicate() in kwargs_chunk_spec)")
+    if dim is not None and batch_rows is not None and not splits_alike(
+            value.shape[dim], batch_rows, chunks):
+        return (f"a tensor passed by keyword is split along dim {dim} into chunks={chunks} "
+                f"micro-batches of {part_rows(value.shape[dim], chunks)} rows, but the batch's "
+                f"{batch_rows} rows into {part_rows(batch_rows, chunks)}: its micro-batches "
+                f"would not hold the batch's samples; give it {batch_rows} there (or name it "
+                f"_Replicate() in kwargs_chunk_spec, passed whole to every micro-batch)")
     if value.requires_grad:
         return ("a tensor passed by keyword must not require grad (only the positional inputs "
                 "get their gradient back); pass it positionally or detach it")

@@ -34,8 +34,13 @@ divide the batch, the first ones are one row longer); each micro-batch's loss is
 ``chunks`` before its backward (``scale_grads=True``, the default, as in torch), or, where the
 target's rows do not split evenly, by the target's rows over the micro-batch's, so that a
 ``loss_fn`` averaging over its rows gives the batch mean's gradients, as one process does
-(torch divides by ``chunks`` there too, which weighs the rows of shorter micro-batches more);
-with ``scale_grads=False`` it is not divided, and the gradients are those of the sum of the
+(torch divides by ``chunks`` there too, which weighs the rows of shorter micro-batches more).
+A ``loss_fn`` that declares ``reduction="sum"`` (a ``torch.nn`` loss module's attribute, a
+``functools.partial`` keyword, or ``loss_kwargs``) sums its rows: every micro-batch's loss is
+then divided by ``chunks``, even or not (the batch's summed loss over ``chunks``, every row
+weighted alike, as torch does); a plain function that sums cannot say so, so pass it
+``scale_grads=False`` (the batch's sum, as one process) where ``chunks`` does not divide the
+batch. With ``scale_grads=False`` it is not divided, and the gradients are those of the sum of the
 micro-batch losses. Call ``optimizer.zero_grad()`` before and ``optimizer.step()`` after
 :meth:`PlanSchedule.step` on every rank, over the parameters of all the rank's stages.
 """
@@ -43,6 +48,7 @@ micro-batch losses. Call ``optimizer.zero_grad()`` before and ``optimizer.step()
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from typing import Callable, Optional
 
@@ -105,7 +111,8 @@ class PlanSchedule:
             (each micro-batch's loss is divided before its backward), so a ``loss_fn`` that
             averages over its micro-batch gives the gradients of the batch mean, and
             :meth:`step` returns the mean micro-batch loss (with an uneven split, each
-            micro-batch's weighted by its share of the target's rows); ``False`` leaves them
+            micro-batch's weighted by its share of the target's rows, unless ``loss_fn``
+            declares ``reduction="sum"``: see above); ``False`` leaves them
             unscaled (the gradients of the sum of the micro-batch losses, for a ``loss_fn``
             that sums, or a caller that scales itself), and :meth:`step` returns that sum.
         kwargs_chunk_spec: torch's ``{keyword: TensorChunkSpec(dim) or _Replicate()}``
@@ -303,11 +310,12 @@ class PlanSchedule:
         (other ranks leave it alone); keyword arguments given to a rank's ``step`` go to the
         modules of that rank's stages beside their input (``module(x, mask=mask_i)``), tensors
         split along dim 0 into ``chunks`` parts as the batch is, inside tuples, lists and dicts
-        too (they need no gradient), other values passed to every micro-batch as they are
-        (with several stages per rank, where the first stage's rank gets other plain values
-        than on the last step, or 0-dim tensors or other objects, which may decide shapes, the
-        shape headers go again; with one stage per rank a stage announces its changed shapes
-        itself).
+        too (they need no gradient; on the first stage's rank, one whose micro-batches would
+        not hold the batch's micro-batches' rows is refused on every rank), other values
+        passed to every micro-batch as they are (with several stages per rank, where the first
+        stage's rank gets other plain values than on the last step, or 0-dim tensors or other
+        objects, which may decide shapes, the shape headers go again; with one stage per rank
+        a stage announces its changed shapes itself).
         ``loss_kwargs``, a dict, goes to every call of ``loss_fn(output, target,
         **loss_kwargs)`` as it is (not split).
         ``return_outputs``: left unset, :meth:`step` returns the loss as above; ``True``
@@ -400,7 +408,7 @@ class PlanSchedule:
         return state.grad
 
     def _first_stage_state(self, inputs, target, grad: bool) -> StepState:
-        if self._batch_problems(inputs) or self._call_problems():
+        if self._batch_problems(inputs) or self._call_problems(inputs):
             return StepState(StepState.BAD, grad)
         if self.num_stages - 1 in self.stages and self._target_problems(target):
             return StepState(StepState.BAD, grad)  # ZBV: the last stage sees the batch too
@@ -422,7 +430,8 @@ class PlanSchedule:
         self._fault_cause: Optional[BaseException] = None  # the exception behind it, if any
         self._targets: Optional[list] = None  # the target's micro-batches; [] if unusable
         # what each micro-batch's loss is divided by under scale_grads: chunks, or the
-        # target's rows over the micro-batch's where chunks does not divide them
+        # target's rows over the micro-batch's where chunks does not divide them (and the
+        # loss_fn does not declare that it sums)
         self._loss_divisors: list = [self.chunks] * self.chunks
         self._batch_grads: list = []  # (micro-batch view, its gradient) of inputs needing grad
         self.links.failed = False
@@ -441,7 +450,7 @@ class PlanSchedule:
             else None
         if self._inputs is not None:
             self._inputs = own_microbatches(self._inputs, grad)
-        kwargs_problems = self._call_problems()
+        kwargs_problems = self._call_problems(inputs)
         if kwargs_problems:  # rank 0's are caught before the step; a later rank's fail it
             self._fail(kwargs_problems[0])
             self._kwargs = None
@@ -505,8 +514,8 @@ class PlanSchedule:
     def _step_loss(self) -> torch.Tensor:
         """The loss :meth:`step` returns: the micro-batch losses' sum (``scale_grads=False``),
         else their mean, each weighted by its share of the target's rows where the split is
-        uneven (the batch mean of a ``loss_fn`` that averages over its rows, as in one
-        process)."""
+        uneven and ``loss_fn`` does not declare that it sums (the batch mean of a ``loss_fn``
+        that averages over its rows, as in one process)."""
         total = torch.stack(self._losses)
         if not self.scale_grads:
             return total.sum()
@@ -563,8 +572,9 @@ class PlanSchedule:
             elif isinstance(self._target, torch.Tensor):
                 self._targets = [t[0] for t in split_microbatches((self._target,), self.chunks,
                                                                   "target")]
-                self._loss_divisors = [self._target.shape[0] / t.shape[0]
-                                       for t in self._targets]
+                if _declared_reduction(self.loss_fn, self._loss_kwargs) != "sum":
+                    self._loss_divisors = [self._target.shape[0] / t.shape[0]
+                                           for t in self._targets]
             else:
                 self._targets = [self._target] * self.chunks
         return self._targets
@@ -864,22 +874,31 @@ class PlanSchedule:
                     f"chunks <= {size}"]
         return []
 
+    def _batch_rows(self, inputs) -> Optional[int]:
+        """The batch's rows on the rank running the first stage; ``None`` elsewhere, or where
+        the batch is unusable (:meth:`_batch_problems` names why)."""
+        if 0 not in self.stages or self._batch_problems(inputs):
+            return None
+        return batch_size(inputs, "step")
+
     def _local_problems(self, inputs, target) -> list[str]:
         problems = list(self._problems)
         if 0 in self.stages:
             problems += self._batch_problems(inputs)
-        problems += self._call_problems()
+        problems += self._call_problems(inputs)
         last = self.num_stages - 1
         if last in self.stages:
             where = f"stage {last} (the last): " if len(self.stages) > 1 else ""
             problems += [where + p for p in self._target_problems(target)]
         return problems
 
-    def _call_problems(self) -> list[str]:
-        """What is wrong with this rank's keyword arguments to :meth:`step` (on any rank)."""
+    def _call_problems(self, inputs=()) -> list[str]:
+        """What is wrong with this rank's keyword arguments to :meth:`step` (on any rank; on
+        the first stage's rank, given the batch ``inputs``, also a keyword tensor that would
+        be cut at other rows than the batch)."""
         name = type(self).__name__
         problems = keyword_argument_problems(f"{name}.step", self._kwargs_arg, self.chunks,
-                                             self._keyword_dims)
+                                             self._keyword_dims, self._batch_rows(inputs))
         if self._return_outputs is not None and not isinstance(self._return_outputs, bool):
             problems.append(f"{name}.step(return_outputs={self._return_outputs!r}): expected "
                             f"True (the last stage returns its merged outputs), False (it "
@@ -949,6 +968,18 @@ class PlanSchedule:
     def _check_first_step(self, inputs, target) -> None:
         self._check_agreement(inputs, target)
         self._checked = True
+
+
+def _declared_reduction(loss_fn, loss_kwargs: Optional[dict]) -> Optional[str]:
+    """The reduction ``loss_fn`` says it applies, where it says one: ``loss_kwargs``'
+    ``reduction``, else that keyword of a ``functools.partial``, else the ``reduction``
+    attribute of a ``torch.nn`` loss module; ``None`` for a plain function."""
+    if loss_kwargs and "reduction" in loss_kwargs:
+        return loss_kwargs["reduction"]
+    if isinstance(loss_fn, functools.partial) and "reduction" in loss_fn.keywords:
+        return loss_fn.keywords["reduction"]
+    reduction = getattr(loss_fn, "reduction", None)
+    return reduction if isinstance(reduction, str) else None
 
 
 def last_messages(plan: PipelinePlan) -> dict:

@@ -107,6 +107,18 @@ def busy_time(schedule):
         schedule.busy_seconds += time.perf_counter() - start
 
 
+def _comparable_dims(dims):
+    """``dims`` (a keyword's split dimensions, nested as its value) as a hashable value equal
+    for equal splits: a dict's entries in key order and tuples and lists alike, since nested
+    specs pair with a keyword's dict by key and with its tuple or list by position, so two
+    ranks that wrote one spec's keys in another order (or a list for a tuple) split alike."""
+    if isinstance(dims, dict):
+        return dict, tuple(sorted((repr(k), _comparable_dims(v)) for k, v in dims.items()))
+    if isinstance(dims, (tuple, list)):
+        return "sequence", tuple(_comparable_dims(d) for d in dims)
+    return dims
+
+
 def check_schedule_agreement(kind: str, chunks: int, local_problems: list, group,
                              who: str, tie_status: Optional[dict] = None,
                              keyword_dims: Optional[dict] = None) -> None:
@@ -128,7 +140,7 @@ def check_schedule_agreement(kind: str, chunks: int, local_problems: list, group
                                     local_problems, tie_status or {}), group=group)
     problems = [f"{who} {rank}: {p}" for rank, (*_, ps, _) in enumerate(views) for p in ps]
     problems += frozen_copy_problems([view[5] for view in views])
-    if len({repr(view[:4]) for view in views}) > 1:  # nested specs hold lists and dicts
+    if len({(*view[:3], _comparable_dims(view[3])) for view in views}) > 1:
         problems.append(f"the {who}s disagree on the schedule: " + ", ".join(
             f"{who} {rank} runs {k}(chunks={c}"
             + (f", kwargs_chunk_spec dims {dict(dims)}" if dims else "") + ")"
