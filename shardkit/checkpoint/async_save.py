@@ -38,7 +38,7 @@ from typing import Callable, Optional
 
 from shardkit import distributed
 
-__all__ = ["AsyncSave", "checkpoint_group", "pending_save_paths", "wait_for_pending_saves"]
+__all__ = ["AsyncSave", "checkpoint_group", "wait_for_pending_saves"]
 
 _groups = distributed.GroupCache()  # "world" -> the gloo group of this world's saves
 _pending: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()
@@ -61,19 +61,24 @@ def _make_torch_destroy_wait_for_saves() -> None:
     helpers look it up) by :func:`_waiting_destroy` of it, once per process."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
-    for module in (dist, distributed_c10d):
-        if not getattr(module.destroy_process_group, "_waits_for_checkpoint_saves", False):
-            module.destroy_process_group = _waiting_destroy(module.destroy_process_group)
+    wrappers = {}  # one wrapper per original: both names stay one object, as torch's (pickle)
+    for module in (distributed_c10d, dist):
+        original = module.destroy_process_group
+        if not getattr(original, "_waits_for_checkpoint_saves", False):
+            if id(original) not in wrappers:
+                wrappers[id(original)] = _waiting_destroy(original)
+            module.destroy_process_group = wrappers[id(original)]
 
 
 def _waiting_destroy(destroy_process_group):
     """torch's ``destroy_process_group(group=None)`` that first waits for the pending
     asynchronous saves when it is about to destroy the group their commits run on (every
-    group, or the checkpoint group itself), then destroys, then raises the first failed
-    save's error (:func:`wait_for_pending_saves`). Other groups are destroyed at once."""
+    group: no argument or ``group.WORLD``, as torch reads it; or the checkpoint group itself),
+    then destroys, then raises the first failed save's error (:func:`wait_for_pending_saves`).
+    Other groups are destroyed at once."""
     @functools.wraps(destroy_process_group)
     def destroy(group=None):
-        if group is not None and group is not _groups.current().get("world"):
+        if not _destroys_checkpoint_group(group):
             return destroy_process_group(group)
         try:
             wait_for_pending_saves()
@@ -82,6 +87,13 @@ def _waiting_destroy(destroy_process_group):
 
     destroy._waits_for_checkpoint_saves = True
     return destroy
+
+
+def _destroys_checkpoint_group(group) -> bool:
+    """Whether torch's ``destroy_process_group(group)`` tears down the checkpoint group."""
+    from torch.distributed import GroupMember
+    return (group is None or group is GroupMember.WORLD
+            or group is _groups.current().get("world"))
 
 
 class AsyncSave:
@@ -119,11 +131,6 @@ class AsyncSave:
             error, self._error = self._error, None
             raise error
         return self.path
-
-
-def pending_save_paths() -> list:
-    """The checkpoint directories of this process's asynchronous saves not yet waited for."""
-    return [save.path for save in list(_pending)]
 
 
 def wait_for_pending_saves() -> list:

@@ -39,6 +39,8 @@ filesystem is assumed across nodes.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import io
 import json
@@ -47,6 +49,7 @@ import pickle
 import re
 import shutil
 import sys
+import threading
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -172,8 +175,9 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     staging = staging_dir(save_dir, tag)
     published = []  # rank 0 notes here that it published (before the last agreement)
     try:
-        return _commit(save_dir, tag, shard, metadata, engine_payload, save_latest, group,
-                       prepare_error, recovery_script_dir, rank, published)
+        with _staging_in_use(staging):
+            return _commit(save_dir, tag, shard, metadata, engine_payload, save_latest, group,
+                           prepare_error, recovery_script_dir, rank, published)
     except CheckpointError:
         raise
     except Exception as error:  # the agreement itself broke off: a rank died, a group went
@@ -182,9 +186,19 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
         raise CheckpointError(
             f"save_checkpoint of {os.path.join(save_dir, tag)} failed: the ranks' agreement "
             f"broke off ({type(error).__name__}: {str(error).splitlines()[0][:300]}), e.g. "
-            f"another rank died mid-save; "
-            + ("rank 0 had published it" if published else
-               "'latest' still names the previous checkpoint")) from error
+            f"another rank died mid-save; {_outcome(save_dir, rank, published)}") from error
+
+
+def _outcome(save_dir: str, rank: int, published: list) -> str:
+    """What a rank can tell of a save whose agreement broke off: rank 0 knows whether it
+    published; another rank does not (rank 0 may have published, then died before the last
+    agreement)."""
+    if published:
+        return "rank 0 had published it"
+    if rank == 0:
+        return "'latest' still names the previous checkpoint"
+    return (f"rank 0 may have published it before the agreement broke off: "
+            f"{os.path.join(save_dir, LATEST)} names the last complete checkpoint")
 
 
 def _commit(save_dir, tag, shard, metadata, engine_payload, save_latest, group, prepare_error,
@@ -273,30 +287,80 @@ def abandoned_saves(save_dir: str) -> list:
     """The directories in ``save_dir`` that a save killed before it ended left behind: a
     staging directory ``.tmp-TAG`` (ranks' files, never published), and a retired copy
     ``.old-TAG`` whose re-save did publish ``TAG`` (without ``TAG`` the retired copy is the
-    checkpoint, and is kept). The staging directories of this process's asynchronous saves
-    still under way are not among them. Sorted paths; reads the directory listing only."""
+    checkpoint, and is kept). Only directories holding nothing but the files a save writes
+    count (a user's own ``.tmp-cache`` is not a save's), and the staging directories of this
+    process's saves still under way (an asynchronous one, say) are not among them. Sorted
+    paths; reads the directory listings only."""
     if not os.path.isdir(save_dir):
         return []
-    under_way = _staging_dirs_of_pending_saves()
+    names = sorted(os.listdir(save_dir))
+    with _staging_lock:  # read after the listing: a commit registers before it creates its dir
+        under_way = set(_stagings_under_way)
     found = []
-    for name in sorted(os.listdir(save_dir)):
+    for name in names:
         path = os.path.join(save_dir, name)
-        if not os.path.isdir(path) or os.path.normpath(path) in under_way:
+        if not os.path.isdir(path) or os.path.islink(path) or _same_place(path) in under_way \
+                or not _holds_only_checkpoint_files(path):
             continue
-        if name.startswith(".tmp-") or (
-                name.startswith(".old-")
+        if _is_tag_after(".tmp-", name) or (
+                _is_tag_after(".old-", name)
                 and os.path.isfile(os.path.join(save_dir, name[len(".old-"):], METADATA))):
             found.append(path)
     return found
 
 
-def _staging_dirs_of_pending_saves() -> set:
-    """Normalized staging paths of this process's asynchronous saves not yet waited for."""
-    saves = sys.modules.get("shardkit.checkpoint.async_save")
-    if saves is None:
-        return set()
-    return {os.path.normpath(staging_dir(*os.path.split(os.path.normpath(path))))
-            for path in saves.pending_save_paths()}
+_CHECKPOINT_FILE = re.compile(r"(rank_\d{5,}\.pt(%s)?|%s|%s)" % (
+    re.escape(DIGEST_SUFFIX), re.escape(ENGINE_FILE), re.escape(METADATA)))
+
+
+def _holds_only_checkpoint_files(path: str) -> bool:
+    """Whether every entry of directory ``path`` is a plain file a save writes into its staging
+    directory (rank files, their checksums, the engine file, the metadata)."""
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return False
+    return all(entry.is_file(follow_symlinks=False) and _CHECKPOINT_FILE.fullmatch(entry.name)
+               for entry in entries)
+
+
+def _is_tag_after(prefix: str, name: str) -> bool:
+    """Whether ``name`` is ``prefix`` followed by a name :func:`check_tag` takes."""
+    if not name.startswith(prefix):
+        return False
+    try:
+        check_tag(name[len(prefix):])
+    except CheckpointError:
+        return False
+    return True
+
+
+def _same_place(path: str) -> str:
+    """``path`` resolved (absolute, symbolic links followed), so that one directory named
+    relatively, absolutely or through a link compares equal."""
+    return os.path.realpath(path)
+
+
+# The staging directories (resolved) of this process's commits in progress, synchronous or
+# asynchronous (a background save's thread commits while the training loop may save again,
+# e.g. with a second engine, into the same directory): never taken for abandoned.
+_stagings_under_way: collections.Counter = collections.Counter()
+_staging_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _staging_in_use(staging: str):
+    """Mark ``staging`` as a commit's own for the block (it is registered before it exists)."""
+    key = _same_place(staging)
+    with _staging_lock:
+        _stagings_under_way[key] += 1
+    try:
+        yield
+    finally:
+        with _staging_lock:
+            _stagings_under_way[key] -= 1
+            if not _stagings_under_way[key]:
+                del _stagings_under_way[key]
 
 
 def _remove_abandoned_saves(save_dir: str) -> None:
