@@ -251,8 +251,14 @@ class PeerWatchdog:
         # Note: the peers' heartbeats lived in the destroyed group's store; watching on would
         # take its end for a lost rank and stop a healthy job. watch_peers() after a new
         # init_distributed() starts a watchdog for the new group.
+        destroyed = self._world is not None and dist.group.WORLD is not self._world
         self._stopped.set()
         self._world = None
+        if destroyed and isinstance(self._store, _HeartbeatFiles):
+            # Note: the files outlive the group's store, and a stopped watchdog is not
+            # stopped again at exit: mark this rank done now, so that the last rank to leave
+            # removes the folder (else every init/destroy cycle in one process left one)
+            self._leave_heartbeat_files()
 
     def _declare(self, rank: Optional[int], why: str, publish: bool = True) -> None:
         # Note: the first verdict is published in the store so that every survivor names the
@@ -373,8 +379,19 @@ class PeerWatchdog:
             if self._store_host_rank == self.rank:
                 self._linger_as_host()
             if isinstance(self._store, _HeartbeatFiles):
-                peers = [self._key(r) for r in range(self.world_size) if r != self.rank]
-                self._store.remove_once_all_stopped(peers)
+                self._store.remove_once_all_stopped(self._peer_keys())
+        except Exception:
+            pass
+
+    def _peer_keys(self) -> list:
+        return [self._key(r) for r in range(self.world_size) if r != self.rank]
+
+    def _leave_heartbeat_files(self) -> None:
+        """Mark this rank done in its heartbeat file, then remove the folder if every peer
+        has stopped too. Never raises: the folder may already be gone."""
+        try:
+            self._store.set(self._key(self.rank), _DONE.decode())
+            self._store.remove_once_all_stopped(self._peer_keys())
         except Exception:
             pass
 

@@ -198,7 +198,7 @@ class SharedMemoryTransport(Transport):
                 dst[rank].copy_(src)
         _record(ring, "all_gather", _nbytes(output), input.dtype)
         return ring.submit("all_gather", input.dtype, numel, ring.chunk(input.dtype), write,
-                           read, result=land, start=start)
+                           read, result=lambda: output, start=start, land=land)
 
     def all_gather_segments(self, output, sizes, group):
         """Round by round, each rank writes the next part of its own segment (nothing once it
@@ -284,7 +284,7 @@ class SharedMemoryTransport(Transport):
             flat[lo:hi].copy_(acc)
         skdist.record_transfer("all_reduce", _nbytes(tensor) * (n - 1), tensor.dtype, group)
         return ring.submit("all_reduce", tensor.dtype, flat.numel(), ring.chunk(tensor.dtype),
-                           write, read, result=land,
+                           write, read, result=lambda: tensor, land=land,
                            detail=_REDUCE_OPS.index(_reduce_op_name(op)) + 1)
 
     def broadcast(self, tensor, src, group):
@@ -309,7 +309,7 @@ class SharedMemoryTransport(Transport):
         # the N-1 ranks but the source read it all: (N-1)/N of it, averaged over the ranks
         _record(ring, "broadcast", _nbytes(tensor), tensor.dtype)
         return ring.submit("broadcast", tensor.dtype, flat.numel(), ring.chunk(tensor.dtype),
-                           write, read, result=land, detail=root + 1)
+                           write, read, result=lambda: tensor, land=land, detail=root + 1)
 
     def reduce_to_owners(self, segments, group):
         """Every rank writes its segments back to back once (no padding); owner ``r`` sums the
@@ -366,7 +366,7 @@ class SharedMemoryTransport(Transport):
                 rows_out[r, lo:hi].copy_(parts[r][rank * k:(rank + 1) * k])
         _record(ring, "all_to_all", _nbytes(input), input.dtype)
         return ring.submit("all_to_all", input.dtype, seg, step, write, read,
-                           result=land, total=input.numel())
+                           result=lambda: output, land=land, total=input.numel())
 
 
 def _refuse_unless_fit(ring: "_Ring", op: str, output: torch.Tensor, input: torch.Tensor,
@@ -385,17 +385,15 @@ def _refuse_unless_fit(ring: "_Ring", op: str, output: torch.Tensor, input: torc
 
 
 def _landing(tensor: torch.Tensor) -> tuple:
-    """``(buffer, result)``: ``tensor`` itself when contiguous, else a contiguous copy that the
-    operation reads and writes, and ``result()`` copies back into ``tensor`` when the operation
-    is waited for (as the process group does for a non-contiguous tensor)."""
+    """``(buffer, land)``: ``tensor`` itself and ``None`` when contiguous, else a contiguous copy
+    that the operation reads and writes and ``land()``, which copies it back into ``tensor``.
+    The ring's worker runs ``land`` as the operation's last step, so the result lands whether
+    or not its handle is waited for (as the process group's does, and as a contiguous tensor's
+    does here)."""
     if tensor.is_contiguous():
-        return tensor, lambda: tensor
+        return tensor, None
     buffer = tensor.contiguous()
-
-    def result():
-        tensor.copy_(buffer)
-        return tensor
-    return buffer, result
+    return buffer, lambda: tensor.copy_(buffer)
 
 
 def _record(ring: "_Ring", op: str, nbytes: int, dtype: torch.dtype) -> None:
@@ -502,12 +500,13 @@ class _Ring:
     def submit(self, op: str, dtype: torch.dtype, numel: int, step: int,
                write: Callable, read: Callable, result: Optional[Callable] = None,
                start: Optional[Callable] = None, total: Optional[int] = None,
-               detail: int = 0) -> CommHandle:
+               detail: int = 0, land: Optional[Callable] = None) -> CommHandle:
         """Queue an operation of ``ceil(numel / step)`` rounds (at least one, so that a
         mismatch of ops is always caught); returns its handle. ``detail`` goes into the header
         with the op, so that ranks that agree on the op but not on its shape also fail: a
         broadcast's source (rank + 1), an all-reduce's reduction, or a code of an unequal
-        segment layout."""
+        segment layout. ``land``, if given, runs on the worker after the last round (see
+        :func:`_landing`)."""
         if self._error is not None:
             raise _again(self._error)
         if dtype not in _DTYPES:
@@ -518,7 +517,7 @@ class _Ring:
         total_bytes = (total if total is not None else numel) * \
             torch.empty((), dtype=dtype).element_size()
         header = (_OPS.index(op) + 1, total_bytes, _DTYPES.index(dtype), detail)
-        self._queue.put((header, op, dtype, numel, step, write, read, start, done, box))
+        self._queue.put((header, op, dtype, numel, step, write, read, start, land, done, box))
 
         def finish():
             done.wait()
@@ -579,7 +578,7 @@ class _Ring:
             if isinstance(item, _Refusal):
                 self._publish_refusal(item)
                 continue
-            header, op, dtype, numel, step, write, read, start, done, box = item
+            header, op, dtype, numel, step, write, read, start, land, done, box = item
             self._busy = True
             try:
                 if self._error is not None:
@@ -589,6 +588,8 @@ class _Ring:
                 offsets = range(0, max(numel, 1), step)
                 for lo in offsets:
                     self._round(header, op, dtype, lo, min(lo + step, numel), write, read)
+                if land is not None:
+                    land()
             except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
                 if self._error is None:
                     self._error = err if isinstance(err, TransportError) else TransportError(
