@@ -2004,7 +2004,7 @@ def _release_flat_state_buffers(optimizer) -> None:
     from shardkit.optim.fused import FusedAdamW
     inner = getattr(optimizer, "optim", optimizer)  # OSS: the local shard's optimizer
     if isinstance(inner, FusedAdamW):
-        inner._flat.clear()
+        inner.release_flat_buffers()
 
 
 def _to_host(tensor: torch.Tensor, pin_memory: bool, non_blocking: bool) -> torch.Tensor:

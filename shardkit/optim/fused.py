@@ -184,6 +184,14 @@ class FusedAdamW(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             self._flat_states(index, group)
 
+    def release_flat_buffers(self) -> None:
+        """Drop the flat buffers that hold the state, after ``state``'s tensors (views into
+        them) were replaced, e.g. by host copies (the engine's ``offload_states``): without
+        this the buffers keep the old state alive. The next :meth:`step` builds them again
+        from ``state``, as after :meth:`load_state_dict`. Memory: the buffers' bytes go (while
+        ``state`` still holds views, nothing does). Local."""
+        self._flat.clear()
+
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step over every parameter that has a gradient."""
