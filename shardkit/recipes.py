@@ -334,7 +334,8 @@ def _check_arguments(stage, optimizer, comm, overlap_param_sync, sync_bucket_num
                          f"): {optimizer.cls.__name__} steps the whole model on every rank (OSS "
                          f"runs it unsharded), so every rank needs every averaged gradient, and "
                          f"{how} each gradient onto its owner only: use stage 1 without "
-                         f"reduce_to_owners (torch DDP's all-reduce), or stage 0")
+                         f"reduce_to_owners (torch DDP's all-reduce; shardkit.initialize: "
+                         f"zero_optimization.stage=1 with reduce_scatter=false), or stage 0")
     if step_in_backward and stage not in (1, 2):
         raise ValueError(f"compose(stage={stage}, step_in_backward=True): only OSS (stages 1 "
                          f"and 2) steps the optimizer during backward")

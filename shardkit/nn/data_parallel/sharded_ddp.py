@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
+import zlib
 from collections import deque
 from typing import Iterator, Optional, Sequence, Union
 
@@ -224,8 +225,10 @@ class ShardedDataParallel(nn.Module):
         self._hooked: dict = {}               # param -> its two hook handles
         self._buckets: list[BucketLayout] = []
         self._bucket_of: dict = {}            # param -> bucket index
-        # (requires_grad flags, trainable parameters, partitions) of the plan
-        self._planned_with: tuple = ((), (), ())
+        # (requires_grad flags, trainable dtypes and devices, trainable parameters,
+        # partitions) of the plan, and a digest of what every rank must plan alike
+        self._planned_with: tuple = ((), (), (), ())
+        self._planned_fingerprint = 0
         self._planned_names: dict = {}        # name -> the trainable parameter planned under it
         self._sync_enabled = True
         self._window_open = False             # a grad-enabled forward ran since the last reduction
@@ -276,9 +279,13 @@ class ShardedDataParallel(nn.Module):
             if self.auto_refresh_trainable and not self.training:
                 # an evaluation forward (module.eval()), which one rank may run alone (rank 0
                 # validating, grad left enabled as DeepSpeed's engine leaves it): no collective
-                # unless the plan is stale here, as before the agreement was added
+                # unless the plan is stale here, as before the agreement was added; a cast
+                # alone is re-planned with none (the ranks compare plans at the next agreement)
                 if self._plan_is_stale():
-                    self.refresh_trainable()
+                    if self._only_cast_since_plan():
+                        self._build_plan(refresh_optimizers=False)
+                    else:
+                        self.refresh_trainable()
             elif self.auto_refresh_trainable:
                 # agreed at the window's first training forward (one per rank and step, even
                 # where the ranks run different numbers of forwards), or at once where it
@@ -328,12 +335,15 @@ class ShardedDataParallel(nn.Module):
                 raise self._replaced_error(replaced)
             return stale
         device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
-        mine = torch.tensor([float(16 * bool(replaced) + 8 * drops_grads + 2 * site + stale)],
+        code = 16 * bool(replaced) + 8 * drops_grads + 2 * site + stale
+        mine = torch.tensor([self._planned_fingerprint << _CODE_BITS | code], dtype=torch.int64,
                             device=device)
-        every = torch.empty(self.world_size, device=device)
+        every = torch.empty(self.world_size, dtype=torch.int64, device=device)
         skdist.all_gather_into_tensor(every, mine, group=self.process_group)
-        codes = [int(c) for c in every.tolist()]
+        codes = [c & _CODE_MASK for c in every.tolist()]
         if not any(c & 1 for c in codes):
+            if len({c >> _CODE_BITS for c in every.tolist()}) > 1:
+                raise self._plans_differ_error()
             return False
         if any(c & 16 for c in codes):
             raise self._replaced_error(replaced)
@@ -341,14 +351,7 @@ class ShardedDataParallel(nn.Module):
         sites = {(c >> 1) & 3 for c in codes}
         if sites == {_AT_REDUCE}:
             return True  # reduce() refuses it (as before: no re-plan inside reduce)
-        flags = {f"parameter {name!r}.{what}": value
-                 for name, p in self.module.named_parameters()
-                 for what, value in _planned_attributes(p)}
-        skdist.raise_on_disagreement(
-            flags, self.process_group, "ShardedDataParallel",
-            "change requires_grad identically on every rank (and cast parameters alike), "
-            "between steps (the ranks would reduce different gradients); the buckets were not "
-            "re-planned")
+        self._raise_on_different_parameters()
         if len(sites) > 1:
             raise RuntimeError(
                 "ShardedDataParallel: requires_grad changed inside an accumulation window "
@@ -365,6 +368,28 @@ class ShardedDataParallel(nn.Module):
                 f"between steps (after the reducing backward, or after zero_grad()); the "
                 f"buckets were not re-planned")
         return True
+
+    def _raise_on_different_parameters(self) -> None:
+        """A ValueError on every rank naming the first parameter whose ``requires_grad``, dtype
+        or device type differs between the ranks (one object all-gather)."""
+        flags = {f"parameter {name!r}.{what}": value
+                 for name, p in self.module.named_parameters()
+                 for what, value in _planned_attributes(p)}
+        skdist.raise_on_disagreement(
+            flags, self.process_group, "ShardedDataParallel",
+            "change requires_grad identically on every rank (and cast parameters alike), "
+            "between steps (the ranks would reduce different gradients); the buckets were not "
+            "re-planned")
+
+    def _plans_differ_error(self) -> ValueError:
+        """No rank found its plan stale, yet the ranks planned for different parameters: one
+        re-planned alone at an evaluation forward (a cast on that rank only). Names the
+        parameter (its current attributes are the ones planned) on every rank."""
+        self._raise_on_different_parameters()
+        return ValueError("ShardedDataParallel: the ranks planned their gradient buckets for "
+                          "different parameters (a cast or requires_grad change seen at an "
+                          "evaluation forward on some ranks only); cast and freeze parameters "
+                          "identically on every rank")
 
     def _replaced_parameters(self) -> list[str]:
         """Names under which the module now holds another trainable Parameter object than
@@ -527,19 +552,29 @@ class ShardedDataParallel(nn.Module):
 
     def _plan_signature(self) -> tuple:
         params = tuple(self.module.parameters())
-        # each trainable parameter's dtype and device too: the buckets pack the gradients in
-        # the dtype planned (a model cast to fp64 after wrapping had them reduced in fp32)
-        flags = tuple((p.requires_grad, p.dtype, p.device) if p.requires_grad else False
-                      for p in params)
+        flags = tuple(p.requires_grad for p in params)
         # the trainable parameter objects too: one replaced in place of another (same flag,
         # same position) would otherwise keep the old plan, its gradient never reduced
         trainable = tuple(p for p in params if p.requires_grad)
-        return flags, trainable, tuple(o.partition for o in self.sharded_optimizers)
+        # and their dtypes and devices: the buckets pack the gradients in the dtype planned (a
+        # model cast to fp64 after wrapping had them reduced in fp32)
+        kinds = tuple([(p.dtype, p.device) for p in trainable])
+        return flags, kinds, trainable, tuple(o.partition for o in self.sharded_optimizers)
 
     def _plan_is_stale(self) -> bool:
         # Partitions compare by identity: OSS replaces the object whenever ownership changes
         # (holding them here also keeps their ids from being reused).
         return not _same_signature(self._plan_signature(), self._planned_with)
+
+    def _only_cast_since_plan(self) -> bool:
+        """Whether the trainable parameters, their flags and the partitions are the ones
+        planned and only a dtype or device changed (``ddp.half()``): the buckets can be
+        re-planned locally, with no collective (OSS re-lays its own buckets at its step)."""
+        now, planned = self._plan_signature(), self._planned_with
+        flags, kinds, *parameters_and_partitions = now
+        same_parameters = _same_signature((flags, planned[1], *parameters_and_partitions),
+                                          planned)
+        return kinds != planned[1] and same_parameters
 
     def _build_plan(self, refresh_optimizers: bool) -> None:
         if refresh_optimizers:
@@ -562,6 +597,9 @@ class ShardedDataParallel(nn.Module):
         self._planned_with = self._plan_signature()
         self._planned_names = {name: p for name, p in self.module.named_parameters()
                                if p.requires_grad}
+        self._planned_fingerprint = zlib.crc32(repr([
+            (name, _planned_attributes(p)) for name, p in self.module.named_parameters()
+        ]).encode())
 
     def _plan_in_order(self, backward_order: list) -> None:
         self._buckets = plan_buckets(
@@ -846,6 +884,9 @@ class ShardedDataParallel(nn.Module):
 
 # Where a rank agrees on the trainable set (ShardedDataParallel._plan_is_stale_on_any_rank).
 _AT_FORWARD, _AT_BACKWARD, _AT_REDUCE = 0, 1, 2
+# The agreement's element: the plan's fingerprint above the code's bits (stale, site, ...).
+_CODE_BITS = 5
+_CODE_MASK = (1 << _CODE_BITS) - 1
 
 
 def _planned_attributes(p: torch.Tensor) -> tuple:
@@ -858,7 +899,7 @@ def _planned_attributes(p: torch.Tensor) -> tuple:
 
 
 def _same_signature(a: tuple, b: Optional[tuple]) -> bool:
-    """Plan signatures ``(requires_grad flags, trainable parameters, partitions)`` equal,
-    parameters and partitions by identity."""
-    return b is not None and a[0] == b[0] and all(
-        len(x) == len(y) and all(u is v for u, v in zip(x, y)) for x, y in zip(a[1:], b[1:]))
+    """Plan signatures ``(requires_grad flags, (dtype, device) of the trainable parameters,
+    trainable parameters, partitions)`` equal, parameters and partitions by identity."""
+    return b is not None and a[:2] == b[:2] and all(
+        len(x) == len(y) and all(u is v for u, v in zip(x, y)) for x, y in zip(a[2:], b[2:]))
