@@ -340,9 +340,14 @@ def check_no_shared_storage(groups: list[dict], world_size: int) -> None:
                 continue
             start = p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size()
             reach = sum((size - 1) * stride for size, stride in zip(p.shape, p.stride())) + 1
-            spans.append((start, start + reach * p.element_size(), g, i, tuple(p.shape)))
+            spans.append((start, start + reach * p.element_size(), g, i, tuple(p.shape), id(p)))
     spans.sort()
     for a, b in zip(spans, spans[1:]):
+        if b[0] < a[1] and a[5] == b[5]:
+            raise ValueError(
+                f"OSS: one parameter (shape {a[4]}) is listed twice, as parameter {a[3]} of "
+                f"param group {a[2]} and {b[3]} of param group {b[2]}; OSS steps each "
+                f"parameter once, on its owner: list it once")
         if b[0] < a[1]:
             raise ValueError(
                 f"OSS: trainable parameters {a[3]} of param group {a[2]} (shape {a[4]}) and "

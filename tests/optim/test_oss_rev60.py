@@ -20,6 +20,7 @@ Regressions:
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -130,3 +131,13 @@ def test_cast_seen_at_an_evaluation_forward(world2):
         kind, message = results["initialize_lbfgs"]
         assert kind == "ValueError", results["initialize_lbfgs"]
         assert "LBFGS" in message and "reduce_scatter=false" in message, message
+
+
+def test_a_parameter_listed_twice_is_named_as_such_not_as_shared_memory():
+    """Before: 'share memory (tied through .data?) ... Tie them as one Parameter instead',
+    for what already is one Parameter (FusedAdamW([w, b, w]) under initialize at stage 1)."""
+    from shardkit.optim.oss_arguments import check_no_shared_storage
+    layer = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"one parameter \(shape \(2, 4\)\) is listed twice, as "
+                                         r"parameter 0 of param group 0 and 2 of param group 0"):
+        check_no_shared_storage([{"params": [layer.weight, layer.bias, layer.weight]}], 2)
