@@ -443,7 +443,15 @@ def optimizer_fingerprint(recipe: Optional[OptimizerRecipe]) -> str:
     # and step count would differ between the replicas)
     state = "" if recipe.instance is None else \
         f", state for {len(recipe.instance.state)} parameters"
-    return f"{recipe.cls.__name__}({defaults}), {layout}{state}, settings sha1 {digest}"
+    return f"{_class_name(recipe.cls)}({defaults}), {layout}{state}, settings sha1 {digest}"
+
+
+def _class_name(cls) -> str:
+    """The name of an optimizer class, or of what a ``functools.partial`` of one builds
+    (``OSS(optim=partial(...))``'s form, which a recipe may carry too)."""
+    while isinstance(cls, functools.partial):
+        cls = cls.func
+    return getattr(cls, "__name__", repr(cls))
 
 
 def _error_class(where: tuple) -> type:

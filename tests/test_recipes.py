@@ -239,3 +239,13 @@ def test_imports_run_from_policy_to_mechanism():
     assert not wrong, wrong
     engine = _imports(root / "engine.py")
     assert not engine & {"shardkit.models", "shardkit.testing", "shardkit.demo"}, engine
+
+
+def test_a_recipe_of_a_partial_optimizer_class_composes():
+    """OSS takes ``optim=functools.partial(...)``; a recipe carrying one raised
+    ``AttributeError: __name__`` in compose's agreement fingerprint."""
+    import functools
+    recipe = recipes.OptimizerRecipe(functools.partial(torch.optim.SGD, momentum=0.9), {"lr": 0.1})
+    assert recipes.optimizer_fingerprint(recipe).startswith("SGD(lr=0.1)")
+    recipes.check_composable(nn.Linear(4, 4), 1, recipe)  # what compose checks first
+    assert recipe.build(nn.Linear(4, 4).parameters()).param_groups[0]["momentum"] == 0.9
