@@ -2,6 +2,7 @@
 ShardedDataParallel (gradient sharding) over OSS (optimizer-state sharding).
 
     torchrun --nproc_per_node 2 examples/fairscale_style.py
+    python examples/fairscale_style.py --check            # one process, no launcher
 
 The FairScale tutorial this mirrors wraps the model first, ``ShardedDDP(model, AdamW(...))``,
 then builds ``OSS(optimizer, local_rank=...)``. That order cannot work: ShardedDataParallel
@@ -24,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import shardkit
 from shardkit import distributed
 from shardkit.nn.data_parallel import ShardedDataParallel as ShardedDDP
 from shardkit.optim import OSS
@@ -61,7 +63,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true",
                         help="compare the weights with one-process training at the end")
     args = parser.parse_args()
-    distributed.init_distributed()
+    shardkit.init_distributed()  # torchrun's group; under plain `python`, one rank in memory
     rank, world = distributed.get_rank(), distributed.get_world_size()
     if world > ROWS:  # checked on every rank before any collective
         print(f"fairscale_style.py: {world} processes for a global batch of {ROWS} rows; run "

@@ -36,6 +36,7 @@ import sys
 
 import torch
 
+import shardkit
 from shardkit import distributed, recipes
 from shardkit.models import GPT, GPTConfig, synthetic_batch
 from shardkit.nn import model_parallel as mp
@@ -313,7 +314,7 @@ def main(argv=None):
     problem = argument_problem(args, int(os.environ.get("WORLD_SIZE", "1")))
     if problem:
         raise SystemExit(problem)
-    distributed.init_distributed()
+    shardkit.init_distributed()  # torchrun's group; under plain `python`, one rank in memory
     mp.initialize_model_parallel(args.tp, pipeline_length=args.pp)
     passed = [train(args, name) for name in args.schedules]
     mp.destroy_model_parallel()

@@ -21,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+import shardkit  # noqa: E402
 from shardkit import distributed, recipes  # noqa: E402
 from shardkit.nn.checkpoint import apply_activation_checkpointing  # noqa: E402
 from shardkit.nn.data_parallel.mixed_precision import MixedPrecisionPolicy  # noqa: E402
@@ -58,7 +59,7 @@ def main() -> int:
                         help="write the trained model here with save_pretrained (rank 0)")
     args = parser.parse_args()
 
-    distributed.init_distributed()
+    shardkit.init_distributed()  # torchrun's group; under plain `python`, one rank in memory
     rank = distributed.get_rank()
     torch.manual_seed(0)  # same initial weights on every rank
     config = transformers.AutoConfig.from_pretrained(args.config, local_files_only=True) \

@@ -152,13 +152,22 @@ def peak_rss_bytes() -> int:
 
 def draw_progress(label: str, step: int, total: int, loss: float, ms: float) -> None:
     """Redraw rank 0's progress bar for the current run on one terminal line (away from a
-    terminal, as in logs, only the finished bar is printed)."""
+    terminal, as in logs, only the finished bar is printed); ``ms`` is the step time so far
+    as :func:`mean_step_time` counts it."""
     if step < total and not sys.stdout.isatty():
         return
     width = 30
     done = int(width * step / total)
     print(f"\r  {label:<20}[{'#' * done}{'-' * (width - done)}] {step:>4}/{total} "
           f"loss {loss:7.4f}  {ms:7.1f} ms/step", end="", flush=True)
+
+
+def mean_step_time(step_times: list) -> float:
+    """The mean step time the demo reports, in seconds: the first step pays one-off set-up
+    costs, so it is left out once there are others. Rank 0's progress bar shows this figure
+    as it grows and the table shows it for the slowest rank, so the two agree."""
+    timed = step_times[1:] or step_times
+    return sum(timed) / len(timed)
 
 
 def train_and_measure(spec: RunSpec, cfg: GPTConfig, steps: int, global_batch: int,
@@ -185,14 +194,14 @@ def train_and_measure(spec: RunSpec, cfg: GPTConfig, steps: int, global_batch: i
             memory = model_state_bytes(setup.module, setup.optimizer).as_dict()
         losses.append(_global_loss(loss, spec, world))
         if rank == 0:
-            draw_progress(spec.label, step + 1, steps, losses[-1], 1e3 * step_times[-1])
+            draw_progress(spec.label, step + 1, steps, losses[-1],
+                          1e3 * mean_step_time(step_times))
     if rank == 0:
         print(flush=True)
-    timed = step_times[1:] or step_times  # the first step pays one-off set-up costs
     figures = {"rank": rank, "model_state_bytes": memory, "params": setup.params,
                "peak_rss_bytes": peak_rss_bytes(), "rss_at_start_bytes": rss_at_start,
                "peak_rss_scope": "run" if rss_reset else "process",
-               "step_time_s": sum(timed) / len(timed),
+               "step_time_s": mean_step_time(step_times),
                "comm_bytes_per_step": comm_bytes[-1], "losses": losses}
     del setup
     gc.collect()
