@@ -48,7 +48,7 @@ __all__ = [
     "broadcast_tensors_from_rank0", "any_rank",
     "CommCounter", "CommRecord", "ReduceOp", "destroy", "set_debug_collectives", "GroupCache",
     "ranks_per_node", "node_of", "spans_nodes", "node_groups", "groups_of_nodes",
-    "ranks_by_node", "check_equal_nodes", "node_layout_known",
+    "ranks_by_node", "group_ranks_by_node", "check_equal_nodes", "node_layout_known",
     "CollectiveError", "reporting_broken_links",
 ]
 
@@ -821,6 +821,66 @@ def ranks_by_node(ranks: Sequence[int]) -> list[list[int]]:
     by_node: dict = {}
     for rank in sorted(ranks):
         by_node.setdefault(layout[rank], []).append(rank)
+    return list(by_node.values())
+
+
+# the global ranks of a sub-group -> its ranks by node, gathered over the sub-group
+_SUB_GROUP_NODES = GroupCache()
+
+
+def group_ranks_by_node(ranks: Sequence[int], group=None, gather: bool = True
+                        ) -> Optional[list[list[int]]]:
+    """:func:`ranks_by_node` for the global ``ranks`` of ``group`` (``None``:
+    the world), gathering only over ``group`` when the world's layout is not known yet.
+
+    With a world set up by torch's own ``init_process_group`` nobody gathered the node of
+    every rank; ``ranks_by_node`` would gather it over the whole world, so a data-parallel
+    sub-group building hpZ / qgZ waited for the ranks of every other sub-group, and hung
+    unless they all built at that moment. Here the members gather their own nodes (GROUP_RANK,
+    or the host name; else consecutive blocks of ``LOCAL_WORLD_SIZE`` global ranks), which
+    gives the grouping the world's layout would (except without GROUP_RANK, with every member
+    on one host and ``LOCAL_WORLD_SIZE`` blocks that do not match the hosts). Collective over
+    ``group`` the first time for a sub-group (one small object all-gather), cached after; no
+    communication when the layout is known; for the whole world it is ``ranks_by_node``.
+    ``gather=False``: ``None`` instead of gathering (local, for the steps after set-up)."""
+    ranks = sorted(ranks)
+    if node_layout_known():
+        return ranks_by_node(ranks)
+    cached = _SUB_GROUP_NODES.current()
+    key = tuple(ranks)
+    if key not in cached:
+        if not gather:
+            return None
+        if len(ranks) == get_world_size():
+            return ranks_by_node(ranks)  # gathers the world's layout, known after
+        identities = all_gather_object(_node_identity(), group=group, counted=False,
+                                       operation="node layout")
+        of_rank = dict(zip(group_ranks(group), identities))  # in the group's order
+        cached[key] = _nodes_of_identities(ranks, [of_rank[rank] for rank in ranks])
+    return [list(node) for node in cached[key]]
+
+
+def _nodes_of_identities(ranks: list[int], identities: Sequence[tuple]) -> list[list[int]]:
+    """The global ``ranks`` (ascending; ``identities`` in the same order) grouped by node from
+    each one's ``(GROUP_RANK or None, host name)``, with the rule of
+    :func:`layout_from_identities` but on global ranks: the GROUP_RANKs
+    when every rank has one, else the host names when they differ, else blocks of
+    ``LOCAL_WORLD_SIZE`` (default: the world size) consecutive global ranks. Nodes in the
+    order of their lowest rank. Local."""
+    if all(group_rank is not None for group_rank, _ in identities):
+        keys = [group_rank for group_rank, _ in identities]
+    elif len({host for _, host in identities}) > 1:
+        keys = [host for _, host in identities]
+    else:
+        world = get_world_size()
+        try:
+            per_node = max(int(os.environ.get("LOCAL_WORLD_SIZE", world)), 1)
+        except ValueError:  # ranks_per_node() names the bad value where topology is used
+            per_node = world
+        keys = [rank // per_node for rank in ranks]
+    by_node: dict = {}
+    for rank, key in zip(ranks, keys):
+        by_node.setdefault(key, []).append(rank)
     return list(by_node.values())
 
 

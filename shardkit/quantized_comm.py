@@ -465,7 +465,7 @@ def node_groups(ranks_per_node: Optional[int] = None, group=None):
     data-parallel group, several side by side) each member creates its own node's and column's
     groups with the other members, after one small object all-gather over ``group``, and a rank
     outside ``group`` gets ``(None, None)``. No tensor traffic (and one small object all-gather
-    over the world the first time if the layout was not gathered yet).
+    over ``group`` the first time if the layout was not gathered yet).
 
     Raises ValueError, on every rank and before any group is created, when ``ranks_per_node``
     does not divide the group or the group's ranks sit on nodes of unequal sizes.
@@ -476,7 +476,7 @@ def node_groups(ranks_per_node: Optional[int] = None, group=None):
     ranks = skdist.group_ranks(group) if group is not None else list(
         range(skdist.get_world_size()))
     if ranks_per_node is None:
-        members = skdist.ranks_by_node(ranks)
+        members = skdist.group_ranks_by_node(ranks, group)
         skdist.check_equal_nodes(members, "node_groups")
         return _create_node_groups(members, ranks, group, None)
     if (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)

@@ -166,28 +166,31 @@ class QuantizedTransport(Transport):
         """The inner transport's set-up, and the node groups of ``group`` when qgZ reduces
         hierarchically (once per group per process: for the world ``k + n`` process groups on
         every rank; for a sub-group this rank's node and column, created by their members after
-        one small object all-gather over ``group``; the first time it may gather the node
-        layout, see :func:`shardkit.distributed.ranks_by_node`). Collective over ``group``."""
+        one small object all-gather over ``group``; the first time it may gather the nodes of
+        ``group``'s ranks over ``group``, see
+        :func:`shardkit.distributed.group_ranks_by_node`). Collective over ``group``."""
         self.inner.prepare(group)
         if self.gradients:
             self._node_groups(group, create=True)
 
-    def _nodes(self, ranks: list, create: bool) -> Optional[list]:
-        """The global ``ranks`` by node (see ``ranks_per_node``), or ``None``: one node, and
-        nothing to gather (no layout, no ``LOCAL_WORLD_SIZE``)."""
+    def _nodes(self, ranks: list, create: bool, group=None) -> Optional[list]:
+        """The global ``ranks`` (those of ``group``) by node (see ``ranks_per_node``), or
+        ``None``: one node, and nothing to gather (no layout, no ``LOCAL_WORLD_SIZE``). Without
+        a gathered layout the nodes are gathered over ``group`` only (``create``: in
+        :meth:`prepare`), not over the world, whose other data-parallel groups may be busy."""
         rpn = self.ranks_per_node
         if rpn is not None:
             by_node: dict = {}
             for rank in ranks:
                 by_node.setdefault(rank // rpn, []).append(rank)
             return list(by_node.values())
-        if not skdist.node_layout_known():
-            if not os.environ.get("LOCAL_WORLD_SIZE"):
-                return None
-            if not create:
-                raise RuntimeError("QuantizedTransport: prepare(group) was not called for this "
-                                   "process group; every wrapper calls it at construction")
-        return skdist.ranks_by_node(ranks)
+        if not skdist.node_layout_known() and not os.environ.get("LOCAL_WORLD_SIZE"):
+            return None
+        nodes = skdist.group_ranks_by_node(ranks, group, gather=create)
+        if nodes is None:
+            raise RuntimeError("QuantizedTransport: prepare(group) was not called for this "
+                               "process group; every wrapper calls it at construction")
+        return nodes
 
     def _node_groups(self, group, create: bool = False):
         """``(intra, inter, send order)`` for ``group`` (see
@@ -197,7 +200,7 @@ class QuantizedTransport(Transport):
         if n_ranks == 1:
             return None
         ranks = skdist.group_ranks(group) if group is not None else list(range(n_ranks))
-        members = self._nodes(ranks, create)
+        members = self._nodes(ranks, create, group)
         if members is None:
             return None
         key = (tuple(ranks), tuple(tuple(node) for node in members))

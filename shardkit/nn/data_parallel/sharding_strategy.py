@@ -398,19 +398,21 @@ def resolve_groups(strategy: ShardingStrategy, process_group,
     if process_group is None and hpz_partition_size == skdist.ranks_per_node():
         return UnitGroups(None, None, skdist.node_groups()[0])
     # (a block of the whole group is a named group too: None would read as "no hpZ")
-    hpz = _group_of_blocks(_node_by_node(skdist.group_ranks(process_group), hpz_partition_size),
-                           hpz_partition_size, skdist.get_rank(), process_group)
+    ranks = _node_by_node(skdist.group_ranks(process_group), hpz_partition_size, process_group)
+    hpz = _group_of_blocks(ranks, hpz_partition_size, skdist.get_rank(), process_group)
     return UnitGroups(process_group, None, hpz)
 
 
-def _node_by_node(ranks: list[int], block: int) -> list[int]:
-    """``ranks`` node by node (the nodes they really run on, see
+def _node_by_node(ranks: list[int], block: int, group=None) -> list[int]:
+    """``ranks`` (those of ``group``) node by node (the nodes they really run on, see
     :func:`shardkit.distributed.ranks_by_node`) when ``block`` divides the number of them on
     every node, so that each hpZ block of ``block`` consecutive entries stays inside one node
     whatever order the launcher numbered the ranks in; else ``ranks`` as given. Gathers the
-    node layout the first time if :func:`shardkit.distributed.init_distributed` did not (one
-    small object all-gather over the world); no tensor traffic."""
-    nodes = skdist.ranks_by_node(ranks)
+    nodes of ``group``'s ranks over ``group`` the first time if
+    :func:`shardkit.distributed.init_distributed` did not gather the layout (one small object
+    all-gather, see :func:`shardkit.distributed.group_ranks_by_node`: over the world, the
+    ranks of the other data-parallel groups were waited for); no tensor traffic."""
+    nodes = skdist.group_ranks_by_node(ranks, group)
     if all(len(node) % block == 0 for node in nodes):
         return [rank for node in nodes for rank in node]
     return list(ranks)
