@@ -48,7 +48,10 @@ Memory, per call: the tensor arguments (not the region's activations) stay until
   logged at INFO on the ``shardkit.checkpointing`` logger (:func:`non_reentrant_checkpoint`:
   the forward only).
 
-Without grad mode (evaluation) :func:`checkpoint` just calls ``function``.
+Without grad mode (evaluation) :func:`checkpoint` just calls ``function``. Inside its first
+forward :func:`shardkit.nn.checkpoint.is_checkpointing` is True and inside its recomputation
+:func:`~shardkit.nn.checkpoint.is_recomputing` (a ``DeferredBatchNorm`` tracks the first forward
+only); skip connections (``@skippable``) in ``function`` pop the same tensors both times.
 """
 
 from __future__ import annotations
@@ -64,11 +67,14 @@ import torch
 from shardkit.config import (ActivationCheckpointingConfig, ConfigError,
                              activation_checkpointing_config)
 from shardkit.nn.checkpoint.checkpoint_activations import (_as_in_forward,
-                                                           _check_inputs_unchanged,
+                                                           _check_inputs_unchanged, _counting,
                                                            _keywords_as_positions,
                                                            _modes_recorded,
                                                            _nested_checked_at_recompute,
-                                                           _nested_tensors, _region_name,
+                                                           _nested_tensors, _Received,
+                                                           _outside_values_recorded,
+                                                           _outside_values_replayed,
+                                                           _region_name,
                                                            _run_norm_stats_restored)
 from shardkit.nn.model_parallel.random import (MODEL_PARALLEL_RNG, MODEL_PARALLEL_SEED_OFFSET,
                                                get_cuda_rng_tracker,
@@ -406,7 +412,11 @@ class _CheckpointFunction(torch.autograd.Function):
         ctx.rng = _rng_states()  # after the partitioning, whose errors precede any collective
         ctx.autocast = _autocast_states()  # torch.autocast (shardkit's bf16/fp16 engines)
         ctx.modes = []  # the modules it calls and their train/eval flags, for the recompute
-        with _boundary("forward"), torch.no_grad(), _modes_recorded(ctx.modes):
+        ctx.received = _Received()  # what it takes from outside its arguments (skip pops)
+        # is_checkpointing()/is_recomputing() answer here as in checkpoint_wrapper's regions:
+        # a DeferredBatchNorm tracks the first forward only
+        with _boundary("forward"), torch.no_grad(), _modes_recorded(ctx.modes), \
+                _counting("checkpointing"), _outside_values_recorded(ctx.received):
             outputs = run_function(*layout.merge(tensors))
         ctx.save_for_backward(*kept)
         outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
@@ -444,7 +454,8 @@ class _CheckpointFunction(torch.autograd.Function):
         try:
             with get_cuda_rng_tracker()._replaying(ctx.rng[2]), _boundary("recomputation"), \
                     torch.enable_grad(), _autocast_contexts(ctx.autocast), \
-                    _as_in_forward(ctx.modes), _run_norm_stats_restored():
+                    _as_in_forward(ctx.modes), _run_norm_stats_restored(), \
+                    _counting("recomputing"), _outside_values_replayed(ctx.received):
                 outputs = ctx.run_function(*ctx.layout.merge(inputs))
         finally:
             _set_generators(outside)

@@ -21,6 +21,9 @@ batch statistics but leaves the running ones alone. The recomputation runs every
 the train/eval mode of the first forward, even if ``model.eval()`` was called in between. A
 region may be recomputed any number of times (``backward(retain_graph=True)`` then
 ``backward()``, a pipeline's split weight-gradient pass); every recomputation behaves the same.
+Skip connections (:func:`~shardkit.nn.pipe.skip.skippable`) crossing a region's boundary work:
+its recomputation pops the tensors its first forward popped (kept alive until then) and stashes
+nothing again.
 
 :class:`shardkit.nn.Pipe` checkpoints its micro-batches with :func:`checkpointed_call`, so its
 ``is_checkpointing``/``is_recomputing`` are these same functions.
@@ -75,6 +78,8 @@ class _CheckpointState(threading.local):
         self.enabled = True
         self.checkpointing = 0  # depth of first forwards of checkpointed regions
         self.recomputing = 0  # depth of recomputations
+        # a _Received per region first forward, a _Replay per recomputation, innermost last
+        self.outside: list = []
 
 
 _state = _CheckpointState()
@@ -175,24 +180,112 @@ def _each_module_called_here(callback: Callable[[nn.Module], None]) -> Iterator[
 
 
 @contextlib.contextmanager
-def _first_forward(modes: list, record: bool) -> Iterator[None]:
-    """The context of a region's first forward: :func:`is_checkpointing` is True, and with
-    ``record`` the modules it calls are added to ``modes``."""
-    with _counting("checkpointing"), \
+def _first_forward(modes: list, record: bool, received: "_Received") -> Iterator[None]:
+    """The context of a region's first forward: :func:`is_checkpointing` is True, with
+    ``record`` the modules it calls are added to ``modes``, and the values it takes from
+    outside its arguments are added to ``received``."""
+    with _counting("checkpointing"), _outside_values_recorded(received), \
             (_modes_recorded(modes) if record else contextlib.nullcontext()):
         yield
 
 
+class _Received:
+    """What a checkpointed region took by key from outside its arguments (the tensors its skip
+    connections popped), in order; ``keys_stashed`` are the keys stashed inside it, whose pops
+    are not taken from outside."""
+
+    def __init__(self):
+        self.values: list = []
+        self.keys_stashed: set = set()
+
+
+class _Replay:
+    """A recomputation's view of :class:`_Received`: the values in turn, and the stashes made
+    by the recomputation itself, for pops inside it."""
+
+    def __init__(self, received: _Received):
+        self.values = iter(received.values)
+        self.stashed: dict = {}
+
+
+@contextlib.contextmanager
+def _outside_values_recorded(received: _Received) -> Iterator[None]:
+    """Inside the block (a first forward), :func:`_keyed_pop` adds to ``received``."""
+    _state.outside.append(received)
+    try:
+        yield
+    finally:
+        _state.outside.pop()
+
+
+@contextlib.contextmanager
+def _outside_values_replayed(received: _Received) -> Iterator[None]:
+    """Inside the block (a recomputation), :func:`_keyed_pop` answers from ``received``."""
+    _state.outside.append(_Replay(received))
+    try:
+        yield
+    finally:
+        _state.outside.pop()
+
+
+def _innermost_replay() -> tuple[int, Any]:
+    """The index in ``_state.outside`` of the innermost recomputation running, and it
+    (``-1, None`` when none)."""
+    for index in range(len(_state.outside) - 1, -1, -1):
+        if isinstance(_state.outside[index], _Replay):
+            return index, _state.outside[index]
+    return -1, None
+
+
+def _keyed_stash(key, value: Any, save: Callable[[Any, Any], None]) -> None:
+    """Hand ``value`` under ``key`` to a later layer (a skip connection's stash): ``save(key,
+    value)``; inside a recomputation it stays there (its first forward saved it already)."""
+    index, replay = _innermost_replay()
+    if replay is None:
+        save(key, value)
+    else:
+        replay.stashed[key] = value
+    for received in _state.outside[index + 1:]:
+        received.keys_stashed.add(key)
+
+
+def _keyed_pop(key, load: Callable[[Any], Any], what: str) -> Any:
+    """Take the value stashed under ``key`` (a skip connection's pop): ``load(key)``; inside a
+    recomputation, what its first forward took (or what the recomputation stashed itself).
+
+    Note: torch's checkpoint replays only a region's arguments, but a popped skip tensor comes
+    from a table its first forward emptied: the recomputation of a popping layer failed in
+    backward ("popped before it was stashed")."""
+    index, replay = _innermost_replay()
+    if replay is None:
+        value = load(key)
+    elif key in replay.stashed:
+        value = replay.stashed.pop(key)
+    else:
+        try:
+            value = next(replay.values)
+        except StopIteration:
+            raise RuntimeError(f"activation checkpointing: the recomputation of a checkpointed "
+                               f"region popped {what}, which its first forward did not pop; a "
+                               f"checkpointed region must run the same way both times") from None
+    for received in _state.outside[index + 1:]:
+        if key not in received.keys_stashed:
+            received.values.append(value)
+    return value
+
+
 @contextlib.contextmanager
 def _recomputing(modules: tuple[nn.Module, ...], rng_streams: dict,
-                 modes: list[tuple[nn.Module, bool]]) -> Iterator[None]:
+                 modes: list[tuple[nn.Module, bool]], received: "_Received") -> Iterator[None]:
     """The recomputation replays the first forward: same train/eval flags, same RNG streams
-    (torch replays the default generator itself); its BatchNorm updates are undone."""
+    (torch replays the default generator itself), the values it took from outside its
+    arguments (``received``); its BatchNorm updates are undone."""
     # a region given as a function names no modules: the BatchNorms it calls are found as
     # they run
     with _as_in_forward(modes), _stats_restored(modules), \
             (contextlib.nullcontext() if modules else _run_norm_stats_restored()), \
-            _rng_streams_replayed(rng_streams), _counting("recomputing"):
+            _rng_streams_replayed(rng_streams), _outside_values_replayed(received), \
+            _counting("recomputing"):
         yield
 
 
@@ -280,9 +373,10 @@ def _contexts(modules: tuple[nn.Module, ...]):
         # called by torch_checkpoint right before the region's first forward
         rng_streams = get_model_parallel_rng_tracker()._replay_point()
         modes = _training_modes(modules)
+        received = _Received()
         # a region given as a function names no modules: those it calls are recorded
-        return (_first_forward(modes, record=not modules),
-                _EachEntryAnew(lambda: _recomputing(modules, rng_streams, modes)))
+        return (_first_forward(modes, record=not modules, received=received),
+                _EachEntryAnew(lambda: _recomputing(modules, rng_streams, modes, received)))
 
     return forward_and_recompute_contexts
 

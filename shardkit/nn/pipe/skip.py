@@ -24,6 +24,9 @@ runs as an ordinary module; inside a Pipe each
 micro-batch has its own table and a popped tensor is moved to the popping partition's device.
 Two copies of a layer that use the same names are told apart with a :class:`Namespace`
 (``layer.isolate(ns)``). :func:`verify_skippables` checks a Sequential's stashes and pops pair up.
+Skippable layers may sit in activation-checkpointed regions (``checkpoint_wrapper``, a Pipe's
+checkpointed partitions, ``shardkit.checkpointing.checkpoint``): the recomputation pops what
+the first forward popped and stashes nothing again.
 
 Memory: a stashed tensor stays alive until popped (and, for backward, as long as autograd needs
 it). Communication: none.
@@ -40,6 +43,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 import torch.nn as nn
+
+from shardkit.nn.checkpoint.checkpoint_activations import _keyed_pop, _keyed_stash
 
 __all__ = ["skippable", "stash", "pop", "Namespace", "verify_skippables", "Skippable",
            "SkipTracker", "use_skip_tracker"]
@@ -182,11 +187,14 @@ class Skippable(nn.Module):
             reply = None
             if isinstance(op, stash):
                 self._check_declared(op.name, self.stashable_names, "stash")
-                tracker.save(self.namespaced(op.name), op.tensor)
+                # in a checkpointed region's recomputation it is not stashed again
+                _keyed_stash(self.namespaced(op.name), op.tensor, tracker.save)
                 stashed.add(op.name)
             elif isinstance(op, pop):
                 self._check_declared(op.name, self.poppable_names, "pop")
-                reply = tracker.load(self.namespaced(op.name))
+                # in a checkpointed region's recomputation: what its first forward popped
+                reply = _keyed_pop(self.namespaced(op.name), tracker.load,
+                                   f"the skip connection {op.name!r}")
                 popped.add(op.name)
             else:
                 raise TypeError(f"{type(self).__name__}.forward yielded {op!r}; a skippable "
