@@ -668,6 +668,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         # rank's part of the sequence until summed over the group (before each step)
         self._sums_sequence_parallel_grads = composition.stage < 3 and any(
             getattr(p, "sequence_parallel", False) for p in model.parameters())
+        if self._sums_sequence_parallel_grads:  # tell a script's clipping from a new backward
+            from shardkit.nn.model_parallel.sequence_parallel import (
+                watch_sequence_parallel_grads)
+            watch_sequence_parallel_grads(model)
         # Names of the unwrapped model, recorded before wrapping (FSDP renames and flattens).
         self._state_names = list(state_names or _state_names_of(model))
         trainable, frozen = _names_by_trainability(model)
@@ -2004,7 +2008,7 @@ def _release_flat_state_buffers(optimizer) -> None:
     from shardkit.optim.fused import FusedAdamW
     inner = getattr(optimizer, "optim", optimizer)  # OSS: the local shard's optimizer
     if isinstance(inner, FusedAdamW):
-        inner.release_flat_buffers()
+        inner._flat.clear()
 
 
 def _to_host(tensor: torch.Tensor, pin_memory: bool, non_blocking: bool) -> torch.Tensor:

@@ -11,8 +11,8 @@ FairScale's and Megatron-LM's ``get_batch`` do::
 
 Communication over the tensor-parallel group: one broadcast of the shapes (a small pickled
 object; an error found on rank 0 travels in its place, so every rank raises it), then one of
-the tensors packed into one flat buffer. Memory: that flat buffer, which the returned tensors
-are views of.
+the tensors packed into one flat buffer, sent as its bytes (any dtype). Memory: that flat
+buffer, which the returned tensors are views of.
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ def broadcast_data(keys: Sequence[str], data: Optional[dict], datatype: torch.dt
         flat = torch.empty(sum(shape.numel() for shape in shapes), dtype=datatype,
                            device=device)
     if distributed.get_world_size(group) > 1:
-        distributed.broadcast(flat, src=distributed.get_global_rank(group, 0), group=group)
+        # as bytes: gloo and NCCL have no int16 (or uint16/32/64) collectives
+        distributed.broadcast(flat.view(torch.uint8), src=distributed.get_global_rank(group, 0),
+                              group=group)
     out, offset = {}, 0
     for key, shape in zip(keys, shapes):
         out[key] = flat[offset:offset + shape.numel()].view(shape)

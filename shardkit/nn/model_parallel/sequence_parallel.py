@@ -21,12 +21,16 @@ from torch.utils.weak import WeakIdKeyDictionary
 from shardkit import distributed
 from shardkit.nn.model_parallel.initialize import groups_of
 
-# gradient -> its version counter right after reduce_sequence_parallel_grads summed it: a later
-# accumulation into it (a backward) or a new gradient tensor makes it due again
+# gradient -> its version counter right after reduce_sequence_parallel_grads summed it: a new
+# gradient tensor, or a backward's accumulation into it, makes it due again
 _SUMMED_AT = WeakIdKeyDictionary()
+# parameter -> the handle of its hook that sees each backward's accumulation into its gradient
+_WATCHED = WeakIdKeyDictionary()
+# watched parameter -> True once a backward accumulated into its gradient since it was summed
+_ADDED_SINCE_SUM = WeakIdKeyDictionary()
 
 __all__ = ["mark_sequence_parallel", "is_sequence_parallel", "sequence_parallel_parameters",
-           "reduce_sequence_parallel_grads"]
+           "reduce_sequence_parallel_grads", "watch_sequence_parallel_grads"]
 
 
 def mark_sequence_parallel(module_or_param) -> None:
@@ -47,25 +51,61 @@ def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if is_sequence_parallel(p)]
 
 
+def watch_sequence_parallel_grads(module: nn.Module) -> None:
+    """Let :func:`reduce_sequence_parallel_grads` with ``unless_summed=True`` tell a backward's
+    accumulation into a summed gradient (due again) from an in-place change of it, such as
+    clipping or unscaling (still summed): a hook on each of ``module``'s marked parameters that
+    runs after each accumulation into its gradient. Call it before the backward whose gradients
+    it should follow (``shardkit.initialize``'s engine does, when it is built). Idempotent;
+    local, no communication."""
+    for param in sequence_parallel_parameters(module):
+        if param not in _WATCHED:
+            _WATCHED[param] = param.register_post_accumulate_grad_hook(_note_accumulated)
+
+
+def _note_accumulated(param: torch.Tensor) -> None:
+    """A backward added this rank's part of the sequence to ``param.grad`` (which DDP may then
+    copy into another tensor): due again."""
+    _ADDED_SINCE_SUM[param] = True
+
+
+def _already_summed(param: torch.Tensor) -> bool:
+    """Whether ``param.grad`` is a gradient this module summed and no backward added to since.
+    Without :func:`watch_sequence_parallel_grads`, any in-place change of it counts as such an
+    addition (its version counter moved)."""
+    grad = param.grad
+    if grad not in _SUMMED_AT:
+        return False
+    if param in _WATCHED:
+        return not _ADDED_SINCE_SUM.get(param, False)
+    return _SUMMED_AT[grad] == grad._version
+
+
 def reduce_sequence_parallel_grads(module: nn.Module, unless_summed: bool = False) -> int:
     """Sum the gradients of ``module``'s sequence-parallel parameters over the tensor-parallel
     group (the one ``module``'s tensor-parallel layers were built with, else the current one),
     in one all-reduce. Call on every tensor-parallel rank after backward.
 
-    ``unless_summed``: do nothing when every one of those gradients is unchanged since this
-    function last summed it (what ``shardkit.initialize``'s engine passes before its step, so
-    that a script that calls this function itself is not summed twice). Local test, the same
-    on every tensor-parallel rank of an SPMD script.
+    ``unless_summed``: leave out each gradient this function already summed and no backward
+    added to since (what ``shardkit.initialize``'s engine passes before its step, so that a
+    script that sums them itself, all or some, then perhaps clips them, is not summed twice);
+    nothing left, no collective. With :func:`watch_sequence_parallel_grads` on ``module``,
+    in-place changes such as clipping keep a gradient summed; without it any in-place change
+    makes it due again. Local test, the same on every tensor-parallel rank of an SPMD script.
 
-    Returns the number of gradient elements reduced (0: nothing marked, no collective).
+    Returns the number of gradient elements reduced (0: nothing marked or due, no collective).
     """
-    grads = [p.grad for p in sequence_parallel_parameters(module) if p.grad is not None]
-    if unless_summed and all(_SUMMED_AT.get(g) == g._version for g in grads):
-        return 0
+    params = [p for p in sequence_parallel_parameters(module) if p.grad is not None]
+    if unless_summed:
+        params = [p for p in params if not _already_summed(p)]
+        if not params:
+            return 0
+    grads = [p.grad for p in params]
     group = groups_of(module.modules(), "reduce_sequence_parallel_grads").tensor
     if not grads or distributed.get_world_size(group) == 1:
         return sum(g.numel() for g in grads)
     distributed.all_reduce_as_one(grads, group)
-    for g in grads:
-        _SUMMED_AT[g] = g._version
+    for param in params:
+        _SUMMED_AT[param.grad] = param.grad._version
+        _ADDED_SINCE_SUM.pop(param, None)
     return sum(g.numel() for g in grads)
