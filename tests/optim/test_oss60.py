@@ -14,6 +14,27 @@ Regressions:
   cast (``ddp.double()``), so fp64 gradients were reduced in fp32 (2e-9 off an fp64 oracle
   after one step, where one process is exact); a cast now re-plans them at the next forward
   (a cast on some ranks only is a ValueError on every rank naming the parameter).
+
+Its review found:
+
+ShardedDataParallel after a cast seen at an evaluation forward, and LBFGS through
+``shardkit.initialize`` (one world of 2 gloo ranks).
+
+Regressions:
+
+- a cast makes the bucket plan stale; an evaluation forward (``module.eval()``, grad enabled,
+  which one rank may run alone) re-planned a stale plan with OSS's collective
+  ``refresh_trainable``, so rank 0 validating alone in fp64 (``ddp.eval(); ddp.double()``,
+  then ``ddp.float(); ddp.train()``) paired that collective with the other rank's training
+  collectives (gloo aborted the process). A cast alone is now re-planned there with no
+  collective;
+- a cast on one rank only, seen at an evaluation forward that every rank ran, was re-planned
+  there on that rank alone; no rank found its plan stale afterwards, so the ranks packed
+  buckets of different dtypes (gloo aborted). The ranks now compare a digest of their plans in
+  the agreement's one element: a ValueError on every rank naming the parameter;
+- ``shardkit.initialize`` at ZeRO stage 1 with an LBFGS optimizer (``reduce_scatter`` defaults
+  to true) was refused naming ``compose(..., reduce_to_owners=True)``, arguments a DeepSpeed
+  user never wrote; the message now names ``zero_optimization``'s ``reduce_scatter=false``.
 """
 
 import copy
@@ -23,6 +44,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import shardkit
 from shardkit import distributed as skdist
 from shardkit.comm_hooks import OwnersHookState, reduce_to_owners_hook
 from shardkit.nn.data_parallel import ShardedDataParallel
@@ -157,3 +179,108 @@ def test_sharded_ddp_reduces_in_the_dtype_the_model_was_cast_to(runs):
         assert kind == "ValueError", results["cast_one_rank"]
         assert "'0.weight'.dtype is torch.float32 on rank 0" in message, message
         assert "torch.float64 on rank 1" in message, message
+
+
+def _batch_rev(seed: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+
+
+def _error_of_rev(fn):
+    try:
+        fn()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+def _train_step(ddp, optimizer, x):
+    optimizer.zero_grad()
+    ddp(x).pow(2).mean().backward()
+    optimizer.step()
+
+
+def _validate_alone_in_fp64():
+    """Rank 0 validates alone in fp64 with grad enabled between steps, then casts back; both
+    ranks then train on. The largest difference from one process (fp32 SGD over the mean of
+    the ranks' losses) over three steps."""
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    model = _mlp()
+    oracle = copy.deepcopy(model)
+    optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    ddp = ShardedDataParallel(model, optimizer, reduce_buffer_size=64)
+    reference = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
+    worst = 0.0
+    for step in range(3):
+        if step == 1 and rank == 0:
+            ddp.eval()
+            ddp.double()  # fp32 -> fp64 -> fp32 is exact
+            ddp(_batch_rev(99).double())
+            ddp.float()
+            ddp.train()
+        xs = [_batch_rev(10 * step + r) for r in range(n)]
+        _train_step(ddp, optimizer, xs[rank])
+        reference.zero_grad()
+        (sum(oracle(x).pow(2).mean() for x in xs) / n).backward()
+        reference.step()
+        worst = max(worst, max((p - q).abs().max().item()
+                               for p, q in zip(model.parameters(), oracle.parameters())))
+    return worst
+
+
+def _cast_on_one_rank_seen_at_evaluation():
+    """Rank 1 casts to fp64; every rank validates (eval, grad enabled), then trains."""
+    rank = skdist.get_rank()
+    model = _mlp()
+    optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    ddp = ShardedDataParallel(model, optimizer, reduce_buffer_size=64)
+    x = _batch_rev(rank)
+    _train_step(ddp, optimizer, x)
+    if rank == 1:
+        ddp.double()
+        x = x.double()
+    ddp.eval()
+    ddp(x)
+    ddp.train()
+    error = _error_of_rev(lambda: _train_step(ddp, optimizer, x))
+    still_talking = torch.ones(1)
+    skdist.all_reduce(still_talking)
+    return error, still_talking.item()
+
+
+def _initialize_lbfgs_at_stage1():
+    model = _mlp()
+    lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.1)
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}}
+    return _error_of_rev(lambda: shardkit.initialize(model=model, optimizer=lbfgs, config=config))
+
+
+def _run_all_rev():
+    return {"validate_alone": _validate_alone_in_fp64(),
+            "cast_one_rank": _cast_on_one_rank_seen_at_evaluation(),
+            "initialize_lbfgs": _initialize_lbfgs_at_stage1()}
+
+
+def test_cast_seen_at_an_evaluation_forward(world2):
+    for results in world2.run(_run_all_rev):
+        # world 2: the sum of two fp32 terms is exact, as in one process
+        assert results["validate_alone"] == 0.0, results["validate_alone"]
+        error, total = results["cast_one_rank"]
+        assert error is not None, "ranks with different dtypes trained on"
+        kind, message = error
+        assert kind == "ValueError", error
+        assert "'0.weight'.dtype is torch.float32 on rank 0" in message, message
+        assert "torch.float64 on rank 1" in message, message
+        assert total == 2.0
+        kind, message = results["initialize_lbfgs"]
+        assert kind == "ValueError", results["initialize_lbfgs"]
+        assert "LBFGS" in message and "reduce_scatter=false" in message, message
+
+
+def test_a_parameter_listed_twice_is_named_as_such_not_as_shared_memory():
+    """Before: 'share memory (tied through .data?) ... Tie them as one Parameter instead',
+    for what already is one Parameter (FusedAdamW([w, b, w]) under initialize at stage 1)."""
+    from shardkit.optim.oss_arguments import check_no_shared_storage
+    layer = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"one parameter \(shape \(2, 4\)\) is listed twice, as "
+                                         r"parameter 0 of param group 0 and 2 of param group 0"):
+        check_no_shared_storage([{"params": [layer.weight, layer.bias, layer.weight]}], 2)
