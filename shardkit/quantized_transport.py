@@ -159,6 +159,9 @@ class QuantizedTransport(Transport):
                              f"a positive int (consecutive ranks on each node) or None (the "
                              f"nodes the ranks run on)")
         self.ranks_per_node = ranks_per_node
+        # the global ranks of each prepared group -> its ranks by node (None: one node), as
+        # prepare() found them: the steps look the node groups up by these
+        self._prepared_nodes: dict = {}
 
     # ------------------------------------------------------------------ set-up
 
@@ -192,6 +195,21 @@ class QuantizedTransport(Transport):
                                "process group; every wrapper calls it at construction")
         return nodes
 
+    def _nodes_as_prepared(self, ranks: list, create: bool, group) -> Optional[list]:
+        """:meth:`_nodes` as :meth:`prepare` found them for these ``ranks`` (``create``: find
+        them now). Not worked out again at the steps: a node layout gathered after the wrapper
+        was built (a world-wide ``node_groups()``) may group the ranks otherwise (without
+        ``LOCAL_WORLD_SIZE`` nothing was gathered, one node; on one host without GROUP_RANK,
+        ``LOCAL_WORLD_SIZE`` blocks), and the node groups made for the old grouping would no
+        longer be found."""
+        key = tuple(ranks)
+        if create or key not in self._prepared_nodes:
+            members = self._nodes(ranks, create, group)
+            if create:
+                self._prepared_nodes[key] = members
+            return members
+        return self._prepared_nodes[key]
+
     def _node_groups(self, group, create: bool = False):
         """``(intra, inter, send order)`` for ``group`` (see
         :func:`~shardkit.quantized_comm.node_send_order`), or ``None`` where the reduction is
@@ -200,7 +218,7 @@ class QuantizedTransport(Transport):
         if n_ranks == 1:
             return None
         ranks = skdist.group_ranks(group) if group is not None else list(range(n_ranks))
-        members = self._nodes(ranks, create, group)
+        members = self._nodes_as_prepared(ranks, create, group)
         if members is None:
             return None
         key = (tuple(ranks), tuple(tuple(node) for node in members))

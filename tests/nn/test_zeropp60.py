@@ -49,9 +49,13 @@ def _train(group, **options):
     return losses, model.comm.describe(group), hpz
 
 
-def _rank(rank: int, port: int, results) -> None:
+def _rank(rank: int, port: int, env: dict, results) -> None:
     """One rank of a torchrun-labelled world made with torch's own init_process_group; the
-    first group of each split builds with the option, the second without."""
+    first group of each split builds with the option, the second without. ``env``: the test's
+    environment (a fork server's child has the server's, which may hold what a test had
+    patched when the server started, e.g. SHARDKIT_KERNELS)."""
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank % PER_NODE),
                       LOCAL_WORLD_SIZE=str(PER_NODE), GROUP_RANK=str(rank // PER_NODE),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -83,7 +87,7 @@ def test_hpz_and_qgz_on_one_sub_group_of_a_torch_made_world():
     ctx = process_context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, results), daemon=True)
+    procs = [ctx.Process(target=_rank, args=(r, port, dict(os.environ), results), daemon=True)
              for r in range(WORLD)]
     for proc in procs:
         proc.start()
