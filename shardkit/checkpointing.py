@@ -51,7 +51,11 @@ Memory, per call: the tensor arguments (not the region's activations) stay until
 Without grad mode (evaluation) :func:`checkpoint` just calls ``function``. Inside its first
 forward :func:`shardkit.nn.checkpoint.is_checkpointing` is True and inside its recomputation
 :func:`~shardkit.nn.checkpoint.is_recomputing` (a ``DeferredBatchNorm`` tracks the first forward
-only); skip connections (``@skippable``) in ``function`` pop the same tensors both times.
+only); skip connections (``@skippable``) in ``function`` pop the same tensors both times, and
+a tensor ``function`` stashes for a layer after it gets that layer's gradient (an extra output
+of the autograd function). Popping, inside ``function``, a tensor stashed outside it that
+requires grad is a RuntimeError in the forward (its gradient cannot flow back through a
+reentrant recomputation; :func:`non_reentrant_checkpoint` takes it).
 """
 
 from __future__ import annotations
@@ -412,7 +416,8 @@ class _CheckpointFunction(torch.autograd.Function):
         ctx.rng = _rng_states()  # after the partitioning, whose errors precede any collective
         ctx.autocast = _autocast_states()  # torch.autocast (shardkit's bf16/fp16 engines)
         ctx.modes = []  # the modules it calls and their train/eval flags, for the recompute
-        ctx.received = _Received()  # what it takes from outside its arguments (skip pops)
+        # what it takes from outside its arguments (skip pops) and stashes for layers after it
+        ctx.received = _Received(reentrant=True)
         # is_checkpointing()/is_recomputing() answer here as in checkpoint_wrapper's regions:
         # a DeferredBatchNorm tracks the first forward only
         with _boundary("forward"), torch.no_grad(), _modes_recorded(ctx.modes), \
@@ -422,7 +427,12 @@ class _CheckpointFunction(torch.autograd.Function):
         outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
         tensor_outs = [o for o in outs if torch.is_tensor(o)]
         ctx.mark_non_differentiable(*[o for o in tensor_outs if not o.is_floating_point()])
-        return tuple(tensor_outs)
+        escaping = _escaping_stashes(ctx.received, tensor_outs)
+        ctx.escaping_keys = [key for key, _ in escaping]
+        # extra outputs (checkpoint() returns only the first len(tensor_outs)): autograd
+        # connects the very tensors left in the skip table, so the layers popping them later
+        # send their gradients back through this region
+        return tuple(tensor_outs) + tuple(value for _, value in escaping)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -455,16 +465,42 @@ class _CheckpointFunction(torch.autograd.Function):
             with get_cuda_rng_tracker()._replaying(ctx.rng[2]), _boundary("recomputation"), \
                     torch.enable_grad(), _autocast_contexts(ctx.autocast), \
                     _as_in_forward(ctx.modes), _run_norm_stats_restored(), \
-                    _counting("recomputing"), _outside_values_replayed(ctx.received):
+                    _counting("recomputing"), _outside_values_replayed(ctx.received) as replay:
                 outputs = ctx.run_function(*ctx.layout.merge(inputs))
         finally:
             _set_generators(outside)
         outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+        restashed = [replay.stashed.get(key) for key in ctx.escaping_keys]
         pairs = [(o, g) for o, g in zip([o for o in outs if torch.is_tensor(o)], grads)
                  if o.requires_grad]
+        pairs += [(o, g) for o, g in zip(restashed, grads[len(grads) - len(restashed):])
+                  if torch.is_tensor(o) and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None) + tuple(t.grad if t.requires_grad else None for t in inputs)
+
+
+def _escaping_stashes(received: _Received, tensor_outs: list) -> list:
+    """``(key, tensor)`` for each floating-point tensor the region stashed for a layer after it
+    (not popped inside) that autograd does not reach yet: made without grad in the first
+    forward, and not one of the region's outputs (those get its gradient already)."""
+    escaping, seen = [], {id(t) for t in tensor_outs}
+    for key, value in received.escaping.items():
+        if torch.is_tensor(value) and value.is_floating_point() and not _in_graph(value) \
+                and id(value) not in seen:
+            seen.add(id(value))
+            escaping.append((key, value))
+    received.escaping.clear()  # the tensors must not live in ctx until the backward
+    return escaping
+
+
+def _in_graph(value: torch.Tensor) -> bool:
+    """Whether autograd already reaches ``value``: made with grad (an argument, say), or a
+    leaf that requires grad (a parameter). A view of one taken without grad requires grad
+    but reaches nothing."""
+    if value.grad_fn is not None:
+        return True
+    return value.requires_grad and not value._is_view()
 
 
 def _group_size(group) -> int:

@@ -1,4 +1,10 @@
-"""Activation checkpointing corners found by the ckptwrap60 hunt (single process, fast)."""
+"""Activation checkpointing corners found by the ckptwrap60 hunt (single process, fast).
+
+Its review found:
+
+Review of the skip-connection replay in checkpointed regions (single process, fast):
+tensors crossing the boundary of DeepSpeed's reentrant checkpoint through the skip table.
+"""
 
 import pytest
 import torch
@@ -124,3 +130,80 @@ def test_checkpointed_skippable_layers_replay_their_pops(how):
     for a, b in zip(got, expected):
         assert torch.allclose(a, b, atol=1e-6), how
     assert skip_module._tracker.current.tensors == {}
+
+
+_STASHED = {
+    "product": lambda x, y: y * 2,  # a tensor of its own, made without grad in the forward
+    "input_view": lambda x, y: x[:, :6],  # a view of the argument, taken without grad
+}
+
+
+def _stash_layer(kind):
+    @skippable(stash=["skip"])
+    class Stash(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(6, 6)
+
+        def forward(self, x):
+            y = self.linear(x)
+            yield stash("skip", _STASHED[kind](x, y))
+            return y
+
+    return Stash()
+
+
+@skippable(pop=["skip"])
+class _Pop_rev(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x):
+        skip = yield pop("skip")
+        return self.linear(x) * skip
+
+
+def _model(kind="product"):
+    torch.manual_seed(0)
+    return nn.Sequential(_stash_layer(kind), nn.Linear(6, 6), _Pop_rev())
+
+
+def _grads_rev(model, run, backwards=1):
+    leaf = torch.randn(4, 6, requires_grad=True, generator=torch.Generator().manual_seed(1))
+    out = run(model, leaf * 1)  # a non-leaf argument, as between layers
+    for k in range(backwards):
+        out.pow(2).sum().backward(retain_graph=k + 1 < backwards)
+    return [out.detach(), leaf.grad] + [p.grad for p in model.parameters()]
+
+
+def _assert_same(got, expected):
+    assert skip_module._tracker.current.tensors == {}
+    for a, b in zip(got, expected):
+        assert a is not None and torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", sorted(_STASHED))
+@pytest.mark.parametrize("backwards", [1, 2])
+def test_reentrant_checkpoint_stash_popped_after_it_carries_its_gradient(kind, backwards):
+    # the first forward runs without grad: the stashed tensor reached the popping layer
+    # detached, so the gradient through the skip connection was silently dropped
+    expected = _grads_rev(_model(kind), lambda m, x: m(x), backwards)
+    got = _grads_rev(_model(kind), lambda m, x: m[2](m[1](ck.checkpoint(m[0], x))), backwards)
+    _assert_same(got, expected)
+
+
+def test_reentrant_checkpoint_refuses_to_pop_a_tensor_that_requires_grad_from_outside():
+    # its recomputation ran a second backward through the stashing layer's graph: torch's
+    # "Trying to backward through the graph a second time" in backward, after the forward
+    model = _model()
+    x = torch.randn(4, 6, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"popped the skip connection 'skip'.*requires grad.*"
+                                           r"non_reentrant_checkpoint"):
+        ck.checkpoint(nn.Sequential(model[1], model[2]), model[0](x))
+    skip_module._tracker.current.tensors.clear()
+    # what the message proposes gives the plain result
+    expected = _grads_rev(_model(), lambda m, x: m(x))
+    got = _grads_rev(_model(), lambda m, x: ck.non_reentrant_checkpoint(
+        nn.Sequential(m[1], m[2]), m[0](x)))
+    _assert_same(got, expected)

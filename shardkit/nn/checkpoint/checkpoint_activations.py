@@ -192,11 +192,18 @@ def _first_forward(modes: list, record: bool, received: "_Received") -> Iterator
 class _Received:
     """What a checkpointed region took by key from outside its arguments (the tensors its skip
     connections popped), in order; ``keys_stashed`` are the keys stashed inside it, whose pops
-    are not taken from outside."""
+    are not taken from outside.
 
-    def __init__(self):
+    A ``reentrant`` region (``shardkit.checkpointing.checkpoint``) runs its first forward
+    without grad: it refuses to pop a tensor that requires grad from outside (the gradient
+    could not flow back to its stash), and ``escaping`` holds what it stashed and did not pop
+    itself, by key, until the region hands those tensors to autograd as extra outputs."""
+
+    def __init__(self, reentrant: bool = False):
         self.values: list = []
         self.keys_stashed: set = set()
+        self.reentrant = reentrant
+        self.escaping: dict = {}
 
 
 class _Replay:
@@ -219,11 +226,13 @@ def _outside_values_recorded(received: _Received) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _outside_values_replayed(received: _Received) -> Iterator[None]:
-    """Inside the block (a recomputation), :func:`_keyed_pop` answers from ``received``."""
-    _state.outside.append(_Replay(received))
+def _outside_values_replayed(received: _Received) -> Iterator["_Replay"]:
+    """Inside the block (a recomputation), :func:`_keyed_pop` answers from ``received``; the
+    block gets the :class:`_Replay` (what the recomputation stashed is in its ``stashed``)."""
+    replay = _Replay(received)
+    _state.outside.append(replay)
     try:
-        yield
+        yield replay
     finally:
         _state.outside.pop()
 
@@ -247,6 +256,8 @@ def _keyed_stash(key, value: Any, save: Callable[[Any, Any], None]) -> None:
         replay.stashed[key] = value
     for received in _state.outside[index + 1:]:
         received.keys_stashed.add(key)
+        if received.reentrant:
+            received.escaping[key] = value
 
 
 def _keyed_pop(key, load: Callable[[Any], Any], what: str) -> Any:
@@ -269,9 +280,25 @@ def _keyed_pop(key, load: Callable[[Any], Any], what: str) -> Any:
                                f"region popped {what}, which its first forward did not pop; a "
                                f"checkpointed region must run the same way both times") from None
     for received in _state.outside[index + 1:]:
-        if key not in received.keys_stashed:
+        if key in received.keys_stashed:
+            received.escaping.pop(key, None)
+        else:
+            _check_poppable_into(received, value, what)
             received.values.append(value)
     return value
+
+
+def _check_poppable_into(received: _Received, value: Any, what: str) -> None:
+    """A reentrant region cannot take a tensor that requires grad from outside: its
+    recomputation would run a second backward through the graph that made the tensor
+    (torch's "Trying to backward through the graph a second time" in backward)."""
+    if received.reentrant and isinstance(value, torch.Tensor) and value.requires_grad:
+        raise RuntimeError(
+            f"shardkit.checkpointing.checkpoint (reentrant) popped {what}, stashed outside the "
+            f"checkpointed function, and that tensor requires grad: its gradient cannot flow "
+            f"back through a reentrant recomputation. Stash it inside the function, pass it as "
+            f"an argument, or use shardkit.checkpointing.non_reentrant_checkpoint (or "
+            f"checkpoint_wrapper)")
 
 
 @contextlib.contextmanager
