@@ -812,6 +812,24 @@ class OSS(torch.optim.Optimizer):
         """Give the local optimizer ``{owned param: state}`` and the public hyper-parameters."""
         load_into_optimizer(self.optim, state, [self._local_hyper(g) for g in self.param_groups])
 
+    def _hand_over_state(self, state: dict) -> None:
+        """Give the rebuilt local optimizer the state ``{owned param: state}`` it carries on
+        with after a re-partition, as it was held: loaded as :meth:`_load_local_state` does,
+        then each tensor torch's ``load_state_dict`` cast to its parameter's dtype put back as
+        it was. A re-partition is no checkpoint load, and a torch optimizer keeps its state in
+        the dtype it was made in (fp32 momentum of a model cast to fp64 later stays fp32);
+        cast, the next steps differed from one process. Local."""
+        self._load_local_state(state)
+        for p, held in state.items():
+            loaded = self.optim.state.get(p)
+            if loaded is None:
+                continue
+            for key, value in held.items():
+                now = loaded.get(key)
+                if (torch.is_tensor(value) and torch.is_tensor(now) and now.dtype != value.dtype
+                        and now.shape == value.shape and now.device == value.device):
+                    loaded[key] = value
+
     def _held_state(self) -> dict:
         """``{param: state}`` this rank really holds: its local optimizer's parameters' and the
         parked state of frozen ones.
@@ -895,7 +913,7 @@ class OSS(torch.optim.Optimizer):
             self._plan = plan
             self._sync.relayout(plan)
             self.optim = self._build_local_optimizer(self.param_groups)
-            self._load_local_state(held)
+            self._hand_over_state(held)
             self._consolidated = None
             return
         arriving = send_state_to_new_owners(new, held, self.rank, self.group)
@@ -906,7 +924,7 @@ class OSS(torch.optim.Optimizer):
         self._plan = plan
         self._sync.relayout(plan)
         self.optim = self._build_local_optimizer(self.param_groups)
-        self._load_local_state({**kept, **arriving})
+        self._hand_over_state({**kept, **arriving})
         self._consolidated = None
 
 

@@ -35,6 +35,25 @@ Regressions:
 - ``shardkit.initialize`` at ZeRO stage 1 with an LBFGS optimizer (``reduce_scatter`` defaults
   to true) was refused naming ``compose(..., reduce_to_owners=True)``, arguments a DeepSpeed
   user never wrote; the message now names ``zero_optimization``'s ``reduce_scatter=false``.
+
+A later hunt of ranks that disagree found:
+
+OSS and ShardedDataParallel when the ranks (or the steps) disagree, as a torch / FairScale
+user meets it (one world of 2 gloo ranks).
+
+Regressions:
+
+- ``requires_grad_(False)`` on one rank only, then an evaluation forward (``ddp.eval()``, grad
+  enabled) on every rank: the evaluation forward re-planned the stale rank alone through OSS's
+  collective ``refresh_trainable``, which paired with the other rank's next training
+  collectives (gloo aborted). An evaluation forward now runs no collective; the next training
+  forward raises a ValueError on every rank naming the parameter. Ranks that all froze, then
+  train in evaluation mode (dropout off), re-plan together at the start of the backward and
+  match one process;
+- a re-partition (a freeze after the model was cast to fp64) rebuilt the local optimizer
+  through torch's ``load_state_dict``, which casts the state to the parameter's dtype: fp64
+  momentum where one process keeps the fp32 buffer it made (4e-9 off after one more step).
+  The state is now handed over as held.
 """
 
 import copy
@@ -284,3 +303,144 @@ def test_a_parameter_listed_twice_is_named_as_such_not_as_shared_memory():
     with pytest.raises(ValueError, match=r"one parameter \(shape \(2, 4\)\) is listed twice, as "
                                          r"parameter 0 of param group 0 and 2 of param group 0"):
         check_no_shared_storage([{"params": [layer.weight, layer.bias, layer.weight]}], 2)
+
+
+def _mlp_dis():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batch_dis(seed: int) -> torch.Tensor:
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+
+
+def _error_of_dis(fn):
+    try:
+        fn()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+def _train_step_dis(ddp, optimizer, x):
+    optimizer.zero_grad()
+    ddp(x).pow(2).mean().backward()
+    optimizer.step()
+
+
+def _still_talking() -> float:
+    total = torch.ones(1)
+    skdist.all_reduce(total)
+    return total.item()
+
+
+def _freeze_on_one_rank_then_evaluate():
+    """Rank 1 freezes the first layer; every rank validates (grad enabled), then trains."""
+    rank = skdist.get_rank()
+    model = _mlp_dis()
+    optimizer = OSS(model.parameters(), lr=0.1, momentum=0.9)
+    ddp = ShardedDataParallel(model, optimizer)
+    _train_step_dis(ddp, optimizer, _batch_dis(rank))
+    if rank == 1:
+        model[0].requires_grad_(False)
+    ddp.eval()
+    evaluated = _error_of_dis(lambda: ddp(_batch_dis(5)))
+    ddp.train()
+    trained = _error_of_dis(lambda: _train_step_dis(ddp, optimizer, _batch_dis(rank)))
+    return evaluated, trained, _still_talking()
+
+
+def _freeze_then_train_in_evaluation_mode():
+    """Every rank freezes the first layer and trains on in evaluation mode: the largest
+    difference from one process (SGD with momentum over the mean of the ranks' losses)."""
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    model = _mlp_dis()
+    oracle = copy.deepcopy(model)
+    optimizer = OSS(model.parameters(), lr=0.1, momentum=0.9)
+    ddp = ShardedDataParallel(model, optimizer)
+    reference = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
+    worst = 0.0
+    for step in range(3):
+        if step == 1:
+            for m in (model, oracle):
+                m[0].requires_grad_(False)
+            ddp.eval()
+        xs = [_batch_dis(10 * step + r) for r in range(n)]
+        _train_step_dis(ddp, optimizer, xs[rank])
+        reference.zero_grad()
+        (sum(oracle(x).pow(2).mean() for x in xs) / n).backward()
+        reference.step()
+        worst = max(worst, max((p - q).abs().max().item()
+                               for p, q in zip(model.parameters(), oracle.parameters())))
+    return worst
+
+
+def _state_dtypes_after_a_cast_and_a_freeze():
+    """OSS(SGD, momentum) stepped in fp32, the model cast to fp64, one step, a freeze
+    (re-partition), one more step, against one process: the momentum dtypes and the largest
+    difference of the weights."""
+    rank, n = skdist.get_rank(), skdist.get_world_size()
+    model = _mlp_dis()
+    oracle = copy.deepcopy(model)
+    optimizer = OSS(model.parameters(), lr=0.1, momentum=0.9)
+    reference = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
+
+    def step(dtype):
+        xs = [_batch_dis(r).to(dtype) for r in range(n)]
+        optimizer.zero_grad()
+        model(xs[rank]).pow(2).mean().backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                skdist.all_reduce(p.grad)
+                p.grad /= n
+        optimizer.step()
+        reference.zero_grad()
+        (sum(oracle(x).pow(2).mean() for x in xs) / n).backward()
+        reference.step()
+
+    step(torch.float32)
+    for m in (model, oracle):
+        m.double()
+    step(torch.float64)
+    for m in (model, oracle):
+        m[0].requires_grad_(False)
+    optimizer.zero_grad()
+    reference.zero_grad()
+    optimizer.refresh_trainable()
+    step(torch.float64)
+    dtypes = {s["momentum_buffer"].dtype for s in optimizer.optim.state.values()}
+    worst = max((p - q).abs().max().item()
+                for p, q in zip(model.parameters(), oracle.parameters()))
+    return dtypes, worst
+
+
+def _run_all_dis():
+    return {"freeze_one_rank": _freeze_on_one_rank_then_evaluate(),
+            "train_in_eval": _freeze_then_train_in_evaluation_mode(),
+            "cast_then_freeze": _state_dtypes_after_a_cast_and_a_freeze()}
+
+
+@pytest.fixture(scope="module")
+def runs_dis(world2):
+    return world2.run(_run_all_dis)
+
+
+def test_a_freeze_on_one_rank_is_refused_at_training_not_hung_at_evaluation(runs_dis):
+    for results in runs_dis:
+        evaluated, trained, total = results["freeze_one_rank"]
+        assert evaluated is None, evaluated
+        assert trained is not None, "ranks with different trainable sets trained on"
+        kind, message = trained
+        assert kind == "ValueError", trained
+        assert "'0.weight'.requires_grad is True on rank 0" in message, message
+        assert "False on rank 1" in message, message
+        assert total == 2.0
+        # world 2: the mean of two fp32 terms is exact, as in one process
+        assert results["train_in_eval"] == 0.0, results["train_in_eval"]
+
+
+def test_a_repartition_keeps_the_state_dtype_a_torch_optimizer_keeps(runs_dis):
+    for results in runs_dis:
+        dtypes, worst = results["cast_then_freeze"]
+        assert dtypes == {torch.float32}, dtypes
+        assert worst <= 1e-15, worst

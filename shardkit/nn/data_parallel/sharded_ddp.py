@@ -76,6 +76,9 @@ class ShardedDataParallel(nn.Module):
             is a ValueError (that gradient would be neither reduced nor stepped).
             Every rank must therefore run that forward: a forward that one rank runs alone
             (validation, logging) belongs under ``torch.no_grad()`` or ``module.eval()``.
+            A forward in evaluation mode runs no collective: a ``requires_grad`` change it
+            finds is re-planned at the next agreement (a training forward, or the start of a
+            reducing backward when training in evaluation mode), by every rank together.
         warn_on_trainable_params_changed: with ``auto_refresh_trainable=False``, warn once per
             change when forward finds the buckets planned for other trainable parameters.
         reduce_fp16: gradients travel in fp16 (``True``) or in the dtype given
@@ -278,14 +281,13 @@ class ShardedDataParallel(nn.Module):
         if torch.is_grad_enabled():
             if self.auto_refresh_trainable and not self.training:
                 # an evaluation forward (module.eval()), which one rank may run alone (rank 0
-                # validating, grad left enabled as DeepSpeed's engine leaves it): no collective
-                # unless the plan is stale here, as before the agreement was added; a cast
-                # alone is re-planned with none (the ranks compare plans at the next agreement)
-                if self._plan_is_stale():
-                    if self._only_cast_since_plan():
-                        self._build_plan(refresh_optimizers=False)
-                    else:
-                        self.refresh_trainable()
+                # validating, grad left enabled as DeepSpeed's engine leaves it): never a
+                # collective. A cast alone is re-planned locally (the ranks compare plans at
+                # the next agreement); a requires_grad change waits for the next agreement (a
+                # training forward, or the start of a reducing backward), where every rank
+                # re-plans together: OSS's refresh_trainable on one rank alone hung the others
+                if self._plan_is_stale() and self._only_cast_since_plan():
+                    self._build_plan(refresh_optimizers=False)
             elif self.auto_refresh_trainable:
                 # agreed at the window's first training forward (one per rank and step, even
                 # where the ranks run different numbers of forwards), or at once where it
@@ -703,8 +705,11 @@ class ShardedDataParallel(nn.Module):
         if self._sync_enabled and self.world_size > 1 and self.auto_refresh_trainable:
             # a reducing backward: agreed before any bucket is launched, so that a change of
             # requires_grad inside the accumulation window on some ranks only (agreed there at
-            # a forward) raises on every rank instead of pairing with these reductions
-            self._plan_is_stale_on_any_rank(self._plan_is_stale(), _AT_BACKWARD)
+            # a forward) raises on every rank instead of pairing with these reductions. A
+            # change every rank agrees on here (a freeze before an evaluation-mode forward,
+            # which re-plans nothing) is re-planned by every rank before any bucket launches
+            if self._plan_is_stale_on_any_rank(self._plan_is_stale(), _AT_BACKWARD):
+                self.refresh_trainable()
         self._backward_active = True
         self._scale_carried_grads()
         self._syncing = self._sync_enabled
