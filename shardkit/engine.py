@@ -1927,7 +1927,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                                         load_optimizer_states=load_optimizer_states
                                         and not load_module_only and self.optimizer is not None,
                                         load_lr_scheduler_states=load_lr_scheduler_states
-                                        and not load_module_only, strict=load_module_strict)
+                                        and not load_module_only, strict=load_module_strict,
+                                        load_rng_state=not load_module_only)
         if kept is not None:
             self._restore_training_position(kept)
         self._publish_loss_scale()

@@ -40,6 +40,7 @@ from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard,
                                          agreement_device, check_loads_back, check_tag,
                                          commit_checkpoint, plain_numbers, read_checkpoint,
                                          resolve_checkpoint_dir, staging_dir)
+from shardkit.nn.model_parallel.random import get_model_parallel_rng_tracker
 from shardkit.optim.local_step import without_fused_choice
 from shardkit.optim.lr_scheduler import loads_position_only
 from shardkit.optim.partition import ParameterPartition
@@ -49,6 +50,8 @@ __all__ = ["save_engine_checkpoint", "load_engine_checkpoint", "rng_state", "set
 logger = logging.getLogger("shardkit")
 
 _EXTRA_STATE = "_extra_state"  # the state_dict key of a module's get_extra_state(), as torch's
+_MODEL_PARALLEL_STREAMS = "model_parallel"  # rng_state()'s key of the tracker's streams
+_TORCH_GENERATORS = ("torch", "cuda", _MODEL_PARALLEL_STREAMS)  # rng_state()'s torch parts
 
 
 # ----------------------------------------------------------------------------- save
@@ -275,16 +278,24 @@ def _cpu(value):
 
 def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
                            load_optimizer_states: bool = True,
-                           load_lr_scheduler_states: bool = True, strict: bool = True):
+                           load_lr_scheduler_states: bool = True, strict: bool = True,
+                           load_rng_state: bool = True):
     """What ``engine.load_checkpoint`` does: read the tag's checkpoint (verified), check its
     tensor names and shapes against the engine's model (and, with the optimizer states, that
     the same optimizer class saved them; with the scheduler's state, that a scheduler restoring
     its whole state, as torch's do, gets its own class's; a mismatch is a ``CheckpointError`` on
     every rank before anything is written), load the weights, optionally the optimizer and
     LR-scheduler state (resharded from any saved world size or stage), the loss scaler, the
-    step counters and this rank's RNG state (with the scheduler's state but not the
-    optimizer's, the optimizer's lrs are set to the loaded position's, as the uninterrupted
-    run holds them). Returns ``(path, client_state)``, or
+    step counters and this rank's RNG state, whatever else is loaded or not (with the
+    scheduler's state but not the optimizer's, the optimizer's lrs are set to the loaded
+    position's, as the uninterrupted run holds them). The RNG state is the default
+    generators', Python's, NumPy's and the model-parallel tracker's streams (those of a
+    checkpoint written without them keep their state, with a warning); rank ``r`` of the
+    checkpoint group takes saved rank ``r % saved_world``'s, exact at any world size when the
+    saved ranks' torch states are equal, with a warning when they differ and the world size
+    changed. ``load_rng_state=False`` (for ``load_module_only``, which keeps this process's
+    RNG) neither restores nor warns about it.
+    Returns ``(path, client_state)``, or
     ``(None, None)`` with a warning when ``load_dir`` has no checkpoint. Memory, on each
     rank's CPU: every rank reads all rank files one by one and keeps of each what it needs:
     stage 0 the full fp32 model and optimizer state, stages 1-2 the full fp32 model and its OSS
@@ -294,7 +305,7 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     what loading into the wrappers costs (stage 3: nothing; stages 0-2: see the optimizer's
     ``load_state_dict``)."""
     ckpt = _read_and_check_on_every_rank(engine, load_dir, tag, load_optimizer_states,
-                                         load_lr_scheduler_states, strict)
+                                         load_lr_scheduler_states, strict, load_rng_state)
     if ckpt is None:
         logger.warning("load_checkpoint: no 'latest' file in %s; nothing loaded", load_dir)
         return None, None
@@ -317,8 +328,10 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     engine._steps_before_resize = engine.global_steps
     engine._samples_before_resize = int(samples) if samples is not None \
         else engine.global_steps * engine.config.train_batch_size
-    saved_world = ckpt.metadata["world_size"]
-    set_rng_state(ckpt.rng_by_rank[_rank_and_world(engine)[0] % saved_world])
+    if load_rng_state:
+        rng = _saved_rng_state_of(engine, ckpt)  # checked before any load: cannot fail here
+        _warn_about_rng_not_continued(engine, ckpt, rng)
+        set_rng_state(rng)
     return ckpt.path, ckpt.engine["client_state"]
 
 
@@ -354,7 +367,7 @@ def _set_scheduled_values(scheduler, optimizer) -> None:
 
 def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
                                   with_optimizer: bool, with_scheduler: bool = False,
-                                  strict: bool = True):
+                                  strict: bool = True, with_rng: bool = True):
     """The checked checkpoint (``None`` when ``load_dir`` has none), read by every rank, which
     then agree before any loads: a rank that cannot read it, or finds none while others do (a
     directory that is not shared, a damaged file one node sees), makes every rank raise a
@@ -379,6 +392,8 @@ def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
                 _check_optimizer_state(engine, ckpt)
             if with_scheduler:
                 _check_scheduler_class(engine, ckpt)
+            if with_rng:
+                _saved_rng_state_of(engine, ckpt)
     except Exception as e:  # raised on every rank below
         error = e
     which = _checkpoint_identity(engine, ckpt) if ckpt is not None else None
@@ -707,9 +722,12 @@ def _torch_format(optim_by_name: dict, order: list, groups: list, saved_groups: 
 
 
 def rng_state() -> dict:
-    """This process's RNG states (torch CPU, CUDA when present, Python, NumPy), made only of
-    tensors, numbers and tuples so that the checkpoint loads with ``weights_only=True``."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """This process's RNG states (torch CPU, CUDA when present, Python, NumPy, and the
+    model-parallel streams of :func:`~shardkit.nn.model_parallel.get_cuda_rng_tracker`, as
+    Megatron saves its ``rng_tracker_states``), made only of tensors, numbers and tuples so
+    that the checkpoint loads with ``weights_only=True``. Local."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             _MODEL_PARALLEL_STREAMS: get_model_parallel_rng_tracker().get_states()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
@@ -724,7 +742,11 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` returned."""
+    """Restore what :func:`rng_state` returned (the model-parallel streams with
+    ``RNGStatesTracker.resume_states``: streams the state lacks, as in checkpoints written
+    before they were saved, keep theirs). Local."""
+    if _MODEL_PARALLEL_STREAMS in state:  # first: the one part that checks what it is given
+        get_model_parallel_rng_tracker().resume_states(state[_MODEL_PARALLEL_STREAMS])
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
@@ -734,3 +756,69 @@ def set_rng_state(state: dict) -> None:
         s = state["numpy"]
         np.random.set_state((s["name"], s["keys"].numpy().astype(np.uint32), s["pos"],
                              s["has_gauss"], s["cached_gaussian"]))
+
+
+def _saved_rng_state_of(engine, ckpt) -> dict:
+    """The RNG state this rank resumes from: that of the saving rank of the same index in
+    the checkpoint group modulo the saved world size (under tensor parallelism, of the same
+    data-parallel index in this tensor-parallel rank's ``mp_rank_XX``). Checked, changing
+    nothing: a model-parallel stream this process cannot take raises (see
+    ``RNGStatesTracker.states_to_resume``). Local."""
+    saved = ckpt.rng_by_rank[_rank_and_world(engine)[0] % ckpt.metadata["world_size"]]
+    if _MODEL_PARALLEL_STREAMS in saved:
+        try:
+            get_model_parallel_rng_tracker().states_to_resume(saved[_MODEL_PARALLEL_STREAMS])
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"load_checkpoint({ckpt.path}): its model-parallel RNG "
+                                  f"streams cannot be restored: {error}; nothing was "
+                                  f"loaded") from error
+    return saved
+
+
+def _warn_about_rng_not_continued(engine, ckpt, saved: dict) -> None:
+    """On global rank 0, one warning for each way the RNG states loaded cannot continue the
+    saving run's draws: a checkpoint written before the model-parallel streams were saved,
+    loaded where the tracker holds streams (they go on from the seed); a checkpoint whose
+    ranks saved different torch generator states (default or model-parallel), loaded at
+    another world size (rank ``r`` takes saved rank ``r % saved_world``'s: some ranks repeat
+    another's draws, or some states are dropped). States equal on every saved rank (one seed
+    everywhere, as the data-parallel replicas of a tensor-parallel run) continue exactly at any
+    world size. Python's and NumPy's states are restored the same way, but not compared.
+    Local."""
+    if distributed.get_rank() != 0:
+        return
+    tracker = get_model_parallel_rng_tracker()
+    if _MODEL_PARALLEL_STREAMS not in saved and tracker.names():
+        warnings.warn(
+            f"load_checkpoint({ckpt.path}): the checkpoint holds no model-parallel RNG streams "
+            f"(written by an older shardkit); the tracker's streams {tracker.names()} keep "
+            f"their current state, so dropout inside get_cuda_rng_tracker().fork() draws "
+            f"other masks than the run that saved it would have", stacklevel=3)
+    saved_world, world = ckpt.metadata["world_size"], _rank_and_world(engine)[1]
+    # torch's generators only: Python's and NumPy's start from OS entropy in each process
+    # that does not seed them, so they differ on the ranks of almost every run
+    states = [{k: v for k, v in ckpt.rng_by_rank[r].items() if k in _TORCH_GENERATORS}
+              for r in range(saved_world)]
+    if saved_world != world and not all(_same(states[0], s) for s in states[1:]):
+        warnings.warn(
+            f"load_checkpoint({ckpt.path}): its {saved_world} ranks saved different torch RNG "
+            f"states (seeded apart) and {world} ranks load it: rank r resumes saved rank "
+            f"r % {saved_world}'s states, so "
+            + (f"ranks {saved_world}..{world - 1} repeat the draws (dropout masks) of ranks "
+               f"0..{world - saved_world - 1}" if world > saved_world else
+               f"the draws of saved ranks {world}..{saved_world - 1} are not continued")
+            + "; reseed after load_checkpoint if the ranks must draw apart", stacklevel=3)
+
+
+def _same(a, b) -> bool:
+    """Whether two saved RNG states (nested dicts, tuples, tensors, numbers) are equal."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) \
+            and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict) or isinstance(b, dict):
+        return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() \
+            and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) \
+            and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b

@@ -74,33 +74,35 @@ class _GeneratorState:
         return self.cpu.clone() if self.cuda is None else torch.cat([self.cpu, self.cuda.cpu()])
 
     @classmethod
-    def unpacked(cls, name: str, value) -> "_GeneratorState":
+    def unpacked(cls, name: str, value,
+                 call: str = "RNGStatesTracker.set_states") -> "_GeneratorState":
         """The state ``value`` holds: a :meth:`packed` tensor (or one from an earlier
-        ``get_states``). TypeError / ValueError naming stream ``name`` for anything else."""
+        ``get_states``). TypeError / ValueError naming ``call`` and stream ``name`` for
+        anything else."""
         if isinstance(value, _GeneratorState):
             return value
         cpu_bytes = torch.get_rng_state().numel()
         if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or \
                 value.dim() != 1 or value.numel() < cpu_bytes:
-            raise TypeError(f"RNGStatesTracker.set_states: stream {name!r} holds "
+            raise TypeError(f"{call}: stream {name!r} holds "
                             f"{_described(value)}; expected the uint8 tensor get_states() gave "
                             f"(at least {cpu_bytes} bytes: the CPU generator's state, then the "
                             f"CUDA generator's)")
         value = value.cpu()
         rest = value[cpu_bytes:]
         if rest.numel() and not torch.cuda.is_available():
-            raise ValueError(f"RNGStatesTracker.set_states: stream {name!r} holds a CUDA "
+            raise ValueError(f"{call}: stream {name!r} holds a CUDA "
                              f"generator state, and this process has no CUDA")
         if not rest.numel() and torch.cuda.is_available():
             # without one, a fork would leave the CUDA generator on the default stream: the
             # same dropout masks on every tensor-parallel rank, drawn again after the fork
-            raise ValueError(f"RNGStatesTracker.set_states: stream {name!r} holds no CUDA "
+            raise ValueError(f"{call}: stream {name!r} holds no CUDA "
                              f"generator state (saved without CUDA), and this process has CUDA")
         cpu = value[:cpu_bytes].clone()
         try:  # checked here, so that set_states refuses it and changes nothing
             torch.Generator().set_state(cpu)
         except RuntimeError as error:
-            raise ValueError(f"RNGStatesTracker.set_states: stream {name!r} holds no valid CPU "
+            raise ValueError(f"{call}: stream {name!r} holds no valid CPU "
                              f"generator state ({error})") from None
         return cls(cpu, rest.clone() if rest.numel() else None)
 
@@ -196,6 +198,53 @@ class RNGStatesTracker:
                             f"expected the dict get_states() gave")
         self._states = {name: _GeneratorState.unpacked(name, value)
                         for name, value in states.items()}
+
+    def resume_states(self, saved: dict) -> None:
+        """Continue the streams a checkpoint saved (``saved``: the saving process's
+        :meth:`get_states`, as Megatron's ``rng_tracker_states``): each saved stream takes its
+        saved state; a stream this tracker holds that the checkpoint lacks keeps its own.
+        Checked first (see :meth:`states_to_resume`): on error nothing changes. Local."""
+        self._states = {**self._states, **self.states_to_resume(saved)}
+
+    def states_to_resume(self, saved: dict) -> dict:
+        """What :meth:`resume_states` would set, changing nothing. Unlike :meth:`set_states`,
+        the saving process's devices may differ from this one's, as a resume may run elsewhere
+        (the default generators' checkpoint states load the same way): a saved CUDA state is
+        dropped where this process has no CUDA; where it has CUDA and the checkpoint holds none
+        (saved on CPU), the stream keeps this tracker's CUDA state of it. ``TypeError`` /
+        ``ValueError`` naming the stream for a value that is no generator state, or for a
+        CPU-saved stream this tracker does not hold in a process with CUDA (seed it first with
+        :func:`model_parallel_manual_seed`)."""
+        if not isinstance(saved, dict):
+            raise TypeError(f"RNGStatesTracker.resume_states(saved={_described(saved)}): "
+                            f"expected the dict get_states() gave")
+        cpu_bytes = torch.get_rng_state().numel()
+        resumed = {}
+        for name, value in saved.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1 \
+                    and value.numel() >= cpu_bytes:
+                value = self._on_this_process_devices(name, value.cpu(), cpu_bytes)
+            resumed[name] = _GeneratorState.unpacked(name, value,
+                                                     "RNGStatesTracker.resume_states")
+        return resumed
+
+    def _on_this_process_devices(self, name: str, packed: torch.Tensor,
+                                 cpu_bytes: int) -> torch.Tensor:
+        """``packed`` (a saved stream) with the CUDA part this process can take (see
+        :meth:`states_to_resume`)."""
+        has_cuda = torch.cuda.is_available()
+        if packed.numel() > cpu_bytes and not has_cuda:
+            return packed[:cpu_bytes]
+        if packed.numel() == cpu_bytes and has_cuda:
+            current = self._states.get(name)
+            if current is None or current.cuda is None:
+                raise ValueError(
+                    f"RNGStatesTracker.resume_states: stream {name!r} was saved without a CUDA "
+                    f"generator state (on CPU) and this tracker does not hold it; call "
+                    f"model_parallel_manual_seed(seed) before loading, so that its CUDA draws "
+                    f"start from the seed")
+            return torch.cat([packed, current.cuda.cpu()])
+        return packed
 
     def add(self, name: str, seed: int) -> None:
         """Start stream ``name`` from ``seed`` (both must be new to this tracker; the seed a
