@@ -793,7 +793,7 @@ def _warn_about_rng_not_continued(engine, ckpt, saved: dict) -> None:
             f"load_checkpoint({ckpt.path}): the checkpoint holds no model-parallel RNG streams "
             f"(written by an older shardkit); the tracker's streams {tracker.names()} keep "
             f"their current state, so dropout inside get_cuda_rng_tracker().fork() draws "
-            f"other masks than the run that saved it would have", stacklevel=3)
+            f"other masks than the run that saved it would have", stacklevel=4)
     saved_world, world = ckpt.metadata["world_size"], _rank_and_world(engine)[1]
     # torch's generators only: Python's and NumPy's start from OS entropy in each process
     # that does not seed them, so they differ on the ranks of almost every run
@@ -803,11 +803,20 @@ def _warn_about_rng_not_continued(engine, ckpt, saved: dict) -> None:
         warnings.warn(
             f"load_checkpoint({ckpt.path}): its {saved_world} ranks saved different torch RNG "
             f"states (seeded apart) and {world} ranks load it: rank r resumes saved rank "
-            f"r % {saved_world}'s states, so "
-            + (f"ranks {saved_world}..{world - 1} repeat the draws (dropout masks) of ranks "
-               f"0..{world - saved_world - 1}" if world > saved_world else
-               f"the draws of saved ranks {world}..{saved_world - 1} are not continued")
-            + "; reseed after load_checkpoint if the ranks must draw apart", stacklevel=3)
+            f"r % {saved_world}'s states, so {_rng_lost_by_resizing(saved_world, world)}; "
+            f"reseed after load_checkpoint if the ranks must draw apart", stacklevel=4)
+
+
+def _rng_lost_by_resizing(saved_world: int, world: int) -> str:
+    """What loading rank ``r`` with saved rank ``r % saved_world``'s RNG states loses when
+    ``world != saved_world``: the ranks that repeat other ranks' draws (those of saved ranks
+    ``0..saved_world-1`` at most, however many ranks load), or the saved ranks whose draws are
+    not continued."""
+    if world < saved_world:
+        return f"the draws of saved ranks {world}..{saved_world - 1} are not continued"
+    repeated = min(saved_world, world - saved_world)
+    return (f"ranks {saved_world}..{world - 1} repeat the draws (dropout masks) of ranks "
+            f"0..{repeated - 1}")
 
 
 def _same(a, b) -> bool:
