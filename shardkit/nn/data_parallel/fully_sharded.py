@@ -844,6 +844,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             "it")
 
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            # Dynamo cannot resume after a graph break inside a try block (the unit hooks are
+            # such breaks): it would run the whole forward eagerly. A compiled forward that
+            # raises leaves its units to the next forward to free, as before.
+            return self._fsdp_wrapped_module(*args, **kwargs)
         try:
             return self._fsdp_wrapped_module(*args, **kwargs)
         except BaseException:
