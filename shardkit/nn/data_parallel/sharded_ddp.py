@@ -235,6 +235,7 @@ class ShardedDataParallel(nn.Module):
         self._planned_names: dict = {}        # name -> the trainable parameter planned under it
         self._sync_enabled = True
         self._window_open = False             # a grad-enabled forward ran since the last reduction
+        self._accumulated_locally = False     # a no_sync() backward ran since the last reduction
         self._backward_active = False
         self._syncing = False
         self._ready_count: list[int] = []
@@ -503,6 +504,7 @@ class ShardedDataParallel(nn.Module):
         if self.world_size == 1:
             return
         self._window_open = False
+        self._accumulated_locally = False
         # agreed (one element): a change on one rank only must not leave the others reducing
         if self._plan_is_stale_on_any_rank(self._plan_is_stale(), _AT_REDUCE):
             raise RuntimeError("ShardedDataParallel.reduce(): the trainable parameters changed "
@@ -707,9 +709,15 @@ class ShardedDataParallel(nn.Module):
             # requires_grad inside the accumulation window on some ranks only (agreed there at
             # a forward) raises on every rank instead of pairing with these reductions. A
             # change every rank agrees on here (a freeze before an evaluation-mode forward,
-            # which re-plans nothing) is re-planned by every rank before any bucket launches
-            if self._plan_is_stale_on_any_rank(self._plan_is_stale(), _AT_BACKWARD):
+            # which re-plans nothing) is re-planned by every rank before any bucket launches,
+            # unless it froze a parameter holding a no_sync() gradient (refused, as at a
+            # training forward: one process would step that gradient)
+            stale = self._plan_is_stale()
+            drops = stale and self._accumulated_locally and self._drops_local_grads()
+            if self._plan_is_stale_on_any_rank(stale, _AT_BACKWARD, drops):
                 self.refresh_trainable()
+        if not self._sync_enabled:
+            self._accumulated_locally = True
         self._backward_active = True
         self._scale_carried_grads()
         self._syncing = self._sync_enabled
@@ -836,6 +844,7 @@ class ShardedDataParallel(nn.Module):
         try:
             if self._syncing:
                 self._window_open = False
+                self._accumulated_locally = False
                 self._launch_rest_and_wait()
                 if self._observed is not None:
                     self._settle_bucket_order()
