@@ -653,11 +653,15 @@ def _node_identity() -> tuple:
     return (int(group_rank) if group_rank not in (None, "") else None, socket.gethostname())
 
 
-def layout_from_identities(identities: Sequence[tuple], per_node: int) -> list[int]:
+def layout_from_identities(identities: Sequence[tuple], per_node: int,
+                           ranks: Optional[Sequence[int]] = None) -> list[int]:
     """The node index of every rank from each rank's ``(GROUP_RANK or None, host name)``:
     nodes are the distinct GROUP_RANKs (when every rank has one), else the distinct host names
-    (when there are several), else consecutive blocks of ``per_node`` ranks. Nodes are numbered
-    by GROUP_RANK, or by their lowest rank. Local; no communication."""
+    (when there are several), else consecutive blocks of ``per_node`` global ranks. Nodes are
+    numbered by GROUP_RANK, or by their lowest rank. ``ranks``: the global ranks the
+    identities belong to (ascending; default: all ranks, ``0..len-1``). Local; no
+    communication."""
+    ranks = range(len(identities)) if ranks is None else ranks
     if all(group_rank is not None for group_rank, _ in identities):
         keys = [group_rank for group_rank, _ in identities]
         order = sorted(set(keys))
@@ -665,8 +669,18 @@ def layout_from_identities(identities: Sequence[tuple], per_node: int) -> list[i
         keys = [host for _, host in identities]
         order = list(dict.fromkeys(keys))
     else:
-        return [rank // per_node for rank in range(len(identities))]
+        return [rank // per_node for rank in ranks]
     return [order.index(key) for key in keys]
+
+
+def _ranks_per_node_hint() -> int:
+    """``LOCAL_WORLD_SIZE`` (at least 1), or the world size where it is unset or not a number
+    (:func:`ranks_per_node` names a bad value where topology is used). Local."""
+    size = get_world_size()
+    try:
+        return max(int(os.environ.get("LOCAL_WORLD_SIZE", size)), 1)
+    except ValueError:
+        return size
 
 
 def discover_node_layout() -> list[int]:
@@ -679,14 +693,10 @@ def discover_node_layout() -> list[int]:
     if _layout is not None and _layout[0] is world:
         return _layout[1]
     size = get_world_size()
-    try:
-        per_node = max(int(os.environ.get("LOCAL_WORLD_SIZE", size)), 1)
-    except ValueError:  # ranks_per_node() names the bad value when topology is used
-        per_node = size
     identities = [_node_identity()] * size
     if size > 1:
         dist.all_gather_object(identities, _node_identity())
-    _layout = (world, layout_from_identities(identities, per_node))
+    _layout = (world, layout_from_identities(identities, _ranks_per_node_hint()))
     _spanning.clear()  # answers cached before the layout was known
     return _layout[1]
 
@@ -861,26 +871,12 @@ def group_ranks_by_node(ranks: Sequence[int], group=None, gather: bool = True
 
 
 def _nodes_of_identities(ranks: list[int], identities: Sequence[tuple]) -> list[list[int]]:
-    """The global ``ranks`` (ascending; ``identities`` in the same order) grouped by node from
-    each one's ``(GROUP_RANK or None, host name)``, with the rule of
-    :func:`layout_from_identities` but on global ranks: the GROUP_RANKs
-    when every rank has one, else the host names when they differ, else blocks of
-    ``LOCAL_WORLD_SIZE`` (default: the world size) consecutive global ranks. Nodes in the
-    order of their lowest rank. Local."""
-    if all(group_rank is not None for group_rank, _ in identities):
-        keys = [group_rank for group_rank, _ in identities]
-    elif len({host for _, host in identities}) > 1:
-        keys = [host for _, host in identities]
-    else:
-        world = get_world_size()
-        try:
-            per_node = max(int(os.environ.get("LOCAL_WORLD_SIZE", world)), 1)
-        except ValueError:  # ranks_per_node() names the bad value where topology is used
-            per_node = world
-        keys = [rank // per_node for rank in ranks]
+    """The global ``ranks`` (ascending; ``identities`` in the same order) grouped by node with
+    :func:`layout_from_identities`'s rule, nodes in the order of their lowest rank. Local."""
     by_node: dict = {}
-    for rank, key in zip(ranks, keys):
-        by_node.setdefault(key, []).append(rank)
+    layout = layout_from_identities(identities, _ranks_per_node_hint(), ranks)
+    for rank, node in zip(ranks, layout):
+        by_node.setdefault(node, []).append(rank)
     return list(by_node.values())
 
 
