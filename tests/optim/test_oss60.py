@@ -320,11 +320,6 @@ def test_a_parameter_listed_twice_is_named_as_such_not_as_shared_memory():
         check_no_shared_storage([{"params": [layer.weight, layer.bias, layer.weight]}], 2)
 
 
-def _mlp_dis():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
 def _batch_dis(seed: int) -> torch.Tensor:
     return torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
 
@@ -337,12 +332,6 @@ def _error_of_dis(fn):
     return None
 
 
-def _train_step_dis(ddp, optimizer, x):
-    optimizer.zero_grad()
-    ddp(x).pow(2).mean().backward()
-    optimizer.step()
-
-
 def _still_talking() -> float:
     total = torch.ones(1)
     skdist.all_reduce(total)
@@ -352,16 +341,16 @@ def _still_talking() -> float:
 def _freeze_on_one_rank_then_evaluate():
     """Rank 1 freezes the first layer; every rank validates (grad enabled), then trains."""
     rank = skdist.get_rank()
-    model = _mlp_dis()
+    model = _mlp()
     optimizer = OSS(model.parameters(), lr=0.1, momentum=0.9)
     ddp = ShardedDataParallel(model, optimizer)
-    _train_step_dis(ddp, optimizer, _batch_dis(rank))
+    _train_step(ddp, optimizer, _batch_dis(rank))
     if rank == 1:
         model[0].requires_grad_(False)
     ddp.eval()
     evaluated = _error_of_dis(lambda: ddp(_batch_dis(5)))
     ddp.train()
-    trained = _error_of_dis(lambda: _train_step_dis(ddp, optimizer, _batch_dis(rank)))
+    trained = _error_of_dis(lambda: _train_step(ddp, optimizer, _batch_dis(rank)))
     return evaluated, trained, _still_talking()
 
 
@@ -369,7 +358,7 @@ def _freeze_then_train_in_evaluation_mode():
     """Every rank freezes the first layer and trains on in evaluation mode: the largest
     difference from one process (SGD with momentum over the mean of the ranks' losses)."""
     rank, n = skdist.get_rank(), skdist.get_world_size()
-    model = _mlp_dis()
+    model = _mlp()
     oracle = copy.deepcopy(model)
     optimizer = OSS(model.parameters(), lr=0.1, momentum=0.9)
     ddp = ShardedDataParallel(model, optimizer)
@@ -381,7 +370,7 @@ def _freeze_then_train_in_evaluation_mode():
                 m[0].requires_grad_(False)
             ddp.eval()
         xs = [_batch_dis(10 * step + r) for r in range(n)]
-        _train_step_dis(ddp, optimizer, xs[rank])
+        _train_step(ddp, optimizer, xs[rank])
         reference.zero_grad()
         (sum(oracle(x).pow(2).mean() for x in xs) / n).backward()
         reference.step()
@@ -395,7 +384,7 @@ def _state_dtypes_after_a_cast_and_a_freeze():
     (re-partition), one more step, against one process: the momentum dtypes and the largest
     difference of the weights."""
     rank, n = skdist.get_rank(), skdist.get_world_size()
-    model = _mlp_dis()
+    model = _mlp()
     oracle = copy.deepcopy(model)
     optimizer = OSS(model.parameters(), lr=0.1, momentum=0.9)
     reference = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
@@ -461,11 +450,6 @@ def test_a_repartition_keeps_the_state_dtype_a_torch_optimizer_keeps(runs_dis):
         assert worst <= 1e-15, worst
 
 
-def _mlp_revb():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
 def _batch_revb(seed: int) -> torch.Tensor:
     return torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
 
@@ -478,17 +462,11 @@ def _error_of_revb(fn):
     return None
 
 
-def _still_talking_revb() -> float:
-    total = torch.ones(1)
-    skdist.all_reduce(total)
-    return total.item()
-
-
 def _freeze_inside_the_window_seen_at_the_backward(accumulate_in_training_mode: bool):
     """A no_sync() backward, a freeze on every rank, an evaluation-mode forward and the
     reducing backward: refused on every rank; the frozen layer's weights are untouched."""
     rank = skdist.get_rank()
-    model = _mlp_revb()
+    model = _mlp()
     optimizer = OSS(model.parameters(), lr=0.1, momentum=0.9)
     ddp = ShardedDataParallel(model, optimizer)
     if not accumulate_in_training_mode:
@@ -504,14 +482,14 @@ def _freeze_inside_the_window_seen_at_the_backward(accumulate_in_training_mode: 
         optimizer.step()
 
     error = _error_of_revb(reducing_backward_and_step)
-    return error, torch.equal(model[0].weight, before), _still_talking_revb()
+    return error, torch.equal(model[0].weight, before), _still_talking()
 
 
 def _accumulate_after_a_freeze_in_evaluation_mode(step_in_backward: bool):
     """Every rank freezes the first layer between steps and trains on in evaluation mode with
     two micro-batches per step (no_sync): the largest difference from one process."""
     rank, n = skdist.get_rank(), skdist.get_world_size()
-    model = _mlp_revb()
+    model = _mlp()
     oracle = copy.deepcopy(model)
     optimizer = OSS(model.parameters(), lr=0.1, momentum=0.9)
     ddp = ShardedDataParallel(model, optimizer, step_in_backward=step_in_backward)
