@@ -390,12 +390,9 @@ def _refuse_direct_step(optimizer, args, kwargs) -> None:
     engine = owner() if owner is not None else None
     if engine is None or _ENGINE_STEPPING.get(optimizer, 0) > 0:
         return None
-    if getattr(engine, "_offloaded_optimizer_state", None) is not None:
-        # as engine.step(): on a GPU torch's AdamW would count the step on its (host) step
-        # tensors, then fail on the moments, so the bias correction would drift by one
-        raise RuntimeError("engine.optimizer.step(): the optimizer state was moved off the "
-                           "device by engine.offload_states(); call engine.reload_states() "
-                           "before the next step")
+    # as engine.step(): on a GPU torch's AdamW would count the step on its (host) step
+    # tensors, then fail on the moments, so the bias correction would drift by one
+    engine._refuse_offloaded_step("engine.optimizer.step()")
     steps = engine.config.gradient_accumulation_steps
     if steps == 1:
         return None
@@ -1314,15 +1311,18 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
         """At the accumulation boundary: (fp16) agree on overflow, unscale, clip, step the
         optimizer and scheduler (``scheduler.step(**lr_kwargs)``, DeepSpeed's argument), update
-        the loss scale, zero gradients. Elsewhere: count. Without an optimizer: a RuntimeError
-        on every rank, before any collective."""
+        the loss scale, zero gradients. Elsewhere: count. Without an optimizer, or at the
+        boundary while any rank's optimizer state is offloaded (:meth:`offload_states`): a
+        RuntimeError on every rank, before any collective of the step (the ranks agree on the
+        offload first: one all-gather of one int64 a rank per boundary, in a world of
+        several)."""
         self._refuse_without_optimizer("step()")
-        self._refuse_offloaded_step()
         if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
             raise ValueError(f"engine.step(lr_kwargs={lr_kwargs!r}): expected a dict of keyword "
                              f"arguments for lr_scheduler.step(), or None")
         torch_backward = self._backwards_since_step == 0
         if self.is_gradient_accumulation_boundary():
+            self._refuse_offloaded_step()
             if self.lr_scheduler is not None:  # the scheduler steps at the boundary only
                 _check_lr_kwargs(self.lr_scheduler, lr_kwargs or {})
             self._refuse_unreduced_step()
@@ -1782,7 +1782,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
 
         - ``"optim_states"``: the optimizer's state tensors (Adam's two moments, ``8Ψ/N``
           bytes at stages 1-3, ``8Ψ`` at stage 0) move to host memory; ``step()`` is refused
-          until :meth:`reload_states`. Forwards still run.
+          until :meth:`reload_states`, on every rank as long as any rank holds its state
+          offloaded. Forwards still run.
         - ``"hp_params"`` / ``"lp_params"``: shardkit keeps one copy of the weights, the fp32
           parameters, which are both DeepSpeed's master and compute weights; those in host
           memory already (a CPU run) stay, and on an accelerator naming them is a ValueError
@@ -1874,15 +1875,28 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 if host is value:
                     state[key] = value.to(origin, non_blocking=non_blocking)
 
-    def _refuse_offloaded_step(self) -> None:
+    def _refuse_offloaded_step(self, call: str = "engine.step()") -> None:
         """``step()`` between :meth:`offload_states` and :meth:`reload_states` would update
         state that is not where the parameters are (on a GPU, a device mismatch inside the
         optimizer; on a CPU run, a script that forgets the reload would break on a GPU): refused
-        on every rank, before any collective."""
-        if self._offloaded_optimizer_state is not None:
-            raise RuntimeError("engine.step(): the optimizer state was moved off the device by "
-                               "engine.offload_states(); call engine.reload_states() before "
-                               "the next step")
+        before any collective, on every rank as soon as one rank offloaded (a script that
+        offloads or reloads on some ranks only would otherwise leave the others inside the
+        step's collectives, or stepping alone). Communication: in a world of several ranks,
+        one all-gather of one int64 a rank (a control message ``CommCounter`` does not
+        count)."""
+        offloaded = self._offloaded_optimizer_state is not None
+        if distributed.get_world_size() < 2:
+            ranks = [0] if offloaded else []
+        else:
+            rows = distributed._gather_rows(call, [int(offloaded)], None,
+                                            distributed._control_device(None))
+            ranks = [rank for rank, (flag,) in enumerate(rows) if flag]
+        if ranks:
+            where = "" if ranks == list(range(distributed.get_world_size())) \
+                else f" on rank(s) {ranks} (not on the others)"
+            raise RuntimeError(f"{call}: the optimizer state was moved off the device by "
+                               f"engine.offload_states(){where}; call engine.reload_states() "
+                               f"on every rank before the next step (no rank stepped)")
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
                         load_module_strict: bool = True,
@@ -2465,6 +2479,12 @@ def _config_source(config, config_params, args):
             f"initialize: a config was given both as args.deepspeed_config={from_args!r} "
             f"(--deepspeed_config) and as config=...; pass only one (drop the command-line "
             f"flag or the config argument)")
+    if given is None and isinstance(from_args, (str, os.PathLike)) \
+            and not os.path.isfile(from_args):
+        flag = "deepspeed_config" if getattr(args, "deepspeed_config", None) is not None \
+            else "deepscale_config"
+        raise ConfigError(f"initialize: args.{flag}={os.fspath(from_args)!r} (--{flag}): no "
+                          f"such file; pass the path of a JSON config file")
     return given if given is not None else from_args
 
 
