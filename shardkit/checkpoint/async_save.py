@@ -22,6 +22,13 @@ once the groups are gone, so the script ends with an error rather than status 0.
 by ``from torch.distributed import destroy_process_group`` before that first save keeps torch's
 own function: call :func:`wait_for_pending_saves` before it.
 
+Note: that wait is bounded by the checkpoint group's timeout (the default group's, as
+``init_process_group(timeout=...)`` set it; the longest the commit's own collectives may
+block) plus a margin of 10% (at least 2 s). The saves still running when it begins are named
+on stderr; one still running at its end (a rank stuck writing its file) is named in the
+:class:`~shardkit.checkpoint.CheckpointError` raised once the groups are destroyed, and the
+process can then exit (the writer is a daemon thread, no longer waited for).
+
 Costs: memory, one CPU copy of this rank's share of the model and optimizer state until the
 write ends; communication, that of a synchronous save, on the checkpoint group.
 """
@@ -31,8 +38,10 @@ from __future__ import annotations
 import atexit
 import functools
 import itertools
+import os
 import sys
 import threading
+import time
 import weakref
 from typing import Callable, Optional
 
@@ -51,6 +60,7 @@ def checkpoint_group():
     cached = _groups.current()
     if "world" not in cached:
         cached["world"] = distributed.new_group(range(distributed.get_world_size()),
+                                                timeout_s=distributed.timeout_of(None),
                                                 backend="gloo")
         _make_torch_destroy_wait_for_saves()
     return cached["world"]
@@ -81,12 +91,44 @@ def _waiting_destroy(destroy_process_group):
         if not _destroys_checkpoint_group(group):
             return destroy_process_group(group)
         try:
-            wait_for_pending_saves()
+            _wait_before_destroy()
         finally:
             destroy_process_group(group)
 
     destroy._waits_for_checkpoint_saves = True
     return destroy
+
+
+# The wait of a destroy when the checkpoint group's timeout cannot be read (torch's default).
+_DEFAULT_WAIT_S = 1800.0
+_QUIET_WAIT_S = 3.0  # how long a destroy waits before it names the saves it waits for
+
+
+def _wait_before_destroy() -> None:
+    """:func:`wait_for_pending_saves` bounded by the checkpoint group's timeout, saying on
+    stderr which saves it waits for (so a long wait is never silent). The bound has a margin
+    over the timeout: a save waiting in one of the commit's collectives then ends with the
+    group's timeout error first (destroying a group under a collective aborts the process);
+    only a save stuck outside them (in its writer) is given up."""
+    bound = _wait_bound()
+    deadline = time.monotonic() + bound
+    quiet_until = time.monotonic() + min(_QUIET_WAIT_S, bound)
+    for save in _in_start_order():  # a save about to end needs no word on stderr
+        save._thread.join(max(0.0, quiet_until - time.monotonic()))
+    running = [save for save in _in_start_order() if not save.done()]
+    if running:
+        print(f"[shardkit] destroy_process_group: waiting (at most {bound:g} s in all) for "
+              f"{'; '.join(save.describe() for save in running)} to finish (its commit runs on "
+              f"the checkpoint process group this call destroys)", file=sys.stderr, flush=True)
+    _wait_for_saves_until(deadline, bound)
+
+
+def _wait_bound() -> float:
+    """Seconds a destroy or the end of the process waits for the pending saves: the
+    checkpoint group's timeout plus a margin (see :func:`_wait_before_destroy`)."""
+    group = _groups.current().get("world")
+    timeout = (distributed.timeout_of(group) if group is not None else None) or _DEFAULT_WAIT_S
+    return timeout + max(2.0, 0.1 * timeout)
 
 
 def _destroys_checkpoint_group(group) -> bool:
@@ -101,12 +143,16 @@ class AsyncSave:
 
     Attributes:
         path: the checkpoint directory it will publish.
+        tag: its tag (the last component of ``path``).
     """
 
     def __init__(self, path: str, write: Callable[[], str]):
         self.path = path
+        self.tag = os.path.basename(os.path.normpath(path))
         self._error: Optional[BaseException] = None
         self._order = next(_started)
+        self._started_at = time.monotonic()
+        self._given_up = False  # a bounded wait ended before it did: no longer waited for
         self._thread = threading.Thread(target=self._run, args=(write,),
                                         name="shardkit-async-checkpoint", daemon=True)
         _pending.add(self)
@@ -122,10 +168,33 @@ class AsyncSave:
         """True once the background write has ended (successfully or not)."""
         return not self._thread.is_alive()
 
-    def wait(self) -> str:
+    def describe(self) -> str:
+        """Which save this is, for messages: tag, directory, this rank, age."""
+        rank = distributed.get_rank() if distributed.is_initialized() else "?"
+        return (f"the asynchronous checkpoint save of tag {self.tag!r} into "
+                f"{os.path.dirname(os.path.normpath(self.path))} (rank {rank}, started "
+                f"{time.monotonic() - self._started_at:.0f} s ago)")
+
+    def wait(self, timeout_s: Optional[float] = None) -> str:
         """Block until the write ends; return the checkpoint directory or raise its error
-        (:class:`~shardkit.checkpoint.CheckpointError` when the save failed on any rank)."""
-        self._thread.join()
+        (:class:`~shardkit.checkpoint.CheckpointError` when the save failed on any rank).
+        With ``timeout_s``, a save still running after that many seconds raises a
+        :class:`~shardkit.checkpoint.CheckpointError` naming it, and is no longer waited for
+        at the end of the process."""
+        return self._wait_until(None if timeout_s is None else time.monotonic() + timeout_s,
+                                timeout_s)
+
+    def _wait_until(self, deadline: Optional[float], bound: Optional[float]) -> str:
+        """:meth:`wait` until the ``time.monotonic()`` ``deadline`` of a wait of ``bound``
+        seconds (for its message)."""
+        self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            from shardkit.checkpoint.sharded import CheckpointError
+            self._given_up = True
+            raise CheckpointError(
+                f"{self.describe()} did not finish within a wait of {bound:g} s on this rank (a "
+                f"rank stuck writing its file, or waiting for one that is); the process no "
+                f"longer waits for it, not even at exit")
         _pending.discard(self)
         if self._error is not None:
             error, self._error = self._error, None
@@ -133,17 +202,30 @@ class AsyncSave:
         return self.path
 
 
-def wait_for_pending_saves() -> list:
+def _in_start_order() -> list:
+    return sorted(_pending, key=lambda save: save._order)
+
+
+def wait_for_pending_saves(timeout_s: Optional[float] = None) -> list:
     """Wait for every asynchronous save of this process still under way, oldest first; return
     their checkpoint directories. Raises the first failed save's error once all have ended
     (:class:`~shardkit.checkpoint.CheckpointError` when a save failed on any rank).
+    ``timeout_s`` bounds the whole wait: a save still running then is such an error, naming
+    its tag and directory.
 
     Call it on every rank while the process group still exists (each save's commit is a
     collective); ``shardkit.distributed.destroy()`` does."""
+    return _wait_for_saves_until(None if timeout_s is None else time.monotonic() + timeout_s,
+                                 timeout_s)
+
+
+def _wait_for_saves_until(deadline: Optional[float], bound: Optional[float]) -> list:
+    """:func:`wait_for_pending_saves` until the ``time.monotonic()`` ``deadline`` of a wait
+    of ``bound`` seconds (for the messages)."""
     first_error, paths = None, []
-    for save in sorted(_pending, key=lambda save: save._order):
+    for save in _in_start_order():
         try:
-            paths.append(save.wait())
+            paths.append(save._wait_until(deadline, bound))
         except Exception as e:  # the later saves still finish before it is raised
             first_error = first_error or e
     if first_error is not None:
@@ -153,10 +235,16 @@ def wait_for_pending_saves() -> list:
 
 def _wait_all_at_exit() -> None:
     """A process that ends normally first finishes its background saves. A failure can only be
-    reported here (the exit status is the script's own), on stderr."""
-    for save in sorted(_pending, key=lambda save: save._order):
+    reported here (the exit status is the script's own), on stderr. The wait is bounded as a
+    destroy's is (:func:`_wait_bound`): a writer stuck for good does not keep the process."""
+    saves = [save for save in _in_start_order() if not save._given_up]  # given up: reported
+    if not saves:
+        return
+    bound = _wait_bound()
+    deadline = time.monotonic() + bound
+    for save in saves:
         try:
-            save.wait()
+            save._wait_until(deadline, bound)
         except Exception as e:
             hint = "" if distributed.is_initialized() else (
                 " (the process group was destroyed while the save was being committed: end "

@@ -26,7 +26,6 @@ import copy
 import logging
 import os
 import random
-import shutil
 import warnings
 import zlib
 from typing import Optional
@@ -39,7 +38,9 @@ from shardkit.checkpoint.resharding import ParamLayout
 from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard,
                                          agreement_device, check_loads_back, check_tag,
                                          commit_checkpoint, plain_numbers, read_checkpoint,
-                                         resolve_checkpoint_dir, staging_dir)
+                                         remove_abandoned_parts, remove_own_staging,
+                                         resolve_checkpoint_dir,
+                                         staging_dir)
 from shardkit.nn.model_parallel.random import get_model_parallel_rng_tracker
 from shardkit.optim.local_step import without_fused_choice
 from shardkit.optim.lr_scheduler import loads_position_only
@@ -77,9 +78,13 @@ def save_engine_checkpoint(engine, save_dir: str, tag: Optional[str],
     except Exception as e:  # e.g. rank 0's scheduler state: raised on every rank by the commit
         error = e
     script_dir = _recovery_script_dir(engine, save_dir)
+    group = getattr(engine, "checkpoint_group", None)
+    if getattr(engine, "model_parallel", None) is not None \
+            and distributed.get_rank(group) == 0:  # what killed saves left of this part
+        remove_abandoned_parts(os.path.dirname(os.path.abspath(save_dir)), tag)
     if not async_save:
         return commit_checkpoint(save_dir, tag, shard, metadata, payload, save_latest,
-                                 group=getattr(engine, "checkpoint_group", None),
+                                 group=group,
                                  prepare_error=error, recovery_script_dir=script_dir)
     from shardkit.checkpoint.async_save import AsyncSave, checkpoint_group
     group = checkpoint_group()
@@ -103,7 +108,7 @@ def _committed_or_cleaned_up(commit, staging: Optional[str]) -> str:
         raise
     except BaseException:
         if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
+            remove_own_staging(staging)
         raise
 
 

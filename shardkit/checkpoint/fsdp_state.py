@@ -23,7 +23,8 @@ from shardkit import distributed
 from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE, per_element
 from shardkit.checkpoint.resharding import ParamLayout, shard_rows, unshard_rows
 
-__all__ = ["LOCAL_META_KEY", "LOCAL_FORMAT", "local_metadata", "param_cut",
+__all__ = ["LOCAL_META_KEY", "LOCAL_FORMAT", "LOCAL_FORMAT_VERSIONS", "check_local_format",
+           "local_metadata", "param_cut",
            "consolidate_shard_weights",
            "reshard_local_state_dicts", "reshard_local_optim_state_dicts",
            "gather_full_optimizer_state",
@@ -33,7 +34,11 @@ __all__ = ["LOCAL_META_KEY", "LOCAL_FORMAT", "local_metadata", "param_cut",
 # Where local_state_dict() kept its metadata before local_metadata_dict() existed; such
 # checkpoints still load.
 LOCAL_META_KEY = "_shardkit_fsdp_meta"
-LOCAL_FORMAT = "shardkit-fsdp-local/1"
+# Version 2 added "cuts" (units cut otherwise than the root); version-1 dicts lack it and load
+# as the root's cut. A newer version may mean something this code would misread: refused.
+LOCAL_FORMAT_NAME = "shardkit-fsdp-local"
+LOCAL_FORMAT_VERSIONS = (1, 2)
+LOCAL_FORMAT = f"{LOCAL_FORMAT_NAME}/{LOCAL_FORMAT_VERSIONS[-1]}"
 
 
 def local_metadata(world_size: int, rank: int, shapes: dict, buffer_names: Sequence[str],
@@ -54,6 +59,25 @@ def local_metadata(world_size: int, rank: int, shapes: dict, buffer_names: Seque
             "shapes": {name: list(shape) for name, shape in shapes.items()},
             "buffer_names": list(buffer_names),
             "cuts": {name: [int(n) for n in cut] for name, cut in (cuts or {}).items()}}
+
+
+def check_local_format(meta: dict, what: str, argument: str) -> None:
+    """A ValueError naming ``argument`` (which of the caller's metadata dicts), the format it
+    carries and the versions this code reads, unless ``meta`` is a local metadata dict of a
+    known version (dicts of before the format field count as version 1). Local."""
+    found = meta.get("format", f"{LOCAL_FORMAT_NAME}/1")
+    name, _, version = found.rpartition("/") if isinstance(found, str) else ("", "", "")
+    if name == LOCAL_FORMAT_NAME and version.isdigit() \
+            and int(version) in LOCAL_FORMAT_VERSIONS:
+        return
+    known = ", ".join(f"{LOCAL_FORMAT_NAME}/{v}" for v in LOCAL_FORMAT_VERSIONS)
+    newer = name == LOCAL_FORMAT_NAME and version.isdigit() \
+        and int(version) > LOCAL_FORMAT_VERSIONS[-1]
+    raise ValueError(f"{what}: {argument} (rank {meta.get('rank')}'s local_metadata_dict) has "
+                     f"format {found!r}; this shardkit reads {known}"
+                     + ("; it was written by a newer shardkit: load it with that version"
+                        if newer else "; it is not a FullyShardedDataParallel local "
+                        "metadata dict"))
 
 
 def param_cut(meta: dict, name: str) -> tuple:
@@ -82,6 +106,8 @@ def _check_pairs(shard_weights, shard_metadata, what: str) -> list[tuple[dict, d
     if bad:
         raise ValueError(f"{what}: shard_metadata[{bad[0]}] is not a local_metadata_dict() "
                          f"(a dict with 'world_size', 'rank' and 'shapes')")
+    for index, meta in enumerate(metas):
+        check_local_format(meta, what, f"shard_metadata[{index}]")
     _refuse_own_group_params(metas, what)
     # the root's shards, from its replica 0 (the other replicas' copies are skipped)
     firsts = [m for m in metas if not m.get("replica", 0)]
@@ -213,6 +239,7 @@ def reshard_local_state_dicts(state_dict, metadata, world_size: int, rank: int,
         metas = [metadata] if isinstance(metadata, dict) else list(metadata)
     if len(dicts) == 1 and len(metas) == 1 and isinstance(metas[0], dict):
         meta = metas[0]
+        check_local_format(meta, "load_local_state_dict", "metadata")
         if (meta.get("world_size"), meta.get("rank")) == (world_size, rank):
             return OrderedDict(dicts[0])
         if meta.get("world_size") != 1:  # the dict of a world of one is whole: resharded below

@@ -33,8 +33,10 @@ part (rank 0's scheduler state) to publishing, raises a :class:`CheckpointError`
 none waiting in a collective for it, and so does a rank dying mid-save on the ranks left (rank 0
 then removes the staging directory). What a killed save leaves (``.tmp-TAG``, or a retired
 ``.old-TAG`` beside its published re-save: :func:`abandoned_saves`) is named by a warning when the
-directory is loaded, and removed by the next save of the whole world into it. A shared
-filesystem is assumed across nodes.
+directory is loaded, and removed by the next save into it. A staging directory carries an owner
+marker (:mod:`shardkit.checkpoint.save_owner`) and counts as abandoned only once its owner
+provably no longer runs, so a save of another job into the same directory is never removed
+under it. A shared filesystem is assumed across nodes.
 """
 
 from __future__ import annotations
@@ -61,12 +63,14 @@ from shardkit import distributed
 from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE, per_element
 from shardkit.checkpoint.resharding import (ParamLayout, copy_rows_into, join_row_blocks,
                                             join_row_state)
+from shardkit.checkpoint.save_owner import (OWNER_FILE, create_owned_dir, describe_owner,
+                                            owner_is_gone, read_owner, this_process)
 
 __all__ = ["FORMAT", "CheckpointError", "RankShard", "LoadedCheckpoint", "RowsWanted",
            "commit_checkpoint", "agreement_device", "read_latest_tag", "write_latest_tag",
            "read_checkpoint", "rank_file_name", "resolve_checkpoint_dir", "check_tag",
            "load_checkpoint_file", "file_digest", "plain_numbers", "check_loads_back",
-           "abandoned_saves"]
+           "abandoned_saves", "remove_own_staging", "remove_abandoned_parts"]
 
 FORMAT = "shardkit-resharding-v1"
 LATEST = "latest"
@@ -182,7 +186,7 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
         raise
     except Exception as error:  # the agreement itself broke off: a rank died, a group went
         if rank == 0 and not published:
-            shutil.rmtree(staging, ignore_errors=True)
+            remove_own_staging(staging)
         raise CheckpointError(
             f"save_checkpoint of {os.path.join(save_dir, tag)} failed: the ranks' agreement "
             f"broke off ({type(error).__name__}: {str(error).splitlines()[0][:300]}), e.g. "
@@ -272,25 +276,77 @@ def _load_back_error(obj) -> Optional[str]:
 
 
 def _make_staging(save_dir: str, staging: str, whole_world: bool) -> None:
-    """Rank 0: an empty staging directory (a ``save_dir`` that is a file or cannot be written
-    to fails here, and every rank then raises rather than waiting for rank 0). A save by the
-    whole world also removes what crashed saves left in ``save_dir``
-    (:func:`abandoned_saves`), with a warning naming it."""
+    """Rank 0: an empty staging directory holding this process's owner marker (a ``save_dir``
+    that is a file or cannot be written to fails here, and every rank then raises rather than
+    waiting for rank 0). First it removes what crashed saves left in ``save_dir``
+    (:func:`abandoned_saves`), with a warning naming it: a save by the whole world all of it; a
+    save by a sub-group (tensor parallelism: the groups stage their ``mp_rank_XX`` parts side
+    by side) only the staging directories whose owner provably ended, and its own tag's
+    retired copy. A staging directory of the same tag still being written by another save is
+    an error naming its owner, never removed."""
     os.makedirs(save_dir, exist_ok=True)
-    if whole_world:
-        _remove_abandoned_saves(save_dir)
+    tag = os.path.basename(staging)[len(".tmp-"):]
+    _remove_abandoned_saves(save_dir, proven_only=not whole_world, own_tag=tag)
+    _clear_own_staging(staging, tag)
+    try:
+        create_owned_dir(staging)
+    except FileExistsError:
+        raise _staging_taken(staging, tag, read_owner(staging)) from None
+    except OSError as error:
+        if os.path.isdir(staging):  # created meanwhile by another save (not empty)
+            raise _staging_taken(staging, tag, read_owner(staging)) from None
+        raise error
+
+
+def _clear_own_staging(staging: str, tag: str) -> None:
+    """Remove ``staging`` (this save's) when an earlier save of ``tag`` left it; raise when a
+    save still under way writes into it (another job's, or another of this process)."""
+    if not os.path.lexists(staging):
+        return
+    with _staging_lock:
+        others_here = _stagings_under_way[_same_place(staging)] > 1
+    owner = read_owner(staging)
+    if others_here or not _is_abandoned_staging(staging, owner):
+        raise _staging_taken(staging, tag, owner)
     shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
 
 
-def abandoned_saves(save_dir: str) -> list:
+def remove_own_staging(staging: str) -> None:
+    """Remove the staging directory of a failed save, if this process created it (not when the
+    save failed because another save owns it)."""
+    if read_owner(staging) == this_process():
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _staging_taken(staging: str, tag: str, owner: Optional[dict]) -> CheckpointError:
+    return CheckpointError(
+        f"{staging}: another save of tag {tag!r} is writing into it ({describe_owner(owner)}, "
+        f"still running or on another host); two saves of one tag into one directory would "
+        f"overwrite each other. Save under another tag or directory, or, if that save is "
+        f"dead, remove {staging}")
+
+
+def _is_abandoned_staging(path: str, owner: Optional[dict]) -> bool:
+    """Whether staging directory ``path``, not a save of this process under way, was left by
+    a save that ended: its marker's process provably no longer runs, or it is this process
+    (whose saves under way are registered), or it has no marker (written by a shardkit from
+    before the markers: every staging directory is now born with its marker)."""
+    if owner is None:
+        return True
+    return owner == this_process() or owner_is_gone(owner)
+
+
+def abandoned_saves(save_dir: str, proven_only: bool = False,
+                    own_tag: Optional[str] = None) -> list:
     """The directories in ``save_dir`` that a save killed before it ended left behind: a
-    staging directory ``.tmp-TAG`` (ranks' files, never published), and a retired copy
-    ``.old-TAG`` whose re-save did publish ``TAG`` (without ``TAG`` the retired copy is the
-    checkpoint, and is kept). Only directories holding nothing but the files a save writes
-    count (a user's own ``.tmp-cache`` is not a save's), and the staging directories of this
-    process's saves still under way (an asynchronous one, say) are not among them. Sorted
-    paths; reads the directory listings only."""
+    staging directory ``.tmp-TAG`` (ranks' files, never published) whose owner provably no
+    longer runs (:func:`_is_abandoned_staging`), and a retired copy ``.old-TAG`` whose re-save
+    did publish ``TAG`` (without ``TAG`` the retired copy is the checkpoint, and is kept). Only
+    directories holding nothing but the files a save writes count (a user's own ``.tmp-cache``
+    is not a save's), and the staging directories of this process's saves still under way (an
+    asynchronous one, say) are not among them. ``proven_only``: only staging directories with
+    an owner marker, and only ``own_tag``'s retired copy. Sorted paths; reads the directory
+    listings and the owner markers."""
     if not os.path.isdir(save_dir):
         return []
     names = sorted(os.listdir(save_dir))
@@ -302,15 +358,18 @@ def abandoned_saves(save_dir: str) -> list:
         if not os.path.isdir(path) or os.path.islink(path) or _same_place(path) in under_way \
                 or not _holds_only_checkpoint_files(path):
             continue
-        if _is_tag_after(".tmp-", name) or (
-                _is_tag_after(".old-", name)
-                and os.path.isfile(os.path.join(save_dir, name[len(".old-"):], METADATA))):
+        if _is_tag_after(".tmp-", name):
+            owner = read_owner(path)
+            if (owner is not None or not proven_only) and _is_abandoned_staging(path, owner):
+                found.append(path)
+        elif _is_tag_after(".old-", name) and (not proven_only or name == f".old-{own_tag}") \
+                and os.path.isfile(os.path.join(save_dir, name[len(".old-"):], METADATA)):
             found.append(path)
     return found
 
 
-_CHECKPOINT_FILE = re.compile(r"(rank_\d{5,}\.pt(%s)?|%s|%s)" % (
-    re.escape(DIGEST_SUFFIX), re.escape(ENGINE_FILE), re.escape(METADATA)))
+_CHECKPOINT_FILE = re.compile(r"(rank_\d{5,}\.pt(%s)?|%s|%s|%s)" % (
+    re.escape(DIGEST_SUFFIX), re.escape(ENGINE_FILE), re.escape(METADATA), re.escape(OWNER_FILE)))
 
 
 def _holds_only_checkpoint_files(path: str) -> bool:
@@ -363,19 +422,35 @@ def _staging_in_use(staging: str):
                 del _stagings_under_way[key]
 
 
-def _remove_abandoned_saves(save_dir: str) -> None:
-    """Remove :func:`abandoned_saves` of ``save_dir``, warning with their names.
-
-    Note: only a save by every rank of the world calls this, so no other save of this job can
-    be writing into ``save_dir`` meanwhile (a tensor-parallel save's groups stage their
-    ``mp_rank_XX`` parts side by side in one directory, and do not)."""
-    leftovers = abandoned_saves(save_dir)
+def _remove_abandoned_saves(save_dir: str, proven_only: bool = False,
+                            own_tag: Optional[str] = None) -> None:
+    """Remove :func:`abandoned_saves` of ``save_dir``, warning with their names. A staging
+    directory's owner is checked again just before it is removed."""
+    leftovers = [path for path in abandoned_saves(save_dir, proven_only, own_tag)
+                 if not os.path.basename(path).startswith(".tmp-")
+                 or _is_abandoned_staging(path, read_owner(path))]
     for path in leftovers:
         shutil.rmtree(path, ignore_errors=True)
     if leftovers:
         warnings.warn(f"save_checkpoint: removed {_names(leftovers)} from {save_dir}: what "
                       f"earlier saves left when they were killed midway (never named by "
                       f"'latest')", stacklevel=2)
+
+
+def remove_abandoned_parts(parent_dir: str, part: str) -> None:
+    """For saves that write part ``part`` of each checkpoint into ``parent_dir/TAG/part`` (a
+    tensor-parallel engine's groups, one ``mp_rank_XX`` part each): remove, in every tag
+    directory of ``parent_dir``, the staging directories whose owner provably ended and
+    ``part``'s retired copy beside its published one, warning with their names. Another tag's
+    directory is never cleaned by that tag's own saves, so a part killed midway would stay.
+    Errors are ignored (a cleanup never fails a save). Reads the directory listings."""
+    try:
+        tag_dirs = sorted(os.scandir(parent_dir), key=lambda entry: entry.name)
+    except OSError:
+        return
+    for entry in tag_dirs:
+        if entry.is_dir(follow_symlinks=False) and not entry.name.startswith("."):
+            _remove_abandoned_saves(entry.path, proven_only=True, own_tag=part)
 
 
 def _names(paths: list) -> str:
@@ -405,7 +480,7 @@ def _agree_or_raise(error: Optional[BaseException], what: str, staging: str,
     if not distributed.any_rank(error is not None, group, device=agreement_device(group)):
         return
     if distributed.get_rank(group) == 0:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_own_staging(staging)
     distributed.barrier(group)  # every rank raises only once the staging directory is gone
     detail = f": {type(error).__name__}: {error}" if error is not None else \
         " on another rank (see its error)"
@@ -434,6 +509,8 @@ def _publish(save_dir, tag, staging, final, metadata, engine_payload, save_lates
         shutil.rmtree(retired, ignore_errors=True)
     else:
         os.replace(staging, final)
+    with contextlib.suppress(OSError):  # a published checkpoint has no owner
+        os.remove(os.path.join(final, OWNER_FILE))
     if save_latest:
         write_latest_tag(save_dir, tag)
 
