@@ -162,16 +162,16 @@ def _bad_requests():
 def test_what_cannot_be_split_is_still_one_clear_error_on_every_rank(world2):
     """torch refuses fewer rows than micro-batches too; a nested spec that does not match the
     keyword's value is named rather than pairing specs with the wrong tensors; a target cut
-    into micro-batches that do not fit the output's says how it was cut."""
+    at other rows than the batch is named with both cuts."""
     for rank, (small, target, nested, rows, after) in enumerate(world2.run(_bad_requests)):
         assert "chunks=4 is larger than the batch size 3" in small, small
         assert "target of shape (3, 6) cannot be split into chunks=4 micro-batches" in target, \
             target
         assert "extra=...): kwargs_chunk_spec gives it a structure of specs {'scale': 0}" \
             in nested and "{'scale': Tensor, 'bias': Tensor}" in nested, nested
-        assert "micro-batch 0: loss_fn raised RuntimeError" in rows, rows
-        assert "(its target has 3 rows, its output 2: the target's 10 rows are cut into " \
-            "chunks=4 micro-batches along dim 0 with torch.tensor_split" in rows, rows
+        # the target is checked against the batch before any loss_fn runs
+        assert "target of shape (10, 6) is cut along dim 0 into chunks=4 micro-batches of " \
+            "[3, 3, 2, 2] rows, but the batch's 8 rows into [2, 2, 2, 2]" in rows, rows
         assert (after is not None) == (rank == 1), after
 
 

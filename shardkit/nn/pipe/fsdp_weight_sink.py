@@ -70,7 +70,8 @@ from shardkit.nn.data_parallel.flat_param import gathered_param_edges
 from shardkit.nn.data_parallel.fully_sharded import backward_hooks_paused
 from shardkit.nn.pipe.split_backward import PASS_THROUGH, WeightGradPass
 
-__all__ = ["ShardedGradientSink", "stage_is_fully_sharded", "params_outside_fsdp"]
+__all__ = ["ShardedGradientSink", "stage_is_fully_sharded", "params_outside_fsdp",
+           "frozen_units_with_replicas"]
 
 # Ops whose gradient for the parameter's side reads only the other operand (the input side).
 _FRONTIER_WITHOUT_WEIGHTS = frozenset({"AddmmBackward0", "MmBackward0", "EmbeddingBackward0",
@@ -199,3 +200,21 @@ def params_outside_fsdp(module: torch.nn.Module) -> list[str]:
         return []
     return [name for name, p in module.named_parameters()
             if p.requires_grad and id(p) not in owned]
+
+
+def frozen_units_with_replicas(module: torch.nn.Module) -> list[tuple[str, object]]:
+    """``(name, process group)`` of each FullyShardedDataParallel unit nested in ``module`` (not
+    the outermost) whose parameters are all frozen and that is sharded over several ranks, in
+    module order. A backward gathers such a unit only where it reaches the unit's output,
+    which, with no trainable parameter before it, only the stage's input leads to."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+    from shardkit.nn.data_parallel.fsdp_state_dict import clean_name
+
+    found = []
+    for name, unit in module.named_modules():
+        if not name or not isinstance(unit, FullyShardedDataParallel) or unit.world_size < 2:
+            continue
+        params = list(unit.parameters())
+        if params and not any(p.requires_grad for p in params):
+            found.append((clean_name(name), unit.process_group))
+    return found

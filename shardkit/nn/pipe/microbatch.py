@@ -17,7 +17,7 @@ __all__ = ["as_tuple", "batch_size", "split_microbatches", "join_microbatches",
            "own_microbatches", "split_keyword_arguments", "keyword_argument_problems",
            "keyword_chunk_dims", "positional_chunk_spec_problem",
            "keyword_signature", "mergeable_output_problem", "merge_outputs", "part_rows",
-           "splits_alike"]
+           "splits_alike", "split_target", "target_rows", "target_split_problems"]
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -259,6 +259,48 @@ def _keyword_leaf_problem(value, dim: Optional[int], chunks: int,
         return ("a tensor passed by keyword must not require grad (only the positional inputs "
                 "get their gradient back); pass it positionally or detach it")
     return None
+
+
+def split_target(target, chunks: int) -> list:
+    """``target`` per micro-batch, as ``torch.distributed.pipelining`` splits a tensor target:
+    each tensor with a batch dimension cut into ``chunks`` views along dim 0 (inside tuples,
+    lists and dicts too, as keyword arguments are); other values go to every micro-batch as
+    they are. Views, no copies."""
+    return _split_value(target, chunks, 0)
+
+
+def target_rows(target) -> Optional[int]:
+    """The dim-0 size of ``target``'s first tensor with a batch dimension (``None``: none)."""
+    rows = [leaf.shape[0] for leaf in tree_flatten(target)[0] if _has_batch_dim(leaf)]
+    return rows[0] if rows else None
+
+
+def target_split_problems(target, chunks: int, batch_rows: Optional[int] = None) -> list[str]:
+    """What keeps :func:`split_target` from cutting ``target`` as the batch is cut: a tensor
+    target without a batch dimension, a tensor (nested ones too) with fewer rows than
+    ``chunks``, or, given the batch's rows, one whose micro-batches would not hold the
+    targets of the batch's micro-batches' samples (:func:`splits_alike`: a target flattened
+    over the batch's rows, ``(batch * seq,)``, fits only where ``chunks`` divides the batch)."""
+    if isinstance(target, torch.Tensor) and target.dim() == 0:
+        return [f"target of shape () cannot be split into chunks={chunks} micro-batches along "
+                f"dim 0 (it needs at least {chunks} rows)"]
+    problems = []
+    for path, leaf in tree_flatten_with_path(target)[0]:
+        if not _has_batch_dim(leaf):
+            continue
+        name, rows = f"target{keystr(path)}", leaf.shape[0]
+        if rows < chunks:
+            problems.append(f"{name} of shape {tuple(leaf.shape)} cannot be split into "
+                            f"chunks={chunks} micro-batches along dim 0 (it needs at least "
+                            f"{chunks} rows)")
+        elif batch_rows is not None and not splits_alike(rows, batch_rows, chunks):
+            problems.append(
+                f"{name} of shape {tuple(leaf.shape)} is cut along dim 0 into chunks={chunks} "
+                f"micro-batches of {part_rows(rows, chunks)} rows, but the batch's {batch_rows} "
+                f"rows into {part_rows(batch_rows, chunks)}: its micro-batches would not hold "
+                f"the targets of the batch's samples; give it the batch's {batch_rows} rows "
+                f"(keep a (batch, seq) target whole and flatten it inside loss_fn)")
+    return problems
 
 
 def positional_chunk_spec_problem(args_chunk_spec) -> Optional[str]:

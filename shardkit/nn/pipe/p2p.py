@@ -2,7 +2,8 @@
 tagged links.
 
 Shapes are sent when they are new: the first time micro-batch ``i`` goes forward, a small int64
-header (:class:`ActivationMeta`: dtype, requires_grad, shape of each tensor) precedes the data;
+header (:class:`ActivationMeta`: dtype, requires_grad, shape of each tensor, and the batch's rows,
+which later stages check their keyword tensors and target against) precedes the data;
 afterwards both sides reuse the cached description, so the receiver can post its receive before
 the sender is ready (the data lands while the receiver computes). Gradients need no header: a
 stage knows the shapes of the outputs it sent. Each gradient tensor comes with a presence flag
@@ -74,23 +75,26 @@ class ActivationMeta:
     tensors: tuple
     packed: bool
     void: bool = False  # no output: the stage failed this step (see ``VOID``)
+    # the batch's rows at the first stage (0: unknown), so that later stages can check their
+    # keyword tensors and target against the batch's split (see ``TaggedLinks.batch_rows``)
+    batch_rows: int = 0
 
     def encode(self, device: Optional[torch.device] = None) -> torch.Tensor:
         """The header: int64 values on ``device`` (the links' device; CPU by default)."""
-        values = [2 if self.void else int(self.packed), len(self.tensors)]
+        values = [2 if self.void else int(self.packed), len(self.tensors), self.batch_rows]
         for m in self.tensors:
             values += [_DTYPES.index(m.dtype), int(m.requires_grad), len(m.shape), *m.shape]
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     @staticmethod
     def decode(values: list) -> "ActivationMeta":
-        packed, void, count, pos, tensors = values[0] == 1, values[0] == 2, values[1], 2, []
+        packed, void, count, pos, tensors = values[0] == 1, values[0] == 2, values[1], 3, []
         for _ in range(count):
             dtype, requires_grad = _DTYPES[values[pos]], bool(values[pos + 1])
             ndim = values[pos + 2]
             tensors.append(TensorMeta(dtype, tuple(values[pos + 3:pos + 3 + ndim]), requires_grad))
             pos += 3 + ndim
-        return ActivationMeta(tuple(tensors), packed, void)
+        return ActivationMeta(tuple(tensors), packed, void, values[2])
 
 
 # What a stage sends for a micro-batch it has no output for, when no shapes were announced yet
@@ -195,6 +199,9 @@ class TaggedLinks:
         self.lead: Optional[tuple] = None  # this step's (boundary, StepState) to send on
         self.carriers: dict = {}   # (ACTIVATION or GRADIENT, boundary) -> micro-batch
         self.failed = False        # the verdict as this rank knows it
+        # the batch's rows: set by the first stage's rank, learnt elsewhere from the headers
+        # (sent again whenever the batch's shapes change); None until known this step
+        self.batch_rows: Optional[int] = None
 
     def _tag(self, kind: int, boundary: int, index: int, tensor: int = 0) -> int:
         return ((kind * self.num_stages + boundary) * self.chunks + index) * MAX_TENSORS + tensor
@@ -325,7 +332,8 @@ class TaggedLinks:
         output that no longer matches the shapes announced for it (and cannot be announced
         again) goes as zeros of the announced shapes, so the next stage gets what it posted;
         the problem is returned for the step's verdict."""
-        meta = ActivationMeta(tuple(TensorMeta.of(t) for t in tensors), packed)
+        meta = ActivationMeta(tuple(TensorMeta.of(t) for t in tensors), packed,
+                              batch_rows=self.batch_rows or 0)
         known = self.metas.get((boundary, index))
         if known is not None and known != meta:
             if not self._reannounce(boundary, index, peer):
@@ -402,6 +410,7 @@ class TaggedLinks:
                 dist.recv(header, peer, group=self.group,
                           tag=self._tag(HEADER, boundary, index, 1))
             self.metas[(boundary, index)] = ActivationMeta.decode(header.tolist())
+            self.batch_rows = self.metas[(boundary, index)].batch_rows or self.batch_rows
         meta = self.metas[(boundary, index)]
         if meta.void:  # the stage before had no output: the step failed there
             self.failed = True

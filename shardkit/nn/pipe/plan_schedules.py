@@ -30,25 +30,32 @@ FSDP is refused when backward is split.
 
 Loss and micro-batches: the batch is split into ``chunks`` micro-batches along dim 0 as
 ``torch.tensor_split`` does (as in ``torch.distributed.pipelining``: where ``chunks`` does not
-divide the batch, the first ones are one row longer); each micro-batch's loss is divided by
-``chunks`` before its backward (``scale_grads=True``, the default, as in torch), or, where the
-target's rows do not split evenly, by the target's rows over the micro-batch's, so that a
-``loss_fn`` averaging over its rows gives the batch mean's gradients, as one process does
-(torch divides by ``chunks`` there too, which weighs the rows of shorter micro-batches more).
-A ``loss_fn`` that declares ``reduction="sum"`` (a ``torch.nn`` loss module's attribute, a
-``functools.partial`` keyword, or ``loss_kwargs``) sums its rows: every micro-batch's loss is
-then divided by ``chunks``, even or not (the batch's summed loss over ``chunks``, every row
-weighted alike, as torch does); a plain function that sums cannot say so, so pass it
-``scale_grads=False`` (the batch's sum, as one process) where ``chunks`` does not divide the
-batch. With ``scale_grads=False`` it is not divided, and the gradients are those of the sum of the
-micro-batch losses. Call ``optimizer.zero_grad()`` before and ``optimizer.step()`` after
-:meth:`PlanSchedule.step` on every rank, over the parameters of all the rank's stages.
+divide the batch, the first ones are one row longer). The target is split the same way (its
+tensors, inside tuples, lists and dicts too), and so are keyword tensors; every rank checks
+those it gets against the batch's rows (sent with the first stage's shape headers), so a tensor
+whose micro-batches would not hold the batch's samples (fewer rows, or a target flattened over
+``(batch * seq)`` on an uneven split) fails the step on every rank, naming it. Each
+micro-batch's loss is divided by ``chunks`` before its backward (``scale_grads=True``, the
+default, as in torch), except where the split is uneven and ``loss_fn`` declares that it
+averages (``reduction="mean"``: a ``torch.nn`` loss module's or any callable's ``reduction``
+attribute, a ``functools.partial`` keyword, ``loss_kwargs``, or the default of the function's
+own ``reduction`` parameter, as ``F.mse_loss`` and ``F.cross_entropy`` have): it is then
+divided by the target's rows over the micro-batch's, so the gradients are the batch mean's, as
+one process's (torch divides by ``chunks`` there too, which weighs the rows of shorter
+micro-batches more). A ``loss_fn`` that says nothing (a lambda, a plain ``def``) keeps torch's
+``1/chunks``: a summing one gives the batch's sum over ``chunks``, every row weighted alike, as
+torch; give an averaging one ``loss_fn.reduction = "mean"`` for the batch mean on uneven
+splits. With ``scale_grads=False`` no loss is divided, and the gradients are those of the sum
+of the micro-batch losses (a summing ``loss_fn``: the batch's sum, as one process). Call
+``optimizer.zero_grad()`` before and ``optimizer.step()`` after :meth:`PlanSchedule.step` on
+every rank, over the parameters of all the rank's stages.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 from typing import Callable, Optional
 
@@ -61,16 +68,17 @@ from shardkit.nn.data_parallel.flat_param import zeros_only_views
 from shardkit.nn.pipe.microbatch import (batch_size, keyword_argument_problems,
                                          keyword_chunk_dims, keyword_signature, merge_outputs,
                                          mergeable_output_problem, own_microbatches,
-                                         positional_chunk_spec_problem,
-                                         split_keyword_arguments, split_microbatches)
-from shardkit.nn.pipe.p2p import (ACTIVATION, GRADIENT, StepState, TaggedLinks, batch_signature,
-                                  output_tensors)
+                                         part_rows, positional_chunk_spec_problem,
+                                         split_keyword_arguments, split_microbatches,
+                                         split_target, target_rows, target_split_problems)
+from shardkit.nn.pipe.p2p import (ACTIVATION, GRADIENT, MAX_TENSORS, StepState, TaggedLinks,
+                                  batch_signature, output_tensors)
 from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan,
                                    interleaved_1f1b_plan, one_f_one_b_plan, zb_h1_plan, zbv_plan)
 from shardkit.nn.pipe.schedules import (COMMUNICATION_ERRORS, ActivationMemoryMeter, busy_time,
                                         check_schedule_agreement, raise_step_failure)
-from shardkit.nn.pipe.fsdp_weight_sink import (ShardedGradientSink, params_outside_fsdp,
-                                               stage_is_fully_sharded)
+from shardkit.nn.pipe.fsdp_weight_sink import (ShardedGradientSink, frozen_units_with_replicas,
+                                               params_outside_fsdp, stage_is_fully_sharded)
 from shardkit.nn.pipe.split_backward import GradientSink, backward_input
 from shardkit.nn.pipe.stage import PipelineStage, is_torch_ddp
 from shardkit.nn.pipe.ties import TiedWeights
@@ -79,6 +87,7 @@ __all__ = ["PlanSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved
            "ScheduleZeroBubble", "ScheduleZBV"]
 
 _FAILED = object()  # a stage forward or backward that raised (the step fails)
+_UNSPLIT = object()  # this step's keyword arguments, before this rank's first forward
 
 _LOOKAHEAD = 4
 _REPLAN_AT = 2  # training steps; the first's timings include one-off costs (allocation, autograd)
@@ -110,9 +119,9 @@ class PlanSchedule:
         scale_grads: torch's meaning: ``True`` (default) divides the gradients by ``chunks``
             (each micro-batch's loss is divided before its backward), so a ``loss_fn`` that
             averages over its micro-batch gives the gradients of the batch mean, and
-            :meth:`step` returns the mean micro-batch loss (with an uneven split, each
-            micro-batch's weighted by its share of the target's rows, unless ``loss_fn``
-            declares ``reduction="sum"``: see above); ``False`` leaves them
+            :meth:`step` returns the mean micro-batch loss (with an uneven split and a
+            ``loss_fn`` declaring ``reduction="mean"``, each micro-batch's weighted by its
+            share of the target's rows: see above); ``False`` leaves them
             unscaled (the gradients of the sum of the micro-batch losses, for a ``loss_fn``
             that sums, or a caller that scales itself), and :meth:`step` returns that sum.
         kwargs_chunk_spec: torch's ``{keyword: TensorChunkSpec(dim) or _Replicate()}``
@@ -143,7 +152,11 @@ class PlanSchedule:
     tensors, as under ``torch.no_grad()``); :func:`shardkit.plan.pipeline_comm_elements`
     counts them. The shape headers (a few int64 per micro-batch and boundary) go
     again only on a step whose batch shapes, grad mode or data-dependent output shapes changed.
-    A step that fails part-way costs one small object all-gather more.
+    A step that fails part-way costs one small object all-gather more. A stage under FSDP
+    holding nested units whose parameters are all frozen shares, before each backward, which
+    of its inputs that backward reaches with its replicas (one all-reduce of ``MAX_TENSORS``
+    elements per micro-batch over those units' group): replicas that differ there would
+    gather those units on one side only, so the step fails on every rank instead.
 
     .. warning:: :meth:`step` must be called on every rank of the pipeline group. The first step
        exchanges a description of the step so a mismatch raises the same error everywhere; on
@@ -310,8 +323,10 @@ class PlanSchedule:
         (other ranks leave it alone); keyword arguments given to a rank's ``step`` go to the
         modules of that rank's stages beside their input (``module(x, mask=mask_i)``), tensors
         split along dim 0 into ``chunks`` parts as the batch is, inside tuples, lists and dicts
-        too (they need no gradient; on the first stage's rank, one whose micro-batches would
-        not hold the batch's micro-batches' rows is refused on every rank), other values
+        too (they need no gradient; one whose micro-batches would not hold the batch's
+        micro-batches' rows is refused on every rank: by the first stage's rank before the
+        step, by a later one, which learns the batch's rows from the shape headers, at its
+        first forward, failing the step), other values
         passed to every micro-batch as they are (with several stages per rank, where the first
         stage's rank gets other plain values than on the last step, or 0-dim tensors or other
         objects, which may decide shapes, the shape headers go again; with one stage per rank
@@ -342,9 +357,11 @@ class PlanSchedule:
         Raises:
             ValueError: on every rank, naming the stage, the micro-batch, what was expected and
                 what was found: a batch the first stage cannot split (before any work); a
-                target the last stage cannot use (not splittable into ``chunks``, or one that
-                makes ``loss_fn`` raise), a ``loss_fn`` value that is not a one-element tensor
-                (``reduction="none"``, a Python float), a stage whose forward or backward
+                target the last stage cannot use (not splittable into ``chunks``, cut at
+                other rows than the batch, or one that makes ``loss_fn`` raise), a keyword
+                tensor a later stage's rank got cut at other rows than the batch, a
+                ``loss_fn`` value that is not a one-element tensor (``reduction="none"``, a
+                Python float), a stage whose forward or backward
                 (or a gradient hook) raises, or whose output cannot cross a boundary (not
                 tensors, or a dtype a header cannot name), a step that failed in another
                 pipeline (see the class), or a stage output that no longer matches the shapes
@@ -405,12 +422,14 @@ class PlanSchedule:
             self._check_agreement(inputs, target)
         if state.batch == StepState.NEW:
             self.links.metas.clear()
+            self.links.batch_rows = None  # the headers bring this step's
         return state.grad
 
     def _first_stage_state(self, inputs, target, grad: bool) -> StepState:
-        if self._batch_problems(inputs) or self._call_problems(inputs):
+        rows = self._batch_rows(inputs)
+        if self._batch_problems(inputs) or self._call_problems(rows):
             return StepState(StepState.BAD, grad)
-        if self.num_stages - 1 in self.stages and self._target_problems(target):
+        if self.num_stages - 1 in self.stages and self._target_problems(target, rows):
             return StepState(StepState.BAD, grad)  # ZBV: the last stage sees the batch too
         # with one stage per rank a stage announces output shapes that change with a keyword
         # value itself (micro-batch 0's change too): no need to send every header again
@@ -438,6 +457,8 @@ class PlanSchedule:
         self._sinks = {s: ShardedGradientSink() if self._whole_backward[s] else
                        GradientSink(stage.parameters(), self.weight_grad_merge)
                        for s, stage in self.stages.items()}
+        self._frozen_units = {s: frozen_units_with_replicas(stage.module) if
+                              self._whole_backward[s] else [] for s, stage in self.stages.items()}
         self._alive = 0
         self.peak_live_microbatches = 0
         self.busy_seconds = 0.0
@@ -450,13 +471,8 @@ class PlanSchedule:
             else None
         if self._inputs is not None:
             self._inputs = own_microbatches(self._inputs, grad)
-        kwargs_problems = self._call_problems(inputs)
-        if kwargs_problems:  # rank 0's are caught before the step; a later rank's fail it
-            self._fail(kwargs_problems[0])
-            self._kwargs = None
-        else:
-            self._kwargs = split_keyword_arguments(self._kwargs_arg, self.chunks,
-                                                   self._keyword_dims)
+            self.links.batch_rows = self._batch_rows(inputs)
+        self._kwargs = _UNSPLIT  # split at this rank's first forward, once the batch is known
         self._target = target
         returns_outputs = self._returns_outputs(target)
         seconds = {kind: 0.0 for kind in ("F", "B", "W", "BW")}
@@ -514,8 +530,7 @@ class PlanSchedule:
     def _step_loss(self) -> torch.Tensor:
         """The loss :meth:`step` returns: the micro-batch losses' sum (``scale_grads=False``),
         else their mean, each weighted by its share of the target's rows where the split is
-        uneven and ``loss_fn`` does not declare that it sums (the batch mean of a ``loss_fn``
-        that averages over its rows, as in one process)."""
+        uneven and ``loss_fn`` declares that it averages (the batch mean, as in one process)."""
         total = torch.stack(self._losses)
         if not self.scale_grads:
             return total.sum()
@@ -561,23 +576,40 @@ class PlanSchedule:
 
     def _step_targets(self, index: int) -> list:
         """The target's micro-batches, checked at the last stage's first forward of the step
-        (micro-batch ``index``); ``[]`` when the target is unusable, which fails the step."""
+        (micro-batch ``index``) against the batch's rows (known from the headers by then);
+        ``[]`` when the target is unusable, which fails the step."""
         if self._targets is None:
-            problems = self._target_problems(self._target)
+            problems = self._target_problems(self._target, self.links.batch_rows)
             if problems:
                 self._fail_at_last_stage(index, problems[0])
                 self._targets = []
             elif self._outputs_only(self._target):
                 self._targets = [None] * self.chunks  # no loss this step
-            elif isinstance(self._target, torch.Tensor):
-                self._targets = [t[0] for t in split_microbatches((self._target,), self.chunks,
-                                                                  "target")]
-                if _declared_reduction(self.loss_fn, self._loss_kwargs) != "sum":
-                    self._loss_divisors = [self._target.shape[0] / t.shape[0]
-                                           for t in self._targets]
             else:
-                self._targets = [self._target] * self.chunks
+                self._targets = split_target(self._target, self.chunks)
+                self._loss_divisors = self._row_weighted_divisors()
         return self._targets
+
+    def _row_weighted_divisors(self) -> list:
+        """What each micro-batch's loss is divided by under ``scale_grads``: ``chunks`` (as
+        torch), except where the split is uneven and ``loss_fn`` declares that it averages
+        over its rows (:func:`_declared_reduction`): the target's rows over the micro-batch's,
+        so the gradients are those of the batch mean, as in one process."""
+        rows = target_rows(self._target)
+        if rows is None or rows % self.chunks == 0 or \
+                _declared_reduction(self.loss_fn, self._loss_kwargs) != "mean":
+            return [self.chunks] * self.chunks
+        return [rows / part for part in part_rows(rows, self.chunks)]
+
+    def _step_keyword_arguments(self) -> Optional[list]:
+        """This step's keyword arguments per micro-batch, checked against the batch's rows
+        (on a later stage's rank known from the headers, so at its first forward); a problem
+        fails the step on every rank (the first stage's rank refused it before the step)."""
+        problems = self._call_problems(self.links.batch_rows)
+        if problems:
+            self._fail(problems[0])
+            return None
+        return split_keyword_arguments(self._kwargs_arg, self.chunks, self._keyword_dims)
 
     def _remote(self, stage: int) -> Optional[int]:
         """The global rank of ``stage`` if another rank runs it, else ``None``."""
@@ -601,6 +633,8 @@ class PlanSchedule:
             activation, packed = self._handoff.pop(("F", s - 1, i))
         else:
             activation, packed = self.links.take_activation(s - 1, i, self._remote(s - 1))
+        if self._kwargs is _UNSPLIT:
+            self._kwargs = self._step_keyword_arguments()
         if s == last:
             self._step_targets(i)  # checked once a step; an unusable target fails the step
         if self.links.failed:  # no more work this step: pass on what the next stage expects
@@ -769,6 +803,44 @@ class PlanSchedule:
         params = {id(p) for p in self.stages[s].module.parameters() if p.requires_grad}
         return _reaches_a_parameter(roots, params) != _reaches_a_parameter(real, params)
 
+    def _replicas_reach_alike(self, s: int, i: int, activation, roots: list) -> bool:
+        """Whether stage ``s``'s replicas agree on which of micro-batch ``i``'s inputs its
+        backward reaches, where the stage holds frozen FSDP units (else ``True`` at no cost).
+
+        Note: a backward gathers a frozen unit only where it reaches the unit's output, and
+        with nothing trainable before it only the stage's input leads there: a stage that
+        ignores its input on one replica and uses it on another would gather on one side only
+        (gloo aborts both). So every replica shares, before this backward, which inputs it
+        reaches (one all-reduce of ``MAX_TENSORS`` elements over each frozen unit's group, on
+        every replica whatever its roots); where they differ every replica skips this backward
+        alike (no unit gathers or reduce-scatters for it) and fails the step."""
+        units = self._frozen_units[s]
+        if not units:
+            return True
+        nodes = _graph_nodes(roots)
+        reached = torch.zeros(MAX_TENSORS, device=self.stages[s].device)
+        for k, a in enumerate(activation[:MAX_TENSORS]):
+            if isinstance(a, torch.Tensor) and a.requires_grad \
+                    and get_gradient_edge(a).node in nodes:
+                reached[k] = 1.0
+        differ = []
+        for group in {id(g): g for _, g in units}.values():  # one per group, in module order
+            total = reached.clone()
+            dist.all_reduce(total, group=group)
+            size = dist.get_world_size(group)
+            differ += [k for k, v in enumerate(total.tolist()) if 0 < v < size]
+        if not differ:
+            return True
+        self._fail_at(s, i, f"its replicas (FSDP's data-parallel ranks) disagree on whether "
+                            f"its backward reaches its input {sorted(set(differ))} (the stage "
+                            f"ignores it on some replicas only), and the stage holds FSDP units "
+                            f"whose parameters are all frozen ({', '.join(n for n, _ in units)}"
+                            f"), which a backward gathers only where it reaches them: their "
+                            f"collectives would not pair. Use the input alike on every replica, "
+                            f"or leave the frozen layers in the stage's outer unit (kept "
+                            f"gathered from forward to backward)")
+        return False
+
     def _send_input_grads(self, s: int, i: int, activation, grads) -> None:
         """Hand the gradients of stage ``s``'s inputs back (one per input requiring grad,
         ``None`` where the backward did not reach it: the previous stage leaves that output
@@ -791,6 +863,8 @@ class PlanSchedule:
         # gradient hooks (data-parallel wrappers, FSDP) see one plain backward per micro-batch
         activation, roots = self._live.pop((s, i))
         roots, grads, real = self._output_grads(s, i, roots)
+        if not self._replicas_reach_alike(s, i, activation, roots):
+            roots = []
         views = zeros_only_views(roots, real) if real is not None and self._whole_backward[s] \
             else contextlib.nullcontext()
 
@@ -808,6 +882,8 @@ class PlanSchedule:
     def _run_B(self, s: int, i: int) -> None:
         activation, roots = self._live.pop((s, i))
         roots, grads, real = self._output_grads(s, i, roots, split=True)
+        if not self._replicas_reach_alike(s, i, activation, roots):
+            roots = []
         result = self._backward(s, i, lambda: backward_input(
             roots, grads, activation, self._sinks[s].weight_targets(roots, real),
             split_at_parameters=self._whole_backward[s])) if roots else None
@@ -885,20 +961,21 @@ class PlanSchedule:
         problems = list(self._problems)
         if 0 in self.stages:
             problems += self._batch_problems(inputs)
-        problems += self._call_problems(inputs)
+        rows = self._batch_rows(inputs)  # None on the other ranks: checked during the step
+        problems += self._call_problems(rows)
         last = self.num_stages - 1
         if last in self.stages:
             where = f"stage {last} (the last): " if len(self.stages) > 1 else ""
-            problems += [where + p for p in self._target_problems(target)]
+            problems += [where + p for p in self._target_problems(target, rows)]
         return problems
 
-    def _call_problems(self, inputs=()) -> list[str]:
-        """What is wrong with this rank's keyword arguments to :meth:`step` (on any rank; on
-        the first stage's rank, given the batch ``inputs``, also a keyword tensor that would
+    def _call_problems(self, batch_rows: Optional[int] = None) -> list[str]:
+        """What is wrong with this rank's keyword arguments to :meth:`step` (on any rank;
+        given the batch's rows, where this rank knows them, also a keyword tensor that would
         be cut at other rows than the batch)."""
         name = type(self).__name__
         problems = keyword_argument_problems(f"{name}.step", self._kwargs_arg, self.chunks,
-                                             self._keyword_dims, self._batch_rows(inputs))
+                                             self._keyword_dims, batch_rows)
         if self._return_outputs is not None and not isinstance(self._return_outputs, bool):
             problems.append(f"{name}.step(return_outputs={self._return_outputs!r}): expected "
                             f"True (the last stage returns its merged outputs), False (it "
@@ -927,11 +1004,11 @@ class PlanSchedule:
         """Whether this step returns the last stage's merged outputs rather than the loss."""
         return self._return_outputs is True or self._outputs_only(target)
 
-    def _target_problems(self, target) -> list[str]:
-        """What is wrong with the last stage's target on its own (split along dim 0 like the
-        batch, but its rows need not equal the batch's: a flattened target is fine where
-        ``chunks`` divides the batch; elsewhere both are cut as ``torch.tensor_split`` cuts
-        them, at rows that only match where the target has the batch's rows)."""
+    def _target_problems(self, target, batch_rows: Optional[int] = None) -> list[str]:
+        """What is wrong with the last stage's target (its tensors split along dim 0 like the
+        batch, inside tuples, lists and dicts too): given the batch's rows, also a tensor
+        whose micro-batches would not hold the batch's micro-batches' samples (a flattened
+        target is fine where ``chunks`` divides the batch, not elsewhere)."""
         losses = self._losses_arg
         if losses is not None and not isinstance(losses, list):
             return [f"losses={type(losses).__name__}: expected a list (it receives each "
@@ -948,11 +1025,8 @@ class PlanSchedule:
                 " (or, for the outputs without a loss, return_outputs=True)"
             problems.append(f"the last stage needs the target: call {name}.step(..., "
                             f"target=...){outputs}")
-        elif isinstance(target, torch.Tensor) and (target.dim() == 0
-                                                   or target.shape[0] < self.chunks):
-            problems.append(f"target of shape {tuple(target.shape)} cannot be split into "
-                            f"chunks={self.chunks} micro-batches along dim 0 (it needs at "
-                            f"least {self.chunks} rows)")
+        else:
+            problems += target_split_problems(target, self.chunks, batch_rows)
         return problems
 
     def _check_agreement(self, inputs, target) -> None:
@@ -973,13 +1047,22 @@ class PlanSchedule:
 def _declared_reduction(loss_fn, loss_kwargs: Optional[dict]) -> Optional[str]:
     """The reduction ``loss_fn`` says it applies, where it says one: ``loss_kwargs``'
     ``reduction``, else that keyword of a ``functools.partial``, else the ``reduction``
-    attribute of a ``torch.nn`` loss module; ``None`` for a plain function."""
+    attribute of a ``torch.nn`` loss module (or of any callable), else the default of the
+    function's own ``reduction`` parameter (``F.mse_loss``, ``F.cross_entropy``: ``"mean"``);
+    ``None`` for a function that says nothing (a lambda or a plain ``def``)."""
     if loss_kwargs and "reduction" in loss_kwargs:
         return loss_kwargs["reduction"]
     if isinstance(loss_fn, functools.partial) and "reduction" in loss_fn.keywords:
         return loss_fn.keywords["reduction"]
     reduction = getattr(loss_fn, "reduction", None)
-    return reduction if isinstance(reduction, str) else None
+    if isinstance(reduction, str):
+        return reduction
+    try:
+        parameter = inspect.signature(loss_fn).parameters.get("reduction")
+    except (TypeError, ValueError):  # a builtin or another callable without a signature
+        return None
+    default = None if parameter is None else parameter.default
+    return default if isinstance(default, str) else None
 
 
 def last_messages(plan: PipelinePlan) -> dict:
