@@ -181,6 +181,7 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
         optimizer, wire = optimizer.optimizer, optimizer.dtype
     group = optimizer.group
     n, rank = skdist.get_world_size(group), skdist.get_rank(group)
+    _agree_on_bucket_layout(optimizer, bucket, n)
     _check_reducible_to_owners(optimizer, bucket, n)
     buffer = bucket.buffer()
     layout = _layout_by_owner(optimizer.partition, bucket)
@@ -374,6 +375,50 @@ def _reduce_to_owners_and_step_hook(state: _StepWhenReduced, bucket):
         return buffer
 
     return reduced.then(step_what_is_complete)
+
+
+# Per OSS optimizer: the bucket layouts (index, sparse, elements, dtype) every rank of its group
+# was found to hold alike (see _agree_on_bucket_layout)
+_AGREED_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _agree_on_bucket_layout(optimizer, bucket, world_size: int) -> None:
+    """The first time this rank's hook sees a bucket layout (its index, whether it is sparse,
+    its elements and dtype): check, with every rank of the OSS group, that they hold the same.
+    A ValueError on every rank otherwise, before any transfer: a sparse bucket on some ranks
+    only (``nn.Embedding(sparse=True)`` built so on some ranks, which refused alone while the
+    others hung in their reduction), or buckets that differ (models built differently).
+
+    Communication: one small object all-gather per new layout (a control message that
+    ``CommCounter`` does not count): once per bucket at the first backward, and again after
+    torch DDP rebuilds its buckets (once, after the first iteration); nothing afterwards."""
+    if world_size == 1:
+        return
+    buffer = bucket.buffer()
+    layout = (bucket.index(), buffer.is_sparse, 0 if buffer.is_sparse else buffer.numel(),
+              str(buffer.dtype))
+    with _CARRIES_LOCK:
+        agreed = _AGREED_LAYOUTS.setdefault(optimizer, set())
+    if layout in agreed:
+        return
+    every = skdist.all_gather_object(layout, optimizer.group, counted=False,
+                                     operation="reduce_to_owners_hook's bucket check")
+    sparse = [r for r, theirs in enumerate(every) if theirs[1]]
+    if sparse:
+        raise ValueError(f"reduce_to_owners_hook: DDP gave the hook a bucket of sparse "
+                         f"gradients on group rank(s) {sparse} of {world_size} "
+                         f"(nn.Embedding(sparse=True) or EmbeddingBag(sparse=True)), which "
+                         f"cannot be split by owner; build the embedding with sparse=False (on "
+                         f"every rank alike), or use ShardedDataParallel (which reduces sparse "
+                         f"gradients densely onto their owners) or DDP's own all-reduce. "
+                         f"Nothing was sent")
+    if len(set(every)) > 1:
+        raise ValueError(f"reduce_to_owners_hook: the ranks' DDP buckets differ (bucket "
+                         f"index, sparse, elements, dtype by group rank: {every}): the model "
+                         f"was built differently on some ranks (nn.Embedding(sparse=True) on "
+                         f"some ranks only gets a bucket of its own there); build it alike on "
+                         f"every rank. Nothing was sent")
+    agreed.add(layout)
 
 
 def _check_reducible_to_owners(optimizer, bucket, world_size: int) -> None:

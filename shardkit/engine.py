@@ -334,9 +334,10 @@ def _guard_direct_steps(engine) -> None:
     would step on each rank's own gradients, silently. Raised on every rank that steps, before
     the optimizer's collectives. One pre-hook per optimizer, reading the latest engine built
     over it (a weak reference: the hook keeps no engine alive). With one micro-batch per step,
-    calling the optimizer directly keeps working as before, except between
-    ``engine.offload_states()`` and ``engine.reload_states()``, where it is refused as
-    ``engine.step()`` is."""
+    calling the optimizer directly keeps working, but it is collective: the ranks first agree
+    whether any of them holds its state offloaded (one all-gather of one int64 a rank over the
+    world; refused on every rank between ``engine.offload_states()`` and
+    ``engine.reload_states()``, as ``engine.step()`` is), so every rank must call it."""
     optimizer = engine.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
         return

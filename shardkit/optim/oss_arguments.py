@@ -22,7 +22,7 @@ __all__ = ["NOT_GIVEN", "place_broadcast_fp16", "check_deprecated_fairscale_argu
            "normalize_param_groups", "check_same_model_on_every_rank", "trainable_signature",
            "frozen_with_gradient",
            "optimizer_settings", "groups_of", "constructor_kwargs", "state_key_problem",
-           "gradient_step_problem"]
+           "gradient_step_problem", "fused_kernel_carries_nan_as_loop", "param_group_settings"]
 
 # FairScale OSS arguments that no longer do anything there either; accepted and ignored.
 _DEPRECATED_FAIRSCALE_KWARGS = ("broadcast_buffer_size", "force_broadcast_object")
@@ -287,9 +287,25 @@ def optimizer_settings(optim: type, defaults: dict, groups: list[dict]) -> dict:
 
 def _stable_repr(value) -> str:
     """``repr(value)``, but only the type for an object whose repr holds its address (a
-    function, a plain object), which differs between processes for the same thing."""
+    function, a plain object), which differs between processes for the same thing, and a
+    tensor's exact values and dtype (its ``repr`` rounds them to 4 digits and names this
+    rank's own device, ``cuda:r``)."""
+    if isinstance(value, torch.Tensor):
+        return f"tensor({value.detach().cpu().tolist()!r}, dtype={value.dtype})"
     text = repr(value)
     return f"<{type(value).__qualname__}>" if " at 0x" in text else text
+
+
+def param_group_settings(groups: list[dict]) -> dict:
+    """``{"param_groups[i]['key']": text}`` of every group's hyper-parameters, and its number of
+    parameters, as every rank must hold them alike (``repr``: floats and tensors exactly; the
+    parameters' names left out). Costs a ``repr`` of each hyper-parameter."""
+    settings = {}
+    for i, group in enumerate(groups):
+        settings[f"param_groups[{i}] size"] = str(len(group["params"]))
+        settings.update({f"param_groups[{i}][{k!r}]": _stable_repr(v)
+                         for k, v in sorted(group.items()) if k not in ("params", "param_names")})
+    return settings
 
 
 def trainable_signature(groups: list[dict]) -> list[list[tuple]]:
@@ -570,3 +586,73 @@ def _step_refusal(optim_cls: type, hyper: dict, param: torch.Tensor,
     except Exception as error:  # noqa: BLE001 - the optimizer's own refusal, quoted
         return f"{type(error).__name__}: {error}"
     return None
+
+
+# The trial of fused_kernel_carries_nan_as_loop: a few finite steps, then one whose gradient
+# holds a NaN in its first and its last element (a step no loss scaler skipped), then a finite
+# one again. Note: 37 elements, so that both a kernel's vectorized body (8, 16 or 32 lanes) and
+# its scalar tail are tried: torch's fused CPU AdamW keeps the stale AMSGrad max in the tail only
+_TRIAL_NUMEL = 37
+_TRIAL_STEPS = 5
+_TRIAL_NAN_AT_STEP = 3
+
+
+def fused_kernel_carries_nan_as_loop(optim_cls: type, hyper: dict, device: torch.device,
+                                     known: dict) -> bool:
+    """Whether torch's fused kernel for ``optim_cls`` with the group hyper-parameters
+    ``hyper`` carries a NaN through a step on ``device`` as the default loop does (the
+    implementation a caller who leaves ``fused`` unset gets): NaN in the same elements of the
+    parameter and of every state tensor.
+
+    Note: they differ with ``amsgrad=True``: after a gradient holding a NaN (a step no loss
+    scaler skipped) torch's fused Adam / AdamW kernel keeps the old ``max_exp_avg_sq`` where
+    the loop's becomes NaN, so the state (and a consolidated state dict loaded elsewhere)
+    differs from the caller's optimizer's. Told by stepping a ``_TRIAL_NUMEL``-element fp32
+    stand-in with both, seeded gradients, one of them holding a NaN; a kernel that refuses the
+    settings does not agree. Cached in ``known`` by :func:`_step_path_key` (one trial per
+    setting, not per learning rate a scheduler moves through); the global RNG is left as it
+    was. Local."""
+    hyper = {k: v for k, v in hyper.items() if k not in ("params", "param_names")}
+    key = ("fused agrees", optim_cls, _step_path_key(hyper), torch.device(device))
+    if key not in known:
+        known[key] = _trial_steps_agree(optim_cls, hyper, torch.device(device))
+    return known[key]
+
+
+def _trial_steps_agree(optim_cls: type, hyper: dict, device: torch.device) -> bool:
+    try:
+        loop = _trial_run(optim_cls, {**hyper, "fused": None}, device)
+        fused = _trial_run(optim_cls, {**hyper, "fused": True, "foreach": None}, device)
+    except Exception:  # noqa: BLE001 - a refusal of the settings: keep the loop
+        return False
+    return len(loop) == len(fused) and all(_same_nans(a, b) for a, b in zip(loop, fused))
+
+
+def _trial_run(optim_cls: type, hyper: dict, device: torch.device) -> list[torch.Tensor]:
+    """The stand-in and its state tensors (sorted by key) after the trial's steps."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(_TRIAL_NUMEL, generator=gen)
+    stand_in = torch.nn.Parameter(start.to(device))
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimizer = optim_cls([{**hyper, "params": [stand_in]}])
+        step = type(optimizer).step
+        unhooked = step.__wrapped__ if getattr(step, "hooked", False) else step
+        for i in range(_TRIAL_STEPS):
+            grad = torch.randn(_TRIAL_NUMEL, generator=gen)
+            if i == _TRIAL_NAN_AT_STEP:
+                grad[0] = grad[-1] = float("nan")
+            stand_in.grad = grad.to(device)
+            unhooked(optimizer)
+    state = optimizer.state.get(stand_in, {})
+    return [stand_in.detach()] + [state[k] for k in sorted(state, key=str)
+                                  if torch.is_tensor(state[k])]
+
+
+def _same_nans(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """NaN in the same elements of ``a`` and ``b`` (of one shape)."""
+    if a.shape != b.shape:
+        return False
+    if not (a.is_floating_point() and b.is_floating_point()):
+        return True
+    return torch.equal(torch.isnan(a.detach()).cpu(), torch.isnan(b.detach()).cpu())
