@@ -118,32 +118,23 @@ def check_one_dtype(params) -> None:
                          f"differently-typed submodules as their own units")
 
 
-def _reads_as_zeroed(grad: torch.Tensor) -> torch.Tensor:
-    """Whether ``grad`` is all ``+0.0`` (a 0-dim bool tensor): zeroed (``zero_()``,
-    ``fill_(0)``) since :meth:`FlatParamShard.seal_held_grads` wrote its zeros as ``-0.0``,
-    which a scaling keeps. An empty ``grad`` holds nothing to clear: False."""
-    if grad.numel() == 0:
-        return torch.zeros((), dtype=torch.bool, device=grad.device)
-    return ((grad == 0) & ~torch.signbit(grad)).all()
+def _read_all_zero(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """Per tensor, whether it holds only zeros (an empty one does). Local; one device sync
+    for all of them."""
+    if not tensors:
+        return []
+    flags = [~t.detach().reshape(-1).any() for t in tensors]
+    return torch.stack([f.to(flags[0].device) for f in flags]).tolist()
 
 
-def _cleared_since_sealed(params: Sequence[nn.Parameter], sealed: Sequence) -> list[bool]:
-    """Per parameter, whether its ``.grad``, noted in ``sealed`` by
-    :meth:`FlatParamShard.seal_held_grads` (``None``: nothing held), was cleared since: set to
-    ``None``, replaced, or zeroed in place (not merely scaled).
-
-    Note: the values are read even where the version counter did not move: a zeroing through
-    ``.data`` (``p.grad.data.zero_()``, FairScale-era loops) bumps the counter of the
-    ``.data`` alias only. Local; one device sync for the whole unit."""
-    cleared = [mark is not None and (p.grad is None or mark[0]() is not p.grad)
-               for p, mark in zip(params, sealed)]
-    kept = [i for i, (mark, gone) in enumerate(zip(sealed, cleared))
-            if mark is not None and not gone]
-    if kept:
-        zeroed = torch.stack([_reads_as_zeroed(params[i].grad) for i in kept]).tolist()
-        for i, flag in zip(kept, zeroed):
-            cleared[i] = flag
-    return cleared
+def _show_as_grad(p: nn.Parameter, full: torch.Tensor) -> torch.Tensor:
+    """Make ``full`` (the parameter's local gradient in its full shape, maybe in the compute
+    dtype or on the compute device) ``p.grad``, although ``p`` holds only its shard: torch's
+    shape, dtype and device check on ``.grad`` is passed with a shard-shaped placeholder
+    whose ``.data`` is then swapped (torch FSDP1 does the same inside ``no_sync``)."""
+    p.grad = torch.empty_like(p)
+    p.grad.data = full
+    return p.grad
 
 
 # the units whose last backward ran inside ``no_sync`` (see seal_held_grads); the optimizer
@@ -165,14 +156,13 @@ def _refuse_a_step_over_held_grads(optimizer, args, kwargs) -> None:
     gradient a backward inside ``no_sync`` accumulated and no synchronising backward has
     reduced yet.
 
-    Note: in one process (and in torch FSDP1, where the unsharded gradient sits in ``.grad``)
-    a step between the micro-batches of an accumulation cycle steps with what was
-    accumulated so far. Here that gradient is held unsharded outside ``.grad`` (which reads
-    as zeros of the shard until the reduce-scatter), so the step moved every parameter by
-    its weight decay and momentum alone, silently, and the held gradient then reached the
-    next step as well. Every rank ran the same backwards, so every rank raises. Costs a set
-    lookup when no unit holds such gradients; otherwise one pass over the optimizer's
-    parameters."""
+    Note: in one process a step between the micro-batches of an accumulation cycle steps
+    with what was accumulated so far. Here (as in torch FSDP1) that gradient is the local,
+    unreduced one, shown in ``.grad`` in the parameter's full shape while the parameter holds
+    its shard: a step cannot use it. Every rank ran the same backwards, so every rank raises.
+    Costs a set lookup when no unit holds such gradients; otherwise one pass over the
+    optimizer's parameters and one device sync per holding unit (a ``.grad`` zeroed in
+    place since, ``optimizer.zero_grad(set_to_none=False)``, discards it)."""
     for shard in list(_HOLDING_GRADS):
         if shard._sealed is None or shard._grad_pieces is None:
             _HOLDING_GRADS.discard(shard)
@@ -186,9 +176,9 @@ def _refuse_a_step_over_held_grads(optimizer, args, kwargs) -> None:
                 f"FullyShardedDataParallel: {type(optimizer).__name__}.step() was called while "
                 f"unit {shard.label[1]!r} holds gradients accumulated inside no_sync() that no "
                 f"synchronising backward has reduced yet (of {_where(shard.locations[held[0]])}"
-                f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): they are held "
-                f"unsharded outside .grad, which reads as zeros of the shard until then, so "
-                f"the step would not see them. Run the last backward of the accumulation "
+                f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): .grad holds "
+                f"this rank's unreduced gradient in the parameter's full shape until then, "
+                f"which a step of the shard cannot use. Run the last backward of the accumulation "
                 f"cycle outside no_sync() (or with require_backward_grad_sync = True) before "
                 f"stepping, or call optimizer.zero_grad() / model.zero_grad() to discard them")
 
@@ -259,8 +249,12 @@ class FlatParamShard:
         # every use of the unit delivered (see run_tensor_hooks)
         self._hooked_pieces: Optional[list] = None
         self._used: Optional[list] = None  # per parameter: whether a gradient reached it here
-        # per parameter, as a backward inside no_sync left the held gradients: its ``.grad``
-        # (weakly) and that tensor's version (see seal_held_grads)
+        # per parameter: whether its held gradient is a tensor of the unit's own (made by a
+        # sum or a copy here), not autograd's, which may also be another tensor's gradient
+        self._owned: Optional[list] = None
+        # per parameter, as a backward inside no_sync left the held gradients: the ``.grad``
+        # showing it (weakly), the ``.grad`` it replaced and the shown one's version (see
+        # seal_held_grads)
         self._sealed: Optional[list] = None
         self._reducing_used: Optional[list] = None  # the same, for the reduce in flight
         # (tag, name) of the unit, set by the root: see _check_every_rank_reduced_this
@@ -494,83 +488,153 @@ class FlatParamShard:
 
     def drop_unreduced_grads(self) -> None:
         """Forget the gradients held for a later reduce-scatter (accumulated inside
-        ``no_sync``). Local."""
+        ``no_sync``); a ``.grad`` still showing one goes back to what it was before the cycle
+        (zeros of the shard if it was ``None``). Local."""
+        for i, shown in self._still_shown():
+            self._restore_grad(i, self._sealed[i][1])
         self._grad_pieces, self._used, self._hooked_pieces = None, None, None
-        self._sealed = None
+        self._owned, self._sealed = None, None
 
     def seal_held_grads(self) -> None:
         """At the end of a backward inside ``no_sync``, which leaves the unit's gradients held
-        (unsharded, outside ``.grad``) for a later reduce-scatter: give each trainable
-        parameter they reached a ``.grad`` where it has none (zeros of its shard, the rows the
-        reduced gradient is added to later) and note each such ``.grad`` and its version.
+        for a later reduce-scatter: show each held gradient of a trainable parameter as its
+        ``.grad``, in the parameter's full shape (the local, unreduced gradient: what torch
+        FSDP1 shows inside ``no_sync``), the ``.grad`` it had kept aside.
 
-        Note: in one process (and under DDP, FairScale's and torch's FSDP1) the accumulated
-        gradient is in ``.grad``, so ``optimizer.zero_grad()`` in the middle of an
-        accumulation cycle (a skipped micro-batch) discards it. Here it is held outside, and
-        the next synchronising backward added it to the new gradients: the step used
-        gradients the user had cleared. The noted ``.grad`` gone (``set_to_none``) or changed
-        in place (zeroed) tells :meth:`_drop_grads_cleared_since_sealed` to drop the held
-        gradient too. Memory: the shard's gradient (``Ψ_u/N``), which the reduce-scatter
-        allocates anyway.
-
-        Zeros are written as ``-0.0`` (equal to ``0.0`` everywhere, and the reduced gradient
-        added to them is exact): an in-place change that keeps them ``-0.0`` (a scaling, such
-        as a GradScaler-style unscale or ``clip_grad_norm_`` between micro-batches) is not a
-        clearing, while ``zero_()`` writes ``+0.0``. A scaling by a factor other than 1
-        cannot be told from one by 1 (zeros stay zeros) and does not reach the held
-        gradient: :meth:`_drop_grads_cleared_since_sealed` warns of it. Registers the
-        optimizer step check (see :func:`_refuse_a_step_over_held_grads`). Local."""
+        Note: in one process the accumulated gradient is in ``.grad``, so what the user does
+        to ``.grad`` between micro-batches reaches it: ``optimizer.zero_grad()`` (either
+        way), ``p.grad.data.zero_()``, a scaling (``mul_``, a GradScaler-style unscale,
+        ``clip_grad_norm_``). Shown zeros of the shard before, a scaling never reached the held
+        gradient (it was reduced unscaled), and telling a zeroing from it read every
+        ``.grad`` (a device sync per unit per micro-batch). Now ``.grad`` is the held
+        gradient's storage, so every in-place change reaches it without a read, and a
+        ``.grad`` set to ``None`` or replaced drops it (:meth:`_take_back_held_grads`).
+        The ``.grad`` kept aside (the reduced gradient of earlier steps, when the cycle began
+        without ``zero_grad``) is added after the reduce-scatter as before; a change in place
+        to the shown ``.grad`` cannot reach it, see :meth:`_settle_grads_kept_aside`.
+        Memory: none (the held gradient is shown, not copied, unless autograd's tensor may
+        be shared). Registers the optimizer step check (see
+        :func:`_refuse_a_step_over_held_grads`). Local."""
         if self._grad_pieces is None:
             return
+        self._take_back_held_grads()
         self._sealed = []
-        for p, used in zip(self.params, self._used):
+        for i, (p, used, lay) in enumerate(zip(self.params, self._used, self.layouts)):
             if not (used and p.requires_grad):
                 self._sealed.append(None)
                 continue
-            if p.grad is None:
-                p.grad = torch.full_like(p, -0.0)
-            else:
-                with torch.no_grad():
-                    p.grad.masked_fill_(p.grad == 0, -0.0)
-            self._sealed.append((weakref.ref(p.grad), p.grad._version))
+            if not self._owned[i]:  # the user's in-place changes must reach this one only
+                self._grad_pieces[i] = self._grad_pieces[i].clone(
+                    memory_format=torch.contiguous_format)
+                self._owned[i] = True
+            kept = p.grad
+            shown = _show_as_grad(p, self._grad_pieces[i].view(lay.shape))
+            self._sealed.append((weakref.ref(shown), kept, shown._version))
         _watch_optimizer_steps_over_held_grads(self)
+
+    def _still_shown(self) -> list:
+        """``(index, shown .grad)`` of each parameter whose ``.grad`` still shows its held
+        gradient (not set to ``None`` nor replaced since :meth:`seal_held_grads`). Local."""
+        if self._sealed is None or self._grad_pieces is None:
+            return []
+        out = []
+        for i, (p, mark) in enumerate(zip(self.params, self._sealed)):
+            shown = None if mark is None else mark[0]()
+            if shown is not None and p.grad is shown:
+                out.append((i, shown))
+        return out
+
+    def _restore_grad(self, i: int, kept: Optional[torch.Tensor]) -> None:
+        """Give parameter ``i`` back a ``.grad`` of its shard: ``kept`` (the one a
+        :meth:`seal_held_grads` kept aside), or zeros where it had none."""
+        p = self.params[i]
+        p.grad = None
+        p.grad = torch.zeros_like(p) if kept is None else kept
+
+    def _discard_held(self, i: int) -> None:
+        self._grad_pieces[i] = torch.zeros_like(self._grad_pieces[i])
+        self._used[i], self._owned[i] = False, True
 
     def holds_unreduced_grads(self) -> bool:
         """Whether gradients that backwards inside ``no_sync`` accumulated wait here for a
-        reduce-scatter and were not discarded since: a ``.grad`` cleared after the last such
-        backward (``optimizer.zero_grad()``, with or without ``set_to_none``) discards its
-        held gradient, as the next backward will (see :meth:`params_with_held_grads`).
-        Local; one device sync when some ``.grad`` is still in place."""
+        reduce-scatter and were not discarded since (see :meth:`params_with_held_grads`).
+        Local; one device sync when some ``.grad`` still shows a held gradient."""
         if self._grad_pieces is None:
             return False
         return self._sealed is None or bool(self.params_with_held_grads())
 
     def params_with_held_grads(self) -> list[int]:
-        """Indices of the parameters whose gradient a backward inside ``no_sync`` holds
-        (unreduced, outside ``.grad``) and whose ``.grad`` was not cleared since. Local; one
-        device sync."""
+        """Indices of the parameters whose ``.grad`` still shows the gradient a backward
+        inside ``no_sync`` holds (unreduced) and holds something but zeros. One shown but
+        zeroed since (``optimizer.zero_grad(set_to_none=False)``, ``p.grad.data.zero_()``)
+        is discarded: its ``.grad`` becomes zeros of its shard, as in one process. For the
+        refusals of a step, a norm, a summon. Local; one device sync."""
         if self._sealed is None or self._grad_pieces is None:
             return []
-        cleared = _cleared_since_sealed(self.params, self._sealed)
-        return [i for i, (mark, gone) in enumerate(zip(self._sealed, cleared))
-                if mark is not None and not gone]
+        shown = self._still_shown()
+        gone = {i for i, mark in enumerate(self._sealed) if mark is not None} - \
+            {i for i, _ in shown}
+        for i in gone:
+            self._discard_held(i)
+            self._sealed[i] = None
+        zeroed = _read_all_zero([g for _, g in shown])
+        held = []
+        for (i, _), zero in zip(shown, zeroed):
+            if not zero:
+                held.append(i)
+                continue
+            kept = self._sealed[i][1]
+            if kept is not None:
+                kept.zero_()
+            self._restore_grad(i, kept)
+            self._discard_held(i)
+            self._sealed[i] = None
+        return held
 
-    def _drop_grads_cleared_since_sealed(self) -> None:
-        """Drop each held gradient whose parameter's ``.grad`` was cleared since
-        :meth:`seal_held_grads` (``optimizer.zero_grad()``, with or without ``set_to_none``),
-        not one merely scaled in place. Local; one device sync."""
-        sealed, self._sealed = self._sealed, None
+    def _take_back_held_grads(self) -> None:
+        """Before a backward adds to the held gradients, or they are reduced: each ``.grad``
+        still showing one goes back to what it was before (the held gradient keeps every
+        in-place change the user made through it); one set to ``None`` or replaced since
+        :meth:`seal_held_grads` (``optimizer.zero_grad()``) drops it. Local; no device sync
+        unless a ``.grad`` kept aside must be settled."""
+        sealed = self._sealed
         if sealed is None or self._grad_pieces is None:
+            self._sealed = None
             return
-        cleared = _cleared_since_sealed(self.params, sealed)
-        for i, gone in enumerate(cleared):
-            if gone:
-                self._grad_pieces[i] = torch.zeros_like(self._grad_pieces[i])
-                self._used[i] = False
-        changed = [i for i, (p, mark, gone) in enumerate(zip(self.params, sealed, cleared))
-                   if mark is not None and not gone and p.grad._version != mark[1]]
+        shown = dict(self._still_shown())
+        self._sealed = None
+        changed = []
+        for i, mark in enumerate(sealed):
+            if mark is None:
+                continue
+            if i not in shown:  # cleared or replaced: what it held goes with it
+                self._discard_held(i)
+                continue
+            kept = mark[1]
+            p = self.params[i]
+            p.grad = None
+            p.grad = kept
+            if kept is not None and shown[i]._version != mark[2]:
+                changed.append((i, shown[i], kept))
         if changed:
-            warnings.warn(_held_grads_changed_in_place(self, changed), stacklevel=2)
+            self._settle_grads_kept_aside(changed)
+
+    def _settle_grads_kept_aside(self, changed: list) -> None:
+        """``(index, shown, kept)`` of the parameters whose shown ``.grad`` was changed in
+        place while a ``.grad`` from before the cycle was kept aside: a zeroing zeroes the
+        kept one too (``optimizer.zero_grad(set_to_none=False)``); a scaling cannot reach a
+        kept one that holds values, which warns. Local; one device sync."""
+        zero = _read_all_zero([shown for _, shown, _ in changed] +
+                              [kept for _, _, kept in changed])
+        shown_zero, kept_zero = zero[:len(changed)], zero[len(changed):]
+        missed = []
+        for (i, _, kept), cleared, empty in zip(changed, shown_zero, kept_zero):
+            if cleared:
+                kept.zero_()
+            elif not empty:
+                missed.append(i)
+        if missed:
+            warnings.warn(_kept_grads_changed_in_place(self, missed), stacklevel=3)
 
     def hold_for_tensor_hooks(self, grads: list) -> list:
         """Take out of one use's ``grads`` those of parameters with tensor hooks of the user's
@@ -633,15 +697,18 @@ class FlatParamShard:
     def add_grads(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Add one use's gradients (``None``: none reached that parameter) to what the unit
         holds, without declaring them complete."""
-        self._drop_grads_cleared_since_sealed()
+        self._take_back_held_grads()
         if self._grad_pieces is None:
             self._used = [g is not None for g in grads]
+            self._owned = [g is None for g in grads]
             grads = [torch.zeros(n, dtype=self.compute_dtype, device=self.compute_device)
                      if g is None else g for g, n in zip(grads, self.numels)]
         else:
             # a slot no gradient reached yet holds zeros: take the new gradient (no sum)
             merged = [held if g is None else (held + g if used else g)
                       for held, g, used in zip(self._grad_pieces, grads, self._used)]
+            self._owned = [own if g is None else used
+                           for own, g, used in zip(self._owned, grads, self._used)]
             self._used = [u or g is not None for u, g in zip(self._used, grads)]
             grads = merged
         self._grad_pieces = grads
@@ -678,9 +745,10 @@ class FlatParamShard:
         """
         if self._pending_reduce is not None:
             self.finish_reduce()
-        self._drop_grads_cleared_since_sealed()
+        self._take_back_held_grads()
         grads, self._grad_pieces = self._grad_pieces, None
         used, self._used = self._used, None
+        self._owned = None
         self._reducing_used = [True] * len(self.params) if used is None else used
         side = self._side_values(self._reducing_used, grads).repeat(self.world_size)
         chunk_numels, side_handle = list(self.chunk_numels), None
@@ -1064,17 +1132,17 @@ def _fingerprint(flat: torch.Tensor) -> int:
     return int(bits.sum(dtype=total))
 
 
-def _held_grads_changed_in_place(shard: FlatParamShard, changed: list) -> str:
-    """The warning for ``.grad`` changed in place, not cleared, between backwards inside
-    ``no_sync`` (see :meth:`FlatParamShard.seal_held_grads`)."""
-    more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
-    return (f"FullyShardedDataParallel: .grad of {_where(shard.locations[changed[0]])}{more} "
-            f"in unit {shard.label[1]!r} was changed in place between backwards inside "
-            f"no_sync() without being cleared (a scaling, clip_grad_norm_, an unscale): the "
-            f"gradient accumulated so far is held unsharded outside .grad (which reads as "
-            f"zeros of the shard) and was not changed with it; it is reduced as it was. Scale "
-            f"the loss instead, and clip or unscale once after the synchronising backward "
-            f"(model.clip_grad_norm_)")
+def _kept_grads_changed_in_place(shard: FlatParamShard, missed: list) -> str:
+    """The warning for a ``.grad`` scaled in place between backwards inside ``no_sync`` while
+    the reduced gradient of earlier steps was kept aside (see
+    :meth:`FlatParamShard._settle_grads_kept_aside`)."""
+    more = f" and {len(missed) - 1} more" if len(missed) > 1 else ""
+    return (f"FullyShardedDataParallel: .grad of {_where(shard.locations[missed[0]])}{more} "
+            f"in unit {shard.label[1]!r} was changed in place (not zeroed) between backwards "
+            f"inside no_sync() while it also held the reduced gradient of earlier steps "
+            f"(the cycle began without zero_grad()): the change reached this cycle's "
+            f"gradient, not that earlier one, which is added back unchanged after the "
+            f"reduce-scatter. Call optimizer.zero_grad() before the cycle, or scale the loss")
 
 
 def _gather_out_of_step(unit: str, error: Exception) -> str:

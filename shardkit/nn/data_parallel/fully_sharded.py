@@ -134,6 +134,7 @@ import copy
 import dataclasses
 import enum
 import functools
+import inspect
 import sys
 import weakref
 from collections.abc import Mapping
@@ -141,10 +142,11 @@ from typing import Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
 from shardkit import distributed as skdist
-from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes,
+from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes, _where,
                                                   check_one_dtype, gathered_param_bytes,
                                                   removed_after_wrapping, shard_rows)
 from shardkit.nn.data_parallel.fsdp_arguments import (IgnoredStates, check_bool,
@@ -657,8 +659,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                                            self.gradient_postdivide_factor)
             _MANAGED_PARAMS.update((id(p), weakref.ref(p)) for p in params)
             _UNIT_OF.update((id(p), (weakref.ref(p), weakref.ref(self))) for p in params)
+            _watch_optimizer_states_of_whole_params()
         _WRAPPED_MODULES.add(module)
         _mark_fsdp_managed(module)
+        if self._shard is not None:
+            _gather_before_recomputations(self, _unit_modules(module, ignored))
         module.register_state_dict_pre_hook(_refusing_shards_as_full_state(self))
         self._register_load_state_dict_pre_hook(add_wrapper_prefix)
         # ids of the wrapped module's children holding some of this unit's parameters (their
@@ -1544,11 +1549,12 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         accumulation cycle (``Ψ_u`` more memory between micro-batches). Should a shard change
         in between (an optimizer step inside the block), the next forward gathers afresh.
 
-        ``model.zero_grad()`` and ``optimizer.zero_grad()`` discard what the block
-        accumulated, as in one process: after a backward inside the block, a trainable
-        parameter the gradients reached has a ``.grad`` (zeros of its shard if it had none;
-        the reduced gradient is added to it), and one whose ``.grad`` was cleared since
-        (set to ``None`` or zeroed) has its held gradient dropped."""
+        Between the block's backwards each trainable parameter the gradients reached shows
+        this rank's accumulated, unreduced gradient as its ``.grad``, in the parameter's full
+        shape (as torch FSDP1 does): what is done to it in place (a scaling, an unscale,
+        ``zero_()``) reaches what the next synchronising backward reduces, and
+        ``model.zero_grad()`` / ``optimizer.zero_grad()`` discard it, as in one process. After
+        that backward ``.grad`` is this rank's shard of the reduced gradient again."""
         if self._is_root is False:
             raise RuntimeError("no_sync() was called on an inner FullyShardedDataParallel unit; "
                                "call it on the root (outermost) instance, which applies it to "
@@ -1587,9 +1593,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``nn.Module.zero_grad``, which also drops what backwards inside :meth:`no_sync`
-        accumulated and no synchronising backward has reduced yet (held unsharded, outside
-        ``.grad``), as under torch's and FairScale's FSDP, where it sits in ``.grad``; without
-        it, those gradients would be added to the next step's. ``optimizer.zero_grad()``
+        accumulated and no synchronising backward has reduced yet (shown unsharded in
+        ``.grad``), as under torch's and FairScale's FSDP; without it, those gradients would be
+        added to the next step's. ``optimizer.zero_grad()``
         discards them too (see :meth:`no_sync`). Local."""
         if self._root is not None:
             self._root._recover_from_a_failed_backward()
@@ -1862,8 +1868,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
     def _refuse_unreduced_grads(self, what: str) -> None:
         """Raise if backwards inside :meth:`no_sync` left gradients that no synchronising
-        backward has reduced yet: they are held unsharded outside ``.grad``, so a norm would
-        miss them (it read 0.0). Those whose ``.grad`` was cleared since
+        backward has reduced yet: ``.grad`` shows each rank's unreduced gradient, so a norm of
+        the shards cannot be taken. Those whose ``.grad`` was cleared since
         (``optimizer.zero_grad()``) are discarded, as by ``optimizer.step()``'s check, and do
         not count. Every rank ran the same backwards, so every rank raises here, before any
         collective. Local; one device sync per unit holding such gradients."""
@@ -1926,6 +1932,58 @@ def unit_holding(param: torch.Tensor) -> Optional[FullyShardedDataParallel]:
     if entry is None or entry[0]() is not param:
         return None
     return entry[1]()
+
+
+# optimizer -> (id of its state dict, its length) when its state was last found to fit the
+# shards (see _refuse_state_of_whole_params); the step pre-hook is registered once
+_STATES_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_STATE_HOOK: list = []
+
+
+def _watch_optimizer_states_of_whole_params() -> None:
+    if not _STATE_HOOK:
+        _STATE_HOOK.append(register_optimizer_step_pre_hook(_refuse_state_of_whole_params))
+
+
+def _refuse_state_of_whole_params(optimizer, args, kwargs) -> None:
+    """Every ``torch.optim.Optimizer.step``, before it changes anything: a ``RuntimeError``
+    when the optimizer holds, for a sharded parameter, a state tensor of the whole
+    parameter's shape (``exp_avg`` made before wrapping) instead of the shard's.
+
+    Note: wrapping keeps the parameter objects (their ``.data`` becomes this rank's shard),
+    so an optimizer built before wrapping steps the shards correctly, as long as it has no
+    state yet. One that stepped before wrapping (or loaded an unsharded state dict) failed
+    inside the update with torch's "The size of tensor a (4) must match the size of tensor
+    b (2)", naming neither the parameter nor the cause. Every rank holds such state alike,
+    so every rank raises. Cost: one pass over the optimizer's state when it was replaced or
+    grew since the last check, a dictionary lookup otherwise."""
+    mark = (id(optimizer.state), len(optimizer.state))
+    if _STATES_CHECKED.get(optimizer) == mark:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            unit = unit_holding(p)
+            if unit is None or unit._summoned:
+                continue
+            index = [id(q) for q in unit._shard.params].index(id(p))
+            whole = unit._shard.layouts[index].shape
+            if tuple(whole) == tuple(p.shape) or len(whole) == 0:
+                continue  # not cut here, or 0-dim (its shape is the scalar 'step' one)
+            for key, value in optimizer.state.get(p, {}).items():
+                # the whole parameter's shape only: a factored state (Adafactor's row and
+                # column statistics) has shapes of its own
+                if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(whole):
+                    where = unit._shard.locations[index]
+                    raise RuntimeError(
+                        f"FullyShardedDataParallel: {type(optimizer).__name__}.step() holds "
+                        f"state {key!r} of shape {tuple(value.shape)} for "
+                        f"{_where(where)} in unit {unit._shard.label[1]!r}, which is now "
+                        f"this rank's shard of shape {tuple(p.shape)}: the optimizer's state "
+                        f"was made for the whole parameter (it stepped, or loaded a state "
+                        f"dict, before the model was wrapped). Build the optimizer after "
+                        f"wrapping, or load its state into the shards with "
+                        f"model.get_shard_from_optim_state_dict(full_optim_state_dict)")
+    _STATES_CHECKED[optimizer] = mark
 
 
 def get_fsdp_instances(module: nn.Module, skip_empty: bool = False) -> list:
@@ -2378,6 +2436,50 @@ def _mark_fsdp_managed(module: nn.Module) -> None:
     FSDP with ``use_orig_params=True`` (the parameters here are the module's own)."""
     module._is_fsdp_managed_module = True
     module._fsdp_use_orig_params = True
+
+
+def _gather_before_recomputations(unit: FullyShardedDataParallel, modules) -> None:
+    """Make each of ``modules`` (the unit's own) that ``checkpoint_wrapper`` made a checkpointed
+    region gather the unit before the region is recomputed in backward.
+
+    Note: the unit gathers (and exposes its parameters for the recomputation) when backward
+    reaches its outputs. A gradient can enter the region elsewhere first: a tensor the region
+    stashed for a later unit (a ``@skippable`` stash popped there, a value kept on the
+    module), whose backward needs the recomputation. It ran with the unit's shards
+    ("mat1 and mat2 shapes cannot be multiplied"); torch FSDP1 gathers in the recomputation
+    through its forward pre-hook on the wrapped module."""
+    for m in modules:
+        forward = vars(m).get("_shardkit_unwrapped_forward")
+        if forward is not None and not isinstance(forward, _GatheredWhenRecomputed):
+            m._shardkit_unwrapped_forward = _GatheredWhenRecomputed(forward, unit)
+
+
+class _GatheredWhenRecomputed:
+    """A checkpointed region's forward that, called inside a backward (its recomputation),
+    first runs the unit's backward gather (a no-op once backward reached the unit's outputs).
+    The unit is held weakly (the module holds this, the unit holds the module)."""
+
+    def __init__(self, forward, unit: FullyShardedDataParallel):
+        self.forward = forward
+        self.unit = weakref.ref(unit)
+
+    def __call__(self, *args, **kwargs):
+        unit = self.unit()
+        if unit is not None and torch._C._current_graph_task_id() != -1:
+            unit._gather_for_hooks(None, None)
+        return self.forward(*args, **kwargs)
+
+    @property
+    def __signature__(self):
+        return inspect.signature(self.forward)
+
+    def __deepcopy__(self, memo: dict) -> "_GatheredWhenRecomputed":
+        unit = self.unit()
+        return _GatheredWhenRecomputed(copy.deepcopy(self.forward, memo),
+                                       memo.get(id(unit), unit))
+
+    def __reduce__(self):
+        return _GatheredWhenRecomputed, (self.forward, self.unit())
 
 
 def _inner_units(module: nn.Module) -> list[FullyShardedDataParallel]:
