@@ -41,6 +41,7 @@ __all__ = [
     "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
     "recv", "isend",
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
+    "collectives_issued",
     "monitored_barrier", "gather", "scatter", "all_reduce_coalesced", "all_gather_coalesced",
     "reduce_scatter",
     "broadcast_object", "all_gather_object", "first_disagreement", "first_difference",
@@ -914,6 +915,16 @@ def groups_of_nodes(ranks: Sequence[int], per_node: Optional[int] = None) -> tup
 # ----------------------------------------------------------------------------- counting
 
 
+_ISSUED_ON_WORLD = [0]  # collectives this rank has issued on the default group
+
+
+def collectives_issued() -> int:
+    """How many collectives (not sends or receives) this rank has issued on the default group
+    through this module, for the peer watchdog to tell which ranks did not reach a collective
+    that timed out (see :mod:`shardkit.fault`). Costs nothing on the wire."""
+    return _ISSUED_ON_WORLD[0]
+
+
 def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtype] = None,
             kind: Optional[str] = None, counted: bool = True, checked: bool = True,
             checked_shape: Optional[tuple] = None) -> None:
@@ -924,6 +935,9 @@ def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtyp
     outside ``group`` records nothing: torch skips the op there, so nothing is sent."""
     if _not_a_member(group):
         return
+    # checked=False marks the second record of an op already recorded (its count after it ran)
+    if checked and op not in ("send", "recv") and (group is None or group is dist.group.WORLD):
+        _ISSUED_ON_WORLD[0] += 1
     if checked and collective_check._enabled:
         if isinstance(full, torch.Tensor):
             shape, checked_dtype = tuple(full.shape), full.dtype

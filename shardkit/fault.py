@@ -27,12 +27,13 @@ healthy collective — a large all-gather on a loaded machine — is never mista
   store's own file).
 - A peer whose counter has not moved for ``timeout_s`` (measured on this rank's own clock; no
   clock agreement needed) is lost. The rank whose process serves a TCP store (found in
-  ``/proc``: the store's listening socket is one of its own; rank 0 under ``env://``, whichever
-  rank ``store=`` made the server, none for torchrun's agent store or a server outside the
-  job) says so in the store, so that when the store stops answering, that rank is lost (a
-  store no rank serves: the rendezvous is lost). Until every peer's first beat has been read
-  (and where ``/proc`` does not say), rank 0 is taken for the host outside torchrun's agent
-  store.
+  ``/proc``: it holds the server's end of the watchdog's own new connection, which a process
+  forked from the server, holding only its listening socket, does not; rank 0 under
+  ``env://``, whichever rank ``store=`` made the server, none for torchrun's agent store or a
+  server outside the job) says so in the store, so that when the store stops answering,
+  that rank is lost (a store no rank serves: the rendezvous is lost). Until every peer's
+  first beat has been read (and where ``/proc`` does not say), rank 0 is taken for the host
+  outside torchrun's agent store.
 - On a loss the thread prints the message and calls ``os._exit(PEER_LOST_EXIT_CODE)``: the main
   thread may be blocked inside a C++ collective where no Python exception can reach it. An
   uncaught exception in the main thread (``sys.excepthook``) first waits up to ``timeout_s`` for
@@ -41,9 +42,12 @@ healthy collective — a large all-gather on a loaded machine — is never mista
   failure is the backend's own (gloo/NCCL/c10d, or shardkit's ``CollectiveError``) and every
   other peer finished (marked itself done) within ``timeout_s`` before it, the finished peers
   are named at once: the ranks ran different numbers of steps or collectives. With no verdict
-  at all (a peer stalled past the process-group timeout: it still beats), the rank says so and
-  leaves a "gave up" mark, not a failure: a peer still working (a long save with no
-  collectives) is not stopped, and names this rank when its own next collective fails.
+  at all (a peer stalled past the process-group timeout: it still beats), the rank says so,
+  naming the peers that had not reached the collective (each beat carries how many
+  collectives its rank has issued on the default group; a peer behind this rank's count is
+  the stalled one), and leaves a "gave up" mark, not a failure: a peer still working (a long
+  save with no collectives) is not stopped, and names this rank when its own next collective
+  fails.
 - A rank that finishes marks itself done (at exit, or :meth:`PeerWatchdog.stop`); peers stop
   watching it. The store's host (rank 0 outside torchrun's agent store) then waits, at most two
   beats, for its peers to read that before its process (and the store) ends; a peer whose store
@@ -78,7 +82,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch.distributed as dist
 
-from shardkit.distributed import per_attempt_store_key
+from shardkit.distributed import collectives_issued, per_attempt_store_key
 
 __all__ = ["watch_peers", "stop_watching", "PeerWatchdog", "PEER_LOST_EXIT_CODE",
            "DEFAULT_TIMEOUT_S", "current_watchdog"]
@@ -131,6 +135,8 @@ class PeerWatchdog:
         self.finished: dict = {}
         # peers whose collective failed with no peer lost -> their error (see explain_...)
         self.gave_up: dict = {}
+        # peer -> collectives it had issued on the default group at its last beat read
+        self.peer_collectives: dict = {}
         self._on_lost = on_lost or _exit_naming_the_rank
         self._verdict = threading.Event()
         self._stopped = threading.Event()
@@ -148,10 +154,16 @@ class PeerWatchdog:
             self._store_host_rank = None  # this process serves no store
         self._can_learn_host = host.serves is not None
         self._beat = 0
-        self._store.set(self._key(self.rank), str(self._beat))
+        self._store.set(self._key(self.rank), self._beat_value())
         self._thread = threading.Thread(target=self._run, name="shardkit-peer-watchdog",
                                         daemon=True)
         self._thread.start()
+
+    def _beat_value(self) -> str:
+        """A beat: its number, then how many collectives this rank has issued on the default
+        group (what lets a peer whose collective timed out name the ranks that did not
+        reach it)."""
+        return f"{self._beat} {collectives_issued()}"
 
     def _key(self, rank: int) -> str:
         return f"{self._prefix}{rank}"
@@ -185,7 +197,7 @@ class PeerWatchdog:
                 return
             try:
                 self._beat += 1
-                self._store.set(self._key(self.rank), str(self._beat))
+                self._store.set(self._key(self.rank), self._beat_value())
                 if self._store.check([self._verdict_key]):  # another rank saw it first
                     rank, _, why = self._store.get(self._verdict_key).decode().partition("|")
                     self._declare(int(rank), why, publish=False)
@@ -207,6 +219,7 @@ class PeerWatchdog:
                         return
                     elif value != seen[r][0]:
                         seen[r] = (value, now)
+                        self._note_collectives(r, value)
                     elif now - seen[r][1] > self.timeout_s:
                         silent.append(r)
                 if silent:
@@ -231,6 +244,17 @@ class PeerWatchdog:
                     self._declare(who, f"the rendezvous store it hosts stopped answering "
                                        f"({type(e).__name__})")
                 return
+
+    def _note_collectives(self, rank: int, beat: Optional[bytes]) -> None:
+        fields = beat.split() if beat is not None else []
+        if len(fields) == 2 and fields[1].isdigit():
+            self.peer_collectives[rank] = int(fields[1])
+
+    def _ranks_behind(self) -> list:
+        """The peers that, at their last beat read, had issued fewer collectives on the
+        default group than this rank has: they had not reached this rank's last one."""
+        mine = collectives_issued()
+        return sorted(r for r, issued in list(self.peer_collectives.items()) if issued < mine)
 
     def _declare_silent(self, silent: list, seen: dict, now: float) -> None:
         # Note: when a node goes, its launcher stops that node's other ranks too, and they all
@@ -342,6 +366,17 @@ class PeerWatchdog:
                     f"still in a collective with them: the ranks ran different numbers of steps "
                     f"or collectives (a loop that ends early on some ranks?). "
                     f"SHARDKIT_DEBUG_COLLECTIVES=1 names each rank's collectives.")
+        elif self._ranks_behind():
+            behind = self._ranks_behind()
+            note = (f"shardkit: rank {self.rank} of {self.world_size}: a collective failed and no "
+                    f"peer was lost within {self.timeout_s:g} s; rank(s) "
+                    f"{', '.join(map(str, behind))} still beat but had not reached it (they had "
+                    f"issued {sorted(self.peer_collectives[r] for r in behind)} collectives on "
+                    f"the default group, this rank {collectives_issued()}): stalled longer than "
+                    f"the process-group timeout (init_distributed(timeout_s=...)), or skipping "
+                    f"a collective the others issue (SHARDKIT_DEBUG_COLLECTIVES=1 names each "
+                    f"rank's collectives). Rank {self.rank} stops; its peers are told when they "
+                    f"next communicate.")
         else:
             note = (f"shardkit: rank {self.rank} of {self.world_size}: a collective failed and no "
                     f"peer was lost within {self.timeout_s:g} s (every peer still beats): a peer "
@@ -442,9 +477,9 @@ def _connect_to_rendezvous(timeout_s: float, prefix: str) -> tuple:
             # Note: a clone is a connection of its own (a blocking wait of the group's never
             # stalls a beat) under the group's key prefixes: jobs that share one server under
             # PrefixStores must not read each other's heartbeats
-            client = store.clone()
+            client, serves = _connect_finding_server(port, store.clone)
             client.set_timeout(timeout)
-            return client, _store_host(host, port)
+            return client, _store_host(host, port, serves)
     elif isinstance(inner, dist.FileStore):
         return _HeartbeatFiles.beside(inner.path, store, prefix), _NO_HOST
     elif store is not None:
@@ -455,49 +490,90 @@ def _connect_to_rendezvous(timeout_s: float, prefix: str) -> tuple:
             raise RuntimeError("watch_peers: cannot find the rendezvous store of the default "
                                "process group (set MASTER_ADDR and MASTER_PORT)")
         port = int(port)
-    client = dist.TCPStore(host, port, is_master=False, timeout=timeout, wait_for_workers=False)
-    return client, _store_host(host, port)
+    client, serves = _connect_finding_server(port, lambda: dist.TCPStore(
+        host, port, is_master=False, timeout=timeout, wait_for_workers=False))
+    return client, _store_host(host, port, serves)
 
 
-def _store_host(host: str, port: int) -> _StoreHost:
-    """Whether this process serves the TCP store at ``host:port``, and the host rank assumed
-    until the peers' claims are read: none for torchrun's agent store, else rank 0."""
-    return _StoreHost(serves=_this_process_listens_on(port),
-                      guess=None if _served_by_torchrun_agent(host, port) else 0)
+def _store_host(host: str, port: int, serves: Optional[bool]) -> _StoreHost:
+    """Who serves the TCP store at ``host:port``: this process or not (``serves``), and the
+    host rank assumed until the peers' claims are read: none for torchrun's agent store, else
+    rank 0."""
+    return _StoreHost(serves=serves, guess=None if _served_by_torchrun_agent(host, port) else 0)
 
 
-def _this_process_listens_on(port: int) -> Optional[bool]:
-    """Whether one of this process's sockets listens on TCP ``port`` (the store's server runs
-    in it); ``None`` where ``/proc`` does not say (another OS)."""
-    listening = set()  # socket inodes
-    tables = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        tables += 1
-        for row in rows:
-            fields = row.split()
-            # local address "HEX_IP:HEX_PORT", state 0A is LISTEN, the inode is field 9
-            if len(fields) > 9 and fields[3] == "0A" and \
-                    int(fields[1].rsplit(":", 1)[1], 16) == port:
-                listening.add(fields[9])
-    if not tables:
+class _TcpSocket(NamedTuple):
+    """One row of ``/proc/net/tcp{,6}``."""
+
+    local_port: int
+    remote_port: int
+    established: bool
+    inode: str
+
+
+def _connect_finding_server(port: int, connect: Callable) -> tuple:
+    """``(client, serves)``: ``connect()``'s new client of the TCP store on ``port``, and
+    whether this process serves that store (``None`` where ``/proc`` does not say).
+
+    Note: holding the store's listening socket is not enough: a process forked from the
+    server (a launcher that made the store, then forked the ranks) inherits that socket, but
+    not the server's thread, and would claim to host a store that outlives it. The server end
+    of a connection made now, after any fork, lives only in the process that accepts it: this
+    process serves the store when it holds both ends of its new client's connection."""
+    before = _own_client_ports(port)
+    client = connect()
+    client.check(["shardkit/heartbeat/ping"])  # a round trip: the server has accepted it
+    after = _own_client_ports(port)
+    if before is None or after is None:
+        return client, None
+    new_ports = after - before
+    if not new_ports:
+        return client, None  # the connection is not in this process's tables (a proxy?)
+    sockets = _own_tcp_sockets()
+    serves = any(s.established and s.local_port == port and s.remote_port in new_ports
+                 for s in sockets or ())
+    return client, serves if sockets is not None else None
+
+
+def _own_client_ports(port: int) -> Optional[set]:
+    """The local ports of this process's connections to TCP ``port``."""
+    sockets = _own_tcp_sockets()
+    if sockets is None:
         return None
+    return {s.local_port for s in sockets if s.established and s.remote_port == port}
+
+
+def _own_tcp_sockets() -> Optional[list]:
+    """This process's TCP sockets (``/proc/net/tcp{,6}`` rows whose inode is one of its file
+    descriptors); ``None`` where ``/proc`` does not say (another OS)."""
     try:
         descriptors = os.listdir("/proc/self/fd")
     except OSError:
         return None
+    inodes = set()
     for fd in descriptors:
         try:
             link = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # closed while listed
             continue
-        if link.startswith("socket:[") and link[len("socket:["):-1] in listening:
-            return True
-    return False
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    rows, tables = [], 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        tables += 1
+        for line in lines:
+            fields = line.split()
+            # "HEX_IP:HEX_PORT" local then remote, state 01 is ESTABLISHED, the inode is field 9
+            if len(fields) > 9 and fields[9] in inodes:
+                rows.append(_TcpSocket(int(fields[1].rsplit(":", 1)[1], 16),
+                                       int(fields[2].rsplit(":", 1)[1], 16),
+                                       fields[3] == "01", fields[9]))
+    return rows if tables else None
 
 
 class _HeartbeatFiles:
@@ -508,15 +584,36 @@ class _HeartbeatFiles:
 
     def __init__(self, folder: str):
         self.folder = folder
-        os.makedirs(folder, exist_ok=True)
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as err:
+            raise PermissionError(
+                f"watch_peers: cannot create the heartbeat folder {folder!r} beside the "
+                f"file store's file ({type(err).__name__}: {err.strerror or err}); the watchdog "
+                f"of a file:// process group keeps its beats there. Put the store's file in a "
+                f"folder every rank can write to, or turn the watchdog off (watch_peers(0), "
+                f"SHARDKIT_PEER_TIMEOUT=0 or peer_timeout_s=0).") from err
 
     @classmethod
     def beside(cls, path: str, store, prefix: str) -> "_HeartbeatFiles":
         """The folder of the group's heartbeats next to the file store at ``path``: its token
         is agreed once through ``store`` (one write to the store's file per group and
         attempt), under the group's prefixes, so that jobs sharing a file under PrefixStores
-        keep apart."""
-        token = store.compare_set(f"{prefix}files", "", secrets.token_hex(8)).decode()
+        keep apart.
+
+        Note: a job killed mid-run leaves its store's file behind, and a new job started on
+        the same path reads the old job's keys. The token records when it was made; one made
+        before this process started belongs to an earlier job (this job's token is made after
+        every rank has joined the process group, so after every rank's process started) and
+        is replaced, so that the new job beats in a folder of its own and never reads the
+        dead job's verdict, "done" or "failed" marks."""
+        key = f"{prefix}files"
+        started = _process_start_time()
+        token = store.compare_set(key, "", _new_token()).decode()
+        for _ in range(8):  # a rank of this job replaces it once; the others read that
+            if started is None or _token_time(token) >= started:
+                break
+            token = store.compare_set(key, token, _new_token()).decode()
         return cls(f"{path}.shardkit-heartbeat-{token}")
 
     def _path(self, key: str) -> str:
@@ -557,6 +654,33 @@ class _HeartbeatFiles:
             if value is None or not (value == _DONE or value.startswith((_FAILED, _GAVE_UP))):
                 return
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _new_token() -> str:
+    """A heartbeat folder's token: when it was made (wall clock) and random bytes."""
+    return f"{time.time():.3f}-{secrets.token_hex(6)}"
+
+
+def _token_time(token: str) -> float:
+    """When ``token`` was made; ``0`` for a token without a time (an earlier shardkit's)."""
+    moment, dash, _ = token.partition("-")
+    try:
+        return float(moment) if dash else 0.0
+    except ValueError:
+        return 0.0
+
+
+def _process_start_time() -> Optional[float]:
+    """When this process started (wall clock, to a clock tick), from ``/proc``; ``None``
+    where ``/proc`` does not say."""
+    try:
+        with open("/proc/self/stat") as f:
+            # the fields after the command's closing parenthesis; starttime is field 22
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+        return time.time() - since_boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def _served_by_torchrun_agent(host: str, port: int) -> bool:

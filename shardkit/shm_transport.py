@@ -45,10 +45,12 @@ every op that moves the same bytes: an all-gather (equal or unequal segments) ``
 the output, a reduce-scatter or all-to-all ``(N-1)/N`` of the input, and the rooted ops
 averaged over the ranks, as the process group counts them: a broadcast ``(N-1)/N`` of the
 tensor (the ``N-1`` ranks but the source read it all), a reduce-to-owners ``(N-1)/N`` of all
-the segments (each owner reads ``N-1`` peers' copies of its own). An all-reduce records the
-``N-1`` peers' copies of the tensor each rank reads (the ring's ``2(N-1)/N`` is not this
-algorithm; at world 2 the two agree). What a rank writes is less: one copy of its own part,
-which every peer reads.
+the segments (each owner reads ``N-1`` peers' copies of its own), and an all-reduce the
+convention's ``2(N-1)/N`` of the tensor, as the process group's all-reduce of that size, so
+that a wrapper's count does not depend on the transport. (What this algorithm really reads is
+more from world 3 on: each rank reads its ``N-1`` peers' copies of the tensor, ``(N-1)·S``; at
+world 2 the two agree.) What a rank writes is less: one copy of its own part, which every
+peer reads.
 
 When it cannot be used (ranks on different hosts or pid namespaces, no ``memfd_create``, a
 world of one), :meth:`prepare` warns once and the group's operations use the process group.
@@ -282,7 +284,7 @@ class SharedMemoryTransport(Transport):
                 else:
                     torch.maximum(acc, parts[r][:hi - lo], out=acc)
             flat[lo:hi].copy_(acc)
-        skdist.record_transfer("all_reduce", _nbytes(tensor) * (n - 1), tensor.dtype, group)
+        _record(ring, "all_reduce", _nbytes(tensor), tensor.dtype)
         return ring.submit("all_reduce", tensor.dtype, flat.numel(), ring.chunk(tensor.dtype),
                            write, read, result=lambda: tensor, land=land,
                            detail=_REDUCE_OPS.index(_reduce_op_name(op)) + 1)

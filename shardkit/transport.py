@@ -392,6 +392,8 @@ class ProcessGroupTransport(Transport):
         if output.numel() != n * input.numel():
             raise ValueError(f"all_gather: output has {output.numel()} elements; it must be "
                              f"world size {n} x input's {input.numel()}")
+        if not output.is_contiguous():
+            return _landed_through_contiguous_copy(self.all_gather, output, input, group)
         if not _uses_point_to_point(group, output.device):
             return CommHandle([skdist.all_gather_into_tensor(output, input, group=group,
                                                              async_op=True)], lambda: output)
@@ -448,6 +450,8 @@ class ProcessGroupTransport(Transport):
             raise ValueError(f"reduce_scatter: input has {input.numel()} elements, not divisible "
                              f"by world size {n}")
         segment = input.numel() // n
+        if not input.is_contiguous():  # gloo sends and NCCL carry contiguous tensors only
+            input = input.contiguous()
         if not _uses_point_to_point(group, input.device):
             out = torch.empty(segment, dtype=input.dtype, device=input.device)
             work = skdist.reduce_scatter_tensor(out, input, group=group, async_op=True)
@@ -669,6 +673,20 @@ def _issue(ops: list, counted_as: str, group, logical_bytes: Optional[int] = Non
     (what the collective debug mode compares, with the ops' dtype)."""
     return skdist.batch_isend_irecv(ops, counted_as=counted_as, group=group,
                                     logical_bytes=logical_bytes, logical_shape=shape)
+
+
+def _landed_through_contiguous_copy(all_gather: Callable, output: torch.Tensor,
+                                    input: torch.Tensor, group) -> CommHandle:
+    """``all_gather`` into a contiguous copy of the non-contiguous ``output``, then the copy
+    written back, as torch's collectives cannot fill a non-contiguous tensor in place.
+
+    Note: waited for at once, so that ``output`` holds the result even when the returned handle
+    is dropped unwaited (which for other handles still completes the operation); this call
+    does not overlap with compute. Costs one temporary of ``output``'s size."""
+    landing = torch.empty(output.shape, dtype=output.dtype, device=output.device)
+    all_gather(landing, input, group).wait()
+    output.copy_(landing)
+    return CommHandle((), lambda: output)
 
 
 def _uses_point_to_point(group, device: Optional[torch.device] = None) -> bool:
