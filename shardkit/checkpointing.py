@@ -425,7 +425,8 @@ class _CheckpointFunction(torch.autograd.Function):
             outputs = run_function(*layout.merge(tensors))
         ctx.save_for_backward(*kept)
         outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
-        tensor_outs = [o for o in outs if torch.is_tensor(o)]
+        tensor_outs = _outside_tensors_detached([o for o in outs if torch.is_tensor(o)],
+                                                tensors)
         ctx.mark_non_differentiable(*[o for o in tensor_outs if not o.is_floating_point()])
         escaping = _escaping_stashes(ctx.received, tensor_outs)
         ctx.escaping_keys = [key for key, _ in escaping]
@@ -478,6 +479,17 @@ class _CheckpointFunction(torch.autograd.Function):
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None) + tuple(t.grad if t.requires_grad else None for t in inputs)
+
+
+def _outside_tensors_detached(tensor_outs: list, inputs) -> list:
+    """The region's outputs, each one that it handed back from outside its arguments while
+    requiring grad (a layer's own parameter: ``skip_bias_add=True`` returns its bias) replaced
+    by a detached alias. Returned as it is, the parameter itself would become this function's
+    output, its ``grad_fn`` this backward, and the backward's own ``autograd.backward`` through
+    the recomputed parameter would call that backward again, without end. The alias's gradient
+    reaches the parameter in the backward, through the recomputed output (the parameter)."""
+    given = {id(t) for t in inputs}
+    return [o.detach() if o.requires_grad and id(o) not in given else o for o in tensor_outs]
 
 
 def _escaping_stashes(received: _Received, tensor_outs: list) -> list:

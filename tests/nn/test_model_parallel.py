@@ -804,7 +804,6 @@ def _bad_input():
             catch("in_features", lambda: mp.RowParallelLinear(6, 8))
             catch("vocab", lambda: mp.VocabParallelEmbedding(30, 8))
             catch("embedding_dim", lambda: mp.ParallelEmbedding(30, 6))
-            catch("freq", lambda: mp.VocabParallelEmbedding(32, 8, scale_grad_by_freq=True))
             catch("row_sp", lambda: mp.RowParallelLinear(8, 8, sequence_parallel=True))
             catch("ce_target", lambda: mp.vocab_parallel_cross_entropy(
                 torch.zeros(2, 3, 4), torch.zeros(2, 4).long()))
@@ -858,7 +857,6 @@ def test_bad_input_clear_errors_before_any_collective(world4):
     assert "num_embeddings (vocabulary)=30 is not divisible by tensor-parallel size 4" in e["vocab"]
     assert "embedding_dim=6 is not divisible by tensor-parallel size 4" in e["embedding_dim"]
     assert "input_is_parallel=True" in e["row_sp"]
-    assert "scale_grad_by_freq=True is not supported" in e["freq"]
     assert "target shape (2, 4)" in e["ce_target"]
     assert "unsplit 'weight' has shape (8, 4); the unsplit layer's is (8, 8)" in e["load_shape"]
     assert ("KeyError" in e["load_unexpected"]

@@ -91,8 +91,16 @@ def is_checkpointing() -> bool:
 
 
 def is_recomputing() -> bool:
-    """True while a checkpointed region is being recomputed during backward (this thread)."""
-    return _state.recomputing > 0
+    """True while a checkpointed region is being recomputed during backward (this thread):
+    a region of shardkit's (:func:`checkpoint_wrapper`, ``shardkit.checkpointing``, ``Pipe``),
+    or any forward that runs while autograd executes a backward pass, which is how torch's own
+    ``torch.utils.checkpoint`` (reentrant or not) recomputes its regions."""
+    return _state.recomputing > 0 or _inside_backward_pass()
+
+
+def _inside_backward_pass() -> bool:
+    """Whether this thread is running an autograd backward pass now (its graph task). Local."""
+    return torch._C._current_graph_task_id() != -1
 
 
 @contextlib.contextmanager

@@ -54,8 +54,14 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsplit state of ``model`` (parameters and buffers, keyed as ``model.state_dict()``).
     Call on every rank: collective over the tensor-parallel group (one all-gather per split
     parameter), plus whatever ``model.state_dict()`` itself costs (FSDP: an all-gather over the
-    data-parallel group). The result costs the full model's size on every rank."""
-    local = model.state_dict()
+    data-parallel group). The result costs the full model's size on every rank.
+
+    The model of a ZeRO stage-3 engine (``engine.module``), whose ``state_dict()`` holds empty
+    placeholders for its sharded parameters as in DeepSpeed, is read inside
+    :class:`shardkit.zero.GatheredParameters` (one all-gather per FSDP unit over its
+    data-parallel group, the unit's full size while it is read), as a DeepSpeed user would."""
+    with _gathered_zero3_parameters(model):
+        local = model.state_dict()
     split = _split_keys(model, local)
     out = {}
     for key, tensor in local.items():
@@ -67,13 +73,32 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _gathered_zero3_parameters(model: nn.Module):
+    """A context in which the ZeRO-3 parameters of ``model`` that hold only this rank's rows
+    (DeepSpeed's ``ds_status`` ``NOT_AVAILABLE``) hold their full values; a no-op context
+    when there are none (stages 0-2, a bare model, an FSDP wrapper, whose ``state_dict``
+    gathers by itself). Every rank of a data-parallel group finds the same parameters."""
+    from shardkit.zero import GatheredParameters, ZeroParamStatus
+    sharded = [p for p in model.parameters()
+               if getattr(p, "ds_status", None) is ZeroParamStatus.NOT_AVAILABLE]
+    return GatheredParameters(sharded, enabled=bool(sharded))
+
+
 @torch.no_grad()
 def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Load an unsplit state (as :func:`full_model_state_dict` returns) into ``model``: each rank
     keeps its slices and hands them to ``model.load_state_dict``. No tensor-parallel
-    communication (FSDP's ``load_state_dict`` gathers over its data-parallel group). Raises
-    ``KeyError`` naming missing or unexpected keys and ``ValueError`` naming a key whose shape is
-    not the unsplit one, before loading anything."""
+    communication (FSDP's ``load_state_dict`` gathers over its data-parallel group; so does the
+    model of a ZeRO stage-3 engine, loaded inside :class:`shardkit.zero.GatheredParameters`,
+    each rank keeping its rows). Raises ``KeyError`` naming missing or unexpected keys and
+    ``ValueError`` naming a key whose shape is not the unsplit one, before loading anything."""
+    with _gathered_zero3_parameters(model):
+        _load_slices(model, state_dict)
+
+
+def _load_slices(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Check ``state_dict`` against ``model``'s keys and unsplit shapes, then load this rank's
+    slices of it. No tensor-parallel communication."""
     own = model.state_dict()
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))

@@ -346,6 +346,21 @@ def _check_flag(what: str, name: str, value) -> None:
                         f"True or False")
 
 
+def _bias_for_skip_bias_add(bias: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
+    """The bias a ``skip_bias_add=True`` layer returns beside its output. With grad enabled,
+    the parameter itself, not a copy: the caller's add must put its gradient on the parameter
+    (the one ``reduce_sequence_parallel_grads`` sums when marked ``sequence_parallel``).
+    Without grad (``torch.no_grad()``, or the first forward of a reentrant activation
+    checkpoint, torch's ``use_reentrant=True`` or DeepSpeed's), a detached alias of it: the
+    same memory, but a tensor of its own. The reentrant checkpoint's autograd function would
+    otherwise make the parameter itself its output, giving it that function's backward as
+    ``grad_fn``; the backward, recomputing, then ran through the parameter into itself again,
+    without end."""
+    if bias is None or torch.is_grad_enabled():
+        return bias
+    return bias.detach()
+
+
 def _skip_bias_add_repr(layer: nn.Module) -> str:
     """``", skip_bias_add=True"`` for :meth:`extra_repr` when set; nothing by default."""
     return ", skip_bias_add=True" if layer.skip_bias_add else ""
@@ -499,7 +514,7 @@ class ColumnParallelLinear(TensorParallelModule):
         parameter itself beside a split output; beside a gathered one, the gathered bias, whose
         backward hands each rank the gradient of its own slice."""
         if self.bias is None or not self.gather_output:
-            return self.bias
+            return _bias_for_skip_bias_add(self.bias)
         return self._gather_out_features(self.bias)
 
     def extra_repr(self) -> str:
@@ -599,9 +614,7 @@ class RowParallelLinear(TensorParallelModule):
         else:
             y = _reduce_from_region_of_own_output(partial, self.tp_group)
         if self.skip_bias_add:
-            # the parameter itself, not a copy: the caller's add must put its gradient on
-            # the parameter reduce_sequence_parallel_grads sums (marked sequence_parallel)
-            return y, self.bias
+            return y, _bias_for_skip_bias_add(self.bias)
         if self.bias is None:
             return y
         # in the output's dtype, as nn.Linear adds it: under autocast an fp32 bias would
@@ -628,7 +641,9 @@ class VocabParallelEmbedding(TensorParallelModule):
         embedding_dim: width of each row.
         padding_idx, max_norm, norm_type, sparse: as ``nn.Embedding`` (``padding_idx`` row
             starts at zero and gets no gradient; ``max_norm`` renormalises only looked-up rows).
-        scale_grad_by_freq: must be ``False`` (kept for ``nn.Embedding``'s signature).
+        scale_grad_by_freq: as ``nn.Embedding``: each row's gradient is divided by how often
+            its token occurs in the batch (every rank sees the whole batch, so the count is
+            the unsplit layer's).
         init_method: in-place initialiser applied to the full ``[V, dim]`` master weight.
         keep_master_weight_for_test: keep the full initial weight as ``self.master_weight``.
         sequence_parallel: reduce-scatter the output along ``sequence_dim`` (each rank keeps
@@ -647,11 +662,7 @@ class VocabParallelEmbedding(TensorParallelModule):
                  keep_master_weight_for_test: bool = False, sequence_parallel: bool = False,
                  sequence_dim: int = SEQUENCE_DIM):
         super().__init__("VocabParallelEmbedding")
-        if scale_grad_by_freq:
-            # tokens of other ranks' rows look up local row 0 (then masked), which would
-            # distort that row's frequency count
-            raise ValueError("VocabParallelEmbedding: scale_grad_by_freq=True is not supported; "
-                             "use scale_grad_by_freq=False")
+        _check_flag("VocabParallelEmbedding", "scale_grad_by_freq", scale_grad_by_freq)
         _check_flag("VocabParallelEmbedding", "sequence_parallel", sequence_parallel)
         _check_divisible("VocabParallelEmbedding: num_embeddings (vocabulary)", num_embeddings,
                          self.tp_size)
@@ -702,14 +713,28 @@ class VocabParallelEmbedding(TensorParallelModule):
             with torch.no_grad():
                 torch.embedding_renorm_(self.weight, local[~outside], self.max_norm,
                                         self.norm_type)
-        partial = F.embedding(local, self.weight, self._local_padding_idx(), None,
-                              self.norm_type, False, self.sparse)
-        # in place: F.embedding's backward does not read its output
-        partial = partial.masked_fill_(outside.unsqueeze(-1), 0.0)
+        if self.scale_grad_by_freq:
+            partial = self._look_up_own_tokens_only(local, outside)
+        else:
+            partial = F.embedding(local, self.weight, self._local_padding_idx(), None,
+                                  self.norm_type, False, self.sparse)
+            # in place: F.embedding's backward does not read its output
+            partial = partial.masked_fill_(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim,
                                                               group=self.tp_group)
         return _reduce_from_region_of_own_output(partial, self.tp_group)
+
+    def _look_up_own_tokens_only(self, local: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output with ``scale_grad_by_freq``: only the tokens of its own
+        rows are looked up, so each row's count is its token's count in the whole batch (the
+        other ranks' tokens, parked on local row 0 by the default path, would inflate row 0's
+        count). Memory: one more buffer of the looked-up rows' size."""
+        own = ~outside
+        partial = self.weight.new_zeros(*local.shape, self.embedding_dim)
+        partial[own] = F.embedding(local[own], self.weight, self._local_padding_idx(), None,
+                                   self.norm_type, True, self.sparse)
+        return partial
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start_index}, "

@@ -143,6 +143,12 @@ def _check_stride(what: str, stride) -> None:
 
 # ----------------------------------------------------------------------------- tensor regions
 
+# Note: each backward applies its conjugate function (copy <-> reduce, scatter <-> gather,
+# sequence scatter <-> gather without the partial-sum flag, reduce-scatter <-> gather with it)
+# rather than calling the collective directly. Under ``create_graph=True`` (double backward:
+# gradient penalties, Hessian-vector products) the gradient is then itself differentiable, with
+# the right communication in the second backward; a plain backward runs the same collectives.
+
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
@@ -155,14 +161,13 @@ class _CopyToRegion(torch.autograd.Function):
         # The incoming gradient may be shared: an add's backward hands the same tensor to both
         # of its inputs, so an all-reduce in place would change the other input's gradient too.
         # Only a layer whose own F.linear consumed the output (a fresh gradient) skips the copy.
-        if not ctx.grad_is_private and distributed.get_world_size(_group(ctx.group)) > 1:
-            grad = grad.clone(memory_format=torch.contiguous_format)
-        return _all_reduce(grad, ctx.group), None, None
+        return _ReduceFromRegion.apply(grad, ctx.group, ctx.grad_is_private), None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, x_is_private):
+        ctx.group = group
         if x_is_private and x.is_contiguous():
             # a layer's own partial result, which nothing else reads: summed where it lies
             ctx.mark_dirty(x)
@@ -171,7 +176,7 @@ class _ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return _CopyToRegion.apply(grad, ctx.group, False), None, None
 
 
 class _ScatterToRegion(torch.autograd.Function):
@@ -182,7 +187,7 @@ class _ScatterToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, _last(grad), ctx.stride, ctx.group), None, None
+        return _GatherFromRegion.apply(grad, ctx.stride, ctx.group), None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
@@ -193,7 +198,7 @@ class _GatherFromRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _keep_own_slice(grad, _last(grad), ctx.stride, ctx.group), None, None
+        return _ScatterToRegion.apply(grad, ctx.stride, ctx.group), None, None
 
 
 def copy_to_model_parallel_region(x: torch.Tensor, *, group=None) -> torch.Tensor:
@@ -256,7 +261,7 @@ class _ScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, 1, ctx.group), None, None
+        return _GatherFromSequence.apply(grad, ctx.dim, ctx.group, False), None, None
 
 
 class _GatherFromSequence(torch.autograd.Function):
@@ -271,10 +276,10 @@ class _GatherFromSequence(torch.autograd.Function):
         if not ctx.tensor_parallel_output_grad:
             # the gathered activation fed a computation replicated on every rank: each rank
             # already holds the whole gradient, so it keeps its own slice
-            return _keep_own_slice(grad, ctx.dim, 1, ctx.group), None, None, None
+            return _ScatterToSequence.apply(grad, ctx.dim, ctx.group), None, None, None
         # The gathered activation feeds a column-parallel layer, whose input gradient is a
         # partial sum on each rank: summing and re-splitting is one reduce-scatter.
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
+        return _ReduceScatterToSequence.apply(grad, ctx.dim, ctx.group), None, None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -285,7 +290,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, 1, ctx.group), None, None
+        return _GatherFromSequence.apply(grad, ctx.dim, ctx.group, True), None, None
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUENCE_DIM, *,
