@@ -41,7 +41,7 @@ __all__ = [
     "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
     "recv", "isend",
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
-    "collectives_issued",
+    "collectives_issued", "gather_control_rows",
     "monitored_barrier", "gather", "scatter", "all_reduce_coalesced", "all_gather_coalesced",
     "reduce_scatter",
     "broadcast_object", "all_gather_object", "first_disagreement", "first_difference",
@@ -1583,6 +1583,15 @@ def _gather_rows(what: str, row: Sequence[int], group, device) -> list:
     with reporting_broken_links(f"{what.rsplit('.', 1)[-1]} (argument check)", group):
         _all_gather_tensor(every, mine, group=group)
     return every.view(n, len(row)).tolist()
+
+
+def gather_control_rows(what: str, row: Sequence[int], group=None) -> list:
+    """Every rank's ``row`` of ints (one length on every rank), in group-rank order: the small
+    agreement a wrapper makes before a collective step (which ranks offloaded, which call each
+    rank is in). One all-gather of ``len(row)`` int64s a rank on the group's control device
+    (CUDA for NCCL, else the CPU: a host sync on an accelerator); a control message that
+    :class:`CommCounter` does not count. ``what`` names the call in a broken-link error."""
+    return _gather_rows(what, row, group, _control_device(group))
 
 
 def _agree_on_root(what: str, root_name: str, root, problem: Optional[str], group,

@@ -1889,8 +1889,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if distributed.get_world_size() < 2:
             ranks = [0] if offloaded else []
         else:
-            rows = distributed._gather_rows(call, [int(offloaded)], None,
-                                            distributed._control_device(None))
+            rows = distributed.gather_control_rows(call, [int(offloaded)])
             ranks = [rank for rank, (flag,) in enumerate(rows) if flag]
         if ranks:
             where = "" if ranks == list(range(distributed.get_world_size())) \

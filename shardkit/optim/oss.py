@@ -102,8 +102,8 @@ class OSS(torch.optim.Optimizer):
     :mod:`shardkit.optim.param_sync`; the caller's parameters become views of them, in this
     process's own memory); with ``broadcast_fp16``, during :meth:`step`, the 16-bit copies of
     at most two buckets. Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16
-    / bf16 with ``broadcast_fp16``), one all-gather per bucket, after one small object
-    all-gather checking that every rank steps the same param groups (see :meth:`step`).
+    / bf16 with ``broadcast_fp16``), one all-gather per bucket, after one all-gather of two
+    int64s a rank checking that every rank steps the same param groups (see :meth:`step`).
     :meth:`clip_grad_norm`: one
     all-reduce of one element (one more over the tensor-parallel group for a model with
     tensor-parallel layers). Construction, :meth:`add_param_group` and :meth:`refresh_trainable`:
@@ -337,8 +337,8 @@ class OSS(torch.optim.Optimizer):
         an error on every rank before any parameter is stepped.
 
         Communication: ``Ψ(N-1)/N`` elements in all, one all-gather per bucket, and the
-        agreement: one small object all-gather (a control message, not counted by
-        ``CommCounter``; its measured cost is in :meth:`_agree_on_param_groups`).
+        agreement: one all-gather of two int64s a rank (a control message, not counted by
+        ``CommCounter``; see :meth:`_agree_on_param_groups`).
         """
         found_inf_agreed, self._found_inf_agreed = self._found_inf_agreed, False
         if self._stepped_in_backward is not None:
@@ -472,19 +472,18 @@ class OSS(torch.optim.Optimizer):
         hyper-parameter that differs and its values (a learning rate set on some ranks only:
         each parameter stepped with its owner's, silently).
 
-        Communication: one object all-gather of ``(method, digest)`` (a control message that
-        :class:`~shardkit.distributed.CommCounter` does not count): 1.3 ms a step in all,
-        measured with two gloo processes on a loaded two-core CPU host, where a step of a
-        four-layer 16-wide MLP took 4.4 ms and a one-element tensor all-gather 0.16 ms; on a
-        difference, one more object all-gather of the hyper-parameters. Local work: a
-        ``repr`` of every group's hyper-parameters. Nothing at world size 1."""
+        Communication: one all-gather of two int64s a rank, the method and a crc32 of the
+        settings (a control message that :class:`~shardkit.distributed.CommCounter` does not
+        count; no pickling); on a difference, one object all-gather of the hyper-parameters.
+        Local work: a ``repr`` of every group's hyper-parameters. Nothing at world size 1."""
         if self.world_size == 1:
             return
         settings = args.param_group_settings(list(self.param_groups) + list(added))
         digest = zlib.crc32(repr(sorted(settings.items())).encode())
-        every = distributed.all_gather_object((method, digest), self.group, counted=False,
-                                              operation=f"{method}'s agreement")
-        methods = [m for m, _ in every]
+        every = distributed.gather_control_rows(f"{method}'s agreement",
+                                                [_AGREEING_METHODS.index(method), digest],
+                                                self.group)
+        methods = [_AGREEING_METHODS[code] for code, _ in every]
         if len(set(methods)) > 1:
             where = "; ".join(f"rank(s) {[r for r, m in enumerate(methods) if m == name]} in "
                               f"{name}" for name in _AGREEING_METHODS if name in methods)
@@ -591,7 +590,7 @@ class OSS(torch.optim.Optimizer):
         re-partition. Collective once OSS is built; moved optimizer state follows its parameter.
         Called on some ranks only (the others stepping, or adding another group), it is an
         error on every rank, with nothing changed: the param groups' agreement of :meth:`step`
-        (one small object all-gather), then the trainable parameters' all-gather.
+        (one all-gather of two int64s a rank), then the trainable parameters' all-gather.
         """
         if not self._ready:  # torch's Optimizer.__init__ adding the initial groups
             super().add_param_group(param_group)
@@ -833,6 +832,9 @@ class OSS(torch.optim.Optimizer):
 
     def _begin_step_in_backward(self) -> None:
         self._check_trainable_covered()
+        # the step begins here (every rank alike, before this backward reduces anything): the
+        # ranks agree on the hyper-parameters it pushes, as OSS.step does
+        self._agree_on_param_groups("OSS.step")
         # before this backward reduces anything the gradients are not final: only settings
         # that step no parameter at all are told here (every rank alike)
         self._check_gradients_steppable("ShardedDataParallel(step_in_backward=True) stepping OSS",

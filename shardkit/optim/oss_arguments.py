@@ -288,10 +288,15 @@ def optimizer_settings(optim: type, defaults: dict, groups: list[dict]) -> dict:
 def _stable_repr(value) -> str:
     """``repr(value)``, but only the type for an object whose repr holds its address (a
     function, a plain object), which differs between processes for the same thing, and a
-    tensor's exact values and dtype (its ``repr`` rounds them to 4 digits and names this
-    rank's own device, ``cuda:r``)."""
+    tensor's exact values and dtype, also inside a tuple or list such as Adam's ``betas``
+    (its ``repr`` rounds them to 4 digits and names this rank's own device, ``cuda:r``)."""
     if isinstance(value, torch.Tensor):
         return f"tensor({value.detach().cpu().tolist()!r}, dtype={value.dtype})"
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        # e.g. Adam's betas given as tensors: each exactly, as a tensor lr
+        items = ", ".join(_stable_repr(v) for v in value)
+        return f"({items}{',' if len(value) == 1 else ''})" if isinstance(value, tuple) \
+            else f"[{items}]"
     text = repr(value)
     return f"<{type(value).__qualname__}>" if " at 0x" in text else text
 
