@@ -158,7 +158,8 @@ from shardkit.nn.data_parallel.fsdp_arguments import (IgnoredStates, check_bool,
                                                       meta_init_device, move_to_device_id,
                                                       resolve_cpu_offload,
                                                       resolve_fairscale_options,
-                                                      resolve_ignored_states, shard_devices)
+                                                      resolve_ignored_states, shard_devices,
+                                                      tensor_parallel_mates)
 from shardkit.nn.data_parallel.fsdp_state_dict import (FSDPStateDictMixin, add_wrapper_prefix,
                                                        clean_name)
 from shardkit.nn.data_parallel.mixed_precision import (MixedPrecisionPolicy,
@@ -590,10 +591,13 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         check_one_dtype(params)
         # before resolve_groups, whose sub-groups (hybrid, hpZ, NO_SHARD) are collectives that
         # ranks with other strategies would not join
+        given_groups = list(process_group) if isinstance(process_group, tuple) \
+            else [process_group]
+        mates, mixed_slices = tensor_parallel_mates(given_groups, params)
         try:
             check_same_unit_on_every_rank(
-                list(process_group) if isinstance(process_group, tuple) else [process_group],
-                module, params, meta_materialization=_outcome(meta_error),
+                given_groups, module, params, meta_materialization=_outcome(meta_error),
+                tensor_parallel_ranks_in_group=mates,
                 sharding_strategy=strategy.name,
                 reshard_after_forward=reshard_after_forward, mixed_precision=policy,
                 hpz_partition_size=hpz_partition_size, quantize_weights=quantize_weights,
@@ -607,6 +611,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 raise
         if meta_error is not None:
             raise meta_error
+        if mixed_slices is not None:  # agreed above: every rank of the groups raises it
+            raise ValueError(mixed_slices)
         groups = resolve_groups(strategy, process_group, hpz_partition_size)
         warn_quantization_without_effect(strategy, groups.shard, transport, quantize_weights,
                                          quantize_gradients)
