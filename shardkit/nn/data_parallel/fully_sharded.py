@@ -1953,16 +1953,17 @@ def _watch_optimizer_states_of_whole_params() -> None:
 
 def _refuse_state_of_whole_params(optimizer, args, kwargs) -> None:
     """Every ``torch.optim.Optimizer.step``, before it changes anything: a ``RuntimeError``
-    when the optimizer holds, for a sharded parameter, a state tensor of the whole
-    parameter's shape (``exp_avg`` made before wrapping) instead of the shard's.
+    when the optimizer holds, for a sharded parameter, state made for the whole parameter
+    (``exp_avg`` of an optimizer that stepped before wrapping) instead of for the shard.
 
     Note: wrapping keeps the parameter objects (their ``.data`` becomes this rank's shard),
     so an optimizer built before wrapping steps the shards correctly, as long as it has no
     state yet. One that stepped before wrapping (or loaded an unsharded state dict) failed
     inside the update with torch's "The size of tensor a (4) must match the size of tensor
     b (2)", naming neither the parameter nor the cause. Every rank holds such state alike,
-    so every rank raises. Cost: one pass over the optimizer's state when it was replaced or
-    grew since the last check, a dictionary lookup otherwise."""
+    so every rank raises. See :func:`_state_made_for_whole` for what counts as such state.
+    Cost: one pass over the optimizer's state when it was replaced or grew since the last
+    check, a dictionary lookup otherwise."""
     mark = (id(optimizer.state), len(optimizer.state))
     if _STATES_CHECKED.get(optimizer) == mark:
         return
@@ -1972,24 +1973,42 @@ def _refuse_state_of_whole_params(optimizer, args, kwargs) -> None:
             if unit is None or unit._summoned:
                 continue
             index = [id(q) for q in unit._shard.params].index(id(p))
-            whole = unit._shard.layouts[index].shape
-            if tuple(whole) == tuple(p.shape) or len(whole) == 0:
+            whole = tuple(unit._shard.layouts[index].shape)
+            if whole == tuple(p.shape) or len(whole) == 0:
                 continue  # not cut here, or 0-dim (its shape is the scalar 'step' one)
-            for key, value in optimizer.state.get(p, {}).items():
-                # the whole parameter's shape only: a factored state (Adafactor's row and
-                # column statistics) has shapes of its own
-                if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(whole):
-                    where = unit._shard.locations[index]
-                    raise RuntimeError(
-                        f"FullyShardedDataParallel: {type(optimizer).__name__}.step() holds "
-                        f"state {key!r} of shape {tuple(value.shape)} for "
-                        f"{_where(where)} in unit {unit._shard.label[1]!r}, which is now "
-                        f"this rank's shard of shape {tuple(p.shape)}: the optimizer's state "
-                        f"was made for the whole parameter (it stepped, or loaded a state "
-                        f"dict, before the model was wrapped). Build the optimizer after "
-                        f"wrapping, or load its state into the shards with "
-                        f"model.get_shard_from_optim_state_dict(full_optim_state_dict)")
+            key = _state_made_for_whole(optimizer.state.get(p, {}), whole)
+            if key is not None:
+                where = unit._shard.locations[index]
+                value = optimizer.state[p][key]
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: {type(optimizer).__name__}.step() holds "
+                    f"state {key!r} of shape {tuple(value.shape)} for "
+                    f"{_where(where)} in unit {unit._shard.label[1]!r}, which is now "
+                    f"this rank's shard of shape {tuple(p.shape)}: the optimizer's state "
+                    f"was made for the whole parameter (it stepped, or loaded a state "
+                    f"dict, before the model was wrapped). Build the optimizer after "
+                    f"wrapping, or load its state into the shards with "
+                    f"model.get_shard_from_optim_state_dict(full_optim_state_dict)")
     _STATES_CHECKED[optimizer] = mark
+
+
+def _state_made_for_whole(state: Mapping, whole: tuple) -> Optional[str]:
+    """The key of a tensor in one parameter's optimizer ``state`` showing that it was made
+    for the whole parameter of shape ``whole`` (not for its shard), or None.
+
+    Note: an optimizer that stepped before wrapping keeps per-element state (``exp_avg``,
+    ``momentum_buffer``) of the whole parameter's shape. A tensor of that shape alone is no
+    proof: state made for the shard may have it too, such as Shampoo's column statistic
+    ``(n, n)`` of a square weight ``(n, n)`` cut by rows, next to its row statistic of the
+    shard's rows and its momentum of the shard's shape. So the state counts as the whole
+    parameter's only when every tensor in it that could be per-element (more than one
+    element: ``step`` counters are not) has the whole shape; a factored state (Adafactor's
+    row and column statistics) has shapes of its own and never does."""
+    shaped = [(key, value) for key, value in state.items()
+              if isinstance(value, torch.Tensor) and value.numel() > 1]
+    if shaped and all(tuple(value.shape) == whole for _, value in shaped):
+        return shaped[0][0]
+    return None
 
 
 def get_fsdp_instances(module: nn.Module, skip_empty: bool = False) -> list:
