@@ -203,10 +203,10 @@ def params_outside_fsdp(module: torch.nn.Module) -> list[str]:
 
 
 def frozen_units_with_replicas(module: torch.nn.Module) -> list[tuple[str, object]]:
-    """``(name, process group)`` of each FullyShardedDataParallel unit nested in ``module`` (not
-    the outermost) whose parameters are all frozen and that is sharded over several ranks, in
-    module order. A backward gathers such a unit only where it reaches the unit's output,
-    which, with no trainable parameter before it, only the stage's input leads to."""
+    """``(name, unit)`` of each FullyShardedDataParallel unit nested in ``module`` (not the
+    outermost) whose parameters are all frozen and that is sharded over several ranks (its
+    ``process_group``), in module order. A backward gathers such a unit only where it runs
+    through the unit's output, which depends on what each replica's graph reaches."""
     from shardkit.nn.data_parallel import FullyShardedDataParallel
     from shardkit.nn.data_parallel.fsdp_state_dict import clean_name
 
@@ -216,5 +216,5 @@ def frozen_units_with_replicas(module: torch.nn.Module) -> list[tuple[str, objec
             continue
         params = list(unit.parameters())
         if params and not any(p.requires_grad for p in params):
-            found.append((clean_name(name), unit.process_group))
+            found.append((clean_name(name), unit))
     return found

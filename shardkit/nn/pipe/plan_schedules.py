@@ -154,9 +154,10 @@ class PlanSchedule:
     again only on a step whose batch shapes, grad mode or data-dependent output shapes changed.
     A step that fails part-way costs one small object all-gather more. A stage under FSDP
     holding nested units whose parameters are all frozen shares, before each backward, which
-    of its inputs that backward reaches with its replicas (one all-reduce of ``MAX_TENSORS``
-    elements per micro-batch over those units' group): replicas that differ there would
-    gather those units on one side only, so the step fails on every rank instead.
+    of those units (and of its inputs) that backward runs through with its replicas (one
+    all-reduce of ``units + MAX_TENSORS + 1`` elements per micro-batch over those units'
+    group): replicas that differ on a unit would gather it on one side only, so the step
+    fails on every rank instead.
 
     .. warning:: :meth:`step` must be called on every rank of the pipeline group. The first step
        exchanges a description of the step so a mismatch raises the same error everywhere; on
@@ -459,6 +460,8 @@ class PlanSchedule:
                        for s, stage in self.stages.items()}
         self._frozen_units = {s: frozen_units_with_replicas(stage.module) if
                               self._whole_backward[s] else [] for s, stage in self.stages.items()}
+        # (stage, i) -> per frozen unit, the autograd nodes of its outputs in that forward
+        self._frozen_outputs: dict = {}
         self._alive = 0
         self.peak_live_microbatches = 0
         self.busy_seconds = 0.0
@@ -701,7 +704,8 @@ class PlanSchedule:
         module = self.stages[s].module
         try:
             kwargs = self._kwargs[i] if self._kwargs else {}
-            with module.no_sync() if is_torch_ddp(module) else contextlib.nullcontext():
+            with module.no_sync() if is_torch_ddp(module) else contextlib.nullcontext(), \
+                    self._recording_frozen_outputs(s, i):
                 return module(activation, **kwargs)
         except COMMUNICATION_ERRORS:
             raise
@@ -709,6 +713,35 @@ class PlanSchedule:
             self._fail_at(s, i, f"its forward raised {type(error).__name__}: {error}"
                           + _packed_input_hint(activation, error), error)
             return _FAILED
+
+    @contextlib.contextmanager
+    def _recording_frozen_outputs(self, s: int, i: int):
+        """While stage ``s`` runs micro-batch ``i`` forward: the autograd nodes of each of its
+        frozen FSDP units' outputs (none for a unit not called, or whose outputs do not
+        require grad: no backward gathers it), or ``None`` for a unit called under
+        ``no_grad`` (inside activation checkpointing: what its backward does is unknown
+        here), for :meth:`_replicas_reach_alike`. Nothing where the stage holds none."""
+        units = self._frozen_units[s]
+        if not units:
+            yield
+            return
+        nodes = [set() for _ in units]
+
+        def record(k, _module, _args, output):
+            if not torch.is_grad_enabled():
+                nodes[k] = None
+            elif nodes[k] is not None:
+                nodes[k] |= {get_gradient_edge(t).node for t in tree_flatten(output)[0]
+                             if isinstance(t, torch.Tensor) and t.requires_grad}
+
+        handles = [unit.register_forward_hook(functools.partial(record, k))
+                   for k, (_, unit) in enumerate(units)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self._frozen_outputs[(s, i)] = nodes
 
     def _skip_forward(self, s: int, i: int, activation) -> None:
         """Micro-batch ``i`` of a failed step at stage ``s``: no forward (no loss, zero input
@@ -804,41 +837,53 @@ class PlanSchedule:
         return _reaches_a_parameter(roots, params) != _reaches_a_parameter(real, params)
 
     def _replicas_reach_alike(self, s: int, i: int, activation, roots: list) -> bool:
-        """Whether stage ``s``'s replicas agree on which of micro-batch ``i``'s inputs its
-        backward reaches, where the stage holds frozen FSDP units (else ``True`` at no cost).
+        """Whether stage ``s``'s replicas agree on which of its frozen FSDP units micro-batch
+        ``i``'s backward runs through (else ``True`` at no cost, where it holds none).
 
-        Note: a backward gathers a frozen unit only where it reaches the unit's output, and
-        with nothing trainable before it only the stage's input leads there: a stage that
-        ignores its input on one replica and uses it on another would gather on one side only
-        (gloo aborts both). So every replica shares, before this backward, which inputs it
-        reaches (one all-reduce of ``MAX_TENSORS`` elements over each frozen unit's group, on
-        every replica whatever its roots); where they differ every replica skips this backward
-        alike (no unit gathers or reduce-scatters for it) and fails the step."""
+        Note: a backward gathers a frozen unit only where it runs through the unit's output,
+        that is where a path leads from there to something needing a gradient (a trainable
+        parameter, or the stage's input): a stage that ignores its input on one replica and
+        uses it on another may gather a unit on one side only (gloo aborts both). So every
+        replica shares, before this backward, whether it runs through each unit, which inputs
+        it reaches, and whether it called a unit under ``no_grad`` (inside activation
+        checkpointing, where what the backward gathers is unknown here): one all-reduce of
+        ``units + MAX_TENSORS + 1`` elements over each frozen unit's group, on every replica.
+        Where they differ on a unit (or, with a unit unknown somewhere, on an input) every
+        replica skips this backward alike (no unit gathers or reduce-scatters for it) and
+        fails the step. A unit that every replica's backward runs through (a trainable layer
+        before it) is no reason to refuse, whatever the input."""
         units = self._frozen_units[s]
         if not units:
             return True
-        nodes = _graph_nodes(roots)
-        reached = torch.zeros(MAX_TENSORS, device=self.stages[s].device)
-        for k, a in enumerate(activation[:MAX_TENSORS]):
-            if isinstance(a, torch.Tensor) and a.requires_grad \
-                    and get_gradient_edge(a).node in nodes:
-                reached[k] = 1.0
-        differ = []
-        for group in {id(g): g for _, g in units}.values():  # one per group, in module order
-            total = reached.clone()
+        outputs = self._frozen_outputs.pop((s, i), None) or [set() for _ in units]
+        needed = _nodes_needing_gradients(roots, activation)
+        runs = [float(bool(nodes and nodes & needed)) for nodes in outputs]
+        unknown = float(any(nodes is None for nodes in outputs))
+        local = torch.tensor(runs + _inputs_reached(roots, activation) + [unknown],
+                             device=self.stages[s].device)
+        differ_units, differ_inputs, unknown_somewhere = [], set(), False
+        groups = {id(unit.process_group): unit.process_group for _, unit in units}
+        for group in groups.values():  # one per group, in module order
+            total = local.clone()
             dist.all_reduce(total, group=group)
-            size = dist.get_world_size(group)
-            differ += [k for k, v in enumerate(total.tolist()) if 0 < v < size]
-        if not differ:
+            size, total = dist.get_world_size(group), total.tolist()
+            split = [k for k, v in enumerate(total[:-1]) if 0 < v < size]
+            differ_units += [units[k][0] for k in split
+                             if k < len(units) and units[k][1].process_group is group]
+            differ_inputs.update(k - len(units) for k in split if k >= len(units))
+            unknown_somewhere |= total[-1] > 0  # then the inputs decide
+        if not differ_units and not (unknown_somewhere and differ_inputs):
             return True
-        self._fail_at(s, i, f"its replicas (FSDP's data-parallel ranks) disagree on whether "
-                            f"its backward reaches its input {sorted(set(differ))} (the stage "
-                            f"ignores it on some replicas only), and the stage holds FSDP units "
-                            f"whose parameters are all frozen ({', '.join(n for n, _ in units)}"
-                            f"), which a backward gathers only where it reaches them: their "
-                            f"collectives would not pair. Use the input alike on every replica, "
-                            f"or leave the frozen layers in the stage's outer unit (kept "
-                            f"gathered from forward to backward)")
+        names = ", ".join(differ_units or [n for n, _ in units])
+        what = f"whether its backward reaches its input {sorted(differ_inputs)} (the stage " \
+            f"ignores it on some replicas only) and " if differ_inputs else "whether its " \
+            "backward "
+        self._fail_at(s, i, f"its replicas (FSDP's data-parallel ranks) disagree on {what}"
+                            f"runs through FSDP units whose parameters are all frozen "
+                            f"({names}), which a backward gathers only where it reaches "
+                            f"them: their collectives would not pair. Use the input alike on "
+                            f"every replica, or leave the frozen layers in the stage's outer "
+                            f"unit (kept gathered from forward to backward)")
         return False
 
     def _send_input_grads(self, s: int, i: int, activation, grads) -> None:
@@ -1099,6 +1144,41 @@ def _graph_nodes(roots: list) -> set:
                 seen.add(child)
                 stack.append(child)
     return seen
+
+
+def _inputs_reached(roots: list, activation) -> list:
+    """``1.0`` for each of the first ``MAX_TENSORS`` of ``activation``'s tensors requiring
+    grad that a backward from ``roots`` reaches, else ``0.0``."""
+    nodes = _graph_nodes(roots)
+    reached = [0.0] * MAX_TENSORS
+    for k, a in enumerate(activation[:MAX_TENSORS]):
+        if isinstance(a, torch.Tensor) and a.requires_grad and get_gradient_edge(a).node in nodes:
+            reached[k] = 1.0
+    return reached
+
+
+def _nodes_needing_gradients(roots: list, activation) -> set:
+    """The autograd nodes below ``roots`` that a backward from them runs: those with a path
+    to a leaf requiring grad (a trainable parameter's or input's ``AccumulateGrad``) or to
+    one of ``activation``'s tensors requiring grad."""
+    targets = {get_gradient_edge(a).node for a in activation
+               if isinstance(a, torch.Tensor) and a.requires_grad}
+    needed, done = set(), set()
+    stack = [(get_gradient_edge(r).node, False) for r in roots if r.requires_grad]
+    while stack:  # post-order, so that a node is decided after its children
+        node, expanded = stack.pop()
+        if node in done:
+            continue
+        children = [child for child, _ in node.next_functions if child is not None]
+        if not expanded:
+            stack.append((node, True))
+            stack.extend((child, False) for child in children if child not in done)
+            continue
+        done.add(node)
+        if node in targets or hasattr(node, "variable") or \
+                any(child in needed for child in children):
+            needed.add(node)
+    return needed
 
 
 def _reaches_a_parameter(roots: list, params: set) -> bool:
