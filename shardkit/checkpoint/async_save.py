@@ -52,6 +52,10 @@ __all__ = ["AsyncSave", "checkpoint_group", "wait_for_pending_saves"]
 _groups = distributed.GroupCache()  # "world" -> the gloo group of this world's saves
 _pending: "weakref.WeakSet[AsyncSave]" = weakref.WeakSet()
 _started = itertools.count()  # orders the pending saves by their start
+# The writer thread of the save started last. Each save's thread first waits for the one
+# started before it: their commits share one process group, and collectives issued from two
+# threads at once would pair up in a different order on each rank (a mismatch or a hang).
+_last_writer: Optional[threading.Thread] = None
 
 
 def checkpoint_group():
@@ -139,7 +143,8 @@ def _destroys_checkpoint_group(group) -> bool:
 
 
 class AsyncSave:
-    """A checkpoint being written by a background thread.
+    """A checkpoint being written by a background thread. The saves of one process (of two
+    engines, say) are written and committed one after the other, in the order they started.
 
     Attributes:
         path: the checkpoint directory it will publish.
@@ -153,12 +158,16 @@ class AsyncSave:
         self._order = next(_started)
         self._started_at = time.monotonic()
         self._given_up = False  # a bounded wait ended before it did: no longer waited for
-        self._thread = threading.Thread(target=self._run, args=(write,),
+        global _last_writer
+        self._thread = threading.Thread(target=self._run, args=(write, _last_writer),
                                         name="shardkit-async-checkpoint", daemon=True)
+        _last_writer = self._thread
         _pending.add(self)
         self._thread.start()
 
-    def _run(self, write) -> None:
+    def _run(self, write, previous: Optional[threading.Thread]) -> None:
+        if previous is not None:  # commits in start order, the same on every rank
+            previous.join()
         try:
             write()
         except BaseException as e:  # re-raised by wait() on the caller's thread

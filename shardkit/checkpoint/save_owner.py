@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import uuid
 from typing import Optional
 
-__all__ = ["OWNER_FILE", "this_process", "create_owned_dir", "read_owner", "owner_is_gone",
-           "describe_owner"]
+__all__ = ["OWNER_FILE", "this_process", "create_owned_dir", "is_private_name", "read_owner",
+           "owner_is_gone", "describe_owner"]
 
 OWNER_FILE = "save_owner.json"
+_PRIVATE_SUFFIX = re.compile(r"\.new-[0-9a-f]{12}$")
 
 
 def _read_text(path: str) -> Optional[str]:
@@ -66,7 +68,7 @@ def create_owned_dir(path: str) -> None:
     """Create directory ``path`` holding this process's owner marker, atomically: built as a
     sibling under a private name, then renamed to ``path``. Raises ``OSError`` when ``path``
     exists and is not empty (another save created it meanwhile)."""
-    private = f"{path}.new-{uuid.uuid4().hex[:12]}"
+    private = f"{path}.new-{uuid.uuid4().hex[:12]}"  # see is_private_name
     os.makedirs(private)
     try:
         with open(os.path.join(private, OWNER_FILE), "w") as f:
@@ -77,6 +79,14 @@ def create_owned_dir(path: str) -> None:
     except BaseException:
         _remove_private(private)
         raise
+
+
+def is_private_name(name: str) -> bool:
+    """Whether ``name`` is one under which :func:`create_owned_dir` builds a directory before
+    renaming it into place. Such a directory belongs to a creation under way (possibly of this
+    process, and for a moment without its marker) unless its marker names an owner that
+    provably ended."""
+    return bool(_PRIVATE_SUFFIX.search(name))
 
 
 def _remove_private(private: str) -> None:

@@ -64,7 +64,8 @@ from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE, per_element
 from shardkit.checkpoint.resharding import (ParamLayout, copy_rows_into, join_row_blocks,
                                             join_row_state)
 from shardkit.checkpoint.save_owner import (OWNER_FILE, create_owned_dir, describe_owner,
-                                            owner_is_gone, read_owner, this_process)
+                                            is_private_name, owner_is_gone, read_owner,
+                                            this_process)
 
 __all__ = ["FORMAT", "CheckpointError", "RankShard", "LoadedCheckpoint", "RowsWanted",
            "commit_checkpoint", "agreement_device", "read_latest_tag", "write_latest_tag",
@@ -359,13 +360,24 @@ def abandoned_saves(save_dir: str, proven_only: bool = False,
                 or not _holds_only_checkpoint_files(path):
             continue
         if _is_tag_after(".tmp-", name):
-            owner = read_owner(path)
-            if (owner is not None or not proven_only) and _is_abandoned_staging(path, owner):
+            if _is_left_staging(path, proven_only):
                 found.append(path)
         elif _is_tag_after(".old-", name) and (not proven_only or name == f".old-{own_tag}") \
                 and os.path.isfile(os.path.join(save_dir, name[len(".old-"):], METADATA)):
             found.append(path)
     return found
+
+
+def _is_left_staging(path: str, proven_only: bool) -> bool:
+    """Whether ``path``, a ``.tmp-`` directory not registered as a save of this process under
+    way, is a staging directory a save left behind (:func:`abandoned_saves`). A staging
+    directory still being created under its private name (:func:`create_owned_dir`, of this
+    process or another) is left only once its marker's owner provably ended: it is not
+    registered, and holds no marker for a moment."""
+    owner = read_owner(path)
+    if is_private_name(os.path.basename(path)):
+        return bool(owner) and owner_is_gone(owner)
+    return (owner is not None or not proven_only) and _is_abandoned_staging(path, owner)
 
 
 _CHECKPOINT_FILE = re.compile(r"(rank_\d{5,}\.pt(%s)?|%s|%s|%s)" % (
@@ -428,7 +440,7 @@ def _remove_abandoned_saves(save_dir: str, proven_only: bool = False,
     directory's owner is checked again just before it is removed."""
     leftovers = [path for path in abandoned_saves(save_dir, proven_only, own_tag)
                  if not os.path.basename(path).startswith(".tmp-")
-                 or _is_abandoned_staging(path, read_owner(path))]
+                 or _is_left_staging(path, proven_only)]
     for path in leftovers:
         shutil.rmtree(path, ignore_errors=True)
     if leftovers:
