@@ -21,6 +21,7 @@ import numbers
 import os
 import sys
 import pickle
+import weakref
 import zlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -915,14 +916,28 @@ def groups_of_nodes(ranks: Sequence[int], per_node: Optional[int] = None) -> tup
 # ----------------------------------------------------------------------------- counting
 
 
-_ISSUED_ON_WORLD = [0]  # collectives this rank has issued on the default group
+# collectives this rank has issued on the default group, and (a weak reference to) that group
+_ISSUED_ON_WORLD = {"group": lambda: None, "count": 0}
 
 
 def collectives_issued() -> int:
-    """How many collectives (not sends or receives) this rank has issued on the default group
-    through this module, for the peer watchdog to tell which ranks did not reach a collective
-    that timed out (see :mod:`shardkit.fault`). Costs nothing on the wire."""
-    return _ISSUED_ON_WORLD[0]
+    """How many collectives (not sends or receives) this rank has issued on the current default
+    group through this module, for the peer watchdog to tell which ranks did not reach a
+    collective that timed out (see :mod:`shardkit.fault`). A new default group (after
+    ``destroy_process_group``) counts from 0: the ranks' counts of an earlier group differ
+    after a failed collective. Costs nothing on the wire."""
+    world = dist.group.WORLD
+    return _ISSUED_ON_WORLD["count"] if world is not None and \
+        _ISSUED_ON_WORLD["group"]() is world else 0
+
+
+def _count_issued_on_world() -> None:
+    world = dist.group.WORLD
+    if world is None:
+        return
+    if _ISSUED_ON_WORLD["group"]() is not world:
+        _ISSUED_ON_WORLD["group"], _ISSUED_ON_WORLD["count"] = weakref.ref(world), 0
+    _ISSUED_ON_WORLD["count"] += 1
 
 
 def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtype] = None,
@@ -937,7 +952,7 @@ def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtyp
         return
     # checked=False marks the second record of an op already recorded (its count after it ran)
     if checked and op not in ("send", "recv") and (group is None or group is dist.group.WORLD):
-        _ISSUED_ON_WORLD[0] += 1
+        _count_issued_on_world()
     if checked and collective_check._enabled:
         if isinstance(full, torch.Tensor):
             shape, checked_dtype = tuple(full.shape), full.dtype

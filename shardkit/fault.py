@@ -481,7 +481,7 @@ def _connect_to_rendezvous(timeout_s: float, prefix: str) -> tuple:
             client.set_timeout(timeout)
             return client, _store_host(host, port, serves)
     elif isinstance(inner, dist.FileStore):
-        return _HeartbeatFiles.beside(inner.path, store, prefix), _NO_HOST
+        return _HeartbeatFiles.beside(inner.path, store, prefix, dist.get_rank()), _NO_HOST
     elif store is not None:
         return store, _NO_HOST
     else:  # no default store to read (a torch without the accessor): torchrun's variables
@@ -595,29 +595,37 @@ class _HeartbeatFiles:
                 f"SHARDKIT_PEER_TIMEOUT=0 or peer_timeout_s=0).") from err
 
     @classmethod
-    def beside(cls, path: str, store, prefix: str) -> "_HeartbeatFiles":
+    def beside(cls, path: str, store, prefix: str,
+               rank: Optional[int] = None) -> "_HeartbeatFiles":
         """The folder of the group's heartbeats next to the file store at ``path``: its token
         is agreed once through ``store`` (one write to the store's file per group and
         attempt), under the group's prefixes, so that jobs sharing a file under PrefixStores
-        keep apart.
+        keep apart. ``rank``: this rank of the default group (its beat key is
+        ``{prefix}{rank}``).
 
         Note: a job killed mid-run leaves its store's file behind, and a new job started on
-        the same path reads the old job's keys. The token records when it was made; one made
-        before this process started belongs to an earlier job (this job's token is made after
-        every rank has joined the process group, so after every rank's process started) and
-        is replaced, so that the new job beats in a folder of its own and never reads the
-        dead job's verdict, "done" or "failed" marks."""
+        the same path reads the old job's token. A token is an earlier job's when its folder
+        already holds this rank's beat (only this rank writes it, and it has not beaten yet)
+        or a published verdict; it is then replaced, so that the new job beats in a folder
+        of its own and never reads the dead job's verdict, "done" or "failed" marks (a folder
+        this process beat in before, a watchdog restarted after ``stop_watching()``, is kept:
+        its peers still beat there). No clock is compared: a rank that starts late (a lazily
+        connected process group) or on a host whose clock runs ahead (a store on a shared
+        file system) still joins the folder its peers beat in."""
         key = f"{prefix}files"
-        started = _process_start_time()
         token = store.compare_set(key, "", _new_token()).decode()
         for _ in range(8):  # a rank of this job replaces it once; the others read that
-            if started is None or _token_time(token) >= started:
+            folder = f"{path}.shardkit-heartbeat-{token}"
+            if folder in _FOLDERS_BEATEN_HERE or \
+                    not _left_by_an_earlier_job(folder, prefix, rank):
                 break
             token = store.compare_set(key, token, _new_token()).decode()
-        return cls(f"{path}.shardkit-heartbeat-{token}")
+        folder = f"{path}.shardkit-heartbeat-{token}"
+        _FOLDERS_BEATEN_HERE.add(folder)
+        return cls(folder)
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.folder, urllib.parse.quote(key, safe=""))
+        return _key_file(self.folder, key)
 
     def set(self, key: str, value: str) -> None:
         temporary = self._path(key) + f".{os.getpid()}.tmp"
@@ -656,31 +664,26 @@ class _HeartbeatFiles:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+_FOLDERS_BEATEN_HERE: set = set()  # heartbeat folders this process's watchdogs chose
+
+
 def _new_token() -> str:
-    """A heartbeat folder's token: when it was made (wall clock) and random bytes."""
+    """A heartbeat folder's token: when it was made (wall clock, for a person reading the
+    folder's name) and random bytes."""
     return f"{time.time():.3f}-{secrets.token_hex(6)}"
 
 
-def _token_time(token: str) -> float:
-    """When ``token`` was made; ``0`` for a token without a time (an earlier shardkit's)."""
-    moment, dash, _ = token.partition("-")
-    try:
-        return float(moment) if dash else 0.0
-    except ValueError:
-        return 0.0
+def _left_by_an_earlier_job(folder: str, prefix: str, rank: Optional[int]) -> bool:
+    """Whether the heartbeat ``folder`` already holds this ``rank``'s beat or the group's
+    published verdict (``{prefix}lost``): an earlier process beat there, so a job that
+    was killed or stopped (see :meth:`_HeartbeatFiles.beside`)."""
+    keys = [f"{prefix}lost"] + ([] if rank is None else [f"{prefix}{rank}"])
+    return any(os.path.exists(_key_file(folder, k)) for k in keys)
 
 
-def _process_start_time() -> Optional[float]:
-    """When this process started (wall clock, to a clock tick), from ``/proc``; ``None``
-    where ``/proc`` does not say."""
-    try:
-        with open("/proc/self/stat") as f:
-            # the fields after the command's closing parenthesis; starttime is field 22
-            start_ticks = int(f.read().rpartition(")")[2].split()[19])
-        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
-        return time.time() - since_boot + start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
+def _key_file(folder: str, key: str) -> str:
+    """The file of the heartbeat store's ``key`` in ``folder``."""
+    return os.path.join(folder, urllib.parse.quote(key, safe=""))
 
 
 def _served_by_torchrun_agent(host: str, port: int) -> bool:

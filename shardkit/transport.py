@@ -561,11 +561,17 @@ class ProcessGroupTransport(Transport):
 
     @_reports_broken_links
     def broadcast(self, tensor, src, group):
+        if not tensor.is_contiguous():
+            return _in_place_through_contiguous_copy(
+                lambda copy: self.broadcast(copy, src, group), tensor)
         return CommHandle([skdist.broadcast(tensor, src=src, group=group, async_op=True)],
                           lambda: tensor)
 
     @_reports_broken_links
     def all_reduce(self, tensor, group, op=skdist.ReduceOp.SUM):
+        if not tensor.is_contiguous():
+            return _in_place_through_contiguous_copy(
+                lambda copy: self.all_reduce(copy, group, op), tensor)
         return CommHandle([skdist.all_reduce(tensor, op=op, group=group, async_op=True)],
                           lambda: tensor)
 
@@ -687,6 +693,21 @@ def _landed_through_contiguous_copy(all_gather: Callable, output: torch.Tensor,
     all_gather(landing, input, group).wait()
     output.copy_(landing)
     return CommHandle((), lambda: output)
+
+
+def _in_place_through_contiguous_copy(run: Callable, tensor: torch.Tensor) -> CommHandle:
+    """``run(copy)`` (an in-place all-reduce or broadcast) on a contiguous copy of the
+    non-contiguous ``tensor``, waited for at once, then the copy written back.
+
+    Note: gloo takes a strided view's first element and ``numel`` for its memory: a column
+    of a matrix was reduced with its neighbours' elements, silently, and a channels-last
+    tensor met a peer's contiguous one element by element in another order. As
+    :func:`_landed_through_contiguous_copy`: no overlap with compute, one temporary of
+    ``tensor``'s size."""
+    landing = tensor.contiguous()
+    run(landing).wait()
+    tensor.copy_(landing)
+    return CommHandle((), lambda: tensor)
 
 
 def _uses_point_to_point(group, device: Optional[torch.device] = None) -> bool:
