@@ -79,6 +79,41 @@ def _check_adamw(name, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, amsgrad
     _check_scalar_tensor(name, "found_inf", found_inf, param.device)
 
 
+def _check_no_shared_memory(name: str, written: list, read: list = ()) -> None:
+    """A ValueError naming two buffers that share memory where one of them is written.
+
+    ``written`` / ``read``: ``(label, tensor)`` pairs. The kernels update every element
+    independently and in parallel (Triton: one program per block, in no set order), so a
+    parameter or state buffer passed twice, or overlapping another buffer of the call, was
+    updated from stale values and the result depended on scheduling (a race, on CUDA); on CPU it
+    was stepped twice with the state of one entry. Read-only buffers (gradients) may share
+    memory with each other. Cost: a sort of the buffers' address ranges, no memory traffic.
+    """
+    spans = []
+    for is_written, pairs in ((True, written), (False, read)):
+        for label, t in pairs:
+            if t is not None and t.numel():
+                start = t.data_ptr()
+                spans.append((str(t.device), start, start + t.numel() * t.element_size(),
+                              is_written, label))
+    spans.sort(key=lambda span: span[:2])
+    device, last_any, last_written = None, None, None  # (end, label) of the furthest-reaching
+    for dev, start, end, is_written, label in spans:
+        if dev != device:
+            device, last_any, last_written = dev, None, None
+        other = last_any if is_written else last_written
+        if other is not None and start < other[0]:
+            raise ValueError(f"{name}: {other[1]} and {label} share memory; every buffer the "
+                             f"step writes (parameters, optimizer state, and gradients when a "
+                             f"grad_scale unscales them) must be a tensor of its own, apart "
+                             f"from the others (the step updates them in place, in parallel): "
+                             f"to step a tensor twice, make two calls")
+        if last_any is None or end > last_any[0]:
+            last_any = (end, label)
+        if is_written and (last_written is None or end > last_written[0]):
+            last_written = (end, label)
+
+
 def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, *, step: int, lr: float, beta1: float = 0.9,
                beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.01,
@@ -104,6 +139,13 @@ def adamw_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     """
     _check_adamw("adamw_step", param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, amsgrad,
                  low_precision_out, grad_scale, found_inf)
+    _check_no_shared_memory(
+        "adamw_step",
+        [("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq),
+         ("max_exp_avg_sq", max_exp_avg_sq if amsgrad else None),
+         ("low_precision_out", low_precision_out)]
+        + ([("grad", grad)] if grad_scale is not None else []),
+        [("grad", grad)] if grad_scale is None else [])
     _check_hyper("adamw_step", lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     step = _step_number("adamw_step", "step", step)
     if step < 1:
@@ -250,10 +292,12 @@ def adamw_step_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
 
     ``steps[i]`` is tensor ``i``'s step number after this update (a number, or a one-element
     tensor as torch keeps ``state["step"]``). Each tensor ``i`` follows the
-    rules of :func:`adamw_step`; all share one device. ``validate=False`` skips the per-tensor
-    checks (about 1 µs per tensor) for callers that built the state buffers themselves and take
-    params and grads from autograd. Memory traffic: 28 B per fp32 parameter, as the flat step;
-    the Triton launch also copies a small address table to the device.
+    rules of :func:`adamw_step`; all share one device. No two params or state buffers may share
+    memory (a tensor listed twice is a ValueError, not a race of the parallel update; step it
+    twice with two calls); gradients may. ``validate=False`` skips the per-tensor checks (about
+    1 µs per tensor) for callers that built the state buffers themselves, each parameter once,
+    and take params and grads from autograd. Memory traffic: 28 B per fp32 parameter, as the
+    flat step; the Triton launch also copies a small address table to the device.
     """
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
     if amsgrad:
@@ -283,6 +327,9 @@ def adamw_step_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
             raise ValueError(f"adamw_step_many: steps[{i}]={steps[i]}; steps count from 1")
     _check_scalar_tensor("adamw_step_many", "grad_scale", grad_scale, device)
     _check_scalar_tensor("adamw_step_many", "found_inf", found_inf, device)
+    if validate:
+        _check_many_unshared(params, grads, exp_avgs, exp_avg_sqs, maxes,
+                             grads_written=grad_scale is not None)
     _check_hyper("adamw_step_many", lr, beta1=beta1, beta2=beta2, eps=eps,
                  weight_decay=weight_decay)
     hyper = dict(lr=float(lr), beta1=float(beta1), beta2=float(beta2), eps=float(eps),
@@ -304,6 +351,17 @@ def adamw_step_many(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         steps = [steps[i] for i in doubles]
     _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, maxes, steps, decoupled=decoupled,
                  grad_scale=grad_scale, found_inf=found_inf, **hyper)
+
+
+def _check_many_unshared(params, grads, exp_avgs, exp_avg_sqs, maxes, grads_written) -> None:
+    """:func:`_check_no_shared_memory` over the lists of :func:`adamw_step_many` (the
+    gradients are written back too when a ``grad_scale`` unscales them)."""
+    named = (("params", params), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
+             ("max_exp_avg_sqs", maxes))
+    gradients = [(f"grads[{i}]", g) for i, g in enumerate(grads)]
+    written = [(f"{key}[{i}]", t) for key, values in named for i, t in enumerate(values)]
+    _check_no_shared_memory("adamw_step_many", written + (gradients if grads_written else []),
+                            [] if grads_written else gradients)
 
 
 def _pick(indices, *lists):
@@ -333,6 +391,12 @@ def sgd_step(param: torch.Tensor, grad: torch.Tensor, momentum_buffer: Optional[
     _check_hyper("sgd_step", lr, momentum=momentum, weight_decay=weight_decay)
     _check_scalar_tensor("sgd_step", "grad_scale", grad_scale, param.device)
     _check_scalar_tensor("sgd_step", "found_inf", found_inf, param.device)
+    gradient = [("grad", grad)]
+    _check_no_shared_memory(
+        "sgd_step",
+        [("param", param), ("momentum_buffer", momentum_buffer if momentum else None)]
+        + (gradient if grad_scale is not None else []),
+        gradient if grad_scale is None else [])
     hyper = dict(lr=float(lr), momentum=float(momentum), dampening=float(dampening),
                  weight_decay=float(weight_decay), nesterov=bool(nesterov),
                  maximize=bool(maximize))

@@ -150,7 +150,7 @@ def _same_state_dict(a, b) -> bool:
 def test_plain_adamw_state_dict_into_oss_and_back(world2):
     results = world2.run(_plain_adamw_round_trip)
     for r in results:
-        # OSS steps its shard with torch's fused AdamW: the same update up to the last bit
+        # OSS steps its shard with torch's fused AdamW: the same update within rounding
         assert r["same"] and r["diff"] <= 1e-6 and r["takeover_diff"] <= 1e-6
         # the shard runs the fused kernel OSS chose; the public groups keep the caller's None
         assert r["fused"] == {"chosen": True, "public": [None, None], "local": [True, True],
