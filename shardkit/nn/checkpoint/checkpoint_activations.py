@@ -45,6 +45,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import CheckpointFunction as _TorchCheckpointFunction
+from torch.utils.checkpoint import _recomputation_hook as _TorchRecomputationHook
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from shardkit.nn.model_parallel.random import get_model_parallel_rng_tracker
@@ -93,14 +95,24 @@ def is_checkpointing() -> bool:
 def is_recomputing() -> bool:
     """True while a checkpointed region is being recomputed during backward (this thread):
     a region of shardkit's (:func:`checkpoint_wrapper`, ``shardkit.checkpointing``, ``Pipe``),
-    or any forward that runs while autograd executes a backward pass, which is how torch's own
-    ``torch.utils.checkpoint`` (reentrant or not) recomputes its regions."""
-    return _state.recomputing > 0 or _inside_backward_pass()
+    or one of torch's own ``torch.utils.checkpoint`` (reentrant or not). Any other forward that
+    runs during a backward pass (in a gradient hook, in a custom function's backward) is not a
+    recomputation: False there, as for torch's BatchNorm, which tracks it."""
+    return _state.recomputing > 0 or _inside_torch_checkpoint_recomputation()
 
 
-def _inside_backward_pass() -> bool:
-    """Whether this thread is running an autograd backward pass now (its graph task). Local."""
-    return torch._C._current_graph_task_id() != -1
+def _inside_torch_checkpoint_recomputation() -> bool:
+    """Whether this thread is recomputing a ``torch.utils.checkpoint`` region now: the
+    reentrant one reruns it from its autograd function's backward (the node autograd is
+    running), the non-reentrant one under its recomputation's saved-tensor hooks. Local."""
+    if torch._C._current_graph_task_id() == -1:
+        return False  # not in a backward pass: the cheap common case
+    node = torch._C._current_autograd_node()
+    if isinstance(node, _TorchCheckpointFunction._backward_cls):
+        return True
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    recomputation = _TorchRecomputationHook.__qualname__ + "."
+    return hooks is not None and hooks[0].__qualname__.startswith(recomputation)
 
 
 @contextlib.contextmanager
