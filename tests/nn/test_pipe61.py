@@ -11,6 +11,17 @@ micro-batches beside a 6-row keyword tensor: 2, 2, 1, 1 against 2, 2, 2, 2) broa
 silently, since only the first stage's rank knew the batch; a dict target went whole to every
 micro-batch; a plain summing ``loss_fn`` on an uneven split weighed each micro-batch's sum by
 its share of the rows (neither one process's sum nor torch's sum over ``chunks``).
+
+review
+
+Review of the pipelines' frozen-unit check (world 4: 2 pipelines x 2 FSDP replicas per
+stage): where a stage holds a frozen FSDP unit after a trainable layer, every replica's
+backward runs through the unit (to reach the layer's parameters) whether or not it uses its
+input, so the units' gathers pair and the step is one process's.
+
+Its review found: the check compared which of the stage's inputs each replica's backward
+reaches and refused any difference, so such a stage, which trained before, failed every step
+where one replica ignored its input.
 """
 
 import pytest
@@ -281,3 +292,88 @@ def test_a_frozen_unit_on_an_input_ignored_by_some_replicas_is_refused_everywher
             "reaches them" in mixed, (rank, mixed)
         for result in (used, ignored, again):
             assert result is None if rank % 2 == 0 else result < 1e-6, (rank, found)
+
+
+D_rev = 5
+
+
+class _Ahead_rev(nn.Module):
+    """The first stage: ``tanh(a(x))``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(D_rev, D_rev)
+
+    def forward(self, x, use):
+        return torch.tanh(self.a(x))
+
+
+class _FrozenAfterATrainableLayer(nn.Module):
+    """The last stage: ``f(tanh(lin(x)))`` with ``f`` frozen (its own FSDP unit), on zeros in
+    place of the input where ``use`` is 0 (the input ignored; ``lin`` still trains)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.f = nn.Linear(D_rev, D_rev), nn.Linear(D_rev, D_rev)
+        self.f.requires_grad_(False)
+
+    def forward(self, x, use):
+        if int(use[0]) == 0:
+            x = torch.zeros_like(x)
+        return self.f(torch.tanh(self.lin(x)))
+
+
+def _input_ignored_before_a_trainable_layer(schedule_name):
+    """Three steps, the last stage's input used by both pipelines, by one, by both: per step
+    the loss's difference from one process on this pipeline's half (on the last stage's
+    rank), or the ValueError's text."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+
+    rank = dist.get_rank()
+    pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pipeline, pipe_rank = rank // 2, rank % 2
+    torch.manual_seed(0)
+    ref = [_Ahead_rev(), _FrozenAfterATrainableLayer()]
+    module = [_Ahead_rev(), _FrozenAfterATrainableLayer()][pipe_rank]
+    module.load_state_dict(ref[pipe_rank].state_dict())
+    if pipe_rank == 1:
+        module.f = FullyShardedDataParallel(module.f, process_group=replicas[1])
+    module = FullyShardedDataParallel(module, process_group=replicas[pipe_rank])
+    cls = SCHEDULES[schedule_name][0]
+    schedule = cls(PipelineStage(module, pipe_rank, 2, group=pipelines[pipeline]), 2,
+                   F.mse_loss)
+    found = []
+    for step, uses in enumerate(([1, 1], [0, 1], [1, 1])):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, D_rev, generator=g), torch.randn(8, D_rev, generator=g)
+        half = slice(4 * pipeline, 4 * pipeline + 4)
+        use = torch.full((4,), uses[pipeline])
+        module.zero_grad()
+        try:
+            loss = schedule.step(*((x[half],) if pipe_rank == 0 else ()),
+                                 target=y[half] if pipe_rank == 1 else None, use=use)
+        except ValueError as error:
+            found.append(str(error))
+            continue
+        if pipe_rank == 0:
+            found.append(None)
+            continue
+        with torch.no_grad():
+            expected = F.mse_loss(ref[1](ref[0](x[half], use), use), y[half])
+        found.append((loss - expected).abs().item())
+    return found
+
+
+@pytest.mark.parametrize("schedule", ["1F1B"])
+def test_a_frozen_unit_after_a_trainable_layer_trains_when_some_replicas_ignore_the_input(
+        world4, schedule):
+    """One replica of the last stage ignores its input, the other uses it; the frozen unit
+    sits after a trainable layer, so both backwards run through it (its gathers pair, as
+    before the frozen-unit check): the step goes through on every rank with one process's
+    loss, where it was refused."""
+    for rank, found in enumerate(world4.run(_input_ignored_before_a_trainable_layer,
+                                            schedule)):
+        for result in found:
+            assert result is None if rank % 2 == 0 else \
+                isinstance(result, float) and result < 1e-5, (rank, found)
