@@ -178,6 +178,7 @@ from shardkit.quantized_transport import quantized_transport_for
 from shardkit.utils.call_stack import frames_running
 from shardkit.utils.grad_norm import (check_clip_arguments, clip_grad_norm_across_ranks,
                                       count_once_over_tensor_parallel)
+from shardkit.utils.weak_hooks import weakly_bound
 from shardkit.utils.wrapped_attributes import attribute_through, wrapper_inside
 
 __all__ = ["FullyShardedDataParallel", "FSDP", "MixedPrecisionPolicy", "ShardingStrategy",
@@ -699,6 +700,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         # torch FSDP1's flag: summon_full_params(with_grads=True) needs it, as in torch
         self._use_orig_params = use_orig_params
         self._gathers_before_hooks_of: set = set()  # ids of modules (see _gather_for_hooks)
+        self._regathers_for_recomputations = False  # see _regather_for_later_recomputations
         self.training_state = TrainingState.IDLE
         # root-only iteration state (see "Note: prefetch order")
         self._forward_order: list = []
@@ -1428,8 +1430,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             if task != self._root._backward_task and shard.exposed_in_task != task:
                 # Note: a reentrant checkpoint inside the unit's own forward (``checkpoint(
                 # self.attn, x, use_reentrant=True)`` in a wrapped block) is the unit's only
-                # use when the outer backward, as it reached the unit's outputs, would run
-                # none of the splits its forwards made: its gradient is whole, reduce it now.
+                # use (one of them, if several checkpoints) when the outer backward, as it
+                # reached the unit's outputs, would run none of the splits its forwards made:
+                # reduce this checkpoint's gradient now (a further checkpoint over the unit
+                # gathers it again and reduces its own part, see
+                # _regather_for_later_recomputations).
                 # Held until the root's end of backward, every unit stayed gathered and kept
                 # its unsharded gradient: twice the model, unsharded, at the peak.
                 if self._backward_reads_forward_views is not False:
@@ -1453,6 +1458,41 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._release_after_backward(shard)
         if recomputed_only:  # a later use's backward (a block shared by two layers) gathers
             self._pre_backward_done = False
+            self._regather_for_later_recomputations(shard)
+
+    def _regather_for_later_recomputations(self, shard: FlatParamShard) -> None:
+        """After a reentrant checkpoint's backward reduced and freed the unit: let a later
+        recomputation in the same backward gather it again (once per unit, a forward pre-hook
+        on each module holding its parameters).
+
+        Note: a unit whose forward uses its parameters only inside two or more reentrant
+        checkpoints (HF's ``gradient_checkpointing_enable(use_reentrant=True)`` on a model
+        wrapped as one unit, its embedding frozen as in LoRA fine-tuning; a block running
+        ``checkpoint(self.attn, ...)`` then ``checkpoint(self.mlp, ...)``) is recomputed once
+        per checkpoint. The first recomputation's backward reduces and frees the unit; the
+        next one read the shards (a shape error, or wrong numbers where the shapes happen to
+        broadcast). Now its first module call gathers the unit again, and its gradient is
+        reduced once more (one all-gather and one reduce-scatter per further checkpoint, the
+        memory of one unit as before). A collective: every rank recomputes the same
+        checkpoints in the same order."""
+        if self._regathers_for_recomputations:
+            return
+        self._regathers_for_recomputations = True
+        holders = {id(module): module for locs in shard.locations for module, _ in locs}
+        for module in holders.values():
+            module.register_forward_pre_hook(_eager(weakly_bound(self._gather_if_recomputing)))
+
+    def _gather_if_recomputing(self, module: nn.Module, args) -> None:
+        """Forward pre-hook (see :meth:`_regather_for_later_recomputations`): inside this
+        root's backward (a recomputation), gather and expose the unit unless it is exposed
+        (inside ``no_sync`` a unit that stays gathered is only hidden). Outside a backward,
+        or while exposed, nothing."""
+        root, shard = self._root, self._shard
+        if root is None or shard is None or shard._exposed or self._summoned \
+                or _BACKWARD_HOOKS_PAUSED[0] or not root._final_callback_queued \
+                or torch._C._current_graph_task_id() == -1:
+            return
+        self._pre_backward_hook(None)
 
     def _finish_reduces_in_flight(self, keep: list) -> None:
         """Root: finish the reduce-scatters in flight but those of the shards in ``keep``.
