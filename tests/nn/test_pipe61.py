@@ -294,27 +294,13 @@ def test_a_frozen_unit_on_an_input_ignored_by_some_replicas_is_refused_everywher
             assert result is None if rank % 2 == 0 else result < 1e-6, (rank, found)
 
 
-D_rev = 5
-
-
-class _Ahead_rev(nn.Module):
-    """The first stage: ``tanh(a(x))``."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(D_rev, D_rev)
-
-    def forward(self, x, use):
-        return torch.tanh(self.a(x))
-
-
 class _FrozenAfterATrainableLayer(nn.Module):
     """The last stage: ``f(tanh(lin(x)))`` with ``f`` frozen (its own FSDP unit), on zeros in
     place of the input where ``use`` is 0 (the input ignored; ``lin`` still trains)."""
 
     def __init__(self):
         super().__init__()
-        self.lin, self.f = nn.Linear(D_rev, D_rev), nn.Linear(D_rev, D_rev)
+        self.lin, self.f = nn.Linear(D, D), nn.Linear(D, D)
         self.f.requires_grad_(False)
 
     def forward(self, x, use):
@@ -334,8 +320,8 @@ def _input_ignored_before_a_trainable_layer(schedule_name):
     replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     pipeline, pipe_rank = rank // 2, rank % 2
     torch.manual_seed(0)
-    ref = [_Ahead_rev(), _FrozenAfterATrainableLayer()]
-    module = [_Ahead_rev(), _FrozenAfterATrainableLayer()][pipe_rank]
+    ref = [_Ahead(), _FrozenAfterATrainableLayer()]
+    module = [_Ahead(), _FrozenAfterATrainableLayer()][pipe_rank]
     module.load_state_dict(ref[pipe_rank].state_dict())
     if pipe_rank == 1:
         module.f = FullyShardedDataParallel(module.f, process_group=replicas[1])
@@ -346,7 +332,7 @@ def _input_ignored_before_a_trainable_layer(schedule_name):
     found = []
     for step, uses in enumerate(([1, 1], [0, 1], [1, 1])):
         g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, D_rev, generator=g), torch.randn(8, D_rev, generator=g)
+        x, y = torch.randn(8, D, generator=g), torch.randn(8, D, generator=g)
         half = slice(4 * pipeline, 4 * pipeline + 4)
         use = torch.full((4,), uses[pipeline])
         module.zero_grad()
