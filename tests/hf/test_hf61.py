@@ -6,6 +6,18 @@ own; the first one's backward reduced and freed the unit, and the next recomputa
 shards (a shape error); also with gradient accumulation (``no_sync``). Against one process
 on both ranks of a world of 2, after every AdamW step (fp32, each rank its half of the global
 batch, the oracle averaging the two ranks' losses).
+
+review
+
+Review of hunt 61's last commits.
+
+FSDP's re-gather for later reentrant recomputations (a forward pre-hook on the unit's modules,
+installed once a reentrant checkpoint's backward reduced and freed the unit) also gathered for
+a module called in a user's gradient hook during backward, under ``no_grad``: an all-gather
+inside the hook, which hangs when only one rank runs it (rank 0 logging a layer's output).
+Only activation checkpoints' recomputations gather now; the recomputations themselves still
+train as one process does. The optimizer kernels' shared-memory check lets views of one flat
+buffer, side by side, through.
 """
 
 import contextlib
@@ -16,8 +28,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from shardkit import distributed
+from shardkit.comm_counter import CommCounter
+from shardkit.kernels.optim_step import adamw_step_many
 from shardkit.nn import FullyShardedDataParallel as FSDP
 from shardkit.testing import world_fixture
+
 from tests.hf.hf_common import VOCAB, SEQ, eager_model, transformers as T
 
 STEPS, ROWS, TOL = 3, 4, 2e-5
@@ -169,3 +184,73 @@ def test_unit_recomputed_by_several_reentrant_checkpoints_trains_like_one_proces
         assert not isinstance(steps, str), (rank, steps)
         assert max(d for d, _ in steps) <= TOL, (rank, steps)
         assert max(loss for _, loss in steps) <= TOL, (rank, steps)
+
+
+class _TwoCheckpoints_rev(nn.Module):
+    """A unit whose parameters are used only inside two reentrant checkpoints."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return checkpoint(self.second, checkpoint(self.first, x, use_reentrant=True),
+                          use_reentrant=True)
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+    return x[2 * rank:2 * rank + 2].clone().requires_grad_(True)
+
+
+def _module_called_in_a_gradient_hook() -> dict:
+    """Two steps of SGD (the first installs the re-gather hooks); in the second backward a
+    gradient hook on the input runs the unit's first layer under no_grad. Returns the
+    collectives the hook issued, and the largest gap to one process after the two steps."""
+    rank = torch.distributed.get_rank()
+    plain, net = _TwoCheckpoints_rev(), FSDP(_TwoCheckpoints_rev(), use_orig_params=True)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    in_hook = CommCounter()
+
+    def log_first_layer(grad):
+        with torch.no_grad(), in_hook:
+            net.module.first(torch.zeros(1, 8))
+        return grad
+
+    for step in range(2):
+        both = torch.cat([_batch(step, r).detach() for r in range(2)]).requires_grad_(True)
+        plain(both).pow(2).mean().backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        x = _batch(step, rank)
+        if step == 1:
+            x.register_hook(log_first_layer)
+        net(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with FSDP.summon_full_params(net):
+        gap = max(float((p - q).abs().max())
+                  for p, q in zip(net.module.parameters(), plain.parameters()))
+    return {"hook_calls": dict(in_hook.calls_by_op), "gap": gap}
+
+
+def test_module_called_in_a_gradient_hook_issues_no_collective(world2):
+    for rank, got in enumerate(world2.run(_module_called_in_a_gradient_hook)):
+        assert got["hook_calls"] == {}, (rank, got)
+        assert got["gap"] <= 1e-6, (rank, got)  # the recomputations still re-gather
+
+
+def test_kernel_steps_views_of_one_flat_buffer_side_by_side():
+    flat, grads = torch.randn(20), torch.randn(20)
+    exp_avg, exp_avg_sq = torch.zeros(20), torch.zeros(20)
+    cut = [slice(0, 8), slice(8, 20)]
+    want = [flat[c].clone() for c in cut]
+    for w, c in zip(want, cut):  # one tensor at a time: the reference
+        adamw_step_many([w], [grads[c]], [torch.zeros_like(w)], [torch.zeros_like(w)],
+                        steps=[1], lr=1e-2)
+    adamw_step_many([flat[c] for c in cut], [grads[c] for c in cut],
+                    [exp_avg[c] for c in cut], [exp_avg_sq[c] for c in cut], steps=[1, 1],
+                    lr=1e-2, grad_scale=torch.tensor(1.0))
+    assert torch.equal(flat, torch.cat(want))

@@ -146,6 +146,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
 from shardkit import distributed as skdist
+from shardkit.nn.checkpoint.checkpoint_activations import is_recomputing
 from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes, _where,
                                                   check_one_dtype, gathered_param_bytes,
                                                   removed_after_wrapping, shard_rows)
@@ -1484,13 +1485,15 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
     def _gather_if_recomputing(self, module: nn.Module, args) -> None:
         """Forward pre-hook (see :meth:`_regather_for_later_recomputations`): inside this
-        root's backward (a recomputation), gather and expose the unit unless it is exposed
-        (inside ``no_sync`` a unit that stays gathered is only hidden). Outside a backward,
-        or while exposed, nothing."""
+        root's backward, when the call is an activation checkpoint's recomputation, gather and
+        expose the unit unless it is exposed (inside ``no_sync`` a unit that stays gathered is
+        only hidden). Outside a backward, while exposed, or for any other forward run during
+        a backward (a module called in a user's gradient hook, often on one rank only: a
+        gather there is a collective the other ranks never join), nothing."""
         root, shard = self._root, self._shard
         if root is None or shard is None or shard._exposed or self._summoned \
                 or _BACKWARD_HOOKS_PAUSED[0] or not root._final_callback_queued \
-                or torch._C._current_graph_task_id() == -1:
+                or not is_recomputing():
             return
         self._pre_backward_hook(None)
 
