@@ -201,7 +201,7 @@ def render_markdown(meta: dict, rows: list) -> str:
               "leaves `fused`/`foreach` unset. torch's rows and both pipelines run torch's "
               "default implementation (on CPU, its per-tensor loop); shardkit's OSS (stages 1-2) "
               "and its stage-3 composition choose torch's own fused AdamW kernel for the shards "
-              "(the same update up to the last bit), which is part of what those rows measure.",
+              "(within rounding of torch's loop, not bit-identical), which is part of what those rows measure.",
               "",
               "× torch pair: shardkit OSS vs ZeroRedundancyOptimizer (both under DDP), "
               "ShardedDDP vs `fully_shard(reshard_after_forward=False)`, FSDP vs `fully_shard`, "
