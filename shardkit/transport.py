@@ -393,7 +393,8 @@ class ProcessGroupTransport(Transport):
             raise ValueError(f"all_gather: output has {output.numel()} elements; it must be "
                              f"world size {n} x input's {input.numel()}")
         if not output.is_contiguous():
-            return _landed_through_contiguous_copy(self.all_gather, output, input, group)
+            return _through_contiguous_copy(lambda copy: self.all_gather(copy, input, group),
+                                            output, read=False)
         if not _uses_point_to_point(group, output.device):
             return CommHandle([skdist.all_gather_into_tensor(output, input, group=group,
                                                              async_op=True)], lambda: output)
@@ -562,7 +563,7 @@ class ProcessGroupTransport(Transport):
     @_reports_broken_links
     def broadcast(self, tensor, src, group):
         if not tensor.is_contiguous():
-            return _in_place_through_contiguous_copy(
+            return _through_contiguous_copy(
                 lambda copy: self.broadcast(copy, src, group), tensor)
         return CommHandle([skdist.broadcast(tensor, src=src, group=group, async_op=True)],
                           lambda: tensor)
@@ -570,7 +571,7 @@ class ProcessGroupTransport(Transport):
     @_reports_broken_links
     def all_reduce(self, tensor, group, op=skdist.ReduceOp.SUM):
         if not tensor.is_contiguous():
-            return _in_place_through_contiguous_copy(
+            return _through_contiguous_copy(
                 lambda copy: self.all_reduce(copy, group, op), tensor)
         return CommHandle([skdist.all_reduce(tensor, op=op, group=group, async_op=True)],
                           lambda: tensor)
@@ -681,30 +682,21 @@ def _issue(ops: list, counted_as: str, group, logical_bytes: Optional[int] = Non
                                     logical_bytes=logical_bytes, logical_shape=shape)
 
 
-def _landed_through_contiguous_copy(all_gather: Callable, output: torch.Tensor,
-                                    input: torch.Tensor, group) -> CommHandle:
-    """``all_gather`` into a contiguous copy of the non-contiguous ``output``, then the copy
-    written back, as torch's collectives cannot fill a non-contiguous tensor in place.
+def _through_contiguous_copy(run: Callable, tensor: torch.Tensor,
+                             read: bool = True) -> CommHandle:
+    """``run(copy)`` on a contiguous copy of the non-contiguous ``tensor`` (its values copied
+    in where ``read``: an in-place all-reduce or broadcast; an empty one for an all-gather's
+    output), waited for at once, then the copy written back into ``tensor``.
 
-    Note: waited for at once, so that ``output`` holds the result even when the returned handle
-    is dropped unwaited (which for other handles still completes the operation); this call
-    does not overlap with compute. Costs one temporary of ``output``'s size."""
-    landing = torch.empty(output.shape, dtype=output.dtype, device=output.device)
-    all_gather(landing, input, group).wait()
-    output.copy_(landing)
-    return CommHandle((), lambda: output)
-
-
-def _in_place_through_contiguous_copy(run: Callable, tensor: torch.Tensor) -> CommHandle:
-    """``run(copy)`` (an in-place all-reduce or broadcast) on a contiguous copy of the
-    non-contiguous ``tensor``, waited for at once, then the copy written back.
-
-    Note: gloo takes a strided view's first element and ``numel`` for its memory: a column
-    of a matrix was reduced with its neighbours' elements, silently, and a channels-last
-    tensor met a peer's contiguous one element by element in another order. As
-    :func:`_landed_through_contiguous_copy`: no overlap with compute, one temporary of
-    ``tensor``'s size."""
-    landing = tensor.contiguous()
+    Note: torch's collectives cannot fill a non-contiguous tensor in place, and gloo takes a
+    strided view's first element and ``numel`` for its memory: a column of a matrix was
+    reduced with its neighbours' elements, silently, and a channels-last tensor met a peer's
+    contiguous one element by element in another order. Waited for at once, so that
+    ``tensor`` holds the result even when the returned handle is dropped unwaited (which for
+    other handles still completes the operation); this call does not overlap with compute.
+    Costs one temporary of ``tensor``'s size."""
+    landing = tensor.contiguous() if read else \
+        torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
     run(landing).wait()
     tensor.copy_(landing)
     return CommHandle((), lambda: tensor)

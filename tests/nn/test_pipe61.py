@@ -236,11 +236,11 @@ class _FrozenOnTheInput(nn.Module):
         return self.lin(torch.tanh(self.f(x)))
 
 
-def _ignored_input_on_some_replicas(schedule_name):
-    """2 pipelines x 2 FSDP replicas per stage; each step's ``use`` per pipeline: both use
-    the last stage's input, one ignores it, both ignore it, both use it again. What each step
+def _input_ignored_on_some_replicas(schedule_name, last_stage, step_uses):
+    """2 pipelines x 2 FSDP replicas per stage, ``last_stage`` the last stage's module class;
+    ``step_uses``: per step, whether each pipeline's last stage uses its input. What each step
     returned (the loss's difference from one process on this pipeline's half, on the last
-    stage's rank) or raised (the ValueError's text)."""
+    stage's rank; ``None`` on the first stage's) or raised (the ValueError's text)."""
     from shardkit.nn.data_parallel import FullyShardedDataParallel
 
     rank = dist.get_rank()
@@ -248,8 +248,8 @@ def _ignored_input_on_some_replicas(schedule_name):
     replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     pipeline, pipe_rank = rank // 2, rank % 2
     torch.manual_seed(0)
-    ref = [_Ahead(), _FrozenOnTheInput()]
-    module = [_Ahead(), _FrozenOnTheInput()][pipe_rank]
+    ref = [_Ahead(), last_stage()]
+    module = [_Ahead(), last_stage()][pipe_rank]
     module.load_state_dict(ref[pipe_rank].state_dict())
     if pipe_rank == 1:
         module.f = FullyShardedDataParallel(module.f, process_group=replicas[1])
@@ -258,7 +258,7 @@ def _ignored_input_on_some_replicas(schedule_name):
     schedule = cls(PipelineStage(module, pipe_rank, 2, group=pipelines[pipeline]), 2,
                    F.mse_loss)
     found = []
-    for step, uses in enumerate(([1, 1], [0, 1], [0, 0], [1, 1])):
+    for step, uses in enumerate(step_uses):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(8, D, generator=g), torch.randn(8, D, generator=g)
         half = slice(4 * pipeline, 4 * pipeline + 4)
@@ -270,9 +270,12 @@ def _ignored_input_on_some_replicas(schedule_name):
         except ValueError as error:
             found.append(str(error))
             continue
+        if pipe_rank == 0:
+            found.append(None)
+            continue
         with torch.no_grad():
             expected = F.mse_loss(ref[1](ref[0](x[half], use), use), y[half])
-        found.append((loss - expected).abs().item() if pipe_rank == 1 else None)
+        found.append((loss - expected).abs().item())
     return found
 
 
@@ -284,7 +287,10 @@ def test_a_frozen_unit_on_an_input_ignored_by_some_replicas_is_refused_everywher
     every process. The replicas now share which inputs each backward reaches (where a stage
     holds frozen units) and, where they differ, skip that backward alike and raise one error
     naming the unit on every rank; the pipelines go on."""
-    for rank, found in enumerate(world4.run(_ignored_input_on_some_replicas, schedule)):
+    # steps: both pipelines use the input, one ignores it, both ignore it, both use it again
+    for rank, found in enumerate(world4.run(_input_ignored_on_some_replicas, schedule,
+                                            _FrozenOnTheInput,
+                                            ([1, 1], [0, 1], [0, 0], [1, 1]))):
         used, mixed, ignored, again = found
         assert isinstance(mixed, str) and "stage 1 (the last), micro-batch 0: its replicas " \
             "(FSDP's data-parallel ranks) disagree on whether its backward reaches its input " \
@@ -309,48 +315,6 @@ class _FrozenAfterATrainableLayer(nn.Module):
         return self.f(torch.tanh(self.lin(x)))
 
 
-def _input_ignored_before_a_trainable_layer(schedule_name):
-    """Three steps, the last stage's input used by both pipelines, by one, by both: per step
-    the loss's difference from one process on this pipeline's half (on the last stage's
-    rank), or the ValueError's text."""
-    from shardkit.nn.data_parallel import FullyShardedDataParallel
-
-    rank = dist.get_rank()
-    pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    pipeline, pipe_rank = rank // 2, rank % 2
-    torch.manual_seed(0)
-    ref = [_Ahead(), _FrozenAfterATrainableLayer()]
-    module = [_Ahead(), _FrozenAfterATrainableLayer()][pipe_rank]
-    module.load_state_dict(ref[pipe_rank].state_dict())
-    if pipe_rank == 1:
-        module.f = FullyShardedDataParallel(module.f, process_group=replicas[1])
-    module = FullyShardedDataParallel(module, process_group=replicas[pipe_rank])
-    cls = SCHEDULES[schedule_name][0]
-    schedule = cls(PipelineStage(module, pipe_rank, 2, group=pipelines[pipeline]), 2,
-                   F.mse_loss)
-    found = []
-    for step, uses in enumerate(([1, 1], [0, 1], [1, 1])):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, D, generator=g), torch.randn(8, D, generator=g)
-        half = slice(4 * pipeline, 4 * pipeline + 4)
-        use = torch.full((4,), uses[pipeline])
-        module.zero_grad()
-        try:
-            loss = schedule.step(*((x[half],) if pipe_rank == 0 else ()),
-                                 target=y[half] if pipe_rank == 1 else None, use=use)
-        except ValueError as error:
-            found.append(str(error))
-            continue
-        if pipe_rank == 0:
-            found.append(None)
-            continue
-        with torch.no_grad():
-            expected = F.mse_loss(ref[1](ref[0](x[half], use), use), y[half])
-        found.append((loss - expected).abs().item())
-    return found
-
-
 @pytest.mark.parametrize("schedule", ["1F1B"])
 def test_a_frozen_unit_after_a_trainable_layer_trains_when_some_replicas_ignore_the_input(
         world4, schedule):
@@ -358,8 +322,10 @@ def test_a_frozen_unit_after_a_trainable_layer_trains_when_some_replicas_ignore_
     sits after a trainable layer, so both backwards run through it (its gathers pair, as
     before the frozen-unit check): the step goes through on every rank with one process's
     loss, where it was refused."""
-    for rank, found in enumerate(world4.run(_input_ignored_before_a_trainable_layer,
-                                            schedule)):
+    # steps: both pipelines use the input, one ignores it, both use it again
+    for rank, found in enumerate(world4.run(_input_ignored_on_some_replicas, schedule,
+                                            _FrozenAfterATrainableLayer,
+                                            ([1, 1], [0, 1], [1, 1]))):
         for result in found:
             assert result is None if rank % 2 == 0 else \
                 isinstance(result, float) and result < 1e-5, (rank, found)
