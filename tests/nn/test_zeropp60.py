@@ -75,6 +75,10 @@ def _rank(rank: int, port: int, env: dict, results) -> None:
                 intra, inter = quantized_comm.node_groups(group=group)
                 out["node_groups"] = (skdist.group_ranks(intra), skdist.group_ranks(inter))
         out["layout_gathered"] = skdist.node_layout_known()
+        # every rank done before any destroys: a rank that finished first and destroyed its
+        # groups closed its connections while a slower one was still connecting a sub-group's
+        # (gloo's "Connection closed by peer", about 1 run in 10-20)
+        dist.barrier()
         results.put((rank, out))
     except BaseException as error:  # noqa: B902 - reported to the test, which fails on it
         results.put((rank, repr(error)[:400]))
