@@ -375,7 +375,8 @@ def test_pipe_matches_the_plain_sequential_in_every_checkpoint_mode(checkpoint):
 
 
 def _fewer_rows_than_chunks():
-    """(A batch chunks does not divide is split as torch splits it: tests/nn/test_pipe60.py.)"""
+    """(A batch chunks does not divide is split as torch splits it:
+    tests/nn/test_pipe_uneven_chunks.py.)"""
     rank = dist.get_rank()
     parts = split_sequential(_layers("mlp", 2)[0], [2, 3])
     schedule = Schedule1F1B(PipelineStage(parts[rank], rank, 2), 3, F.mse_loss)

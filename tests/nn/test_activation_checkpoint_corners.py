@@ -1,4 +1,4 @@
-"""Activation checkpointing corners found by the ckptwrap60 hunt (single process, fast).
+"""Activation checkpointing corners (single process, fast).
 
 Its review found:
 

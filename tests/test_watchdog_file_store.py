@@ -1,4 +1,4 @@
-"""Transports and the peer watchdog, as a torch.distributed user meets them (review 61).
+"""Transports and the peer watchdog, as a torch.distributed user meets them.
 
 - A job started on the path of a killed job's ``file://`` store read the dead job's heartbeat
   folder token from the store's leftover file, and with it the dead job's verdict: its

@@ -1,4 +1,4 @@
-"""Regressions from a hunt through the fused optimizers and their kernels (kern59).
+"""Regressions from a hunt through the fused optimizers and their kernels.
 
 * ``FusedAdamW.state_dict()`` (and DeepSpeed's FusedAdam on it) held views into the flat
   state buffers: pickled (an object collective, ``pickle.dumps``, ``torch.save`` of one

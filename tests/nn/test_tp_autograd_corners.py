@@ -1,4 +1,4 @@
-"""Tensor-parallel and activation-checkpointing corners a Megatron / DeepSpeed user met (hunt 61).
+"""Tensor-parallel and activation-checkpointing corners a Megatron / DeepSpeed user met.
 
 One world of 4 gloo ranks (tensor-parallel size 2 x data-parallel size 2) and a few local checks:
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel corners a Megatron/FairScale user met (hunt 58).
+"""Tensor-parallel corners a Megatron/FairScale user met.
 
 - ``RowParallelLinear`` under ``torch.autocast`` returned an fp32 output where ``nn.Linear``
   returns bf16/fp16: the fp32 bias promoted the low-precision sum, so every activation after it

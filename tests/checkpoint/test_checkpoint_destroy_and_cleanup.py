@@ -1,4 +1,4 @@
-"""Review of the checkpoint changes of d7653e9 (review 60), as a user meets them:
+"""Review of the checkpoint changes of d7653e9, as a user meets them:
 
 - torch's ``destroy_process_group(group.WORLD)`` destroys every group, as the no-argument
   call does, but did not wait for the asynchronous save: the save failed under the destroyed

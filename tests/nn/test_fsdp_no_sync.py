@@ -211,8 +211,8 @@ def _warnings_for_grads_touched_inside_no_sync() -> dict:
 def test_grads_scaled_or_zeroed_inside_no_sync_need_no_warning(world2):
     """Before: a ``p.grad.mul_(0.5)`` between no_sync micro-batches was ignored silently (the
     accumulated gradient, held outside ``.grad``, was reduced unscaled), later with a warning;
-    now ``.grad`` is the accumulator the reduce-scatter reads (parity: tests/nn/test_fsdp61.py)
-    and neither a scaling nor a zeroing warns."""
+    now ``.grad`` is the accumulator the reduce-scatter reads (parity:
+    tests/nn/test_fsdp_no_sync_grads.py) and neither a scaling nor a zeroing warns."""
     for out in world2.run(_warnings_for_grads_touched_inside_no_sync):
         assert out == {"scale": [], "zero": []}, out
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel corners a FairScale / Megatron user met (hunt 60), in one world of 2 ranks.
+"""Tensor-parallel corners a FairScale / Megatron user met, in one world of 2 ranks.
 
 - The tensor-parallel layers had no ``reset_parameters()``. A model built under
   ``torch.device("meta")`` and materialized the torch way (``to_empty(device=...)``, then each

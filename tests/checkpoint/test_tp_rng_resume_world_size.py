@@ -1,4 +1,4 @@
-"""Review of the tensor-parallel RNG streams in engine checkpoints (revtprng60):
+"""Review of the tensor-parallel RNG streams in engine checkpoints:
 
 - the warning about a resume at another world size names the ranks whose draws are repeated
   correctly when the new world is more than twice the saved one (rank ``r`` takes saved rank

@@ -16,7 +16,7 @@ A world of 2 gloo ranks, one 2-rank job as plain processes, and local checks.
 
 review
 
-Review of the checkpoint owner markers (review 61), as a user meets the gaps:
+Review of the checkpoint owner markers, as a user meets the gaps:
 
 - two asynchronous saves of one process in flight at once (two engines, e.g. an actor and a
   critic, each saving its own tag into one directory): the second save's cleanup of what

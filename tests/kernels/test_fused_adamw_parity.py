@@ -1,4 +1,4 @@
-"""Regressions from a hunt through FusedAdamW and its kernels (kern60), torch.optim.AdamW's
+"""Regressions from a hunt through FusedAdamW and its kernels, torch.optim.AdamW's
 default loop (``foreach=False``) as the reference.
 
 * AMSGrad after a NaN/inf gradient: the Triton kernel and torch's fused CPU kernel kept the
@@ -11,7 +11,7 @@ default loop (``foreach=False``) as the reference.
 
 Its review found:
 
-Review of the kern60 FusedAdamW changes (decoupled_weight_decay, parameters listed twice,
+Review of the FusedAdamW changes (decoupled_weight_decay, parameters listed twice,
 torch AdamW's group keys), against torch.optim.AdamW / Adam's default loop (``foreach=False``).
 
 * parity step by step over hypothesis-chosen sizes, dtypes (16-bit parameters against fp32

@@ -1,4 +1,4 @@
-"""FSDP regressions found reviewing commit 1a0b341 (review 61).
+"""FSDP regressions found reviewing commit 1a0b341.
 
 - The optimizer step pre-hook that refuses state made for the whole parameter (an optimizer
   that stepped before wrapping) refused any state tensor of the whole parameter's shape, so

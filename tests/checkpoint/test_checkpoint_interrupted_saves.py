@@ -1,4 +1,4 @@
-"""Checkpoints as a user saving and resuming meets them (review 60):
+"""Checkpoints as a user saving and resuming meets them:
 
 - an asynchronous ``engine.save_checkpoint`` followed by torch's own last line,
   ``torch.distributed.destroy_process_group()``: the save is published before the groups go
