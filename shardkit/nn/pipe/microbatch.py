@@ -17,7 +17,8 @@ __all__ = ["as_tuple", "batch_size", "split_microbatches", "join_microbatches",
            "own_microbatches", "split_keyword_arguments", "keyword_argument_problems",
            "keyword_chunk_dims", "positional_chunk_spec_problem",
            "keyword_signature", "mergeable_output_problem", "merge_outputs", "part_rows",
-           "splits_alike", "split_target", "target_rows", "target_split_problems"]
+           "splits_alike", "split_target", "target_chunk_dims", "target_rows",
+           "target_split_problems"]
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -261,46 +262,90 @@ def _keyword_leaf_problem(value, dim: Optional[int], chunks: int,
     return None
 
 
-def split_target(target, chunks: int) -> list:
+def target_chunk_dims(target_chunk_spec, what: str):
+    """``target_chunk_spec`` (a schedule's option, in the form of torch's chunk specs:
+    ``TensorChunkSpec(dim)``, ``_Replicate()``, or a tuple, list or dict of them matching the
+    target's structure) as split dimensions: an int, ``None`` (passed whole to every
+    micro-batch) or the same structure of these. ``None`` (the default) is ``0``: every
+    tensor of the target split along dim 0 with the batch. Raises a ValueError naming an
+    entry that is none of these. Local."""
+    if target_chunk_spec is None:
+        return 0
+    try:
+        return _spec_dims(target_chunk_spec)
+    except TypeError as error:
+        raise ValueError(f"{what}(target_chunk_spec={target_chunk_spec!r}): {error} is not a "
+                         f"chunk spec; expected TensorChunkSpec(dim) (the target's tensors "
+                         f"split along dim with the batch) or _Replicate() (passed whole to "
+                         f"every micro-batch: a class-weight tensor, a lookup table), or a "
+                         f"tuple, list or dict of them matching the target's structure"
+                         ) from None
+
+
+def split_target(target, chunks: int, dims=0) -> list:
     """``target`` per micro-batch, as ``torch.distributed.pipelining`` splits a tensor target:
     each tensor with a batch dimension cut into ``chunks`` views along dim 0 (inside tuples,
-    lists and dicts too, as keyword arguments are); other values go to every micro-batch as
-    they are. Views, no copies."""
-    return _split_value(target, chunks, 0)
+    lists and dicts too, as keyword arguments are), or along the dimension ``dims``
+    (:func:`target_chunk_dims`) gives it, or passed whole where ``dims`` gives ``None``; other
+    values go to every micro-batch as they are. Views, no copies."""
+    return _split_value(target, chunks, dims)
 
 
-def target_rows(target) -> Optional[int]:
-    """The dim-0 size of ``target``'s first tensor with a batch dimension (``None``: none)."""
-    rows = [leaf.shape[0] for leaf in tree_flatten(target)[0] if _has_batch_dim(leaf)]
+def target_rows(target, dims=0) -> Optional[int]:
+    """The size, along its split dimension, of ``target``'s first tensor that is split
+    (``None``: none is)."""
+    leaf_dims = _leaf_dims(target, dims) or []
+    rows = [leaf.shape[dim] for leaf, dim in zip(tree_flatten(target)[0], leaf_dims)
+            if _splits(leaf, dim) and -leaf.dim() <= dim < leaf.dim()]
     return rows[0] if rows else None
 
 
-def target_split_problems(target, chunks: int, batch_rows: Optional[int] = None) -> list[str]:
+def target_split_problems(target, chunks: int, batch_rows: Optional[int] = None,
+                          dims=0) -> list[str]:
     """What keeps :func:`split_target` from cutting ``target`` as the batch is cut: a tensor
     target without a batch dimension, a tensor (nested ones too) with fewer rows than
-    ``chunks``, or, given the batch's rows, one whose micro-batches would not hold the
-    targets of the batch's micro-batches' samples (:func:`splits_alike`: a target flattened
-    over the batch's rows, ``(batch * seq,)``, fits only where ``chunks`` divides the batch)."""
-    if isinstance(target, torch.Tensor) and target.dim() == 0:
+    ``chunks`` along its split dimension, or, given the batch's rows, one whose micro-batches
+    would not hold the targets of the batch's micro-batches' samples (:func:`splits_alike`: a
+    target flattened over the batch's rows, ``(batch * seq,)``, fits only where ``chunks``
+    divides the batch); a ``dims`` structure that is not the target's. Tensors ``dims``
+    passes whole are not checked."""
+    leaf_dims = _leaf_dims(target, dims)
+    if leaf_dims is None:
+        return [f"target_chunk_spec gives the target a structure of specs {dims!r} that is not "
+                f"its value's ({_structure(target)}); give one spec per tensor, nested as the "
+                f"target is, or one spec for all of them"]
+    if isinstance(target, torch.Tensor) and target.dim() == 0 and dims is not None:
         return [f"target of shape () cannot be split into chunks={chunks} micro-batches along "
-                f"dim 0 (it needs at least {chunks} rows)"]
+                f"dim 0 (it needs at least {chunks} rows; or pass it whole with "
+                f"target_chunk_spec=_Replicate())"]
     problems = []
-    for path, leaf in tree_flatten_with_path(target)[0]:
-        if not _has_batch_dim(leaf):
-            continue
-        name, rows = f"target{keystr(path)}", leaf.shape[0]
-        if rows < chunks:
-            problems.append(f"{name} of shape {tuple(leaf.shape)} cannot be split into "
-                            f"chunks={chunks} micro-batches along dim 0 (it needs at least "
-                            f"{chunks} rows)")
-        elif batch_rows is not None and not splits_alike(rows, batch_rows, chunks):
-            problems.append(
-                f"{name} of shape {tuple(leaf.shape)} is cut along dim 0 into chunks={chunks} "
-                f"micro-batches of {part_rows(rows, chunks)} rows, but the batch's {batch_rows} "
-                f"rows into {part_rows(batch_rows, chunks)}: its micro-batches would not hold "
-                f"the targets of the batch's samples; give it the batch's {batch_rows} rows "
-                f"(keep a (batch, seq) target whole and flatten it inside loss_fn)")
+    for (path, leaf), dim in zip(tree_flatten_with_path(target)[0], leaf_dims):
+        if _splits(leaf, dim):
+            problem = _target_leaf_problem(leaf, dim, chunks, batch_rows)
+            if problem:
+                problems.append(f"target{keystr(path)} of shape {tuple(leaf.shape)} {problem}")
     return problems
+
+
+_WHOLE_HINT = ("; a tensor that is not per-sample (a class-weight tensor) goes whole to every "
+               "micro-batch with target_chunk_spec=_Replicate() at its place")
+
+
+def _target_leaf_problem(leaf: torch.Tensor, dim: int, chunks: int,
+                         batch_rows: Optional[int]) -> Optional[str]:
+    if not -leaf.dim() <= dim < leaf.dim():
+        return f"has no dim {dim}, along which target_chunk_spec splits it"
+    rows = leaf.shape[dim]
+    if rows < chunks:
+        return (f"cannot be split into chunks={chunks} micro-batches along dim {dim} (it needs "
+                f"at least {chunks} rows there){_WHOLE_HINT}")
+    if batch_rows is not None and not splits_alike(rows, batch_rows, chunks):
+        return (f"is cut along dim {dim} into chunks={chunks} micro-batches of "
+                f"{part_rows(rows, chunks)} rows, but the batch's {batch_rows} rows into "
+                f"{part_rows(batch_rows, chunks)}: its micro-batches would not hold the targets "
+                f"of the batch's samples; give it the batch's {batch_rows} rows (keep a "
+                f"(batch, seq) target whole and flatten it inside loss_fn){_WHOLE_HINT}")
+    return None
 
 
 def positional_chunk_spec_problem(args_chunk_spec) -> Optional[str]:

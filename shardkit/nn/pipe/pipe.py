@@ -113,6 +113,14 @@ def _check_partition_output(out, j: int, last: bool) -> None:
                         "dimension (compute a scalar loss outside the Pipe)")
 
 
+def _layer_key(key: str) -> str:
+    """A state-dict key without its ``partitions.<i>.`` part where it has one."""
+    parts = key.split(".", 2)
+    if len(parts) == 3 and parts[0] == "partitions" and parts[1].isdigit():
+        return parts[2]
+    return key
+
+
 def _version(t: torch.Tensor):
     """A tensor's in-place version counter (None for inference tensors, which have none)."""
     return None if t.is_inference() else t._version
@@ -145,7 +153,10 @@ class Pipe(nn.Module):
 
     The partitions are ``self.partitions``, a registered ``nn.ModuleList`` of ``nn.Sequential``
     keeping the layers' names, so parameter names and state-dict keys are FairScale's
-    (``partitions.<j>.<layer name>.<param>``) and a FairScale Pipe checkpoint loads. ``len``,
+    (``partitions.<j>.<layer name>.<param>``) and a FairScale Pipe checkpoint loads, as does
+    one saved by a Pipe of another ``balance`` or by the plain Sequential (keys renamed to the
+    partition holding each layer; a plain Sequential loads this Pipe's state dict with each
+    key's ``partitions.<j>.`` dropped). ``len``,
     indexing and iteration see the original layers in order.
 
     Args:
@@ -218,6 +229,22 @@ class Pipe(nn.Module):
         _check_no_parameter_on_two_devices(stages, self.devices)
         # Registered: parameter names and state-dict keys are FairScale's `partitions.<j>.<name>`.
         self.partitions = nn.ModuleList(p.to(d) for p, d in zip(stages, self.devices))
+        self._register_load_state_dict_pre_hook(self._keys_of_this_balance)
+
+    def _keys_of_this_balance(self, state_dict, prefix, *_) -> None:
+        """Before loading: keys saved by a Pipe of another ``balance``
+        (``partitions.<i>.<layer>...``) or by the plain Sequential (``<layer>...``) renamed to
+        this Pipe's ``partitions.<j>.<layer>...``, ``j`` the partition holding that layer; a
+        key this Pipe has, or naming no layer of it, stays as it is (and is reported as
+        unexpected as usual)."""
+        partition_of = {name: j for j, partition in enumerate(self.partitions)
+                        for name in partition._modules}
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            layer_key = _layer_key(key[len(prefix):])
+            j = partition_of.get(layer_key.split(".", 1)[0])
+            renamed = f"{prefix}partitions.{j}.{layer_key}"
+            if j is not None and renamed != key and renamed not in state_dict:
+                state_dict[renamed] = state_dict.pop(key)
 
     def __len__(self) -> int:
         return sum(len(p) for p in self.partitions)

@@ -31,22 +31,33 @@ FSDP is refused when backward is split.
 Loss and micro-batches: the batch is split into ``chunks`` micro-batches along dim 0 as
 ``torch.tensor_split`` does (as in ``torch.distributed.pipelining``: where ``chunks`` does not
 divide the batch, the first ones are one row longer). The target is split the same way (its
-tensors, inside tuples, lists and dicts too), and so are keyword tensors; every rank checks
-those it gets against the batch's rows (sent with the first stage's shape headers), so a tensor
-whose micro-batches would not hold the batch's samples (fewer rows, or a target flattened over
-``(batch * seq)`` on an uneven split) fails the step on every rank, naming it. Each
-micro-batch's loss is divided by ``chunks`` before its backward (``scale_grads=True``, the
-default, as in torch), except where the split is uneven and ``loss_fn`` declares that it
+tensors, inside tuples, lists and dicts too; ``target_chunk_spec`` passes a tensor that is not
+per-sample, a class-weight tensor, whole to every micro-batch), and so are keyword tensors;
+every rank checks those it gets against the batch's rows (sent with the first stage's shape
+headers), so a tensor whose micro-batches would not hold the batch's samples (fewer rows, or a
+target flattened over ``(batch * seq)`` on an uneven split) fails the step on every rank, naming
+it. Each micro-batch's loss is divided by ``chunks`` before its backward (``scale_grads=True``,
+the default, as in torch), except where the split is uneven and ``loss_fn`` declares that it
 averages (``reduction="mean"``: a ``torch.nn`` loss module's or any callable's ``reduction``
 attribute, a ``functools.partial`` keyword, ``loss_kwargs``, or the default of the function's
-own ``reduction`` parameter, as ``F.mse_loss`` and ``F.cross_entropy`` have): it is then
-divided by the target's rows over the micro-batch's, so the gradients are the batch mean's, as
-one process's (torch divides by ``chunks`` there too, which weighs the rows of shorter
-micro-batches more). A ``loss_fn`` that says nothing (a lambda, a plain ``def``) keeps torch's
-``1/chunks``: a summing one gives the batch's sum over ``chunks``, every row weighted alike, as
-torch; give an averaging one ``loss_fn.reduction = "mean"`` for the batch mean on uneven
-splits. With ``scale_grads=False`` no loss is divided, and the gradients are those of the sum
-of the micro-batch losses (a summing ``loss_fn``: the batch's sum, as one process). Call
+own ``reduction`` parameter, as ``F.mse_loss`` and ``F.cross_entropy`` have): it is then divided
+by the target's rows over the micro-batch's, so the gradients are the batch mean's, as one
+process's (torch divides by ``chunks`` there too, which weighs the rows of shorter micro-batches
+more). A ``loss_fn`` that says nothing (a lambda, a plain ``def``) keeps torch's ``1/chunks``: a
+summing one gives the batch's sum over ``chunks``, every row weighted alike, as torch; give an
+averaging one ``loss_fn.reduction = "mean"`` for the batch mean on uneven splits. A ``loss_fn``
+whose mean divides by a count its target decides (cross-entropy with ``ignore_index``: the
+non-ignored tokens, or their class weights) is weighted by that count instead, on even splits
+too (a mean of micro-batch means is not the batch's mean when the micro-batches hold different
+numbers of counted tokens): ``nn.CrossEntropyLoss``, ``nn.NLLLoss``, ``F.cross_entropy`` and
+``F.nll_loss`` (and their ``functools.partial``) with ``reduction="mean"`` and class-index
+targets are counted as torch counts them; any other declares its count with
+``loss_denominator=lambda target: ...``. Each micro-batch's loss is then divided by the whole
+target's count over its own (a micro-batch counting nothing, whose mean is NaN, adds no
+gradient), so the gradients and the returned loss are one process's on the whole batch. Under
+data parallelism each pipeline's count is its own (as DDP averages per-rank means). With
+``scale_grads=False`` no loss is divided, and the gradients are those of the sum of the
+micro-batch losses (a summing ``loss_fn``: the batch's sum, as one process). Call
 ``optimizer.zero_grad()`` before and ``optimizer.step()`` after :meth:`PlanSchedule.step` on
 every rank, over the parameters of all the rank's stages.
 """
@@ -70,7 +81,8 @@ from shardkit.nn.pipe.microbatch import (batch_size, keyword_argument_problems,
                                          mergeable_output_problem, own_microbatches,
                                          part_rows, positional_chunk_spec_problem,
                                          split_keyword_arguments, split_microbatches,
-                                         split_target, target_rows, target_split_problems)
+                                         split_target, target_chunk_dims, target_rows,
+                                         target_split_problems)
 from shardkit.nn.pipe.p2p import (ACTIVATION, GRADIENT, MAX_TENSORS, StepState, TaggedLinks,
                                   batch_signature, output_tensors)
 from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan,
@@ -131,6 +143,19 @@ class PlanSchedule:
             tensors, one spec for all of them or the same structure of specs, one per tensor;
             keywords it does not name split along dim 0 (``None``, the default: all of them).
             A step with keyword arguments that lack one it names fails on every rank.
+        target_chunk_spec: how the target is split (shardkit's; torch splits a tensor target
+            along dim 0): ``TensorChunkSpec(dim)``, ``_Replicate()`` (passed whole to every
+            micro-batch: a class-weight tensor, or one whose dim 0 only happens to equal the
+            batch's rows), or a tuple, list or dict of them matching the target's structure
+            (``{"labels": TensorChunkSpec(0), "class_weight": _Replicate()}``). ``None``
+            (default): every tensor split along dim 0. A spec whose structure is not the
+            target's fails the step on every rank.
+        loss_denominator: ``loss_denominator(target) -> count`` (a number or one-element
+            tensor, >= 0), called on each micro-batch's target: what ``loss_fn``'s mean divides
+            by (``lambda t: (t != -100).sum()`` for a masked mean); each micro-batch's loss is
+            weighted by its count's share of the whole target's, so the step is one
+            process's. ``None`` (default): derived for torch's class-index cross-entropy and
+            NLL losses (see above), otherwise the rows.
         args_chunk_spec: torch's; ``None`` or a tuple of ``TensorChunkSpec(0)`` (the batch is
             split along dim 0); another value is a ValueError naming it.
         output_merge_spec, use_full_backward, backward_requires_autograd, defer_pp_recv:
@@ -178,6 +203,12 @@ class PlanSchedule:
         chunks = _microbatch_count(name, chunks, torch_options.pop("n_microbatches", None))
         self._keyword_dims = keyword_chunk_dims(torch_options.pop("kwargs_chunk_spec", None),
                                                 name)
+        self._target_dims = target_chunk_dims(torch_options.pop("target_chunk_spec", None), name)
+        self.loss_denominator = torch_options.pop("loss_denominator", None)
+        if self.loss_denominator is not None and not callable(self.loss_denominator):
+            raise TypeError(f"{name}(loss_denominator={self.loss_denominator!r}): expected a "
+                            f"callable loss_denominator(target) -> the count loss_fn's mean "
+                            f"divides a micro-batch's loss by, or None")
         _check_torch_options(name, torch_options)
         if not isinstance(track_activation_memory, bool):
             # torch's 4th positional argument is args_chunk_spec (output_merge_spec in
@@ -539,7 +570,21 @@ class PlanSchedule:
             return total.sum()
         if all(d == self.chunks for d in self._loss_divisors):
             return total.mean()
-        return sum(loss / d for loss, d in zip(self._losses, self._loss_divisors))
+        return sum(loss / d for loss, d in zip(self._losses, self._loss_divisors)
+                   if d != float("inf"))
+
+    def _loss_root(self, loss: torch.Tensor, output, i: int) -> torch.Tensor:
+        """What micro-batch ``i``'s backward starts from: its loss, divided under
+        ``scale_grads``; for a micro-batch whose loss counts nothing (all its targets
+        ignored: a NaN mean) a zero on its outputs, so it adds no gradient, as those rows add
+        none in one process."""
+        if not self.scale_grads:
+            return loss
+        divisor = self._loss_divisors[i]
+        if divisor != float("inf"):
+            return loss / divisor
+        return sum((t.sum() * 0 for t in tree_flatten(output)[0]
+                    if isinstance(t, torch.Tensor) and t.requires_grad), loss.new_zeros(()))
 
     def _keep_output(self, s: int, i: int, output) -> None:
         """Keep the last stage's output of micro-batch ``i`` (detached) for ``return_outputs``;
@@ -589,16 +634,45 @@ class PlanSchedule:
             elif self._outputs_only(self._target):
                 self._targets = [None] * self.chunks  # no loss this step
             else:
-                self._targets = split_target(self._target, self.chunks)
-                self._loss_divisors = self._row_weighted_divisors()
+                self._targets = split_target(self._target, self.chunks, self._target_dims)
+                self._loss_divisors = self._counted_divisors(index)
+                if self._loss_divisors is None:
+                    self._targets = []
         return self._targets
+
+    def _counted_divisors(self, index: int) -> Optional[list]:
+        """What each micro-batch's loss is divided by under ``scale_grads`` where ``loss_fn``
+        averages over a count its target decides (``loss_denominator``, or a class-index
+        target of ``nn.CrossEntropyLoss`` / ``nn.NLLLoss`` / ``F.cross_entropy`` /
+        ``F.nll_loss`` with ``reduction="mean"``: the non-ignored targets, weighted by the
+        class weights where there are some): the whole target's count over the micro-batch's,
+        so the gradients are one process's on the whole batch, even or uneven split (``inf``
+        for a micro-batch that counts nothing: it contributes no gradient). Otherwise
+        :meth:`_row_weighted_divisors`. ``None`` (the step fails, naming micro-batch
+        ``index``) where ``loss_denominator`` raises or returns no count."""
+        counter = self.loss_denominator or _declared_denominator(self.loss_fn, self._loss_kwargs)
+        if not self.scale_grads or counter is None:
+            return self._row_weighted_divisors()
+        try:
+            counts = [_count(counter(target)) for target in self._targets]
+        except _NotCounted:  # not a class-index target of a declared loss
+            return self._row_weighted_divisors()
+        except Exception as error:  # a user's loss_denominator: the same error on every rank
+            self._fail_at_last_stage(index, f"loss_denominator raised {type(error).__name__}: "
+                                            f"{error}; expected the count (a number >= 0) "
+                                            f"loss_fn's mean divides by", error)
+            return None
+        total = sum(counts)
+        if total == 0:  # nothing counted anywhere: one process's loss is NaN too
+            return [self.chunks] * self.chunks
+        return [total / count if count else float("inf") for count in counts]
 
     def _row_weighted_divisors(self) -> list:
         """What each micro-batch's loss is divided by under ``scale_grads``: ``chunks`` (as
         torch), except where the split is uneven and ``loss_fn`` declares that it averages
         over its rows (:func:`_declared_reduction`): the target's rows over the micro-batch's,
         so the gradients are those of the batch mean, as in one process."""
-        rows = target_rows(self._target)
+        rows = target_rows(self._target, self._target_dims)
         if rows is None or rows % self.chunks == 0 or \
                 _declared_reduction(self.loss_fn, self._loss_kwargs) != "mean":
             return [self.chunks] * self.chunks
@@ -656,7 +730,7 @@ class PlanSchedule:
             if loss is not None:
                 self._losses.append(loss.detach())
             if loss is not None and loss.requires_grad and torch.is_grad_enabled():
-                roots = [loss / self._loss_divisors[i] if self.scale_grads else loss]
+                roots = [self._loss_root(loss, output, i)]
             else:
                 roots = []
             if self._returns_outputs(self._target):
@@ -778,7 +852,7 @@ class PlanSchedule:
         ``loss_fn`` raised), how the target was cut."""
         target = self._targets[i]
         leaves = tree_flatten(output)[0]
-        if not isinstance(target, torch.Tensor) or not leaves or \
+        if self._target_dims != 0 or not isinstance(target, torch.Tensor) or not leaves or \
                 not isinstance(leaves[0], torch.Tensor) or leaves[0].dim() == 0 or \
                 leaves[0].shape[0] == target.shape[0]:
             return ""
@@ -1071,7 +1145,8 @@ class PlanSchedule:
             problems.append(f"the last stage needs the target: call {name}.step(..., "
                             f"target=...){outputs}")
         else:
-            problems += target_split_problems(target, self.chunks, batch_rows)
+            problems += target_split_problems(target, self.chunks, batch_rows,
+                                              self._target_dims)
         return problems
 
     def _check_agreement(self, inputs, target) -> None:
@@ -1108,6 +1183,57 @@ def _declared_reduction(loss_fn, loss_kwargs: Optional[dict]) -> Optional[str]:
         return None
     default = None if parameter is None else parameter.default
     return default if isinstance(default, str) else None
+
+
+class _NotCounted(Exception):
+    """A declared loss's target that its count does not apply to (class probabilities)."""
+
+
+def _count(value) -> float:
+    """A ``loss_denominator`` result as a float; raises a ValueError for anything else."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"it returned {value!r}")
+    return float(value)
+
+
+def _declared_denominator(loss_fn, loss_kwargs: Optional[dict]) -> Optional[Callable]:
+    """For a class-index loss averaging over its non-ignored targets (``nn.CrossEntropyLoss``,
+    ``nn.NLLLoss``, ``F.cross_entropy``, ``F.nll_loss``, or a ``functools.partial`` of these,
+    with ``reduction="mean"``), the function counting a target as its mean does: the targets
+    that are not ``ignore_index``, each weighted by its class's ``weight`` where one is given.
+    ``None`` for any other ``loss_fn`` (subclasses included: they may average otherwise)."""
+    if _declared_reduction(loss_fn, loss_kwargs) != "mean":
+        return None
+    if type(loss_fn) in (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss):
+        settings = {"ignore_index": loss_fn.ignore_index, "weight": loss_fn.weight}
+    elif isinstance(loss_fn, functools.partial) and not loss_fn.args \
+            and loss_fn.func in _CLASS_INDEX_LOSSES:
+        settings = dict(loss_fn.keywords)
+    elif loss_fn in _CLASS_INDEX_LOSSES:
+        settings = {}
+    else:
+        return None
+    settings.update(loss_kwargs or {})
+    return functools.partial(_class_target_count, ignore_index=settings.get("ignore_index", -100),
+                             weight=settings.get("weight"))
+
+
+_CLASS_INDEX_LOSSES = (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss)
+
+
+def _class_target_count(target, ignore_index: int, weight: Optional[torch.Tensor]):
+    """What ``F.cross_entropy`` / ``F.nll_loss`` (``reduction="mean"``) divide by for
+    ``target``: its entries that are not ``ignore_index``, or their classes' ``weight`` summed.
+    Raises :class:`_NotCounted` for a target that is not a tensor of class indices."""
+    if not isinstance(target, torch.Tensor) or target.is_floating_point() \
+            or target.is_complex() or target.dtype == torch.bool:
+        raise _NotCounted
+    kept = target[target != ignore_index]
+    if weight is None:
+        return kept.numel()
+    return weight.to(kept.device)[kept].sum()
 
 
 def last_messages(plan: PipelinePlan) -> dict:
