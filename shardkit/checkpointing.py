@@ -31,11 +31,14 @@ Memory, per call: the tensor arguments (not the region's activations) stay until
   (DeepSpeed swaps its ``.data`` for an empty one): it is freed when the caller drops it, as in
   ``hidden = checkpoint(block, hidden)``. A partitioned argument must be the same on every
   tensor-parallel rank (replicated activations, as between Megatron blocks): it is rebuilt from
-  the ranks' slices, so a rank-specific one (a ``ColumnParallelLinear`` output with
-  ``gather_output=False``) would come back wrong, as in DeepSpeed. Communication: one
-  all-gather per partitioned argument before the recomputation, ``(tp-1)/tp`` of its bytes on
-  the wire per rank (``shardkit.distributed``, so :class:`~shardkit.distributed.CommCounter`
-  counts it); none in the forward.
+  the ranks' slices, so a rank-specific one (sequence-parallel activations, a
+  ``ColumnParallelLinear`` output with ``gather_output=False``) would come back wrong
+  (DeepSpeed's gradients are then silently wrong). Here the rebuilt argument is checked against
+  a fingerprint (its sum) taken in the forward, and a mismatch is a RuntimeError in the backward,
+  before the recomputation, naming the argument (mark it ``no_checkpointing = True`` to keep it
+  whole). Communication: one all-gather per partitioned argument before the recomputation,
+  ``(tp-1)/tp`` of its bytes on the wire per rank (``shardkit.distributed``, so
+  :class:`~shardkit.distributed.CommCounter` counts it); none in the forward.
 - ``cpu_checkpointing`` (``checkpoint_in_cpu``): the kept arguments live in CPU memory and are
   copied back to their device for the recomputation; on a CPU run this changes nothing.
 - ``contiguous_memory_optimization``: the partitions are copied into one preallocated buffer per
@@ -355,6 +358,41 @@ def _partitioned(arg, options, size: int) -> bool:
             and arg.numel() % size == 0)
 
 
+def _fingerprint(flat: torch.Tensor) -> torch.Tensor:
+    """The sum of a contiguous 1-D tensor (at least in fp32): computed again on the same values
+    laid out the same way, the same bits; on other values, other bits (almost surely)."""
+    dtype = torch.promote_types(flat.dtype, torch.float32)
+    return torch.sum(flat, dtype=dtype)
+
+
+def _check_rebuilt_as_kept(full: torch.Tensor, fingerprint: torch.Tensor, position: int,
+                           function) -> None:
+    """Raise unless the argument rebuilt from the tensor-parallel ranks' slices is the one
+    this rank had in the forward (the same fingerprint, bit for bit). A rank-specific argument
+    (sequence-parallel activations, a ``ColumnParallelLinear`` output with
+    ``gather_output=False``) comes back as a mix of the ranks' tensors: recomputed from it,
+    the gradients would be silently wrong (DeepSpeed's are). Local, after the all-gather and
+    before the recomputation; one pass over the argument here and in the forward. Every rank
+    whose argument differs from another's in that rank's slice raises (with distinct
+    activations, every rank)."""
+    rebuilt = _fingerprint(full)
+    if torch.equal(rebuilt.view(-1).view(torch.uint8), fingerprint.view(-1).view(torch.uint8)):
+        return
+    raise RuntimeError(
+        f"shardkit.checkpointing.checkpoint({_function_name(function)}): tensor argument "
+        f"#{position} differs across the tensor-parallel ranks, so partition_activations=True "
+        f"(activation_checkpointing.partition_activations) cannot rebuild it from their "
+        f"slices: the recomputation would give wrong gradients. Partitioning needs activations "
+        f"replicated over the tensor-parallel group; with sequence parallelism (or any "
+        f"rank-specific activation) they are split already: set partition_activations false, "
+        f"or mark the argument with `tensor.no_checkpointing = True` to keep it whole")
+
+
+def _function_name(function) -> str:
+    given = getattr(function, "shardkit_region", function)
+    return getattr(given, "__qualname__", type(given).__name__)
+
+
 def _contiguous_slot(position: int, part: torch.Tensor, options) -> torch.Tensor:
     """``part`` copied into the next free slot of position ``position``'s buffer."""
     count = options.number_checkpoints
@@ -392,12 +430,16 @@ class _CheckpointFunction(torch.autograd.Function):
         options, size, rank = _STATE.options, _STATE.mp_size, _STATE.mp_rank
         ctx.run_function, ctx.layout, ctx.group = run_function, layout, _STATE.mp_group
         kept, ctx.how = [], []  # how: (kind, shape, device, requires_grad) per tensor
+        ctx.fingerprints = []  # per tensor: _fingerprint of a partitioned one, else None
         position = 0
         for arg in tensors:
             how = ("whole", arg.shape, arg.device, arg.requires_grad)
+            fingerprint = None
             if _partitioned(arg, options, size):
                 share = arg.numel() // size
-                part = arg.detach().contiguous().view(-1).narrow(0, share * rank, share)
+                flat = arg.detach().contiguous().view(-1)
+                fingerprint = _fingerprint(flat)
+                part = flat.narrow(0, share * rank, share)
                 moved = options.cpu_checkpointing and part.device.type != "cpu"
                 if moved:  # a copy of the slice alone
                     part = part.to("cpu")
@@ -413,6 +455,7 @@ class _CheckpointFunction(torch.autograd.Function):
             else:
                 kept.append(arg)
             ctx.how.append(how)
+            ctx.fingerprints.append(fingerprint)
         ctx.rng = _rng_states()  # after the partitioning, whose errors precede any collective
         ctx.autocast = _autocast_states()  # torch.autocast (shardkit's bf16/fp16 engines)
         ctx.modes = []  # the modules it calls and their train/eval flags, for the recompute
@@ -425,8 +468,13 @@ class _CheckpointFunction(torch.autograd.Function):
             outputs = run_function(*layout.merge(tensors))
         ctx.save_for_backward(*kept)
         outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
-        tensor_outs = _outside_tensors_detached([o for o in outs if torch.is_tensor(o)],
-                                                tensors)
+        tensor_outs = [o for o in outs if torch.is_tensor(o)]
+        ctx.from_outside = [_made_outside(o, tensors) for o in tensor_outs]
+        ctx.input_positions = [_input_position(o, tensors) for o in tensor_outs]
+        # a function's output cannot be a tensor autograd already reaches; checkpoint() hands
+        # the caller the tensor itself in place of this detached stand-in
+        tensor_outs = [o.detach() if outside else o
+                       for o, outside in zip(tensor_outs, ctx.from_outside)]
         ctx.mark_non_differentiable(*[o for o in tensor_outs if not o.is_floating_point()])
         escaping = _escaping_stashes(ctx.received, tensor_outs)
         ctx.escaping_keys = [key for key, _ in escaping]
@@ -448,12 +496,14 @@ class _CheckpointFunction(torch.autograd.Function):
             _BUFFERS.clear()  # the partitions saved below stay alive through ctx
         from shardkit import distributed
         inputs = []
-        for saved, (kind, shape, device, requires_grad) in zip(ctx.saved_tensors, ctx.how):
+        for position, (saved, (kind, shape, device, requires_grad), fingerprint) in enumerate(
+                zip(ctx.saved_tensors, ctx.how, ctx.fingerprints)):
             if kind == "part":
                 part = saved.to(device)
                 full = torch.empty(part.numel() * _group_size(ctx.group), dtype=part.dtype,
                                    device=device)
                 distributed.all_gather_into_tensor(full, part, group=ctx.group)
+                _check_rebuilt_as_kept(full, fingerprint, position, ctx.run_function)
                 value = full.view(shape)
             else:
                 value = saved.to(device)
@@ -472,24 +522,50 @@ class _CheckpointFunction(torch.autograd.Function):
             _set_generators(outside)
         outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
         restashed = [replay.stashed.get(key) for key in ctx.escaping_keys]
-        pairs = [(o, g) for o, g in zip([o for o in outs if torch.is_tensor(o)], grads)
-                 if o.requires_grad]
+        recomputed = [o for o in outs if torch.is_tensor(o)]
+        pairs = [(o, g) for o, g, outside, given in zip(recomputed, grads, ctx.from_outside,
+                                                        ctx.input_positions)
+                 if o.requires_grad and not outside and given is None]
         pairs += [(o, g) for o, g in zip(restashed, grads[len(grads) - len(restashed):])
                   if torch.is_tensor(o) and o.requires_grad]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None) + tuple(t.grad if t.requires_grad else None for t in inputs)
+        input_grads = [t.grad if t.requires_grad else None for t in inputs]
+        _add_grads_of_inputs_handed_back(input_grads, inputs, ctx.input_positions, grads)
+        return (None, None) + tuple(input_grads)
 
 
-def _outside_tensors_detached(tensor_outs: list, inputs) -> list:
-    """The region's outputs, each one that it handed back from outside its arguments while
-    requiring grad (a layer's own parameter: ``skip_bias_add=True`` returns its bias) replaced
-    by a detached alias. Returned as it is, the parameter itself would become this function's
-    output, its ``grad_fn`` this backward, and the backward's own ``autograd.backward`` through
-    the recomputed parameter would call that backward again, without end. The alias's gradient
-    reaches the parameter in the backward, through the recomputed output (the parameter)."""
-    given = {id(t) for t in inputs}
-    return [o.detach() if o.requires_grad and id(o) not in given else o for o in tensor_outs]
+def _made_outside(output: torch.Tensor, inputs) -> bool:
+    """Whether the region handed back, as ``output``, a tensor made before it that autograd
+    reaches: a layer's own parameter (``skip_bias_add=True`` returns its bias) or a tensor
+    ``function`` closes over (the caller may use it in the loss too). The first forward runs
+    without grad, so no tensor made inside it requires grad. Such an output is handed to the
+    caller as it is, and its gradient flows back through the caller's graph, as without
+    checkpointing; routed through this function's backward instead, it ran the part of the
+    graph before the region twice (once inside the recomputation's backward, once outside:
+    "Trying to backward through the graph a second time"), or, for a parameter, made the
+    parameter this function's output and its backward recurse without end. (A view the region
+    took of such a tensor requires grad too, but reaches nothing: it is the region's own.)"""
+    return _in_graph(output) and not any(output is t for t in inputs)
+
+
+def _input_position(output: torch.Tensor, inputs) -> Any:
+    """The position among ``inputs`` of the very tensor ``output`` (the region handed an
+    argument back), else None."""
+    return next((i for i, t in enumerate(inputs) if output is t), None)
+
+
+def _add_grads_of_inputs_handed_back(input_grads: list, inputs: list, input_positions: list,
+                                     grads) -> None:
+    """Add to ``input_grads`` the gradients of the outputs that were arguments handed back as
+    they are. They go to the argument directly, not through the recomputation: that may
+    return another tensor there (the region's function closing over the caller's tensor that
+    was also passed to it), whose graph reaches before the region."""
+    for position, grad in zip(input_positions, grads):
+        if position is None or grad is None or not inputs[position].requires_grad:
+            continue
+        held = input_grads[position]
+        input_grads[position] = grad if held is None else held + grad
 
 
 def _escaping_stashes(received: _Received, tensor_outs: list) -> list:
@@ -543,13 +619,16 @@ def checkpoint(function: Callable, *args, **kwargs):
     every floating-point output requires grad when a tensor input does (whether or not it
     would without checkpointing; a gradient sent to one that does not need it in the
     recomputation is dropped), and nothing requires grad when no tensor input does (use
-    :func:`non_reentrant_checkpoint` there). ``torch.autograd.grad`` through it is a
-    RuntimeError (reentrant). Tensor arguments must not be changed in place before the backward
-    (torch's "modified by an inplace operation" error), nor tensors inside list, tuple and dict
-    arguments, by ``function`` or before the backward, changed in place or replaced in their
-    list or dict (a RuntimeError naming the argument and the key; DeepSpeed recomputes from
-    the changed values). Without grad mode, ``function``
-    simply runs.
+    :func:`non_reentrant_checkpoint` there). An output ``function`` did not make comes back
+    with the gradients of the plain call when the caller uses it beyond the next layer too (in
+    the loss, say): a parameter or a tensor it closes over comes back as that very tensor, and
+    a tensor argument handed back sends its gradient straight to the argument.
+    ``torch.autograd.grad`` through it is a RuntimeError (reentrant). Tensor arguments must not
+    be changed in place before the backward (torch's "modified by an inplace operation"
+    error), nor tensors inside list, tuple and dict arguments, by ``function`` or before the
+    backward, changed in place or replaced in their list or dict (a RuntimeError naming the
+    argument and the key; DeepSpeed recomputes from the changed values). Without grad mode,
+    ``function`` simply runs.
     """
     if not callable(function):
         raise TypeError(f"checkpoint(function={function!r}): expected the callable to "
@@ -571,16 +650,22 @@ def checkpoint(function: Callable, *args, **kwargs):
             holder["out"], holder["done"] = out, True
         return out
 
+    run.shardkit_region = given  # named in errors
     results = iter(_CheckpointFunction.apply(run, layout, *tensors))
     first = holder.pop("out")
     _check_inputs_unchanged(_region_name(given, ()), [], [], [], nested)
+
+    def returned(value):  # the function's output in place of the first forward's value
+        output = next(results)
+        return value if _made_outside(value, tensors) else output
+
     if torch.is_tensor(first):
-        return next(results)
+        return returned(first)
     if not isinstance(first, (tuple, list)):
         raise TypeError(f"checkpoint(function={given!r}): it returned a "
                         f"{type(first).__name__}; expected a tensor, or a tuple or list "
                         f"(returned as a tuple, as DeepSpeed does)")
-    return tuple(next(results) if torch.is_tensor(v) else v for v in first)
+    return tuple(returned(v) if torch.is_tensor(v) else v for v in first)
 
 
 def non_reentrant_checkpoint(function: Callable, *args, **kwargs):

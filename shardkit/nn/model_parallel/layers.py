@@ -643,7 +643,8 @@ class VocabParallelEmbedding(TensorParallelModule):
             starts at zero and gets no gradient; ``max_norm`` renormalises only looked-up rows).
         scale_grad_by_freq: as ``nn.Embedding``: each row's gradient is divided by how often
             its token occurs in the batch (every rank sees the whole batch, so the count is
-            the unsplit layer's).
+            the unsplit layer's). Not with ``sparse=True`` (a ValueError here; torch's
+            backward refuses that pair).
         init_method: in-place initialiser applied to the full ``[V, dim]`` master weight.
         keep_master_weight_for_test: keep the full initial weight as ``self.master_weight``.
         sequence_parallel: reduce-scatter the output along ``sequence_dim`` (each rank keeps
@@ -663,7 +664,9 @@ class VocabParallelEmbedding(TensorParallelModule):
                  sequence_dim: int = SEQUENCE_DIM):
         super().__init__("VocabParallelEmbedding")
         _check_flag("VocabParallelEmbedding", "scale_grad_by_freq", scale_grad_by_freq)
+        _check_flag("VocabParallelEmbedding", "sparse", sparse)
         _check_flag("VocabParallelEmbedding", "sequence_parallel", sequence_parallel)
+        _check_not_sparse_and_scaled("VocabParallelEmbedding", scale_grad_by_freq, sparse)
         _check_divisible("VocabParallelEmbedding: num_embeddings (vocabulary)", num_embeddings,
                          self.tp_size)
         _check_size("VocabParallelEmbedding: embedding_dim", embedding_dim)
@@ -741,6 +744,18 @@ class VocabParallelEmbedding(TensorParallelModule):
                 f"{self.vocab_end_index}) on this rank, sequence_parallel={self.sequence_parallel}")
 
 
+def _check_not_sparse_and_scaled(what: str, scale_grad_by_freq, sparse) -> None:
+    """Refuse ``scale_grad_by_freq=True`` with ``sparse=True`` at construction: torch's
+    embedding backward has no sparse gradient scaled by frequency (``nn.Embedding`` with both
+    fails in its first backward, "scale_grad_by_freq not supported with sparse gradients").
+    Local."""
+    if scale_grad_by_freq and sparse:
+        raise ValueError(f"{what}: scale_grad_by_freq=True with sparse=True; "
+                         "torch has no sparse gradient scaled by frequency (nn.Embedding with "
+                         "both fails in backward); pass sparse=False to scale a dense "
+                         "gradient, or scale_grad_by_freq=False")
+
+
 def _full_row_norms(local: torch.Tensor, norm_type: float, group, tp_size: int) -> torch.Tensor:
     """Norms of whole rows of which each rank holds some columns: one all-reduce of one float
     per row (``norm_type > 0`` or inf)."""
@@ -760,7 +775,8 @@ class ParallelEmbedding(TensorParallelModule):
     the output is all-gathered so every rank has full rows.
 
     Args: as :class:`VocabParallelEmbedding` (``embedding_dim`` must divide by n), without
-    sequence parallelism; ``scale_grad_by_freq`` is supported. With ``max_norm``, each row looked
+    sequence parallelism; ``scale_grad_by_freq`` is supported (not with ``sparse=True``, a
+    ValueError, as for :class:`VocabParallelEmbedding`). With ``max_norm``, each row looked
     up whose norm (over the whole row, all ranks' columns) exceeds ``max_norm`` is rescaled in
     place to ``max_norm``, as ``nn.Embedding`` does; ``norm_type`` must be positive (or inf).
 
@@ -780,6 +796,7 @@ class ParallelEmbedding(TensorParallelModule):
         _check_size("ParallelEmbedding: num_embeddings", num_embeddings)
         _check_divisible("ParallelEmbedding: embedding_dim", embedding_dim, self.tp_size)
         _check_init_method("ParallelEmbedding", init_method)
+        _check_not_sparse_and_scaled("ParallelEmbedding", scale_grad_by_freq, sparse)
         if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
             raise ValueError(f"ParallelEmbedding: padding_idx={padding_idx} is outside "
                              f"[-{num_embeddings}, {num_embeddings})")
