@@ -22,12 +22,15 @@ once the groups are gone, so the script ends with an error rather than status 0.
 by ``from torch.distributed import destroy_process_group`` before that first save keeps torch's
 own function: call :func:`wait_for_pending_saves` before it.
 
-Note: that wait is bounded by the checkpoint group's timeout (the default group's, as
-``init_process_group(timeout=...)`` set it; the longest the commit's own collectives may
-block) plus a margin of 10% (at least 2 s). The saves still running when it begins are named
-on stderr; one still running at its end (a rank stuck writing its file) is named in the
+Note: that wait gives each pending save its own bound: the checkpoint group's timeout (the
+default group's, as ``init_process_group(timeout=...)`` set it; the longest the commit's own
+collectives may block) plus a margin of 10% (at least 2 s), counted from when the save before
+it ended (the saves commit one after the other, so one deadline shared by all would leave the
+later ones nothing). The saves still running when it begins are named on stderr; those still
+running at its end (a rank stuck writing its file, and the saves queued behind it, which can
+then never start) are each named, with their tags, in the
 :class:`~shardkit.checkpoint.CheckpointError` raised once the groups are destroyed, and the
-process can then exit (the writer is a daemon thread, no longer waited for).
+process can then exit (the writers are daemon threads, no longer waited for).
 
 Costs: memory, one CPU copy of this rank's share of the model and optimizer state until the
 write ends; communication, that of a synchronous save, on the checkpoint group.
@@ -115,16 +118,18 @@ def _wait_before_destroy() -> None:
     group's timeout error first (destroying a group under a collective aborts the process);
     only a save stuck outside them (in its writer) is given up."""
     bound = _wait_bound()
-    deadline = time.monotonic() + bound
+    first_deadline = time.monotonic() + bound
     quiet_until = time.monotonic() + min(_QUIET_WAIT_S, bound)
     for save in _in_start_order():  # a save about to end needs no word on stderr
         save._thread.join(max(0.0, quiet_until - time.monotonic()))
     running = [save for save in _in_start_order() if not save.done()]
     if running:
-        print(f"[shardkit] destroy_process_group: waiting (at most {bound:g} s in all) for "
-              f"{'; '.join(save.describe() for save in running)} to finish (its commit runs on "
-              f"the checkpoint process group this call destroys)", file=sys.stderr, flush=True)
-    _wait_for_saves_until(deadline, bound)
+        each = f", {bound:g} s for each after the one before it" if len(running) > 1 else ""
+        print(f"[shardkit] destroy_process_group: waiting (at most {bound * len(running):g} s "
+              f"in all{each}) for {'; '.join(save.describe() for save in running)} to finish "
+              f"(their commits run on the checkpoint process group this call destroys)",
+              file=sys.stderr, flush=True)
+    _wait_each_bounded(_in_start_order(), bound, first_deadline)
 
 
 def _wait_bound() -> float:
@@ -231,30 +236,80 @@ def wait_for_pending_saves(timeout_s: Optional[float] = None) -> list:
 def _wait_for_saves_until(deadline: Optional[float], bound: Optional[float]) -> list:
     """:func:`wait_for_pending_saves` until the ``time.monotonic()`` ``deadline`` of a wait
     of ``bound`` seconds (for the messages)."""
-    first_error, paths = None, []
+    outcome = _Outcome()
     for save in _in_start_order():
+        outcome.wait_for(save, deadline, bound)
+    return outcome.paths_or_raise("no bound" if bound is None else f"a wait of {bound:g} s in all")
+
+
+def _wait_each_bounded(saves: list, bound: float, first_deadline: float) -> list:
+    """Wait for ``saves`` (in start order), each for at most ``bound`` seconds after the one
+    before it ended (the first until ``first_deadline``); a save queued behind one given up
+    cannot start, and is given up at once. Raises as :class:`_Outcome` does."""
+    outcome = _Outcome()
+    for index, save in enumerate(saves):
+        if outcome.given_up:  # its writer first waits for the one given up
+            deadline = time.monotonic()
+        else:
+            deadline = first_deadline if index == 0 else time.monotonic() + bound
+        outcome.wait_for(save, deadline, bound)
+    return outcome.paths_or_raise(f"{bound:g} s for each after the one before it ended")
+
+
+class _Outcome:
+    """What waiting for several saves came to: their directories, the saves given up (still
+    running), the first failed save's error."""
+
+    def __init__(self):
+        self.paths: list = []
+        self.given_up: list = []
+        self.first_error: Optional[BaseException] = None
+
+    def wait_for(self, save: "AsyncSave", deadline: Optional[float],
+                 bound: Optional[float]) -> None:
         try:
-            paths.append(save._wait_until(deadline, bound))
+            self.paths.append(save._wait_until(deadline, bound))
         except Exception as e:  # the later saves still finish before it is raised
-            first_error = first_error or e
-    if first_error is not None:
-        raise first_error
-    return paths
+            if save._given_up:
+                self.given_up.append(save)
+            else:
+                self.first_error = self.first_error or e
+
+    def paths_or_raise(self, how_long: str) -> list:
+        """The directories; or a :class:`~shardkit.checkpoint.CheckpointError` naming every
+        save given up, with its tag (after the first failed save's error, which it chains);
+        or that error."""
+        if self.given_up:
+            from shardkit.checkpoint.sharded import CheckpointError
+            failed = "" if self.first_error is None else (
+                f"; an earlier save failed: {type(self.first_error).__name__}: "
+                f"{self.first_error}")
+            raise CheckpointError(
+                f"{len(self.given_up)} asynchronous checkpoint save(s) did not finish within "
+                f"the wait ({how_long}) on this rank (a rank stuck writing its file, or "
+                f"waiting for one that is; a save queued behind it cannot start): "
+                f"{'; '.join(save.describe() for save in self.given_up)}. The process no "
+                f"longer waits for them, not even at exit{failed}") from self.first_error
+        if self.first_error is not None:
+            raise self.first_error
+        return self.paths
 
 
 def _wait_all_at_exit() -> None:
     """A process that ends normally first finishes its background saves. A failure can only be
-    reported here (the exit status is the script's own), on stderr. The wait is bounded as a
-    destroy's is (:func:`_wait_bound`): a writer stuck for good does not keep the process."""
+    reported here (the exit status is the script's own), on stderr. Each save's wait is
+    bounded as a destroy's is (:func:`_wait_each_bounded`): a writer stuck for good does not
+    keep the process."""
     saves = [save for save in _in_start_order() if not save._given_up]  # given up: reported
     if not saves:
         return
     bound = _wait_bound()
-    deadline = time.monotonic() + bound
+    stuck = False
     for save in saves:
-        try:
-            save._wait_until(deadline, bound)
+        try:  # once one is stuck, those queued behind it cannot start
+            save._wait_until(time.monotonic() + (0.0 if stuck else bound), bound)
         except Exception as e:
+            stuck = stuck or save._given_up
             hint = "" if distributed.is_initialized() else (
                 " (the process group was destroyed while the save was being committed: end "
                 "the script with shardkit.distributed.destroy() or torch.distributed."

@@ -63,9 +63,9 @@ from shardkit import distributed
 from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE, per_element
 from shardkit.checkpoint.resharding import (ParamLayout, copy_rows_into, join_row_blocks,
                                             join_row_state)
-from shardkit.checkpoint.save_owner import (OWNER_FILE, create_owned_dir, describe_owner,
-                                            is_private_name, owner_is_gone, read_owner,
-                                            this_process)
+from shardkit.checkpoint.save_owner import (LOCK_FILE, OWNER_FILE, create_owned_dir,
+                                            describe_owner, is_private_name, is_this_process,
+                                            owner_is_gone, read_owner, release_owned_dir)
 
 __all__ = ["FORMAT", "CheckpointError", "RankShard", "LoadedCheckpoint", "RowsWanted",
            "commit_checkpoint", "agreement_device", "read_latest_tag", "write_latest_tag",
@@ -179,14 +179,15 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     rank = distributed.get_rank(group)  # files are numbered within the group that writes them
     staging = staging_dir(save_dir, tag)
     published = []  # rank 0 notes here that it published (before the last agreement)
+    made = []  # rank 0 notes here that it made the staging directory (see _commit)
     try:
         with _staging_in_use(staging):
             return _commit(save_dir, tag, shard, metadata, engine_payload, save_latest, group,
-                           prepare_error, recovery_script_dir, rank, published)
+                           prepare_error, recovery_script_dir, rank, published, made)
     except CheckpointError:
         raise
     except Exception as error:  # the agreement itself broke off: a rank died, a group went
-        if rank == 0 and not published:
+        if made and not published:
             remove_own_staging(staging)
         raise CheckpointError(
             f"save_checkpoint of {os.path.join(save_dir, tag)} failed: the ranks' agreement "
@@ -207,27 +208,31 @@ def _outcome(save_dir: str, rank: int, published: list) -> str:
 
 
 def _commit(save_dir, tag, shard, metadata, engine_payload, save_latest, group, prepare_error,
-            recovery_script_dir, rank, published) -> str:
-    """:func:`commit_checkpoint`'s agreements and writes."""
+            recovery_script_dir, rank, published, made) -> str:
+    """:func:`commit_checkpoint`'s agreements and writes. Only the commit that made the
+    staging directory removes it on failure: one refused because another save of this
+    process writes into it must leave it alone."""
     final = os.path.join(save_dir, tag)
     staging = staging_dir(save_dir, tag)
     error = prepare_error
     if error is None and rank == 0:
         whole_world = distributed.get_world_size(group) == distributed.get_world_size()
         error = _attempt(lambda: _make_staging(save_dir, staging, whole_world))
+        if error is None:
+            made.append(staging)
     _agree_or_raise(error, "building this rank's part of the checkpoint"
                     if prepare_error is not None
-                    else f"building each rank's part and creating {staging}", staging, group)
+                    else f"building each rank's part and creating {staging}", made, group)
     error = _attempt(lambda: _write_rank_file_and_digest(
         os.path.join(staging, rank_file_name(rank)), shard))
-    _agree_or_raise(error, f"writing {rank_file_name(rank)} into {staging}", staging, group)
+    _agree_or_raise(error, f"writing {rank_file_name(rank)} into {staging}", made, group)
     error = None
     if rank == 0:
         error = _attempt(lambda: _publish(save_dir, tag, staging, final, metadata,
                                           engine_payload, save_latest, recovery_script_dir))
         if error is None:
             published.append(final)
-    _agree_or_raise(error, f"publishing {final}", staging, group)
+    _agree_or_raise(error, f"publishing {final}", made, group)
     distributed.barrier(group)
     return final
 
@@ -315,16 +320,18 @@ def _clear_own_staging(staging: str, tag: str) -> None:
 def remove_own_staging(staging: str) -> None:
     """Remove the staging directory of a failed save, if this process created it (not when the
     save failed because another save owns it)."""
-    if read_owner(staging) == this_process():
+    if is_this_process(read_owner(staging)):
+        release_owned_dir(staging)
         shutil.rmtree(staging, ignore_errors=True)
 
 
 def _staging_taken(staging: str, tag: str, owner: Optional[dict]) -> CheckpointError:
     return CheckpointError(
-        f"{staging}: another save of tag {tag!r} is writing into it ({describe_owner(owner)}, "
-        f"still running or on another host); two saves of one tag into one directory would "
-        f"overwrite each other. Save under another tag or directory, or, if that save is "
-        f"dead, remove {staging}")
+        f"{staging}: another save of tag {tag!r} is writing into it "
+        f"({describe_owner(owner, staging)}; not provably ended: see "
+        f"shardkit.checkpoint.save_owner); two saves of one tag into one directory would "
+        f"overwrite each other. Save under another tag or directory, wait for that save to "
+        f"end, or, if it is dead, remove {staging}")
 
 
 def _is_abandoned_staging(path: str, owner: Optional[dict]) -> bool:
@@ -334,7 +341,7 @@ def _is_abandoned_staging(path: str, owner: Optional[dict]) -> bool:
     before the markers: every staging directory is now born with its marker)."""
     if owner is None:
         return True
-    return owner == this_process() or owner_is_gone(owner)
+    return is_this_process(owner) or owner_is_gone(owner, path)
 
 
 def abandoned_saves(save_dir: str, proven_only: bool = False,
@@ -376,12 +383,13 @@ def _is_left_staging(path: str, proven_only: bool) -> bool:
     registered, and holds no marker for a moment."""
     owner = read_owner(path)
     if is_private_name(os.path.basename(path)):
-        return bool(owner) and owner_is_gone(owner)
+        return bool(owner) and owner_is_gone(owner, path)
     return (owner is not None or not proven_only) and _is_abandoned_staging(path, owner)
 
 
-_CHECKPOINT_FILE = re.compile(r"(rank_\d{5,}\.pt(%s)?|%s|%s|%s)" % (
-    re.escape(DIGEST_SUFFIX), re.escape(ENGINE_FILE), re.escape(METADATA), re.escape(OWNER_FILE)))
+_CHECKPOINT_FILE = re.compile(r"(rank_\d{5,}\.pt(%s)?|%s|%s|%s|%s)" % (
+    re.escape(DIGEST_SUFFIX), re.escape(ENGINE_FILE), re.escape(METADATA), re.escape(OWNER_FILE),
+    re.escape(LOCK_FILE)))
 
 
 def _holds_only_checkpoint_files(path: str) -> bool:
@@ -421,7 +429,9 @@ _staging_lock = threading.Lock()
 
 @contextlib.contextmanager
 def _staging_in_use(staging: str):
-    """Mark ``staging`` as a commit's own for the block (it is registered before it exists)."""
+    """Mark ``staging`` as a commit's own for the block (it is registered before it exists);
+    at its end, this process no longer owns it (its lock dropped, its marker no longer
+    refreshed)."""
     key = _same_place(staging)
     with _staging_lock:
         _stagings_under_way[key] += 1
@@ -432,6 +442,7 @@ def _staging_in_use(staging: str):
             _stagings_under_way[key] -= 1
             if not _stagings_under_way[key]:
                 del _stagings_under_way[key]
+        release_owned_dir(staging)
 
 
 def _remove_abandoned_saves(save_dir: str, proven_only: bool = False,
@@ -487,11 +498,13 @@ def agreement_device(group=None) -> Optional[torch.device]:
     return None if device.type == "cpu" else device
 
 
-def _agree_or_raise(error: Optional[BaseException], what: str, staging: str,
+def _agree_or_raise(error: Optional[BaseException], what: str, made: list,
                     group=None) -> None:
+    """Raise on every rank when any rank has an ``error``, once the staging directory this
+    commit made (``made``: on rank 0, once made) is removed."""
     if not distributed.any_rank(error is not None, group, device=agreement_device(group)):
         return
-    if distributed.get_rank(group) == 0:
+    for staging in made:
         remove_own_staging(staging)
     distributed.barrier(group)  # every rank raises only once the staging directory is gone
     detail = f": {type(error).__name__}: {error}" if error is not None else \
@@ -521,8 +534,9 @@ def _publish(save_dir, tag, staging, final, metadata, engine_payload, save_lates
         shutil.rmtree(retired, ignore_errors=True)
     else:
         os.replace(staging, final)
-    with contextlib.suppress(OSError):  # a published checkpoint has no owner
-        os.remove(os.path.join(final, OWNER_FILE))
+    for owner_file in (OWNER_FILE, LOCK_FILE):  # a published checkpoint has no owner
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(final, owner_file))
     if save_latest:
         write_latest_tag(save_dir, tag)
 
