@@ -256,6 +256,9 @@ class FlatParamShard:
         # showing it (weakly), the ``.grad`` it replaced and the shown one's version (see
         # seal_held_grads)
         self._sealed: Optional[list] = None
+        # per parameter, the ``.grad`` of earlier steps that seal_held_grads folded into the
+        # held gradient (see _fold_kept_grad), kept to restore should the cycle be dropped
+        self._kept_folded: Optional[list] = None
         self._reducing_used: Optional[list] = None  # the same, for the reduce in flight
         # (tag, name) of the unit, set by the root: see _check_every_rank_reduced_this
         self.label: tuple[int, str] = (1, "a unit")
@@ -490,10 +493,17 @@ class FlatParamShard:
         """Forget the gradients held for a later reduce-scatter (accumulated inside
         ``no_sync``); a ``.grad`` still showing one goes back to what it was before the cycle
         (zeros of the shard if it was ``None``). Local."""
+        folded = self._kept_folded or [None] * len(self.params)
         for i, shown in self._still_shown():
-            self._restore_grad(i, self._sealed[i][1])
+            kept = self._sealed[i][1]
+            self._restore_grad(i, folded[i] if kept is None else kept)
+        if self._sealed is None and self._grad_pieces is not None:
+            # mid-backward (taken back, not sealed again): a folded .grad reads None now
+            for p, kept in zip(self.params, folded):
+                if kept is not None and p.grad is None:
+                    p.grad = kept
         self._grad_pieces, self._used, self._hooked_pieces = None, None, None
-        self._owned, self._sealed = None, None
+        self._owned, self._sealed, self._kept_folded = None, None, None
 
     def seal_held_grads(self) -> None:
         """At the end of a backward inside ``no_sync``, which leaves the unit's gradients held
@@ -509,9 +519,12 @@ class FlatParamShard:
         ``.grad`` (a device sync per unit per micro-batch). Now ``.grad`` is the held
         gradient's storage, so every in-place change reaches it without a read, and a
         ``.grad`` set to ``None`` or replaced drops it (:meth:`_take_back_held_grads`).
-        The ``.grad`` kept aside (the reduced gradient of earlier steps, when the cycle began
-        without ``zero_grad``) is added after the reduce-scatter as before; a change in place
-        to the shown ``.grad`` cannot reach it, see :meth:`_settle_grads_kept_aside`.
+        A ``.grad`` the cycle began with (the reduced gradient of earlier steps, without
+        ``zero_grad`` in between) is folded into the shown one where that is exact
+        (:meth:`_fold_kept_grad`), so a scaling or a reassignment between micro-batches reaches
+        it too, as in one process; otherwise it is kept aside and added after the
+        reduce-scatter, which a change in place cannot reach (see
+        :meth:`_settle_grads_kept_aside`).
         Memory: none (the held gradient is shown, not copied, unless autograd's tensor may
         be shared). Registers the optimizer step check (see
         :func:`_refuse_a_step_over_held_grads`). Local."""
@@ -528,9 +541,40 @@ class FlatParamShard:
                     memory_format=torch.contiguous_format)
                 self._owned[i] = True
             kept = p.grad
+            if kept is not None and self._folds_kept_grads():
+                self._fold_kept_grad(i, kept)
+                kept = None  # inside the held gradient now: .grad reads None when taken back
             shown = _show_as_grad(p, self._grad_pieces[i].view(lay.shape))
             self._sealed.append((weakref.ref(shown), kept, shown._version))
         _watch_optimizer_steps_over_held_grads(self)
+
+    def _folds_kept_grads(self) -> bool:
+        """Whether a ``.grad`` kept from before the cycle can ride the reduce-scatter
+        unchanged: the held gradients, the reduction and the shards share one dtype and the
+        transport does not quantize."""
+        return self.compute_dtype == self.master_dtype == self.reduce_dtype and \
+            self.transport.lossless() is self.transport
+
+    def _fold_kept_grad(self, i: int, kept: torch.Tensor) -> None:
+        """Add the ``.grad`` parameter ``i`` had before the cycle (this rank's reduced shard)
+        into the rows of the held, full-shape gradient that this rank's shard covers, times
+        ``predivide x postdivide / replicas``: the reduce-scatter divides by that and sums over
+        the ``replicas`` ranks holding the same shard, so it comes out as the shard itself,
+        added to the mean of this cycle's gradients (one process's ``.grad``). What the user
+        then does to the shown ``.grad`` (a scaling, ``p.grad = p.grad * f`` where the shapes
+        allow it) reaches it as in one process. At world size 1 the shown ``.grad`` is then
+        exactly one process's. Local; no device sync."""
+        self._kept_folded = self._kept_folded or [None] * len(self.params)
+        if self._kept_folded[i] is None:
+            self._kept_folded[i] = kept
+        lay = self.layouts[i]
+        start, count = lay.real_rows(self.rank)
+        if count == 0:
+            return  # this rank's block is padding only: its shard holds nothing
+        held = self._grad_pieces[i].view(lay.rows, lay.row_numel)
+        rows = kept.detach().reshape(-1, lay.row_numel)[:count].to(held.device, held.dtype)
+        held[start:start + count].add_(rows, alpha=self.predivide * self.postdivide /
+                                       self.replicas)
 
     def _still_shown(self) -> list:
         """``(index, shown .grad)`` of each parameter whose ``.grad`` still shows its held
@@ -554,6 +598,8 @@ class FlatParamShard:
     def _discard_held(self, i: int) -> None:
         self._grad_pieces[i] = torch.zeros_like(self._grad_pieces[i])
         self._used[i], self._owned[i] = False, True
+        if self._kept_folded is not None:
+            self._kept_folded[i] = None  # discarded with the held gradient it was folded into
 
     def holds_unreduced_grads(self) -> bool:
         """Whether gradients that backwards inside ``no_sync`` accumulated wait here for a
@@ -748,7 +794,7 @@ class FlatParamShard:
         self._take_back_held_grads()
         grads, self._grad_pieces = self._grad_pieces, None
         used, self._used = self._used, None
-        self._owned = None
+        self._owned, self._kept_folded = None, None
         self._reducing_used = [True] * len(self.params) if used is None else used
         side = self._side_values(self._reducing_used, grads).repeat(self.world_size)
         chunk_numels, side_handle = list(self.chunk_numels), None

@@ -1229,6 +1229,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             # so a direct call from compiled code is not detected (call the unit there).
             return
         root = self._root or self._outermost()
+        if self.training_state is TrainingState.IDLE and root._final_callback_queued:
+            self._refuse_a_call_on_shards_in_backward(module)
         if self.training_state is not TrainingState.IDLE or root._final_callback_queued:
             return
         if self._shard.kept_from_forward:
@@ -1265,6 +1267,27 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._shard.remember_source()
         self._kept_for_backward = False
         self._shard.expose()
+
+    def _refuse_a_call_on_shards_in_backward(self, module: nn.Module) -> None:
+        """A submodule holding this unit's parameters runs during the root's backward, outside
+        an activation checkpoint's recomputation (a module called in a gradient hook, for
+        logging or a penalty), while the unit is not gathered: it would read this rank's
+        shards (a shape error, or wrong numbers where the shapes happen to fit), so raise
+        ``RuntimeError`` naming the module. Gathering there is no way out: such hooks often
+        run on some ranks only, and an all-gather the other ranks never join hangs.
+        Recomputations gather (see :meth:`_gather_if_recomputing`); a unit gathered at that
+        point (exposed) is read as it is. Local, no communication."""
+        if self._shard is None or self._shard._exposed or self._summoned \
+                or _BACKWARD_HOOKS_PAUSED[0] or is_recomputing():
+            return
+        name = _module_name_in(self, module)
+        raise RuntimeError(
+            f"FullyShardedDataParallel: {name} ({type(module).__name__}) of the unit "
+            f"{self._shard.label[1]!r} was called during backward "
+            f"outside an activation checkpoint's recomputation (from a gradient hook?) while "
+            f"the unit is sharded: it would compute with this rank's shards (at any world "
+            f"size, so that a script behaves alike at every one). Call it after backward, "
+            f"where it gathers the unit under torch.no_grad()")
 
     def _free_units_left_by_an_unfinished_forward(self) -> None:
         """Root only, as a forward starts: free the units an earlier forward gathered and never
@@ -1456,10 +1479,34 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             root._replicas_pending = [shard] if shard.replicate_group is not None else []
         else:
             shard.seal_held_grads()
-        self._release_after_backward(shard)
+        if recomputed_only and self._read_directly_in_its_own_code(shard):
+            self._expose_for_later_recomputations(shard)
+        else:
+            self._release_after_backward(shard)
         if recomputed_only:  # a later use's backward (a block shared by two layers) gathers
             self._pre_backward_done = False
             self._regather_for_later_recomputations(shard)
+
+    def _read_directly_in_its_own_code(self, shard: FlatParamShard) -> bool:
+        """Whether the wrapped module holds some of the unit's parameters itself (the root's
+        ``self.weight``, read functionally as ``F.linear(x, self.weight)``), which no module
+        call announces, and the unit stays gathered from forward to backward anyway (the
+        root; ``reshard_after_forward=False``). Local."""
+        return self._stays_gathered_for_backward() and \
+            any(m is self.module for locs in shard.locations for m, _ in locs)
+
+    def _expose_for_later_recomputations(self, shard: FlatParamShard) -> None:
+        """After a reentrant checkpoint's backward reduced the unit (see :meth:`_on_grad_ready`):
+        keep it gathered until the end of backward, its parameters exposed afresh (views with
+        history, of a new split), so that a later checkpoint recomputing code of the wrapped
+        module itself reads them whole. Before, such a read (``F.linear(t, self.weight)`` in a
+        second ``checkpoint(self.region, x, use_reentrant=True)`` of the root) got this rank's
+        shard: no module call's pre-hook (:meth:`_regather_for_later_recomputations`) could
+        gather it. Its gradient is reduced once more, as for a re-gathered unit. Memory: the
+        unit stays gathered as it did from its forward on; the end of backward frees it.
+        Local."""
+        with torch.enable_grad():
+            shard.expose()
 
     def _regather_for_later_recomputations(self, shard: FlatParamShard) -> None:
         """After a reentrant checkpoint's backward reduced and freed the unit: let a later
@@ -1602,8 +1649,14 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         this rank's accumulated, unreduced gradient as its ``.grad``, in the parameter's full
         shape (as torch FSDP1 does): what is done to it in place (a scaling, an unscale,
         ``zero_()``) reaches what the next synchronising backward reduces, and
-        ``model.zero_grad()`` / ``optimizer.zero_grad()`` discard it, as in one process. After
-        that backward ``.grad`` is this rank's shard of the reduced gradient again."""
+        ``model.zero_grad()`` / ``optimizer.zero_grad()`` discard it, as in one process. A
+        ``.grad`` kept from before the cycle (no ``zero_grad`` since the last step's backward)
+        is folded into it (in this rank's rows) where that is exact, so scalings reach it
+        too. Replacing ``.grad`` (``p.grad = p.grad * f``) works at world size 1; at larger
+        ones torch itself refuses it at that line, on every rank and before any collective
+        ("attempting to assign a gradient of size ...": the parameter holds its shard, as
+        under torch FSDP1): scale in place instead (``p.grad.mul_(f)``). After that
+        backward ``.grad`` is this rank's shard of the reduced gradient again."""
         if self._is_root is False:
             raise RuntimeError("no_sync() was called on an inner FullyShardedDataParallel unit; "
                                "call it on the root (outermost) instance, which applies it to "
@@ -1984,7 +2037,8 @@ def unit_holding(param: torch.Tensor) -> Optional[FullyShardedDataParallel]:
 
 
 # optimizer -> (id of its state dict, its length) when its state was last found to fit the
-# shards (see _refuse_state_of_whole_params); the step pre-hook is registered once
+# shards (see _refuse_state_of_whole_params); the step pre-hooks (that check, and
+# _refuse_lbfgs_over_shards) are registered once
 _STATES_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _STATE_HOOK: list = []
 
@@ -1992,6 +2046,40 @@ _STATE_HOOK: list = []
 def _watch_optimizer_states_of_whole_params() -> None:
     if not _STATE_HOOK:
         _STATE_HOOK.append(register_optimizer_step_pre_hook(_refuse_state_of_whole_params))
+        _STATE_HOOK.append(register_optimizer_step_pre_hook(_refuse_lbfgs_over_shards))
+
+
+def _refuse_lbfgs_over_shards(optimizer, args, kwargs) -> None:
+    """Every ``torch.optim.Optimizer.step``, before its closure runs: a ``RuntimeError`` when
+    an ``LBFGS`` steps a parameter that a unit shards or replicates over more than one rank.
+
+    Note: LBFGS's stopping tests, curvature pairs and line search read the whole flattened
+    gradient and the closure's loss. Under FSDP each rank sees only its shard of the
+    gradient and the loss of its own batch, so the ranks computed different directions and
+    step sizes (wrong weights with no error: 0.78 off at world 2 after two steps), and could
+    stop after different numbers of closure calls, leaving the others in a collective
+    forever. Every rank steps the same optimizer, so every rank raises. At world size 1 it
+    steps as in one process. Cost: an ``isinstance`` check for any other optimizer."""
+    if not isinstance(optimizer, torch.optim.LBFGS):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            unit = unit_holding(p)
+            if unit is None or unit._shard is None:
+                continue
+            ranks = unit._shard.world_size * unit._shard.replicas
+            if ranks > 1:
+                index = [id(q) for q in unit._shard.params].index(id(p))
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: {type(optimizer).__name__}.step() over "
+                    f"{_where(unit._shard.locations[index])} of the FSDP unit wrapping a "
+                    f"{type(unit.module).__name__}, which is sharded or replicated over {ranks} "
+                    f"ranks: LBFGS's line search and curvature history need the whole "
+                    f"gradient and the global loss, while each rank holds its shard and its "
+                    f"own batch's loss, so the ranks would step differently (or run different "
+                    f"numbers of closure calls and hang). Use a first-order optimizer (SGD, "
+                    f"Adam), or LBFGS through DistributedDataParallel with OSS, which runs it "
+                    f"on the whole model")
 
 
 def _refuse_state_of_whole_params(optimizer, args, kwargs) -> None:
@@ -2592,6 +2680,13 @@ def _holders_inside(module: nn.Module, locations: list) -> list:
     cover) that hold one of the unit's parameters, each once."""
     holders = {id(m): m for locs in locations for m, _ in locs if m is not module}
     return list(holders.values())
+
+
+def _module_name_in(unit: FullyShardedDataParallel, module: nn.Module) -> str:
+    """``module``'s name inside ``unit``'s wrapped module, quoted, for error messages."""
+    name = next((n for n, m in unit.module.named_modules(remove_duplicate=False)
+                 if m is module), None)
+    return "a submodule" if name is None else f"submodule {name!r}"
 
 
 def _cast_unit_buffers(module: nn.Module, dtype: Optional[torch.dtype],
