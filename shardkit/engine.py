@@ -115,6 +115,8 @@ _STEP_OWNERS = WeakIdKeyDictionary()
 # optimizer -> how many engine.step() calls are inside its step() now (any engine over it, not
 # only the latest: an earlier engine over a shared optimizer steps it legitimately too)
 _ENGINE_STEPPING = WeakIdKeyDictionary()
+# what a rank tells the others in the step agreement (see ShardedEngine._agree_on_step)
+_NOT_STEPPING, _STEPPING = 0, 1
 
 logger = logging.getLogger("shardkit")
 
@@ -334,10 +336,11 @@ def _guard_direct_steps(engine) -> None:
     would step on each rank's own gradients, silently. Raised on every rank that steps, before
     the optimizer's collectives. One pre-hook per optimizer, reading the latest engine built
     over it (a weak reference: the hook keeps no engine alive). With one micro-batch per step,
-    calling the optimizer directly keeps working, but it is collective: the ranks first agree
-    whether any of them holds its state offloaded (one all-gather of one int64 a rank over the
-    world; refused on every rank between ``engine.offload_states()`` and
-    ``engine.reload_states()``, as ``engine.step()`` is), so every rank must call it."""
+    calling the optimizer directly keeps working, but it is collective, as ``engine.step()``
+    is: the ranks first agree that all of them step and none holds its state offloaded (one
+    all-gather of two int64s a rank over the world, see ``ShardedEngine._agree_on_step``), so
+    a step called on some ranks only is a RuntimeError on every rank, the ranks that skipped
+    it raising at their next training forward."""
     optimizer = engine.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
         return
@@ -393,7 +396,7 @@ def _refuse_direct_step(optimizer, args, kwargs) -> None:
         return None
     # as engine.step(): on a GPU torch's AdamW would count the step on its (host) step
     # tensors, then fail on the moments, so the bias correction would drift by one
-    engine._refuse_offloaded_step("engine.optimizer.step()")
+    engine._agree_on_step("engine.optimizer.step()")
     steps = engine.config.gradient_accumulation_steps
     if steps == 1:
         return None
@@ -719,6 +722,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         # backward): no loss scale was applied, and at stages 0-1 nothing was reduced unless
         # the forward ran through DDP
         self._forwards_since_step = self._backwards_since_step = 0
+        # a reducing training forward (or backward) ran since the ranks last agreed on a step:
+        # the next one first checks that no other rank stepped meanwhile (_agree_on_step)
+        self._awaiting_step = False
         # stages 0-1 under torch DDP without find_unused_parameters: the trainable parameters
         # a gradient reached in the current reducing backward (see _refuse_unused_parameters)
         self._grads_arrived: Optional[set] = self._watch_gradient_arrivals()
@@ -1102,6 +1108,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
     def forward(self, *args, **kwargs):
         self.tput_timer.start()
         self._refuse_parameters_changed_since_initialize()
+        self._agree_on_step_skipped_at_forward()
         self._forwards_since_backward += 1
         self._forwards_since_step += 1
         with self._precision_context(), self._reduction_context():
@@ -1176,9 +1183,13 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             self._boundary_unreduced = unsynced
         # stages 0-1 (torch DDP): a loss computed by calling the model itself bypassed DDP's
         # forward, so DDP reduces nothing; DeepSpeed averages the gradients in backward anyway
-        by_hand = reducing and self._forwards_since_backward == 0 \
+        model_called_by_script = reducing and self._forwards_since_backward == 0
+        by_hand = model_called_by_script \
             and isinstance(self.wrapped, nn.parallel.DistributedDataParallel)
         self._forwards_since_backward = 0
+        if model_called_by_script:  # no engine forward of this step met the check
+            self._agree_on_step_skipped("engine.backward(loss)")
+            self._awaiting_step = True
         divisor = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
         factor = self.loss_scale / divisor
         scaled = loss.float() * factor if factor != 1.0 else loss
@@ -1313,17 +1324,18 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         """At the accumulation boundary: (fp16) agree on overflow, unscale, clip, step the
         optimizer and scheduler (``scheduler.step(**lr_kwargs)``, DeepSpeed's argument), update
         the loss scale, zero gradients. Elsewhere: count. Without an optimizer, or at the
-        boundary while any rank's optimizer state is offloaded (:meth:`offload_states`): a
-        RuntimeError on every rank, before any collective of the step (the ranks agree on the
-        offload first: one all-gather of one int64 a rank per boundary, in a world of
-        several)."""
+        boundary while any rank's optimizer state is offloaded (:meth:`offload_states`), or
+        when only some ranks step (the others going on to their next training forward): a
+        RuntimeError on every rank, before any collective of the step (the ranks agree first:
+        one all-gather of two int64s a rank per boundary, in a world of several; see
+        :meth:`_agree_on_step`)."""
         self._refuse_without_optimizer("step()")
         if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
             raise ValueError(f"engine.step(lr_kwargs={lr_kwargs!r}): expected a dict of keyword "
                              f"arguments for lr_scheduler.step(), or None")
         torch_backward = self._backwards_since_step == 0
         if self.is_gradient_accumulation_boundary():
-            self._refuse_offloaded_step()
+            self._agree_on_step()
             if self.lr_scheduler is not None:  # the scheduler steps at the boundary only
                 _check_lr_kwargs(self.lr_scheduler, lr_kwargs or {})
             self._refuse_unreduced_step()
@@ -1876,27 +1888,83 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 if host is value:
                     state[key] = value.to(origin, non_blocking=non_blocking)
 
-    def _refuse_offloaded_step(self, call: str = "engine.step()") -> None:
-        """``step()`` between :meth:`offload_states` and :meth:`reload_states` would update
-        state that is not where the parameters are (on a GPU, a device mismatch inside the
-        optimizer; on a CPU run, a script that forgets the reload would break on a GPU): refused
-        before any collective, on every rank as soon as one rank offloaded (a script that
-        offloads or reloads on some ranks only would otherwise leave the others inside the
-        step's collectives, or stepping alone). Communication: in a world of several ranks,
-        one all-gather of one int64 a rank (a control message ``CommCounter`` does not
-        count)."""
+    def _agree_on_step(self, call: str = "engine.step()") -> None:
+        """Before a boundary step (``engine.step()`` or ``engine.optimizer.step()``), the
+        ranks agree that every one of them is stepping, and none holds its optimizer state
+        offloaded; otherwise a RuntimeError on every rank, before any collective of the step.
+
+        A step taken on some ranks only (``optimizer.step()`` behind ``if rank == 0`` or a
+        rank-local check of the loss) left the others waiting forever in their next forward's
+        or backward's collectives, or, where the optimizer's step is local, training on
+        weights that no longer match. The ranks that did not step meet this agreement at their
+        next reducing training forward, or any forward at stage 3, or the backward of a loss
+        computed without the engine's forward (:meth:`_agree_on_step_skipped`), so both sides
+        learn it from the one exchange the step makes anyway. ``step()`` between
+        :meth:`offload_states` and :meth:`reload_states` would update state that is not where
+        the parameters are (on a GPU, a device mismatch inside the optimizer; on a CPU run, a
+        script that forgets the reload would break on a GPU). Communication: in a world of
+        several ranks, one all-gather of two int64s a rank (a control message ``CommCounter``
+        does not count)."""
         offloaded = self._offloaded_optimizer_state is not None
-        if distributed.get_world_size() < 2:
-            ranks = [0] if offloaded else []
-        else:
-            rows = distributed.gather_control_rows(call, [int(offloaded)])
-            ranks = [rank for rank, (flag,) in enumerate(rows) if flag]
+        rows = self._step_agreement_rows(call, [_STEPPING, int(offloaded)])
+        self._awaiting_step = False  # settled on every rank, whatever the rows say
+        self._refuse_steps_on_some_ranks(call, rows)
+        ranks = [rank for rank, (_, flag) in enumerate(rows) if flag]
         if ranks:
             where = "" if ranks == list(range(distributed.get_world_size())) \
                 else f" on rank(s) {ranks} (not on the others)"
             raise RuntimeError(f"{call}: the optimizer state was moved off the device by "
                                f"engine.offload_states(){where}; call engine.reload_states() "
                                f"on every rank before the next step (no rank stepped)")
+
+    def _agree_on_step_skipped_at_forward(self) -> None:
+        """The other side of :meth:`_agree_on_step` for a rank that did not step: at a
+        forward that starts a new reducing training pass (grad enabled, training mode, at the
+        accumulation boundary, reducing) while this rank has not stepped since the last one,
+        and at any forward at stage 3, whose forwards gather the parameters on every rank.
+        Nothing happens, and nothing is sent, in the usual loop of one forward per step."""
+        if self.optimizer is None:
+            return
+        reducing = self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0 \
+            and self.require_backward_grad_sync
+        training = torch.is_grad_enabled() and self.module.training and reducing
+        if training or self.composition.stage == 3:
+            self._agree_on_step_skipped("engine forward")
+        if training:
+            self._awaiting_step = True
+
+    def _agree_on_step_skipped(self, call: str) -> None:
+        """When a reducing training pass ran here since the ranks last agreed on a step:
+        join the agreement as a rank that is not stepping. Every rank passing here together
+        (a loss of two forwards, or a script that backwards without stepping) agrees, and goes
+        on; a rank that stepped meanwhile makes every rank raise. Communication: none unless
+        a pass is pending, then one all-gather of two int64s a rank."""
+        if not self._awaiting_step:
+            return
+        rows = self._step_agreement_rows(call, [_NOT_STEPPING, 0])
+        self._awaiting_step = False
+        self._refuse_steps_on_some_ranks(call, rows)
+
+    @staticmethod
+    def _step_agreement_rows(call: str, row: list) -> list:
+        if distributed.get_world_size() < 2:
+            return [row]
+        return distributed.gather_control_rows(call, row)
+
+    @staticmethod
+    def _refuse_steps_on_some_ranks(call: str, rows: list) -> None:
+        stepping = [rank for rank, (kind, _) in enumerate(rows) if kind == _STEPPING]
+        if not stepping or len(stepping) == len(rows):
+            return
+        others = [rank for rank in range(len(rows)) if rank not in stepping]
+        raise RuntimeError(
+            f"{call}: rank(s) {stepping} are stepping the optimizer (engine.step() or "
+            f"engine.optimizer.step()) while rank(s) {others} went on to their next forward or "
+            f"backward without stepping; every rank must step after each accumulation "
+            f"boundary, or none (a step behind a rank-local condition, such as `if rank == 0` "
+            f"or a check of this rank's loss, would leave the ranks' weights different): no "
+            f"rank stepped. To skip a step everywhere, agree on the condition first (e.g. "
+            f"all-reduce the flag)")
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
                         load_module_strict: bool = True,

@@ -1,0 +1,150 @@
+"""DeepSpeed-style engine: a step taken on some ranks only.
+
+``engine.optimizer.step()`` (or ``engine.step()``) called on some ranks only, behind
+``if rank == 0`` or a rank-local check of the loss: the stepping ranks waited forever in the
+step's agreement while the others went on into their next forward's or backward's
+collectives. Now every rank raises a RuntimeError naming the ranks on each side, and no rank
+steps; the usual loop (one forward, backward and step a rank) sends nothing more than before.
+
+One world of 2 gloo ranks for the module, and one of 4 for a single test.
+"""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardkit
+from shardkit import distributed
+from shardkit.testing import run_in_world, world_fixture
+
+world2 = world_fixture(2, timeout=120)
+
+
+def _engine(stage: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
+    engine, optimizer, _, _ = shardkit.initialize(model=model, config=config)
+    return engine, optimizer
+
+
+def _batch(step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10 * step + distributed.get_rank())
+    return torch.randn(2, 4, generator=gen)
+
+
+def _outcome(call) -> str:
+    try:
+        call()
+    except RuntimeError as error:
+        return str(error)
+    return "ok"
+
+
+def _step_on_one_rank(stage: int, how: str) -> dict:
+    """Step 0 on every rank, then step 1 on rank 0 only (``how``: the script's direct
+    ``optimizer.step()`` after ``engine.backward``, the same after ``loss.backward()``
+    (nanoGPT's loop), or ``engine.step()``) while rank 1 goes on to its next forward."""
+    engine, optimizer = _engine(stage)
+    step_call = engine.step if how == "engine.step" else optimizer.step
+    for step in range(2):
+        loss = engine(_batch(step)).pow(2).mean()
+        if how == "loss.backward":
+            loss.backward()
+        else:
+            engine.backward(loss)
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        if step == 0:
+            step_call()
+    if distributed.get_rank() == 0:
+        error = _outcome(step_call)
+    else:
+        error = _outcome(lambda: engine(_batch(2)))  # its next training forward
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    return {"error": error, "unchanged": unchanged}
+
+
+@pytest.mark.parametrize("stage,how", [(0, "optimizer.step"), (1, "loss.backward"),
+                                       (2, "optimizer.step"), (3, "optimizer.step"),
+                                       (0, "engine.step")])
+def test_a_step_on_some_ranks_only_is_an_error_on_every_rank(world2, stage, how):
+    # was: rank 0 hung in the step's agreement, rank 1 in its next forward or backward
+    outs = world2.run(_step_on_one_rank, stage, how)
+    call = "engine.step()" if how == "engine.step" else "engine.optimizer.step()"
+    texts = [out["error"] for out in outs]
+    assert texts[0].startswith(f"{call}: rank(s) [0] are stepping"), texts
+    assert texts[1].startswith("engine forward: rank(s) [0] are stepping"), texts
+    for text in texts:
+        assert "rank(s) [1] went on" in text and "no rank stepped" in text, text
+    assert outs[0]["unchanged"] and outs[1]["unchanged"]
+
+
+@contextlib.contextmanager
+def _counting_agreements():
+    """The names of the control all-gathers the engine agrees through, while inside."""
+    calls, original = [], distributed.gather_control_rows
+
+    def counted(what, row, group=None):
+        calls.append(what)
+        return original(what, row, group)
+    distributed.gather_control_rows = counted
+    try:
+        yield calls
+    finally:
+        distributed.gather_control_rows = original
+
+
+def _loops_that_step_everywhere(stage: int) -> dict:
+    """Every rank steps: a direct step equals engine.step(); one agreement a step; a loss of
+    two forwards, and a pass with no step on any rank, agree and go on."""
+    with _counting_agreements() as calls:
+        results = {}
+        for how in ("engine.step", "optimizer.step"):
+            engine, optimizer = _engine(stage)
+            for step in range(3):
+                engine.backward(engine(_batch(step)).pow(2).mean())
+                (engine.step if how == "engine.step" else optimizer.step)()
+                if how == "optimizer.step":
+                    optimizer.zero_grad()
+            results[how] = [p.detach().clone() for p in engine.module.parameters()]
+        per_three_steps = len(calls)
+        engine, _ = _engine(stage)
+        pair = engine(_batch(0)).sum() + engine(_batch(1)).sum()  # two forwards, one loss
+        engine.backward(pair)
+        engine.step()
+        engine.backward(engine(_batch(2)).sum())
+        engine.zero_grad()  # no rank steps this pass
+        engine.backward(engine(_batch(3)).sum())
+        engine.step()
+        moved = engine.global_steps
+    same = all(torch.equal(a, b) for a, b in zip(results["engine.step"],
+                                                 results["optimizer.step"]))
+    return {"same": same, "per_three_steps": per_three_steps, "steps": moved,
+            "extra": len(calls) - per_three_steps}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_steps_on_every_rank_agree_once_per_step(world2, stage):
+    for out in world2.run(_loops_that_step_everywhere, stage):
+        assert out["same"]
+        assert out["per_three_steps"] == 6  # one agreement a step, as before
+        # two steps, the second forward of the pair and the pass that stepped nowhere
+        assert out["extra"] == 4 and out["steps"] == 2, out
+
+
+def _step_on_even_ranks() -> dict:
+    """World of 4, stage 2: ranks 0 and 2 call optimizer.step(), ranks 1 and 3 go on."""
+    engine, optimizer = _engine(2)
+    engine.backward(engine(_batch(0)).pow(2).mean())
+    if distributed.get_rank() % 2 == 0:
+        return {"error": _outcome(optimizer.step)}
+    return {"error": _outcome(lambda: engine(_batch(1)))}
+
+
+def test_a_step_on_half_of_four_ranks_names_both_halves():
+    for out in run_in_world(4, _step_on_even_ranks, timeout=120):
+        assert "rank(s) [0, 2] are stepping" in out["error"], out
+        assert "rank(s) [1, 3] went on" in out["error"], out
