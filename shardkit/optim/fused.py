@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -89,7 +90,12 @@ class FusedAdamW(torch.optim.Optimizer):
 
     A parameter listed twice in one group is stepped twice per step with one state (its
     ``step`` counts both), as torch's AdamW does after its "duplicate parameters" warning; in
-    two groups it is refused, as torch refuses it.
+    two groups it is refused, as torch refuses it. Two distinct parameters that share elements
+    (overlapping views of one tensor, ``.data`` tied by hand) are a ValueError, at construction
+    and ``add_param_group`` (for subclasses, at the first step): one fused step cannot update
+    the shared elements as torch's AdamW does (which itself differs between CPU and CUDA
+    there); views that share no element (the halves or columns of one tensor) are stepped
+    as torch steps them.
 
     Example::
 
@@ -108,7 +114,10 @@ class FusedAdamW(torch.optim.Optimizer):
         _check_modes(defaults)
         _check_hyper_parameters(lr, betas, eps, weight_decay)
         self._flat: dict[int, tuple[tuple, list[_FlatState], dict]] = {}
+        self._constructing = True  # the groups are checked for shared memory once, at the end
         super().__init__(params, defaults)
+        self._constructing = False
+        _refuse_overlapping_params(type(self).__name__, self.param_groups)
 
     def __setstate__(self, state: dict) -> None:
         # copy.deepcopy and pickle go through torch's __getstate__, which keeps only defaults,
@@ -147,6 +156,8 @@ class FusedAdamW(torch.optim.Optimizer):
             _check_modes(added)
             _check_hyper_parameters(added["lr"], added["betas"], added["eps"],
                                     added["weight_decay"])
+            if not self.__dict__.get("_constructing"):
+                _refuse_overlapping_params(type(self).__name__, self.param_groups)
         except ValueError:
             self.param_groups.pop()
             raise
@@ -200,6 +211,11 @@ class FusedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         _refuse_sparse_gradients(type(self).__name__, self.param_groups)
+        # again at the first step and after groups are added: subclasses (shardkit.ops.adam)
+        # build and add their groups without FusedAdamW's constructor and add_param_group
+        if self.__dict__.get("_overlap_checked_groups") != len(self.param_groups):
+            _refuse_overlapping_params(type(self).__name__, self.param_groups)
+            self._overlap_checked_groups = len(self.param_groups)
         for index, group in enumerate(self.param_groups):
             flats, repeats = self._flat_states(index, group)
             for flat in flats:
@@ -454,6 +470,68 @@ def _repeats(params: list) -> dict:
     for p in params:
         counts[id(p)] = counts.get(id(p), 0) + 1
     return {key: count for key, count in counts.items() if count > 1}
+
+
+def _refuse_overlapping_params(name: str, groups: list) -> None:
+    """A ValueError for two distinct parameters that share memory (views of one tensor that
+    share elements, or ``.data`` tied by hand). One step updates them together, each through
+    its own copy when not contiguous, so the shared elements ended up with the last copy's
+    update (0.3 from ``torch.optim.AdamW``'s after three steps), or, in one kernel launch on
+    CUDA, with whichever write landed last; torch itself steps them otherwise on CPU (one
+    parameter after the other) than on CUDA (each operation over all of them). Views that
+    share no element (the halves, or the columns, of one tensor) are fine. Local: one look
+    at each parameter's storage, and a sort of the parameters sharing one."""
+    on_storage: dict = {}
+    for g, group in enumerate(groups):
+        for i, p in enumerate(group["params"]):
+            if p.numel() and p.device.type != "meta":
+                key = (p.device, p.untyped_storage().data_ptr())
+                on_storage.setdefault(key, {}).setdefault(id(p), (g, i, p))
+    for placed in on_storage.values():
+        clash = _first_sharing_pair(list(placed.values())) if len(placed) > 1 else None
+        if clash is not None:
+            (g0, i0, a), (g1, i1, b) = clash
+            raise ValueError(
+                f"{name}: parameters {i0} of param group {g0} (shape {tuple(a.shape)}) and {i1} "
+                f"of param group {g1} (shape {tuple(b.shape)}) share memory (views of one "
+                f"tensor, or tied through `.data`); the fused step would update the shared "
+                f"elements otherwise than torch.optim.AdamW. Tie them as one Parameter "
+                f"(`b.weight = a.weight`), give each its own tensor, or use torch.optim.AdamW")
+
+
+def _byte_span(p: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)`` byte of ``p``'s elements in its storage."""
+    start = p.storage_offset() * p.element_size()
+    reach = sum((size - 1) * stride for size, stride in zip(p.shape, p.stride())) + 1
+    return start, start + reach * p.element_size()
+
+
+def _first_sharing_pair(placed: list) -> Optional[tuple]:
+    """Two of ``placed`` (``(group, index, param)`` on one storage) that share an element, or
+    None. Parameters whose byte spans do not overlap (the usual case) are told by a sort;
+    overlapping spans of dense views share elements; strided views (columns of one matrix)
+    are told exactly by claiming each one's elements in a scratch index of the storage."""
+    spans = sorted((_byte_span(entry[2]), k) for k, entry in enumerate(placed))
+    furthest, overlapping = spans[0], None
+    for span in spans[1:]:
+        if span[0][0] < furthest[0][1]:
+            overlapping = (placed[furthest[1]], placed[span[1]])
+            break
+        furthest = max(furthest, span, key=lambda s: s[0][1])
+    if overlapping is None:
+        return None
+    params = [entry[2] for entry in placed]
+    if all(p.is_contiguous() for p in params) or len({p.dtype for p in params}) > 1:
+        return overlapping
+    claimed = torch.full((params[0].untyped_storage().nbytes() // params[0].element_size(),),
+                         -1, dtype=torch.int64)
+    for k, p in enumerate(params):
+        region = claimed.as_strided(p.shape, p.stride(), p.storage_offset())
+        taken = region[region >= 0]
+        if taken.numel():
+            return placed[int(taken[0])], placed[k]
+        region.fill_(k)
+    return None
 
 
 def _refuse_sparse_gradients(name: str, groups: list) -> None:

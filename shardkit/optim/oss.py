@@ -24,7 +24,7 @@ from shardkit.checkpoint.optimizer_state import (check_full_state_dict,
                                                  consolidate_optimizer_state, load_into_optimizer,
                                                  state_by_param)
 from shardkit.optim import oss_arguments as args
-from shardkit.optim.local_step import (agreed_closure, all_fp32, build_local_optimizer,
+from shardkit.optim.local_step import (agreed_closure, build_local_optimizer,
                                        choose_fused, runs_on_whole_model,
                                        steps_each_parameter_alone, step_only, whole_step,
                                        with_fused_choice, without_fused_choice)
@@ -46,7 +46,8 @@ STEPPED_WITH_SCALED_GRADS = ("the last backward already stepped the parameters w
 
 # The collective OSS methods, by what each rank says it is in when the ranks compare their
 # param groups (OSS._agree_on_param_groups)
-_AGREEING_METHODS = ("OSS.step", "OSS.add_param_group", "OSS.refresh_trainable")
+_AGREEING_METHODS = ("OSS.step", "OSS.add_param_group", "OSS.refresh_trainable",
+                     "OSS.clip_grad_norm", "OSS.consolidate_state_dict")
 
 
 class OSS(torch.optim.Optimizer):
@@ -104,10 +105,11 @@ class OSS(torch.optim.Optimizer):
     at most two buckets. Communication per :meth:`step`: ``Ψ(N-1)/N`` elements (fp32, or fp16
     / bf16 with ``broadcast_fp16``), one all-gather per bucket, after one all-gather of two
     int64s a rank checking that every rank steps the same param groups (see :meth:`step`).
-    :meth:`clip_grad_norm`: one
-    all-reduce of one element (one more over the tensor-parallel group for a model with
-    tensor-parallel layers). Construction, :meth:`add_param_group` and :meth:`refresh_trainable`:
-    one small all-gather of the trainable parameters' indices and shapes (every rank must agree).
+    :meth:`clip_grad_norm`: one all-reduce of one element (one more over the tensor-parallel
+    group for a model with tensor-parallel layers), after the same agreement as :meth:`step`
+    (a rank that clips, or consolidates, while the others do something else is an error on
+    every rank). Construction, :meth:`add_param_group` and :meth:`refresh_trainable`: one
+    small all-gather of the trainable parameters' indices and shapes (every rank must agree).
     LBFGS is the exception: its history and line search span the whole flattened model, so
     every rank holds all of its state (``2·history_size·Ψ`` elements, not sharded) and steps
     every parameter; see :meth:`step`.
@@ -176,6 +178,10 @@ class OSS(torch.optim.Optimizer):
                           [{**ctor_kwargs, **g} for g in groups]))
         # LBFGS: run over every parameter on every rank (see local_step.runs_on_whole_model)
         self._whole_model = runs_on_whole_model(optim)
+        # the sync layout (version, number of groups) the fused choice last read dtypes and
+        # devices from, and each group's devices then (see _settle_fused_choice)
+        self._fused_layout_checked: Optional[tuple] = None
+        self._group_devices: list[set] = []
         self._ready = False
         self._stepped_in_backward: Optional[set] = None  # buckets stepped by ShardedDDP's backward
         self._found_inf_agreed = False  # ShardedGradScaler combined this step's inf/nan flags
@@ -352,12 +358,12 @@ class OSS(torch.optim.Optimizer):
         except (RuntimeError, ValueError):
             self._forget_scaler_handoff()
             raise
-        self._check_gradients_steppable()
+        sparse_gradients = self._check_gradients_steppable()
         if "found_inf" in self.__dict__ and self._skip_scaled_step(found_inf_agreed):
             return None
         self._consolidated = None
         self._sync.rebind_if_moved()
-        self._settle_fused_choice()
+        self._settle_fused_choice(sparse_gradients)
         self._push_hyperparameters()
         loss = None
         if closure is None and self._sync.buckets and steps_each_parameter_alone(self.optim):
@@ -371,7 +377,7 @@ class OSS(torch.optim.Optimizer):
         return loss
 
     def _check_gradients_steppable(self, caller: str = "OSS.step",
-                                   with_gradients: bool = True) -> None:
+                                   with_gradients: bool = True) -> bool:
         """Raise a RuntimeError, before any collective, when the optimizer would refuse to step
         a partitioned parameter on its owner: a sparse gradient Adam, AdamW... refuse
         (``nn.Embedding(sparse=True)``), a dense one ``SparseAdam`` refuses, or settings that
@@ -381,14 +387,17 @@ class OSS(torch.optim.Optimizer):
         one look at each parameter's gradient, and a cached trial step the first time some
         optimizer settings meet some kind of parameter. LBFGS is stepped whole on every rank,
         where a refusal is every rank's anyway. ``with_gradients=False``: the gradients are not
-        looked at (each parameter is taken as holding none)."""
+        looked at (each parameter is taken as holding none). Returns whether a partitioned
+        parameter holds a sparse gradient (False for LBFGS, which is not checked)."""
         if self._whole_model:
-            return
+            return False
         optim_cls = type(self.optim)
+        sparse = False
         for g, group in enumerate(self.param_groups):
             hyper = _hyper(group, names=False)
             for (*_, layout), (i, p) in _first_of_each_kind(group["params"], self.partition,
                                                             with_gradients).items():
+                sparse = sparse or layout == "sparse"
                 name = f" ({group['param_names'][i]!r})" if "param_names" in group else ""
                 problem = args.gradient_step_problem(
                     caller, optim_cls, hyper, p, f"parameter {i}{name} of param group {g}",
@@ -396,6 +405,7 @@ class OSS(torch.optim.Optimizer):
                 if problem:
                     self._forget_scaler_handoff()
                     raise RuntimeError(problem)
+        return sparse
 
     def _closure_on_every_rank(self, closure: Optional[Callable]) -> Callable:
         """The closure an optimizer run over the whole model (LBFGS) gets: every rank evaluates
@@ -465,22 +475,30 @@ class OSS(torch.optim.Optimizer):
         distributed.all_reduce(found_here, group=self.group)
         return int(found_here.item())
 
-    def _agree_on_param_groups(self, method: str, added: Sequence[dict] = ()) -> None:
+    def _agree_on_param_groups(self, method: str, added: Sequence[dict] = (),
+                               arguments: Optional[dict] = None) -> None:
         """Raise on every rank, changing nothing, unless every rank of the group is in the same
         collective ``method`` (one of ``_AGREEING_METHODS``) with the same param groups: their
-        number, sizes and hyper-parameters (and the same new groups ``added``). A RuntimeError
-        names the ranks in each method (``add_param_group`` on some ranks only, which left the
-        others hanging in the next step's parameter sync); a ValueError names the first
-        hyper-parameter that differs and its values (a learning rate set on some ranks only:
-        each parameter stepped with its owner's, silently).
+        number, sizes and hyper-parameters (and the same new groups ``added``), and the same
+        ``arguments`` (``{name: value}`` of the call: ``clip_grad_norm``'s ``max_norm``, a
+        ``recipient_rank``). A RuntimeError names the ranks in each method (``add_param_group``
+        or ``clip_grad_norm`` on some ranks only, which left the others hanging in the next
+        collective, or mixed another rank's partial norm into theirs); a ValueError names the
+        first hyper-parameter or argument that differs and its values (a learning rate set on
+        some ranks only: each parameter stepped with its owner's, silently).
 
         Communication: one all-gather of two int64s a rank, the method and a crc32 of the
         settings (a control message that :class:`~shardkit.distributed.CommCounter` does not
         count; no pickling); on a difference, one object all-gather of the hyper-parameters.
-        Local work: a ``repr`` of every group's hyper-parameters. Nothing at world size 1."""
+        Local work: a ``repr`` of every group's hyper-parameters. Nothing at world size 1.
+
+        Note: a rank that calls a collective method more often than the others (``clip_grad_norm``
+        twice on rank 0 alone) still waits for them in its extra call: nothing can answer it."""
         if self.world_size == 1:
             return
         settings = args.param_group_settings(list(self.param_groups) + list(added))
+        settings.update({f"{method}({name}=...)": repr(value)
+                         for name, value in (arguments or {}).items()})
         digest = zlib.crc32(repr(sorted(settings.items())).encode())
         every = distributed.gather_control_rows(f"{method}'s agreement",
                                                 [_AGREEING_METHODS.index(method), digest],
@@ -491,35 +509,51 @@ class OSS(torch.optim.Optimizer):
                               f"{name}" for name in _AGREEING_METHODS if name in methods)
             raise RuntimeError(
                 f"{method}: the ranks of the group are not in the same OSS call ({where}); "
-                f"step, add_param_group and refresh_trainable are collective: call each on "
-                f"every rank, in the same order. Nothing was changed or stepped")
+                f"step, clip_grad_norm, consolidate_state_dict, add_param_group and "
+                f"refresh_trainable are collective: call each on every rank, in the same "
+                f"order. Nothing was changed, clipped or stepped")
         if len({d for _, d in every}) > 1:
             distributed.raise_on_disagreement(
                 settings, self.group, method,
-                "set hyper-parameters (a learning rate, a scheduler's step) and add param "
-                "groups identically on every rank; nothing was changed or stepped")
+                "set hyper-parameters (a learning rate, a scheduler's step), add param groups "
+                "and pass the arguments of collective calls identically on every rank; "
+                "nothing was changed, clipped or stepped")
 
-    def _settle_fused_choice(self) -> None:
+    def _settle_fused_choice(self, sparse_gradients: bool) -> None:
         """Turn OSS's own choice of the fused kernel off, for good, where it would no longer
         step as the caller's optimizer does: parameters cast to 16 bits after construction,
-        sparse gradients (``nn.Embedding(sparse=True)``), which torch's fused kernels refuse,
-        or settings under which the kernel carries a NaN otherwise than torch's default loop
+        sparse gradients (``nn.Embedding(sparse=True)``, ``sparse_gradients``: seen by
+        :meth:`_check_gradients_steppable` this step), which torch's fused kernels refuse, or
+        settings under which the kernel carries a NaN otherwise than torch's default loop
         (``amsgrad=True`` set in a group since, or in a group added since; see
-        :func:`.oss_arguments.fused_kernel_carries_nan_as_loop`: one dictionary look-up per
-        group and step once each setting was tried)."""
+        :func:`.oss_arguments.fused_kernel_carries_nan_as_loop`).
+
+        Per step, with nothing changed, one dictionary look-up per group (the settings' trial,
+        cached) and no look at any parameter: the dtypes and devices are read from the sync
+        buckets, only when they were laid out again (every parameter lives in one of them, and
+        ``model.half()`` or ``p.data = ...`` re-lays them out at the step)."""
         if not self.fused:
             return
-        params = [p for g in self.optim.param_groups for p in g["params"]]
-        if not all_fp32(params) or any(p.grad is not None and p.grad.is_sparse for p in params) \
-                or not self._fused_carries_nan_as_loop(self.param_groups):
+        layout = (self._sync.layout_version, len(self.param_groups))
+        if layout != self._fused_layout_checked:
+            self._fused_layout_checked = layout
+            self._group_devices = [{p.device for p in g["params"]} for g in self.param_groups]
+            if not self._sync.all_fp32():
+                self.fused = False
+                return
+        if sparse_gradients or not self._fused_carries_nan_as_loop(self.param_groups,
+                                                                   self._group_devices):
             self.fused = False
 
-    def _fused_carries_nan_as_loop(self, groups: list[dict]) -> bool:
+    def _fused_carries_nan_as_loop(self, groups: list[dict],
+                                   devices: Optional[list[set]] = None) -> bool:
         """Whether torch's fused kernel carries a NaN gradient through a step as the default
-        loop would, for every group's settings on every device its parameters are on. Local."""
-        for group in groups:
+        loop would, for every group's settings on every device its parameters are on
+        (``devices[i]``: group ``i``'s, when known already). Local."""
+        for i, group in enumerate(groups):
             hyper = without_fused_choice(_hyper(group, names=False), True)
-            for device in {p.device for p in group["params"]}:
+            on = devices[i] if devices is not None else {p.device for p in group["params"]}
+            for device in on:
                 if not args.fused_kernel_carries_nan_as_loop(self._optim_class, hyper, device,
                                                              self._step_refusals):
                     return False
@@ -535,7 +569,11 @@ class OSS(torch.optim.Optimizer):
 
         Each rank measures the gradients of the parameters it owns, so the result is right both
         when every rank holds the full reduced gradients (DDP) and when only the owners do
-        (ShardedDDP); one all-reduce of one element. Every gradient this rank holds is scaled
+        (ShardedDDP); one all-reduce of one element, after the ranks agree that they all clip,
+        with the same ``max_norm`` and ``norm_type`` and param groups (the agreement of
+        :meth:`step`: one all-gather of two int64s a rank; clipping on some ranks only mixed
+        one rank's partial norm into another's collective, or hung). Every gradient this rank
+        holds is scaled
         (under DDP, also those of parameters other ranks own: ``p.grad`` then reads as after
         torch's ``clip_grad_norm_``; FairScale scaled the owned ones only), a pass over them
         with no communication. ``filter_params_fn`` (FairScale's argument) receives the list
@@ -564,6 +602,10 @@ class OSS(torch.optim.Optimizer):
         if filter_params_fn is not None and not callable(filter_params_fn):
             raise TypeError(f"OSS.clip_grad_norm(filter_params_fn={filter_params_fn!r}): expected "
                             f"a callable taking and returning a list of parameters, or None")
+        # before the norm's all-reduce: a rank clipping alone waited there while the others'
+        # next collective (a step's agreement, another clip) answered it with other numbers
+        self._agree_on_param_groups("OSS.clip_grad_norm",
+                                    arguments={"max_norm": max_norm, "norm_type": norm_type})
         owned = self._owned_params()
         every_param = [p for group in self.param_groups for p in group["params"]]
         owned_ids = {id(p) for p in owned}
@@ -653,7 +695,9 @@ class OSS(torch.optim.Optimizer):
         Hooks registered with ``register_state_dict_pre_hook`` run here, on every rank,
         before the state is gathered (this is where the dict is built).
 
-        Communication: each rank's state once (``KΨ/N`` bytes per rank) plus small metadata.
+        Communication: each rank's state once (``KΨ/N`` bytes per rank) plus small metadata,
+        after the agreement of :meth:`step` (every rank in this call, with the same
+        ``recipient_rank`` and param groups: an error on every rank otherwise, not a hang).
         """
         self._sync.wait()
         # Note: a bool is refused, not read as rank 0 or 1 (True, meant as "every rank" as in
@@ -663,6 +707,8 @@ class OSS(torch.optim.Optimizer):
             raise ValueError(f"OSS.consolidate_state_dict(recipient_rank={recipient_rank!r}): "
                              f"must be a rank of the group in [0, {self.world_size}) or -1 "
                              f"(every rank)")
+        self._agree_on_param_groups("OSS.consolidate_state_dict",
+                                    arguments={"recipient_rank": recipient_rank})
         for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
             pre_hook(self)
         self._consolidated = None
@@ -842,9 +888,10 @@ class OSS(torch.optim.Optimizer):
         self._check_gradients_steppable("ShardedDataParallel(step_in_backward=True) stepping OSS",
                                         with_gradients=False)
         self._consolidated = None
-        self._settle_fused_choice()
+        self._sync.rebind_if_moved()  # first: the fused choice reads the buckets' dtypes
+        # (no gradient read yet: ShardedDataParallel reduces sparse ones densely)
+        self._settle_fused_choice(sparse_gradients=False)
         self._push_hyperparameters()
-        self._sync.rebind_if_moved()
         self._stepped_in_backward = set()
 
     @torch.no_grad()

@@ -274,6 +274,7 @@ class ParamSync:
         self.rank, self.group = rank, group
         self.broadcast_fp16, self.transport = broadcast_fp16, transport
         self._plan = plan
+        self.layout_version = 0  # counts the layouts: one more each time the buckets are built
         self._buckets = self._build()
         self._pending: list[FlatParamBucket] = []  # all-gathers a later forward waits for
         self._defer = False  # whether step_and_sync leaves its all-gathers to the next forward
@@ -293,7 +294,13 @@ class ParamSync:
         """How many bucket all-gathers are still running (only with :meth:`overlap_with`)."""
         return len(self._pending)
 
+    def all_fp32(self) -> bool:
+        """Whether every bucket (so every parameter of the plan) is fp32. Local, one look per
+        bucket."""
+        return all(b.dtype == torch.float32 for buckets in self._buckets for b in buckets)
+
     def _build(self) -> list[list[FlatParamBucket]]:
+        self.layout_version += 1
         buckets = build_buckets(self._plan, self.rank, self.group, self.broadcast_fp16,
                                 self.transport)
         # which bucket holds each parameter: a forward pre-hook looks its own up in O(its
