@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -29,7 +30,9 @@ class CommRecord:
     dtype: torch.dtype
     bytes: float
     group_size: int
-    spans_nodes: bool = False  # the op's group has ranks on more than one node
+    # the op's group has ranks on more than one node (None: unknown to this rank, see
+    # shardkit.distributed.NodeNumberingUnknown)
+    spans_nodes: Optional[bool] = False
 
 
 class CallList(list):
@@ -124,19 +127,34 @@ class CommCounter:
 
     @property
     def inter_node_bytes(self) -> float:
-        """Bytes of the ops on groups that span nodes (all of them on one node: 0)."""
-        return sum(r.bytes for r in self.calls if r.spans_nodes)
+        """Bytes of the ops on groups that span nodes (all of them on one node: 0). Raises
+        RuntimeError where this rank could not tell which ops spanned nodes."""
+        return sum(r.bytes for r in self._calls_split_by_node() if r.spans_nodes)
 
     @property
     def intra_node_bytes(self) -> float:
-        """Bytes of the ops on groups inside one node."""
-        return sum(r.bytes for r in self.calls if not r.spans_nodes)
+        """Bytes of the ops on groups inside one node (raises as :attr:`inter_node_bytes`)."""
+        return sum(r.bytes for r in self._calls_split_by_node() if not r.spans_nodes)
 
     @property
     def inter_node_elements(self) -> float:
         """Elements of the ops on groups that span nodes (quantized ops: bytes, as in
-        :attr:`elements`)."""
-        return sum(r.bytes / element_size(r.dtype) for r in self.calls if r.numel and r.spans_nodes)
+        :attr:`elements`; raises as :attr:`inter_node_bytes`)."""
+        return sum(r.bytes / element_size(r.dtype) for r in self._calls_split_by_node()
+                   if r.numel and r.spans_nodes)
+
+    def _calls_split_by_node(self) -> list:
+        """The records, once each is known to span nodes or not; else a RuntimeError saying
+        why (a process group made by hand, its ranks not numbered node by node)."""
+        unknown = [r.op for r in self.calls if r.spans_nodes is None]
+        if unknown:
+            raise RuntimeError(
+                f"CommCounter: which of {len(unknown)} recorded op(s) ({sorted(set(unknown))}) "
+                f"spanned nodes is unknown on this rank: its GROUP_RANK says the ranks are not "
+                f"numbered node by node, and the node of every rank was not gathered; call "
+                f"shardkit.distributed.node_groups() (or init_distributed()) on every rank "
+                f"before counting (bytes and by_op are right as they are)")
+        return list(self.calls)
 
     def reset(self) -> None:
         """Forget every recorded call (the counter keeps counting)."""
@@ -179,7 +197,7 @@ def counting() -> bool:
 
 
 def add_collective(op: str, nbytes: int, dtype: torch.dtype, group_size: int,
-                   spans_nodes: bool = False) -> None:
+                   spans_nodes: Optional[bool] = False) -> None:
     """Record, in every active counter, the collective ``op`` of a tensor whose full logical
     size is ``nbytes`` bytes of ``dtype`` (all-gather output, reduce-scatter, all-to-all and
     reduce input, broadcast tensor) on a group of ``group_size`` ranks, under

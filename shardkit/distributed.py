@@ -42,7 +42,8 @@ __all__ = [
     "all_gather_into_tensor", "all_gather", "all_to_all_single", "broadcast", "reduce", "send",
     "recv", "isend",
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
-    "collectives_issued", "gather_control_rows",
+    "collectives_issued", "oldest_collective_unfinished", "gather_control_rows",
+    "spans_nodes_if_known", "NodeNumberingUnknown",
     "monitored_barrier", "gather", "scatter", "all_reduce_coalesced", "all_gather_coalesced",
     "reduce_scatter",
     "broadcast_object", "all_gather_object", "first_disagreement", "first_difference",
@@ -738,15 +739,27 @@ def ranks_per_node() -> int:
     if members is not None and per_node != len(members[0]):
         raise RuntimeError(f"the ranks' nodes are {_describe_nodes(members)}, but "
                            f"LOCAL_WORLD_SIZE={per_node}")
-    if members is None:  # not gathered (a process group made by hand): torchrun's numbering
-        group_rank = os.environ.get("GROUP_RANK")
-        if group_rank is not None and int(group_rank) != get_rank() // per_node:
-            raise RuntimeError(
-                f"GROUP_RANK={group_rank} but rank {get_rank()} // LOCAL_WORLD_SIZE={per_node} "
-                f"is {get_rank() // per_node}: call shardkit.distributed.node_groups() (or "
-                f"init_distributed()) on every rank first, so that the node of every rank is "
-                f"gathered instead of assumed")
     return per_node
+
+
+class NodeNumberingUnknown(RuntimeError):
+    """The node of each rank was not gathered and this rank's ``GROUP_RANK`` says the ranks
+    are not numbered node by node (a launcher's round-robin placement), so the node of a
+    rank cannot be assumed. Raised where a rank's node is asked for (:func:`node_of`,
+    :func:`spans_nodes`); never from inside a collective."""
+
+
+def _assumed_node_by_node(per_node: int) -> None:
+    """With no gathered layout (a process group made by hand) the nodes are taken as
+    torchrun numbers them, consecutive blocks of ``per_node`` ranks: raise
+    :class:`NodeNumberingUnknown` where this rank's ``GROUP_RANK`` contradicts that. Local."""
+    group_rank = os.environ.get("GROUP_RANK")
+    if group_rank not in (None, "") and int(group_rank) != get_rank() // per_node:
+        raise NodeNumberingUnknown(
+            f"GROUP_RANK={group_rank} but rank {get_rank()} // LOCAL_WORLD_SIZE={per_node} "
+            f"is {get_rank() // per_node}: the ranks are not numbered node by node, and the "
+            f"node of every rank was not gathered; call shardkit.distributed.node_groups() "
+            f"(or init_distributed()) on every rank first")
 
 
 def _describe_nodes(members: Sequence[Sequence[int]]) -> str:
@@ -763,10 +776,15 @@ def _node_members(layout: Sequence[int]) -> list[list[int]]:
 
 
 def node_of(rank: int) -> int:
-    """The node (torchrun's group rank) that global rank ``rank`` runs on."""
+    """The node (torchrun's group rank) that global rank ``rank`` runs on: from the gathered
+    layout, else consecutive blocks of :func:`ranks_per_node` ranks (raises
+    :class:`NodeNumberingUnknown` where this rank's ``GROUP_RANK`` contradicts them)."""
     per_node = ranks_per_node()
     layout = _known_layout()
-    return rank // per_node if layout is None else layout[rank]
+    if layout is not None:
+        return layout[rank]
+    _assumed_node_by_node(per_node)
+    return rank // per_node
 
 
 _spanning: dict = {}  # id(group object) -> (the object, whether its ranks span nodes)
@@ -774,7 +792,8 @@ _spanning: dict = {}  # id(group object) -> (the object, whether its ranks span 
 
 def spans_nodes(group=None) -> bool:
     """Whether the ranks of ``group`` (``None``: the default group) sit on more than one node.
-    Cached per group; costs no communication."""
+    Cached per group; costs no communication. Raises :class:`NodeNumberingUnknown` as
+    :func:`node_of` does."""
     resolved = group if group is not None else (dist.group.WORLD if is_initialized() else None)
     entry = _spanning.get(id(resolved))
     if entry is None or entry[0] is not resolved:
@@ -782,6 +801,17 @@ def spans_nodes(group=None) -> bool:
         entry = (resolved, len({node_of(r) for r in ranks}) > 1)
         _spanning[id(resolved)] = entry
     return entry[1]
+
+
+def spans_nodes_if_known(group=None) -> Optional[bool]:
+    """:func:`spans_nodes`, or ``None`` where this rank cannot know it (see
+    :class:`NodeNumberingUnknown`). For the collectives' own records: raising there on the
+    ranks whose ``GROUP_RANK`` gives the numbering away, before they issue the op, left the
+    other ranks waiting in it. Local."""
+    try:
+        return spans_nodes(group)
+    except NodeNumberingUnknown:
+        return None
 
 
 _node_groups: Optional[tuple] = None  # (the default group they were made in, (intra, inter))
@@ -916,8 +946,10 @@ def groups_of_nodes(ranks: Sequence[int], per_node: Optional[int] = None) -> tup
 # ----------------------------------------------------------------------------- counting
 
 
-# collectives this rank has issued on the default group, and (a weak reference to) that group
-_ISSUED_ON_WORLD = {"group": lambda: None, "count": 0}
+# collectives this rank has issued on the default group, (a weak reference to) that group, and
+# the numbers of those issued asynchronously that have not completed (see
+# oldest_collective_unfinished)
+_ISSUED_ON_WORLD = {"group": lambda: None, "count": 0, "in_flight": set()}
 
 
 def collectives_issued() -> int:
@@ -931,13 +963,54 @@ def collectives_issued() -> int:
         _ISSUED_ON_WORLD["group"]() is world else 0
 
 
+def oldest_collective_unfinished() -> int:
+    """The number, in :func:`collectives_issued`'s count, of the oldest collective on the
+    current default group that this rank issued and has not seen complete: its oldest
+    asynchronous one still in flight (a prefetch, a bucket's reduction) or one that failed,
+    else its last one (0: none issued). A collective that fails on this rank is that one or
+    a later one, so a peer that had issued fewer collectives had not reached the failed one
+    (a peer that had issued more than this one may have). An asynchronous work whose
+    completion torch does not report (no future) is not seen: it counts as complete. Local."""
+    issued = collectives_issued()
+    if not issued:
+        return 0
+    in_flight = [n for n in list(_ISSUED_ON_WORLD["in_flight"]) if n <= issued]
+    return min(in_flight, default=issued)
+
+
 def _count_issued_on_world() -> None:
     world = dist.group.WORLD
     if world is None:
         return
     if _ISSUED_ON_WORLD["group"]() is not world:
-        _ISSUED_ON_WORLD["group"], _ISSUED_ON_WORLD["count"] = weakref.ref(world), 0
+        _ISSUED_ON_WORLD.update(group=weakref.ref(world), count=0, in_flight=set())
     _ISSUED_ON_WORLD["count"] += 1
+
+
+def _tracked(work, group):
+    """``work``, returned unchanged. When it is the asynchronous work of the collective just
+    issued (and counted) on the default group, its number stays in flight (see
+    :func:`oldest_collective_unfinished`) until the work completes successfully: one that
+    fails stays, as the collective that may have failed. Local."""
+    if work is None or not (group is None or group is dist.group.WORLD) \
+            or _ISSUED_ON_WORLD["group"]() is not dist.group.WORLD:
+        return work
+    number, in_flight = _ISSUED_ON_WORLD["count"], _ISSUED_ON_WORLD["in_flight"]
+    try:
+        future = work.get_future()
+    except Exception:  # noqa: BLE001 - a work without a future: its completion is not seen
+        return work
+    in_flight.add(number)
+
+    def settle(done) -> None:
+        try:
+            done.value()
+        except Exception:  # noqa: BLE001 - failed: it stays in flight
+            return
+        in_flight.discard(number)
+
+    future.add_done_callback(settle)
+    return work
 
 
 def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtype] = None,
@@ -963,7 +1036,7 @@ def _record(op: str, full: torch.Tensor | int, group, dtype: Optional[torch.dtyp
     if not (counted and comm_counter.counting()):
         return
     n = get_world_size(group)
-    spanning = spans_nodes(group)
+    spanning = spans_nodes_if_known(group)
     if isinstance(full, torch.Tensor):
         numel, dtype, nbytes = full.numel(), full.dtype, full.numel() * full.element_size()
     elif dtype is not None:  # a byte count of tensors of ``dtype``
@@ -1028,7 +1101,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     """In-place all-reduce of ``tensor``. Wire: ``2(n-1)/n`` of its bytes."""
     _check_call("all_reduce", group, tensor, reduce_op=op)
     _record("all_reduce", tensor, group)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _tracked(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), group)
 
 
 def all_reduce_as_one(tensors: Sequence[torch.Tensor], group=None, divide_by: int = 1) -> None:
@@ -1063,7 +1136,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
                          f"world size {n} x output's {output.numel()} = {output.numel() * n}")
     _record("reduce_scatter", input, group)
     output, input = _flat_when_contiguous(output, input, gathering=False)
-    return _reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    return _tracked(_reduce_scatter_tensor(output, input, op=op, group=group,
+                                           async_op=async_op), group)
 
 
 def _flat_when_contiguous(output: torch.Tensor, input: torch.Tensor,
@@ -1091,7 +1165,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
                          f"be world size {n} x input's {input.numel()} = {input.numel() * n}")
     _record("all_gather", output, group)
     output, input = _flat_when_contiguous(output, input, gathering=True)
-    return _all_gather_tensor(output, input, group=group, async_op=async_op)
+    return _tracked(_all_gather_tensor(output, input, group=group, async_op=async_op), group)
 
 
 def all_gather(tensors: list[torch.Tensor], tensor: torch.Tensor, group=None,
@@ -1143,7 +1217,8 @@ def all_gather(tensors: list[torch.Tensor], tensor: torch.Tensor, group=None,
                          f"{sizes}); every rank's tensors[j] must; nothing was sent")
     _record("all_gather", tensor.numel() * tensor.element_size() * n, group)
     # a tuple too (torch takes lists only): its tensors are filled in place all the same
-    return dist.all_gather(list(tensors), tensor, group=group, async_op=async_op)
+    return _tracked(dist.all_gather(list(tensors), tensor, group=group, async_op=async_op),
+                    group)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
@@ -1182,7 +1257,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
     # input ("Tensors must be contiguous"): both go through contiguous copies
     landing = output if output.is_contiguous() else output.contiguous()
     work = dist.all_to_all_single(landing, input.contiguous(), group=group, async_op=async_op)
-    return _landed(work, landing, output, async_op)
+    return _landed(_tracked(work, group), landing, output, async_op)
 
 
 def _all_to_all_problem(output, input, n: int) -> Optional[Exception]:
@@ -1246,14 +1321,15 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     """Broadcast ``tensor`` from global rank ``src``. Wire: ``(n-1)/n`` of its bytes."""
     _check_call("broadcast", group, tensor, src=src)
     _record("broadcast", tensor, group)
-    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+    return _tracked(dist.broadcast(tensor, src=src, group=group, async_op=async_op), group)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """Reduce ``tensor`` onto global rank ``dst``. Wire: ``(n-1)/n`` of its bytes."""
     _check_call("reduce", group, tensor, reduce_op=op, dst=dst)
     _record("reduce", tensor, group)
-    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
+    return _tracked(dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op),
+                    group)
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
@@ -1692,8 +1768,8 @@ def gather(tensor: torch.Tensor, gather_list: Optional[list] = None, dst: int = 
         _agree_on_root(what, "dst", dst, problem, group, tensor.device, tensor=tensor)
     _record("gather", tensor, group, kind="reduce")
     with reporting_broken_links("gather", group):
-        return dist.gather(tensor, list(gather_list) if get_rank() == dst else None, dst=dst,
-                           group=group, async_op=async_op)
+        return _tracked(dist.gather(tensor, list(gather_list) if get_rank() == dst else None,
+                                    dst=dst, group=group, async_op=async_op), group)
 
 
 def scatter(tensor: torch.Tensor, scatter_list: Optional[list] = None, src: int = 0,
@@ -1722,7 +1798,7 @@ def scatter(tensor: torch.Tensor, scatter_list: Optional[list] = None, src: int 
     landing = tensor if tensor.is_contiguous() else tensor.contiguous()
     with reporting_broken_links("scatter", group):
         work = dist.scatter(landing, items, src=src, group=group, async_op=async_op)
-    return _landed(work, landing, tensor, async_op)
+    return _landed(_tracked(work, group), landing, tensor, async_op)
 
 
 def _landed(work, landing: torch.Tensor, target: torch.Tensor, async_op: bool):

@@ -44,10 +44,11 @@ healthy collective — a large all-gather on a loaded machine — is never mista
   are named at once: the ranks ran different numbers of steps or collectives. With no verdict
   at all (a peer stalled past the process-group timeout: it still beats), the rank says so,
   naming the peers that had not reached the collective (each beat carries how many
-  collectives its rank has issued on the default group; a peer behind this rank's count is
-  the stalled one), and leaves a "gave up" mark, not a failure: a peer still working (a long
-  save with no collectives) is not stopped, and names this rank when its own next collective
-  fails.
+  collectives its rank has issued on the default group; a peer still watched whose count is
+  below the number of this rank's oldest unfinished collective (its last, or an earlier
+  asynchronous one still in flight) is the stalled one), and leaves a "gave up" mark, not a
+  failure: a peer still working (a long save with no collectives) is not stopped, and names
+  this rank when its own next collective fails.
 - A rank that finishes marks itself done (at exit, or :meth:`PeerWatchdog.stop`); peers stop
   watching it. The store's host (rank 0 outside torchrun's agent store) then waits, at most two
   beats, for its peers to read that before its process (and the store) ends; a peer whose store
@@ -82,7 +83,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch.distributed as dist
 
-from shardkit.distributed import collectives_issued, per_attempt_store_key
+from shardkit.distributed import (collectives_issued, oldest_collective_unfinished,
+                                  per_attempt_store_key)
 
 __all__ = ["watch_peers", "stop_watching", "PeerWatchdog", "PEER_LOST_EXIT_CODE",
            "DEFAULT_TIMEOUT_S", "current_watchdog"]
@@ -251,10 +253,22 @@ class PeerWatchdog:
             self.peer_collectives[rank] = int(fields[1])
 
     def _ranks_behind(self) -> list:
-        """The peers that, at their last beat read, had issued fewer collectives on the
-        default group than this rank has: they had not reached this rank's last one."""
-        mine = collectives_issued()
-        return sorted(r for r, issued in list(self.peer_collectives.items()) if issued < mine)
+        """The peers still watched (not finished, not gone) that, at their last beat read, had
+        issued fewer collectives on the default group than the number of this rank's oldest
+        unfinished one: they had not reached the collective that failed here, which is that
+        one or a later one (an asynchronous prefetch issued after it is no evidence)."""
+        oldest = oldest_collective_unfinished()
+        gone = set(self.finished) | set(self.gave_up)
+        return sorted(r for r, issued in list(self.peer_collectives.items())
+                      if issued < oldest and r not in gone)
+
+    @staticmethod
+    def _own_count() -> str:
+        """This rank's count of collectives on the default group, with the number of its
+        oldest unfinished one where that is an earlier one (asynchronous work in flight)."""
+        issued, oldest = collectives_issued(), oldest_collective_unfinished()
+        return str(issued) if oldest == issued else \
+            f"{issued}, the oldest still unfinished here being number {oldest}"
 
     def _declare_silent(self, silent: list, seen: dict, now: float) -> None:
         # Note: when a node goes, its launcher stops that node's other ranks too, and they all
@@ -350,6 +364,7 @@ class PeerWatchdog:
         if self._verdict.is_set():
             return  # the default on_lost already ended the process; a custom one was run
         finished = just_finished()
+        behind = [] if finished else self._ranks_behind()
         if self.gave_up:
             r, why = sorted(self.gave_up.items())[0]
             note = (f"shardkit: rank {r} of {self.world_size} stopped after its own collective "
@@ -366,13 +381,12 @@ class PeerWatchdog:
                     f"still in a collective with them: the ranks ran different numbers of steps "
                     f"or collectives (a loop that ends early on some ranks?). "
                     f"SHARDKIT_DEBUG_COLLECTIVES=1 names each rank's collectives.")
-        elif self._ranks_behind():
-            behind = self._ranks_behind()
+        elif behind:
             note = (f"shardkit: rank {self.rank} of {self.world_size}: a collective failed and no "
                     f"peer was lost within {self.timeout_s:g} s; rank(s) "
                     f"{', '.join(map(str, behind))} still beat but had not reached it (they had "
-                    f"issued {sorted(self.peer_collectives[r] for r in behind)} collectives on "
-                    f"the default group, this rank {collectives_issued()}): stalled longer than "
+                    f"issued {[self.peer_collectives[r] for r in behind]} collectives on "
+                    f"the default group, this rank {self._own_count()}): stalled longer than "
                     f"the process-group timeout (init_distributed(timeout_s=...)), or skipping "
                     f"a collective the others issue (SHARDKIT_DEBUG_COLLECTIVES=1 names each "
                     f"rank's collectives). Rank {self.rank} stops; its peers are told when they "

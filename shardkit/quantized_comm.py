@@ -21,7 +21,7 @@ block arrives as nan on every receiver (a loss-scaled step then skips), never a 
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -82,6 +82,59 @@ def _shown(value) -> str:
     return repr(value)
 
 
+_SCALE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _agreed_layout(what: str, build: Callable[[], QuantLayout], groups: Sequence,
+                   op: Optional[str], check_ranks: bool) -> QuantLayout:
+    """The :class:`QuantLayout` that ``build`` (the call's local argument checks) returns, once
+    every rank agrees on it: with ``check_ranks``, one all-gather of 7 int64s a rank over each
+    of ``groups`` in turn (control messages :class:`~shardkit.distributed.CommCounter` does
+    not count; a node's group then its column's for the hierarchical reduce, where each
+    gather carries whether the ranks agreed so far). A rank whose arguments fail raises its
+    own error and every other rank a ValueError naming it; ranks whose bits, block, scale
+    dtype, sizes or ``op`` differ all raise a ValueError naming them, before any byte is sent
+    (gloo aborted one process and gave the other sums of the wrong bytes, silently).
+    ``check_ranks=False``: for callers whose arguments every rank derives alike, no
+    agreement."""
+    try:
+        layout, problem = build(), None
+    except (TypeError, ValueError) as error:
+        layout, problem = None, error
+    groups = [g for g in groups if skdist.get_world_size(g) > 1] if check_ranks else []
+    facts = [-1] * 6 if problem is not None else [
+        layout.bits, layout.block, _SCALE_CODES[layout.scale_dtype], layout.segment_numel,
+        len(layout.chunk_numels), _OPS.index(op) if op is not None else -1]
+    ok, verdict = problem is None, None
+    for group in groups:
+        rows = skdist.gather_control_rows(what, [int(ok), *facts], group)
+        ranks = skdist.group_ranks(group)
+        failed = [ranks[r] for r, (fine, *_) in enumerate(rows) if not fine]
+        if failed and verdict is None:
+            verdict = (f"{what}: rank(s) {failed} were given arguments that do not fit, or "
+                       f"disagree with other ranks (their error says which); nothing was sent")
+        elif any(row[1:] != rows[0][1:] for row in rows) and verdict is None:
+            verdict = (f"{what}: the ranks' calls differ ({_described_rows(rows, ranks)}); "
+                       f"every rank must pass the same sizes, bits, block, scale_dtype and "
+                       f"op; nothing was sent")
+        ok = ok and verdict is None
+    if problem is not None:
+        raise problem
+    if verdict is not None:
+        raise ValueError(verdict)
+    return layout
+
+
+def _described_rows(rows: list, ranks: Sequence[int]) -> str:
+    """Each rank's quantization and sizes, from the agreement's ``rows`` (global ``ranks``)."""
+    scale_names = {code: str(dtype) for dtype, code in _SCALE_CODES.items()}
+    return "; ".join(
+        f"rank {rank}: bits={bits}, block={block}, scale_dtype={scale_names[scale]}, "
+        f"{numel} elements per rank in {chunks} chunk(s)"
+        + (f", op={_OPS[op]!r}" if op >= 0 else "")
+        for rank, (_, bits, block, scale, numel, chunks, op) in zip(ranks, rows))
+
+
 def _check_groups(what: str, **groups) -> None:
     """Each group a ProcessGroup holding this rank (or None where allowed), else a clear
     TypeError / ValueError naming ``what(argument=...)`` before anything is sent. Local."""
@@ -94,7 +147,7 @@ def quantized_all_gather(output: Union[torch.Tensor, Sequence[torch.Tensor]],
                          shard: torch.Tensor, group=None, *, bits: int = 8,
                          block: int = DEFAULT_BLOCK, scale_dtype: torch.dtype = torch.float32,
                          chunk_numels: Optional[Sequence[int]] = None,
-                         async_op: bool = False):
+                         async_op: bool = False, check_ranks: bool = True):
     """All-gather every rank's ``shard`` as int8 (or int4) blocks plus scales (qwZ) and
     dequantize into ``output``.
 
@@ -106,7 +159,12 @@ def quantized_all_gather(output: Union[torch.Tensor, Sequence[torch.Tensor]],
         shard: this rank's flat shard (fp32 / bf16 / fp16; the master copy stays untouched).
         bits, block, scale_dtype: the quantization (see :mod:`shardkit.kernels.quantize`).
         async_op: return a :class:`PendingQuantized` instead of waiting.
+        check_ranks: first agree with every rank on the quantization and sizes (see below);
+            ``False`` for a caller whose arguments every rank derives alike.
 
+    Before it (``check_ranks``), one all-gather of 7 int64s a rank (not counted) compares
+    every rank's call: arguments that fail on one rank, or sizes, bits, block or scale dtype
+    that differ between ranks, raise a ValueError on every rank before anything is sent.
     Wire per rank: ``(N-1)/N x N x segment bytes`` of uint8 (one all-gather), about
     ``bits/32 + 1/B`` of the fp32 all-gather. Memory: the quantized shard and the gathered
     quantized buffer (``N x segment bytes``) until dequantized; no full-precision temporary on
@@ -116,6 +174,28 @@ def quantized_all_gather(output: Union[torch.Tensor, Sequence[torch.Tensor]],
     outs = _as_list(output)
     n = skdist.get_world_size(group)
     flat_shard = shard.reshape(-1)
+    full = _agreed_layout("quantized_all_gather",
+                          lambda: _gather_layout(outs, flat_shard, shard, n, bits, block,
+                                                 scale_dtype, chunk_numels),
+                          [group], None, check_ranks)
+    own = QuantLayout(1, (flat_shard.numel(),), bits, block, scale_dtype)
+    send = quantize_pack([flat_shard], own, check_finite=False)
+    received = torch.empty(full.total_bytes, dtype=torch.uint8, device=send.device)
+    work = skdist.all_gather_into_tensor(received, send, group=group, async_op=True)
+
+    def finish():
+        dequantize_unpack(received, full, outs)
+        return output if isinstance(output, torch.Tensor) else None
+
+    pending = PendingQuantized(work, finish)
+    return pending if async_op else pending.wait()
+
+
+def _gather_layout(outs: list, flat_shard: torch.Tensor, shard: torch.Tensor, n: int, bits: int,
+                   block: int, scale_dtype: torch.dtype,
+                   chunk_numels: Optional[Sequence[int]]) -> QuantLayout:
+    """:func:`quantized_all_gather`'s layout for ``n`` ranks, once its arguments are checked
+    (a ValueError naming the one that does not fit). Local."""
     if chunk_numels is None:
         if len(outs) != 1 or outs[0].numel() != n * flat_shard.numel():
             raise ValueError(f"quantized_all_gather: output holds "
@@ -135,26 +215,16 @@ def quantized_all_gather(output: Union[torch.Tensor, Sequence[torch.Tensor]],
             raise ValueError(f"quantized_all_gather: output[{i}] is {t.dtype} on {t.device}; "
                              f"all outputs must share one of {list(_VALUE_DTYPES)} and the "
                              f"shard's device {shard.device}")
-    full = quant_layout([t.numel() for t in outs], n, bits=bits, block=block,
+    return quant_layout([t.numel() for t in outs], n, bits=bits, block=block,
                         scale_dtype=scale_dtype, chunk_numels=chunks)
-    own = QuantLayout(1, (flat_shard.numel(),), bits, block, scale_dtype)
-    send = quantize_pack([flat_shard], own, check_finite=False)
-    received = torch.empty(full.total_bytes, dtype=torch.uint8, device=send.device)
-    work = skdist.all_gather_into_tensor(received, send, group=group, async_op=True)
-
-    def finish():
-        dequantize_unpack(received, full, outs)
-        return output if isinstance(output, torch.Tensor) else None
-
-    pending = PendingQuantized(work, finish)
-    return pending if async_op else pending.wait()
 
 
 def quantized_reduce_scatter(tensors: Union[torch.Tensor, Sequence[torch.Tensor]], group=None,
                              *, bits: int = 4, block: int = DEFAULT_BLOCK,
                              scale_dtype: torch.dtype = torch.float32,
                              chunk_numels: Optional[Sequence[int]] = None, op: str = "sum",
-                             out: Optional[torch.Tensor] = None, async_op: bool = False):
+                             out: Optional[torch.Tensor] = None, async_op: bool = False,
+                             check_ranks: bool = True):
     """Reduce-scatter with quantized transfers (qgZ, one level): each peer's segment is
     quantized and sent to it, every received segment is dequantized and summed in fp32 with
     this rank's own segment, which never leaves the rank and stays exact.
@@ -167,6 +237,8 @@ def quantized_reduce_scatter(tensors: Union[torch.Tensor, Sequence[torch.Tensor]
         op: ``"sum"`` or ``"mean"`` (divide by ``N`` after the fp32 sum).
         out: fp32 (or bf16 / fp16) tensor of ``S = sum(chunk_numels)`` elements for the result.
         async_op: return a :class:`PendingQuantized` instead of waiting.
+        check_ranks: first agree with every rank on the call, as
+            :func:`quantized_all_gather` does (``op`` too).
 
     Returns this rank's reduced shard (``S`` elements; chunk ``rank`` of every tensor, side by
     side, as in ``reduce_scatter_tensor`` of the packed buffer). Wire per rank: ``(N-1) x
@@ -174,17 +246,35 @@ def quantized_reduce_scatter(tensors: Union[torch.Tensor, Sequence[torch.Tensor]
     ``all_to_all``. Memory: two quantized buffers of ``N-1`` segments, one fp32 segment and the
     result. Error: within the sum of the other ``N-1`` ranks' half scales.
     """
-    _check_op(op)
-    tensors = _checked_tensors("quantized_reduce_scatter", tensors)
     _check_groups("quantized_reduce_scatter", group=group)
     n = skdist.get_world_size(group)
-    layout = quant_layout([t.numel() for t in tensors], n, bits=bits, block=block,
-                          scale_dtype=scale_dtype, chunk_numels=chunk_numels)
+    tensors, layout = _agreed_reduce_layout("quantized_reduce_scatter", tensors, n, [group],
+                                            bits=bits, block=block, scale_dtype=scale_dtype,
+                                            chunk_numels=chunk_numels, op=op,
+                                            check_ranks=check_ranks)
     out = _result_buffer(out, layout.segment_numel, tensors[0].device)
     works, finish = issue_reduce_scatter(tensors, layout, group,
                                          multiplier=1.0 / n if op == "mean" else 1.0, out=out)
     pending = PendingQuantized(works, finish)
     return pending if async_op else pending.wait()
+
+
+def _agreed_reduce_layout(what: str, tensors, n: int, groups: Sequence, *, bits: int,
+                          block: int, scale_dtype: torch.dtype,
+                          chunk_numels: Optional[Sequence[int]], op: str,
+                          check_ranks: bool) -> tuple:
+    """``(tensors as a list, their QuantLayout for n ranks)`` for a quantized reduce-scatter,
+    its arguments checked here and agreed on by every rank of ``groups`` (see
+    :func:`_agreed_layout`)."""
+    listed: list = []
+
+    def build() -> QuantLayout:
+        _check_op(op)
+        listed.extend(_checked_tensors(what, tensors))
+        return quant_layout([t.numel() for t in listed], n, bits=bits, block=block,
+                            scale_dtype=scale_dtype, chunk_numels=chunk_numels)
+    layout = _agreed_layout(what, build, groups, op, check_ranks)
+    return listed, layout
 
 
 def issue_reduce_scatter(tensors: Sequence[torch.Tensor], layout: QuantLayout, group, *,
@@ -260,7 +350,8 @@ def quantized_reduce_scatter_hierarchical(tensors: Union[torch.Tensor, Sequence[
                                           chunk_numels: Optional[Sequence[int]] = None,
                                           op: str = "sum",
                                           out: Optional[torch.Tensor] = None,
-                                          group=None) -> torch.Tensor:
+                                          group=None, check_ranks: bool = True
+                                          ) -> torch.Tensor:
     """ZeRO++'s hierarchical qgZ over ``n`` ranks per node (``intra_group``) and ``k`` nodes
     (``inter_group``: the ranks of the same local index on every node).
 
@@ -284,21 +375,24 @@ def quantized_reduce_scatter_hierarchical(tensors: Union[torch.Tensor, Sequence[
     the inter-node links). Error: within the sum of every rank's half scale plus, per node, the
     half scale of the requantized partial sum (at most about twice the flat bound).
     Memory: the quantized buffers (``N x segment bytes``, twice) and ``k x S`` fp32 partials.
-    Returns this rank's reduced shard (``S`` elements, ``out`` if given).
+    Before it (``check_ranks``), one all-gather of 7 int64s a rank inside the node, then one
+    across nodes (not counted), compare every rank's call as :func:`quantized_reduce_scatter`
+    does. Returns this rank's reduced shard (``S`` elements, ``out`` if given).
     """
-    _check_op(op)
-    tensors = _checked_tensors("quantized_reduce_scatter_hierarchical", tensors)
-    _check_groups("quantized_reduce_scatter_hierarchical", intra_group=intra_group,
-                  inter_group=inter_group, group=group)
+    what = "quantized_reduce_scatter_hierarchical"
+    _check_groups(what, intra_group=intra_group, inter_group=inter_group, group=group)
     order = _agreed_send_order(intra_group, inter_group, group)
     n, k = skdist.get_world_size(intra_group), skdist.get_world_size(inter_group)
-    kwargs = dict(bits=bits, block=block, scale_dtype=scale_dtype, op=op, out=out)
-    if k == 1 or n == 1:
-        group = intra_group if k == 1 else inter_group
-        return quantized_reduce_scatter(tensors, group, chunk_numels=chunk_numels, **kwargs)
     world = n * k
-    layout = quant_layout([t.numel() for t in tensors], world, bits=bits, block=block,
-                          scale_dtype=scale_dtype, chunk_numels=chunk_numels)
+    tensors, layout = _agreed_reduce_layout(what, tensors, world, [intra_group, inter_group],
+                                            bits=bits, block=block, scale_dtype=scale_dtype,
+                                            chunk_numels=chunk_numels, op=op,
+                                            check_ranks=check_ranks)
+    if k == 1 or n == 1:
+        return quantized_reduce_scatter(tensors, intra_group if k == 1 else inter_group,
+                                        bits=bits, block=block, scale_dtype=scale_dtype,
+                                        op=op, out=out, chunk_numels=chunk_numels,
+                                        check_ranks=False)
     out = _result_buffer(out, layout.segment_numel, tensors[0].device)
     send = pack_for_nodes(tensors, layout, n, order)
     received = torch.empty_like(send)

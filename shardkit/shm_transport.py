@@ -404,7 +404,7 @@ def _record(ring: "_Ring", op: str, nbytes: int, dtype: torch.dtype) -> None:
     module docstring)."""
     if comm_counter.counting():
         comm_counter.add_collective(op, nbytes, dtype, ring.world_size,
-                                    skdist.spans_nodes(ring.group))
+                                    skdist.spans_nodes_if_known(ring.group))
 
 
 class _Ring:
