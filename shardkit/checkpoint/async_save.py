@@ -300,12 +300,14 @@ def _wait_all_at_exit() -> None:
     reported here (the exit status is the script's own), on stderr. Each save's wait is
     bounded as a destroy's is (:func:`_wait_each_bounded`): a writer stuck for good does not
     keep the process."""
-    saves = [save for save in _in_start_order() if not save._given_up]  # given up: reported
-    if not saves:
+    if all(save._given_up for save in _pending):  # given up: reported then
         return
     bound = _wait_bound()
     stuck = False
-    for save in saves:
+    for save in _in_start_order():
+        if save._given_up:  # one given up by an earlier wait may still hold up the later ones
+            stuck = stuck or not save.done()
+            continue
         try:  # once one is stuck, those queued behind it cannot start
             save._wait_until(time.monotonic() + (0.0 if stuck else bound), bound)
         except Exception as e:

@@ -178,6 +178,28 @@ def _touch_owned_markers() -> None:
             pass
 
 
+def _forget_owned_in_child() -> None:
+    """After ``fork``, in the child: it owns none of its parent's directories. It closes its
+    copies of their lock descriptors (a ``flock`` is dropped only once every copy is closed:
+    a child outliving its killed parent would otherwise keep the dead save's lock held, and
+    its staging directory never removable) and takes a fresh registry lock (the refresher
+    may have held it at the fork)."""
+    global _owned_lock, _refresher
+    for lock_fd in _owned.values():
+        if lock_fd is not None:
+            try:
+                os.close(lock_fd)  # the parent's copy keeps its lock
+            except OSError:
+                pass
+    _owned.clear()
+    _owned_lock = threading.Lock()
+    _refresher = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_owned_in_child)
+
+
 def is_private_name(name: str) -> bool:
     """Whether ``name`` is one under which :func:`create_owned_dir` builds a directory before
     renaming it into place. Such a directory belongs to a creation under way (possibly of this

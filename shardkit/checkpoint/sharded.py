@@ -180,19 +180,23 @@ def commit_checkpoint(save_dir: str, tag: str, shard: RankShard,
     staging = staging_dir(save_dir, tag)
     published = []  # rank 0 notes here that it published (before the last agreement)
     made = []  # rank 0 notes here that it made the staging directory (see _commit)
-    try:
-        with _staging_in_use(staging):
+    with _staging_in_use(staging):  # until ownership ends: another commit may then take it
+        try:
             return _commit(save_dir, tag, shard, metadata, engine_payload, save_latest, group,
                            prepare_error, recovery_script_dir, rank, published, made)
-    except CheckpointError:
-        raise
-    except Exception as error:  # the agreement itself broke off: a rank died, a group went
-        if made and not published:
-            remove_own_staging(staging)
-        raise CheckpointError(
-            f"save_checkpoint of {os.path.join(save_dir, tag)} failed: the ranks' agreement "
-            f"broke off ({type(error).__name__}: {str(error).splitlines()[0][:300]}), e.g. "
-            f"another rank died mid-save; {_outcome(save_dir, rank, published)}") from error
+        except CheckpointError:
+            raise
+        except Exception as error:  # the agreement itself broke off: a rank died, a group went
+            if made and not published:
+                remove_own_staging(staging)
+            raise CheckpointError(
+                f"save_checkpoint of {os.path.join(save_dir, tag)} failed: the ranks' "
+                f"agreement broke off ({type(error).__name__}: "
+                f"{str(error).splitlines()[0][:300]}), e.g. another rank died mid-save; "
+                f"{_outcome(save_dir, rank, published)}") from error
+        finally:
+            if made:  # only the commit that made it owns it: a refused one leaves it held
+                release_owned_dir(staging)
 
 
 def _outcome(save_dir: str, rank: int, published: list) -> str:
@@ -429,9 +433,10 @@ _staging_lock = threading.Lock()
 
 @contextlib.contextmanager
 def _staging_in_use(staging: str):
-    """Mark ``staging`` as a commit's own for the block (it is registered before it exists);
-    at its end, this process no longer owns it (its lock dropped, its marker no longer
-    refreshed)."""
+    """Mark ``staging`` as a commit's own for the block (it is registered before it exists).
+    The commit that made it releases its ownership (:func:`commit_checkpoint`), not this
+    block: a commit refused because another of this process writes ``staging`` also ends
+    here."""
     key = _same_place(staging)
     with _staging_lock:
         _stagings_under_way[key] += 1
@@ -442,7 +447,6 @@ def _staging_in_use(staging: str):
             _stagings_under_way[key] -= 1
             if not _stagings_under_way[key]:
                 del _stagings_under_way[key]
-        release_owned_dir(staging)
 
 
 def _remove_abandoned_saves(save_dir: str, proven_only: bool = False,
