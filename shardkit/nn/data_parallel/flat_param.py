@@ -532,17 +532,23 @@ class FlatParamShard:
             return
         self._take_back_held_grads()
         self._sealed = []
+        folds = self._folds_kept_grads()
         for i, (p, used, lay) in enumerate(zip(self.params, self._used, self.layouts)):
-            if not (used and p.requires_grad):
+            kept = p.grad
+            # a kept .grad is folded on every rank holding one, also where no gradient reached
+            # the parameter in this cycle: replicas of its rows must all fold it, or the
+            # all-reduce over them counts it a fraction of a time (see _fold_kept_grad)
+            fold = folds and kept is not None
+            if not ((used or fold) and p.requires_grad):
                 self._sealed.append(None)
                 continue
             if not self._owned[i]:  # the user's in-place changes must reach this one only
                 self._grad_pieces[i] = self._grad_pieces[i].clone(
                     memory_format=torch.contiguous_format)
                 self._owned[i] = True
-            kept = p.grad
-            if kept is not None and self._folds_kept_grads():
+            if fold:
                 self._fold_kept_grad(i, kept)
+                self._used[i] = True  # it holds the kept .grad: reduced and shown from now on
                 kept = None  # inside the held gradient now: .grad reads None when taken back
             shown = _show_as_grad(p, self._grad_pieces[i].view(lay.shape))
             self._sealed.append((weakref.ref(shown), kept, shown._version))

@@ -1229,6 +1229,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             # so a direct call from compiled code is not detected (call the unit there).
             return
         root = self._root or self._outermost()
+        # outside any backward, a backward that raised left its flags up: clear them first, so
+        # that the call is taken for the direct call it is (not one from a gradient hook)
+        root._recover_from_a_failed_backward()
         if self.training_state is TrainingState.IDLE and root._final_callback_queued:
             self._refuse_a_call_on_shards_in_backward(module)
         if self.training_state is not TrainingState.IDLE or root._final_callback_queued:
