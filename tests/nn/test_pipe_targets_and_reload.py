@@ -13,10 +13,26 @@ the rows), a mean of micro-batch means, not the mean over the batch's counted to
 gradients differed from one process's by up to 0.3 on an even split. A one-process ``Pipe``'s
 state dict (keys ``partitions.<j>.<layer>``) did not load into a Pipe of another ``balance``,
 nor did the plain Sequential's, so a checkpoint could not move to another stage count.
+
+Review of the masked-mean weighting
+
+Multi-process pipeline schedules (world 2) on counted-mean losses, against one process: a
+subclass of ``nn.CrossEntropyLoss`` that only sets defaults, and ``loss_denominator``
+returning a NumPy count or an infinite one.
+
+Before:
+
+A subclass of ``nn.CrossEntropyLoss`` (``class TokenLoss(nn.CrossEntropyLoss)`` setting
+``ignore_index``, its ``forward`` the module's) was not counted: its micro-batch means were
+averaged (gradients up to 0.25 off one process), and a micro-batch whose targets were all
+ignored made the returned loss NaN. ``loss_denominator`` returning a NumPy integer
+(``np.count_nonzero``) failed the step ("it returned np.int64(4)"), while one returning
+``inf`` was taken: every weight NaN, the loss and the gradients NaN, silently.
 """
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -216,3 +232,89 @@ def test_a_pipe_state_dict_loads_into_another_balance_and_from_the_sequential():
         assert torch.equal(moved.eval()(x), saved.eval()(x))
         assert torch.equal(moved[1].running_mean, saved[1].running_mean)
         saved.train()
+
+
+D_REV, CLASSES_REV, IGNORED_REV = 5, 6, 2
+
+
+class _TokenLoss(nn.CrossEntropyLoss):
+    """A subclass that only sets defaults: it averages as ``nn.CrossEntropyLoss`` does."""
+
+    def __init__(self):
+        super().__init__(ignore_index=IGNORED_REV, label_smoothing=0.1)
+
+
+def _layers_rev(count: int) -> list:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(D_REV, D_REV), nn.Tanh()) for _ in range(count - 1)] + \
+        [nn.Linear(D_REV, CLASSES_REV)]
+
+
+def _masked_cross_entropy(out, target):
+    return F.cross_entropy(out, target, ignore_index=IGNORED_REV)
+
+
+def _numpy_count(target):
+    return np.count_nonzero((target != IGNORED_REV).numpy())
+
+
+def _labels(rows: int, chunks: int, generator) -> torch.Tensor:
+    """Labels with about 40% ignored, all of micro-batch 0's."""
+    labels = torch.randint(0, CLASSES_REV, (rows,), generator=generator)
+    labels[torch.rand(rows, generator=generator) < 0.4] = IGNORED_REV
+    labels[:-(-rows // chunks)] = IGNORED_REV
+    return labels
+
+
+def _step_beside_one_process(schedule_name, loss_fn, rows, chunks, **options):
+    """One step beside one process on the whole batch: the worst gradient difference, and
+    the returned loss beside one process's (``None`` off the last stage's rank)."""
+    cls, per_rank, placement = SCHEDULES[schedule_name]
+    p, rank = dist.get_world_size(), dist.get_rank()
+    n = p * per_rank
+    modules, ref = _layers_rev(n), _layers_rev(n)
+    mine = [s for s in range(n) if stage_rank(s, n, p, placement) == rank]
+    stages = [PipelineStage(modules[s], s, n, placement=placement) for s in mine]
+    schedule = cls(stages[0] if per_rank == 1 else stages, chunks, loss_fn, **options)
+    g = torch.Generator().manual_seed(rows)
+    x, labels = torch.randn(rows, D_REV, generator=g), _labels(rows, chunks, g)
+    loss = schedule.step(*((x,) if 0 in mine else ()), target=labels if n - 1 in mine else None)
+    h = x
+    for module in ref:
+        h = module(h)
+    expected = loss_fn(h, labels)
+    expected.backward()
+    worst = max((a.grad - b.grad).abs().max().item() for s in mine
+                for a, b in zip(modules[s].parameters(), ref[s].parameters()))
+    return worst, None if loss is None else (loss.item(), expected.item())
+
+
+def _counted_losses():
+    """The subclass and the NumPy count under 1F1B and ZBV, even and uneven splits; then the
+    error an infinite count gives."""
+    found = []
+    for schedule in ("1F1B", "ZBV"):
+        for rows, chunks in ((8, 2), (9, 3)):
+            found.append(_step_beside_one_process(schedule, _TokenLoss(), rows, chunks))
+            found.append(_step_beside_one_process(schedule, _masked_cross_entropy, rows, chunks,
+                                                  loss_denominator=_numpy_count))
+    try:
+        _step_beside_one_process("1F1B", _masked_cross_entropy, 8, 2,
+                                 loss_denominator=lambda t: float("inf"))
+        found.append("no error")
+    except ValueError as error:
+        found.append(str(error))
+    return found
+
+
+def test_a_defaults_only_subclass_and_a_numpy_count_train_as_one_process(world2):
+    """Gradients and the returned loss are one process's (no NaN from the all-ignored
+    micro-batch 0); an infinite count fails the step on every rank, naming it."""
+    for rank, found in enumerate(world2.run(_counted_losses)):
+        *cases, infinite = found
+        for k, (worst, losses) in enumerate(cases):
+            assert worst < 1e-5, (rank, k, worst)
+            if losses is not None:
+                assert abs(losses[0] - losses[1]) < 1e-5, (rank, k, losses)
+        assert "loss_denominator raised ValueError: it returned inf; expected the count (a " \
+            "finite number >= 0)" in infinite, (rank, infinite)

@@ -50,16 +50,17 @@ whose mean divides by a count its target decides (cross-entropy with ``ignore_in
 non-ignored tokens, or their class weights) is weighted by that count instead, on even splits
 too (a mean of micro-batch means is not the batch's mean when the micro-batches hold different
 numbers of counted tokens): ``nn.CrossEntropyLoss``, ``nn.NLLLoss``, ``F.cross_entropy`` and
-``F.nll_loss`` (and their ``functools.partial``) with ``reduction="mean"`` and class-index
-targets are counted as torch counts them; any other declares its count with
-``loss_denominator=lambda target: ...``. Each micro-batch's loss is then divided by the whole
-target's count over its own (a micro-batch counting nothing, whose mean is NaN, adds no
-gradient), so the gradients and the returned loss are one process's on the whole batch. Under
-data parallelism each pipeline's count is its own (as DDP averages per-rank means). With
-``scale_grads=False`` no loss is divided, and the gradients are those of the sum of the
-micro-batch losses (a summing ``loss_fn``: the batch's sum, as one process). Call
-``optimizer.zero_grad()`` before and ``optimizer.step()`` after :meth:`PlanSchedule.step` on
-every rank, over the parameters of all the rank's stages.
+``F.nll_loss`` (and their ``functools.partial``, and subclasses of the modules that keep
+their ``forward``) with ``reduction="mean"`` and class-index targets are counted as torch
+counts them; any other declares its count with ``loss_denominator=lambda target: ...``.
+Each micro-batch's loss is then divided by the whole target's count over its own (a
+micro-batch counting nothing, whose mean is NaN, adds no gradient), so the gradients and the
+returned loss are one process's on the whole batch. Under data parallelism each pipeline's
+count is its own (as DDP averages per-rank means). With ``scale_grads=False`` no loss is
+divided, and the gradients are those of the sum of the micro-batch losses (a summing
+``loss_fn``: the batch's sum, as one process). Call ``optimizer.zero_grad()`` before and
+``optimizer.step()`` after :meth:`PlanSchedule.step` on every rank, over the parameters of
+all the rank's stages.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ import contextlib
 import functools
 import inspect
 import itertools
+import math
+import numbers
 from typing import Callable, Optional
 
 import torch
@@ -150,12 +153,12 @@ class PlanSchedule:
             (``{"labels": TensorChunkSpec(0), "class_weight": _Replicate()}``). ``None``
             (default): every tensor split along dim 0. A spec whose structure is not the
             target's fails the step on every rank.
-        loss_denominator: ``loss_denominator(target) -> count`` (a number or one-element
-            tensor, >= 0), called on each micro-batch's target: what ``loss_fn``'s mean divides
-            by (``lambda t: (t != -100).sum()`` for a masked mean); each micro-batch's loss is
-            weighted by its count's share of the whole target's, so the step is one
-            process's. ``None`` (default): derived for torch's class-index cross-entropy and
-            NLL losses (see above), otherwise the rows.
+        loss_denominator: ``loss_denominator(target) -> count`` (a number, NumPy's too, or a
+            one-element tensor; finite, >= 0), called on each micro-batch's target: what
+            ``loss_fn``'s mean divides by (``lambda t: (t != -100).sum()`` for a masked
+            mean); each micro-batch's loss is weighted by its count's share of the whole
+            target's, so the step is one process's. ``None`` (default): derived for torch's
+            class-index cross-entropy and NLL losses (see above), otherwise the rows.
         args_chunk_spec: torch's; ``None`` or a tuple of ``TensorChunkSpec(0)`` (the batch is
             split along dim 0); another value is a ValueError naming it.
         output_merge_spec, use_full_backward, backward_requires_autograd, defer_pp_recv:
@@ -659,7 +662,7 @@ class PlanSchedule:
             return self._row_weighted_divisors()
         except Exception as error:  # a user's loss_denominator: the same error on every rank
             self._fail_at_last_stage(index, f"loss_denominator raised {type(error).__name__}: "
-                                            f"{error}; expected the count (a number >= 0) "
+                                            f"{error}; expected the count (a finite number >= 0) "
                                             f"loss_fn's mean divides by", error)
             return None
         total = sum(counts)
@@ -1190,10 +1193,13 @@ class _NotCounted(Exception):
 
 
 def _count(value) -> float:
-    """A ``loss_denominator`` result as a float; raises a ValueError for anything else."""
+    """A ``loss_denominator`` result (a real number, NumPy's too, or a one-element tensor) as
+    a float; raises a ValueError for anything else, a negative or non-finite count included
+    (an infinite one would turn every micro-batch's weight into NaN)."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not 0 <= value < math.inf:
         raise ValueError(f"it returned {value!r}")
     return float(value)
 
@@ -1203,10 +1209,12 @@ def _declared_denominator(loss_fn, loss_kwargs: Optional[dict]) -> Optional[Call
     ``nn.NLLLoss``, ``F.cross_entropy``, ``F.nll_loss``, or a ``functools.partial`` of these,
     with ``reduction="mean"``), the function counting a target as its mean does: the targets
     that are not ``ignore_index``, each weighted by its class's ``weight`` where one is given.
-    ``None`` for any other ``loss_fn`` (subclasses included: they may average otherwise)."""
+    A subclass keeping the module's ``forward`` (one that only sets defaults) averages alike;
+    ``None`` for any other ``loss_fn`` (a subclass with its own ``forward`` may average
+    otherwise)."""
     if _declared_reduction(loss_fn, loss_kwargs) != "mean":
         return None
-    if type(loss_fn) in (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss):
+    if _keeps_class_index_forward(loss_fn):
         settings = {"ignore_index": loss_fn.ignore_index, "weight": loss_fn.weight}
     elif isinstance(loss_fn, functools.partial) and not loss_fn.args \
             and loss_fn.func in _CLASS_INDEX_LOSSES:
@@ -1221,6 +1229,14 @@ def _declared_denominator(loss_fn, loss_kwargs: Optional[dict]) -> Optional[Call
 
 
 _CLASS_INDEX_LOSSES = (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss)
+_CLASS_INDEX_MODULES = (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
+
+
+def _keeps_class_index_forward(loss_fn) -> bool:
+    """Whether ``loss_fn`` is an ``nn.CrossEntropyLoss`` or ``nn.NLLLoss``, or an instance of
+    a subclass that does not override its ``forward`` (so it averages as the module does)."""
+    return any(isinstance(loss_fn, module) and type(loss_fn).forward is module.forward
+               for module in _CLASS_INDEX_MODULES)
 
 
 def _class_target_count(target, ignore_index: int, weight: Optional[torch.Tensor]):
