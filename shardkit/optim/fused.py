@@ -484,7 +484,9 @@ def _refuse_overlapping_params(name: str, groups: list) -> None:
     on_storage: dict = {}
     for g, group in enumerate(groups):
         for i, p in enumerate(group["params"]):
-            if p.numel() and p.device.type != "meta":
+            # a sparse (or other storage-less) parameter shares no dense storage; its sparse
+            # gradient is refused by name at the step
+            if p.numel() and p.device.type != "meta" and p.layout == torch.strided:
                 key = (p.device, p.untyped_storage().data_ptr())
                 on_storage.setdefault(key, {}).setdefault(id(p), (g, i, p))
     for placed in on_storage.values():

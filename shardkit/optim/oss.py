@@ -24,7 +24,7 @@ from shardkit.checkpoint.optimizer_state import (check_full_state_dict,
                                                  consolidate_optimizer_state, load_into_optimizer,
                                                  state_by_param)
 from shardkit.optim import oss_arguments as args
-from shardkit.optim.local_step import (agreed_closure, build_local_optimizer,
+from shardkit.optim.local_step import (agreed_closure, all_fp32, build_local_optimizer,
                                        choose_fused, runs_on_whole_model,
                                        steps_each_parameter_alone, step_only, whole_step,
                                        with_fused_choice, without_fused_choice)
@@ -531,19 +531,27 @@ class OSS(torch.optim.Optimizer):
         Per step, with nothing changed, one dictionary look-up per group (the settings' trial,
         cached) and no look at any parameter: the dtypes and devices are read from the sync
         buckets, only when they were laid out again (every parameter lives in one of them, and
-        ``model.half()`` or ``p.data = ...`` re-lays them out at the step)."""
+        ``model.half()`` or ``p.data = ...`` re-lays them out at the step). A world of one lays
+        no bucket out, so there every step looks at each stepped parameter's dtype and device."""
         if not self.fused:
             return
         layout = (self._sync.layout_version, len(self.param_groups))
-        if layout != self._fused_layout_checked:
+        if layout != self._fused_layout_checked or not self._sync.buckets:
             self._fused_layout_checked = layout
             self._group_devices = [{p.device for p in g["params"]} for g in self.param_groups]
-            if not self._sync.all_fp32():
+            if not self._stepped_params_all_fp32():
                 self.fused = False
                 return
         if sparse_gradients or not self._fused_carries_nan_as_loop(self.param_groups,
                                                                    self._group_devices):
             self.fused = False
+
+    def _stepped_params_all_fp32(self) -> bool:
+        """Whether every parameter this rank steps is fp32: read from the sync buckets where
+        there are some, from the local optimizer's parameters at world size 1 (no bucket)."""
+        if self._sync.buckets:
+            return self._sync.all_fp32()
+        return all_fp32([p for g in self.optim.param_groups for p in g["params"]])
 
     def _fused_carries_nan_as_loop(self, groups: list[dict],
                                    devices: Optional[list[set]] = None) -> bool:
