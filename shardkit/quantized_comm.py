@@ -21,6 +21,7 @@ block arrives as nan on every receiver (a loss-scaled step then skips), never a 
 
 from __future__ import annotations
 
+import zlib
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -88,13 +89,15 @@ _SCALE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 def _agreed_layout(what: str, build: Callable[[], QuantLayout], groups: Sequence,
                    op: Optional[str], check_ranks: bool) -> QuantLayout:
     """The :class:`QuantLayout` that ``build`` (the call's local argument checks) returns, once
-    every rank agrees on it: with ``check_ranks``, one all-gather of 7 int64s a rank over each
+    every rank agrees on it: with ``check_ranks``, one all-gather of 8 int64s a rank over each
     of ``groups`` in turn (control messages :class:`~shardkit.distributed.CommCounter` does
     not count; a node's group then its column's for the hierarchical reduce, where each
     gather carries whether the ranks agreed so far). A rank whose arguments fail raises its
     own error and every other rank a ValueError naming it; ranks whose bits, block, scale
-    dtype, sizes or ``op`` differ all raise a ValueError naming them, before any byte is sent
-    (gloo aborted one process and gave the other sums of the wrong bytes, silently).
+    dtype, sizes (the size of every chunk, not only their sum and count) or ``op`` differ all
+    raise a ValueError naming them, before any byte is sent (gloo aborted one process and gave
+    the other sums of the wrong bytes, silently).
+    The agreement is synchronous, also for ``async_op=True`` calls (on GPUs a host sync).
     ``check_ranks=False``: for callers whose arguments every rank derives alike, no
     agreement."""
     try:
@@ -102,9 +105,10 @@ def _agreed_layout(what: str, build: Callable[[], QuantLayout], groups: Sequence
     except (TypeError, ValueError) as error:
         layout, problem = None, error
     groups = [g for g in groups if skdist.get_world_size(g) > 1] if check_ranks else []
-    facts = [-1] * 6 if problem is not None else [
+    facts = [-1] * 7 if problem is not None else [
         layout.bits, layout.block, _SCALE_CODES[layout.scale_dtype], layout.segment_numel,
-        len(layout.chunk_numels), _OPS.index(op) if op is not None else -1]
+        len(layout.chunk_numels), _OPS.index(op) if op is not None else -1,
+        _chunk_digest(layout.chunk_numels)]
     ok, verdict = problem is None, None
     for group in groups:
         rows = skdist.gather_control_rows(what, [int(ok), *facts], group)
@@ -114,9 +118,9 @@ def _agreed_layout(what: str, build: Callable[[], QuantLayout], groups: Sequence
             verdict = (f"{what}: rank(s) {failed} were given arguments that do not fit, or "
                        f"disagree with other ranks (their error says which); nothing was sent")
         elif any(row[1:] != rows[0][1:] for row in rows) and verdict is None:
-            verdict = (f"{what}: the ranks' calls differ ({_described_rows(rows, ranks)}); "
-                       f"every rank must pass the same sizes, bits, block, scale_dtype and "
-                       f"op; nothing was sent")
+            verdict = (f"{what}: the ranks' calls differ ({_described_rows(rows, ranks)}"
+                       f"{_described_chunks(rows, layout)}); every rank must pass the same "
+                       f"sizes, bits, block, scale_dtype and op; nothing was sent")
         ok = ok and verdict is None
     if problem is not None:
         raise problem
@@ -132,7 +136,24 @@ def _described_rows(rows: list, ranks: Sequence[int]) -> str:
         f"rank {rank}: bits={bits}, block={block}, scale_dtype={scale_names[scale]}, "
         f"{numel} elements per rank in {chunks} chunk(s)"
         + (f", op={_OPS[op]!r}" if op >= 0 else "")
-        for rank, (_, bits, block, scale, numel, chunks, op) in zip(ranks, rows))
+        for rank, (_, bits, block, scale, numel, chunks, op, _digest) in zip(ranks, rows))
+
+
+def _chunk_digest(chunk_numels: Sequence[int]) -> int:
+    """A number that differs, but for a 2**-32 chance, between two different lists of chunk
+    sizes (the same on every process: not Python's salted ``hash``). Two ranks whose chunks
+    have the same sum and count but other sizes (tensors passed in another order) would
+    otherwise agree, and each would read the other's bytes at the wrong offsets. Local."""
+    return zlib.crc32(",".join(map(str, chunk_numels)).encode())
+
+
+def _described_chunks(rows: list, layout: Optional[QuantLayout]) -> str:
+    """Where the ranks' chunk sizes differ (and nothing else tells it): this rank's sizes,
+    for the agreement's error message; else nothing."""
+    if len({row[-1] for row in rows}) == 1:
+        return ""
+    mine = "none (its arguments failed)" if layout is None else list(layout.chunk_numels)
+    return f"; the sizes of the chunks differ between ranks, this rank's being {mine}"
 
 
 def _check_groups(what: str, **groups) -> None:
@@ -162,7 +183,7 @@ def quantized_all_gather(output: Union[torch.Tensor, Sequence[torch.Tensor]],
         check_ranks: first agree with every rank on the quantization and sizes (see below);
             ``False`` for a caller whose arguments every rank derives alike.
 
-    Before it (``check_ranks``), one all-gather of 7 int64s a rank (not counted) compares
+    Before it (``check_ranks``), one all-gather of 8 int64s a rank (not counted) compares
     every rank's call: arguments that fail on one rank, or sizes, bits, block or scale dtype
     that differ between ranks, raise a ValueError on every rank before anything is sent.
     Wire per rank: ``(N-1)/N x N x segment bytes`` of uint8 (one all-gather), about
@@ -375,7 +396,7 @@ def quantized_reduce_scatter_hierarchical(tensors: Union[torch.Tensor, Sequence[
     the inter-node links). Error: within the sum of every rank's half scale plus, per node, the
     half scale of the requantized partial sum (at most about twice the flat bound).
     Memory: the quantized buffers (``N x segment bytes``, twice) and ``k x S`` fp32 partials.
-    Before it (``check_ranks``), one all-gather of 7 int64s a rank inside the node, then one
+    Before it (``check_ranks``), one all-gather of 8 int64s a rank inside the node, then one
     across nodes (not counted), compare every rank's call as :func:`quantized_reduce_scatter`
     does. Returns this rank's reduced shard (``S`` elements, ``out`` if given).
     """

@@ -25,6 +25,16 @@
 The quantized checks run in one world of 2 gloo ranks. The watchdog and round-robin checks
 start processes of their own (process groups made without
 torchrun's variables, with a short timeout).
+
+Review of the quantized agreement
+
+Quantized collectives' agreement on the call (review of the transports commit).
+
+- ``quantized_reduce_scatter`` / ``quantized_all_gather`` agreed on the sum and the count of
+  the chunk sizes only: two ranks passing the same tensors in another order (chunks 500 + 12
+  on one, 12 + 500 on the other) agreed, and each read the other's bytes at the wrong
+  offsets, silently. Now the sizes of the chunks are agreed on too, and every rank raises a
+  ValueError saying so before anything is sent.
 """
 
 import contextlib
@@ -200,3 +210,43 @@ def test_quantized_collectives_whose_calls_differ_raise_on_every_rank(world2):
         bad = out["reduce_scatter bad on one rank"]
         assert ("block=100" in bad) if rank == 1 else ("rank(s) [1]" in bad), (rank, bad)
         assert out["agreeing"] == [3.0, 3.0]  # the group still works
+
+
+def _chunks_that_differ_between_ranks() -> dict:
+    """Quantized collectives whose chunks have the same sum and count on both ranks but other
+    sizes: what each rank raises."""
+    from shardkit import quantized_comm as qc
+    rank = skdist.get_rank()
+    long, short = torch.arange(1000.), torch.arange(24.)
+    calls = {
+        "reduce_scatter": lambda: qc.quantized_reduce_scatter(
+            [long, short] if rank == 0 else [short, long]),
+        "all_gather": lambda: qc.quantized_all_gather(
+            [torch.empty(600), torch.empty(200)] if rank == 0 else
+            [torch.empty(200), torch.empty(600)], torch.ones(400),
+            chunk_numels=[300, 100] if rank == 0 else [100, 300]),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except ValueError as error:
+            out[name] = str(error)
+    same = [long, short]  # the same call on both ranks still runs, and sums right
+    out["agreeing"] = qc.quantized_reduce_scatter(same, bits=8).tolist()
+    return out
+
+
+def test_quantized_calls_whose_chunk_sizes_differ_raise_on_every_rank(world2):
+    """Before: both calls returned, each rank's chunks read at the other's offsets."""
+    for rank, out in enumerate(world2.run(_chunks_that_differ_between_ranks)):
+        for name in ("reduce_scatter", "all_gather"):
+            assert "the sizes of the chunks differ between ranks" in out[name], (rank, out)
+            assert "nothing was sent" in out[name], (rank, out)
+        own_chunks = "[500, 12]" if rank == 0 else "[12, 500]"
+        assert own_chunks in out["reduce_scatter"], (rank, out)
+        # the same call on both ranks: each rank's exact half plus the other's int8 copy
+        expected = torch.cat([torch.arange(1000.).chunk(2)[rank],
+                              torch.arange(24.).chunk(2)[rank]]) * 2
+        assert torch.allclose(torch.tensor(out["agreeing"]), expected, atol=8.0), (rank, out)
