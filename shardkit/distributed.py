@@ -435,8 +435,11 @@ def _not_a_member(group) -> bool:
 
 def destroy() -> None:
     """Finish this process's asynchronous checkpoint saves, wait for every rank (a barrier),
-    then destroy the default process group if it exists. Raises the first failed save's error
-    (:func:`shardkit.checkpoint.async_save.wait_for_pending_saves`), after the group is gone.
+    then destroy the default process group if it exists. Raises the first failed save's error,
+    after the group is gone. Each pending save is waited for at most the checkpoint group's
+    timeout (plus a margin) after the one before it, as torch's ``destroy_process_group()``
+    waits under :mod:`shardkit.checkpoint.async_save`: a save stuck in its writer (a hung
+    filesystem) is given up and named, not waited for forever.
 
     Note: without the barrier, a rank that finishes first can tear down gloo's connections while
     a peer is still completing the last collective, and gloo then aborts the process
@@ -453,11 +456,12 @@ def destroy() -> None:
 
 
 def _wait_for_pending_saves() -> None:
-    """:func:`~shardkit.checkpoint.async_save.wait_for_pending_saves`, where that module is
-    loaded (no asynchronous save can be under way otherwise)."""
+    """The pending asynchronous saves, each waited for within its bound (the wait of torch's
+    wrapped ``destroy_process_group()``), where that module is loaded (no asynchronous save
+    can be under way otherwise)."""
     saves = sys.modules.get("shardkit.checkpoint.async_save")
     if saves is not None:
-        saves.wait_for_pending_saves()
+        saves._wait_before_destroy()
 
 
 def get_rank(group=None) -> int:
@@ -970,7 +974,10 @@ def oldest_collective_unfinished() -> int:
     else its last one (0: none issued). A collective that fails on this rank is that one or
     a later one, so a peer that had issued fewer collectives had not reached the failed one
     (a peer that had issued more than this one may have). An asynchronous work whose
-    completion torch does not report (no future) is not seen: it counts as complete. Local."""
+    completion torch does not report (no future) is not seen: it counts as complete. On NCCL
+    a work's future completes once the operation is queued on its stream (torch's
+    ``Work.get_future``), so there the in-flight set holds only works that failed and the
+    hint can name a peer that did reach the failed collective. Local."""
     issued = collectives_issued()
     if not issued:
         return 0

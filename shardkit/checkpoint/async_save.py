@@ -120,9 +120,10 @@ def _wait_before_destroy() -> None:
     bound = _wait_bound()
     first_deadline = time.monotonic() + bound
     quiet_until = time.monotonic() + min(_QUIET_WAIT_S, bound)
-    for save in _in_start_order():  # a save about to end needs no word on stderr
+    waited = [save for save in _in_start_order() if not save._given_up]
+    for save in waited:  # a save about to end needs no word on stderr
         save._thread.join(max(0.0, quiet_until - time.monotonic()))
-    running = [save for save in _in_start_order() if not save.done()]
+    running = [save for save in waited if not save.done()]
     if running:
         each = f", {bound:g} s for each after the one before it" if len(running) > 1 else ""
         print(f"[shardkit] destroy_process_group: waiting (at most {bound * len(running):g} s "
@@ -245,13 +246,21 @@ def _wait_for_saves_until(deadline: Optional[float], bound: Optional[float]) -> 
 def _wait_each_bounded(saves: list, bound: float, first_deadline: float) -> list:
     """Wait for ``saves`` (in start order), each for at most ``bound`` seconds after the one
     before it ended (the first until ``first_deadline``); a save queued behind one given up
-    cannot start, and is given up at once. Raises as :class:`_Outcome` does."""
+    cannot start, and is given up at once. A save an earlier wait gave up is not waited for
+    again (a destroy after a bounded wait that gave up: ``shardkit.distributed.destroy()``
+    then torch's wrapped ``destroy_process_group()``). Raises as :class:`_Outcome` does."""
     outcome = _Outcome()
-    for index, save in enumerate(saves):
-        if outcome.given_up:  # its writer first waits for the one given up
+    behind_one_given_up_before = False
+    for save in saves:
+        if save._given_up:  # reported by the wait that gave it up; not waited for again
+            behind_one_given_up_before = behind_one_given_up_before or not save.done()
+            continue
+        if outcome.given_up or behind_one_given_up_before:  # its writer waits for that one
             deadline = time.monotonic()
+        elif not outcome.paths and outcome.first_error is None:
+            deadline = first_deadline
         else:
-            deadline = first_deadline if index == 0 else time.monotonic() + bound
+            deadline = time.monotonic() + bound
         outcome.wait_for(save, deadline, bound)
     return outcome.paths_or_raise(f"{bound:g} s for each after the one before it ended")
 

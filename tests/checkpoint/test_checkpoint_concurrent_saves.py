@@ -164,6 +164,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import shardkit
+import shardkit.distributed
 from shardkit.checkpoint import CheckpointError, sharded
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=4))
@@ -175,20 +176,26 @@ if dist.get_rank() == 1:  # this rank's writer never returns (a hung filesystem)
 engine.save_checkpoint(sys.argv[1], tag="last", async_save=True)
 start = time.monotonic()
 try:
-    dist.destroy_process_group()
+    if sys.argv[2] == "torch":
+        dist.destroy_process_group()
+    else:
+        shardkit.distributed.destroy()
 except CheckpointError as error:
     print(f"raised after {time.monotonic() - start:.0f} s: {error}", flush=True)
 '''
 
 
-def test_torch_destroy_names_the_stuck_save_and_gives_up(tmp_path):
+@pytest.mark.parametrize("destroy", ["torch", "shardkit"])
+def test_torch_destroy_names_the_stuck_save_and_gives_up(tmp_path, destroy):
+    """torch's destroy_process_group (wrapped) and shardkit.distributed.destroy() alike: before,
+    the latter waited for a stuck writer without bound."""
     script = tmp_path / "job.py"
     script.write_text(STUCK_WRITER_JOB)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(shardkit.__file__)))
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpt")],
+    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpt"), destroy],
                               env=dict(env, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
