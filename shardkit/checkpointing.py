@@ -35,10 +35,12 @@ Memory, per call: the tensor arguments (not the region's activations) stay until
   ``ColumnParallelLinear`` output with ``gather_output=False``) would come back wrong
   (DeepSpeed's gradients are then silently wrong). Here the rebuilt argument is checked against
   a fingerprint (its sum) taken in the forward, and a mismatch is a RuntimeError in the backward,
-  before the recomputation, naming the argument (mark it ``no_checkpointing = True`` to keep it
-  whole). Communication: one all-gather per partitioned argument before the recomputation,
-  ``(tp-1)/tp`` of its bytes on the wire per rank (``shardkit.distributed``, so
-  :class:`~shardkit.distributed.CommCounter` counts it); none in the forward.
+  before the recomputation, on every tensor-parallel rank (also one whose own argument came back
+  whole), naming the argument (mark it ``no_checkpointing = True`` to keep it whole).
+  Communication: one all-gather per partitioned argument before the recomputation,
+  ``(tp-1)/tp`` of its bytes on the wire per rank, then one all-reduce of the ranks' verdicts
+  (an int32 per partitioned argument) (``shardkit.distributed``, so
+  :class:`~shardkit.distributed.CommCounter` counts both); none in the forward.
 - ``cpu_checkpointing`` (``checkpoint_in_cpu``): the kept arguments live in CPU memory and are
   copied back to their device for the recomputation; on a CPU run this changes nothing.
 - ``contiguous_memory_optimization``: the partitions are copied into one preallocated buffer per
@@ -365,22 +367,34 @@ def _fingerprint(flat: torch.Tensor) -> torch.Tensor:
     return torch.sum(flat, dtype=dtype)
 
 
-def _check_rebuilt_as_kept(full: torch.Tensor, fingerprint: torch.Tensor, position: int,
-                           function) -> None:
-    """Raise unless the argument rebuilt from the tensor-parallel ranks' slices is the one
-    this rank had in the forward (the same fingerprint, bit for bit). A rank-specific argument
-    (sequence-parallel activations, a ``ColumnParallelLinear`` output with
-    ``gather_output=False``) comes back as a mix of the ranks' tensors: recomputed from it,
-    the gradients would be silently wrong (DeepSpeed's are). Local, after the all-gather and
-    before the recomputation; one pass over the argument here and in the forward. Every rank
-    whose argument differs from another's in that rank's slice raises (with distinct
-    activations, every rank)."""
-    rebuilt = _fingerprint(full)
-    if torch.equal(rebuilt.view(-1).view(torch.uint8), fingerprint.view(-1).view(torch.uint8)):
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two fingerprints are equal bit for bit (a NaN equals the same NaN)."""
+    return torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+
+
+def _check_rebuilt_as_kept(differs: list, positions: list, device, group, function) -> None:
+    """Raise, on every tensor-parallel rank, unless each argument rebuilt from the ranks'
+    slices is, on every rank, the one that rank had in the forward (the same fingerprint, bit
+    for bit). A rank-specific argument (sequence-parallel activations, a
+    ``ColumnParallelLinear`` output with ``gather_output=False``) comes back as a mix of the
+    ranks' tensors: recomputed from it, the gradients would be silently wrong (DeepSpeed's
+    are). A rank sees a difference only in the other ranks' slices of its argument, so one
+    whose argument differs from another's elsewhere rebuilds its own exactly; one all-reduce
+    of an int32 per argument (``differs``: this rank's verdicts) makes every rank raise, where
+    a rank going on alone would wait in its next collective for ranks that raised (on
+    ``device``, where the all-gathers ran). After the all-gathers, before the recomputation;
+    one pass over the argument here and in the forward."""
+    from shardkit import distributed
+    seen = torch.tensor(differs, dtype=torch.int32, device=device)  # where the gathers ran
+    distributed.all_reduce(seen, group=group)
+    seen = seen.tolist()
+    if not any(seen):
         return
+    index = next(i for i, count in enumerate(seen) if count)
     raise RuntimeError(
         f"shardkit.checkpointing.checkpoint({_function_name(function)}): tensor argument "
-        f"#{position} differs across the tensor-parallel ranks, so partition_activations=True "
+        f"#{positions[index]} differs across the tensor-parallel ranks (seen on {seen[index]} "
+        f"of {_group_size(group)}), so partition_activations=True "
         f"(activation_checkpointing.partition_activations) cannot rebuild it from their "
         f"slices: the recomputation would give wrong gradients. Partitioning needs activations "
         f"replicated over the tensor-parallel group; with sequence parallelism (or any "
@@ -471,12 +485,20 @@ class _CheckpointFunction(torch.autograd.Function):
         tensor_outs = [o for o in outs if torch.is_tensor(o)]
         ctx.from_outside = [_made_outside(o, tensors) for o in tensor_outs]
         ctx.input_positions = [_input_position(o, tensors) for o in tensor_outs]
-        # a function's output cannot be a tensor autograd already reaches; checkpoint() hands
-        # the caller the tensor itself in place of this detached stand-in
-        tensor_outs = [o.detach() if outside else o
-                       for o, outside in zip(tensor_outs, ctx.from_outside)]
-        ctx.mark_non_differentiable(*[o for o in tensor_outs if not o.is_floating_point()])
+        # Autograd gives a function's outputs their history in place, so each goes out as a
+        # detached alias: a tensor made before the region (a buffer or a detached tensor it
+        # closes over) would otherwise become this function's output for good, and its
+        # recomputation, the very tensor, would call this backward again without end; one
+        # autograd reaches already cannot be an output at all (checkpoint() hands the caller
+        # the tensor itself). Arguments handed back (torch aliases them itself) and tensors
+        # also stashed for a later layer (which pops the very tensor) go out as they are.
+        stashed = {id(value) for value in ctx.received.escaping.values()}
         escaping = _escaping_stashes(ctx.received, tensor_outs)
+        tensor_outs = [o if not outside and (given is not None or id(o) in stashed)
+                       else o.detach()
+                       for o, outside, given in zip(tensor_outs, ctx.from_outside,
+                                                    ctx.input_positions)]
+        ctx.mark_non_differentiable(*[o for o in tensor_outs if not o.is_floating_point()])
         ctx.escaping_keys = [key for key, _ in escaping]
         # extra outputs (checkpoint() returns only the first len(tensor_outs)): autograd
         # connects the very tensors left in the skip table, so the layers popping them later
@@ -495,7 +517,7 @@ class _CheckpointFunction(torch.autograd.Function):
         if _STATE.options.contiguous_memory_optimization:
             _BUFFERS.clear()  # the partitions saved below stay alive through ctx
         from shardkit import distributed
-        inputs = []
+        inputs, rebuilt_positions, differs = [], [], []
         for position, (saved, (kind, shape, device, requires_grad), fingerprint) in enumerate(
                 zip(ctx.saved_tensors, ctx.how, ctx.fingerprints)):
             if kind == "part":
@@ -503,13 +525,17 @@ class _CheckpointFunction(torch.autograd.Function):
                 full = torch.empty(part.numel() * _group_size(ctx.group), dtype=part.dtype,
                                    device=device)
                 distributed.all_gather_into_tensor(full, part, group=ctx.group)
-                _check_rebuilt_as_kept(full, fingerprint, position, ctx.run_function)
+                rebuilt_positions.append(position)
+                differs.append(not _same_bits(_fingerprint(full), fingerprint))
                 value = full.view(shape)
             else:
                 value = saved.to(device)
             value = value.detach()
             value.requires_grad_(requires_grad)
             inputs.append(value)
+        if rebuilt_positions:
+            _check_rebuilt_as_kept(differs, rebuilt_positions, full.device, ctx.group,
+                                   ctx.run_function)
         outside = _rng_states()
         _set_generators(ctx.rng)
         try:

@@ -15,6 +15,22 @@ Local checks and one world of 2 gloo ranks:
   activations) from the ranks' slices of different tensors: silently wrong gradients. It is
   now a ``RuntimeError`` on every rank before the recomputation; replicated arguments (with
   ``contiguous_memory_optimization`` and ``cpu_checkpointing`` too) keep the plain gradients.
+
+Review of the checkpoint outputs and the partitioned-argument check
+
+Review of the reentrant checkpoint's outputs and partitioned arguments (DeepSpeed's
+``checkpointing.checkpoint``).
+
+- ``partition_activations=True`` with an argument that differs across the tensor-parallel
+  ranks only where some rank cannot see it (rank 1's tensor differs from rank 0's in rank 1's
+  own slice: rank 1 rebuilds its tensor exactly, rank 0 does not): only rank 0 raised, rank 1
+  went on into its next collective and waited there for rank 0. Every rank raises now.
+- A region returning a tensor made before it that autograd does not reach (a buffer, a
+  detached tensor it closes over) had that very tensor turned into the checkpoint's output:
+  the caller's tensor came back requiring grad with the checkpoint's ``grad_fn``, and the
+  backward, whose recomputation returned the same tensor, called itself without end.
+- ``ParallelEmbedding(sparse="no")`` (any truthy non-bool flag) was taken as ``True``, as
+  ``VocabParallelEmbedding`` does not: a ``TypeError`` naming the flag now.
 """
 
 import pytest
@@ -158,3 +174,111 @@ def test_partition_activations_refuses_a_rank_specific_argument(world2):
 def test_partition_activations_keeps_replicated_arguments_exact(world2, options):
     for result in world2.run(_in_model_parallel, _partitioned_step, False, **options):
         assert result == {"max_diff": 0.0}
+
+
+def _grads_rev(params) -> list:
+    grads = [p.grad.clone() if p.grad is not None else None for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+# ------------------------------------------------ outputs made before the region, without grad
+
+
+def _closed_over_tensor_without_grad_handed_back(checkpoint, made_before) -> list:
+    """Two steps of a region returning its output and a tensor it closes over that does not
+    require grad; the caller multiplies them."""
+    torch.manual_seed(0)
+    layer = nn.Linear(WIDTH, WIDTH)
+    x = torch.randn(3, WIDTH, requires_grad=True)
+    scale = made_before(layer, x)
+    grads = []
+    for _ in range(2):
+        out, same = checkpoint(lambda y: (layer(y), scale), torch.tanh(x))
+        # the caller's tensor left as it was (else the backward would never end)
+        assert not scale.requires_grad and scale.grad_fn is None
+        assert torch.equal(same, scale)
+        (out * same).sum().backward()
+        grads += _grads_rev([*layer.parameters(), x])
+    return grads
+
+
+def test_reentrant_checkpoint_hands_back_a_tensor_without_grad_made_before_it():
+    makers = {"buffer": lambda layer, x: torch.linspace(-1, 1, 3 * WIDTH).view(3, WIDTH),
+              "detached": lambda layer, x: layer(x).detach()}
+    for name, made_before in makers.items():
+        want = _closed_over_tensor_without_grad_handed_back(lambda fn, *args: fn(*args),
+                                                            made_before)
+        got = _closed_over_tensor_without_grad_handed_back(ds_checkpointing.checkpoint,
+                                                           made_before)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, msg=name)
+
+
+# ------------------------------------------------------------------- world of 2 ranks
+
+
+def _in_model_parallel_rev(fn, *args, **kwargs):
+    if mp.model_parallel_is_initialized():
+        mp.destroy_model_parallel()
+    mp.initialize_model_parallel(TP)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        ds_checkpointing.configure(None)
+        mp.destroy_model_parallel()
+
+
+def _outcome_rev(fn) -> str:
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the test compares type and message
+        return f"{type(error).__name__}: {error}"
+    return "ok"
+
+
+def _parallel_embedding_flags() -> dict:
+    def build(**flags):
+        return lambda: mp.ParallelEmbedding(16, WIDTH, **flags)
+
+    return {"sparse": _outcome_rev(build(sparse="no")),
+            "scaled": _outcome_rev(build(scale_grad_by_freq="no")),
+            "both_bools": _outcome_rev(build(sparse=True, scale_grad_by_freq=False))}
+
+
+def test_parallel_embedding_refuses_flags_that_are_not_bools(world2):
+    for result in world2.run(_in_model_parallel_rev, _parallel_embedding_flags):
+        assert result["sparse"] == ("TypeError: ParallelEmbedding: sparse='no' (str); it must "
+                                    "be a bool, True or False")
+        assert result["scaled"].startswith("TypeError: ParallelEmbedding: "
+                                           "scale_grad_by_freq='no' (str)")
+        assert result["both_bools"] == "ok"
+
+
+def _differs_only_in_one_ranks_slice(differing_rank: int, **options) -> str:
+    """Both ranks checkpoint a layer whose argument is the same on both except in
+    ``differing_rank``'s own slice, changed on that rank only: it rebuilds its argument
+    exactly, the other rank does not."""
+    ds_checkpointing.configure(None, partition_activations=True, **options)
+    torch.manual_seed(0)
+    layer = nn.Linear(WIDTH, WIDTH)
+    x = torch.randn(4, WIDTH, requires_grad=True)
+    share = x.numel() // TP
+    in_slice = torch.arange(x.numel()).view_as(x) // share == differing_rank
+    shift = in_slice.float() * float(mp.get_model_parallel_rank() == differing_rank)
+    hidden = torch.tanh(x) + shift
+    return _outcome_rev(lambda: ds_checkpointing.checkpoint(layer, hidden).sum().backward())
+
+
+def _both_orders(**options) -> list:
+    return [_differs_only_in_one_ranks_slice(rank, **options) for rank in range(TP)]
+
+
+def test_partition_activations_raises_on_every_rank_when_some_rebuild_their_own(world2):
+    for options in ({}, dict(contiguous_checkpointing=True, num_checkpoints=1)):
+        for outcomes in world2.run(_in_model_parallel_rev, _both_orders, **options):
+            for outcome in outcomes:
+                assert outcome.startswith("RuntimeError: shardkit.checkpointing.checkpoint("
+                                          "Linear): tensor argument #0 differs across the "
+                                          "tensor-parallel ranks (seen on 1 of 2)"), outcome

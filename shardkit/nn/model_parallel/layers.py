@@ -796,6 +796,8 @@ class ParallelEmbedding(TensorParallelModule):
         _check_size("ParallelEmbedding: num_embeddings", num_embeddings)
         _check_divisible("ParallelEmbedding: embedding_dim", embedding_dim, self.tp_size)
         _check_init_method("ParallelEmbedding", init_method)
+        _check_flag("ParallelEmbedding", "scale_grad_by_freq", scale_grad_by_freq)
+        _check_flag("ParallelEmbedding", "sparse", sparse)
         _check_not_sparse_and_scaled("ParallelEmbedding", scale_grad_by_freq, sparse)
         if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
             raise ValueError(f"ParallelEmbedding: padding_idx={padding_idx} is outside "
