@@ -722,8 +722,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         # backward): no loss scale was applied, and at stages 0-1 nothing was reduced unless
         # the forward ran through DDP
         self._forwards_since_step = self._backwards_since_step = 0
-        # a reducing training forward (or backward) ran since the ranks last agreed on a step:
-        # the next one first checks that no other rank stepped meanwhile (_agree_on_step)
+        # the backward of a reducing training pass ran since the ranks last agreed on a step:
+        # the next forward (or backward) first checks that no other rank stepped meanwhile
+        # (_agree_on_step)
         self._awaiting_step = False
         # stages 0-1 under torch DDP without find_unused_parameters: the trainable parameters
         # a gradient reached in the current reducing backward (see _refuse_unused_parameters)
@@ -1108,11 +1109,14 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
     def forward(self, *args, **kwargs):
         self.tput_timer.start()
         self._refuse_parameters_changed_since_initialize()
-        self._agree_on_step_skipped_at_forward()
+        starts_reducing_pass = self._agree_on_step_skipped_at_forward()
         self._forwards_since_backward += 1
         self._forwards_since_step += 1
         with self._precision_context(), self._reduction_context():
-            return self.wrapped(*args, **kwargs)
+            output = self.wrapped(*args, **kwargs)
+        if starts_reducing_pass:
+            self._await_step_after_backward_of(output)
+        return output
 
     def _refuse_parameters_changed_since_initialize(self) -> None:
         """Stages 0-2: a ValueError naming each trainable parameter of the model that was
@@ -1917,28 +1921,48 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                                f"engine.offload_states(){where}; call engine.reload_states() "
                                f"on every rank before the next step (no rank stepped)")
 
-    def _agree_on_step_skipped_at_forward(self) -> None:
+    def _agree_on_step_skipped_at_forward(self) -> bool:
         """The other side of :meth:`_agree_on_step` for a rank that did not step: at a
         forward that starts a new reducing training pass (grad enabled, training mode, at the
-        accumulation boundary, reducing) while this rank has not stepped since the last one,
-        and at any forward at stage 3, whose forwards gather the parameters on every rank.
-        Nothing happens, and nothing is sent, in the usual loop of one forward per step."""
+        accumulation boundary, reducing) after the backward of an earlier one that this rank
+        has not stepped for, and at any forward at stage 3, whose forwards gather the
+        parameters on every rank. Returns whether this forward starts a reducing training
+        pass. Nothing is sent in the usual loop (one step after each backward), nor for the
+        second forward of a loss of two, nor for a forward that no backward follows (a
+        rank-local forward that forgot ``torch.no_grad()``)."""
         if self.optimizer is None:
-            return
+            return False
         reducing = self.is_gradient_accumulation_boundary() and self._no_sync_depth == 0 \
             and self.require_backward_grad_sync
         training = torch.is_grad_enabled() and self.module.training and reducing
         if training or self.composition.stage == 3:
             self._agree_on_step_skipped("engine forward")
-        if training:
-            self._awaiting_step = True
+        return training
+
+    def _await_step_after_backward_of(self, output) -> None:
+        """Mark this rank as owing a step once a backward reaches ``output`` (a reducing
+        training forward's: ``engine.backward(loss)`` or the script's own ``loss.backward()``),
+        not at the forward itself: a forward that no backward follows on some ranks only
+        would otherwise make those ranks alone join the agreement at their next forward, and
+        wait there forever. A gradient hook on each output tensor that needs a gradient (it
+        holds only a weak reference to the engine); no communication."""
+        needing_grad = [t for t in torch.utils._pytree.tree_leaves(output)
+                        if isinstance(t, torch.Tensor) and t.requires_grad]
+        owner = weakref.ref(self)
+
+        def note_backward(_grad):
+            engine = owner()
+            if engine is not None:
+                engine._awaiting_step = True
+        for tensor in needing_grad:
+            tensor.register_hook(note_backward)
 
     def _agree_on_step_skipped(self, call: str) -> None:
-        """When a reducing training pass ran here since the ranks last agreed on a step:
-        join the agreement as a rank that is not stepping. Every rank passing here together
-        (a loss of two forwards, or a script that backwards without stepping) agrees, and goes
-        on; a rank that stepped meanwhile makes every rank raise. Communication: none unless
-        a pass is pending, then one all-gather of two int64s a rank."""
+        """When the backward of a reducing training pass ran here since the ranks last agreed
+        on a step: join the agreement as a rank that is not stepping. Every rank passing here
+        together (a script that backwards without stepping, or backwards twice) agrees, and
+        goes on; a rank that stepped meanwhile makes every rank raise. Communication: none
+        unless a pass is pending, then one all-gather of two int64s a rank."""
         if not self._awaiting_step:
             return
         rows = self._step_agreement_rows(call, [_NOT_STEPPING, 0])
@@ -1964,7 +1988,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             f"boundary, or none (a step behind a rank-local condition, such as `if rank == 0` "
             f"or a check of this rank's loss, would leave the ranks' weights different): no "
             f"rank stepped. To skip a step everywhere, agree on the condition first (e.g. "
-            f"all-reduce the flag)")
+            f"all-reduce the flag). A forward with gradients on, in training mode, between "
+            f"backward and step on some ranks only (a preview or log) counts as going on: run "
+            f"it under torch.no_grad()")
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
                         load_module_strict: bool = True,

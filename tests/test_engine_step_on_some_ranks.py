@@ -6,6 +6,25 @@ step's agreement while the others went on into their next forward's or backward'
 collectives. Now every rank raises a RuntimeError naming the ranks on each side, and no rank
 steps; the usual loop (one forward, backward and step a rank) sends nothing more than before.
 
+Review of the step agreement
+
+DeepSpeed-style engine: the step agreement of ranks that did not step, in ordinary loops.
+
+Since a step taken on some ranks only became an error on every rank, a rank that did not step
+joined the step's agreement at its next training forward. It was armed by the forward itself,
+so:
+
+- a forward that no backward follows, on some ranks only (a rank-0 preview or logging
+  forward that forgot ``torch.no_grad()``, which torch DDP at stages 0-1 runs happily) made
+  those ranks alone join the agreement at their next forward while the others went on into
+  the backward's all-reduce: every rank waited forever;
+- a loss of two forwards (GAN discriminators, contrastive pairs) paid one more all-gather a
+  step on every rank.
+
+Now a rank owes a step once a backward reaches a reducing training forward's output
+(``engine.backward`` or the script's own ``loss.backward()``), so neither happens, and a step
+skipped on some ranks is still an error on every rank.
+
 One world of 2 gloo ranks for the module, and one of 4 for a single test.
 """
 
@@ -131,8 +150,8 @@ def test_steps_on_every_rank_agree_once_per_step(world2, stage):
     for out in world2.run(_loops_that_step_everywhere, stage):
         assert out["same"]
         assert out["per_three_steps"] == 6  # one agreement a step, as before
-        # two steps, the second forward of the pair and the pass that stepped nowhere
-        assert out["extra"] == 4 and out["steps"] == 2, out
+        # two steps and the pass that stepped nowhere (not the second forward of the pair)
+        assert out["extra"] == 3 and out["steps"] == 2, out
 
 
 def _step_on_even_ranks() -> dict:
@@ -148,3 +167,141 @@ def test_a_step_on_half_of_four_ranks_names_both_halves():
     for out in run_in_world(4, _step_on_even_ranks, timeout=120):
         assert "rank(s) [0, 2] are stepping" in out["error"], out
         assert "rank(s) [1, 3] went on" in out["error"], out
+
+
+def _engine_rev(stage: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
+    engine, optimizer, _, _ = shardkit.initialize(model=model, config=config)
+    return engine, optimizer
+
+
+def _batch_rev(step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10 * step + distributed.get_rank())
+    return torch.randn(2, 4, generator=gen)
+
+
+def _parameters(engine) -> list:
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+@contextlib.contextmanager
+def _counting_agreements_rev():
+    """The names of the control all-gathers made while inside."""
+    calls, original = [], distributed.gather_control_rows
+
+    def counted(what, row, group=None):
+        calls.append(what)
+        return original(what, row, group)
+    distributed.gather_control_rows = counted
+    try:
+        yield calls
+    finally:
+        distributed.gather_control_rows = original
+
+
+def _train(stage: int, preview_on_rank0: bool) -> list:
+    """Three steps of the usual loop; with ``preview_on_rank0``, rank 0 alone also runs a
+    training-mode forward with gradients on after each step, and no backward of it."""
+    engine, _ = _engine_rev(stage)
+    for step in range(3):
+        engine.backward(engine(_batch_rev(step)).pow(2).mean())
+        engine.step()
+        if preview_on_rank0 and distributed.get_rank() == 0:
+            engine(_batch_rev(100 + step))  # forgot torch.no_grad(): no backward follows
+    return _parameters(engine)
+
+
+def _preview_on_rank0_only(stage: int) -> dict:
+    with_preview = _train(stage, preview_on_rank0=True)
+    without = _train(stage, preview_on_rank0=False)
+    mine = torch.cat([p.flatten() for p in with_preview])
+    every = [torch.empty_like(mine) for _ in range(distributed.get_world_size())]
+    torch.distributed.all_gather(every, mine)
+    return {"same_as_without": all(torch.equal(a, b) for a, b in zip(with_preview, without)),
+            "ranks_agree": all(torch.equal(every[0], other) for other in every)}
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_forward_without_backward_on_one_rank_does_not_hang(world2, stage):
+    # was: rank 0 waited in its next forward's agreement, rank 1 in the backward's all-reduce
+    for out in world2.run(_preview_on_rank0_only, stage):
+        assert out == {"same_as_without": True, "ranks_agree": True}, out
+
+
+def _two_forward_loops(stage: int) -> dict:
+    """One loss of two engine forwards a step (a discriminator on real and fake samples), three
+    steps by ``engine.step()``, then three by the script's ``loss.backward()`` and
+    ``engine.optimizer.step()``."""
+    with _counting_agreements_rev() as calls:
+        engine, optimizer = _engine_rev(stage)
+        for step in range(3):
+            pair = engine(_batch_rev(step)).pow(2).mean() + engine(-_batch_rev(step)).abs().mean()
+            engine.backward(pair)
+            engine.step()
+        by_engine = len(calls)
+        engine, optimizer = _engine_rev(stage)
+        for step in range(3):
+            x = _batch_rev(step)
+            (engine(x).pow(2).mean() + engine(-x).abs().mean()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"by_engine": by_engine, "by_script": len(calls) - by_engine}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_loss_of_two_forwards_agrees_once_per_step(world2, stage):
+    # was: 6 each, the second forward of every pair joining an agreement of its own
+    for out in world2.run(_two_forward_loops, stage):
+        assert out == {"by_engine": 3, "by_script": 3}, out
+
+
+def _step_skipped_on_rank1(stage: int, how: str) -> str:
+    """A loss of two forwards and its backward on every rank (``how``: ``engine.backward`` or
+    the script's ``loss.backward()``), then rank 0 alone steps; rank 1 goes on to its next
+    training forward."""
+    engine, optimizer = _engine_rev(stage)
+    pair = engine(_batch_rev(0)).pow(2).mean() + engine(-_batch_rev(0)).abs().mean()
+    if how == "loss.backward":
+        pair.backward()
+    else:
+        engine.backward(pair)
+    try:
+        if distributed.get_rank() == 0:
+            optimizer.step()
+        else:
+            engine(_batch_rev(1))
+    except RuntimeError as error:
+        return str(error)
+    return "ok"
+
+
+@pytest.mark.parametrize("stage,how", [(0, "engine.backward"), (3, "loss.backward")])
+def test_a_step_on_one_rank_after_a_loss_of_two_forwards_still_raises(world2, stage, how):
+    texts = world2.run(_step_skipped_on_rank1, stage, how)
+    assert texts[0].startswith("engine.optimizer.step(): rank(s) [0] are stepping"), texts
+    assert texts[1].startswith("engine forward: rank(s) [0] are stepping"), texts
+    assert all("rank(s) [1] went on" in text for text in texts), texts
+
+
+def _preview_between_backward_and_step_on_rank0() -> str:
+    engine, _ = _engine_rev(0)
+    engine.backward(engine(_batch_rev(0)).pow(2).mean())
+    try:
+        if distributed.get_rank() == 0:
+            engine(_batch_rev(1))  # a preview that forgot torch.no_grad(), before the step
+        engine.step()
+    except RuntimeError as error:
+        return str(error)
+    return "ok"
+
+
+def test_a_forward_between_backward_and_step_on_one_rank_is_named_in_the_error(world2):
+    # a rank-local forward with gradients on is indistinguishable from the next pass of a rank
+    # that skipped its step: refused on every rank, and the error says how to run it instead
+    for text in world2.run(_preview_between_backward_and_step_on_rank0):
+        assert "rank(s) [1] are stepping" in text and "rank(s) [0] went on" in text, text
+        assert "between backward and step on some ranks only" in text, text
+        assert "torch.no_grad()" in text, text
