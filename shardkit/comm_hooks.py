@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit import distributed as skdist
 from shardkit.kernels import DEFAULT_BLOCK, pack_rank_major
@@ -113,20 +114,66 @@ def quantized_allreduce_hook(state: Optional[QuantizedHookState], bucket
     scale per other rank of the reduce (a rank's own share is summed exactly), plus half a
     block scale of the averaged shard (see
     :mod:`shardkit.quantized_comm`). Memory: the quantized buffers (about ``bits/32`` of the
-    bucket each) and one fp32 shard. The hook finishes its transfers before returning (no
-    overlap with the rest of backward).
+    bucket each) and one fp32 shard, plus a record of each bucket agreed on, kept while its
+    first parameter lives. The hook finishes its transfers before returning (no
+    overlap with the rest of backward). The first time it meets a bucket (the first backward,
+    and once more after DDP rebuilds its buckets) its two collectives first agree with every
+    rank on bits, block and sizes (a ValueError on every rank if they differ; one small
+    all-gather of int64s each, not counted by ``CommCounter``); afterwards no agreement (every
+    rank gets the same buckets from DDP).
     """
     state = state if isinstance(state, QuantizedHookState) else QuantizedHookState(state)
     buffer = bucket.buffer()
     group = state.process_group
     n = skdist.get_world_size(group)
+    check = not _quantized_layout_agreed(state, bucket)
     shard = quantized_reduce_scatter([buffer], group, bits=state.bits, block=state.block,
-                                     op="mean")
+                                     op="mean", check_ranks=check)
     quantized_all_gather([buffer], shard, group, bits=state.bits, block=state.block,
-                         chunk_numels=[-(-buffer.numel() // n)])
+                         chunk_numels=[-(-buffer.numel() // n)], check_ranks=check)
+    if check:
+        _remember_quantized_layout(state, bucket)
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(buffer)
     return fut
+
+
+# Per DDP parameter (the first of a bucket, held weakly): the (group, bucket index, elements,
+# bits, block) that quantized_allreduce_hook's collectives agreed on with every rank
+_AGREED_QUANTIZED = WeakIdKeyDictionary()
+_AGREED_QUANTIZED_LOCK = threading.Lock()
+
+
+def _quantized_bucket_key(state: QuantizedHookState, bucket) -> tuple:
+    """``(first parameter, layout)`` of a bucket for :func:`_quantized_layout_agreed`."""
+    params = bucket.parameters()
+    layout = (skdist.resolved_group(state.process_group), bucket.index(),
+              bucket.buffer().numel(), state.bits, state.block)
+    return (params[0] if params else None), layout
+
+
+def _quantized_layout_agreed(state: QuantizedHookState, bucket) -> bool:
+    """Whether every rank already agreed on this bucket's layout (bucket index, elements, bits,
+    block) in an earlier call of :func:`quantized_allreduce_hook` for the same parameters.
+
+    torch DDP gives every rank the same buckets: it checks the parameters' shapes across ranks
+    when it is built, and when it rebuilds its buckets after the first iteration it broadcasts
+    rank 0's assignment to the others. So the quantized collectives' agreement (one small
+    all-gather each, see :mod:`shardkit.quantized_comm`) runs only the first time a model's
+    bucket is seen, which still catches bits or block that differ between ranks; afterwards
+    none. Keyed by the parameters (a new model, or one rebuilt alike on every rank, agrees
+    afresh on every rank), not by the process group alone: a layout agreed for an earlier
+    model on some ranks only would have the ranks decide differently whether to agree."""
+    param, layout = _quantized_bucket_key(state, bucket)
+    with _AGREED_QUANTIZED_LOCK:
+        return param is not None and layout in _AGREED_QUANTIZED.get(param, ())
+
+
+def _remember_quantized_layout(state: QuantizedHookState, bucket) -> None:
+    param, layout = _quantized_bucket_key(state, bucket)
+    if param is not None:
+        with _AGREED_QUANTIZED_LOCK:
+            _AGREED_QUANTIZED.setdefault(param, set()).add(layout)
 
 
 @dataclass(frozen=True)

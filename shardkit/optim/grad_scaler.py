@@ -22,13 +22,23 @@ __all__ = ["GradScaler", "ShardedGradScaler"]
 class GradScaler(torch.amp.GradScaler):
     """FairScale's ``fairscale.optim.GradScaler``: torch's scaler that also unscales 16-bit
     gradients (pure fp16 training; torch's refuses them), for one process or replicated
-    gradients (torch DDP, or OSS, which combines the inf/nan flags itself). Under
-    ``ShardedDataParallel`` use :class:`ShardedGradScaler`.
+    gradients (torch DDP).
+
+    Given an :class:`~shardkit.optim.OSS` over several ranks (``unscale_`` / ``step``), it
+    combines the inf/nan flags over the OSS's group as :class:`ShardedGradScaler` does, so
+    that under ``ShardedDataParallel`` (or DDP's ``reduce_to_owners_hook``), where each rank
+    holds only the gradients it owns, an overflow in one owner's shard skips the step and
+    backs the scale off on every rank (torch's own scaler leaves the ranks' scales apart,
+    which ``OSS.step`` refuses with a RuntimeError). Every rank must then call ``unscale_`` /
+    ``step`` for that OSS, as its step requires anyway.
 
     Args: FairScale's (and ``torch.cuda.amp.GradScaler``'s) order, ``init_scale`` first
     (defaults 2**16, 2.0, 0.5, 2000, True); ``device`` by name only (default ``"cuda"`` when
-    CUDA is available, else ``"cpu"``, where FairScale's would disable itself). No
-    communication of its own.
+    CUDA is available, else ``"cpu"``, where FairScale's would disable itself).
+
+    Communication: with an OSS over several ranks, one all-reduce of one float32 per
+    ``unscale_`` / ``step``, which takes the place of the one ``OSS.step`` would make (no
+    more collectives than torch's scaler); none otherwise.
     """
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
@@ -49,7 +59,37 @@ class GradScaler(torch.amp.GradScaler):
                          growth_interval=growth_interval, enabled=enabled)
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+        if not isinstance(optimizer, OSS) or optimizer.world_size == 1:
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+        return _unscale_agreed_over(self, optimizer, inv_scale, found_inf, optimizer.group)
+
+
+def _unscale_agreed_over(scaler: torch.amp.GradScaler, optimizer, inv_scale, found_inf,
+                         group) -> dict:
+    """torch's unscale of ``optimizer``'s gradients (16-bit ones too), then its inf/nan flags
+    combined over ``group`` (one all-reduce of one float32): the per-device flags the scaler
+    records, alike on every rank. An OSS is told, so its step does not combine them again."""
+    if getattr(optimizer, "_stepped_in_backward", None) is not None:
+        # before the collective: every rank of such an OSS stepped in the same backward
+        raise RuntimeError(f"{type(scaler).__name__}: " + STEPPED_WITH_SCALED_GRADS)
+    per_device = torch.amp.GradScaler._unscale_grads_(scaler, optimizer, inv_scale, found_inf,
+                                                      True)
+    agreed = _found_inf_on_any_rank(per_device, found_inf.device, group)
+    if isinstance(optimizer, OSS):
+        optimizer._found_inf_agreed_over(group)
+    return agreed
+
+
+def _found_inf_on_any_rank(per_device: dict, scale_device: torch.device, group) -> dict:
+    """One flag: 1.0 if any device of any rank of ``group`` found inf/nan. Returned for every
+    device this rank checked (or the scale's device when it checked none)."""
+    flag = torch.zeros((), dtype=torch.float32, device=scale_device)
+    for found in per_device.values():
+        flag = torch.maximum(flag, found.to(scale_device))
+    if skdist.is_initialized() and skdist.get_world_size(group) > 1:
+        skdist.all_reduce(flag, op=skdist.ReduceOp.MAX, group=group)
+    devices = list(per_device) or [scale_device]
+    return {d: flag.to(d) for d in devices}
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -125,26 +165,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self.process_group = options["process_group"]
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
-        if getattr(optimizer, "_stepped_in_backward", None) is not None:
-            # before the collective: every rank of such an OSS stepped in the same backward
-            raise RuntimeError("ShardedGradScaler: " + STEPPED_WITH_SCALED_GRADS)
         # FairScale's scaler unscales fp16 gradients too (torch's refuses them)
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
-        agreed = self._found_inf_on_any_rank(per_device, found_inf.device)
-        if isinstance(optimizer, OSS):  # so that its step does not combine the flags again
-            optimizer._found_inf_agreed_over(self.process_group)
-        return agreed
-
-    def _found_inf_on_any_rank(self, per_device: dict, scale_device: torch.device) -> dict:
-        """One flag: 1.0 if any device of any rank found inf/nan. Returned for every device
-        this rank checked (or the scale's device when it checked none)."""
-        flag = torch.zeros((), dtype=torch.float32, device=scale_device)
-        for found in per_device.values():
-            flag = torch.maximum(flag, found.to(scale_device))
-        if skdist.is_initialized() and skdist.get_world_size(self.process_group) > 1:
-            skdist.all_reduce(flag, op=skdist.ReduceOp.MAX, group=self.process_group)
-        devices = list(per_device) or [scale_device]
-        return {d: flag.to(d) for d in devices}
+        return _unscale_agreed_over(self, optimizer, inv_scale, found_inf, self.process_group)
 
 
 _TORCH_ORDER = ("device", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
