@@ -26,8 +26,11 @@ With ``--model`` the rows are what the most loaded rank really holds
 (:func:`shardkit.plan_model.rank_layout`): frozen parameters keep weights only (no gradient, no
 optimizer state; at stage 3 a unit that trains at all keeps a gradient shard for all of its
 parameters), stages 1-2 the owner of the most elements under OSS's whole-parameter partition,
-stage 3 FSDP's rows padded to a multiple of N; ``formula_model_states`` (JSON) keeps the ZeRO
-formula. ``tests/test_plan_matrix.py`` checks both against storages and ``CommCounter``.
+stage 3 FSDP's rows padded to a multiple of N; without ``--mixed-precision`` a parameter not
+in fp32 (a model loaded in bf16, an fp64 layer) holds its weight, gradient and optimizer state
+in its own dtype (``fp32_equivalent_params`` in JSON: the fp32 count of the same bytes);
+``formula_model_states`` (JSON) keeps the ZeRO formula. ``tests/test_plan_matrix.py`` checks
+both against storages and ``CommCounter``.
 
 Costs: no communication, no process group; ``--model`` builds the model once on the CPU.
 """
@@ -43,7 +46,8 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from shardkit.plan_model import (ModelSummary, PlanError, RankLayout, estimate_activation_bytes,
-                                 load_factory_module, rank_layout, summarize_model)
+                                 has_non_fp32_parameters, load_factory_module, rank_layout,
+                                 summarize_model)
 
 __all__ = ["Precision", "StageMemory", "ModelSummary", "precision_for", "zero_model_state_bytes",
            "zero_comm_elements_per_step", "pipeline_comm_elements", "zeropp_traffic",
@@ -534,8 +538,8 @@ def validate(args) -> PlanRequest:
 
 def make_plan(req: PlanRequest) -> dict:
     """The plan as plain data: inputs, model summary, rows and recommendation."""
-    summary = layout = None
-    params = req.params
+    summary = sizing = layout = None
+    params = sized = req.params
     if req.model is not None:
         model = load_factory_module(req.model)
         summary = summarize_model(model, req.wrap_block, req.min_num_params)
@@ -543,29 +547,47 @@ def make_plan(req: PlanRequest) -> dict:
         if not params:
             raise PlanError(f"--model {req.model!r}: the module has no parameters; nothing to "
                             f"plan")
-        layout = rank_layout(model, req.world_size, req.wrap_block, req.min_num_params)
+        sizing, layout = _model_sizing(model, req, summary)
+        sized = sizing.params
     activations = 0.0
     if summary is not None and req.seq_len:
         activations = estimate_activation_bytes(summary, req.batch, req.seq_len,
                                                 req.precision.weights == 2, req.fused_attention)
-    rows = stage_table(params, req.world_size, req.precision, req.stages, summary, activations,
+    rows = stage_table(sized, req.world_size, req.precision, req.stages, sizing, activations,
                        layout)
     best = recommend_stage(rows, req.gpu_memory) if req.gpu_memory else None
     return {
-        "params": params, "world_size": req.world_size, "precision": asdict(req.precision),
+        "params": params, "fp32_equivalent_params": sized,
+        "world_size": req.world_size, "precision": asdict(req.precision),
         "model": req.model, "summary": asdict(summary) if summary else None,
         "activations_bytes": activations, "gpu_memory_bytes": req.gpu_memory,
         "rows": [dict(asdict(r), total=r.total) for r in rows],
-        "stage3_traffic": zeropp_traffic(params, req.world_size, req.precision,
-                                         summary.root_unit_params if summary else 0.0)
+        "stage3_traffic": zeropp_traffic(sized, req.world_size, req.precision,
+                                         sizing.root_unit_params if sizing else 0.0)
         if 3 in req.stages else None,
-        "stage1_owners_traffic": stage1_owners_traffic(params, req.world_size, req.precision,
-                                                       summary) if 1 in req.stages else None,
+        "stage1_owners_traffic": stage1_owners_traffic(sized, req.world_size, req.precision,
+                                                       sizing) if 1 in req.stages else None,
         "recommended_stage": best.stage if best else None,
         "ranks_per_node": req.ranks_per_node or req.world_size,
-        "stage3_link_traffic": _link_traffic_data(req, params, summary)
+        "stage3_link_traffic": _link_traffic_data(req, sized, sizing)
         if 3 in req.stages else None,
     }
+
+
+def _model_sizing(model, req: PlanRequest,
+                  summary: ModelSummary) -> tuple[ModelSummary, RankLayout]:
+    """The summary and rank layout the byte figures take. In fp32 training a parameter
+    that is not fp32 (a model loaded in bf16, an fp64 layer) holds its weight, gradient and
+    optimizer state in its own dtype (torch's optimizers keep their state in the
+    parameter's), so its counts are :func:`shardkit.plan_model.fp32_elements`; the
+    displayed counts stay elements. ``--mixed-precision`` keeps elements: its W, G and K
+    already say the dtypes of every parameter."""
+    weigh = req.precision.weights == 4 and has_non_fp32_parameters(model)
+    if weigh:
+        summary = summarize_model(model, req.wrap_block, req.min_num_params,
+                                  in_fp32_elements=True)
+    return summary, rank_layout(model, req.world_size, req.wrap_block, req.min_num_params,
+                                in_fp32_elements=weigh)
 
 
 def stage1_owners_traffic(params: float, world_size: int, precision: Precision,
@@ -627,6 +649,11 @@ def render_plan(plan: dict) -> str:
         lines.append(f"model {plan['model']}: {summary['params']:,} parameters{frozen}, "
                      f"{summary['num_units']} FSDP units, the largest "
                      f"{summary['largest_unit_params']:,} parameters")
+        sized = plan.get("fp32_equivalent_params", plan["params"])
+        if sized != plan["params"]:
+            lines.append(f"parameters not in fp32 keep weights, gradients and optimizer state "
+                         f"in their own dtype: the bytes below are those of "
+                         f"{format_count(sized)} fp32 parameters")
     show_extra = summary is not None
     header = f"{'stage':<6}{'wrapper':<18}{'formula':<16}{'wire/step':>12}{'model states':>14}"
     if show_extra:

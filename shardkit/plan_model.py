@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["PlanError", "ModelSummary", "RankLayout", "load_factory_module", "fsdp_unit_sizes",
-           "rank_layout", "summarize_model", "estimate_activation_bytes"]
+           "rank_layout", "summarize_model", "estimate_activation_bytes", "fp32_elements",
+           "has_non_fp32_parameters"]
 
 
 class PlanError(ValueError):
@@ -78,11 +79,32 @@ def fsdp_unit_sizes(model, wrap_block: Optional[str] = None,
             for unit in _fsdp_unit_params(model, wrap_block, min_num_params)]
 
 
-def _fsdp_units(model, wrap_block: Optional[str] = None,
-                min_num_params: Optional[int] = None) -> list[tuple[int, int]]:
-    """``(parameters, trainable parameters)`` of each unit of :func:`fsdp_unit_sizes`."""
-    return [(sum(p.numel() for p in unit), sum(p.numel() for p in unit if p.requires_grad))
+def _fsdp_units(model, wrap_block: Optional[str] = None, min_num_params: Optional[int] = None,
+                in_fp32_elements: bool = False) -> list[tuple[float, float]]:
+    """``(parameters, trainable parameters)`` of each unit of :func:`fsdp_unit_sizes`, in
+    :func:`fp32_elements` with ``in_fp32_elements``."""
+    size = fp32_elements if in_fp32_elements else _numel
+    return [(sum(size(p) for p in unit), sum(size(p) for p in unit if p.requires_grad))
             for unit in _fsdp_unit_params(model, wrap_block, min_num_params)]
+
+
+def fp32_elements(p) -> float:
+    """``p``'s elements weighted by its dtype's size against fp32's 4 bytes (a bf16 element
+    counts 0.5, an fp64 one 2): what it weighs in the planner's byte formulas, whose W, G and
+    K are per fp32 element, when the model is trained in the parameters' own dtypes (torch's
+    optimizers keep their state in each parameter's dtype)."""
+    return p.numel() * p.element_size() / 4
+
+
+def _numel(p) -> int:
+    return p.numel()
+
+
+def has_non_fp32_parameters(model) -> bool:
+    """Whether any parameter of ``model`` is not fp32 (a model loaded in bf16, an fp64
+    layer): then its bytes differ from the fp32 formulas' (:func:`fp32_elements`)."""
+    import torch
+    return any(p.dtype != torch.float32 for p in model.parameters())
 
 
 def _fsdp_unit_params(model, wrap_block: Optional[str] = None,
@@ -137,19 +159,28 @@ class RankLayout:
 
 
 def rank_layout(model, world_size: int, wrap_block: Optional[str] = None,
-                min_num_params: Optional[int] = None) -> RankLayout:
+                min_num_params: Optional[int] = None,
+                in_fp32_elements: bool = False) -> RankLayout:
     """The :class:`RankLayout` of ``model`` at ``world_size`` ranks (stage 3 units as
-    :func:`fsdp_unit_sizes` finds them). Costs a pass over the parameters' shapes."""
+    :func:`fsdp_unit_sizes` finds them), every count in :func:`fp32_elements` with
+    ``in_fp32_elements`` (the partitions themselves stay by elements, as the wrappers cut
+    them). Costs a pass over the parameters' shapes."""
     from shardkit.checkpoint.resharding import ParamLayout
     from shardkit.optim.partition import plan_ownership
 
-    def padded(p) -> int:
-        return ParamLayout(p.shape, world_size).chunk_numel * world_size
+    def scale(p):  # the weight of one element of p in the counts
+        return p.element_size() / 4 if in_fp32_elements else 1
+
+    def padded(p):
+        return ParamLayout(p.shape, world_size).chunk_numel * world_size * scale(p)
 
     units = _fsdp_unit_params(model, wrap_block, min_num_params)
     trainable = [p for p in _distinct(model.parameters()) if p.requires_grad]
-    owned = plan_ownership([trainable], world_size).partition.numel_per_rank() \
-        if trainable else [0] * world_size
+    owned = [0] * world_size
+    if trainable:
+        partition = plan_ownership([trainable], world_size).partition
+        owned = [sum(p.numel() * scale(p) for group in partition.params_of(rank) for p in group)
+                 for rank in range(world_size)]
     return RankLayout(
         world_size=world_size,
         padded_params=sum(padded(p) for unit in units for p in unit),
@@ -169,18 +200,23 @@ def _distinct(params):
 
 
 def summarize_model(model, wrap_block: Optional[str] = None,
-                    min_num_params: Optional[int] = None) -> ModelSummary:
-    """Count ``model``'s parameters and find its largest FSDP unit and transformer shape."""
+                    min_num_params: Optional[int] = None,
+                    in_fp32_elements: bool = False) -> ModelSummary:
+    """Count ``model``'s parameters and find its largest FSDP unit and transformer shape.
+    With ``in_fp32_elements`` the parameter counts are :func:`fp32_elements` (the sizes the
+    byte formulas take for a model trained in its own dtypes)."""
     import torch.nn as nn
 
-    from shardkit.recipes import count_params
+    def count_params(params) -> float:
+        size = fp32_elements if in_fp32_elements else _numel
+        return sum(size(p) for p in _distinct(params))
 
     if wrap_block is not None and not any(type(m).__name__ == wrap_block
                                           for m in model.modules()):
         found = sorted({type(m).__name__ for m in model.modules()})
         raise PlanError(f"--wrap-block {wrap_block!r} matches no submodule; the model's module "
                         f"classes are {', '.join(found)}")
-    unit_counts = _fsdp_units(model, wrap_block, min_num_params)
+    unit_counts = _fsdp_units(model, wrap_block, min_num_params, in_fp32_elements)
     units = [size for size, _ in unit_counts]
     blocks = [m for m in model.modules() if wrap_block and type(m).__name__ == wrap_block]
     hidden = heads = 0

@@ -961,7 +961,15 @@ def default_wrap_policy(model: nn.Module) -> Callable:
     """Stage 3's documented default: the classes the model names in Hugging Face's
     ``_no_split_modules`` (:func:`shardkit.nn.wrap.no_split_modules_policy`); else the
     transformer blocks found by type (:func:`repeated_block_classes`); else FSDP's
-    parameter-count policy (:func:`shardkit.nn.wrap.default_auto_wrap_policy`)."""
+    parameter-count policy (:func:`shardkit.nn.wrap.default_auto_wrap_policy`). In a model
+    whose parameters have several dtypes, each largest submodule of one dtype is a unit too
+    (:func:`shardkit.nn.wrap.auto_wrap.split_dtypes_policy`): one unit holds one dtype."""
+    from shardkit.nn.wrap.auto_wrap import split_dtypes_policy
+    return split_dtypes_policy(model, _default_block_policy(model))
+
+
+def _default_block_policy(model: nn.Module) -> Callable:
+    """:func:`default_wrap_policy` before the dtype split."""
     from shardkit.nn.wrap import (default_auto_wrap_policy, no_split_modules_policy,
                                   transformer_auto_wrap_policy)
     if any(getattr(m, "_no_split_modules", None) for m in model.modules()):

@@ -31,7 +31,7 @@ import torch.nn as nn
 __all__ = ["auto_wrap", "enable_wrap", "wrap", "default_auto_wrap_policy",
            "config_auto_wrap_policy", "transformer_auto_wrap_policy",
            "size_based_auto_wrap_policy", "no_split_modules_policy", "no_split_module_classes",
-           "auto_wrap_bn"]
+           "auto_wrap_bn", "split_dtypes_policy"]
 
 _wrap_contexts: list[tuple[type, dict, Optional[Callable]]] = []
 
@@ -171,6 +171,53 @@ def no_split_modules_policy(model: nn.Module) -> Callable:
     Costs nothing; the wrapper's own costs apply per unit.
     """
     return transformer_auto_wrap_policy(no_split_module_classes(model))
+
+
+def split_dtypes_policy(model: nn.Module, policy: Callable) -> Callable:
+    """``policy``, plus a unit of its own for each largest submodule of ``model`` whose
+    parameters share one dtype inside a parent whose parameters mix dtypes (an fp64 head on
+    an fp32 body, a bf16 adapter): an FSDP unit flattens its parameters into one buffer of
+    one dtype, so a unit mixing them is refused. ``policy`` itself when every parameter has
+    one dtype. Containers without a forward of their own (``nn.ModuleList``,
+    ``nn.ModuleDict``, ``nn.ParameterList``, ``nn.ParameterDict``) are never units: their
+    children are looked at instead. A module mixing dtypes in its own parameters stays
+    mixed (FSDP names it). Costs one walk over the modules."""
+    islands = {id(m) for m in _one_dtype_submodules(model)}
+    if not islands:
+        return policy
+    holds_island = {id(m) for m in model.modules()
+                    if any(id(sub) in islands for sub in m.modules())}
+    call = _policy_caller(policy)
+
+    def split(module=None, recurse=None, unwrapped_params=None, module_is_root=None,
+              **_ignored) -> bool:
+        if recurse:
+            return id(module) in holds_island or call(module, True, unwrapped_params,
+                                                      bool(module_is_root))
+        return id(module) in islands or call(module, False, unwrapped_params,
+                                             bool(module_is_root))
+    return split
+
+
+_NO_FORWARD = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+
+
+def _one_dtype_submodules(model: nn.Module) -> list:
+    """The largest submodules of ``model`` holding parameters of one dtype under an ancestor
+    holding several (none when ``model``'s parameters share one dtype)."""
+    found = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            dtypes = {p.dtype for p in child.parameters()}
+            if len(dtypes) == 1 and not isinstance(child, _NO_FORWARD):
+                found.append(child)
+            elif dtypes:
+                visit(child)
+
+    if len({p.dtype for p in model.parameters()}) > 1:
+        visit(model)
+    return found
 
 
 def _as_class_tuple(transformer_layer_cls) -> tuple:
