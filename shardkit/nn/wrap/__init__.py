@@ -12,13 +12,13 @@ import torch.nn as nn
 from shardkit.nn.wrap.auto_wrap import (auto_wrap, auto_wrap_bn, config_auto_wrap_policy,
                                         default_auto_wrap_policy, enable_wrap,
                                         no_split_module_classes, no_split_modules_policy,
-                                        size_based_auto_wrap_policy,
+                                        size_based_auto_wrap_policy, split_dtypes_policy,
                                         transformer_auto_wrap_policy, wrap)
 
 __all__ = ["auto_wrap", "enable_wrap", "wrap", "default_auto_wrap_policy",
            "config_auto_wrap_policy", "transformer_auto_wrap_policy",
            "size_based_auto_wrap_policy", "no_split_modules_policy", "no_split_module_classes",
-           "auto_wrap_bn"]
+           "auto_wrap_bn", "split_dtypes_policy"]
 
 
 class _CallableModule(types.ModuleType):
