@@ -7,6 +7,7 @@ the global batch, each rank trains its FSDP shard on its slice of that batch.
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
 from shardkit import distributed as skdist
 from shardkit.models import GPT, Block, GPTConfig, synthetic_batch
@@ -93,3 +94,35 @@ def shard_diff(model: FSDP, reference: torch.nn.Module) -> float:
         expected = shard_rows(ref[name].detach(), layouts[id(p)], model.rank)
         worst = max(worst, (p.detach() - expected).abs().max().item())
     return worst
+
+
+class ResidualBlock(nn.Module):
+    """``x + b(tanh(a(x)))``, 6 wide: the inner unit of :class:`TwoBlockNet`."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 12)
+        self.b = nn.Linear(12, 6)
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class TwoBlockNet(nn.Module):
+    """A root holding the head, two :class:`ResidualBlock` as inner units (6 features in, 3
+    classes out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([ResidualBlock(), ResidualBlock()])
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def first_ranks_groups() -> dict:
+    """Process groups of the first 1, 2 and 4 ranks (created on every rank of a world of 4)."""
+    return {size: skdist.new_group(list(range(size))) for size in (1, 2, 4)}

@@ -40,31 +40,9 @@ import torch.nn.functional as F
 from shardkit import distributed as skdist
 from shardkit.testing import world_fixture
 
+from tests.nn.fsdp_common import TwoBlockNet as Net
+
 world2 = world_fixture(2)
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(6, 12)
-        self.b = nn.Linear(12, 6)
-
-    def forward(self, x):
-        return x + self.b(torch.tanh(self.a(x)))
-
-
-class Net(nn.Module):
-    """A root holding the head, two blocks as inner units."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def _batch(i: int) -> tuple:

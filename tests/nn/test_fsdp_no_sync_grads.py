@@ -35,41 +35,16 @@ from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
 from shardkit.nn.pipe.skip import pop, skippable, stash
 from shardkit.testing import world_fixture
 
+from tests.nn.fsdp_common import (first_ranks_groups as _groups,
+                                  ResidualBlock as Block,
+                                  TwoBlockNet as Net)
+
 world4 = world_fixture(4)
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(6, 12)
-        self.b = nn.Linear(12, 6)
-
-    def forward(self, x):
-        return x + self.b(torch.tanh(self.a(x)))
-
-
-class Net(nn.Module):
-    """A root holding the head, two blocks as inner units."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def _batch(i: int) -> tuple:
     g = torch.Generator().manual_seed(610 + i)
     return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
-
-
-def _groups() -> dict:
-    """Process groups of the first 1, 2 and 4 ranks (created on every rank)."""
-    return {size: skdist.new_group(list(range(size))) for size in (1, 2, 4)}
 
 
 def _wrapped(reference: nn.Module, group, keep: bool) -> nn.Module:
