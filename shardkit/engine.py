@@ -2528,24 +2528,11 @@ def _one_dtype_per_unit(model: nn.Module, wrap_policy: Optional[Callable]) -> in
     frozen encoder) keeps them 16-bit. The units are found by a dry run of ``auto_wrap``
     with the same policy (nothing is wrapped). Returns how many were cast. Local."""
     from shardkit.nn.data_parallel import FullyShardedDataParallel
-    from shardkit.nn.wrap.auto_wrap import (_policy_caller, _recursive_wrap,
-                                            _registering_modules, _wrapper_key)
-    from shardkit.recipes import default_wrap_policy
-    policy = wrap_policy or default_wrap_policy(model)
-    roots: list = []
-
-    def record(module: nn.Module) -> nn.Module:
-        roots.append(module)
-        return module
-
-    _recursive_wrap(model, _policy_caller(policy), _wrapper_key(FullyShardedDataParallel),
-                    record, True, _registering_modules(model))
-    if not roots or roots[-1] is not model:
-        roots.append(model)  # compose wraps the root last
-    half, taken, cast = (torch.float16, torch.bfloat16), set(), 0
-    for root in roots:  # bottom-up: a unit's own parameters are those no inner unit took
-        own = [p for p in root.parameters() if id(p) not in taken]
-        taken.update(id(p) for p in own)
+    from shardkit.nn.wrap.auto_wrap import planned_units
+    from shardkit.recipes import block_wrap_policy
+    policy = wrap_policy or block_wrap_policy(model)
+    half, cast = (torch.float16, torch.bfloat16), 0
+    for _, own in planned_units(model, policy, FullyShardedDataParallel):
         if len({p.dtype for p in own}) < 2:
             continue
         for param in own:

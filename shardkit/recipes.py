@@ -61,7 +61,8 @@ from shardkit import distributed
 from shardkit.models import GPT
 
 __all__ = ["OptimizerRecipe", "adamw", "Composition", "TrainingSetup", "STAGES", "compose",
-           "torch_ddp", "default_wrap_policy", "repeated_block_classes", "compose_pipeline",
+           "torch_ddp", "default_wrap_policy", "block_wrap_policy", "repeated_block_classes",
+           "compose_pipeline",
            "gpt_as_sequential", "balance_by_params", "pipeline_chunks", "token_cross_entropy",
            "count_params", "why_not_steppable_on_shards", "why_not_on_row_shards",
            "refuse_meta_tensors", "check_composable", "agree_on_refusal", "model_fingerprint",
@@ -958,18 +959,27 @@ def repeated_block_classes(model: nn.Module) -> tuple:
 
 
 def default_wrap_policy(model: nn.Module) -> Callable:
-    """Stage 3's documented default: the classes the model names in Hugging Face's
-    ``_no_split_modules`` (:func:`shardkit.nn.wrap.no_split_modules_policy`); else the
-    transformer blocks found by type (:func:`repeated_block_classes`); else FSDP's
-    parameter-count policy (:func:`shardkit.nn.wrap.default_auto_wrap_policy`). In a model
-    whose parameters have several dtypes, each largest submodule of one dtype is a unit too
-    (:func:`shardkit.nn.wrap.auto_wrap.split_dtypes_policy`): one unit holds one dtype."""
-    from shardkit.nn.wrap.auto_wrap import split_dtypes_policy
-    return split_dtypes_policy(model, _default_block_policy(model))
+    """Stage 3's documented default: :func:`block_wrap_policy`, unless a unit it would build
+    mixes parameter dtypes (an FSDP unit flattens one dtype: refused), then with each largest
+    submodule of one dtype a unit too (:func:`shardkit.nn.wrap.split_dtypes_policy`; an fp64
+    head on an fp32 body, bf16 weights beside fp32 adapters under :func:`compose`). A model
+    whose units each hold one dtype keeps exactly those units. (``shardkit.initialize`` first
+    casts a unit's 16-bit parameters to fp32 where the unit also holds fp32 ones, as PEFT
+    models need, so its units stay one per block.) Costs a dry run of the wrapping."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+    from shardkit.nn.wrap.auto_wrap import planned_units, split_dtypes_policy
+    policy = block_wrap_policy(model)
+    units = planned_units(model, policy, FullyShardedDataParallel)
+    if all(len({p.dtype for p in own}) < 2 for _, own in units):
+        return policy
+    return split_dtypes_policy(model, policy)
 
 
-def _default_block_policy(model: nn.Module) -> Callable:
-    """:func:`default_wrap_policy` before the dtype split."""
+def block_wrap_policy(model: nn.Module) -> Callable:
+    """The classes the model names in Hugging Face's ``_no_split_modules``
+    (:func:`shardkit.nn.wrap.no_split_modules_policy`); else the transformer blocks found by
+    type (:func:`repeated_block_classes`); else FSDP's parameter-count policy
+    (:func:`shardkit.nn.wrap.default_auto_wrap_policy`)."""
     from shardkit.nn.wrap import (default_auto_wrap_policy, no_split_modules_policy,
                                   transformer_auto_wrap_policy)
     if any(getattr(m, "_no_split_modules", None) for m in model.modules()):

@@ -173,18 +173,47 @@ def no_split_modules_policy(model: nn.Module) -> Callable:
     return transformer_auto_wrap_policy(no_split_module_classes(model))
 
 
+def planned_units(model: nn.Module, policy: Callable, wrapper_cls) -> list:
+    """The units :func:`auto_wrap` would build over ``model`` with ``policy`` and
+    ``wrapper_cls``, and ``model`` itself (wrapped last, as :func:`shardkit.recipes.compose`
+    does), bottom-up, each as ``(module, the parameters it would own)`` (those no inner unit
+    took). A dry run: nothing is wrapped. Local."""
+    planned: list = []
+
+    def record(module: nn.Module) -> nn.Module:
+        planned.append(module)
+        return module
+
+    _recursive_wrap(model, _policy_caller(policy), _wrapper_key(wrapper_cls), record, True,
+                    _registering_modules(model))
+    if not planned or planned[-1] is not model:
+        planned.append(model)
+    taken, units = set(), []
+    for module in planned:
+        own = [p for p in module.parameters() if id(p) not in taken]
+        taken.update(id(p) for p in own)
+        units.append((module, own))
+    return units
+
+
 def split_dtypes_policy(model: nn.Module, policy: Callable) -> Callable:
     """``policy``, plus a unit of its own for each largest submodule of ``model`` whose
     parameters share one dtype inside a parent whose parameters mix dtypes (an fp64 head on
     an fp32 body, a bf16 adapter): an FSDP unit flattens its parameters into one buffer of
-    one dtype, so a unit mixing them is refused. ``policy`` itself when every parameter has
-    one dtype. Containers without a forward of their own (``nn.ModuleList``,
-    ``nn.ModuleDict``, ``nn.ParameterList``, ``nn.ParameterDict``) are never units: their
-    children are looked at instead. A module mixing dtypes in its own parameters stays
-    mixed (FSDP names it). Costs one walk over the modules."""
+    one dtype, so a unit mixing them is refused. A submodule that mixes dtypes below it but
+    whose own parameters (those its one-dtype submodules leave it) share one dtype is a unit
+    too (an fp64 scale beside an fp32 Linear), so that they do not fall into a parent
+    holding another dtype. ``policy`` itself when every parameter has one dtype. Containers
+    without a forward of their own (``nn.ModuleList``, ``nn.ModuleDict``,
+    ``nn.ParameterList``, ``nn.ParameterDict``) are never units: their children are looked
+    at instead. A module mixing dtypes in its own parameters stays mixed (FSDP refuses the
+    unit holding them). A torch ``CustomPolicy`` stays one: the wrapper keyword arguments
+    its ``lambda_fn`` gives a module still apply. Costs one walk over the modules."""
     islands = {id(m) for m in _one_dtype_submodules(model)}
     if not islands:
         return policy
+    if _custom_policy_lambda(policy) is not None:
+        return _split_custom_policy(policy, islands)
     holds_island = {id(m) for m in model.modules()
                     if any(id(sub) in islands for sub in m.modules())}
     call = _policy_caller(policy)
@@ -199,24 +228,50 @@ def split_dtypes_policy(model: nn.Module, policy: Callable) -> Callable:
     return split
 
 
+def _split_custom_policy(policy, islands: set):
+    """torch's ``CustomPolicy`` ``policy`` that also selects the modules in ``islands``,
+    kept a ``CustomPolicy`` so that the wrapper keyword arguments its ``lambda_fn`` gives
+    a module still reach that module's unit."""
+    from torch.distributed.fsdp.wrap import CustomPolicy
+    lambda_fn = _custom_policy_lambda(policy)
+
+    def select(module: nn.Module):
+        answer = lambda_fn(module)
+        if id(module) in islands and (answer is False or answer == {}):
+            return True
+        return answer
+    return CustomPolicy(select)
+
+
 _NO_FORWARD = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 def _one_dtype_submodules(model: nn.Module) -> list:
-    """The largest submodules of ``model`` holding parameters of one dtype under an ancestor
-    holding several (none when ``model``'s parameters share one dtype)."""
+    """The submodules of ``model`` that become units of one dtype under an ancestor holding
+    several (none when ``model``'s parameters share one dtype): the largest ones whose
+    parameters share one dtype, and each one mixing dtypes whose leftover parameters (not
+    in such a unit below it) share one dtype."""
     found = []
 
-    def visit(module: nn.Module) -> None:
+    def leftover_dtypes(module: nn.Module) -> set:
+        """The dtypes of ``module``'s parameters that no unit found below it holds."""
+        left = {p.dtype for p in module.parameters(recurse=False)}
         for child in module.children():
             dtypes = {p.dtype for p in child.parameters()}
+            if not dtypes:
+                continue
             if len(dtypes) == 1 and not isinstance(child, _NO_FORWARD):
                 found.append(child)
-            elif dtypes:
-                visit(child)
+                continue
+            below = leftover_dtypes(child)
+            if len(below) == 1 and not isinstance(child, _NO_FORWARD):
+                found.append(child)
+            else:
+                left |= below
+        return left
 
     if len({p.dtype for p in model.parameters()}) > 1:
-        visit(model)
+        leftover_dtypes(model)
     return found
 
 
