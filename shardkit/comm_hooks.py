@@ -115,33 +115,40 @@ def quantized_allreduce_hook(state: Optional[QuantizedHookState], bucket
     block scale of the averaged shard (see
     :mod:`shardkit.quantized_comm`). Memory: the quantized buffers (about ``bits/32`` of the
     bucket each) and one fp32 shard, plus a record of each bucket agreed on, kept while its
-    first parameter lives. The hook finishes its transfers before returning (no
-    overlap with the rest of backward). The first time it meets a bucket (the first backward,
-    and once more after DDP rebuilds its buckets) its two collectives first agree with every
-    rank on bits, block and sizes (a ValueError on every rank if they differ; one small
-    all-gather of int64s each, not counted by ``CommCounter``); afterwards no agreement (every
-    rank gets the same buckets from DDP).
+    first parameter and the registered state live. The hook finishes its transfers before
+    returning (no overlap with the rest of backward). The first time it meets a bucket (the
+    first backward, and once more after DDP rebuilds its buckets) its two collectives first
+    agree with every rank on bits, block and sizes (a ValueError on every rank if they
+    differ; one small all-gather of int64s each, not counted by ``CommCounter``); afterwards
+    no agreement (every rank gets the same buckets from DDP). A bucket is met afresh by each
+    registered state: a second DDP over the same parameters, registered with a new
+    ``QuantizedHookState``, agrees again (its bits or block may differ between ranks).
     """
+    registered = state if isinstance(state, QuantizedHookState) else _DEFAULT_QUANTIZED_STATE
     state = state if isinstance(state, QuantizedHookState) else QuantizedHookState(state)
     buffer = bucket.buffer()
     group = state.process_group
     n = skdist.get_world_size(group)
-    check = not _quantized_layout_agreed(state, bucket)
+    check = not _quantized_layout_agreed(registered, state, bucket)
     shard = quantized_reduce_scatter([buffer], group, bits=state.bits, block=state.block,
                                      op="mean", check_ranks=check)
     quantized_all_gather([buffer], shard, group, bits=state.bits, block=state.block,
                          chunk_numels=[-(-buffer.numel() // n)], check_ranks=check)
     if check:
-        _remember_quantized_layout(state, bucket)
+        _remember_quantized_layout(registered, state, bucket)
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(buffer)
     return fut
 
 
-# Per DDP parameter (the first of a bucket, held weakly): the (group, bucket index, elements,
-# bits, block) that quantized_allreduce_hook's collectives agreed on with every rank
+# Per registered state (held weakly), per DDP parameter (the first of a bucket, held weakly):
+# the (group, bucket index, elements, bits, block) that quantized_allreduce_hook's collectives
+# agreed on with every rank
 _AGREED_QUANTIZED = WeakIdKeyDictionary()
 _AGREED_QUANTIZED_LOCK = threading.Lock()
+# stands for every state given as a process group or None: its bits and block are the defaults
+# on every rank, so such hooks may share a record
+_DEFAULT_QUANTIZED_STATE = QuantizedHookState()
 
 
 def _quantized_bucket_key(state: QuantizedHookState, bucket) -> tuple:
@@ -152,9 +159,11 @@ def _quantized_bucket_key(state: QuantizedHookState, bucket) -> tuple:
     return (params[0] if params else None), layout
 
 
-def _quantized_layout_agreed(state: QuantizedHookState, bucket) -> bool:
+def _quantized_layout_agreed(registered: QuantizedHookState, state: QuantizedHookState,
+                             bucket) -> bool:
     """Whether every rank already agreed on this bucket's layout (bucket index, elements, bits,
-    block) in an earlier call of :func:`quantized_allreduce_hook` for the same parameters.
+    block) in an earlier call of :func:`quantized_allreduce_hook` for the same parameters and
+    the same registered state.
 
     torch DDP gives every rank the same buckets: it checks the parameters' shapes across ranks
     when it is built, and when it rebuilds its buckets after the first iteration it broadcasts
@@ -163,17 +172,23 @@ def _quantized_layout_agreed(state: QuantizedHookState, bucket) -> bool:
     bucket is seen, which still catches bits or block that differ between ranks; afterwards
     none. Keyed by the parameters (a new model, or one rebuilt alike on every rank, agrees
     afresh on every rank), not by the process group alone: a layout agreed for an earlier
-    model on some ranks only would have the ranks decide differently whether to agree."""
+    model on some ranks only would have the ranks decide differently whether to agree. And by
+    the registered state: a second DDP over the same parameters whose state asks for bits
+    that differ between ranks would otherwise skip the agreement on the ranks whose bits the
+    first DDP used and run it on the others (one collective against another: a hang)."""
     param, layout = _quantized_bucket_key(state, bucket)
     with _AGREED_QUANTIZED_LOCK:
-        return param is not None and layout in _AGREED_QUANTIZED.get(param, ())
+        agreed = _AGREED_QUANTIZED.get(registered)
+        return param is not None and agreed is not None and layout in agreed.get(param, ())
 
 
-def _remember_quantized_layout(state: QuantizedHookState, bucket) -> None:
+def _remember_quantized_layout(registered: QuantizedHookState, state: QuantizedHookState,
+                               bucket) -> None:
     param, layout = _quantized_bucket_key(state, bucket)
     if param is not None:
         with _AGREED_QUANTIZED_LOCK:
-            _AGREED_QUANTIZED.setdefault(param, set()).add(layout)
+            by_param = _AGREED_QUANTIZED.setdefault(registered, WeakIdKeyDictionary())
+            by_param.setdefault(param, set()).add(layout)
 
 
 @dataclass(frozen=True)
