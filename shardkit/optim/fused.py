@@ -512,7 +512,9 @@ def _first_sharing_pair(placed: list) -> Optional[tuple]:
     """Two of ``placed`` (``(group, index, param)`` on one storage) that share an element, or
     None. Parameters whose byte spans do not overlap (the usual case) are told by a sort;
     overlapping spans of dense views share elements; strided views (columns of one matrix)
-    are told exactly by claiming each one's elements in a scratch index of the storage."""
+    are told exactly by claiming each one's elements in a scratch index over the part of the
+    storage they span (CPU memory, 4 bytes an element of that part: 64 MiB for the column
+    halves of a 4096 x 4096 matrix, once, at construction)."""
     spans = sorted((_byte_span(entry[2]), k) for k, entry in enumerate(placed))
     furthest, overlapping = spans[0], None
     for span in spans[1:]:
@@ -525,10 +527,11 @@ def _first_sharing_pair(placed: list) -> Optional[tuple]:
     params = [entry[2] for entry in placed]
     if all(p.is_contiguous() for p in params) or len({p.dtype for p in params}) > 1:
         return overlapping
-    claimed = torch.full((params[0].untyped_storage().nbytes() // params[0].element_size(),),
-                         -1, dtype=torch.int64)
+    first = min(p.storage_offset() for p in params)
+    end = max(_byte_span(p)[1] // p.element_size() for p in params)
+    claimed = torch.full((end - first,), -1, dtype=torch.int32)  # on the CPU, 4 B an element
     for k, p in enumerate(params):
-        region = claimed.as_strided(p.shape, p.stride(), p.storage_offset())
+        region = claimed.as_strided(p.shape, p.stride(), p.storage_offset() - first)
         taken = region[region >= 0]
         if taken.numel():
             return placed[int(taken[0])], placed[k]
