@@ -90,3 +90,18 @@ def test_a_sparse_parameter_is_refused_by_its_gradient_not_its_storage(cls):
     param.grad = torch.randn(4, 4).to_sparse()
     with pytest.raises(RuntimeError, match="sparse gradient"):
         opt.step()
+
+
+def test_strided_views_at_a_storage_offset_are_told_apart_exactly():
+    """Column blocks of the lower rows of one matrix (views at a storage offset): disjoint
+    ones are accepted, overlapping ones refused (the scratch index spans only their part)."""
+    whole = torch.randn(8, 10)
+
+    def view(columns: slice) -> nn.Parameter:
+        p = nn.Parameter(whole[2:, columns])
+        p.data = whole[2:, columns]  # share the matrix's storage
+        return p
+
+    FusedAdamW([view(slice(1, 5)), view(slice(5, 9))])
+    with pytest.raises(ValueError, match="share memory"):
+        FusedAdamW([view(slice(1, 5)), view(slice(4, 8))])
