@@ -271,9 +271,8 @@ def _lock_is_free(path: str) -> Optional[bool]:
     network filesystem may keep each machine's locks to itself."""
     if fcntl is None:
         return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
+    fd = _open_for_locking(path)
+    if fd is None:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -284,6 +283,19 @@ def _lock_is_free(path: str) -> Optional[bool]:
         return None
     finally:
         os.close(fd)  # drops the lock taken, if any
+
+
+def _open_for_locking(path: str) -> Optional[int]:
+    """A descriptor of ``path`` to try its ``flock`` with: opened for writing where allowed
+    (NFS emulates ``flock`` with byte-range locks, whose exclusive form needs a descriptor
+    open for writing), else read-only; ``None`` when it cannot be opened."""
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW
+    for mode in (os.O_RDWR, os.O_RDONLY):
+        try:
+            return os.open(path, mode | flags)
+        except OSError:
+            continue
+    return None
 
 
 def _marker_age(directory: str) -> Optional[float]:
