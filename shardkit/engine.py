@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -621,6 +622,23 @@ def _flat_config(raw, prefix: str = "config") -> dict:
 _NO_FORWARD = object()
 
 
+def _output_tensors(output, seen: Optional[set] = None) -> list:
+    """The tensors in a forward's output, at any depth: torch's pytree containers (tuples,
+    lists, dicts, named tuples, HF ``ModelOutput``) and the fields of dataclasses, which
+    pytree leaves whole."""
+    seen = set() if seen is None else seen
+    found = []
+    for leaf in torch.utils._pytree.tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) \
+                and id(leaf) not in seen:
+            seen.add(id(leaf))
+            fields = [getattr(leaf, field.name) for field in dataclasses.fields(leaf)]
+            found.extend(_output_tensors(fields, seen))
+    return found
+
+
 class ShardedEngine(DeepSpeedAccessors, nn.Module):
     """The object ``initialize`` returns: call it, ``backward`` the loss, ``step``.
 
@@ -726,6 +744,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         # the next forward (or backward) first checks that no other rank stepped meanwhile
         # (_agree_on_step)
         self._awaiting_step = False
+        # leaf tensors the forward returned as is -> [armed] (see _arm_leaf_output)
+        self._armed_leaf_outputs = WeakIdKeyDictionary()
         # stages 0-1 under torch DDP without find_unused_parameters: the trainable parameters
         # a gradient reached in the current reducing backward (see _refuse_unused_parameters)
         self._grads_arrived: Optional[set] = self._watch_gradient_arrivals()
@@ -1944,18 +1964,44 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         training forward's: ``engine.backward(loss)`` or the script's own ``loss.backward()``),
         not at the forward itself: a forward that no backward follows on some ranks only
         would otherwise make those ranks alone join the agreement at their next forward, and
-        wait there forever. A gradient hook on each output tensor that needs a gradient (it
-        holds only a weak reference to the engine); no communication."""
-        needing_grad = [t for t in torch.utils._pytree.tree_leaves(output)
-                        if isinstance(t, torch.Tensor) and t.requires_grad]
+        wait there forever. A gradient hook on each output tensor that needs a gradient (on
+        a view's base), found in any container :func:`_output_tensors` walks (it holds only a
+        weak reference to the engine); a leaf output is armed instead
+        (:meth:`_arm_leaf_output`). No communication."""
         owner = weakref.ref(self)
 
         def note_backward(_grad):
             engine = owner()
             if engine is not None:
                 engine._awaiting_step = True
-        for tensor in needing_grad:
-            tensor.register_hook(note_backward)
+        for tensor in _output_tensors(output):
+            if not tensor.requires_grad:
+                continue
+            # a view's own hook is lost when the script modifies it in place (torch rebuilds
+            # its grad_fn from its base's), its base's is not
+            hooked = tensor if tensor._base is None else tensor._base
+            if hooked.grad_fn is None:
+                self._arm_leaf_output(hooked)
+            else:
+                hooked.register_hook(note_backward)
+
+    def _arm_leaf_output(self, leaf: torch.Tensor) -> None:
+        """A leaf returned by the forward as is (a parameter, such as the log-variances of
+        a multi-task loss's weighting) lives as long as the model, so a hook a forward would
+        pile up on it, one more call in every backward: one hook a leaf for the engine,
+        armed by each reducing training forward that returns it, disarmed when it fires."""
+        armed = self._armed_leaf_outputs.get(leaf)
+        if armed is None:
+            armed = self._armed_leaf_outputs[leaf] = [False]
+            owner = weakref.ref(self)
+
+            def note_backward(_grad):
+                engine = owner()
+                if armed[0] and engine is not None:
+                    armed[0] = False
+                    engine._awaiting_step = True
+            leaf.register_hook(note_backward)
+        armed[0] = True
 
     def _agree_on_step_skipped(self, call: str) -> None:
         """When the backward of a reducing training pass ran here since the ranks last agreed

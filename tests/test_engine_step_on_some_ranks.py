@@ -25,10 +25,25 @@ Now a rank owes a step once a backward reaches a reducing training forward's out
 (``engine.backward`` or the script's own ``loss.backward()``), so neither happens, and a step
 skipped on some ranks is still an error on every rank.
 
+Second review of the step agreement
+
+DeepSpeed-style engine: the step agreement's gradient hooks on a forward's output.
+
+Second review of the step agreement (a rank owes a step once a backward reaches a reducing
+training forward's output, found through a gradient hook on each output tensor):
+
+- a forward returning one of its parameters as is (the log-variances of a multi-task loss's
+  uncertainty weighting: ``return preds, self.log_vars``) got one more hook on that
+  parameter at every step, for the life of the model: memory and one more Python call in
+  every backward, step after step. Now one hook a leaf, armed at each forward;
+- an output that is a dataclass (not registered with torch's pytree) hid its tensors, so a
+  step taken on some ranks only hung instead of raising on every rank.
+
 One world of 2 gloo ranks for the module, and one of 4 for a single test.
 """
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -305,3 +320,127 @@ def test_a_forward_between_backward_and_step_on_one_rank_is_named_in_the_error(w
         assert "rank(s) [1] are stepping" in text and "rank(s) [0] went on" in text, text
         assert "between backward and step on some ranks only" in text, text
         assert "torch.no_grad()" in text, text
+
+
+def _config() -> dict:
+    return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+            "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
+
+
+def _batch_rev2(step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10 * step + distributed.get_rank())
+    return torch.randn(2, 4, generator=gen)
+
+
+def _outcome_rev2(call) -> str:
+    try:
+        call()
+    except RuntimeError as error:
+        return str(error)
+    return "ok"
+
+
+class _UncertaintyWeighted(nn.Module):
+    """Predictions and the learned log-variances that weight their losses."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 2)
+        self.log_vars = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x):
+        return self.head(x), self.log_vars
+
+
+def _weighted_loss(output) -> torch.Tensor:
+    preds, log_vars = output
+    return (preds.pow(2) * torch.exp(-log_vars)).mean() + log_vars.sum()
+
+
+def _hooks_on_a_returned_parameter() -> dict:
+    """Twenty steps of a model that returns a parameter; then a step on rank 0 only after a
+    loss that reaches nothing but that parameter."""
+    torch.manual_seed(0)
+    engine, optimizer, _, _ = shardkit.initialize(model=_UncertaintyWeighted(),
+                                                  config=_config())
+    log_vars = engine.module.log_vars
+    counts = []
+    for step in range(20):
+        engine.backward(_weighted_loss(engine(_batch_rev2(step))))
+        engine.step()
+        counts.append(len(log_vars._backward_hooks or {}))
+    engine.backward(engine(_batch_rev2(20))[1].sum())
+    if distributed.get_rank() == 0:
+        error = _outcome_rev2(optimizer.step)
+    else:
+        error = _outcome_rev2(lambda: engine(_batch_rev2(21)))
+    return {"first": counts[0], "last": counts[-1], "error": error}
+
+
+def test_a_returned_parameter_keeps_one_hook_and_still_owes_the_step(world2):
+    # was: one more hook on log_vars every step (21 after 20 steps)
+    for out in world2.run(_hooks_on_a_returned_parameter):
+        assert out["last"] == out["first"], out
+        assert "rank(s) [0] are stepping" in out["error"], out
+        assert "rank(s) [1] went on" in out["error"], out
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    note: str = "logits"
+
+
+class _ReturnsDataclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return _Output(self.head(x))
+
+
+def _step_on_rank0_with_dataclass_output() -> str:
+    torch.manual_seed(0)
+    engine, optimizer, _, _ = shardkit.initialize(model=_ReturnsDataclass(), config=_config())
+    engine.backward(engine(_batch_rev2(0)).logits.pow(2).mean())
+    if distributed.get_rank() == 0:
+        return _outcome_rev2(optimizer.step)
+    return _outcome_rev2(lambda: engine.backward(engine(_batch_rev2(1)).logits.sum()))
+
+
+def test_a_step_on_some_ranks_is_an_error_with_a_dataclass_output(world2):
+    # was: rank 0 waited in the step's agreement, rank 1 in its next backward, forever
+    texts = world2.run(_step_on_rank0_with_dataclass_output)
+    assert texts[0].startswith("engine.optimizer.step(): rank(s) [0] are stepping"), texts
+    assert texts[1].startswith("engine forward: rank(s) [0] are stepping"), texts
+
+
+class _ReturnsFirstToken(nn.Module):
+    """A pooled output that is a view of the hidden states (BERT's ``hidden[:, 0]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(4, 6)
+
+    def forward(self, x):
+        return self.encoder(x).view(2, 3, 2)[:, 0]
+
+
+def _step_on_rank0_after_an_in_place_change_of_a_view_output() -> str:
+    torch.manual_seed(0)
+    engine, optimizer, _, _ = shardkit.initialize(model=_ReturnsFirstToken(),
+                                                  config=_config())
+    pooled = engine(_batch_rev2(0))
+    pooled.div_(0.5)  # a temperature applied in place
+    engine.backward(pooled.pow(2).mean())
+    if distributed.get_rank() == 0:
+        return _outcome_rev2(optimizer.step)
+    return _outcome_rev2(lambda: engine.backward(engine(_batch_rev2(1)).sum()))
+
+
+def test_a_step_on_some_ranks_is_an_error_after_an_in_place_change_of_a_view_output(world2):
+    # was: the view's hook never fired, so rank 1 went on into its backward: a hang
+    texts = world2.run(_step_on_rank0_after_an_in_place_change_of_a_view_output)
+    assert texts[0].startswith("engine.optimizer.step(): rank(s) [0] are stepping"), texts
+    assert texts[1].startswith("engine forward: rank(s) [0] are stepping"), texts
