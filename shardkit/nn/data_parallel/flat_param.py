@@ -46,8 +46,8 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from shardkit import distributed as skdist
 from shardkit.checkpoint.resharding import ParamLayout, shard_rows, unshard_rows
 from shardkit.collective_check import CollectiveMismatchError
-from shardkit.kernels import unpack_rank_major
-from shardkit.transport import Transport
+from shardkit.kernels import pack_rank_major, unpack_rank_major
+from shardkit.transport import CommHandle, Transport
 from shardkit.utils.weak_hooks import weakly_bound
 
 __all__ = ["ParamLayout", "FlatParamShard", "GatheredParamBytes", "gathered_param_bytes",
@@ -272,6 +272,10 @@ class FlatParamShard:
         self.gathered = False
         self._pending_gather = None
         self._pending_reduce = None
+        # torch FSDP1's communication hook (see set_comm_hook): None, the transport reduces
+        self.comm_hook: Optional[Callable] = None
+        self.comm_hook_state = None
+        self._hook_all_reduces = False  # NO_SHARD: hook(state, grad), all-reduced in place
         self._exposed = False
         self.exposed_with_grad = False  # the exposed views have autograd history (expose)
         self._kept_from: Optional[int] = None  # fingerprint of the shard a kept ``full`` is of
@@ -803,6 +807,9 @@ class FlatParamShard:
         self._owned, self._kept_folded = None, None
         self._reducing_used = [True] * len(self.params) if used is None else used
         side = self._side_values(self._reducing_used, grads).repeat(self.world_size)
+        if self.comm_hook is not None:
+            self._reduce_through_comm_hook(grads, side)
+            return
         chunk_numels, side_handle = list(self.chunk_numels), None
         if self._side_values_ride_the_reduce_scatter():
             grads, chunk_numels = list(grads) + [side], chunk_numels + [side.numel() //
@@ -815,6 +822,49 @@ class FlatParamShard:
             grads, chunk_numels, self.reduce_group, scale=1.0 / self.predivide,
             dtype=self.reduce_dtype)
         self._pending_reduce = (handle, False, side_handle)
+
+    def set_comm_hook(self, state, hook: Callable, all_reduces: bool) -> None:
+        """Reduce the unit's gradients with torch FSDP1's communication ``hook`` from now on:
+        ``hook(state, grad, output)`` reduce-scatters the rank-major padded flat gradient
+        ``grad`` (``N x shard`` elements) into ``output`` (``shard`` elements); with
+        ``all_reduces`` (NO_SHARD) ``hook(state, grad)`` all-reduces ``grad`` in place. The
+        hook divides as it likes (torch's default hooks by ``state``'s pre/post factors): the
+        unit's divide factors no longer apply. Local."""
+        self.comm_hook, self.comm_hook_state, self._hook_all_reduces = hook, state, all_reduces
+
+    def _reduce_through_comm_hook(self, grads: Sequence[torch.Tensor],
+                                  side: torch.Tensor) -> None:
+        """:meth:`start_reduce` with a communication hook: the side values go first, in a
+        reduce-scatter of their own through the lossless transport (all-reduced over the
+        replicas under NO_SHARD), then the hook runs on the packed gradients, synchronously
+        as under torch's FSDP1. Wire: the hook's, plus ``(N-1)/N x N x (P + 2)`` elements.
+        Memory: the packed gradient (``N x shard`` elements, torch's padded flat gradient)
+        while the hook runs, then ``output``; the per-parameter gradients are freed on
+        return."""
+        lossless = self.transport.lossless()
+        side_handle = lossless.reduce_scatter_chunks(
+            [side], [side.numel() // self.world_size], self.reduce_group,
+            scale=1.0 / self.predivide, dtype=self.reduce_dtype)
+        if self.replicate_group is not None:
+            side_handle = lossless.all_reduce(side_handle.wait(), self.replicate_group)
+        reduced = self._run_comm_hook(grads)
+        # True: nothing left for replicate_reduce (the hook did all the reduction)
+        self._pending_reduce = (CommHandle((), lambda: reduced), True, side_handle)
+
+    def _run_comm_hook(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Pack the gradients (zero padded, rank-major, in the reduce dtype; in their own
+        dtype for torch's low-precision hooks, which cast themselves, as torch FSDP1 hands
+        them over), run the hook and return what it left: ``output``, or under NO_SHARD the
+        reduced gradient. Read after the call: torch's hooks rebind ``.data`` (a cast)."""
+        dtype = grads[0].dtype if _is_low_precision_hook(self.comm_hook) else self.reduce_dtype
+        padded = pack_rank_major(list(grads), self.world_size, dtype=dtype,
+                                 chunk_numels=self.chunk_numels)
+        if self._hook_all_reduces:
+            self.comm_hook(self.comm_hook_state, padded)
+            return padded
+        output = torch.empty(self.shard_numel, dtype=dtype, device=padded.device)
+        self.comm_hook(self.comm_hook_state, padded, output)
+        return output
 
     def _side_values_ride_the_reduce_scatter(self) -> bool:
         """Whether the ``P + 2`` side values travel inside the gradients' reduce-scatter: not
@@ -900,6 +950,8 @@ class FlatParamShard:
         """Whether the reduce-scatter itself can make an inf that no rank's gradients held
         (so the side flag misses it): in fp16, from gradients of a wider dtype (cast down),
         or with ``predivide`` below the number of ranks (a sum outgrows its addends)."""
+        if self.comm_hook is not None:
+            return True  # the hook's communication is its own (a compressing cast, say)
         if self.reduce_dtype != torch.float16:
             return False
         return self.compute_dtype != torch.float16 or \
@@ -970,7 +1022,7 @@ class FlatParamShard:
         # a copy of its own (fused with any cast): .grad must not keep the side values' buffer
         grad_shard = out[:self.shard_numel].to(self.storage_device, self.master_dtype,
                                                copy=out.numel() > self.shard_numel)
-        if self.postdivide != 1.0:
+        if self.postdivide != 1.0 and self.comm_hook is None:
             grad_shard.div_(self.postdivide)
         stepped = [(p, view) for p, view, used_somewhere
                    in zip(self.params, self.shard_views(grad_shard), used)
@@ -1094,6 +1146,16 @@ class _PiecesOfFull(torch.autograd.Function):
         # the unit's hook on ``uses`` follows (unless ``inputs=`` leaves it out: then the
         # root's end of backward reduces what the unit holds)
         return (None, torch.zeros_like(shard._uses), None) + (None,) * ctx.params_given
+
+
+def _is_low_precision_hook(hook: Callable) -> bool:
+    """Whether ``hook`` is one of torch's fp16 / bf16 compress hooks, which take the gradient
+    in the compute dtype and cast it themselves (torch FSDP1's ``_low_precision_hook_enabled``)."""
+    try:
+        from torch.distributed.algorithms._comm_hooks import LOW_PRECISION_HOOKS
+    except ImportError:  # a torch without them
+        return False
+    return hook in LOW_PRECISION_HOOKS
 
 
 def _has_tensor_hooks(p: nn.Parameter) -> bool:

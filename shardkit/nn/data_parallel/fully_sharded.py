@@ -138,7 +138,7 @@ import inspect
 import sys
 import weakref
 from collections.abc import Mapping
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -700,6 +700,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._summoned_grads = False  # ... and .grad the full gradients (with_grads=True)
         # torch FSDP1's flag: summon_full_params(with_grads=True) needs it, as in torch
         self._use_orig_params = use_orig_params
+        # torch FSDP1's: the communication hook and its state (see register_comm_hook)
+        self._comm_hook = None
+        self._comm_hook_state = None
         self._gathers_before_hooks_of: set = set()  # ids of modules (see _gather_for_hooks)
         self._regathers_for_recomputations = False  # see _regather_for_later_recomputations
         self.training_state = TrainingState.IDLE
@@ -1927,6 +1930,52 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             if unit._shard is not None:
                 unit._shard.set_divide_factors(pre, post)
 
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """torch FSDP1's: reduce every unit's gradients with ``hook`` instead of the unit's
+        own reduce-scatter. Call it on the root, once, before the first forward, on every rank.
+
+        ``hook(state, grad, output)`` for the sharded strategies: ``grad`` is the unit's
+        flat gradient (this rank's, zero padded to ``N x shard`` elements, rank-major: rank
+        ``r``'s rows of every parameter are the ``r``-th block, so
+        ``dist.reduce_scatter_tensor(output, grad)`` hands each rank its shard) and ``output``
+        the ``shard`` elements to fill; ``hook(state, grad)`` for ``NO_SHARD``, reducing
+        ``grad`` in place. Both in the reduce dtype (torch's fp16 / bf16 compress hooks get
+        the gradient in the compute dtype and cast it themselves). The hook does its own
+        division, e.g. torch's ``default_hooks`` by ``DefaultState(group)``'s pre/post factors
+        (the mean over the group): ``gradient_predivide_factor`` and
+        :meth:`set_gradient_divide_factors` no longer apply. ``state`` is the hook's, passed
+        as is. The use counts and the non-finite flag of each unit travel in a small
+        reduce-scatter of their own (``P + 2`` elements per rank), and the hook's result is
+        checked for an inf or NaN (one all-reduce of one element per unit), so unused
+        parameters keep ``.grad`` as in one process and a loss scaler skips an overflowing
+        step on every rank. The hook runs synchronously, as under torch.
+
+        Refused (before any collective, on every rank: the checks read only the wrapping):
+        on an inner unit, a second time, after a forward, a ``hook`` that is not callable,
+        under ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2`` (as torch) and with
+        ``quantize_gradients`` (qgZ's compressed reduce-scatter would be bypassed). Local.
+        """
+        call = "FullyShardedDataParallel.register_comm_hook"
+        if not self.check_is_root():
+            raise _RefusedCommHook(f"{call}() was called on an inner unit; call it on the "
+                                   f"root (outermost) instance, which registers it on every "
+                                   f"unit")
+        if not callable(hook):
+            raise ValueError(f"{call}(hook={hook!r}): the hook must be a callable "
+                             f"hook(state, grad, output) (NO_SHARD: hook(state, grad))")
+        if self._is_root:
+            raise _RefusedCommHook(f"{call}() was called after the model's first forward; "
+                                   f"register the hook right after wrapping, before any "
+                                   f"forward, on every rank")
+        units = self.sharded_units()
+        for unit in units:
+            _check_comm_hook_allowed(call, unit)
+        for unit in units:
+            unit._comm_hook, unit._comm_hook_state = hook, state
+            if unit._shard is not None:
+                no_shard = unit.sharding_strategy is ShardingStrategy.NO_SHARD
+                unit._shard.set_comm_hook(state, hook, all_reduces=no_shard)
+
     # ------------------------------------------------------------------ gradients
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -2838,6 +2887,30 @@ def _resolve_writeback(volatile: Optional[bool], writeback: Optional[bool]) -> b
     if volatile is not None:
         return not volatile
     return True if writeback is None else writeback
+
+
+class _RefusedCommHook(RuntimeError, AssertionError):
+    """A ``register_comm_hook`` call torch FSDP1 refuses with an AssertionError: either
+    ``except`` clause catches it."""
+
+
+def _check_comm_hook_allowed(call: str, unit: FullyShardedDataParallel) -> None:
+    """Refuse a communication hook on ``unit`` where torch FSDP1 does (hybrid strategies, a
+    hook already registered) or where it would bypass the unit's own choice (qgZ)."""
+    if unit.sharding_strategy.is_hybrid:
+        raise _RefusedCommHook(
+            f"{call}(): unit {type(unit.module).__name__} uses sharding_strategy="
+            f"{unit.sharding_strategy.name}; communication hooks are not supported for the "
+            f"hybrid strategies (as in torch FSDP1); use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD, "
+            f"or for compressed gradients mixed_precision=MixedPrecision("
+            f"reduce_dtype=torch.float16)")
+    if unit._comm_hook is not None:
+        raise _RefusedCommHook(f"{call}(): a communication hook is already registered "
+                               f"({unit._comm_hook!r}); register one hook, once")
+    if unit.quantize_gradients:
+        raise ValueError(f"{call}(): unit {type(unit.module).__name__} was built with "
+                         f"quantize_gradients=True (qgZ), whose compressed reduce-scatter a "
+                         f"hook would replace; wrap without quantize_gradients to use a hook")
 
 
 class _NotSupported(ValueError, NotImplementedError):
