@@ -5,6 +5,13 @@ on the global batch under torch's fp16 / bf16 compress hooks (FULL_SHARD and NO_
 the hook's rounding), the side values kept working (a parameter no rank used keeps ``.grad``
 None, an overflow in one rank's reduced shard reaches every rank), and the refusals torch
 makes, raised on every rank before any collective.
+
+Review of the hook registration
+
+``register_comm_hook`` refuses a hook whose signature does not fit a unit's strategy
+(world of 2 gloo ranks): torch's ``allreduce_hook`` on a FULL_SHARD model, or its
+``reduce_scatter_hook`` on a NO_SHARD one, is named at registration on every rank, before
+any collective, and leaves the model free to take the right hook.
 """
 
 import pytest
@@ -13,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from shardkit import distributed as skd
+from shardkit.comm_counter import CommCounter
 from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
 from shardkit.testing import world_fixture
 
@@ -235,3 +243,51 @@ def test_refusals_name_the_problem_on_every_rank(world2):
 def test_refusal_is_torchs_exception_type(catch):
     from shardkit.nn.data_parallel.fully_sharded import _RefusedCommHook
     assert issubclass(_RefusedCommHook, catch)
+
+
+def _model(strategy: str) -> FSDP:
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 5))
+    inner[0] = FSDP(inner[0], sharding_strategy=strategy)
+    return FSDP(inner, sharding_strategy=strategy)
+
+
+def _mismatched_hooks_refused_at_registration() -> dict:
+    """Per strategy: the refusal (type, message, collectives issued while refusing), then
+    the largest difference between the gradients under the right hook and without any."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+    state = default_hooks.DefaultState(dist.group.WORLD)
+    x = torch.ones(2, 7) * (1 + skd.get_rank())
+    results = {}
+    for strategy, wrong, right in (
+            ("FULL_SHARD", default_hooks.allreduce_hook, default_hooks.reduce_scatter_hook),
+            ("NO_SHARD", default_hooks.reduce_scatter_hook, default_hooks.allreduce_hook)):
+        model = _model(strategy)
+        with CommCounter() as comm:
+            try:
+                model.register_comm_hook(state, wrong)
+            except ValueError as error:
+                refusal = (type(error).__name__, str(error), len(comm.calls))
+            else:
+                refusal = None
+        model.register_comm_hook(state, right)
+        model(x).pow(2).sum().backward()
+        reference = _model(strategy)
+        reference(x).pow(2).sum().backward()
+        diff = max((p.grad - q.grad).abs().max().item()
+                   for p, q in zip(model.parameters(), reference.parameters()))
+        results[strategy] = (refusal, diff)
+    return results
+
+
+def test_hook_signature_checked_against_each_units_strategy(world2):
+    for results in world2.run(_mismatched_hooks_refused_at_registration):
+        for strategy, (refusal, diff) in results.items():
+            assert refusal is not None, strategy
+            kind, message, collectives = refusal
+            assert kind == "ValueError" and collectives == 0, (strategy, refusal)
+            assert f"sharding_strategy={strategy}" in message, message
+            expected = "hook(state, grad)" if strategy == "NO_SHARD" else \
+                "hook(state, grad, output)"
+            assert expected in message and "hook=" in message, message
+            assert diff < 1e-6, (strategy, diff)

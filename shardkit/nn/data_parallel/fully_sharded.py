@@ -1948,10 +1948,16 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         reduce-scatter of their own (``P + 2`` elements per rank), and the hook's result is
         checked for an inf or NaN (one all-reduce of one element per unit), so unused
         parameters keep ``.grad`` as in one process and a loss scaler skips an overflowing
-        step on every rank. The hook runs synchronously, as under torch.
+        step on every rank. The hook runs synchronously, as under torch. The hook's own
+        collectives (``torch.distributed`` calls in torch's hooks) are not seen by
+        :class:`~shardkit.distributed.CommCounter`, which counts only the side values and the
+        flag then; a hook that raises on some ranks leaves the others in its collective until
+        the process group's timeout (as under torch).
 
         Refused (before any collective, on every rank: the checks read only the wrapping):
-        on an inner unit, a second time, after a forward, a ``hook`` that is not callable,
+        on an inner unit, a second time, after a forward, a ``hook`` that is not callable
+        or cannot take the arguments a unit's strategy hands it (``allreduce_hook`` under
+        FULL_SHARD),
         under ``HYBRID_SHARD`` / ``_HYBRID_SHARD_ZERO2`` (as torch) and with
         ``quantize_gradients`` (qgZ's compressed reduce-scatter would be bypassed). Local.
         """
@@ -1970,6 +1976,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         units = self.sharded_units()
         for unit in units:
             _check_comm_hook_allowed(call, unit)
+            _check_comm_hook_arity(call, unit, state, hook)
         for unit in units:
             unit._comm_hook, unit._comm_hook_state = hook, state
             if unit._shard is not None:
@@ -2911,6 +2918,32 @@ def _check_comm_hook_allowed(call: str, unit: FullyShardedDataParallel) -> None:
         raise ValueError(f"{call}(): unit {type(unit.module).__name__} was built with "
                          f"quantize_gradients=True (qgZ), whose compressed reduce-scatter a "
                          f"hook would replace; wrap without quantize_gradients to use a hook")
+
+
+def _check_comm_hook_arity(call: str, unit: FullyShardedDataParallel, state: object,
+                           hook: Callable) -> None:
+    """Refuse a ``hook`` that cannot take the arguments ``unit``'s strategy hands it:
+    ``hook(state, grad)`` under NO_SHARD, ``hook(state, grad, output)`` otherwise. Without
+    this, torch's ``allreduce_hook`` registered on a FULL_SHARD model fails in the middle of
+    the first backward, after the unit's first collective, with a bare TypeError. A hook
+    whose signature Python cannot read (a builtin) is let through."""
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):
+        return
+    no_shard = unit.sharding_strategy is ShardingStrategy.NO_SHARD
+    args = (state, None) if no_shard else (state, None, None)
+    try:
+        signature.bind(*args)
+    except TypeError as error:
+        expected = "hook(state, grad)" if no_shard else "hook(state, grad, output)"
+        other = ("a reduce-scatter hook such as reduce_scatter_hook needs a sharded strategy"
+                 if no_shard else "an all-reduce hook such as allreduce_hook needs NO_SHARD")
+        name = getattr(hook, "__qualname__", repr(hook))
+        raise ValueError(
+            f"{call}(hook={name}): unit {type(unit.module).__name__} uses sharding_strategy="
+            f"{unit.sharding_strategy.name}, which calls {expected}, and the hook's signature "
+            f"{signature} does not take that ({error}); {other}") from None
 
 
 class _NotSupported(ValueError, NotImplementedError):
