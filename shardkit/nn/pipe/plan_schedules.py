@@ -399,8 +399,11 @@ class PlanSchedule:
                 Python float), a stage whose forward or backward
                 (or a gradient hook) raises, or whose output cannot cross a boundary (not
                 tensors, or a dtype a header cannot name), a step that failed in another
-                pipeline (see the class), or a stage output that no longer matches the shapes
-                it announced. Found during the step, these end it the same way: the stage
+                pipeline (see the class; a step another pipeline refused before running it
+                too: where the stages are ShardedDataParallel / FSDP modules over the
+                replicas, their first-step refusals are shared before the step, one
+                one-element all-reduce per group), or a stage output that no longer matches
+                the shapes it announced. Found during the step, these end it the same way: the stage
                 stops computing and sends its neighbours what they expect, every rank
                 finishes the step's messages, then raises (on the rank that caught an
                 exception, chained to it), so the pipeline stays usable; ``.grad`` may hold
@@ -454,7 +457,7 @@ class PlanSchedule:
         if self.rank < self.num_ranks - 1:
             self.links.start_lead(self.rank, state, self._remote(self.rank + 1))
         if state.batch == StepState.BAD:  # only zeros went out, all received: nothing half-done
-            self._check_agreement(inputs, target)
+            self._check_agreement(inputs, target, state.grad)
         if state.batch == StepState.NEW:
             self.links.metas.clear()
             self.links.batch_rows = None  # the headers bring this step's
@@ -533,11 +536,8 @@ class PlanSchedule:
         failed = self.links.failed  # every rank knows by now; no message is left to receive
         if grad and not failed and self._ties:
             self._ties.add_gradients()
-        for s, stage in self.stages.items():
-            if grad and stage.reduce_gradients(failed) and not failed:
-                self._fail(f"stage {s}: the step failed in another pipeline (a replica of "
-                           f"this stage in its data_parallel_group said so)")
-                failed = True
+        if grad:
+            failed = self._reduce_over_replicas(failed)
         if grad and not failed:  # a forward-only step measures no B or W: no re-plan input
             self._training_steps += 1
             counts = {kind: sum(1 for a in order if a.kind == kind) for kind in seconds}
@@ -563,6 +563,41 @@ class PlanSchedule:
         if self._return_outputs is False:
             return None
         return self._step_loss()
+
+    def _reduce_over_replicas(self, failed: bool) -> bool:
+        """Each stage's end-of-step gradient reduction over its ``data_parallel_group``, which
+        also carries whether the step failed in some pipeline; where it did, the replicas
+        share what went wrong (one small all-gather, only then) and this pipeline's step fails
+        too, naming the replica that failed. Returns whether the step failed."""
+        for s, stage in self.stages.items():
+            if not stage.reduces_gradients_now():
+                continue
+            ours = failed
+            if not stage.reduce_gradients(failed):
+                continue
+            problem = (self._faults[0] if self._faults else
+                       "its pipeline's step failed (another rank of it found why)") if ours \
+                else None
+            others = stage.replica_failures(problem)
+            if not ours:
+                self._fail(f"stage {s}: the step failed in another pipeline, so no replica "
+                           f"keeps it: " + "; ".join(others))
+            failed = True
+        return failed
+
+    def _refuse_to_replicas(self, refusal: str, grad: bool) -> None:
+        """This pipeline refuses the step before running it: the replicas of its stages in
+        other pipelines run it and wait in the end-of-step reduction, so join that reduction
+        saying the step failed (``.grad`` is left alone here) and share why, as
+        :meth:`_reduce_over_replicas` does there. Only for a step that records for backward
+        (a forward-only step reduces nothing)."""
+        if not grad:
+            return
+        problem = f"its pipeline refused the step before running it: {refusal}"
+        for stage in self.stages.values():
+            if stage.reduces_gradients_now():
+                stage.refuse_step_to_replicas()
+                stage.replica_failures(problem)
 
     def _step_loss(self) -> torch.Tensor:
         """The loss :meth:`step` returns: the micro-batch losses' sum (``scale_grads=False``),
@@ -1152,10 +1187,24 @@ class PlanSchedule:
                                               self._target_dims)
         return problems
 
-    def _check_agreement(self, inputs, target) -> None:
-        check_schedule_agreement(type(self).__name__, self.chunks,
-                                 self._local_problems(inputs, target), self.group, self._who,
-                                 self._tie_status(), self._keyword_dims)
+    def _check_agreement(self, inputs, target, grad: Optional[bool] = None,
+                         replicas_too: bool = False) -> None:
+        """The pipeline group's agreement on the step (see
+        :func:`~shardkit.nn.pipe.schedules.check_schedule_agreement`); a refusal is told to the
+        stages' data-parallel replicas first (:meth:`_refuse_to_replicas`: ``grad``, the
+        step's grad mode, default this rank's), so a pipeline that ran the step is not left
+        waiting for this one. ``replicas_too`` (the first step): ShardedDataParallel / FSDP
+        stages' replicas share their refusals before (:meth:`_replica_refusals`)."""
+        local = self._local_problems(inputs, target)
+        if replicas_too:
+            local += self._replica_refusals(local)
+        try:
+            check_schedule_agreement(type(self).__name__, self.chunks, local, self.group,
+                                     self._who, self._tie_status(), self._keyword_dims)
+        except ValueError as refusal:
+            self._refuse_to_replicas(str(refusal),
+                                     torch.is_grad_enabled() if grad is None else grad)
+            raise
 
     def _tie_status(self) -> dict:
         """``{key: requires_grad}`` of this rank's copies of weights tied across ranks."""
@@ -1163,8 +1212,47 @@ class PlanSchedule:
                 for key, param in stage.tie_copies}
 
     def _check_first_step(self, inputs, target) -> None:
-        self._check_agreement(inputs, target)
+        self._check_agreement(inputs, target, replicas_too=True)
         self._checked = True
+
+    def _replica_refusals(self, local: list) -> list[str]:
+        """Before the first step (and the next after a failed one): where a stage's module
+        reduces inside forward and backward over replicas in other pipelines
+        (ShardedDataParallel, FSDP), whether a replica's rank refuses the step (``local``:
+        this rank's problems), as problems naming it; one one-element all-reduce per such
+        group, and one small all-gather only where some replica refused. A pipeline that ran
+        the step would otherwise wait in those modules' collectives for the one that refused
+        it. No communication for other stages (their refusal rides on the step's gradient
+        all-reduce: :meth:`_refuse_to_replicas`)."""
+        problems = []
+        for group, device in self._reducing_replica_groups():
+            refused = torch.tensor([float(bool(local))], device=device)
+            dist.all_reduce(refused, group=group)
+            if refused.item() == 0:
+                continue
+            found = dist.all_gather_object(local, group=group)
+            problems += [f"data-parallel replica at global rank {rank} (of the group of a "
+                         f"ShardedDataParallel / FSDP stage module) refuses the step: {p}"
+                         for rank, ps in zip(dist.group_ranks(group), found)
+                         if rank != dist.get_rank() for p in ps]
+        return problems
+
+    def _reducing_replica_groups(self) -> list:
+        """``(group, device)`` of each process group over more than one rank that this rank's
+        ShardedDataParallel / FSDP stage modules communicate over, once each, in stage and
+        module order (alike on every replica)."""
+        from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
+
+        groups = {}
+        for s, stage in self.stages.items():
+            if not self._reducing[s]:
+                continue
+            for m in stage.module.modules():
+                if isinstance(m, (ShardedDataParallel, FullyShardedDataParallel)):
+                    for group in (m.process_group, getattr(m, "replicate_group", None)):
+                        if group is not None and dist.get_world_size(group) > 1:
+                            groups.setdefault(id(group), (group, stage.device))
+        return list(groups.values())
 
 
 def _declared_reduction(loss_fn, loss_kwargs: Optional[dict]) -> Optional[str]:

@@ -258,7 +258,10 @@ class PipelineStage:
     ``data_parallel_group``: the group of ranks that run this same stage in the other
     pipelines. After the last backward of each step the schedule calls
     :meth:`reduce_gradients`, which averages this stage's gradients over that group and tells
-    every replica whether the step failed in any pipeline (each then raises).
+    every replica whether the step failed in any pipeline (each then raises, naming the replica
+    and its problem). A pipeline that refuses a step before running it (a target or batch its
+    first-step checks reject) still takes part in that all-reduce, with zeros, so the other
+    pipelines raise too instead of waiting; its own ``.grad`` is left as it was.
 
     Args:
         module: this stage's layers (e.g. one part of :func:`split_sequential`). It gets what
@@ -394,11 +397,21 @@ class PipelineStage:
         """This stage's parameters (those of its module)."""
         return self.module.parameters()
 
+    def reduces_gradients_now(self) -> bool:
+        """Whether :meth:`reduce_gradients` communicates at this step's end: a data-parallel
+        group of more than one rank, outside a torch ``DistributedDataParallel`` stage
+        module's ``no_sync()``."""
+        group = self.data_parallel_group
+        if group is None or dist.get_world_size(group) == 1:
+            return False
+        return not (is_torch_ddp(self.module) and not self.module.require_backward_grad_sync)
+
     def reduce_gradients(self, failed: bool = False) -> bool:
         """Average this stage's gradients over ``data_parallel_group`` (one flat all-reduce),
         and share whether the step failed: ``failed`` (this pipeline's step failed) rides as
         one more element, and the return value is whether the step failed in any replica's
-        pipeline (the gradients then belong to no whole step: zero them). Every replica takes
+        pipeline (the gradients then belong to no whole step: zero them; every replica then
+        calls :meth:`replica_failures` to learn which one failed). Every replica takes
         part, failed or not, so none is left waiting in the all-reduce.
 
         No-op (returns ``failed``) without a data-parallel group or with a group of one rank,
@@ -408,25 +421,54 @@ class PipelineStage:
         gradients there; one that got none on every replica keeps ``.grad`` ``None``, as under
         torch DDP (one presence element per parameter rides on the all-reduce).
         """
+        if not self.reduces_gradients_now():
+            return failed
         group = self.data_parallel_group
-        if group is None or dist.get_world_size(group) == 1:
-            return failed
-        if is_torch_ddp(self.module) and not self.module.require_backward_grad_sync:
-            return failed
         params = [p for p in self.module.parameters() if p.requires_grad]
         present = [float(p.grad is not None) for p in params]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        dtype = params[0].grad.dtype if params else torch.float32
-        # on the gradients' device: the all-reduce flattens them together (NCCL: CUDA only)
-        tail = torch.tensor([float(failed)] + present, dtype=dtype, device=self.device)
+        tail = self._reduction_tail(failed, present, params)
         dist.all_reduce_as_one([p.grad for p in params] + [tail], group,
                                divide_by=dist.get_world_size(group))
         for p, seen in zip(params, tail[1:].tolist()):
             if seen == 0:  # no replica gave it a gradient: None, as torch DDP leaves it
                 p.grad = None
         return bool(tail[0] > 0)
+
+    def refuse_step_to_replicas(self) -> None:
+        """For a step this pipeline refused before running it: take part in the replicas'
+        end-of-step reduction (:meth:`reduce_gradients`' all-reduce, the same layout) with
+        zeros and the step marked failed, so replicas whose pipelines ran the step learn it
+        failed instead of waiting; this stage's ``.grad`` is left as it was. Then call
+        :meth:`replica_failures`, as every replica does. No-op where
+        :meth:`reduce_gradients` would not communicate."""
+        if not self.reduces_gradients_now():
+            return
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        zeros = [torch.zeros_like(p if p.grad is None else p.grad) for p in params]
+        tail = self._reduction_tail(True, [0.0] * len(params), params)
+        dist.all_reduce_as_one(zeros + [tail], self.data_parallel_group)
+
+    def replica_failures(self, problem: Optional[str]) -> list[str]:
+        """After a reduction that said the step failed (on every replica alike): what each
+        replica's pipeline found wrong (``problem`` is this rank's, ``None`` if its pipeline
+        ran the step), as ``"data-parallel replica at global rank R: ..."`` lines, one small
+        object all-gather over ``data_parallel_group``."""
+        group = self.data_parallel_group
+        found = dist.all_gather_object(problem, group=group)
+        return [f"data-parallel replica at global rank {rank}: {p}"
+                for rank, p in zip(dist.group_ranks(group), found) if p]
+
+    def _reduction_tail(self, failed: bool, present: list, params: list) -> torch.Tensor:
+        """The elements riding on the gradients' all-reduce: whether the step failed, then
+        one presence flag per trainable parameter; in the gradients' dtype, on their device
+        (the all-reduce flattens them together; NCCL: CUDA only)."""
+        first = params[0] if params else None
+        dtype = torch.float32 if first is None else \
+            (first if first.grad is None else first.grad).dtype
+        return torch.tensor([float(failed)] + present, dtype=dtype, device=self.device)
 
     def __repr__(self) -> str:
         return (f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, "
