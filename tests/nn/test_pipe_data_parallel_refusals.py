@@ -2,16 +2,23 @@
 before running it (its first-step checks, or a later batch its first stage cannot split) is an
 error on every rank of both pipelines, naming the replica that refused, instead of leaving the
 other pipeline waiting in the stages' data-parallel all-reduce; the next step trains as one
-process does."""
+process does.
+
+Review of the replicas' refusals
+
+Pipelines whose stages are ShardedDataParallel modules over their replicas (2 pipelines x 2
+stages): eval steps share no refusal over those replicas, and the first training step after
+eval steps still does (review of f9eb39d).
+"""
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from shardkit import distributed as dist
-from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                              ScheduleInterleaved1F1B, ScheduleZBV, ScheduleZeroBubble,
-                              split_sequential)
+from shardkit.comm_counter import CommCounter
+from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                              ScheduleZBV, ScheduleZeroBubble, split_sequential)
 from shardkit.nn.pipe.stage import stage_rank
 from shardkit.testing import world_fixture
 
@@ -144,3 +151,63 @@ def test_a_first_step_one_pipeline_refuses_under_sharded_stages_fails_everywhere
             assert "target of shape (2, 4) cannot be split into chunks=4" in refused, (kind, rank)
             if rank < 2:
                 assert "data-parallel replica at global rank 3" in refused, (kind, rank, refused)
+
+
+WIDTH, ROWS, CHUNKS = 4, 8, 4
+
+
+def _sharded_stage_schedule():
+    """Pipelines {0, 1} and {2, 3}; each stage a ShardedDataParallel over replicas {0, 2} or
+    {1, 3}."""
+    from shardkit.nn.data_parallel import ShardedDataParallel
+    from shardkit.optim import OSS
+
+    rank = dist.get_rank()
+    pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    torch.manual_seed(0)
+    part = split_sequential(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)),
+                            [1, 1])[rank % 2]
+    optimizer = OSS(part.parameters(), torch.optim.SGD, lr=0.1, group=replicas)
+    module = ShardedDataParallel(part, optimizer, process_group=replicas)
+    return Schedule1F1B(PipelineStage(module, rank % 2, 2, group=pipelines[rank // 2]), CHUNKS,
+                        F.mse_loss)
+
+
+def _outcome_rev(call, x, target):
+    """``"ok"`` and the all-reduces the call ran, or the ValueError's text."""
+    try:
+        with CommCounter() as comm:
+            call(x, target=target)
+        return "ok", comm.calls_by_op.get("all_reduce", 0)
+    except ValueError as error:
+        return str(error), None
+
+
+def _eval_then_refused_training_step():
+    """Eval on pipeline 0 only, then on both; then a first training step that pipeline 1
+    refuses (its target has fewer rows than chunks); then a fine one."""
+    schedule = _sharded_stage_schedule()
+    rank = dist.get_rank()
+    x, t = torch.randn(ROWS, WIDTH), torch.randn(ROWS, WIDTH)
+    outcomes = [_outcome_rev(schedule.eval, x, t) if rank < 2 else ("ok", 0)]
+    outcomes.append(_outcome_rev(schedule.eval, x, t))
+    outcomes.append(_outcome_rev(schedule.step, x, t[:2] if rank >= 2 else t))
+    outcomes.append(_outcome_rev(schedule.step, x, t))
+    return outcomes
+
+
+def test_eval_joins_no_replica_all_reduce_and_the_first_training_step_shares_refusals(world4):
+    """Was: eval as a first step ran the replicas' refusal all-reduce (one pipeline evaluating
+    alone hung there) and counted as the first step, so a training step refused by one
+    pipeline afterwards left the other waiting in ShardedDataParallel's reduction. Now eval
+    joins no all-reduce and the first training step shares the refusals: both pipelines
+    raise, naming the replica, and the next step runs."""
+    for rank, outcomes in enumerate(world4.run(_eval_then_refused_training_step)):
+        (alone, alone_reduces), (both, both_reduces), (refused, _), (fine, _) = outcomes
+        assert (alone, alone_reduces) == ("ok", 0) and (both, both_reduces) == ("ok", 0), \
+            (rank, outcomes)
+        assert "target of shape (2, 4) cannot be split into chunks=4" in refused, (rank, refused)
+        if rank < 2:
+            assert "data-parallel replica at global rank 3" in refused, (rank, refused)
+        assert fine == "ok", (rank, fine)

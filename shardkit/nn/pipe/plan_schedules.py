@@ -262,6 +262,9 @@ class PlanSchedule:
         self.action_seconds: dict = {}
         self._training_steps = 0
         self._checked = False
+        # whether a training step shared the replicas' refusals (ShardedDataParallel / FSDP
+        # stages) since the last failed step: eval steps share none over ShardedDataParallel
+        self._replicas_checked = False
         self._signature = None  # the first stage's last batch_signature
         self._losses_arg, self._kwargs_arg = None, {}  # this step's losses list and kwargs
         self._return_outputs, self._loss_kwargs = None, None  # and its torch-style options
@@ -401,11 +404,14 @@ class PlanSchedule:
                 tensors, or a dtype a header cannot name), a step that failed in another
                 pipeline (see the class; a step another pipeline refused before running it
                 too: where the stages are ShardedDataParallel / FSDP modules over the
-                replicas, their first-step refusals are shared before the step, one
-                one-element all-reduce per group), or a stage output that no longer matches
-                the shapes it announced. Found during the step, these end it the same way: the stage
-                stops computing and sends its neighbours what they expect, every rank
-                finishes the step's messages, then raises (on the rank that caught an
+                replicas, only the refusals of a first training step are shared before it,
+                one one-element all-reduce per group: a later batch one pipeline refuses
+                still leaves the others waiting in the module's reduction, and an FSDP
+                stage evaluated on one pipeline alone waits in its gathers), or a stage
+                output that no longer matches the shapes it announced. Found during the step,
+                these end it the same way: the stage stops computing and sends its
+                neighbours what they expect, every rank finishes the step's messages, then
+                raises (on the rank that caught an
                 exception, chained to it), so the pipeline stays usable; ``.grad`` may hold
                 part of the step's gradients, so zero them before the next step. The next
                 step repeats the first step's checks (one small all-gather). A communication
@@ -415,8 +421,9 @@ class PlanSchedule:
         self._losses_arg, self._kwargs_arg = losses, kwargs
         self._return_outputs, self._loss_kwargs = return_outputs, loss_kwargs
         try:
-            if not self._checked:
-                self._check_first_step(inputs, target)
+            grad = torch.is_grad_enabled()
+            if not self._checked or (grad and not self._replicas_checked):
+                self._check_first_step(inputs, target, grad)
             self._prepare_step()  # before _start_step, which waits for micro-batch 0 off rank 0
             grad = self._start_step(inputs, target)
             with torch.set_grad_enabled(grad):
@@ -641,7 +648,7 @@ class PlanSchedule:
         failed may have announced a ``VOID`` output instead of its shapes."""
         self.links.metas.clear()
         self._signature = None
-        self._checked = False
+        self._checked = self._replicas_checked = False
 
     def _fail(self, problem: str, cause: Optional[BaseException] = None) -> None:
         """Record what this rank found wrong; the verdict carries it to the other ranks."""
@@ -1195,15 +1202,15 @@ class PlanSchedule:
         step's grad mode, default this rank's), so a pipeline that ran the step is not left
         waiting for this one. ``replicas_too`` (the first step): ShardedDataParallel / FSDP
         stages' replicas share their refusals before (:meth:`_replica_refusals`)."""
+        grad = torch.is_grad_enabled() if grad is None else grad
         local = self._local_problems(inputs, target)
         if replicas_too:
-            local += self._replica_refusals(local)
+            local += self._replica_refusals(local, grad)
         try:
             check_schedule_agreement(type(self).__name__, self.chunks, local, self.group,
                                      self._who, self._tie_status(), self._keyword_dims)
         except ValueError as refusal:
-            self._refuse_to_replicas(str(refusal),
-                                     torch.is_grad_enabled() if grad is None else grad)
+            self._refuse_to_replicas(str(refusal), grad)
             raise
 
     def _tie_status(self) -> dict:
@@ -1211,11 +1218,15 @@ class PlanSchedule:
         return {key: param.requires_grad for stage in self.stages.values()
                 for key, param in stage.tie_copies}
 
-    def _check_first_step(self, inputs, target) -> None:
-        self._check_agreement(inputs, target, replicas_too=True)
+    def _check_first_step(self, inputs, target, grad: bool) -> None:
+        """The first step's checks; again at the first step after a failed one, and at the
+        first training step after eval steps (these share no refusal over the replicas of
+        ShardedDataParallel stages: see :meth:`_replica_refusals`)."""
+        self._check_agreement(inputs, target, grad, replicas_too=True)
         self._checked = True
+        self._replicas_checked = self._replicas_checked or grad
 
-    def _replica_refusals(self, local: list) -> list[str]:
+    def _replica_refusals(self, local: list, grad: bool) -> list[str]:
         """Before the first step (and the next after a failed one): where a stage's module
         reduces inside forward and backward over replicas in other pipelines
         (ShardedDataParallel, FSDP), whether a replica's rank refuses the step (``local``:
@@ -1223,9 +1234,12 @@ class PlanSchedule:
         group, and one small all-gather only where some replica refused. A pipeline that ran
         the step would otherwise wait in those modules' collectives for the one that refused
         it. No communication for other stages (their refusal rides on the step's gradient
-        all-reduce: :meth:`_refuse_to_replicas`)."""
+        all-reduce: :meth:`_refuse_to_replicas`). A step that records no backward (``grad``
+        false: :meth:`eval`) shares them over FSDP groups only, whose forward gathers
+        parameters over the replicas: ShardedDataParallel communicates in backward only, so an
+        eval step that one pipeline runs alone joins no all-reduce there."""
         problems = []
-        for group, device in self._reducing_replica_groups():
+        for group, device in self._reducing_replica_groups(grad):
             refused = torch.tensor([float(bool(local))], device=device)
             dist.all_reduce(refused, group=group)
             if refused.item() == 0:
@@ -1237,10 +1251,10 @@ class PlanSchedule:
                          if rank != dist.get_rank() for p in ps]
         return problems
 
-    def _reducing_replica_groups(self) -> list:
+    def _reducing_replica_groups(self, grad: bool = True) -> list:
         """``(group, device)`` of each process group over more than one rank that this rank's
-        ShardedDataParallel / FSDP stage modules communicate over, once each, in stage and
-        module order (alike on every replica)."""
+        ShardedDataParallel / FSDP stage modules communicate over (FSDP's only where ``grad``
+        is false), once each, in stage and module order (alike on every replica)."""
         from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
 
         groups = {}
@@ -1248,7 +1262,8 @@ class PlanSchedule:
             if not self._reducing[s]:
                 continue
             for m in stage.module.modules():
-                if isinstance(m, (ShardedDataParallel, FullyShardedDataParallel)):
+                if isinstance(m, FullyShardedDataParallel) or \
+                        grad and isinstance(m, ShardedDataParallel):
                     for group in (m.process_group, getattr(m, "replicate_group", None)):
                         if group is not None and dist.get_world_size(group) > 1:
                             groups.setdefault(id(group), (group, stage.device))
