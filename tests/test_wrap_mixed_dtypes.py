@@ -166,8 +166,9 @@ def _adapted_units():
 
 def test_initialize_keeps_one_unit_per_adapted_block(world2):
     """A PEFT-style model (bf16 frozen weights beside fp32 adapters in each block) under
-    ``shardkit.initialize`` at stage 3 with bf16 training: the engine casts each block's 16-bit weights to fp32
-    (one dtype per unit) and keeps one unit per block; the dtype split of the default policy
-    is only for units that would still mix dtypes (it made a unit of each Linear here)."""
+    ``shardkit.initialize`` at stage 3 with bf16 training: the engine casts each block's
+    16-bit weights to fp32 (one dtype per unit) and keeps one unit per block; the dtype split
+    of the default policy is only for units that would still mix dtypes (it made a unit of
+    each Linear here)."""
     for units in world2.run(_adapted_units):
         assert units == ["_AdaptedBlock", "_AdaptedBlock", "_AdaptedModel"], units
