@@ -172,3 +172,19 @@ def test_initialize_keeps_one_unit_per_adapted_block(world2):
     each Linear here)."""
     for units in world2.run(_adapted_units):
         assert units == ["_AdaptedBlock", "_AdaptedBlock", "_AdaptedModel"], units
+
+
+def _mixed_unit_error() -> str:
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 2).double())
+    try:
+        FSDP(model)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_unit_mixing_dtypes_names_its_parameters(world2):
+    """The refusal names a few parameters of each dtype and the policy that splits them."""
+    for message in world2.run(_mixed_unit_error):
+        assert "torch.float64 (Linear.weight; Linear.bias)" in message, message
+        assert "split_dtypes_policy" in message, message

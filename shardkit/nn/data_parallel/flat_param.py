@@ -109,13 +109,28 @@ def outside_autocast(method):
     return run
 
 
-def check_one_dtype(params) -> None:
-    """ValueError unless the unit's ``params`` share one dtype (one flat buffer). Local."""
+def check_one_dtype(params, locations: Optional[list] = None) -> None:
+    """ValueError unless the unit's ``params`` share one dtype (one flat buffer), naming a few
+    parameters of each dtype where their ``locations`` (per parameter, its ``(module, name)``
+    places) are given. Local."""
     dtypes = {p.dtype for p in params}
-    if len(dtypes) > 1:
-        raise ValueError(f"FullyShardedDataParallel: one unit's parameters must share a "
-                         f"dtype; found {sorted(str(d) for d in dtypes)}. Wrap the "
-                         f"differently-typed submodules as their own units")
+    if len(dtypes) < 2:
+        return
+    found = sorted(str(d) for d in dtypes)
+    if locations is not None:
+        found = [f"{d} ({_first_locations(params, locations, d)})" for d in sorted(
+            dtypes, key=str)]
+    raise ValueError(f"FullyShardedDataParallel: one unit's parameters must share a "
+                     f"dtype; found {', '.join(found)}. Wrap the differently-typed "
+                     f"submodules as their own units (shardkit.nn.wrap.split_dtypes_policy "
+                     f"does it over a wrap policy), or cast them to one dtype")
+
+
+def _first_locations(params, locations: list, dtype: torch.dtype, most: int = 3) -> str:
+    """The places of the first ``most`` of ``params`` of ``dtype``, for error messages."""
+    of_dtype = [_where(where) for p, where in zip(params, locations) if p.dtype == dtype]
+    more = f" and {len(of_dtype) - most} more" if len(of_dtype) > most else ""
+    return "; ".join(of_dtype[:most]) + more
 
 
 def _read_all_zero(tensors: Sequence[torch.Tensor]) -> list[bool]:

@@ -590,7 +590,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             process_group = groups_of_mesh(device_mesh, strategy)
         check_group_arguments(strategy, process_group, hpz_partition_size)
         params, locations = _collect_unit_params(module, ignored)
-        check_one_dtype(params)
+        check_one_dtype(params, locations)
         # before resolve_groups, whose sub-groups (hybrid, hpZ, NO_SHARD) are collectives that
         # ranks with other strategies would not join
         given_groups = list(process_group) if isinstance(process_group, tuple) \
