@@ -184,48 +184,19 @@ def test_a_step_on_half_of_four_ranks_names_both_halves():
         assert "rank(s) [1, 3] went on" in out["error"], out
 
 
-def _engine_rev(stage: int):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
-    engine, optimizer, _, _ = shardkit.initialize(model=model, config=config)
-    return engine, optimizer
-
-
-def _batch_rev(step: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(10 * step + distributed.get_rank())
-    return torch.randn(2, 4, generator=gen)
-
-
 def _parameters(engine) -> list:
     return [p.detach().clone() for p in engine.module.parameters()]
-
-
-@contextlib.contextmanager
-def _counting_agreements_rev():
-    """The names of the control all-gathers made while inside."""
-    calls, original = [], distributed.gather_control_rows
-
-    def counted(what, row, group=None):
-        calls.append(what)
-        return original(what, row, group)
-    distributed.gather_control_rows = counted
-    try:
-        yield calls
-    finally:
-        distributed.gather_control_rows = original
 
 
 def _train(stage: int, preview_on_rank0: bool) -> list:
     """Three steps of the usual loop; with ``preview_on_rank0``, rank 0 alone also runs a
     training-mode forward with gradients on after each step, and no backward of it."""
-    engine, _ = _engine_rev(stage)
+    engine, _ = _engine(stage)
     for step in range(3):
-        engine.backward(engine(_batch_rev(step)).pow(2).mean())
+        engine.backward(engine(_batch(step)).pow(2).mean())
         engine.step()
         if preview_on_rank0 and distributed.get_rank() == 0:
-            engine(_batch_rev(100 + step))  # forgot torch.no_grad(): no backward follows
+            engine(_batch(100 + step))  # forgot torch.no_grad(): no backward follows
     return _parameters(engine)
 
 
@@ -250,16 +221,16 @@ def _two_forward_loops(stage: int) -> dict:
     """One loss of two engine forwards a step (a discriminator on real and fake samples), three
     steps by ``engine.step()``, then three by the script's ``loss.backward()`` and
     ``engine.optimizer.step()``."""
-    with _counting_agreements_rev() as calls:
-        engine, optimizer = _engine_rev(stage)
+    with _counting_agreements() as calls:
+        engine, optimizer = _engine(stage)
         for step in range(3):
-            pair = engine(_batch_rev(step)).pow(2).mean() + engine(-_batch_rev(step)).abs().mean()
+            pair = engine(_batch(step)).pow(2).mean() + engine(-_batch(step)).abs().mean()
             engine.backward(pair)
             engine.step()
         by_engine = len(calls)
-        engine, optimizer = _engine_rev(stage)
+        engine, optimizer = _engine(stage)
         for step in range(3):
-            x = _batch_rev(step)
+            x = _batch(step)
             (engine(x).pow(2).mean() + engine(-x).abs().mean()).backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -277,8 +248,8 @@ def _step_skipped_on_rank1(stage: int, how: str) -> str:
     """A loss of two forwards and its backward on every rank (``how``: ``engine.backward`` or
     the script's ``loss.backward()``), then rank 0 alone steps; rank 1 goes on to its next
     training forward."""
-    engine, optimizer = _engine_rev(stage)
-    pair = engine(_batch_rev(0)).pow(2).mean() + engine(-_batch_rev(0)).abs().mean()
+    engine, optimizer = _engine(stage)
+    pair = engine(_batch(0)).pow(2).mean() + engine(-_batch(0)).abs().mean()
     if how == "loss.backward":
         pair.backward()
     else:
@@ -287,7 +258,7 @@ def _step_skipped_on_rank1(stage: int, how: str) -> str:
         if distributed.get_rank() == 0:
             optimizer.step()
         else:
-            engine(_batch_rev(1))
+            engine(_batch(1))
     except RuntimeError as error:
         return str(error)
     return "ok"
@@ -302,11 +273,11 @@ def test_a_step_on_one_rank_after_a_loss_of_two_forwards_still_raises(world2, st
 
 
 def _preview_between_backward_and_step_on_rank0() -> str:
-    engine, _ = _engine_rev(0)
-    engine.backward(engine(_batch_rev(0)).pow(2).mean())
+    engine, _ = _engine(0)
+    engine.backward(engine(_batch(0)).pow(2).mean())
     try:
         if distributed.get_rank() == 0:
-            engine(_batch_rev(1))  # a preview that forgot torch.no_grad(), before the step
+            engine(_batch(1))  # a preview that forgot torch.no_grad(), before the step
         engine.step()
     except RuntimeError as error:
         return str(error)
@@ -325,19 +296,6 @@ def test_a_forward_between_backward_and_step_on_one_rank_is_named_in_the_error(w
 def _config() -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
             "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
-
-
-def _batch_rev2(step: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(10 * step + distributed.get_rank())
-    return torch.randn(2, 4, generator=gen)
-
-
-def _outcome_rev2(call) -> str:
-    try:
-        call()
-    except RuntimeError as error:
-        return str(error)
-    return "ok"
 
 
 class _UncertaintyWeighted(nn.Module):
@@ -366,14 +324,14 @@ def _hooks_on_a_returned_parameter() -> dict:
     log_vars = engine.module.log_vars
     counts = []
     for step in range(20):
-        engine.backward(_weighted_loss(engine(_batch_rev2(step))))
+        engine.backward(_weighted_loss(engine(_batch(step))))
         engine.step()
         counts.append(len(log_vars._backward_hooks or {}))
-    engine.backward(engine(_batch_rev2(20))[1].sum())
+    engine.backward(engine(_batch(20))[1].sum())
     if distributed.get_rank() == 0:
-        error = _outcome_rev2(optimizer.step)
+        error = _outcome(optimizer.step)
     else:
-        error = _outcome_rev2(lambda: engine(_batch_rev2(21)))
+        error = _outcome(lambda: engine(_batch(21)))
     return {"first": counts[0], "last": counts[-1], "error": error}
 
 
@@ -403,10 +361,10 @@ class _ReturnsDataclass(nn.Module):
 def _step_on_rank0_with_dataclass_output() -> str:
     torch.manual_seed(0)
     engine, optimizer, _, _ = shardkit.initialize(model=_ReturnsDataclass(), config=_config())
-    engine.backward(engine(_batch_rev2(0)).logits.pow(2).mean())
+    engine.backward(engine(_batch(0)).logits.pow(2).mean())
     if distributed.get_rank() == 0:
-        return _outcome_rev2(optimizer.step)
-    return _outcome_rev2(lambda: engine.backward(engine(_batch_rev2(1)).logits.sum()))
+        return _outcome(optimizer.step)
+    return _outcome(lambda: engine.backward(engine(_batch(1)).logits.sum()))
 
 
 def test_a_step_on_some_ranks_is_an_error_with_a_dataclass_output(world2):
@@ -431,12 +389,12 @@ def _step_on_rank0_after_an_in_place_change_of_a_view_output() -> str:
     torch.manual_seed(0)
     engine, optimizer, _, _ = shardkit.initialize(model=_ReturnsFirstToken(),
                                                   config=_config())
-    pooled = engine(_batch_rev2(0))
+    pooled = engine(_batch(0))
     pooled.div_(0.5)  # a temperature applied in place
     engine.backward(pooled.pow(2).mean())
     if distributed.get_rank() == 0:
-        return _outcome_rev2(optimizer.step)
-    return _outcome_rev2(lambda: engine.backward(engine(_batch_rev2(1)).sum()))
+        return _outcome(optimizer.step)
+    return _outcome(lambda: engine.backward(engine(_batch(1)).sum()))
 
 
 def test_a_step_on_some_ranks_is_an_error_after_an_in_place_change_of_a_view_output(world2):

@@ -176,13 +176,6 @@ def test_partition_activations_keeps_replicated_arguments_exact(world2, options)
         assert result == {"max_diff": 0.0}
 
 
-def _grads_rev(params) -> list:
-    grads = [p.grad.clone() if p.grad is not None else None for p in params]
-    for p in params:
-        p.grad = None
-    return grads
-
-
 # ------------------------------------------------ outputs made before the region, without grad
 
 
@@ -200,7 +193,7 @@ def _closed_over_tensor_without_grad_handed_back(checkpoint, made_before) -> lis
         assert not scale.requires_grad and scale.grad_fn is None
         assert torch.equal(same, scale)
         (out * same).sum().backward()
-        grads += _grads_rev([*layer.parameters(), x])
+        grads += _grads([*layer.parameters(), x])
     return grads
 
 
@@ -219,36 +212,17 @@ def test_reentrant_checkpoint_hands_back_a_tensor_without_grad_made_before_it():
 # ------------------------------------------------------------------- world of 2 ranks
 
 
-def _in_model_parallel_rev(fn, *args, **kwargs):
-    if mp.model_parallel_is_initialized():
-        mp.destroy_model_parallel()
-    mp.initialize_model_parallel(TP)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        ds_checkpointing.configure(None)
-        mp.destroy_model_parallel()
-
-
-def _outcome_rev(fn) -> str:
-    try:
-        fn()
-    except Exception as error:  # noqa: BLE001 - the test compares type and message
-        return f"{type(error).__name__}: {error}"
-    return "ok"
-
-
 def _parallel_embedding_flags() -> dict:
     def build(**flags):
         return lambda: mp.ParallelEmbedding(16, WIDTH, **flags)
 
-    return {"sparse": _outcome_rev(build(sparse="no")),
-            "scaled": _outcome_rev(build(scale_grad_by_freq="no")),
-            "both_bools": _outcome_rev(build(sparse=True, scale_grad_by_freq=False))}
+    return {"sparse": _outcome(build(sparse="no")),
+            "scaled": _outcome(build(scale_grad_by_freq="no")),
+            "both_bools": _outcome(build(sparse=True, scale_grad_by_freq=False))}
 
 
 def test_parallel_embedding_refuses_flags_that_are_not_bools(world2):
-    for result in world2.run(_in_model_parallel_rev, _parallel_embedding_flags):
+    for result in world2.run(_in_model_parallel, _parallel_embedding_flags):
         assert result["sparse"] == ("TypeError: ParallelEmbedding: sparse='no' (str); it must "
                                     "be a bool, True or False")
         assert result["scaled"].startswith("TypeError: ParallelEmbedding: "
@@ -268,7 +242,7 @@ def _differs_only_in_one_ranks_slice(differing_rank: int, **options) -> str:
     in_slice = torch.arange(x.numel()).view_as(x) // share == differing_rank
     shift = in_slice.float() * float(mp.get_model_parallel_rank() == differing_rank)
     hidden = torch.tanh(x) + shift
-    return _outcome_rev(lambda: ds_checkpointing.checkpoint(layer, hidden).sum().backward())
+    return _outcome(lambda: ds_checkpointing.checkpoint(layer, hidden).sum().backward())
 
 
 def _both_orders(**options) -> list:
@@ -277,7 +251,7 @@ def _both_orders(**options) -> list:
 
 def test_partition_activations_raises_on_every_rank_when_some_rebuild_their_own(world2):
     for options in ({}, dict(contiguous_checkpointing=True, num_checkpoints=1)):
-        for outcomes in world2.run(_in_model_parallel_rev, _both_orders, **options):
+        for outcomes in world2.run(_in_model_parallel, _both_orders, **options):
             for outcome in outcomes:
                 assert outcome.startswith("RuntimeError: shardkit.checkpointing.checkpoint("
                                           "Linear): tensor argument #0 differs across the "
