@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import hashlib
 import inspect
@@ -101,6 +100,7 @@ from shardkit.recipes import (Composition, OptimizerRecipe, agree_on_refusal,
                               check_composable, compose, model_fingerprint,
                               optimizer_fingerprint, refuse_meta_tensors, stable_repr,
                               why_not_on_row_shards, why_not_steppable_on_shards)
+from shardkit.utils.nested import tensors_in
 from shardkit.utils.wrapped_attributes import attribute_through
 
 __all__ = ["initialize", "ShardedEngine"]
@@ -620,23 +620,6 @@ def _flat_config(raw, prefix: str = "config") -> dict:
 
 
 _NO_FORWARD = object()
-
-
-def _output_tensors(output, seen: Optional[set] = None) -> list:
-    """The tensors in a forward's output, at any depth: torch's pytree containers (tuples,
-    lists, dicts, named tuples, HF ``ModelOutput``) and the fields of dataclasses, which
-    pytree leaves whole."""
-    seen = set() if seen is None else seen
-    found = []
-    for leaf in torch.utils._pytree.tree_leaves(output):
-        if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) \
-                and id(leaf) not in seen:
-            seen.add(id(leaf))
-            fields = [getattr(leaf, field.name) for field in dataclasses.fields(leaf)]
-            found.extend(_output_tensors(fields, seen))
-    return found
 
 
 class ShardedEngine(DeepSpeedAccessors, nn.Module):
@@ -1965,8 +1948,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         not at the forward itself: a forward that no backward follows on some ranks only
         would otherwise make those ranks alone join the agreement at their next forward, and
         wait there forever. A gradient hook on each output tensor that needs a gradient (on
-        a view's base), found in any container :func:`_output_tensors` walks (it holds only a
-        weak reference to the engine); a leaf output is armed instead
+        a view's base), found in any container :func:`~shardkit.utils.nested.tensors_in`
+        walks (it holds only a weak reference to the engine); a leaf output is armed instead
         (:meth:`_arm_leaf_output`). No communication."""
         owner = weakref.ref(self)
 
@@ -1974,7 +1957,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             engine = owner()
             if engine is not None:
                 engine._awaiting_step = True
-        for tensor in _output_tensors(output):
+        for tensor in tensors_in(output):
             if not tensor.requires_grad:
                 continue
             # a view's own hook is lost when the script modifies it in place (torch rebuilds

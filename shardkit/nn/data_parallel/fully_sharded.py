@@ -179,6 +179,7 @@ from shardkit.quantized_transport import quantized_transport_for
 from shardkit.utils.call_stack import frames_running
 from shardkit.utils.grad_norm import (check_clip_arguments, clip_grad_norm_across_ranks,
                                       count_once_over_tensor_parallel)
+from shardkit.utils.nested import tensors_in
 from shardkit.utils.weak_hooks import weakly_bound
 from shardkit.utils.wrapped_attributes import attribute_through, wrapper_inside
 
@@ -201,10 +202,10 @@ def _copy_what_aliases(output, shard, module: nn.Module):
         return isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested \
             and t.device == shard.full.device and t.untyped_storage().data_ptr() == ptr
 
-    if not any(aliases(t) for t in _tensors_in(output)):
+    if not any(aliases(t) for t in tensors_in(output)):
         return output
     output = tree_map(lambda t: t.clone() if aliases(t) else t, output)
-    if any(aliases(t) for t in _tensors_in(output)):
+    if any(aliases(t) for t in tensors_in(output)):
         raise RuntimeError(f"FullyShardedDataParallel: {type(module).__name__}.forward returned "
                            f"a view of the unit's parameters inside a container that cannot be "
                            f"rebuilt; return a copy (.clone()): the gathered parameters are "
@@ -212,40 +213,18 @@ def _copy_what_aliases(output, shard, module: nn.Module):
     return output
 
 
-def _tensors_in(output) -> Iterator[torch.Tensor]:
-    """Every tensor in a forward's output, however nested: mappings (dict subclasses too, such
-    as an ``OrderedDict`` subclass or a transformers ``ModelOutput``), lists, tuples
-    (namedtuples) and dataclasses. Each container is visited once."""
-    seen: set = set()
-    stack = [output]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            yield item
-            continue
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, Mapping):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-            stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
-
-
 _PLAIN_VALUES = (int, float, complex, bool, str, bytes, torch.dtype, torch.device,
                  type(None), type(Ellipsis), slice, enum.Enum)
 
 
 def _tensors_in_objects(output) -> tuple[list, bool]:
-    """The tensors :func:`_tensors_in` does not reach: those held in the attributes
-    (``vars()``) of the objects in a forward's output (a ``torch.distributions.Normal``'s
-    ``loc`` and ``scale``, a transformers ``Cache``'s keys and values, a class of one's own),
-    however nested; and whether some object could not be looked into (no ``__dict__``: a C
-    extension's object, an ``nn.Module``), which may hold tensors computed from the unit's
-    parameters out of FSDP's sight. Plain values (numbers, strings, enums, numpy arrays of
-    numbers) hold none. Local; one walk over the output."""
+    """The tensors :func:`~shardkit.utils.nested.tensors_in` does not reach: those held in
+    the attributes (``vars()``) of the objects in a forward's output (a
+    ``torch.distributions.Normal``'s ``loc`` and ``scale``, a transformers ``Cache``'s keys
+    and values, a class of one's own), however nested; and whether some object could not be
+    looked into (no ``__dict__``: a C extension's object, an ``nn.Module``), which may hold
+    tensors computed from the unit's parameters out of FSDP's sight. Plain values (numbers,
+    strings, enums, numpy arrays of numbers) hold none. Local; one walk over the output."""
     found: list = []
     opaque = False
     seen: set = set()
@@ -1153,7 +1132,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         grad_enabled = torch.is_grad_enabled()
         if self._summoned:
             if grad_enabled:
-                for t in _tensors_in(output):
+                for t in tensors_in(output):
                     if t.requires_grad:
                         t.register_hook(_refuse_backward_while_summoned)
             return output
@@ -1193,7 +1172,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if self.training_state is TrainingState.FORWARD:
             self.training_state = TrainingState.IDLE
         if grad_enabled:
-            for t in [*_tensors_in(output), *hidden]:
+            for t in [*tensors_in(output), *hidden]:
                 if t.requires_grad:
                     t.register_hook(_eager(self._pre_backward_hook))
                     # an output that is a view, then changed in place by the caller (HF
