@@ -830,13 +830,19 @@ class FlatParamShard:
             grads, chunk_numels = list(grads) + [side], chunk_numels + [side.numel() //
                                                                         self.world_size]
         else:
-            side_handle = self.transport.lossless().reduce_scatter_chunks(
-                [side], [side.numel() // self.world_size], self.reduce_group,
-                scale=1.0 / self.predivide, dtype=self.reduce_dtype)
+            side_handle = self._reduce_side_values_apart(side)
         handle = self.transport.reduce_scatter_chunks(
             grads, chunk_numels, self.reduce_group, scale=1.0 / self.predivide,
             dtype=self.reduce_dtype)
         self._pending_reduce = (handle, False, side_handle)
+
+    def _reduce_side_values_apart(self, side: torch.Tensor):
+        """The handle of the ``P + 2`` side values' own reduce-scatter, through the lossless
+        transport (where the gradients go through a quantizing transport or a communication
+        hook). Wire: ``(N-1)/N x N x (P + 2)`` elements."""
+        return self.transport.lossless().reduce_scatter_chunks(
+            [side], [side.numel() // self.world_size], self.reduce_group,
+            scale=1.0 / self.predivide, dtype=self.reduce_dtype)
 
     def set_comm_hook(self, state, hook: Callable, all_reduces: bool) -> None:
         """Reduce the unit's gradients with torch FSDP1's communication ``hook`` from now on:
@@ -856,12 +862,10 @@ class FlatParamShard:
         Memory: the packed gradient (``N x shard`` elements, torch's padded flat gradient)
         while the hook runs, then ``output``; the per-parameter gradients are freed on
         return."""
-        lossless = self.transport.lossless()
-        side_handle = lossless.reduce_scatter_chunks(
-            [side], [side.numel() // self.world_size], self.reduce_group,
-            scale=1.0 / self.predivide, dtype=self.reduce_dtype)
+        side_handle = self._reduce_side_values_apart(side)
         if self.replicate_group is not None:
-            side_handle = lossless.all_reduce(side_handle.wait(), self.replicate_group)
+            side_handle = self.transport.lossless().all_reduce(side_handle.wait(),
+                                                               self.replicate_group)
         reduced = self._run_comm_hook(grads)
         # True: nothing left for replicate_reduce (the hook did all the reduction)
         self._pending_reduce = (CommHandle((), lambda: reduced), True, side_handle)
