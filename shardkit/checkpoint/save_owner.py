@@ -13,7 +13,8 @@ staging directory only when that process provably no longer runs:
   host name): the lock is free (the kernel drops a process's locks when it ends);
 - otherwise (another machine, whatever its host name; a kernel that could not lock the file):
   the marker went unrefreshed for its lease (``lease_s``, :data:`LEASE_S`), however long ago
-  that save started.
+  that save started, measured by the filesystem's own clock (a probe file's stamp), so machines
+  whose clocks disagree judge a network filesystem's markers alike.
 
 So a live save is never taken for abandoned (a save stopped for longer than the lease, e.g. a
 suspended job, is the exception the lease accepts), and a dead one is abandoned at the latest
@@ -299,11 +300,40 @@ def _open_for_locking(path: str) -> Optional[int]:
 
 
 def _marker_age(directory: str) -> Optional[float]:
-    """Seconds since the marker of ``directory`` was last refreshed (``None``: no marker)."""
+    """Seconds since the marker of ``directory`` was last refreshed (``None``: no marker),
+    by the clock of the filesystem that holds it (:func:`_filesystem_now`)."""
     try:
-        return time.time() - os.stat(os.path.join(directory, OWNER_FILE)).st_mtime
+        refreshed = os.stat(os.path.join(directory, OWNER_FILE)).st_mtime
     except OSError:
         return None
+    return _filesystem_now(os.path.dirname(os.path.abspath(directory))) - refreshed
+
+
+def _filesystem_now(directory: str) -> float:
+    """The current time by the clock that stamps files in ``directory``: the modification time
+    of a probe file created, touched and removed there; this machine's clock where no file can
+    be made.
+
+    The owner's refreshes are stamped by the file server's clock on a network filesystem (a
+    touch without explicit times asks the server to stamp it), while this process may run on
+    another machine whose clock is minutes off: measured against the local clock, a live
+    owner's fresh marker would look a lease old, or a dead one's young for too long."""
+    probe = os.path.join(directory, f".shardkit-clock-{uuid.uuid4().hex[:12]}")
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return time.time()
+    try:
+        os.close(fd)
+        os.utime(probe)
+        return os.stat(probe).st_mtime
+    except OSError:
+        return time.time()
+    finally:
+        try:
+            os.remove(probe)
+        except OSError:
+            pass
 
 
 def _ended_by_reboot(owner: dict, me: dict) -> bool:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import uuid
 import warnings
 
@@ -131,6 +132,28 @@ def test_marker_of_another_machine_counts_as_ended_only_after_its_lease(tmp_path
     _staging_of(staging, other_host, age_s=601)  # before: never provably ended
     _make_staging(save_dir, "step10")
     assert os.listdir(save_dir) == []
+
+
+@needs_proc
+@pytest.mark.parametrize("skew_s", [3600.0, -3600.0])
+def test_lease_is_measured_by_the_filesystem_clock_not_this_machines(tmp_path, monkeypatch,
+                                                                     skew_s):
+    """A job on a machine whose clock is an hour off the file server's: a live owner's marker,
+    refreshed 5 s ago by the server's clock, looked an hour old (and was removed under the
+    save); a dead owner's, unrefreshed for 601 s, looked fresh for another hour."""
+    save_dir = str(tmp_path)
+    staging = os.path.join(save_dir, ".tmp-step10")
+    other_machine = dict(save_owner.this_process(), boot_id=str(uuid.uuid4()),
+                         host="another-host", locked=True, lease_s=600.0)
+    _staging_of(staging, other_machine, age_s=5)  # stamped by the kernel's (the server's) clock
+    skewed = types.SimpleNamespace(time=lambda: time.time() + skew_s, sleep=time.sleep)
+    monkeypatch.setattr(save_owner, "time", skewed)
+    with pytest.raises(CheckpointError, match=r"refreshed 5 s ago"):
+        _make_staging(save_dir, "step10")
+    assert "rank_00000.pt" in os.listdir(staging)
+    os.utime(os.path.join(staging, save_owner.OWNER_FILE), (time.time() - 601,) * 2)
+    assert sharded.abandoned_saves(save_dir) == [staging]
+    assert os.listdir(save_dir) == [".tmp-step10"]  # the clock's probe file is gone
 
 
 @needs_proc
