@@ -19,9 +19,10 @@ forward called in the train/eval mode the forward saw (``model.eval()`` between 
 backward changes nothing) and puts back the running statistics of each BatchNorm it runs, so
 they are updated once per step, as without checkpointing (DeepSpeed: other dropout masks and
 two updates). It is reentrant (a
-``torch.autograd.Function``), as DeepSpeed's is: an output requires grad only when a tensor
-input does, so checkpoint a region whose input requires grad, or use
-:func:`non_reentrant_checkpoint`.
+``torch.autograd.Function``), as DeepSpeed's is, but where no tensor argument requires grad
+(the first block fed the raw batch, a frozen embedding's output) its outputs still do, so the
+region's parameters get the gradients they get without checkpointing (DeepSpeed's and torch's
+reentrant checkpoints give them none, silently or with a warning).
 
 Memory, per call: the tensor arguments (not the region's activations) stay until the backward.
 
@@ -66,6 +67,7 @@ reentrant recomputation; :func:`non_reentrant_checkpoint` takes it).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -437,10 +439,11 @@ def _contiguous_slot(position: int, part: torch.Tensor, options) -> torch.Tensor
 
 
 class _CheckpointFunction(torch.autograd.Function):
-    """The reentrant checkpoint: ``forward(ctx, run_function, layout, *tensors)``."""
+    """The reentrant checkpoint: ``forward(ctx, run_function, layout, anchor, *tensors)``."""
 
     @staticmethod
-    def forward(ctx, run_function, layout, *tensors):
+    def forward(ctx, run_function, layout, anchor, *tensors):
+        # anchor: None, or _grad_anchor()'s tensor, which only makes the outputs require grad
         options, size, rank = _STATE.options, _STATE.mp_size, _STATE.mp_rank
         ctx.run_function, ctx.layout, ctx.group = run_function, layout, _STATE.mp_group
         kept, ctx.how = [], []  # how: (kind, shape, device, requires_grad) per tensor
@@ -558,7 +561,19 @@ class _CheckpointFunction(torch.autograd.Function):
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         input_grads = [t.grad if t.requires_grad else None for t in inputs]
         _add_grads_of_inputs_handed_back(input_grads, inputs, ctx.input_positions, grads)
-        return (None, None) + tuple(input_grads)
+        return (None, None, None) + tuple(input_grads)
+
+
+def _grad_anchor(tensors: list):
+    """A tensor requiring grad to hand the reentrant function beside ``tensors`` when none of
+    them requires grad (in grad mode), else ``None``. Autograd makes a function's outputs
+    require grad only when an input does: without it, the outputs of a region fed tensors that
+    need no gradient (the raw batch) would leave the graph, and the parameters inside the
+    region would get no gradient, silently. Its own gradient is ``None``; it holds no
+    elements."""
+    if not torch.is_grad_enabled() or any(t.requires_grad for t in tensors):
+        return None
+    return torch.empty(0, requires_grad=True)
 
 
 def _made_outside(output: torch.Tensor, inputs) -> bool:
@@ -622,6 +637,76 @@ def _group_size(group) -> int:
     return distributed.get_world_size(group)
 
 
+def _nested_needing_grad_as_arguments(function: Callable, args: tuple,
+                                      kwargs: dict) -> tuple[Callable, tuple]:
+    """``function`` taking, after ``args``, each tensor that requires grad inside the list,
+    tuple and dict arguments of ``function(*args, **kwargs)``, and ``args`` extended with them.
+
+    Note: the reentrant function's gradients reach only its tensor arguments. A tensor that
+    requires grad inside a container argument (``checkpoint(block, [hidden, residual])``) had
+    no edge to it: its gradient was lost, silently, and the recomputation, reading the
+    caller's tensor itself, ran the graph before the region inside this backward (a second
+    time, an error, when the caller's backward reaches that graph too). As extra arguments
+    they get their gradients as any argument does; the recomputation gets copies of the
+    containers holding the recomputation's own leaves in their place (the first forward, the
+    caller's containers)."""
+    found = _tensors_needing_grad_inside(args, kwargs)
+    if not found:
+        return function, args
+    extra = tuple(tensor for _, tensor in found)
+    count = len(args)
+
+    def with_nested_replaced(*flat, **keywords):
+        given = flat[count:]
+        if all(g is t for g, t in zip(given, extra)):  # the first forward: the caller's own
+            return function(*flat[:count], **keywords)
+        positional, keywords = list(flat[:count]), dict(keywords)
+        for (path, _), tensor in zip(found, given):
+            root = positional if isinstance(path[0], int) else keywords
+            root[path[0]] = _replaced(root[path[0]], path[1:], tensor)
+        return function(*positional, **keywords)
+
+    return with_nested_replaced, args + extra
+
+
+def _tensors_needing_grad_inside(args: tuple, kwargs: dict) -> list:
+    """``(path, tensor)`` for each tensor requiring grad inside the list, tuple and dict
+    arguments (any depth): ``path`` is the argument's position (an int) or keyword (a str),
+    then the keys down to the tensor. A container met twice is walked once."""
+    found, seen = [], set()
+    stack = [((key,), value) for key, value in [*enumerate(args), *kwargs.items()]
+             if isinstance(value, (list, tuple, dict))]
+    while stack:
+        path, value = stack.pop()
+        if torch.is_tensor(value):
+            if value.requires_grad:
+                found.append((path, value))
+            continue
+        if not isinstance(value, (list, tuple, dict)) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        stack.extend((path + (key,), item) for key, item in items)
+    return found
+
+
+def _replaced(container, keys: tuple, tensor: torch.Tensor):
+    """A copy of ``container`` (of its type, a named tuple too) holding ``tensor`` at
+    ``keys``; the containers on the way are copied, the rest shared. The caller's are left as
+    they are."""
+    if not keys:
+        return tensor
+    key, rest = keys[0], keys[1:]
+    if isinstance(container, tuple):
+        items = list(container)
+        items[key] = _replaced(items[key], rest, tensor)
+        return type(container)(*items) if hasattr(container, "_fields") \
+            else type(container)(items)
+    copied = copy.copy(container)
+    copied[key] = _replaced(container[key], rest, tensor)
+    return copied
+
+
 class _Layout:
     """Where the tensors sit among a call's arguments (or a function's outputs)."""
 
@@ -642,13 +727,15 @@ def checkpoint(function: Callable, *args, **kwargs):
     Returns what ``function`` returns: a tensor, or a tuple whose non-tensor items come back
     as they are (a list comes back as a tuple, as in DeepSpeed; any other return value is a
     TypeError). As in DeepSpeed, outputs that are not floating point are not differentiable,
-    every floating-point output requires grad when a tensor input does (whether or not it
-    would without checkpointing; a gradient sent to one that does not need it in the
-    recomputation is dropped), and nothing requires grad when no tensor input does (use
-    :func:`non_reentrant_checkpoint` there). An output ``function`` did not make comes back
-    with the gradients of the plain call when the caller uses it beyond the next layer too (in
-    the loss, say): a parameter or a tensor it closes over comes back as that very tensor, and
-    a tensor argument handed back sends its gradient straight to the argument.
+    every floating-point output requires grad (whether or not it would without checkpointing;
+    a gradient sent to one that does not need it in the recomputation is dropped), also when no
+    tensor argument does, so that the region's parameters get their gradients (DeepSpeed's
+    outputs then require none, and those parameters silently get no gradient). An output
+    ``function`` did not make comes back with the gradients of the plain call when the caller
+    uses it beyond the next layer too (in the loss, say): a parameter or a tensor it closes
+    over comes back as that very tensor, and a tensor argument handed back sends its gradient
+    straight to the argument. Tensors inside list, tuple and dict arguments get their
+    gradients too.
     ``torch.autograd.grad`` through it is a RuntimeError (reentrant). Tensor arguments must not
     be changed in place before the backward (torch's "modified by an inplace operation"
     error), nor tensors inside list, tuple and dict arguments, by ``function`` or before the
@@ -665,6 +752,7 @@ def checkpoint(function: Callable, *args, **kwargs):
     nested = _nested_tensors(given, args, kwargs)  # inside list/tuple/dict arguments
     if nested:
         function = _nested_checked_at_recompute(function, nested, _region_name(given, ()))
+        function, args = _nested_needing_grad_as_arguments(function, args, kwargs)
     function, args = _keywords_as_positions(function, args, kwargs)
     layout = _Layout(args)
     tensors = [a for a in args if torch.is_tensor(a)]
@@ -677,7 +765,7 @@ def checkpoint(function: Callable, *args, **kwargs):
         return out
 
     run.shardkit_region = given  # named in errors
-    results = iter(_CheckpointFunction.apply(run, layout, *tensors))
+    results = iter(_CheckpointFunction.apply(run, layout, _grad_anchor(tensors), *tensors))
     first = holder.pop("out")
     _check_inputs_unchanged(_region_name(given, ()), [], [], [], nested)
 
