@@ -28,8 +28,8 @@ class GradScaler(torch.amp.GradScaler):
     combines the inf/nan flags over the OSS's group as :class:`ShardedGradScaler` does, so
     that under ``ShardedDataParallel`` (or DDP's ``reduce_to_owners_hook``), where each rank
     holds only the gradients it owns, an overflow in one owner's shard skips the step and
-    backs the scale off on every rank (torch's own scaler leaves the ranks' scales apart,
-    which ``OSS.step`` refuses with a RuntimeError). Every rank must then call ``unscale_`` /
+    backs the scale off on every rank (for torch's own scaler ``OSS.step`` corrects the
+    scaler's record after one more all-reduce). Every rank must then call ``unscale_`` /
     ``step`` for that OSS, as its step requires anyway.
 
     Args: FairScale's (and ``torch.cuda.amp.GradScaler``'s) order, ``init_scale`` first
@@ -117,11 +117,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
     ``unscale_``/``step`` per optimizer.
 
     torch's own ``torch.amp.GradScaler`` checks only the gradients a rank holds. With
-    :class:`~shardkit.optim.OSS` it still never hangs (OSS combines the flags itself, one more
-    all-reduce of one element per step), but when only some ranks see inf/nan (under
-    ``ShardedDataParallel`` each rank holds only the gradients it owns) its ``update()`` would
-    move the ranks' scales apart, so ``OSS.step`` raises a RuntimeError on every rank naming
-    this class. ``FullyShardedDataParallel`` carries an overflow in any rank's gradients of a
+    :class:`~shardkit.optim.OSS` it still skips and backs off alike on every rank: OSS
+    combines the flags itself (one more all-reduce of one element per step) and, when only
+    some ranks saw inf/nan (under ``ShardedDataParallel`` each rank holds only the gradients
+    it owns), writes the agreed finding into the calling scaler's record for its
+    ``update()``. ``FullyShardedDataParallel`` carries an overflow in any rank's gradients of a
     unit, or one its fp16 reduce-scatter makes, into every rank's shard of it, so torch's
     scaler agrees there too; this class works with it as well (its all-reduce then only
     confirms). A gradient made inf by hand after ``backward`` on some ranks only is seen by

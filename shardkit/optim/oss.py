@@ -13,6 +13,8 @@ only ties the concerns together; each lives in its own module:
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import zlib
 from typing import Callable, Iterable, Optional, Sequence, Union
 
@@ -185,6 +187,7 @@ class OSS(torch.optim.Optimizer):
         self._ready = False
         self._stepped_in_backward: Optional[set] = None  # buckets stepped by ShardedDDP's backward
         self._found_inf_agreed = False  # ShardedGradScaler combined this step's inf/nan flags
+        self._agreed_in_advance: dict = {}  # method -> settings digest (agreed_in_advance)
         self._consolidated: Optional[dict] = None
         self._parked_state: dict = {}  # state of frozen parameters last owned here
         # frozen parameters partitioned for the gradient they held (stepped as torch steps
@@ -323,9 +326,12 @@ class OSS(torch.optim.Optimizer):
         ``step`` runs on every rank even on inf/nan and decides with the other ranks: one
         all-reduce of one element (none with ``ShardedGradScaler``, whose check already spans
         the ranks) tells whether any rank found inf/nan; then every rank skips, or unscales the
-        gradients the scaler left scaled and steps. Ranks that disagree under torch's scaler (a
-        shard that overflowed on some ranks only, as under ``ShardedDataParallel``) raise a
-        RuntimeError on every rank, since its ``update()`` would move the loss scales apart.
+        gradients the scaler left scaled and steps. Under torch's scaler, where ranks disagree
+        (a shard that overflowed on its owner only, as under ``ShardedDataParallel``), or where
+        a rank holds no gradient at all, OSS also writes the agreed finding into the calling
+        ``torch.amp.GradScaler.step``'s record, so that every rank's ``update()`` backs off (or
+        grows) alike; a scaler whose ``step`` is not torch's then raises a RuntimeError on every
+        rank naming ``ShardedGradScaler``.
 
         A gradient the optimizer refuses (Adam over ``nn.Embedding(sparse=True)``, a dense one
         under ``SparseAdam``) is a RuntimeError on every rank that holds it (under DDP, all),
@@ -440,13 +446,17 @@ class OSS(torch.optim.Optimizer):
         """For a step called by a GradScaler: True if every rank skips it (some rank found
         inf/nan); otherwise unscale the gradients the scaler left scaled and return False."""
         ranks_with_inf = self._count_ranks_that_found_inf(found_inf_agreed)
-        if 0 < ranks_with_inf < self.world_size:
+        # torch's scaler recorded this rank's own finding (or none: no gradient held here)
+        recorded = ranks_with_inf < self.world_size and \
+            _record_in_calling_torch_scaler(self, found_inf_anywhere=ranks_with_inf > 0)
+        if 0 < ranks_with_inf < self.world_size and not recorded:
             self._forget_scaler_handoff()
             raise RuntimeError(
                 f"OSS.step: the GradScaler found inf/nan gradients on {ranks_with_inf} of "
                 f"{self.world_size} ranks only: torch.amp.GradScaler checks the gradients this "
                 f"rank holds (under ShardedDataParallel or DDP's reduce_to_owners_hook, only "
-                f"the ones it owns, the others' are zero or None), so its update() "
+                f"the ones it owns, the others' are zero or None), and this scaler's step() "
+                f"is not torch.amp.GradScaler.step, whose record OSS corrects, so its update() "
                 f"would back the loss scale off on those ranks only and the ranks would train "
                 f"with different scales. No rank stepped. Use shardkit.optim.ShardedGradScaler "
                 f"(the same arguments as torch.amp.GradScaler), whose check spans every rank")
@@ -490,19 +500,39 @@ class OSS(torch.optim.Optimizer):
         Communication: one all-gather of two int64s a rank, the method and a crc32 of the
         settings (a control message that :class:`~shardkit.distributed.CommCounter` does not
         count; no pickling); on a difference, one object all-gather of the hyper-parameters.
-        Local work: a ``repr`` of every group's hyper-parameters. Nothing at world size 1.
+        Local work: a ``repr`` of every group's hyper-parameters. Nothing at world size 1, nor
+        inside :meth:`agreed_in_advance` for ``method`` (its caller gathered the rows).
 
         Note: a rank that calls a collective method more often than the others (``clip_grad_norm``
         twice on rank 0 alone) still waits for them in its extra call: nothing can answer it."""
         if self.world_size == 1:
             return
+        settings = self._agreement_settings(method, added, arguments)
+        row = _agreement_row(method, settings)
+        agreed = self._agreed_in_advance.pop(method, None)
+        if agreed is not None:  # the caller gathered the rows already (agreed_in_advance)
+            if agreed == row[1]:
+                return
+            raise RuntimeError(
+                f"{method}: the param groups' hyper-parameters or the call's arguments changed "
+                f"on this rank (rank {self.rank}) after OSS.agreed_in_advance agreed on them; "
+                f"inside that block, call {method.split('.')[1]} as agreed and change no "
+                f"setting. Nothing was changed, clipped or stepped")
+        every = distributed.gather_control_rows(f"{method}'s agreement", row, self.group)
+        self._check_agreement_rows(method, every, settings)
+
+    def _agreement_settings(self, method: str, added: Sequence[dict] = (),
+                            arguments: Optional[dict] = None) -> dict:
+        """``{name: repr}`` of what the ranks must agree on in ``method``: the param groups
+        (with ``added``) and the call's ``arguments``. Local."""
         settings = args.param_group_settings(list(self.param_groups) + list(added))
         settings.update({f"{method}({name}=...)": repr(value)
                          for name, value in (arguments or {}).items()})
-        digest = zlib.crc32(repr(sorted(settings.items())).encode())
-        every = distributed.gather_control_rows(f"{method}'s agreement",
-                                                [_AGREEING_METHODS.index(method), digest],
-                                                self.group)
+        return settings
+
+    def _check_agreement_rows(self, method: str, every: list, settings: dict) -> None:
+        """Raise on every rank (each holds the same ``every``, the group's rows of
+        :func:`_agreement_row`) unless they name one method and one digest of the settings."""
         methods = [_AGREEING_METHODS[code] for code, _ in every]
         if len(set(methods)) > 1:
             where = "; ".join(f"rank(s) {[r for r, m in enumerate(methods) if m == name]} in "
@@ -518,6 +548,73 @@ class OSS(torch.optim.Optimizer):
                 "set hyper-parameters (a learning rate, a scheduler's step), add param groups "
                 "and pass the arguments of collective calls identically on every rank; "
                 "nothing was changed, clipped or stepped")
+
+    # ------------------------------------------------------------------ agreement in advance
+    # For a caller that already makes one control exchange per step (the DeepSpeed-style
+    # engine's step agreement): it gathers OSS's rows with its own, in one all-gather, and
+    # OSS's step and clip then skip their own.
+
+    def agreement_row(self, call: str, **arguments) -> list[int]:
+        """This rank's row (two ints) of the agreement that ``call`` (``"step"`` or
+        ``"clip_grad_norm"``, with that call's arguments: ``max_norm``, ``norm_type``) makes
+        before any collective, for a caller that gathers every rank's row over :attr:`group`
+        itself and passes them to :meth:`agreed_in_advance`. Local, no communication."""
+        method, settings = self._in_advance_settings("OSS.agreement_row", call, arguments)
+        return _agreement_row(method, settings)
+
+    @contextlib.contextmanager
+    def agreed_in_advance(self, call: str, rows: Sequence[Sequence[int]], **arguments):
+        """Within this block, the next ``call`` (``"step"`` or ``"clip_grad_norm"``) skips the
+        control all-gather it makes before any collective, its rows being ``rows``: every
+        rank's :meth:`agreement_row` for the same ``call`` and ``arguments``, in group-rank
+        order, gathered by the caller over :attr:`group` (with its own control exchange).
+
+        The rows are checked here as the call would check them: a rank in another call, or
+        with other hyper-parameters or arguments, is the same error on every rank, before the
+        block runs. Inside the block, only the caller's own code may run (no user code) and
+        the agreed settings must not change: the call compares them with its row and raises on
+        this rank if they did (the other ranks, past their agreement, cannot be told). One
+        call only: a second one in the block agrees as usual. Local, no communication (an
+        object all-gather where the rows differ in settings, to name the difference)."""
+        method, settings = self._in_advance_settings("OSS.agreed_in_advance", call, arguments)
+        every = [list(row) for row in rows]
+        mine = _agreement_row(method, settings)
+        if len(every) != self.world_size or any(len(row) != 2 for row in every):
+            raise ValueError(f"OSS.agreed_in_advance(rows=...): expected {self.world_size} "
+                             f"rows of 2 ints (every rank's agreement_row, in group-rank "
+                             f"order), got {len(every)} rows")
+        if every[self.rank] != mine:
+            raise ValueError(f"OSS.agreed_in_advance(rows=...): row {self.rank} is "
+                             f"{every[self.rank]}, not this rank's agreement_row({call!r}) "
+                             f"{mine}; gather the rows over OSS.group with the same arguments")
+        if method in self._agreed_in_advance:
+            raise RuntimeError(f"OSS.agreed_in_advance({call!r}): already inside such a block")
+        if self.world_size > 1:
+            self._check_agreement_rows(method, every, settings)
+        self._agreed_in_advance[method] = mine[1]
+        try:
+            yield
+        finally:
+            self._agreed_in_advance.pop(method, None)
+
+    def _in_advance_settings(self, caller: str, call: str, arguments: dict) -> tuple:
+        """``(method, settings)`` of an agreement made in advance for ``call``, with its
+        arguments checked and normalised as the call itself does."""
+        if call == "step":
+            if arguments:
+                raise ValueError(f"{caller}('step', {', '.join(arguments)}=...): step's "
+                                 f"agreement takes no arguments")
+            return "OSS.step", self._agreement_settings("OSS.step")
+        if call == "clip_grad_norm":
+            unknown = set(arguments) - {"max_norm", "norm_type"}
+            if unknown or "max_norm" not in arguments:
+                raise ValueError(f"{caller}('clip_grad_norm', ...): expected max_norm= and "
+                                 f"optionally norm_type=, got {sorted(arguments)}")
+            max_norm, norm_type = check_clip_arguments(
+                "OSS.clip_grad_norm", arguments["max_norm"], arguments.get("norm_type", 2.0))
+            return "OSS.clip_grad_norm", self._agreement_settings(
+                "OSS.clip_grad_norm", arguments={"max_norm": max_norm, "norm_type": norm_type})
+        raise ValueError(f"{caller}(call={call!r}): must be 'step' or 'clip_grad_norm'")
 
     def _settle_fused_choice(self, sparse_gradients: bool) -> None:
         """Turn OSS's own choice of the fused kernel off, for good, where it would no longer
@@ -1065,6 +1162,48 @@ class OSS(torch.optim.Optimizer):
         self.optim = self._build_local_optimizer(self.param_groups)
         self._hand_over_state({**kept, **arriving})
         self._consolidated = None
+
+
+def _agreement_row(method: str, settings: dict) -> list[int]:
+    """``[method code, crc32 of the settings]``: one rank's row of an OSS agreement."""
+    return [_AGREEING_METHODS.index(method), zlib.crc32(repr(sorted(settings.items())).encode())]
+
+
+def _record_in_calling_torch_scaler(optimizer: OSS, found_inf_anywhere: bool) -> bool:
+    """Make the ``torch.amp.GradScaler.step`` call that is stepping ``optimizer`` (a
+    subclass's too, unless it overrides ``step``) record what every rank agreed: inf/nan found
+    when ``found_inf_anywhere``, and a flag at all where this rank held no gradient. Return
+    whether there was such a call.
+
+    Why: torch's scaler checks only the gradients this rank holds. Where another rank's owned
+    shard overflowed it recorded "finite" here, and its ``update()`` grew this rank's scale
+    while the other ranks backed theirs off; where this rank holds no gradient of the
+    optimizer (a rank owning no parameter) it recorded nothing, and its ``update()`` raised
+    while the others went on into the next collective. The flags ``update()`` reads are
+    reachable from that call only (the ``found_inf`` it hands ``step`` is a sum, a new tensor),
+    so they are looked up in its frame. Local."""
+    step_code = torch.amp.GradScaler.step.__code__
+    frame = sys._getframe(1)
+    try:
+        while frame is not None and not (frame.f_code is step_code
+                                         and frame.f_locals.get("optimizer") is optimizer):
+            frame = frame.f_back
+        if frame is None:
+            return False
+        record = frame.f_locals.get("optimizer_state")
+        scale = getattr(frame.f_locals.get("self"), "_scale", None)
+        flags = record.get("found_inf_per_device") if isinstance(record, dict) else None
+        if not isinstance(flags, dict) or not torch.is_tensor(scale) or \
+                not all(torch.is_tensor(f) for f in flags.values()):
+            return False
+        if not flags:
+            flags[scale.device] = torch.zeros((), dtype=torch.float32, device=scale.device)
+        if found_inf_anywhere:
+            for flag in flags.values():
+                flag.fill_(1.0)
+        return True
+    finally:
+        del frame  # no reference cycle through the frames
 
 
 def _unscale_grads(params: list[torch.Tensor], grad_scale: torch.Tensor) -> None:

@@ -149,8 +149,14 @@ class ShardedDataParallel(nn.Module):
         for x, y in loader:
             loss = loss_fn(model(x), y)
             loss.backward()                 # owners now hold reduced grads, others None
+            optimizer.clip_grad_norm(1.0)   # optional: the global norm over every rank
             optimizer.step()
             optimizer.zero_grad()
+
+    Clip with ``optimizer.clip_grad_norm`` (as in FairScale), not
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``: each rank holds only the
+    gradients it owns, so torch's function measures a different partial norm on each rank
+    and clips each rank's share by another factor (it cannot be intercepted to refuse it).
 
     ``no_sync()`` is decided when backward starts: backward passes that start inside it
     accumulate locally and the first one outside reduces the sum; or, as in FairScale, the

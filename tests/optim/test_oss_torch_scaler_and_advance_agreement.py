@@ -1,0 +1,226 @@
+"""torch.amp.GradScaler (not ShardedGradScaler) with ShardedDataParallel + OSS, at world 4.
+
+Under ShardedDataParallel each rank holds the gradients it owns only, so torch's scaler on
+each rank checks only those. An overflow in one owner's shard was refused with a RuntimeError
+at the first overflow (hours into a run), and a rank that owns no parameter recorded no
+inf check at all, so its ``update()`` raised while the other ranks waited in the next step.
+Now every rank skips and backs off exactly as one process does.
+"""
+
+import torch
+
+from shardkit import distributed as skdist
+from shardkit.testing import world_fixture
+
+world4 = world_fixture(4)
+
+
+class _FourBranches(torch.nn.Module):
+    """Four linear branches summed into the loss; ``big`` multiplies the first branch only,
+    so that an overflow reaches that branch's gradients alone (its owners', not the others')."""
+
+    def __init__(self):
+        super().__init__()
+        self.branches = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x, big):
+        first, *rest = self.branches
+        return first(x).sum() * big + sum(branch(x).pow(2).mean() for branch in rest)
+
+
+def _batch(step: int, world: int) -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, 32 * world).reshape(8 * world, 4) * (step + 1)
+
+
+def _scaled_step(model, optimizer, scaler, x, big, unscale_first):
+    optimizer.zero_grad()
+    scaler.scale(model(x, big)).backward()
+    if unscale_first:  # the AMP recipe for clipping: unscale_, then step
+        scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def _check_torch_scaler_overflow_on_some_owners(unscale_first):
+    from shardkit.nn.data_parallel import ShardedDataParallel
+    from shardkit.optim import OSS
+
+    rank, world = skdist.get_rank(), skdist.get_world_size()
+    torch.manual_seed(0)
+    reference, model = _FourBranches(), _FourBranches()
+    model.load_state_dict(reference.state_dict())
+    optimizer = OSS(model.parameters(), optim=torch.optim.Adam, lr=0.05)
+    sharded = ShardedDataParallel(model, optimizer)
+    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=2)
+    reference_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=2)
+    overflow_seen_here, history, max_error = [], [], 0.0
+    for step in range(5):
+        big = 1e36 if step in (1, 3) else 1.0  # scaled by 2**16: inf in the first branch only
+        x = _batch(step, world)
+        _scaled_step(sharded, optimizer, scaler, x.chunk(world)[rank], big, unscale_first)
+        overflow_seen_here.append(any(p.grad is not None and not p.grad.isfinite().all()
+                                      for p in model.parameters()))
+        _scaled_step(reference, reference_optimizer, reference_scaler, x, big, unscale_first)
+        history.append(((scaler.get_scale(), scaler._get_growth_tracker()),
+                        (reference_scaler.get_scale(), reference_scaler._get_growth_tracker())))
+        max_error = max(max_error, max((p - q).abs().max().item() for p, q in
+                                       zip(model.parameters(), reference.parameters())))
+    return dict(history=history, max_error=max_error, overflow_seen_here=overflow_seen_here)
+
+
+def test_torch_scaler_skips_and_backs_off_on_every_rank_when_one_owner_overflows(world4):
+    for unscale_first in (False, True):
+        results = world4.run(_check_torch_scaler_overflow_on_some_owners, unscale_first)
+        # the overflow reached some owners only: the case torch's scaler cannot see alone
+        seen = [r["overflow_seen_here"][1] for r in results]
+        assert any(seen) and not all(seen), seen
+        for r in results:
+            assert [ours for ours, _ in r["history"]] == [ref for _, ref in r["history"]]
+            assert [scale for (scale, _), _ in r["history"]] == \
+                [2.0 ** 16, 2.0 ** 15, 2.0 ** 15, 2.0 ** 14, 2.0 ** 14]
+            assert r["max_error"] < 1e-6
+
+
+def _check_torch_scaler_on_a_rank_owning_nothing():
+    from shardkit.nn.data_parallel import ShardedDataParallel
+    from shardkit.optim import OSS
+
+    torch.manual_seed(0)
+    reference, model = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    model.load_state_dict(reference.state_dict())
+    optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    sharded = ShardedDataParallel(model, optimizer)  # two parameters: ranks 2 and 3 own none
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=1)
+    reference_scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=1)
+    world = skdist.get_world_size()
+    x = torch.ones(2 * world, 4)
+    local = x.chunk(world)[skdist.get_rank()]
+    for step in range(2):
+        for net, opt, scl, batch in ((sharded, optimizer, scaler, local),
+                                     (reference, reference_optimizer, reference_scaler, x)):
+            opt.zero_grad()
+            scl.scale(net(batch).pow(2).mean()).backward()
+            scl.step(opt)
+            scl.update()
+    owns = any(owner == skdist.get_rank() for owner in optimizer.param_to_rank.values())
+    error = max((p - q).abs().max().item()
+                for p, q in zip(model.parameters(), reference.parameters()))
+    return dict(owns=owns, scale=scaler.get_scale(), reference_scale=reference_scaler.get_scale(),
+                error=error)
+
+
+def test_torch_scaler_on_a_rank_that_owns_no_parameter(world4):
+    results = world4.run(_check_torch_scaler_on_a_rank_owning_nothing)
+    assert [r["owns"] for r in results].count(False) == 2
+    for r in results:
+        assert r["scale"] == r["reference_scale"] == 64.0
+        assert r["error"] < 1e-6
+
+
+def _counting_control_gathers(counts: list):
+    """Wrap shardkit.distributed.gather_control_rows (OSS's agreement exchange) to count its
+    calls in ``counts``; returns the original, to put back."""
+    original = skdist.gather_control_rows
+
+    def counted(*args, **kwargs):
+        counts.append(args[0])
+        return original(*args, **kwargs)
+
+    skdist.gather_control_rows = counted
+    return original
+
+
+def _check_agreement_gathered_by_the_caller():
+    """A caller (the DeepSpeed-style engine) gathers OSS's clip and step rows with its own row
+    in one exchange; OSS's clip and step then make no exchange of their own and train as one
+    process does. A difference in the rows is still refused on every rank, nothing stepped."""
+    from shardkit.nn.data_parallel import ShardedDataParallel
+    from shardkit.optim import OSS
+
+    rank, world = skdist.get_rank(), skdist.get_world_size()
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    model.load_state_dict(reference.state_dict())
+    optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    sharded = ShardedDataParallel(model, optimizer)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+
+    def backward(step):
+        x = _batch(step, world)
+        optimizer.zero_grad()
+        sharded(x.chunk(world)[rank]).pow(2).mean().backward()
+        reference_optimizer.zero_grad()
+        reference(x).pow(2).mean().backward()
+
+    def rows_in_one_exchange(max_norm):
+        caller_row = [7, 0]  # the caller's own agreement, carried by the same all-gather
+        row = caller_row + optimizer.agreement_row("clip_grad_norm", max_norm=max_norm) + \
+            optimizer.agreement_row("step")
+        every = skdist.gather_control_rows("the caller's step agreement", row, optimizer.group)
+        return [r[2:4] for r in every], [r[4:6] for r in every]
+
+    gathers_inside, max_error = [], 0.0
+    for step in range(3):
+        backward(step)
+        clip_rows, step_rows = rows_in_one_exchange(0.5)
+        original = _counting_control_gathers(gathers_inside)
+        try:
+            with optimizer.agreed_in_advance("clip_grad_norm", clip_rows, max_norm=0.5), \
+                    optimizer.agreed_in_advance("step", step_rows):
+                norm = optimizer.clip_grad_norm(0.5)
+                optimizer.step()
+        finally:
+            skdist.gather_control_rows = original
+        reference_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        reference_optimizer.step()
+        max_error = max(max_error, (norm - reference_norm).abs().item(),
+                        max((p - q).abs().max().item()
+                            for p, q in zip(model.parameters(), reference.parameters())))
+
+    # a learning rate set on rank 1 only: refused on every rank before the block runs
+    backward(3)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.param_groups[0]["lr"] = 0.2 if rank == 1 else 0.1
+    _, step_rows = rows_in_one_exchange(0.5)
+    try:
+        with optimizer.agreed_in_advance("step", step_rows):
+            optimizer.step()
+        lr_refusal = None
+    except ValueError as error:
+        lr_refusal = str(error)
+    optimizer.param_groups[0]["lr"] = 0.1
+    # a call made with other arguments than agreed (every rank alike): refused, nothing clipped
+    clip_rows, _ = rows_in_one_exchange(0.5)
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    try:
+        with optimizer.agreed_in_advance("clip_grad_norm", clip_rows, max_norm=0.5):
+            optimizer.clip_grad_norm(1.0)
+        changed_refusal = None
+    except RuntimeError as error:
+        changed_refusal = str(error)
+    unclipped = all(torch.equal(g, p.grad) for g, p in
+                    zip(grads, [p for p in model.parameters() if p.grad is not None]))
+    untouched = all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    # outside a block, the step agrees on its own again: one exchange
+    gathers_after = []
+    original = _counting_control_gathers(gathers_after)
+    try:
+        optimizer.step()
+    finally:
+        skdist.gather_control_rows = original
+    return dict(gathers_inside=gathers_inside, max_error=max_error, lr_refusal=lr_refusal,
+                changed_refusal=changed_refusal, unclipped=unclipped, untouched=untouched,
+                gathers_after=gathers_after)
+
+
+def test_agreement_gathered_by_the_caller_replaces_oss_own(world4):
+    for r in world4.run(_check_agreement_gathered_by_the_caller):
+        assert r["gathers_inside"] == []
+        assert r["max_error"] < 1e-6
+        assert "['lr'] is 0.1 on rank 0 of the group and 0.2 on rank 1" in r["lr_refusal"]
+        assert "changed on this rank" in r["changed_refusal"]
+        assert r["unclipped"] and r["untouched"]
+        assert r["gathers_after"] == ["OSS.step's agreement"]
