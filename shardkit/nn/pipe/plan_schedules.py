@@ -52,7 +52,13 @@ too (a mean of micro-batch means is not the batch's mean when the micro-batches 
 numbers of counted tokens): ``nn.CrossEntropyLoss``, ``nn.NLLLoss``, ``F.cross_entropy`` and
 ``F.nll_loss`` (and their ``functools.partial``, and subclasses of the modules that keep
 their ``forward``) with ``reduction="mean"`` and class-index targets are counted as torch
-counts them; any other declares its count with ``loss_denominator=lambda target: ...``.
+counts them; any other declares its count with ``loss_denominator=lambda target: ...``. A
+``loss_fn`` that says nothing (``lambda out, y: F.cross_entropy(out.view(-1, V), y.view(-1))``)
+is watched at the step's first loss (:mod:`~shardkit.nn.pipe.loss_count`): where it computes
+one of those losses with ``reduction="mean"`` on its micro-batch's target reshaped, every
+micro-batch is counted alike, as above; where on another target (``y[:, 1:]``), every
+micro-batch must count as many targets as the first, else the step fails on every rank asking
+for ``loss_denominator``.
 Each micro-batch's loss is then divided by the whole target's count over its own (a
 micro-batch counting nothing, whose mean is NaN, adds no gradient), so the gradients and the
 returned loss are one process's on the whole batch. Under data parallelism each pipeline's
@@ -67,10 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import itertools
-import math
-import numbers
 from typing import Callable, Optional
 
 import torch
@@ -92,6 +95,8 @@ from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan,
                                    interleaved_1f1b_plan, one_f_one_b_plan, zb_h1_plan, zbv_plan)
 from shardkit.nn.pipe.schedules import (COMMUNICATION_ERRORS, ActivationMemoryMeter, busy_time,
                                         check_schedule_agreement, raise_step_failure)
+from shardkit.nn.pipe.loss_count import (LossCountWatch, NotCounted, count_value,
+                                         declared_denominator, declared_reduction)
 from shardkit.nn.pipe.fsdp_weight_sink import (ShardedGradientSink, frozen_units_with_replicas,
                                                params_outside_fsdp, stage_is_fully_sharded)
 from shardkit.nn.pipe.split_backward import GradientSink, backward_input
@@ -158,7 +163,9 @@ class PlanSchedule:
             ``loss_fn``'s mean divides by (``lambda t: (t != -100).sum()`` for a masked
             mean); each micro-batch's loss is weighted by its count's share of the whole
             target's, so the step is one process's. ``None`` (default): derived for torch's
-            class-index cross-entropy and NLL losses (see above), otherwise the rows.
+            class-index cross-entropy and NLL losses (see above), also where a ``loss_fn``
+            that declares no reduction calls one of them on its target reshaped (watched at
+            the step's first loss), otherwise the rows.
         args_chunk_spec: torch's; ``None`` or a tuple of ``TensorChunkSpec(0)`` (the batch is
             split along dim 0); another value is a ValueError naming it.
         output_merge_spec, use_full_backward, backward_requires_autograd, defer_pp_recv:
@@ -194,9 +201,17 @@ class PlanSchedule:
        rank of the pipeline too. With several pipelines side by side whose stages average
        their gradients through ``data_parallel_group`` (or are torch DDP modules), the
        verdict rides on that all-reduce (one element more), so a step that fails in one
-       pipeline raises in every pipeline. Under ShardedDDP or FSDP, which reduce inside
-       backward, a step failing in one pipeline only leaves the others waiting in their
-       reductions: give every pipeline usable batches.
+       pipeline raises in every pipeline. Under ShardedDDP or FSDP stage modules, whose
+       collectives inside forward and backward span the pipelines, a step's refusals (a
+       batch, keyword argument or target that the checks before the step reject) are shared
+       before every step that communicates over the replicas (one all-reduce of three
+       elements per replica group and one of two over the pipeline group, beside the first
+       step's checks, which share them too), so every pipeline raises; so does a step
+       that one pipeline runs as eval and another as a training step. What fails only
+       during the step (a forward or ``loss_fn`` raising) still leaves the other pipelines
+       waiting in those collectives, and so does eval on one pipeline while the others call
+       nothing: give every pipeline usable batches and call :meth:`step` / :meth:`eval` on
+       all of them alike.
     """
 
     def __init__(self, stages, chunks: Optional[int] = None, loss_fn: Optional[Callable] = None,
@@ -404,10 +419,9 @@ class PlanSchedule:
                 tensors, or a dtype a header cannot name), a step that failed in another
                 pipeline (see the class; a step another pipeline refused before running it
                 too: where the stages are ShardedDataParallel / FSDP modules over the
-                replicas, only the refusals of a first training step are shared before it,
-                one one-element all-reduce per group: a later batch one pipeline refuses
-                still leaves the others waiting in the module's reduction, and an FSDP
-                stage evaluated on one pipeline alone waits in its gathers), or a stage
+                replicas, the refusals are shared before every step that communicates over
+                them (training steps; eval steps too under FSDP), and so is whether a
+                replica runs eval while this one trains, or the reverse), or a stage
                 output that no longer matches the shapes it announced. Found during the step,
                 these end it the same way: the stage stops computing and sends its
                 neighbours what they expect, every rank finishes the step's messages, then
@@ -424,6 +438,8 @@ class PlanSchedule:
             grad = torch.is_grad_enabled()
             if not self._checked or (grad and not self._replicas_checked):
                 self._check_first_step(inputs, target, grad)
+            else:
+                self._check_with_sharded_replicas(inputs, target, grad)
             self._prepare_step()  # before _start_step, which waits for micro-batch 0 off rank 0
             grad = self._start_step(inputs, target)
             with torch.set_grad_enabled(grad):
@@ -497,6 +513,7 @@ class PlanSchedule:
         # target's rows over the micro-batch's where chunks does not divide them (and the
         # loss_fn does not declare that it sums)
         self._loss_divisors: list = [self.chunks] * self.chunks
+        self._loss_watch: Optional[LossCountWatch] = None  # for a loss_fn declaring nothing
         self._batch_grads: list = []  # (micro-batch view, its gradient) of inputs needing grad
         self.links.failed = False
         self._sinks = {s: ShardedGradientSink() if self._whole_backward[s] else
@@ -695,18 +712,28 @@ class PlanSchedule:
         for a micro-batch that counts nothing: it contributes no gradient). Otherwise
         :meth:`_row_weighted_divisors`. ``None`` (the step fails, naming micro-batch
         ``index``) where ``loss_denominator`` raises or returns no count."""
-        counter = self.loss_denominator or _declared_denominator(self.loss_fn, self._loss_kwargs)
+        counter = self.loss_denominator or declared_denominator(self.loss_fn, self._loss_kwargs)
+        if self.scale_grads and counter is None and \
+                declared_reduction(self.loss_fn, self._loss_kwargs) in (None, "mean"):
+            # a lambda, or a callable that says "mean" without saying over what: learnt at
+            # the first loss_fn call (before any backward)
+            self._loss_watch = LossCountWatch(self._targets)
         if not self.scale_grads or counter is None:
             return self._row_weighted_divisors()
         try:
-            counts = [_count(counter(target)) for target in self._targets]
-        except _NotCounted:  # not a class-index target of a declared loss
+            counts = [count_value(counter(target)) for target in self._targets]
+        except NotCounted:  # not a class-index target of a declared loss
             return self._row_weighted_divisors()
         except Exception as error:  # a user's loss_denominator: the same error on every rank
             self._fail_at_last_stage(index, f"loss_denominator raised {type(error).__name__}: "
                                             f"{error}; expected the count (a finite number >= 0) "
                                             f"loss_fn's mean divides by", error)
             return None
+        return self._divisors_of_counts(counts)
+
+    def _divisors_of_counts(self, counts: list) -> list:
+        """Each micro-batch's divisor given what its loss's mean divides by: the whole
+        target's count over its own (``inf`` for one counting nothing: no gradient)."""
         total = sum(counts)
         if total == 0:  # nothing counted anywhere: one process's loss is NaN too
             return [self.chunks] * self.chunks
@@ -719,7 +746,7 @@ class PlanSchedule:
         so the gradients are those of the batch mean, as in one process."""
         rows = target_rows(self._target, self._target_dims)
         if rows is None or rows % self.chunks == 0 or \
-                _declared_reduction(self.loss_fn, self._loss_kwargs) != "mean":
+                declared_reduction(self.loss_fn, self._loss_kwargs) != "mean":
             return [self.chunks] * self.chunks
         return [rows / part for part in part_rows(rows, self.chunks)]
 
@@ -877,12 +904,19 @@ class PlanSchedule:
         the output), or a value that is not a one-element tensor (``reduction="none"``: its
         backward would sum the elements, not average them), fails the step on every rank
         instead of leaving the others waiting."""
+        watch = self._loss_watch
         try:
-            loss = self.loss_fn(output, self._targets[i], **(self._loss_kwargs or {}))
+            if watch is not None and watch.watching:
+                loss, calls = watch.call(self.loss_fn, output, self._targets[i],
+                                         self._loss_kwargs or {})
+            else:
+                loss = self.loss_fn(output, self._targets[i], **(self._loss_kwargs or {}))
         except Exception as error:  # re-raised on every rank at the end of the step
             self._fail_at_last_stage(i, f"loss_fn raised {type(error).__name__}: {error}"
                                      + self._target_rows_hint(output, i), error)
             return None
+        if watch is not None and watch.watching:
+            self._check_loss_count(watch, i, calls)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             found = f"a tensor of shape {tuple(loss.shape)}" if isinstance(
                 loss, torch.Tensor) else f"a {type(loss).__name__}"
@@ -891,6 +925,20 @@ class PlanSchedule:
                                         f"reduction='mean', or 'sum' with scale_grads=False)")
             return None
         return loss
+
+    def _check_loss_count(self, watch: LossCountWatch, i: int, calls: list) -> None:
+        """For a ``loss_fn`` that does not declare what its mean divides by: at the step's
+        first loss, learn it (:class:`~shardkit.nn.pipe.loss_count.LossCountWatch`) and
+        weigh every micro-batch by it (no backward has run yet); at later ones, fail the step
+        where a micro-batch's count differs from what was learnt."""
+        learnt = watch.learnt
+        problem = watch.observe(i, calls)
+        if problem:
+            self._fail_at_last_stage(i, problem)
+        elif not learnt and watch.counts is not None:
+            self._loss_divisors = self._divisors_of_counts(watch.counts)
+        elif not learnt and watch.watching:  # a masked mean whose counts must all be alike
+            self._loss_divisors = [self.chunks] * self.chunks
 
     def _target_rows_hint(self, output, i: int) -> str:
         """Where micro-batch ``i``'s target and output disagree on dim 0 (the likely reason
@@ -1230,8 +1278,9 @@ class PlanSchedule:
         """Before the first step (and the next after a failed one): where a stage's module
         reduces inside forward and backward over replicas in other pipelines
         (ShardedDataParallel, FSDP), whether a replica's rank refuses the step (``local``:
-        this rank's problems), as problems naming it; one one-element all-reduce per such
-        group, and one small all-gather only where some replica refused. A pipeline that ran
+        this rank's problems), as problems naming it, and whether the replicas disagree on
+        training against eval; one all-reduce of three elements per such group, and one
+        small all-gather only where some replica refused. A pipeline that ran
         the step would otherwise wait in those modules' collectives for the one that refused
         it. No communication for other stages (their refusal rides on the step's gradient
         all-reduce: :meth:`_refuse_to_replicas`). A step that records no backward (``grad``
@@ -1239,10 +1288,11 @@ class PlanSchedule:
         parameters over the replicas: ShardedDataParallel communicates in backward only, so an
         eval step that one pipeline runs alone joins no all-reduce there."""
         problems = []
-        for group, device in self._reducing_replica_groups(grad):
-            refused = torch.tensor([float(bool(local))], device=device)
-            dist.all_reduce(refused, group=group)
-            if refused.item() == 0:
+        groups = self._reducing_replica_groups(grad)
+        for group, refused, disagree in _replica_verdicts(groups, bool(local), grad):
+            if disagree:
+                problems.append(_step_kind_disagreement(grad))
+            if not refused:
                 continue
             found = dist.all_gather_object(local, group=group)
             problems += [f"data-parallel replica at global rank {rank} (of the group of a "
@@ -1250,6 +1300,32 @@ class PlanSchedule:
                          for rank, ps in zip(dist.group_ranks(group), found)
                          if rank != dist.get_rank() for p in ps]
         return problems
+
+    def _check_with_sharded_replicas(self, inputs, target, grad: bool) -> None:
+        """Before a step after the first, where this rank's stage modules communicate over
+        replicas in other pipelines inside forward or backward (ShardedDataParallel in a
+        training step, FSDP in any): whether any rank of any such pipeline refuses the step
+        (its batch, keyword arguments or target, as the first step checks them), or a replica
+        runs the other kind of step (eval against training). One all-reduce of three
+        elements per replica group, then one of two over the pipeline group, reach every
+        rank of every pipeline; a refusal then takes :meth:`_check_agreement`'s path (the
+        same error on every rank, naming the replica), a disagreement on the kind of step
+        is a ValueError on every rank. Without this a pipeline that ran the step waits
+        forever in those modules' collectives for the one that refused it."""
+        groups = self._reducing_replica_groups(grad)
+        if not groups:
+            return
+        verdicts = _replica_verdicts(groups, bool(self._local_problems(inputs, target)), grad)
+        verdict = torch.tensor([float(any(refused for _, refused, _ in verdicts)),
+                                float(any(disagree for _, _, disagree in verdicts))],
+                               device=groups[0][1])
+        if self.num_ranks > 1:
+            dist.all_reduce(verdict, group=self.group)
+        if verdict[1] > 0:
+            raise ValueError(f"{type(self).__name__}.step: the pipelines cannot run this step: "
+                             f"{_step_kind_disagreement(grad)}")
+        if verdict[0] > 0:
+            self._check_agreement(inputs, target, grad, replicas_too=True)
 
     def _reducing_replica_groups(self, grad: bool = True) -> list:
         """``(group, device)`` of each process group over more than one rank that this rank's
@@ -1270,89 +1346,24 @@ class PlanSchedule:
         return list(groups.values())
 
 
-def _declared_reduction(loss_fn, loss_kwargs: Optional[dict]) -> Optional[str]:
-    """The reduction ``loss_fn`` says it applies, where it says one: ``loss_kwargs``'
-    ``reduction``, else that keyword of a ``functools.partial``, else the ``reduction``
-    attribute of a ``torch.nn`` loss module (or of any callable), else the default of the
-    function's own ``reduction`` parameter (``F.mse_loss``, ``F.cross_entropy``: ``"mean"``);
-    ``None`` for a function that says nothing (a lambda or a plain ``def``)."""
-    if loss_kwargs and "reduction" in loss_kwargs:
-        return loss_kwargs["reduction"]
-    if isinstance(loss_fn, functools.partial) and "reduction" in loss_fn.keywords:
-        return loss_fn.keywords["reduction"]
-    reduction = getattr(loss_fn, "reduction", None)
-    if isinstance(reduction, str):
-        return reduction
-    try:
-        parameter = inspect.signature(loss_fn).parameters.get("reduction")
-    except (TypeError, ValueError):  # a builtin or another callable without a signature
-        return None
-    default = None if parameter is None else parameter.default
-    return default if isinstance(default, str) else None
+def _replica_verdicts(groups: list, refused: bool, grad: bool) -> list:
+    """Over each ``(group, device)`` of replicas that a stage module communicates with inside
+    forward or backward, in order: ``(group, some replica refuses the step, the replicas
+    disagree on training against eval)``, from one all-reduce of three elements per group."""
+    verdicts = []
+    for group, device in groups:
+        flags = torch.tensor([float(refused), float(grad), 1.0], device=device)
+        dist.all_reduce(flags, group=group)
+        refusals, training, replicas = flags.tolist()
+        verdicts.append((group, refusals > 0, 0 < training < replicas))
+    return verdicts
 
 
-class _NotCounted(Exception):
-    """A declared loss's target that its count does not apply to (class probabilities)."""
-
-
-def _count(value) -> float:
-    """A ``loss_denominator`` result (a real number, NumPy's too, or a one-element tensor) as
-    a float; raises a ValueError for anything else, a negative or non-finite count included
-    (an infinite one would turn every micro-batch's weight into NaN)."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-            or not 0 <= value < math.inf:
-        raise ValueError(f"it returned {value!r}")
-    return float(value)
-
-
-def _declared_denominator(loss_fn, loss_kwargs: Optional[dict]) -> Optional[Callable]:
-    """For a class-index loss averaging over its non-ignored targets (``nn.CrossEntropyLoss``,
-    ``nn.NLLLoss``, ``F.cross_entropy``, ``F.nll_loss``, or a ``functools.partial`` of these,
-    with ``reduction="mean"``), the function counting a target as its mean does: the targets
-    that are not ``ignore_index``, each weighted by its class's ``weight`` where one is given.
-    A subclass keeping the module's ``forward`` (one that only sets defaults) averages alike;
-    ``None`` for any other ``loss_fn`` (a subclass with its own ``forward`` may average
-    otherwise)."""
-    if _declared_reduction(loss_fn, loss_kwargs) != "mean":
-        return None
-    if _keeps_class_index_forward(loss_fn):
-        settings = {"ignore_index": loss_fn.ignore_index, "weight": loss_fn.weight}
-    elif isinstance(loss_fn, functools.partial) and not loss_fn.args \
-            and loss_fn.func in _CLASS_INDEX_LOSSES:
-        settings = dict(loss_fn.keywords)
-    elif loss_fn in _CLASS_INDEX_LOSSES:
-        settings = {}
-    else:
-        return None
-    settings.update(loss_kwargs or {})
-    return functools.partial(_class_target_count, ignore_index=settings.get("ignore_index", -100),
-                             weight=settings.get("weight"))
-
-
-_CLASS_INDEX_LOSSES = (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss)
-_CLASS_INDEX_MODULES = (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
-
-
-def _keeps_class_index_forward(loss_fn) -> bool:
-    """Whether ``loss_fn`` is an ``nn.CrossEntropyLoss`` or ``nn.NLLLoss``, or an instance of
-    a subclass that does not override its ``forward`` (so it averages as the module does)."""
-    return any(isinstance(loss_fn, module) and type(loss_fn).forward is module.forward
-               for module in _CLASS_INDEX_MODULES)
-
-
-def _class_target_count(target, ignore_index: int, weight: Optional[torch.Tensor]):
-    """What ``F.cross_entropy`` / ``F.nll_loss`` (``reduction="mean"``) divide by for
-    ``target``: its entries that are not ``ignore_index``, or their classes' ``weight`` summed.
-    Raises :class:`_NotCounted` for a target that is not a tensor of class indices."""
-    if not isinstance(target, torch.Tensor) or target.is_floating_point() \
-            or target.is_complex() or target.dtype == torch.bool:
-        raise _NotCounted
-    kept = target[target != ignore_index]
-    if weight is None:
-        return kept.numel()
-    return weight.to(kept.device)[kept].sum()
+def _step_kind_disagreement(grad: bool) -> str:
+    kind = "a training step" if grad else "eval (forward only, under torch.no_grad())"
+    return (f"this rank runs {kind}, but a data-parallel replica of its ShardedDataParallel / "
+            f"FSDP stage module (whose collectives span the pipelines) runs the other kind; "
+            f"call step() or eval() alike on every pipeline")
 
 
 def last_messages(plan: PipelinePlan) -> dict:

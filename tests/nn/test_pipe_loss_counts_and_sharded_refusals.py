@@ -1,0 +1,231 @@
+"""Multi-process pipelines (world 4) on two complaints from review.
+
+A ``loss_fn`` that does not declare its reduction (a lambda around ``F.cross_entropy`` with
+its default ``ignore_index``), with ignored tokens spread unevenly over the micro-batches:
+one 4-stage pipeline (GPipe, 1F1B, ZB-H1, ZBV) against one process, and two 2-stage
+pipelines averaging over their replicas against DDP (each replica's mean over its own
+counted tokens, averaged). A lambda whose target is cut (shifted labels) with uneven counts
+is refused on every rank, naming ``loss_denominator``.
+
+Before: the lambda's micro-batch means were weighted alike (``1/chunks``): gradients off one
+process's by about 0.03, and the returned loss NaN where a micro-batch held only ignored
+tokens.
+
+Pipelines whose stages are ShardedDataParallel or FSDP modules over their replicas (2
+pipelines x 2 stages): a batch one pipeline refuses at a later step (not the first), in
+training or in FSDP eval, and an FSDP eval one pipeline runs while the other trains.
+
+Before: the other pipeline waited forever in the stage modules' collectives (the refusals
+were shared before the first step only).
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardkit import distributed as dist
+from shardkit.nn.pipe import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleZBV,
+                              ScheduleZeroBubble, split_sequential)
+from shardkit.nn.pipe.stage import stage_rank
+from shardkit.testing import world_fixture
+
+world4 = world_fixture(4, timeout=120)
+
+VOCAB, WIDTH, ROWS, SEQ, CHUNKS = 5, 6, 8, 3, 4
+
+
+def _lm(n):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), *[nn.Linear(WIDTH, WIDTH) for _ in range(n - 2)],
+                         nn.Linear(WIDTH, VOCAB))
+
+
+def _flat_cross_entropy(out, y):
+    return F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def _shifted_cross_entropy(out, y):  # the count is not the micro-batch target's
+    return F.cross_entropy(out[:, :-1].reshape(-1, VOCAB), y[:, 1:].reshape(-1))
+
+
+def _tokens(seed, rows=ROWS):
+    """A batch and targets whose ignored tokens (-100) fill the first micro-batch: its mean
+    is NaN, and the others count 1, 3 and 3 tokens."""
+    torch.manual_seed(seed)
+    x, y = torch.randn(rows, SEQ, WIDTH), torch.randint(0, VOCAB, (rows, SEQ))
+    y[:2] = -100
+    y[2, :2] = -100
+    return x, y
+
+
+def _stages(module, n, group, placement="loop", replicas=None):
+    size = dist.get_world_size(group)
+    parts = split_sequential(module, [1] * n)
+    me = dist.get_rank(group)
+    return {s: PipelineStage(parts[s], s, n, group=group, placement=placement,
+                             data_parallel_group=replicas)
+            for s in range(n) if stage_rank(s, n, size, placement) == me}
+
+
+def _grads_off(stages, reference):
+    return max((p.grad - r.grad).abs().max().item() for s, stage in stages.items()
+               for p, r in zip(stage.module.parameters(), reference[s].parameters()))
+
+
+def _says_only_mean(out, y):
+    return _flat_cross_entropy(out, y)
+
+
+_says_only_mean.reduction = "mean"  # as the docs advised for uneven splits; not over what
+
+
+def _one_pipeline_lambda_parity():
+    """One 4-stage pipeline per schedule (ZBV: 8 stages), the loss a lambda (1F1B also a
+    ``def`` that declares only ``reduction="mean"``): (worst gradient difference from one
+    process, returned loss, one process's loss)."""
+    results = {}
+    flat = lambda out, y: _flat_cross_entropy(out, y)  # noqa: E731
+    for name, cls, n, placement, loss_fn in (
+            ("GPipe", ScheduleGPipe, 4, "loop", flat), ("1F1B", Schedule1F1B, 4, "loop", flat),
+            ("1F1B, says mean", Schedule1F1B, 4, "loop", _says_only_mean),
+            ("ZB-H1", ScheduleZeroBubble, 4, "loop", flat), ("ZBV", ScheduleZBV, 8, "v", flat)):
+        stages = _stages(_lm(n), n, None, placement)
+        schedule = cls(list(stages.values()) if n > 4 else next(iter(stages.values())),
+                       CHUNKS, loss_fn)
+        x, y = _tokens(1)
+        loss = schedule.step(x, target=y)
+        reference = _lm(n)
+        expected = _flat_cross_entropy(reference(x), y)
+        expected.backward()
+        results[name] = (_grads_off(stages, reference),
+                         None if loss is None else loss.item(), expected.item())
+    return results
+
+
+def _two_pipelines_lambda_against_ddp():
+    """Pipelines {0, 1} and {2, 3}, replicas {0, 2} and {1, 3}; each pipeline its half of the
+    batch (uneven ignored tokens). The worst gradient difference from DDP over one process
+    per replica: the average of each replica's mean over its own counted tokens."""
+    rank = dist.get_rank()
+    pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    stages = _stages(_lm(2), 2, pipelines[rank // 2], replicas=replicas[rank % 2])
+    schedule = Schedule1F1B(next(iter(stages.values())), CHUNKS,
+                            lambda out, y: _flat_cross_entropy(out, y))
+    x, y = _tokens(2, 2 * ROWS)
+    y[ROWS:ROWS + 5] = -100  # the second replica counts far fewer tokens than the first
+    half = slice(ROWS * (rank // 2), ROWS * (rank // 2 + 1))
+    schedule.step(x[half], target=y[half])
+    reference = _lm(2)
+    for part in (slice(0, ROWS), slice(ROWS, 2 * ROWS)):  # DDP: each replica's mean, averaged
+        (_flat_cross_entropy(reference(x[part]), y[part]) / 2).backward()
+    return _grads_off(stages, reference)
+
+
+def _shifted_labels_outcomes():
+    """A lambda averaging over shifted labels: uneven counts (refused), then even ones (the
+    same gradients as one process)."""
+    stages = _stages(_lm(4), 4, None)
+    schedule = Schedule1F1B(next(iter(stages.values())), CHUNKS,
+                            lambda out, y: _shifted_cross_entropy(out, y))
+    x, y = _tokens(3)
+    try:
+        schedule.step(x, target=y)
+        refused = "ok"
+    except ValueError as error:
+        refused = str(error)
+    for stage in stages.values():
+        stage.module.zero_grad()
+    y = torch.randint(0, VOCAB, (ROWS, SEQ))
+    schedule.step(x, target=y)
+    reference = _lm(4)
+    _shifted_cross_entropy(reference(x), y).backward()
+    return refused, _grads_off(stages, reference)
+
+
+def test_a_lambda_around_cross_entropy_is_weighted_by_its_counted_tokens(world4):
+    """Was: 1/chunks per micro-batch mean (gradients about 0.03 off, the loss NaN); now one
+    process's gradients and loss, on every schedule; under data parallelism, DDP's."""
+    for rank, per_schedule in enumerate(world4.run(_one_pipeline_lambda_parity)):
+        for name, (worst, loss, expected) in per_schedule.items():
+            assert worst < 1e-5, (name, rank, worst)
+            last = 0 if name == "ZBV" else 3
+            if rank == last:
+                assert abs(loss - expected) < 1e-5, (name, loss, expected)
+    for rank, worst in enumerate(world4.run(_two_pipelines_lambda_against_ddp)):
+        assert worst < 1e-5, (rank, worst)
+
+
+def test_a_lambda_whose_counts_cannot_be_known_is_refused_on_uneven_counts(world4):
+    """A lambda over shifted labels: micro-batches counting different numbers of tokens fail
+    the step on every rank, naming loss_denominator; even counts match one process."""
+    for rank, (refused, worst) in enumerate(world4.run(_shifted_labels_outcomes)):
+        assert "loss_denominator=" in refused and "micro-batch" in refused, (rank, refused)
+        assert worst < 1e-5, (rank, worst)
+
+
+def _outcome(call, x, target):
+    try:
+        call(x, target=target)
+        return "ok"
+    except ValueError as error:
+        return str(error)
+
+
+def _sharded_pipelines(kind):
+    """Pipelines {0, 1} and {2, 3}; each stage a ShardedDataParallel or FSDP module over its
+    replicas {0, 2} or {1, 3}; 1F1B."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
+    from shardkit.optim import OSS
+
+    rank = dist.get_rank()
+    pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    torch.manual_seed(0)
+    part = split_sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1])[rank % 2]
+    if kind == "fsdp":
+        module = FullyShardedDataParallel(part, process_group=replicas)
+    else:
+        optimizer = OSS(part.parameters(), torch.optim.SGD, lr=0.1, group=replicas)
+        module = ShardedDataParallel(part, optimizer, process_group=replicas)
+    return Schedule1F1B(PipelineStage(module, rank % 2, 2, group=pipelines[rank // 2]), 4,
+                        F.mse_loss)
+
+
+def _later_refusals(kind):
+    """A fine step; a training step pipeline 1 refuses (a 2-row batch, chunks=4); a fine one;
+    under FSDP, an eval step pipeline 1 refuses, eval on pipeline 0 while pipeline 1 trains,
+    and a fine eval. This rank's outcomes."""
+    schedule = _sharded_pipelines(kind)
+    refusing = dist.get_rank() >= 2
+    x, t = torch.randn(8, 4), torch.randn(8, 4)
+    outcomes = [_outcome(schedule.step, x, t),
+                _outcome(schedule.step, x[:2] if refusing else x, t),
+                _outcome(schedule.step, x, t)]
+    if kind == "fsdp":
+        outcomes += [_outcome(schedule.eval, x[:2] if refusing else x, t),
+                     _outcome(schedule.step if refusing else schedule.eval, x, t),
+                     _outcome(schedule.eval, x, t)]
+        fresh = _sharded_pipelines(kind)  # the mix as a first step
+        outcomes.append(_outcome(fresh.step if refusing else fresh.eval, x, t))
+    return outcomes
+
+
+def test_a_later_step_one_pipeline_refuses_under_sharded_stages_fails_everywhere(world4):
+    """Was: the other pipeline hung in ShardedDataParallel's / FSDP's collectives. Now every
+    rank of both pipelines raises, naming the replica (or the eval / training mix), and the
+    next step runs."""
+    for kind in ("sdp", "fsdp"):
+        for rank, outcomes in enumerate(world4.run(_later_refusals, kind)):
+            where = (kind, rank)
+            assert outcomes[0] == outcomes[2] == "ok", (where, outcomes)
+            refusals = [outcomes[1]] + ([outcomes[3]] if kind == "fsdp" else [])
+            for refused in refusals:
+                assert "chunks=4 is larger than the batch size 2" in refused, (where, refused)
+                if rank < 2:
+                    assert "replica at global rank 2" in refused, (where, refused)
+            if kind == "fsdp":
+                mixed, fine, mixed_first = outcomes[4:]
+                for error in (mixed, mixed_first):
+                    assert "runs the other kind" in error and "eval" in error, (where, error)
+                assert fine == "ok", (where, fine)
