@@ -43,7 +43,7 @@ __all__ = [
     "recv", "isend",
     "irecv", "batch_isend_irecv", "P2POp", "barrier", "backend_of", "record_transfer",
     "collectives_issued", "oldest_collective_unfinished", "gather_control_rows",
-    "spans_nodes_if_known", "NodeNumberingUnknown",
+    "spans_nodes_if_known", "NodeNumberingUnknown", "exited_peers_on_this_host",
     "monitored_barrier", "gather", "scatter", "all_reduce_coalesced", "all_gather_coalesced",
     "reduce_scatter",
     "broadcast_object", "all_gather_object", "first_disagreement", "first_difference",
@@ -89,14 +89,62 @@ def is_broken_link(error: BaseException) -> bool:
 
 def broken_link_error(operation: str, error: BaseException) -> CollectiveError:
     """The :class:`CollectiveError` for ``operation`` (words such as "all_gather over process
-    group (gloo), on rank 0 of 2,") failing with the backend's ``error``."""
+    group (gloo), on rank 0 of 2,") failing with the backend's ``error``; it names the ranks
+    of this host that have exited (:func:`exited_peers_on_this_host`)."""
+    exited = exited_peers_on_this_host(settle_s=0.5)
+    who = (" (its own log says why; shardkit.fault.watch_peers() names the lost rank"
+           if not exited else f": global rank(s) {[rank for rank, _ in exited]} (pid(s) "
+           f"{[pid for _, pid in exited]}, on this host) exited (their own logs say why")
     return CollectiveError(
         f"{operation} failed: the connection to a peer broke or timed out, most likely "
-        f"because a peer rank died or stopped (its own log says why; "
-        f"shardkit.fault.watch_peers() names the lost rank; a peer that aborted on a size "
-        f"mismatch means the ranks issued different collectives, e.g. a module run on some "
-        f"ranks only: SHARDKIT_DEBUG_COLLECTIVES=1 names each rank's op and call site). The "
-        f"backend said: {error}")
+        f"because a peer rank died or stopped{who}; a peer "
+        f"that aborted on a size mismatch means the ranks issued different collectives, e.g. "
+        f"a module run on some ranks only: SHARDKIT_DEBUG_COLLECTIVES=1 names each rank's op "
+        f"and call site). The backend said: {error}")
+
+
+def _this_process() -> tuple:
+    """``(kernel boot id, pid namespace, pid)`` of this process; the first two ``None`` where
+    ``/proc`` does not say. Two processes whose first two agree see each other's pids."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return boot, os.readlink("/proc/self/ns/pid"), os.getpid()
+    except OSError:
+        return None, None, os.getpid()
+
+
+def _process_exited(pid: int) -> bool:
+    """Whether process ``pid`` of this pid namespace is gone (or a zombie nobody reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")
+
+
+def exited_peers_on_this_host(settle_s: float = 0.0) -> list[tuple[int, int]]:
+    """``(global rank, pid)`` of each rank of the default group that runs on this host (same
+    kernel and pid namespace, as gathered with the node layout by :func:`init_distributed`)
+    and whose process has exited; empty where nothing was gathered or ``/proc`` does not say.
+    For error messages after a broken connection: ``settle_s`` is how long to look again
+    while none has exited yet (a dying process closes its sockets a moment before ``/proc``
+    shows it exited). Local; reads ``/proc`` only."""
+    import time
+    processes, me = _known_processes(), _this_process()
+    if processes is None or me[0] is None:
+        return []
+    peers = [(rank, process[2]) for rank, process in enumerate(processes)
+             if process[:2] == me[:2] and process[2] != me[2]]
+    deadline = time.monotonic() + settle_s
+    while True:
+        exited = [(rank, pid) for rank, pid in peers if _process_exited(pid)]
+        if exited or time.monotonic() >= deadline:
+            return exited
+        time.sleep(0.05)
 
 
 def operation_words(name: str, group=None, carrier: Optional[str] = None) -> str:
@@ -120,7 +168,18 @@ def reporting_broken_links(name: str, group=None):
     except Exception as error:
         if not is_broken_link(error):
             raise
+        if isinstance(error, CollectiveError) and error.__cause__ is not None:
+            error = error.__cause__  # an inner op's: named here as the outer operation
         raise broken_link_error(operation_words(name, group), error) from error
+
+
+def _issued(name: str, group, collective, *args, **kwargs):
+    """``collective(*args, group=group, **kwargs)`` (torch's), :func:`_tracked`; a connection
+    that breaks while it is issued (all of a synchronous op) raises :class:`CollectiveError`
+    naming ``name``, the group and the ranks of this host that exited, instead of gloo's
+    "Connection reset by peer"."""
+    with reporting_broken_links(name, group):
+        return _tracked(collective(*args, group=group, **kwargs), group)
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -135,7 +194,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
     backend agrees). Before the backend connects the ranks, they meet on the rendezvous store,
     so that a rank that never comes, or ranks started with different ``WORLD_SIZE`` values,
     are one clear error on every waiting rank. Costs one TCP rendezvous and one small object
-    all-gather (every rank's node, for :func:`node_groups`); no tensor traffic.
+    all-gather (every rank's node, for :func:`node_groups`, and process id, for naming a rank
+    of this host that died under a collective); no tensor traffic.
 
     Raises:
         RuntimeError: a torchrun variable is missing or malformed, naming which; the
@@ -636,6 +696,8 @@ def timeout_of(group=None) -> Optional[float]:
 # rank counts as being on one node.
 
 _layout: Optional[tuple] = None  # (the default group it was gathered in, node index per rank)
+# (the default group, every rank's _this_process()), gathered with the layout
+_processes: Optional[tuple] = None
 
 
 def _forget_topology() -> None:
@@ -645,8 +707,8 @@ def _forget_topology() -> None:
     with its gloo connections open, and is torn down at interpreter exit instead, when the
     ranks no longer wait for each other (gloo then aborted a rank now and then: "terminate
     called without an active exception")."""
-    global _node_groups, _layout
-    _node_groups = _layout = None
+    global _node_groups, _layout, _processes
+    _node_groups = _layout = _processes = None
     _spanning.clear()
     _SINGLE_RANK_GROUPS.clear()  # they hold the default group too (single_rank_group)
     for cache in _GROUP_CACHES:
@@ -695,14 +757,17 @@ def discover_node_layout() -> list[int]:
     :func:`node_of`, :func:`spans_nodes` and :func:`node_groups`; returns the node index of
     every rank. Collective over the default group (one small object all-gather, not counted
     by :class:`CommCounter`); a no-op for a world of one."""
-    global _layout
+    global _layout, _processes
     world = dist.group.WORLD
     if _layout is not None and _layout[0] is world:
         return _layout[1]
     size = get_world_size()
-    identities = [_node_identity()] * size
+    mine = (_node_identity(), _this_process())
+    gathered = [mine] * size
     if size > 1:
-        dist.all_gather_object(identities, _node_identity())
+        dist.all_gather_object(gathered, mine)
+    identities = [identity for identity, _ in gathered]
+    _processes = (world, [process for _, process in gathered])
     _layout = (world, layout_from_identities(identities, _ranks_per_node_hint()))
     _spanning.clear()  # answers cached before the layout was known
     return _layout[1]
@@ -712,6 +777,14 @@ def _known_layout() -> Optional[list]:
     """The gathered node of every rank for the current default group, or ``None``."""
     if _layout is not None and is_initialized() and _layout[0] is dist.group.WORLD:
         return _layout[1]
+    return None
+
+
+def _known_processes() -> Optional[list]:
+    """Every rank's ``(boot id, pid namespace, pid)`` for the current default group, or
+    ``None`` where they were not gathered."""
+    if _processes is not None and is_initialized() and _processes[0] is dist.group.WORLD:
+        return _processes[1]
     return None
 
 
@@ -736,7 +809,12 @@ def ranks_per_node() -> int:
         raise RuntimeError(f"the ranks' nodes are {_describe_nodes(members)}: shardkit needs the "
                            f"same number of ranks on every node")
     default = world if members is None else len(members[0])
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", default))
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+    try:
+        per_node = int(raw) if raw else default
+    except ValueError:
+        raise RuntimeError(f"LOCAL_WORLD_SIZE={raw!r} is not an integer; it must be the number "
+                           f"of ranks on each node (torchrun's --nproc_per_node)") from None
     if per_node < 1 or world % per_node:
         raise RuntimeError(f"LOCAL_WORLD_SIZE={per_node} does not divide the world size {world}; "
                            f"shardkit needs the same number of ranks on every node")
@@ -747,23 +825,26 @@ def ranks_per_node() -> int:
 
 
 class NodeNumberingUnknown(RuntimeError):
-    """The node of each rank was not gathered and this rank's ``GROUP_RANK`` says the ranks
-    are not numbered node by node (a launcher's round-robin placement), so the node of a
-    rank cannot be assumed. Raised where a rank's node is asked for (:func:`node_of`,
+    """The node of the ranks asked about was not gathered, and ``GROUP_RANK`` is set: the
+    launcher placed the ranks, perhaps not node by node (srun's cyclic distribution), and one
+    rank cannot tell from its own ``GROUP_RANK`` where the others run, so no rank guesses.
+    Raised on every rank alike where a rank's node is asked for (:func:`node_of`,
     :func:`spans_nodes`); never from inside a collective."""
 
 
-def _assumed_node_by_node(per_node: int) -> None:
-    """With no gathered layout (a process group made by hand) the nodes are taken as
-    torchrun numbers them, consecutive blocks of ``per_node`` ranks: raise
-    :class:`NodeNumberingUnknown` where this rank's ``GROUP_RANK`` contradicts that. Local."""
+def _refuse_to_guess(what: str) -> None:
+    """Raise :class:`NodeNumberingUnknown` (naming ``what``) where ``GROUP_RANK`` is set: the
+    block guess ``rank // LOCAL_WORLD_SIZE`` held only for torchrun's numbering, and with
+    round-robin placement it was wrong on the ranks whose own ``GROUP_RANK`` happened to
+    match it. Every rank of a launch has ``GROUP_RANK`` or none has, so the ranks raise
+    alike. Local."""
     group_rank = os.environ.get("GROUP_RANK")
-    if group_rank not in (None, "") and int(group_rank) != get_rank() // per_node:
+    if group_rank not in (None, ""):
         raise NodeNumberingUnknown(
-            f"GROUP_RANK={group_rank} but rank {get_rank()} // LOCAL_WORLD_SIZE={per_node} "
-            f"is {get_rank() // per_node}: the ranks are not numbered node by node, and the "
-            f"node of every rank was not gathered; call shardkit.distributed.node_groups() "
-            f"(or init_distributed()) on every rank first")
+            f"the node of {what} is unknown: GROUP_RANK={group_rank} says a launcher placed the "
+            f"ranks, perhaps not node by node, and the node of every rank was not gathered; "
+            f"call shardkit.distributed.node_groups() (or init_distributed()) on every rank "
+            f"first")
 
 
 def _describe_nodes(members: Sequence[Sequence[int]]) -> str:
@@ -780,14 +861,15 @@ def _node_members(layout: Sequence[int]) -> list[list[int]]:
 
 
 def node_of(rank: int) -> int:
-    """The node (torchrun's group rank) that global rank ``rank`` runs on: from the gathered
-    layout, else consecutive blocks of :func:`ranks_per_node` ranks (raises
-    :class:`NodeNumberingUnknown` where this rank's ``GROUP_RANK`` contradicts them)."""
+    """The node (torchrun's group rank) that global rank ``rank`` runs on, from the gathered
+    layout; without one (a process group made by torch itself), consecutive blocks of
+    :func:`ranks_per_node` ranks where no ``GROUP_RANK`` is set, else
+    :class:`NodeNumberingUnknown` on every rank."""
     per_node = ranks_per_node()
     layout = _known_layout()
     if layout is not None:
         return layout[rank]
-    _assumed_node_by_node(per_node)
+    _refuse_to_guess(f"rank {rank}")
     return rank // per_node
 
 
@@ -796,22 +878,41 @@ _spanning: dict = {}  # id(group object) -> (the object, whether its ranks span 
 
 def spans_nodes(group=None) -> bool:
     """Whether the ranks of ``group`` (``None``: the default group) sit on more than one node.
-    Cached per group; costs no communication. Raises :class:`NodeNumberingUnknown` as
-    :func:`node_of` does."""
+    Cached per group; costs no communication. Every rank of ``group`` gives the same answer:
+    from the gathered layout; else from the nodes of the group's ranks gathered over a group
+    holding them all (:func:`group_ranks_by_node`, which hpZ, qgZ and
+    ``quantized_comm.node_groups`` call); else ``True`` where the group holds more ranks than
+    a node (``LOCAL_WORLD_SIZE``) does; else as :func:`node_of` (raising
+    :class:`NodeNumberingUnknown` where ``GROUP_RANK`` is set)."""
     resolved = group if group is not None else (dist.group.WORLD if is_initialized() else None)
     entry = _spanning.get(id(resolved))
     if entry is None or entry[0] is not resolved:
         ranks = group_ranks(group) if is_initialized() else [0]
-        entry = (resolved, len({node_of(r) for r in ranks}) > 1)
+        entry = (resolved, _ranks_span_nodes(ranks))
         _spanning[id(resolved)] = entry
     return entry[1]
 
 
+def _ranks_span_nodes(ranks: Sequence[int]) -> bool:
+    """:func:`spans_nodes` for the global ``ranks``, uncached. Local."""
+    layout = _known_layout()
+    if layout is not None:
+        return len({layout[rank] for rank in ranks}) > 1
+    identities = _GATHERED_IDENTITIES.current()
+    if all(rank in identities for rank in ranks):
+        ranks = sorted(ranks)
+        return len(_nodes_of_identities(ranks, [identities[rank] for rank in ranks])) > 1
+    if not os.environ.get("LOCAL_WORLD_SIZE"):
+        return False  # nothing gathered and no node size: one node (see the notes above)
+    if len(ranks) > ranks_per_node():
+        return True  # more ranks than fit on one node, wherever each runs
+    return len({node_of(rank) for rank in ranks}) > 1
+
+
 def spans_nodes_if_known(group=None) -> Optional[bool]:
-    """:func:`spans_nodes`, or ``None`` where this rank cannot know it (see
-    :class:`NodeNumberingUnknown`). For the collectives' own records: raising there on the
-    ranks whose ``GROUP_RANK`` gives the numbering away, before they issue the op, left the
-    other ranks waiting in it. Local."""
+    """:func:`spans_nodes`, or ``None`` where the ranks cannot know it (see
+    :class:`NodeNumberingUnknown`). For the collectives' own records: raising there, before
+    the op is issued, would leave the other ranks waiting in it. Local."""
     try:
         return spans_nodes(group)
     except NodeNumberingUnknown:
@@ -872,6 +973,9 @@ def ranks_by_node(ranks: Sequence[int]) -> list[list[int]]:
 
 # the global ranks of a sub-group -> its ranks by node, gathered over the sub-group
 _SUB_GROUP_NODES = GroupCache()
+# global rank -> its node identity (GROUP_RANK or None, host name), as gathered over the
+# sub-groups above: spans_nodes() answers from them for the groups made of those ranks
+_GATHERED_IDENTITIES = GroupCache()
 
 
 def group_ranks_by_node(ranks: Sequence[int], group=None, gather: bool = True
@@ -903,6 +1007,8 @@ def group_ranks_by_node(ranks: Sequence[int], group=None, gather: bool = True
                                        operation="node layout")
         of_rank = dict(zip(group_ranks(group), identities))  # in the group's order
         cached[key] = _nodes_of_identities(ranks, [of_rank[rank] for rank in ranks])
+        _GATHERED_IDENTITIES.current().update(of_rank)
+        _spanning.clear()  # answers given before these nodes were known
     return [list(node) for node in cached[key]]
 
 
@@ -1108,7 +1214,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     """In-place all-reduce of ``tensor``. Wire: ``2(n-1)/n`` of its bytes."""
     _check_call("all_reduce", group, tensor, reduce_op=op)
     _record("all_reduce", tensor, group)
-    return _tracked(dist.all_reduce(tensor, op=op, group=group, async_op=async_op), group)
+    return _issued("all_reduce", group, dist.all_reduce, tensor, op=op, async_op=async_op)
 
 
 def all_reduce_as_one(tensors: Sequence[torch.Tensor], group=None, divide_by: int = 1) -> None:
@@ -1143,8 +1249,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
                          f"world size {n} x output's {output.numel()} = {output.numel() * n}")
     _record("reduce_scatter", input, group)
     output, input = _flat_when_contiguous(output, input, gathering=False)
-    return _tracked(_reduce_scatter_tensor(output, input, op=op, group=group,
-                                           async_op=async_op), group)
+    return _issued("reduce_scatter_tensor", group, _reduce_scatter_tensor, output, input, op=op,
+                   async_op=async_op)
 
 
 def _flat_when_contiguous(output: torch.Tensor, input: torch.Tensor,
@@ -1172,7 +1278,8 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group=None
                          f"be world size {n} x input's {input.numel()} = {input.numel() * n}")
     _record("all_gather", output, group)
     output, input = _flat_when_contiguous(output, input, gathering=True)
-    return _tracked(_all_gather_tensor(output, input, group=group, async_op=async_op), group)
+    return _issued("all_gather_into_tensor", group, _all_gather_tensor, output, input,
+                   async_op=async_op)
 
 
 def all_gather(tensors: list[torch.Tensor], tensor: torch.Tensor, group=None,
@@ -1224,8 +1331,8 @@ def all_gather(tensors: list[torch.Tensor], tensor: torch.Tensor, group=None,
                          f"{sizes}); every rank's tensors[j] must; nothing was sent")
     _record("all_gather", tensor.numel() * tensor.element_size() * n, group)
     # a tuple too (torch takes lists only): its tensors are filled in place all the same
-    return _tracked(dist.all_gather(list(tensors), tensor, group=group, async_op=async_op),
-                    group)
+    return _issued("all_gather", group, dist.all_gather, list(tensors), tensor,
+                   async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
@@ -1263,8 +1370,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group=None,
     # (a transposed output got other elements, silently), and refuses a non-contiguous
     # input ("Tensors must be contiguous"): both go through contiguous copies
     landing = output if output.is_contiguous() else output.contiguous()
-    work = dist.all_to_all_single(landing, input.contiguous(), group=group, async_op=async_op)
-    return _landed(_tracked(work, group), landing, output, async_op)
+    work = _issued("all_to_all_single", group, dist.all_to_all_single, landing,
+                   input.contiguous(), async_op=async_op)
+    return _landed(work, landing, output, async_op)
 
 
 def _all_to_all_problem(output, input, n: int) -> Optional[Exception]:
@@ -1328,15 +1436,14 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     """Broadcast ``tensor`` from global rank ``src``. Wire: ``(n-1)/n`` of its bytes."""
     _check_call("broadcast", group, tensor, src=src)
     _record("broadcast", tensor, group)
-    return _tracked(dist.broadcast(tensor, src=src, group=group, async_op=async_op), group)
+    return _issued("broadcast", group, dist.broadcast, tensor, src=src, async_op=async_op)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """Reduce ``tensor`` onto global rank ``dst``. Wire: ``(n-1)/n`` of its bytes."""
     _check_call("reduce", group, tensor, reduce_op=op, dst=dst)
     _record("reduce", tensor, group)
-    return _tracked(dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op),
-                    group)
+    return _issued("reduce", group, dist.reduce, tensor, dst=dst, op=op, async_op=async_op)
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:

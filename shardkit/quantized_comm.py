@@ -436,8 +436,11 @@ def _agreed_send_order(intra_group, inter_group, group) -> Optional[list[int]]:
     the first all-to-all for a rank that left. Collective over ``group`` once per pair (one
     small object all-gather, a control message ``CommCounter`` does not count); a dictionary
     lookup after."""
-    key = (id(intra_group), id(inter_group), id(skdist.resolved_group(group)),
-           skdist.node_layout_known())  # a layout gathered later may change the order
+    # nodes gathered later (the world's, or the group's by node_groups(group=...)) may change
+    # the order
+    nodes_known = skdist.node_layout_known() or (group is not None and skdist.group_ranks_by_node(
+        skdist.group_ranks(group), group, gather=False) is not None)
+    key = (id(intra_group), id(inter_group), id(skdist.resolved_group(group)), nodes_known)
     agreed = _AGREED_GROUP_PAIRS.current()
     held = agreed.get(key)
     if held is not None and held[0] is intra_group and held[1] is inter_group:
@@ -528,9 +531,9 @@ def _order_of_given_groups(intra_group, inter_group, group) -> Optional[list[int
                              f"{len(ranks)} ranks, but intra_group x inter_group hold {n} x "
                              f"{k}; group is the group the values are cut for")
         return None  # a part of the world: the groups define the nodes, node-major
-    if not skdist.node_layout_known():
+    members = skdist.group_ranks_by_node(ranks, group, gather=False)
+    if members is None:  # nothing gathered (not by node_groups() either): node-major
         return None
-    members = skdist.ranks_by_node(ranks)
     if len(members) != k or any(len(node) != n for node in members):
         return None  # the groups are nodes of their own (e.g. labelled on one host)
     me = skdist.get_rank()

@@ -43,7 +43,8 @@ from typing import Any, Callable, Optional
 from shardkit.cluster import SimulatedCluster, cluster_unavailable_reason, run_cluster
 from shardkit.models import GPT, GPTConfig, MLP, Block, reference_gpt_config  # re-exported
 
-__all__ = ["World", "WorldError", "free_port", "patched_environ", "world_fixture", "GPT",
+__all__ = ["World", "WorldError", "free_port", "patched_environ", "world_fixture",
+           "node_and_local_rank", "GPT",
            "GPTConfig", "MLP", "Block",
            "reference_gpt_config", "run_in_world", "SimulatedCluster", "cluster_unavailable_reason",
            "run_cluster", "process_context"]
@@ -112,13 +113,25 @@ def process_context():
     return ctx
 
 
+def node_and_local_rank(rank: int, world_size: int, per_node: int,
+                        placement: str = "block") -> tuple[int, int]:
+    """``(GROUP_RANK, LOCAL_RANK)`` of global ``rank`` on nodes of ``per_node`` ranks:
+    ``"block"`` numbers the ranks node by node, as torchrun does; ``"round_robin"`` deals them
+    over the nodes in turn, as srun's cyclic distribution does (rank 1 on the second node)."""
+    if placement == "round_robin":
+        nodes = world_size // per_node
+        return rank % nodes, rank // nodes
+    return rank // per_node, rank % per_node
+
+
 def _worker(rank: int, world_size: int, port: int, tasks, results, stack_file: str,
-            threads: int, env: dict, per_node: int) -> None:
+            threads: int, env: dict, per_node: int, placement: str = "block") -> None:
     os.environ.clear()  # the parent's environment at start(), as a spawned process would get
     os.environ.update(env)
+    node, local = node_and_local_rank(rank, world_size, per_node, placement)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_RANK": str(rank % per_node), "LOCAL_WORLD_SIZE": str(per_node),
-                       "GROUP_RANK": str(rank // per_node), "MASTER_ADDR": "127.0.0.1",
+                       "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(per_node),
+                       "GROUP_RANK": str(node), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
     dump = open(stack_file, "w")
     faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
@@ -145,6 +158,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results, stack_file: s
     distributed.destroy()
 
 
+_PLACEMENTS = ("block", "round_robin")
+
+
 class World:
     """``world_size`` gloo processes started once and reused for many test bodies.
 
@@ -157,6 +173,9 @@ class World:
             (``LOCAL_WORLD_SIZE``, ``LOCAL_RANK``, ``GROUP_RANK``), so that topology-aware code
             and ``CommCounter``'s per-link split see several nodes; every rank still runs on
             this machine (:func:`run_cluster` gives real separate nodes). Default: one node.
+        placement: how the ranks are numbered over those nodes: ``"block"`` (torchrun's node
+            by node, the default) or ``"round_robin"`` (srun's cyclic distribution: node
+            ``rank % nodes``), see :func:`node_and_local_rank`.
         failure_grace_s: once a rank has failed in a :meth:`run`, how many more seconds the
             others get to finish (and report their results or errors) before they are taken
             for hung, their stacks dumped and the world torn down (a positive number; default
@@ -166,7 +185,7 @@ class World:
 
     def __init__(self, world_size: int, timeout: float = _DEFAULT_TIMEOUT, threads: int = 1,
                  env: Optional[dict] = None, ranks_per_node: Optional[int] = None,
-                 failure_grace_s: float = _FAILURE_GRACE_S):
+                 failure_grace_s: float = _FAILURE_GRACE_S, placement: str = "block"):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"World(world_size={world_size!r}): must be an int >= 1")
         if isinstance(failure_grace_s, bool) or not isinstance(failure_grace_s, (int, float)) \
@@ -177,7 +196,10 @@ class World:
         if not isinstance(per_node, int) or per_node < 1 or world_size % per_node:
             raise ValueError(f"World(ranks_per_node={ranks_per_node!r}): must be an int >= 1 "
                              f"that divides world_size={world_size}")
+        if placement not in _PLACEMENTS:
+            raise ValueError(f"World(placement={placement!r}): must be one of {_PLACEMENTS}")
         self.ranks_per_node = per_node
+        self.placement = placement
         self.world_size = world_size
         self.timeout = timeout
         self.threads = threads
@@ -198,7 +220,8 @@ class World:
         self._procs = [
             ctx.Process(target=_worker, daemon=True,
                         args=(r, self.world_size, port, self._tasks[r], self._results,
-                              self._stack_file(r), self.threads, env, self.ranks_per_node))
+                              self._stack_file(r), self.threads, env, self.ranks_per_node,
+                              self.placement))
             for r in range(self.world_size)
         ]
         for p in self._procs:
