@@ -1579,6 +1579,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if not isinstance(save_filename, str) or not save_filename or os.sep in save_filename:
             raise ValueError(f"engine.save_16bit_model(save_filename={save_filename!r}): must be "
                              f"a file name (no directory part)")
+        self._agree_on_step_skipped("engine.save_16bit_model()")
         state = self._16bit_state_dict(exclude_frozen_parameters)
         path = os.path.join(save_dir, save_filename)
         error = _write_atomically(state, path) if distributed.get_rank() == 0 else None
@@ -1630,7 +1631,11 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         used as ``str(tag)``, as DeepSpeed does. Memory: a CPU copy of this rank's share.
         Communication: the tags compared across ranks (one small all-gather, unless the
         config's ``checkpoint.tag_validation`` is ``"Ignore"``: then a small broadcast), three
-        one-element all-reduces and one barrier.
+        one-element all-reduces and one barrier. A rank that ran a backward it has not stepped
+        for first joins the step agreement (:meth:`_agree_on_step_skipped`): when other ranks
+        stepped meanwhile (a step skipped behind a rank-local check of the loss), every rank
+        raises a RuntimeError and nothing is written, as at a forward; likewise in
+        :meth:`load_checkpoint` and :meth:`save_16bit_model`.
 
         ``client_state`` must load back: checkpoints are read with
         ``torch.load(weights_only=True)`` (tensors, numbers, strings, bools, None and
@@ -1655,6 +1660,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                              f"non-empty directory path (a str or os.PathLike); nothing was "
                              f"written")
         save_dir = os.fspath(save_dir)
+        self._agree_on_step_skipped("engine.save_checkpoint()")
         self.wait_for_checkpoint()
         tag = None if tag is None else str(tag)  # DeepSpeed's: an epoch or a loss names a tag
         if self.model_parallel is not None and async_save:
@@ -1905,11 +1911,12 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         or backward's collectives, or, where the optimizer's step is local, training on
         weights that no longer match. The ranks that did not step meet this agreement at their
         next reducing training forward, or any forward at stage 3, or the backward of a loss
-        computed without the engine's forward (:meth:`_agree_on_step_skipped`), so both sides
-        learn it from the one exchange the step makes anyway. ``step()`` between
-        :meth:`offload_states` and :meth:`reload_states` would update state that is not where
-        the parameters are (on a GPU, a device mismatch inside the optimizer; on a CPU run, a
-        script that forgets the reload would break on a GPU). Communication: in a world of
+        computed without the engine's forward, or a checkpoint save or load
+        (:meth:`_agree_on_step_skipped`), so both sides learn it from the one exchange the step
+        makes anyway. ``step()`` between :meth:`offload_states` and :meth:`reload_states`
+        would update state that is not where the parameters are (on a GPU, a device mismatch
+        inside the optimizer; on a CPU run, a script that forgets the reload would break on a
+        GPU). Communication: in a world of
         several ranks, one all-gather of two int64s a rank (a control message ``CommCounter``
         does not count)."""
         offloaded = self._offloaded_optimizer_state is not None
@@ -2000,6 +2007,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
 
     @staticmethod
     def _step_agreement_rows(call: str, row: list) -> list:
+        """Every rank's ``row``, over the world: the engine's ranks are the world's
+        (``initialize`` refuses an ``mpu`` whose tensor- and data-parallel groups do not cover
+        it), and with tensor parallelism each rank's tensor-parallel partners must agree too,
+        which its data-parallel group alone would not tell it."""
         if distributed.get_world_size() < 2:
             return [row]
         return distributed.gather_control_rows(call, row)
@@ -2012,11 +2023,13 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         others = [rank for rank in range(len(rows)) if rank not in stepping]
         raise RuntimeError(
             f"{call}: rank(s) {stepping} are stepping the optimizer (engine.step() or "
-            f"engine.optimizer.step()) while rank(s) {others} went on to their next forward or "
-            f"backward without stepping; every rank must step after each accumulation "
-            f"boundary, or none (a step behind a rank-local condition, such as `if rank == 0` "
-            f"or a check of this rank's loss, would leave the ranks' weights different): no "
-            f"rank stepped. To skip a step everywhere, agree on the condition first (e.g. "
+            f"engine.optimizer.step()) while rank(s) {others} went on without stepping (to "
+            f"their next forward or backward, or to a checkpoint save or load); every rank must "
+            f"step after each accumulation boundary, or none (a step behind a rank-local "
+            f"condition, such as `if rank == 0` or a check of this rank's loss, would leave the "
+            f"ranks' weights different): no rank stepped. Under fp16, engine.step() itself "
+            f"skips the update on every rank when any rank's gradients overflowed: call it "
+            f"everywhere. To skip a step everywhere, agree on the condition first (e.g. "
             f"all-reduce the flag). A forward with gradients on, in training mode, between "
             f"backward and step on some ranks only (a preview or log) counts as going on: run "
             f"it under torch.no_grad()")
@@ -2056,6 +2069,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 "engine.load_checkpoint(custom_load_fn=...): not supported; write the "
                 "checkpoint's weights with `python -m shardkit consolidate DIR model.pt` and "
                 "load them into the model with your function before shardkit.initialize")
+        self._agree_on_step_skipped("engine.load_checkpoint()")
         self.wait_for_checkpoint()
         tag = None if tag is None else str(tag)
         load_dir, tag = checkpoint_location(load_dir, tag, self.model_parallel)
