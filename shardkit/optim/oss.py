@@ -548,6 +548,13 @@ class OSS(torch.optim.Optimizer):
                 "set hyper-parameters (a learning rate, a scheduler's step), add param groups "
                 "and pass the arguments of collective calls identically on every rank; "
                 "nothing was changed, clipped or stepped")
+            # only rows gathered in advance can get here: a rank's row not made from the
+            # settings it passes now (every rank still raises, as every rank saw the rows)
+            raise ValueError(
+                f"{method}: the rows' settings digests differ ({[d for _, d in every]} per "
+                f"group rank) although every rank's param groups and arguments agree now: some "
+                f"rank's row was not made by agreement_row with the arguments it passes to "
+                f"agreed_in_advance; nothing was changed, clipped or stepped")
 
     # ------------------------------------------------------------------ agreement in advance
     # For a caller that already makes one control exchange per step (the DeepSpeed-style
@@ -579,18 +586,17 @@ class OSS(torch.optim.Optimizer):
         method, settings = self._in_advance_settings("OSS.agreed_in_advance", call, arguments)
         every = [list(row) for row in rows]
         mine = _agreement_row(method, settings)
-        if len(every) != self.world_size or any(len(row) != 2 for row in every):
-            raise ValueError(f"OSS.agreed_in_advance(rows=...): expected {self.world_size} "
-                             f"rows of 2 ints (every rank's agreement_row, in group-rank "
-                             f"order), got {len(every)} rows")
+        if method in self._agreed_in_advance:
+            raise RuntimeError(f"OSS.agreed_in_advance({call!r}): already inside such a block")
+        _check_rows_shape(every, self.world_size)
+        # before this rank's own row: where the rows' settings differ, every rank (this one
+        # too) must join the object all-gather that names the difference, or they hang there
+        if self.world_size > 1:
+            self._check_agreement_rows(method, every, settings)
         if every[self.rank] != mine:
             raise ValueError(f"OSS.agreed_in_advance(rows=...): row {self.rank} is "
                              f"{every[self.rank]}, not this rank's agreement_row({call!r}) "
                              f"{mine}; gather the rows over OSS.group with the same arguments")
-        if method in self._agreed_in_advance:
-            raise RuntimeError(f"OSS.agreed_in_advance({call!r}): already inside such a block")
-        if self.world_size > 1:
-            self._check_agreement_rows(method, every, settings)
         self._agreed_in_advance[method] = mine[1]
         try:
             yield
@@ -1167,6 +1173,20 @@ class OSS(torch.optim.Optimizer):
 def _agreement_row(method: str, settings: dict) -> list[int]:
     """``[method code, crc32 of the settings]``: one rank's row of an OSS agreement."""
     return [_AGREEING_METHODS.index(method), zlib.crc32(repr(sorted(settings.items())).encode())]
+
+
+def _check_rows_shape(every: list, world_size: int) -> None:
+    """Raise a ValueError (on every rank alike: every rank holds the same rows) unless
+    ``every`` holds ``world_size`` rows of two ints naming an OSS agreement's method. Local."""
+    if len(every) != world_size or any(len(row) != 2 for row in every):
+        raise ValueError(f"OSS.agreed_in_advance(rows=...): expected {world_size} rows of 2 "
+                         f"ints (every rank's agreement_row, in group-rank order), got "
+                         f"{[len(row) for row in every]} ints in each of {len(every)} rows")
+    codes = range(len(_AGREEING_METHODS))
+    if any(int(code) not in codes for code, _ in every):
+        raise ValueError(f"OSS.agreed_in_advance(rows=...): the rows {every} are not OSS "
+                         f"agreement rows (a row's first int names the call, one of "
+                         f"{list(codes)}); pass every rank's agreement_row, in group-rank order")
 
 
 def _record_in_calling_torch_scaler(optimizer: OSS, found_inf_anywhere: bool) -> bool:

@@ -5,8 +5,19 @@ each rank checks only those. An overflow in one owner's shard was refused with a
 at the first overflow (hours into a run), and a rank that owns no parameter recorded no
 inf check at all, so its ``update()`` raised while the other ranks waited in the next step.
 Now every rank skips and backs off exactly as one process does.
+
+a review
+
+Review of OSS under torch's GradScaler and of OSS's agreement made in advance, at world 2.
+
+``OSS.agreed_in_advance`` takes rows a caller gathered: a rank whose row was not made from the
+arguments it passes (or rows that are no OSS agreement's) must be refused on every rank, not
+leave the other ranks waiting in the all-gather that names a difference. One torch scaler over
+two OSS optimizers, with ``unscale_`` and ``clip_grad_norm`` before ``step``, skips, backs off
+and grows as one process does.
 """
 
+import pytest
 import torch
 
 from shardkit import distributed as skdist
@@ -224,3 +235,132 @@ def test_agreement_gathered_by_the_caller_replaces_oss_own(world4):
         assert "changed on this rank" in r["changed_refusal"]
         assert r["unclipped"] and r["untouched"]
         assert r["gathers_after"] == ["OSS.step's agreement"]
+
+
+world2 = world_fixture(2, timeout=60)
+
+
+def _refusal(block_entered) -> str:
+    """The error ``block_entered()`` raised, as ``"<type>: <text>"`` (or ``"entered"``)."""
+    try:
+        block_entered()
+    except (ValueError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "entered"
+
+
+def _check_rows_not_made_from_the_passed_arguments():
+    from shardkit.optim import OSS
+
+    rank = skdist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+    model(torch.ones(2, 4)).pow(2).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+
+    def clip_in_block(rows):
+        def run():
+            with optimizer.agreed_in_advance("clip_grad_norm", rows, max_norm=0.5):
+                optimizer.clip_grad_norm(0.5)
+        return run
+
+    # rank 0 made its row for max_norm=1.0 but agrees (and clips) with 0.5
+    row = optimizer.agreement_row("clip_grad_norm", max_norm=1.0 if rank == 0 else 0.5)
+    rows = skdist.gather_control_rows("the caller's agreement", row, optimizer.group)
+    other_arguments = _refusal(clip_in_block(rows))
+    # rows whose first int names no OSS call (a negative one read as the last call's)
+    digest = optimizer.agreement_row("clip_grad_norm", max_norm=0.5)[1]
+    not_rows = [_refusal(clip_in_block([[code, digest]] * 2)) for code in (99, -1)]
+    unclipped = all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    left_in_block = dict(optimizer._agreed_in_advance)
+    # the world is still in step: an ordinary clip agrees and clips on every rank
+    norm = optimizer.clip_grad_norm(0.5).item()
+    return dict(other_arguments=other_arguments, not_rows=not_rows, unclipped=unclipped,
+                left_in_block=left_in_block, norm=norm)
+
+
+def test_rows_not_made_from_the_passed_arguments_are_refused_on_every_rank(world2):
+    results = world2.run(_check_rows_not_made_from_the_passed_arguments)
+    for r in results:
+        # rank 0 refused its own row, and rank 1 waited for it in the object all-gather
+        assert r["other_arguments"].startswith("ValueError: OSS.clip_grad_norm: the rows' "
+                                               "settings digests differ"), r["other_arguments"]
+        for refusal in r["not_rows"]:
+            assert refusal.startswith("ValueError: OSS.agreed_in_advance(rows=...)") and \
+                "are not OSS agreement rows" in refusal, refusal
+        assert r["unclipped"] and r["left_in_block"] == {}
+    assert results[0]["norm"] == pytest.approx(results[1]["norm"])
+
+
+class _TwoBranches(torch.nn.Module):
+    """Two linear branches; ``bigs[i]`` multiplies branch ``i``'s loss (an overflow there).
+    The first has one parameter: one owner of its OSS, the other rank holds no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4, bias=False)
+        self.second = torch.nn.Linear(4, 4)
+
+    def forward(self, x, bigs):
+        return self.first(x).pow(2).mean() * bigs[0] + self.second(x).pow(2).mean() * bigs[1]
+
+
+def _scaled_step_with_clipping(model, optimizers, scaler, x, bigs, clip):
+    for optimizer in optimizers:
+        optimizer.zero_grad()
+    scaler.scale(model(x, bigs)).backward()
+    for optimizer in optimizers:
+        scaler.unscale_(optimizer)
+        clip(optimizer)
+    for optimizer in optimizers:
+        scaler.step(optimizer)
+    scaler.update()
+
+
+def _check_one_torch_scaler_over_two_oss_optimizers():
+    from shardkit.nn.data_parallel import ShardedDataParallel
+    from shardkit.optim import OSS
+
+    rank, world = skdist.get_rank(), skdist.get_world_size()
+    torch.manual_seed(0)
+    reference, model = _TwoBranches(), _TwoBranches()
+    model.load_state_dict(reference.state_dict())
+    optimizers = [OSS(model.first.parameters(), optim=torch.optim.Adam, lr=0.05),
+                  OSS(model.second.parameters(), optim=torch.optim.Adam, lr=0.05)]
+    sharded = ShardedDataParallel(model, optimizers)
+    references = [torch.optim.Adam(reference.first.parameters(), lr=0.05),
+                  torch.optim.Adam(reference.second.parameters(), lr=0.05)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=2)
+               for _ in range(2)]
+
+    def clip_reference(optimizer):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+
+    history, max_error, overflow_seen_here = [], 0.0, []
+    # an overflow in one owner's shard of one optimizer, in both optimizers, none (growth)
+    for step, overflows in enumerate([(), (0,), (), (), (0, 1), (), (), (1,)]):
+        bigs = [1e36 if i in overflows else 1.0 for i in range(2)]
+        x = torch.linspace(-1.0, 1.0, 16 * world).reshape(4 * world, 4) * (step + 1)
+        _scaled_step_with_clipping(sharded, optimizers, scalers[0], x.chunk(world)[rank], bigs,
+                                   lambda optimizer: optimizer.clip_grad_norm(1.0))
+        overflow_seen_here.append(model.first.weight.grad is not None and
+                                  not model.first.weight.grad.isfinite().all().item())
+        _scaled_step_with_clipping(reference, references, scalers[1], x, bigs, clip_reference)
+        history.append([(s.get_scale(), s._get_growth_tracker()) for s in scalers])
+        max_error = max(max_error, max(
+            torch.nan_to_num((p - q).abs(), nan=float("inf")).max().item()
+            for p, q in zip(model.parameters(), reference.parameters())))
+    return dict(history=history, max_error=max_error, overflow_seen_here=overflow_seen_here)
+
+
+def test_one_torch_scaler_over_two_oss_optimizers_clipping_matches_one_process(world2):
+    results = world2.run(_check_one_torch_scaler_over_two_oss_optimizers)
+    # the first branch's overflow reached its one owner only (the other holds no gradient)
+    assert sorted(r["overflow_seen_here"][1] for r in results) == [False, True]
+    for r in results:
+        assert [ours for ours, _ in r["history"]] == [ref for _, ref in r["history"]]
+        assert [scale for (scale, _), _ in r["history"]][-4:] == \
+            [2.0 ** 15, 2.0 ** 15, 2.0 ** 16, 2.0 ** 15]
+        assert r["max_error"] < 1e-6
