@@ -22,7 +22,9 @@ two updates). It is reentrant (a
 ``torch.autograd.Function``), as DeepSpeed's is, but where no tensor argument requires grad
 (the first block fed the raw batch, a frozen embedding's output) its outputs still do, so the
 region's parameters get the gradients they get without checkpointing (DeepSpeed's and torch's
-reentrant checkpoints give them none, silently or with a warning).
+reentrant checkpoints give them none, silently or with a warning). A region that then reads no
+tensor requiring grad (frozen layers fed the raw batch) keeps nothing and its outputs require
+none, as without checkpointing.
 
 Memory, per call: the tensor arguments (not the region's activations) stay until the backward.
 
@@ -74,6 +76,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from shardkit.config import (ActivationCheckpointingConfig, ConfigError,
                              activation_checkpointing_config)
@@ -480,12 +484,16 @@ class _CheckpointFunction(torch.autograd.Function):
         ctx.received = _Received(reentrant=True)
         # is_checkpointing()/is_recomputing() answer here as in checkpoint_wrapper's regions:
         # a DeferredBatchNorm tracks the first forward only
+        # anchored, the region needs a backward only when it reads a tensor requiring grad
+        watch = _TrainableUse() if anchor is not None else contextlib.nullcontext()
         with _boundary("forward"), torch.no_grad(), _modes_recorded(ctx.modes), \
-                _counting("checkpointing"), _outside_values_recorded(ctx.received):
+                _counting("checkpointing"), _outside_values_recorded(ctx.received), watch:
             outputs = run_function(*layout.merge(tensors))
-        ctx.save_for_backward(*kept)
         outs = tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
         tensor_outs = [o for o in outs if torch.is_tensor(o)]
+        if anchor is not None and not watch.seen and not _trainable_module_called(ctx.modes):
+            return _without_backward(ctx, tensor_outs)
+        ctx.save_for_backward(*kept)
         ctx.from_outside = [_made_outside(o, tensors) for o in tensor_outs]
         ctx.input_positions = [_input_position(o, tensors) for o in tensor_outs]
         # Autograd gives a function's outputs their history in place, so each goes out as a
@@ -576,6 +584,41 @@ def _grad_anchor(tensors: list):
     return torch.empty(0, requires_grad=True)
 
 
+class _TrainableUse(TorchFunctionMode):
+    """Inside it, ``seen`` becomes True at the first torch function given a tensor that
+    requires grad (in a region whose tensor arguments need none and that runs without grad: a
+    trainable parameter or a tensor with history it closes over)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.seen:
+            self.seen = any(torch.is_tensor(value) and value.requires_grad
+                            for value in tree_leaves((args, kwargs)))
+        return func(*args, **kwargs)
+
+
+def _trainable_module_called(modes: list) -> bool:
+    """Whether a module the first forward called (``modes``: ``(module, training)``) has a
+    parameter of its own that requires grad (used by a kernel no torch function sees)."""
+    return any(param.requires_grad for module, _ in modes
+               for param in module.parameters(recurse=False))
+
+
+def _without_backward(ctx, tensor_outs: list) -> tuple:
+    """The outputs of an anchored region that read nothing requiring grad (frozen layers fed
+    the raw batch), none of them requiring grad, as without checkpointing: the anchor would
+    otherwise keep the region's arguments until a backward that recomputes it for no
+    gradient, and make every layer after it keep its activations too. Nothing is saved."""
+    ctx.received.escaping.clear()
+    outs = [o.detach() for o in tensor_outs]
+    ctx.mark_non_differentiable(*outs)
+    return tuple(outs)
+
+
 def _made_outside(output: torch.Tensor, inputs) -> bool:
     """Whether the region handed back, as ``output``, a tensor made before it that autograd
     reaches: a layer's own parameter (``skip_bias_add=True`` returns its bias) or a tensor
@@ -647,63 +690,82 @@ def _nested_needing_grad_as_arguments(function: Callable, args: tuple,
     no edge to it: its gradient was lost, silently, and the recomputation, reading the
     caller's tensor itself, ran the graph before the region inside this backward (a second
     time, an error, when the caller's backward reaches that graph too). As extra arguments
-    they get their gradients as any argument does; the recomputation gets copies of the
-    containers holding the recomputation's own leaves in their place (the first forward, the
-    caller's containers)."""
-    found = _tensors_needing_grad_inside(args, kwargs)
-    if not found:
+    (one per container slot holding one) they get their gradients as any argument does; the
+    recomputation gets copies of the containers holding the recomputation's own leaves in
+    their place (the first forward, the caller's containers). A container held in several
+    places (``checkpoint(f, batch, batch)``) is copied once, so every place reads the leaves
+    and the places still hold one object."""
+    slots, holders = _tensors_needing_grad_inside(args, kwargs)
+    if not slots:
         return function, args
-    extra = tuple(tensor for _, tensor in found)
+    extra = tuple(tensor for _, tensor in slots)
     count = len(args)
 
     def with_nested_replaced(*flat, **keywords):
         given = flat[count:]
         if all(g is t for g, t in zip(given, extra)):  # the first forward: the caller's own
             return function(*flat[:count], **keywords)
-        positional, keywords = list(flat[:count]), dict(keywords)
-        for (path, _), tensor in zip(found, given):
-            root = positional if isinstance(path[0], int) else keywords
-            root[path[0]] = _replaced(root[path[0]], path[1:], tensor)
+        leaves = {slot: leaf for (slot, _), leaf in zip(slots, given)}
+        copies: dict = {}
+        positional = [_with_leaves(value, leaves, holders, copies) for value in flat[:count]]
+        keywords = {key: _with_leaves(value, leaves, holders, copies)
+                    for key, value in keywords.items()}
         return function(*positional, **keywords)
 
     return with_nested_replaced, args + extra
 
 
-def _tensors_needing_grad_inside(args: tuple, kwargs: dict) -> list:
-    """``(path, tensor)`` for each tensor requiring grad inside the list, tuple and dict
-    arguments (any depth): ``path`` is the argument's position (an int) or keyword (a str),
-    then the keys down to the tensor. A container met twice is walked once."""
-    found, seen = [], set()
-    stack = [((key,), value) for key, value in [*enumerate(args), *kwargs.items()]
-             if isinstance(value, (list, tuple, dict))]
-    while stack:
-        path, value = stack.pop()
-        if torch.is_tensor(value):
-            if value.requires_grad:
-                found.append((path, value))
-            continue
-        if not isinstance(value, (list, tuple, dict)) or id(value) in seen:
-            continue
-        seen.add(id(value))
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        stack.extend((path + (key,), item) for key, item in items)
-    return found
+def _tensors_needing_grad_inside(args: tuple, kwargs: dict) -> tuple[list, set]:
+    """``((id(container), key), tensor)`` for each slot of the list, tuple and dict arguments
+    (any depth; last argument and last item first) holding a tensor that requires grad, and
+    the ids of the containers holding one at some depth. A container met twice (or holding
+    itself) is walked once."""
+    slots, holders, walked = [], set(), set()
+
+    def holds_one(value) -> bool:
+        if not isinstance(value, (list, tuple, dict)):
+            return False
+        if id(value) in walked:
+            return id(value) in holders
+        walked.add(id(value))
+        items = list(value.items() if isinstance(value, dict) else enumerate(value))
+        for key, item in reversed(items):
+            if torch.is_tensor(item) and item.requires_grad:
+                slots.append(((id(value), key), item))
+                holders.add(id(value))
+            elif holds_one(item):
+                holders.add(id(value))
+        return id(value) in holders
+
+    for value in reversed((*args, *kwargs.values())):
+        holds_one(value)
+    return slots, holders
 
 
-def _replaced(container, keys: tuple, tensor: torch.Tensor):
-    """A copy of ``container`` (of its type, a named tuple too) holding ``tensor`` at
-    ``keys``; the containers on the way are copied, the rest shared. The caller's are left as
+def _with_leaves(value, leaves: dict, holders: set, copies: dict):
+    """``value`` with the tensors of ``leaves`` (keyed by ``(id(container), key)``, their
+    slot) in those slots: each container of ``holders`` met is copied (of its type, a named
+    tuple too) once (``copies``, by id), the rest shared. The caller's containers are left as
     they are."""
-    if not keys:
-        return tensor
-    key, rest = keys[0], keys[1:]
-    if isinstance(container, tuple):
-        items = list(container)
-        items[key] = _replaced(items[key], rest, tensor)
-        return type(container)(*items) if hasattr(container, "_fields") \
-            else type(container)(items)
-    copied = copy.copy(container)
-    copied[key] = _replaced(container[key], rest, tensor)
+    if id(value) not in holders or not isinstance(value, (list, tuple, dict)):
+        return value
+    if id(value) in copies:
+        return copies[id(value)]
+
+    def item_at(key, item):
+        leaf = leaves.get((id(value), key))
+        return leaf if leaf is not None else _with_leaves(item, leaves, holders, copies)
+
+    if isinstance(value, tuple):
+        items = [item_at(key, item) for key, item in enumerate(value)]
+        if id(value) in copies:  # a list inside it held it again and copied it already
+            return copies[id(value)]
+        copied = type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    else:  # copied before its items, which may hold it again
+        copied = copies[id(value)] = copy.copy(value)
+        for key, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+            copied[key] = item_at(key, item)
+    copies[id(value)] = copied
     return copied
 
 
@@ -730,7 +792,9 @@ def checkpoint(function: Callable, *args, **kwargs):
     every floating-point output requires grad (whether or not it would without checkpointing;
     a gradient sent to one that does not need it in the recomputation is dropped), also when no
     tensor argument does, so that the region's parameters get their gradients (DeepSpeed's
-    outputs then require none, and those parameters silently get no gradient). An output
+    outputs then require none, and those parameters silently get no gradient), unless the
+    region then reads no tensor requiring grad (frozen layers: outputs requiring none and
+    nothing kept, as without checkpointing). An output
     ``function`` did not make comes back with the gradients of the plain call when the caller
     uses it beyond the next layer too (in the loss, say): a parameter or a tensor it closes
     over comes back as that very tensor, and a tensor argument handed back sends its gradient

@@ -12,8 +12,25 @@ world of 2 gloo ranks (tensor-parallel size 2).
   (``checkpoint(block, [hidden, residual])``, ``checkpoint(block, batch={"h": hidden})``)
   had no autograd edge to it: its gradient from the region was lost and the region's
   parameters got none, silently. Such tensors now get the plain call's gradients.
+
+a review
+
+The reentrant ``shardkit.checkpointing.checkpoint``: containers held twice, frozen regions.
+
+- A list or dict holding a tensor that requires grad, given to the region in two places
+  (``checkpoint(f, batch, batch)``, an argument and a keyword, one inner list under two keys,
+  a list holding itself) was walked once: the recomputation read the caller's tensor through
+  the second place and ran the graph before the region inside the checkpoint's backward, so
+  the caller's backward failed ("Trying to backward through the graph a second time"). Every
+  place now reads the recomputation's leaf, and the places still hold one object.
+- A region fed tensors that require no grad got an "anchor" making its outputs require grad,
+  also when nothing in it is trainable (a frozen backbone fed the raw batch): each such region
+  kept its arguments until the backward and was recomputed there for no gradient, where the
+  plain call keeps nothing. Such a region now keeps nothing and its outputs require no grad.
 """
 
+import gc
+import weakref
 from collections import namedtuple
 
 import pytest
@@ -156,3 +173,122 @@ def _nested_tensors_get_their_gradients(options: dict) -> float:
                          ids=["plain", "partitioned"])
 def test_reentrant_checkpoint_sends_gradients_to_tensors_inside_containers(world2, options):
     assert max(world2.run(_nested_tensors_get_their_gradients, options)) <= 1e-6
+
+
+REV_WIDTH = 6
+
+
+def _plain(function, *args, **kwargs):
+    return function(*args, **kwargs)
+
+
+def _held_twice(hidden):
+    """Argument lists giving the region one container in two places: ``(args, kwargs)``."""
+    pair = [hidden, hidden.tanh()]
+    looped = [hidden]
+    looped.append(looped)
+    return {
+        "two positions": ((pair, pair), {}),
+        "argument and keyword": ((pair,), {"again": pair}),
+        "one inner list under two keys": (({"p": pair, "q": pair}, None), {}),
+        "a list holding itself": ((looped, looped[1]), {}),
+    }
+
+
+def _region(layer, seen_same):
+    def region(first, second=None, again=None):
+        if isinstance(first, dict):
+            first, second = first["p"], first["q"]
+        second = again if again is not None else second
+        seen_same.append(first is second)
+        return layer(first[0]) * second[0]
+    return region
+
+
+def _gradients(checkpoint, case: str):
+    torch.manual_seed(0)
+    layer = nn.Linear(REV_WIDTH, REV_WIDTH)
+    leaf = torch.randn(3, REV_WIDTH, requires_grad=True)
+    hidden = leaf * 2.0  # history before the region, which the recomputation must not re-run
+    args, kwargs = _held_twice(hidden)[case]
+    seen_same = []
+    out = checkpoint(_region(layer, seen_same), *args, **kwargs)
+    (out.square().sum() + hidden.sum()).backward()
+    return [leaf.grad, layer.weight.grad, layer.bias.grad], seen_same
+
+
+def test_a_container_held_twice_gives_the_plain_gradients():
+    for case in _held_twice(torch.zeros(1)):
+        plain, _ = _gradients(_plain, case)
+        checkpointed, seen_same = _gradients(ds_checkpointing.checkpoint, case)
+        for got, want in zip(checkpointed, plain):
+            torch.testing.assert_close(got, want, msg=case)
+        # forward and recomputation both see one object in both places
+        assert seen_same == [True, True], case
+
+
+def _frozen_blocks(count: int):
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([nn.Linear(REV_WIDTH, REV_WIDTH) for _ in range(count)])
+    return blocks.requires_grad_(False)
+
+
+def test_a_frozen_region_fed_the_raw_batch_keeps_nothing_and_is_not_recomputed():
+    blocks, head = _frozen_blocks(3), nn.Linear(REV_WIDTH, 1)
+    calls = []
+
+    def block(index):
+        def run(x):
+            calls.append(index)
+            return torch.relu(blocks[index](x))
+        return run
+
+    batch = torch.randn(4, REV_WIDTH)
+    kept = weakref.ref(batch)
+    hidden = batch
+    for index in range(3):
+        hidden = ds_checkpointing.checkpoint(block(index), hidden)
+    assert not hidden.requires_grad  # as without checkpointing
+    del batch
+    gc.collect()
+    assert kept() is None  # was: held by the first region until a backward
+    head(hidden).sum().backward()
+    assert calls == [0, 1, 2]  # was: each frozen block run again in the backward
+    assert all(p.grad is None for p in blocks.parameters()) and head.weight.grad is not None
+
+
+class _ScaleByKernel(torch.autograd.Function):
+    """Reads its parameter only in a "kernel" (no torch function sees it in the forward)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad, (grad * x).sum(0)
+
+
+class _KernelLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(REV_WIDTH))
+
+    def forward(self, x):
+        return _ScaleByKernel.apply(x, self.scale)
+
+
+def test_regions_fed_the_raw_batch_that_read_something_trainable_still_train_it():
+    batch = torch.randn(4, REV_WIDTH)
+    frozen = _frozen_blocks(1)[0]
+    closed_over = torch.randn(REV_WIDTH, requires_grad=True)
+    kernel = _KernelLayer()
+    for region, trainable in [(lambda x: frozen(x) * closed_over, closed_over),
+                              (kernel, kernel.scale)]:
+        out = ds_checkpointing.checkpoint(region, batch)
+        assert out.requires_grad
+        out.square().sum().backward()
+        want = torch.autograd.grad(region(batch).square().sum(), trainable)[0]
+        torch.testing.assert_close(trainable.grad, want)
