@@ -537,7 +537,8 @@ class FlatParamShard:
         gradient (it was reduced unscaled), and telling a zeroing from it read every
         ``.grad`` (a device sync per unit per micro-batch). Now ``.grad`` is the held
         gradient's storage, so every in-place change reaches it without a read, and a
-        ``.grad`` set to ``None`` or replaced drops it (:meth:`_take_back_held_grads`).
+        ``.grad`` set to ``None`` drops it, and one replaced by a tensor of the parameter's
+        full shape replaces it (:meth:`_adopt_replaced_grad`).
         A ``.grad`` the cycle began with (the reduced gradient of earlier steps, without
         ``zero_grad`` in between) is folded into the shown one where that is exact
         (:meth:`_fold_kept_grad`), so a scaling or a reassignment between micro-batches reaches
@@ -646,8 +647,13 @@ class FlatParamShard:
         gone = {i for i, mark in enumerate(self._sealed) if mark is not None} - \
             {i for i, _ in shown}
         for i in gone:
-            self._discard_held(i)
+            kept = self._sealed[i][1]
             self._sealed[i] = None
+            if self._adopt_replaced_grad(i, kept):  # shown again, still held
+                lay = self.layouts[i]
+                again = _show_as_grad(self.params[i], self._grad_pieces[i].view(lay.shape))
+                self._sealed[i] = (weakref.ref(again), kept, again._version)
+        shown = self._still_shown()
         zeroed = _read_all_zero([g for _, g in shown])
         held = []
         for (i, _), zero in zip(shown, zeroed):
@@ -665,9 +671,10 @@ class FlatParamShard:
     def _take_back_held_grads(self) -> None:
         """Before a backward adds to the held gradients, or they are reduced: each ``.grad``
         still showing one goes back to what it was before (the held gradient keeps every
-        in-place change the user made through it); one set to ``None`` or replaced since
-        :meth:`seal_held_grads` (``optimizer.zero_grad()``) drops it. Local; no device sync
-        unless a ``.grad`` kept aside must be settled."""
+        in-place change the user made through it); one set to ``None`` since
+        :meth:`seal_held_grads` (``optimizer.zero_grad()``) drops it, one replaced by a
+        full-shape tensor gives it its values (:meth:`_adopt_replaced_grad`). Local; no device
+        sync unless a ``.grad`` kept aside must be settled."""
         sealed = self._sealed
         if sealed is None or self._grad_pieces is None:
             self._sealed = None
@@ -678,10 +685,11 @@ class FlatParamShard:
         for i, mark in enumerate(sealed):
             if mark is None:
                 continue
-            if i not in shown:  # cleared or replaced: what it held goes with it
-                self._discard_held(i)
-                continue
             kept = mark[1]
+            if i not in shown:  # cleared (or replaced in a shape it cannot take): dropped
+                if self._adopt_replaced_grad(i, kept):
+                    self._put_back(i, kept)
+                continue
             p = self.params[i]
             p.grad = None
             p.grad = kept
@@ -689,6 +697,32 @@ class FlatParamShard:
                 changed.append((i, shown[i], kept))
         if changed:
             self._settle_grads_kept_aside(changed)
+
+    def _adopt_replaced_grad(self, i: int, kept: Optional[torch.Tensor]) -> bool:
+        """Parameter ``i``'s ``.grad`` no longer shows its held gradient: ``None``
+        (``optimizer.zero_grad()``) drops the held gradient; a tensor of the parameter's full
+        shape (``p.grad = p.grad * f`` between micro-batches, where torch takes that shape:
+        ``NO_SHARD``, or one rank) replaces it, as it replaces the accumulated ``.grad`` in one
+        process (before, it was dropped too: the cycle's earlier micro-batches were lost
+        silently). A ``.grad`` kept aside from before the cycle (``kept``) is zeroed with a
+        zero replacement; another replacement cannot reach it and warns
+        (:meth:`_settle_grads_kept_aside`). Returns whether the held gradient was kept.
+        Local; one device sync when ``kept`` must be settled."""
+        lay = self.layouts[i]
+        replacement = self.params[i].grad
+        if replacement is None or tuple(replacement.shape) != tuple(lay.shape):
+            self._discard_held(i)
+            return False
+        self._grad_pieces[i].view(lay.shape).copy_(replacement.detach())
+        if kept is not None:
+            self._settle_grads_kept_aside([(i, replacement, kept)])
+        return True
+
+    def _put_back(self, i: int, kept: Optional[torch.Tensor]) -> None:
+        """Give parameter ``i`` back the ``.grad`` it had before the cycle (``None``: none)."""
+        p = self.params[i]
+        p.grad = None
+        p.grad = kept
 
     def _settle_grads_kept_aside(self, changed: list) -> None:
         """``(index, shown, kept)`` of the parameters whose shown ``.grad`` was changed in

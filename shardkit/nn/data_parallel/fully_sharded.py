@@ -143,6 +143,7 @@ from typing import Callable, Iterator, Optional, Union
 import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.checkpoint import CheckpointFunction as _ReentrantCheckpoint
 from torch.utils._pytree import tree_map
 
 from shardkit import distributed as skdist
@@ -684,6 +685,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._comm_hook_state = None
         self._gathers_before_hooks_of: set = set()  # ids of modules (see _gather_for_hooks)
         self._regathers_for_recomputations = False  # see _regather_for_later_recomputations
+        # the pre-hooks this backward put on the unit's own reentrant checkpoints' nodes, by
+        # the node's id (see _gather_before_later_checkpoints)
+        self._checkpoint_gathers: dict = {}
+        self._forward_began = 0  # the autograd sequence number as the last forward began
         self.training_state = TrainingState.IDLE
         # root-only iteration state (see "Note: prefetch order")
         self._forward_order: list = []
@@ -1076,6 +1081,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             return args, kwargs
         root._recover_from_a_failed_backward()
         in_backward = root._final_callback_queued  # a recompute (activation checkpointing)
+        if not in_backward:
+            self._forward_began = torch._C._autograd._get_sequence_nr()
         if self is root and not in_backward:
             root._refuse_parameters_registered_after_wrapping()
         if not in_backward:
@@ -1172,8 +1179,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if self.training_state is TrainingState.FORWARD:
             self.training_state = TrainingState.IDLE
         if grad_enabled:
+            span = self._forward_span()
             for t in [*tensors_in(output), *hidden]:
                 if t.requires_grad:
+                    if span is not None and t.grad_fn is not None:
+                        t.grad_fn.metadata[(_FORWARD_SPAN, id(self))] = span
                     t.register_hook(_eager(self._pre_backward_hook))
                     # an output that is a view, then changed in place by the caller (HF
                     # Wav2Vec2's hidden_states[~mask] = 0), sends its gradient to its base
@@ -1394,11 +1404,15 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         # weights again (before: "setStorage: ... out of bounds for storage of size 0")
         if self._pre_backward_done and (self._shard is None or self._shard.gathered
                                         or self._pre_backward_task == task):
+            if grad is not None:  # another of the unit's outputs
+                self._gather_before_later_checkpoints(task)
             return grad
         self._pre_backward_done = True
         self._pre_backward_task = task
         if task == root._backward_task and self._shard is not None:
             self._backward_reads_forward_views = self._shard.forward_views_in_this_backward()
+            if grad is not None:
+                self._gather_before_later_checkpoints(task)
         self.training_state = TrainingState.BACKWARD_PRE
         if not root._orders_final and self not in root._backward_order:
             root._backward_order.append(self)
@@ -1477,8 +1491,77 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         ``self.weight``, read functionally as ``F.linear(x, self.weight)``), which no module
         call announces, and the unit stays gathered from forward to backward anyway (the
         root; ``reshard_after_forward=False``). Local."""
-        return self._stays_gathered_for_backward() and \
-            any(m is self.module for locs in shard.locations for m, _ in locs)
+        return self._stays_gathered_for_backward() and _holds_parameters_itself(self, shard)
+
+    def _reads_own_parameters_after_a_free(self) -> bool:
+        """Whether a recomputation may read this unit's parameters in the wrapped module's own
+        code after the unit was freed (see :meth:`_gather_before_later_checkpoints`): the
+        module holds some itself and the unit does not stay gathered for backward. Local."""
+        return self._shard is not None and not self._stays_gathered_for_backward() \
+            and _holds_parameters_itself(self, self._shard)
+
+    def _forward_span(self) -> Optional[tuple]:
+        """At the end of a forward outside backward, for a unit whose own code may read its
+        parameters after a free (:meth:`_reads_own_parameters_after_a_free`): the sequence
+        numbers of the autograd nodes this forward made, ``[first, end)``; kept on its outputs'
+        nodes (their ``metadata``), so it lives as long as the graph. Local."""
+        root = self._root
+        if root is None or root._final_callback_queued \
+                or not self._reads_own_parameters_after_a_free():
+            return None
+        return self._forward_began, torch._C._autograd._get_sequence_nr()
+
+    def _gather_before_later_checkpoints(self, task: int) -> None:
+        """Outer backward (graph task ``task``), in the pre-backward hook of one of the unit's
+        outputs, when the backward reads the parameters only through reentrant activation
+        checkpoints inside the unit: put a pre-hook on each such checkpoint's node behind that
+        output that this backward will run, which gathers and exposes the unit again if it
+        was freed meanwhile.
+
+        Note: each reentrant checkpoint's backward reduces and frees the unit (see
+        :meth:`_on_grad_ready`). A later checkpoint whose recomputation calls a submodule
+        holding the parameters gathers it again through that call
+        (:meth:`_regather_for_later_recomputations`), but one that reads them in the wrapped
+        module's own code (``checkpoint(lambda t: F.linear(t, self.weight), x,
+        use_reentrant=True)``) announces nothing: it read this rank's row shard (a shape
+        error, or wrong numbers where the shapes broadcast). Units that stay gathered (the
+        root, ``reshard_after_forward=False``) are exposed again instead
+        (:meth:`_expose_for_later_recomputations`); freed units are gathered just before the
+        checkpoint's recomputation, so the memory stays that of one unit. Cost: one walk over
+        the autograd nodes the unit's forward made, per backward, for units whose module
+        holds parameters itself; one all-gather and one reduce-scatter per further
+        checkpoint, as for a re-gathered unit (only a walk when no checkpoint needs it). A
+        collective: every rank runs the same checkpoints."""
+        if task != self._root._backward_task or self._backward_reads_forward_views is not False \
+                or not self._reads_own_parameters_after_a_free():
+            return
+        output_node = torch._C._current_autograd_node()  # the output whose hook runs
+        span = None if output_node is None else \
+            output_node.metadata.get((_FORWARD_SPAN, id(self)))
+        if span is None:
+            return
+        hook = _eager(weakly_bound(self._gather_before_a_checkpoint))
+        for node in _reentrant_checkpoints_in(output_node, *span):
+            if id(node) not in self._checkpoint_gathers \
+                    and torch._C._will_engine_execute_node(node):
+                self._checkpoint_gathers[id(node)] = node.register_prehook(hook)
+
+    def _gather_before_a_checkpoint(self, grad_outputs) -> None:
+        """Pre-hook of a reentrant checkpoint's node (see
+        :meth:`_gather_before_later_checkpoints`): gather and expose the unit, unless it is
+        exposed or the root's backward is over."""
+        root, shard = self._root, self._shard
+        if root is None or shard is None or shard._exposed or not root._final_callback_queued:
+            return None
+        self._pre_backward_hook(None)
+        return None
+
+    def _drop_checkpoint_gathers(self) -> None:
+        """End of a backward (finished or failed): remove the checkpoint pre-hooks it put.
+        Local."""
+        for handle in self._checkpoint_gathers.values():
+            handle.remove()
+        self._checkpoint_gathers = {}
 
     def _expose_for_later_recomputations(self, shard: FlatParamShard) -> None:
         """After a reentrant checkpoint's backward reduced the unit (see :meth:`_on_grad_ready`):
@@ -1596,6 +1679,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 unit._release_after_backward(unit._shard)
             unit._pre_backward_done = False
             unit._backward_reads_forward_views = None
+            unit._drop_checkpoint_gathers()
             unit.training_state = TrainingState.IDLE
         self._final_callback_queued = False
         self._backward_builds_graph = False
@@ -1723,6 +1807,7 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 unit._shard.free_full()
             unit._pre_backward_done = False
             unit._backward_reads_forward_views = None
+            unit._drop_checkpoint_gathers()
             unit.training_state = TrainingState.IDLE
         self._final_callback_queued = False
         self._backward_builds_graph = False
@@ -2674,6 +2759,33 @@ class _GatheredWhenRecomputed:
 
     def __reduce__(self):
         return _GatheredWhenRecomputed, (self.forward, self.unit())
+
+
+def _holds_parameters_itself(unit: FullyShardedDataParallel, shard: FlatParamShard) -> bool:
+    """Whether ``unit``'s wrapped module holds some of the shard's parameters itself (read in
+    its own code, not through a submodule's call). Local."""
+    return any(m is unit.module for locs in shard.locations for m, _ in locs)
+
+
+# key (with the unit's id) of a unit's forward span in its outputs' autograd node metadata
+_FORWARD_SPAN = "shardkit.fsdp.forward_span"
+
+
+def _reentrant_checkpoints_in(output_node, first: int, end: int) -> list:
+    """The nodes of torch's reentrant activation checkpoints (``checkpoint(fn, x,
+    use_reentrant=True)``) reachable backwards from ``output_node`` that a forward made while
+    the autograd sequence numbers went from ``first`` to ``end`` (older nodes are not
+    walked). Local."""
+    found, seen, todo = [], set(), [output_node]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen or node._sequence_nr() < first:
+            continue
+        seen.add(id(node))
+        if isinstance(node, _ReentrantCheckpoint._backward_cls) and node._sequence_nr() < end:
+            found.append(node)
+        todo.extend(following for following, _ in node.next_functions)
+    return found
 
 
 def _inner_units(module: nn.Module) -> list[FullyShardedDataParallel]:

@@ -1,0 +1,126 @@
+"""FSDP units whose own code reads their parameters only inside reentrant activation
+checkpoints (``checkpoint(lambda t: F.linear(t, self.weight), x, use_reentrant=True)``, twice
+in one forward): the first checkpoint's backward reduces and frees a unit that reshards after
+forward; the second checkpoint's recomputation, which calls no module holding the parameters,
+read this rank's row shard (a shape error, or wrong numbers where a one-row parameter
+broadcast). Training matches one process at every step, and the unit is gathered only around
+each recomputation."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from shardkit import distributed as skdist
+from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
+from shardkit.testing import world_fixture
+
+world2 = world_fixture(2)
+
+
+class TwoCheckpointBlock(nn.Module):
+    """Holds its parameters itself and reads them only inside two reentrant checkpoints; the
+    one-row ``scale`` broadcasts, so a rank reading its shard of it computes silently."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.scale = nn.Parameter(torch.rand(1, 4) + 0.5)
+        self.lin = nn.Linear(4, 4)
+
+    def first(self, t):
+        return torch.tanh(t * self.scale)
+
+    def second(self, t):
+        return torch.tanh(F.linear(t, self.weight) + self.lin(t))
+
+    def forward(self, x):
+        h = checkpoint(self.first, x, use_reentrant=True)
+        return checkpoint(self.second, h, use_reentrant=True)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 4)
+        self.block = TwoCheckpointBlock()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.block(self.inp(x)))
+
+
+def _train_against_one_process(root_kwargs: dict) -> dict:
+    world, rank = skdist.get_world_size(), skdist.get_rank()
+    reference, net = Net(), Net()
+    net.block = FSDP(net.block)
+    model = FSDP(net, **root_kwargs)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    out = {"diffs": [], "gathered_after_backward": []}
+    for step in range(3):
+        batches = torch.randn(world, 3, 4, generator=torch.Generator().manual_seed(step))
+        optim.zero_grad()
+        ref_optim.zero_grad()
+        try:
+            model(batches[rank]).pow(2).sum().backward()
+        except RuntimeError as error:
+            out["error"] = str(error)
+            return out
+        out["gathered_after_backward"].append(model.block._shard.gathered)
+        optim.step()
+        sum(reference(b).pow(2).sum() for b in batches).div(world).backward()
+        ref_optim.step()
+        with model.summon_full_params():
+            mine = [p.detach().clone() for p in model.parameters()]
+        out["diffs"].append(max((a - b).abs().max().item()
+                                for a, b in zip(mine, reference.parameters())))
+    return out
+
+
+def test_reentrant_checkpoints_reading_a_units_own_parameters_train_as_one_process(world2):
+    for root_kwargs in ({}, {"disable_reshard_on_root": False}):
+        for r in world2.run(_train_against_one_process, root_kwargs):
+            assert "error" not in r, (root_kwargs, r)
+            assert max(r["diffs"]) < 1e-6, (root_kwargs, r)
+            assert r["gathered_after_backward"] == [False] * 3, (root_kwargs, r)
+
+
+def _replace_grads_between_micro_batches(zero_grad_each_step: bool) -> dict:
+    """Two steps of a two-micro-batch cycle (the first inside ``no_sync``) under ``NO_SHARD``,
+    ``p.grad = p.grad * 0.5`` between the micro-batches, against one process doing the same
+    to its accumulated ``.grad``; without ``zero_grad`` the cycle starts from the last step's
+    reduced ``.grad``."""
+    world, rank = skdist.get_world_size(), skdist.get_rank()
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)),
+                 sharding_strategy="NO_SHARD")
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    diffs = []
+    for step in range(2):
+        batches = torch.randn(2, world, 3, 4, generator=torch.Generator().manual_seed(step))
+        if zero_grad_each_step:
+            optim.zero_grad()
+            ref_optim.zero_grad()
+        with model.no_sync():
+            model(batches[0, rank]).pow(2).sum().backward()
+        sum(reference(b).pow(2).sum() for b in batches[0]).div(world).backward()
+        for p in [*model.parameters(), *reference.parameters()]:
+            p.grad = p.grad * 0.5
+        model(batches[1, rank]).pow(2).sum().backward()
+        sum(reference(b).pow(2).sum() for b in batches[1]).div(world).backward()
+        diffs.append(max((a.grad - b.grad).abs().max().item()
+                         for a, b in zip(model.parameters(), reference.parameters())))
+        optim.step()
+        ref_optim.step()
+    return {"diffs": diffs}
+
+
+def test_grads_replaced_between_micro_batches_reach_the_reduction(world2):
+    for zero_grad_each_step in (True, False):
+        for r in world2.run(_replace_grads_between_micro_batches, zero_grad_each_step):
+            assert max(r["diffs"]) < 1e-5, (zero_grad_each_step, r)
