@@ -87,11 +87,12 @@ def is_broken_link(error: BaseException) -> bool:
         any(word in text for word in _BROKEN_LINK_WORDS)
 
 
-def broken_link_error(operation: str, error: BaseException) -> CollectiveError:
+def broken_link_error(operation: str, error: BaseException, group=None) -> CollectiveError:
     """The :class:`CollectiveError` for ``operation`` (words such as "all_gather over process
-    group (gloo), on rank 0 of 2,") failing with the backend's ``error``; it names the ranks
-    of this host that have exited (:func:`exited_peers_on_this_host`)."""
-    exited = exited_peers_on_this_host(settle_s=0.5)
+    group (gloo), on rank 0 of 2,") over ``group`` (``None``: the default group) failing with
+    the backend's ``error``; it names the ranks of ``group`` on this host that have exited
+    (:func:`exited_peers_on_this_host`): a rank outside the group did not break its links."""
+    exited = exited_peers_on_this_host(settle_s=0.5, ranks=_members_if_known(group))
     who = (" (its own log says why; shardkit.fault.watch_peers() names the lost rank"
            if not exited else f": global rank(s) {[rank for rank, _ in exited]} (pid(s) "
            f"{[pid for _, pid in exited]}, on this host) exited (their own logs say why")
@@ -101,6 +102,17 @@ def broken_link_error(operation: str, error: BaseException) -> CollectiveError:
         f"that aborted on a size mismatch means the ranks issued different collectives, e.g. "
         f"a module run on some ranks only: SHARDKIT_DEBUG_COLLECTIVES=1 names each rank's op "
         f"and call site). The backend said: {error}")
+
+
+def _members_if_known(group) -> Optional[list[int]]:
+    """The global ranks of ``group``; ``None`` for the default group, or where the group no
+    longer says (destroyed while its error was being reported). Local."""
+    if group is None or group is dist.group.WORLD:
+        return None
+    try:
+        return group_ranks(group)
+    except Exception:  # noqa: BLE001 - for an error message only: then every rank of the world
+        return None
 
 
 def _this_process() -> tuple:
@@ -126,10 +138,12 @@ def _process_exited(pid: int) -> bool:
     return state in ("Z", "X")
 
 
-def exited_peers_on_this_host(settle_s: float = 0.0) -> list[tuple[int, int]]:
-    """``(global rank, pid)`` of each rank of the default group that runs on this host (same
-    kernel and pid namespace, as gathered with the node layout by :func:`init_distributed`)
-    and whose process has exited; empty where nothing was gathered or ``/proc`` does not say.
+def exited_peers_on_this_host(settle_s: float = 0.0, ranks: Optional[Sequence[int]] = None
+                              ) -> list[tuple[int, int]]:
+    """``(global rank, pid)`` of each rank of the default group (or of its global ``ranks``)
+    that runs on this host (same kernel and pid namespace, as gathered with the node layout by
+    :func:`init_distributed`) and whose process has exited; empty where nothing was gathered
+    or ``/proc`` does not say.
     For error messages after a broken connection: ``settle_s`` is how long to look again
     while none has exited yet (a dying process closes its sockets a moment before ``/proc``
     shows it exited). Local; reads ``/proc`` only."""
@@ -137,8 +151,9 @@ def exited_peers_on_this_host(settle_s: float = 0.0) -> list[tuple[int, int]]:
     processes, me = _known_processes(), _this_process()
     if processes is None or me[0] is None:
         return []
-    peers = [(rank, process[2]) for rank, process in enumerate(processes)
-             if process[:2] == me[:2] and process[2] != me[2]]
+    considered = range(len(processes)) if ranks is None else sorted(set(ranks))
+    peers = [(rank, processes[rank][2]) for rank in considered
+             if processes[rank][:2] == me[:2] and processes[rank][2] != me[2]]
     deadline = time.monotonic() + settle_s
     while True:
         exited = [(rank, pid) for rank, pid in peers if _process_exited(pid)]
@@ -168,18 +183,29 @@ def reporting_broken_links(name: str, group=None):
     except Exception as error:
         if not is_broken_link(error):
             raise
-        if isinstance(error, CollectiveError) and error.__cause__ is not None:
-            error = error.__cause__  # an inner op's: named here as the outer operation
-        raise broken_link_error(operation_words(name, group), error) from error
+        _raise_as_broken_link(name, group, error)
+
+
+def _raise_as_broken_link(name: str, group, error: Exception) -> None:
+    """Raise the :class:`CollectiveError` for the broken link ``error`` of ``name``."""
+    cause = error
+    if isinstance(error, CollectiveError) and error.__cause__ is not None:
+        cause = error.__cause__  # an inner op's: named here as the outer operation
+    raise broken_link_error(operation_words(name, group), cause, group) from cause
 
 
 def _issued(name: str, group, collective, *args, **kwargs):
     """``collective(*args, group=group, **kwargs)`` (torch's), :func:`_tracked`; a connection
     that breaks while it is issued (all of a synchronous op) raises :class:`CollectiveError`
     naming ``name``, the group and the ranks of this host that exited, instead of gloo's
-    "Connection reset by peer"."""
-    with reporting_broken_links(name, group):
+    "Connection reset by peer". A plain ``try`` rather than :func:`reporting_broken_links`:
+    this is every collective's path, and a generator context costs about 2 us a call."""
+    try:
         return _tracked(collective(*args, group=group, **kwargs), group)
+    except Exception as error:
+        if not is_broken_link(error):
+            raise
+        _raise_as_broken_link(name, group, error)
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -825,26 +851,34 @@ def ranks_per_node() -> int:
 
 
 class NodeNumberingUnknown(RuntimeError):
-    """The node of the ranks asked about was not gathered, and ``GROUP_RANK`` is set: the
-    launcher placed the ranks, perhaps not node by node (srun's cyclic distribution), and one
-    rank cannot tell from its own ``GROUP_RANK`` where the others run, so no rank guesses.
+    """The node of the ranks asked about was not gathered, and ``GROUP_RANK`` is set by a
+    launcher other than torchrun: it placed the ranks, perhaps not node by node (srun's
+    cyclic distribution), and one rank cannot tell from its own ``GROUP_RANK`` where the
+    others run, so no rank guesses.
     Raised on every rank alike where a rank's node is asked for (:func:`node_of`,
     :func:`spans_nodes`); never from inside a collective."""
 
 
 def _refuse_to_guess(what: str) -> None:
-    """Raise :class:`NodeNumberingUnknown` (naming ``what``) where ``GROUP_RANK`` is set: the
-    block guess ``rank // LOCAL_WORLD_SIZE`` held only for torchrun's numbering, and with
-    round-robin placement it was wrong on the ranks whose own ``GROUP_RANK`` happened to
-    match it. Every rank of a launch has ``GROUP_RANK`` or none has, so the ranks raise
-    alike. Local."""
+    """Raise :class:`NodeNumberingUnknown` (naming ``what``) where ``GROUP_RANK`` is set by a
+    launcher other than torchrun: the blocks ``rank // LOCAL_WORLD_SIZE`` hold for torchrun's
+    numbering (its agents hand out consecutive global ranks node by node), and with another
+    launcher's round-robin placement they were wrong on the ranks whose own ``GROUP_RANK``
+    happened to match them. Every rank of a launch has ``GROUP_RANK`` (and torchrun's
+    ``TORCHELASTIC_RUN_ID``) or none has, so the ranks raise alike. Local."""
     group_rank = os.environ.get("GROUP_RANK")
-    if group_rank not in (None, ""):
+    if group_rank not in (None, "") and not _launched_by_torchrun():
         raise NodeNumberingUnknown(
             f"the node of {what} is unknown: GROUP_RANK={group_rank} says a launcher placed the "
             f"ranks, perhaps not node by node, and the node of every rank was not gathered; "
             f"call shardkit.distributed.node_groups() (or init_distributed()) on every rank "
             f"first")
+
+
+def _launched_by_torchrun() -> bool:
+    """Whether torchrun (torch.distributed.elastic) started this process: its agent sets
+    ``TORCHELASTIC_RUN_ID`` in every worker it starts. Local."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID"))
 
 
 def _describe_nodes(members: Sequence[Sequence[int]]) -> str:
@@ -863,7 +897,7 @@ def _node_members(layout: Sequence[int]) -> list[list[int]]:
 def node_of(rank: int) -> int:
     """The node (torchrun's group rank) that global rank ``rank`` runs on, from the gathered
     layout; without one (a process group made by torch itself), consecutive blocks of
-    :func:`ranks_per_node` ranks where no ``GROUP_RANK`` is set, else
+    :func:`ranks_per_node` ranks where no ``GROUP_RANK`` is set or torchrun set it, else
     :class:`NodeNumberingUnknown` on every rank."""
     per_node = ranks_per_node()
     layout = _known_layout()
@@ -883,7 +917,7 @@ def spans_nodes(group=None) -> bool:
     holding them all (:func:`group_ranks_by_node`, which hpZ, qgZ and
     ``quantized_comm.node_groups`` call); else ``True`` where the group holds more ranks than
     a node (``LOCAL_WORLD_SIZE``) does; else as :func:`node_of` (raising
-    :class:`NodeNumberingUnknown` where ``GROUP_RANK`` is set)."""
+    :class:`NodeNumberingUnknown` where a launcher other than torchrun set ``GROUP_RANK``)."""
     resolved = group if group is not None else (dist.group.WORLD if is_initialized() else None)
     entry = _spanning.get(id(resolved))
     if entry is None or entry[0] is not resolved:

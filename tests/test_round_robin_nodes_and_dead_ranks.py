@@ -2,11 +2,20 @@
 accordingly) on a world whose node layout was not gathered (a world made by torch's own
 ``init_process_group``): every rank derives the same nodes for a sub-group, from the nodes
 gathered over it, instead of guessing ``rank // LOCAL_WORLD_SIZE`` on the ranks whose
-GROUP_RANK happens to match that guess."""
+GROUP_RANK happens to match that guess.
+
+a review
+
+Review of daf48fa (round-robin node maps; dead ranks named): torchrun's own node-by-node
+numbering on a world made by torch's ``init_process_group`` keeps its intra-/inter-node split,
+and a broken link names only the exited ranks of the failing op's group.
+"""
 
 import ast
 import contextlib
 import os
+import signal
+import time
 
 import pytest
 import torch
@@ -163,3 +172,64 @@ def test_a_killed_rank_is_named_by_its_peers_error():
         assert message.startswith("CollectiveError: "), (name, message)
         assert "global rank(s) [1] (pid(s) [" in message, (name, message)
         assert "on this host) exited" in message, (name, message)
+
+
+def _nodes_and_split_of_pairs() -> dict:
+    """node_of every rank, and CommCounter's split of an all-reduce on this rank's pairs (one
+    inside a node, one across the two), with nothing gathered."""
+    rank = skd.get_rank()
+    out = {}
+    with _layout_not_gathered():
+        pairs = [skd.new_group(ranks) for ranks in ([0, 1], [2, 3], [0, 2], [1, 3])]
+        out["node_of"] = [skd.node_of(r) for r in range(4)]
+        for group in pairs:
+            if rank in skd.group_ranks(group):
+                with CommCounter() as comm:
+                    skd.all_reduce(torch.ones(10), group=group)  # 2 * 1/2 * 40 bytes
+                out[tuple(skd.group_ranks(group))] = (comm.intra_node_bytes,
+                                                      comm.inter_node_bytes)
+    return out
+
+
+def test_torchrun_numbering_on_a_world_made_by_torch_splits_sub_groups_as_before():
+    # before the fix: NodeNumberingUnknown from node_of and a RuntimeError from CommCounter's
+    # intra_node_bytes on every rank, although torchrun numbers the ranks node by node
+    with World(4, ranks_per_node=2, env={"TORCHELASTIC_RUN_ID": "rev63"}) as world:
+        results = world.run(_nodes_and_split_of_pairs)
+    for rank, r in enumerate(results):
+        assert r["node_of"] == [0, 0, 1, 1], (rank, r)
+        inside, across = (rank - rank % 2, rank - rank % 2 + 1), (rank % 2, rank % 2 + 2)
+        assert r[inside] == (40.0, 0.0) and r[across] == (0.0, 40.0), (rank, r)
+
+
+def _pair_timed_out_after_another_rank_died() -> str:
+    """Rank 2 is killed; rank 0 then times out on an all-reduce over the pair [0, 1] that
+    rank 1 (alive) never joins: what rank 0's error says."""
+    pair = skd.new_group([0, 1], timeout_s=3)
+    skd.all_reduce(torch.ones(4))
+    rank = skd.get_rank()
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while rank == 0 and not skd.exited_peers_on_this_host() and time.monotonic() < deadline:
+        time.sleep(0.05)  # rank 2 has exited before rank 0's pair op starts
+    if rank == 1:
+        time.sleep(6)
+        return "stayed out"
+    try:
+        skd.all_reduce(torch.ones(4), group=pair)
+        return "no error"
+    except RuntimeError as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def test_a_broken_link_names_no_exited_rank_outside_the_ops_group():
+    # before the fix: "global rank(s) [2] ... exited", rank 2 being no member of the pair
+    with World(3, failure_grace_s=60) as world, pytest.raises(Exception) as info:
+        world.run(_pair_timed_out_after_another_rank_died)
+    report = str(info.value)
+    assert "rank 2 exited with code -9" in report, report
+    said = report.split("--- rank 0 returned:\n", 1)[1].split("\n--- ", 1)[0]
+    assert said.startswith("'CollectiveError: all_reduce over process group") or \
+        said.startswith('"CollectiveError: all_reduce over process group'), said
+    assert "on rank 0 of 2" in said and "exited" not in said, said
