@@ -96,6 +96,7 @@ from shardkit.model_parallel_unit import (ModelParallelGroups, checkpoint_locati
                                           model_parallel_groups, mp_rank_name,
                                           write_tensor_parallel_layout)
 from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
+from shardkit.optim.oss import OSS
 from shardkit.recipes import (Composition, OptimizerRecipe, agree_on_refusal,
                               check_composable, compose, model_fingerprint,
                               optimizer_fingerprint, refuse_meta_tensors, stable_repr,
@@ -116,8 +117,14 @@ _STEP_OWNERS = WeakIdKeyDictionary()
 # optimizer -> how many engine.step() calls are inside its step() now (any engine over it, not
 # only the latest: an earlier engine over a shared optimizer steps it legitimately too)
 _ENGINE_STEPPING = WeakIdKeyDictionary()
-# what a rank tells the others in the step agreement (see ShardedEngine._agree_on_step)
+# what a rank tells the others in the step agreement (see ShardedEngine._agree_on_step): first
+# whether it steps, and whether its optimizer state is offloaded
 _NOT_STEPPING, _STEPPING = 0, 1
+# then OSS's own agreement row (two ints) for each of these calls of the step, carried in the
+# engine's exchange (see ShardedEngine._oss_calls_to_carry), or _NOT_CARRIED twice: every rank
+# sends a row of one length, whether it steps or not
+_CARRIED_OSS_CALLS = ("clip_grad_norm", "step")
+_NOT_CARRIED = -1
 
 logger = logging.getLogger("shardkit")
 
@@ -339,7 +346,7 @@ def _guard_direct_steps(engine) -> None:
     over it (a weak reference: the hook keeps no engine alive). With one micro-batch per step,
     calling the optimizer directly keeps working, but it is collective, as ``engine.step()``
     is: the ranks first agree that all of them step and none holds its state offloaded (one
-    all-gather of two int64s a rank over the world, see ``ShardedEngine._agree_on_step``), so
+    all-gather of six int64s a rank over the world, see ``ShardedEngine._agree_on_step``), so
     a step called on some ranks only is a RuntimeError on every rank, the ranks that skipped
     it raising at their next training forward."""
     optimizer = engine.optimizer
@@ -407,6 +414,54 @@ def _refuse_direct_step(optimizer, args, kwargs) -> None:
         f"accumulation boundary and counts micro-batches in engine.step(), so this step would "
         f"apply this rank's own gradients; call engine.backward(loss) and engine.step() for "
         f"every micro-batch (engine.step() runs the optimizer at the boundary)")
+
+
+def _split_carried_rows(rows: list) -> tuple:
+    """``(engine rows, {call: OSS rows})`` of the step agreement's gathered ``rows``: each
+    rank's own two ints, and for each call of :data:`_CARRIED_OSS_CALLS` that every rank
+    carried, every rank's OSS row for it (group-rank order: OSS spans the world)."""
+    carried = {}
+    for i, call in enumerate(_CARRIED_OSS_CALLS):
+        oss_rows = [row[2 + 2 * i:4 + 2 * i] for row in rows]
+        if all(_NOT_CARRIED not in oss_row for oss_row in oss_rows):
+            carried[call] = oss_rows
+    return [row[:2] for row in rows], carried
+
+
+def _is_oss_clip(clip: Callable, optimizer: OSS) -> bool:
+    """Whether the composition's ``clip`` is ``optimizer.clip_grad_norm`` itself (stages 1-2),
+    whose agreement the step agreement can carry."""
+    return getattr(clip, "__self__", None) is optimizer and \
+        getattr(clip, "__func__", None) is OSS.clip_grad_norm
+
+
+def _step_runs_no_foreign_code(optimizer: OSS) -> bool:
+    """Whether ``optimizer.step()`` runs only torch's and shardkit's code before OSS's
+    agreement: no step hook (instance or global, pre or post: nothing of the script's runs
+    inside ``OSS.agreed_in_advance``) but shardkit's own checks (:func:`_refuse_direct_step`;
+    the global ones FSDP registers once a process builds a unit, as a ZeRO-3 reference model
+    beside a ZeRO-2 actor does), and ``step`` itself OSS's, or torch's scheduler's counting
+    wrapper around it. Where torch keeps its hooks elsewhere than this reads, False (OSS then
+    agrees on its own, as before)."""
+    from torch.optim import optimizer as torch_optimizer
+    hook_tables = [getattr(optimizer, "_optimizer_step_pre_hooks", None),
+                   getattr(optimizer, "_optimizer_step_post_hooks", None),
+                   getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
+                   getattr(torch_optimizer, "_global_optimizer_post_hooks", None)]
+    if not all(isinstance(table, Mapping) for table in hook_tables):
+        return False
+    hooks = [hook for table in hook_tables for hook in table.values()]
+    if not all(_is_shardkit_function(hook) for hook in hooks):
+        return False
+    own_step = optimizer.__dict__.get("step")
+    return type(optimizer).step is OSS.step and \
+        (own_step is None or getattr(own_step, "_wrapped_by_lr_sched", False))
+
+
+def _is_shardkit_function(hook) -> bool:
+    """Whether ``hook`` is a plain function defined in shardkit (a check of its own, which
+    changes no setting), not the script's."""
+    return inspect.isfunction(hook) and (hook.__module__ or "").startswith("shardkit.")
 
 
 def _write_atomically(state: dict, path: str) -> Optional[str]:
@@ -1334,22 +1389,27 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         boundary while any rank's optimizer state is offloaded (:meth:`offload_states`), or
         when only some ranks step (the others going on to their next training forward): a
         RuntimeError on every rank, before any collective of the step (the ranks agree first:
-        one all-gather of two int64s a rank per boundary, in a world of several; see
-        :meth:`_agree_on_step`)."""
+        one all-gather of six int64s a rank per boundary, in a world of several; see
+        :meth:`_agree_on_step`). At stages 1-2 that exchange also carries OSS's agreements on
+        its param groups before its clip and its step, which then make none of their own: one
+        control all-gather a step in all. OSS's step still agrees on its own where a step hook
+        of the script's is registered on the optimizer, and its clip and step with tensor
+        parallelism (OSS over the data-parallel group only)."""
         self._refuse_without_optimizer("step()")
         if lr_kwargs is not None and not isinstance(lr_kwargs, dict):
             raise ValueError(f"engine.step(lr_kwargs={lr_kwargs!r}): expected a dict of keyword "
                              f"arguments for lr_scheduler.step(), or None")
         torch_backward = self._backwards_since_step == 0
         if self.is_gradient_accumulation_boundary():
-            self._agree_on_step()
+            agreed_in_advance = self._agree_on_step(carry=self._oss_calls_to_carry())
             if self.lr_scheduler is not None:  # the scheduler steps at the boundary only
                 _check_lr_kwargs(self.lr_scheduler, lr_kwargs or {})
             self._refuse_unreduced_step()
             if torch_backward and self._forwards_since_step == 0 and self._no_sync_depth == 0 \
                     and isinstance(self.wrapped, nn.parallel.DistributedDataParallel):
                 self._average_gradients_by_hand()  # model called and loss.backward() by hand
-            self._optimizer_step(lr_kwargs or {}, loss_scaled=not torch_backward)
+            self._optimizer_step(lr_kwargs or {}, loss_scaled=not torch_backward,
+                                 agreed_in_advance=agreed_in_advance)
             self.tput_timer.stop(global_step=True)
             self.global_steps += 1
             self._maybe_print()
@@ -1433,7 +1493,11 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         No communication."""
         self.composition.zero_grad(set_to_none=set_to_none)
 
-    def _optimizer_step(self, lr_kwargs: dict, loss_scaled: bool = True) -> None:
+    def _optimizer_step(self, lr_kwargs: dict, loss_scaled: bool = True,
+                        agreed_in_advance: Optional[dict] = None) -> None:
+        """Step at the boundary; ``agreed_in_advance``: the OSS agreements the step agreement
+        carried (:meth:`_agree_on_step`), whose calls here then skip their own exchange."""
+        agreed_in_advance = agreed_in_advance or {}
         for param in self._left_out():  # never stepped: kept out of the clip, never accumulated
             param.grad = None
         if self._sums_sequence_parallel_grads:  # (not again where the script summed them)
@@ -1455,13 +1519,16 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 factor *= self.dp_world_size
             if factor != 1.0:
                 self._unscale_gradients(factor)
-            if self.config.gradient_clipping > 0 or self._measures_grad_norm:
-                norm = self._clip_grad_norm(self.config.gradient_clipping or math.inf)
+            max_norm = self._clip_max_norm()
+            if max_norm is not None:
+                with self._in_oss_agreement(agreed_in_advance, "clip_grad_norm"):
+                    norm = self._clip_grad_norm(max_norm)
                 self._last_grad_norm = None if norm is None else torch.as_tensor(norm).detach()
             optimizer = self.optimizer
             _ENGINE_STEPPING[optimizer] = _ENGINE_STEPPING.get(optimizer, 0) + 1
             try:
-                optimizer.step()
+                with self._in_oss_agreement(agreed_in_advance, "step"):
+                    optimizer.step()
             finally:
                 _ENGINE_STEPPING[optimizer] -= 1
             if self.lr_scheduler is not None:
@@ -1476,6 +1543,23 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                         scale_before, self.loss_scale)
         self._boundary_unreduced = False
         self.zero_grad()
+
+    def _clip_max_norm(self) -> Optional[float]:
+        """The ``max_norm`` the step clips with (``inf``: measures the norm only), or ``None``
+        where it neither clips nor measures."""
+        if self.config.gradient_clipping > 0 or self._measures_grad_norm:
+            return self.config.gradient_clipping or math.inf
+        return None
+
+    def _in_oss_agreement(self, agreed_in_advance: dict, call: str):
+        """The block that runs OSS's ``call`` (``"step"`` or ``"clip_grad_norm"``) on the rows
+        the step agreement carried for it (``OSS.agreed_in_advance``, which checks them as the
+        call would: the same error on every rank), so the call makes no exchange of its own;
+        where the agreement did not carry it, a block that changes nothing."""
+        if call not in agreed_in_advance:
+            return contextlib.nullcontext()
+        rows, arguments = agreed_in_advance[call]
+        return self.optimizer.agreed_in_advance(call, rows, **arguments)
 
     def _left_out(self) -> list:
         """Trainable parameters the optimizer does not step now (``model_parameters=...`` a
@@ -1901,7 +1985,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 if host is value:
                     state[key] = value.to(origin, non_blocking=non_blocking)
 
-    def _agree_on_step(self, call: str = "engine.step()") -> None:
+    def _agree_on_step(self, call: str = "engine.step()",
+                       carry: Optional[dict] = None) -> dict:
         """Before a boundary step (``engine.step()`` or ``engine.optimizer.step()``), the
         ranks agree that every one of them is stepping, and none holds its optimizer state
         offloaded; otherwise a RuntimeError on every rank, before any collective of the step.
@@ -1916,12 +2001,21 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         makes anyway. ``step()`` between :meth:`offload_states` and :meth:`reload_states`
         would update state that is not where the parameters are (on a GPU, a device mismatch
         inside the optimizer; on a CPU run, a script that forgets the reload would break on a
-        GPU). Communication: in a world of
-        several ranks, one all-gather of two int64s a rank (a control message ``CommCounter``
-        does not count)."""
+        GPU).
+
+        ``carry``: ``{call: arguments}`` of OSS's agreements (its ``clip_grad_norm`` and
+        ``step``) whose rows this exchange carries (:meth:`_oss_calls_to_carry`). Returns
+        ``{call: (rows, arguments)}`` for those every rank carried, for
+        ``OSS.agreed_in_advance`` to check as the call would (after this agreement's own
+        refusals, which win); the others' calls agree as usual.
+
+        Communication: in a world of several ranks, one all-gather of six int64s a rank (a
+        control message ``CommCounter`` does not count)."""
         offloaded = self._offloaded_optimizer_state is not None
-        rows = self._step_agreement_rows(call, [_STEPPING, int(offloaded)])
+        carry = carry or {}
+        rows = self._step_agreement_rows(call, [_STEPPING, int(offloaded)], self._oss_rows(carry))
         self._awaiting_step = False  # settled on every rank, whatever the rows say
+        rows, carried = _split_carried_rows(rows)
         self._refuse_steps_on_some_ranks(call, rows)
         ranks = [rank for rank, (_, flag) in enumerate(rows) if flag]
         if ranks:
@@ -1930,6 +2024,38 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             raise RuntimeError(f"{call}: the optimizer state was moved off the device by "
                                f"engine.offload_states(){where}; call engine.reload_states() "
                                f"on every rank before the next step (no rank stepped)")
+        return {name: (carried[name], carry[name]) for name in carry if name in carried}
+
+    def _oss_calls_to_carry(self) -> dict:
+        """``{call: arguments}`` of the OSS agreements the step agreement can carry for this
+        ``engine.step()``: its ``clip_grad_norm`` (with the ``max_norm`` it clips with) and its
+        ``step``. None unless the optimizer is OSS over the whole world in rank order (the
+        step agreement's ranks: with tensor parallelism OSS spans the data-parallel group
+        only), in a world of several ranks; the step only where no code but torch's and
+        shardkit's runs in ``optimizer.step()`` (:func:`_step_runs_no_foreign_code`: a step
+        pre-hook of the script's could change the hyper-parameters after the rows were made,
+        and OSS would then raise on this rank alone). Local."""
+        optimizer = self.optimizer
+        world = distributed.get_world_size()
+        if not isinstance(optimizer, OSS) or world < 2 or \
+                distributed.group_ranks(optimizer.group) != list(range(world)):
+            return {}
+        calls = {}
+        max_norm = self._clip_max_norm()
+        if max_norm is not None and _is_oss_clip(self.composition.clip_grad_norm, optimizer):
+            calls["clip_grad_norm"] = {"max_norm": max_norm}
+        if _step_runs_no_foreign_code(optimizer):
+            calls["step"] = {}
+        return calls
+
+    def _oss_rows(self, carry: dict) -> list:
+        """This rank's OSS rows for the step agreement: ``OSS.agreement_row`` of each call
+        of :data:`_CARRIED_OSS_CALLS` in ``carry``, ``_NOT_CARRIED`` twice for the others."""
+        row = []
+        for call in _CARRIED_OSS_CALLS:
+            row += self.optimizer.agreement_row(call, **carry[call]) if call in carry \
+                else [_NOT_CARRIED, _NOT_CARRIED]
+        return row
 
     def _agree_on_step_skipped_at_forward(self) -> bool:
         """The other side of :meth:`_agree_on_step` for a rank that did not step: at a
@@ -1998,19 +2124,23 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         on a step: join the agreement as a rank that is not stepping. Every rank passing here
         together (a script that backwards without stepping, or backwards twice) agrees, and
         goes on; a rank that stepped meanwhile makes every rank raise. Communication: none
-        unless a pass is pending, then one all-gather of two int64s a rank."""
+        unless a pass is pending, then one all-gather of six int64s a rank."""
         if not self._awaiting_step:
             return
         rows = self._step_agreement_rows(call, [_NOT_STEPPING, 0])
         self._awaiting_step = False
-        self._refuse_steps_on_some_ranks(call, rows)
+        self._refuse_steps_on_some_ranks(call, _split_carried_rows(rows)[0])
 
     @staticmethod
-    def _step_agreement_rows(call: str, row: list) -> list:
-        """Every rank's ``row``, over the world: the engine's ranks are the world's
-        (``initialize`` refuses an ``mpu`` whose tensor- and data-parallel groups do not cover
-        it), and with tensor parallelism each rank's tensor-parallel partners must agree too,
-        which its data-parallel group alone would not tell it."""
+    def _step_agreement_rows(call: str, row: list, oss_rows: Optional[list] = None) -> list:
+        """Every rank's ``row`` followed by its ``oss_rows`` (:meth:`_oss_rows`; default:
+        none carried), over the world: the engine's ranks are the world's (``initialize``
+        refuses an ``mpu`` whose tensor- and data-parallel groups do not cover it), and with
+        tensor parallelism each rank's tensor-parallel partners must agree too, which its
+        data-parallel group alone would not tell it."""
+        if oss_rows is None:
+            oss_rows = [_NOT_CARRIED] * (2 * len(_CARRIED_OSS_CALLS))
+        row = list(row) + list(oss_rows)
         if distributed.get_world_size() < 2:
             return [row]
         return distributed.gather_control_rows(call, row)

@@ -1,0 +1,225 @@
+"""DeepSpeed-style engine at ZeRO stages 1-2: one control exchange per step.
+
+``engine.step()`` made three control all-gathers a step: the engine's step agreement, then
+OSS's own agreements before its ``clip_grad_norm`` (which measures the norm at stages 1-2
+whether or not ``gradient_clipping`` is set) and before its ``step``. The engine's agreement
+now carries OSS's rows (``OSS.agreement_row``), and the clip and the step run on them
+(``OSS.agreed_in_advance``): one all-gather a step, the same training as one process (fp16
+skip steps included), and the same refusals on every rank.
+
+One world of 2 gloo ranks for the module, and one of 4 for a single test.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardkit
+from shardkit import distributed
+from shardkit.testing import run_in_world, world_fixture
+
+world2 = world_fixture(2, timeout=120)
+
+_STEPS = 5
+_OVERFLOW_STEP = 2  # rank 0's micro-batch overflows fp16 at this step: skipped everywhere
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def _engine(stage: int, clip: float, fp16: bool = True):
+    model = _model()
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+              "gradient_clipping": clip}
+    if fp16:
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    engine, *_ = shardkit.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def _micro_batch(step: int, rank: int) -> torch.Tensor:
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
+    return x * 1e5 if (step, rank) == (_OVERFLOW_STEP, 0) else x  # inf in fp16
+
+
+def _loss(output: torch.Tensor) -> torch.Tensor:
+    return output.float().pow(2).mean()
+
+
+class _CountedGathers:
+    """Names of the control all-gathers made inside the block (``_gather_rows``)."""
+
+    def __enter__(self):
+        self.names, self._original = [], distributed._gather_rows
+
+        def counted(what, *args, **kwargs):
+            self.names.append(what)
+            return self._original(what, *args, **kwargs)
+        distributed._gather_rows = counted
+        return self
+
+    def __exit__(self, *_):
+        distributed._gather_rows = self._original
+
+
+def _reference_step(model, optimizer, batches, scale: float, clip: float):
+    """One process over every rank's micro-batch: the mean of the ranks' losses, scaled by
+    the engine's loss scale, skipped on inf/nan, unscaled, clipped, stepped. Returns
+    ``(overflowed, norm)``."""
+    optimizer.zero_grad(set_to_none=True)
+    losses = []
+    for x in batches:  # one autocast region each: its own fp16 weights, as on each rank
+        with torch.autocast("cpu", dtype=torch.float16):
+            losses.append(_loss(model(x)))
+    loss = torch.stack(losses).mean()
+    (loss * scale).backward()
+    grads = [p.grad for p in model.parameters()]
+    if not all(torch.isfinite(g).all() for g in grads):
+        return True, None
+    for grad in grads:
+        grad.mul_(1.0 / scale)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))
+    optimizer.step()
+    return False, norm
+
+
+def _train_counting_gathers(stage: int, clip: float) -> dict:
+    engine = _engine(stage, clip)
+    reference = _model()
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+    world, rank = distributed.get_world_size(), distributed.get_rank()
+    gathers, mismatches = [], []
+    for step in range(_STEPS):
+        scale = engine.loss_scale
+        with _CountedGathers() as counted:
+            engine.backward(_loss(engine(_micro_batch(step, rank))))
+            engine.step()
+        gathers.append(counted.names)
+        overflowed, norm = _reference_step(
+            reference, ref_optimizer, [_micro_batch(step, r) for r in range(world)], scale, clip)
+        if engine.was_step_applied() == overflowed:
+            mismatches.append((step, "skip"))
+        if norm is not None and not torch.allclose(torch.tensor(engine.get_global_grad_norm()),
+                                                   norm, rtol=1e-5):
+            mismatches.append((step, "norm", engine.get_global_grad_norm(), float(norm)))
+        if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+                   for a, b in zip(engine.module.parameters(), reference.parameters())):
+            mismatches.append((step, "params"))
+    return {"gathers": gathers, "mismatches": mismatches, "skipped": engine.skipped_steps}
+
+
+def _check_one_gather_and_parity(outs: list) -> None:
+    for out in outs:
+        assert out["gathers"] == [["engine.step()"]] * _STEPS, out["gathers"]
+        assert out["mismatches"] == [], out["mismatches"]
+        assert out["skipped"] == 1  # the overflow step
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_one_control_gather_a_step_and_single_process_parity(world2, stage, clip):
+    # was: 3 control all-gathers a step (the engine's, OSS.clip_grad_norm's, OSS.step's)
+    _check_one_gather_and_parity(world2.run(_train_counting_gathers, stage, clip))
+
+
+def _train_in_world_of_four() -> list:
+    # a ZeRO-3 engine first (DeepSpeed-Chat's reference model beside a ZeRO-2 actor): its FSDP
+    # units register shardkit's own global optimizer step hooks in this process
+    shardkit.initialize(model=_model(), config={"train_micro_batch_size_per_gpu": 2,
+                                                "zero_optimization": {"stage": 3}})
+    return [_train_counting_gathers(stage, clip) for stage in (1, 2) for clip in (0.0, 0.05)]
+
+
+def test_one_control_gather_a_step_in_a_world_of_four():
+    for outs in zip(*run_in_world(4, _train_in_world_of_four, timeout=120)):
+        _check_one_gather_and_parity(list(outs))
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except (RuntimeError, ValueError) as error:
+        return str(error)
+    return "no error"
+
+
+def _lr_set_on_rank1_only(stage: int) -> dict:
+    engine = _engine(stage, clip=0.05, fp16=False)
+    rank = distributed.get_rank()
+    engine.backward(_loss(engine(_micro_batch(0, rank))))
+    if rank == 1:
+        engine.optimizer.param_groups[0]["lr"] = 0.5
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    refused = _error(engine.step)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    engine.optimizer.param_groups[0]["lr"] = 0.01
+    engine.backward(_loss(engine(_micro_batch(1, rank))))
+    engine.step()
+    return {"refused": refused, "unchanged": unchanged, "steps": engine.global_steps,
+            "params": [p.detach().clone() for p in engine.module.parameters()]}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_hyper_parameters_set_on_one_rank_are_refused_on_every_rank(world2, stage):
+    outs = world2.run(_lr_set_on_rank1_only, stage)
+    for out in outs:
+        assert out["refused"].startswith("OSS.clip_grad_norm: "), out["refused"]
+        assert "'lr'" in out["refused"] and "nothing was changed" in out["refused"]
+        assert out["unchanged"] and out["steps"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(outs[0]["params"], outs[1]["params"]))
+
+
+def _rank1_skips_the_step(stage: int) -> str:
+    engine = _engine(stage, clip=0.05, fp16=False)
+    rank = distributed.get_rank()
+    engine.backward(_loss(engine(_micro_batch(0, rank))))
+    if rank == 0:
+        return _error(engine.step)
+    return _error(lambda: engine(_micro_batch(1, rank)))
+
+
+def test_a_rank_not_stepping_is_refused_before_oss_rows_are_read(world2):
+    # rank 1 sends no OSS rows: the engine's refusal wins over OSS's checks of them
+    for text in world2.run(_rank1_skips_the_step, 2):
+        assert "rank(s) [0] are stepping the optimizer" in text, text
+
+
+def _warmup_in_a_step_pre_hook(stage: int) -> dict:
+    """A script's step pre-hook that sets the learning rate (alike on every rank): the
+    engine must not carry OSS's step agreement past it (the rows would be stale)."""
+    engine = _engine(stage, clip=0.0, fp16=False)
+    reference = _model()
+    ref_optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
+
+    def warmup(optimizer, *_):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.001 * (1 + engine.global_steps)
+    engine.optimizer.register_step_pre_hook(warmup)
+    world, rank = distributed.get_world_size(), distributed.get_rank()
+    gathers = []
+    for step in range(3):
+        with _CountedGathers() as counted:
+            engine.backward(_loss(engine(_micro_batch(step + 10, rank))))
+            engine.step()
+        gathers.append(len(counted.names))
+        for group in ref_optimizer.param_groups:
+            group["lr"] = 0.001 * (1 + step)
+        ref_optimizer.zero_grad()
+        torch.stack([_loss(reference(_micro_batch(step + 10, r))) for r in range(world)]
+                    ).mean().backward()
+        ref_optimizer.step()
+    close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+                for a, b in zip(engine.module.parameters(), reference.parameters()))
+    return {"gathers": gathers, "close": close}
+
+
+def test_a_step_pre_hook_that_sets_the_lr_keeps_osss_own_step_agreement(world2):
+    for out in world2.run(_warmup_in_a_step_pre_hook, 1):
+        assert out["close"]
+        assert out["gathers"] == [2, 2, 2]  # the engine's (with the clip's rows), OSS.step's
