@@ -944,7 +944,17 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         ``nn.Module.state_dict``'s at stages 0-2 without tensor parallelism (elsewhere the
         values are gathered copies whatever it says), ``exclude_frozen_parameters`` leaves out
         the parameters that do not require grad. A bad argument is a ValueError on every rank
-        before any collective."""
+        before any collective. Where it gathers (stage 3, tensor parallelism), a rank owing a
+        step first joins the step agreement, as :meth:`save_checkpoint` does."""
+        return self._module_state_dict_for("engine.module_state_dict()", destination, prefix,
+                                           keep_vars, exclude_frozen_parameters)
+
+    def _module_state_dict_for(self, call: Optional[str], destination: Optional[dict] = None,
+                               prefix: str = "", keep_vars: bool = False,
+                               exclude_frozen_parameters: bool = False) -> dict:
+        """:meth:`module_state_dict`, which ``call`` asked for: where the state is gathered,
+        ``call`` joins the step agreement first (:meth:`_agree_on_step_skipped`), unless it
+        is None (its caller joined it already)."""
         if destination is not None and not isinstance(destination, dict):
             raise ValueError(f"engine.module_state_dict(destination={type(destination).__name__}"
                              f"): expected a dict (it receives the entries) or None")
@@ -959,6 +969,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if exclude_frozen_parameters:
             from shardkit.checkpoint.engine_state import _frozen_state_names
             excluded = _frozen_state_names(self)
+        gathered = self.model_parallel is not None or self.zero_stage == 3
+        if gathered and call is not None:  # the gather would meet a stepping rank's agreement
+            self._agree_on_step_skipped(call, keeps_step_owed=True)
         if self.model_parallel is not None:
             from shardkit.nn.model_parallel.full_state import full_model_state_dict
             state = full_model_state_dict(self.wrapped if self.zero_stage == 3 else self.module)
@@ -1663,8 +1676,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if not isinstance(save_filename, str) or not save_filename or os.sep in save_filename:
             raise ValueError(f"engine.save_16bit_model(save_filename={save_filename!r}): must be "
                              f"a file name (no directory part)")
-        self._agree_on_step_skipped("engine.save_16bit_model()")
-        state = self._16bit_state_dict(exclude_frozen_parameters)
+        self._agree_on_step_skipped("engine.save_16bit_model()", keeps_step_owed=True)
+        state = self._16bit_state_dict(exclude_frozen_parameters, call=None)
         path = os.path.join(save_dir, save_filename)
         error = _write_atomically(state, path) if distributed.get_rank() == 0 else None
         if distributed.is_initialized():  # every rank learns the outcome: none waits on a failure
@@ -1673,10 +1686,12 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             raise RuntimeError(f"engine.save_16bit_model: rank 0 could not write {path}: {error}")
         return True
 
-    def _16bit_state_dict(self, exclude_frozen_parameters: bool) -> dict:
+    def _16bit_state_dict(self, exclude_frozen_parameters: bool, call: Optional[str]) -> dict:
         """:meth:`module_state_dict` with floating tensors in the compute dtype (other entries,
-        such as a module's ``get_extra_state()`` object, as they are)."""
-        state = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+        such as a module's ``get_extra_state()`` object, as they are); ``call`` as in
+        :meth:`_module_state_dict_for`."""
+        state = self._module_state_dict_for(
+            call, exclude_frozen_parameters=exclude_frozen_parameters)
         dtype = self._autocast_dtype
         if dtype is not None:
             state = {k: v.to(dtype) if _is_floating_weight(k, v) else v
@@ -1689,7 +1704,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         compute dtype on rank 0, ``None`` on the other ranks (DeepSpeed's name, which HF
         Accelerate-style save code calls at stage 3; any stage works here). Collective; the
         memory and communication of :meth:`module_state_dict`."""
-        state = self._16bit_state_dict(exclude_frozen_parameters)
+        state = self._16bit_state_dict(exclude_frozen_parameters,
+                                       call="engine._zero3_consolidated_16bit_state_dict()")
         return state if distributed.get_rank() == 0 else None
 
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
@@ -1744,7 +1760,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                              f"non-empty directory path (a str or os.PathLike); nothing was "
                              f"written")
         save_dir = os.fspath(save_dir)
-        self._agree_on_step_skipped("engine.save_checkpoint()")
+        self._agree_on_step_skipped("engine.save_checkpoint()", keeps_step_owed=True)
         self.wait_for_checkpoint()
         tag = None if tag is None else str(tag)  # DeepSpeed's: an epoch or a loss names a tag
         if self.model_parallel is not None and async_save:
@@ -2119,17 +2135,22 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             leaf.register_hook(note_backward)
         armed[0] = True
 
-    def _agree_on_step_skipped(self, call: str) -> None:
+    def _agree_on_step_skipped(self, call: str, keeps_step_owed: bool = False) -> None:
         """When the backward of a reducing training pass ran here since the ranks last agreed
         on a step: join the agreement as a rank that is not stepping. Every rank passing here
         together (a script that backwards without stepping, or backwards twice) agrees, and
-        goes on; a rank that stepped meanwhile makes every rank raise. Communication: none
-        unless a pass is pending, then one all-gather of six int64s a rank."""
+        goes on; a rank that stepped meanwhile makes every rank raise. ``keeps_step_owed``
+        (a checkpoint save or load, a gather of the weights): the backward is still owed its
+        step after the ranks agreed, so that a rank stepping later on its own still meets the
+        others' agreement at their next forward (a forward clears it: its own backward owes
+        the next one). Communication: none unless a pass is pending, then one all-gather of
+        six int64s a rank."""
         if not self._awaiting_step:
             return
         rows = self._step_agreement_rows(call, [_NOT_STEPPING, 0])
-        self._awaiting_step = False
+        self._awaiting_step = False  # settled on every rank when some stepped: they raise
         self._refuse_steps_on_some_ranks(call, _split_carried_rows(rows)[0])
+        self._awaiting_step = keeps_step_owed
 
     @staticmethod
     def _step_agreement_rows(call: str, row: list, oss_rows: Optional[list] = None) -> list:
@@ -2154,15 +2175,15 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         raise RuntimeError(
             f"{call}: rank(s) {stepping} are stepping the optimizer (engine.step() or "
             f"engine.optimizer.step()) while rank(s) {others} went on without stepping (to "
-            f"their next forward or backward, or to a checkpoint save or load); every rank must "
-            f"step after each accumulation boundary, or none (a step behind a rank-local "
-            f"condition, such as `if rank == 0` or a check of this rank's loss, would leave the "
-            f"ranks' weights different): no rank stepped. Under fp16, engine.step() itself "
-            f"skips the update on every rank when any rank's gradients overflowed: call it "
-            f"everywhere. To skip a step everywhere, agree on the condition first (e.g. "
-            f"all-reduce the flag). A forward with gradients on, in training mode, between "
-            f"backward and step on some ranks only (a preview or log) counts as going on: run "
-            f"it under torch.no_grad()")
+            f"their next forward or backward, a checkpoint save or load, or a gather of the "
+            f"full weights); every rank must step after each accumulation boundary, or none (a "
+            f"step behind a rank-local condition, such as `if rank == 0` or a check of this "
+            f"rank's loss, would leave the ranks' weights different): no rank stepped. Under "
+            f"fp16, engine.step() itself skips the update on every rank when any rank's "
+            f"gradients overflowed: call it everywhere. To skip a step everywhere, agree on the "
+            f"condition first (e.g. all-reduce the flag). A forward with gradients on, in "
+            f"training mode, between backward and step on some ranks only (a preview or log) "
+            f"counts as going on: run it under torch.no_grad()")
 
     def load_checkpoint(self, load_dir: str, tag: Optional[str] = None,
                         load_module_strict: bool = True,
@@ -2199,7 +2220,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
                 "engine.load_checkpoint(custom_load_fn=...): not supported; write the "
                 "checkpoint's weights with `python -m shardkit consolidate DIR model.pt` and "
                 "load them into the model with your function before shardkit.initialize")
-        self._agree_on_step_skipped("engine.load_checkpoint()")
+        self._agree_on_step_skipped("engine.load_checkpoint()", keeps_step_owed=True)
         self.wait_for_checkpoint()
         tag = None if tag is None else str(tag)
         load_dir, tag = checkpoint_location(load_dir, tag, self.model_parallel)

@@ -10,6 +10,20 @@ so every rank raises a RuntimeError naming both sides, nothing is written, and o
 calls ``engine.step()`` (which skips an overflowed step on every rank itself) the save works.
 A save after a backward that every rank leaves unstepped still saves.
 
+a review
+
+DeepSpeed-style engine: the step owed by a backward survives a checkpoint save or load, and
+a gather of the full weights joins the step agreement (review of 0532024).
+
+A script that saves (or loads) between ``engine.backward`` and ``engine.step()`` on every rank
+settled the step agreement there, and the save forgot that the backward was still owed its
+step: when one rank then skipped its step on its own (a check of its loss) and went on to its
+next forward while the others stepped, nothing met the stepping ranks' agreement; gloo aborted
+the process (NCCL waits forever), where before 0532024 both sides raised at that forward.
+``engine._zero3_consolidated_16bit_state_dict()`` (what Hugging Face Accelerate calls at stage
+3) and ``engine.module_state_dict()`` gather the weights at stage 3 without joining the
+agreement, with the same result after a step taken on some ranks only.
+
 One world of 2 gloo ranks for the module.
 """
 
@@ -121,3 +135,107 @@ def test_a_save_between_backward_and_step_on_every_rank_still_saves(world2, tmp_
         assert out["saved"] == "global_step0" and out["moved"], out
     for a, b in zip(outs[0]["weights"], outs[1]["weights"]):
         assert torch.equal(a, b)
+
+
+def _loss_rev(engine, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10 * step + distributed.get_rank())
+    return engine(torch.randn(2, 4, generator=gen)).float().pow(2).mean()
+
+
+def _full_weights(engine) -> list:
+    return [v.float().clone() for v in engine.module_state_dict().values()]
+
+
+class _ControlGathers:
+    """Counts the step agreement's gathers (control messages CommCounter leaves out)."""
+
+    def __enter__(self):
+        self.calls, self._real = [], distributed.gather_control_rows
+
+        def counted(what, row, group=None):
+            self.calls.append(what)
+            return self._real(what, row, group)
+        distributed.gather_control_rows = counted
+        return self
+
+    def __exit__(self, *exc):
+        distributed.gather_control_rows = self._real
+
+
+def _mid_window(engine, call: str, directory: str) -> None:
+    if call == "save_checkpoint":
+        engine.save_checkpoint(os.path.join(directory, "mid"))
+    elif call == "load_checkpoint":
+        engine.load_checkpoint(os.path.join(directory, "start"))
+    else:
+        engine.save_16bit_model(os.path.join(directory, "mid16"))
+
+
+def _local_skip_after_a_mid_window_call(stage: int, call: str, directory: str) -> dict:
+    """Every rank runs a backward and ``call`` before stepping (they agree there and go on);
+    then rank 0 skips its step on its own and goes on to its next forward, while rank 1
+    steps. Then every rank steps."""
+    engine = _fp16_engine(stage)
+    engine.backward(_loss_rev(engine, 0))
+    engine.step()
+    engine.save_checkpoint(os.path.join(directory, "start"))
+    engine.backward(_loss_rev(engine, 1))
+    _mid_window(engine, call, directory)
+    if distributed.get_rank() == 0:
+        error = _outcome(lambda: engine.backward(_loss_rev(engine, 2)))
+    else:
+        error = _outcome(engine.step)
+    distributed.barrier()
+    engine.step()  # now on every rank
+    return {"error": error, "steps": engine.global_steps, "weights": _full_weights(engine)}
+
+
+@pytest.mark.parametrize("stage,call", [(0, "save_checkpoint"), (2, "load_checkpoint"),
+                                        (3, "save_16bit_model")])
+def test_a_mid_window_save_or_load_keeps_the_step_owed(world2, tmp_path, stage, call):
+    # was: the save settled the agreement for good; rank 0's forward did not join rank 1's
+    # step agreement and gloo aborted the ranks
+    outs = world2.run(_local_skip_after_a_mid_window_call, stage, call, str(tmp_path))
+    assert outs[0]["error"].startswith("engine forward: rank(s) [1] are stepping"), outs[0]
+    assert outs[1]["error"].startswith("engine.step(): rank(s) [1] are stepping"), outs[1]
+    for out in outs:
+        assert "rank(s) [0] went on without stepping" in out["error"], out["error"]
+        assert out["steps"] == 2, out  # the refused step was not taken, the later one was
+    for a, b in zip(outs[0]["weights"], outs[1]["weights"]):
+        assert torch.equal(a, b)
+
+
+def _gather_of_the_weights_after_a_local_skip(how: str, directory: str) -> dict:
+    """Stage 3: rank 0 gathers the full weights instead of stepping, rank 1 steps; then
+    every rank steps and gathers (no agreement owed: no control gather)."""
+    engine = _fp16_engine(3)
+    engine.backward(_loss_rev(engine, 0))
+    gather = getattr(engine, how)
+    error = _outcome(gather) if distributed.get_rank() == 0 else _outcome(engine.step)
+    distributed.barrier()
+    engine.step()
+    engine.backward(_loss_rev(engine, 1))
+    engine.step()
+    with _ControlGathers() as control:
+        state = engine._zero3_consolidated_16bit_state_dict()
+        engine.save_16bit_model(directory)
+        engine.save_checkpoint(directory)
+        full = engine.module_state_dict()
+    return {"error": error, "control": control.calls, "state": state,
+            "full": {k: v.clone() for k, v in full.items()}}
+
+
+@pytest.mark.parametrize("how", ["_zero3_consolidated_16bit_state_dict", "module_state_dict"])
+def test_a_stage3_gather_of_the_weights_joins_the_step_agreement(world2, tmp_path, how):
+    # was: rank 0's gather met rank 1's step agreement: a hang (gloo: until the timeout)
+    outs = world2.run(_gather_of_the_weights_after_a_local_skip, how, str(tmp_path))
+    assert outs[0]["error"].startswith(f"engine.{how}(): rank(s) [1] are stepping"), outs[0]
+    assert outs[1]["error"].startswith("engine.step(): rank(s) [1] are stepping"), outs[1]
+    assert "or a gather of the full weights" in outs[0]["error"]
+    for out in outs:
+        assert out["control"] == [], out["control"]  # nothing owed: no agreement on saves
+    assert outs[1]["state"] is None and set(outs[0]["state"]) == set(outs[0]["full"])
+    for key, value in outs[0]["state"].items():
+        assert value.dtype == torch.float16
+        assert torch.equal(value, outs[0]["full"][key].half())
+        assert torch.equal(outs[0]["full"][key], outs[1]["full"][key])
