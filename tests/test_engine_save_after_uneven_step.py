@@ -10,7 +10,7 @@ so every rank raises a RuntimeError naming both sides, nothing is written, and o
 calls ``engine.step()`` (which skips an overflowed step on every rank itself) the save works.
 A save after a backward that every rank leaves unstepped still saves.
 
-a review
+From a review:
 
 DeepSpeed-style engine: the step owed by a backward survives a checkpoint save or load, and
 a gather of the full weights joins the step agreement (review of 0532024).

@@ -4,7 +4,7 @@ accordingly) on a world whose node layout was not gathered (a world made by torc
 gathered over it, instead of guessing ``rank // LOCAL_WORLD_SIZE`` on the ranks whose
 GROUP_RANK happens to match that guess.
 
-a review
+From a review:
 
 Review of daf48fa (round-robin node maps; dead ranks named): torchrun's own node-by-node
 numbering on a world made by torch's ``init_process_group`` keeps its intra-/inter-node split,

@@ -13,7 +13,7 @@ world of 2 gloo ranks (tensor-parallel size 2).
   had no autograd edge to it: its gradient from the region was lost and the region's
   parameters got none, silently. Such tensors now get the plain call's gradients.
 
-a review
+From a review:
 
 The reentrant ``shardkit.checkpointing.checkpoint``: containers held twice, frozen regions.
 

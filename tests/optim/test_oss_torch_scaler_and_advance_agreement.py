@@ -6,7 +6,7 @@ at the first overflow (hours into a run), and a rank that owns no parameter reco
 inf check at all, so its ``update()`` raised while the other ranks waited in the next step.
 Now every rank skips and backs off exactly as one process does.
 
-a review
+From a review:
 
 Review of OSS under torch's GradScaler and of OSS's agreement made in advance, at world 2.
 
