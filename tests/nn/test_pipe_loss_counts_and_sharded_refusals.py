@@ -17,6 +17,21 @@ training or in FSDP eval, and an FSDP eval one pipeline runs while the other tra
 
 Before: the other pipeline waited forever in the stage modules' collectives (the refusals
 were shared before the first step only).
+
+From a review:
+
+Review of the watched ``loss_fn`` and the sharded pipelines' per-step refusals (world 4).
+
+A lambda adding a term to its cross-entropy (an auxiliary loss, a distillation term): the
+watch weighted the whole micro-batch loss by its counted tokens, so the added term's
+gradients were off one process's (about 0.01 here), silently. Now, as for a cut target, the
+micro-batches must count alike, else the step fails on every rank naming
+``loss_denominator=``; with even counts the gradients are one process's.
+
+Pipelines whose first stage is an FSDP or ShardedDataParallel module over its replicas and
+whose second stage is a plain module averaging through ``data_parallel_group``: the ranks of
+the sharded stage waited at every step after the first in an all-reduce over the pipeline
+group that the plain stage's rank never joined (the first step ran; every later one hung).
 """
 
 import torch
@@ -229,3 +244,99 @@ def test_a_later_step_one_pipeline_refuses_under_sharded_stages_fails_everywhere
                 for error in (mixed, mixed_first):
                     assert "runs the other kind" in error and "eval" in error, (where, error)
                 assert fine == "ok", (where, fine)
+
+
+VOCAB, WIDTH, ROWS, SEQ, CHUNKS = 5, 6, 8, 3, 4
+
+
+def _lm_rev():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(3)], nn.Linear(WIDTH, VOCAB))
+
+
+def _with_aux_term(out, y):
+    """Cross-entropy over the counted tokens plus a mean over every output (not counted)."""
+    return F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1)) + 0.5 * out.pow(2).mean()
+
+
+def _aux_term_outcomes():
+    """Per schedule: the uneven step's outcome, then an even step's worst gradient difference
+    from one process."""
+    rank, results = dist.get_rank(), {}
+    for cls in (ScheduleGPipe, Schedule1F1B):
+        stage = PipelineStage(split_sequential(_lm_rev(), [1] * 4)[rank], rank, 4)
+        schedule = cls(stage, CHUNKS, lambda out, y: _with_aux_term(out, y))
+        torch.manual_seed(1)
+        x, y = torch.randn(ROWS, SEQ, WIDTH), torch.randint(0, VOCAB, (ROWS, SEQ))
+        uneven = y.clone()
+        uneven[2:4, :2] = -100  # micro-batch 1 counts 2 tokens, the others 6
+        try:
+            schedule.step(x, target=uneven)
+            refused = "ok"
+        except ValueError as error:
+            refused = str(error)
+        stage.module.zero_grad()
+        schedule.step(x, target=y)
+        reference = _lm_rev()
+        _with_aux_term(reference(x), y).backward()
+        worst = max((p.grad - r.grad).abs().max().item() for p, r in
+                    zip(stage.module.parameters(), reference[rank].parameters()))
+        results[cls.__name__] = refused, worst
+    return results
+
+
+def test_a_lambda_adding_a_term_to_cross_entropy_is_not_weighted_by_counts(world4):
+    """Was: weighted by each micro-batch's counted tokens, the added term too (gradients off
+    one process's, silently). Now uneven counts fail on every rank naming loss_denominator;
+    even counts give one process's gradients."""
+    for rank, per_schedule in enumerate(world4.run(_aux_term_outcomes)):
+        for name, (refused, worst) in per_schedule.items():
+            assert "loss_denominator=" in refused and "returns more than that mean" in refused, \
+                (name, rank, refused)
+            assert worst < 1e-5, (name, rank, worst)
+
+
+def _mixed_pipelines(kind):
+    """Pipelines {0, 1} and {2, 3}: stage 0 an FSDP or ShardedDataParallel module over the
+    replicas {0, 2}, stage 1 a plain module averaged over {1, 3} (``data_parallel_group``)."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
+    from shardkit.optim import OSS
+
+    rank = dist.get_rank()
+    pipelines = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    torch.manual_seed(0)
+    part = split_sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), [1, 1])[rank % 2]
+    averaged_over = None
+    if rank % 2 == 1:
+        module, averaged_over = part, replicas
+    elif kind == "fsdp":
+        module = FullyShardedDataParallel(part, process_group=replicas)
+    else:
+        optimizer = OSS(part.parameters(), torch.optim.SGD, lr=0.1, group=replicas)
+        module = ShardedDataParallel(part, optimizer, process_group=replicas)
+    stage = PipelineStage(module, rank % 2, 2, group=pipelines[rank // 2],
+                          data_parallel_group=averaged_over)
+    return Schedule1F1B(stage, CHUNKS, F.mse_loss)
+
+
+def _mixed_steps(kind):
+    """Two training steps, two eval steps, a training step pipeline 1 refuses (a 2-row
+    batch, chunks=4), a fine one: this rank's outcomes."""
+    schedule = _mixed_pipelines(kind)
+    x, t = torch.randn(8, 4), torch.randn(8, 4)
+    refusing = dist.get_rank() >= 2
+    return [_outcome(schedule.step, x, t), _outcome(schedule.step, x, t),
+            _outcome(schedule.eval, x, t), _outcome(schedule.eval, x, t),
+            _outcome(schedule.step, x[:2] if refusing else x, t), _outcome(schedule.step, x, t)]
+
+
+def test_a_sharded_first_stage_before_a_plain_stage_runs_later_steps(world4):
+    """Was: every step after the first hung (the sharded stage's rank waited for the plain
+    stage's in an all-reduce over the pipeline). Now they run, and a later batch one pipeline
+    refuses fails on every rank."""
+    for kind in ("fsdp", "sdp"):
+        for rank, outcomes in enumerate(world4.run(_mixed_steps, kind)):
+            assert outcomes[:4] == ["ok"] * 4 and outcomes[5] == "ok", (kind, rank, outcomes)
+            refused = outcomes[4]
+            assert "chunks=4 is larger than the batch size 2" in refused, (kind, rank, refused)

@@ -112,7 +112,8 @@ def class_target_count(target, ignore_index: int, weight: Optional[torch.Tensor]
 
 class _ClassIndexLossCalls(TorchFunctionMode):
     """Records the arguments of every ``F.cross_entropy`` / ``F.nll_loss`` call made inside it
-    (``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` call these too), defaults filled in."""
+    (``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` call these too), defaults filled in, and what
+    it returned (``"result"``)."""
 
     def __init__(self):
         super().__init__()
@@ -120,18 +121,20 @@ class _ClassIndexLossCalls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        result = func(*args, **kwargs)
         if func in CLASS_INDEX_LOSSES:
             bound = inspect.signature(func).bind(*args, **kwargs)
             bound.apply_defaults()
-            self.calls.append(dict(bound.arguments))
-        return func(*args, **kwargs)
+            self.calls.append({**bound.arguments, "result": result})
+        return result
 
 
-def _masked_mean(calls: list) -> Optional[tuple]:
-    """``(count, target elements, counter)`` where ``calls`` is one class-index loss with
-    ``reduction="mean"`` on class indices (its mean divides by ``count``; ``counter`` counts
-    another target alike); ``None`` for anything else (no such call, several, another
-    reduction, class probabilities)."""
+def _masked_mean(calls: list, loss) -> Optional[tuple]:
+    """``(count, target elements, counter, whole)`` where ``calls`` is one class-index loss
+    with ``reduction="mean"`` on class indices (its mean divides by ``count``; ``counter``
+    counts another target alike; ``whole``: ``loss``, what ``loss_fn`` returned, is that mean
+    itself, not a sum with other terms or a multiple of it); ``None`` for anything else (no
+    such call, several, another reduction, class probabilities)."""
     if len(calls) != 1:
         return None
     call = calls[0]
@@ -143,9 +146,10 @@ def _masked_mean(calls: list) -> Optional[tuple]:
     counter = functools.partial(class_target_count, ignore_index=call["ignore_index"],
                                 weight=call["weight"])
     try:
-        return count_value(counter(call["target"])), call["target"].numel(), counter
+        count = count_value(counter(call["target"]))
     except NotCounted:
         return None
+    return count, call["target"].numel(), counter, loss is call["result"]
 
 
 class LossCountWatch:
@@ -157,8 +161,11 @@ class LossCountWatch:
     ``reduction="mean"`` whose target has the micro-batch target's elements and count (the
     target reshaped, ``t.view(-1)``) gives every micro-batch's count before any backward
     (``counts``); one whose target the count cannot be predicted from (cut, shifted: ``t[:,
-    1:]``) leaves the weights alike and requires every micro-batch to count as many targets
-    as the first (:meth:`observe` says otherwise, naming ``loss_denominator``); anything else
+    1:]``), or whose mean is not all that ``loss_fn`` returns (an auxiliary or distillation
+    term added to it, or a multiple of it: weighting the whole loss by the counts would weigh
+    those terms wrongly), leaves the weights alike and requires every micro-batch to count as
+    many targets as the first (:meth:`observe` says otherwise, naming ``loss_denominator``);
+    anything else
     (a sum, a mean over rows) is left alone (``watching`` turns false). Each watched call
     costs a Python hook per torch function inside ``loss_fn``."""
 
@@ -167,7 +174,8 @@ class LossCountWatch:
         self.watching = True
         self.learnt = False  # whether the step's first call was observed
         self.counts: Optional[list] = None  # every micro-batch's, once predicted
-        self._first: Optional[tuple] = None  # (micro-batch, count) where none is predicted
+        # (micro-batch, count, why no count is predicted) where none is
+        self._first: Optional[tuple] = None
 
     def call(self, loss_fn, output, target, loss_kwargs: dict):
         """``loss_fn(output, target, **loss_kwargs)`` and its class-index loss calls."""
@@ -176,42 +184,49 @@ class LossCountWatch:
             loss = loss_fn(output, target, **loss_kwargs)
         return loss, recorder.calls
 
-    def observe(self, index: int, calls: list) -> Optional[str]:
-        """Micro-batch ``index``'s class-index loss ``calls``: at the step's first, learn
-        (:meth:`_learn`); at later ones, what is wrong with them (:meth:`_problem`)."""
+    def observe(self, index: int, calls: list, loss) -> Optional[str]:
+        """Micro-batch ``index``'s class-index loss ``calls`` and the ``loss`` ``loss_fn``
+        returned: at the step's first, learn (:meth:`_learn`); at later ones, what is wrong
+        with them (:meth:`_problem`)."""
         if self.learnt:
-            return self._problem(index, calls)
+            return self._problem(index, calls, loss)
         self.learnt = True
-        self._learn(index, calls)
+        self._learn(index, calls, loss)
         return None
 
-    def _learn(self, index: int, calls: list) -> None:
+    def _learn(self, index: int, calls: list, loss) -> None:
         """Every micro-batch's count (``counts``) where it can be predicted, else the first's."""
-        seen = _masked_mean(calls)
+        seen = _masked_mean(calls, loss)
         if seen is None:
             self.watching = False
             return
-        count, elements, counter = seen
+        count, elements, counter, whole = seen
         try:
             counts = [count_value(counter(t)) for t in self._targets]
         except NotCounted:
             counts = None
         own = self._targets[index]
-        if counts is None or counts[index] != count or own.numel() != elements:
-            self._first = index, count
+        if not whole:
+            self._first = index, count, "loss_fn returns more than that mean (another term " \
+                                        "added to it, or a multiple of it)"
+        elif counts is None or counts[index] != count or own.numel() != elements:
+            self._first = index, count, "its target is not the micro-batch's target reshaped"
         else:
             self.counts = counts
 
-    def _problem(self, index: int, calls: list) -> Optional[str]:
+    def _problem(self, index: int, calls: list, loss) -> Optional[str]:
         """What is wrong with micro-batch ``index``'s call, given what the first one taught:
-        a count other than predicted (or than the first's, where none was predicted)."""
-        seen = _masked_mean(calls)
+        a count other than predicted (or than the first's, where none was predicted), or,
+        where counts were predicted, a loss that is no longer that mean alone."""
+        seen = _masked_mean(calls, loss)
         count = None if seen is None else seen[0]
         if self.counts is not None:
             expected, why = self.counts[index], "counted from its target as the first call did"
+            if seen is not None and not seen[3]:
+                count = None  # the mean is now one term of the loss: the counts do not apply
         else:
-            first, expected = self._first
-            why = f"as micro-batch {first}'s call did"
+            first, expected, reason = self._first
+            why = f"as micro-batch {first}'s call did; no count is predicted, since {reason}"
         if count == expected:
             return None
         found = "a loss that is no longer one class-index mean" if count is None else \

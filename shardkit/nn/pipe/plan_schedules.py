@@ -54,11 +54,12 @@ numbers of counted tokens): ``nn.CrossEntropyLoss``, ``nn.NLLLoss``, ``F.cross_e
 their ``forward``) with ``reduction="mean"`` and class-index targets are counted as torch
 counts them; any other declares its count with ``loss_denominator=lambda target: ...``. A
 ``loss_fn`` that says nothing (``lambda out, y: F.cross_entropy(out.view(-1, V), y.view(-1))``)
-is watched at the step's first loss (:mod:`~shardkit.nn.pipe.loss_count`): where it computes
+is watched at the step's first loss (:mod:`~shardkit.nn.pipe.loss_count`): where it returns
 one of those losses with ``reduction="mean"`` on its micro-batch's target reshaped, every
-micro-batch is counted alike, as above; where on another target (``y[:, 1:]``), every
-micro-batch must count as many targets as the first, else the step fails on every rank asking
-for ``loss_denominator``.
+micro-batch is counted alike, as above; where on another target (``y[:, 1:]``), or where that
+mean is only part of what it returns (an auxiliary term added), every micro-batch must count
+as many targets as the first, else the step fails on every rank asking for
+``loss_denominator``.
 Each micro-batch's loss is then divided by the whole target's count over its own (a
 micro-batch counting nothing, whose mean is NaN, adds no gradient), so the gradients and the
 returned loss are one process's on the whole batch. Under data parallelism each pipeline's
@@ -206,12 +207,13 @@ class PlanSchedule:
        batch, keyword argument or target that the checks before the step reject) are shared
        before every step that communicates over the replicas (one all-reduce of three
        elements per replica group and one of two over the pipeline group, beside the first
-       step's checks, which share them too), so every pipeline raises; so does a step
-       that one pipeline runs as eval and another as a training step. What fails only
+       step's checks, which share them too), so every pipeline raises; under FSDP so does a
+       step that one pipeline runs as eval and another as a training step. What fails only
        during the step (a forward or ``loss_fn`` raising) still leaves the other pipelines
        waiting in those collectives, and so does eval on one pipeline while the others call
-       nothing: give every pipeline usable batches and call :meth:`step` / :meth:`eval` on
-       all of them alike.
+       nothing or, under ShardedDDP (whose eval joins no collective, so that one pipeline
+       may evaluate alone), train: give every pipeline usable batches and call
+       :meth:`step` / :meth:`eval` on all of them alike.
     """
 
     def __init__(self, stages, chunks: Optional[int] = None, loss_fn: Optional[Callable] = None,
@@ -280,6 +282,9 @@ class PlanSchedule:
         # whether a training step shared the replicas' refusals (ShardedDataParallel / FSDP
         # stages) since the last failed step: eval steps share none over ShardedDataParallel
         self._replicas_checked = False
+        # {grad: whether a rank of this pipeline has ShardedDataParallel / FSDP stage modules
+        # communicating over replicas in such a step}, learnt at the first step's agreement
+        self._pipeline_shards: dict = {}
         self._signature = None  # the first stage's last batch_signature
         self._losses_arg, self._kwargs_arg = None, {}  # this step's losses list and kwargs
         self._return_outputs, self._loss_kwargs = None, None  # and its torch-style options
@@ -420,8 +425,8 @@ class PlanSchedule:
                 pipeline (see the class; a step another pipeline refused before running it
                 too: where the stages are ShardedDataParallel / FSDP modules over the
                 replicas, the refusals are shared before every step that communicates over
-                them (training steps; eval steps too under FSDP), and so is whether a
-                replica runs eval while this one trains, or the reverse), or a stage
+                them (training steps; eval steps too under FSDP), and under FSDP so is
+                whether a replica runs eval while this one trains, or the reverse), or a stage
                 output that no longer matches the shapes it announced. Found during the step,
                 these end it the same way: the stage stops computing and sends its
                 neighbours what they expect, every rank finishes the step's messages, then
@@ -916,7 +921,7 @@ class PlanSchedule:
                                      + self._target_rows_hint(output, i), error)
             return None
         if watch is not None and watch.watching:
-            self._check_loss_count(watch, i, calls)
+            self._check_loss_count(watch, i, calls, loss)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             found = f"a tensor of shape {tuple(loss.shape)}" if isinstance(
                 loss, torch.Tensor) else f"a {type(loss).__name__}"
@@ -926,13 +931,13 @@ class PlanSchedule:
             return None
         return loss
 
-    def _check_loss_count(self, watch: LossCountWatch, i: int, calls: list) -> None:
+    def _check_loss_count(self, watch: LossCountWatch, i: int, calls: list, loss) -> None:
         """For a ``loss_fn`` that does not declare what its mean divides by: at the step's
         first loss, learn it (:class:`~shardkit.nn.pipe.loss_count.LossCountWatch`) and
         weigh every micro-batch by it (no backward has run yet); at later ones, fail the step
         where a micro-batch's count differs from what was learnt."""
         learnt = watch.learnt
-        problem = watch.observe(i, calls)
+        problem = watch.observe(i, calls, loss)
         if problem:
             self._fail_at_last_stage(i, problem)
         elif not learnt and watch.counts is not None:
@@ -1254,9 +1259,13 @@ class PlanSchedule:
         local = self._local_problems(inputs, target)
         if replicas_too:
             local += self._replica_refusals(local, grad)
+        shards = (bool(self._reducing_replica_groups(True)),
+                  bool(self._reducing_replica_groups(False)))
         try:
-            check_schedule_agreement(type(self).__name__, self.chunks, local, self.group,
-                                     self._who, self._tie_status(), self._keyword_dims)
+            training, evaluating = check_schedule_agreement(
+                type(self).__name__, self.chunks, local, self.group, self._who,
+                self._tie_status(), self._keyword_dims, flags=shards)
+            self._pipeline_shards = {True: training, False: evaluating}
         except ValueError as refusal:
             self._refuse_to_replicas(str(refusal), grad)
             raise
@@ -1311,14 +1320,16 @@ class PlanSchedule:
         rank of every pipeline; a refusal then takes :meth:`_check_agreement`'s path (the
         same error on every rank, naming the replica), a disagreement on the kind of step
         is a ValueError on every rank. Without this a pipeline that ran the step waits
-        forever in those modules' collectives for the one that refused it."""
-        groups = self._reducing_replica_groups(grad)
-        if not groups:
+        forever in those modules' collectives for the one that refused it. Every rank of a
+        pipeline with such a stage module joins the pipeline group's all-reduce, its ranks
+        running other stages too (learnt at the first step: ``_pipeline_shards``)."""
+        if not self._pipeline_shards.get(grad):
             return
+        groups = self._reducing_replica_groups(grad)
         verdicts = _replica_verdicts(groups, bool(self._local_problems(inputs, target)), grad)
         verdict = torch.tensor([float(any(refused for _, refused, _ in verdicts)),
                                 float(any(disagree for _, _, disagree in verdicts))],
-                               device=groups[0][1])
+                               device=next(iter(self.stages.values())).device)
         if self.num_ranks > 1:
             dist.all_reduce(verdict, group=self.group)
         if verdict[1] > 0:

@@ -121,7 +121,7 @@ def _comparable_dims(dims):
 
 def check_schedule_agreement(kind: str, chunks: int, local_problems: list, group,
                              who: str, tie_status: Optional[dict] = None,
-                             keyword_dims: Optional[dict] = None) -> None:
+                             keyword_dims: Optional[dict] = None, flags: tuple = ()) -> tuple:
     """Before a schedule's first step (and a later step the first stage cannot run), every rank
     of ``group`` shares what it runs, whether under ``torch.no_grad()``, how it splits keyword
     arguments (``keyword_dims``: its ``kwargs_chunk_spec`` as ``{name: dim or None}``, or a
@@ -129,7 +129,8 @@ def check_schedule_agreement(kind: str, chunks: int, local_problems: list, group
     all-gather); any problem, or ranks that disagree on the schedule, is a ValueError on every
     rank naming each ``who`` (``"stage"``/``"rank"``). ``tie_status``: ``{key:
     requires_grad}`` of this rank's copies of weights tied across ranks (see
-    :func:`~shardkit.nn.pipe.ties.frozen_copy_problems`).
+    :func:`~shardkit.nn.pipe.ties.frozen_copy_problems`). ``flags``: booleans this rank
+    shares in the same all-gather; returns, for each, whether any rank of ``group`` set it.
 
     Note: ranks that split a keyword argument differently (dim 1 on one, whole on another)
     computed each micro-batch from other rows, silently where the shapes still fit."""
@@ -137,8 +138,9 @@ def check_schedule_agreement(kind: str, chunks: int, local_problems: list, group
 
     split = tuple(sorted((keyword_dims or {}).items()))
     views = dist.all_gather_object((kind, chunks, torch.is_grad_enabled(), split,
-                                    local_problems, tie_status or {}), group=group)
-    problems = [f"{who} {rank}: {p}" for rank, (*_, ps, _) in enumerate(views) for p in ps]
+                                    local_problems, tie_status or {}, tuple(flags)),
+                                   group=group)
+    problems = [f"{who} {rank}: {p}" for rank, view in enumerate(views) for p in view[4]]
     problems += frozen_copy_problems([view[5] for view in views])
     if len({(*view[:3], _comparable_dims(view[3])) for view in views}) > 1:
         problems.append(f"the {who}s disagree on the schedule: " + ", ".join(
@@ -149,6 +151,7 @@ def check_schedule_agreement(kind: str, chunks: int, local_problems: list, group
     if problems:
         raise ValueError(f"{kind}.step: the pipeline cannot run this step:\n  "
                          + "\n  ".join(problems))
+    return tuple(any(view[6][i] for view in views) for i in range(len(flags)))
 
 
 def raise_step_failure(kind: str, local_problems: list, group,
