@@ -25,10 +25,11 @@ activations fit. The activation estimate is documented in :func:`estimate_activa
 With ``--model`` the rows are what the most loaded rank really holds
 (:func:`shardkit.plan_model.rank_layout`): frozen parameters keep weights only (no gradient, no
 optimizer state; at stage 3 a unit that trains at all keeps a gradient shard for all of its
-parameters), stages 1-2 the owner of the most elements under OSS's whole-parameter partition,
-stage 3 FSDP's rows padded to a multiple of N; without ``--mixed-precision`` a parameter not
-in fp32 (a model loaded in bf16, an fp64 layer) holds its weight, gradient and optimizer state
-in its own dtype (``fp32_equivalent_params`` in JSON: the fp32 count of the same bytes);
+parameters), stages 1-2 the rank holding the most under OSS's whole-parameter partition
+(with the padding of OSS's sync buckets, which every rank holds), stage 3 FSDP's rows padded
+to a multiple of N; without ``--mixed-precision`` a parameter not in fp32 (a model loaded in
+bf16, an fp64 layer) holds its weight, gradient and optimizer state in its own dtype
+(``fp32_equivalent_params`` in JSON: the fp32 count of the same bytes);
 ``formula_model_states`` (JSON) keeps the ZeRO formula. ``tests/test_plan_matrix.py`` checks
 both against storages and ``CommCounter``.
 
@@ -102,7 +103,9 @@ def zero_model_state_bytes(params: float, world_size: int, stage: int,
     exception for gradients: FSDP keeps a gradient shard for every parameter of a unit that
     trains at all, ``grad_unit_params`` (Ψ_g, default Ψ_t). With every parameter trainable
     these are the table's formulas. Not counted: torch's per-tensor ``step`` count (4 bytes
-    per trainable tensor for Adam/AdamW) and FSDP's padding (use the padded Ψ for it).
+    per trainable tensor for Adam/AdamW), stage 2's presence flag per owned gradient (one
+    element of its dtype, kept in the storage the gradient arrived in), FSDP's padding (use
+    the padded Ψ for it) and OSS's sync-bucket padding (``stage_table`` adds it).
 
     ``largest_owned`` (stages 1-2): the trainable elements the most loaded rank owns under
     OSS's whole-parameter partition (:func:`shardkit.plan_model.rank_layout`), which replaces
@@ -360,8 +363,8 @@ def stage_table(params: float, world_size: int, precision: Precision,
     ``summary``: its frozen parameters hold weights only, and stage 3's traffic gathers the
     root unit once (as :func:`link_traffic` and the demo count it). With its ``layout`` at
     ``world_size`` (:func:`shardkit.plan_model.rank_layout`), ``model_states`` is the most
-    loaded rank's: OSS's whole-parameter owners at stages 1-2, FSDP's padded rows at stage 3
-    (``formula_model_states`` keeps the ZeRO formula)."""
+    loaded rank's: OSS's whole-parameter owners and sync-bucket padding at stages 1-2, FSDP's
+    padded rows at stage 3 (``formula_model_states`` keeps the ZeRO formula)."""
     trainable = _trainable(params, summary)
     grad_units = _grad_unit_params(params, summary)
     root = summary.root_unit_params if summary is not None else 0.0
@@ -373,8 +376,7 @@ def stage_table(params: float, world_size: int, precision: Precision,
             params, world_size, s, root_params=root if s == 3 else 0.0, trainable=trainable,
             grad_unit_params=grad_units)
         if layout is not None and s in (1, 2):
-            states = zero_model_state_bytes(params, world_size, s, precision, trainable,
-                                            largest_owned=max(layout.oss_numel_per_rank))
+            states = _most_loaded_oss_rank(params, world_size, s, precision, trainable, layout)
         elif layout is not None and s == 3:
             states = zero_model_state_bytes(layout.padded_params, world_size, 3, precision,
                                             layout.padded_trainable, layout.padded_grad_units)
@@ -388,6 +390,16 @@ def stage_table(params: float, world_size: int, precision: Precision,
                                 activations=activations, comm_per_step=precision.grads * wire,
                                 formula_model_states=formula))
     return rows
+
+
+def _most_loaded_oss_rank(params: float, world_size: int, stage: int, precision: Precision,
+                          trainable: float, layout: RankLayout) -> float:
+    """Stage 1 or 2's model states on the rank that owns the most under OSS's partition of
+    ``layout``: the ZeRO formula with that rank's owned elements, plus the padding of OSS's
+    flat sync buckets, whose weights every rank holds (:mod:`shardkit.optim.param_sync`)."""
+    return (zero_model_state_bytes(params, world_size, stage, precision, trainable,
+                                   largest_owned=max(layout.oss_numel_per_rank))
+            + precision.weights * layout.oss_sync_padding)
 
 
 def recommend_stage(rows: list[StageMemory], budget: float) -> Optional[StageMemory]:

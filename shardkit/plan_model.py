@@ -70,10 +70,13 @@ def fsdp_unit_sizes(model, wrap_block: Optional[str] = None,
                     min_num_params: Optional[int] = None) -> list[int]:
     """Parameters held by each FSDP unit when ``model`` is auto-wrapped, root unit last.
 
-    ``wrap_block``: every module whose class name is ``wrap_block`` becomes a unit.
-    ``min_num_params``: a module becomes a unit when the parameters not already in a unit below
-    it number at least ``min_num_params`` (children are wrapped first). The root unit holds
-    whatever remains. A parameter shared between units counts in the first one that owns it.
+    ``wrap_block``: every module whose class name is ``wrap_block`` becomes a unit (FSDP's
+    ``transformer_auto_wrap_policy``). ``min_num_params``: a module becomes a unit when the
+    parameters not already in a unit below it number at least ``min_num_params`` (FSDP's
+    ``default_auto_wrap_policy``: children first, never a ``ModuleList``/``ModuleDict``). The
+    root unit holds whatever remains. A parameter shared between modules counts in the first
+    unit that owns it. The units are those :func:`shardkit.nn.wrap.auto_wrap` builds (a dry
+    run of it: nothing is wrapped).
     """
     return [sum(p.numel() for p in unit)
             for unit in _fsdp_unit_params(model, wrap_block, min_num_params)]
@@ -109,32 +112,26 @@ def has_non_fp32_parameters(model) -> bool:
 
 def _fsdp_unit_params(model, wrap_block: Optional[str] = None,
                       min_num_params: Optional[int] = None) -> list[list]:
-    """The distinct parameters of each unit of :func:`fsdp_unit_sizes`, root unit last."""
-    claimed: set[int] = set()
-    units: list[list] = []
+    """The distinct parameters of each unit of :func:`fsdp_unit_sizes`, root unit last: a dry
+    run of :func:`shardkit.nn.wrap.auto_wrap` with the policy the flags name
+    (:func:`~shardkit.nn.wrap.transformer_auto_wrap_policy` of the classes named
+    ``wrap_block``, or :func:`~shardkit.nn.wrap.default_auto_wrap_policy` with
+    ``min_num_params``, which never wraps a ``ModuleList`` and keeps tied weights in one unit),
+    so that the planned units are the ones FSDP builds."""
+    import functools
 
-    def unclaimed(module) -> list:
-        return [p for p in _distinct(module.parameters()) if id(p) not in claimed]
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+    from shardkit.nn.wrap import default_auto_wrap_policy, transformer_auto_wrap_policy
+    from shardkit.nn.wrap.auto_wrap import planned_units
 
-    def unclaimed_numel(module) -> int:
-        return sum(p.numel() for p in unclaimed(module))
-
-    def claim(module) -> None:
-        held = unclaimed(module)
-        claimed.update(id(p) for p in module.parameters())
-        units.append(held)
-
-    def visit(module) -> None:
-        for child in module.children():
-            visit(child)
-            if wrap_block is not None and type(child).__name__ == wrap_block:
-                claim(child)
-            elif min_num_params is not None and unclaimed_numel(child) >= min_num_params:
-                claim(child)
-
-    visit(model)
-    units.append(unclaimed(model))
-    return units
+    if wrap_block is not None:
+        blocks = {type(m) for m in model.modules() if type(m).__name__ == wrap_block}
+        policy = transformer_auto_wrap_policy(blocks)
+    elif min_num_params is not None:
+        policy = functools.partial(default_auto_wrap_policy, min_num_params=min_num_params)
+    else:
+        return [list(_distinct(model.parameters()))]  # the root is the one unit
+    return [own for _, own in planned_units(model, policy, FullyShardedDataParallel)]
 
 
 @dataclass(frozen=True)
@@ -147,7 +144,10 @@ class RankLayout:
       dim-0 blocks of ``ceil(rows / N)`` rows);
     - ``oss_numel_per_rank``: trainable elements each rank owns under OSS's whole-parameter
       partition (stages 1-2; :func:`shardkit.optim.partition.plan_ownership`, the one
-      ownership algorithm), whose largest entry can exceed Ψ_t/N by up to one parameter.
+      ownership algorithm), whose largest entry can exceed Ψ_t/N by up to one parameter;
+    - ``oss_sync_padding``: the elements by which OSS's flat parameter-sync buckets pad their
+      segments (:mod:`shardkit.optim.param_sync`, at most 3% of a bucket); every rank holds
+      the whole buffers, so every rank holds this padding beside its weights.
     """
 
     world_size: int
@@ -156,6 +156,7 @@ class RankLayout:
     padded_grad_units: int
     padded_root: int
     oss_numel_per_rank: tuple
+    oss_sync_padding: float = 0
 
 
 def rank_layout(model, world_size: int, wrap_block: Optional[str] = None,
@@ -176,11 +177,13 @@ def rank_layout(model, world_size: int, wrap_block: Optional[str] = None,
 
     units = _fsdp_unit_params(model, wrap_block, min_num_params)
     trainable = [p for p in _distinct(model.parameters()) if p.requires_grad]
-    owned = [0] * world_size
+    owned, sync_padding = [0] * world_size, 0
     if trainable:
-        partition = plan_ownership([trainable], world_size).partition
+        ownership = plan_ownership([trainable], world_size)
+        partition = ownership.partition
         owned = [sum(p.numel() * scale(p) for group in partition.params_of(rank) for p in group)
                  for rank in range(world_size)]
+        sync_padding = _sync_bucket_padding(ownership, trainable, scale)
     return RankLayout(
         world_size=world_size,
         padded_params=sum(padded(p) for unit in units for p in unit),
@@ -188,7 +191,27 @@ def rank_layout(model, world_size: int, wrap_block: Optional[str] = None,
         padded_grad_units=sum(padded(p) for unit in units
                               if any(q.requires_grad for q in unit) for p in unit),
         padded_root=sum(padded(p) for p in units[-1]),
-        oss_numel_per_rank=tuple(owned))
+        oss_numel_per_rank=tuple(owned), oss_sync_padding=sync_padding)
+
+
+def _sync_bucket_padding(ownership, trainable: list, scale) -> float:
+    """Elements (weighted by ``scale``) by which OSS's parameter-sync buckets of
+    ``ownership`` pad their segments: per bucket and parameter dtype, the segments are padded
+    to the widest owner's load where :mod:`shardkit.optim.param_sync` chooses to (none in a
+    world of one: nothing is synchronised)."""
+    from shardkit.optim.param_sync import _segment_numels
+
+    world_size = ownership.partition.world_size
+    if world_size == 1:
+        return 0
+    loads: dict = {}  # (bucket, device, dtype) -> per-rank elements, as build_buckets groups
+    weight: dict = {}
+    for p in trainable:
+        key = (ownership.bucket_of[id(p)], p.device, p.dtype)
+        loads.setdefault(key, [0] * world_size)[ownership.partition.owner(p)] += p.numel()
+        weight[key] = scale(p)
+    return sum((sum(_segment_numels(per_rank)) - sum(per_rank)) * weight[key]
+               for key, per_rank in loads.items())
 
 
 def _distinct(params):
@@ -225,18 +248,52 @@ def summarize_model(model, wrap_block: Optional[str] = None,
         linears = [m for m in blocks[0].modules() if isinstance(m, nn.Linear)]
         hidden = norms[0].normalized_shape[-1] if norms else (
             linears[0].in_features if linears else 0)
-        found_heads = [getattr(m, a) for m in blocks[0].modules()
-                       for a in ("n_head", "num_heads") if isinstance(getattr(m, a, None), int)]
-        heads = found_heads[0] if found_heads else max(1, hidden // 64)
-    embeddings = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+        heads = _attention_heads(model, blocks[0]) or max(1, hidden // 64)
     return ModelSummary(params=count_params(model.parameters()),
                         largest_unit_params=max(units), num_units=len(units),
                         num_blocks=len(blocks), hidden=hidden, heads=heads,
-                        vocab=max(embeddings) if embeddings else 0,
+                        vocab=_vocabulary_size(model),
                         root_unit_params=units[-1],
                         trainable_params=count_params(p for p in model.parameters()
                                                       if p.requires_grad),
                         grad_unit_params=sum(size for size, trained in unit_counts if trained))
+
+
+# Where models keep their attention head count: shardkit's and GPT-2's blocks (n_head,
+# num_heads), T5's (n_heads), BERT's and Hugging Face configs (num_attention_heads).
+_HEAD_ATTRIBUTES = ("n_head", "num_heads", "n_heads", "num_attention_heads")
+
+
+def _attention_heads(model, block) -> int:
+    """The query heads of ``block``'s attention: an attribute of one of its modules, else of
+    the configuration a module or the model carries (Llama's attention layer keeps only its
+    ``config``); 0 when none says."""
+    modules = list(block.modules())
+    holders = modules + [getattr(m, "config", None) for m in modules + [model]]
+    for holder in holders:
+        for attribute in _HEAD_ATTRIBUTES:
+            value = getattr(holder, attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return 0
+
+
+def _vocabulary_size(model) -> int:
+    """The logits' width: the rows of the model's input token embedding where it names one
+    (Hugging Face's ``get_input_embeddings()``; its position embeddings can be larger in a
+    small vocabulary), else the largest ``nn.Embedding``; 0 without embeddings."""
+    import torch.nn as nn
+
+    getter = getattr(model, "get_input_embeddings", None)
+    if callable(getter):
+        try:
+            tokens = getter()
+        except (NotImplementedError, AttributeError):  # a model class that does not say
+            tokens = None
+        if isinstance(tokens, nn.Embedding):
+            return tokens.num_embeddings
+    embeddings = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    return max(embeddings) if embeddings else 0
 
 
 def estimate_activation_bytes(summary: ModelSummary, batch: int, seq_len: int,

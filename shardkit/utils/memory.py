@@ -114,11 +114,11 @@ def _module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
             yield "grads", p.grad
 
 
-def _transport_tensors(module, optimizer) -> Iterator[torch.Tensor]:
+def _transport_tensors(module, optimizers: list) -> Iterator[torch.Tensor]:
     """The buffers held by the transports (``comm``) of the wrappers in ``module`` and of
-    ``optimizer``, each transport once."""
+    ``optimizers``, each transport once."""
     holders = list(module.modules()) if module is not None else []
-    holders.append(optimizer)
+    holders.extend(optimizers)
     seen = set()
     for holder in holders:
         comm = getattr(holder, "__dict__", {}).get("comm")
@@ -128,13 +128,25 @@ def _transport_tensors(module, optimizer) -> Iterator[torch.Tensor]:
         yield from comm.footprint_tensors()
 
 
+def _held_optimizers(module: Optional[torch.nn.Module]) -> list:
+    """The optimizers that ``module`` or a submodule holds as its ``optimizer`` attribute (the
+    engine of :func:`shardkit.initialize` holds the one it steps)."""
+    if module is None:
+        return []
+    return [m.__dict__["optimizer"] for m in module.modules()
+            if isinstance(m.__dict__.get("optimizer"), torch.optim.Optimizer)]
+
+
 def model_state_bytes(module: Optional[torch.nn.Module] = None,
                       optimizer: Optional[torch.optim.Optimizer] = None) -> ModelStateBytes:
     """Bytes of parameters, gradients and optimizer state this rank holds, per storage.
 
     Args:
         module: the (possibly wrapped) model; its parameters, their ``.grad`` and whatever its
-            submodules report through ``model_state_tensors()``.
+            submodules report through ``model_state_tensors()``. An engine of
+            :func:`shardkit.initialize` counts with the optimizer it holds (its
+            ``optimizer``), as DeepSpeed's engine owns its optimizer: ``model_state_bytes(
+            engine)`` is the rank's whole model state.
         optimizer: its ``state`` tensors (for ``OSS``: the local shard's state), plus the
             ``params`` of its param groups and their grads not already seen through the module.
 
@@ -143,14 +155,16 @@ def model_state_bytes(module: Optional[torch.nn.Module] = None,
     pairs: list[tuple[str, torch.Tensor]] = []
     if module is not None:
         pairs.extend(_module_tensors(module))
-    if optimizer is not None:
+    optimizers = list({id(o): o for o in [optimizer, *_held_optimizers(module)]
+                       if o is not None}.values())
+    for optimizer in optimizers:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 pairs.append(("params", p))
                 if p.grad is not None:
                     pairs.append(("grads", p.grad))
         pairs.extend(("optimizer", t) for t in _optimizer_tensors(optimizer))
-    pairs.extend(("transport", t) for t in _transport_tensors(module, optimizer))
+    pairs.extend(("transport", t) for t in _transport_tensors(module, optimizers))
     totals = dict.fromkeys(CATEGORIES + ("transport",), 0)
     seen = set()
     for category, t in pairs:
