@@ -4,13 +4,26 @@ in one forward): the first checkpoint's backward reduces and frees a unit that r
 forward; the second checkpoint's recomputation, which calls no module holding the parameters,
 read this rank's row shard (a shape error, or wrong numbers where a one-row parameter
 broadcast). Training matches one process at every step, and the unit is gathered only around
-each recomputation."""
+each recomputation.
+
+From a review:
+
+FSDP units whose parameters are read only inside two reentrant activation checkpoints,
+beyond torch's checkpoint over the wrapped module's own parameters: regions of
+``shardkit.checkpointing.checkpoint`` (its own autograd function, which the regather before
+each later recomputation did not recognise: silently wrong training), and a plain
+submodule's parameters read without calling it (``F.linear(t, self.sub.weight)``), in a unit
+whose module holds no parameter itself (a shape error: the second recomputation read this
+rank's shard). Training matches one process for three steps and the unit is freed after
+each backward.
+"""
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, checkpoint as torch_checkpoint
 
+import shardkit.checkpointing as sk_checkpointing
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.testing import world_fixture
@@ -124,3 +137,104 @@ def test_grads_replaced_between_micro_batches_reach_the_reduction(world2):
     for zero_grad_each_step in (True, False):
         for r in world2.run(_replace_grads_between_micro_batches, zero_grad_each_step):
             assert max(r["diffs"]) < 1e-5, (zero_grad_each_step, r)
+
+
+def _reentrant(kind: str, function, x):
+    if kind == "torch":
+        return torch_checkpoint(function, x, use_reentrant=True)
+    return sk_checkpointing.checkpoint(function, x)
+
+
+class OwnParameters(nn.Module):
+    """Reads its own parameters in two checkpoints; the one-row ``scale`` broadcasts, so a
+    rank reading its shard of it computes silently."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.weight = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.scale = nn.Parameter(torch.rand(1, 4) + 0.5)
+
+    def forward(self, x):
+        h = _reentrant(self.kind, lambda t: torch.tanh(t * self.scale), x)
+        return _reentrant(self.kind, lambda t: torch.tanh(F.linear(t, self.weight) + t), h)
+
+
+class SubmoduleParameters(nn.Module):
+    """Holds no parameter itself: reads those of ``sub`` in two checkpoints without
+    calling it."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.sub = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = _reentrant(self.kind, lambda t: torch.tanh(t * self.sub.bias.view(1, 4)), x)
+        return _reentrant(self.kind, lambda t: torch.tanh(F.linear(t, self.sub.weight) + t), h)
+
+
+class Net_rev(nn.Module):
+    """``bare``: the block alone (its parameters the only ones, read only in the checkpoints:
+    the root that stays gathered releases them after the first checkpoint's backward)."""
+
+    def __init__(self, block: type, kind: str, bare: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Identity() if bare else nn.Linear(4, 4)
+        self.block = block(kind)
+        self.head = nn.Identity() if bare else nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.block(self.inp(x)))
+
+
+def _train_against_one_process_rev(block_name: str, kind: str, wrap_block: bool) -> dict:
+    """Three SGD steps of ``Net_rev`` (its block an FSDP unit of its own, or alone in the root that
+    stays gathered) against one process on the whole batch."""
+    world, rank = skdist.get_world_size(), skdist.get_rank()
+    block = {"own": OwnParameters, "submodule": SubmoduleParameters}[block_name]
+    bare = not wrap_block
+    reference, net = Net_rev(block, kind, bare), Net_rev(block, kind, bare)
+    if wrap_block:
+        net.block = FSDP(net.block)
+    model = FSDP(net)
+    unit = net.block if wrap_block else model
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
+    out = {"diffs": [], "gathered_after_backward": []}
+    for step in range(3):
+        batches = torch.randn(world, 3, 4, generator=torch.Generator().manual_seed(step))
+        optim.zero_grad()
+        ref_optim.zero_grad()
+        try:
+            model(batches[rank]).pow(2).sum().backward()
+        except RuntimeError as error:
+            out["error"] = str(error)
+            return out
+        out["gathered_after_backward"].append(unit._shard.gathered)
+        optim.step()
+        sum(reference(b).pow(2).sum() for b in batches).div(world).backward()
+        ref_optim.step()
+        with model.summon_full_params():
+            mine = [p.detach().clone() for p in model.parameters()]
+        out["diffs"].append(max((a - b).abs().max().item()
+                                for a, b in zip(mine, reference.parameters())))
+    return out
+
+
+def _check_trains_as_one_process(world, case: tuple) -> None:
+    for r in world.run(_train_against_one_process_rev, *case):
+        assert "error" not in r, (case, r)
+        assert max(r["diffs"]) < 1e-6, (case, r)
+        assert r["gathered_after_backward"] == [False] * 3, (case, r)
+
+
+def test_shardkit_reentrant_checkpoints_reading_a_units_parameters_train_as_one_process(world2):
+    for case in (("own", "shardkit", True), ("submodule", "shardkit", True),
+                 ("submodule", "shardkit", False)):
+        _check_trains_as_one_process(world2, case)
+
+
+def test_a_submodules_parameters_read_without_calling_it_train_as_one_process(world2):
+    _check_trains_as_one_process(world2, ("submodule", "torch", True))

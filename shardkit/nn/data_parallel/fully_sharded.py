@@ -147,6 +147,7 @@ from torch.utils.checkpoint import CheckpointFunction as _ReentrantCheckpoint
 from torch.utils._pytree import tree_map
 
 from shardkit import distributed as skdist
+from shardkit.checkpointing import _CheckpointFunction as _ShardkitReentrantCheckpoint
 from shardkit.nn.checkpoint.checkpoint_activations import is_recomputing
 from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes, _where,
                                                   check_one_dtype, gathered_param_bytes,
@@ -1495,10 +1496,13 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
 
     def _reads_own_parameters_after_a_free(self) -> bool:
         """Whether a recomputation may read this unit's parameters in the wrapped module's own
-        code after the unit was freed (see :meth:`_gather_before_later_checkpoints`): the
-        module holds some itself and the unit does not stay gathered for backward. Local."""
-        return self._shard is not None and not self._stays_gathered_for_backward() \
-            and _holds_parameters_itself(self, self._shard)
+        code after a reentrant checkpoint's backward freed the unit (see
+        :meth:`_gather_before_later_checkpoints`): every unit with parameters but those
+        exposed again instead (:meth:`_read_directly_in_its_own_code`). Whether the module
+        holds them itself does not matter: its code may read a plain submodule's parameters
+        without calling it (``F.linear(t, self.proj.weight)``), which no module call
+        announces. Local."""
+        return self._shard is not None and not self._read_directly_in_its_own_code(self._shard)
 
     def _forward_span(self) -> Optional[tuple]:
         """At the end of a forward outside backward, for a unit whose own code may read its
@@ -1523,13 +1527,15 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         holding the parameters gathers it again through that call
         (:meth:`_regather_for_later_recomputations`), but one that reads them in the wrapped
         module's own code (``checkpoint(lambda t: F.linear(t, self.weight), x,
-        use_reentrant=True)``) announces nothing: it read this rank's row shard (a shape
-        error, or wrong numbers where the shapes broadcast). Units that stay gathered (the
-        root, ``reshard_after_forward=False``) are exposed again instead
-        (:meth:`_expose_for_later_recomputations`); freed units are gathered just before the
+        use_reentrant=True)``, or ``self.proj.weight`` of a plain submodule not called)
+        announces nothing: it read this rank's row shard (a shape error, or wrong numbers
+        where the shapes broadcast). Reentrant checkpoints are torch's and
+        ``shardkit.checkpointing.checkpoint``'s. Units that stay gathered (the root,
+        ``reshard_after_forward=False``) and hold parameters themselves are exposed again
+        instead (:meth:`_expose_for_later_recomputations`); freed units are gathered just before the
         checkpoint's recomputation, so the memory stays that of one unit. Cost: one walk over
-        the autograd nodes the unit's forward made, per backward, for units whose module
-        holds parameters itself; one all-gather and one reduce-scatter per further
+        the autograd nodes the unit's forward made, per backward, for units whose backward
+        reads no forward views; one all-gather and one reduce-scatter per further
         checkpoint, as for a re-gathered unit (only a walk when no checkpoint needs it). A
         collective: every rank runs the same checkpoints."""
         if task != self._root._backward_task or self._backward_reads_forward_views is not False \
@@ -2767,22 +2773,26 @@ def _holds_parameters_itself(unit: FullyShardedDataParallel, shard: FlatParamSha
     return any(m is unit.module for locs in shard.locations for m, _ in locs)
 
 
+# the autograd node types of the reentrant checkpoints (see _reentrant_checkpoints_in)
+_REENTRANT_CHECKPOINT_NODES = (_ReentrantCheckpoint._backward_cls,
+                               _ShardkitReentrantCheckpoint._backward_cls)
+
 # key (with the unit's id) of a unit's forward span in its outputs' autograd node metadata
 _FORWARD_SPAN = "shardkit.fsdp.forward_span"
 
 
 def _reentrant_checkpoints_in(output_node, first: int, end: int) -> list:
-    """The nodes of torch's reentrant activation checkpoints (``checkpoint(fn, x,
-    use_reentrant=True)``) reachable backwards from ``output_node`` that a forward made while
-    the autograd sequence numbers went from ``first`` to ``end`` (older nodes are not
-    walked). Local."""
+    """The nodes of reentrant activation checkpoints (torch's ``checkpoint(fn, x,
+    use_reentrant=True)``, ``shardkit.checkpointing.checkpoint``) reachable backwards from
+    ``output_node`` that a forward made while the autograd sequence numbers went from
+    ``first`` to ``end`` (older nodes are not walked). Local."""
     found, seen, todo = [], set(), [output_node]
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen or node._sequence_nr() < first:
             continue
         seen.add(id(node))
-        if isinstance(node, _ReentrantCheckpoint._backward_cls) and node._sequence_nr() < end:
+        if isinstance(node, _REENTRANT_CHECKPOINT_NODES) and node._sequence_nr() < end:
             found.append(node)
         todo.extend(following for following, _ in node.next_functions)
     return found
