@@ -5,7 +5,9 @@
   atomically behind a ``latest`` file); :mod:`~shardkit.checkpoint.engine_state` maps an
   ``initialize`` engine of any stage onto it, :mod:`~shardkit.checkpoint.async_save` writes it
   in the background, :mod:`~shardkit.checkpoint.consolidate` turns it into a plain
-  ``state_dict`` (``python -m shardkit consolidate DIR OUT.pt``).
+  ``state_dict`` (``python -m shardkit consolidate DIR OUT.pt``);
+  :mod:`~shardkit.checkpoint.file_writes` writes their files so that a full disk is an
+  ``OSError`` saying so.
 - :mod:`~shardkit.checkpoint.resharding`: the one row-block cut and join, used by FSDP's shards,
   its local state dicts and optimizer state, and the on-disk row blocks.
 - :mod:`~shardkit.checkpoint.fsdp_state`: FSDP's local state dicts (metadata, offline

@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from shardkit.checkpoint.file_writes import save_torch_file
 from shardkit.checkpoint.sharded import (CheckpointError, read_checkpoint, read_latest_tag,
                                          resolve_checkpoint_dir)
 
@@ -145,10 +146,10 @@ def main(argv: Optional[list] = None) -> int:
     return 0
 
 
-def _save_atomically(state: dict, output: str, save=torch.save) -> None:
-    """``save(state, path)`` (``torch.save`` by default) into a temporary file beside
-    ``output``, then rename it: a full disk or a killed process never leaves a truncated
-    ``output``."""
+def _save_atomically(state: dict, output: str, save=save_torch_file) -> None:
+    """``save(state, path)`` (``torch.save`` by default, a full disk an ``OSError`` naming
+    it) into a temporary file beside ``output``, then rename it: a full disk or a killed
+    process never leaves a truncated ``output``."""
     pending = f"{output}.tmp-{os.getpid()}"
     try:
         save(state, pending)

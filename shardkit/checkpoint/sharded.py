@@ -60,6 +60,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from shardkit import distributed
+from shardkit.checkpoint.file_writes import save_torch_file
 from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE, per_element
 from shardkit.checkpoint.resharding import (ParamLayout, copy_rows_into, join_row_blocks,
                                             join_row_state)
@@ -123,10 +124,10 @@ def rank_file_name(rank: int) -> str:
 
 
 def _write_rank_file(path: str, shard: RankShard) -> None:
-    """Write one rank's shard (a separate function so tests can inject a crash here)."""
-    torch.save({"params": shard.params, "optim": shard.optim, "row_blocks": shard.row_blocks,
-                "rng": shard.rng}, path)
-    _fsync(path)
+    """Write one rank's shard (a separate function so tests can inject a crash here); a full
+    disk is an ``OSError`` naming it and the file."""
+    save_torch_file({"params": shard.params, "optim": shard.optim,
+                     "row_blocks": shard.row_blocks, "rng": shard.rng}, path)
 
 
 def _fsync(path: str) -> None:
@@ -229,7 +230,7 @@ def _commit(save_dir, tag, shard, metadata, engine_payload, save_latest, group, 
                     else f"building each rank's part and creating {staging}", made, group)
     error = _attempt(lambda: _write_rank_file_and_digest(
         os.path.join(staging, rank_file_name(rank)), shard))
-    _agree_or_raise(error, f"writing {rank_file_name(rank)} into {staging}", made, group)
+    _agree_or_raise(error, f"writing the ranks' files into {staging}", made, group)
     error = None
     if rank == 0:
         error = _attempt(lambda: _publish(save_dir, tag, staging, final, metadata,
@@ -508,13 +509,28 @@ def _agree_or_raise(error: Optional[BaseException], what: str, made: list,
     commit made (``made``: on rank 0, once made) is removed."""
     if not distributed.any_rank(error is not None, group, device=agreement_device(group)):
         return
+    failures = _failures_of_every_rank(error, group)
     for staging in made:
         remove_own_staging(staging)
     distributed.barrier(group)  # every rank raises only once the staging directory is gone
     detail = f": {type(error).__name__}: {error}" if error is not None else \
-        " on another rank (see its error)"
+        f" on another rank ({failures})"
     raise CheckpointError(f"save_checkpoint failed {what}{detail}; 'latest' still names the "
                           f"previous checkpoint") from error
+
+
+_REPORT_CHARS = 400  # of each failed rank's error, in the other ranks' messages
+
+
+def _failures_of_every_rank(error: Optional[BaseException], group) -> str:
+    """``"rank 1: OSError: [Errno 28] No space left on device: '...'"`` for each group rank
+    whose ``error`` is set, so that a rank that did not fail can say what failed where (its
+    own log is often the only one read). One ``all_gather_object`` of a short string, on the
+    failure path only."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"[:_REPORT_CHARS]
+    reports = distributed.all_gather_object(mine, group, counted=False,
+                                            operation="save_checkpoint's failure report")
+    return "; ".join(f"rank {r}: {text}" for r, text in enumerate(reports) if text is not None)
 
 
 def _publish(save_dir, tag, staging, final, metadata, engine_payload, save_latest,
@@ -523,8 +539,7 @@ def _publish(save_dir, tag, staging, final, metadata, engine_payload, save_lates
         from shardkit.utils.zero_to_fp32 import write_recovery_script
         write_recovery_script(recovery_script_dir)
     engine_path = os.path.join(staging, ENGINE_FILE)
-    torch.save(engine_payload, engine_path)
-    _fsync(engine_path)
+    save_torch_file(engine_payload, engine_path)
     metadata = dict(metadata, files=_collect_digests(staging, metadata["world_size"]))
     meta_path = os.path.join(staging, METADATA)
     with open(meta_path, "w") as f:

@@ -414,13 +414,22 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir=None,
             if os.path.exists(path):
                 os.remove(path)
     total = sum(_nbytes(t) for t in {id(t): t for t in state.values()}.values())
-    pending = f"{index}.tmp-{os.getpid()}"
-    with open(pending, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                           indent=2, sort_keys=True) + "\n")
-    os.replace(pending, index)
+    _write_index(index, {"metadata": {"total_size": total}, "weight_map": weight_map})
     _remove_stale_weights(output, written + [index])
     return written + [index]
+
+
+def _write_index(index: str, content: dict) -> None:
+    """Write the shards' index through a temporary file renamed into place; one that cannot be
+    written (a full disk) leaves no temporary file behind."""
+    pending = f"{index}.tmp-{os.getpid()}"
+    try:
+        with open(pending, "w", encoding="utf-8") as f:
+            f.write(json.dumps(content, indent=2, sort_keys=True) + "\n")
+        os.replace(pending, index)
+    finally:
+        if os.path.exists(pending):
+            os.remove(pending)
 
 
 # what Hugging Face's from_pretrained reads in a directory (safetensors first, then the

@@ -1,0 +1,143 @@
+"""A checkpoint disk that refuses writes is named as such, on every rank.
+
+torch.save reports a write the file system refused (a full disk, a quota, a file size limit)
+as ``RuntimeError: [enforce fail at inline_container.cc:...] . unexpected pos 64 vs 0``; the
+save was refused cleanly, but no rank said why, and the ranks that did not fail named their
+own file as the one that could not be written. The refusal is simulated with a file size
+limit (``RLIMIT_FSIZE``, ``EFBIG``: "File too large"), which reaches torch's own C++ writes as
+a full disk does, on one rank only. The save must fail on every rank naming the rank, the file
+and the reason, leave ``latest`` and the previous checkpoint loadable and nothing of the
+failed save behind; the offline tools (``zero_to_fp32``, ``python -m shardkit consolidate``)
+must end with the reason and leave no file. One world of 2 gloo ranks.
+"""
+
+import contextlib
+import os
+import resource
+import signal
+
+import torch
+import torch.nn as nn
+
+import shardkit
+from shardkit import distributed
+from shardkit.checkpoint import CheckpointError, read_latest_tag
+from shardkit.testing import world_fixture
+
+world2 = world_fixture(2)
+
+SMALL_FILE_LIMIT = 4096  # bytes: each rank's file of the model below is ~10 KB
+REASON = os.strerror(27)  # EFBIG: "File too large"
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """Writes past ``limit`` bytes of any file fail with EFBIG in this process (SIGXFSZ, which
+    would kill it, ignored) until the block ends."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def _engine():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 40), nn.Linear(40, 1))
+    engine, *_ = shardkit.initialize(model=model, config={
+        "train_batch_size": 2 * distributed.get_world_size(), "steps_per_print": 1000,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 3}})
+    return engine
+
+
+def _step(engine, seed):
+    x = torch.randn(2, 40, generator=torch.Generator().manual_seed(seed))
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+
+
+def _full_state(engine):
+    return {k: v.clone() for k, v in engine.wrapped.state_dict().items()}
+
+
+def _save_on_a_refusing_disk(save_dir):
+    engine = _engine()
+    _step(engine, 0)
+    engine.save_checkpoint(save_dir)
+    good = _full_state(engine)
+    _step(engine, 1)
+    refusing = distributed.get_rank() == 1
+    try:
+        with file_size_limit(SMALL_FILE_LIMIT) if refusing else contextlib.nullcontext():
+            engine.save_checkpoint(save_dir)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    listing = sorted(os.listdir(save_dir))
+    resumed = _engine()
+    path, _ = resumed.load_checkpoint(save_dir)
+    restored = max(float((v - good[k]).abs().max()) for k, v in _full_state(resumed).items())
+    engine.save_checkpoint(save_dir)  # the disk has room again: the next save goes through
+    return {"error": error, "listing": listing, "loaded": path, "restored_diff": restored,
+            "latest_after": read_latest_tag(save_dir)}
+
+
+def test_a_full_disk_on_one_rank_names_the_rank_file_and_reason_everywhere(world2, tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    rank0, rank1 = world2.run(_save_on_a_refusing_disk, save_dir)
+    # the rank whose disk refused: the reason and its file (was torch's "unexpected pos")
+    assert REASON in rank1["error"] and "rank_00001.pt" in rank1["error"], rank1["error"]
+    assert "unexpected pos" not in rank1["error"]
+    # the other rank: which rank failed, and why (it named its own file, "see its error")
+    assert "on another rank" in rank0["error"] and "rank 1: OSError" in rank0["error"] \
+        and REASON in rank0["error"], rank0["error"]
+    assert "rank_00000.pt" not in rank0["error"]
+    for r in (rank0, rank1):
+        assert "'latest' still names the previous checkpoint" in r["error"]
+        assert r["listing"] == ["global_step1", "latest", "zero_to_fp32.py"]
+        assert r["loaded"] == os.path.join(save_dir, "global_step1")
+        assert r["restored_diff"] == 0.0 and r["latest_after"] == "global_step2"
+
+
+def _saved_once(save_dir):
+    engine = _engine()
+    _step(engine, 0)
+    engine.save_checkpoint(save_dir)
+
+
+def test_offline_tools_on_a_full_disk_end_with_the_reason_and_no_file(world2, tmp_path,
+                                                                      capsys):
+    from shardkit.__main__ import main as shardkit_main
+    from shardkit.utils.zero_to_fp32 import main as zero_to_fp32
+    save_dir = str(tmp_path / "ckpt")
+    world2.run(_saved_once, save_dir)
+    out = tmp_path / "out"
+    with file_size_limit(SMALL_FILE_LIMIT):  # the fp32 model is ~7 KB
+        script_status = zero_to_fp32([save_dir, str(out)])  # raised torch's RuntimeError
+        consolidate_status = shardkit_main(["consolidate", save_dir, str(tmp_path / "m.pt")])
+    errors = capsys.readouterr().err
+    assert script_status == 2 and consolidate_status == 2, errors
+    assert errors.count(REASON) == 2 and "unexpected pos" not in errors, errors
+    assert os.listdir(out) == [] and sorted(os.listdir(tmp_path)) == ["ckpt", "out"]
+
+
+def test_a_shard_index_that_cannot_be_written_leaves_no_temporary_file(world2, tmp_path,
+                                                                       monkeypatch):
+    from shardkit.utils import zero_to_fp32
+    save_dir = str(tmp_path / "ckpt")
+    world2.run(_saved_once, save_dir)
+    out = tmp_path / "out"
+    real_replace = os.replace
+
+    def index_refused(src, dst):
+        if str(dst).endswith(".index.json"):
+            raise OSError(28, os.strerror(28), str(dst))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(zero_to_fp32.os, "replace", index_refused)
+    assert zero_to_fp32.main([save_dir, str(out), "--max_shard_size", "2000"]) == 2
+    assert not [n for n in os.listdir(out) if ".index.json" in n], os.listdir(out)
