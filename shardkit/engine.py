@@ -441,8 +441,8 @@ def _step_runs_no_foreign_code(optimizer: OSS) -> bool:
     inside ``OSS.agreed_in_advance``) but shardkit's own checks (:func:`_refuse_direct_step`;
     the global ones FSDP registers once a process builds a unit, as a ZeRO-3 reference model
     beside a ZeRO-2 actor does), and ``step`` itself OSS's, or torch's scheduler's counting
-    wrapper around it. Where torch keeps its hooks elsewhere than this reads, False (OSS then
-    agrees on its own, as before)."""
+    wrapper around OSS's own (:func:`_is_schedulers_wrapper_of_oss_step`). Where torch keeps
+    its hooks elsewhere than this reads, False (OSS then agrees on its own, as before)."""
     from torch.optim import optimizer as torch_optimizer
     hook_tables = [getattr(optimizer, "_optimizer_step_pre_hooks", None),
                    getattr(optimizer, "_optimizer_step_post_hooks", None),
@@ -455,7 +455,17 @@ def _step_runs_no_foreign_code(optimizer: OSS) -> bool:
         return False
     own_step = optimizer.__dict__.get("step")
     return type(optimizer).step is OSS.step and \
-        (own_step is None or getattr(own_step, "_wrapped_by_lr_sched", False))
+        (own_step is None or _is_schedulers_wrapper_of_oss_step(own_step))
+
+
+def _is_schedulers_wrapper_of_oss_step(step) -> bool:
+    """Whether ``step``, set on an OSS instance, is the wrapper a torch ``LRScheduler`` puts
+    there around OSS's own ``step`` (it only notes that the optimizer stepped). That wrapper
+    calls whatever ``step`` the instance held when the scheduler was built, which
+    ``functools.wraps`` records: a script's own ``step`` set before (a warmup that sets the
+    learning rate in it) runs under the same mark, and is the script's code."""
+    return bool(getattr(step, "_wrapped_by_lr_sched", False)) and \
+        getattr(step, "__wrapped__", None) is OSS.step
 
 
 def _is_shardkit_function(hook) -> bool:

@@ -7,8 +7,26 @@ now carries OSS's rows (``OSS.agreement_row``), and the clip and the step run on
 (``OSS.agreed_in_advance``): one all-gather a step, the same training as one process (fp16
 skip steps included), and the same refusals on every rank.
 
+From a review:
+
+DeepSpeed-style engine at ZeRO stages 1-2: a script's own ``step`` hidden under a torch
+LR scheduler's wrapper is kept out of the step agreement (review of 989eaa2).
+
+The engine carries OSS's step agreement in its own exchange only where no code of the
+script's runs in ``engine.optimizer.step()`` before OSS's check. It accepted any ``step`` set
+on the OSS instance that carries the mark of torch's ``LRScheduler`` counting wrapper; but
+that wrapper calls whatever ``step`` the instance held when the scheduler was built, so a
+script that wraps ``engine.optimizer.step`` (a warmup that sets the learning rate there) and
+then builds a torch scheduler over ``engine.optimizer`` ran its code inside the agreed
+block: a learning rate set alike on every rank was refused on every rank (it trained before
+989eaa2), and one set on some ranks only raised there alone while the others waited in the
+parameter all-gather for good. Now OSS agrees on its own after such a wrapper (one more
+control all-gather a step), and a scheduler over OSS's own ``step`` is still carried.
+
 One world of 2 gloo ranks for the module, and one of 4 for a single test.
 """
+
+import types
 
 import pytest
 import torch
@@ -223,3 +241,132 @@ def test_a_step_pre_hook_that_sets_the_lr_keeps_osss_own_step_agreement(world2):
     for out in world2.run(_warmup_in_a_step_pre_hook, 1):
         assert out["close"]
         assert out["gathers"] == [2, 2, 2]  # the engine's (with the clip's rows), OSS.step's
+
+
+_CLIP = 0.05
+_STEPS_rev = 3
+
+
+def _engine_rev(stage: int):
+    model = _model()
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+              "gradient_clipping": _CLIP}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, *_ = shardkit.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def _micro_batch_rev(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(2, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _loss_rev(output: torch.Tensor) -> torch.Tensor:
+    return output.pow(2).mean()
+
+
+def _warmup_lr(step: int) -> float:
+    return 0.02 * (step + 1)
+
+
+def _wrap_step_with_warmup(optimizer, on_this_rank: bool) -> None:
+    """The script's own ``step`` on the instance: sets the learning rate, then steps."""
+    original = optimizer.step
+    calls = [0]
+
+    def step_with_warmup(self, *args, **kwargs):
+        if on_this_rank:
+            for group in self.param_groups:
+                group["lr"] = _warmup_lr(calls[0])
+        calls[0] += 1
+        return original(*args, **kwargs)
+    optimizer.step = types.MethodType(step_with_warmup, optimizer)
+
+
+class _CountedGathers_rev:
+    """How many control all-gathers (``_gather_rows``) run inside the block."""
+
+    def __enter__(self):
+        self.count, self._original = 0, distributed._gather_rows
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self._original(*args, **kwargs)
+        distributed._gather_rows = counted
+        return self
+
+    def __exit__(self, *_):
+        distributed._gather_rows = self._original
+
+
+def _train(engine, scheduler, warmup: bool) -> dict:
+    """``_STEPS_rev`` steps of the engine beside one process over every rank's micro-batch."""
+    reference = _model()
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    world, rank = distributed.get_world_size(), distributed.get_rank()
+    gathers = []
+    for step in range(_STEPS_rev):
+        with _CountedGathers_rev() as counted:
+            engine.backward(_loss_rev(engine(_micro_batch_rev(step, rank))))
+            engine.step()
+        gathers.append(counted.count)
+        scheduler.step()  # LambdaLR of 1.0: sets the configured lr 0.1 back
+        ref_optimizer.zero_grad()
+        torch.stack([_loss_rev(reference(_micro_batch_rev(step, r))) for r in range(world)]
+                    ).mean().backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), _CLIP)
+        for group in ref_optimizer.param_groups:
+            group["lr"] = _warmup_lr(step) if warmup else 0.1
+        ref_optimizer.step()
+    close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+                for a, b in zip(engine.module.parameters(), reference.parameters()))
+    return {"gathers": gathers, "close": close}
+
+
+def _scheduler_over(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+
+def _wrapped_step_then_scheduler(stage: int) -> dict:
+    engine = _engine_rev(stage)
+    _wrap_step_with_warmup(engine.optimizer, on_this_rank=True)
+    return _train(engine, _scheduler_over(engine.optimizer), warmup=True)
+
+
+def _scheduler_over_oss_own_step(stage: int) -> dict:
+    engine = _engine_rev(stage)
+    return _train(engine, _scheduler_over(engine.optimizer), warmup=False)
+
+
+def test_a_scripts_step_under_a_torch_schedulers_wrapper_trains_as_one_process(world2):
+    # was: "OSS.step: the param groups' hyper-parameters ... changed on this rank (rank r)
+    # after OSS.agreed_in_advance agreed on them" on every rank, at the first step
+    for stage in (1, 2):
+        for out in world2.run(_wrapped_step_then_scheduler, stage):
+            assert out["close"], stage
+            assert out["gathers"] == [2] * _STEPS_rev  # the engine's, then OSS.step's own
+
+
+def test_a_torch_scheduler_over_osss_own_step_keeps_one_gather_a_step(world2):
+    for out in world2.run(_scheduler_over_oss_own_step, 2):
+        assert out["close"]
+        assert out["gathers"] == [1] * _STEPS_rev
+
+
+def _wrapped_step_sets_lr_on_rank0_only() -> str:
+    engine = _engine_rev(2)
+    rank = distributed.get_rank()
+    _wrap_step_with_warmup(engine.optimizer, on_this_rank=rank == 0)
+    _scheduler_over(engine.optimizer)
+    engine.backward(_loss_rev(engine(_micro_batch_rev(0, rank))))
+    try:
+        engine.step()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_scripts_step_that_sets_lr_on_one_rank_is_the_same_error_everywhere(world2):
+    # was: rank 0 alone raised; rank 1 waited in OSS's parameter all-gather until the timeout
+    texts = world2.run(_wrapped_step_sets_lr_on_rank0_only)
+    assert texts[0] == texts[1]
+    assert texts[0].startswith("OSS.step: param_groups[0]['lr'] is 0.02 on rank 0"), texts[0]
