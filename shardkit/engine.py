@@ -479,11 +479,12 @@ def _write_atomically(state: dict, path: str) -> Optional[str]:
     as it is, as torch's ``state_dict`` holds it) to ``path`` through a temporary file renamed
     into place; returns the error's text instead of raising (any error: the caller's other
     ranks wait to hear the outcome), and leaves no temporary behind."""
+    from shardkit.checkpoint.file_writes import save_torch_file
     staging = f"{path}.tmp{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        torch.save({k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
-                    for k, v in state.items()}, staging)
+        save_torch_file({k: v.detach().cpu() if isinstance(v, torch.Tensor) else v
+                         for k, v in state.items()}, staging)  # a full disk named as such
         os.replace(staging, path)
         return None
     except Exception as error:  # noqa: BLE001 - an unpicklable extra state too, not only I/O

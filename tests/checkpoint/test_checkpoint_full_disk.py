@@ -141,3 +141,23 @@ def test_a_shard_index_that_cannot_be_written_leaves_no_temporary_file(world2, t
     monkeypatch.setattr(zero_to_fp32.os, "replace", index_refused)
     assert zero_to_fp32.main([save_dir, str(out), "--max_shard_size", "2000"]) == 2
     assert not [n for n in os.listdir(out) if ".index.json" in n], os.listdir(out)
+
+
+def _save_16bit_model_on_a_refusing_disk(out_dir):
+    engine = _engine()
+    _step(engine, 0)
+    try:
+        with file_size_limit(SMALL_FILE_LIMIT) if distributed.get_rank() == 0 \
+                else contextlib.nullcontext():
+            engine.save_16bit_model(out_dir)
+        return None
+    except RuntimeError as error:
+        return str(error)
+
+
+def test_save_16bit_model_on_a_full_disk_names_the_reason_on_every_rank(world2, tmp_path):
+    """Rank 0 writes the model; its refused write was torch's "unexpected pos" text."""
+    out_dir = str(tmp_path / "model")
+    for error in world2.run(_save_16bit_model_on_a_refusing_disk, out_dir):
+        assert error is not None and REASON in error and "unexpected pos" not in error, error
+    assert os.listdir(out_dir) == []
