@@ -76,7 +76,8 @@ def fsdp_unit_sizes(model, wrap_block: Optional[str] = None,
     ``default_auto_wrap_policy``: children first, never a ``ModuleList``/``ModuleDict``). The
     root unit holds whatever remains. A parameter shared between modules counts in the first
     unit that owns it. The units are those :func:`shardkit.nn.wrap.auto_wrap` builds (a dry
-    run of it: nothing is wrapped).
+    run of it: nothing is wrapped). Both given is a :class:`PlanError` (auto_wrap takes one
+    policy), here and in :func:`rank_layout` and :func:`summarize_model`.
     """
     return [sum(p.numel() for p in unit)
             for unit in _fsdp_unit_params(model, wrap_block, min_num_params)]
@@ -124,6 +125,7 @@ def _fsdp_unit_params(model, wrap_block: Optional[str] = None,
     from shardkit.nn.wrap import default_auto_wrap_policy, transformer_auto_wrap_policy
     from shardkit.nn.wrap.auto_wrap import planned_units
 
+    _check_one_wrap_policy(wrap_block, min_num_params)
     if wrap_block is not None:
         blocks = {type(m) for m in model.modules() if type(m).__name__ == wrap_block}
         policy = transformer_auto_wrap_policy(blocks)
@@ -132,6 +134,16 @@ def _fsdp_unit_params(model, wrap_block: Optional[str] = None,
     else:
         return [list(_distinct(model.parameters()))]  # the root is the one unit
     return [own for _, own in planned_units(model, policy, FullyShardedDataParallel)]
+
+
+def _check_one_wrap_policy(wrap_block: Optional[str], min_num_params: Optional[int]) -> None:
+    """:class:`PlanError` when both policies are named: ``auto_wrap`` takes one policy, so
+    the planned units would follow one of them only (as ``--wrap-block`` and
+    ``--min-num-params`` together are refused)."""
+    if wrap_block is not None and min_num_params is not None:
+        raise PlanError(f"wrap_block={wrap_block!r} and min_num_params={min_num_params!r}: give "
+                        f"at most one wrap policy (the block class whose modules become FSDP "
+                        f"units, or the parameter count of FSDP's size policy), not both")
 
 
 @dataclass(frozen=True)

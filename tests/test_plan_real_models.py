@@ -11,6 +11,16 @@ models (built from tiny configs, never downloaded).
 - ``--min-num-params`` plans the FSDP units the size policy really builds.
 - ``model_state_bytes(engine)`` counts the optimizer the engine holds (it counted the
   weights only).
+
+From a review:
+
+From a review of 60e8a4a (the planner's FSDP units come from a dry run of ``auto_wrap``).
+
+- ``fsdp_unit_sizes`` / ``rank_layout`` / ``summarize_model`` given both ``wrap_block`` and
+  ``min_num_params``: the dry run takes one policy, so the size policy was dropped silently
+  (before that commit both applied); it is a :class:`PlanError` naming both arguments, as
+  ``--wrap-block`` with ``--min-num-params`` is on the command line.
+- The dry run builds no FSDP wrapper and allocates nothing for a model on the meta device.
 """
 
 import pytest
@@ -18,9 +28,12 @@ import torch
 import torch.nn.functional as F
 
 from shardkit import distributed, plan
-from shardkit.plan_model import estimate_activation_bytes, rank_layout, summarize_model
+from shardkit.models import GPT, GPTConfig
+from shardkit.plan_model import (estimate_activation_bytes, rank_layout, summarize_model, PlanError,
+                                 fsdp_unit_sizes)
 from shardkit.recipes import adamw, compose
 from shardkit.testing import world_fixture
+
 from tests.hf.hf_common import SEQ, VOCAB, batch, bert_pretraining, build, tiny_t5
 
 world4 = world_fixture(4)
@@ -162,3 +175,40 @@ def test_model_state_bytes_of_an_engine_counts_the_optimizer_it_holds(world4, st
     for alone, apart in world4.run(_engine_states, stage):
         assert alone == apart
         assert alone["optimizer"] > 0 and alone["params"] > 0
+
+
+SMALL = GPTConfig(vocab_size=61, n_layer=2, n_head=2, d_model=16, seq_len=8)
+
+
+@pytest.mark.parametrize("planner", [fsdp_unit_sizes, summarize_model,
+                                     lambda model, *a, **k: rank_layout(model, 2, *a, **k)])
+def test_both_wrap_policies_are_refused_naming_both(planner):
+    with pytest.raises(PlanError, match=r"wrap_block='Block' and min_num_params=100: give at "
+                                        r"most one wrap policy"):
+        planner(GPT(SMALL), "Block", min_num_params=100)
+
+
+def test_either_policy_alone_still_plans_the_units_auto_wrap_builds():
+    model = GPT(SMALL)
+    blocks = fsdp_unit_sizes(model, "Block")
+    sized = fsdp_unit_sizes(model, min_num_params=100)
+    assert len(blocks) == SMALL.n_layer + 1 and sum(blocks) == sum(
+        p.numel() for p in model.parameters())
+    assert sum(sized) == sum(blocks) and len(sized) > len(blocks)
+
+
+def test_dry_run_on_meta_builds_no_wrapper_and_allocates_nothing(monkeypatch):
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the planner's dry run built an FSDP wrapper")
+
+    monkeypatch.setattr(FullyShardedDataParallel, "__init__", refuse)
+    with torch.device("meta"):  # 4 x 67M parameters, never allocated
+        model = torch.nn.Sequential(*(torch.nn.Linear(8192, 8192) for _ in range(4)))
+    summary = summarize_model(model, min_num_params=10 ** 6)
+    layout = rank_layout(model, 8, min_num_params=10 ** 6)
+    assert all(p.is_meta for p in model.parameters())
+    assert summary.params == sum(p.numel() for p in model.parameters())
+    assert (summary.num_units, summary.largest_unit_params) == (5, 8192 * 8192 + 8192)
+    assert layout.padded_params >= summary.params
