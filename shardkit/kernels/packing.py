@@ -73,13 +73,47 @@ def _check_same_device(name, tensors, device):
                              f"all must share a device")
 
 
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last + 1)`` address of ``t``'s elements (``(0, 0)`` when it has none)."""
+    if t.numel() == 0:
+        return 0, 0
+    reach = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    return t.data_ptr(), t.data_ptr() + reach * t.element_size()
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the address ranges of ``a`` and ``b`` (on one device) overlap. Conservative for
+    strided tensors (interleaved views that share no element count as sharing); meta tensors
+    have no memory to share."""
+    if a.device != b.device or a.device.type == "meta":
+        return False
+    (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
+    return a0 < b1 and b0 < a1
+
+
+def _refuse_aliasing(name: str, buffer_label: str, buffer: torch.Tensor, tensors_label: str,
+                     tensors: Sequence[torch.Tensor], indexed: bool = True) -> None:
+    """A ValueError, before anything is written, for a tensor that shares memory with the
+    packed ``buffer``: the copy reads one while it writes the other (in parallel, on Triton),
+    so values were overwritten before they were read. ``indexed``: name the tensors
+    ``tensors_label[i]`` (else ``tensors_label``). Cost: an address comparison per tensor."""
+    for i, t in enumerate(tensors):
+        if t.numel() and _shares_memory(t, buffer):
+            label = f"{tensors_label}[{i}]" if indexed else tensors_label
+            raise ValueError(
+                f"{name}: {label} (shape {tuple(t.shape)}) shares memory with "
+                f"{buffer_label}; the copy between them would overwrite values before reading "
+                f"them. Give each of them memory of its own")
+
+
 def pack_rank_major(tensors: Sequence[torch.Tensor], world_size: int, *, scale: float = 1.0,
                     dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None,
                     chunk_numels: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Copy ``tensors`` into one flat rank-major buffer, multiplied by ``scale`` and cast to
     ``dtype`` (default: the first tensor's) in the same pass. Padding is zeros. With an
     integer or bool ``dtype``, ``scale`` must be 1 (or a Python int, for integer data): a
-    ValueError before anything is written.
+    ValueError before anything is written, as is an ``out`` that shares memory with one of
+    ``tensors``.
 
     Memory: one buffer of ``world_size * sum(chunk_numels)`` elements (or ``out``). Traffic:
     each element read once and written once (Triton: one launch per source dtype; CPU: one
@@ -104,6 +138,7 @@ def pack_rank_major(tensors: Sequence[torch.Tensor], world_size: int, *, scale: 
         out = torch.empty(world_size * seg, dtype=dtype, device=device)
     else:
         _check_out(out, world_size * seg, dtype, device)
+        _refuse_aliasing("pack_rank_major", "out", out, "tensors", tensors)
     if _triton_packs(out, *tensors):
         from shardkit.kernels import triton_packing
         triton_packing.pack(tensors, out, chunks, world_size, scale)
@@ -169,6 +204,7 @@ def unpack_rank_major(buffer: torch.Tensor, world_size: int, outs: Sequence[torc
                       chunk_numels: Optional[Sequence[int]] = None) -> None:
     """Inverse of :func:`pack_rank_major`: copy a full rank-major buffer (e.g. an all-gather
     output) back into the tensors ``outs`` (casting to their dtype), dropping the padding.
+    An out that shares memory with ``buffer`` is a ValueError, before anything is written.
 
     Traffic: each kept element read once and written once; no extra memory, no communication.
     """
@@ -182,6 +218,7 @@ def unpack_rank_major(buffer: torch.Tensor, world_size: int, outs: Sequence[torc
         raise ValueError(f"unpack_rank_major: buffer (stride {buffer.stride()}) must be "
                          f"contiguous")
     _check_same_device("unpack_rank_major", outs, buffer.device)
+    _refuse_aliasing("unpack_rank_major", "buffer", buffer, "outs", outs)
     if _triton_packs(buffer, *outs) and all(t.is_contiguous() for t in outs):
         from shardkit.kernels import triton_packing
         triton_packing.unpack(buffer, outs, chunks, world_size)

@@ -40,7 +40,7 @@ import torch
 
 from shardkit.kernels.dispatch import backend_for
 from shardkit.kernels.packing import _check_chunks, _check_same_device, _read_columns, \
-    _write_columns
+    _refuse_aliasing, _write_columns
 
 __all__ = ["QuantLayout", "quant_layout", "quantize_pack", "dequantize_unpack", "dequantize_sum",
            "DEFAULT_BLOCK", "QMAX"]
@@ -186,7 +186,8 @@ def quantize_pack(tensors: Sequence[torch.Tensor], layout: QuantLayout, *,
         tensors: fp32, bf16 or fp16 tensors, all one dtype, on one device; ``layout`` must have
             been built for their sizes (``quant_layout([t.numel() for t in tensors], ...)``).
         layout: the :class:`QuantLayout` (world size, chunks, bits, block, scale dtype).
-        out: a flat uint8 tensor of ``layout.total_bytes`` to write into (else allocated).
+        out: a flat uint8 tensor of ``layout.total_bytes`` to write into (else allocated),
+            sharing no memory with ``tensors`` (a ValueError otherwise).
         node_size: when given, the segment of rank ``node * node_size + local`` goes to slot
             ``local * (world_size / node_size) + node``, so an all-to-all over a node's ranks
             hands each peer the segments of every node for its local rank (hierarchical qgZ).
@@ -210,6 +211,7 @@ def quantize_pack(tensors: Sequence[torch.Tensor], layout: QuantLayout, *,
         out = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
     else:
         _check_buffer("quantize_pack: out", out, layout.total_bytes, device)
+        _refuse_aliasing("quantize_pack", "out", out, "tensors", tensors)
     if layout.segment_numel == 0:
         return out
     if backend_for(out, *tensors) == "triton":
@@ -364,7 +366,7 @@ def dequantize_unpack(buffer: torch.Tensor, layout: QuantLayout,
                       outs: Sequence[torch.Tensor]) -> None:
     """Inverse of :func:`quantize_pack` (rank order): decode a full quantized buffer (e.g. an
     all-gather of every rank's quantized segment) into the tensors ``outs`` (one dtype), dropping
-    the padding.
+    the padding. ``outs`` may not share memory with ``buffer`` (a ValueError).
 
     Memory: none beyond ``outs`` on Triton (CPU: one fp32 temporary of the padded packed size).
     Each byte read once, each kept element written once. No communication.
@@ -378,6 +380,7 @@ def dequantize_unpack(buffer: torch.Tensor, layout: QuantLayout,
             raise ValueError(f"dequantize_unpack: outs[{i}] has {t.numel()} elements; the "
                              f"layout holds {c} x {layout.world_size}")
     _check_buffer("dequantize_unpack: buffer", buffer, layout.total_bytes, outs[0].device)
+    _refuse_aliasing("dequantize_unpack", "buffer", buffer, "outs", outs)
     if layout.segment_numel == 0:
         return
     if backend_for(buffer, *outs) == "triton" and all(t.is_contiguous() for t in outs):
@@ -444,7 +447,8 @@ def dequantize_sum(buffer: torch.Tensor, layout: QuantLayout, *, sources: int,
     After an all-to-all of :func:`quantize_pack`'s buffer, rank ``r`` holds segment ``r`` of every
     rank (``sources = world_size``, one output): its reduce-scatter shard. Returns ``out``, a flat
     tensor of ``outputs x S`` elements (``S = layout.segment_numel``) in ``dtype`` (fp32, bf16 or
-    fp16). Sums run in source order, so every rank and both backends give the same bits.
+    fp16); a given ``out`` may not share memory with ``buffer`` (a ValueError). Sums run in
+    source order, so every rank and both backends give the same bits.
 
     Memory: ``out`` only on Triton (CPU: fp32 temporaries of the decoded segments). Each byte
     read once. No communication.
@@ -466,6 +470,8 @@ def dequantize_sum(buffer: torch.Tensor, layout: QuantLayout, *, sources: int,
                          f"{out.device}; expected {numel} contiguous elements of one of "
                          f"{list(_VALUE_DTYPES)} on {buffer.device}")
     _check_buffer("dequantize_sum: buffer", buffer, layout.total_bytes)
+    if not fresh_out:
+        _refuse_aliasing("dequantize_sum", "buffer", buffer, "out", [out], indexed=False)
     if numel == 0:
         return out
     if backend_for(buffer, out) == "triton":
