@@ -1396,10 +1396,11 @@ class FSDPStateDictMixin:
         the parameters in :meth:`sharded_state_dict` (for torch.distributed.checkpoint; on the
         loading side give a fresh optimizer its state first, e.g. with
         :func:`shardkit.checkpoint.dtensor_state.init_optimizer_state`, so that ``dcp.load``
-        has tensors to fill). Load any of them with :meth:`optim_state_dict_to_load`. All ranks
-        must call it; costs as :meth:`full_optim_state_dict` (full: with ``rank0_only``, the
-        full state on rank 0 alone) or nothing (local, sharded: views of the state, no full
-        tensor)."""
+        has tensors to fill: a fresh optimizer's dict that reaches
+        :meth:`optim_state_dict_to_load` still empty is refused there, not loaded as no
+        state). Load any of them with :meth:`optim_state_dict_to_load`. All ranks must call it;
+        costs as :meth:`full_optim_state_dict` (full: with ``rank0_only``, the full state on
+        rank 0 alone) or nothing (local, sharded: views of the state, no full tensor)."""
         model = _as_root(model, "optim_state_dict")
         _refuse_torch_only_arguments("optim_state_dict", optim_state_dict=optim_state_dict,
                                      group=group)
@@ -1489,6 +1490,31 @@ class FSDPStateDictMixin:
             optim.load_state_dict(mine)
             return None
         return mine
+
+    @staticmethod
+    def sharded_optim_state_dict(model, optim: torch.optim.Optimizer, group=None) -> dict:
+        """torch FSDP1's older name for :meth:`optim_state_dict` under ``SHARDED_STATE_DICT``,
+        whatever the model's :meth:`state_dict_type` settings: the state keyed by parameter
+        names, each per-element tensor a ``Shard(0)`` DTensor of this rank's rows (torch's
+        gives ShardedTensors; torch.distributed.checkpoint saves and reshards both), for a
+        model state dict taken under ``SHARDED_STATE_DICT``. Load it with
+        :meth:`flatten_sharded_optim_state_dict`. ``group`` must be left unset. All ranks must
+        call it; no copy of the state, no communication beyond the ranks' agreement on the
+        optimizer."""
+        with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            return FSDPStateDictMixin.optim_state_dict(model, optim, group=group)
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict, model,
+                                         optim: torch.optim.Optimizer) -> dict:
+        """torch FSDP1's older name for :meth:`optim_state_dict_to_load` under
+        ``SHARDED_STATE_DICT``, whatever the model's settings: the dict for
+        ``optim.load_state_dict`` from :meth:`sharded_optim_state_dict`'s (e.g. filled by
+        ``torch.distributed.checkpoint.load`` at any world size). A dict that does not fit
+        raises the same ``ValueError`` on every rank, nothing loaded. Collective."""
+        with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            return FSDPStateDictMixin.optim_state_dict_to_load(model, optim,
+                                                               sharded_optim_state_dict)
 
     def _rank0_only_optim_state(self, optim: torch.optim.Optimizer, call: str,
                                 agreed: bool = False) -> dict:
@@ -1751,7 +1777,7 @@ def _sharded_optim_state(model, optim: torch.optim.Optimizer) -> dict:
     ordered = [p for g in optim.param_groups for p in g["params"]]
     offload = model._state_dict_settings.state_dict_config.offload_to_cpu
     osd = optim.state_dict()
-    state = {}
+    state = _StateOfAFreshOptimizer() if _has_no_state_yet(optim) else {}
     for index in sorted(osd["state"]):
         p = ordered[index]
         entry = sharded.get(id(p))
@@ -1777,6 +1803,7 @@ def _sharded_optim_state_to_load(model, optim: torch.optim.Optimizer, osd) -> di
     parameter and the state key otherwise (nothing is loaded). Local; memory: one copy of
     this rank's state."""
     names = _optimizer_names(model, optim, "optim_state_dict_to_load")
+    _refuse_state_never_received(osd)
     ided = _keyed_by_ids(osd)
     given = ided.get("param_names", [])
     if given and list(given) != names:
@@ -1813,6 +1840,48 @@ def _sharded_optim_state_to_load(model, optim: torch.optim.Optimizer, osd) -> di
             values[key] = value
         state[index] = values
     return {"state": state, "param_groups": ided["param_groups"]}
+
+
+class _StateOfAFreshOptimizer(dict):
+    """The ``"state"`` of :func:`_sharded_optim_state` for an optimizer that holds no state
+    yet (before its first ``step()``): empty, and marked so that
+    :func:`_refuse_state_never_received` can tell it reached ``optim_state_dict_to_load``
+    still empty, e.g. after a ``dcp.load`` that had no tensor to load any state into."""
+
+    def __reduce__(self):  # saved unmarked, as an OrderedDict: torch.load(weights_only=True)
+        return OrderedDict, (), None, None, iter(self.items())  # takes it (not this class)
+
+
+def _has_no_state_yet(optim: torch.optim.Optimizer) -> bool:
+    """Whether ``optim`` has trainable parameters but no state for any of them, and would
+    have some after a step (torch's SGD without momentum keeps no tensor: nothing to lose).
+    Local."""
+    groups = optim.param_groups
+    if isinstance(optim, torch.optim.SGD) and all(not g.get("momentum") for g in groups):
+        return False
+    trainable = any(p.requires_grad for g in groups for p in g["params"])
+    return trainable and not any(optim.state.get(p) for g in groups for p in g["params"])
+
+
+def _refuse_state_never_received(osd) -> None:
+    """A ValueError when ``osd`` is the dict :func:`_sharded_optim_state` gave for a fresh
+    optimizer and its state is still empty. ``dcp.load`` fills only the tensors a dict holds:
+    into a fresh optimizer's dict it loads the param groups and none of the checkpoint's
+    state (``exp_avg``...), so loading it silently restarted the moments and step counts.
+    torch FSDP1 loses them the same way; its ``get_state_dict`` and shardkit's (and
+    :func:`~shardkit.checkpoint.dtensor_state.init_optimizer_state`) give the optimizer its
+    state tensors first. Local; the caller's agreement raises it on every rank."""
+    state = osd.get("state") if isinstance(osd, dict) else None
+    if isinstance(state, _StateOfAFreshOptimizer) and not state:
+        raise ValueError(
+            "the dict is FSDP.optim_state_dict(model, optim) of an optimizer that had no state "
+            "yet (before its first step), and it still holds no state: torch.distributed."
+            "checkpoint.load fills only the tensors a dict holds, so none of the checkpoint's "
+            "optimizer state (exp_avg, step...) was loaded. Call shardkit.checkpoint."
+            "init_optimizer_state(optim) before FSDP.optim_state_dict(model, optim) on the "
+            "loading side (or use shardkit.checkpoint.get_state_dict / set_state_dict, which "
+            "do it); a checkpoint saved before the optimizer's first step holds no optimizer "
+            "state: skip this load")
 
 
 def _check_loadable_groups(optim: torch.optim.Optimizer, osd) -> None:
