@@ -180,20 +180,6 @@ def test_save_16bit_model_on_a_full_disk_names_the_reason_on_every_rank(world2, 
     assert os.listdir(out_dir) == []
 
 
-@contextlib.contextmanager
-def file_size_limit_rev(limit: int):
-    """Writes past ``limit`` bytes of any file fail with EFBIG in this process until the block
-    ends (SIGXFSZ, which would kill it, ignored)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
-
-
 def _records(path: str) -> dict:
     """The zip records of a torch.save file, by name below the archive's folder."""
     with zipfile.ZipFile(path) as archive:
@@ -238,7 +224,7 @@ def test_many_small_tensors_take_few_writes_and_equal_torch_saves_file(tmp_path,
 
 def test_a_refused_gathered_write_is_the_oserror_and_the_files_mode_is_torch_saves(tmp_path):
     state = {f"p{i}": torch.randn(16) for i in range(200)}  # ~40 KB, all gathered
-    with file_size_limit_rev(8192):
+    with file_size_limit(8192):
         try:
             save_torch_file(state, str(tmp_path / "refused.pt"))
             raise AssertionError("a write past the file size limit went through")
