@@ -73,32 +73,86 @@ def _check_same_device(name, tensors, device):
                              f"all must share a device")
 
 
-def _byte_range(t: torch.Tensor) -> tuple[int, int]:
-    """``[first, last + 1)`` address of ``t``'s elements (``(0, 0)`` when it has none)."""
-    if t.numel() == 0:
-        return 0, 0
-    reach = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
-    return t.data_ptr(), t.data_ptr() + reach * t.element_size()
+def _moving_dims(t: torch.Tensor) -> list[tuple[int, int]]:
+    """``(size, byte stride)`` of the dimensions of ``t`` along which its address changes
+    (size above 1, stride above 0), widest stride first."""
+    es = t.element_size()
+    dims = [(n, s * es) for n, s in zip(t.shape, t.stride()) if n > 1 and s > 0]
+    return sorted(dims, key=lambda d: -d[1])
 
 
-def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the address ranges of ``a`` and ``b`` (on one device) overlap. Conservative for
-    strided tensors (interleaved views that share no element count as sharing); meta tensors
-    have no memory to share."""
-    if a.device != b.device or a.device.type == "meta":
+def _tiles_its_range(dims: list[tuple[int, int]], element_size: int) -> bool:
+    """Whether a layout (``_moving_dims``) covers every byte of its range: a contiguous tensor
+    or a permutation of one."""
+    expected = element_size
+    for n, s in reversed(dims):
+        if s != expected:
+            return False
+        expected *= n
+    return True
+
+
+# how many blocks _touches looks at before it gives up and answers "shares" (only a tensor whose
+# own dimensions overlap, e.g. from unfold or as_strided, across the other's range gets there)
+_TOUCH_BUDGET = 4096
+
+
+def _touches(base: int, dims: list[tuple[int, int]], element_size: int, lo: int, hi: int,
+             budget: list[int]) -> bool:
+    """Whether an element of the strided layout at address ``base`` (``dims`` from
+    :func:`_moving_dims`) has a byte in ``[lo, hi)``. Walks only the blocks that cross an end
+    of the range: a block wholly inside it has an element there, one wholly outside has none.
+    Answers True (shares) once ``budget[0]`` blocks were looked at."""
+    if not dims:
+        return base < hi and base + element_size > lo
+    (n, s), rest = dims[0], dims[1:]
+    block = element_size + sum((m - 1) * r for m, r in rest)  # bytes from a block's start to end
+    first = max(0, (lo - base - block) // s + 1)  # blocks [base + i*s, + block) meeting [lo, hi)
+    last = min(n - 1, -((base - hi) // s) - 1)
+    for i in range(first, last + 1):
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True
+        start = base + i * s
+        if (lo <= start and start + block <= hi) or _touches(start, rest, element_size, lo, hi,
+                                                             budget):
+            return True
+    return False
+
+
+def _shares_memory(t: torch.Tensor, buffer: torch.Tensor, buffer_range: tuple[int, int]) -> bool:
+    """Whether an element of ``t`` has a byte in the contiguous ``buffer``'s address range
+    ``buffer_range``. Exact: a view interleaved with ``buffer`` that shares no element does not
+    count (only a ``t`` whose own dimensions overlap, with over ``_TOUCH_BUDGET`` blocks crossing
+    the range, counts as sharing without proof). Meta tensors have no memory to share."""
+    if t.device != buffer.device or t.device.type == "meta":
         return False
-    (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
-    return a0 < b1 and b0 < a1
+    lo, hi = buffer_range
+    base = t.data_ptr()
+    if base >= hi:
+        return False  # strides are >= 0: every element of t starts at or after base
+    dims = _moving_dims(t)
+    es = t.element_size()
+    end = base + es + sum((n - 1) * s for n, s in dims)
+    if end <= lo:
+        return False
+    return _tiles_its_range(dims, es) or _touches(base, dims, es, lo, hi, [_TOUCH_BUDGET])
 
 
 def _refuse_aliasing(name: str, buffer_label: str, buffer: torch.Tensor, tensors_label: str,
                      tensors: Sequence[torch.Tensor], indexed: bool = True) -> None:
     """A ValueError, before anything is written, for a tensor that shares memory with the
-    packed ``buffer``: the copy reads one while it writes the other (in parallel, on Triton),
-    so values were overwritten before they were read. ``indexed``: name the tensors
-    ``tensors_label[i]`` (else ``tensors_label``). Cost: an address comparison per tensor."""
+    packed, contiguous ``buffer``: the copy reads one while it writes the other (in parallel,
+    on Triton), so values were overwritten before they were read. ``indexed``: name the tensors
+    ``tensors_label[i]`` (else ``tensors_label``). Cost: an address comparison per tensor (a
+    walk over the blocks at the ends of ``buffer`` for a strided tensor whose range crosses
+    it)."""
+    if buffer.numel() == 0 or buffer.device.type == "meta":
+        return
+    lo = buffer.data_ptr()
+    buffer_range = (lo, lo + buffer.numel() * buffer.element_size())
     for i, t in enumerate(tensors):
-        if t.numel() and _shares_memory(t, buffer):
+        if t.numel() and _shares_memory(t, buffer, buffer_range):
             label = f"{tensors_label}[{i}]" if indexed else tensors_label
             raise ValueError(
                 f"{name}: {label} (shape {tuple(t.shape)}) shares memory with "
