@@ -15,6 +15,7 @@ bytes; ``fp16/bf16_allreduce_hook`` half of it; ``quantized_allreduce_hook`` abo
 ``bits/32 + 1/block`` of it (a quantized reduce-scatter and a quantized all-gather).
 """
 
+import numbers
 import threading
 import weakref
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit import distributed as skdist
 from shardkit.kernels import DEFAULT_BLOCK, pack_rank_major
+from shardkit.kernels.quantize import QMAX
 from shardkit.quantized_comm import quantized_all_gather, quantized_reduce_scatter
 
 __all__ = ["counted_allreduce_hook", "fp16_allreduce_hook", "bf16_allreduce_hook",
@@ -37,6 +39,7 @@ def counted_allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.
     """fp32 averaging like torch's default hook, but through :func:`shardkit.distributed.
     all_reduce`, so that :class:`CommCounter` sees DDP's traffic (torch's own hook bypasses
     shardkit). Wire: ``2(N-1)/N`` of the bucket's bytes."""
+    _check_group_state("counted_allreduce_hook", process_group)
     buffer = bucket.buffer()
     n = skdist.get_world_size(process_group)
     buffer.div_(n)
@@ -51,7 +54,10 @@ def counted_allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.
 
 
 def _compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.Future[torch.Tensor]:
+    hook = f"{_HALF_NAMES[dtype]}_allreduce_hook"
+    _check_group_state(hook, process_group)
     buffer = bucket.buffer()
+    _refuse_sparse(hook, buffer)
     n = skdist.get_world_size(process_group)
     # divide and cast in one pass (dividing first keeps fp16 sums away from overflow)
     compressed = pack_rank_major([buffer], 1, scale=1.0 / n, dtype=dtype)
@@ -62,6 +68,49 @@ def _compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.F
         return buffer
 
     return work.get_future().then(decompress)
+
+
+_HALF_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+# Which hook takes each of shardkit's hook states (for the error when one is given to another)
+_HOOK_OF_STATE = {"OSS": "reduce_to_owners_hook (or step_oss_in_ddp_backward(ddp, optimizer))",
+                  "OwnersHookState": "reduce_to_owners_hook",
+                  "QuantizedHookState": "quantized_allreduce_hook"}
+
+
+def _state_hint(state) -> str:
+    """Where a state given to the wrong hook belongs, for the error message."""
+    hook = _HOOK_OF_STATE.get(type(state).__name__)
+    name = type(state).__name__
+    article = "an" if name[0] in "AEIOU" else "a"
+    return f"; {article} {name} is the state of {hook}" if hook else ""
+
+
+def _refuse_sparse(hook: str, buffer: torch.Tensor) -> None:
+    """A compressing hook packs a dense bucket; DDP hands it a sparse gradient
+    (``nn.Embedding(sparse=True)``) as one sparse tensor. A ValueError naming the hook and what
+    does work, before any transfer (it was "reshape is not implemented for sparse tensors").
+    Local: ranks built alike refuse together."""
+    if buffer.is_sparse:
+        raise ValueError(f"{hook}: DDP gave the hook a bucket of sparse gradients "
+                         f"(nn.Embedding(sparse=True) or EmbeddingBag(sparse=True)), which it "
+                         f"cannot compress; build the embedding with sparse=False, or register "
+                         f"counted_allreduce_hook (or no hook: DDP's own all-reduce), which "
+                         f"average sparse gradients. Nothing was sent")
+
+
+def _check_group_state(hook: str, state, also: str = "") -> None:
+    """The ``state`` of an averaging hook is a process group or ``None`` (as for torch's
+    default hooks): a TypeError naming the hook and what was given otherwise, the same on every
+    rank and before any transfer (an OSS handed to ``fp16_allreduce_hook`` failed deep inside
+    with "'OSS' object has no attribute 'size'"). Local."""
+    try:
+        skdist.check_group(state, hook, "state")
+    except TypeError:
+        raise TypeError(f"{hook}: ddp.register_comm_hook(state, {hook}) takes {also}a process "
+                        f"group or None (the default group) as state, got a "
+                        f"{type(state).__module__}.{type(state).__qualname__}"
+                        f"{_state_hint(state)}") from None
 
 
 def fp16_allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -103,6 +152,22 @@ class QuantizedHookState:
     bits: int = 8
     block: int = DEFAULT_BLOCK
 
+    def __post_init__(self):
+        """A ValueError (TypeError for the group) naming the field, at construction: before,
+        bad bits or block surfaced from inside DDP's backward as "bits=3; valid values...",
+        naming neither this state nor the hook."""
+        skdist.check_group(self.process_group, "QuantizedHookState", "process_group")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, numbers.Integral) \
+                or self.bits not in QMAX:
+            raise ValueError(f"QuantizedHookState(bits={self.bits!r}): valid values are "
+                             f"{sorted(QMAX)}")
+        object.__setattr__(self, "bits", int(self.bits))  # a numpy integer as a Python int
+        if isinstance(self.block, bool) or not isinstance(self.block, int) \
+                or not 8 <= self.block <= 8192 or self.block & (self.block - 1):
+            raise ValueError(f"QuantizedHookState(block={self.block!r}): valid values are the "
+                             f"powers of two from 8 to 8192 (elements per scale; default "
+                             f"{DEFAULT_BLOCK})")
+
 
 def quantized_allreduce_hook(state: Optional[QuantizedHookState], bucket
                              ) -> torch.futures.Future[torch.Tensor]:
@@ -124,9 +189,12 @@ def quantized_allreduce_hook(state: Optional[QuantizedHookState], bucket
     registered state: a second DDP over the same parameters, registered with a new
     ``QuantizedHookState``, agrees again (its bits or block may differ between ranks).
     """
+    if not isinstance(state, QuantizedHookState):
+        _check_group_state("quantized_allreduce_hook", state, also="a QuantizedHookState, ")
     registered = state if isinstance(state, QuantizedHookState) else _DEFAULT_QUANTIZED_STATE
     state = state if isinstance(state, QuantizedHookState) else QuantizedHookState(state)
     buffer = bucket.buffer()
+    _refuse_sparse("quantized_allreduce_hook", buffer)
     group = state.process_group
     n = skdist.get_world_size(group)
     check = not _quantized_layout_agreed(registered, state, bucket)
@@ -201,6 +269,44 @@ class OwnersHookState:
     optimizer: object
     dtype: Optional[torch.dtype] = None
 
+    def __post_init__(self):
+        """A TypeError / ValueError naming the field, at construction (before, a plain torch
+        optimizer or a dtype given as a string failed inside DDP's backward with an
+        AttributeError)."""
+        _check_oss("OwnersHookState(optimizer=...)", self.optimizer)
+        if self.dtype is not None and self.dtype not in _OWNERS_WIRE_DTYPES:
+            raise ValueError(f"OwnersHookState(dtype={self.dtype!r}): valid values are None "
+                             f"(the bucket's own dtype), torch.float32, torch.bfloat16 and "
+                             f"torch.float16")
+
+
+_OWNERS_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_oss(where: str, optimizer) -> None:
+    """A TypeError unless ``optimizer`` is a :class:`~shardkit.optim.OSS` (the hooks that
+    reduce onto owners read its partition and group). Local."""
+    from shardkit.optim import OSS  # here: shardkit.optim imports more than this module needs
+    if not isinstance(optimizer, OSS):
+        given = "None" if optimizer is None else \
+            f"a {type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        raise TypeError(f"{where}: expected a shardkit.optim.OSS (the owners are its "
+                        f"partition's), got {given}{_state_hint(optimizer)}; wrap the "
+                        f"optimizer: OSS(ddp.parameters(), optim=torch.optim.AdamW, ...) or "
+                        f"OSS(existing_optimizer)")
+
+
+def _owners_state(state) -> tuple:
+    """``(OSS, wire dtype or None)`` from :func:`reduce_to_owners_hook`'s state (an OSS or an
+    :class:`OwnersHookState`); a TypeError naming the hook for any other state, on every rank
+    alike and before any transfer (a plain torch optimizer failed inside DDP's backward with
+    "'SGD' object has no attribute 'group'")."""
+    if isinstance(state, OwnersHookState):
+        return state.optimizer, state.dtype
+    _check_oss("reduce_to_owners_hook: ddp.register_comm_hook(state, reduce_to_owners_hook) "
+               "takes an OwnersHookState(OSS, dtype) or an OSS as state", state)
+    return state, None
+
 
 def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook for torch DDP + OSS: each bucket's gradients are averaged onto the ranks
@@ -238,9 +344,7 @@ def reduce_to_owners_hook(optimizer, bucket) -> torch.futures.Future[torch.Tenso
     such a backward inside ``no_sync`` reads ``N x carried + local``. With a 16-bit ``dtype``
     the carried part travels in it too, as it does under DDP's 16-bit hooks.
     """
-    wire = None
-    if isinstance(optimizer, OwnersHookState):
-        optimizer, wire = optimizer.optimizer, optimizer.dtype
+    optimizer, wire = _owners_state(optimizer)
     group = optimizer.group
     n, rank = skdist.get_world_size(group), skdist.get_rank(group)
     _agree_on_bucket_layout(optimizer, bucket, n)
@@ -368,6 +472,7 @@ def step_oss_in_ddp_backward(ddp, optimizer) -> None:
     (:func:`shardkit.distributed.group_of_same_ranks`). Wire and memory:
     :func:`reduce_to_owners_hook`'s plus OSS's parameter sync, ``2Ψ(N-1)/N`` a step.
     """
+    _check_oss("step_oss_in_ddp_backward(optimizer=...)", optimizer)
     if not getattr(ddp, "gradient_as_bucket_view", False):
         raise ValueError("step_oss_in_ddp_backward(ddp=...): build DistributedDataParallel with "
                          "gradient_as_bucket_view=True; the step reads the gradients in DDP's "

@@ -56,7 +56,12 @@ class ShardedDataParallel(nn.Module):
             contain the same ranks as theirs).
         broadcast_buffers: broadcast rank 0's module buffers at the start of forward (by
             ``comm``), as torch DDP: skipped when the previous forward ran inside
-            :meth:`no_sync` or without grad, so once per accumulation window.
+            :meth:`no_sync` or without grad, so once per accumulation window. The first
+            forward after a reducing backward broadcasts even under ``torch.no_grad()`` or
+            in evaluation mode (every rank then evaluates with rank 0's statistics), so with
+            a module that holds buffers a forward one rank runs alone goes through
+            ``ddp.module(...)``, as under torch DDP: through the wrapper it waits for the
+            other ranks' broadcast.
         sync_models_at_startup: broadcast rank 0's parameters and buffers at wrap time (by
             ``comm``, like every collective of this wrapper).
         reduce_buffer_size: bucket size in bytes (in the communication dtype); ``0`` reduces
@@ -75,8 +80,9 @@ class ShardedDataParallel(nn.Module):
             except that freezing a parameter that holds a gradient accumulated in the window
             is a ValueError (that gradient would be neither reduced nor stepped).
             Every rank must therefore run that forward: a forward that one rank runs alone
-            (validation, logging) belongs under ``torch.no_grad()`` or ``module.eval()``.
-            A forward in evaluation mode runs no collective: a ``requires_grad`` change it
+            (validation, logging) belongs under ``torch.no_grad()`` or ``module.eval()``
+            (and on ``ddp.module`` where ``broadcast_buffers`` has buffers to broadcast).
+            A forward in evaluation mode runs no agreement: a ``requires_grad`` change it
             finds is re-planned at the next agreement (a training forward, or the start of a
             reducing backward when training in evaluation mode), by every rank together.
         warn_on_trainable_params_changed: with ``auto_refresh_trainable=False``, warn once per

@@ -148,7 +148,9 @@ def check_optimizer_params_in_module(module: nn.Module, optimizers) -> None:
                         f"ShardedDataParallel: sharded_optimizer[{i}].param_groups[{g}]['params']"
                         f"[{k}] (shape {tuple(p.shape)}) is not a parameter of the wrapped module "
                         f"(its gradient would never be averaged); build the optimizer over "
-                        f"module.parameters(), registering such a parameter on the module first")
+                        f"module.parameters(), registering such a parameter on the module first "
+                        f"(two ShardedDataParallel wrappers, a generator and a discriminator, "
+                        f"need one OSS each, or one wrapper around a module holding both)")
                 if id(p) in seen and seen[id(p)] != i:
                     raise ValueError(
                         f"ShardedDataParallel: a parameter of shape {tuple(p.shape)} is in "
