@@ -65,10 +65,17 @@ class Net(nn.Module):
 
 
 def _train_against_one_process(root_kwargs: dict) -> dict:
-    world, rank = skdist.get_world_size(), skdist.get_rank()
     reference, net = Net(), Net()
     net.block = FSDP(net.block)
     model = FSDP(net, **root_kwargs)
+    return _three_steps_beside_one_process(reference, model, model.block)
+
+
+def _three_steps_beside_one_process(reference: nn.Module, model: FSDP, unit: FSDP) -> dict:
+    """Three SGD steps of ``model`` (FSDP) and of ``reference`` on the whole batch: the largest
+    difference of the weights after each, and whether ``unit`` stayed gathered after each
+    backward (or the backward's error)."""
+    world, rank = skdist.get_world_size(), skdist.get_rank()
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
     out = {"diffs": [], "gathered_after_backward": []}
@@ -81,7 +88,7 @@ def _train_against_one_process(root_kwargs: dict) -> dict:
         except RuntimeError as error:
             out["error"] = str(error)
             return out
-        out["gathered_after_backward"].append(model.block._shard.gathered)
+        out["gathered_after_backward"].append(unit._shard.gathered)
         optim.step()
         sum(reference(b).pow(2).sum() for b in batches).div(world).backward()
         ref_optim.step()
@@ -174,7 +181,7 @@ class SubmoduleParameters(nn.Module):
         return _reentrant(self.kind, lambda t: torch.tanh(F.linear(t, self.sub.weight) + t), h)
 
 
-class Net_rev(nn.Module):
+class BlockNet(nn.Module):
     """``bare``: the block alone (its parameters the only ones, read only in the checkpoints:
     the root that stays gathered releases them after the first checkpoint's backward)."""
 
@@ -189,42 +196,21 @@ class Net_rev(nn.Module):
         return self.head(self.block(self.inp(x)))
 
 
-def _train_against_one_process_rev(block_name: str, kind: str, wrap_block: bool) -> dict:
-    """Three SGD steps of ``Net_rev`` (its block an FSDP unit of its own, or alone in the root that
+def _train_block_against_one_process(block_name: str, kind: str, wrap_block: bool) -> dict:
+    """Three SGD steps of ``BlockNet`` (its block an FSDP unit of its own, or alone in the root that
     stays gathered) against one process on the whole batch."""
-    world, rank = skdist.get_world_size(), skdist.get_rank()
     block = {"own": OwnParameters, "submodule": SubmoduleParameters}[block_name]
     bare = not wrap_block
-    reference, net = Net_rev(block, kind, bare), Net_rev(block, kind, bare)
+    reference, net = BlockNet(block, kind, bare), BlockNet(block, kind, bare)
     if wrap_block:
         net.block = FSDP(net.block)
     model = FSDP(net)
     unit = net.block if wrap_block else model
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
-    out = {"diffs": [], "gathered_after_backward": []}
-    for step in range(3):
-        batches = torch.randn(world, 3, 4, generator=torch.Generator().manual_seed(step))
-        optim.zero_grad()
-        ref_optim.zero_grad()
-        try:
-            model(batches[rank]).pow(2).sum().backward()
-        except RuntimeError as error:
-            out["error"] = str(error)
-            return out
-        out["gathered_after_backward"].append(unit._shard.gathered)
-        optim.step()
-        sum(reference(b).pow(2).sum() for b in batches).div(world).backward()
-        ref_optim.step()
-        with model.summon_full_params():
-            mine = [p.detach().clone() for p in model.parameters()]
-        out["diffs"].append(max((a - b).abs().max().item()
-                                for a, b in zip(mine, reference.parameters())))
-    return out
+    return _three_steps_beside_one_process(reference, model, unit)
 
 
 def _check_trains_as_one_process(world, case: tuple) -> None:
-    for r in world.run(_train_against_one_process_rev, *case):
+    for r in world.run(_train_block_against_one_process, *case):
         assert "error" not in r, (case, r)
         assert max(r["diffs"]) < 1e-6, (case, r)
         assert r["gathered_after_backward"] == [False] * 3, (case, r)
