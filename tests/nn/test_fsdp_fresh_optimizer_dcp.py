@@ -16,17 +16,34 @@ continues exactly as the uninterrupted one. SGD without momentum, which keeps no
 as before. torch FSDP1's older names for the same dicts, ``FSDP.sharded_optim_state_dict`` and
 ``FSDP.flatten_sharded_optim_state_dict``, were missing (AttributeError); they round-trip
 through dcp at world 2 and 1. One World(2).
+
+From a review:
+
+A fresh optimizer's ``SHARDED_STATE_DICT`` optimizer state that ``dcp.load`` left empty,
+on the load paths next to ``optim_state_dict_to_load`` under ``SHARDED_STATE_DICT``.
+
+``FSDP.optim_state_dict(model, optim)`` of an optimizer that has not stepped yet has no
+tensor for ``dcp.load`` to fill, so the checkpoint's moments and step counts never arrive.
+Only ``optim_state_dict_to_load`` under ``SHARDED_STATE_DICT`` refused that dict: the same
+dict loaded silently, with no state, when loaded under the model's default
+``FULL_STATE_DICT`` (the call outside the ``state_dict_type`` block), with ``rank0_only``,
+through ``shardkit.checkpoint.set_optimizer_state_dict``, or after ``copy.deepcopy``. Now
+each refuses it on every rank, nothing loaded. ``FSDP.sharded_optim_state_dict(group=...)``
+named ``optim_state_dict`` in its refusal. One World(2).
 """
 
+import copy
 import io
 
 import torch
 import torch.nn as nn
 
 from shardkit import distributed as skd
+from shardkit.checkpoint import torch_state_dict
 from shardkit.checkpoint.dtensor_state import init_optimizer_state
-from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
-from shardkit.nn.data_parallel import StateDictType
+from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP, StateDictType
+from shardkit.nn.data_parallel.fsdp_state_dict_type import (FullOptimStateDictConfig,
+                                                            FullStateDictConfig)
 from shardkit.testing import world_fixture
 
 WIDTH = 6
@@ -180,3 +197,114 @@ def test_torch_fsdp1_sharded_optim_state_dict_names(world2, tmp_path):
         assert r["settings after"] == "FULL_STATE_DICT", r  # the model's own, unchanged
         assert r["world 2 vs uninterrupted"] == 0.0, r
         assert r["world 1 vs uninterrupted"] < 1e-6, r
+
+
+def _model_rev(seed: int) -> FSDP:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(6, 7), nn.Tanh(), nn.Linear(7, 5))
+    m[0], m[2] = FSDP(m[0]), FSDP(m[2])
+    return FSDP(m)
+
+
+def _save_stepped_checkpoint(folder: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    model = _model_rev(1)
+    optim = torch.optim.Adam(model.parameters(), lr=0.05)
+    model(torch.randn(3, 6)).pow(2).mean().backward()
+    optim.step()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        dcp.save({"optim": FSDP.optim_state_dict(model, optim)},
+                 storage_writer=dcp.FileSystemWriter(folder))
+
+
+def _outcome(load) -> str:
+    try:
+        load()
+        return "loaded"
+    except ValueError as error:
+        return str(error)
+
+
+def _fresh_dict_on_other_load_paths(folder: str) -> dict:
+    """Each load path given a fresh optimizer's sharded dict after ``dcp.load``."""
+    import torch.distributed.checkpoint as dcp
+    _save_stepped_checkpoint(folder)
+    model = _model_rev(2)
+    optim = torch.optim.Adam(model.parameters(), lr=0.05)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state = {"optim": FSDP.optim_state_dict(model, optim)}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
+    filled = state["optim"]
+    rank0_only = (StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True),
+                  FullOptimStateDictConfig(rank0_only=True))
+    out = {}
+    out["default settings"] = _outcome(lambda: optim.load_state_dict(
+        FSDP.optim_state_dict_to_load(model, optim, filled)))
+    with FSDP.state_dict_type(model, *rank0_only):
+        given = filled if torch.distributed.get_rank() == 0 else {}
+        out["rank0_only"] = _outcome(lambda: optim.load_state_dict(
+            FSDP.optim_state_dict_to_load(model, optim, given)))
+    out["set_optimizer_state_dict"] = _outcome(
+        lambda: torch_state_dict.set_optimizer_state_dict(model, optim, filled))
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        for name, copied in (("deepcopy", copy.deepcopy(filled)),
+                             ("copy of its state", dict(filled, state=copy.copy(filled["state"])))):
+            out[name] = _outcome(lambda: optim.load_state_dict(
+                FSDP.optim_state_dict_to_load(model, optim, copied)))
+    out["optimizer state after"] = len(optim.state)
+    out["group"] = _outcome(lambda: FSDP.sharded_optim_state_dict(
+        model, optim, group=torch.distributed.group.WORLD))
+    alive = torch.ones(1)
+    torch.distributed.all_reduce(alive)  # no rank left inside a collective
+    out["alive"] = alive.item()
+    return out
+
+
+def test_fresh_dict_refused_on_every_load_path(world2, tmp_path):
+    paths = ("default settings", "rank0_only", "set_optimizer_state_dict", "deepcopy",
+             "copy of its state")
+    for r in world2.run(_fresh_dict_on_other_load_paths, str(tmp_path)):
+        for path in paths:
+            assert "nothing was loaded on any rank" in r[path], (path, r)
+            assert "had no state yet" in r[path], (path, r)
+            assert "init_optimizer_state(optim)" in r[path], (path, r)
+        assert "on ranks [0, 1]" in r["default settings"], r
+        assert r["optimizer state after"] == 0, r
+        assert r["group"].startswith("FSDP.sharded_optim_state_dict(group=...)"), r
+        assert r["alive"] == 2.0, r
+
+
+class _SignSGD(torch.optim.Optimizer):
+    """A user's optimizer that keeps no state at all."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+def _stateless_users_optimizer_round_trip() -> dict:
+    """Its sharded dict, saved after two steps, loads back into a fresh one (it was marked as
+    a fresh optimizer's and refused for good: no state ever comes)."""
+    model = _model(0)
+    optim = _SignSGD(model.parameters())
+    for step in range(2):
+        _step(model, optim, step)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        osd = FSDP.optim_state_dict(model, optim)
+        fresh = _SignSGD(model.parameters())
+        try:
+            fresh.load_state_dict(FSDP.optim_state_dict_to_load(model, fresh, osd))
+            return {"outcome": "loaded"}
+        except ValueError as error:
+            return {"outcome": str(error)}
+
+
+def test_a_users_stateless_optimizer_is_not_taken_for_a_fresh_one(world2):
+    for r in world2.run(_stateless_users_optimizer_round_trip):
+        assert r["outcome"] == "loaded", r

@@ -13,6 +13,7 @@ import re
 import threading
 import zlib
 from collections import OrderedDict
+from copy import deepcopy
 from typing import NamedTuple, Optional
 
 import torch
@@ -1463,6 +1464,8 @@ class FSDPStateDictMixin:
             sent = _from_first_rank(model, optim_state_dict, "optim_state_dict_to_load",
                                     "optim_state_dict")
         try:
+            if sent is None:  # (under rank0_only the first rank checks it before sending)
+                _refuse_state_never_received(optim_state_dict)
             if kind is StateDictType.LOCAL_STATE_DICT:
                 _refuse_other_shards(model, optim, optim_state_dict)
                 mine = optim_state_dict
@@ -1501,8 +1504,9 @@ class FSDPStateDictMixin:
         :meth:`flatten_sharded_optim_state_dict`. ``group`` must be left unset. All ranks must
         call it; no copy of the state, no communication beyond the ranks' agreement on the
         optimizer."""
+        _refuse_torch_only_arguments("sharded_optim_state_dict", group=group)
         with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-            return FSDPStateDictMixin.optim_state_dict(model, optim, group=group)
+            return FSDPStateDictMixin.optim_state_dict(model, optim)
 
     @staticmethod
     def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict, model,
@@ -1803,7 +1807,6 @@ def _sharded_optim_state_to_load(model, optim: torch.optim.Optimizer, osd) -> di
     parameter and the state key otherwise (nothing is loaded). Local; memory: one copy of
     this rank's state."""
     names = _optimizer_names(model, optim, "optim_state_dict_to_load")
-    _refuse_state_never_received(osd)
     ided = _keyed_by_ids(osd)
     given = ided.get("param_names", [])
     if given and list(given) != names:
@@ -1851,12 +1854,22 @@ class _StateOfAFreshOptimizer(dict):
     def __reduce__(self):  # saved unmarked, as an OrderedDict: torch.load(weights_only=True)
         return OrderedDict, (), None, None, iter(self.items())  # takes it (not this class)
 
+    # a copy (copy.copy, copy.deepcopy of the whole dict) is the same unfilled state: marked
+    def __copy__(self):
+        return _StateOfAFreshOptimizer(self)
+
+    def __deepcopy__(self, memo):
+        return _StateOfAFreshOptimizer(deepcopy(dict(self), memo))
+
 
 def _has_no_state_yet(optim: torch.optim.Optimizer) -> bool:
     """Whether ``optim`` has trainable parameters but no state for any of them, and would
-    have some after a step (torch's SGD without momentum keeps no tensor: nothing to lose).
-    Local."""
+    have some after a step: torch's and shardkit's optimizers only (torch's SGD without
+    momentum keeps no tensor: nothing to lose; a user's class may keep none either, and would
+    otherwise be refused for good). Local."""
     groups = optim.param_groups
+    if not type(optim).__module__.startswith(("torch.optim", "shardkit.")):
+        return False
     if isinstance(optim, torch.optim.SGD) and all(not g.get("momentum") for g in groups):
         return False
     trainable = any(p.requires_grad for g in groups for p in g["params"])
@@ -2096,6 +2109,7 @@ def _from_first_rank(model, osd, caller: str, argument: str) -> "_FirstRanksDict
                 raise ValueError(f"FSDP.{caller}({argument}=None) on rank 0: rank 0 must pass "
                                  f"the full optimizer state dict (e.g. torch.load of the saved "
                                  f"file); the other ranks may pass None or {{}}")
+            _refuse_state_never_received(osd)
             payload = _sendable(("ok", _without_large_tensors(_keyed_by_ids(osd, caller),
                                                               own)))
         except Exception as error:  # sent, so that no rank waits for a dict never sent
