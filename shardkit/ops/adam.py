@@ -19,10 +19,8 @@ Differences from DeepSpeed:
       Adam accepts it and runs plain Adam).
     - ``DeepSpeedCPUAdam`` also steps parameters on CUDA (DeepSpeed asserts they are on the
       CPU, i.e. that ``offload_optimizer`` is on); ``FusedAdam`` also steps CPU parameters.
-    - ``DeepSpeedCPUAdam(fp32_optimizer_states=True)`` (the default) over fp16/bf16 parameters
-      is a ValueError: shardkit keeps the moments in the parameters' dtype. Give it fp32
-      parameters (shardkit's ``fp16`` / ``bf16`` configs keep fp32 master weights, so models
-      passed to ``initialize`` are fp32) or pass ``fp32_optimizer_states=False``.
+    - ``DeepSpeedCPUAdam`` keeps fp64 parameters' moments in fp64 (DeepSpeed's kernel takes
+      fp32, fp16 and bf16 parameters only).
 """
 
 from __future__ import annotations
@@ -32,9 +30,15 @@ import math
 import torch
 
 from shardkit.kernels import adamw_step_many
-from shardkit.optim.fused import FusedAdamW
+from shardkit.optim.fused import (FusedAdamW, _bind_to_views, _by_device_dtype,
+                                  _check_state_shape, _FlatState, _params_by_index)
 
 __all__ = ["FusedAdam", "DeepSpeedCPUAdam"]
+
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+# elements of 16-bit parameters widened to fp32 at a time: two fp32 copies (parameter and
+# gradient) of 16 MiB each, however large the parameters
+_WIDEN_TILE = 1 << 22
 
 
 class _DeepSpeedAdam(FusedAdamW):
@@ -54,13 +58,9 @@ class _DeepSpeedAdam(FusedAdamW):
         added = self.param_groups[-1]
         try:
             _check(type(self).__name__, added)
-            self._check_params(added)
         except (ValueError, RuntimeError):
             self.param_groups.pop()
             raise
-
-    def _check_params(self, group: dict) -> None:
-        """Per-class checks of a group's parameters (none here)."""
 
     def __setstate__(self, state: dict) -> None:
         # torch's load_state_dict replaces each group by the saved one: a torch Adam/AdamW
@@ -98,6 +98,22 @@ class _DeepSpeedAdam(FusedAdamW):
 
     def _update(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                 steps) -> None:
+        if params[0].dtype == exp_avgs[0].dtype:
+            self._update_alike(group, params, grads, exp_avgs, exp_avg_sqs, steps)
+            return
+        # 16-bit parameters over fp32 moments (DeepSpeedCPUAdam's fp32_optimizer_states): as
+        # DeepSpeed's kernel, the update runs in fp32 from the parameter and gradient, and the
+        # parameter is rounded back to its dtype once
+        for tile in _tiles(params, grads, exp_avgs, exp_avg_sqs, steps):
+            low, grads_, moments, squares, counts = tile
+            wide = [p.float() for p in low]
+            self._update_alike(group, wide, [g.float() for g in grads_], moments, squares,
+                               counts)
+            for p, p32 in zip(low, wide):
+                p.copy_(p32)
+
+    def _update_alike(self, group, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
+        """The update of parameters whose moments have their dtype (gradients may differ)."""
         decoupled = bool(group[self._MODE])
         beta1, beta2 = group["betas"]
         if group["bias_correction"]:
@@ -110,7 +126,7 @@ class _DeepSpeedAdam(FusedAdamW):
         for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
             # fp16/bf16 computed in fp32, as DeepSpeed's kernel: in fp16, eps=1e-8 rounds to 0
             # and an element with a zero gradient became 0/0 = NaN (fp32/fp64: no copies)
-            wide = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+            wide = torch.float32 if p.dtype in _SIXTEEN_BIT else p.dtype
             p32, m32, v32, g = p.to(wide), m.to(wide), v.to(wide), g.to(wide)
             if decay and decoupled:
                 p32.mul_(1.0 - lr * decay)
@@ -153,12 +169,22 @@ class DeepSpeedCPUAdam(_DeepSpeedAdam):
     fp32_optimizer_states=True)``: the same update as :class:`FusedAdam` (``adamw_mode`` is
     its ``adam_w_mode``), on whatever device the parameters are.
 
+    ``fp32_optimizer_states=True`` (kept per param group): fp16/bf16 parameters get fp32
+    moments, as DeepSpeed's; each step computes the update in fp32 from the 16-bit parameter
+    and gradient and writes the parameter back rounded to its dtype (there is no fp32 master
+    copy of the parameter). ``state_dict`` / ``load_state_dict`` keep these moments fp32
+    (torch's loader would cast them to the parameter's dtype). ``False``: the moments have
+    the parameters' dtype.
+
     Raises:
         RuntimeError: ``amsgrad=True`` (DeepSpeed ignores it and runs Adam).
-        ValueError: bad hyper-parameters (as :class:`FusedAdam`), or fp16/bf16 parameters with
-            ``fp32_optimizer_states=True`` (the moments here follow the parameters' dtype).
+        ValueError: bad hyper-parameters (as :class:`FusedAdam`), or ``fp32_optimizer_states``
+            not a bool.
 
-    Memory: 8 bytes of state per fp32 parameter (two moments); no communication.
+    Memory: 8 bytes of state per fp32 parameter (two moments), and per fp16/bf16 parameter
+    with ``fp32_optimizer_states`` (4 without); a 16-bit parameter's step also widens it and
+    its gradient to fp32 a tile at a time (at most 32 MiB more while it runs). No
+    communication.
     """
 
     _MODE = "adamw_mode"
@@ -172,18 +198,89 @@ class DeepSpeedCPUAdam(_DeepSpeedAdam):
                                        adamw_mode=adamw_mode,
                                        fp32_optimizer_states=fp32_optimizer_states))
 
-    def _check_params(self, group: dict) -> None:
-        if not isinstance(group["fp32_optimizer_states"], bool):
-            raise ValueError(f"DeepSpeedCPUAdam: fp32_optimizer_states="
-                             f"{group['fp32_optimizer_states']!r}; expected True or False")
-        if group["fp32_optimizer_states"]:
-            for p in group["params"]:
-                if p.dtype in (torch.float16, torch.bfloat16):
-                    raise ValueError(
-                        f"DeepSpeedCPUAdam(fp32_optimizer_states=True): a parameter of shape "
-                        f"{tuple(p.shape)} is {p.dtype}, and shardkit keeps the moments in "
-                        f"the parameters' dtype; pass fp32 parameters (shardkit's fp16/bf16 "
-                        f"configs keep fp32 master weights) or fp32_optimizer_states=False")
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's (see :class:`FusedAdam`), the fp32 moments of fp16/bf16 parameters loaded
+        as saved: torch's loader casts each moment to its parameter's dtype, and the
+        rounded moments put back into fp32 buffers would change every later step."""
+        super().load_state_dict(state_dict)
+        by_index = _params_by_index(state_dict["param_groups"], self.param_groups)
+        for index, saved in state_dict["state"].items():
+            p = by_index.get(index)
+            live = self.state.get(p) if p is not None else None
+            if not live:
+                continue
+            for key in ("exp_avg", "exp_avg_sq"):
+                value, now = saved.get(key), live.get(key)
+                widened = isinstance(now, torch.Tensor) and now.dtype != p.dtype
+                if widened and isinstance(value, torch.Tensor) and value.shape == now.shape:
+                    now.copy_(value)  # the flat buffer's view: the saved value, unrounded
+
+    def _flat_states(self, index: int, group: dict):
+        # the buffers' dtype follows the group's fp32_optimizer_states: set by hand (or by a
+        # loaded group) after a step, the buffers are rebuilt, the moments cast into them
+        cached = self._flat.get(index)
+        if cached and any(f.state_dtype != _state_dtype(group, f.dtype) for f in cached[1]):
+            del self._flat[index]
+        return super()._flat_states(index, group)
+
+    def _build_flat_states(self, group: dict, stepped: list) -> list[_FlatState]:
+        """FusedAdamW's flat buffers (one per device and dtype of ``stepped``), in the
+        group's state dtype (:func:`_state_dtype`); existing state is moved into them."""
+        flats = []
+        for (device, dtype), params in _by_device_dtype(stepped).items():
+            total = sum(p.numel() for p in params)
+            buffers = {key: torch.zeros(total, dtype=_state_dtype(group, dtype), device=device)
+                       for key in ("exp_avg", "exp_avg_sq")}
+            flat = _WideFlatState(params, buffers)
+            for i, p in enumerate(params):
+                state = self.state.get(p)
+                if not state:
+                    continue
+                for key, value in state.items():
+                    _check_state_shape(p, key, value)
+                _bind_to_views(state, flat.views, i)
+            flats.append(flat)
+        return flats
+
+
+class _WideFlatState(_FlatState):
+    """A :class:`~shardkit.optim.fused._FlatState` whose buffers may be wider than its
+    parameters (fp32 moments of fp16/bf16 parameters): ``dtype`` is the parameters' (what
+    ``outdated`` and the merging of later-stepped parameters compare), ``state_dtype`` the
+    buffers'."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.state_dtype = self.dtype
+        self.dtype = self.params[0].dtype
+
+
+def _state_dtype(group: dict, param_dtype: torch.dtype) -> torch.dtype:
+    """The moments' dtype for parameters of ``param_dtype`` in ``group``: fp32 for fp16/bf16
+    ones under ``fp32_optimizer_states`` (as DeepSpeed), else the parameters' own."""
+    if param_dtype in _SIXTEEN_BIT and group.get("fp32_optimizer_states", True):
+        return torch.float32
+    return param_dtype
+
+
+def _tiles(params, grads, exp_avgs, exp_avg_sqs, steps):
+    """``(params, grads, exp_avgs, exp_avg_sqs, steps)`` lists of flat pieces of the given
+    contiguous tensors, at most :data:`_WIDEN_TILE` elements per yield (a large tensor split
+    over several, small ones packed together); each piece of tensor ``i`` has ``steps[i]``.
+    Every element is updated on its own, so a piece steps as its tensor would."""
+    tile, size = [[], [], [], [], []], 0
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        flat = [t.view(-1) for t in (p, g, m, v)]
+        for start in range(0, p.numel(), _WIDEN_TILE):
+            pieces = [t[start:start + _WIDEN_TILE] for t in flat]
+            if size and size + pieces[0].numel() > _WIDEN_TILE:
+                yield tile
+                tile, size = [[], [], [], [], []], 0
+            for entries, piece in zip(tile, pieces + [step]):
+                entries.append(piece)
+            size += pieces[0].numel()
+    if size:
+        yield tile
 
 
 def _check(name: str, group: dict) -> None:
@@ -210,6 +307,7 @@ def _check(name: str, group: dict) -> None:
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not decay >= 0 \
             or not math.isfinite(decay):
         raise ValueError(f"{name}(weight_decay={decay!r}): expected a finite number >= 0")
-    for key in ("bias_correction", "adam_w_mode", "adamw_mode", "set_grad_none"):
+    for key in ("bias_correction", "adam_w_mode", "adamw_mode", "set_grad_none",
+                "fp32_optimizer_states"):
         if key in group and not isinstance(group[key], bool):
             raise ValueError(f"{name}({key}={group[key]!r}): expected True or False")

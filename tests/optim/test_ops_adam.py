@@ -143,15 +143,18 @@ def test_bad_hyper_parameters_name_the_argument(kwargs, words):
     assert len(opt.param_groups) == 1
 
 
-def test_cpu_adam_fp32_states_over_16_bit_parameters_refused():
+@pytest.mark.parametrize("fp32_states, moments",
+                         [(True, torch.float32), (False, torch.bfloat16)])
+def test_cpu_adam_moments_of_16_bit_parameters(fp32_states, moments):
+    """fp32_optimizer_states=True (the default) keeps fp32 moments beside bf16 parameters, as
+    DeepSpeed (it was a ValueError); False keeps them in bf16. The full comparison with torch
+    is in test_cpu_adam_16bit.py."""
     half = [torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))]
-    with pytest.raises(ValueError, match="fp32_optimizer_states=True"):
-        DeepSpeedCPUAdam(half)
-    opt = DeepSpeedCPUAdam(half, fp32_optimizer_states=False, lr=0.1)
+    opt = DeepSpeedCPUAdam(half, fp32_optimizer_states=fp32_states, lr=0.1)
     half[0].grad = torch.ones(2, dtype=torch.bfloat16)
     opt.step()
-    assert opt.state[half[0]]["exp_avg"].dtype == torch.bfloat16
-    assert (half[0] < 1).all()
+    assert opt.state[half[0]]["exp_avg"].dtype == moments
+    assert half[0].dtype == torch.bfloat16 and (half[0] < 1).all()
 
 
 def _continue(opt, params, grads):
