@@ -72,15 +72,17 @@ def _compress_hook(dtype: torch.dtype, process_group, bucket) -> torch.futures.F
 
 _HALF_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
-# Which hook takes each of shardkit's hook states (for the error when one is given to another)
-_HOOK_OF_STATE = {"OSS": "reduce_to_owners_hook (or step_oss_in_ddp_backward(ddp, optimizer))",
-                  "OwnersHookState": "reduce_to_owners_hook",
-                  "QuantizedHookState": "quantized_allreduce_hook"}
-
 
 def _state_hint(state) -> str:
-    """Where a state given to the wrong hook belongs, for the error message."""
-    hook = _HOOK_OF_STATE.get(type(state).__name__)
+    """Where a state given to the wrong hook belongs, for the error message. By class, not by
+    name: another library's ``OSS`` (FairScale's) is no state of shardkit's hooks, and a
+    subclass of shardkit's OSS is one."""
+    from shardkit.optim import OSS  # here: shardkit.optim imports more than this module needs
+    hooks_of_states = ((OSS, "reduce_to_owners_hook (or step_oss_in_ddp_backward(ddp, "
+                             "optimizer))"),
+                       (OwnersHookState, "reduce_to_owners_hook"),
+                       (QuantizedHookState, "quantized_allreduce_hook"))
+    hook = next((hook for kind, hook in hooks_of_states if isinstance(state, kind)), None)
     name = type(state).__name__
     article = "an" if name[0] in "AEIOU" else "a"
     return f"; {article} {name} is the state of {hook}" if hook else ""
@@ -262,7 +264,8 @@ def _remember_quantized_layout(registered: QuantizedHookState, state: QuantizedH
 @dataclass(frozen=True)
 class OwnersHookState:
     """The ``state`` of :func:`reduce_to_owners_hook` when the gradients travel in 16 bits:
-    the OSS optimizer and the wire ``dtype`` (``torch.bfloat16`` / ``torch.float16``; ``None``:
+    the OSS optimizer and the wire ``dtype`` (``torch.bfloat16`` / ``torch.float16``, or a wider
+    ``torch.float32`` / ``torch.float64``; ``None``:
     the bucket's own dtype). Costs are the hook's, with its packed copy and its wire in
     ``dtype``: half the fp32 bytes in 16 bits."""
 
@@ -276,11 +279,11 @@ class OwnersHookState:
         _check_oss("OwnersHookState(optimizer=...)", self.optimizer)
         if self.dtype is not None and self.dtype not in _OWNERS_WIRE_DTYPES:
             raise ValueError(f"OwnersHookState(dtype={self.dtype!r}): valid values are None "
-                             f"(the bucket's own dtype), torch.float32, torch.bfloat16 and "
-                             f"torch.float16")
+                             f"(the bucket's own dtype), torch.float64, torch.float32, "
+                             f"torch.bfloat16 and torch.float16")
 
 
-_OWNERS_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OWNERS_WIRE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_oss(where: str, optimizer) -> None:

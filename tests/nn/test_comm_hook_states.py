@@ -11,6 +11,18 @@ implemented for sparse tensors".
 Now the state's own construction refuses what it cannot use, naming the field, and a hook
 given another hook's state raises a TypeError naming the hook, on every rank and before any
 transfer (CommCounter sees nothing).
+
+From a review:
+
+The errors of shardkit's DDP comm hooks for a state that is not theirs say where such a state
+belongs by its class, not by its name (review of 517686a). The checks run first and are
+local, so the hooks are called directly with no bucket (a world of one rank only to build
+an OSS subclass).
+
+A user coming from FairScale hands ``fairscale.optim.OSS`` (a class also named ``OSS``) to
+``reduce_to_owners_hook``: the refusal said both "expected a shardkit.optim.OSS" and "an OSS is
+the state of reduce_to_owners_hook", contradicting itself; a subclass of shardkit's OSS given to
+``fp16_allreduce_hook`` got no hint at all.
 """
 
 import pytest
@@ -193,3 +205,52 @@ def test_two_sharded_ddp_sharing_one_oss_are_told_to_take_one_each(world2):
         assert "is not a parameter of the wrapped module" in message, message
         assert "need one OSS each, or one wrapper around a module holding both" in message
         assert collectives == 0
+
+
+OWNERS_HINT = "is the state of reduce_to_owners_hook"
+
+
+class ForeignOSS(torch.optim.SGD):
+    """Another library's optimizer that happens to be called OSS (FairScale's is)."""
+
+
+ForeignOSS.__name__ = ForeignOSS.__qualname__ = "OSS"
+
+
+class TunedOSS(OSS):
+    """A user's subclass of shardkit's OSS."""
+
+
+def _foreign_oss() -> ForeignOSS:
+    return ForeignOSS([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+
+
+def _type_error(call) -> str:
+    with pytest.raises(TypeError) as refused:
+        call()
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("call", [
+    lambda state: reduce_to_owners_hook(state, None),
+    lambda state: OwnersHookState(state),
+    lambda state: step_oss_in_ddp_backward(None, state),
+    lambda state: counted_allreduce_hook(state, None),
+    lambda state: quantized_allreduce_hook(state, None),
+], ids=["owners_hook", "owners_state", "step_in_backward", "counted_hook", "quantized_hook"])
+def test_another_librarys_oss_is_not_called_the_state_of_the_owners_hook(call):
+    message = _type_error(lambda: call(_foreign_oss()))
+    assert f"got a {__name__}.OSS" in message, message
+    assert OWNERS_HINT not in message, message
+
+
+def _refusal_of_a_tuned_oss_to_the_fp16_hook() -> tuple:
+    tuned = TunedOSS([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    wide = OwnersHookState(tuned, torch.float64)  # an fp64 model's own dtype: accepted
+    return _type_error(lambda: fp16_allreduce_hook(tuned, None)), wide.dtype
+
+
+def test_a_subclass_of_shardkits_oss_is_pointed_to_the_owners_hook(world2):
+    for message, wide in world2.run(_refusal_of_a_tuned_oss_to_the_fp16_hook):
+        assert f"a TunedOSS {OWNERS_HINT} (or step_oss_in_ddp_backward" in message, message
+        assert wide == torch.float64
