@@ -105,12 +105,17 @@ class _DeepSpeedAdam(FusedAdamW):
         # DeepSpeed's kernel, the update runs in fp32 from the parameter and gradient, and the
         # parameter is rounded back to its dtype once
         for tile in _tiles(params, grads, exp_avgs, exp_avg_sqs, steps):
-            low, grads_, moments, squares, counts = tile
-            wide = [p.float() for p in low]
-            self._update_alike(group, wide, [g.float() for g in grads_], moments, squares,
-                               counts)
-            for p, p32 in zip(low, wide):
-                p.copy_(p32)
+            self._update_widened(group, *tile)
+
+    def _update_widened(self, group, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
+        """One tile of 16-bit ``params``: updated through fp32 copies of them and of their
+        gradients, rounded back. A function of its own so that the copies are gone when it
+        returns (a loop variable would keep the last one alive through the next tile)."""
+        wide = [p.float() for p in params]
+        self._update_alike(group, wide, [g.float() for g in grads], exp_avgs, exp_avg_sqs,
+                           steps)
+        for p, p32 in zip(params, wide):
+            p.copy_(p32)
 
     def _update_alike(self, group, params, grads, exp_avgs, exp_avg_sqs, steps) -> None:
         """The update of parameters whose moments have their dtype (gradients may differ)."""

@@ -6,10 +6,17 @@ The reference is torch's AdamW / Adam (or the uncorrected update written out) ov
 copies of the parameters, rounded to the 16-bit dtype after each step. Also: the moments stay
 fp32 through ``state_dict`` / ``torch.save`` / ``load_state_dict`` and through OSS at world 2;
 8 bytes of state per parameter; ``fp32_optimizer_states=False`` steps as before.
+
+From a review:
+
+Review of 4820bab (``DeepSpeedCPUAdam`` fp32 moments over fp16/bf16 parameters): the fp32
+copies of a tile do not outlive it, so a step's widened temporaries stay at one tile's
+parameter and gradient copies (the documented bound), not one tile more.
 """
 
 import copy
 import io
+import weakref
 
 import pytest
 import torch
@@ -251,3 +258,41 @@ def test_oss_over_bf16_parameters_resumes_with_fp32_moments(world2):
     for dtypes, same in world2.run(_oss_resume):
         assert dtypes == {torch.float32}
         assert same
+
+
+TILE = 64
+
+
+def _live_widened_at_each_update(monkeypatch, dtype):
+    """Steps one ``dtype`` parameter of 3.5 tiles; returns, at each tile's update, how many
+    fp32 copies made by ``Tensor.float`` from 16-bit tensors are still alive."""
+    monkeypatch.setattr(ops_adam, "_WIDEN_TILE", TILE)
+    made = []
+    widen = torch.Tensor.float
+
+    def recording_float(self, *args, **kwargs):
+        out = widen(self, *args, **kwargs)
+        if self.dtype in (torch.float16, torch.bfloat16):
+            made.append(weakref.ref(out))
+        return out
+
+    counts = []
+    update = DeepSpeedCPUAdam._update_alike
+
+    def counting_update(self, *args, **kwargs):
+        counts.append(sum(ref() is not None for ref in made))
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "float", recording_float)
+    monkeypatch.setattr(DeepSpeedCPUAdam, "_update_alike", counting_update)
+    p = torch.nn.Parameter(torch.randn(TILE * 7 // 2).to(dtype))
+    p.grad = torch.randn_like(p)
+    DeepSpeedCPUAdam([p], lr=1e-2).step()
+    return counts
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_tiles_fp32_copies_are_freed_before_the_next_tile(monkeypatch, dtype):
+    counts = _live_widened_at_each_update(monkeypatch, dtype)
+    assert len(counts) == 4  # 3.5 tiles
+    assert counts == [2] * 4  # this tile's parameter and gradient copies only
