@@ -32,6 +32,19 @@ Pipelines whose first stage is an FSDP or ShardedDataParallel module over its re
 whose second stage is a plain module averaging through ``data_parallel_group``: the ranks of
 the sharded stage waited at every step after the first in an all-reduce over the pipeline
 group that the plain stage's rank never joined (the first step ran; every later one hung).
+
+From a second review:
+
+Second review of the watched ``loss_fn`` (world 2).
+
+A lambda around ``F.cross_entropy`` that guards a micro-batch whose targets are all ignored
+(returning ``out.sum() * 0`` instead of the NaN mean, as many training loops do) was refused
+since the watch: the guarded micro-batch computes no class-index mean, so it was taken for
+"a loss that is no longer one class-index mean" and the step failed on every rank asking for
+``loss_denominator=``. That micro-batch counts nothing (its predicted count is 0), so its
+loss adds no gradient and is left out of the step's loss whatever ``loss_fn`` returns: the
+step now runs with one process's gradients and loss, on GPipe, 1F1B and ZBV, training and
+eval.
 """
 
 import torch
@@ -340,3 +353,70 @@ def test_a_sharded_first_stage_before_a_plain_stage_runs_later_steps(world4):
             assert outcomes[:4] == ["ok"] * 4 and outcomes[5] == "ok", (kind, rank, outcomes)
             refused = outcomes[4]
             assert "chunks=4 is larger than the batch size 2" in refused, (kind, rank, refused)
+
+
+world2 = world_fixture(2, timeout=120)
+
+VOCAB, WIDTH, ROWS, SEQ, CHUNKS = 5, 6, 8, 3, 4
+
+
+def _lm_second(n):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(n - 1)],
+                         nn.Linear(WIDTH, VOCAB))
+
+
+def _guarded_cross_entropy(out, y):
+    """Cross-entropy over the tokens, a zero (not NaN) where every token is ignored."""
+    if (y == -100).all():
+        return out.sum() * 0
+    return F.cross_entropy(out.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def _tokens_rev():
+    """Micro-batches 1 and 2 (of 4) hold only ignored tokens."""
+    torch.manual_seed(1)
+    x, y = torch.randn(ROWS, SEQ, WIDTH), torch.randint(0, VOCAB, (ROWS, SEQ))
+    y[2:6] = -100
+    return x, y
+
+
+def _guarded_lambda_outcomes():
+    """Per schedule and step kind: (worst gradient difference from one process, returned
+    loss, one process's loss), or the error the step raised."""
+    results = {}
+    for name, cls, placement in (("GPipe", ScheduleGPipe, "loop"),
+                                 ("1F1B", Schedule1F1B, "loop"), ("ZBV", ScheduleZBV, "v")):
+        n = 4 if placement == "v" else 2
+        parts = split_sequential(_lm_second(n), [1] * n)
+        stages = {s: PipelineStage(parts[s], s, n, placement=placement) for s in range(n)
+                  if stage_rank(s, n, 2, placement) == dist.get_rank()}
+        schedule = cls(list(stages.values()) if n > 2 else next(iter(stages.values())),
+                       CHUNKS, lambda out, y: _guarded_cross_entropy(out, y))
+        x, y = _tokens_rev()
+        reference = _lm_second(n)
+        expected = _guarded_cross_entropy(reference(x), y)
+        expected.backward()
+        for kind in ("step", "eval"):
+            try:
+                loss = getattr(schedule, kind)(x, target=y)
+            except ValueError as error:
+                results[name, kind] = str(error)
+                continue
+            worst = max((p.grad - r.grad).abs().max().item() for s, stage in stages.items()
+                        for p, r in zip(stage.module.parameters(), reference[s].parameters()))
+            results[name, kind] = (worst, None if loss is None else loss.item(),
+                                   expected.item())
+    return results
+
+
+def test_a_guarded_micro_batch_counting_nothing_is_not_refused(world2):
+    """Was: refused on every rank naming loss_denominator=; now one process's gradients and
+    loss (the guarded micro-batches add nothing)."""
+    for rank, per_schedule in enumerate(world2.run(_guarded_lambda_outcomes)):
+        for (name, kind), outcome in per_schedule.items():
+            assert isinstance(outcome, tuple), (name, kind, rank, outcome)
+            worst, loss, expected = outcome
+            assert worst < 1e-5, (name, kind, rank, worst)
+            if loss is not None:
+                assert abs(loss - expected) < 1e-5, (name, kind, loss, expected)

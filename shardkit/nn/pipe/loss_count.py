@@ -217,7 +217,12 @@ class LossCountWatch:
     def _problem(self, index: int, calls: list, loss) -> Optional[str]:
         """What is wrong with micro-batch ``index``'s call, given what the first one taught:
         a count other than predicted (or than the first's, where none was predicted), or,
-        where counts were predicted, a loss that is no longer that mean alone."""
+        where counts were predicted, a loss that is no longer that mean alone. A micro-batch
+        predicted to count nothing is not checked: its loss is left out of the step's loss
+        and gradients (``loss_fn`` may guard such a micro-batch, returning a zero instead of
+        the NaN mean)."""
+        if self.counts is not None and self.counts[index] == 0:
+            return None  # counts nothing: no gradient, whatever it returns (a guard's zero)
         seen = _masked_mean(calls, loss)
         count = None if seen is None else seen[0]
         if self.counts is not None:
