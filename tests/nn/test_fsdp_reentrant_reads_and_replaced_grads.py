@@ -16,6 +16,25 @@ submodule's parameters read without calling it (``F.linear(t, self.sub.weight)``
 whose module holds no parameter itself (a shape error: the second recomputation read this
 rank's shard). Training matches one process for three steps and the unit is freed after
 each backward.
+
+From a second review:
+
+From a review of the regather before reentrant recomputations (8a32725, 657629e):
+
+a unit that stays gathered from forward to backward (the root, ``reshard_after_forward=False``)
+whose parameters sit in plain submodules and are read only inside reentrant activation
+checkpoints (a model wrapped as one unit under ``gradient_checkpointing_enable(use_reentrant=
+True)``, its embedding frozen) was freed after each checkpoint's backward and all-gathered
+whole again before the next recomputation: one all-gather of the whole unit per checkpoint,
+quadratic in depth for a model wrapped as one unit, for memory the unit keeps anyway. Like a
+unit holding its parameters itself, it now stays exposed until the end of backward: no
+all-gather in backward, training as one process, freed after each backward.
+
+A unit whose own code nests a reentrant checkpoint inside another (``checkpoint(self.outer,
+x)``, ``outer`` calling ``checkpoint(self.inner, t * self.scale)``) was freed as the inner
+checkpoint's backward ended, while the outer one still held views of its parameters
+(``self.scale``): the process died (a segfault) on every rank. It is now freed as the outer
+checkpoint's backward ends, and trains as one process.
 """
 
 import torch
@@ -224,3 +243,122 @@ def test_shardkit_reentrant_checkpoints_reading_a_units_parameters_train_as_one_
 
 def test_a_submodules_parameters_read_without_calling_it_train_as_one_process(world2):
     _check_trains_as_one_process(world2, ("submodule", "torch", True))
+
+
+DEPTH = 4
+
+
+class Layer(nn.Module):
+    """A plain layer whose parameters its parent reads without calling it; the one-row
+    ``scale`` broadcasts, so a rank reading its shard of it computes silently."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.scale = nn.Parameter(torch.rand(1, 4) + 0.5)
+
+
+class CheckpointedLayers(nn.Module):
+    """Holds no parameter itself; reads each layer's parameters in a reentrant checkpoint of
+    its own."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(Layer() for _ in range(DEPTH))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = checkpoint(lambda t, own=layer: torch.tanh(F.linear(t, own.weight) * own.scale) + t,
+                           x, use_reentrant=True)
+        return x
+
+
+class NestedCheckpoints(nn.Module):
+    """Reads ``scale`` in an outer reentrant checkpoint and ``weight`` in one nested in it,
+    twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.scale = nn.Parameter(torch.rand(1, 4) + 0.5)
+
+    def inner(self, t):
+        return torch.tanh(F.linear(t, self.weight))
+
+    def outer(self, t):
+        return checkpoint(self.inner, t * self.scale, use_reentrant=True) + t
+
+    def forward(self, x):
+        return checkpoint(self.outer, checkpoint(self.outer, x, use_reentrant=True),
+                          use_reentrant=True)
+
+
+class NestedInBlock(nn.Module):
+    """``NestedCheckpoints`` as the block of a root holding the layers around it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 4)
+        self.block = NestedCheckpoints()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.block(self.inp(x)))
+
+
+def _nested_model(root_kwargs: dict) -> tuple:
+    net = NestedInBlock()
+    net.block = FSDP(net.block)
+    return NestedInBlock(), FSDP(net, **root_kwargs), net.block
+
+
+def _kept_gathered_model(unit_kwargs: dict) -> tuple:
+    model = FSDP(CheckpointedLayers(), **unit_kwargs)
+    return CheckpointedLayers(), model, model
+
+
+def _train_built_against_one_process(build: str, kwargs: dict) -> dict:
+    """Three SGD steps of an FSDP model against one process on the whole batch: the largest
+    weight difference after each, the all-gathers run inside each backward, and whether the
+    checked unit stayed gathered after each backward."""
+    world, rank = skdist.get_world_size(), skdist.get_rank()
+    builder = {"kept gathered": _kept_gathered_model, "nested": _nested_model}[build]
+    reference, model, unit = builder(kwargs)
+    optim = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.05)
+    out = {"diffs": [], "gathers_in_backward": [], "gathered_after_backward": []}
+    for step in range(3):
+        batches = torch.randn(world, 3, 4, generator=torch.Generator().manual_seed(step))
+        optim.zero_grad()
+        ref_optim.zero_grad()
+        loss = model(batches[rank].requires_grad_()).pow(2).sum()
+        with skdist.CommCounter() as comm:
+            loss.backward()
+        out["gathers_in_backward"].append(sum(n for op, n in comm.calls_by_op.items()
+                                              if "gather" in op))
+        out["gathered_after_backward"].append(unit._shard.gathered)
+        optim.step()
+        sum(reference(b.requires_grad_()).pow(2).sum() for b in batches).div(world).backward()
+        ref_optim.step()
+        with model.summon_full_params():
+            mine = [p.detach().clone() for p in model.parameters()]
+        out["diffs"].append(max((a - b).abs().max().item()
+                                for a, b in zip(mine, reference.parameters())))
+    return out
+
+
+def test_a_kept_gathered_unit_read_only_in_checkpoints_is_not_gathered_again(world2):
+    for unit_kwargs in ({}, {"reshard_after_forward": False}):
+        for r in world2.run(_train_built_against_one_process, "kept gathered", unit_kwargs):
+            assert max(r["diffs"]) < 1e-6, (unit_kwargs, r)
+            assert r["gathers_in_backward"] == [0] * 3, (unit_kwargs, r)
+            assert r["gathered_after_backward"] == [False] * 3, (unit_kwargs, r)
+
+
+def test_a_checkpoint_nested_in_a_checkpoint_trains_as_one_process(world2):
+    for root_kwargs in ({}, {"disable_reshard_on_root": False}):
+        for r in world2.run(_train_built_against_one_process, "nested", root_kwargs):
+            assert max(r["diffs"]) < 1e-6, (root_kwargs, r)
+            assert r["gathered_after_backward"] == [False] * 3, (root_kwargs, r)

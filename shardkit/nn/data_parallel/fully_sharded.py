@@ -686,9 +686,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._comm_hook_state = None
         self._gathers_before_hooks_of: set = set()  # ids of modules (see _gather_for_hooks)
         self._regathers_for_recomputations = False  # see _regather_for_later_recomputations
-        # the pre-hooks this backward put on the unit's own reentrant checkpoints' nodes, by
-        # the node's id (see _gather_before_later_checkpoints)
+        # the (pre-hook, post-hook) handles this backward put on the unit's own reentrant
+        # checkpoints' nodes, by the node's id (see _gather_before_later_checkpoints)
         self._checkpoint_gathers: dict = {}
+        self._checkpoint_backwards_running = 0  # of those checkpoints (see _free_after_checkpoint)
+        self._free_owed = False
         self._forward_began = 0  # the autograd sequence number as the last forward began
         self.training_state = TrainingState.IDLE
         # root-only iteration state (see "Note: prefetch order")
@@ -1479,30 +1481,30 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             root._replicas_pending = [shard] if shard.replicate_group is not None else []
         else:
             shard.seal_held_grads()
-        if recomputed_only and self._read_directly_in_its_own_code(shard):
+        if recomputed_only and self._stays_gathered_for_backward():
             self._expose_for_later_recomputations(shard)
+        elif recomputed_only and self._checkpoint_backwards_running:
+            # Note: a checkpoint nested in the checkpoint whose backward runs (``checkpoint(
+            # self.outer, x)`` whose code calls ``checkpoint(self.inner, t * self.scale)``)
+            # ends its own backward first: the outer one still holds views of the gathered
+            # parameters (``self.scale``); freed now, it read freed memory (a segfault).
+            # The outer checkpoint's node frees the unit as its backward ends.
+            self._free_owed = True
         else:
             self._release_after_backward(shard)
         if recomputed_only:  # a later use's backward (a block shared by two layers) gathers
             self._pre_backward_done = False
             self._regather_for_later_recomputations(shard)
 
-    def _read_directly_in_its_own_code(self, shard: FlatParamShard) -> bool:
-        """Whether the wrapped module holds some of the unit's parameters itself (the root's
-        ``self.weight``, read functionally as ``F.linear(x, self.weight)``), which no module
-        call announces, and the unit stays gathered from forward to backward anyway (the
-        root; ``reshard_after_forward=False``). Local."""
-        return self._stays_gathered_for_backward() and _holds_parameters_itself(self, shard)
-
     def _reads_own_parameters_after_a_free(self) -> bool:
         """Whether a recomputation may read this unit's parameters in the wrapped module's own
         code after a reentrant checkpoint's backward freed the unit (see
-        :meth:`_gather_before_later_checkpoints`): every unit with parameters but those
-        exposed again instead (:meth:`_read_directly_in_its_own_code`). Whether the module
-        holds them itself does not matter: its code may read a plain submodule's parameters
-        without calling it (``F.linear(t, self.proj.weight)``), which no module call
-        announces. Local."""
-        return self._shard is not None and not self._read_directly_in_its_own_code(self._shard)
+        :meth:`_gather_before_later_checkpoints`): every unit with parameters but those that
+        stay gathered for backward, exposed again instead
+        (:meth:`_expose_for_later_recomputations`). Whether the module holds them itself does
+        not matter: its code may read a plain submodule's parameters without calling it
+        (``F.linear(t, self.proj.weight)``), which no module call announces. Local."""
+        return self._shard is not None and not self._stays_gathered_for_backward()
 
     def _forward_span(self) -> Optional[tuple]:
         """At the end of a forward outside backward, for a unit whose own code may read its
@@ -1531,8 +1533,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         announces nothing: it read this rank's row shard (a shape error, or wrong numbers
         where the shapes broadcast). Reentrant checkpoints are torch's and
         ``shardkit.checkpointing.checkpoint``'s. Units that stay gathered (the root,
-        ``reshard_after_forward=False``) and hold parameters themselves are exposed again
-        instead (:meth:`_expose_for_later_recomputations`); freed units are gathered just before the
+        ``reshard_after_forward=False``) are exposed again instead
+        (:meth:`_expose_for_later_recomputations`); freed units are gathered just before the
         checkpoint's recomputation, so the memory stays that of one unit. Cost: one walk over
         the autograd nodes the unit's forward made, per backward, for units whose backward
         reads no forward views; one all-gather and one reduce-scatter per further
@@ -1550,24 +1552,42 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         for node in _reentrant_checkpoints_in(output_node, *span):
             if id(node) not in self._checkpoint_gathers \
                     and torch._C._will_engine_execute_node(node):
-                self._checkpoint_gathers[id(node)] = node.register_prehook(hook)
+                self._checkpoint_gathers[id(node)] = (
+                    node.register_prehook(hook),
+                    node.register_hook(_eager(weakly_bound(self._free_after_checkpoint))))
 
     def _gather_before_a_checkpoint(self, grad_outputs) -> None:
         """Pre-hook of a reentrant checkpoint's node (see
-        :meth:`_gather_before_later_checkpoints`): gather and expose the unit, unless it is
-        exposed or the root's backward is over."""
+        :meth:`_gather_before_later_checkpoints`): unless the root's backward is over, count
+        the checkpoint's backward as running (see :meth:`_free_after_checkpoint`) and gather
+        and expose the unit unless it is exposed."""
         root, shard = self._root, self._shard
-        if root is None or shard is None or shard._exposed or not root._final_callback_queued:
+        if root is None or shard is None or not root._final_callback_queued:
             return None
-        self._pre_backward_hook(None)
+        self._checkpoint_backwards_running += 1
+        if not shard._exposed:
+            self._pre_backward_hook(None)
+        return None
+
+    def _free_after_checkpoint(self, grad_inputs, grad_outputs) -> None:
+        """Post-hook of a reentrant checkpoint's node (see
+        :meth:`_gather_before_later_checkpoints`): its backward is over; free the unit if a
+        reduction inside it owed the free (see :meth:`_on_grad_ready`)."""
+        self._checkpoint_backwards_running = max(0, self._checkpoint_backwards_running - 1)
+        if self._checkpoint_backwards_running == 0 and self._free_owed:
+            self._free_owed = False
+            self._release_after_backward(self._shard)
         return None
 
     def _drop_checkpoint_gathers(self) -> None:
-        """End of a backward (finished or failed): remove the checkpoint pre-hooks it put.
+        """End of a backward (finished or failed): remove the checkpoint hooks it put.
         Local."""
-        for handle in self._checkpoint_gathers.values():
-            handle.remove()
+        for handles in self._checkpoint_gathers.values():
+            for handle in handles:
+                handle.remove()
         self._checkpoint_gathers = {}
+        self._checkpoint_backwards_running = 0
+        self._free_owed = False
 
     def _expose_for_later_recomputations(self, shard: FlatParamShard) -> None:
         """After a reentrant checkpoint's backward reduced the unit (see :meth:`_on_grad_ready`):
@@ -1576,9 +1596,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         module itself reads them whole. Before, such a read (``F.linear(t, self.weight)`` in a
         second ``checkpoint(self.region, x, use_reentrant=True)`` of the root) got this rank's
         shard: no module call's pre-hook (:meth:`_regather_for_later_recomputations`) could
-        gather it. Its gradient is reduced once more, as for a re-gathered unit. Memory: the
-        unit stays gathered as it did from its forward on; the end of backward frees it.
-        Local."""
+        gather it. Its gradient is reduced once more, as for a re-gathered unit. Also for a
+        unit whose parameters sit in plain submodules (a model wrapped as one unit under HF's
+        reentrant gradient checkpointing): freed, it was all-gathered whole again before each
+        later recomputation, for memory it keeps anyway. Memory: the unit stays gathered as it
+        did from its forward on; the end of backward frees it. Local."""
         with torch.enable_grad():
             shard.expose()
 
@@ -2765,12 +2787,6 @@ class _GatheredWhenRecomputed:
 
     def __reduce__(self):
         return _GatheredWhenRecomputed, (self.forward, self.unit())
-
-
-def _holds_parameters_itself(unit: FullyShardedDataParallel, shard: FlatParamShard) -> bool:
-    """Whether ``unit``'s wrapped module holds some of the shard's parameters itself (read in
-    its own code, not through a submodule's call). Local."""
-    return any(m is unit.module for locs in shard.locations for m, _ in locs)
 
 
 # the autograd node types of the reentrant checkpoints (see _reentrant_checkpoints_in)
