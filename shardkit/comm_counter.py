@@ -145,13 +145,15 @@ class CommCounter:
 
     def _calls_split_by_node(self) -> list:
         """The records, once each is known to span nodes or not; else a RuntimeError saying
-        why (a process group made by hand, its ranks not numbered node by node)."""
+        why (a world made by torch under a launcher other than torchrun, its nodes never
+        gathered)."""
         unknown = [r.op for r in self.calls if r.spans_nodes is None]
         if unknown:
             raise RuntimeError(
                 f"CommCounter: which of {len(unknown)} recorded op(s) ({sorted(set(unknown))}) "
-                f"spanned nodes is unknown on this rank: its GROUP_RANK says the ranks are not "
-                f"numbered node by node, and the node of every rank was not gathered; call "
+                f"spanned nodes is unknown on this rank: GROUP_RANK was set by a launcher "
+                f"other than torchrun, which may not number the ranks node by node, and the "
+                f"node of every rank was not gathered; call "
                 f"shardkit.distributed.node_groups() (or init_distributed()) on every rank "
                 f"before counting (bytes and by_op are right as they are)")
         return list(self.calls)

@@ -61,6 +61,12 @@ def _what_each_rank_knows() -> dict:
             skd.node_of(rank ^ 1)
         out["node_of"] = str(info.value)
         out["spans_before"] = [skd.spans_nodes_if_known(group) for group in mine]
+        with CommCounter() as comm:
+            skd.all_reduce(torch.ones(10), group=mine[0])  # its pair: [0, 1] or [2, 3]
+        try:
+            out["split_before"] = comm.inter_node_bytes
+        except RuntimeError as error:
+            out["split_before"] = str(error)
         out["world_spans"] = skd.spans_nodes(None)  # 4 ranks cannot fit on a node of 2
         for group in mine:
             ranks = skd.group_ranks(group)
@@ -80,6 +86,8 @@ def test_round_robin_sub_groups_split_alike_on_every_rank(round_robin4):
         assert r["init_layout"] == [0, 1, 0, 1]
         assert "node_groups()" in r["node_of"] and "GROUP_RANK" in r["node_of"], r["node_of"]
         assert r["spans_before"] == [None, None], r["spans_before"]
+        assert "GROUP_RANK was set by a launcher other than torchrun" in r["split_before"] \
+            and "node_groups()" in r["split_before"], r["split_before"]
         assert r["world_spans"] is True
         pair, column = (rank - rank % 2, rank - rank % 2 + 1), (rank % 2, rank % 2 + 2)
         assert r[pair] == ([[pair[0]], [pair[1]]], 0.0, 40.0), (rank, r[pair])
