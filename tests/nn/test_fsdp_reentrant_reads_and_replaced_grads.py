@@ -90,26 +90,32 @@ def _train_against_one_process(root_kwargs: dict) -> dict:
     return _three_steps_beside_one_process(reference, model, model.block)
 
 
-def _three_steps_beside_one_process(reference: nn.Module, model: FSDP, unit: FSDP) -> dict:
-    """Three SGD steps of ``model`` (FSDP) and of ``reference`` on the whole batch: the largest
-    difference of the weights after each, and whether ``unit`` stayed gathered after each
-    backward (or the backward's error)."""
+def _three_steps_beside_one_process(reference: nn.Module, model: FSDP, unit: FSDP,
+                                    lr: float = 0.1) -> dict:
+    """Three SGD steps of ``model`` (FSDP) and of ``reference`` on the whole batch (inputs that
+    require grad, as a reentrant checkpoint on the input needs): the largest difference of the
+    weights after each, the all-gathers run inside each backward, and whether ``unit`` stayed
+    gathered after each backward (or the backward's error)."""
     world, rank = skdist.get_world_size(), skdist.get_rank()
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1)
-    out = {"diffs": [], "gathered_after_backward": []}
+    optim = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=lr)
+    out = {"diffs": [], "gathers_in_backward": [], "gathered_after_backward": []}
     for step in range(3):
         batches = torch.randn(world, 3, 4, generator=torch.Generator().manual_seed(step))
         optim.zero_grad()
         ref_optim.zero_grad()
         try:
-            model(batches[rank]).pow(2).sum().backward()
+            loss = model(batches[rank].requires_grad_()).pow(2).sum()
+            with skdist.CommCounter() as comm:
+                loss.backward()
         except RuntimeError as error:
             out["error"] = str(error)
             return out
+        out["gathers_in_backward"].append(sum(n for op, n in comm.calls_by_op.items()
+                                              if "gather" in op))
         out["gathered_after_backward"].append(unit._shard.gathered)
         optim.step()
-        sum(reference(b).pow(2).sum() for b in batches).div(world).backward()
+        sum(reference(b.requires_grad_()).pow(2).sum() for b in batches).div(world).backward()
         ref_optim.step()
         with model.summon_full_params():
             mine = [p.detach().clone() for p in model.parameters()]
@@ -320,33 +326,9 @@ def _kept_gathered_model(unit_kwargs: dict) -> tuple:
 
 
 def _train_built_against_one_process(build: str, kwargs: dict) -> dict:
-    """Three SGD steps of an FSDP model against one process on the whole batch: the largest
-    weight difference after each, the all-gathers run inside each backward, and whether the
-    checked unit stayed gathered after each backward."""
-    world, rank = skdist.get_world_size(), skdist.get_rank()
+    """:func:`_three_steps_beside_one_process` of a model ``build`` names."""
     builder = {"kept gathered": _kept_gathered_model, "nested": _nested_model}[build]
-    reference, model, unit = builder(kwargs)
-    optim = torch.optim.SGD(model.parameters(), lr=0.05)
-    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.05)
-    out = {"diffs": [], "gathers_in_backward": [], "gathered_after_backward": []}
-    for step in range(3):
-        batches = torch.randn(world, 3, 4, generator=torch.Generator().manual_seed(step))
-        optim.zero_grad()
-        ref_optim.zero_grad()
-        loss = model(batches[rank].requires_grad_()).pow(2).sum()
-        with skdist.CommCounter() as comm:
-            loss.backward()
-        out["gathers_in_backward"].append(sum(n for op, n in comm.calls_by_op.items()
-                                              if "gather" in op))
-        out["gathered_after_backward"].append(unit._shard.gathered)
-        optim.step()
-        sum(reference(b.requires_grad_()).pow(2).sum() for b in batches).div(world).backward()
-        ref_optim.step()
-        with model.summon_full_params():
-            mine = [p.detach().clone() for p in model.parameters()]
-        out["diffs"].append(max((a - b).abs().max().item()
-                                for a, b in zip(mine, reference.parameters())))
-    return out
+    return _three_steps_beside_one_process(*builder(kwargs), lr=0.05)
 
 
 def test_a_kept_gathered_unit_read_only_in_checkpoints_is_not_gathered_again(world2):
