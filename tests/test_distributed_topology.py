@@ -6,7 +6,7 @@ ranks; tests/cluster/ runs the same on real separate nodes."""
 import pytest
 import torch
 
-from shardkit import distributed as skd
+from shardkit import distributed as skd, topology
 from shardkit.distributed import CommCounter
 from shardkit.testing import World, patched_environ
 
@@ -89,8 +89,8 @@ def _cyclic_topology():
     """Node groups when the launcher numbers ranks round-robin over the nodes (srun's cyclic
     distribution): ranks 0 and 2 on node 0, ranks 1 and 3 on node 1."""
     rank = skd.get_rank()
-    saved = (getattr(skd, "_layout", None), skd._node_groups)
-    skd._layout = skd._node_groups = None
+    saved = (getattr(topology, "_layout", None), topology._node_groups)
+    topology._layout = topology._node_groups = None
     try:
         with patched_environ(GROUP_RANK=str(rank % 2), LOCAL_RANK=str(rank // 2)):
             intra, inter = skd.node_groups()
@@ -98,7 +98,7 @@ def _cyclic_topology():
                     "nodes": [skd.node_of(r) for r in range(4)],
                     "spans": [skd.spans_nodes(intra), skd.spans_nodes(inter)]}
     finally:
-        skd._layout, skd._node_groups = saved
+        topology._layout, topology._node_groups = saved
         skd._spanning.clear()
 
 
@@ -121,14 +121,14 @@ def test_layout_from_group_rank_then_host_then_rank_order():
 
 
 def _uneven_layout():
-    saved = skd._layout
-    skd._layout = (skd._layout[0], [0, 0, 0, 1])
+    saved = topology._layout
+    topology._layout = (topology._layout[0], [0, 0, 0, 1])
     try:
         skd.ranks_per_node()
     except RuntimeError as err:
         return str(err)
     finally:
-        skd._layout = saved
+        topology._layout = saved
 
 
 def test_uneven_nodes_from_group_rank_are_the_same_error_on_every_rank(nodes2x2):
@@ -153,8 +153,8 @@ def _numbered(cyclic: bool) -> dict:
     from shardkit.quantized_transport import QuantizedTransport
 
     rank = skd.get_rank()
-    saved = (skd._layout, skd._node_groups)
-    skd._layout = skd._node_groups = None
+    saved = (topology._layout, topology._node_groups)
+    topology._layout = topology._node_groups = None
     skd._spanning.clear()
     node, local = (rank % 2, rank // 2) if cyclic else (rank // 2, rank % 2)
     out = {}
@@ -199,7 +199,7 @@ def _numbered(cyclic: bool) -> dict:
                 psi = sum(u.unit_numel for u in model.sharded_units())
                 out[name] = (comm.inter_node_elements, psi, model.state_dict())
     finally:
-        skd._layout, skd._node_groups = saved
+        topology._layout, topology._node_groups = saved
         skd._spanning.clear()
     return out
 
@@ -251,8 +251,8 @@ def _uneven_layout_for_the_multi_node_paths():
     from shardkit.quantized_comm import node_groups
     from shardkit.quantized_transport import QuantizedTransport
 
-    saved = skd._layout
-    skd._layout = (skd._layout[0], [0, 0, 0, 1])
+    saved = topology._layout
+    topology._layout = (topology._layout[0], [0, 0, 0, 1])
     try:
         with CommCounter() as comm, pytest.raises(ValueError) as info:
             node_groups()
@@ -263,7 +263,7 @@ def _uneven_layout_for_the_multi_node_paths():
         return str(info.value), len(comm.calls), [str(w.message) for w in caught], \
             transport.describe(None)
     finally:
-        skd._layout = saved
+        topology._layout = saved
 
 
 def test_uneven_nodes_are_an_error_before_any_group_or_a_flat_fallback(nodes2x2):

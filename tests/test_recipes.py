@@ -207,7 +207,8 @@ def _unit_first_used_at_step_2_steps():
     return True
 
 
-MECHANISM = ("distributed.py", "comm_counter.py", "transport.py", "shm_transport.py",
+MECHANISM = ("distributed.py", "process_groups.py", "broken_links.py", "topology.py",
+             "dist_setup.py", "comm_counter.py", "transport.py", "shm_transport.py",
              "quantized_transport.py", "quantized_comm.py", "comm_hooks.py", "fault.py", "nn",
              "optim", "kernels", "checkpoint", "utils")
 POLICY = {"shardkit.recipes", "shardkit.engine", "shardkit.demo", "shardkit.plan",

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from shardkit import distributed as skd
+from shardkit import distributed as skd, topology
 from shardkit.distributed import CommCounter
 from shardkit.testing import World, node_and_local_rank, patched_environ
 
@@ -35,13 +35,13 @@ def round_robin4():
 def _layout_not_gathered():
     """Inside, the rank knows nothing of the other ranks' nodes, as after torch's own
     ``init_process_group`` (shardkit's ``init_distributed`` gathered them)."""
-    saved = skd._layout
-    skd._layout = None
+    saved = topology._layout
+    topology._layout = None
     skd._spanning.clear()
     try:
         yield
     finally:
-        skd._layout = saved
+        topology._layout = saved
         skd._spanning.clear()
         for cache in skd._GROUP_CACHES:  # the nodes gathered over sub-groups in the block
             cache.forget()
