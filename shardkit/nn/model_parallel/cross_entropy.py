@@ -13,6 +13,11 @@ floats; fp64 for fp64 logits), which becomes the softmax kept for backward; back
 more for the gradient (and its fp16/bf16 copy for such logits). The full ``tokens * V`` logits
 never exist. Backward needs no communication:
 ``d loss / d logits = softmax - one_hot(target)``, restricted to the shard.
+
+Under ``create_graph=True`` (Hessian-vector products, gradient penalties) that gradient is
+itself differentiable, as ``F.cross_entropy``'s: a second backward through it costs one
+all-reduce of one float per token (the softmax's Jacobian needs a sum over the vocabulary)
+and a few more buffers of the shard's size.
 """
 
 from __future__ import annotations
@@ -23,15 +28,22 @@ import torch
 
 from shardkit import distributed
 from shardkit.nn.model_parallel.initialize import get_model_parallel_group
+from shardkit.nn.model_parallel.mappings import (copy_to_model_parallel_region,
+                                                 reduce_from_model_parallel_region)
 from shardkit.nn.model_parallel.utils import check_indices
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Returns ``(loss, softmax)``. The softmax (this rank's slice) is the buffer backward needs
+    anyway; as an output it anchors the gradient's graph under ``create_graph=True``: the
+    gradient is written in terms of it, so a second backward comes back here through it."""
+
     @staticmethod
     def forward(ctx, logits, target, ignore_index, label_smoothing, group):
-        ctx.logits_dtype = logits.dtype
+        ctx.set_materialize_grads(False)  # None, not zeros, for an output that got no gradient
+        ctx.logits_dtype, ctx.group = logits.dtype, group
         per_rank = logits.shape[-1]
         vocab = per_rank * distributed.get_world_size(group)
         start = distributed.get_rank(group) * per_rank
@@ -69,19 +81,58 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax = exp.div_(sums[0].unsqueeze(-1))
         ctx.label_smoothing, ctx.vocab = label_smoothing, vocab
         ctx.save_for_backward(softmax, safe_target, ours & ~ignored, ignored)
-        return loss
+        return loss, softmax
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, grad_softmax):
         softmax, safe_target, subtract_one, ignored = ctx.saved_tensors
-        smoothing = ctx.label_smoothing
-        # d loss / d logit_j = p_j - (1 - s) [j = target] - s / V
-        grad = softmax - smoothing / ctx.vocab if smoothing else softmax.clone()
-        grad.scatter_add_(-1, safe_target.unsqueeze(-1),
-                          -(1.0 - smoothing) * subtract_one.to(grad.dtype).unsqueeze(-1))
-        grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
-        grad.mul_(grad_loss.unsqueeze(-1))
+        if grad_loss is None and grad_softmax is None:  # neither output reached the loss
+            return None, None, None, None, None
+        if torch.is_grad_enabled() or grad_softmax is not None:
+            grad = _differentiable_logits_grad(ctx, softmax, safe_target, subtract_one, ignored,
+                                               grad_loss, grad_softmax)
+        else:
+            grad = _logits_grad(ctx, softmax, safe_target, subtract_one, ignored, grad_loss)
         return grad.to(ctx.logits_dtype), None, None, None, None
+
+
+def _logits_grad(ctx, softmax, safe_target, subtract_one, ignored, grad_loss):
+    """The gradient of the logits slice from the loss's, in place on one new buffer (a plain
+    backward). No communication."""
+    smoothing = ctx.label_smoothing
+    # d loss / d logit_j = p_j - (1 - s) [j = target] - s / V
+    grad = softmax - smoothing / ctx.vocab if smoothing else softmax.clone()
+    grad.scatter_add_(-1, safe_target.unsqueeze(-1),
+                      -(1.0 - smoothing) * subtract_one.to(grad.dtype).unsqueeze(-1))
+    grad.masked_fill_(ignored.unsqueeze(-1), 0.0)
+    grad.mul_(grad_loss.unsqueeze(-1))
+    return grad
+
+
+def _differentiable_logits_grad(ctx, softmax, safe_target, subtract_one, ignored, grad_loss,
+                                grad_softmax):
+    """The gradient of the logits slice under ``create_graph=True`` (double backward: Hessian-
+    vector products, gradient penalties), out of place so that it is itself differentiable, and
+    in a second backward (``grad_softmax``: what reached the softmax output) the softmax's own
+    Jacobian: ``p_k (u_k - sum_j u_j p_j)`` over the whole vocabulary, one all-reduce of one
+    float per token over the tensor-parallel group (differentiable too, through the mappings).
+    Memory: a few buffers of the slice's size."""
+    grad = None
+    if grad_loss is not None:
+        # grad_loss is the same on every rank (the loss is); used by this rank's slice only
+        grad_loss = copy_to_model_parallel_region(grad_loss, group=ctx.group)
+        smoothing = ctx.label_smoothing
+        one_hot = torch.zeros_like(softmax).scatter_(
+            -1, safe_target.unsqueeze(-1), subtract_one.to(softmax.dtype).unsqueeze(-1))
+        d_loss = softmax - (1.0 - smoothing) * one_hot - smoothing / ctx.vocab
+        grad = d_loss.masked_fill(ignored.unsqueeze(-1), 0.0) * grad_loss.unsqueeze(-1)
+    if grad_softmax is not None:
+        local = (grad_softmax * softmax).sum(dim=-1)
+        whole = reduce_from_model_parallel_region(local, group=ctx.group)
+        whole = copy_to_model_parallel_region(whole, group=ctx.group)
+        through_softmax = softmax * (grad_softmax - whole.unsqueeze(-1))
+        grad = through_softmax if grad is None else grad + through_softmax
+    return grad
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
@@ -89,7 +140,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
                                  group=None) -> torch.Tensor:
     """Per-token cross-entropy of vocabulary-split logits; same values and gradients as
     ``F.cross_entropy(full_logits.view(-1, V), target.view(-1), reduction="none",
-    ignore_index=ignore_index, label_smoothing=label_smoothing)``.
+    ignore_index=ignore_index, label_smoothing=label_smoothing)``, second derivatives
+    (``create_graph=True``) included.
 
     Args:
         vocab_parallel_logits: ``[..., V/n]``, this rank's slice of the vocabulary (rank ``r``
@@ -121,8 +173,9 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     vocab = distributed.get_world_size(group) * vocab_parallel_logits.shape[-1]
     # before the collectives: a bad target would otherwise just match no rank's slice
     check_indices(target, vocab, "vocab_parallel_cross_entropy: target", "V", ignore_index)
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, int(ignore_index),
-                                            float(label_smoothing), group)
+    loss, _ = _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, int(ignore_index),
+                                               float(label_smoothing), group)
+    return loss
 
 
 def _check_arguments(logits, target, ignore_index, label_smoothing) -> None:
