@@ -88,7 +88,7 @@ import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from shardkit import distributed
+from shardkit import distributed, engine_direct_step, engine_export
 from shardkit.config import TORCH_SCHEDULER_TYPES, ConfigError, EngineConfig, load_config
 from shardkit.deepspeed_compat import ensure_process_group
 from shardkit.engine_accessors import DeepSpeedAccessors, LossScaleReading
@@ -354,6 +354,7 @@ def _guard_direct_steps(engine) -> None:
         return
     if optimizer not in _STEP_OWNERS:
         optimizer.register_step_pre_hook(_refuse_direct_step)
+        optimizer.register_step_post_hook(engine_direct_step.close_carried_step)
     _STEP_OWNERS[optimizer] = weakref.ref(engine)
 
 
@@ -404,9 +405,13 @@ def _refuse_direct_step(optimizer, args, kwargs) -> None:
         return None
     # as engine.step(): on a GPU torch's AdamW would count the step on its (host) step
     # tensors, then fail on the moments, so the bias correction would drift by one
-    engine._agree_on_step("engine.optimizer.step()")
+    carry = {call: arguments for call, arguments in engine._oss_calls_to_carry().items()
+             if call == "step"}  # (no clip here: the script clips, or not, by itself)
+    agreed = engine._agree_on_step("engine.optimizer.step()", carry=carry)
+    engine._weights_version += 1
     steps = engine.config.gradient_accumulation_steps
     if steps == 1:
+        engine_direct_step.open_carried_step(optimizer, agreed)
         return None
     raise RuntimeError(
         f"engine.optimizer.step() was called directly with gradient_accumulation_steps={steps}: "
@@ -754,6 +759,10 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             self.optimizer.overflow = False
         _guard_direct_steps(self)
         _expose_offload_on_optimizer(self)
+        self._export_serial = engine_export.next_engine_serial()
+        # bumped on every rank wherever the weights may change (a step, direct or not; a load):
+        # keeps save_16bit_model's outcome of one state apart from another's
+        self._weights_version = 0
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = _loss_scaler(cfg)
         self._publish_loss_scale()
@@ -980,8 +989,8 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if exclude_frozen_parameters:
             from shardkit.checkpoint.engine_state import _frozen_state_names
             excluded = _frozen_state_names(self)
-        gathered = self.model_parallel is not None or self.zero_stage == 3
-        if gathered and call is not None:  # the gather would meet a stepping rank's agreement
+        # the gather would meet a stepping rank's agreement
+        if self._gathers_full_weights and call is not None:
             self._agree_on_step_skipped(call, keeps_step_owed=True)
         if self.model_parallel is not None:
             from shardkit.nn.model_parallel.full_state import full_model_state_dict
@@ -1424,6 +1433,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             raise ValueError(f"engine.step(lr_kwargs={lr_kwargs!r}): expected a dict of keyword "
                              f"arguments for lr_scheduler.step(), or None")
         torch_backward = self._backwards_since_step == 0
+        engine_direct_step.close_carried_step(self.optimizer)  # left open by a failed step
         if self.is_gradient_accumulation_boundary():
             agreed_in_advance = self._agree_on_step(carry=self._oss_calls_to_carry())
             if self.lr_scheduler is not None:  # the scheduler steps at the boundary only
@@ -1441,6 +1451,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             self._last_step_applied = False  # DeepSpeed: a step inside the window applies nothing
         self._forwards_since_step = self._backwards_since_step = 0
         self.micro_steps += 1
+        self._weights_version += 1
 
     def deepspeed_io(self, dataset, batch_size: Optional[int] = None, route: str = "train",
                      pin_memory: bool = True, data_sampler=None, collate_fn=None,
@@ -1680,19 +1691,49 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         under tensor parallelism the unsplit model's, see :meth:`module_state_dict`), floating
         tensors in the compute dtype (fp16/bf16; fp32 without mixed precision), written by rank
         0 to ``save_dir/save_filename`` through a temporary file renamed into place, so a crash
-        leaves no partial file; a failure to write raises ``RuntimeError`` on every rank.
-        ``exclude_frozen_parameters`` drops parameters that do not require grad.
-        Collective (every rank calls it). Memory: the full model on each rank at stage 3 (rank 0
-        elsewhere); communication: stage 3's gather of every unit, plus one small broadcast."""
+        leaves no partial file; a failure to write raises ``RuntimeError`` on every rank that
+        calls it. ``exclude_frozen_parameters`` drops parameters that do not require grad.
+
+        Stage 3 and tensor parallelism gather the weights: every rank must call it (a rank
+        owing a step joins the step agreement first). At stages 0-2 without tensor parallelism
+        it makes no collective, so rank 0 may call it alone (``if rank == 0:``, as DeepSpeed
+        scripts do), also between backward and step; the other ranks, when they call it, learn
+        rank 0's outcome from the store (:mod:`shardkit.engine_export`). Memory: the full
+        model on each rank at stage 3 (rank 0 elsewhere)."""
         if not isinstance(save_filename, str) or not save_filename or os.sep in save_filename:
             raise ValueError(f"engine.save_16bit_model(save_filename={save_filename!r}): must be "
                              f"a file name (no directory part)")
+        path = os.path.join(save_dir, save_filename)
+        if not self._gathers_full_weights:
+            return self._save_16bit_model_locally(path, exclude_frozen_parameters)
         self._agree_on_step_skipped("engine.save_16bit_model()", keeps_step_owed=True)
         state = self._16bit_state_dict(exclude_frozen_parameters, call=None)
-        path = os.path.join(save_dir, save_filename)
         error = _write_atomically(state, path) if distributed.get_rank() == 0 else None
         if distributed.is_initialized():  # every rank learns the outcome: none waits on a failure
             error = distributed.broadcast_object(error, src=0)
+        if error is not None:
+            raise RuntimeError(f"engine.save_16bit_model: rank 0 could not write {path}: {error}")
+        return True
+
+    @property
+    def _gathers_full_weights(self) -> bool:
+        """Whether the full weights are gathered (stage 3, tensor parallelism): a collective."""
+        return self.model_parallel is not None or self.zero_stage == 3
+
+    def _save_16bit_model_locally(self, path: str, exclude_frozen_parameters: bool) -> bool:
+        """:meth:`save_16bit_model` where every rank holds the whole model: rank 0 writes and
+        posts its outcome on the store; the other ranks read it there (no collective)."""
+        rank = distributed.get_rank() if distributed.is_initialized() else 0
+        error = None
+        if rank == 0:
+            state = self._16bit_state_dict(exclude_frozen_parameters, call=None)
+            error = _write_atomically(state, path)
+        if distributed.get_world_size() > 1:
+            key = engine_export.outcome_key(self._export_serial, self._weights_version, path)
+            if rank == 0:
+                engine_export.post_outcome(key, error)
+            else:
+                error = engine_export.await_outcome(key, path)
         if error is not None:
             raise RuntimeError(f"engine.save_16bit_model: rank 0 could not write {path}: {error}")
         return True
@@ -2245,6 +2286,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         if kept is not None:
             self._restore_training_position(kept)
         self._publish_loss_scale()
+        self._weights_version += 1
         return result
 
     def _training_position(self) -> dict:
