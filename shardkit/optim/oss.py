@@ -446,9 +446,10 @@ class OSS(torch.optim.Optimizer):
         """For a step called by a GradScaler: True if every rank skips it (some rank found
         inf/nan); otherwise unscale the gradients the scaler left scaled and return False."""
         ranks_with_inf = self._count_ranks_that_found_inf(found_inf_agreed)
-        # torch's scaler recorded this rank's own finding (or none: no gradient held here)
-        recorded = ranks_with_inf < self.world_size and \
-            _record_in_calling_torch_scaler(self, found_inf_anywhere=ranks_with_inf > 0)
+        # torch's scaler recorded this rank's own finding (or none: no gradient held here);
+        # ShardedGradScaler's record is already every rank's (and never empty)
+        recorded = found_inf_agreed or ranks_with_inf == self.world_size or \
+            self._record_in_calling_torch_scaler(found_inf_anywhere=ranks_with_inf > 0)
         if 0 < ranks_with_inf < self.world_size and not recorded:
             self._forget_scaler_handoff()
             raise RuntimeError(
@@ -466,6 +467,25 @@ class OSS(torch.optim.Optimizer):
         if grad_scale is not None:  # torch's scaler leaves unscaling to an optimizer like this
             _unscale_grads([p for g in self.param_groups for p in g["params"]], grad_scale)
         return False
+
+    def _record_in_calling_torch_scaler(self, found_inf_anywhere: bool) -> bool:
+        """:func:`_record_in_calling_torch_scaler`, raising (on every rank alike: the same
+        torch everywhere) a RuntimeError that names ShardedGradScaler, with nothing stepped,
+        when this torch's ``GradScaler.step`` keeps its record under other names."""
+        try:
+            return _record_in_calling_torch_scaler(self, found_inf_anywhere)
+        except _UnknownScalerRecord as unknown:
+            if self.world_size == 1:
+                return False  # one rank: torch's own record is the only finding
+            self._forget_scaler_handoff()
+            raise RuntimeError(
+                f"OSS.step: torch.amp.GradScaler.step is stepping this OSS, but this torch "
+                f"({torch.__version__}) keeps its inf/nan record under other names than OSS "
+                f"knows ({unknown}), so OSS cannot write into it what every rank found "
+                f"(torch's scaler checks only the gradients this rank holds: the ranks would "
+                f"skip steps and move the loss scale differently). No rank stepped. Use "
+                f"shardkit.optim.ShardedGradScaler (the same arguments as "
+                f"torch.amp.GradScaler), whose check spans every rank") from None
 
     def _forget_scaler_handoff(self) -> None:
         """Drop the ``grad_scale`` / ``found_inf`` a GradScaler set for this step, before
@@ -1189,11 +1209,25 @@ def _check_rows_shape(every: list, world_size: int) -> None:
                          f"{list(codes)}); pass every rank's agreement_row, in group-rank order")
 
 
+# The private names of torch.amp.GradScaler.step that _record_in_calling_torch_scaler reads:
+# its local variables holding the optimizer and its per-optimizer record, the record's key of
+# the per-device inf/nan flags, and the scaler's scale attribute.
+_TORCH_STEP_OPTIMIZER = "optimizer"
+_TORCH_STEP_RECORD = "optimizer_state"
+_TORCH_RECORD_FLAGS = "found_inf_per_device"
+_TORCH_SCALER_SCALE = "_scale"
+
+
+class _UnknownScalerRecord(LookupError):
+    """torch's ``GradScaler.step`` frame was found, but not the record OSS writes into."""
+
+
 def _record_in_calling_torch_scaler(optimizer: OSS, found_inf_anywhere: bool) -> bool:
     """Make the ``torch.amp.GradScaler.step`` call that is stepping ``optimizer`` (a
     subclass's too, unless it overrides ``step``) record what every rank agreed: inf/nan found
     when ``found_inf_anywhere``, and a flag at all where this rank held no gradient. Return
-    whether there was such a call.
+    whether there was such a call; raise :class:`_UnknownScalerRecord` (naming what is
+    missing) when there is one but its record is not under the names above (another torch).
 
     Why: torch's scaler checks only the gradients this rank holds. Where another rank's owned
     shard overflowed it recorded "finite" here, and its ``update()`` grew this rank's scale
@@ -1202,20 +1236,11 @@ def _record_in_calling_torch_scaler(optimizer: OSS, found_inf_anywhere: bool) ->
     while the others went on into the next collective. The flags ``update()`` reads are
     reachable from that call only (the ``found_inf`` it hands ``step`` is a sum, a new tensor),
     so they are looked up in its frame. Local."""
-    step_code = torch.amp.GradScaler.step.__code__
-    frame = sys._getframe(1)
+    frame = _torch_scaler_step_frame(optimizer, sys._getframe(1))
     try:
-        while frame is not None and not (frame.f_code is step_code
-                                         and frame.f_locals.get("optimizer") is optimizer):
-            frame = frame.f_back
         if frame is None:
             return False
-        record = frame.f_locals.get("optimizer_state")
-        scale = getattr(frame.f_locals.get("self"), "_scale", None)
-        flags = record.get("found_inf_per_device") if isinstance(record, dict) else None
-        if not isinstance(flags, dict) or not torch.is_tensor(scale) or \
-                not all(torch.is_tensor(f) for f in flags.values()):
-            return False
+        flags, scale = _scaler_record_of(frame)
         if not flags:
             flags[scale.device] = torch.zeros((), dtype=torch.float32, device=scale.device)
         if found_inf_anywhere:
@@ -1224,6 +1249,41 @@ def _record_in_calling_torch_scaler(optimizer: OSS, found_inf_anywhere: bool) ->
         return True
     finally:
         del frame  # no reference cycle through the frames
+
+
+def _torch_scaler_step_frame(optimizer: OSS, frame):
+    """The frame, from ``frame`` outwards, of ``torch.amp.GradScaler.step`` stepping
+    ``optimizer``, or None (:class:`_UnknownScalerRecord` where such a frame has no local
+    variable of that name, or ``step`` is no plain function)."""
+    step_code = getattr(getattr(torch.amp.GradScaler, "step", None), "__code__", None)
+    if step_code is None:
+        raise _UnknownScalerRecord("no plain function GradScaler.step")
+    while frame is not None:
+        if frame.f_code is step_code:
+            if _TORCH_STEP_OPTIMIZER not in frame.f_locals:
+                raise _UnknownScalerRecord(f"no local {_TORCH_STEP_OPTIMIZER!r} in "
+                                           f"GradScaler.step")
+            if frame.f_locals[_TORCH_STEP_OPTIMIZER] is optimizer:
+                return frame
+        frame = frame.f_back
+    return None
+
+
+def _scaler_record_of(frame) -> tuple[dict, torch.Tensor]:
+    """``(per-device inf/nan flags, scale)`` of a ``GradScaler.step`` frame, or
+    :class:`_UnknownScalerRecord` naming the first private name not found as expected."""
+    local = frame.f_locals
+    record = local.get(_TORCH_STEP_RECORD)
+    if not isinstance(record, dict):
+        raise _UnknownScalerRecord(f"no dict {_TORCH_STEP_RECORD!r} in GradScaler.step")
+    flags = record.get(_TORCH_RECORD_FLAGS)
+    if not isinstance(flags, dict) or not all(torch.is_tensor(f) for f in flags.values()):
+        raise _UnknownScalerRecord(f"no dict of tensors {_TORCH_STEP_RECORD}"
+                                   f"[{_TORCH_RECORD_FLAGS!r}] in GradScaler.step")
+    scale = getattr(local.get("self"), _TORCH_SCALER_SCALE, None)
+    if not torch.is_tensor(scale):
+        raise _UnknownScalerRecord(f"no tensor GradScaler.{_TORCH_SCALER_SCALE}")
+    return flags, scale
 
 
 def _unscale_grads(params: list[torch.Tensor], grad_scale: torch.Tensor) -> None:

@@ -54,14 +54,21 @@ class ShardedDataParallel(nn.Module):
             ``module``; together they must cover every trainable parameter.
         process_group: the data-parallel group (default: the optimizers' group; if given, it must
             contain the same ranks as theirs).
-        broadcast_buffers: broadcast rank 0's module buffers at the start of forward (by
-            ``comm``), as torch DDP: skipped when the previous forward ran inside
-            :meth:`no_sync` or without grad, so once per accumulation window. The first
-            forward after a reducing backward broadcasts even under ``torch.no_grad()`` or
-            in evaluation mode (every rank then evaluates with rank 0's statistics), so with
-            a module that holds buffers a forward one rank runs alone goes through
-            ``ddp.module(...)``, as under torch DDP: through the wrapper it waits for the
-            other ranks' broadcast.
+        broadcast_buffers: every rank starts a step's forward from rank 0's module buffers
+            (BatchNorm statistics...), as under torch DDP: the first forward after a reducing
+            backward (or :meth:`reduce`) takes the buffers rank 0 had when that backward ended,
+            received then (by ``comm``, at the end of the backward, held aside until that
+            forward on the other ranks: the buffers' bytes); once per accumulation window, and
+            also under ``torch.no_grad()`` or in evaluation mode (every rank then evaluates
+            with rank 0's statistics). The forward itself issues no collective, so a forward
+            one rank runs alone (a sample or a validation pass on rank 0, even in training
+            mode under ``torch.no_grad()``) does not wait for the others (it hung in the
+            broadcast torch DDP and FairScale make there). The very first forward after
+            construction broadcasts instead, on every rank (buffers changed after wrapping,
+            as torch DDP's first forward). Unlike torch DDP, a second forward before one
+            backward takes nothing: ranks other than 0 keep their own statistics to the end
+            of that step (the gradients and rank 0's buffers are the same). Buffers that a
+            forward on rank 0 alone changes reach the others after the next reducing backward.
         sync_models_at_startup: broadcast rank 0's parameters and buffers at wrap time (by
             ``comm``, like every collective of this wrapper).
         reduce_buffer_size: bucket size in bytes (in the communication dtype); ``0`` reduces
@@ -81,7 +88,7 @@ class ShardedDataParallel(nn.Module):
             is a ValueError (that gradient would be neither reduced nor stepped).
             Every rank must therefore run that forward: a forward that one rank runs alone
             (validation, logging) belongs under ``torch.no_grad()`` or ``module.eval()``
-            (and on ``ddp.module`` where ``broadcast_buffers`` has buffers to broadcast).
+            (after the first step: the first forward broadcasts ``broadcast_buffers``).
             A forward in evaluation mode runs no agreement: a ``requires_grad`` change it
             finds is re-planned at the next agreement (a training forward, or the start of a
             reducing backward when training in evaluation mode), by every rank together.
@@ -142,7 +149,8 @@ class ShardedDataParallel(nn.Module):
     Communication per step: the gradient reduction, (N-1)/N·Ψ elements in the DESIGN
     convention (plus the padding of reduce-scattered buckets, at most ``balance_tolerance``),
     plus OSS's parameter sync, (N-1)/N·Ψ: 2Ψ(N-1)/N together. ``broadcast_buffers`` adds the
-    module's buffers once per step (at the first forward after a reducing one, as torch DDP);
+    module's buffers once per step (at the end of each reducing backward, and at the first
+    forward; held aside until the next forward on ranks other than 0: the buffers' bytes);
     one element per rank all-gathered at the first forward of a step and at the start of a
     reducing backward (``auto_refresh_trainable``), and per :meth:`reduce`, plus the
     ``requires_grad`` flags when one changed.
@@ -176,8 +184,9 @@ class ShardedDataParallel(nn.Module):
     Construction checks, in one small all-gather, that every rank wraps the same module with
     the same arguments (a ValueError on every rank otherwise).
 
-    .. warning:: Construction, :meth:`refresh_trainable`, forward (with ``broadcast_buffers``,
-        or a step's first with grad enabled and ``auto_refresh_trainable``), backward and
+    .. warning:: Construction, :meth:`refresh_trainable`, forward (the first one with
+        ``broadcast_buffers``, or a step's first with grad enabled and ``auto_refresh_trainable``
+        in training mode), backward and
         :meth:`reduce` issue collectives: call them on every rank of the group.
     """
 
@@ -226,7 +235,8 @@ class ShardedDataParallel(nn.Module):
         self.output_device = single.device.index if on_one_accelerator else None
         self.dim = 0
         self.find_unused_parameters = True   # unused parameters are handled, nothing to set
-        self.require_forward_param_sync = True
+        self.require_forward_param_sync = True   # the first forward broadcasts the buffers
+        self._staged_buffers: Optional[dict] = None  # rank 0's, from the last reduction
         self.gradient_as_bucket_view = False
         self.static_graph = False
         self.rank = skdist.get_rank(self.process_group)
@@ -281,9 +291,10 @@ class ShardedDataParallel(nn.Module):
     def forward(self, *inputs, **kwargs):
         """Run the module; first re-plan if the trainable set changed on any rank
         (``auto_refresh_trainable``: one element per rank all-gathered at a step's first
-        forward with grad enabled) and broadcast rank 0's buffers (``broadcast_buffers``; as
-        torch DDP, only when the previous forward was a reducing one, grad enabled and outside
-        :meth:`no_sync`, or :meth:`reduce` ran since)."""
+        forward with grad enabled in training mode) and start from rank 0's buffers
+        (``broadcast_buffers``: those received at the end of the last reducing backward or
+        :meth:`reduce`, if this is the first forward since; broadcast at the very first
+        forward)."""
         refuse_training_sync_batchnorm(sync_batchnorm_layers(self, self.module),
                                        "ShardedDataParallel", torch.device(self.device_type))
         if self._backward_active:
@@ -313,14 +324,9 @@ class ShardedDataParallel(nn.Module):
                 self._window_open = True
             elif self._plan_is_stale():
                 self._warn_stale_plan()
-        if self.broadcast_buffers and self.require_forward_param_sync:
-            self.sync_buffers()
-        output = self.module(*inputs, **kwargs)
-        # torch DDP's rule: the next forward broadcasts the buffers only if this one may lead
-        # to a reducing backward (grad enabled, outside no_sync()), so an accumulation window
-        # broadcasts once, at its first micro-batch, as DistributedDataParallel does
-        self.require_forward_param_sync = torch.is_grad_enabled() and self._sync_enabled
-        return output
+        if self.broadcast_buffers:
+            self._take_rank0_buffers()
+        return self.module(*inputs, **kwargs)
 
     def _plan_is_stale_on_any_rank(self, stale: bool, site: int,
                                    drops_grads: bool = False) -> bool:
@@ -456,10 +462,46 @@ class ShardedDataParallel(nn.Module):
                       f"of cast ones travel in the dtype planned){also}", RuntimeWarning,
                       stacklevel=3)
 
+    def _take_rank0_buffers(self) -> None:
+        """Start this forward from rank 0's buffers where a reduction received them (local), or
+        broadcast them now at the first forward (``require_forward_param_sync``, collective)."""
+        staged, self._staged_buffers = self._staged_buffers, None
+        if staged:
+            with torch.no_grad():
+                for name, b in self.module.named_buffers():
+                    received, live, version = staged.get(name, (None, None, None))
+                    # a buffer written since (a checkpoint loaded on every rank, a cast)
+                    # keeps what was written: rank 0's then is not what was received
+                    if live is b and b._version == version:
+                        b.copy_(received)
+        elif self.require_forward_param_sync and staged is None:
+            self.sync_buffers()
+        self.require_forward_param_sync = False
+
+    def _receive_rank0_buffers(self) -> None:
+        """At the end of a reduction (every rank): rank 0's buffers as they are now, held aside
+        on the other ranks until the next forward takes them (written now, they could change a
+        tensor saved for a backward still to come: ``retain_graph=True``). Collective: the
+        buffers' bytes broadcast."""
+        if not self.broadcast_buffers or self.world_size == 1:
+            return
+        named = dict(self.module.named_buffers())
+        if not named:
+            return
+        received = named if self.rank == 0 else \
+            {name: torch.empty_like(b) for name, b in named.items()}
+        skdist.broadcast_tensors_from_rank0(list(received.values()), self.process_group,
+                                            max(self.reduce_buffer_size, 1 << 20), self.comm)
+        # rank 0 keeps an empty dict: nothing to copy, and no first-forward broadcast either
+        self._staged_buffers = {} if self.rank == 0 else {
+            name: (received[name], b, b._version) for name, b in named.items()}
+
     def sync_buffers(self, blocking: bool = False) -> None:
         """Broadcast rank 0's module buffers (BatchNorm statistics...) to every rank, as
         FairScale's method; ``blocking`` is accepted, the broadcast always completes before
         returning. Collective: call on every rank. Wire: (N-1)/N of the buffers' bytes."""
+        if self._staged_buffers:  # older than what this broadcast brings
+            self._staged_buffers = {}
         buffers = list(self.module.buffers())
         if buffers and self.world_size > 1:
             skdist.broadcast_tensors_from_rank0(buffers, self.process_group,
@@ -512,7 +554,6 @@ class ShardedDataParallel(nn.Module):
         if self._backward_active:
             raise RuntimeError("ShardedDataParallel.reduce() was called during backward; call "
                                "it after backward, before optimizer.step()")
-        self.require_forward_param_sync = True  # the window ends: the next forward broadcasts
         if self.world_size == 1:
             return
         self._window_open = False
@@ -535,6 +576,7 @@ class ShardedDataParallel(nn.Module):
             self._launch_rest_and_wait()
         finally:
             self._syncing = False
+        self._receive_rank0_buffers()  # the window ends: the next forward takes rank 0's
 
     def refresh_trainable(self) -> None:
         """Re-partition the OSS optimizers (``OSS.refresh_trainable``: collective when ownership
@@ -860,6 +902,7 @@ class ShardedDataParallel(nn.Module):
                 self._launch_rest_and_wait()
                 if self._observed is not None:
                     self._settle_bucket_order()
+                self._receive_rank0_buffers()
         finally:
             self._backward_active = False
             self._syncing = False
