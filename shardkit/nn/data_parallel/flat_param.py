@@ -1191,6 +1191,8 @@ class _PiecesOfFull(torch.autograd.Function):
                 f"backward runs through; FSDP calls such hooks itself with the local full "
                 f"gradient only when they exist at the forward. Register the hook before the "
                 f"forward (once, e.g. right after wrapping)")
+        if torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads):
+            refuse_gradients_of_gradients(shard.label[1])
         wanted = _params_this_backward_wants(shard, ctx.in_graph)
         zeros_only = _ZEROS_ONLY.get(ctx, ())  # views only a zero output gradient reached
         shard.add_grads(shard.hold_for_tensor_hooks(
@@ -1199,6 +1201,22 @@ class _PiecesOfFull(torch.autograd.Function):
         # the unit's hook on ``uses`` follows (unless ``inputs=`` leaves it out: then the
         # root's end of backward reduces what the unit holds)
         return (None, torch.zeros_like(shard._uses), None) + (None,) * ctx.params_given
+
+
+def refuse_gradients_of_gradients(unit: str) -> None:
+    """Raise the error of a backward with ``create_graph=True`` that reaches the parameters of
+    ``unit`` (torch FSDP refuses it too, as "FSDP does not support gradients of gradients"):
+    the reduce-scatter that averages their gradients over the ranks is not differentiable, so
+    the graph of ``.grad`` would stop at this rank's local gradient. Before, the reduction
+    failed deep inside the transport ("a leaf Variable that requires grad is being used in an
+    in-place operation"), after some units had been reduced."""
+    raise RuntimeError(
+        f"FullyShardedDataParallel: a backward with create_graph=True reached the parameters "
+        f"of unit {unit!r}; gradients of gradients of sharded parameters are not supported "
+        f"(as in torch's FSDP): the reduce-scatter of their gradients is not differentiable. "
+        f"Call backward() without create_graph; for a gradient penalty take "
+        f"torch.autograd.grad(out, inputs, create_graph=True) with respect to the inputs and "
+        f"add the penalty to the loss (supported)")
 
 
 def _is_low_precision_hook(hook: Callable) -> bool:

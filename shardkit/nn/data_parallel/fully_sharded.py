@@ -41,9 +41,17 @@ shard changed in between (an optimizer step), which the root checks as a forward
 checksum of the kept shards and a one-element all-reduce; nothing when no unit is kept, as after
 every backward). Kept or not, a unit's ``module.weight`` outside its forward is the parameter
 (``backward(inputs=[model.emb.weight])`` and ``requires_grad_(False)`` reach it, as in one
-process). A backward with ``create_graph=True`` (a gradient penalty:
-``torch.autograd.grad(out, x, create_graph=True)``, then a backward through the penalty) leaves
-the units it reached gathered for the backward through the graph it built, which frees them.
+process), i.e. this rank's row shard, as under torch's FSDP and FairScale: a loss term made
+from it between the forward and the backward gets the one-process gradient only when it sums
+elementwise terms (``loss + c * model.head.weight.pow(2).sum()``, an L1 or L2 penalty over
+``model.parameters()``); any other function of the whole weight (``w.sum() ** 2``, a norm, a
+product with a full-shape tensor) reads this rank's rows. Compute such terms inside the root's
+forward, where a parent's read is gathered (below). A backward with ``create_graph=True`` (a
+gradient penalty: ``torch.autograd.grad(out, x, create_graph=True)``, then a backward through
+the penalty) leaves the units it reached gathered for the backward through the graph it built,
+which frees them; one that reaches the parameters themselves
+(``loss.backward(create_graph=True)``) is refused, as torch's FSDP refuses gradients of
+gradients: the reduce-scatter is not differentiable.
 
 The user's hooks see what they see in one process: forward (pre-)hooks on a wrapped module run
 with its parameters gathered (as under torch's FSDP), so do full backward pre-hooks on a wrapped
@@ -151,6 +159,7 @@ from shardkit.checkpointing import _CheckpointFunction as _ShardkitReentrantChec
 from shardkit.nn.checkpoint.checkpoint_activations import is_recomputing
 from shardkit.nn.data_parallel.flat_param import (FlatParamShard, GatheredParamBytes, _where,
                                                   check_one_dtype, gathered_param_bytes,
+                                                  refuse_gradients_of_gradients,
                                                   removed_after_wrapping, shard_rows)
 from shardkit.nn.data_parallel.fsdp_arguments import (IgnoredStates, check_bool,
                                                       check_compute_device,
@@ -691,6 +700,10 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._checkpoint_gathers: dict = {}
         self._checkpoint_backwards_running = 0  # of those checkpoints (see _free_after_checkpoint)
         self._free_owed = False
+        # ids of those checkpoints' nodes whose backward has not begun yet, and whether the
+        # gradients of earlier ones wait for them (see _hold_for_later_checkpoints)
+        self._checkpoints_to_run: set = set()
+        self._grads_held_for_checkpoints = False
         self._forward_began = 0  # the autograd sequence number as the last forward began
         self.training_state = TrainingState.IDLE
         # root-only iteration state (see "Note: prefetch order")
@@ -1414,6 +1427,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._pre_backward_task = task
         if task == root._backward_task and self._shard is not None:
             self._backward_reads_forward_views = self._shard.forward_views_in_this_backward()
+            if root._backward_builds_graph and self._backward_reads_forward_views:
+                # before this unit's gather and reduce-scatter: every rank refuses here alike
+                refuse_gradients_of_gradients(self._shard.label[1])
             if grad is not None:
                 self._gather_before_later_checkpoints(task)
         self.training_state = TrainingState.BACKWARD_PRE
@@ -1465,7 +1481,17 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
                 # its unsharded gradient: twice the model, unsharded, at the peak.
                 if self._backward_reads_forward_views is not False:
                     return  # a reentrant checkpoint's backward: held for later (see above)
+                if self._checkpoints_to_run:
+                    self._hold_for_later_checkpoints(shard)
+                    return
                 recomputed_only = True
+        self._reduce_and_release(shard, recomputed_only)
+
+    def _reduce_and_release(self, shard: FlatParamShard, recomputed_only: bool) -> None:
+        """The end of :meth:`_on_grad_ready`: reduce-scatter the unit's gradients (or keep
+        them inside ``no_sync``) and free or keep the gathered parameters; ``recomputed_only``
+        when they came from reentrant checkpoints' recomputations alone."""
+        self._grads_held_for_checkpoints = False
         self.training_state = TrainingState.BACKWARD_POST
         if self._require_backward_grad_sync:
             root = self._root
@@ -1496,24 +1522,14 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
             self._pre_backward_done = False
             self._regather_for_later_recomputations(shard)
 
-    def _reads_own_parameters_after_a_free(self) -> bool:
-        """Whether a recomputation may read this unit's parameters in the wrapped module's own
-        code after a reentrant checkpoint's backward freed the unit (see
-        :meth:`_gather_before_later_checkpoints`): every unit with parameters but those that
-        stay gathered for backward, exposed again instead
-        (:meth:`_expose_for_later_recomputations`). Whether the module holds them itself does
-        not matter: its code may read a plain submodule's parameters without calling it
-        (``F.linear(t, self.proj.weight)``), which no module call announces. Local."""
-        return self._shard is not None and not self._stays_gathered_for_backward()
-
     def _forward_span(self) -> Optional[tuple]:
-        """At the end of a forward outside backward, for a unit whose own code may read its
-        parameters after a free (:meth:`_reads_own_parameters_after_a_free`): the sequence
-        numbers of the autograd nodes this forward made, ``[first, end)``; kept on its outputs'
-        nodes (their ``metadata``), so it lives as long as the graph. Local."""
+        """At the end of a forward outside backward, for a unit with parameters (a reentrant
+        checkpoint inside its forward may recompute them, see
+        :meth:`_gather_before_later_checkpoints`): the sequence numbers of the autograd nodes
+        this forward made, ``[first, end)``; kept on its outputs' nodes (their ``metadata``),
+        so it lives as long as the graph. Local."""
         root = self._root
-        if root is None or root._final_callback_queued \
-                or not self._reads_own_parameters_after_a_free():
+        if root is None or root._final_callback_queued or self._shard is None:
             return None
         return self._forward_began, torch._C._autograd._get_sequence_nr()
 
@@ -1522,12 +1538,13 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         outputs, when the backward reads the parameters only through reentrant activation
         checkpoints inside the unit: put a pre-hook on each such checkpoint's node behind that
         output that this backward will run, which gathers and exposes the unit again if it
-        was freed meanwhile.
+        was freed meanwhile, and count those checkpoints, so that the gradients of all of them
+        go in one reduce-scatter (see :meth:`_hold_for_later_checkpoints`).
 
-        Note: each reentrant checkpoint's backward reduces and frees the unit (see
-        :meth:`_on_grad_ready`). A later checkpoint whose recomputation calls a submodule
-        holding the parameters gathers it again through that call
-        (:meth:`_regather_for_later_recomputations`), but one that reads them in the wrapped
+        Note: a reentrant checkpoint's backward that delivers the unit's last gradients
+        reduces and frees the unit (see :meth:`_on_grad_ready`). A later checkpoint whose
+        recomputation calls a submodule holding the parameters gathers it again through that
+        call (:meth:`_regather_for_later_recomputations`), but one that reads them in the wrapped
         module's own code (``checkpoint(lambda t: F.linear(t, self.weight), x,
         use_reentrant=True)``, or ``self.proj.weight`` of a plain submodule not called)
         announces nothing: it read this rank's row shard (a shape error, or wrong numbers
@@ -1535,32 +1552,35 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         ``shardkit.checkpointing.checkpoint``'s. Units that stay gathered (the root,
         ``reshard_after_forward=False``) are exposed again instead
         (:meth:`_expose_for_later_recomputations`); freed units are gathered just before the
-        checkpoint's recomputation, so the memory stays that of one unit. Cost: one walk over
+        checkpoint's recomputation (once: the first one's backward keeps the unit gathered
+        for the others), so the memory stays that of one unit. Cost: one walk over
         the autograd nodes the unit's forward made, per backward, for units whose backward
-        reads no forward views; one all-gather and one reduce-scatter per further
-        checkpoint, as for a re-gathered unit (only a walk when no checkpoint needs it). A
-        collective: every rank runs the same checkpoints."""
+        reads no forward views; the unit's one all-gather and one reduce-scatter per
+        backward, however many checkpoints recompute it. A collective: every rank runs the
+        same checkpoints."""
         if task != self._root._backward_task or self._backward_reads_forward_views is not False \
-                or not self._reads_own_parameters_after_a_free():
+                or self._shard is None:
             return
         output_node = torch._C._current_autograd_node()  # the output whose hook runs
         span = None if output_node is None else \
             output_node.metadata.get((_FORWARD_SPAN, id(self)))
         if span is None:
             return
-        hook = _eager(weakly_bound(self._gather_before_a_checkpoint))
+        gather = weakly_bound(self._gather_before_a_checkpoint)
         for node in _reentrant_checkpoints_in(output_node, *span):
             if id(node) not in self._checkpoint_gathers \
                     and torch._C._will_engine_execute_node(node):
+                self._checkpoints_to_run.add(id(node))
                 self._checkpoint_gathers[id(node)] = (
-                    node.register_prehook(hook),
+                    node.register_prehook(_eager(functools.partial(gather, id(node)))),
                     node.register_hook(_eager(weakly_bound(self._free_after_checkpoint))))
 
-    def _gather_before_a_checkpoint(self, grad_outputs) -> None:
-        """Pre-hook of a reentrant checkpoint's node (see
-        :meth:`_gather_before_later_checkpoints`): unless the root's backward is over, count
-        the checkpoint's backward as running (see :meth:`_free_after_checkpoint`) and gather
+    def _gather_before_a_checkpoint(self, node_id: int, grad_outputs) -> None:
+        """Pre-hook of the reentrant checkpoint's node ``node_id`` (see
+        :meth:`_gather_before_later_checkpoints`): its backward begins; unless the root's
+        backward is over, count it as running (see :meth:`_free_after_checkpoint`) and gather
         and expose the unit unless it is exposed."""
+        self._checkpoints_to_run.discard(node_id)
         root, shard = self._root, self._shard
         if root is None or shard is None or not root._final_callback_queued:
             return None
@@ -1577,7 +1597,32 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if self._checkpoint_backwards_running == 0 and self._free_owed:
             self._free_owed = False
             self._release_after_backward(self._shard)
+        if self._grads_held_for_checkpoints and not self._checkpoints_to_run \
+                and self._checkpoint_backwards_running == 0 and self._shard is not None:
+            # the later checkpoints delivered nothing to the unit (they read a child unit's
+            # parameters only): reduce what the earlier ones left
+            self._reduce_and_release(self._shard, recomputed_only=True)
         return None
+
+    def _hold_for_later_checkpoints(self, shard: FlatParamShard) -> None:
+        """A reentrant checkpoint's backward delivered the unit's gradients while further
+        checkpoints of the unit's forward are still to run in this backward (see
+        :meth:`_gather_before_later_checkpoints`): keep the gradients for them, and the unit
+        gathered, exposed afresh for their recomputations. The last one's delivery (or its
+        node's end, :meth:`_free_after_checkpoint`; at the latest the root's end of backward)
+        reduces the sum in one reduce-scatter.
+
+        Note: before, each checkpoint's backward reduced and freed the unit and the next one
+        gathered it again: ``k`` checkpoints over one unit (``checkpoint(self.attn, x)`` then
+        ``checkpoint(self.mlp, h)`` in a wrapped block, or HF's reentrant gradient
+        checkpointing of every layer of a model wrapped as one unit) cost ``k`` all-gathers
+        and ``k`` reduce-scatters of the whole unit per backward, where a unit without
+        checkpoints pays one of each. Memory: the unit's parameters and one unsharded
+        gradient from the first checkpoint's backward to the last, as a unit without
+        checkpoints holds them through its backward. Local: every rank runs the same
+        checkpoints."""
+        self._grads_held_for_checkpoints = True
+        self._expose_for_later_recomputations(shard)
 
     def _drop_checkpoint_gathers(self) -> None:
         """End of a backward (finished or failed): remove the checkpoint hooks it put.
@@ -1588,6 +1633,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         self._checkpoint_gathers = {}
         self._checkpoint_backwards_running = 0
         self._free_owed = False
+        self._checkpoints_to_run = set()
+        self._grads_held_for_checkpoints = False
 
     def _expose_for_later_recomputations(self, shard: FlatParamShard) -> None:
         """After a reentrant checkpoint's backward reduced the unit (see :meth:`_on_grad_ready`):
@@ -1596,7 +1643,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         module itself reads them whole. Before, such a read (``F.linear(t, self.weight)`` in a
         second ``checkpoint(self.region, x, use_reentrant=True)`` of the root) got this rank's
         shard: no module call's pre-hook (:meth:`_regather_for_later_recomputations`) could
-        gather it. Its gradient is reduced once more, as for a re-gathered unit. Also for a
+        gather it. Its gradient is reduced once more, as for a re-gathered unit, unless the
+        checkpoint was counted beforehand (see :meth:`_hold_for_later_checkpoints`). Also for a
         unit whose parameters sit in plain submodules (a model wrapped as one unit under HF's
         reentrant gradient checkpointing): freed, it was all-gathered whole again before each
         later recomputation, for memory it keeps anyway. Memory: the unit stays gathered as it
@@ -1617,7 +1665,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         next one read the shards (a shape error, or wrong numbers where the shapes happen to
         broadcast). Now its first module call gathers the unit again, and its gradient is
         reduced once more (one all-gather and one reduce-scatter per further checkpoint, the
-        memory of one unit as before). A collective: every rank recomputes the same
+        memory of one unit as before) where the checkpoints were not counted beforehand (see
+        :meth:`_hold_for_later_checkpoints`). A collective: every rank recomputes the same
         checkpoints in the same order."""
         if self._regathers_for_recomputations:
             return
