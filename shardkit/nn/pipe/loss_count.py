@@ -7,9 +7,11 @@ micro-batch's loss is weighted by its count's share of the whole target's instea
 comes from ``loss_denominator=``, from a ``loss_fn`` that declares itself (a ``torch.nn``
 class-index loss, ``F.cross_entropy``, ``F.nll_loss``, their ``functools.partial``), or, for a
 ``loss_fn`` that says nothing (a lambda or a plain ``def``) or only ``reduction="mean"``, from
-watching the step's first ``loss_fn`` call (:class:`LossCountWatch`): if it computes one
-class-index loss with ``reduction="mean"`` on its micro-batch's target (reshaped, not cut),
-the same count applies to every micro-batch. Local to the rank running the last stage; no
+watching the step's ``loss_fn`` calls (:class:`LossCountWatch`): if the first that averages
+by its target's counts computes class-index losses with ``reduction="mean"`` on its
+micro-batch's target (reshaped, not cut) and returns their sum, the same count applies to
+every micro-batch; a mean it cannot predict (divided by hand, cut targets, a term added) must
+count alike in every micro-batch. Local to the rank running the last stage; no
 communication.
 """
 
@@ -24,6 +26,7 @@ from typing import Callable, Optional
 import torch
 from torch.nn._reduction import legacy_get_string
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 CLASS_INDEX_LOSSES = (torch.nn.functional.cross_entropy, torch.nn.functional.nll_loss)
 _CLASS_INDEX_MODULES = (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)
@@ -110,46 +113,126 @@ def class_target_count(target, ignore_index: int, weight: Optional[torch.Tensor]
     return weight.to(kept.device)[kept].sum()
 
 
-class _ClassIndexLossCalls(TorchFunctionMode):
-    """Records the arguments of every ``F.cross_entropy`` / ``F.nll_loss`` call made inside it
-    (``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` call these too), defaults filled in, and what
-    it returned (``"result"``)."""
+class _LossCallRecord(TorchFunctionMode):
+    """What one ``loss_fn`` call computes, recorded while it runs: every ``F.cross_entropy`` /
+    ``F.nll_loss`` call (``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` call these too), defaults
+    filled in, with what it returned (``calls``); which tensors are those calls' results added
+    together (``covered_calls``); and the counts taken from the target that it averages by
+    itself (``target_divisors``: a division by a one-element tensor computed from the target,
+    ``(ce * mask).sum() / mask.sum()``, or the mean of the elements a target-derived mask
+    picks, ``ce[mask].mean()``).
 
-    def __init__(self):
+    Note: tensors are followed by ``id`` while the call runs; the record holds them, so no id
+    is reused before it is discarded with the call."""
+
+    def __init__(self, target):
         super().__init__()
         self.calls: list[dict] = []
+        self.target_divisors: list[float] = []
+        self._from_target = {id(t): t for t in tree_flatten(target)[0]
+                             if isinstance(t, torch.Tensor)}
+        self._picked_by_target: dict = {}
+        self._sums: dict = {}  # id -> (tensor, the calls whose results it adds up)
+
+    def covered_calls(self, loss) -> frozenset:
+        """The calls whose results ``loss`` is the sum of (empty if it is anything else)."""
+        tensor, calls = self._sums.get(id(loss), (None, frozenset()))
+        return calls if tensor is loss else frozenset()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
         if func in CLASS_INDEX_LOSSES:
             bound = inspect.signature(func).bind(*args, **kwargs)
             bound.apply_defaults()
             self.calls.append({**bound.arguments, "result": result})
+            self._sums[id(result)] = result, frozenset({len(self.calls) - 1})
+        elif name in _ADDITIONS:
+            self._note_sum(args, kwargs, result)
+        if name in _DIVISIONS and len(args) > 1 and self._counts_target(args[1]):
+            self.target_divisors.append(float(args[1]))
+        elif name == "mean" and args and id(args[0]) in self._picked_by_target \
+                and len(args) == 1 and not kwargs.get("dim"):
+            self.target_divisors.append(float(args[0].numel()))
+        if name in _SELECTIONS and len(args) > 1 and self._derived(args[1]) \
+                and isinstance(result, torch.Tensor):
+            self._picked_by_target[id(result)] = result
+        if any(self._derived(t) for t in tree_flatten((args, kwargs))[0]):
+            self._from_target.update((id(t), t) for t in tree_flatten(result)[0]
+                                     if isinstance(t, torch.Tensor))
         return result
 
+    def _derived(self, value) -> bool:
+        return isinstance(value, torch.Tensor) and self._from_target.get(id(value)) is value
 
-def _masked_mean(calls: list, loss) -> Optional[tuple]:
-    """``(count, target elements, counter, whole)`` where ``calls`` is one class-index loss
-    with ``reduction="mean"`` on class indices (its mean divides by ``count``; ``counter``
-    counts another target alike; ``whole``: ``loss``, what ``loss_fn`` returned, is that mean
-    itself, not a sum with other terms or a multiple of it); ``None`` for anything else (no
-    such call, several, another reduction, class probabilities)."""
-    if len(calls) != 1:
+    def _counts_target(self, divisor) -> bool:
+        """Whether ``divisor`` is a one-element tensor computed from the target."""
+        return self._derived(divisor) and divisor.numel() == 1
+
+    def _note_sum(self, args, kwargs, result) -> None:
+        """``result`` adds up class-index call results where every tensor added is such a sum
+        (of other calls each) and every number added is zero."""
+        if kwargs.get("alpha", 1) != 1 or len(args) != 2:
+            return
+        covered = []
+        for value in args:
+            if isinstance(value, torch.Tensor):
+                tensor, calls = self._sums.get(id(value), (None, frozenset()))
+                if tensor is not value or not calls:
+                    return
+                covered.append(calls)
+            elif value != 0:
+                return
+        if len(covered) == 2 and covered[0] & covered[1]:
+            return  # a call counted twice: a multiple of it
+        self._sums[id(result)] = result, frozenset().union(*covered)
+
+
+_ADDITIONS = ("add", "add_", "__add__", "__radd__", "__iadd__")
+_DIVISIONS = ("div", "div_", "true_divide", "__truediv__", "__itruediv__")
+_SELECTIONS = ("__getitem__", "masked_select")
+
+
+def _mean_counts(calls: list) -> Optional[list]:
+    """``(count, target elements, counter)`` of each class-index call with ``reduction=
+    "mean"`` on class indices (its mean divides by ``count``; ``counter`` counts another target
+    alike); ``None`` where a call averages class probabilities."""
+    means = []
+    for call in calls:
+        reduction = call["reduction"]
+        if call["size_average"] is not None or call["reduce"] is not None:
+            reduction = legacy_get_string(call["size_average"], call["reduce"],
+                                          emit_warning=False)
+        if reduction != "mean":
+            continue
+        counter = functools.partial(class_target_count, ignore_index=call["ignore_index"],
+                                    weight=call["weight"])
+        try:
+            means.append((count_value(counter(call["target"])), call["target"].numel(),
+                          counter))
+        except NotCounted:
+            return None
+    return means
+
+
+def _averages(record: _LossCallRecord) -> Optional[tuple]:
+    """What one ``loss_fn`` call averaged by: the counts of its class-index means and the
+    target counts it divided by itself, as ``(counts, divisors)``; ``None`` for a call that
+    averages by no count its target decides (a sum, a mean over rows, class probabilities)."""
+    means = _mean_counts(record.calls)
+    if means is None or not (means or record.target_divisors):
         return None
-    call = calls[0]
-    reduction = call["reduction"]
-    if call["size_average"] is not None or call["reduce"] is not None:
-        reduction = legacy_get_string(call["size_average"], call["reduce"], emit_warning=False)
-    if reduction != "mean":
-        return None
-    counter = functools.partial(class_target_count, ignore_index=call["ignore_index"],
-                                weight=call["weight"])
-    try:
-        count = count_value(counter(call["target"]))
-    except NotCounted:
-        return None
-    return count, call["target"].numel(), counter, loss is call["result"]
+    return tuple(count for count, _, _ in means), tuple(record.target_divisors)
+
+
+def _describe(averages: Optional[tuple]) -> str:
+    if averages is None:
+        return "a loss that is no longer one class-index mean"
+    counts, divisors = averages
+    parts = [f"a class-index mean over {count:g} counted targets" for count in counts] + \
+        [f"a division by {divisor:g} (a count taken from its target)" for divisor in divisors]
+    return " and ".join(parts)
 
 
 class LossCountWatch:
@@ -157,87 +240,133 @@ class LossCountWatch:
     ``def`` around ``F.cross_entropy``), that count for one step's micro-batch ``targets``,
     and checks every later micro-batch against it.
 
-    The first call (:meth:`call`, then :meth:`observe`) decides: a single class-index loss with
-    ``reduction="mean"`` whose target has the micro-batch target's elements and count (the
-    target reshaped, ``t.view(-1)``) gives every micro-batch's count before any backward
-    (``counts``); one whose target the count cannot be predicted from (cut, shifted: ``t[:,
-    1:]``), or whose mean is not all that ``loss_fn`` returns (an auxiliary or distillation
-    term added to it, or a multiple of it: weighting the whole loss by the counts would weigh
-    those terms wrongly), leaves the weights alike and requires every micro-batch to count as
-    many targets as the first (:meth:`observe` says otherwise, naming ``loss_denominator``);
-    anything else
-    (a sum, a mean over rows) is left alone (``watching`` turns false). Each watched call
-    costs a Python hook per torch function inside ``loss_fn``."""
+    The step's first call that averages by a count its target decides (:meth:`call`, then
+    :meth:`observe`) decides. Class-index losses with ``reduction="mean"`` (one, or several
+    added up: two heads) whose targets have the micro-batch target's elements and count (the
+    target reshaped, ``t.view(-1)``) give every micro-batch's count before any backward
+    (``counts``), where that sum is all ``loss_fn`` returns. A call whose counts cannot be
+    predicted (a cut or shifted target ``t[:, 1:]``; means counting differently; a masked mean
+    the user divides by hand, ``(ce * mask).sum() / mask.sum()``), or whose means are not all
+    that ``loss_fn`` returns (an auxiliary term added, a multiple: weighting the whole loss by
+    the counts would weigh those terms wrongly), leaves the weights alike and requires every
+    micro-batch to average by the same counts as the first (:meth:`observe` says otherwise,
+    naming ``loss_denominator``). Calls before it that average by nothing and return zero (a
+    guard for a micro-batch whose targets are all ignored) must count nothing. A first call
+    averaging by nothing otherwise (a sum, a mean over rows) ends the watch (``watching``
+    turns false). Each watched call costs a Python hook per torch function inside
+    ``loss_fn``."""
 
     def __init__(self, targets: list):
         self._targets = targets
         self.watching = True
-        self.learnt = False  # whether the step's first call was observed
+        self.learnt = False  # whether a call averaging by the target's counts was observed
         self.counts: Optional[list] = None  # every micro-batch's, once predicted
-        # (micro-batch, count, why no count is predicted) where none is
+        # (micro-batch, what it averaged by, why no count is predicted) where none is
         self._first: Optional[tuple] = None
+        self._guarded: list = []  # earlier micro-batches averaging by nothing, returning zero
 
     def call(self, loss_fn, output, target, loss_kwargs: dict):
-        """``loss_fn(output, target, **loss_kwargs)`` and its class-index loss calls."""
-        recorder = _ClassIndexLossCalls()
-        with recorder:
+        """``loss_fn(output, target, **loss_kwargs)`` and its :class:`_LossCallRecord`."""
+        record = _LossCallRecord(target)
+        with record:
             loss = loss_fn(output, target, **loss_kwargs)
-        return loss, recorder.calls
+        return loss, record
 
-    def observe(self, index: int, calls: list, loss) -> Optional[str]:
-        """Micro-batch ``index``'s class-index loss ``calls`` and the ``loss`` ``loss_fn``
-        returned: at the step's first, learn (:meth:`_learn`); at later ones, what is wrong
-        with them (:meth:`_problem`)."""
+    def observe(self, index: int, record: _LossCallRecord, loss) -> Optional[str]:
+        """Micro-batch ``index``'s call: before one averaging by its target's counts, learn
+        (:meth:`_learn`) or put off a guard's zero; afterwards, what is wrong with it
+        (:meth:`_problem`)."""
         if self.learnt:
-            return self._problem(index, calls, loss)
+            return self._problem(index, record, loss)
+        averages = _averages(record)
+        if averages is None and _is_zero(loss):
+            self._guarded.append(index)
+            return None
+        if averages is None:
+            self.watching = False
+            return None
         self.learnt = True
-        self._learn(index, calls, loss)
+        self._learn(index, record, averages, loss)
+        return self._guarded_problem(index)
+
+    def _learn(self, index: int, record: _LossCallRecord, averages: tuple, loss) -> None:
+        """Every micro-batch's count (``counts``) where it can be predicted, else the first's
+        averages, which every micro-batch must then repeat."""
+        means = _mean_counts(record.calls)
+        own = self._targets[index]
+        whole = record.covered_calls(loss) == frozenset(range(len(record.calls))) \
+            and len(means) == len(record.calls)
+        predicted = self._predicted_counts(means)
+        if record.target_divisors:
+            reason = "it divides by a count taken from its target itself (a masked mean)"
+        elif not whole:
+            reason = "loss_fn returns more than that mean (another term added to it, or a " \
+                     "multiple of it)"
+        elif predicted is None or any(count != predicted[index] or elements != own.numel()
+                                      for count, elements, _ in means):
+            reason = "its target is not the micro-batch's target reshaped"
+        else:
+            self.counts = predicted
+            return
+        self._first = index, averages, reason
+
+    def _predicted_counts(self, means: list) -> Optional[list]:
+        """Every micro-batch's count where each mean counts the micro-batch targets alike."""
+        try:
+            predictions = [[count_value(counter(t)) for t in self._targets]
+                           for _, _, counter in means]
+        except NotCounted:
+            return None
+        if not predictions or any(p != predictions[0] for p in predictions):
+            return None
+        return predictions[0]
+
+    def _guarded_problem(self, index: int) -> Optional[str]:
+        """A put-off micro-batch (no mean, a zero) that does count targets."""
+        for guarded in self._guarded:
+            if self.counts is None or self.counts[guarded] != 0:
+                expected = "counts " + (f"{self.counts[guarded]:g} targets" if self.counts
+                                        else "what it averages by")
+                return self._refusal(f"no mean on micro-batch {guarded} (it returned zero)",
+                                     expected, f"as micro-batch {index}'s call shows")
         return None
 
-    def _learn(self, index: int, calls: list, loss) -> None:
-        """Every micro-batch's count (``counts``) where it can be predicted, else the first's."""
-        seen = _masked_mean(calls, loss)
-        if seen is None:
-            self.watching = False
-            return
-        count, elements, counter, whole = seen
-        try:
-            counts = [count_value(counter(t)) for t in self._targets]
-        except NotCounted:
-            counts = None
-        own = self._targets[index]
-        if not whole:
-            self._first = index, count, "loss_fn returns more than that mean (another term " \
-                                        "added to it, or a multiple of it)"
-        elif counts is None or counts[index] != count or own.numel() != elements:
-            self._first = index, count, "its target is not the micro-batch's target reshaped"
-        else:
-            self.counts = counts
-
-    def _problem(self, index: int, calls: list, loss) -> Optional[str]:
+    def _problem(self, index: int, record: _LossCallRecord, loss) -> Optional[str]:
         """What is wrong with micro-batch ``index``'s call, given what the first one taught:
-        a count other than predicted (or than the first's, where none was predicted), or,
-        where counts were predicted, a loss that is no longer that mean alone. A micro-batch
-        predicted to count nothing is not checked: its loss is left out of the step's loss
-        and gradients (``loss_fn`` may guard such a micro-batch, returning a zero instead of
-        the NaN mean)."""
+        other counts than predicted (or than the first's, where none were predicted), or,
+        where counts were predicted, a loss that is no longer those means alone. A
+        micro-batch predicted to count nothing is not checked: its loss is left out of the
+        step's loss and gradients (``loss_fn`` may guard such a micro-batch, returning a zero
+        instead of the NaN mean)."""
         if self.counts is not None and self.counts[index] == 0:
             return None  # counts nothing: no gradient, whatever it returns (a guard's zero)
-        seen = _masked_mean(calls, loss)
-        count = None if seen is None else seen[0]
+        averages = _averages(record)
         if self.counts is not None:
-            expected, why = self.counts[index], "counted from its target as the first call did"
-            if seen is not None and not seen[3]:
-                count = None  # the mean is now one term of the loss: the counts do not apply
-        else:
-            first, expected, reason = self._first
-            why = f"as micro-batch {first}'s call did; no count is predicted, since {reason}"
-        if count == expected:
+            count = self.counts[index]
+            whole = record.covered_calls(loss) == frozenset(range(len(record.calls)))
+            if averages is not None and whole and not averages[1] and \
+                    len(averages[0]) == len(record.calls) and all(c == count for c in averages[0]):
+                return None
+            if averages is not None and not whole:
+                averages = None  # the means are now one term of the loss: counts do not apply
+            return self._refusal(_describe(averages), f"one over {count:g}",
+                                 "counted from its target as the first call did")
+        first, expected, reason = self._first
+        if averages == expected:
             return None
-        found = "a loss that is no longer one class-index mean" if count is None else \
-            f"a class-index mean over {count:g} counted targets"
+        return self._refusal(_describe(averages), _describe(expected),
+                             f"as micro-batch {first}'s call did; no count is predicted, "
+                             f"since {reason}")
+
+    @staticmethod
+    def _refusal(found: str, expected: str, why: str) -> str:
         return (f"loss_fn (which does not say what its mean divides by) computed {found}, "
-                f"expected one over {expected:g} ({why}); the mean of micro-batch means would "
-                f"not be one process's mean over the whole target. Pass loss_denominator="
+                f"expected {expected} ({why}); the mean of micro-batch means would not be "
+                f"one process's mean over the whole target. Pass loss_denominator="
                 f"lambda target: <the count loss_fn's mean divides by> (e.g. (target != -100)"
                 f".sum()), or reduction='sum' with scale_grads=False")
+
+
+def _is_zero(loss) -> bool:
+    """Whether ``loss`` is a one-element tensor holding zero (a guard's ``out.sum() * 0``)."""
+    return isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.detach().item() == 0

@@ -55,11 +55,13 @@ their ``forward``) with ``reduction="mean"`` and class-index targets are counted
 counts them; any other declares its count with ``loss_denominator=lambda target: ...``. A
 ``loss_fn`` that says nothing (``lambda out, y: F.cross_entropy(out.view(-1, V), y.view(-1))``)
 is watched at the step's first loss (:mod:`~shardkit.nn.pipe.loss_count`): where it returns
-one of those losses with ``reduction="mean"`` on its micro-batch's target reshaped, every
-micro-batch is counted alike, as above; where on another target (``y[:, 1:]``), or where that
-mean is only part of what it returns (an auxiliary term added), every micro-batch must count
-as many targets as the first, else the step fails on every rank asking for
-``loss_denominator``.
+one of those losses with ``reduction="mean"`` on its micro-batch's target reshaped (or several
+added up, counting alike: two heads), every micro-batch is counted alike, as above; where on
+another target (``y[:, 1:]``), where that mean is only part of what it returns (an auxiliary
+term added), or where it divides by a count of its target by hand (``(ce * mask).sum() /
+mask.sum()``), every micro-batch must count as many targets as the first, else the step fails
+on every rank asking for ``loss_denominator``. A guard's zero before that loss (a micro-batch
+whose targets are all ignored) must count nothing.
 Each micro-batch's loss is then divided by the whole target's count over its own (a
 micro-batch counting nothing, whose mean is NaN, adds no gradient), so the gradients and the
 returned loss are one process's on the whole batch. Under data parallelism each pipeline's
@@ -912,8 +914,8 @@ class PlanSchedule:
         watch = self._loss_watch
         try:
             if watch is not None and watch.watching:
-                loss, calls = watch.call(self.loss_fn, output, self._targets[i],
-                                         self._loss_kwargs or {})
+                loss, record = watch.call(self.loss_fn, output, self._targets[i],
+                                          self._loss_kwargs or {})
             else:
                 loss = self.loss_fn(output, self._targets[i], **(self._loss_kwargs or {}))
         except Exception as error:  # re-raised on every rank at the end of the step
@@ -921,7 +923,7 @@ class PlanSchedule:
                                      + self._target_rows_hint(output, i), error)
             return None
         if watch is not None and watch.watching:
-            self._check_loss_count(watch, i, calls, loss)
+            self._check_loss_count(watch, i, record, loss)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             found = f"a tensor of shape {tuple(loss.shape)}" if isinstance(
                 loss, torch.Tensor) else f"a {type(loss).__name__}"
@@ -931,13 +933,14 @@ class PlanSchedule:
             return None
         return loss
 
-    def _check_loss_count(self, watch: LossCountWatch, i: int, calls: list, loss) -> None:
+    def _check_loss_count(self, watch: LossCountWatch, i: int, record, loss) -> None:
         """For a ``loss_fn`` that does not declare what its mean divides by: at the step's
-        first loss, learn it (:class:`~shardkit.nn.pipe.loss_count.LossCountWatch`) and
-        weigh every micro-batch by it (no backward has run yet); at later ones, fail the step
-        where a micro-batch's count differs from what was learnt."""
+        first loss averaging by its target's counts, learn it
+        (:class:`~shardkit.nn.pipe.loss_count.LossCountWatch`) and weigh every micro-batch by
+        it (only guards' zeros, which add no gradient, have been backpropagated before); at
+        later ones, fail the step where a micro-batch's counts differ from what was learnt."""
         learnt = watch.learnt
-        problem = watch.observe(i, calls, loss)
+        problem = watch.observe(i, record, loss)
         if problem:
             self._fail_at_last_stage(i, problem)
         elif not learnt and watch.counts is not None:
