@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import sys
+import types
 import weakref
 import zlib
 from dataclasses import dataclass
@@ -86,16 +88,29 @@ _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", dist.reduce_scat
 
 # Note: the gathered layout, the node groups and the gathered process ids are rebound by their
 # own modules (a new default group, a teardown), so a name imported here once would go stale;
-# they are read through to their modules instead. Assign them there (``shardkit.topology``),
-# not here.
-_STATE_KEPT_ELSEWHERE = {"_layout": topology, "_node_groups": topology, "_processes": broken_links}
+# they are served from their modules instead, for reading and for assigning (the way to reset
+# the node layout before the split): bound here, an assignment reached no code and hid the
+# module's own value from every later read.
 
 
-def __getattr__(name):
-    """The current value of the state in :data:`_STATE_KEPT_ELSEWHERE` (see the note above)."""
-    if name in _STATE_KEPT_ELSEWHERE:
-        return getattr(_STATE_KEPT_ELSEWHERE[name], name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def _kept_in(owner: types.ModuleType, name: str) -> property:
+    """``name`` of module ``owner``, read and assigned there."""
+    return property(lambda _module: getattr(owner, name),
+                    lambda _module, value: setattr(owner, name, value),
+                    doc=f"``{owner.__name__}.{name}`` (see the note above)")
+
+
+class _StateForwardingModule(types.ModuleType):
+    """The type of this module: the state below is read and assigned in the module that keeps
+    it (``shardkit.distributed._layout = None`` and ``monkeypatch.setattr`` included); every
+    other name lives here as usual."""
+
+    _layout = _kept_in(topology, "_layout")
+    _node_groups = _kept_in(topology, "_node_groups")
+    _processes = _kept_in(broken_links, "_processes")
+
+
+sys.modules[__name__].__class__ = _StateForwardingModule
 
 
 # -------------------------------------------------------------- groups built by their members
