@@ -763,6 +763,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         # bumped on every rank wherever the weights may change (a step, direct or not; a load):
         # keeps save_16bit_model's outcome of one state apart from another's
         self._weights_version = 0
+        self._save_calls = engine_export.SaveCalls()
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = _loss_scaler(cfg)
         self._publish_loss_scale()
@@ -1724,12 +1725,13 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         """:meth:`save_16bit_model` where every rank holds the whole model: rank 0 writes and
         posts its outcome on the store; the other ranks read it there (no collective)."""
         rank = distributed.get_rank() if distributed.is_initialized() else 0
+        call = self._save_calls.count(self._weights_version)
         error = None
         if rank == 0:
             state = self._16bit_state_dict(exclude_frozen_parameters, call=None)
             error = _write_atomically(state, path)
         if distributed.get_world_size() > 1:
-            key = engine_export.outcome_key(self._export_serial, self._weights_version, path)
+            key = engine_export.outcome_key(self._export_serial, self._weights_version, call)
             if rank == 0:
                 engine_export.post_outcome(key, error)
             else:

@@ -6,10 +6,19 @@ call on rank 0 alone works (the model is whole on every rank; only rank 0 writes
 rely on it (``if rank == 0: engine.save_16bit_model(dir)``). A broadcast of rank 0's outcome
 then waited forever for the ranks that never called. Here rank 0 posts the outcome on the
 default group's store under a key naming the engine, the version of its weights (bumped on
-every rank by each step and each checkpoint load) and the file, and never waits; a rank that
-does call waits (at most the group's timeout) for that key and raises rank 0's error as its
-own. A second save of the same weights to the same file overwrites the key: a rank reading it
-then may read the earlier outcome of that same save.
+every rank by each step and each checkpoint load) and which call this is at that version
+(:class:`SaveCalls`), and never waits; a rank that does call waits (at most the group's
+timeout) for that key and raises rank 0's error as its own.
+
+The call number pairs each rank's n-th call at a version with rank 0's n-th write: a second
+save of the same weights (a retry once the directory is fixed, the file written again after
+``load_module_state_dict``, or with other ``exclude_frozen_parameters``) reads rank 0's
+outcome of that second write, not of the first (which made a rank raise an old error while
+rank 0 went on, return before rank 0 had written, or return True while rank 0 raised). The
+file is not part of the key, so ranks that name it differently (a time stamp computed on each
+rank) still read rank 0's outcome at once. Where rank 0 alone also saved at the same version
+(``if rank == 0:``), the others' later calls pair with its earlier writes of those same
+weights.
 """
 
 from __future__ import annotations
@@ -35,10 +44,27 @@ def next_engine_serial() -> int:
     return next(_ENGINE_SERIALS)
 
 
-def outcome_key(engine_serial: int, weights_version: int, path: str) -> str:
-    """The store key of rank 0's outcome of writing ``path``."""
+class SaveCalls:
+    """One engine's count of this rank's ``save_16bit_model`` calls at the current weights
+    version (an older version's count is forgotten)."""
+
+    def __init__(self):
+        self._version: Optional[int] = None
+        self._calls = 0
+
+    def count(self, weights_version: int) -> int:
+        """Count a call at ``weights_version``; returns its number (1 first)."""
+        if weights_version != self._version:
+            self._version, self._calls = weights_version, 0
+        self._calls += 1
+        return self._calls
+
+
+def outcome_key(engine_serial: int, weights_version: int, call: int) -> str:
+    """The store key of rank 0's outcome of its ``call``-th write at ``weights_version``
+    (:meth:`SaveCalls.count`)."""
     return distributed.per_attempt_store_key(
-        f"shardkit/save_16bit_model/{engine_serial}/{weights_version}/{path}")
+        f"shardkit/save_16bit_model/{engine_serial}/{weights_version}/{call}")
 
 
 def post_outcome(key: str, error: Optional[str]) -> None:

@@ -13,6 +13,20 @@ all-gathers a step (the engine's step agreement, then OSS's own on its param gro
 ``engine.step()`` pays one; the engine's agreement now carries OSS's rows for the direct step
 too, with the same training.
 
+From a review:
+
+``engine.save_16bit_model`` called on every rank at ZeRO stages 0-2: each rank's call must
+report the outcome of rank 0's write for that same call, when the same weights are saved to the
+same file again.
+
+Rank 0 posts its outcome on the store and the other ranks read it there. The key named the
+engine, its weights version and the file only, so a second save of those before the next step
+read the first one's outcome: a retry after a failed write (the directory fixed meanwhile)
+raised the old error on rank 1 while rank 0 wrote and went on; a write failing after an earlier
+success returned True on rank 1 while rank 0 raised; and new weights loaded with
+``load_module_state_dict`` had rank 1 return, and read the file, before rank 0 had written
+them. Each rank's n-th call for a file at a weights version now reads rank 0's n-th write.
+
 One world of 2 gloo ranks for the module.
 """
 
@@ -192,3 +206,77 @@ def test_direct_optimizer_step_makes_one_control_exchange(world2, stage):
         assert out["gathers"] == [["engine.optimizer.step()"]] * _STEPS, out["gathers"]
         for a, b in zip(out["weights"], reference["weights"]):
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _engine_rev():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
+    return shardkit.initialize(model=model, config=config)[0]
+
+
+def _outcome(save) -> str:
+    try:
+        save()
+        return "written"
+    except RuntimeError as error:
+        return str(error).split(":")[1].strip()  # "rank 0 could not write <path>"
+
+
+def _on_rank0(action) -> None:
+    """``action`` on rank 0 while the others wait (a barrier either side)."""
+    distributed.barrier()
+    if distributed.get_rank() == 0:
+        action()
+    distributed.barrier()
+
+
+def _save_the_same_weights_again(directory: str) -> dict:
+    """Every rank saves the same weights to the same file twice, with the filesystem changed
+    on rank 0 in between, and (``reloaded``) after new weights were loaded, rank 0 late."""
+    engine = _engine_rev()
+    retried = os.path.join(directory, "retried")  # a file first: the write fails, then fixed
+    _on_rank0(lambda: open(retried, "w").close())
+    retry = [_outcome(lambda: engine.save_16bit_model(retried))]
+    _on_rank0(lambda: os.remove(retried))
+    retry.append(_outcome(lambda: engine.save_16bit_model(retried)))
+
+    blocked = os.path.join(directory, "blocked")  # written, then made a file: the write fails
+    block = [_outcome(lambda: engine.save_16bit_model(blocked))]
+    _on_rank0(lambda: (os.remove(os.path.join(blocked, "pytorch_model.bin")),
+                       os.rmdir(blocked), open(blocked, "w").close()))
+    block.append(_outcome(lambda: engine.save_16bit_model(blocked)))
+
+    reloaded = os.path.join(directory, "reloaded")
+    engine.save_16bit_model(reloaded)
+    distributed.barrier()
+    engine.load_module_state_dict(
+        {"module": {k: v + 1 for k, v in engine.module_state_dict().items()}})
+    if distributed.get_rank() == 0:
+        time.sleep(0.5)  # the others reach the save first
+    engine.save_16bit_model(reloaded)
+    written = torch.load(os.path.join(reloaded, "pytorch_model.bin"))
+    distributed.barrier()  # every rank has read the file
+
+    # a directory named on each rank (a time stamp): rank 0's outcome, read at once
+    stamped = os.path.join(directory, f"stamp{distributed.get_rank()}")
+    stamp = _outcome(lambda: engine.save_16bit_model(stamped))
+    distributed.barrier()
+    return {"retry": retry, "block": block, "stamp": stamp,
+            "reloaded": all(torch.equal(written[k], v)
+                            for k, v in engine.module_state_dict().items())}
+
+
+def test_each_save_of_the_same_file_reports_its_own_write(world2, tmp_path):
+    outs = world2.run(_save_the_same_weights_again, str(tmp_path))
+    for rank, out in enumerate(outs):
+        # was on rank 1: the first call's outcome again (an error, then True), and new
+        # weights read back before rank 0 had written them
+        assert out["retry"] == [
+            f"rank 0 could not write {tmp_path}/retried/pytorch_model.bin", "written"], rank
+        assert out["block"] == [
+            "written", f"rank 0 could not write {tmp_path}/blocked/pytorch_model.bin"], rank
+        assert out["reloaded"], rank
+        assert out["stamp"] == "written", rank  # was (path in the key): waited the timeout
+    assert os.path.exists(tmp_path / "stamp0" / "pytorch_model.bin")
