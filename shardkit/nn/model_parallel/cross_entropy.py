@@ -122,10 +122,13 @@ def _differentiable_logits_grad(ctx, softmax, safe_target, subtract_one, ignored
         # grad_loss is the same on every rank (the loss is); used by this rank's slice only
         grad_loss = copy_to_model_parallel_region(grad_loss, group=ctx.group)
         smoothing = ctx.label_smoothing
-        one_hot = torch.zeros_like(softmax).scatter_(
-            -1, safe_target.unsqueeze(-1), subtract_one.to(softmax.dtype).unsqueeze(-1))
-        d_loss = softmax - (1.0 - smoothing) * one_hot - smoothing / ctx.vocab
-        grad = d_loss.masked_fill(ignored.unsqueeze(-1), 0.0) * grad_loss.unsqueeze(-1)
+        # _logits_grad's arithmetic in its order (the same bits as a plain backward), out of
+        # place where the graph needs it: two buffers of the slice's size at a time
+        d_loss = (softmax - smoothing / ctx.vocab if smoothing else softmax).scatter_add(
+            -1, safe_target.unsqueeze(-1),
+            -(1.0 - smoothing) * subtract_one.to(softmax.dtype).unsqueeze(-1))
+        d_loss.masked_fill_(ignored.unsqueeze(-1), 0.0)  # its backward reads only the mask
+        grad = d_loss * grad_loss.unsqueeze(-1)
     if grad_softmax is not None:
         local = (grad_softmax * softmax).sum(dim=-1)
         whole = reduce_from_model_parallel_region(local, group=ctx.group)
