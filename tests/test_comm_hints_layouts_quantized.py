@@ -40,7 +40,6 @@ Quantized collectives' agreement on the call (review of the transports commit).
 import contextlib
 import datetime
 import io
-import multiprocessing as mp
 import os
 import time
 
@@ -150,24 +149,30 @@ def _quantized_calls_that_differ_between_ranks() -> dict:
     return out
 
 
-def _run_spawned(target, world_size: int, timeout_s: float = 120, answers: int = 1):
-    """Run ``target(rank, port, results)`` in ``world_size`` spawned processes; return the
-    first result put (the first ``answers`` results, as a list, when ``answers > 1``)."""
-    from shardkit.testing import free_port
+def _run_ranks(target, world_size: int, timeout_s: float = 120, answers: int = 1):
+    """Run ``target(rank, port, results)`` in ``world_size`` processes (forked from the fork
+    server of :func:`shardkit.testing.process_context`: no torch import per rank); return the
+    first result put (the first ``answers`` results, as a list, when ``answers > 1``). Ranks
+    still running once the answers are in only keep their watchdogs beating for the rank that
+    answered (they sleep longer than it needs, for a loaded machine): they are stopped then."""
+    from shardkit.testing import free_port, process_context
     port = free_port()
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     results = ctx.Queue()
     ranks = [ctx.Process(target=target, args=(r, port, results)) for r in range(world_size)]
     for p in ranks:
         p.start()
+    answered = False
     try:
         got = [results.get(timeout=timeout_s) for _ in range(answers)]
+        answered = True
         return got[0] if answers == 1 else got
     finally:
         for p in ranks:
-            p.join(30)
+            p.join(0 if answered else 30)
             if p.is_alive():
                 p.kill()
+                p.join()
 
 
 # ---------------------------------------------------------------------- tests
@@ -176,7 +181,7 @@ def _run_spawned(target, world_size: int, timeout_s: float = 120, answers: int =
 def test_a_timed_out_collective_names_only_the_peer_that_had_not_reached_it():
     """Before: "rank(s) 1, 2, 3 still beat but had not reached it": rank 1 had issued X (its
     count was below rank 0's only because of rank 0's prefetch) and rank 3 had finished."""
-    note = _run_spawned(_timed_out_behind_a_prefetch, 4)
+    note = _run_ranks(_timed_out_behind_a_prefetch, 4)
     assert "rank(s) 2 still beat but had not reached it" in note, note
     assert "rank(s) 3" not in note and "rank(s) 1" not in note, note
     assert "issued [1] collectives on the default group, this rank 3, the oldest still " \
@@ -187,7 +192,7 @@ def test_a_counted_collective_on_a_round_robin_world_made_by_hand_runs_on_every_
     """Before: ranks 1 and 2 raised "GROUP_RANK=1 but rank 1 // LOCAL_WORLD_SIZE=2 is 0"
     from ranks_per_node() and ranks 0 and 3 timed out in the all-reduce. Every rank counts the
     world's all-reduce as spanning nodes: the world holds more ranks than a node."""
-    answers = dict(_run_spawned(_round_robin_placement_by_hand, 4, answers=4))
+    answers = dict(_run_ranks(_round_robin_placement_by_hand, 4, answers=4))
     for rank, out in sorted(answers.items()):
         assert "error" not in out, (rank, out)
         assert out["per_node"] == 2 and out["sum"] == [4.0] * 4 and out["bytes"] == 24.0

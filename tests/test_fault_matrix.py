@@ -253,15 +253,18 @@ def launched_cases(request, tmp_path_factory):
     wanted = [_key_of(item) for item in request.session.items
               if item.module.__name__ == __name__
               and getattr(item, "originalname", None) in _CASE_OF]
-    pending, running, done = list(dict.fromkeys(wanted)), {}, {}
+    # The stalling case lasts longest (STALL_S): it starts first and the others run beside it.
+    # Its ranks only sleep or wait in a collective, so they are not counted in CONCURRENT_RANKS.
+    pending = sorted(dict.fromkeys(wanted), key=lambda key: key[1] != "stalls")
+    running, done = {}, {}
     try:
         while pending or running:
-            busy = sum(case.world for case in running.values())
+            busy = sum(key[2] for key in running if key[1] != "stalls")
             while pending and (not running or busy + pending[0][2] <= CONCURRENT_RANKS):
                 key = pending.pop(0)
                 w, p, n, v = key
                 running[key] = _Case(tmp_path_factory.mktemp(f"{w}-{p}-{n}-{v}"), w, p, n, v)
-                busy += n
+                busy += n if p != "stalls" else 0
             for key, case in list(running.items()):
                 if case.exited():
                     done[key] = running.pop(key).finish()

@@ -218,20 +218,22 @@ def _collective_with_a_stalled_peer(rank: int, port: int, results) -> None:
 
 def test_a_timed_out_collective_names_the_stalled_peer():
     """Before: "a collective failed and no peer was lost ...: a peer is stalled", naming none."""
-    from shardkit.testing import free_port
+    from shardkit.testing import free_port, process_context
     port = free_port()
-    ctx = mp.get_context("spawn")
+    ctx = process_context()  # forked from the fork server: no torch import per rank
     results = ctx.Queue()
     ranks = [ctx.Process(target=_collective_with_a_stalled_peer, args=(r, port, results))
              for r in range(2)]
     for p in ranks:
         p.start()
+    note = None
     try:
         note = results.get(timeout=120)
     finally:
-        for p in ranks:
-            p.join(30)
+        for p in ranks:  # once rank 0 answered, the stalled rank's sleep is of no more use
+            p.join(0 if note is not None else 30)
             if p.is_alive():
                 p.kill()
+                p.join()
     assert "rank(s) 1 still beat but had not reached it" in note, note
     assert "issued [1] collectives on the default group, this rank 2" in note, note

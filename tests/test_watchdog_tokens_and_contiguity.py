@@ -143,9 +143,9 @@ def test_a_new_default_group_counts_its_collectives_from_zero():
     """Before: rank 0 counted the first group's failed all-reduce too (3 against rank 1's 2)
     and said rank 1 "still beat but had not reached it", though both ranks were waiting at
     the same point."""
-    from shardkit.testing import free_port
+    from shardkit.testing import free_port, process_context
     ports = (free_port(), free_port())
-    ctx = mp.get_context("spawn")
+    ctx = process_context()  # forked from the fork server: no torch import per rank
     results = ctx.Queue()
     ranks = [ctx.Process(target=_deadlock_after_an_earlier_group_failed,
                          args=(r, ports, results)) for r in range(2)]

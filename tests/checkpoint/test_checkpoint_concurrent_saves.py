@@ -185,36 +185,65 @@ except CheckpointError as error:
 '''
 
 
-@pytest.mark.parametrize("destroy", ["torch", "shardkit"])
-def test_torch_destroy_names_the_stuck_save_and_gives_up(tmp_path, destroy):
-    """torch's destroy_process_group (wrapped) and shardkit.distributed.destroy() alike: before,
-    the latter waited for a stuck writer without bound."""
-    script = tmp_path / "job.py"
+DESTROYS = ("torch", "shardkit")
+
+
+def _start_stuck_writer_job(folder, destroy: str) -> list:
+    """The two rank processes of ``STUCK_WRITER_JOB`` in ``folder``, ending with ``destroy``'s
+    destroy call; rank r writes its output to ``folder/rank{r}.out`` and ``.err``."""
+    script = folder / "job.py"
     script.write_text(STUCK_WRITER_JOB)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(shardkit.__file__)))
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / "ckpt"), destroy],
-                              env=dict(env, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank in range(2)]
-    outputs = []
-    deadline = time.monotonic() + 120
-    for proc in procs:
+    procs = []
+    for rank in range(2):
+        with open(folder / f"rank{rank}.out", "w") as out, \
+                open(folder / f"rank{rank}.err", "w") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(script), str(folder / "ckpt"), destroy], stdout=out,
+                stderr=err, env=dict(env, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port)))
+    return procs
+
+
+@pytest.fixture(scope="module")
+def stuck_writer_jobs(tmp_path_factory):
+    """Both destroy calls' jobs, run side by side (most of each is waiting out its timeouts):
+    ``{destroy: (folder, [(stdout, stderr) of each rank] or None if they still wait)}``."""
+    folders = {destroy: tmp_path_factory.mktemp(f"stuck-{destroy}") for destroy in DESTROYS}
+    jobs = {destroy: _start_stuck_writer_job(folders[destroy], destroy) for destroy in DESTROYS}
+    deadline = time.monotonic() + 120  # the jobs run at once: each has 120 s
+    outputs = {}
+    for destroy, procs in jobs.items():
+        folder = folders[destroy]
         try:  # before: rank 1 waited for its writer forever
-            outputs.append(proc.communicate(timeout=max(1, deadline - time.monotonic())))
+            for proc in procs:
+                proc.wait(timeout=max(1, deadline - time.monotonic()))
+            outputs[destroy] = [(_read(folder / f"rank{r}.out"), _read(folder / f"rank{r}.err"))
+                                for r in range(2)]
         except subprocess.TimeoutExpired:
+            outputs[destroy] = None
             for p in procs:
                 p.kill()
-            pytest.fail("destroy_process_group() still waits for the stuck save")
+                p.wait()
+    return {destroy: (folders[destroy], outputs[destroy]) for destroy in DESTROYS}
+
+
+@pytest.mark.parametrize("destroy", DESTROYS)
+def test_torch_destroy_names_the_stuck_save_and_gives_up(stuck_writer_jobs, destroy):
+    """torch's destroy_process_group (wrapped) and shardkit.distributed.destroy() alike: before,
+    the latter waited for a stuck writer without bound."""
+    folder, outputs = stuck_writer_jobs[destroy]
+    if outputs is None:
+        pytest.fail("destroy_process_group() still waits for the stuck save")
     out, err = outputs[1]
     assert "waiting (at most 6 s in all) for the asynchronous checkpoint save of tag 'last'" \
         in err, err
     assert "raised after" in out and "tag 'last'" in out and "did not finish" in out, (out, err)
     assert "raised after" in outputs[0][0], outputs[0]  # rank 0: the agreement timed out
-    assert not os.path.exists(tmp_path / "ckpt" / "latest")
+    assert not os.path.exists(folder / "ckpt" / "latest")
 
 
 def _local_dicts(fmt=None, cuts=True):
