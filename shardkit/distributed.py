@@ -112,6 +112,12 @@ class _StateForwardingModule(types.ModuleType):
 
 sys.modules[__name__].__class__ = _StateForwardingModule
 
+# The public errors moved out of this module keep its name in tracebacks and ``repr`` (as the
+# README names them, ``shardkit.distributed.CollectiveError``); they pickle through it too.
+for _error in (CollectiveError, NodeNumberingUnknown, RendezvousError):
+    _error.__module__ = __name__
+del _error
+
 
 # -------------------------------------------------------------- groups built by their members
 
