@@ -16,6 +16,26 @@ Regressions:
   raised (the other rank went on). Now every rank raises the same RuntimeError naming
   ShardedGradScaler before stepping, and ShardedGradScaler, which needs no such record,
   still trains as one process does.
+
+From a review:
+
+ShardedDataParallel's ``broadcast_buffers`` against torch DDP (gloo) at world 2, around the
+end-of-backward broadcast (review of 64eaae0).
+
+Regressions:
+
+- Rank 0's buffers received at the end of a reducing backward were held aside and written at
+  the next forward only into buffers not written since. What every rank did to its buffers in
+  between therefore started from its own statistics: after ``ddp.double()`` (a cast replaces
+  the buffers) or a write relative to the current value (``running_mean.mul_(0.5)``), ranks
+  other than 0 evaluated with their own statistics, where torch DDP (and the code before) used
+  rank 0's; ``state_dict()`` on rank 1 after the last backward held rank 1's. The buffers are now
+  overwritten with rank 0's at the end of the reducing backward, version counters kept (as
+  torch DDP's broadcast), so a retained graph still backwards.
+- An evaluation-mode forward after a training forward of the same step (before their
+  backward) took nothing: ranks other than 0 ran it with their own statistics, so the
+  gradients, and the parameters after the step, differed from torch DDP's. Such a forward
+  broadcasts again, as torch DDP's.
 """
 
 import inspect
@@ -210,3 +230,119 @@ def test_torch_scaler_whose_record_oss_cannot_find_is_refused_on_every_rank(worl
         assert "shardkit.optim.ShardedGradScaler" in result["refusal"], result
         assert result["unchanged"], result
         assert result["error"] < 1e-6 and result["scale"] == 2.0 ** 8, result
+
+
+def _micro_batch(step: int, rank: int, world: int) -> torch.Tensor:
+    """Each rank's share of the step's batch, scaled by rank so the statistics differ."""
+    x = torch.randn(4 * world, 4, generator=torch.Generator().manual_seed(step))
+    return x.chunk(world)[rank] * (1 + rank)
+
+
+def _evaluation_input() -> torch.Tensor:
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(99))
+
+
+def _wrapped(kind: str):
+    """(wrapper, module, optimizer): torch DDP with SGD, or ShardedDataParallel with OSS."""
+    from shardkit.nn.data_parallel import ShardedDataParallel
+    from shardkit.optim import OSS
+
+    model = _batchnorm_net()
+    if kind == "torch":
+        return (nn.parallel.DistributedDataParallel(model, broadcast_buffers=True), model,
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    optimizer = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1, momentum=0.9)
+    return ShardedDataParallel(model, optimizer, broadcast_buffers=True), model, optimizer
+
+
+def _train_step(wrapper, optimizer, step: int, rank: int, world: int) -> None:
+    wrapper(_micro_batch(step, rank, world)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _evaluate(wrapper, dtype=torch.float32) -> torch.Tensor:
+    wrapper.eval()
+    with torch.no_grad():
+        out = wrapper(_evaluation_input().to(dtype))
+    wrapper.train()
+    return out.double()
+
+
+def _changes_between_steps(kind: str) -> dict:
+    """What every rank evaluates after a relative write and after a cast, and the buffers
+    each rank holds right after the last backward."""
+    rank, world = skdist.get_rank(), skdist.get_world_size()
+    wrapper, model, optimizer = _wrapped(kind)
+    _train_step(wrapper, optimizer, 0, rank, world)
+    with torch.no_grad():
+        model[1].running_mean.mul_(0.5)  # every rank, relative to its current value
+    after_write = _evaluate(wrapper)
+    _train_step(wrapper, optimizer, 1, rank, world)
+    after_last_backward = {k: v.clone() for k, v in model.state_dict().items()}
+    wrapper.double()
+    after_cast = _evaluate(wrapper, torch.float64)
+    return dict(after_write=after_write, after_cast=after_cast,
+                after_last_backward=after_last_backward)
+
+
+def _check_changes_between_steps():
+    torch_ddp, sharded = _changes_between_steps("torch"), _changes_between_steps("sharded")
+    rank0_state = skdist.all_gather_object(sharded["after_last_backward"])[0]
+    return dict(
+        write_error=(torch_ddp["after_write"] - sharded["after_write"]).abs().max().item(),
+        cast_error=(torch_ddp["after_cast"] - sharded["after_cast"]).abs().max().item(),
+        state_is_rank0s=all(torch.equal(v, rank0_state[k])
+                            for k, v in sharded["after_last_backward"].items()))
+
+
+def test_every_rank_casts_writes_and_saves_rank0_buffers_after_a_step(world2):
+    for rank, result in enumerate(world2.run(_check_changes_between_steps)):
+        assert result["write_error"] < 1e-6, (rank, result)
+        assert result["cast_error"] < 1e-6, (rank, result)
+        assert result["state_is_rank0s"], (rank, result)
+
+
+def _forwards_before_one_backward(kind: str, eval_second: bool, retain: bool) -> list:
+    """Three steps of two forwards (the second in evaluation mode or not) and one loss,
+    backwarded once, or twice with ``retain_graph=True`` (torch DDP: the loss doubled)."""
+    rank, world = skdist.get_rank(), skdist.get_world_size()
+    wrapper, model, optimizer = _wrapped(kind)
+    params = []
+    for step in range(3):
+        loss = wrapper(_micro_batch(step, rank, world)).sum()
+        wrapper.train(not eval_second)
+        loss = loss + wrapper(_micro_batch(step + 50, rank, world)).square().sum()
+        wrapper.train()
+        if not retain:
+            loss.backward()
+        elif kind == "torch":
+            (2 * loss).backward()
+        else:
+            loss.backward(retain_graph=True)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
+    return params + [_evaluate(wrapper)]
+
+
+def _check_forwards_before_one_backward():
+    errors = {}
+    for eval_second, retain in ((True, False), (False, False), (True, True), (False, True)):
+        expected = _forwards_before_one_backward("torch", eval_second, retain)
+        got = _forwards_before_one_backward("sharded", eval_second, retain)
+        errors[(eval_second, retain)] = max(
+            _relative_error(a, b) for xs, ys in zip(expected, got)
+            for a, b in zip(xs if isinstance(xs, list) else [xs], ys if isinstance(ys, list)
+                            else [ys]))
+    return errors
+
+
+def _relative_error(expected: torch.Tensor, got: torch.Tensor) -> float:
+    return ((expected - got).abs().max() / (1 + expected.abs().max())).item()
+
+
+def test_forwards_before_one_backward_match_torch_ddp(world2):
+    for rank, errors in enumerate(world2.run(_check_forwards_before_one_backward)):
+        assert max(errors.values()) < 1e-5, (rank, errors)

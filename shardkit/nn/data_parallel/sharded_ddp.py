@@ -54,21 +54,21 @@ class ShardedDataParallel(nn.Module):
             ``module``; together they must cover every trainable parameter.
         process_group: the data-parallel group (default: the optimizers' group; if given, it must
             contain the same ranks as theirs).
-        broadcast_buffers: every rank starts a step's forward from rank 0's module buffers
-            (BatchNorm statistics...), as under torch DDP: the first forward after a reducing
-            backward (or :meth:`reduce`) takes the buffers rank 0 had when that backward ended,
-            received then (by ``comm``, at the end of the backward, held aside until that
-            forward on the other ranks: the buffers' bytes); once per accumulation window, and
-            also under ``torch.no_grad()`` or in evaluation mode (every rank then evaluates
-            with rank 0's statistics). The forward itself issues no collective, so a forward
-            one rank runs alone (a sample or a validation pass on rank 0, even in training
-            mode under ``torch.no_grad()``) does not wait for the others (it hung in the
-            broadcast torch DDP and FairScale make there). The very first forward after
-            construction broadcasts instead, on every rank (buffers changed after wrapping,
-            as torch DDP's first forward). Unlike torch DDP, a second forward before one
-            backward takes nothing: ranks other than 0 keep their own statistics to the end
-            of that step (the gradients and rank 0's buffers are the same). Buffers that a
-            forward on rank 0 alone changes reach the others after the next reducing backward.
+        broadcast_buffers: every rank runs a step's forward with rank 0's module buffers
+            (BatchNorm statistics...), as under torch DDP: at the end of each reducing
+            backward (and of :meth:`reduce`), every rank overwrites its buffers with rank 0's
+            (by ``comm``: the buffers' bytes, once per accumulation window), so they are rank
+            0's from then on (``state_dict()`` on any rank, a cast, a write or a checkpoint
+            load done on every rank, an evaluation pass). The next forward issues no
+            collective, so a forward one rank runs alone between steps (a sample or a
+            validation pass on rank 0, in evaluation mode or under ``torch.no_grad()``) does
+            not wait for the others (it hung in the broadcast torch DDP and FairScale make
+            there); buffers that rank 0 alone changes then (its lone forward, a checkpoint it
+            alone loads) reach the others at the end of the next reducing backward. Forwards
+            that broadcast, as torch DDP's: the very first after construction, and one after a
+            training-mode forward with grad enabled outside :meth:`no_sync` in the same step
+            (several forwards before one backward). Version counters are kept, so a graph
+            that saved a buffer still backwards (``retain_graph=True``).
         sync_models_at_startup: broadcast rank 0's parameters and buffers at wrap time (by
             ``comm``, like every collective of this wrapper).
         reduce_buffer_size: bucket size in bytes (in the communication dtype); ``0`` reduces
@@ -149,8 +149,8 @@ class ShardedDataParallel(nn.Module):
     Communication per step: the gradient reduction, (N-1)/N·Ψ elements in the DESIGN
     convention (plus the padding of reduce-scattered buckets, at most ``balance_tolerance``),
     plus OSS's parameter sync, (N-1)/N·Ψ: 2Ψ(N-1)/N together. ``broadcast_buffers`` adds the
-    module's buffers once per step (at the end of each reducing backward, and at the first
-    forward; held aside until the next forward on ranks other than 0: the buffers' bytes);
+    module's buffers once per step (at the end of each reducing backward, at the first
+    forward, and at each further forward of a step before its backward);
     one element per rank all-gathered at the first forward of a step and at the start of a
     reducing backward (``auto_refresh_trainable``), and per :meth:`reduce`, plus the
     ``requires_grad`` flags when one changed.
@@ -184,9 +184,9 @@ class ShardedDataParallel(nn.Module):
     Construction checks, in one small all-gather, that every rank wraps the same module with
     the same arguments (a ValueError on every rank otherwise).
 
-    .. warning:: Construction, :meth:`refresh_trainable`, forward (the first one with
-        ``broadcast_buffers``, or a step's first with grad enabled and ``auto_refresh_trainable``
-        in training mode), backward and
+    .. warning:: Construction, :meth:`refresh_trainable`, forward (with ``broadcast_buffers``
+        the very first and one after a training forward before its backward, or a step's first
+        with grad enabled and ``auto_refresh_trainable`` in training mode), backward and
         :meth:`reduce` issue collectives: call them on every rank of the group.
     """
 
@@ -236,7 +236,6 @@ class ShardedDataParallel(nn.Module):
         self.dim = 0
         self.find_unused_parameters = True   # unused parameters are handled, nothing to set
         self.require_forward_param_sync = True   # the first forward broadcasts the buffers
-        self._staged_buffers: Optional[dict] = None  # rank 0's, from the last reduction
         self.gradient_as_bucket_view = False
         self.static_graph = False
         self.rank = skdist.get_rank(self.process_group)
@@ -291,10 +290,9 @@ class ShardedDataParallel(nn.Module):
     def forward(self, *inputs, **kwargs):
         """Run the module; first re-plan if the trainable set changed on any rank
         (``auto_refresh_trainable``: one element per rank all-gathered at a step's first
-        forward with grad enabled in training mode) and start from rank 0's buffers
-        (``broadcast_buffers``: those received at the end of the last reducing backward or
-        :meth:`reduce`, if this is the first forward since; broadcast at the very first
-        forward)."""
+        forward with grad enabled in training mode) and, with ``broadcast_buffers``, broadcast
+        rank 0's buffers where torch DDP would and the last reduction has not (the very first
+        forward, and one after a training forward of the same step)."""
         refuse_training_sync_batchnorm(sync_batchnorm_layers(self, self.module),
                                        "ShardedDataParallel", torch.device(self.device_type))
         if self._backward_active:
@@ -324,9 +322,16 @@ class ShardedDataParallel(nn.Module):
                 self._window_open = True
             elif self._plan_is_stale():
                 self._warn_stale_plan()
-        if self.broadcast_buffers:
-            self._take_rank0_buffers()
-        return self.module(*inputs, **kwargs)
+        if self.broadcast_buffers and self.require_forward_param_sync:
+            self._broadcast_rank0_buffers()
+        output = self.module(*inputs, **kwargs)
+        # torch DDP's rule inside a step: a forward after one that leads to a reducing
+        # backward broadcasts (an evaluation-mode forward before backward then uses rank 0's
+        # statistics too); evaluation-mode and no-grad forwards, which one rank may run
+        # alone, never set it
+        self.require_forward_param_sync = \
+            self.training and torch.is_grad_enabled() and self._sync_enabled
+        return output
 
     def _plan_is_stale_on_any_rank(self, stale: bool, site: int,
                                    drops_grads: bool = False) -> bool:
@@ -462,46 +467,29 @@ class ShardedDataParallel(nn.Module):
                       f"of cast ones travel in the dtype planned){also}", RuntimeWarning,
                       stacklevel=3)
 
-    def _take_rank0_buffers(self) -> None:
-        """Start this forward from rank 0's buffers where a reduction received them (local), or
-        broadcast them now at the first forward (``require_forward_param_sync``, collective)."""
-        staged, self._staged_buffers = self._staged_buffers, None
-        if staged:
-            with torch.no_grad():
-                for name, b in self.module.named_buffers():
-                    received, live, version = staged.get(name, (None, None, None))
-                    # a buffer written since (a checkpoint loaded on every rank, a cast)
-                    # keeps what was written: rank 0's then is not what was received
-                    if live is b and b._version == version:
-                        b.copy_(received)
-        elif self.require_forward_param_sync and staged is None:
+    def _broadcast_rank0_buffers(self) -> None:
+        """Overwrite every rank's module buffers with rank 0's, their version counters kept
+        (as torch DDP's broadcast): a graph that saved a buffer (BatchNorm's running
+        statistics, in training mode unused by its backward) can still be backwarded, with
+        ``retain_graph=True`` or after a second forward. Collective: the buffers' bytes."""
+        buffers = tuple(self.module.buffers())
+        with torch.autograd._unsafe_preserve_version_counter(buffers):
             self.sync_buffers()
         self.require_forward_param_sync = False
 
-    def _receive_rank0_buffers(self) -> None:
-        """At the end of a reduction (every rank): rank 0's buffers as they are now, held aside
-        on the other ranks until the next forward takes them (written now, they could change a
-        tensor saved for a backward still to come: ``retain_graph=True``). Collective: the
-        buffers' bytes broadcast."""
-        if not self.broadcast_buffers or self.world_size == 1:
-            return
-        named = dict(self.module.named_buffers())
-        if not named:
-            return
-        received = named if self.rank == 0 else \
-            {name: torch.empty_like(b) for name, b in named.items()}
-        skdist.broadcast_tensors_from_rank0(list(received.values()), self.process_group,
-                                            max(self.reduce_buffer_size, 1 << 20), self.comm)
-        # rank 0 keeps an empty dict: nothing to copy, and no first-forward broadcast either
-        self._staged_buffers = {} if self.rank == 0 else {
-            name: (received[name], b, b._version) for name, b in named.items()}
+    def _broadcast_buffers_after_reduction(self) -> None:
+        """At the end of a reduction (every rank together): every rank takes rank 0's buffers
+        now, so the next forward issues no collective (one rank may run it alone) and what
+        every rank does to its buffers before it (a cast, a write, a checkpoint loaded,
+        ``state_dict()``) starts from rank 0's values, as after torch DDP's forward
+        broadcast."""
+        if self.broadcast_buffers:
+            self._broadcast_rank0_buffers()
 
     def sync_buffers(self, blocking: bool = False) -> None:
         """Broadcast rank 0's module buffers (BatchNorm statistics...) to every rank, as
         FairScale's method; ``blocking`` is accepted, the broadcast always completes before
         returning. Collective: call on every rank. Wire: (N-1)/N of the buffers' bytes."""
-        if self._staged_buffers:  # older than what this broadcast brings
-            self._staged_buffers = {}
         buffers = list(self.module.buffers())
         if buffers and self.world_size > 1:
             skdist.broadcast_tensors_from_rank0(buffers, self.process_group,
@@ -576,7 +564,7 @@ class ShardedDataParallel(nn.Module):
             self._launch_rest_and_wait()
         finally:
             self._syncing = False
-        self._receive_rank0_buffers()  # the window ends: the next forward takes rank 0's
+        self._broadcast_buffers_after_reduction()  # the window ends
 
     def refresh_trainable(self) -> None:
         """Re-partition the OSS optimizers (``OSS.refresh_trainable``: collective when ownership
@@ -902,7 +890,7 @@ class ShardedDataParallel(nn.Module):
                 self._launch_rest_and_wait()
                 if self._observed is not None:
                     self._settle_bucket_order()
-                self._receive_rank0_buffers()
+                self._broadcast_buffers_after_reduction()
         finally:
             self._backward_active = False
             self._syncing = False
