@@ -9,10 +9,10 @@ class-index loss, ``F.cross_entropy``, ``F.nll_loss``, their ``functools.partial
 ``loss_fn`` that says nothing (a lambda or a plain ``def``) or only ``reduction="mean"``, from
 watching the step's ``loss_fn`` calls (:class:`LossCountWatch`): if the first that averages
 by its target's counts computes class-index losses with ``reduction="mean"`` on its
-micro-batch's target (reshaped, not cut) and returns their sum, the same count applies to
-every micro-batch; a mean it cannot predict (divided by hand, cut targets, a term added) must
-count alike in every micro-batch. Local to the rank running the last stage; no
-communication.
+micro-batch's target (reshaped, not cut) and returns their sum, each times a constant
+(``0.5 * (ce1 + ce2)``), the same count applies to every micro-batch; a mean it cannot predict
+(divided by hand, cut targets, a term added) must count alike in every micro-batch. Local to
+the rank running the last stage; no communication.
 """
 
 from __future__ import annotations
@@ -117,10 +117,11 @@ class _LossCallRecord(TorchFunctionMode):
     """What one ``loss_fn`` call computes, recorded while it runs: every ``F.cross_entropy`` /
     ``F.nll_loss`` call (``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` call these too), defaults
     filled in, with what it returned (``calls``); which tensors are those calls' results added
-    together (``covered_calls``); and the counts taken from the target that it averages by
-    itself (``target_divisors``: a division by a one-element tensor computed from the target,
+    together, each times a constant (``covered_calls``: ``0.5 * (ce1 + ce2)``); and the counts
+    taken from the target that it averages by itself (``target_divisors``: a division by a
+    one-element tensor computed from the target, or by a number read out of one,
     ``(ce * mask).sum() / mask.sum()``, or the mean of the elements a target-derived mask
-    picks, ``ce[mask].mean()``).
+    picks, ``ce[mask].mean()``, ``ce[mask].float().mean()``).
 
     Note: tensors are followed by ``id`` while the call runs; the record holds them, so no id
     is reused before it is discarded with the call."""
@@ -132,10 +133,14 @@ class _LossCallRecord(TorchFunctionMode):
         self._from_target = {id(t): t for t in tree_flatten(target)[0]
                              if isinstance(t, torch.Tensor)}
         self._picked_by_target: dict = {}
-        self._sums: dict = {}  # id -> (tensor, the calls whose results it adds up)
+        self._target_numbers: set = set()  # Python numbers read out of target-derived tensors
+        self._numbers_read: set = set()  # out of any tensor: a factor that may vary by data
+        self._reciprocals: dict = {}  # id -> (tensor, count): ``1 / mask.sum()``
+        self._sums: dict = {}  # id -> (tensor, the calls whose results it adds up, scaled)
 
     def covered_calls(self, loss) -> frozenset:
-        """The calls whose results ``loss`` is the sum of (empty if it is anything else)."""
+        """The calls whose results, each times a constant, ``loss`` is the sum of (empty if
+        it is anything else)."""
         tensor, calls = self._sums.get(id(loss), (None, frozenset()))
         return calls if tensor is loss else frozenset()
 
@@ -150,24 +155,77 @@ class _LossCallRecord(TorchFunctionMode):
             self._sums[id(result)] = result, frozenset({len(self.calls) - 1})
         elif name in _ADDITIONS:
             self._note_sum(args, kwargs, result)
+        elif name in _MULTIPLICATIONS + _DIVISIONS:
+            self._note_scaled(name, args, kwargs, result)
+        self._note_target_divisor(name, args, result)
+        if name in _READ_OUTS and isinstance(result, numbers.Real) \
+                and not isinstance(result, bool):
+            self._numbers_read.add(result)
+        leaves = tree_flatten((args, kwargs))[0]
+        self._note_picked(name, args, leaves, result)
+        if any(self._derived(t) for t in leaves):
+            self._note_derived(name, args, result)
+        return result
+
+    def _note_target_divisor(self, name: str, args, result) -> None:
+        """A count taken from the target that the call averages by itself: a division by it
+        (``/ mask.sum()``), a multiplication by its reciprocal (``* (1 / mask.sum())``), or
+        the mean of the elements a target-derived mask picks (``ce[mask].mean()``)."""
         if name in _DIVISIONS and len(args) > 1 and self._counts_target(args[1]):
             self.target_divisors.append(float(args[1]))
-        elif name == "mean" and args and id(args[0]) in self._picked_by_target \
-                and len(args) == 1 and not kwargs.get("dim"):
+        elif name in _MULTIPLICATIONS and len(args) > 1 and any(
+                self._reciprocal(value) for value in args[:2]):
+            self.target_divisors.append(next(self._reciprocals[id(value)][1]
+                                             for value in args[:2] if self._reciprocal(value)))
+        elif name in _RECIPROCALS and args and self._counts_target(args[0]) and (
+                name == "reciprocal" or _constant(args[1])):  # k / count: (count, k)
+            self._reciprocals[id(result)] = result, float(args[0])
+        elif name == "mean" and args and self._picked(args[0]) \
+                and isinstance(result, torch.Tensor) and result.numel() == 1:
             self.target_divisors.append(float(args[0].numel()))
-        if name in _SELECTIONS and len(args) > 1 and self._derived(args[1]) \
-                and isinstance(result, torch.Tensor):
+
+    def _note_derived(self, name: str, args, result) -> None:
+        """``result`` (and, for an in-place write such as ``m[y == -100] = 0``, the tensor
+        written) comes from the target; so do numbers read out of a one-element tensor
+        (``mask.sum().item()``, ``int(...)``), remembered by value."""
+        if name in _READ_OUTS and isinstance(result, numbers.Real) \
+                and not isinstance(result, bool):
+            self._target_numbers.add(result)
+        written = [args[0]] if args and isinstance(args[0], torch.Tensor) and (
+            name == "__setitem__" or name.endswith("_") and not name.startswith("__")) else []
+        self._from_target.update((id(t), t) for t in tree_flatten(result)[0] + written
+                                 if isinstance(t, torch.Tensor))
+
+    def _note_picked(self, name: str, args, leaves: list, result) -> None:
+        """Follow the elements a target-derived mask picks (``ce[mask]``) through selections
+        and through element-wise ops on them alone (``.float()``, ``* 2``), whose mean still
+        averages by the picked count."""
+        if not isinstance(result, torch.Tensor):
+            return
+        if name in _SELECTIONS and len(args) > 1 and self._derived(args[1]):
             self._picked_by_target[id(result)] = result
-        if any(self._derived(t) for t in tree_flatten((args, kwargs))[0]):
-            self._from_target.update((id(t), t) for t in tree_flatten(result)[0]
-                                     if isinstance(t, torch.Tensor))
-        return result
+            return
+        if not self._picked_by_target:
+            return
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if len(tensors) == 1 and self._picked(tensors[0]) and result.shape == tensors[0].shape:
+            self._picked_by_target[id(result)] = result
+
+    def _reciprocal(self, value) -> bool:
+        return isinstance(value, torch.Tensor) and \
+            self._reciprocals.get(id(value), (None,))[0] is value
+
+    def _picked(self, value) -> bool:
+        return isinstance(value, torch.Tensor) and self._picked_by_target.get(id(value)) is value
 
     def _derived(self, value) -> bool:
         return isinstance(value, torch.Tensor) and self._from_target.get(id(value)) is value
 
     def _counts_target(self, divisor) -> bool:
-        """Whether ``divisor`` is a one-element tensor computed from the target."""
+        """Whether ``divisor`` is a one-element tensor computed from the target, or a number
+        read out of one (``mask.sum().item()``, also after ``max(..., 1)``)."""
+        if isinstance(divisor, numbers.Real) and not isinstance(divisor, bool):
+            return divisor in self._target_numbers
         return self._derived(divisor) and divisor.numel() == 1
 
     def _note_sum(self, args, kwargs, result) -> None:
@@ -184,20 +242,36 @@ class _LossCallRecord(TorchFunctionMode):
                 covered.append(calls)
             elif value != 0:
                 return
-        if len(covered) == 2 and covered[0] & covered[1]:
-            return  # a call counted twice: a multiple of it
         self._sums[id(result)] = result, frozenset().union(*covered)
+
+    def _note_scaled(self, name: str, args, kwargs, result) -> None:
+        """``result`` is such a sum times, or divided by, a constant (a Python number not read
+        out of a tensor, whose value could differ between micro-batches): weighting it by the
+        counts weighs every term alike, as one process's mean over the whole target does."""
+        if len(args) != 2 or kwargs.get("rounding_mode") is not None:
+            return
+        summed, factor = args if name in _DIVISIONS or isinstance(args[0], torch.Tensor) \
+            else args[::-1]
+        tensor, calls = self._sums.get(id(summed), (None, frozenset()))
+        if tensor is not summed or not calls or not _constant(factor) \
+                or factor in self._numbers_read:
+            return
+        self._sums[id(result)] = result, calls
 
 
 _ADDITIONS = ("add", "add_", "__add__", "__radd__", "__iadd__")
 _DIVISIONS = ("div", "div_", "true_divide", "__truediv__", "__itruediv__")
+_MULTIPLICATIONS = ("mul", "mul_", "__mul__", "__rmul__", "__imul__")
+_RECIPROCALS = ("reciprocal", "__rdiv__", "__rtruediv__")
 _SELECTIONS = ("__getitem__", "masked_select")
+_READ_OUTS = ("item", "__int__", "__float__", "__index__")
 
 
-def _mean_counts(calls: list) -> Optional[list]:
+def _mean_counts(calls: list) -> list:
     """``(count, target elements, counter)`` of each class-index call with ``reduction=
     "mean"`` on class indices (its mean divides by ``count``; ``counter`` counts another target
-    alike); ``None`` where a call averages class probabilities."""
+    alike). A call on class probabilities averages over rows, not a count its target decides:
+    it has none (a distillation term beside a class-index mean)."""
     means = []
     for call in calls:
         reduction = call["reduction"]
@@ -212,7 +286,7 @@ def _mean_counts(calls: list) -> Optional[list]:
             means.append((count_value(counter(call["target"])), call["target"].numel(),
                           counter))
         except NotCounted:
-            return None
+            continue
     return means
 
 
@@ -221,7 +295,7 @@ def _averages(record: _LossCallRecord) -> Optional[tuple]:
     target counts it divided by itself, as ``(counts, divisors)``; ``None`` for a call that
     averages by no count its target decides (a sum, a mean over rows, class probabilities)."""
     means = _mean_counts(record.calls)
-    if means is None or not (means or record.target_divisors):
+    if not (means or record.target_divisors):
         return None
     return tuple(count for count, _, _ in means), tuple(record.target_divisors)
 
@@ -242,13 +316,14 @@ class LossCountWatch:
 
     The step's first call that averages by a count its target decides (:meth:`call`, then
     :meth:`observe`) decides. Class-index losses with ``reduction="mean"`` (one, or several
-    added up: two heads) whose targets have the micro-batch target's elements and count (the
-    target reshaped, ``t.view(-1)``) give every micro-batch's count before any backward
-    (``counts``), where that sum is all ``loss_fn`` returns. A call whose counts cannot be
-    predicted (a cut or shifted target ``t[:, 1:]``; means counting differently; a masked mean
-    the user divides by hand, ``(ce * mask).sum() / mask.sum()``), or whose means are not all
-    that ``loss_fn`` returns (an auxiliary term added, a multiple: weighting the whole loss by
-    the counts would weigh those terms wrongly), leaves the weights alike and requires every
+    added up, each times a constant: two heads, ``0.5 * (ce1 + ce2)``) whose targets have the
+    micro-batch target's elements and count (the target reshaped, ``t.view(-1)``) give every
+    micro-batch's count before any backward (``counts``), where that sum is all ``loss_fn``
+    returns. A call whose counts cannot be predicted (a cut or shifted target ``t[:, 1:]``;
+    means counting differently; a masked mean the user divides by hand, ``(ce * mask).sum() /
+    mask.sum()``), or whose means are not all that ``loss_fn`` returns (an auxiliary term
+    added, a class-probability term beside them: weighting the whole loss by the counts would
+    weigh that term wrongly), leaves the weights alike and requires every
     micro-batch to average by the same counts as the first (:meth:`observe` says otherwise,
     naming ``loss_denominator``). Calls before it that average by nothing and return zero (a
     guard for a micro-batch whose targets are all ignored) must count nothing. A first call
@@ -300,8 +375,8 @@ class LossCountWatch:
         if record.target_divisors:
             reason = "it divides by a count taken from its target itself (a masked mean)"
         elif not whole:
-            reason = "loss_fn returns more than that mean (another term added to it, or a " \
-                     "multiple of it)"
+            reason = "loss_fn returns more than that mean (another term added to it, not a " \
+                     "class-index mean times a constant)"
         elif predicted is None or any(count != predicted[index] or elements != own.numel()
                                       for count, elements, _ in means):
             reason = "its target is not the micro-batch's target reshaped"
@@ -365,6 +440,12 @@ class LossCountWatch:
                 f"one process's mean over the whole target. Pass loss_denominator="
                 f"lambda target: <the count loss_fn's mean divides by> (e.g. (target != -100)"
                 f".sum()), or reduction='sum' with scale_grads=False")
+
+
+def _constant(value) -> bool:
+    """Whether ``value`` is a finite, non-zero Python number (a factor in a ``loss_fn``)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) \
+        and math.isfinite(value) and value != 0
 
 
 def _is_zero(loss) -> bool:

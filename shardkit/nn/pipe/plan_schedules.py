@@ -56,12 +56,14 @@ counts them; any other declares its count with ``loss_denominator=lambda target:
 ``loss_fn`` that says nothing (``lambda out, y: F.cross_entropy(out.view(-1, V), y.view(-1))``)
 is watched at the step's first loss (:mod:`~shardkit.nn.pipe.loss_count`): where it returns
 one of those losses with ``reduction="mean"`` on its micro-batch's target reshaped (or several
-added up, counting alike: two heads), every micro-batch is counted alike, as above; where on
-another target (``y[:, 1:]``), where that mean is only part of what it returns (an auxiliary
-term added), or where it divides by a count of its target by hand (``(ce * mask).sum() /
-mask.sum()``), every micro-batch must count as many targets as the first, else the step fails
-on every rank asking for ``loss_denominator``. A guard's zero before that loss (a micro-batch
-whose targets are all ignored) must count nothing.
+added up, each times a constant, counting alike: two heads, ``0.5 * (ce1 + ce2)``), every
+micro-batch is counted alike, as above; where on another target (``y[:, 1:]``), where that
+mean is only part of what it returns (an auxiliary or class-probability term added), or where
+it divides by a count of its target by hand (``(ce * mask).sum() / mask.sum()``, also
+``/ mask.sum().item()``, ``ce[mask].float().mean()``), every micro-batch must count as many
+targets as the first, else the step fails on every rank asking for ``loss_denominator``. A
+guard's zero before that loss (a micro-batch whose targets are all ignored) must count
+nothing.
 Each micro-batch's loss is then divided by the whole target's count over its own (a
 micro-batch counting nothing, whose mean is NaN, adds no gradient), so the gradients and the
 returned loss are one process's on the whole batch. Under data parallelism each pipeline's
