@@ -40,7 +40,9 @@ fp32 first (the same ``Parameter`` objects; rank 0 says so), as DeepSpeed keeps 
 weights whatever the model's dtype. A step
 whose gradients hold inf/nan is skipped under fp16, and under bf16 unless
 ``bf16.check_grad_overflow`` is false (DeepSpeed's default, true); the decision is all-reduced
-(one element) so every rank skips together.
+(one element) so every rank skips together. A script's own ``engine.optimizer.step()`` gets
+that work on the gradients first, as DeepSpeed's wrapped optimizers do
+(:mod:`shardkit.engine_direct_step`).
 
 A model built from ``shardkit.nn.model_parallel`` layers trains through ``mpu=`` (DeepSpeed's
 model-parallel unit): the table's wrappers then run over the data-parallel group, N is its size,
@@ -344,8 +346,10 @@ def _guard_direct_steps(engine) -> None:
     would step on each rank's own gradients, silently. Raised on every rank that steps, before
     the optimizer's collectives. One pre-hook per optimizer, reading the latest engine built
     over it (a weak reference: the hook keeps no engine alive). With one micro-batch per step,
-    calling the optimizer directly keeps working, but it is collective, as ``engine.step()``
-    is: the ranks first agree that all of them step and none holds its state offloaded (one
+    calling the optimizer directly keeps working, with ``engine.step()``'s work on the
+    gradients done first (unscaled, an overflow skipped, clipped:
+    :mod:`shardkit.engine_direct_step`), but it is collective, as ``engine.step()`` is: the
+    ranks first agree that all of them step and none holds its state offloaded (one
     all-gather of six int64s a rank over the world, see ``ShardedEngine._agree_on_step``), so
     a step called on some ranks only is a RuntimeError on every rank, the ranks that skipped
     it raising at their next training forward."""
@@ -399,19 +403,20 @@ class _ForwardedToEngine:
 
 
 def _refuse_direct_step(optimizer, args, kwargs) -> None:
+    """The step pre-hook of the engine's optimizer: a direct ``engine.optimizer.step()`` (not
+    ``engine.step()``'s) agrees on the step, is refused with accumulation, and otherwise gets
+    ``engine.step()``'s work on the gradients first (:func:`engine_direct_step.prepare`)."""
     owner = _STEP_OWNERS.get(optimizer)
     engine = owner() if owner is not None else None
     if engine is None or _ENGINE_STEPPING.get(optimizer, 0) > 0:
         return None
     # as engine.step(): on a GPU torch's AdamW would count the step on its (host) step
     # tensors, then fail on the moments, so the bias correction would drift by one
-    carry = {call: arguments for call, arguments in engine._oss_calls_to_carry().items()
-             if call == "step"}  # (no clip here: the script clips, or not, by itself)
-    agreed = engine._agree_on_step("engine.optimizer.step()", carry=carry)
+    agreed = engine._agree_on_step("engine.optimizer.step()", carry=engine._oss_calls_to_carry())
     engine._weights_version += 1
     steps = engine.config.gradient_accumulation_steps
     if steps == 1:
-        engine_direct_step.open_carried_step(optimizer, agreed)
+        engine_direct_step.prepare(engine, optimizer, agreed, args, kwargs)
         return None
     raise RuntimeError(
         f"engine.optimizer.step() was called directly with gradient_accumulation_steps={steps}: "
@@ -1439,10 +1444,7 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             agreed_in_advance = self._agree_on_step(carry=self._oss_calls_to_carry())
             if self.lr_scheduler is not None:  # the scheduler steps at the boundary only
                 _check_lr_kwargs(self.lr_scheduler, lr_kwargs or {})
-            self._refuse_unreduced_step()
-            if torch_backward and self._forwards_since_step == 0 and self._no_sync_depth == 0 \
-                    and isinstance(self.wrapped, nn.parallel.DistributedDataParallel):
-                self._average_gradients_by_hand()  # model called and loss.backward() by hand
+            self._check_gradients_reduced(torch_backward)
             self._optimizer_step(lr_kwargs or {}, loss_scaled=not torch_backward,
                                  agreed_in_advance=agreed_in_advance)
             self.tput_timer.stop(global_step=True)
@@ -1505,24 +1507,37 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             f"to train it, pass optimizer=<torch optimizer> or add an 'optimizer' section to "
             f"the config")
 
-    def _refuse_unreduced_step(self) -> None:
-        """DeepSpeed's rule, checked on every rank before any collective: a boundary step must
-        follow a backward whose gradients were reduced (outside :meth:`no_sync`)."""
+    def _refuse_unreduced_step(self, call: str) -> None:
+        """DeepSpeed's rule, checked on every rank before any collective: a boundary step
+        (``call``) must follow a backward whose gradients were reduced (outside
+        :meth:`no_sync`)."""
         if self._no_sync_depth > 0:
             raise RuntimeError(
-                "engine.step() was called inside engine.no_sync(): the gradients there are "
+                f"{call} was called inside engine.no_sync(): the gradients there are "
                 "this rank's own, not averaged over the ranks, so the step would diverge from "
                 "single-process training (as in DeepSpeed, this is not allowed); leave the "
                 "no_sync() block, run the accumulation boundary's engine.backward(loss) "
                 "outside it, then call engine.step()")
         if self._boundary_unreduced:
             raise RuntimeError(
-                "engine.step(): the accumulation boundary's engine.backward(loss) ran inside "
+                f"{call}: the accumulation boundary's engine.backward(loss) ran inside "
                 "engine.no_sync() or with engine.require_backward_grad_sync = False, so its "
                 "gradients were never averaged over the ranks and the step would apply this "
                 "rank's own; run the last backward of each accumulation window outside "
                 "no_sync() with require_backward_grad_sync True (it reduces everything "
                 "accumulated before it)")
+
+    def _check_gradients_reduced(self, torch_backward: bool,
+                                 call: str = "engine.step()") -> None:
+        """Before a boundary step (``engine.step()`` or a direct ``engine.optimizer.step()``):
+        refuse gradients left unreduced (:meth:`_refuse_unreduced_step`), and at stages 0-1
+        average those of a model the script called itself with ``loss.backward()``
+        (``torch_backward``: no ``engine.backward`` since the last step), which torch DDP did
+        not reduce. Local, or one all-reduce of the gradients where averaged by hand."""
+        self._refuse_unreduced_step(call)
+        if torch_backward and self._forwards_since_step == 0 and self._no_sync_depth == 0 \
+                and isinstance(self.wrapped, nn.parallel.DistributedDataParallel):
+            self._average_gradients_by_hand()  # model called and loss.backward() by hand
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every wrapped parameter (``None`` by default, as torch).
@@ -1534,32 +1549,9 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
         """Step at the boundary; ``agreed_in_advance``: the OSS agreements the step agreement
         carried (:meth:`_agree_on_step`), whose calls here then skip their own exchange."""
         agreed_in_advance = agreed_in_advance or {}
-        for param in self._left_out():  # never stepped: kept out of the clip, never accumulated
-            param.grad = None
-        if self._sums_sequence_parallel_grads:  # (not again where the script summed them)
-            from shardkit.nn.model_parallel import reduce_sequence_parallel_grads
-            reduce_sequence_parallel_grads(self.module, unless_summed=True)
-        overflow = self._agreed_overflow() if self.config.precision.check_grad_overflow \
-            else False
         scale_before = self.loss_scale
-        self._last_step_applied = not overflow
-        # DeepSpeed's ZeRO and fp16 optimizers' flag: did the last step overflow (skipped)
-        self.optimizer.overflow = overflow
-        if overflow:
-            self.skipped_steps += 1
-            self._last_grad_norm = None
-        else:
-            factor = 1.0 / self.loss_scale if self.loss_scaler is not None and loss_scaled \
-                else 1.0
-            if self.config.gradient_allreduce_op == "sum":  # the reduction averaged them
-                factor *= self.dp_world_size
-            if factor != 1.0:
-                self._unscale_gradients(factor)
-            max_norm = self._clip_max_norm()
-            if max_norm is not None:
-                with self._in_oss_agreement(agreed_in_advance, "clip_grad_norm"):
-                    norm = self._clip_grad_norm(max_norm)
-                self._last_grad_norm = None if norm is None else torch.as_tensor(norm).detach()
+        overflow = self._prepare_gradients_for_step(loss_scaled, agreed_in_advance)
+        if not overflow:
             optimizer = self.optimizer
             _ENGINE_STEPPING[optimizer] = _ENGINE_STEPPING.get(optimizer, 0) + 1
             try:
@@ -1570,6 +1562,48 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             if self.lr_scheduler is not None:
                 _note_step_taken_for(self.lr_scheduler)
                 self.lr_scheduler.step(**lr_kwargs)
+        self._update_loss_scale(overflow, scale_before)
+        self._boundary_unreduced = False
+        self.zero_grad()
+
+    def _prepare_gradients_for_step(self, loss_scaled: bool, agreed_in_advance: dict) -> bool:
+        """The boundary step's work on the gradients before the optimizer runs (also that of
+        a direct ``engine.optimizer.step()``, :mod:`shardkit.engine_direct_step`): clear
+        those the optimizer leaves out, sum sequence-parallel ones, agree on overflow (fp16,
+        bf16 as configured), then unless it overflowed unscale them (``loss_scaled``: by the
+        loss scale; times the data-parallel size under ``gradient_allreduce_op`` "sum") and
+        clip or measure their norm (``gradient_clipping``). Returns whether the step
+        overflowed and must be skipped. Communication: the overflow flag's one-element
+        all-reduce and the clip's norm all-reduce, where configured."""
+        for param in self._left_out():  # never stepped: kept out of the clip, never accumulated
+            param.grad = None
+        if self._sums_sequence_parallel_grads:  # (not again where the script summed them)
+            from shardkit.nn.model_parallel import reduce_sequence_parallel_grads
+            reduce_sequence_parallel_grads(self.module, unless_summed=True)
+        overflow = self._agreed_overflow() if self.config.precision.check_grad_overflow \
+            else False
+        self._last_step_applied = not overflow
+        # DeepSpeed's ZeRO and fp16 optimizers' flag: did the last step overflow (skipped)
+        self.optimizer.overflow = overflow
+        if overflow:
+            self.skipped_steps += 1
+            self._last_grad_norm = None
+            return True
+        factor = 1.0 / self.loss_scale if self.loss_scaler is not None and loss_scaled else 1.0
+        if self.config.gradient_allreduce_op == "sum":  # the reduction averaged them
+            factor *= self.dp_world_size
+        if factor != 1.0:
+            self._unscale_gradients(factor)
+        max_norm = self._clip_max_norm()
+        if max_norm is not None:
+            with self._in_oss_agreement(agreed_in_advance, "clip_grad_norm"):
+                norm = self._clip_grad_norm(max_norm)
+            self._last_grad_norm = None if norm is None else torch.as_tensor(norm).detach()
+        return False
+
+    def _update_loss_scale(self, overflow: bool, scale_before: float) -> None:
+        """Tell the fp16 loss scaler how the step went (an overflow backs the scale off) and
+        publish the new scale on the optimizer; rank 0 logs a skipped step. Local."""
         if self.loss_scaler is not None:
             self.loss_scaler.update_scale(overflow)
             self._publish_loss_scale()
@@ -1577,8 +1611,6 @@ class ShardedEngine(DeepSpeedAccessors, nn.Module):
             logger.info("step %d: %s gradients overflowed (inf/nan); step skipped, loss scale "
                         "%g -> %g", self.global_steps + 1, self.config.precision.dtype,
                         scale_before, self.loss_scale)
-        self._boundary_unreduced = False
-        self.zero_grad()
 
     def _clip_max_norm(self) -> Optional[float]:
         """The ``max_norm`` the step clips with (``inf``: measures the norm only), or ``None``

@@ -1,12 +1,26 @@
-"""``engine.optimizer.step()`` called by the script at ZeRO stages 1-2 (OSS): OSS's agreement on
-its param groups rides in the engine's step agreement, as it does under ``engine.step()``, so
-the direct step makes one control exchange instead of two.
+"""``engine.optimizer.step()`` called by the script instead of ``engine.step()``.
 
-The engine agrees on the step in a step pre-hook (``engine._refuse_direct_step``); the rows it
-gathered for OSS's ``step`` are handed to ``OSS.agreed_in_advance``, whose block must stay open
-until OSS's ``step`` has run: the pre-hook opens it here and a step post-hook closes it. A step
-that raises leaves no post-hook run: the block left open is closed before the next step of
-that optimizer (direct or ``engine.step()``), so a stale agreement is never used.
+As DeepSpeed's fp16, bf16 and ZeRO optimizers do in their own ``step``, the direct step first
+gets ``engine.step()``'s work on the gradients (:func:`prepare`, run by the engine's step
+pre-hook ``engine._refuse_direct_step`` once the ranks agreed on the step): gradients left
+unreduced are refused, the overflow check is agreed over the ranks (fp16; bf16 unless
+``bf16.check_grad_overflow`` is false), and an overflowed step is skipped on every rank (its
+gradients are cleared, so the optimizer, which skips parameters without a gradient as torch's
+do, applies nothing) while the fp16 loss scale backs off; otherwise the gradients are
+unscaled and clipped (``gradient_clipping``) or measured (``get_global_grad_norm()``) as
+``engine.step()`` does. What stays the script's, as with DeepSpeed's optimizers: stepping
+the lr scheduler and zeroing the gradients after a step that was applied; ``global_steps``
+counts ``engine.step()`` only. Communication: what ``engine.step()``'s work costs (the
+overflow flag's one-element all-reduce, the clip's norm), and the step agreement's one
+control all-gather.
+
+At ZeRO stages 1-2 (OSS), OSS's agreements on its param groups for its clip and its step
+ride in the engine's step agreement, as they do under ``engine.step()``, so the direct step
+makes one control exchange instead of two or three. The rows gathered for OSS's ``step`` are
+handed to ``OSS.agreed_in_advance``, whose block must stay open until OSS's ``step`` has run:
+:func:`prepare` opens it and a step post-hook closes it. A step that raises leaves no
+post-hook run: the block left open is closed before the next step of that optimizer (direct
+or ``engine.step()``), so a stale agreement is never used.
 """
 
 from __future__ import annotations
@@ -15,6 +29,44 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 # optimizer -> the OSS.agreed_in_advance("step", ...) block opened for its direct step
 _OPEN_BLOCKS = WeakIdKeyDictionary()
+
+
+def prepare(engine, optimizer, agreed: dict, args: tuple, kwargs: dict) -> None:
+    """``engine.step()``'s work on the gradients before the script's direct
+    ``optimizer.step(*args, **kwargs)`` of ``engine`` (see the module's docstring), on the
+    step agreement ``agreed`` (``ShardedEngine._agree_on_step``'s result). A closure is a
+    RuntimeError where that work changes the gradients: the closure would recompute them
+    after it. Raises, if at all, before anything is applied."""
+    loss_scaled = engine._backwards_since_step > 0  # engine.backward scaled them, not torch's
+    if _closure_of(args, kwargs) is not None and _changes_gradients(engine, loss_scaled):
+        raise RuntimeError(
+            "engine.optimizer.step(closure): the engine unscales, checks or clips the "
+            "gradients before the step (fp16/bf16 or gradient_clipping in the config), and "
+            "the closure would recompute them after that; call engine.step() (or step without "
+            "a closure, after engine.backward(loss))")
+    engine._check_gradients_reduced(not loss_scaled, "engine.optimizer.step()")
+    scale_before = engine.loss_scale
+    overflow = engine._prepare_gradients_for_step(loss_scaled, agreed)
+    engine._update_loss_scale(overflow, scale_before)
+    engine._boundary_unreduced = False
+    engine._forwards_since_step = engine._backwards_since_step = 0
+    if overflow:  # every rank: the optimizer finds no gradient and steps nothing
+        engine.zero_grad()
+    open_carried_step(optimizer, agreed)
+
+
+def _closure_of(args: tuple, kwargs: dict):
+    """The ``closure`` of an ``optimizer.step(closure)`` call (torch's only argument), from
+    the ``args`` torch hands a step pre-hook: the optimizer itself first."""
+    return kwargs.get("closure", args[1] if len(args) > 1 else None)
+
+
+def _changes_gradients(engine, loss_scaled: bool) -> bool:
+    """Whether ``engine``'s work before a step rescales, checks or clips the gradients."""
+    config = engine.config
+    return (engine.loss_scaler is not None and loss_scaled) \
+        or config.precision.check_grad_overflow or engine._clip_max_norm() is not None \
+        or config.gradient_allreduce_op == "sum"
 
 
 def open_carried_step(optimizer, agreed: dict) -> None:
