@@ -10,9 +10,22 @@ training matches one process at every step, and the unit is freed after each bac
 reduce-scatter ("a leaf Variable that requires grad is being used in an in-place operation")
 after gathers in backward; it is now refused as torch's FSDP refuses it (gradients of
 gradients), on every rank before any collective of that backward, and the model trains as one
-process afterwards."""
+process afterwards.
+
+From a review:
+
+A root whose own parameters are read in one reentrant checkpoint (a checkpointed LM head)
+while its forward also runs reentrant checkpoints of nested FSDP units (HF's
+``gradient_checkpointing_func(layer.__call__, ...)`` over wrapped layers, or a checkpoint
+inside each layer unit): the root counted the layers' checkpoints as its own, so the head's
+gradient stayed unsharded (and unreduced) from the head's backward to the end of the last
+layer's, for no collective saved. Now only checkpoints that may read the unit's parameters
+count: training matches one process, the collectives are unchanged and the backward's peak
+is that of the same model with the head not checkpointed.
+"""
 
 import contextlib
+import functools
 
 import torch
 import torch.nn as nn
@@ -21,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
 from shardkit.testing import world_fixture
+from shardkit.utils.memory import LiveStorageTracker
 
 world2 = world_fixture(2)
 
@@ -186,3 +200,115 @@ def test_backward_with_create_graph_is_refused_before_its_collectives(world2):
                     and "torch.autograd.grad" in r["error"], (nested, inside_no_sync, r)
                 assert r["backward_calls"] == {}, (nested, inside_no_sync, r)
                 assert r["diff"] < 1e-6, (nested, inside_no_sync, r)
+
+
+WIDTH, VOCAB, LAYERS = 32, 512, 3
+reentrant = functools.partial(checkpoint, use_reentrant=True)
+
+
+class Layer(nn.Module):
+    def __init__(self, inner_checkpoint: bool):
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.inner_checkpoint = inner_checkpoint
+
+    def forward(self, x):
+        if self.inner_checkpoint:
+            return reentrant(self.mlp, x)
+        return self.mlp(x)
+
+    def mlp(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class LM(nn.Module):
+    """Layers checkpointed from outside (HF style: ``layer.__call__``) or inside, then a head
+    (``VOCAB x WIDTH``, the root's only parameters) checkpointed or not."""
+
+    def __init__(self, style: str, head_checkpointed: bool):
+        super().__init__()
+        self.style = style
+        self.layers = nn.ModuleList(Layer(style == "inside") for _ in range(LAYERS))
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.head_checkpointed = head_checkpointed
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = reentrant(layer.__call__, x) if self.style == "outside" else layer(x)
+        return reentrant(self.head, x) if self.head_checkpointed else self.head(x)
+
+
+def _wrapped(style: str, head_checkpointed: bool):
+    torch.manual_seed(0)
+    net = LM(style, head_checkpointed)
+    for i, layer in enumerate(net.layers):
+        net.layers[i] = FSDP(layer)
+    return FSDP(net)
+
+
+def _at_first_layer(style: str, head_checkpointed: bool) -> dict:
+    """As the first layer's recomputation begins (the last unit of the backward): the live
+    storage bytes above the backward's start and the reduce-scatters issued so far; and the
+    backward's collectives."""
+    model = _wrapped(style, head_checkpointed)
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(skdist.get_rank()))
+    loss = model(x.requires_grad_()).pow(2).mean()
+    seen = []
+
+    def sample(module, args):
+        seen.append((tracker.sample() - start, comm.calls_by_op.get("reduce_scatter", 0)))
+
+    hook = model.layers[0].module.fc.register_forward_pre_hook(sample)
+    with LiveStorageTracker() as tracker, skdist.CommCounter() as comm:
+        start = tracker.live_bytes()
+        loss.backward()
+    hook.remove()
+    return {"bytes": seen[-1][0], "reduced_before": seen[-1][1],
+            "calls": dict(comm.calls_by_op)}
+
+
+def _head_checkpointed_or_not(style: str) -> dict:
+    return {"checkpointed": _at_first_layer(style, head_checkpointed=True),
+            "plain": _at_first_layer(style, head_checkpointed=False)}
+
+
+def test_a_checkpointed_head_is_reduced_before_the_nested_layers_backward(world2):
+    for style in ("outside", "inside"):
+        for r in world2.run(_head_checkpointed_or_not, style):
+            checkpointed, plain = r["checkpointed"], r["plain"]
+            # the head's reduce-scatter, then the last two layers': the head's gradient is
+            # not held through the layers' backward (before: 2, the head's came last)
+            assert checkpointed["reduced_before"] == 3, (style, r)
+            assert checkpointed["bytes"] <= plain["bytes"], (style, r)
+            assert checkpointed["calls"] == plain["calls"], (style, r)
+
+
+def _train_beside_one_process_rev(style: str) -> list:
+    """Three SGD steps with momentum of the wrapped model with its head checkpointed, and of
+    one process on the whole batch: the largest weight difference after each step."""
+    world, rank = skdist.get_world_size(), skdist.get_rank()
+    model = _wrapped(style, head_checkpointed=True)
+    torch.manual_seed(0)
+    reference = LM(style, head_checkpointed=True)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_optim = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    diffs = []
+    for step in range(3):
+        batches = torch.randn(world, 4, WIDTH, generator=torch.Generator().manual_seed(step))
+        model(batches[rank].requires_grad_()).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+        sum(reference(b.requires_grad_()).pow(2).mean() for b in batches).div(world).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+        with model.summon_full_params():
+            mine = [p.detach().clone() for p in model.parameters()]
+        diffs.append(max((a - b).abs().max().item()
+                         for a, b in zip(mine, reference.parameters())))
+    return diffs
+
+
+def test_a_checkpointed_head_over_checkpointed_layer_units_trains_as_one_process(world2):
+    for style in ("outside", "inside"):
+        for diffs in world2.run(_train_beside_one_process_rev, style):
+            assert max(diffs) < 1e-5, (style, diffs)

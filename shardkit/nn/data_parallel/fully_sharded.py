@@ -1556,8 +1556,9 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         for the others), so the memory stays that of one unit. Cost: one walk over
         the autograd nodes the unit's forward made, per backward, for units whose backward
         reads no forward views; the unit's one all-gather and one reduce-scatter per
-        backward, however many checkpoints recompute it. A collective: every rank runs the
-        same checkpoints."""
+        backward, however many checkpoints recompute it. Checkpoints that recompute nested
+        units only are left to those units (see :func:`_runs_nested_units_only`). A
+        collective: every rank runs the same checkpoints."""
         if task != self._root._backward_task or self._backward_reads_forward_views is not False \
                 or self._shard is None:
             return
@@ -1567,8 +1568,14 @@ class FullyShardedDataParallel(FSDPStateDictMixin, nn.Module):
         if span is None:
             return
         gather = weakly_bound(self._gather_before_a_checkpoint)
-        for node in _reentrant_checkpoints_in(output_node, *span):
+        nested = _inner_units(self.module)
+        checkpoints, nested_spans = _reentrant_checkpoints_in(
+            output_node, *span, nested_ids=frozenset(id(unit) for unit in nested))
+        nested_modules = {id(m) for unit in nested for m in unit.modules()} \
+            if checkpoints and nested else set()
+        for node in checkpoints:
             if id(node) not in self._checkpoint_gathers \
+                    and not _runs_nested_units_only(node, nested_spans, nested_modules) \
                     and torch._C._will_engine_execute_node(node):
                 self._checkpoints_to_run.add(id(node))
                 self._checkpoint_gathers[id(node)] = (
@@ -2846,12 +2853,14 @@ _REENTRANT_CHECKPOINT_NODES = (_ReentrantCheckpoint._backward_cls,
 _FORWARD_SPAN = "shardkit.fsdp.forward_span"
 
 
-def _reentrant_checkpoints_in(output_node, first: int, end: int) -> list:
+def _reentrant_checkpoints_in(output_node, first: int, end: int,
+                              nested_ids: frozenset = frozenset()) -> tuple[list, list]:
     """The nodes of reentrant activation checkpoints (torch's ``checkpoint(fn, x,
     use_reentrant=True)``, ``shardkit.checkpointing.checkpoint``) reachable backwards from
     ``output_node`` that a forward made while the autograd sequence numbers went from
-    ``first`` to ``end`` (older nodes are not walked). Local."""
-    found, seen, todo = [], set(), [output_node]
+    ``first`` to ``end`` (older nodes are not walked), and the forward spans of the units
+    whose ids are in ``nested_ids`` that the walk met on their outputs' nodes. Local."""
+    found, spans, seen, todo = [], [], set(), [output_node]
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen or node._sequence_nr() < first:
@@ -2859,8 +2868,45 @@ def _reentrant_checkpoints_in(output_node, first: int, end: int) -> list:
         seen.add(id(node))
         if isinstance(node, _REENTRANT_CHECKPOINT_NODES) and node._sequence_nr() < end:
             found.append(node)
+        if nested_ids:
+            spans.extend(span for key, span in node.metadata.items()
+                         if isinstance(key, tuple) and len(key) == 2
+                         and key[0] == _FORWARD_SPAN and key[1] in nested_ids)
         todo.extend(following for following, _ in node.next_functions)
-    return found
+    return found, spans
+
+
+def _runs_nested_units_only(node, nested_spans: list, nested_modules: set) -> bool:
+    """Whether the reentrant checkpoint ``node`` recomputes code of nested units only, so
+    that its backward delivers no gradient to the unit whose forward made it: it was made
+    inside a nested unit's forward (one of ``nested_spans``), or it runs a nested unit or a
+    module inside one (``checkpoint(self.layers[i], h)`` with the layers wrapped,
+    ``functools.partial``s and bound methods such as HF's ``layer.__call__`` looked through;
+    ``nested_modules``: the ids of those modules). Any other function (a lambda, a closure)
+    may read the unit's parameters and counts as reading them.
+
+    Note: counted as a use of the unit, such a checkpoint kept the unit's gradients unreduced
+    and the unit gathered through it (see :meth:`FullyShardedDataParallel.
+    _hold_for_later_checkpoints`): a root whose checkpointed LM head ran first in backward
+    held the head's whole gradient through the backward of every checkpointed layer unit,
+    for no collective saved. Local."""
+    seq = node._sequence_nr()
+    if any(first <= seq < end for first, end in nested_spans):
+        return True
+    module = _module_run_by(getattr(node, "run_function", None))
+    return module is not None and id(module) in nested_modules
+
+
+def _module_run_by(function) -> Optional[nn.Module]:
+    """The module a checkpoint's function runs: the module itself, the module of a bound
+    method (``layer.__call__``, ``layer.forward``), through ``functools.partial``; else
+    ``None``."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    if isinstance(function, nn.Module):
+        return function
+    owner = getattr(function, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
 
 
 def _inner_units(module: nn.Module) -> list[FullyShardedDataParallel]:
