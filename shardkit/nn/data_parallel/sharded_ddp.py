@@ -54,21 +54,14 @@ class ShardedDataParallel(nn.Module):
             ``module``; together they must cover every trainable parameter.
         process_group: the data-parallel group (default: the optimizers' group; if given, it must
             contain the same ranks as theirs).
-        broadcast_buffers: every rank runs a step's forward with rank 0's module buffers
-            (BatchNorm statistics...), as under torch DDP: at the end of each reducing
-            backward (and of :meth:`reduce`), every rank overwrites its buffers with rank 0's
-            (by ``comm``: the buffers' bytes, once per accumulation window), so they are rank
-            0's from then on (``state_dict()`` on any rank, a cast, a write or a checkpoint
-            load done on every rank, an evaluation pass). The next forward issues no
-            collective, so a forward one rank runs alone between steps (a sample or a
-            validation pass on rank 0, in evaluation mode or under ``torch.no_grad()``) does
-            not wait for the others (it hung in the broadcast torch DDP and FairScale make
-            there); buffers that rank 0 alone changes then (its lone forward, a checkpoint it
-            alone loads) reach the others at the end of the next reducing backward. Forwards
-            that broadcast, as torch DDP's: the very first after construction, and one after a
-            training-mode forward with grad enabled outside :meth:`no_sync` in the same step
-            (several forwards before one backward). Version counters are kept, so a graph
-            that saved a buffer still backwards (``retain_graph=True``).
+        broadcast_buffers: broadcast rank 0's module buffers at the start of forward (by
+            ``comm``), as torch DDP: skipped when the previous forward ran inside
+            :meth:`no_sync` or without grad, so once per accumulation window. The first
+            forward after a reducing backward broadcasts even under ``torch.no_grad()`` or
+            in evaluation mode (every rank then evaluates with rank 0's statistics), so with
+            a module that holds buffers a forward one rank runs alone goes through
+            ``ddp.module(...)``, as under torch DDP: through the wrapper it waits for the
+            other ranks' broadcast.
         sync_models_at_startup: broadcast rank 0's parameters and buffers at wrap time (by
             ``comm``, like every collective of this wrapper).
         reduce_buffer_size: bucket size in bytes (in the communication dtype); ``0`` reduces
@@ -88,7 +81,7 @@ class ShardedDataParallel(nn.Module):
             is a ValueError (that gradient would be neither reduced nor stepped).
             Every rank must therefore run that forward: a forward that one rank runs alone
             (validation, logging) belongs under ``torch.no_grad()`` or ``module.eval()``
-            (after the first step: the first forward broadcasts ``broadcast_buffers``).
+            (and on ``ddp.module`` where ``broadcast_buffers`` has buffers to broadcast).
             A forward in evaluation mode runs no agreement: a ``requires_grad`` change it
             finds is re-planned at the next agreement (a training forward, or the start of a
             reducing backward when training in evaluation mode), by every rank together.
@@ -149,8 +142,7 @@ class ShardedDataParallel(nn.Module):
     Communication per step: the gradient reduction, (N-1)/N·Ψ elements in the DESIGN
     convention (plus the padding of reduce-scattered buckets, at most ``balance_tolerance``),
     plus OSS's parameter sync, (N-1)/N·Ψ: 2Ψ(N-1)/N together. ``broadcast_buffers`` adds the
-    module's buffers once per step (at the end of each reducing backward, at the first
-    forward, and at each further forward of a step before its backward);
+    module's buffers once per step (at the first forward after a reducing one, as torch DDP);
     one element per rank all-gathered at the first forward of a step and at the start of a
     reducing backward (``auto_refresh_trainable``), and per :meth:`reduce`, plus the
     ``requires_grad`` flags when one changed.
@@ -184,9 +176,8 @@ class ShardedDataParallel(nn.Module):
     Construction checks, in one small all-gather, that every rank wraps the same module with
     the same arguments (a ValueError on every rank otherwise).
 
-    .. warning:: Construction, :meth:`refresh_trainable`, forward (with ``broadcast_buffers``
-        the very first and one after a training forward before its backward, or a step's first
-        with grad enabled and ``auto_refresh_trainable`` in training mode), backward and
+    .. warning:: Construction, :meth:`refresh_trainable`, forward (with ``broadcast_buffers``,
+        or a step's first with grad enabled and ``auto_refresh_trainable``), backward and
         :meth:`reduce` issue collectives: call them on every rank of the group.
     """
 
@@ -235,7 +226,7 @@ class ShardedDataParallel(nn.Module):
         self.output_device = single.device.index if on_one_accelerator else None
         self.dim = 0
         self.find_unused_parameters = True   # unused parameters are handled, nothing to set
-        self.require_forward_param_sync = True   # the first forward broadcasts the buffers
+        self.require_forward_param_sync = True
         self.gradient_as_bucket_view = False
         self.static_graph = False
         self.rank = skdist.get_rank(self.process_group)
@@ -290,9 +281,9 @@ class ShardedDataParallel(nn.Module):
     def forward(self, *inputs, **kwargs):
         """Run the module; first re-plan if the trainable set changed on any rank
         (``auto_refresh_trainable``: one element per rank all-gathered at a step's first
-        forward with grad enabled in training mode) and, with ``broadcast_buffers``, broadcast
-        rank 0's buffers where torch DDP would and the last reduction has not (the very first
-        forward, and one after a training forward of the same step)."""
+        forward with grad enabled) and broadcast rank 0's buffers (``broadcast_buffers``; as
+        torch DDP, only when the previous forward was a reducing one, grad enabled and outside
+        :meth:`no_sync`, or :meth:`reduce` ran since)."""
         refuse_training_sync_batchnorm(sync_batchnorm_layers(self, self.module),
                                        "ShardedDataParallel", torch.device(self.device_type))
         if self._backward_active:
@@ -323,14 +314,12 @@ class ShardedDataParallel(nn.Module):
             elif self._plan_is_stale():
                 self._warn_stale_plan()
         if self.broadcast_buffers and self.require_forward_param_sync:
-            self._broadcast_rank0_buffers()
+            self.sync_buffers()
         output = self.module(*inputs, **kwargs)
-        # torch DDP's rule inside a step: a forward after one that leads to a reducing
-        # backward broadcasts (an evaluation-mode forward before backward then uses rank 0's
-        # statistics too); evaluation-mode and no-grad forwards, which one rank may run
-        # alone, never set it
-        self.require_forward_param_sync = \
-            self.training and torch.is_grad_enabled() and self._sync_enabled
+        # torch DDP's rule: the next forward broadcasts the buffers only if this one may lead
+        # to a reducing backward (grad enabled, outside no_sync()), so an accumulation window
+        # broadcasts once, at its first micro-batch, as DistributedDataParallel does
+        self.require_forward_param_sync = torch.is_grad_enabled() and self._sync_enabled
         return output
 
     def _plan_is_stale_on_any_rank(self, stale: bool, site: int,
@@ -467,33 +456,19 @@ class ShardedDataParallel(nn.Module):
                       f"of cast ones travel in the dtype planned){also}", RuntimeWarning,
                       stacklevel=3)
 
-    def _broadcast_rank0_buffers(self) -> None:
-        """Overwrite every rank's module buffers with rank 0's, their version counters kept
-        (as torch DDP's broadcast): a graph that saved a buffer (BatchNorm's running
-        statistics, in training mode unused by its backward) can still be backwarded, with
-        ``retain_graph=True`` or after a second forward. Collective: the buffers' bytes."""
-        buffers = tuple(self.module.buffers())
-        with torch.autograd._unsafe_preserve_version_counter(buffers):
-            self.sync_buffers()
-        self.require_forward_param_sync = False
-
-    def _broadcast_buffers_after_reduction(self) -> None:
-        """At the end of a reduction (every rank together): every rank takes rank 0's buffers
-        now, so the next forward issues no collective (one rank may run it alone) and what
-        every rank does to its buffers before it (a cast, a write, a checkpoint loaded,
-        ``state_dict()``) starts from rank 0's values, as after torch DDP's forward
-        broadcast."""
-        if self.broadcast_buffers:
-            self._broadcast_rank0_buffers()
-
     def sync_buffers(self, blocking: bool = False) -> None:
         """Broadcast rank 0's module buffers (BatchNorm statistics...) to every rank, as
         FairScale's method; ``blocking`` is accepted, the broadcast always completes before
         returning. Collective: call on every rank. Wire: (N-1)/N of the buffers' bytes."""
         buffers = list(self.module.buffers())
         if buffers and self.world_size > 1:
-            skdist.broadcast_tensors_from_rank0(buffers, self.process_group,
-                                                max(self.reduce_buffer_size, 1 << 20), self.comm)
+            # version counters kept, as torch DDP's broadcast keeps them: a second forward
+            # before one backward (training then evaluation) must not fail the first one's
+            # backward for a running statistic it saved
+            with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+                skdist.broadcast_tensors_from_rank0(buffers, self.process_group,
+                                                    max(self.reduce_buffer_size, 1 << 20),
+                                                    self.comm)
 
     def __getattr__(self, name: str):
         """Attributes this wrapper lacks are looked up on the wrapped module (as FairScale)."""
@@ -542,6 +517,7 @@ class ShardedDataParallel(nn.Module):
         if self._backward_active:
             raise RuntimeError("ShardedDataParallel.reduce() was called during backward; call "
                                "it after backward, before optimizer.step()")
+        self.require_forward_param_sync = True  # the window ends: the next forward broadcasts
         if self.world_size == 1:
             return
         self._window_open = False
@@ -564,7 +540,6 @@ class ShardedDataParallel(nn.Module):
             self._launch_rest_and_wait()
         finally:
             self._syncing = False
-        self._broadcast_buffers_after_reduction()  # the window ends
 
     def refresh_trainable(self) -> None:
         """Re-partition the OSS optimizers (``OSS.refresh_trainable``: collective when ownership
@@ -890,7 +865,6 @@ class ShardedDataParallel(nn.Module):
                 self._launch_rest_and_wait()
                 if self._observed is not None:
                     self._settle_bucket_order()
-                self._broadcast_buffers_after_reduction()
         finally:
             self._backward_active = False
             self._syncing = False
