@@ -25,6 +25,7 @@ import weakref
 from typing import Any, Iterable, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from shardkit import distributed
 
@@ -220,6 +221,10 @@ class GatheredParameters:
     an edit must then be made on every rank. ``enabled=False`` does nothing. ``fwd_module`` is
     accepted (DeepSpeed registers external parameters with it; FSDP needs no such hint).
 
+    Blocks nest: an inner block on parameters an outer one holds writes its edits back (with
+    its own ``modifier_rank``) on exit and leaves them full, and ``ds_status`` ``AVAILABLE``,
+    until the outer block closes.
+
     Memory: the full fp32 value of each FSDP unit that holds one of ``params`` (a unit is
     gathered whole; :meth:`FullyShardedDataParallel.summon_full_params` with
     ``recurse=False``). Communication: one all-gather per such unit on entry, and with
@@ -263,14 +268,14 @@ class GatheredParameters:
             stack.close()
             raise
         self._stack = stack
-        _set_status(self._sharded, ZeroParamStatus.AVAILABLE)
+        _mark_gathered(self._sharded)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if self._stack is None:
             return False
         stack, self._stack = self._stack, None
-        _set_status(self._sharded, ZeroParamStatus.NOT_AVAILABLE)
+        _mark_released(self._sharded)
         with stack:  # leaving it re-points every parameter at its (updated) rows
             if exc_type is None:
                 from shardkit.utils.tensor_fragment import write_rows
@@ -284,11 +289,30 @@ class GatheredParameters:
         return False
 
 
-def _set_status(locations: list, status: ZeroParamStatus) -> None:
-    """``ds_status`` of each located parameter that carries DeepSpeed's attributes."""
+# how many open GatheredParameters blocks list each parameter: an inner block on the same
+# parameter leaves it full (its unit stays summoned by the outer one), so it must stay AVAILABLE
+_OPEN_BLOCKS = WeakIdKeyDictionary()
+
+
+def _mark_gathered(locations: list) -> None:
+    """One more open block holds each located parameter: ``ds_status`` ``AVAILABLE``."""
     for loc in locations:
+        _OPEN_BLOCKS[loc.param] = _OPEN_BLOCKS.get(loc.param, 0) + 1
         if hasattr(loc.param, "ds_status"):
-            loc.param.ds_status = status
+            loc.param.ds_status = ZeroParamStatus.AVAILABLE
+
+
+def _mark_released(locations: list) -> None:
+    """One block fewer holds each located parameter; ``ds_status`` goes back to
+    ``NOT_AVAILABLE`` when the outermost one closes."""
+    for loc in locations:
+        left = _OPEN_BLOCKS.get(loc.param, 1) - 1
+        if left > 0:
+            _OPEN_BLOCKS[loc.param] = left
+            continue
+        _OPEN_BLOCKS.pop(loc.param, None)
+        if hasattr(loc.param, "ds_status"):
+            loc.param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
 def _as_param_list(params) -> list:

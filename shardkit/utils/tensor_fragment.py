@@ -206,6 +206,29 @@ def _full_shape(loc: ParamLocation) -> tuple:
     return tuple(loc.layout.shape) if loc.unit is not None else tuple(loc.param.shape)
 
 
+def _stored_rows(loc: ParamLocation) -> torch.Tensor:
+    """This rank's row block of a stage-3 parameter as the unit stores it: the parameter's
+    own data, except inside :class:`~shardkit.zero.GatheredParameters` (or
+    ``summon_full_params``), where the parameter holds its full value and the rows wait in
+    the unit's flat shard, which the parameter points at again when the block ends. Local."""
+    if not loc.unit._summoned:
+        return loc.param.data
+    shard = loc.shard
+    return shard.shard_views(shard.flat_shard)[loc.index]
+
+
+def _holds_full_value(loc: ParamLocation, rows: torch.Tensor) -> bool:
+    """Whether a stage-3 parameter holds its full value now (inside a gathering block), apart
+    from its stored ``rows``."""
+    return loc.param.data.data_ptr() != rows.data_ptr() or loc.param.shape != rows.shape
+
+
+def _param_shape(loc: ParamLocation) -> tuple:
+    """The shape of what the optimizer steps for ``loc.param``: its row block at stage 3
+    (also inside a gathering block), else the parameter's shape."""
+    return tuple(_stored_rows(loc).shape) if loc.unit is not None else tuple(loc.param.shape)
+
+
 # ----------------------------------------------------------------------------- stage 3 rows
 
 
@@ -285,11 +308,12 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     no communication). Stage 3 (and a hand-wrapped FSDP model): one all-gather of the
     parameter's row blocks over the unit's shard group (``N x ceil(rows/N) x cols`` fp32
     elements, padding included, ``(N-1)/N`` of them on the wire; memory about ``2Ψ_p`` while
-    joining); every rank must call it."""
+    joining); every rank must call it. Inside :class:`~shardkit.zero.GatheredParameters` it
+    gives the stored value (edits made in the block are not in it until the block ends)."""
     loc = locate_parameter(param, "safe_get_full_fp32_param")
     if loc.unit is None:
         return param.detach().float().clone()
-    return _gather_rows(loc, param.data)
+    return _gather_rows(loc, _stored_rows(loc))
 
 
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -302,8 +326,12 @@ def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> 
     if loc.unit is None:
         with torch.no_grad():
             param.data.copy_(value.detach().to(param.device, param.dtype))
-    else:
-        write_rows(loc, param.data, value)
+        return
+    rows = _stored_rows(loc)
+    write_rows(loc, rows, value)
+    if _holds_full_value(loc, rows):  # inside a gathering block: the block sees it too
+        with torch.no_grad():
+            param.data.copy_(value.detach().to(param.device, param.dtype))
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -353,7 +381,7 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     _check_grads_reduced(loc, what)
     if loc.unit is not None:
         if param.grad is None:
-            param.grad = torch.zeros_like(param)
+            param.grad = torch.zeros_like(_stored_rows(loc))
         write_rows(loc, param.grad, value)
         return
     if loc.stage == 2 and loc.oss is not None and loc.trainable and not loc.is_owner:
@@ -402,8 +430,7 @@ def safe_get_full_optimizer_state(param: torch.nn.Parameter,
             raise _unknown_key_error(loc, optim_state_key, what, state)
         return _from_owner(loc, value)
     state = loc.optimizer.state.get(param)
-    shape = param.shape  # stage 3: the shard's shape (the parameter holds its rows)
-    verdict, value = _elementwise(state, optim_state_key, shape)
+    verdict, value = _elementwise(state, optim_state_key, _param_shape(loc))
     if verdict == _ABSENT:
         return None
     if verdict == _UNKNOWN_KEY:
@@ -443,7 +470,7 @@ def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor
         verdict = _agreed_owner_verdict(loc, verdict if loc.is_owner else _OK)
     else:
         state = loc.optimizer.state.get(param)
-        verdict, target = _elementwise(state, optim_state_key, param.shape)
+        verdict, target = _elementwise(state, optim_state_key, _param_shape(loc))
     _refuse_missing_state(verdict, loc, optim_state_key, what, state)
     if target is None:  # a stage 1-2 rank that does not own it
         return
@@ -481,18 +508,20 @@ def _stage3_only(param, what: str) -> ParamLocation:
 def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     """This rank's row block of ``param`` (fp32 copy, shape ``(ceil(rows/N), ...)``, zero
     padded). Stage 3 only; local, no communication."""
-    _stage3_only(param, "safe_get_local_fp32_param")
-    return param.detach().float().clone()
+    loc = _stage3_only(param, "safe_get_local_fp32_param")
+    return _stored_rows(loc).detach().float().clone()
 
 
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Overwrite this rank's row block of ``param`` with ``value`` (its shape). Stage 3 only;
-    local."""
+    local. Inside a :class:`~shardkit.zero.GatheredParameters` block that lists ``param``, the
+    block's exit writes the full value back over it (use :func:`safe_set_full_fp32_param`
+    there)."""
     what = "safe_set_local_fp32_param"
-    _stage3_only(param, what)
-    _check_value(value, param.shape, what)
+    rows = _stored_rows(_stage3_only(param, what))
+    _check_value(value, rows.shape, what)
     with torch.no_grad():
-        param.data.copy_(value.detach().to(param.device, param.dtype))
+        rows.copy_(value.detach().to(rows.device, rows.dtype))
 
 
 def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -506,7 +535,7 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Overwrite this rank's row block of the gradient. Stage 3 only; local."""
     what = "safe_set_local_grad"
     loc = _stage3_only(param, what)
-    _check_value(value, param.shape, what)
+    _check_value(value, _param_shape(loc), what)
     _check_grads_reduced(loc, what)
     with torch.no_grad():
         if param.grad is None:
@@ -524,7 +553,7 @@ def safe_get_local_optimizer_state(param: torch.nn.Parameter,
     _check_key(optim_state_key, what)
     _check_optimizer(loc, what)
     state = loc.optimizer.state.get(param)
-    verdict, value = _elementwise(state, optim_state_key, param.shape)
+    verdict, value = _elementwise(state, optim_state_key, _param_shape(loc))
     if verdict == _UNKNOWN_KEY:
         raise _unknown_key_error(loc, optim_state_key, what, state)
     return None if value is None else value.detach().float().clone()
@@ -537,10 +566,10 @@ def safe_set_local_optimizer_state(param: torch.nn.Parameter, value: torch.Tenso
     what = "safe_set_local_optimizer_state"
     loc = _stage3_only(param, what)
     _check_key(optim_state_key, what)
-    _check_value(value, param.shape, what)
+    _check_value(value, _param_shape(loc), what)
     _check_optimizer(loc, what)
     state = loc.optimizer.state.get(param)
-    verdict, target = _elementwise(state, optim_state_key, param.shape)
+    verdict, target = _elementwise(state, optim_state_key, _param_shape(loc))
     _refuse_missing_state(verdict, loc, optim_state_key, what, state)
     with torch.no_grad():
         target.copy_(value.detach().to(target.device, target.dtype))

@@ -103,6 +103,13 @@ def _tags_found(checkpoint_dir: str) -> list:
         os.path.isfile(os.path.join(checkpoint_dir, d, f)) for f in (METADATA, _TP_LAYOUT)))
 
 
+def _is_tag_directory(path: str) -> bool:
+    """Whether ``path`` is itself one tag's checkpoint (``DIR/TAG``, what users pass by
+    mistake for ``DIR``): its files, and no ``latest`` beside them."""
+    return not os.path.isfile(os.path.join(path, LATEST)) and any(
+        os.path.isfile(os.path.join(path, f)) for f in (METADATA, _TP_LAYOUT))
+
+
 def _resolve_tag(checkpoint_dir, tag, caller: str) -> str:
     """The tag to read (``tag``, else the one ``latest`` names), checked to exist: a missing
     directory, ``latest`` or tag is a :class:`CheckpointNotFound` naming it and the tags
@@ -114,6 +121,12 @@ def _resolve_tag(checkpoint_dir, tag, caller: str) -> str:
     if not os.path.isdir(checkpoint_dir):
         raise CheckpointNotFound(f"{caller}: checkpoint_dir {checkpoint_dir!r} is not a "
                                  f"directory")
+    if _is_tag_directory(checkpoint_dir):
+        parent, name = os.path.split(os.path.abspath(checkpoint_dir))
+        raise CheckpointNotFound(
+            f"{caller}: checkpoint_dir {checkpoint_dir!r} is the checkpoint of one tag, not "
+            f"the directory given to engine.save_checkpoint; pass that directory and the "
+            f"tag: checkpoint_dir={parent!r}, tag={name!r}")
     if tag is None:
         tag = read_latest_tag(checkpoint_dir)
         if tag is None:
