@@ -47,7 +47,7 @@ __all__ = ["World", "WorldError", "free_port", "patched_environ", "world_fixture
            "node_and_local_rank", "GPT",
            "GPTConfig", "MLP", "Block",
            "reference_gpt_config", "run_in_world", "SimulatedCluster", "cluster_unavailable_reason",
-           "run_cluster", "process_context"]
+           "run_cluster", "process_context", "CountedControlGathers"]
 
 _DEFAULT_TIMEOUT = float(os.environ.get("SHARDKIT_TEST_TIMEOUT", "240"))
 # seconds the other ranks get to finish once one has failed (World's failure_grace_s)
@@ -63,6 +63,30 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class CountedControlGathers:
+    """Within the block, the names of the control all-gathers (``shardkit.distributed``'s
+    agreements: ``_gather_rows``) this rank makes, in ``names``; ``count`` is how many. For
+    tests that check how many exchanges a step costs. Local."""
+
+    def __enter__(self):
+        from shardkit import distributed
+        self.names, self._original = [], distributed._gather_rows
+
+        def counted(what, *args, **kwargs):
+            self.names.append(what)
+            return self._original(what, *args, **kwargs)
+        distributed._gather_rows = counted
+        return self
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    def __exit__(self, *_):
+        from shardkit import distributed
+        distributed._gather_rows = self._original
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 import shardkit
 from shardkit import distributed
-from shardkit.testing import world_fixture
+from shardkit.testing import CountedControlGathers, world_fixture
 
 world1 = world_fixture(1)
 world2 = world_fixture(2, timeout=120)
@@ -54,22 +54,6 @@ def _engine(stage: int, precision: str, clipping: float):
     return shardkit.initialize(model=_model(), config=config)[0]
 
 
-class _CountedGathers:
-    """Names of the control all-gathers made inside the block."""
-
-    def __enter__(self):
-        self.names, self._original = [], distributed._gather_rows
-
-        def counted(what, *args, **kwargs):
-            self.names.append(what)
-            return self._original(what, *args, **kwargs)
-        distributed._gather_rows = counted
-        return self
-
-    def __exit__(self, *_):
-        distributed._gather_rows = self._original
-
-
 def _train(stage: int, precision: str, clipping: float, direct: bool) -> dict:
     """``_STEPS`` steps of ``engine.backward(loss)`` then ``engine.step()``, or the script's own
     ``engine.optimizer.step()`` and ``zero_grad()`` (``direct``); after each: the weights, the
@@ -79,7 +63,7 @@ def _train(stage: int, precision: str, clipping: float, direct: bool) -> dict:
     for step in range(_STEPS):
         loss = engine(_batch(step)).float().pow(2).mean()
         engine.backward(loss)
-        with _CountedGathers() as counted:
+        with CountedControlGathers() as counted:
             if direct:
                 engine.optimizer.step()
                 engine.optimizer.zero_grad()

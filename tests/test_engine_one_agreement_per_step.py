@@ -34,7 +34,7 @@ import torch.nn as nn
 
 import shardkit
 from shardkit import distributed
-from shardkit.testing import run_in_world, world_fixture
+from shardkit.testing import CountedControlGathers, run_in_world, world_fixture
 
 world2 = world_fixture(2, timeout=120)
 
@@ -67,22 +67,6 @@ def _loss(output: torch.Tensor) -> torch.Tensor:
     return output.float().pow(2).mean()
 
 
-class _CountedGathers:
-    """Names of the control all-gathers made inside the block (``_gather_rows``)."""
-
-    def __enter__(self):
-        self.names, self._original = [], distributed._gather_rows
-
-        def counted(what, *args, **kwargs):
-            self.names.append(what)
-            return self._original(what, *args, **kwargs)
-        distributed._gather_rows = counted
-        return self
-
-    def __exit__(self, *_):
-        distributed._gather_rows = self._original
-
-
 def _reference_step(model, optimizer, batches, scale: float, clip: float):
     """One process over every rank's micro-batch: the mean of the ranks' losses, scaled by
     the engine's loss scale, skipped on inf/nan, unscaled, clipped, stepped. Returns
@@ -112,7 +96,7 @@ def _train_counting_gathers(stage: int, clip: float) -> dict:
     gathers, mismatches = [], []
     for step in range(_STEPS):
         scale = engine.loss_scale
-        with _CountedGathers() as counted:
+        with CountedControlGathers() as counted:
             engine.backward(_loss(engine(_micro_batch(step, rank))))
             engine.step()
         gathers.append(counted.names)
@@ -222,7 +206,7 @@ def _warmup_in_a_step_pre_hook(stage: int) -> dict:
     world, rank = distributed.get_world_size(), distributed.get_rank()
     gathers = []
     for step in range(3):
-        with _CountedGathers() as counted:
+        with CountedControlGathers() as counted:
             engine.backward(_loss(engine(_micro_batch(step + 10, rank))))
             engine.step()
         gathers.append(len(counted.names))
@@ -282,22 +266,6 @@ def _wrap_step_with_warmup(optimizer, on_this_rank: bool) -> None:
     optimizer.step = types.MethodType(step_with_warmup, optimizer)
 
 
-class _CountedGathers_rev:
-    """How many control all-gathers (``_gather_rows``) run inside the block."""
-
-    def __enter__(self):
-        self.count, self._original = 0, distributed._gather_rows
-
-        def counted(*args, **kwargs):
-            self.count += 1
-            return self._original(*args, **kwargs)
-        distributed._gather_rows = counted
-        return self
-
-    def __exit__(self, *_):
-        distributed._gather_rows = self._original
-
-
 def _train(engine, scheduler, warmup: bool) -> dict:
     """``_STEPS_rev`` steps of the engine beside one process over every rank's micro-batch."""
     reference = _model()
@@ -305,7 +273,7 @@ def _train(engine, scheduler, warmup: bool) -> dict:
     world, rank = distributed.get_world_size(), distributed.get_rank()
     gathers = []
     for step in range(_STEPS_rev):
-        with _CountedGathers_rev() as counted:
+        with CountedControlGathers() as counted:
             engine.backward(_loss_rev(engine(_micro_batch_rev(step, rank))))
             engine.step()
         gathers.append(counted.count)

@@ -39,7 +39,7 @@ import torch.nn as nn
 
 import shardkit
 from shardkit import distributed
-from shardkit.testing import world_fixture
+from shardkit.testing import CountedControlGathers, world_fixture
 
 world2 = world_fixture(2, timeout=90)
 
@@ -160,22 +160,6 @@ def test_save_16bit_model_outcome_is_of_this_save(world2, tmp_path):
         assert current == [True] * _STEPS, current
 
 
-class _CountedGathers:
-    """Names of the control all-gathers made inside the block."""
-
-    def __enter__(self):
-        self.names, self._original = [], distributed._gather_rows
-
-        def counted(what, *args, **kwargs):
-            self.names.append(what)
-            return self._original(what, *args, **kwargs)
-        distributed._gather_rows = counted
-        return self
-
-    def __exit__(self, *_):
-        distributed._gather_rows = self._original
-
-
 def _train_with(stage: int, direct: bool) -> dict:
     """``_STEPS`` steps through the script's own ``loss.backward()`` and
     ``engine.optimizer.step()`` (``direct``), or through the engine's; the control gathers
@@ -184,7 +168,7 @@ def _train_with(stage: int, direct: bool) -> dict:
     optimizer = engine.optimizer
     gathers = []
     for step in range(_STEPS):
-        with _CountedGathers() as counted:
+        with CountedControlGathers() as counted:
             loss = engine(_batch(step)).pow(2).mean()
             if direct:
                 loss.backward()
