@@ -42,6 +42,8 @@ import inspect
 import queue
 import threading
 import warnings
+import zlib
+from dataclasses import replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -677,9 +679,25 @@ def _issue(ops: list, counted_as: str, group, logical_bytes: Optional[int] = Non
     """Post ``ops`` (receives first), recorded as one ``counted_as`` on ``group``: of
     ``logical_bytes`` (the op's full size, counted by DESIGN.md's convention) when given, else
     of the bytes the sends move. ``shape``: the collective's logical shape, alike on every rank
-    (what the collective debug mode compares, with the ops' dtype)."""
-    return skdist.batch_isend_irecv(ops, counted_as=counted_as, group=group,
-                                    logical_bytes=logical_bytes, logical_shape=shape)
+    (what the collective debug mode compares, with the ops' dtype).
+
+    The ops carry a tag made from the operation, its dtype and its shape
+    (:func:`_operation_tag`): gloo pairs messages by peer and tag, so where ranks issue
+    different collectives (an all-gather against a reduce-scatter, other sizes or dtypes) no
+    receive takes another operation's bytes (it took them as silent wrong values, or gloo
+    aborted the process that received a longer message): the ranks wait until the group's
+    timeout instead, and ``SHARDKIT_DEBUG_COLLECTIVES=1`` names each rank's call. Costs
+    nothing."""
+    tag = _operation_tag(counted_as, ops[0].tensor.dtype if ops else None, shape)
+    return skdist.batch_isend_irecv([replace(op, tag=tag) for op in ops], counted_as=counted_as,
+                                    group=group, logical_bytes=logical_bytes, logical_shape=shape)
+
+
+def _operation_tag(name: str, dtype: Optional[torch.dtype], shape: Optional[tuple]) -> int:
+    """The tag of one collective's point-to-point messages: alike on every rank that issues
+    the same collective, never 0 (the tag of sends without one). gloo's tags are non-negative
+    32-bit integers."""
+    return 1 + zlib.crc32(repr((name, str(dtype), shape)).encode()) % (2 ** 31 - 2)
 
 
 def _through_contiguous_copy(run: Callable, tensor: torch.Tensor,
