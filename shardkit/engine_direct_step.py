@@ -12,7 +12,8 @@ unscaled and clipped (``gradient_clipping``) or measured (``get_global_grad_norm
 the lr scheduler and zeroing the gradients after a step that was applied; ``global_steps``
 counts ``engine.step()`` only. Communication: what ``engine.step()``'s work costs (the
 overflow flag's one-element all-reduce, the clip's norm), and the step agreement's one
-control all-gather.
+control all-gather. A closure, which computes the gradients after that work, is refused
+where the work would change them, and otherwise gets none of it.
 
 At ZeRO stages 1-2 (OSS), OSS's agreements on its param groups for its clip and its step
 ride in the engine's step agreement, as they do under ``engine.step()``, so the direct step
@@ -34,25 +35,37 @@ _OPEN_BLOCKS = WeakIdKeyDictionary()
 def prepare(engine, optimizer, agreed: dict, args: tuple, kwargs: dict) -> None:
     """``engine.step()``'s work on the gradients before the script's direct
     ``optimizer.step(*args, **kwargs)`` of ``engine`` (see the module's docstring), on the
-    step agreement ``agreed`` (``ShardedEngine._agree_on_step``'s result). A closure is a
-    RuntimeError where that work changes the gradients: the closure would recompute them
-    after it. Raises, if at all, before anything is applied."""
+    step agreement ``agreed`` (``ShardedEngine._agree_on_step``'s result). Raises, if at all,
+    before anything is applied.
+
+    A closure computes the gradients the step applies after this hook has run, so none of
+    that work can reach them: a closure is a RuntimeError where the work would change them
+    (:func:`_gradient_changes`), and otherwise the step goes on as torch's would, with no
+    work on gradients that the closure replaces (an average by hand of them, or a measured
+    norm: ``get_global_grad_norm()`` is then ``None``)."""
     loss_scaled = engine._backwards_since_step > 0  # engine.backward scaled them, not torch's
-    if _closure_of(args, kwargs) is not None and _changes_gradients(engine, loss_scaled):
-        raise RuntimeError(
-            "engine.optimizer.step(closure): the engine unscales, checks or clips the "
-            "gradients before the step (fp16/bf16 or gradient_clipping in the config), and "
-            "the closure would recompute them after that; call engine.step() (or step without "
-            "a closure, after engine.backward(loss))")
-    engine._check_gradients_reduced(not loss_scaled, "engine.optimizer.step()")
-    scale_before = engine.loss_scale
-    overflow = engine._prepare_gradients_for_step(loss_scaled, agreed)
-    engine._update_loss_scale(overflow, scale_before)
+    if _closure_of(args, kwargs) is not None:
+        _refuse_closure_where_gradients_change(engine, loss_scaled)
+        engine._refuse_unreduced_step("engine.optimizer.step()")
+        engine._last_step_applied, engine.optimizer.overflow = True, False
+        engine._last_grad_norm = None
+        _note_step_taken(engine, overflow=False)
+    else:
+        engine._check_gradients_reduced(not loss_scaled, "engine.optimizer.step()")
+        scale_before = engine.loss_scale
+        overflow = engine._prepare_gradients_for_step(loss_scaled, agreed)
+        engine._update_loss_scale(overflow, scale_before)
+        _note_step_taken(engine, overflow)
+    open_carried_step(optimizer, agreed)
+
+
+def _note_step_taken(engine, overflow: bool) -> None:
+    """The engine's bookkeeping of a boundary step reached by a direct step; on ``overflow``
+    (every rank alike) the gradients are cleared, so the optimizer steps nothing."""
     engine._boundary_unreduced = False
     engine._forwards_since_step = engine._backwards_since_step = 0
-    if overflow:  # every rank: the optimizer finds no gradient and steps nothing
+    if overflow:
         engine.zero_grad()
-    open_carried_step(optimizer, agreed)
 
 
 def _closure_of(args: tuple, kwargs: dict):
@@ -61,12 +74,37 @@ def _closure_of(args: tuple, kwargs: dict):
     return kwargs.get("closure", args[1] if len(args) > 1 else None)
 
 
-def _changes_gradients(engine, loss_scaled: bool) -> bool:
-    """Whether ``engine``'s work before a step rescales, checks or clips the gradients."""
+def _refuse_closure_where_gradients_change(engine, loss_scaled: bool) -> None:
+    """A RuntimeError (the same on every rank: read from the config and the model) where
+    ``engine``'s work before a step would change the gradients a closure computes."""
+    changes = _gradient_changes(engine, loss_scaled)
+    if changes:
+        raise RuntimeError(
+            f"engine.optimizer.step(closure): before the step the engine {'; '.join(changes)}, "
+            f"and the closure would recompute the gradients after that; call engine.step() "
+            f"(or step without a closure, after engine.backward(loss))")
+
+
+def _gradient_changes(engine, loss_scaled: bool) -> list[str]:
+    """What ``engine``'s work before a step does to the gradients (in words, with the
+    setting that asks for it): unscaling, the overflow check (which may clear them),
+    clipping, rescaling summed ones, summing sequence-parallel ones. Measuring their norm
+    only (``get_global_grad_norm()`` at stages 1-3, or under fp16/bf16) changes nothing."""
     config = engine.config
-    return (engine.loss_scaler is not None and loss_scaled) \
-        or config.precision.check_grad_overflow or engine._clip_max_norm() is not None \
-        or config.gradient_allreduce_op == "sum"
+    changes = []
+    if engine.loss_scaler is not None and loss_scaled:
+        changes.append("unscales them (fp16 loss scaling)")
+    if config.precision.check_grad_overflow:
+        changes.append(f"checks them for inf/nan and clears them on overflow "
+                       f"({config.precision.dtype})")
+    if config.gradient_clipping > 0:
+        changes.append(f"clips them (gradient_clipping={config.gradient_clipping})")
+    if config.gradient_allreduce_op == "sum" and engine.dp_world_size > 1:
+        changes.append("multiplies them by the data-parallel size "
+                       "(gradient_allreduce_op='sum')")
+    if engine._sums_sequence_parallel_grads:
+        changes.append("sums the sequence-parallel ones over the tensor-parallel group")
+    return changes
 
 
 def open_carried_step(optimizer, agreed: dict) -> None:

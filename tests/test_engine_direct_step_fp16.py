@@ -13,6 +13,19 @@ The rest of ``engine.step()``'s boundary checks come with it: gradients of a bac
 stepped on its own before); and a closure, which would recompute the gradients after their
 unscaling, is refused before anything is applied.
 
+From a review:
+
+DeepSpeed-style engine: ``engine.optimizer.step(closure)`` called by the script.
+
+From a review of the direct step's gradient work (the engine unscales, checks, clips and
+sums the gradients before a script's own ``engine.optimizer.step()``): a closure computes the
+gradients after that work, so the step refuses a closure where the work would change them.
+It also refused one where the work only measures their norm (every ZeRO stage 1-3, and bf16
+with ``check_grad_overflow`` false), so ``step(closure)`` of a plain fp32 run at stages 1-3,
+which trained before, became a RuntimeError; and it let one through where the engine sums
+sequence-parallel gradients, which it then summed before the closure recomputed them, so the
+marked parameters stepped on this tensor-parallel rank's part of their gradient.
+
 One world of 1 and one of 2 gloo ranks for the module.
 """
 
@@ -21,6 +34,7 @@ import torch.nn as nn
 
 import shardkit
 from shardkit import distributed
+from shardkit.nn import model_parallel as mp
 from shardkit.testing import CountedControlGathers, world_fixture
 
 world1 = world_fixture(1)
@@ -172,3 +186,125 @@ def test_direct_step_refuses_or_averages_unreduced_gradients(world2):
         assert out["no_sync_unchanged"]
     for a, b in zip(outs[0]["raw_model_weights"], outs[1]["raw_model_weights"]):
         assert torch.equal(a, b)  # averaged as engine.step() does
+
+
+_STEPS_rev = 2
+
+
+def _batch_rev(step: int) -> torch.Tensor:
+    seed = 10 * step + distributed.get_rank()
+    return torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+
+
+def _engine_rev(stage: int, precision: str = "fp32", clipping: float = 0.0):
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "Adam", "params": {"lr": 0.05}},
+              "gradient_clipping": clipping}
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True, "check_grad_overflow": False}
+    return shardkit.initialize(model=_model(), config=config)[0]
+
+
+def _weights(engine) -> list:
+    return [v.detach().clone().float() for v in engine.module_state_dict().values()]
+
+
+def _with_closure(stage: int, precision: str) -> dict:
+    """``_STEPS_rev`` direct steps whose closure runs the engine's forward and backward."""
+    engine = _engine_rev(stage, precision)
+    for step in range(_STEPS_rev):
+        def closure(step=step):
+            engine.optimizer.zero_grad()
+            loss = engine(_batch_rev(step)).float().pow(2).mean()
+            engine.backward(loss)
+            return loss
+        engine.optimizer.step(closure)
+    return {"weights": _weights(engine), "norm": engine.get_global_grad_norm()}
+
+
+def _with_engine_step(stage: int, precision: str) -> list:
+    engine = _engine_rev(stage, precision)
+    for step in range(_STEPS_rev):
+        engine.backward(engine(_batch_rev(step)).float().pow(2).mean())
+        engine.step()
+    return _weights(engine)
+
+
+_PLAIN_CASES = [(1, "fp32"), (3, "fp32"), (0, "bf16")]
+
+
+def _closures_where_nothing_changes_the_gradients() -> dict:
+    return {case: (_with_closure(*case), _with_engine_step(*case)) for case in _PLAIN_CASES}
+
+
+def test_a_closure_trains_where_the_engine_only_measures_the_gradients(world2):
+    # was: "engine.optimizer.step(closure): the engine unscales, checks or clips the
+    # gradients ..." on every rank, though it did neither
+    outs = world2.run(_closures_where_nothing_changes_the_gradients)
+    for out in outs:
+        for case, (closure, engine_step) in out.items():
+            for a, b in zip(closure["weights"], engine_step):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=str(case))
+            assert closure["norm"] is None, case  # not the norm of the gradients replaced
+    for case in _PLAIN_CASES:
+        for a, b in zip(outs[0][case][0]["weights"], outs[1][case][0]["weights"]):
+            assert torch.equal(a, b), case
+
+
+def _refused_closure(engine, x) -> tuple:
+    """The error of ``engine.optimizer.step(closure)``, and whether the weights stayed."""
+    before = _weights(engine)
+
+    def closure():
+        engine.optimizer.zero_grad()
+        loss = engine(x).float().pow(2).mean()
+        loss.backward()
+        return loss
+    try:
+        engine.optimizer.step(closure)
+        message = None
+    except RuntimeError as error:
+        message = str(error)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, _weights(engine)))
+    return message, unchanged
+
+
+def _sequence_parallel_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        mp.ColumnParallelLinear(4, 8, gather_output=False, sequence_parallel=True), nn.GELU(),
+        mp.RowParallelLinear(8, 4, input_is_parallel=True, sequence_parallel=True),
+        nn.LayerNorm(4), nn.Linear(4, 2))
+    mp.mark_sequence_parallel(model[3])
+    mp.mark_sequence_parallel(model[4])
+    return model
+
+
+def _closures_where_the_engine_changes_the_gradients() -> dict:
+    out = {"clipping": _refused_closure(_engine_rev(1, clipping=0.5), _batch_rev(0))}
+    mp.initialize_model_parallel(2)
+    try:
+        engine = shardkit.initialize(
+            model=_sequence_parallel_model(), mpu=mp.initialize,
+            config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 0},
+                    "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})[0]
+        x = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(0))
+        tp = mp.get_model_parallel_rank()
+        out["sequence_parallel"] = _refused_closure(engine, x[:, 2 * tp:2 * tp + 2])
+    finally:
+        mp.destroy_model_parallel()
+    return out
+
+
+def test_a_closure_is_refused_where_the_engine_changes_the_gradients(world2):
+    # was (sequence parallelism): no error; the engine summed the gradients there before
+    # the step, the closure then recomputed them, and the marked parameters stepped on this
+    # rank's part of their gradient (the tensor-parallel ranks' copies drifted apart)
+    for out in world2.run(_closures_where_the_engine_changes_the_gradients):
+        for case, reason in (("sequence_parallel", "sequence-parallel"),
+                             ("clipping", "gradient_clipping=0.5")):
+            message, unchanged = out[case]
+            assert message is not None and message.startswith(
+                "engine.optimizer.step(closure): before the step the engine"), (case, message)
+            assert reason in message and "engine.step()" in message, (case, message)
+            assert unchanged, case
