@@ -223,7 +223,9 @@ class GatheredParameters:
 
     Blocks nest: an inner block on parameters an outer one holds writes its edits back (with
     its own ``modifier_rank``) on exit and leaves them full, and ``ds_status`` ``AVAILABLE``,
-    until the outer block closes.
+    until the outer block closes; an inner block that raises puts back the values they held
+    when it was entered (memory: a copy of them), so the outer block's exit does not keep its
+    edits. The same object may be entered again inside its own block.
 
     Memory: the full fp32 value of each FSDP unit that holds one of ``params`` (a unit is
     gathered whole; :meth:`FullyShardedDataParallel.summon_full_params` with
@@ -246,8 +248,10 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.fwd_module = fwd_module
         self.enabled = enabled
-        self._stack: Optional[contextlib.ExitStack] = None
         self._sharded: list = []
+        # one (exit stack, values held before entering) per open entry of this object, the
+        # innermost last: the same object may be entered again inside its own block
+        self._open: list = []
 
     def __enter__(self):
         if not self.enabled:
@@ -259,6 +263,7 @@ class GatheredParameters:
                 units.append(loc.unit)
         if self.modifier_rank is not None:
             _check_modifier(self.modifier_rank, units)
+        held_before = _values_held_by_outer_blocks(self._sharded)
         stack = contextlib.ExitStack()
         try:
             for unit in units:
@@ -267,17 +272,19 @@ class GatheredParameters:
         except BaseException:
             stack.close()
             raise
-        self._stack = stack
+        self._open.append((stack, held_before))
         _mark_gathered(self._sharded)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if self._stack is None:
+        if not self._open:
             return False
-        stack, self._stack = self._stack, None
+        stack, held_before = self._open.pop()
         _mark_released(self._sharded)
         with stack:  # leaving it re-points every parameter at its (updated) rows
-            if exc_type is None:
+            if exc_type is not None:
+                _restore_values(held_before)
+            else:
                 from shardkit.utils.tensor_fragment import write_rows
                 for loc in self._sharded:
                     shard = loc.shard
@@ -287,6 +294,25 @@ class GatheredParameters:
                         distributed.broadcast(full, src=src, group=shard.group)
                     write_rows(loc, shard.shard_views(shard.flat_shard)[loc.index], full)
         return False
+
+
+def _values_held_by_outer_blocks(locations: list) -> list:
+    """``(parameter, copy of its full value)`` for each located parameter that already holds
+    its full value when a block is entered (its unit summoned by an outer block or
+    ``summon_full_params``): the outer block writes that value back on its exit, so a block
+    that raises must put it back to drop its own edits. Local; memory: a copy of those."""
+    held = []
+    for loc in locations:
+        rows = loc.shard.shard_views(loc.shard.flat_shard)[loc.index]
+        if loc.unit._summoned and loc.param.data.data_ptr() != rows.data_ptr():
+            held.append((loc.param, loc.param.data.clone()))
+    return held
+
+
+def _restore_values(held: list) -> None:
+    with torch.no_grad():
+        for param, value in held:
+            param.data.copy_(value)
 
 
 # how many open GatheredParameters blocks list each parameter: an inner block on the same

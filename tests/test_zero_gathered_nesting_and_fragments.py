@@ -7,6 +7,13 @@ closes, so their ``ds_status`` must stay ``AVAILABLE`` (DeepSpeed-Chat's
 ``modifier_rank`` edit and the outer block's edit both reach every rank. The tensor-fragment
 API inside a block (where a stage-3 parameter holds its full value, not its rows) reads and
 writes what it does outside. One world of 2 gloo ranks, started once.
+
+From a review:
+
+Review of the nested ``zero.GatheredParameters`` blocks and of the tensor-fragment API inside
+a stage-3 gather: gradient setters where the parameter has no gradient yet, an inner block
+that raises inside an outer one, and one block object entered again inside itself. One world
+of 2 gloo ranks, started once.
 """
 
 import os
@@ -143,3 +150,101 @@ def test_a_tag_directory_as_checkpoint_dir_names_the_parent_and_the_tag(world2, 
     assert not os.path.exists(output)
     state = get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="global_step7")
     assert sorted(state) == ["first.bias", "first.weight", "second.bias", "second.weight"]
+
+
+def _stage3_engine_rev():
+    torch.manual_seed(0)
+    cfg = {"train_batch_size": 2 * distributed.get_world_size(), "steps_per_print": 10 ** 6,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3}}
+    engine, *_ = shardkit.initialize(model=Net(), config=cfg)
+    return engine
+
+
+def _gradient_setters_without_a_gradient_inside_blocks():
+    """After ``engine.step()`` cleared the gradients, the gradient setters inside a block
+    (listing the parameter, or a sibling of its unit): the largest difference between what
+    was set and what is read back after the block, per case."""
+    from shardkit.utils import (safe_get_full_grad, safe_get_local_grad, safe_set_full_grad,
+                                safe_set_local_grad)
+    engine = _stage3_engine_rev()
+    weight, bias = engine.module.first.weight, engine.module.first.bias
+    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(distributed.get_rank()))
+    engine.backward(engine(x).square().mean())
+    engine.step()
+    new = torch.arange(30, dtype=torch.float32).reshape(5, 6) / 7
+    worst = {}
+    for listed in ("itself", "a sibling"):
+        weight.grad = None
+        with shardkit.zero.GatheredParameters([weight] if listed == "itself" else [bias]):
+            safe_set_full_grad(weight, new)
+        worst[f"full, {listed}"] = float((safe_get_full_grad(weight) - new).abs().max())
+        rows = torch.full((3, 6), 2.5)
+        weight.grad = None
+        with shardkit.zero.GatheredParameters([weight] if listed == "itself" else [bias]):
+            safe_set_local_grad(weight, rows)
+        worst[f"local, {listed}"] = float((safe_get_local_grad(weight) - rows).abs().max())
+    return worst
+
+
+def _inner_block_that_raises():
+    """An outer block doubles the weight on every rank; an inner block (modifier_rank=0)
+    adds a different amount on each rank and raises. The weight's change after both against
+    the outer edit alone, and whether the ranks agree."""
+    from shardkit.utils import safe_get_full_fp32_param
+    engine = _stage3_engine_rev()
+    weight = engine.module.first.weight
+    before = safe_get_full_fp32_param(weight)
+    with shardkit.zero.GatheredParameters([weight]):
+        with torch.no_grad():
+            weight.mul_(2.0)
+        try:
+            with shardkit.zero.GatheredParameters([weight], modifier_rank=0):
+                with torch.no_grad():
+                    weight.add_(1.0 + 10.0 * distributed.get_rank())
+                raise KeyError("the inner block fails")
+        except KeyError:
+            pass
+    after = safe_get_full_fp32_param(weight)
+    gathered = [torch.empty_like(after) for _ in range(distributed.get_world_size())]
+    distributed.all_gather(gathered, after)
+    return (float((after - before * 2.0).abs().max()),
+            max(float((g - after).abs().max()) for g in gathered))
+
+
+def _same_block_entered_twice():
+    """One GatheredParameters object entered inside its own block: the shape inside the outer
+    entry after the inner one closes, and the change the outer entry's edit leaves."""
+    from shardkit.utils import safe_get_full_fp32_param
+    engine = _stage3_engine_rev()
+    weight = engine.module.first.weight
+    before = safe_get_full_fp32_param(weight)
+    block = shardkit.zero.GatheredParameters([weight])
+    with block:
+        with block:
+            pass
+        shape = tuple(weight.shape)
+        with torch.no_grad():
+            weight.add_(1.0)
+    change = float((safe_get_full_fp32_param(weight) - (before + 1.0)).abs().max())
+    return shape, change, tuple(weight.shape)
+
+
+def test_gradient_setters_inside_a_block_when_the_gradient_is_none(world2):
+    for worst in world2.run(_gradient_setters_without_a_gradient_inside_blocks):
+        assert set(worst) == {"full, itself", "full, a sibling", "local, itself",
+                              "local, a sibling"}
+        assert all(v < 1e-6 for v in worst.values()), worst
+
+
+def test_an_inner_block_that_raises_leaves_no_edit_for_the_outer_block(world2):
+    for change, disagreement in world2.run(_inner_block_that_raises):
+        assert change < 1e-6
+        assert disagreement < 1e-6
+
+
+def test_the_same_block_entered_inside_itself(world2):
+    for shape, change, shape_after in world2.run(_same_block_entered_twice):
+        assert shape == (5, 6)
+        assert change < 1e-6
+        assert shape_after == (3, 6)

@@ -223,6 +223,20 @@ def _holds_full_value(loc: ParamLocation, rows: torch.Tensor) -> bool:
     return loc.param.data.data_ptr() != rows.data_ptr() or loc.param.shape != rows.shape
 
 
+def _give_row_gradient(loc: ParamLocation, grad: torch.Tensor) -> None:
+    """``loc.param.grad = grad`` for a stage-3 gradient of the stored rows' shape. Inside a
+    gathering block the parameter holds its full value and torch refuses a gradient of
+    another shape, so the parameter points at its rows while the gradient is attached (the
+    block leaves ``.grad`` as it is and re-points the parameter at those rows on exit)."""
+    param, rows = loc.param, _stored_rows(loc)
+    full = param.data
+    param.data = rows
+    try:
+        param.grad = grad
+    finally:
+        param.data = full
+
+
 def _param_shape(loc: ParamLocation) -> tuple:
     """The shape of what the optimizer steps for ``loc.param``: its row block at stage 3
     (also inside a gathering block), else the parameter's shape."""
@@ -381,7 +395,7 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     _check_grads_reduced(loc, what)
     if loc.unit is not None:
         if param.grad is None:
-            param.grad = torch.zeros_like(_stored_rows(loc))
+            _give_row_gradient(loc, torch.zeros_like(_stored_rows(loc)))
         write_rows(loc, param.grad, value)
         return
     if loc.stage == 2 and loc.oss is not None and loc.trainable and not loc.is_owner:
@@ -539,7 +553,8 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     _check_grads_reduced(loc, what)
     with torch.no_grad():
         if param.grad is None:
-            param.grad = value.detach().to(param.device, param.dtype).clone()
+            rows = _stored_rows(loc)
+            _give_row_gradient(loc, value.detach().to(rows.device, rows.dtype).clone())
         else:
             param.grad.copy_(value.detach())
 
