@@ -484,8 +484,7 @@ class ProcessGroupTransport(Transport):
     def reduce_scatter_chunks(self, tensors, chunk_numels, group, *, scale=1.0, dtype=None):
         dtype = dtype or (tensors[0].dtype if tensors else None)
         if not tensors or not _uses_point_to_point(group, tensors[0].device) or \
-                dtype.itemsize < 4 or \
-                any(t.dtype != dtype or not t.is_contiguous() for t in tensors):
+                dtype.itemsize < 4 or any(t.dtype != dtype for t in tensors):
             return super().reduce_scatter_chunks(tensors, chunk_numels, group, scale=scale,
                                                  dtype=dtype)
         # Note: on gloo the packed copy is skipped. Each rank sends peer r chunk r of every
@@ -495,8 +494,12 @@ class ProcessGroupTransport(Transport):
         # adds its own chunks in place and scales once. Tensors of another dtype than the
         # reduction's take the packed path (its copy is also the cast), and so do 16-bit
         # reductions, whose sum before the scale could overflow where the pre-scaled one fits.
+        # The choice depends only on what every rank shares (sizes, dtypes, device): a
+        # non-contiguous tensor is copied here rather than sent down the packed path, whose
+        # one message per peer the peers' per-tensor receives would not match (silent wrong
+        # sums on one rank, gloo aborting the other).
         n, rank = skdist.get_world_size(group), skdist.get_rank(group)
-        flats = [t.reshape(-1) for t in tensors]
+        flats = [t.contiguous().view(-1) for t in tensors]
         chunks = _check_chunks([f.numel() for f in flats], chunk_numels, n)
         offsets = [sum(chunks[:i]) for i in range(len(chunks))]
         segment = sum(chunks)
