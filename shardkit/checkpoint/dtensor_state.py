@@ -10,7 +10,10 @@ rank's *real* rows (padding dropped) are its local tensor of a DTensor of the fu
 hold the same rows (replicas of hybrid sharding) produce the same dcp chunk (same key, same
 offset), which dcp's save planner writes once.
 
-- :func:`rows_as_dtensor`: a padded row block as that DTensor (a view: no copy).
+- :func:`rows_as_dtensor`: a padded row block as that DTensor (a view: no copy). So, as with
+  torch's ``fully_shard``, ``dcp.load`` into a ``SHARDED_STATE_DICT`` fills the live shards in
+  place: a ``dcp.load`` that fails part way (a missing ``.distcp`` file) has already changed
+  some of them; load a good checkpoint again before training on.
 - :func:`rows_from_value`: the inverse, checked: a DTensor (e.g. filled by ``dcp.load``) or a
   full-shape plain tensor back to this rank's padded block.
 - :func:`refuse_in_dcp`: a plain padded block (``LOCAL_STATE_DICT``, FairScale's contract:
