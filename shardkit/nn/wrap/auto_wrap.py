@@ -134,7 +134,8 @@ def transformer_auto_wrap_policy(transformer_layer_cls=None, module: nn.Module =
 def no_split_module_classes(model: nn.Module) -> tuple:
     """The block classes a model declares in ``_no_split_modules`` (Hugging Face's attribute:
     class names that must stay on one device), gathered from every submodule and resolved to the
-    classes found in ``model``. Any module may declare the attribute; a name that names no
+    classes found in ``model`` (every class of that name: a name matches classes, as in
+    Hugging Face's ``device_map``). Any module may declare the attribute; a name that names no
     submodule's class is ignored (HF lists classes of other model variants too).
 
     Raises ``ValueError`` when no submodule declares a class that ``model`` contains.
@@ -148,13 +149,15 @@ def no_split_module_classes(model: nn.Module) -> tuple:
         if isinstance(declared, str):
             declared = [declared]
         names.update(declared or ())
-    found = {type(m).__name__: type(m) for m in model.modules() if type(m).__name__ in names}
+    # every class carrying a declared name: two classes may share one (a vision tower's and
+    # a text model's ``Block``), and Hugging Face matches these names, not the classes
+    found = {type(m) for m in model.modules() if type(m).__name__ in names}
     if not found:
         raise ValueError(f"no_split_module_classes(model={type(model).__name__}): no submodule "
                          f"declares _no_split_modules naming a class it contains (declared: "
                          f"{sorted(names)}); pass the block classes to "
                          f"transformer_auto_wrap_policy({{Block}}) instead")
-    return tuple(found[n] for n in sorted(found))
+    return tuple(sorted(found, key=lambda c: (c.__name__, c.__module__, c.__qualname__)))
 
 
 def no_split_modules_policy(model: nn.Module) -> Callable:
