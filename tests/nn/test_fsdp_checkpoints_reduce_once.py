@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
 from shardkit.testing import world_fixture
+from tests.utils.compare import max_diff
 from shardkit.utils.memory import LiveStorageTracker
 
 world2 = world_fixture(2)
@@ -111,8 +112,7 @@ def _train_beside_one_process(case: str, micro_batches: int = 1) -> dict:
         ref_optim.step()
         with model.summon_full_params():
             mine = [p.detach().clone() for p in model.parameters()]
-        out["diffs"].append(max((a - b).abs().max().item()
-                                for a, b in zip(mine, reference.parameters())))
+        out["diffs"].append(max_diff(mine, reference.parameters()))
     return out
 
 
@@ -303,8 +303,7 @@ def _train_beside_one_process_rev(style: str) -> list:
         ref_optim.zero_grad()
         with model.summon_full_params():
             mine = [p.detach().clone() for p in model.parameters()]
-        diffs.append(max((a - b).abs().max().item()
-                         for a, b in zip(mine, reference.parameters())))
+        diffs.append(max_diff(mine, reference.parameters()))
     return diffs
 
 

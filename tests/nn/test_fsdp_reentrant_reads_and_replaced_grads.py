@@ -46,6 +46,7 @@ import shardkit.checkpointing as sk_checkpointing
 from shardkit import distributed as skdist
 from shardkit.nn.data_parallel.fully_sharded import FullyShardedDataParallel as FSDP
 from shardkit.testing import world_fixture
+from tests.utils.compare import max_diff
 
 world2 = world_fixture(2)
 
@@ -119,8 +120,7 @@ def _three_steps_beside_one_process(reference: nn.Module, model: FSDP, unit: FSD
         ref_optim.step()
         with model.summon_full_params():
             mine = [p.detach().clone() for p in model.parameters()]
-        out["diffs"].append(max((a - b).abs().max().item()
-                                for a, b in zip(mine, reference.parameters())))
+        out["diffs"].append(max_diff(mine, reference.parameters()))
     return out
 
 

@@ -199,6 +199,16 @@ def test_casts_writes_and_state_dict_after_a_step_match_torch_ddp(world2):
         assert result["state_error"] < 1e-6, (rank, result)
 
 
+def _backward_twice(loss: torch.Tensor, kind: str) -> None:
+    """``loss`` backwarded twice with ``retain_graph`` (torch DDP, whose reducer allows one
+    backward per forward: the loss doubled, the same gradients)."""
+    if kind == "torch":
+        (2 * loss).backward()
+    else:
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+
 def _forwards_before_one_backward(kind: str, eval_second: bool, retain: bool) -> list:
     """Three steps of two forwards (the second in evaluation mode or not) and one loss,
     backwarded once, or twice with ``retain_graph=True`` (torch DDP: the loss doubled)."""
@@ -212,11 +222,8 @@ def _forwards_before_one_backward(kind: str, eval_second: bool, retain: bool) ->
         wrapper.train()
         if not retain:
             loss.backward()
-        elif kind == "torch":
-            (2 * loss).backward()
         else:
-            loss.backward(retain_graph=True)
-            loss.backward()
+            _backward_twice(loss, kind)
         optimizer.step()
         optimizer.zero_grad()
         params.append([p.detach().clone() for p in model.parameters()])
@@ -288,11 +295,7 @@ def _steps_backwarding_twice(kind: str) -> dict:
     params = []
     for step in range(3):
         loss = wrapper(_micro_batch_rev(step, rank)).square().sum()
-        if kind == "torch":
-            (2 * loss).backward()
-        else:
-            loss.backward(retain_graph=True)
-            loss.backward()
+        _backward_twice(loss, kind)
         optimizer.step()
         optimizer.zero_grad()
         params.append([p.detach().clone() for p in model.parameters()])
