@@ -8,11 +8,6 @@ for a first micro-batch whose tokens are all ignored. Now the heads and the guar
 process's gradients and loss (GPipe, 1F1B; eval too); the hand-made masked mean, whose count
 cannot be predicted, fails the step on every rank naming ``loss_denominator=`` when the
 counts differ, and matches one process when they do not.
-
-Two pipelines of ShardedDataParallel stages, one running eval while the other trains: the
-training pipeline's step was paired with the other's next one (its eval joins no collective)
-and a pipeline was left waiting forever at the end. Now the paired steps fail on every rank,
-naming the eval steps, and the following ones run.
 """
 
 import torch

@@ -10,9 +10,10 @@ class-index loss, ``F.cross_entropy``, ``F.nll_loss``, their ``functools.partial
 watching the step's ``loss_fn`` calls (:class:`LossCountWatch`): if the first that averages
 by its target's counts computes class-index losses with ``reduction="mean"`` on its
 micro-batch's target (reshaped, not cut) and returns their sum, each times a constant
-(``0.5 * (ce1 + ce2)``), the same count applies to every micro-batch; a mean it cannot predict
-(divided by hand, cut targets, a term added) must count alike in every micro-batch. Local to
-the rank running the last stage; no communication.
+(``0.5 * (ce1 + ce2)``, ``ce1 - 0.5 * ce2``, ``torch.add(ce1, ce2, alpha=0.5)``,
+``torch.stack([ce1, ce2]).mean()``), the same count applies to every micro-batch; a mean it
+cannot predict (divided by hand, cut targets, a term added) must count alike in every
+micro-batch. Local to the rank running the last stage; no communication.
 """
 
 from __future__ import annotations
@@ -117,11 +118,14 @@ class _LossCallRecord(TorchFunctionMode):
     """What one ``loss_fn`` call computes, recorded while it runs: every ``F.cross_entropy`` /
     ``F.nll_loss`` call (``nn.CrossEntropyLoss`` and ``nn.NLLLoss`` call these too), defaults
     filled in, with what it returned (``calls``); which tensors are those calls' results added
-    together, each times a constant (``covered_calls``: ``0.5 * (ce1 + ce2)``); and the counts
+    together, each times a constant (``covered_calls``: ``0.5 * (ce1 + ce2)``, ``ce1 - ce2``,
+    ``torch.add(ce1, ce2, alpha=0.5)``, ``torch.stack([ce1, ce2]).sum()``); and the counts
     taken from the target that it averages by itself (``target_divisors``: a division by a
     one-element tensor computed from the target, or by a number read out of one,
     ``(ce * mask).sum() / mask.sum()``, or the mean of the elements a target-derived mask
-    picks, ``ce[mask].mean()``, ``ce[mask].float().mean()``).
+    picks, ``ce[mask].mean()``, ``ce[mask].float().mean()``, or its length, ``ce[mask].sum() /
+    len(ce[mask])``, or a ``nanmean`` of a target-derived tensor). Operands passed as keywords
+    (``torch.div(s, other=mask.sum())``) count as positional ones.
 
     Note: tensors are followed by ``id`` while the call runs; the record holds them, so no id
     is reused before it is discarded with the call."""
@@ -137,6 +141,7 @@ class _LossCallRecord(TorchFunctionMode):
         self._numbers_read: set = set()  # out of any tensor: a factor that may vary by data
         self._reciprocals: dict = {}  # id -> (tensor, count): ``1 / mask.sum()``
         self._sums: dict = {}  # id -> (tensor, the calls whose results it adds up, scaled)
+        self._stacks: dict = {}  # id -> (tensor, the calls whose results it stacks)
 
     def covered_calls(self, loss) -> frozenset:
         """The calls whose results, each times a constant, ``loss`` is the sum of (empty if
@@ -148,61 +153,75 @@ class _LossCallRecord(TorchFunctionMode):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        operands = _operands(args, kwargs)
         if func in CLASS_INDEX_LOSSES:
             bound = inspect.signature(func).bind(*args, **kwargs)
             bound.apply_defaults()
             self.calls.append({**bound.arguments, "result": result})
             self._sums[id(result)] = result, frozenset({len(self.calls) - 1})
-        elif name in _ADDITIONS:
-            self._note_sum(args, kwargs, result)
-        elif name in _MULTIPLICATIONS + _DIVISIONS:
-            self._note_scaled(name, args, kwargs, result)
-        self._note_target_divisor(name, args, result)
+        elif name in _ADDITIONS + _SUBTRACTIONS:
+            self._note_sum(operands, kwargs.get("alpha"), result)
+        elif name in _MULTIPLICATIONS + _DIVISIONS + _NEGATIONS:
+            self._note_scaled(name, operands, kwargs, result)
+        elif name == "stack":
+            self._note_stack(args, kwargs, result)
+        elif name in _STACK_REDUCTIONS:
+            self._note_stack_reduced(operands, result)
+        self._note_target_divisor(name, operands, result)
         if name in _READ_OUTS and isinstance(result, numbers.Real) \
                 and not isinstance(result, bool):
             self._numbers_read.add(result)
         leaves = tree_flatten((args, kwargs))[0]
-        self._note_picked(name, args, leaves, result)
+        self._note_picked(name, operands, leaves, result)
         if any(self._derived(t) for t in leaves):
-            self._note_derived(name, args, result)
+            self._note_derived(name, operands, result)
         return result
 
-    def _note_target_divisor(self, name: str, args, result) -> None:
+    def _note_target_divisor(self, name: str, operands: tuple, result) -> None:
         """A count taken from the target that the call averages by itself: a division by it
-        (``/ mask.sum()``), a multiplication by its reciprocal (``* (1 / mask.sum())``), or
-        the mean of the elements a target-derived mask picks (``ce[mask].mean()``)."""
-        if name in _DIVISIONS and len(args) > 1 and self._counts_target(args[1]):
-            self.target_divisors.append(float(args[1]))
-        elif name in _MULTIPLICATIONS and len(args) > 1 and any(
-                self._reciprocal(value) for value in args[:2]):
+        (``/ mask.sum()``, ``torch.div(s, other=mask.sum())``, ``/ len(ce[mask])``), a
+        multiplication by its reciprocal (``* (1 / mask.sum())``, ``torch.mul(s, other=
+        mask.sum().reciprocal())``), the mean of the elements a target-derived mask picks
+        (``ce[mask].mean()``), or a ``nanmean`` of a tensor computed from the target
+        (``torch.where(mask, ce, nan).nanmean()``: its elements that are not NaN)."""
+        if name in _DIVISIONS and len(operands) > 1 and self._counts_target(operands[1]):
+            self.target_divisors.append(float(operands[1]))
+        elif name in _MULTIPLICATIONS and len(operands) > 1 and any(
+                self._reciprocal(value) for value in operands):
             self.target_divisors.append(next(self._reciprocals[id(value)][1]
-                                             for value in args[:2] if self._reciprocal(value)))
-        elif name in _RECIPROCALS and args and self._counts_target(args[0]) and (
-                name == "reciprocal" or _constant(args[1])):  # k / count: (count, k)
-            self._reciprocals[id(result)] = result, float(args[0])
-        elif name == "mean" and args and self._picked(args[0]) \
+                                             for value in operands if self._reciprocal(value)))
+        elif name in _RECIPROCALS and operands and self._counts_target(operands[0]) and (
+                name == "reciprocal" or _constant(operands[1])):  # k / count: (count, k)
+            self._reciprocals[id(result)] = result, float(operands[0])
+        elif name == "mean" and operands and self._picked(operands[0]) \
                 and isinstance(result, torch.Tensor) and result.numel() == 1:
-            self.target_divisors.append(float(args[0].numel()))
+            self.target_divisors.append(float(operands[0].numel()))
+        elif name == "nanmean" and operands and self._derived(operands[0]) \
+                and isinstance(result, torch.Tensor) and result.numel() == 1:
+            self.target_divisors.append(float(operands[0].isnan().logical_not().sum()))
+        elif name in _SIZES and operands and self._picked(operands[0]) \
+                and isinstance(result, int):
+            self._target_numbers.add(result)  # ``ce[mask].sum() / len(ce[mask])``
 
-    def _note_derived(self, name: str, args, result) -> None:
+    def _note_derived(self, name: str, operands: tuple, result) -> None:
         """``result`` (and, for an in-place write such as ``m[y == -100] = 0``, the tensor
         written) comes from the target; so do numbers read out of a one-element tensor
         (``mask.sum().item()``, ``int(...)``), remembered by value."""
         if name in _READ_OUTS and isinstance(result, numbers.Real) \
                 and not isinstance(result, bool):
             self._target_numbers.add(result)
-        written = [args[0]] if args and isinstance(args[0], torch.Tensor) and (
+        written = [operands[0]] if operands and isinstance(operands[0], torch.Tensor) and (
             name == "__setitem__" or name.endswith("_") and not name.startswith("__")) else []
         self._from_target.update((id(t), t) for t in tree_flatten(result)[0] + written
                                  if isinstance(t, torch.Tensor))
 
-    def _note_picked(self, name: str, args, leaves: list, result) -> None:
+    def _note_picked(self, name: str, operands: tuple, leaves: list, result) -> None:
         """Follow the elements a target-derived mask picks (``ce[mask]``) through selections
         and through element-wise ops on them alone (``.float()``, ``* 2``), whose mean still
         averages by the picked count."""
         if not isinstance(result, torch.Tensor):
             return
-        if name in _SELECTIONS and len(args) > 1 and self._derived(args[1]):
+        if name in _SELECTIONS and len(operands) > 1 and self._derived(operands[1]):
             self._picked_by_target[id(result)] = result
             return
         if not self._picked_by_target:
@@ -228,13 +247,14 @@ class _LossCallRecord(TorchFunctionMode):
             return divisor in self._target_numbers
         return self._derived(divisor) and divisor.numel() == 1
 
-    def _note_sum(self, args, kwargs, result) -> None:
-        """``result`` adds up class-index call results where every tensor added is such a sum
-        (of other calls each) and every number added is zero."""
-        if kwargs.get("alpha", 1) != 1 or len(args) != 2:
+    def _note_sum(self, operands: tuple, alpha, result) -> None:
+        """``result`` adds up (or subtracts, ``ce1 - 0.5 * ce2``, ``torch.add(ce1, ce2,
+        alpha=0.5)``) class-index call results where every tensor is such a sum (of other
+        calls each) and every number added is zero; ``alpha`` must be a constant."""
+        if len(operands) != 2 or alpha is not None and not self._is_constant(alpha):
             return
         covered = []
-        for value in args:
+        for value in operands:
             if isinstance(value, torch.Tensor):
                 tensor, calls = self._sums.get(id(value), (None, frozenset()))
                 if tensor is not value or not calls:
@@ -244,26 +264,61 @@ class _LossCallRecord(TorchFunctionMode):
                 return
         self._sums[id(result)] = result, frozenset().union(*covered)
 
-    def _note_scaled(self, name: str, args, kwargs, result) -> None:
+    def _note_scaled(self, name: str, operands: tuple, kwargs, result) -> None:
         """``result`` is such a sum times, or divided by, a constant (a Python number not read
-        out of a tensor, whose value could differ between micro-batches): weighting it by the
-        counts weighs every term alike, as one process's mean over the whole target does."""
-        if len(args) != 2 or kwargs.get("rounding_mode") is not None:
+        out of a tensor, whose value could differ between micro-batches), or negated:
+        weighting it by the counts weighs every term alike, as one process's mean over the
+        whole target does."""
+        if name in _NEGATIONS:
+            summed, factor = operands[0] if operands else None, -1
+        elif len(operands) != 2 or kwargs.get("rounding_mode") is not None:
             return
-        summed, factor = args if name in _DIVISIONS or isinstance(args[0], torch.Tensor) \
-            else args[::-1]
+        else:
+            summed, factor = operands if name in _DIVISIONS or \
+                isinstance(operands[0], torch.Tensor) else operands[::-1]
         tensor, calls = self._sums.get(id(summed), (None, frozenset()))
-        if tensor is not summed or not calls or not _constant(factor) \
-                or factor in self._numbers_read:
+        if tensor is not summed or not calls or \
+                name not in _NEGATIONS and not self._is_constant(factor):
             return
         self._sums[id(result)] = result, calls
 
+    def _note_stack(self, args, kwargs, result) -> None:
+        """``torch.stack([ce1, ce2])`` of one-element sums: remembered (as a sum whose
+        elements must still be added up) until a sum or mean over all of it."""
+        tensors = args[0] if args else kwargs.get("tensors", ())
+        covered = []
+        for value in tensors:
+            tensor, calls = self._sums.get(id(value), (None, frozenset()))
+            if tensor is not value or not calls or value.numel() != 1:
+                return
+            covered.append(calls)
+        if covered:
+            self._stacks[id(result)] = result, frozenset().union(*covered)
+
+    def _note_stack_reduced(self, operands: tuple, result) -> None:
+        """A sum or mean of such a stack down to one element (``torch.stack(...).sum()``,
+        ``.mean()``): every element added, each times the same constant."""
+        stacked = operands[0] if operands else None
+        tensor, calls = self._stacks.get(id(stacked), (None, frozenset()))
+        if tensor is stacked and calls and isinstance(result, torch.Tensor) \
+                and result.numel() == 1:
+            self._sums[id(result)] = result, calls
+
+    def _is_constant(self, factor) -> bool:
+        """A finite, non-zero Python number not read out of a tensor (whose value could
+        differ between micro-batches)."""
+        return _constant(factor) and factor not in self._numbers_read
+
 
 _ADDITIONS = ("add", "add_", "__add__", "__radd__", "__iadd__")
+_SUBTRACTIONS = ("sub", "sub_", "subtract", "__sub__", "__rsub__", "__isub__", "rsub")
+_NEGATIONS = ("neg", "negative", "__neg__")
+_STACK_REDUCTIONS = ("sum", "mean")
 _DIVISIONS = ("div", "div_", "true_divide", "__truediv__", "__itruediv__")
 _MULTIPLICATIONS = ("mul", "mul_", "__mul__", "__rmul__", "__imul__")
 _RECIPROCALS = ("reciprocal", "__rdiv__", "__rtruediv__")
 _SELECTIONS = ("__getitem__", "masked_select")
+_SIZES = ("numel", "__len__", "size")
 _READ_OUTS = ("item", "__int__", "__float__", "__index__")
 
 
@@ -440,6 +495,16 @@ class LossCountWatch:
                 f"one process's mean over the whole target. Pass loss_denominator="
                 f"lambda target: <the count loss_fn's mean divides by> (e.g. (target != -100)"
                 f".sum()), or reduction='sum' with scale_grads=False")
+
+
+def _operands(args: tuple, kwargs: dict) -> tuple:
+    """The (up to two) operands of a call however they were passed: ``torch.div(a, b)``,
+    ``a.div(other=b)``, ``torch.mul(input=a, other=b)``, ``torch.masked_select(a, mask=m)``,
+    ``torch.reciprocal(input=c)``."""
+    first = args[0] if args else kwargs.get("input")
+    second = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mask"))
+    return tuple(value for value in (first, second) if value is not None) \
+        if first is not None else ()
 
 
 def _constant(value) -> bool:
