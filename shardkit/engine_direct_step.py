@@ -22,14 +22,26 @@ handed to ``OSS.agreed_in_advance``, whose block must stay open until OSS's ``st
 :func:`prepare` opens it and a step post-hook closes it. A step that raises leaves no
 post-hook run: the block left open is closed before the next step of that optimizer (direct
 or ``engine.step()``), so a stale agreement is never used.
+
+A skipped direct step at stages 1-2 must also skip OSS's parameter sync (an all-gather of
+``Ψ(N-1)/N`` elements that would move nothing new; ``engine.step()`` never calls the optimizer
+on a skipped step). A step pre-hook cannot cancel the step, so :func:`prepare` hands OSS the
+agreed overflow as ``ShardedGradScaler`` does (``found_inf``, agreed over OSS's group), and
+OSS returns before stepping or syncing. The post-hook (or, after a step that raised, the next
+step) takes that hand-off back, so it never reaches a later step.
 """
 
 from __future__ import annotations
 
+import torch
 from torch.utils.weak import WeakIdKeyDictionary
+
+from shardkit.optim.oss import OSS
 
 # optimizer -> the OSS.agreed_in_advance("step", ...) block opened for its direct step
 _OPEN_BLOCKS = WeakIdKeyDictionary()
+# the OSS optimizers told by prepare() that their direct step is skipped
+_SKIP_HANDED_OFF = WeakIdKeyDictionary()
 
 
 def prepare(engine, optimizer, agreed: dict, args: tuple, kwargs: dict) -> None:
@@ -44,6 +56,7 @@ def prepare(engine, optimizer, agreed: dict, args: tuple, kwargs: dict) -> None:
     work on gradients that the closure replaces (an average by hand of them, or a measured
     norm: ``get_global_grad_norm()`` is then ``None``)."""
     loss_scaled = engine._backwards_since_step > 0  # engine.backward scaled them, not torch's
+    overflow = False
     if _closure_of(args, kwargs) is not None:
         _refuse_closure_where_gradients_change(engine, loss_scaled)
         engine._refuse_unreduced_step("engine.optimizer.step()")
@@ -57,6 +70,8 @@ def prepare(engine, optimizer, agreed: dict, args: tuple, kwargs: dict) -> None:
         engine._update_loss_scale(overflow, scale_before)
         _note_step_taken(engine, overflow)
     open_carried_step(optimizer, agreed)
+    if overflow:
+        _hand_skip_to_oss(optimizer)
 
 
 def _note_step_taken(engine, overflow: bool) -> None:
@@ -123,8 +138,31 @@ def open_carried_step(optimizer, agreed: dict) -> None:
 def close_carried_step(optimizer, *_hook_arguments) -> None:
     """Close the block :func:`open_carried_step` opened for ``optimizer``, if any (also the
     step post-hook: torch passes the step's ``args`` and ``kwargs``, unused). Local."""
+    _take_skip_back(optimizer)
     if not _OPEN_BLOCKS:  # (also spares the look-up an optimizer that takes no weak reference)
         return
     block = _OPEN_BLOCKS.pop(optimizer, None)
     if block is not None:
         block.__exit__(None, None, None)
+
+
+def _hand_skip_to_oss(optimizer) -> None:
+    """Make the coming ``step`` of ``optimizer``, an OSS whose gradients the skipped step
+    cleared on every rank, return before it steps or syncs any parameter: the hand-off of
+    ``ShardedGradScaler`` (an inf/nan finding, the same on every rank of OSS's group, so OSS
+    makes no collective of its own to combine it). Nothing for another optimizer: it steps
+    no parameter without a gradient and makes no collective. Local."""
+    if not isinstance(optimizer, OSS):
+        return
+    optimizer.found_inf = torch.ones((), dtype=torch.float32)
+    optimizer._found_inf_agreed_over(optimizer.group)
+    _SKIP_HANDED_OFF[optimizer] = True
+
+
+def _take_skip_back(optimizer) -> None:
+    """Remove what :func:`_hand_skip_to_oss` set on ``optimizer``, if anything (OSS leaves
+    ``found_inf`` to its caller, as torch's GradScaler deletes it after the step). Local."""
+    if not _SKIP_HANDED_OFF or _SKIP_HANDED_OFF.pop(optimizer, None) is None:
+        return
+    optimizer.__dict__.pop("found_inf", None)
+    optimizer._found_inf_agreed = False
