@@ -4,10 +4,11 @@ Ranks that disagree about which collective comes next (a data-dependent branch, 
 a different number of times on one rank, a rank that skips a step) hang, or worse, exchange the
 wrong tensors without an error. With the debug mode on, every collective that goes through
 :mod:`shardkit.distributed` is preceded by a check: the ranks of its group exchange a fingerprint
-of the call (op, per-group sequence number, shape, dtype, a digest of the group's ranks, and the
-call site, which is reported but not compared, shortened to fit the fixed-size fingerprint)
-and, if any two differ, every rank raises :class:`CollectiveMismatchError` naming each rank's
-op and call site, before the real collective runs. Turn it on with
+of the call (op, per-group sequence number, shape, dtype, the layout a transport declares with
+:func:`checking_layout`, a digest of the group's ranks, and the call site, which is reported
+but not compared, shortened to fit the fixed-size fingerprint) and, if any two differ, every
+rank raises :class:`CollectiveMismatchError` naming each rank's op and call site, before the
+real collective runs. Turn it on with
 ``SHARDKIT_DEBUG_COLLECTIVES=1`` in the environment or :func:`set_debug_collectives`
 (``shardkit.distributed.set_debug_collectives`` is the same function).
 
@@ -30,6 +31,7 @@ checkpoint's) has its own; they start again at 0 with each new default process g
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -41,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["set_debug_collectives", "debug_collectives_enabled", "CollectiveMismatchError",
-           "check_collective", "FINGERPRINT_BYTES", "encode_fingerprint"]
+           "check_collective", "FINGERPRINT_BYTES", "encode_fingerprint", "checking_layout"]
 
 FINGERPRINT_BYTES = 512
 # Only these are checked: every rank of the group takes part in them.
@@ -73,6 +75,28 @@ def set_debug_collectives(enabled: bool = True) -> None:
 def debug_collectives_enabled() -> bool:
     """True when collectives are checked before they run."""
     return _enabled
+
+
+@contextlib.contextmanager
+def checking_layout(layout: Optional[tuple]):
+    """Inside the block, the collectives checked on this thread also compare ``layout``: how
+    the logical tensor is cut between ranks or tensors (an uneven all-gather's per-rank sizes,
+    a chunked reduce-scatter's chunk sizes), plain values alike on every rank that issues the
+    same collective. For a transport that builds a collective from sends and receives. Costs
+    nothing with the mode off (the caller need not enter it then)."""
+    previous = getattr(_state, "layout", None)
+    _state.layout = None if layout is None else _plain(layout)
+    try:
+        yield
+    finally:
+        _state.layout = previous
+
+
+def _plain(value):
+    """``value`` with its tuples as lists (as JSON decodes them), for comparing fingerprints."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _call_site() -> str:
@@ -135,20 +159,22 @@ def check_collective(op: str, shape: Optional[tuple], dtype: Optional[torch.dtyp
     _sequence[key] = seq + 1
     mine = {"op": op, "seq": seq, "shape": None if shape is None else list(shape),
             "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+            "layout": getattr(_state, "layout", None),
             "ranks": _ranks_digest(ranks), "rank": dist.get_rank(), "site": _call_site()}
     _state.busy = True
     try:
         everyone = _exchange(mine, group, len(ranks))
     finally:
         _state.busy = False
-    compared = ("op", "seq", "shape", "dtype", "ranks")
-    if all(all(fp[k] == everyone[0][k] for k in compared) for fp in everyone):
+    compared = ("op", "seq", "shape", "dtype", "layout", "ranks")
+    if all(all(fp.get(k) == everyone[0].get(k) for k in compared) for fp in everyone):
         return
-    lines = [f"  rank {fp['rank']}: {fp['op']}(shape={fp['shape']}, dtype={fp['dtype']}) "
-             f"#{fp['seq']} at {fp['site']}" for fp in everyone]
+    lines = [f"  rank {fp['rank']}: {fp['op']}(shape={fp['shape']}, dtype={fp['dtype']}"
+             + ("" if fp.get("layout") is None else f", layout={fp['layout']}")
+             + f") #{fp['seq']} at {fp['site']}" for fp in everyone]
     raise CollectiveMismatchError(
         f"collective mismatch in the group of ranks {list(ranks)}: the ranks were about to issue "
-        f"different collectives (compared: op, sequence number, shape, dtype):\n"
+        f"different collectives (compared: op, sequence number, shape, dtype, layout):\n"
         + "\n".join(lines))
 
 
@@ -166,11 +192,13 @@ def encode_fingerprint(fingerprint: dict) -> bytes:
     path costs its bytes, not six per character."""
     fingerprint = dict(fingerprint)
     raw = json.dumps(fingerprint, ensure_ascii=False).encode()
-    if len(raw) > FINGERPRINT_BYTES and fingerprint.get("shape") is not None \
-            and len(json.dumps(fingerprint["shape"])) > FINGERPRINT_BYTES // 4:
-        digest = hashlib.sha1(json.dumps(fingerprint["shape"]).encode()).hexdigest()[:12]
-        fingerprint["shape"] = f"{len(fingerprint['shape'])} dims, sha1 {digest}"
-        raw = json.dumps(fingerprint, ensure_ascii=False).encode()
+    for field, unit in (("layout", "sizes"), ("shape", "dims")):
+        value = fingerprint.get(field)
+        if len(raw) > FINGERPRINT_BYTES and value is not None \
+                and len(json.dumps(value)) > FINGERPRINT_BYTES // 4:
+            digest = hashlib.sha1(json.dumps(value).encode()).hexdigest()[:12]
+            fingerprint[field] = f"{len(value)} {unit}, sha1 {digest}"
+            raw = json.dumps(fingerprint, ensure_ascii=False).encode()
     site = str(fingerprint.get("site", "")).encode()
     while len(raw) > FINGERPRINT_BYTES and site:
         # keep the site's last bytes (its file, line and function), cut on a character boundary
@@ -200,5 +228,5 @@ def _exchange(fingerprint: dict, group, n: int) -> list[dict]:
             decoded.append(json.loads(text))
         except json.JSONDecodeError:  # never equal to a decoded one, nor to another broken one
             decoded.append({"op": "?", "seq": -1 - index, "shape": None, "dtype": None,
-                            "ranks": [], "rank": "?", "site": text[:120]})
+                            "layout": None, "ranks": [], "rank": "?", "site": text[:120]})
     return decoded

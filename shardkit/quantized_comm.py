@@ -26,10 +26,12 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from shardkit import collective_check
 from shardkit import distributed as skdist
 from shardkit.kernels import (DEFAULT_BLOCK, QuantLayout, dequantize_sum, dequantize_unpack,
                               quant_layout, quantize_pack)
 from shardkit.kernels.packing import chunk_of_rank
+from shardkit.transport import operation_tag
 
 __all__ = ["quantized_all_gather", "quantized_reduce_scatter",
            "quantized_reduce_scatter_hierarchical", "issue_reduce_scatter",
@@ -316,6 +318,12 @@ def issue_reduce_scatter(tensors: Sequence[torch.Tensor], layout: QuantLayout, g
     peers = [r for r in range(n) if r != rank]
     size = one.total_bytes
     device = tensors[0].device
+    # the tag and the debug mode's shape carry the layout: ranks that disagree on it wait for
+    # the group's timeout (or are named by SHARDKIT_DEBUG_COLLECTIVES=1) instead of one
+    # dequantizing the other's shorter message and its uninitialised rest, and gloo aborting
+    # the other on a longer one
+    code = ("qgZ", layout.bits, layout.block, tuple(chunks))
+    tag = operation_tag(counted_as, torch.uint8, (n * size,), code)
     send = torch.empty(len(peers) * size, dtype=torch.uint8, device=device)
     received = torch.empty_like(send)
     ops = []
@@ -324,9 +332,10 @@ def issue_reduce_scatter(tensors: Sequence[torch.Tensor], layout: QuantLayout, g
         quantize_pack(_chunks_of_rank(tensors, chunks, r), one, out=send[piece],
                       check_finite=False)
         peer = skdist.get_global_rank(group, r)
-        ops += [skdist.P2POp("send", send[piece], peer, group),
-                skdist.P2POp("recv", received[piece], peer, group)]
-    works = skdist.batch_isend_irecv(ops, counted_as=counted_as)
+        ops += [skdist.P2POp("send", send[piece], peer, group, tag),
+                skdist.P2POp("recv", received[piece], peer, group, tag)]
+    with collective_check.checking_layout(code):
+        works = skdist.batch_isend_irecv(ops, counted_as=counted_as, logical_shape=(n * size,))
 
     def finish() -> torch.Tensor:
         if peers:

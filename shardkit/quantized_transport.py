@@ -62,6 +62,7 @@ inner transport, or to the flat exchange) and warns once per process and reason.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 from typing import Optional
@@ -73,7 +74,8 @@ from shardkit.kernels import (DEFAULT_BLOCK, QuantLayout, dequantize_sum, dequan
                               quant_layout, quantize_pack)
 from shardkit.quantized_comm import (_create_node_groups, issue_reduce_scatter,
                                      node_send_order, pack_for_nodes)
-from shardkit.transport import CommHandle, Transport, resolve_transport, warn_once
+from shardkit.transport import (CommHandle, Transport, exchange_equal_chunks,
+                                resolve_transport, warn_once)
 
 __all__ = ["QuantizedTransport", "quantized_transport_for"]
 
@@ -339,24 +341,24 @@ class QuantizedTransport(Transport):
         if groups is None:
             works, finish = issue_reduce_scatter([flat], layout, group,
                                                  counted_as="reduce_scatter")
-            return CommHandle(works, finish, completes_when_waited=True)
+            return self._exchange_handle(works, finish, "reduce_scatter", group)
         intra, inter, order = groups
         per_node, nodes = skdist.get_world_size(intra), skdist.get_world_size(inter)
         send = pack_for_nodes([flat], layout, per_node, order)
-        received = torch.empty_like(send)
-        # every rank derives the layout alike: no agreement on the sizes
-        work = skdist.all_to_all_single(received, send, group=intra, async_op=True,
-                                        counted_as="reduce_scatter", check_ranks=False)
+        # every rank derives the layout alike; the exchanges' tags carry it, so that ranks
+        # that disagree on it wait for the timeout rather than read each other's bytes
+        code = ("qgZ", self.gradient_bits, self.block, segment)
+        inside = exchange_equal_chunks(torch.empty_like(send), send, intra,
+                                       counted_as="reduce_scatter", layout=code)
 
         def across_nodes():
-            partials = dequantize_sum(received, layout, sources=per_node)  # nodes x S fp32
+            partials = dequantize_sum(inside.wait(), layout, sources=per_node)  # nodes x S fp32
             across = QuantLayout(nodes, (segment,), self.gradient_bits, self.block)
             send2 = quantize_pack([partials], across, check_finite=False)
-            received2 = torch.empty_like(send2)
-            skdist.all_to_all_single(received2, send2, group=inter,
-                                     counted_as="reduce_scatter", check_ranks=False)
+            received2 = exchange_equal_chunks(torch.empty_like(send2), send2, inter,
+                                              counted_as="reduce_scatter", layout=code).wait()
             return dequantize_sum(received2, across, sources=nodes)
-        return CommHandle([work], across_nodes)
+        return CommHandle((), across_nodes)
 
     def reduce_scatter_chunks(self, tensors, chunk_numels, group, *, scale=1.0, dtype=None):
         """qgZ straight from the gradients (FSDP's reduce-scatter): each peer's chunks are
@@ -379,7 +381,15 @@ class QuantizedTransport(Transport):
         _warn_if_no_saving("reduce_scatter", layout, tensors[0].dtype)
         works, finish = issue_reduce_scatter(list(tensors), layout, group, multiplier=scale,
                                              counted_as="reduce_scatter")
-        return CommHandle(works, finish, completes_when_waited=True)
+        return self._exchange_handle(works, finish, "reduce_scatter_chunks", group)
+
+    def _exchange_handle(self, works, finish, name: str, group) -> CommHandle:
+        """The handle of a qgZ exchange's sends and receives: a broken link or a timeout
+        (ranks that disagree on the layout) raises CollectiveError naming ``name``."""
+        handle = CommHandle(works, finish, completes_when_waited=True)
+        handle.describe = functools.partial(skdist.operation_words, name, group,
+                                            self.describe(group))
+        return handle
 
     # ------------------------------------------------------------------ delegated, exact
 

@@ -32,15 +32,20 @@ plugin with the same interface for ranks on one host.
 
 A connection that breaks under an operation of the process-group transport (a peer rank died,
 or timed out) raises :class:`CollectiveError`, naming the operation, the group and this rank,
-with the backend's own error as its cause (gloo's says only "Connection reset by peer").
+with the backend's own error as its cause (gloo's says only "Connection reset by peer"). Where
+an operation built from sends and receives times out (ranks that issued different collectives
+wait for each other's messages until the group's timeout), each rank posts its call on the
+default store and the error names every rank's (see :func:`_calls_when_timed_out`).
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import inspect
 import queue
 import threading
+import time
 import warnings
 import zlib
 from dataclasses import replace
@@ -48,13 +53,14 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from shardkit import collective_check
 from shardkit import distributed as skdist
 from shardkit.distributed import CollectiveError  # noqa: F401 - raised here, documented here
 from shardkit.kernels import pack_rank_major, unpack_rank_major
 from shardkit.kernels.packing import _check_chunks, chunk_of_rank
 
 __all__ = ["CommHandle", "Transport", "ProcessGroupTransport", "default_transport",
-           "resolve_transport"]
+           "resolve_transport", "operation_tag", "exchange_equal_chunks"]
 
 
 class CommHandle:
@@ -77,6 +83,9 @@ class CommHandle:
         self._watch_error: Optional[BaseException] = None
         self._future: Optional[torch.futures.Future] = None
         self.describe: Optional[Callable[[], str]] = None  # the operation, for errors
+        # (group, name, dtype, shape, layout) of a collective built from sends and receives:
+        # a timeout then names every rank's call (see _calls_when_timed_out)
+        self.call: Optional[tuple] = None
 
     def watch(self) -> None:
         """Make :meth:`is_completed` a true poll for works that only complete by being waited
@@ -134,7 +143,11 @@ class CommHandle:
         except Exception as error:
             if self.describe is None or not skdist.is_broken_link(error):
                 raise
-            raise skdist.broken_link_error(self.describe(), error) from error
+            failure = skdist.broken_link_error(self.describe(), error)
+            if self.call is not None and "timed out" in str(error).lower():
+                named = _calls_when_timed_out(*self.call)
+                failure = CollectiveError(f"{failure}\n{named}") if named else failure
+            raise failure from error
 
     def __del__(self):
         # Note: a gloo send or receive whose work object is destroyed before it completes is
@@ -155,7 +168,7 @@ class CommHandle:
         if not self._done:
             self._wait_works()
             self._works = []
-            self.describe = None  # it holds the operation's arguments; only failures read it
+            self.describe = self.call = None  # the operation's arguments: failures read them
             self._result = self._finish() if self._finish is not None else None
             self._finish = None  # its closure may hold the operation's inputs and scratch
             self._done = True
@@ -404,8 +417,7 @@ class ProcessGroupTransport(Transport):
         if segments[rank].data_ptr() != input.data_ptr():
             segments[rank].copy_(input)
         ops = _own_segment_to_every_peer(list(segments), rank, group)
-        return CommHandle(_issue(ops, "all_gather", group, shape=(output.numel(),)),
-                          lambda: output, completes_when_waited=True)
+        return _p2p_handle(ops, "all_gather", group, lambda: output, shape=(output.numel(),))
 
     @_reports_broken_links
     def all_gather_chunks(self, fulls, chunks, group):
@@ -429,8 +441,8 @@ class ProcessGroupTransport(Transport):
                 else:
                     ops.append(_p2p("recv", full[lo:hi], rank, r, group))
         shape = (sum(full.numel() for full in fulls),)
-        return CommHandle(_issue(ops, "all_gather", group, shape=shape),
-                          completes_when_waited=True)
+        layout = tuple((full.numel(), chunk.numel()) for full, chunk in zip(fulls, chunks))
+        return _p2p_handle(ops, "all_gather", group, None, shape=shape, layout=layout)
 
     @_reports_broken_links
     def all_gather_segments(self, output, sizes, group):
@@ -442,9 +454,8 @@ class ProcessGroupTransport(Transport):
         ops = _own_segment_to_every_peer(segment_views(output, sizes, n), rank, group)
         # counted as (N-1)/N of the output on every rank, as the broadcasts elsewhere count
         nbytes = output.numel() * output.element_size()
-        return CommHandle(_issue(ops, "all_gather", group, logical_bytes=nbytes,
-                                 shape=(output.numel(),)),
-                          lambda: output, completes_when_waited=True)
+        return _p2p_handle(ops, "all_gather", group, lambda: output, logical_bytes=nbytes,
+                           shape=(output.numel(),), layout=tuple(map(int, sizes)))
 
     @_reports_broken_links
     def reduce_scatter(self, input, group):
@@ -477,8 +488,7 @@ class ProcessGroupTransport(Transport):
             for part in ordered[2:]:
                 total.add_(part)
             return total
-        return CommHandle(_issue(ops, "reduce_scatter", group, shape=(input.numel(),)), finish,
-                          completes_when_waited=True)
+        return _p2p_handle(ops, "reduce_scatter", group, finish, shape=(input.numel(),))
 
     @_reports_broken_links
     def reduce_scatter_chunks(self, tensors, chunk_numels, group, *, scale=1.0, dtype=None):
@@ -525,8 +535,8 @@ class ProcessGroupTransport(Transport):
                 if scale != 1.0:
                     mine.mul_(scale)
             return total
-        return CommHandle(_issue(ops, "reduce_scatter", group, shape=(n * segment,)), finish,
-                          completes_when_waited=True)
+        return _p2p_handle(ops, "reduce_scatter", group, finish, shape=(n * segment,),
+                           layout=tuple(chunks))
 
     @_reports_broken_links
     def reduce_to_owners(self, segments, group):
@@ -562,8 +572,8 @@ class ProcessGroupTransport(Transport):
             return mine
         # a rooted op: counted as (N-1)/N of the whole bucket on every rank (DESIGN.md)
         nbytes = sum(sizes) * ref.element_size()
-        return CommHandle(_issue(ops, "reduce", group, logical_bytes=nbytes,
-                                 shape=(sum(sizes),)), finish, completes_when_waited=True)
+        return _p2p_handle(ops, "reduce", group, finish, logical_bytes=nbytes,
+                           shape=(sum(sizes),), layout=tuple(sizes))
 
     @_reports_broken_links
     def broadcast(self, tensor, src, group):
@@ -678,29 +688,134 @@ def _p2p(op: str, tensor: torch.Tensor, rank: int, peer: int, group) -> skdist.P
 
 
 def _issue(ops: list, counted_as: str, group, logical_bytes: Optional[int] = None,
-           shape: Optional[tuple] = None) -> list:
+           shape: Optional[tuple] = None, layout: Optional[tuple] = None) -> list:
     """Post ``ops`` (receives first), recorded as one ``counted_as`` on ``group``: of
     ``logical_bytes`` (the op's full size, counted by DESIGN.md's convention) when given, else
-    of the bytes the sends move. ``shape``: the collective's logical shape, alike on every rank
-    (what the collective debug mode compares, with the ops' dtype).
+    of the bytes the sends move. ``shape``: the collective's logical shape, alike on every rank;
+    ``layout``: how it is cut between ranks or tensors where that is not implied by ``shape``
+    (an uneven all-gather's per-rank sizes, a chunked operation's chunk sizes), alike on every
+    rank. The collective debug mode compares them and the ops' dtype.
 
-    The ops carry a tag made from the operation, its dtype and its shape
-    (:func:`_operation_tag`): gloo pairs messages by peer and tag, so where ranks issue
-    different collectives (an all-gather against a reduce-scatter, other sizes or dtypes) no
-    receive takes another operation's bytes (it took them as silent wrong values, or gloo
-    aborted the process that received a longer message): the ranks wait until the group's
-    timeout instead, and ``SHARDKIT_DEBUG_COLLECTIVES=1`` names each rank's call. Costs
-    nothing."""
-    tag = _operation_tag(counted_as, ops[0].tensor.dtype if ops else None, shape)
-    return skdist.batch_isend_irecv([replace(op, tag=tag) for op in ops], counted_as=counted_as,
-                                    group=group, logical_bytes=logical_bytes, logical_shape=shape)
+    The ops carry a tag made from the operation, its dtype, shape and layout
+    (:func:`operation_tag`): gloo pairs messages by peer and tag, so where ranks issue
+    different collectives (an all-gather against a reduce-scatter, other sizes, dtypes, or the
+    same total cut differently between ranks) no receive takes another operation's bytes (it
+    took them as silent wrong values, or gloo aborted the process that received a longer
+    message): the ranks wait until the group's timeout instead, and
+    ``SHARDKIT_DEBUG_COLLECTIVES=1`` names each rank's call. Costs one CRC of a few numbers."""
+    tag = operation_tag(counted_as, ops[0].tensor.dtype if ops else None, shape, layout)
+    tagged = [replace(op, tag=tag) for op in ops]
+    if layout is None or not collective_check.debug_collectives_enabled():
+        return skdist.batch_isend_irecv(tagged, counted_as=counted_as, group=group,
+                                        logical_bytes=logical_bytes, logical_shape=shape)
+    with collective_check.checking_layout(layout):
+        return skdist.batch_isend_irecv(tagged, counted_as=counted_as, group=group,
+                                        logical_bytes=logical_bytes, logical_shape=shape)
 
 
-def _operation_tag(name: str, dtype: Optional[torch.dtype], shape: Optional[tuple]) -> int:
+def _p2p_handle(ops: list, counted_as: str, group, finish: Optional[Callable], *,
+                shape: tuple, layout: Optional[tuple] = None,
+                logical_bytes: Optional[int] = None) -> CommHandle:
+    """The handle of a collective built from the point-to-point ``ops``, issued by
+    :func:`_issue` (see it for the arguments); it remembers the call, so that a timeout can
+    name every rank's (:func:`_calls_when_timed_out`)."""
+    works = _issue(ops, counted_as, group, logical_bytes=logical_bytes, shape=shape,
+                   layout=layout)
+    handle = CommHandle(works, finish, completes_when_waited=True)
+    handle.call = (group, counted_as, ops[0].tensor.dtype if ops else None, shape, layout)
+    return handle
+
+
+# Note: a point-to-point collective whose ranks disagree (see _issue) waits for the group's
+# timeout. Only then, each rank posts its call on the default store and reads its peers':
+# nothing is exchanged while the collectives agree, and the peers that timed out in the same
+# mismatch post at about the same moment.
+_PEER_CALL_WAIT_S = 5.0
+_TIMEOUTS_NAMED: dict = {}  # store key prefix -> how many timeouts this process named there
+
+
+def _call_words(name: str, dtype: Optional[torch.dtype], shape: Optional[tuple],
+                layout: Optional[tuple]) -> str:
+    words = f"{name}(shape={list(shape) if shape is not None else None}, dtype={dtype}"
+    return words + (")" if layout is None else f", layout={list(layout)})")
+
+
+def _calls_when_timed_out(group, name: str, dtype, shape, layout) -> str:
+    """Words naming this rank's call and, as each peer of ``group`` posts it on the default
+    store when its own wait times out (for up to :data:`_PEER_CALL_WAIT_S` seconds), each
+    peer's. Runs only on a timeout; ``""`` if the store cannot be reached."""
+    mine = _call_words(name, dtype, shape, layout)
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+        store, me = _get_default_store(), skdist.get_rank()
+        resolved = skdist.resolved_group(group)
+        key = f"shardkit/timed_out/{getattr(resolved, 'group_name', None) or id(resolved)}"
+        count = _TIMEOUTS_NAMED[key] = _TIMEOUTS_NAMED.get(key, 0) + 1
+        prefix = f"{key}/{count}/"
+        store.set(prefix + str(me), mine)
+        deadline = time.monotonic() + _PEER_CALL_WAIT_S
+        theirs = []
+        for peer in skdist.group_ranks(group):
+            if peer == me:
+                continue
+            try:
+                left = max(deadline - time.monotonic(), 0.01)
+                store.wait([prefix + str(peer)], datetime.timedelta(seconds=left))
+                theirs.append(f"global rank {peer}: {store.get(prefix + str(peer)).decode()}")
+            except Exception:  # noqa: BLE001 - the store's timeout, whatever it is called
+                theirs.append(f"global rank {peer}: no timed-out call within "
+                              f"{_PEER_CALL_WAIT_S:g} s (busy elsewhere, or dead)")
+    except Exception:  # noqa: BLE001 - the store is gone too: the backend's words stand
+        return ""
+    return (f"When the timeout fired, this rank (global rank {me}) waited in {mine}; "
+            f"its peers' calls that timed out: " + "; ".join(theirs) + ".")
+
+
+def operation_tag(name: str, dtype: Optional[torch.dtype], shape: Optional[tuple],
+                  layout: Optional[tuple] = None) -> int:
     """The tag of one collective's point-to-point messages: alike on every rank that issues
-    the same collective, never 0 (the tag of sends without one). gloo's tags are non-negative
-    32-bit integers."""
-    return 1 + zlib.crc32(repr((name, str(dtype), shape)).encode()) % (2 ** 31 - 2)
+    the same collective (``name``, ``dtype``, logical ``shape`` and ``layout``: plain values
+    every rank derives alike), never 0 (the tag of sends without one). gloo's tags are
+    non-negative 32-bit integers. Costs one CRC32 of the arguments' ``repr``."""
+    key = (name, str(dtype), shape) if layout is None else (name, str(dtype), shape, layout)
+    return 1 + zlib.crc32(repr(key).encode()) % (2 ** 31 - 2)
+
+
+def exchange_equal_chunks(output: torch.Tensor, input: torch.Tensor, group, *,
+                          counted_as: str, layout: Optional[tuple] = None) -> CommHandle:
+    """An all-to-all for transports that build their collectives from it: the flat contiguous
+    ``input`` cut into ``N`` equal chunks, chunk ``j`` to rank ``j``, rank ``i``'s chunk for
+    this rank into chunk ``i`` of ``output``; recorded as one ``counted_as``. ``layout``: what
+    the bytes stand for (e.g. a quantized layout), alike on every rank. ``wait`` returns
+    ``output``.
+
+    On gloo the chunks travel as sends and receives tagged with :func:`operation_tag`, so
+    ranks that disagree on the sizes wait until the group's timeout (gloo's own all-to-all
+    aborted the rank that received a longer message and handed its peer the uninitialised
+    rest of a shorter one); elsewhere (NCCL) it is the native collective. Wire: ``(N-1)/N`` of
+    ``input``'s bytes sent per rank, as the native one; memory: nothing beyond ``output``."""
+    n = skdist.get_world_size(group)
+    if not _uses_point_to_point(group, input.device):
+        work = skdist.all_to_all_single(output, input, group=group, async_op=True,
+                                        counted_as=counted_as, check_ranks=False)
+        return CommHandle([work], lambda: output)
+    if output.numel() != input.numel() or input.numel() % n or output.dtype != input.dtype \
+            or not output.is_contiguous():
+        raise ValueError(f"{counted_as}: output ({output.numel()} x {output.dtype}) and input "
+                         f"({input.numel()} x {input.dtype}) must have the same size, divisible "
+                         f"by world size {n}, and dtype, and output must be contiguous")
+    rank = skdist.get_rank(group)
+    sent, landed = input.reshape(n, -1), output.view(n, -1)
+    landed[rank].copy_(sent[rank])
+    ops = []
+    for peer in range(n):
+        if peer != rank and sent.shape[1]:
+            ops.append(_p2p("send", sent[peer], rank, peer, group))
+            ops.append(_p2p("recv", landed[peer], rank, peer, group))
+    handle = _p2p_handle(ops, counted_as, group, lambda: output, shape=(input.numel(),),
+                         layout=layout)
+    handle.describe = functools.partial(skdist.operation_words, counted_as, group)
+    return handle
 
 
 def _through_contiguous_copy(run: Callable, tensor: torch.Tensor,
