@@ -1,0 +1,122 @@
+"""The optimizer-step watches that :class:`~shardkit.nn.data_parallel.fully_sharded.
+FullyShardedDataParallel` registers once per process (torch's global optimizer step pre-hooks):
+an optimizer holding state made for a whole parameter rather than its shard, and an ``LBFGS``
+stepping sharded parameters, raise before the step changes anything. Local: no communication."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Optional
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from shardkit.nn.data_parallel.flat_param import _where
+from shardkit.nn.data_parallel.fsdp_unit_modules import unit_holding
+
+
+# optimizer -> (id of its state dict, its length) when its state was last found to fit the
+# shards (see _refuse_state_of_whole_params); the step pre-hooks (that check, and
+# _refuse_lbfgs_over_shards) are registered once
+_STATES_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_STATE_HOOK: list = []
+
+
+def _watch_optimizer_states_of_whole_params() -> None:
+    if not _STATE_HOOK:
+        _STATE_HOOK.append(register_optimizer_step_pre_hook(_refuse_state_of_whole_params))
+        _STATE_HOOK.append(register_optimizer_step_pre_hook(_refuse_lbfgs_over_shards))
+
+
+def _refuse_lbfgs_over_shards(optimizer, args, kwargs) -> None:
+    """Every ``torch.optim.Optimizer.step``, before its closure runs: a ``RuntimeError`` when
+    an ``LBFGS`` steps a parameter that a unit shards or replicates over more than one rank.
+
+    Note: LBFGS's stopping tests, curvature pairs and line search read the whole flattened
+    gradient and the closure's loss. Under FSDP each rank sees only its shard of the
+    gradient and the loss of its own batch, so the ranks computed different directions and
+    step sizes (wrong weights with no error: 0.78 off at world 2 after two steps), and could
+    stop after different numbers of closure calls, leaving the others in a collective
+    forever. Every rank steps the same optimizer, so every rank raises. At world size 1 it
+    steps as in one process. Cost: an ``isinstance`` check for any other optimizer."""
+    if not isinstance(optimizer, torch.optim.LBFGS):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            unit = unit_holding(p)
+            if unit is None or unit._shard is None:
+                continue
+            ranks = unit._shard.world_size * unit._shard.replicas
+            if ranks > 1:
+                index = [id(q) for q in unit._shard.params].index(id(p))
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: {type(optimizer).__name__}.step() over "
+                    f"{_where(unit._shard.locations[index])} of the FSDP unit wrapping a "
+                    f"{type(unit.module).__name__}, which is sharded or replicated over {ranks} "
+                    f"ranks: LBFGS's line search and curvature history need the whole "
+                    f"gradient and the global loss, while each rank holds its shard and its "
+                    f"own batch's loss, so the ranks would step differently (or run different "
+                    f"numbers of closure calls and hang). Use a first-order optimizer (SGD, "
+                    f"Adam), or LBFGS through DistributedDataParallel with OSS, which runs it "
+                    f"on the whole model")
+
+
+def _refuse_state_of_whole_params(optimizer, args, kwargs) -> None:
+    """Every ``torch.optim.Optimizer.step``, before it changes anything: a ``RuntimeError``
+    when the optimizer holds, for a sharded parameter, state made for the whole parameter
+    (``exp_avg`` of an optimizer that stepped before wrapping) instead of for the shard.
+
+    Note: wrapping keeps the parameter objects (their ``.data`` becomes this rank's shard),
+    so an optimizer built before wrapping steps the shards correctly, as long as it has no
+    state yet. One that stepped before wrapping (or loaded an unsharded state dict) failed
+    inside the update with torch's "The size of tensor a (4) must match the size of tensor
+    b (2)", naming neither the parameter nor the cause. Every rank holds such state alike,
+    so every rank raises. See :func:`_state_made_for_whole` for what counts as such state.
+    Cost: one pass over the optimizer's state when it was replaced or grew since the last
+    check, a dictionary lookup otherwise."""
+    mark = (id(optimizer.state), len(optimizer.state))
+    if _STATES_CHECKED.get(optimizer) == mark:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            unit = unit_holding(p)
+            if unit is None or unit._summoned:
+                continue
+            index = [id(q) for q in unit._shard.params].index(id(p))
+            whole = tuple(unit._shard.layouts[index].shape)
+            if whole == tuple(p.shape) or len(whole) == 0:
+                continue  # not cut here, or 0-dim (its shape is the scalar 'step' one)
+            key = _state_made_for_whole(optimizer.state.get(p, {}), whole)
+            if key is not None:
+                where = unit._shard.locations[index]
+                value = optimizer.state[p][key]
+                raise RuntimeError(
+                    f"FullyShardedDataParallel: {type(optimizer).__name__}.step() holds "
+                    f"state {key!r} of shape {tuple(value.shape)} for "
+                    f"{_where(where)} in unit {unit._shard.label[1]!r}, which is now "
+                    f"this rank's shard of shape {tuple(p.shape)}: the optimizer's state "
+                    f"was made for the whole parameter (it stepped, or loaded a state "
+                    f"dict, before the model was wrapped). Build the optimizer after "
+                    f"wrapping, or load its state into the shards with "
+                    f"model.get_shard_from_optim_state_dict(full_optim_state_dict)")
+    _STATES_CHECKED[optimizer] = mark
+
+
+def _state_made_for_whole(state: Mapping, whole: tuple) -> Optional[str]:
+    """The key of a tensor in one parameter's optimizer ``state`` showing that it was made
+    for the whole parameter of shape ``whole`` (not for its shard), or None.
+
+    Note: an optimizer that stepped before wrapping keeps per-element state (``exp_avg``,
+    ``momentum_buffer``) of the whole parameter's shape. A tensor of that shape alone is no
+    proof: state made for the shard may have it too, such as Shampoo's column statistic
+    ``(n, n)`` of a square weight ``(n, n)`` cut by rows, next to its row statistic of the
+    shard's rows and its momentum of the shard's shape. So the state counts as the whole
+    parameter's only when every tensor in it that could be per-element (more than one
+    element: ``step`` counters are not) has the whole shape; a factored state (Adafactor's
+    row and column statistics) has shapes of its own and never does."""
+    shaped = [(key, value) for key, value in state.items()
+              if isinstance(value, torch.Tensor) and value.numel() > 1]
+    if shaped and all(tuple(value.shape) == whole for _, value in shaped):
+        return shaped[0][0]
+    return None
