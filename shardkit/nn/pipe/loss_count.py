@@ -168,6 +168,8 @@ class _LossCallRecord(TorchFunctionMode):
         elif name in _STACK_REDUCTIONS:
             self._note_stack_reduced(operands, result)
         self._note_target_divisor(name, operands, result)
+        if operands and self._picked(operands[0]):
+            self._note_picked_count(func, args, kwargs, result)
         if name in _READ_OUTS and isinstance(result, numbers.Real) \
                 and not isinstance(result, bool):
             self._numbers_read.add(result)
@@ -199,9 +201,22 @@ class _LossCallRecord(TorchFunctionMode):
         elif name == "nanmean" and operands and self._derived(operands[0]) \
                 and isinstance(result, torch.Tensor) and result.numel() == 1:
             self.target_divisors.append(float(operands[0].isnan().logical_not().sum()))
-        elif name in _SIZES and operands and self._picked(operands[0]) \
-                and isinstance(result, int):
-            self._target_numbers.add(result)  # ``ce[mask].sum() / len(ce[mask])``
+
+    def _note_picked_count(self, func, args: tuple, kwargs: dict, result) -> None:
+        """Remember the number of elements a target-derived mask picks (``args[0]``), however
+        it is read: ``len(ce[mask])``, ``ce[mask].numel()``, ``ce[mask].size(0)``,
+        ``ce[mask].shape[0]``, ``ce[mask].size()[0]``. The picked elements lie along dim 0;
+        the other dims are alike in every micro-batch (``h[mask].size(-1)`` counts nothing)."""
+        name = getattr(func, "__name__", "")
+        if name in ("__len__", "numel") and isinstance(result, int):
+            self._target_numbers.add(result)
+        elif isinstance(result, torch.Size) and len(result) and (
+                name == "size" or getattr(func, "__self__", None) is torch.Tensor.shape):
+            self._target_numbers.add(result[0])
+        elif name == "size" and isinstance(result, int):
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            if isinstance(dim, int) and args[0].dim() and dim % args[0].dim() == 0:
+                self._target_numbers.add(result)
 
     def _note_derived(self, name: str, operands: tuple, result) -> None:
         """``result`` (and, for an in-place write such as ``m[y == -100] = 0``, the tensor
@@ -305,9 +320,11 @@ class _LossCallRecord(TorchFunctionMode):
             self._sums[id(result)] = result, calls
 
     def _is_constant(self, factor) -> bool:
-        """A finite, non-zero Python number not read out of a tensor (whose value could
-        differ between micro-batches)."""
-        return _constant(factor) and factor not in self._numbers_read
+        """A finite, non-zero Python number not read out of a tensor, nor counting the
+        elements a target-derived mask picks (``len(y[mask])``): either could differ between
+        micro-batches."""
+        return _constant(factor) and factor not in self._numbers_read \
+            and factor not in self._target_numbers
 
 
 _ADDITIONS = ("add", "add_", "__add__", "__radd__", "__iadd__")
@@ -318,7 +335,6 @@ _DIVISIONS = ("div", "div_", "true_divide", "__truediv__", "__itruediv__")
 _MULTIPLICATIONS = ("mul", "mul_", "__mul__", "__rmul__", "__imul__")
 _RECIPROCALS = ("reciprocal", "__rdiv__", "__rtruediv__")
 _SELECTIONS = ("__getitem__", "masked_select")
-_SIZES = ("numel", "__len__", "size")
 _READ_OUTS = ("item", "__int__", "__float__", "__index__")
 
 
