@@ -28,7 +28,11 @@ A skipped direct step at stages 1-2 must also skip OSS's parameter sync (an all-
 on a skipped step). A step pre-hook cannot cancel the step, so :func:`prepare` hands OSS the
 agreed overflow as ``ShardedGradScaler`` does (``found_inf``, agreed over OSS's group), and
 OSS returns before stepping or syncing. The post-hook (or, after a step that raised, the next
-step) takes that hand-off back, so it never reaches a later step.
+step) takes that hand-off back, so it never reaches a later step. Where a GradScaler is
+stepping the optimizer (the script's ``scaler.step(engine.optimizer)``), OSS already holds
+that scaler's ``found_inf``, which it reads, combines over the ranks and skips on, and which
+the scaler deletes after the step: the engine then hands nothing off and takes nothing back
+but its own.
 """
 
 from __future__ import annotations
@@ -151,18 +155,28 @@ def _hand_skip_to_oss(optimizer) -> None:
     cleared on every rank, return before it steps or syncs any parameter: the hand-off of
     ``ShardedGradScaler`` (an inf/nan finding, the same on every rank of OSS's group, so OSS
     makes no collective of its own to combine it). Nothing for another optimizer: it steps
-    no parameter without a gradient and makes no collective. Local."""
-    if not isinstance(optimizer, OSS):
+    no parameter without a gradient and makes no collective. Nothing either where a
+    GradScaler is stepping it: the scaler's ``found_inf`` (it saw the same gradients, so
+    some rank found the inf/nan) already makes OSS skip, and the scaler deletes it after
+    the step, which must find it there. Local."""
+    if not isinstance(optimizer, OSS) or "found_inf" in optimizer.__dict__:
         return
-    optimizer.found_inf = torch.ones((), dtype=torch.float32)
+    found_inf = torch.ones((), dtype=torch.float32)
+    optimizer.found_inf = found_inf
     optimizer._found_inf_agreed_over(optimizer.group)
-    _SKIP_HANDED_OFF[optimizer] = True
+    _SKIP_HANDED_OFF[optimizer] = found_inf
 
 
 def _take_skip_back(optimizer) -> None:
     """Remove what :func:`_hand_skip_to_oss` set on ``optimizer``, if anything (OSS leaves
-    ``found_inf`` to its caller, as torch's GradScaler deletes it after the step). Local."""
-    if not _SKIP_HANDED_OFF or _SKIP_HANDED_OFF.pop(optimizer, None) is None:
+    ``found_inf`` to its caller, as torch's GradScaler deletes it after the step). After a
+    step that raised, the next step's GradScaler may have set its own ``found_inf`` since:
+    that one stays, and OSS combines it over the ranks itself. Local."""
+    if not _SKIP_HANDED_OFF:
         return
-    optimizer.__dict__.pop("found_inf", None)
+    handed = _SKIP_HANDED_OFF.pop(optimizer, None)
+    if handed is None:
+        return
+    if optimizer.__dict__.get("found_inf") is handed:
+        del optimizer.found_inf
     optimizer._found_inf_agreed = False
