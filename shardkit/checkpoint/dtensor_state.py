@@ -136,8 +136,8 @@ def rows_from_value(value, layout: ParamLayout, rank: int, what: str,
     return block
 
 
-def refuse_in_dcp(block: torch.Tensor, name: str,
-                  source: str = "a LOCAL_STATE_DICT") -> torch.Tensor:
+def refuse_in_dcp(block: torch.Tensor, name: str, source: str = "a LOCAL_STATE_DICT",
+                  reason: Optional[str] = None) -> torch.Tensor:
     """Mark ``block`` (a plain tensor holding only this rank's rows of parameter ``name``, e.g.
     a ``LOCAL_STATE_DICT`` value) so that torch.distributed.checkpoint refuses it instead of
     taking it for a replicated tensor (it would write one rank's rows and load them on every
@@ -148,14 +148,17 @@ def refuse_in_dcp(block: torch.Tensor, name: str,
     ``CheckpointException``) before anything is written or loaded. The tensor itself, its
     shape and values are unchanged, ``torch.save`` writes it as a plain tensor (the hooks are
     left out of its pickled state), and a copy (``clone``) is a plain tensor. ``source``
-    says in the message where the value comes from. Local."""
-    message = (f"torch.distributed.checkpoint cannot save or load {name!r} of "
-               f"{source}: its values are plain tensors of this rank's padded rows "
-               f"under the same keys on every rank, which dcp would take for replicated "
-               f"tensors (one rank's rows written, loaded on every rank). For dcp use "
-               f"FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT) (DTensors, "
-               f"reshardable to any world size); keep LOCAL_STATE_DICT for torch.save, one file "
-               f"per rank, with local_metadata_dict() beside it")
+    says in the message where the value comes from; ``reason`` replaces the message's
+    explanation of a LOCAL_STATE_DICT's rows (why the value is this rank's alone, and what
+    works instead). Local."""
+    if reason is None:
+        reason = ("its values are plain tensors of this rank's padded rows "
+                  "under the same keys on every rank, which dcp would take for replicated "
+                  "tensors (one rank's rows written, loaded on every rank). For dcp use "
+                  "FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT) (DTensors, "
+                  "reshardable to any world size); keep LOCAL_STATE_DICT for torch.save, one "
+                  "file per rank, with local_metadata_dict() beside it")
+    message = f"torch.distributed.checkpoint cannot save or load {name!r} of {source}: {reason}"
 
     def refuse(*_args):
         raise RuntimeError(message)

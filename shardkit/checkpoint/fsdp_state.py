@@ -441,6 +441,17 @@ def _check_full_shape(index, entry: dict, layout: Optional[ParamLayout]) -> None
                 f"pass the full optimizer state dict of this model (from "
                 f"gather_full_optim_state_dict, or a single-process optimizer over the "
                 f"unwrapped model)")
+        if layout.world_size > 1 and isinstance(value, torch.Tensor) and value.dim() > 0 \
+                and tuple(value.shape) != tuple(layout.shape):
+            # every rank would step its rows with the whole tensor: a size mismatch at the
+            # next step(), or, where the shapes broadcast, wrong numbers
+            raise ValueError(
+                f"get_shard_from_optim_state_dict: state {key!r} of parameter {index} has shape "
+                f"{tuple(value.shape)}, neither the parameter's full shape "
+                f"{tuple(layout.shape)} (cut into rows) nor a scalar (e.g. Adafactor's factored "
+                f"moments): it cannot be cut into the row shards of "
+                f"{layout.world_size} ranks; load it into a model that is not sharded, or use "
+                f"an optimizer with per-element state (Adam, SGD)")
 
 
 def gather_full_optimizer_state(osd: dict, ordered: Sequence[torch.Tensor], layouts: dict,

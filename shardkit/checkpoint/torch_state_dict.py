@@ -255,22 +255,17 @@ def _optim_state(model, optims: tuple, options: StateDictOptions) -> dict:
 def _refuse_factored_state(optim: torch.optim.Optimizer, call: str) -> None:
     """A ValueError (the same on every rank: shard shapes are padded alike) when the state of a
     parameter sharded over several ranks holds a tensor of one dimension or more that is not
-    shaped as the shard (Adafactor's ``row_var``/``col_var``): it is computed from this rank's
-    rows only, so neither a DTensor of rows nor a replicated tensor describes it. Local."""
-    from shardkit.nn.data_parallel.fsdp_state_dict import shard_shapes
-    params = [p for g in optim.param_groups for p in g["params"]]
-    shapes = shard_shapes(params)
-    for param in params:
-        shape = shapes.get(id(param))
-        if shape is None or param not in optim.state:
-            continue
-        for key, value in optim.state[param].items():
-            if torch.is_tensor(value) and value.dim() > 0 and tuple(value.shape) != shape:
-                raise ValueError(
-                    f"{call}: optimizer state {key!r} of a parameter sharded by "
-                    f"FullyShardedDataParallel has shape {tuple(value.shape)}, not the "
-                    f"shard's {shape} (e.g. Adafactor's factored moments): it is computed "
-                    f"from this rank's rows only and cannot be saved as one tensor")
+    shaped as the shard (Adafactor's ``row_var``/``col_var``, see
+    :func:`~shardkit.nn.data_parallel.fsdp_state_dict.rank_local_state`): it is computed from
+    this rank's rows only, so neither a DTensor of rows nor a replicated tensor describes it.
+    Local."""
+    from shardkit.nn.data_parallel.fsdp_state_dict import rank_local_state
+    for _, key, shape, shard in rank_local_state(optim)[:1]:
+        raise ValueError(
+            f"{call}: optimizer state {key!r} of a parameter sharded by "
+            f"FullyShardedDataParallel has shape {shape}, not the shard's {shard} (e.g. "
+            f"Adafactor's factored moments): it is computed from this rank's rows only and "
+            f"cannot be saved as one tensor")
 
 
 def get_model_state_dict(model: nn.Module, *, submodules: Optional[set] = None,

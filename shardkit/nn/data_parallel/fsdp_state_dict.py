@@ -1658,14 +1658,36 @@ def _check_optimizer_of(model, optim, call: str) -> None:
 
 
 def _check_gatherable(model, optim, call: str) -> None:
-    """:func:`_check_optimizer_of`, and a TypeError for LBFGS, whose state cannot be
-    unsharded. Local."""
+    """:func:`_check_optimizer_of`, a TypeError for LBFGS, whose state cannot be unsharded,
+    and :func:`_refuse_rank_local_state`. Local."""
     _check_optimizer_of(model, optim, call)
     if isinstance(optim, torch.optim.LBFGS):  # its state is over the flattened shard
         raise TypeError(f"{call}: LBFGS keeps one state over the "
                         "flattened parameters, here this rank's shards, not one per "
                         "parameter; FullyShardedDataParallel does not support LBFGS (use "
                         "DistributedDataParallel with OSS, which runs it on the whole model)")
+    _refuse_rank_local_state(model, optim, call)
+
+
+def _refuse_rank_local_state(model, optim, call: str) -> None:
+    """A ValueError (the same on every rank: shard shapes are padded alike) when the optimizer
+    holds :func:`rank_local_state`: a full optimizer state dict would carry the receiving
+    rank's copy alone, which every rank then loads (wrong numbers at any world size, a size
+    mismatch at the next ``step()`` at another one). Local."""
+    found = rank_local_state(optim)
+    if not found:
+        return
+    names = _state_dict_keys(model)
+    ordered = [p for g in optim.param_groups for p in g["params"]]
+    listed = [f"{names.get(id(ordered[index]), index)} {key!r} {shape} (shard {shard})"
+              for index, key, shape, shard in found[:3]]
+    raise ValueError(
+        f"{call}: the optimizer's state of {len(found)} tensor(s) of parameters sharded by "
+        f"FullyShardedDataParallel is shaped neither as the parameter nor as its shard, e.g. "
+        f"{listed} (Adafactor's factored moments): each rank computes it from its own rows, so "
+        f"a full optimizer state dict cannot hold it. Save each rank's state with "
+        f"StateDictType.LOCAL_STATE_DICT (it loads at this world size only), or use an "
+        f"optimizer with per-element state (Adam, SGD) or OSS, which steps whole parameters")
 
 
 def _refuse_other_shards(model, optim: torch.optim.Optimizer, osd) -> None:
@@ -1743,6 +1765,25 @@ def shard_shapes(params) -> dict:
     return shapes
 
 
+def rank_local_state(optim: torch.optim.Optimizer) -> list[tuple]:
+    """``(index, key, shape, shard shape)`` of each tensor of one dimension or more in the
+    optimizer's state of a parameter sharded over several ranks that is not shaped as its shard
+    (``index``: the parameter's position in param-group order), such as Adafactor's factored
+    ``row_var`` (rows, 1) and ``col_var`` (1, cols): computed from this rank's rows only, so
+    neither a full tensor nor a row-sharded DTensor describes it, and it has the same shape
+    and key on every rank. Local, no copy."""
+    ordered = [p for g in optim.param_groups for p in g["params"]]
+    shapes = shard_shapes(ordered)
+    found = []
+    for index, param in enumerate(ordered):
+        shape = shapes.get(id(param))
+        state = optim.state.get(param, {}) if shape is not None else {}
+        found.extend((index, key, tuple(value.shape), shape) for key, value in state.items()
+                     if torch.is_tensor(value) and value.dim() > 0
+                     and tuple(value.shape) != shape)
+    return found
+
+
 def mark_rank_local_state(optim: torch.optim.Optimizer, osd: dict, source: str,
                           shard_shaped_only: bool) -> dict:
     """``osd`` (``optim.state_dict()``) with each per-element state tensor of a parameter
@@ -1790,6 +1831,9 @@ def _sharded_optim_state(model, optim: torch.optim.Optimizer) -> dict:
             if entry is not None and per_element(key, value) and \
                     tuple(value.shape) == tuple(entry[0].shard_shape):
                 value = _as_shards(value, entry[0], entry[1], offload)
+            elif entry is not None and entry[0].world_size > 1 and torch.is_tensor(value) \
+                    and value.dim() > 0:
+                value = _refused_in_dcp_as_rank_local(value, f"{names[index]}.{key}")
             values[key] = value
         state[names[index]] = values
     groups, start = [], 0
@@ -1797,6 +1841,22 @@ def _sharded_optim_state(model, optim: torch.optim.Optimizer) -> dict:
         groups.append(dict(g, params=names[start:start + len(g["params"])]))
         start += len(g["params"])
     return {"state": state, "param_groups": groups}
+
+
+def _refused_in_dcp_as_rank_local(value: torch.Tensor, name: str) -> torch.Tensor:
+    """An alias of ``value`` (a :func:`rank_local_state` tensor, e.g. Adafactor's ``row_var``
+    of this rank's rows) that torch.distributed.checkpoint refuses on every rank before
+    anything is written or loaded: as a plain tensor under the same key on every rank, dcp
+    would take it for a replicated one, write one rank's copy and load it on every rank.
+    ``torch.save`` and ``optim_state_dict_to_load`` take it as before. Local, no copy."""
+    return refuse_in_dcp(
+        value.detach(), name, "FSDP.optim_state_dict under SHARDED_STATE_DICT",
+        reason=f"it has shape {tuple(value.shape)}, neither the parameter's nor its shard's "
+               f"(e.g. Adafactor's factored moments): each rank computes it from its own rows, "
+               f"so no DTensor describes it and dcp would save one rank's copy for all. Save "
+               f"each rank's state with StateDictType.LOCAL_STATE_DICT and torch.save (it "
+               f"loads at this world size only), or use an optimizer with per-element state "
+               f"(Adam, SGD)")
 
 
 def _sharded_optim_state_to_load(model, optim: torch.optim.Optimizer, osd) -> dict:
