@@ -317,7 +317,7 @@ def _device_state_refs(optimizer) -> list:
 
 
 def _offload_with_fused_adam(stage: int) -> dict:
-    import shardkit.engine as engine_module
+    import shardkit.engine_offload as engine_module
 
     # a CPU run has no device to leave: copy as a GPU run's device-to-host copy would, so
     # that what keeps the "device" state alive is seen

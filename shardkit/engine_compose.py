@@ -1,0 +1,132 @@
+"""The config's choices turned into :func:`shardkit.recipes.compose`'s arguments
+(:func:`compose_from_config`), and what compose would refuse for them, raised by
+:func:`shardkit.initialize` before any collective (:func:`_checks_of_compose`). The wrappers'
+memory and communication are the stage's (:mod:`shardkit.engine`'s table); these functions
+themselves are local.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from shardkit.config import ConfigError, EngineConfig
+from shardkit.recipes import Composition, OptimizerRecipe, check_composable, compose
+
+
+# the config's names of the 16-bit dtypes (precision and communication_data_type)
+_HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def compose_from_config(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg: EngineConfig,
+                        wrap_policy: Optional[Callable] = None,
+                        process_group=None, param_init_fn: Optional[Callable] = None,
+                        agree_across_ranks: bool = True) -> Composition:
+    """The stage's wrappers, built by :func:`shardkit.recipes.compose` from the config's
+    choices, over ``process_group`` (the data-parallel group; ``None``: the world). DeepSpeed
+    counts ``reduce_bucket_size`` in elements; ShardedDataParallel's bucket is in bytes of the
+    (fp32) gradients, so the size is converted here, once. ``agree_across_ranks``: compose's
+    (``False`` when the caller's ranks have agreed already, as :func:`initialize` does)."""
+    kwargs = _compose_arguments(model, recipe, cfg, wrap_policy, param_init_fn)
+    # torch DDP's all-reduce (stages 0-1) goes through shardkit's averaging hook, so that a
+    # CommCounter around a step shows the stage's bytes (DESIGN.md's per-stage formulas).
+    return compose(model, cfg.zero.stage, recipe, count_ddp_comm=True,
+                   process_group=process_group, agree_across_ranks=agree_across_ranks, **kwargs)
+
+
+def _compose_arguments(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg: EngineConfig,
+                       wrap_policy: Optional[Callable], param_init_fn: Optional[Callable]) -> dict:
+    """:func:`shardkit.recipes.compose`'s keyword arguments for the config (beside the stage,
+    the recipe and the group); a ValueError for ``param_init_fn`` below stage 3. Local."""
+    zero = cfg.zero
+    kwargs: dict = {}
+    if zero.stage == 3:
+        kwargs["param_init_fn"] = param_init_fn
+    elif param_init_fn is not None:
+        raise ValueError(f"initialize(param_init_fn=...): it materializes a model built on the "
+                         f"meta device unit by unit at ZeRO stage 3; this config has stage "
+                         f"{zero.stage}, which keeps the whole model on every rank")
+    if recipe is None and zero.stage < 3:  # forward only: the model whole, nothing reduced
+        return kwargs
+    if zero.stage == 3 and recipe is not None:
+        _refuse_sequence_parallel_at_stage3(model)
+    if zero.stage in (0, 1):
+        kwargs["find_unused_parameters"] = zero.ignore_unused_parameters
+    left_out = _left_out_of_optimizer(model, recipe)
+    if zero.stage == 1:
+        # the owners' hook needs every reduced gradient in OSS's partition: with some trainable
+        # parameters outside the optimizer, torch DDP's all-reduce (see initialize's note)
+        kwargs["reduce_to_owners"] = zero.reduce_to_owners and not left_out
+    if zero.stage == 2 and left_out:
+        raise ConfigError(
+            f"initialize: zero_optimization.stage=2 reduces each gradient onto the rank whose "
+            f"optimizer shard steps it, so every trainable parameter must be in the optimizer, "
+            f"and {_shown(left_out)} are not (model_parameters=... or the optimizer's param "
+            f"groups leave them out); set requires_grad=False on them before initialize (they "
+            f"are not trained either way), add them to the optimizer, or use "
+            f"zero_optimization.stage 0, 1 or 3")
+    if zero.stage == 2 and zero.reduce_bucket_numel is not None:
+        grad_bytes = next(model.parameters()).element_size()
+        kwargs["reduce_bucket_bytes"] = zero.reduce_bucket_numel * grad_bytes
+    if zero.stage == 3:  # the FSDP units' choices
+        kwargs.update(wrap_policy=wrap_policy,
+                      offload="cpu" in (zero.offload_param_device, zero.offload_optimizer_device),
+                      quantize_weights=zero.quantized_weights,
+                      quantize_gradients=zero.quantized_gradients,
+                      hpz_partition_size=zero.hpz_partition_size)
+    if cfg.communication_dtype is not None:
+        kwargs["reduce_dtype"] = _HALF_DTYPES[cfg.communication_dtype]
+    return kwargs
+
+
+def _left_out_of_optimizer(model: nn.Module, recipe: Optional[OptimizerRecipe]) -> list[str]:
+    """Names of ``model``'s trainable parameters that the optimizer built from ``recipe`` does
+    not step (``model_parameters=...`` or a passed optimizer covering only some of them, as
+    DeepSpeed allows: the others get gradients and are never updated); ``[]`` when it steps
+    them all or there is no optimizer. Local."""
+    if recipe is None:
+        return []
+    groups = recipe.instance.param_groups if recipe.instance is not None \
+        else recipe.param_groups
+    if groups is None:  # every trainable parameter
+        return []
+    stepped = set()
+    for group in groups:
+        params = group["params"] if isinstance(group, Mapping) else group
+        params = [params] if isinstance(params, torch.Tensor) else params
+        # torch's optimizers also take (name, parameter) pairs (model.named_parameters())
+        stepped.update(id(p[1] if isinstance(p, tuple) else p) for p in params)
+    return [name for name, p in model.named_parameters()
+            if p.requires_grad and id(p) not in stepped]
+
+
+def _refuse_sequence_parallel_at_stage3(model: nn.Module) -> None:
+    """Stage 3 cannot sum the gradients of sequence-parallel parameters over the
+    tensor-parallel group (FSDP flattens them into its shards, whose gradients it reduces over
+    the data-parallel group only): a ConfigError naming them, rather than partial gradients.
+    Local."""
+    marked = [name for name, p in model.named_parameters()
+              if getattr(p, "sequence_parallel", False)]
+    if marked:
+        raise ConfigError(f"initialize: zero_optimization.stage=3 with sequence parallelism: "
+                          f"{_shown(marked)} are marked sequence_parallel, and their gradients "
+                          f"must be summed over the tensor-parallel group, which stage 3's "
+                          f"sharded gradients cannot be; use stage 0, 1 or 2 (the engine sums "
+                          f"them before each step), or build the layers without "
+                          f"sequence_parallel")
+
+
+def _shown(names: list[str], limit: int = 6) -> str:
+    """``names`` for a message: the first ``limit``, then how many more."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"{names[:limit]}{more}"
+
+
+def _checks_of_compose(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg: EngineConfig,
+                       wrap_policy: Optional[Callable], param_init_fn: Optional[Callable]) -> None:
+    """What :func:`shardkit.recipes.compose` would refuse for this config, raised here. Local."""
+    kwargs = _compose_arguments(model, recipe, cfg, wrap_policy, param_init_fn)
+    kwargs.pop("reduce_bucket_bytes", None)  # compose's own, not a check's
+    check_composable(model, cfg.zero.stage, recipe, **kwargs)

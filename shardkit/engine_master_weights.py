@@ -1,0 +1,80 @@
+"""fp16/bf16 training of a model passed with 16-bit weights: :func:`shardkit.initialize` casts
+its trainable 16-bit parameters, their gradients and optimizer state, and its 16-bit buffers to
+fp32 master weights, as DeepSpeed keeps them (at stage 3 one dtype per FSDP unit). Local;
+memory: the cast tensors double.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from shardkit.recipes import OptimizerRecipe
+
+
+def _keep_fp32_master_weights(model: nn.Module, recipe: OptimizerRecipe, stage: int,
+                              wrap_policy: Optional[Callable] = None) -> int:
+    """fp16/bf16 training of a model whose weights are 16-bit (``from_pretrained(torch_dtype=
+    torch.bfloat16)``, ``model.half()``): its fp16/bf16 parameters (the same ``Parameter``
+    objects), their gradients, its fp16/bf16 buffers and any state the optimizer already holds
+    for those parameters become fp32, so that the master weights and the optimizer state are
+    fp32 and the forward runs in 16 bits under autocast, exactly as for an fp32 model
+    (DeepSpeed keeps fp32 master weights whatever the model's dtype). Stepping the 16-bit
+    weights themselves loses every update below half a unit in the last place (bf16 Adam at
+    lr 1e-4 barely moves) and Adam's eps underflows in fp16 (the weights became inf).
+    Frozen parameters (``requires_grad=False``: a LoRA base model) stay 16-bit, as in
+    DeepSpeed (whose fp32 masters are the optimizer's); unfreeze before ``initialize``. At
+    stage 3 those in an FSDP unit that also holds fp32 parameters become fp32 too: a unit holds
+    one dtype (its shards keep ``1/N`` of them, so they cost ``2·Ψ/N`` more bytes per rank);
+    units of frozen 16-bit parameters only keep them 16-bit.
+    Returns how many tensors were cast (0 for a model holding FSDP units the user wrapped:
+    their shards are left as they are). Memory: those tensors double. Local."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        return 0
+    half = (torch.float16, torch.bfloat16)
+    state = recipe.instance.state if recipe.instance is not None else {}
+    cast = 0
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dtype not in half or not param.requires_grad:
+                continue  # a frozen weight is never stepped: fp32 would only double it
+            grad, param.grad = param.grad, None
+            param.data = param.data.float()
+            if grad is not None:
+                param.grad = grad.float()
+            for key, value in (state.get(param) or {}).items():
+                if isinstance(value, torch.Tensor) and value.dtype in half:
+                    state[param][key] = value.float()
+            cast += 1
+        if stage == 3:
+            cast += _one_dtype_per_unit(model, wrap_policy)
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.dtype in half:
+                    module._buffers[name] = buffer.float()
+                    cast += 1
+    return cast
+
+
+def _one_dtype_per_unit(model: nn.Module, wrap_policy: Optional[Callable]) -> int:
+    """Stage 3: the 16-bit (frozen) parameters of each FSDP unit that the wrap policy will
+    build and that also holds fp32 ones (fp32 master weights, or adapters kept in fp32 as
+    PEFT does) become fp32: a unit holds one dtype. A unit of 16-bit parameters only (a
+    frozen encoder) keeps them 16-bit. The units are found by a dry run of ``auto_wrap``
+    with the same policy (nothing is wrapped). Returns how many were cast. Local."""
+    from shardkit.nn.data_parallel import FullyShardedDataParallel
+    from shardkit.nn.wrap.auto_wrap import planned_units
+    from shardkit.recipes import block_wrap_policy
+    policy = wrap_policy or block_wrap_policy(model)
+    half, cast = (torch.float16, torch.bfloat16), 0
+    for _, own in planned_units(model, policy, FullyShardedDataParallel):
+        if len({p.dtype for p in own}) < 2:
+            continue
+        for param in own:
+            if param.dtype in half:
+                param.data = param.data.float()
+                cast += 1
+    return cast
