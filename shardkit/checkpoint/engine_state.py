@@ -394,6 +394,7 @@ def _read_and_check_on_every_rank(engine, load_dir: str, tag: Optional[str],
             _check_shapes(engine, ckpt)  # before anything is written: a mismatch changes nothing
             if with_optimizer:
                 _check_optimizer_class(engine, ckpt)
+                _check_regrouped_hyper_parameters(engine, ckpt)
                 _check_optimizer_state(engine, ckpt)
             if with_scheduler:
                 _check_scheduler_class(engine, ckpt)
@@ -609,6 +610,53 @@ def _check_optimizer_class(engine, ckpt) -> None:
             f"use {saved}; nothing was loaded")
 
 
+def _check_regrouped_hyper_parameters(engine, ckpt) -> None:
+    """A :class:`CheckpointError` when one of this engine's param groups holds parameters
+    that the saving optimizer kept in groups with different hyper-parameters (saved: weights
+    at one lr, biases at another; now one group): the load gives a group one saved group's
+    hyper-parameters (see :func:`_torch_format`), so the others' parameters would go on
+    silently at values they were never trained with. torch's ``load_state_dict`` refuses any
+    other grouping; a regrouping whose saved groups agree loads. Local."""
+    saved_groups = ckpt.engine["param_groups"]
+    saved_index = {name: i for i, g in enumerate(saved_groups) for name in g["params"]}
+    order, start = _optimizer_param_order(engine), 0
+    for index, group in enumerate(engine.optimizer.param_groups):
+        names = order[start:start + len(group["params"])]
+        start += len(group["params"])
+        drawn = sorted({saved_index[n] for n in names if n in saved_index})
+        differing = _differing_hyper_parameters([saved_groups[i] for i in drawn])
+        if differing:
+            raise CheckpointError(
+                f"load_checkpoint({ckpt.path}): param group {index} of this engine's optimizer "
+                f"holds parameters of {len(drawn)} saved param groups ({drawn}) whose "
+                f"hyper-parameters differ ({differing}), e.g. "
+                f"{[next(n for n in names if saved_index.get(n) == i) for i in drawn]}; its "
+                f"optimizer state can be loaded only into param groups that keep those apart "
+                f"(as the saving optimizer's {len(saved_groups)}), or pass "
+                f"load_optimizer_states=False; nothing was loaded")
+
+
+def _differing_hyper_parameters(groups: list) -> str:
+    """``'key': [value of each group]`` for the hyper-parameters (not ``params`` nor torch's
+    ``param_names``) on which ``groups`` disagree, joined; empty when they agree. Local."""
+    keys = sorted({k for g in groups for k in g if k not in ("params", "param_names")})
+    differing = []
+    for key in keys:
+        values = [_comparable(g.get(key)) for g in groups]
+        if any(v != values[0] for v in values[1:]):
+            differing.append(f"{key!r}: {values}")
+    return ", ".join(differing)
+
+
+def _comparable(value):
+    """A hyper-parameter as a plain value (a tensor lr or beta as its list). Local."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (tuple, list)):
+        return [_comparable(v) for v in value]
+    return value
+
+
 def _check_scheduler_class(engine, ckpt) -> None:
     """A scheduler that restores its whole state (torch's, a script's own) loads only the
     state its own class saved: torch's ``load_state_dict`` copies every saved attribute onto
@@ -712,7 +760,8 @@ def _torch_format(optim_by_name: dict, order: list, groups: list, saved_groups: 
     """A torch ``Optimizer.state_dict()`` over ``order`` (index i = parameter ``order[i]``).
 
     Hyper-parameters come from the saved groups when the grouping matches; otherwise from the
-    saved group that held the group's first parameter."""
+    saved group that held the group's first parameter (the load refused before, where a group
+    draws on saved groups that disagree: :func:`_check_regrouped_hyper_parameters`)."""
     state = {i: optim_by_name[name] for i, name in enumerate(order) if name in optim_by_name}
     group_of_name = {n: g for g in saved_groups for n in g["params"]}
     param_groups = []
