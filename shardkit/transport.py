@@ -144,9 +144,13 @@ class CommHandle:
             if self.describe is None or not skdist.is_broken_link(error):
                 raise
             failure = skdist.broken_link_error(self.describe(), error)
-            if self.call is not None and "timed out" in str(error).lower():
+            words = str(error).lower()
+            if self.call is not None and "timed out" in words:
                 named = _calls_when_timed_out(*self.call)
                 failure = CollectiveError(f"{failure}\n{named}") if named else failure
+            elif self.call is not None and "closed by peer" in words:
+                # the peer whose own wait timed out first closed the pair: it reads this call
+                _post_call_when_closed(*self.call)
             raise failure from error
 
     def __del__(self):
@@ -742,33 +746,83 @@ def _call_words(name: str, dtype: Optional[torch.dtype], shape: Optional[tuple],
 
 def _calls_when_timed_out(group, name: str, dtype, shape, layout) -> str:
     """Words naming this rank's call and, as each peer of ``group`` posts it on the default
-    store when its own wait times out (for up to :data:`_PEER_CALL_WAIT_S` seconds), each
-    peer's. Runs only on a timeout; ``""`` if the store cannot be reached."""
+    store when its own wait times out (or its pair was closed by this rank's timeout), each
+    peer's, read for up to :data:`_PEER_CALL_WAIT_S` seconds. Runs only on a timeout; ``""``
+    if the store cannot be reached."""
     mine = _call_words(name, dtype, shape, layout)
     try:
-        from torch.distributed.distributed_c10d import _get_default_store
-        store, me = _get_default_store(), skdist.get_rank()
-        resolved = skdist.resolved_group(group)
-        key = f"shardkit/timed_out/{getattr(resolved, 'group_name', None) or id(resolved)}"
-        count = _TIMEOUTS_NAMED[key] = _TIMEOUTS_NAMED.get(key, 0) + 1
-        prefix = f"{key}/{count}/"
-        store.set(prefix + str(me), mine)
-        deadline = time.monotonic() + _PEER_CALL_WAIT_S
-        theirs = []
-        for peer in skdist.group_ranks(group):
-            if peer == me:
-                continue
-            try:
-                left = max(deadline - time.monotonic(), 0.01)
-                store.wait([prefix + str(peer)], datetime.timedelta(seconds=left))
-                theirs.append(f"global rank {peer}: {store.get(prefix + str(peer)).decode()}")
-            except Exception:  # noqa: BLE001 - the store's timeout, whatever it is called
-                theirs.append(f"global rank {peer}: no timed-out call within "
-                              f"{_PEER_CALL_WAIT_S:g} s (busy elsewhere, or dead)")
+        store, me, prefix, peers = _timed_out_slot(group)
     except Exception:  # noqa: BLE001 - the store is gone too: the backend's words stand
         return ""
+    found: dict = {}
+    # Note: a store whose host is hung (stopped, or its node unreachable) lets a set through
+    # but never answers a wait, which then blocks far beyond its own timeout (measured: over
+    # 3 minutes for a 5 s wait on torch 2.13): the store is read on a daemon thread, and the
+    # error is raised when the wait is up whether or not that thread came back.
+    reader = threading.Thread(target=_post_and_read_calls,
+                              args=(store, prefix, me, mine, peers, found), daemon=True)
+    reader.start()
+    reader.join(_PEER_CALL_WAIT_S + 0.25)  # its own reads end at _PEER_CALL_WAIT_S
+    if not found.get("posted"):
+        return ""
+    theirs = [f"global rank {peer}: {_peer_call(found, peer, reader.is_alive())}"
+              for peer in peers]
     return (f"When the timeout fired, this rank (global rank {me}) waited in {mine}; "
             f"its peers' calls that timed out: " + "; ".join(theirs) + ".")
+
+
+def _peer_call(found: dict, peer: int, store_stuck: bool) -> str:
+    if peer in found:
+        return found[peer]
+    if store_stuck:
+        return f"not read: the store did not answer within {_PEER_CALL_WAIT_S:g} s"
+    return f"no timed-out call within {_PEER_CALL_WAIT_S:g} s (busy elsewhere, or dead)"
+
+
+def _post_call_when_closed(group, name: str, dtype, shape, layout) -> None:
+    """Post this rank's call for a peer whose wait timed out first (gloo closes the pair on
+    a timeout, so this rank's own wait fails as "closed by peer", not timed out), without
+    reading the peers'. Bounded as :func:`_calls_when_timed_out`; never raises."""
+    try:
+        store, me, prefix, _ = _timed_out_slot(group)
+    except Exception:  # noqa: BLE001 - for an error message only
+        return
+    poster = threading.Thread(target=_post_and_read_calls,
+                              args=(store, prefix, me, _call_words(name, dtype, shape, layout),
+                                    [], {}), daemon=True)
+    poster.start()
+    poster.join(1.0)
+
+
+def _timed_out_slot(group) -> tuple:
+    """``(store, global rank, key prefix, peers' global ranks)`` of this rank's next timed-out
+    call on ``group``: the n-th timeout on a group posts under its n-th prefix on every rank."""
+    from torch.distributed.distributed_c10d import _get_default_store
+    store, me = _get_default_store(), skdist.get_rank()
+    resolved = skdist.resolved_group(group)
+    key = f"shardkit/timed_out/{getattr(resolved, 'group_name', None) or id(resolved)}"
+    peers = [peer for peer in skdist.group_ranks(group) if peer != me]
+    count = _TIMEOUTS_NAMED[key] = _TIMEOUTS_NAMED.get(key, 0) + 1
+    return store, me, f"{key}/{count}/", peers
+
+
+def _post_and_read_calls(store, prefix: str, me: int, mine: str, peers: list,
+                         found: dict) -> None:
+    """Post ``mine`` under ``prefix``, then read each of ``peers``' within
+    :data:`_PEER_CALL_WAIT_S` seconds into ``found`` (``found["posted"]`` once posted)."""
+    try:
+        store.set(prefix + str(me), mine)
+    except Exception:  # noqa: BLE001 - the store is gone: nothing to name
+        return
+    found["posted"] = True
+    deadline = time.monotonic() + _PEER_CALL_WAIT_S
+    for peer in peers:
+        try:
+            left = max(deadline - time.monotonic(), 0.01)
+            store.wait([prefix + str(peer)], datetime.timedelta(seconds=left))
+            found[peer] = store.get(prefix + str(peer)).decode()
+        except Exception:  # noqa: BLE001 - the store's timeout, whatever it is called
+            continue
 
 
 def operation_tag(name: str, dtype: Optional[torch.dtype], shape: Optional[tuple],

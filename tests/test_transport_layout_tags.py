@@ -14,7 +14,29 @@ debug mode names both calls before anything is sent.
 
 Also: the timeout's error named only this rank's operation; each rank now posts its call on
 the store when its wait times out, and the error names every rank's.
+
+From a review:
+
+The process-group transport's timeout words (each rank posts its call on the default store
+when a point-to-point collective times out, and names its peers') at world 2 on gloo.
+
+Regressions:
+
+- a store whose host is hung (rank 0 stopped, or its node unreachable) takes the post but
+  never answers the read, whose 5 s timeout then did not fire: the rank whose collective
+  timed out blocked in the store until the host came back (forever, for a host that does
+  not), instead of raising at the group's timeout. Now the error comes within the group's
+  timeout plus the 5 s read.
+- gloo closes a pair when one end's wait times out, so the peer whose own timeout had not
+  fired yet fails with "closed by peer" and never posted its call: the rank that timed out
+  waited the 5 s and said its peer had "no timed-out call (busy elsewhere, or dead)". The
+  peer now posts its call on such a failure, and the error names it.
 """
+
+import os
+import signal
+import threading
+import time
 
 import torch
 
@@ -136,3 +158,67 @@ def test_exchange_equal_chunks_moves_the_all_to_all_bytes(world2):
         assert equal
         # (N-1)/N of the 24 input bytes, under the op it stands for
         assert by_op == {"reduce_scatter": 12.0}, by_op
+
+
+_TIMEOUT_S_rev = 2
+_HOST_RESUMED_AFTER_S = 20  # rank 1 resumes rank 0 then at the latest (the old code's hang)
+
+
+def _uneven_all_gather(group, sizes):
+    """An uneven all-gather over ``group``: ``("raised", seconds, message)`` or what it
+    returned."""
+    from shardkit.transport import ProcessGroupTransport
+
+    out = torch.zeros(sum(sizes))
+    start = time.monotonic()
+    try:
+        ProcessGroupTransport().all_gather_segments(out, sizes, group).wait()
+        return ("returned", out.tolist())
+    except Exception as error:  # noqa: BLE001 - the timeout, whatever gloo calls it
+        return ("raised", time.monotonic() - start, type(error).__name__, str(error))
+
+
+def _store_host_stopped():
+    """Rank 0 (the store's host) stops itself; rank 1 waits in an all-gather with it."""
+    group = skdist.new_group([0, 1], timeout_s=_TIMEOUT_S_rev)
+    pids = [None, None]
+    torch.distributed.all_gather_object(pids, os.getpid())
+    if skdist.get_rank() == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return None
+    resume = threading.Timer(_HOST_RESUMED_AFTER_S, os.kill, (pids[0], signal.SIGCONT))
+    resume.start()
+    try:
+        return _uneven_all_gather(group, [3, 3])
+    finally:
+        resume.cancel()
+        os.kill(pids[0], signal.SIGCONT)
+
+
+def test_a_hung_store_host_delays_the_timeout_by_the_read_at_most(world2):
+    _, outcome = world2.run(_store_host_stopped)
+    assert outcome[0] == "raised" and outcome[2] == "CollectiveError", outcome
+    # was: blocked until the host came back (here after 20 s; forever for a lost host)
+    assert outcome[1] < _HOST_RESUMED_AFTER_S - 5, outcome  # the timeout + a 5 s read, slack
+    assert "global rank 0: not read: the store did not answer" in outcome[3], outcome
+    # the world still works once the host is back
+    assert world2.run(skdist.get_rank) == [0, 1]
+
+
+def _rank_0_late():
+    """Rank 0 enters a mismatched all-gather 1 s after rank 1, whose timeout fires first."""
+    group = skdist.new_group([0, 1], timeout_s=_TIMEOUT_S_rev)
+    rank = skdist.get_rank()
+    skdist.barrier()
+    if rank == 0:
+        time.sleep(1.0)
+    return _uneven_all_gather(group, [2, 4] if rank == 0 else [4, 2])
+
+
+def test_the_peer_whose_pair_was_closed_is_named(world2):
+    late, first = world2.run(_rank_0_late)
+    assert late[0] == "raised" and first[0] == "raised", (late, first)
+    assert late[2] == first[2] == "CollectiveError", (late, first)
+    # was: "global rank 0: no timed-out call within 5 s (busy elsewhere, or dead)"
+    assert "global rank 0: all_gather(shape=[6], dtype=torch.float32, layout=[2, 4])" \
+        in first[3], first
