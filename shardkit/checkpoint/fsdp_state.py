@@ -20,7 +20,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from shardkit import distributed
-from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE, per_element
+from shardkit.checkpoint.optimizer_state import (ELEMENTWISE_STATE, FACTORED_STATE,
+                                                 per_element)
 from shardkit.checkpoint.resharding import ParamLayout, shard_rows, unshard_rows
 
 __all__ = ["LOCAL_META_KEY", "LOCAL_FORMAT", "LOCAL_FORMAT_VERSIONS", "check_local_format",
@@ -335,7 +336,8 @@ def _joined_entry(what: str, name: str, entries: list, layout: ParamLayout) -> d
     joined = {}
     for key, value in entries[0].items():
         values = [e.get(key) for e in entries]
-        if isinstance(value, torch.Tensor) and tuple(value.shape) == layout.shard_shape:
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == layout.shard_shape \
+                and key not in FACTORED_STATE:  # a (1, 1) shard's col_var is no row block
             joined[key] = unshard_rows(values, layout)
         elif isinstance(value, torch.Tensor) and not all(
                 isinstance(v, torch.Tensor) and torch.equal(v, value) for v in values):

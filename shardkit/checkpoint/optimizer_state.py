@@ -27,6 +27,12 @@ ELEMENTWISE_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_i
                                "momentum_buffer", "sum", "square_avg", "acc_delta", "grad_avg",
                                "ax", "prev", "step_size"})
 
+# torch Adafactor's factored second moments of a matrix: (rows, 1) and (1, cols) means. Over a
+# parameter cut into row shards they are means over one rank's rows; where the shard is (1, 1)
+# (an (n, 1) parameter over n ranks or more) both have the shard's shape, so only their keys tell
+# them from per-element state.
+FACTORED_STATE = frozenset({"row_var", "col_var"})
+
 
 def per_element(key: str, value) -> bool:
     """Whether optimizer state ``value`` holds one value per element of its parameter (and so is

@@ -259,13 +259,13 @@ def _refuse_factored_state(optim: torch.optim.Optimizer, call: str) -> None:
     :func:`~shardkit.nn.data_parallel.fsdp_state_dict.rank_local_state`): it is computed from
     this rank's rows only, so neither a DTensor of rows nor a replicated tensor describes it.
     Local."""
-    from shardkit.nn.data_parallel.fsdp_state_dict import rank_local_state
+    from shardkit.nn.data_parallel.fsdp_state_dict import rank_local_shape, rank_local_state
     for _, key, shape, shard in rank_local_state(optim)[:1]:
         raise ValueError(
             f"{call}: optimizer state {key!r} of a parameter sharded by "
-            f"FullyShardedDataParallel has shape {shape}, not the shard's {shard} (e.g. "
-            f"Adafactor's factored moments): it is computed from this rank's rows only and "
-            f"cannot be saved as one tensor")
+            f"FullyShardedDataParallel (shard {shard}) has {rank_local_shape(shape, shard)} "
+            f"(e.g. Adafactor's factored moments): it is computed from this rank's rows only "
+            f"and cannot be saved as one tensor")
 
 
 def get_model_state_dict(model: nn.Module, *, submodules: Optional[set] = None,

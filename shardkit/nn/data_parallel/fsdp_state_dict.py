@@ -27,7 +27,8 @@ from shardkit.checkpoint.fsdp_state import (consolidate_shard_weights, copied_pa
                                             gather_full_optimizer_state, local_metadata,
                                             reshard_local_state_dicts,
                                             shard_full_optimizer_state)
-from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE, per_element
+from shardkit.checkpoint.optimizer_state import (ELEMENTWISE_STATE, FACTORED_STATE,
+                                                 per_element)
 from shardkit.nn.data_parallel.flat_param import ParamLayout
 from shardkit.nn.data_parallel.fsdp_state_dict_type import (DEFAULT_SETTINGS, StateDictType,
                                                             get_state_dict_type,
@@ -1683,7 +1684,8 @@ def _refuse_rank_local_state(model, optim, call: str) -> None:
               for index, key, shape, shard in found[:3]]
     raise ValueError(
         f"{call}: the optimizer's state of {len(found)} tensor(s) of parameters sharded by "
-        f"FullyShardedDataParallel is shaped neither as the parameter nor as its shard, e.g. "
+        f"FullyShardedDataParallel is shaped neither as the parameter nor as its shard (or is "
+        f"a factored moment, {'/'.join(sorted(FACTORED_STATE))}), e.g. "
         f"{listed} (Adafactor's factored moments): each rank computes it from its own rows, so "
         f"a full optimizer state dict cannot hold it. Save each rank's state with "
         f"StateDictType.LOCAL_STATE_DICT (it loads at this world size only), or use an "
@@ -1768,10 +1770,10 @@ def shard_shapes(params) -> dict:
 def rank_local_state(optim: torch.optim.Optimizer) -> list[tuple]:
     """``(index, key, shape, shard shape)`` of each tensor of one dimension or more in the
     optimizer's state of a parameter sharded over several ranks that is not shaped as its shard
-    (``index``: the parameter's position in param-group order), such as Adafactor's factored
-    ``row_var`` (rows, 1) and ``col_var`` (1, cols): computed from this rank's rows only, so
-    neither a full tensor nor a row-sharded DTensor describes it, and it has the same shape
-    and key on every rank. Local, no copy."""
+    or is one of :data:`FACTORED_STATE` (``index``: the parameter's position in param-group
+    order), such as Adafactor's factored ``row_var`` (rows, 1) and ``col_var`` (1, cols):
+    computed from this rank's rows only, so neither a full tensor nor a row-sharded DTensor
+    describes it, and it has the same shape and key on every rank. Local, no copy."""
     ordered = [p for g in optim.param_groups for p in g["params"]]
     shapes = shard_shapes(ordered)
     found = []
@@ -1780,8 +1782,18 @@ def rank_local_state(optim: torch.optim.Optimizer) -> list[tuple]:
         state = optim.state.get(param, {}) if shape is not None else {}
         found.extend((index, key, tuple(value.shape), shape) for key, value in state.items()
                      if torch.is_tensor(value) and value.dim() > 0
-                     and tuple(value.shape) != shape)
+                     and (tuple(value.shape) != shape or key in FACTORED_STATE))
     return found
+
+
+def rank_local_shape(shape: tuple, shard: tuple) -> str:
+    """How the shape of a :func:`rank_local_state` tensor tells it from per-element state, for
+    a message: ``shape`` is not the shard's, or it is (a (1, 1) shard) and only its key (one
+    of :data:`FACTORED_STATE`) does."""
+    if shape != shard:
+        return f"shape {shape}, neither the parameter's nor its shard's"
+    return (f"shape {shape}, its shard's, but it is a factored moment "
+            f"({'/'.join(sorted(FACTORED_STATE))}) over this rank's rows")
 
 
 def mark_rank_local_state(optim: torch.optim.Optimizer, osd: dict, source: str,
@@ -1822,18 +1834,19 @@ def _sharded_optim_state(model, optim: torch.optim.Optimizer) -> dict:
     ordered = [p for g in optim.param_groups for p in g["params"]]
     offload = model._state_dict_settings.state_dict_config.offload_to_cpu
     osd = optim.state_dict()
+    rank_local = {(index, key) for index, key, _, _ in rank_local_state(optim)}
     state = _StateOfAFreshOptimizer() if _has_no_state_yet(optim) else {}
     for index in sorted(osd["state"]):
         p = ordered[index]
         entry = sharded.get(id(p))
         values = {}
         for key, value in osd["state"][index].items():
-            if entry is not None and per_element(key, value) and \
+            if (index, key) in rank_local:  # checked first: a (1, 1) shard's col_var
+                value = _refused_in_dcp_as_rank_local(value, f"{names[index]}.{key}",
+                                                      tuple(entry[0].shard_shape))
+            elif entry is not None and per_element(key, value) and \
                     tuple(value.shape) == tuple(entry[0].shard_shape):
                 value = _as_shards(value, entry[0], entry[1], offload)
-            elif entry is not None and entry[0].world_size > 1 and torch.is_tensor(value) \
-                    and value.dim() > 0:
-                value = _refused_in_dcp_as_rank_local(value, f"{names[index]}.{key}")
             values[key] = value
         state[names[index]] = values
     groups, start = [], 0
@@ -1843,16 +1856,17 @@ def _sharded_optim_state(model, optim: torch.optim.Optimizer) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def _refused_in_dcp_as_rank_local(value: torch.Tensor, name: str) -> torch.Tensor:
+def _refused_in_dcp_as_rank_local(value: torch.Tensor, name: str, shard: tuple) -> torch.Tensor:
     """An alias of ``value`` (a :func:`rank_local_state` tensor, e.g. Adafactor's ``row_var``
-    of this rank's rows) that torch.distributed.checkpoint refuses on every rank before
-    anything is written or loaded: as a plain tensor under the same key on every rank, dcp
-    would take it for a replicated one, write one rank's copy and load it on every rank.
-    ``torch.save`` and ``optim_state_dict_to_load`` take it as before. Local, no copy."""
+    of this rank's rows; ``shard``: its parameter's shard shape) that
+    torch.distributed.checkpoint refuses on every rank before anything is written or loaded:
+    as a plain tensor under the same key on every rank, dcp would take it for a replicated one,
+    write one rank's copy and load it on every rank. ``torch.save`` and
+    ``optim_state_dict_to_load`` take it as before. Local, no copy."""
     return refuse_in_dcp(
         value.detach(), name, "FSDP.optim_state_dict under SHARDED_STATE_DICT",
-        reason=f"it has shape {tuple(value.shape)}, neither the parameter's nor its shard's "
-               f"(e.g. Adafactor's factored moments): each rank computes it from its own rows, "
+        reason=f"it has {rank_local_shape(tuple(value.shape), shard)} (e.g. Adafactor's "
+               f"factored moments): each rank computes it from its own rows, "
                f"so no DTensor describes it and dcp would save one rank's copy for all. Save "
                f"each rank's state with StateDictType.LOCAL_STATE_DICT and torch.save (it "
                f"loads at this world size only), or use an optimizer with per-element state "
