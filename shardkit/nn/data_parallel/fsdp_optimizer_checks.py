@@ -1,7 +1,9 @@
 """The optimizer-step watches that :class:`~shardkit.nn.data_parallel.fully_sharded.
 FullyShardedDataParallel` registers once per process (torch's global optimizer step pre-hooks):
-an optimizer holding state made for a whole parameter rather than its shard, and an ``LBFGS``
-stepping sharded parameters, raise before the step changes anything. Local: no communication."""
+an optimizer holding state made for a whole parameter rather than its shard, an ``LBFGS``
+stepping sharded parameters, and an optimizer that reads each parameter as a whole tensor
+(``Adafactor``, ``Muon``) stepping row shards raise before the step changes anything. Local: no
+communication."""
 
 from __future__ import annotations
 
@@ -18,15 +20,76 @@ from shardkit.nn.data_parallel.fsdp_unit_modules import unit_holding
 
 # optimizer -> (id of its state dict, its length) when its state was last found to fit the
 # shards (see _refuse_state_of_whole_params); the step pre-hooks (that check, and
-# _refuse_lbfgs_over_shards) are registered once
+# _refuse_lbfgs_over_shards, _refuse_whole_tensor_optimizers_over_shards) are registered once
 _STATES_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _STATE_HOOK: list = []
+
+# optimizers whose update of a parameter reads the whole tensor (not element by element), by
+# class name, with what they read: torch's, and those of other libraries by the same name
+# (transformers' and fairseq's Adafactor, Keller Jordan's Muon)
+_WHOLE_TENSOR_READERS = {
+    "Adafactor": "factors each matrix's second moment into row and column means and scales "
+                 "each step by the parameter's root mean square",
+    "Muon": "orthogonalizes each whole matrix (Newton-Schulz iterations on the whole update)",
+}
 
 
 def _watch_optimizer_states_of_whole_params() -> None:
     if not _STATE_HOOK:
         _STATE_HOOK.append(register_optimizer_step_pre_hook(_refuse_state_of_whole_params))
         _STATE_HOOK.append(register_optimizer_step_pre_hook(_refuse_lbfgs_over_shards))
+        _STATE_HOOK.append(register_optimizer_step_pre_hook(
+            _refuse_whole_tensor_optimizers_over_shards))
+
+
+def _whole_tensor_reading(optimizer) -> Optional[str]:
+    """What ``optimizer`` reads across a whole parameter when its class, or a class it derives
+    from, has one of :data:`_WHOLE_TENSOR_READERS`' names; None otherwise.
+
+    Note: told by name, not by torch's classes alone, because the Adafactor most FSDP users
+    step is ``transformers.optimization.Adafactor`` (no subclass of torch's), which factors
+    and scales by the parameter's norm alike."""
+    for cls in type(optimizer).__mro__:
+        if cls.__name__ in _WHOLE_TENSOR_READERS:
+            return _WHOLE_TENSOR_READERS[cls.__name__]
+    return None
+
+
+def _refuse_whole_tensor_optimizers_over_shards(optimizer, args, kwargs) -> None:
+    """Every ``torch.optim.Optimizer.step``, before it changes anything: a ``RuntimeError``
+    when an optimizer whose update reads each parameter as a whole tensor (an ``Adafactor`` or
+    a ``Muon``, see :func:`_whole_tensor_reading`) steps a parameter that a unit cuts into row
+    shards over more than one rank.
+
+    Note: each rank steps its own rows, so Adafactor's column statistic ``col_var`` averaged
+    this rank's rows only (its padding rows too) and its step size read the norm of the shard,
+    and Muon orthogonalized the shard instead of the matrix: trained weights 6e-3 (Adafactor)
+    and 1.5e-2 (Muon) off one process after three steps of lr 1e-2 at world size 2, with no
+    error. (torch FSDP1 and FairScale hand the optimizer flattened 1-D shards, which Adafactor
+    steps unfactored and Muon refuses; FSDP2's DTensor shards fail inside Adafactor's in-place
+    ops.) Replicated parameters (``NO_SHARD``, the replicas of hybrid sharding) and world size 1
+    hold whole parameters and step as in one process. Every rank of the unit steps the same
+    optimizer class, so every rank raises. Cost: a look at the names of the optimizer's
+    classes for other optimizers."""
+    what = _whole_tensor_reading(optimizer)
+    if what is None:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            unit = unit_holding(p)
+            if unit is None or unit._shard is None or unit._summoned \
+                    or unit._shard.world_size == 1:
+                continue
+            index = [id(q) for q in unit._shard.params].index(id(p))
+            raise RuntimeError(
+                f"FullyShardedDataParallel: {type(optimizer).__name__}.step() over "
+                f"{_where(unit._shard.locations[index])} of the FSDP unit wrapping a "
+                f"{type(unit.module).__name__}, which is cut into row shards over "
+                f"{unit._shard.world_size} ranks: {type(optimizer).__name__} {what}, while each "
+                f"rank holds only its rows, so the update would differ from one process's. Use "
+                f"an element-wise optimizer (Adam, AdamW, SGD), sharding_strategy=NO_SHARD, or "
+                f"DistributedDataParallel / ShardedDataParallel with OSS, which steps whole "
+                f"parameters")
 
 
 def _refuse_lbfgs_over_shards(optimizer, args, kwargs) -> None:

@@ -122,23 +122,45 @@ def from_torch_mixed_precision(policy):
       stay fp32, a bf16 model's stay bf16; shardkit's own ``None`` means ``param_dtype``).
     - ``cast_forward_inputs`` or ``cast_root_forward_inputs`` (torch's default): inputs are
       cast, at every unit (shardkit's rule).
-    - ``keep_low_precision_grads=True`` is a ValueError (the shards' gradients are kept in the
-      master dtype for the optimizer step).
+    - ``keep_low_precision_grads=True`` with a ``param_dtype`` is a ValueError (see
+      :func:`_refuse_low_precision_grads`); without one it changes nothing, as in torch (the
+      gradient shards are in the parameters' dtype already).
     - ``_module_classes_to_ignore`` (torch's default: BatchNorm) is read by the constructor's
       ``auto_wrap_policy`` (see :func:`torch_full_precision_classes`), as in torch.
 
     Local, no communication."""
     if not _is_torch_mixed_precision(policy):
         return policy
-    if getattr(policy, "keep_low_precision_grads", False):
-        raise ValueError("FullyShardedDataParallel(mixed_precision=MixedPrecision("
-                         "keep_low_precision_grads=True)): not supported (gradient shards stay "
-                         "in the master dtype for the optimizer step); leave it False")
+    if getattr(policy, "keep_low_precision_grads", False) and policy.param_dtype is not None:
+        _refuse_low_precision_grads(policy)
     param, reduce, buffer = policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype
     cast = bool(getattr(policy, "cast_forward_inputs", False)
                 or getattr(policy, "cast_root_forward_inputs", True))
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, buffer_dtype=buffer,
                                 cast_inputs=cast, keep_buffer_dtypes=buffer is None)
+
+
+def _refuse_low_precision_grads(policy) -> None:
+    """A ValueError for torch FSDP1's ``MixedPrecision(keep_low_precision_grads=True)``, saying
+    why and what to use instead.
+
+    Note: torch FSDP1 then leaves each fp32 shard's ``.grad`` in ``param_dtype`` (set through
+    ``.grad.data``, side-stepping torch's check that a gradient has its parameter's dtype), for
+    "a custom optimizer that supports running in low precision": torch's own ``Adam`` /
+    ``AdamW`` (for-loop, foreach and fused) fail at ``step()`` on an fp32 parameter with a bf16
+    gradient ("expected dtype float for `end` but got dtype c10::BFloat16"), only ``SGD``
+    steps it. Gradient shards are ``1/N`` of the model, so the memory it saves is small; the
+    shards' gradients stay in their parameters' dtype here."""
+    low = policy.param_dtype
+    raise ValueError(
+        f"FullyShardedDataParallel(mixed_precision=MixedPrecision(param_dtype={low}, "
+        f"keep_low_precision_grads=True)): not supported: torch FSDP1 would leave each fp32 "
+        f"parameter shard's .grad in {low}, which torch's Adam and AdamW refuse at step() "
+        f"(only SGD or a custom low-precision optimizer steps it). Leave "
+        f"keep_low_precision_grads=False (the gradient shards, 1/N of the model, are kept in "
+        f"the parameters' dtype for the step; reduce_dtype={low} still cuts the "
+        f"reduce-scatter bytes), or cast the model to {low} before wrapping to keep its "
+        f"parameters, gradients and optimizer state all in {low}")
 
 
 def torch_full_precision_classes(policy) -> tuple:
