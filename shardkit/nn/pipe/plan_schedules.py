@@ -72,53 +72,62 @@ divided, and the gradients are those of the sum of the micro-batch losses (a sum
 ``loss_fn``: the batch's sum, as one process). Call ``optimizer.zero_grad()`` before and
 ``optimizer.step()`` after :meth:`PlanSchedule.step` on every rank, over the parameters of
 all the rank's stages.
+
+This module holds the schedules and the executor's main loop (a step, its forwards); the
+executor's other concepts are mixins of :class:`PlanSchedule`, one module each:
+:mod:`~shardkit.nn.pipe.step_checks` (before a step), :mod:`~shardkit.nn.pipe.replica_agreement`
+and :mod:`~shardkit.nn.pipe.frozen_unit_agreement` (with the stages' data-parallel replicas),
+:mod:`~shardkit.nn.pipe.stage_messages` (where activations and gradients go),
+:mod:`~shardkit.nn.pipe.stage_backward` (``BW``, ``B``, ``W``),
+:mod:`~shardkit.nn.pipe.step_losses` and :mod:`~shardkit.nn.pipe.step_outputs` (the last
+stage); with :mod:`~shardkit.nn.pipe.autograd_graph`, :mod:`~shardkit.nn.pipe.stage_hints` and
+:mod:`~shardkit.nn.pipe.torch_schedule_options` as helpers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 from typing import Callable, Optional
 
 import torch
-from torch.autograd.graph import get_gradient_edge
-from torch.utils._pytree import tree_flatten, tree_map
 
 from shardkit import distributed as dist
-from shardkit.nn.data_parallel.flat_param import zeros_only_views
-from shardkit.nn.pipe.microbatch import (batch_size, keyword_argument_problems,
-                                         keyword_chunk_dims, keyword_signature, merge_outputs,
-                                         mergeable_output_problem, own_microbatches,
-                                         part_rows, positional_chunk_spec_problem,
-                                         split_keyword_arguments, split_microbatches,
-                                         split_target, target_chunk_dims, target_rows,
-                                         target_split_problems)
-from shardkit.nn.pipe.p2p import (ACTIVATION, GRADIENT, MAX_TENSORS, StepState, TaggedLinks,
-                                  batch_signature, output_tensors)
+from shardkit.nn.pipe.microbatch import (keyword_chunk_dims, keyword_signature, merge_outputs,
+                                         own_microbatches, split_keyword_arguments,
+                                         split_microbatches, target_chunk_dims)
+from shardkit.nn.pipe.p2p import StepState, TaggedLinks, batch_signature, output_tensors
 from shardkit.nn.pipe.plan import (PipelineDeadlock, PipelinePlan, gpipe_plan,
                                    interleaved_1f1b_plan, one_f_one_b_plan, zb_h1_plan, zbv_plan)
 from shardkit.nn.pipe.schedules import (COMMUNICATION_ERRORS, ActivationMemoryMeter, busy_time,
-                                        check_schedule_agreement, raise_step_failure)
-from shardkit.nn.pipe.loss_count import (LossCountWatch, NotCounted, count_value,
-                                         declared_denominator, declared_reduction)
-from shardkit.nn.pipe.fsdp_weight_sink import (ShardedGradientSink, frozen_units_with_replicas,
-                                               params_outside_fsdp, stage_is_fully_sharded)
-from shardkit.nn.pipe.split_backward import GradientSink, backward_input
+                                        raise_step_failure)
+from shardkit.nn.pipe.loss_count import LossCountWatch
+from shardkit.nn.pipe.fsdp_weight_sink import ShardedGradientSink, frozen_units_with_replicas
+from shardkit.nn.pipe.split_backward import GradientSink
 from shardkit.nn.pipe.stage import PipelineStage, is_torch_ddp
 from shardkit.nn.pipe.ties import TiedWeights
+# the executor's concepts, one module each (mixins of PlanSchedule, and their helpers)
+from shardkit.nn.pipe.frozen_unit_agreement import FrozenUnitAgreement
+from shardkit.nn.pipe.replica_agreement import ReplicaAgreement, _reduces_during_backward
+from shardkit.nn.pipe.stage_backward import _FAILED, StageBackward, _runs_whole_backward
+from shardkit.nn.pipe.stage_hints import _packed_input_hint
+from shardkit.nn.pipe.stage_messages import StageMessages, last_messages
+from shardkit.nn.pipe.step_checks import StepChecks
+from shardkit.nn.pipe.step_losses import StepLosses
+from shardkit.nn.pipe.step_outputs import StepOutputs
+from shardkit.nn.pipe.torch_schedule_options import _check_torch_options, _microbatch_count
 
 __all__ = ["PlanSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
            "ScheduleZeroBubble", "ScheduleZBV"]
 
-_FAILED = object()  # a stage forward or backward that raised (the step fails)
 _UNSPLIT = object()  # this step's keyword arguments, before this rank's first forward
 
 _LOOKAHEAD = 4
 _REPLAN_AT = 2  # training steps; the first's timings include one-off costs (allocation, autograd)
 
 
-class PlanSchedule:
+class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses,
+                   StepOutputs, StageMessages, StageBackward):
     """Runs this rank's part of a :class:`PipelinePlan` over its :class:`PipelineStage` objects.
 
     Args:
@@ -332,42 +341,6 @@ class PlanSchedule:
         """The plan for ``num_ranks`` ranks and ``chunks`` micro-batches (subclasses); ``costs``
         (seconds of F, B, W, BW) where the schedule plans from measured costs."""
         raise NotImplementedError
-
-    def _stage_problems(self, stages) -> list[str]:
-        mine = sorted(self.plan.stages_of(self.rank))
-        given = sorted(s.stage_index for s in stages)
-        problems = []
-        if len(self.plan.placement) != self.num_stages:
-            problems.append(f"{type(self).__name__} runs {len(self.plan.placement)} stages on "
-                            f"{self.num_ranks} ranks, but the stages say num_stages="
-                            f"{self.num_stages}")
-        elif given != mine:
-            problems.append(f"this rank must pass stages {mine} (the plan's placement), got "
-                            f"{given}")
-        if any(s.group is not self.group for s in stages):
-            problems.append("the stages of one rank must share one pipeline group")
-        problems += _device_problems(stages)
-        if self.plan.split_backward():
-            from shardkit.nn.checkpoint import is_checkpoint_wrapped
-
-            for stage in stages:
-                outside = params_outside_fsdp(stage.module)
-                if stage_is_fully_sharded(stage.module) and outside:
-                    problems.append(
-                        f"stage {stage.stage_index} holds FullyShardedDataParallel units and "
-                        f"{len(outside)} trainable parameters outside them (e.g. "
-                        f"{outside[0]!r}); {type(self).__name__} splits backward into B and W "
-                        f"and hands W's gradients to the FSDP units only. Wrap the whole stage "
-                        f"module in FullyShardedDataParallel (inner units may stay)")
-                if stage_is_fully_sharded(stage.module) and any(
-                        is_checkpoint_wrapped(m) for m in stage.module.modules()):
-                    problems.append(
-                        f"stage {stage.stage_index} is wrapped in FullyShardedDataParallel and "
-                        f"holds a checkpoint_wrapper module; {type(self).__name__} splits "
-                        f"backward into B and W, and W would meet recomputed weights FSDP has "
-                        f"already freed. Remove checkpoint_wrapper from this stage, or use "
-                        f"Schedule1F1B / ScheduleInterleaved1F1B")
-        return problems
 
     # ------------------------------------------------------------------ one step
     def step(self, *inputs: torch.Tensor, target: Optional[torch.Tensor] = None,
@@ -597,77 +570,6 @@ class PlanSchedule:
             return None
         return self._step_loss()
 
-    def _reduce_over_replicas(self, failed: bool) -> bool:
-        """Each stage's end-of-step gradient reduction over its ``data_parallel_group``, which
-        also carries whether the step failed in some pipeline; where it did, the replicas
-        share what went wrong (one small all-gather, only then) and this pipeline's step fails
-        too, naming the replica that failed. Returns whether the step failed."""
-        for s, stage in self.stages.items():
-            if not stage.reduces_gradients_now():
-                continue
-            ours = failed
-            if not stage.reduce_gradients(failed):
-                continue
-            problem = (self._faults[0] if self._faults else
-                       "its pipeline's step failed (another rank of it found why)") if ours \
-                else None
-            others = stage.replica_failures(problem)
-            if not ours:
-                self._fail(f"stage {s}: the step failed in another pipeline, so no replica "
-                           f"keeps it: " + "; ".join(others))
-            failed = True
-        return failed
-
-    def _refuse_to_replicas(self, refusal: str, grad: bool) -> None:
-        """This pipeline refuses the step before running it: the replicas of its stages in
-        other pipelines run it and wait in the end-of-step reduction, so join that reduction
-        saying the step failed (``.grad`` is left alone here) and share why, as
-        :meth:`_reduce_over_replicas` does there. Only for a step that records for backward
-        (a forward-only step reduces nothing)."""
-        if not grad:
-            return
-        problem = f"its pipeline refused the step before running it: {refusal}"
-        for stage in self.stages.values():
-            if stage.reduces_gradients_now():
-                stage.refuse_step_to_replicas()
-                stage.replica_failures(problem)
-
-    def _step_loss(self) -> torch.Tensor:
-        """The loss :meth:`step` returns: the micro-batch losses' sum (``scale_grads=False``),
-        else their mean, each weighted by its share of the target's rows where the split is
-        uneven and ``loss_fn`` declares that it averages (the batch mean, as in one process)."""
-        total = torch.stack(self._losses)
-        if not self.scale_grads:
-            return total.sum()
-        if all(d == self.chunks for d in self._loss_divisors):
-            return total.mean()
-        return sum(loss / d for loss, d in zip(self._losses, self._loss_divisors)
-                   if d != float("inf"))
-
-    def _loss_root(self, loss: torch.Tensor, output, i: int) -> torch.Tensor:
-        """What micro-batch ``i``'s backward starts from: its loss, divided under
-        ``scale_grads``; for a micro-batch whose loss counts nothing (all its targets
-        ignored: a NaN mean) a zero on its outputs, so it adds no gradient, as those rows add
-        none in one process."""
-        if not self.scale_grads:
-            return loss
-        divisor = self._loss_divisors[i]
-        if divisor != float("inf"):
-            return loss / divisor
-        return sum((t.sum() * 0 for t in tree_flatten(output)[0]
-                    if isinstance(t, torch.Tensor) and t.requires_grad), loss.new_zeros(()))
-
-    def _keep_output(self, s: int, i: int, output) -> None:
-        """Keep the last stage's output of micro-batch ``i`` (detached) for ``return_outputs``;
-        one that cannot be concatenated along dim 0 fails the step on every rank."""
-        problem = mergeable_output_problem(output, self._outputs[0] if self._outputs else None)
-        if problem:
-            self._fail_at(s, i, f"step(return_outputs=True) concatenates the last stage's "
-                                f"outputs along dim 0, but {problem}; or leave return_outputs "
-                                f"unset (step returns the loss)")
-            return
-        self._outputs.append(tree_map(lambda t: t.detach(), output))
-
     def _forget_shapes(self) -> None:
         """After a failed step (on every rank alike): the next step starts as the first did,
         with the ranks' agreement check and the shape headers sent again, since a stage that
@@ -693,72 +595,6 @@ class PlanSchedule:
                             cause: Optional[BaseException] = None) -> None:
         self._fail_at(self.num_stages - 1, index, problem, cause)
 
-    def _step_targets(self, index: int) -> list:
-        """The target's micro-batches, checked at the last stage's first forward of the step
-        (micro-batch ``index``) against the batch's rows (known from the headers by then);
-        ``[]`` when the target is unusable, which fails the step."""
-        if self._targets is None:
-            problems = self._target_problems(self._target, self.links.batch_rows)
-            if problems:
-                self._fail_at_last_stage(index, problems[0])
-                self._targets = []
-            elif self._outputs_only(self._target):
-                self._targets = [None] * self.chunks  # no loss this step
-            else:
-                self._targets = split_target(self._target, self.chunks, self._target_dims)
-                self._loss_divisors = self._counted_divisors(index)
-                if self._loss_divisors is None:
-                    self._targets = []
-        return self._targets
-
-    def _counted_divisors(self, index: int) -> Optional[list]:
-        """What each micro-batch's loss is divided by under ``scale_grads`` where ``loss_fn``
-        averages over a count its target decides (``loss_denominator``, or a class-index
-        target of ``nn.CrossEntropyLoss`` / ``nn.NLLLoss`` / ``F.cross_entropy`` /
-        ``F.nll_loss`` with ``reduction="mean"``: the non-ignored targets, weighted by the
-        class weights where there are some): the whole target's count over the micro-batch's,
-        so the gradients are one process's on the whole batch, even or uneven split (``inf``
-        for a micro-batch that counts nothing: it contributes no gradient). Otherwise
-        :meth:`_row_weighted_divisors`. ``None`` (the step fails, naming micro-batch
-        ``index``) where ``loss_denominator`` raises or returns no count."""
-        counter = self.loss_denominator or declared_denominator(self.loss_fn, self._loss_kwargs)
-        if self.scale_grads and counter is None and \
-                declared_reduction(self.loss_fn, self._loss_kwargs) in (None, "mean"):
-            # a lambda, or a callable that says "mean" without saying over what: learnt at
-            # the first loss_fn call (before any backward)
-            self._loss_watch = LossCountWatch(self._targets)
-        if not self.scale_grads or counter is None:
-            return self._row_weighted_divisors()
-        try:
-            counts = [count_value(counter(target)) for target in self._targets]
-        except NotCounted:  # not a class-index target of a declared loss
-            return self._row_weighted_divisors()
-        except Exception as error:  # a user's loss_denominator: the same error on every rank
-            self._fail_at_last_stage(index, f"loss_denominator raised {type(error).__name__}: "
-                                            f"{error}; expected the count (a finite number >= 0) "
-                                            f"loss_fn's mean divides by", error)
-            return None
-        return self._divisors_of_counts(counts)
-
-    def _divisors_of_counts(self, counts: list) -> list:
-        """Each micro-batch's divisor given what its loss's mean divides by: the whole
-        target's count over its own (``inf`` for one counting nothing: no gradient)."""
-        total = sum(counts)
-        if total == 0:  # nothing counted anywhere: one process's loss is NaN too
-            return [self.chunks] * self.chunks
-        return [total / count if count else float("inf") for count in counts]
-
-    def _row_weighted_divisors(self) -> list:
-        """What each micro-batch's loss is divided by under ``scale_grads``: ``chunks`` (as
-        torch), except where the split is uneven and ``loss_fn`` declares that it averages
-        over its rows (:func:`_declared_reduction`): the target's rows over the micro-batch's,
-        so the gradients are those of the batch mean, as in one process."""
-        rows = target_rows(self._target, self._target_dims)
-        if rows is None or rows % self.chunks == 0 or \
-                declared_reduction(self.loss_fn, self._loss_kwargs) != "mean":
-            return [self.chunks] * self.chunks
-        return [rows / part for part in part_rows(rows, self.chunks)]
-
     def _step_keyword_arguments(self) -> Optional[list]:
         """This step's keyword arguments per micro-batch, checked against the batch's rows
         (on a later stage's rank known from the headers, so at its first forward); a problem
@@ -768,20 +604,6 @@ class PlanSchedule:
             self._fail(problems[0])
             return None
         return split_keyword_arguments(self._kwargs_arg, self.chunks, self._keyword_dims)
-
-    def _remote(self, stage: int) -> Optional[int]:
-        """The global rank of ``stage`` if another rank runs it, else ``None``."""
-        if stage in self.stages or not 0 <= stage < self.num_stages:
-            return None
-        return next(iter(self.stages.values())).global_rank_of(stage)
-
-    def _post_ahead(self, action) -> None:
-        s, i = action.stage, action.microbatch
-        if action.kind == "F" and s > 0 and self._remote(s - 1) is not None:
-            self.links.post_activation(s - 1, i, self._remote(s - 1))
-        elif action.kind in ("B", "BW") and (s, i) in self._live \
-                and self._remote(s + 1) is not None:
-            self.links.post_gradient(s, i, self._remote(s + 1))
 
     def _run_F(self, s: int, i: int) -> None:
         stage, last = self.stages[s], self.num_stages - 1
@@ -869,531 +691,13 @@ class PlanSchedule:
                           + _packed_input_hint(activation, error), error)
             return _FAILED
 
-    @contextlib.contextmanager
-    def _recording_frozen_outputs(self, s: int, i: int):
-        """While stage ``s`` runs micro-batch ``i`` forward: the autograd nodes of each of its
-        frozen FSDP units' outputs (none for a unit not called, or whose outputs do not
-        require grad: no backward gathers it), or ``None`` for a unit called under
-        ``no_grad`` (inside activation checkpointing: what its backward does is unknown
-        here), for :meth:`_replicas_reach_alike`. Nothing where the stage holds none."""
-        units = self._frozen_units[s]
-        if not units:
-            yield
-            return
-        nodes = [set() for _ in units]
-
-        def record(k, _module, _args, output):
-            if not torch.is_grad_enabled():
-                nodes[k] = None
-            elif nodes[k] is not None:
-                nodes[k] |= {get_gradient_edge(t).node for t in tree_flatten(output)[0]
-                             if isinstance(t, torch.Tensor) and t.requires_grad}
-
-        handles = [unit.register_forward_hook(functools.partial(record, k))
-                   for k, (_, unit) in enumerate(units)]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-            self._frozen_outputs[(s, i)] = nodes
-
-    def _skip_forward(self, s: int, i: int, activation) -> None:
-        """Micro-batch ``i`` of a failed step at stage ``s``: no forward (no loss, zero input
-        gradients on the way back), and the next stage gets what it expects."""
-        if s < self.num_stages - 1:
-            if self._remote(s + 1) is None:
-                self._handoff[("F", s, i)] = ((torch.zeros(1, dtype=torch.uint8),), False)
-            else:
-                self.links.send_no_output(s, i, self._remote(s + 1))
-        self._keep_live(s, i, activation, [])
-
-    def _loss(self, output, i: int) -> Optional[torch.Tensor]:
-        """``loss_fn`` on micro-batch ``i``; an exception there (a target that does not fit
-        the output), or a value that is not a one-element tensor (``reduction="none"``: its
-        backward would sum the elements, not average them), fails the step on every rank
-        instead of leaving the others waiting."""
-        watch = self._loss_watch
-        try:
-            if watch is not None and watch.watching:
-                loss, record = watch.call(self.loss_fn, output, self._targets[i],
-                                          self._loss_kwargs or {})
-            else:
-                loss = self.loss_fn(output, self._targets[i], **(self._loss_kwargs or {}))
-        except Exception as error:  # re-raised on every rank at the end of the step
-            self._fail_at_last_stage(i, f"loss_fn raised {type(error).__name__}: {error}"
-                                     + self._target_rows_hint(output, i), error)
-            return None
-        if watch is not None and watch.watching:
-            self._check_loss_count(watch, i, record, loss)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            found = f"a tensor of shape {tuple(loss.shape)}" if isinstance(
-                loss, torch.Tensor) else f"a {type(loss).__name__}"
-            self._fail_at_last_stage(i, f"loss_fn returned {found}; expected a one-element "
-                                        f"tensor (the micro-batch's loss, e.g. "
-                                        f"reduction='mean', or 'sum' with scale_grads=False)")
-            return None
-        return loss
-
-    def _check_loss_count(self, watch: LossCountWatch, i: int, record, loss) -> None:
-        """For a ``loss_fn`` that does not declare what its mean divides by: at the step's
-        first loss averaging by its target's counts, learn it
-        (:class:`~shardkit.nn.pipe.loss_count.LossCountWatch`) and weigh every micro-batch by
-        it (only guards' zeros, which add no gradient, have been backpropagated before); at
-        later ones, fail the step where a micro-batch's counts differ from what was learnt."""
-        learnt = watch.learnt
-        problem = watch.observe(i, record, loss)
-        if problem:
-            self._fail_at_last_stage(i, problem)
-        elif not learnt and watch.counts is not None:
-            self._loss_divisors = self._divisors_of_counts(watch.counts)
-        elif not learnt and watch.watching:  # a masked mean whose counts must all be alike
-            self._loss_divisors = [self.chunks] * self.chunks
-
-    def _target_rows_hint(self, output, i: int) -> str:
-        """Where micro-batch ``i``'s target and output disagree on dim 0 (the likely reason
-        ``loss_fn`` raised), how the target was cut."""
-        target = self._targets[i]
-        leaves = tree_flatten(output)[0]
-        if self._target_dims != 0 or not isinstance(target, torch.Tensor) or not leaves or \
-                not isinstance(leaves[0], torch.Tensor) or leaves[0].dim() == 0 or \
-                leaves[0].shape[0] == target.shape[0]:
-            return ""
-        return (f" (its target has {target.shape[0]} rows, its output {leaves[0].shape[0]}: "
-                f"the target's {self._target.shape[0]} rows are cut into chunks={self.chunks} "
-                f"micro-batches along dim 0 with torch.tensor_split, as the batch is)")
-
     def _keep_live(self, s: int, i: int, activation, roots) -> None:
         self._live[(s, i)] = (activation, roots)
         self._alive += 1
         self.peak_live_microbatches = max(self.peak_live_microbatches, self._alive)
 
-    def _output_grads(self, s: int, i: int, roots: list,
-                      split: bool = False) -> tuple[list, Optional[list], Optional[list]]:
-        """The roots of stage ``s``'s backward on micro-batch ``i`` that get a gradient, those
-        gradients (``None``: the last stage's loss, ones), and ``None``, or the roots whose
-        gradient is real when some fed are zeros. An output the next stage gave no gradient
-        (it ignored or detached that tensor) is left out, as one process's backward never
-        reaches it: the parameters only it depends on keep ``.grad`` ``None``, and with no
-        gradient at all there is no backward.
-
-        A stage whose module reduces gradients inside backward (ShardedDataParallel, FSDP) must
-        issue the same reductions as its replicas, whose next stages may have used that output:
-        a ShardedDDP stage leaves the output out when the backward still reaches some trainable
-        parameter, and otherwise takes zeros for it (those parameters then get zeros, which is
-        one process's gradient wherever a replica gave them one). An FSDP stage always takes
-        zeros, so that every replica gathers and reduce-scatters the same units in the same
-        order (a frozen unit only that output reaches gathers; units both outputs reach may be
-        reached in another order): its units get ``None`` for the views only the zeros reached
-        (:func:`zeros_only_views`; under B and W, :class:`ShardedGradientSink`). The caller
-        reports the input gradients only the real roots reach (:func:`_reached`)."""
-        if s == self.num_stages - 1:
-            return roots, None, None
-        if self._remote(s + 1) is None:
-            grads = self._handoff.pop(("B", s, i))
-        else:
-            grads = self.links.take_gradient(s, i, self._remote(s + 1))
-        pairs = list(zip(roots, grads))
-        real = [(r, g) for r, g in pairs if g is not None]
-        if len(real) < len(pairs) and self._feeds_zeros(s, roots, [r for r, _ in real], split):
-            return [r for r, _ in pairs], [g if g is not None else torch.zeros_like(r)
-                                           for r, g in pairs], [r for r, _ in real]
-        return [r for r, _ in real], [g for _, g in real], None
-
-    def _feeds_zeros(self, s: int, roots: list, real: list, split: bool) -> bool:
-        """Whether stage ``s`` must backpropagate zeros for its roots without a gradient (see
-        :meth:`_output_grads`). Walks the micro-batch's graph; local."""
-        if self._whole_backward[s] and (split or self._reducing[s]):
-            # FSDP: the replicas' gathers and reduce-scatters follow the graph's units in the
-            # order backward reaches them (a frozen unit gathers too), so every replica runs the
-            # whole graph; the views only zeros reach get None (zeros_only_views, or W)
-            return True
-        if not self._reducing[s]:
-            return False
-        params = {id(p) for p in self.stages[s].module.parameters() if p.requires_grad}
-        return _reaches_a_parameter(roots, params) != _reaches_a_parameter(real, params)
-
-    def _replicas_reach_alike(self, s: int, i: int, activation, roots: list) -> bool:
-        """Whether stage ``s``'s replicas agree on which of its frozen FSDP units micro-batch
-        ``i``'s backward runs through (else ``True`` at no cost, where it holds none).
-
-        Note: a backward gathers a frozen unit only where it runs through the unit's output,
-        that is where a path leads from there to something needing a gradient (a trainable
-        parameter, or the stage's input): a stage that ignores its input on one replica and
-        uses it on another may gather a unit on one side only (gloo aborts both). So every
-        replica shares, before this backward, whether it runs through each unit, which inputs
-        it reaches, and whether it called a unit under ``no_grad`` (inside activation
-        checkpointing, where what the backward gathers is unknown here): one all-reduce of
-        ``units + MAX_TENSORS + 1`` elements over each frozen unit's group, on every replica.
-        Where they differ on a unit (or, with a unit unknown somewhere, on an input) every
-        replica skips this backward alike (no unit gathers or reduce-scatters for it) and
-        fails the step. A unit that every replica's backward runs through (a trainable layer
-        before it) is no reason to refuse, whatever the input."""
-        units = self._frozen_units[s]
-        if not units:
-            return True
-        outputs = self._frozen_outputs.pop((s, i), None) or [set() for _ in units]
-        needed = _nodes_needing_gradients(roots, activation)
-        runs = [float(bool(nodes and nodes & needed)) for nodes in outputs]
-        unknown = float(any(nodes is None for nodes in outputs))
-        local = torch.tensor(runs + _inputs_reached(roots, activation) + [unknown],
-                             device=self.stages[s].device)
-        differ_units, differ_inputs, unknown_somewhere = [], set(), False
-        groups = {id(unit.process_group): unit.process_group for _, unit in units}
-        for group in groups.values():  # one per group, in module order
-            total = local.clone()
-            dist.all_reduce(total, group=group)
-            size, total = dist.get_world_size(group), total.tolist()
-            split = [k for k, v in enumerate(total[:-1]) if 0 < v < size]
-            differ_units += [units[k][0] for k in split
-                             if k < len(units) and units[k][1].process_group is group]
-            differ_inputs.update(k - len(units) for k in split if k >= len(units))
-            unknown_somewhere |= total[-1] > 0  # then the inputs decide
-        if not differ_units and not (unknown_somewhere and differ_inputs):
-            return True
-        names = ", ".join(differ_units or [n for n, _ in units])
-        what = f"whether its backward reaches its input {sorted(differ_inputs)} (the stage " \
-            f"ignores it on some replicas only) and " if differ_inputs else "whether its " \
-            "backward "
-        self._fail_at(s, i, f"its replicas (FSDP's data-parallel ranks) disagree on {what}"
-                            f"runs through FSDP units whose parameters are all frozen "
-                            f"({names}), which a backward gathers only where it reaches "
-                            f"them: their collectives would not pair. Use the input alike on "
-                            f"every replica, or leave the frozen layers in the stage's outer "
-                            f"unit (kept gathered from forward to backward)")
-        return False
-
-    def _send_input_grads(self, s: int, i: int, activation, grads) -> None:
-        """Hand the gradients of stage ``s``'s inputs back (one per input requiring grad,
-        ``None`` where the backward did not reach it: the previous stage leaves that output
-        out of its backward)."""
-        if s == 0:  # to the batch's views (the stage may have run on leaves standing in)
-            self._batch_grads += [(a, g) for a, g in zip(self._inputs[i], grads)
-                                  if a.requires_grad and g is not None]
-            return
-        grads = [g for a, g in zip(activation, grads) if a.requires_grad]
-        if self._remote(s - 1) is None:
-            self._handoff[("B", s - 1, i)] = grads
-        else:
-            self.links.send_gradient(s - 1, i, grads, self._remote(s - 1))
-
-    def _run_BW(self, s: int, i: int) -> None:
-        if not self._whole_backward[s] and not self._sinks[s].deferred:
-            self._run_B(s, i)  # the input gradient goes back first, then W
-            self._run_W(s, i)
-            return
-        # gradient hooks (data-parallel wrappers, FSDP) see one plain backward per micro-batch
-        activation, roots = self._live.pop((s, i))
-        roots, grads, real = self._output_grads(s, i, roots)
-        if not self._replicas_reach_alike(s, i, activation, roots):
-            roots = []
-        views = zeros_only_views(roots, real) if real is not None and self._whole_backward[s] \
-            else contextlib.nullcontext()
-
-        def run():
-            with views:
-                torch.autograd.backward(roots, grads)
-        failed = roots and self._backward(s, i, run) is _FAILED
-        # stage 0 on the batch's own views: the plain backward has already reached the batch
-        input_grads = [None] * len(activation) if failed or \
-            s == 0 and activation is self._inputs[i] else \
-            _reached(real, activation, [a.grad for a in activation])
-        self._send_input_grads(s, i, activation, input_grads)
-        self._alive -= 1
-
-    def _run_B(self, s: int, i: int) -> None:
-        activation, roots = self._live.pop((s, i))
-        roots, grads, real = self._output_grads(s, i, roots, split=True)
-        if not self._replicas_reach_alike(s, i, activation, roots):
-            roots = []
-        result = self._backward(s, i, lambda: backward_input(
-            roots, grads, activation, self._sinks[s].weight_targets(roots, real),
-            split_at_parameters=self._whole_backward[s])) if roots else None
-        if result is None or result is _FAILED:
-            result = [None] * len(activation), None
-        input_grads, self._weights[(s, i)] = result
-        input_grads = _reached(real, activation, input_grads)
-        self._send_input_grads(s, i, activation, input_grads)
-
-    def _run_W(self, s: int, i: int) -> None:
-        weight_pass = self._weights.pop((s, i))
-        if weight_pass is not None:
-            self._backward(s, i, lambda: self._sinks[s].run(weight_pass))
-        self._alive -= 1
-
-    def _hand_batch_grads(self) -> None:
-        """Give the step's batch tensors that require grad their gradient, as one process's
-        backward would (B computed each micro-batch's for stage 0; its inputs are views of the
-        batch): one autograd call for the step, so a graph that built the batch before the
-        pipeline is walked once. Memory: the first stage's input gradients until the step's
-        end (the batch's size), only where the batch requires grad."""
-        views, grads = zip(*self._batch_grads)
-        self._batch_grads = []
-        torch.autograd.backward(list(views), list(grads))
-
-    def _backward(self, s: int, i: Optional[int], run: Callable,
-                  what: str = "handing the weight gradients to the parameters"):
-        """``run()``, a backward part of stage ``s`` on micro-batch ``i`` (``None``: ``what``,
-        a part of the step's end); an exception there (a custom autograd
-        function or a gradient hook raising, a tensor modified in place) fails the step on
-        every rank as a forward's does: the stage sends zero input gradients and gives
-        ``_FAILED``. Communication errors propagate at once, and so does any exception in a
-        stage that reduces gradients inside backward (see ``_reduces_during_backward``)."""
-        try:
-            with self._busy():
-                return run()
-        except COMMUNICATION_ERRORS:
-            raise
-        except Exception as error:
-            if self._reducing[s]:
-                raise
-            problem = f"its backward raised {type(error).__name__}: {error}"
-            if i is None:
-                self._fail(f"stage {s}: {what}, {problem}", error)
-            else:
-                self._fail_at(s, i, problem, error)
-            return _FAILED
-
     def _busy(self):
         return busy_time(self)
-
-    # ------------------------------------------------------------------ checks
-    def _batch_problems(self, inputs) -> list[str]:
-        """What is wrong with the batch the first stage got (checked every step)."""
-        name = type(self).__name__
-        if not inputs:
-            return [f"the first stage needs the batch: call {name}.step(*inputs)"]
-        try:
-            size = batch_size(inputs, f"{name}.step(*inputs)")
-        except (TypeError, ValueError) as error:
-            return [str(error)]
-        if self.chunks > size:
-            return [f"chunks={self.chunks} is larger than the batch size {size}; use "
-                    f"chunks <= {size}"]
-        return []
-
-    def _batch_rows(self, inputs) -> Optional[int]:
-        """The batch's rows on the rank running the first stage; ``None`` elsewhere, or where
-        the batch is unusable (:meth:`_batch_problems` names why)."""
-        if 0 not in self.stages or self._batch_problems(inputs):
-            return None
-        return batch_size(inputs, "step")
-
-    def _local_problems(self, inputs, target) -> list[str]:
-        problems = list(self._problems)
-        if 0 in self.stages:
-            problems += self._batch_problems(inputs)
-        rows = self._batch_rows(inputs)  # None on the other ranks: checked during the step
-        problems += self._call_problems(rows)
-        last = self.num_stages - 1
-        if last in self.stages:
-            where = f"stage {last} (the last): " if len(self.stages) > 1 else ""
-            problems += [where + p for p in self._target_problems(target, rows)]
-        return problems
-
-    def _call_problems(self, batch_rows: Optional[int] = None) -> list[str]:
-        """What is wrong with this rank's keyword arguments to :meth:`step` (on any rank;
-        given the batch's rows, where this rank knows them, also a keyword tensor that would
-        be cut at other rows than the batch)."""
-        name = type(self).__name__
-        problems = keyword_argument_problems(f"{name}.step", self._kwargs_arg, self.chunks,
-                                             self._keyword_dims, batch_rows)
-        if self._return_outputs is not None and not isinstance(self._return_outputs, bool):
-            problems.append(f"{name}.step(return_outputs={self._return_outputs!r}): expected "
-                            f"True (the last stage returns its merged outputs), False (it "
-                            f"returns None) or None (the default: it returns the loss)")
-        loss_kwargs = self._loss_kwargs
-        if loss_kwargs is not None and (not isinstance(loss_kwargs, dict) or not all(
-                isinstance(k, str) for k in loss_kwargs)):
-            problems.append(f"{name}.step(loss_kwargs={type(loss_kwargs).__name__}): expected a "
-                            f"dict of keyword arguments for loss_fn(output, target, **"
-                            f"loss_kwargs), with str keys, or None")
-        return problems
-
-    def _outputs_only(self, target) -> bool:
-        """Whether the last stage computes no loss this step: a forward-only step asked for its
-        outputs (``return_outputs=True``) without a ``loss_fn`` or without a ``target``, or
-        one without a ``target`` and ``return_outputs`` unset (there is no loss to return: the
-        outputs are returned, as torch's inference with a schedule built without
-        ``loss_fn``)."""
-        if torch.is_grad_enabled() or self._return_outputs is False:
-            return False
-        if self._return_outputs is None:
-            return target is None
-        return self.loss_fn is None or target is None
-
-    def _returns_outputs(self, target) -> bool:
-        """Whether this step returns the last stage's merged outputs rather than the loss."""
-        return self._return_outputs is True or self._outputs_only(target)
-
-    def _target_problems(self, target, batch_rows: Optional[int] = None) -> list[str]:
-        """What is wrong with the last stage's target (its tensors split along dim 0 like the
-        batch, inside tuples, lists and dicts too): given the batch's rows, also a tensor
-        whose micro-batches would not hold the batch's micro-batches' samples (a flattened
-        target is fine where ``chunks`` divides the batch, not elsewhere)."""
-        losses = self._losses_arg
-        if losses is not None and not isinstance(losses, list):
-            return [f"losses={type(losses).__name__}: expected a list (it receives each "
-                    f"micro-batch's loss) or None"]
-        if self._outputs_only(target):
-            return []  # no loss this step: the target is not used
-        name, problems = type(self).__name__, []
-        if self.loss_fn is None:  # checked every step: an inference step may have come first
-            problems.append(f"the last stage needs {name}(..., loss_fn=...) (without one, only "
-                            f"a forward-only step with return_outputs=True runs: "
-                            f"{name}.eval(x, return_outputs=True))")
-        if target is None:
-            outputs = "" if torch.is_grad_enabled() else \
-                " (or, for the outputs without a loss, return_outputs=True)"
-            problems.append(f"the last stage needs the target: call {name}.step(..., "
-                            f"target=...){outputs}")
-        else:
-            problems += target_split_problems(target, self.chunks, batch_rows,
-                                              self._target_dims)
-        return problems
-
-    def _check_agreement(self, inputs, target, grad: Optional[bool] = None,
-                         replicas_too: bool = False) -> None:
-        """The pipeline group's agreement on the step (see
-        :func:`~shardkit.nn.pipe.schedules.check_schedule_agreement`); a refusal is told to the
-        stages' data-parallel replicas first (:meth:`_refuse_to_replicas`: ``grad``, the
-        step's grad mode, default this rank's), so a pipeline that ran the step is not left
-        waiting for this one. ``replicas_too`` (the first step): ShardedDataParallel / FSDP
-        stages' replicas share their refusals before (:meth:`_replica_refusals`)."""
-        grad = torch.is_grad_enabled() if grad is None else grad
-        local = self._local_problems(inputs, target)
-        if replicas_too:
-            local += self._replica_refusals(local, grad)
-        shards = (bool(self._reducing_replica_groups(True)),
-                  bool(self._reducing_replica_groups(False)))
-        try:
-            training, evaluating = check_schedule_agreement(
-                type(self).__name__, self.chunks, local, self.group, self._who,
-                self._tie_status(), self._keyword_dims, flags=shards)
-            self._pipeline_shards = {True: training, False: evaluating}
-        except ValueError as refusal:
-            self._refuse_to_replicas(str(refusal), grad)
-            raise
-
-    def _tie_status(self) -> dict:
-        """``{key: requires_grad}`` of this rank's copies of weights tied across ranks."""
-        return {key: param.requires_grad for stage in self.stages.values()
-                for key, param in stage.tie_copies}
-
-    def _check_first_step(self, inputs, target, grad: bool) -> None:
-        """The first step's checks; again at the first step after a failed one, and at the
-        first training step after eval steps (these share no refusal over the replicas of
-        ShardedDataParallel stages: see :meth:`_replica_refusals`)."""
-        self._check_agreement(inputs, target, grad, replicas_too=True)
-        self._checked = True
-        self._replicas_checked = self._replicas_checked or grad
-
-    def _replica_refusals(self, local: list, grad: bool) -> list[str]:
-        """Before the first step (and the next after a failed one): where a stage's module
-        reduces inside forward and backward over replicas in other pipelines
-        (ShardedDataParallel, FSDP), whether a replica's rank refuses the step (``local``:
-        this rank's problems), as problems naming it, and whether the replicas disagree on
-        training against eval; one all-reduce of three elements per such group, and one
-        small all-gather only where some replica refused. A pipeline that ran
-        the step would otherwise wait in those modules' collectives for the one that refused
-        it. No communication for other stages (their refusal rides on the step's gradient
-        all-reduce: :meth:`_refuse_to_replicas`). A step that records no backward (``grad``
-        false: :meth:`eval`) shares them over FSDP groups only, whose forward gathers
-        parameters over the replicas: ShardedDataParallel communicates in backward only, so an
-        eval step that one pipeline runs alone joins no all-reduce there."""
-        problems = []
-        groups = self._reducing_replica_groups(grad)
-        for group, refused, disagree in _replica_verdicts(groups, bool(local), grad):
-            if disagree:
-                problems.append(_step_kind_disagreement(grad))
-            if not refused:
-                continue
-            found = dist.all_gather_object(local, group=group)
-            problems += [f"data-parallel replica at global rank {rank} (of the group of a "
-                         f"ShardedDataParallel / FSDP stage module) refuses the step: {p}"
-                         for rank, ps in zip(dist.group_ranks(group), found)
-                         if rank != dist.get_rank() for p in ps]
-        return problems
-
-    def _check_with_sharded_replicas(self, inputs, target, grad: bool) -> None:
-        """Before a step after the first, where this rank's stage modules communicate over
-        replicas in other pipelines inside forward or backward (ShardedDataParallel in a
-        training step, FSDP in any): whether any rank of any such pipeline refuses the step
-        (its batch, keyword arguments or target, as the first step checks them), or a replica
-        runs the other kind of step (eval against training). One all-reduce of three
-        elements per replica group, then one of two over the pipeline group, reach every
-        rank of every pipeline; a refusal then takes :meth:`_check_agreement`'s path (the
-        same error on every rank, naming the replica), a disagreement on the kind of step
-        is a ValueError on every rank. Without this a pipeline that ran the step waits
-        forever in those modules' collectives for the one that refused it. Every rank of a
-        pipeline with such a stage module joins the pipeline group's all-reduce, its ranks
-        running other stages too (learnt at the first step: ``_pipeline_shards``)."""
-        if not self._pipeline_shards.get(grad):
-            return
-        groups = self._reducing_replica_groups(grad)
-        verdicts = _replica_verdicts(groups, bool(self._local_problems(inputs, target)), grad)
-        verdict = torch.tensor([float(any(refused for _, refused, _ in verdicts)),
-                                float(any(disagree for _, _, disagree in verdicts))],
-                               device=next(iter(self.stages.values())).device)
-        if self.num_ranks > 1:
-            dist.all_reduce(verdict, group=self.group)
-        if verdict[1] > 0:
-            raise ValueError(f"{type(self).__name__}.step: the pipelines cannot run this step: "
-                             f"{_step_kind_disagreement(grad)}")
-        if verdict[0] > 0:
-            self._check_agreement(inputs, target, grad, replicas_too=True)
-
-    def _reducing_replica_groups(self, grad: bool = True) -> list:
-        """``(group, device)`` of each process group over more than one rank that this rank's
-        ShardedDataParallel / FSDP stage modules communicate over (FSDP's only where ``grad``
-        is false), once each, in stage and module order (alike on every replica)."""
-        from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
-
-        groups = {}
-        for s, stage in self.stages.items():
-            if not self._reducing[s]:
-                continue
-            for m in stage.module.modules():
-                if isinstance(m, FullyShardedDataParallel) or \
-                        grad and isinstance(m, ShardedDataParallel):
-                    for group in (m.process_group, getattr(m, "replicate_group", None)):
-                        if group is not None and dist.get_world_size(group) > 1:
-                            groups.setdefault(id(group), (group, stage.device))
-        return list(groups.values())
-
-
-def _replica_verdicts(groups: list, refused: bool, grad: bool) -> list:
-    """Over each ``(group, device)`` of replicas that a stage module communicates with inside
-    forward or backward, in order: ``(group, some replica refuses the step, the replicas
-    disagree on training against eval)``, from one all-reduce of three elements per group."""
-    verdicts = []
-    for group, device in groups:
-        flags = torch.tensor([float(refused), float(grad), 1.0], device=device)
-        dist.all_reduce(flags, group=group)
-        refusals, training, replicas = flags.tolist()
-        verdicts.append((group, refusals > 0, 0 < training < replicas))
-    return verdicts
-
-
-def _step_kind_disagreement(grad: bool) -> str:
-    kind = "a training step" if grad else "eval (forward only, under torch.no_grad())"
-    return (f"this rank runs {kind}, but a data-parallel replica of its ShardedDataParallel / "
-            f"FSDP stage module (whose collectives span the pipelines) runs the other kind; "
-            f"call step() or eval() alike on every pipeline")
-
-
-def last_messages(plan: PipelinePlan) -> dict:
-    """Which micro-batch's message crosses each stage boundary last, each way (the step's
-    verdict rides on it): ``(ACTIVATION, b)``: stage ``b``'s last F; ``(GRADIENT, b)``: stage
-    ``b + 1``'s last B or BW."""
-    last = {}
-    for order in plan.orders:
-        for action in order:
-            if action.kind == "F":
-                last[(ACTIVATION, action.stage)] = action.microbatch
-            elif action.kind in ("B", "BW"):
-                last[(GRADIENT, action.stage - 1)] = action.microbatch
-    return last
 
 
 def _one_tie_per_weight(stages: list) -> list:
@@ -1404,109 +708,6 @@ def _one_tie_per_weight(stages: list) -> list:
         for tie in stage.ties:
             ties[id(tie.param)] = tie
     return list(ties.values())
-
-
-def _graph_nodes(roots: list) -> set:
-    """The autograd nodes below ``roots`` (theirs included)."""
-    stack = [get_gradient_edge(r).node for r in roots if r.requires_grad]
-    seen = set(stack)
-    while stack:
-        for child, _ in stack.pop().next_functions:
-            if child is not None and child not in seen:
-                seen.add(child)
-                stack.append(child)
-    return seen
-
-
-def _inputs_reached(roots: list, activation) -> list:
-    """``1.0`` for each of the first ``MAX_TENSORS`` of ``activation``'s tensors requiring
-    grad that a backward from ``roots`` reaches, else ``0.0``."""
-    nodes = _graph_nodes(roots)
-    reached = [0.0] * MAX_TENSORS
-    for k, a in enumerate(activation[:MAX_TENSORS]):
-        if isinstance(a, torch.Tensor) and a.requires_grad and get_gradient_edge(a).node in nodes:
-            reached[k] = 1.0
-    return reached
-
-
-def _nodes_needing_gradients(roots: list, activation) -> set:
-    """The autograd nodes below ``roots`` that a backward from them runs: those with a path
-    to a leaf requiring grad (a trainable parameter's or input's ``AccumulateGrad``) or to
-    one of ``activation``'s tensors requiring grad."""
-    targets = {get_gradient_edge(a).node for a in activation
-               if isinstance(a, torch.Tensor) and a.requires_grad}
-    needed, done = set(), set()
-    stack = [(get_gradient_edge(r).node, False) for r in roots if r.requires_grad]
-    while stack:  # post-order, so that a node is decided after its children
-        node, expanded = stack.pop()
-        if node in done:
-            continue
-        children = [child for child, _ in node.next_functions if child is not None]
-        if not expanded:
-            stack.append((node, True))
-            stack.extend((child, False) for child in children if child not in done)
-            continue
-        done.add(node)
-        if node in targets or hasattr(node, "variable") or \
-                any(child in needed for child in children):
-            needed.add(node)
-    return needed
-
-
-def _reaches_a_parameter(roots: list, params: set) -> bool:
-    """Whether a backward from ``roots`` accumulates into a parameter whose ``id`` is in
-    ``params``."""
-    return any(id(getattr(n, "variable", None)) in params for n in _graph_nodes(roots))
-
-
-def _reached(real: Optional[list], tensors, grads: list) -> list:
-    """``grads`` of ``tensors``, ``None`` where a backward from the ``real`` roots alone
-    (``None``: every root was real) would not reach the tensor (zeros fed for the others
-    reached it)."""
-    if real is None:
-        return list(grads)
-    nodes = _graph_nodes(real)
-    return [g if g is not None and isinstance(t, torch.Tensor) and t.requires_grad
-            and get_gradient_edge(t).node in nodes else None for t, g in zip(tensors, grads)]
-
-
-def _device_problems(stages: list) -> list[str]:
-    """A rank whose stages are on different devices: its pipeline messages (activations,
-    gradients, headers) are sent and received on one device, its stages'. Local."""
-    if len({stage.device for stage in stages}) < 2:
-        return []
-    where = ", ".join(f"stage {stage.stage_index} on {str(stage.device)!r}" for stage in stages)
-    return [f"the stages of one rank must be on one device (its pipeline messages are sent and "
-            f"received there), got {where}; move their modules to one device (module.to(...)) "
-            f"and pass it as each PipelineStage's device"]
-
-
-def _packed_input_hint(activation, error: Exception) -> str:
-    """What to do when a stage module given several tensors raised a TypeError (most likely
-    a ``forward(self, a, b)``): shardkit passes them as one tuple, where torch unpacks them."""
-    if not isinstance(activation, tuple) or not isinstance(error, TypeError):
-        return ""
-    return (f" (the stage's input is a tuple of {len(activation)} tensors, passed as one "
-            f"argument as in nn.Sequential, where torch.distributed.pipelining unpacks it: "
-            f"take one argument and unpack it in forward)")
-
-
-def _reduces_during_backward(stage: PipelineStage) -> bool:
-    """Whether the stage module's own hooks reduce gradients over replicas inside backward
-    (ShardedDataParallel, FSDP on more than one rank): a backward raising there cannot be
-    passed over, since its replicas may already wait in that reduction."""
-    from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
-
-    return any(isinstance(m, ShardedDataParallel) and m.world_size > 1
-               or isinstance(m, FullyShardedDataParallel) and (
-                   m.world_size > 1 or getattr(m, "replicate_group", None) is not None)
-               for m in stage.module.modules())
-
-
-def _runs_whole_backward(stage: PipelineStage) -> bool:
-    """Whether BW stays one plain backward (FSDP's hooks then reduce-scatter as usual); B and W
-    of such a stage go through :class:`ShardedGradientSink`."""
-    return stage_is_fully_sharded(stage.module)
 
 
 class ScheduleGPipe(PlanSchedule):
@@ -1646,53 +847,6 @@ class ScheduleZBV(PlanSchedule):
         if self.num_stages != 2 * num_ranks:
             return _unrunnable(self, "two stages per rank")
         return zbv_plan(num_ranks, chunks, costs)
-
-
-# torch.distributed.pipelining's constructor options, with the values that mean what shardkit
-# does (tensors split along dim 0 into equal chunks, outputs concatenated along dim 0 by
-# step(return_outputs=True), the split backward run by the schedule itself)
-_TORCH_DEFAULTS = {"args_chunk_spec": None, "output_merge_spec": None,
-                   "use_full_backward": None, "backward_requires_autograd": True,
-                   "defer_pp_recv": False}
-
-
-def _microbatch_count(name: str, chunks, n_microbatches):
-    """The micro-batches per step, given as ``chunks`` (shardkit's and FairScale's name) or
-    ``n_microbatches=`` (torch's). Local, before any collective."""
-    if n_microbatches is None:
-        if chunks is None:
-            raise TypeError(f"{name}() needs the number of micro-batches per step: chunks "
-                            f"(2nd argument) or n_microbatches=... (torch's name)")
-        return chunks
-    if chunks is not None:
-        raise TypeError(f"{name}(chunks={chunks!r}, n_microbatches={n_microbatches!r}): the "
-                        f"number of micro-batches is given twice (n_microbatches is torch's "
-                        f"name for chunks); pass it once")
-    return n_microbatches
-
-
-def _check_torch_options(name: str, options: dict) -> None:
-    """Accept torch's schedule options at their defaults (code written for torch's schedules
-    often spells them out), and an ``args_chunk_spec`` that splits along dim 0 as shardkit does;
-    refuse any other value by name, and unknown names as Python would. Local, before any
-    collective."""
-    for option, value in options.items():
-        if option not in _TORCH_DEFAULTS:
-            raise TypeError(f"{name}.__init__() got an unexpected keyword argument {option!r}")
-        if option == "args_chunk_spec":
-            problem = positional_chunk_spec_problem(value)
-            if problem:
-                raise ValueError(f"{name}(args_chunk_spec={value!r}): {problem}")
-            continue
-        default = _TORCH_DEFAULTS[option]
-        if value is default or (default is not None and value == default
-                                and isinstance(value, bool)):
-            continue
-        raise ValueError(
-            f"{name}({option}={value!r}): shardkit's schedules take only torch's default "
-            f"({default!r}): they split every tensor argument along dim 0 into equal chunks, "
-            f"concatenate the last stage's outputs along dim 0 (step(return_outputs=True)) and "
-            f"run the backward themselves; split or merge other dimensions in the stage module")
 
 
 def _unrunnable(schedule: PlanSchedule, need: str) -> PipelinePlan:
