@@ -8,36 +8,108 @@ data-parallel group, whose state dict is already whole over that group): the key
 wrapper's own ``state_dict`` keys, the shapes the unsplit ones, so the result is what the same
 model at tensor-parallel size 1 would hold. A module registered under several names (a shared
 block) is found under each of them.
+
+A parameter of a model's own split layer counts as split when it carries Megatron's marks
+(what ``set_tensor_model_parallel_attributes`` sets, and what :func:`clip_grad_norm` and the
+data-parallel wrappers already read): ``tensor_model_parallel = True``, ``partition_dim`` (the
+dimension it is split along) and optionally ``partition_stride`` (default 1); its groups are
+its ``model_parallel_groups``, else the current ones. Such a parameter without
+``partition_dim`` is a ``ValueError``, as its slices cannot be joined.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from shardkit import distributed
 from shardkit.nn.data_parallel.fsdp_state_dict import state_dict_key
-from shardkit.nn.model_parallel.initialize import groups_of
-from shardkit.nn.model_parallel.layers import TensorParallelModule
+from shardkit.nn.model_parallel.initialize import current_groups, groups_of
+from shardkit.nn.model_parallel.layers import TensorParallelModule, join_over_tensor_group
+from shardkit.nn.model_parallel.utils import shard_of
 
 __all__ = ["full_model_state_dict", "load_full_model_state_dict", "split_specs",
            "sync_module_states"]
 
 
-def _split_keys(model: nn.Module, keys) -> dict[str, tuple[TensorParallelModule, str]]:
-    """``state_dict`` key -> (tensor-parallel layer, its parameter name) for every key of
-    ``keys`` that is a split parameter. Module names are matched after removing the wrapper
-    prefixes that state dicts drop (FSDP's, torch's checkpoint_wrapper's); no communication."""
+@dataclass(frozen=True)
+class _Split:
+    """How one ``state_dict`` entry is split over the tensor-parallel ranks: along ``dim``,
+    ``stride`` blocks per rank (see :func:`~shardkit.nn.model_parallel.utils.shard_of`), over
+    ``groups``' tensor-parallel group."""
+
+    dim: int
+    stride: int
+    groups: object
+
+    @property
+    def size(self) -> int:
+        return len(self.groups.tensor_ranks)
+
+    def join(self, local: torch.Tensor) -> torch.Tensor:
+        """The unsplit tensor from this rank's slice (one all-gather over the group)."""
+        return join_over_tensor_group(local, self.dim, self.stride, self.groups.tensor,
+                                      self.size)
+
+    def slice_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the unsplit ``full``. Local."""
+        return shard_of(full, self.groups.tensor_rank, self.size, self.dim, self.stride)
+
+
+def _split_keys(model: nn.Module, keys) -> dict[str, _Split]:
+    """``state_dict`` key -> its :class:`_Split` for every key of ``keys`` that is a split
+    parameter: of a tensor-parallel layer, or marked as Megatron marks one (see the module
+    docstring). Module names are matched after removing the wrapper prefixes that state dicts
+    drop (FSDP's, torch's checkpoint_wrapper's); no communication.
+
+    Raises ``ValueError`` for a parameter marked ``tensor_model_parallel`` without
+    ``partition_dim`` (the same on every rank: they hold the same model)."""
+    of_layers = {id(getattr(module, pname)): _Split(spec[0], spec[1],
+                                                    module.model_parallel_groups)
+                 for module in model.modules() if isinstance(module, TensorParallelModule)
+                 for pname, spec in module._shard_dims.items()
+                 if spec is not None and getattr(module, pname, None) is not None}
     by_key = {}
     for name, module in model.named_modules(remove_duplicate=False):
-        if not isinstance(module, TensorParallelModule):
-            continue
         # (a module merely named like a wrapper level, my_checkpoint_wrapped_module, keeps it)
         prefix = state_dict_key(name + ".") if name else ""
-        for pname, spec in module._shard_dims.items():
-            if spec is not None and prefix + pname in keys:
-                by_key[prefix + pname] = (module, pname)
+        if isinstance(module, TensorParallelModule):  # by name: FSDP may hold the tensors
+            for pname, spec in module._shard_dims.items():
+                if spec is not None and prefix + pname in keys:
+                    by_key[prefix + pname] = _Split(spec[0], spec[1],
+                                                    module.model_parallel_groups)
+            continue
+        for pname, param in module._parameters.items():
+            key = prefix + pname
+            if param is None or key not in keys:
+                continue
+            if id(param) in of_layers:  # a layer's split weight, tied into another module
+                by_key[key] = of_layers[id(param)]
+            elif getattr(param, "tensor_model_parallel", False):
+                by_key[key] = _marked_split(key, param)
     return by_key
+
+
+def _marked_split(key: str, param: torch.Tensor) -> _Split:
+    """The split of a parameter marked ``tensor_model_parallel`` outside the tensor-parallel
+    layers, from Megatron's ``partition_dim`` / ``partition_stride``. Local."""
+    dim = getattr(param, "partition_dim", None)
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -param.dim() <= dim < param.dim():
+        raise ValueError(
+            f"{key!r} is marked tensor_model_parallel=True (each tensor-parallel rank holds a "
+            f"slice of it) with partition_dim={dim!r}, so its slices cannot be joined or split; "
+            f"set param.partition_dim to the dimension it is split along (0..{param.dim() - 1}) "
+            f"and param.partition_stride (default 1), as Megatron's "
+            f"set_tensor_model_parallel_attributes does")
+    stride = getattr(param, "partition_stride", 1)
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"{key!r} is marked tensor_model_parallel=True with partition_stride="
+                         f"{stride!r}; it must be an int >= 1 (1: one contiguous slice per rank)")
+    groups = getattr(param, "model_parallel_groups", None) or current_groups(
+        f"the tensor-parallel parameter {key!r}")
+    return _Split(dim % param.dim(), stride, groups)
 
 
 def split_specs(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -45,8 +117,7 @@ def split_specs(model: nn.Module) -> dict[str, tuple[int, int]]:
     :func:`shardkit.nn.model_parallel.utils.join_shards` needs to rebuild it from the
     tensor-parallel ranks' slices, e.g. offline from a checkpoint). Local, no communication."""
     keys = model.state_dict().keys()
-    return {key: tuple(module._shard_dims[pname])
-            for key, (module, pname) in _split_keys(model, keys).items()}
+    return {key: (split.dim, split.stride) for key, split in _split_keys(model, keys).items()}
 
 
 @torch.no_grad()
@@ -63,14 +134,8 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     with _gathered_zero3_parameters(model):
         local = model.state_dict()
     split = _split_keys(model, local)
-    out = {}
-    for key, tensor in local.items():
-        if key in split:
-            module, pname = split[key]
-            out[key] = module._join(pname, tensor)
-        else:
-            out[key] = tensor.detach().clone()
-    return out
+    return {key: split[key].join(tensor) if key in split else tensor.detach().clone()
+            for key, tensor in local.items()}
 
 
 def _gathered_zero3_parameters(model: nn.Module):
@@ -85,21 +150,45 @@ def _gathered_zero3_parameters(model: nn.Module):
 
 
 @torch.no_grad()
-def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+def load_full_model_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], *,
+                               assign: bool = False) -> None:
     """Load an unsplit state (as :func:`full_model_state_dict` returns) into ``model``: each rank
     keeps its slices and hands them to ``model.load_state_dict``. No tensor-parallel
     communication (FSDP's ``load_state_dict`` gathers over its data-parallel group; so does the
     model of a ZeRO stage-3 engine, loaded inside :class:`shardkit.zero.GatheredParameters`,
-    each rank keeping its rows). Raises ``KeyError`` naming missing or unexpected keys and
-    ``ValueError`` naming a key whose shape is not the unsplit one, before loading anything."""
-    with _gathered_zero3_parameters(model):
-        _load_slices(model, state_dict)
+    each rank keeping its rows).
+
+    ``assign``: as ``nn.Module.load_state_dict``'s, for a model built under
+    ``torch.device("meta")``: its parameters become this rank's slices (new tensors of the
+    state dict's dtype and device; a replicated one is the state dict's own tensor), keeping
+    their marks (``tensor_model_parallel``, ``sequence_parallel``). Memory: then only the
+    slices, never the unsplit model's size beyond ``state_dict`` itself.
+
+    Raises ``KeyError`` naming missing or unexpected keys and ``ValueError`` naming a key whose
+    shape is not the unsplit one, a model holding ``meta`` tensors without ``assign=True``
+    (torch would warn and load nothing into them), or ``assign=True`` for a ZeRO stage-3
+    model, before loading anything."""
+    if not isinstance(assign, bool):
+        raise TypeError(f"load_full_model_state_dict(assign={assign!r}): expected True or False")
+    gathered = _gathered_zero3_parameters(model)
+    if assign and gathered.enabled:
+        raise ValueError("load_full_model_state_dict(assign=True): the model's parameters are "
+                         "ZeRO stage-3 shards, which must stay the same objects; load with "
+                         "assign=False")
+    with gathered:
+        _load_slices(model, state_dict, assign)
 
 
-def _load_slices(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+def _load_slices(model: nn.Module, state_dict: dict[str, torch.Tensor], assign: bool) -> None:
     """Check ``state_dict`` against ``model``'s keys and unsplit shapes, then load this rank's
     slices of it. No tensor-parallel communication."""
     own = model.state_dict()
+    on_meta = [key for key, tensor in own.items() if tensor.is_meta]
+    if on_meta and not assign:
+        raise ValueError(f"load_full_model_state_dict: the model holds meta tensors "
+                         f"({on_meta[:3]}{' ...' if len(on_meta) > 3 else ''}), into which "
+                         f"nothing can be copied; pass assign=True to make this rank's slices "
+                         f"its parameters, or materialise it first (model.to_empty(device=...))")
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     if missing or unexpected:
@@ -109,14 +198,13 @@ def _load_slices(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     local = {}
     for key, tensor in state_dict.items():
         expected = list(own[key].shape)
-        module, pname = split.get(key, (None, None))
-        if module is not None:
-            expected[module._shard_dims[pname][0]] *= module.tp_size
+        if key in split:
+            expected[split[key].dim] *= split[key].size
         if list(tensor.shape) != expected:
             raise ValueError(f"load_full_model_state_dict: {key!r} has shape "
                              f"{tuple(tensor.shape)}; the unsplit model's is {tuple(expected)}")
-        local[key] = tensor if module is None else module._split(tensor, pname)
-    model.load_state_dict(local)
+        local[key] = split[key].slice_of(tensor) if key in split else tensor
+    model.load_state_dict(local, assign=assign)
 
 
 @torch.no_grad()
@@ -134,7 +222,8 @@ def sync_module_states(module: nn.Module) -> int:
     apart silently (torch DDP and ``initialize(mpu=...)`` sync the data-parallel group only).
     Call on every rank of the world, after building the model and before wrapping or training
     it. The groups are those ``module``'s tensor-parallel layers were built with (else the
-    current ones).
+    current ones). A parameter marked ``tensor_model_parallel`` (a model's own split layer, as
+    Megatron marks it) keeps its slice too.
 
     Returns the number of elements this rank received (0 at world size 1).
 
@@ -168,6 +257,8 @@ def sync_module_states(module: nn.Module) -> int:
     split = {id(getattr(m, name)) for m in module.modules() if isinstance(m, TensorParallelModule)
              for name, spec in m._shard_dims.items()
              if spec is not None and getattr(m, name, None) is not None}
+    # a model's own split layer, marked as Megatron marks one: each rank keeps its slice
+    split |= {id(p) for p in module.parameters() if getattr(p, "tensor_model_parallel", False)}
     named = {}
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         named.setdefault(id(tensor), (name, tensor))  # a shared tensor once

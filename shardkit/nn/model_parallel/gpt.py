@@ -41,6 +41,7 @@ from shardkit.nn.model_parallel.initialize import get_model_parallel_world_size
 from shardkit.nn.model_parallel.layers import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
     deepcopy_keeping_parameter_marks)
+from shardkit.nn.model_parallel.parameter_marks import KeepsParameterMarks
 from shardkit.nn.model_parallel.random import MODEL_PARALLEL_RNG, get_model_parallel_rng_tracker
 from shardkit.nn.model_parallel.sequence_parallel import (
     mark_sequence_parallel, reduce_sequence_parallel_grads)
@@ -77,7 +78,7 @@ def _sharded_dropout_rng(what: str, p: float, tp: int):
     return contextlib.nullcontext()
 
 
-class TensorParallelAttention(nn.Module):
+class TensorParallelAttention(KeepsParameterMarks):
     """Causal self-attention with ``n_head / n`` heads per tensor-parallel rank."""
 
     def __init__(self, cfg: GPTConfig, sequence_parallel: bool = False):
@@ -106,7 +107,7 @@ class TensorParallelAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, self.local_heads * self.head_dim))
 
 
-class TensorParallelBlock(nn.Module):
+class TensorParallelBlock(KeepsParameterMarks):
     """Pre-norm transformer block (``x + attn(ln(x)); x + mlp(ln(x))``), tensor-parallel.
 
     With ``sequence_parallel`` the input and output are this rank's ``seq / n`` slice and the
@@ -140,7 +141,7 @@ class TensorParallelBlock(nn.Module):
             return x + self.drop(h)
 
 
-class GPTEmbedding(nn.Module):
+class GPTEmbedding(KeepsParameterMarks):
     """Vocabulary-parallel token embedding plus a replicated position embedding."""
 
     def __init__(self, cfg: GPTConfig, sequence_parallel: bool = False):
@@ -167,7 +168,7 @@ class GPTEmbedding(nn.Module):
         return self.tok_emb(idx) + self.pos_emb(pos)
 
 
-class GPTHead(nn.Module):
+class GPTHead(KeepsParameterMarks):
     """Final LayerNorm and a column-parallel LM head; returns this rank's vocabulary slice of
     the logits (``[batch, seq, vocab / n]``, full sequence)."""
 

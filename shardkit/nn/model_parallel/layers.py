@@ -27,7 +27,8 @@ the same seed. The master weight is transient (its full size, during constructio
 ``keep_master_weight_for_test=True``. Biases start at zero. ``reset_parameters()`` draws them
 again the same way: a model built under ``torch.device("meta")``, then ``to_empty`` and each
 module's ``reset_parameters()`` in order, holds the eagerly built values (FSDP's default
-materialization of a meta model calls it too).
+materialization of a meta model calls it too), and its parameters the same marks
+(:class:`~shardkit.nn.model_parallel.parameter_marks.KeepsParameterMarks`).
 
 Every layer communicates over the tensor-parallel group it was built in (``tp_group``), so it
 keeps working after :func:`destroy_model_parallel` or a new :func:`initialize_model_parallel`;
@@ -66,23 +67,26 @@ from shardkit.nn.model_parallel.mappings import (
     SEQUENCE_DIM, _copy_to_region_of_own_linear, _reduce_from_region_of_own_output,
     gather_from_model_parallel_region, gather_from_sequence_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_model_parallel_region)
+from shardkit.nn.model_parallel.parameter_marks import KeepsParameterMarks
 from shardkit.nn.model_parallel.sequence_parallel import mark_sequence_parallel
 from shardkit.nn.model_parallel.utils import check_indices, join_shards, shard_of
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "ParallelEmbedding", "TensorParallelModule", "deepcopy_keeping_parameter_marks"]
+           "ParallelEmbedding", "TensorParallelModule", "deepcopy_keeping_parameter_marks",
+           "join_over_tensor_group"]
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 # what a linear layer built with skip_bias_add=True returns: (output, bias or None)
 OutputAndBias = tuple[torch.Tensor, Optional[torch.Tensor]]
 
 
-class TensorParallelModule(nn.Module):
+class TensorParallelModule(KeepsParameterMarks):
     """Base of the tensor-parallel layers: the group it was built for and the unsplit export.
 
     Subclasses list, in ``_shard_dims``, each parameter's split as ``(dim, stride)``, or
     ``None`` for a parameter replicated on every tensor-parallel rank. Split parameters carry
-    ``param.tensor_model_parallel = True`` (Megatron's attribute; see :func:`clip_grad_norm`).
+    ``param.tensor_model_parallel = True`` (Megatron's attribute; see :func:`clip_grad_norm`),
+    kept through ``to_empty`` and ``.to()`` (:class:`KeepsParameterMarks`).
     """
 
     _shard_dims: dict[str, Optional[tuple[int, int]]] = {}
@@ -207,12 +211,9 @@ class TensorParallelModule(nn.Module):
         tensor). Collective over the tensor-parallel group for a split parameter (one
         all-gather, ``(n-1)/n`` of the full bytes); a copy for a replicated one."""
         spec = self._shard_dims[name]
-        if spec is None or self.tp_size == 1:
+        if spec is None:
             return local.detach().clone()
-        flat = torch.empty(self.tp_size * local.numel(), dtype=local.dtype, device=local.device)
-        distributed.all_gather_into_tensor(flat, local.detach().reshape(-1), group=self.tp_group)
-        shards = flat.view((self.tp_size,) + tuple(local.shape)).unbind(0)
-        return join_shards(list(shards), dim=spec[0], stride=spec[1])
+        return join_over_tensor_group(local, spec[0], spec[1], self.tp_group, self.tp_size)
 
     def full_weight(self) -> torch.Tensor:
         """The unsplit weight (collective; see :meth:`full_state_dict`)."""
@@ -263,6 +264,21 @@ class TensorParallelModule(nn.Module):
         if spec is not None:
             shape[spec[0]] *= self.tp_size
         return tuple(shape)
+
+
+@torch.no_grad()
+def join_over_tensor_group(local: torch.Tensor, dim: int, stride: int, group,
+                           size: int) -> torch.Tensor:
+    """The unsplit tensor whose slice along ``dim`` (``stride`` blocks per rank, see
+    :func:`~shardkit.nn.model_parallel.utils.shard_of`) this rank of the ``size`` ranks of
+    tensor-parallel ``group`` holds as ``local``; a new tensor. Collective over ``group``: one
+    all-gather, ``(n-1)/n`` of the full bytes (a copy, no communication, at size 1)."""
+    if size == 1:
+        return local.detach().clone()
+    flat = torch.empty(size * local.numel(), dtype=local.dtype, device=local.device)
+    distributed.all_gather_into_tensor(flat, local.detach().reshape(-1), group=group)
+    shards = flat.view((size,) + tuple(local.shape)).unbind(0)
+    return join_shards(list(shards), dim=dim, stride=stride)
 
 
 def _refuse_unbound_layer(module: "TensorParallelModule", args) -> None:

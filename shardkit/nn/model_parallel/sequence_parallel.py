@@ -33,11 +33,28 @@ __all__ = ["mark_sequence_parallel", "is_sequence_parallel", "sequence_parallel_
            "reduce_sequence_parallel_grads", "watch_sequence_parallel_grads"]
 
 
+# on a module marked whole: the names of its own parameters that were marked, so that the mark
+# outlives torch replacing the parameter objects (``to_empty`` of a meta-built model,
+# ``copy.deepcopy``, which copy the module's attributes but not the parameters')
+_MARKED_NAMES = "_sequence_parallel_parameter_names"
+
+
 def mark_sequence_parallel(module_or_param) -> None:
-    """Mark a parameter, or every parameter of a module, as used in a sequence-parallel region."""
-    params = ([module_or_param] if isinstance(module_or_param, torch.Tensor)
-              else list(module_or_param.parameters()))
-    for p in params:
+    """Mark a parameter, or every parameter of a module, as used in a sequence-parallel region.
+
+    A module's marks are also noted on each of its submodules by parameter name, so that
+    :func:`sequence_parallel_parameters` (and :func:`reduce_sequence_parallel_grads`) still
+    find its parameters after torch replaced them by new objects without the attribute
+    (``module.to_empty(device=...)`` of a model built on ``meta``, ``copy.deepcopy``)."""
+    if isinstance(module_or_param, torch.Tensor):
+        module_or_param.sequence_parallel = True
+        return
+    for module in module_or_param.modules():
+        names = [name for name, _ in module.named_parameters(recurse=False)]
+        if names:
+            setattr(module, _MARKED_NAMES,
+                    tuple(dict.fromkeys([*getattr(module, _MARKED_NAMES, ()), *names])))
+    for p in module_or_param.parameters():
         p.sequence_parallel = True
 
 
@@ -47,8 +64,21 @@ def is_sequence_parallel(param: torch.Tensor) -> bool:
 
 
 def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The marked parameters of ``module`` (each once), in registration order."""
+    """The marked parameters of ``module`` (each once), in registration order; a parameter
+    that replaced one of a module marked whole by :func:`mark_sequence_parallel` is marked
+    again first. Local."""
+    _mark_replaced_parameters(module)
     return [p for p in module.parameters() if is_sequence_parallel(p)]
+
+
+def _mark_replaced_parameters(module: nn.Module) -> None:
+    """Set ``sequence_parallel`` again on the current parameters under the names that
+    :func:`mark_sequence_parallel` noted on ``module``'s submodules. Local."""
+    for sub in module.modules():
+        for name in getattr(sub, _MARKED_NAMES, ()):
+            param = sub._parameters.get(name)
+            if param is not None:
+                param.sequence_parallel = True
 
 
 def watch_sequence_parallel_grads(module: nn.Module) -> None:
