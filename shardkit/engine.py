@@ -186,11 +186,12 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         self.model_parallel = model_parallel
         # parameters of sequence-parallel regions: their gradients cover this tensor-parallel
         # rank's part of the sequence until summed over the group (before each step)
-        self._sums_sequence_parallel_grads = composition.stage < 3 and any(
-            getattr(p, "sequence_parallel", False) for p in model.parameters())
+        from shardkit.nn.model_parallel.sequence_parallel import (
+            sequence_parallel_parameters, watch_sequence_parallel_grads)
+        # (marks of LayerNorms replaced by to_empty / deepcopy are restored by that look-up)
+        self._sums_sequence_parallel_grads = composition.stage < 3 and bool(
+            sequence_parallel_parameters(model))
         if self._sums_sequence_parallel_grads:  # tell a script's clipping from a new backward
-            from shardkit.nn.model_parallel.sequence_parallel import (
-                watch_sequence_parallel_grads)
             watch_sequence_parallel_grads(model)
         # Names of the unwrapped model, recorded before wrapping (FSDP renames and flattens).
         self._state_names = list(state_names or _state_names_of(model))

@@ -107,8 +107,9 @@ def _refuse_sequence_parallel_at_stage3(model: nn.Module) -> None:
     tensor-parallel group (FSDP flattens them into its shards, whose gradients it reduces over
     the data-parallel group only): a ConfigError naming them, rather than partial gradients.
     Local."""
-    marked = [name for name, p in model.named_parameters()
-              if getattr(p, "sequence_parallel", False)]
+    from shardkit.nn.model_parallel.sequence_parallel import sequence_parallel_parameters
+    marked_ids = {id(p) for p in sequence_parallel_parameters(model)}
+    marked = [name for name, p in model.named_parameters() if id(p) in marked_ids]
     if marked:
         raise ConfigError(f"initialize: zero_optimization.stage=3 with sequence parallelism: "
                           f"{_shown(marked)} are marked sequence_parallel, and their gradients "

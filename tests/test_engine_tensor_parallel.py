@@ -8,6 +8,7 @@ each tensor-parallel rank's slices in its own checkpoint files, and refuse a bad
 any collective.
 """
 
+import copy
 import pytest
 import torch
 import torch.nn as nn
@@ -437,9 +438,14 @@ def _sequence_parallel_runs() -> dict:
     mine = slice(tp * SEQ // n, (tp + 1) * SEQ // n)
     out = {}
     for stage in (0, 2):
-        for kind in ("plain", "sequence_parallel", "summed_by_the_script_too"):
+        kinds = ("plain", "sequence_parallel", "summed_by_the_script_too") + (
+            ("deep_copied",) if stage == 0 else ())
+        for kind in kinds:
             sp = kind != "plain"
-            engine, *_ = shardkit.initialize(model=_sp_model(sp), config=_config(stage),
+            model = _sp_model(sp)
+            if kind == "deep_copied":  # new Parameters: the LayerNorm's and head's lose marks
+                model = copy.deepcopy(model)
+            engine, *_ = shardkit.initialize(model=model, config=_config(stage),
                                              mpu=mp.initialize)
             for step in range(2):
                 g = torch.Generator().manual_seed(200 + step)
@@ -464,11 +470,15 @@ def _sequence_parallel_runs() -> dict:
 
 def test_the_engine_sums_sequence_parallel_gradients_before_its_step(world4):
     """Before: the marked parameters stepped with this rank's part of their gradient (0.036
-    off the model without sequence parallelism after 2 steps, silently)."""
+    off the model without sequence parallelism after 2 steps, silently). A deep-copied
+    model, whose marked LayerNorm and head hold new Parameters without the mark, trains alike
+    too (the marks are restored by the names ``mark_sequence_parallel`` noted)."""
     for rank, runs in enumerate(world4.run(_with_model_parallel, _sequence_parallel_runs)):
         for stage in (0, 2):
             plain = runs[(stage, "plain")]
-            for kind in ("sequence_parallel", "summed_by_the_script_too"):
+            kinds = ("sequence_parallel", "summed_by_the_script_too") + (
+                ("deep_copied",) if stage == 0 else ())
+            for kind in kinds:
                 got = runs[(stage, kind)]
                 worst = max((got[k] - plain[k]).abs().max().item() for k in plain)
                 assert worst < TOL, (rank, stage, kind, worst)
