@@ -20,7 +20,8 @@ def __getattr__(name):
     if name == "initialize":
         from shardkit.engine import initialize
         return initialize
-    if name in ("add_config_arguments", "init_distributed", "comm", "get_accelerator"):
+    if name in ("add_config_arguments", "init_distributed", "comm", "get_accelerator",
+                "runtime"):
         from shardkit import deepspeed_compat  # DeepSpeed's script helpers
         return getattr(deepspeed_compat, name)
     if name in _SUBPACKAGES:  # `import shardkit; shardkit.nn.Pipe(...)`, as with FairScale

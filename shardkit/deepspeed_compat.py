@@ -7,6 +7,10 @@ Process groups come from torchrun's environment only (DESIGN.md: no home-made la
 discovery, ``init_method``, and explicit ``rank`` / ``world_size`` are refused by name. Outside
 torchrun (no ``RANK`` in the environment) a one-rank group is started, so a script also runs as
 plain ``python train.py``.
+
+Also DeepSpeed's script-side names: ``deepspeed.utils.logger`` / ``log_dist`` (:data:`logger`,
+:func:`log_dist`), ``deepspeed.runtime.utils.see_memory_usage`` (:func:`see_memory_usage`) and
+``deepspeed.runtime.zero.partition_parameters`` (:data:`runtime`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import gc
+import logging
 import os
+import sys
 import types
 from typing import Optional
 
@@ -25,7 +32,7 @@ from shardkit import distributed
 from shardkit.accelerator import get_accelerator  # noqa: F401 - DeepSpeed's name here too
 
 __all__ = ["add_config_arguments", "init_distributed", "ensure_process_group",
-           "get_accelerator", "comm"]
+           "get_accelerator", "comm", "logger", "log_dist", "see_memory_usage", "runtime"]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -640,3 +647,129 @@ comm.get_comm_operation_count = _get_comm_operation_count
 comm.get_logged_comm_ops = _get_logged_comm_ops
 comm.is_available = torch.distributed.is_available
 comm.get_backend = distributed.backend_of
+
+
+# ----------------------------------------------------------------------------- script logging
+
+_LOG_FORMAT = "[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] %(message)s"
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to the ``sys.stdout`` of the moment (a script or test that redirects stdout
+    after import still gets the lines)."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter(_LOG_FORMAT))
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, _value):  # logging.StreamHandler.__init__ assigns it
+        pass
+
+
+def _script_logger() -> logging.Logger:
+    """DeepSpeed's ``deepspeed.utils.logger``: INFO and above printed on stdout in DeepSpeed's
+    format on every rank, and not passed on to the root logger (a script that configures
+    ``logging`` itself would print each line twice). Its ``warning_once`` warns once per
+    message, as DeepSpeed's."""
+    log = logging.getLogger("shardkit.scripts")
+    if not any(isinstance(h, _StdoutHandler) for h in log.handlers):
+        log.addHandler(_StdoutHandler())
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    log.warning_once = functools.lru_cache(None)(log.warning)
+    return log
+
+
+logger = _script_logger()
+
+
+def log_dist(message, ranks=None, level: int = logging.INFO) -> None:
+    """DeepSpeed's ``log_dist``: log ``"[Rank R] message"`` with :data:`logger` at ``level``
+    on the ranks listed in ``ranks`` (``[-1]``: every rank); without a process group it logs
+    (rank ``-1``), and ``ranks=None`` in a group logs nowhere, as DeepSpeed's does. Local."""
+    if ranks is not None and not isinstance(ranks, (list, tuple, set, range)):
+        raise ValueError(f"log_dist(ranks={ranks!r}): expected a list of ranks (e.g. [0], or "
+                         f"[-1] for every rank) or None")
+    ranks = list(ranks or [])
+    rank = distributed.get_rank() if distributed.is_initialized() else -1
+    if rank == -1 or (ranks and (ranks[0] == -1 or rank in ranks)):
+        logger.log(level, f"[Rank {rank}] {message}")
+
+
+def _gigabytes(size: float) -> float:
+    return round(size / 2 ** 30, 2)
+
+
+def _host_memory_line() -> Optional[str]:
+    """The host's used memory and its share, as DeepSpeed prints them (used = total -
+    available, from ``/proc/meminfo``); ``None`` where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        total = int(fields["MemTotal"].split()[0]) * 1024
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    used = total - available
+    return (f"CPU Virtual Memory:  used = {_gigabytes(used)} GB, percent = "
+            f"{round(100.0 * used / total, 1)}%")
+
+
+def see_memory_usage(message: str, force: bool = False) -> None:
+    """DeepSpeed's ``deepspeed.runtime.utils.see_memory_usage``: with ``force=True``, on rank 0
+    (or without a process group), log ``message``, the accelerator's allocated and cached
+    bytes with their peaks (``MA``, ``Max_MA``, ``CA``, ``Max_CA``, in GB; 0 on the CPU) and
+    the host's used memory, then restart the peak counters. ``force=False`` does nothing, as
+    in DeepSpeed (scripts leave the calls in and switch them on). Local; a ``gc.collect()``
+    first, as DeepSpeed's."""
+    if not force:
+        return
+    if distributed.is_initialized() and distributed.get_rank() != 0:
+        return
+    gc.collect()
+    accelerator = get_accelerator()
+    on_cuda = accelerator.device_name().startswith("cuda")
+    cached = torch.cuda.memory_reserved() if on_cuda else 0
+    max_cached = torch.cuda.max_memory_reserved() if on_cuda else 0
+    logger.info(message)
+    logger.info(f"MA {_gigabytes(accelerator.memory_allocated())} GB         "
+                f"Max_MA {_gigabytes(accelerator.max_memory_allocated())} GB         "
+                f"CA {_gigabytes(cached)} GB         Max_CA {_gigabytes(max_cached)} GB ")
+    host = _host_memory_line()
+    if host is not None:
+        logger.info(host)
+    accelerator.reset_peak_memory_stats()
+
+
+def _namespace(name: str, doc: str, **members) -> types.ModuleType:
+    module = types.ModuleType(name, doc)
+    for key, value in members.items():
+        setattr(module, key, value)
+    return module
+
+
+def _deepspeed_runtime() -> types.ModuleType:
+    """``deepspeed.runtime``'s names that training scripts import: ``runtime.utils.
+    see_memory_usage`` and ``runtime.zero.partition_parameters`` (``ZeroParamStatus``,
+    ``GatheredParameters``, ``Init``, from :mod:`shardkit.zero`)."""
+    from shardkit import zero
+    partition_parameters = _namespace(
+        "shardkit.runtime.zero.partition_parameters",
+        "DeepSpeed's deepspeed.runtime.zero.partition_parameters names",
+        ZeroParamStatus=zero.ZeroParamStatus, GatheredParameters=zero.GatheredParameters,
+        Init=zero.Init)
+    return _namespace(
+        "shardkit.runtime", "DeepSpeed's deepspeed.runtime names that scripts import",
+        utils=_namespace("shardkit.runtime.utils", "DeepSpeed's deepspeed.runtime.utils names",
+                         see_memory_usage=see_memory_usage),
+        zero=_namespace("shardkit.runtime.zero", "DeepSpeed's deepspeed.runtime.zero names",
+                        partition_parameters=partition_parameters,
+                        GatheredParameters=zero.GatheredParameters, Init=zero.Init))
+
+
+runtime = _deepspeed_runtime()

@@ -221,6 +221,12 @@ class GatheredParameters:
     an edit must then be made on every rank. ``enabled=False`` does nothing. ``fwd_module`` is
     accepted (DeepSpeed registers external parameters with it; FSDP needs no such hint).
 
+    Inside a unit's forward (a module's ``forward`` or a forward hook) ``module.weight`` reads
+    as a view of the unit's gathered copy; passing it counts as passing the parameter, and
+    ``module.weight`` is the parameter again inside the block. Its edits reach the shards on
+    exit, but the forward under way keeps computing with the values it gathered (DeepSpeed's
+    computes with the edit); the next forward sees it.
+
     Blocks nest: an inner block on parameters an outer one holds writes its edits back (with
     its own ``modifier_rank``) on exit and leaves them full, and ``ds_status`` ``AVAILABLE``,
     until the outer block closes; an inner block that raises puts back the values they held
@@ -367,7 +373,9 @@ def _sharded_locations(params: Iterable) -> list:
     from shardkit.utils.tensor_fragment import locate_parameter
     found, seen = [], set()
     for p in params:
-        if not isinstance(p, torch.nn.Parameter) or id(p) in seen:
+        if not isinstance(p, torch.nn.Parameter):
+            p = _parameter_shown_as(p)
+        if p is None or id(p) in seen:
             continue
         seen.add(id(p))
         try:
@@ -377,6 +385,26 @@ def _sharded_locations(params: Iterable) -> list:
         if loc.unit is not None:
             found.append(loc)
     return found
+
+
+def _parameter_shown_as(tensor: torch.Tensor) -> Optional[torch.nn.Parameter]:
+    """The sharded parameter that ``tensor`` stands for inside its FSDP unit's forward, else
+    ``None``. While a unit runs its forward, ``module.weight`` reads as a view of the unit's
+    gathered compute copy, not as the parameter, so a DeepSpeed script that passes
+    ``self.weight`` to :class:`GatheredParameters` from a forward or a forward hook passes that
+    view; its edits must reach the parameter's shard as they would outside the forward. Local:
+    a walk over the live units' parameters, only for tensors that are not parameters."""
+    from shardkit.nn.data_parallel.fsdp_unit_modules import _UNIT_OF
+    units = {id(u): u for u in (entry[1]() for entry in list(_UNIT_OF.values()))
+             if u is not None}
+    for unit in units.values():
+        shard = unit._shard
+        if shard is None or not shard._exposed:
+            continue
+        for param, places in zip(shard.params, shard.locations):
+            if any(module.__dict__.get(name) is tensor for module, name in places):
+                return param
+    return None
 
 
 def _check_modifier(rank: int, units: list) -> None:

@@ -1,6 +1,6 @@
 """Small utilities shared by the wrappers (memory accounting), and DeepSpeed's
 ``deepspeed.utils`` tensor-fragment API (``safe_get_full_fp32_param`` and friends, imported on
-first use from :mod:`shardkit.utils.tensor_fragment`)."""
+first use from :mod:`shardkit.utils.tensor_fragment`), with its ``logger`` and ``log_dist``."""
 
 from shardkit._lazy import lazy_exports
 
@@ -11,6 +11,8 @@ _EXPORTS = {name: _FRAGMENT for name in (
     "safe_get_local_fp32_param", "safe_set_local_fp32_param", "safe_get_local_grad",
     "safe_set_local_grad", "safe_get_local_optimizer_state", "safe_set_local_optimizer_state",
     "safe_update_full_grad_vectorized")}
+# deepspeed.utils' logger and log_dist, for scripts that import them from there
+_EXPORTS.update({name: "shardkit.deepspeed_compat" for name in ("logger", "log_dist")})
 
 __all__ = list(_EXPORTS)
 

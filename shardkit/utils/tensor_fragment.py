@@ -237,6 +237,34 @@ def _give_row_gradient(loc: ParamLocation, grad: torch.Tensor) -> None:
         param.data = full
 
 
+def _grad_held_full(loc: ParamLocation) -> bool:
+    """Whether a stage-3 parameter's ``.grad`` is its full gradient now: inside
+    ``summon_full_params(with_grads=True)`` on a rank that holds the full values (every rank,
+    or rank 0 alone with ``rank0_only``). Its rows then wait aside until the block ends. Local."""
+    return loc.unit._summoned_grads and _holds_full_value(loc, _stored_rows(loc))
+
+
+def _grad_rows(loc: ParamLocation) -> Optional[torch.Tensor]:
+    """This rank's row block of a stage-3 gradient (``None`` without one): ``.grad`` itself,
+    or inside ``summon_full_params(with_grads=True)`` this rank's rows of the full gradient
+    the block holds (a new tensor: what the block's writeback keeps). Local."""
+    from shardkit.checkpoint.resharding import shard_rows
+    grad = loc.param.grad
+    if grad is None or not _grad_held_full(loc):
+        return grad
+    return shard_rows(grad.detach(), loc.layout, loc.shard.rank)
+
+
+def _write_block_into_full(loc: ParamLocation, full: torch.Tensor, block: torch.Tensor) -> None:
+    """Copy this rank's row block ``block`` (padding dropped) over its rows of ``full``, a
+    full-shaped tensor a gathering block holds (the parameter's value or gradient), so that
+    the block's writeback, which keeps each rank's rows of it, keeps ``block``. Local."""
+    start, count = loc.layout.real_rows(loc.shard.rank)
+    target = full if full.dim() else full.view(1)
+    with torch.no_grad():
+        target[start:start + count].copy_(block[:count].to(target.device, target.dtype))
+
+
 def _param_shape(loc: ParamLocation) -> tuple:
     """The shape of what the optimizer steps for ``loc.param``: its row block at stage 3
     (also inside a gathering block), else the parameter's shape."""
@@ -354,14 +382,16 @@ def safe_get_full_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
 
     Stage 0 (and stage 1 with ``reduce_scatter: false``): a local copy. Stages 1-2: the OSS
     owner holds the averaged gradient; a one-element verdict and then ``Ψ_p`` fp32 elements are
-    broadcast from it. Stage 3: one all-gather of the row blocks. Every rank must call it at
-    stages 1-3."""
+    broadcast from it. Stage 3: one all-gather of the row blocks (inside
+    ``summon_full_params(with_grads=True)``, of each rank's rows of the full gradient the
+    block holds). Every rank must call it at stages 1-3."""
     loc = locate_parameter(param, "safe_get_full_grad")
     _check_grads_reduced(loc, "safe_get_full_grad")
     if loc.unit is not None:
-        if param.grad is None:  # FSDP reduces every unit's gradients on every rank alike
+        rows = _grad_rows(loc)
+        if rows is None:  # FSDP reduces every unit's gradients on every rank alike
             return None
-        return _gather_rows(loc, param.grad)
+        return _gather_rows(loc, rows)
     if not _grad_on_owner_only(loc):
         return None if param.grad is None else param.grad.detach().float().clone()
     grad = param.grad if loc.is_owner else None
@@ -388,18 +418,33 @@ def _grad_on_owner_only(loc: ParamLocation) -> bool:
 def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Replace the gradient of ``param`` by ``value`` (the same full tensor on every rank).
     Each rank writes what the optimizer step reads there: stages 0-1 the whole gradient, stage
-    2 the owner's, stage 3 each rank's rows. No communication."""
+    2 the owner's, stage 3 each rank's rows (inside ``summon_full_params(with_grads=True)``
+    the full gradient the block holds, whose writeback keeps those rows; ``writeback=False``
+    drops gradient edits made in the block, as in torch). No communication."""
     what = "safe_set_full_grad"
     loc = locate_parameter(param, what)
     _check_value(value, _full_shape(loc), what)
     _check_grads_reduced(loc, what)
     if loc.unit is not None:
+        if _grad_held_full(loc):  # the block's full gradient: its writeback keeps the rows
+            _set_held_full_grad(param, value)
+            return
         if param.grad is None:
             _give_row_gradient(loc, torch.zeros_like(_stored_rows(loc)))
         write_rows(loc, param.grad, value)
         return
     if loc.stage == 2 and loc.oss is not None and loc.trainable and not loc.is_owner:
         return
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = value.detach().to(param.device, param.dtype).clone()
+        else:
+            param.grad.copy_(value.detach().to(param.grad.device, param.grad.dtype))
+
+
+def _set_held_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """``param.grad = value`` (a copy) for a parameter holding its full value and gradient
+    inside ``summon_full_params(with_grads=True)``. Local."""
     with torch.no_grad():
         if param.grad is None:
             param.grad = value.detach().to(param.device, param.dtype).clone()
@@ -528,29 +573,43 @@ def safe_get_local_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
 
 def safe_set_local_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Overwrite this rank's row block of ``param`` with ``value`` (its shape). Stage 3 only;
-    local. Inside a :class:`~shardkit.zero.GatheredParameters` block that lists ``param``, the
-    block's exit writes the full value back over it (use :func:`safe_set_full_fp32_param`
-    there)."""
+    local. Inside a gathering block (:class:`~shardkit.zero.GatheredParameters`,
+    ``summon_full_params``) the full value the block holds gets the same rows, so the block's
+    writeback keeps them (with a ``modifier_rank``, as every edit, only that rank's)."""
     what = "safe_set_local_fp32_param"
-    rows = _stored_rows(_stage3_only(param, what))
+    loc = _stage3_only(param, what)
+    rows = _stored_rows(loc)
     _check_value(value, rows.shape, what)
     with torch.no_grad():
         rows.copy_(value.detach().to(rows.device, rows.dtype))
+    if _holds_full_value(loc, rows):
+        _write_block_into_full(loc, param.data, rows)
 
 
 def safe_get_local_grad(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
     """This rank's row block of the reduced gradient (fp32 copy), ``None`` without one.
-    Stage 3 only; local."""
-    _check_grads_reduced(_stage3_only(param, "safe_get_local_grad"), "safe_get_local_grad")
-    return None if param.grad is None else param.grad.detach().float().clone()
+    Stage 3 only; local. Inside ``summon_full_params(with_grads=True)``, where ``.grad`` is
+    the full gradient, this rank's rows of it."""
+    loc = _stage3_only(param, "safe_get_local_grad")
+    _check_grads_reduced(loc, "safe_get_local_grad")
+    rows = _grad_rows(loc)
+    return None if rows is None else rows.detach().float().clone()
 
 
 def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """Overwrite this rank's row block of the gradient. Stage 3 only; local."""
+    """Overwrite this rank's row block of the gradient. Stage 3 only; local. Inside
+    ``summon_full_params(with_grads=True)`` it overwrites this rank's rows of the full
+    gradient the block holds, which the block's writeback keeps (``writeback=False`` drops
+    gradient edits made in the block, as in torch)."""
     what = "safe_set_local_grad"
     loc = _stage3_only(param, what)
     _check_value(value, _param_shape(loc), what)
     _check_grads_reduced(loc, what)
+    if _grad_held_full(loc):
+        if param.grad is None:
+            _set_held_full_grad(param, torch.zeros(_full_shape(loc)))
+        _write_block_into_full(loc, param.grad, value.detach())
+        return
     with torch.no_grad():
         if param.grad is None:
             rows = _stored_rows(loc)
