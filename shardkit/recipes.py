@@ -593,28 +593,29 @@ def _refuse_sparse_gradients(model: nn.Module, stage: int) -> None:
 
 
 # What each of these optimizers reads across a whole tensor, which a row shard does not hold.
-_WHOLE_TENSOR_OPTIMIZERS = {
-    "Adafactor": "factors each matrix's second moment over whole rows and columns",
-    "Muon": "orthogonalizes each whole matrix",
-    "LBFGS": "keeps one history over the flattened parameters and re-evaluates a closure a "
-             "number of times that depends on those values",
-}
+_LBFGS_READS = ("keeps one history over the flattened parameters and re-evaluates a closure "
+                "a number of times that depends on those values")
 
 
 def why_not_on_row_shards(optimizer_class: type) -> Optional[str]:
     """Why stage 3 cannot step an optimizer of ``optimizer_class`` on FSDP's row shards
     (``None``: it can): one that reads a whole tensor (Adafactor, Muon) or the whole model
     (LBFGS) would compute another update from each rank's rows than one process computes.
-    Local; a look at the class."""
-    for name, what in _WHOLE_TENSOR_OPTIMIZERS.items():
-        cls = getattr(torch.optim, name, None)
-        if cls is not None and isinstance(optimizer_class, type) and \
-                issubclass(optimizer_class, cls):
-            return (f"{optimizer_class.__name__} {what}; FSDP (stage 3) gives each rank only "
-                    f"its rows of every parameter, so the update would differ from one "
-                    f"process's: use stages 0-2 (OSS keeps whole parameters) or another "
-                    f"optimizer")
-    return None
+    The same classes, told by name, as FSDP's step-time refusal
+    (:func:`~shardkit.nn.data_parallel.fsdp_optimizer_checks.whole_tensor_reading`: also
+    another library's Adafactor, LAMB or LARS). Local; a look at the class."""
+    from shardkit.nn.data_parallel.fsdp_optimizer_checks import whole_tensor_reading
+    if not isinstance(optimizer_class, type):
+        return None
+    what = whole_tensor_reading(optimizer_class)
+    if what is None and issubclass(optimizer_class, torch.optim.LBFGS):
+        what = _LBFGS_READS
+    if what is None:
+        return None
+    return (f"{optimizer_class.__name__} {what}; FSDP (stage 3) gives each rank only "
+            f"its rows of every parameter, so the update would differ from one "
+            f"process's: use stages 0-2 (OSS keeps whole parameters) or another "
+            f"optimizer")
 
 
 def why_not_steppable_on_shards(optimizer: torch.optim.Optimizer) -> Optional[str]:

@@ -26,11 +26,16 @@ _STATE_HOOK: list = []
 
 # optimizers whose update of a parameter reads the whole tensor (not element by element), by
 # class name, with what they read: torch's, and those of other libraries by the same name
-# (transformers' and fairseq's Adafactor, Keller Jordan's Muon)
+# (transformers' and fairseq's Adafactor, Keller Jordan's Muon, timm's / apex's / DeepSpeed's
+# LAMB and timm's LARS)
+_TRUST_RATIO = ("scales each parameter's update by the ratio of the parameter's norm to the "
+                "update's (a layer-wise trust ratio)")
 _WHOLE_TENSOR_READERS = {
     "Adafactor": "factors each matrix's second moment into row and column means and scales "
                  "each step by the parameter's root mean square",
     "Muon": "orthogonalizes each whole matrix (Newton-Schulz iterations on the whole update)",
+    **{name: _TRUST_RATIO for name in ("Lamb", "LAMB", "FusedLamb", "FusedLAMB", "Lars",
+                                       "LARS")},
 }
 
 
@@ -42,14 +47,15 @@ def _watch_optimizer_states_of_whole_params() -> None:
             _refuse_whole_tensor_optimizers_over_shards))
 
 
-def _whole_tensor_reading(optimizer) -> Optional[str]:
-    """What ``optimizer`` reads across a whole parameter when its class, or a class it derives
-    from, has one of :data:`_WHOLE_TENSOR_READERS`' names; None otherwise.
+def whole_tensor_reading(optimizer_class: type) -> Optional[str]:
+    """What an optimizer of ``optimizer_class`` reads across a whole parameter when that
+    class, or a class it derives from, has one of :data:`_WHOLE_TENSOR_READERS`' names; None
+    otherwise. Local; a look at the class's names.
 
     Note: told by name, not by torch's classes alone, because the Adafactor most FSDP users
     step is ``transformers.optimization.Adafactor`` (no subclass of torch's), which factors
     and scales by the parameter's norm alike."""
-    for cls in type(optimizer).__mro__:
+    for cls in getattr(optimizer_class, "__mro__", ()):
         if cls.__name__ in _WHOLE_TENSOR_READERS:
             return _WHOLE_TENSOR_READERS[cls.__name__]
     return None
@@ -58,7 +64,7 @@ def _whole_tensor_reading(optimizer) -> Optional[str]:
 def _refuse_whole_tensor_optimizers_over_shards(optimizer, args, kwargs) -> None:
     """Every ``torch.optim.Optimizer.step``, before it changes anything: a ``RuntimeError``
     when an optimizer whose update reads each parameter as a whole tensor (an ``Adafactor`` or
-    a ``Muon``, see :func:`_whole_tensor_reading`) steps a parameter that a unit cuts into row
+    a ``Muon``, see :func:`whole_tensor_reading`) steps a parameter that a unit cuts into row
     shards over more than one rank.
 
     Note: each rank steps its own rows, so Adafactor's column statistic ``col_var`` averaged
@@ -68,19 +74,25 @@ def _refuse_whole_tensor_optimizers_over_shards(optimizer, args, kwargs) -> None
     error. (torch FSDP1 and FairScale hand the optimizer flattened 1-D shards, which Adafactor
     steps unfactored and Muon refuses; FSDP2's DTensor shards fail inside Adafactor's in-place
     ops.) Replicated parameters (``NO_SHARD``, the replicas of hybrid sharding) and world size 1
-    hold whole parameters and step as in one process. Every rank of the unit steps the same
-    optimizer class, so every rank raises. Cost: a look at the names of the optimizer's
+    hold whole parameters and step as in one process, and so does a parameter of at most one
+    row (a ``(1, seq, d)`` position embedding: the first rank holds it whole, the others a zero
+    padding row that a zero gradient leaves zero). A frozen parameter (``requires_grad=False``:
+    a frozen FSDP backbone under ``Adafactor(model.parameters())``) gets no gradient, so the
+    optimizer never steps it. Every rank of the unit steps the same optimizer class over the
+    same parameters, so every rank raises. Cost: a look at the names of the optimizer's
     classes for other optimizers."""
-    what = _whole_tensor_reading(optimizer)
+    what = whole_tensor_reading(type(optimizer))
     if what is None:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
             unit = unit_holding(p)
             if unit is None or unit._shard is None or unit._summoned \
-                    or unit._shard.world_size == 1:
+                    or unit._shard.world_size == 1 or not p.requires_grad:
                 continue
             index = [id(q) for q in unit._shard.params].index(id(p))
+            if unit._shard.layouts[index].rows <= 1:
+                continue  # one row block: the first rank holds it whole, the others padding
             raise RuntimeError(
                 f"FullyShardedDataParallel: {type(optimizer).__name__}.step() over "
                 f"{_where(unit._shard.locations[index])} of the FSDP unit wrapping a "

@@ -122,8 +122,9 @@ def from_torch_mixed_precision(policy):
       stay fp32, a bf16 model's stay bf16; shardkit's own ``None`` means ``param_dtype``).
     - ``cast_forward_inputs`` or ``cast_root_forward_inputs`` (torch's default): inputs are
       cast, at every unit (shardkit's rule).
-    - ``keep_low_precision_grads=True`` with a ``param_dtype`` is a ValueError (see
-      :func:`_refuse_low_precision_grads`); without one it changes nothing, as in torch (the
+    - ``keep_low_precision_grads=True`` with a ``param_dtype`` other than fp32 is a ValueError
+      (see :func:`_refuse_low_precision_grads`); without one, or with ``torch.float32`` (an
+      fp32 model computed in fp32: nothing lower to keep), it changes nothing, as in torch (the
       gradient shards are in the parameters' dtype already).
     - ``_module_classes_to_ignore`` (torch's default: BatchNorm) is read by the constructor's
       ``auto_wrap_policy`` (see :func:`torch_full_precision_classes`), as in torch.
@@ -131,7 +132,8 @@ def from_torch_mixed_precision(policy):
     Local, no communication."""
     if not _is_torch_mixed_precision(policy):
         return policy
-    if getattr(policy, "keep_low_precision_grads", False) and policy.param_dtype is not None:
+    if getattr(policy, "keep_low_precision_grads", False) \
+            and policy.param_dtype not in (None, torch.float32):
         _refuse_low_precision_grads(policy)
     param, reduce, buffer = policy.param_dtype, policy.reduce_dtype, policy.buffer_dtype
     cast = bool(getattr(policy, "cast_forward_inputs", False)
