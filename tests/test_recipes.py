@@ -105,13 +105,18 @@ def test_lbfgs_is_refused_where_gradients_reach_their_owners_only(stage, kwargs)
         recipes.compose(nn.Linear(4, 4), stage, lbfgs, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["Adafactor", "Muon", "LBFGS"])
+@pytest.mark.parametrize("name", ["Adafactor", "Muon", "LBFGS", "other Adafactor", "FusedLamb"])
 def test_stage3_refuses_optimizers_that_read_whole_tensors(name):
     """Adafactor's factored moments, Muon's orthogonalization and LBFGS's history read whole
     tensors (or the whole model); on FSDP's row shards each rank's update would differ from
     one process's. Refused before any wrapper is built, as a recipe and as an object; stages
-    0-2 (whole parameters) take them."""
-    cls = getattr(torch.optim, name)
+    0-2 (whole parameters) take them. Another library's Adafactor (transformers') and a LAMB
+    are told by their class names, as FSDP's step-time check tells them."""
+    if name in ("other Adafactor", "FusedLamb"):  # not torch's: a class of that name
+        name = name.split()[-1]
+        cls = type(name, (torch.optim.SGD,), {})
+    else:
+        cls = getattr(torch.optim, name)
     model = nn.Linear(4, 4)
     with pytest.raises(ValueError, match=f"compose\\(stage=3\\): {name} .*use stages 0-2"):
         recipes.compose(model, 3, recipes.OptimizerRecipe(cls, {"lr": 0.1}))
