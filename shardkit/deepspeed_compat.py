@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import importlib.machinery
 import logging
 import os
 import sys
@@ -654,6 +655,9 @@ comm.get_backend = distributed.backend_of
 _LOG_FORMAT = "[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] %(message)s"
 
 
+_HANDLER_NAME = "shardkit.scripts.stdout"
+
+
 class _StdoutHandler(logging.StreamHandler):
     """Writes to the ``sys.stdout`` of the moment (a script or test that redirects stdout
     after import still gets the lines)."""
@@ -677,8 +681,12 @@ def _script_logger() -> logging.Logger:
     ``logging`` itself would print each line twice). Its ``warning_once`` warns once per
     message, as DeepSpeed's."""
     log = logging.getLogger("shardkit.scripts")
-    if not any(isinstance(h, _StdoutHandler) for h in log.handlers):
-        log.addHandler(_StdoutHandler())
+    # by name, not class: a reloaded module (a notebook's autoreload) has a new class, and a
+    # second handler would print every line twice
+    if not any(h.get_name() == _HANDLER_NAME for h in log.handlers):
+        handler = _StdoutHandler()
+        handler.set_name(_HANDLER_NAME)
+        log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
     log.warning_once = functools.lru_cache(None)(log.warning)
@@ -747,7 +755,10 @@ def see_memory_usage(message: str, force: bool = False) -> None:
 
 
 def _namespace(name: str, doc: str, **members) -> types.ModuleType:
+    """A module object ``name`` holding ``members``, with a spec as an imported module has
+    (``importlib.util.find_spec`` and tools built on it raise on a module without one)."""
     module = types.ModuleType(name, doc)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
     for key, value in members.items():
         setattr(module, key, value)
     return module

@@ -2,7 +2,25 @@
 gather: ``zero.GatheredParameters`` and ``summon_full_params`` with and without
 ``with_grads`` and ``writeback``. Each read must give what the same call gives outside any
 gather, and each write must outlive the block. One world of 2 gloo ranks, started once.
+
+From a review:
+
+From a review of the tensor-fragment API inside ``summon_full_params`` and of DeepSpeed's
+script names (``logger``, ``shardkit.runtime``).
+
+``summon_full_params(with_grads=True, rank0_only=True)`` (which needs ``writeback=False``):
+the first rank holds the full gradient and drops edits to it on exit; the other ranks hold
+their shard's gradient. A gradient setter of the fragment API must leave every rank's rows
+alike (all dropped), not the first rank's from before the edit beside the others' from after
+it. One world of 2 gloo ranks, started once.
+
+The script logger keeps one stdout handler when its module is reloaded (a notebook's
+autoreload), and ``shardkit.runtime``'s namespaces have a module spec, as imported modules do.
 """
+
+import importlib.util
+import subprocess
+import sys
 
 import torch
 import torch.nn as nn
@@ -229,3 +247,48 @@ def test_deepspeed_script_imports_of_runtime_and_utils_names_work():
     assert ZeroParamStatus is zero.ZeroParamStatus and GatheredParameters is zero.GatheredParameters
     assert logger is deepspeed_compat.logger and log_dist is deepspeed_compat.log_dist
     assert shardkit.runtime is deepspeed_compat.runtime
+
+
+def _gradient_after_rank0_only_edits():
+    """The largest change of ``first.weight``'s full gradient after each fragment gradient
+    setter inside ``summon_full_params(with_grads=True, rank0_only=True)`` (the full gradient
+    is gathered from every rank's rows: a rank that kept its edit shows in it)."""
+    from shardkit.utils import safe_get_full_grad, safe_set_full_grad, safe_set_local_grad
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(Net(), use_orig_params=True)
+    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(distributed.get_rank()))
+    model(x).square().mean().backward()
+    weight = model.module.first.weight
+    before = safe_get_full_grad(weight)
+    found = {}
+    for name, edit in (("full", lambda: safe_set_full_grad(weight, torch.full((5, 6), 7.0))),
+                       ("local", lambda: safe_set_local_grad(weight, torch.full((3, 6), 9.0)))):
+        with model.summon_full_params(with_grads=True, writeback=False, rank0_only=True):
+            edit()
+        after = safe_get_full_grad(weight)
+        found[name] = float((after - before).abs().max())
+    return found
+
+
+def test_gradient_edits_inside_a_rank0_only_summon_are_dropped_on_every_rank(world2):
+    for found in world2.run(_gradient_after_rank0_only_edits):
+        assert found == {"full": 0.0, "local": 0.0}
+
+
+def test_reloading_the_script_helpers_keeps_one_stdout_handler():
+    code = ("import importlib, logging, shardkit.deepspeed_compat as dc\n"
+            "importlib.reload(dc)\n"
+            "print(len(logging.getLogger('shardkit.scripts').handlers))\n"
+            "dc.log_dist('once', ranks=[0])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.splitlines()
+    assert out[0] == "1"
+    assert [line for line in out[1:] if line.endswith("[Rank -1] once")] == out[1:]
+    assert len(out) == 2
+
+
+def test_runtime_namespaces_have_module_specs():
+    import shardkit.runtime  # noqa: F401 - puts the namespaces into sys.modules
+    for name in ("shardkit.runtime", "shardkit.runtime.utils", "shardkit.runtime.zero",
+                 "shardkit.runtime.zero.partition_parameters"):
+        assert importlib.util.find_spec(name).name == name

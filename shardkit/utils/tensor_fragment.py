@@ -244,6 +244,15 @@ def _grad_held_full(loc: ParamLocation) -> bool:
     return loc.unit._summoned_grads and _holds_full_value(loc, _stored_rows(loc))
 
 
+def _grad_edit_dropped_by_block(loc: ParamLocation) -> bool:
+    """Whether a gradient edit here would be dropped by ``summon_full_params(with_grads=True,
+    rank0_only=True)``: this rank is not the first, so ``.grad`` is still its shard's gradient,
+    but the first rank holds the full gradient and drops edits to it on exit (``rank0_only``
+    needs ``writeback=False``). Writing the shard here would leave the ranks' row blocks of
+    one gradient from before and after the edit, so this rank drops it too. Local."""
+    return loc.unit._summoned_grads and not _holds_full_value(loc, _stored_rows(loc))
+
+
 def _grad_rows(loc: ParamLocation) -> Optional[torch.Tensor]:
     """This rank's row block of a stage-3 gradient (``None`` without one): ``.grad`` itself,
     or inside ``summon_full_params(with_grads=True)`` this rank's rows of the full gradient
@@ -420,7 +429,8 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     Each rank writes what the optimizer step reads there: stages 0-1 the whole gradient, stage
     2 the owner's, stage 3 each rank's rows (inside ``summon_full_params(with_grads=True)``
     the full gradient the block holds, whose writeback keeps those rows; ``writeback=False``
-    drops gradient edits made in the block, as in torch). No communication."""
+    drops gradient edits made in the block, as in torch, on every rank: with ``rank0_only``
+    the ranks without the full gradient drop theirs too). No communication."""
     what = "safe_set_full_grad"
     loc = locate_parameter(param, what)
     _check_value(value, _full_shape(loc), what)
@@ -428,6 +438,8 @@ def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     if loc.unit is not None:
         if _grad_held_full(loc):  # the block's full gradient: its writeback keeps the rows
             _set_held_full_grad(param, value)
+            return
+        if _grad_edit_dropped_by_block(loc):  # as the first rank's edit is
             return
         if param.grad is None:
             _give_row_gradient(loc, torch.zeros_like(_stored_rows(loc)))
@@ -600,7 +612,8 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Overwrite this rank's row block of the gradient. Stage 3 only; local. Inside
     ``summon_full_params(with_grads=True)`` it overwrites this rank's rows of the full
     gradient the block holds, which the block's writeback keeps (``writeback=False`` drops
-    gradient edits made in the block, as in torch)."""
+    gradient edits made in the block, as in torch, on every rank: with ``rank0_only`` the
+    ranks without the full gradient drop theirs too)."""
     what = "safe_set_local_grad"
     loc = _stage3_only(param, what)
     _check_value(value, _param_shape(loc), what)
@@ -609,6 +622,8 @@ def safe_set_local_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
         if param.grad is None:
             _set_held_full_grad(param, torch.zeros(_full_shape(loc)))
         _write_block_into_full(loc, param.grad, value.detach())
+        return
+    if _grad_edit_dropped_by_block(loc):  # as the first rank's edit is
         return
     with torch.no_grad():
         if param.grad is None:
