@@ -407,8 +407,8 @@ def _optim_dicts_bad_on_one_rank() -> dict:
         torch.equal(v, got[i][k]) for i, s in before["state"].items() for k, v in s.items())
     # rank 0's dict with every tensor sent by its own broadcast (a real model's moments), not
     # inside the pickled skeleton (this model's are all small)
-    from shardkit.nn.data_parallel import fsdp_state_dict
-    threshold, fsdp_state_dict._PICKLED_NUMEL = fsdp_state_dict._PICKLED_NUMEL, 1
+    from shardkit.nn.data_parallel import fsdp_optim_state_from_first_rank as from_first_rank
+    threshold, from_first_rank._PICKLED_NUMEL = from_first_rank._PICKLED_NUMEL, 1
     try:
         one_by_one = torch.optim.Adam(model.parameters(), lr=0.01)
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(),
@@ -417,7 +417,7 @@ def _optim_dicts_bad_on_one_rank() -> dict:
             with distributed.CommCounter() as counter:
                 FSDP.optim_state_dict_to_load(model, one_by_one, osd, load_directly=True)
     finally:
-        fsdp_state_dict._PICKLED_NUMEL = threshold
+        from_first_rank._PICKLED_NUMEL = threshold
     got = one_by_one.state_dict()["state"]
     out["sent one by one"] = counter.calls_by_op.get("broadcast", 0) - 3 * len(got), all(
         torch.equal(v, got[i][k]) for i, s in before["state"].items() for k, v in s.items())
