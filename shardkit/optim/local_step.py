@@ -16,7 +16,10 @@ into the local optimizer's groups only. The public param groups and a consolidat
 keep the caller's ``fused=None``, so they read (and load into a plain torch optimizer) exactly
 as that optimizer's own would (FairScale's tests compare the two). Set ``group["fused"] =
 False`` to step that group with torch's default loop from the next step on, or pass
-``fused=False`` to OSS.
+``fused=False`` to OSS. The kernel pairs each parameter's elements with its state's in memory
+order, so OSS first lays out any state tensor whose memory layout differs from its parameter's
+(state loaded from a contiguous state dict for a ``channels_last`` model, or made before
+``p.data = w.t()``) as the parameter is: the default loop's update, not another element's.
 
 The local optimizer's ``step`` is called without torch's step-hook wrapper: global step hooks
 (``torch.optim.optimizer.register_optimizer_step_pre_hook``/``_post_hook``) and hooks on the OSS

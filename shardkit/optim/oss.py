@@ -183,6 +183,9 @@ class OSS(torch.optim.Optimizer):
         # the sync layout (version, number of groups) the fused choice last read dtypes and
         # devices from, and each group's devices then (see _settle_fused_choice)
         self._fused_layout_checked: Optional[tuple] = None
+        # each stepped parameter's (address, strides) when its state was last laid out as it
+        # is (see _lay_state_out_as_parameters)
+        self._state_laid_out_for: Optional[tuple] = None
         self._group_devices: list[set] = []
         self._ready = False
         self._stepped_in_backward: Optional[set] = None  # buckets stepped by ShardedDDP's backward
@@ -651,11 +654,16 @@ class OSS(torch.optim.Optimizer):
         (``amsgrad=True`` set in a group since, or in a group added since; see
         :func:`.oss_arguments.fused_kernel_carries_nan_as_loop`).
 
+        Where it stays on, each stepped parameter's state is first laid out in memory as the
+        parameter is (:meth:`_lay_state_out_as_parameters`): the kernel walks a parameter, its
+        gradient and its state element by element in memory order.
+
         Per step, with nothing changed, one dictionary look-up per group (the settings' trial,
         cached) and no look at any parameter: the dtypes and devices are read from the sync
         buckets, only when they were laid out again (every parameter lives in one of them, and
-        ``model.half()`` or ``p.data = ...`` re-lays them out at the step). A world of one lays
-        no bucket out, so there every step looks at each stepped parameter's dtype and device."""
+        ``model.half()`` or ``p.data = ...`` re-lays them out at the step), or after state was
+        loaded or handed over. A world of one lays no bucket out, so there every step looks at
+        each stepped parameter's dtype, device and state layout."""
         if not self.fused:
             return
         layout = (self._sync.layout_version, len(self.param_groups))
@@ -665,9 +673,39 @@ class OSS(torch.optim.Optimizer):
             if not self._stepped_params_all_fp32():
                 self.fused = False
                 return
+            self._lay_state_out_as_parameters()
         if sparse_gradients or not self._fused_carries_nan_as_loop(self.param_groups,
                                                                    self._group_devices):
             self.fused = False
+
+    def _lay_state_out_as_parameters(self) -> None:
+        """Give each state tensor of a stepped parameter (Adam's ``exp_avg``, SGD's
+        ``momentum_buffer``...) that parameter's memory layout where it has another one (same
+        values, a copy). torch's fused kernel pairs a parameter's elements with its state's in
+        memory order, so a state laid out otherwise (made before ``p.data = w.t()`` or
+        ``model.to(memory_format=torch.channels_last)``, or loaded from a state dict saved
+        contiguous, as a consolidated one is) updated each element from another element's
+        state: silently wrong steps where torch's default loop, which OSS stands in for, is
+        right. Local: where no stepped parameter got new storage or strides since the last look
+        and no state was loaded since, one look at each one's address and strides; otherwise a
+        look at each one's state too, and a copy only where the layouts differ."""
+        stepped = [p for group in self.optim.param_groups for p in group["params"]]
+        layouts = tuple((p.data_ptr(), p.stride()) for p in stepped)
+        if layouts == self._state_laid_out_for:
+            return
+        self._state_laid_out_for = layouts
+        for p in stepped:
+            state = self.optim.state.get(p)
+            if not state:
+                continue
+            layout = p.stride()
+            for key, value in state.items():
+                if (torch.is_tensor(value) and value.stride() != layout
+                        and value.shape == p.shape and value.dim() > 0):
+                    relaid = torch.empty_like(p, dtype=value.dtype, device=value.device)
+                    # (empty_like keeps p's strides where p is dense, as a parameter is)
+                    if relaid.stride() != value.stride():
+                        state[key] = relaid.copy_(value)
 
     def _stepped_params_all_fp32(self) -> bool:
         """Whether every parameter this rank steps is fp32: read from the sync buckets where
@@ -1071,8 +1109,11 @@ class OSS(torch.optim.Optimizer):
         return built
 
     def _load_local_state(self, state: dict) -> None:
-        """Give the local optimizer ``{owned param: state}`` and the public hyper-parameters."""
+        """Give the local optimizer ``{owned param: state}`` and the public hyper-parameters.
+        The next step checks the fused kernel's choice again (:meth:`_settle_fused_choice`:
+        loaded state keeps the layout it was saved in)."""
         load_into_optimizer(self.optim, state, [self._local_hyper(g) for g in self.param_groups])
+        self._fused_layout_checked = self._state_laid_out_for = None
 
     def _hand_over_state(self, state: dict) -> None:
         """Give the rebuilt local optimizer the state ``{owned param: state}`` it carries on
