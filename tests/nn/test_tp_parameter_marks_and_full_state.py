@@ -24,9 +24,36 @@ wrappers already honour), was taken for a replicated one by the full-state helpe
 ``load_full_model_state_dict`` loaded that slice on every rank, and ``sync_module_states``
 overwrote each rank's slice with rank 0's. Silently. They now join, split and keep its slices
 (a mark without ``partition_dim`` is a ``ValueError`` naming it).
+
+From a review:
+
+Review of the parameter marks that survive replacement (helper revtp65), in one world of 2
+gloo ranks (tensor-parallel size 2).
+
+``sequence_parallel_parameters`` marked again, by name, every parameter of a module that
+``mark_sequence_parallel`` had marked whole, even one the user had since set
+``sequence_parallel = False`` (as Megatron sets the attribute per parameter): its gradient was
+then summed over the tensor-parallel group, silently ``n`` times too large. Only a parameter
+lacking the attribute (a replacement) is marked again now.
+
+``KeepsParameterMarks`` handed every attribute of a replaced parameter to its replacement,
+tensors included: Megatron's ``main_grad`` of a meta-built layer stayed a ``meta`` tensor on the
+materialised parameter after ``to_empty``, and a swapped ``.double()`` kept the old float32
+buffer alive on the new parameter. Only marks (non-tensor attributes) travel now.
+
+``load_full_model_state_dict(model, sd, assign=True)`` into a meta-built model whose own split
+layer carries Megatron's marks (``tensor_model_parallel``, ``partition_dim``) gave it new
+parameters without them: ``full_model_state_dict`` then exported rank 0's slice as the whole
+weight and clipping counted it on one rank only, silently. The marks are kept now.
+
+A parameter that a subclass of a tensor-parallel layer adds and marks as Megatron does was taken
+for a replicated one by the full-state helpers (only the layer's listed ``_shard_dims`` were
+read): each rank exported its own slice as the whole tensor. It is joined now.
 """
 
 import copy
+import gc
+import weakref
 
 import torch
 import torch.nn as nn
@@ -34,9 +61,11 @@ import torch.nn.functional as F
 
 from shardkit.models import GPTConfig
 from shardkit.nn import model_parallel as mp
-from shardkit.nn.model_parallel.full_state import (
-    full_model_state_dict, load_full_model_state_dict, split_specs, sync_module_states)
+from shardkit.nn.model_parallel.full_state import (full_model_state_dict,
+                                                   load_full_model_state_dict, split_specs,
+                                                   sync_module_states)
 from shardkit.nn.model_parallel.gpt import TensorParallelGPT
+from shardkit.nn.model_parallel.sequence_parallel import sequence_parallel_parameters
 from shardkit.nn.model_parallel.utils import shard_of
 from shardkit.testing import world_fixture
 
@@ -246,3 +275,135 @@ def test_own_split_layer_marked_as_megatron_does_joins_splits_and_keeps_its_slic
             result["refused"]
     # the replicated LayerNorm still takes tensor-parallel rank 0's values
     assert torch.equal(results[0]["synced_norm"], results[1]["synced_norm"])
+
+
+TP = 2
+
+
+def _unmarked_parameter_stays_unmarked() -> dict:
+    """A LayerNorm marked whole, its bias unmarked afterwards: the parameters found, and the
+    gradients after ``reduce_sequence_parallel_grads`` (each rank's grads are ``rank + 1``)."""
+    mp.initialize_model_parallel(TP)
+    try:
+        rank = mp.get_model_parallel_rank()
+        block = nn.Sequential(nn.LayerNorm(4), mp.ColumnParallelLinear(4, 8, gather_output=False))
+        mp.mark_sequence_parallel(block[0])
+        block[0].bias.sequence_parallel = False
+        found = [name for name, p in block.named_parameters()
+                 if any(p is q for q in sequence_parallel_parameters(block))]
+        for p in block.parameters():
+            p.grad = torch.full_like(p, rank + 1.0)
+        mp.reduce_sequence_parallel_grads(block)
+        return {"found": found, "bias_mark": block[0].bias.sequence_parallel,
+                "weight_grad": block[0].weight.grad[0].item(),
+                "bias_grad": block[0].bias.grad[0].item(), "rank": rank}
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_parameter_unmarked_after_mark_sequence_parallel_is_not_summed(world2):
+    for result in world2.run(_unmarked_parameter_stays_unmarked):
+        assert result["found"] == ["0.weight"], result
+        assert result["bias_mark"] is False, result
+        assert result["weight_grad"] == 1.0 + 2.0, result  # summed over the two ranks
+        assert result["bias_grad"] == result["rank"] + 1.0, result  # this rank's own
+
+
+def _tensor_attributes_stay_with_the_old_parameter() -> dict:
+    mp.initialize_model_parallel(TP)
+    try:
+        with torch.device("meta"):
+            lazy = mp.ColumnParallelLinear(4, 8, gather_output=False)
+        lazy.weight.main_grad = torch.empty_like(lazy.weight)  # meta, like the weight
+        lazy.to_empty(device="cpu")
+        eager = mp.RowParallelLinear(8, 4, input_is_parallel=True, sequence_parallel=True)
+        eager.weight.main_grad = torch.zeros(eager.weight.shape)
+        old_buffer = weakref.ref(eager.weight.main_grad)
+        torch.__future__.set_swap_module_params_on_conversion(True)
+        try:
+            eager.double()
+        finally:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+        gc.collect()
+        return {"meta_main_grad_on_materialised": hasattr(lazy.weight, "main_grad"),
+                "lazy_marks": (lazy.weight.tensor_model_parallel,
+                               lazy.weight.model_parallel_groups is not None),
+                "old_buffer_alive": old_buffer() is not None,
+                "swapped_marks": (eager.weight.tensor_model_parallel,
+                                  eager.bias.sequence_parallel)}
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_tensor_attributes_are_not_handed_to_replaced_parameters(world2):
+    for result in world2.run(_tensor_attributes_stay_with_the_old_parameter):
+        assert result == {"meta_main_grad_on_materialised": False, "lazy_marks": (True, True),
+                          "old_buffer_alive": False, "swapped_marks": (True, True)}, result
+
+
+class _OwnColumnLinear_rev(nn.Module):
+    """A model's own column-split linear layer, marked as Megatron marks one."""
+
+    def __init__(self, full_weight: torch.Tensor):
+        super().__init__()
+        rank = mp.get_model_parallel_rank()
+        self.weight = nn.Parameter(shard_of(full_weight, rank, TP, 0))
+        self.weight.tensor_model_parallel = True
+        self.weight.partition_dim, self.weight.partition_stride = 0, 1
+
+    def forward(self, x):
+        y = F.linear(mp.copy_to_model_parallel_region(x), self.weight)
+        return mp.gather_from_model_parallel_region(y)
+
+
+def _own_split_layer_loaded_with_assign_into_a_meta_model() -> dict:
+    mp.initialize_model_parallel(TP)
+    try:
+        full_weight = torch.randn(8, 4, generator=torch.Generator().manual_seed(3))
+        eager = nn.Sequential(_OwnColumnLinear_rev(full_weight), nn.LayerNorm(8))
+        state = full_model_state_dict(eager)
+        with torch.device("meta"):
+            lazy = nn.Sequential(_OwnColumnLinear_rev(full_weight), nn.LayerNorm(8))
+        load_full_model_state_dict(lazy, state, assign=True)
+        norms = []
+        for model in (eager, lazy):
+            (model(torch.ones(2, 4)) * torch.arange(8.0)).sum().backward()
+            norms.append(mp.clip_grad_norm(model.parameters(), max_norm=1e9).item())
+        return {"specs": split_specs(lazy),
+                "exported": torch.equal(full_model_state_dict(lazy)["0.weight"], full_weight),
+                "norms_match": abs(norms[0] - norms[1]) <= 1e-6 * norms[0]}
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_assign_load_into_meta_model_keeps_megatron_marks_of_own_split_layer(world2):
+    for result in world2.run(_own_split_layer_loaded_with_assign_into_a_meta_model):
+        assert result == {"specs": {"0.weight": (0, 1)}, "exported": True,
+                          "norms_match": True}, result
+
+
+class _ScaledColumnLinear(mp.ColumnParallelLinear):
+    """A user's column-parallel layer with an extra output scale, split and marked as Megatron
+    marks one; rank ``r`` holds ``r`` in its slice."""
+
+    def __init__(self):
+        super().__init__(4, 8, gather_output=False)
+        self.scale = nn.Parameter(torch.full((4,), float(mp.get_model_parallel_rank())))
+        self.scale.tensor_model_parallel = True
+        self.scale.partition_dim = 0
+
+
+def _extra_marked_parameter_of_a_layer_subclass() -> dict:
+    mp.initialize_model_parallel(TP)
+    try:
+        layer = _ScaledColumnLinear()
+        return {"specs": split_specs(layer),
+                "scale": full_model_state_dict(layer)["scale"].tolist()}
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_extra_marked_parameter_of_a_layer_subclass_is_joined(world2):
+    for result in world2.run(_extra_marked_parameter_of_a_layer_subclass):
+        assert result == {"specs": {"weight": (0, 1), "bias": (0, 1), "scale": (0, 1)},
+                          "scale": [0.0] * 4 + [1.0] * 4}, result

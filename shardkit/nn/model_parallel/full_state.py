@@ -28,6 +28,7 @@ from shardkit import distributed
 from shardkit.nn.data_parallel.fsdp_state_dict import state_dict_key
 from shardkit.nn.model_parallel.initialize import current_groups, groups_of
 from shardkit.nn.model_parallel.layers import TensorParallelModule, join_over_tensor_group
+from shardkit.nn.model_parallel.parameter_marks import parameter_marks, restore_parameter_marks
 from shardkit.nn.model_parallel.utils import shard_of
 
 __all__ = ["full_model_state_dict", "load_full_model_state_dict", "split_specs",
@@ -75,15 +76,17 @@ def _split_keys(model: nn.Module, keys) -> dict[str, _Split]:
     for name, module in model.named_modules(remove_duplicate=False):
         # (a module merely named like a wrapper level, my_checkpoint_wrapped_module, keeps it)
         prefix = state_dict_key(name + ".") if name else ""
+        layer_own = ()
         if isinstance(module, TensorParallelModule):  # by name: FSDP may hold the tensors
+            layer_own = module._shard_dims
             for pname, spec in module._shard_dims.items():
                 if spec is not None and prefix + pname in keys:
                     by_key[prefix + pname] = _Split(spec[0], spec[1],
                                                     module.model_parallel_groups)
-            continue
         for pname, param in module._parameters.items():
             key = prefix + pname
-            if param is None or key not in keys:
+            # a layer's listed parameters go by its split above; a subclass's extra ones by marks
+            if pname in layer_own or param is None or key not in keys:
                 continue
             if id(param) in of_layers:  # a layer's split weight, tied into another module
                 by_key[key] = of_layers[id(param)]
@@ -204,7 +207,11 @@ def _load_slices(model: nn.Module, state_dict: dict[str, torch.Tensor], assign: 
             raise ValueError(f"load_full_model_state_dict: {key!r} has shape "
                              f"{tuple(tensor.shape)}; the unsplit model's is {tuple(expected)}")
         local[key] = split[key].slice_of(tensor) if key in split else tensor
+    # assign replaces the parameter objects: the marks of those of a model's own split layer
+    # (Megatron's, read above and by clipping) live outside KeepsParameterMarks, so keep them here
+    marks = parameter_marks(model) if assign else {}
     model.load_state_dict(local, assign=assign)
+    restore_parameter_marks(model, marks)
 
 
 @torch.no_grad()

@@ -14,22 +14,31 @@ then clipped by a wrong norm and summed no sequence-parallel gradient, silently.
 :class:`KeepsParameterMarks` is the base that puts them back: around ``_apply`` and
 ``_load_from_state_dict`` it notes the marks of the parameters concerned by name and gives each
 parameter found under that name afterwards the marks it lacks. Local, no communication;
-memory: one small dict per call.
+memory: one small dict per call. Only marks travel: a tensor held as an attribute of the old
+parameter (Megatron's ``main_grad``, a cached copy) is storage of that object, of its old device,
+dtype or shape (``meta`` after ``to_empty``), so it is not handed to the replacement, which would
+also keep it alive.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 __all__ = ["KeepsParameterMarks", "parameter_marks", "restore_parameter_marks"]
 
 
 def parameter_marks(module: nn.Module, recurse: bool = True) -> dict[str, dict]:
-    """``{qualified name: the attributes set on that parameter}`` for each parameter of
-    ``module`` (with ``recurse``, its submodules' too; shared ones under every name) that
-    carries any. Local."""
-    return {name: dict(param.__dict__) for name, param in
-            module.named_parameters(recurse=recurse, remove_duplicate=False) if param.__dict__}
+    """``{qualified name: the marks set on that parameter}`` for each parameter of ``module``
+    (with ``recurse``, its submodules' too; shared ones under every name) that carries any: its
+    attributes other than tensors (see the module docstring). Local."""
+    marks = {}
+    for name, param in module.named_parameters(recurse=recurse, remove_duplicate=False):
+        own = {key: value for key, value in param.__dict__.items()
+               if not isinstance(value, torch.Tensor)}
+        if own:
+            marks[name] = own
+    return marks
 
 
 def restore_parameter_marks(module: nn.Module, marks: dict[str, dict],

@@ -73,11 +73,13 @@ def sequence_parallel_parameters(module: nn.Module) -> list[nn.Parameter]:
 
 def _mark_replaced_parameters(module: nn.Module) -> None:
     """Set ``sequence_parallel`` again on the current parameters under the names that
-    :func:`mark_sequence_parallel` noted on ``module``'s submodules. Local."""
+    :func:`mark_sequence_parallel` noted on ``module``'s submodules, where it is missing (a
+    replacement lacks it); one set to ``False`` since, as Megatron sets it per parameter, stays
+    unmarked. Local."""
     for sub in module.modules():
         for name in getattr(sub, _MARKED_NAMES, ()):
             param = sub._parameters.get(name)
-            if param is not None:
+            if param is not None and "sequence_parallel" not in param.__dict__:
                 param.sequence_parallel = True
 
 
