@@ -52,6 +52,29 @@ _AGREEING_METHODS = ("OSS.step", "OSS.add_param_group", "OSS.refresh_trainable",
                      "OSS.clip_grad_norm", "OSS.consolidate_state_dict")
 
 
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` covers its memory without gaps or overlaps, in any dimension order
+    (contiguous, ``channels_last``, ``.t()``); dimensions of size one lay nothing out."""
+    if tensor.numel() == 0:
+        return True
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_memory_order(tensor: torch.Tensor, like: torch.Tensor) -> bool:
+    """Whether ``tensor`` is dense and lays its elements out in memory as ``like`` does
+    (strides of size-one dimensions aside)."""
+    return (tensor.layout == torch.strided and tensor.shape == like.shape and _dense(tensor)
+            and all(size == 1 or a == b
+                    for size, a, b in zip(like.shape, tensor.stride(), like.stride())))
+
+
 class OSS(torch.optim.Optimizer):
     """Wrap a torch optimizer so that each rank holds and steps only its share of the state.
 
@@ -670,7 +693,7 @@ class OSS(torch.optim.Optimizer):
         if layout != self._fused_layout_checked or not self._sync.buckets:
             self._fused_layout_checked = layout
             self._group_devices = [{p.device for p in g["params"]} for g in self.param_groups]
-            if not self._stepped_params_all_fp32():
+            if not self._stepped_params_all_fp32() or not self._fused_kernel_pairs_elements():
                 self.fused = False
                 return
             self._lay_state_out_as_parameters()
@@ -705,7 +728,27 @@ class OSS(torch.optim.Optimizer):
                     relaid = torch.empty_like(p, dtype=value.dtype, device=value.device)
                     # (empty_like keeps p's strides where p is dense, as a parameter is)
                     if relaid.stride() != value.stride():
-                        state[key] = relaid.copy_(value)
+                        # the same tensor object on new storage: a reference the caller (or
+                        # the engine's state offload) holds to it stays the state stepped
+                        value.set_(relaid.copy_(value))
+
+    def _fused_kernel_pairs_elements(self) -> bool:
+        """Whether torch's fused kernel would pair each element of every stepped parameter
+        with the same element of its gradient: it walks both linearly in memory, so a
+        parameter that is not dense (``p.data = big[:, ::2]``: it would also write into
+        ``big``'s other columns) or a gradient laid out otherwise than its parameter (kept by
+        ``zero_grad(set_to_none=False)`` across ``p.data = w.t()``) steps wrong elements, where
+        torch's default loop is right. Only a world of one can hold such a parameter (the sync
+        buckets lay the parameters out dense, their gradients alike), and there every step
+        looks: one look at each stepped parameter's and gradient's strides."""
+        for group in self.optim.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                if p.is_contiguous() and (grad is None or grad.is_contiguous()):
+                    continue  # the common case, in two calls
+                if not _dense(p) or (grad is not None and not _same_memory_order(grad, p)):
+                    return False
+        return True
 
     def _stepped_params_all_fp32(self) -> bool:
         """Whether every parameter this rank steps is fp32: read from the sync buckets where

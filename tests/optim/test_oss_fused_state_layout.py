@@ -8,6 +8,19 @@ w.t()``) updated each element from another element's state, silently: the steps 
 the torch optimizer OSS stands in for (by about the learning rate per step). Each rank now lays
 such state out as its parameter is before the fused step, so training matches torch's default
 loop step by step (worlds of 1 and 2, under ShardedDataParallel and under plain averaging).
+
+From a review:
+
+OSS's own choice of torch's fused kernel at a world of one, next to the state re-layout of
+8ddaef9 (from a review).
+
+The fused kernel walks a parameter, its gradient and its state linearly in memory. Regressions:
+a parameter that is not dense (``p.data = big[:, ::2]``) was stepped from the wrong elements and
+the kernel wrote into ``big``'s other columns; a gradient kept laid out as before ``p.data =
+w.t()`` (``zero_grad(set_to_none=False)``) paired each element with another's gradient; the
+state re-layout replaced the state tensor, so a reference the caller held to
+``optimizer.state[p]["exp_avg"]`` stopped being the state stepped. OSS now steps such a rank
+with torch's default loop (matching torch step by step) and re-lays state out in place.
 """
 
 import copy
@@ -144,3 +157,107 @@ def test_fused_step_after_parameter_relaid_out_by_data_assignment_matches_torch(
             assert fused, f"{name}: OSS did not choose the fused kernel; the test lost its point"
             assert worst < 1e-6, f"{name}, rank {rank}: drifted {worst:.3g} from torch after " \
                                  f"p.data = w.t()"
+
+
+OPTIMIZERS_rev = {"adam": (torch.optim.Adam, {"lr": 0.01}),
+                  "sgd_nesterov": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9,
+                                                     "nesterov": True}),
+                  "adagrad": (torch.optim.Adagrad, {"lr": 0.1})}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _train_alike(name: str, relayout, set_to_none: bool = True, steps: int = 4) -> dict:
+    """Train a model under OSS and a copy under the plain optimizer, calling
+    ``relayout(step, model)`` on both before each step. Returns the worst parameter difference
+    and what the relayout left aside (``big`` tensors) in each."""
+    optim_class, hyper = OPTIMIZERS_rev[name]
+    model = _model()
+    reference = copy.deepcopy(model)
+    optimizer = OSS(model.parameters(), optim=optim_class, **hyper)
+    ref_optimizer = optim_class(reference.parameters(), **hyper)
+    assert optimizer.fused, f"{name}: OSS did not choose the fused kernel; the test lost its point"
+    aside = {"oss": [], "torch": []}
+    worst = 0.0
+    for step in range(steps):
+        aside["oss"] += relayout(step, model)
+        aside["torch"] += relayout(step, reference)
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)
+        for net, opt in ((model, optimizer), (reference, ref_optimizer)):
+            opt.zero_grad(set_to_none=set_to_none)
+            ((net(x) - y) ** 2).mean().backward()
+            opt.step()
+        worst = max(worst, max((p - q).abs().max().item()
+                               for p, q in zip(model.parameters(), reference.parameters())))
+    gaps = [(a - b).abs().max().item() for a, b in zip(aside["oss"], aside["torch"])]
+    return {"worst": worst, "aside_gap": max(gaps, default=0.0)}
+
+
+def _every_other_column(step: int, model: nn.Module) -> list:
+    if step != 1:
+        return []
+    big = torch.randn(6, 14, generator=torch.Generator().manual_seed(1))
+    model[2].weight.data = big[:, ::2]
+    return [big]
+
+
+def _transposed(step: int, model: nn.Module) -> list:
+    if step == 2:
+        model[2].weight.data = model[2].weight.data.t().contiguous().t()
+    return []
+
+
+def _non_dense_parameter_steps_as_torch():
+    return {name: _train_alike(name, _every_other_column) for name in OPTIMIZERS_rev}
+
+
+def _gradient_kept_across_transpose_steps_as_torch():
+    return {name: _train_alike(name, _transposed, set_to_none=False) for name in OPTIMIZERS_rev}
+
+
+def _held_state_reference_after_relayout():
+    results = {}
+    for name, (optim_class, hyper) in OPTIMIZERS_rev.items():
+        model = _model()
+        optimizer = OSS(model.parameters(), optim=optim_class, **hyper)
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+        weight = model[2].weight
+        for step in range(4):
+            if step == 2:
+                weight.data = weight.data.t().contiguous().t()
+            optimizer.zero_grad()
+            model(x).sum().backward()
+            optimizer.step()
+            if step == 1:
+                key, held = next((k, v) for k, v in optimizer.state[weight].items()
+                                 if torch.is_tensor(v) and v.dim() > 0)
+        current = optimizer.state[weight][key]
+        results[name] = (held is current, current.stride() == weight.stride(), optimizer.fused)
+    return results
+
+
+def test_non_dense_parameter_steps_as_torch_and_leaves_its_base_alone(world1):
+    for name, result in world1.run(_non_dense_parameter_steps_as_torch)[0].items():
+        assert result["worst"] < 1e-6, f"{name}: drifted {result['worst']:.3g} from torch " \
+                                       f"after p.data = big[:, ::2]"
+        assert result["aside_gap"] == 0.0, f"{name}: wrote {result['aside_gap']:.3g} into " \
+                                           f"big's other columns"
+
+
+def test_gradient_laid_out_otherwise_than_its_parameter_steps_as_torch(world1):
+    for name, result in world1.run(_gradient_kept_across_transpose_steps_as_torch)[0].items():
+        assert result["worst"] < 1e-6, f"{name}: drifted {result['worst']:.3g} from torch " \
+                                       f"with a gradient kept across p.data = w.t()"
+
+
+def test_state_reference_held_across_relayout_stays_the_state_stepped(world1):
+    results = world1.run(_held_state_reference_after_relayout)[0]
+    for name, (same, laid_out, fused) in results.items():
+        assert fused, f"{name}: OSS did not keep the fused kernel; the test lost its point"
+        assert laid_out, f"{name}: the state was not laid out as its parameter"
+        assert same, f"{name}: optimizer.state[p] holds a new tensor after the re-layout; " \
+                     f"the caller's reference no longer steps"
