@@ -117,8 +117,8 @@ def exited_peers_on_this_host(settle_s: float = 0.0, ranks: Optional[Sequence[in
                               ) -> list[tuple[int, int]]:
     """``(global rank, pid)`` of each rank of the default group (or of its global ``ranks``)
     that runs on this host (same kernel and pid namespace, as gathered with the node layout by
-    :func:`init_distributed`) and whose process has exited; empty where nothing was gathered
-    or ``/proc`` does not say.
+    :func:`~shardkit.distributed.init_distributed`) and whose process has exited; empty where
+    nothing was gathered or ``/proc`` does not say.
     For error messages after a broken connection: ``settle_s`` is how long to look again
     while none has exited yet (a dying process closes its sockets a moment before ``/proc``
     shows it exited). Local; reads ``/proc`` only."""

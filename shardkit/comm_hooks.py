@@ -36,9 +36,10 @@ __all__ = ["counted_allreduce_hook", "fp16_allreduce_hook", "bf16_allreduce_hook
 
 
 def counted_allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
-    """fp32 averaging like torch's default hook, but through :func:`shardkit.distributed.
-    all_reduce`, so that :class:`CommCounter` sees DDP's traffic (torch's own hook bypasses
-    shardkit). Wire: ``2(N-1)/N`` of the bucket's bytes."""
+    """fp32 averaging like torch's default hook, but through
+    :func:`shardkit.distributed.all_reduce`, so that :class:`~shardkit.distributed.CommCounter`
+    sees DDP's traffic (torch's own hook bypasses shardkit). Wire: ``2(N-1)/N`` of the bucket's
+    bytes."""
     _check_group_state("counted_allreduce_hook", process_group)
     buffer = bucket.buffer()
     n = skdist.get_world_size(process_group)

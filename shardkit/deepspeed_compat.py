@@ -275,9 +275,9 @@ def _all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: boo
     """DeepSpeed's (torch's) ``all_to_all(output_tensor_list, input_tensor_list, group=None,
     async_op=False)``: ``input_tensor_list[j]`` goes to group rank ``j``, group rank ``j``'s
     item for this rank lands in ``output_tensor_list[j]`` (items of any sizes, one dtype).
-    Runs as :func:`all_to_all_single` of the lists flattened (their sizes as split sizes: one
-    all-gather of the sizes, ``2n + 2`` int64s a rank, not counted by CommCounter, checked on
-    every rank, then one all-to-all); with ``async_op`` a finished handle. A list of the
+    Runs as :func:`~shardkit.distributed.all_to_all_single` of the lists flattened (their sizes as
+    split sizes: one all-gather of the sizes, ``2n + 2`` int64s a rank, not counted by CommCounter,
+    checked on every rank, then one all-to-all); with ``async_op`` a finished handle. A list of the
     wrong length or of mixed dtypes on one rank raises a ValueError on every rank (that
     rank's names the list), before any data moves. gloo has no list all-to-all of its own."""
     what = "all_to_all"
@@ -317,7 +317,8 @@ def _all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: boo
 
 def _allgather_fn(output_tensor, input_tensor, group=None, async_op: bool = False, debug=None):
     """DeepSpeed's ``allgather_fn(output_tensor, input_tensor, group=None, async_op=False)``:
-    :func:`all_gather_into_tensor` (the flat all-gather, which torch always has here)."""
+    :func:`~shardkit.distributed.all_gather_into_tensor` (the flat all-gather, which torch always
+    has here)."""
     return distributed.all_gather_into_tensor(output_tensor, input_tensor, group=group,
                                               async_op=async_op)
 
@@ -325,7 +326,7 @@ def _allgather_fn(output_tensor, input_tensor, group=None, async_op: bool = Fals
 def _reduce_scatter_fn(output_tensor, tensor, op=distributed.ReduceOp.SUM, group=None,
                        async_op: bool = False, prof: bool = False, debug=None):
     """DeepSpeed's ``reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None,
-    async_op=False)``: :func:`reduce_scatter_tensor`."""
+    async_op=False)``: :func:`~shardkit.distributed.reduce_scatter_tensor`."""
     return _reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 

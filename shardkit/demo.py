@@ -11,8 +11,9 @@ run                stage  what it is
 ``ddp``            0      torch DistributedDataParallel (gradients are counted through a comm
                           hook that all-reduces with :func:`shardkit.distributed.all_reduce`)
 ``oss``            1      :class:`shardkit.optim.OSS` around AdamW, under torch DDP
-``sharded_ddp``    2      :class:`ShardedDataParallel` + OSS
-``fsdp``           3      :class:`FullyShardedDataParallel`, one unit per transformer ``Block``
+``sharded_ddp``    2      :class:`shardkit.nn.data_parallel.ShardedDataParallel` + OSS
+``fsdp``           3      :class:`shardkit.nn.data_parallel.FullyShardedDataParallel`, one
+                          unit per transformer ``Block``
 ``fsdp_offload``   3      the same with ``move_params_to_cpu=True``
 ``pipeline``       --     a ``world-size``-stage 1F1B pipeline (``shardkit.nn.pipe``)
 =================  =====  =====================================================================

@@ -32,8 +32,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 300.0) ->
     backend agrees). Before the backend connects the ranks, they meet on the rendezvous store,
     so that a rank that never comes, or ranks started with different ``WORLD_SIZE`` values,
     are one clear error on every waiting rank. Costs one TCP rendezvous and one small object
-    all-gather (every rank's node, for :func:`node_groups`, and process id, for naming a rank
-    of this host that died under a collective); no tensor traffic.
+    all-gather (every rank's node, for :func:`~shardkit.distributed.node_groups`, and process id,
+    for naming a rank of this host that died under a collective); no tensor traffic.
 
     Raises:
         RuntimeError: a torchrun variable is missing or malformed, naming which; the

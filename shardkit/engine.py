@@ -34,10 +34,10 @@ gradients of the trainable parameters it leaves out (they never accumulate).
 ``2Ψ(N-1)/N`` on links between blocks, for ``Ψ/h`` more memory per resharded unit.
 
 Master weights and optimizer state are always fp32; ``fp16``/``bf16`` run the forward and
-backward under ``torch.autocast`` (CPU or CUDA), fp16 with a :class:`DynamicLossScaler`. A
-model passed in fp16 or bf16 to train that way has its 16-bit parameters and buffers cast to
-fp32 first (the same ``Parameter`` objects; rank 0 says so), as DeepSpeed keeps fp32 master
-weights whatever the model's dtype. A step
+backward under ``torch.autocast`` (CPU or CUDA), fp16 with a
+:class:`~shardkit.optim.DynamicLossScaler`. A model passed in fp16 or bf16 to train that way has its
+16-bit parameters and buffers cast to fp32 first (the same ``Parameter`` objects; rank 0 says so),
+as DeepSpeed keeps fp32 master weights whatever the model's dtype. A step
 whose gradients hold inf/nan is skipped under fp16, and under bf16 unless
 ``bf16.check_grad_overflow`` is false (DeepSpeed's default, true); the decision is all-reduced
 (one element) so every rank skips together. A script's own ``engine.optimizer.step()`` gets

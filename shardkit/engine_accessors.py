@@ -136,8 +136,9 @@ class DeepSpeedAccessors:
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """``stage3_gather_16bit_weights_on_model_save`` (or its older ``fp16`` spelling) as
-        configured. shardkit's :meth:`save_16bit_model` gathers the full model at stage 3
-        whatever it says (DeepSpeed writes nothing and returns ``False`` when it is off)."""
+        configured. shardkit's :meth:`~shardkit.engine.ShardedEngine.save_16bit_model` gathers the
+        full model at stage 3 whatever it says (DeepSpeed writes nothing and returns ``False`` when
+        it is off)."""
         section = self._zero_section()
         return bool(section.get("stage3_gather_16bit_weights_on_model_save",
                                 section.get("stage3_gather_fp16_weights_on_model_save", False)))

@@ -23,7 +23,7 @@ logger = logging.getLogger("shardkit")
 
 class NoOptimizer:
     """What the checkpoint writer sees of a forward-only engine's optimizer: no param groups,
-    no state (see :meth:`ShardedEngine._optimizer_state_for_checkpoint`)."""
+    no state (see :meth:`~shardkit.engine.ShardedEngine._optimizer_state_for_checkpoint`)."""
 
     def __init__(self):
         self.param_groups: list = []
@@ -56,10 +56,11 @@ class CheckpointMethods:
         Communication: the tags compared across ranks (one small all-gather, unless the
         config's ``checkpoint.tag_validation`` is ``"Ignore"``: then a small broadcast), three
         one-element all-reduces and one barrier. A rank that ran a backward it has not stepped
-        for first joins the step agreement (:meth:`_agree_on_step_skipped`): when other ranks
-        stepped meanwhile (a step skipped behind a rank-local check of the loss), every rank
-        raises a RuntimeError and nothing is written, as at a forward; likewise in
-        :meth:`load_checkpoint` and :meth:`save_16bit_model`.
+        for first joins the step agreement
+        (:meth:`~shardkit.engine.ShardedEngine._agree_on_step_skipped`): when other ranks stepped
+        meanwhile (a step skipped behind a rank-local check of the loss), every rank raises a
+        RuntimeError and nothing is written, as at a forward; likewise in :meth:`load_checkpoint`
+        and :meth:`~shardkit.engine.ShardedEngine.save_16bit_model`.
 
         ``client_state`` must load back: checkpoints are read with
         ``torch.load(weights_only=True)`` (tensors, numbers, strings, bools, None and
@@ -111,8 +112,8 @@ class CheckpointMethods:
         checkpoint of its slices into ``save_dir/TAG/mp_rank_XX`` (as DeepSpeed's
         ``mp_rank_XX`` files); once every group has committed (one one-element all-reduce
         over the world), rank 0 points ``save_dir/latest`` at ``TAG`` (one more, to agree that
-        it could). A failure in any group raises :class:`CheckpointError` on every rank and
-        leaves ``latest`` as it was."""
+        it could). A failure in any group raises :class:`~shardkit.checkpoint.CheckpointError` on
+        every rank and leaves ``latest`` as it was."""
         from shardkit.checkpoint.engine_state import save_engine_checkpoint
         from shardkit.checkpoint.sharded import write_latest_tag
         from shardkit.nn.model_parallel.full_state import split_specs
@@ -158,8 +159,8 @@ class CheckpointMethods:
 
     @staticmethod
     def _agree_on_save(error: Optional[BaseException], save_dir: str, tag: str) -> None:
-        """:class:`CheckpointError` on every rank when ``error`` happened on any (one
-        one-element all-reduce over the world)."""
+        """:class:`~shardkit.checkpoint.CheckpointError` on every rank when ``error`` happened on
+        any (one one-element all-reduce over the world)."""
         from shardkit.checkpoint import CheckpointError
         if distributed.any_rank(error is not None):
             raise CheckpointError(f"save_checkpoint({save_dir!r}, tag={tag!r}) failed"

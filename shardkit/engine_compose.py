@@ -28,7 +28,8 @@ def compose_from_config(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg
     choices, over ``process_group`` (the data-parallel group; ``None``: the world). DeepSpeed
     counts ``reduce_bucket_size`` in elements; ShardedDataParallel's bucket is in bytes of the
     (fp32) gradients, so the size is converted here, once. ``agree_across_ranks``: compose's
-    (``False`` when the caller's ranks have agreed already, as :func:`initialize` does)."""
+    (``False`` when the caller's ranks have agreed already, as :func:`~shardkit.initialize`
+    does)."""
     kwargs = _compose_arguments(model, recipe, cfg, wrap_policy, param_init_fn)
     # torch DDP's all-reduce (stages 0-1) goes through shardkit's averaging hook, so that a
     # CommCounter around a step shows the stage's bytes (DESIGN.md's per-stage formulas).

@@ -61,7 +61,8 @@ class ModelWeights:
         values are gathered copies whatever it says), ``exclude_frozen_parameters`` leaves out
         the parameters that do not require grad. A bad argument is a ValueError on every rank
         before any collective. Where it gathers (stage 3, tensor parallelism), a rank owing a
-        step first joins the step agreement, as :meth:`save_checkpoint` does."""
+        step first joins the step agreement, as
+        :meth:`~shardkit.engine.ShardedEngine.save_checkpoint` does."""
         return self._module_state_dict_for("engine.module_state_dict()", destination, prefix,
                                            keep_vars, exclude_frozen_parameters)
 
@@ -69,8 +70,9 @@ class ModelWeights:
                                prefix: str = "", keep_vars: bool = False,
                                exclude_frozen_parameters: bool = False) -> dict:
         """:meth:`module_state_dict`, which ``call`` asked for: where the state is gathered,
-        ``call`` joins the step agreement first (:meth:`_agree_on_step_skipped`), unless it
-        is None (its caller joined it already)."""
+        ``call`` joins the step agreement first
+        (:meth:`~shardkit.engine.ShardedEngine._agree_on_step_skipped`), unless it is None (its
+        caller joined it already)."""
         if destination is not None and not isinstance(destination, dict):
             raise ValueError(f"engine.module_state_dict(destination={type(destination).__name__}"
                              f"): expected a dict (it receives the entries) or None")

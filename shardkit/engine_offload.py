@@ -62,8 +62,8 @@ def _release_flat_state_buffers(optimizer) -> None:
     ``FusedAdam``, and the one inside OSS) whose ``state`` was just replaced by host copies.
     Its ``state[p]`` tensors are views into those buffers: without this, the buffers keep the
     whole device state alive while it is "offloaded". Its next step rebuilds them from
-    ``state`` (the tensors :meth:`ShardedEngine.reload_states` put back), as after a
-    ``load_state_dict``. Local."""
+    ``state`` (the tensors :meth:`~shardkit.engine.ShardedEngine.reload_states` put back), as after
+    a ``load_state_dict``. Local."""
     from shardkit.optim.fused import FusedAdamW
     inner = getattr(optimizer, "optim", optimizer)  # OSS: the local shard's optimizer
     if isinstance(inner, FusedAdamW):

@@ -37,10 +37,11 @@ def _optimizer_recipe(cfg: EngineConfig, optimizer, model_parameters,
 
 def _built_by_callable(factory, params, cfg: EngineConfig) -> torch.optim.Optimizer:
     """The optimizer the caller's ``callable(params)`` builds, checked as a passed instance is
-    (:func:`_check_arguments`): a torch optimizer, and at stage 3 one that can step FSDP's row
-    shards (state it built already is no reason to refuse: it is rebuilt over the shards, see
-    :func:`_recipe_rebuilt_on_shards`). The same :class:`ConfigError` on every rank, before
-    any wrapper exists or any collective starts. Local."""
+    (:func:`~shardkit.engine_arguments._check_arguments`): a torch optimizer, and at stage 3 one
+    that can step FSDP's row shards (state it built already is no reason to refuse: it is
+    rebuilt over the shards, see :func:`_recipe_rebuilt_on_shards`). The same
+    :class:`ConfigError` on every rank, before any wrapper exists or any collective starts.
+    Local."""
     built = factory(params)
     if not isinstance(built, torch.optim.Optimizer):
         raise TypeError(f"initialize(optimizer=<callable>): the callable must return a "

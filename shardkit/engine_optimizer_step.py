@@ -51,7 +51,8 @@ class OptimizerStep:
     def _optimizer_step(self, lr_kwargs: dict, loss_scaled: bool = True,
                         agreed_in_advance: Optional[dict] = None) -> None:
         """Step at the boundary; ``agreed_in_advance``: the OSS agreements the step agreement
-        carried (:meth:`_agree_on_step`), whose calls here then skip their own exchange."""
+        carried (:meth:`~shardkit.engine.ShardedEngine._agree_on_step`), whose calls here then skip
+        their own exchange."""
         agreed_in_advance = agreed_in_advance or {}
         scale_before = self.loss_scale
         overflow = self._prepare_gradients_for_step(loss_scaled, agreed_in_advance)

@@ -51,11 +51,12 @@ def _is_oss_clip(clip: Callable, optimizer: OSS) -> bool:
 def _step_runs_no_foreign_code(optimizer: OSS) -> bool:
     """Whether ``optimizer.step()`` runs only torch's and shardkit's code before OSS's
     agreement: no step hook (instance or global, pre or post: nothing of the script's runs
-    inside ``OSS.agreed_in_advance``) but shardkit's own checks (:func:`_refuse_direct_step`;
-    the global ones FSDP registers once a process builds a unit, as a ZeRO-3 reference model
-    beside a ZeRO-2 actor does), and ``step`` itself OSS's, or torch's scheduler's counting
-    wrapper around OSS's own (:func:`_is_schedulers_wrapper_of_oss_step`). Where torch keeps
-    its hooks elsewhere than this reads, False (OSS then agrees on its own, as before)."""
+    inside ``OSS.agreed_in_advance``) but shardkit's own checks
+    (:func:`~shardkit.engine_optimizer_hooks._refuse_direct_step`; the global ones FSDP registers
+    once a process builds a unit, as a ZeRO-3 reference model beside a ZeRO-2 actor does), and
+    ``step`` itself OSS's, or torch's scheduler's counting wrapper around OSS's own
+    (:func:`_is_schedulers_wrapper_of_oss_step`). Where torch keeps its hooks elsewhere than this
+    reads, False (OSS then agrees on its own, as before)."""
     from torch.optim import optimizer as torch_optimizer
     hook_tables = [getattr(optimizer, "_optimizer_step_pre_hooks", None),
                    getattr(optimizer, "_optimizer_step_post_hooks", None),
@@ -107,10 +108,10 @@ class StepAgreement:
         next reducing training forward, or any forward at stage 3, or the backward of a loss
         computed without the engine's forward, or a checkpoint save or load
         (:meth:`_agree_on_step_skipped`), so both sides learn it from the one exchange the step
-        makes anyway. ``step()`` between :meth:`offload_states` and :meth:`reload_states`
-        would update state that is not where the parameters are (on a GPU, a device mismatch
-        inside the optimizer; on a CPU run, a script that forgets the reload would break on a
-        GPU).
+        makes anyway. ``step()`` between :meth:`~shardkit.engine.ShardedEngine.offload_states` and
+        :meth:`~shardkit.engine.ShardedEngine.reload_states` would update state that is not where
+        the parameters are (on a GPU, a device mismatch inside the optimizer; on a CPU run, a script
+        that forgets the reload would break on a GPU).
 
         ``carry``: ``{call: arguments}`` of OSS's agreements (its ``clip_grad_norm`` and
         ``step``) whose rows this exchange carries (:meth:`_oss_calls_to_carry`). Returns

@@ -37,9 +37,9 @@ MPU_METHODS = ("get_model_parallel_group", "get_model_parallel_rank",
 @dataclass(frozen=True)
 class ModelParallelGroups:
     """The tensor- and data-parallel groups an engine runs over (DeepSpeed's ``mpu``, read once
-    by :func:`initialize`): the wrappers, the batch split and the checkpoint's files follow
-    ``data_ranks``; each of ``tensor_ranks`` holds other slices of the split weights. A value:
-    no memory, no communication."""
+    by :func:`~shardkit.initialize`): the wrappers, the batch split and the checkpoint's files
+    follow ``data_ranks``; each of ``tensor_ranks`` holds other slices of the split weights. A
+    value: no memory, no communication."""
 
     tensor_group: object
     tensor_ranks: tuple
@@ -68,9 +68,9 @@ class ModelParallelGroups:
 
 
 def model_parallel_groups(model: nn.Module, mpu=None) -> Optional[ModelParallelGroups]:
-    """The groups :func:`initialize` runs over: ``mpu``'s when given, else those the model's
-    tensor-parallel layers were built with (``shardkit.nn.model_parallel``); ``None`` for plain
-    data parallelism over the world (no split layers and no ``mpu``, or an ``mpu`` of
+    """The groups :func:`~shardkit.initialize` runs over: ``mpu``'s when given, else those the
+    model's tensor-parallel layers were built with (``shardkit.nn.model_parallel``); ``None`` for
+    plain data parallelism over the world (no split layers and no ``mpu``, or an ``mpu`` of
     tensor-parallel size 1 whose data group is the world).
 
     Raises :class:`ConfigError` (local, before any collective) for an ``mpu`` missing one of
@@ -201,10 +201,10 @@ def checkpoint_location(load_dir: str, tag: Optional[str],
     ``latest`` to follow (the reader agrees over the ranks that there is none). No
     communication.
 
-    Raises :class:`CheckpointError` (the same on every rank: they read the same directory) for
-    a checkpoint written at another tensor-parallel size, naming both sizes, and, under tensor
-    parallelism, for a tag that holds no complete checkpoint, saying why (no such tag, naming
-    those present; an interrupted save). Without tensor parallelism the reader names the
+    Raises :class:`~shardkit.checkpoint.CheckpointError` (the same on every rank: they read the same
+    directory) for a checkpoint written at another tensor-parallel size, naming both sizes, and,
+    under tensor parallelism, for a tag that holds no complete checkpoint, saying why (no such tag,
+    naming those present; an interrupted save). Without tensor parallelism the reader names the
     latter itself."""
     from shardkit.checkpoint import CheckpointError, read_latest_tag
     resolved = tag if tag is not None else read_latest_tag(load_dir)

@@ -112,7 +112,8 @@ class GroupCache(dict):
     the current world, keyed as it likes (e.g. by ranks). Read it through :meth:`current`: the
     cache is emptied whenever the default group is no longer the one it was filled under
     (torch's ``destroy_process_group`` and a new init in the same process), and by
-    :func:`destroy`, so a group of a torn-down world is never handed out again. Local."""
+    :func:`~shardkit.distributed.destroy`, so a group of a torn-down world is never handed out
+    again. Local."""
 
     def __init__(self):
         super().__init__()
@@ -128,7 +129,8 @@ class GroupCache(dict):
         return self
 
     def forget(self) -> None:
-        """Empty the cache and the world it was filled in (what :func:`destroy` does)."""
+        """Empty the cache and the world it was filled in (what
+        :func:`~shardkit.distributed.destroy` does)."""
         self.clear()
         self._world = None
 

@@ -37,7 +37,8 @@ error the transport is broken and every later operation raises the same error.
 
 Memory: ``3 x N x part_bytes`` (default 2 MiB per part: 12 MiB at world 2) plus a page of
 control per group, for the life of the process, whatever the model's size; reported by
-:meth:`footprint_tensors` and counted by ``model_state_bytes`` under ``"transport"``.
+:meth:`~shardkit.shm_transport.SharedMemoryTransport.footprint_tensors` and counted by
+``model_state_bytes`` under ``"transport"``.
 Communication: none on the network; ``CommCounter`` records each op with the bytes the ranks
 read from their peers' slots, i.e. what a network transport would deliver to them, under the
 process group's convention (DESIGN.md), so that the two transports record the same bytes for
@@ -53,7 +54,8 @@ world 2 the two agree.) What a rank writes is less: one copy of its own part, wh
 peer reads.
 
 When it cannot be used (ranks on different hosts or pid namespaces, no ``memfd_create``, a
-world of one), :meth:`prepare` warns once and the group's operations use the process group.
+world of one), :meth:`~shardkit.shm_transport.SharedMemoryTransport.prepare` warns once and the
+group's operations use the process group.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ _layout: Optional[tuple] = None  # (the default group it was gathered in, node i
 
 def _forget_topology() -> None:
     """Drop the gathered layout, the groups cached for topology, the single-rank groups
-    (:func:`single_rank_group`) and every :class:`GroupCache`. They hold the default
-    group and its node groups: a group still referenced outlives ``destroy_process_group``
+    (:func:`~shardkit.distributed.single_rank_group`) and every :class:`GroupCache`. They hold the
+    default group and its node groups: a group still referenced outlives ``destroy_process_group``
     with its gloo connections open, and is torn down at interpreter exit instead, when the
     ranks no longer wait for each other (gloo then aborted a rank now and then: "terminate
     called without an active exception")."""
@@ -86,7 +86,7 @@ def discover_node_layout() -> list[int]:
     """Gather every rank's node (see the notes above) over the default group and keep it for
     :func:`node_of`, :func:`spans_nodes` and :func:`node_groups`; returns the node index of
     every rank. Collective over the default group (one small object all-gather, not counted
-    by :class:`CommCounter`); a no-op for a world of one."""
+    by :class:`~shardkit.distributed.CommCounter`); a no-op for a world of one."""
     global _layout
     world = dist.group.WORLD
     if _layout is not None and _layout[0] is world:
@@ -112,8 +112,8 @@ def _known_layout() -> Optional[list]:
 
 def node_layout_known() -> bool:
     """Whether the node of every rank was gathered for the current default group (by
-    :func:`init_distributed` or a first :func:`node_groups`), so that :func:`ranks_by_node`
-    costs no communication."""
+    :func:`~shardkit.distributed.init_distributed` or a first :func:`node_groups`), so that
+    :func:`ranks_by_node` costs no communication."""
     return _known_layout() is not None
 
 
@@ -257,8 +257,8 @@ def node_groups() -> tuple:
     the ranks with this rank's local index on every node (the data-parallel replicas of hybrid
     sharding). Nodes are where the ranks really run (their GROUP_RANK or host), whatever order
     the launcher numbered them in. Collective the first time (gathers the layout if
-    :func:`init_distributed` did not, then creates one group per node and one per local index,
-    on every rank alike), cached after. Costs no tensor traffic."""
+    :func:`~shardkit.distributed.init_distributed` did not, then creates one group per node and one
+    per local index, on every rank alike), cached after. Costs no tensor traffic."""
     global _node_groups
     world = dist.group.WORLD
     if _node_groups is None or _node_groups[0] is not world:  # none yet, or a new default group
@@ -292,8 +292,8 @@ def ranks_by_node(ranks: Sequence[int]) -> list[list[int]]:
     above), whatever order the launcher numbered the ranks in. Nodes come in the order of their
     lowest rank, ranks ascending inside each, so torchrun's node-by-node numbering gives
     consecutive blocks. Collective over the default group only the first time, when
-    :func:`init_distributed` did not gather the layout (one small object all-gather); no
-    tensor traffic after."""
+    :func:`~shardkit.distributed.init_distributed` did not gather the layout (one small object
+    all-gather); no tensor traffic after."""
     layout = discover_node_layout()  # the cached one when already gathered
     by_node: dict = {}
     for rank in sorted(ranks):

@@ -234,8 +234,8 @@ class GatheredParameters:
     edits. The same object may be entered again inside its own block.
 
     Memory: the full fp32 value of each FSDP unit that holds one of ``params`` (a unit is
-    gathered whole; :meth:`FullyShardedDataParallel.summon_full_params` with
-    ``recurse=False``). Communication: one all-gather per such unit on entry, and with
+    gathered whole; :meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel.summon_full_params`
+    with ``recurse=False``). Communication: one all-gather per such unit on entry, and with
     ``modifier_rank`` one broadcast of each sharded parameter on exit. Every rank of the group
     must enter it with the same parameters (as in DeepSpeed). Bad arguments raise on every
     rank before any collective.

@@ -567,9 +567,10 @@ def _check_same_optimized_names(engine, ckpt) -> None:
 
 def _model_shapes(engine) -> dict:
     """The full shape of every tensor in the unwrapped model's ``state_dict``, by name (stage 3:
-    FSDP's :meth:`full_shapes`, no gather). A module's ``_extra_state`` (``get_extra_state``:
-    any object, or a tensor of serialized bytes whose length varies) is left out, as torch's
-    ``load_state_dict`` hands it to ``set_extra_state`` unchecked. No communication."""
+    FSDP's :meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel.full_shapes`, no gather). A
+    module's ``_extra_state`` (``get_extra_state``: any object, or a tensor of serialized bytes
+    whose length varies) is left out, as torch's ``load_state_dict`` hands it to ``set_extra_state``
+    unchecked. No communication."""
     if engine.zero_stage == 3:
         return {name: shape for name, shape in engine.wrapped.full_shapes().items()
                 if not name.endswith(_EXTRA_STATE)}

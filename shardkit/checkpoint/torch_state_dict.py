@@ -14,7 +14,8 @@ Over a model that holds shardkit ``FullyShardedDataParallel`` units (its root on
   given its state tensors first, as torch does (one ``step()`` with zero gradients and ``lr``
   0, :func:`~shardkit.checkpoint.dtensor_state.init_optimizer_state`), so that ``dcp.load``
   has tensors to fill. No gather and no copy of a shard (a broadcast of each 0-dim
-  parameter, as :meth:`FullyShardedDataParallel.sharded_state_dict` does).
+  parameter, as :meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel.sharded_state_dict`
+  does).
 - ``full_state_dict=True``: full tensors (FSDP's ``FULL_STATE_DICT`` and its gathered
   optimizer state, keyed by FQN), on every rank; with ``cpu_offload=True`` on rank 0 only
   (``{}`` elsewhere), as torch does. Loadable into a single-process model and

@@ -141,9 +141,9 @@ def plan_ownership(trainable_groups: Sequence[Sequence[torch.Tensor]], world_siz
 
     Preferred layout: buckets of *consecutive* parameters, in the order given (for one param
     group, the model's registration order, which is usually its forward order), so bucket 0
-    holds the first layers and, with :meth:`OSS.overlap_sync_with`, the next forward starts as
-    soon as it has arrived while the later buckets are still on the wire. A bucket closes once
-    it holds ``world_size x bucket_numel`` elements that split evenly over the ranks (largest
+    holds the first layers and, with :meth:`~shardkit.optim.OSS.overlap_sync_with`, the next forward
+    starts as soon as it has arrived while the later buckets are still on the wire. A bucket closes
+    once it holds ``world_size x bucket_numel`` elements that split evenly over the ranks (largest
     first, each to the least-filled segment; at most :data:`MAX_PADDING_FRACTION` padding) or
     has grown to four times that. Where those buckets would pad more than
     :data:`MAX_PADDING_FRACTION` of the total (a few huge parameters against many ranks, e.g. a

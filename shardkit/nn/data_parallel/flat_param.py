@@ -207,7 +207,8 @@ class FlatParamShard:
         locations: for each parameter, the ``(module, attribute)`` pairs that hold it.
         group: process group to shard over; ``world_size``/``rank`` are read from it.
         compute_dtype / reduce_dtype: dtypes of the gathered parameters and of the
-            reduce-scatter (from the unit's :class:`MixedPrecisionPolicy`).
+            reduce-scatter (from the unit's
+            :class:`~shardkit.nn.data_parallel.MixedPrecisionPolicy`).
         compute_device / storage_device: where compute happens and where the shard lives
             (they differ only under CPU offload with a GPU).
         on_grad_ready: called with this object once backward has produced the unit's gradients.

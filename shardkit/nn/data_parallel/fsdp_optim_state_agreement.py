@@ -50,12 +50,12 @@ def _state_keys(model, optim: torch.optim.Optimizer, osd: dict) -> list:
 def _agree_on_optim_load(model, optim: torch.optim.Optimizer, keys: Optional[list],
                          cause: Optional[BaseException], kind,
                          sent_from_first: bool = False) -> None:
-    """:meth:`FSDPStateDictMixin.optim_state_dict_to_load`'s agreement: returns when no rank
-    of the model's group and replicas failed (``cause``) and the ranks' dicts give the same
-    parameters state (same keys); else the same ValueError on every rank, naming the ranks
-    that failed and their problems (this rank's own error as its ``__cause__``; ranks with
-    the same problem on one line; ``sent_from_first``: the dict was the first rank's, sent to
-    every rank). Communication: a three-element all-reduce per group; on failure, an object
+    """:meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel.optim_state_dict_to_load`'s
+    agreement: returns when no rank of the model's group and replicas failed (``cause``) and the
+    ranks' dicts give the same parameters state (same keys); else the same ValueError on every rank,
+    naming the ranks that failed and their problems (this rank's own error as its ``__cause__``;
+    ranks with the same problem on one line; ``sent_from_first``: the dict was the first rank's,
+    sent to every rank). Communication: a three-element all-reduce per group; on failure, an object
     all-gather."""
     groups = [model.process_group] + ([model.replicate_group]
                                       if model.replicate_group is not None else [])

@@ -153,7 +153,8 @@ class FSDPOptimStateDictMixin(FSDPStateUnitsMixin):
 
     def _shard_of_full(self, full: dict, take=copied_part) -> dict:
         """:meth:`get_shard_from_optim_state_dict` of an id-keyed dict, each value kept as
-        ``take(value, cut)`` gives it (see :func:`shard_optimizer_state`)."""
+        ``take(value, cut)`` gives it (see
+        :func:`~shardkit.checkpoint.fsdp_state.shard_optimizer_state`)."""
         if isinstance(full.get("param_names"), list):  # also a dict saved with the levels
             full = dict(full, param_names=[state_dict_key(n) if isinstance(n, str) else n
                                            for n in full["param_names"]])
@@ -315,14 +316,15 @@ class FSDPOptimStateDictMixin(FSDPStateUnitsMixin):
         state differs between groups), ``LOCAL_STATE_DICT`` this rank's
         ``optim.state_dict()``, ``SHARDED_STATE_DICT`` the state keyed by parameter names with
         each per-element tensor (``exp_avg``...) a ``Shard(0)`` DTensor of this rank's rows, as
-        the parameters in :meth:`sharded_state_dict` (for torch.distributed.checkpoint; on the
-        loading side give a fresh optimizer its state first, e.g. with
-        :func:`shardkit.checkpoint.dtensor_state.init_optimizer_state`, so that ``dcp.load``
-        has tensors to fill: a fresh optimizer's dict that reaches
-        :meth:`optim_state_dict_to_load` still empty is refused there, not loaded as no
-        state). Load any of them with :meth:`optim_state_dict_to_load`. All ranks must call it;
-        costs as :meth:`full_optim_state_dict` (full: with ``rank0_only``, the full state on
-        rank 0 alone) or nothing (local, sharded: views of the state, no full tensor)."""
+        the parameters in
+        :meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel.sharded_state_dict` (for
+        torch.distributed.checkpoint; on the loading side give a fresh optimizer its state first,
+        e.g. with :func:`shardkit.checkpoint.dtensor_state.init_optimizer_state`, so that
+        ``dcp.load`` has tensors to fill: a fresh optimizer's dict that reaches
+        :meth:`optim_state_dict_to_load` still empty is refused there, not loaded as no state). Load
+        any of them with :meth:`optim_state_dict_to_load`. All ranks must call it; costs as
+        :meth:`full_optim_state_dict` (full: with ``rank0_only``, the full state on rank 0 alone) or
+        nothing (local, sharded: views of the state, no full tensor)."""
         model = _as_root(model, "optim_state_dict")
         _refuse_torch_only_arguments("optim_state_dict", optim_state_dict=optim_state_dict,
                                      group=group)

@@ -23,12 +23,12 @@ from shardkit.nn.data_parallel.fsdp_state_units import _as_shards
 
 
 def _sharded_optim_state(model, optim: torch.optim.Optimizer) -> dict:
-    """:meth:`FSDPStateDictMixin.optim_state_dict` under ``SHARDED_STATE_DICT``: keyed by
-    names, per-element state of sharded parameters as DTensors of this rank's rows (0-dim ones
-    broadcast over their unit's group), the rest as given. No copy of a shard. The ranks
-    first agree on the optimizer (one all-gather of one integer a rank, not counted): an
-    optimizer refused on one rank only left the others waiting in the broadcast of a 0-dim
-    parameter's state, or, without one, returning a dict that ``dcp.save`` then hung on."""
+    """:meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel.optim_state_dict` under
+    ``SHARDED_STATE_DICT``: keyed by names, per-element state of sharded parameters as DTensors of
+    this rank's rows (0-dim ones broadcast over their unit's group), the rest as given. No copy of a
+    shard. The ranks first agree on the optimizer (one all-gather of one integer a rank, not
+    counted): an optimizer refused on one rank only left the others waiting in the broadcast of a
+    0-dim parameter's state, or, without one, returning a dict that ``dcp.save`` then hung on."""
     sharded = model._sharded_params("optim_state_dict")  # alike on every rank
     names = _optimizer_names_agreed(model, optim, "optim_state_dict")
     ordered = [p for g in optim.param_groups for p in g["params"]]

@@ -115,10 +115,10 @@ def _runs_nested_units_only(node, nested_spans: list, nested_modules: set) -> bo
     may read the unit's parameters and counts as reading them.
 
     Note: counted as a use of the unit, such a checkpoint kept the unit's gradients unreduced
-    and the unit gathered through it (see :meth:`FullyShardedDataParallel.
-    _hold_for_later_checkpoints`): a root whose checkpointed LM head ran first in backward
-    held the head's whole gradient through the backward of every checkpointed layer unit,
-    for no collective saved. Local."""
+    and the unit gathered through it (see
+    :meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel._hold_for_later_checkpoints`): a root
+    whose checkpointed LM head ran first in backward held the head's whole gradient through the
+    backward of every checkpointed layer unit, for no collective saved. Local."""
     seq = node._sequence_nr()
     if any(first <= seq < end for first, end in nested_spans):
         return True
@@ -154,10 +154,11 @@ class FSDPReentrantCheckpointMixin:
         go in one reduce-scatter (see :meth:`_hold_for_later_checkpoints`).
 
         Note: a reentrant checkpoint's backward that delivers the unit's last gradients
-        reduces and frees the unit (see :meth:`_on_grad_ready`). A later checkpoint whose
-        recomputation calls a submodule holding the parameters gathers it again through that
-        call (:meth:`_regather_for_later_recomputations`), but one that reads them in the wrapped
-        module's own code (``checkpoint(lambda t: F.linear(t, self.weight), x,
+        reduces and frees the unit (see
+        :meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel._on_grad_ready`). A later
+        checkpoint whose recomputation calls a submodule holding the parameters gathers it again
+        through that call (:meth:`_regather_for_later_recomputations`), but one that reads them
+        in the wrapped module's own code (``checkpoint(lambda t: F.linear(t, self.weight), x,
         use_reentrant=True)``, or ``self.proj.weight`` of a plain submodule not called)
         announces nothing: it read this rank's row shard (a shape error, or wrong numbers
         where the shapes broadcast). Reentrant checkpoints are torch's and
@@ -211,7 +212,8 @@ class FSDPReentrantCheckpointMixin:
     def _free_after_checkpoint(self, grad_inputs, grad_outputs) -> None:
         """Post-hook of a reentrant checkpoint's node (see
         :meth:`_gather_before_later_checkpoints`): its backward is over; free the unit if a
-        reduction inside it owed the free (see :meth:`_on_grad_ready`)."""
+        reduction inside it owed the free (see
+        :meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel._on_grad_ready`)."""
         self._checkpoint_backwards_running = max(0, self._checkpoint_backwards_running - 1)
         if self._checkpoint_backwards_running == 0 and self._free_owed:
             self._free_owed = False
@@ -256,11 +258,12 @@ class FSDPReentrantCheckpointMixin:
         self._grads_held_for_checkpoints = False
 
     def _expose_for_later_recomputations(self, shard: FlatParamShard) -> None:
-        """After a reentrant checkpoint's backward reduced the unit (see :meth:`_on_grad_ready`):
-        keep it gathered until the end of backward, its parameters exposed afresh (views with
-        history, of a new split), so that a later checkpoint recomputing code of the wrapped
-        module itself reads them whole. Before, such a read (``F.linear(t, self.weight)`` in a
-        second ``checkpoint(self.region, x, use_reentrant=True)`` of the root) got this rank's
+        """After a reentrant checkpoint's backward reduced the unit (see
+        :meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel._on_grad_ready`): keep it
+        gathered until the end of backward, its parameters exposed afresh (views with history, of a
+        new split), so that a later checkpoint recomputing code of the wrapped module itself reads
+        them whole. Before, such a read (``F.linear(t, self.weight)`` in a second
+        ``checkpoint(self.region, x, use_reentrant=True)`` of the root) got this rank's
         shard: no module call's pre-hook (:meth:`_regather_for_later_recomputations`) could
         gather it. Its gradient is reduced once more, as for a re-gathered unit, unless the
         checkpoint was counted beforehand (see :meth:`_hold_for_later_checkpoints`). Also for a

@@ -6,12 +6,13 @@ torch's FSDP1 users pick what ``model.state_dict()`` returns with::
                               FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
         state = model.state_dict()
 
-The same names work here: ``FULL_STATE_DICT`` is :meth:`FullyShardedDataParallel.state_dict`
-(full values, original keys; ``offload_to_cpu`` puts them in CPU memory, ``rank0_only`` returns
-them on the group's first rank and ``{}`` elsewhere), ``LOCAL_STATE_DICT`` is
-:meth:`~FullyShardedDataParallel.local_state_dict` (this rank's padded rows as plain tensors;
-``load_state_dict`` then loads such a dict; for ``torch.save``, one file per rank:
-torch.distributed.checkpoint refuses them with a clear error), ``SHARDED_STATE_DICT`` gives
+The same names work here: ``FULL_STATE_DICT`` is
+:meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel.state_dict` (full values, original keys;
+``offload_to_cpu`` puts them in CPU memory, ``rank0_only`` returns them on the group's first rank
+and ``{}`` elsewhere), ``LOCAL_STATE_DICT`` is
+:meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel.local_state_dict` (this rank's padded
+rows as plain tensors; ``load_state_dict`` then loads such a dict; for ``torch.save``, one file per
+rank: torch.distributed.checkpoint refuses them with a clear error), ``SHARDED_STATE_DICT`` gives
 each parameter as a ``Shard(0)`` DTensor of its full shape holding this rank's real rows, for
 ``torch.distributed.checkpoint`` (which reshards them to any world size on load), with
 ``FSDP.optim_state_dict`` giving the optimizer's per-element state the same way.
@@ -49,9 +50,10 @@ class StateDictType(Enum):
 
 
 class OptimStateKeyType(Enum):
-    """How :meth:`FullyShardedDataParallel.rekey_optim_state_dict` keys an optimizer state dict
-    (torch FSDP1's names; torch's own members are taken too): by parameter name or by the
-    parameter's index in the optimizer's param groups (``optim.state_dict()``'s ids)."""
+    """How :meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel.rekey_optim_state_dict` keys
+    an optimizer state dict (torch FSDP1's names; torch's own members are taken too): by parameter
+    name or by the parameter's index in the optimizer's param groups (``optim.state_dict()``'s
+    ids)."""
 
     PARAM_NAME = auto()
     PARAM_ID = auto()

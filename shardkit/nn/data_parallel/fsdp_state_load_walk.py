@@ -291,7 +291,7 @@ def _lines_of_every_rank(mine: list, every: list, shown: int = 8) -> list:
 
 def _load_problems(missing: list, unexpected: list, errors: list, strict: bool) -> list:
     """torch's load error lines (missing/unexpected keys with ``strict``, then the others)
-    under the names :meth:`FSDPStateDictMixin.state_dict` gives."""
+    under the names :meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel.state_dict` gives."""
     lines = _key_lines([_reported(k) for k in missing],
                        [_reported(k) for k in unexpected]) if strict else []
     return lines + [_reported(line) for line in errors]

@@ -136,7 +136,8 @@ def state_dict_key(name: str) -> str:
     FSDP wrapper level, no torch ``checkpoint_wrapper`` level (its hook drops it). Also the
     key of its state in the name-keyed optimizer state dicts, as torch FSDP1 keys them, so
     that a dict saved with activation checkpointing loads without it and the other way
-    round, and the name in :meth:`~FSDPStateDictMixin.local_metadata_dict`. Local."""
+    round, and the name in
+    :meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel.local_metadata_dict`. Local."""
     return _without_level(clean_name(name), _TORCH_CHECKPOINT_PREFIX[:-1])
 
 

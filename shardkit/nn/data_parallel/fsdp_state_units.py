@@ -111,9 +111,9 @@ def _copied_like(unit, model) -> bool:
 
 def _as_shards(shard: torch.Tensor, layout: ParamLayout, unit, offload: bool):
     """One parameter's (or its optimizer state's) padded block as
-    :meth:`~FSDPStateDictMixin.sharded_state_dict` gives it: a ``Shard(0)`` DTensor of this
-    rank's real rows; a 0-dim one (only the group's first rank holds it) as a plain tensor,
-    broadcast over the unit's group (all ranks must call it then)."""
+    :meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel.sharded_state_dict` gives it: a
+    ``Shard(0)`` DTensor of this rank's real rows; a 0-dim one (only the group's first rank holds
+    it) as a plain tensor, broadcast over the unit's group (all ranks must call it then)."""
     if len(layout.shape):
         return rows_as_dtensor(shard.cpu() if offload else shard, layout, unit.rank,
                                unit.process_group)

@@ -172,8 +172,8 @@ class FSDPSummonMixin:
         built with ``use_orig_params=True`` (torch's NotImplementedError otherwise). Edits
         to those gradients are written back into the shards' ``.grad`` on exit (with
         ``writeback``; otherwise the shards' gradients are left as they were). It is refused
-        while backwards inside :meth:`no_sync` hold gradients not reduced yet (they are not
-        in ``.grad``).
+        while backwards inside :meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel.no_sync`
+        hold gradients not reduced yet (they are not in ``.grad``).
 
         Memory: the full model (``recurse``) or this unit in master dtype (on rank 0 only with
         ``rank0_only``, in CPU memory with ``offload_to_cpu``), twice with ``with_grads``.

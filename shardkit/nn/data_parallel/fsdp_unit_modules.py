@@ -43,9 +43,10 @@ def _ignored_param_places(module: nn.Module, ignored: IgnoredStates) -> list:
 
 def _unit_buffers_described(module: nn.Module) -> list:
     """Name, shape and dtype of each buffer ``sync_module_states`` broadcasts for the unit
-    (:func:`_sync_unit_states`: those of ignored modules too, as torch FSDP1 does), which every
-    rank must hold alike: ranks may ignore different modules (each its own experts, as torch
-    allows), but a broadcast of other sizes would abort gloo. Local."""
+    (:func:`~shardkit.nn.data_parallel.fully_sharded._sync_unit_states`: those of ignored modules
+    too, as torch FSDP1 does), which every rank must hold alike: ranks may ignore different modules
+    (each its own experts, as torch allows), but a broadcast of other sizes would abort gloo.
+    Local."""
     return [f"{clean_name(name)} {tuple(b.shape)} {b.dtype}"
             for prefix, m in _named_unit_modules(module, IgnoredStates())
             for key, b in m._buffers.items() if b is not None

@@ -4,9 +4,10 @@ names), read from ``unit.training_state`` and checked with ``unit.assert_state(.
 A unit moves ``IDLE -> FORWARD -> IDLE`` through its forward, ``BACKWARD_PRE`` once backward
 reaches it (its parameters are gathered again), ``BACKWARD_POST`` once its gradient is whole
 (its reduce-scatter issued), and back to ``IDLE`` when the root finishes the backward;
-``SUMMON_FULL_PARAMS`` inside :meth:`~FullyShardedDataParallel.summon_full_params`. A forward
-recomputed during backward (activation checkpointing) leaves the backward state as it is.
-Costs nothing: one attribute per unit, no communication.
+``SUMMON_FULL_PARAMS`` inside
+:meth:`~shardkit.nn.data_parallel.FullyShardedDataParallel.summon_full_params`. A forward recomputed
+during backward (activation checkpointing) leaves the backward state as it is. Costs nothing: one
+attribute per unit, no communication.
 """
 
 from __future__ import annotations

@@ -148,7 +148,8 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
 
     Args:
         vocab_parallel_logits: ``[..., V/n]``, this rank's slice of the vocabulary (rank ``r``
-            holds words ``[r*V/n, (r+1)*V/n)``, as :class:`ColumnParallelLinear` splits them).
+            holds words ``[r*V/n, (r+1)*V/n)``, as
+            :class:`~shardkit.nn.model_parallel.ColumnParallelLinear` splits them).
         target: ``[...]`` word indices in ``[0, V)`` of any integer dtype (the same on every
             tensor-parallel rank); any other value but ``ignore_index`` raises ``IndexError``
             (on an accelerator, a device-side assert that does not synchronise with the host).

@@ -10,11 +10,12 @@ model at tensor-parallel size 1 would hold. A module registered under several na
 block) is found under each of them.
 
 A parameter of a model's own split layer counts as split when it carries Megatron's marks
-(what ``set_tensor_model_parallel_attributes`` sets, and what :func:`clip_grad_norm` and the
-data-parallel wrappers already read): ``tensor_model_parallel = True``, ``partition_dim`` (the
-dimension it is split along) and optionally ``partition_stride`` (default 1); its groups are
-its ``model_parallel_groups``, else the current ones. Such a parameter without
-``partition_dim`` is a ``ValueError``, as its slices cannot be joined.
+(what ``set_tensor_model_parallel_attributes`` sets, and what
+:func:`~shardkit.nn.model_parallel.clip_grad_norm` and the data-parallel wrappers already read):
+``tensor_model_parallel = True``, ``partition_dim`` (the dimension it is split along) and optionally
+``partition_stride`` (default 1); its groups are its ``model_parallel_groups``, else the current
+ones. Such a parameter without ``partition_dim`` is a ``ValueError``, as its slices cannot be
+joined.
 """
 
 from __future__ import annotations

@@ -208,13 +208,14 @@ class TensorParallelGPT(nn.Sequential):
 
     Dropout (``cfg.dropout > 0``, training) on split activations (attention heads; with
     ``sequence_parallel`` the sequence-split residual branch) draws from the model-parallel RNG
-    stream: at tensor-parallel size > 1 call :func:`model_parallel_manual_seed` first (a
-    ``RuntimeError`` before any collective otherwise), as FairScale and Megatron require.
-    Activation checkpointing of blocks with dropout replays that stream in the recomputation
-    (the same masks, the gradients of the plain run) under
-    :func:`shardkit.nn.model_parallel.random.checkpoint`, :mod:`shardkit.nn.checkpoint` and
-    ``torch.utils.checkpoint`` (reentrant or not, torch's ``checkpoint_wrapper`` too) with its
-    default ``preserve_rng_state=True`` (``False`` replays no generator: other masks).
+    stream: at tensor-parallel size > 1 call
+    :func:`~shardkit.nn.model_parallel.model_parallel_manual_seed` first (a ``RuntimeError`` before
+    any collective otherwise), as FairScale and Megatron require. Activation checkpointing of blocks
+    with dropout replays that stream in the recomputation (the same masks, the gradients of the
+    plain run) under :func:`shardkit.nn.model_parallel.random.checkpoint`,
+    :mod:`shardkit.nn.checkpoint` and ``torch.utils.checkpoint`` (reentrant or not, torch's
+    ``checkpoint_wrapper`` too) with its default ``preserve_rng_state=True`` (``False`` replays no
+    generator: other masks).
 
     ``forward(idx)`` returns vocabulary-split logits; ``loss(idx, target)`` the mean
     cross-entropy. Initialisation follows each layer's master-weight rule; load
@@ -264,12 +265,13 @@ def _reference_key_map(n_layer: int) -> list[tuple[str, str]]:
 
 def from_reference_state_dict(state_dict: dict, cfg: GPTConfig) -> dict:
     """Rename a :class:`shardkit.models.GPT` state dict to :class:`TensorParallelGPT`'s (unsplit)
-    keys, for :func:`load_full_model_state_dict`."""
+    keys, for :func:`~shardkit.nn.model_parallel.full_state.load_full_model_state_dict`."""
     return _rename(state_dict, _reference_key_map(cfg.n_layer))
 
 
 def to_reference_state_dict(state_dict: dict, cfg: GPTConfig) -> dict:
-    """Inverse of :func:`from_reference_state_dict` (e.g. on :func:`full_model_state_dict`)."""
+    """Inverse of :func:`from_reference_state_dict` (e.g. on
+    :func:`~shardkit.nn.model_parallel.full_state.full_model_state_dict`)."""
     return _rename(state_dict, [(b, a) for a, b in _reference_key_map(cfg.n_layer)])
 
 

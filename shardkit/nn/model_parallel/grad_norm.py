@@ -44,9 +44,10 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,
     parallelism, where it measures its own stage only: use this function there.
 
     The groups are the ones the tensor-parallel layers of ``parameters`` were built with (so a
-    model keeps clipping right after :func:`destroy_model_parallel` and a new
-    :func:`initialize_model_parallel` for another model), else the current ones; parameters of
-    layers built under different layouts raise ``ValueError`` before any collective.
+    model keeps clipping right after :func:`~shardkit.nn.model_parallel.destroy_model_parallel` and
+    a new :func:`~shardkit.nn.model_parallel.initialize_model_parallel` for another model), else the
+    current ones; parameters of layers built under different layouts raise ``ValueError`` before any
+    collective.
 
     Communication: one all-reduce of one element over the tensor-parallel group, one over
     the pipeline group when there are several stages, one over ``data_parallel_group`` when

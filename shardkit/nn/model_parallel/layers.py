@@ -1,7 +1,7 @@
 """Megatron-style tensor-parallel layers: each rank holds ``1/n`` of a weight.
 
-``n`` is the tensor-parallel size (:func:`initialize_model_parallel`), ``S`` the bytes of the
-layer's full output activation (input for a row-parallel layer's reduce).
+``n`` is the tensor-parallel size (:func:`~shardkit.nn.model_parallel.initialize_model_parallel`),
+``S`` the bytes of the layer's full output activation (input for a row-parallel layer's reduce).
 
 ================================  ======================  ==========================================
 layer                             weight held per rank    communication per forward / backward
@@ -31,14 +31,15 @@ materialization of a meta model calls it too), and its parameters the same marks
 (:class:`~shardkit.nn.model_parallel.parameter_marks.KeepsParameterMarks`).
 
 Every layer communicates over the tensor-parallel group it was built in (``tp_group``), so it
-keeps working after :func:`destroy_model_parallel` or a new :func:`initialize_model_parallel`;
-its parameters carry those groups (``model_parallel_groups``) for :func:`clip_grad_norm` and
-:func:`reduce_sequence_parallel_grads`. ``copy.deepcopy`` shares the groups.
-Inputs of the wrong width raise ``ValueError`` before any collective; so do, at construction,
-sizes that are not ints >= 0, a ``padding_idx`` outside ``[-V, V)`` and (``TypeError``) flags
-that are not bools (``gather_output``, ``input_is_parallel``, ``sequence_parallel``,
-``skip_bias_add``: a string such as ``"no"`` would be truthy) or an ``init_method`` that is not
-callable.
+keeps working after :func:`~shardkit.nn.model_parallel.destroy_model_parallel` or a new
+:func:`~shardkit.nn.model_parallel.initialize_model_parallel`; its parameters carry those groups
+(``model_parallel_groups``) for :func:`~shardkit.nn.model_parallel.clip_grad_norm` and
+:func:`~shardkit.nn.model_parallel.reduce_sequence_parallel_grads`. ``copy.deepcopy`` shares the
+groups. Inputs of the wrong width raise ``ValueError`` before any collective; so do, at
+construction, sizes that are not ints >= 0, a ``padding_idx`` outside ``[-V, V)`` and
+(``TypeError``) flags that are not bools (``gather_output``, ``input_is_parallel``,
+``sequence_parallel``, ``skip_bias_add``: a string such as ``"no"`` would be truthy) or an
+``init_method`` that is not callable.
 
 ``ColumnParallelLinear`` and ``RowParallelLinear`` take Megatron-LM's ``skip_bias_add``:
 ``forward`` then returns ``(output, bias)`` without adding the bias, for the caller to fuse the
@@ -85,8 +86,9 @@ class TensorParallelModule(KeepsParameterMarks):
 
     Subclasses list, in ``_shard_dims``, each parameter's split as ``(dim, stride)``, or
     ``None`` for a parameter replicated on every tensor-parallel rank. Split parameters carry
-    ``param.tensor_model_parallel = True`` (Megatron's attribute; see :func:`clip_grad_norm`),
-    kept through ``to_empty`` and ``.to()`` (:class:`KeepsParameterMarks`).
+    ``param.tensor_model_parallel = True`` (Megatron's attribute; see
+    :func:`~shardkit.nn.model_parallel.clip_grad_norm`), kept through ``to_empty`` and ``.to()``
+    (:class:`KeepsParameterMarks`).
     """
 
     _shard_dims: dict[str, Optional[tuple[int, int]]] = {}
@@ -180,7 +182,8 @@ class TensorParallelModule(KeepsParameterMarks):
 
     def _mark(self, name: str, param: nn.Parameter) -> None:
         """Tag ``param`` with this layer's groups and, when split, Megatron's
-        ``tensor_model_parallel`` (both read by :func:`clip_grad_norm`)."""
+        ``tensor_model_parallel`` (both read by
+        :func:`~shardkit.nn.model_parallel.clip_grad_norm`)."""
         param.model_parallel_groups = self.model_parallel_groups
         if self._shard_dims[name] is not None:
             param.tensor_model_parallel = True
@@ -555,14 +558,16 @@ class RowParallelLinear(TensorParallelModule):
         stride, keep_master_weight_for_test: as in :class:`ColumnParallelLinear`.
         sequence_parallel: reduce-scatter the output along ``sequence_dim`` instead of
             all-reducing it (requires ``input_is_parallel``); the bias is then marked
-            ``sequence_parallel`` (see :func:`reduce_sequence_parallel_grads`).
+            ``sequence_parallel`` (see
+            :func:`~shardkit.nn.model_parallel.reduce_sequence_parallel_grads`).
         skip_bias_add: Megatron-LM's flag. ``False`` (default): ``forward`` returns the output
             tensor, bias added. ``True``: it returns ``(output, bias)``, the summed (or, with
             ``sequence_parallel``, reduce-scattered) output without the bias and the replicated
             bias parameter itself (``None`` for ``bias=False``), for the caller to add after the
             reduction, fused with the next op (bias-dropout-add). With ``sequence_parallel`` the
             caller adds it to this rank's sequence slice, so its gradient still needs
-            :func:`reduce_sequence_parallel_grads`, exactly as without the flag.
+            :func:`~shardkit.nn.model_parallel.reduce_sequence_parallel_grads`, exactly as without
+            the flag.
 
     Memory: ``in * out / n + out`` parameters per rank. Communication: forward all-reduce of the
     output (``2(n-1)/n`` of its bytes), or with ``sequence_parallel`` a reduce-scatter forward and

@@ -1,12 +1,12 @@
 """Gradients of parameters that live in sequence-parallel regions.
 
-With sequence parallelism, LayerNorms, dropout and the bias of a :class:`RowParallelLinear` run
-on ``1/n`` of the sequence on each tensor-parallel rank. Their parameters are replicated, but
-each rank's gradient only covers its part of the sequence: the true gradient is the sum over the
-tensor-parallel group. Such parameters carry ``param.sequence_parallel = True``
-(:func:`mark_sequence_parallel` sets it; the layers set it on their own bias), and
-:func:`reduce_sequence_parallel_grads` sums all their gradients in one all-reduce after backward
-and before the optimizer step.
+With sequence parallelism, LayerNorms, dropout and the bias of a
+:class:`~shardkit.nn.model_parallel.RowParallelLinear` run on ``1/n`` of the sequence on each
+tensor-parallel rank. Their parameters are replicated, but each rank's gradient only covers its part
+of the sequence: the true gradient is the sum over the tensor-parallel group. Such parameters carry
+``param.sequence_parallel = True`` (:func:`mark_sequence_parallel` sets it; the layers set it on
+their own bias), and :func:`reduce_sequence_parallel_grads` sums all their gradients in one
+all-reduce after backward and before the optimizer step.
 
 Costs one all-reduce over the tensor-parallel group of the marked parameters' gradients
 (``2(n-1)/n`` of their bytes), packed into one flat buffer (its size, transiently).

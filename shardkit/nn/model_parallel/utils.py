@@ -103,8 +103,9 @@ def split_tensor_along_last_dim(tensor: torch.Tensor, num_partitions: int,
 
 class VocabUtility:
     """The ``[first, last)`` word indices that tensor-parallel ``rank`` of ``world_size`` holds
-    of a vocabulary split into equal contiguous ranges (what :class:`VocabParallelEmbedding` and
-    :func:`vocab_parallel_cross_entropy` use). FairScale's helper."""
+    of a vocabulary split into equal contiguous ranges (what
+    :class:`~shardkit.nn.model_parallel.VocabParallelEmbedding` and
+    :func:`~shardkit.nn.model_parallel.vocab_parallel_cross_entropy` use). FairScale's helper."""
 
     @staticmethod
     def vocab_range_from_per_partition_vocab_size(per_partition_vocab_size: int, rank: int,

@@ -1,6 +1,7 @@
-"""Walks of a micro-batch's autograd graph for the pipeline executor (:class:`PlanSchedule`):
-the nodes below a backward's roots, which of a stage's inputs and parameters a backward from them
-reaches, and which nodes it runs. Local (no communication); time linear in the graph's nodes.
+"""Walks of a micro-batch's autograd graph for the pipeline executor
+(:class:`~shardkit.nn.pipe.PlanSchedule`): the nodes below a backward's roots, which of a stage's
+inputs and parameters a backward from them reaches, and which nodes it runs. Local (no
+communication); time linear in the graph's nodes.
 """
 
 from __future__ import annotations

@@ -27,9 +27,10 @@ class DeferredBatchNorm(_BatchNorm):
     """A BatchNorm (any dimensionality) whose running statistics move once per :meth:`commit`.
 
     ``chunks`` (FairScale's argument): when given, :meth:`commit` also runs by itself once
-    ``chunks`` micro-batches have been tracked, so the layer works outside a :class:`Pipe`
-    (feed it a batch's ``chunks`` micro-batches in turn). ``None``: only explicit commits (what
-    ``Pipe`` does after each mini-batch, however many micro-batches it ran).
+    ``chunks`` micro-batches have been tracked, so the layer works outside a
+    :class:`~shardkit.nn.pipe.Pipe` (feed it a batch's ``chunks`` micro-batches in turn). ``None``:
+    only explicit commits (what ``Pipe`` does after each mini-batch, however many micro-batches it
+    ran).
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum=0.1, affine: bool = True,

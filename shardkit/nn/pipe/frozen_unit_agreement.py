@@ -1,5 +1,5 @@
 """Whether the FSDP replicas of a stage run a micro-batch's backward through the same frozen
-units (:class:`FrozenUnitAgreement`, mixed into :class:`PlanSchedule`).
+units (:class:`FrozenUnitAgreement`, mixed into :class:`~shardkit.nn.pipe.PlanSchedule`).
 
 A backward gathers a unit whose parameters are all frozen only where it runs through the unit's
 output, so replicas that differ there would gather it on one side only. During each forward
@@ -26,7 +26,7 @@ from shardkit.nn.pipe.autograd_graph import _inputs_reached, _nodes_needing_grad
 class FrozenUnitAgreement:
     """The executor's methods that record and compare, over a stage's FSDP
     replicas, the frozen units each backward runs through (see the module); mixed into
-    :class:`PlanSchedule`."""
+    :class:`~shardkit.nn.pipe.PlanSchedule`."""
 
     @contextlib.contextmanager
     def _recording_frozen_outputs(self, s: int, i: int):

@@ -24,8 +24,9 @@ Weights in W. Most weight gradients read only the layer's input and output gradi
 a linear layer, an embedding's rows, the bias's sum): such a W runs while the unit stays sharded.
 Where an op of W is not known to be of that kind (a ``LayerNorm``'s ``native_layer_norm_backward``
 reads its weight's storage; an op nonlinear in its weight; a product of two parameters), the units
-of that autograd call are gathered for it (:meth:`FlatParamShard.start_gather`) and freed after
-the unit's last such call in this W.
+of that autograd call are gathered for it
+(:meth:`~shardkit.nn.data_parallel.flat_param.FlatParamShard.start_gather`) and freed after the
+unit's last such call in this W.
 
 Note: W's ops, and so its gathers and reduce-scatters, depend on the parameters' uses only, never
 on the path to the stage input, because B stops at those uses (``split_at_parameters``). So the

@@ -93,10 +93,10 @@ SHARED_ATTR = "_pipe_shared_parameters"
 def _mark_shared_parameters(stages: list[nn.Sequential]) -> None:
     """Record on each stage which of its parameters are the same tensor as a parameter of
     another stage (tied weights: an embedding and the output head), as ``{name: (parameter,
-    [(stage, name there), ...])}`` in ``SHARED_ATTR``, so that :class:`PipelineStage` can
-    refuse a trainable tie between stages run by different processes (each would train its
-    own copy). Costs one pass over the parameters; nothing is recorded on stages without such
-    ties."""
+    [(stage, name there), ...])}`` in ``SHARED_ATTR``, so that
+    :class:`~shardkit.nn.pipe.PipelineStage` can refuse a trainable tie between stages run by
+    different processes (each would train its own copy). Costs one pass over the parameters; nothing
+    is recorded on stages without such ties."""
     owners: dict[int, list] = {}
     for j, stage in enumerate(stages):
         for name, p in stage.named_parameters():

@@ -180,10 +180,10 @@ class Pipe(nn.Module):
             the changed value. One through which no gradient flows (an in-place first layer
             alone in its partition, on a batch that needs no gradient) is never recomputed
             and runs as in the plain Sequential.
-        deferred_batch_norm: replace BatchNorms by :class:`DeferredBatchNorm` (holding the
-            BatchNorms' own parameters and buffers, as FairScale's), whose running statistics
-            are updated once per mini-batch, as if it were unsplit (a forward that raises
-            leaves them as they were).
+        deferred_batch_norm: replace BatchNorms by :class:`~shardkit.nn.pipe.DeferredBatchNorm`
+            (holding the BatchNorms' own parameters and buffers, as FairScale's), whose running
+            statistics are updated once per mini-batch, as if it were unsplit (a forward that
+            raises leaves them as they were).
 
     Memory: each device holds its partition's parameters; activations of the micro-batches
     in flight, and for checkpointed micro-batches only each partition's inputs. Communication:

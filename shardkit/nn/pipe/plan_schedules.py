@@ -666,8 +666,8 @@ class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses
         a stage that may backpropagate zeros for an output no later stage used (ShardedDDP,
         FSDP: see :meth:`_output_grads`) the views requiring grad are replaced by detached
         leaves, so those zeros stop there: the batch gets only the gradients real output
-        gradients reach (:func:`_reached`), handed back at the step's end as from B, and
-        ``None`` where none does, as in one process."""
+        gradients reach (:func:`~shardkit.nn.pipe.autograd_graph._reached`), handed back at the
+        step's end as from B, and ``None`` where none does, as in one process."""
         views = self._inputs[i]
         if not (self._reducing[0] or self._whole_backward[0]) or not torch.is_grad_enabled() \
                 or not any(v.requires_grad for v in views):

@@ -1,5 +1,5 @@
 """A pipeline's agreement on each step with the data-parallel replicas of its stages in
-other pipelines (:class:`ReplicaAgreement`, mixed into :class:`PlanSchedule`).
+other pipelines (:class:`ReplicaAgreement`, mixed into :class:`~shardkit.nn.pipe.PlanSchedule`).
 
 The end-of-step gradient reduction over each stage's ``data_parallel_group`` carries whether the
 step failed, and a pipeline that refuses a step before running it joins that reduction saying
@@ -53,7 +53,7 @@ def _reduces_during_backward(stage: PipelineStage) -> bool:
 
 class ReplicaAgreement:
     """The executor's methods that share a step's refusals and failures with the
-    replicas of its stages (see the module); mixed into :class:`PlanSchedule`."""
+    replicas of its stages (see the module); mixed into :class:`~shardkit.nn.pipe.PlanSchedule`."""
 
     def _reduce_over_replicas(self, failed: bool) -> bool:
         """Each stage's end-of-step gradient reduction over its ``data_parallel_group``, which
@@ -124,12 +124,13 @@ class ReplicaAgreement:
         (its batch, keyword arguments or target, as the first step checks them), or a replica
         runs the other kind of step (eval against training). One all-reduce of three
         elements per replica group, then one of two over the pipeline group, reach every
-        rank of every pipeline; a refusal then takes :meth:`_check_agreement`'s path (the
-        same error on every rank, naming the replica), a disagreement on the kind of step
-        is a ValueError on every rank. Without this a pipeline that ran the step waits
-        forever in those modules' collectives for the one that refused it. Every rank of a
-        pipeline with such a stage module joins the pipeline group's all-reduce, its ranks
-        running other stages too (learnt at the first step: ``_pipeline_shards``)."""
+        rank of every pipeline; a refusal then takes
+        :meth:`~shardkit.nn.pipe.PlanSchedule._check_agreement`'s path (the same error on every
+        rank, naming the replica), a disagreement on the kind of step is a ValueError on every rank.
+        Without this a pipeline that ran the step waits forever in those modules' collectives for
+        the one that refused it. Every rank of a pipeline with such a stage module joins the
+        pipeline group's all-reduce, its ranks running other stages too (learnt at the first step:
+        ``_pipeline_shards``)."""
         if not self._pipeline_shards.get(grad):
             return
         groups = self._reducing_replica_groups(grad)

@@ -55,8 +55,8 @@ def _stage_problem(stage_index, num_stages, group_rank: int, group_size: int,
 
 def _ties(module: nn.Module, stage_index: int, num_stages: int, group, group_size: int,
           placement: str) -> tuple[list, list[str]]:
-    """This stage's trainable parameters that :func:`split_sequential` found to be the same
-    tensor as a parameter of a stage another rank runs (see :mod:`~shardkit.nn.pipe.ties`),
+    """This stage's trainable parameters that :func:`~shardkit.nn.pipe.split_sequential` found to be
+    the same tensor as a parameter of a stage another rank runs (see :mod:`~shardkit.nn.pipe.ties`),
     and what about them cannot run. Local; no communication."""
     count, shared = shared_parameters(module)
     if count != num_stages or not shared:
@@ -249,10 +249,11 @@ class PipelineStage:
 
     Rank ``i`` of ``group`` (default: the whole world) runs stage ``i``; activations go to
     group rank ``i+1`` and gradients back to rank ``i-1`` by point-to-point ops. Drive it with
-    :class:`ScheduleGPipe`, :class:`Schedule1F1B` or :class:`ScheduleZeroBubble`; step an
-    optimizer over ``stage.parameters()`` (each stage steps its own parameters). With more
-    stages than ranks (``placement``), each rank builds several stages and passes them as a list
-    to :class:`ScheduleInterleaved1F1B` or :class:`ScheduleZBV`.
+    :class:`~shardkit.nn.pipe.ScheduleGPipe`, :class:`~shardkit.nn.pipe.Schedule1F1B` or
+    :class:`~shardkit.nn.pipe.ScheduleZeroBubble`; step an optimizer over ``stage.parameters()``
+    (each stage steps its own parameters). With more stages than ranks (``placement``), each rank
+    builds several stages and passes them as a list to
+    :class:`~shardkit.nn.pipe.ScheduleInterleaved1F1B` or :class:`~shardkit.nn.pipe.ScheduleZBV`.
 
     With several pipelines side by side (data parallelism across pipelines), pass
     ``data_parallel_group``: the group of ranks that run this same stage in the other
@@ -264,9 +265,10 @@ class PipelineStage:
     pipelines raise too instead of waiting; its own ``.grad`` is left as it was.
 
     Args:
-        module: this stage's layers (e.g. one part of :func:`split_sequential`). It gets what
-            the previous stage's module returned (a tensor or a tuple of tensors) as its one
-            argument, as in ``nn.Sequential``.
+        module: this stage's layers (e.g. one part of
+            :func:`~shardkit.nn.pipe.split_sequential`). It gets what the previous stage's
+            module returned (a tensor or a tuple of tensors) as its one argument, as in
+            ``nn.Sequential``.
         stage_index: which stage this is; must equal this process's rank in ``group``.
         num_stages: number of stages; must equal the size of ``group``.
         device: torch's 4th argument: where the stage runs (a ``torch.device``, a device
@@ -291,10 +293,11 @@ class PipelineStage:
             averages the gradients in one flat all-reduce after the step's last backward
             (so a DDP module with ``register_comm_hook`` is refused: its hook would not run).
         placement: with more stages than ranks, which rank runs which stage: ``"loop"``
-            (default; stage ``s`` on group rank ``s % p``, for :class:`ScheduleInterleaved1F1B`)
-            or ``"v"`` (``2p`` stages, rank ``r`` runs stages ``r`` and ``2p-1-r``, for
-            :class:`ScheduleZBV`). Build one ``PipelineStage`` per stage the rank runs, in the
-            same order on every rank. ``data_parallel_group`` and ``placement`` go by keyword.
+            (default; stage ``s`` on group rank ``s % p``, for
+            :class:`~shardkit.nn.pipe.ScheduleInterleaved1F1B`) or ``"v"`` (``2p`` stages, rank
+            ``r`` runs stages ``r`` and ``2p-1-r``, for :class:`~shardkit.nn.pipe.ScheduleZBV`).
+            Build one ``PipelineStage`` per stage the rank runs, in the same order on every rank.
+            ``data_parallel_group`` and ``placement`` go by keyword.
 
     Memory: this stage's parameters and gradients only; activations as the schedule keeps
     them. Communication per step: each micro-batch's activations sent forward once and their
@@ -304,9 +307,9 @@ class PipelineStage:
     in some pipeline) and one per trainable parameter (whether it got a gradient), ``2(d-1)/d``
     of their bytes, with a data-parallel group of ``d`` ranks.
 
-    Tied weights (a parameter :func:`split_sequential` put in two stages, as a GPT's token
-    embedding and output head): when another rank runs the other stage, each rank holds a copy
-    and the schedule keeps them one weight (the later stage's copy takes the earlier one's
+    Tied weights (a parameter :func:`~shardkit.nn.pipe.split_sequential` put in two stages, as a
+    GPT's token embedding and output head): when another rank runs the other stage, each rank holds
+    a copy and the schedule keeps them one weight (the later stage's copy takes the earlier one's
     values before the first step; after each training step the two ranks add each other's
     share of the gradient: one send of the weight's bytes each way; see
     :mod:`~shardkit.nn.pipe.ties`), so an optimizer over each stage's parameters trains them

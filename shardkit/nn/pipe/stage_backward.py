@@ -1,9 +1,9 @@
 """The backward actions of the pipeline executor (:class:`StageBackward`, mixed into
-:class:`PlanSchedule`): ``BW`` (one plain backward), ``B`` (the input gradient) and ``W`` (the
-parameter gradients) of a stage on a micro-batch, which output gradients feed them (real ones,
-or zeros where the stage's replicas must reduce alike), the batch's own gradients at the end of
-the step, and a backward that raises failing the step on every rank. Memory: what B keeps for W
-(see :mod:`~shardkit.nn.pipe.split_backward`); communication: the input gradients sent back
+:class:`~shardkit.nn.pipe.PlanSchedule`): ``BW`` (one plain backward), ``B`` (the input gradient)
+and ``W`` (the parameter gradients) of a stage on a micro-batch, which output gradients feed them
+(real ones, or zeros where the stage's replicas must reduce alike), the batch's own gradients at the
+end of the step, and a backward that raises failing the step on every rank. Memory: what B keeps for
+W (see :mod:`~shardkit.nn.pipe.split_backward`); communication: the input gradients sent back
 (:mod:`~shardkit.nn.pipe.stage_messages`) and what the stage module's hooks reduce.
 """
 
@@ -26,13 +26,13 @@ _FAILED = object()  # a stage forward or backward that raised (the step fails)
 
 def _runs_whole_backward(stage: PipelineStage) -> bool:
     """Whether BW stays one plain backward (FSDP's hooks then reduce-scatter as usual); B and W
-    of such a stage go through :class:`ShardedGradientSink`."""
+    of such a stage go through :class:`~shardkit.nn.pipe.fsdp_weight_sink.ShardedGradientSink`."""
     return stage_is_fully_sharded(stage.module)
 
 
 class StageBackward:
     """The executor's backward actions (see the module); mixed into
-    :class:`PlanSchedule`."""
+    :class:`~shardkit.nn.pipe.PlanSchedule`."""
 
     def _output_grads(self, s: int, i: int, roots: list,
                       split: bool = False) -> tuple[list, Optional[list], Optional[list]]:
@@ -51,8 +51,9 @@ class StageBackward:
         zeros, so that every replica gathers and reduce-scatters the same units in the same
         order (a frozen unit only that output reaches gathers; units both outputs reach may be
         reached in another order): its units get ``None`` for the views only the zeros reached
-        (:func:`zeros_only_views`; under B and W, :class:`ShardedGradientSink`). The caller
-        reports the input gradients only the real roots reach (:func:`_reached`)."""
+        (:func:`zeros_only_views`; under B and W,
+        :class:`~shardkit.nn.pipe.fsdp_weight_sink.ShardedGradientSink`). The caller reports the
+        input gradients only the real roots reach (:func:`_reached`)."""
         if s == self.num_stages - 1:
             return roots, None, None
         if self._remote(s + 1) is None:

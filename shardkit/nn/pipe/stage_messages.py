@@ -1,8 +1,8 @@
 """Where a pipeline stage's activations and gradients go (:class:`StageMessages`, mixed into
-:class:`PlanSchedule`): to a stage of the same rank by a local hand-off, to another rank through
-:class:`~shardkit.nn.pipe.p2p.TaggedLinks`; the receives posted ahead of the actions; what a
-failed micro-batch passes on; and which message across each boundary carries the step's
-verdict (:func:`last_messages`). Communication: each activation and gradient that crosses
+:class:`~shardkit.nn.pipe.PlanSchedule`): to a stage of the same rank by a local hand-off, to
+another rank through :class:`~shardkit.nn.pipe.p2p.TaggedLinks`; the receives posted ahead of the
+actions; what a failed micro-batch passes on; and which message across each boundary carries the
+step's verdict (:func:`last_messages`). Communication: each activation and gradient that crosses
 ranks, once (see :class:`~shardkit.nn.pipe.p2p.TaggedLinks`).
 """
 
@@ -32,7 +32,7 @@ def last_messages(plan: PipelinePlan) -> dict:
 
 class StageMessages:
     """The executor's routing of messages between stages (see the module); mixed
-    into :class:`PlanSchedule`."""
+    into :class:`~shardkit.nn.pipe.PlanSchedule`."""
 
     def _remote(self, stage: int) -> Optional[int]:
         """The global rank of ``stage`` if another rank runs it, else ``None``."""

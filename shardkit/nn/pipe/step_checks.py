@@ -1,9 +1,9 @@
-"""The checks before a pipeline step (:class:`StepChecks`, mixed into :class:`PlanSchedule`):
-what is wrong with this rank's stages, batch, keyword arguments and target, and the pipeline
-group's agreement on them, so that every rank raises the same error before any work.
-Local, except :meth:`StepChecks._check_agreement`: one small all-gather over the pipeline group
-(:func:`~shardkit.nn.pipe.schedules.check_schedule_agreement`), on the first step, the first
-after a failed one, and a step that a rank refuses.
+"""The checks before a pipeline step (:class:`StepChecks`, mixed into
+:class:`~shardkit.nn.pipe.PlanSchedule`): what is wrong with this rank's stages, batch, keyword
+arguments and target, and the pipeline group's agreement on them, so that every rank raises the same
+error before any work. Local, except :meth:`StepChecks._check_agreement`: one small all-gather over
+the pipeline group (:func:`~shardkit.nn.pipe.schedules.check_schedule_agreement`), on the first
+step, the first after a failed one, and a step that a rank refuses.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from shardkit.nn.pipe.stage_hints import _device_problems
 
 class StepChecks:
     """The executor's checks of its stages and of each step's arguments (see the
-    module); mixed into :class:`PlanSchedule`."""
+    module); mixed into :class:`~shardkit.nn.pipe.PlanSchedule`."""
 
     def _stage_problems(self, stages) -> list[str]:
         mine = sorted(self.plan.stages_of(self.rank))
@@ -93,9 +93,9 @@ class StepChecks:
         return problems
 
     def _call_problems(self, batch_rows: Optional[int] = None) -> list[str]:
-        """What is wrong with this rank's keyword arguments to :meth:`step` (on any rank;
-        given the batch's rows, where this rank knows them, also a keyword tensor that would
-        be cut at other rows than the batch)."""
+        """What is wrong with this rank's keyword arguments to
+        :meth:`~shardkit.nn.pipe.PlanSchedule.step` (on any rank; given the batch's rows, where this
+        rank knows them, also a keyword tensor that would be cut at other rows than the batch)."""
         name = type(self).__name__
         problems = keyword_argument_problems(f"{name}.step", self._kwargs_arg, self.chunks,
                                              self._keyword_dims, batch_rows)
@@ -141,10 +141,11 @@ class StepChecks:
                          replicas_too: bool = False) -> None:
         """The pipeline group's agreement on the step (see
         :func:`~shardkit.nn.pipe.schedules.check_schedule_agreement`); a refusal is told to the
-        stages' data-parallel replicas first (:meth:`_refuse_to_replicas`: ``grad``, the
-        step's grad mode, default this rank's), so a pipeline that ran the step is not left
-        waiting for this one. ``replicas_too`` (the first step): ShardedDataParallel / FSDP
-        stages' replicas share their refusals before (:meth:`_replica_refusals`)."""
+        stages' data-parallel replicas first
+        (:meth:`~shardkit.nn.pipe.PlanSchedule._refuse_to_replicas`: ``grad``, the step's grad mode,
+        default this rank's), so a pipeline that ran the step is not left waiting for this one.
+        ``replicas_too`` (the first step): ShardedDataParallel / FSDP stages' replicas share their
+        refusals before (:meth:`~shardkit.nn.pipe.PlanSchedule._replica_refusals`)."""
         grad = torch.is_grad_enabled() if grad is None else grad
         local = self._local_problems(inputs, target)
         if replicas_too:
@@ -168,7 +169,8 @@ class StepChecks:
     def _check_first_step(self, inputs, target, grad: bool) -> None:
         """The first step's checks; again at the first step after a failed one, and at the
         first training step after eval steps (these share no refusal over the replicas of
-        ShardedDataParallel stages: see :meth:`_replica_refusals`)."""
+        ShardedDataParallel stages: see
+        :meth:`~shardkit.nn.pipe.PlanSchedule._replica_refusals`)."""
         self._check_agreement(inputs, target, grad, replicas_too=True)
         self._checked = True
         self._replicas_checked = self._replicas_checked or grad

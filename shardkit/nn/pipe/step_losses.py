@@ -1,10 +1,10 @@
 """The losses of a pipeline step on the rank running the last stage (:class:`StepLosses`,
-mixed into :class:`PlanSchedule`): the target's micro-batches, ``loss_fn`` on each (watched by
-:class:`~shardkit.nn.pipe.loss_count.LossCountWatch` where it declares nothing), what each
-micro-batch's loss is divided by (``chunks``, the target's rows, or the counts its mean divides
-by; see :mod:`~shardkit.nn.pipe.plan_schedules`), and the loss :meth:`PlanSchedule.step`
-returns. Local; no communication. Memory: the target's micro-batches (views) and one detached
-loss per micro-batch.
+mixed into :class:`~shardkit.nn.pipe.PlanSchedule`): the target's micro-batches, ``loss_fn`` on each
+(watched by :class:`~shardkit.nn.pipe.loss_count.LossCountWatch` where it declares nothing), what
+each micro-batch's loss is divided by (``chunks``, the target's rows, or the counts its mean divides
+by; see :mod:`~shardkit.nn.pipe.plan_schedules`), and the loss
+:meth:`~shardkit.nn.pipe.PlanSchedule.step` returns. Local; no communication. Memory: the target's
+micro-batches (views) and one detached loss per micro-batch.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from shardkit.nn.pipe.microbatch import part_rows, split_target, target_rows
 
 class StepLosses:
     """The executor's loss handling on the last stage (see the module); mixed into
-    :class:`PlanSchedule`."""
+    :class:`~shardkit.nn.pipe.PlanSchedule`."""
 
     def _step_targets(self, index: int) -> list:
         """The target's micro-batches, checked at the last stage's first forward of the step
@@ -81,8 +81,8 @@ class StepLosses:
     def _row_weighted_divisors(self) -> list:
         """What each micro-batch's loss is divided by under ``scale_grads``: ``chunks`` (as
         torch), except where the split is uneven and ``loss_fn`` declares that it averages
-        over its rows (:func:`_declared_reduction`): the target's rows over the micro-batch's,
-        so the gradients are those of the batch mean, as in one process."""
+        over its rows (:func:`~shardkit.nn.pipe.loss_count.declared_reduction`): the target's rows
+        over the micro-batch's, so the gradients are those of the batch mean, as in one process."""
         rows = target_rows(self._target, self._target_dims)
         if rows is None or rows % self.chunks == 0 or \
                 declared_reduction(self.loss_fn, self._loss_kwargs) != "mean":
@@ -158,9 +158,10 @@ class StepLosses:
                     if isinstance(t, torch.Tensor) and t.requires_grad), loss.new_zeros(()))
 
     def _step_loss(self) -> torch.Tensor:
-        """The loss :meth:`step` returns: the micro-batch losses' sum (``scale_grads=False``),
-        else their mean, each weighted by its share of the target's rows where the split is
-        uneven and ``loss_fn`` declares that it averages (the batch mean, as in one process)."""
+        """The loss :meth:`~shardkit.nn.pipe.PlanSchedule.step` returns: the micro-batch losses' sum
+        (``scale_grads=False``), else their mean, each weighted by its share of the target's rows
+        where the split is uneven and ``loss_fn`` declares that it averages (the batch mean, as in
+        one process)."""
         total = torch.stack(self._losses)
         if not self.scale_grads:
             return total.sum()

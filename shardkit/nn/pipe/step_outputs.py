@@ -1,8 +1,8 @@
 """What the last stage of a pipeline step makes of its outputs (:class:`StepOutputs`, mixed
-into :class:`PlanSchedule`): whether the step computes a loss or returns the merged outputs
-(``return_outputs``, a forward-only step without ``target`` or ``loss_fn``), and the detached
-outputs kept for that. Local; memory: the last stage's outputs of every micro-batch, only where
-the step returns them.
+into :class:`~shardkit.nn.pipe.PlanSchedule`): whether the step computes a loss or returns the
+merged outputs (``return_outputs``, a forward-only step without ``target`` or ``loss_fn``), and the
+detached outputs kept for that. Local; memory: the last stage's outputs of every micro-batch, only
+where the step returns them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from shardkit.nn.pipe.microbatch import mergeable_output_problem
 
 class StepOutputs:
     """The executor's choice between a step's loss and its outputs, and the outputs
-    it keeps (see the module); mixed into :class:`PlanSchedule`."""
+    it keeps (see the module); mixed into :class:`~shardkit.nn.pipe.PlanSchedule`."""
 
     def _outputs_only(self, target) -> bool:
         """Whether the last stage computes no loss this step: a forward-only step asked for its
