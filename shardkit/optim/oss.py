@@ -30,7 +30,7 @@ from shardkit.optim.local_step import (agreed_closure, all_fp32, build_local_opt
                                        choose_fused, runs_on_whole_model,
                                        steps_each_parameter_alone, step_only, whole_step,
                                        with_fused_choice, without_fused_choice)
-from shardkit.optim.param_sync import ParamSync, broadcast_wire_dtype
+from shardkit.optim.param_sync import ParamSync, _is_dense, broadcast_wire_dtype
 from shardkit.optim.partition import ParameterPartition, plan_ownership, send_state_to_new_owners
 from shardkit.transport import resolve_transport
 from shardkit.utils.grad_norm import (check_clip_arguments, clip_grad_norm_across_ranks,
@@ -54,17 +54,9 @@ _AGREEING_METHODS = ("OSS.step", "OSS.add_param_group", "OSS.refresh_trainable",
 
 def _dense(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` covers its memory without gaps or overlaps, in any dimension order
-    (contiguous, ``channels_last``, ``.t()``); dimensions of size one lay nothing out."""
-    if tensor.numel() == 0:
-        return True
-    expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda d: d[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
+    (contiguous, ``channels_last``, ``.t()``; see the sync's ``_is_dense``); an empty one
+    lays nothing out."""
+    return tensor.numel() == 0 or _is_dense(tensor)
 
 
 def _same_memory_order(tensor: torch.Tensor, like: torch.Tensor) -> bool:
