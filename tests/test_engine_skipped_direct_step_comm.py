@@ -118,20 +118,25 @@ def _weights(engine) -> list:
     return [p.detach().clone() for p in engine.module.parameters()]
 
 
+def _backward_and_step(engine, scaler, loss) -> None:
+    """The script's backward and its own ``engine.optimizer.step()``: plain (``scaler`` None)
+    or through ``scaler`` (scale, step, update)."""
+    if scaler is None:
+        engine.backward(loss)
+        engine.optimizer.step()
+    else:
+        engine.backward(scaler.scale(loss))
+        scaler.step(engine.optimizer)
+        scaler.update()
+
+
 def _train_through(stage: int, kind: str) -> dict:
     """Three steps (the second overflows) stepped by a GradScaler of ``kind`` (None: the
     script's plain ``engine.optimizer.step()``): the weights after each, the scaler's scale."""
     engine, scaler = _engine(stage), _scaler(kind)
     weights = []
     for step in range(3):
-        loss = engine(_batch(step)).float().pow(2).mean()
-        if scaler is None:
-            engine.backward(loss)
-            engine.optimizer.step()
-        else:
-            engine.backward(scaler.scale(loss))
-            scaler.step(engine.optimizer)
-            scaler.update()
+        _backward_and_step(engine, scaler, engine(_batch(step)).float().pow(2).mean())
         engine.optimizer.zero_grad()
         weights.append(_weights(engine))
     return {"weights": weights, "left": "found_inf" in engine.optimizer.__dict__,
@@ -161,14 +166,7 @@ def _step_after_one_that_raised(stage: int, kind: str) -> list:
     except _RaisedOnce:
         pass
     engine.optimizer.zero_grad()
-    loss = engine(_batch(0)).float().pow(2).mean()
-    if scaler is None:
-        engine.backward(loss)
-        engine.optimizer.step()
-    else:
-        engine.backward(scaler.scale(loss))
-        scaler.step(engine.optimizer)
-        scaler.update()
+    _backward_and_step(engine, scaler, engine(_batch(0)).float().pow(2).mean())
     return _weights(engine)
 
 
