@@ -1,4 +1,5 @@
-"""Optimizers and loss scaling: OSS (ZeRO-1), FusedAdamW, ShardedGradScaler, DynamicLossScaler,
+"""Optimizers and loss scaling: OSS (ZeRO-1), FusedAdamW, MasterWeights (fp32 masters of 16-bit
+weights), ShardedGradScaler, DynamicLossScaler,
 warm-up learning-rate schedules, and the ParameterPartition that OSS and ShardedDDP share."""
 
 from shardkit._lazy import lazy_exports
@@ -7,6 +8,7 @@ _EXPORTS = {
     "OSS": "shardkit.optim.oss",
     "ParameterPartition": "shardkit.optim.partition",
     "FusedAdamW": "shardkit.optim.fused",
+    "MasterWeights": "shardkit.optim.master_weights",
     "ShardedGradScaler": "shardkit.optim.grad_scaler",
     "GradScaler": "shardkit.optim.grad_scaler",
     "DynamicLossScaler": "shardkit.optim.loss_scaler",

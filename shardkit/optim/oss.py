@@ -30,6 +30,7 @@ from shardkit.optim.local_step import (agreed_closure, all_fp32, build_local_opt
                                        choose_fused, runs_on_whole_model,
                                        steps_each_parameter_alone, step_only, whole_step,
                                        with_fused_choice, without_fused_choice)
+from shardkit.optim.master_weights import MasterWeights
 from shardkit.optim.param_sync import ParamSync, _is_dense, broadcast_wire_dtype
 from shardkit.optim.partition import ParameterPartition, plan_ownership, send_state_to_new_owners
 from shardkit.transport import resolve_transport
@@ -483,7 +484,14 @@ class OSS(torch.optim.Optimizer):
             return True
         grad_scale = self.__dict__.get("grad_scale")
         if grad_scale is not None:  # torch's scaler leaves unscaling to an optimizer like this
-            _unscale_grads([p for g in self.param_groups for p in g["params"]], grad_scale)
+            grad_of = self._stepped_grad_reader()
+            if grad_of is None:
+                _unscale_grads([p for g in self.param_groups for p in g["params"]], grad_scale)
+            else:
+                inv_scale = grad_scale.double().reciprocal().float()
+                for p in self._owned_params():
+                    if p.grad is not None:
+                        grad_of(p).mul_(inv_scale.to(p.grad.device))
         return False
 
     def _record_in_calling_torch_scaler(self, found_inf_anywhere: bool) -> bool:
@@ -785,7 +793,10 @@ class OSS(torch.optim.Optimizer):
         Megatron-LM, every gradient is scaled all the same (a filter that measures replicated
         weights on one tensor-parallel rank only must not leave them unclipped on the others).
         Sparse gradients (``nn.Embedding(sparse=True)``) count by their coalesced values and
-        are scaled too (one host sync).
+        are scaled too (one host sync). Under a :class:`~shardkit.optim.MasterWeights` local
+        optimizer (16-bit parameters, fp32 masters) the owned gradients are widened to fp32
+        first and those are measured and scaled, which the step reads; the 16-bit ``p.grad``
+        are left as they are.
 
         Tensor parallelism (OSS over the data-parallel group of a model built from
         ``shardkit.nn.model_parallel`` layers): read from the parameters' marks, split weights
@@ -821,6 +832,12 @@ class OSS(torch.optim.Optimizer):
         measured = [p for p in measured if p.grad is not None]
         counted, also_over = count_once_over_tensor_parallel(
             every_param, measured, "OSS.clip_grad_norm", data_groups=(self.group,))
+        grad_of = self._stepped_grad_reader()
+        if grad_of is not None:  # fp32 masters: their gradients are what the step reads
+            return clip_grad_norm_across_ranks(
+                [grad_of(p) for p in owned if p.grad is not None], max_norm, norm_type,
+                self.group, device=self._default_device,
+                measured=[grad_of(p) for p in counted], also_over=also_over)
         # Note: the gradients this rank holds for parameters others own (all of them under
         # DDP) are scaled too, by the same factor on every rank, so that p.grad reads after
         # clipping as after torch's clip_grad_norm_ (FairScale scaled the owned ones only);
@@ -830,6 +847,16 @@ class OSS(torch.optim.Optimizer):
                                            self.group, device=self._default_device,
                                            measured=[p.grad for p in counted],
                                            also_over=also_over)
+
+    def _stepped_grad_reader(self) -> Optional[Callable]:
+        """Under a :class:`~shardkit.optim.master_weights.MasterWeights` local optimizer, the
+        16-bit gradients widened to fp32 (:meth:`~shardkit.optim.master_weights.MasterWeights.
+        prepare_master_grads`) and a function from a parameter to its fp32 gradient: clipping
+        scales those, in fp32, and the step reads them. ``None`` for any other optimizer."""
+        if not isinstance(self.optim, MasterWeights):
+            return None
+        self.optim.prepare_master_grads()
+        return self.optim.master_grad_of
 
     # ------------------------------------------------------------------ param groups
 

@@ -436,7 +436,8 @@ def state_key_problem(caller: str, optim_cls: type, hyper: dict, param: torch.Te
     kept = _kept_state_keys(optim_cls, hyper, param, known)
     if kept is None:
         return None
-    unknown, missing = sorted(held - kept), sorted(kept - set(state))
+    optional = {"master_weight"} if getattr(optim_cls, "inner_class", None) else set()
+    unknown, missing = sorted(held - kept), sorted(kept - set(state) - optional)
     if not unknown and not missing:
         return None
     what = "; ".join(part for part in (
