@@ -27,9 +27,9 @@ import numbers
 import torch
 
 from shardkit import distributed
+from shardkit.nn.model_parallel.agreement import agree_on_input
 from shardkit.nn.model_parallel.initialize import get_model_parallel_group
-from shardkit.nn.model_parallel.mappings import (copy_to_model_parallel_region,
-                                                 reduce_from_model_parallel_region)
+from shardkit.nn.model_parallel.mappings import _reduce_from_region, copy_to_model_parallel_region
 from shardkit.nn.model_parallel.utils import check_indices
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -131,7 +131,7 @@ def _differentiable_logits_grad(ctx, softmax, safe_target, subtract_one, ignored
         grad = d_loss * grad_loss.unsqueeze(-1)
     if grad_softmax is not None:
         local = (grad_softmax * softmax).sum(dim=-1)
-        whole = reduce_from_model_parallel_region(local, group=ctx.group)
+        whole = _reduce_from_region(local, ctx.group)  # the forward's ranks agreed on shapes
         whole = copy_to_model_parallel_region(whole, group=ctx.group)
         through_softmax = softmax * (grad_softmax - whole.unsqueeze(-1))
         grad = through_softmax if grad is None else grad + through_softmax
@@ -164,22 +164,47 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     dtype it is computed in; take ``.mean()`` yourself; with ignored tokens, divide by the
     number of kept ones). Communication: two all-reduces over
     the tensor-parallel group of ``3 * tokens`` floats in all (``4 * tokens`` with label
-    smoothing); no gathering of logits.
+    smoothing); no gathering of logits. Before them, the tensor-parallel ranks agree on the
+    logits' and the target's shapes, the logits' dtype, ``ignore_index`` and
+    ``label_smoothing`` in the collective debug mode (``SHARDKIT_DEBUG_COLLECTIVES=1``: one
+    all-gather of two int64s per rank, not counted by ``CommCounter``; a host synchronisation
+    under NCCL): logits or targets of another shape on one rank (another batch, another slice
+    of the vocabulary), or an argument refused on one rank, raise a ``ValueError`` (or that
+    rank's own error) on every rank, where gloo hung. With the mode off, a local refusal is
+    this rank's alone and nothing more is exchanged.
     """
-    _check_arguments(vocab_parallel_logits, target, ignore_index, label_smoothing)
     group = get_model_parallel_group() if group is None else group
     if distributed.get_rank(group) < 0:
         raise ValueError(f"vocab_parallel_cross_entropy(group=...): global rank "
                          f"{distributed.get_rank()} is not in the group; pass the "
                          f"tensor-parallel group of the layer that made the logits (its "
                          f"tp_group)")
-    target = target.long()  # any integer type (uint8, int16, int32 token ids); no-op for int64
-    vocab = distributed.get_world_size(group) * vocab_parallel_logits.shape[-1]
-    # before the collectives: a bad target would otherwise just match no rank's slice
-    check_indices(target, vocab, "vocab_parallel_cross_entropy: target", "V", ignore_index)
+    problem = None
+    try:
+        _check_arguments(vocab_parallel_logits, target, ignore_index, label_smoothing)
+        vocab = distributed.get_world_size(group) * vocab_parallel_logits.shape[-1]
+        # any integer type (uint8, int16, int32 token ids); no-op for int64
+        words = target.long()
+        # before the collectives: a bad target would otherwise just match no rank's slice
+        check_indices(words, vocab, "vocab_parallel_cross_entropy: target", "V", ignore_index)
+    except Exception as error:  # noqa: BLE001 - raised on every rank, after the agreement
+        problem = error
+    agree_on_input("vocab_parallel_cross_entropy", _facts(vocab_parallel_logits, target,
+                                                          ignore_index, label_smoothing),
+                   problem, group, distributed.get_world_size(group))
+    target = words
     loss, _ = _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, int(ignore_index),
                                                float(label_smoothing), group)
     return loss
+
+
+def _facts(logits, target, ignore_index, label_smoothing) -> dict:
+    """What the tensor-parallel ranks compare before the loss's all-reduces. Local."""
+    def shape(t):
+        return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+    return {"vocab_parallel_logits shape": shape(logits), "target shape": shape(target),
+            "logits dtype": getattr(logits, "dtype", None), "ignore_index": ignore_index,
+            "label_smoothing": label_smoothing}
 
 
 def _check_arguments(logits, target, ignore_index, label_smoothing) -> None:

@@ -5,8 +5,11 @@ Same architecture and parameter shapes (unsplit) as :class:`shardkit.models.GPT`
 stages can cut it anywhere. Per block: the fused q/k/v projection and the first MLP linear are
 column-parallel, the attention output and the second MLP linear row-parallel, so a block costs
 exactly two all-reduces of the activation (``[batch, seq, d_model]``) forward and two backward
-(with ``sequence_parallel``: two all-gathers + two reduce-scatters each way, the same bytes).
-The embedding is vocabulary-parallel and the head column-parallel without gathering: the loss is
+(with ``sequence_parallel``: two all-gathers + two reduce-scatters each way, the same bytes),
+plus, forward in the collective debug mode only, each layer's agreement on its input's shape
+(four control all-gathers of two int64s per rank, not counted by ``CommCounter``; see
+:mod:`.layers`). The embedding is
+vocabulary-parallel and the head column-parallel without gathering: the loss is
 :func:`vocab_parallel_cross_entropy`, so the ``[tokens, vocab]`` logits never exist whole.
 
 Memory per rank: the linear and embedding weights ``1/n``; LayerNorms, biases of row-parallel

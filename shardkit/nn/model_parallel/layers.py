@@ -14,6 +14,9 @@ layer                             weight held per rank    communication per forw
 ``ParallelEmbedding``             ``dim/n`` columns       all-gather of the output / none
 ================================  ======================  ==========================================
 
+Beside these, every forward makes the ranks' agreement on its input, and every construction
+the agreement on its arguments: two int64s per rank each (see below).
+
 With ``sequence_parallel=True`` the activations outside the layers are split along the sequence:
 a column-parallel layer all-gathers its input (backward: reduce-scatter) and a row-parallel layer
 (or the vocab-parallel embedding) reduce-scatters its output (backward: all-gather), the same
@@ -36,10 +39,31 @@ keeps working after :func:`~shardkit.nn.model_parallel.destroy_model_parallel` o
 (``model_parallel_groups``) for :func:`~shardkit.nn.model_parallel.clip_grad_norm` and
 :func:`~shardkit.nn.model_parallel.reduce_sequence_parallel_grads`. ``copy.deepcopy`` shares the
 groups. Inputs of the wrong width raise ``ValueError`` before any collective; so do, at
-construction, sizes that are not ints >= 0, a ``padding_idx`` outside ``[-V, V)`` and
-(``TypeError``) flags that are not bools (``gather_output``, ``input_is_parallel``,
+construction, sizes that are not ints >= 0 or not divisible by the tensor-parallel size (the
+message names the argument and the multiple it needs), a ``padding_idx`` outside ``[-V, V)``
+and (``TypeError``) flags that are not bools (``gather_output``, ``input_is_parallel``,
 ``sequence_parallel``, ``skip_bias_add``: a string such as ``"no"`` would be truthy) or an
 ``init_method`` that is not callable.
+
+The tensor-parallel ranks agree (:mod:`~shardkit.nn.model_parallel.agreement`), so that a
+layer built or fed differently on one rank is a clear error on every rank, where gloo aborted
+the process, hung, or summed misaligned slices without an error:
+
+- at construction, on the layer's global arguments (sizes, ``bias``, ``gather_output`` /
+  ``input_is_parallel``, ``stride``, ``sequence_parallel``, ``sequence_dim``,
+  ``skip_bias_add``; an embedding's ``padding_idx``, ``max_norm``, ``norm_type``, ...): a
+  ``ValueError`` naming each argument that differs and every rank's value; an argument
+  refused on one rank is raised on every rank (that rank's error, its text on every rank);
+- at the start of each ``forward``, in the collective debug mode (``SHARDKIT_DEBUG_COLLECTIVES=1``
+  or :func:`shardkit.distributed.set_debug_collectives`), on the input's shape and dtype (and
+  the local input checks' verdict): another batch or sequence length on one rank is a
+  ``ValueError`` with every rank's shape, raised before the layer's first collective. Off (the
+  default) a forward exchanges nothing more and a local refusal is its rank's alone.
+
+Each costs one all-gather of two int64s per rank over the tensor-parallel group (``16 n``
+bytes), a control message that ``CommCounter`` does not count, on the group's control device
+(under NCCL the GPU, whose result the host reads: one synchronisation); nothing at
+tensor-parallel size 1, nothing in backward (a gradient has its activation's shape).
 
 ``ColumnParallelLinear`` and ``RowParallelLinear`` take Megatron-LM's ``skip_bias_add``:
 ``forward`` then returns ``(output, bias)`` without adding the bias, for the caller to fuse the
@@ -64,10 +88,11 @@ import torch.nn.functional as F
 
 from shardkit import distributed
 from shardkit.nn.model_parallel.initialize import current_groups, model_parallel_is_initialized
+from shardkit.nn.model_parallel.agreement import agree_on_arguments, agree_on_input
 from shardkit.nn.model_parallel.mappings import (
-    SEQUENCE_DIM, _copy_to_region_of_own_linear, _reduce_from_region_of_own_output,
-    gather_from_model_parallel_region, gather_from_sequence_parallel_region,
-    reduce_scatter_to_sequence_parallel_region, scatter_to_model_parallel_region)
+    SEQUENCE_DIM, _copy_to_region_of_own_linear, _gather_from_region,
+    _gather_from_sequence_region, _reduce_from_region_of_own_output,
+    _reduce_scatter_to_sequence_region, _scatter_to_region, activation_facts)
 from shardkit.nn.model_parallel.parameter_marks import KeepsParameterMarks
 from shardkit.nn.model_parallel.sequence_parallel import mark_sequence_parallel
 from shardkit.nn.model_parallel.utils import check_indices, join_shards, shard_of
@@ -152,6 +177,24 @@ class TensorParallelModule(KeepsParameterMarks):
     def _fix_master(self, master: torch.Tensor) -> None:
         """Rows of the full initial weight that ``init_method`` must not decide (an
         embedding's padding row); none here."""
+
+    def _agree_on_arguments(self, problem: Optional[BaseException], **arguments) -> None:
+        """At construction, before anything is drawn: the tensor-parallel ranks agree on the
+        layer's global ``arguments``, and this rank's ``problem`` (its argument checks' error)
+        is raised on every rank that has one, a ValueError on the others (see
+        :func:`~shardkit.nn.model_parallel.agreement.agree_on_arguments`: one all-gather of
+        two int64s per rank, not counted by ``CommCounter``; none at size 1)."""
+        agree_on_arguments(type(self).__name__, arguments, problem, self.tp_group, self.tp_size)
+
+    def _agree_on_input(self, x, problem: Optional[BaseException], **facts) -> None:
+        """At the start of ``forward``: the tensor-parallel ranks agree on the input ``x``'s
+        shape and dtype (and ``facts``), and this rank's ``problem`` (its input check's error)
+        is raised on every rank (see
+        :func:`~shardkit.nn.model_parallel.agreement.agree_on_input`: in the collective debug
+        mode one all-gather of two int64s per rank, not counted by ``CommCounter``; none at
+        size 1 or with the mode off)."""
+        agree_on_input(f"{type(self).__name__}.forward", {**activation_facts(x), **facts},
+                       problem, self.tp_group, self.tp_size)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -310,6 +353,31 @@ def deepcopy_keeping_parameter_marks(module: nn.Module, memo: dict) -> nn.Module
         for mark, value in original.__dict__.items():
             copied.__dict__.setdefault(mark, value)
     return clone
+
+
+def _local_problem(check, *args) -> Optional[BaseException]:
+    """The error ``check(*args)`` raises on this rank (``None``: none), for the tensor-parallel
+    ranks' agreement to raise on every rank. No communication."""
+    try:
+        check(*args)
+    except Exception as error:  # noqa: BLE001 - whatever it is, every rank raises it
+        return error
+    return None
+
+
+def _check_padding_idx(what: str, padding_idx, num_embeddings: int) -> None:
+    """Raise ``ValueError`` unless ``padding_idx`` is ``None`` or in ``[-V, V)``. Local."""
+    if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(f"{what}: padding_idx={padding_idx} is outside "
+                         f"[-{num_embeddings}, {num_embeddings})")
+
+
+def _padding_row(padding_idx, num_embeddings, problem: Optional[BaseException]):
+    """The padding row the ranks compare: ``padding_idx`` as a row in ``[0, V)`` (``-1`` and
+    ``V - 1`` are one row), as given where the arguments were refused. Local."""
+    if padding_idx is None or problem is not None:
+        return padding_idx
+    return padding_idx % num_embeddings
 
 
 def _check_size(what: str, value) -> None:
@@ -472,6 +540,9 @@ class ColumnParallelLinear(TensorParallelModule):
     output forward when ``gather_output``. ``skip_bias_add`` changes neither, except that with
     ``gather_output`` the returned bias is all-gathered too (``out`` more elements forward, a
     ``1/n`` slice kept backward, no communication) and costs its full size per rank while used.
+    Plus the ranks' agreement (module docstring): on the arguments once at construction, on the
+    input's shape and dtype at each forward (two int64s per rank each, not counted by
+    ``CommCounter``).
     """
 
     _shard_dims = {"weight": (0, 1), "bias": (0, 1)}
@@ -484,14 +555,25 @@ class ColumnParallelLinear(TensorParallelModule):
                  sequence_parallel: bool = False, sequence_dim: int = SEQUENCE_DIM, *,
                  skip_bias_add: bool = False):
         super().__init__("ColumnParallelLinear")
-        if not isinstance(stride, int) or stride < 1:
-            raise ValueError(f"ColumnParallelLinear: stride={stride!r}; it must be an int >= 1")
-        for name, flag in (("gather_output", gather_output), ("skip_bias_add", skip_bias_add),
-                           ("sequence_parallel", sequence_parallel)):
-            _check_flag("ColumnParallelLinear", name, flag)
-        _check_size("ColumnParallelLinear: in_features", in_features)
-        _check_divisible("ColumnParallelLinear: out_features", out_features, self.tp_size, stride)
-        _check_init_method("ColumnParallelLinear", init_method)
+        try:
+            if not isinstance(stride, int) or stride < 1:
+                raise ValueError(f"ColumnParallelLinear: stride={stride!r}; it must be an int "
+                                 f">= 1")
+            for name, flag in (("gather_output", gather_output),
+                               ("skip_bias_add", skip_bias_add),
+                               ("sequence_parallel", sequence_parallel)):
+                _check_flag("ColumnParallelLinear", name, flag)
+            _check_size("ColumnParallelLinear: in_features", in_features)
+            _check_divisible("ColumnParallelLinear: out_features", out_features, self.tp_size,
+                             stride)
+            _check_init_method("ColumnParallelLinear", init_method)
+            problem = None
+        except Exception as error:  # raised on every rank, after the agreement
+            problem = error
+        self._agree_on_arguments(problem, in_features=in_features, out_features=out_features,
+                                 bias=bias, gather_output=gather_output, stride=stride,
+                                 sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                                 skip_bias_add=skip_bias_add)
         self._shard_dims = {"weight": (0, stride), "bias": (0, stride)}
         self.in_features, self.out_features = in_features, out_features
         self.output_size_per_partition = out_features // self.tp_size
@@ -508,11 +590,16 @@ class ColumnParallelLinear(TensorParallelModule):
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, OutputAndBias]:
         """The output (``[..., out_features]``, or this rank's ``out_features / n`` without
-        ``gather_output``); with ``skip_bias_add``, ``(output, bias)`` with the bias not added."""
-        _check_input_width("ColumnParallelLinear", x, self.in_features, "in_features")
+        ``gather_output``); with ``skip_bias_add``, ``(output, bias)`` with the bias not added.
+        First the tensor-parallel ranks agree on ``x``'s shape and dtype (see the class)."""
+        problem = _local_problem(_check_input_width, "ColumnParallelLinear", x, self.in_features,
+                                 "in_features")
+        if problem is None and self.sequence_parallel:
+            problem = _local_problem(_check_sequence_dim, "ColumnParallelLinear", x.dim(),
+                                     self.sequence_dim)
+        self._agree_on_input(x, problem)
         if self.sequence_parallel:
-            _check_sequence_dim("ColumnParallelLinear", x.dim(), self.sequence_dim)
-            x = gather_from_sequence_parallel_region(x, self.sequence_dim, group=self.tp_group)
+            x = _gather_from_sequence_region(x, self.sequence_dim, self.tp_group)
         else:
             x = _copy_to_region_of_own_linear(x, self.tp_group)
         y = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
@@ -525,8 +612,7 @@ class ColumnParallelLinear(TensorParallelModule):
     def _gather_out_features(self, local: torch.Tensor) -> torch.Tensor:
         """All ranks' ``out_features`` slices of ``local``'s last dimension, in the unsplit
         order (an all-gather; backward keeps this rank's slice of the gradient)."""
-        return gather_from_model_parallel_region(local, stride=self._shard_dims["weight"][1],
-                                                 group=self.tp_group)
+        return _gather_from_region(local, self._shard_dims["weight"][1], self.tp_group)
 
     def _bias_for_caller(self) -> Optional[torch.Tensor]:
         """The bias matching the output that ``forward`` returns with ``skip_bias_add``: the
@@ -571,7 +657,9 @@ class RowParallelLinear(TensorParallelModule):
 
     Memory: ``in * out / n + out`` parameters per rank. Communication: forward all-reduce of the
     output (``2(n-1)/n`` of its bytes), or with ``sequence_parallel`` a reduce-scatter forward and
-    an all-gather backward (``(n-1)/n`` each). ``skip_bias_add`` changes neither.
+    an all-gather backward (``(n-1)/n`` each). ``skip_bias_add`` changes neither. Plus the
+    ranks' agreement (module docstring): on the arguments once at construction, on the input's
+    shape and dtype at each forward (two int64s per rank each, not counted by ``CommCounter``).
     """
 
     _shard_dims = {"weight": (1, 1), "bias": None}
@@ -584,19 +672,27 @@ class RowParallelLinear(TensorParallelModule):
                  sequence_parallel: bool = False, sequence_dim: int = SEQUENCE_DIM, *,
                  skip_bias_add: bool = False):
         super().__init__("RowParallelLinear")
-        if not isinstance(stride, int) or stride < 1:
-            raise ValueError(f"RowParallelLinear: stride={stride!r}; it must be an int >= 1")
-        for name, flag in (("input_is_parallel", input_is_parallel),
-                           ("skip_bias_add", skip_bias_add),
-                           ("sequence_parallel", sequence_parallel)):
-            _check_flag("RowParallelLinear", name, flag)
-        _check_divisible("RowParallelLinear: in_features", in_features, self.tp_size, stride)
-        _check_size("RowParallelLinear: out_features", out_features)
-        _check_init_method("RowParallelLinear", init_method)
-        if sequence_parallel and not input_is_parallel:
-            raise ValueError("RowParallelLinear: sequence_parallel=True needs "
-                             "input_is_parallel=True (the input must be the column-parallel "
-                             "output, split on the hidden dimension)")
+        try:
+            if not isinstance(stride, int) or stride < 1:
+                raise ValueError(f"RowParallelLinear: stride={stride!r}; it must be an int >= 1")
+            for name, flag in (("input_is_parallel", input_is_parallel),
+                               ("skip_bias_add", skip_bias_add),
+                               ("sequence_parallel", sequence_parallel)):
+                _check_flag("RowParallelLinear", name, flag)
+            _check_divisible("RowParallelLinear: in_features", in_features, self.tp_size, stride)
+            _check_size("RowParallelLinear: out_features", out_features)
+            _check_init_method("RowParallelLinear", init_method)
+            if sequence_parallel and not input_is_parallel:
+                raise ValueError("RowParallelLinear: sequence_parallel=True needs "
+                                 "input_is_parallel=True (the input must be the column-parallel "
+                                 "output, split on the hidden dimension)")
+            problem = None
+        except Exception as error:  # raised on every rank, after the agreement
+            problem = error
+        self._agree_on_arguments(problem, in_features=in_features, out_features=out_features,
+                                 bias=bias, input_is_parallel=input_is_parallel, stride=stride,
+                                 sequence_parallel=sequence_parallel, sequence_dim=sequence_dim,
+                                 skip_bias_add=skip_bias_add)
         self._shard_dims = {"weight": (1, stride), "bias": None}
         self.in_features, self.out_features = in_features, out_features
         self.input_size_per_partition = in_features // self.tp_size
@@ -614,24 +710,26 @@ class RowParallelLinear(TensorParallelModule):
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, OutputAndBias]:
         """The summed output ``[..., out_features]`` (this rank's sequence slice with
-        ``sequence_parallel``); with ``skip_bias_add``, ``(output, bias)``, bias not added."""
+        ``sequence_parallel``); with ``skip_bias_add``, ``(output, bias)``, bias not added.
+        First the tensor-parallel ranks agree on ``x``'s shape and dtype (see the class)."""
         if self.input_is_parallel:
-            _check_input_width(
-                "RowParallelLinear", x, self.input_size_per_partition,
+            problem = _local_problem(
+                _check_input_width, "RowParallelLinear", x, self.input_size_per_partition,
                 f"input_is_parallel=True: this rank's slice, in_features={self.in_features} / "
                 f"tensor-parallel size {self.tp_size}; pass input_is_parallel=False for the "
                 f"whole input")
         else:
-            _check_input_width("RowParallelLinear", x, self.in_features,
-                               "in_features, the whole input, as input_is_parallel=False")
-            x = scatter_to_model_parallel_region(x, stride=self._shard_dims["weight"][1],
-                                                 group=self.tp_group)
-        if self.sequence_parallel:
-            _check_sequence_dim("RowParallelLinear", x.dim(), self.sequence_dim)
+            problem = _local_problem(_check_input_width, "RowParallelLinear", x, self.in_features,
+                                     "in_features, the whole input, as input_is_parallel=False")
+        if problem is None and self.sequence_parallel:
+            problem = _local_problem(_check_sequence_dim, "RowParallelLinear", x.dim(),
+                                     self.sequence_dim)
+        self._agree_on_input(x, problem)
+        if not self.input_is_parallel:
+            x = _scatter_to_region(x, self._shard_dims["weight"][1], self.tp_group)
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim,
-                                                           group=self.tp_group)
+            y = _reduce_scatter_to_sequence_region(partial, self.sequence_dim, self.tp_group)
         else:
             y = _reduce_from_region_of_own_output(partial, self.tp_group)
         if self.skip_bias_add:
@@ -673,6 +771,8 @@ class VocabParallelEmbedding(TensorParallelModule):
 
     Memory: ``V * dim / n`` per rank. Communication: forward all-reduce of the output
     (``2(n-1)/n`` of its bytes), or a reduce-scatter with ``sequence_parallel``; backward none.
+    Plus the ranks' agreement (module docstring): on the arguments once at construction, on the
+    ids' shape at each forward (two int64s per rank each, not counted by ``CommCounter``).
     """
 
     _shard_dims = {"weight": (0, 1)}
@@ -684,17 +784,24 @@ class VocabParallelEmbedding(TensorParallelModule):
                  keep_master_weight_for_test: bool = False, sequence_parallel: bool = False,
                  sequence_dim: int = SEQUENCE_DIM):
         super().__init__("VocabParallelEmbedding")
-        _check_flag("VocabParallelEmbedding", "scale_grad_by_freq", scale_grad_by_freq)
-        _check_flag("VocabParallelEmbedding", "sparse", sparse)
-        _check_flag("VocabParallelEmbedding", "sequence_parallel", sequence_parallel)
-        _check_not_sparse_and_scaled("VocabParallelEmbedding", scale_grad_by_freq, sparse)
-        _check_divisible("VocabParallelEmbedding: num_embeddings (vocabulary)", num_embeddings,
-                         self.tp_size)
-        _check_size("VocabParallelEmbedding: embedding_dim", embedding_dim)
-        _check_init_method("VocabParallelEmbedding", init_method)
-        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
-            raise ValueError(f"VocabParallelEmbedding: padding_idx={padding_idx} is outside "
-                             f"[-{num_embeddings}, {num_embeddings})")
+        try:
+            _check_flag("VocabParallelEmbedding", "scale_grad_by_freq", scale_grad_by_freq)
+            _check_flag("VocabParallelEmbedding", "sparse", sparse)
+            _check_flag("VocabParallelEmbedding", "sequence_parallel", sequence_parallel)
+            _check_not_sparse_and_scaled("VocabParallelEmbedding", scale_grad_by_freq, sparse)
+            _check_divisible("VocabParallelEmbedding: num_embeddings (vocabulary)",
+                             num_embeddings, self.tp_size)
+            _check_size("VocabParallelEmbedding: embedding_dim", embedding_dim)
+            _check_init_method("VocabParallelEmbedding", init_method)
+            _check_padding_idx("VocabParallelEmbedding", padding_idx, num_embeddings)
+            problem = None
+        except Exception as error:  # raised on every rank, after the agreement
+            problem = error
+        self._agree_on_arguments(
+            problem, num_embeddings=num_embeddings, embedding_dim=embedding_dim,
+            padding_idx=_padding_row(padding_idx, num_embeddings, problem), max_norm=max_norm,
+            norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq, sparse=sparse,
+            sequence_parallel=sequence_parallel, sequence_dim=sequence_dim)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx % num_embeddings if padding_idx is not None else None
         self.max_norm, self.norm_type = max_norm, norm_type
@@ -726,11 +833,16 @@ class VocabParallelEmbedding(TensorParallelModule):
         return None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``idx`` (``[..., embedding_dim]``; this rank's sequence slice with
+        ``sequence_parallel``). First the tensor-parallel ranks agree on ``idx``'s shape (see
+        the class)."""
         # an id outside [0, V) would look up zeros on every rank instead of failing
-        check_indices(idx, self.num_embeddings, "VocabParallelEmbedding: token id",
-                      "num_embeddings")
-        if self.sequence_parallel:  # the output has one more dimension, the hidden one
-            _check_sequence_dim("VocabParallelEmbedding", idx.dim() + 1, self.sequence_dim)
+        problem = _local_problem(check_indices, idx, self.num_embeddings,
+                                 "VocabParallelEmbedding: token id", "num_embeddings")
+        if problem is None and self.sequence_parallel:  # the output has one more dimension
+            problem = _local_problem(_check_sequence_dim, "VocabParallelEmbedding",
+                                     idx.dim() + 1, self.sequence_dim)
+        self._agree_on_input(idx, problem)
         outside = (idx < self.vocab_start_index) | (idx >= self.vocab_end_index)
         local = (idx - self.vocab_start_index).masked_fill(outside, 0)
         if self.max_norm is not None:  # renormalise only the rows really looked up here
@@ -745,8 +857,7 @@ class VocabParallelEmbedding(TensorParallelModule):
             # in place: F.embedding's backward does not read its output
             partial = partial.masked_fill_(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(partial, self.sequence_dim,
-                                                              group=self.tp_group)
+            return _reduce_scatter_to_sequence_region(partial, self.sequence_dim, self.tp_group)
         return _reduce_from_region_of_own_output(partial, self.tp_group)
 
     def _look_up_own_tokens_only(self, local: torch.Tensor, outside: torch.Tensor) -> torch.Tensor:
@@ -803,7 +914,10 @@ class ParallelEmbedding(TensorParallelModule):
 
     Memory: ``V * dim / n`` per rank. Communication: forward all-gather of the output
     (``(n-1)/n`` of its bytes), plus with ``max_norm`` an all-reduce of one float per distinct
-    token id of the batch (the partial row norms); backward none.
+    token id of the batch (the partial row norms); backward none. Plus the ranks' agreement
+    (module docstring): on the arguments once at construction, on the ids' shape (and, with
+    ``max_norm``, their number of distinct ids) at each forward (two int64s per rank each, not
+    counted by ``CommCounter``).
     """
 
     _shard_dims = {"weight": (1, 1)}
@@ -814,18 +928,24 @@ class ParallelEmbedding(TensorParallelModule):
                  init_method: InitMethod = nn.init.xavier_normal_,
                  keep_master_weight_for_test: bool = False):
         super().__init__("ParallelEmbedding")
-        _check_size("ParallelEmbedding: num_embeddings", num_embeddings)
-        _check_divisible("ParallelEmbedding: embedding_dim", embedding_dim, self.tp_size)
-        _check_init_method("ParallelEmbedding", init_method)
-        _check_flag("ParallelEmbedding", "scale_grad_by_freq", scale_grad_by_freq)
-        _check_flag("ParallelEmbedding", "sparse", sparse)
-        _check_not_sparse_and_scaled("ParallelEmbedding", scale_grad_by_freq, sparse)
-        if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
-            raise ValueError(f"ParallelEmbedding: padding_idx={padding_idx} is outside "
-                             f"[-{num_embeddings}, {num_embeddings})")
-        if max_norm is not None and not (norm_type > 0):
-            raise ValueError(f"ParallelEmbedding: norm_type={norm_type} with max_norm is not "
-                             f"supported; use a positive norm_type (or math.inf)")
+        try:
+            _check_size("ParallelEmbedding: num_embeddings", num_embeddings)
+            _check_divisible("ParallelEmbedding: embedding_dim", embedding_dim, self.tp_size)
+            _check_init_method("ParallelEmbedding", init_method)
+            _check_flag("ParallelEmbedding", "scale_grad_by_freq", scale_grad_by_freq)
+            _check_flag("ParallelEmbedding", "sparse", sparse)
+            _check_not_sparse_and_scaled("ParallelEmbedding", scale_grad_by_freq, sparse)
+            _check_padding_idx("ParallelEmbedding", padding_idx, num_embeddings)
+            if max_norm is not None and not (norm_type > 0):
+                raise ValueError(f"ParallelEmbedding: norm_type={norm_type} with max_norm is not "
+                                 f"supported; use a positive norm_type (or math.inf)")
+            problem = None
+        except Exception as error:  # raised on every rank, after the agreement
+            problem = error
+        self._agree_on_arguments(
+            problem, num_embeddings=num_embeddings, embedding_dim=embedding_dim,
+            padding_idx=_padding_row(padding_idx, num_embeddings, problem), max_norm=max_norm,
+            norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         # non-negative, as nn.Embedding stores it
         self.padding_idx = padding_idx % num_embeddings if padding_idx is not None else None
@@ -842,13 +962,20 @@ class ParallelEmbedding(TensorParallelModule):
             master[self.padding_idx].zero_()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``idx`` (``[..., embedding_dim]``, all-gathered). First the
+        tensor-parallel ranks agree on ``idx``'s shape (and, with ``max_norm``, on the number
+        of distinct ids, the size of the norms' all-reduce; see the class)."""
         # before renormalising: a negative id would index the weight from its end
-        check_indices(idx, self.num_embeddings, "ParallelEmbedding: token id", "num_embeddings")
-        if self.max_norm is not None:
-            self._renormalise_rows(idx)
+        problem = _local_problem(check_indices, idx, self.num_embeddings,
+                                 "ParallelEmbedding: token id", "num_embeddings")
+        rows = idx.unique() if self.max_norm is not None and problem is None else None
+        facts = {} if rows is None else {"distinct token ids": rows.numel()}
+        self._agree_on_input(idx, problem, **facts)
+        if rows is not None:
+            self._renormalise_rows(rows)
         local = F.embedding(idx, self.weight, self.padding_idx, None, self.norm_type,
                             self.scale_grad_by_freq, self.sparse)
-        return gather_from_model_parallel_region(local, group=self.tp_group)
+        return _gather_from_region(local, 1, self.tp_group)
 
     @property
     def embedding_dim_per_partition(self) -> int:
@@ -856,9 +983,9 @@ class ParallelEmbedding(TensorParallelModule):
         return self.embedding_dim // self.tp_size
 
     @torch.no_grad()
-    def _renormalise_rows(self, idx: torch.Tensor) -> None:
-        """``torch.embedding_renorm_`` with each row's norm taken over all ranks' columns."""
-        rows = idx.unique()
+    def _renormalise_rows(self, rows: torch.Tensor) -> None:
+        """``torch.embedding_renorm_`` of the distinct ids ``rows``, with each row's norm taken
+        over all ranks' columns."""
         local = self.weight[rows]
         norms = _full_row_norms(local, self.norm_type, self.tp_group, self.tp_size)
         # the same scale as torch.embedding_renorm_, epsilon included

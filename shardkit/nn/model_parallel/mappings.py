@@ -29,15 +29,30 @@ The sequence dimension defaults to 1 (batch-first ``[batch, seq, hidden]``, shar
 Every collective goes through :mod:`shardkit.distributed` on the tensor-parallel group: the
 ``group`` argument (the layers pass the group they were built with, so they keep working after
 :func:`~shardkit.nn.model_parallel.initialize.destroy_model_parallel`), else the current one.
+
+Before its forward communicates or slices, each function but ``copy_to_model_parallel_region``
+(an identity forward, which can refuse nothing) makes the tensor-parallel ranks agree on the
+activation's shape and dtype and on ``dim`` / ``stride``
+(:func:`~shardkit.nn.model_parallel.agreement.agree_on_input`), so that an activation of
+another shape on one rank (another batch or sequence length), or a bad argument there, is a
+``ValueError`` (or that rank's own error) on every rank, where gloo aborted the process, hung or
+summed misaligned elements; this runs in the collective debug mode only
+(``SHARDKIT_DEBUG_COLLECTIVES=1``). Cost there: one all-gather of two int64s per rank per call,
+a control message that ``CommCounter`` does not count (a host synchronisation under NCCL); none
+at size 1, none with the mode off, and none in backward (a gradient has its forward
+activation's shape). The layers make that
+agreement once per forward, on their input, and then call these mappings' unchecked forms.
 """
 
 from __future__ import annotations
 
 import numbers
+from typing import Optional
 
 import torch
 
 from shardkit import distributed
+from shardkit.nn.model_parallel.agreement import agree_on_input
 from shardkit.nn.model_parallel.initialize import get_model_parallel_group
 from shardkit.nn.model_parallel.utils import divide, join_shards, shard_of
 
@@ -65,6 +80,35 @@ def _alone(group) -> bool:
     autograd function: in-place ops on the output work as at larger sizes (torch refuses them on
     an input that a custom function returned as it was). No communication."""
     return distributed.get_world_size(_group(group)) == 1
+
+
+def _agree(what: str, x, problem: Optional[BaseException], group, **arguments) -> None:
+    """Before a public mapping's forward communicates or slices: the ranks of ``group`` agree
+    on ``x``'s shape and dtype and on ``arguments`` (``dim``, ``stride``), and each rank's local
+    ``problem`` is raised on every rank (see
+    :func:`~shardkit.nn.model_parallel.agreement.agree_on_input`: in the collective debug mode,
+    one all-gather of two int64s per rank, not counted by ``CommCounter``). Only at size > 1
+    (the caller checks)."""
+    group = _group(group)
+    agree_on_input(what, {**activation_facts(x), **arguments}, problem, group,
+                   distributed.get_world_size(group))
+
+
+def activation_facts(x) -> dict:
+    """What the tensor-parallel ranks compare of an activation ``x`` before a collective: its
+    shape and dtype (the type of anything but a tensor). Local."""
+    if not isinstance(x, torch.Tensor):
+        return {"input type": type(x).__name__}
+    return {"input shape": tuple(x.shape), "input dtype": x.dtype}
+
+
+def _problem_of(check, *args) -> Optional[BaseException]:
+    """The error ``check(*args)`` raises (``None``: none), to be raised after the agreement."""
+    try:
+        check(*args)
+    except Exception as error:  # noqa: BLE001 - whatever it is, every rank raises it
+        return error
+    return None
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -219,7 +263,16 @@ def _copy_to_region_of_own_linear(x: torch.Tensor, group) -> torch.Tensor:
 
 def reduce_from_model_parallel_region(x: torch.Tensor, *, group=None) -> torch.Tensor:
     """Leave a tensor-parallel region by summing partial results: all-reduce forward (on a copy;
-    ``x`` is untouched), identity backward."""
+    ``x`` is untouched), identity backward. Before it, the ranks agree on ``x``'s shape and
+    dtype (see the module docstring)."""
+    if not _alone(group):
+        _agree("reduce_from_model_parallel_region", x, None, group)
+    return _ReduceFromRegion.apply(x, group, False)
+
+
+def _reduce_from_region(x: torch.Tensor, group) -> torch.Tensor:
+    """:func:`reduce_from_model_parallel_region` without the agreement, for a caller whose
+    ranks already agreed on ``x``'s shape (a backward, whose shapes are its forward's)."""
     return _ReduceFromRegion.apply(x, group, False)
 
 
@@ -234,7 +287,18 @@ def scatter_to_model_parallel_region(x: torch.Tensor, stride: int = 1, *,
                                      group=None) -> torch.Tensor:
     """Keep this rank's slice of the last dimension (its ``stride`` blocks, as ``shard_of``);
     backward all-gathers the gradient."""
-    _check_stride("scatter_to_model_parallel_region", stride)
+    problem = _problem_of(_check_stride, "scatter_to_model_parallel_region", stride)
+    if _alone(group):
+        if problem is not None:
+            raise problem
+        return x
+    _agree("scatter_to_model_parallel_region", x, problem, group, stride=stride)
+    return _scatter_to_region(x, stride, group)
+
+
+def _scatter_to_region(x: torch.Tensor, stride: int, group) -> torch.Tensor:
+    """:func:`scatter_to_model_parallel_region` for a layer that checked ``stride`` and whose
+    ranks agreed on ``x``: no agreement here."""
     if _alone(group):
         return x
     return _ScatterToRegion.apply(x, stride, group)
@@ -244,7 +308,18 @@ def gather_from_model_parallel_region(x: torch.Tensor, stride: int = 1, *,
                                       group=None) -> torch.Tensor:
     """Concatenate every rank's slice along the last dimension (interleaving ``stride`` blocks
     per rank, the inverse of ``shard_of``); backward keeps own slice."""
-    _check_stride("gather_from_model_parallel_region", stride)
+    problem = _problem_of(_check_stride, "gather_from_model_parallel_region", stride)
+    if _alone(group):
+        if problem is not None:
+            raise problem
+        return x
+    _agree("gather_from_model_parallel_region", x, problem, group, stride=stride)
+    return _gather_from_region(x, stride, group)
+
+
+def _gather_from_region(x: torch.Tensor, stride: int, group) -> torch.Tensor:
+    """:func:`gather_from_model_parallel_region` for a layer that checked ``stride`` and whose
+    ranks agreed on ``x``'s shape (its input's, or its own parameter's): no agreement here."""
     if _alone(group):
         return x
     return _GatherFromRegion.apply(x, stride, group)
@@ -296,9 +371,13 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 def scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUENCE_DIM, *,
                                         group=None) -> torch.Tensor:
     """Keep this rank's slice of the sequence dimension; backward all-gathers the gradient."""
-    _check_dim("scatter_to_sequence_parallel_region", x, dim)
+    what = "scatter_to_sequence_parallel_region"
+    problem = _problem_of(_check_dim, what, x, dim)
     if _alone(group):
+        if problem is not None:
+            raise problem
         return x
+    _agree(what, x, problem, group, dim=dim)
     return _ScatterToSequence.apply(x, dim, group)
 
 
@@ -311,10 +390,28 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUENCE_DI
     feeds a tensor-parallel computation (a column-parallel layer), so each rank's gradient is a
     partial sum; ``False`` when it feeds one replicated on every rank (each rank's gradient is
     already whole): backward then keeps this rank's slice, with no communication."""
-    _check_dim("gather_from_sequence_parallel_region", x, dim)
+    what = "gather_from_sequence_parallel_region"
+    problem = _problem_of(_check_dim, what, x, dim) or _problem_of(
+        _check_output_grad_flag, tensor_parallel_output_grad)
+    if _alone(group):
+        if problem is not None:
+            raise problem
+        return x
+    _agree(what, x, problem, group, dim=dim,
+           tensor_parallel_output_grad=tensor_parallel_output_grad)
+    return _gather_from_sequence_region(x, dim, group, tensor_parallel_output_grad)
+
+
+def _check_output_grad_flag(tensor_parallel_output_grad) -> None:
     if not isinstance(tensor_parallel_output_grad, bool):
         raise TypeError(f"gather_from_sequence_parallel_region: tensor_parallel_output_grad="
                         f"{tensor_parallel_output_grad!r}; it must be a bool, True or False")
+
+
+def _gather_from_sequence_region(x: torch.Tensor, dim: int, group,
+                                 tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+    """:func:`gather_from_sequence_parallel_region` for a layer that checked ``dim`` and whose
+    ranks agreed on ``x``: no agreement here."""
     if _alone(group):
         return x
     return _GatherFromSequence.apply(x, dim, group, tensor_parallel_output_grad)
@@ -324,7 +421,19 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUE
                                                group=None) -> torch.Tensor:
     """Sum partial results and keep this rank's sequence slice (reduce-scatter); backward
     all-gathers the gradient."""
-    _check_dim("reduce_scatter_to_sequence_parallel_region", x, dim)
+    what = "reduce_scatter_to_sequence_parallel_region"
+    problem = _problem_of(_check_dim, what, x, dim)
+    if _alone(group):
+        if problem is not None:
+            raise problem
+        return x
+    _agree(what, x, problem, group, dim=dim)
+    return _reduce_scatter_to_sequence_region(x, dim, group)
+
+
+def _reduce_scatter_to_sequence_region(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """:func:`reduce_scatter_to_sequence_parallel_region` for a layer that checked ``dim`` and
+    whose ranks agreed on ``x``'s shape: no agreement here."""
     if _alone(group):
         return x
     return _ReduceScatterToSequence.apply(x, dim, group)
