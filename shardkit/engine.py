@@ -35,9 +35,16 @@ gradients of the trainable parameters it leaves out (they never accumulate).
 
 Master weights and optimizer state are always fp32; ``fp16``/``bf16`` run the forward and
 backward under ``torch.autocast`` (CPU or CUDA), fp16 with a
-:class:`~shardkit.optim.DynamicLossScaler`. A model passed in fp16 or bf16 to train that way has its
-16-bit parameters and buffers cast to fp32 first (the same ``Parameter`` objects; rank 0 says so),
-as DeepSpeed keeps fp32 master weights whatever the model's dtype. A step
+:class:`~shardkit.optim.DynamicLossScaler`. At stages 0-2 the model's weights and gradients are
+then 16-bit (its floating parameters are cast, the same ``Parameter`` objects; forward-only
+engines too, as DeepSpeed halves the module) and the optimizer keeps fp32 masters of the
+parameters it steps (:class:`~shardkit.optim.MasterWeights`; at stages 1-2 each rank's OSS shard
+those it owns), DeepSpeed's layout and DESIGN.md's mixed-precision column: ``16Ψ`` bytes per
+rank at stage 0, ``4Ψ + 12Ψ/N`` at stage 1, ``2Ψ + 14Ψ/N`` at stage 2 (Adam), gradients reduced
+and the parameter sync moving 16-bit values; the overflow check, unscaling and clipping act on
+the gradients widened to fp32, and checkpoints hold the fp32 masters as the weights. At stage 3
+a model passed in fp16 or bf16 has its trainable 16-bit parameters and buffers cast to fp32
+first (rank 0 says so): FSDP keeps fp32 shards and computes in 16 bits. A step
 whose gradients hold inf/nan is skipped under fp16, and under bf16 unless
 ``bf16.check_grad_overflow`` is false (DeepSpeed's default, true); the decision is all-reduced
 (one element) so every rank skips together. A script's own ``engine.optimizer.step()`` gets
@@ -54,8 +61,9 @@ reference, reward and EMA engines, "ZeRO-3 inference") ``initialize`` returns a 
 engine, ``optimizer`` and ``lr_scheduler`` ``None``: stage 3 shards the parameters with FSDP
 (``4Ψ/N`` bytes of fp32 parameters per rank, no gradients, no optimizer state; each forward
 all-gathers the units it runs); stages 0-2 have nothing to shard without an optimizer and keep
-the model whole (``4Ψ``, rank 0's weights broadcast once, forwards local). ``fp16``/``bf16``
-run the forward under ``torch.autocast`` as with an optimizer. ``engine.backward`` and
+the model whole (``4Ψ``, rank 0's weights broadcast once, forwards local; ``2Ψ`` with
+``fp16``/``bf16``, whose 16-bit weights they keep). ``fp16``/``bf16`` run the forward under
+``torch.autocast`` as with an optimizer. ``engine.backward`` and
 ``engine.step`` are a RuntimeError on every rank before any collective, as DeepSpeed asserts;
 ``module_state_dict``, ``save_16bit_model`` and ``save_checkpoint``/``load_checkpoint``
 (weights, counters and RNG; a training checkpoint loads its weights) work.
@@ -92,7 +100,7 @@ from shardkit.engine_compose import (_HALF_DTYPES, _checks_of_compose, _left_out
                                      _shown, compose_from_config)
 from shardkit.engine_config_sources import _config_source, _flat_config
 from shardkit.engine_data_loader import DeepSpeedIO, _check_dataset
-from shardkit.engine_master_weights import _keep_fp32_master_weights
+from shardkit.engine_master_weights import _keep_16bit_weights, _keep_fp32_master_weights
 from shardkit.engine_model_weights import ModelWeights
 from shardkit.engine_offload import OffloadStates
 from shardkit.engine_optimizer_hooks import _expose_offload_on_optimizer, _guard_direct_steps
@@ -1024,7 +1032,14 @@ def initialize(model: nn.Module, optimizer=None, model_parameters=None, training
         comm.configure(enabled=True, prof_all=section.get("prof_all", True),
                        prof_ops=list(section.get("prof_ops", [])),
                        verbose=section.get("verbose", False), debug=section.get("debug", False))
-    if recipe is not None and cfg.precision.dtype != "fp32":
+    if cfg.precision.dtype != "fp32" and cfg.zero.stage < 3:
+        cast = _keep_16bit_weights(model, _HALF_DTYPES[cfg.precision.dtype])
+        if cast and distributed.get_rank() == 0:
+            logger.info("%s at ZeRO stage %d: %d parameters of the model were cast to %s%s",
+                        cfg.precision.dtype, cfg.zero.stage, cast, cfg.precision.dtype,
+                        "" if recipe is None else "; the optimizer keeps fp32 master weights of "
+                        "the parameters it steps")
+    elif recipe is not None and cfg.precision.dtype != "fp32":
         cast = _keep_fp32_master_weights(model, recipe, cfg.zero.stage, wrap_policy)
         if cast and distributed.get_rank() == 0:
             logger.warning("%s training: %d 16-bit parameters and buffers of the model were cast "

@@ -56,6 +56,8 @@ def _compose_arguments(model: nn.Module, recipe: Optional[OptimizerRecipe], cfg:
     if zero.stage in (0, 1):
         kwargs["find_unused_parameters"] = zero.ignore_unused_parameters
     left_out = _left_out_of_optimizer(model, recipe)
+    if zero.stage < 3:  # 16-bit weights, fp32 masters in the optimizer (shards)
+        kwargs["master_weights"] = cfg.precision.dtype != "fp32"
     if zero.stage == 1:
         # the owners' hook needs every reduced gradient in OSS's partition: with some trainable
         # parameters outside the optimizer, torch DDP's all-reduce (see initialize's note)

@@ -1,7 +1,11 @@
-"""fp16/bf16 training of a model passed with 16-bit weights: :func:`shardkit.initialize` casts
-its trainable 16-bit parameters, their gradients and optimizer state, and its 16-bit buffers to
-fp32 master weights, as DeepSpeed keeps them (at stage 3 one dtype per FSDP unit). Local;
-memory: the cast tensors double.
+"""The weights' dtype of fp16/bf16 training under :func:`shardkit.initialize`. Stages 0-2
+(:func:`_keep_16bit_weights`): the model's floating parameters become 16-bit and the optimizer
+keeps fp32 master copies of the parameters it steps (:class:`shardkit.optim.MasterWeights`; at
+stages 1-2 each rank's OSS shard, for the parameters it owns), DeepSpeed's layout and
+DESIGN.md's mixed-precision column. Stage 3 (:func:`_keep_fp32_master_weights`): a model passed
+with 16-bit weights gets its trainable 16-bit parameters, their gradients and optimizer state,
+and its 16-bit buffers cast to fp32, which FSDP shards and steps as the masters (one dtype per
+FSDP unit). Local; memory: the cast tensors halve or double.
 """
 
 from __future__ import annotations
@@ -12,6 +16,40 @@ import torch
 import torch.nn as nn
 
 from shardkit.recipes import OptimizerRecipe
+
+
+def _keep_16bit_weights(model: nn.Module, dtype: torch.dtype) -> int:
+    """Stages 0-2 with fp16/bf16: every floating parameter of ``model`` that is not ``dtype``
+    (fp32 weights, or bf16 ones under an fp16 config) becomes ``dtype``, the same ``Parameter``
+    objects, their gradients with them; buffers keep their dtype (autocast reads fp32 running
+    statistics as it does for an fp32 model). The fp32 master weights are then the optimizer's
+    (:class:`shardkit.optim.MasterWeights`): ``2 + 2`` bytes of weight and gradient per
+    parameter on every rank and ``12`` bytes of master and Adam moments per stepped one (at
+    stages 1-2 per owned one), where fp32 weights cost ``4 + 4`` and ``8``. A forward-only
+    engine's model is cast too, as DeepSpeed halves the module. Under fp16 the weights of
+    embeddings built with ``sparse=True`` stay as they are: torch sums sparse gradients
+    (accumulation, DDP's all-reduce) with no fp16 kernel on CPU ("cadd_sparse" not implemented
+    for 'Half'); ``MasterWeights`` steps them in place. Returns how many parameters were cast.
+    Local; memory: the cast parameters halve."""
+    cast = 0
+    kept = _sparse_embedding_weights(model) if dtype == torch.float16 else set()
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.is_floating_point() or param.dtype == dtype or id(param) in kept:
+                continue
+            grad, param.grad = param.grad, None
+            param.data = param.data.to(dtype)
+            if grad is not None:
+                param.grad = grad.to(dtype)
+            cast += 1
+    return cast
+
+
+def _sparse_embedding_weights(model: nn.Module) -> set:
+    """``id``s of the weights of the model's ``nn.Embedding`` / ``nn.EmbeddingBag`` built with
+    ``sparse=True`` (their gradients are sparse)."""
+    return {id(m.weight) for m in model.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
 
 
 def _keep_fp32_master_weights(model: nn.Module, recipe: OptimizerRecipe, stage: int,

@@ -51,7 +51,9 @@ class ModelWeights:
 
     def module_state_dict(self, destination: Optional[dict] = None, prefix: str = "",
                           keep_vars: bool = False, exclude_frozen_parameters: bool = False) -> dict:
-        """The unwrapped model's full fp32 ``state_dict`` (stage 3: gathered by FSDP, a
+        """The unwrapped model's full ``state_dict``, in the model's dtype (fp32; with
+        fp16/bf16 at stages 0-2 the 16-bit weights, as DeepSpeed's, whose fp32 masters
+        ``safe_get_full_fp32_param`` and checkpoints give) (stage 3: fp32, gathered by FSDP, a
         collective on every rank; memory: the full model on each rank). Under tensor
         parallelism the unsplit model's (:func:`shardkit.nn.model_parallel.full_state.
         full_model_state_dict`: one all-gather per split parameter over the tensor-parallel

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from shardkit.optim.master_weights import MASTER_WEIGHT_KEY
+
 logger = logging.getLogger("shardkit")
 
 
@@ -110,11 +112,13 @@ class OffloadStates:
           until :meth:`reload_states`, on every rank as long as any rank holds its state
           offloaded. Forwards still run.
         - ``"hp_params"`` / ``"lp_params"``: shardkit keeps one copy of the weights, the fp32
-          parameters, which are both DeepSpeed's master and compute weights; those in host
-          memory already (a CPU run) stay, and on an accelerator naming them is a ValueError
-          (they are not moved: use ``zero_optimization.offload_param`` at stage 3, or leave
-          them out of ``include``). With ``include=None`` the states that cannot move stay,
-          with a warning naming them, and the optimizer state moves.
+          parameters, which are both DeepSpeed's master and compute weights (at stages 1-2 with
+          fp16/bf16 the fp32 masters are the optimizer shard's and stay where they are, the 16-bit
+          weights are the model's); those in host memory already (a CPU run) stay, and on an
+          accelerator naming them is a ValueError (they are not moved: use
+          ``zero_optimization.offload_param`` at stage 3, or leave them out of ``include``). With
+          ``include=None`` the states that cannot move stay, with a warning naming them, and the
+          optimizer state moves.
         - ``"lp_grads"``: ``step()`` frees the gradients, so between steps there are none; held
           on an accelerator (mid-accumulation) they are a ValueError.
         - ``"contiguous_grad_buffer"``: stage 3 holds no gradient buffer between steps; at
@@ -175,6 +179,8 @@ class OffloadStates:
         copied = False
         for state in self.optimizer.state.values():
             for key, value in list(state.items()):
+                if key == MASTER_WEIGHT_KEY:  # hp_params: see offload_states
+                    continue
                 if isinstance(value, torch.Tensor) and moved.get(id(value), (None,))[0] \
                         is not value:
                     host = _to_host(value, pin_memory, non_blocking)

@@ -173,7 +173,7 @@ def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], 
             reduce_dtype: Optional[torch.dtype] = None,
             find_unused_parameters: bool = False,
             param_init_fn: Optional[Callable] = None,
-            agree_across_ranks: bool = True) -> Composition:
+            agree_across_ranks: bool = True, master_weights: bool = False) -> Composition:
     """Wrap ``model`` for ZeRO ``stage`` (0-3, table in the module docstring) and build its
     optimizer from ``optimizer``.
 
@@ -226,6 +226,12 @@ def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], 
             checkpoint (``use_reentrant=True``): torch DDP then fails in backward with
             "Expected to mark a variable ready only once".
 
+        master_weights: stages 0-2: the optimizer steps fp32 master copies of the 16-bit
+            parameters (:class:`shardkit.optim.MasterWeights`: DESIGN.md's mixed-precision
+            column, ``4 + 8`` bytes of optimizer state per stepped element for Adam; at
+            stages 1-2 in OSS's shards, whose parameter sync then moves 16-bit weights), and
+            clipping measures the gradients widened to fp32. Ignored at stage 3 (FSDP keeps
+            fp32 shards and computes in 16 bits through ``mixed_precision``).
         agree_across_ranks: ``True`` (default): before any wrapper exists, the ranks of
             ``process_group`` exchange what each checked (:func:`agree_on_refusal`), so that a
             refusal only some ranks raise (a model built on the meta device on all ranks but
@@ -264,9 +270,9 @@ def compose(model: nn.Module, stage: int, optimizer: Optional[OptimizerRecipe], 
         return _forward_only(model, stage, process_group, psi)
     if stage == 0:
         return _stage0(model, optimizer, process_group, count_ddp_comm, psi, reduce_dtype,
-                       find_unused_parameters)
+                       find_unused_parameters, master_weights)
     if stage in (1, 2):
-        oss = _oss(model, optimizer, comm, process_group, sync_bucket_numel)
+        oss = _oss(model, optimizer, comm, process_group, sync_bucket_numel, master_weights)
         composition = _stage1(model, oss, process_group, count_ddp_comm, psi,
                               reduce_to_owners, step_in_backward, reduce_dtype,
                               find_unused_parameters) if stage == 1 \
@@ -360,7 +366,8 @@ def check_composable(model: nn.Module, stage: int, optimizer: Optional[Optimizer
                      hpz_partition_size=1, reshard_after_forward=None, sharding_strategy=None,
                      overlap_param_sync=False, sync_bucket_numel=None, step_in_backward=False,
                      reduce_to_owners=False, reduce_dtype=None,
-                     find_unused_parameters=False) -> Optional[torch.dtype]:
+                     find_unused_parameters=False,
+                     master_weights=False) -> Optional[torch.dtype]:
     """Every refusal of :func:`compose` (same arguments), computed from this rank's model and
     arguments only: raises what ``compose`` would raise before building, else returns the
     gradient-reduction dtype it would use. :func:`shardkit.initialize` runs it before its
@@ -386,7 +393,28 @@ def check_composable(model: nn.Module, stage: int, optimizer: Optional[Optimizer
         raise ValueError(f"compose(stage={stage}, find_unused_parameters="
                          f"{find_unused_parameters!r}): a bool, for stages 0-1 (torch DDP); "
                          f"stages 2-3 reduce per parameter and need no search for unused ones")
+    _check_master_weights(master_weights, stage, optimizer, step_in_backward)
     return reduce_dtype
+
+
+def _check_master_weights(master_weights, stage: int, optimizer: Optional[OptimizerRecipe],
+                          step_in_backward: bool) -> None:
+    """``compose(master_weights=...)``: a bool; at stages 0-2 it needs an optimizer class
+    (the masters are stepped by it: a factory function cannot be), and the whole step at once
+    (not ``step_in_backward``, which steps bucket by bucket)."""
+    if master_weights not in (False, True):
+        raise ValueError(f"compose(master_weights={master_weights!r}): expected True or False")
+    if not master_weights or stage == 3 or optimizer is None:
+        return
+    cls = type(optimizer.instance) if optimizer.instance is not None else optimizer.cls
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"compose(stage={stage}, master_weights=True): the fp32 masters are "
+                         f"stepped by the optimizer's class, and {cls!r} is not a "
+                         f"torch.optim.Optimizer subclass; pass an optimizer class or instance")
+    if step_in_backward:
+        raise ValueError(f"compose(stage={stage}, master_weights=True, step_in_backward=True): "
+                         f"the fp32 masters are stepped whole after backward; pass "
+                         f"step_in_backward=False")
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -737,12 +765,27 @@ def _zero_grads(*owners) -> Callable[..., None]:
     return zero_grad
 
 
-def _oss(model: nn.Module, recipe: OptimizerRecipe, comm, process_group, bucket_numel):
-    from shardkit.optim import OSS
-    if recipe.instance is not None:
-        return OSS(recipe.instance, group=process_group, comm=comm, bucket_numel=bucket_numel)
+def _oss(model: nn.Module, recipe: OptimizerRecipe, comm, process_group, bucket_numel,
+         master_weights: bool = False):
+    """OSS over the recipe's parameters; ``master_weights``: each rank's shard steps fp32
+    masters of the 16-bit parameters (:class:`shardkit.optim.MasterWeights`), with the recipe's
+    optimizer class (an optimizer the user built: its class, hyper-parameters and groups, the
+    same group dicts, so that a scheduler built on it still drives the learning rate)."""
+    from shardkit.optim import OSS, MasterWeights
+    from shardkit.optim import oss_arguments
+    instance = recipe.instance
+    if instance is not None and not master_weights:
+        return OSS(instance, group=process_group, comm=comm, bucket_numel=bucket_numel)
+    if instance is not None:
+        oss = OSS(oss_arguments.groups_of(instance), optim=MasterWeights.over(type(instance)),
+                  group=process_group, comm=comm, bucket_numel=bucket_numel,
+                  **oss_arguments.constructor_kwargs(type(instance), instance.defaults))
+        if instance.state:
+            oss.load_state_dict(instance.state_dict())
+        return oss
     params = recipe.param_groups if recipe.param_groups is not None else _trainable(model)
-    return OSS(params, optim=recipe.cls, group=process_group, comm=comm,
+    optim = MasterWeights.over(recipe.cls) if master_weights else recipe.cls
+    return OSS(params, optim=optim, group=process_group, comm=comm,
                bucket_numel=bucket_numel, **recipe.defaults)
 
 
@@ -759,26 +802,69 @@ def _forward_only(model: nn.Module, stage: int, process_group, psi: int) -> Comp
 
 
 def _stage0(model, recipe, process_group, count_comm, psi, reduce_dtype,
-            find_unused: bool) -> Composition:
-    """torch DDP and a replicated optimizer."""
+            find_unused: bool, master_weights: bool = False) -> Composition:
+    """torch DDP and a replicated optimizer (``master_weights``: stepping fp32 masters of the
+    16-bit parameters, :func:`_with_master_weights`)."""
     ddp = torch_ddp(model, process_group, count_comm, reduce_dtype, find_unused)
-    optimizer = recipe.instance or recipe.build(recipe.param_groups or _trainable(model))
+    if master_weights:
+        optimizer = _with_master_weights(recipe, model)
+    else:
+        optimizer = recipe.instance or recipe.build(recipe.param_groups or _trainable(model))
     params = _trainable(model)
-    return Composition(0, ddp, optimizer, ddp.no_sync, _replicated_clip(params),
+    return Composition(0, ddp, optimizer, ddp.no_sync, _replicated_clip(params, optimizer),
                        _zero_grads(optimizer), psi)
 
 
-def _replicated_clip(params: list) -> Callable:
+def _with_master_weights(recipe: OptimizerRecipe, model: nn.Module) -> torch.optim.Optimizer:
+    """Stage 0's optimizer over fp32 masters of every 16-bit parameter
+    (:class:`shardkit.optim.MasterWeights` of the recipe's class; of an optimizer the user
+    built: its class, hyper-parameters, the same group dicts and any state it holds).
+    Memory: 4 bytes per 16-bit element beside the optimizer's state."""
+    from shardkit.optim import MasterWeights
+    from shardkit.optim import oss_arguments
+    instance = recipe.instance
+    if instance is None:
+        params = recipe.param_groups or _trainable(model)
+        return MasterWeights.over(recipe.cls)(params, **recipe.defaults)
+    built = MasterWeights.over(type(instance))(
+        oss_arguments.groups_of(instance),
+        **oss_arguments.constructor_kwargs(type(instance), instance.defaults))
+    if instance.state:
+        built.load_state_dict(instance.state_dict())
+    return built
+
+
+def _replicated_clip(params: list, optimizer=None) -> Callable:
     """``clip(max_norm)`` for gradients every rank of the data-parallel group holds in full,
     chosen once: with tensor-parallel layers (DDP over the data-parallel group) the unsplit
     model's norm, each slice and each replicated weight counted once
     (:func:`shardkit.nn.model_parallel.clip_grad_norm`: one more all-reduce of one element,
-    over the tensor-parallel group); else :func:`_clip_replicated`."""
+    over the tensor-parallel group); else :func:`_clip_replicated`. Under a
+    :class:`shardkit.optim.MasterWeights` ``optimizer`` the fp32 gradients of the masters are
+    measured and scaled (:func:`_clip_master_grads`), which the step reads."""
+    from shardkit.optim import MasterWeights
     from shardkit.utils.grad_norm import tensor_parallel_groups
+    if isinstance(optimizer, MasterWeights):
+        return functools.partial(_clip_master_grads, optimizer, params)
     if tensor_parallel_groups(params, "compose(stage=0) clipping") is not None:
         from shardkit.nn.model_parallel import clip_grad_norm
         return functools.partial(clip_grad_norm, params)
     return functools.partial(_clip_replicated, params)
+
+
+def _clip_master_grads(optimizer, params: list, max_norm: float) -> torch.Tensor:
+    """Stage 0's clip under :class:`shardkit.optim.MasterWeights`: the 16-bit gradients
+    widened to fp32 first, then those measured and scaled as :func:`_replicated_clip` does
+    the parameters' own (tensor-parallel layers: their marks, one all-reduce of one element
+    over the tensor-parallel group; else local)."""
+    from shardkit.utils.grad_norm import tensor_parallel_groups
+    optimizer.prepare_master_grads()
+    held = [p for p in params if optimizer.holds(p)]
+    if tensor_parallel_groups(held, "compose(stage=0) clipping") is not None:
+        from shardkit.nn.model_parallel.grad_norm import clip_grads_of
+        return clip_grads_of(held, optimizer.master_grad_of, max_norm)
+    return _clip_replicated_grads([optimizer.master_grad_of(p) for p in held
+                                   if optimizer.master_grad_of(p) is not None], max_norm)
 
 
 def _clip_replicated(params: list, max_norm: float) -> torch.Tensor:
@@ -792,6 +878,13 @@ def _clip_replicated(params: list, max_norm: float) -> torch.Tensor:
         if math.isinf(max_norm):
             return torch.nn.utils.get_total_norm(grads)
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return _clip_replicated_grads(grads, max_norm)
+
+
+def _clip_replicated_grads(grads: list, max_norm: float) -> torch.Tensor:
+    """:func:`_clip_replicated` over the gradient tensors themselves: the norm (sparse ones by
+    their coalesced values) and torch's coefficient ``max_norm / (norm + 1e-6)``, at most 1.
+    Local."""
     total = torch.nn.utils.get_total_norm(
         [g.coalesce().values() if g.is_sparse else g for g in grads])
     if not math.isinf(max_norm):  # torch's coefficient, at most 1

@@ -6,14 +6,17 @@ for stages 0-3, CPU offload on and off, fp16 and bf16, with its ``hybrid_engine`
 ``tensorboard`` sections; their helpers (``dschat/utils/utils.py``) are re-written below from
 their behaviour: weight-decay / no-decay / LoRA param groups by name, ``get_all_reduce_mean``,
 ``print_rank_0``, ``save_hf_format``, ``save_zero_three_model`` (``hasattr(p, 'ds_id')``,
-``ds_status``, ``GatheredParameters``) and ``moving_average``. A tiny OPT causal LM (2 layers,
-hidden 32, vocab 128, built from a config) with LoRA adapters trains with ``FusedAdam`` or
-``DeepSpeedCPUAdam`` (``shardkit.ops.adam``), Hugging Face's cosine schedule, gradient
-accumulation from the config, clipping 1.0, HF activation checkpointing switched on before
-``initialize``; ``model.backward(loss)`` / ``model.step()`` and evaluation with ``model.eval()``
-and perplexity. In fp32 every rank's losses and parameters equal one-process training on the
+``ds_status``, ``GatheredParameters``) and ``moving_average`` (into an EMA engine built as
+``rlhf_engine.py``'s ``_init_ema`` builds it: forward-only, the actor's dtype, so both are
+16-bit at stages 0-2 under fp16/bf16). A tiny OPT causal LM (2 layers, hidden 32, vocab 128,
+built from a config) with LoRA adapters trains with ``FusedAdam`` or ``DeepSpeedCPUAdam``
+(``shardkit.ops.adam``), Hugging Face's cosine schedule, gradient accumulation from the
+config, clipping 1.0, HF activation checkpointing switched on before ``initialize``;
+``model.backward(loss)`` / ``model.step()`` and evaluation with ``model.eval()`` and
+perplexity. In fp32 every rank's losses and parameters equal one-process training on the
 global batch after every optimizer step, at every stage; the saved files equal the
-one-process model. One world of 2 gloo ranks.
+one-process model. Under fp16/bf16 the fp32 weights (the optimizer's masters at stages 0-2)
+stay close to it. One world of 2 gloo ranks.
 """
 
 import argparse
@@ -32,6 +35,7 @@ from shardkit.config import ConfigError, load_config
 from shardkit.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from shardkit.testing import world_fixture
 from shardkit.zero import ZeroParamStatus
+from tests.utils.master_weights import fp32_weights
 
 VOCAB, SEQ, MICRO, GAS, STEPS = 128, 8, 2, 2, 3
 LR, LORA_LR, DECAY = 2e-3, 5e-3, 0.1
@@ -159,6 +163,24 @@ def save_zero_three_model(model, rank, save_dir, zero_stage):
         torch.save(out, path)
 
 
+def eval_ds_config(offload, dtype, stage, micro=4, world=2):
+    """``get_eval_ds_config(offload, dtype, stage)``, the config of DeepSpeed-Chat's EMA (and
+    reference) engines, with the batch sizes ``rlhf_engine.py`` sets; no optimizer, so
+    ``initialize`` gives a forward-only engine. ``dtype`` other than fp16/bf16: no precision
+    section."""
+    precision = {"fp16": {"fp16": {"enabled": True}},
+                 "bf16": {"bfloat16": {"enabled": True}}}.get(dtype, {})
+    return {
+        **precision,
+        "train_batch_size": micro * world, "train_micro_batch_size_per_gpu": micro,
+        "steps_per_print": 10,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1e4,
+                              "offload_param": {"device": "cpu" if offload else "none"},
+                              "memory_efficient_linear": False},
+        "gradient_clipping": 1.0, "prescale_gradients": False, "wall_clock_breakdown": False,
+    }
+
+
 def moving_average(model, model_ema, beta=0.992, zero_stage=0):
     with torch.no_grad():
         for p, p_ema in zip(model.parameters(), model_ema.parameters()):
@@ -236,6 +258,11 @@ def _train_like_chat(stage, offload=False, dtype="fp32", checkpointing="before",
     model, optimizer, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, args=args, config=config, lr_scheduler=scheduler,
         dist_init_required=True)
+    # rlhf_engine.py's _init_ema: a forward-only engine of the same dtype (16-bit weights under
+    # fp16/bf16, as the actor's), at ZeRO-3 only if the actor is
+    ema, *_ = deepspeed.initialize(
+        model=ema, config=eval_ds_config(False, dtype, stage if stage == 3 else 0, micro=MICRO,
+                                         world=world))
     if checkpointing == "after":  # where main.py calls it, with Hugging Face's defaults
         model.gradient_checkpointing_enable()
         reference.gradient_checkpointing_enable()
@@ -277,14 +304,15 @@ def _train_like_chat(stage, offload=False, dtype="fp32", checkpointing="before",
         ref_opt.step()
         ref_sched.step()
         ref_opt.zero_grad()
-        full = _full_parameters(model.module)
+        full = fp32_weights(model)  # fp16/bf16 at stages 0-2: the fp32 masters
         report["param_diff"] = max(report["param_diff"],
                                    _max_diff(full, dict(reference.named_parameters())))
         report["lr_diff"] = max(report["lr_diff"], max(
             abs(a - b["lr"]) for a, b in zip(model.get_lr(), ref_opt.param_groups)))
         moving_average(model, ema, zero_stage=stage)
         moving_average(reference, ema_ref, zero_stage=0)
-    report["ema_diff"] = _max_diff(dict(ema.named_parameters()), dict(ema_ref.named_parameters()))
+    report["ema_diff"] = _max_diff(_full_parameters(ema.module),
+                                   dict(ema_ref.named_parameters()))
     ppl, eval_loss = evaluation(model, eval_batches(rank))
     report["eval_diff"] = max(report["eval_diff"], abs(eval_loss - reference_eval()))
     if save_dir is not None:

@@ -193,8 +193,12 @@ def eval_config(offload, stage, world, dtype="fp32"):
     }
 
 
-def train_config(offload, stage, world, hybrid=False, dtype="fp32"):
+def train_config(offload, stage, world, hybrid=False, dtype="fp32", scale_power=None):
+    """``get_train_ds_config``; ``scale_power``: the fp16 loss scale's initial power of 2
+    (DeepSpeed's default 16)."""
     config = chat_config(offload, dtype, stage, hybrid=hybrid, micro=MICRO, world=world)
+    if scale_power is not None:
+        config["fp16"]["initial_scale_power"] = scale_power
     config["hybrid_engine"]["max_out_tokens"] = PROMPT + ANSWER
     return config
 
@@ -391,7 +395,8 @@ def _rlhf_engine(case, world):
     optim, schedule = _optimizer_and_schedule(actor_model, case["offload"], LR)
     actor, *_ = deepspeed.initialize(
         model=actor_model, optimizer=optim, lr_scheduler=schedule,
-        config=train_config(case["offload"], stage, world, hybrid=case["hybrid"], dtype=dtype))
+        config=train_config(case["offload"], stage, world, hybrid=case["hybrid"], dtype=dtype,
+                            scale_power=case["scale_power"]))
     ref, *_ = deepspeed.initialize(
         model=make_actor(False),
         config=eval_config(case["offload_ref"], stage if stage == 3 else 0, world, dtype))
@@ -407,7 +412,8 @@ def _rlhf_engine(case, world):
     critic, *_ = deepspeed.initialize(model=critic_model, optimizer=optim,
                                       lr_scheduler=schedule,
                                       config=train_config(case["offload"], critic_stage, world,
-                                                          dtype=dtype))
+                                                          dtype=dtype,
+                                                          scale_power=case["scale_power"]))
     reward, *_ = deepspeed.initialize(
         model=make_critic(), config=eval_config(False, critic_stage if critic_stage == 3 else 0,
                                                 world, dtype))
@@ -570,10 +576,10 @@ def _direct_call_after_no_grad_forward():
 # ----------------------------------------------------------------------------- tests
 
 def _case(actor_stage, critic_stage, hybrid, lora, offload, offload_ref, actor_ckpt,
-          critic_ckpt, dtype="fp32"):
+          critic_ckpt, dtype="fp32", scale_power=None):
     return dict(actor_stage=actor_stage, critic_stage=critic_stage, hybrid=hybrid, lora=lora,
                 offload=offload, offload_ref=offload_ref, actor_ckpt=actor_ckpt,
-                critic_ckpt=critic_ckpt, dtype=dtype)
+                critic_ckpt=critic_ckpt, dtype=dtype, scale_power=scale_power)
 
 
 @pytest.mark.parametrize("case", [
@@ -628,9 +634,14 @@ def _overflow_flags(stage):
 
 
 def test_step3_fp16_reads_the_overflow_flags(world2, tmp_path):
-    """DeepSpeed-Chat's default dtype: autocast over fp32 master weights, close to the fp32
-    oracle; get_overflow() answers (False, False) after each PPO step."""
-    case = _case(3, 2, True, False, False, True, False, False, dtype="fp16")
+    """DeepSpeed-Chat's default dtype, close to the fp32 oracle: the actor at ZeRO-3 (fp32
+    shards, fp16 autocast), the critic (ZeRO-2) and reward (ZeRO-0) engines with fp16 weights
+    (fp32 masters for the critic), whose ``forward_value`` runs in fp16 as under DeepSpeed;
+    get_overflow() answers (False, False) after each PPO step. Their fp16 values make both
+    losses fp16, whose gradient at DeepSpeed's initial scale 2**16 is inf in fp16 (DeepSpeed
+    skips those first steps too; the critic's fp16 backward still overflows at 2**15): the
+    scale starts at 2**12 so that both PPO steps train."""
+    case = _case(3, 2, True, False, False, True, False, False, dtype="fp16", scale_power=12)
     for report in world2.run(_run_step3, case):
         assert report["overflow"] == [(False, False)] * PPO_STEPS, report
         assert report["loss_diff"] < 5e-2 and report["actor_diff"] < 5e-2, report

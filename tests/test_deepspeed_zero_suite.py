@@ -30,6 +30,7 @@ from shardkit import distributed
 from shardkit.config import ConfigError, load_config
 from shardkit.testing import world_fixture
 from tests.utils.compare import max_diff
+from tests.utils.master_weights import masters_of
 
 HIDDEN = 6
 LR = 1e-3
@@ -166,14 +167,20 @@ def _half_precision(stage, dtype, offload):
 
 
 def _poison_one_gradient(engine):
-    """Rank 1 only: one of its local gradients becomes inf (DeepSpeed's test_some_overflow)."""
+    """Rank 1 only: one of the local gradients its step reads becomes inf (DeepSpeed's
+    test_some_overflow). With 16-bit weights at stages 1-2 those are the gradients of the
+    parameters it owns (its fp32 masters'), as DeepSpeed's ZeRO checks its own partition; at
+    stage 1 its gradient of a parameter it does not own reads zero after the reduction to the
+    owner and is never read."""
     if distributed.get_rank() != 1:
         return
+    masters = masters_of(engine)
     for group in engine.optimizer.param_groups:
         for p in group["params"]:
-            if p.grad is not None:
+            if p.grad is not None and (masters is None or masters.holds(p)):
                 p.grad.view(-1)[0] = float("inf")
                 return
+    raise AssertionError("rank 1 holds no gradient its step reads")
 
 
 def _overflow(stage, dtype, check=True, offload=False):

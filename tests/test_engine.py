@@ -19,6 +19,7 @@ from shardkit.models import GPT, Block, GPTConfig, synthetic_batch
 from shardkit.testing import world_fixture
 from shardkit.utils.memory import model_state_bytes
 from tests.utils.compare import max_diff
+from tests.utils.master_weights import fp32_weights, master_dtype
 
 TINY = GPTConfig(vocab_size=64, n_layer=2, n_head=2, d_model=32, seq_len=8)
 # Note: eps 1e-6, not AdamW's 1e-8. The key bias of attention has an exactly-zero true gradient
@@ -212,18 +213,22 @@ def _fp16_dynamic(stage):
             engine.step()
             losses.append(loss.item())
             applied.append(engine.was_step_applied())
-        master_dtype = next(engine.module.parameters()).dtype
+        weight_dtype = next(engine.module.parameters()).dtype
+        stepped_dtype = master_dtype(engine)
     finally:
         log.removeHandler(records)
     return {"losses": losses, "scales": scales, "skipped": engine.skipped_steps,
             "final_scale": engine.loss_scale, "log": records.messages,
-            "master_dtype": str(master_dtype), "applied": applied}
+            "weight_dtype": str(weight_dtype), "master_dtype": str(stepped_dtype),
+            "applied": applied}
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_fp16_dynamic_scaling_skips_then_trains(world2, stage):
     results = world2.run(_fp16_dynamic, stage)
     r0 = results[0]
+    # stages 0-2: fp16 weights, fp32 masters in the optimizer; stage 3: FSDP's fp32 shards
+    assert r0["weight_dtype"] == ("torch.float32" if stage == 3 else "torch.float16")
     assert r0["master_dtype"] == "torch.float32"
     assert len({r["skipped"] for r in results}) == 1  # the skip decision is collective
     # Hysteresis 2: the first overflow keeps 2**32, the second halves it.
@@ -243,7 +248,9 @@ def test_fp16_dynamic_scaling_skips_then_trains(world2, stage):
 def _fp16_one_rank_overflows(stage):
     """fp16 with dynamic loss scaling against one process with torch's GradScaler (hysteresis
     1 = GradScaler's rule, loss_scale_window = growth_interval); rank 1's second micro-batch
-    of step 2 and rank 0's first of step 5 overflow (a huge input), on that rank only."""
+    of step 2 and rank 0's first of step 5 overflow (a huge input), on that rank only. The
+    weights compared are the fp32 ones the optimizer steps (at stage 0 the masters of the fp16
+    weights)."""
     rank, world = distributed.get_rank(), distributed.get_world_size()
     micro, gas, poisoned = 2, 2, {(2, 1, 1), (5, 0, 0)}
 
@@ -266,6 +273,12 @@ def _fp16_one_rank_overflows(stage):
                        "hysteresis": 1}}
     engine, _, _, _ = shardkit.initialize(model=net(), config=config)
     oracle = net()
+    if stage < 3:  # initialize cast the weights to fp16 (DeepSpeed's module.half()) and the
+        # masters start from them: the oracle starts from the same rounded values (from the
+        # fp32 ones, the masters sat 1.2e-4 off from step 0 on)
+        with torch.no_grad():
+            for p in oracle.parameters():
+                p.copy_(p.half().float())
     oracle_opt = torch.optim.SGD(oracle.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
     ours, torchs, diffs = [], [], []
@@ -287,8 +300,7 @@ def _fp16_one_rank_overflows(stage):
             engine.backward(F.mse_loss(out.float(), y[at * micro:(at + 1) * micro]))
             engine.step()
         ours.append(engine.loss_scale)
-        diffs.append(max_diff(_full_params(stage, engine.wrapped, engine.module),
-                              oracle.state_dict()))
+        diffs.append(max_diff(fp32_weights(engine), oracle.state_dict()))  # the fp32 masters
     return {"ours": ours, "torch": torchs, "skipped": engine.skipped_steps,
             "diff": max(diffs)}
 

@@ -36,6 +36,7 @@ import shardkit
 from shardkit import distributed
 from shardkit.nn import model_parallel as mp
 from shardkit.testing import CountedControlGathers, world_fixture
+from tests.utils.master_weights import fp32_weights
 
 world1 = world_fixture(1)
 world2 = world_fixture(2, timeout=120)
@@ -154,9 +155,10 @@ def test_direct_step_with_closure_under_fp16_is_refused(world2):
 
 
 def _direct_steps_on_unreduced_gradients() -> dict:
-    """At stage 0 (torch DDP), fp32: a direct step after a boundary backward inside
-    ``engine.no_sync()``, and one after ``loss.backward()`` of the model called past the
-    engine (``engine.module(x)``: DDP reduced nothing)."""
+    """At stage 0 (torch DDP): under fp16 a direct step after a boundary backward inside
+    ``engine.no_sync()``, and under bf16 one after ``loss.backward()`` of the model called past
+    the engine (``engine.module(x)``: DDP reduced nothing; the model's weights are bf16, so the
+    script feeds it bf16 as it would a DeepSpeed engine's bf16 module)."""
     out = {}
     engine = _engine(0, "fp16", 0.0)
     before = [v.clone() for v in engine.module_state_dict().values()]
@@ -170,9 +172,10 @@ def _direct_steps_on_unreduced_gradients() -> dict:
     out["no_sync_unchanged"] = all(
         torch.equal(a, b) for a, b in zip(before, engine.module_state_dict().values()))
     engine = _engine(0, "bf16", 0.0)
-    engine.module(_batch(0)).float().pow(2).mean().backward()
+    engine.module(_batch(0).to(torch.bfloat16)).float().pow(2).mean().backward()
     engine.optimizer.step()
     out["raw_model_weights"] = [v.clone() for v in engine.module_state_dict().values()]
+    out["raw_model_masters"] = list(fp32_weights(engine).values())
     return out
 
 
@@ -184,8 +187,9 @@ def test_direct_step_refuses_or_averages_unreduced_gradients(world2):
             "engine.optimizer.step(): the accumulation boundary's engine.backward(loss) ran "
             "inside engine.no_sync()"), out["no_sync"]
         assert out["no_sync_unchanged"]
-    for a, b in zip(outs[0]["raw_model_weights"], outs[1]["raw_model_weights"]):
-        assert torch.equal(a, b)  # averaged as engine.step() does
+    for key in ("raw_model_weights", "raw_model_masters"):  # bf16 weights, fp32 masters
+        for a, b in zip(outs[0][key], outs[1][key]):
+            assert torch.equal(a, b), key  # averaged as engine.step() does
 
 
 _STEPS_rev = 2

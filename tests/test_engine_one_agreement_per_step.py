@@ -35,6 +35,7 @@ import torch.nn as nn
 import shardkit
 from shardkit import distributed
 from shardkit.testing import CountedControlGathers, run_in_world, world_fixture
+from tests.utils.master_weights import fp32_weights
 
 world2 = world_fixture(2, timeout=120)
 
@@ -69,7 +70,8 @@ def _loss(output: torch.Tensor) -> torch.Tensor:
 
 def _reference_step(model, optimizer, batches, scale: float, clip: float):
     """One process over every rank's micro-batch: the mean of the ranks' losses, scaled by
-    the engine's loss scale, skipped on inf/nan, unscaled, clipped, stepped. Returns
+    the engine's loss scale, skipped on inf/nan, unscaled, clipped, stepped, on fp32 weights
+    and gradients (the engine's fp32 masters are compared with them). Returns
     ``(overflowed, norm)``."""
     optimizer.zero_grad(set_to_none=True)
     losses = []
@@ -91,6 +93,9 @@ def _reference_step(model, optimizer, batches, scale: float, clip: float):
 def _train_counting_gathers(stage: int, clip: float) -> dict:
     engine = _engine(stage, clip)
     reference = _model()
+    with torch.no_grad():  # the masters start from the weights initialize cast to fp16
+        for p in reference.parameters():
+            p.copy_(p.half().float())
     ref_optimizer = torch.optim.Adam(reference.parameters(), lr=0.01)
     world, rank = distributed.get_world_size(), distributed.get_rank()
     gathers, mismatches = [], []
@@ -104,11 +109,15 @@ def _train_counting_gathers(stage: int, clip: float) -> dict:
             reference, ref_optimizer, [_micro_batch(step, r) for r in range(world)], scale, clip)
         if engine.was_step_applied() == overflowed:
             mismatches.append((step, "skip"))
+        # the engine's gradients are fp16, reduced in fp16, the reference's fp32: measured
+        # worst 1.9e-4 relative on the norm and 2.3e-5 on the weights past rtol (world of 4;
+        # of 2: 8.8e-5, 1.0e-5); 1e-7 and 0 with the reference's gradients rounded to fp16
         if norm is not None and not torch.allclose(torch.tensor(engine.get_global_grad_norm()),
-                                                   norm, rtol=1e-5):
+                                                   norm, rtol=4e-4):
             mismatches.append((step, "norm", engine.get_global_grad_norm(), float(norm)))
-        if not all(torch.allclose(a, b, rtol=1e-5, atol=1e-7)
-                   for a, b in zip(engine.module.parameters(), reference.parameters())):
+        masters = fp32_weights(engine)  # collective at stages 1-2: every rank, every step
+        if not all(torch.allclose(a, b, rtol=1e-5, atol=5e-5)
+                   for a, b in zip(masters.values(), reference.parameters())):
             mismatches.append((step, "params"))
     return {"gathers": gathers, "mismatches": mismatches, "skipped": engine.skipped_steps}
 

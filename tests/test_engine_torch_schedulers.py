@@ -14,6 +14,7 @@ import shardkit
 from shardkit import distributed
 from shardkit.config import ConfigError, load_config
 from shardkit.testing import world_fixture
+from tests.utils.master_weights import masters_of
 
 world2 = world_fixture(2)
 
@@ -189,7 +190,16 @@ def _own_loss_scale_kept():
             model=model, optimizer=_AdamWithOwnLossScale(model.parameters(), lr=0.01),
             config=config)
         _train(engine, 1)
-        seen.append((optimizer.loss_scale, optimizer.cur_scale(), engine.loss_scale))
+        # stage 0 steps the fp16 weights through fp32 masters: the optimizer returned is a
+        # MasterWeights over the script's class (DeepSpeed's FP16_Optimizer wraps the script's
+        # optimizer likewise) and carries the engine's loss scale; its inner optimizer, of the
+        # script's class, keeps its own loss_scale and cur_scale()
+        wrapper = masters_of(engine)
+        own = wrapper.inner if wrapper is not None else optimizer
+        published = None if wrapper is None else (optimizer is wrapper, optimizer.loss_scale,
+                                                  optimizer.cur_scale)
+        seen.append((type(own).__name__, own.loss_scale, own.cur_scale(), published,
+                     engine.loss_scale))
     return seen
 
 
@@ -197,7 +207,9 @@ def test_optimizer_defining_its_own_loss_scale_keeps_it(world2):
     # setting optimizer.loss_scale raised "property 'loss_scale' ... has no setter" in
     # initialize at stages 0 and 3 (after the wrappers' collectives), and a float shadowed the
     # optimizer's cur_scale() method
-    assert world2.run(_own_loss_scale_kept)[0] == [(42.0, "own", 256.0)] * 2
+    stage_0, stage_3 = world2.run(_own_loss_scale_kept)[0]
+    assert stage_0 == ("_AdamWithOwnLossScale", 42.0, "own", (True, 256.0, 256.0), 256.0)
+    assert stage_3 == ("_AdamWithOwnLossScale", 42.0, "own", None, 256.0)
 
 
 def _momentum_after_scheduler_only_load(tmp: str, name: str, params: dict) -> tuple:

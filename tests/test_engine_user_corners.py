@@ -17,6 +17,7 @@ import shardkit
 from shardkit import distributed
 from shardkit.config import ConfigError, load_config
 from shardkit.testing import world_fixture
+from tests.utils.master_weights import fp32_weights, master_dtype
 
 world2 = world_fixture(2)
 
@@ -264,7 +265,9 @@ def test_collate_fn_module_and_iterable_dataset_with_sampler(world2):
 def _sixteen_bit_model(stage: int, precision: str, how: str):
     """A model handed over in fp16/bf16 (``from_pretrained(torch_dtype=...)``) trained with
     that precision: against one process stepping fp32 master weights under autocast, the way
-    DeepSpeed trains it. Returns the largest difference and the parameters' dtypes."""
+    DeepSpeed trains it. Returns the largest difference of the engine's fp32 weights (the
+    optimizer's masters at stages 0-2, FSDP's shards at stage 3), the parameters' dtypes and
+    the dtype the optimizer steps."""
     rank, world = distributed.get_rank(), distributed.get_world_size()
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     reference = _model()
@@ -293,23 +296,27 @@ def _sixteen_bit_model(stage: int, precision: str, how: str):
             p.grad /= scale
         oracle.step()
         oracle.zero_grad()
-    full = engine.module_state_dict()
-    diff = max((full[k].float() - v).abs().max().item() for k, v in reference.state_dict().items())
-    return diff, sorted({str(p.dtype) for p in model.parameters()}), engine.skipped_steps
+    full = fp32_weights(engine)
+    diff = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    return diff, sorted({str(p.dtype) for p in model.parameters()}), \
+        str(master_dtype(engine)), engine.skipped_steps
 
 
 def _frozen_16_bit_base(stage: int):
     """A LoRA-style model: a frozen bf16 body, a trainable bf16 head. Only the head (what the
-    optimizer steps) becomes fp32; the frozen body keeps its 16-bit memory, as in DeepSpeed."""
+    optimizer steps) gets fp32 weights: at stages 0-2 the optimizer's fp32 masters of the bf16
+    head, at stage 3 the head itself becomes fp32; the frozen body keeps its 16-bit memory, as
+    in DeepSpeed. Returns the body's and the head's dtypes and the dtype the optimizer steps."""
     model = _model().to(torch.bfloat16)
     for p in model[:4].parameters():
         p.requires_grad_(False)
-    shardkit.initialize(model=model, model_parameters=list(model[4].parameters()),
-                        config={"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
-                                "zero_optimization": {"stage": stage}, "steps_per_print": 1000,
-                                "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}})
+    engine, *_ = shardkit.initialize(
+        model=model, model_parameters=list(model[4].parameters()),
+        config={"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                "zero_optimization": {"stage": stage}, "steps_per_print": 1000,
+                "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}})
     return sorted({str(p.dtype) for p in model[:4].parameters()}), \
-        sorted({str(p.dtype) for p in model[4].parameters()})
+        sorted({str(p.dtype) for p in model[4].parameters()}), str(master_dtype(engine))
 
 
 def _frozen_and_trained_in_one_unit(stage: int, adapters_fp32: bool = False):
@@ -341,22 +348,33 @@ def test_a_frozen_16_bit_body_stays_16_bit(world2):
     # at stage 3 too while the frozen weights have units of their own; only a unit that
     # mixes them with fp32 ones (an FSDP unit holds one dtype) makes them fp32
     for stage in (0, 3):
-        for frozen, trained in world2.run(_frozen_16_bit_base, stage):
-            assert frozen == ["torch.bfloat16"] and trained == ["torch.float32"], stage
+        for frozen, trained, stepped in world2.run(_frozen_16_bit_base, stage):
+            # the head: bf16 weights with fp32 masters at stages 0-2, fp32 itself at stage 3
+            head = "torch.float32" if stage == 3 else "torch.bfloat16"
+            assert frozen == ["torch.bfloat16"] and trained == [head], (stage, trained)
+            assert stepped == "torch.float32", (stage, stepped)
     for dtypes, moved in world2.run(_frozen_and_trained_in_one_unit, 3):
         assert dtypes == ["torch.float32"] and moved == ["0.bias", "2.bias", "4.bias"], moved
     for dtypes, moved in world2.run(_frozen_and_trained_in_one_unit, 3, adapters_fp32=True):
         assert dtypes == ["torch.float32"] and moved == ["0.bias", "2.bias", "4.bias"], moved
 
 
+_HALF_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
 def test_a_16_bit_model_trains_on_fp32_master_weights(world2):
     # the 16-bit weights were stepped in place: bf16 lost the lr-1e-4 updates (3.0e-4 off
     # after 3 steps), fp16 Adam's eps underflowed and the weights became inf (the next steps
-    # skipped); now 9e-7 (bf16: the ranks' halves of the batch round apart)
+    # skipped); now 9e-7 (bf16: the ranks' halves of the batch round apart). At stages 0-2
+    # the weights stay 16-bit and the optimizer's fp32 masters are compared; at stage 3 FSDP's
+    # fp32 shards are the masters
     for stage, precision, how in ((0, "bf16", "object"), (3, "bf16", "config"),
                                   (2, "fp16", "config"), (1, "fp16", "object")):
-        for diff, dtypes, skipped in world2.run(_sixteen_bit_model, stage, precision, how):
-            assert dtypes == ["torch.float32"] and skipped == 0, (stage, precision, dtypes)
+        for diff, dtypes, stepped, skipped in world2.run(_sixteen_bit_model, stage, precision,
+                                                         how):
+            weights = "torch.float32" if stage == 3 else f"torch.{_HALF_NAMES[precision]}"
+            assert dtypes == [weights] and stepped == "torch.float32" and skipped == 0, \
+                (stage, precision, dtypes, stepped)
             assert diff < 1e-5, (stage, precision, how, diff)
 
 

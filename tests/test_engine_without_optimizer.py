@@ -6,7 +6,8 @@ the plain model's (rank 0's weights: rank 1 starts from other ones) through ``en
 ``engine.module(x)``, ``eval()``/``train()`` and ``torch.no_grad()``, and Hugging Face's
 ``generate()`` through a stage-3 engine equals the plain model's. Stage 3 holds ``4Ψ/N`` bytes
 of parameters per rank (storages measured), no gradients, no optimizer state; stages 0-2 hold
-the whole model. ``backward``/``step`` raise on every rank before any collective; a config
+the whole model (``4Ψ``; under bf16 its weights are cast to bf16, ``2Ψ``, as DeepSpeed halves
+the module). ``backward``/``step`` raise on every rank before any collective; a config
 ``scheduler`` without an optimizer is a ConfigError. ``module_state_dict``,
 ``save_16bit_model``, ``save_checkpoint``/``load_checkpoint`` round-trip (and a training
 engine's checkpoint gives a reference engine its weights). DeepSpeed-Chat's ``moving_average``
@@ -114,8 +115,10 @@ def _forward_parity(stage, dtype):
     if stage == 3:  # every parameter's rows, padded to a multiple of N on dim 0
         out["expected_params"] = sum(
             -(-p.shape[0] // world) * (p.numel() // p.shape[0]) * 4 for p in oracle.parameters())
-    else:
-        out["expected_params"] = sum(p.numel() * 4 for p in oracle.parameters())
+    else:  # the whole model: fp32, or cast to bf16 (2Ψ) as DeepSpeed halves the module
+        width = 4 if dtype == "fp32" else 2
+        out["expected_params"] = sum(p.numel() * width for p in oracle.parameters())
+    out["weight_dtypes"] = sorted({str(p.dtype) for p in engine.module.parameters()})
     out["psi_bytes"] = sum(p.numel() * 4 for p in oracle.parameters())
     return out
 
@@ -299,6 +302,10 @@ def test_forward_equals_the_plain_model(world2, stage, dtype):
         memory = r["memory"]
         assert memory["grads"] == 0 and memory["optimizer"] == 0, memory
         assert memory["params"] == r["expected_params"], (memory, r["expected_params"])
+        # stages 0-2 cast the weights to bf16; stage 3 keeps fp32 shards (16-bit compute)
+        bf16_weights = dtype == "bf16" and stage < 3
+        assert r["weight_dtypes"] == ["torch.bfloat16" if bf16_weights else "torch.float32"], \
+            r["weight_dtypes"]
         if stage == 3:  # 4Ψ/N, up to the padding of each parameter to N rows
             assert memory["params"] < r["psi_bytes"] * 0.6, (memory, r["psi_bytes"])
 

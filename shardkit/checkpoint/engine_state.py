@@ -44,6 +44,7 @@ from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard,
 from shardkit.nn.model_parallel.random import get_model_parallel_rng_tracker
 from shardkit.optim.local_step import without_fused_choice
 from shardkit.optim.lr_scheduler import loads_position_only
+from shardkit.optim.master_weights import MASTER_WEIGHT_KEY, MasterWeights
 from shardkit.optim.partition import ParameterPartition
 
 __all__ = ["save_engine_checkpoint", "load_engine_checkpoint", "rng_state", "set_rng_state"]
@@ -199,8 +200,12 @@ def _tied_state_names(engine, excluded: frozenset) -> dict:
 
 
 def _inner_optimizer_class(engine):
+    """The optimizer instance whose class a checkpoint names: OSS's local one, and the one a
+    :class:`~shardkit.optim.MasterWeights` steps the masters with (fp16/bf16 at stages 0-2),
+    so that a checkpoint loads across precisions as across stages."""
     inner = getattr(engine.optimizer, "optim", None)
-    return inner if isinstance(inner, torch.optim.Optimizer) else engine.optimizer
+    inner = inner if isinstance(inner, torch.optim.Optimizer) else engine.optimizer
+    return inner.inner if isinstance(inner, MasterWeights) else inner
 
 
 def _owner_of(engine):
@@ -215,10 +220,46 @@ def _owner_of(engine):
 
 
 def _local_optimizer_state(engine, param) -> Optional[dict]:
-    """The optimizer state of ``param`` held on this rank (OSS: its local optimizer)."""
+    """The optimizer state of ``param`` held on this rank (OSS: its local optimizer), without
+    a :class:`~shardkit.optim.MasterWeights` master (written as the parameter's value)."""
     inner = getattr(engine.optimizer, "optim", None)
     source = inner if isinstance(inner, torch.optim.Optimizer) else engine.optimizer
-    return source.state.get(param)
+    state = source.state.get(param)
+    if state and isinstance(source, MasterWeights):
+        state = {k: v for k, v in state.items() if k != MASTER_WEIGHT_KEY}
+    return state or None
+
+
+def _master_weights(engine) -> Optional[MasterWeights]:
+    """Stages 0-2 with fp16/bf16: the optimizer keeping fp32 masters of the 16-bit weights
+    (at stages 1-2 OSS's local one); ``None`` elsewhere."""
+    for candidate in (engine.optimizer, getattr(engine.optimizer, "optim", None)):
+        if isinstance(candidate, MasterWeights):
+            return candidate
+    return None
+
+
+def _saved_value(engine, param) -> torch.Tensor:
+    """What a checkpoint stores for ``param``: its fp32 value (the fp32 master of a 16-bit
+    weight where the owner keeps one, so that fp16/bf16 checkpoints hold the exact fp32
+    weights DeepSpeed's masters hold), as a CPU copy."""
+    masters = _master_weights(engine)
+    if masters is not None and masters.holds(param):
+        param = masters.master_weight_of(param)
+    return param.detach().to("cpu", torch.float32, copy=True)
+
+
+def _load_master_weights(engine, weights: dict) -> None:
+    """Stages 0-2 with fp16/bf16: each fp32 master this rank keeps set to the checkpoint's
+    fp32 value of its parameter (the 16-bit weight just loaded is that value rounded; the
+    master taken from it, or from an optimizer state that carries none, would have lost the
+    low bits). Local."""
+    masters = _master_weights(engine)
+    if masters is None:
+        return
+    for name, param in engine.module.named_parameters():
+        if name in weights and masters.holds(param):
+            masters.set_master_weight(param, weights[name].to(param.device))
 
 
 def _replicated_param_shard(engine):
@@ -229,7 +270,7 @@ def _replicated_param_shard(engine):
     for name, p in engine.module.named_parameters():
         if owner(p) != rank:
             continue
-        shard.params[name] = p.detach().to("cpu", torch.float32, copy=True)
+        shard.params[name] = _saved_value(engine, p)
         state = _local_optimizer_state(engine, p)
         if state:
             shard.optim[name] = {k: _cpu(v) for k, v in state.items()}
@@ -314,9 +355,11 @@ def load_engine_checkpoint(engine, load_dir: str, tag: Optional[str],
     if ckpt is None:
         logger.warning("load_checkpoint: no 'latest' file in %s; nothing loaded", load_dir)
         return None, None
-    _load_model(engine, _with_excluded_kept(engine, ckpt))
+    weights = _with_excluded_kept(engine, ckpt)
+    _load_model(engine, weights)
     if load_optimizer_states:
         _load_optimizer(engine, ckpt.optim, ckpt.engine["param_groups"])
+    _load_master_weights(engine, weights)
     if load_lr_scheduler_states and engine.lr_scheduler is not None \
             and ckpt.engine["scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(ckpt.engine["scheduler"])

@@ -16,10 +16,13 @@ stage  full fp32 value                      full gradient                    opt
 3      FSDP rows: one all-gather            rows: one all-gather             rows: one all-gather
 ====== ==================================== ================================ ====================
 
-Full values are returned as new fp32 tensors shaped like the original parameter (on the
-parameter's compute device); the ``set`` functions take the same full value on every rank and
-keep each rank's part (no communication). The ``*_local_*`` functions read or write this rank's
-FSDP row block (shape ``(ceil(rows / N), ...)``, zero padded; stage 3 only, as in DeepSpeed).
+With fp16/bf16 at stages 0-2 the model's weights are 16-bit and a parameter's full fp32
+value is its master weight: at stage 0 on every rank, at stages 1-2 kept by its OSS owner (a
+broadcast of ``Ψ_p`` fp32 elements from it). Full values are returned as new fp32 tensors
+shaped like the original parameter (on the parameter's compute device); the ``set`` functions
+take the same full value on every rank and keep each rank's part (no communication). The
+``*_local_*`` functions read or write this rank's FSDP row block (shape
+``(ceil(rows / N), ...)``, zero padded; stage 3 only, as in DeepSpeed).
 
 Collectives: whenever a function communicates, every rank of the data-parallel group must call
 it for the same parameter (as DeepSpeed requires). Argument errors (a tensor that is no engine's
@@ -332,7 +335,8 @@ def _oss_state(loc: ParamLocation) -> Optional[dict]:
 def _elementwise(state: Optional[dict], key: str, shape) -> tuple:
     """``(verdict, tensor)`` for ``state[key]``: absent without state, unknown key when the
     state has no tensor of the parameter's (or shard's) shape under ``key``."""
-    if not state:
+    from shardkit.optim.master_weights import MASTER_WEIGHT_KEY
+    if not state or list(state) == [MASTER_WEIGHT_KEY]:  # a master alone: no step taken yet
         return _ABSENT, None
     value = state.get(key)
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
@@ -356,24 +360,56 @@ def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     """The full fp32 value of ``param`` (a new tensor of its original shape).
 
     Stages 0-2 hold every parameter whole on every rank: a local fp32 copy (``Ψ_p`` elements,
-    no communication). Stage 3 (and a hand-wrapped FSDP model): one all-gather of the
-    parameter's row blocks over the unit's shard group (``N x ceil(rows/N) x cols`` fp32
-    elements, padding included, ``(N-1)/N`` of them on the wire; memory about ``2Ψ_p`` while
-    joining); every rank must call it. Inside :class:`~shardkit.zero.GatheredParameters` it
+    no communication; with fp16/bf16 the fp32 master weight); with fp16/bf16 at stages 1-2 the
+    master lives on the OSS owner only, which broadcasts it (``Ψ_p`` fp32 elements; every rank
+    must call it). Stage 3
+    (and a hand-wrapped FSDP model): one all-gather of the parameter's row blocks over the
+    unit's shard group (``N x ceil(rows/N) x cols`` fp32 elements, padding included,
+    ``(N-1)/N`` of them on the wire; memory about ``2Ψ_p`` while joining); every rank must
+    call it. Inside :class:`~shardkit.zero.GatheredParameters` it
     gives the stored value (edits made in the block are not in it until the block ends)."""
     loc = locate_parameter(param, "safe_get_full_fp32_param")
+    masters = _master_weights(loc)
+    if masters is not None and loc.oss is None:  # stage 0: every rank holds every master
+        return masters.master_weight_of(param).detach().float().clone()
+    if masters is not None:  # the fp32 master lives on the owner
+        return _from_owner(loc, masters.master_weight_of(param) if loc.is_owner else None)
     if loc.unit is None:
         return param.detach().float().clone()
     return _gather_rows(loc, _stored_rows(loc))
 
 
+def _master_weights(loc: ParamLocation):
+    """Stages 0-2 with fp32 master weights of a 16-bit model: the
+    :class:`~shardkit.optim.MasterWeights` holding ``loc.param``'s master (at stages 1-2 the
+    OSS local optimizer, on the owner), or ``None`` (the parameter itself is the fp32 value:
+    fp32 training, a frozen parameter, stage 3). Local."""
+    from shardkit.optim.master_weights import HALF_DTYPES, MasterWeights
+    if loc.unit is not None or loc.param.dtype not in HALF_DTYPES:
+        return None
+    oss = loc.oss
+    if oss is not None:
+        local = oss.optim
+        held = loc.param in oss.param_to_rank
+    else:
+        local = loc.optimizer
+        held = isinstance(local, MasterWeights) and local.holds(loc.param)
+    return local if isinstance(local, MasterWeights) and held else None
+
+
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Set the full fp32 value of ``param`` to ``value`` (the same full tensor on every rank,
-    of the parameter's original shape). Each rank keeps what it holds (stage 3: its rows);
+    of the parameter's original shape). Each rank keeps what it holds (stage 3: its rows;
+    fp16/bf16 at stages 0-2: the parameter rounded, and the fp32 master where it is kept);
     no communication, no memory beyond one row block."""
     what = "safe_set_full_fp32_param"
     loc = locate_parameter(param, what)
     _check_value(value, _full_shape(loc), what)
+    masters = _master_weights(loc)
+    if masters is not None and (loc.oss is None or loc.is_owner):  # the master too: the next
+        # step starts from it
+        masters.set_master_weight(param, value.detach().to(param.device))
+        return
     if loc.unit is None:
         with torch.no_grad():
             param.data.copy_(value.detach().to(param.device, param.dtype))

@@ -19,7 +19,9 @@ from shardkit.nn.data_parallel.fsdp_state_dict_type import (FullOptimStateDictCo
                                                             FullStateDictConfig, StateDictType)
 from shardkit.optim import OSS
 from shardkit.testing import world_fixture
+from shardkit.utils import safe_set_full_fp32_param
 from tests.utils.compare import max_diff
+from tests.utils.master_weights import fp32_weights
 
 GLOBAL_BATCH, STEPS_BEFORE, STEPS_AFTER = 8, 2, 2
 # fp32 on CPU: the loaded run and the uninterrupted one reduce the same numbers in the same
@@ -298,7 +300,9 @@ def test_full_checkpoints_move_between_wrappers_and_world_sizes(
 # ------------------------------------------------------ the engine, every stage
 
 
-def _engine(stage, seed):
+def _engine(stage, seed, rounded=False):
+    """``rounded``: the model's weights rounded to fp16 first (those a checkpoint saved at
+    stages 0-2 holds: 16-bit weights, fp32 masters taken from them)."""
     config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": 2,
               "steps_per_print": 10000, "zero_optimization": {"stage": stage},
               "fp16": {"enabled": True, "initial_scale_power": 18, "hysteresis": 1,
@@ -308,6 +312,10 @@ def _engine(stage, seed):
                                                            "warmup_num_steps": 5,
                                                            "warmup_type": "linear"}}}
     model = Net(seed)
+    if rounded:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.half().float())
     engine, *_ = shardkit.initialize(model=model, model_parameters=_param_groups(model),
                                      config=config)
     return engine
@@ -322,20 +330,32 @@ def _engine_steps(engine, first, steps):
         for xb, yb in zip(x[mine].split(2), y[mine].split(2)):
             engine.backward(F.mse_loss(engine(xb).float(), yb))
             engine.step()
-        module = engine.wrapped if engine.zero_stage == 3 else engine.module
-        history.append({"state": {k: v.detach().float().clone()
-                                  for k, v in module.state_dict().items()},
+        if engine.zero_stage == 3:
+            state = engine.wrapped.state_dict()
+        else:  # 16-bit weights: the fp32 masters are the weights trained
+            state = {**engine.module.state_dict(), **fp32_weights(engine)}
+        history.append({"state": {k: v.detach().float().clone() for k, v in state.items()},
                         "counters": (engine.global_steps, engine.skipped_steps,
                                      engine.loss_scale, engine.get_lr())})
     return history
 
 
-def _engine_save(save_dir, stage):
-    engine = _engine(stage, 0)
-    _engine_steps(engine, 0, STEPS_BEFORE)
+def _engine_save(save_dir, stage, before=False, start_as=None):
+    """The steps after the save (``before``: the steps before it, and those after).
+    ``start_as``: the stage whose initial weights to start from (the model's fp32 ones at
+    stage 3; at stages 0-2, where ``initialize`` takes the fp32 masters from the 16-bit
+    weights as DeepSpeed does, those rounded to fp16)."""
+    start_as = stage if start_as is None else start_as
+    engine = _engine(stage, 0, rounded=start_as < 3)
+    if start_as == 3 and stage < 3:  # the fp32 masters set to the exact fp32 weights
+        for param, value in zip(engine.module.parameters(), Net(0).parameters()):
+            if param.requires_grad:
+                safe_set_full_fp32_param(param, value.detach())
+    history = _engine_steps(engine, 0, STEPS_BEFORE)
     engine.save_checkpoint(save_dir, async_save=True)
     engine.wait_for_checkpoint()
-    return _engine_steps(engine, STEPS_BEFORE, STEPS_AFTER)
+    after = _engine_steps(engine, STEPS_BEFORE, STEPS_AFTER)
+    return (history, after) if before else after
 
 
 def _engine_load(save_dir, stage):
@@ -347,14 +367,22 @@ def _engine_load(save_dir, stage):
 def test_fp16_engine_resumes_its_skips_scale_and_schedule_at_another_stage(
         world2, world4, tmp_path):
     # initial scale 2**18 overflows fp16 here: steps are skipped and the scale halves before
-    # the save, and not after; the resumed run must skip, scale and schedule as the
-    # uninterrupted one does. Same world size: the overflow depends on the accumulation steps
-    # (the loss is divided by them before it is scaled), which the world size changes.
+    # the save (every step before it: the weights saved are the initial ones), alike at the
+    # saving and the loading stage. After it the gradients' precision decides the overflows:
+    # 16-bit at stages 0-2 (16-bit weights), fp32 at stage 3, so the resumed run must skip,
+    # scale, schedule and train exactly as the uninterrupted run at the loading stage does
+    # from the same fp32 weights. Same world size: the overflow depends on the accumulation
+    # steps (the loss is divided by them before it is scaled), which the world size changes.
     for world, s, t in ((world2, 3, 1), (world4, 2, 3)):
         save_dir = str(tmp_path / f"s{s}")
-        reference = world.run(_engine_save, save_dir, s)[0]
-        skipped = [step["counters"][1] for step in reference]
-        assert 0 < skipped[0] == skipped[-1] < reference[-1]["counters"][0], skipped
+        saved_before, saved_after = world.run(_engine_save, save_dir, s, True)[0]
+        before, reference = world.run(_engine_save, str(tmp_path / f"t{t}"), t, True, s)[0]
+        assert [b["counters"] for b in saved_before] == [b["counters"] for b in before]
+        assert all(b["counters"][1] == b["counters"][0] for b in before), before
+        for run in (saved_after, reference):
+            skipped = [step["counters"][1] for step in run]
+            assert 0 < before[-1]["counters"][1] <= skipped[0], skipped
+            assert skipped[-1] < run[-1]["counters"][0], skipped
         for r in world.run(_engine_load, save_dir, t):
             for got, want in zip(r, reference):
                 assert got["counters"] == want["counters"], (s, t)

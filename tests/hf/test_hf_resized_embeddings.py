@@ -19,6 +19,7 @@ from shardkit.nn import ShardedDataParallel
 from shardkit.optim import OSS
 from shardkit.testing import world_fixture
 from tests.hf.hf_common import SEQ, VOCAB, build
+from tests.utils.master_weights import fp32_weights, master_dtype
 
 world2 = world_fixture(2)
 ROWS, LR, NEW_VOCAB = 2, 1e-2, 70
@@ -270,16 +271,26 @@ def _engine_16bit(precision):
                 engine.step()
             assert engine.was_step_applied()
             norms.append(float(engine.get_global_grad_norm()))
-        full = engine.wrapped.state_dict() if stage == 3 else engine.module.state_dict()
+        if stage == 3:
+            full = engine.wrapped.state_dict()
+        else:  # 16-bit weights: the fp32 masters are the weights trained (buffers as kept)
+            weights = {p.dtype for p in engine.module.parameters()}
+            assert weights == {torch.bfloat16 if precision == "bf16" else torch.float16}, weights
+            assert master_dtype(engine) == torch.float32, master_dtype(engine)
+            full = {**engine.module.state_dict(), **fp32_weights(engine)}
         out[stage] = ({k: v.float() for k, v in full.items()}, norms)
     return out
 
 
 def test_16bit_engine_with_accumulation_and_clipping_tracks_fp32_training(world2):
     """bf16 and fp16 (loss scaling): the stages agree with each other (the same forward;
-    only the order in which the 16-bit gradients are summed differs) and stay within a few
-    percent of fp32 one-process training (the weights move by about 3e-2; 16-bit forward
-    rounding moves them by about 1e-3 in bf16)."""
+    stages 0-2 keep 16-bit weights and gradients with fp32 masters, stage 3 fp32 shards and
+    gradients) and their fp32 weights stay within a few percent of fp32 one-process training
+    (the weights move by about 3e-2; 16-bit forward rounding moves them by about 1e-3 in
+    bf16)."""
+    # stage 3 against stage 0: stages 0-2 accumulate and average the gradients in 16 bits,
+    # stage 3 in fp32; measured 1.2e-3 (bf16) and 1.1e-4 (fp16)
+    stage3_between = {"bf16": 2.5e-3, "fp16": 2.5e-4}
     for precision, tol in (("bf16", 3e-3), ("fp16", 5e-4)):
         for per_rank in world2.run(_engine_16bit, precision):
             want, want_norms = per_rank["oracle"]
@@ -290,8 +301,9 @@ def test_16bit_engine_with_accumulation_and_clipping_tracks_fp32_training(world2
                 state, norms = per_rank[stage]
                 assert set(state) == set(want)
                 between = max(float((state[k] - stage0[k]).abs().max()) for k in want)
-                assert between < 1e-4, (precision, stage, between)
                 off = max(float((state[k] - want[k]).abs().max()) for k in want)
+                bound = 1e-4 if stage < 3 else stage3_between[precision]
+                assert between < bound, (precision, stage, between)
                 assert off < tol < moved / 5, (precision, stage, off, moved)
                 assert norms == pytest.approx(norms0, rel=1e-3)
                 assert norms == pytest.approx(want_norms, rel=2e-2), (norms, want_norms)

@@ -14,7 +14,7 @@ clips each tensor-parallel rank differently.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -53,13 +53,22 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,
     the pipeline group when there are several stages, one over ``data_parallel_group`` when
     given. Memory: one scalar per gradient.
     """
+    return clip_grads_of(parameters, lambda p: p.grad, max_norm, norm_type,
+                         data_parallel_group=data_parallel_group)
+
+
+def clip_grads_of(parameters: Iterable[torch.Tensor], grad_of: Callable, max_norm: float,
+                  norm_type: float = 2.0, *, data_parallel_group=None) -> torch.Tensor:
+    """:func:`clip_grad_norm` over the gradients ``grad_of(p)`` stands for (``None``: none),
+    read in place of ``p.grad``: the fp32 gradients of 16-bit parameters' master weights
+    (:class:`shardkit.optim.MasterWeights`), which the step reads. Same communication."""
     max_norm, norm_type = check_clip_arguments("clip_grad_norm", max_norm, norm_type)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     groups = groups_of(params, "clip_grad_norm")
-    with_grad = [p for p in params if p.grad is not None]
+    with_grad = [p for p in params if grad_of(p) is not None]
     # a pipeline's later copy of a tied weight (``shared``, as Megatron marks it) counts not
     # at all: the earlier stage counts it
-    measured = [p.grad for p in counted_on_tensor_rank(with_grad, groups.tensor_rank)
+    measured = [grad_of(p) for p in counted_on_tensor_rank(with_grad, groups.tensor_rank)
                 if not getattr(p, "shared", False)]
     also_over = [groups.pipeline] if len(groups.pipeline_ranks) > 1 else []
     if data_parallel_group is not None:
@@ -68,5 +77,5 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,
                              f"{distributed.get_rank()} is not in the group; pass the group "
                              f"ShardedDataParallel / FSDP run over on this rank")
         also_over.append(data_parallel_group)
-    return clip_grad_norm_across_ranks([p.grad for p in with_grad], max_norm, norm_type,
+    return clip_grad_norm_across_ranks([grad_of(p) for p in with_grad], max_norm, norm_type,
                                        groups.tensor, measured=measured, also_over=also_over)
