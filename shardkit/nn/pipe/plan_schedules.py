@@ -206,7 +206,12 @@ class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses
     of those units (and of its inputs) that backward runs through with its replicas (one
     all-reduce of ``units + MAX_TENSORS + 1`` elements per micro-batch over those units'
     group): replicas that differ on a unit would gather it on one side only, so the step
-    fails on every rank instead.
+    fails on every rank instead. A ShardedDataParallel (training steps) or FSDP stage module
+    with replicas in other pipelines shares with them, before each of the stage's actions (F,
+    B, BW, W), whether its pipeline's step has failed so far and whether the module is in
+    ``train()`` mode: one all-reduce of two elements per replica group and action (``2m`` for
+    a 1F1B stage, ``3m`` under ZB-H1, with ``m`` micro-batches); nothing where no stage module
+    communicates over replicas.
 
     .. warning:: :meth:`step` must be called on every rank of the pipeline group. The first step
        exchanges a description of the step so a mismatch raises the same error everywhere; on
@@ -222,11 +227,21 @@ class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses
        elements per replica group and one of two over the pipeline group, beside the first
        step's checks, which share them too), so every pipeline raises; under FSDP so does a
        step that one pipeline runs as eval and another as a training step. What fails only
-       during the step (a forward or ``loss_fn`` raising) still leaves the other pipelines
-       waiting in those collectives, and so does eval on one pipeline while the others call
-       nothing or, under ShardedDDP (whose eval joins no collective, so that one pipeline
-       may evaluate alone), train: give every pipeline usable batches and call
-       :meth:`step` / :meth:`eval` on all of them alike.
+       during the step (a forward or ``loss_fn`` raising on one pipeline) is shared before
+       the stage's next action (see above): every replica stops that stage's collectives at
+       the same action and every rank of every pipeline raises, naming the replica and what
+       it raised; so do replicas whose stage modules are in different ``train()`` /
+       ``eval()`` modes (ShardedDDP's training forward communicates, its eval forward does
+       not). Still left waiting, until the process group's timeout (as for a peer that
+       died): the replicas of a stage whose forward raised between two of its own
+       collectives (an FSDP stage holding nested units, failing after the first gathered),
+       or whose backward raised (it propagates at once), and eval on one pipeline while the
+       others call nothing or, under ShardedDDP (whose eval joins no collective, so that one
+       pipeline may evaluate alone), train: call :meth:`step` / :meth:`eval` on all of them
+       alike. Stage modules of one pipeline in different ``train()`` / ``eval()`` modes are a
+       ``UserWarning`` on every rank at the first step (and the first after a failed one),
+       once per schedule: as in one process, each stage's dropout and batch norm follow its
+       own mode, which a ``.eval()`` on one rank only changes unseen.
     """
 
     def __init__(self, stages, chunks: Optional[int] = None, loss_fn: Optional[Callable] = None,
@@ -292,6 +307,7 @@ class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses
         self.action_seconds: dict = {}
         self._training_steps = 0
         self._checked = False
+        self._mixed_modes_warned = False  # stage modules in train() and eval() (step_checks)
         # whether a training step shared the replicas' refusals (ShardedDataParallel / FSDP
         # stages) since the last failed step: eval steps share none over ShardedDataParallel
         self._replicas_checked = False
@@ -403,7 +419,10 @@ class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses
                 too: where the stages are ShardedDataParallel / FSDP modules over the
                 replicas, the refusals are shared before every step that communicates over
                 them (training steps; eval steps too under FSDP), and under FSDP so is
-                whether a replica runs eval while this one trains, or the reverse), or a stage
+                whether a replica runs eval while this one trains, or the reverse; and a
+                ShardedDataParallel / FSDP stage module whose replicas' forward or
+                ``loss_fn`` raised during the step, or whose replicas are in different
+                ``train()`` / ``eval()`` modes), or a stage
                 output that no longer matches the shapes it announced. Found during the step,
                 these end it the same way: the stage stops computing and sends its
                 neighbours what they expect, every rank finishes the step's messages, then
@@ -498,6 +517,8 @@ class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses
         self._loss_watch: Optional[LossCountWatch] = None  # for a loss_fn declaring nothing
         self._batch_grads: list = []  # (micro-batch view, its gradient) of inputs needing grad
         self.links.failed = False
+        self._agreeing: Optional[dict] = None  # stage -> its replica groups (_replicas_go_on)
+        self._replicas_stopped: set = set()  # stages whose replicas stopped the step together
         self._sinks = {s: ShardedGradientSink() if self._whole_backward[s] else
                        GradientSink(stage.parameters(), self.weight_grad_merge)
                        for s, stage in self.stages.items()}
@@ -537,6 +558,7 @@ class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses
             self._backward(s, None, self._sinks[s].deliver)
         if self._batch_grads:
             self._backward(0, None, self._hand_batch_grads, "handing the batch its gradients")
+        self._reshard_stopped_stages()
         if grad and self.num_ranks > 1:  # a backward that raised may not have been heard yet
             self.links.settle(self._group_ranks)
         failed = self.links.failed  # every rank knows by now; no message is left to receive
@@ -617,7 +639,9 @@ class PlanSchedule(StepChecks, ReplicaAgreement, FrozenUnitAgreement, StepLosses
             self._kwargs = self._step_keyword_arguments()
         if s == last:
             self._step_targets(i)  # checked once a step; an unusable target fails the step
-        if self.links.failed:  # no more work this step: pass on what the next stage expects
+        # a stage whose module communicates over its replicas asks them first, every time
+        if not self._replicas_go_on(s, i) or self.links.failed:
+            # no more work this step: pass on what the next stage expects
             self._skip_forward(s, i, activation)
             return
         meter = self.activation_memory

@@ -6,9 +6,14 @@ step failed, and a pipeline that refuses a step before running it joins that red
 so. Where stage modules communicate over the replicas inside forward or backward
 (ShardedDataParallel, FSDP), the refusals and the kind of step (training or eval) are shared
 before the step, so no pipeline waits in those modules' collectives for one that refused.
+During such a step, before each of its actions (F, B, BW, W) a stage of that kind shares with
+its replicas whether its pipeline's step has failed so far (a forward or ``loss_fn`` that
+raised, a verdict heard) and whether its module is in ``train()`` or ``eval()`` mode
+(:meth:`ReplicaAgreement._replicas_go_on`), so that where one pipeline stops the step, every
+replica stops its collectives at the same action instead of waiting for the stopped one.
 Communication: one all-reduce of three elements per replica group before such a step, and one
-of two over the pipeline group; one small object all-gather only where a replica refused or
-failed.
+of two over the pipeline group; one all-reduce of two elements per replica group before each
+action of such a stage; one small object all-gather only where a replica refused or failed.
 """
 
 from __future__ import annotations
@@ -150,16 +155,114 @@ class ReplicaAgreement:
         """``(group, device)`` of each process group over more than one rank that this rank's
         ShardedDataParallel / FSDP stage modules communicate over (FSDP's only where ``grad``
         is false), once each, in stage and module order (alike on every replica)."""
+        groups = {}
+        for s in self.stages:
+            for group, device in self._stage_replica_groups(s, grad):
+                groups.setdefault(id(group), (group, device))
+        return list(groups.values())
+
+    def _stage_replica_groups(self, s: int, grad: bool) -> list:
+        """:meth:`_reducing_replica_groups` of stage ``s`` alone. Local."""
         from shardkit.nn.data_parallel import FullyShardedDataParallel, ShardedDataParallel
 
-        groups = {}
-        for s, stage in self.stages.items():
-            if not self._reducing[s]:
-                continue
-            for m in stage.module.modules():
-                if isinstance(m, FullyShardedDataParallel) or \
-                        grad and isinstance(m, ShardedDataParallel):
-                    for group in (m.process_group, getattr(m, "replicate_group", None)):
-                        if group is not None and dist.get_world_size(group) > 1:
-                            groups.setdefault(id(group), (group, stage.device))
+        if not self._reducing[s]:
+            return []
+        stage, groups = self.stages[s], {}
+        for m in stage.module.modules():
+            if isinstance(m, FullyShardedDataParallel) or \
+                    grad and isinstance(m, ShardedDataParallel):
+                for group in (m.process_group, getattr(m, "replicate_group", None)):
+                    if group is not None and dist.get_world_size(group) > 1:
+                        groups.setdefault(id(group), (group, stage.device))
         return list(groups.values())
+
+    def _replicas_go_on(self, s: int, i: int) -> bool:
+        """Before each action (F, B, BW, W) of stage ``s`` on micro-batch ``i`` in a step:
+        whether the stage runs its module (or its backward) there. ``True`` at no cost for a
+        stage whose module does not communicate over replicas in other pipelines inside forward
+        or backward (those learn of a failure at the step's end: the gradient all-reduce over
+        ``data_parallel_group`` carries it). A ShardedDataParallel (in a training step) or
+        FSDP stage module with replicas shares with them whether its pipeline's step has
+        failed so far and whether the module is in ``train()`` mode (one all-reduce of two
+        elements per replica group, in module order, each carrying what the ones before it
+        learnt); where some replica's step failed, or the replicas are in different modes
+        (under ShardedDataParallel only training forwards communicate, so the two sides would
+        wait for each other), every replica stops the stage's work for the rest of the step
+        at this same action (no module collective is left unpaired), fails its pipeline's step
+        naming the replicas and why (one small object all-gather per group, only then), and
+        returns ``False`` here and, without communicating, at the stage's later actions.
+
+        Note: this pairs the collectives of actions that run whole or not at all. A forward
+        that raises between two of its own collectives (an FSDP stage holding nested units,
+        failing after the first gathered) leaves its replicas in the second one: that still
+        waits until the process group's timeout, as a peer that died would."""
+        if self._agreeing is None:  # once a step: the groups of each stage in this grad mode
+            grad = torch.is_grad_enabled()
+            self._agreeing = {t: self._stage_replica_groups(t, grad) for t in self.stages}
+        groups = self._agreeing[s]
+        if not groups:
+            return True
+        if s in self._replicas_stopped:
+            return False
+        failed, training = self.links.failed, self.stages[s].module.training
+        stop, differ = failed, False
+        for group, device in groups:
+            flags = torch.tensor([float(stop), float(training)], device=device)
+            dist.all_reduce(flags, group=group)
+            failures, trainers = flags.tolist()
+            differ = differ or 0 < trainers < dist.get_world_size(group)
+            stop = stop or failures > 0 or differ
+        if not stop:
+            return True
+        self._replicas_stopped.add(s)
+        self._fail_at(s, i, self._replica_stop_problem(groups, failed, training))
+        return False
+
+    def _reshard_stopped_stages(self) -> None:
+        """At the end of a step whose replicas stopped a stage (:meth:`_replicas_go_on`): free
+        the parameters its FSDP units still hold gathered (``reshard()``, local), so that every
+        replica starts the next step with none kept. A forward that no backward followed keeps
+        its unit gathered on one replica while the replica whose forward raised holds none, and
+        FSDP's next forward decides locally whether to ask its replicas if a kept unit went
+        stale: unpaired, that question waited forever."""
+        from shardkit.nn.data_parallel import FullyShardedDataParallel
+
+        for s in sorted(self._replicas_stopped):
+            for m in self.stages[s].module.modules():
+                if isinstance(m, FullyShardedDataParallel):
+                    m.reshard()
+
+    def _replica_stop_problem(self, groups: list, failed: bool, training: bool) -> str:
+        """Why the replicas of a stage stopped the step (see :meth:`_replicas_go_on`):
+        each replica's problem and mode, one small object all-gather per group."""
+        mine = None
+        if failed:
+            mine = self._faults[0] if self._faults else \
+                "its pipeline's step failed (another rank of it found why)"
+        views = {}
+        for group, _ in groups:
+            found = dist.all_gather_object((mine, training), group=group)
+            views.update(zip(dist.group_ranks(group), found))
+        me = dist.get_rank()
+        modes = {mode: [r for r, (_, t) in sorted(views.items()) if t == mode]
+                 for mode in (True, False)}
+        problems = []
+        if modes[True] and modes[False]:
+            problems.append(
+                f"its module is in train() mode on global rank(s) {modes[True]} and in eval() "
+                f"mode on global rank(s) {modes[False]}, data-parallel replicas of its "
+                f"ShardedDataParallel / FSDP stage module (whose collectives span the "
+                f"pipelines; ShardedDataParallel's training forward communicates, its eval "
+                f"forward does not); call .train() or .eval() alike on this stage in every "
+                f"pipeline")
+        others = [f"global rank {r}: {p}" for r, (p, _) in sorted(views.items())
+                  if p and r != me]
+        if others:
+            problems.append("the step failed in a data-parallel replica's pipeline, so every "
+                            "replica of this ShardedDataParallel / FSDP stage stopped its "
+                            "work here (" + "; ".join(others) + ")")
+        if not problems:  # this rank's own pipeline failed, learnt from a message
+            problems.append("its pipeline's step failed (its other ranks say why), so every "
+                            "replica of this ShardedDataParallel / FSDP stage stopped its "
+                            "work here")
+        return "; ".join(problems)

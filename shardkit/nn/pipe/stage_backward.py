@@ -83,12 +83,13 @@ class StageBackward:
     def _run_BW(self, s: int, i: int) -> None:
         if not self._whole_backward[s] and not self._sinks[s].deferred:
             self._run_B(s, i)  # the input gradient goes back first, then W
-            self._run_W(s, i)
+            self._run_W(s, i, agreed=True)
             return
         # gradient hooks (data-parallel wrappers, FSDP) see one plain backward per micro-batch
         activation, roots = self._live.pop((s, i))
         roots, grads, real = self._output_grads(s, i, roots)
-        if not self._replicas_reach_alike(s, i, activation, roots):
+        if not (self._replicas_go_on(s, i) and
+                self._replicas_reach_alike(s, i, activation, roots)):
             roots = []
         views = zeros_only_views(roots, real) if real is not None and self._whole_backward[s] \
             else contextlib.nullcontext()
@@ -107,7 +108,8 @@ class StageBackward:
     def _run_B(self, s: int, i: int) -> None:
         activation, roots = self._live.pop((s, i))
         roots, grads, real = self._output_grads(s, i, roots, split=True)
-        if not self._replicas_reach_alike(s, i, activation, roots):
+        if not (self._replicas_go_on(s, i) and
+                self._replicas_reach_alike(s, i, activation, roots)):
             roots = []
         result = self._backward(s, i, lambda: backward_input(
             roots, grads, activation, self._sinks[s].weight_targets(roots, real),
@@ -118,9 +120,12 @@ class StageBackward:
         input_grads = _reached(real, activation, input_grads)
         self._send_input_grads(s, i, activation, input_grads)
 
-    def _run_W(self, s: int, i: int) -> None:
+    def _run_W(self, s: int, i: int, agreed: bool = False) -> None:
+        """W of stage ``s`` on micro-batch ``i``; ``agreed``: right after its B, whose
+        agreement with the stage's replicas (:meth:`_replicas_go_on`) holds for it too."""
         weight_pass = self._weights.pop((s, i))
-        if weight_pass is not None:
+        go_on = agreed or self._replicas_go_on(s, i)
+        if weight_pass is not None and go_on and s not in self._replicas_stopped:
             self._backward(s, i, lambda: self._sinks[s].run(weight_pass))
         self._alive -= 1
 

@@ -8,6 +8,7 @@ step, the first after a failed one, and a step that a rank refuses.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -145,21 +146,50 @@ class StepChecks:
         (:meth:`~shardkit.nn.pipe.PlanSchedule._refuse_to_replicas`: ``grad``, the step's grad mode,
         default this rank's), so a pipeline that ran the step is not left waiting for this one.
         ``replicas_too`` (the first step): ShardedDataParallel / FSDP stages' replicas share their
-        refusals before (:meth:`~shardkit.nn.pipe.PlanSchedule._replica_refusals`)."""
+        refusals before (:meth:`~shardkit.nn.pipe.PlanSchedule._replica_refusals`). The same
+        all-gather says whether the pipeline's stage modules are all in one ``train()`` /
+        ``eval()`` mode (a warning on every rank otherwise: :meth:`_warn_mixed_modes`)."""
         grad = torch.is_grad_enabled() if grad is None else grad
         local = self._local_problems(inputs, target)
         if replicas_too:
             local += self._replica_refusals(local, grad)
         shards = (bool(self._reducing_replica_groups(True)),
                   bool(self._reducing_replica_groups(False)))
+        modes = {stage.module.training for stage in self.stages.values()}
         try:
-            training, evaluating = check_schedule_agreement(
+            training, evaluating, some_train, some_eval = check_schedule_agreement(
                 type(self).__name__, self.chunks, local, self.group, self._who,
-                self._tie_status(), self._keyword_dims, flags=shards)
+                self._tie_status(), self._keyword_dims, flags=shards + (True in modes,
+                                                                        False in modes))
             self._pipeline_shards = {True: training, False: evaluating}
         except ValueError as refusal:
             self._refuse_to_replicas(str(refusal), grad)
             raise
+        if some_train and some_eval:
+            self._warn_mixed_modes()
+
+    def _warn_mixed_modes(self) -> None:
+        """Once per schedule, on every rank alike: the pipeline's stage modules are not all in
+        the same ``train()`` / ``eval()`` mode (learnt in the agreement's all-gather, at no
+        cost of its own). One process would run so only where part of the model was switched
+        on purpose (a frozen first stage in eval); a stage left in the other mode on one
+        rank (a ``.eval()`` for validation on rank 0 only) silently changes what its dropout
+        and batch norm do.
+
+        Note: checked at the first step and the first after a failed one, where the ranks
+        agree on the step anyway: a stage switched on one rank between two good steps is not
+        seen (noticing it would cost a message every step)."""
+        if self._mixed_modes_warned:
+            return
+        self._mixed_modes_warned = True
+        here = ", ".join(f"stage {s} in {'train' if stage.module.training else 'eval'}()"
+                         for s, stage in sorted(self.stages.items()))
+        warnings.warn(f"{type(self).__name__}: the pipeline's stage modules are not all in the "
+                      f"same mode: some are in train(), others in eval() (on this rank: "
+                      f"{here}); dropout and batch norm follow each stage's own mode, as in one "
+                      f"process where part of the model was switched on purpose. If that is "
+                      f"not what you meant, call .train() or .eval() on the stages of every "
+                      f"rank alike", UserWarning, stacklevel=4)
 
     def _tie_status(self) -> dict:
         """``{key: requires_grad}`` of this rank's copies of weights tied across ranks."""
