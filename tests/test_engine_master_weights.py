@@ -278,3 +278,19 @@ def test_a_scheduler_on_the_client_optimizer_drives_the_masters():
     stepped.step()
     moved = before - stepped.master_weight_of(model.bias)
     assert torch.allclose(moved, torch.full_like(moved, 0.025)), moved
+
+
+def test_compose_refuses_bad_master_weights_arguments():
+    """``compose(master_weights=...)``'s refusals, raised by ``check_composable`` before any
+    collective (local): not a bool; an optimizer factory (the masters are stepped by a class);
+    ``step_in_backward`` (the masters are stepped whole)."""
+    from shardkit.recipes import OptimizerRecipe, adamw, check_composable
+    model = _model().to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"master_weights='yes'.*True or False"):
+        check_composable(model, 1, adamw(1e-3), master_weights="yes")
+    factory = OptimizerRecipe(lambda params, **kw: torch.optim.SGD(params, lr=0.1), {})
+    with pytest.raises(ValueError, match="not a torch.optim.Optimizer subclass"):
+        check_composable(model, 0, factory, master_weights=True)
+    with pytest.raises(ValueError, match="step_in_backward=False"):
+        check_composable(model, 2, adamw(1e-3), master_weights=True, step_in_backward=True)
+    check_composable(model, 3, factory, master_weights=True)  # stage 3: FSDP's own dtype
