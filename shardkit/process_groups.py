@@ -90,10 +90,15 @@ def group_ranks(group) -> list[int]:
 def new_group(ranks: Sequence[int], timeout_s: Optional[float] = None,
               backend: Optional[str] = None, members_only: bool = False):
     """Create a process group over ``ranks`` (global ranks); ``backend`` defaults to the default
-    group's (``"gloo"`` gives a CPU group beside an NCCL one). Must be called on every rank, or,
-    with ``members_only``, on the members of ``ranks`` only."""
+    group's (``"gloo"`` gives a CPU group beside an NCCL one), ``timeout_s`` to the default
+    group's timeout (torch's ``new_group`` would take its backend's 30-minute default, so a rank
+    that died left its peers waiting there half an hour instead of the timeout the job set).
+    Must be called on every rank, or, with ``members_only``, on the members of ``ranks``
+    only."""
     _check_call("new_group", None)
     kwargs = {"use_local_synchronization": True} if members_only else {}
+    if timeout_s is None:
+        timeout_s = timeout_of(None)
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     if backend is not None:
