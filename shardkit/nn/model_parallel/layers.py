@@ -14,8 +14,9 @@ layer                             weight held per rank    communication per forw
 ``ParallelEmbedding``             ``dim/n`` columns       all-gather of the output / none
 ================================  ======================  ==========================================
 
-Beside these, every forward makes the ranks' agreement on its input, and every construction
-the agreement on its arguments: two int64s per rank each (see below).
+Beside these, every construction makes the ranks' agreement on its arguments, and in the
+collective debug mode every forward the agreement on its input: two int64s per rank each (see
+below).
 
 With ``sequence_parallel=True`` the activations outside the layers are split along the sequence:
 a column-parallel layer all-gathers its input (backward: reduce-scatter) and a row-parallel layer
@@ -540,9 +541,9 @@ class ColumnParallelLinear(TensorParallelModule):
     output forward when ``gather_output``. ``skip_bias_add`` changes neither, except that with
     ``gather_output`` the returned bias is all-gathered too (``out`` more elements forward, a
     ``1/n`` slice kept backward, no communication) and costs its full size per rank while used.
-    Plus the ranks' agreement (module docstring): on the arguments once at construction, on the
-    input's shape and dtype at each forward (two int64s per rank each, not counted by
-    ``CommCounter``).
+    Plus the ranks' agreement (module docstring): on the arguments once at construction, and in
+    the collective debug mode on the input's shape and dtype at each forward (two int64s per
+    rank each, not counted by ``CommCounter``).
     """
 
     _shard_dims = {"weight": (0, 1), "bias": (0, 1)}
@@ -658,8 +659,9 @@ class RowParallelLinear(TensorParallelModule):
     Memory: ``in * out / n + out`` parameters per rank. Communication: forward all-reduce of the
     output (``2(n-1)/n`` of its bytes), or with ``sequence_parallel`` a reduce-scatter forward and
     an all-gather backward (``(n-1)/n`` each). ``skip_bias_add`` changes neither. Plus the
-    ranks' agreement (module docstring): on the arguments once at construction, on the input's
-    shape and dtype at each forward (two int64s per rank each, not counted by ``CommCounter``).
+    ranks' agreement (module docstring): on the arguments once at construction, in the collective
+    debug mode on the input's shape and dtype at each forward (two int64s per rank each, not
+    counted by ``CommCounter``).
     """
 
     _shard_dims = {"weight": (1, 1), "bias": None}
@@ -771,8 +773,9 @@ class VocabParallelEmbedding(TensorParallelModule):
 
     Memory: ``V * dim / n`` per rank. Communication: forward all-reduce of the output
     (``2(n-1)/n`` of its bytes), or a reduce-scatter with ``sequence_parallel``; backward none.
-    Plus the ranks' agreement (module docstring): on the arguments once at construction, on the
-    ids' shape at each forward (two int64s per rank each, not counted by ``CommCounter``).
+    Plus the ranks' agreement (module docstring): on the arguments once at construction, in the
+    collective debug mode on the ids' shape at each forward (two int64s per rank each, not
+    counted by ``CommCounter``).
     """
 
     _shard_dims = {"weight": (0, 1)}
@@ -915,9 +918,9 @@ class ParallelEmbedding(TensorParallelModule):
     Memory: ``V * dim / n`` per rank. Communication: forward all-gather of the output
     (``(n-1)/n`` of its bytes), plus with ``max_norm`` an all-reduce of one float per distinct
     token id of the batch (the partial row norms); backward none. Plus the ranks' agreement
-    (module docstring): on the arguments once at construction, on the ids' shape (and, with
-    ``max_norm``, their number of distinct ids) at each forward (two int64s per rank each, not
-    counted by ``CommCounter``).
+    (module docstring): on the arguments once at construction, in the collective debug mode on
+    the ids' shape (and, with ``max_norm``, their number of distinct ids) at each forward (two
+    int64s per rank each, not counted by ``CommCounter``).
     """
 
     _shard_dims = {"weight": (1, 1)}

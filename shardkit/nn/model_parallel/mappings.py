@@ -40,8 +40,8 @@ summed misaligned elements; this runs in the collective debug mode only
 (``SHARDKIT_DEBUG_COLLECTIVES=1``). Cost there: one all-gather of two int64s per rank per call,
 a control message that ``CommCounter`` does not count (a host synchronisation under NCCL); none
 at size 1, none with the mode off, and none in backward (a gradient has its forward
-activation's shape). The layers make that
-agreement once per forward, on their input, and then call these mappings' unchecked forms.
+activation's shape). The layers make that agreement (in the same mode) once per forward, on
+their input, and then call these mappings' unchecked forms.
 """
 
 from __future__ import annotations
