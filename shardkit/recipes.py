@@ -818,20 +818,15 @@ def _stage0(model, recipe, process_group, count_comm, psi, reduce_dtype,
 def _with_master_weights(recipe: OptimizerRecipe, model: nn.Module) -> torch.optim.Optimizer:
     """Stage 0's optimizer over fp32 masters of every 16-bit parameter
     (:class:`shardkit.optim.MasterWeights` of the recipe's class; of an optimizer the user
-    built: its class, hyper-parameters, the same group dicts and any state it holds).
+    built: :meth:`~shardkit.optim.MasterWeights.around` it, so its own attributes, the same
+    group dicts and any state it holds are kept, its constructor not called again).
     Memory: 4 bytes per 16-bit element beside the optimizer's state."""
     from shardkit.optim import MasterWeights
-    from shardkit.optim import oss_arguments
     instance = recipe.instance
     if instance is None:
         params = recipe.param_groups or _trainable(model)
         return MasterWeights.over(recipe.cls)(params, **recipe.defaults)
-    built = MasterWeights.over(type(instance))(
-        oss_arguments.groups_of(instance),
-        **oss_arguments.constructor_kwargs(type(instance), instance.defaults))
-    if instance.state:
-        built.load_state_dict(instance.state_dict())
-    return built
+    return MasterWeights.over(type(instance)).around(instance)
 
 
 def _replicated_clip(params: list, optimizer=None) -> Callable:

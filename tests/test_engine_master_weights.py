@@ -13,8 +13,11 @@ from shardkit import distributed, plan
 from shardkit.plan_model import rank_layout
 from shardkit.testing import World
 from shardkit.utils.memory import model_state_bytes
-from shardkit.utils.tensor_fragment import safe_get_full_optimizer_state
-from tests.utils.master_weights import fp32_weights, master_dtype
+from shardkit.optim import MasterWeights
+from shardkit.utils.tensor_fragment import (safe_get_full_fp32_param,
+                                            safe_get_full_optimizer_state,
+                                            safe_set_full_fp32_param)
+from tests.utils.master_weights import fp32_weights, master_dtype, masters_of
 
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ADAM_STEP_BYTES = 4  # torch's per-tensor ``step`` count
@@ -267,7 +270,6 @@ def test_a_scheduler_on_the_client_optimizer_drives_the_masters():
     """The groups are the caller's dicts, as a torch optimizer keeps them: a scheduler built on
     the optimizer the script passed to ``initialize`` (stage 0 steps fp32 masters with its
     class) changes the learning rate the masters are stepped with."""
-    from shardkit.optim import MasterWeights
     model = torch.nn.Linear(4, 4).to(torch.bfloat16)
     client = torch.optim.SGD(model.parameters(), lr=0.1)
     stepped = MasterWeights.over(torch.optim.SGD)(client.param_groups, lr=0.1)
@@ -294,3 +296,170 @@ def test_compose_refuses_bad_master_weights_arguments():
     with pytest.raises(ValueError, match="step_in_backward=False"):
         check_composable(model, 2, adamw(1e-3), master_weights=True, step_in_backward=True)
     check_composable(model, 3, factory, master_weights=True)  # stage 3: FSDP's own dtype
+
+
+# From a review: cases the first tests left out, each with the invariants every step keeps
+# (replicas equal, each 16-bit weight its master rounded).
+
+
+def _lean_config(stage: int, precision: str = "bf16") -> dict:
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
+              "zero_optimization": {"stage": stage}}
+    config[precision] = {"enabled": True}
+    if precision == "fp16":  # 4-sized gradients scaled by 2**16 would overflow fp16
+        config[precision]["initial_scale_power"] = 8
+    return config
+
+
+def _replicas_and_rounding(engine) -> tuple:
+    """(every rank holds the same 16-bit weights, each is its fp32 master rounded)."""
+    world = distributed.get_world_size()
+    weights = fp32_weights(engine)
+    equal = rounded = True
+    for name, p in engine.module.named_parameters():
+        copies = [torch.empty_like(p) for _ in range(world)]
+        distributed.all_gather(copies, p.detach().contiguous())
+        equal &= all(torch.equal(c, copies[0]) for c in copies)
+        rounded &= torch.equal(p, weights[name].to(p.dtype))
+    return equal, rounded
+
+
+class _ScaledSGD(torch.optim.SGD):
+    """A script's own optimizer class: its step reads an attribute its constructor stored
+    beside ``defaults`` (``factor``, required or not)."""
+
+    def __init__(self, params, lr: float, factor: float):
+        super().__init__(params, lr=lr)
+        self.factor = factor
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * self.factor)
+
+
+class _DecayingSGD(_ScaledSGD):
+    """The same with ``factor`` optional (default 1)."""
+
+    def __init__(self, params, lr: float, factor: float = 1.0):
+        super().__init__(params, lr=lr, factor=factor)
+
+
+def _client_subclass_steps(precision: str) -> dict:
+    """Stage 0 with a script's optimizer subclass instance: a step with ``factor=0`` (required
+    argument) and ``factor=0.5`` (optional, default 1) from weights of 1 and gradients of 4."""
+    out = {}
+    for cls, factor in ((_ScaledSGD, 0.0), (_DecayingSGD, 0.5)):
+        model = torch.nn.Linear(4, 1, bias=False)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        client = cls(model.parameters(), lr=0.25, factor=factor)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(client, lambda step: 1.0)
+        engine, optimizer, *_ = shardkit.initialize(model=model, optimizer=client,
+                                                    lr_scheduler=scheduler,
+                                                    config=_lean_config(0, precision))
+        engine.backward(engine(torch.ones(4, 4)).float().sum())
+        engine.step()
+        out[cls.__name__] = {
+            "weight": fp32_weights(engine)["weight"].tolist()[0],
+            "inner_factor": masters_of(engine).inner.factor,
+            "same_groups": optimizer.param_groups[0] is client.param_groups[0],
+            "skipped": engine.skipped_steps,
+            "invariants": _replicas_and_rounding(engine)}
+    return out
+
+
+def test_a_client_optimizer_subclass_keeps_its_own_arguments_at_stage_0(world2):
+    """Stage 0 used to rebuild the script's optimizer from its class and ``defaults``: a
+    subclass whose constructor takes an argument it keeps beside ``defaults`` raised
+    ``TypeError: __init__() missing 1 required positional argument: 'factor'`` (fp32 and
+    stage 0 before the change took the instance as it is), and one with a default silently
+    stepped with the default (``factor`` 1 instead of 0.5: weight 0.0 instead of 0.5)."""
+    for precision in ("bf16", "fp16"):
+        for rank, r in enumerate(world2.run(_client_subclass_steps, precision)):
+            where = (precision, rank)
+            frozen, halved = r["_ScaledSGD"], r["_DecayingSGD"]
+            assert frozen["inner_factor"] == 0.0 and halved["inner_factor"] == 0.5, (where, r)
+            # gradient of sum over 4 rows of ones: 4 per element (averaged over ranks alike)
+            assert frozen["weight"] == [1.0] * 4, (where, frozen)
+            assert halved["weight"] == [1.0 - 0.25 * 0.5 * 4] * 4, (where, halved)
+            for case in (frozen, halved):
+                assert case["same_groups"] and case["invariants"] == (True, True), (where, r)
+                assert case["skipped"] == 0, (where, r)
+
+
+def _lora_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    for p in model[0].parameters():  # the frozen base
+        p.requires_grad_(False)
+    return model
+
+
+def _frozen_base_bytes(precision: str, path: str) -> dict:
+    """Stage 0, a script's AdamW over ``model.parameters()`` (frozen base included, as many
+    LoRA scripts pass it): bytes after a step, after a checkpoint round trip, and what an
+    exact fp32 value set on a frozen weight reads back as."""
+    model = _lora_model()
+    client = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, *_ = shardkit.initialize(model=model, optimizer=client,
+                                     config=_lean_config(0, precision))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(x).float().pow(2).mean())
+    engine.step()
+    out = {"after_step": model_state_bytes(engine).as_dict(),
+           "expected_optimizer": 12 * sum(p.numel() for p in trainable) + 4 * len(trainable)}
+    engine.save_checkpoint(path, tag="t")
+    engine.load_checkpoint(path, tag="t")
+    out["after_load"] = model_state_bytes(engine).as_dict()
+    out["invariants"] = _replicas_and_rounding(engine)
+    exact = torch.full((64,), 0.1, dtype=torch.float32)  # not a 16-bit value
+    safe_set_full_fp32_param(model[0].bias, exact)
+    out["set_exact"] = torch.equal(safe_get_full_fp32_param(model[0].bias), exact)
+    out["rounded_weight"] = torch.equal(model[0].bias, exact.to(model[0].bias.dtype))
+    return out
+
+
+def test_frozen_weights_in_the_optimizer_keep_no_fp32_master(world2, tmp_path):
+    """DeepSpeed keeps no fp32 copy of a frozen weight. Before the fix a stage-0 optimizer over
+    a frozen 64x64 base and a 64x4 head held 4 bytes per frozen element as well: 19768 bytes
+    of optimizer state instead of 3128 (12 per trainable element and Adam's step counts), and
+    the bf16 engine's total (28608) exceeded the fp32 engine's (19768)."""
+    for precision in ("bf16", "fp16"):
+        path = str(tmp_path / precision)
+        for rank, r in enumerate(world2.run(_frozen_base_bytes, precision, path)):
+            where = (precision, rank)
+            for when in ("after_step", "after_load"):
+                assert r[when]["optimizer"] == r["expected_optimizer"], (where, when, r)
+            assert r["invariants"] == (True, True), (where, r)
+            assert r["set_exact"] and r["rounded_weight"], (where, r)
+
+
+def test_a_frozen_weight_gets_its_master_at_its_first_gradient():
+    """Unfrozen later (no engine: the optimizer alone), a frozen 16-bit weight is stepped from
+    an fp32 master made from it at its first gradient, as a trainable one from the start;
+    Adagrad, whose constructor builds state, keeps masters for all (its fp32 sums are
+    full-size for a frozen weight too)."""
+    torch.manual_seed(0)
+    frozen = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16), requires_grad=False)
+    trained = torch.nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
+    twin = torch.nn.Parameter(frozen.detach().clone())  # trainable from the start
+    optimizer = MasterWeights.over(torch.optim.AdamW)([frozen, trained, twin], lr=1e-4)
+    assert frozen not in optimizer.state and "master_weight" in optimizer.state[trained]
+    frozen.requires_grad_(True)
+    for _ in range(3):
+        grad = torch.linspace(-1, 1, 8).to(torch.bfloat16)
+        for p in (frozen, trained, twin):
+            p.grad = grad.clone()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert torch.equal(optimizer.master_weight_of(frozen), optimizer.master_weight_of(twin))
+    assert torch.equal(frozen, twin)
+    assert optimizer.state[frozen]["exp_avg"].dtype == torch.float32
+    adagrad = MasterWeights.over(torch.optim.Adagrad)(
+        [torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16), requires_grad=False)], lr=0.1)
+    (held,) = adagrad.state.values()
+    assert held["sum"].shape == (4,) and held["master_weight"].shape == (4,)

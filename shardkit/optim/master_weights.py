@@ -14,8 +14,10 @@ The master weight is the truth between steps: small updates accumulate there ins
 rounded away (bf16 AdamW at lr 1e-4 moves a weight of 1.0 only every few steps). A parameter
 written from outside (a loaded ``state_dict``, ``p.mul_(0.5)``, ``p.data = ...``) is noticed at
 the next step (its version counter moved and it no longer equals its master rounded) and the
-master is taken from it again, so any write behaves as on a plain optimizer's parameter
-(a write that leaves the value equal to the master rounded keeps the master). Its
+master is taken from it again, so such a write behaves as on a plain optimizer's parameter
+(a write that leaves the value equal to the master rounded keeps the master). A write into
+``p.data`` in place (``p.data.copy_(w)``) moves no version counter and is not seen: call
+:meth:`MasterWeights.refresh_master_weights` after it, as DeepSpeed's ``refresh_fp32_params``. Its
 state (``state_dict()``) holds the master under ``"master_weight"`` beside the inner optimizer's
 entries, so a checkpoint resumes exactly; state saved without it (by a plain optimizer) takes
 the master from the parameter.
@@ -40,9 +42,13 @@ _CLASSES: dict = {}
 
 
 def _master_for(param: torch.Tensor) -> torch.Tensor:
-    """An fp32 copy of a 16-bit parameter; any other parameter is its own master (stepped as a
+    """An fp32 copy of a trainable 16-bit parameter; for a frozen one (``requires_grad=False``:
+    a LoRA base weight) an empty fp32 placeholder, filled when it first gets a gradient (see
+    :meth:`MasterWeights._materialize`); any other parameter is its own master (stepped as a
     plain optimizer steps it: no copy, no extra memory)."""
     if param.dtype in HALF_DTYPES:
+        if not param.requires_grad:
+            return torch.empty(0, dtype=torch.float32, device=param.device)
         return param.detach().to(torch.float32, copy=True)
     return param
 
@@ -65,6 +71,20 @@ def _as_groups(params) -> list[dict]:
         params = group["params"]
         group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
     return groups
+
+
+def _copied_over(optimizer: torch.optim.Optimizer, groups: list) -> torch.optim.Optimizer:
+    """A shallow copy of ``optimizer`` whose groups are ``groups`` and whose state is empty
+    (torch's ``Optimizer.__init__`` run again on it; the subclass's constructor is not). Not
+    ``copy.copy``: torch's ``__getstate__`` keeps only defaults, state and groups. Methods set
+    on the instance (a torch LR scheduler wraps ``optimizer.step`` so, around ``optimizer``
+    itself) are not copied: the copy steps with its class's."""
+    cls = type(optimizer)
+    copied = cls.__new__(cls)
+    copied.__dict__.update({k: v for k, v in optimizer.__dict__.items()
+                            if not callable(getattr(cls, k, None))})
+    torch.optim.Optimizer.__init__(copied, groups, dict(optimizer.defaults))
+    return copied
 
 
 def _hyper(group: dict) -> dict:
@@ -105,11 +125,13 @@ class MasterWeights(torch.optim.Optimizer):
     """An optimizer over 16-bit parameters that steps fp32 master copies of them with
     ``inner_class`` (build the class with :meth:`over`), then writes the result back rounded.
 
-    Memory: 4 bytes per element of each fp16/bf16 parameter it holds (the master) plus the inner
-    optimizer's state on the masters (Adam: 8 bytes), and, from the gradients' conversion to the
-    end of the step, 4 bytes per element of the fp32 gradients; fp32 and fp64 parameters are
-    stepped in place with no copy. No communication. Hyper-parameters are read from this
-    optimizer's ``param_groups`` (what an LR scheduler or OSS writes) at every step.
+    Memory: 4 bytes per element of each fp16/bf16 parameter it holds (the master; none for a
+    frozen one until it gets a gradient, as DeepSpeed keeps no fp32 copy of a frozen weight)
+    plus the inner optimizer's state on the masters (Adam: 8 bytes), and, from the gradients'
+    conversion to the end of the step, 4 bytes per element of the fp32 gradients; fp32 and
+    fp64 parameters are stepped in place with no copy. No communication. Hyper-parameters
+    are read from this optimizer's ``param_groups`` (what an LR scheduler or OSS writes) at
+    every step.
 
     ``prepare_master_grads()`` widens the gradients to fp32 before the step, so that unscaling
     a loss scale or clipping happens in fp32 (a 16-bit gradient divided by 65536 flushes to zero);
@@ -137,16 +159,46 @@ class MasterWeights(torch.optim.Optimizer):
         if self.inner_class is None:
             raise TypeError("MasterWeights: build the class for an optimizer first, e.g. "
                             "MasterWeights.over(torch.optim.AdamW)(params, lr=1e-3)")
-        groups = _as_groups(params)
+        self._build(_as_groups(params), lambda over_masters: self.inner_class(
+            over_masters, **without_fixed_defaults(self.inner_class, defaults)))
+
+    @classmethod
+    def around(cls, optimizer: torch.optim.Optimizer) -> "MasterWeights":
+        """``optimizer`` (an instance of ``inner_class``, built by a script over 16-bit or
+        fp32 parameters) turned into one stepping fp32 masters: its groups (the same dicts,
+        so that a scheduler built on it drives this one), a shallow copy of it as the inner
+        optimizer over the masters (so that what its constructor stored beside ``defaults``,
+        such as a subclass's own arguments, is kept: its constructor is not called again) and
+        the state it holds. Memory: the masters and that state."""
+        if type(optimizer) is not cls.inner_class:
+            raise TypeError(f"{cls.__name__}.around: expected a {cls.inner_class!r} "
+                            f"instance, got {type(optimizer)!r}")
+        built = cls.__new__(cls)
+        built._build(_as_groups(optimizer.param_groups),
+                     lambda over_masters: _copied_over(optimizer, over_masters))
+        if optimizer.state:
+            built.load_state_dict(optimizer.state_dict())
+        return built
+
+    def _build(self, groups: list, build_inner: Callable) -> None:
         self._masters: dict = {}
         self._versions: dict = {}
         self._grad_sources: dict = {}
+        self._lazy: set = set()  # frozen 16-bit parameters whose master is a placeholder
         for group in groups:
             for p in group["params"]:
                 self._adopt(p)
-        self.inner = self.inner_class(
-            [{**g, "params": [self._masters[p] for p in g["params"]]} for g in groups],
-            **without_fixed_defaults(self.inner_class, defaults))
+
+        def over_masters():
+            return [{**g, "params": [self._masters[p] for p in g["params"]]} for g in groups]
+
+        self.inner = build_inner(over_masters())
+        if any(self.inner.state.get(self._masters[p]) for p in self._lazy):
+            # state built by the constructor (Adagrad's sums) is sized from the masters: every
+            # master made whole, and the inner optimizer built again over them
+            for p in list(self._lazy):
+                self._materialize(p)
+            self.inner = build_inner(over_masters())
         for group, inner in zip(groups, self.inner.param_groups):
             for key, value in _hyper(inner).items():  # the inner optimizer's defaults
                 group.setdefault(key, value)
@@ -163,7 +215,10 @@ class MasterWeights(torch.optim.Optimizer):
         each entry writes through (a tensor stored under a key replaces the inner state's, a
         value stored under ``"master_weight"`` is copied into the master)."""
         view: defaultdict = defaultdict(dict)
+        lazy = self.__dict__.get("_lazy", ())
         for p, master in self.__dict__.get("_masters", {}).items():
+            if p in lazy:  # a frozen parameter that never had a gradient: no master, no state
+                continue
             held = self.inner.state[master]
             if master is not p:
                 view[p] = _StateWithMaster(held, master)
@@ -190,14 +245,26 @@ class MasterWeights(torch.optim.Optimizer):
 
     def master_weight_of(self, param: torch.Tensor) -> torch.Tensor:
         """The fp32 tensor stepped for ``param`` (``param`` itself unless it is 16-bit), taken
-        from ``param`` first if ``param`` was written from outside since the last step."""
+        from ``param`` first if ``param`` was written from outside since the last step; for a
+        frozen 16-bit parameter that never had a gradient (no master kept), a new fp32 copy
+        of it."""
+        if param in self._lazy:
+            return param.detach().to(torch.float32, copy=True)
         self._adopt_outside_write(param, self._masters[param])
         return self._masters[param]
 
     @torch.no_grad()
     def set_master_weight(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """Set ``param``'s master to ``value`` (any dtype, ``param``'s shape) and ``param``
-        to it rounded. Local."""
+        to it rounded. Local. A frozen parameter that keeps no master gets one only where
+        ``value`` is not a 16-bit value (a checkpoint's copy of a frozen weight is one)."""
+        if param in self._lazy:
+            rounded = value.to(param.dtype)
+            if torch.equal(rounded.to(value.dtype), value):
+                param.copy_(rounded)
+                self._versions[param] = _stamp(param)
+                return
+            self._materialize(param)
         master = self._masters[param]
         master.copy_(value)
         if master is not param:
@@ -228,9 +295,11 @@ class MasterWeights(torch.optim.Optimizer):
         self.inner.load_state_dict({"state": inner_state, "param_groups": saved_groups})
         with torch.no_grad():
             for p, master in self._masters.items():
-                if master is not p:
+                if p in self._lazy and (p in saved_masters or self.inner.state.get(master)):
+                    self._materialize(p)  # saved state of a frozen parameter: kept whole
+                if master is not p and p not in self._lazy:
                     master.copy_(saved_masters.get(p, p))
-                    self._versions[p] = _stamp(p)
+                self._versions[p] = _stamp(p)
         for group, inner in zip(self.param_groups, self.inner.param_groups):
             group.update(_hyper(inner))
         self._release_master_grads()
@@ -241,7 +310,7 @@ class MasterWeights(torch.optim.Optimizer):
         counter moving. Local; a pass over the parameters."""
         with torch.no_grad():
             for p, master in self._masters.items():
-                if master is not p:
+                if master is not p and p not in self._lazy:
                     master.copy_(p)
                     self._versions[p] = _stamp(p)
 
@@ -255,6 +324,8 @@ class MasterWeights(torch.optim.Optimizer):
         per element of the 16-bit gradients, until the step or ``zero_grad``."""
         grads = []
         for p, master in self._masters.items():
+            if p in self._lazy and p.grad is not None:  # a frozen parameter's first gradient
+                self._materialize(p)
             if master is not p:
                 self._widen_grad(p, master)
             if master.grad is not None:
@@ -318,6 +389,7 @@ class MasterWeights(torch.optim.Optimizer):
         except Exception:
             for p in new:
                 del self._masters[p], self._versions[p]
+                self._lazy.discard(p)
             raise
         for key, value in _hyper(self.inner.param_groups[-1]).items():
             group.setdefault(key, value)
@@ -327,6 +399,16 @@ class MasterWeights(torch.optim.Optimizer):
         if p in self._masters:
             return
         self._masters[p] = _master_for(p)
+        self._versions[p] = _stamp(p)
+        if self._masters[p] is not p and self._masters[p].shape != p.shape:
+            self._lazy.add(p)
+
+    @torch.no_grad()
+    def _materialize(self, p: torch.Tensor) -> None:
+        """The placeholder master of a frozen 16-bit parameter filled from it (the same tensor
+        object, which the inner optimizer holds). Memory: 4 bytes per element of ``p``."""
+        self._masters[p].data = p.detach().to(torch.float32, copy=True)
+        self._lazy.discard(p)
         self._versions[p] = _stamp(p)
 
     def _adopt_outside_writes(self) -> None:
@@ -339,6 +421,9 @@ class MasterWeights(torch.optim.Optimizer):
     @torch.no_grad()
     def _adopt_outside_write(self, p: torch.Tensor, master: torch.Tensor) -> None:
         if master is p or self._versions.get(p) == _stamp(p):
+            return
+        if p in self._lazy:  # no master to take from it
+            self._versions[p] = _stamp(p)
             return
         if master.shape != p.shape or master.device != p.device:
             raise RuntimeError(f"MasterWeights: a parameter of shape {tuple(master.shape)} on "
