@@ -463,3 +463,123 @@ def test_a_frozen_weight_gets_its_master_at_its_first_gradient():
         [torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16), requires_grad=False)], lr=0.1)
     (held,) = adagrad.state.values()
     assert held["sum"].shape == (4,) and held["master_weight"].shape == (4,)
+
+
+# From a second review: frozen weights' placeholder masters and MasterWeights.around.
+
+
+def _bf16(shape, trainable=True, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Parameter(torch.randn(*shape).to(torch.bfloat16), requires_grad=trainable)
+
+
+class _SizedSGD(torch.optim.SGD):
+    """A script's optimizer whose constructor records each parameter's size (as a flat buffer
+    or a factored state would be laid out) and whose step relies on it."""
+
+    def __init__(self, params, lr: float):
+        super().__init__(params, lr=lr)
+        self.sizes = [p.numel() for g in self.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        held = [p for g in self.param_groups for p in g["params"]]
+        if [p.numel() for p in held] != self.sizes:
+            raise RuntimeError(f"sizes {[p.numel() for p in held]} != {self.sizes}")
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("inner_class", [torch.optim.Muon, _SizedSGD])
+def test_a_frozen_weight_shows_its_shape_to_the_inner_constructor(inner_class):
+    """The placeholder master of a frozen weight was an empty 1-D tensor: Muon (2-D only)
+    raised ``ValueError: Muon only supports 2D parameters whereas we found a parameter with
+    size: torch.Size([0])`` at construction, and a constructor recording sizes saw 0 for a
+    16-element weight (its step then failed once the weight was unfrozen). Stepped after
+    unfreezing, the weight follows a twin trainable from the start."""
+    frozen = _bf16((4, 4), trainable=False)
+    twin = torch.nn.Parameter(frozen.detach().clone())
+    optimizer = MasterWeights.over(inner_class)([frozen, twin], lr=0.02)
+    assert frozen not in optimizer.state  # still no fp32 master of its size
+    frozen.requires_grad_(True)
+    for _ in range(2):
+        for p in (frozen, twin):
+            p.grad = torch.linspace(-1, 1, 16).reshape(4, 4).to(torch.bfloat16)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert torch.equal(optimizer.master_weight_of(frozen), optimizer.master_weight_of(twin))
+    assert torch.equal(frozen, twin)
+
+
+class _DecayAllSGD(torch.optim.SGD):
+    """A script's optimizer that decays every parameter, with a gradient or not."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.mul_(0.5)
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_a_frozen_weight_without_a_master_is_not_written_by_a_decay_of_every_parameter():
+    """The placeholder keeps no memory after construction and takes a write into it as a
+    no-op: the frozen weight is left as it is, the trained one is decayed and stepped."""
+    frozen, trained = _bf16((4, 4), trainable=False), _bf16((4,), seed=1)
+    before = frozen.detach().clone()
+    optimizer = MasterWeights.over(_DecayAllSGD)([frozen, trained], lr=0.5)
+    assert optimizer._masters[frozen].numel() == 0
+    expected = trained.detach().float() * 0.5 - 0.5
+    trained.grad = torch.ones_like(trained)
+    optimizer.step()
+    assert torch.equal(frozen, before) and frozen not in optimizer.state
+    assert torch.equal(trained, expected.to(torch.bfloat16))
+
+
+def test_around_runs_the_step_hooks_registered_on_the_optimizer():
+    """``around`` rebuilt the copy with torch's ``Optimizer.__init__``, which gave it empty hook
+    dicts: a pre- and post-hook registered on the script's optimizer never ran (0 calls after
+    2 steps), where the optimizer itself runs them at each step. The handle still removes."""
+    weight = _bf16((4,))
+    client = torch.optim.AdamW([weight, _bf16((3,), trainable=False)], lr=1e-2, foreach=True)
+    calls = []
+    pre = client.register_step_pre_hook(lambda opt, args, kwargs: calls.append("pre"))
+    client.register_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
+    optimizer = MasterWeights.over(torch.optim.AdamW).around(client)
+    for _ in range(2):
+        weight.grad = torch.ones_like(weight)
+        optimizer.step()
+    assert calls == ["pre", "post"] * 2
+    pre.remove()
+    optimizer.step()
+    assert calls == ["pre", "post"] * 2 + ["post"]
+
+
+def _hooked_engine_steps(precision: str) -> int:
+    """Stage 0 with a script's AdamW carrying a step pre-hook: its calls after 2 steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    client = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    calls = []
+    client.register_step_pre_hook(lambda opt, args, kwargs: calls.append(1))
+    config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 1000,
+              "zero_optimization": {"stage": 0}}
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    engine, *_ = shardkit.initialize(model=model, optimizer=client, config=config)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+    return len(calls)
+
+
+def test_the_client_optimizer_hooks_run_at_stage_0_in_16_bit_as_in_fp32(world2):
+    """The same script's hook ran at each step in fp32 (2 calls) and never with bf16 (0)."""
+    for precision in ("fp32", "bf16"):
+        assert world2.run(_hooked_engine_steps, precision) == [2, 2], precision

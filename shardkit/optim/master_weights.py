@@ -41,14 +41,22 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 _CLASSES: dict = {}
 
 
+def _is_lazy(param: torch.Tensor) -> bool:
+    """Whether ``param`` gets a placeholder master: a frozen 16-bit parameter."""
+    return param.dtype in HALF_DTYPES and not param.requires_grad
+
+
 def _master_for(param: torch.Tensor) -> torch.Tensor:
     """An fp32 copy of a trainable 16-bit parameter; for a frozen one (``requires_grad=False``:
-    a LoRA base weight) an empty fp32 placeholder, filled when it first gets a gradient (see
-    :meth:`MasterWeights._materialize`); any other parameter is its own master (stepped as a
-    plain optimizer steps it: no copy, no extra memory)."""
+    a LoRA base weight) an fp32 placeholder, filled when it first gets a gradient (see
+    :meth:`MasterWeights._materialize`): a view of the parameter's shape over one element
+    while the inner optimizer is built (so that a constructor reading its parameters' shapes
+    or sizes, as Muon's 2-D check, sees the parameter's), then emptied (see
+    :meth:`MasterWeights._empty_placeholders`); any other parameter is its own master
+    (stepped as a plain optimizer steps it: no copy, no extra memory)."""
+    if _is_lazy(param):
+        return torch.zeros((), dtype=torch.float32, device=param.device).expand(param.shape)
     if param.dtype in HALF_DTYPES:
-        if not param.requires_grad:
-            return torch.empty(0, dtype=torch.float32, device=param.device)
         return param.detach().to(torch.float32, copy=True)
     return param
 
@@ -78,12 +86,18 @@ def _copied_over(optimizer: torch.optim.Optimizer, groups: list) -> torch.optim.
     (torch's ``Optimizer.__init__`` run again on it; the subclass's constructor is not). Not
     ``copy.copy``: torch's ``__getstate__`` keeps only defaults, state and groups. Methods set
     on the instance (a torch LR scheduler wraps ``optimizer.step`` so, around ``optimizer``
-    itself) are not copied: the copy steps with its class's."""
+    itself) are not copied: the copy steps with its class's. The step hooks registered on
+    ``optimizer`` (``register_step_pre_hook`` / ``register_step_post_hook``) are shared with
+    the copy (the same dicts: a handle removes a hook from both), so they run at each step
+    of the masters, given the copy, as they ran given ``optimizer``."""
     cls = type(optimizer)
     copied = cls.__new__(cls)
     copied.__dict__.update({k: v for k, v in optimizer.__dict__.items()
                             if not callable(getattr(cls, k, None))})
     torch.optim.Optimizer.__init__(copied, groups, dict(optimizer.defaults))
+    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+        if hooks in optimizer.__dict__:  # torch's __init__ gave the copy empty ones
+            setattr(copied, hooks, optimizer.__dict__[hooks])
     return copied
 
 
@@ -168,8 +182,9 @@ class MasterWeights(torch.optim.Optimizer):
         fp32 parameters) turned into one stepping fp32 masters: its groups (the same dicts,
         so that a scheduler built on it drives this one), a shallow copy of it as the inner
         optimizer over the masters (so that what its constructor stored beside ``defaults``,
-        such as a subclass's own arguments, is kept: its constructor is not called again) and
-        the state it holds. Memory: the masters and that state."""
+        such as a subclass's own arguments, is kept: its constructor is not called again; the
+        step hooks registered on it run at each step, given the copy) and the state it holds.
+        Memory: the masters and that state."""
         if type(optimizer) is not cls.inner_class:
             raise TypeError(f"{cls.__name__}.around: expected a {cls.inner_class!r} "
                             f"instance, got {type(optimizer)!r}")
@@ -199,6 +214,7 @@ class MasterWeights(torch.optim.Optimizer):
             for p in list(self._lazy):
                 self._materialize(p)
             self.inner = build_inner(over_masters())
+        self._empty_placeholders()
         for group, inner in zip(groups, self.inner.param_groups):
             for key, value in _hyper(inner).items():  # the inner optimizer's defaults
                 group.setdefault(key, value)
@@ -391,6 +407,7 @@ class MasterWeights(torch.optim.Optimizer):
                 del self._masters[p], self._versions[p]
                 self._lazy.discard(p)
             raise
+        self._empty_placeholders()
         for key, value in _hyper(self.inner.param_groups[-1]).items():
             group.setdefault(key, value)
         super().add_param_group(group)
@@ -400,8 +417,18 @@ class MasterWeights(torch.optim.Optimizer):
             return
         self._masters[p] = _master_for(p)
         self._versions[p] = _stamp(p)
-        if self._masters[p] is not p and self._masters[p].shape != p.shape:
+        if _is_lazy(p):
             self._lazy.add(p)
+
+    def _empty_placeholders(self) -> None:
+        """Each placeholder master still shaped like its parameter (once the inner optimizer
+        has read the shapes) made empty: no memory, and a step that writes into parameters
+        without a gradient (a custom decay of every parameter) leaves it a no-op, as on a
+        frozen parameter's missing master."""
+        for p in self._lazy:
+            master = self._masters[p]
+            if master.numel():
+                master.data = torch.empty(0, dtype=torch.float32, device=p.device)
 
     @torch.no_grad()
     def _materialize(self, p: torch.Tensor) -> None:
