@@ -31,7 +31,7 @@ from shardkit.nn.model_parallel.initialize import (
     initialize_model_parallel, model_parallel_is_initialized)
 from shardkit.nn.model_parallel.layers import (
     ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, TensorParallelModule,
-    VocabParallelEmbedding)
+    VocabParallelEmbedding, local_construction)
 from shardkit.nn.model_parallel.mappings import (
     copy_to_model_parallel_region, gather_from_model_parallel_region,
     gather_from_sequence_parallel_region, reduce_from_model_parallel_region,
@@ -46,7 +46,7 @@ from shardkit.nn.model_parallel.sequence_parallel import (
 __all__ = [
     *initialize.__all__,
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelEmbedding",
-    "TensorParallelModule",
+    "TensorParallelModule", "local_construction",
     "copy_to_model_parallel_region", "reduce_from_model_parallel_region",
     "scatter_to_model_parallel_region", "gather_from_model_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",

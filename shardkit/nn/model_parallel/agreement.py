@@ -30,6 +30,7 @@ each rank's values, for the message. No memory beyond those few bytes.
 from __future__ import annotations
 
 import builtins
+import numbers
 import zlib
 from typing import Any, Mapping, Optional
 
@@ -73,10 +74,35 @@ def agree_on_input(what: str, facts: Mapping[str, Any], problem: Optional[BaseEx
     _agree(what, dict(facts), problem, group, size, INPUT_RULE, "were given different inputs")
 
 
+def _plain(value: Any) -> Any:
+    """``value`` with its numbers as Python's: an integer of any type (``np.int64(64)``) as
+    ``int``, a real one (``np.float32``) as ``float``, a bool as itself, a tuple or list item by
+    item; anything else as given. Local."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_plain(item) for item in value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Number):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    return float(value) if isinstance(value, numbers.Real) else complex(value)
+
+
+def _comparable(value: Any) -> str:
+    """What the ranks compare of ``value``: numbers by value, whatever their type (``64``,
+    ``np.int64(64)`` alike; ``1`` and ``1.0`` alike, as Python compares them), a bool as itself
+    (a flag must be a bool: checked before). Local."""
+    def collapsed(v):
+        if isinstance(v, (tuple, list)):
+            return type(v)(collapsed(item) for item in v)
+        return int(v) if isinstance(v, float) and v.is_integer() else v
+    return repr(collapsed(_plain(value)))
+
+
 def _digest(what: str, facts: dict) -> int:
-    """A CRC-32 of ``what`` and ``facts``, alike on every rank holding equal values."""
+    """A CRC-32 of ``what`` and ``facts``, alike on every rank holding equal values (numbers
+    by value: :func:`_comparable`)."""
     try:
-        text = repr((what, sorted((name, repr(value)) for name, value in facts.items())))
+        text = repr((what, sorted((name, _comparable(value)) for name, value in facts.items())))
     except Exception:  # noqa: BLE001 - a value whose repr fails is compared as unreadable
         text = repr((what, "unreadable"))
     return zlib.crc32(text.encode())
@@ -96,7 +122,7 @@ def _agree(what: str, facts: dict, problem: Optional[BaseException], group, size
     # Note: only here, where every rank saw the same rows (so every rank takes this branch),
     # the values travel, to name them in the message.
     mine = {"rank": distributed.get_rank(), "what": what,
-            "facts": {name: _shown(value) for name, value in facts.items()},
+            "facts": {name: (_shown(value), _comparable(value)) for name, value in facts.items()},
             "refusal": None if problem is None else
             (type(problem).__module__, type(problem).__qualname__, str(problem))}
     every = distributed.all_gather_object(mine, group, counted=False,
@@ -123,11 +149,12 @@ def _agree(what: str, facts: dict, problem: Optional[BaseException], group, size
 
 
 def _shown(value: Any) -> str:
-    """How a compared value reads in the message: ``torch.Size([4, 64])`` as ``(4, 64)``."""
+    """How a compared value reads in the message: ``torch.Size([4, 64])`` as ``(4, 64)``, a
+    number as Python's (:func:`_plain`: ``np.int64(16)`` as ``16``)."""
     if isinstance(value, tuple):  # torch.Size too
-        return repr(tuple(value))
+        return repr(_plain(tuple(value)))
     try:
-        return repr(value)
+        return repr(_plain(value))
     except Exception:  # noqa: BLE001
         return f"<unreadable {type(value).__name__}>"
 
@@ -141,10 +168,11 @@ def _differences(every: list) -> str:
                 f"or call different layers at the same point)")
     parts = []
     names = list(dict.fromkeys(name for e in every for name in e["facts"]))
-    for name in names:
-        values = [e["facts"].get(name, "(absent)") for e in every]
-        if len(set(values)) > 1:
-            parts.append(f"{name} per tensor-parallel rank: [{', '.join(values)}]")
+    for name in names:  # each fact: (as shown, as compared)
+        values = [e["facts"].get(name, ("(absent)", None)) for e in every]
+        if len({compared for _, compared in values}) > 1:
+            parts.append(f"{name} per tensor-parallel rank: "
+                         f"[{', '.join(shown for shown, _ in values)}]")
     return "; ".join(parts)
 
 

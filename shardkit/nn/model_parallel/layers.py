@@ -66,6 +66,11 @@ bytes), a control message that ``CommCounter`` does not count, on the group's co
 (under NCCL the GPU, whose result the host reads: one synchronisation); nothing at
 tensor-parallel size 1, nothing in backward (a gradient has its activation's shape).
 
+.. warning:: Building a tensor-parallel layer is collective over its tensor-parallel group:
+   build the model on every rank of it, alike. A model built on some ranks only (rank 0
+   counting the parameters under ``torch.device("meta")``) goes in
+   :func:`local_construction`, whose layers agree at their first forward instead.
+
 ``ColumnParallelLinear`` and ``RowParallelLinear`` take Megatron-LM's ``skip_bias_add``:
 ``forward`` then returns ``(output, bias)`` without adding the bias, for the caller to fuse the
 add into the next op (bias-GeLU, bias-dropout-add); see each class.
@@ -77,11 +82,13 @@ and ``load_full_state_dict(sd)`` (keeps this rank's slice; no communication).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import numbers
 import pickle
-from typing import Callable, Optional, Union
+import threading
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -100,11 +107,38 @@ from shardkit.nn.model_parallel.utils import check_indices, join_shards, shard_o
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "ParallelEmbedding", "TensorParallelModule", "deepcopy_keeping_parameter_marks",
-           "join_over_tensor_group"]
+           "join_over_tensor_group", "local_construction"]
 
 InitMethod = Callable[[torch.Tensor], torch.Tensor]
 # what a linear layer built with skip_bias_add=True returns: (output, bias or None)
 OutputAndBias = tuple[torch.Tensor, Optional[torch.Tensor]]
+# whether this thread builds layers in local_construction()
+_construction = threading.local()
+
+
+@contextlib.contextmanager
+def local_construction() -> Iterator[None]:
+    """Inside the block, the tensor-parallel layers built on this rank skip the construction
+    agreement with the other ranks of their tensor-parallel group (a collective, see the
+    module docstring) and make it at the start of their first ``forward`` instead, before any
+    collective of theirs; a layer refusing its arguments raises on this rank alone.
+
+    For a model built on some ranks only, which outside the block waits in its first layer
+    for ranks that never build it, or pairs with the next layer they build::
+
+        if rank == 0:  # log the model's size: nothing allocated, nothing exchanged
+            with torch.device("meta"), model_parallel.local_construction():
+                print(sum(p.numel() for p in GPT(config).parameters()))
+
+    Costs nothing: no communication in the block, and later the one agreement a layer
+    makes anyway, at its first forward (none for a layer never called). Local (this thread).
+    """
+    previous = getattr(_construction, "local", False)
+    _construction.local = True
+    try:
+        yield
+    finally:
+        _construction.local = previous
 
 
 class TensorParallelModule(KeepsParameterMarks):
@@ -121,6 +155,9 @@ class TensorParallelModule(KeepsParameterMarks):
     # the in-place initialiser of the master weight; None for a layer unpickled without it
     init_method: Optional[InitMethod] = None
     master_weight: Optional[torch.Tensor] = None
+    # the global arguments of a layer built in local_construction(), agreed at its first
+    # forward (see _agree_on_arguments); None once agreed, or for a layer built outside it
+    _arguments_to_agree: Optional[dict] = None
 
     def __init__(self, what: str):
         super().__init__()
@@ -184,7 +221,16 @@ class TensorParallelModule(KeepsParameterMarks):
         layer's global ``arguments``, and this rank's ``problem`` (its argument checks' error)
         is raised on every rank that has one, a ValueError on the others (see
         :func:`~shardkit.nn.model_parallel.agreement.agree_on_arguments`: one all-gather of
-        two int64s per rank, not counted by ``CommCounter``; none at size 1)."""
+        two int64s per rank, not counted by ``CommCounter``; none at size 1).
+
+        Inside :func:`local_construction` the layer agrees at the start of its first
+        ``forward`` instead (before any collective of it; the same cost, once; none for a
+        layer never called) and raises its ``problem`` on this rank alone, here."""
+        if getattr(_construction, "local", False):
+            if problem is not None:
+                raise problem
+            self._arguments_to_agree = dict(arguments)
+            return
         agree_on_arguments(type(self).__name__, arguments, problem, self.tp_group, self.tp_size)
 
     def _agree_on_input(self, x, problem: Optional[BaseException], **facts) -> None:
@@ -193,7 +239,13 @@ class TensorParallelModule(KeepsParameterMarks):
         is raised on every rank (see
         :func:`~shardkit.nn.model_parallel.agreement.agree_on_input`: in the collective debug
         mode one all-gather of two int64s per rank, not counted by ``CommCounter``; none at
-        size 1 or with the mode off)."""
+        size 1 or with the mode off). First, for a layer built in :func:`local_construction`,
+        at its first forward only: the ranks' agreement on its arguments (see
+        :meth:`_agree_on_arguments`)."""
+        if self._arguments_to_agree is not None:
+            agree_on_arguments(type(self).__name__, self._arguments_to_agree, None,
+                               self.tp_group, self.tp_size)
+            self._arguments_to_agree = None  # agreed: not again (a failed one is asked again)
         agree_on_input(f"{type(self).__name__}.forward", {**activation_facts(x), **facts},
                        problem, self.tp_group, self.tp_size)
 

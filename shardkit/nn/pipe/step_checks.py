@@ -148,14 +148,16 @@ class StepChecks:
         ``replicas_too`` (the first step): ShardedDataParallel / FSDP stages' replicas share their
         refusals before (:meth:`~shardkit.nn.pipe.PlanSchedule._replica_refusals`). The same
         all-gather says whether the pipeline's stage modules are all in one ``train()`` /
-        ``eval()`` mode (a warning on every rank otherwise: :meth:`_warn_mixed_modes`)."""
+        ``eval()`` mode (a warning on every rank otherwise: :meth:`_warn_mixed_modes`), a
+        frozen stage in ``eval()`` left out (:func:`_frozen_in_eval`)."""
         grad = torch.is_grad_enabled() if grad is None else grad
         local = self._local_problems(inputs, target)
         if replicas_too:
             local += self._replica_refusals(local, grad)
         shards = (bool(self._reducing_replica_groups(True)),
                   bool(self._reducing_replica_groups(False)))
-        modes = {stage.module.training for stage in self.stages.values()}
+        modes = {stage.module.training for stage in self.stages.values()
+                 if not _frozen_in_eval(stage.module)}
         try:
             training, evaluating, some_train, some_eval = check_schedule_agreement(
                 type(self).__name__, self.chunks, local, self.group, self._who,
@@ -172,7 +174,8 @@ class StepChecks:
         """Once per schedule, on every rank alike: the pipeline's stage modules are not all in
         the same ``train()`` / ``eval()`` mode (learnt in the agreement's all-gather, at no
         cost of its own). One process would run so only where part of the model was switched
-        on purpose (a frozen first stage in eval); a stage left in the other mode on one
+        on purpose (a frozen first stage in eval, which is not counted: every parameter of it
+        frozen, see :func:`_frozen_in_eval`); a stage left in the other mode on one
         rank (a ``.eval()`` for validation on rank 0 only) silently changes what its dropout
         and batch norm do.
 
@@ -204,3 +207,15 @@ class StepChecks:
         self._check_agreement(inputs, target, grad, replicas_too=True)
         self._checked = True
         self._replicas_checked = self._replicas_checked or grad
+
+
+def _frozen_in_eval(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a frozen stage put in ``eval()`` on purpose: in eval mode, with
+    parameters and none requiring grad (a frozen embedding or encoder, the usual way to keep
+    its dropout and batch-norm statistics fixed while the other stages train). Such a stage
+    is left out of the train/eval comparison, where it made every rank warn of mixed modes.
+    Local."""
+    if module.training:
+        return False
+    params = list(module.parameters())
+    return bool(params) and not any(p.requires_grad for p in params)
