@@ -40,8 +40,8 @@ from shardkit.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from shardkit.testing import world_fixture
 from tests.test_deepspeed_chat import (
     DECAY, LORA_LR, LR, TOL, _full_parameters, _max_diff, all_reduce_mean, chat_config,
-    grouped_parameters, moving_average, save_hf_format, save_zero_three_model, tiny_opt,
-    to_fetch)
+    eval_ds_config, grouped_parameters, moving_average, save_hf_format, save_zero_three_model,
+    tiny_opt, to_fetch)
 
 PAD, EOS = 1, 5          # OPT's pad token; the end token the tiny actor emits early
 PROMPT, ANSWER = 4, 4    # max_prompt_seq_len, max_answer_seq_len
@@ -180,17 +180,7 @@ def make_critic():
 def eval_config(offload, stage, world, dtype="fp32"):
     """``get_eval_ds_config(offload, dtype, stage)`` (fp32: no precision section) with the
     batch sizes ``rlhf_engine.py`` sets."""
-    precision = {"fp16": {"fp16": {"enabled": True}},
-                 "bf16": {"bfloat16": {"enabled": True}}}.get(dtype, {})
-    return {
-        **precision,
-        "train_batch_size": MICRO * world, "train_micro_batch_size_per_gpu": MICRO,
-        "steps_per_print": 10,
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1e4,
-                              "offload_param": {"device": "cpu" if offload else "none"},
-                              "memory_efficient_linear": False},
-        "gradient_clipping": 1.0, "prescale_gradients": False, "wall_clock_breakdown": False,
-    }
+    return eval_ds_config(offload, dtype, stage, micro=MICRO, world=world)
 
 
 def train_config(offload, stage, world, hybrid=False, dtype="fp32", scale_power=None):
