@@ -19,7 +19,7 @@ from shardkit.config import EngineConfig
 from shardkit.engine_optimizer_hooks import _ENGINE_STEPPING
 from shardkit.engine_scheduler import _note_step_taken_for
 from shardkit.optim.loss_scaler import DynamicLossScaler, StaticLossScaler
-from shardkit.optim.master_weights import MasterWeights
+from shardkit.optim.master_weights import master_weights_of
 
 logger = logging.getLogger("shardkit")
 
@@ -147,10 +147,9 @@ class OptimizerStep:
         model, :class:`~shardkit.optim.MasterWeights`), those it steps widened to fp32, so that
         the overflow check, unscaling and clipping act on them in fp32 (a loss-scaled fp16
         gradient unscaled in fp16 flushes to zero); elsewhere the parameters' own."""
-        local = self.optimizer if isinstance(self.optimizer, MasterWeights) \
-            else getattr(self.optimizer, "optim", None)
-        if isinstance(local, MasterWeights):
-            return local.prepare_master_grads()
+        masters = master_weights_of(self.optimizer)
+        if masters is not None:
+            return masters.prepare_master_grads()
         return [p.grad for group in self.optimizer.param_groups for p in group["params"]
                 if p.grad is not None]
 

@@ -44,7 +44,7 @@ from shardkit.checkpoint.sharded import (FORMAT, CheckpointError, RankShard,
 from shardkit.nn.model_parallel.random import get_model_parallel_rng_tracker
 from shardkit.optim.local_step import without_fused_choice
 from shardkit.optim.lr_scheduler import loads_position_only
-from shardkit.optim.master_weights import MASTER_WEIGHT_KEY, MasterWeights
+from shardkit.optim.master_weights import MASTER_WEIGHT_KEY, MasterWeights, master_weights_of
 from shardkit.optim.partition import ParameterPartition
 
 __all__ = ["save_engine_checkpoint", "load_engine_checkpoint", "rng_state", "set_rng_state"]
@@ -230,20 +230,11 @@ def _local_optimizer_state(engine, param) -> Optional[dict]:
     return state or None
 
 
-def _master_weights(engine) -> Optional[MasterWeights]:
-    """Stages 0-2 with fp16/bf16: the optimizer keeping fp32 masters of the 16-bit weights
-    (at stages 1-2 OSS's local one); ``None`` elsewhere."""
-    for candidate in (engine.optimizer, getattr(engine.optimizer, "optim", None)):
-        if isinstance(candidate, MasterWeights):
-            return candidate
-    return None
-
-
 def _saved_value(engine, param) -> torch.Tensor:
     """What a checkpoint stores for ``param``: its fp32 value (the fp32 master of a 16-bit
     weight where the owner keeps one, so that fp16/bf16 checkpoints hold the exact fp32
     weights DeepSpeed's masters hold), as a CPU copy."""
-    masters = _master_weights(engine)
+    masters = master_weights_of(engine.optimizer)
     if masters is not None and masters.holds(param):
         param = masters.master_weight_of(param)
     return param.detach().to("cpu", torch.float32, copy=True)
@@ -254,7 +245,7 @@ def _load_master_weights(engine, weights: dict) -> None:
     fp32 value of its parameter (the 16-bit weight just loaded is that value rounded; the
     master taken from it, or from an optimizer state that carries none, would have lost the
     low bits). Local."""
-    masters = _master_weights(engine)
+    masters = master_weights_of(engine.optimizer)
     if masters is None:
         return
     for name, param in engine.module.named_parameters():

@@ -34,11 +34,20 @@ import torch
 from shardkit.optim.local_step import _unhooked_step
 from shardkit.optim.oss_arguments import without_fixed_defaults
 
-__all__ = ["MasterWeights", "MASTER_WEIGHT_KEY", "HALF_DTYPES"]
+__all__ = ["MasterWeights", "MASTER_WEIGHT_KEY", "HALF_DTYPES", "master_weights_of"]
 
 MASTER_WEIGHT_KEY = "master_weight"
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _CLASSES: dict = {}
+
+
+def master_weights_of(optimizer) -> Optional["MasterWeights"]:
+    """The :class:`MasterWeights` ``optimizer`` steps with: itself, or an OSS's local optimizer
+    (``optimizer.optim``); ``None`` for any other. Local."""
+    for candidate in (optimizer, getattr(optimizer, "optim", None)):
+        if isinstance(candidate, MasterWeights):
+            return candidate
+    return None
 
 
 def _is_lazy(param: torch.Tensor) -> bool:

@@ -384,17 +384,15 @@ def _master_weights(loc: ParamLocation):
     :class:`~shardkit.optim.MasterWeights` holding ``loc.param``'s master (at stages 1-2 the
     OSS local optimizer, on the owner), or ``None`` (the parameter itself is the fp32 value:
     fp32 training, a frozen parameter, stage 3). Local."""
-    from shardkit.optim.master_weights import HALF_DTYPES, MasterWeights
+    from shardkit.optim.master_weights import HALF_DTYPES, master_weights_of
     if loc.unit is not None or loc.param.dtype not in HALF_DTYPES:
         return None
-    oss = loc.oss
-    if oss is not None:
-        local = oss.optim
-        held = loc.param in oss.param_to_rank
-    else:
-        local = loc.optimizer
-        held = isinstance(local, MasterWeights) and local.holds(loc.param)
-    return local if isinstance(local, MasterWeights) and held else None
+    masters = master_weights_of(loc.optimizer)
+    if masters is None:
+        return None
+    # under OSS every rank, not only the owner, takes the master's path (its broadcast)
+    held = loc.param in loc.oss.param_to_rank if loc.oss is not None else masters.holds(loc.param)
+    return masters if held else None
 
 
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:

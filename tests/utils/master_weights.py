@@ -8,7 +8,7 @@ training against one fp32 process compare these.
 
 import torch
 
-from shardkit.optim import MasterWeights
+from shardkit.optim.master_weights import master_weights_of
 from shardkit.utils.tensor_fragment import safe_get_full_fp32_param
 
 
@@ -20,10 +20,7 @@ def fp32_weights(engine) -> dict:
 
 def masters_of(engine):
     """The engine's ``MasterWeights`` (at stages 1-2 OSS's local one), or ``None``."""
-    for candidate in (engine.optimizer, getattr(engine.optimizer, "optim", None)):
-        if isinstance(candidate, MasterWeights):
-            return candidate
-    return None
+    return master_weights_of(engine.optimizer)
 
 
 def master_dtype(engine) -> torch.dtype:
