@@ -35,14 +35,26 @@ import zlib
 from typing import Any, Mapping, Optional
 
 from shardkit import distributed
+from shardkit.collective_check import debug_collectives_enabled
 
-__all__ = ["agree_on_arguments", "agree_on_input", "ARGUMENTS_RULE", "INPUT_RULE"]
+__all__ = ["agree_on_arguments", "agree_on_input", "local_problem", "ARGUMENTS_RULE",
+           "INPUT_RULE"]
 
 ARGUMENTS_RULE = ("every rank of a tensor-parallel group must build each tensor-parallel layer "
                   "with the same arguments (the unsplit layer's), in the same order")
 INPUT_RULE = ("every rank of a tensor-parallel group must pass inputs of the same shape and dtype "
               "(the same batch: e.g. broadcast it over the group with "
               "shardkit.nn.model_parallel.broadcast_data); nothing was exchanged")
+
+
+def local_problem(check, *args) -> Optional[BaseException]:
+    """The error ``check(*args)`` raises on this rank (``None``: none), for the tensor-parallel
+    ranks' agreement to raise on every rank. No communication."""
+    try:
+        check(*args)
+    except Exception as error:  # noqa: BLE001 - whatever it is, every rank raises it
+        return error
+    return None
 
 
 def agree_on_arguments(what: str, arguments: Mapping[str, Any],
@@ -66,7 +78,6 @@ def agree_on_input(what: str, facts: Mapping[str, Any], problem: Optional[BaseEx
     only (:func:`shardkit.distributed.set_debug_collectives`, ``SHARDKIT_DEBUG_COLLECTIVES=1``);
     otherwise it raises this rank's ``problem`` alone and exchanges nothing, so that a
     forward's path keeps no host synchronisation (see the module docstring)."""
-    from shardkit.collective_check import debug_collectives_enabled
     if not debug_collectives_enabled():
         if problem is not None:
             raise problem

@@ -96,7 +96,8 @@ import torch.nn.functional as F
 
 from shardkit import distributed
 from shardkit.nn.model_parallel.initialize import current_groups, model_parallel_is_initialized
-from shardkit.nn.model_parallel.agreement import agree_on_arguments, agree_on_input
+from shardkit.nn.model_parallel.agreement import (agree_on_arguments, agree_on_input,
+                                                  local_problem)
 from shardkit.nn.model_parallel.mappings import (
     SEQUENCE_DIM, _copy_to_region_of_own_linear, _gather_from_region,
     _gather_from_sequence_region, _reduce_from_region_of_own_output,
@@ -408,16 +409,6 @@ def deepcopy_keeping_parameter_marks(module: nn.Module, memo: dict) -> nn.Module
     return clone
 
 
-def _local_problem(check, *args) -> Optional[BaseException]:
-    """The error ``check(*args)`` raises on this rank (``None``: none), for the tensor-parallel
-    ranks' agreement to raise on every rank. No communication."""
-    try:
-        check(*args)
-    except Exception as error:  # noqa: BLE001 - whatever it is, every rank raises it
-        return error
-    return None
-
-
 def _check_padding_idx(what: str, padding_idx, num_embeddings: int) -> None:
     """Raise ``ValueError`` unless ``padding_idx`` is ``None`` or in ``[-V, V)``. Local."""
     if padding_idx is not None and not -num_embeddings <= padding_idx < num_embeddings:
@@ -645,11 +636,11 @@ class ColumnParallelLinear(TensorParallelModule):
         """The output (``[..., out_features]``, or this rank's ``out_features / n`` without
         ``gather_output``); with ``skip_bias_add``, ``(output, bias)`` with the bias not added.
         First the tensor-parallel ranks agree on ``x``'s shape and dtype (see the class)."""
-        problem = _local_problem(_check_input_width, "ColumnParallelLinear", x, self.in_features,
-                                 "in_features")
+        problem = local_problem(_check_input_width, "ColumnParallelLinear", x, self.in_features,
+                                "in_features")
         if problem is None and self.sequence_parallel:
-            problem = _local_problem(_check_sequence_dim, "ColumnParallelLinear", x.dim(),
-                                     self.sequence_dim)
+            problem = local_problem(_check_sequence_dim, "ColumnParallelLinear", x.dim(),
+                                    self.sequence_dim)
         self._agree_on_input(x, problem)
         if self.sequence_parallel:
             x = _gather_from_sequence_region(x, self.sequence_dim, self.tp_group)
@@ -767,17 +758,17 @@ class RowParallelLinear(TensorParallelModule):
         ``sequence_parallel``); with ``skip_bias_add``, ``(output, bias)``, bias not added.
         First the tensor-parallel ranks agree on ``x``'s shape and dtype (see the class)."""
         if self.input_is_parallel:
-            problem = _local_problem(
+            problem = local_problem(
                 _check_input_width, "RowParallelLinear", x, self.input_size_per_partition,
                 f"input_is_parallel=True: this rank's slice, in_features={self.in_features} / "
                 f"tensor-parallel size {self.tp_size}; pass input_is_parallel=False for the "
                 f"whole input")
         else:
-            problem = _local_problem(_check_input_width, "RowParallelLinear", x, self.in_features,
-                                     "in_features, the whole input, as input_is_parallel=False")
+            problem = local_problem(_check_input_width, "RowParallelLinear", x, self.in_features,
+                                    "in_features, the whole input, as input_is_parallel=False")
         if problem is None and self.sequence_parallel:
-            problem = _local_problem(_check_sequence_dim, "RowParallelLinear", x.dim(),
-                                     self.sequence_dim)
+            problem = local_problem(_check_sequence_dim, "RowParallelLinear", x.dim(),
+                                    self.sequence_dim)
         self._agree_on_input(x, problem)
         if not self.input_is_parallel:
             x = _scatter_to_region(x, self._shard_dims["weight"][1], self.tp_group)
@@ -892,11 +883,11 @@ class VocabParallelEmbedding(TensorParallelModule):
         ``sequence_parallel``). First the tensor-parallel ranks agree on ``idx``'s shape (see
         the class)."""
         # an id outside [0, V) would look up zeros on every rank instead of failing
-        problem = _local_problem(check_indices, idx, self.num_embeddings,
-                                 "VocabParallelEmbedding: token id", "num_embeddings")
+        problem = local_problem(check_indices, idx, self.num_embeddings,
+                                "VocabParallelEmbedding: token id", "num_embeddings")
         if problem is None and self.sequence_parallel:  # the output has one more dimension
-            problem = _local_problem(_check_sequence_dim, "VocabParallelEmbedding",
-                                     idx.dim() + 1, self.sequence_dim)
+            problem = local_problem(_check_sequence_dim, "VocabParallelEmbedding",
+                                    idx.dim() + 1, self.sequence_dim)
         self._agree_on_input(idx, problem)
         outside = (idx < self.vocab_start_index) | (idx >= self.vocab_end_index)
         local = (idx - self.vocab_start_index).masked_fill(outside, 0)
@@ -1021,8 +1012,8 @@ class ParallelEmbedding(TensorParallelModule):
         tensor-parallel ranks agree on ``idx``'s shape (and, with ``max_norm``, on the number
         of distinct ids, the size of the norms' all-reduce; see the class)."""
         # before renormalising: a negative id would index the weight from its end
-        problem = _local_problem(check_indices, idx, self.num_embeddings,
-                                 "ParallelEmbedding: token id", "num_embeddings")
+        problem = local_problem(check_indices, idx, self.num_embeddings,
+                                "ParallelEmbedding: token id", "num_embeddings")
         rows = idx.unique() if self.max_norm is not None and problem is None else None
         facts = {} if rows is None else {"distinct token ids": rows.numel()}
         self._agree_on_input(idx, problem, **facts)

@@ -52,7 +52,7 @@ from typing import Optional
 import torch
 
 from shardkit import distributed
-from shardkit.nn.model_parallel.agreement import agree_on_input
+from shardkit.nn.model_parallel.agreement import agree_on_input, local_problem
 from shardkit.nn.model_parallel.initialize import get_model_parallel_group
 from shardkit.nn.model_parallel.utils import divide, join_shards, shard_of
 
@@ -87,8 +87,8 @@ def _agree(what: str, x, problem: Optional[BaseException], group, **arguments) -
     on ``x``'s shape and dtype and on ``arguments`` (``dim``, ``stride``), and each rank's local
     ``problem`` is raised on every rank (see
     :func:`~shardkit.nn.model_parallel.agreement.agree_on_input`: in the collective debug mode,
-    one all-gather of two int64s per rank, not counted by ``CommCounter``). Only at size > 1
-    (the caller checks)."""
+    one all-gather of two int64s per rank, not counted by ``CommCounter``). At size 1 it
+    raises ``problem`` alone."""
     group = _group(group)
     agree_on_input(what, {**activation_facts(x), **arguments}, problem, group,
                    distributed.get_world_size(group))
@@ -100,15 +100,6 @@ def activation_facts(x) -> dict:
     if not isinstance(x, torch.Tensor):
         return {"input type": type(x).__name__}
     return {"input shape": tuple(x.shape), "input dtype": x.dtype}
-
-
-def _problem_of(check, *args) -> Optional[BaseException]:
-    """The error ``check(*args)`` raises (``None``: none), to be raised after the agreement."""
-    try:
-        check(*args)
-    except Exception as error:  # noqa: BLE001 - whatever it is, every rank raises it
-        return error
-    return None
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -265,8 +256,7 @@ def reduce_from_model_parallel_region(x: torch.Tensor, *, group=None) -> torch.T
     """Leave a tensor-parallel region by summing partial results: all-reduce forward (on a copy;
     ``x`` is untouched), identity backward. Before it, the ranks agree on ``x``'s shape and
     dtype (see the module docstring)."""
-    if not _alone(group):
-        _agree("reduce_from_model_parallel_region", x, None, group)
+    _agree("reduce_from_model_parallel_region", x, None, group)
     return _ReduceFromRegion.apply(x, group, False)
 
 
@@ -287,11 +277,7 @@ def scatter_to_model_parallel_region(x: torch.Tensor, stride: int = 1, *,
                                      group=None) -> torch.Tensor:
     """Keep this rank's slice of the last dimension (its ``stride`` blocks, as ``shard_of``);
     backward all-gathers the gradient."""
-    problem = _problem_of(_check_stride, "scatter_to_model_parallel_region", stride)
-    if _alone(group):
-        if problem is not None:
-            raise problem
-        return x
+    problem = local_problem(_check_stride, "scatter_to_model_parallel_region", stride)
     _agree("scatter_to_model_parallel_region", x, problem, group, stride=stride)
     return _scatter_to_region(x, stride, group)
 
@@ -308,11 +294,7 @@ def gather_from_model_parallel_region(x: torch.Tensor, stride: int = 1, *,
                                       group=None) -> torch.Tensor:
     """Concatenate every rank's slice along the last dimension (interleaving ``stride`` blocks
     per rank, the inverse of ``shard_of``); backward keeps own slice."""
-    problem = _problem_of(_check_stride, "gather_from_model_parallel_region", stride)
-    if _alone(group):
-        if problem is not None:
-            raise problem
-        return x
+    problem = local_problem(_check_stride, "gather_from_model_parallel_region", stride)
     _agree("gather_from_model_parallel_region", x, problem, group, stride=stride)
     return _gather_from_region(x, stride, group)
 
@@ -372,12 +354,9 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUENCE_DIM
                                         group=None) -> torch.Tensor:
     """Keep this rank's slice of the sequence dimension; backward all-gathers the gradient."""
     what = "scatter_to_sequence_parallel_region"
-    problem = _problem_of(_check_dim, what, x, dim)
+    _agree(what, x, local_problem(_check_dim, what, x, dim), group, dim=dim)
     if _alone(group):
-        if problem is not None:
-            raise problem
         return x
-    _agree(what, x, problem, group, dim=dim)
     return _ScatterToSequence.apply(x, dim, group)
 
 
@@ -391,12 +370,8 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUENCE_DI
     partial sum; ``False`` when it feeds one replicated on every rank (each rank's gradient is
     already whole): backward then keeps this rank's slice, with no communication."""
     what = "gather_from_sequence_parallel_region"
-    problem = _problem_of(_check_dim, what, x, dim) or _problem_of(
+    problem = local_problem(_check_dim, what, x, dim) or local_problem(
         _check_output_grad_flag, tensor_parallel_output_grad)
-    if _alone(group):
-        if problem is not None:
-            raise problem
-        return x
     _agree(what, x, problem, group, dim=dim,
            tensor_parallel_output_grad=tensor_parallel_output_grad)
     return _gather_from_sequence_region(x, dim, group, tensor_parallel_output_grad)
@@ -422,12 +397,7 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, dim: int = SEQUE
     """Sum partial results and keep this rank's sequence slice (reduce-scatter); backward
     all-gathers the gradient."""
     what = "reduce_scatter_to_sequence_parallel_region"
-    problem = _problem_of(_check_dim, what, x, dim)
-    if _alone(group):
-        if problem is not None:
-            raise problem
-        return x
-    _agree(what, x, problem, group, dim=dim)
+    _agree(what, x, local_problem(_check_dim, what, x, dim), group, dim=dim)
     return _reduce_scatter_to_sequence_region(x, dim, group)
 
 
