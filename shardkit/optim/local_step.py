@@ -40,7 +40,8 @@ from typing import Callable, Optional
 import torch
 
 __all__ = ["choose_fused", "all_fp32", "with_fused_choice", "without_fused_choice",
-           "build_local_optimizer", "steps_each_parameter_alone", "step_only", "fused_sgd_calls",
+           "build_local_optimizer", "rebuilt_from_class", "copy_over",
+           "steps_each_parameter_alone", "step_only", "fused_sgd_calls",
            "fused_first_steps_collide", "whole_step", "runs_on_whole_model", "agreed_closure"]
 
 # Optimizers whose step treats each parameter independently (state per parameter, nothing
@@ -145,15 +146,54 @@ def without_fused_choice(group: dict, fused: bool) -> dict:
 
 
 def build_local_optimizer(optim_class: type, kwargs: dict, groups: list[dict], owned: set,
-                          fused: bool) -> torch.optim.Optimizer:
+                          fused: bool, template: Optional[torch.optim.Optimizer] = None
+                          ) -> torch.optim.Optimizer:
     """The optimizer over this rank's parameters: one group per public group (same
-    hyper-parameters, only the parameters whose ``id`` is in ``owned``). Memory: the state of
-    the owned parameters only, allocated lazily by the optimizer's first step."""
+    hyper-parameters, only the parameters whose ``id`` is in ``owned``), a new ``optim_class``
+    or, given ``template`` (an optimizer OSS took over, see :func:`rebuilt_from_class`), a copy
+    of it (:func:`copy_over`). Memory: the state of the owned parameters only, allocated lazily
+    by the optimizer's first step."""
     local_groups = [_local_group(g, owned, fused) for g in groups]
+    if template is not None:
+        return copy_over(template, local_groups)
     kwargs = dict(kwargs)
     if fused:
         kwargs["fused"] = True
     return optim_class(local_groups, **kwargs)
+
+
+def rebuilt_from_class(optim_class: type) -> bool:
+    """Whether an optimizer of this class, taken over by OSS (``OSS(existing)``, the engine's
+    stages 1-2 given an optimizer instance), is built again from its class and ``defaults`` on
+    each rank's shard: torch's own optimizers, whose constructors keep nothing beside
+    ``defaults`` (and which may then take the fused kernel). Any other class's constructor may
+    keep its own arguments as attributes (``self.factor = factor``) that ``defaults`` does not
+    hold, or take required arguments that ``defaults`` cannot supply: such an optimizer is
+    copied instead (:func:`copy_over`), as DeepSpeed steps the client's optimizer itself."""
+    return getattr(optim_class, "__module__", "").startswith("torch.optim")
+
+
+def copy_over(optimizer: torch.optim.Optimizer, groups: list) -> torch.optim.Optimizer:
+    """A shallow copy of ``optimizer`` whose groups are ``groups`` and whose state is empty
+    (torch's ``Optimizer.__init__`` run again on it; the subclass's constructor is not, so what
+    it stored beside ``defaults`` is kept, shared with ``optimizer``). Not ``copy.copy``:
+    torch's ``__getstate__`` keeps only defaults, state and groups. Methods set on the instance
+    (a torch LR scheduler wraps ``optimizer.step`` so, around ``optimizer`` itself) are not
+    copied: the copy steps with its class's. The step hooks registered on ``optimizer``
+    (``register_step_pre_hook`` / ``register_step_post_hook``) are shared with the copy (the
+    same dicts: a handle removes a hook from both), so they run at each step of the copy, given
+    the copy, as they ran given ``optimizer``. An attribute holding ``optimizer``'s own
+    parameter list (rather than reading ``param_groups``) still names every parameter: such an
+    optimizer does not step a shard. Memory: the group lists only."""
+    cls = type(optimizer)
+    copied = cls.__new__(cls)
+    copied.__dict__.update({k: v for k, v in optimizer.__dict__.items()
+                            if not callable(getattr(cls, k, None))})
+    torch.optim.Optimizer.__init__(copied, groups, dict(optimizer.defaults))
+    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+        if hooks in optimizer.__dict__:  # torch's __init__ gave the copy empty ones
+            setattr(copied, hooks, optimizer.__dict__[hooks])
+    return copied
 
 
 def _local_group(group: dict, owned: set, fused: bool) -> dict:

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from shardkit.optim.local_step import _unhooked_step
+from shardkit.optim.local_step import _unhooked_step, copy_over
 from shardkit.optim.oss_arguments import without_fixed_defaults
 
 __all__ = ["MasterWeights", "MASTER_WEIGHT_KEY", "HALF_DTYPES", "master_weights_of"]
@@ -88,26 +88,6 @@ def _as_groups(params) -> list[dict]:
         params = group["params"]
         group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
     return groups
-
-
-def _copied_over(optimizer: torch.optim.Optimizer, groups: list) -> torch.optim.Optimizer:
-    """A shallow copy of ``optimizer`` whose groups are ``groups`` and whose state is empty
-    (torch's ``Optimizer.__init__`` run again on it; the subclass's constructor is not). Not
-    ``copy.copy``: torch's ``__getstate__`` keeps only defaults, state and groups. Methods set
-    on the instance (a torch LR scheduler wraps ``optimizer.step`` so, around ``optimizer``
-    itself) are not copied: the copy steps with its class's. The step hooks registered on
-    ``optimizer`` (``register_step_pre_hook`` / ``register_step_post_hook``) are shared with
-    the copy (the same dicts: a handle removes a hook from both), so they run at each step
-    of the masters, given the copy, as they ran given ``optimizer``."""
-    cls = type(optimizer)
-    copied = cls.__new__(cls)
-    copied.__dict__.update({k: v for k, v in optimizer.__dict__.items()
-                            if not callable(getattr(cls, k, None))})
-    torch.optim.Optimizer.__init__(copied, groups, dict(optimizer.defaults))
-    for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
-        if hooks in optimizer.__dict__:  # torch's __init__ gave the copy empty ones
-            setattr(copied, hooks, optimizer.__dict__[hooks])
-    return copied
 
 
 def _hyper(group: dict) -> dict:
@@ -197,11 +177,31 @@ class MasterWeights(torch.optim.Optimizer):
         if type(optimizer) is not cls.inner_class:
             raise TypeError(f"{cls.__name__}.around: expected a {cls.inner_class!r} "
                             f"instance, got {type(optimizer)!r}")
-        built = cls.__new__(cls)
-        built._build(_as_groups(optimizer.param_groups),
-                     lambda over_masters: _copied_over(optimizer, over_masters))
+        built = cls._copying(optimizer, optimizer.param_groups)
         if optimizer.state:
             built.load_state_dict(optimizer.state_dict())
+        return built
+
+    @classmethod
+    def copies_of(cls, optimizer: torch.optim.Optimizer) -> Callable:
+        """A factory ``(params, **ignored)`` of MasterWeights whose inner optimizer is a copy of
+        ``optimizer`` over the masters of ``params`` (as :meth:`around`: its constructor is not
+        called again, so a subclass's own arguments are kept; its step hooks are shared). What
+        OSS takes as ``optim=`` to shard an optimizer a script built, over ``optimizer``'s own
+        group dicts: the hyper-parameters come with the groups, so keyword arguments are
+        ignored. Memory and communication: none until called."""
+        over = cls.over(type(optimizer))
+
+        def build(params, **_hyper_parameters_in_the_groups):
+            return over._copying(optimizer, params)
+
+        build.__name__ = build.__qualname__ = over.__name__
+        return build
+
+    @classmethod
+    def _copying(cls, optimizer: torch.optim.Optimizer, params) -> "MasterWeights":
+        built = cls.__new__(cls)
+        built._build(_as_groups(params), lambda over_masters: copy_over(optimizer, over_masters))
         return built
 
     def _build(self, groups: list, build_inner: Callable) -> None:

@@ -27,7 +27,7 @@ from shardkit.checkpoint.optimizer_state import (check_full_state_dict,
                                                  state_by_param)
 from shardkit.optim import oss_arguments as args
 from shardkit.optim.local_step import (agreed_closure, all_fp32, build_local_optimizer,
-                                       choose_fused, runs_on_whole_model,
+                                       choose_fused, rebuilt_from_class, runs_on_whole_model,
                                        steps_each_parameter_alone, step_only, whole_step,
                                        with_fused_choice, without_fused_choice)
 from shardkit.optim.master_weights import MasterWeights
@@ -85,6 +85,9 @@ class OSS(torch.optim.Optimizer):
             taken over (then ``optim`` and ``defaults`` must not be given). Its param-group
             dicts become OSS's own (the same objects), so a learning rate changed through it,
             or by a scheduler built on it, is the one OSS steps with; do not step it yourself.
+            A torch optimizer is built again from its class on each shard; any other class (a
+            subclass whose constructor keeps its own arguments) is copied instead, its
+            constructor not called again (see ``local_step.rebuilt_from_class``).
         optim: the ``torch.optim.Optimizer`` subclass run on the local shard (default SGD,
             as in FairScale). As in FairScale, anything called as
             ``optim(param_groups, **defaults)`` also works: ``functools.partial`` of an
@@ -163,10 +166,13 @@ class OSS(torch.optim.Optimizer):
         args.drop_deprecated_fairscale_kwargs(defaults)
         existing = params if isinstance(params, torch.optim.Optimizer) else None
         self._optim_is_factory = False
+        # the optimizer taken over, when each local optimizer is a copy of it
+        self._template: Optional[torch.optim.Optimizer] = None
         if existing is not None:
             args.check_takeover_arguments(existing, optim, defaults, isinstance(existing, OSS))
             optim, groups = type(existing), args.groups_of(existing)
             ctor_kwargs = args.constructor_kwargs(optim, existing.defaults)
+            self._template = None if rebuilt_from_class(optim) else existing
         else:
             optim, bound, self._optim_is_factory = args.resolve_optimizer(optim)
             defaults = {**bound, **defaults}
@@ -1161,7 +1167,7 @@ class OSS(torch.optim.Optimizer):
             owned = {id(p) for g in groups for p in g["params"]}
         try:
             built = build_local_optimizer(self._optim_class, self._optim_kwargs, groups, owned,
-                                          self.fused)
+                                          self.fused, self._template)
         except (ValueError, TypeError) as error:  # torch's check of a hyper-parameter
             kind = ValueError if isinstance(error, ValueError) else TypeError
             raise kind(f"{caller or 'OSS'}(optim={args.optimizer_name(self._optim_class)}): "

@@ -523,9 +523,7 @@ def gradient_step_problem(caller: str, optim_cls: type, hyper: dict, param: torc
     anyway). Cached in ``known`` by what chooses a code path (:func:`_step_path_key`:
     ``foreach``, ``fused``, ``capturable``..., whether each number is zero, a tensor's kind),
     not by the numbers a scheduler changes every step. Local."""
-    module = getattr(optim_cls, "__module__", "") or ""
-    if not isinstance(optim_cls, type) or issubclass(optim_cls, torch.optim.LBFGS) \
-            or not module.startswith(("torch.optim", "shardkit.optim", "shardkit.ops")):
+    if not _told_by_a_trial(optim_cls):
         return None
     hyper = {k: v for k, v in hyper.items() if k != "param_names"}
     key = ("layouts", optim_cls, _step_path_key(hyper), param.dim(), param.dtype, param.device)
@@ -550,6 +548,19 @@ def gradient_step_problem(caller: str, optim_cls: type, hyper: dict, param: torc
                 f"gradient ({dense_refusal}); change the settings of its param group (e.g. "
                 f"capturable=False for parameters on CPU). No parameter was stepped")
     return None
+
+
+def _told_by_a_trial(optim_cls) -> bool:
+    """Whether :func:`gradient_step_problem` tries ``optim_cls``: a class of torch's or
+    shardkit's, not LBFGS, and for ``MasterWeights.over(X)`` the class ``X`` alike (a client's
+    optimizer stepped through masters is copied, its constructor's arguments unknown)."""
+    if not isinstance(optim_cls, type) or issubclass(optim_cls, torch.optim.LBFGS):
+        return False
+    module = getattr(optim_cls, "__module__", "") or ""
+    if not module.startswith(("torch.optim", "shardkit.optim", "shardkit.ops")):
+        return False
+    inner = getattr(optim_cls, "inner_class", None)
+    return inner is None or _told_by_a_trial(inner)
 
 
 def _step_path_key(hyper: dict) -> tuple:
