@@ -344,18 +344,22 @@ def _dropped_handles_of_non_contiguous_tensors() -> dict:
 
 
 def _init_destroy_cycles(rank: int, path: str, cycles: int, results) -> None:
-    """``cycles`` times: a group met on ``file://path``, watched, then destroyed; the heartbeat
-    folders beside the store file while each group is up."""
+    """``cycles`` times: a group met on ``file://path<cycle>``, watched, then destroyed; the
+    heartbeat folders beside the store files while each group is up. A new store file per cycle:
+    torch's FileStore wants a fresh file for each initialization, and one reused could still
+    hold the last cycle's addresses when the faster rank met there again (gloo's
+    ``connectFullMesh ... Connection refused``)."""
     from shardkit.fault import watch_peers
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         os.environ.pop(name, None)
     folders = []
-    for _ in range(cycles):
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    for cycle in range(cycles):
+        dist.init_process_group("gloo", init_method=f"file://{path}{cycle}", rank=rank,
+                                world_size=2)
         watch_peers(0.4, on_lost=lambda who, message: None)
         dist.barrier()
         time.sleep(0.3)  # a few beats
-        folders.append(len(glob.glob(f"{path}.shardkit-heartbeat-*")))
+        folders.append(len(glob.glob(f"{path}*.shardkit-heartbeat-*")))
         dist.barrier()
         dist.destroy_process_group()
         time.sleep(0.3)  # the watchdog sees its group gone at its next beat and retires
@@ -400,7 +404,7 @@ def test_watchdog_leaves_no_heartbeat_folder_after_init_destroy_cycles():
                 p.join(30)
                 if p.is_alive():
                     p.kill()
-        left = glob.glob(f"{path}.shardkit-heartbeat-*")
+        left = glob.glob(f"{path}*.shardkit-heartbeat-*")
     assert got == [(0, [1, 1, 1]), (1, [1, 1, 1])], got
     assert left == [], left
     assert [p.exitcode for p in ranks] == [0, 0]
