@@ -36,8 +36,9 @@ gradients of the trainable parameters it leaves out (they never accumulate).
 Master weights and optimizer state are always fp32; ``fp16``/``bf16`` run the forward and
 backward under ``torch.autocast`` (CPU or CUDA), fp16 with a
 :class:`~shardkit.optim.DynamicLossScaler`. At stages 0-2 the model's weights and gradients are
-then 16-bit (its floating parameters are cast, the same ``Parameter`` objects; forward-only
-engines too, as DeepSpeed halves the module) and the optimizer keeps fp32 masters of the
+then 16-bit (its floating parameters are cast, the same ``Parameter`` objects, except those of
+BatchNorm, LayerNorm and GroupNorm layers, kept fp32; forward-only engines too, as DeepSpeed
+halves the module) and the optimizer keeps fp32 masters of the
 parameters it steps (:class:`~shardkit.optim.MasterWeights`; at stages 1-2 each rank's OSS shard
 those it owns), DeepSpeed's layout and DESIGN.md's mixed-precision column: ``16Ψ`` bytes per
 rank at stage 0, ``4Ψ + 12Ψ/N`` at stage 1, ``2Ψ + 14Ψ/N`` at stage 2 (Adam), gradients reduced
@@ -264,6 +265,9 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         # stages 0-1 under torch DDP without find_unused_parameters: the trainable parameters
         # a gradient reached in the current reducing backward (see _refuse_unused_parameters)
         self._grads_arrived: Optional[set] = self._watch_gradient_arrivals()
+        # stages 0-1 over more than one rank: the parameters torch DDP's reducer was built over
+        # (see _refuse_parameters_trainable_since_initialize)
+        self._ddp_reduced_at_initialize: Optional[set] = self._ddp_reduced_ids()
         # stages 0-2: the parameters the wrappers and the optimizer were built over (stage 3's
         # FSDP refuses a changed parameter itself), by identity (a wrapper applied later, such
         # as torch's activation checkpointing, renames them). Held strongly, so that an id here
@@ -647,6 +651,8 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
                 scaled.backward(retain_graph=retain_graph)
             except RuntimeError as error:
                 raise _explained_backward_error(error, self.config.zero) from error
+        if reducing and not by_hand and self._ddp_reduced_at_initialize is not None:
+            self._refuse_parameters_trainable_since_initialize()
         if watching:
             self._refuse_unused_parameters()
         if by_hand:
@@ -679,6 +685,34 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
                     lambda p, arrived=arrived: arrived.add(id(p)))
         return arrived
 
+    def _ddp_reduced_ids(self) -> Optional[set]:
+        """``id``s of the parameters torch DDP reduces now (stages 0-1 over more than one
+        rank), ``None`` under any other wrapper or alone."""
+        ddp = self.wrapped
+        if not isinstance(ddp, nn.parallel.DistributedDataParallel) \
+                or distributed.get_world_size(ddp.process_group) == 1:
+            return None
+        return {id(p) for _, p in self._ddp_reduced_parameters()}
+
+    def _refuse_parameters_trainable_since_initialize(self) -> None:
+        """After a reducing backward under torch DDP (stages 0-1) over more than one rank:
+        a RuntimeError naming the parameters made trainable after ``initialize`` (a frozen
+        layer unfrozen for a later phase of fine-tuning). DDP built its reducer over the
+        parameters trainable then and never averages their gradients: each rank would step
+        with its own (stage 0: the replicas drift apart; stage 1: the owner's alone, even
+        after ``optimizer.refresh_trainable()``). Every rank changes its model alike, so
+        every rank raises here, before any further collective. Local: one pass over the
+        parameters."""
+        late = [name for name, p in self._ddp_reduced_parameters()
+                if id(p) not in self._ddp_reduced_at_initialize]
+        if late:
+            raise RuntimeError(
+                f"engine.backward: {', '.join(late[:6])}"
+                f"{f' and {len(late) - 6} more' if len(late) > 6 else ''} became trainable "
+                f"after shardkit.initialize; torch DDP (stage {self.config.zero.stage}) built "
+                f"its reducer then and never averages their gradients across ranks: set "
+                f"requires_grad before initialize")
+
     def _ddp_reduced_parameters(self) -> list:
         """``(name, parameter)`` for every parameter torch DDP reduces now: trainable and
         not in its ``parameters_to_ignore``."""
@@ -694,21 +728,14 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         error would come only at the next forward, after a step on this rank's own gradients
         of the whole bucket). A rank where every parameter got one is meanwhile still inside
         backward, where DDP waits for the buckets this rank never started reducing, until this
-        process exits or the group times out. A parameter made trainable after ``initialize``
-        is refused as such (DDP built its reducer without it and never averages its
-        gradient). No communication."""
-        trainable = self._ddp_reduced_parameters()
-        late = [name for name, _ in trainable if name not in self._arrival_hooks]
+        process exits or the group times out. (A parameter made trainable after
+        ``initialize`` was refused as such before: see
+        :meth:`_refuse_parameters_trainable_since_initialize`.) No communication."""
+        # (one made trainable after initialize was refused first: it has no hook here)
         # a later engine over the same model took a parameter's hook over: not ours to judge
-        trainable = [(name, p) for name, p in trainable if name not in late
+        trainable = [(name, p) for name, p in self._ddp_reduced_parameters()
+                     if name in self._arrival_hooks
                      and _ARRIVAL_HOOKS.get(p) is self._arrival_hooks[name]]
-        if late:
-            raise RuntimeError(
-                f"engine.backward: {', '.join(late[:6])}"
-                f"{f' and {len(late) - 6} more' if len(late) > 6 else ''} became trainable "
-                f"after shardkit.initialize; torch DDP (stage {self.config.zero.stage}) built "
-                f"its reducer then and never averages their gradients across ranks: set "
-                f"requires_grad before initialize")
         missing = [name for name, p in trainable if id(p) not in self._grads_arrived]
         if not missing:
             return

@@ -26,16 +26,20 @@ def _keep_16bit_weights(model: nn.Module, dtype: torch.dtype) -> int:
     (:class:`shardkit.optim.MasterWeights`): ``2 + 2`` bytes of weight and gradient per
     parameter on every rank and ``12`` bytes of master and Adam moments per stepped one (at
     stages 1-2 per owned one), where fp32 weights cost ``4 + 4`` and ``8``. A forward-only
-    engine's model is cast too, as DeepSpeed halves the module. Under fp16 the weights of
+    engine's model is cast too, as DeepSpeed halves the module. The weights and biases of
+    BatchNorm (with fp32 running statistics), LayerNorm and GroupNorm layers stay fp32 where
+    they are (:func:`_normalization_weights_kept_fp32`). Under fp16 the weights of
     embeddings built with ``sparse=True`` stay as they are: torch sums sparse gradients
     (accumulation, DDP's all-reduce) with no fp16 kernel on CPU ("cadd_sparse" not implemented
     for 'Half'); ``MasterWeights`` steps them in place. Returns how many parameters were cast.
     Local; memory: the cast parameters halve."""
     cast = 0
     kept = _sparse_embedding_weights(model) if dtype == torch.float16 else set()
+    fp32_kept = _normalization_weights_kept_fp32(model)
     with torch.no_grad():
         for param in model.parameters():
-            if not param.is_floating_point() or param.dtype == dtype or id(param) in kept:
+            if not param.is_floating_point() or param.dtype == dtype or id(param) in kept \
+                    or (id(param) in fp32_kept and param.dtype == torch.float32):
                 continue
             grad, param.grad = param.grad, None
             param.data = param.data.to(dtype)
@@ -43,6 +47,23 @@ def _keep_16bit_weights(model: nn.Module, dtype: torch.dtype) -> int:
                 param.grad = grad.to(dtype)
             cast += 1
     return cast
+
+
+def _normalization_weights_kept_fp32(model: nn.Module) -> set:
+    """``id``s of the affine parameters of the model's normalization layers that stay fp32
+    (Apex's ``keep_batchnorm_fp32``), whose kernels take a 16-bit input beside fp32 weights but
+    refuse 16-bit weights beside an fp32 operand: BatchNorm layers with fp32 running
+    statistics (buffers keep their dtype: "expected scalar type BFloat16 but found Float"), and
+    ``nn.LayerNorm`` / ``nn.GroupNorm``, which CPU autocast leaves to the input's dtype, so an
+    fp32 activation (a 16-bit embedding plus an fp32 position-table buffer, promoted) failed
+    with "mixed dtype (CPU): expect parameter to have scalar type of Float" (CUDA autocast runs
+    them in fp32). ``MasterWeights`` steps them in place."""
+    def kept(m: nn.Module) -> bool:
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            return isinstance(m.running_mean, torch.Tensor) \
+                and m.running_mean.dtype == torch.float32
+        return isinstance(m, (nn.LayerNorm, nn.GroupNorm))
+    return {id(p) for m in model.modules() if kept(m) for p in m.parameters(recurse=False)}
 
 
 def _sparse_embedding_weights(model: nn.Module) -> set:

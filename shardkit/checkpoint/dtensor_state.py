@@ -105,16 +105,71 @@ def rows_from_value(value, layout: ParamLayout, rank: int, what: str,
                     current: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This rank's padded block (``layout.shard_shape``) from ``value``: a DTensor of the full
     shape whose local tensor is this rank's rows (what :func:`rows_as_dtensor` gives and
-    ``dcp.load`` fills), or a plain tensor of the full shape (its rows are cut). Padding rows
+    ``dcp.load`` fills), a ``ShardedTensor`` of the full shape holding this rank's rows (what
+    torch's ``load_sharded_optimizer_state_dict`` fills), or a plain tensor of the full shape
+    (its rows are cut). Padding rows
     come from ``current`` (the block held now) or are zero. A ``ValueError`` naming ``what``
     otherwise. Local; memory: one block."""
     shape = tuple(layout.shape)
     if not torch.is_tensor(value) or tuple(value.shape) != shape:
         given = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
         raise ValueError(f"{what}: the given value has shape {given}, the model's is {shape}")
-    if not is_dtensor(value):
+    if is_sharded_tensor(value):
+        local = _rows_of_sharded_tensor(value, layout, rank, what)
+    elif not is_dtensor(value):
         block = shard_rows(value.detach(), layout, rank)
         return block if current is None else block.to(current.dtype)
+    else:
+        local = _rows_of_dtensor(value, layout, rank, what)
+    first, _ = layout.real_rows(rank)
+    if current is not None:
+        block = current.detach().clone()
+    else:
+        block = torch.zeros(layout.shard_shape, dtype=local.dtype, device=local.device)
+    copy_rows_into(block, local, first, layout, rank)
+    return block
+
+
+def is_sharded_tensor(value) -> bool:
+    """Whether ``value`` is torch's (deprecated) ``ShardedTensor``, what torch's
+    ``load_sharded_optimizer_state_dict`` fills."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    return isinstance(value, ShardedTensor)
+
+
+def _rows_of_sharded_tensor(value, layout: ParamLayout, rank: int, what: str) -> torch.Tensor:
+    """This rank's real rows of the full tensor from the local shards of ShardedTensor
+    ``value`` (torch's ``load_sharded_optimizer_state_dict`` cuts dim 0 as torch.chunk does,
+    over the default group: the rows this rank's FSDP shard holds when the unit shards over
+    the whole world). A ValueError naming ``what`` when they do not cover those rows. Local;
+    memory: one copy of the rows."""
+    first, count = layout.real_rows(rank)
+    rows = torch.empty((count, *layout.shape[1:]), dtype=value.dtype)
+    covered = 0
+    for shard in value.local_shards():
+        offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        if any(offsets[1:]) or tuple(sizes[1:]) != tuple(layout.shape[1:]):
+            continue
+        low, high = max(first, offsets[0]), min(first + count, offsets[0] + sizes[0])
+        if high > low:
+            piece = shard.tensor.reshape(sizes)[low - offsets[0]:high - offsets[0]]
+            rows = rows.to(piece.device)
+            rows[low - first:high - first].copy_(piece)
+            covered += high - low
+    if covered != count:
+        held = [(s.metadata.shard_offsets, s.metadata.shard_sizes) for s in value.local_shards()]
+        raise ValueError(f"{what}: the ShardedTensor's local shards here (offsets, sizes) "
+                         f"{held} do not hold this rank's shard of the model, rows "
+                         f"[{first}, +{count}); load the optimizer state with "
+                         f"torch.distributed.checkpoint into FSDP.optim_state_dict(model, optim) "
+                         f"taken under StateDictType.SHARDED_STATE_DICT (after "
+                         f"shardkit.checkpoint.dtensor_state.init_optimizer_state(optim))")
+    return rows
+
+
+def _rows_of_dtensor(value, layout: ParamLayout, rank: int, what: str) -> torch.Tensor:
+    """The local tensor of DTensor ``value``, checked to be this rank's real rows."""
+    shape = tuple(layout.shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     sizes, offsets = compute_local_shape_and_global_offset(value.shape, value.device_mesh,
                                                            value.placements)
@@ -127,13 +182,7 @@ def rows_from_value(value, layout: ParamLayout, rank: int, what: str,
                          f"[{first}, +{count}); load the checkpoint with "
                          f"torch.distributed.checkpoint into the state dict the model gives "
                          f"under StateDictType.SHARDED_STATE_DICT")
-    local = value.to_local()
-    if current is not None:
-        block = current.detach().clone()
-    else:
-        block = torch.zeros(layout.shard_shape, dtype=local.dtype, device=local.device)
-    copy_rows_into(block, local, first, layout, rank)
-    return block
+    return value.to_local()
 
 
 def refuse_in_dcp(block: torch.Tensor, name: str, source: str = "a LOCAL_STATE_DICT",

@@ -258,15 +258,20 @@ def _replicated_param_shard(engine):
     owner = _owner_of(engine)
     names = {id(p): n for n, p in engine.module.named_parameters()}
     shard = RankShard()
-    for name, p in engine.module.named_parameters():
+    # every name of a tied parameter (an output layer sharing the embedding) is written by
+    # its owner from its fp32 value: rank 0's state_dict() would give the 16-bit copy
+    for name, p in engine.module.named_parameters(remove_duplicate=False):
         if owner(p) != rank:
+            continue
+        if name != names[id(p)]:  # an alias: the same CPU tensor (saved once by torch.save)
+            shard.params[name] = shard.params[names[id(p)]]
             continue
         shard.params[name] = _saved_value(engine, p)
         state = _local_optimizer_state(engine, p)
         if state:
             shard.optim[name] = {k: _cpu(v) for k, v in state.items()}
-    if rank == 0:  # buffers and tied aliases: everything in state_dict that is not a parameter
-        param_names = set(names.values())
+    if rank == 0:  # buffers: everything in state_dict that is not a parameter
+        param_names = {n for n, _ in engine.module.named_parameters(remove_duplicate=False)}
         for key, value in engine.module.state_dict().items():
             if key not in param_names:
                 shard.params[key] = _cpu(value)

@@ -7,12 +7,41 @@ experts' state. Split out of :mod:`shardkit.nn.data_parallel.fsdp_state_dict`.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from shardkit import distributed as skdist
 from shardkit.checkpoint.optimizer_state import ELEMENTWISE_STATE
 from shardkit.nn.data_parallel.fsdp_optim_state_rank_local import _refuse_rank_local_state
 from shardkit.nn.data_parallel.fsdp_state_names import _state_dict_keys
+
+
+# top-level keys of a full optimizer state dict that are torch's or FSDP's own
+_OWN_KEYS = ("state", "param_groups", "param_names", "uncollected_local_ids", "param_id_map")
+
+
+def _torch_optimizer_in(optim):
+    """``optim`` when it is a torch optimizer; else the one a training framework's wrapper
+    holds as ``.optimizer``, followed down (fairseq's ``FairseqOptimizer`` and its fp16
+    wrappers, Accelerate's ``AcceleratedOptimizer``), which FairScale's duck-typed
+    ``gather_full_optim_state_dict`` took; else ``optim`` itself (refused by the checks).
+    Local."""
+    for _ in range(8):  # a bounded walk: a wrapper may point at itself
+        if isinstance(optim, torch.optim.Optimizer):
+            break
+        inner = getattr(optim, "optimizer", None)
+        if inner is None or inner is optim:
+            break
+        optim = inner
+    return optim
+
+
+def _extra_entries(osd: dict) -> dict:
+    """The top-level entries of an optimizer state dict beyond torch's and FSDP's own (the
+    ``loss_scale`` fairseq's fp16 optimizers add), copied: FairScale's full and sharded
+    optimizer state dicts keep them. Local."""
+    return {k: copy.deepcopy(v) for k, v in osd.items() if k not in _OWN_KEYS}
 
 
 def _check_optimizer_of(model, optim, call: str) -> None:

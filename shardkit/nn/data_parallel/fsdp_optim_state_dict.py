@@ -25,10 +25,12 @@ from shardkit.nn.data_parallel.fsdp_optim_state_agreement import (_agree_on_opti
                                                                   _state_keys)
 from shardkit.nn.data_parallel.fsdp_optim_state_checks import (_check_gatherable,
                                                                _check_optimizer_of,
+                                                               _extra_entries,
                                                                _optimizer_names,
                                                                _refuse_experts_on_one_rank,
                                                                _refuse_other_shards,
-                                                               _refuse_torch_only_arguments)
+                                                               _refuse_torch_only_arguments,
+                                                               _torch_optimizer_in)
 from shardkit.nn.data_parallel.fsdp_optim_state_from_first_rank import _from_first_rank
 from shardkit.nn.data_parallel.fsdp_optim_state_keys import (_in_optimizer_order,
                                                              _keyed_by_ids, _keyed_by_names)
@@ -65,19 +67,25 @@ class FSDPOptimStateDictMixin(FSDPStateUnitsMixin):
         allowed) get one all-gather per state tensor instead, and the full state on every
         rank. A ``recipient_rank`` or ``optim`` refused on some ranks only raises on every rank
         of the group, before any state moves. All ranks must call it.
+
+        As FairScale's, ``optim`` may also be a training framework's wrapper that holds the
+        torch optimizer as ``.optimizer`` (fairseq's ``FairseqOptimizer`` and fp16 optimizers):
+        the wrapper's ``state_dict()`` is gathered, and its own top-level entries (fairseq's
+        ``loss_scale``) are kept, as :meth:`get_shard_from_optim_state_dict` keeps them.
         """
         call = "gather_full_optim_state_dict"
         problem = None
+        inner = _torch_optimizer_in(optim)
         try:  # checked here, so that a rank alone refusing its arguments leaves none waiting
             if not isinstance(recipient_rank, int) or not 0 <= recipient_rank < self.world_size:
                 raise ValueError(f"{call}(recipient_rank={recipient_rank!r}): valid ranks are "
                                  f"0..{self.world_size - 1}")
-            _check_gatherable(self, optim, call)
+            _check_gatherable(self, inner, call)
         except (TypeError, ValueError) as error:
             problem = error
-        full = self._gathered_optim_state(optim, call,
+        full = self._gathered_optim_state(inner, call,
                                           self._agreed_recipient(recipient_rank, problem, call),
-                                          agreed=True)
+                                          agreed=True, source=optim)
         return full if self.rank == recipient_rank else None
 
     def _agree_gatherable(self, optim: torch.optim.Optimizer, call: str,
@@ -114,12 +122,14 @@ class FSDPOptimStateDictMixin(FSDPStateUnitsMixin):
 
     def _gathered_optim_state(self, optim: torch.optim.Optimizer, call: str,
                               recipient: Optional[int], take_part: bool = True,
-                              agreed: bool = False) -> Optional[dict]:
+                              agreed: bool = False, source=None) -> Optional[dict]:
         """:meth:`gather_full_optim_state_dict`'s dict on the global rank ``recipient`` (on
         every rank with ``None``: one all-gather per state tensor), ``None`` elsewhere;
         without ``take_part`` (a replica whose groups do not hold the recipient), only the
         checks. Unless the caller's ranks ``agreed`` on them already, the checks end in an
-        agreement over the group (:meth:`_agree_gatherable`)."""
+        agreement over the group (:meth:`_agree_gatherable`). ``source``: the object whose
+        ``state_dict()`` is gathered (a wrapper of ``optim``; default ``optim``), its own
+        top-level entries kept."""
         if agreed:
             _check_gatherable(self, optim, call)
         else:
@@ -130,7 +140,8 @@ class FSDPOptimStateDictMixin(FSDPStateUnitsMixin):
         ordered = [p for g in optim.param_groups for p in g["params"]]
         names = _state_dict_keys(self)
         gathered = self._param_layouts(gathered_state_only=True)
-        full = gather_full_optimizer_state(optim.state_dict(), ordered, gathered,
+        saved = (optim if source is None else source).state_dict()
+        full = gather_full_optimizer_state(saved, ordered, gathered,
                                            [names.get(id(p)) for p in ordered],
                                            self.process_group, self._comm_device(),
                                            param_groups=self._param_unit_attr("process_group"),
@@ -140,16 +151,20 @@ class FSDPOptimStateDictMixin(FSDPStateUnitsMixin):
         sharded = self._param_layouts()
         full["uncollected_local_ids"] = [i for i, p in enumerate(ordered)
                                          if id(p) in sharded and id(p) not in gathered]
+        full.update(_extra_entries(saved))
         return full
 
     def get_shard_from_optim_state_dict(self, full_optim_state_dict: dict) -> dict:
         """This rank's part of a full optimizer state dict (from
         :meth:`gather_full_optim_state_dict`, any world size, torch FSDP1's name-keyed
         ``FSDP.optim_state_dict``, or a single-process optimizer over the unwrapped model):
-        every full-shape tensor is cut to this rank's rows. Load the result with
+        every full-shape tensor is cut to this rank's rows; top-level entries of the dict's own
+        (fairseq's ``loss_scale``) are kept, as in FairScale. Load the result with
         ``optim.load_state_dict``. No communication."""
-        return self._shard_of_full(_keyed_by_ids(full_optim_state_dict,
-                                                 "get_shard_from_optim_state_dict"))
+        shard = self._shard_of_full(_keyed_by_ids(full_optim_state_dict,
+                                                  "get_shard_from_optim_state_dict"))
+        shard.update(_extra_entries(full_optim_state_dict))
+        return shard
 
     def _shard_of_full(self, full: dict, take=copied_part) -> dict:
         """:meth:`get_shard_from_optim_state_dict` of an id-keyed dict, each value kept as

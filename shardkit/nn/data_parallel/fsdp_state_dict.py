@@ -101,10 +101,20 @@ class FSDPStateDictMixin(FSDPOptimStateDictMixin):
         ``_load_from_state_dict`` that converts older formats sees the saved version (also
         where a plain parent's ``nn.Module.load_state_dict`` reaches a unit).
 
+        **Subclasses.** An inner unit's ``state_dict`` override that calls
+        ``super().state_dict()`` without arguments while the enclosing unit builds its dict (as
+        fairseq's FSDP subclass does on every rank but 0, to take part in FairScale's
+        collectives) gets this unit's own dict without communication: the enclosing unit
+        gathers every unit itself, once.
+
         Memory: one unit gathered at a time, plus the dict where it is returned (the full model,
         on ``state_dict_device``). Communication: one all-gather per unit.
         """
-        if args or destination is not None:  # nn.Module's recursion into this unit
+        # nn.Module's recursion into this unit; or a call without arguments made while an
+        # enclosing unit builds its dict (a subclass's override calling super().state_dict()
+        # only for its collectives, as fairseq's does on ranks but 0): that unit gathers this
+        # one itself, so a gather here would pair with another unit's on the other ranks
+        if args or destination is not None or _structural_keys.depth:
             given_destination, given_prefix, given_keep_vars = _state_dict_arguments(
                 "state_dict", args, destination, prefix, keep_vars)
             if self._reached_from_plain_parent() and self._state_dict_settings.state_dict_type \
@@ -596,17 +606,22 @@ class FSDPStateDictMixin(FSDPOptimStateDictMixin):
 
     consolidate_shard_weights = staticmethod(consolidate_shard_weights)
 
-    def load_local_state_dict(self, state_dict, metadata=None) -> None:
+    def load_local_state_dict(self, state_dict, metadata=None, strict: bool = True):
         """Load :meth:`local_state_dict` output. Pass this rank's own dict when the world size
         is unchanged, or the list of every rank's dicts with ``metadata=`` the list of their
         :meth:`local_metadata_dict` (any world size, any sharding strategy: replicas' copies of
         a shard are skipped) to reshard: each rank re-slices its rows. The modules' load
         pre-hooks and version conversions run as in the unwrapped model (see
         :meth:`load_state_dict`); keys and shard shapes are checked before
-        anything is written on that rank (a mismatch loads nothing there). No communication,
+        anything is written on that rank (a mismatch loads nothing there). ``strict`` as
+        FairScale's (also its second positional argument, a bool): with ``False`` missing and
+        unexpected keys are returned instead of raised. Returns torch's missing/unexpected keys
+        (original names), as FairScale does. No communication,
         as in FairScale and torch FSDP1: a rank may reload its own shards alone; a dict bad
         on one rank raises on that rank only."""
-        self._load_local(state_dict, metadata, strict=True)
+        if isinstance(metadata, bool):  # FairScale's load_local_state_dict(state_dict, strict)
+            metadata, strict = None, metadata
+        return self._load_local(state_dict, metadata, strict=bool(strict))
 
     def _load_local(self, state_dict, metadata, strict: bool):
         """:meth:`load_local_state_dict`, with ``strict`` as ``load_state_dict`` takes it under
