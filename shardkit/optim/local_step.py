@@ -41,6 +41,7 @@ import torch
 
 __all__ = ["choose_fused", "all_fp32", "with_fused_choice", "without_fused_choice",
            "build_local_optimizer", "rebuilt_from_class", "copy_over",
+           "refuse_parameters_held_outside_groups",
            "steps_each_parameter_alone", "step_only", "fused_sgd_calls",
            "fused_first_steps_collide", "whole_step", "runs_on_whole_model", "agreed_closure"]
 
@@ -165,12 +166,18 @@ def build_local_optimizer(optim_class: type, kwargs: dict, groups: list[dict], o
 def rebuilt_from_class(optim_class: type) -> bool:
     """Whether an optimizer of this class, taken over by OSS (``OSS(existing)``, the engine's
     stages 1-2 given an optimizer instance), is built again from its class and ``defaults`` on
-    each rank's shard: torch's own optimizers, whose constructors keep nothing beside
-    ``defaults`` (and which may then take the fused kernel). Any other class's constructor may
+    each rank's shard: torch's own optimizers and shardkit's (``FusedAdamW``, ``shardkit.ops``'
+    DeepSpeed optimizers, ``MasterWeights.over(X)`` for such an ``X``), whose constructors keep
+    nothing beside ``defaults`` but what they rebuild (torch's may then take the fused kernel;
+    a copy of a ``MasterWeights`` would share its masters). Any other class's constructor may
     keep its own arguments as attributes (``self.factor = factor``) that ``defaults`` does not
     hold, or take required arguments that ``defaults`` cannot supply: such an optimizer is
     copied instead (:func:`copy_over`), as DeepSpeed steps the client's optimizer itself."""
-    return getattr(optim_class, "__module__", "").startswith("torch.optim")
+    module = getattr(optim_class, "__module__", "") or ""
+    if not module.startswith(("torch.optim", "shardkit.optim", "shardkit.ops")):
+        return False
+    inner = getattr(optim_class, "inner_class", None)
+    return inner is None or rebuilt_from_class(inner)
 
 
 def copy_over(optimizer: torch.optim.Optimizer, groups: list) -> torch.optim.Optimizer:
@@ -184,7 +191,8 @@ def copy_over(optimizer: torch.optim.Optimizer, groups: list) -> torch.optim.Opt
     same dicts: a handle removes a hook from both), so they run at each step of the copy, given
     the copy, as they ran given ``optimizer``. An attribute holding ``optimizer``'s own
     parameter list (rather than reading ``param_groups``) still names every parameter: such an
-    optimizer does not step a shard. Memory: the group lists only."""
+    optimizer would not step a shard: see :func:`refuse_parameters_held_outside_groups`.
+    Memory: the group lists only."""
     cls = type(optimizer)
     copied = cls.__new__(cls)
     copied.__dict__.update({k: v for k, v in optimizer.__dict__.items()
@@ -194,6 +202,58 @@ def copy_over(optimizer: torch.optim.Optimizer, groups: list) -> torch.optim.Opt
         if hooks in optimizer.__dict__:  # torch's __init__ gave the copy empty ones
             setattr(copied, hooks, optimizer.__dict__[hooks])
     return copied
+
+
+def refuse_parameters_held_outside_groups(optimizer: torch.optim.Optimizer,
+                                          caller: str) -> None:
+    """A TypeError naming ``optimizer``'s instance attributes that hold its parameters beside
+    ``param_groups`` (:func:`_attributes_holding_parameters`): a copy of it (:func:`copy_over`)
+    shares them, so each rank's copy would still step every parameter through them and keep
+    their state where no checkpoint reads it (a Lookahead's base optimizer: its moments
+    silently left out of every consolidated state dict). Local: one pass over the attributes,
+    alike on every rank."""
+    held = _attributes_holding_parameters(optimizer)
+    if held:
+        name = type(optimizer).__name__
+        raise TypeError(
+            f"{caller}: the {name} given also holds its parameters outside its param_groups "
+            f"(attribute{'s' if len(held) > 1 else ''} {', '.join(map(repr, held))}); each "
+            f"rank steps a copy of it over its own shard, which would still step every "
+            f"parameter through {'them' if len(held) > 1 else 'it'}, their optimizer state "
+            f"left out of the checkpoints. Pass a callable that builds the {name} over the "
+            f"parameters it is given instead (OSS(params, optim=lambda groups, **hyper: ...), "
+            f"shardkit.initialize(optimizer=lambda params: ...))")
+
+
+def _attributes_holding_parameters(optimizer: torch.optim.Optimizer) -> list:
+    """Names of ``optimizer``'s instance attributes other than torch's ``defaults``, ``state``
+    and ``param_groups`` that hold one of its parameters: the tensor itself, in a list, tuple,
+    set or dict (key or value), or in another optimizer's param groups."""
+    own = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    held = []
+    for name, value in vars(optimizer).items():
+        if name in ("defaults", "state", "param_groups") or value is optimizer:
+            continue
+        if own & {id(t) for t in _tensors_in(value)}:
+            held.append(name)
+    return held
+
+
+def _tensors_in(value) -> list:
+    """The tensors ``value`` holds one level down (an optimizer: its parameters)."""
+    if isinstance(value, dict):
+        items = [*value.keys(), *value.values()]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)
+    else:
+        items = [value]
+    tensors = []
+    for item in items:
+        if torch.is_tensor(item):
+            tensors.append(item)
+        elif isinstance(item, torch.optim.Optimizer):
+            tensors += [p for g in item.param_groups for p in g["params"]]
+    return tensors
 
 
 def _local_group(group: dict, owned: set, fused: bool) -> dict:

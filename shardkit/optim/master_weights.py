@@ -31,7 +31,8 @@ from typing import Callable, Optional
 
 import torch
 
-from shardkit.optim.local_step import _unhooked_step, copy_over
+from shardkit.optim.local_step import (_unhooked_step, copy_over,
+                                       refuse_parameters_held_outside_groups)
 from shardkit.optim.oss_arguments import without_fixed_defaults
 
 __all__ = ["MasterWeights", "MASTER_WEIGHT_KEY", "HALF_DTYPES", "master_weights_of"]
@@ -189,7 +190,10 @@ class MasterWeights(torch.optim.Optimizer):
         called again, so a subclass's own arguments are kept; its step hooks are shared). What
         OSS takes as ``optim=`` to shard an optimizer a script built, over ``optimizer``'s own
         group dicts: the hyper-parameters come with the groups, so keyword arguments are
-        ignored. Memory and communication: none until called."""
+        ignored. A TypeError for an optimizer that holds its parameters beside its groups
+        (:func:`~shardkit.optim.local_step.refuse_parameters_held_outside_groups`): the copy
+        would step them, not their masters. Memory and communication: none until called."""
+        refuse_parameters_held_outside_groups(optimizer, "MasterWeights.copies_of")
         over = cls.over(type(optimizer))
 
         def build(params, **_hyper_parameters_in_the_groups):

@@ -27,7 +27,8 @@ from shardkit.checkpoint.optimizer_state import (check_full_state_dict,
                                                  state_by_param)
 from shardkit.optim import oss_arguments as args
 from shardkit.optim.local_step import (agreed_closure, all_fp32, build_local_optimizer,
-                                       choose_fused, rebuilt_from_class, runs_on_whole_model,
+                                       choose_fused, rebuilt_from_class,
+                                       refuse_parameters_held_outside_groups, runs_on_whole_model,
                                        steps_each_parameter_alone, step_only, whole_step,
                                        with_fused_choice, without_fused_choice)
 from shardkit.optim.master_weights import MasterWeights
@@ -85,9 +86,10 @@ class OSS(torch.optim.Optimizer):
             taken over (then ``optim`` and ``defaults`` must not be given). Its param-group
             dicts become OSS's own (the same objects), so a learning rate changed through it,
             or by a scheduler built on it, is the one OSS steps with; do not step it yourself.
-            A torch optimizer is built again from its class on each shard; any other class (a
-            subclass whose constructor keeps its own arguments) is copied instead, its
-            constructor not called again (see ``local_step.rebuilt_from_class``).
+            A torch or shardkit optimizer is built again from its class on each shard; any
+            other class (a subclass whose constructor keeps its own arguments) is copied
+            instead, its constructor not called again (see ``local_step.rebuilt_from_class``);
+            one that also holds its parameters outside its groups is refused (a TypeError).
         optim: the ``torch.optim.Optimizer`` subclass run on the local shard (default SGD,
             as in FairScale). As in FairScale, anything called as
             ``optim(param_groups, **defaults)`` also works: ``functools.partial`` of an
@@ -173,6 +175,8 @@ class OSS(torch.optim.Optimizer):
             optim, groups = type(existing), args.groups_of(existing)
             ctor_kwargs = args.constructor_kwargs(optim, existing.defaults)
             self._template = None if rebuilt_from_class(optim) else existing
+            if self._template is not None and not runs_on_whole_model(optim):
+                refuse_parameters_held_outside_groups(existing, "OSS(existing_optimizer)")
         else:
             optim, bound, self._optim_is_factory = args.resolve_optimizer(optim)
             defaults = {**bound, **defaults}

@@ -186,3 +186,111 @@ def test_initialize_shards_a_custom_optimizer_instance(results, name, stage, pre
         # the hooks registered on the instance ran once per step on each rank, given the copy
         assert case["hook_calls"] == STEPS, (rank, case)
         assert case["hook_given_the_class"], (rank, case)
+
+
+class Lookahead(torch.optim.Optimizer):
+    """timm's Lookahead shape: a wrapper stepping a base optimizer whose param groups it
+    shares, keeping the base (and so every parameter, and the moments) as an attribute."""
+
+    def __init__(self, base, alpha=0.5, k=2):
+        super().__init__(base.param_groups, dict(base.defaults, lookahead_alpha=alpha,
+                                                 lookahead_k=k))
+        self._base_optimizer = base
+        self.param_groups = base.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        return self._base_optimizer.step(closure)
+
+
+class ListedSGD(torch.optim.Optimizer):
+    """SGD that steps the parameter list its constructor kept, not ``param_groups``."""
+
+    def __init__(self, params, lr):
+        params = list(params)
+        super().__init__(params, dict(lr=lr))
+        self.params = params
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.params:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
+
+
+HOLDING = {"lookahead": (lambda ps: Lookahead(torch.optim.AdamW(ps, lr=0.01)),
+                         "'_base_optimizer'"),
+           "listed_sgd": (lambda ps: ListedSGD(ps, lr=0.05), "'params'")}
+
+
+def _refusals() -> dict:
+    """Each optimizer of HOLDING given to OSS, and to initialize at stage 1 (fp32, bf16):
+    the error raised, or None."""
+    found = {}
+    for name, (build, _) in HOLDING.items():
+        try:
+            OSS(build(_model().parameters()))
+            found[("oss", name)] = None
+        except TypeError as error:
+            found[("oss", name)] = str(error)
+        for precision in ("fp32", "bf16"):
+            config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}
+            if precision == "bf16":
+                config["bf16"] = {"enabled": True}
+            model = _model()
+            try:
+                shardkit.initialize(model=model, optimizer=build(model.parameters()),
+                                    config=config)
+                found[(precision, name)] = None
+            except TypeError as error:
+                found[(precision, name)] = str(error)
+    return found
+
+
+def test_an_optimizer_holding_its_parameters_outside_its_groups_is_refused(world2):
+    """Regression: a copy of such an optimizer (a Lookahead over AdamW) still stepped every
+    parameter through the attribute on every rank, and the base's moments were left out of the
+    consolidated state dict (resuming silently restarted Adam). Now a TypeError on every rank,
+    naming the attribute and the callable to pass instead; classes holding only their own
+    arguments are still copied (the tests above)."""
+    for rank, found in enumerate(world2.run(_refusals)):
+        for (where, name), error in found.items():
+            attribute = HOLDING[name][1]
+            assert error is not None, (rank, where, name)
+            assert attribute in error and "callable" in error, (rank, where, name, error)
+
+
+def _masters_over_adamw(params):
+    from shardkit.optim import MasterWeights
+    return MasterWeights.over(torch.optim.AdamW).around(torch.optim.AdamW(params, lr=0.01))
+
+
+def _shardkit_optimizer_instances() -> dict:
+    """A MasterWeights instance (shardkit's own class) taken over by OSS and by initialize at
+    stage 1: the largest difference from one process, or the error."""
+    OPTIMIZERS["masters_over_adamw"] = _masters_over_adamw
+    found = {}
+    try:
+        for key, train in ((("oss",), lambda: _train_oss("masters_over_adamw")["diff"]),
+                           (("fp32",), lambda: _train_engine("masters_over_adamw", 1,
+                                                             "fp32")["diff"]),
+                           (("bf16",), lambda: _train_engine("masters_over_adamw", 1,
+                                                             "bf16")["diff"])):
+            try:
+                found[key] = train()
+            except (TypeError, ValueError) as error:
+                found[key] = str(error)
+    finally:
+        del OPTIMIZERS["masters_over_adamw"]
+    return found
+
+
+def test_a_shardkit_optimizer_instance_is_built_again_on_each_shard(world2):
+    """Regression: shardkit's own optimizers were copied like a client's class, so
+    ``OSS(MasterWeights.over(AdamW).around(adamw))`` (and initialize given it at stage 1) shared
+    the instance's masters and raised "some parameters appear in more than one parameter
+    group". Built again from its class on each shard, as torch's, it follows one process."""
+    for rank, found in enumerate(world2.run(_shardkit_optimizer_instances)):
+        for (where,), diff in found.items():
+            tol = TOL["bf16"] if where == "bf16" else TOL["fp32"]
+            assert not isinstance(diff, str) and diff <= tol, (rank, where, diff)
