@@ -210,3 +210,21 @@ def test_optimizer_state_through_fairseqs_optimizer_wrapper(world2):
     for r in results:
         assert r["loss_scale"] == 128.0
         assert r["steps"] == [pytest.approx(0.0, abs=1e-6)] * 4
+
+
+def _scheduler_passed_as_optimizer(_=None) -> str:
+    model = _wrapped(0, use_sharded_state=False)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optim, step_size=1)
+    try:
+        model.gather_full_optim_state_dict(scheduler)
+    except TypeError as error:
+        return str(error)
+    return "gathered"
+
+
+def test_an_lr_scheduler_is_not_taken_for_an_optimizer_wrapper(world2):
+    # a scheduler holds its optimizer as .optimizer too, but its state_dict is no optimizer's
+    for message in world2.run(_scheduler_passed_as_optimizer):
+        assert "gather_full_optim_state_dict(optim=StepLR): expected the torch.optim" \
+            in message, message

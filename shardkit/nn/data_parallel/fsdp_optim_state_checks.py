@@ -25,10 +25,12 @@ def _torch_optimizer_in(optim):
     """``optim`` when it is a torch optimizer; else the one a training framework's wrapper
     holds as ``.optimizer``, followed down (fairseq's ``FairseqOptimizer`` and its fp16
     wrappers, Accelerate's ``AcceleratedOptimizer``), which FairScale's duck-typed
-    ``gather_full_optim_state_dict`` took; else ``optim`` itself (refused by the checks).
-    Local."""
+    ``gather_full_optim_state_dict`` took; else ``optim`` itself (refused by the checks),
+    also for an LR scheduler, which holds its optimizer as ``.optimizer`` too but whose
+    ``state_dict()`` is no optimizer's. Local."""
+    schedulers = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
     for _ in range(8):  # a bounded walk: a wrapper may point at itself
-        if isinstance(optim, torch.optim.Optimizer):
+        if isinstance(optim, (torch.optim.Optimizer, *schedulers)):
             break
         inner = getattr(optim, "optimizer", None)
         if inner is None or inner is optim:
