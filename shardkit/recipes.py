@@ -775,23 +775,23 @@ def _oss(model: nn.Module, recipe: OptimizerRecipe, comm, process_group, bucket_
     from shardkit.optim import oss_arguments
     from shardkit.optim.local_step import rebuilt_from_class
     instance = recipe.instance
-    if instance is not None and not master_weights:
+    if instance is None:
+        params = recipe.param_groups if recipe.param_groups is not None else _trainable(model)
+        optim = MasterWeights.over(recipe.cls) if master_weights else recipe.cls
+        return OSS(params, optim=optim, group=process_group, comm=comm,
+                   bucket_numel=bucket_numel, **recipe.defaults)
+    if not master_weights:
         return OSS(instance, group=process_group, comm=comm, bucket_numel=bucket_numel)
-    if instance is not None and rebuilt_from_class(type(instance)):
+    if rebuilt_from_class(type(instance)):
         oss = OSS(oss_arguments.groups_of(instance), optim=MasterWeights.over(type(instance)),
                   group=process_group, comm=comm, bucket_numel=bucket_numel,
                   **oss_arguments.constructor_kwargs(type(instance), instance.defaults))
-    elif instance is not None:  # a copy of it steps each shard's masters: see copies_of
+    else:  # a copy of it steps each shard's masters: see copies_of
         oss = OSS(oss_arguments.groups_of(instance), optim=MasterWeights.copies_of(instance),
                   group=process_group, comm=comm, bucket_numel=bucket_numel)
-    if instance is not None:
-        if instance.state:
-            oss.load_state_dict(instance.state_dict())
-        return oss
-    params = recipe.param_groups if recipe.param_groups is not None else _trainable(model)
-    optim = MasterWeights.over(recipe.cls) if master_weights else recipe.cls
-    return OSS(params, optim=optim, group=process_group, comm=comm,
-               bucket_numel=bucket_numel, **recipe.defaults)
+    if instance.state:
+        oss.load_state_dict(instance.state_dict())
+    return oss
 
 
 def _forward_only(model: nn.Module, stage: int, process_group, psi: int) -> Composition:

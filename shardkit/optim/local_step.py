@@ -40,7 +40,7 @@ from typing import Callable, Optional
 import torch
 
 __all__ = ["choose_fused", "all_fp32", "with_fused_choice", "without_fused_choice",
-           "build_local_optimizer", "rebuilt_from_class", "copy_over",
+           "build_local_optimizer", "rebuilt_from_class", "of_torch_or_shardkit", "copy_over",
            "refuse_parameters_held_outside_groups",
            "steps_each_parameter_alone", "step_only", "fused_sgd_calls",
            "fused_first_steps_collide", "whole_step", "runs_on_whole_model", "agreed_closure"]
@@ -173,11 +173,19 @@ def rebuilt_from_class(optim_class: type) -> bool:
     keep its own arguments as attributes (``self.factor = factor``) that ``defaults`` does not
     hold, or take required arguments that ``defaults`` cannot supply: such an optimizer is
     copied instead (:func:`copy_over`), as DeepSpeed steps the client's optimizer itself."""
+    return of_torch_or_shardkit(optim_class)
+
+
+def of_torch_or_shardkit(optim_class: type) -> bool:
+    """Whether ``optim_class`` is one of torch's or shardkit's optimizer classes (for
+    ``MasterWeights.over(X)``: whether ``X`` is), whose behaviour shardkit knows: its
+    constructor keeps nothing beside ``defaults`` but what it rebuilds, and its step only
+    updates its parameters."""
     module = getattr(optim_class, "__module__", "") or ""
     if not module.startswith(("torch.optim", "shardkit.optim", "shardkit.ops")):
         return False
     inner = getattr(optim_class, "inner_class", None)
-    return inner is None or rebuilt_from_class(inner)
+    return inner is None or of_torch_or_shardkit(inner)
 
 
 def copy_over(optimizer: torch.optim.Optimizer, groups: list) -> torch.optim.Optimizer:

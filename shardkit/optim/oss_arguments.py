@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from shardkit import distributed
+from shardkit.optim.local_step import of_torch_or_shardkit
 
 __all__ = ["NOT_GIVEN", "place_broadcast_fp16", "check_deprecated_fairscale_arguments",
            "resolve_optimizer", "optimizer_name", "check_built_optimizer",
@@ -554,13 +555,8 @@ def _told_by_a_trial(optim_cls) -> bool:
     """Whether :func:`gradient_step_problem` tries ``optim_cls``: a class of torch's or
     shardkit's, not LBFGS, and for ``MasterWeights.over(X)`` the class ``X`` alike (a client's
     optimizer stepped through masters is copied, its constructor's arguments unknown)."""
-    if not isinstance(optim_cls, type) or issubclass(optim_cls, torch.optim.LBFGS):
-        return False
-    module = getattr(optim_cls, "__module__", "") or ""
-    if not module.startswith(("torch.optim", "shardkit.optim", "shardkit.ops")):
-        return False
-    inner = getattr(optim_cls, "inner_class", None)
-    return inner is None or _told_by_a_trial(inner)
+    return isinstance(optim_cls, type) and not issubclass(optim_cls, torch.optim.LBFGS) \
+        and of_torch_or_shardkit(optim_cls)
 
 
 def _step_path_key(hyper: dict) -> tuple:
