@@ -248,7 +248,8 @@ def _attributes_holding_parameters(optimizer: torch.optim.Optimizer) -> list:
 
 
 def _tensors_in(value) -> list:
-    """The tensors ``value`` holds one level down (an optimizer: its parameters)."""
+    """The tensors ``value`` holds one level down (an optimizer, or a param-group dict such as
+    those of ``self.groups = self.param_groups``: its parameters)."""
     if isinstance(value, dict):
         items = [*value.keys(), *value.values()]
     elif isinstance(value, (list, tuple, set, frozenset)):
@@ -261,6 +262,8 @@ def _tensors_in(value) -> list:
             tensors.append(item)
         elif isinstance(item, torch.optim.Optimizer):
             tensors += [p for g in item.param_groups for p in g["params"]]
+        elif isinstance(item, dict) and isinstance(item.get("params"), (list, tuple)):
+            tensors += [p for p in item["params"] if torch.is_tensor(p)]
     return tensors
 
 

@@ -218,9 +218,26 @@ class ListedSGD(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
 
 
+class GroupsKeptSGD(torch.optim.Optimizer):
+    """SGD that steps the group list its constructor kept (``self.groups = self.param_groups``:
+    the copy's own ``param_groups`` is a new list, this one still holds every group)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+        self.groups = self.param_groups
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
 HOLDING = {"lookahead": (lambda ps: Lookahead(torch.optim.AdamW(ps, lr=0.01)),
                          "'_base_optimizer'"),
-           "listed_sgd": (lambda ps: ListedSGD(ps, lr=0.05), "'params'")}
+           "listed_sgd": (lambda ps: ListedSGD(ps, lr=0.05), "'params'"),
+           "groups_kept_sgd": (lambda ps: GroupsKeptSGD(ps, lr=0.05), "'groups'")}
 
 
 def _refusals() -> dict:
