@@ -18,6 +18,7 @@ from shardkit.utils.tensor_fragment import (safe_get_full_fp32_param,
                                             safe_get_full_optimizer_state,
                                             safe_set_full_fp32_param)
 from tests.utils.master_weights import fp32_weights, master_dtype, masters_of
+from tests.utils.optimizers import ScaledSGD
 
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ADAM_STEP_BYTES = 4  # torch's per-tensor ``step`` count
@@ -324,23 +325,7 @@ def _replicas_and_rounding(engine) -> tuple:
     return equal, rounded
 
 
-class _ScaledSGD(torch.optim.SGD):
-    """A script's own optimizer class: its step reads an attribute its constructor stored
-    beside ``defaults`` (``factor``, required or not)."""
-
-    def __init__(self, params, lr: float, factor: float):
-        super().__init__(params, lr=lr)
-        self.factor = factor
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-group["lr"] * self.factor)
-
-
-class _DecayingSGD(_ScaledSGD):
+class _DecayingSGD(ScaledSGD):
     """The same with ``factor`` optional (default 1)."""
 
     def __init__(self, params, lr: float, factor: float = 1.0):
@@ -351,7 +336,7 @@ def _client_subclass_steps(precision: str) -> dict:
     """Stage 0 with a script's optimizer subclass instance: a step with ``factor=0`` (required
     argument) and ``factor=0.5`` (optional, default 1) from weights of 1 and gradients of 4."""
     out = {}
-    for cls, factor in ((_ScaledSGD, 0.0), (_DecayingSGD, 0.5)):
+    for cls, factor in ((ScaledSGD, 0.0), (_DecayingSGD, 0.5)):
         model = torch.nn.Linear(4, 1, bias=False)
         with torch.no_grad():
             model.weight.fill_(1.0)
@@ -380,7 +365,7 @@ def test_a_client_optimizer_subclass_keeps_its_own_arguments_at_stage_0(world2):
     for precision in ("bf16", "fp16"):
         for rank, r in enumerate(world2.run(_client_subclass_steps, precision)):
             where = (precision, rank)
-            frozen, halved = r["_ScaledSGD"], r["_DecayingSGD"]
+            frozen, halved = r["ScaledSGD"], r["_DecayingSGD"]
             assert frozen["inner_factor"] == 0.0 and halved["inner_factor"] == 0.5, (where, r)
             # gradient of sum over 4 rows of ones: 4 per element (averaged over ranks alike)
             assert frozen["weight"] == [1.0] * 4, (where, frozen)

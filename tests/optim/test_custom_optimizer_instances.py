@@ -20,27 +20,12 @@ from shardkit import distributed
 from shardkit.optim import OSS
 from shardkit.testing import world_fixture
 from tests.utils.master_weights import fp32_weights
+from tests.utils.optimizers import ScaledSGD
 
 world2 = world_fixture(2, timeout=180)
 
 STEPS = 3
 TOL = {"fp32": 1e-6, "bf16": 2e-3}  # bf16: the forward and the gradients are bf16
-
-
-class ScaledSGD(torch.optim.Optimizer):
-    """SGD whose step is ``factor`` times larger: ``factor`` is a required constructor argument
-    kept as an attribute, not in ``defaults``."""
-
-    def __init__(self, params, lr, factor):
-        super().__init__(params, dict(lr=lr))
-        self.factor = factor
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-group["lr"] * self.factor)
 
 
 class BoostedAdamW(torch.optim.AdamW):
