@@ -651,10 +651,13 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
                 scaled.backward(retain_graph=retain_graph)
             except RuntimeError as error:
                 raise _explained_backward_error(error, self.config.zero) from error
-        if reducing and not by_hand and self._ddp_reduced_at_initialize is not None:
-            self._refuse_parameters_trainable_since_initialize()
-        if watching:
-            self._refuse_unused_parameters()
+        checking_late = reducing and not by_hand and self._ddp_reduced_at_initialize is not None
+        if checking_late or watching:
+            reduced = self._ddp_reduced_parameters()
+            if checking_late:
+                self._refuse_parameters_trainable_since_initialize(reduced)
+            if watching:
+                self._refuse_unused_parameters(reduced)
         if by_hand:
             self._average_gradients_by_hand()
         return loss / divisor if divisor != 1 else loss
@@ -694,17 +697,16 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
             return None
         return {id(p) for _, p in self._ddp_reduced_parameters()}
 
-    def _refuse_parameters_trainable_since_initialize(self) -> None:
+    def _refuse_parameters_trainable_since_initialize(self, reduced: list) -> None:
         """After a reducing backward under torch DDP (stages 0-1) over more than one rank:
         a RuntimeError naming the parameters made trainable after ``initialize`` (a frozen
         layer unfrozen for a later phase of fine-tuning). DDP built its reducer over the
         parameters trainable then and never averages their gradients: each rank would step
         with its own (stage 0: the replicas drift apart; stage 1: the owner's alone, even
         after ``optimizer.refresh_trainable()``). Every rank changes its model alike, so
-        every rank raises here, before any further collective. Local: one pass over the
-        parameters."""
-        late = [name for name, p in self._ddp_reduced_parameters()
-                if id(p) not in self._ddp_reduced_at_initialize]
+        every rank raises here, before any further collective. ``reduced``: what
+        :meth:`_ddp_reduced_parameters` lists now. Local, no communication."""
+        late = [name for name, p in reduced if id(p) not in self._ddp_reduced_at_initialize]
         if late:
             raise RuntimeError(
                 f"engine.backward: {', '.join(late[:6])}"
@@ -721,7 +723,7 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         return [(name, p) for name, p in ddp.module.named_parameters()
                 if p.requires_grad and name not in ignored]
 
-    def _refuse_unused_parameters(self) -> None:
+    def _refuse_unused_parameters(self, reduced: list) -> None:
         """After a reducing backward under torch DDP without ``find_unused_parameters``:
         raise, before the step and before any further collective, when a trainable parameter
         got no gradient on this rank. DDP then never reduced that parameter's bucket (its
@@ -730,10 +732,11 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         backward, where DDP waits for the buckets this rank never started reducing, until this
         process exits or the group times out. (A parameter made trainable after
         ``initialize`` was refused as such before: see
-        :meth:`_refuse_parameters_trainable_since_initialize`.) No communication."""
+        :meth:`_refuse_parameters_trainable_since_initialize`.) ``reduced``: what
+        :meth:`_ddp_reduced_parameters` lists now. No communication."""
         # (one made trainable after initialize was refused first: it has no hook here)
         # a later engine over the same model took a parameter's hook over: not ours to judge
-        trainable = [(name, p) for name, p in self._ddp_reduced_parameters()
+        trainable = [(name, p) for name, p in reduced
                      if name in self._arrival_hooks
                      and _ARRIVAL_HOOKS.get(p) is self._arrival_hooks[name]]
         missing = [name for name, p in trainable if id(p) not in self._grads_arrived]
