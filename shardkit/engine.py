@@ -553,6 +553,12 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
 
     # -- training
     def forward(self, *args, **kwargs):
+        """The wrapped model's forward (DDP, ShardedDataParallel or FSDP by stage) under the
+        config's precision: bf16/fp16 autocast where the engine computes in 16 bits. Checks
+        first, on every rank alike, that no trainable parameter changed since ``initialize``.
+        Memory and communication: the wrapper's (stage 3 gathers each unit's parameters);
+        nothing more in the usual loop (a rank that skipped a step joins the others' agreement
+        on it here)."""
         self.tput_timer.start()
         self._refuse_parameters_changed_since_initialize()
         starts_reducing_pass = self._agree_on_step_skipped_at_forward()

@@ -110,6 +110,9 @@ def save_hf_pretrained(state: dict, hf_config: str, output_dir: str,
 
 
 def main(argv: Optional[list] = None) -> int:
+    """``python -m shardkit consolidate``: write a checkpoint directory's plain fp32 state
+    dict (``torch.save``, or a Hugging Face folder with ``--hf-config``); returns the exit
+    status. Memory: the full fp32 model on CPU. No communication (one process)."""
     parser = argparse.ArgumentParser(
         prog="python -m shardkit consolidate",
         description="Write a plain fp32 state_dict from a shardkit checkpoint directory.")

@@ -126,6 +126,7 @@ class DynamicLossScaler(_ScaledBackward):
 
     @property
     def dynamic(self) -> bool:
+        """True: the scale moves with overflows (DeepSpeed's ``dynamic_loss_scale``)."""
         return True
 
     def update_scale(self, overflow: bool) -> None:
@@ -209,21 +210,26 @@ class StaticLossScaler(_ScaledBackward):
 
     @property
     def loss_scale(self) -> float:
+        """The fixed factor the loss is multiplied by before backward."""
         return self.cur_scale
 
     @property
     def dynamic(self) -> bool:
+        """False: the scale never changes."""
         return False
 
     def update_scale(self, overflow: bool) -> None:
+        """Account for one optimizer step (an overflowing one was skipped; logged)."""
         if overflow:
             logger.info("static loss scale %g: overflow, skipping step", self.cur_scale)
         self.cur_iter += 1
 
     def state_dict(self) -> dict:
+        """``{"cur_scale", "cur_iter"}``, for checkpoints."""
         return {"cur_scale": self.cur_scale, "cur_iter": self.cur_iter}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
         self.cur_scale = float(state["cur_scale"])
         self.cur_iter = int(state["cur_iter"])
 

@@ -95,11 +95,17 @@ class OptimStateDictConfig:
 
 @dataclass
 class FullOptimStateDictConfig(OptimStateDictConfig):
+    """torch's name: the full optimizer state, on every rank or (``rank0_only``) on rank 0
+    alone, where the others get an empty dict."""
+
     rank0_only: bool = False
 
 
 @dataclass
 class LocalOptimStateDictConfig(OptimStateDictConfig):
+    """torch's name; the optimizer state under ``LOCAL_STATE_DICT`` is this rank's flat
+    shards, left on their device."""
+
     offload_to_cpu: bool = False
 
 
@@ -109,6 +115,9 @@ class ShardedOptimStateDictConfig(OptimStateDictConfig):
 
 
 class StateDictSettings(NamedTuple):
+    """What ``FSDP.get_state_dict_type(module)`` returns (torch's name): the state-dict type
+    in force and its model and optimizer configs."""
+
     state_dict_type: StateDictType
     state_dict_config: StateDictConfig
     optim_state_dict_config: OptimStateDictConfig

@@ -781,6 +781,11 @@ class FullyShardedDataParallel(FSDPStateDictMixin, FSDPSummonMixin, FSDPReentran
             "it")
 
     def forward(self, *args, **kwargs):
+        """The wrapped module's forward with this unit's full parameters: all-gathers the
+        unit's flat shard (``(N-1)/N`` of the unit's bytes on the wire, the full unit in
+        memory until the unit's forward ends, or until backward without
+        ``reshard_after_forward``) and prefetches the next unit's. A forward that raises
+        frees, at the root, every unit it gathered."""
         if torch.compiler.is_compiling():
             # Dynamo cannot resume after a graph break inside a try block (the unit hooks are
             # such breaks): it would run the whole forward eagerly. A compiled forward that
@@ -858,6 +863,8 @@ class FullyShardedDataParallel(FSDPStateDictMixin, FSDPSummonMixin, FSDPReentran
 
     def named_buffers(self, prefix: str = "", recurse: bool = True,
                       remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """The buffers under their original names (no wrapper prefixes); buffers are not
+        sharded, so each is the whole buffer."""
         for name, b in super().named_buffers(prefix, recurse, remove_duplicate):
             yield clean_name(name), b
 

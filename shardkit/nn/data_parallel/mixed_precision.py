@@ -58,9 +58,11 @@ class MixedPrecisionPolicy:
         return self.param_dtype is not None
 
     def compute_dtype(self, master: torch.dtype) -> torch.dtype:
+        """The dtype a unit computes in, given its master parameters' dtype."""
         return self.param_dtype or master
 
     def gradient_reduce_dtype(self, master: torch.dtype) -> torch.dtype:
+        """The dtype gradients are reduce-scattered in (sets the bytes on the wire)."""
         return self.reduce_dtype or self.compute_dtype(master)
 
     def buffer_cast_dtype(self) -> Optional[torch.dtype]:

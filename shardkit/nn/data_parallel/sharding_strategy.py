@@ -58,10 +58,13 @@ class ShardingStrategy(enum.Enum):
 
     @property
     def is_hybrid(self) -> bool:
+        """Sharded inside a node and replicated across nodes."""
         return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
     @property
     def reshards_after_forward(self) -> bool:
+        """Frees each unit's gathered parameters after its forward (gathered again in
+        backward): ZeRO-3 rather than ZeRO-2 memory."""
         return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 

@@ -390,10 +390,12 @@ class PipelineStage:
 
     @property
     def is_first(self) -> bool:
+        """Whether this is the pipeline's first stage (it takes the batch)."""
         return self.stage_index == 0
 
     @property
     def is_last(self) -> bool:
+        """Whether this is the pipeline's last stage (it computes the loss)."""
         return self.stage_index == self.num_stages - 1
 
     def parameters(self) -> Iterator[nn.Parameter]:
