@@ -814,6 +814,33 @@ def test_reentrant_activation_checkpoint_in_a_stage_names_the_way_out(world2):
         assert "pipeline schedules" in message and "non_reentrant_checkpoint" in message, message
 
 
+class _TorchReentrantBlock(nn.Linear):
+    """A stage checkpointed as torch's (and Hugging Face's default) reentrant checkpoint."""
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=True)
+
+
+def _torch_reentrant_checkpoint_in_a_stage():
+    rank, p = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    modules = [nn.Linear(D, D)] + [_TorchReentrantBlock(D, D) for _ in range(p - 1)]
+    schedule = _pipeline(modules, chunks=2, cls=Schedule1F1B)
+    x, y = torch.randn(4, D), torch.randn(4, D)
+    return _error_of(lambda: schedule.step(*(x,) if rank == 0 else (),
+                                           **({"target": y} if rank == p - 1 else {})))
+
+
+def test_torch_reentrant_checkpoint_in_a_stage_names_the_way_out(world2):
+    # torch's own message only said "call .backward() without passing the `inputs` argument",
+    # which a stage's author cannot do: the schedules run the stage's backward
+    for name, message in world2.run(_torch_reentrant_checkpoint_in_a_stage):
+        assert name == "ValueError", message
+        assert "pipeline schedules split each stage's backward" in message, message
+        assert "use_reentrant=False" in message and "non_reentrant_checkpoint" in message, \
+            message
+
+
 def _torch_constructor_options():
     """torch's constructor options at their defaults are accepted by every schedule; another
     value is a ValueError naming the option, an unknown name a TypeError."""

@@ -407,3 +407,48 @@ def test_extra_marked_parameter_of_a_layer_subclass_is_joined(world2):
     for result in world2.run(_extra_marked_parameter_of_a_layer_subclass):
         assert result == {"specs": {"weight": (0, 1), "bias": (0, 1), "scale": (0, 1)},
                           "scale": [0.0] * 4 + [1.0] * 4}, result
+
+
+class _TiedHead(nn.Module):
+    """A GPT's output head reusing the token embedding's weight (Megatron's tied embedding),
+    the last layer of an ``nn.Sequential`` that a pipeline cuts away from the embedding."""
+
+    def __init__(self, embedding: mp.VocabParallelEmbedding):
+        super().__init__()
+        self.weight = embedding.weight
+
+    def forward(self, h):
+        return F.linear(mp.copy_to_model_parallel_region(h), self.weight)
+
+
+def _tied_head_in_a_stage_of_its_own() -> dict:
+    from shardkit.nn.pipe import split_sequential
+
+    mp.initialize_model_parallel(TP)
+    try:
+        torch.manual_seed(0)
+        embedding = mp.VocabParallelEmbedding(16, WIDTH)
+        whole = embedding.full_weight()
+        _, last = split_sequential(nn.Sequential(embedding, _TiedHead(embedding)), [1, 1])
+        out = {"specs": split_specs(last),
+               "fused_qkv_marks": [(p.partition_dim, p.partition_stride) for p in
+                                   mp.ColumnParallelLinear(WIDTH, 3 * WIDTH, stride=3,
+                                                           gather_output=False).parameters()]}
+        exported = full_model_state_dict(last)
+        out["exported"] = torch.equal(exported["1.weight"], whole)
+        load_full_model_state_dict(last, {"1.weight": whole + 1.0})
+        out["loaded"] = torch.equal(embedding.weight,
+                                    shard_of(whole + 1.0, mp.get_model_parallel_rank(), TP, 0, 1))
+        return out
+    finally:
+        mp.destroy_model_parallel()
+
+
+def test_tied_copy_of_a_split_weight_in_another_stage_is_joined_and_split(world2):
+    # The last pipeline stage holds the head alone, not the embedding layer: the tied weight
+    # raised "marked tensor_model_parallel=True ... with partition_dim=None" in every
+    # full-state helper, as the layers set only tensor_model_parallel of Megatron's marks.
+    for result in world2.run(_tied_head_in_a_stage_of_its_own):
+        assert result == {"specs": {"1.weight": (0, 1)},
+                          "fused_qkv_marks": [(0, 3), (0, 3)],
+                          "exported": True, "loaded": True}, result

@@ -193,10 +193,25 @@ def gpt_loss(vocab_parallel_logits: torch.Tensor, target: torch.Tensor, *,
     ``F.cross_entropy`` (:meth:`shardkit.models.GPT.loss`) takes it: targets equal to
     ``ignore_index`` (padding) count neither in the sum nor in the number of tokens it is
     divided by (all ignored: ``nan``, as torch). ``group``: the head's ``tp_group`` (default:
-    the current tensor-parallel group)."""
+    the current tensor-parallel group). As a pipeline's ``loss_fn`` (or a
+    ``functools.partial`` of it) it declares that count (``gpt_loss.target_count``): each
+    micro-batch's loss is weighted by its share of the batch's counted tokens, as for
+    ``F.cross_entropy``, so the step's loss and gradients are one process's on the whole batch
+    however unequally the micro-batches are padded."""
     losses = vocab_parallel_cross_entropy(vocab_parallel_logits, target, ignore_index,
                                           group=group)
     return losses.sum() / (target != ignore_index).sum().to(losses.dtype)
+
+
+def _counted_tokens(target: torch.Tensor, *, ignore_index: int = -100, **_) -> int:
+    """What :func:`gpt_loss` divides by for ``target``: its tokens that are not
+    ``ignore_index``. Local."""
+    return int((target != ignore_index).sum())
+
+
+# the pipeline schedules weigh each micro-batch's loss by its share of the batch's counted
+# tokens, so that micro-batches padded unequally still give one process's mean
+gpt_loss.target_count = _counted_tokens
 
 
 class TensorParallelGPT(nn.Sequential):

@@ -147,8 +147,9 @@ class TensorParallelModule(KeepsParameterMarks):
 
     Subclasses list, in ``_shard_dims``, each parameter's split as ``(dim, stride)``, or
     ``None`` for a parameter replicated on every tensor-parallel rank. Split parameters carry
-    ``param.tensor_model_parallel = True`` (Megatron's attribute; see
-    :func:`~shardkit.nn.model_parallel.clip_grad_norm`), kept through ``to_empty`` and ``.to()``
+    Megatron's attributes ``param.tensor_model_parallel = True``, ``partition_dim`` and
+    ``partition_stride`` (see :func:`~shardkit.nn.model_parallel.clip_grad_norm` and
+    :mod:`~shardkit.nn.model_parallel.full_state`), kept through ``to_empty`` and ``.to()``
     (:class:`KeepsParameterMarks`).
     """
 
@@ -279,11 +280,16 @@ class TensorParallelModule(KeepsParameterMarks):
 
     def _mark(self, name: str, param: nn.Parameter) -> None:
         """Tag ``param`` with this layer's groups and, when split, Megatron's
-        ``tensor_model_parallel`` (both read by
-        :func:`~shardkit.nn.model_parallel.clip_grad_norm`)."""
+        ``tensor_model_parallel``, ``partition_dim`` and ``partition_stride`` (as its
+        ``set_tensor_model_parallel_attributes``; read by
+        :func:`~shardkit.nn.model_parallel.clip_grad_norm` and the full-state helpers)."""
         param.model_parallel_groups = self.model_parallel_groups
-        if self._shard_dims[name] is not None:
+        spec = self._shard_dims[name]
+        if spec is not None:
             param.tensor_model_parallel = True
+            # the split travels with the weight: a copy tied into another pipeline stage's
+            # module (a GPT's output head) is joined and split without this layer
+            param.partition_dim, param.partition_stride = spec
 
     def _split(self, full: torch.Tensor, name: str) -> torch.Tensor:
         spec = self._shard_dims[name]

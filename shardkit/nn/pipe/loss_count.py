@@ -77,7 +77,10 @@ def declared_denominator(loss_fn, loss_kwargs: Optional[dict]) -> Optional[Calla
     that are not ``ignore_index``, each weighted by its class's ``weight`` where one is given.
     A subclass keeping the module's ``forward`` (one that only sets defaults) averages alike;
     ``None`` for any other ``loss_fn`` (a subclass with its own ``forward`` may average
-    otherwise)."""
+    otherwise). Also a loss function declaring its count itself (:func:`own_target_count`)."""
+    own = own_target_count(loss_fn, loss_kwargs)
+    if own is not None:
+        return own
     if declared_reduction(loss_fn, loss_kwargs) != "mean":
         return None
     if _keeps_class_index_forward(loss_fn):
@@ -92,6 +95,22 @@ def declared_denominator(loss_fn, loss_kwargs: Optional[dict]) -> Optional[Calla
     settings.update(loss_kwargs or {})
     return functools.partial(class_target_count, ignore_index=settings.get("ignore_index", -100),
                              weight=settings.get("weight"))
+
+
+def own_target_count(loss_fn, loss_kwargs: Optional[dict]) -> Optional[Callable]:
+    """For a function that declares what its mean divides by, in a ``target_count`` attribute
+    called as ``target_count(target, **keywords)`` with the keywords ``loss_fn`` gets (those of
+    its ``functools.partial`` and ``loss_kwargs``), e.g.
+    :func:`shardkit.nn.model_parallel.gpt.gpt_loss` (its non-ignored tokens): that count of a
+    target; ``None`` for a function declaring none. Local."""
+    func, keywords = loss_fn, {}
+    if isinstance(loss_fn, functools.partial) and not loss_fn.args:
+        func, keywords = loss_fn.func, dict(loss_fn.keywords)
+    count = getattr(func, "target_count", None)
+    if not inspect.isfunction(func) or not callable(count):
+        return None
+    keywords.update(loss_kwargs or {})
+    return functools.partial(count, **keywords)
 
 
 def _keeps_class_index_forward(loss_fn) -> bool:

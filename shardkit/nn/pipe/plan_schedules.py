@@ -52,7 +52,9 @@ too (a mean of micro-batch means is not the batch's mean when the micro-batches 
 numbers of counted tokens): ``nn.CrossEntropyLoss``, ``nn.NLLLoss``, ``F.cross_entropy`` and
 ``F.nll_loss`` (and their ``functools.partial``, and subclasses of the modules that keep
 their ``forward``) with ``reduction="mean"`` and class-index targets are counted as torch
-counts them; any other declares its count with ``loss_denominator=lambda target: ...``. A
+counts them, and so is :func:`~shardkit.nn.model_parallel.gpt.gpt_loss` (its non-ignored tokens,
+declared in its ``target_count`` attribute); any other declares its count with
+``loss_denominator=lambda target: ...``. A
 ``loss_fn`` that says nothing (``lambda out, y: F.cross_entropy(out.view(-1, V), y.view(-1))``)
 is watched at the step's first loss (:mod:`~shardkit.nn.pipe.loss_count`): where it returns
 one of those losses with ``reduction="mean"`` on its micro-batch's target reshaped (or several

@@ -24,6 +24,23 @@ from shardkit.nn.pipe.stage import PipelineStage
 _FAILED = object()  # a stage forward or backward that raised (the step fails)
 
 
+def _reentrant_checkpoint_hint(error: BaseException) -> str:
+    """The way out for a reentrant activation checkpoint (torch's ``use_reentrant=True``, the
+    ``CheckpointFunction`` of Megatron-LM, DeepSpeed or FairScale) in a stage, whose own error
+    asks the caller to use ``.backward()`` without ``inputs``, which the schedules' split
+    backward never is: ``""`` for any other error (shardkit's own checkpoint names it). Local."""
+    text = str(error)
+    if not isinstance(error, RuntimeError) or "shardkit" in text or ".grad()" not in text \
+            or "heckpoint" not in text:
+        return ""
+    return ("; shardkit's pipeline schedules split each stage's backward into input and weight "
+            "gradients (torch.autograd.grad), which a reentrant activation checkpoint cannot run "
+            "under: checkpoint the stage's layers with torch.utils.checkpoint.checkpoint(..., "
+            "use_reentrant=False) (Hugging Face models: gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False})) or "
+            "shardkit.checkpointing.non_reentrant_checkpoint")
+
+
 def _runs_whole_backward(stage: PipelineStage) -> bool:
     """Whether BW stays one plain backward (FSDP's hooks then reduce-scatter as usual); B and W
     of such a stage go through :class:`~shardkit.nn.pipe.fsdp_weight_sink.ShardedGradientSink`."""
@@ -155,7 +172,8 @@ class StageBackward:
         except Exception as error:
             if self._reducing[s]:
                 raise
-            problem = f"its backward raised {type(error).__name__}: {error}"
+            problem = (f"its backward raised {type(error).__name__}: {error}"
+                       f"{_reentrant_checkpoint_hint(error)}")
             if i is None:
                 self._fail(f"stage {s}: {what}, {problem}", error)
             else:
