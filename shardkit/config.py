@@ -63,7 +63,8 @@ Keys accepted for compatibility with DeepSpeed configs, validated, without effec
     tuning), optimizer.legacy_fusion, compression_training (DeepSpeed compresses only a model
     passed through init_compression, not provided here; a note says so when a technique is
     enabled); data_types.grad_accum_dtype when
-    "fp32" (what the engine does); sparse_gradients at stage 0 (torch DDP reduces sparse
+    it names the dtype the engine accumulates gradients in (fp16/bf16 at stages 0-2 under
+    that precision, else fp32); sparse_gradients at stage 0 (torch DDP reduces sparse
     embedding gradients) or when false; fp16.fp16_master_weights_and_grads when false; and,
     while
     switched off, the sections amp,
@@ -268,13 +269,6 @@ def _off(feature: str, instead: str) -> Field:
                  refusal="is not supported")
 
 
-def _fp32_only(key: str, instead: str) -> Field:
-    """A dtype name DeepSpeed lets one lower; shardkit's engine runs it in fp32 only."""
-    return Field((str, type(None)), None, lambda v: v is None or v.lower() in ("fp32", "float32"),
-                 f'"fp32" or null (shardkit does not lower {key}; {instead})',
-                 refusal="is not supported")
-
-
 def _str(default=None) -> Field:
     return Field((str,), default)
 
@@ -287,6 +281,11 @@ def _monitor(feature: str, instead: str, **extra: Field) -> dict:
 # communication_data_type's names (DeepSpeed's and torch's) -> the engine's dtype names
 _COMM_DTYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16",
                 "bf16": "bf16", "bfloat16": "bf16"}
+
+# DeepSpeed's DtypeEnum names of the dtypes data_types.grad_accum_dtype may name
+_ACCUM_DTYPES = {**_COMM_DTYPES, "torch.float32": "fp32", "float": "fp32",
+                 "torch.float16": "fp16", "half": "fp16", "torch.bfloat16": "bf16",
+                 "bfloat": "bf16"}
 
 _LOG_INSTEAD = "log from the training loop (engine.get_lr(), the loss), or remove the section"
 
@@ -419,9 +418,11 @@ SCHEMA: dict = {
                                      lambda v: v is None or v.lower() in _COMM_DTYPES,
                                      f"one of {sorted(_COMM_DTYPES)} or null",
                                      choices=tuple(_COMM_DTYPES)),
-    # shardkit's engine keeps fp32 master gradients and accumulates them in fp32
-    "data_types": {"grad_accum_dtype": _fp32_only("data_types.grad_accum_dtype",
-                                                  "gradients accumulate in fp32")},
+    # the dtype the engine accumulates gradients in is fixed by precision and stage: checked
+    # against it in load_config (_check_grad_accum_dtype)
+    "data_types": {"grad_accum_dtype": Field(
+        (str, type(None)), None, lambda v: v is None or v.lower() in _ACCUM_DTYPES,
+        f"one of {sorted(_ACCUM_DTYPES)} or null", refusal="is not a valid dtype name")},
     # DeepSpeed sections with no effect on training, accepted while switched off
     "amp": {"enabled": _off("apex AMP section", 'use "fp16" or "bf16" instead'),
             "opt_level": _str()},
@@ -669,6 +670,8 @@ def load_config(config: Union[str, os.PathLike, Mapping, None],
                           f"must divide the data-parallel size {data_parallel_size} (use the "
                           f"ranks per node)")
     precision = _precision_config(checked["fp16"], checked["bf16"])
+    _check_grad_accum_dtype(checked["data_types"]["grad_accum_dtype"], precision.dtype,
+                            zero.stage)
     activation = _activation_checkpointing_checked(checked["activation_checkpointing"])
     comm_dtype = _communication_dtype(checked["communication_data_type"], zero)
     allreduce_op = checked["gradient_allreduce_op"].lower()
@@ -1257,6 +1260,29 @@ def _zero_config(section: dict) -> tuple[ZeroConfig, list[str]]:
                       reduce_to_owners=stage == 1 and section["reduce_scatter"],
                       ignore_unused_parameters=section["ignore_unused_parameters"],
                       **quantized), notes
+
+
+def _check_grad_accum_dtype(name: Optional[str], dtype: str, stage: int) -> None:
+    """``data_types.grad_accum_dtype`` must name the dtype the engine accumulates gradients
+    in, which precision and stage fix: the model's 16-bit dtype at stages 0-2 under fp16/bf16
+    (16-bit weights and gradients, fp32 masters in the optimizer), fp32 otherwise (fp32
+    training, stage 3's fp32 shards). DeepSpeed's ZeRO optimizers accumulate in whichever
+    dtype it names; a ConfigError here, rather than accumulating in another one unsaid."""
+    if name is None:
+        return
+    accumulated = dtype if dtype != "fp32" and stage < 3 else "fp32"
+    if _ACCUM_DTYPES[name.lower()] == accumulated:
+        return
+    if accumulated != "fp32":
+        raise ConfigError(
+            f"data_types.grad_accum_dtype={name!r} is not supported with {dtype} at "
+            f"zero_optimization.stage={stage}: stages 0-2 keep the model's weights and gradients "
+            f"in {dtype} and accumulate the gradients in {dtype} (fp32 master weights in the "
+            f"optimizer); remove the key (or set {dtype!r}) to train so, as DeepSpeed does "
+            f"without it, or use zero_optimization.stage 3, whose gradient shards are fp32")
+    why = "fp32 training" if dtype == "fp32" else f"{dtype} at ZeRO stage 3: fp32 shards"
+    raise ConfigError(f"data_types.grad_accum_dtype={name!r} is not supported: gradients "
+                      f"accumulate in fp32 here ({why}); remove the key or set 'fp32'")
 
 
 def _precision_config(fp16: dict, bf16: dict) -> PrecisionConfig:

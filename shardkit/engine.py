@@ -251,6 +251,10 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         # engine forwards since the last backward: none means the script called the model
         # itself (DeepSpeed's GAN example), so torch DDP's hooks were never armed (stages 0-1)
         self._forwards_since_backward = 0
+        # stages 0-1: the last grad-enabled engine forward ran without torch DDP's gradient
+        # sync (off the boundary, or inside no_sync), so DDP's reducer was not armed and its
+        # backward reduces nothing (see _note_ddp_arming)
+        self._ddp_unarmed_forward = False
         # engine forwards and backwards since the last step(): a boundary step after none of
         # the latter means the script ran loss.backward() itself (DeepSpeed's PyTorch-style
         # backward): no loss scale was applied, and at stages 0-1 nothing was reduced unless
@@ -565,10 +569,23 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         self._forwards_since_backward += 1
         self._forwards_since_step += 1
         with self._precision_context(), self._reduction_context():
+            self._note_ddp_arming()
             output = self.wrapped(*args, **kwargs)
         if starts_reducing_pass:
             self._await_step_after_backward_of(output)
         return output
+
+    def _note_ddp_arming(self) -> None:
+        """Stages 0-1, before torch DDP's forward with gradients enabled: record whether it
+        runs with its gradient sync off. DDP decides in its forward, not in backward, whether
+        the coming backward reduces, so a script that decides the boundary between forward
+        and backward (Accelerate's ``set_gradient_accumulation_boundary(sync_gradients)``
+        right before ``engine.backward``; DeepSpeed decides in backward) would otherwise step
+        on this rank's own gradients: the boundary's backward then averages them by hand.
+        Local."""
+        ddp = self.wrapped
+        if isinstance(ddp, nn.parallel.DistributedDataParallel) and torch.is_grad_enabled():
+            self._ddp_unarmed_forward = not ddp.require_backward_grad_sync
 
     def _refuse_parameters_changed_since_initialize(self) -> None:
         """Stages 0-2: a ValueError naming each trainable parameter of the model that was
@@ -640,10 +657,13 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         # stages 0-1 (torch DDP): a loss computed by calling the model itself bypassed DDP's
         # forward, so DDP reduces nothing; DeepSpeed averages the gradients in backward anyway
         model_called_by_script = reducing and self._forwards_since_backward == 0
-        by_hand = model_called_by_script \
+        # stages 0-1: the forward ran off the boundary, so DDP will not reduce this backward
+        boundary_after_forward = reducing and self._ddp_unarmed_forward
+        by_hand = (model_called_by_script or boundary_after_forward) \
             and isinstance(self.wrapped, nn.parallel.DistributedDataParallel)
         self._forwards_since_backward = 0
-        if model_called_by_script:  # no engine forward of this step met the check
+        self._ddp_unarmed_forward = False
+        if model_called_by_script or boundary_after_forward:  # no forward met the check
             self._agree_on_step_skipped("engine.backward(loss)")
             self._awaiting_step = True
         divisor = self.config.gradient_accumulation_steps if scale_wrt_gas else 1
@@ -772,10 +792,11 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         travels in ``communication_data_type`` when the config sets one (fp16/bf16: each
         gradient divided by the group size in fp32 first, then cast, as torch's fp16/bf16
         compression hooks and the wrappers' own 16-bit reductions do), else in the gradients'
-        dtype. Costs DDP's all-reduce traffic (half of it in 16 bits) and one temporary
-        Ψ-element buffer. A sparse gradient (an embedding with ``sparse=True``, stage 0)
-        travels dense in that buffer and comes back sparse over the rows it touches on some
-        rank."""
+        own dtypes, one buffer per dtype (the fp32 normalization weights of a 16-bit model
+        stay fp32, as in DDP's buckets). Costs DDP's all-reduce traffic (half of it in 16
+        bits), one all-reduce per dtype, and a temporary of the gradients' size. A sparse
+        gradient (an embedding with ``sparse=True``, stage 0) travels dense in that buffer and
+        comes back sparse over the rows it touches on some rank."""
         params = self._ddp_parameters()
         group = self.wrapped.process_group
         size = distributed.get_world_size(group)
@@ -784,11 +805,11 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         wire = _HALF_DTYPES.get(self.config.communication_dtype)
         grads = [None if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad
                  for p in params]
-        if wire is None:
-            dtype = grads[0].dtype if grads[0] is not None else params[0].dtype
-            work = [g.to(dtype) if g is not None else torch.zeros_like(p, dtype=dtype)
-                    for p, g in zip(params, grads)]
-            distributed.all_reduce_as_one(work, group, divide_by=size)
+        if wire is None:  # each dtype in its own buffer, as DDP's buckets
+            work = [g if g is not None else torch.zeros_like(p) for p, g in zip(params, grads)]
+            for dtype in sorted({w.dtype for w in work}, key=str):
+                distributed.all_reduce_as_one([w for w in work if w.dtype == dtype], group,
+                                              divide_by=size)
         else:
             work = [(g.float() / size).to(wire) if g is not None
                     else torch.zeros_like(p, dtype=wire) for p, g in zip(params, grads)]
@@ -834,6 +855,7 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         else:
             self._last_step_applied = False  # DeepSpeed: a step inside the window applies nothing
         self._forwards_since_step = self._backwards_since_step = 0
+        self._ddp_unarmed_forward = False
         self.micro_steps += 1
         self._weights_version += 1
 
@@ -880,9 +902,11 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         (``torch_backward``: no ``engine.backward`` since the last step), which torch DDP did
         not reduce. Local, or one all-reduce of the gradients where averaged by hand."""
         self._refuse_unreduced_step(call)
-        if torch_backward and self._forwards_since_step == 0 and self._no_sync_depth == 0 \
+        # model called and loss.backward() by hand, or DDP's forward ran off the boundary
+        unreduced = self._forwards_since_step == 0 or self._ddp_unarmed_forward
+        if torch_backward and unreduced and self._no_sync_depth == 0 \
                 and isinstance(self.wrapped, nn.parallel.DistributedDataParallel):
-            self._average_gradients_by_hand()  # model called and loss.backward() by hand
+            self._average_gradients_by_hand()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every wrapped parameter (``None`` by default, as torch).

@@ -149,6 +149,17 @@ def test_batch_triple(train, micro, gas, world, expected):
      ["communication_data_type='bf16' with zero_optimization.zero_quantized_gradients"]),
     ({"train_batch_size": 8, "data_types": {"grad_accum_dtype": "bf16"}},
      ["data_types.grad_accum_dtype='bf16' is not supported"]),
+    # stages 0-2 under bf16/fp16 accumulate the 16-bit gradients: fp32 was accepted and ignored
+    ({"train_batch_size": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+      "data_types": {"grad_accum_dtype": "fp32"}},
+     ["data_types.grad_accum_dtype='fp32' is not supported with bf16 at "
+      "zero_optimization.stage=1", "accumulate the gradients in bf16", "stage 3"]),
+    ({"train_batch_size": 8, "fp16": {"enabled": True}, "zero_optimization": {"stage": 2},
+      "data_types": {"grad_accum_dtype": "float32"}},
+     ["grad_accum_dtype='float32' is not supported with fp16 at zero_optimization.stage=2"]),
+    ({"train_batch_size": 8, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+      "data_types": {"grad_accum_dtype": "bf16"}},
+     ["grad_accum_dtype='bf16' is not supported", "accumulate in fp32 here"]),
     ({"train_batch_size": 8, "amp": {"enabled": True, "opt_level": "O1"}},
      ["amp.enabled=True is not supported"]),
     # DeepSpeed refuses max_grad_norm as an optimizer parameter and points at gradient_clipping
@@ -232,6 +243,18 @@ def test_deepspeed_sections_switched_off_are_accepted():
     cfg = load_config(config, data_parallel_size=2)
     assert (cfg.zero, cfg.precision, cfg.optimizer, cfg.scheduler) == (
         plain.zero, plain.precision, plain.optimizer, plain.scheduler)
+
+
+@pytest.mark.parametrize("precision, stage, name", [
+    ("fp32", 0, "fp32"), ("fp32", 3, "float32"), ("bf16", 3, "fp32"), ("bf16", 0, "bf16"),
+    ("bf16", 2, "bfloat16"), ("fp16", 1, "fp16"), ("fp16", 2, "half"), ("bf16", 1, None)])
+def test_grad_accum_dtype_naming_what_the_engine_accumulates_in(precision, stage, name):
+    # (the dtype the gradients of a 16-bit model at stages 0-2 accumulate in; fp32 elsewhere)
+    config = {"train_batch_size": 8, "zero_optimization": {"stage": stage},
+              "data_types": {"grad_accum_dtype": name}}
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    assert load_config(config, data_parallel_size=2).precision.dtype == precision
 
 
 @pytest.mark.parametrize("value, dtype", [(None, None), ("fp32", None), ("FP16", "fp16"),
