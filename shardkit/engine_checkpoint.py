@@ -21,6 +21,17 @@ from shardkit.model_parallel_unit import (checkpoint_location, mp_rank_name,
 logger = logging.getLogger("shardkit")
 
 
+def _refuse_non_bool_switches(call: str, outcome: str, **switches) -> None:
+    """A ValueError naming the first of ``switches`` that is not a bool: a string such as
+    ``"False"`` (read from a command line) is truthy and would silently do the opposite of what
+    was asked. Raised before any collective, so on every rank given the same arguments.
+    Local."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"engine.{call}({name}={value!r}): expected True or False; "
+                             f"{outcome}")
+
+
 class NoOptimizer:
     """What the checkpoint writer sees of a forward-only engine's optimizer: no param groups,
     no state (see :meth:`~shardkit.engine.ShardedEngine._optimizer_state_for_checkpoint`)."""
@@ -76,10 +87,10 @@ class CheckpointMethods:
         Returns the checkpoint directory (when ``async_save``, where it will be once written).
         """
         from shardkit.checkpoint.engine_state import save_engine_checkpoint
-        if not isinstance(exclude_frozen_parameters, bool):
-            raise ValueError(f"engine.save_checkpoint(exclude_frozen_parameters="
-                             f"{exclude_frozen_parameters!r}): expected True or False; nothing "
-                             f"was written")
+        _refuse_non_bool_switches("save_checkpoint", "nothing was written",
+                                  save_latest=save_latest,
+                                  exclude_frozen_parameters=exclude_frozen_parameters,
+                                  async_save=async_save)
         if not isinstance(save_dir, (str, os.PathLike)) or not os.fspath(save_dir):
             raise ValueError(f"engine.save_checkpoint(save_dir={save_dir!r}): expected a "
                              f"non-empty directory path (a str or os.PathLike); nothing was "
@@ -238,9 +249,11 @@ class CheckpointMethods:
         optimizer state this rank's optimizer keeps (stages 1-2: its OSS share; stage 0: the
         whole); stage 3, only this rank's row blocks of both (``1/N``)."""
         from shardkit.checkpoint.engine_state import load_engine_checkpoint
-        if not isinstance(load_module_strict, bool):
-            raise ValueError(f"engine.load_checkpoint(load_module_strict="
-                             f"{load_module_strict!r}): expected True or False")
+        _refuse_non_bool_switches("load_checkpoint", "nothing was loaded",
+                                  load_module_strict=load_module_strict,
+                                  load_optimizer_states=load_optimizer_states,
+                                  load_lr_scheduler_states=load_lr_scheduler_states,
+                                  load_module_only=load_module_only)
         if custom_load_fn is not None:
             raise ValueError(
                 "engine.load_checkpoint(custom_load_fn=...): not supported; write the "

@@ -83,7 +83,8 @@ def _hand_composed(stage, model):
     # stage 3 steps with torch's fused kernel, as OSS does for stages 1-2 (its rounding differs
     # from the default loop's in the last bit on some CPUs, e.g. AVX2)
     opt = torch.optim.AdamW(fsdp.parameters(), lr=LR, weight_decay=WD, eps=EPS, fused=True)
-    return fsdp, opt, fsdp.no_sync, lambda: fsdp.clip_grad_norm_(CLIP)
+    # stage 3 reduce-scatters every micro-batch into the shards (DeepSpeed's ZeRO-3): no no_sync
+    return fsdp, opt, contextlib.nullcontext, lambda: fsdp.clip_grad_norm_(CLIP)
 
 
 def _full_params(stage, wrapped, module):
@@ -559,8 +560,10 @@ def _communication_dtype(stage):
 def test_communication_data_type_halves_gradient_bytes(world2, stage):
     for r in world2.run(_communication_dtype, stage):
         # AdamW normalises each step to about lr (3e-3): bf16 rounding moves a weight by less
-        # than one step, a little only where a gradient is near zero (but it does move: > 0)
-        assert 0 < r["diff"] <= LR, r["diff"]
+        # than one step, a little only where a gradient is near zero (but it does move: > 0);
+        # stage 3 rounds each micro-batch's gradient (GAS reductions a step, as DeepSpeed's
+        # ZeRO-3), so up to a step more over the two steps
+        assert 0 < r["diff"] <= (2 * LR if stage == 3 else LR), r["diff"]
         grads = {0: "all_reduce", 1: "reduce", 2: "reduce", 3: "reduce_scatter"}[stage]
         assert r["bf16"][grads] == pytest.approx(r["fp32"][grads] / 2, rel=0.01), r
         assert r["bf16"][grads] > 0, r

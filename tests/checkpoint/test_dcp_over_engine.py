@@ -90,7 +90,10 @@ def test_dcp_recipe_over_an_engine_with_gradient_accumulation_resumes(world2, tm
         resumed = world2.run(_dcp_resume, folder, loading)
         for (model_keys, optim_keys, want), got in zip(saved, resumed):
             assert model_keys == optim_keys == names, (saving, model_keys, optim_keys)
-            assert [max_diff(a, b) for a, b in zip(got, want)] == [0.0, 0.0], (saving, loading)
+            # across stages the gradients are summed in another order (stage 3 reduce-scatters
+            # each micro-batch, stage 0 all-reduces their sum): the last bits may differ
+            tolerance = 0.0 if saving == loading else 1e-6
+            assert max(max_diff(a, b) for a, b in zip(got, want)) <= tolerance, (saving, loading)
 
 
 class _Counted(nn.Module):
