@@ -145,12 +145,12 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
     """The object ``initialize`` returns: call it, ``backward`` the loss, ``step``.
 
     Gradient accumulation: ``backward`` divides the loss by ``gradient_accumulation_steps``
-    (and multiplies it by the fp16 loss scale) and, at stages 0-2, suppresses the gradient
-    reduction except on the last micro-batch; stage 3 reduce-scatters every micro-batch into the
-    gradient shards, as DeepSpeed's ZeRO-3 does, so that no rank holds the whole model's
-    gradient (``1/N`` of it, DESIGN.md's row; the reduce-scatter bytes are paid once per
-    micro-batch); ``step`` runs the optimizer, scheduler and loss scaler only at that
-    boundary, then zeroes the gradients. Memory and communication are those of the stage's
+    (and multiplies it by the fp16 loss scale) and, at stages 0-1, suppresses the gradient
+    reduction except on the last micro-batch; stages 2-3 reduce every micro-batch into the
+    gradient shards (the owners' gradients, FSDP's shards), as DeepSpeed's ZeRO-2 and ZeRO-3
+    do, so that no rank holds the whole model's gradient (``1/N`` of it, DESIGN.md's rows; the
+    reduction's bytes are paid once per micro-batch); ``step`` runs the optimizer, scheduler
+    and loss scaler only at that boundary, then zeroes the gradients. Memory and communication are those of the stage's
     wrappers (module docstring); the engine adds one all-reduced flag per step under fp16 and
     bf16 (the overflow check).
 
@@ -636,7 +636,7 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale);
-        the gradient reduction runs only on the boundary micro-batch (stage 3: on every
+        the gradient reduction runs only on the boundary micro-batch (stages 2-3: on every
         micro-batch, into the gradient shards). ``scale_wrt_gas=False``
         (DeepSpeed's, for a loss the script already divided, as Hugging Face's Trainer does)
         skips the division. Returns what DeepSpeed returns: the loss divided as the gradients
@@ -924,10 +924,10 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         return torch.autocast(device_type=self._device_type, dtype=self._autocast_dtype)
 
     def _reduction_context(self):
-        # stage 3 reduce-scatters every micro-batch into the gradient shards, as DeepSpeed's
-        # ZeRO-3 does: FSDP's no_sync would hold the whole model's unsharded gradient (4 bytes
-        # per parameter on every rank) until the boundary
-        if self.is_gradient_accumulation_boundary() or self.zero_stage == 3:
+        # stages 2-3 reduce every micro-batch into the gradient shards (owners' gradients,
+        # FSDP's shards), as DeepSpeed's ZeRO-2 and ZeRO-3 do: no_sync would hold the whole
+        # model's gradient (4 bytes per parameter on every rank) until the boundary
+        if self.is_gradient_accumulation_boundary() or self.zero_stage >= 2:
             return contextlib.nullcontext()
         return self.composition.no_sync()
 

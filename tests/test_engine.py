@@ -73,10 +73,11 @@ def _hand_composed(stage, model):
             from shardkit.comm_hooks import reduce_to_owners_hook
             wrapped = DDP(model)
             wrapped.register_comm_hook(oss, reduce_to_owners_hook)
-        else:
-            from shardkit.nn.data_parallel import ShardedDataParallel
-            wrapped = ShardedDataParallel(model, oss)
-        return wrapped, oss, wrapped.no_sync, lambda: oss.clip_grad_norm(CLIP)
+            return wrapped, oss, wrapped.no_sync, lambda: oss.clip_grad_norm(CLIP)
+        from shardkit.nn.data_parallel import ShardedDataParallel
+        wrapped = ShardedDataParallel(model, oss)
+        # stage 2 reduces every micro-batch to the owners (DeepSpeed's ZeRO-2): no no_sync
+        return wrapped, oss, contextlib.nullcontext, lambda: oss.clip_grad_norm(CLIP)
     from shardkit.nn.data_parallel import FullyShardedDataParallel as FSDP
     from shardkit.nn.wrap import auto_wrap, transformer_auto_wrap_policy
     fsdp = FSDP(auto_wrap(model, auto_wrap_policy=transformer_auto_wrap_policy({Block})))
@@ -561,9 +562,9 @@ def test_communication_data_type_halves_gradient_bytes(world2, stage):
     for r in world2.run(_communication_dtype, stage):
         # AdamW normalises each step to about lr (3e-3): bf16 rounding moves a weight by less
         # than one step, a little only where a gradient is near zero (but it does move: > 0);
-        # stage 3 rounds each micro-batch's gradient (GAS reductions a step, as DeepSpeed's
-        # ZeRO-3), so up to a step more over the two steps
-        assert 0 < r["diff"] <= (2 * LR if stage == 3 else LR), r["diff"]
+        # stages 2-3 round each micro-batch's gradient (GAS reductions a step, as DeepSpeed's
+        # ZeRO-2 and ZeRO-3), so up to a step more over the two steps
+        assert 0 < r["diff"] <= (2 * LR if stage >= 2 else LR), r["diff"]
         grads = {0: "all_reduce", 1: "reduce", 2: "reduce", 3: "reduce_scatter"}[stage]
         assert r["bf16"][grads] == pytest.approx(r["fp32"][grads] / 2, rel=0.01), r
         assert r["bf16"][grads] > 0, r

@@ -289,8 +289,10 @@ def test_16bit_engine_with_accumulation_and_clipping_tracks_fp32_training(world2
     (the weights move by about 3e-2; 16-bit forward rounding moves them by about 1e-3 in
     bf16)."""
     # stage 3 against stage 0: stages 0-2 accumulate and average the gradients in 16 bits,
-    # stage 3 in fp32; measured 1.2e-3 (bf16) and 1.1e-4 (fp16)
-    stage3_between = {"bf16": 2.5e-3, "fp16": 2.5e-4}
+    # stage 3 in fp32; measured 1.2e-3 (bf16) and 1.1e-4 (fp16). Stage 2 averages each
+    # micro-batch's gradient (DeepSpeed's ZeRO-2) where stages 0-1 average their sum: one
+    # more 16-bit rounding a micro-batch; measured 3.8e-4 (bf16)
+    between_stage0 = {2: {"bf16": 1e-3, "fp16": 1e-4}, 3: {"bf16": 2.5e-3, "fp16": 2.5e-4}}
     for precision, tol in (("bf16", 3e-3), ("fp16", 5e-4)):
         for per_rank in world2.run(_engine_16bit, precision):
             want, want_norms = per_rank["oracle"]
@@ -302,7 +304,7 @@ def test_16bit_engine_with_accumulation_and_clipping_tracks_fp32_training(world2
                 assert set(state) == set(want)
                 between = max(float((state[k] - stage0[k]).abs().max()) for k in want)
                 off = max(float((state[k] - want[k]).abs().max()) for k in want)
-                bound = 1e-4 if stage < 3 else stage3_between[precision]
+                bound = between_stage0[stage][precision] if stage >= 2 else 1e-4
                 assert between < bound, (precision, stage, between)
                 assert off < tol < moved / 5, (precision, stage, off, moved)
                 assert norms == pytest.approx(norms0, rel=1e-3)

@@ -1,8 +1,9 @@
-"""ZeRO stage 3 under gradient accumulation keeps DESIGN.md's memory row (gradients 1/N): the
-engine reduce-scatters every micro-batch into the gradient shards, as DeepSpeed's ZeRO-3 does
-(it forbids ``no_sync`` at stages 2-3), instead of accumulating the whole model's unsharded
-gradient on every rank until the boundary (4 bytes per parameter, the largest model state of
-a ZeRO-3 job). Training still matches one process step by step. One world of 2 gloo ranks.
+"""ZeRO stages 2 and 3 under gradient accumulation keep DESIGN.md's memory rows (gradients
+1/N): the engine reduces every micro-batch into the gradient shards (stage 2: to the owners of
+whole parameters; stage 3: reduce-scattered into FSDP's shards), as DeepSpeed's ZeRO-2 and
+ZeRO-3 do (they forbid ``no_sync`` at stages 2-3), instead of accumulating the whole model's
+gradient on every rank until the boundary (4 bytes per parameter). Training still matches one
+process step by step. One world of 2 gloo ranks.
 """
 
 import torch
@@ -37,11 +38,11 @@ def _grad_bytes(module):
     return tensor_storage_bytes(p.grad for p in module.parameters() if p.grad is not None)
 
 
-def _accumulate_at_stage3():
+def _accumulate(stage):
     rank, world = distributed.get_rank(), distributed.get_world_size()
     engine, *_ = shardkit.initialize(model=_model(), config={
         "train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS,
-        "steps_per_print": 10 ** 6, "zero_optimization": {"stage": 3},
+        "steps_per_print": 10 ** 6, "zero_optimization": {"stage": stage},
         "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}}})
     oracle = _model()
     oracle_opt = torch.optim.SGD(oracle.parameters(), lr=LR, momentum=0.9)
@@ -58,12 +59,22 @@ def _accumulate_at_stage3():
             if m < GAS - 1:  # inside the accumulation window
                 held.append(_grad_bytes(engine.module))
             engine.step()
-        diffs.append(max_diff(engine.wrapped.state_dict(), oracle.state_dict()))
-    return {"held": max(held), "numel": numel, "diffs": diffs}
+        full = engine.wrapped if stage == 3 else engine.module  # FSDP's full state dict
+        diffs.append(max_diff(full.state_dict(), oracle.state_dict()))
+    largest = max(p.numel() for p in oracle.parameters())
+    return {"held": max(held), "numel": numel, "largest": largest, "diffs": diffs}
 
 
 def test_stage3_accumulation_holds_gradient_shards_only(world2):
-    for r in world2.run(_accumulate_at_stage3):
+    for r in world2.run(_accumulate, 3):
         # 1/N of the fp32 gradients (rows padded to a multiple of N), not 4 bytes a parameter
         assert r["held"] <= 4 * r["numel"] / 2 * 1.1, r
+        assert max(r["diffs"]) <= 1e-5, r
+
+
+def test_stage2_accumulation_holds_owned_gradients_only(world2):
+    for r in world2.run(_accumulate, 2):
+        # the owner's whole parameters: 1/N of the gradients, up to one parameter more
+        assert r["held"] <= 4 * (r["numel"] / 2 + r["largest"]), r
+        assert r["held"] < 4 * r["numel"] * 0.75, r
         assert max(r["diffs"]) <= 1e-5, r
