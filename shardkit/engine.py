@@ -150,9 +150,9 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
     gradient shards (the owners' gradients, FSDP's shards), as DeepSpeed's ZeRO-2 and ZeRO-3
     do, so that no rank holds the whole model's gradient (``1/N`` of it, DESIGN.md's rows; the
     reduction's bytes are paid once per micro-batch); ``step`` runs the optimizer, scheduler
-    and loss scaler only at that boundary, then zeroes the gradients. Memory and communication are those of the stage's
-    wrappers (module docstring); the engine adds one all-reduced flag per step under fp16 and
-    bf16 (the overflow check).
+    and loss scaler only at that boundary, then zeroes the gradients. Memory and communication
+    are those of the stage's wrappers (module docstring); the engine adds one all-reduced flag
+    per step under fp16 and bf16 (the overflow check).
 
     Attributes:
         module: the user's model (at stage 3 its blocks are FSDP units).
