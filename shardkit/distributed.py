@@ -313,16 +313,18 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
 
 
 def all_reduce_as_one(tensors: Sequence[torch.Tensor], group=None, divide_by: int = 1) -> None:
-    """All-reduce (sum) ``tensors`` in place as one flat buffer, then divide by ``divide_by``
-    (e.g. the world size, for an average): one collective instead of one per tensor. Memory: a
-    temporary of their total size (dtypes promoted as ``torch.cat`` does). Wire: one
-    :func:`all_reduce` of their total bytes. Nothing is sent for an empty list."""
+    """All-reduce (sum) ``tensors`` in place as one flat buffer, each divided by ``divide_by``
+    first (e.g. the world size, for an average, as torch DDP's reducer divides each gradient
+    before the sum: a sum of fp16 values overflows where their average does not): one
+    collective instead of one per tensor. Memory: a temporary of their total size (dtypes
+    promoted as ``torch.cat`` does). Wire: one :func:`all_reduce` of their total bytes.
+    Nothing is sent for an empty list."""
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    all_reduce(flat, group=group)
     if divide_by != 1:
         flat.div_(divide_by)
+    all_reduce(flat, group=group)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))

@@ -251,17 +251,18 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         self._boundary_unreduced = False
         # the class name of the optimizer the script passed (None: built from the config)
         self.client_optimizer_name: Optional[str] = None
-        # engine forwards since the last backward: none means the script called the model
-        # itself (DeepSpeed's GAN example), so torch DDP's hooks were never armed (stages 0-1)
+        # grad-enabled engine forwards since the last backward: none means the script called
+        # the model itself (DeepSpeed's GAN example), so torch DDP's hooks were never armed
+        # (stages 0-1); a forward under no_grad (old values, a reference) arms nothing
         self._forwards_since_backward = 0
         # stages 0-1: the last grad-enabled engine forward ran without torch DDP's gradient
         # sync (off the boundary, or inside no_sync), so DDP's reducer was not armed and its
         # backward reduces nothing (see _note_ddp_arming)
         self._ddp_unarmed_forward = False
-        # engine forwards and backwards since the last step(): a boundary step after none of
-        # the latter means the script ran loss.backward() itself (DeepSpeed's PyTorch-style
-        # backward): no loss scale was applied, and at stages 0-1 nothing was reduced unless
-        # the forward ran through DDP
+        # (grad-enabled) engine forwards and backwards since the last step(): a boundary step
+        # after none of the latter means the script ran loss.backward() itself (DeepSpeed's
+        # PyTorch-style backward): no loss scale was applied, and at stages 0-1 nothing was
+        # reduced unless the forward ran through DDP
         self._forwards_since_step = self._backwards_since_step = 0
         # the backward of a reducing training pass ran since the ranks last agreed on a step:
         # the next forward (or backward) first checks that no other rank stepped meanwhile
@@ -569,8 +570,9 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
         self.tput_timer.start()
         self._refuse_parameters_changed_since_initialize()
         starts_reducing_pass = self._agree_on_step_skipped_at_forward()
-        self._forwards_since_backward += 1
-        self._forwards_since_step += 1
+        if torch.is_grad_enabled():  # one under no_grad leaves no gradient to reduce
+            self._forwards_since_backward += 1
+            self._forwards_since_step += 1
         with self._precision_context(), self._reduction_context():
             self._note_ddp_arming()
             output = self.wrapped(*args, **kwargs)
@@ -786,21 +788,26 @@ class ShardedEngine(StepAgreement, OptimizerStep, OffloadStates, ModelWeights, C
             f"those parameters (requires_grad=False) before initialize, or use stage 2 or 3")
 
     def _ddp_parameters(self) -> list:
-        return [p for p in self.wrapped.module.parameters() if p.requires_grad]
+        """The parameters torch DDP averages, and so the by-hand average: trainable, not in
+        DDP's ``parameters_to_ignore`` (each rank keeps its own gradient of those). Local."""
+        return [p for _, p in self._ddp_reduced_parameters()]
 
     def _average_gradients_by_hand(self) -> None:
-        """Average every trainable parameter's gradient over the data-parallel group, as DDP
-        would have (absent ones count as zero, and stay ``None`` where every rank's is): one
-        all-reduce of a flat buffer of Ψ elements, every rank the same parameters in the same
-        order, so ranks whose forward left different parameters unused still agree. The buffer
-        travels in ``communication_data_type`` when the config sets one (fp16/bf16: each
-        gradient divided by the group size in fp32 first, then cast, as torch's fp16/bf16
-        compression hooks and the wrappers' own 16-bit reductions do), else in the gradients'
-        own dtypes, one buffer per dtype (the fp32 normalization weights of a 16-bit model
-        stay fp32, as in DDP's buckets). Costs DDP's all-reduce traffic (half of it in 16
-        bits), one all-reduce per dtype, and a temporary of the gradients' size. A sparse
-        gradient (an embedding with ``sparse=True``, stage 0) travels dense in that buffer and
-        comes back sparse over the rows it touches on some rank."""
+        """Average every parameter's gradient that torch DDP reduces (trainable, not in its
+        ``parameters_to_ignore``) over the data-parallel group, as DDP would have (absent ones
+        count as zero, and stay ``None`` where every rank's is): every rank the same
+        parameters in the same order, through flat buffers, so ranks whose forward left
+        different parameters unused still agree. The buffer travels in
+        ``communication_data_type`` when the config sets one (fp16/bf16: each gradient divided
+        by the group size in fp32 first, then cast, as torch's fp16/bf16 compression hooks and
+        the wrappers' own 16-bit reductions do), else in the gradients' own dtypes, one buffer
+        per dtype (the fp32 normalization weights of a 16-bit model stay fp32, as in DDP's
+        buckets), each gradient divided by the group size before the sum, as DDP's reducer
+        divides (an fp16 sum could overflow where the average does not). Costs DDP's
+        all-reduce traffic (half of it in 16 bits), one all-reduce per dtype, and a temporary
+        of the gradients' size. A sparse gradient (an embedding with ``sparse=True``, stage 0)
+        travels dense in that buffer and comes back sparse over the rows it touches on some
+        rank."""
         params = self._ddp_parameters()
         group = self.wrapped.process_group
         size = distributed.get_world_size(group)
