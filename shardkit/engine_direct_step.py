@@ -83,6 +83,7 @@ def _note_step_taken(engine, overflow: bool) -> None:
     (every rank alike) the gradients are cleared, so the optimizer steps nothing."""
     engine._boundary_unreduced = False
     engine._forwards_since_step = engine._backwards_since_step = 0
+    engine._ddp_unarmed_forward = False  # as engine.step() leaves it
     if overflow:
         engine.zero_grad()
 
