@@ -40,6 +40,13 @@ def _batch(step: int, micro: int, world: int):
     return torch.randn(2 * world, WIDTH, generator=gen), torch.randn(2 * world, 4, generator=gen)
 
 
+def _config(stage: int, gas: int, **extra) -> dict:
+    """An SGD engine config: 2 rows a micro-batch, ``gas`` micro-batches a step."""
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "zero_optimization": {"stage": stage}, "steps_per_print": 1000, **extra}
+
+
 def _micro_step(engine, x, y, sync: bool, pattern: str) -> None:
     """One micro-batch the way ``pattern`` drives the engine; the loss is already divided
     by the accumulation steps, as Hugging Face's Trainer divides it."""
@@ -61,9 +68,7 @@ def _micro_step(engine, x, y, sync: bool, pattern: str) -> None:
 
 def _boundary_after_forward(stage: int, pattern: str) -> dict:
     rank, world = distributed.get_rank(), distributed.get_world_size()
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS,
-              "optimizer": {"type": "SGD", "params": {"lr": LR}},
-              "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
+    config = _config(stage, GAS)
     engine, *_ = shardkit.initialize(model=_model(), config=config)
     oracle = _model()
     sgd = torch.optim.SGD(oracle.parameters(), lr=LR)
@@ -113,9 +118,7 @@ def _boundary_gradients(pattern: str) -> dict:
     the boundary (``"after_forward"``) or after the script called the model itself
     (``"model_called"``)."""
     rank, world = distributed.get_rank(), distributed.get_world_size()
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS,
-              "optimizer": {"type": "SGD", "params": {"lr": LR}}, "bf16": {"enabled": True},
-              "zero_optimization": {"stage": 0}, "steps_per_print": 1000}
+    config = _config(0, GAS, bf16={"enabled": True})
     engine, *_ = shardkit.initialize(model=_Normed(), config=config)
     rows = slice(2 * rank, 2 * rank + 2)
     for micro in range(GAS):
@@ -188,9 +191,7 @@ def _gradients_with_a_parameter_ddp_ignores(pattern: str) -> dict:
     there, as for rank-local experts): the gradients after a boundary reduced by DDP
     (``"counted"``), or by the engine after a forward inside ``no_sync``
     (``"no_sync_forward"``) or after the script called the model itself (``"model_called"``)."""
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "SGD", "params": {"lr": LR}},
-              "zero_optimization": {"stage": 0}, "steps_per_print": 1000}
+    config = _config(0, 1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
@@ -224,9 +225,7 @@ def _model_called_after_a_no_grad_engine_forward(stage: int, pattern: str) -> di
     model (``engine.module(x)``), ``engine.backward`` or ``loss.backward()``, and the step;
     against one process on the whole batch."""
     rank, world = distributed.get_rank(), distributed.get_world_size()
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "optimizer": {"type": "SGD", "params": {"lr": LR}},
-              "zero_optimization": {"stage": stage}, "steps_per_print": 1000}
+    config = _config(stage, 1)
     engine, *_ = shardkit.initialize(model=_model(), config=config)
     oracle = _model()
     sgd = torch.optim.SGD(oracle.parameters(), lr=LR)

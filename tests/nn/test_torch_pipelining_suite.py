@@ -796,10 +796,10 @@ class _ReentrantBlock(nn.Linear):
         return checkpointing.checkpoint(super().forward, x)
 
 
-def _reentrant_checkpoint_in_a_stage():
+def _reentrant_checkpoint_in_a_stage(block_cls):
     rank, p = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    modules = [nn.Linear(D, D)] + [_ReentrantBlock(D, D) for _ in range(p - 1)]
+    modules = [nn.Linear(D, D)] + [block_cls(D, D) for _ in range(p - 1)]
     schedule = _pipeline(modules, chunks=2, cls=Schedule1F1B)
     x, y = torch.randn(4, D), torch.randn(4, D)
     return _error_of(lambda: schedule.step(*(x,) if rank == 0 else (),
@@ -809,7 +809,7 @@ def _reentrant_checkpoint_in_a_stage():
 def test_reentrant_activation_checkpoint_in_a_stage_names_the_way_out(world2):
     # the schedules split each backward (torch.autograd.grad): the reentrant checkpoint's
     # error must say so and name non_reentrant_checkpoint (it said "use .backward()")
-    for name, message in world2.run(_reentrant_checkpoint_in_a_stage):
+    for name, message in world2.run(_reentrant_checkpoint_in_a_stage, _ReentrantBlock):
         assert name == "ValueError", message
         assert "pipeline schedules" in message and "non_reentrant_checkpoint" in message, message
 
@@ -821,20 +821,10 @@ class _TorchReentrantBlock(nn.Linear):
         return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=True)
 
 
-def _torch_reentrant_checkpoint_in_a_stage():
-    rank, p = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    modules = [nn.Linear(D, D)] + [_TorchReentrantBlock(D, D) for _ in range(p - 1)]
-    schedule = _pipeline(modules, chunks=2, cls=Schedule1F1B)
-    x, y = torch.randn(4, D), torch.randn(4, D)
-    return _error_of(lambda: schedule.step(*(x,) if rank == 0 else (),
-                                           **({"target": y} if rank == p - 1 else {})))
-
-
 def test_torch_reentrant_checkpoint_in_a_stage_names_the_way_out(world2):
     # torch's own message only said "call .backward() without passing the `inputs` argument",
     # which a stage's author cannot do: the schedules run the stage's backward
-    for name, message in world2.run(_torch_reentrant_checkpoint_in_a_stage):
+    for name, message in world2.run(_reentrant_checkpoint_in_a_stage, _TorchReentrantBlock):
         assert name == "ValueError", message
         assert "pipeline schedules split each stage's backward" in message, message
         assert "use_reentrant=False" in message and "non_reentrant_checkpoint" in message, \
