@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import shardkit
 from shardkit import distributed, plan
 from shardkit.plan_model import rank_layout
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 from shardkit.utils.memory import model_state_bytes
 from shardkit.optim import MasterWeights
 from shardkit.utils.tensor_fragment import (safe_get_full_fp32_param,
@@ -25,16 +25,8 @@ ADAM_STEP_BYTES = 4  # torch's per-tensor ``step`` count
 LR = 1e-3
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
-
-
-@pytest.fixture(scope="module")
-def world4():
-    with World(4) as w:
-        yield w
+world2 = world_fixture(2)
+world4 = world_fixture(4)
 
 
 def _model():

@@ -12,16 +12,13 @@ import torch.nn.functional as F
 import shardkit
 from shardkit import distributed
 from shardkit.checkpoint.consolidate import consolidate_checkpoint
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 from tests.utils.master_weights import fp32_weights
 
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
 def _config(stage: int, precision: str, optimizer: str = "AdamW", lr: float = 1e-2) -> dict:

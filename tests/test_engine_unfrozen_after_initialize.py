@@ -11,14 +11,11 @@ import torch.nn.functional as F
 
 import shardkit
 from shardkit import distributed
-from shardkit.testing import World
+from shardkit.testing import world_fixture
 from tests.utils.master_weights import fp32_weights
 
 
-@pytest.fixture(scope="module")
-def world2():
-    with World(2) as w:
-        yield w
+world2 = world_fixture(2)
 
 
 def _model():
