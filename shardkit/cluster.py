@@ -498,11 +498,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m shardkit cluster",
         description="Run a torchrun job on a simulated cluster of network namespaces.")
-    parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--nodes", type=int, default=2,
+                        help="simulated nodes, each a network namespace (default 2)")
+    parser.add_argument("--nproc-per-node", type=int, default=1,
+                        help="torchrun processes on each node (default 1)")
     parser.add_argument("--link-rate", default="1gbit",
-                        help="per-node link rate, e.g. 1gbit, 10gbit, 500mbit, or none")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds; exit 124 after")
+                        help="per-node link rate, e.g. 1gbit, 10gbit, 500mbit, or none "
+                             "(default 1gbit)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds; exit 124 after (default: none)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="script and arguments (or -m module ...) for torchrun")
     args = parser.parse_args(argv)

@@ -935,7 +935,7 @@ def _check_value(value, spec: Field, path: str):
 def _unknown_key_message(key, schema: dict, path: str) -> str:
     where = f"{path}.{key}" if path else key
     close = difflib.get_close_matches(str(key), list(schema), n=1, cutoff=0.5)
-    hint = f"; did you mean {(path + '.' if path else '') + close[0]!r}?" if close else ""
+    hint = f"; did you mean {(path + '.' if path else '') + close[0]!r}?" if close else "."
     return (f"unknown config key {where!r}{hint} Valid keys"
             f"{' under ' + repr(path) if path else ''}: {sorted(schema)}")
 
@@ -1121,7 +1121,7 @@ def _constructor_arguments(section: str, kind: str, params, cls, shown: str) -> 
     for key in params:
         if key not in accepted:
             close = difflib.get_close_matches(str(key), accepted, n=1, cutoff=0.5)
-            hint = f"; did you mean '{section}.params.{close[0]}'?" if close else ""
+            hint = f"; did you mean '{section}.params.{close[0]}'?" if close else "."
             raise ConfigError(f"unknown config key '{section}.params.{key}' for {section}.type="
                               f"{kind!r}{hint} Valid keys: the arguments of {shown}: {accepted}")
     return arguments

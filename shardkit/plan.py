@@ -608,12 +608,11 @@ def stage1_owners_traffic(params: float, world_size: int, precision: Precision,
     :func:`shardkit.comm_hooks.reduce_to_owners_hook` (what :func:`shardkit.initialize` builds
     under DeepSpeed's default ``zero_optimization.reduce_scatter: true``): each gradient
     averaged onto its owner only, ``Ψ(N-1)/N``, plus the owners' parameter sync ``Ψ(N-1)/N``:
-    stage 2's ``2Ψ(N-1)/N``, against plain OSS + DDP's ``3Ψ(N-1)/N``. In bytes of fp32
-    whatever ``precision`` says: ``initialize`` keeps fp32 weights and gradients under
-    fp16/bf16 (autocast), so its reductions and parameter sync send 4 bytes per element
-    (``communication_data_type`` halves the reduction only). ``precision`` is kept for the
-    signature."""
-    return 4.0 * zero_comm_elements_per_step(
+    stage 2's ``2Ψ(N-1)/N``, against plain OSS + DDP's ``3Ψ(N-1)/N``. In bytes of the
+    gradients' dtype, ``precision.grads`` per element as in the stage rows: under fp16/bf16
+    ``initialize`` keeps 16-bit weights and gradients at stages 0-2 (fp32 masters in the
+    optimizer), so its reductions and parameter sync send 2 bytes per element."""
+    return precision.grads * zero_comm_elements_per_step(
         params, world_size, 2, trainable=_trainable(params, summary))
 
 

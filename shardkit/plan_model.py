@@ -7,6 +7,8 @@ on the CPU once; no communication.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,7 +50,7 @@ def load_factory_module(spec: str):
                         f"import path, a colon, then a callable returning an nn.Module)")
     module_path, attr = spec.split(":", 1)
     try:
-        module = importlib.import_module(module_path)
+        module = _import_from_working_directory_too(module_path)
     except Exception as e:  # any failure to import is the user's input, reported in one line
         raise PlanError(f"--model {spec!r}: module {module_path!r} does not import "
                         f"({type(e).__name__}: {e})") from None
@@ -64,6 +66,17 @@ def load_factory_module(spec: str):
         raise PlanError(f"--model {spec!r}: {attr}() returned {type(model).__name__}, "
                         f"not an nn.Module")
     return model
+
+
+def _import_from_working_directory_too(module_path: str):
+    """``importlib.import_module(module_path)``, also finding a module in the working
+    directory (``mymodel:build`` beside the user) as ``python -m shardkit plan`` does: the
+    installed ``shardkit`` command does not put that directory on ``sys.path``, so it is
+    appended there (last: installed packages keep precedence)."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.append(cwd)
+    return importlib.import_module(module_path)
 
 
 def fsdp_unit_sizes(model, wrap_block: Optional[str] = None,

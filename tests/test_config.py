@@ -93,6 +93,10 @@ def test_batch_triple(train, micro, gas, world, expected):
 @pytest.mark.parametrize("config, needles", [
     ({"train_batch_size": 8, "zero_optimisation": {"stage": 1}},
      ["'zero_optimisation'", "did you mean 'zero_optimization'"]),
+    # without a close match the sentence still ends before the list of valid keys
+    ({"train_batch_size": 8, "xyzzy": 1}, ["unknown config key 'xyzzy'. Valid keys: ["]),
+    ({"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"learning_rate": 1}}},
+     ["unknown config key 'optimizer.params.learning_rate'. Valid keys under "]),
     ({"train_batch_size": 8, "zero_optimization": {"stgae": 1}},
      ["'zero_optimization.stgae'", "did you mean 'zero_optimization.stage'"]),
     ({"train_batch_size": 8, "zero_optimization": {"offload_param": {"devise": "cpu"}}},

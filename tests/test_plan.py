@@ -2,6 +2,7 @@
 recommendation, agreement with measured model states, and exit code 2 on bad input."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def test_zero_paper_example_to_printed_precision(capsys):
     assert _stage_figures(out) == {0: "120.0 GB", 1: "31.4 GB", 2: "16.6 GB", 3: "1.9 GB"}
     assert "K=12" in out
     assert "stage 1 wire/step with reduce_to_owners_hook (what initialize builds under " \
-        "zero_optimization.reduce_scatter: true, DeepSpeed's default): 59.1 GB" in out
+        "zero_optimization.reduce_scatter: true, DeepSpeed's default): 29.5 GB" in out
 
 
 def test_json_figures_are_the_formulas(capsys):
@@ -54,8 +55,8 @@ def test_json_figures_are_the_formulas(capsys):
     assert wire == pytest.approx({0: 2 * 2 * psi * (n - 1) / n, 1: 2 * 3 * psi * (n - 1) / n,
                                   2: 2 * 2 * psi * (n - 1) / n, 3: 2 * 3 * psi * (n - 1) / n})
     # initialize's stage 1 (reduce_scatter: true) reduces onto the owners: stage 2's elements,
-    # in fp32 (initialize keeps fp32 weights and gradients under fp16/bf16)
-    assert json.loads(out)["stage1_owners_traffic"] == pytest.approx(4 * 2 * psi * (n - 1) / n)
+    # 16-bit (initialize keeps 16-bit weights and gradients under fp16/bf16 at stages 0-2)
+    assert json.loads(out)["stage1_owners_traffic"] == pytest.approx(2 * 2 * psi * (n - 1) / n)
 
 
 def test_fp32_and_sgd_bytes_per_parameter():
@@ -175,6 +176,27 @@ def test_command_line_errors_have_no_traceback():
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stderr
         assert "Traceback" not in proc.stderr and "python -m shardkit plan:" in proc.stderr
+
+
+def test_model_factory_in_the_working_directory_under_the_installed_command(tmp_path):
+    """The ``shardkit`` console script (pyproject's ``[project.scripts]``) runs with its own
+    folder, not the working directory, first on ``sys.path``; ``--model mymodel:build`` beside
+    the user failed there ("module 'mymodel' does not import") while ``python -m shardkit
+    plan`` found it. Emulated with a launcher script in another folder."""
+    work, bin_dir = tmp_path / "work", tmp_path / "bin"
+    work.mkdir()
+    bin_dir.mkdir()
+    (work / "mymodel_d.py").write_text("import torch.nn as nn\n\n\n"
+                                       "def build():\n    return nn.Linear(8, 8)\n")
+    (bin_dir / "shardkit_cmd.py").write_text("import sys\nfrom shardkit.__main__ import main\n"
+                                             "sys.exit(main())\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": repo}
+    proc = subprocess.run([sys.executable, str(bin_dir / "shardkit_cmd.py"), "plan", "--model",
+                           "mymodel_d:build", "--world-size", "2"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "model mymodel_d:build: 72 parameters" in proc.stdout
 
 
 def _saved_activation_bytes(model, idx, target):

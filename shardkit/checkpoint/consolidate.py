@@ -28,10 +28,15 @@ from typing import Optional
 import torch
 
 from shardkit.checkpoint.file_writes import save_torch_file
-from shardkit.checkpoint.sharded import (CheckpointError, read_checkpoint, read_latest_tag,
-                                         resolve_checkpoint_dir)
+from shardkit.checkpoint.sharded import (LATEST, METADATA, CheckpointError, read_checkpoint,
+                                         read_latest_tag, resolve_checkpoint_dir)
 
-__all__ = ["consolidate_checkpoint", "save_hf_pretrained", "main"]
+__all__ = ["consolidate_checkpoint", "save_hf_pretrained", "main", "tags_found",
+           "is_tag_directory", "TP_LAYOUT"]
+
+# the file a tensor-parallel engine's checkpoint keeps in its tag directory
+# (shardkit.model_parallel_unit.TENSOR_PARALLEL_LAYOUT)
+TP_LAYOUT = "tensor_parallel.json"
 
 
 def consolidate_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> dict:
@@ -46,8 +51,40 @@ def consolidate_checkpoint(checkpoint_dir: str, tag: Optional[str] = None) -> di
         return _joined_tensor_parallel_state(os.path.join(checkpoint_dir, resolved), *layout)
     path = resolve_checkpoint_dir(checkpoint_dir, tag)
     if path is None:
-        raise CheckpointError(f"consolidate: {checkpoint_dir} has no 'latest' file; pass --tag")
+        raise CheckpointError(_no_latest_message(checkpoint_dir))
     return _plain_state(path)
+
+
+def _no_latest_message(checkpoint_dir: str) -> str:
+    """Why ``checkpoint_dir`` names no checkpoint, and what to give instead: for one tag's own
+    directory (the easy slip: ``consolidate ckpt/global_step100``) its parent and tag, else
+    the tags present, if any."""
+    if is_tag_directory(checkpoint_dir):
+        parent, tag = os.path.split(os.path.normpath(checkpoint_dir))
+        return (f"consolidate: {checkpoint_dir} is one checkpoint's own directory, not the "
+                f"directory given to save_checkpoint: pass {parent or '.'} with --tag {tag}")
+    tags = tags_found(checkpoint_dir)
+    if tags:
+        return (f"consolidate: {checkpoint_dir} has no 'latest' file; pass --tag (checkpoints "
+                f"there: {', '.join(tags)})")
+    return (f"consolidate: {checkpoint_dir} holds no checkpoint written by "
+            f"engine.save_checkpoint (no 'latest' file, no tag directory with {METADATA})")
+
+
+def tags_found(checkpoint_dir: str) -> list:
+    """The tags in ``checkpoint_dir`` that hold a complete checkpoint (tensor-parallel ones
+    included). Reads the directory listing only."""
+    if not os.path.isdir(checkpoint_dir):
+        return []
+    return sorted(d for d in os.listdir(checkpoint_dir) if not d.startswith(".") and any(
+        os.path.isfile(os.path.join(checkpoint_dir, d, f)) for f in (METADATA, TP_LAYOUT)))
+
+
+def is_tag_directory(path: str) -> bool:
+    """Whether ``path`` is itself one tag's checkpoint (``DIR/TAG``, what users pass by
+    mistake for ``DIR``): its files, and no ``latest`` beside them."""
+    return not os.path.isfile(os.path.join(path, LATEST)) and any(
+        os.path.isfile(os.path.join(path, f)) for f in (METADATA, TP_LAYOUT))
 
 
 def _plain_state(path: str) -> dict:
@@ -137,7 +174,9 @@ def main(argv: Optional[list] = None) -> int:
                   f"elements) with save_pretrained to {args.output}")
             return 0
     except CheckpointError as e:
-        print(f"consolidate: {e}", file=sys.stderr)
+        message = str(e)  # most already say "consolidate: ..."; say it once
+        print(message if message.startswith("consolidate") else f"consolidate: {message}",
+              file=sys.stderr)
         return 2
     try:
         _save_atomically(state, args.output)

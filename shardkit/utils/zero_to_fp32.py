@@ -35,7 +35,10 @@ from typing import Optional, Union
 
 import torch
 
+from shardkit.checkpoint.consolidate import TP_LAYOUT as _TP_LAYOUT
 from shardkit.checkpoint.consolidate import _save_atomically, consolidate_checkpoint
+from shardkit.checkpoint.consolidate import is_tag_directory as _is_tag_directory
+from shardkit.checkpoint.consolidate import tags_found as _tags_found
 from shardkit.checkpoint.sharded import (LATEST, METADATA, RECOVERY_SCRIPT, CheckpointError,
                                          check_tag, read_latest_tag, read_metadata)
 
@@ -44,7 +47,6 @@ __all__ = ["get_fp32_state_dict_from_zero_checkpoint", "load_state_dict_from_zer
            "write_recovery_script", "parse_shard_size", "CheckpointNotFound"]
 
 _FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
-_TP_LAYOUT = "tensor_parallel.json"
 
 _SCRIPT_TEXT = '''#!/usr/bin/env python
 """Recover a plain fp32 state_dict from the shardkit checkpoints in this directory.
@@ -92,22 +94,6 @@ def write_recovery_script(directory: str) -> str:
 
 
 # ----------------------------------------------------------------------------- reading
-
-
-def _tags_found(checkpoint_dir: str) -> list:
-    """The tags in ``checkpoint_dir`` that hold a complete checkpoint (tensor-parallel ones
-    included)."""
-    if not os.path.isdir(checkpoint_dir):
-        return []
-    return sorted(d for d in os.listdir(checkpoint_dir) if not d.startswith(".") and any(
-        os.path.isfile(os.path.join(checkpoint_dir, d, f)) for f in (METADATA, _TP_LAYOUT)))
-
-
-def _is_tag_directory(path: str) -> bool:
-    """Whether ``path`` is itself one tag's checkpoint (``DIR/TAG``, what users pass by
-    mistake for ``DIR``): its files, and no ``latest`` beside them."""
-    return not os.path.isfile(os.path.join(path, LATEST)) and any(
-        os.path.isfile(os.path.join(path, f)) for f in (METADATA, _TP_LAYOUT))
 
 
 def _resolve_tag(checkpoint_dir, tag, caller: str) -> str:

@@ -136,3 +136,25 @@ def test_truncated_altered_and_unlisted_damage_name_the_file(saved, tmp_path):
 def test_the_previous_checkpoint_is_untouched(saved):
     state = consolidate_checkpoint(saved, tag="a")
     assert set(state) == {"weight", "bias"}
+
+
+def test_consolidate_given_a_tag_directory_says_which_parent_and_tag(saved, tmp_path, capsys):
+    """``consolidate ckpt/b out.pt`` (the tag's own directory, the easy slip) names the parent
+    and ``--tag`` to give, once prefixed (it printed "consolidate: consolidate: ... has no
+    'latest' file; pass --tag", and --tag alone could not help); elsewhere, the tags present."""
+    from shardkit.__main__ import main
+    out = str(tmp_path / "out.pt")
+    assert main(["consolidate", os.path.join(saved, "b"), out]) == 2
+    assert capsys.readouterr().err == (
+        f"consolidate: {os.path.join(saved, 'b')} is one checkpoint's own directory, not the "
+        f"directory given to save_checkpoint: pass {saved} with --tag b\n")
+    assert main(["consolidate", str(tmp_path), out]) == 2
+    assert capsys.readouterr().err == (
+        f"consolidate: {tmp_path} holds no checkpoint written by engine.save_checkpoint (no "
+        f"'latest' file, no tag directory with metadata.json)\n")
+    untagged = tmp_path / "untagged"
+    shutil.copytree(os.path.join(saved, "b"), untagged / "b")
+    assert main(["consolidate", str(untagged), out]) == 2
+    assert capsys.readouterr().err == (
+        f"consolidate: {untagged} has no 'latest' file; pass --tag (checkpoints there: b)\n")
+    assert main(["consolidate", saved, out, "--tag", "b"]) == 0 and os.path.isfile(out)

@@ -57,6 +57,17 @@ def test_empty_and_non_tensor_params():
         OSS([torch.zeros(2, requires_grad=True), "w"], optim=torch.optim.SGD, lr=0.1)
 
 
+@pytest.mark.parametrize("model", [torch.nn.Linear(4, 3),
+                                   torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())])
+def test_model_given_instead_of_its_parameters(model):
+    """FairScale's (and torch's) ``OSS(model, ...)`` fails with "'Linear' object is not
+    iterable", or for an ``nn.Sequential`` with an error about its layers: say what to pass."""
+    with pytest.raises(TypeError, match=r"OSS\(params=\.\.\.\): got a module "
+                                        r"\((Linear|Sequential)\); pass its parameters, "
+                                        r"OSS\(model\.parameters\(\)"):
+        OSS(model, optim=torch.optim.SGD, lr=0.1)
+
+
 def test_parameters_in_a_set():
     """A set has no order that every rank shares: each rank would partition differently and the
     sync would swap same-shaped parameters silently. Refused before any collective."""
